@@ -1,0 +1,37 @@
+"""mmnnx: multi-mesh (MPMD) parallelism for Flax NNX on stock JAX.
+
+Example:
+    >>> import mmnnx as mm
+    >>> mesh = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
+    >>> s0 = mm.Task("stage0", mesh=mesh.slice(stage=0))
+"""
+
+from mmnnx.sharding import (
+    MultiMesh,
+    Task,
+    TaskMesh,
+    bytes_per_device,
+    current_multimesh,
+    init,
+    logical_rules,
+    place,
+    placement,
+    task_of,
+)
+from mmnnx.summary import tabulate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MultiMesh",
+    "Task",
+    "TaskMesh",
+    "bytes_per_device",
+    "current_multimesh",
+    "init",
+    "logical_rules",
+    "place",
+    "placement",
+    "tabulate",
+    "task_of",
+]

@@ -1,0 +1,252 @@
+"""Placing a model's Variables on tasks: ``place``, ``init`` and ``placement``.
+
+Every check runs before any array moves, so a bad rule list leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mmnnx.sharding.rules import Path, PlacementRule, compile_rules, path_str
+from mmnnx.sharding.specs import check_spec
+from mmnnx.sharding.task import Task
+
+M = TypeVar("M")
+
+TASK_KEY = "mm_task"
+SPEC_KEY = "mm_spec"
+# Flax 0.12 keeps logical names under "out_sharding"; older releases used the other two keys.
+_LOGICAL_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """Where one Variable goes: its task and PartitionSpec, and the rule that chose them."""
+
+    path: Path
+    variable: nnx.Variable
+    rule: PlacementRule
+    spec: PartitionSpec
+
+    @property
+    def task(self) -> Task:
+        return self.rule.task
+
+    @property
+    def sharding(self) -> NamedSharding:
+        return self.task.sharding(self.spec)
+
+
+def variables_of(model: Any) -> list[tuple[Path, nnx.Variable]]:
+    """Every Variable reachable from ``model`` (shared ones once), with its path."""
+    return [(p, v) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)]
+
+
+def logical_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+    """The logical axis names a Variable was annotated with (``nnx.with_partitioning``), if any."""
+    meta = variable.get_metadata()
+    for key in _LOGICAL_KEYS:
+        names = meta.get(key)
+        if isinstance(names, tuple | list) and all(n is None or isinstance(n, str) for n in names):
+            return tuple(names)
+    return None
+
+
+def _resolve_spec(rule: PlacementRule, path: Path, variable: nnx.Variable) -> PartitionSpec:
+    where = f"Variable {path_str(path)!r} on task {rule.task.name!r}"
+    if isinstance(rule.spec, PartitionSpec):
+        return rule.spec
+    if rule.spec is not None:
+        spec = rule.spec(path_str(path), variable)
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(
+                f"{where}: the spec function of {rule.describe()} returned {spec!r}, "
+                "not a PartitionSpec"
+            )
+        return spec
+    names = logical_names(variable)
+    if names is None:
+        return PartitionSpec()
+    return rule.task.spec(names)
+
+
+def _check_tasks(rules: list[PlacementRule]) -> None:
+    by_name: dict[str, Task] = {}
+    for rule in rules:
+        known = by_name.setdefault(rule.task.name, rule.task)
+        if known != rule.task:
+            raise ValueError(
+                f"{rule.describe()}: two different tasks are named {rule.task.name!r}: "
+                f"{known!r} and {rule.task!r}"
+            )
+    owner: dict[jax.Device, str] = {}
+    for name, task in by_name.items():
+        try:
+            mesh = task.jax_mesh
+        except ValueError as e:
+            raise ValueError(f"task {name!r}: {e}") from None
+        for device in mesh.devices.flat:
+            if device in owner:
+                raise ValueError(
+                    f"tasks {owner[device]!r} and {name!r} overlap: both use device {device.id} "
+                    f"({device}); tasks given to one place() call need disjoint devices"
+                )
+            owner[device] = name
+
+
+def plan_placement(model: Any, rules: Sequence[tuple], *, strict: bool = True) -> list[Assignment]:
+    """Matches every Variable of ``model`` to a rule and checks its spec; moves nothing.
+
+    Example:
+        >>> from mmnnx.sharding import TaskMesh
+        >>> t = Task("t", mesh=TaskMesh(devices=[0]))
+        >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        >>> [path_str(a.path) for a in plan_placement(model, [(".*", t)])]
+        ['bias', 'kernel']
+    """
+    compiled = compile_rules(rules)
+    _check_tasks(compiled)
+    assignments: list[Assignment] = []
+    unmatched: list[Path] = []
+    used: set[int] = set()
+    for path, variable in variables_of(model):
+        rule = next((r for r in compiled if r.matches(path, variable)), None)
+        if rule is None:
+            unmatched.append(path)
+            continue
+        used.add(rule.index)
+        value = variable.get_value()
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise TypeError(
+                f"Variable {path_str(path)!r} holds a {type(value).__name__}, not an array; "
+                "only array-valued Variables can be placed"
+            )
+        spec = _resolve_spec(rule, path, variable)
+        where = f"Variable {path_str(path)!r} on task {rule.task.name!r}"
+        check_spec(spec, value.shape, rule.task.jax_mesh, where)
+        assignments.append(Assignment(path, variable, rule, spec))
+    if unmatched and strict:
+        shown = ", ".join(repr(path_str(p)) for p in unmatched[:5])
+        more = f" and {len(unmatched) - 5} more" if len(unmatched) > 5 else ""
+        raise ValueError(
+            f"no placement rule matches Variable {path_str(unmatched[0])!r} "
+            f"(unmatched: {shown}{more}); add a rule for it or pass strict=False"
+        )
+    for rule in compiled:
+        if rule.index not in used:
+            warnings.warn(f"placement {rule.describe()} placed no Variable", stacklevel=3)
+    return assignments
+
+
+def _commit(assignments: list[Assignment], values: list[Any]) -> None:
+    for a, value in zip(assignments, values, strict=True):
+        a.variable.set_value(value)
+        a.variable.set_metadata(**{TASK_KEY: a.task, SPEC_KEY: a.spec})
+
+
+def place(model: M, rules: Sequence[tuple], *, strict: bool = True) -> M:
+    """Moves every Variable of ``model`` to the task its first matching rule names.
+
+    ``rules`` is a sequence of ``(filter, task)`` or ``(filter, task, spec)``. A ``str`` filter is a
+    regular expression searched in the Variable's ``/``-joined path; any NNX filter works too.
+    ``spec`` is a PartitionSpec or a callable ``(path, variable) -> PartitionSpec``; without it,
+    the Variable's logical names (``nnx.with_partitioning``) are translated by the task's rules, else
+    it is replicated. The task and spec are kept in the Variable's metadata (keys ``mm_task`` and
+    ``mm_spec``). With ``strict=True`` a Variable that no rule matches is an error.
+
+    Example:
+        >>> from mmnnx.sharding import TaskMesh
+        >>> s0 = Task("s0", mesh=TaskMesh(devices=range(0, 4)))
+        >>> s1 = Task("s1", mesh=TaskMesh(devices=range(4, 8)))
+        >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+        ...                        nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
+        >>> model = place(model, [("layers/0", s0), ("layers/1", s1, PartitionSpec("x"))])
+        >>> sorted(d.id for d in model.layers[1].kernel.get_value().devices())
+        [4, 5, 6, 7]
+    """
+    assignments = plan_placement(model, rules, strict=strict)
+    values = jax.device_put(
+        [a.variable.get_value() for a in assignments], [a.sharding for a in assignments]
+    )
+    _commit(assignments, values)
+    return model
+
+
+def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = True) -> M:
+    """Builds ``factory()`` with each task's Variables created directly on that task's submesh.
+
+    The model is first built abstractly (``nnx.eval_shape``); then one jitted init per task computes
+    only that task's Variables, sharded as the rules say, so no full copy of the model ever exists on
+    one device. The values equal ``place(factory(), rules)`` for the same RNG seed. ``factory`` must
+    create its own ``nnx.Rngs``; it is traced once per task.
+
+    Example:
+        >>> from mmnnx.sharding import TaskMesh
+        >>> s0 = Task("s0", mesh=TaskMesh(devices=range(0, 4)))
+        >>> s1 = Task("s1", mesh=TaskMesh(devices=range(4, 8)))
+        >>> model = init(lambda: nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+        ...                                     nnx.Linear(8, 2, rngs=nnx.Rngs(1))),
+        ...              [("layers/0", s0), ("layers/1", s1)])
+        >>> model.layers[0].kernel.get_value().sharding.mesh.devices.size
+        4
+    """
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(factory)
+    assignments = plan_placement(abstract, rules, strict=strict)
+    placed = {a.path for a in assignments}
+    groups: dict[Task | None, list[Any]] = {}
+    for a in assignments:
+        groups.setdefault(a.task, []).append(a)
+    leftovers = [p for p, _ in variables_of(abstract) if p not in placed]
+    if leftovers:
+        groups[None] = leftovers
+
+    for task, group in groups.items():
+        paths = [a.path for a in group] if task is not None else group
+
+        def build(paths=paths):
+            with nnx.use_eager_sharding(False):
+                built = factory()
+            values = {p: v.get_value() for p, v in variables_of(built)}
+            return [values[p] for p in paths]
+
+        if task is None:
+            values = jax.jit(build)()
+            by_path = dict(variables_of(abstract))
+            for p, value in zip(paths, values, strict=True):
+                by_path[p].set_value(value)
+        else:
+            values = jax.jit(build, out_shardings=[a.sharding for a in group])()
+            _commit(group, values)
+    return abstract
+
+
+def placement(model: Any) -> dict[str, tuple[str, PartitionSpec]]:
+    """Maps each placed Variable's ``/``-joined path to its ``(task_name, PartitionSpec)``.
+
+    Example:
+        >>> from mmnnx.sharding import TaskMesh
+        >>> t = Task("t", mesh=TaskMesh(devices=[0]))
+        >>> placement(place(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), [(".*", t)]))
+        {'bias': ('t', PartitionSpec()), 'kernel': ('t', PartitionSpec())}
+    """
+    out = {}
+    for path, variable in variables_of(model):
+        meta = variable.get_metadata()
+        task = meta.get(TASK_KEY)
+        if isinstance(task, Task):
+            out[path_str(path)] = (task.name, meta.get(SPEC_KEY, PartitionSpec()))
+    return out
+
+
+def task_of(variable: nnx.Variable) -> Task | None:
+    """The task a Variable was placed on by ``place``/``init``, or ``None``."""
+    task = variable.get_metadata().get(TASK_KEY)
+    return task if isinstance(task, Task) else None

@@ -1,0 +1,93 @@
+"""Placement rules: ``(filter, task[, spec])`` tuples compiled to predicates over Variable paths."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from mmnnx.sharding.task import Task
+
+Path = tuple[Any, ...]
+SpecOrFn = PartitionSpec | Callable[[str, nnx.Variable], PartitionSpec] | None
+
+
+def path_str(path: Path) -> str:
+    """Joins a Variable path with ``/``: ``('layers', 0, 'kernel')`` -> ``'layers/0/kernel'``."""
+    return "/".join(str(p) for p in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementRule:
+    """One compiled rule: which Variables it matches, their task, and optionally their spec."""
+
+    index: int
+    filter: Any
+    task: Task
+    spec: SpecOrFn
+    predicate: Callable[[Path, Any], bool]
+
+    def describe(self) -> str:
+        return f"rule {self.index} ({self.filter!r} -> task {self.task.name!r})"
+
+    def matches(self, path: Path, variable: nnx.Variable) -> bool:
+        return bool(self.predicate(path, variable))
+
+
+def _predicate(flt: Any, index: int) -> Callable[[Path, Any], bool]:
+    if isinstance(flt, str):
+        try:
+            regex = re.compile(flt)
+        except re.error as e:
+            raise ValueError(f"placement rule {index}: invalid regular expression {flt!r}: {e}")
+        return lambda path, _: regex.search(path_str(path)) is not None
+    if isinstance(flt, list | tuple):
+        parts = [_predicate(f, index) for f in flt]
+        return lambda path, v: any(p(path, v) for p in parts)
+    if isinstance(flt, bool) or flt is ... or flt is None or callable(flt):
+        return nnx.filterlib.to_predicate(flt)
+    raise TypeError(
+        f"placement rule {index}: filter {flt!r} of type {type(flt).__name__} is not supported; "
+        "use a regular expression (str) or an NNX filter (nnx.PathContains, nnx.OfType, a "
+        "Variable type, a callable (path, variable) -> bool, ...)"
+    )
+
+
+def compile_rules(rules: Sequence[tuple]) -> list[PlacementRule]:
+    """Checks and compiles ``(filter, task)`` / ``(filter, task, spec)`` tuples, in order.
+
+    Example:
+        >>> import jax
+        >>> from mmnnx.sharding.task_mesh import TaskMesh
+        >>> t = Task("t", mesh=TaskMesh(devices=[0]))
+        >>> [r.describe() for r in compile_rules([("layers/0", t)])]
+        ["rule 0 ('layers/0' -> task 't')"]
+    """
+    if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
+        raise TypeError(f"placement rules must be a sequence of tuples, got {type(rules).__name__}")
+    compiled = []
+    for index, rule in enumerate(rules):
+        if not isinstance(rule, tuple | list) or len(rule) not in (2, 3):
+            raise TypeError(
+                f"placement rule {index}: {rule!r} is not a (filter, task) or (filter, task, spec) "
+                "tuple"
+            )
+        flt, task, *rest = rule
+        spec = rest[0] if rest else None
+        if not isinstance(task, Task):
+            raise TypeError(f"placement rule {index}: {task!r} is not an mm.Task")
+        if task.name is None or task.mesh is None:
+            raise ValueError(
+                f"placement rule {index}: task {task!r} needs a name and a mesh to place state on"
+            )
+        if spec is not None and not isinstance(spec, PartitionSpec) and not callable(spec):
+            raise TypeError(
+                f"placement rule {index}: spec {spec!r} is neither a PartitionSpec nor a callable "
+                "(path, variable) -> PartitionSpec"
+            )
+        compiled.append(PlacementRule(index, flt, task, spec, _predicate(flt, index)))
+    return compiled

@@ -1,0 +1,191 @@
+"""Task: a named submesh with logical-axis rules, and the logical -> physical spec translation."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mmnnx.sharding.task_mesh import TaskMesh
+
+DeviceAxes = str | tuple[str, ...] | None
+LogicalRules = tuple[tuple[str, DeviceAxes], ...]
+
+
+def logical_rules(*pairs: tuple[str, DeviceAxes], **rules: DeviceAxes) -> LogicalRules:
+    """Builds priority-ordered ``(logical_name, device_axis_or_None)`` pairs.
+
+    Positional pairs come first, then keyword rules in the order written.
+
+    Example:
+        >>> logical_rules(batch="data", mlp="model", embed=None)
+        (('batch', 'data'), ('mlp', 'model'), ('embed', None))
+    """
+    return normalize_rules(tuple(pairs) + tuple(rules.items()), "logical_rules")
+
+
+def normalize_rules(rules: Any, what: str) -> LogicalRules:
+    """Checks and freezes a rule list given as pairs or a mapping."""
+    if rules is None:
+        return ()
+    if isinstance(rules, Mapping):
+        rules = tuple(rules.items())
+    out = []
+    for rule in rules:
+        if not (isinstance(rule, Sequence) and not isinstance(rule, str) and len(rule) == 2):
+            raise TypeError(f"{what}: rule {rule!r} is not a (logical_name, device_axis) pair")
+        name, axes = rule
+        if not isinstance(name, str):
+            raise TypeError(f"{what}: logical name {name!r} in rule {tuple(rule)!r} is not a str")
+        if isinstance(axes, list):
+            axes = tuple(axes)
+        if not (axes is None or isinstance(axes, str) or _all_str(axes)):
+            raise TypeError(
+                f"{what}: device axis {axes!r} for logical name {name!r} must be a str, "
+                "a tuple of str, or None"
+            )
+        out.append((name, axes))
+    return tuple(out)
+
+
+def _all_str(axes) -> bool:
+    return isinstance(axes, tuple) and all(isinstance(a, str) for a in axes)
+
+
+def _axes_tuple(axes: DeviceAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A named place for computation and state: a submesh plus logical-axis rules.
+
+    ``mesh`` is a :class:`TaskMesh` or a ``jax.sharding.Mesh`` (e.g. ``MultiMesh.slice(...)``).
+    ``logical_axes`` are priority-ordered ``(logical_name, device_axis_or_None)`` pairs;
+    ``extra_axes`` are further pairs tried after them. ``mesh_slice``, ``split_backprop`` and
+    ``loop_dependent_mesh_slice`` carry the multimesh.jax fields of the same names.
+
+    Example:
+        >>> tm = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("data", "model"))
+        >>> t = Task("stage0", mesh=tm, logical_axes=logical_rules(batch="data", mlp="model"))
+        >>> t.spec(("batch", "mlp"))
+        PartitionSpec('data', 'model')
+    """
+
+    name: str | None = None
+    mesh: TaskMesh | Mesh | None = dataclasses.field(default=None, kw_only=True)
+    logical_axes: LogicalRules | None = dataclasses.field(default=None, kw_only=True)
+    extra_axes: LogicalRules | None = dataclasses.field(default=None, kw_only=True)
+    mesh_slice: Mapping[str, int] | None = dataclasses.field(default=None, kw_only=True)
+    split_backprop: tuple[str, str] | None = dataclasses.field(default=None, kw_only=True)
+    loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = dataclasses.field(
+        default=None, kw_only=True
+    )
+
+    def __post_init__(self):
+        what = f"Task {self.name!r}"
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(f"Task name {self.name!r} is not a str")
+        if self.mesh is not None and not isinstance(self.mesh, TaskMesh | Mesh):
+            raise TypeError(
+                f"{what}: mesh must be a TaskMesh or a jax.sharding.Mesh, got {type(self.mesh)}"
+            )
+        object.__setattr__(self, "logical_axes", normalize_rules(self.logical_axes, what))
+        object.__setattr__(self, "extra_axes", normalize_rules(self.extra_axes, what))
+        if self.mesh_slice is not None:
+            object.__setattr__(self, "mesh_slice", dict(self.mesh_slice))
+        if self.split_backprop is not None:
+            object.__setattr__(self, "split_backprop", tuple(self.split_backprop))
+        if self.mesh is not None:
+            names = self.axis_names
+            for logical, axes in self.logical_axes + self.extra_axes:
+                for axis in _axes_tuple(axes):
+                    if axis not in names:
+                        raise ValueError(
+                            f"{what}: logical rule {logical!r} -> {axis!r} names a device axis "
+                            f"the task mesh lacks; its axes are {names}"
+                        )
+
+    def _key(self):
+        slice_items = tuple(sorted(self.mesh_slice.items())) if self.mesh_slice else None
+        return (
+            self.name,
+            self.mesh,
+            self.logical_axes,
+            self.extra_axes,
+            slice_items,
+            self.split_backprop,
+            self.loop_dependent_mesh_slice,
+        )
+
+    def __eq__(self, other):
+        return isinstance(other, Task) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return f"Task({self.name!r}, mesh={self.mesh!r})"
+
+    @property
+    def jax_mesh(self) -> Mesh:
+        """The concrete ``jax.sharding.Mesh`` this task runs on."""
+        if self.mesh is None:
+            raise ValueError(f"Task {self.name!r} has no mesh")
+        return self.mesh.mesh if isinstance(self.mesh, TaskMesh) else self.mesh
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        if self.mesh is None:
+            return ()
+        return tuple(self.mesh.axis_names)
+
+    @property
+    def rules(self) -> LogicalRules:
+        """All logical rules in priority order: ``logical_axes`` then ``extra_axes``."""
+        return self.logical_axes + self.extra_axes
+
+    def spec(self, logical_names: Sequence[str | None]) -> PartitionSpec:
+        """Translates logical dimension names to a PartitionSpec over this task's device axes.
+
+        Rules are tried in priority order; a device axis is used at most once per spec, so a later
+        dimension that would reuse it is replicated. A name no rule maps is replicated.
+
+        Example:
+            >>> tm = TaskMesh(devices=range(2), axis_names=("model",))
+            >>> Task("t", mesh=tm, logical_axes=[("mlp", "model")]).spec(("mlp", "mlp"))
+            PartitionSpec('model', None)
+        """
+        names = tuple(logical_names)
+        for n in names:
+            if n is not None and not isinstance(n, str):
+                raise TypeError(
+                    f"Task {self.name!r}: logical name {n!r} in {names!r} must be a str or None"
+                )
+        unassigned = object()
+        result: list[Any] = [unassigned] * len(names)
+        used: set[str] = set()
+        for logical, axes in self.rules:
+            wanted = _axes_tuple(axes)
+            for dim, n in enumerate(names):
+                if n != logical or result[dim] is not unassigned:
+                    continue
+                if used.intersection(wanted):
+                    continue
+                result[dim] = axes
+                used.update(wanted)
+        return PartitionSpec(*(None if r is unassigned else r for r in result))
+
+    def sharding(self, spec: PartitionSpec | None = None) -> NamedSharding:
+        """A ``NamedSharding`` on this task's mesh (replicated when ``spec`` is None).
+
+        Example:
+            >>> t = Task("t", mesh=TaskMesh(devices=range(2)))
+            >>> t.sharding(PartitionSpec("x")).spec
+            PartitionSpec('x',)
+        """
+        return NamedSharding(self.jax_mesh, PartitionSpec() if spec is None else spec)

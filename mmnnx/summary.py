@@ -1,0 +1,294 @@
+"""``tabulate``: a model summary with placement columns (task, PartitionSpec, bytes per device).
+
+The forward pass is traced abstractly on a copy of the model whose arrays are shape-only, so a model
+spread over several submeshes is summarised without running anything across them. Module classes are
+never patched: the copy's modules get per-class recording subclasses instead.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import io
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from mmnnx.sharding.place import SPEC_KEY, task_of, variables_of
+from mmnnx.sharding.rules import Path, path_str
+from mmnnx.sharding.specs import bytes_per_device, itemsize
+
+_CALLS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mm_tabulate", default=None)
+_RECORDING: dict[type, type] = {}
+
+
+class Tabulation(str):
+    """The text of a tabulate; displays as a rich HTML table in Jupyter."""
+
+    html: str = ""
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _recording_class(cls: type) -> type:
+    sub = _RECORDING.get(cls)
+    if sub is None:
+
+        def __call__(self, *args, **kwargs):
+            calls = _CALLS.get()
+            order = calls["#"] = calls.get("#", 0) + 1 if calls is not None else 0
+            out = super(sub, self).__call__(*args, **kwargs)
+            if calls is not None:
+                calls.setdefault(id(self), []).append((order, args, kwargs, out))
+            return out
+
+        sub = type(
+            cls.__name__,
+            (cls,),
+            {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+        _RECORDING[cls] = sub
+    return sub
+
+
+def _describe(tree: Any) -> str:
+    leaves = jax.tree.leaves(tree)
+    parts = [
+        f"{leaf.dtype}[{','.join(str(d) for d in leaf.shape)}]"
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+        else repr(leaf)
+        for leaf in leaves
+    ]
+    return ", ".join(parts) if parts else "-"
+
+
+def _abstract(x: Any) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
+def _trace_calls(model: Any, inputs: Sequence[Any], method: str) -> dict[Path, tuple]:
+    """Runs ``model.<method>(*inputs)`` abstractly; returns ``{module path: (order, in, out)}``."""
+    graphdef, state = nnx.split(model)
+    abstract_state = jax.tree.map(_abstract, state)
+    leaves, treedef = jax.tree.flatten(inputs)
+    is_array = [hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
+    array_leaves = [_abstract(x) for x, a in zip(leaves, is_array, strict=True) if a]
+    calls: dict[int, list] = {}
+    paths: dict[int, Path] = {}
+
+    def run(state, array_leaves):
+        copy = nnx.merge(graphdef, state)
+        for path, node in nnx.iter_graph(copy):
+            if isinstance(node, nnx.Module):
+                paths[id(node)] = path
+                if callable(node):
+                    node.__class__ = _recording_class(type(node))
+        it = iter(array_leaves)
+        full = [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
+        args = jax.tree.unflatten(treedef, full)
+        token = _CALLS.set(calls)
+        try:
+            out = getattr(copy, method)(*args)
+            if method != "__call__":
+                calls.setdefault(id(copy), []).insert(0, (-1, args, {}, out))
+        finally:
+            _CALLS.reset(token)
+        return out
+
+    jax.eval_shape(run, abstract_state, array_leaves)
+    result = {}
+    calls.pop("#", None)
+    for key, records in calls.items():
+        order, args, kwargs, out = min(records, key=lambda r: r[0])
+        inputs_text = _describe((args, kwargs) if kwargs else args)
+        result[paths[key]] = (order, inputs_text, _describe(out))
+    return result
+
+
+def _path_key(path: Path) -> tuple:
+    return tuple((0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in path)
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n:,} B"
+
+
+def _devices_text(mesh) -> str:
+    ids = sorted(d.id for d in mesh.devices.flat)
+    if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1:
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(str(i) for i in ids)
+
+
+def _variable_info(path: Path, variable: nnx.Variable) -> dict:
+    value = variable.get_value()
+    shape, dtype = tuple(value.shape), value.dtype
+    task = task_of(variable)
+    sharding = getattr(value, "sharding", None)
+    if task is not None:
+        spec = variable.get_metadata().get(SPEC_KEY, PartitionSpec())
+        per_device = bytes_per_device(shape, dtype, spec, task.jax_mesh)
+        where, spec_text, devices = task.name, str(spec), _devices_text(task.jax_mesh)
+    else:
+        if sharding is not None:
+            per_device = math.prod(sharding.shard_shape(shape)) * itemsize(dtype)
+            ids = sorted(d.id for d in sharding.device_set)
+            devices = ",".join(str(i) for i in ids)
+        else:
+            per_device = math.prod(shape) * itemsize(dtype)
+            devices = "-"
+        spec_text = str(sharding.spec) if isinstance(sharding, NamedSharding) else "-"
+        where = "(unplaced)"
+    return {
+        "path": path,
+        "type": type(variable).__name__,
+        "shape": f"{dtype}[{','.join(str(d) for d in shape)}]",
+        "elements": math.prod(shape),
+        "bytes": math.prod(shape) * itemsize(dtype),
+        "per_device": per_device,
+        "task": where,
+        "spec": spec_text,
+        "devices": devices,
+    }
+
+
+def tabulate(
+    model: Any,
+    *inputs: Any,
+    depth: int | None = None,
+    method: str = "__call__",
+    title: str | None = None,
+) -> Tabulation:
+    """Summarises ``model`` with a row per module and per Variable, and totals per task.
+
+    Module rows show the path, type and the input and output shapes of ``model.<method>(*inputs)``
+    (traced abstractly; leave ``inputs`` out for a parameter-only table). Variable rows show the
+    shape, **task, PartitionSpec and bytes per device**. With ``depth``, Variables below that depth
+    are summed into one row per module at ``depth``. The result is a ``str`` (plain text unless
+    stdout is a terminal) that renders as an HTML table in Jupyter.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from mmnnx.sharding import Task, TaskMesh, place
+        >>> t = Task("t", mesh=TaskMesh(devices=range(2)))
+        >>> model = place(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), [(".*", t)])
+        >>> print(tabulate(model, jnp.ones((2, 4))))  # doctest: +SKIP
+    """
+    if depth is not None and (not isinstance(depth, int) or depth < 0):
+        raise ValueError(f"tabulate: depth must be a non-negative int, got {depth!r}")
+    if not isinstance(model, nnx.Pytree):
+        raise TypeError(f"tabulate: expected an NNX graph node, got {type(model).__name__}")
+    if inputs and not hasattr(model, method):
+        raise AttributeError(f"tabulate: {type(model).__name__} has no method {method!r}")
+    calls = _trace_calls(model, inputs, method) if inputs else {}
+    modules = {p: m for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) or p == ()}
+    infos = [_variable_info(p, v) for p, v in variables_of(model)]
+    order = sorted(
+        (p for p in modules if depth is None or len(p) <= depth),
+        key=lambda p: (calls[p][0] if p in calls else len(calls) + 1, _path_key(p)),
+    )
+    shown = set(order)
+
+    def nearest(path: Path, among) -> Path:
+        return next(path[:n] for n in range(len(path), -1, -1) if path[:n] in among)
+
+    rows: dict[Path, list[dict]] = {p: [] for p in order}
+    rolled: dict[Path, list[dict]] = {p: [] for p in order}
+    for info in infos:
+        owner = nearest(info["path"][:-1], modules)
+        row = nearest(owner, shown)
+        (rows if row == owner else rolled)[row].append(info)
+
+    table = Table(title=title or f"{type(model).__name__} summary", box=box.SQUARE)
+    for name in ["path", "type", "inputs", "outputs", "shape", "task", "PartitionSpec"]:
+        table.add_column(name, no_wrap=True)
+    table.add_column("bytes/device", justify="right", no_wrap=True)
+
+    for mpath in order:
+        _, ins, outs = calls.get(mpath, (0, "-", "-"))
+        table.add_row(path_str(mpath) or "(root)", type(modules[mpath]).__name__, ins, outs)
+        for info in sorted(rows[mpath], key=lambda i: _path_key(i["path"])):
+            table.add_row(
+                path_str(info["path"]),
+                info["type"],
+                "",
+                "",
+                info["shape"],
+                info["task"],
+                info["spec"],
+                _fmt_bytes(info["per_device"]),
+            )
+        if rolled[mpath]:
+            per_task: dict[str, int] = {}
+            for i in rolled[mpath]:
+                per_task[i["task"]] = per_task.get(i["task"], 0) + i["per_device"]
+            table.add_row(
+                f"{path_str(mpath) or '(root)'}/… ({len(rolled[mpath])} Variables)",
+                "",
+                "",
+                "",
+                f"{sum(i['elements'] for i in rolled[mpath]):,} elements",
+                ", ".join(per_task),
+                "",
+                "; ".join(_fmt_bytes(b) for b in per_task.values()),
+            )
+
+    totals = Table(title="Totals per task", box=box.SQUARE)
+    for name in ["task", "devices", "Variables", "elements", "bytes", "bytes/device"]:
+        totals.add_column(name, justify="left" if name in ("task", "devices") else "right")
+    by_task: dict[str, list[dict]] = {}
+    for info in infos:
+        by_task.setdefault(info["task"], []).append(info)
+    for name in sorted(by_task, key=lambda n: (n == "(unplaced)", n)):
+        group = by_task[name]
+        devices = sorted({i["devices"] for i in group})
+        totals.add_row(
+            name,
+            " ".join(devices),
+            str(len(group)),
+            f"{sum(i['elements'] for i in group):,}",
+            _fmt_bytes(sum(i["bytes"] for i in group)),
+            _fmt_bytes(sum(i["per_device"] for i in group)),
+        )
+    totals.add_row(
+        "total",
+        "",
+        str(len(infos)),
+        f"{sum(i['elements'] for i in infos):,}",
+        _fmt_bytes(sum(i["bytes"] for i in infos)),
+        "",
+        style="bold",
+    )
+    return _render(table, totals)
+
+
+def _render(*tables: Table) -> Tabulation:
+    tty = sys.stdout.isatty()
+    console = Console(
+        file=io.StringIO(),
+        width=100_000,
+        record=True,
+        force_terminal=tty,
+        color_system="auto" if tty else None,
+        force_jupyter=False,
+    )
+    for t in tables:
+        console.print(t)
+    text = console.export_text(styles=tty)
+    html = console.export_html(inline_styles=True)
+    result = Tabulation("\n".join(line.rstrip() for line in text.splitlines()))
+    result.html = html
+    return result

@@ -1,0 +1,1 @@
+"""multimesh_compat: the multimesh.jax API on stock JAX, through mmnnx (work in progress)."""
