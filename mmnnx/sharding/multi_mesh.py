@@ -130,7 +130,7 @@ class MultiMesh:
         """The devices at the given index of each named axis, as a Mesh with those axes of size 1.
 
         Example:
-            >>> MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "x")).slice(stage=0).shape
+            >>> dict(MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "x")).slice(stage=0).shape)
             {'stage': 1, 'x': 4}
         """
         devs = self._mesh.devices[self._index(slices, keep_dims=True)]

@@ -157,9 +157,9 @@ def place(model: M, rules: Sequence[tuple], *, strict: bool = True) -> M:
     ``rules`` is a sequence of ``(filter, task)`` or ``(filter, task, spec)``. A ``str`` filter is a
     regular expression searched in the Variable's ``/``-joined path; any NNX filter works too.
     ``spec`` is a PartitionSpec or a callable ``(path, variable) -> PartitionSpec``; without it,
-    the Variable's logical names (``nnx.with_partitioning``) are translated by the task's rules, else
-    it is replicated. The task and spec are kept in the Variable's metadata (keys ``mm_task`` and
-    ``mm_spec``). With ``strict=True`` a Variable that no rule matches is an error.
+    the Variable's logical names (``nnx.with_partitioning``) are translated by the task's rules,
+    else it is replicated. The task and spec are kept in the Variable's metadata (keys
+    ``mm_task`` and ``mm_spec``). With ``strict=True`` a Variable that no rule matches is an error.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh
@@ -167,7 +167,9 @@ def place(model: M, rules: Sequence[tuple], *, strict: bool = True) -> M:
         >>> s1 = Task("s1", mesh=TaskMesh(devices=range(4, 8)))
         >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
         ...                        nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
-        >>> model = place(model, [("layers/0", s0), ("layers/1", s1, PartitionSpec("x"))])
+        >>> model = place(model, [("layers/0", s0),
+        ...                       ("layers/1/kernel", s1, PartitionSpec("x")),
+        ...                       ("layers/1", s1)])
         >>> sorted(d.id for d in model.layers[1].kernel.get_value().devices())
         [4, 5, 6, 7]
     """
@@ -182,10 +184,10 @@ def place(model: M, rules: Sequence[tuple], *, strict: bool = True) -> M:
 def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = True) -> M:
     """Builds ``factory()`` with each task's Variables created directly on that task's submesh.
 
-    The model is first built abstractly (``nnx.eval_shape``); then one jitted init per task computes
-    only that task's Variables, sharded as the rules say, so no full copy of the model ever exists on
-    one device. The values equal ``place(factory(), rules)`` for the same RNG seed. ``factory`` must
-    create its own ``nnx.Rngs``; it is traced once per task.
+    The model is first built abstractly (``nnx.eval_shape``); then one jitted init per task
+    computes only that task's Variables, sharded as the rules say, so no full copy of the model
+    ever exists on one device. The values equal ``place(factory(), rules)`` for the same RNG seed.
+    ``factory`` must create its own ``nnx.Rngs``; it is traced once per task.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh
@@ -235,7 +237,7 @@ def placement(model: Any) -> dict[str, tuple[str, PartitionSpec]]:
         >>> from mmnnx.sharding import TaskMesh
         >>> t = Task("t", mesh=TaskMesh(devices=[0]))
         >>> placement(place(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), [(".*", t)]))
-        {'bias': ('t', PartitionSpec()), 'kernel': ('t', PartitionSpec())}
+        {'bias': ('t', P()), 'kernel': ('t', P())}
     """
     out = {}
     for path, variable in variables_of(model):

@@ -43,7 +43,9 @@ def _predicate(flt: Any, index: int) -> Callable[[Path, Any], bool]:
         try:
             regex = re.compile(flt)
         except re.error as e:
-            raise ValueError(f"placement rule {index}: invalid regular expression {flt!r}: {e}")
+            raise ValueError(
+                f"placement rule {index}: invalid regular expression {flt!r}: {e}"
+            ) from None
         return lambda path, _: regex.search(path_str(path)) is not None
     if isinstance(flt, list | tuple):
         parts = [_predicate(f, index) for f in flt]

@@ -30,7 +30,7 @@ def check_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str
         >>> import jax, numpy as np
         >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
         >>> check_spec(PartitionSpec("x"), (4,), mesh, "w")
-        PartitionSpec('x',)
+        P('x',)
     """
     if not isinstance(spec, PartitionSpec):
         raise TypeError(f"{where}: spec {spec!r} is not a jax.sharding.PartitionSpec")

@@ -73,7 +73,7 @@ class Task:
         >>> tm = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("data", "model"))
         >>> t = Task("stage0", mesh=tm, logical_axes=logical_rules(batch="data", mlp="model"))
         >>> t.spec(("batch", "mlp"))
-        PartitionSpec('data', 'model')
+        P('data', 'model')
     """
 
     name: str | None = None
@@ -158,7 +158,7 @@ class Task:
         Example:
             >>> tm = TaskMesh(devices=range(2), axis_names=("model",))
             >>> Task("t", mesh=tm, logical_axes=[("mlp", "model")]).spec(("mlp", "mlp"))
-            PartitionSpec('model', None)
+            P('model', None)
         """
         names = tuple(logical_names)
         for n in names:
@@ -186,6 +186,6 @@ class Task:
         Example:
             >>> t = Task("t", mesh=TaskMesh(devices=range(2)))
             >>> t.sharding(PartitionSpec("x")).spec
-            PartitionSpec('x',)
+            P('x',)
         """
         return NamedSharding(self.jax_mesh, PartitionSpec() if spec is None else spec)

@@ -1,0 +1,337 @@
+import warnings
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mmnnx as mm
+from tests.models import TwoStageMLP, make_mlp
+
+RULES = mm.logical_rules(batch="data", mlp="model", embed=None)
+
+
+@pytest.fixture
+def tasks():
+    mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"))
+    s0 = mm.Task("stage0", mesh=mesh.task_mesh(stage=0), logical_axes=RULES)
+    s1 = mm.Task("stage1", mesh=mesh.task_mesh(stage=1), logical_axes=RULES)
+    return s0, s1
+
+
+def rules_for(s0, s1):
+    return [("layers/0", s0), ("layers/1|norm|drop", s1)]
+
+
+def device_ids(x):
+    return sorted(d.id for d in x.devices())
+
+
+def host(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def snapshot(model):
+    return {
+        mm.sharding.path_str(p): (host(v.get_value()), v.get_value().sharding)
+        for p, v in nnx.to_flat_state(nnx.state(model))
+    }
+
+
+def values(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def test_place_moves_every_array_to_its_task(tasks):
+    s0, s1 = tasks
+    model = mm.place(make_mlp(), rules_for(s0, s1))
+    k0 = model.layers[0].kernel.get_value()
+    assert device_ids(k0) == [0, 1, 2, 3]
+    assert k0.sharding == NamedSharding(s0.jax_mesh, P(None, "model"))
+    k1 = model.layers[1].kernel.get_value()
+    assert device_ids(k1) == [4, 5, 6, 7]
+    assert k1.sharding.spec == P("model", None)
+    for var in (model.norm.mean, model.norm.scale, model.drop.rngs.key, model.drop.rngs.count):
+        assert device_ids(var.get_value()) == [4, 5, 6, 7]
+        assert var.get_value().sharding.spec == P()
+    assert mm.placement(model) == {
+        "drop/rngs/count": ("stage1", P()),
+        "drop/rngs/key": ("stage1", P()),
+        "layers/0/bias": ("stage0", P()),
+        "layers/0/kernel": ("stage0", P(None, "model")),
+        "layers/1/bias": ("stage1", P()),
+        "layers/1/kernel": ("stage1", P("model", None)),
+        "norm/bias": ("stage1", P()),
+        "norm/mean": ("stage1", P()),
+        "norm/scale": ("stage1", P()),
+        "norm/var": ("stage1", P()),
+    }
+
+
+def test_values_unchanged_by_place(tasks):
+    before = values(make_mlp())
+    after = values(mm.place(make_mlp(), rules_for(*tasks)))
+    assert len(before) == len(after) == 6
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_metadata_survives_split_merge_state_and_optimizer(tasks):
+    s0, s1 = tasks
+    model = mm.place(make_mlp(), rules_for(s0, s1))
+    graphdef, state = nnx.split(model)
+    merged = nnx.merge(graphdef, state)
+    assert mm.placement(merged) == mm.placement(model)
+    assert mm.task_of(nnx.state(model)["layers"][1]["kernel"]) == s1
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    adam = opt.opt_state[0]
+    for moments in (adam.mu, adam.nu):
+        m = moments["layers"][1]["kernel"]
+        assert mm.task_of(m) == s1
+        assert m.get_value().sharding == model.layers[1].kernel.get_value().sharding
+        m0 = moments["layers"][0]["kernel"]
+        assert m0.get_value().sharding == NamedSharding(s0.jax_mesh, P(None, "model"))
+    placed = mm.placement(opt)
+    assert placed["opt_state/0/mu/layers/0/kernel"] == ("stage0", P(None, "model"))
+
+
+def test_explicit_and_callable_specs_first_match_wins(tasks):
+    s0, s1 = tasks
+    seen = []
+
+    def spec_fn(path, variable):
+        seen.append(path)
+        return P("data") if variable.get_value().ndim == 1 else P()
+
+    model = mm.place(
+        make_mlp(),
+        [
+            ("layers/0/kernel", s0, P("data", "model")),
+            ("layers/0", s1),  # would match layers/0/kernel too, but the first rule wins
+            (nnx.PathContains("norm"), s0, spec_fn),
+            (nnx.OfType(nnx.RngState), s0),
+            (nnx.Param, s1),
+        ],
+    )
+    assert model.layers[0].kernel.get_value().sharding == NamedSharding(
+        s0.jax_mesh, P("data", "model")
+    )
+    assert device_ids(model.layers[0].bias.get_value()) == [4, 5, 6, 7]
+    assert model.norm.scale.get_value().sharding.spec == P("data")
+    assert "norm/scale" in seen
+    assert mm.placement(model)["drop/rngs/key"] == ("stage0", P())
+    assert mm.placement(model)["layers/1/kernel"] == ("stage1", P("model", None))
+
+
+def test_regex_inside_a_tuple_filter(tasks):
+    s0, s1 = tasks
+    model = mm.place(make_mlp(), [(("layers/0", "norm"), s0), (..., s1)])
+    assert mm.placement(model)["norm/var"][0] == "stage0"
+    assert mm.placement(model)["layers/1/bias"][0] == "stage1"
+
+
+def test_with_jax_mesh_slices_as_task_meshes():
+    mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"))
+    s0 = mm.Task("s0", mesh=mesh.slice(stage=0), logical_axes=RULES)
+    s1 = mm.Task("s1", mesh=mesh.slice(stage=1), logical_axes=RULES)
+    model = mm.place(make_mlp(), rules_for(s0, s1))
+    assert device_ids(model.layers[1].kernel.get_value()) == [4, 5, 6, 7]
+    assert model.layers[1].kernel.get_value().sharding.shard_shape((32, 16)) == (16, 16)
+
+
+def test_non_strict_leaves_unmatched_alone(tasks):
+    s0, _ = tasks
+    model = make_mlp()
+    bias = model.layers[1].bias.get_value()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mm.place(model, [("layers/0", s0)], strict=False)
+    assert model.layers[1].bias.get_value() is bias
+    assert "layers/1/bias" not in mm.placement(model)
+
+
+# -- errors: each names the culprit, and nothing moves --------------------------------------
+
+
+def assert_untouched(model, before):
+    after = snapshot(model)
+    assert after.keys() == before.keys()
+    for k in before:
+        assert after[k][1] == before[k][1], k
+        np.testing.assert_array_equal(after[k][0], before[k][0])
+    assert mm.placement(model) == {}
+
+
+@pytest.mark.parametrize(
+    "make_rules, error, match",
+    [
+        (
+            lambda s0, s1: [("layers/0", s0)],
+            ValueError,
+            r"no placement rule matches Variable 'drop/rngs/count'",
+        ),
+        (
+            lambda s0, s1: [("layers/0/kernel", s0, P("pipe")), (".*", s1)],
+            ValueError,
+            r"'layers/0/kernel' on task 'stage0'.*axis 'pipe'.*\('data', 'model'\)",
+        ),
+        (
+            lambda s0, s1: [("layers/1/bias", s1, P("model", None)), (".*", s0)],
+            ValueError,
+            r"'layers/1/bias' on task 'stage1': spec P\('model', None\) has 2 entries.*rank 1",
+        ),
+        (
+            lambda s0, s1: [("layers/0/bias", s0, P("data")), (".*", s1)],
+            ValueError,
+            None,  # 32 is divisible by 2: this rule is valid, see the next case
+        ),
+        (
+            lambda s0, s1: [("norm/scale", s1, P(("data", "model"))), (".*", s0)],
+            ValueError,
+            None,
+        ),
+        (
+            lambda s0, s1: [("layers/1/kernel", s1, P("model", "model")), (".*", s0)],
+            ValueError,
+            r"uses axis 'model' for dimensions 0 and 1",
+        ),
+        (
+            lambda s0, s1: [(3, s0)],
+            TypeError,
+            r"rule 0: filter 3 of type int is not supported",
+        ),
+        (
+            lambda s0, s1: [("layers(", s0)],
+            ValueError,
+            r"rule 0: invalid regular expression 'layers\('",
+        ),
+        (
+            lambda s0, s1: [(".*", "stage0")],
+            TypeError,
+            r"rule 0: 'stage0' is not an mm.Task",
+        ),
+        (
+            lambda s0, s1: [(".*", s0, "data")],
+            TypeError,
+            r"rule 0: spec 'data' is neither",
+        ),
+        (
+            lambda s0, s1: [(".*", s0, lambda p, v: "data")],
+            TypeError,
+            r"returned 'data', not a PartitionSpec",
+        ),
+    ],
+)
+def test_bad_rules(tasks, make_rules, error, match):
+    model = make_mlp()
+    before = snapshot(model)
+    if match is None:
+        mm.place(make_mlp(), make_rules(*tasks))  # valid control cases
+        return
+    with pytest.raises(error, match=match):
+        mm.place(model, make_rules(*tasks))
+    assert_untouched(model, before)
+
+
+def test_dimension_not_divisible(tasks):
+    s0, s1 = tasks
+    with nnx.use_eager_sharding(False):
+        model = TwoStageMLP(dim=6, hidden=6, rngs=nnx.Rngs(0))
+    before = snapshot(model)
+    with pytest.raises(
+        ValueError,
+        match=r"'layers/0/bias' on task 'stage0': dimension 0 of size 6 is not divisible by "
+        r"mesh axes \('data', 'model'\) of total size 4",
+    ):
+        mm.place(model, [("layers/0/bias", s0, P(("data", "model"))), (".*", s1)])
+    assert_untouched(model, before)
+
+
+def test_overlapping_tasks(tasks):
+    s0, _ = tasks
+    clash = mm.Task("other", mesh=mm.TaskMesh(devices=[3, 4]))
+    model = make_mlp()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"tasks 'stage0' and 'other' overlap: both use device 3"):
+        mm.place(model, [("layers/0", s0), (".*", clash)])
+    assert_untouched(model, before)
+
+
+def test_same_name_two_tasks(tasks):
+    s0, s1 = tasks
+    impostor = mm.Task("stage0", mesh=s1.mesh)
+    with pytest.raises(ValueError, match="two different tasks are named 'stage0'"):
+        mm.place(make_mlp(), [("layers/0", s0), (".*", impostor)])
+
+
+def test_device_outside_jax_devices(tasks):
+    s0, _ = tasks
+    far = mm.Task("far", mesh=mm.TaskMesh(devices=range(8, 12)))
+    model = make_mlp()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"task 'far'.*device index 8 is outside jax.devices"):
+        mm.place(model, [("layers/0", s0), (".*", far)])
+    assert_untouched(model, before)
+
+
+def test_task_without_mesh():
+    with pytest.raises(ValueError, match="needs a name and a mesh"):
+        mm.place(make_mlp(), [(".*", mm.Task("floating"))])
+
+
+def test_rule_matching_nothing_warns(tasks):
+    s0, s1 = tasks
+    with pytest.warns(UserWarning, match=r"rule 1 \('decoder' -> task 'stage1'\) placed no"):
+        mm.place(make_mlp(), [(".*", s0), ("decoder", s1)])
+
+
+# -- init ---------------------------------------------------------------------------------
+
+
+def test_init_equals_place_and_creates_on_tasks(tasks):
+    s0, s1 = tasks
+    rules = rules_for(s0, s1)
+    placed = mm.place(make_mlp(3), rules)
+    inited = mm.init(lambda: TwoStageMLP(rngs=nnx.Rngs(3)), rules)
+    assert mm.placement(inited) == mm.placement(placed)
+    a = nnx.to_flat_state(nnx.state(placed))
+    b = nnx.to_flat_state(nnx.state(inited))
+    for (pa, va), (pb, vb) in zip(a, b, strict=True):
+        assert pa == pb
+        xa, xb = va.get_value(), vb.get_value()
+        assert xa.sharding == xb.sharding, pa
+        np.testing.assert_array_equal(host(xa), host(xb), err_msg=str(pa))
+
+
+def test_init_compiles_one_program_per_task(tasks, monkeypatch):
+    s0, s1 = tasks
+    jitted = []
+    real_jit = jax.jit
+
+    def counting_jit(fun, **kwargs):
+        jitted.append(kwargs.get("out_shardings"))
+        return real_jit(fun, **kwargs)
+
+    monkeypatch.setattr(jax, "jit", counting_jit)
+    mm.init(lambda: TwoStageMLP(rngs=nnx.Rngs(0)), rules_for(s0, s1))
+    assert len(jitted) == 2
+    meshes = {frozenset(s.mesh for s in shardings) for shardings in jitted}
+    assert meshes == {frozenset([s0.jax_mesh]), frozenset([s1.jax_mesh])}
+
+
+def test_init_validates_before_building(tasks):
+    s0, _ = tasks
+    calls = []
+
+    def factory():
+        calls.append(1)
+        return TwoStageMLP(rngs=nnx.Rngs(0))
+
+    with pytest.raises(ValueError, match="no placement rule matches"):
+        mm.init(factory, [("layers", s0)])
+    assert len(calls) == 1  # only the abstract build ran

@@ -1,0 +1,42 @@
+"""The README's example and `make demo`'s script run as written."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_readme_example_runs(capsys):
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    assert blocks, "README has no python example"
+    assert len(blocks[0].splitlines()) <= 25
+    exec(compile(blocks[0], "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "P('model', None)" in out
+    assert "stage1" in out and "Totals per task" in out
+
+
+def test_readme_commands_exist_in_makefile():
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^demo:", makefile, flags=re.M)
+    assert re.search(r"^test:", makefile, flags=re.M)
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_demo_script_prints_two_task_tabulate():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "place_and_tabulate.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
+    assert "Totals per task" in proc.stdout
+    assert re.search(r"stage0\s+│ 0-3", proc.stdout)
+    assert re.search(r"stage1\s+│ 4-7", proc.stdout)

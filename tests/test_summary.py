@@ -1,0 +1,166 @@
+import re
+
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import mmnnx as mm
+from tests.models import TwoStageMLP, make_mlp
+
+RULES = mm.logical_rules(batch="data", mlp="model", embed=None)
+
+
+@pytest.fixture
+def placed():
+    mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"))
+    s0 = mm.Task("stage0", mesh=mesh.slice(stage=0), logical_axes=RULES)
+    s1 = mm.Task("stage1", mesh=mesh.slice(stage=1), logical_axes=RULES)
+    return mm.place(make_mlp(), [("layers/0", s0), ("layers/1|norm|drop", s1)])
+
+
+def row(text, first_cell):
+    """The cells of the table row whose first cell is ``first_cell``."""
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        if cells and cells[0] == first_cell:
+            return cells
+    raise AssertionError(f"no row {first_cell!r} in\n{text}")
+
+
+HEADER = ["path", "type", "inputs", "outputs", "shape", "task", "PartitionSpec", "bytes/device"]
+
+
+def test_columns_and_module_rows(placed):
+    text = mm.tabulate(placed, jnp.ones((8, 16)))
+    assert row(text, "path") == HEADER
+    assert row(text, "(root)")[:4] == ["(root)", "TwoStageMLP", "float32[8,16]", "float32[8,16]"]
+    assert row(text, "layers/0")[:4] == ["layers/0", "Linear", "float32[8,16]", "float32[8,32]"]
+    assert row(text, "layers/1")[:4] == ["layers/1", "Linear", "float32[8,32]", "float32[8,16]"]
+    assert row(text, "norm")[:4] == ["norm", "BatchNorm", "float32[8,16]", "float32[8,16]"]
+    # rows follow call order: root, layers/0, layers/1, drop, norm
+    order = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│")]
+    modules = [p for p in order if p in ("(root)", "layers/0", "layers/1", "drop", "norm")]
+    assert modules == ["(root)", "layers/0", "layers/1", "drop", "norm"]
+
+
+def test_variable_rows_have_task_spec_and_bytes_per_device(placed):
+    text = mm.tabulate(placed, jnp.ones((8, 16)))
+    # kernel 16x32 float32 sharded P(None, 'model') over model=2: 16*16*4 bytes per device
+    assert row(text, "layers/0/kernel")[4:] == [
+        "float32[16,32]",
+        "stage0",
+        str(P(None, "model")),
+        f"{16 * 16 * 4:,} B",
+    ]
+    assert row(text, "layers/1/kernel")[4:] == [
+        "float32[32,16]",
+        "stage1",
+        str(P("model", None)),
+        f"{16 * 16 * 4:,} B",
+    ]
+    assert row(text, "norm/mean")[1:] == [
+        "BatchStat",
+        "",
+        "",
+        "float32[16]",
+        "stage1",
+        "P()",
+        "64 B",
+    ]
+    assert row(text, "drop/rngs/key")[4:] == ["key<fry>[]", "stage1", "P()", "8 B"]
+
+
+def test_totals_per_task(placed):
+    text = mm.tabulate(placed)
+    assert "Totals per task" in text
+    # stage0: kernel 512 + bias 32 elements; per device: kernel half + bias replicated
+    assert row(text, "stage0")[1:] == ["0-3", "2", "544", "2,176 B", f"{(256 + 32) * 4:,} B"]
+    # stage1: kernel 512, bias 16, norm 4x16, rng count (uint32) + key (8 bytes)
+    stage1_bytes = (512 + 16 + 64) * 4 + 4 + 8
+    per_device = (256 + 16 + 64) * 4 + 4 + 8
+    assert row(text, "stage1")[1:] == [
+        "4-7",
+        "8",
+        f"{512 + 16 + 64 + 2:,}",
+        f"{stage1_bytes:,} B",
+        f"{per_device:,} B",
+    ]
+    assert row(text, "total")[2:5] == ["10", f"{544 + 594:,}", f"{2176 + stage1_bytes:,} B"]
+
+
+def test_depth_rolls_up_deeper_variables(placed):
+    text = mm.tabulate(placed, jnp.ones((8, 16)), depth=1)
+    assert "layers/0/kernel" not in text
+    rolled = row(text, "layers/… (4 Variables)")
+    assert rolled[4] == "1,072 elements"
+    assert rolled[5] == "stage0, stage1"
+    assert rolled[7] == f"{(256 + 32) * 4:,} B; {(256 + 16) * 4:,} B"
+    assert row(text, "norm/var")[5] == "stage1"
+
+
+def test_optimizer_state_follows_params(placed):
+    opt = nnx.Optimizer(placed, optax.adam(1e-3), wrt=nnx.Param)
+    text = mm.tabulate(opt)
+    assert row(text, "opt_state/0/mu/layers/1/kernel")[4:] == [
+        "float32[32,16]",
+        "stage1",
+        "P('model', None)",
+        "1,024 B",
+    ]
+    assert row(text, "step")[5] == "(unplaced)"
+
+
+def test_unplaced_model_and_no_inputs():
+    text = mm.tabulate(make_mlp())
+    assert row(text, "layers/0/kernel")[4:] == ["float32[16,32]", "(unplaced)", "-", "2,048 B"]
+    assert row(text, "(root)")[2:4] == ["-", "-"]
+
+
+def test_does_not_patch_classes_and_leaves_model_alone(placed):
+    call = nnx.Linear.__call__
+    kernel = placed.layers[0].kernel.get_value()
+    mm.tabulate(placed, jnp.ones((8, 16)))
+    assert nnx.Linear.__call__ is call
+    assert type(placed.layers[0]) is nnx.Linear
+    assert type(placed) is TwoStageMLP
+    assert placed.layers[0].kernel.get_value() is kernel
+    # a plain forward on one device still works afterwards
+    assert make_mlp()(jnp.ones((2, 16))).shape == (2, 16)
+
+
+def test_html_for_jupyter(placed):
+    result = mm.tabulate(placed)
+    html = result._repr_html_()
+    assert "<html" in html.lower() or "<pre" in html.lower()
+    assert "stage0" in html and "P(None, &#x27;model&#x27;)" in html
+    assert isinstance(result, str)
+    assert not re.search(r"\x1b\[", result)  # plain text when not on a terminal
+
+
+def test_other_method_and_errors(placed):
+    class Wrapper(nnx.Module):
+        def __init__(self):
+            self.net = make_mlp()
+
+        def loss(self, x):
+            return jnp.mean(self.net(x) ** 2)
+
+    text = mm.tabulate(Wrapper(), jnp.ones((4, 16)), method="loss")
+    assert row(text, "(root)")[2:4] == ["float32[4,16]", "float32[]"]
+    assert row(text, "net")[1] == "TwoStageMLP"
+    with pytest.raises(TypeError, match="expected an NNX graph node"):
+        mm.tabulate({"w": jnp.ones(3)})
+    with pytest.raises(ValueError, match="depth"):
+        mm.tabulate(placed, depth=-1)
+    with pytest.raises(AttributeError, match="no method 'predict'"):
+        mm.tabulate(placed, jnp.ones((2, 16)), method="predict")
+
+
+def test_every_variable_has_a_row():
+    with nnx.use_eager_sharding(False):
+        model = TwoStageMLP(rngs=nnx.Rngs(params=0, dropout=1))
+    text = mm.tabulate(model, jnp.ones((2, 16)))
+    for path, _ in nnx.to_flat_state(nnx.state(model)):
+        assert row(text, mm.sharding.path_str(path))
