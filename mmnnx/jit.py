@@ -1,0 +1,173 @@
+"""``mm.jit``: an NNX-aware jit that runs one step as one compiled program per task."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mmnnx.mpmd import _jax
+from mmnnx.mpmd.colour import colour
+from mmnnx.mpmd.errors import MPMDError, SideEffectError
+from mmnnx.mpmd.plan import Plan, cut
+from mmnnx.mpmd.runtime import Executable
+from mmnnx.sharding import Task, task_of
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
+    return (x,) if isinstance(x, int) else tuple(x)
+
+
+class _Call:
+    """One call's arguments, split into a graph definition and flat array leaves."""
+
+    def __init__(self, fn: JitFunction, args: tuple, kwargs: dict):
+        self.statics = tuple((i, args[i]) for i in fn.static_argnums if i < len(args))
+        self.static_kwargs = tuple(
+            sorted((k, v) for k, v in kwargs.items() if k in fn.static_argnames)
+        )
+        dyn_args = tuple(None if i in fn.static_argnums else a for i, a in enumerate(args))
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in fn.static_argnames}
+        self.target = (dyn_args, dyn_kwargs)
+        self.graphdef, variables, rest = nnx.split(self.target, nnx.Variable, ...)
+        state = (variables, rest)
+        self.treedef = jax.tree.structure(state)
+        self.num_variables = len(jax.tree.leaves(variables))
+        with_paths, _ = jax.tree.flatten_with_path(state, is_leaf=_is_variable)
+        self.names = [jax.tree_util.keystr(p[1:], simple=True, separator="/") for p, _ in with_paths]
+        nodes = [n for _, n in with_paths]
+        self.tasks: list[Task | None] = [task_of(n) if _is_variable(n) else None for n in nodes]
+        self.leaves = [n.get_value() if _is_variable(n) else n for n in nodes]
+        for name, leaf in zip(self.names, self.leaves, strict=True):
+            if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
+                raise MPMDError(
+                    f"mm.jit: argument leaf {name!r} is a {type(leaf).__name__}, not an array; "
+                    "mark the argument static (static_argnums/static_argnames) or pass an array"
+                )
+        self.shardings = [
+            leaf.sharding if task is not None else None
+            for leaf, task in zip(self.leaves, self.tasks, strict=True)
+        ]
+        signature = tuple(
+            (tuple(leaf.shape), str(leaf.dtype), sharding)
+            for leaf, sharding in zip(self.leaves, self.shardings, strict=True)
+        )
+        try:
+            self.key = (self.graphdef, self.treedef, signature, self.statics, self.static_kwargs)
+            hash(self.key)
+        except TypeError as e:
+            raise MPMDError(f"mm.jit: static arguments must be hashable ({e})") from None
+
+    def full_args(self, dyn_args: tuple, dyn_kwargs: dict) -> tuple[tuple, dict]:
+        args = list(dyn_args)
+        for i, v in self.statics:
+            args[i] = v
+        return tuple(args), {**dyn_kwargs, **dict(self.static_kwargs)}
+
+
+class JitFunction:
+    """The callable ``mm.jit`` returns; see :func:`jit`."""
+
+    def __init__(self, fun, static_argnums, static_argnames, donate_argnums):
+        self.fun = fun
+        self.static_argnums = _as_tuple(static_argnums)
+        self.static_argnames = (
+            (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+        )
+        self.donate_argnums = _as_tuple(donate_argnums)
+        self._cache: dict[Any, tuple[Executable, Any]] = {}
+        self.trace_count = 0
+        functools.update_wrapper(self, fun)
+
+    def _build(self, call: _Call) -> tuple[Executable, Any]:
+        fun = self.fun
+
+        def pure(*leaves):
+            variables, rest = jax.tree.unflatten(call.treedef, leaves)
+            dyn_args, dyn_kwargs = nnx.merge(call.graphdef, variables, rest)
+            args, kwargs = call.full_args(dyn_args, dyn_kwargs)
+            out = fun(*args, **kwargs)
+            graphdef, new_state, _ = nnx.split((dyn_args, dyn_kwargs), nnx.Variable, ...)
+            if graphdef != call.graphdef:
+                raise SideEffectError(
+                    f"mm.jit: {getattr(fun, '__name__', 'the step')} changed the structure of its "
+                    "arguments (added, removed or replaced a Variable or submodule); mm.jit can "
+                    "only carry back new values of existing Variables"
+                )
+            return out, jax.tree.leaves(new_state)
+
+        self.trace_count += 1
+        avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
+        graph, out_shape = _jax.trace(pure, avals)
+        out_tree = jax.tree.structure(out_shape[0])
+        tasks = list(dict.fromkeys(t for t in call.tasks if t is not None))
+        if not tasks:
+            raise MPMDError(
+                "mm.jit: no argument holds state placed on a task; place the model with "
+                "mm.place or mm.init first"
+            )
+        num_user_outputs = len(graph.outputs) - call.num_variables
+        homes = [None] * num_user_outputs + list(call.shardings[: call.num_variables])
+        home_tasks = [None] * num_user_outputs + list(call.tasks[: call.num_variables])
+        op_tasks = colour(graph, call.tasks, call.names, home_tasks, tasks)
+        fragments = cut(graph, op_tasks, tasks)
+        executable = Executable(graph, fragments, tasks, call.tasks, call.shardings, homes)
+        return executable, (out_tree, num_user_outputs)
+
+    def _lookup(self, args, kwargs) -> tuple[_Call, Executable, Any]:
+        call = _Call(self, args, kwargs)
+        entry = self._cache.get(call.key)
+        if entry is None:
+            entry = self._cache[call.key] = self._build(call)
+        return call, *entry
+
+    def __call__(self, *args, **kwargs):
+        call, executable, (out_tree, num_user_outputs) = self._lookup(args, kwargs)
+        results = executable(call.leaves)
+        leaves = list(results[num_user_outputs:]) + call.leaves[call.num_variables :]
+        new_variables, _ = jax.tree.unflatten(call.treedef, leaves)
+        nnx.update(call.target, new_variables)
+        return jax.tree.unflatten(out_tree, results[:num_user_outputs])
+
+    def plan(self, *args, **kwargs) -> Plan:
+        """The plan this step runs for these arguments (built and cached if needed)."""
+        _, executable, _ = self._lookup(args, kwargs)
+        return executable.plan
+
+
+def jit(
+    fun: Callable | None = None,
+    *,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] = (),
+) -> JitFunction:
+    """Lifts an NNX step over several tasks: one compiled program per task, run asynchronously.
+
+    Arguments may be Modules, Optimizers, other graph nodes and pytrees of arrays; Variable updates
+    made inside ``fun`` are written back to the caller's objects, on their tasks. An op that reads
+    state placed on task T runs on T; other ops go where the fewest bytes move.
+
+    Example:
+        >>> @jit
+        ... def train_step(model, opt, batch):  # doctest: +SKIP
+        ...     loss, grads = nnx.value_and_grad(lambda m: m.loss(batch))(model)
+        ...     opt.update(model, grads)
+        ...     return loss
+    """
+    if fun is None:
+        return functools.partial(
+            jit,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+        )
+    return JitFunction(fun, static_argnums, static_argnames, donate_argnums)

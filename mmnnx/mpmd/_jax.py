@@ -1,0 +1,115 @@
+"""The one module that touches JAX internals (jaxpr types, primitives, source info).
+
+Everything else in mmnnx works on the flat IR this module produces (``ir.Graph``), so a JAX
+upgrade changes this file only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+from mmnnx.mpmd.ir import Const, Graph, Op
+from mmnnx.sharding.specs import itemsize
+
+# Call-like primitives whose bodies are spliced into the enclosing graph: they carry no semantics
+# beyond grouping, and splicing lets their pieces run on different tasks.
+_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def trace(fun: Callable, avals: Sequence[jax.ShapeDtypeStruct]) -> tuple[Graph, Any]:
+    """Traces ``fun(*avals)`` to a flat op graph; returns it and the output shapes' pytree."""
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
+    return to_graph(closed), out_shape
+
+
+def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
+    graph = Graph()
+    env: dict[Any, Any] = {}
+
+    def atom(a):
+        if isinstance(a, jcore.Literal):
+            return Const(a.val)
+        return env[a]
+
+    def walk(jaxpr: jcore.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any]):
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = Const(c)
+        for v, x in zip(jaxpr.invars, inputs, strict=True):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in _INLINE and "jaxpr" in eqn.params:
+                inner = eqn.params["jaxpr"]
+                inner_jaxpr = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+                inner_consts = inner.consts if isinstance(inner, jcore.ClosedJaxpr) else []
+                outs = walk(inner_jaxpr, inner_consts, [atom(a) for a in eqn.invars])
+                for v, o in zip(eqn.outvars, outs, strict=True):
+                    env[v] = o
+                continue
+            ins = [atom(a) for a in eqn.invars]
+            outs = [graph.new_value(_aval_info(v.aval)) for v in eqn.outvars]
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = o
+            graph.ops.append(
+                Op(
+                    index=len(graph.ops),
+                    primitive=eqn.primitive,
+                    params=dict(eqn.params),
+                    ins=ins,
+                    outs=outs,
+                    multiple_results=eqn.primitive.multiple_results,
+                    source=_source_line(eqn.source_info),
+                    name=eqn.primitive.name,
+                    backward="transpose" in str(eqn.source_info.name_stack),
+                )
+            )
+        return [atom(a) for a in jaxpr.outvars]
+
+    inputs = [graph.new_value(_aval_info(v.aval)) for v in closed.jaxpr.invars]
+    graph.inputs = inputs
+    graph.outputs = walk(closed.jaxpr, closed.consts, inputs)
+    return graph
+
+
+def _aval_info(aval) -> tuple[tuple[int, ...], Any, int]:
+    shape = tuple(getattr(aval, "shape", ()))
+    dtype = getattr(aval, "dtype", np.dtype("float32"))
+    try:
+        nbytes = math.prod(shape) * itemsize(dtype)
+    except TypeError:
+        nbytes = 0
+    return shape, dtype, nbytes
+
+
+def _source_line(source_info) -> str:
+    frame = source_info_util.user_frame(source_info.traceback)
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def run_ops(ops: Sequence[Op], in_ids: Sequence[int], out_ids: Sequence[int], args) -> list:
+    """Evaluates ``ops`` (in order) on ``args`` bound to ``in_ids``; returns ``out_ids``' values.
+
+    Called inside ``jax.jit`` to build one fragment's program.
+    """
+    env = dict(zip(in_ids, args, strict=True))
+
+    def read(a):
+        return a.value if isinstance(a, Const) else env[a]
+
+    for op in ops:
+        params = op.primitive.get_bind_params(op.params)
+        result = op.primitive.bind(*(read(a) for a in op.ins), **params)
+        if not op.multiple_results:
+            result = (result,)
+        env.update(zip(op.outs, result, strict=True))
+    return [read(i) for i in out_ids]
+

@@ -1,0 +1,61 @@
+"""The engine's flat intermediate representation: values (ints) and the ops between them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Const:
+    """A constant operand (a literal or a closed-over array)."""
+
+    value: Any
+
+
+Atom = int | Const
+
+
+@dataclasses.dataclass
+class Op:
+    """One primitive application: reads ``ins``, writes ``outs`` (value ids)."""
+
+    index: int
+    primitive: Any
+    params: dict
+    ins: list[Atom]
+    outs: list[int]
+    multiple_results: bool
+    source: str
+    name: str
+    backward: bool = False
+
+
+@dataclasses.dataclass
+class Graph:
+    """A traced step: ops in a valid order, the input values, and the output atoms."""
+
+    ops: list[Op] = dataclasses.field(default_factory=list)
+    inputs: list[int] = dataclasses.field(default_factory=list)
+    outputs: list[Atom] = dataclasses.field(default_factory=list)
+    shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    dtypes: list[Any] = dataclasses.field(default_factory=list)
+    nbytes: list[int] = dataclasses.field(default_factory=list)
+
+    def new_value(self, info: tuple[tuple[int, ...], Any, int]) -> int:
+        shape, dtype, nbytes = info
+        self.shapes.append(shape)
+        self.dtypes.append(dtype)
+        self.nbytes.append(nbytes)
+        return len(self.shapes) - 1
+
+    def producers(self) -> dict[int, Op]:
+        return {v: op for op in self.ops for v in op.outs}
+
+    def consumers(self) -> dict[int, list[Op]]:
+        out: dict[int, list[Op]] = {}
+        for op in self.ops:
+            for a in op.ins:
+                if isinstance(a, int):
+                    out.setdefault(a, []).append(op)
+        return out

@@ -1,0 +1,145 @@
+"""Cutting a coloured graph into per-task fragments and the transfers between them (pure data)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.sharding import Task
+
+
+@dataclasses.dataclass
+class Fragment:
+    """A maximal run of one task's ops that can execute as one compiled program."""
+
+    name: str
+    task: Task
+    ops: list[Op]
+    in_ids: list[int]
+    out_ids: list[int]
+    kinds: tuple[str, ...]
+
+    @property
+    def num_eqns(self) -> int:
+        return len(self.ops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """A value moved to ``target`` (from ``source``; ``None`` for an input not yet on any task)."""
+
+    value: int
+    source: Task | None
+    target: Task
+    shape: tuple[int, ...]
+    dtype: Any
+    nbytes: int
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one mm.jit step runs: tasks, fragments in dispatch order, and transfers."""
+
+    tasks: list[Task]
+    fragments: list[Fragment]
+    transfers: list[Transfer]
+    num_programs: int = 0
+
+    def fragments_of(self, task: Task | str) -> list[Fragment]:
+        name = task if isinstance(task, str) else task.name
+        return [f for f in self.fragments if f.task.name == name]
+
+    @property
+    def transfer_bytes(self) -> int:
+        return sum(t.nbytes for t in self.transfers)
+
+    def __str__(self) -> str:
+        lines = [
+            f"Plan: {len(self.tasks)} task(s), {len(self.fragments)} fragment(s), "
+            f"{len(self.transfers)} transfer(s), {self.transfer_bytes:,} B moved"
+        ]
+        for task in self.tasks:
+            lines.append(f"  task {task.name!r}:")
+            for f in self.fragments_of(task):
+                lines.append(f"    {f.name}: {f.num_eqns} eqns [{', '.join(f.kinds)}]")
+        if self.transfers:
+            lines.append("  transfers:")
+            for t in self.transfers:
+                src = t.source.name if t.source is not None else "(input)"
+                shape = ",".join(str(d) for d in t.shape)
+                lines.append(
+                    f"    {src} -> {t.target.name}: {t.dtype}[{shape}] ({t.nbytes:,} B)"
+                )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _kinds(ops: Sequence[Op], after_backward: set[int]) -> tuple[str, ...]:
+    kinds = set()
+    for op in ops:
+        if op.backward:
+            kinds.add("backward")
+        elif op.index in after_backward:
+            kinds.add("update")
+        else:
+            kinds.add("forward")
+    return tuple(k for k in ("forward", "backward", "update") if k in kinds)
+
+
+def cut(graph: Graph, op_tasks: Sequence[Task], tasks: Sequence[Task]) -> list[Fragment]:
+    """Groups ops into fragments keyed by (cross-task depth, task), in a valid dispatch order."""
+    producer = graph.producers()
+    level: dict[int, int] = {}
+    downstream_of_backward: set[int] = set()
+    tainted: set[int] = set()
+    for op in graph.ops:
+        lv = 0
+        for a in op.ins:
+            if isinstance(a, int) and a in producer:
+                p = producer[a]
+                lv = max(lv, level[p.index] + (op_tasks[p.index] != op_tasks[op.index]))
+        level[op.index] = lv
+        if op.backward or any(isinstance(a, int) and a in tainted for a in op.ins):
+            tainted.update(op.outs)
+            if not op.backward:
+                downstream_of_backward.add(op.index)
+
+    order = {t: i for i, t in enumerate(tasks)}
+    groups: dict[tuple[int, int], list[Op]] = {}
+    for op in graph.ops:
+        groups.setdefault((level[op.index], order[op_tasks[op.index]]), []).append(op)
+
+    used_outside: dict[int, set[tuple[int, int]]] = {}
+    for key, ops in groups.items():
+        for op in ops:
+            for a in op.ins:
+                if isinstance(a, int):
+                    used_outside.setdefault(a, set()).add(key)
+    graph_outputs = {a for a in graph.outputs if isinstance(a, int)}
+
+    fragments = []
+    counts: dict[Task, int] = {}
+    for key in sorted(groups):
+        ops = groups[key]
+        task = tasks[key[1]]
+        produced = {v for op in ops for v in op.outs}
+        in_ids: list[int] = []
+        for op in ops:
+            for a in op.ins:
+                if isinstance(a, int) and a not in produced and a not in in_ids:
+                    in_ids.append(a)
+        out_ids = [
+            v
+            for op in ops
+            for v in op.outs
+            if v in graph_outputs or (used_outside.get(v, set()) - {key})
+        ]
+        k = counts[task] = counts.get(task, -1) + 1
+        fragments.append(
+            Fragment(f"{task.name}#{k}", task, ops, in_ids, out_ids, _kinds(ops, downstream_of_backward))
+        )
+    return fragments
