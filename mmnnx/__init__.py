@@ -6,6 +6,9 @@ Example:
     >>> s0 = mm.Task("stage0", mesh=mesh.slice(stage=0))
 """
 
+from mmnnx import mpmd
+from mmnnx.jit import JitFunction, jit
+from mmnnx.mpmd import MPMDError, PlacementConflictError, Plan, SideEffectError
 from mmnnx.sharding import (
     MultiMesh,
     Task,
@@ -23,13 +26,20 @@ from mmnnx.summary import tabulate
 __version__ = "0.1.0"
 
 __all__ = [
+    "JitFunction",
+    "MPMDError",
     "MultiMesh",
+    "PlacementConflictError",
+    "Plan",
+    "SideEffectError",
     "Task",
     "TaskMesh",
     "bytes_per_device",
     "current_multimesh",
     "init",
+    "jit",
     "logical_rules",
+    "mpmd",
     "place",
     "placement",
     "tabulate",

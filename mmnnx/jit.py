@@ -42,7 +42,9 @@ class _Call:
         self.treedef = jax.tree.structure(state)
         self.num_variables = len(jax.tree.leaves(variables))
         with_paths, _ = jax.tree.flatten_with_path(state, is_leaf=_is_variable)
-        self.names = [jax.tree_util.keystr(p[1:], simple=True, separator="/") for p, _ in with_paths]
+        self.names = [
+            jax.tree_util.keystr(p[1:], simple=True, separator="/") for p, _ in with_paths
+        ]
         nodes = [n for _, n in with_paths]
         self.tasks: list[Task | None] = [task_of(n) if _is_variable(n) else None for n in nodes]
         self.leaves = [n.get_value() if _is_variable(n) else n for n in nodes]

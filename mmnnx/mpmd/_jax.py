@@ -112,4 +112,3 @@ def run_ops(ops: Sequence[Op], in_ids: Sequence[int], out_ids: Sequence[int], ar
             result = (result,)
         env.update(zip(op.outs, result, strict=True))
     return [read(i) for i in out_ids]
-

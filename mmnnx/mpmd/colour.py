@@ -1,9 +1,9 @@
 """Colouring: which task runs each op.
 
 An op that reads state placed on task T runs on T. Every other op goes where the fewest bytes move:
-a local search over the op graph, starting from the producers' tasks and then weighing both the
-operands (in-edges) and the consumers (out-edges, including the home task of updated state), until
-nothing changes. Backward and update ops therefore land with the state and residuals they touch.
+a local search over the op graph. It starts from the consumers' tasks (an update joins the state it
+writes), then the producers' for what is left, and then moves single ops while that lowers the bytes
+crossing tasks on their operands and results (the home task of updated state counts as a consumer).
 """
 
 from __future__ import annotations
@@ -69,16 +69,25 @@ def colour(
             total += graph.nbytes[v] * sum(1 for d in dests if d is not None and d != task)
         return total
 
-    # Forward pass: follow the heaviest operand.
+    # Start from the consumers (updates join the state they write), then from the producers.
+    for op in reversed(graph.ops):
+        if assigned[op.index] is None:
+            weight: dict[Task, int] = {}
+            for v in op.outs:
+                dests = {assigned[c.index] for c in consumers.get(v, ())}
+                dests.update(sinks.get(v, ()))
+                for t in dests - {None}:
+                    weight[t] = weight.get(t, 0) + graph.nbytes[v] + 1
+            if weight:
+                assigned[op.index] = max(weight, key=weight.get)
     for op in graph.ops:
-        if assigned[op.index] is not None:
-            continue
-        weight: dict[Task, int] = {}
-        for a in op.ins:
-            if isinstance(a, int) and (t := where(a)) is not None:
-                weight[t] = weight.get(t, 0) + graph.nbytes[a] + 1
-        if weight:
-            assigned[op.index] = max(weight, key=weight.get)
+        if assigned[op.index] is None:
+            weight = {}
+            for a in op.ins:
+                if isinstance(a, int) and (t := where(a)) is not None:
+                    weight[t] = weight.get(t, 0) + graph.nbytes[a] + 1
+            if weight:
+                assigned[op.index] = max(weight, key=weight.get)
 
     free = [op for op in graph.ops if op.index not in fixed]
     for _ in range(_MAX_SWEEPS):

@@ -69,9 +69,7 @@ class Plan:
             for t in self.transfers:
                 src = t.source.name if t.source is not None else "(input)"
                 shape = ",".join(str(d) for d in t.shape)
-                lines.append(
-                    f"    {src} -> {t.target.name}: {t.dtype}[{shape}] ({t.nbytes:,} B)"
-                )
+                lines.append(f"    {src} -> {t.target.name}: {t.dtype}[{shape}] ({t.nbytes:,} B)")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -140,6 +138,8 @@ def cut(graph: Graph, op_tasks: Sequence[Task], tasks: Sequence[Task]) -> list[F
         ]
         k = counts[task] = counts.get(task, -1) + 1
         fragments.append(
-            Fragment(f"{task.name}#{k}", task, ops, in_ids, out_ids, _kinds(ops, downstream_of_backward))
+            Fragment(
+                f"{task.name}#{k}", task, ops, in_ids, out_ids, _kinds(ops, downstream_of_backward)
+            )
         )
     return fragments

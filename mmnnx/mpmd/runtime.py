@@ -123,7 +123,9 @@ class Executable:
                 task = next(t for t in tasks if t.jax_mesh == home.mesh)
                 self._outputs.append((ensure(atom, task, home), None))
             else:
-                src = next(s for (value, t, _), s in slots.items() if value == atom and t == where[atom])
+                src = next(
+                    s for (value, t, _), s in slots.items() if value == atom and t == where[atom]
+                )
                 self._outputs.append((src, None))
         self._actions = actions
         self._num_slots = len(slots)

@@ -1,0 +1,161 @@
+"""mm.jit against the same model on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+
+INIT = nnx.initializers.lecun_normal()
+RULES = mm.logical_rules(batch="data", mlp="model", embed=None)
+
+
+def tp(names):
+    return nnx.with_partitioning(INIT, names)
+
+
+class MLP4(nnx.Module):
+    """Two stages of two tensor-parallel Linear layers each."""
+
+    def __init__(self, rngs):
+        self.l0 = nnx.Linear(16, 32, kernel_init=tp(("embed", "mlp")), rngs=rngs)
+        self.l1 = nnx.Linear(32, 16, kernel_init=tp(("mlp", "embed")), rngs=rngs)
+        self.l2 = nnx.Linear(16, 32, kernel_init=tp(("embed", "mlp")), rngs=rngs)
+        self.l3 = nnx.Linear(32, 4, kernel_init=tp(("mlp", "embed")), rngs=rngs)
+
+    def __call__(self, x):
+        x = self.l1(jax.nn.relu(self.l0(x)))
+        return self.l3(jax.nn.relu(self.l2(x)))
+
+
+def make(seed=0):
+    with nnx.use_eager_sharding(False):
+        return MLP4(nnx.Rngs(seed))
+
+
+def loss_fn(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def train_step(model, opt, x, y):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    opt.update(model, grads)
+    return loss
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"))
+    s0 = mm.Task("stage0", mesh=mesh.task_mesh(stage=0), logical_axes=RULES)
+    s1 = mm.Task("stage1", mesh=mesh.task_mesh(stage=1), logical_axes=RULES)
+    return s0, s1
+
+
+@pytest.fixture(scope="module")
+def batch():
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    y = jax.random.normal(jax.random.key(2), (8, 4))
+    return x, y
+
+
+def two_stage(tasks, seed=0):
+    s0, s1 = tasks
+    return mm.place(make(seed), [("l0|l1", s0), ("l2|l3", s1)])
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-6):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def flat(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_forward_matches_one_device(tasks, batch):
+    x, _ = batch
+    model = two_stage(tasks)
+    out = mm.jit(lambda m, x: m(x))(model, x)
+    assert_close(out, make()(x))
+    assert sorted(d.id for d in out.devices()) == [4, 5, 6, 7]  # outputs stay where computed
+
+
+def test_value_and_grad_matches_one_device(tasks, batch):
+    model = two_stage(tasks)
+    loss, grads = mm.jit(nnx.value_and_grad(loss_fn))(model, *batch)
+    ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(make(), *batch)
+    assert_close(loss, ref_loss)
+    for a, b in zip(flat(grads), flat(ref_grads), strict=True):
+        assert_close(a, b)
+    kernel_grad = grads["l2"]["kernel"].get_value()
+    assert sorted(d.id for d in kernel_grad.devices()) == [4, 5, 6, 7]
+
+
+def test_three_adamw_steps_match_and_stay_placed(tasks, batch):
+    s0, s1 = tasks
+    model = two_stage(tasks)
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    ref = make()
+    ref_opt = nnx.Optimizer(ref, optax.adamw(1e-2), wrt=nnx.Param)
+    step = mm.jit(train_step)
+    placement = mm.placement(opt)
+    for _ in range(3):
+        loss = step(model, opt, *batch)
+        ref_loss = train_step(ref, ref_opt, *batch)
+        assert_close(loss, ref_loss)
+        for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
+            assert_close(a, b)
+        for a, b in zip(flat(opt.opt_state), flat(ref_opt.opt_state), strict=True):
+            assert_close(a, b)
+        assert mm.placement(opt) == placement
+        for name, task in [("l0", s0), ("l1", s0), ("l2", s1), ("l3", s1)]:
+            kernel = getattr(model, name).kernel.get_value()
+            assert kernel.sharding == task.sharding(placement[f"opt_state/0/mu/{name}/kernel"][1])
+            for moments in (opt.opt_state[0].mu, opt.opt_state[0].nu):
+                assert moments[name]["kernel"].get_value().sharding == kernel.sharding
+    assert step.trace_count == 1
+
+
+def test_plan_is_inspectable(tasks, batch):
+    model = two_stage(tasks)
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    plan = mm.jit(train_step).plan(model, opt, *batch)
+    assert [t.name for t in plan.tasks] == ["stage0", "stage1"]
+    assert len(plan.fragments_of("stage0")) >= 1 and len(plan.fragments_of("stage1")) >= 1
+    kinds = {k for f in plan.fragments for k in f.kinds}
+    assert kinds == {"forward", "backward", "update"}
+    # the activation goes forward once and its cotangent comes back once
+    big = [(t.source.name, t.target.name) for t in plan.transfers if t.source and t.nbytes >= 512]
+    assert sorted(big) == [("stage0", "stage1"), ("stage1", "stage0")]
+    assert all(t.source is None or t.nbytes <= 512 for t in plan.transfers)
+    text = str(plan)
+    assert "task 'stage0'" in text and "stage0 -> stage1: float32[8,16] (512 B)" in text
+    assert plan.num_programs == len(plan.fragments)
+
+
+def test_one_task_is_one_program(batch):
+    t = mm.Task(
+        "solo",
+        mesh=mm.TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("data", "model")),
+        logical_axes=RULES,
+    )
+    model = mm.place(make(), [(".*", t)])
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    plan = mm.jit(train_step).plan(model, opt, *batch)
+    assert len(plan.fragments) == 1 and plan.num_programs == 1
+    assert all(tr.source is None for tr in plan.transfers)  # only the batch goes in
+
+
+def test_cache_and_replan_on_new_shape(tasks, batch):
+    model = two_stage(tasks)
+    step = mm.jit(lambda m, x: m(x))
+    x, _ = batch
+    step(model, x)
+    step(model, x + 1)
+    assert step.trace_count == 1
+    step(model, jnp.ones((4, 16)))
+    assert step.trace_count == 2
+    step(model, jnp.ones((4, 16)))
+    assert step.trace_count == 2
