@@ -66,7 +66,10 @@ class _Call:
             self.key = (self.graphdef, self.treedef, signature, self.statics, self.static_kwargs)
             hash(self.key)
         except TypeError as e:
-            raise MPMDError(f"mm.jit: static arguments must be hashable ({e})") from None
+            raise MPMDError(
+                f"mm.jit: an argument holds a leaf that is neither an array nor hashable ({e}); "
+                "pass arrays, or mark the argument static with a hashable value"
+            ) from None
 
     def full_args(self, dyn_args: tuple, dyn_kwargs: dict) -> tuple[tuple, dict]:
         args = list(dyn_args)

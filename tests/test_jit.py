@@ -159,3 +159,95 @@ def test_cache_and_replan_on_new_shape(tasks, batch):
     assert step.trace_count == 2
     step(model, jnp.ones((4, 16)))
     assert step.trace_count == 2
+
+
+# -- mixed state: batch statistics and dropout RNG --------------------------------------------
+
+
+def test_batchnorm_and_dropout_state_written_back(tasks):
+    from tests.models import TwoStageMLP
+
+    def build():
+        with nnx.use_eager_sharding(False):
+            return TwoStageMLP(rngs=nnx.Rngs(0))
+
+    s0, s1 = tasks
+    model = mm.place(build(), [("layers/0", s0), ("layers/1|norm|drop", s1)])
+    ref = build()
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(3), (8, 16))
+
+    def step(model, opt, x):
+        def loss(m):
+            return jnp.mean(m(x) ** 2)
+
+        value, grads = nnx.value_and_grad(loss)(model)
+        opt.update(model, grads)
+        return value
+
+    jstep = mm.jit(step)
+    for _ in range(2):
+        assert_close(jstep(model, opt, x), step(ref, ref_opt, x))
+    assert_close(model.norm.mean.get_value(), ref.norm.mean.get_value())
+    assert_close(model.norm.var.get_value(), ref.norm.var.get_value())
+    assert int(model.drop.rngs.count.get_value()) == int(ref.drop.rngs.count.get_value()) == 2
+    for a, b in zip(
+        flat(nnx.state(model, nnx.Param)), flat(nnx.state(ref, nnx.Param)), strict=True
+    ):
+        assert_close(a, b)
+    for var in (model.norm.mean, model.drop.rngs.count):
+        assert sorted(d.id for d in var.get_value().devices()) == [4, 5, 6, 7]
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def test_state_of_two_tasks_in_one_op(tasks, batch):
+    model = two_stage(tasks)
+    before = flat(nnx.state(model))
+
+    def tied(m, x):
+        return jnp.sum(m.l0.bias[...] + m.l2.bias[...])
+
+    with pytest.raises(mm.PlacementConflictError) as info:
+        mm.jit(tied)(model, batch[0])
+    message = str(info.value)
+    assert "`add`" in message
+    assert "l0/bias" in message and "'stage0'" in message
+    assert "l2/bias" in message and "'stage1'" in message
+    assert "test_jit.py" in message  # the user's source line
+    for a, b in zip(before, flat(nnx.state(model)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_non_array_leaves(tasks):
+    class Unhashable:
+        __hash__ = None
+
+    model = two_stage(tasks)
+    step = mm.jit(lambda m, tag: m(jnp.ones((2, 16))))
+    step(model, {"tag": "x"})  # hashable non-array leaves are static, as in nnx.jit
+    step(model, {"tag": "y"})
+    assert step.trace_count == 2
+    with pytest.raises(mm.MPMDError, match=r"neither an array nor hashable.*Unhashable"):
+        step(model, {"tag": Unhashable()})
+    out = mm.jit(lambda m, n: m(jnp.ones((n, 16))), static_argnums=1)(model, 3)
+    assert out.shape == (3, 4)
+
+
+def test_structural_side_effect(tasks):
+    model = two_stage(tasks)
+
+    def grow(m):
+        m.extra = nnx.Param(jnp.ones(3))
+        return m.l0.kernel[...].sum()
+
+    with pytest.raises(mm.SideEffectError, match="changed the structure"):
+        mm.jit(grow)(model)
+    assert not hasattr(model, "extra")
+
+
+def test_unplaced_model_is_an_error():
+    with pytest.raises(mm.MPMDError, match="no argument holds state placed on a task"):
+        mm.jit(lambda m, x: m(x))(make(), jnp.ones((2, 16)))
