@@ -9,6 +9,7 @@ Example:
 from mmnnx import mpmd
 from mmnnx.jit import JitFunction, jit
 from mmnnx.mpmd import MPMDError, PlacementConflictError, Plan, SideEffectError
+from mmnnx.mpmd.markers import task, with_sharding_constraint
 from mmnnx.sharding import (
     MultiMesh,
     Task,
@@ -43,5 +44,7 @@ __all__ = [
     "place",
     "placement",
     "tabulate",
+    "task",
     "task_of",
+    "with_sharding_constraint",
 ]

@@ -9,13 +9,15 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
-from mmnnx.mpmd import _jax
+from mmnnx.mpmd import _jax, markers
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError
 from mmnnx.mpmd.plan import Plan, cut
 from mmnnx.mpmd.runtime import Executable
 from mmnnx.sharding import Task, task_of
+from mmnnx.sharding.place import SPEC_KEY
 
 
 def _is_variable(x: Any) -> bool:
@@ -24,6 +26,23 @@ def _is_variable(x: Any) -> bool:
 
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
     return (x,) if isinstance(x, int) else tuple(x)
+
+
+def _output_homes(out_shape: Any) -> list[tuple[Task | None, Any]]:
+    """For each output leaf: the task and sharding of the Variable it belongs to, if placed.
+
+    Gradients from ``nnx.grad`` are Variables carrying their parameter's placement, so they are
+    computed on, and returned from, their parameter's task.
+    """
+    homes = []
+    for node in jax.tree.leaves(out_shape, is_leaf=_is_variable):
+        task = task_of(node) if _is_variable(node) else None
+        if task is None:
+            homes.append((None, None))
+        else:
+            spec = node.get_metadata().get(SPEC_KEY, PartitionSpec())
+            homes.append((task, task.sharding(spec)))
+    return homes
 
 
 class _Call:
@@ -111,18 +130,24 @@ class JitFunction:
 
         self.trace_count += 1
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
-        graph, out_shape = _jax.trace(pure, avals)
+        with markers.tracing() as regions:
+            graph, out_shape = _jax.trace(pure, avals)
         out_tree = jax.tree.structure(out_shape[0])
-        tasks = list(dict.fromkeys(t for t in call.tasks if t is not None))
+        tasks = list(dict.fromkeys([*(t for t in call.tasks if t is not None), *regions.values()]))
+        names = {}
+        for t in tasks:
+            if names.setdefault(t.name, t) != t:
+                raise MPMDError(f"mm.jit: two different tasks are named {t.name!r}")
         if not tasks:
             raise MPMDError(
                 "mm.jit: no argument holds state placed on a task; place the model with "
                 "mm.place or mm.init first"
             )
         num_user_outputs = len(graph.outputs) - call.num_variables
-        homes = [None] * num_user_outputs + list(call.shardings[: call.num_variables])
-        home_tasks = [None] * num_user_outputs + list(call.tasks[: call.num_variables])
-        op_tasks = colour(graph, call.tasks, call.names, home_tasks, tasks)
+        out_homes = _output_homes(out_shape[0])
+        homes = [s for _, s in out_homes] + list(call.shardings[: call.num_variables])
+        home_tasks = [t for t, _ in out_homes] + list(call.tasks[: call.num_variables])
+        op_tasks = colour(graph, call.tasks, call.names, home_tasks, tasks, regions)
         fragments = cut(graph, op_tasks, tasks)
         executable = Executable(graph, fragments, tasks, call.tasks, call.shardings, homes)
         return executable, (out_tree, num_user_outputs)
@@ -162,11 +187,18 @@ def jit(
     state placed on task T runs on T; other ops go where the fewest bytes move.
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from mmnnx.sharding import Task, TaskMesh, place
+        >>> s0, s1 = Task("s0", mesh=TaskMesh(devices=[0])), Task("s1", mesh=TaskMesh(devices=[1]))
+        >>> model = place(nnx.Sequential(nnx.Linear(2, 4, rngs=nnx.Rngs(0)),
+        ...                              nnx.Linear(4, 1, rngs=nnx.Rngs(1))),
+        ...               [("layers/0", s0), ("layers/1", s1)])
         >>> @jit
-        ... def train_step(model, opt, batch):  # doctest: +SKIP
-        ...     loss, grads = nnx.value_and_grad(lambda m: m.loss(batch))(model)
-        ...     opt.update(model, grads)
-        ...     return loss
+        ... def loss_and_grads(model, x):
+        ...     return nnx.value_and_grad(lambda m: m(x).sum())(model)
+        >>> loss, grads = loss_and_grads(model, jnp.ones((8, 2)))
+        >>> [d.id for d in grads["layers"][1]["kernel"].get_value().devices()]
+        [1]
     """
     if fun is None:
         return functools.partial(

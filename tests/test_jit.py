@@ -89,8 +89,10 @@ def test_value_and_grad_matches_one_device(tasks, batch):
     assert_close(loss, ref_loss)
     for a, b in zip(flat(grads), flat(ref_grads), strict=True):
         assert_close(a, b)
-    kernel_grad = grads["l2"]["kernel"].get_value()
-    assert sorted(d.id for d in kernel_grad.devices()) == [4, 5, 6, 7]
+    for name in ("l0", "l1", "l2", "l3"):
+        # gradients are computed on, and returned from, their parameter's task and sharding
+        grad = grads[name]["kernel"].get_value()
+        assert grad.sharding == getattr(model, name).kernel.get_value().sharding
 
 
 def test_three_adamw_steps_match_and_stay_placed(tasks, batch):
@@ -251,3 +253,79 @@ def test_structural_side_effect(tasks):
 def test_unplaced_model_is_an_error():
     with pytest.raises(mm.MPMDError, match="no argument holds state placed on a task"):
         mm.jit(lambda m, x: m(x))(make(), jnp.ones((2, 16)))
+
+
+# -- mm.task regions and logical sharding constraints ------------------------------------------
+
+
+def test_task_region_forces_placement(tasks, batch):
+    s0, s1 = tasks
+    model = mm.place(make(), [(".*", s0)])
+    x, y = batch
+
+    def head_loss(out, y):
+        return jnp.mean(jnp.tanh(out - y) ** 2)
+
+    def step(model, x, y):
+        def loss(m):
+            return mm.task(head_loss, s1)(m(x), y)
+
+        return nnx.value_and_grad(loss)(model)
+
+    loss, grads = mm.jit(step)(model, x, y)
+    ref_loss, ref_grads = step(make(), x, y)
+    assert_close(loss, ref_loss)
+    for a, b in zip(flat(grads), flat(ref_grads), strict=True):
+        assert_close(a, b)
+    assert sorted(d.id for d in loss.devices()) == [4, 5, 6, 7]
+    plan = mm.jit(step).plan(model, x, y)
+    (head,) = plan.fragments_of("stage1")
+    assert set(head.kinds) == {"forward", "backward"}
+
+
+def test_task_region_reading_other_tasks_state(tasks, batch):
+    s0, s1 = tasks
+    model = two_stage(tasks)
+
+    def step(m, x):
+        return mm.task(lambda x: m.l2(x), s0)(x).sum()
+
+    with pytest.raises(mm.PlacementConflictError, match=r"region 'stage0'.*l2/.*'stage1'"):
+        mm.jit(step)(model, jnp.ones((2, 16)))
+
+
+def test_logical_constraint_shards_batch_on_first_consumer(tasks, batch):
+    s0, _ = tasks
+    model = two_stage(tasks)
+
+    def forward(m, x):
+        x = mm.with_sharding_constraint(x, ("batch", None))
+        return m(x)
+
+    x, _ = batch
+    step = mm.jit(forward)
+    assert_close(step(model, x), make()(x))
+    (inp,) = [t for t in step.plan(model, x).transfers if t.source is None]
+    assert inp.target == s0
+    assert inp.sharding.spec == jax.sharding.PartitionSpec("data", None)
+    assert inp.sharding.mesh == s0.jax_mesh
+
+
+def test_batch_not_divisible_by_data_axis(tasks):
+    model = two_stage(tasks)
+
+    def forward(m, x):
+        return m(mm.with_sharding_constraint(x, ("batch", None)))
+
+    with pytest.raises(ValueError, match=r"task 'stage0'.*dimension 0 of size 3.*\('data',\)"):
+        mm.jit(forward)(model, jnp.ones((3, 16)))
+
+
+def test_constraint_outside_jit_is_physical():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    f = jax.jit(
+        lambda a: mm.with_sharding_constraint(
+            a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+        )
+    )
+    assert f(jnp.ones(4)).sharding.spec == jax.sharding.PartitionSpec("x")

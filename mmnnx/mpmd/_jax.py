@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
+from jax.interpreters import ad, batching
 
 from mmnnx.mpmd.ir import Const, Graph, Op
 from mmnnx.sharding.specs import itemsize
@@ -38,17 +39,18 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
             return Const(a.val)
         return env[a]
 
-    def walk(jaxpr: jcore.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any]):
+    def walk(jaxpr: jcore.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any], prefix: str = ""):
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             env[v] = Const(c)
         for v, x in zip(jaxpr.invars, inputs, strict=True):
             env[v] = x
         for eqn in jaxpr.eqns:
+            scope = f"{prefix}/{eqn.source_info.name_stack}"
             if eqn.primitive.name in _INLINE and "jaxpr" in eqn.params:
                 inner = eqn.params["jaxpr"]
                 inner_jaxpr = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
                 inner_consts = inner.consts if isinstance(inner, jcore.ClosedJaxpr) else []
-                outs = walk(inner_jaxpr, inner_consts, [atom(a) for a in eqn.invars])
+                outs = walk(inner_jaxpr, inner_consts, [atom(a) for a in eqn.invars], scope)
                 for v, o in zip(eqn.outvars, outs, strict=True):
                     env[v] = o
                 continue
@@ -67,7 +69,7 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
                     multiple_results=eqn.primitive.multiple_results,
                     source=_source_line(eqn.source_info),
                     name=eqn.primitive.name,
-                    backward="transpose" in str(eqn.source_info.name_stack),
+                    scope=scope,
                 )
             )
         return [atom(a) for a in jaxpr.outvars]
@@ -95,10 +97,17 @@ def _source_line(source_info) -> str:
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
-def run_ops(ops: Sequence[Op], in_ids: Sequence[int], out_ids: Sequence[int], args) -> list:
+def run_ops(
+    ops: Sequence[Op],
+    in_ids: Sequence[int],
+    out_ids: Sequence[int],
+    args,
+    constrain: Callable[[Any, Op], Any],
+) -> list:
     """Evaluates ``ops`` (in order) on ``args`` bound to ``in_ids``; returns ``out_ids``' values.
 
-    Called inside ``jax.jit`` to build one fragment's program.
+    Called inside ``jax.jit`` to build one fragment's program. ``constrain(x, op)`` applies a
+    logical sharding constraint (see :data:`constraint_p`) on the fragment's task.
     """
     env = dict(zip(in_ids, args, strict=True))
 
@@ -106,9 +115,39 @@ def run_ops(ops: Sequence[Op], in_ids: Sequence[int], out_ids: Sequence[int], ar
         return a.value if isinstance(a, Const) else env[a]
 
     for op in ops:
+        if op.primitive is constraint_p:
+            env[op.outs[0]] = constrain(read(op.ins[0]), op)
+            continue
         params = op.primitive.get_bind_params(op.params)
         result = op.primitive.bind(*(read(a) for a in op.ins), **params)
         if not op.multiple_results:
             result = (result,)
         env.update(zip(op.outs, result, strict=True))
     return [read(i) for i in out_ids]
+
+
+# A logical sharding constraint recorded while mm.jit traces a step: identity on values, resolved
+# to ``jax.lax.with_sharding_constraint`` on the task that runs it (see runtime.py).
+constraint_p = jcore.Primitive("mm_sharding_constraint")
+constraint_p.def_impl(lambda x, *, names: x)
+constraint_p.def_abstract_eval(lambda x, *, names: x)
+
+
+def _constraint_transpose(ct, x, *, names):
+    return [constraint_p.bind(ct, names=names)]
+
+
+ad.deflinear2(constraint_p, _constraint_transpose)
+batching.primitive_batchers[constraint_p] = lambda args, dims, *, names: (
+    constraint_p.bind(args[0], names=(None, *names) if dims[0] == 0 else names),
+    dims[0],
+)
+
+
+def constraint_names(op: Op) -> tuple:
+    """The spec entries (logical or physical axis names) of a constraint op."""
+    return op.params["names"]
+
+
+def is_constraint(op: Op) -> bool:
+    return op.primitive is constraint_p

@@ -23,8 +23,14 @@ def colour(
     input_names: Sequence[str],
     output_homes: Sequence[Task | None],
     tasks: Sequence[Task],
+    regions: dict[str, Task] | None = None,
 ) -> list[Task]:
-    """Returns the task of every op in ``graph.ops`` (same order)."""
+    """Returns the task of every op in ``graph.ops`` (same order).
+
+    ``regions`` maps the task names of ``mm.task`` regions to their tasks; ops traced inside a
+    region (forward or backward) run on its task.
+    """
+    regions = regions or {}
     placed = {v: t for v, t in zip(graph.inputs, input_tasks, strict=True) if t is not None}
     names = dict(zip(graph.inputs, input_names, strict=True))
     producer = graph.producers()
@@ -47,7 +53,17 @@ def colour(
                 f"{names[v2]} (placed on task {t2.name!r}) at once; place both on one task, or "
                 "compute with a copy of one of them on the other task"
             )
-        if reads:
+        region = regions.get(op.region) if op.region is not None else None
+        if region is not None:
+            for t, v in reads.items():
+                if t != region:
+                    raise PlacementConflictError(
+                        f"`{op.name}` at {op.source} runs in mm.task region {region.name!r} but "
+                        f"reads {names[v]}, which is placed on task {t.name!r}; place it on "
+                        f"{region.name!r} or move the op out of the region"
+                    )
+            fixed[op.index] = region
+        elif reads:
             fixed[op.index] = next(iter(reads))
 
     assigned: list[Task | None] = [fixed.get(op.index) for op in graph.ops]

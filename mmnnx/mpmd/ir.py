@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
+
+REGION_PREFIX = "mm_task:"
+_REGION = re.compile(re.escape(REGION_PREFIX) + r"([^/()]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +32,17 @@ class Op:
     multiple_results: bool
     source: str
     name: str
-    backward: bool = False
+    scope: str = ""
+
+    @property
+    def backward(self) -> bool:
+        return "transpose(" in self.scope
+
+    @property
+    def region(self) -> str | None:
+        """The task name of the innermost ``mm.task`` region this op was traced in, if any."""
+        found = _REGION.findall(self.scope)
+        return found[-1] if found else None
 
 
 @dataclasses.dataclass

@@ -36,6 +36,7 @@ class Transfer:
     shape: tuple[int, ...]
     dtype: Any
     nbytes: int
+    sharding: Any = None
 
 
 @dataclasses.dataclass
@@ -105,6 +106,25 @@ def cut(graph: Graph, op_tasks: Sequence[Task], tasks: Sequence[Task]) -> list[F
             tainted.update(op.outs)
             if not op.backward:
                 downstream_of_backward.add(op.index)
+
+    # Ops that read no input (constants, cotangent seeds) run as late as their consumers allow, so
+    # they join the fragment that uses them instead of forming one of their own.
+    constant: set[int] = set()
+    for op in graph.ops:
+        sources = [a for a in op.ins if isinstance(a, int)]
+        if all(a in producer and producer[a].index in constant for a in sources):
+            constant.add(op.index)
+    consumers = graph.consumers()
+    for op in reversed(graph.ops):
+        if op.index not in constant:
+            continue
+        bounds = [
+            level[c.index] - (op_tasks[c.index] != op_tasks[op.index])
+            for v in op.outs
+            for c in consumers.get(v, ())
+        ]
+        if bounds:
+            level[op.index] = max(level[op.index], min(bounds))
 
     order = {t: i for i, t in enumerate(tasks)}
     groups: dict[tuple[int, int], list[Op]] = {}

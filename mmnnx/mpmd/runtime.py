@@ -12,10 +12,12 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmnnx.mpmd._jax import run_ops
-from mmnnx.mpmd.ir import Const, Graph
+from mmnnx.mpmd._jax import constraint_names, is_constraint, run_ops
+from mmnnx.mpmd.ir import Const, Graph, Op
+from mmnnx.mpmd.markers import resolve_names
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer
 from mmnnx.sharding import Task
+from mmnnx.sharding.specs import check_spec
 
 _RUN, _PUT = 0, 1
 
@@ -31,6 +33,13 @@ def _compatible(sharding: Any, task: Task, shape: Sequence[int]) -> NamedShardin
         if all(a in dst_sizes and dst_sizes[a] == src_sizes.get(a) for a in axes):
             return NamedSharding(mesh, spec)
     return NamedSharding(mesh, PartitionSpec())
+
+
+def _constraint_sharding(op: Op, task: Task, shape: Sequence[int]) -> NamedSharding:
+    spec = resolve_names(task, constraint_names(op))
+    where = f"with_sharding_constraint at {op.source} on task {task.name!r}"
+    check_spec(spec, shape, task.jax_mesh, where)
+    return NamedSharding(task.jax_mesh, spec)
 
 
 class Executable:
@@ -57,6 +66,11 @@ class Executable:
             self._input_slots.append((slot, i))
         actions: list[tuple] = []
         transfers: list[Transfer] = []
+        op_task = {op.index: f.task for f in fragments for op in f.ops}
+        first_constraint: dict[int, Op] = {}
+        for op in graph.ops:
+            if is_constraint(op) and isinstance(op.ins[0], int):
+                first_constraint.setdefault(op.ins[0], op)
 
         def ensure(v: int, task: Task, want: NamedSharding | None = None) -> int:
             for (value, t, _), slot in slots.items():
@@ -65,7 +79,12 @@ class Executable:
             source = where[v]
             src_slot = next(s for (value, t, _), s in slots.items() if value == v and t == source)
             if want is None:
-                if source is None:
+                if source is None and v in first_constraint:
+                    op = first_constraint[v]
+                    want = _constraint_sharding(op, op_task[op.index], graph.shapes[v])
+                    if want.mesh != task.jax_mesh:
+                        want = _compatible(want, task, graph.shapes[v])
+                elif source is None:
                     want = task.sharding()
                 else:
                     want = _compatible(sharding_of[src_slot], task, graph.shapes[v])
@@ -73,7 +92,7 @@ class Executable:
             sharding_of[slot] = want
             actions.append((_PUT, src_slot, slot, want))
             transfers.append(
-                Transfer(v, source, task, graph.shapes[v], graph.dtypes[v], graph.nbytes[v])
+                Transfer(v, source, task, graph.shapes[v], graph.dtypes[v], graph.nbytes[v], want)
             )
             return slot
 
@@ -96,8 +115,17 @@ class Executable:
                 else:
                     out_shardings.append(None)
 
-            def body(*args, frag=frag):
-                return run_ops(frag.ops, frag.in_ids, frag.out_ids, args)
+            constraints = {
+                op.index: _constraint_sharding(op, frag.task, graph.shapes[op.outs[0]])
+                for op in frag.ops
+                if is_constraint(op)
+            }
+
+            def constrain(x, op, constraints=constraints):
+                return jax.lax.with_sharding_constraint(x, constraints[op.index])
+
+            def body(*args, frag=frag, constrain=constrain):
+                return run_ops(frag.ops, frag.in_ids, frag.out_ids, args, constrain)
 
             jitted = jax.jit(body, in_shardings=in_shardings, out_shardings=out_shardings)
             avals = [

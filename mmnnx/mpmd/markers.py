@@ -1,0 +1,98 @@
+"""User annotations that steer the engine: ``mm.task`` regions and logical sharding constraints."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from mmnnx.mpmd import _jax
+from mmnnx.mpmd.errors import MPMDError
+from mmnnx.mpmd.ir import REGION_PREFIX
+from mmnnx.sharding import Task
+
+_TRACING: contextvars.ContextVar[dict[str, Task] | None] = contextvars.ContextVar(
+    "mm_tracing", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[dict[str, Task]]:
+    """Marks an mm.jit trace; collects the tasks named by ``mm.task`` regions inside it."""
+    regions: dict[str, Task] = {}
+    token = _TRACING.set(regions)
+    try:
+        yield regions
+    finally:
+        _TRACING.reset(token)
+
+
+def task(fn: Callable, task: Task) -> Callable:
+    """Forces the computation of ``fn`` (a function or a Module) onto ``task``.
+
+    Inside ``mm.jit`` every op traced in ``fn`` (and its backward pass) runs on ``task``; state it
+    reads must be placed there. Outside ``mm.jit`` it simply calls ``fn``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> head = Task("head", mesh=None)
+        >>> task(jnp.tanh, head)(jnp.zeros(2)).shape
+        (2,)
+    """
+    if not isinstance(task, Task):
+        raise TypeError(f"mm.task: {task!r} is not an mm.Task")
+    if not callable(fn):
+        raise TypeError(f"mm.task: {fn!r} is not callable")
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        regions = _TRACING.get()
+        if regions is None:
+            return fn(*args, **kwargs)
+        if task.name is None or task.mesh is None:
+            raise MPMDError(f"mm.task: task {task!r} needs a name and a mesh inside mm.jit")
+        known = regions.setdefault(task.name, task)
+        if known != task:
+            raise MPMDError(f"mm.task: two different tasks are named {task.name!r}")
+        with jax.named_scope(f"{REGION_PREFIX}{task.name}"):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def with_sharding_constraint(x: Any, spec: PartitionSpec | Sequence[str | None]) -> Any:
+    """Constrains the sharding of ``x``; inside a task, logical names use the task's rules.
+
+    Inside ``mm.jit`` each entry of ``spec`` is a logical name (translated by the ``logical_axes``
+    of the task that runs the op) or a device axis of that task's mesh; an input array constrained
+    before anything else uses it is sent to its task with that sharding. Outside ``mm.jit`` it is
+    ``jax.lax.with_sharding_constraint`` with physical axis names.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> with_sharding_constraint(jnp.ones(4), PartitionSpec()).shape  # doctest: +SKIP
+        (4,)
+    """
+    if _TRACING.get() is None:
+        return jax.lax.with_sharding_constraint(x, spec)
+    names = tuple(spec)
+    return jax.tree.map(lambda leaf: _jax.constraint_p.bind(leaf, names=names), x)
+
+
+def resolve_names(task: Task, names: Sequence[Any]) -> PartitionSpec:
+    """Translates constraint entries on ``task``: logical names by its rules, axis names as-is."""
+    logical = {name for name, _ in task.rules}
+    axes = set(task.axis_names)
+    translated = task.spec(tuple(n if isinstance(n, str) and n in logical else None for n in names))
+    out = []
+    for n, t in zip(names, translated, strict=True):
+        if isinstance(n, tuple) or (isinstance(n, str) and n not in logical and n in axes):
+            out.append(n)
+        else:
+            out.append(t)
+    return PartitionSpec(*out)
