@@ -28,6 +28,20 @@ def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
     return (x,) if isinstance(x, int) else tuple(x)
 
 
+def _arg_position(path: tuple) -> int | None:
+    """The positional-argument index a state leaf comes from (None for keyword arguments)."""
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    # path: (variables|rest, args|kwargs, position, ...)
+    return keys[2] if len(keys) > 2 and keys[1] == 0 else None
+
+
+def _leaf_name(path: tuple) -> str:
+    """A readable name for a state leaf: ``arg0/layers/0/kernel`` or ``batch/x`` for kwargs."""
+    keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+    head = f"arg{keys[2]}" if keys[1] == 0 else str(keys[2])
+    return "/".join([head, *(str(k) for k in keys[3:])])
+
+
 def _output_homes(out_shape: Any) -> list[tuple[Task | None, Any]]:
     """For each output leaf: the task and sharding of the Variable it belongs to, if placed.
 
@@ -61,9 +75,7 @@ class _Call:
         self.treedef = jax.tree.structure(state)
         self.num_variables = len(jax.tree.leaves(variables))
         with_paths, _ = jax.tree.flatten_with_path(state, is_leaf=_is_variable)
-        self.names = [
-            jax.tree_util.keystr(p[1:], simple=True, separator="/") for p, _ in with_paths
-        ]
+        self.names = [_leaf_name(p) for p, _ in with_paths]
         nodes = [n for _, n in with_paths]
         self.tasks: list[Task | None] = [task_of(n) if _is_variable(n) else None for n in nodes]
         self.leaves = [n.get_value() if _is_variable(n) else n for n in nodes]
@@ -77,6 +89,11 @@ class _Call:
             leaf.sharding if task is not None else None
             for leaf, task in zip(self.leaves, self.tasks, strict=True)
         ]
+        self._check_devices()
+        self.donated = [
+            _arg_position(path) in fn.donate_argnums and task is not None
+            for (path, _), task in zip(with_paths, self.tasks, strict=True)
+        ]
         signature = tuple(
             (tuple(leaf.shape), str(leaf.dtype), sharding)
             for leaf, sharding in zip(self.leaves, self.shardings, strict=True)
@@ -89,6 +106,26 @@ class _Call:
                 f"mm.jit: an argument holds a leaf that is neither an array nor hashable ({e}); "
                 "pass arrays, or mark the argument static with a hashable value"
             ) from None
+
+    def _check_devices(self) -> None:
+        owned: set = set()
+        for task in dict.fromkeys(t for t in self.tasks if t is not None):
+            owned.update(task.jax_mesh.devices.flat)
+        for name, leaf, task in zip(self.names, self.leaves, self.tasks, strict=True):
+            if not isinstance(leaf, jax.Array):
+                continue
+            devices = leaf.sharding.device_set
+            if task is not None and devices != set(task.jax_mesh.devices.flat):
+                raise MPMDError(
+                    f"mm.jit: {name!r} is placed on task {task.name!r} but its array lives on "
+                    f"devices {sorted(d.id for d in devices)}; re-run mm.place after moving it"
+                )
+            if task is None and leaf.committed and not devices <= owned:
+                raise MPMDError(
+                    f"mm.jit: argument {name!r} is on devices "
+                    f"{sorted(d.id for d in devices - owned)} that no task owns; tasks own "
+                    f"devices {sorted(d.id for d in owned)}"
+                )
 
     def full_args(self, dyn_args: tuple, dyn_kwargs: dict) -> tuple[tuple, dict]:
         args = list(dyn_args)
@@ -149,7 +186,9 @@ class JitFunction:
         home_tasks = [t for t, _ in out_homes] + list(call.tasks[: call.num_variables])
         op_tasks = colour(graph, call.tasks, call.names, home_tasks, tasks, regions)
         fragments = cut(graph, op_tasks, tasks)
-        executable = Executable(graph, fragments, tasks, call.tasks, call.shardings, homes)
+        executable = Executable(
+            graph, fragments, tasks, call.tasks, call.shardings, homes, call.donated
+        )
         return executable, (out_tree, num_user_outputs)
 
     def _lookup(self, args, kwargs) -> tuple[_Call, Executable, Any]:

@@ -329,3 +329,31 @@ def test_constraint_outside_jit_is_physical():
         )
     )
     assert f(jnp.ones(4)).sharding.spec == jax.sharding.PartitionSpec("x")
+
+
+def test_donated_state_is_updated_in_place(tasks, batch):
+    model = two_stage(tasks)
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    ref = make()
+    ref_opt = nnx.Optimizer(ref, optax.adamw(1e-2), wrt=nnx.Param)
+    step = mm.jit(train_step, donate_argnums=(0, 1))
+    for _ in range(2):
+        old_kernel = model.l2.kernel.get_value()
+        old_moment = opt.opt_state[0].mu["l0"]["kernel"].get_value()
+        assert_close(step(model, opt, *batch), train_step(ref, ref_opt, *batch))
+        assert old_kernel.is_deleted() and old_moment.is_deleted()
+    for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
+        assert_close(a, b)
+    assert not batch[0].is_deleted()  # only the donated arguments are consumed
+
+
+def test_arrays_on_devices_no_task_owns(tasks):
+    s0, _ = tasks
+    model = mm.place(make(), [(".*", s0)])
+    stray = jax.device_put(jnp.ones((2, 16)), jax.devices()[6])
+    with pytest.raises(mm.MPMDError, match=r"devices \[6\] that no task owns.*\[0, 1, 2, 3\]"):
+        mm.jit(lambda m, x: m(x))(model, stray)
+    moved = two_stage(tasks)
+    moved.l0.kernel.set_value(jax.device_put(moved.l0.kernel.get_value(), jax.devices()[7]))
+    with pytest.raises(mm.MPMDError, match=r"'.*l0/kernel' is placed on task 'stage0'.*\[7\]"):
+        mm.jit(lambda m, x: m(x))(moved, jnp.ones((2, 16)))

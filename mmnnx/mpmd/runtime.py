@@ -42,6 +42,26 @@ def _constraint_sharding(op: Op, task: Task, shape: Sequence[int]) -> NamedShard
     return NamedSharding(task.jax_mesh, spec)
 
 
+def _donations(
+    graph: Graph,
+    fragments: Sequence[Fragment],
+    input_tasks: Sequence[Task | None],
+    donated: Sequence[bool],
+) -> dict[int, Fragment]:
+    """Donated inputs -> the fragment that may consume their buffer (their last reader)."""
+    outputs = {a for a in graph.outputs if isinstance(a, int)}
+    last: dict[int, Fragment] = {}
+    for frag in fragments:
+        for v in frag.in_ids:
+            last[v] = frag
+    out = {}
+    for v, task, d in zip(graph.inputs, input_tasks, donated, strict=True):
+        frag = last.get(v)
+        if d and frag is not None and frag.task == task and v not in outputs:
+            out[v] = frag
+    return out
+
+
 class Executable:
     """A compiled step: call it with the flat input leaves; it returns the flat outputs."""
 
@@ -53,6 +73,7 @@ class Executable:
         input_tasks: Sequence[Task | None],
         input_shardings: Sequence[Any],
         output_homes: Sequence[NamedSharding | None],
+        donated: Sequence[bool] | None = None,
     ):
         self.tasks = tasks
         slots: dict[tuple, int] = {}
@@ -101,6 +122,7 @@ class Executable:
             if isinstance(atom, int) and home is not None:
                 home_of.setdefault(atom, home)
 
+        donate_in = _donations(graph, fragments, input_tasks, donated or [False] * len(input_tasks))
         self.num_programs = 0
         for frag in fragments:
             in_slots = [ensure(v, frag.task) for v in frag.in_ids]
@@ -127,7 +149,13 @@ class Executable:
             def body(*args, frag=frag, constrain=constrain):
                 return run_ops(frag.ops, frag.in_ids, frag.out_ids, args, constrain)
 
-            jitted = jax.jit(body, in_shardings=in_shardings, out_shardings=out_shardings)
+            donate = tuple(i for i, v in enumerate(frag.in_ids) if donate_in.get(v) is frag)
+            jitted = jax.jit(
+                body,
+                in_shardings=in_shardings,
+                out_shardings=out_shardings,
+                donate_argnums=donate,
+            )
             avals = [
                 jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
                 for v, s in zip(frag.in_ids, in_shardings, strict=True)
