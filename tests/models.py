@@ -37,3 +37,65 @@ class TwoStageMLP(nnx.Module):
 def make_mlp(seed: int = 0) -> TwoStageMLP:
     with nnx.use_eager_sharding(False):
         return TwoStageMLP(rngs=nnx.Rngs(seed))
+
+
+def _tp(names):
+    return nnx.with_partitioning(INIT, names)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP, tensor-parallel names."""
+
+    def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs):
+        self.heads = heads
+        self.norm1 = nnx.RMSNorm(dim, rngs=rngs)
+        self.qkv = nnx.Linear(
+            dim, 3 * dim, use_bias=False, kernel_init=_tp(("embed", "heads")), rngs=rngs
+        )
+        self.out = nnx.Linear(
+            dim, dim, use_bias=False, kernel_init=_tp(("heads", "embed")), rngs=rngs
+        )
+        self.norm2 = nnx.RMSNorm(dim, rngs=rngs)
+        self.up = nnx.Linear(dim, 4 * dim, kernel_init=_tp(("embed", "mlp")), rngs=rngs)
+        self.down = nnx.Linear(4 * dim, dim, kernel_init=_tp(("mlp", "embed")), rngs=rngs)
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        q, k, v = jax.numpy.split(self.qkv(self.norm1(x)), 3, axis=-1)
+        shape = (b, t, self.heads, d // self.heads)
+        q, k, v = (a.reshape(shape) for a in (q, k, v))
+        mask = nnx.make_causal_mask(jax.numpy.ones((b, t)))
+        attn = nnx.dot_product_attention(q, k, v, mask=mask).reshape(b, t, d)
+        x = x + self.out(attn)
+        return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+
+
+class TinyGPT(nnx.Module):
+    """Embedding, four blocks, final norm and an untied head."""
+
+    def __init__(
+        self, vocab: int = 32, dim: int = 16, heads: int = 2, depth: int = 4, *, rngs: nnx.Rngs
+    ):
+        self.embed = nnx.Embed(vocab, dim, embedding_init=_tp(("vocab", "embed")), rngs=rngs)
+        self.blocks = nnx.List([Block(dim, heads, rngs=rngs) for _ in range(depth)])
+        self.norm = nnx.RMSNorm(dim, rngs=rngs)
+        self.head = nnx.Linear(
+            dim, vocab, use_bias=False, kernel_init=_tp(("embed", "vocab")), rngs=rngs
+        )
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def loss(self, tokens):
+        logits = self(tokens[:, :-1])
+        labels = tokens[:, 1:]
+        logp = jax.nn.log_softmax(logits)
+        return -jax.numpy.mean(jax.numpy.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def make_gpt(seed: int = 0) -> TinyGPT:
+    with nnx.use_eager_sharding(False):
+        return TinyGPT(rngs=nnx.Rngs(seed))

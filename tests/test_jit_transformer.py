@@ -1,0 +1,102 @@
+"""A 4-block transformer on 4 tasks of 2 devices each, against one device."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from tests.models import make_gpt
+
+RULES = mm.logical_rules(mlp="model", heads="model", vocab="model", embed=None)
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return [
+        mm.Task(
+            f"t{i}",
+            mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1], axis_names=("model",)),
+            logical_axes=RULES,
+        )
+        for i in range(4)
+    ]
+
+
+def place(tasks):
+    t0, t1, t2, t3 = tasks
+    return mm.place(
+        make_gpt(),
+        [
+            ("embed|blocks/0/", t0),
+            ("blocks/1/", t1),
+            ("blocks/2/", t2),
+            ("blocks/3/|norm|head", t3),
+        ],
+    )
+
+
+def train_step(model, opt, tokens):
+    loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens))(model)
+    opt.update(model, grads)
+    return loss
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def close_normwise(a, b, rtol=1e-5):
+    """||a - b|| <= rtol * ||b||.
+
+    Used for parameters after Adam steps: an element whose gradient is rounding noise (here
+    blocks/3/qkv/kernel[8, 19] has grad -2.7e-8) gets an update of +-lr from either run, so an
+    elementwise relative check there measures float noise, not the engine.
+    """
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(b) + 1e-7
+
+
+def test_four_task_transformer_matches_one_device(tasks):
+    tokens = jax.random.randint(jax.random.key(0), (4, 9), 0, 32)
+    model = place(tasks)
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    ref = make_gpt()
+    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+
+    loss, grads = mm.jit(nnx.value_and_grad(lambda m, t: m.loss(t)))(model, tokens)
+    ref_loss, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(ref, tokens)
+    close(loss, ref_loss)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        close(a, b)
+
+    step = mm.jit(train_step)
+    placement = mm.placement(opt)
+    for _ in range(3):
+        close(step(model, opt, tokens), train_step(ref, ref_opt, tokens))
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(ref)), strict=True
+    ):
+        close_normwise(a, b)
+    assert mm.placement(opt) == placement
+    for i, block in enumerate(model.blocks):
+        kernel = block.up.kernel.get_value()
+        assert sorted(d.id for d in kernel.devices()) == [2 * i, 2 * i + 1]
+        assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    plan = step.plan(model, opt, tokens)
+    assert [t.name for t in plan.tasks] == ["t0", "t1", "t2", "t3"]
+    # activations go forward t0->t1->t2->t3 and cotangents come back, nothing else big moves
+    hops = {
+        (t.source.name, t.target.name)
+        for t in plan.transfers
+        if t.source is not None and t.nbytes >= 4 * 8 * 16 * 4
+    }
+    assert hops == {
+        ("t0", "t1"),
+        ("t1", "t2"),
+        ("t2", "t3"),
+        ("t3", "t2"),
+        ("t2", "t1"),
+        ("t1", "t0"),
+    }
