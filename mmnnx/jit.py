@@ -85,11 +85,13 @@ class _Call:
                     f"mm.jit: argument leaf {name!r} is a {type(leaf).__name__}, not an array; "
                     "mark the argument static (static_argnums/static_argnames) or pass an array"
                 )
+        self.variables = nodes[: self.num_variables]
+        # Placed leaves: their sharding is part of the plan. Free leaves go wherever their
+        # consumers are; only a committed one on devices no task owns is an error.
         self.shardings = [
             leaf.sharding if task is not None else None
             for leaf, task in zip(self.leaves, self.tasks, strict=True)
         ]
-        self._check_devices()
         self.donated = [
             _arg_position(path) in fn.donate_argnums and task is not None
             for (path, _), task in zip(with_paths, self.tasks, strict=True)
@@ -107,25 +109,30 @@ class _Call:
                 "pass arrays, or mark the argument static with a hashable value"
             ) from None
 
-    def _check_devices(self) -> None:
-        owned: set = set()
-        for task in dict.fromkeys(t for t in self.tasks if t is not None):
-            owned.update(task.jax_mesh.devices.flat)
+    def check_devices(self) -> None:
+        """Raises if a leaf lives on devices its task (or, if unplaced, any task) does not own."""
         for name, leaf, task in zip(self.names, self.leaves, self.tasks, strict=True):
-            if not isinstance(leaf, jax.Array):
-                continue
-            devices = leaf.sharding.device_set
+            devices = leaf.sharding.device_set if isinstance(leaf, jax.Array) else None
             if task is not None and devices != set(task.jax_mesh.devices.flat):
                 raise MPMDError(
                     f"mm.jit: {name!r} is placed on task {task.name!r} but its array lives on "
                     f"devices {sorted(d.id for d in devices)}; re-run mm.place after moving it"
                 )
-            if task is None and leaf.committed and not devices <= owned:
-                raise MPMDError(
-                    f"mm.jit: argument {name!r} is on devices "
-                    f"{sorted(d.id for d in devices - owned)} that no task owns; tasks own "
-                    f"devices {sorted(d.id for d in owned)}"
-                )
+        owned: set = set()
+        for task in dict.fromkeys(t for t in self.tasks if t is not None):
+            owned.update(task.jax_mesh.devices.flat)
+        self.check_free_devices(owned)
+
+    def check_free_devices(self, owned: set) -> None:
+        for name, leaf, task in zip(self.names, self.leaves, self.tasks, strict=True):
+            if task is None and isinstance(leaf, jax.Array) and leaf.committed:
+                devices = leaf.sharding.device_set
+                if not devices <= owned:
+                    raise MPMDError(
+                        f"mm.jit: argument {name!r} is on devices "
+                        f"{sorted(d.id for d in devices - owned)} that no task owns; tasks own "
+                        f"devices {sorted(d.id for d in owned)}"
+                    )
 
     def full_args(self, dyn_args: tuple, dyn_kwargs: dict) -> tuple[tuple, dict]:
         args = list(dyn_args)
@@ -149,6 +156,7 @@ class JitFunction:
         functools.update_wrapper(self, fun)
 
     def _build(self, call: _Call) -> tuple[Executable, Any]:
+        call.check_devices()
         fun = self.fun
 
         def pure(*leaves):
@@ -182,12 +190,15 @@ class JitFunction:
             )
         num_user_outputs = len(graph.outputs) - call.num_variables
         out_homes = _output_homes(out_shape[0])
-        homes = [s for _, s in out_homes] + list(call.shardings[: call.num_variables])
+        state_homes = [
+            s if t is not None else None for s, t in zip(call.shardings, call.tasks, strict=True)
+        ]
+        homes = [s for _, s in out_homes] + state_homes[: call.num_variables]
         home_tasks = [t for t, _ in out_homes] + list(call.tasks[: call.num_variables])
         op_tasks = colour(graph, call.tasks, call.names, home_tasks, tasks, regions)
         fragments = cut(graph, op_tasks, tasks)
         executable = Executable(
-            graph, fragments, tasks, call.tasks, call.shardings, homes, call.donated
+            graph, fragments, tasks, call.tasks, state_homes, homes, call.donated
         )
         return executable, (out_tree, num_user_outputs)
 
@@ -196,14 +207,15 @@ class JitFunction:
         entry = self._cache.get(call.key)
         if entry is None:
             entry = self._cache[call.key] = self._build(call)
+        else:
+            call.check_free_devices(entry[0].owned_devices)
         return call, *entry
 
     def __call__(self, *args, **kwargs):
         call, executable, (out_tree, num_user_outputs) = self._lookup(args, kwargs)
         results = executable(call.leaves)
-        leaves = list(results[num_user_outputs:]) + call.leaves[call.num_variables :]
-        new_variables, _ = jax.tree.unflatten(call.treedef, leaves)
-        nnx.update(call.target, new_variables)
+        for variable, value in zip(call.variables, results[num_user_outputs:], strict=True):
+            variable.set_value(value)
         return jax.tree.unflatten(out_tree, results[:num_user_outputs])
 
     def plan(self, *args, **kwargs) -> Plan:

@@ -47,23 +47,13 @@ def close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def close_normwise(a, b, rtol=1e-5):
-    """||a - b|| <= rtol * ||b||.
-
-    Used for parameters after Adam steps: an element whose gradient is rounding noise (here
-    blocks/3/qkv/kernel[8, 19] has grad -2.7e-8) gets an update of +-lr from either run, so an
-    elementwise relative check there measures float noise, not the engine.
-    """
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(b) + 1e-7
-
-
 def test_four_task_transformer_matches_one_device(tasks):
     tokens = jax.random.randint(jax.random.key(0), (4, 9), 0, 32)
     model = place(tasks)
-    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    tx = optax.adamw(3e-3)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     ref = make_gpt()
-    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
 
     loss, grads = mm.jit(nnx.value_and_grad(lambda m, t: m.loss(t)))(model, tokens)
     ref_loss, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(ref, tokens)
@@ -75,10 +65,23 @@ def test_four_task_transformer_matches_one_device(tasks):
     placement = mm.placement(opt)
     for _ in range(3):
         close(step(model, opt, tokens), train_step(ref, ref_opt, tokens))
-    for a, b in zip(
-        jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(ref)), strict=True
-    ):
-        close_normwise(a, b)
+    # Adam turns a gradient at rounding noise into a full +-lr step (blocks/3/qkv/kernel[8, 19]
+    # has gradient -2.7e-8, against ~7e-3 around it), so elements whose gradient is nonzero but
+    # below 1e-5 of their array's largest compare float noise: they are held to 3 steps x lr;
+    # every other element (exact zeros included) to 1e-5 relative.
+    noise = [
+        np.abs(g) < 1e-5 * np.abs(g).max() for g in map(np.asarray, jax.tree.leaves(ref_grads))
+    ]
+    params = zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)),
+        jax.tree.leaves(nnx.state(ref, nnx.Param)),
+        noise,
+        strict=True,
+    )
+    for a, b, is_noise in params:
+        a, b = np.asarray(a), np.asarray(b)
+        close(a[~is_noise], b[~is_noise])
+        np.testing.assert_allclose(a[is_noise], b[is_noise], atol=3 * 3e-3)
     assert mm.placement(opt) == placement
     for i, block in enumerate(model.blocks):
         kernel = block.up.kernel.get_value()

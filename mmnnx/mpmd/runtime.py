@@ -76,6 +76,7 @@ class Executable:
         donated: Sequence[bool] | None = None,
     ):
         self.tasks = tasks
+        self.owned_devices = {d for t in tasks for d in t.jax_mesh.devices.flat}
         slots: dict[tuple, int] = {}
         sharding_of: dict[int, Any] = {}
         where: dict[int, Task | None] = {}

@@ -1,0 +1,192 @@
+"""Dispatch overhead of mm.jit, measured against baselines in the same run (ratios only).
+
+1. One-task step, a model of 50 nnx.Linear layers: mm.jit vs graph-mode nnx.jit vs jax.jit over
+   (graphdef, state). Target: mm.jit <= 1.1x jax.jit, and faster than nnx.jit.
+2. Two-task step (a 2-stage MLP): mm.jit vs a hand-written loop over pre-compiled per-stage
+   jax.jit executables with device_put between them. Target: <= 1.2x.
+
+Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/dispatch.py
+Writes benchmarks/results/dispatch.json.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import mmnnx as mm  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "dispatch.json"
+
+
+def timeit(fn, steps=200, repeats=5):
+    """Median seconds per call of ``fn()`` (which returns something to block on)."""
+    jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = None
+        for _ in range(steps):
+            out = fn()
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / steps)
+    return statistics.median(samples)
+
+
+class Deep(nnx.Module):
+    def __init__(self, depth, width, rngs):
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+def step(model, opt, x):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+
+def one_task():
+    x = jnp.ones((8, 32))
+
+    def build():
+        model = Deep(50, 32, nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+
+    model, opt = build()
+    nnx_step = nnx.jit(step)
+    t_nnx = timeit(lambda: nnx_step(model, opt, x))
+
+    model, opt = build()
+    graphdef, state = nnx.split((model, opt))
+
+    @jax.jit
+    def pure(state, x):
+        m, o = nnx.merge(graphdef, state)
+        loss = step(m, o, x)
+        return loss, nnx.state((m, o))
+
+    holder = {"state": state}
+
+    def run_pure():
+        loss, holder["state"] = pure(holder["state"], x)
+        return loss
+
+    t_jax = timeit(run_pure)
+
+    task = mm.Task("solo", mesh=mm.TaskMesh(devices=[0]))
+    model, opt = build()
+    model = mm.place(model, [(".*", task)])
+    opt = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+    mm_step = mm.jit(step)
+    start = time.perf_counter()
+    jax.block_until_ready(mm_step(model, opt, x))
+    compile_s = time.perf_counter() - start
+    t_mm = timeit(lambda: mm_step(model, opt, x))
+    programs = mm_step.plan(model, opt, x).num_programs
+    return {
+        "jax.jit(graphdef, state) us": t_jax * 1e6,
+        "nnx.jit us": t_nnx * 1e6,
+        "mm.jit us": t_mm * 1e6,
+        "mm.jit / jax.jit": t_mm / t_jax,
+        "mm.jit / nnx.jit": t_mm / t_nnx,
+        "mm.jit compile s": compile_s,
+        "mm.jit programs": programs,
+    }
+
+
+def two_task():
+    width, batch = 256, 64
+    mesh = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "x"))
+    s0 = mm.Task("s0", mesh=mesh.task_mesh(stage=0))
+    s1 = mm.Task("s1", mesh=mesh.task_mesh(stage=1))
+    x = jnp.ones((batch, width))
+    lr = 1e-3
+
+    def stage(params, h):
+        for w in params:
+            h = jnp.tanh(h @ w)
+        return h
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    weights = [jax.random.normal(k, (width, width)) / width**0.5 for k in keys]
+
+    # hand-written floor: pre-compiled per-stage programs, device_put in between
+    rep0, rep1 = s0.sharding(), s1.sharding()
+    p0 = jax.device_put(weights[:2], rep0)
+    p1 = jax.device_put(weights[2:], rep1)
+    fwd0 = jax.jit(lambda p, x: jax.vjp(lambda p: stage(p, x), p))
+
+    @jax.jit
+    def fwd_bwd1(p, h):
+        loss, vjp = jax.vjp(lambda p, h: jnp.mean(stage(p, h) ** 2), p, h)
+        gp, gh = vjp(jnp.ones_like(loss))
+        return loss, [w - lr * g for w, g in zip(p, gp, strict=True)], gh
+
+    bwd0 = jax.jit(lambda vjp, p, ct: [w - lr * g for w, g in zip(p, vjp(ct)[0], strict=True)])
+    xs = jax.device_put(x, rep0)
+    state = {"p0": p0, "p1": p1}
+
+    def manual():
+        h, vjp = fwd0(state["p0"], xs)
+        loss, state["p1"], gh = fwd_bwd1(state["p1"], jax.device_put(h, rep1))
+        state["p0"] = bwd0(vjp, state["p0"], jax.device_put(gh, rep0))
+        return loss
+
+    t_manual = timeit(manual, steps=50)
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.List([nnx.Param(w) for w in weights])
+
+        def __call__(self, h):
+            return stage([w[...] for w in self.w], h)
+
+    model = mm.place(Model(), [("w/[01]", s0), ("w/[23]", s1)])
+    opt = nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param)
+    mm_step = mm.jit(step)
+    start = time.perf_counter()
+    jax.block_until_ready(mm_step(model, opt, x))
+    compile_s = time.perf_counter() - start
+    t_mm = timeit(lambda: mm_step(model, opt, x), steps=50)
+    plan = mm_step.plan(model, opt, x)
+    return {
+        "hand-written loop us": t_manual * 1e6,
+        "mm.jit us": t_mm * 1e6,
+        "mm.jit / hand-written": t_mm / t_manual,
+        "mm.jit compile s": compile_s,
+        "mm.jit programs": plan.num_programs,
+    }
+
+
+def main():
+    results = {"one_task": one_task(), "two_task": two_task(), "device": str(jax.devices()[0])}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    console = Console()
+    for name in ("one_task", "two_task"):
+        table = Table(title=f"dispatch: {name}")
+        table.add_column("measure")
+        table.add_column("value", justify="right")
+        for k, v in results[name].items():
+            table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+        console.print(table)
+    console.print(f"written to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
