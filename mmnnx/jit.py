@@ -100,14 +100,7 @@ class _Call:
             (tuple(leaf.shape), str(leaf.dtype), sharding)
             for leaf, sharding in zip(self.leaves, self.shardings, strict=True)
         )
-        try:
-            self.key = (self.graphdef, self.treedef, signature, self.statics, self.static_kwargs)
-            hash(self.key)
-        except TypeError as e:
-            raise MPMDError(
-                f"mm.jit: an argument holds a leaf that is neither an array nor hashable ({e}); "
-                "pass arrays, or mark the argument static with a hashable value"
-            ) from None
+        self.key = (self.graphdef, self.treedef, signature, self.statics, self.static_kwargs)
 
     def check_devices(self) -> None:
         """Raises if a leaf lives on devices its task (or, if unplaced, any task) does not own."""
@@ -204,7 +197,13 @@ class JitFunction:
 
     def _lookup(self, args, kwargs) -> tuple[_Call, Executable, Any]:
         call = _Call(self, args, kwargs)
-        entry = self._cache.get(call.key)
+        try:
+            entry = self._cache.get(call.key)
+        except TypeError as e:
+            raise MPMDError(
+                f"mm.jit: an argument holds a leaf that is neither an array nor hashable ({e}); "
+                "pass arrays, or mark the argument static with a hashable value"
+            ) from None
         if entry is None:
             entry = self._cache[call.key] = self._build(call)
         else:

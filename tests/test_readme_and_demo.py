@@ -14,10 +14,15 @@ def test_readme_example_runs(capsys):
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     assert blocks, "README has no python example"
     assert len(blocks[0].splitlines()) <= 25
-    exec(compile(blocks[0], "README.md", "exec"), {})
+    namespace = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
     out = capsys.readouterr().out
     assert "P('model', None)" in out
     assert "stage1" in out and "Totals per task" in out
+    for block in blocks[1:]:
+        exec(compile(block, "README.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "Plan: 2 task(s)" in out
 
 
 def test_readme_commands_exist_in_makefile():
