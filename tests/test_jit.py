@@ -357,3 +357,26 @@ def test_arrays_on_devices_no_task_owns(tasks):
     moved.l0.kernel.set_value(jax.device_put(moved.l0.kernel.get_value(), jax.devices()[7]))
     with pytest.raises(mm.MPMDError, match=r"'.*l0/kernel' is placed on task 'stage0'.*\[7\]"):
         mm.jit(lambda m, x: m(x))(moved, jnp.ones((2, 16)))
+
+
+def test_ordered_side_effects_are_refused_unordered_ones_run(tasks, capfd):
+    from jax.experimental import io_callback
+
+    model = two_stage(tasks)
+
+    def ordered(m, x):
+        y = m(x)
+        return io_callback(lambda a: a, jax.ShapeDtypeStruct(y.shape, y.dtype), y, ordered=True)
+
+    with pytest.raises(mm.SideEffectError, match=r"io_callback.*test_jit.py.*ordered side effect"):
+        mm.jit(ordered)(model, jnp.ones((2, 16)))
+
+    def printed(m, x):
+        y = m(x)
+        jax.debug.print("sum={s}", s=y.sum())
+        return y
+
+    out = mm.jit(printed)(model, jnp.ones((2, 16)))
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    assert "sum=" in capfd.readouterr().out

@@ -12,10 +12,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import source_info_util
+from jax._src import effects, source_info_util
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching
 
+from mmnnx.mpmd.errors import SideEffectError
 from mmnnx.mpmd.ir import Const, Graph, Op
 from mmnnx.sharding.specs import itemsize
 
@@ -54,6 +55,14 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
                 for v, o in zip(eqn.outvars, outs, strict=True):
                     env[v] = o
                 continue
+            ordered = [e for e in eqn.effects if effects.ordered_effects.contains(e)]
+            if ordered:
+                raise SideEffectError(
+                    f"mm.jit: `{eqn.primitive.name}` at {_source_line(eqn.source_info)} has the "
+                    f"ordered side effect {ordered[0]}, which mm.jit cannot keep in order across "
+                    "tasks; use an unordered callback (e.g. jax.debug.print) or move it out of "
+                    "the step"
+                )
             ins = [atom(a) for a in eqn.invars]
             outs = [graph.new_value(_aval_info(v.aval)) for v in eqn.outvars]
             for v, o in zip(eqn.outvars, outs, strict=True):
