@@ -28,18 +28,21 @@ def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
     return (x,) if isinstance(x, int) else tuple(x)
 
 
+def _path_keys(path: tuple) -> list:
+    return [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+
+
 def _arg_position(path: tuple) -> int | None:
-    """The positional-argument index a state leaf comes from (None for keyword arguments)."""
-    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-    # path: (variables|rest, args|kwargs, position, ...)
-    return keys[2] if len(keys) > 2 and keys[1] == 0 else None
+    """The positional-argument index a leaf comes from (None for keyword arguments)."""
+    keys = _path_keys(path)  # (args|kwargs, position or name, ...)
+    return keys[1] if len(keys) > 1 and keys[0] == 0 else None
 
 
 def _leaf_name(path: tuple) -> str:
-    """A readable name for a state leaf: ``arg0/layers/0/kernel`` or ``batch/x`` for kwargs."""
-    keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
-    head = f"arg{keys[2]}" if keys[1] == 0 else str(keys[2])
-    return "/".join([head, *(str(k) for k in keys[3:])])
+    """A readable name for a leaf: ``arg0/layers/0/kernel``, or ``x`` for a keyword argument."""
+    keys = _path_keys(path)
+    head = f"arg{keys[1]}" if keys[0] == 0 else str(keys[1])
+    return "/".join([head, *(str(k) for k in keys[2:])])
 
 
 def _output_homes(out_shape: Any) -> list[tuple[Task | None, Any]]:
@@ -59,10 +62,18 @@ def _output_homes(out_shape: Any) -> list[tuple[Task | None, Any]]:
     return homes
 
 
+_SCALARS = (bool, int, float, complex)
+
+
 class _Call:
-    """One call's arguments, split into a graph definition and flat array leaves."""
+    """One call's arguments as a pytree definition, the distinct Variables, and array leaves.
+
+    Modules and Optimizers are flattened as pytrees with Variables as leaves; a Variable reached
+    twice (tied weights) is one input, and the rebuilt arguments share it again.
+    """
 
     def __init__(self, fn: JitFunction, args: tuple, kwargs: dict):
+        self.fn = fn
         self.statics = tuple((i, args[i]) for i in fn.static_argnums if i < len(args))
         self.static_kwargs = tuple(
             sorted((k, v) for k, v in kwargs.items() if k in fn.static_argnames)
@@ -70,37 +81,89 @@ class _Call:
         dyn_args = tuple(None if i in fn.static_argnums else a for i, a in enumerate(args))
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in fn.static_argnames}
         self.target = (dyn_args, dyn_kwargs)
-        self.graphdef, variables, rest = nnx.split(self.target, nnx.Variable, ...)
-        state = (variables, rest)
-        self.treedef = jax.tree.structure(state)
-        self.num_variables = len(jax.tree.leaves(variables))
-        with_paths, _ = jax.tree.flatten_with_path(state, is_leaf=_is_variable)
-        self.names = [_leaf_name(p) for p, _ in with_paths]
-        nodes = [n for _, n in with_paths]
-        self.tasks: list[Task | None] = [task_of(n) if _is_variable(n) else None for n in nodes]
-        self.leaves = [n.get_value() if _is_variable(n) else n for n in nodes]
-        for name, leaf in zip(self.names, self.leaves, strict=True):
+        nodes, self.treedef = jax.tree.flatten(self.target, is_leaf=_is_variable)
+        position: dict[int, int] = {}
+        self.variables: list[nnx.Variable] = []
+        arrays: list[Any] = []
+        self.slots: list[int] = []
+        for node in nodes:
+            if isinstance(node, nnx.Variable):
+                i = position.get(id(node))
+                if i is None:
+                    i = position[id(node)] = len(self.variables)
+                    self.variables.append(node)
+                self.slots.append(i)
+            else:
+                if isinstance(node, _SCALARS):
+                    node = np.asarray(node)
+                self.slots.append(-1 - len(arrays))
+                arrays.append(node)
+        self.num_variables = len(self.variables)
+        self.leaves = [v.get_raw_value() for v in self.variables] + arrays
+        self.tasks: list[Task | None] = [task_of(v) for v in self.variables]
+        self.tasks += [None] * len(arrays)
+        for i, leaf in enumerate(self.leaves):
             if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
                 raise MPMDError(
-                    f"mm.jit: argument leaf {name!r} is a {type(leaf).__name__}, not an array; "
-                    "mark the argument static (static_argnums/static_argnames) or pass an array"
+                    f"mm.jit: argument leaf {self.names[i]!r} is a {type(leaf).__name__}, not an "
+                    "array; mark the argument static (static_argnums/static_argnames) or pass "
+                    "an array"
                 )
-        self.variables = nodes[: self.num_variables]
         # Placed leaves: their sharding is part of the plan. Free leaves go wherever their
         # consumers are; only a committed one on devices no task owns is an error.
         self.shardings = [
             leaf.sharding if task is not None else None
             for leaf, task in zip(self.leaves, self.tasks, strict=True)
         ]
-        self.donated = [
-            _arg_position(path) in fn.donate_argnums and task is not None
-            for (path, _), task in zip(with_paths, self.tasks, strict=True)
-        ]
         signature = tuple(
-            (tuple(leaf.shape), str(leaf.dtype), sharding)
+            (leaf.shape, leaf.dtype, sharding)
             for leaf, sharding in zip(self.leaves, self.shardings, strict=True)
         )
-        self.key = (self.graphdef, self.treedef, signature, self.statics, self.static_kwargs)
+        # The plan holds its tasks, so their ids stay unique while it is cached.
+        placement = tuple(id(t) for t in self.tasks)
+        self.key = (self.treedef, signature, placement, self.statics, self.static_kwargs)
+
+    @functools.cached_property
+    def _paths(self) -> list[tuple]:
+        """The path of each input (first occurrence for a shared Variable)."""
+        with_paths, _ = jax.tree.flatten_with_path(self.target, is_leaf=_is_variable)
+        paths: list[Any] = [None] * len(self.leaves)
+        for (path, _), slot in zip(with_paths, self.slots, strict=True):
+            i = slot if slot >= 0 else self.num_variables - 1 - slot
+            if paths[i] is None:
+                paths[i] = path
+        return paths
+
+    @property
+    def names(self) -> list[str]:
+        return [_leaf_name(p) for p in self._paths]
+
+    @property
+    def donated(self) -> list[bool]:
+        return [
+            task is not None and _arg_position(path) in self.fn.donate_argnums
+            for path, task in zip(self._paths, self.tasks, strict=True)
+        ]
+
+    def rebuild(self, values: Sequence[Any]) -> tuple[tuple, dict, list[nnx.Variable]]:
+        """The arguments again, with fresh Variables holding ``values`` (used while tracing)."""
+        fresh = [v.replace(x) for v, x in zip(self.variables, values, strict=False)]
+        arrays = values[self.num_variables :]
+        nodes = [fresh[s] if s >= 0 else arrays[-1 - s] for s in self.slots]
+        dyn_args, dyn_kwargs = jax.tree.unflatten(self.treedef, nodes)
+        return dyn_args, dyn_kwargs, fresh
+
+    def check_unchanged(self, dyn_args: tuple, dyn_kwargs: dict, fresh: list) -> None:
+        nodes, treedef = jax.tree.flatten((dyn_args, dyn_kwargs), is_leaf=_is_variable)
+        same = treedef == self.treedef and all(
+            node is fresh[s] for node, s in zip(nodes, self.slots, strict=True) if s >= 0
+        )
+        if not same:
+            raise SideEffectError(
+                f"mm.jit: {getattr(self.fn.fun, '__name__', 'the step')} changed the structure of "
+                "its arguments (added, removed or replaced a Variable or submodule, or changed "
+                "metadata); mm.jit can only carry back new values of existing Variables"
+            )
 
     def check_devices(self) -> None:
         """Raises if a leaf lives on devices its task (or, if unplaced, any task) does not own."""
@@ -153,18 +216,11 @@ class JitFunction:
         fun = self.fun
 
         def pure(*leaves):
-            variables, rest = jax.tree.unflatten(call.treedef, leaves)
-            dyn_args, dyn_kwargs = nnx.merge(call.graphdef, variables, rest)
+            dyn_args, dyn_kwargs, fresh = call.rebuild(leaves)
             args, kwargs = call.full_args(dyn_args, dyn_kwargs)
             out = fun(*args, **kwargs)
-            graphdef, new_state, _ = nnx.split((dyn_args, dyn_kwargs), nnx.Variable, ...)
-            if graphdef != call.graphdef:
-                raise SideEffectError(
-                    f"mm.jit: {getattr(fun, '__name__', 'the step')} changed the structure of its "
-                    "arguments (added, removed or replaced a Variable or submodule); mm.jit can "
-                    "only carry back new values of existing Variables"
-                )
-            return out, jax.tree.leaves(new_state)
+            call.check_unchanged(dyn_args, dyn_kwargs, fresh)
+            return out, [v.get_value() for v in fresh]
 
         self.trace_count += 1
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
@@ -214,7 +270,7 @@ class JitFunction:
         call, executable, (out_tree, num_user_outputs) = self._lookup(args, kwargs)
         results = executable(call.leaves)
         for variable, value in zip(call.variables, results[num_user_outputs:], strict=True):
-            variable.set_value(value)
+            variable.set_raw_value(value)
         return jax.tree.unflatten(out_tree, results[:num_user_outputs])
 
     def plan(self, *args, **kwargs) -> Plan:

@@ -224,18 +224,14 @@ def test_state_of_two_tasks_in_one_op(tasks, batch):
 
 
 def test_non_array_leaves(tasks):
-    class Unhashable:
-        __hash__ = None
-
     model = two_stage(tasks)
     step = mm.jit(lambda m, tag: m(jnp.ones((2, 16))))
-    step(model, {"tag": "x"})  # hashable non-array leaves are static, as in nnx.jit
-    step(model, {"tag": "y"})
-    assert step.trace_count == 2
-    with pytest.raises(mm.MPMDError, match=r"neither an array nor hashable.*Unhashable"):
-        step(model, {"tag": Unhashable()})
+    with pytest.raises(mm.MPMDError, match=r"leaf 'arg1/tag' is a str, not an array.*static"):
+        step(model, {"tag": "x"})
     out = mm.jit(lambda m, n: m(jnp.ones((n, 16))), static_argnums=1)(model, 3)
     assert out.shape == (3, 4)
+    scaled = mm.jit(lambda m, x, s: m(x) * s)(model, jnp.ones((2, 16)), 2.0)  # scalars are arrays
+    assert_close(scaled, make()(jnp.ones((2, 16))) * 2.0)
 
 
 def test_structural_side_effect(tasks):

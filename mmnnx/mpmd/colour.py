@@ -1,20 +1,26 @@
 """Colouring: which task runs each op.
 
-An op that reads state placed on task T runs on T. Every other op goes where the fewest bytes move:
-a local search over the op graph. It starts from the consumers' tasks (an update joins the state it
-writes), then the producers' for what is left, and then moves single ops while that lowers the bytes
-crossing tasks on their operands and results (the home task of updated state counts as a consumer).
+An op that reads state placed on task T runs on T; an op in an ``mm.task`` region runs on its task.
+Every other op goes where the fewest bytes cross tasks: a start from the producers (heaviest operand,
+ties to the operand produced last), then alpha-expansion moves, each an exact min cut (scipy's
+maximum_flow) over "switch these ops to task alpha", until no move lowers the bytes. Updated state
+pulls its producers home; gradients returned as Variables pull theirs to their parameter's task.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+
 from mmnnx.mpmd.errors import PlacementConflictError
-from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.ir import Graph
 from mmnnx.sharding import Task
 
-_MAX_SWEEPS = 16
+_MAX_ROUNDS = 4
+_MAX_CAPACITY = 2**20
 
 
 def colour(
@@ -34,7 +40,6 @@ def colour(
     placed = {v: t for v, t in zip(graph.inputs, input_tasks, strict=True) if t is not None}
     names = dict(zip(graph.inputs, input_names, strict=True))
     producer = graph.producers()
-    consumers = graph.consumers()
     sinks: dict[int, list[Task]] = {}
     for atom, home in zip(graph.outputs, output_homes, strict=True):
         if isinstance(atom, int) and home is not None:
@@ -72,52 +77,127 @@ def colour(
         p = producer.get(v)
         return placed.get(v) if p is None else assigned[p.index]
 
-    def cost(op: Op, task: Task) -> int:
-        total = 0
-        for a in op.ins:
-            if isinstance(a, int):
-                src = where(a)
-                if src is not None and src != task:
-                    total += graph.nbytes[a]
-        for v in op.outs:
-            dests = {assigned[c.index] for c in consumers.get(v, ())}
-            dests.update(sinks.get(v, ()))
-            total += graph.nbytes[v] * sum(1 for d in dests if d is not None and d != task)
-        return total
-
-    # Start from the consumers (updates join the state they write), then from the producers.
-    for op in reversed(graph.ops):
-        if assigned[op.index] is None:
-            weight: dict[Task, int] = {}
-            for v in op.outs:
-                dests = {assigned[c.index] for c in consumers.get(v, ())}
-                dests.update(sinks.get(v, ()))
-                for t in dests - {None}:
-                    weight[t] = weight.get(t, 0) + graph.nbytes[v] + 1
-            if weight:
-                assigned[op.index] = max(weight, key=weight.get)
+    # Start from the producers: an op joins its heaviest operand's task; on a tie, the operand
+    # produced last (the data that just arrived, as a pipeline passes activations forward and
+    # cotangents back).
     for op in graph.ops:
         if assigned[op.index] is None:
-            weight = {}
+            weight: dict[Task, tuple[int, int]] = {}
             for a in op.ins:
                 if isinstance(a, int) and (t := where(a)) is not None:
-                    weight[t] = weight.get(t, 0) + graph.nbytes[a] + 1
+                    p = producer.get(a)
+                    size, recent = weight.get(t, (0, -1))
+                    weight[t] = (size + graph.nbytes[a], max(recent, p.index if p else -1))
             if weight:
                 assigned[op.index] = max(weight, key=weight.get)
 
-    free = [op for op in graph.ops if op.index not in fixed]
-    for _ in range(_MAX_SWEEPS):
-        changed = False
-        for op in [*reversed(free), *free]:
-            current = assigned[op.index]
-            best, best_cost = current, cost(op, current) if current is not None else None
-            for task in tasks:
-                c = cost(op, task)
-                if best_cost is None or c < best_cost:
-                    best, best_cost = task, c
-            if best is not current and (current is None or best_cost < cost(op, current)):
-                assigned[op.index] = best
-                changed = True
-        if not changed:
+    labels = [t if t is not None else tasks[0] for t in assigned]
+    edges = _edges(graph, producer, placed, sinks)
+    free = [op.index for op in graph.ops if op.index not in fixed]
+    for _ in range(_MAX_ROUNDS):
+        improved = False
+        for alpha in tasks:
+            improved |= _expand(labels, alpha, free, edges)
+        if not improved:
             break
-    return [t if t is not None else tasks[0] for t in assigned]
+    return labels
+
+
+# An edge joins two ops (ints) or an op and a fixed task (a Task): (a, b, bytes).
+Edge = tuple[int | Task, int | Task, int]
+
+
+def _edges(graph: Graph, producer, placed, sinks) -> list[Edge]:
+    weights: dict[tuple, int] = {}
+    for op in graph.ops:
+        for a in op.ins:
+            if not isinstance(a, int):
+                continue
+            src = producer[a].index if a in producer else placed.get(a)
+            if src is not None:
+                key = (src, op.index)
+                weights[key] = weights.get(key, 0) + graph.nbytes[a]
+    for v, homes in sinks.items():
+        if v in producer:
+            for home in homes:
+                key = (producer[v].index, home)
+                weights[key] = weights.get(key, 0) + graph.nbytes[v]
+    return [(a, b, w) for (a, b), w in weights.items() if w > 0]
+
+
+def _expand(labels: list[Task], alpha: Task, free: list[int], edges: list[Edge]) -> bool:
+    """One alpha-expansion move: the cheapest set of free ops to switch to ``alpha`` (min cut).
+
+    Minimises the bytes crossing tasks exactly over all such switches (Boykov, Veksler & Zabih),
+    so whole chains move together where single-op moves would stall on ties.
+    """
+    movable = [op for op in free if labels[op] is not alpha]
+    index = {op: i for i, op in enumerate(movable)}
+    if not index:
+        return False
+    n = len(index)
+    source, sink = n, n + 1
+    to_alpha = np.zeros(n + 2, dtype=np.int64)  # paid when switched (edge source -> p)
+    to_keep = np.zeros(n + 2, dtype=np.int64)  # paid when kept (edge p -> sink)
+    pairs: dict[tuple[int, int], int] = {}
+
+    def label(x):
+        return x if isinstance(x, Task) else labels[x]
+
+    def unary(p: int, keep: int, switch: int):
+        to_keep[p] += keep
+        to_alpha[p] += switch
+
+    before = 0
+    for a, b, w in edges:
+        before += w * (label(a) is not label(b))
+        ia = index.get(a) if isinstance(a, int) else None
+        ib = index.get(b) if isinstance(b, int) else None
+        if ia is None and ib is None:
+            continue
+        if ib is None:
+            ia, ib, a, b = ib, ia, b, a  # make b the free end
+        lb = label(b)
+        if ia is None:
+            la = label(a)
+            unary(ib, w * (lb is not la), w * (alpha is not la))
+            continue
+        la = label(a)
+        e00, e01, e10 = w * (la is not lb), w * (la is not alpha), w * (alpha is not lb)
+        # E = e00 + (e10 - e00) x_a + (0 - e10) x_b + (e01 + e10 - e00) (1 - x_a) x_b
+        d = e10 - e00
+        unary(ia, 0, d) if d >= 0 else unary(ia, -d, 0)
+        unary(ib, e10, 0)
+        pairs[(ia, ib)] = pairs.get((ia, ib), 0) + (e01 + e10 - e00)
+
+    scale = max(1, int(max(to_alpha.max(), to_keep.max(), *pairs.values(), 1)) // _MAX_CAPACITY)
+    rows, cols, caps = [], [], []
+    for p in range(n):
+        if to_alpha[p]:
+            rows.append(source), cols.append(p), caps.append(to_alpha[p])
+        if to_keep[p]:
+            rows.append(p), cols.append(sink), caps.append(to_keep[p])
+    for (p, q), c in pairs.items():
+        if c:
+            rows.append(p), cols.append(q), caps.append(c)
+    if not rows:
+        return False
+    caps = np.maximum(1, np.asarray(caps, dtype=np.int64) // scale).astype(np.int32)
+    capacity = csr_matrix((caps, (rows, cols)), shape=(n + 2, n + 2))
+    flow = maximum_flow(capacity, source, sink).flow
+    residual = (capacity - flow).tocsr()
+    residual.data = (residual.data > 0).astype(np.int8)
+    residual.eliminate_zeros()
+    reached = set(breadth_first_order(residual, source, directed=True, return_predecessors=False))
+    switch = [op for op, i in index.items() if i not in reached]
+    if not switch:
+        return False
+    old = {op: labels[op] for op in switch}
+    for op in switch:
+        labels[op] = alpha
+    after = sum(w * (label(a) is not label(b)) for a, b, w in edges)
+    if after >= before:
+        for op, t in old.items():
+            labels[op] = t
+        return False
+    return True

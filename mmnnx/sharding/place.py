@@ -250,5 +250,5 @@ def placement(model: Any) -> dict[str, tuple[str, PartitionSpec]]:
 
 def task_of(variable: nnx.Variable) -> Task | None:
     """The task a Variable was placed on by ``place``/``init``, or ``None``."""
-    task = variable.get_metadata().get(TASK_KEY)
+    task = variable.get_metadata(TASK_KEY, None)
     return task if isinstance(task, Task) else None
