@@ -180,12 +180,12 @@ class _Call:
         self.check_free_devices(owned)
 
     def check_free_devices(self, owned: set) -> None:
-        for name, leaf, task in zip(self.names, self.leaves, self.tasks, strict=True):
+        for i, (leaf, task) in enumerate(zip(self.leaves, self.tasks, strict=True)):
             if task is None and isinstance(leaf, jax.Array) and leaf.committed:
                 devices = leaf.sharding.device_set
                 if not devices <= owned:
                     raise MPMDError(
-                        f"mm.jit: argument {name!r} is on devices "
+                        f"mm.jit: argument {self.names[i]!r} is on devices "
                         f"{sorted(d.id for d in devices - owned)} that no task owns; tasks own "
                         f"devices {sorted(d.id for d in owned)}"
                     )

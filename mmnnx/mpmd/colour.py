@@ -1,10 +1,11 @@
 """Colouring: which task runs each op.
 
-An op that reads state placed on task T runs on T; an op in an ``mm.task`` region runs on its task.
-Every other op goes where the fewest bytes cross tasks: a start from the producers (heaviest operand,
-ties to the operand produced last), then alpha-expansion moves, each an exact min cut (scipy's
-maximum_flow) over "switch these ops to task alpha", until no move lowers the bytes. Updated state
-pulls its producers home; gradients returned as Variables pull theirs to their parameter's task.
+An op that reads state placed on task T runs on T; an op in an ``mm.task`` region runs on its
+task. Every other op goes where the fewest bytes cross tasks: a start from the producers (heaviest
+operand, ties to the operand produced last), then alpha-expansion moves, each an exact min cut
+(scipy's maximum_flow) over "switch these ops to task alpha", until no move lowers the bytes.
+Updated state pulls its producers home; gradients returned as Variables pull theirs to their
+parameter's task.
 """
 
 from __future__ import annotations

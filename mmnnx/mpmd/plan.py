@@ -107,24 +107,35 @@ def cut(graph: Graph, op_tasks: Sequence[Task], tasks: Sequence[Task]) -> list[F
             if not op.backward:
                 downstream_of_backward.add(op.index)
 
-    # Ops that read no input (constants, cotangent seeds) run as late as their consumers allow, so
-    # they join the fragment that uses them instead of forming one of their own.
-    constant: set[int] = set()
+    # Ops that depend on no other op's task (constants, cotangent seeds, step counters) run as late
+    # as their consumers allow, so they join a fragment that exists anyway instead of forming one.
+    movable: set[int] = set()
     for op in graph.ops:
-        sources = [a for a in op.ins if isinstance(a, int)]
-        if all(a in producer and producer[a].index in constant for a in sources):
-            constant.add(op.index)
+        task = op_tasks[op.index]
+        if all(
+            a not in producer
+            or (producer[a].index in movable and op_tasks[producer[a].index] == task)
+            for a in op.ins
+            if isinstance(a, int)
+        ):
+            movable.add(op.index)
+    last_level: dict[Task, int] = {}
+    for op in graph.ops:
+        if op.index not in movable:
+            task = op_tasks[op.index]
+            last_level[task] = max(last_level.get(task, 0), level[op.index])
     consumers = graph.consumers()
     for op in reversed(graph.ops):
-        if op.index not in constant:
+        if op.index not in movable:
             continue
+        task = op_tasks[op.index]
         bounds = [
-            level[c.index] - (op_tasks[c.index] != op_tasks[op.index])
+            level[c.index] - (op_tasks[c.index] != task)
             for v in op.outs
             for c in consumers.get(v, ())
         ]
-        if bounds:
-            level[op.index] = max(level[op.index], min(bounds))
+        latest = min(bounds) if bounds else last_level.get(task, 0)
+        level[op.index] = max(level[op.index], latest)
 
     order = {t: i for i, t in enumerate(tasks)}
     groups: dict[tuple[int, int], list[Op]] = {}
