@@ -376,3 +376,33 @@ def test_ordered_side_effects_are_refused_unordered_ones_run(tasks, capfd):
     jax.block_until_ready(out)
     jax.effects_barrier()
     assert "sum=" in capfd.readouterr().out
+
+
+def test_tied_weights_stay_one_variable(tasks):
+    s0, _ = tasks
+
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(16, 16, rngs=nnx.Rngs(1))
+            self.b.kernel = self.a.kernel
+
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))
+
+    model = mm.place(Tied(), [(".*", s0)])
+    ref = Tied()
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+
+    def step(m, o, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(m)
+        o.update(m, grads)
+        return loss
+
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    jstep = mm.jit(step)
+    for _ in range(2):
+        assert_close(jstep(model, opt, x), step(ref, ref_opt, x))
+    assert model.a.kernel is model.b.kernel
+    assert_close(model.a.kernel.get_value(), ref.a.kernel.get_value())
