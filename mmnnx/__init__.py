@@ -8,7 +8,7 @@ Example:
 
 from mmnnx import mpmd
 from mmnnx.jit import JitFunction, jit
-from mmnnx.mpmd import MPMDError, PlacementConflictError, Plan, SideEffectError
+from mmnnx.mpmd import MPMDError, PlacementConflictError, Plan, SideEffectError, schedules
 from mmnnx.mpmd.markers import task, with_sharding_constraint
 from mmnnx.sharding import (
     MultiMesh,
@@ -43,6 +43,7 @@ __all__ = [
     "mpmd",
     "place",
     "placement",
+    "schedules",
     "tabulate",
     "task",
     "task_of",

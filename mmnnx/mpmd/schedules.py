@@ -1,0 +1,799 @@
+"""Pipeline schedules as pure data: build them, check that they run, and simulate their timing.
+
+A schedule says, for every rank (a group of devices that runs one or more model stages), the
+order in which that rank runs its actions. An action is one pass of one stage over one
+microbatch: ``F`` (forward), ``B`` (full backward), or the two halves of a split backward used
+by zero-bubble schedules, ``I`` (gradient with respect to the stage's input, which the previous
+stage waits for) and ``W`` (gradient with respect to the stage's weights, which nobody waits
+for). A separate runtime executes the table; this module only builds, checks, prints, stores
+(CSV) and simulates it, and imports nothing beyond the standard library.
+
+Example:
+    >>> from mmnnx.mpmd.schedules import get, simulate
+    >>> schedule = get("1f1b", num_stages=2, num_microbatches=3)
+    >>> print(schedule)
+    1f1b: 2 stages, 3 microbatches, 2 ranks (unit-time steps; blank = idle)
+    rank 0 | F0.0 F0.1      B0.0 F0.2 B0.1      B0.2
+    rank 1 |      F1.0 B1.0 F1.1 B1.1 F1.2 B1.2
+    >>> simulate(schedule).makespan
+    12
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import re
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+KINDS = ("F", "B", "I", "W")
+"""Action kinds: forward, full backward, input-gradient half, weight-gradient half."""
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1")
+"""The names :func:`get` accepts."""
+
+_ACTION_RE = re.compile(r"^([FBIW])(\d+)\.(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One pass of one stage over one microbatch; ``str`` gives the short form ``F0.3``.
+
+    The short form is the kind letter, the stage index, a dot and the microbatch index, so
+    ``F0.3`` is the forward of stage 0 on microbatch 3 and ``W2.0`` the weight-gradient pass of
+    stage 2 on microbatch 0. :meth:`parse` reads it back.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import Action
+        >>> str(Action("F", 0, 3))
+        'F0.3'
+        >>> Action.parse("W2.0")
+        Action(kind='W', stage=2, microbatch=0)
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"action kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        for field in ("stage", "microbatch"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"action {field} must be a non-negative int, got {value!r}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Read the short form ``<kind><stage>.<microbatch>``, e.g. ``"B1.0"``.
+
+        Example:
+            >>> from mmnnx.mpmd.schedules import Action
+            >>> Action.parse(" I3.12 ")
+            Action(kind='I', stage=3, microbatch=12)
+        """
+        match = _ACTION_RE.match(text.strip())
+        if match is None:
+            raise ValueError(
+                f"cannot read action {text!r}: expected <kind><stage>.<microbatch> with kind one "
+                f"of {', '.join(KINDS)}, e.g. 'F0.3'"
+            )
+        return cls(match[1], int(match[2]), int(match[3]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: for every rank, the ordered actions that rank runs.
+
+    ``num_stages`` is the number of model stages (S), ``num_microbatches`` the number of
+    microbatches (M) and ``num_ranks`` the number of ranks executing them; in an interleaved
+    schedule each rank holds several stages. ``stage_to_rank[s]`` is the rank that owns stage
+    ``s`` and ``actions[r]`` the actions of rank ``r`` in the order it runs them. Sequences
+    given for these two fields are stored as tuples. Builders such as :func:`one_f_one_b` and
+    :func:`custom` return schedules already checked by :func:`validate`.
+
+    ``str(schedule)`` draws the unit-time timeline (every action takes one step; see
+    :func:`simulate`) with one row per rank, and :meth:`to_csv` / :meth:`from_csv` store it.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import gpipe
+        >>> schedule = gpipe(2, 2)
+        >>> schedule.stage_to_rank
+        (0, 1)
+        >>> [str(a) for a in schedule.actions_of(1)]
+        ['F1.0', 'F1.1', 'B1.0', 'B1.1']
+        >>> print(schedule)
+        gpipe: 2 stages, 2 microbatches, 2 ranks (unit-time steps; blank = idle)
+        rank 0 | F0.0 F0.1           B0.0 B0.1
+        rank 1 |      F1.0 F1.1 B1.0 B1.1
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    num_ranks: int
+    stage_to_rank: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
+        object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
+
+    def actions_of(self, rank: int) -> tuple[Action, ...]:
+        """The actions of ``rank``, in the order it runs them.
+
+        Example:
+            >>> from mmnnx.mpmd.schedules import one_f_one_b
+            >>> " ".join(map(str, one_f_one_b(2, 2).actions_of(0)))
+            'F0.0 F0.1 B0.0 B0.1'
+        """
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must be in 0..{self.num_ranks - 1}, got {rank}")
+        return self.actions[rank]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages owned by ``rank``, in increasing order.
+
+        Example:
+            >>> from mmnnx.mpmd.schedules import interleaved_1f1b
+            >>> interleaved_1f1b(num_ranks=2, num_microbatches=2, virtual_stages=2).stages_of(1)
+            (1, 3)
+        """
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must be in 0..{self.num_ranks - 1}, got {rank}")
+        return tuple(s for s, owner in enumerate(self.stage_to_rank) if owner == rank)
+
+    def __str__(self) -> str:
+        header = (
+            f"{self.name}: {self.num_stages} stages, {self.num_microbatches} microbatches, "
+            f"{self.num_ranks} ranks"
+        )
+        try:
+            timed = _execute(self, lambda action: 1)
+            placed = [(event.rank, event.action, event.start) for event in timed]
+            header += " (unit-time steps; blank = idle)"
+        except ValueError:
+            placed = [(r, a, i) for r, row in enumerate(self.actions) for i, a in enumerate(row)]
+            header += " (cannot run as ordered; columns are positions, not times)"
+        width = max((len(str(a)) for _, a, _ in placed), default=1)
+        columns = max((t for _, _, t in placed), default=-1) + 1
+        grid = [[" " * width] * columns for _ in range(self.num_ranks)]
+        for rank, action, step in placed:
+            grid[rank][step] = str(action).ljust(width)
+        label_width = len(f"rank {self.num_ranks - 1}")
+        rows = [
+            f"rank {r}".ljust(label_width) + " | " + " ".join(cells) for r, cells in enumerate(grid)
+        ]
+        return "\n".join([header, *(row.rstrip() for row in rows)])
+
+    def to_csv(self) -> str:
+        """The schedule as CSV text: a header row, then one row per rank.
+
+        The header is ``rank,0,1,...,n-1``; the row of rank ``r`` is ``r`` followed by its
+        actions in order, written as ``<kind><stage>.<microbatch>`` (``F0.1`` is the forward of
+        stage 0 on microbatch 1), with empty cells padding rows shorter than the longest.
+        Stage ownership and the counts are implied by the actions, so
+        ``Schedule.from_csv(s.to_csv(), name=s.name) == s`` for every valid schedule.
+
+        Example:
+            >>> from mmnnx.mpmd.schedules import gpipe
+            >>> print(gpipe(2, 2).to_csv(), end="")
+            rank,0,1,2,3
+            0,F0.0,F0.1,B0.0,B0.1
+            1,F1.0,F1.1,B1.0,B1.1
+        """
+        length = max((len(row) for row in self.actions), default=0)
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(["rank", *range(length)])
+        for rank, row in enumerate(self.actions):
+            cells = [str(action) for action in row]
+            writer.writerow([rank, *cells, *[""] * (length - len(cells))])
+        return buffer.getvalue()
+
+    @classmethod
+    def from_csv(cls, text: str, name: str = "custom") -> Schedule:
+        """Read a schedule written by :meth:`to_csv` (and check it with :func:`validate`).
+
+        Rows must list ranks ``0, 1, ...`` in order; empty cells and blank lines are ignored.
+
+        Example:
+            >>> from mmnnx.mpmd.schedules import Schedule
+            >>> schedule = Schedule.from_csv("rank,0,1\\n0,F0.0,B0.0\\n")
+            >>> schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
+            (1, 1, 1)
+        """
+        rows = [row for row in csv.reader(io.StringIO(text)) if any(c.strip() for c in row)]
+        if not rows or rows[0][0].strip() != "rank":
+            raise ValueError("schedule CSV must start with a header row whose first cell is 'rank'")
+        table = []
+        for expected, row in enumerate(rows[1:]):
+            if row[0].strip() != str(expected):
+                raise ValueError(
+                    f"schedule CSV row {expected + 2} should be rank {expected}, "
+                    f"got {row[0].strip()!r}: list ranks 0, 1, ... in order"
+                )
+            table.append([cell for cell in row[1:] if cell.strip()])
+        return custom(table, name=name)
+
+
+def from_csv(text: str, name: str = "custom") -> Schedule:
+    """Read a schedule from CSV text; the same as :meth:`Schedule.from_csv`.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import from_csv, zero_bubble_h1
+        >>> schedule = zero_bubble_h1(2, 2)
+        >>> from_csv(schedule.to_csv(), name=schedule.name) == schedule
+        True
+    """
+    return Schedule.from_csv(text, name=name)
+
+
+class Event(NamedTuple):
+    """One simulated action: which rank ran it, what it was, and when it started and ended.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate
+        >>> last = simulate(one_f_one_b(2, 2)).events[-1]
+        >>> last.rank, last.kind, last.stage, last.microbatch, last.start, last.end
+        (0, 'B', 0, 1, 7, 9)
+    """
+
+    rank: int
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationResult:
+    """What :func:`simulate` measured.
+
+    ``makespan`` is the time the last action ends; ``bubble_fraction`` the idle share of all
+    rank-time, ``1 - busy / (num_ranks * makespan)``; ``peak_in_flight[s]`` the largest number
+    of microbatches whose activations stage ``s`` holds at once (from its F until its B, or
+    until its W when the backward is split); ``events`` every action with its start and end,
+    sorted by start time then rank.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import gpipe, simulate
+        >>> result = simulate(gpipe(2, 4))
+        >>> result.makespan, result.bubble_fraction, result.peak_in_flight
+        (15, 0.2, (4, 4))
+        >>> result.events[0]
+        Event(rank=0, kind='F', stage=0, microbatch=0, start=0, end=1)
+    """
+
+    makespan: float
+    bubble_fraction: float
+    peak_in_flight: tuple[int, ...]
+    events: tuple[Event, ...]
+
+
+class _Timed(NamedTuple):
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+def _dependencies(action: Action, num_stages: int, present: set[Action]) -> list[Action]:
+    """The actions whose results ``action`` consumes (its rank's earlier actions aside)."""
+    kind, stage, microbatch = action.kind, action.stage, action.microbatch
+    if kind == "F":
+        return [Action("F", stage - 1, microbatch)] if stage > 0 else []
+    if kind == "W":
+        return [Action("I", stage, microbatch)]
+    needs = [Action("F", stage, microbatch)]
+    if stage < num_stages - 1:
+        full = Action("B", stage + 1, microbatch)
+        needs.append(full if full in present else Action("I", stage + 1, microbatch))
+    return needs
+
+
+def _execute(schedule: Schedule, duration: Callable[[Action], float]) -> list[_Timed]:
+    """Run every rank's actions strictly in order, each as soon as its inputs are done.
+
+    Start times do not depend on the order in which ranks are visited: an action starts when
+    its rank's previous action and all of its dependencies have ended. Raises ValueError naming
+    the blocked actions when no rank can make progress.
+    """
+    present = {action for row in schedule.actions for action in row}
+    finish: dict[Action, float] = {}
+    free: list[float] = [0] * schedule.num_ranks
+    pcs = [0] * schedule.num_ranks
+    timed: list[_Timed] = []
+    remaining = sum(len(row) for row in schedule.actions)
+    while remaining:
+        progressed = False
+        for rank, row in enumerate(schedule.actions):
+            while pcs[rank] < len(row):
+                action = row[pcs[rank]]
+                needs = _dependencies(action, schedule.num_stages, present)
+                if any(need not in finish for need in needs):
+                    break
+                start = max([free[rank], *(finish[need] for need in needs)])
+                end = start + duration(action)
+                finish[action] = free[rank] = end
+                timed.append(_Timed(rank, action, start, end))
+                pcs[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError(_deadlock_message(schedule, pcs, finish, present))
+    return sorted(timed, key=lambda t: (t.start, t.rank))
+
+
+def _deadlock_message(
+    schedule: Schedule, pcs: list[int], finish: dict[Action, float], present: set[Action]
+) -> str:
+    position = {a: (r, i) for r, row in enumerate(schedule.actions) for i, a in enumerate(row)}
+    blocked = [r for r, row in enumerate(schedule.actions) if pcs[r] < len(row)]
+
+    def waiting(rank: int) -> tuple[Action, Action]:
+        action = schedule.actions[rank][pcs[rank]]
+        needs = _dependencies(action, schedule.num_stages, present)
+        return action, next(need for need in needs if need not in finish)
+
+    waits = {rank: waiting(rank) for rank in blocked}
+    rank = blocked[0]
+    action, need = waits[rank]
+    if need not in position:
+        where, why = f"stage {need.stage}", "which is not in the schedule"
+    else:
+        owner, index = position[need]
+        where = f"stage {need.stage}, rank {owner}"
+        if owner == rank:
+            why = (
+                f"which rank {rank} runs only later (position {index}, after position {pcs[rank]})"
+            )
+        else:
+            other, other_need = waits[owner]
+            why = (
+                f"which never runs before it: rank {owner} is stuck at {other}, "
+                f"waiting for {other_need}"
+            )
+    stuck = ", ".join(f"rank {r} at {a} (needs {n})" for r, (a, n) in waits.items())
+    return (
+        f"schedule {schedule.name!r} deadlocks: rank {rank} action {action} waits for {need} "
+        f"({where}), {why}. Blocked: {stuck}. Reorder the actions so that every action's "
+        f"inputs run before it."
+    )
+
+
+def _check_structure(schedule: Schedule) -> None:
+    """Counts, ownership, and exactly one F and one B (or one I and one W) per stage/microbatch."""
+    for field in ("num_stages", "num_microbatches", "num_ranks"):
+        value = getattr(schedule, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{field} must be a positive int, got {value!r}")
+    num_stages, num_ranks = schedule.num_stages, schedule.num_ranks
+    if len(schedule.stage_to_rank) != num_stages:
+        raise ValueError(
+            f"stage_to_rank has {len(schedule.stage_to_rank)} entries for {num_stages} stages"
+        )
+    for stage, owner in enumerate(schedule.stage_to_rank):
+        if not isinstance(owner, int) or not 0 <= owner < num_ranks:
+            raise ValueError(
+                f"stage {stage} is mapped to rank {owner!r}, not in 0..{num_ranks - 1}"
+            )
+    if len(schedule.actions) != num_ranks:
+        raise ValueError(f"actions has {len(schedule.actions)} rows for {num_ranks} ranks")
+    seen: dict[Action, tuple[int, int]] = {}
+    for rank, row in enumerate(schedule.actions):
+        for index, action in enumerate(row):
+            if not isinstance(action, Action):
+                raise ValueError(f"rank {rank} position {index} is {action!r}, not an Action")
+            if action.stage >= num_stages:
+                raise ValueError(
+                    f"action {action} on rank {rank} names stage {action.stage}, "
+                    f"but the schedule has stages 0..{num_stages - 1}"
+                )
+            if action.microbatch >= schedule.num_microbatches:
+                raise ValueError(
+                    f"action {action} on rank {rank} names microbatch {action.microbatch}, "
+                    f"but the schedule has microbatches 0..{schedule.num_microbatches - 1}"
+                )
+            owner = schedule.stage_to_rank[action.stage]
+            if owner != rank:
+                raise ValueError(
+                    f"action {action} is on rank {rank}, but stage {action.stage} belongs to "
+                    f"rank {owner}"
+                )
+            if action in seen:
+                first = seen[action]
+                raise ValueError(
+                    f"duplicate action {action}: rank {rank} runs it at positions {first[1]} "
+                    f"and {index}"
+                )
+            seen[action] = (rank, index)
+    for stage in range(num_stages):
+        for microbatch in range(schedule.num_microbatches):
+            has = {kind: Action(kind, stage, microbatch) in seen for kind in KINDS}
+            tag = f"{stage}.{microbatch}"
+            if not has["F"]:
+                raise ValueError(f"missing action F{tag}: every stage/microbatch needs one F")
+            if has["B"] and (has["I"] or has["W"]):
+                raise ValueError(
+                    f"B{tag} and a split backward (I{tag}/W{tag}) are both present: "
+                    f"use either B or I and W"
+                )
+            if not any(has[kind] for kind in "BIW"):
+                raise ValueError(f"missing action B{tag} (or I{tag} and W{tag}): no backward")
+            if has["I"] != has["W"]:
+                missing, present = ("W", "I") if has["I"] else ("I", "W")
+                raise ValueError(
+                    f"missing action {missing}{tag}: {present}{tag} is present, and a split "
+                    f"backward needs both I and W"
+                )
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Check that ``schedule`` is complete and runs without deadlock; return it unchanged.
+
+    Every (stage, microbatch) must have exactly one F and either one B or one I and one W, all
+    on the rank owning the stage. Then each rank runs its actions strictly in order, and an
+    action waits for its inputs: F(s, m) for F(s-1, m); B or I(s, m) for F(s, m) and for B or
+    I(s+1, m); W(s, m) for I(s, m). If no rank can progress, the ValueError names the first
+    blocked action of the lowest blocked rank and what it waits for.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import Action, Schedule, validate
+        >>> broken = Schedule("broken", 1, 1, 1, (0,), [[Action("B", 0, 0), Action("F", 0, 0)]])
+        >>> validate(broken)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: schedule 'broken' deadlocks: rank 0 action B0.0 waits for F0.0 ...
+    """
+    _check_structure(schedule)
+    _execute(schedule, lambda action: 1)
+    return schedule
+
+
+def _peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
+    held = [0] * schedule.num_stages
+    peak = [0] * schedule.num_stages
+    for row in schedule.actions:
+        for action in row:
+            if action.kind == "F":
+                held[action.stage] += 1
+                peak[action.stage] = max(peak[action.stage], held[action.stage])
+            elif action.kind in "BW":
+                held[action.stage] -= 1
+    return tuple(peak)
+
+
+def simulate(
+    schedule: Schedule,
+    forward_cost: float = 1,
+    backward_cost: float = 2,
+    weight_cost: float | None = None,
+) -> SimulationResult:
+    """Simulate ``schedule`` with fixed per-action costs and zero communication time.
+
+    Each rank runs its actions in order; an action starts at the later of the time its rank is
+    free and the time its inputs (see :func:`validate`) have ended. Every action of a kind costs
+    the same on every stage: F costs ``forward_cost`` and B ``backward_cost``; a split
+    backward costs ``backward_cost`` in all, W taking ``weight_cost`` and I the rest, with
+    ``weight_cost=None`` meaning half each. Costs are per stage, so an interleaved schedule
+    whose ranks hold ``v`` stages each models the same per-rank work as a plain one when its
+    costs are divided by ``v``. Ints or ``fractions.Fraction`` costs give exact results.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate, zero_bubble_h1
+        >>> simulate(one_f_one_b(4, 8)).makespan
+        33
+        >>> simulate(zero_bubble_h1(4, 8)).makespan
+        27.0
+    """
+    if weight_cost is None:
+        weight_cost = backward_cost / 2
+    if not forward_cost > 0 or not backward_cost > 0:
+        raise ValueError(
+            f"forward_cost and backward_cost must be positive, got {forward_cost} and "
+            f"{backward_cost}"
+        )
+    if not 0 <= weight_cost <= backward_cost:
+        raise ValueError(f"weight_cost must be in [0, backward_cost], got {weight_cost}")
+    validate(schedule)
+    costs = {
+        "F": forward_cost,
+        "B": backward_cost,
+        "I": backward_cost - weight_cost,
+        "W": weight_cost,
+    }
+    timed = _execute(schedule, lambda action: costs[action.kind])
+    makespan = max(t.end for t in timed)
+    busy = sum(t.end - t.start for t in timed)
+    capacity = schedule.num_ranks * makespan
+    events = tuple(
+        Event(t.rank, t.action.kind, t.action.stage, t.action.microbatch, t.start, t.end)
+        for t in timed
+    )
+    return SimulationResult(
+        makespan=makespan,
+        bubble_fraction=(capacity - busy) / capacity,
+        peak_in_flight=_peak_in_flight(schedule),
+        events=events,
+    )
+
+
+def _check_counts(num_stages: int, num_microbatches: int) -> None:
+    for field, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{field} must be a positive int, got {value!r}")
+
+
+def _need_enough_microbatches(name: str, num_microbatches: int, depth: int, what: str) -> None:
+    if num_microbatches < depth:
+        raise ValueError(
+            f"{name} needs at least as many microbatches as {what} ({depth}), got "
+            f"{num_microbatches}: use num_microbatches >= {depth}, or the 'gpipe' schedule"
+        )
+
+
+def _plain(name: str, num_stages: int, num_microbatches: int, rows: list[list[Action]]) -> Schedule:
+    """A validated schedule where rank ``r`` runs exactly stage ``r``."""
+    return validate(
+        Schedule(name, num_stages, num_microbatches, num_stages, tuple(range(num_stages)), rows)
+    )
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe: every rank runs all its forwards, then all its backwards (microbatch order).
+
+    Rank ``r`` runs stage ``r``; every stage holds all M microbatches' activations at once.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import gpipe
+        >>> " ".join(map(str, gpipe(3, 2).actions_of(2)))
+        'F2.0 F2.1 B2.0 B2.1'
+    """
+    _check_counts(num_stages, num_microbatches)
+    rows = [
+        [Action("F", stage, m) for m in range(num_microbatches)]
+        + [Action("B", stage, m) for m in range(num_microbatches)]
+        for stage in range(num_stages)
+    ]
+    return _plain("gpipe", num_stages, num_microbatches, rows)
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """Classic 1F1B (PipeDream-Flush): warm-up forwards, then one forward / one backward.
+
+    Rank ``r`` runs stage ``r``: ``S - r - 1`` warm-up forwards, then alternates one forward
+    and one backward until the forwards run out, then the remaining backwards (cool-down), so
+    stage ``r`` holds at most ``S - r`` microbatches' activations. Needs ``M >= S``.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import one_f_one_b
+        >>> " ".join(map(str, one_f_one_b(3, 4).actions_of(0)))
+        'F0.0 F0.1 F0.2 B0.0 F0.3 B0.1 B0.2 B0.3'
+    """
+    _check_counts(num_stages, num_microbatches)
+    _need_enough_microbatches("1f1b", num_microbatches, num_stages, "stages")
+    rows = []
+    for stage in range(num_stages):
+        warmup = num_stages - stage - 1
+        row = [Action("F", stage, m) for m in range(warmup)]
+        for m in range(warmup, num_microbatches):
+            row += [Action("F", stage, m), Action("B", stage, m - warmup)]
+        row += [Action("B", stage, m) for m in range(num_microbatches - warmup, num_microbatches)]
+        rows.append(row)
+    return _plain("1f1b", num_stages, num_microbatches, rows)
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+    """Megatron-style interleaved 1F1B: each rank holds ``virtual_stages`` non-adjacent stages.
+
+    There are ``S = num_ranks * virtual_stages`` stages; rank ``r`` holds stages ``r``,
+    ``r + num_ranks``, ``r + 2 * num_ranks``, ... Microbatches go through in groups of
+    ``num_ranks``: a rank's forwards run group by group, within a group its stages in
+    increasing order, and within a stage the group's microbatches in order; its backwards run
+    in the same group order with its stages in decreasing order. Rank ``r`` runs
+    ``2 * (num_ranks - r - 1) + (virtual_stages - 1) * num_ranks`` warm-up forwards (all of them
+    if fewer), then alternates one forward / one backward, then the remaining backwards. With
+    ``virtual_stages=1`` this is exactly :func:`one_f_one_b`. ``num_microbatches`` must be a
+    multiple of ``num_ranks``. To compare timings with a plain schedule of the same model, pass
+    per-stage costs divided by ``virtual_stages`` to :func:`simulate`.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import interleaved_1f1b
+        >>> schedule = interleaved_1f1b(num_ranks=2, num_microbatches=2, virtual_stages=2)
+        >>> " ".join(map(str, schedule.actions_of(1)))
+        'F1.0 F1.1 F3.0 B3.0 F3.1 B3.1 B1.0 B1.1'
+    """
+    _check_counts(num_ranks, num_microbatches)
+    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool):
+        raise ValueError(f"virtual_stages must be an int, got {virtual_stages!r}")
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+    if virtual_stages == 1:
+        plain = one_f_one_b(num_ranks, num_microbatches)
+        return dataclasses.replace(plain, name="interleaved-1f1b")
+    _need_enough_microbatches(
+        "interleaved-1f1b", num_microbatches, num_ranks, "ranks (pipeline depth)"
+    )
+    if num_microbatches % num_ranks:
+        raise ValueError(
+            f"interleaved-1f1b sends microbatches through in groups of num_ranks={num_ranks}: "
+            f"num_microbatches must be a multiple of {num_ranks}, got {num_microbatches}"
+        )
+    num_stages = num_ranks * virtual_stages
+    groups = range(num_microbatches // num_ranks)
+    rows = []
+    for rank in range(num_ranks):
+        stages = [rank + k * num_ranks for k in range(virtual_stages)]
+        forwards = [
+            Action("F", stage, g * num_ranks + j)
+            for g in groups
+            for stage in stages
+            for j in range(num_ranks)
+        ]
+        backwards = [
+            Action("B", stage, g * num_ranks + j)
+            for g in groups
+            for stage in reversed(stages)
+            for j in range(num_ranks)
+        ]
+        total = len(forwards)
+        warmup = min(2 * (num_ranks - rank - 1) + (virtual_stages - 1) * num_ranks, total)
+        row = forwards[:warmup]
+        for i in range(total - warmup):
+            row += [forwards[warmup + i], backwards[i]]
+        row += backwards[total - warmup :]
+        rows.append(row)
+    stage_to_rank = tuple(stage % num_ranks for stage in range(num_stages))
+    return validate(
+        Schedule("interleaved-1f1b", num_stages, num_microbatches, num_ranks, stage_to_rank, rows)
+    )
+
+
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 from "Zero Bubble Pipeline Parallelism" (Qi et al., 2023).
+
+    The backward is split into I (input gradient, on the critical path) and W (weight
+    gradient, which nothing waits for). Rank ``r`` runs stage ``r`` in the 1F1B pattern with
+    I in place of B (``S - r - 1`` warm-up forwards, then F and I alternating), and runs
+    ``W(m)`` right after ``I(m + r)``: the ``r`` deferred weight passes fill the bubbles of
+    the cool-down and are flushed at the end. Every stage therefore holds at most ``S``
+    microbatches (counting until W), the peak of 1F1B's first stage, while the bubble shrinks
+    from 1F1B's ``(S-1) * (F + B)`` to ``(S-1) * (F + I - W)``. Needs ``M >= S``.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import zero_bubble_h1
+        >>> " ".join(map(str, zero_bubble_h1(2, 3).actions_of(1)))
+        'F1.0 I1.0 F1.1 I1.1 W1.0 F1.2 I1.2 W1.1 W1.2'
+    """
+    _check_counts(num_stages, num_microbatches)
+    _need_enough_microbatches("zero-bubble-h1", num_microbatches, num_stages, "stages")
+    rows = []
+    for stage in range(num_stages):
+        warmup = num_stages - stage - 1
+        row = [Action("F", stage, m) for m in range(warmup)]
+        weights = 0
+        for m in range(num_microbatches):
+            if warmup + m < num_microbatches:
+                row.append(Action("F", stage, warmup + m))
+            row.append(Action("I", stage, m))
+            if m - weights >= stage:
+                row.append(Action("W", stage, weights))
+                weights += 1
+        row += [Action("W", stage, m) for m in range(weights, num_microbatches)]
+        rows.append(row)
+    return _plain("zero-bubble-h1", num_stages, num_microbatches, rows)
+
+
+def custom(
+    table: Sequence[Sequence[Action | str | tuple[str, int, int]]],
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+    name: str = "custom",
+) -> Schedule:
+    """Build and validate a schedule from one list of actions per rank.
+
+    Actions may be :class:`Action` objects, short strings such as ``"F0.1"``, or
+    ``(kind, stage, microbatch)`` tuples. Each stage is owned by the rank whose row holds its
+    actions; ``num_stages`` and ``num_microbatches`` default to one more than the largest
+    index used.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import custom
+        >>> schedule = custom([["F0.0", "F0.1", "B0.0", "B0.1"], ["F1.0", "B1.0", "F1.1", "B1.1"]])
+        >>> schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
+        (2, 2, (0, 1))
+        >>> custom([["F0.0", "I0.0"]])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: missing action W0.0: I0.0 is present, ...
+    """
+    if not table:
+        raise ValueError("a schedule table needs at least one rank (row)")
+    rows: list[list[Action]] = []
+    for rank, entries in enumerate(table):
+        if isinstance(entries, str):
+            raise ValueError(f"row {rank} of the table is a string; give a list of actions")
+        row = []
+        for entry in entries:
+            if isinstance(entry, Action):
+                row.append(entry)
+            elif isinstance(entry, str):
+                row.append(Action.parse(entry))
+            else:
+                row.append(Action(*entry))
+        rows.append(row)
+    actions = [action for row in rows for action in row]
+    if not actions:
+        raise ValueError("a schedule table needs at least one action")
+    if num_stages is None:
+        num_stages = max(action.stage for action in actions) + 1
+    if num_microbatches is None:
+        num_microbatches = max(action.microbatch for action in actions) + 1
+    _check_counts(num_stages, num_microbatches)
+    owners: dict[int, tuple[int, Action]] = {}
+    for rank, row in enumerate(rows):
+        for action in row:
+            first = owners.setdefault(action.stage, (rank, action))
+            if first[0] != rank:
+                raise ValueError(
+                    f"stage {action.stage} appears on rank {first[0]} ({first[1]}) and on rank "
+                    f"{rank} ({action}): each stage must run on one rank"
+                )
+    for stage in range(num_stages):
+        if stage not in owners:
+            raise ValueError(f"missing action F{stage}.0: stage {stage} has no actions on any rank")
+    stage_to_rank = tuple(owners[stage][0] for stage in range(num_stages))
+    return validate(Schedule(name, num_stages, num_microbatches, len(rows), stage_to_rank, rows))
+
+
+_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "zero-bubble-h1": zero_bubble_h1,
+}
+
+
+def get(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """Build the schedule called ``name`` (one of :data:`SCHEDULE_NAMES`).
+
+    ``num_stages`` always counts model stages. For ``"interleaved-1f1b"`` each rank holds
+    ``virtual_stages`` of them, so there are ``num_stages / virtual_stages`` ranks; the other
+    schedules use one rank per stage and ``virtual_stages=1``.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import get
+        >>> schedule = get("interleaved-1f1b", num_stages=8, num_microbatches=8, virtual_stages=2)
+        >>> schedule.num_ranks, schedule.stages_of(0)
+        (4, (0, 4))
+        >>> get("pipedream", 4, 8)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown schedule 'pipedream'; valid names: 'gpipe', '1f1b', ...
+    """
+    if name not in SCHEDULE_NAMES:
+        valid = ", ".join(repr(n) for n in SCHEDULE_NAMES)
+        raise ValueError(f"unknown schedule {name!r}; valid names: {valid}")
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be an int >= 1, got {virtual_stages!r}")
+    if name == "interleaved-1f1b":
+        _check_counts(num_stages, num_microbatches)
+        if num_stages % virtual_stages:
+            raise ValueError(
+                f"virtual_stages={virtual_stages} does not divide num_stages={num_stages}: "
+                f"interleaved-1f1b puts virtual_stages stages on each of "
+                f"num_stages / virtual_stages ranks"
+            )
+        return interleaved_1f1b(num_stages // virtual_stages, num_microbatches, virtual_stages)
+    if virtual_stages != 1:
+        raise ValueError(
+            f"virtual_stages={virtual_stages} applies only to 'interleaved-1f1b'; "
+            f"{name!r} runs one stage per rank"
+        )
+    return _BUILDERS[name](num_stages, num_microbatches)
