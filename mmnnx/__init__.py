@@ -8,6 +8,7 @@ Example:
 
 from mmnnx import mpmd
 from mmnnx.jit import JitFunction, jit
+from mmnnx.microbatch import microbatch
 from mmnnx.mpmd import MPMDError, PlacementConflictError, Plan, SideEffectError, schedules
 from mmnnx.mpmd.markers import task, with_sharding_constraint
 from mmnnx.sharding import (
@@ -40,6 +41,7 @@ __all__ = [
     "init",
     "jit",
     "logical_rules",
+    "microbatch",
     "mpmd",
     "place",
     "placement",

@@ -1,0 +1,138 @@
+"""``mm.microbatch``: split a step's batch into microbatches and combine the results."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mmnnx.mpmd import schedules
+
+_REDUCTIONS = ("sum", "mean")
+
+
+def _check_reduce(reduce: Any) -> None:
+    for r in jax.tree.leaves(reduce):
+        if r not in _REDUCTIONS:
+            raise ValueError(f"mm.microbatch: reduce {r!r} is not one of {_REDUCTIONS}")
+
+
+def _split_count(leaves: Sequence[Any], dim: int, num: int | None, size: int | None) -> int:
+    sizes = {}
+    for path, leaf in leaves:
+        if not hasattr(leaf, "shape") or leaf.ndim <= dim:
+            raise ValueError(
+                f"mm.microbatch: argument leaf {path} has no dimension {dim} to split "
+                f"(shape {getattr(leaf, 'shape', None)})"
+            )
+        sizes.setdefault(leaf.shape[dim], path)
+    if len(sizes) > 1:
+        (n1, p1), (n2, p2) = list(sizes.items())[:2]
+        raise ValueError(
+            f"mm.microbatch: leaves differ in size along dimension {dim}: {p1} has {n1} and "
+            f"{p2} has {n2}"
+        )
+    if not sizes:
+        raise ValueError("mm.microbatch: the split arguments hold no arrays")
+    total = next(iter(sizes))
+    count = num if num is not None else total // size
+    if size is not None and total % size:
+        raise ValueError(
+            f"mm.microbatch: microbatch size {size} does not divide the batch of {total} "
+            f"along dimension {dim}"
+        )
+    if num is not None and total % num:
+        raise ValueError(
+            f"mm.microbatch: {num} microbatches do not divide the batch of {total} along "
+            f"dimension {dim}; use a divisor of {total}"
+        )
+    return count
+
+
+def microbatch(
+    fun: Callable,
+    *,
+    num: int | None = None,
+    size: int | None = None,
+    argnums: int | Sequence[int] = (1,),
+    dim: int = 0,
+    reduce: Any = "sum",
+    schedule: str | schedules.Schedule = "1f1b",
+    virtual_stages: int = 1,
+) -> Callable:
+    """Calls ``fun`` once per microbatch of the ``argnums`` arguments and combines the outputs.
+
+    The arrays of the ``argnums`` arguments are split along ``dim`` into ``num`` microbatches (or
+    microbatches of ``size`` rows); the outputs are combined leaf by leaf with ``reduce``:
+    ``"sum"`` (multimesh's contract), ``"mean"``, or a pytree of those matching the output.
+    ``schedule`` (a name from ``mm.schedules.SCHEDULE_NAMES`` or a ``Schedule``) and
+    ``virtual_stages`` say how a pipeline runs the microbatches.
+
+    Today the microbatches run as a plain loop, outside ``mm.jit`` and inside it (where each
+    microbatch is traced; pipelined execution of one compiled program per stage is in progress).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> f = microbatch(lambda w, x: (w * x).sum(), num=4, reduce="sum")
+        >>> float(f(2.0, jnp.arange(8.0)))
+        56.0
+    """
+    if (num is None) == (size is None):
+        raise ValueError("mm.microbatch: give exactly one of num= and size=")
+    count = num if num is not None else size
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"mm.microbatch: {'num' if num is not None else 'size'} must be >= 1")
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"mm.microbatch: virtual_stages must be an int >= 1, got {virtual_stages}")
+    if isinstance(schedule, str) and schedule not in schedules.SCHEDULE_NAMES:
+        raise ValueError(
+            f"mm.microbatch: unknown schedule {schedule!r}; valid schedules are "
+            f"{', '.join(schedules.SCHEDULE_NAMES)} (or a Schedule object)"
+        )
+    if not isinstance(schedule, str | schedules.Schedule):
+        raise TypeError(f"mm.microbatch: schedule {schedule!r} is not a name or a Schedule")
+    _check_reduce(reduce)
+    split_args = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    @functools.wraps(fun)
+    def run(*args, **kwargs):
+        for i in split_args:
+            if i >= len(args):
+                raise ValueError(
+                    f"mm.microbatch: argnums names argument {i}, but only {len(args)} were given"
+                )
+        leaves = [
+            (f"arg{i}{jax.tree_util.keystr(p)}", leaf)
+            for i in split_args
+            for p, leaf in jax.tree.leaves_with_path(args[i])
+        ]
+        m = _split_count(leaves, dim, num, size)
+
+        def piece(tree, k):
+            def cut(x):
+                rows = x.shape[dim] // m
+                return jax.lax.slice_in_dim(x, k * rows, (k + 1) * rows, axis=dim)
+
+            return jax.tree.map(cut, tree)
+
+        total = None
+        for k in range(m):
+            call_args = [piece(a, k) if i in split_args else a for i, a in enumerate(args)]
+            out = fun(*call_args, **kwargs)
+            total = out if total is None else jax.tree.map(jnp.add, total, out)
+        if m == 1:
+            return total
+        return _finish(total, reduce, m)
+
+    return run
+
+
+def _finish(total: Any, reduce: Any, m: int) -> Any:
+    if isinstance(reduce, str):
+        return total if reduce == "sum" else jax.tree.map(lambda x: x / m, total)
+    return jax.tree.map(
+        lambda r, sub: sub if r == "sum" else jax.tree.map(lambda x: x / m, sub), reduce, total
+    )

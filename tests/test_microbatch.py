@@ -1,0 +1,113 @@
+"""mm.microbatch against the full-batch call on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from tests.test_jit import RULES, loss_fn, make, two_stage
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    x = jax.random.normal(jax.random.key(1), (16, 16))
+    y = jax.random.normal(jax.random.key(2), (16, 4))
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"))
+    return tuple(
+        mm.Task(f"stage{i}", mesh=mesh.task_mesh(stage=i), logical_axes=RULES) for i in range(2)
+    )
+
+
+def grads_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        close(x, y)
+
+
+@pytest.mark.parametrize("num", [1, 2, 4, 8])
+def test_mean_equals_full_batch(batch, num):
+    model = make()
+    full = nnx.value_and_grad(loss_fn)(model, *batch)
+    split = mm.microbatch(nnx.value_and_grad(loss_fn), num=num, argnums=(1, 2), reduce="mean")(
+        model, *batch
+    )
+    close(split[0], full[0])
+    grads_close(split[1], full[1])
+
+
+def test_sum_and_size_and_pytree_reduce(batch):
+    x, _ = batch
+
+    def f(w, x):
+        return {"total": (x * w).sum(), "count": jnp.float32(x.shape[0])}
+
+    out = mm.microbatch(f, size=4, reduce="sum")(2.0, x)
+    close(out["total"], (x * 2.0).sum())
+    assert float(out["count"]) == 16.0
+    mixed = mm.microbatch(f, num=4, reduce={"total": "sum", "count": "mean"})(2.0, x)
+    close(mixed["total"], (x * 2.0).sum())
+    assert float(mixed["count"]) == 4.0
+
+
+def test_split_along_another_dim():
+    x = jnp.arange(24.0).reshape(2, 12)
+    out = mm.microbatch(lambda x: x.sum(axis=1), num=3, argnums=0, dim=1)(x)
+    close(out, x.sum(axis=1))
+
+
+def test_inside_mm_jit_two_stages(tasks, batch):
+    model = two_stage(tasks)
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    ref = make()
+    ref_opt = nnx.Optimizer(ref, optax.adamw(1e-2), wrt=nnx.Param)
+
+    def step(model, opt, x, y, micro):
+        grad_fn = nnx.value_and_grad(loss_fn)
+        if micro:
+            grad_fn = mm.microbatch(grad_fn, num=4, argnums=(1, 2), reduce="mean")
+        loss, grads = grad_fn(model, x, y)
+        opt.update(model, grads)
+        return loss
+
+    jstep = mm.jit(step, static_argnums=4)
+    for _ in range(2):
+        close(jstep(model, opt, *batch, True), step(ref, ref_opt, *batch, False))
+    grads_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
+    assert mm.placement(model)["l2/kernel"][0] == "stage1"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num=2, size=4), "exactly one of num= and size="),
+        (dict(), "exactly one of num= and size="),
+        (dict(num=0), "num must be >= 1"),
+        (dict(num=2, schedule="zigzag"), "unknown schedule 'zigzag'.*gpipe, 1f1b"),
+        (dict(num=2, reduce="max"), "reduce 'max' is not one of"),
+        (dict(num=2, virtual_stages=0), "virtual_stages must be an int >= 1"),
+    ],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mm.microbatch(lambda w, x: x, **kwargs)
+
+
+def test_bad_batches():
+    f = mm.microbatch(lambda w, x: x["a"].sum(), num=3)
+    with pytest.raises(ValueError, match="3 microbatches do not divide the batch of 8"):
+        f(1.0, {"a": jnp.ones((8, 2)), "b": jnp.ones((8,))})
+    with pytest.raises(ValueError, match=r"differ in size along dimension 0: arg1\['a'\] has 6"):
+        mm.microbatch(lambda w, x: 0.0, num=2)(1.0, {"a": jnp.ones((6, 2)), "b": jnp.ones(4)})
+    with pytest.raises(ValueError, match="size 5 does not divide the batch of 8"):
+        mm.microbatch(lambda w, x: 0.0, size=5)(1.0, jnp.ones(8))
