@@ -406,3 +406,19 @@ def test_tied_weights_stay_one_variable(tasks):
         assert_close(jstep(model, opt, x), step(ref, ref_opt, x))
     assert model.a.kernel is model.b.kernel
     assert_close(model.a.kernel.get_value(), ref.a.kernel.get_value())
+
+
+def test_no_arrays_outlive_the_step(tasks, batch):
+    import gc
+
+    model = two_stage(tasks)
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    step = mm.jit(train_step)
+    for _ in range(2):
+        jax.block_until_ready(step(model, opt, *batch))
+    gc.collect()
+    before = len(jax.live_arrays())
+    for _ in range(3):
+        jax.block_until_ready(step(model, opt, *batch))
+    gc.collect()
+    assert len(jax.live_arrays()) == before

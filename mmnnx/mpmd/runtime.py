@@ -184,9 +184,25 @@ class Executable:
                     s for (value, t, _), s in slots.items() if value == atom and t == where[atom]
                 )
                 self._outputs.append((src, None))
-        self._actions = actions
+        self._release(actions)
         self._num_slots = len(slots)
         self.plan = Plan(list(tasks), fragments, transfers, self.num_programs)
+
+    def _release(self, actions: list[tuple]) -> None:
+        """Drops each intermediate value right after its last reader, so activations are freed
+        as soon as the step no longer needs them (the caller's inputs and outputs are kept)."""
+        keep = {s for s, _ in self._outputs if s is not None}
+        keep.update(slot for slot, _ in self._input_slots)
+        last: dict[int, int] = {}
+        for i, action in enumerate(actions):
+            reads = action[2] if action[0] == _RUN else [action[1]]
+            for s in reads:
+                last[s] = i
+        release: list[list[int]] = [[] for _ in actions]
+        for s, i in last.items():
+            if s not in keep:
+                release[i].append(s)
+        self._actions = [(*a, tuple(r)) for a, r in zip(actions, release, strict=True)]
 
     def __call__(self, leaves: Sequence[Any]) -> list[Any]:
         env: list[Any] = [None] * self._num_slots
@@ -199,4 +215,6 @@ class Executable:
                     env[s] = o
             else:
                 env[action[2]] = jax.device_put(env[action[1]], action[3])
+            for s in action[-1]:
+                env[s] = None
         return [env[s] if s is not None else const for s, const in self._outputs]

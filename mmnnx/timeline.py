@@ -1,0 +1,422 @@
+"""Draw pipeline timelines: one row per rank or task, one coloured box per action.
+
+:func:`plot_timeline` draws the familiar pipeline diagram with matplotlib: time runs left to
+right, rank 0 (or the first task) is the top row, every action is a box spanning
+``[start, end)`` coloured by its kind (``F`` forward, ``B`` backward, ``I`` input gradient,
+``W`` weight gradient) and labelled with its microbatch, and idle time (the bubble) is the empty
+space between boxes. It accepts a :class:`~mmnnx.mpmd.schedules.Schedule` (simulated with the
+default costs), a :class:`~mmnnx.mpmd.schedules.SimulationResult`, or any sequence of
+event-like objects, for example the events the engine measured. :func:`timeline_rows` returns
+the normalized rows the plot draws.
+
+Only matplotlib's object-oriented API is used: nothing is registered with ``pyplot``, so no
+figure needs closing, and the backend is left alone (saving works headless).
+
+Example:
+    >>> from mmnnx.mpmd.schedules import zero_bubble_h1
+    >>> from mmnnx.timeline import plot_timeline
+    >>> fig = plot_timeline(zero_bubble_h1(2, 3))
+    >>> [label.get_text() for label in fig.axes[0].get_yticklabels()]
+    ['rank 0', 'rank 1']
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import pathlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from mmnnx.mpmd.schedules import Schedule, SimulationResult, simulate
+
+__all__ = ["KIND_COLORS", "KIND_NAMES", "TimelineEvent", "UNITS", "plot_timeline", "timeline_rows"]
+
+KIND_COLORS: dict[str, str] = {
+    "F": "#7eb0d5",
+    "B": "#fdb462",
+    "I": "#fb8072",
+    "W": "#8dd3a7",
+}
+"""Fill colour of each action kind; other kinds get grey shades."""
+
+KIND_NAMES: dict[str, str] = {
+    "F": "F  forward",
+    "B": "B  backward",
+    "I": "I  input grad",
+    "W": "W  weight grad",
+}
+"""Legend text of each action kind; other kinds are shown by their own name."""
+
+UNITS: dict[str, float] = {"s": 1.0, "ms": 1e3, "us": 1e6}
+"""Time units :func:`plot_timeline` can show seconds in, with their factor from seconds."""
+
+_OTHER_COLORS = ("#bdbdbd", "#9e9e9e", "#d9d9d9", "#757575")
+_EDGE = "#333333"
+_FONT_SIZES = (8.0, 6.5)
+_CHAR_WIDTH = 0.62  # average glyph width as a fraction of the font size (DejaVu Sans digits)
+_SIDE_MARGINS_IN = 2.0  # figure width beside the time axis: row labels and the legend
+
+
+class TimelineEvent(NamedTuple):
+    """One action in a timeline row, normalized from whatever :func:`timeline_rows` was given.
+
+    ``row`` is the row name (``"rank 0"`` for rank-based events, the task name for task-based
+    ones); ``start`` and ``end`` are floats in the input's own time unit.
+
+    Example:
+        >>> from mmnnx.timeline import TimelineEvent
+        >>> TimelineEvent("rank 0", "F", 0, 3, 0.0, 1.0).microbatch
+        3
+    """
+
+    row: str
+    kind: str
+    stage: Any
+    microbatch: Any
+    start: float
+    end: float
+
+
+def timeline_rows(
+    events_or_schedule: Schedule | SimulationResult | Iterable[Any],
+    *,
+    rows: Sequence[Any] | None = None,
+) -> dict[str, list[TimelineEvent]]:
+    """The events to draw, grouped by row name, rows in display order (top row first).
+
+    Accepts a :class:`~mmnnx.mpmd.schedules.Schedule` (simulated with the default costs of
+    :func:`~mmnnx.mpmd.schedules.simulate`), a
+    :class:`~mmnnx.mpmd.schedules.SimulationResult`, or an iterable of event-like objects with
+    attributes ``kind``, ``stage``, ``microbatch``, ``start``, ``end`` and either ``task`` (a
+    name string, or an object with a ``.name``) or ``rank`` (an int); ``task`` wins when both
+    are set. Rank rows are named ``"rank <r>"`` and come first, in rank order; task rows follow
+    in the order their first event appears in the input. ``rows`` (names, rank ints or task
+    objects) puts those rows first, in that order, and keeps them even when they have no event.
+    Within a row, events are sorted by start time, then end time.
+
+    Raises TypeError for an unsupported input or an event missing an attribute, and ValueError
+    for no events, a non-finite time, or an event that ends before it starts.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import one_f_one_b
+        >>> from mmnnx.timeline import timeline_rows
+        >>> rows = timeline_rows(one_f_one_b(2, 2))
+        >>> list(rows)
+        ['rank 0', 'rank 1']
+        >>> rows["rank 1"][0]
+        TimelineEvent(row='rank 1', kind='F', stage=1, microbatch=0, start=1.0, end=2.0)
+    """
+    events, _ = _normalize(events_or_schedule)
+    return _group(events, rows)
+
+
+def plot_timeline(
+    events_or_schedule: Schedule | SimulationResult | Iterable[Any],
+    path: str | pathlib.Path | None = None,
+    *,
+    title: str | None = None,
+    ax: Axes | None = None,
+    rows: Sequence[Any] | None = None,
+    unit: str = "auto",
+) -> Figure:
+    """Draw a pipeline timeline and return its matplotlib Figure (saved to ``path`` if given).
+
+    The input is anything :func:`timeline_rows` accepts, and ``rows`` orders the rows the same
+    way. Each action is one ``Rectangle`` drawn by ``Axes.barh`` (so ``len(ax.patches)`` is the
+    number of actions), coloured by kind (:data:`KIND_COLORS`, legend right of the plot) and
+    labelled with its microbatch, or ``s<stage>:<microbatch>`` when some row holds several
+    stages (interleaved schedules); a label is left out when its box is too narrow to hold it.
+    Each rectangle's gid is ``<kind><stage>.<microbatch>@<row>``. Times are drawn relative to
+    the earliest start.
+
+    ``unit`` says how to show times: ``"plain"`` draws them as given, with the axis labelled
+    ``time``; ``"s"``, ``"ms"`` or ``"us"`` takes them as seconds and shows them in that unit
+    (axis ``time (ms)`` etc.); ``"auto"`` (the default) is ``"plain"`` for schedules,
+    simulation results and rank-based events, and for task-based (measured) events, whose times
+    are seconds, ``"ms"`` when they span less than 10 seconds and ``"s"`` otherwise.
+
+    ``title`` defaults to the schedule's name and size, ``"simulated timeline"`` with the
+    makespan and bubble for a simulation result, ``"measured timeline"`` for task-based events
+    and ``"timeline"`` for rank-based ones. With ``ax`` the timeline is drawn into those axes
+    and their figure is returned; otherwise a new Figure is sized to the timeline. With
+    ``path`` (parent folders are created) the figure is saved as PNG, or in the format the
+    path's suffix names (e.g. ``.svg``). The Figure displays by itself in Jupyter.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import one_f_one_b
+        >>> from mmnnx.timeline import plot_timeline
+        >>> fig = plot_timeline(one_f_one_b(2, 4))
+        >>> len(fig.axes[0].get_yticks())
+        2
+        >>> len(fig.axes[0].patches)  # one box per action: 2 ranks x 4 microbatches x (F, B)
+        16
+        >>> fig.axes[0].get_xlabel()
+        'time'
+    """
+    events, kind_of_input = _normalize(events_or_schedule)
+    grouped = _group(events, rows)
+    is_measured = kind_of_input == "tasks"
+    origin = min(event.start for event in events)
+    span = max(event.end for event in events) - origin
+    scale, xlabel = _resolve_unit(unit, is_measured=is_measured, span=span)
+
+    if title is None:
+        title = _default_title(events_or_schedule, kind_of_input)
+    names = list(grouped)
+    multi_stage = any(len({event.stage for event in row}) > 1 for row in grouped.values())
+    if ax is None:
+        axes_width_in = _axes_width(events, multi_stage, span)
+        figsize = (axes_width_in + _SIDE_MARGINS_IN, 1.3 + 0.45 * len(names))
+        fig = Figure(figsize=figsize, layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        fig = _root_figure(ax)
+        axes_width_in = ax.get_position().width * fig.get_figwidth()
+    inches_per_unit = axes_width_in / (span * scale) if span > 0 else 0.0
+
+    kinds = _ordered_kinds(events)
+    colors = _kind_colors(kinds)
+    for kind in kinds:
+        placed = [
+            (y, event)
+            for y, name in enumerate(names)
+            for event in grouped[name]
+            if event.kind == kind
+        ]
+        bars = ax.barh(
+            [y for y, _ in placed],
+            [(event.end - event.start) * scale for _, event in placed],
+            left=[(event.start - origin) * scale for _, event in placed],
+            height=0.8,
+            color=colors[kind],
+            edgecolor=_EDGE,
+            linewidth=0.6,
+            label=KIND_NAMES.get(kind, kind),
+        )
+        for rect, (y, event) in zip(bars.patches, placed, strict=True):
+            rect.set_gid(f"{event.kind}{event.stage}.{event.microbatch}@{event.row}")
+            label = _label(event, multi_stage)
+            size = _fitting_font_size(label, rect.get_width() * inches_per_unit)
+            if size is not None:
+                ax.text(
+                    rect.get_x() + rect.get_width() / 2,
+                    y,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=size,
+                    color="black",
+                    clip_on=True,
+                )
+
+    ax.set_yticks(range(len(names)), labels=names)
+    ax.set_ylim(len(names) - 0.5, -0.5)  # first row on top
+    ax.set_xlim(0, span * scale if span > 0 else 1)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, loc="left")
+    ax.set_axisbelow(True)
+    ax.grid(axis="x", color="#e0e0e0", linewidth=0.6)
+    ax.tick_params(axis="y", length=0)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.legend(
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        frameon=False,
+        fontsize=8,
+        handlelength=1.2,
+        borderaxespad=0.0,
+    )
+
+    if path is not None:
+        target = pathlib.Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(target, format=None if target.suffix else "png", dpi=150)
+    return fig
+
+
+def _normalize(source: Any) -> tuple[list[TimelineEvent], str]:
+    """The events of ``source`` as TimelineEvents, and what kind of input it was."""
+    if isinstance(source, Schedule):
+        return _from_ranked(simulate(source).events), "schedule"
+    if isinstance(source, SimulationResult):
+        return _from_ranked(source.events), "simulation"
+    if (
+        source is None
+        or isinstance(source, str | bytes | Mapping)
+        or not isinstance(source, Iterable)
+    ):
+        raise TypeError(
+            f"plot_timeline needs a Schedule, a SimulationResult or a sequence of events "
+            f"(objects with kind, stage, microbatch, start, end and rank or task), "
+            f"got {type(source).__name__}"
+        )
+    items = list(source)
+    if not items:
+        raise ValueError("no events to draw: the event sequence is empty")
+    events = [_event(index, item) for index, item in enumerate(items)]
+    has_tasks = any(getattr(item, "task", None) is not None for item in items)
+    return events, "tasks" if has_tasks else "ranks"
+
+
+def _from_ranked(events: Iterable[Any]) -> list[TimelineEvent]:
+    return [_event(index, event) for index, event in enumerate(events)]
+
+
+def _event(index: int, item: Any) -> TimelineEvent:
+    missing = [
+        name for name in ("kind", "stage", "microbatch", "start", "end") if not hasattr(item, name)
+    ]
+    task = getattr(item, "task", None)
+    rank = getattr(item, "rank", None)
+    if task is None and rank is None:
+        missing.append("rank or task")
+    if missing:
+        raise TypeError(
+            f"event {index} ({item!r}) has no {', '.join(missing)}: events need kind, stage, "
+            f"microbatch, start, end and either rank (int) or task (name or object with .name)"
+        )
+    row = _row_name(task if task is not None else rank, f"event {index} ({item!r})")
+    times = []
+    for field in ("start", "end"):
+        value = getattr(item, field)
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise TypeError(f"event {index} ({item!r}) has a non-numeric {field}: {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"event {index} ({item!r}) has a non-finite {field}: {value}")
+        times.append(value)
+    start, end = times
+    if end < start:
+        raise ValueError(
+            f"event {index} ({item!r}) ends before it starts: end {end} < start {start}"
+        )
+    return TimelineEvent(row, str(item.kind), item.stage, item.microbatch, start, end)
+
+
+def _row_name(key: Any, where: str) -> str:
+    """The row name of a rank int, a task name, or a task object with a ``.name``."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return f"rank {int(key)}"
+    name = getattr(key, "name", None)
+    if isinstance(name, str):
+        return name
+    raise TypeError(
+        f"{where}: a row must be a rank (int), a task name (str) or an object with a str .name, "
+        f"got {key!r}"
+    )
+
+
+def _rank_number(name: str) -> int | None:
+    prefix, _, number = name.partition(" ")
+    return int(number) if prefix == "rank" and number.isdigit() else None
+
+
+def _group(
+    events: list[TimelineEvent], rows: Sequence[Any] | None
+) -> dict[str, list[TimelineEvent]]:
+    grouped: dict[str, list[TimelineEvent]] = {}
+    if rows is not None:
+        if isinstance(rows, str) or not isinstance(rows, Iterable):
+            raise TypeError(f"rows must be a sequence of row names, ranks or tasks, got {rows!r}")
+        for key in rows:
+            grouped.setdefault(_row_name(key, "rows"), [])
+    by_row: dict[str, list[TimelineEvent]] = {}
+    for event in events:
+        by_row.setdefault(event.row, []).append(event)
+    ranks = sorted((n for n in by_row if _rank_number(n) is not None), key=_rank_number)
+    others = [n for n in by_row if _rank_number(n) is None]
+    for name in [*ranks, *others]:
+        grouped.setdefault(name, [])
+    for name, row in by_row.items():
+        grouped[name] = sorted(row, key=lambda event: (event.start, event.end))
+    return grouped
+
+
+def _resolve_unit(unit: str, *, is_measured: bool, span: float) -> tuple[float, str]:
+    if unit == "auto":
+        unit = ("ms" if span < 10 else "s") if is_measured else "plain"
+    if unit == "plain":
+        return 1.0, "time"
+    if unit in UNITS:
+        return UNITS[unit], f"time ({unit})"
+    valid = ", ".join(repr(u) for u in ("auto", "plain", *UNITS))
+    raise ValueError(f"unknown unit {unit!r}; valid units: {valid}")
+
+
+def _default_title(source: Any, kind_of_input: str) -> str:
+    if isinstance(source, Schedule):
+        title = f"{source.name}: {source.num_stages} stages, {source.num_microbatches} microbatches"
+        if source.num_ranks != source.num_stages:
+            title += f" on {source.num_ranks} ranks"
+        return title
+    if isinstance(source, SimulationResult):
+        return (
+            f"simulated timeline: makespan {float(source.makespan):g}, "
+            f"bubble {float(source.bubble_fraction):.0%}"
+        )
+    return "measured timeline" if kind_of_input == "tasks" else "timeline"
+
+
+def _axes_width(events: list[TimelineEvent], multi_stage: bool, span: float) -> float:
+    """Inches of time axis giving every action at least 0.25 inch and room for its label."""
+    needed = 5.0
+    for event in events:
+        duration = event.end - event.start
+        if duration > 0:
+            label_width = _text_width(_label(event, multi_stage), _FONT_SIZES[0])
+            needed = max(needed, max(0.25, label_width) * span / duration)
+    return min(needed, 28.0)
+
+
+def _root_figure(ax: Axes) -> Figure:
+    figure = ax.figure
+    root = getattr(figure, "figure", None)
+    return root if isinstance(root, Figure) else figure
+
+
+def _ordered_kinds(events: list[TimelineEvent]) -> list[str]:
+    present = {event.kind for event in events}
+    known = [kind for kind in KIND_COLORS if kind in present]
+    others = sorted(present - set(KIND_COLORS))
+    return known + others
+
+
+def _kind_colors(kinds: list[str]) -> dict[str, str]:
+    colors = {}
+    extra = 0
+    for kind in kinds:
+        if kind in KIND_COLORS:
+            colors[kind] = KIND_COLORS[kind]
+        else:
+            colors[kind] = _OTHER_COLORS[extra % len(_OTHER_COLORS)]
+            extra += 1
+    return colors
+
+
+def _label(event: TimelineEvent, multi_stage: bool) -> str:
+    microbatch = "" if event.microbatch is None else str(event.microbatch)
+    if multi_stage and event.stage is not None:
+        return f"s{event.stage}:{microbatch}" if microbatch else f"s{event.stage}"
+    return microbatch
+
+
+def _fitting_font_size(label: str, width_in: float) -> float | None:
+    """The largest of the label font sizes whose text fits ``width_in`` inches, else None."""
+    if not label:
+        return None
+    for size in _FONT_SIZES:
+        if _text_width(label, size) <= width_in:
+            return size
+    return None
+
+
+def _text_width(label: str, size: float) -> float:
+    """About how many inches ``label`` takes at font ``size``, with a little padding."""
+    return len(label) * size * _CHAR_WIDTH / 72 + 0.06
