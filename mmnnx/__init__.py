@@ -24,6 +24,7 @@ from mmnnx.sharding import (
     task_of,
 )
 from mmnnx.summary import tabulate
+from mmnnx.timeline import plot_timeline
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,7 @@ __all__ = [
     "mpmd",
     "place",
     "placement",
+    "plot_timeline",
     "schedules",
     "tabulate",
     "task",

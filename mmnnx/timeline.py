@@ -144,7 +144,8 @@ def plot_timeline(
     and ``"timeline"`` for rank-based ones. With ``ax`` the timeline is drawn into those axes
     and their figure is returned; otherwise a new Figure is sized to the timeline. With
     ``path`` (parent folders are created) the figure is saved as PNG, or in the format the
-    path's suffix names (e.g. ``.svg``). The Figure displays by itself in Jupyter.
+    path's suffix names when matplotlib knows it (e.g. ``.svg``, ``.pdf``). The Figure
+    displays by itself in Jupyter.
 
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b
@@ -235,7 +236,9 @@ def plot_timeline(
     if path is not None:
         target = pathlib.Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(target, format=None if target.suffix else "png", dpi=150)
+        suffix = target.suffix[1:].lower()
+        supported = fig.canvas.get_supported_filetypes()
+        fig.savefig(target, format=suffix if suffix in supported else "png", dpi=150)
     return fig
 
 
@@ -283,10 +286,15 @@ def _event(index: int, item: Any) -> TimelineEvent:
     row = _row_name(task if task is not None else rank, f"event {index} ({item!r})")
     times = []
     for field in ("start", "end"):
-        value = getattr(item, field)
-        if not isinstance(value, numbers.Real) or isinstance(value, bool):
-            raise TypeError(f"event {index} ({item!r}) has a non-numeric {field}: {value!r}")
-        value = float(value)
+        raw = getattr(item, field)
+        try:
+            if isinstance(raw, str | bytes | bool):
+                raise TypeError
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"event {index} ({item!r}) has a non-numeric {field}: {raw!r}"
+            ) from None
         if not math.isfinite(value):
             raise ValueError(f"event {index} ({item!r}) has a non-finite {field}: {value}")
         times.append(value)
