@@ -79,6 +79,7 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
                     source=_source_line(eqn.source_info),
                     name=eqn.primitive.name,
                     scope=scope,
+                    effectful=bool(eqn.effects),
                 )
             )
         return [atom(a) for a in jaxpr.outvars]
@@ -86,7 +87,21 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
     inputs = [graph.new_value(_aval_info(v.aval)) for v in closed.jaxpr.invars]
     graph.inputs = inputs
     graph.outputs = walk(closed.jaxpr, closed.consts, inputs)
+    _drop_dead_ops(graph)
     return graph
+
+
+def _drop_dead_ops(graph: Graph) -> None:
+    """Removes ops whose results nothing needs (and that have no effect); renumbers the rest."""
+    needed = {a for a in graph.outputs if isinstance(a, int)}
+    kept = []
+    for op in reversed(graph.ops):
+        if op.effectful or any(v in needed for v in op.outs):
+            kept.append(op)
+            needed.update(a for a in op.ins if isinstance(a, int))
+    graph.ops = kept[::-1]
+    for i, op in enumerate(graph.ops):
+        op.index = i
 
 
 def _aval_info(aval) -> tuple[tuple[int, ...], Any, int]:
@@ -160,3 +175,33 @@ def constraint_names(op: Op) -> tuple:
 
 def is_constraint(op: Op) -> bool:
     return op.primitive is constraint_p
+
+
+# Microbatch markers, emitted only while mm.jit traces an ``mm.microbatch`` call (traced once, for
+# one microbatch): ``index_p`` yields the microbatch number, which the runtime supplies per
+# replica; ``accumulate_p`` marks a per-microbatch output that the runtime sums over replicas.
+index_p = jcore.Primitive("mm_microbatch_index")
+index_p.def_abstract_eval(lambda *, group: jax.core.ShapedArray((), np.dtype("int32")))
+
+accumulate_p = jcore.Primitive("mm_microbatch_accumulate")
+accumulate_p.def_impl(lambda x, *, group: x)
+accumulate_p.def_abstract_eval(lambda x, *, group: x)
+ad.deflinear2(accumulate_p, lambda ct, x, *, group: [ct])
+
+
+def microbatch_index(group: int):
+    """The current microbatch number (an int32 scalar) of microbatch group ``group``."""
+    return index_p.bind(group=group)
+
+
+def accumulate(x, group: int):
+    """Marks ``x`` as one microbatch's contribution to a sum over the microbatches of ``group``."""
+    return accumulate_p.bind(x, group=group)
+
+
+def is_index(op: Op) -> bool:
+    return op.primitive is index_p
+
+
+def is_accumulate(op: Op) -> bool:
+    return op.primitive is accumulate_p

@@ -33,6 +33,7 @@ class Op:
     source: str
     name: str
     scope: str = ""
+    effectful: bool = False
 
     @property
     def backward(self) -> bool:
@@ -55,6 +56,8 @@ class Graph:
     shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     dtypes: list[Any] = dataclasses.field(default_factory=list)
     nbytes: list[int] = dataclasses.field(default_factory=list)
+    _producers: dict[int, Op] | None = dataclasses.field(default=None, repr=False)
+    _consumers: dict[int, list[Op]] | None = dataclasses.field(default=None, repr=False)
 
     def new_value(self, info: tuple[tuple[int, ...], Any, int]) -> int:
         shape, dtype, nbytes = info
@@ -64,12 +67,17 @@ class Graph:
         return len(self.shapes) - 1
 
     def producers(self) -> dict[int, Op]:
-        return {v: op for op in self.ops for v in op.outs}
+        """Value id -> the op that makes it (computed once; the graph is complete by then)."""
+        if self._producers is None:
+            self._producers = {v: op for op in self.ops for v in op.outs}
+        return self._producers
 
     def consumers(self) -> dict[int, list[Op]]:
-        out: dict[int, list[Op]] = {}
-        for op in self.ops:
-            for a in op.ins:
-                if isinstance(a, int):
-                    out.setdefault(a, []).append(op)
-        return out
+        """Value id -> the ops that read it, in graph order (computed once)."""
+        if self._consumers is None:
+            self._consumers = {}
+            for op in self.ops:
+                for a in op.ins:
+                    if isinstance(a, int):
+                        self._consumers.setdefault(a, []).append(op)
+        return self._consumers

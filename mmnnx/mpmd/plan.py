@@ -89,28 +89,36 @@ def _kinds(ops: Sequence[Op], after_backward: set[int]) -> tuple[str, ...]:
     return tuple(k for k in ("forward", "backward", "update") if k in kinds)
 
 
-def cut(graph: Graph, op_tasks: Sequence[Task], tasks: Sequence[Task]) -> list[Fragment]:
-    """Groups ops into fragments keyed by (cross-task depth, task), in a valid dispatch order."""
-    producer = graph.producers()
-    level: dict[int, int] = {}
-    downstream_of_backward: set[int] = set()
+def after_backward(graph: Graph) -> set[int]:
+    """Indices of the non-backward ops that depend on a backward op (optimizer updates)."""
     tainted: set[int] = set()
+    out: set[int] = set()
     for op in graph.ops:
+        if op.backward or any(isinstance(a, int) and a in tainted for a in op.ins):
+            tainted.update(op.outs)
+            if not op.backward:
+                out.add(op.index)
+    return out
+
+
+def levels(graph: Graph, ops: Sequence[Op], op_tasks: Sequence[Task]) -> dict[int, int]:
+    """Cross-task depth of each op in ``ops`` (values from outside ``ops`` are at depth 0).
+
+    Ops that depend on no other task's op (constants, cotangent seeds, step counters) are then
+    moved as late as their consumers allow, so they join a fragment that exists anyway.
+    """
+    inside = {op.index for op in ops}
+    producer = {v: op for op in ops for v in op.outs}
+    level: dict[int, int] = {}
+    for op in ops:
         lv = 0
         for a in op.ins:
             if isinstance(a, int) and a in producer:
                 p = producer[a]
                 lv = max(lv, level[p.index] + (op_tasks[p.index] != op_tasks[op.index]))
         level[op.index] = lv
-        if op.backward or any(isinstance(a, int) and a in tainted for a in op.ins):
-            tainted.update(op.outs)
-            if not op.backward:
-                downstream_of_backward.add(op.index)
-
-    # Ops that depend on no other op's task (constants, cotangent seeds, step counters) run as late
-    # as their consumers allow, so they join a fragment that exists anyway instead of forming one.
     movable: set[int] = set()
-    for op in graph.ops:
+    for op in ops:
         task = op_tasks[op.index]
         if all(
             a not in producer
@@ -120,12 +128,12 @@ def cut(graph: Graph, op_tasks: Sequence[Task], tasks: Sequence[Task]) -> list[F
         ):
             movable.add(op.index)
     last_level: dict[Task, int] = {}
-    for op in graph.ops:
+    for op in ops:
         if op.index not in movable:
             task = op_tasks[op.index]
             last_level[task] = max(last_level.get(task, 0), level[op.index])
     consumers = graph.consumers()
-    for op in reversed(graph.ops):
+    for op in reversed(ops):
         if op.index not in movable:
             continue
         task = op_tasks[op.index]
@@ -133,44 +141,59 @@ def cut(graph: Graph, op_tasks: Sequence[Task], tasks: Sequence[Task]) -> list[F
             level[c.index] - (op_tasks[c.index] != task)
             for v in op.outs
             for c in consumers.get(v, ())
+            if c.index in inside
         ]
         latest = min(bounds) if bounds else last_level.get(task, 0)
         level[op.index] = max(level[op.index], latest)
+    return level
 
+
+def make_fragment(
+    graph: Graph, name: str, task: Task, ops: list[Op], kinds: tuple[str, ...]
+) -> Fragment:
+    """A fragment of ``ops``: its inputs are values it reads but does not make; its outputs are
+    values it makes that another op or the step's result reads."""
+    inside = {op.index for op in ops}
+    produced = {v for op in ops for v in op.outs}
+    consumers = graph.consumers()
+    graph_outputs = {a for a in graph.outputs if isinstance(a, int)}
+    in_ids: list[int] = []
+    for op in ops:
+        for a in op.ins:
+            if isinstance(a, int) and a not in produced and a not in in_ids:
+                in_ids.append(a)
+    out_ids = [
+        v
+        for op in ops
+        for v in op.outs
+        if v in graph_outputs or any(c.index not in inside for c in consumers.get(v, ()))
+    ]
+    return Fragment(name, task, ops, in_ids, out_ids, kinds)
+
+
+def cut(
+    graph: Graph,
+    op_tasks: Sequence[Task],
+    tasks: Sequence[Task],
+    ops: Sequence[Op] | None = None,
+    suffix: str = "",
+) -> list[Fragment]:
+    """Groups ``ops`` (default: all) into fragments keyed by (cross-task depth, task), in a valid
+    dispatch order."""
+    ops = list(graph.ops if ops is None else ops)
+    level = levels(graph, ops, op_tasks)
+    updates = after_backward(graph)
     order = {t: i for i, t in enumerate(tasks)}
     groups: dict[tuple[int, int], list[Op]] = {}
-    for op in graph.ops:
+    for op in ops:
         groups.setdefault((level[op.index], order[op_tasks[op.index]]), []).append(op)
-
-    used_outside: dict[int, set[tuple[int, int]]] = {}
-    for key, ops in groups.items():
-        for op in ops:
-            for a in op.ins:
-                if isinstance(a, int):
-                    used_outside.setdefault(a, set()).add(key)
-    graph_outputs = {a for a in graph.outputs if isinstance(a, int)}
-
     fragments = []
     counts: dict[Task, int] = {}
     for key in sorted(groups):
-        ops = groups[key]
         task = tasks[key[1]]
-        produced = {v for op in ops for v in op.outs}
-        in_ids: list[int] = []
-        for op in ops:
-            for a in op.ins:
-                if isinstance(a, int) and a not in produced and a not in in_ids:
-                    in_ids.append(a)
-        out_ids = [
-            v
-            for op in ops
-            for v in op.outs
-            if v in graph_outputs or (used_outside.get(v, set()) - {key})
-        ]
         k = counts[task] = counts.get(task, -1) + 1
+        group = groups[key]
         fragments.append(
-            Fragment(
-                f"{task.name}#{k}", task, ops, in_ids, out_ids, _kinds(ops, downstream_of_backward)
-            )
+            make_fragment(graph, f"{task.name}#{suffix}{k}", task, group, _kinds(group, updates))
         )
     return fragments
