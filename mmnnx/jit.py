@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec
 from mmnnx.mpmd import _jax, markers
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError
+from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
 from mmnnx.mpmd.runtime import Executable
 from mmnnx.sharding import Task, task_of
@@ -224,8 +225,9 @@ class JitFunction:
 
         self.trace_count += 1
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
-        with markers.tracing() as regions:
+        with markers.tracing() as trace:
             graph, out_shape = _jax.trace(pure, avals)
+        regions = trace.regions
         out_tree = jax.tree.structure(out_shape[0])
         tasks = list(dict.fromkeys([*(t for t in call.tasks if t is not None), *regions.values()]))
         names = {}
@@ -245,9 +247,20 @@ class JitFunction:
         homes = [s for _, s in out_homes] + state_homes[: call.num_variables]
         home_tasks = [t for t, _ in out_homes] + list(call.tasks[: call.num_variables])
         op_tasks = colour(graph, call.tasks, call.names, home_tasks, tasks, regions)
-        fragments = cut(graph, op_tasks, tasks)
+        pipeline = plan_pipeline(graph, op_tasks, tasks, trace.microbatches)
+        if pipeline is None:
+            order = [(f, None) for f in cut(graph, op_tasks, tasks)]
+        else:
+            order = pipeline.order
         executable = Executable(
-            graph, fragments, tasks, call.tasks, state_homes, homes, call.donated
+            graph,
+            tasks,
+            call.tasks,
+            state_homes,
+            homes,
+            call.donated,
+            order=order,
+            pipeline=pipeline,
         )
         return executable, (out_tree, num_user_outputs)
 

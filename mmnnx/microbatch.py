@@ -8,8 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from mmnnx.mpmd import schedules
+from mmnnx.mpmd import _jax, markers, schedules
+from mmnnx.mpmd.pipeline import GROUP_PREFIX, MicrobatchGroup
 
 _REDUCTIONS = ("sum", "mean")
 
@@ -71,8 +73,11 @@ def microbatch(
     ``schedule`` (a name from ``mm.schedules.SCHEDULE_NAMES`` or a ``Schedule``) and
     ``virtual_stages`` say how a pipeline runs the microbatches.
 
-    Today the microbatches run as a plain loop, outside ``mm.jit`` and inside it (where each
-    microbatch is traced; pipelined execution of one compiled program per stage is in progress).
+    Outside ``mm.jit`` the microbatches run as a plain loop. Inside it, ``fun`` is traced once and
+    the engine runs its per-stage programs once per microbatch in the schedule's order, so the
+    number of compiled programs does not depend on ``num``. A ``fun`` that updates Variables
+    (batch statistics, RNG counters) is traced once per microbatch instead, so the updates chain
+    as in the plain loop.
 
     Example:
         >>> import jax.numpy as jnp
@@ -96,6 +101,7 @@ def microbatch(
         raise TypeError(f"mm.microbatch: schedule {schedule!r} is not a name or a Schedule")
     _check_reduce(reduce)
     split_args = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    options = (schedule, virtual_stages)
 
     @functools.wraps(fun)
     def run(*args, **kwargs):
@@ -110,6 +116,11 @@ def microbatch(
             for p, leaf in jax.tree.leaves_with_path(args[i])
         ]
         m = _split_count(leaves, dim, num, size)
+        trace = markers.current_trace()
+        if trace is not None and m > 1:
+            result = _traced_once(trace, fun, args, kwargs, split_args, dim, m, options)
+            if result is not None:
+                return _finish(result, reduce, m)
 
         def piece(tree, k):
             def cut(x):
@@ -136,3 +147,35 @@ def _finish(total: Any, reduce: Any, m: int) -> Any:
     return jax.tree.map(
         lambda r, sub: sub if r == "sum" else jax.tree.map(lambda x: x / m, sub), reduce, total
     )
+
+
+def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any | None:
+    """Traces ``fun`` once on microbatch ``index`` (a value the runtime supplies per replica).
+
+    Returns ``None`` (leaving the arguments as they were) when ``fun`` updates a Variable: such a
+    step is unrolled instead, so that the updates chain from one microbatch to the next.
+    """
+    group = len(trace.microbatches)
+    schedule, virtual_stages = options
+    variables = [
+        v
+        for a in (*args, *kwargs.values())
+        for v in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        if isinstance(v, nnx.Variable)
+    ]
+    before = [v.get_raw_value() for v in variables]
+    with jax.named_scope(f"{GROUP_PREFIX}{group}"):
+        index = _jax.microbatch_index(group)
+
+        def piece(x):
+            rows = x.shape[dim] // m
+            return jax.lax.dynamic_slice_in_dim(x, index * rows, rows, axis=dim)
+
+        call_args = [jax.tree.map(piece, a) if i in split_args else a for i, a in enumerate(args)]
+        out = fun(*call_args, **kwargs)
+    if any(v.get_raw_value() is not b for v, b in zip(variables, before, strict=True)):
+        for v, b in zip(variables, before, strict=True):
+            v.set_raw_value(b)
+        return None
+    trace.microbatches[group] = MicrobatchGroup(m, schedule, virtual_stages)
+    return jax.tree.map(lambda x: _jax.accumulate(x, group), out)

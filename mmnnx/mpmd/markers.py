@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -14,22 +15,35 @@ from jax.sharding import PartitionSpec
 from mmnnx.mpmd import _jax
 from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import REGION_PREFIX
+from mmnnx.mpmd.pipeline import MicrobatchGroup
 from mmnnx.sharding import Task
 
-_TRACING: contextvars.ContextVar[dict[str, Task] | None] = contextvars.ContextVar(
-    "mm_tracing", default=None
-)
+
+@dataclasses.dataclass
+class Trace:
+    """What annotations record while mm.jit traces a step."""
+
+    regions: dict[str, Task] = dataclasses.field(default_factory=dict)
+    microbatches: dict[int, MicrobatchGroup] = dataclasses.field(default_factory=dict)
+
+
+_TRACING: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("mm_tracing", default=None)
 
 
 @contextlib.contextmanager
-def tracing() -> Iterator[dict[str, Task]]:
-    """Marks an mm.jit trace; collects the tasks named by ``mm.task`` regions inside it."""
-    regions: dict[str, Task] = {}
-    token = _TRACING.set(regions)
+def tracing() -> Iterator[Trace]:
+    """Marks an mm.jit trace; collects ``mm.task`` regions and ``mm.microbatch`` groups."""
+    trace = Trace()
+    token = _TRACING.set(trace)
     try:
-        yield regions
+        yield trace
     finally:
         _TRACING.reset(token)
+
+
+def current_trace() -> Trace | None:
+    """The annotations of the mm.jit trace in progress, or ``None`` outside mm.jit."""
+    return _TRACING.get()
 
 
 def task(fn: Callable, task: Task) -> Callable:
@@ -51,9 +65,10 @@ def task(fn: Callable, task: Task) -> Callable:
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        regions = _TRACING.get()
-        if regions is None:
+        trace = _TRACING.get()
+        if trace is None:
             return fn(*args, **kwargs)
+        regions = trace.regions
         if task.name is None or task.mesh is None:
             raise MPMDError(f"mm.task: task {task!r} needs a name and a mesh inside mm.jit")
         known = regions.setdefault(task.name, task)

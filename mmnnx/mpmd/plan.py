@@ -47,6 +47,7 @@ class Plan:
     fragments: list[Fragment]
     transfers: list[Transfer]
     num_programs: int = 0
+    pipeline: Any = None
 
     def fragments_of(self, task: Task | str) -> list[Fragment]:
         name = task if isinstance(task, str) else task.name
@@ -101,11 +102,15 @@ def after_backward(graph: Graph) -> set[int]:
     return out
 
 
-def levels(graph: Graph, ops: Sequence[Op], op_tasks: Sequence[Task]) -> dict[int, int]:
+def levels(
+    graph: Graph, ops: Sequence[Op], op_tasks: Sequence[Task], *, inputs_movable: bool = True
+) -> dict[int, int]:
     """Cross-task depth of each op in ``ops`` (values from outside ``ops`` are at depth 0).
 
     Ops that depend on no other task's op (constants, cotangent seeds, step counters) are then
-    moved as late as their consumers allow, so they join a fragment that exists anyway.
+    moved as late as their consumers allow, so they join a fragment that exists anyway. With
+    ``inputs_movable=False`` only ops that read no value from outside ``ops`` move (a pipeline
+    stage's forward reads its parameters and must stay first).
     """
     inside = {op.index for op in ops}
     producer = {v: op for op in ops for v in op.outs}
@@ -121,8 +126,12 @@ def levels(graph: Graph, ops: Sequence[Op], op_tasks: Sequence[Task]) -> dict[in
     for op in ops:
         task = op_tasks[op.index]
         if all(
-            a not in producer
-            or (producer[a].index in movable and op_tasks[producer[a].index] == task)
+            (inputs_movable and a not in producer)
+            or (
+                a in producer
+                and producer[a].index in movable
+                and op_tasks[producer[a].index] == task
+            )
             for a in op.ins
             if isinstance(a, int)
         ):

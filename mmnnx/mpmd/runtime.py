@@ -6,15 +6,19 @@ no graph walks. Dispatch is asynchronous, so fragments on different submeshes ov
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx.mpmd._jax import constraint_names, is_constraint, run_ops
 from mmnnx.mpmd.ir import Const, Graph, Op
 from mmnnx.mpmd.markers import resolve_names
+from mmnnx.mpmd.pipeline import Pipeline
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer
 from mmnnx.sharding import Task
 from mmnnx.sharding.specs import check_spec
@@ -44,62 +48,114 @@ def _constraint_sharding(op: Op, task: Task, shape: Sequence[int]) -> NamedShard
 
 def _donations(
     graph: Graph,
-    fragments: Sequence[Fragment],
+    order: Sequence[tuple[Fragment, int | None]],
     input_tasks: Sequence[Task | None],
     donated: Sequence[bool],
 ) -> dict[int, Fragment]:
-    """Donated inputs -> the fragment that may consume their buffer (their last reader)."""
+    """Donated inputs -> the fragment that may consume their buffer (their last reader).
+
+    A fragment that runs once per microbatch never donates: later microbatches read the input too.
+    """
     outputs = {a for a in graph.outputs if isinstance(a, int)}
-    last: dict[int, Fragment] = {}
-    for frag in fragments:
+    last: dict[int, tuple[Fragment, int | None]] = {}
+    for frag, m in order:
         for v in frag.in_ids:
-            last[v] = frag
+            last[v] = (frag, m)
     out = {}
     for v, task, d in zip(graph.inputs, input_tasks, donated, strict=True):
-        frag = last.get(v)
-        if d and frag is not None and frag.task == task and v not in outputs:
+        frag, m = last.get(v, (None, None))
+        if d and frag is not None and m is None and frag.task == task and v not in outputs:
             out[v] = frag
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One executed action, timed (``timeline`` mode): seconds since the step started."""
+
+    task: str
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+def _add(a, b):
+    return (a + b,)
+
+
 class Executable:
-    """A compiled step: call it with the flat input leaves; it returns the flat outputs."""
+    """A compiled step: call it with the flat input leaves; it returns the flat outputs.
+
+    ``order`` lists the fragments to dispatch, each with the microbatch it runs for (``None`` for a
+    fragment outside the microbatch loop). A fragment is compiled once, however often it runs.
+    """
 
     def __init__(
         self,
         graph: Graph,
-        fragments: list[Fragment],
         tasks: list[Task],
         input_tasks: Sequence[Task | None],
         input_shardings: Sequence[Any],
         output_homes: Sequence[NamedSharding | None],
         donated: Sequence[bool] | None = None,
+        *,
+        order: Sequence[tuple[Fragment, int | None]],
+        pipeline: Pipeline | None = None,
     ):
         self.tasks = tasks
         self.owned_devices = {d for t in tasks for d in t.jax_mesh.devices.flat}
+        per_replica = set(pipeline.region_values) if pipeline else set()
+        index_value = pipeline.index_value if pipeline else None
+        if index_value is not None:
+            per_replica.add(index_value)
+        accumulated = pipeline.accumulated if pipeline else {}
+        sum_of = {v: u for u, v in accumulated.items()}
+
         slots: dict[tuple, int] = {}
+        by_value: dict[tuple, list[int]] = {}
         sharding_of: dict[int, Any] = {}
-        where: dict[int, Task | None] = {}
+        where: dict[tuple[int, int | None], Task | None] = {}
         self._input_slots: list[tuple[int, int]] = []
-        for i, (v, t, s) in enumerate(zip(graph.inputs, input_tasks, input_shardings, strict=True)):
-            slot = slots[(v, t, s if t is not None else None)] = len(slots)
-            sharding_of[slot] = s
-            where[v] = t
-            self._input_slots.append((slot, i))
+        self._constants: list[tuple[int, Any]] = []
+        self._region_slots: dict[int, tuple[Task, int]] = {}
         actions: list[tuple] = []
         transfers: list[Transfer] = []
-        op_task = {op.index: f.task for f in fragments for op in f.ops}
+        op_task = {op.index: f.task for f, _ in order for op in f.ops}
         first_constraint: dict[int, Op] = {}
         for op in graph.ops:
             if is_constraint(op) and isinstance(op.ins[0], int):
                 first_constraint.setdefault(op.ins[0], op)
 
-        def ensure(v: int, task: Task, want: NamedSharding | None = None) -> int:
-            for (value, t, _), slot in slots.items():
-                if value == v and t == task and (want is None or sharding_of[slot] == want):
+        def replica(v: int, m: int | None) -> int | None:
+            return m if v in per_replica else None
+
+        def find(v: int, task: Task | None, m: int | None, want: Any = None) -> int | None:
+            for slot in by_value.get((v, task, m), ()):
+                if want is None or sharding_of[slot] == want:
                     return slot
-            source = where[v]
-            src_slot = next(s for (value, t, _), s in slots.items() if value == v and t == source)
+            return None
+
+        def new_slot(v: int, task: Task | None, sharding: Any, m: int | None) -> int:
+            slot = slots[(v, task, sharding, m)] = len(slots)
+            by_value.setdefault((v, task, m), []).append(slot)
+            sharding_of[slot] = sharding
+            if m is not None:
+                self._region_slots[slot] = (task, m)
+            return slot
+
+        def ensure(v: int, task: Task, m: int | None, want: NamedSharding | None = None) -> int:
+            m = replica(v, m)
+            found = find(v, task, m, want)
+            if found is not None:
+                return found
+            if v == index_value:
+                slot = new_slot(v, task, task.sharding(), m)
+                self._constants.append((slot, jax.device_put(np.int32(m), task.sharding())))
+                return slot
+            source = where[(v, m)]
+            src_slot = find(v, source, m)
             if want is None:
                 if source is None and v in first_constraint:
                     op = first_constraint[v]
@@ -110,66 +166,59 @@ class Executable:
                     want = task.sharding()
                 else:
                     want = _compatible(sharding_of[src_slot], task, graph.shapes[v])
-            slot = slots[(v, task, want)] = len(slots)
-            sharding_of[slot] = want
+            slot = new_slot(v, task, want, m)
             actions.append((_PUT, src_slot, slot, want))
-            transfers.append(
-                Transfer(v, source, task, graph.shapes[v], graph.dtypes[v], graph.nbytes[v], want)
-            )
+            if m in (None, 0):
+                transfers.append(
+                    Transfer(
+                        v, source, task, graph.shapes[v], graph.dtypes[v], graph.nbytes[v], want
+                    )
+                )
             return slot
+
+        for i, (v, t, s) in enumerate(zip(graph.inputs, input_tasks, input_shardings, strict=True)):
+            where[(v, None)] = t
+            self._input_slots.append((new_slot(v, t, s, None), i))
 
         home_of = {}
         for atom, home in zip(graph.outputs, output_homes, strict=True):
             if isinstance(atom, int) and home is not None:
                 home_of.setdefault(atom, home)
 
-        donate_in = _donations(graph, fragments, input_tasks, donated or [False] * len(input_tasks))
-        self.num_programs = 0
-        for frag in fragments:
-            in_slots = [ensure(v, frag.task) for v in frag.in_ids]
-            in_shardings = [sharding_of[s] for s in in_slots]
-            out_shardings = []
-            for v in frag.out_ids:
-                home = home_of.get(v)
-                if home is not None and home.mesh == frag.task.jax_mesh:
-                    out_shardings.append(home)
-                elif not in_slots:
-                    out_shardings.append(frag.task.sharding())
-                else:
-                    out_shardings.append(None)
-
-            constraints = {
-                op.index: _constraint_sharding(op, frag.task, graph.shapes[op.outs[0]])
-                for op in frag.ops
-                if is_constraint(op)
-            }
-
-            def constrain(x, op, constraints=constraints):
-                return jax.lax.with_sharding_constraint(x, constraints[op.index])
-
-            def body(*args, frag=frag, constrain=constrain):
-                return run_ops(frag.ops, frag.in_ids, frag.out_ids, args, constrain)
-
-            donate = tuple(i for i, v in enumerate(frag.in_ids) if donate_in.get(v) is frag)
-            jitted = jax.jit(
-                body,
-                in_shardings=in_shardings,
-                out_shardings=out_shardings,
-                donate_argnums=donate,
-            )
-            avals = [
-                jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
-                for v, s in zip(frag.in_ids, in_shardings, strict=True)
-            ]
-            compiled = jitted.lower(*avals).compile()
-            self.num_programs += 1
+        donate_in = _donations(graph, order, input_tasks, donated or [False] * len(input_tasks))
+        compiled_of: dict[int, Any] = {}
+        adders: dict[tuple, Any] = {}
+        labels = _labels(pipeline)
+        for frag, m in order:
+            in_slots = [ensure(v, frag.task, m) for v in frag.in_ids]
+            compiled = compiled_of.get(id(frag))
+            if compiled is None:
+                compiled = compiled_of[id(frag)] = self._compile(
+                    graph, frag, [sharding_of[s] for s in in_slots], home_of, donate_in
+                )
             out_slots = []
             for v, s in zip(frag.out_ids, compiled.output_shardings, strict=True):
-                slot = slots[(v, frag.task, s)] = len(slots)
-                sharding_of[slot] = s
-                where[v] = frag.task
-                out_slots.append(slot)
-            actions.append((_RUN, compiled, in_slots, out_slots))
+                r = replica(v, m)
+                out_slots.append(new_slot(v, frag.task, s, r))
+                where[(v, r)] = frag.task
+            actions.append((_RUN, compiled, in_slots, out_slots, labels.get(id(frag)), m))
+            for v, slot in zip(frag.out_ids, out_slots, strict=True):
+                u = sum_of.get(v)
+                if u is None:
+                    continue
+                total = find(u, frag.task, None)
+                if total is None:  # the first microbatch's value starts the sum
+                    total = new_slot(u, frag.task, sharding_of[slot], None)
+                    where[(u, None)] = frag.task
+                    actions.append((_PUT, slot, total, None))
+                    continue
+                key = (graph.shapes[v], str(graph.dtypes[v]), sharding_of[slot])
+                if key not in adders:
+                    aval = jax.ShapeDtypeStruct(
+                        graph.shapes[v], graph.dtypes[v], sharding=sharding_of[slot]
+                    )
+                    adders[key] = jax.jit(_add).lower(aval, aval).compile()
+                actions.append((_RUN, adders[key], [total, slot], [total], None, None))
 
         self._outputs: list[tuple[int | None, Any]] = []
         for atom, home in zip(graph.outputs, output_homes, strict=True):
@@ -178,15 +227,46 @@ class Executable:
                 self._outputs.append((None, value))
             elif home is not None:
                 task = next(t for t in tasks if t.jax_mesh == home.mesh)
-                self._outputs.append((ensure(atom, task, home), None))
+                self._outputs.append((ensure(atom, task, None, home), None))
             else:
-                src = next(
-                    s for (value, t, _), s in slots.items() if value == atom and t == where[atom]
-                )
-                self._outputs.append((src, None))
+                self._outputs.append((find(atom, where[(atom, None)], None), None))
+        self.num_programs = len(compiled_of) + len(adders)
         self._release(actions)
         self._num_slots = len(slots)
-        self.plan = Plan(list(tasks), fragments, transfers, self.num_programs)
+        fragments = list({id(f): f for f, _ in order}.values())
+        self.plan = Plan(list(tasks), fragments, transfers, self.num_programs, pipeline)
+
+    def _compile(self, graph, frag, in_shardings, home_of, donate_in):
+        out_shardings = []
+        for v in frag.out_ids:
+            home = home_of.get(v)
+            if home is not None and home.mesh == frag.task.jax_mesh:
+                out_shardings.append(home)
+            elif not frag.in_ids:
+                out_shardings.append(frag.task.sharding())
+            else:
+                out_shardings.append(None)
+        constraints = {
+            op.index: _constraint_sharding(op, frag.task, graph.shapes[op.outs[0]])
+            for op in frag.ops
+            if is_constraint(op)
+        }
+
+        def constrain(x, op):
+            return jax.lax.with_sharding_constraint(x, constraints[op.index])
+
+        def body(*args):
+            return run_ops(frag.ops, frag.in_ids, frag.out_ids, args, constrain)
+
+        donate = tuple(i for i, v in enumerate(frag.in_ids) if donate_in.get(v) is frag)
+        jitted = jax.jit(
+            body, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate
+        )
+        avals = [
+            jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
+            for v, s in zip(frag.in_ids, in_shardings, strict=True)
+        ]
+        return jitted.lower(*avals).compile()
 
     def _release(self, actions: list[tuple]) -> None:
         """Drops each intermediate value right after its last reader, so activations are freed
@@ -204,17 +284,56 @@ class Executable:
                 release[i].append(s)
         self._actions = [(*a, tuple(r)) for a, r in zip(actions, release, strict=True)]
 
-    def __call__(self, leaves: Sequence[Any]) -> list[Any]:
+    def __call__(
+        self, leaves: Sequence[Any], *, timeline: list | None = None, memory: dict | None = None
+    ) -> list[Any]:
+        """Runs the step. ``timeline``: a list to append one timed :class:`Event` per fragment run
+        (blocking on each one's outputs). ``memory``: a dict to fill with each task's peak live
+        per-microbatch bytes and microbatch count (``{task: (bytes, microbatches)}``)."""
         env: list[Any] = [None] * self._num_slots
         for slot, i in self._input_slots:
             env[slot] = leaves[i]
+        for slot, value in self._constants:
+            env[slot] = value
+        start = time.perf_counter()
         for action in self._actions:
             if action[0] == _RUN:
+                began = time.perf_counter() if timeline is not None else 0.0
                 outs = action[1](*[env[s] for s in action[2]])
+                if timeline is not None and action[4] is not None:
+                    jax.block_until_ready(outs)
+                    task, kind, stage = action[4]
+                    m = action[5] if action[5] is not None else 0
+                    timeline.append(
+                        Event(task, kind, stage, m, began - start, time.perf_counter() - start)
+                    )
                 for s, o in zip(action[3], outs, strict=True):
                     env[s] = o
+            elif action[3] is None:
+                env[action[2]] = env[action[1]]
             else:
                 env[action[2]] = jax.device_put(env[action[1]], action[3])
+            if memory is not None:
+                self._record(env, memory)
             for s in action[-1]:
                 env[s] = None
         return [env[s] if s is not None else const for s, const in self._outputs]
+
+    def _record(self, env: list, memory: dict) -> None:
+        live: dict[str, tuple[int, set]] = {}
+        for slot, (task, m) in self._region_slots.items():
+            if env[slot] is not None:
+                total, microbatches = live.get(task.name, (0, set()))
+                microbatches.add(m)
+                live[task.name] = (total + env[slot].nbytes, microbatches)
+        for name, (total, microbatches) in live.items():
+            peak_bytes, peak_count = memory.get(name, (0, 0))
+            memory[name] = (max(peak_bytes, total), max(peak_count, len(microbatches)))
+
+
+def _labels(pipeline: Pipeline | None) -> dict[int, tuple[str, str, int]]:
+    """Fragment id -> (task, kind, stage) for timeline events; non-pipelined fragments are
+    labelled by their position among their task's fragments."""
+    if pipeline is None:
+        return {}
+    return {id(f): (f.task.name, kind, stage) for (kind, stage), f in pipeline.stages.items()}

@@ -1,0 +1,307 @@
+"""Pipelining a traced step: an ``mm.microbatch`` region, traced once, becomes per-stage F/B (or
+I/W) fragments that the runtime runs once per microbatch, in the order a schedule gives.
+
+The step splits into three parts: ``pre`` (ops that need no microbatch result), the region (ops
+traced inside the microbatch call, run once per microbatch) and ``post`` (ops that read the
+accumulated results, e.g. the optimizer update). Region ops are assigned to stages by their
+cross-task depth: forward ops at depth d belong to stage d; backward ops at depth 2(S-1)-d belong
+to stage d again, since cotangents walk the stages in reverse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from mmnnx.mpmd import schedules as sched
+from mmnnx.mpmd._jax import is_accumulate, is_index
+from mmnnx.mpmd.errors import MPMDError
+from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.plan import Fragment, _kinds, after_backward, cut, levels, make_fragment
+from mmnnx.sharding import Task
+
+GROUP_PREFIX = "mm_microbatch:"
+_GROUP = re.compile(re.escape(GROUP_PREFIX) + r"(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MicrobatchGroup:
+    """What ``mm.microbatch`` recorded while mm.jit traced it."""
+
+    num_microbatches: int
+    schedule: str | sched.Schedule
+    virtual_stages: int
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """The pipelined plan of a step: fragments and the order to dispatch them in."""
+
+    schedule: sched.Schedule
+    stage_tasks: list[Task]
+    pre: list[Fragment]
+    stages: dict[tuple[str, int], Fragment]
+    post: list[Fragment]
+    index_value: int | None
+    accumulated: dict[int, int]  # accumulate op output -> its per-microbatch input
+    region_values: set[int]
+    order: list[tuple[Fragment, int | None]]
+
+    @property
+    def fragments(self) -> list[Fragment]:
+        return [*self.pre, *self.stages.values(), *self.post]
+
+
+def group_of(op: Op) -> int | None:
+    found = _GROUP.findall(op.scope)
+    return int(found[-1]) if found else None
+
+
+def plan_pipeline(
+    graph: Graph,
+    op_tasks: Sequence[Task],
+    tasks: Sequence[Task],
+    groups: dict[int, MicrobatchGroup],
+) -> Pipeline | None:
+    """The pipelined plan, or ``None`` when the step has no traced microbatch region."""
+    region_groups = {g for op in graph.ops if (g := group_of(op)) is not None}
+    if not region_groups:
+        return None
+    if len(region_groups) > 1:
+        raise MPMDError(
+            f"mm.jit: a step may contain one mm.microbatch call; this one has {len(region_groups)}"
+        )
+    (gid,) = region_groups
+    group = groups[gid]
+    consumers = graph.consumers()
+
+    index_ops = [op for op in graph.ops if is_index(op)]
+    index_value = index_ops[0].outs[0] if index_ops else None
+    accumulate_ops = [op for op in graph.ops if is_accumulate(op)]
+    region = [
+        op for op in graph.ops if group_of(op) == gid and not is_index(op) and not is_accumulate(op)
+    ]
+    region_ids = {op.index for op in region}
+    region_values = {v for op in region for v in op.outs}
+    accumulated = {op.outs[0]: op.ins[0] for op in accumulate_ops}
+
+    for v in region_values:
+        for c in consumers.get(v, ()):
+            if c.index not in region_ids and not is_accumulate(c):
+                raise MPMDError(
+                    f"mm.jit: `{c.name}` at {c.source} reads a value computed inside "
+                    "mm.microbatch that is not one of its outputs (differentiate inside the "
+                    "microbatched function: mm.microbatch(nnx.value_and_grad(loss_fn), ...))"
+                )
+    if any(v in region_values for v in graph.outputs if isinstance(v, int)):
+        raise MPMDError("mm.jit: a value computed inside mm.microbatch is returned directly")
+
+    downstream: set[int] = set(accumulated)
+    post_ops, pre_ops = [], []
+    for op in graph.ops:
+        if op.index in region_ids or is_index(op) or is_accumulate(op):
+            continue
+        if any(isinstance(a, int) and a in downstream for a in op.ins):
+            downstream.update(op.outs)
+            post_ops.append(op)
+        else:
+            pre_ops.append(op)
+
+    # Scalar arithmetic on the microbatch index (slice offsets) is recomputed in every fragment
+    # that needs it rather than sent between tasks.
+    replicable: list[Op] = []
+    replicable_values = {index_value} if index_value is not None else set()
+    for op in region:
+        sources = [a for a in op.ins if isinstance(a, int)]
+        scalar = all(graph.shapes[v] == () for v in op.outs)
+        if scalar and sources and all(a in replicable_values for a in sources):
+            replicable.append(op)
+            replicable_values.update(op.outs)
+    replicable_ids = {op.index for op in replicable}
+    staged = [op for op in region if op.index not in replicable_ids]
+    stages, stage_tasks = _stage_fragments(graph, staged, op_tasks, replicable)
+    schedule = _schedule(group, len(stage_tasks))
+    for s, task in enumerate(stage_tasks):
+        rank = schedule.stage_to_rank[s]
+        first = stage_tasks[schedule.stages_of(rank)[0]] if schedule.stages_of(rank) else task
+        if first != task:
+            raise MPMDError(
+                f"mm.jit: schedule {schedule.name!r} runs stages {schedule.stages_of(rank)} on one "
+                f"rank, but stage {s} runs on task {task.name!r} and stage "
+                f"{schedule.stages_of(rank)[0]} on task {first.name!r}"
+            )
+    if schedule.name == "zero-bubble-h1":
+        stages = _split_backward(graph, stages, op_tasks)
+
+    pre = cut(graph, op_tasks, tasks, pre_ops, suffix="pre")
+    post = cut(graph, op_tasks, tasks, post_ops, suffix="post")
+    order: list[tuple[Fragment, int | None]] = [(f, None) for f in pre]
+    events = sched.simulate(schedule).events
+    for e in sorted(events, key=lambda e: (e.start, e.rank)):
+        frag = stages.get((e.kind, e.stage))
+        if frag is not None:
+            order.append((frag, e.microbatch))
+    order += [(f, None) for f in post]
+    return Pipeline(
+        schedule,
+        stage_tasks,
+        pre,
+        stages,
+        post,
+        index_value,
+        accumulated,
+        region_values,
+        order,
+    )
+
+
+def _stage_fragments(
+    graph: Graph, region: list[Op], op_tasks: Sequence[Task], replicable: list[Op]
+) -> tuple[dict[tuple[str, int], Fragment], list[Task]]:
+    level = levels(graph, region, op_tasks, inputs_movable=False)
+    _join_forward_consumers(graph, region, op_tasks, level)
+    forward_levels: dict[int, set[Task]] = {}
+    for op in region:
+        if not op.backward:
+            forward_levels.setdefault(level[op.index], set()).add(op_tasks[op.index])
+    num_stages = max(forward_levels) + 1 if forward_levels else 1
+    stage_tasks: list[Task] = []
+    for s in range(num_stages):
+        found = forward_levels.get(s, set())
+        if len(found) != 1:
+            names = sorted(t.name for t in found) or ["no task"]
+            raise MPMDError(
+                "mm.jit: mm.microbatch pipelines need the stages to form a chain, but the "
+                f"forward pass at depth {s} runs on {', '.join(names)}"
+            )
+        stage_tasks.append(next(iter(found)))
+
+    updates = after_backward(graph)
+    members: dict[tuple[str, int], list[Op]] = {}
+    for op in region:
+        lv, task = level[op.index], op_tasks[op.index]
+        backward = op.backward or op.index in updates or lv > num_stages - 1
+        if backward:
+            stage = 2 * (num_stages - 1) - lv
+            kind = "B"
+        else:
+            stage, kind = lv, "F"
+        if not 0 <= stage < num_stages or stage_tasks[stage] != task:
+            raise MPMDError(
+                f"mm.jit: `{op.name}` at {op.source} runs on task {task.name!r}, which does not "
+                f"fit the pipeline's stage chain ({', '.join(t.name for t in stage_tasks)})"
+            )
+        members.setdefault((kind, stage), []).append(op)
+    producer = {v: op for op in replicable for v in op.outs}
+    fragments = {}
+    for key, ops in sorted(members.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        needed: dict[int, Op] = {}
+        stack = [a for op in ops for a in op.ins if isinstance(a, int) and a in producer]
+        while stack:
+            p = producer[stack.pop()]
+            if p.index not in needed:
+                needed[p.index] = p
+                stack += [a for a in p.ins if isinstance(a, int) and a in producer]
+        body = sorted([*ops, *needed.values()], key=lambda op: op.index)
+        task = stage_tasks[key[1]]
+        frag = make_fragment(
+            graph, f"{task.name}/{key[0]}{key[1]}", task, body, _kinds(ops, updates)
+        )
+        frag.out_ids = [v for v in frag.out_ids if v not in producer]
+        fragments[key] = frag
+    return fragments, stage_tasks
+
+
+def _join_forward_consumers(
+    graph: Graph, region: list[Op], op_tasks: Sequence[Task], level: dict[int, int]
+) -> None:
+    """A forward op that reads only values from outside the region (parameters, the batch) on its
+    task belongs to the stage of its forward consumers, not to depth 0: a later stage's parameter
+    reshapes and label slices run in that stage."""
+    inside = {op.index for op in region}
+    producer = {v: op for op in region for v in op.outs}
+    consumers = graph.consumers()
+    local: set[int] = set()
+    for op in region:
+        task = op_tasks[op.index]
+        if not op.backward and all(
+            a not in producer
+            or (producer[a].index in local and op_tasks[producer[a].index] == task)
+            for a in op.ins
+            if isinstance(a, int)
+        ):
+            local.add(op.index)
+    for op in reversed(region):
+        if op.index not in local:
+            continue
+        task = op_tasks[op.index]
+        bounds = [
+            level[c.index] - (op_tasks[c.index] != task)
+            for v in op.outs
+            for c in consumers.get(v, ())
+            if c.index in inside and not c.backward
+        ]
+        if bounds:
+            level[op.index] = max(level[op.index], min(bounds))
+
+
+def _schedule(group: MicrobatchGroup, num_stages: int) -> sched.Schedule:
+    m = group.num_microbatches
+    if isinstance(group.schedule, sched.Schedule):
+        schedule = group.schedule
+        if schedule.num_stages != num_stages or schedule.num_microbatches != m:
+            raise MPMDError(
+                f"mm.jit: the custom schedule is for {schedule.num_stages} stages and "
+                f"{schedule.num_microbatches} microbatches; this step has {num_stages} stages "
+                f"and {m} microbatches"
+            )
+        return schedule
+    try:
+        return sched.get(group.schedule, num_stages, m, group.virtual_stages)
+    except ValueError as e:
+        raise MPMDError(f"mm.jit: mm.microbatch(schedule={group.schedule!r}): {e}") from None
+
+
+def _split_backward(
+    graph: Graph, stages: dict[tuple[str, int], Fragment], op_tasks: Sequence[Task]
+) -> dict[tuple[str, int], Fragment]:
+    """Zero-bubble: each stage's backward splits into I (what the previous stage waits for)
+    and W (weight gradients, which can run later)."""
+    out: dict[tuple[str, int], Fragment] = {}
+    consumers = graph.consumers()
+    for (kind, stage), frag in stages.items():
+        if kind != "B":
+            out[(kind, stage)] = frag
+            continue
+        inside = {op.index for op in frag.ops}
+        producer = {v: op for op in frag.ops for v in op.outs}
+        # values leaving the fragment towards another stage's fragment are on the critical path
+        critical = {
+            v
+            for v in frag.out_ids
+            if any(
+                c.index not in inside and op_tasks[c.index] != frag.task
+                for c in consumers.get(v, ())
+            )
+        }
+        needed: set[int] = set()
+        stack = [producer[v] for v in critical if v in producer]
+        while stack:
+            op = stack.pop()
+            if op.index in needed:
+                continue
+            needed.add(op.index)
+            stack += [producer[a] for a in op.ins if isinstance(a, int) and a in producer]
+        i_ops = [op for op in frag.ops if op.index in needed]
+        w_ops = [op for op in frag.ops if op.index not in needed]
+        name = frag.task.name
+        if i_ops:
+            out[("I", stage)] = make_fragment(
+                graph, f"{name}/I{stage}", frag.task, i_ops, ("backward",)
+            )
+        if w_ops:
+            out[("W", stage)] = make_fragment(
+                graph, f"{name}/W{stage}", frag.task, w_ops, frag.kinds
+            )
+    return out
