@@ -16,7 +16,7 @@ from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError
 from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
-from mmnnx.mpmd.runtime import Executable
+from mmnnx.mpmd.runtime import Event, Executable
 from mmnnx.sharding import Task, task_of
 from mmnnx.sharding.place import SPEC_KEY
 
@@ -247,7 +247,8 @@ class JitFunction:
         homes = [s for _, s in out_homes] + state_homes[: call.num_variables]
         home_tasks = [t for t, _ in out_homes] + list(call.tasks[: call.num_variables])
         op_tasks = colour(graph, call.tasks, call.names, home_tasks, tasks, regions)
-        pipeline = plan_pipeline(graph, op_tasks, tasks, trace.microbatches)
+        free = {v for v, t in zip(graph.inputs, call.tasks, strict=True) if t is None}
+        pipeline = plan_pipeline(graph, op_tasks, tasks, trace.microbatches, free)
         if pipeline is None:
             order = [(f, None) for f in cut(graph, op_tasks, tasks)]
         else:
@@ -280,11 +281,31 @@ class JitFunction:
         return call, *entry
 
     def __call__(self, *args, **kwargs):
+        return self._run(args, kwargs)
+
+    def _run(self, args, kwargs, **modes):
         call, executable, (out_tree, num_user_outputs) = self._lookup(args, kwargs)
-        results = executable(call.leaves)
+        results = executable(call.leaves, **modes)
         for variable, value in zip(call.variables, results[num_user_outputs:], strict=True):
             variable.set_raw_value(value)
         return jax.tree.unflatten(out_tree, results[:num_user_outputs])
+
+    def timeline(self, *args, **kwargs) -> list[Event]:
+        """Runs one step (updating the arguments as a call does) and returns a timed event per
+        pipeline action: task, kind (F, B, I or W), stage, microbatch, start and end in seconds.
+
+        Only this mode blocks on each action's outputs; ``mm.plot_timeline`` draws the result.
+        """
+        events: list[Event] = []
+        self._run(args, kwargs, timeline=events)
+        return events
+
+    def memory_profile(self, *args, **kwargs) -> dict[str, tuple[int, int]]:
+        """Runs one step and returns, per task, the peak bytes of live per-microbatch values
+        (activations, cotangents) and the peak number of microbatches holding them."""
+        memory: dict[str, tuple[int, int]] = {}
+        self._run(args, kwargs, memory=memory)
+        return memory
 
     def plan(self, *args, **kwargs) -> Plan:
         """The plan this step runs for these arguments (built and cached if needed)."""

@@ -63,8 +63,11 @@ def plan_pipeline(
     op_tasks: Sequence[Task],
     tasks: Sequence[Task],
     groups: dict[int, MicrobatchGroup],
+    free_inputs: set[int],
 ) -> Pipeline | None:
-    """The pipelined plan, or ``None`` when the step has no traced microbatch region."""
+    """The pipelined plan, or ``None`` when the step has no traced microbatch region.
+
+    ``free_inputs`` are the graph inputs placed on no task (batches, counters)."""
     region_groups = {g for op in graph.ops if (g := group_of(op)) is not None}
     if not region_groups:
         return None
@@ -108,16 +111,17 @@ def plan_pipeline(
         else:
             pre_ops.append(op)
 
-    # Scalar arithmetic on the microbatch index (slice offsets) is recomputed in every fragment
-    # that needs it rather than sent between tasks.
+    # Index arithmetic and the slicing of unplaced inputs (the batch) by the microbatch index are
+    # recomputed in every fragment that needs them rather than sent between tasks.
     replicable: list[Op] = []
-    replicable_values = {index_value} if index_value is not None else set()
+    indexed = {index_value} if index_value is not None else set()
     for op in region:
         sources = [a for a in op.ins if isinstance(a, int)]
-        scalar = all(graph.shapes[v] == () for v in op.outs)
-        if scalar and sources and all(a in replicable_values for a in sources):
+        if any(a in indexed for a in sources) and all(
+            a in indexed or a in free_inputs for a in sources
+        ):
             replicable.append(op)
-            replicable_values.update(op.outs)
+            indexed.update(op.outs)
     replicable_ids = {op.index for op in replicable}
     staged = [op for op in region if op.index not in replicable_ids]
     stages, stage_tasks = _stage_fragments(graph, staged, op_tasks, replicable)
@@ -160,10 +164,12 @@ def _stage_fragments(
     graph: Graph, region: list[Op], op_tasks: Sequence[Task], replicable: list[Op]
 ) -> tuple[dict[tuple[str, int], Fragment], list[Task]]:
     level = levels(graph, region, op_tasks, inputs_movable=False)
-    _join_forward_consumers(graph, region, op_tasks, level)
+    late = _join_consumers(graph, region, op_tasks, level)
+    updates = after_backward(graph)
+    backward = {op.index for op in region if op.backward or op.index in updates} | late
     forward_levels: dict[int, set[Task]] = {}
     for op in region:
-        if not op.backward:
+        if op.index not in backward:
             forward_levels.setdefault(level[op.index], set()).add(op_tasks[op.index])
     num_stages = max(forward_levels) + 1 if forward_levels else 1
     stage_tasks: list[Task] = []
@@ -171,18 +177,17 @@ def _stage_fragments(
         found = forward_levels.get(s, set())
         if len(found) != 1:
             names = sorted(t.name for t in found) or ["no task"]
+
             raise MPMDError(
                 "mm.jit: mm.microbatch pipelines need the stages to form a chain, but the "
                 f"forward pass at depth {s} runs on {', '.join(names)}"
             )
         stage_tasks.append(next(iter(found)))
 
-    updates = after_backward(graph)
     members: dict[tuple[str, int], list[Op]] = {}
     for op in region:
         lv, task = level[op.index], op_tasks[op.index]
-        backward = op.backward or op.index in updates or lv > num_stages - 1
-        if backward:
+        if op.index in backward or lv > num_stages - 1:
             stage = 2 * (num_stages - 1) - lv
             kind = "B"
         else:
@@ -190,7 +195,8 @@ def _stage_fragments(
         if not 0 <= stage < num_stages or stage_tasks[stage] != task:
             raise MPMDError(
                 f"mm.jit: `{op.name}` at {op.source} runs on task {task.name!r}, which does not "
-                f"fit the pipeline's stage chain ({', '.join(t.name for t in stage_tasks)})"
+                f"fit the pipeline's stage chain ({', '.join(t.name for t in stage_tasks)}) "
+                f"[depth {lv}, {op.scope}]"
             )
         members.setdefault((kind, stage), []).append(op)
     producer = {v: op for op in replicable for v in op.outs}
@@ -213,19 +219,21 @@ def _stage_fragments(
     return fragments, stage_tasks
 
 
-def _join_forward_consumers(
+def _join_consumers(
     graph: Graph, region: list[Op], op_tasks: Sequence[Task], level: dict[int, int]
-) -> None:
-    """A forward op that reads only values from outside the region (parameters, the batch) on its
-    task belongs to the stage of its forward consumers, not to depth 0: a later stage's parameter
-    reshapes and label slices run in that stage."""
+) -> set[int]:
+    """An op that reads only values from outside the region (parameters, the batch, labels) on its
+    task belongs to the stage of its consumers, not to depth 0: a later stage's parameter reshapes
+    and label slices run in that stage, and so does the loss's backward seed. A forward op with
+    forward readers follows those only (its backward readers are residual uses)."""
     inside = {op.index for op in region}
     producer = {v: op for op in region for v in op.outs}
     consumers = graph.consumers()
     local: set[int] = set()
+    late: set[int] = set()
     for op in region:
         task = op_tasks[op.index]
-        if not op.backward and all(
+        if all(
             a not in producer
             or (producer[a].index in local and op_tasks[producer[a].index] == task)
             for a in op.ins
@@ -236,14 +244,16 @@ def _join_forward_consumers(
         if op.index not in local:
             continue
         task = op_tasks[op.index]
-        bounds = [
-            level[c.index] - (op_tasks[c.index] != task)
-            for v in op.outs
-            for c in consumers.get(v, ())
-            if c.index in inside and not c.backward
-        ]
+        readers = [c for v in op.outs for c in consumers.get(v, ()) if c.index in inside]
+        forward_readers = [c for c in readers if not c.backward and c.index not in late]
+        if not op.backward and forward_readers:
+            readers = forward_readers
+        elif readers and not op.backward:
+            late.add(op.index)  # read by the backward pass only: it runs there
+        bounds = [level[c.index] - (op_tasks[c.index] != task) for c in readers]
         if bounds:
             level[op.index] = max(level[op.index], min(bounds))
+    return late
 
 
 def _schedule(group: MicrobatchGroup, num_stages: int) -> sched.Schedule:

@@ -152,6 +152,7 @@ class Executable:
                 return found
             if v == index_value:
                 slot = new_slot(v, task, task.sharding(), m)
+                del self._region_slots[slot]  # a constant, not an activation
                 self._constants.append((slot, jax.device_put(np.int32(m), task.sharding())))
                 return slot
             source = where[(v, m)]

@@ -1,0 +1,202 @@
+"""Pipelined steps (mm.microbatch inside mm.jit) against the full batch on one device."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from tests.models import TinyGPT
+
+RULES = mm.logical_rules(mlp="model", heads="model", vocab="model", embed=None)
+M = 8
+
+
+def gpt(depth=4):
+    with nnx.use_eager_sharding(False):
+        return TinyGPT(depth=depth, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return [
+        mm.Task(
+            f"t{i}",
+            mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1], axis_names=("model",)),
+            logical_axes=RULES,
+        )
+        for i in range(4)
+    ]
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(0), (M, 9), 0, 32)
+
+
+def placed(tasks, depth=4):
+    t = tasks
+    if depth == 4:
+        rules = [
+            ("embed|blocks/0/", t[0]),
+            ("blocks/1/", t[1]),
+            ("blocks/2/", t[2]),
+            ("blocks/3/|norm|head", t[3]),
+        ]
+    else:  # block i on task i % 4: each task holds two non-adjacent stages
+        rules = [(f"blocks/{i}/", t[i % 4]) for i in range(depth)]
+        rules += [("^embed/", t[0]), ("^norm/|^head/", t[3])]
+    return mm.place(gpt(depth), rules)
+
+
+def loss_fn(model, tokens):
+    return model.loss(tokens)
+
+
+def pipelined_step(schedule, virtual_stages=1, num=M):
+    def step(model, opt, tokens):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(loss_fn),
+            num=num,
+            reduce="mean",
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+        )
+        loss, grads = grad_fn(model, tokens)
+        opt.update(model, grads)
+        return loss
+
+    return step
+
+
+def reference_step(model, opt, tokens):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+    opt.update(model, grads)
+    return loss
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def params_close(model, ref, ref_grads, steps, lr):
+    # Adam turns a gradient at rounding noise into a full +-lr step: elements whose first
+    # gradient is nonzero but below 1e-5 of their array's largest are held to steps x lr.
+    noise = [
+        (g != 0) & (np.abs(g) < 1e-5 * np.abs(g).max())
+        for g in map(np.asarray, jax.tree.leaves(ref_grads))
+    ]
+    pairs = zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)),
+        jax.tree.leaves(nnx.state(ref, nnx.Param)),
+        noise,
+        strict=True,
+    )
+    for a, b, is_noise in pairs:
+        a, b = np.asarray(a), np.asarray(b)
+        close(a[~is_noise], b[~is_noise])
+        np.testing.assert_allclose(a[is_noise], b[is_noise], atol=steps * lr)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
+def test_schedules_match_full_batch_on_one_device(tasks, tokens, schedule):
+    model = placed(tasks)
+    lr = 3e-3
+    opt = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
+    ref = gpt()
+    ref_opt = nnx.Optimizer(ref, optax.adamw(lr), wrt=nnx.Param)
+    _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(), tokens)
+    placement = mm.placement(opt)
+    step = mm.jit(pipelined_step(schedule))
+    for _ in range(3):
+        close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
+    params_close(model, ref, ref_grads, steps=3, lr=lr)
+    assert mm.placement(opt) == placement
+    plan = step.plan(model, opt, tokens)
+    assert plan.pipeline.schedule.name == schedule
+    assert [t.name for t in plan.pipeline.stage_tasks] == ["t0", "t1", "t2", "t3"]
+    assert step.trace_count == 1
+
+
+def test_interleaved_eight_stages_on_four_tasks(tasks, tokens):
+    model = placed(tasks, depth=8)
+    ref = gpt(depth=8)
+    grads_step = mm.jit(
+        mm.microbatch(
+            nnx.value_and_grad(loss_fn),
+            num=M,
+            reduce="mean",
+            schedule="interleaved-1f1b",
+            virtual_stages=2,
+        )
+    )
+    loss, grads = grads_step(model, tokens)
+    ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(ref, tokens)
+    close(loss, ref_loss)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        close(a, b)
+    pipeline = grads_step.plan(model, tokens).pipeline
+    assert [t.name for t in pipeline.stage_tasks] == [f"t{i % 4}" for i in range(8)]
+    assert pipeline.schedule.num_ranks == 4
+
+
+def test_compiled_programs_do_not_depend_on_microbatch_count(tasks):
+    tokens = jax.random.randint(jax.random.key(1), (16, 9), 0, 32)
+    counts = []
+    for num in (4, 8, 16):
+        model = placed(tasks)
+        step = mm.jit(mm.microbatch(nnx.value_and_grad(loss_fn), num=num, reduce="mean"))
+        counts.append(step.plan(model, tokens).num_programs)
+    assert counts[0] == counts[1] == counts[2]
+
+
+@pytest.mark.parametrize("schedule, expected", [("1f1b", "<= 4"), ("gpipe", "== 8")])
+def test_live_activations_follow_the_schedule(tasks, tokens, schedule, expected):
+    model = placed(tasks)
+    step = mm.jit(
+        mm.microbatch(nnx.value_and_grad(loss_fn), num=M, reduce="mean", schedule=schedule)
+    )
+    memory = step.memory_profile(model, tokens)
+    peak_microbatches = memory["t0"][1]
+    assert eval(f"{peak_microbatches} {expected}"), memory
+    simulated = mm.schedules.simulate(step.plan(model, tokens).pipeline.schedule)
+    assert peak_microbatches <= simulated.peak_in_flight[0]
+
+
+def test_timeline_covers_every_action_once(tasks, tokens):
+    model = placed(tasks)
+    step = mm.jit(mm.microbatch(nnx.value_and_grad(loss_fn), num=M, reduce="mean"))
+    events = step.timeline(model, tokens)
+    schedule = step.plan(model, tokens).pipeline.schedule
+    expected = sorted(
+        (f"t{schedule.stage_to_rank[a.stage]}", a.kind, a.stage, a.microbatch)
+        for rank in range(schedule.num_ranks)
+        for a in schedule.actions_of(rank)
+    )
+    assert sorted((e.task, e.kind, e.stage, e.microbatch) for e in events) == expected
+    assert all(e.end >= e.start >= 0 for e in events)
+    figure = mm.plot_timeline(events)
+    assert len(figure.axes[0].patches) == len(events)
+
+
+def test_errors(tasks, tokens):
+    model = placed(tasks)
+    few = mm.jit(mm.microbatch(nnx.value_and_grad(loss_fn), num=2, reduce="mean"))
+    with pytest.raises(mm.MPMDError, match=r"1f1b needs at least as many microbatches as stages"):
+        few(model, tokens)
+    odd = mm.jit(
+        mm.microbatch(
+            nnx.value_and_grad(loss_fn),
+            num=M,
+            reduce="mean",
+            schedule="interleaved-1f1b",
+            virtual_stages=3,
+        )
+    )
+    with pytest.raises(mm.MPMDError, match="virtual_stages"):
+        odd(model, tokens)
+    custom = mm.schedules.gpipe(2, M)
+    wrong = mm.jit(mm.microbatch(nnx.value_and_grad(loss_fn), num=M, schedule=custom))
+    with pytest.raises(mm.MPMDError, match="custom schedule is for 2 stages"):
+        wrong(model, tokens)
