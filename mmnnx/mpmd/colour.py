@@ -21,6 +21,18 @@ from mmnnx.mpmd.ir import Graph
 from mmnnx.sharding import Task
 
 _MAX_ROUNDS = 4
+_VIEWS = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "convert_element_type",
+        "copy",
+        "reduce_precision",
+    }
+)
 _MAX_CAPACITY = 2**20
 
 
@@ -46,12 +58,20 @@ def colour(
         if isinstance(atom, int) and home is not None:
             sinks.setdefault(atom, []).append(home)
 
+    # A view of placed state (reshaped, broadcast, transposed, cast) still is that state: an op
+    # reading it reads the state, so a stage's layer runs where its parameters live.
+    state = dict(placed)
+    origin = {v: v for v in placed}
     fixed: dict[int, Task] = {}
     for op in graph.ops:
         reads = {}
         for a in op.ins:
-            if isinstance(a, int) and a in placed:
-                reads.setdefault(placed[a], a)
+            if isinstance(a, int) and a in state:
+                reads.setdefault(state[a], origin[a])
+        if op.name in _VIEWS and len(reads) == 1 and len(op.outs) == 1:
+            ((task, source),) = reads.items()
+            state[op.outs[0]] = task
+            origin[op.outs[0]] = source
         if len(reads) > 1:
             (t1, v1), (t2, v2) = list(reads.items())[:2]
             raise PlacementConflictError(

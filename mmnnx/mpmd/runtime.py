@@ -81,10 +81,6 @@ class Event:
     end: float
 
 
-def _add(a, b):
-    return (a + b,)
-
-
 class Executable:
     """A compiled step: call it with the flat input leaves; it returns the flat outputs.
 
@@ -112,6 +108,7 @@ class Executable:
             per_replica.add(index_value)
         accumulated = pipeline.accumulated if pipeline else {}
         sum_of = {v: u for u, v in accumulated.items()}
+        self._summed = set(sum_of)
 
         slots: dict[tuple, int] = {}
         by_value: dict[tuple, list[int]] = {}
@@ -187,39 +184,38 @@ class Executable:
                 home_of.setdefault(atom, home)
 
         donate_in = _donations(graph, order, input_tasks, donated or [False] * len(input_tasks))
-        compiled_of: dict[int, Any] = {}
-        adders: dict[tuple, Any] = {}
+        compiled_of: dict[tuple[int, bool], Any] = {}
         labels = _labels(pipeline)
         for frag, m in order:
             in_slots = [ensure(v, frag.task, m) for v in frag.in_ids]
-            compiled = compiled_of.get(id(frag))
+            summed = [v for v in frag.out_ids if v in sum_of]
+            totals = [find(sum_of[v], frag.task, None) for v in summed]
+            accumulate = bool(summed) and totals[0] is not None
+            key = (id(frag), accumulate)
+            compiled = compiled_of.get(key)
             if compiled is None:
-                compiled = compiled_of[id(frag)] = self._compile(
-                    graph, frag, [sharding_of[s] for s in in_slots], home_of, donate_in
+                in_shardings = [sharding_of[s] for s in in_slots]
+                total_shardings = [sharding_of[t] for t in totals] if accumulate else []
+                compiled = compiled_of[key] = self._compile(
+                    graph, frag, in_shardings, home_of, donate_in, total_shardings
                 )
             out_slots = []
-            for v, s in zip(frag.out_ids, compiled.output_shardings, strict=True):
+            shardings = compiled.output_shardings[: len(frag.out_ids)]
+            for v, s in zip(frag.out_ids, shardings, strict=True):
                 r = replica(v, m)
                 out_slots.append(new_slot(v, frag.task, s, r))
                 where[(v, r)] = frag.task
+            if accumulate:
+                actions.append(
+                    (_RUN, compiled, in_slots + totals, out_slots + totals, labels.get(id(frag)), m)
+                )
+                continue
             actions.append((_RUN, compiled, in_slots, out_slots, labels.get(id(frag)), m))
-            for v, slot in zip(frag.out_ids, out_slots, strict=True):
-                u = sum_of.get(v)
-                if u is None:
-                    continue
-                total = find(u, frag.task, None)
-                if total is None:  # the first microbatch's value starts the sum
-                    total = new_slot(u, frag.task, sharding_of[slot], None)
-                    where[(u, None)] = frag.task
-                    actions.append((_PUT, slot, total, None))
-                    continue
-                key = (graph.shapes[v], str(graph.dtypes[v]), sharding_of[slot])
-                if key not in adders:
-                    aval = jax.ShapeDtypeStruct(
-                        graph.shapes[v], graph.dtypes[v], sharding=sharding_of[slot]
-                    )
-                    adders[key] = jax.jit(_add).lower(aval, aval).compile()
-                actions.append((_RUN, adders[key], [total, slot], [total], None, None))
+            for v in summed:  # the first microbatch's value starts the sum
+                u, slot = sum_of[v], out_slots[frag.out_ids.index(v)]
+                by_value.setdefault((u, frag.task, None), []).append(slot)
+                where[(u, None)] = frag.task
+                self._region_slots.pop(slot, None)  # now a running sum, not an activation
 
         self._outputs: list[tuple[int | None, Any]] = []
         for atom, home in zip(graph.outputs, output_homes, strict=True):
@@ -231,13 +227,15 @@ class Executable:
                 self._outputs.append((ensure(atom, task, None, home), None))
             else:
                 self._outputs.append((find(atom, where[(atom, None)], None), None))
-        self.num_programs = len(compiled_of) + len(adders)
+        self.num_programs = len(compiled_of)
         self._release(actions)
         self._num_slots = len(slots)
         fragments = list({id(f): f for f, _ in order}.values())
         self.plan = Plan(list(tasks), fragments, transfers, self.num_programs, pipeline)
 
-    def _compile(self, graph, frag, in_shardings, home_of, donate_in):
+    def _compile(self, graph, frag, in_shardings, home_of, donate_in, total_shardings=()):
+        """Compiles ``frag``; with ``total_shardings``, a variant that also takes the running
+        sums of its microbatch-summed outputs and returns them updated (donating the old ones)."""
         out_shardings = []
         for v in frag.out_ids:
             home = home_of.get(v)
@@ -256,16 +254,32 @@ class Executable:
         def constrain(x, op):
             return jax.lax.with_sharding_constraint(x, constraints[op.index])
 
-        def body(*args):
-            return run_ops(frag.ops, frag.in_ids, frag.out_ids, args, constrain)
+        n = len(frag.in_ids)
+        summed = [i for i, v in enumerate(frag.out_ids) if v in self._summed][
+            : len(total_shardings)
+        ]
 
-        donate = tuple(i for i, v in enumerate(frag.in_ids) if donate_in.get(v) is frag)
+        def body(*args):
+            outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, args[:n], constrain)
+            return [*outs, *(total + outs[i] for total, i in zip(args[n:], summed, strict=True))]
+
+        donate = [i for i, v in enumerate(frag.in_ids) if donate_in.get(v) is frag]
+        donate += range(n, n + len(total_shardings))
         jitted = jax.jit(
-            body, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate
+            body,
+            in_shardings=[*in_shardings, *total_shardings],
+            out_shardings=[*out_shardings, *total_shardings],
+            donate_argnums=tuple(donate),
         )
         avals = [
             jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
             for v, s in zip(frag.in_ids, in_shardings, strict=True)
+        ]
+        avals += [
+            jax.ShapeDtypeStruct(
+                graph.shapes[frag.out_ids[i]], graph.dtypes[frag.out_ids[i]], sharding=s
+            )
+            for i, s in zip(summed, total_shardings, strict=True)
         ]
         return jitted.lower(*avals).compile()
 
@@ -277,6 +291,9 @@ class Executable:
         last: dict[int, int] = {}
         for i, action in enumerate(actions):
             reads = action[2] if action[0] == _RUN else [action[1]]
+            writes = action[3] if action[0] == _RUN else [action[2]]
+            for s in writes:  # a value nothing reads is dropped right away
+                last.setdefault(s, i)
             for s in reads:
                 last[s] = i
         release: list[list[int]] = [[] for _ in actions]

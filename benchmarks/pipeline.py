@@ -1,0 +1,152 @@
+"""Pipeline efficiency of mm.jit + mm.microbatch, against baselines measured in the same run.
+
+Two stages on single devices (0 and 1), M = 8 microbatches. Each stage is a stack of elementwise
+layers: on this CPU a matmul already spreads over both cores (no overlap is then possible), while
+fused elementwise work runs on one core, so two stages can overlap as on two accelerators.
+- efficiency = ideal GPipe time (M + S - 1) * t_stage / measured step time (target >= 0.9), where
+  t_stage is one stage's forward + backward time for one microbatch, timed action by action;
+- speed-up over running the same actions without overlap (blocking after each) (target >= 1.4x);
+- host overhead per action (step span minus device time, per action) at M = 4 and M = 32
+  (target: flat).
+
+Run: python benchmarks/dispatch.py is separate; this file: python benchmarks/pipeline.py
+Writes benchmarks/results/pipeline.json.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import mmnnx as mm  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "pipeline.json"
+WIDTH, LAYERS, ROWS = 512, 24, 64
+
+
+class Stage(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.List(
+            [
+                nnx.Param(1.0 + 0.1 * jax.random.normal(rngs.params(), (WIDTH,)))
+                for _ in range(LAYERS)
+            ]
+        )
+
+    def __call__(self, h):
+        for w in self.w:
+            h = jnp.sin(h * w[...]) * 1.01 + 0.1
+        return h
+
+
+class TwoStages(nnx.Module):
+    def __init__(self):
+        self.a = Stage(nnx.Rngs(0))
+        self.b = Stage(nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.b(self.a(x))
+
+
+def loss_fn(model, x):
+    return jnp.mean(model(x) ** 2)
+
+
+def build(num):
+    s0 = mm.Task("s0", mesh=mm.TaskMesh(devices=[0]))
+    s1 = mm.Task("s1", mesh=mm.TaskMesh(devices=[1]))
+    model = mm.place(TwoStages(), [("^a/", s0), ("^b/", s1)])
+    step = mm.jit(
+        mm.microbatch(nnx.value_and_grad(loss_fn), num=num, reduce="mean", schedule="gpipe")
+    )
+    x = jax.random.normal(jax.random.key(2), (num * ROWS, WIDTH))
+    return step, model, x
+
+
+def median_time(fn, repeats=7):
+    jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def efficiency(num=8):
+    step, model, x = build(num)
+    t_step = median_time(lambda: step(model, x))
+    timelines = [step.timeline(model, x) for _ in range(5)]
+    blocking = statistics.median(max(e.end for e in t) - min(e.start for e in t) for t in timelines)
+    per_action = {}
+    for events in timelines:
+        for e in events:
+            per_action.setdefault((e.task, e.kind), []).append(e.end - e.start)
+    t_stage = max(
+        statistics.median(per_action[(task, "F")]) + statistics.median(per_action[(task, "B")])
+        for task in ("s0", "s1")
+    )
+    ideal = (num + 2 - 1) * t_stage
+    return {
+        "microbatches": num,
+        "t_stage ms": t_stage * 1e3,
+        "ideal GPipe ms": ideal * 1e3,
+        "measured step ms": t_step * 1e3,
+        "blocking (no overlap) ms": blocking * 1e3,
+        "pipeline efficiency": ideal / t_step,
+        "speed-up over no overlap": blocking / t_step,
+        "compiled programs": step.plan(model, x).num_programs,
+    }
+
+
+def host_overhead():
+    """Host time between actions: a step's span minus its actions' device time, per action.
+
+    Measured in timeline mode (each action timed to completion), so device time is exact and the
+    remainder is the executor's own work: dispatch, transfers, bookkeeping.
+    """
+    out = {}
+    for num in (4, 32):
+        step, model, x = build(num)
+        jax.block_until_ready(step(model, x))
+        samples = []
+        for _ in range(3):
+            events = step.timeline(model, x)
+            span = max(e.end for e in events) - min(e.start for e in events)
+            busy = sum(e.end - e.start for e in events)
+            samples.append((span - busy) / len(events))
+        out[num] = statistics.median(samples)
+    return {
+        "host us per action (M=4)": out[4] * 1e6,
+        "host us per action (M=32)": out[32] * 1e6,
+        "growth M=4 -> M=32": out[32] / out[4],
+    }
+
+
+def main():
+    results = {"efficiency": efficiency(), "host": host_overhead(), "device": str(jax.devices()[0])}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    console = Console()
+    for name in ("efficiency", "host"):
+        table = Table(title=f"pipeline: {name}")
+        table.add_column("measure")
+        table.add_column("value", justify="right")
+        for k, v in results[name].items():
+            table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+        console.print(table)
+    console.print(f"written to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
