@@ -9,7 +9,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_readme_example_runs(capsys):
+def test_readme_example_runs(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     assert blocks, "README has no python example"
@@ -23,6 +24,8 @@ def test_readme_example_runs(capsys):
         exec(compile(block, "README.md", "exec"), namespace)
     out = capsys.readouterr().out
     assert "Plan: 2 task(s)" in out
+    assert "1f1b: 2 stages, 4 microbatches" in out
+    assert (tmp_path / "timeline.png").stat().st_size > 1000
 
 
 def test_readme_commands_exist_in_makefile():
