@@ -99,23 +99,38 @@ def params_close(model, ref, ref_grads, steps, lr):
         np.testing.assert_allclose(a[is_noise], b[is_noise], atol=steps * lr)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
-def test_schedules_match_full_batch_on_one_device(tasks, tokens, schedule):
-    model = placed(tasks)
+# a user's table: 1F1B's, written to CSV and read back
+CUSTOM = mm.schedules.from_csv(mm.schedules.one_f_one_b(4, M).to_csv(), name="custom")
+
+
+@pytest.mark.parametrize(
+    "schedule, depth, virtual_stages",
+    [
+        ("gpipe", 4, 1),
+        ("1f1b", 4, 1),
+        ("zero-bubble-h1", 4, 1),
+        ("interleaved-1f1b", 8, 2),
+        (CUSTOM, 4, 1),
+    ],
+    ids=["gpipe", "1f1b", "zero-bubble-h1", "interleaved-1f1b", "custom"],
+)
+def test_schedules_match_full_batch_on_one_device(tasks, tokens, schedule, depth, virtual_stages):
+    model = placed(tasks, depth)
     lr = 3e-3
     opt = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
-    ref = gpt()
+    ref = gpt(depth)
     ref_opt = nnx.Optimizer(ref, optax.adamw(lr), wrt=nnx.Param)
-    _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(), tokens)
+    _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(depth), tokens)
     placement = mm.placement(opt)
-    step = mm.jit(pipelined_step(schedule))
+    step = mm.jit(pipelined_step(schedule, virtual_stages))
     for _ in range(3):
         close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
     params_close(model, ref, ref_grads, steps=3, lr=lr)
     assert mm.placement(opt) == placement
     plan = step.plan(model, opt, tokens)
-    assert plan.pipeline.schedule.name == schedule
-    assert [t.name for t in plan.pipeline.stage_tasks] == ["t0", "t1", "t2", "t3"]
+    name = schedule if isinstance(schedule, str) else "custom"
+    assert plan.pipeline.schedule.name == name
+    assert [t.name for t in plan.pipeline.stage_tasks] == [f"t{i % 4}" for i in range(depth)]
     assert step.trace_count == 1
 
 
