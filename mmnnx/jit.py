@@ -178,7 +178,8 @@ class _Call:
         owned: set = set()
         for task in dict.fromkeys(t for t in self.tasks if t is not None):
             owned.update(task.jax_mesh.devices.flat)
-        self.check_free_devices(owned)
+        if owned:  # with no placed state, the tasks come from mm.task regions: checked later
+            self.check_free_devices(owned)
 
     def check_free_devices(self, owned: set) -> None:
         for i, (leaf, task) in enumerate(zip(self.leaves, self.tasks, strict=True)):
