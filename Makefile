@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml | $(PY)
 setup: $(STAMP)
 
 demo: $(STAMP)
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) examples/place_and_tabulate.py
+	$(VENV)/bin/mmnnx train --output-dir runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

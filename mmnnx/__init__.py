@@ -6,9 +6,10 @@ Example:
     >>> s0 = mm.Task("stage0", mesh=mesh.slice(stage=0))
 """
 
-from mmnnx import mpmd
+from mmnnx import models, modules, mpmd, train
 from mmnnx.jit import JitFunction, jit
 from mmnnx.microbatch import microbatch
+from mmnnx.models.stages import stage_rules
 from mmnnx.mpmd import MPMDError, PlacementConflictError, Plan, SideEffectError, schedules
 from mmnnx.mpmd.markers import task, with_sharding_constraint
 from mmnnx.sharding import (
@@ -43,11 +44,15 @@ __all__ = [
     "jit",
     "logical_rules",
     "microbatch",
+    "models",
+    "modules",
     "mpmd",
     "place",
     "placement",
     "plot_timeline",
     "schedules",
+    "train",
+    "stage_rules",
     "tabulate",
     "task",
     "task_of",

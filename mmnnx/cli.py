@@ -1,0 +1,250 @@
+"""The ``mmnnx`` command line: ``mmnnx train`` trains the reference GPT on the embedded text (or
+your own), pipelined over simulated CPU devices or real accelerators."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h1")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit status 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lr must be a number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--lr must be > 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = commands.add_parser(
+        "train",
+        help="train the reference GPT, pipelined over several submeshes",
+        description="Train the reference GPT (byte-level) on the embedded public-domain text or "
+        "your own files, as stages x (data x model) submeshes, pipelined with a schedule.",
+    )
+    model = train.add_argument_group("model")
+    model.add_argument("--dim", type=_positive("--dim"), default=128, help="model width (128)")
+    model.add_argument(
+        "--depth", type=_positive("--depth"), default=4, help="number of transformer blocks (4)"
+    )
+    model.add_argument("--heads", type=_positive("--heads"), default=4, help="attention heads (4)")
+    model.add_argument(
+        "--seq-len",
+        type=_positive("--seq-len"),
+        default=64,
+        help="tokens (bytes) per sequence (64)",
+    )
+    layout = train.add_argument_group("layout")
+    layout.add_argument(
+        "--stages", type=_positive("--stages"), default=2, help="pipeline stages, one task each (2)"
+    )
+    layout.add_argument(
+        "--data-axis",
+        type=_positive("--data-axis"),
+        default=2,
+        help="data-parallel size inside each stage (2)",
+    )
+    layout.add_argument(
+        "--model-axis",
+        type=_positive("--model-axis"),
+        default=2,
+        help="tensor-parallel size inside each stage (2)",
+    )
+    layout.add_argument(
+        "--devices",
+        type=_positive("--devices"),
+        default=8,
+        help="simulated CPU devices when no accelerator is used (8)",
+    )
+    run = train.add_argument_group("training")
+    run.add_argument(
+        "--batch-size", type=_positive("--batch-size"), default=16, help="sequences per step (16)"
+    )
+    run.add_argument(
+        "--microbatches",
+        type=_positive("--microbatches"),
+        default=4,
+        help="microbatches per step (4)",
+    )
+    run.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="1f1b",
+        help="pipeline schedule (1f1b); interleaved-1f1b needs several stages per "
+        "task: use the Python API",
+    )
+    run.add_argument(
+        "--steps", type=_positive("--steps"), default=300, help="optimizer steps (300)"
+    )
+    run.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (3e-3)")
+    run.add_argument(
+        "--eval-every",
+        type=_positive("--eval-every"),
+        default=50,
+        help="steps between evaluations (50)",
+    )
+    run.add_argument("--seed", type=int, default=0, help="initialisation and data seed (0)")
+    run.add_argument(
+        "--text",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="your own UTF-8 text files or directories (default: embedded text)",
+    )
+    io = train.add_argument_group("outputs")
+    io.add_argument(
+        "--output-dir",
+        default="runs/latest",
+        help="metrics, loss curve and timeline go here (runs/latest)",
+    )
+    io.add_argument(
+        "--checkpoint-dir", default=None, help="checkpoints (default: OUTPUT_DIR/checkpoints)"
+    )
+    io.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    return parser
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """The first inconsistency among the flags, or None."""
+    used = args.stages * args.data_axis * args.model_axis
+    if used > args.devices:
+        return (
+            f"--stages {args.stages} x --data-axis {args.data_axis} x --model-axis "
+            f"{args.model_axis} needs {used} devices, but --devices is {args.devices}"
+        )
+    if args.depth < args.stages:
+        return f"--depth {args.depth} gives fewer blocks than --stages {args.stages}"
+    if args.dim % args.heads:
+        return f"--dim {args.dim} is not divisible by --heads {args.heads}"
+    if args.heads % args.model_axis:
+        return f"--heads {args.heads} is not divisible by --model-axis {args.model_axis}"
+    if args.batch_size % args.microbatches:
+        return (
+            f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}"
+        )
+    if (args.batch_size // args.microbatches) % args.data_axis:
+        return (
+            f"a microbatch of {args.batch_size // args.microbatches} sequences is not "
+            f"divisible by --data-axis {args.data_axis}"
+        )
+    if args.schedule in ("1f1b", "zero-bubble-h1") and args.microbatches < args.stages:
+        return (
+            f"--schedule {args.schedule} needs --microbatches >= --stages ({args.stages}); "
+            "use more microbatches or --schedule gpipe"
+        )
+    return None
+
+
+def train(args: argparse.Namespace) -> int:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
+    import jax  # noqa: PLC0415  (after XLA_FLAGS)
+    from flax import nnx  # noqa: PLC0415
+
+    import mmnnx as mm  # noqa: PLC0415
+    from mmnnx.models import GPT, GPTConfig  # noqa: PLC0415
+    from mmnnx.models.stages import stage_rules  # noqa: PLC0415
+    from mmnnx.train.data import TextDataset, embedded_text, load_text  # noqa: PLC0415
+    from mmnnx.train.loop import TrainConfig, fit  # noqa: PLC0415
+
+    if len(jax.devices()) < args.stages * args.data_axis * args.model_axis:
+        print(
+            f"mmnnx train: error: only {len(jax.devices())} devices are available", file=sys.stderr
+        )
+        return 2
+    text = load_text(args.text) if args.text else embedded_text()
+    dataset = TextDataset.from_text(
+        text, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
+    )
+    mesh = mm.MultiMesh(
+        axis_sizes=(args.stages, args.data_axis, args.model_axis),
+        axis_names=("stage", "data", "model"),
+        devices=range(args.stages * args.data_axis * args.model_axis),
+    )
+    rules = mm.logical_rules(
+        batch="data", mlp="model", heads="model", vocab="model", embed=None, seq=None
+    )
+    tasks = [
+        mm.Task(f"stage{i}", mesh=mesh.task_mesh(stage=i), logical_axes=rules)
+        for i in range(args.stages)
+    ]
+    config = GPTConfig(
+        vocab_size=256,
+        dim=args.dim,
+        depth=args.depth,
+        num_heads=args.heads,
+        max_seq_len=args.seq_len,
+    )
+
+    def factory():
+        return GPT(config, rngs=nnx.Rngs(args.seed))
+
+    with nnx.use_eager_sharding(False):
+        placement = stage_rules(nnx.eval_shape(factory), tasks)
+    model = mm.init(factory, placement)
+    print(mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2))
+    result = fit(
+        model,
+        dataset,
+        TrainConfig(
+            steps=args.steps,
+            learning_rate=args.lr,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            eval_every=args.eval_every,
+            output_dir=args.output_dir,
+            checkpoint_dir=args.checkpoint_dir,
+            resume=args.resume,
+        ),
+    )
+    return 0 if math.isfinite(result.final_eval) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mmnnx`` console script.
+
+    Example (the reason goes to stderr; bad flags exit with status 2):
+        >>> main(["train", "--stages", "3", "--devices", "4"])
+        2
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        problem = _check(args)
+        if problem:
+            print(f"mmnnx train: error: {problem}", file=sys.stderr)
+            return 2
+        return train(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

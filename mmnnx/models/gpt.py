@@ -1,0 +1,110 @@
+"""A small reference GPT (decoder-only transformer) built from ``mmnnx.modules``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mmnnx.modules import Embed, Linear, TransformerBlock, constrain, make_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a ``GPT``; the defaults are a byte-level model of about 0.86M parameters.
+
+    ``num_kv_heads`` (default ``num_heads``) enables grouped-query attention, ``gated_mlp`` a
+    SiLU-gated MLP, ``tie_embeddings`` an output head that reuses the embedding table, and
+    ``norm`` is ``"rms"`` or ``"layer"``. Positions are rotary (RoPE); ``max_seq_len`` bounds
+    the input length.
+
+    Example:
+        >>> GPTConfig(depth=2, dim=64).num_heads
+        4
+    """
+
+    vocab_size: int = 256
+    dim: int = 128
+    depth: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    mlp_ratio: float = 4
+    gated_mlp: bool = False
+    max_seq_len: int = 128
+    tie_embeddings: bool = False
+    norm: str = "rms"
+
+
+class GPT(nnx.Module):
+    """Token embedding, ``depth`` pre-norm ``TransformerBlock``s, a final norm and a head.
+
+    Attributes: ``embed`` (``Embed``), ``blocks`` (an ``nnx.List`` of ``TransformerBlock``),
+    ``norm``, and ``head`` (a ``Linear`` named ``("embed", "vocab")``; absent with
+    ``tie_embeddings``, where ``embed.attend`` makes the logits). ``model(tokens)`` returns
+    logits; ``model.loss(batch)`` is the next-token cross-entropy of a ``(B, T + 1)`` batch.
+    ``mmnnx.models.stage_rules(model, tasks)`` cuts it into pipeline stages.
+
+    Example:
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(dim=32, depth=2, vocab_size=64), rngs=nnx.Rngs(0))
+        >>> batch = jnp.zeros((2, 9), dtype=jnp.int32)
+        >>> model(batch[:, :-1]).shape, model.loss(batch).shape
+        ((2, 8, 64), ())
+    """
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        c = config
+        self.embed = Embed(c.vocab_size, c.dim, rngs=rngs)
+        self.blocks = nnx.List(
+            [
+                TransformerBlock(
+                    c.dim,
+                    c.num_heads,
+                    num_kv_heads=c.num_kv_heads,
+                    mlp_ratio=c.mlp_ratio,
+                    gated_mlp=c.gated_mlp,
+                    norm=c.norm,
+                    rngs=rngs,
+                )
+                for _ in range(c.depth)
+            ]
+        )
+        self.norm = make_norm(c.norm, c.dim)
+        if not c.tie_embeddings:
+            self.head = Linear(
+                c.dim, c.vocab_size, axes=("embed", "vocab"), use_bias=False, rngs=rngs
+            )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        if tokens.ndim != 2 or tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(
+                f"GPT: tokens must have shape (batch, seq) with seq <= max_seq_len "
+                f"{self.config.max_seq_len}, got {tokens.shape}"
+            )
+        x = self.embed(constrain(tokens, ("batch", "seq")))
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        return self.embed.attend(x) if self.config.tie_embeddings else self.head(x)
+
+    def loss(self, batch: jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy of ``batch`` ``(B, T + 1)`` over its ``B * T`` targets.
+
+        The inputs are ``batch[:, :-1]`` and the targets ``batch[:, 1:]``.
+
+        Example:
+            >>> with nnx.use_eager_sharding(False):
+            ...     model = GPT(GPTConfig(dim=32, depth=1, vocab_size=64), rngs=nnx.Rngs(0))
+            >>> loss = model.loss(jnp.ones((2, 5), dtype=jnp.int32))
+            >>> bool(abs(loss - jnp.log(64)) < 0.5)  # about log(vocab) at initialisation
+            True
+        """
+        batch = constrain(batch, ("batch", "seq"))
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self(inputs).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        return jnp.mean(nll)

@@ -1,0 +1,37 @@
+"""Transformer layers whose parameters carry logical axis names for ``mm.place``.
+
+Plain ``nnx.Module`` classes, small enough to read and subclass: ``Linear``, ``Embed``, ``MLP``,
+``Attention`` (causal, RoPE, grouped KV heads), ``RMSNorm``, ``LayerNorm`` and
+``TransformerBlock``. ``constrain`` adds a logical sharding constraint inside ``mm.jit`` only.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from mmnnx import modules
+    >>> with nnx.use_eager_sharding(False):
+    ...     block = modules.TransformerBlock(16, 2, rngs=nnx.Rngs(0))
+    >>> block(jnp.ones((1, 4, 16))).shape
+    (1, 4, 16)
+"""
+
+from mmnnx.modules.attention import Attention
+from mmnnx.modules.constraints import constrain
+from mmnnx.modules.embed import Embed
+from mmnnx.modules.linear import Linear
+from mmnnx.modules.mlp import MLP
+from mmnnx.modules.norms import LayerNorm, RMSNorm
+from mmnnx.modules.rope import apply_rope
+from mmnnx.modules.transformer import TransformerBlock, make_norm
+
+__all__ = [
+    "MLP",
+    "Attention",
+    "Embed",
+    "LayerNorm",
+    "Linear",
+    "RMSNorm",
+    "TransformerBlock",
+    "apply_rope",
+    "constrain",
+    "make_norm",
+]

@@ -1,0 +1,52 @@
+"""``Linear``: a dense layer whose kernel and bias carry logical axis names."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+default_kernel_init = nnx.initializers.lecun_normal()
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel + bias``, with ``kernel`` named ``axes`` and ``bias`` named ``axes[1:]``.
+
+    The names are logical (``nnx.with_partitioning``): ``mm.place`` translates them by each
+    task's ``logical_axes``, so the same layer is replicated on one task and tensor-parallel on
+    another. Build it inside a mesh context or under ``nnx.use_eager_sharding(False)``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> with nnx.use_eager_sharding(False):
+        ...     layer = Linear(4, 8, axes=("embed", "mlp"), rngs=nnx.Rngs(0))
+        >>> layer(jnp.ones((2, 4))).shape
+        (2, 8)
+        >>> layer.kernel.get_metadata()["out_sharding"], layer.bias.get_metadata()["out_sharding"]
+        (('embed', 'mlp'), ('mlp',))
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: tuple[str | None, str | None] = ("embed", "mlp"),
+        use_bias: bool = True,
+        kernel_init: nnx.Initializer = default_kernel_init,
+        rngs: nnx.Rngs,
+    ):
+        if len(axes) != 2:
+            raise ValueError(f"Linear: axes must name the 2 kernel dimensions, got {axes!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.axes = tuple(axes)
+        init = nnx.with_partitioning(kernel_init, self.axes)
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features)))
+        zeros = nnx.with_partitioning(nnx.initializers.zeros_init(), self.axes[1:])
+        self.bias = nnx.Param(zeros(rngs.params(), (out_features,))) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y

@@ -1,0 +1,49 @@
+"""``RMSNorm`` and ``LayerNorm`` over the last axis, with parameters named ``("embed",)``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class RMSNorm(nnx.Module):
+    """``x / sqrt(mean(x**2) + eps) * scale`` over the last axis; ``scale`` starts at ones.
+
+    Example:
+        >>> with nnx.use_eager_sharding(False):
+        ...     norm = RMSNorm(4)
+        >>> norm(jnp.array([[3.0, -3.0, 3.0, -3.0]])).round(3)
+        Array([[ 1., -1.,  1., -1.]], dtype=float32)
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-6):
+        self.dim = dim
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,)), out_sharding=("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        ms = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        return x * jax.lax.rsqrt(ms + self.eps) * self.scale[...]
+
+
+class LayerNorm(nnx.Module):
+    """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis.
+
+    Example:
+        >>> with nnx.use_eager_sharding(False):
+        ...     norm = LayerNorm(2)
+        >>> norm(jnp.array([[1.0, 3.0]])).round(3)
+        Array([[-1.,  1.]], dtype=float32)
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-5):
+        self.dim = dim
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,)), out_sharding=("embed",))
+        self.bias = nnx.Param(jnp.zeros((dim,)), out_sharding=("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]

@@ -1,0 +1,24 @@
+"""mmnnx.train: what a training run needs on top of ``mm.jit``: text data, Orbax checkpoints of
+task-placed state, and the training loop.
+
+Example:
+    >>> from mmnnx.train import ByteTokenizer, Checkpointer, TrainConfig
+    >>> ByteTokenizer().encode("a").tolist(), Checkpointer.__name__, TrainConfig().schedule
+    ([97], 'Checkpointer', '1f1b')
+"""
+
+from mmnnx.train.checkpoint import Checkpointer
+from mmnnx.train.data import ByteTokenizer, TextDataset, embedded_text, load_text
+from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
+
+__all__ = [
+    "ByteTokenizer",
+    "Checkpointer",
+    "FitResult",
+    "TextDataset",
+    "TrainConfig",
+    "embedded_text",
+    "fit",
+    "load_text",
+    "make_optimizer",
+]

@@ -1,0 +1,553 @@
+"""Checkpoints of task-placed NNX state with Orbax: ``Checkpointer``.
+
+A checkpoint holds a model's Variables (parameters, batch statistics, RNG state, ...), optionally
+an ``nnx.Optimizer``'s state (moments and step), and a JSON ``extra`` dict. Every array is written
+by Orbax from the devices it lives on, as it is sharded on its task's submesh; nothing is gathered.
+A restore reads each array straight into the sharding the target Variable has *now*, so a
+checkpoint saved from a model placed on two tasks restores into the same architecture placed on
+four tasks, or on one device, and the reverse.
+
+On-disk layout, one directory per step (Orbax's ``CheckpointManager`` with four items)::
+
+    <directory>/
+      3/                          # a complete step: only ever created by an atomic rename
+        _CHECKPOINT_METADATA      # Orbax's step metadata (timestamps, item names)
+        model/                    # Orbax PyTree: {"layers": {"0": {"kernel": ...}}, ...}
+          _METADATA  _sharding  manifest.ocdbt  ocdbt.process_0/ ...
+        opt/                      # {"opt_state": {"0": {"mu": {...}, ...}}, "step": ...}
+        extra/metadata            # the JSON ``extra`` dict
+        mmnnx/metadata            # JSON: format version, per Variable type, task, RNG key impl
+      4.orbax-checkpoint-tmp/     # a save in progress (or one that was interrupted)
+
+The saved trees are nested dicts keyed by the Variables' paths, with string keys (``"0"`` for a list
+index); typed PRNG keys are saved as their ``jax.random.key_data`` (``uint32``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from flax import nnx
+
+from mmnnx.sharding.place import SPEC_KEY, TASK_KEY
+
+__all__ = ["Checkpointer"]
+
+FORMAT_VERSION = 1
+_MODEL, _OPT, _EXTRA, _META = "model", "opt", "extra", "mmnnx"
+_ITEMS = (_MODEL, _OPT, _EXTRA, _META)
+_TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
+
+Path = tuple[str, ...]
+
+
+# -- durability ---------------------------------------------------------------------------------
+
+
+def _is_local(path: epath.Path) -> bool:
+    return "://" not in os.fspath(path) and os.path.isdir(os.fspath(path))
+
+
+def _fsync(path: str, *, directory: bool) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: epath.Path, *, recursive: bool = True) -> None:
+    """fsyncs every file below ``root``, then each directory bottom-up (local paths only).
+
+    With ``recursive=False``, only the files directly in ``root``, then ``root`` itself.
+    """
+    if not _is_local(root):
+        return
+    top = os.fspath(root)
+    if not recursive:
+        with os.scandir(top) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False):
+                    _fsync(entry.path, directory=False)
+        _fsync(top, directory=True)
+        return
+    for dirpath, _, filenames in os.walk(top, topdown=False):
+        for name in filenames:
+            _fsync(os.path.join(dirpath, name), directory=False)
+        _fsync(dirpath, directory=True)
+
+
+class _SyncedAtomicRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
+    """Orbax's atomic rename, with the written data made durable before the rename commits it.
+
+    Orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>`` once every
+    item is written, but syncs neither its own JSON files nor the rename. Here every file and
+    directory of the step is fsynced before the rename; right after it, the files Orbax's commit
+    rewrote (``_CHECKPOINT_METADATA``, ``commit_success.txt``) and the parent directory, which
+    holds the rename. Items inside a step being written are left to the step's own finalize.
+    """
+
+    async def finalize(self) -> None:
+        """Syncs the step, commits it by the rename, then syncs the rename."""
+        final = self.get_final()
+        if _TMP_SUFFIX in final.parent.name:  # an item inside a step not yet committed:
+            await super().finalize()  # the step's own finalize syncs everything below it
+            return
+        await asyncio.to_thread(_fsync_tree, self.get())
+        await super().finalize()
+        await asyncio.to_thread(_fsync_tree, final, recursive=False)
+        if _is_local(final.parent):
+            await asyncio.to_thread(_fsync, os.fspath(final.parent), directory=True)
+
+
+def _join_writers(running: set[threading.Thread], timeout: float = 120.0) -> None:
+    """Waits for the writer threads a failed save leaves behind.
+
+    When one item of a step fails, Orbax 0.12.8 raises at once while the other items' writes go
+    on in its background threads (``threading.Thread`` subclasses), into the step's temporary
+    directory; a retry of the step, or the clean-up of temporary directories, would race them.
+    Executor workers (plain ``threading.Thread``) are left alone: they idle rather than end.
+    """
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread in running or type(thread) is threading.Thread:
+            continue
+        if thread is threading.current_thread() or thread.daemon:
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+# -- the saved tree -----------------------------------------------------------------------------
+
+
+def _variables(node: Any) -> list[tuple[Path, nnx.Variable]]:
+    """Every Variable reachable from ``node`` (shared ones once), with its path as strings."""
+    return [
+        (tuple(str(k) for k in path), var)
+        for path, var in nnx.iter_graph(node)
+        if isinstance(var, nnx.Variable)
+    ]
+
+
+def _is_key(value: Any) -> bool:
+    return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+
+
+def _show(item: str, path: Path) -> str:
+    return "/".join((item, *path))
+
+
+def _leaf(item: str, path: Path, var: nnx.Variable) -> Any:
+    value = var.get_value()
+    if not isinstance(value, jax.Array | np.ndarray):
+        raise TypeError(
+            f"Variable {_show(item, path)!r} holds a {type(value).__name__}; only Variables "
+            "holding a jax.Array or a numpy array can be checkpointed"
+        )
+    return value
+
+
+def _nest(flat: Mapping[Path, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _flatten(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
+    if isinstance(tree, Mapping):
+        for key, sub in tree.items():
+            yield from _flatten(sub, (*prefix, str(key)))
+    else:
+        yield prefix, tree
+
+
+def _tree_of(metadata: Any) -> Any:
+    """The nested dict of an Orbax item's tree metadata."""
+    return getattr(metadata, "tree", metadata)
+
+
+def _describe(item: str, path: Path, var: nnx.Variable) -> dict[str, Any]:
+    value = var.get_value()
+    task = var.get_metadata(TASK_KEY, None)
+    info: dict[str, Any] = {
+        "type": type(var).__name__,
+        "task": getattr(task, "name", None),
+        "spec": None if task is None else str(var.get_metadata(SPEC_KEY, None)),
+    }
+    if _is_key(value):
+        info["key_impl"] = str(jax.random.key_impl(value))
+    return info
+
+
+# -- restore targets ----------------------------------------------------------------------------
+
+
+def _target(value: Any) -> Any:
+    """The restore target of a current value: its shape, dtype and current sharding."""
+    if _is_key(value):
+        data = jax.random.key_data(value)
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
+    if isinstance(value, jax.Array):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+    return np.zeros(value.shape, value.dtype)  # numpy leaves restore as numpy arrays
+
+
+def _compare(
+    step: int, item: str, saved: Mapping[Path, Any], wanted: Mapping[Path, Any]
+) -> list[str]:
+    """Every difference between a saved tree's metadata and the restore targets, model first."""
+    problems = []
+    for path, target in wanted.items():
+        where = repr(_show(item, path))
+        meta = saved.get(path)
+        if meta is None:
+            problems.append(f"{where} is in the model but missing from the checkpoint")
+            continue
+        shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+        if shape is None or dtype is None:
+            problems.append(f"{where} is a {type(meta).__name__} in the checkpoint, not an array")
+        elif tuple(shape) != tuple(target.shape):
+            problems.append(
+                f"{where} has shape {tuple(shape)} in the checkpoint but {tuple(target.shape)} "
+                "in the model"
+            )
+        elif np.dtype(dtype) != np.dtype(target.dtype):
+            problems.append(
+                f"{where} has dtype {np.dtype(dtype)} in the checkpoint but "
+                f"{np.dtype(target.dtype)} in the model"
+            )
+    for path in saved:
+        if path not in wanted:
+            problems.append(f"{_show(item, path)!r} is in the checkpoint but not in the model")
+    return [f"checkpoint step {step}: {p}" for p in problems]
+
+
+# -- the checkpointer ---------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves and restores task-placed NNX models and optimizers, one directory per step.
+
+    Wraps an Orbax ``CheckpointManager`` that saves synchronously: ``save`` returns once the step
+    is written, fsynced and committed by an atomic rename of its temporary directory, so an
+    interrupted save (an exception, a killed process) leaves the previous steps intact and
+    ``latest_step()`` on the last complete one. Leftover temporary directories of interrupted
+    saves are removed when a ``Checkpointer`` is opened on the directory. Only the newest
+    ``max_to_keep`` steps are kept (``None`` keeps all); older ones are deleted after a new step
+    is committed.
+
+    Args:
+        directory: where the steps live; created if missing.
+        max_to_keep: how many of the newest steps to keep, or ``None`` for all.
+        use_ocdbt: write each item as one OCDBT database (Orbax's default, few files) instead of
+            one Zarr directory per array.
+
+    Example:
+        >>> import tempfile
+        >>> import optax
+        >>> from flax import nnx
+        >>> from mmnnx.train import Checkpointer
+        >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+        ...     ckpt.save(7, model=model, opt=opt, extra={"seed": 0})
+        ...     fresh = nnx.Linear(2, 3, rngs=nnx.Rngs(1))
+        ...     ckpt.restore(model=fresh)
+        {'seed': 0}
+        >>> bool((fresh.kernel.get_value() == model.kernel.get_value()).all())
+        True
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = 3,
+        use_ocdbt: bool = True,
+    ) -> None:
+        path = os.fspath(directory)
+        self._directory = epath.Path(path if "://" in path else os.path.abspath(path))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=False,
+            cleanup_tmp_directories=True,
+            temporary_path_class=_SyncedAtomicRename,
+            create=True,
+        )
+        handlers = {
+            _MODEL: ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt),
+            _OPT: ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt),
+            _EXTRA: ocp.JsonCheckpointHandler(),
+            _META: ocp.JsonCheckpointHandler(),
+        }
+        self._manager = ocp.CheckpointManager(
+            self._directory, options=options, item_names=_ITEMS, item_handlers=handlers
+        )
+
+    @property
+    def directory(self) -> epath.Path:
+        """The absolute directory holding the steps.
+
+        Example:
+            >>> import tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     ckpt.directory.is_dir()
+            True
+        """
+        return self._directory
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: Any,
+        opt: nnx.Optimizer | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Writes ``model``'s Variables, ``opt``'s state and ``extra`` as checkpoint ``step``.
+
+        Every Variable of ``model`` (any NNX graph node) is saved, each array from the devices it
+        is on, with its current sharding; ``opt`` adds the optimizer state, including its step.
+        ``extra`` is a JSON-able dict (data position, seeds, ...), returned by ``restore`` as JSON
+        gives it back (tuples become lists, keys strings). Returns once the step is durable and
+        committed; an exception on the way leaves no trace of the step but a temporary directory.
+
+        Raises:
+            ValueError: ``step`` is negative or already saved.
+            TypeError: ``extra`` is not a JSON-able dict; a Variable holds no array.
+
+        Example:
+            >>> import tempfile
+            >>> from flax import nnx
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp(), max_to_keep=2)
+            >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+            >>> for step in (1, 2, 3):
+            ...     ckpt.save(step, model=model)
+            >>> ckpt.all_steps()
+            [2, 3]
+            >>> sorted(p.name for p in (ckpt.directory / "3").iterdir() if p.is_dir())
+            ['extra', 'mmnnx', 'model']
+            >>> ckpt.close()
+        """
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        step = int(step)
+        if step in self.all_steps():
+            raise ValueError(f"checkpoint step {step} already exists in {self._directory}")
+        extra = {} if extra is None else extra
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"extra must be a dict, not a {type(extra).__name__}")
+        try:
+            extra = json.loads(json.dumps(dict(extra)))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"extra must be JSON-able: {e}") from None
+
+        args: dict[str, Any] = {}
+        variables: dict[str, dict[str, Any]] = {}
+        for item, node in ((_MODEL, model), (_OPT, opt)):
+            if node is None:
+                continue
+            flat = {}
+            for path, var in _variables(node):
+                value = _leaf(item, path, var)
+                flat[path] = jax.random.key_data(value) if _is_key(value) else value
+                variables[_show(item, path)] = _describe(item, path, var)
+            args[item] = ocp.args.StandardSave(_nest(flat))
+        args[_EXTRA] = ocp.args.JsonSave(extra)
+        args[_META] = ocp.args.JsonSave({"format": FORMAT_VERSION, "variables": variables})
+        running = set(threading.enumerate())
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        except BaseException:
+            _join_writers(running)
+            raise
+        self._manager.wait_until_finished()
+
+    def wait(self) -> None:
+        """Waits for a save in flight; saves are synchronous, so this returns at once.
+
+        Example:
+            >>> import tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> Checkpointer(tempfile.mkdtemp()).wait()
+        """
+        self._manager.wait_until_finished()
+
+    # -- restore --------------------------------------------------------------------------------
+
+    def restore(
+        self, step: int | None = None, *, model: Any, opt: nnx.Optimizer | None = None
+    ) -> dict[str, Any]:
+        """Restores checkpoint ``step`` (default: the latest) into ``model`` and ``opt`` in place.
+
+        Each array is read directly into the sharding its Variable has now, which may differ from
+        the one it was saved with (other tasks, another mesh, one device); values are bit-exact.
+        The results are written into the same Variable objects (``set_value``), keeping their
+        metadata. Everything is checked against the checkpoint's metadata first, and nothing is
+        written unless every array was read. Without ``opt``, saved optimizer state is ignored.
+
+        Returns:
+            the ``extra`` dict saved with the step.
+
+        Raises:
+            FileNotFoundError: no checkpoint (or no such step) in the directory.
+            ValueError: the checkpoint does not match (a path missing on either side, another
+                shape, dtype or RNG key implementation, no optimizer state saved), naming the
+                first mismatching path; the model and optimizer are left untouched.
+
+        Example:
+            >>> import tempfile
+            >>> from flax import nnx
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(1, model=nnx.Linear(2, 3, rngs=nnx.Rngs(0)), extra={"epoch": 4})
+            >>> ckpt.restore(model=nnx.Linear(2, 3, rngs=nnx.Rngs(1)))
+            {'epoch': 4}
+            >>> ckpt.restore(model=nnx.Linear(2, 4, rngs=nnx.Rngs(1)))  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: checkpoint step 1: 'model/bias' has shape (3,) in the checkpoint but (4,)...
+        """
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self._directory}")
+        step = steps[-1] if step is None else int(step)
+        if step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self._directory}; steps saved: {steps}"
+            )
+
+        metadata = self._manager.item_metadata(step)
+        saved_items = set(metadata.keys())
+        info = {}
+        if _META in saved_items:
+            info = self._manager.restore(
+                step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
+            )[_META].get("variables", {})
+
+        targets: dict[str, dict[Path, Any]] = {}
+        owners: dict[str, list[tuple[Path, nnx.Variable, Any]]] = {}
+        problems: list[str] = []
+        for item, node in ((_MODEL, model), (_OPT, opt)):
+            if node is None:
+                continue
+            entries = []
+            for path, var in _variables(node):
+                entries.append((path, var, _leaf(item, path, var)))
+            owners[item] = entries
+            targets[item] = {path: _target(value) for path, _, value in entries}
+            if item not in saved_items or metadata[item] is None:
+                what = "optimizer state" if item == _OPT else "model state"
+                problems.append(f"checkpoint step {step}: no {what} ({item!r}) was saved")
+                continue
+            saved = dict(_flatten(_tree_of(metadata[item])))
+            problems += _compare(step, item, saved, targets[item])
+            for path, _, value in entries:
+                if path not in saved or _show(item, path) not in info:
+                    continue  # a checkpoint without mmnnx's metadata: shapes were compared
+                want = info[_show(item, path)].get("key_impl")
+                have = str(jax.random.key_impl(value)) if _is_key(value) else None
+                if want != have:
+                    problems.append(
+                        f"checkpoint step {step}: {_show(item, path)!r} holds RNG keys of impl "
+                        f"{want} in the checkpoint but {have} in the model"
+                    )
+        if problems:
+            more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+            raise ValueError(problems[0] + more)
+
+        args = {item: ocp.args.StandardRestore(_nest(t)) for item, t in targets.items()}
+        if _EXTRA in saved_items:
+            args[_EXTRA] = ocp.args.JsonRestore()
+        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+
+        updates: list[tuple[nnx.Variable, Any]] = []
+        for item, entries in owners.items():
+            values = dict(_flatten(restored[item]))
+            for path, var, current in entries:
+                value = values[path]
+                if _is_key(current):
+                    value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(current))
+                if value.shape != current.shape or value.dtype != current.dtype:
+                    raise ValueError(
+                        f"checkpoint step {step}: {_show(item, path)!r} was restored as "
+                        f"{value.dtype}{list(value.shape)}, not {current.dtype}"
+                        f"{list(current.shape)}"
+                    )
+                updates.append((var, value))
+        for var, value in updates:
+            var.set_value(value)
+        extra = restored[_EXTRA] if _EXTRA in saved_items else None
+        return dict(extra or {})
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """The complete steps in the directory, oldest first, as on disk now.
+
+        Read afresh on each call, so steps committed by another process (or another
+        ``Checkpointer``) show up; temporary directories of saves in progress or interrupted
+        never do.
+
+        Example:
+            >>> import tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> Checkpointer(tempfile.mkdtemp()).all_steps()
+            []
+        """
+        self._manager.reload()
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or ``None`` when there is none.
+
+        Example:
+            >>> import tempfile
+            >>> from flax import nnx
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> print(ckpt.latest_step())
+            None
+            >>> ckpt.save(5, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+            >>> ckpt.latest_step()
+            5
+        """
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def close(self) -> None:
+        """Waits for pending work and releases Orbax's resources.
+
+        Example:
+            >>> import tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> Checkpointer(tempfile.mkdtemp()).close()
+        """
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({os.fspath(self._directory)!r}, steps={self.all_steps()})"

@@ -1,0 +1,234 @@
+"""The training loop: ``fit`` runs pipelined ``mm.jit`` steps with a progress bar, periodic
+evaluation, JSONL metrics, a loss curve, a measured pipeline timeline and Orbax checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from typing import Any
+
+import numpy as np
+import optax
+from flax import nnx
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from mmnnx.jit import jit
+from mmnnx.microbatch import microbatch
+from mmnnx.timeline import plot_timeline
+from mmnnx.train.checkpoint import Checkpointer
+from mmnnx.train.data import TextDataset
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """What ``fit`` does: steps, optimizer, pipelining, evaluation, outputs and checkpoints."""
+
+    steps: int = 300
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 10
+    checkpoint_every: int = 100
+    output_dir: str = "runs/latest"
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    timeline_step: int | None = 3
+
+    def __post_init__(self):
+        for name in ("steps", "microbatches", "eval_every", "eval_batches", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What a run did: metrics per logged step, evaluation losses, throughput and files written."""
+
+    metrics: list[dict]
+    eval_losses: list[tuple[int, float]]
+    first_step: int
+    last_step: int
+    tokens_per_second: float
+    files: dict[str, str]
+
+    @property
+    def first_eval(self) -> float:
+        return self.eval_losses[0][1]
+
+    @property
+    def final_eval(self) -> float:
+        return self.eval_losses[-1][1]
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and cosine decay over ``config.steps``."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        config.learning_rate,
+        min(config.warmup_steps, max(config.steps - 1, 1)),
+        max(config.steps, 2),
+        end_value=config.learning_rate * 0.1,
+    )
+    return optax.adamw(schedule, weight_decay=config.weight_decay)
+
+
+def _loss(model, batch):
+    return model.loss(batch)
+
+
+def make_steps(config: TrainConfig):
+    """The jitted train step (microbatched with ``config.schedule``) and eval step."""
+    grad_fn = nnx.value_and_grad(_loss)
+    if config.microbatches > 1:
+        grad_fn = microbatch(
+            grad_fn, num=config.microbatches, reduce="mean", schedule=config.schedule
+        )
+
+    def train_step(model, opt, batch):
+        loss, grads = grad_fn(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    return jit(train_step), jit(_loss)
+
+
+def fit(
+    model: nnx.Module,
+    dataset: TextDataset,
+    config: TrainConfig,
+    *,
+    optimizer: nnx.Optimizer | None = None,
+    console: Console | None = None,
+) -> FitResult:
+    """Trains ``model`` (placed with ``mm.place``/``mm.init``; it needs ``loss(batch)``) on
+    ``dataset`` and writes ``metrics.jsonl``, ``loss.png`` and ``timeline.png`` under
+    ``config.output_dir`` and checkpoints under ``config.checkpoint_dir``.
+
+    With ``config.resume`` it continues from the latest checkpoint: parameters, optimizer state,
+    step and data position, so N steps + save + restore + M steps equals N + M steps.
+
+    Example (``mmnnx train``, in cli.py, is a complete script)::
+
+        dataset = TextDataset.from_text(embedded_text(), seq_len=64, batch_size=16)
+        result = fit(model, dataset, TrainConfig(steps=300, microbatches=4, schedule="1f1b"))
+        assert result.final_eval < result.first_eval
+    """
+    console = console or Console()
+    out = pathlib.Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = pathlib.Path(config.checkpoint_dir or out / "checkpoints")
+    opt = optimizer or nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
+    train_step, eval_step = make_steps(config)
+    eval_data = dataset.eval_batches(config.eval_batches)
+
+    def evaluate() -> float:
+        return float(np.mean([float(eval_step(model, b)) for b in eval_data]))
+
+    start = 0
+    with Checkpointer(ckpt_dir) as checkpoints:
+        if config.resume and checkpoints.latest_step() is not None:
+            extra = checkpoints.restore(model=model, opt=opt)
+            dataset.restore(extra["data"])
+            start = int(extra["step"])
+            console.print(f"resumed from step {start} ({ckpt_dir})")
+        metrics_path = out / "metrics.jsonl"
+        metrics: list[dict] = []
+        eval_losses = [(start, evaluate())]
+        if start == 0:
+            metrics_path.write_text(json.dumps({"step": 0, "eval_loss": eval_losses[0][1]}) + "\n")
+        files = {"metrics": str(metrics_path), "checkpoints": str(ckpt_dir)}
+        tokens_per_step = dataset.batch_size * dataset.seq_len
+        timed_tokens, timed_seconds = 0, 0.0
+        progress = Progress(
+            TextColumn("step {task.completed:>5.0f}/{task.total:.0f}"),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]:.3f}"),
+            TextColumn("{task.fields[tps]:,.0f} tok/s"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        with progress:
+            bar = progress.add_task(
+                "train", total=config.steps, completed=start, loss=float("nan"), tps=0.0
+            )
+            for step in range(start + 1, config.steps + 1):
+                batch = next(dataset)
+                began = time.perf_counter()
+                if step == config.timeline_step:
+                    loss = float(eval_step(model, batch))  # the step's loss, before its update
+                    events = train_step.timeline(model, opt, batch)
+                    path = out / "timeline.png"
+                    plot_timeline(events, path, title=f"measured pipeline, step {step}")
+                    files["timeline"] = str(path)
+                else:
+                    loss = float(train_step(model, opt, batch))
+                elapsed = time.perf_counter() - began
+                if step > start + 1:  # the first step compiles
+                    timed_tokens += tokens_per_step
+                    timed_seconds += elapsed
+                tps = timed_tokens / timed_seconds if timed_seconds else 0.0
+                progress.update(bar, completed=step, loss=loss, tps=tps)
+                record: dict[str, Any] = {"step": step, "loss": loss, "tokens_per_s": tps}
+                if step % config.eval_every == 0 or step == config.steps:
+                    record["eval_loss"] = evaluate()
+                    eval_losses.append((step, record["eval_loss"]))
+                if step % config.log_every == 0 or "eval_loss" in record:
+                    metrics.append(record)
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps(record) + "\n")
+                if step % config.checkpoint_every == 0 or step == config.steps:
+                    checkpoints.save(
+                        step, model=model, opt=opt, extra={"data": dataset.state(), "step": step}
+                    )
+    files["loss_curve"] = str(_plot_losses(metrics_path, out / "loss.png"))
+    result = FitResult(
+        metrics,
+        eval_losses,
+        start,
+        config.steps,
+        timed_tokens / timed_seconds if timed_seconds else 0.0,
+        files,
+    )
+    _report(console, result)
+    return result
+
+
+def _plot_losses(metrics_path: pathlib.Path, path: pathlib.Path) -> pathlib.Path:
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
+    fig = Figure(figsize=(6, 3.5), layout="constrained")
+    ax = fig.add_subplot()
+    trained = [r for r in rows if "loss" in r]
+    ax.plot([r["step"] for r in trained], [r["loss"] for r in trained], label="train")
+    evals = [r for r in rows if "eval_loss" in r]
+    ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.legend()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _report(console: Console, result: FitResult) -> None:
+    table = Table(title="run report")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("steps", f"{result.first_step} -> {result.last_step}")
+    table.add_row("first eval loss", f"{result.first_eval:.3f}")
+    table.add_row("final eval loss", f"{result.final_eval:.3f}")
+    table.add_row("final / first", f"{result.final_eval / result.first_eval:.2f}")
+    table.add_row("tokens/s", f"{result.tokens_per_second:,.0f}")
+    for name, path in result.files.items():
+        table.add_row(name, path)
+    console.print(table)

@@ -1,0 +1,362 @@
+"""mmnnx.train.Checkpointer: Orbax checkpoints of task-placed NNX state."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import tensorstore as ts
+from flax import nnx
+
+import mmnnx as mm
+from mmnnx.train import Checkpointer, checkpoint
+from tests.checkpoint_worker import arrays, build, digest, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "checkpoint_worker.py")
+
+
+def variables(**nodes) -> dict[str, nnx.Variable]:
+    return {
+        "/".join((name, *map(str, path))): var
+        for name, node in nodes.items()
+        for path, var in nnx.iter_graph(node)
+        if isinstance(var, nnx.Variable)
+    }
+
+
+def shardings(**nodes) -> dict[str, jax.sharding.Sharding]:
+    return {path: var.get_value().sharding for path, var in variables(**nodes).items()}
+
+
+def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for path in a:
+        assert a[path].dtype == b[path].dtype, path
+        np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+
+
+def run_worker(*args: str, stderr=subprocess.PIPE) -> subprocess.Popen:
+    """``tests/checkpoint_worker.py`` in a fresh process, 8 CPU devices set before jax loads."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.Popen(
+        [sys.executable, WORKER, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# -- round trips across placements -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "target"), [("two", "two"), ("two", "four"), ("two", "one"), ("one", "two")]
+)
+def test_round_trip_into_the_current_placement(tmp_path, source, target):
+    model, opt = build(source, seed=0)
+    train(model, opt, 2)
+    saved = arrays(model=model, opt=opt)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, model=model, opt=opt, extra={"data": {"position": 16}, "seed": 0})
+
+    fresh, fresh_opt = build(target, seed=1)
+    before = variables(model=fresh, opt=fresh_opt)
+    placement, where = mm.placement(fresh_opt), shardings(model=fresh, opt=fresh_opt)
+    with Checkpointer(tmp_path) as ckpt:
+        extra = ckpt.restore(model=fresh, opt=fresh_opt)
+
+    assert extra == {"data": {"position": 16}, "seed": 0}
+    assert_same(arrays(model=fresh, opt=fresh_opt), saved)  # bit-exact, moments and step too
+    assert int(fresh_opt.step.get_value()) == 2
+    assert int(fresh_opt.opt_state[0].count.get_value()) == 2
+    assert shardings(model=fresh, opt=fresh_opt) == where  # the current placement, per leaf
+    assert mm.placement(fresh_opt) == placement  # metadata kept: the same Variable objects
+    assert variables(model=fresh, opt=fresh_opt) == before
+    key = fresh.drop.rngs.key.get_value()
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    assert jax.random.key_impl(key) == jax.random.key_impl(model.drop.rngs.key.get_value())
+    # the restored state trains on like the saved one
+    np.testing.assert_allclose(train(fresh, fresh_opt, 1), train(model, opt, 1), rtol=1e-5)
+
+
+def test_steps_retention_and_restore_by_step(tmp_path):
+    model, opt = build("two")
+    states = {}
+    reader = Checkpointer(tmp_path)
+    with Checkpointer(tmp_path, max_to_keep=2) as ckpt:
+        assert ckpt.latest_step() is None and ckpt.all_steps() == []
+        for step in (1, 2, 3):
+            train(model, opt, 1)
+            states[step] = arrays(model=model)
+            ckpt.save(step, model=model, extra={"step": step})
+        assert ckpt.all_steps() == [2, 3] and ckpt.latest_step() == 3
+        assert reader.all_steps() == [2, 3] and reader.latest_step() == 3  # read from disk
+        reader.close()
+        with pytest.raises(ValueError, match="step 3 already exists"):
+            ckpt.save(3, model=model)
+        with pytest.raises(TypeError, match="JSON"):
+            ckpt.save(4, model=model, extra={"bad": object()})
+        assert ckpt.all_steps() == [2, 3]
+        assert ckpt.restore(2, model=model) == {"step": 2}
+        assert_same(arrays(model=model), states[2])
+        with pytest.raises(FileNotFoundError, match=r"step 1 .*steps saved: \[2, 3\]"):
+            ckpt.restore(1, model=model)
+    assert sorted(os.listdir(tmp_path)) == ["2", "3"]
+    # a model-only restore ignores saved optimizer state; asking for it when none was saved fails
+    with Checkpointer(tmp_path) as ckpt, pytest.raises(ValueError, match=r"no optimizer state"):
+        ckpt.restore(model=model, opt=opt)
+
+
+def test_no_checkpoint(tmp_path):
+    model, _ = build("one")
+    with (
+        Checkpointer(tmp_path / "empty") as ckpt,
+        pytest.raises(FileNotFoundError, match=f"no checkpoint in {tmp_path / 'empty'}"),
+    ):
+        ckpt.restore(model=model)
+
+
+# -- each array written from its own task's devices --------------------------------------------
+
+
+@pytest.mark.parametrize("use_ocdbt", [True, False])
+def test_each_array_written_shard_by_shard_from_its_task(tmp_path, use_ocdbt):
+    model, opt = build("two")
+    train(model, opt, 1)
+    before = variables(model=model, opt=opt)
+    values = {path: var.get_value() for path, var in before.items()}
+    where = shardings(model=model, opt=opt)
+    with Checkpointer(tmp_path, use_ocdbt=use_ocdbt) as ckpt:
+        ckpt.save(1, model=model, opt=opt)
+    # saving moves nothing: the same arrays, with the same shardings
+    assert shardings(model=model, opt=opt) == where
+    assert all(var.get_value() is values[p] for p, var in variables(model=model, opt=opt).items())
+
+    for item in ("model", "opt"):
+        item_dir = tmp_path / "1" / item
+        if use_ocdbt:  # one database per item: list its keys
+            kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item_dir}/"}).result()
+            keys = {k.decode() for k in kv.list().result()}
+            read = lambda key, kv=kv: kv.read(key).result().value
+        else:  # one Zarr directory per array
+            keys = {
+                os.path.relpath(os.path.join(d, f), item_dir)
+                for d, _, files in os.walk(item_dir)
+                for f in files
+            }
+            read = lambda key, item_dir=item_dir: (item_dir / key).read_bytes()
+        recorded = {
+            base64.b64decode(k).decode(): json.loads(v)
+            for k, v in json.loads((item_dir / "_sharding").read_text()).items()
+        }
+        for path, value in values.items():
+            if not path.startswith(item + "/"):
+                continue
+            name = path.split("/", 1)[1].replace("/", ".")
+            zarray = json.loads(read(f"{name}/.zarray"))
+            chunks = {k for k in keys if k.startswith(name + "/") and not k.endswith(".zarray")}
+            if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+                value = jax.random.key_data(value)
+            shape, shard = value.shape, value.sharding.shard_shape(value.shape)
+            assert zarray["shape"] == list(shape), path
+            # every chunk lies inside one device's shard: written per shard, never as one block
+            assert all(s % c == 0 for s, c in zip(shard, zarray["chunks"], strict=True)), path
+            assert len(chunks) == math.prod(
+                -(-s // c) for s, c in zip(shape, zarray["chunks"], strict=True)
+            ), path
+            # and Orbax recorded the array's own task devices and spec
+            mesh = recorded[name]["device_mesh"]["mesh"]
+            ids = [d["id"] for d in np.ravel(np.asarray(mesh, dtype=object))]
+            assert sorted(ids) == sorted(d.id for d in value.sharding.device_set), path
+    replicated = values["model/layers/0/bias"]  # on 4 devices, written as 4 replica slices
+    assert len(replicated.sharding.device_set) == 4
+
+
+# -- atomicity -----------------------------------------------------------------------------------
+
+
+def _fail_before_commit(monkeypatch):
+    def boom(path):
+        assert path.name == "2.orbax-checkpoint-tmp", path
+        assert (path / "model" / "_METADATA").is_file()  # all is written but the rename
+        raise OSError("disk full (simulated) just before the commit")
+
+    monkeypatch.setattr(checkpoint, "_fsync_tree", boom)
+    return OSError, "just before the commit"
+
+
+def _fail_while_writing(monkeypatch):
+    async def boom(self, directory, *args, **kwargs):
+        raise RuntimeError("write failed (simulated) while writing the JSON items")
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "async_save", boom)
+    return RuntimeError, "while writing"
+
+
+@pytest.mark.parametrize("fail", [_fail_before_commit, _fail_while_writing])
+def test_interrupted_save_keeps_previous_step(tmp_path, monkeypatch, fail):
+    model, opt = build("two")
+    train(model, opt, 1)
+    step1 = arrays(model=model, opt=opt)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, model=model, opt=opt, extra={"step": 1})
+    train(model, opt, 1)
+    with monkeypatch.context() as patch:
+        error, message = fail(patch)
+        with pytest.raises(error, match=message):
+            ckpt.save(2, model=model, opt=opt, extra={"step": 2})
+    assert ckpt.latest_step() == 1 and ckpt.all_steps() == [1]
+    assert not (tmp_path / "2").exists() and (tmp_path / "2.orbax-checkpoint-tmp").is_dir()
+
+    fresh, fresh_opt = build("two", seed=1)
+    assert ckpt.restore(model=fresh, opt=fresh_opt) == {"step": 1}
+    assert_same(arrays(model=fresh, opt=fresh_opt), step1)
+    ckpt.save(2, model=model, opt=opt)  # the same step saves fine afterwards
+    assert ckpt.all_steps() == [1, 2]
+    ckpt.close()
+    with Checkpointer(tmp_path) as again:
+        assert again.all_steps() == [1, 2]
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # no temporary directory left
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """A fresh process that trained 3 steps, saved step 3, and was SIGKILLed saving step 4."""
+    directory = tmp_path_factory.mktemp("killed")
+    with open(directory.parent / "killed-worker.log", "w+") as log:
+        proc = run_worker("kill", str(directory), "3", stderr=log)
+        watchdog = threading.Timer(300, proc.kill)  # never hang the suite on a stuck worker
+        watchdog.start()
+        try:
+            first, line = proc.stdout.readline(), proc.stdout.readline()
+            listed = sorted(os.listdir(directory))  # taken while the worker waits to commit
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        assert line.startswith("COMMITTING"), first + line + log.read()[-3000:]
+    assert proc.returncode == -signal.SIGKILL
+    return directory, json.loads(first), listed
+
+
+def test_killed_process_keeps_previous_step(killed_run):
+    directory, saved, listed = killed_run
+    assert listed == ["3", "4.orbax-checkpoint-tmp"]  # killed mid-save, all data written
+    assert (directory / "4.orbax-checkpoint-tmp" / "model" / "_METADATA").is_file()
+    with Checkpointer(directory) as ckpt:
+        assert ckpt.latest_step() == 3 and ckpt.all_steps() == [3]
+        fresh, fresh_opt = build("two", seed=1)
+        assert ckpt.restore(model=fresh, opt=fresh_opt) == {"step": 3, "seed": 0}
+        assert digest(model=fresh, opt=fresh_opt) == saved["digest"]  # bit-exact
+    assert sorted(os.listdir(directory)) == ["3"]  # opening it cleaned the interrupted save up
+
+
+# -- mismatched checkpoints -----------------------------------------------------------------------
+
+
+def _wider(model, opt):
+    return build("one", hidden=64)
+
+
+def _extra_variable(model, opt):
+    model.layers[0].scale = nnx.Param(jnp.ones(3))
+    return model, opt
+
+
+def _missing_variable(model, opt):
+    del model.drop
+    return model, opt
+
+
+def _other_dtype(model, opt):
+    bias = model.layers[1].bias
+    bias.set_value(bias.get_value().astype(jnp.bfloat16))
+    return model, opt
+
+
+def _other_key_impl(model, opt):
+    model.drop.rngs.key.set_value(jax.random.key(0, impl="unsafe_rbg"))
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_wider, r"'model/layers/0/bias' has shape \(32,\) in the checkpoint but \(64,\) in the"),
+        (_extra_variable, r"'model/layers/0/scale' is in the model but missing from the checkp"),
+        (_missing_variable, r"'model/drop/rngs/count' is in the checkpoint but not in the model"),
+        (_other_dtype, r"'model/layers/1/bias' has dtype float32 in the checkpoint but bfloat16"),
+        (_other_key_impl, r"'model/drop/rngs/key' has shape \(2,\) in the checkpoint but \(4,\)"),
+    ],
+)
+def test_mismatched_checkpoint_leaves_model_untouched(tmp_path, change, message):
+    model, opt = build("one")
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, model=model, opt=opt)
+    other, other_opt = change(*build("one", seed=1))
+    before = {p: v.get_value() for p, v in variables(model=other, opt=other_opt).items()}
+    values = arrays(model=other, opt=other_opt)
+    with (
+        Checkpointer(tmp_path) as ckpt,
+        pytest.raises(ValueError, match=r"^checkpoint step 3: " + message),
+    ):
+        ckpt.restore(model=other, opt=other_opt)
+    after = variables(model=other, opt=other_opt)
+    assert all(after[p].get_value() is before[p] for p in before)
+    assert_same(arrays(model=other, opt=other_opt), values)
+
+
+def test_rng_key_implementation_is_checked(tmp_path):
+    def module(impl):
+        return nnx.Dropout(0.5, rngs=nnx.Rngs(jax.random.key(0, impl=impl)))
+
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, model=module("rbg"))
+        with pytest.raises(ValueError, match=r"'model/rngs/key' holds RNG keys of impl rbg in"):
+            ckpt.restore(model=module("unsafe_rbg"))
+        target = module("rbg")
+        ckpt.restore(model=target)
+        assert str(jax.random.key_impl(target.rngs.key.get_value())) == "rbg"
+
+
+# -- exact resume in fresh processes --------------------------------------------------------------
+
+
+def test_resume_in_a_fresh_process_matches_straight_training(killed_run, tmp_path):
+    directory, saved, _ = killed_run
+    resumed = finish(run_worker("resume", str(directory), "2", str(tmp_path / "resumed.npz")))
+    assert resumed["extra"] == {"step": 3, "seed": 0}  # the last complete step, not the killed one
+
+    model, opt = build("two", seed=0)
+    straight = train(model, opt, 5)
+    np.testing.assert_allclose(saved["losses"] + resumed["losses"], straight, rtol=1e-6)
+    state = dict(np.load(tmp_path / "resumed.npz"))
+    expected = arrays(model=model, opt=opt)
+    assert state.keys() == expected.keys()
+    for path, value in expected.items():
+        np.testing.assert_allclose(state[path], value, rtol=1e-6, atol=0, err_msg=path)

@@ -1,0 +1,218 @@
+"""stage_rules: minimax-balanced contiguous stages, anchored rules, the report, the errors."""
+
+import dataclasses
+import itertools
+import re
+import warnings
+
+import jax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from mmnnx.models import GPT, GPTConfig, stage_rules
+from mmnnx.modules import Linear
+from mmnnx.sharding.place import variables_of
+
+BASE = GPTConfig(vocab_size=16, dim=32, depth=8, num_heads=2, max_seq_len=8)
+
+
+def make(**changes):
+    with nnx.use_eager_sharding(False):
+        return GPT(dataclasses.replace(BASE, **changes), rngs=nnx.Rngs(0))
+
+
+def tasks(k):
+    return [mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(k)]
+
+
+def size(node):
+    return sum(x.size for x in jax.tree.leaves(nnx.state(node, nnx.Param)))
+
+
+def rule_of(rules, path):
+    """Index of the single rule matching ``path`` (asserts exactly one matches)."""
+    hits = [i for i, (regex, _) in enumerate(rules) if re.search(regex, path)]
+    assert len(hits) == 1, (path, hits, rules)
+    return hits[0]
+
+
+def split_of(rules, model):
+    """Blocks per stage, read back from the rules; every Variable matched by exactly one rule."""
+    owner = {}
+    for path, _ in variables_of(model):
+        p = "/".join(map(str, path))
+        owner[p] = rule_of(rules, p)
+    per_block = []
+    for i in range(len(model.blocks)):
+        (stage,) = {o for p, o in owner.items() if p.startswith(f"blocks/{i}/")}
+        per_block.append(stage)
+    assert per_block == sorted(per_block)  # contiguous, in task order
+    return [per_block.count(s) for s in range(len(rules))]
+
+
+def brute_force_minimax(costs, k, first, last):
+    n, best = len(costs), None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        stages = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+        stages[0] += first
+        stages[-1] += last
+        best = max(stages) if best is None else min(best, max(stages))
+    return best
+
+
+def stage_costs(sizes, costs, first, last):
+    out, start = [], 0
+    for s in sizes:
+        out.append(sum(costs[start : start + s]))
+        start += s
+    out[0] += first
+    out[-1] += last
+    return out
+
+
+def flops_costs(model, tokens, seq):
+    """Independent FLOP model: 2*params*tokens (+ 4*seq*dim*tokens per block), lookups free."""
+    dim, vocab = model.config.dim, model.config.vocab_size
+    blocks = [2 * size(b) * tokens + 4 * seq * dim * tokens for b in model.blocks]
+    head = (
+        2 * dim * vocab * tokens if model.config.tie_embeddings else 2 * size(model.head) * tokens
+    )
+    first = head if model.config.tie_embeddings else 0
+    last = 2 * size(model.norm) * tokens + (0 if model.config.tie_embeddings else head)
+    return blocks, first, last
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_equal_blocks_when_embedding_and_head_are_small(k):
+    model = make()
+    rules = stage_rules(model, tasks(k), report=False)
+    assert len(rules) == k and [t.name for _, t in rules] == [f"t{i}" for i in range(k)]
+    assert split_of(rules, model) == [8 // k] * k
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("vocab", [16, 2048])
+@pytest.mark.parametrize("by", ["params", "flops"])
+def test_split_is_minimax_optimal(k, vocab, by):
+    model = make(vocab_size=vocab, gated_mlp=True)
+    rules = stage_rules(model, tasks(k), by=by, report=False)
+    sizes = split_of(rules, model)
+    if by == "params":
+        costs = [size(b) for b in model.blocks]
+        first, last = size(model.embed), size(model.norm) + size(model.head)
+    else:
+        costs, first, last = flops_costs(model, tokens=8, seq=8)
+    assert max(stage_costs(sizes, costs, first, last)) == brute_force_minimax(costs, k, first, last)
+
+
+def test_flops_put_fewer_blocks_on_the_stage_with_a_big_head():
+    model = make(vocab_size=4096)  # head: 131k params; a block: ~12.6k
+    by_params = split_of(stage_rules(model, tasks(2), report=False), model)
+    by_flops = split_of(stage_rules(model, tasks(2), by="flops", report=False), model)
+    assert by_params == [4, 4]  # the embedding and the head weigh the same in parameters
+    assert by_flops[-1] < by_params[-1]  # the lookup is free, the head matmul is not
+    assert by_flops[0] > by_flops[-1]
+    # more tokens scale every term alike: the same split
+    assert (
+        split_of(
+            stage_rules(model, tasks(2), by="flops", tokens_per_step=4096, report=False), model
+        )
+        == by_flops
+    )
+
+
+def test_tied_head_counts_on_the_first_task():
+    model = make(vocab_size=4096, tie_embeddings=True)
+    rules = stage_rules(model, tasks(2), by="flops", report=False)
+    assert not re.search("head", rules[-1][0])
+    sizes = split_of(rules, model)
+    assert sizes[0] < sizes[1]  # embed.attend runs where the table lives
+    costs, first, last = flops_costs(model, tokens=8, seq=8)
+    assert max(stage_costs(sizes, costs, first, last)) == brute_force_minimax(costs, 2, first, last)
+
+
+def test_strict_placement_and_anchoring():
+    model = make(depth=12)
+    ts = [
+        mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1], axis_names=("model",)))
+        for i in range(4)
+    ]
+    rules = stage_rules(model, ts, report=False)
+    assert rules[0][0].startswith("^embed/|^blocks/(0|1|2)/")
+    assert rules[-1][0].endswith("|^norm/|^head/")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rule that places nothing would warn
+        mm.place(model, rules, strict=True)
+    placement = mm.placement(model)
+    task = {path: name for path, (name, _) in placement.items()}
+    assert task["embed/embedding"] == "t0"
+    assert task["norm/scale"] == task["head/kernel"] == "t3"
+    assert task["blocks/0/norm1/scale"] == "t0"  # ^norm/ does not catch blocks/0/norm1
+    assert task["blocks/1/attn/q/kernel"] == "t0"  # blocks/1/ does not catch blocks/10/
+    assert task["blocks/10/attn/q/kernel"] == task["blocks/11/mlp/up/bias"] == "t3"
+    assert [task[f"blocks/{i}/norm2/scale"] for i in range(12)] == [f"t{i // 3}" for i in range(12)]
+
+
+class Stack(nnx.Module):
+    """Not a GPT: a stem, blocks, an output layer and stray top-level state."""
+
+    def __init__(self, rngs):
+        self.stem = Linear(4, 8, rngs=rngs)
+        self.blocks = nnx.List([Linear(8, 8, rngs=rngs) for _ in range(10)])
+        self.bias = nnx.Param(jax.numpy.zeros(8))  # a Variable directly on the model
+        self.out = Linear(8, 2, rngs=rngs)
+        self.extra = nnx.List([Linear(2, 2, rngs=rngs)])
+
+    def __call__(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.extra[0](self.out(x + self.bias[...]))
+
+
+def test_any_module_with_blocks():
+    with nnx.use_eager_sharding(False):
+        model = Stack(nnx.Rngs(0))
+    rules = stage_rules(model, tasks(3), last=("out",), report=False)
+    assert split_of(rules, model) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])
+    assert rule_of(rules, "stem/kernel") == rule_of(rules, "bias") == 0
+    assert rule_of(rules, "extra/0/kernel") == 0  # other top-level attributes: first task
+    assert rule_of(rules, "out/kernel") == 2
+    assert "^bias$" in rules[0][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mm.place(model, rules, strict=True)
+    with pytest.raises(ValueError, match="seq_len"):
+        stage_rules(model, tasks(2), by="flops", report=False)
+    for kwargs in (dict(seq_len=16), dict(tokens_per_step=64)):  # no attention: seq unused
+        assert len(stage_rules(model, tasks(2), by="flops", report=False, **kwargs)) == 2
+
+
+def test_report(capsys):
+    model = make()
+    stage_rules(model, tasks(2))
+    out = capsys.readouterr().out
+    for column in ("task", "blocks", "params", "share %", "FLOPs", "imbalance"):
+        assert column in out
+    assert "0-3 + embed" in out and "4-7 + norm, head" in out
+    assert "balanced by params" in out
+    stage_rules(model, tasks(2), report=False)
+    assert capsys.readouterr().out == ""
+
+
+def test_errors():
+    model = make(depth=2)
+    with pytest.raises(ValueError, match=r"2 block\(s\) cannot fill 3 tasks"):
+        stage_rules(model, tasks(3), report=False)
+    with pytest.raises(ValueError, match="unknown by='bytes'"):
+        stage_rules(model, tasks(2), by="bytes", report=False)
+    with nnx.use_eager_sharding(False):
+        seq = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="no attribute 'blocks'.*nnx.List of modules"):
+        stage_rules(seq, tasks(2), report=False)
+    with pytest.raises(ValueError, match="no tasks"):
+        stage_rules(model, [], report=False)
+    with pytest.raises(TypeError, match="not an mm.Task"):
+        stage_rules(model, ["t0"], report=False)
