@@ -276,7 +276,8 @@ class JitFunction:
                 "pass arrays, or mark the argument static with a hashable value"
             ) from None
         if entry is None:
-            entry = self._cache[call.key] = self._build(call)
+            with _jax.no_ambient_mesh():
+                entry = self._cache[call.key] = self._build(call)
         else:
             call.check_free_devices(entry[0].owned_devices)
         return call, *entry
@@ -286,7 +287,8 @@ class JitFunction:
 
     def _run(self, args, kwargs, **modes):
         call, executable, (out_tree, num_user_outputs) = self._lookup(args, kwargs)
-        results = executable(call.leaves, **modes)
+        with _jax.no_ambient_mesh():  # each fragment runs on its own task's mesh
+            results = executable(call.leaves, **modes)
         for variable, value in zip(call.variables, results[num_user_outputs:], strict=True):
             variable.set_raw_value(value)
         return jax.tree.unflatten(out_tree, results[:num_user_outputs])

@@ -422,3 +422,13 @@ def test_no_arrays_outlive_the_step(tasks, batch):
         jax.block_until_ready(step(model, opt, *batch))
     gc.collect()
     assert len(jax.live_arrays()) == before
+
+
+def test_runs_inside_a_multimesh_context(batch):
+    mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"))
+    s0 = mm.Task("stage0", mesh=mesh.slice(stage=0), logical_axes=RULES)
+    s1 = mm.Task("stage1", mesh=mesh.slice(stage=1), logical_axes=RULES)
+    model = mm.place(make(), [("l0|l1", s0), ("l2|l3", s1)])
+    with mesh:
+        out = mm.jit(lambda m, x: m(x))(model, batch[0])
+    assert_close(out, make()(batch[0]))

@@ -25,6 +25,12 @@ from mmnnx.sharding.specs import itemsize
 _INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 
+def no_ambient_mesh():
+    """A context without the ambient mesh (``with MultiMesh(...)``): the engine traces against
+    abstract shapes and compiles and runs each fragment on its own task's mesh."""
+    return jax.set_mesh(None)
+
+
 def trace(fun: Callable, avals: Sequence[jax.ShapeDtypeStruct]) -> tuple[Graph, Any]:
     """Traces ``fun(*avals)`` to a flat op graph; returns it and the output shapes' pytree."""
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
