@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import io
 import math
 import numbers
 import pathlib
@@ -32,6 +33,16 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from mmnnx.mpmd.schedules import Schedule, SimulationResult, simulate
+
+
+class TimelineFigure(Figure):
+    """A matplotlib Figure that Jupyter shows as a PNG without pyplot or ``%matplotlib``."""
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png", dpi=100)
+        return buffer.getvalue()
+
 
 __all__ = ["KIND_COLORS", "KIND_NAMES", "TimelineEvent", "UNITS", "plot_timeline", "timeline_rows"]
 
@@ -172,7 +183,7 @@ def plot_timeline(
     if ax is None:
         axes_width_in = _axes_width(events, multi_stage, span)
         figsize = (axes_width_in + _SIDE_MARGINS_IN, 1.3 + 0.45 * len(names))
-        fig = Figure(figsize=figsize, layout="constrained")
+        fig = TimelineFigure(figsize=figsize, layout="constrained")
         ax = fig.add_subplot()
     else:
         fig = _root_figure(ax)

@@ -267,3 +267,10 @@ def test_empty_and_backwards_events_raise_value_error():
         plot_timeline([Measured("embed", "F", 0, 3, 0.0, 1.0), backwards])
     with pytest.raises(ValueError, match="non-finite end"):
         plot_timeline([Measured("embed", "F", 0, 3, 0.0, float("nan"))])
+
+
+def test_figure_renders_as_png_for_jupyter():
+    from mmnnx.mpmd.schedules import one_f_one_b
+
+    png = plot_timeline(one_f_one_b(2, 4))._repr_png_()
+    assert png.startswith(b"\x89PNG")
