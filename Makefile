@@ -24,6 +24,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/dispatch.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/pipeline.py
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/memory.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
