@@ -17,7 +17,6 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import json  # noqa: E402
 import pathlib  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -25,8 +24,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from report import publish  # noqa: E402
 
 import mmnnx as mm  # noqa: E402
 
@@ -135,17 +133,7 @@ def host_overhead():
 
 def main():
     results = {"efficiency": efficiency(), "host": host_overhead(), "device": str(jax.devices()[0])}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    console = Console()
-    for name in ("efficiency", "host"):
-        table = Table(title=f"pipeline: {name}")
-        table.add_column("measure")
-        table.add_column("value", justify="right")
-        for k, v in results[name].items():
-            table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
-        console.print(table)
-    console.print(f"written to {RESULTS}")
+    publish(results, RESULTS, "pipeline", ("efficiency", "host"))
 
 
 if __name__ == "__main__":

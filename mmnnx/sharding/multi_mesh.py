@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh
 
-from mmnnx.sharding.task_mesh import TaskMesh, check_axes, device_ids, resolve_devices
+from mmnnx.sharding.task_mesh import TaskMesh, device_ids, resolve_axes, resolve_devices
 
 _ACTIVE: list[MultiMesh] = []
 
@@ -60,16 +60,7 @@ class MultiMesh:
             self._mesh = global_mesh
         else:
             ids = device_ids(range(len(jax.devices())) if devices is None else devices, "MultiMesh")
-            sizes = tuple(int(s) for s in axis_sizes) if axis_sizes is not None else (ids.size,)
-            if axis_names is None:
-                if len(sizes) != 1:
-                    raise ValueError(
-                        f"MultiMesh: axis_names are required for the {len(sizes)}-d "
-                        f"axis_sizes {sizes}"
-                    )
-                axis_names = ("x",)
-            names = tuple(axis_names)
-            check_axes(sizes, names, ids.size, "MultiMesh")
+            sizes, names = resolve_axes(axis_sizes, axis_names, ids.size, "MultiMesh")
             devs = resolve_devices(ids.reshape(sizes), "MultiMesh")
             self._mesh = Mesh(devs, names, axis_types=(AxisType.Auto,) * len(names))
         self._contexts: list[contextlib.ExitStack] = []

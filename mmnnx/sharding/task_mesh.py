@@ -36,6 +36,22 @@ def check_axes(axis_sizes: Sequence[int], axis_names: Sequence[str], device_coun
         )
 
 
+def resolve_axes(
+    axis_sizes: Sequence[int] | None, axis_names: Sequence[str] | None, count: int, what: str
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Fills in the defaults (one axis ``"x"`` over all devices) and validates the axes."""
+    sizes = tuple(int(s) for s in axis_sizes) if axis_sizes is not None else (count,)
+    if axis_names is None:
+        if len(sizes) != 1:
+            raise ValueError(
+                f"{what}: axis_names are required for the {len(sizes)}-d axis_sizes {sizes}"
+            )
+        axis_names = ("x",)
+    names = tuple(axis_names)
+    check_axes(sizes, names, count, what)
+    return sizes, names
+
+
 def device_ids(devices: Iterable, what: str) -> np.ndarray:
     """Converts an iterable of device indices (or ``jax.Device`` objects) to an int array."""
     ids = []
@@ -105,18 +121,7 @@ class TaskMesh:
                     f"{tuple(abstract.axis_names)}"
                 )
             axis_sizes, axis_names = abstract.axis_sizes, abstract.axis_names
-        if axis_sizes is None:
-            axis_sizes = (ids.size,)
-        if axis_names is None:
-            if len(axis_sizes) != 1:
-                raise ValueError(
-                    f"TaskMesh: axis_names are required for the {len(axis_sizes)}-d "
-                    f"axis_sizes {tuple(axis_sizes)}"
-                )
-            axis_names = ("x",)
-        axis_sizes = tuple(int(s) for s in axis_sizes)
-        axis_names = tuple(axis_names)
-        check_axes(axis_sizes, axis_names, ids.size, "TaskMesh")
+        axis_sizes, axis_names = resolve_axes(axis_sizes, axis_names, ids.size, "TaskMesh")
         self._ids = ids.reshape(axis_sizes)
         self._ids.setflags(write=False)
         self._axis_sizes = axis_sizes
