@@ -215,3 +215,25 @@ def test_errors(tasks, tokens):
     wrong = mm.jit(mm.microbatch(nnx.value_and_grad(loss_fn), num=M, schedule=custom))
     with pytest.raises(mm.MPMDError, match="custom schedule is for 2 stages"):
         wrong(model, tokens)
+
+
+def test_plain_jax_regions_with_a_loss_reduced_after_the_last_stage():
+    """mm.task regions over unplaced parameters (the multimesh style), loss reduced outside."""
+    import jax.numpy as jnp
+
+    t0 = mm.Task("a", mesh=mm.TaskMesh(devices=range(4)))
+    t1 = mm.Task("b", mesh=mm.TaskMesh(devices=range(4, 8)))
+
+    def loss(p, x):
+        h = mm.task(lambda x: jnp.tanh(x @ p["w0"]), t0)(x)
+        return mm.task(lambda h: h @ p["w1"], t1)(h).sum() / 1e3
+
+    p = {"w0": jnp.ones((8, 8)) * 0.1, "w1": jnp.full((8, 8), 0.2)}
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+    step = mm.jit(mm.microbatch(jax.value_and_grad(loss), num=4, argnums=1))
+    value, grads = step(p, x)
+    ref_value, ref_grads = jax.value_and_grad(loss)(p, x)
+    close(value, ref_value)
+    for name in ("w0", "w1"):
+        close(grads[name], ref_grads[name])
+    assert [t.name for t in step.plan(p, x).pipeline.stage_tasks] == ["a", "b"]

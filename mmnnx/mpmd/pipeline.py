@@ -14,6 +14,8 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
+import jax.numpy as jnp
+
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd._jax import is_accumulate, is_index
 from mmnnx.mpmd.errors import MPMDError
@@ -22,6 +24,10 @@ from mmnnx.mpmd.plan import Fragment, _kinds, after_backward, cut, levels, make_
 from mmnnx.sharding import Task
 
 GROUP_PREFIX = "mm_microbatch:"
+# Data movement that cutting a microbatch out of the batch needs: recomputed wherever it is read.
+_SLICING = frozenset(
+    {"dynamic_slice", "slice", "reshape", "squeeze", "expand_dims", "convert_element_type"}
+)
 _GROUP = re.compile(re.escape(GROUP_PREFIX) + r"(\d+)")
 
 
@@ -117,8 +123,14 @@ def plan_pipeline(
     indexed = {index_value} if index_value is not None else set()
     for op in region:
         sources = [a for a in op.ins if isinstance(a, int)]
-        if any(a in indexed for a in sources) and all(
-            a in indexed or a in free_inputs for a in sources
+        cheap = op.name in _SLICING or all(
+            graph.shapes[v] == () or not jnp.issubdtype(graph.dtypes[v], jnp.floating)
+            for v in op.outs
+        )
+        if (
+            cheap
+            and any(a in indexed for a in sources)
+            and all(a in indexed or a in free_inputs for a in sources)
         ):
             replicable.append(op)
             indexed.update(op.outs)
@@ -184,21 +196,53 @@ def _stage_fragments(
             )
         stage_tasks.append(next(iter(found)))
 
-    members: dict[tuple[str, int], list[Op]] = {}
-    for op in region:
-        lv, task = level[op.index], op_tasks[op.index]
-        if op.index in backward or lv > num_stages - 1:
-            stage = 2 * (num_stages - 1) - lv
-            kind = "B"
-        else:
-            stage, kind = lv, "F"
-        if not 0 <= stage < num_stages or stage_tasks[stage] != task:
+    # Backward ops walk the stages in reverse: their depth counts task changes along the backward
+    # pass only (a layer's input gradient may not need its forward activations at all).
+    inside = {op.index: op for op in region}
+    producer_of = {v: op for op in region for v in op.outs}
+    depth: dict[int, int] = {}
+    stage_of: dict[int, int] = {}
+
+    def nearest_stage(task: Task, target: int, op: Op) -> int:
+        candidates = [s for s, t in enumerate(stage_tasks) if t == task]
+        if not candidates:
             raise MPMDError(
                 f"mm.jit: `{op.name}` at {op.source} runs on task {task.name!r}, which does not "
-                f"fit the pipeline's stage chain ({', '.join(t.name for t in stage_tasks)}) "
-                f"[depth {lv}, {op.scope}]"
+                f"fit the pipeline's stage chain ({', '.join(t.name for t in stage_tasks)})"
             )
-        members.setdefault((kind, stage), []).append(op)
+        return min(candidates, key=lambda s: (abs(s - target), s))
+
+    for op in region:
+        task = op_tasks[op.index]
+        if op.index not in backward:
+            stage_of[op.index] = level[op.index]
+            if level[op.index] >= num_stages or stage_tasks[level[op.index]] != task:
+                stage_of[op.index] = nearest_stage(task, level[op.index], op)
+            continue
+        if op.index in late:
+            continue
+        d = 0
+        for a in op.ins:
+            p = producer_of.get(a) if isinstance(a, int) else None
+            if p is not None and p.index in backward and p.index not in late:
+                d = max(d, depth[p.index] + (op_tasks[p.index] != task))
+        depth[op.index] = d
+        stage_of[op.index] = nearest_stage(task, num_stages - 1 - d, op)
+    consumers = graph.consumers()
+    for op in reversed(region):  # read only by the backward pass: runs with its readers
+        if op.index in late:
+            task = op_tasks[op.index]
+            readers = [
+                stage_of[c.index]
+                for v in op.outs
+                for c in consumers.get(v, ())
+                if c.index in inside and c.index in stage_of and op_tasks[c.index] == task
+            ]
+            stage_of[op.index] = min(readers) if readers else nearest_stage(task, 0, op)
+    members: dict[tuple[str, int], list[Op]] = {}
+    for op in region:
+        kind = "B" if op.index in backward else "F"
+        members.setdefault((kind, stage_of[op.index]), []).append(op)
     producer = {v: op for op in replicable for v in op.outs}
     fragments = {}
     for key, ops in sorted(members.items(), key=lambda kv: (kv[0][1], kv[0][0])):
