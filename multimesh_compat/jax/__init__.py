@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,6 +65,7 @@ __all__ = [
     "autoshard",
     "clear_tasks",
     "context",
+    "custom_partitioning",
     "enable_fast_path",
     "enable_recomputation",
     "enable_task_fusion",
@@ -228,3 +230,58 @@ def shard_map(f: Callable, *args: Any, mesh: Mesh | None = None, **kwargs: Any) 
         return fn(*call_args, **call_kwargs)
 
     return call
+
+
+def _scope_placement() -> _tasks.Placement | None:
+    """The task of the code being traced: an explicit task, else the innermost registered
+    name scope that matches the current name stack."""
+    current = _tasks.CURRENT_TASK.get()
+    if current is not None:
+        return current
+    from jax._src import source_info_util
+
+    from multimesh_compat.jax._engine import _Matcher, _registered
+
+    return _Matcher(_registered())(str(source_info_util.current_name_stack()))
+
+
+class custom_partitioning:  # noqa: N801 - multimesh's name
+    """``jax.experimental.custom_partitioning`` run on the mesh of the task it is called in.
+
+    The ambient mesh must be an entered ``MultiMesh``; the call traces with the submesh of the
+    current task (an explicit task, or the innermost matching registered scope, as
+    ``MultiMesh.slice(...)``) as JAX's mesh, or with the whole global mesh outside any task.
+    ``def_partition`` is JAX's.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> double = custom_partitioning(lambda x: 2 * x)
+        >>> try:
+        ...     double(jnp.ones(2))
+        ... except Exception as e:
+        ...     print(e)
+        The global mesh context should a MultiMesh
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        from jax.experimental.custom_partitioning import custom_partitioning as _jax_cp
+
+        self.partitioner = _jax_cp(*args, **kwargs)
+
+    def def_partition(self, *args: Any, **kwargs: Any) -> Any:
+        return self.partitioner.def_partition(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        multi = mm.current_multimesh()
+        if not isinstance(multi, mm.MultiMesh):
+            raise Exception("The global mesh context should a MultiMesh")
+        placement = _scope_placement()
+        mesh = placement.engine_task().jax_mesh if placement is not None else multi.mesh
+        with warnings.catch_warnings():
+            # JAX's custom_partitioning reads the legacy ``with mesh:`` context, not set_mesh's
+            warnings.filterwarnings("ignore", "`with mesh:`", DeprecationWarning)
+            mesh.__enter__()
+        try:
+            return self.partitioner(*args, **kwargs)
+        finally:
+            mesh.__exit__(None, None, None)

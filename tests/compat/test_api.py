@@ -374,3 +374,133 @@ def test_classes_are_mmnnx_classes():
     tm = mj.TaskMesh(devices=range(4, 8), axis_sizes=(2, 2), axis_names=("a", "b"))
     assert tm.abstract_mesh.axis_names == ("a", "b")
     assert isinstance(tm.mesh, Mesh)  # concrete here; multimesh's .mesh is an AbstractMesh
+
+
+def _closure_loss(p, x):
+    """Stage functions close over the parameters; the loss is reduced outside the last task."""
+    rules = [("batch", "x")]
+    s0 = mj.task(
+        lambda x: jnp.tanh(x @ p["w0"]),
+        name="s0",
+        mesh=mj.TaskMesh(devices=range(4)),
+        logical_axes=rules,
+    )
+    s1 = mj.task(
+        lambda h: h @ p["w1"],
+        name="s1",
+        mesh=mj.TaskMesh(devices=range(4, 8)),
+        logical_axes=rules,
+    )
+    return s1(s0(x)).sum() / 1e6
+
+
+def _scoped_loss(p, x):
+    with jax.named_scope("layer0"):
+        h = jnp.tanh(x @ p["w0"])
+    with jax.named_scope("layer1"):
+        h = h @ p["w1"]
+    return h.sum() / 1e6
+
+
+def _plain_scaled_loss(p, x):
+    return (jnp.tanh(x @ p["w0"]) @ p["w1"]).sum() / 1e6
+
+
+def _check_grads(value, grads, batch):
+    ref_value, ref_grads = jax.value_and_grad(_plain_scaled_loss)(PARAMS, batch)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k in PARAMS:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-5, atol=1e-12)
+
+
+def _stages(plan):
+    assert plan.pipeline is not None
+    return [t.name for t in plan.pipeline.stage_tasks], plan.pipeline.schedule.num_microbatches
+
+
+@pytest.mark.parametrize("schedule", [None, "1f1b"])
+def test_microbatch_pipelines_closures_and_outside_reduction(schedule):
+    def step(params, x):
+        return mj.microbatch(
+            jax.value_and_grad(_closure_loss), dim=0, size=4, argnum=1, schedule=schedule
+        )(params, x)
+
+    run = mj.mjit(step, devices=jax.devices())
+    value, grads = run(PARAMS, BATCH)
+    _check_grads(value, grads, BATCH[:16])
+    assert device_ids(grads["w0"]) == [0, 1, 2, 3] and device_ids(grads["w1"]) == [4, 5, 6, 7]
+    assert _stages(run.plan(PARAMS, BATCH)) == (["s0", "s1"], 4)
+
+
+def test_microbatch_pipelines_parallelize_with_bare_batch_input():
+    step = lambda p, x: mj.microbatch(jax.value_and_grad(_closure_loss), dim=0, size=4, argnum=1)(
+        p, x
+    )
+    compiled, params, batch = mj.parallelize(step, lambda: PARAMS, lambda: BATCH[:16])
+    value, grads = compiled(params(), batch())
+    _check_grads(value, grads, BATCH[:16])
+    assert _stages(compiled.plan) == (["s0", "s1"], 4)
+
+
+def test_microbatch_pipelines_name_scoped_tasks():
+    global_mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("stage", "batch", "model"))
+    multi = mj.MultiMesh(global_mesh=global_mesh)
+
+    def callback(name, backprop):  # the mpmd-multimesh tutorial's callback
+        n = int(re.fullmatch(r"layer(\d+)", name).group(1))
+        return mj.Task(name=f"layer{n}_{'bwd' if backprop else 'fwd'}", mesh_slice={"stage": n})
+
+    multi.register_task(r"layer\d+", callback=callback)
+    with multi:
+        run = mj.mjit(
+            lambda p, x: mj.microbatch(
+                jax.value_and_grad(_scoped_loss), dim=0, size=4, argnum=1, schedule="1f1b"
+            )(p, x),
+            devices=jax.devices(),
+        )
+        value, grads = run(PARAMS, BATCH)
+        plan = run.plan(PARAMS, BATCH)
+    _check_grads(value, grads, BATCH[:16])
+    # each backward task is merged into its forward task (same submesh): two stages
+    assert _stages(plan) == (["layer0_fwd", "layer1_fwd"], 4)
+    assert device_ids(grads["w0"]) == [0, 1, 2, 3] and device_ids(grads["w1"]) == [4, 5, 6, 7]
+
+
+def test_custom_partitioning_runs_on_the_task_submesh():
+    from jax._src import mesh as mesh_lib
+
+    traced, partitioned = [], []
+    double = mj.custom_partitioning(
+        lambda x: traced.append(mesh_lib.thread_resources.env.physical_mesh) or 2 * x
+    )
+
+    def partition(mesh, arg_shapes, result_shape):
+        partitioned.append(sorted(d.id for d in mesh.devices.flat))
+        spec = arg_shapes[0].sharding
+        return mesh, lambda x: 2 * x, spec, (spec,)
+
+    double.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding,
+        sharding_rule="i j -> i j",
+    )
+    global_mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("stage", "batch", "model"))
+    multi = mj.MultiMesh(global_mesh=global_mesh)
+    multi.register_task(
+        r"layer\d+", callback=lambda n, bp: mj.Task(name=n, mesh_slice={"stage": int(n[-1])})
+    )
+
+    def model(p, x):
+        with jax.named_scope("layer0"):
+            h = x @ p
+        with jax.named_scope("layer1"):
+            return double(mj.with_sharding_constraint(h, P("batch", None)))
+
+    x = jnp.arange(64.0).reshape(8, 8)
+    with multi:
+        out = mj.mjit(model, devices=jax.devices())(jnp.eye(8), x)
+    np.testing.assert_allclose(out, 2 * x)
+    assert device_ids(out) == [4, 5, 6, 7]
+    # traced under MultiMesh.slice(stage=1), partitioned on that submesh
+    assert traced and all(m == multi.slice(stage=1) for m in traced)
+    assert partitioned and all(d == [4, 5, 6, 7] for d in partitioned)

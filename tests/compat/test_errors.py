@@ -121,6 +121,17 @@ def test_microbatch_errors():  # 5.7
         unknown(jnp.ones(4))
 
 
+def test_custom_partitioning_needs_a_multimesh():  # 5.10
+    double = mj.custom_partitioning(lambda x: 2 * x)
+    with pytest.raises(Exception, match="The global mesh context should a MultiMesh"):
+        double(jnp.ones(4))
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    with jax.set_mesh(mesh), pytest.raises(Exception, match="should a MultiMesh"):
+        double(jnp.ones(4))  # a plain jax Mesh is not enough
+    with pytest.raises(Exception, match="should a MultiMesh"):
+        mj.mjit(double, devices=jax.devices())(jnp.ones(4))  # nor is a program without one
+
+
 def test_parallelize_errors():  # 5.8
     with pytest.raises(ValueError, match="get_input_batch"):
         mj.parallelize(lambda p, x: p, init_params=init_params)
