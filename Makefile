@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml | $(PY)
 setup: $(STAMP)
 
 demo: $(STAMP)
+	rm -rf runs/demo
 	$(VENV)/bin/mmnnx train --output-dir runs/demo
 
 test: $(STAMP)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pathlib
 import sys
 from collections.abc import Sequence
 
@@ -175,6 +176,18 @@ def train(args: argparse.Namespace) -> int:
     from mmnnx.train.data import TextDataset, embedded_text, load_text  # noqa: PLC0415
     from mmnnx.train.loop import TrainConfig, fit  # noqa: PLC0415
 
+    checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
+    if (
+        not args.resume
+        and checkpoints.is_dir()
+        and any(p.name.isdigit() for p in checkpoints.iterdir())
+    ):
+        print(
+            f"mmnnx train: error: {checkpoints} already holds checkpoints; pass --resume to "
+            "continue from them, or choose another --output-dir or --checkpoint-dir",
+            file=sys.stderr,
+        )
+        return 2
     if len(jax.devices()) < args.stages * args.data_axis * args.model_axis:
         print(
             f"mmnnx train: error: only {len(jax.devices())} devices are available", file=sys.stderr

@@ -123,3 +123,8 @@ def test_tiny_run_trains_and_resumes(tmp_path):
     assert "resumed from step 8" in second.stdout
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 12
+    again = subprocess.run(
+        [*base, "--steps", "12"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert again.returncode == 2
+    assert "already holds checkpoints; pass --resume" in again.stderr

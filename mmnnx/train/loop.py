@@ -137,6 +137,11 @@ def fit(
 
     start = 0
     with Checkpointer(ckpt_dir) as checkpoints:
+        if not config.resume and checkpoints.latest_step() is not None:
+            raise FileExistsError(
+                f"{ckpt_dir} already holds checkpoints (steps {checkpoints.all_steps()}); resume "
+                "from them (TrainConfig.resume / --resume) or use another checkpoint directory"
+            )
         if config.resume and checkpoints.latest_step() is not None:
             extra = checkpoints.restore(model=model, opt=opt)
             dataset.restore(extra["data"])
