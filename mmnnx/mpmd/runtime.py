@@ -26,7 +26,7 @@ from mmnnx.sharding.specs import check_spec
 _RUN, _PUT = 0, 1
 
 
-def _compatible(sharding: Any, task: Task, shape: Sequence[int]) -> NamedSharding:
+def _compatible(sharding: Any, task: Task) -> NamedSharding:
     """The sharding on ``task``'s mesh closest to ``sharding``: same spec if it fits, else P()."""
     mesh = task.jax_mesh
     spec = getattr(sharding, "spec", None)
@@ -159,11 +159,11 @@ class Executable:
                     op = first_constraint[v]
                     want = _constraint_sharding(op, op_task[op.index], graph.shapes[v])
                     if want.mesh != task.jax_mesh:
-                        want = _compatible(want, task, graph.shapes[v])
+                        want = _compatible(want, task)
                 elif source is None:
                     want = task.sharding()
                 else:
-                    want = _compatible(sharding_of[src_slot], task, graph.shapes[v])
+                    want = _compatible(sharding_of[src_slot], task)
             slot = new_slot(v, task, want, m)
             actions.append((_PUT, src_slot, slot, want))
             if m in (None, 0):
@@ -327,8 +327,6 @@ class Executable:
                     )
                 for s, o in zip(action[3], outs, strict=True):
                     env[s] = o
-            elif action[3] is None:
-                env[action[2]] = env[action[1]]
             else:
                 env[action[2]] = jax.device_put(env[action[1]], action[3])
             if memory is not None:
@@ -350,8 +348,8 @@ class Executable:
 
 
 def _labels(pipeline: Pipeline | None) -> dict[int, tuple[str, str, int]]:
-    """Fragment id -> (task, kind, stage) for timeline events; non-pipelined fragments are
-    labelled by their position among their task's fragments."""
+    """Fragment id -> (task, kind, stage) of each pipeline stage fragment, for timeline events;
+    fragments outside the microbatch loop are not timed."""
     if pipeline is None:
         return {}
     return {id(f): (f.task.name, kind, stage) for (kind, stage), f in pipeline.stages.items()}
