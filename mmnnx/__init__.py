@@ -7,7 +7,7 @@ Example:
 """
 
 from mmnnx import models, modules, mpmd, train
-from mmnnx.jit import JitFunction, jit
+from mmnnx.jit import CachedPartial, JitFunction, cached_partial, jit
 from mmnnx.microbatch import microbatch
 from mmnnx.models.stages import stage_rules
 from mmnnx.mpmd import MPMDError, PlacementConflictError, Plan, SideEffectError, schedules
@@ -30,6 +30,7 @@ from mmnnx.timeline import plot_timeline
 __version__ = "0.1.0"
 
 __all__ = [
+    "CachedPartial",
     "JitFunction",
     "MPMDError",
     "MultiMesh",
@@ -39,6 +40,7 @@ __all__ = [
     "Task",
     "TaskMesh",
     "bytes_per_device",
+    "cached_partial",
     "current_multimesh",
     "init",
     "jit",

@@ -66,6 +66,14 @@ def two_stage(tasks, seed=0):
     return mm.place(make(seed), [("l0|l1", s0), ("l2|l3", s1)])
 
 
+def placed_and_reference(tasks, tx):
+    """The two-stage model and its optimizer, and the same pair on one device."""
+    model = two_stage(tasks)
+    ref = make()
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return model, opt, ref, nnx.Optimizer(ref, tx, wrt=nnx.Param)
+
+
 def assert_close(a, b, rtol=1e-5, atol=1e-6):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
 
@@ -97,10 +105,7 @@ def test_value_and_grad_matches_one_device(tasks, batch):
 
 def test_three_adamw_steps_match_and_stay_placed(tasks, batch):
     s0, s1 = tasks
-    model = two_stage(tasks)
-    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
-    ref = make()
-    ref_opt = nnx.Optimizer(ref, optax.adamw(1e-2), wrt=nnx.Param)
+    model, opt, ref, ref_opt = placed_and_reference(tasks, optax.adamw(1e-2))
     step = mm.jit(train_step)
     placement = mm.placement(opt)
     for _ in range(3):

@@ -1,7 +1,8 @@
-"""The one module that touches JAX internals (jaxpr types, primitives, source info).
+"""The one module that touches JAX and Flax internals (jaxpr types, primitives, source info, the
+raw-value slot of an NNX Variable).
 
-Everything else in mmnnx works on the flat IR this module produces (``ir.Graph``), so a JAX
-upgrade changes this file only.
+Everything else in mmnnx works on the flat IR this module produces (``ir.Graph``), so a JAX or
+Flax upgrade changes this file only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ def no_ambient_mesh():
     """A context without the ambient mesh (``with MultiMesh(...)``): the engine traces against
     abstract shapes and compiles and runs each fragment on its own task's mesh."""
     return jax.set_mesh(None)
+
+
+def set_variable_values(variables: Sequence[Any], values: Sequence[Any]) -> None:
+    """Writes a step's new values into the caller's NNX Variables.
+
+    ``Variable.set_raw_value`` checks the trace level on every write (about 2 us each through
+    ``__setattr__``); all of a call's Variables come from the caller's level, so the first write
+    goes through that check and the rest store the value directly.
+    """
+    if not variables:
+        return
+    variables[0].set_raw_value(values[0])
+    for variable, value in zip(variables[1:], values[1:], strict=True):
+        object.__setattr__(variable, "_raw_value", value)
 
 
 def trace(fun: Callable, avals: Sequence[jax.ShapeDtypeStruct]) -> tuple[Graph, Any]:

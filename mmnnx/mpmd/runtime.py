@@ -328,7 +328,10 @@ class Executable:
                 for s, o in zip(action[3], outs, strict=True):
                     env[s] = o
             else:
-                env[action[2]] = jax.device_put(env[action[1]], action[3])
+                value = env[action[1]]
+                if getattr(value, "sharding", None) != action[3]:
+                    value = jax.device_put(value, action[3])
+                env[action[2]] = value
             if memory is not None:
                 self._record(env, memory)
             for s in action[-1]:

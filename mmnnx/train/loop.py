@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mmnnx.jit import jit
+from mmnnx.jit import cached_partial, jit
 from mmnnx.microbatch import microbatch
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer
@@ -147,6 +147,7 @@ def fit(
             dataset.restore(extra["data"])
             start = int(extra["step"])
             console.print(f"resumed from step {start} ({ckpt_dir})")
+        run_step = cached_partial(train_step, model, opt)
         metrics_path = out / "metrics.jsonl"
         metrics: list[dict] = []
         eval_losses = [(start, evaluate())]
@@ -178,7 +179,7 @@ def fit(
                     plot_timeline(events, path, title=f"measured pipeline, step {step}")
                     files["timeline"] = str(path)
                 else:
-                    loss = float(train_step(model, opt, batch))
+                    loss = float(run_step(batch))
                 elapsed = time.perf_counter() - began
                 if step > start + 1:  # the first step compiles
                     timed_tokens += tokens_per_step

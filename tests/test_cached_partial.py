@@ -1,0 +1,113 @@
+"""mm.cached_partial: the bound Module and Optimizer are walked once, and the step is unchanged."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from tests.test_jit import (
+    assert_close,
+    batch,
+    flat,
+    make,
+    placed_and_reference,
+    tasks,
+    train_step,
+    two_stage,
+)
+
+__all__ = ["batch", "tasks"]  # pytest fixtures shared with test_jit
+
+
+def test_steps_match_one_device_and_plain_mm_jit(tasks, batch):
+    s0, s1 = tasks
+    model, opt, ref, ref_opt = placed_and_reference(tasks, optax.adamw(1e-2))
+    step = mm.jit(train_step)
+    bound = mm.cached_partial(step, model, opt)
+    placement = mm.placement(opt)
+    for i in range(3):
+        # alternate the two entry points: they share one plan and one model
+        loss = bound(*batch) if i % 2 == 0 else step(model, opt, *batch)
+        assert_close(loss, train_step(ref, ref_opt, *batch))
+        for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
+            assert_close(a, b)
+        for a, b in zip(flat(opt.opt_state), flat(ref_opt.opt_state), strict=True):
+            assert_close(a, b)
+        assert mm.placement(opt) == placement
+    assert model.l0.kernel.get_value().sharding.mesh == s0.jax_mesh
+    assert model.l3.kernel.get_value().sharding.mesh == s1.jax_mesh
+    assert step.trace_count == 1
+
+
+def test_new_batch_shape_and_new_value_shape_replan(tasks, batch):
+    model = two_stage(tasks)
+    step = mm.jit(lambda m, x: m(x))
+    bound = mm.cached_partial(step, model)
+    x, _ = batch
+    assert_close(bound(x), make()(x), rtol=1e-5)
+    bound(x + 1)
+    assert step.trace_count == 1
+    assert bound(jnp.ones((4, 16))).shape == (4, 4)
+    assert step.trace_count == 2
+    # a bound Variable given a value of another shape is read afresh and re-plans
+    s1 = tasks[1]
+    model.l3.bias.set_value(jax.device_put(jnp.ones((4,)), s1.sharding()))
+    out = bound(x)
+    ref = make()
+    ref.l3.bias.set_value(jnp.ones((4,)))
+    assert_close(out, ref(x), rtol=1e-5)
+
+
+def test_static_and_keyword_arguments_after_the_bound_ones(tasks, batch):
+    model = two_stage(tasks)
+
+    def scaled(m, x, scale, *, shift):
+        return m(x) * scale + shift
+
+    step = mm.jit(scaled, static_argnums=2)
+    bound = mm.cached_partial(step, model)
+    x, _ = batch
+    ref = make()
+    assert_close(bound(x, 2.0, shift=jnp.ones(())), ref(x) * 2.0 + 1, rtol=1e-5)
+    assert_close(bound(x, 3.0, shift=jnp.zeros(())), ref(x) * 3.0, rtol=1e-5)
+    assert step.trace_count == 2  # one plan per static value
+
+
+def test_unbound_module_arguments_are_still_written_back(tasks, batch):
+    model, opt, ref, ref_opt = placed_and_reference(tasks, optax.sgd(0.1))
+    bound = mm.cached_partial(mm.jit(train_step), model)  # the optimizer is passed each call
+    for _ in range(2):
+        assert_close(bound(opt, *batch), train_step(ref, ref_opt, *batch))
+    for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
+        assert_close(a, b)
+    assert int(opt.step.get_value()) == 2
+
+
+def test_plan_and_timeline_take_the_bound_arguments(tasks, batch):
+    model = two_stage(tasks)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    bound = mm.cached_partial(mm.jit(train_step), model, opt)
+    assert [t.name for t in bound.plan(*batch).tasks] == ["stage0", "stage1"]
+    assert bound.timeline(*batch) == []  # no microbatch loop: nothing is a pipeline action
+    assert int(opt.step.get_value()) == 1
+
+
+def test_only_mm_jit_functions_can_be_bound(tasks):
+    model = two_stage(tasks)
+    with pytest.raises(TypeError, match="wrap the step with mm.jit first"):
+        mm.cached_partial(lambda m, x: m(x), model)
+
+
+def test_a_failed_step_leaves_the_bound_model_untouched(tasks, batch):
+    model = two_stage(tasks)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    bound = mm.cached_partial(mm.jit(train_step), model, opt)
+    bound(*batch)  # the structure is cached from here on
+    before = flat(nnx.state((model, opt)))
+    with pytest.raises(mm.MPMDError, match="'arg2' is a str, not an array"):
+        bound("not a batch", batch[1])
+    after = flat(nnx.state((model, opt)))
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
