@@ -267,7 +267,7 @@ class JitFunction:
         free = {v for v, t in zip(graph.inputs, call.tasks, strict=True) if t is None}
         pipeline = plan_pipeline(graph, op_tasks, tasks, trace.microbatches, free)
         if pipeline is None:
-            order = [(f, None) for f in cut(graph, op_tasks, tasks)]
+            order = [(f, None) for f in cut(graph, op_tasks, tasks, free_inputs=free)]
         else:
             order = pipeline.order
         executable = Executable(

@@ -3,6 +3,8 @@
 import jax
 from flax import nnx
 
+import mmnnx as mm
+
 INIT = nnx.initializers.lecun_normal()
 
 
@@ -99,3 +101,29 @@ class TinyGPT(nnx.Module):
 def make_gpt(seed: int = 0) -> TinyGPT:
     with nnx.use_eager_sharding(False):
         return TinyGPT(rngs=nnx.Rngs(seed))
+
+
+GPT_RULES = mm.logical_rules(mlp="model", heads="model", vocab="model", embed=None)
+
+
+def four_tasks() -> list[mm.Task]:
+    """Tasks t0..t3 of two devices each, tensor-parallel ("model") inside each."""
+    return [
+        mm.Task(
+            f"t{i}",
+            mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1], axis_names=("model",)),
+            logical_axes=GPT_RULES,
+        )
+        for i in range(4)
+    ]
+
+
+def four_stage_rules(tasks: list[mm.Task]) -> list[tuple[str, mm.Task]]:
+    """A 4-block ``TinyGPT`` as four stages: embedding with block 0, head with block 3."""
+    t0, t1, t2, t3 = tasks
+    return [
+        ("embed|blocks/0/", t0),
+        ("blocks/1/", t1),
+        ("blocks/2/", t2),
+        ("blocks/3/|norm|head", t3),
+    ]

@@ -7,34 +7,16 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from tests.models import make_gpt
-
-RULES = mm.logical_rules(mlp="model", heads="model", vocab="model", embed=None)
+from tests.models import four_stage_rules, four_tasks, make_gpt
 
 
 @pytest.fixture(scope="module")
 def tasks():
-    return [
-        mm.Task(
-            f"t{i}",
-            mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1], axis_names=("model",)),
-            logical_axes=RULES,
-        )
-        for i in range(4)
-    ]
+    return four_tasks()
 
 
 def place(tasks):
-    t0, t1, t2, t3 = tasks
-    return mm.place(
-        make_gpt(),
-        [
-            ("embed|blocks/0/", t0),
-            ("blocks/1/", t1),
-            ("blocks/2/", t2),
-            ("blocks/3/|norm|head", t3),
-        ],
-    )
+    return mm.place(make_gpt(), four_stage_rules(tasks))
 
 
 def train_step(model, opt, tokens):

@@ -353,3 +353,16 @@ def test_activation_constraints_are_active_inside_mm_jit(two_task_run):
     acts = [t for t in plan.transfers if t.source is not None and t.shape == (4, SEQ, DIM)]
     assert acts
     assert all(tuple(t.sharding.spec)[:1] == ("data",) for t in acts)
+
+
+def test_each_stage_slices_the_token_batch_itself(two_task_run):
+    """Inputs (batch[:, :-1]) and targets (batch[:, 1:]) are cut where they are read: the batch
+    goes to both stages, and only activations and cotangents cross between them."""
+    plan = two_task_run["plan"]
+    batch_inputs = [t for t in plan.transfers if t.source is None and t.shape == (4, SEQ + 1)]
+    assert sorted(t.target.name for t in batch_inputs) == ["s0", "s1"]
+    between = [t for t in plan.transfers if t.source is not None and t.nbytes > 4]
+    assert sorted((t.source.name, t.target.name, t.shape) for t in between) == [
+        ("s0", "s1", (4, SEQ, DIM)),
+        ("s1", "s0", (4, SEQ, DIM)),
+    ]

@@ -7,9 +7,8 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from tests.models import TinyGPT
+from tests.models import TinyGPT, four_stage_rules, four_tasks
 
-RULES = mm.logical_rules(mlp="model", heads="model", vocab="model", embed=None)
 M = 8
 
 
@@ -20,14 +19,7 @@ def gpt(depth=4):
 
 @pytest.fixture(scope="module")
 def tasks():
-    return [
-        mm.Task(
-            f"t{i}",
-            mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1], axis_names=("model",)),
-            logical_axes=RULES,
-        )
-        for i in range(4)
-    ]
+    return four_tasks()
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +30,7 @@ def tokens():
 def placed(tasks, depth=4):
     t = tasks
     if depth == 4:
-        rules = [
-            ("embed|blocks/0/", t[0]),
-            ("blocks/1/", t[1]),
-            ("blocks/2/", t[2]),
-            ("blocks/3/|norm|head", t[3]),
-        ]
+        rules = four_stage_rules(tasks)
     else:  # block i on task i % 4: each task holds two non-adjacent stages
         rules = [(f"blocks/{i}/", t[i % 4]) for i in range(depth)]
         rules += [("^embed/", t[0]), ("^norm/|^head/", t[3])]

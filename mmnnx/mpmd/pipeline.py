@@ -14,20 +14,23 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
-import jax.numpy as jnp
-
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd._jax import is_accumulate, is_index
 from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
-from mmnnx.mpmd.plan import Fragment, _kinds, after_backward, cut, levels, make_fragment
+from mmnnx.mpmd.plan import (
+    Fragment,
+    _kinds,
+    after_backward,
+    cut,
+    levels,
+    make_fragment,
+    replicable_ops,
+    with_replicas,
+)
 from mmnnx.sharding import Task
 
 GROUP_PREFIX = "mm_microbatch:"
-# Data movement that cutting a microbatch out of the batch needs: recomputed wherever it is read.
-_SLICING = frozenset(
-    {"dynamic_slice", "slice", "reshape", "squeeze", "expand_dims", "convert_element_type"}
-)
 _GROUP = re.compile(re.escape(GROUP_PREFIX) + r"(\d+)")
 
 
@@ -119,21 +122,8 @@ def plan_pipeline(
 
     # Index arithmetic and the slicing of unplaced inputs (the batch) by the microbatch index are
     # recomputed in every fragment that needs them rather than sent between tasks.
-    replicable: list[Op] = []
-    indexed = {index_value} if index_value is not None else set()
-    for op in region:
-        sources = [a for a in op.ins if isinstance(a, int)]
-        cheap = op.name in _SLICING or all(
-            graph.shapes[v] == () or not jnp.issubdtype(graph.dtypes[v], jnp.floating)
-            for v in op.outs
-        )
-        if (
-            cheap
-            and any(a in indexed for a in sources)
-            and all(a in indexed or a in free_inputs for a in sources)
-        ):
-            replicable.append(op)
-            indexed.update(op.outs)
+    seeds = {index_value} if index_value is not None else set()
+    replicable = replicable_ops(graph, region, seeds, free_inputs)
     replicable_ids = {op.index for op in replicable}
     staged = [op for op in region if op.index not in replicable_ids]
     stages, stage_tasks = _stage_fragments(graph, staged, op_tasks, replicable)
@@ -150,8 +140,8 @@ def plan_pipeline(
     if schedule.name == "zero-bubble-h1":
         stages = _split_backward(graph, stages, op_tasks)
 
-    pre = cut(graph, op_tasks, tasks, pre_ops, suffix="pre")
-    post = cut(graph, op_tasks, tasks, post_ops, suffix="post")
+    pre = cut(graph, op_tasks, tasks, pre_ops, suffix="pre", free_inputs=free_inputs)
+    post = cut(graph, op_tasks, tasks, post_ops, suffix="post", free_inputs=free_inputs)
     order: list[tuple[Fragment, int | None]] = [(f, None) for f in pre]
     events = sched.simulate(schedule).events
     for e in sorted(events, key=lambda e: (e.start, e.rank)):
@@ -243,23 +233,11 @@ def _stage_fragments(
     for op in region:
         kind = "B" if op.index in backward else "F"
         members.setdefault((kind, stage_of[op.index]), []).append(op)
-    producer = {v: op for op in replicable for v in op.outs}
     fragments = {}
     for key, ops in sorted(members.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        needed: dict[int, Op] = {}
-        stack = [a for op in ops for a in op.ins if isinstance(a, int) and a in producer]
-        while stack:
-            p = producer[stack.pop()]
-            if p.index not in needed:
-                needed[p.index] = p
-                stack += [a for a in p.ins if isinstance(a, int) and a in producer]
-        body = sorted([*ops, *needed.values()], key=lambda op: op.index)
         task = stage_tasks[key[1]]
-        frag = make_fragment(
-            graph, f"{task.name}/{key[0]}{key[1]}", task, body, _kinds(ops, updates)
-        )
-        frag.out_ids = [v for v in frag.out_ids if v not in producer]
-        fragments[key] = frag
+        name = f"{task.name}/{key[0]}{key[1]}"
+        fragments[key] = with_replicas(graph, name, task, ops, _kinds(ops, updates), replicable)
     return fragments, stage_tasks
 
 

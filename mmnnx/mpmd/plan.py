@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
+
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.sharding import Task
 
@@ -180,16 +182,100 @@ def make_fragment(
     return Fragment(name, task, ops, in_ids, out_ids, kinds)
 
 
+# Data movement and integer arithmetic on inputs (slicing a batch into inputs and labels, index
+# offsets): cheap enough to recompute in every fragment that reads it instead of sending it.
+_SLICING = frozenset(
+    {"dynamic_slice", "slice", "reshape", "squeeze", "expand_dims", "convert_element_type"}
+)
+
+
+def replicable_ops(graph: Graph, ops: Sequence[Op], seeds: set[int], allowed: set[int]) -> list[Op]:
+    """Cheap ops that read at least one ``seeds`` value (or another such op's result) and
+    otherwise only ``allowed`` values; their results are not step outputs."""
+    outputs = {a for a in graph.outputs if isinstance(a, int)}
+    reachable = set(seeds)
+    found = []
+    for op in ops:
+        sources = [a for a in op.ins if isinstance(a, int)]
+        cheap = op.name in _SLICING or all(
+            graph.shapes[v] == () or not jnp.issubdtype(graph.dtypes[v], jnp.floating)
+            for v in op.outs
+        )
+        if (
+            cheap
+            and any(a in reachable for a in sources)
+            and all(a in reachable or a in allowed for a in sources)
+            and not outputs.intersection(op.outs)
+        ):
+            found.append(op)
+            reachable.update(op.outs)
+    return found
+
+
+def with_replicas(
+    graph: Graph, name: str, task: Task, ops: list[Op], kinds: tuple[str, ...], replicas: list[Op]
+) -> Fragment:
+    """A fragment of ``ops`` plus the replicable ops whose results they read (recomputed here)."""
+    producer = {v: op for op in replicas for v in op.outs}
+    needed: dict[int, Op] = {}
+    stack = [a for op in ops for a in op.ins if isinstance(a, int) and a in producer]
+    while stack:
+        p = producer[stack.pop()]
+        if p.index not in needed:
+            needed[p.index] = p
+            stack += [a for a in p.ins if isinstance(a, int) and a in producer]
+    body = sorted([*ops, *needed.values()], key=lambda op: op.index)
+    frag = make_fragment(graph, name, task, body, kinds)
+    frag.out_ids = [v for v in frag.out_ids if v not in producer]
+    return frag
+
+
+def _input_slicing(graph: Graph, ops: list[Op], free: set[int]) -> list[Op]:
+    """The ops of ``ops`` that cut free inputs (a batch into inputs and targets), to recompute
+    in each fragment that reads them rather than send between tasks.
+
+    Only for inputs that no ``mm.task`` region reads, directly or through such ops: a region's
+    unplaced inputs are its parameters (multimesh programs), which go to that region's task once.
+    An op whose result is read outside ``ops`` (another cut) runs once, as usual.
+    """
+    consumers = graph.consumers()
+    candidates = replicable_ops(graph, ops, free, free)
+    origin: dict[int, set[int]] = {v: {v} for v in free}
+    for op in candidates:
+        sources = set().union(*(origin.get(a, set()) for a in op.ins if isinstance(a, int)))
+        origin.update((v, sources) for v in op.outs)
+    regional = {
+        seed
+        for v, seeds in origin.items()
+        if any(c.region is not None for c in consumers.get(v, ()))
+        for seed in seeds
+    }
+    if regional:
+        free = free - regional
+        candidates = replicable_ops(graph, ops, free, free)
+    inside = {op.index for op in ops}
+    return [
+        op
+        for op in candidates
+        if all(c.index in inside for v in op.outs for c in consumers.get(v, ()))
+    ]
+
+
 def cut(
     graph: Graph,
     op_tasks: Sequence[Task],
     tasks: Sequence[Task],
     ops: Sequence[Op] | None = None,
     suffix: str = "",
+    free_inputs: set[int] | None = None,
 ) -> list[Fragment]:
     """Groups ``ops`` (default: all) into fragments keyed by (cross-task depth, task), in a valid
-    dispatch order."""
+    dispatch order. Cheap slicing of ``free_inputs`` (inputs on no task, e.g. the batch) is
+    recomputed in each fragment that reads it."""
     ops = list(graph.ops if ops is None else ops)
+    replicas = _input_slicing(graph, ops, free_inputs or set())
+    replica_ids = {op.index for op in replicas}
+    ops = [op for op in ops if op.index not in replica_ids]
     level = levels(graph, ops, op_tasks)
     updates = after_backward(graph)
     order = {t: i for i, t in enumerate(tasks)}
@@ -202,7 +288,6 @@ def cut(
         task = tasks[key[1]]
         k = counts[task] = counts.get(task, -1) + 1
         group = groups[key]
-        fragments.append(
-            make_fragment(graph, f"{task.name}#{suffix}{k}", task, group, _kinds(group, updates))
-        )
+        name = f"{task.name}#{suffix}{k}"
+        fragments.append(with_replicas(graph, name, task, group, _kinds(group, updates), replicas))
     return fragments
