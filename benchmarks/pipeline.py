@@ -9,6 +9,7 @@ so two stages overlap as on two accelerators. The backward pass is a scan of the
 an autodiffed scan on every iteration, which is slow and again spreads over both cores.
 - efficiency = ideal GPipe time (M + S - 1) * t_stage / measured step time (target >= 0.9), where
   t_stage is one stage's forward + backward time for one microbatch, timed action by action;
+  measured for GPipe and again for 1F1B (same ideal: both idle (S - 1) slots per rank);
 - speed-up over running the same actions without overlap (blocking after each) (target >= 1.4x);
 - host overhead per action (step span minus device time, per action) at M = 4 and M = 32
   (target: flat).
@@ -98,12 +99,12 @@ def loss_fn(model, x):
     return jnp.mean(model(x) ** 2)
 
 
-def build(num):
+def build(num, schedule="gpipe"):
     s0 = mm.Task("s0", mesh=mm.TaskMesh(devices=[0]))
     s1 = mm.Task("s1", mesh=mm.TaskMesh(devices=[1]))
     model = mm.place(TwoStages(), [("^a/", s0), ("^b/", s1)])
     step = mm.jit(
-        mm.microbatch(nnx.value_and_grad(loss_fn), num=num, reduce="mean", schedule="gpipe")
+        mm.microbatch(nnx.value_and_grad(loss_fn), num=num, reduce="mean", schedule=schedule)
     )
     x = jax.random.normal(jax.random.key(2), (num * ROWS, WIDTH))
     return step, model, x
@@ -119,8 +120,8 @@ def median_time(fn, repeats=7):
     return statistics.median(samples)
 
 
-def efficiency(num=8):
-    step, model, x = build(num)
+def efficiency(num=8, schedule="gpipe"):
+    step, model, x = build(num, schedule)
     t_step = median_time(lambda: step(model, x))
     timelines = [step.timeline(model, x) for _ in range(5)]
     blocking = statistics.median(max(e.end for e in t) - min(e.start for e in t) for t in timelines)
@@ -170,8 +171,13 @@ def host_overhead():
 
 
 def main():
-    results = {"efficiency": efficiency(), "host": host_overhead(), "device": str(jax.devices()[0])}
-    publish(results, RESULTS, "pipeline", ("efficiency", "host"))
+    results = {
+        "efficiency": efficiency(),
+        "efficiency 1f1b": efficiency(schedule="1f1b"),
+        "host": host_overhead(),
+        "device": str(jax.devices()[0]),
+    }
+    publish(results, RESULTS, "pipeline", ("efficiency", "efficiency 1f1b", "host"))
 
 
 if __name__ == "__main__":
