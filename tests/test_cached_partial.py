@@ -111,3 +111,17 @@ def test_a_failed_step_leaves_the_bound_model_untouched(tasks, batch):
         bound("not a batch", batch[1])
     after = flat(nnx.state((model, opt)))
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_restored_checkpoint_is_seen_by_the_bound_step(tasks, batch, tmp_path):
+    """Checkpointer.restore writes into the same Variables, so the binding stays valid."""
+    model = two_stage(tasks)
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    bound = mm.cached_partial(mm.jit(train_step), model, opt)
+    with mm.train.Checkpointer(tmp_path / "ckpt") as checkpoints:
+        checkpoints.save(0, model=model, opt=opt)
+        first = bound(*batch)
+        bound(*batch)
+        checkpoints.restore(0, model=model, opt=opt)
+    assert_close(bound(*batch), first, rtol=0, atol=0)
+    assert int(opt.step.get_value()) == 1
