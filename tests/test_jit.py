@@ -1,5 +1,7 @@
 """mm.jit against the same model on one device."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -332,16 +334,15 @@ def test_constraint_outside_jit_is_physical():
     assert f(jnp.ones(4)).sharding.spec == jax.sharding.PartitionSpec("x")
 
 
-def test_donated_state_is_updated_in_place(tasks, batch):
-    model = two_stage(tasks)
-    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
-    ref = make()
-    ref_opt = nnx.Optimizer(ref, optax.adamw(1e-2), wrt=nnx.Param)
+@pytest.mark.parametrize("bound", [False, True], ids=["mm.jit", "cached_partial"])
+def test_donated_state_is_updated_in_place(tasks, batch, bound):
+    model, opt, ref, ref_opt = placed_and_reference(tasks, optax.adamw(1e-2))
     step = mm.jit(train_step, donate_argnums=(0, 1))
+    run = mm.cached_partial(step, model, opt) if bound else functools.partial(step, model, opt)
     for _ in range(2):
         old_kernel = model.l2.kernel.get_value()
         old_moment = opt.opt_state[0].mu["l0"]["kernel"].get_value()
-        assert_close(step(model, opt, *batch), train_step(ref, ref_opt, *batch))
+        assert_close(run(*batch), train_step(ref, ref_opt, *batch))
         assert old_kernel.is_deleted() and old_moment.is_deleted()
     for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
         assert_close(a, b)
