@@ -133,7 +133,8 @@ def fit(
     eval_data = dataset.eval_batches(config.eval_batches)
 
     def evaluate() -> float:
-        return float(np.mean([float(eval_step(model, b)) for b in eval_data]))
+        loss = cached_partial(eval_step, model)
+        return float(np.mean([float(loss(b)) for b in eval_data]))
 
     start = 0
     with Checkpointer(ckpt_dir) as checkpoints:
