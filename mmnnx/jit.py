@@ -375,7 +375,12 @@ class CachedPartial:
         self.cached_args = cached_args
         self._template: _Call | None = None
         self._tail_treedef: Any = None
-        functools.update_wrapper(self, fn)
+        functools.update_wrapper(self, fn, updated=())
+
+    @property
+    def trace_count(self) -> int:
+        """How often the underlying step has traced (shared with the ``mm.jit`` function)."""
+        return self.fn.trace_count
 
     def _call(self, args: tuple, kwargs: dict) -> _Call:
         full = (*self.cached_args, *args)
