@@ -20,9 +20,19 @@ from mmnnx.mpmd.runtime import Event, Executable
 from mmnnx.sharding import Task, task_of
 from mmnnx.sharding.place import SPEC_KEY
 
+_VARIABLE_TYPES: dict[type, bool] = {}
+
 
 def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
+    """``isinstance(x, nnx.Variable)``, memoised per type: Flax's metaclass check runs in Python
+    and this is asked of every node of every argument on every call."""
+    kind = type(x)
+    known = _VARIABLE_TYPES.get(kind)
+    if known is None:
+        known = isinstance(x, nnx.Variable)
+        if not _jax.is_tracer(x):  # a traced Variable's answer depends on its value
+            _VARIABLE_TYPES[kind] = known
+    return known
 
 
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
@@ -82,7 +92,7 @@ class _Call:
         arrays: list[Any] = []
         self.slots: list[int] = []
         for node in nodes:
-            if isinstance(node, nnx.Variable):
+            if _is_variable(node):
                 i = position.get(id(node))
                 if i is None:
                     i = position[id(node)] = len(self.variables)
@@ -391,7 +401,7 @@ class CachedPartial:
             {k: v for k, v in kwargs.items() if k not in names},
         )
         nodes, treedef = jax.tree.flatten(tail, is_leaf=_is_variable)
-        plain = not any(isinstance(n, nnx.Variable) for n in nodes)
+        plain = not any(_is_variable(n) for n in nodes)
         if plain and self._template is not None and treedef == self._tail_treedef:
             return self._template.rebound(full, kwargs, nodes)
         call = _Call(self.fn, full, kwargs)

@@ -32,6 +32,11 @@ def no_ambient_mesh():
     return jax.set_mesh(None)
 
 
+def is_tracer(x: Any) -> bool:
+    """Whether ``x`` is a value being traced (not a concrete array or Python object)."""
+    return isinstance(x, jax.core.Tracer)
+
+
 def set_variable_values(variables: Sequence[Any], values: Sequence[Any]) -> None:
     """Writes a step's new values into the caller's NNX Variables.
 
