@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
+from tests.oracle import close
 from tests.test_jit import (
-    assert_close,
     batch,
     flat,
     make,
@@ -31,11 +31,11 @@ def test_steps_match_one_device_and_plain_mm_jit(tasks, batch):
     for i in range(3):
         # alternate the two entry points: they share one plan and one model
         loss = bound(*batch) if i % 2 == 0 else step(model, opt, *batch)
-        assert_close(loss, train_step(ref, ref_opt, *batch))
+        close(loss, train_step(ref, ref_opt, *batch))
         for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
-            assert_close(a, b)
+            close(a, b)
         for a, b in zip(flat(opt.opt_state), flat(ref_opt.opt_state), strict=True):
-            assert_close(a, b)
+            close(a, b)
         assert mm.placement(opt) == placement
     assert model.l0.kernel.get_value().sharding.mesh == s0.jax_mesh
     assert model.l3.kernel.get_value().sharding.mesh == s1.jax_mesh
@@ -47,7 +47,7 @@ def test_new_batch_shape_and_new_value_shape_replan(tasks, batch):
     step = mm.jit(lambda m, x: m(x))
     bound = mm.cached_partial(step, model)
     x, _ = batch
-    assert_close(bound(x), make()(x), rtol=1e-5)
+    close(bound(x), make()(x), rtol=1e-5)
     bound(x + 1)
     assert step.trace_count == bound.trace_count == 1
     assert bound(jnp.ones((4, 16))).shape == (4, 4)
@@ -58,7 +58,7 @@ def test_new_batch_shape_and_new_value_shape_replan(tasks, batch):
     out = bound(x)
     ref = make()
     ref.l3.bias.set_value(jnp.ones((4,)))
-    assert_close(out, ref(x), rtol=1e-5)
+    close(out, ref(x), rtol=1e-5)
 
 
 def test_static_and_keyword_arguments_after_the_bound_ones(tasks, batch):
@@ -71,8 +71,8 @@ def test_static_and_keyword_arguments_after_the_bound_ones(tasks, batch):
     bound = mm.cached_partial(step, model)
     x, _ = batch
     ref = make()
-    assert_close(bound(x, 2.0, shift=jnp.ones(())), ref(x) * 2.0 + 1, rtol=1e-5)
-    assert_close(bound(x, 3.0, shift=jnp.zeros(())), ref(x) * 3.0, rtol=1e-5)
+    close(bound(x, 2.0, shift=jnp.ones(())), ref(x) * 2.0 + 1, rtol=1e-5)
+    close(bound(x, 3.0, shift=jnp.zeros(())), ref(x) * 3.0, rtol=1e-5)
     assert step.trace_count == 2  # one plan per static value
 
 
@@ -80,9 +80,9 @@ def test_unbound_module_arguments_are_still_written_back(tasks, batch):
     model, opt, ref, ref_opt = placed_and_reference(tasks, optax.sgd(0.1))
     bound = mm.cached_partial(mm.jit(train_step), model)  # the optimizer is passed each call
     for _ in range(2):
-        assert_close(bound(opt, *batch), train_step(ref, ref_opt, *batch))
+        close(bound(opt, *batch), train_step(ref, ref_opt, *batch))
     for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
-        assert_close(a, b)
+        close(a, b)
     assert int(opt.step.get_value()) == 2
 
 
@@ -123,5 +123,5 @@ def test_a_restored_checkpoint_is_seen_by_the_bound_step(tasks, batch, tmp_path)
         first = bound(*batch)
         bound(*batch)
         checkpoints.restore(0, model=model, opt=opt)
-    assert_close(bound(*batch), first, rtol=0, atol=0)
+    close(bound(*batch), first, rtol=0, atol=0)
     assert int(opt.step.get_value()) == 1

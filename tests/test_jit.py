@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
+from tests.oracle import close
 
 INIT = nnx.initializers.lecun_normal()
 RULES = mm.logical_rules(batch="data", mlp="model", embed=None)
@@ -76,10 +77,6 @@ def placed_and_reference(tasks, tx):
     return model, opt, ref, nnx.Optimizer(ref, tx, wrt=nnx.Param)
 
 
-def assert_close(a, b, rtol=1e-5, atol=1e-6):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
-
-
 def flat(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
@@ -88,7 +85,7 @@ def test_forward_matches_one_device(tasks, batch):
     x, _ = batch
     model = two_stage(tasks)
     out = mm.jit(lambda m, x: m(x))(model, x)
-    assert_close(out, make()(x))
+    close(out, make()(x))
     assert sorted(d.id for d in out.devices()) == [4, 5, 6, 7]  # outputs stay where computed
 
 
@@ -96,9 +93,9 @@ def test_value_and_grad_matches_one_device(tasks, batch):
     model = two_stage(tasks)
     loss, grads = mm.jit(nnx.value_and_grad(loss_fn))(model, *batch)
     ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(make(), *batch)
-    assert_close(loss, ref_loss)
+    close(loss, ref_loss)
     for a, b in zip(flat(grads), flat(ref_grads), strict=True):
-        assert_close(a, b)
+        close(a, b)
     for name in ("l0", "l1", "l2", "l3"):
         # gradients are computed on, and returned from, their parameter's task and sharding
         grad = grads[name]["kernel"].get_value()
@@ -113,11 +110,11 @@ def test_three_adamw_steps_match_and_stay_placed(tasks, batch):
     for _ in range(3):
         loss = step(model, opt, *batch)
         ref_loss = train_step(ref, ref_opt, *batch)
-        assert_close(loss, ref_loss)
+        close(loss, ref_loss)
         for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
-            assert_close(a, b)
+            close(a, b)
         for a, b in zip(flat(opt.opt_state), flat(ref_opt.opt_state), strict=True):
-            assert_close(a, b)
+            close(a, b)
         assert mm.placement(opt) == placement
         for name, task in [("l0", s0), ("l1", s0), ("l2", s1), ("l3", s1)]:
             kernel = getattr(model, name).kernel.get_value()
@@ -197,14 +194,14 @@ def test_batchnorm_and_dropout_state_written_back(tasks):
 
     jstep = mm.jit(step)
     for _ in range(2):
-        assert_close(jstep(model, opt, x), step(ref, ref_opt, x))
-    assert_close(model.norm.mean.get_value(), ref.norm.mean.get_value())
-    assert_close(model.norm.var.get_value(), ref.norm.var.get_value())
+        close(jstep(model, opt, x), step(ref, ref_opt, x))
+    close(model.norm.mean.get_value(), ref.norm.mean.get_value())
+    close(model.norm.var.get_value(), ref.norm.var.get_value())
     assert int(model.drop.rngs.count.get_value()) == int(ref.drop.rngs.count.get_value()) == 2
     for a, b in zip(
         flat(nnx.state(model, nnx.Param)), flat(nnx.state(ref, nnx.Param)), strict=True
     ):
-        assert_close(a, b)
+        close(a, b)
     for var in (model.norm.mean, model.drop.rngs.count):
         assert sorted(d.id for d in var.get_value().devices()) == [4, 5, 6, 7]
 
@@ -238,7 +235,7 @@ def test_non_array_leaves(tasks):
     out = mm.jit(lambda m, n: m(jnp.ones((n, 16))), static_argnums=1)(model, 3)
     assert out.shape == (3, 4)
     scaled = mm.jit(lambda m, x, s: m(x) * s)(model, jnp.ones((2, 16)), 2.0)  # scalars are arrays
-    assert_close(scaled, make()(jnp.ones((2, 16))) * 2.0)
+    close(scaled, make()(jnp.ones((2, 16))) * 2.0)
 
 
 def test_structural_side_effect(tasks):
@@ -277,9 +274,9 @@ def test_task_region_forces_placement(tasks, batch):
 
     loss, grads = mm.jit(step)(model, x, y)
     ref_loss, ref_grads = step(make(), x, y)
-    assert_close(loss, ref_loss)
+    close(loss, ref_loss)
     for a, b in zip(flat(grads), flat(ref_grads), strict=True):
-        assert_close(a, b)
+        close(a, b)
     assert sorted(d.id for d in loss.devices()) == [4, 5, 6, 7]
     plan = mm.jit(step).plan(model, x, y)
     (head,) = plan.fragments_of("stage1")
@@ -307,7 +304,7 @@ def test_logical_constraint_shards_batch_on_first_consumer(tasks, batch):
 
     x, _ = batch
     step = mm.jit(forward)
-    assert_close(step(model, x), make()(x))
+    close(step(model, x), make()(x))
     (inp,) = [t for t in step.plan(model, x).transfers if t.source is None]
     assert inp.target == s0
     assert inp.sharding.spec == jax.sharding.PartitionSpec("data", None)
@@ -342,10 +339,10 @@ def test_donated_state_is_updated_in_place(tasks, batch, bound):
     for _ in range(2):
         old_kernel = model.l2.kernel.get_value()
         old_moment = opt.opt_state[0].mu["l0"]["kernel"].get_value()
-        assert_close(run(*batch), train_step(ref, ref_opt, *batch))
+        close(run(*batch), train_step(ref, ref_opt, *batch))
         assert old_kernel.is_deleted() and old_moment.is_deleted()
     for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
-        assert_close(a, b)
+        close(a, b)
     assert not batch[0].is_deleted()  # only the donated arguments are consumed
 
 
@@ -409,9 +406,9 @@ def test_tied_weights_stay_one_variable(tasks):
     x = jax.random.normal(jax.random.key(0), (4, 16))
     jstep = mm.jit(step)
     for _ in range(2):
-        assert_close(jstep(model, opt, x), step(ref, ref_opt, x))
+        close(jstep(model, opt, x), step(ref, ref_opt, x))
     assert model.a.kernel is model.b.kernel
-    assert_close(model.a.kernel.get_value(), ref.a.kernel.get_value())
+    close(model.a.kernel.get_value(), ref.a.kernel.get_value())
 
 
 def test_no_arrays_outlive_the_step(tasks, batch):
@@ -437,4 +434,4 @@ def test_runs_inside_a_multimesh_context(batch):
     model = mm.place(make(), [("l0|l1", s0), ("l2|l3", s1)])
     with mesh:
         out = mm.jit(lambda m, x: m(x))(model, batch[0])
-    assert_close(out, make()(batch[0]))
+    close(out, make()(batch[0]))

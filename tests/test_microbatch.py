@@ -2,17 +2,13 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import mmnnx as mm
+from tests.oracle import close, trees_close
 from tests.test_jit import RULES, loss_fn, make, two_stage
-
-
-def close(a, b):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +26,6 @@ def tasks():
     )
 
 
-def grads_close(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        close(x, y)
-
-
 @pytest.mark.parametrize("num", [1, 2, 4, 8])
 def test_mean_equals_full_batch(batch, num):
     model = make()
@@ -43,7 +34,7 @@ def test_mean_equals_full_batch(batch, num):
         model, *batch
     )
     close(split[0], full[0])
-    grads_close(split[1], full[1])
+    trees_close(split[1], full[1])
 
 
 def test_sum_and_size_and_pytree_reduce(batch):
@@ -83,7 +74,7 @@ def test_inside_mm_jit_two_stages(tasks, batch):
     jstep = mm.jit(step, static_argnums=4)
     for _ in range(2):
         close(jstep(model, opt, *batch, True), step(ref, ref_opt, *batch, False))
-    grads_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
+    trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
     assert mm.placement(model)["l2/kernel"][0] == "stage1"
 
 

@@ -1,13 +1,13 @@
 """Pipelined steps (mm.microbatch inside mm.jit) against the full batch on one device."""
 
 import jax
-import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import mmnnx as mm
 from tests.models import TinyGPT, four_stage_rules, four_tasks
+from tests.oracle import close, params_close, trees_close
 
 M = 8
 
@@ -63,29 +63,6 @@ def reference_step(model, opt, tokens):
     return loss
 
 
-def close(a, b):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-
-
-def params_close(model, ref, ref_grads, steps, lr):
-    # Adam turns a gradient at rounding noise into a full +-lr step: elements whose first
-    # gradient is nonzero but below 1e-5 of their array's largest are held to steps x lr.
-    noise = [
-        (g != 0) & (np.abs(g) < 1e-5 * np.abs(g).max())
-        for g in map(np.asarray, jax.tree.leaves(ref_grads))
-    ]
-    pairs = zip(
-        jax.tree.leaves(nnx.state(model, nnx.Param)),
-        jax.tree.leaves(nnx.state(ref, nnx.Param)),
-        noise,
-        strict=True,
-    )
-    for a, b, is_noise in pairs:
-        a, b = np.asarray(a), np.asarray(b)
-        close(a[~is_noise], b[~is_noise])
-        np.testing.assert_allclose(a[is_noise], b[is_noise], atol=steps * lr)
-
-
 # a user's table: 1F1B's, written to CSV and read back
 CUSTOM = mm.schedules.from_csv(mm.schedules.one_f_one_b(4, M).to_csv(), name="custom")
 
@@ -136,8 +113,7 @@ def test_interleaved_eight_stages_on_four_tasks(tasks, tokens):
     loss, grads = grads_step(model, tokens)
     ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(ref, tokens)
     close(loss, ref_loss)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        close(a, b)
+    trees_close(grads, ref_grads)
     pipeline = grads_step.plan(model, tokens).pipeline
     assert [t.name for t in pipeline.stage_tasks] == [f"t{i % 4}" for i in range(8)]
     assert pipeline.schedule.num_ranks == 4

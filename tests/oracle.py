@@ -1,0 +1,38 @@
+"""Comparisons against the single-device oracle, shared by the engine tests."""
+
+import jax
+import numpy as np
+from flax import nnx
+
+
+def close(a, b, rtol=1e-5, atol=1e-6):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def trees_close(a, b):
+    """Every leaf of ``a`` close to the same leaf of ``b``."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        close(x, y)
+
+
+def params_close(model, ref, ref_grads, steps, lr):
+    """Parameters after ``steps`` Adam steps against the oracle's.
+
+    Adam turns a gradient at rounding noise into a full +-lr step: elements whose first gradient
+    is nonzero but below 1e-5 of their array's largest are held to ``steps`` x ``lr``; every
+    other element (exact zeros included) to 1e-5 relative.
+    """
+    noise = [
+        (g != 0) & (np.abs(g) < 1e-5 * np.abs(g).max())
+        for g in map(np.asarray, jax.tree.leaves(ref_grads))
+    ]
+    pairs = zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)),
+        jax.tree.leaves(nnx.state(ref, nnx.Param)),
+        noise,
+        strict=True,
+    )
+    for a, b, is_noise in pairs:
+        a, b = np.asarray(a), np.asarray(b)
+        close(a[~is_noise], b[~is_noise])
+        np.testing.assert_allclose(a[is_noise], b[is_noise], atol=steps * lr)
