@@ -182,8 +182,9 @@ def make_fragment(
     return Fragment(name, task, ops, in_ids, out_ids, kinds)
 
 
-# Data movement and integer arithmetic on inputs (slicing a batch into inputs and labels, index
-# offsets): cheap enough to recompute in every fragment that reads it instead of sending it.
+# Data movement (slicing a batch into inputs and labels): cheap enough to recompute in every
+# fragment that reads it instead of sending it. replicable_ops also admits scalar and
+# non-float results (index offsets).
 _SLICING = frozenset(
     {"dynamic_slice", "slice", "reshape", "squeeze", "expand_dims", "convert_element_type"}
 )
