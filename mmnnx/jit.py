@@ -16,7 +16,8 @@ from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError
 from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
-from mmnnx.mpmd.runtime import Event, Executable
+from mmnnx.mpmd.lower import lower
+from mmnnx.mpmd.runner import Event, Executable
 from mmnnx.sharding import Task, task_of
 from mmnnx.sharding.place import SPEC_KEY
 
@@ -280,17 +281,8 @@ class JitFunction:
             order = [(f, None) for f in cut(graph, op_tasks, tasks, free_inputs=free)]
         else:
             order = pipeline.order
-        executable = Executable(
-            graph,
-            tasks,
-            call.tasks,
-            state_homes,
-            homes,
-            call.donated,
-            order=order,
-            pipeline=pipeline,
-        )
-        return executable, (out_tree, num_user_outputs)
+        plan = lower(graph, tasks, call.tasks, state_homes, homes, call.donated, order, pipeline)
+        return Executable(graph, plan), (out_tree, num_user_outputs)
 
     def _lookup(self, call: _Call) -> tuple[Executable, Any]:
         try:
@@ -335,8 +327,17 @@ class JitFunction:
         return memory
 
     def plan(self, *args, **kwargs) -> Plan:
-        """The plan this step runs for these arguments (built and cached if needed)."""
+        """The plan this step runs for these arguments (traced and lowered if needed; compiles
+        nothing): fragments, transfers and each task's typed program. ``print`` draws it."""
         executable, _ = self._lookup(_Call(self, args, kwargs))
+        return executable.plan
+
+    def compile(self, *args, **kwargs) -> Plan:
+        """Compiles every program the step runs for these arguments, without running it, so the
+        first call starts at once; returns the plan. A call compiles on first use otherwise."""
+        executable, _ = self._lookup(_Call(self, args, kwargs))
+        with _jax.no_ambient_mesh():
+            executable.compile()
         return executable.plan
 
 
@@ -423,6 +424,10 @@ class CachedPartial:
     def plan(self, *args, **kwargs) -> Plan:
         """:meth:`JitFunction.plan` with the bound arguments first."""
         return self.fn.plan(*self.cached_args, *args, **kwargs)
+
+    def compile(self, *args, **kwargs) -> Plan:
+        """:meth:`JitFunction.compile` with the bound arguments first."""
+        return self.fn.compile(*self.cached_args, *args, **kwargs)
 
 
 def cached_partial(fn: JitFunction, *cached_args: Any) -> CachedPartial:

@@ -30,7 +30,11 @@ class Fragment:
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """A value moved to ``target`` (from ``source``; ``None`` for an input not yet on any task)."""
+    """A value moved to ``target`` (from ``source``; ``None`` for an input not yet on any task).
+
+    ``sharding`` is its layout on ``target``. For a value made by a program whose output layout
+    the compiler chooses, it is ``None`` until the step is compiled (first call or ``compile``).
+    """
 
     value: int
     source: Task | None
@@ -43,13 +47,18 @@ class Transfer:
 
 @dataclasses.dataclass
 class Plan:
-    """What one mm.jit step runs: tasks, fragments in dispatch order, and transfers."""
+    """What one mm.jit step runs: tasks, fragments in dispatch order, transfers, and the typed
+    per-task programs (``program``, a ``StepProgram``) that the runner executes.
+
+    ``num_programs`` counts the distinct compiled programs; building a plan compiles nothing.
+    """
 
     tasks: list[Task]
     fragments: list[Fragment]
     transfers: list[Transfer]
     num_programs: int = 0
     pipeline: Any = None
+    program: Any = None
 
     def fragments_of(self, task: Task | str) -> list[Fragment]:
         name = task if isinstance(task, str) else task.name
@@ -74,6 +83,9 @@ class Plan:
                 src = t.source.name if t.source is not None else "(input)"
                 shape = ",".join(str(d) for d in t.shape)
                 lines.append(f"    {src} -> {t.target.name}: {t.dtype}[{shape}] ({t.nbytes:,} B)")
+        if self.program is not None:
+            lines.append(f"  programs ({self.num_programs} compiled):")
+            lines.append(str(self.program))
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -1,0 +1,292 @@
+"""Lowering: a cut (and possibly pipelined) graph -> one typed program per task.
+
+A pure pass: it decides which slot holds each value on each task, which values move between tasks
+(a Send/Recv pair each), where microbatch sums run, which buffers may be donated and when each
+value is dropped. It compiles nothing and touches no device; ``runner.py`` does that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mmnnx.mpmd._jax import constraint_names, is_constraint
+from mmnnx.mpmd.ir import Const, Graph, Op
+from mmnnx.mpmd.markers import resolve_names
+from mmnnx.mpmd.pipeline import Pipeline
+from mmnnx.mpmd.plan import Fragment, Plan, Transfer
+from mmnnx.mpmd.program import Action, Constant, Recv, Release, Run, Send, StepProgram
+from mmnnx.sharding import Task
+from mmnnx.sharding.specs import check_spec
+
+
+def compatible(sharding: Any, task: Task) -> NamedSharding:
+    """The sharding on ``task``'s mesh closest to ``sharding``: same spec if it fits, else P()."""
+    mesh = task.jax_mesh
+    spec = getattr(sharding, "spec", None)
+    if isinstance(sharding, NamedSharding) and spec is not None:
+        src_sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))
+        dst_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        if all(a in dst_sizes and dst_sizes[a] == src_sizes.get(a) for a in axes):
+            return NamedSharding(mesh, spec)
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def constraint_sharding(op: Op, task: Task, shape: Sequence[int]) -> NamedSharding:
+    """The sharding a logical ``mm.with_sharding_constraint`` op asks for on ``task``."""
+    spec = resolve_names(task, constraint_names(op))
+    where = f"with_sharding_constraint at {op.source} on task {task.name!r}"
+    check_spec(spec, shape, task.jax_mesh, where)
+    return NamedSharding(task.jax_mesh, spec)
+
+
+def _donations(
+    graph: Graph,
+    order: Sequence[tuple[Fragment, int | None]],
+    input_tasks: Sequence[Task | None],
+    donated: Sequence[bool],
+) -> dict[int, Fragment]:
+    """Donated inputs -> the fragment that may consume their buffer (their last reader).
+
+    A fragment that runs once per microbatch never donates: later microbatches read the input too.
+    """
+    outputs = {a for a in graph.outputs if isinstance(a, int)}
+    last: dict[int, tuple[Fragment, int | None]] = {}
+    for frag, m in order:
+        for v in frag.in_ids:
+            last[v] = (frag, m)
+    out = {}
+    for v, task, d in zip(graph.inputs, input_tasks, donated, strict=True):
+        frag, m = last.get(v, (None, None))
+        if d and frag is not None and m is None and frag.task == task and v not in outputs:
+            out[v] = frag
+    return out
+
+
+def _labels(pipeline: Pipeline | None) -> dict[int, tuple[str, str, int]]:
+    """Fragment id -> (task, kind, stage) of each pipeline stage fragment, for timeline events;
+    fragments outside the microbatch loop are not timed."""
+    if pipeline is None:
+        return {}
+    return {id(f): (f.task.name, kind, stage) for (kind, stage), f in pipeline.stages.items()}
+
+
+class _Lowering:
+    """The state of one lowering pass: slots, where each value is, and the actions so far."""
+
+    def __init__(self, graph: Graph, pipeline: Pipeline | None):
+        self.graph = graph
+        self.per_replica = set(pipeline.region_values) if pipeline else set()
+        self.index_value = pipeline.index_value if pipeline else None
+        if self.index_value is not None:
+            self.per_replica.add(self.index_value)
+        self.slot_task: list[Task | None] = []
+        self.sharding_of: list[Any] = []  # None: decided by the compiler
+        self.by_value: dict[tuple, list[int]] = {}
+        self.where: dict[tuple[int, int | None], Task | None] = {}
+        self.activations: dict[int, tuple[str, int]] = {}
+        self.actions: list[Action] = []
+        self.transfers: list[Transfer] = []
+        self.first_constraint: dict[int, Op] = {}
+        for op in graph.ops:
+            if is_constraint(op) and isinstance(op.ins[0], int):
+                self.first_constraint.setdefault(op.ins[0], op)
+        self.op_task: dict[int, Task] = {}
+
+    def replica(self, v: int, m: int | None) -> int | None:
+        return m if v in self.per_replica else None
+
+    def find(self, v: int, task: Task | None, m: int | None, want: Any = None) -> int | None:
+        for slot in self.by_value.get((v, task, m), ()):
+            if want is None or self.sharding_of[slot] == want:
+                return slot
+        return None
+
+    def new_slot(self, v: int, task: Task | None, sharding: Any, m: int | None) -> int:
+        slot = len(self.slot_task)
+        self.slot_task.append(task)
+        self.sharding_of.append(sharding)
+        self.by_value.setdefault((v, task, m), []).append(slot)
+        if m is not None:
+            self.activations[slot] = (task.name, m)
+        return slot
+
+    def ensure(self, v: int, task: Task, m: int | None, want: NamedSharding | None = None) -> int:
+        """The slot holding value ``v`` (of microbatch ``m``) on ``task``, receiving it first if
+        it is not there yet."""
+        graph = self.graph
+        m = self.replica(v, m)
+        found = self.find(v, task, m, want)
+        if found is not None:
+            return found
+        if v == self.index_value:
+            slot = self.new_slot(v, task, task.sharding(), m)
+            del self.activations[slot]  # a constant, not an activation
+            self.actions.append(Constant(slot, task, m))
+            return slot
+        source = self.where[(v, m)]
+        src_slot = self.find(v, source, m)
+        if want is None:
+            if source is None and v in self.first_constraint:
+                op = self.first_constraint[v]
+                want = constraint_sharding(op, self.op_task[op.index], graph.shapes[v])
+                if want.mesh != task.jax_mesh:
+                    want = compatible(want, task)
+            elif source is None:
+                want = task.sharding()
+            elif self.sharding_of[src_slot] is not None:
+                want = compatible(self.sharding_of[src_slot], task)
+        slot = self.new_slot(v, task, want, m)
+        if source is not None:
+            self.actions.append(Send(v, src_slot, source, task, m))
+        self.actions.append(Recv(v, slot, source, task, src_slot, want, m))
+        if m in (None, 0):
+            self.transfers.append(
+                Transfer(v, source, task, graph.shapes[v], graph.dtypes[v], graph.nbytes[v], want)
+            )
+        return slot
+
+
+def lower(
+    graph: Graph,
+    tasks: list[Task],
+    input_tasks: Sequence[Task | None],
+    input_shardings: Sequence[Any],
+    output_homes: Sequence[NamedSharding | None],
+    donated: Sequence[bool] | None,
+    order: Sequence[tuple[Fragment, int | None]],
+    pipeline: Pipeline | None = None,
+) -> Plan:
+    """Lowers fragments in dispatch ``order`` (each with its microbatch, ``None`` outside the
+    microbatch loop) to a :class:`StepProgram`; returns the :class:`Plan` holding it.
+
+    ``input_shardings``: the sharding of each placed input (``None`` for free inputs);
+    ``output_homes``: the sharding each output must end on (``None``: wherever it is made).
+    """
+    low = _Lowering(graph, pipeline)
+    low.op_task = {op.index: f.task for f, _ in order for op in f.ops}
+    accumulated = pipeline.accumulated if pipeline else {}
+    sum_of = {v: u for u, v in accumulated.items()}
+
+    inputs = []
+    for i, (v, t, s) in enumerate(zip(graph.inputs, input_tasks, input_shardings, strict=True)):
+        low.where[(v, None)] = t
+        inputs.append((low.new_slot(v, t, s, None), i))
+
+    home_of: dict[int, NamedSharding] = {}
+    for atom, home in zip(graph.outputs, output_homes, strict=True):
+        if isinstance(atom, int) and home is not None:
+            home_of.setdefault(atom, home)
+
+    donate_in = _donations(graph, order, input_tasks, donated or [False] * len(input_tasks))
+    labels = _labels(pipeline)
+    out_shardings_of: dict[int, tuple] = {}
+    for frag, m in order:
+        in_slots = tuple(low.ensure(v, frag.task, m) for v in frag.in_ids)
+        summed = [v for v in frag.out_ids if v in sum_of]
+        positions = tuple(i for i, v in enumerate(frag.out_ids) if v in sum_of)
+        totals = [low.find(sum_of[v], frag.task, None) for v in summed]
+        accumulate = bool(summed) and totals[0] is not None
+        shardings = out_shardings_of.get(id(frag))
+        if shardings is None:
+            shardings = out_shardings_of[id(frag)] = _out_shardings(frag, home_of)
+        out_slots = []
+        for v, s in zip(frag.out_ids, shardings, strict=True):
+            r = low.replica(v, m)
+            out_slots.append(low.new_slot(v, frag.task, s, r))
+            low.where[(v, r)] = frag.task
+        donate = tuple(i for i, v in enumerate(frag.in_ids) if donate_in.get(v) is frag)
+        label = labels.get(id(frag))
+        if accumulate:
+            low.actions.append(
+                Run(
+                    frag,
+                    in_slots,
+                    tuple(out_slots),
+                    m,
+                    tuple(totals),
+                    positions,
+                    donate,
+                    shardings,
+                    label,
+                )
+            )
+            continue
+        low.actions.append(Run(frag, in_slots, tuple(out_slots), m, (), (), donate, shardings, label))
+        for v in summed:  # the first microbatch's value starts the sum
+            u, slot = sum_of[v], out_slots[frag.out_ids.index(v)]
+            low.by_value.setdefault((u, frag.task, None), []).append(slot)
+            low.where[(u, None)] = frag.task
+            low.activations.pop(slot, None)  # now a running sum, not an activation
+
+    outputs: list[tuple[int | None, Any, Any]] = []
+    for atom, home in zip(graph.outputs, output_homes, strict=True):
+        if isinstance(atom, Const):
+            outputs.append((None, atom.value, home))
+        elif home is not None:
+            task = next(t for t in tasks if t.jax_mesh == home.mesh)
+            outputs.append((low.ensure(atom, task, None, home), None, None))
+        else:
+            outputs.append((low.find(atom, low.where[(atom, None)], None), None, None))
+
+    actions = _with_releases(low.actions, low.slot_task, inputs, outputs)
+    program = StepProgram(list(tasks), actions, inputs, outputs, low.sharding_of, low.activations)
+    fragments = list({id(f): f for f, _ in order}.values())
+    return Plan(list(tasks), fragments, low.transfers, program.num_programs, pipeline, program)
+
+
+def _out_shardings(frag: Fragment, home_of: dict[int, NamedSharding]) -> tuple:
+    """A fragment's results: on their home sharding when it is on this task, replicated for a
+    program with no inputs (nothing to infer a layout from), else the compiler's choice."""
+    out = []
+    for v in frag.out_ids:
+        home = home_of.get(v)
+        if home is not None and home.mesh == frag.task.jax_mesh:
+            out.append(home)
+        elif not frag.in_ids:
+            out.append(frag.task.sharding())
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _reads_writes(action: Action) -> tuple[Sequence[int], Sequence[int]]:
+    if isinstance(action, Run):
+        return (*action.ins, *action.sums), (*action.outs, *action.sums)
+    if isinstance(action, Recv):
+        return (action.from_slot,), (action.slot,)
+    if isinstance(action, Constant):
+        return (), (action.slot,)
+    return (), ()
+
+
+def _with_releases(
+    actions: list[Action],
+    slot_task: list[Task | None],
+    inputs: list[tuple[int, int]],
+    outputs: list[tuple[int | None, Any, Any]],
+) -> list[Action]:
+    """``actions`` with a Release after each value's last reader, so activations are freed as
+    soon as the step no longer needs them (the caller's inputs and outputs are kept)."""
+    keep = {s for s, _, _ in outputs if s is not None}
+    keep.update(slot for slot, _ in inputs)
+    last: dict[int, int] = {}
+    for i, action in enumerate(actions):
+        reads, writes = _reads_writes(action)
+        for s in writes:  # a value nothing reads is dropped right away
+            last.setdefault(s, i)
+        for s in reads:
+            last[s] = i
+    after: dict[int, dict[Task | None, list[int]]] = {}
+    for s, i in sorted(last.items()):
+        if s not in keep:
+            after.setdefault(i, {}).setdefault(slot_task[s], []).append(s)
+    out: list[Action] = []
+    for i, action in enumerate(actions):
+        out.append(action)
+        for task, slots in after.get(i, {}).items():
+            out.append(Release(task, tuple(slots)))
+    return out

@@ -1,0 +1,197 @@
+"""The runner: compiles the fragments a :class:`StepProgram` names, then executes its actions.
+
+Compiling walks the actions once in dispatch order (a fragment's input layouts are those of the
+values it reads, so they are known by the time it is reached) and turns them into a flat list of
+pre-resolved calls. Per call, the host work is one loop over that list: no tracing, no graph
+walks. Dispatch is asynchronous, so fragments on different submeshes overlap. In one process a
+Send/Recv pair is one ``jax.device_put``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from mmnnx.mpmd._jax import is_constraint, run_ops
+from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.lower import compatible, constraint_sharding
+from mmnnx.mpmd.plan import Plan
+from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram
+
+_RUN, _PUT = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One executed action, timed (``timeline`` mode): seconds since the step started."""
+
+    task: str
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any:
+    """Compiles the program of ``run``'s fragment for these input layouts; with ``run.sums``,
+    the variant that also takes the running sums of its summed outputs and returns them updated
+    (donating the old ones)."""
+    frag = run.fragment
+    n = len(frag.in_ids)
+    total_shardings = list(in_shardings[n:])
+    constraints = {
+        op.index: constraint_sharding(op, frag.task, graph.shapes[op.outs[0]])
+        for op in frag.ops
+        if is_constraint(op)
+    }
+
+    def constrain(x, op):
+        return jax.lax.with_sharding_constraint(x, constraints[op.index])
+
+    summed = run.summed
+
+    def body(*args):
+        outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, args[:n], constrain)
+        return [*outs, *(total + outs[i] for total, i in zip(args[n:], summed, strict=True))]
+
+    jitted = jax.jit(
+        body,
+        in_shardings=list(in_shardings),
+        out_shardings=[*run.out_shardings, *total_shardings],
+        donate_argnums=(*run.donate, *range(n, n + len(total_shardings))),
+    )
+    avals = [
+        jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
+        for v, s in zip(frag.in_ids, in_shardings[:n], strict=True)
+    ]
+    avals += [
+        jax.ShapeDtypeStruct(graph.shapes[frag.out_ids[i]], graph.dtypes[frag.out_ids[i]], sharding=s)
+        for i, s in zip(summed, total_shardings, strict=True)
+    ]
+    return jitted.lower(*avals).compile()
+
+
+class Executable:
+    """A step's plan, compiled on first use: call it with the flat input leaves; it returns the
+    flat outputs. ``plan`` is available before anything is compiled."""
+
+    def __init__(self, graph: Graph, plan: Plan):
+        self.graph = graph
+        self.plan = plan
+        self.program: StepProgram = plan.program
+        self.tasks = plan.tasks
+        self.owned_devices = {d for t in self.tasks for d in t.jax_mesh.devices.flat}
+        self._steps: list[tuple] | None = None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the programs are compiled (on the first call, or by :meth:`compile`)."""
+        return self._steps is not None
+
+    def compile(self) -> None:
+        """Compiles every distinct program of the step (once) and resolves every transfer."""
+        if self._steps is not None:
+            return
+        program = self.program
+        sharding_of = list(program.shardings)
+        compiled_of: dict[tuple[int, bool], Any] = {}
+        resolved: dict[tuple, Any] = {}
+        steps: list[list] = []
+        constants: list[tuple[int, Any]] = []
+        for action in program.actions:
+            if isinstance(action, Run):
+                ins = [*action.ins, *action.sums]
+                compiled = compiled_of.get(action.variant)
+                if compiled is None:
+                    in_shardings = [sharding_of[s] for s in ins]
+                    compiled = compiled_of[action.variant] = compile_fragment(
+                        self.graph, action, in_shardings
+                    )
+                outs = [*action.outs, *action.sums]
+                for s, sharding in zip(outs, compiled.output_shardings, strict=True):
+                    sharding_of[s] = sharding
+                steps.append([_RUN, compiled, ins, outs, action.label, action.microbatch, ()])
+            elif isinstance(action, Recv):
+                sharding = action.sharding
+                if sharding is None:
+                    sharding = compatible(sharding_of[action.from_slot], action.target)
+                    resolved.setdefault((action.value, action.source, action.target), sharding)
+                sharding_of[action.slot] = sharding
+                steps.append([_PUT, action.from_slot, action.slot, sharding, ()])
+            elif isinstance(action, Constant):
+                sharding_of[action.slot] = action.task.sharding()
+                constants.append(
+                    (action.slot, jax.device_put(jax.numpy.int32(action.value), sharding_of[action.slot]))
+                )
+            elif isinstance(action, Release):
+                steps[-1][-1] = (*steps[-1][-1], *action.slots)
+            elif not isinstance(action, Send):  # a Send is its Recv's device_put here
+                raise TypeError(f"unknown action {action!r}")
+        self.plan.transfers[:] = [
+            t
+            if t.sharding is not None
+            else dataclasses.replace(t, sharding=resolved.get((t.value, t.source, t.target)))
+            for t in self.plan.transfers
+        ]
+        self._constants = constants
+        self._outputs = [
+            (slot, None if slot is not None else (const if home is None else jax.device_put(const, home)))
+            for slot, const, home in program.outputs
+        ]
+        self._inputs = program.inputs
+        self._region_slots = program.activations
+        self._steps = [tuple(s) for s in steps]
+
+    def __call__(
+        self, leaves: Sequence[Any], *, timeline: list | None = None, memory: dict | None = None
+    ) -> list[Any]:
+        """Runs the step. ``timeline``: a list to append one timed :class:`Event` per fragment run
+        (blocking on each one's outputs). ``memory``: a dict to fill with each task's peak live
+        per-microbatch bytes and microbatch count (``{task: (bytes, microbatches)}``)."""
+        if self._steps is None:
+            self.compile()
+        env: list[Any] = [None] * self.program.num_slots
+        for slot, i in self._inputs:
+            env[slot] = leaves[i]
+        for slot, value in self._constants:
+            env[slot] = value
+        start = time.perf_counter()
+        for step in self._steps:
+            if step[0] == _RUN:
+                began = time.perf_counter() if timeline is not None else 0.0
+                outs = step[1](*[env[s] for s in step[2]])
+                if timeline is not None and step[4] is not None:
+                    jax.block_until_ready(outs)
+                    task, kind, stage = step[4]
+                    m = step[5] if step[5] is not None else 0
+                    timeline.append(
+                        Event(task, kind, stage, m, began - start, time.perf_counter() - start)
+                    )
+                for s, o in zip(step[3], outs, strict=True):
+                    env[s] = o
+            else:
+                value = env[step[1]]
+                if getattr(value, "sharding", None) != step[3]:
+                    value = jax.device_put(value, step[3])
+                env[step[2]] = value
+            if memory is not None:
+                self._record(env, memory)
+            for s in step[-1]:
+                env[s] = None
+        return [env[s] if s is not None else const for s, const in self._outputs]
+
+    def _record(self, env: list, memory: dict) -> None:
+        live: dict[str, tuple[int, set]] = {}
+        for slot, (task, m) in self._region_slots.items():
+            if env[slot] is not None:
+                total, microbatches = live.get(task, (0, set()))
+                microbatches.add(m)
+                live[task] = (total + env[slot].nbytes, microbatches)
+        for name, (total, microbatches) in live.items():
+            peak_bytes, peak_count = memory.get(name, (0, 0))
+            memory[name] = (max(peak_bytes, total), max(peak_count, len(microbatches)))
