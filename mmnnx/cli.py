@@ -10,7 +10,11 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h1")
+
+def _schedule_names() -> tuple[str, ...]:
+    from mmnnx.mpmd.schedules import names  # noqa: PLC0415
+
+    return names()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--schedule",
-        choices=SCHEDULES,
+        choices=_schedule_names(),
         default="1f1b",
         help="pipeline schedule (1f1b); interleaved-1f1b needs several stages per "
         "task: use the Python API",
@@ -155,11 +159,12 @@ def _check(args: argparse.Namespace) -> str | None:
             f"a microbatch of {args.batch_size // args.microbatches} sequences is not "
             f"divisible by --data-axis {args.data_axis}"
         )
-    if args.schedule in ("1f1b", "zero-bubble-h1") and args.microbatches < args.stages:
-        return (
-            f"--schedule {args.schedule} needs --microbatches >= --stages ({args.stages}); "
-            "use more microbatches or --schedule gpipe"
-        )
+    from mmnnx.mpmd.schedules import get  # noqa: PLC0415
+
+    try:
+        get(args.schedule, args.stages, args.microbatches)
+    except ValueError as e:
+        return f"--schedule {args.schedule} with --stages {args.stages} and --microbatches {args.microbatches}: {e}"
     return None
 
 

@@ -14,9 +14,9 @@ from jax.sharding import PartitionSpec
 from mmnnx.mpmd import _jax, markers
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError
+from mmnnx.mpmd.lower import lower
 from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
-from mmnnx.mpmd.lower import lower
 from mmnnx.mpmd.runner import Event, Executable
 from mmnnx.sharding import Task, task_of
 from mmnnx.sharding.place import SPEC_KEY

@@ -70,7 +70,7 @@ def microbatch(
     The arrays of the ``argnums`` arguments are split along ``dim`` into ``num`` microbatches (or
     microbatches of ``size`` rows); the outputs are combined leaf by leaf with ``reduce``:
     ``"sum"`` (multimesh's contract), ``"mean"``, or a pytree of those matching the output.
-    ``schedule`` (a name from ``mm.schedules.SCHEDULE_NAMES`` or a ``Schedule``) and
+    ``schedule`` (a name from ``mm.schedules.names()`` or a ``Schedule``) and
     ``virtual_stages`` say how a pipeline runs the microbatches.
 
     Outside ``mm.jit`` the microbatches run as a plain loop. Inside it, ``fun`` is traced once and
@@ -92,10 +92,10 @@ def microbatch(
         raise ValueError(f"mm.microbatch: {'num' if num is not None else 'size'} must be >= 1")
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"mm.microbatch: virtual_stages must be an int >= 1, got {virtual_stages}")
-    if isinstance(schedule, str) and schedule not in schedules.SCHEDULE_NAMES:
+    if isinstance(schedule, str) and schedule not in schedules.names():
         raise ValueError(
             f"mm.microbatch: unknown schedule {schedule!r}; valid schedules are "
-            f"{', '.join(schedules.SCHEDULE_NAMES)} (or a Schedule object)"
+            f"{', '.join(schedules.names())} (or a Schedule object)"
         )
     if not isinstance(schedule, str | schedules.Schedule):
         raise TypeError(f"mm.microbatch: schedule {schedule!r} is not a name or a Schedule")

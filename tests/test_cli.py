@@ -22,7 +22,10 @@ from mmnnx.cli import main
         ),
         (["--batch-size", "10"], "--batch-size 10 is not divisible by --microbatches 4"),
         (["--batch-size", "4"], "a microbatch of 1 sequences is not divisible by --data-axis 2"),
-        (["--microbatches", "1", "--batch-size", "2", "--stages", "2"], "needs --microbatches >="),
+        (
+            ["--microbatches", "1", "--batch-size", "2", "--stages", "2"],
+            "needs at least as many microbatches as stages",
+        ),
     ],
 )
 def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):

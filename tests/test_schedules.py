@@ -151,14 +151,16 @@ def test_get_unknown_name_lists_valid_names():
         get("nope", 4, 8)
     message = str(info.value)
     assert "'nope'" in message
-    for name in schedules.SCHEDULE_NAMES:
+    for name in schedules.names():
         assert repr(name) in message
 
 
 def test_get_rejects_bad_virtual_stages():
     with pytest.raises(ValueError, match="virtual_stages=3 does not divide num_stages=8"):
         get("interleaved-1f1b", 8, 8, virtual_stages=3)
-    with pytest.raises(ValueError, match="applies only to 'interleaved-1f1b'"):
+    with pytest.raises(
+        ValueError, match="applies only to interleaved schedules; '1f1b' runs one stage"
+    ):
         get("1f1b", 4, 8, virtual_stages=2)
     with pytest.raises(ValueError, match="virtual_stages must be an int >= 1"):
         get("interleaved-1f1b", 4, 8, virtual_stages=0)

@@ -215,7 +215,9 @@ def lower(
                 )
             )
             continue
-        low.actions.append(Run(frag, in_slots, tuple(out_slots), m, (), (), donate, shardings, label))
+        low.actions.append(
+            Run(frag, in_slots, tuple(out_slots), m, (), (), donate, shardings, label)
+        )
         for v in summed:  # the first microbatch's value starts the sum
             u, slot = sum_of[v], out_slots[frag.out_ids.index(v)]
             low.by_value.setdefault((u, frag.task, None), []).append(slot)

@@ -137,8 +137,8 @@ def plan_pipeline(
                 f"rank, but stage {s} runs on task {task.name!r} and stage "
                 f"{schedule.stages_of(rank)[0]} on task {first.name!r}"
             )
-    if schedule.name == "zero-bubble-h1":
-        stages = _split_backward(graph, stages, op_tasks)
+    if schedule.splits_backward:
+        stages = _split_backward(graph, stages, op_tasks, schedule.split_stages)
 
     pre = cut(graph, op_tasks, tasks, pre_ops, suffix="pre", free_inputs=free_inputs)
     post = cut(graph, op_tasks, tasks, post_ops, suffix="post", free_inputs=free_inputs)
@@ -146,7 +146,7 @@ def plan_pipeline(
     events = sched.simulate(schedule).events
     for e in sorted(events, key=lambda e: (e.start, e.rank)):
         frag = stages.get((e.kind, e.stage))
-        if frag is not None:
+        if frag is not None:  # absent: that pass of that stage has no ops (e.g. I of stage 0)
             order.append((frag, e.microbatch))
     order += [(f, None) for f in post]
     return Pipeline(
@@ -296,15 +296,18 @@ def _schedule(group: MicrobatchGroup, num_stages: int) -> sched.Schedule:
 
 
 def _split_backward(
-    graph: Graph, stages: dict[tuple[str, int], Fragment], op_tasks: Sequence[Task]
+    graph: Graph,
+    stages: dict[tuple[str, int], Fragment],
+    op_tasks: Sequence[Task],
+    split: frozenset[int],
 ) -> dict[tuple[str, int], Fragment]:
-    """Zero-bubble: each stage's backward splits into I (what the previous stage waits for)
-    and W (weight gradients, which can run later)."""
-    out: dict[tuple[str, int], Fragment] = {}
+    """Zero-bubble: the backward of each stage in ``split`` also gets an I fragment (what the
+    previous stage waits for) and a W fragment (weight gradients, which can run later); its B
+    fragment stays for microbatches the schedule runs unsplit."""
+    out: dict[tuple[str, int], Fragment] = dict(stages)
     consumers = graph.consumers()
     for (kind, stage), frag in stages.items():
-        if kind != "B":
-            out[(kind, stage)] = frag
+        if kind != "B" or stage not in split:
             continue
         inside = {op.index for op in frag.ops}
         producer = {v: op for op in frag.ops for v in op.outs}

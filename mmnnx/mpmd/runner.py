@@ -70,7 +70,9 @@ def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any
         for v, s in zip(frag.in_ids, in_shardings[:n], strict=True)
     ]
     avals += [
-        jax.ShapeDtypeStruct(graph.shapes[frag.out_ids[i]], graph.dtypes[frag.out_ids[i]], sharding=s)
+        jax.ShapeDtypeStruct(
+            graph.shapes[frag.out_ids[i]], graph.dtypes[frag.out_ids[i]], sharding=s
+        )
         for i, s in zip(summed, total_shardings, strict=True)
     ]
     return jitted.lower(*avals).compile()
@@ -126,7 +128,10 @@ class Executable:
             elif isinstance(action, Constant):
                 sharding_of[action.slot] = action.task.sharding()
                 constants.append(
-                    (action.slot, jax.device_put(jax.numpy.int32(action.value), sharding_of[action.slot]))
+                    (
+                        action.slot,
+                        jax.device_put(jax.numpy.int32(action.value), sharding_of[action.slot]),
+                    )
                 )
             elif isinstance(action, Release):
                 steps[-1][-1] = (*steps[-1][-1], *action.slots)
@@ -140,7 +145,12 @@ class Executable:
         ]
         self._constants = constants
         self._outputs = [
-            (slot, None if slot is not None else (const if home is None else jax.device_put(const, home)))
+            (
+                slot,
+                None
+                if slot is not None
+                else (const if home is None else jax.device_put(const, home)),
+            )
             for slot, const, home in program.outputs
         ]
         self._inputs = program.inputs

@@ -31,9 +31,6 @@ from typing import NamedTuple
 KINDS = ("F", "B", "I", "W")
 """Action kinds: forward, full backward, input-gradient half, weight-gradient half."""
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1")
-"""The names :func:`get` accepts."""
-
 _ACTION_RE = re.compile(r"^([FBIW])(\d+)\.(\d+)$")
 
 
@@ -135,6 +132,28 @@ class Schedule:
         if not 0 <= rank < self.num_ranks:
             raise ValueError(f"rank must be in 0..{self.num_ranks - 1}, got {rank}")
         return self.actions[rank]
+
+    @property
+    def split_stages(self) -> frozenset[int]:
+        """The stages whose backward pass this schedule splits into I and W actions.
+
+        Example:
+            >>> from mmnnx.mpmd.schedules import one_f_one_b, zero_bubble_h1
+            >>> sorted(zero_bubble_h1(2, 2).split_stages), sorted(one_f_one_b(2, 2).split_stages)
+            ([0, 1], [])
+        """
+        return frozenset(a.stage for row in self.actions for a in row if a.kind in "IW")
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether any stage's backward pass runs as separate I and W actions (zero-bubble).
+
+        Example:
+            >>> from mmnnx.mpmd.schedules import zero_bubble_h1
+            >>> zero_bubble_h1(2, 2).splits_backward
+            True
+        """
+        return bool(self.split_stages)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages owned by ``rank``, in increasing order.
@@ -753,19 +772,81 @@ def custom(
     return validate(Schedule(name, num_stages, num_microbatches, len(rows), stage_to_rank, rows))
 
 
-_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "zero-bubble-h1": zero_bubble_h1,
-}
+Builder = Callable[[int, int, int], Schedule]
+"""A schedule builder: ``builder(num_stages, num_microbatches, virtual_stages) -> Schedule``."""
+
+_REGISTRY: dict[str, Builder] = {}
+
+
+def register(name: str, builder: Builder, *, replace: bool = False) -> None:
+    """Make ``builder`` available as the schedule ``name`` everywhere a name is accepted.
+
+    ``builder(num_stages, num_microbatches, virtual_stages)`` returns the :class:`Schedule`;
+    ``num_stages`` counts model stages, ``virtual_stages`` how many of them each rank holds.
+    :func:`get`, ``mm.microbatch(schedule=name)``, ``mmnnx train --schedule`` and
+    ``multimesh_compat`` all read this one registry. Registering a taken name raises unless
+    ``replace=True``.
+
+    Example:
+        >>> from mmnnx.mpmd import schedules
+        >>> def forwards_first(num_stages, num_microbatches, virtual_stages):
+        ...     rows = [[f"F{s}.{m}" for m in range(num_microbatches)]
+        ...             + [f"B{s}.{m}" for m in reversed(range(num_microbatches))]
+        ...             for s in range(num_stages)]
+        ...     return schedules.custom(rows, name="forwards-first")
+        >>> schedules.register("forwards-first", forwards_first)
+        >>> schedules.get("forwards-first", 2, 2).actions_of(0)[2]
+        Action(kind='B', stage=0, microbatch=1)
+        >>> schedules.unregister("forwards-first")
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a schedule name must be a non-empty str, got {name!r}")
+    if not callable(builder):
+        raise TypeError(f"the builder of schedule {name!r} is not callable: {builder!r}")
+    if name in _REGISTRY and not replace:
+        raise ValueError(
+            f"schedule {name!r} is already registered; pass replace=True to replace it"
+        )
+    _REGISTRY[name] = builder
+
+
+def unregister(name: str) -> None:
+    """Remove the schedule ``name`` from the registry (see :func:`register`).
+
+    Example:
+        >>> from mmnnx.mpmd import schedules
+        >>> schedules.unregister("no-such-schedule")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown schedule 'no-such-schedule'; valid names: 'gpipe', ...
+    """
+    _check_name(name)
+    del _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    """The registered schedule names, in registration order.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import names
+        >>> names()
+        ('gpipe', '1f1b', 'interleaved-1f1b', 'zero-bubble-h1')
+    """
+    return tuple(_REGISTRY)
+
+
+def _check_name(name: str) -> None:
+    if name not in _REGISTRY:
+        valid = ", ".join(repr(n) for n in _REGISTRY)
+        raise ValueError(f"unknown schedule {name!r}; valid names: {valid}")
 
 
 def get(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Build the schedule called ``name`` (one of :data:`SCHEDULE_NAMES`).
+    """Build the registered schedule called ``name`` (see :func:`names`).
 
     ``num_stages`` always counts model stages. For ``"interleaved-1f1b"`` each rank holds
     ``virtual_stages`` of them, so there are ``num_stages / virtual_stages`` ranks; the other
-    schedules use one rank per stage and ``virtual_stages=1``.
+    built-in schedules use one rank per stage and ``virtual_stages=1``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import get
@@ -777,23 +858,50 @@ def get(name: str, num_stages: int, num_microbatches: int, virtual_stages: int =
         ...
         ValueError: unknown schedule 'pipedream'; valid names: 'gpipe', '1f1b', ...
     """
-    if name not in SCHEDULE_NAMES:
-        valid = ", ".join(repr(n) for n in SCHEDULE_NAMES)
-        raise ValueError(f"unknown schedule {name!r}; valid names: {valid}")
-    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+    _check_name(name)
+    if (
+        not isinstance(virtual_stages, int)
+        or isinstance(virtual_stages, bool)
+        or virtual_stages < 1
+    ):
         raise ValueError(f"virtual_stages must be an int >= 1, got {virtual_stages!r}")
-    if name == "interleaved-1f1b":
-        _check_counts(num_stages, num_microbatches)
-        if num_stages % virtual_stages:
-            raise ValueError(
-                f"virtual_stages={virtual_stages} does not divide num_stages={num_stages}: "
-                f"interleaved-1f1b puts virtual_stages stages on each of "
-                f"num_stages / virtual_stages ranks"
-            )
-        return interleaved_1f1b(num_stages // virtual_stages, num_microbatches, virtual_stages)
-    if virtual_stages != 1:
+    schedule = _REGISTRY[name](num_stages, num_microbatches, virtual_stages)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"the builder of schedule {name!r} returned {schedule!r}, not a Schedule")
+    validate(schedule)
+    if (schedule.num_stages, schedule.num_microbatches) != (num_stages, num_microbatches):
         raise ValueError(
-            f"virtual_stages={virtual_stages} applies only to 'interleaved-1f1b'; "
-            f"{name!r} runs one stage per rank"
+            f"the builder of schedule {name!r} was asked for {num_stages} stages and "
+            f"{num_microbatches} microbatches but built {schedule.num_stages} and "
+            f"{schedule.num_microbatches}"
         )
-    return _BUILDERS[name](num_stages, num_microbatches)
+    return schedule
+
+
+def _one_stage_per_rank(name: str, build: Callable[[int, int], Schedule]) -> Builder:
+    def builder(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+        if virtual_stages != 1:
+            raise ValueError(
+                f"virtual_stages={virtual_stages} applies only to interleaved schedules; "
+                f"{name!r} runs one stage per rank"
+            )
+        return build(num_stages, num_microbatches)
+
+    return builder
+
+
+def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+    _check_counts(num_stages, num_microbatches)
+    if num_stages % virtual_stages:
+        raise ValueError(
+            f"virtual_stages={virtual_stages} does not divide num_stages={num_stages}: "
+            f"interleaved-1f1b puts virtual_stages stages on each of "
+            f"num_stages / virtual_stages ranks"
+        )
+    return interleaved_1f1b(num_stages // virtual_stages, num_microbatches, virtual_stages)
+
+
+register("gpipe", _one_stage_per_rank("gpipe", gpipe))
+register("1f1b", _one_stage_per_rank("1f1b", one_f_one_b))
+register("interleaved-1f1b", _interleaved)
+register("zero-bubble-h1", _one_stage_per_rank("zero-bubble-h1", zero_bubble_h1))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -11,17 +11,42 @@ import jax
 import mmnnx as mm
 from multimesh_compat.jax import _context
 
-# multimesh schedule name -> mmnnx schedule name
-SCHEDULES = {
-    "gpipe": "gpipe",
+# multimesh schedule names that mmnnx knows by another name
+_ALIASES = {
     "fill-drain": "gpipe",
     "breadth-first": "gpipe",
-    "1f1b": "1f1b",
     "wavefront": "1f1b",
     "prefetch-wavefront": "1f1b",  # no loop-increment prefetching in mmnnx: plain 1F1B
-    "zero-bubble-h2": "zero-bubble-h1",  # mmnnx implements ZB-H1 only
+    "zero-bubble-h2": "zero-bubble-h1",  # used where the registry has no ZB-H2
     "custom": "custom",
 }
+
+
+class _ScheduleNames(Mapping):
+    """multimesh schedule name -> mmnnx schedule name: every name in mmnnx's schedule registry
+    (``mm.schedules.names()``, read at each look-up) as itself, then multimesh's aliases."""
+
+    def _table(self) -> dict[str, str]:
+        registered = mm.schedules.names()
+        table = {name: name for name in registered}
+        for alias, target in _ALIASES.items():
+            table.setdefault(alias, target)
+        return table
+
+    def __getitem__(self, name: str) -> str:
+        return self._table()[name]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __repr__(self) -> str:
+        return repr(self._table())
+
+
+SCHEDULES = _ScheduleNames()
 
 
 def _custom_table(custom_schedule: Sequence[Sequence[Any]], num: int) -> mm.schedules.Schedule:
