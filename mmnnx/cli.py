@@ -164,7 +164,10 @@ def _check(args: argparse.Namespace) -> str | None:
     try:
         get(args.schedule, args.stages, args.microbatches)
     except ValueError as e:
-        return f"--schedule {args.schedule} with --stages {args.stages} and --microbatches {args.microbatches}: {e}"
+        return (
+            f"--schedule {args.schedule} with --stages {args.stages} and --microbatches "
+            f"{args.microbatches}: {e}"
+        )
     return None
 
 
