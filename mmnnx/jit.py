@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from mmnnx import _nnx
 from mmnnx.mpmd import _jax, markers
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError
@@ -20,20 +21,6 @@ from mmnnx.mpmd.plan import Plan, cut
 from mmnnx.mpmd.runner import Event, Executable
 from mmnnx.sharding import Task, task_of
 from mmnnx.sharding.place import SPEC_KEY
-
-_VARIABLE_TYPES: dict[type, bool] = {}
-
-
-def _is_variable(x: Any) -> bool:
-    """``isinstance(x, nnx.Variable)``, memoised per type: Flax's metaclass check runs in Python
-    and this is asked of every node of every argument on every call."""
-    kind = type(x)
-    known = _VARIABLE_TYPES.get(kind)
-    if known is None:
-        known = isinstance(x, nnx.Variable)
-        if not _jax.is_tracer(x):  # a traced Variable's answer depends on its value
-            _VARIABLE_TYPES[kind] = known
-    return known
 
 
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
@@ -64,8 +51,8 @@ def _output_homes(out_shape: Any) -> list[tuple[Task | None, Any]]:
     computed on, and returned from, their parameter's task.
     """
     homes = []
-    for node in jax.tree.leaves(out_shape, is_leaf=_is_variable):
-        task = task_of(node) if _is_variable(node) else None
+    for node in jax.tree.leaves(out_shape, is_leaf=_nnx.is_variable):
+        task = task_of(node) if _nnx.is_variable(node) else None
         if task is None:
             homes.append((None, None))
         else:
@@ -87,13 +74,13 @@ class _Call:
     def __init__(self, fn: JitFunction, args: tuple, kwargs: dict):
         self.fn = fn
         self._set_statics(args, kwargs)
-        nodes, self.treedef = jax.tree.flatten(self.target, is_leaf=_is_variable)
+        nodes, self.treedef = jax.tree.flatten(self.target, is_leaf=_nnx.is_variable)
         position: dict[int, int] = {}
         self.variables: list[nnx.Variable] = []
         arrays: list[Any] = []
         self.slots: list[int] = []
         for node in nodes:
-            if _is_variable(node):
+            if _nnx.is_variable(node):
                 i = position.get(id(node))
                 if i is None:
                     i = position[id(node)] = len(self.variables)
@@ -154,7 +141,7 @@ class _Call:
     @functools.cached_property
     def _paths(self) -> list[tuple]:
         """The path of each input (first occurrence for a shared Variable)."""
-        with_paths, _ = jax.tree.flatten_with_path(self.target, is_leaf=_is_variable)
+        with_paths, _ = jax.tree.flatten_with_path(self.target, is_leaf=_nnx.is_variable)
         paths: list[Any] = [None] * len(self.leaves)
         for (path, _), slot in zip(with_paths, self.slots, strict=True):
             i = slot if slot >= 0 else self.num_variables - 1 - slot
@@ -182,7 +169,7 @@ class _Call:
         return dyn_args, dyn_kwargs, fresh
 
     def check_unchanged(self, dyn_args: tuple, dyn_kwargs: dict, fresh: list) -> None:
-        nodes, treedef = jax.tree.flatten((dyn_args, dyn_kwargs), is_leaf=_is_variable)
+        nodes, treedef = jax.tree.flatten((dyn_args, dyn_kwargs), is_leaf=_nnx.is_variable)
         same = treedef == self.treedef and all(
             node is fresh[s] for node, s in zip(nodes, self.slots, strict=True) if s >= 0
         )
@@ -306,7 +293,7 @@ class JitFunction:
         executable, (out_tree, num_user_outputs) = self._lookup(call)
         with _jax.no_ambient_mesh():  # each fragment runs on its own task's mesh
             results = executable(call.leaves, **modes)
-        _jax.set_variable_values(call.variables, results[num_user_outputs:])
+        _nnx.set_values(call.variables, results[num_user_outputs:])
         return jax.tree.unflatten(out_tree, results[:num_user_outputs])
 
     def timeline(self, *args, **kwargs) -> list[Event]:
@@ -401,8 +388,8 @@ class CachedPartial:
             tuple(None if i + offset in statics else a for i, a in enumerate(args)),
             {k: v for k, v in kwargs.items() if k not in names},
         )
-        nodes, treedef = jax.tree.flatten(tail, is_leaf=_is_variable)
-        plain = not any(_is_variable(n) for n in nodes)
+        nodes, treedef = jax.tree.flatten(tail, is_leaf=_nnx.is_variable)
+        plain = not any(_nnx.is_variable(n) for n in nodes)
         if plain and self._template is not None and treedef == self._tail_treedef:
             return self._template.rebound(full, kwargs, nodes)
         call = _Call(self.fn, full, kwargs)

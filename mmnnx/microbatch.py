@@ -8,10 +8,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from mmnnx import _nnx
 from mmnnx.mpmd import _jax, markers, schedules
-from mmnnx.mpmd.pipeline import GROUP_PREFIX, MicrobatchGroup
+from mmnnx.mpmd.ir import GROUP_PREFIX
+from mmnnx.mpmd.pipeline import MicrobatchGroup
 
 _REDUCTIONS = ("sum", "mean")
 
@@ -160,8 +161,8 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any |
     variables = [
         v
         for a in (*args, *kwargs.values())
-        for v in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        if isinstance(v, nnx.Variable)
+        for v in jax.tree.leaves(a, is_leaf=_nnx.is_variable)
+        if _nnx.is_variable(v)
     ]
     before = [v.get_raw_value() for v in variables]
     with jax.named_scope(f"{GROUP_PREFIX}{group}"):

@@ -21,7 +21,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from mmnnx.sharding.place import SPEC_KEY, task_of, variables_of
+from mmnnx._nnx import variables_of
+from mmnnx.sharding.place import SPEC_KEY, task_of
 from mmnnx.sharding.rules import Path, path_str
 from mmnnx.sharding.specs import bytes_per_device, itemsize
 

@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
+from mmnnx._nnx import variables_of
 from mmnnx.models import GPT, GPTConfig, stage_rules
 from mmnnx.modules import Linear
-from mmnnx.sharding.place import variables_of
 
 BASE = GPTConfig(vocab_size=16, dim=32, depth=8, num_heads=2, max_seq_len=8)
 

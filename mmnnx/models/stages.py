@@ -12,10 +12,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from mmnnx._nnx import variables_of
 from mmnnx.modules.attention import Attention
 from mmnnx.modules.embed import Embed
 from mmnnx.sharding import Task
-from mmnnx.sharding.place import variables_of
 
 BY = ("params", "flops")
 

@@ -1,13 +1,17 @@
-"""The one module that touches JAX and Flax internals (jaxpr types, primitives, source info, the
-raw-value slot of an NNX Variable).
+"""The one module that touches JAX internals: jaxpr types and primitives, name-stack and
+source-info conventions, which primitives are views or slicing, and the marker primitives.
 
-Everything else in mmnnx works on the flat IR this module produces (``ir.Graph``), so a JAX or
-Flax upgrade changes this file only.
+Everything else in the engine works on the flat IR this module produces (``ir.Graph``), whose ops
+already say whether they are backward, which ``mm.task`` region and which ``mm.microbatch`` call
+they belong to; so a JAX upgrade changes this file only (``mmnnx/_nnx.py`` is its Flax twin).
+Public ``jax.extend`` names are used where they exist; ``jax._src`` only for the ordered-effects
+set and the user frame of a source location, which JAX does not export.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,37 +22,69 @@ from jax.extend import core as jcore
 from jax.interpreters import ad, batching
 
 from mmnnx.mpmd.errors import SideEffectError
-from mmnnx.mpmd.ir import Const, Graph, Op
+from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op
 from mmnnx.sharding.specs import itemsize
 
 # Call-like primitives whose bodies are spliced into the enclosing graph: they carry no semantics
 # beyond grouping, and splicing lets their pieces run on different tasks.
 _INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
+# Ops that only re-present one value (reshaped, broadcast, transposed, cast): a view of placed
+# state still is that state, so an op reading it runs where the state lives.
+_VIEWS = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "convert_element_type",
+        "copy",
+        "reduce_precision",
+    }
+)
+
+# Data movement (slicing a batch into inputs and labels): cheap enough to recompute in every
+# fragment that reads it instead of sending it.
+_SLICING = frozenset(
+    {"dynamic_slice", "slice", "reshape", "squeeze", "expand_dims", "convert_element_type"}
+)
+
+# JAX names the transposed (backward) pass of a computation ``transpose(...)`` in name stacks.
+_BACKWARD_MARK = "transpose("
+_REGION = re.compile(re.escape(REGION_PREFIX) + r"([^/()]+)")
+_GROUP = re.compile(re.escape(GROUP_PREFIX) + r"(\d+)")
+
+
+def is_view(op: Op) -> bool:
+    """Whether ``op`` only re-presents its operand (reshape, broadcast, transpose, cast)."""
+    return op.name in _VIEWS
+
+
+def is_slicing(op: Op) -> bool:
+    """Whether ``op`` only cuts or re-presents data (cheap to recompute where it is needed)."""
+    return op.name in _SLICING
+
+
+def is_backward_scope(scope: str) -> bool:
+    """Whether a name scope (as the tracer records it) is inside a backward (transposed) pass.
+
+    Example:
+        >>> is_backward_scope("jvp(step)/transpose(jvp(mm_task:a))"), is_backward_scope("a/b")
+        (True, False)
+    """
+    return _BACKWARD_MARK in scope
+
+
+def _last(pattern: re.Pattern, scope: str) -> str | None:
+    found = pattern.findall(scope)
+    return found[-1] if found else None
+
 
 def no_ambient_mesh():
     """A context without the ambient mesh (``with MultiMesh(...)``): the engine traces against
     abstract shapes and compiles and runs each fragment on its own task's mesh."""
     return jax.set_mesh(None)
-
-
-def is_tracer(x: Any) -> bool:
-    """Whether ``x`` is a value being traced (not a concrete array or Python object)."""
-    return isinstance(x, jax.core.Tracer)
-
-
-def set_variable_values(variables: Sequence[Any], values: Sequence[Any]) -> None:
-    """Writes a step's new values into the caller's NNX Variables.
-
-    ``Variable.set_raw_value`` checks the trace level on every write (about 2 us each through
-    ``__setattr__``); all of a call's Variables come from the caller's level, so the first write
-    goes through that check and the rest store the value directly.
-    """
-    if not variables:
-        return
-    variables[0].set_raw_value(values[0])
-    for variable, value in zip(variables[1:], values[1:], strict=True):
-        object.__setattr__(variable, "_raw_value", value)
 
 
 def trace(fun: Callable, avals: Sequence[jax.ShapeDtypeStruct]) -> tuple[Graph, Any]:
@@ -94,6 +130,7 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
             for v, o in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = o
+            group = _last(_GROUP, scope)
             graph.ops.append(
                 Op(
                     index=len(graph.ops),
@@ -106,6 +143,9 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
                     name=eqn.primitive.name,
                     scope=scope,
                     effectful=bool(eqn.effects),
+                    backward=is_backward_scope(scope),
+                    region=_last(_REGION, scope),
+                    group=int(group) if group is not None else None,
                 )
             )
         return [atom(a) for a in jaxpr.outvars]

@@ -16,23 +16,12 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
+from mmnnx.mpmd._jax import is_view
 from mmnnx.mpmd.errors import PlacementConflictError
 from mmnnx.mpmd.ir import Graph
 from mmnnx.sharding import Task
 
 _MAX_ROUNDS = 4
-_VIEWS = frozenset(
-    {
-        "reshape",
-        "broadcast_in_dim",
-        "transpose",
-        "squeeze",
-        "expand_dims",
-        "convert_element_type",
-        "copy",
-        "reduce_precision",
-    }
-)
 _MAX_CAPACITY = 2**20
 
 
@@ -68,7 +57,7 @@ def colour(
         for a in op.ins:
             if isinstance(a, int) and a in state:
                 reads.setdefault(state[a], origin[a])
-        if op.name in _VIEWS and len(reads) == 1 and len(op.outs) == 1:
+        if is_view(op) and len(reads) == 1 and len(op.outs) == 1:
             ((task, source),) = reads.items()
             state[op.outs[0]] = task
             origin[op.outs[0]] = source

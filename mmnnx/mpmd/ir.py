@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 REGION_PREFIX = "mm_task:"
-_REGION = re.compile(re.escape(REGION_PREFIX) + r"([^/()]+)")
+"""``mm.task(fn, t)`` traces ``fn`` under the name scope ``REGION_PREFIX + t.name``: every op in
+it (and in its backward pass) runs on ``t``."""
+
+GROUP_PREFIX = "mm_microbatch:"
+"""``mm.microbatch`` traces its body under the name scope ``GROUP_PREFIX + str(group)``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +25,12 @@ Atom = int | Const
 
 @dataclasses.dataclass
 class Op:
-    """One primitive application: reads ``ins``, writes ``outs`` (value ids)."""
+    """One primitive application: reads ``ins``, writes ``outs`` (value ids).
+
+    ``backward``: the op belongs to a backward (transposed) pass; ``region``: the task name of
+    the innermost ``mm.task`` region it was traced in; ``group``: the ``mm.microbatch`` call it
+    was traced in. The tracer (``_jax.py``) reads all three from the op's name scope.
+    """
 
     index: int
     primitive: Any
@@ -34,16 +42,9 @@ class Op:
     name: str
     scope: str = ""
     effectful: bool = False
-
-    @property
-    def backward(self) -> bool:
-        return "transpose(" in self.scope
-
-    @property
-    def region(self) -> str | None:
-        """The task name of the innermost ``mm.task`` region this op was traced in, if any."""
-        found = _REGION.findall(self.scope)
-        return found[-1] if found else None
+    backward: bool = False
+    region: str | None = None
+    group: int | None = None
 
 
 @dataclasses.dataclass

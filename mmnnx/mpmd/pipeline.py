@@ -11,7 +11,6 @@ to stage d again, since cotangents walk the stages in reverse.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 
 from mmnnx.mpmd import schedules as sched
@@ -29,9 +28,6 @@ from mmnnx.mpmd.plan import (
     with_replicas,
 )
 from mmnnx.sharding import Task
-
-GROUP_PREFIX = "mm_microbatch:"
-_GROUP = re.compile(re.escape(GROUP_PREFIX) + r"(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +58,6 @@ class Pipeline:
         return [*self.pre, *self.stages.values(), *self.post]
 
 
-def group_of(op: Op) -> int | None:
-    found = _GROUP.findall(op.scope)
-    return int(found[-1]) if found else None
-
-
 def plan_pipeline(
     graph: Graph,
     op_tasks: Sequence[Task],
@@ -77,7 +68,7 @@ def plan_pipeline(
     """The pipelined plan, or ``None`` when the step has no traced microbatch region.
 
     ``free_inputs`` are the graph inputs placed on no task (batches, counters)."""
-    region_groups = {g for op in graph.ops if (g := group_of(op)) is not None}
+    region_groups = {op.group for op in graph.ops if op.group is not None}
     if not region_groups:
         return None
     if len(region_groups) > 1:
@@ -92,7 +83,7 @@ def plan_pipeline(
     index_value = index_ops[0].outs[0] if index_ops else None
     accumulate_ops = [op for op in graph.ops if is_accumulate(op)]
     region = [
-        op for op in graph.ops if group_of(op) == gid and not is_index(op) and not is_accumulate(op)
+        op for op in graph.ops if op.group == gid and not is_index(op) and not is_accumulate(op)
     ]
     region_ids = {op.index for op in region}
     region_values = {v for op in region for v in op.outs}

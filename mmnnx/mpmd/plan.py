@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from mmnnx.mpmd._jax import is_slicing
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.sharding import Task
 
@@ -194,14 +195,6 @@ def make_fragment(
     return Fragment(name, task, ops, in_ids, out_ids, kinds)
 
 
-# Data movement (slicing a batch into inputs and labels): cheap enough to recompute in every
-# fragment that reads it instead of sending it. replicable_ops also admits scalar and
-# non-float results (index offsets).
-_SLICING = frozenset(
-    {"dynamic_slice", "slice", "reshape", "squeeze", "expand_dims", "convert_element_type"}
-)
-
-
 def replicable_ops(graph: Graph, ops: Sequence[Op], seeds: set[int], allowed: set[int]) -> list[Op]:
     """Cheap ops that read at least one ``seeds`` value (or another such op's result) and
     otherwise only ``allowed`` values; their results are not step outputs."""
@@ -210,7 +203,9 @@ def replicable_ops(graph: Graph, ops: Sequence[Op], seeds: set[int], allowed: se
     found = []
     for op in ops:
         sources = [a for a in op.ins if isinstance(a, int)]
-        cheap = op.name in _SLICING or all(
+        # slicing a batch into inputs and labels, and index arithmetic (scalar or non-float
+        # results), is cheap enough to recompute in every fragment that reads it
+        cheap = is_slicing(op) or all(
             graph.shapes[v] == () or not jnp.issubdtype(graph.dtypes[v], jnp.floating)
             for v in op.outs
         )

@@ -14,6 +14,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mmnnx._nnx import logical_names, variables_of
 from mmnnx.sharding.rules import Path, PlacementRule, compile_rules, path_str
 from mmnnx.sharding.specs import check_spec
 from mmnnx.sharding.task import Task
@@ -22,8 +23,6 @@ M = TypeVar("M")
 
 TASK_KEY = "mm_task"
 SPEC_KEY = "mm_spec"
-# Flax 0.12 keeps logical names under "out_sharding"; older releases used the other two keys.
-_LOGICAL_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,21 +41,6 @@ class Assignment:
     @property
     def sharding(self) -> NamedSharding:
         return self.task.sharding(self.spec)
-
-
-def variables_of(model: Any) -> list[tuple[Path, nnx.Variable]]:
-    """Every Variable reachable from ``model`` (shared ones once), with its path."""
-    return [(p, v) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)]
-
-
-def logical_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
-    """The logical axis names a Variable was annotated with (``nnx.with_partitioning``), if any."""
-    meta = variable.get_metadata()
-    for key in _LOGICAL_KEYS:
-        names = meta.get(key)
-        if isinstance(names, tuple | list) and all(n is None or isinstance(n, str) for n in names):
-            return tuple(names)
-    return None
 
 
 def _resolve_spec(rule: PlacementRule, path: Path, variable: nnx.Variable) -> PartitionSpec:

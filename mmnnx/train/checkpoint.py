@@ -39,6 +39,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from mmnnx._nnx import variables_of
 from mmnnx.sharding.place import SPEC_KEY, TASK_KEY
 
 __all__ = ["Checkpointer"]
@@ -132,11 +133,7 @@ def _join_writers(running: set[threading.Thread], timeout: float = 120.0) -> Non
 
 def _variables(node: Any) -> list[tuple[Path, nnx.Variable]]:
     """Every Variable reachable from ``node`` (shared ones once), with its path as strings."""
-    return [
-        (tuple(str(k) for k in path), var)
-        for path, var in nnx.iter_graph(node)
-        if isinstance(var, nnx.Variable)
-    ]
+    return [(tuple(str(k) for k in path), var) for path, var in variables_of(node)]
 
 
 def _is_key(value: Any) -> bool:
