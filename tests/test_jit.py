@@ -141,6 +141,32 @@ def test_plan_is_inspectable(tasks, batch):
     assert plan.num_programs == len(plan.fragments)
 
 
+def test_plan_compiles_nothing_and_shows_each_tasks_program(tasks, batch, monkeypatch):
+    from mmnnx.mpmd import runner
+
+    compiled = []
+    real = runner.compile_fragment
+    monkeypatch.setattr(
+        runner, "compile_fragment", lambda *a: compiled.append(a[1].fragment.name) or real(*a)
+    )
+    model, opt, ref, ref_opt = placed_and_reference(tasks, optax.sgd(0.1))
+    step = mm.jit(train_step)
+    plan = step.plan(model, opt, *batch)
+    assert compiled == []  # planning and lowering compile nothing
+    text = str(plan)
+    for task in ("stage0", "stage1"):
+        actions = plan.program.program(task)
+        assert f"program of {task!r} ({len(actions)} actions)" in text
+        assert {type(a).__name__ for a in actions} >= {"Run", "Send", "Recv", "Release"}
+    runs = [a for a in plan.program.actions if type(a).__name__ == "Run"]
+    assert [a.fragment.name for a in runs] == [f.name for f in plan.fragments]
+    assert step.compile(model, opt, *batch) is plan
+    assert sorted(compiled) == sorted(f.name for f in plan.fragments)
+    close(step(model, opt, *batch), train_step(ref, ref_opt, *batch))
+    assert len(compiled) == plan.num_programs  # the call compiled nothing more
+    assert all(t.sharding is not None for t in plan.transfers)  # resolved by compiling
+
+
 def test_one_task_is_one_program(batch):
     t = mm.Task(
         "solo",

@@ -19,9 +19,9 @@ from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.plan import (
     Fragment,
-    _kinds,
     after_backward,
     cut,
+    kinds_of,
     levels,
     make_fragment,
     replicable_ops,
@@ -117,7 +117,7 @@ def plan_pipeline(
     replicable = replicable_ops(graph, region, seeds, free_inputs)
     replicable_ids = {op.index for op in replicable}
     staged = [op for op in region if op.index not in replicable_ids]
-    stages, stage_tasks = _stage_fragments(graph, staged, op_tasks, replicable)
+    stages, stage_tasks = stage_fragments(graph, staged, op_tasks, replicable)
     schedule = _schedule(group, len(stage_tasks))
     for s, task in enumerate(stage_tasks):
         rank = schedule.stage_to_rank[s]
@@ -129,7 +129,7 @@ def plan_pipeline(
                 f"{schedule.stages_of(rank)[0]} on task {first.name!r}"
             )
     if schedule.splits_backward:
-        stages = _split_backward(graph, stages, op_tasks, schedule.split_stages)
+        stages = split_backward(graph, stages, op_tasks, schedule.split_stages)
 
     pre = cut(graph, op_tasks, tasks, pre_ops, suffix="pre", free_inputs=free_inputs)
     post = cut(graph, op_tasks, tasks, post_ops, suffix="post", free_inputs=free_inputs)
@@ -153,11 +153,12 @@ def plan_pipeline(
     )
 
 
-def _stage_fragments(
+def stage_fragments(
     graph: Graph, region: list[Op], op_tasks: Sequence[Task], replicable: list[Op]
 ) -> tuple[dict[tuple[str, int], Fragment], list[Task]]:
-    level = levels(graph, region, op_tasks, inputs_movable=False)
-    late = _join_consumers(graph, region, op_tasks, level)
+    level, late = join_consumers(
+        graph, region, op_tasks, levels(graph, region, op_tasks, inputs_movable=False)
+    )
     updates = after_backward(graph)
     backward = {op.index for op in region if op.backward or op.index in updates} | late
     forward_levels: dict[int, set[Task]] = {}
@@ -228,17 +229,21 @@ def _stage_fragments(
     for key, ops in sorted(members.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         task = stage_tasks[key[1]]
         name = f"{task.name}/{key[0]}{key[1]}"
-        fragments[key] = with_replicas(graph, name, task, ops, _kinds(ops, updates), replicable)
+        fragments[key] = with_replicas(graph, name, task, ops, kinds_of(ops, updates), replicable)
     return fragments, stage_tasks
 
 
-def _join_consumers(
-    graph: Graph, region: list[Op], op_tasks: Sequence[Task], level: dict[int, int]
-) -> set[int]:
+def join_consumers(
+    graph: Graph, region: list[Op], op_tasks: Sequence[Task], levels_in: dict[int, int]
+) -> tuple[dict[int, int], set[int]]:
     """An op that reads only values from outside the region (parameters, the batch, labels) on its
     task belongs to the stage of its consumers, not to depth 0: a later stage's parameter reshapes
     and label slices run in that stage, and so does the loss's backward seed. A forward op with
-    forward readers follows those only (its backward readers are residual uses)."""
+    forward readers follows those only (its backward readers are residual uses).
+
+    Returns the new levels (``levels_in`` is left as it was) and the ops read by the backward
+    pass only ("late": they run with their backward readers)."""
+    level = dict(levels_in)
     inside = {op.index for op in region}
     producer = {v: op for op in region for v in op.outs}
     consumers = graph.consumers()
@@ -266,7 +271,7 @@ def _join_consumers(
         bounds = [level[c.index] - (op_tasks[c.index] != task) for c in readers]
         if bounds:
             level[op.index] = max(level[op.index], min(bounds))
-    return late
+    return level, late
 
 
 def _schedule(group: MicrobatchGroup, num_stages: int) -> sched.Schedule:
@@ -286,7 +291,7 @@ def _schedule(group: MicrobatchGroup, num_stages: int) -> sched.Schedule:
         raise MPMDError(f"mm.jit: mm.microbatch(schedule={group.schedule!r}): {e}") from None
 
 
-def _split_backward(
+def split_backward(
     graph: Graph,
     stages: dict[tuple[str, int], Fragment],
     op_tasks: Sequence[Task],

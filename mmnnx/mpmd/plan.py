@@ -93,7 +93,7 @@ class Plan:
         return str(self)
 
 
-def _kinds(ops: Sequence[Op], after_backward: set[int]) -> tuple[str, ...]:
+def kinds_of(ops: Sequence[Op], after_backward: set[int]) -> tuple[str, ...]:
     kinds = set()
     for op in ops:
         if op.backward:
@@ -297,5 +297,7 @@ def cut(
         k = counts[task] = counts.get(task, -1) + 1
         group = groups[key]
         name = f"{task.name}#{suffix}{k}"
-        fragments.append(with_replicas(graph, name, task, group, _kinds(group, updates), replicas))
+        fragments.append(
+            with_replicas(graph, name, task, group, kinds_of(group, updates), replicas)
+        )
     return fragments

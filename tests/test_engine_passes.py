@@ -1,0 +1,243 @@
+"""The engine's passes on small graphs built by hand: colouring, levels, cutting, stage
+assignment, the backward split, and lowering to per-task programs (no tracing, no compiling)."""
+
+import numpy as np
+import pytest
+
+import mmnnx as mm
+from mmnnx.mpmd.colour import colour
+from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.lower import lower
+from mmnnx.mpmd.pipeline import join_consumers, split_backward, stage_fragments
+from mmnnx.mpmd.plan import cut, levels, make_fragment
+from mmnnx.mpmd.program import Recv, Release, Run, Send
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return [mm.Task(name, mesh=mm.TaskMesh(devices=[i])) for i, name in enumerate("AB")]
+
+
+class Builder:
+    """Builds an ``ir.Graph`` op by op; every value is a float32 vector of ``size`` elements."""
+
+    def __init__(self):
+        self.graph = Graph()
+
+    def value(self, size: int) -> int:
+        return self.graph.new_value(((size,), np.dtype("float32"), 4 * size))
+
+    def input(self, size: int = 1) -> int:
+        v = self.value(size)
+        self.graph.inputs.append(v)
+        return v
+
+    def op(self, name, *ins, size=1, backward=False, region=None, group=None) -> int:
+        out = self.value(size)
+        self.graph.ops.append(
+            Op(
+                index=len(self.graph.ops),
+                primitive=None,
+                params={},
+                ins=list(ins),
+                outs=[out],
+                multiple_results=False,
+                source=f"test.py:{len(self.graph.ops)} ({name})",
+                name=name,
+                backward=backward,
+                region=region,
+                group=group,
+            )
+        )
+        return out
+
+    def outputs(self, *values):
+        self.graph.outputs = list(values)
+        return self.graph
+
+
+def two_layer_chain():
+    """x -> dot(x, pa) -> tanh -> dot(., pb) -> tanh; pa on A, pb on B."""
+    b = Builder()
+    x, pa, pb = b.input(64), b.input(8), b.input(8)
+    h = b.op("tanh", b.op("dot_general", x, pa, size=64), size=64)
+    y = b.op("tanh", b.op("dot_general", h, pb, size=64), size=64)
+    return b.outputs(y), (x, pa, pb)
+
+
+def test_colour_follows_state_and_moves_the_fewest_bytes(tasks):
+    a, bt = tasks
+    graph, _ = two_layer_chain()
+    labels = colour(graph, [None, a, bt], ["x", "pa", "pb"], [None], tasks)
+    assert [t.name for t in labels] == ["A", "A", "B", "B"]
+
+
+def test_colour_keeps_a_free_op_with_its_heaviest_operand(tasks):
+    a, bt = tasks
+    b = Builder()
+    pa, pb = b.input(1000), b.input(1)
+    big, small = b.op("exp", pa, size=1000), b.op("exp", pb, size=1)
+    graph = b.outputs(b.op("mul", big, small, size=1000))
+    labels = colour(graph, [a, bt], ["pa", "pb"], [None], tasks)
+    assert [t.name for t in labels] == ["A", "B", "A"]
+
+
+def test_colour_names_both_variables_of_a_conflict(tasks):
+    a, bt = tasks
+    b = Builder()
+    pa, pb = b.input(4), b.input(4)
+    view = b.op("reshape", pa, size=4)  # a view of pa still is pa
+    graph = b.outputs(b.op("add", view, pb, size=4))
+    with pytest.raises(mm.PlacementConflictError, match="reads pa .*'A'.* and pb .*'B'"):
+        colour(graph, [a, bt], ["pa", "pb"], [None], tasks)
+
+
+def test_colour_region_wins_and_rejects_foreign_state(tasks):
+    a, bt = tasks
+    b = Builder()
+    x, pa = b.input(4), b.input(4)
+    graph = b.outputs(b.op("exp", x, size=4, region="B"))
+    labels = colour(graph, [None, a], ["x", "pa"], [None], tasks, {"B": bt})
+    assert labels[0] is bt
+    b = Builder()
+    pa = b.input(4)
+    graph = b.outputs(b.op("exp", pa, size=4, region="B"))
+    with pytest.raises(mm.PlacementConflictError, match="region 'B' but reads pa"):
+        colour(graph, [a], ["pa"], [None], tasks, {"B": bt})
+
+
+def test_levels_count_task_changes_and_move_free_ops_late(tasks):
+    a, bt = tasks
+    b = Builder()
+    x = b.input()
+    u = b.op("exp", x)  # A, depth 0
+    v = b.op("exp", u)  # B, depth 1
+    seed = b.op("iota")  # reads nothing: joins its consumer's level
+    w = b.op("add", v, seed)  # B, depth 1
+    graph = b.outputs(b.op("exp", w))  # A, depth 2
+    op_tasks = [a, bt, bt, bt, a]
+    assert levels(graph, graph.ops, op_tasks) == {0: 0, 1: 1, 2: 1, 3: 1, 4: 2}
+
+
+def test_cut_groups_by_level_and_task_with_their_inputs_and_outputs(tasks):
+    a, bt = tasks
+    graph, (x, pa, pb) = two_layer_chain()
+    fragments = cut(graph, [a, a, bt, bt], tasks)
+    assert [f.name for f in fragments] == ["A#0", "B#0"]
+    first, second = fragments
+    assert first.in_ids == [x, pa] and first.out_ids == [graph.ops[1].outs[0]]
+    assert second.in_ids == [graph.ops[1].outs[0], pb] and second.out_ids == graph.outputs
+    assert first.kinds == ("forward",)
+
+
+def forward_backward_chain():
+    """A two-stage forward with its backward, as mm.microbatch's region would trace it:
+    f0 = x*pa (A), f1 = f0*pb (B), loss = sum f1 (B); seed, g1 = seed*pb and dpb = seed*f0 (B),
+    g0 = g1*pa (A, the cotangent for x is dropped) and dpa = g1*x (A)."""
+    b = Builder()
+    x, pa, pb = b.input(), b.input(), b.input()
+    f0 = b.op("mul", x, pa)
+    f1 = b.op("mul", f0, pb)
+    loss = b.op("reduce_sum", f1)
+    seed = b.op("broadcast_in_dim", backward=True)
+    g1 = b.op("mul", seed, pb, backward=True)
+    dpb = b.op("mul", seed, f0, backward=True)
+    dpa = b.op("mul", g1, x, backward=True)
+    return b.outputs(loss, dpa, dpb), (x, pa, pb)
+
+
+def test_stage_fragments_put_forward_and_backward_on_their_stages(tasks):
+    a, bt = tasks
+    graph, _ = forward_backward_chain()
+    op_tasks = [a, bt, bt, bt, bt, bt, a]
+    frags, stage_tasks = stage_fragments(graph, graph.ops, op_tasks, [])
+    assert stage_tasks == [a, bt]
+    names = {key: [op.name for op in f.ops] for key, f in frags.items()}
+    assert names == {
+        ("F", 0): ["mul"],
+        ("F", 1): ["mul", "reduce_sum"],
+        ("B", 1): ["broadcast_in_dim", "mul", "mul"],
+        ("B", 0): ["mul"],
+    }
+
+
+def test_join_consumers_returns_new_levels_and_leaves_its_input(tasks):
+    a, bt = tasks
+    graph, _ = forward_backward_chain()
+    op_tasks = [a, bt, bt, bt, bt, bt, a]
+    given = levels(graph, graph.ops, op_tasks, inputs_movable=False)
+    before = dict(given)
+    level, late = join_consumers(graph, graph.ops, op_tasks, given)
+    assert given == before  # not mutated
+    assert level is not given
+    assert late == set()
+    assert level[3] >= before[3]  # the seed joins its backward readers' level
+
+
+def test_chain_check_names_the_depth_and_tasks(tasks):
+    a, bt = tasks
+    c = mm.Task("C", mesh=mm.TaskMesh(devices=[2]))
+    b = Builder()
+    x, pa, pb, pc = b.input(), b.input(), b.input(), b.input()
+    h = b.op("mul", x, pa)
+    graph = b.outputs(b.op("add", b.op("mul", h, pb), b.op("mul", h, pc)))
+    with pytest.raises(mm.MPMDError, match="forward pass at depth 1 runs on B, C"):
+        stage_fragments(graph, graph.ops, [a, bt, c, c], [])
+
+
+def test_split_backward_separates_the_input_gradient_from_weight_gradients(tasks):
+    a, bt = tasks
+    graph, _ = forward_backward_chain()
+    op_tasks = [a, bt, bt, bt, bt, bt, a]
+    frags, _ = stage_fragments(graph, graph.ops, op_tasks, [])
+    split = split_backward(graph, frags, op_tasks, frozenset({1}))
+    assert [op.name for op in split[("I", 1)].ops] == ["broadcast_in_dim", "mul"]  # seed, g1
+    assert [op.index for op in split[("W", 1)].ops] == [5]  # dpb
+    assert split[("B", 1)] is frags[("B", 1)]  # kept for unsplit microbatches
+    assert ("I", 0) not in split  # stage 0 is not split
+
+
+def test_lowering_pairs_every_send_with_a_recv_and_releases_after_the_last_read(tasks):
+    a, bt = tasks
+    graph, (x, pa, pb) = two_layer_chain()
+    fragments = cut(graph, [a, a, bt, bt], tasks)
+    sharding_a, sharding_b = a.sharding(), bt.sharding()
+    plan = lower(
+        graph,
+        list(tasks),
+        [None, a, bt],
+        [None, sharding_a, sharding_b],
+        [None],
+        None,
+        [(f, None) for f in fragments],
+    )
+    program = plan.program
+    kinds = [type(act).__name__ for act in program.actions]
+    assert kinds == ["Recv", "Run", "Release", "Send", "Recv", "Release", "Run", "Release"]
+    send, recv = program.actions[3], program.actions[4]
+    assert isinstance(send, Send) and isinstance(recv, Recv)
+    assert (send.source, send.target, recv.source, recv.target) == (a, bt, a, bt)
+    assert recv.from_slot == send.slot and recv.sharding is None  # decided when compiled
+    assert [type(act).__name__ for act in program.program("A")] == [
+        "Recv",
+        "Run",
+        "Release",  # the batch x, read by nothing else
+        "Send",
+        "Release",  # A's activation, once B has it
+    ]
+    assert program.actions[2].slots == (program.actions[0].slot,)
+    assert [type(act).__name__ for act in program.program("B")] == ["Recv", "Run", "Release"]
+    release = program.actions[-1]
+    assert isinstance(release, Release) and release.task is bt
+    run_a = program.actions[1]
+    assert isinstance(run_a, Run) and run_a.fragment is fragments[0]
+    assert plan.num_programs == 2
+    assert [(t.source, t.target.name) for t in plan.transfers] == [(None, "A"), (a, "B")]
+    assert "program of 'A' (5 actions)" in str(plan)
+
+
+def test_make_fragment_outputs_only_what_others_read(tasks):
+    a, _ = tasks
+    graph, _ = two_layer_chain()
+    frag = make_fragment(graph, "f", a, graph.ops[:2], ("forward",))
+    assert frag.out_ids == [graph.ops[1].outs[0]]  # the dot's result is used inside only
