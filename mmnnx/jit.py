@@ -242,6 +242,7 @@ class JitFunction:
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
         with markers.tracing() as trace:
             graph, out_shape = _jax.trace(pure, avals)
+        markers.apply_resolvers(graph, trace)
         regions = trace.regions
         out_tree = jax.tree.structure(out_shape[0])
         tasks = list(dict.fromkeys([*(t for t in call.tasks if t is not None), *regions.values()]))

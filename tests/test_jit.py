@@ -461,3 +461,49 @@ def test_runs_inside_a_multimesh_context(batch):
     with mesh:
         out = mm.jit(lambda m, x: m(x))(model, batch[0])
     close(out, make()(batch[0]))
+
+
+def test_resolve_scopes_places_named_scopes_forward_and_backward(tasks, batch):
+    s0, s1 = tasks
+    x, _ = batch
+    w = jax.device_put(jnp.ones((16, 4)), s0.sharding())
+    model = mm.place(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), [(".*", s0)])
+    seen = []
+
+    def resolver(scope, backward):
+        if "head" in mm.mpmd.scope_components(scope):
+            seen.append(backward)
+            return s1
+        return None
+
+    def loss(m, w, x):
+        mm.mpmd.resolve_scopes(resolver)
+        h = m(x)
+        with jax.named_scope("head"):
+            return jnp.sum(jnp.tanh(h) ** 2) + 0 * jnp.sum(w)
+
+    step = mm.jit(jax.grad(lambda m, x: loss(m, w, x)))
+    grads = step(model, x)
+    ref = jax.grad(lambda m, x: jnp.sum(jnp.tanh(m(x)) ** 2))(
+        nnx.Linear(16, 16, rngs=nnx.Rngs(0)), x
+    )
+    close(grads.kernel.get_value(), ref.kernel.get_value())
+    assert True in seen and False in seen  # offered the forward and the backward ops
+    plan = step.plan(model, x)
+    assert [t.name for t in plan.tasks] == ["stage0", "stage1"]
+    assert any(f.task == s1 and "backward" in f.kinds for f in plan.fragments)
+
+
+def test_resolve_scopes_errors():
+    with pytest.raises(mm.MPMDError, match="while mm.jit traces a step"):
+        mm.mpmd.resolve_scopes(lambda scope, backward: None)
+    t = mm.Task("solo", mesh=mm.TaskMesh(devices=[0]))
+
+    model = mm.place(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), [(".*", t)])
+
+    def step(m, x):
+        mm.mpmd.resolve_scopes(lambda scope, backward: "stage9")
+        return jnp.tanh(m(x))
+
+    with pytest.raises(mm.MPMDError, match="returned 'stage9' for scope"):
+        mm.jit(step)(model, jnp.ones((1, 2)))

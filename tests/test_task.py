@@ -62,8 +62,8 @@ def test_task_with_jax_mesh_and_sharding():
 
 
 def test_equal_and_hashable(tm):
-    a = mm.Task("t", mesh=tm, logical_axes=[("a", "data")], mesh_slice={"stage": 0})
-    b = mm.Task("t", mesh=tm, logical_axes=(("a", "data"),), mesh_slice={"stage": 0})
+    a = mm.Task("t", mesh=tm, logical_axes=[("a", "data")])
+    b = mm.Task("t", mesh=tm, logical_axes=(("a", "data"),))
     assert a == b and hash(a) == hash(b)
     assert a != mm.Task("u", mesh=tm)
 

@@ -1,12 +1,29 @@
 """mmnnx.mpmd: the engine (trace, colour, cut, compile, run) behind mm.jit."""
 
 from mmnnx.mpmd import schedules
+from mmnnx.mpmd._jax import is_backward_scope, scope_components, scopes_of
 from mmnnx.mpmd.errors import MPMDError, PlacementConflictError, SideEffectError
+from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX
+from mmnnx.mpmd.markers import ScopeResolver, resolve_scopes
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer
+from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram
 
 __all__ = [
+    "GROUP_PREFIX",
+    "REGION_PREFIX",
     "schedules",
+    "Constant",
     "Fragment",
+    "Recv",
+    "Release",
+    "Run",
+    "ScopeResolver",
+    "Send",
+    "StepProgram",
+    "is_backward_scope",
+    "resolve_scopes",
+    "scope_components",
+    "scopes_of",
     "MPMDError",
     "Plan",
     "PlacementConflictError",

@@ -76,6 +76,26 @@ def is_backward_scope(scope: str) -> bool:
     return _BACKWARD_MARK in scope
 
 
+_TRANSFORM = re.compile(r"^(?:[\w\-]+\()*([^()]*?)\)*$")
+
+
+def scope_components(scope: str) -> list[str]:
+    """The names in a name scope, outermost first, with JAX's transform wrappers (``jvp(...)``,
+    ``transpose(...)``) taken off.
+
+    Example:
+        >>> scope_components("/jvp(step)/transpose(jvp(layer0))/dense")
+        ['step', 'layer0', 'dense']
+    """
+    return [m.group(1) for part in scope.split("/") if (m := _TRANSFORM.match(part)) and m.group(1)]
+
+
+def scopes_of(closed: jcore.ClosedJaxpr) -> list[tuple[str, bool]]:
+    """``(scope, backward)`` of every op a traced function (``jax.make_jaxpr``) runs, with calls
+    inlined as mm.jit inlines them."""
+    return [(op.scope, op.backward) for op in to_graph(closed).ops]
+
+
 def _last(pattern: re.Pattern, scope: str) -> str | None:
     found = pattern.findall(scope)
     return found[-1] if found else None

@@ -237,7 +237,15 @@ def lower(
     actions = _with_releases(low.actions, low.slot_task, inputs, outputs)
     program = StepProgram(list(tasks), actions, inputs, outputs, low.sharding_of, low.activations)
     fragments = list({id(f): f for f, _ in order}.values())
-    return Plan(list(tasks), fragments, low.transfers, program.num_programs, pipeline, program)
+    return Plan(
+        list(tasks),
+        fragments,
+        low.transfers,
+        program.num_programs,
+        pipeline,
+        program,
+        list(graph.inputs),
+    )
 
 
 def _out_shardings(frag: Fragment, home_of: dict[int, NamedSharding]) -> tuple:

@@ -14,9 +14,13 @@ from jax.sharding import PartitionSpec
 
 from mmnnx.mpmd import _jax
 from mmnnx.mpmd.errors import MPMDError
-from mmnnx.mpmd.ir import REGION_PREFIX
+from mmnnx.mpmd.ir import REGION_PREFIX, Graph
 from mmnnx.mpmd.pipeline import MicrobatchGroup
 from mmnnx.sharding import Task
+
+ScopeResolver = Callable[[str, bool], "Task | None"]
+"""``resolver(scope, backward) -> Task | None``: the task of an op traced under name scope
+``scope`` (``backward``: in a backward pass), or ``None`` to leave it to colouring."""
 
 
 @dataclasses.dataclass
@@ -25,6 +29,7 @@ class Trace:
 
     regions: dict[str, Task] = dataclasses.field(default_factory=dict)
     microbatches: dict[int, MicrobatchGroup] = dataclasses.field(default_factory=dict)
+    resolvers: list[ScopeResolver] = dataclasses.field(default_factory=list)
 
 
 _TRACING: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("mm_tracing", default=None)
@@ -78,6 +83,59 @@ def task(fn: Callable, task: Task) -> Callable:
             return fn(*args, **kwargs)
 
     return wrapped
+
+
+def resolve_scopes(resolver: ScopeResolver) -> None:
+    """Assigns ops of the step being traced to tasks by their name scope.
+
+    Called while ``mm.jit`` traces a step (from the step or code it calls). After tracing, every
+    op outside an ``mm.task`` region is offered to ``resolver(scope, backward)``: ``scope`` is
+    its name scope (``jax.named_scope`` and Flax module names, joined by ``/``; see
+    :func:`scope_components`), ``backward`` whether it belongs to a backward pass. A returned
+    task runs the op, as if the op were in an ``mm.task`` region of that task; ``None`` leaves
+    the op to colouring. This is how ``multimesh_compat`` maps ``register_task`` patterns.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from mmnnx.sharding import TaskMesh
+        >>> head = Task("head", mesh=TaskMesh(devices=[1]))
+        >>> def step(x):
+        ...     resolve_scopes(lambda scope, backward: head if "head" in scope else None)
+        ...     with jax.named_scope("head"):
+        ...         return jnp.tanh(x)
+        >>> from mmnnx.jit import jit
+        >>> [d.id for d in jit(step)(jnp.zeros(2)).devices()]
+        [1]
+    """
+    trace = _TRACING.get()
+    if trace is None:
+        raise MPMDError("mm.mpmd.resolve_scopes is for code that runs while mm.jit traces a step")
+    if not callable(resolver):
+        raise TypeError(f"mm.mpmd.resolve_scopes: {resolver!r} is not callable")
+    trace.resolvers.append(resolver)
+
+
+def apply_resolvers(graph: Graph, trace: Trace) -> None:
+    """Gives each op outside an ``mm.task`` region the task a resolver of ``trace`` returns for
+    its scope (see :func:`resolve_scopes`); records those tasks as regions."""
+    if not trace.resolvers:
+        return
+    for op in graph.ops:
+        if op.region is not None:
+            continue
+        for resolver in trace.resolvers:
+            task = resolver(op.scope, op.backward)
+            if task is None:
+                continue
+            if not isinstance(task, Task) or task.name is None or task.mesh is None:
+                raise MPMDError(
+                    f"mm.mpmd.resolve_scopes: the resolver returned {task!r} for scope "
+                    f"{op.scope!r}; it must return an mm.Task with a name and a mesh, or None"
+                )
+            if trace.regions.setdefault(task.name, task) != task:
+                raise MPMDError(f"mm.task: two different tasks are named {task.name!r}")
+            op.region = task.name
+            break
 
 
 def with_sharding_constraint(x: Any, spec: PartitionSpec | Sequence[str | None]) -> Any:

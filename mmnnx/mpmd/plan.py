@@ -52,6 +52,8 @@ class Plan:
     per-task programs (``program``, a ``StepProgram``) that the runner executes.
 
     ``num_programs`` counts the distinct compiled programs; building a plan compiles nothing.
+    ``inputs``: the value id of each input leaf, in the order mm.jit flattens the arguments
+    (Variables first, then the other arrays), as ``Transfer.value`` names them.
     """
 
     tasks: list[Task]
@@ -60,6 +62,7 @@ class Plan:
     num_programs: int = 0
     pipeline: Any = None
     program: Any = None
+    inputs: list[int] = dataclasses.field(default_factory=list)
 
     def fragments_of(self, task: Task | str) -> list[Fragment]:
         name = task if isinstance(task, str) else task.name

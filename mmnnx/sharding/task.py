@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -66,8 +66,7 @@ class Task:
 
     ``mesh`` is a :class:`TaskMesh` or a ``jax.sharding.Mesh`` (e.g. ``MultiMesh.slice(...)``).
     ``logical_axes`` are priority-ordered ``(logical_name, device_axis_or_None)`` pairs;
-    ``extra_axes`` are further pairs tried after them. ``mesh_slice``, ``split_backprop`` and
-    ``loop_dependent_mesh_slice`` carry the multimesh.jax fields of the same names.
+    ``extra_axes`` are further pairs tried after them.
 
     Example:
         >>> tm = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("data", "model"))
@@ -80,11 +79,6 @@ class Task:
     mesh: TaskMesh | Mesh | None = dataclasses.field(default=None, kw_only=True)
     logical_axes: LogicalRules | None = dataclasses.field(default=None, kw_only=True)
     extra_axes: LogicalRules | None = dataclasses.field(default=None, kw_only=True)
-    mesh_slice: Mapping[str, int] | None = dataclasses.field(default=None, kw_only=True)
-    split_backprop: tuple[str, str] | None = dataclasses.field(default=None, kw_only=True)
-    loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = dataclasses.field(
-        default=None, kw_only=True
-    )
 
     def __post_init__(self):
         what = f"Task {self.name!r}"
@@ -96,10 +90,6 @@ class Task:
             )
         object.__setattr__(self, "logical_axes", normalize_rules(self.logical_axes, what))
         object.__setattr__(self, "extra_axes", normalize_rules(self.extra_axes, what))
-        if self.mesh_slice is not None:
-            object.__setattr__(self, "mesh_slice", dict(self.mesh_slice))
-        if self.split_backprop is not None:
-            object.__setattr__(self, "split_backprop", tuple(self.split_backprop))
         if self.mesh is not None:
             names = self.axis_names
             for logical, axes in self.logical_axes + self.extra_axes:
@@ -110,17 +100,9 @@ class Task:
                             f"the task mesh lacks; its axes are {names}"
                         )
 
-    def _key(self):
-        slice_items = tuple(sorted(self.mesh_slice.items())) if self.mesh_slice else None
-        return (
-            self.name,
-            self.mesh,
-            self.logical_axes,
-            self.extra_axes,
-            slice_items,
-            self.split_backprop,
-            self.loop_dependent_mesh_slice,
-        )
+    def _key(self) -> tuple:
+        """What equality and hashing compare (subclasses add their fields)."""
+        return (self.name, self.mesh, self.logical_axes, self.extra_axes)
 
     def __eq__(self, other):
         return isinstance(other, Task) and self._key() == other._key()

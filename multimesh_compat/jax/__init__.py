@@ -51,7 +51,7 @@ from multimesh_compat.jax._engine import (
 from multimesh_compat.jax._microbatch import SCHEDULES, microbatch
 from multimesh_compat.jax._tasks import MultiMesh
 
-Task = mm.Task
+Task = _tasks.Task
 TaskMesh = mm.TaskMesh
 
 __version__ = "0.1.0+mmnnx"
@@ -137,7 +137,7 @@ def task(
                 fields["mesh"] = mesh
             if logical_axes is not None:
                 fields["logical_axes"] = logical_axes
-            task = mm.Task(name, **fields)
+            task = Task(name, **fields)
         elif mesh is not None or logical_axes is not None or task_fields:
             raise ValueError(f"task {default_name}: give either task= or Task fields, not both")
         spec = task
@@ -238,11 +238,12 @@ def _scope_placement() -> _tasks.Placement | None:
     current = _tasks.CURRENT_TASK.get()
     if current is not None:
         return current
-    from jax._src import source_info_util
+    from jax.extend import source_info_util
 
-    from multimesh_compat.jax._engine import _Matcher, _registered
+    from multimesh_compat.jax._engine import Matcher, registered
 
-    return _Matcher(_registered())(str(source_info_util.current_name_stack()))
+    scope = str(source_info_util.current_name_stack())
+    return Matcher(registered())(scope, mm.mpmd.is_backward_scope(scope))
 
 
 class custom_partitioning:  # noqa: N801 - multimesh's name

@@ -4,11 +4,13 @@ A function handed to :func:`stage` is traced once per input signature inside ``m
 
 1. it is traced to a jaxpr (``jax.make_jaxpr``) with this layer's ``with_sharding_constraint``
    standing in for ``jax.lax.with_sharding_constraint``, as multimesh's ``init`` arranges;
-2. every equation whose name scope (a Linen module name, a ``jax.named_scope``) matches a
-   ``register_task`` regex gets an ``mm_task:<name>`` scope appended, so the engine runs it on
-   that task; the callback learns whether the equation belongs to the backward pass;
-3. if no task was found at all, the whole program becomes one task over all devices whose
-   logical constraints replicate (multimesh without a task context);
+2. if neither an explicit task nor a name scope (a Linen module name, a ``jax.named_scope``)
+   matching a ``register_task`` regex was found, it is traced again with replicating logical
+   constraints and the whole program becomes one task over all devices (multimesh without a
+   task context);
+3. otherwise the registered scopes are handed to the engine (``mm.mpmd.resolve_scopes``), which
+   runs every op whose scope matches on that task; the callback learns whether the op belongs
+   to the backward pass;
 4. the jaxpr is replayed inside ``mm.jit``'s trace with its name scopes kept.
 """
 
@@ -18,22 +20,18 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core as jcore
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mmnnx as mm
 from multimesh_compat.jax import _context, _tasks
 
 _ORIGINAL_WSC = jax.lax.with_sharding_constraint
-_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
-_REGION = "mm_task:"
-_TRANSFORM = re.compile(r"^(?:[\w\-]+\()*([^()]*?)\)*$")
 
 
 @dataclasses.dataclass
@@ -212,20 +210,18 @@ def run_in_task(placement_fn: Callable[[], _tasks.Placement], fun: Callable) -> 
 # staging a program for mm.jit
 
 
-def _components(scope: str) -> list[str]:
-    return [m.group(1) for part in scope.split("/") if (m := _TRANSFORM.match(part)) and m.group(1)]
+class Matcher:
+    """The task of a name scope under the active ``register_task`` registrations: the innermost
+    scope component that a registration's regex matches (``None`` if none does)."""
 
-
-class _Matcher:
     def __init__(self, registrations: Sequence[_tasks.Registration]):
         self.registrations = list(registrations)
         self.cache: dict[tuple[int, str, bool], _tasks.Placement] = {}
 
-    def __call__(self, scope: str) -> _tasks.Placement | None:
-        if not self.registrations or _REGION in scope:
+    def __call__(self, scope: str, backprop: bool) -> _tasks.Placement | None:
+        if not self.registrations:
             return None
-        backprop = "transpose(" in scope
-        for comp in reversed(_components(scope)):
+        for comp in reversed(mm.mpmd.scope_components(scope)):
             for i, reg in enumerate(self.registrations):
                 m = reg.regex.fullmatch(comp)
                 if m is None:
@@ -253,31 +249,12 @@ class _Matcher:
         return None
 
 
-def _tag(jaxpr: jcore.Jaxpr, prefix: str, match: _Matcher, found: dict) -> jcore.Jaxpr:
-    eqns = []
-    changed = False
-    for eqn in jaxpr.eqns:
-        scope = f"{prefix}/{eqn.source_info.name_stack}"
-        new = eqn
-        if eqn.primitive.name in _INLINE and "jaxpr" in eqn.params:
-            inner = eqn.params["jaxpr"]
-            if isinstance(inner, jcore.ClosedJaxpr):
-                tagged = _tag(inner.jaxpr, scope, match, found)
-                if tagged is not inner.jaxpr:
-                    new = eqn.replace(params={**eqn.params, "jaxpr": inner.replace(jaxpr=tagged)})
-        else:
-            placement = match(scope)
-            if placement is not None:
-                task = placement.engine_task()
-                found[task.name] = task
-                stack = eqn.source_info.name_stack.extend(f"{_REGION}{task.name}")
-                new = eqn.replace(source_info=eqn.source_info.replace(name_stack=stack))
-        changed |= new is not eqn
-        eqns.append(new)
-    return jaxpr.replace(eqns=eqns) if changed else jaxpr
+def _engine_task_of(matcher: Matcher, scope: str, backward: bool) -> mm.Task | None:
+    placement = matcher(scope, backward)
+    return None if placement is None else placement.engine_task()
 
 
-def _registered() -> list[_tasks.Registration]:
+def registered() -> list[_tasks.Registration]:
     if _context.transforms_ignored():
         return []
     return [r for c in _tasks.active_contexts() for r in c.registrations]
@@ -310,19 +287,17 @@ def stage(fun: Callable, fallback: Callable[[], _tasks.Placement]) -> Callable:
 
         session = Session()
         closed, out_shape = trace(session)
-        matcher = _Matcher(_registered())
-        found: dict[str, mm.Task] = {}
-        jaxpr = _tag(closed.jaxpr, "", matcher, found)
-        if not session.found_tasks and not found:
+        matcher = Matcher(registered())
+        scoped = matcher.registrations and any(
+            matcher(scope, backward) is not None for scope, backward in mm.mpmd.scopes_of(closed)
+        )
+        if not session.found_tasks and not scoped:
             closed, out_shape = trace(Session(replicate_all=True))
-            jaxpr = closed.jaxpr
-            task = fallback().engine_task()
-            run = lambda: jcore.eval_jaxpr(jaxpr, closed.consts, *flat)
-            outs = mm.task(run, task)()
+            outs = mm.task(jaxpr_as_fun(closed), fallback().engine_task())(*flat)
         else:
-            for task in found.values():
-                mm.task(lambda: None, task)()  # declares the region to the engine
-            outs = jcore.eval_jaxpr(jaxpr, closed.consts, *flat)
+            if scoped:
+                mm.mpmd.resolve_scopes(functools.partial(_engine_task_of, matcher))
+            outs = jaxpr_as_fun(closed)(*flat)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return staged
@@ -375,10 +350,11 @@ class ShardedFunction:
         args, kwargs = jax.tree.unflatten(self._in_tree, stand_ins)
         with no_ambient_mesh():
             self._plan = jitted.plan(*args, **kwargs)
+        position = {v: i for i, v in enumerate(self._plan.inputs)}
         first: dict[int, Any] = {}
         for t in self._plan.transfers:
-            if t.source is None and t.value < len(flat):
-                first.setdefault(t.value, t.sharding)
+            if t.source is None and t.value in position:
+                first.setdefault(position[t.value], t.sharding)
         home = self._plan.tasks[0].sharding()
         self._in_shardings = [first.get(i, home) for i in range(len(flat))]
         self._owned = {d for t in self._plan.tasks for d in t.jax_mesh.devices.flat}

@@ -6,7 +6,7 @@ import contextvars
 import dataclasses
 import inspect
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -16,6 +16,38 @@ from jax.sharding import Mesh
 import mmnnx as mm
 
 _HIDDEN = "_mm_replicated"  # device-axis names no logical name can reach
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Task(mm.Task):
+    """multimesh.jax's ``Task``: an ``mm.Task`` plus the fields only multimesh programs use.
+
+    ``mesh_slice`` names a slice of the entered ``MultiMesh`` instead of a ``mesh`` (for
+    ``register_task``); ``split_backprop`` and ``loop_dependent_mesh_slice`` are accepted as in
+    multimesh (see docs/multimesh_compat.md). An ``mm.Task`` may be passed wherever a
+    ``Task`` is.
+
+    Example:
+        >>> Task(name="layer0", mesh_slice={"stage": 0}).mesh_slice
+        {'stage': 0}
+    """
+
+    mesh_slice: Mapping[str, int] | None = dataclasses.field(default=None, kw_only=True)
+    split_backprop: tuple[str, str] | None = dataclasses.field(default=None, kw_only=True)
+    loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = dataclasses.field(
+        default=None, kw_only=True
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mesh_slice is not None:
+            object.__setattr__(self, "mesh_slice", dict(self.mesh_slice))
+        if self.split_backprop is not None:
+            object.__setattr__(self, "split_backprop", tuple(self.split_backprop))
+
+    def _key(self) -> tuple:
+        slice_items = tuple(sorted(self.mesh_slice.items())) if self.mesh_slice else None
+        return (*super()._key(), slice_items, self.split_backprop, self.loop_dependent_mesh_slice)
 
 
 def _device_indices(devices: Any, what: str) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -163,7 +195,9 @@ def resolve_gen_b(task: mm.Task, default_name: str, *, registered: bool = False)
     """Resolves a Gen-B ``Task``. ``registered``: the ``register_task`` rules (a mesh xor a
     mesh_slice is required); for ``task`` a missing mesh means all devices on one axis ``x``."""
     name = task.name or default_name
-    if registered and (task.mesh is None) == (task.mesh_slice is None):
+    mesh_slice = getattr(task, "mesh_slice", None)
+    loop_slice = getattr(task, "loop_dependent_mesh_slice", None)
+    if registered and (task.mesh is None) == (mesh_slice is None):
         which = "both" if task.mesh is not None else "neither"
         raise ValueError(
             f"register_task({default_name}): the Task must have exactly one of mesh and "
@@ -171,12 +205,10 @@ def resolve_gen_b(task: mm.Task, default_name: str, *, registered: bool = False)
         )
     mesh_obj: Any = task.mesh
     if mesh_obj is None and registered:
-        mesh_obj = slice_global_mesh(task.mesh_slice, f"register_task({default_name})")
-        if task.loop_dependent_mesh_slice is not None:
+        mesh_obj = slice_global_mesh(mesh_slice, f"register_task({default_name})")
+        if loop_slice is not None:
             for i in (0, 1):
-                other = slice_global_mesh(
-                    task.loop_dependent_mesh_slice(i), f"register_task({default_name})"
-                )
+                other = slice_global_mesh(loop_slice(i), f"register_task({default_name})")
                 if other.size != mesh_obj.size:
                     raise ValueError(
                         f"register_task({default_name}): loop_dependent_mesh_slice({i}) has "
@@ -357,7 +389,7 @@ class MultiMesh(mm.MultiMesh):
 
     Example:
         >>> mesh = MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "batch", "model"))
-        >>> mesh.register_task("layer0", task=mm.Task(mesh_slice={"stage": 0}))
+        >>> mesh.register_task("layer0", task=Task(mesh_slice={"stage": 0}))
         >>> len(mesh.tasks.registrations)
         1
     """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -369,8 +370,13 @@ def test_init_before_jax():
 def test_classes_are_mmnnx_classes():
     import mmnnx as mm
 
-    assert mj.Task is mm.Task and mj.TaskMesh is mm.TaskMesh
-    assert issubclass(mj.MultiMesh, mm.MultiMesh)
+    assert mj.TaskMesh is mm.TaskMesh
+    # multimesh's Task is mmnnx's plus the fields only multimesh programs use
+    assert issubclass(mj.Task, mm.Task) and issubclass(mj.MultiMesh, mm.MultiMesh)
+    assert not {"mesh_slice", "split_backprop", "loop_dependent_mesh_slice"} & {
+        f.name for f in dataclasses.fields(mm.Task)
+    }
+    assert mj.Task("a", mesh_slice={"s": 0}) != mj.Task("a", mesh_slice={"s": 1})
     tm = mj.TaskMesh(devices=range(4, 8), axis_sizes=(2, 2), axis_names=("a", "b"))
     assert tm.abstract_mesh.axis_names == ("a", "b")
     assert isinstance(tm.mesh, Mesh)  # concrete here; multimesh's .mesh is an AbstractMesh
