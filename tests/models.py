@@ -127,3 +127,20 @@ def four_stage_rules(tasks: list[mm.Task]) -> list[tuple[str, mm.Task]]:
         ("blocks/2/", t2),
         ("blocks/3/|norm|head", t3),
     ]
+
+
+def tiny_gpt(depth: int = 4) -> "TinyGPT":
+    """A ``TinyGPT`` of ``depth`` blocks with its logical names kept (nothing placed yet)."""
+    with nnx.use_eager_sharding(False):
+        return TinyGPT(depth=depth, rngs=nnx.Rngs(0))
+
+
+def placed_gpt(tasks: list[mm.Task], depth: int = 4) -> "TinyGPT":
+    """``tiny_gpt(depth)`` on the four tasks: four stages for depth 4, else block ``i`` on task
+    ``i % 4`` (each task holds several non-adjacent stages)."""
+    if depth == 4:
+        rules = four_stage_rules(tasks)
+    else:
+        rules = [(f"blocks/{i}/", tasks[i % 4]) for i in range(depth)]
+        rules += [("^embed/", tasks[0]), ("^norm/|^head/", tasks[3])]
+    return mm.place(tiny_gpt(depth), rules)

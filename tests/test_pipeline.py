@@ -6,15 +6,13 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from tests.models import TinyGPT, four_stage_rules, four_tasks
+from tests.models import four_tasks, placed_gpt, tiny_gpt
 from tests.oracle import close, params_close, trees_close
 
 M = 8
 
 
-def gpt(depth=4):
-    with nnx.use_eager_sharding(False):
-        return TinyGPT(depth=depth, rngs=nnx.Rngs(0))
+gpt = tiny_gpt
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +25,7 @@ def tokens():
     return jax.random.randint(jax.random.key(0), (M, 9), 0, 32)
 
 
-def placed(tasks, depth=4):
-    t = tasks
-    if depth == 4:
-        rules = four_stage_rules(tasks)
-    else:  # block i on task i % 4: each task holds two non-adjacent stages
-        rules = [(f"blocks/{i}/", t[i % 4]) for i in range(depth)]
-        rules += [("^embed/", t[0]), ("^norm/|^head/", t[3])]
-    return mm.place(gpt(depth), rules)
+placed = placed_gpt
 
 
 def loss_fn(model, tokens):

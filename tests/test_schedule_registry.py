@@ -10,15 +10,14 @@ from flax import nnx
 import mmnnx as mm
 from mmnnx import cli
 from multimesh_compat.jax import SCHEDULES as COMPAT_SCHEDULES
-from tests.models import TinyGPT, four_stage_rules, four_tasks
+from tests.models import four_tasks, placed_gpt, tiny_gpt
 from tests.oracle import close, trees_close
 
 M = 4
 
 
-def gpt(depth=4):
-    with nnx.use_eager_sharding(False):
-        return TinyGPT(depth=depth, rngs=nnx.Rngs(0))
+gpt = tiny_gpt
+placed = placed_gpt
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +28,6 @@ def tasks():
 @pytest.fixture(scope="module")
 def tokens():
     return jax.random.randint(jax.random.key(0), (M, 9), 0, 32)
-
-
-def placed(tasks, depth):
-    if depth == 4:
-        return mm.place(gpt(depth), four_stage_rules(tasks))
-    rules = [(f"blocks/{i}/", tasks[i % 4]) for i in range(depth)]
-    rules += [("^embed/", tasks[0]), ("^norm/|^head/", tasks[3])]
-    return mm.place(gpt(depth), rules)
 
 
 def grads_with(schedule, model, tokens, virtual_stages=1):

@@ -133,9 +133,9 @@ class Executable:
                         jax.device_put(jax.numpy.int32(action.value), sharding_of[action.slot]),
                     )
                 )
-            elif isinstance(action, Release):
+            elif isinstance(action, Release) and steps:  # dropped after the previous step
                 steps[-1][-1] = (*steps[-1][-1], *action.slots)
-            elif not isinstance(action, Send):  # a Send is its Recv's device_put here
+            elif not isinstance(action, Send | Release):  # a Send is its Recv's device_put here
                 raise TypeError(f"unknown action {action!r}")
         self.plan.transfers[:] = [
             t
