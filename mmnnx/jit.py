@@ -94,13 +94,24 @@ class _Call:
         self.tasks += [None] * len(arrays)
         self._set_leaves(arrays)
 
+    def template(self, num_tail: int) -> _Call:
+        """This call's Variables and structure, holding none of its values: the Variables' values
+        are read again by every :meth:`rebound` call, and the trailing ``num_tail`` array leaves
+        (a batch) are the next call's. Keeping them would keep a step's old arrays alive."""
+        template = object.__new__(_Call)
+        template.__dict__.update(self.__dict__)
+        template.bound_arrays = self.leaves[self.num_variables : len(self.leaves) - num_tail]
+        template.leaves = template.target = None
+        return template
+
     def rebound(self, args: tuple, kwargs: dict, tail: list[Any]) -> _Call:
-        """This call's Variables and structure with new trailing array leaves (``tail``) and the
-        static values of ``args``/``kwargs``: the fast path of :class:`CachedPartial`."""
+        """A :meth:`template`'s Variables and structure with new trailing array leaves
+        (``tail``) and the static values of ``args``/``kwargs``: the fast path of
+        :class:`CachedPartial`."""
         call = object.__new__(_Call)
         call.__dict__.update(self.__dict__)
         call._set_statics(args, kwargs)
-        call._set_leaves(self.leaves[self.num_variables : len(self.leaves) - len(tail)] + tail)
+        call._set_leaves(self.bound_arrays + tail)
         return call
 
     def _set_statics(self, args: tuple, kwargs: dict) -> None:
@@ -395,7 +406,7 @@ class CachedPartial:
             return self._template.rebound(full, kwargs, nodes)
         call = _Call(self.fn, full, kwargs)
         if plain:  # arguments holding Variables are walked on every call
-            self._template, self._tail_treedef = call, treedef
+            self._template, self._tail_treedef = call.template(len(nodes)), treedef
         return call
 
     def __call__(self, *args, **kwargs):
