@@ -6,6 +6,7 @@ import base64
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -122,7 +123,7 @@ def test_steps_retention_and_restore_by_step(tmp_path):
         assert_same(arrays(model=model), states[2])
         with pytest.raises(FileNotFoundError, match=r"step 1 .*steps saved: \[2, 3\]"):
             ckpt.restore(1, model=model)
-    assert sorted(os.listdir(tmp_path)) == ["2", "3"]
+    assert sorted(os.listdir(tmp_path)) == [".mmnnx-writer.lock", "2", "3"]
     # a model-only restore ignores saved optimizer state; asking for it when none was saved fails
     with Checkpointer(tmp_path) as ckpt, pytest.raises(ValueError, match=r"no optimizer state"):
         ckpt.restore(model=model, opt=opt)
@@ -237,7 +238,8 @@ def test_interrupted_save_keeps_previous_step(tmp_path, monkeypatch, fail):
     ckpt.close()
     with Checkpointer(tmp_path) as again:
         assert again.all_steps() == [1, 2]
-    assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # no temporary directory left
+    # the retried save removed the failed one's temporary directory
+    assert sorted(os.listdir(tmp_path)) == [".mmnnx-writer.lock", "1", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -266,14 +268,57 @@ def killed_run(tmp_path_factory):
 
 def test_killed_process_keeps_previous_step(killed_run):
     directory, saved, listed = killed_run
-    assert listed == ["3", "4.orbax-checkpoint-tmp"]  # killed mid-save, all data written
+    # killed mid-save, all data written (the lock file stays: the lock died with the process)
+    assert listed == [".mmnnx-writer.lock", "3", "4.orbax-checkpoint-tmp"]
     assert (directory / "4.orbax-checkpoint-tmp" / "model" / "_METADATA").is_file()
     with Checkpointer(directory) as ckpt:
         assert ckpt.latest_step() == 3 and ckpt.all_steps() == [3]
         fresh, fresh_opt = build("two", seed=1)
         assert ckpt.restore(model=fresh, opt=fresh_opt) == {"step": 3, "seed": 0}
         assert digest(model=fresh, opt=fresh_opt) == saved["digest"]  # bit-exact
-    assert sorted(os.listdir(directory)) == ["3"]  # opening it cleaned the interrupted save up
+    # a reader leaves the interrupted save alone: it might be another process's save in progress
+    assert sorted(os.listdir(directory)) == [".mmnnx-writer.lock", "3", "4.orbax-checkpoint-tmp"]
+
+
+def test_next_save_removes_an_abandoned_save(killed_run, tmp_path):
+    directory, _, _ = killed_run
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    with Checkpointer(copy) as ckpt:
+        model, opt = build("two", seed=1)
+        ckpt.restore(model=model, opt=opt)
+        ckpt.save(4, model=model, opt=opt)  # holds the writer lock: no other save is running
+        assert ckpt.all_steps() == [3, 4]
+    assert sorted(os.listdir(copy)) == [".mmnnx-writer.lock", "3", "4"]
+
+
+def test_readers_never_break_a_save_in_progress(tmp_path):
+    """One process saves 12 steps while two others keep opening the directory and asking for
+    the latest step (before: opening a Checkpointer removed the writer's temporary directory,
+    and its save failed with NOT_FOUND)."""
+    directory, stop = tmp_path / "ckpt", tmp_path / "stop"
+    directory.mkdir()
+    readers = [run_worker("read", str(directory), str(stop)) for _ in range(2)]
+    writer = run_worker("write", str(directory), "12")
+    try:
+        finish(writer, timeout=240)
+    finally:
+        stop.touch()
+        counts = [finish(reader, timeout=60)["opened"] for reader in readers]
+    assert all(n > 0 for n in counts)
+    with Checkpointer(directory) as ckpt:
+        assert ckpt.all_steps() == [11, 12]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
+def test_max_to_keep_must_be_a_positive_int_or_none(tmp_path, bad):
+    with pytest.raises(ValueError, match=r"max_to_keep must be a positive int .* got "):
+        Checkpointer(tmp_path / "c", max_to_keep=bad)
+    assert not (tmp_path / "c").exists()  # refused before anything was created
+    with Checkpointer(tmp_path / "all", max_to_keep=None) as ckpt:
+        for step in range(5):
+            ckpt.save(step, model=nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+        assert ckpt.all_steps() == [0, 1, 2, 3, 4]
 
 
 # -- mismatched checkpoints -----------------------------------------------------------------------

@@ -26,11 +26,14 @@ index); typed PRNG keys are saved as their ``jax.random.key_data`` (``uint32``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
+import shutil
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -109,6 +112,53 @@ class _SyncedAtomicRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
         await asyncio.to_thread(_fsync_tree, final, recursive=False)
         if _is_local(final.parent):
             await asyncio.to_thread(_fsync, os.fspath(final.parent), directory=True)
+
+
+_WRITER_LOCK = ".mmnnx-writer.lock"
+_LIST_ATTEMPTS = 10
+
+
+@contextlib.contextmanager
+def _writer_lock(directory: epath.Path) -> Iterator[None]:
+    """Holds the directory's writer lock (an ``flock`` on ``.mmnnx-writer.lock``) while saving.
+
+    A save holds it from start to commit, so a temporary directory found by the holder belongs
+    to no save in progress: its writer died or failed, and it may be removed. Readers never take
+    it and never remove anything. The lock is released when its process dies. Remote (non-local)
+    directories have no lock: there only one writer may use a directory.
+    """
+    if not _is_local(directory):
+        yield
+        return
+    fd = os.open(os.path.join(os.fspath(directory), _WRITER_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _listing(read: Callable[[], Any]) -> Any:
+    """``read()``, again if a step it was listing vanished (the writer deleted a step older than
+    ``max_to_keep`` meanwhile): Orbax lists the step directories, then reads each one."""
+    for attempt in range(_LIST_ATTEMPTS):
+        try:
+            return read()
+        except (FileNotFoundError, NotADirectoryError):
+            if attempt == _LIST_ATTEMPTS - 1:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _remove_abandoned_saves(directory: epath.Path) -> None:
+    """Removes the temporary directories of saves that never committed (call under the lock)."""
+    for path in directory.iterdir():
+        if _TMP_SUFFIX in path.name:
+            if _is_local(directory):
+                shutil.rmtree(os.fspath(path), ignore_errors=True)
+            else:
+                path.rmtree()
 
 
 def _join_writers(running: set[threading.Thread], timeout: float = 120.0) -> None:
@@ -243,13 +293,16 @@ class Checkpointer:
     is written, fsynced and committed by an atomic rename of its temporary directory, so an
     interrupted save (an exception, a killed process) leaves the previous steps intact and
     ``latest_step()`` on the last complete one. Leftover temporary directories of interrupted
-    saves are removed when a ``Checkpointer`` is opened on the directory. Only the newest
-    ``max_to_keep`` steps are kept (``None`` keeps all); older ones are deleted after a new step
-    is committed.
+    saves are removed by the next save, which holds the directory's writer lock
+    (``.mmnnx-writer.lock``) from start to commit: any temporary directory it finds belongs to
+    no save in progress. Opening a ``Checkpointer`` and reading from it (``latest_step``,
+    ``all_steps``, ``restore``) never removes anything, so any number of readers may watch a
+    directory while one process saves into it. Only the newest ``max_to_keep`` steps are kept
+    (``None`` keeps all); older ones are deleted after a new step is committed.
 
     Args:
         directory: where the steps live; created if missing.
-        max_to_keep: how many of the newest steps to keep, or ``None`` for all.
+        max_to_keep: how many of the newest steps to keep (a positive int), or ``None`` for all.
         use_ocdbt: write each item as one OCDBT database (Orbax's default, few files) instead of
             one Zarr directory per array.
 
@@ -276,12 +329,19 @@ class Checkpointer:
         max_to_keep: int | None = 3,
         use_ocdbt: bool = True,
     ) -> None:
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
+            raise ValueError(
+                f"max_to_keep must be a positive int (how many of the newest steps to keep) or "
+                f"None to keep every step, got {max_to_keep!r}"
+            )
         path = os.fspath(directory)
         self._directory = epath.Path(path if "://" in path else os.path.abspath(path))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=False,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=False,  # readers must not touch a save in progress
             temporary_path_class=_SyncedAtomicRename,
             create=True,
         )
@@ -291,8 +351,10 @@ class Checkpointer:
             _EXTRA: ocp.JsonCheckpointHandler(),
             _META: ocp.JsonCheckpointHandler(),
         }
-        self._manager = ocp.CheckpointManager(
-            self._directory, options=options, item_names=_ITEMS, item_handlers=handlers
+        self._manager = _listing(
+            lambda: ocp.CheckpointManager(
+                self._directory, options=options, item_names=_ITEMS, item_handlers=handlers
+            )
         )
 
     @property
@@ -371,12 +433,14 @@ class Checkpointer:
         args[_EXTRA] = ocp.args.JsonSave(extra)
         args[_META] = ocp.args.JsonSave({"format": FORMAT_VERSION, "variables": variables})
         running = set(threading.enumerate())
-        try:
-            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
-        except BaseException:
-            _join_writers(running)
-            raise
-        self._manager.wait_until_finished()
+        with _writer_lock(self._directory):
+            _remove_abandoned_saves(self._directory)
+            try:
+                self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+            except BaseException:
+                _join_writers(running)
+                raise
+            self._manager.wait_until_finished()
 
     def wait(self) -> None:
         """Waits for a save in flight; saves are synchronous, so this returns at once.
@@ -510,8 +574,12 @@ class Checkpointer:
             >>> Checkpointer(tempfile.mkdtemp()).all_steps()
             []
         """
-        self._manager.reload()
-        return sorted(int(s) for s in self._manager.all_steps())
+
+        def listed() -> list[int]:
+            self._manager.reload()
+            return sorted(int(s) for s in self._manager.all_steps())
+
+        return _listing(listed)
 
     def latest_step(self) -> int | None:
         """The newest complete step, or ``None`` when there is none.
