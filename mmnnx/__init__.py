@@ -10,7 +10,14 @@ from mmnnx import models, modules, mpmd, train
 from mmnnx.jit import CachedPartial, JitFunction, cached_partial, jit
 from mmnnx.microbatch import microbatch
 from mmnnx.models.stages import stage_rules
-from mmnnx.mpmd import MPMDError, PlacementConflictError, Plan, SideEffectError, schedules
+from mmnnx.mpmd import (
+    MPMDError,
+    PlacementConflictError,
+    Plan,
+    SideEffectError,
+    StepError,
+    schedules,
+)
 from mmnnx.mpmd.markers import task, with_sharding_constraint
 from mmnnx.sharding import (
     MultiMesh,
@@ -37,6 +44,7 @@ __all__ = [
     "PlacementConflictError",
     "Plan",
     "SideEffectError",
+    "StepError",
     "Task",
     "TaskMesh",
     "bytes_per_device",

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 from mmnnx import _nnx
 from mmnnx.mpmd import _jax, markers
 from mmnnx.mpmd.colour import colour
-from mmnnx.mpmd.errors import MPMDError, SideEffectError
+from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError
 from mmnnx.mpmd.lower import lower
 from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
@@ -224,6 +224,30 @@ class _Call:
         return tuple(args), {**dyn_kwargs, **dict(self.static_kwargs)}
 
 
+def _execute(executable: Executable, call: _Call, fun: Callable, modes: dict) -> list[Any]:
+    """Runs the step; a step that calls back into Python is waited for, so that a failure in any
+    of its programs raises here, before anything is written back (pure XLA programs cannot fail
+    while they run, so other steps return as soon as they are dispatched). A failure raises
+    :class:`StepError`, the arguments untouched."""
+    try:
+        results = executable(call.leaves, **modes)
+        if executable.may_fail:
+            jax.block_until_ready(results)
+    except jax.errors.JaxRuntimeError as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        cause = lines[-1] if lines else type(e).__name__  # a callback's own exception comes last
+        kept = (
+            "its arguments keep the values they had before this call, except donated ones"
+            if any(call.donated)
+            else "its arguments keep the values they had before this call"
+        )
+        raise StepError(
+            f"mm.jit: {getattr(fun, '__name__', 'the step')} failed while running ({cause}); "
+            f"{kept}, and the next call runs normally"
+        ) from e
+    return results
+
+
 class JitFunction:
     """The callable ``mm.jit`` returns; see :func:`jit`."""
 
@@ -304,7 +328,7 @@ class JitFunction:
     def _run(self, call: _Call, **modes):
         executable, (out_tree, num_user_outputs) = self._lookup(call)
         with _jax.no_ambient_mesh():  # each fragment runs on its own task's mesh
-            results = executable(call.leaves, **modes)
+            results = _execute(executable, call, self.fun, modes)
         _nnx.set_values(call.variables, results[num_user_outputs:])
         return jax.tree.unflatten(out_tree, results[:num_user_outputs])
 

@@ -2,7 +2,7 @@
 
 from mmnnx.mpmd import schedules
 from mmnnx.mpmd._jax import is_backward_scope, scope_components, scopes_of
-from mmnnx.mpmd.errors import MPMDError, PlacementConflictError, SideEffectError
+from mmnnx.mpmd.errors import MPMDError, PlacementConflictError, SideEffectError, StepError
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX
 from mmnnx.mpmd.markers import ScopeResolver, resolve_scopes
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer
@@ -28,5 +28,6 @@ __all__ = [
     "Plan",
     "PlacementConflictError",
     "SideEffectError",
+    "StepError",
     "Transfer",
 ]

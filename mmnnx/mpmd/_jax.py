@@ -56,6 +56,20 @@ _REGION = re.compile(re.escape(REGION_PREFIX) + r"([^/()]+)")
 _GROUP = re.compile(re.escape(GROUP_PREFIX) + r"(\d+)")
 
 
+# Primitives that call back into Python (and so may raise while a compiled program runs).
+_CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "callback"})
+
+
+def _calls_back(eqn: jcore.JaxprEqn) -> bool:
+    if eqn.primitive.name in _CALLBACKS:
+        return True
+    return any(
+        _calls_back(inner)
+        for sub in jcore.jaxprs_in_params(eqn.params)
+        for inner in getattr(sub, "eqns", ())
+    )
+
+
 def is_view(op: Op) -> bool:
     """Whether ``op`` only re-presents its operand (reshape, broadcast, transpose, cast)."""
     return op.name in _VIEWS
@@ -166,6 +180,7 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
                     backward=is_backward_scope(scope),
                     region=_last(_REGION, scope),
                     group=int(group) if group is not None else None,
+                    may_fail=_calls_back(eqn),
                 )
             )
         return [atom(a) for a in jaxpr.outvars]

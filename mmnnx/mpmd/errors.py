@@ -9,5 +9,10 @@ class PlacementConflictError(MPMDError):
     """An op needs state placed on two tasks at once."""
 
 
+class StepError(RuntimeError):
+    """A step failed while its programs ran (e.g. a callback raised); the arguments keep the
+    values they had before the call, and the next call runs normally."""
+
+
 class SideEffectError(MPMDError):
     """The step changes its arguments in a way mm.jit cannot carry back (e.g. new attributes)."""

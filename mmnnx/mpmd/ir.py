@@ -30,6 +30,8 @@ class Op:
     ``backward``: the op belongs to a backward (transposed) pass; ``region``: the task name of
     the innermost ``mm.task`` region it was traced in; ``group``: the ``mm.microbatch`` call it
     was traced in. The tracer (``_jax.py``) reads all three from the op's name scope.
+    ``may_fail``: the op (or one nested in it) calls back into Python, which may raise while the
+    compiled program runs; pure XLA ops do not fail at run time.
     """
 
     index: int
@@ -45,6 +47,7 @@ class Op:
     backward: bool = False
     region: str | None = None
     group: int | None = None
+    may_fail: bool = False
 
 
 @dataclasses.dataclass

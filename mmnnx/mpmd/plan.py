@@ -205,6 +205,8 @@ def replicable_ops(graph: Graph, ops: Sequence[Op], seeds: set[int], allowed: se
     reachable = set(seeds)
     found = []
     for op in ops:
+        if op.effectful or op.may_fail or not op.outs:
+            continue  # runs exactly once: effects and callbacks are not recomputed (nor dropped)
         sources = [a for a in op.ins if isinstance(a, int)]
         # slicing a batch into inputs and labels, and index arithmetic (scalar or non-float
         # results), is cheap enough to recompute in every fragment that reads it

@@ -88,6 +88,7 @@ class Executable:
         self.program: StepProgram = plan.program
         self.tasks = plan.tasks
         self.owned_devices = {d for t in self.tasks for d in t.jax_mesh.devices.flat}
+        self.may_fail = any(op.may_fail for op in graph.ops)
         self._steps: list[tuple] | None = None
 
     @property
