@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from flax import nnx
 
 Path = tuple[Any, ...]
@@ -45,8 +46,6 @@ def is_variable(x: Any) -> bool:
 
 
 def _is_tracer(x: Any) -> bool:
-    import jax  # noqa: PLC0415  (flax imports jax already)
-
     return isinstance(x, jax.core.Tracer)
 
 
@@ -61,6 +60,37 @@ def variables_of(node: Any) -> list[tuple[Path, nnx.Variable]]:
         [('layers', 0, 'bias'), ('layers', 0, 'kernel')]
     """
     return [(path, v) for path, v in nnx.iter_graph(node) if is_variable(v)]
+
+
+def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:
+    """Where ``parent`` keeps its child at pytree path key ``key``: ``(holder, k)`` such that
+    ``holder[k]`` is the child, read with one subscript (``None`` if unknown).
+
+    Module attributes and ``nnx.List`` items live in the object's ``__dict__`` (an item under
+    ``str(index)``); an ``nnx.State`` wraps nested dicts in a new ``State`` on every access, so
+    its raw mapping is used; plain lists, tuples and dicts hold their children themselves.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> layer = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+        >>> holder, k = child_slot(layer, jax.tree_util.GetAttrKey("kernel"))
+        >>> holder[k] is layer.kernel
+        True
+    """
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        attrs = getattr(parent, "__dict__", None)
+        return (attrs, key.name) if attrs is not None and key.name in attrs else None
+    if isinstance(key, jax.tree_util.SequenceKey):
+        if isinstance(parent, list | tuple):
+            return parent, key.idx
+        attrs = getattr(parent, "__dict__", None)
+        name = str(key.idx)
+        return (attrs, name) if attrs is not None and name in attrs else None
+    if isinstance(key, jax.tree_util.DictKey):
+        holder = parent.raw_mapping if isinstance(parent, nnx.State) else parent
+        return (holder, key.key) if isinstance(holder, dict) else None
+    return None
 
 
 def logical_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:

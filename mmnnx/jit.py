@@ -73,6 +73,7 @@ class _Call:
 
     def __init__(self, fn: JitFunction, args: tuple, kwargs: dict):
         self.fn = fn
+        self.bound = False
         self._set_statics(args, kwargs)
         nodes, self.treedef = jax.tree.flatten(self.target, is_leaf=_nnx.is_variable)
         position: dict[int, int] = {}
@@ -94,15 +95,51 @@ class _Call:
         self.tasks += [None] * len(arrays)
         self._set_leaves(arrays)
 
-    def template(self, num_tail: int) -> _Call:
+    def template(self, num_tail: int, num_bound: int) -> _Call:
         """This call's Variables and structure, holding none of its values: the Variables' values
         are read again by every :meth:`rebound` call, and the trailing ``num_tail`` array leaves
-        (a batch) are the next call's. Keeping them would keep a step's old arrays alive."""
+        (a batch) are the next call's. Keeping them would keep a step's old arrays alive.
+
+        Also records every edge (object, key, child) from the first ``num_bound`` positional
+        arguments to their Variables, which :meth:`check_bound` verifies on each call."""
         template = object.__new__(_Call)
         template.__dict__.update(self.__dict__)
         template.bound_arrays = self.leaves[self.num_variables : len(self.leaves) - num_tail]
+        edges: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
+        roots = self.target[0]
+        for path in self._paths:
+            if len(path) < 2 or _arg_position(path) is None or _arg_position(path) >= num_bound:
+                continue
+            parent = roots[_arg_position(path)]
+            for key in path[2:]:
+                slot = _nnx.child_slot(parent, key)
+                if slot is None:
+                    break
+                holder, k = slot
+                child = holder[k]
+                edges.setdefault((id(holder), k), (holder, k, child, parent, key))
+                parent = child
+        template.edges = list(edges.values())
         template.leaves = template.target = None
         return template
+
+    def check_bound(self) -> None:
+        """Raises if a bound argument changed structure since :meth:`template` (a Variable or
+        submodule replaced, or the model placed again): its new Variables would never be
+        trained."""
+        for holder, k, child, parent, key in self.edges:
+            try:
+                same = holder[k] is child
+            except (IndexError, KeyError):
+                same = False
+            if not same:
+                where = jax.tree_util.keystr((key,))
+                raise SideEffectError(
+                    f"mm.cached_partial: a bound argument changed since the binding was made "
+                    f"(its {type(parent).__name__}{where} is another object now: a Variable or "
+                    "submodule was replaced); the new one would never be updated. Make a new "
+                    "mm.cached_partial after changing the model"
+                )
 
     def rebound(self, args: tuple, kwargs: dict, tail: list[Any]) -> _Call:
         """A :meth:`template`'s Variables and structure with new trailing array leaves
@@ -110,9 +147,22 @@ class _Call:
         :class:`CachedPartial`."""
         call = object.__new__(_Call)
         call.__dict__.update(self.__dict__)
+        call.bound = True
         call._set_statics(args, kwargs)
         call._set_leaves(self.bound_arrays + tail)
         return call
+
+    def check_placement(self) -> None:
+        """Raises if a bound Variable was placed again since the binding was made (its task is
+        read once, when the binding is made)."""
+        for name, variable, task in zip(self.names, self.variables, self.tasks, strict=False):
+            if task_of(variable) != task:
+                now = task_of(variable)
+                raise SideEffectError(
+                    f"mm.cached_partial: {name!r} was placed again (task "
+                    f"{getattr(task, 'name', None)!r} -> {getattr(now, 'name', None)!r}) after "
+                    "the binding was made; make a new mm.cached_partial after mm.place"
+                )
 
     def _set_statics(self, args: tuple, kwargs: dict) -> None:
         fn = self.fn
@@ -171,25 +221,39 @@ class _Call:
             for path, task in zip(self._paths, self.tasks, strict=True)
         ]
 
-    def rebuild(self, values: Sequence[Any]) -> tuple[tuple, dict, list[nnx.Variable]]:
-        """The arguments again, with fresh Variables holding ``values`` (used while tracing)."""
+    def rebuild(self, values: Sequence[Any]) -> tuple[tuple, dict, list[Any], list[Any]]:
+        """The arguments again, with fresh Variables holding ``values`` (used while tracing);
+        also those Variables, and the flat nodes the arguments were built from (for
+        :meth:`check_unchanged`)."""
         fresh = [v.replace(x) for v, x in zip(self.variables, values, strict=False)]
         arrays = values[self.num_variables :]
         nodes = [fresh[s] if s >= 0 else arrays[-1 - s] for s in self.slots]
         dyn_args, dyn_kwargs = jax.tree.unflatten(self.treedef, nodes)
-        return dyn_args, dyn_kwargs, fresh
+        return dyn_args, dyn_kwargs, fresh, nodes
 
-    def check_unchanged(self, dyn_args: tuple, dyn_kwargs: dict, fresh: list) -> None:
+    def check_unchanged(self, dyn_args: tuple, dyn_kwargs: dict, before: list[Any]) -> None:
+        """Raises if the step changed its arguments in a way mm.jit cannot carry back: their
+        structure, or an array that is not a Variable (``m.buf = m.buf + 1``)."""
+        step = getattr(self.fn.fun, "__name__", "the step")
         nodes, treedef = jax.tree.flatten((dyn_args, dyn_kwargs), is_leaf=_nnx.is_variable)
-        same = treedef == self.treedef and all(
-            node is fresh[s] for node, s in zip(nodes, self.slots, strict=True) if s >= 0
-        )
-        if not same:
+        if treedef != self.treedef or any(
+            node is not old
+            for node, old, s in zip(nodes, before, self.slots, strict=True)
+            if s >= 0
+        ):
             raise SideEffectError(
-                f"mm.jit: {getattr(self.fn.fun, '__name__', 'the step')} changed the structure of "
-                "its arguments (added, removed or replaced a Variable or submodule, or changed "
-                "metadata); mm.jit can only carry back new values of existing Variables"
+                f"mm.jit: {step} changed the structure of its arguments (added, removed or "
+                "replaced a Variable or submodule, or changed metadata); mm.jit can only carry "
+                "back new values of existing Variables"
             )
+        for node, old, s in zip(nodes, before, self.slots, strict=True):
+            if s < 0 and node is not old:
+                name = self.names[self.num_variables - 1 - s]
+                raise SideEffectError(
+                    f"mm.jit: {step} assigned a new value to {name!r}, which is not an "
+                    "nnx.Variable, so mm.jit cannot carry it back; hold it in a Variable (e.g. "
+                    "nnx.Variable(...) or nnx.BatchStat(...)) or return the new value"
+                )
 
     def check_devices(self) -> None:
         """Raises if a leaf lives on devices its task (or, if unplaced, any task) does not own."""
@@ -267,10 +331,10 @@ class JitFunction:
         fun = self.fun
 
         def pure(*leaves):
-            dyn_args, dyn_kwargs, fresh = call.rebuild(leaves)
+            dyn_args, dyn_kwargs, fresh, nodes = call.rebuild(leaves)
             args, kwargs = call.full_args(dyn_args, dyn_kwargs)
             out = fun(*args, **kwargs)
-            call.check_unchanged(dyn_args, dyn_kwargs, fresh)
+            call.check_unchanged(dyn_args, dyn_kwargs, nodes)
             return out, [v.get_value() for v in fresh]
 
         self.trace_count += 1
@@ -316,6 +380,8 @@ class JitFunction:
                 "pass arrays, or mark the argument static with a hashable value"
             ) from None
         if entry is None:
+            if call.bound:  # a new plan for a bound call: was the model placed again?
+                call.check_placement()
             with _jax.no_ambient_mesh():
                 entry = self._cache[call.key] = self._build(call)
         else:
@@ -427,10 +493,12 @@ class CachedPartial:
         nodes, treedef = jax.tree.flatten(tail, is_leaf=_nnx.is_variable)
         plain = not any(_nnx.is_variable(n) for n in nodes)
         if plain and self._template is not None and treedef == self._tail_treedef:
+            self._template.check_bound()
             return self._template.rebound(full, kwargs, nodes)
         call = _Call(self.fn, full, kwargs)
         if plain:  # arguments holding Variables are walked on every call
-            self._template, self._tail_treedef = call.template(len(nodes)), treedef
+            self._template = call.template(len(nodes), offset)
+            self._tail_treedef = treedef
         return call
 
     def __call__(self, *args, **kwargs):

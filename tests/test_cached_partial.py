@@ -165,3 +165,49 @@ def test_training_state_is_held_once(tasks):
     state = 3 * sum(a.nbytes for a in jax.tree.leaves(nnx.state(build()[0])))
     assert plain[-1] >= state  # the model and both Adam moments are alive
     assert bound == plain
+
+
+def _bound_two_stage(tasks):
+    model = two_stage(tasks)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    return model, opt, mm.cached_partial(mm.jit(train_step), model, opt)
+
+
+def test_a_replaced_variable_or_submodule_is_detected(tasks, batch):
+    s0, _ = tasks
+    model, opt, step = _bound_two_stage(tasks)
+    step(*batch)
+    kernel = model.l0.kernel.get_value()
+    model.l0.kernel = nnx.Param(kernel + 1)  # a new Variable: the binding holds the old one
+    with pytest.raises(mm.SideEffectError, match=r"\.kernel is another object now"):
+        step(*batch)
+    model, opt, step = _bound_two_stage(tasks)
+    step(*batch)
+    model.l1 = mm.place(nnx.Linear(32, 16, rngs=nnx.Rngs(5)), [(".*", s0)])
+    before = flat(nnx.state(model))
+    with pytest.raises(mm.SideEffectError, match=r"\.l1 is another object now"):
+        step(*batch)
+    for a, b in zip(flat(nnx.state(model)), before, strict=True):
+        np.testing.assert_array_equal(a, b)  # refused before anything ran
+
+
+def test_placing_the_bound_model_again_names_the_fix(tasks, batch):
+    s0, s1 = tasks
+    model, opt, step = _bound_two_stage(tasks)
+    step(*batch)
+    mm.place(model, [("l0|l1|l2", s0), ("l3", s1)])  # l2 moves to s0
+    with pytest.raises(mm.SideEffectError, match=r"'arg0/l2/.*' was placed again .*new mm.cached"):
+        step(*batch)
+
+
+def test_assigning_a_plain_array_attribute_is_refused(tasks, batch):
+    model = two_stage(tasks)
+    model.calls = jnp.zeros(())  # an array attribute, not a Variable
+
+    def counting(m, x):
+        m.calls = m.calls + 1
+        return m(x)
+
+    with pytest.raises(mm.SideEffectError, match=r"new value to 'arg0/calls', which is not an"):
+        mm.jit(counting)(model, batch[0])
+    assert float(model.calls) == 0.0
