@@ -88,9 +88,13 @@ def microbatch(
     """
     if (num is None) == (size is None):
         raise ValueError("mm.microbatch: give exactly one of num= and size=")
-    count = num if num is not None else size
-    if not isinstance(count, int) or count < 1:
-        raise ValueError(f"mm.microbatch: {'num' if num is not None else 'size'} must be >= 1")
+    count, which = (num, "num") if num is not None else (size, "size")
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(
+            f"mm.microbatch: {which} must be an int, got {count!r} ({type(count).__name__})"
+        )
+    if count < 1:
+        raise ValueError(f"mm.microbatch: {which} must be >= 1, got {count}")
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"mm.microbatch: virtual_stages must be an int >= 1, got {virtual_stages}")
     if isinstance(schedule, str) and schedule not in schedules.names():
@@ -117,6 +121,19 @@ def microbatch(
             for p, leaf in jax.tree.leaves_with_path(args[i])
         ]
         m = _split_count(leaves, dim, num, size)
+        try:
+            return _run_split(args, kwargs, m)
+        except (TypeError, ValueError) as e:
+            hint = _unsplit_batch_hint(args, split_args, dim, leaves[0][1].shape[dim])
+            if hint is None:
+                raise
+            try:
+                wrapped = type(e)(f"{e}\n{hint}")
+            except Exception:  # an exception type with another constructor
+                wrapped = ValueError(f"{e}\n{hint}")
+            raise wrapped from e
+
+    def _run_split(args, kwargs, m):
         trace = markers.current_trace()
         if trace is not None and m > 1:
             result = _traced_once(trace, fun, args, kwargs, split_args, dim, m, options)
@@ -142,12 +159,42 @@ def microbatch(
     return run
 
 
+def _unsplit_batch_hint(args: tuple, split_args: tuple, dim: int, total: int) -> str | None:
+    """When ``fun`` failed: positional arguments that are not split but hold an array with the
+    batch's size along ``dim`` (probably a batch left whole), as advice on ``argnums``."""
+    suspects = [
+        i
+        for i, a in enumerate(args)
+        if i not in split_args
+        and not any(_nnx.is_variable(v) for v in jax.tree.leaves(a, is_leaf=_nnx.is_variable))
+        and any(
+            getattr(leaf, "ndim", 0) > dim and leaf.shape[dim] == total
+            for leaf in jax.tree.leaves(a)
+        )
+    ]
+    if not suspects:
+        return None
+    wanted = tuple(sorted({*split_args, *suspects}))
+    return (
+        f"mm.microbatch: argument(s) {', '.join(map(str, suspects))} have the batch's size "
+        f"{total} along dimension {dim} but are not split (argnums={split_args}); if they are "
+        f"part of the batch, use argnums={wanted}"
+    )
+
+
 def _finish(total: Any, reduce: Any, m: int) -> Any:
     if isinstance(reduce, str):
         return total if reduce == "sum" else jax.tree.map(lambda x: x / m, total)
-    return jax.tree.map(
-        lambda r, sub: sub if r == "sum" else jax.tree.map(lambda x: x / m, sub), reduce, total
-    )
+    try:
+        return jax.tree.map(
+            lambda r, sub: sub if r == "sum" else jax.tree.map(lambda x: x / m, sub), reduce, total
+        )
+    except (TypeError, ValueError):
+        raise ValueError(
+            "mm.microbatch: the reduce pytree does not match the function's output: reduce is "
+            f"{jax.tree.structure(reduce)}, the output is {jax.tree.structure(total)}; give one "
+            "'sum' or 'mean' per output leaf (or subtree), or a single string"
+        ) from None
 
 
 def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any | None:

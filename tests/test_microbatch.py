@@ -102,3 +102,27 @@ def test_bad_batches():
         mm.microbatch(lambda w, x: 0.0, num=2)(1.0, {"a": jnp.ones((6, 2)), "b": jnp.ones(4)})
     with pytest.raises(ValueError, match="size 5 does not divide the batch of 8"):
         mm.microbatch(lambda w, x: 0.0, size=5)(1.0, jnp.ones(8))
+
+
+@pytest.mark.parametrize("bad", [2.0, "2", True])
+def test_a_count_that_is_not_an_int_says_so(bad):
+    with pytest.raises(TypeError, match=rf"num must be an int, got {bad!r}"):
+        mm.microbatch(lambda w, x: x, num=bad)
+
+
+def test_an_unsplit_batch_argument_is_named_with_the_argnums_to_use():
+    def loss(w, x, y):  # the default argnums=(1,) splits x but leaves y whole
+        return jnp.mean((x @ w - y) ** 2)
+
+    w, x, y = jnp.ones((3, 2)), jnp.ones((8, 3)), jnp.ones((8, 2))
+    with pytest.raises(
+        TypeError, match=r"argument\(s\) 2 have the batch's size 8 .*argnums=\(1, 2\)"
+    ):
+        mm.microbatch(loss, num=4)(w, x, y)
+    assert float(mm.microbatch(loss, num=4, argnums=(1, 2), reduce="mean")(w, x, y)) == 4.0
+
+
+def test_a_reduce_tree_that_does_not_match_names_both_structures():
+    f = mm.microbatch(lambda w, x: (x.sum(), x.mean()), num=2, reduce={"a": "sum"})
+    with pytest.raises(ValueError, match=r"reduce is PyTreeDef\(\{'a': \*\}\), the output is "):
+        f(1.0, jnp.ones(4))
