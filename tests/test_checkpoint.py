@@ -405,3 +405,15 @@ def test_resume_in_a_fresh_process_matches_straight_training(killed_run, tmp_pat
     assert state.keys() == expected.keys()
     for path, value in expected.items():
         np.testing.assert_allclose(state[path], value, rtol=1e-6, atol=0, err_msg=path)
+
+
+def test_incomplete_step_directories_are_skipped(tmp_path):
+    model, opt = build("one")
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, model=model, opt=opt, extra={"step": 1})
+    (tmp_path / "5").mkdir()  # empty
+    (tmp_path / "6" / "model").mkdir(parents=True)  # partial: no metadata
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.latest_step() == 1 and ckpt.all_steps() == [1]
+        assert ckpt.incomplete_steps() == [5, 6]
+        assert ckpt.restore(model=model, opt=opt) == {"step": 1}

@@ -566,7 +566,9 @@ class Checkpointer:
 
         Read afresh on each call, so steps committed by another process (or another
         ``Checkpointer``) show up; temporary directories of saves in progress or interrupted
-        never do.
+        never do, and neither does a step directory that lacks what every committed step has
+        (Orbax's step metadata and the ``model`` and ``mmnnx`` items), such as an empty ``5/``
+        left by a copy or a file system without atomic renames (see :meth:`incomplete_steps`).
 
         Example:
             >>> import tempfile
@@ -575,11 +577,32 @@ class Checkpointer:
             []
         """
 
+        return [s for s in self._listed() if self._complete(s)]
+
+    def incomplete_steps(self) -> list[int]:
+        """Step directories that are not complete checkpoints (skipped by :meth:`all_steps`,
+        :meth:`latest_step` and a ``restore`` of the latest step), oldest first.
+
+        Example:
+            >>> import os, tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> os.mkdir(ckpt.directory / "5")
+            >>> ckpt.incomplete_steps(), ckpt.latest_step()
+            ([5], None)
+        """
+        return [s for s in self._listed() if not self._complete(s)]
+
+    def _listed(self) -> list[int]:
         def listed() -> list[int]:
             self._manager.reload()
             return sorted(int(s) for s in self._manager.all_steps())
 
         return _listing(listed)
+
+    def _complete(self, step: int) -> bool:
+        folder = self._directory / str(step)
+        return all((folder / name).exists() for name in ("_CHECKPOINT_METADATA", _MODEL, _META))
 
     def latest_step(self) -> int | None:
         """The newest complete step, or ``None`` when there is none.
