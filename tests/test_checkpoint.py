@@ -417,3 +417,70 @@ def test_incomplete_step_directories_are_skipped(tmp_path):
         assert ckpt.latest_step() == 1 and ckpt.all_steps() == [1]
         assert ckpt.incomplete_steps() == [5, 6]
         assert ckpt.restore(model=model, opt=opt) == {"step": 1}
+
+
+def _data_file(step_dir):
+    return max((step_dir / "model" / "d").iterdir(), key=lambda p: p.stat().st_size)
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def _zero(path):
+    path.write_bytes(b"\0" * path.stat().st_size)
+
+
+@pytest.mark.parametrize(
+    "damage, culprit",
+    [
+        (lambda d: _truncate(_data_file(d)), lambda d: _data_file(d)),
+        (lambda d: _zero(_data_file(d)), lambda d: _data_file(d)),
+        (lambda d: (d / "model" / "manifest.ocdbt").unlink(), lambda d: d / "model/manifest.ocdbt"),
+        (lambda d: _truncate(d / "model" / "_METADATA"), lambda d: d / "model" / "_METADATA"),
+    ],
+    ids=["truncated-data", "zeroed-data", "deleted-manifest", "truncated-metadata"],
+)
+def test_damaged_checkpoint_names_step_and_file(tmp_path, damage, culprit):
+    model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, model=model)
+    damage(tmp_path / "1")
+    fresh = nnx.Linear(64, 64, rngs=nnx.Rngs(1))
+    before = arrays(model=fresh)
+    with Checkpointer(tmp_path) as ckpt, pytest.raises(checkpoint.CheckpointCorruptError) as caught:
+        ckpt.restore(model=fresh)
+    error = caught.value
+    assert error.step == 1 and error.directory == os.fspath(tmp_path / "1")
+    assert error.file == os.fspath(culprit(tmp_path / "1"))
+    assert f"checkpoint step 1 in {tmp_path / '1'} is damaged: file {error.file}" in str(error)
+    assert_same(arrays(model=fresh), before)  # nothing written
+
+
+def test_data_that_reads_back_different_is_caught_by_its_checksum(tmp_path, monkeypatch):
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, model=model)
+        meta = json.loads((tmp_path / "1" / "mmnnx" / "metadata").read_text())
+        assert {"model/kernel", "model/bias"} <= meta["variables"].keys()
+        assert all(isinstance(v["checksum"], int) for v in meta["variables"].values())
+        # one flipped bit in the kernel as read back (a silent storage error)
+        real_restore = ckpt._manager.restore
+
+        def flipped(step, args):
+            out = real_restore(step, args=args)
+            if "model" in out:
+                kernel = out["model"]["kernel"]
+                bits = jax.lax.bitcast_convert_type(kernel, jnp.uint32)
+                out["model"]["kernel"] = jax.lax.bitcast_convert_type(
+                    bits.at[3, 5].set(bits[3, 5] ^ 1), jnp.float32
+                )
+            return out
+
+        monkeypatch.setattr(ckpt._manager, "restore", flipped)
+        fresh = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
+        before = arrays(model=fresh)
+        with pytest.raises(checkpoint.CheckpointCorruptError, match=r"'model/kernel' reads back"):
+            ckpt.restore(model=fresh)
+        assert_same(arrays(model=fresh), before)

@@ -30,6 +30,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -37,6 +38,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -45,7 +47,7 @@ from flax import nnx
 from mmnnx._nnx import variables_of
 from mmnnx.sharding.place import SPEC_KEY, TASK_KEY
 
-__all__ = ["Checkpointer"]
+__all__ = ["CheckpointCorruptError", "Checkpointer"]
 
 FORMAT_VERSION = 1
 _MODEL, _OPT, _EXTRA, _META = "model", "opt", "extra", "mmnnx"
@@ -89,6 +91,90 @@ def _fsync_tree(root: epath.Path, *, recursive: bool = True) -> None:
         for name in filenames:
             _fsync(os.path.join(dirpath, name), directory=False)
         _fsync(dirpath, directory=True)
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint step's files cannot be read (truncated, damaged or missing).
+
+    ``step`` and ``directory`` (the step's directory) say which checkpoint; ``file`` the damaged
+    or missing file when it can be found, else ``None``; ``array`` the saved array whose data
+    read back different from what was written (caught by the checksum saved with it), if that
+    was the failure. Nothing was written into the model.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        directory: str,
+        *,
+        file: str | None = None,
+        cause: BaseException | None = None,
+        array: str | None = None,
+    ):
+        self.step, self.directory, self.file, self.array = step, directory, file, array
+        if array is not None:
+            what = f"the data of {array!r} reads back different from what was saved (checksum)"
+        else:
+            where = f"file {file}" if file else "one of its files"
+            first = next((ln.strip() for ln in str(cause).splitlines() if ln.strip()), "")
+            what = f"{where} cannot be read ({type(cause).__name__}: {first[:300]})"
+        super().__init__(
+            f"checkpoint step {step} in {directory} is damaged: {what}; restore another step "
+            "(Checkpointer.all_steps() lists them) or save again"
+        )
+
+
+@jax.jit
+def _checksum(x: jax.Array) -> jax.Array:
+    """A position-weighted sum of ``x``'s bits as uint32 words (wrapping): any changed, lost or
+    moved word changes it. Computed where ``x`` lives; only the scalar comes to the host."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    if size == 8:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+        words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    words = words.reshape(-1)
+    position = jnp.arange(words.size, dtype=jnp.uint32)
+    return jnp.sum(words * (position * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
+
+
+def _checksums(values: Mapping[str, Any]) -> dict[str, int]:
+    sums = {name: _checksum(jnp.asarray(value)) for name, value in values.items()}
+    return {name: int(value) for name, value in jax.device_get(sums).items()}
+
+
+_JSON_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata")
+
+
+def _damaged_file(folder: str, error: BaseException) -> str | None:
+    """The file of step directory ``folder`` that ``error`` came from: a missing OCDBT manifest,
+    else the longest path under ``folder`` named in the error (or its causes), else a JSON file
+    that does not parse; ``None`` when none is found."""
+    for item in (_MODEL, _OPT):
+        item_dir = os.path.join(folder, item)
+        manifest = os.path.join(item_dir, "manifest.ocdbt")
+        if os.path.isdir(os.path.join(item_dir, "d")) and not os.path.exists(manifest):
+            return manifest
+    text, cause = "", error
+    while cause is not None:
+        text += f"\n{cause}"
+        cause = cause.__cause__ or cause.__context__
+    named = re.findall(re.escape(folder) + r"/[^\s'\",\\}]+", text)
+    if named:
+        return max(named, key=len).rstrip("/.")
+    for root, _, files in os.walk(folder):
+        for name in sorted(files):
+            if name in _JSON_FILES:
+                path = os.path.join(root, name)
+                try:
+                    with open(path, "rb") as f:
+                        json.loads(f.read() or b"!")
+                except (OSError, ValueError):
+                    return path
+    return None
 
 
 class _SyncedAtomicRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
@@ -429,6 +515,9 @@ class Checkpointer:
                 value = _leaf(item, path, var)
                 flat[path] = jax.random.key_data(value) if _is_key(value) else value
                 variables[_show(item, path)] = _describe(item, path, var)
+            sums = _checksums({_show(item, path): value for path, value in flat.items()})
+            for name, checksum in sums.items():
+                variables[name]["checksum"] = checksum
             args[item] = ocp.args.StandardSave(_nest(flat))
         args[_EXTRA] = ocp.args.JsonSave(extra)
         args[_META] = ocp.args.JsonSave({"format": FORMAT_VERSION, "variables": variables})
@@ -496,13 +585,16 @@ class Checkpointer:
                 f"no checkpoint for step {step} in {self._directory}; steps saved: {steps}"
             )
 
-        metadata = self._manager.item_metadata(step)
+        metadata = self._read(step, lambda: self._manager.item_metadata(step))
         saved_items = set(metadata.keys())
         info = {}
         if _META in saved_items:
-            info = self._manager.restore(
-                step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
-            )[_META].get("variables", {})
+            info = self._read(
+                step,
+                lambda: self._manager.restore(
+                    step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
+                )[_META].get("variables", {}),
+            )
 
         targets: dict[str, dict[Path, Any]] = {}
         owners: dict[str, list[tuple[Path, nnx.Variable, Any]]] = {}
@@ -538,8 +630,11 @@ class Checkpointer:
         args = {item: ocp.args.StandardRestore(_nest(t)) for item, t in targets.items()}
         if _EXTRA in saved_items:
             args[_EXTRA] = ocp.args.JsonRestore()
-        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        restored = self._read(
+            step, lambda: self._manager.restore(step, args=ocp.args.Composite(**args))
+        )
 
+        self._verify(step, restored, owners, info)
         updates: list[tuple[nnx.Variable, Any]] = []
         for item, entries in owners.items():
             values = dict(_flatten(restored[item]))
@@ -592,6 +687,31 @@ class Checkpointer:
             ([5], None)
         """
         return [s for s in self._listed() if not self._complete(s)]
+
+    def _verify(self, step: int, restored: Any, owners: dict, info: dict) -> None:
+        """Compares each restored array with the checksum saved with it (steps saved before
+        checksums existed have none and are not checked)."""
+        values = {}
+        for item, entries in owners.items():
+            read = dict(_flatten(restored[item]))
+            for path, _, _ in entries:
+                if "checksum" in info.get(_show(item, path), {}):
+                    values[_show(item, path)] = read[path]
+        for name, checksum in _checksums(values).items():
+            if checksum != info[name]["checksum"]:
+                folder = os.fspath(self._directory / str(step))
+                raise CheckpointCorruptError(step, folder, array=name)
+
+    def _read(self, step: int, read: Callable[[], Any]) -> Any:
+        """``read()`` of step ``step``; a failure to read its files is a CheckpointCorruptError
+        naming the step directory and, when it can be found, the file."""
+        try:
+            return read()
+        except Exception as e:
+            folder = os.fspath(self._directory / str(step))
+            raise CheckpointCorruptError(
+                step, folder, file=_damaged_file(folder, e), cause=e
+            ) from e
 
     def _listed(self) -> list[int]:
         def listed() -> list[int]:
