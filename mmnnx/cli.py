@@ -40,9 +40,22 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--lr must be a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"--lr must be > 0, got {value}")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"--lr must be a finite number > 0, got {text!r}")
     return value
+
+
+def _non_negative(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=50,
         help="steps between evaluations (50)",
     )
-    run.add_argument("--seed", type=int, default=0, help="initialisation and data seed (0)")
+    run.add_argument(
+        "--seed", type=_non_negative("--seed"), default=0, help="initialisation and data seed (0)"
+    )
     run.add_argument(
         "--text",
         nargs="+",
@@ -133,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir", default=None, help="checkpoints (default: OUTPUT_DIR/checkpoints)"
     )
     io.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    io.add_argument(
+        "--checkpoint-every",
+        type=_positive("--checkpoint-every"),
+        default=100,
+        help="save a checkpoint every this many steps, and at the end (100)",
+    )
     return parser
 
 
@@ -148,6 +169,11 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--depth {args.depth} gives fewer blocks than --stages {args.stages}"
     if args.dim % args.heads:
         return f"--dim {args.dim} is not divisible by --heads {args.heads}"
+    if (args.dim // args.heads) % 2:
+        return (
+            f"--dim {args.dim} / --heads {args.heads} gives heads of {args.dim // args.heads} "
+            "dimensions; rotary position embeddings need an even head size"
+        )
     if args.heads % args.model_axis:
         return f"--heads {args.heads} is not divisible by --model-axis {args.model_axis}"
     if args.batch_size % args.microbatches:
@@ -159,6 +185,12 @@ def _check(args: argparse.Namespace) -> str | None:
             f"a microbatch of {args.batch_size // args.microbatches} sequences is not "
             f"divisible by --data-axis {args.data_axis}"
         )
+    for flag, path in (
+        ("--output-dir", args.output_dir),
+        ("--checkpoint-dir", args.checkpoint_dir),
+    ):
+        if path is not None and pathlib.Path(path).exists() and not pathlib.Path(path).is_dir():
+            return f"{flag} {path} is a file, not a directory"
     from mmnnx.mpmd.schedules import get  # noqa: PLC0415
 
     try:
@@ -201,10 +233,28 @@ def train(args: argparse.Namespace) -> int:
             f"mmnnx train: error: only {len(jax.devices())} devices are available", file=sys.stderr
         )
         return 2
-    text = load_text(args.text) if args.text else embedded_text()
-    dataset = TextDataset.from_text(
-        text, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
-    )
+    if args.resume:
+        latest = _latest_checkpoint(checkpoints)
+        if latest is None:
+            print(
+                f"mmnnx train: --resume: no checkpoint in {checkpoints}; starting from step 0",
+                file=sys.stderr,
+            )
+        elif latest >= args.steps:
+            print(
+                f"mmnnx train: error: the latest checkpoint in {checkpoints} is step {latest}; "
+                f"--steps {args.steps} trains nothing more (give --steps above {latest})",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        text = load_text(args.text) if args.text else embedded_text()
+        dataset = TextDataset.from_text(
+            text, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
+        )
+    except (OSError, ValueError) as e:
+        print(f"mmnnx train: error: {e}", file=sys.stderr)
+        return 2
     mesh = mm.MultiMesh(
         axis_sizes=(args.stages, args.data_axis, args.model_axis),
         axis_names=("stage", "data", "model"),
@@ -232,21 +282,37 @@ def train(args: argparse.Namespace) -> int:
         placement = stage_rules(nnx.eval_shape(factory), tasks)
     model = mm.init(factory, placement)
     print(mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2))
-    result = fit(
-        model,
-        dataset,
-        TrainConfig(
-            steps=args.steps,
-            learning_rate=args.lr,
-            microbatches=args.microbatches,
-            schedule=args.schedule,
-            eval_every=args.eval_every,
-            output_dir=args.output_dir,
-            checkpoint_dir=args.checkpoint_dir,
-            resume=args.resume,
-        ),
-    )
+    from mmnnx.train.checkpoint import CheckpointCorruptError, CheckpointMismatchError  # noqa: PLC0415
+
+    try:
+        result = fit(
+            model,
+            dataset,
+            TrainConfig(
+                steps=args.steps,
+                learning_rate=args.lr,
+                microbatches=args.microbatches,
+                schedule=args.schedule,
+                eval_every=args.eval_every,
+                checkpoint_every=args.checkpoint_every,
+                output_dir=args.output_dir,
+                checkpoint_dir=args.checkpoint_dir,
+                resume=args.resume,
+            ),
+        )
+    except (CheckpointMismatchError, CheckpointCorruptError) as e:
+        print(f"mmnnx train: error: --resume: {e}", file=sys.stderr)
+        return 2
     return 0 if math.isfinite(result.final_eval) else 1
+
+
+def _latest_checkpoint(directory: pathlib.Path) -> int | None:
+    if not directory.is_dir():
+        return None
+    from mmnnx.train.checkpoint import Checkpointer  # noqa: PLC0415
+
+    with Checkpointer(directory) as ckpt:
+        return ckpt.latest_step()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

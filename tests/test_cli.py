@@ -26,6 +26,7 @@ from mmnnx.cli import main
             ["--microbatches", "1", "--batch-size", "2", "--stages", "2"],
             "needs at least as many microbatches as stages",
         ),
+        (["--dim", "30", "--heads", "2"], "heads of 15 dimensions; rotary position embeddings"),
     ],
 )
 def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
@@ -39,9 +40,13 @@ def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
     "argv, reason",
     [
         (["--steps", "0"], "--steps must be >= 1, got 0"),
-        (["--lr", "-1"], "--lr must be > 0"),
+        (["--lr", "-1"], "--lr must be a finite number > 0, got '-1'"),
         (["--schedule", "zigzag"], "invalid choice: 'zigzag'"),
         (["--dim", "big"], "--dim must be an integer, got 'big'"),
+        (["--lr", "nan"], "--lr must be a finite number > 0, got 'nan'"),
+        (["--lr", "inf"], "--lr must be a finite number > 0, got 'inf'"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
     ],
 )
 def test_bad_values_exit_2(argv, reason, capsys):
@@ -73,6 +78,7 @@ def test_help_documents_every_flag(capsys):
         "--devices",
         "--checkpoint-dir",
         "--resume",
+        "--checkpoint-every",
         "--output-dir",
         "--text",
     ]:
@@ -131,3 +137,43 @@ def test_tiny_run_trains_and_resumes(tmp_path):
     )
     assert again.returncode == 2
     assert "already holds checkpoints; pass --resume" in again.stderr
+    for extra, reason in [
+        (["--steps", "10", "--resume"], "is step 12; --steps 10 trains nothing more"),
+        (["--steps", "16", "--resume", "--dim", "64"], "--resume: checkpoint step 12: 'model/"),
+    ]:
+        refused = subprocess.run(
+            [*base, *extra], capture_output=True, text=True, env=env, timeout=600
+        )
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert refused.stderr.count("\n") == 1 and reason in refused.stderr, refused.stderr
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda d: d / "missing.txt", "text file {d}/missing.txt does not exist"),
+        (lambda d: (d / "empty.txt").write_text("") or d / "empty.txt", "gives 0 training windows"),
+        (lambda d: (d / "folder").mkdir() or d / "folder", "no *.txt files in directory"),
+        (lambda d: (d / "short.txt").write_text("abc") and d / "short.txt", "0 training windows"),
+        (
+            lambda d: (d / "latin1.txt").write_bytes("café".encode("latin-1")) and d / "latin1.txt",
+            "text file {d}/latin1.txt is not UTF-8: byte 3 is b'\\xe9'",
+        ),
+    ],
+    ids=["missing", "empty", "no-txt-in-dir", "too-short", "not-utf8"],
+)
+def test_bad_text_exits_2_with_one_line(tmp_path, capsys, make, reason):
+    path = make(tmp_path)
+    argv = ["train", "--text", str(path), "--output-dir", str(tmp_path / "out"), "--steps", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mmnnx train: error: "), err
+    assert reason.format(d=tmp_path) in err
+
+
+def test_paths_that_are_files_exit_2_before_training(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for flag in ("--output-dir", "--checkpoint-dir"):
+        assert main(["train", flag, str(tmp_path / "file")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag} {tmp_path / 'file'} is a file" in err

@@ -7,13 +7,14 @@ Example:
     ([97], 'Checkpointer', '1f1b')
 """
 
-from mmnnx.train.checkpoint import CheckpointCorruptError, Checkpointer
+from mmnnx.train.checkpoint import CheckpointCorruptError, Checkpointer, CheckpointMismatchError
 from mmnnx.train.data import ByteTokenizer, TextDataset, embedded_text, load_text
 from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
 
 __all__ = [
     "ByteTokenizer",
     "CheckpointCorruptError",
+    "CheckpointMismatchError",
     "Checkpointer",
     "FitResult",
     "TextDataset",

@@ -47,7 +47,7 @@ from flax import nnx
 from mmnnx._nnx import variables_of
 from mmnnx.sharding.place import SPEC_KEY, TASK_KEY
 
-__all__ = ["CheckpointCorruptError", "Checkpointer"]
+__all__ = ["CheckpointCorruptError", "CheckpointMismatchError", "Checkpointer"]
 
 FORMAT_VERSION = 1
 _MODEL, _OPT, _EXTRA, _META = "model", "opt", "extra", "mmnnx"
@@ -91,6 +91,12 @@ def _fsync_tree(root: epath.Path, *, recursive: bool = True) -> None:
         for name in filenames:
             _fsync(os.path.join(dirpath, name), directory=False)
         _fsync(dirpath, directory=True)
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not match the model or optimizer it is restored into (a path missing on
+    either side, another shape, dtype or RNG key implementation); the message names the first
+    mismatching path. Nothing was written into the model."""
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -625,7 +631,7 @@ class Checkpointer:
                     )
         if problems:
             more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
-            raise ValueError(problems[0] + more)
+            raise CheckpointMismatchError(problems[0] + more)
 
         args = {item: ocp.args.StandardRestore(_nest(t)) for item, t in targets.items()}
         if _EXTRA in saved_items:
@@ -643,7 +649,7 @@ class Checkpointer:
                 if _is_key(current):
                     value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(current))
                 if value.shape != current.shape or value.dtype != current.dtype:
-                    raise ValueError(
+                    raise CheckpointMismatchError(
                         f"checkpoint step {step}: {_show(item, path)!r} was restored as "
                         f"{value.dtype}{list(value.shape)}, not {current.dtype}"
                         f"{list(current.shape)}"

@@ -64,7 +64,17 @@ def load_text(paths: str | pathlib.Path | Sequence[str | pathlib.Path]) -> str:
             files.append(p)
         else:
             raise FileNotFoundError(f"text file {p} does not exist")
-    return "\n".join(f.read_text(encoding="utf-8") for f in files)
+    texts = []
+    for f in files:
+        data = f.read_bytes()
+        try:
+            texts.append(data.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"text file {f} is not UTF-8: byte {e.start} is {data[e.start : e.start + 1]!r} "
+                f"({e.reason}); convert it to UTF-8"
+            ) from None
+    return "\n".join(texts)
 
 
 @dataclasses.dataclass
