@@ -22,17 +22,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive(name: str):
+def _integer(name: str, minimum: int):
+    """An argparse type: an int of at least ``minimum``, with a one-line reason otherwise."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {value}")
         return value
 
     return parse
+
+
+def _positive(name: str):
+    return _integer(name, 1)
 
 
 def _positive_float(text: str) -> float:
@@ -43,19 +49,6 @@ def _positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"--lr must be a finite number > 0, got {text!r}")
     return value
-
-
-def _non_negative(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
-        return value
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps between evaluations (50)",
     )
     run.add_argument(
-        "--seed", type=_non_negative("--seed"), default=0, help="initialisation and data seed (0)"
+        "--seed", type=_integer("--seed", 0), default=0, help="initialisation and data seed (0)"
     )
     run.add_argument(
         "--text",
