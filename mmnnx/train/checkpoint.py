@@ -565,9 +565,12 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: no checkpoint (or no such step) in the directory.
-            ValueError: the checkpoint does not match (a path missing on either side, another
-                shape, dtype or RNG key implementation, no optimizer state saved), naming the
-                first mismatching path; the model and optimizer are left untouched.
+            CheckpointMismatchError: (a ``ValueError``) the checkpoint does not match (a path
+                missing on either side, another shape, dtype or RNG key implementation, no
+                optimizer state saved), naming the first mismatching path; the model and
+                optimizer are left untouched.
+            CheckpointCorruptError: a file of the step is damaged or missing (naming it), or an
+                array reads back different from its saved checksum; nothing is written.
 
         Example:
             >>> import tempfile
@@ -580,7 +583,7 @@ class Checkpointer:
             >>> ckpt.restore(model=nnx.Linear(2, 4, rngs=nnx.Rngs(1)))  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            ValueError: checkpoint step 1: 'model/bias' has shape (3,) in the checkpoint but (4,)...
+            mmnnx.train.checkpoint.CheckpointMismatchError: checkpoint step 1: 'model/bias' has ...
         """
         steps = self.all_steps()
         if not steps:
