@@ -108,9 +108,10 @@ class _Call:
         edges: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
         roots = self.target[0]
         for path in self._paths:
-            if len(path) < 2 or _arg_position(path) is None or _arg_position(path) >= num_bound:
+            position = _arg_position(path)
+            if position is None or position >= num_bound:
                 continue
-            parent = roots[_arg_position(path)]
+            parent = roots[position]
             for key in path[2:]:
                 slot = _nnx.child_slot(parent, key)
                 if slot is None:
@@ -156,8 +157,8 @@ class _Call:
         """Raises if a bound Variable was placed again since the binding was made (its task is
         read once, when the binding is made)."""
         for name, variable, task in zip(self.names, self.variables, self.tasks, strict=False):
-            if task_of(variable) != task:
-                now = task_of(variable)
+            now = task_of(variable)
+            if now != task:
                 raise SideEffectError(
                     f"mm.cached_partial: {name!r} was placed again (task "
                     f"{getattr(task, 'name', None)!r} -> {getattr(now, 'name', None)!r}) after "

@@ -186,9 +186,9 @@ def lower(
     out_shardings_of: dict[int, tuple] = {}
     for frag, m in order:
         in_slots = tuple(low.ensure(v, frag.task, m) for v in frag.in_ids)
-        summed = [v for v in frag.out_ids if v in sum_of]
         positions = tuple(i for i, v in enumerate(frag.out_ids) if v in sum_of)
-        totals = [low.find(sum_of[v], frag.task, None) for v in summed]
+        summed = [frag.out_ids[i] for i in positions]
+        totals = tuple(low.find(sum_of[v], frag.task, None) for v in summed)
         accumulate = bool(summed) and totals[0] is not None
         shardings = out_shardings_of.get(id(frag))
         if shardings is None:
@@ -200,29 +200,16 @@ def lower(
             low.where[(v, r)] = frag.task
         donate = tuple(i for i, v in enumerate(frag.in_ids) if donate_in.get(v) is frag)
         label = labels.get(id(frag))
-        if accumulate:
-            low.actions.append(
-                Run(
-                    frag,
-                    in_slots,
-                    tuple(out_slots),
-                    m,
-                    tuple(totals),
-                    positions,
-                    donate,
-                    shardings,
-                    label,
-                )
-            )
-            continue
+        sums, summed_at = (totals, positions) if accumulate else ((), ())
         low.actions.append(
-            Run(frag, in_slots, tuple(out_slots), m, (), (), donate, shardings, label)
+            Run(frag, in_slots, tuple(out_slots), m, sums, summed_at, donate, shardings, label)
         )
-        for v in summed:  # the first microbatch's value starts the sum
-            u, slot = sum_of[v], out_slots[frag.out_ids.index(v)]
-            low.by_value.setdefault((u, frag.task, None), []).append(slot)
-            low.where[(u, None)] = frag.task
-            low.activations.pop(slot, None)  # now a running sum, not an activation
+        if not accumulate:  # the first microbatch's values start the sums
+            for i in positions:
+                u, slot = sum_of[frag.out_ids[i]], out_slots[i]
+                low.by_value.setdefault((u, frag.task, None), []).append(slot)
+                low.where[(u, None)] = frag.task
+                low.activations.pop(slot, None)  # now a running sum, not an activation
 
     outputs: list[tuple[int | None, Any, Any]] = []
     for atom, home in zip(graph.outputs, output_homes, strict=True):

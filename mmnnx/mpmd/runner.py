@@ -91,11 +91,6 @@ class Executable:
         self.may_fail = any(op.may_fail for op in graph.ops)
         self._steps: list[tuple] | None = None
 
-    @property
-    def compiled(self) -> bool:
-        """Whether the programs are compiled (on the first call, or by :meth:`compile`)."""
-        return self._steps is not None
-
     def compile(self) -> None:
         """Compiles every distinct program of the step (once) and resolves every transfer."""
         if self._steps is not None:
