@@ -6,7 +6,7 @@ Example:
     >>> s0 = mm.Task("stage0", mesh=mesh.slice(stage=0))
 """
 
-from mmnnx import models, modules, mpmd, train
+from mmnnx import distributed, models, modules, mpmd, train
 from mmnnx.jit import CachedPartial, JitFunction, cached_partial, jit
 from mmnnx.microbatch import microbatch
 from mmnnx.models.stages import stage_rules
@@ -49,6 +49,7 @@ __all__ = [
     "TaskMesh",
     "bytes_per_device",
     "cached_partial",
+    "distributed",
     "current_multimesh",
     "init",
     "jit",

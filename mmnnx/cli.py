@@ -9,6 +9,7 @@ import os
 import pathlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _schedule_names() -> tuple[str, ...]:
@@ -147,7 +148,47 @@ def build_parser() -> argparse.ArgumentParser:
         default=100,
         help="save a checkpoint every this many steps, and at the end (100)",
     )
+    _add_launch(commands)
     return parser
+
+
+def _add_launch(commands: Any) -> None:
+    launch = commands.add_parser(
+        "launch",
+        help="run a command as several local processes joined by mm.distributed.initialize",
+        description="Run COMMAND as N processes on this machine (coordinator on 127.0.0.1), "
+        "each output line prefixed with its rank. When one process fails the others are "
+        "stopped and the exit status is the failed one's. Example: "
+        "mmnnx launch -n 2 --devices-per-process 4 -- python train.py",
+    )
+    launch.add_argument("-n", "--nprocs", type=_positive("-n"), required=True, metavar="N")
+    launch.add_argument(
+        "--devices-per-process",
+        type=_positive("--devices-per-process"),
+        default=None,
+        metavar="K",
+        help="simulated CPU devices per process when JAX_PLATFORMS names no accelerator "
+        "(default 1)",
+    )
+    launch.add_argument(
+        "--port", type=_integer("--port", 1), default=None, help="coordinator port (default: free)"
+    )
+    launch.add_argument(
+        "argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command and its arguments"
+    )
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    from mmnnx.distributed.launch import LaunchError, launch  # noqa: PLC0415
+
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    try:
+        return launch(
+            command, args.nprocs, devices_per_process=args.devices_per_process, port=args.port
+        )
+    except LaunchError as e:
+        print(e, file=sys.stderr)
+        return 2
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -323,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mmnnx train: error: {problem}", file=sys.stderr)
             return 2
         return train(args)
+    if args.command == "launch":
+        return run_launch(args)
     return 2
 
 

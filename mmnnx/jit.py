@@ -61,6 +61,26 @@ def _output_homes(out_shape: Any) -> list[tuple[Task | None, Any]]:
     return homes
 
 
+def _fingerprint(graph: Any, plan: Plan, call: _Call) -> list[str]:
+    """Lines describing a step (its inputs, tasks, ops and per-task programs) that processes
+    compare before running it together; the first differing line names what differs."""
+    lines = [
+        f"input {name}: {tuple(np.shape(leaf))} {np.dtype(leaf.dtype).name} on "
+        f"{task.name if task is not None else '-'} {getattr(sharding, 'spec', '')}"
+        for name, leaf, task, sharding in zip(
+            call.names, call.leaves, call.tasks, call.shardings, strict=True
+        )
+    ]
+    lines += [
+        f"task {t.name}: devices {[d.id for d in t.jax_mesh.devices.flat]}" for t in plan.tasks
+    ]
+    lines += [
+        f"op {op.primitive} {[graph.shapes[v] for v in op.outs]} at {op.source}" for op in graph.ops
+    ]
+    lines += str(plan.program).splitlines()
+    return lines
+
+
 _SCALARS = (bool, int, float, complex)
 
 
@@ -370,7 +390,13 @@ class JitFunction:
         else:
             order = pipeline.order
         plan = lower(graph, tasks, call.tasks, state_homes, homes, call.donated, order, pipeline)
-        return Executable(graph, plan), (out_tree, num_user_outputs)
+        executable = Executable(
+            graph,
+            plan,
+            name=repr(getattr(fun, "__name__", "the step")),
+            fingerprint=lambda: _fingerprint(graph, plan, call),
+        )
+        return executable, (out_tree, num_user_outputs)
 
     def _lookup(self, call: _Call) -> tuple[Executable, Any]:
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -22,7 +22,7 @@ from mmnnx.mpmd.lower import compatible, constraint_sharding
 from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram
 
-_RUN, _PUT = 0, 1
+_RUN, _PUT, _CALL = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,17 +78,73 @@ def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any
     return jitted.lower(*avals).compile()
 
 
+class _LocalView:
+    """What one process does with each action: in a single process, everything."""
+
+    @staticmethod
+    def make(executable: Executable) -> _LocalView:
+        if jax.process_count() == 1:
+            return _LocalView()
+        from mmnnx.distributed.view import ProcessView
+
+        return ProcessView(executable)
+
+    def runs(self, task: Any) -> bool:
+        return True
+
+    def skipped(self, run: Run, sharding_of: list[Any]) -> None:
+        raise AssertionError("a single process runs every action")
+
+    def without_sent_donations(self, run: Run) -> Run:
+        return run
+
+    def made(self, slots: Sequence[int]) -> None:
+        pass
+
+    def source_layout(self, recv: Recv, sharding_of: list[Any]) -> Any:
+        return sharding_of[recv.from_slot]
+
+    def receive(self, recv: Recv, sharding: Any, source_layout: Any) -> list | None:
+        return [_PUT, recv.from_slot, recv.slot, sharding]
+
+    def put(self, value: Any, sharding: Any) -> jax.Array:
+        return jax.device_put(value, sharding)
+
+    def holds(self, slot: int) -> bool:
+        return True
+
+    def placeholder(self, slot: int, sharding_of: list[Any]) -> jax.Array:
+        raise AssertionError("a single process holds every value")
+
+
 class Executable:
     """A step's plan, compiled on first use: call it with the flat input leaves; it returns the
-    flat outputs. ``plan`` is available before anything is compiled."""
+    flat outputs. ``plan`` is available before anything is compiled.
 
-    def __init__(self, graph: Graph, plan: Plan):
+    With several processes (``jax.distributed``), each process compiles and runs only the
+    actions of tasks holding its devices; a value moving between processes takes a
+    :class:`~mmnnx.distributed.routes.Route`, and results this process does not hold are
+    placeholders (arrays on other processes' devices). ``fingerprint``: makes the lines
+    describing the step that processes compare before the first compile; ``name``: the step's,
+    for messages.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        plan: Plan,
+        *,
+        name: str = "the step",
+        fingerprint: Callable[[], list[str]] = list,
+    ):
         self.graph = graph
         self.plan = plan
         self.program: StepProgram = plan.program
         self.tasks = plan.tasks
         self.owned_devices = {d for t in self.tasks for d in t.jax_mesh.devices.flat}
         self.may_fail = any(op.may_fail for op in graph.ops)
+        self.name = name
+        self.fingerprint = fingerprint
         self._steps: list[tuple] | None = None
 
     def compile(self) -> None:
@@ -96,42 +152,48 @@ class Executable:
         if self._steps is not None:
             return
         program = self.program
+        local = _LocalView.make(self)
         sharding_of = list(program.shardings)
-        compiled_of: dict[tuple[int, bool], Any] = {}
+        compiled_of: dict[tuple, Any] = {}
         resolved: dict[tuple, Any] = {}
         steps: list[list] = []
         constants: list[tuple[int, Any]] = []
         for action in program.actions:
             if isinstance(action, Run):
-                ins = [*action.ins, *action.sums]
-                compiled = compiled_of.get(action.variant)
+                if not local.runs(action.task):
+                    local.skipped(action, sharding_of)
+                    continue
+                run = local.without_sent_donations(action)
+                ins = [*run.ins, *run.sums]
+                key = (*run.variant, run.donate)
+                compiled = compiled_of.get(key)
                 if compiled is None:
                     in_shardings = [sharding_of[s] for s in ins]
-                    compiled = compiled_of[action.variant] = compile_fragment(
-                        self.graph, action, in_shardings
-                    )
-                outs = [*action.outs, *action.sums]
+                    compiled = compiled_of[key] = compile_fragment(self.graph, run, in_shardings)
+                outs = [*run.outs, *run.sums]
                 for s, sharding in zip(outs, compiled.output_shardings, strict=True):
                     sharding_of[s] = sharding
-                steps.append([_RUN, compiled, ins, outs, action.label, action.microbatch, ()])
+                local.made(outs)
+                steps.append([_RUN, compiled, ins, outs, run.label, run.microbatch, ()])
             elif isinstance(action, Recv):
                 sharding = action.sharding
-                if sharding is None:
-                    sharding = compatible(sharding_of[action.from_slot], action.target)
+                source_layout = local.source_layout(action, sharding_of)
+                if sharding is None and source_layout is not None:
+                    sharding = compatible(source_layout, action.target)
                     resolved.setdefault((action.value, action.source, action.target), sharding)
                 sharding_of[action.slot] = sharding
-                steps.append([_PUT, action.from_slot, action.slot, sharding, ()])
+                step = local.receive(action, sharding, source_layout)
+                if step is not None:
+                    steps.append([*step, ()])
             elif isinstance(action, Constant):
                 sharding_of[action.slot] = action.task.sharding()
-                constants.append(
-                    (
-                        action.slot,
-                        jax.device_put(jax.numpy.int32(action.value), sharding_of[action.slot]),
-                    )
-                )
+                if local.runs(action.task):
+                    value = local.put(jax.numpy.int32(action.value), sharding_of[action.slot])
+                    constants.append((action.slot, value))
+                    local.made([action.slot])
             elif isinstance(action, Release) and steps:  # dropped after the previous step
                 steps[-1][-1] = (*steps[-1][-1], *action.slots)
-            elif not isinstance(action, Send | Release):  # a Send is its Recv's device_put here
+            elif not isinstance(action, Send | Release):  # a Send is its Recv's transfer here
                 raise TypeError(f"unknown action {action!r}")
         self.plan.transfers[:] = [
             t
@@ -141,12 +203,11 @@ class Executable:
         ]
         self._constants = constants
         self._outputs = [
-            (
-                slot,
-                None
-                if slot is not None
-                else (const if home is None else jax.device_put(const, home)),
-            )
+            (slot, None)
+            if slot is not None and local.holds(slot)
+            else (None, local.placeholder(slot, sharding_of))
+            if slot is not None
+            else (None, const if home is None else local.put(const, home))
             for slot, const, home in program.outputs
         ]
         self._inputs = program.inputs
@@ -180,11 +241,15 @@ class Executable:
                     )
                 for s, o in zip(step[3], outs, strict=True):
                     env[s] = o
-            else:
+            elif step[0] == _PUT:
                 value = env[step[1]]
                 if getattr(value, "sharding", None) != step[3]:
                     value = jax.device_put(value, step[3])
                 env[step[2]] = value
+            else:  # a transfer involving another process: ``step[1]`` moves it
+                value = step[1](env[step[2]])
+                if value is not None:
+                    env[step[3]] = value
             if memory is not None:
                 self._record(env, memory)
             for s in step[-1]:

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx._nnx import logical_names, variables_of
+from mmnnx.distributed.arrays import placeholder, processes_of, put
 from mmnnx.sharding.rules import Path, PlacementRule, compile_rules, path_str
 from mmnnx.sharding.specs import check_spec
 from mmnnx.sharding.task import Task
@@ -158,9 +159,12 @@ def place(model: M, rules: Sequence[tuple], *, strict: bool = True) -> M:
         [4, 5, 6, 7]
     """
     assignments = plan_placement(model, rules, strict=strict)
-    values = jax.device_put(
-        [a.variable.get_value() for a in assignments], [a.sharding for a in assignments]
-    )
+    values = [a.variable.get_value() for a in assignments]
+    shardings = [a.sharding for a in assignments]
+    if jax.process_count() == 1:
+        values = jax.device_put(values, shardings)
+    else:  # each process keeps its own tasks' parts (the model is built alike everywhere)
+        values = [put(v, s) for v, s in zip(values, shardings, strict=True)]
     _commit(assignments, values)
     return model
 
@@ -208,6 +212,15 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
             by_path = dict(variables_of(abstract))
             for p, value in zip(paths, values, strict=True):
                 by_path[p].set_value(value)
+        elif jax.process_index() not in processes_of(task.sharding()):
+            abstract_values = [a.variable.get_value() for a in group]
+            _commit(
+                group,
+                [
+                    placeholder(x.shape, x.dtype, a.sharding)
+                    for x, a in zip(abstract_values, group, strict=True)
+                ],
+            )
         else:
             values = jax.jit(build, out_shardings=[a.sharding for a in group])()
             _commit(group, values)

@@ -1,0 +1,11 @@
+"""mmnnx.distributed: one step spread over several processes (``jax.distributed``).
+
+Start processes with ``mmnnx launch -n N -- python train.py`` (or a cluster's launcher), call
+:func:`initialize` first thing in the script, and run it as in one process: tasks may hold any
+process's devices; every process plans every step and runs its own tasks' parts of it.
+"""
+
+from mmnnx.distributed.fetch import fetch
+from mmnnx.distributed.initialize import initialize, is_distributed
+
+__all__ = ["fetch", "initialize", "is_distributed"]

@@ -1,0 +1,52 @@
+"""Checking that every process planned the same thing before any of them runs it."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import jax
+
+from mmnnx.distributed import _runtime
+from mmnnx.mpmd.errors import MPMDError
+
+_KEY = "mmnnx/agree/{}/{}"
+_WAIT_S = 300.0
+_round = itertools.count()
+
+
+def check_same_everywhere(what: str, lines: list[str]) -> int:
+    """Raises :class:`MPMDError` on every process if the processes' ``lines`` differ, naming the
+    first line that differs and the two processes. A collective: every process calls it, in the
+    same order. A process that never calls it makes the others fail after a timeout. Returns
+    the round's number (the same on every process), for keys that belong to this step."""
+    me, count = jax.process_index(), jax.process_count()
+    n = next(_round)
+    _runtime.key_value_set(_KEY.format(n, me), zlib.compress("\n".join(lines).encode()))
+    for peer in range(count):
+        if peer == me:
+            continue
+        try:
+            raw = _runtime.key_value_get(_KEY.format(n, peer), _WAIT_S)
+        except jax.errors.JaxRuntimeError as e:
+            raise MPMDError(
+                f"{what}: process {peer} did not plan it within {_WAIT_S:.0f} s (it runs other "
+                "steps, or failed); every process must make the same mm.jit calls in the same "
+                "order"
+            ) from e
+        theirs = zlib.decompress(raw).decode().split("\n")
+        if theirs != lines:
+            i = next(
+                (i for i, (a, b) in enumerate(zip(lines, theirs, strict=False)) if a != b),
+                min(len(lines), len(theirs)),
+            )
+            mine_line = lines[i] if i < len(lines) else "(nothing)"
+            their_line = theirs[i] if i < len(theirs) else "(nothing)"
+            low, high = sorted((me, peer))
+            first, second = (mine_line, their_line) if me == low else (their_line, mine_line)
+            raise MPMDError(
+                f"{what} differs between processes {low} and {high} (every process must build "
+                f"the same model and call the same steps with the same shapes); first "
+                f"difference, line {i + 1}:\n  process {low}: {first}\n  process {high}: {second}"
+            )
+    return n

@@ -1,0 +1,35 @@
+"""Arrays whose devices may belong to other processes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def processes_of(sharding: Any) -> frozenset[int]:
+    """The processes whose devices hold part of an array laid out as ``sharding``."""
+    return frozenset(d.process_index for d in sharding.device_set)
+
+
+def placeholder(shape: Sequence[int], dtype: Any, sharding: Any) -> jax.Array:
+    """An array of ``shape`` on devices of other processes only: it holds no data here and
+    stands for a value another process computes (a remote task's Variable or result)."""
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
+
+
+def put(value: Any, sharding: Any) -> jax.Array:
+    """``jax.device_put`` that also works for layouts spanning processes: every process passes
+    the same value and keeps the part on its own devices (none: a placeholder)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return value
+    if jax.process_index() not in processes_of(sharding):
+        return placeholder(np.shape(value), value.dtype, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(
+        host.shape, sharding, lambda index: host[index], dtype=host.dtype
+    )

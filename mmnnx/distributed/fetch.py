@@ -1,0 +1,65 @@
+"""``mm.distributed.fetch``: a step's result, as numpy, on every process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from mmnnx.distributed.arrays import processes_of
+from mmnnx.distributed.transport import transport
+
+
+def _owners(array: jax.Array) -> list[tuple[Any, tuple]]:
+    """One (device, index) per distinct slice of ``array``: the first device holding it."""
+    seen: dict[tuple, tuple[Any, tuple]] = {}
+    for device, index in array.sharding.devices_indices_map(array.shape).items():
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        seen.setdefault(key, (device, index))
+    return list(seen.values())
+
+
+def _fetch_array(array: jax.Array) -> np.ndarray:
+    holders = processes_of(array.sharding)
+    me, port = jax.process_index(), transport()
+    by_process: dict[int, list[tuple[Any, tuple]]] = {}
+    for device, index in _owners(array):
+        by_process.setdefault(device.process_index, []).append((device, index))
+    mine = {s.device: s.data for s in array.addressable_shards}
+    for peer in range(jax.process_count()):  # every process that does not hold it all
+        if peer != me and holders != {peer} and me in by_process:
+            port.send(peer, [mine[d] for d, _ in by_process[me]])
+    if holders == {me}:
+        return np.asarray(array)
+    out = np.empty(array.shape, array.dtype)
+    here = SingleDeviceSharding(jax.local_devices()[0])
+    shape = array.sharding.shard_shape(array.shape)
+    for owner, shards in sorted(by_process.items()):
+        if owner == me:
+            datas = [mine[d] for d, _ in shards]
+        else:
+            specs = [jax.ShapeDtypeStruct(shape, array.dtype, sharding=here)] * len(shards)
+            datas = port.receive(owner, specs)
+        for (_, index), data in zip(shards, datas, strict=True):
+            out[index] = np.asarray(data)
+    return out
+
+
+def fetch(tree: Any) -> Any:
+    """Every array leaf of ``tree`` as a numpy array on every process: the usual way to read a
+    step's loss or metrics when the task that computed them belongs to another process.
+
+    A collective: every process calls it with the same structure (the values this process does
+    not hold are placeholders, as ``mm.jit`` returns them). In one process it is
+    ``jax.device_get``. Non-array leaves pass through.
+
+    Example:
+        >>> import jax.numpy as jnp, mmnnx as mm
+        >>> float(mm.distributed.fetch({"loss": jnp.float32(0.5)})["loss"])
+        0.5
+    """
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return jax.tree.map(lambda x: _fetch_array(x) if isinstance(x, jax.Array) else x, tree)

@@ -1,0 +1,115 @@
+"""Joining a multi-process run: ``mm.distributed.initialize``.
+
+One controller per process (JAX's multi-controller model): every process runs the same script,
+traces and plans the same steps, and runs the parts of them on its own devices. The processes
+find each other through JAX's coordination service; mmnnx adds a transfer server per process
+(``jax.experimental.transfer``) that moves values between tasks held by different processes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+from mmnnx.distributed import _runtime
+
+ENV_COORDINATOR = "MMNNX_COORDINATOR"
+ENV_NUM_PROCESSES = "MMNNX_NUM_PROCESSES"
+ENV_PROCESS_ID = "MMNNX_PROCESS_ID"
+ENV_HEARTBEAT = "MMNNX_HEARTBEAT_TIMEOUT"
+
+_CLUSTER_VARIABLES = {
+    "SLURM_NTASKS": "SLURM",
+    "OMPI_COMM_WORLD_SIZE": "Open MPI",
+    "JAX_COORDINATOR_ADDRESS": "JAX_COORDINATOR_ADDRESS",
+}
+
+
+def _cluster() -> str | None:
+    """The cluster launcher whose environment says there are several processes, if any."""
+    for variable, name in _CLUSTER_VARIABLES.items():
+        value = os.environ.get(variable)
+        if value is None:
+            continue
+        if variable == "JAX_COORDINATOR_ADDRESS" or (value.isdigit() and int(value) > 1):
+            return name
+    return None
+
+
+def _env_int(name: str) -> int:
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"mm.distributed.initialize: {name}={text!r} is not an integer") from None
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    heartbeat_timeout_s: int | None = None,
+    **jax_kwargs: Any,
+) -> bool:
+    """Joins this process to a multi-process run; returns whether there is more than one process.
+
+    Sources, in order: the arguments; the environment ``mmnnx launch`` sets
+    (``MMNNX_COORDINATOR``, ``MMNNX_NUM_PROCESSES``, ``MMNNX_PROCESS_ID``); a cluster's
+    environment that ``jax.distributed.initialize`` detects itself (SLURM, Open MPI,
+    ``JAX_COORDINATOR_ADDRESS``). With none of them this is a no-op, so the same script runs
+    unchanged in one process. A local coordinator is bound to the address it is given (loopback
+    stays loopback). ``heartbeat_timeout_s`` (default 20, or ``MMNNX_HEARTBEAT_TIMEOUT``): how
+    soon the others stop after a process dies. Other keyword arguments go to
+    ``jax.distributed.initialize``. Call it before anything touches a device.
+
+    Example:
+        >>> import mmnnx as mm
+        >>> mm.distributed.initialize()  # alone: nothing to join
+        False
+    """
+    if _runtime.is_initialized():
+        return jax.process_count() > 1
+    if coordinator_address is None and ENV_COORDINATOR in os.environ:
+        coordinator_address = os.environ[ENV_COORDINATOR]
+        num_processes = _env_int(ENV_NUM_PROCESSES) if num_processes is None else num_processes
+        process_id = _env_int(ENV_PROCESS_ID) if process_id is None else process_id
+    if heartbeat_timeout_s is None:
+        heartbeat_timeout_s = _env_int(ENV_HEARTBEAT) if ENV_HEARTBEAT in os.environ else 20
+    kwargs: dict[str, Any] = {"heartbeat_timeout_seconds": heartbeat_timeout_s, **jax_kwargs}
+    if coordinator_address is not None:
+        if num_processes is None or process_id is None:
+            raise ValueError(
+                "mm.distributed.initialize: with a coordinator_address, give num_processes and "
+                "process_id too (or start the script with `mmnnx launch`)"
+            )
+        if not 0 <= process_id < num_processes:
+            raise ValueError(
+                f"mm.distributed.initialize: process_id {process_id} is not in [0, {num_processes})"
+            )
+        if num_processes == 1:
+            return False
+        kwargs.update(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+        )
+        if coordinator_address.split(":")[0] in ("127.0.0.1", "localhost"):
+            kwargs.setdefault("coordinator_bind_address", coordinator_address)
+    elif _cluster() is None:
+        return False
+    jax.distributed.initialize(**kwargs)
+    return jax.process_count() > 1
+
+
+def is_distributed() -> bool:
+    """Whether this process is one of several (``jax.process_count() > 1``).
+
+    Example:
+        >>> import mmnnx as mm
+        >>> mm.distributed.is_distributed()
+        False
+    """
+    return _runtime.is_initialized() and jax.process_count() > 1

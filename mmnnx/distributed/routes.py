@@ -1,0 +1,125 @@
+"""How one value moves between two tasks whose devices belong to different processes.
+
+A :class:`Route` is computed once per transfer when a step is compiled: which source device sends
+which shard to which target device. Shards are matched by the slice of the array they hold, so a
+value keeps its layout on the way (the usual case: the same spec on both tasks). When no match
+exists, the source first gathers the value onto each of its devices (a program its task's
+processes run), every target device receives a whole copy, and the target reshards it locally.
+Shards whose two devices belong to one process are copied locally; the others go through the
+:mod:`transport`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from mmnnx.distributed.arrays import processes_of
+from mmnnx.distributed.transport import transport
+
+
+def _key(index: tuple) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _pairs(source: Any, target: Any, shape: tuple[int, ...]) -> list[tuple[Any, Any]] | None:
+    """(source device, target device) per target device holding the same slice, preferring a
+    source device of the target's own process; ``None`` if some slice has no source."""
+    holders: dict[tuple, list[Any]] = {}
+    for device, index in source.devices_indices_map(shape).items():
+        holders.setdefault(_key(index), []).append(device)
+    pairs, used = [], dict.fromkeys(holders, 0)
+    for device, index in target.devices_indices_map(shape).items():
+        candidates = holders.get(_key(index))
+        if candidates is None:
+            return None
+        local = [c for c in candidates if c.process_index == device.process_index]
+        if local:
+            pairs.append((local[0], device))
+        else:  # spread the copies of one slice over the devices holding it
+            k = used[_key(index)]
+            used[_key(index)] = k + 1
+            pairs.append((candidates[k % len(candidates)], device))
+    return pairs
+
+
+@functools.cache
+def _reshard(sharding: Any) -> Any:
+    return jax.jit(lambda x: x, out_shardings=sharding)
+
+
+@dataclasses.dataclass
+class Route:
+    """The shard-by-shard plan of one cross-process transfer, from this process's side."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    source_wire: Any  # the layout the value is sent in (the source's own, or gathered)
+    target_wire: Any  # the layout it arrives in
+    target: Any  # the layout the step wants on the target
+    pairs: list[tuple[Any, Any]]
+    sends: bool  # this process holds part of the source
+    receives: bool  # this process holds part of the target
+
+    @classmethod
+    def plan(cls, shape: tuple, dtype: Any, source: Any, target: Any) -> Route:
+        me = jax.process_index()
+        source_wire, target_wire = source, target
+        pairs = _pairs(source, target, shape)
+        if pairs is None:
+            source_wire = NamedSharding(source.mesh, PartitionSpec())
+            target_wire = NamedSharding(target.mesh, PartitionSpec())
+            pairs = _pairs(source_wire, target_wire, shape)
+        return cls(
+            tuple(shape),
+            dtype,
+            source_wire,
+            target_wire,
+            target,
+            pairs,
+            me in processes_of(source),
+            me in processes_of(target),
+        )
+
+    def __call__(self, value: Any) -> Any:
+        """Sends this process's shards of ``value`` (ignored where it holds none) and returns the
+        target array where this process holds part of it, else ``None``."""
+        me, port = jax.process_index(), transport()
+        shards: dict[Any, Any] = {}
+        if self.sends:
+            if value.sharding != self.source_wire:
+                value = _reshard(self.source_wire)(value)
+            shards = {s.device: s.data for s in value.addressable_shards}
+            outgoing: dict[int, list[Any]] = {}
+            for src, dst in self.pairs:
+                if src.process_index == me and dst.process_index != me:
+                    outgoing.setdefault(dst.process_index, []).append(shards[src])
+            for peer, arrays in sorted(outgoing.items()):
+                port.send(peer, arrays)
+        if not self.receives:
+            return None
+        incoming: dict[int, list[Any]] = {}
+        for src, dst in self.pairs:
+            if dst.process_index == me and src.process_index != me:
+                incoming.setdefault(src.process_index, []).append(dst)
+        received: dict[Any, Any] = {}
+        for peer, devices in sorted(incoming.items()):
+            specs = [self._shard_spec(d) for d in devices]
+            received.update(zip(devices, port.receive(peer, specs), strict=True))
+        local = [
+            received[dst] if src.process_index != me else jax.device_put(shards[src], dst)
+            for src, dst in self.pairs
+            if dst.process_index == me
+        ]
+        out = jax.make_array_from_single_device_arrays(self.shape, self.target_wire, local)
+        if self.target_wire != self.target:
+            out = _reshard(self.target)(out)
+        return out
+
+    def _shard_spec(self, device: Any) -> jax.ShapeDtypeStruct:
+        shape = self.target_wire.shard_shape(self.shape)
+        return jax.ShapeDtypeStruct(shape, self.dtype, sharding=SingleDeviceSharding(device))

@@ -1,0 +1,79 @@
+"""Moving shards between processes: one ``jax.experimental.transfer`` server per process.
+
+A sender offers arrays under an id (``await_pull`` returns at once and keeps the buffers alive
+until the peer has them); the receiver pulls them by the same id (``pull`` returns at once with
+arrays that become ready when the data arrives). Ids are per-pair sequence numbers: every
+process issues the transfers of a step in the same global order, so the n-th message from
+process ``a`` to process ``b`` has the same id on both sides, whatever else runs in between.
+Measured on loopback CPU (DESIGN.md): 1.0-1.3 GB/s, about 0.6 ms for a small array; no
+ordering traps, unlike cross-process ``jax.device_put``, which pairs by issue order.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from mmnnx.distributed import _runtime
+
+_ADDRESS_KEY = "mmnnx/transfer-server/{}"
+_PEER_WAIT_S = 120.0
+
+
+def _host_for(coordinator: str | None) -> str:
+    """The local address peers can reach: loopback for a loopback coordinator, else the
+    interface that routes to the coordinator."""
+    if coordinator is None:
+        return "127.0.0.1"
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # no packet is sent; this picks the outgoing interface
+        return probe.getsockname()[0]
+
+
+class Transport:
+    """This process's end of every cross-process transfer (made by :func:`transport`)."""
+
+    def __init__(self, coordinator: str | None):
+        self.me = jax.process_index()
+        self.server = _runtime.start_transfer_server(f"{_host_for(coordinator)}:0")
+        _runtime.key_value_set(_ADDRESS_KEY.format(self.me), self.server.address().encode())
+        self._connections: dict[int, Any] = {}
+        self._sequence: collections.Counter = collections.Counter()
+
+    def _id(self, source: int, target: int) -> int:
+        n = self._sequence[(source, target)]
+        self._sequence[(source, target)] = n + 1
+        return (n << 24) | (source << 12) | target
+
+    def _connection(self, peer: int) -> Any:
+        conn = self._connections.get(peer)
+        if conn is None:
+            address = _runtime.key_value_get(_ADDRESS_KEY.format(peer), _PEER_WAIT_S).decode()
+            conn = self._connections[peer] = self.server.connect(address)
+        return conn
+
+    def send(self, peer: int, arrays: Sequence[jax.Array]) -> None:
+        """Offers single-device ``arrays`` to process ``peer`` (which calls :meth:`receive`)."""
+        self.server.await_pull(self._id(self.me, peer), list(arrays))
+
+    def receive(self, peer: int, specs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+        """The arrays ``peer`` sends next, laid out as ``specs`` (single-device shardings)."""
+        return self._connection(peer).pull(self._id(peer, self.me), list(specs))
+
+
+_transport: Transport | None = None
+
+
+def transport() -> Transport:
+    """The process's transport, started on first use (every process starts its own)."""
+    global _transport
+    if _transport is None:
+        _transport = Transport(_runtime.coordinator_address())
+    return _transport

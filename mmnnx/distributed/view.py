@@ -1,0 +1,146 @@
+"""One process's share of a step when tasks belong to several processes.
+
+Every process walks the same :class:`~mmnnx.mpmd.program.StepProgram` in the same global order.
+It compiles and runs the actions of tasks holding its devices and skips the rest; each transfer
+that crosses processes becomes a :class:`~mmnnx.distributed.routes.Route`, run by the processes
+at both ends. A layout only the compiler knows (a result whose sharding XLA chose) is published
+through the coordination service by the first process of the task that made it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mmnnx.distributed import _runtime
+from mmnnx.distributed.agree import check_same_everywhere
+from mmnnx.distributed.arrays import placeholder, processes_of, put
+from mmnnx.distributed.routes import Route
+from mmnnx.mpmd.errors import MPMDError
+from mmnnx.mpmd.program import Recv, Run
+
+_LAYOUT_KEY = "mmnnx/layout/{}/{}"
+_LAYOUT_WAIT_S = 600.0
+_PUT, _CALL = 1, 2  # the runner's step kinds
+
+
+def _spec_of(sharding: Any, task: Any) -> PartitionSpec:
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    if sharding.is_equivalent_to(task.sharding(), len(sharding.device_set)):
+        return PartitionSpec()
+    raise MPMDError(
+        f"mm.jit: a result on task {task.name!r} has layout {sharding}, which cannot be sent to "
+        "another process; pin it with mm.with_sharding_constraint"
+    )
+
+
+@dataclasses.dataclass
+class _Global:
+    """Puts a step input (the same on every process) onto a layout spanning processes."""
+
+    sharding: Any
+
+    def __call__(self, value: Any) -> jax.Array:
+        return put(value, self.sharding)
+
+
+class ProcessView:
+    """The runner's per-action decisions for this process (see ``runner._LocalView``)."""
+
+    def __init__(self, executable: Any):
+        self.me = jax.process_index()
+        self.graph = executable.graph
+        self.round = check_same_everywhere(
+            f"mm.jit: the plan of {executable.name}", executable.fingerprint()
+        )
+        self._processes: dict[Any, frozenset[int]] = {}
+        self._here = {slot for slot, _ in executable.program.inputs}
+        self._sent: set[int] = set()
+        self._value_of: dict[int, tuple[int, Any]] = {}
+
+    def processes(self, task: Any) -> frozenset[int]:
+        found = self._processes.get(task)
+        if found is None:
+            found = self._processes[task] = processes_of(task.sharding())
+        return found
+
+    def runs(self, task: Any) -> bool:
+        return self.me in self.processes(task)
+
+    def skipped(self, run: Run, sharding_of: list[Any]) -> None:
+        for slot, value, sharding in zip(
+            run.outs, run.fragment.out_ids, run.out_shardings, strict=True
+        ):
+            sharding_of[slot] = sharding
+            self._value_of[slot] = (value, run.task)
+
+    def without_sent_donations(self, run: Run) -> Run:
+        donate = tuple(i for i in run.donate if run.ins[i] not in self._sent)
+        return run if donate == run.donate else dataclasses.replace(run, donate=donate)
+
+    def made(self, slots: Sequence[int]) -> None:
+        self._here.update(slots)
+
+    def source_layout(self, recv: Recv, sharding_of: list[Any]) -> Any:
+        """The layout of the value ``recv`` moves, where this process takes part in moving it;
+        read from the coordination service if only the source's processes compiled it."""
+        layout = sharding_of[recv.from_slot]
+        if recv.source is None:
+            return layout
+        source, target = self.processes(recv.source), self.processes(recv.target)
+        key = _LAYOUT_KEY.format(self.round, recv.from_slot)
+        if layout is not None:
+            if self.me == min(source) and target - source:
+                spec = _spec_of(layout, recv.source)
+                _runtime.key_value_set(key, pickle.dumps(spec))
+            return layout
+        if self.me not in target:
+            return None
+        try:
+            spec = pickle.loads(_runtime.key_value_get(key, _LAYOUT_WAIT_S))
+        except jax.errors.JaxRuntimeError as e:
+            raise MPMDError(
+                f"mm.jit: process {min(source)} did not publish the layout of a value of task "
+                f"{recv.source.name!r} within {_LAYOUT_WAIT_S:.0f} s"
+            ) from e
+        layout = sharding_of[recv.from_slot] = recv.source.sharding(spec)
+        return layout
+
+    def receive(self, recv: Recv, sharding: Any, source_layout: Any) -> list | None:
+        target = self.processes(recv.target)
+        self._value_of[recv.slot] = (recv.value, recv.target)
+        if recv.source is None:
+            if self.me not in target:
+                return None
+            self._here.add(recv.slot)
+            if target == {self.me}:
+                return [_PUT, recv.from_slot, recv.slot, sharding]
+            return [_CALL, _Global(sharding), recv.from_slot, recv.slot]
+        source = self.processes(recv.source)
+        if self.me not in source | target:
+            return None
+        if self.me in target:
+            self._here.add(recv.slot)
+        if source == target == {self.me}:
+            return [_PUT, recv.from_slot, recv.slot, sharding]
+        if self.me in source:
+            self._sent.add(recv.from_slot)
+        shape, dtype = self.graph.shapes[recv.value], self.graph.dtypes[recv.value]
+        return [_CALL, Route.plan(shape, dtype, source_layout, sharding), recv.from_slot, recv.slot]
+
+    def put(self, value: Any, sharding: Any) -> jax.Array:
+        return put(value, sharding)
+
+    def holds(self, slot: int) -> bool:
+        return slot in self._here
+
+    def placeholder(self, slot: int, sharding_of: list[Any]) -> jax.Array:
+        value, task = self._value_of[slot]
+        sharding = sharding_of[slot] or task.sharding()
+        return placeholder(self.graph.shapes[value], self.graph.dtypes[value], sharding)
