@@ -62,6 +62,21 @@ def variables_of(node: Any) -> list[tuple[Path, nnx.Variable]]:
     return [(path, v) for path, v in nnx.iter_graph(node) if is_variable(v)]
 
 
+def mirrors_a_variable(x: Any) -> bool:
+    """Whether ``x`` is optimizer state made from a model Variable: ``nnx.Optimizer`` wraps the
+    state it keeps per parameter (Adam's moments, say) in ``nnx.OptVariable``s that copy the
+    parameter's metadata, its placement included, when the optimizer is created.
+
+    Example:
+        >>> import optax
+        >>> from flax import nnx
+        >>> opt = nnx.Optimizer(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), optax.adam(0.1), wrt=nnx.Param)
+        >>> mirrors_a_variable(opt.opt_state[0].mu["kernel"]), mirrors_a_variable(opt.step)
+        (True, False)
+    """
+    return isinstance(x, nnx.OptVariable)
+
+
 def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:
     """Where ``parent`` keeps its child at pytree path key ``key``: ``(holder, k)`` such that
     ``holder[k]`` is the child, read with one subscript (``None`` if unknown).

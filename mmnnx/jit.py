@@ -20,7 +20,7 @@ from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
 from mmnnx.mpmd.runner import Event, Executable
 from mmnnx.sharding import Task, task_of
-from mmnnx.sharding.place import SPEC_KEY
+from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state
 
 
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
@@ -282,6 +282,24 @@ class _Call:
                         f"devices {sorted(d.id for d in owned)}"
                     )
 
+    def check_optimizer_state(self) -> None:
+        """Raises if optimizer state was left on another task than the parameter it is kept for
+        (the model was placed again after its optimizer was created): every step would move it
+        between tasks."""
+        dyn_args, dyn_kwargs = self.target
+        roots = [(f"arg{i}", a) for i, a in enumerate(dyn_args) if a is not None]
+        misplaced = misplaced_optimizer_state(roots + list(dyn_kwargs.items()))
+        if misplaced:
+            first = misplaced[0]
+            raise MPMDError(
+                f"mm.jit: optimizer state {first.path!r} is on task "
+                f"{getattr(first.task, 'name', None)!r} but the parameter it is kept for, "
+                f"{first.param_path!r}, is on task {first.param_task.name!r} ({len(misplaced)} "
+                "optimizer Variables like this): the model was placed after its optimizer was "
+                "created, and every step would move that state between tasks. Call "
+                "mm.place_optimizer(opt, model) after mm.place(model, ...)"
+            )
+
     def full_args(self, dyn_args: tuple, dyn_kwargs: dict) -> tuple[tuple, dict]:
         args = list(dyn_args)
         for i, v in self.statics:
@@ -329,6 +347,7 @@ class JitFunction:
 
     def _build(self, call: _Call) -> tuple[Executable, Any]:
         call.check_devices()
+        call.check_optimizer_state()
         fun = self.fun
 
         def pure(*leaves):

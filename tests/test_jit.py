@@ -384,6 +384,39 @@ def test_arrays_on_devices_no_task_owns(tasks):
         mm.jit(lambda m, x: m(x))(moved, jnp.ones((2, 16)))
 
 
+def test_optimizer_state_left_behind_by_placing_again_is_refused_then_follows(tasks, batch):
+    s0, s1 = tasks
+    model, opt, ref, ref_opt = placed_and_reference(tasks, optax.adamw(1e-2))
+    step = mm.jit(train_step)
+    close(step(model, opt, *batch), train_step(ref, ref_opt, *batch))
+    mm.place(model, [("l0", s0), ("l1|l2|l3", s1)])  # l1 moves; its moments stay on stage0
+    before = flat(opt.opt_state)
+    with pytest.raises(
+        mm.MPMDError,
+        match=r"optimizer state 'arg1/opt_state/0/mu/l1/bias' is on task 'stage0' but the "
+        r"parameter it is kept for, 'arg0/l1/bias', is on task 'stage1' \(4 optimizer .*"
+        r"mm.place_optimizer\(opt, model\)",
+    ):
+        step(model, opt, *batch)
+    for a, b in zip(before, flat(opt.opt_state), strict=True):
+        np.testing.assert_array_equal(a, b)  # refused before anything moved
+
+    assert mm.place_optimizer(opt, model) is opt
+    for moments in (opt.opt_state[0].mu, opt.opt_state[0].nu):
+        for name in ("l1", "l2"):
+            kernel = getattr(model, name).kernel.get_value()
+            assert moments[name]["kernel"].get_value().sharding == kernel.sharding
+    param_shapes = {v.shape for v in jax.tree.leaves(nnx.state(model, nnx.Param))}
+    crossing = [t.shape for t in step.plan(model, opt, *batch).transfers if t.source is not None]
+    assert crossing and not param_shapes & set(crossing)  # only activations cross tasks
+    for _ in range(2):
+        close(step(model, opt, *batch), train_step(ref, ref_opt, *batch))
+    for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
+        close(a, b)
+    with pytest.raises(ValueError, match="no state of this Optimizer is kept for a Variable"):
+        mm.place_optimizer(opt, nnx.Linear(3, 5, rngs=nnx.Rngs(0)))  # not opt's model
+
+
 def test_ordered_side_effects_are_refused_unordered_ones_run(tasks, capfd):
     from jax.experimental import io_callback
 
