@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import flax
 import jax
 from flax import nnx
 
@@ -75,6 +76,25 @@ def mirrors_a_variable(x: Any) -> bool:
         (True, False)
     """
     return isinstance(x, nnx.OptVariable)
+
+
+def outside_state_error(error: BaseException) -> str | None:
+    """What a traced function changed that was created outside it, if ``error`` is Flax's
+    refusal of that (``TraceContextError``): ``"an nnx.Rngs"`` or ``"a Variable"``.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> rngs = nnx.Rngs(0)
+        >>> try:
+        ...     jax.eval_shape(lambda: rngs.params())
+        ... except Exception as e:
+        ...     outside_state_error(e)
+        'an nnx.Rngs'
+    """
+    if not isinstance(error, flax.errors.TraceContextError):
+        return None
+    return "an nnx.Rngs" if "Rng" in str(error) else "a Variable"
 
 
 def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:

@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmnnx._nnx import logical_names, mirrors_a_variable, variables_of
+from mmnnx._nnx import logical_names, mirrors_a_variable, outside_state_error, variables_of
 from mmnnx.sharding.rules import Path, PlacementRule, compile_rules, path_str
 from mmnnx.sharding.specs import check_spec
 from mmnnx.sharding.task import Task
@@ -174,6 +174,10 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
     ever exists on one device. The values equal ``place(factory(), rules)`` for the same RNG seed.
     ``factory`` must create its own ``nnx.Rngs``; it is traced once per task.
 
+    Raises:
+        ValueError: a rule problem (as :func:`place`), or a factory that changes state created
+            outside it (an ``nnx.Rngs`` it closes over), before anything is built.
+
     Example:
         >>> from mmnnx.sharding import TaskMesh
         >>> s0 = Task("s0", mesh=TaskMesh(devices=range(0, 4)))
@@ -184,8 +188,7 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
         >>> model.layers[0].kernel.get_value().sharding.mesh.devices.size
         4
     """
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(factory)
+    abstract = _abstract(factory)
     assignments = plan_placement(abstract, rules, strict=strict)
     placed = {a.path for a in assignments}
     groups: dict[Task | None, list[Any]] = {}
@@ -341,6 +344,24 @@ def place_optimizer(opt: Opt, model: Any) -> Opt:
         m.state.set_value(value)
         m.state.set_metadata(**{TASK_KEY: task, SPEC_KEY: spec})
     return opt
+
+
+def _abstract(factory: Callable[[], M]) -> M:
+    """``factory()`` built abstractly; a factory that changes state created outside it (an
+    ``nnx.Rngs`` it closes over) is refused, naming the fix."""
+    try:
+        with nnx.use_eager_sharding(False):
+            return nnx.eval_shape(factory)
+    except Exception as e:
+        what = outside_state_error(e)
+        if what is None:
+            raise
+        raise ValueError(
+            f"mm.init: the factory changes {what} created outside it; mm.init traces "
+            "the factory (once abstractly, then once per task), so it must create its own "
+            "state: build the nnx.Rngs inside it, e.g. mm.init(lambda: Model(rngs=nnx.Rngs(0)), "
+            "rules), not mm.init(lambda: Model(rngs=rngs), rules)"
+        ) from e
 
 
 def placement(model: Any) -> dict[str, tuple[str, PartitionSpec]]:
