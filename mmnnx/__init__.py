@@ -28,6 +28,7 @@ from mmnnx.sharding import (
     init,
     logical_rules,
     place,
+    place_optimizer,
     placement,
     task_of,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "modules",
     "mpmd",
     "place",
+    "place_optimizer",
     "placement",
     "plot_timeline",
     "schedules",

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import flax
 import jax
 from flax import nnx
 
@@ -60,6 +61,40 @@ def variables_of(node: Any) -> list[tuple[Path, nnx.Variable]]:
         [('layers', 0, 'bias'), ('layers', 0, 'kernel')]
     """
     return [(path, v) for path, v in nnx.iter_graph(node) if is_variable(v)]
+
+
+def mirrors_a_variable(x: Any) -> bool:
+    """Whether ``x`` is optimizer state made from a model Variable: ``nnx.Optimizer`` wraps the
+    state it keeps per parameter (Adam's moments, say) in ``nnx.OptVariable``s that copy the
+    parameter's metadata, its placement included, when the optimizer is created.
+
+    Example:
+        >>> import optax
+        >>> from flax import nnx
+        >>> opt = nnx.Optimizer(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), optax.adam(0.1), wrt=nnx.Param)
+        >>> mirrors_a_variable(opt.opt_state[0].mu["kernel"]), mirrors_a_variable(opt.step)
+        (True, False)
+    """
+    return isinstance(x, nnx.OptVariable)
+
+
+def outside_state_error(error: BaseException) -> str | None:
+    """What a traced function changed that was created outside it, if ``error`` is Flax's
+    refusal of that (``TraceContextError``): ``"an nnx.Rngs"`` or ``"a Variable"``.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> rngs = nnx.Rngs(0)
+        >>> try:
+        ...     jax.eval_shape(lambda: rngs.params())
+        ... except Exception as e:
+        ...     outside_state_error(e)
+        'an nnx.Rngs'
+    """
+    if not isinstance(error, flax.errors.TraceContextError):
+        return None
+    return "an nnx.Rngs" if "Rng" in str(error) else "a Variable"
 
 
 def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:

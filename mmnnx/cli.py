@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--steps", type=_positive("--steps"), default=300, help="optimizer steps (300)"
     )
+    run.add_argument(
+        "--schedule-steps",
+        type=_positive("--schedule-steps"),
+        default=None,
+        help="horizon of the learning-rate schedule, warm-up + cosine decay (default: --steps; "
+        "with --resume, the horizon saved with the checkpoint)",
+    )
     run.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (3e-3)")
     run.add_argument(
         "--eval-every",
@@ -268,13 +275,13 @@ def train(args: argparse.Namespace) -> int:
         )
         return 2
     if args.resume:
-        latest = _latest_checkpoint(checkpoints)
-        if latest is None:
+        latest, any_step = _latest_checkpoint(checkpoints)
+        if not any_step:
             print(
                 f"mmnnx train: --resume: no checkpoint in {checkpoints}; starting from step 0",
                 file=sys.stderr,
             )
-        elif latest >= args.steps:
+        elif latest is not None and latest >= args.steps:
             print(
                 f"mmnnx train: error: the latest checkpoint in {checkpoints} is step {latest}; "
                 f"--steps {args.steps} trains nothing more (give --steps above {latest})",
@@ -316,7 +323,11 @@ def train(args: argparse.Namespace) -> int:
         placement = stage_rules(nnx.eval_shape(factory), tasks)
     model = mm.init(factory, placement)
     print(mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2))
-    from mmnnx.train.checkpoint import CheckpointCorruptError, CheckpointMismatchError  # noqa: PLC0415
+    from mmnnx.train.checkpoint import (  # noqa: PLC0415
+        CheckpointCorruptError,
+        CheckpointMismatchError,
+        NoReadableCheckpointError,
+    )
 
     try:
         result = fit(
@@ -332,21 +343,23 @@ def train(args: argparse.Namespace) -> int:
                 output_dir=args.output_dir,
                 checkpoint_dir=args.checkpoint_dir,
                 resume=args.resume,
+                schedule_steps=args.schedule_steps,
             ),
         )
-    except (CheckpointMismatchError, CheckpointCorruptError) as e:
+    except (CheckpointMismatchError, CheckpointCorruptError, NoReadableCheckpointError) as e:
         print(f"mmnnx train: error: --resume: {e}", file=sys.stderr)
         return 2
     return 0 if math.isfinite(result.final_eval) else 1
 
 
-def _latest_checkpoint(directory: pathlib.Path) -> int | None:
+def _latest_checkpoint(directory: pathlib.Path) -> tuple[int | None, bool]:
+    """The latest complete step in ``directory``, and whether it holds any step directory."""
     if not directory.is_dir():
-        return None
+        return None, False
     from mmnnx.train.checkpoint import Checkpointer  # noqa: PLC0415
 
     with Checkpointer(directory) as ckpt:
-        return ckpt.latest_step()
+        return ckpt.latest_step(), bool(ckpt.all_steps() or ckpt.incomplete_steps())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
 from mmnnx.mpmd.runner import Event, Executable
 from mmnnx.sharding import Task, task_of
-from mmnnx.sharding.place import SPEC_KEY
+from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state
 
 
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
@@ -82,6 +82,22 @@ def _fingerprint(graph: Any, plan: Plan, call: _Call) -> list[str]:
 
 
 _SCALARS = (bool, int, float, complex)
+
+
+def _step_name(fun: Callable) -> str:
+    return getattr(fun, "__name__", "the step")
+
+
+def _check_outputs(out: Any, step: str) -> None:
+    """Raises if a step returned a leaf that is not an array (a string, an object)."""
+    for path, leaf in jax.tree.flatten_with_path(out)[0]:
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, *_SCALARS)):
+            where = "output" + jax.tree_util.keystr(path)
+            raise MPMDError(
+                f"mm.jit: {step} returned a {type(leaf).__name__} at {where}; a step must "
+                "return arrays or pytrees of arrays (Python numbers count as arrays). Return "
+                "other values from a function that calls the step"
+            )
 
 
 class _Call:
@@ -302,6 +318,37 @@ class _Call:
                         f"devices {sorted(d.id for d in owned)}"
                     )
 
+    def check_optimizer_state(self) -> None:
+        """Raises if optimizer state was left on another task than the parameter it is kept for
+        (the model was placed again after its optimizer was created): every step would move it
+        between tasks."""
+        dyn_args, dyn_kwargs = self.target
+        roots = [(f"arg{i}", a) for i, a in enumerate(dyn_args) if a is not None]
+        misplaced = misplaced_optimizer_state(roots + list(dyn_kwargs.items()))
+        if misplaced:
+            first = misplaced[0]
+            raise MPMDError(
+                f"mm.jit: optimizer state {first.path!r} is on task "
+                f"{getattr(first.task, 'name', None)!r} but the parameter it is kept for, "
+                f"{first.param_path!r}, is on task {first.param_task.name!r} ({len(misplaced)} "
+                "optimizer Variables like this): the model was placed after its optimizer was "
+                "created, and every step would move that state between tasks. Call "
+                "mm.place_optimizer(opt, model) after mm.place(model, ...)"
+            )
+
+    def deleted_input(self) -> MPMDError | None:
+        """The error for the first input whose array was deleted (``.delete()``, or donated to
+        an earlier call while a Variable still held it), or ``None``."""
+        for i, leaf in enumerate(self.leaves):
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                return MPMDError(
+                    f"mm.jit: the array of {self.names[i]!r} was deleted before this call of "
+                    f"{_step_name(self.fn.fun)} (by .delete(), or donated to an earlier call with "
+                    "donate_argnums while this Variable still held it); nothing was written "
+                    "back. Give it a live array (Variable.set_value) or restore a checkpoint"
+                )
+        return None
+
     def full_args(self, dyn_args: tuple, dyn_kwargs: dict) -> tuple[tuple, dict]:
         args = list(dyn_args)
         for i, v in self.statics:
@@ -319,6 +366,8 @@ def _execute(executable: Executable, call: _Call, fun: Callable, modes: dict) ->
         if executable.may_fail:
             jax.block_until_ready(results)
     except jax.errors.JaxRuntimeError as e:
+        if deleted := call.deleted_input():
+            raise deleted from None
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         cause = lines[-1] if lines else type(e).__name__  # a callback's own exception comes last
         kept = (
@@ -330,6 +379,10 @@ def _execute(executable: Executable, call: _Call, fun: Callable, modes: dict) ->
             f"mm.jit: {getattr(fun, '__name__', 'the step')} failed while running ({cause}); "
             f"{kept}, and the next call runs normally"
         ) from e
+    except RuntimeError:  # JAX refuses a deleted array when a program is dispatched
+        if deleted := call.deleted_input():
+            raise deleted from None
+        raise
     return results
 
 
@@ -349,19 +402,21 @@ class JitFunction:
 
     def _build(self, call: _Call) -> tuple[Executable, Any]:
         call.check_devices()
+        call.check_optimizer_state()
         fun = self.fun
 
         def pure(*leaves):
             dyn_args, dyn_kwargs, fresh, nodes = call.rebuild(leaves)
             args, kwargs = call.full_args(dyn_args, dyn_kwargs)
             out = fun(*args, **kwargs)
+            _check_outputs(out, _step_name(fun))
             call.check_unchanged(dyn_args, dyn_kwargs, nodes)
             return out, [v.get_value() for v in fresh]
 
         self.trace_count += 1
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
         with markers.tracing() as trace:
-            graph, out_shape = _jax.trace(pure, avals)
+            graph, out_shape = _jax.trace(pure, avals, name_as=fun, arg_names=call.names)
         markers.apply_resolvers(graph, trace)
         regions = trace.regions
         out_tree = jax.tree.structure(out_shape[0])
@@ -416,10 +471,29 @@ class JitFunction:
         return entry
 
     def __call__(self, *args, **kwargs):
+        if _jax.tracing():
+            return self._traced_call(args, kwargs)
         return self._run(_Call(self, args, kwargs))
+
+    def _traced_call(self, args: tuple, kwargs: dict) -> Any:
+        """A call while something traces. Inside another ``mm.jit`` step the function is inlined:
+        its ops join that step's, which carries its Variable updates back (as a ``jax.jit``
+        inside a ``jax.jit`` does). Any other transformation cannot trace a step that dispatches
+        its own programs on several submeshes."""
+        if markers.current_trace() is None:
+            name = _step_name(self.fun)
+            raise MPMDError(
+                f"mm.jit: {name} was called inside a JAX transformation (jax.jit, nnx.jit, "
+                "jax.grad, jax.vmap, ...); an mm.jit step runs its own programs on several "
+                f"submeshes and cannot be traced by another transformation. Call {name} outside "
+                "it, or apply the transformation inside the step"
+            )
+        return self.fun(*args, **kwargs)
 
     def _run(self, call: _Call, **modes):
         executable, (out_tree, num_user_outputs) = self._lookup(call)
+        if self.donate_argnums and (deleted := call.deleted_input()):
+            raise deleted  # before any input is donated
         with _jax.no_ambient_mesh():  # each fragment runs on its own task's mesh
             results = _execute(executable, call, self.fun, modes)
         _nnx.set_values(call.variables, results[num_user_outputs:])
@@ -468,7 +542,8 @@ def jit(
 
     Arguments may be Modules, Optimizers, other graph nodes and pytrees of arrays; Variable updates
     made inside ``fun`` are written back to the caller's objects, on their tasks. An op that reads
-    state placed on task T runs on T; other ops go where the fewest bytes move.
+    state placed on task T runs on T; other ops go where the fewest bytes move. Called inside
+    another ``mm.jit`` step, ``fun`` is inlined into it.
 
     Example:
         >>> import jax.numpy as jnp
@@ -529,6 +604,14 @@ class CachedPartial:
         return call
 
     def __call__(self, *args, **kwargs):
+        if _jax.tracing():
+            name = _step_name(self.fn.fun)
+            raise MPMDError(
+                f"mm.cached_partial: {name} was called while another function is traced (an "
+                "mm.jit step, jax.jit, ...); its bound arguments would enter that trace as "
+                f"constants. Inside an mm.jit step, call the mm.jit function {name} with the "
+                "step's own arguments (it is inlined there)"
+            )
         return self.fn._run(self._call(args, kwargs))
 
     def timeline(self, *args, **kwargs) -> list[Event]:

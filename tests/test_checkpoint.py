@@ -484,3 +484,47 @@ def test_data_that_reads_back_different_is_caught_by_its_checksum(tmp_path, monk
         with pytest.raises(checkpoint.CheckpointCorruptError, match=r"'model/kernel' reads back"):
             ckpt.restore(model=fresh)
         assert_same(arrays(model=fresh), before)
+
+
+def test_restore_newest_readable_passes_over_damaged_and_incomplete_steps(tmp_path):
+    model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+    with Checkpointer(tmp_path) as ckpt:
+        for step in (2, 4, 6):
+            model.bias.set_value(jnp.full((64,), float(step)))
+            ckpt.save(step, model=model, extra={"step": step})
+    _truncate(_data_file(tmp_path / "6"))
+    (tmp_path / "8" / "model").mkdir(parents=True)  # no step metadata
+    fresh = nnx.Linear(64, 64, rngs=nnx.Rngs(1))
+    with Checkpointer(tmp_path) as ckpt:
+        resumed = ckpt.restore_newest_readable(model=fresh)
+        assert resumed.step == 4 and resumed.extra == {"step": 4}
+        assert [str(s) for s in resumed.skipped] == [
+            "skipped step 8: incomplete (no metadata)",
+            f"skipped step 6: damaged ({_data_file(tmp_path / '6')} cannot be read)",
+        ]
+        np.testing.assert_array_equal(fresh.bias.get_value(), np.full((64,), 4.0))
+        # a run resumed from step 4 saves steps 6 and 8 again: the unreadable ones go aside
+        assert ckpt.set_aside([s.step for s in resumed.skipped]) == ["8.unreadable", "6.unreadable"]
+        assert ckpt.all_steps() == [2, 4] and ckpt.incomplete_steps() == []
+        ckpt.save(6, model=model, extra={"step": 6})
+        assert ckpt.latest_step() == 6 and (tmp_path / "6.unreadable" / "model").is_dir()
+
+
+def test_no_readable_step_names_the_directory_and_every_step(tmp_path):
+    model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+            ckpt.restore_newest_readable(model=model)
+        ckpt.save(1, model=model)
+    (tmp_path / "1" / "model" / "manifest.ocdbt").unlink()
+    (tmp_path / "3").mkdir()
+    fresh = nnx.Linear(64, 64, rngs=nnx.Rngs(1))
+    before = arrays(model=fresh)
+    with Checkpointer(tmp_path) as ckpt, pytest.raises(mm.train.NoReadableCheckpointError) as e:
+        ckpt.restore_newest_readable(model=fresh)
+    assert e.value.directory == os.fspath(tmp_path)
+    assert str(e.value) == (
+        f"no readable checkpoint in {tmp_path}: skipped step 3: incomplete (no metadata); "
+        f"skipped step 1: damaged ({tmp_path / '1' / 'model' / 'manifest.ocdbt'} cannot be read)"
+    )
+    assert_same(arrays(model=fresh), before)

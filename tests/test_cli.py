@@ -5,6 +5,9 @@ import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from mmnnx.cli import main
@@ -47,6 +50,7 @@ def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
         (["--lr", "inf"], "--lr must be a finite number > 0, got 'inf'"),
         (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
+        (["--schedule-steps", "0"], "--schedule-steps must be >= 1, got 0"),
     ],
 )
 def test_bad_values_exit_2(argv, reason, capsys):
@@ -74,6 +78,7 @@ def test_help_documents_every_flag(capsys):
         "--model-axis",
         "--schedule",
         "--steps",
+        "--schedule-steps",
         "--lr",
         "--devices",
         "--checkpoint-dir",
@@ -177,3 +182,101 @@ def test_paths_that_are_files_exit_2_before_training(tmp_path, capsys):
         assert main(["train", flag, str(tmp_path / "file")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"{flag} {tmp_path / 'file'} is a file" in err
+
+
+TINY = ["--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "16", "--batch-size", "8"]
+
+
+def tiny_run(tmp_path, run: str, *argv: str) -> int:
+    """``mmnnx train`` in this process on a tiny GPT and a short text, writing to tmp_path/run."""
+    text = tmp_path / "text.txt"
+    if not text.exists():
+        text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    base = ["train", *TINY, "--microbatches", "2", "--text", str(text)]
+    return main([*base, "--output-dir", str(tmp_path / run), *argv])
+
+
+def damage(step_dir):
+    """Truncates the largest data file of the step's model item; returns its path."""
+    data = max((step_dir / "model" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    return data
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def saved_extra(step_dir) -> dict:
+    return json.loads((step_dir / "extra" / "metadata").read_text())
+
+
+@pytest.mark.slow
+def test_resume_falls_back_past_damaged_and_incomplete_steps(tmp_path, capsys):
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    every = ["--eval-every", "2", "--checkpoint-every", "4"]
+    assert tiny_run(tmp_path, "run", "--steps", "8", *every) == 0
+    assert [r["step"] for r in metrics(run)] == [0, 2, 4, 6, 8]
+    damaged = damage(ckpt / "8")
+    (ckpt / "10" / "model").mkdir(parents=True)  # a step directory without its metadata
+    capsys.readouterr()
+
+    resume = ["--steps", "12", "--resume", "--schedule-steps", "10", *every]
+    assert tiny_run(tmp_path, "run", *resume) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"resumed from step 4 ({ckpt}); skipped step 10: incomplete (no metadata), set aside as "
+        f"10.unreadable; skipped step 8: damaged ({damaged} cannot be read), set aside as "
+        "8.unreadable\n"
+    ) in out
+    assert (
+        "learning-rate schedule over 10 steps as given (TrainConfig.schedule_steps / "
+        "--schedule-steps), not the 8 steps saved with the checkpoint\n"
+    ) in out
+    # the lines of steps 6 and 8 from before the resume are gone: no step repeats
+    assert [r["step"] for r in metrics(run)] == [0, 2, 4, 6, 8, 10, 12]
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
+        "10.unreadable",
+        "12",
+        "4",
+        "8",
+        "8.unreadable",
+    ]
+    assert saved_extra(ckpt / "4")["schedule_steps"] == 8
+    assert saved_extra(ckpt / "12")["schedule_steps"] == 10
+
+    for step in (4, 8, 12):
+        damage(ckpt / str(step))
+    capsys.readouterr()
+    assert tiny_run(tmp_path, "run", "--steps", "16", "--resume", *every) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(
+        f"mmnnx train: error: --resume: no readable checkpoint in {ckpt}: skipped step 12: "
+        f"damaged ({ckpt / '12' / 'model' / 'd'}"
+    ), err
+    assert "skipped step 8: damaged" in err and "skipped step 4: damaged" in err
+
+
+@pytest.mark.slow
+def test_extending_a_run_keeps_its_schedule_and_matches_a_straight_run(tmp_path, capsys):
+    every = ["--eval-every", "1", "--checkpoint-every", "4"]
+    assert tiny_run(tmp_path, "straight", "--steps", "12", "--schedule-steps", "16", *every) == 0
+    assert tiny_run(tmp_path, "parts", "--steps", "8", "--schedule-steps", "16", *every) == 0
+    capsys.readouterr()
+    assert tiny_run(tmp_path, "parts", "--steps", "12", "--resume", *every) == 0  # keeps 16
+    assert "learning-rate schedule over" not in capsys.readouterr().out
+    straight, parts = metrics(tmp_path / "straight"), metrics(tmp_path / "parts")
+    assert [r["step"] for r in parts] == list(range(13))
+    for a, b in zip(straight, parts, strict=True):
+        a.pop("tokens_per_s", None), b.pop("tokens_per_s", None)
+        assert a == b  # step, loss and eval loss, to the last bit
+    for item in ("model", "opt"):
+        a = ocp.StandardCheckpointer().restore(tmp_path / "straight" / "checkpoints" / "12" / item)
+        b = ocp.StandardCheckpointer().restore(tmp_path / "parts" / "checkpoints" / "12" / item)
+        flat_a, flat_b = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+        assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+        for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+    assert saved_extra(tmp_path / "parts" / "checkpoints" / "12")["schedule_steps"] == 16

@@ -1,6 +1,7 @@
 """mm.jit against the same model on one device."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -382,6 +383,117 @@ def test_arrays_on_devices_no_task_owns(tasks):
     moved.l0.kernel.set_value(jax.device_put(moved.l0.kernel.get_value(), jax.devices()[7]))
     with pytest.raises(mm.MPMDError, match=r"'.*l0/kernel' is placed on task 'stage0'.*\[7\]"):
         mm.jit(lambda m, x: m(x))(moved, jnp.ones((2, 16)))
+
+
+def test_optimizer_state_left_behind_by_placing_again_is_refused_then_follows(tasks, batch):
+    s0, s1 = tasks
+    model, opt, ref, ref_opt = placed_and_reference(tasks, optax.adamw(1e-2))
+    step = mm.jit(train_step)
+    close(step(model, opt, *batch), train_step(ref, ref_opt, *batch))
+    mm.place(model, [("l0", s0), ("l1|l2|l3", s1)])  # l1 moves; its moments stay on stage0
+    before = flat(opt.opt_state)
+    with pytest.raises(
+        mm.MPMDError,
+        match=r"optimizer state 'arg1/opt_state/0/mu/l1/bias' is on task 'stage0' but the "
+        r"parameter it is kept for, 'arg0/l1/bias', is on task 'stage1' \(4 optimizer .*"
+        r"mm.place_optimizer\(opt, model\)",
+    ):
+        step(model, opt, *batch)
+    for a, b in zip(before, flat(opt.opt_state), strict=True):
+        np.testing.assert_array_equal(a, b)  # refused before anything moved
+
+    assert mm.place_optimizer(opt, model) is opt
+    for moments in (opt.opt_state[0].mu, opt.opt_state[0].nu):
+        for name in ("l1", "l2"):
+            kernel = getattr(model, name).kernel.get_value()
+            assert moments[name]["kernel"].get_value().sharding == kernel.sharding
+    param_shapes = {v.shape for v in jax.tree.leaves(nnx.state(model, nnx.Param))}
+    crossing = [t.shape for t in step.plan(model, opt, *batch).transfers if t.source is not None]
+    assert crossing and not param_shapes & set(crossing)  # only activations cross tasks
+    for _ in range(2):
+        close(step(model, opt, *batch), train_step(ref, ref_opt, *batch))
+    for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
+        close(a, b)
+    with pytest.raises(ValueError, match="no state of this Optimizer is kept for a Variable"):
+        mm.place_optimizer(opt, nnx.Linear(3, 5, rngs=nnx.Rngs(0)))  # not opt's model
+
+
+def test_an_mm_jit_step_called_inside_another_is_inlined(tasks, batch):
+    model, opt, ref, ref_opt = placed_and_reference(tasks, optax.adamw(1e-2))
+    inner = mm.jit(train_step)
+
+    @mm.jit
+    def outer(model, opt, x, y):
+        return 2 * inner(model, opt, x, y)  # its update is carried back by outer
+
+    for _ in range(2):
+        close(outer(model, opt, *batch), 2 * train_step(ref, ref_opt, *batch))
+    for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
+        close(a, b)
+    assert inner.trace_count == 0 and outer.trace_count == 1
+
+    bound = mm.cached_partial(inner, model, opt)
+    with pytest.raises(mm.MPMDError, match=r"cached_partial: train_step was called while another"):
+        mm.jit(lambda m, x, y: bound(x, y))(model, *batch)
+    forward = mm.jit(lambda m, x: m(x))
+    with pytest.raises(mm.MPMDError, match=r"<lambda> was called inside a JAX transformation"):
+        jax.jit(lambda x: forward(model, x))(batch[0])
+
+
+def shape_from_array(model, x, n):
+    return model(x).sum() + jnp.zeros(n).sum()
+
+
+def branch_on_array(model, x, n):
+    return model(x).sum() if n > 0 else 0.0
+
+
+@pytest.mark.parametrize(
+    "step, error",
+    [(shape_from_array, TypeError), (branch_on_array, jax.errors.TracerBoolConversionError)],
+)
+def test_a_traced_value_needed_as_a_python_value_names_the_step_and_argument(
+    tasks, batch, step, error
+):
+    model = two_stage(tasks)
+    x, _ = batch
+    with pytest.raises(error) as caught:
+        mm.jit(step)(model, x, jnp.array(3))
+    assert not isinstance(caught.value, mm.MPMDError)  # JAX's own error, about the user's code
+    assert re.search(
+        rf"while tracing the function {step.__name__} at .*test_jit.py:\d+ for mm.jit\. .*"
+        r"depends on the value of the argument arg2\.",
+        str(caught.value),
+    ), str(caught.value)
+    out = mm.jit(step, static_argnums=2)(model, x, 3)  # the fix the message suggests
+    close(out, step(make(), x, 3))
+
+
+def test_a_step_returning_a_string_names_the_output(tasks, batch):
+    model = two_stage(tasks)
+    step = mm.jit(lambda m, x: {"loss": m(x).sum(), "tag": "run 1"})
+    with pytest.raises(
+        mm.MPMDError,
+        match=r"<lambda> returned a str at output\['tag'\]; a step must return arrays or "
+        "pytrees of arrays",
+    ):
+        step(model, batch[0])
+
+
+@pytest.mark.parametrize("donate", [(), (0,)])
+def test_a_deleted_parameter_array_is_named(tasks, batch, donate):
+    model = two_stage(tasks)
+    step = mm.jit(lambda m, x: nnx.value_and_grad(lambda m: m(x).sum())(m), donate_argnums=donate)
+    step(model, batch[0])
+    model.l2.kernel.get_value().delete()
+    others = [v for v in jax.tree.leaves(nnx.state(model)) if not v.is_deleted()]
+    with pytest.raises(
+        mm.MPMDError, match=r"the array of 'arg0/l2/kernel' was deleted before this call .*donated"
+    ):
+        step(model, batch[0])
+    assert not any(v.is_deleted() for v in others)  # nothing donated either
+    model.l2.kernel.set_value(mm.place(make(), [(".*", tasks[1])]).l2.kernel.get_value())
+    step(model, batch[0])
 
 
 def test_ordered_side_effects_are_refused_unordered_ones_run(tasks, capfd):

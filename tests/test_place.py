@@ -335,3 +335,20 @@ def test_init_validates_before_building(tasks):
     with pytest.raises(ValueError, match="no placement rule matches"):
         mm.init(factory, [("layers", s0)])
     assert len(calls) == 1  # only the abstract build ran
+
+
+def test_init_refuses_a_factory_that_closes_over_an_outer_rngs(tasks):
+    s0, s1 = tasks
+    rngs = nnx.Rngs(0)
+
+    def factory():
+        with nnx.use_eager_sharding(False):
+            return TwoStageMLP(rngs=rngs)
+
+    with pytest.raises(
+        ValueError,
+        match=r"mm.init: the factory changes an nnx.Rngs created outside it; .*build the "
+        r"nnx.Rngs inside it, e.g. mm.init\(lambda: Model\(rngs=nnx.Rngs\(0\)\), rules\)",
+    ):
+        mm.init(factory, rules_for(s0, s1))
+    assert int(rngs.params.count.get_value()) == 0  # the outer Rngs was not advanced

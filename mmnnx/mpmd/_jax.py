@@ -5,7 +5,8 @@ Everything else in the engine works on the flat IR this module produces (``ir.Gr
 already say whether they are backward, which ``mm.task`` region and which ``mm.microbatch`` call
 they belong to; so a JAX upgrade changes this file only (``mmnnx/_nnx.py`` is its Flax twin).
 Public ``jax.extend`` names are used where they exist; ``jax._src`` only for the ordered-effects
-set and the user frame of a source location, which JAX does not export.
+set, the user frame of a source location, whether a trace is in progress, and the debug info that
+names a traced step in JAX's errors, which JAX does not export.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import effects, source_info_util
+from jax._src import api_util, effects, source_info_util
+from jax._src import core as jax_core
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching
 
@@ -121,8 +123,36 @@ def no_ambient_mesh():
     return jax.set_mesh(None)
 
 
-def trace(fun: Callable, avals: Sequence[jax.ShapeDtypeStruct]) -> tuple[Graph, Any]:
-    """Traces ``fun(*avals)`` to a flat op graph; returns it and the output shapes' pytree."""
+def tracing() -> bool:
+    """Whether a JAX trace (``jit``, ``grad``, ``vmap``, ``make_jaxpr``, ...) is in progress.
+
+    Example:
+        >>> tracing(), jax.make_jaxpr(lambda: tracing() or 0)().eqns
+        (False, [])
+    """
+    return not jax_core.trace_state_clean()
+
+
+def trace(
+    fun: Callable,
+    avals: Sequence[jax.ShapeDtypeStruct],
+    *,
+    name_as: Callable | None = None,
+    arg_names: Sequence[str] | None = None,
+) -> tuple[Graph, Any]:
+    """Traces ``fun(*avals)`` to a flat op graph; returns it and the output shapes' pytree.
+
+    With ``name_as``, JAX's tracing errors describe the trace as that function's (its name and
+    source line) for ``mm.jit``, with inputs named ``arg_names``: a traced value used where a
+    concrete one is needed (a shape, an ``if``) is reported "while tracing the function
+    train_step at model.py:12 for mm.jit ... the argument arg2", not as mm.jit's wrapper.
+    """
+    if name_as is not None:
+        names = None if arg_names is None else tuple(arg_names)
+        info = jax_core.DebugInfo(
+            "mm.jit", api_util.fun_sourceinfo(name_as), names, jax_core.initial_result_paths
+        )
+        api_util.save_wrapped_fun_debug_info(fun, info)
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
     return to_graph(closed), out_shape
 

@@ -1,7 +1,7 @@
 """mmnnx.sharding: meshes, tasks and placement rules. Pure data: nothing here runs a model."""
 
 from mmnnx.sharding.multi_mesh import MultiMesh, current_multimesh
-from mmnnx.sharding.place import init, place, placement, task_of
+from mmnnx.sharding.place import init, place, place_optimizer, placement, task_of
 from mmnnx.sharding.rules import path_str
 from mmnnx.sharding.specs import bytes_per_device
 from mmnnx.sharding.task import Task, logical_rules
@@ -17,6 +17,7 @@ __all__ = [
     "logical_rules",
     "path_str",
     "place",
+    "place_optimizer",
     "placement",
     "task_of",
 ]

@@ -8,19 +8,20 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmnnx._nnx import logical_names, variables_of
+from mmnnx._nnx import logical_names, mirrors_a_variable, outside_state_error, variables_of
 from mmnnx.distributed.arrays import placeholder, processes_of, put
 from mmnnx.sharding.rules import Path, PlacementRule, compile_rules, path_str
 from mmnnx.sharding.specs import check_spec
 from mmnnx.sharding.task import Task
 
 M = TypeVar("M")
+Opt = TypeVar("Opt")
 
 TASK_KEY = "mm_task"
 SPEC_KEY = "mm_spec"
@@ -130,6 +131,20 @@ def plan_placement(model: Any, rules: Sequence[tuple], *, strict: bool = True) -
     return assignments
 
 
+def _put_all(values: list[Any], shardings: list[Any], names: list[str]) -> list[Any]:
+    """Moves ``values`` onto ``shardings``. With several processes each keeps its own part of
+    values that every process holds alike (a model built the same way everywhere)."""
+    if jax.process_count() == 1:
+        return jax.device_put(values, shardings)
+    for value, name in zip(values, names, strict=True):
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            raise ValueError(
+                f"{name}: cannot move a value held by other processes with place; build the "
+                "model alike on every process and place it before making its optimizer"
+            )
+    return [put(v, s) for v, s in zip(values, shardings, strict=True)]
+
+
 def _commit(assignments: list[Assignment], values: list[Any]) -> None:
     for a, value in zip(assignments, values, strict=True):
         a.variable.set_value(value)
@@ -159,12 +174,11 @@ def place(model: M, rules: Sequence[tuple], *, strict: bool = True) -> M:
         [4, 5, 6, 7]
     """
     assignments = plan_placement(model, rules, strict=strict)
-    values = [a.variable.get_value() for a in assignments]
-    shardings = [a.sharding for a in assignments]
-    if jax.process_count() == 1:
-        values = jax.device_put(values, shardings)
-    else:  # each process keeps its own tasks' parts (the model is built alike everywhere)
-        values = [put(v, s) for v, s in zip(values, shardings, strict=True)]
+    values = _put_all(
+        [a.variable.get_value() for a in assignments],
+        [a.sharding for a in assignments],
+        [path_str(a.path) for a in assignments],
+    )
     _commit(assignments, values)
     return model
 
@@ -177,6 +191,10 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
     ever exists on one device. The values equal ``place(factory(), rules)`` for the same RNG seed.
     ``factory`` must create its own ``nnx.Rngs``; it is traced once per task.
 
+    Raises:
+        ValueError: a rule problem (as :func:`place`), or a factory that changes state created
+            outside it (an ``nnx.Rngs`` it closes over), before anything is built.
+
     Example:
         >>> from mmnnx.sharding import TaskMesh
         >>> s0 = Task("s0", mesh=TaskMesh(devices=range(0, 4)))
@@ -187,8 +205,7 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
         >>> model.layers[0].kernel.get_value().sharding.mesh.devices.size
         4
     """
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(factory)
+    abstract = _abstract(factory)
     assignments = plan_placement(abstract, rules, strict=strict)
     placed = {a.path for a in assignments}
     groups: dict[Task | None, list[Any]] = {}
@@ -225,6 +242,153 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
             values = jax.jit(build, out_shardings=[a.sharding for a in group])()
             _commit(group, values)
     return abstract
+
+
+class Mirror(NamedTuple):
+    """An optimizer-state Variable (``path`` in the optimizer) and the model Variable
+    (``param_path`` in the model) it was made from."""
+
+    path: Path
+    state: nnx.Variable
+    param_path: Path
+    param: nnx.Variable
+
+
+def optimizer_mirrors(opt: Any, model: Any) -> list[Mirror]:
+    """Each optimizer-state Variable of ``opt`` kept for a Variable of ``model``: its path in
+    ``opt`` ends with that Variable's path in ``model`` (the longest such ending wins), and it has
+    the Variable's shape.
+
+    Example:
+        >>> import optax
+        >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        >>> opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+        >>> [(path_str(m.path), path_str(m.param_path)) for m in optimizer_mirrors(opt, model)][:2]
+        [('opt_state/0/mu/bias', 'bias'), ('opt_state/0/mu/kernel', 'kernel')]
+    """
+    params = {path: v for path, v in variables_of(model) if not mirrors_a_variable(v)}
+    mirrors = []
+    for path, state in variables_of(opt):
+        if not mirrors_a_variable(state):
+            continue
+        for start in range(1, len(path)):
+            param = params.get(path[start:])
+            if param is not None and _shape(param) == _shape(state):
+                mirrors.append(Mirror(path, state, path[start:], param))
+                break
+    return mirrors
+
+
+def _shape(variable: nnx.Variable) -> tuple[int, ...] | None:
+    return getattr(variable.get_value(), "shape", None)
+
+
+class Misplaced(NamedTuple):
+    """Optimizer state on another task than the placed Variable it is kept for; paths are
+    ``/``-joined and start with their root's name."""
+
+    path: str
+    task: Task | None
+    param_path: str
+    param_task: Task
+
+
+def misplaced_optimizer_state(roots: Sequence[tuple[str, Any]]) -> list[Misplaced]:
+    """Among named roots (a step's arguments), the optimizer state that is not on the task of
+    the placed model Variable it is kept for: ``nnx.Optimizer`` copies each parameter's placement
+    when it is created, so the model was placed (again) after its optimizer was created.
+
+    Example:
+        >>> import optax
+        >>> from mmnnx.sharding import TaskMesh
+        >>> s0, s1 = Task("s0", mesh=TaskMesh(devices=[0])), Task("s1", mesh=TaskMesh(devices=[1]))
+        >>> model = place(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), [(".*", s0)])
+        >>> opt = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+        >>> model = place(model, [(".*", s1)])
+        >>> [(m.path, m.task.name, m.param_task.name)
+        ...  for m in misplaced_optimizer_state([("model", model), ("opt", opt)])][:1]
+        [('opt/opt_state/0/trace/bias', 's0', 's1')]
+    """
+    found = []
+    for opt_name, opt in roots:
+        if not any(mirrors_a_variable(v) for _, v in variables_of(opt)):
+            continue
+        for name, model in roots:
+            if model is opt:
+                continue
+            for m in optimizer_mirrors(opt, model):
+                param_task = task_of(m.param)
+                if param_task is not None and task_of(m.state) != param_task:
+                    found.append(
+                        Misplaced(
+                            path_str((opt_name, *m.path)),
+                            task_of(m.state),
+                            path_str((name, *m.param_path)),
+                            param_task,
+                        )
+                    )
+    return found
+
+
+def place_optimizer(opt: Opt, model: Any) -> Opt:
+    """Places the optimizer state kept for each placed Variable of ``model`` (Adam's moments,
+    say) on that Variable's task and PartitionSpec; returns ``opt``.
+
+    ``nnx.Optimizer`` copies each parameter's placement into its state when it is created. After
+    ``model`` is placed again with :func:`place`, call this so that the state follows its
+    parameters; ``mm.jit`` refuses a step whose optimizer state was left on another task. State
+    that is not kept per Variable (the step count) stays where it is.
+
+    Raises:
+        ValueError: no optimizer state of ``opt`` is kept for a Variable of ``model``.
+
+    Example:
+        >>> import optax
+        >>> from mmnnx.sharding import TaskMesh
+        >>> s0, s1 = Task("s0", mesh=TaskMesh(devices=[0])), Task("s1", mesh=TaskMesh(devices=[1]))
+        >>> model = place(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), [(".*", s0)])
+        >>> opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+        >>> model = place(model, [(".*", s1)])
+        >>> opt = place_optimizer(opt, model)
+        >>> [d.id for d in opt.opt_state[0].mu["kernel"].get_value().devices()]
+        [1]
+    """
+    mirrors = optimizer_mirrors(opt, model)
+    if not mirrors:
+        raise ValueError(
+            f"place_optimizer: no state of this {type(opt).__name__} is kept for a Variable of "
+            f"this {type(model).__name__}; pass the optimizer and the model it was created for"
+        )
+    moved = [m for m in mirrors if task_of(m.param) is not None]
+    specs = [m.param.get_metadata(SPEC_KEY, PartitionSpec()) for m in moved]
+    tasks = [task_of(m.param) for m in moved]
+    values = _put_all(
+        [m.state.get_value() for m in moved],
+        [task.sharding(spec) for task, spec in zip(tasks, specs, strict=True)],
+        [f"the optimizer state of {task.name!r}" for task in tasks],
+    )
+    for m, task, spec, value in zip(moved, tasks, specs, values, strict=True):
+        m.state.set_value(value)
+        m.state.set_metadata(**{TASK_KEY: task, SPEC_KEY: spec})
+    return opt
+
+
+def _abstract(factory: Callable[[], M]) -> M:
+    """``factory()`` built abstractly; a factory that changes state created outside it (an
+    ``nnx.Rngs`` it closes over) is refused, naming the fix."""
+    try:
+        with nnx.use_eager_sharding(False):
+            return nnx.eval_shape(factory)
+    except Exception as e:
+        what = outside_state_error(e)
+        if what is None:
+            raise
+        raise ValueError(
+            f"mm.init: the factory changes {what} created outside it; mm.init traces "
+            "the factory (once abstractly, then once per task), so it must create its own "
+            "state: build the nnx.Rngs inside it, e.g. mm.init(lambda: Model(rngs=nnx.Rngs(0)), "
+            "rules), not mm.init(lambda: Model(rngs=rngs), rules)"
+        ) from e
 
 
 def placement(model: Any) -> dict[str, tuple[str, PartitionSpec]]:

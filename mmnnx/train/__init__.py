@@ -7,7 +7,14 @@ Example:
     ([97], 'Checkpointer', '1f1b')
 """
 
-from mmnnx.train.checkpoint import CheckpointCorruptError, Checkpointer, CheckpointMismatchError
+from mmnnx.train.checkpoint import (
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointMismatchError,
+    NoReadableCheckpointError,
+    Resumed,
+    Skipped,
+)
 from mmnnx.train.data import ByteTokenizer, TextDataset, embedded_text, load_text
 from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
 
@@ -17,6 +24,9 @@ __all__ = [
     "CheckpointMismatchError",
     "Checkpointer",
     "FitResult",
+    "NoReadableCheckpointError",
+    "Resumed",
+    "Skipped",
     "TextDataset",
     "TrainConfig",
     "embedded_text",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -34,7 +35,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -47,12 +48,21 @@ from flax import nnx
 from mmnnx._nnx import variables_of
 from mmnnx.sharding.place import SPEC_KEY, TASK_KEY
 
-__all__ = ["CheckpointCorruptError", "CheckpointMismatchError", "Checkpointer"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "Checkpointer",
+    "NoReadableCheckpointError",
+    "Resumed",
+    "Skipped",
+]
 
 FORMAT_VERSION = 1
 _MODEL, _OPT, _EXTRA, _META = "model", "opt", "extra", "mmnnx"
 _ITEMS = (_MODEL, _OPT, _EXTRA, _META)
 _TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
+_STEP_METADATA = "_CHECKPOINT_METADATA"
+_SET_ASIDE = ".unreadable"
 
 Path = tuple[str, ...]
 
@@ -128,6 +138,46 @@ class CheckpointCorruptError(RuntimeError):
             f"checkpoint step {step} in {directory} is damaged: {what}; restore another step "
             "(Checkpointer.all_steps() lists them) or save again"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A step passed over by :meth:`Checkpointer.restore_newest_readable`, and why: ``damaged
+    (FILE cannot be read)``, ``damaged (array 'P' fails its checksum)``, ``incomplete (no
+    metadata)`` or ``incomplete (no ITEM item)``."""
+
+    step: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"skipped step {self.step}: {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """What :meth:`Checkpointer.restore_newest_readable` restored: the ``step``, its ``extra``
+    dict, and the newer steps it ``skipped`` (newest first)."""
+
+    step: int
+    extra: dict[str, Any]
+    skipped: list[Skipped]
+
+
+class NoReadableCheckpointError(RuntimeError):
+    """No step of a checkpoint directory can be restored: each is damaged or incomplete.
+    ``directory`` names the directory and ``skipped`` lists every step and why (newest first).
+    Nothing was written into the model."""
+
+    def __init__(self, directory: str, skipped: list[Skipped]):
+        self.directory, self.skipped = directory, skipped
+        super().__init__(f"no readable checkpoint in {directory}: " + "; ".join(map(str, skipped)))
+
+
+def _damage(error: CheckpointCorruptError) -> str:
+    """The reason a :class:`Skipped` step gives for ``error``."""
+    if error.array is not None:
+        return f"damaged (array {error.array!r} fails its checksum)"
+    return f"damaged ({error.file or 'one of its files'} cannot be read)"
 
 
 @jax.jit
@@ -663,6 +713,72 @@ class Checkpointer:
         extra = restored[_EXTRA] if _EXTRA in saved_items else None
         return dict(extra or {})
 
+    def restore_newest_readable(self, *, model: Any, opt: nnx.Optimizer | None = None) -> Resumed:
+        """Restores the newest step that reads back whole, like :meth:`restore`, passing over
+        newer steps that are damaged (:class:`CheckpointCorruptError`) or incomplete.
+
+        Returns:
+            the step restored, its ``extra`` dict and the newer steps skipped, with why.
+
+        Raises:
+            FileNotFoundError: the directory holds no step at all.
+            NoReadableCheckpointError: every step is damaged or incomplete (each is named).
+            CheckpointMismatchError: the newest readable step does not match the model; older
+                steps are not tried (they hold the same model).
+
+        Example:
+            >>> import os, tempfile
+            >>> from flax import nnx
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(4, model=nnx.Linear(2, 3, rngs=nnx.Rngs(0)), extra={"step": 4})
+            >>> os.mkdir(ckpt.directory / "8")
+            >>> resumed = ckpt.restore_newest_readable(model=nnx.Linear(2, 3, rngs=nnx.Rngs(1)))
+            >>> resumed.step, resumed.extra, [str(s) for s in resumed.skipped]
+            (4, {'step': 4}, ['skipped step 8: incomplete (no metadata)'])
+        """
+        complete, incomplete = self.all_steps(), self.incomplete_steps()
+        if not complete and not incomplete:
+            raise FileNotFoundError(f"no checkpoint in {self._directory}")
+        damaged: list[Skipped] = []
+        for step in reversed(complete):
+            try:
+                extra = self.restore(step, model=model, opt=opt)
+            except CheckpointCorruptError as e:
+                damaged.append(Skipped(step, _damage(e)))
+                continue
+            newer = [Skipped(s, self._incomplete(s)) for s in incomplete if s > step]
+            return Resumed(step, extra, sorted(damaged + newer, key=lambda k: -k.step))
+        skipped = damaged + [Skipped(s, self._incomplete(s)) for s in incomplete]
+        raise NoReadableCheckpointError(
+            os.fspath(self._directory), sorted(skipped, key=lambda k: -k.step)
+        )
+
+    def set_aside(self, steps: Sequence[int]) -> list[str]:
+        """Renames the directories of ``steps`` (damaged or incomplete ones) to
+        ``<step>.unreadable`` (or ``<step>.unreadable-N``), out of the listing, so that a run
+        resumed from an older step can save those steps again; nothing is deleted. Holds the
+        writer lock. Returns the new names.
+
+        Example:
+            >>> import os, tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> os.mkdir(ckpt.directory / "8")
+            >>> ckpt.set_aside([8]), ckpt.incomplete_steps()
+            (['8.unreadable'], [])
+        """
+        names = []
+        with _writer_lock(self._directory):
+            for step in steps:
+                name, n = f"{step}{_SET_ASIDE}", 0
+                while (self._directory / name).exists():
+                    n += 1
+                    name = f"{step}{_SET_ASIDE}-{n}"
+                (self._directory / str(step)).rename(self._directory / name)
+                names.append(name)
+        return names
+
     # -- steps ----------------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
@@ -731,7 +847,15 @@ class Checkpointer:
 
     def _complete(self, step: int) -> bool:
         folder = self._directory / str(step)
-        return all((folder / name).exists() for name in ("_CHECKPOINT_METADATA", _MODEL, _META))
+        return all((folder / name).exists() for name in (_STEP_METADATA, _MODEL, _META))
+
+    def _incomplete(self, step: int) -> str:
+        """Why step ``step`` is not a complete checkpoint, as a :class:`Skipped` reason."""
+        folder = self._directory / str(step)
+        if not (folder / _STEP_METADATA).exists():
+            return "incomplete (no metadata)"
+        missing = next(item for item in (_MODEL, _META) if not (folder / item).exists())
+        return f"incomplete (no {missing} item)"
 
     def latest_step(self) -> int | None:
         """The newest complete step, or ``None`` when there is none.

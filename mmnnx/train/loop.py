@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import time
 from typing import Any
@@ -20,7 +21,7 @@ from rich.table import Table
 from mmnnx.jit import cached_partial, jit
 from mmnnx.microbatch import microbatch
 from mmnnx.timeline import plot_timeline
-from mmnnx.train.checkpoint import Checkpointer
+from mmnnx.train.checkpoint import Checkpointer, Resumed
 from mmnnx.train.data import TextDataset
 
 
@@ -42,11 +43,16 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     resume: bool = False
     timeline_step: int | None = 3
+    schedule_steps: int | None = None
 
     def __post_init__(self):
         for name in ("steps", "microbatches", "eval_every", "eval_batches", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.schedule_steps is not None and self.schedule_steps < 1:
+            raise ValueError(
+                f"TrainConfig.schedule_steps must be >= 1 or None, got {self.schedule_steps}"
+            )
         if self.learning_rate <= 0:
             raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
 
@@ -72,12 +78,14 @@ class FitResult:
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and cosine decay over ``config.steps``."""
+    """AdamW with linear warm-up and cosine decay over ``config.schedule_steps`` (the schedule's
+    horizon; ``config.steps`` when it is ``None``)."""
+    horizon = config.schedule_steps or config.steps
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         config.learning_rate,
-        min(config.warmup_steps, max(config.steps - 1, 1)),
-        max(config.steps, 2),
+        min(config.warmup_steps, max(horizon - 1, 1)),
+        max(horizon, 2),
         end_value=config.learning_rate * 0.1,
     )
     return optax.adamw(schedule, weight_decay=config.weight_decay)
@@ -115,8 +123,15 @@ def fit(
     ``dataset`` and writes ``metrics.jsonl``, ``loss.png`` and ``timeline.png`` under
     ``config.output_dir`` and checkpoints under ``config.checkpoint_dir``.
 
-    With ``config.resume`` it continues from the latest checkpoint: parameters, optimizer state,
-    step and data position, so N steps + save + restore + M steps equals N + M steps.
+    With ``config.resume`` it continues from the newest readable checkpoint: parameters,
+    optimizer state, step, data position and the learning-rate schedule's horizon, so N steps +
+    save + restore + M steps equals N + M steps. Newer steps that are damaged or incomplete are
+    skipped, named in the "resumed from" line and set aside (``<step>.unreadable``); lines of
+    ``metrics.jsonl`` beyond the step resumed from are dropped.
+
+    Raises:
+        NoReadableCheckpointError: ``config.resume`` and every step is damaged or incomplete.
+        CheckpointMismatchError: ``config.resume`` into a checkpoint of another model.
 
     Example (``mmnnx train``, in cli.py, is a complete script)::
 
@@ -137,23 +152,30 @@ def fit(
         return float(np.mean([float(loss(b)) for b in eval_data]))
 
     start = 0
+    horizon = config.schedule_steps or config.steps
     with Checkpointer(ckpt_dir) as checkpoints:
         if not config.resume and checkpoints.latest_step() is not None:
             raise FileExistsError(
                 f"{ckpt_dir} already holds checkpoints (steps {checkpoints.all_steps()}); resume "
                 "from them (TrainConfig.resume / --resume) or use another checkpoint directory"
             )
-        if config.resume and checkpoints.latest_step() is not None:
-            extra = checkpoints.restore(model=model, opt=opt)
-            dataset.restore(extra["data"])
-            start = int(extra["step"])
-            console.print(f"resumed from step {start} ({ckpt_dir})")
+        if config.resume and (checkpoints.all_steps() or checkpoints.incomplete_steps()):
+            resumed = checkpoints.restore_newest_readable(model=model, opt=opt)
+            dataset.restore(resumed.extra["data"])
+            start = int(resumed.extra["step"])
+            set_aside = checkpoints.set_aside([s.step for s in resumed.skipped])
+            _print_line(console, _resumed_line(resumed, set_aside, ckpt_dir))
+            horizon = _resumed_horizon(config, resumed.extra.get("schedule_steps"), console)
+            if optimizer is None:  # the schedule is the saved run's unless given
+                opt.tx = make_optimizer(dataclasses.replace(config, schedule_steps=horizon))
         run_step = cached_partial(train_step, model, opt)
         metrics_path = out / "metrics.jsonl"
         metrics: list[dict] = []
         eval_losses = [(start, evaluate())]
         if start == 0:
             metrics_path.write_text(json.dumps({"step": 0, "eval_loss": eval_losses[0][1]}) + "\n")
+        else:
+            _keep_metrics_up_to(metrics_path, start)
         files = {"metrics": str(metrics_path), "checkpoints": str(ckpt_dir)}
         tokens_per_step = dataset.batch_size * dataset.seq_len
         timed_tokens, timed_seconds = 0, 0.0
@@ -196,9 +218,8 @@ def fit(
                     with metrics_path.open("a") as f:
                         f.write(json.dumps(record) + "\n")
                 if step % config.checkpoint_every == 0 or step == config.steps:
-                    checkpoints.save(
-                        step, model=model, opt=opt, extra={"data": dataset.state(), "step": step}
-                    )
+                    extra = {"data": dataset.state(), "step": step, "schedule_steps": horizon}
+                    checkpoints.save(step, model=model, opt=opt, extra=extra)
     files["loss_curve"] = str(_plot_losses(metrics_path, out / "loss.png"))
     result = FitResult(
         metrics,
@@ -210,6 +231,53 @@ def fit(
     )
     _report(console, result)
     return result
+
+
+def _print_line(console: Console, line: str) -> None:
+    """``line`` as it is: one line however wide (no wrapping), paths not read as markup."""
+    console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def _resumed_line(resumed: Resumed, set_aside: list[str], directory: pathlib.Path) -> str:
+    """One line: the step resumed from, and each newer step skipped, why, and its new name."""
+    line = f"resumed from step {resumed.step} ({directory})"
+    for skipped, name in zip(resumed.skipped, set_aside, strict=True):
+        line += f"; {skipped}, set aside as {name}"
+    return line
+
+
+def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -> int:
+    """The learning-rate schedule's horizon of a resumed run: the one saved with the checkpoint
+    unless ``config.schedule_steps`` gives another (said in one line); ``config.steps`` for
+    checkpoints saved without one."""
+    if config.schedule_steps is None:
+        return saved or config.steps
+    if saved is not None and saved != config.schedule_steps:
+        _print_line(
+            console,
+            f"learning-rate schedule over {config.schedule_steps} steps as given "
+            "(TrainConfig.schedule_steps / --schedule-steps), "
+            f"not the {saved} steps saved with the checkpoint",
+        )
+    return config.schedule_steps
+
+
+def _keep_metrics_up_to(path: pathlib.Path, step: int) -> None:
+    """Drops the lines of ``path`` (JSON lines) beyond ``step``, and any torn line, so that a
+    resumed run appends after the step it resumed from; rewritten atomically."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line + "\n")
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text("".join(kept))
+    os.replace(temporary, path)
 
 
 def _plot_losses(metrics_path: pathlib.Path, path: pathlib.Path) -> pathlib.Path:
