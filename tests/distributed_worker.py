@@ -90,6 +90,104 @@ def pipelined_1f1b():
     return two_task(pipelined="1f1b")
 
 
+def gpt_tasks(stages: int = 2):
+    """``stages`` tasks of 8 // stages devices each (data x model), as ``mmnnx train`` makes."""
+    per = 8 // stages
+    mesh = mm.MultiMesh(
+        axis_sizes=(stages, 2, per // 2), axis_names=("stage", "data", "model"), devices=range(8)
+    )
+    rules = mm.logical_rules(
+        batch="data", mlp="model", heads="model", vocab="model", embed=None, seq=None
+    )
+    return [
+        mm.Task(f"stage{i}", mesh=mesh.task_mesh(stage=i), logical_axes=rules)
+        for i in range(stages)
+    ]
+
+
+def gpt_model(tasks):
+    from mmnnx.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=256, dim=32, depth=4, num_heads=2, max_seq_len=16)
+
+    def factory():
+        return GPT(config, rngs=nnx.Rngs(0))
+
+    with nnx.use_eager_sharding(False):
+        rules = mm.stage_rules(nnx.eval_shape(factory), tasks)
+    return mm.init(factory, rules)
+
+
+@scenario
+def gpt_1f1b(steps: int = 2):
+    """The reference GPT, two pipeline stages (one per process in 2 x 4), 1F1B with M = 4."""
+    model = gpt_model(gpt_tasks(2))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def loss_fn(m, tokens):
+        logits = m(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    @mm.jit
+    def train_step(model, opt, tokens):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(loss_fn), num=4, argnums=(1,), reduce="mean", schedule="1f1b"
+        )
+        loss, grads = grad_fn(model, tokens)
+        opt.update(model, grads)
+        return loss
+
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(8, 17)), jnp.int32)
+    losses = [float(mm.distributed.fetch(train_step(model, opt, tokens))) for _ in range(steps)]
+    params = mm.distributed.fetch(nnx.state(model, nnx.Param))
+    return {"losses": losses, "params": {k: v.tolist() for k, v in _flat(params).items()}}
+
+
+@scenario
+def killed_peer():
+    """Rank 1 is killed (SIGKILL) after the first step; the others are in the second step."""
+    import signal
+
+    model = readme_model()
+
+    @mm.jit
+    def forward(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    x, _ = readme_batch()
+    float(mm.distributed.fetch(forward(model, x)))
+    if jax.process_index() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    for _ in range(1000):
+        float(mm.distributed.fetch(forward(model, x)))
+    return {}
+
+
+@scenario
+def different_models():
+    """Rank 1 builds its second layer wider: every process must refuse the plan."""
+    mesh = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
+    stage0 = mm.Task("stage0", mesh=mesh.slice(stage=0))
+    stage1 = mm.Task("stage1", mesh=mesh.slice(stage=1))
+    hidden = 32 if jax.process_index() == 0 else 48
+    model = mm.init(
+        lambda: nnx.Sequential(
+            nnx.Linear(8, hidden, rngs=nnx.Rngs(0)), nnx.Linear(hidden, 8, rngs=nnx.Rngs(1))
+        ),
+        [("layers/0", stage0), ("layers/1", stage1)],
+    )
+
+    @mm.jit
+    def forward(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    try:
+        forward(model, jnp.ones((8, 8)))
+    except mm.MPMDError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
 def _flat(state) -> dict[str, np.ndarray]:
     return {
         "/".join(str(k) for k in path): np.asarray(v.get_value() if hasattr(v, "get_value") else v)

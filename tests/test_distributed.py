@@ -1,0 +1,211 @@
+"""Several processes: real processes on loopback (``mmnnx launch`` + ``jax.distributed``), each
+run compared with the same step in this one process (8 devices)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import mmnnx as mm
+from mmnnx.distributed import launch as launcher
+from tests import distributed_worker as worker
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
+TIMEOUT_S = 240
+
+
+def launch(args: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-m", "mmnnx", "launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def run_scenario(name: str, processes: int, devices: int, out) -> list[dict]:
+    proc = launch(
+        [
+            "-n",
+            str(processes),
+            "--devices-per-process",
+            str(devices),
+            "--",
+            sys.executable,
+            WORKER,
+            name,
+            str(out),
+        ]
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return [json.loads((out / f"rank{i}.json").read_text()) for i in range(processes)]
+
+
+def assert_same_run(results: list[dict], reference: dict) -> None:
+    for r in results:
+        np.testing.assert_allclose(r["losses"], reference["losses"], rtol=1e-5)
+        for key, value in reference["params"].items():
+            np.testing.assert_allclose(r["params"][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def two_task_reference():
+    return worker.two_task()
+
+
+@pytest.mark.parametrize("processes,devices", [(2, 4), (4, 2)])
+def test_readme_two_task_step_matches_one_process(tmp_path, two_task_reference, processes, devices):
+    # 2 x 4: one stage per process; 4 x 2: each stage's tensor-parallel mesh spans two processes
+    results = run_scenario("two_task", processes, devices, tmp_path)
+    assert [r["process"] for r in results] == list(range(processes))
+    assert_same_run(results, two_task_reference)
+
+
+def test_pipelined_gpt_1f1b_matches_one_process(tmp_path):
+    results = run_scenario("gpt_1f1b", 2, 4, tmp_path)
+    assert_same_run(results, worker.gpt_1f1b())
+
+
+def test_processes_that_planned_differently_all_refuse_naming_the_difference(tmp_path):
+    results = run_scenario("different_models", 2, 4, tmp_path)
+    for r in results:
+        assert "differs between processes 0 and 1" in r["error"]
+        assert "process 0: input arg0/layers/0/bias: (32,)" in r["error"]
+        assert "process 1: input arg0/layers/0/bias: (48,)" in r["error"]
+
+
+def test_a_killed_process_stops_the_run_and_is_named(tmp_path):
+    started = time.monotonic()
+    proc = launch(
+        [
+            "-n",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--",
+            sys.executable,
+            WORKER,
+            "killed_peer",
+            str(tmp_path),
+        ]
+    )
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert "rank 1 failed first (killed by SIGKILL)" in proc.stderr
+    assert time.monotonic() - started < 120
+
+
+def test_a_killed_process_stops_its_peers_without_the_launcher(tmp_path):
+    # as on a cluster: no launcher watches the processes; the survivor must exit on its own
+    port = launcher.free_port()
+    procs = []
+    for rank in range(2):
+        env = launcher.process_env(dict(os.environ), rank, 2, port, 4)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, WORKER, "killed_peer", str(tmp_path)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        started = time.monotonic()
+        out, _ = procs[0].communicate(timeout=TIMEOUT_S)
+        assert procs[1].wait(timeout=10) == -signal.SIGKILL
+        assert procs[0].returncode != 0
+        assert time.monotonic() - started < 90
+        assert "Error" in out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+# The launcher itself, with commands that do not use JAX.
+
+CHILD = "import os, sys, time; rank = int(os.environ['MMNNX_PROCESS_ID']); "
+
+
+def test_launch_prefixes_lines_and_sets_each_process_environment():
+    code = CHILD + (
+        "print('hello', rank, os.environ['MMNNX_NUM_PROCESSES'], os.environ['MMNNX_COORDINATOR']"
+        ".split(':')[0], os.environ['XLA_FLAGS'])"
+    )
+    proc = launch(["-n", "3", "--devices-per-process", "2", "--", sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    for rank in range(3):
+        line = f"[rank {rank}] hello {rank} 3 127.0.0.1 --xla_force_host_platform_device_count=2"
+        assert line in proc.stdout.splitlines()
+
+
+def test_launch_stops_the_others_when_one_fails_and_returns_its_status():
+    code = CHILD + "sys.exit(3) if rank == 1 else time.sleep(120)"
+    started = time.monotonic()
+    proc = launch(["-n", "3", "--", sys.executable, "-c", code], timeout=60)
+    assert proc.returncode == 3
+    assert "rank 1 failed first (exit code 3); stopped the other 2 process(es)" in proc.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_launch_on_ctrl_c_leaves_no_process_behind(tmp_path):
+    pids = tmp_path / "pids"
+    code = CHILD + f"open({str(pids)!r} + str(rank), 'w').write(str(os.getpid())); time.sleep(120)"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--", sys.executable, "-c", code],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pids*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = [int(p.read_text()) for p in tmp_path.glob("pids*")]
+    assert len(children) == 2
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGINT
+    assert "SIGINT received; stopped all 2 processes" in err
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_launch_refuses_a_port_in_use_and_a_missing_command():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = launch(["-n", "2", "--port", str(port), "--", sys.executable, "-c", "pass"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"mmnnx launch: port {port} on 127.0.0.1 is in use (Address already in use)"
+    )
+    proc = launch(["-n", "2", "--", "no-such-command-xyz"])
+    assert proc.returncode == 2
+    assert "cannot run 'no-such-command-xyz'" in proc.stderr
+    proc = launch(["-n", "0", "--", sys.executable, "-c", "pass"])
+    assert proc.returncode == 2 and "-n must be" in proc.stderr
+
+
+def test_initialize_alone_is_a_no_op_and_checks_its_arguments():
+    assert mm.distributed.initialize() is False
+    assert mm.distributed.is_distributed() is False
+    with pytest.raises(ValueError, match="give num_processes and process_id"):
+        mm.distributed.initialize("127.0.0.1:1234")
+    with pytest.raises(ValueError, match=r"process_id 2 is not in \[0, 2\)"):
+        mm.distributed.initialize("127.0.0.1:1234", num_processes=2, process_id=2)
