@@ -144,6 +144,41 @@ def gpt_1f1b(steps: int = 2):
 
 
 @scenario
+def tools():
+    """tabulate, cached_partial, timeline and memory_profile of the pipelined README step."""
+    model = readme_model()
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    @mm.jit
+    def train_step(model, opt, x, y):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2)),
+            num=4,
+            argnums=(1, 2),
+            reduce="mean",
+            schedule="gpipe",
+        )
+        loss, grads = grad_fn(model, x, y)
+        opt.update(model, grads)
+        return loss
+
+    x, y = readme_batch()
+    table = str(mm.tabulate(model, x))
+    step = mm.cached_partial(train_step, model, opt)
+    losses = [float(mm.distributed.fetch(step(x, y))) for _ in range(2)]
+    events = train_step.timeline(model, opt, x, y)
+    memory = train_step.memory_profile(model, opt, x, y)
+    losses.append(float(mm.distributed.fetch(train_step(model, opt, x, y))))
+    return {
+        "losses": losses,
+        "table": table,
+        "event_tasks": sorted({e.task for e in events}),
+        "events": len(events),
+        "memory_tasks": sorted(memory),
+    }
+
+
+@scenario
 def killed_peer():
     """Rank 1 is killed (SIGKILL) after the first step; the others are in the second step."""
     import signal

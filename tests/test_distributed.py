@@ -209,3 +209,14 @@ def test_initialize_alone_is_a_no_op_and_checks_its_arguments():
         mm.distributed.initialize("127.0.0.1:1234")
     with pytest.raises(ValueError, match=r"process_id 2 is not in \[0, 2\)"):
         mm.distributed.initialize("127.0.0.1:1234", num_processes=2, process_id=2)
+
+
+def test_tabulate_cached_partial_timeline_and_memory_profile_across_processes(tmp_path):
+    results = run_scenario("tools", 2, 4, tmp_path)
+    reference = worker.tools()
+    for rank, r in enumerate(results):
+        np.testing.assert_allclose(r["losses"], reference["losses"], rtol=1e-5)
+        # each process times and profiles the programs it runs: its own stage's
+        assert r["event_tasks"] == r["memory_tasks"] == [f"stage{rank}"]
+        assert r["events"] * 2 == reference["events"]
+        assert "stage0 │ 0-3" in r["table"] and "stage1 │ 2048-2051" in r["table"]
