@@ -178,6 +178,64 @@ def tools():
     }
 
 
+def _gpt_train_step():
+    def loss_fn(m, tokens):
+        logits = m(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    @mm.jit
+    def train_step(model, opt, tokens):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(loss_fn), num=4, argnums=(1,), reduce="mean", schedule="1f1b"
+        )
+        loss, grads = grad_fn(model, tokens)
+        opt.update(model, grads)
+        return loss
+
+    return train_step
+
+
+def _gpt_tokens(seed: int):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 256, size=(8, 17)), jnp.int32)
+
+
+@scenario
+def checkpoint_save():
+    """Trains the 2-stage GPT one step and saves it into $CKPT_DIR as step 1."""
+    from mmnnx.train import Checkpointer
+
+    model = gpt_model(gpt_tasks(int(os.environ.get("STAGES", "2"))))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = _gpt_train_step()
+    loss = float(mm.distributed.fetch(step(model, opt, _gpt_tokens(1))))
+    with Checkpointer(os.environ["CKPT_DIR"]) as ckpt:
+        ckpt.save(1, model=model, opt=opt, extra={"loss": loss})
+        steps = ckpt.all_steps()
+    return {"loss": loss, "steps": steps, "state": _digest(model, opt)}
+
+
+@scenario
+def checkpoint_restore():
+    """Restores step 1 of $CKPT_DIR into a GPT of $STAGES stages and trains one more step."""
+    from mmnnx.train import Checkpointer
+
+    model = gpt_model(gpt_tasks(int(os.environ.get("STAGES", "2"))))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    with Checkpointer(os.environ["CKPT_DIR"]) as ckpt:
+        extra = ckpt.restore(model=model, opt=opt)
+    state = _digest(model, opt)
+    loss = float(mm.distributed.fetch(_gpt_train_step()(model, opt, _gpt_tokens(2))))
+    return {"extra": extra, "state": state, "next_loss": loss}
+
+
+def _digest(model, opt) -> dict[str, list]:
+    """Every array of the model and optimizer, fetched, as nested lists."""
+    state = {"model": nnx.state(model), "opt": nnx.state(opt)}
+    state = mm.distributed.fetch(state)
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {jax.tree_util.keystr(path): np.asarray(v).tolist() for path, v in leaves}
+
+
 @scenario
 def killed_peer():
     """Rank 1 is killed (SIGKILL) after the first step; the others are in the second step."""

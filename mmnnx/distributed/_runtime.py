@@ -49,3 +49,8 @@ def start_transfer_server(address: str) -> Any:
 
     backend = jax.local_devices()[0].client
     return transfer.start_transfer_server(backend, address, [address])
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """Waits until every process reaches barrier ``name``."""
+    client().wait_at_barrier(name, int(timeout_s * 1000))

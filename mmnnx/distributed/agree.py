@@ -50,3 +50,23 @@ def check_same_everywhere(what: str, lines: list[str]) -> int:
                 f"difference, line {i + 1}:\n  process {low}: {first}\n  process {high}: {second}"
             )
     return n
+
+
+_OUTCOME_KEY = "mmnnx/outcome/{}"
+_outcomes = itertools.count()
+
+
+def share_outcome(root: int, what: str, failure: str | None, timeout_s: float = 3600.0) -> None:
+    """Makes the outcome of work only process ``root`` did (``failure``: its error text, or
+    ``None``) everyone's: on the other processes a failure raises ``RuntimeError`` too. A
+    collective, like :func:`check_same_everywhere`."""
+    key = _OUTCOME_KEY.format(next(_outcomes))
+    if jax.process_index() == root:
+        _runtime.key_value_set(key, (failure or "").encode())
+        return
+    try:
+        text = _runtime.key_value_get(key, timeout_s).decode()
+    except jax.errors.JaxRuntimeError as e:
+        raise RuntimeError(f"{what}: process {root} did not finish within {timeout_s:.0f} s") from e
+    if text:
+        raise RuntimeError(f"{what} failed on process {root}: {text}")

@@ -21,16 +21,20 @@ def _owners(array: jax.Array) -> list[tuple[Any, tuple]]:
     return list(seen.values())
 
 
-def _fetch_array(array: jax.Array) -> np.ndarray:
+def _fetch_array(array: jax.Array, to: int | None) -> np.ndarray | None:
     holders = processes_of(array.sharding)
     me, port = jax.process_index(), transport()
     by_process: dict[int, list[tuple[Any, tuple]]] = {}
     for device, index in _owners(array):
         by_process.setdefault(device.process_index, []).append((device, index))
     mine = {s.device: s.data for s in array.addressable_shards}
-    for peer in range(jax.process_count()):  # every process that does not hold it all
+    wanted = range(jax.process_count()) if to is None else (to,)
+    for peer in wanted:  # every process that wants it and does not hold it all
         if peer != me and holders != {peer} and me in by_process:
-            port.send(peer, [mine[d] for d, _ in by_process[me]])
+            # copies: a constant's buffer (e.g. zeros shared by several arrays) cannot be offered
+            port.send(peer, [jax.device_put(mine[d], may_alias=False) for d, _ in by_process[me]])
+    if me not in wanted:
+        return None
     if holders == {me}:
         return np.asarray(array)
     out = np.empty(array.shape, array.dtype)
@@ -47,13 +51,14 @@ def _fetch_array(array: jax.Array) -> np.ndarray:
     return out
 
 
-def fetch(tree: Any) -> Any:
+def fetch(tree: Any, *, to: int | None = None) -> Any:
     """Every array leaf of ``tree`` as a numpy array on every process: the usual way to read a
     step's loss or metrics when the task that computed them belongs to another process.
 
     A collective: every process calls it with the same structure (the values this process does
-    not hold are placeholders, as ``mm.jit`` returns them). In one process it is
-    ``jax.device_get``. Non-array leaves pass through.
+    not hold are placeholders, as ``mm.jit`` returns them). ``to``: only that process receives
+    the values (the others get ``None`` leaves). In one process it is ``jax.device_get``.
+    Non-array leaves pass through.
 
     Example:
         >>> import jax.numpy as jnp, mmnnx as mm
@@ -62,4 +67,4 @@ def fetch(tree: Any) -> Any:
     """
     if jax.process_count() == 1:
         return jax.device_get(tree)
-    return jax.tree.map(lambda x: _fetch_array(x) if isinstance(x, jax.Array) else x, tree)
+    return jax.tree.map(lambda x: _fetch_array(x, to) if isinstance(x, jax.Array) else x, tree)

@@ -46,6 +46,9 @@ from etils import epath
 from flax import nnx
 
 from mmnnx._nnx import variables_of
+from mmnnx.distributed.agree import share_outcome
+from mmnnx.distributed.arrays import put
+from mmnnx.distributed.fetch import fetch
 from mmnnx.sharding.place import SPEC_KEY, TASK_KEY
 
 __all__ = [
@@ -385,12 +388,13 @@ def _describe(item: str, path: Path, var: nnx.Variable) -> dict[str, Any]:
 # -- restore targets ----------------------------------------------------------------------------
 
 
-def _target(value: Any) -> Any:
-    """The restore target of a current value: its shape, dtype and current sharding."""
+def _target(value: Any, process: int | None) -> Any:
+    """The restore target of a current value: its shape, dtype and current sharding; with
+    several processes (``process`` is this one's index), a host array, moved to its sharding
+    after reading (each process keeps its own part)."""
     if _is_key(value):
-        data = jax.random.key_data(value)
-        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
-    if isinstance(value, jax.Array):
+        value = jax.random.key_data(value)
+    if isinstance(value, jax.Array) and process is None:
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
     return np.zeros(value.shape, value.dtype)  # numpy leaves restore as numpy arrays
 
@@ -480,12 +484,22 @@ class Checkpointer:
             )
         path = os.fspath(directory)
         self._directory = epath.Path(path if "://" in path else os.path.abspath(path))
+        # With several processes, each has its own manager that never waits for the others:
+        # process 0 alone writes (the others send it their arrays), and every process reads.
+        self._me = jax.process_index() if jax.process_count() > 1 else None
+        if self._me is not None:
+            self._directory.mkdir(parents=True, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=False,
             cleanup_tmp_directories=False,  # readers must not touch a save in progress
             temporary_path_class=_SyncedAtomicRename,
-            create=True,
+            create=self._me is None,
+            multiprocessing_options=ocp.options.MultiprocessingOptions()
+            if self._me is None
+            else ocp.options.MultiprocessingOptions(
+                primary_host=self._me, active_processes={self._me}
+            ),
         )
         handlers = {
             _MODEL: ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt),
@@ -571,12 +585,34 @@ class Checkpointer:
                 value = _leaf(item, path, var)
                 flat[path] = jax.random.key_data(value) if _is_key(value) else value
                 variables[_show(item, path)] = _describe(item, path, var)
+            if self._me is not None:  # every array to process 0's host, which writes them
+                flat = fetch(flat, to=0)
+                if self._me != 0:
+                    continue
             sums = _checksums({_show(item, path): value for path, value in flat.items()})
             for name, checksum in sums.items():
                 variables[name]["checksum"] = checksum
             args[item] = ocp.args.StandardSave(_nest(flat))
         args[_EXTRA] = ocp.args.JsonSave(extra)
         args[_META] = ocp.args.JsonSave({"format": FORMAT_VERSION, "variables": variables})
+        if self._me is None:
+            self._write(step, args)
+            return
+        if self._me == 0:
+            failure: str | None = "interrupted"
+            try:
+                self._write(step, args)
+                failure = None
+            except Exception as e:
+                failure = f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                share_outcome(0, f"saving checkpoint step {step}", failure)
+        else:
+            share_outcome(0, f"saving checkpoint step {step}", None)
+        self._manager.reload()
+
+    def _write(self, step: int, args: dict[str, Any]) -> None:
         running = set(threading.enumerate())
         with _writer_lock(self._directory):
             _remove_abandoned_saves(self._directory)
@@ -665,7 +701,7 @@ class Checkpointer:
             for path, var in _variables(node):
                 entries.append((path, var, _leaf(item, path, var)))
             owners[item] = entries
-            targets[item] = {path: _target(value) for path, _, value in entries}
+            targets[item] = {path: _target(value, self._me) for path, _, value in entries}
             if item not in saved_items or metadata[item] is None:
                 what = "optimizer state" if item == _OPT else "model state"
                 problems.append(f"checkpoint step {step}: no {what} ({item!r}) was saved")
@@ -699,6 +735,11 @@ class Checkpointer:
             values = dict(_flatten(restored[item]))
             for path, var, current in entries:
                 value = values[path]
+                if self._me is not None and isinstance(current, jax.Array):
+                    layout = (
+                        jax.random.key_data(current) if _is_key(current) else current
+                    ).sharding
+                    value = put(value, layout)
                 if _is_key(current):
                     value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(current))
                 if value.shape != current.shape or value.dtype != current.dtype:
