@@ -220,3 +220,32 @@ def test_tabulate_cached_partial_timeline_and_memory_profile_across_processes(tm
         assert r["event_tasks"] == r["memory_tasks"] == [f"stage{rank}"]
         assert r["events"] * 2 == reference["events"]
         assert "stage0 │ 0-3" in r["table"] and "stage1 │ 2048-2051" in r["table"]
+
+
+def run_with(monkeypatch, scenario, **env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+    return getattr(worker, scenario)()
+
+
+def test_checkpoint_of_two_processes_restores_in_one_process_in_two_and_four_stages(
+    tmp_path, monkeypatch
+):
+    ckpt = tmp_path / "ckpt"
+    monkeypatch.setenv("CKPT_DIR", str(ckpt))
+    saved = run_scenario("checkpoint_save", 2, 4, tmp_path)
+    assert saved[0]["state"] == saved[1]["state"] and saved[0]["steps"] == [1]
+    for stages in (2, 4):
+        restored = run_with(monkeypatch, "checkpoint_restore", CKPT_DIR=ckpt, STAGES=stages)
+        assert restored["extra"] == {"loss": saved[0]["loss"]}
+        assert restored["state"] == saved[0]["state"]  # bit-exact, every array
+
+
+def test_checkpoint_of_one_process_restores_in_two_processes(tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    saved = run_with(monkeypatch, "checkpoint_save", CKPT_DIR=ckpt, STAGES=2)
+    here = run_with(monkeypatch, "checkpoint_restore", CKPT_DIR=ckpt, STAGES=2)
+    monkeypatch.setenv("CKPT_DIR", str(ckpt))
+    for r in run_scenario("checkpoint_restore", 2, 4, tmp_path):
+        assert r["state"] == saved["state"]
+        assert r["next_loss"] == pytest.approx(here["next_loss"], rel=1e-6)

@@ -22,6 +22,8 @@ def _owners(array: jax.Array) -> list[tuple[Any, tuple]]:
 
 
 def _fetch_array(array: jax.Array, to: int | None) -> np.ndarray | None:
+    if isinstance(array.sharding, SingleDeviceSharding) and array.is_fully_addressable:
+        return np.asarray(array)  # a process's own value (each process has one)
     holders = processes_of(array.sharding)
     me, port = jax.process_index(), transport()
     by_process: dict[int, list[tuple[Any, tuple]]] = {}
@@ -31,8 +33,7 @@ def _fetch_array(array: jax.Array, to: int | None) -> np.ndarray | None:
     wanted = range(jax.process_count()) if to is None else (to,)
     for peer in wanted:  # every process that wants it and does not hold it all
         if peer != me and holders != {peer} and me in by_process:
-            # copies: a constant's buffer (e.g. zeros shared by several arrays) cannot be offered
-            port.send(peer, [jax.device_put(mine[d], may_alias=False) for d, _ in by_process[me]])
+            port.send(peer, [mine[d] for d, _ in by_process[me]])
     if me not in wanted:
         return None
     if holders == {me}:
@@ -56,9 +57,11 @@ def fetch(tree: Any, *, to: int | None = None) -> Any:
     step's loss or metrics when the task that computed them belongs to another process.
 
     A collective: every process calls it with the same structure (the values this process does
-    not hold are placeholders, as ``mm.jit`` returns them). ``to``: only that process receives
-    the values (the others get ``None`` leaves). In one process it is ``jax.device_get``.
-    Non-array leaves pass through.
+    not hold are placeholders, as ``mm.jit`` returns them). An array on one device of this
+    process that is not laid out on a task (``SingleDeviceSharding``, e.g. an optimizer's step
+    count made outside ``mm.jit``) is this process's own value and is returned as it is.
+    ``to``: only that process receives the values (the others get ``None`` leaves). In one
+    process it is ``jax.device_get``. Non-array leaves pass through.
 
     Example:
         >>> import jax.numpy as jnp, mmnnx as mm

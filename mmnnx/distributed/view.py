@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from mmnnx.distributed import _runtime
 from mmnnx.distributed.agree import check_same_everywhere
@@ -84,8 +84,10 @@ class ProcessView:
         donate = tuple(i for i in run.donate if run.ins[i] not in self._sent)
         return run if donate == run.donate else dataclasses.replace(run, donate=donate)
 
-    def made(self, slots: Sequence[int]) -> None:
+    def made(self, slots: Sequence[int], task: Any) -> None:
         self._here.update(slots)
+        for slot in slots:
+            self._value_of.setdefault(slot, (None, task))
 
     def source_layout(self, recv: Recv, sharding_of: list[Any]) -> Any:
         """The layout of the value ``recv`` moves, where this process takes part in moving it;
@@ -144,3 +146,14 @@ class ProcessView:
         value, task = self._value_of[slot]
         sharding = sharding_of[slot] or task.sharding()
         return placeholder(self.graph.shapes[value], self.graph.dtypes[value], sharding)
+
+    def output_layout(self, slot: int, sharding_of: list[Any]) -> Any:
+        """The task layout to present a result in where the compiler gave it one device's layout:
+        other processes' placeholders of it are laid out on the task, and ``fetch`` tells a
+        task's value from a process's own by that."""
+        layout = sharding_of[slot]
+        if slot in self._here and isinstance(layout, SingleDeviceSharding):
+            _, task = self._value_of.get(slot, (None, None))
+            if task is not None:
+                return task.sharding()
+        return None

@@ -98,7 +98,7 @@ class _LocalView:
     def without_sent_donations(self, run: Run) -> Run:
         return run
 
-    def made(self, slots: Sequence[int]) -> None:
+    def made(self, slots: Sequence[int], task: Any) -> None:
         pass
 
     def source_layout(self, recv: Recv, sharding_of: list[Any]) -> Any:
@@ -115,6 +115,9 @@ class _LocalView:
 
     def placeholder(self, slot: int, sharding_of: list[Any]) -> jax.Array:
         raise AssertionError("a single process holds every value")
+
+    def output_layout(self, slot: int, sharding_of: list[Any]) -> Any:
+        return None
 
 
 class Executable:
@@ -173,7 +176,7 @@ class Executable:
                 outs = [*run.outs, *run.sums]
                 for s, sharding in zip(outs, compiled.output_shardings, strict=True):
                     sharding_of[s] = sharding
-                local.made(outs)
+                local.made(outs, run.task)
                 steps.append([_RUN, compiled, ins, outs, run.label, run.microbatch, ()])
             elif isinstance(action, Recv):
                 sharding = action.sharding
@@ -190,7 +193,7 @@ class Executable:
                 if local.runs(action.task):
                     value = local.put(jax.numpy.int32(action.value), sharding_of[action.slot])
                     constants.append((action.slot, value))
-                    local.made([action.slot])
+                    local.made([action.slot], action.task)
             elif isinstance(action, Release) and steps:  # dropped after the previous step
                 steps[-1][-1] = (*steps[-1][-1], *action.slots)
             elif not isinstance(action, Send | Release):  # a Send is its Recv's transfer here
@@ -209,6 +212,11 @@ class Executable:
             if slot is not None
             else (None, const if home is None else local.put(const, home))
             for slot, const, home in program.outputs
+        ]
+        self._rewrap = [
+            (i, layout)
+            for i, (slot, _) in enumerate(self._outputs)
+            if slot is not None and (layout := local.output_layout(slot, sharding_of)) is not None
         ]
         self._inputs = program.inputs
         self._region_slots = program.activations
@@ -254,7 +262,12 @@ class Executable:
                 self._record(env, memory)
             for s in step[-1]:
                 env[s] = None
-        return [env[s] if s is not None else const for s, const in self._outputs]
+        outputs = [env[s] if s is not None else const for s, const in self._outputs]
+        for i, layout in self._rewrap:
+            outputs[i] = jax.make_array_from_single_device_arrays(
+                outputs[i].shape, layout, [outputs[i]]
+            )
+        return outputs
 
     def _record(self, env: list, memory: dict) -> None:
         live: dict[str, tuple[int, set]] = {}
