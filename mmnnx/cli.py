@@ -252,6 +252,8 @@ def train(args: argparse.Namespace) -> int:
     from flax import nnx  # noqa: PLC0415
 
     import mmnnx as mm  # noqa: PLC0415
+
+    mm.distributed.initialize()  # under `mmnnx launch` or a cluster; a no-op alone
     from mmnnx.models import GPT, GPTConfig  # noqa: PLC0415
     from mmnnx.models.stages import stage_rules  # noqa: PLC0415
     from mmnnx.train.data import TextDataset, embedded_text, load_text  # noqa: PLC0415
@@ -322,7 +324,9 @@ def train(args: argparse.Namespace) -> int:
     with nnx.use_eager_sharding(False):
         placement = stage_rules(nnx.eval_shape(factory), tasks)
     model = mm.init(factory, placement)
-    print(mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2))
+    table = mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2)
+    if jax.process_index() == 0:
+        print(table)
     from mmnnx.train.checkpoint import (  # noqa: PLC0415
         CheckpointCorruptError,
         CheckpointMismatchError,

@@ -249,3 +249,68 @@ def test_checkpoint_of_one_process_restores_in_two_processes(tmp_path, monkeypat
     for r in run_scenario("checkpoint_restore", 2, 4, tmp_path):
         assert r["state"] == saved["state"]
         assert r["next_loss"] == pytest.approx(here["next_loss"], rel=1e-6)
+
+
+def test_mmnnx_train_under_launch_matches_one_process(tmp_path):
+    # the main job: each pipeline stage in its own process; rank 0 reports and writes
+    flags = [
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--dim",
+        "32",
+        "--depth",
+        "2",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "8",
+        "--microbatches",
+        "4",
+        "--schedule",
+        "1f1b",
+    ]
+    out = tmp_path / "launched"
+    proc = launch(
+        [
+            "-n",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--",
+            sys.executable,
+            "-m",
+            "mmnnx",
+            "train",
+            "--output-dir",
+            str(out),
+            *flags,
+        ]
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "[rank 0] step     4/4" in proc.stdout
+    assert "run report" in proc.stdout and "[rank 1]" not in "".join(
+        line for line in proc.stdout.splitlines(keepends=True) if "run report" in line
+    )
+    alone = tmp_path / "alone"
+    single = subprocess.run(
+        [sys.executable, "-m", "mmnnx", "train", "--output-dir", str(alone), *flags],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    )
+    assert single.returncode == 0, single.stderr[-2000:]
+    launched = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    reference = [json.loads(line) for line in (alone / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in launched] == [r["step"] for r in reference]
+    for a, b in zip(launched, reference, strict=True):
+        for key in ("loss", "eval_loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-5), (a, b)
+    assert (out / "loss.png").is_file() and (out / "timeline.png").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]

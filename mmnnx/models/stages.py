@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from flax import nnx
 from rich import box
 from rich.console import Console
@@ -250,7 +251,7 @@ def stage_rules(
         label = f"{idx[0]}-{idx[-1]}" if size > 1 else str(idx[0])
         rows.append((task.name, label + (f" + {', '.join(names)}" if names else ""), params, fl))
 
-    if report:
+    if report and jax.process_index() == 0:  # one report for a multi-process run
         _print_report(rows, n, by, tokens)
     return rules
 

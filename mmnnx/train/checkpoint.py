@@ -809,15 +809,19 @@ class Checkpointer:
             >>> ckpt.set_aside([8]), ckpt.incomplete_steps()
             (['8.unreadable'], [])
         """
-        names = []
-        with _writer_lock(self._directory):
-            for step in steps:
-                name, n = f"{step}{_SET_ASIDE}", 0
-                while (self._directory / name).exists():
-                    n += 1
-                    name = f"{step}{_SET_ASIDE}-{n}"
-                (self._directory / str(step)).rename(self._directory / name)
-                names.append(name)
+        names: list[str] = []
+        if self._me in (None, 0):
+            with _writer_lock(self._directory):
+                for step in steps:
+                    name, n = f"{step}{_SET_ASIDE}", 0
+                    while (self._directory / name).exists():
+                        n += 1
+                        name = f"{step}{_SET_ASIDE}-{n}"
+                    (self._directory / str(step)).rename(self._directory / name)
+                    names.append(name)
+        if self._me is not None:  # process 0 renamed; the others see it once it is done
+            share_outcome(0, "setting aside unreadable checkpoints", None)
+            self._manager.reload()
         return names
 
     # -- steps ----------------------------------------------------------------------------------

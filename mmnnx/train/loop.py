@@ -10,6 +10,7 @@ import pathlib
 import time
 from typing import Any
 
+import jax
 import numpy as np
 import optax
 from flax import nnx
@@ -18,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from mmnnx.distributed.fetch import fetch
 from mmnnx.jit import cached_partial, jit
 from mmnnx.microbatch import microbatch
 from mmnnx.timeline import plot_timeline
@@ -139,7 +141,8 @@ def fit(
         result = fit(model, dataset, TrainConfig(steps=300, microbatches=4, schedule="1f1b"))
         assert result.final_eval < result.first_eval
     """
-    console = console or Console()
+    leader = jax.process_index() == 0  # with several processes, process 0 reports and writes
+    console = console or Console(quiet=not leader)
     out = pathlib.Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_dir = pathlib.Path(config.checkpoint_dir or out / "checkpoints")
@@ -149,7 +152,7 @@ def fit(
 
     def evaluate() -> float:
         loss = cached_partial(eval_step, model)
-        return float(np.mean([float(loss(b)) for b in eval_data]))
+        return float(np.mean([float(fetch(loss(b))) for b in eval_data]))
 
     start = 0
     horizon = config.schedule_steps or config.steps
@@ -172,7 +175,9 @@ def fit(
         metrics_path = out / "metrics.jsonl"
         metrics: list[dict] = []
         eval_losses = [(start, evaluate())]
-        if start == 0:
+        if not leader:
+            pass
+        elif start == 0:
             metrics_path.write_text(json.dumps({"step": 0, "eval_loss": eval_losses[0][1]}) + "\n")
         else:
             _keep_metrics_up_to(metrics_path, start)
@@ -196,13 +201,14 @@ def fit(
                 batch = next(dataset)
                 began = time.perf_counter()
                 if step == config.timeline_step:
-                    loss = float(eval_step(model, batch))  # the step's loss, before its update
-                    events = train_step.timeline(model, opt, batch)
+                    loss = float(fetch(eval_step(model, batch)))  # before the step's update
+                    events = train_step.timeline(model, opt, batch)  # this process's tasks
                     path = out / "timeline.png"
-                    plot_timeline(events, path, title=f"measured pipeline, step {step}")
+                    if leader:
+                        plot_timeline(events, path, title=f"measured pipeline, step {step}")
                     files["timeline"] = str(path)
                 else:
-                    loss = float(run_step(batch))
+                    loss = float(fetch(run_step(batch)))
                 elapsed = time.perf_counter() - began
                 if step > start + 1:  # the first step compiles
                     timed_tokens += tokens_per_step
@@ -215,12 +221,15 @@ def fit(
                     eval_losses.append((step, record["eval_loss"]))
                 if step % config.log_every == 0 or "eval_loss" in record:
                     metrics.append(record)
-                    with metrics_path.open("a") as f:
-                        f.write(json.dumps(record) + "\n")
+                    if leader:
+                        with metrics_path.open("a") as f:
+                            f.write(json.dumps(record) + "\n")
                 if step % config.checkpoint_every == 0 or step == config.steps:
                     extra = {"data": dataset.state(), "step": step, "schedule_steps": horizon}
                     checkpoints.save(step, model=model, opt=opt, extra=extra)
-    files["loss_curve"] = str(_plot_losses(metrics_path, out / "loss.png"))
+    files["loss_curve"] = str(out / "loss.png")
+    if leader:
+        _plot_losses(metrics_path, out / "loss.png")
     result = FitResult(
         metrics,
         eval_losses,
