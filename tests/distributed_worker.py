@@ -119,31 +119,6 @@ def gpt_model(tasks):
 
 
 @scenario
-def gpt_1f1b(steps: int = 2):
-    """The reference GPT, two pipeline stages (one per process in 2 x 4), 1F1B with M = 4."""
-    model = gpt_model(gpt_tasks(2))
-    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-    def loss_fn(m, tokens):
-        logits = m(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-    @mm.jit
-    def train_step(model, opt, tokens):
-        grad_fn = mm.microbatch(
-            nnx.value_and_grad(loss_fn), num=4, argnums=(1,), reduce="mean", schedule="1f1b"
-        )
-        loss, grads = grad_fn(model, tokens)
-        opt.update(model, grads)
-        return loss
-
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(8, 17)), jnp.int32)
-    losses = [float(mm.distributed.fetch(train_step(model, opt, tokens))) for _ in range(steps)]
-    params = mm.distributed.fetch(nnx.state(model, nnx.Param))
-    return {"losses": losses, "params": {k: v.tolist() for k, v in _flat(params).items()}}
-
-
-@scenario
 def tools():
     """tabulate, cached_partial, timeline and memory_profile of the pipelined README step."""
     model = readme_model()
@@ -199,33 +174,40 @@ def _gpt_tokens(seed: int):
     return jnp.asarray(np.random.default_rng(seed).integers(0, 256, size=(8, 17)), jnp.int32)
 
 
-@scenario
-def checkpoint_save():
-    """Trains the 2-stage GPT one step and saves it into $CKPT_DIR as step 1."""
+def checkpoint_save(directory, stages: int = 2) -> dict:
+    """Trains the GPT of ``stages`` stages one 1F1B step and saves it into ``directory``."""
     from mmnnx.train import Checkpointer
 
-    model = gpt_model(gpt_tasks(int(os.environ.get("STAGES", "2"))))
+    model = gpt_model(gpt_tasks(stages))
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    step = _gpt_train_step()
-    loss = float(mm.distributed.fetch(step(model, opt, _gpt_tokens(1))))
-    with Checkpointer(os.environ["CKPT_DIR"]) as ckpt:
+    loss = float(mm.distributed.fetch(_gpt_train_step()(model, opt, _gpt_tokens(1))))
+    with Checkpointer(directory) as ckpt:
         ckpt.save(1, model=model, opt=opt, extra={"loss": loss})
         steps = ckpt.all_steps()
     return {"loss": loss, "steps": steps, "state": _digest(model, opt)}
 
 
-@scenario
-def checkpoint_restore():
-    """Restores step 1 of $CKPT_DIR into a GPT of $STAGES stages and trains one more step."""
+def checkpoint_restore(directory, stages: int = 2, train: bool = True) -> dict:
+    """Restores step 1 of ``directory`` into a GPT of ``stages`` stages (and trains a step)."""
     from mmnnx.train import Checkpointer
 
-    model = gpt_model(gpt_tasks(int(os.environ.get("STAGES", "2"))))
+    model = gpt_model(gpt_tasks(stages))
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    with Checkpointer(os.environ["CKPT_DIR"]) as ckpt:
+    with Checkpointer(directory) as ckpt:
         extra = ckpt.restore(model=model, opt=opt)
     state = _digest(model, opt)
-    loss = float(mm.distributed.fetch(_gpt_train_step()(model, opt, _gpt_tokens(2))))
+    loss = None
+    if train:
+        loss = float(mm.distributed.fetch(_gpt_train_step()(model, opt, _gpt_tokens(2))))
     return {"extra": extra, "state": state, "next_loss": loss}
+
+
+@scenario
+def checkpoint_roundtrip():
+    """A 1F1B GPT step saved into $CKPT_OUT; then $CKPT_IN (saved elsewhere) restored."""
+    saved = checkpoint_save(os.environ["CKPT_OUT"])
+    restored = checkpoint_restore(os.environ["CKPT_IN"])
+    return {"saved": saved, "restored": restored}
 
 
 def _digest(model, opt) -> dict[str, list]:

@@ -73,11 +73,6 @@ def test_readme_two_task_step_matches_one_process(tmp_path, two_task_reference, 
     assert_same_run(results, two_task_reference)
 
 
-def test_pipelined_gpt_1f1b_matches_one_process(tmp_path):
-    results = run_scenario("gpt_1f1b", 2, 4, tmp_path)
-    assert_same_run(results, worker.gpt_1f1b())
-
-
 def test_processes_that_planned_differently_all_refuse_naming_the_difference(tmp_path):
     results = run_scenario("different_models", 2, 4, tmp_path)
     for r in results:
@@ -222,33 +217,26 @@ def test_tabulate_cached_partial_timeline_and_memory_profile_across_processes(tm
         assert "stage0 │ 0-3" in r["table"] and "stage1 │ 2048-2051" in r["table"]
 
 
-def run_with(monkeypatch, scenario, **env):
-    for key, value in env.items():
-        monkeypatch.setenv(key, str(value))
-    return getattr(worker, scenario)()
-
-
-def test_checkpoint_of_two_processes_restores_in_one_process_in_two_and_four_stages(
-    tmp_path, monkeypatch
-):
-    ckpt = tmp_path / "ckpt"
-    monkeypatch.setenv("CKPT_DIR", str(ckpt))
-    saved = run_scenario("checkpoint_save", 2, 4, tmp_path)
-    assert saved[0]["state"] == saved[1]["state"] and saved[0]["steps"] == [1]
+def test_pipelined_gpt_and_checkpoints_across_process_counts(tmp_path, monkeypatch):
+    # one process: a 1F1B GPT step, saved
+    alone = worker.checkpoint_save(tmp_path / "alone", stages=2)
+    monkeypatch.setenv("CKPT_IN", str(tmp_path / "alone"))
+    monkeypatch.setenv("CKPT_OUT", str(tmp_path / "together"))
+    # two processes, one stage each: the same step, saved; then the one-process checkpoint
+    results = run_scenario("checkpoint_roundtrip", 2, 4, tmp_path)
+    for r in results:
+        assert r["saved"]["loss"] == pytest.approx(alone["loss"], rel=1e-6)
+        for key, value in alone["state"].items():
+            np.testing.assert_allclose(r["saved"]["state"][key], value, rtol=1e-5, err_msg=key)
+        assert r["restored"]["state"] == alone["state"]  # 1 process -> 2: bit-exact
+    here = worker.checkpoint_restore(tmp_path / "alone", stages=2)
+    assert results[0]["restored"]["next_loss"] == pytest.approx(here["next_loss"], rel=1e-6)
+    # 2 processes -> 1 process, in 2 and in 4 stages: bit-exact
+    saved = results[0]["saved"]
     for stages in (2, 4):
-        restored = run_with(monkeypatch, "checkpoint_restore", CKPT_DIR=ckpt, STAGES=stages)
-        assert restored["extra"] == {"loss": saved[0]["loss"]}
-        assert restored["state"] == saved[0]["state"]  # bit-exact, every array
-
-
-def test_checkpoint_of_one_process_restores_in_two_processes(tmp_path, monkeypatch):
-    ckpt = tmp_path / "ckpt"
-    saved = run_with(monkeypatch, "checkpoint_save", CKPT_DIR=ckpt, STAGES=2)
-    here = run_with(monkeypatch, "checkpoint_restore", CKPT_DIR=ckpt, STAGES=2)
-    monkeypatch.setenv("CKPT_DIR", str(ckpt))
-    for r in run_scenario("checkpoint_restore", 2, 4, tmp_path):
-        assert r["state"] == saved["state"]
-        assert r["next_loss"] == pytest.approx(here["next_loss"], rel=1e-6)
+        restored = worker.checkpoint_restore(tmp_path / "together", stages=stages, train=False)
+        assert restored["extra"] == {"loss": saved["loss"]}
+        assert restored["state"] == saved["state"]
 
 
 def test_mmnnx_train_under_launch_matches_one_process(tmp_path):

@@ -1,0 +1,179 @@
+"""Several processes: the pipeline benchmark's two single-core stages, one per process.
+
+Two processes of one CPU device each (`mmnnx launch -n 2 --devices-per-process 1`), the model of
+benchmarks/pipeline.py (stage s0 on process 0, s1 on process 1), M = 8, 1F1B. Measured against
+baselines taken in the same run:
+- time per step vs the same layout in one process (two devices) (the cost of processes);
+- pipeline efficiency vs ideal: (M + S - 1) * t_stage / step time, t_stage from each process's
+  timeline of its own stage;
+- transfer: a step that moves one activation (ROWS x WIDTH float32, 4 MiB) from s0 to s1 between
+  two elementwise programs, vs the same programs hand-written around the chosen mechanism
+  (`jax.experimental.transfer` offer + pull, no mmnnx) (target <= 1.2x).
+
+Run: python benchmarks/multiprocess.py (starts the processes itself).
+Writes benchmarks/results/multiprocess.json.
+"""
+
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).parent
+RESULTS = HERE / "results" / "multiprocess.json"
+MICROBATCHES = 8
+
+
+def median_time(fn, repeats=9):
+    import jax
+
+    jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def pipeline_numbers() -> dict:
+    """Step time and this process's stage time (F + B per microbatch) of the 1F1B step."""
+    import jax
+    from pipeline import build
+
+    import mmnnx as mm
+
+    step, model, x = build(MICROBATCHES, "1f1b")
+
+    def run():
+        out = step(model, x)
+        return [a for a in jax.tree.leaves(out) if a.is_fully_addressable]
+
+    t_step = median_time(run)
+    per_action: dict = {}
+    for _ in range(5):
+        for e in step.timeline(model, x):
+            per_action.setdefault((e.task, e.kind), []).append(e.end - e.start)
+    median = statistics.median
+    stages = {
+        task: median(per_action[(task, "F")]) + median(per_action[(task, "B")])
+        for task in {t for t, _ in per_action}
+    }
+    mm.distributed.fetch(jax.numpy.zeros(()))  # everyone done before the next measurement
+    return {"t_step": t_step, "t_stage": stages}
+
+
+def transfer_numbers() -> dict:
+    """The 4 MiB activation step through mm.jit vs hand-written around the transfer server."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import SingleDeviceSharding
+    from pipeline import ROWS, WIDTH
+
+    import mmnnx as mm
+    from mmnnx.distributed.transport import transport
+
+    s0 = mm.Task("s0", mesh=mm.TaskMesh(devices=[0]))
+    s1 = mm.Task("s1", mesh=mm.TaskMesh(devices=[1]))
+
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.full((WIDTH,), 1.01))
+
+    a, b = mm.place(Scale(), [(".*", s0)]), mm.place(Scale(), [(".*", s1)])
+    x = jnp.ones((ROWS, WIDTH))
+
+    @mm.jit
+    def hop(a, b, x):
+        return jnp.tanh(b.w[...] * jnp.tanh(a.w[...] * x))
+
+    def through_mmnnx():
+        return [o for o in [hop(a, b, x)] if o.is_fully_addressable]
+
+    me = jax.process_index()
+    d0 = [d for d in jax.devices() if d.process_index == 0][0]
+    d1 = [d for d in jax.devices() if d.process_index == 1][0]
+    first = jax.jit(lambda w, x: jnp.tanh(w * x))
+    second = jax.jit(lambda w, h: jnp.tanh(w * h))
+    wa, wb = a.w.get_value(), b.w.get_value()
+    x0 = jax.device_put(x, d0) if me == 0 else None
+    spec = jax.ShapeDtypeStruct((ROWS, WIDTH), jnp.float32, sharding=SingleDeviceSharding(d1))
+
+    def by_hand():
+        if me == 0:
+            transport().send(1, [first(wa, x0)])
+            return []
+        (h,) = transport().receive(0, [spec])
+        return [second(wb, h)]
+
+    out = {}
+    for name, fn in (("mm.jit", through_mmnnx), ("by hand", by_hand)):
+        out[name] = median_time(fn, repeats=21)
+        mm.distributed.fetch(jnp.zeros(()))
+    return out
+
+
+def worker(out_dir: str) -> None:
+    import jax
+
+    import mmnnx as mm
+
+    mm.distributed.initialize()
+    result = {"pipeline": pipeline_numbers()}
+    if jax.process_count() > 1:
+        result["transfer"] = transfer_numbers()
+    me = jax.process_index()
+    pathlib.Path(out_dir, f"rank{me}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as alone, tempfile.TemporaryDirectory() as together:
+        single = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+        subprocess.run(
+            [sys.executable, __file__, "--worker", alone], env=single, check=True, timeout=900
+        )
+        subprocess.run(
+            [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--devices-per-process", "1",
+             "--", sys.executable, __file__, "--worker", together],
+            env=env, check=True, timeout=900,
+        )  # fmt: skip
+        one = json.loads(pathlib.Path(alone, "rank0.json").read_text())
+        ranks = [json.loads(pathlib.Path(together, f"rank{i}.json").read_text()) for i in (0, 1)]
+    t_one = one["pipeline"]["t_step"]
+    t_two = max(r["pipeline"]["t_step"] for r in ranks)
+    t_stage = max(t for r in ranks for t in r["pipeline"]["t_stage"].values())
+    ideal = (MICROBATCHES + 2 - 1) * t_stage
+    hop = ranks[1]["transfer"]
+    results = {
+        "pipeline": {
+            "microbatches": MICROBATCHES,
+            "one process ms": t_one * 1e3,
+            "two processes ms": t_two * 1e3,
+            "two processes / one process": t_two / t_one,
+            "t_stage ms (slowest stage)": t_stage * 1e3,
+            "ideal ms": ideal * 1e3,
+            "pipeline efficiency (two processes)": ideal / t_two,
+        },
+        "transfer": {
+            "4 MiB hop, mm.jit ms": hop["mm.jit"] * 1e3,
+            "4 MiB hop, by hand over jax.experimental.transfer ms": hop["by hand"] * 1e3,
+            "mm.jit / by hand (target <= 1.2)": hop["mm.jit"] / hop["by hand"],
+        },
+    }
+    from report import publish
+
+    publish(results, RESULTS, "multiprocess", ("pipeline", "transfer"))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2])
+    else:
+        main()
