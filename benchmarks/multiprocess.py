@@ -21,29 +21,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results" / "multiprocess.json"
 MICROBATCHES = 8
 
 
-def median_time(fn, repeats=9):
-    import jax
-
-    jax.block_until_ready(fn())
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def pipeline_numbers() -> dict:
     """Step time and this process's stage time (F + B per microbatch) of the 1F1B step."""
     import jax
-    from pipeline import build
+    from pipeline import build, median_time
 
     import mmnnx as mm
 
@@ -73,7 +60,7 @@ def transfer_numbers() -> dict:
     import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import SingleDeviceSharding
-    from pipeline import ROWS, WIDTH
+    from pipeline import ROWS, WIDTH, median_time
 
     import mmnnx as mm
     from mmnnx.distributed.transport import transport
