@@ -7,6 +7,7 @@ every process, writes what it computed (fetched to host) to ``OUT_DIR/rank{i}.js
 from __future__ import annotations
 
 import faulthandler
+import functools
 import json
 import os
 import pathlib
@@ -90,6 +91,7 @@ def pipelined_1f1b():
     return two_task(pipelined="1f1b")
 
 
+@functools.cache  # the same tasks (and step) on every call, so steps compiled once are reused
 def gpt_tasks(stages: int = 2):
     """``stages`` tasks of 8 // stages devices each (data x model), as ``mmnnx train`` makes."""
     per = 8 // stages
@@ -153,6 +155,7 @@ def tools():
     }
 
 
+@functools.cache
 def _gpt_train_step():
     def loss_fn(m, tokens):
         logits = m(tokens[:, :-1])

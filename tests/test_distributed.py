@@ -107,6 +107,7 @@ def test_a_killed_process_stops_its_peers_without_the_launcher(tmp_path):
     procs = []
     for rank in range(2):
         env = launcher.process_env(dict(os.environ), rank, 2, port, 4)
+        env["MMNNX_HEARTBEAT_TIMEOUT"] = "5"  # how soon the coordination service gives up
         procs.append(
             subprocess.Popen(
                 [sys.executable, WORKER, "killed_peer", str(tmp_path)],
