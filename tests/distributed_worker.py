@@ -1,6 +1,6 @@
 """One process of a multi-process test (started by tests/test_distributed.py via mmnnx launch).
 
-``python tests/distributed_worker.py SCENARIO OUT_DIR``: joins the run, runs SCENARIO and, on
+``python -m tests.distributed_worker SCENARIO OUT_DIR`` (from the repository root): joins the run, runs SCENARIO and, on
 every process, writes what it computed (fetched to host) to ``OUT_DIR/rank{i}.json``.
 """
 
@@ -219,6 +219,26 @@ def _digest(model, opt) -> dict[str, list]:
     state = mm.distributed.fetch(state)
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     return {jax.tree_util.keystr(path): np.asarray(v).tolist() for path, v in leaves}
+
+
+@scenario
+def compat_autosharding():
+    """multimesh_compat's autosharding example (two tasks of 4 devices, gen-b API)."""
+    import multimesh_compat.jax as mj
+    from tests.compat.helpers import f, get_input_batch, init_params, make_model, reference
+
+    tm = mj.TaskMesh(devices=(0, 1, 2, 3), axis_names=("x", "y"), axis_sizes=(4, 1))
+    rules = (("batch", "x"), ("model", "x"))
+    model = make_model(
+        mj.task(f, mesh=tm, logical_axes=rules),
+        mj.task(f, mesh=tm.place((4, 5, 6, 7)), logical_axes=rules),
+    )
+    step, init, batch = mj.parallelize(
+        model, init_params=init_params, get_input_batch=get_input_batch
+    )
+    out = np.asarray(mm.distributed.fetch(step(init(), batch())))
+    want = np.asarray(reference(init_params(), get_input_batch()))
+    return {"out": out.tolist(), "reference": want.tolist()}
 
 
 @scenario

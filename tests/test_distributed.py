@@ -37,18 +37,9 @@ def launch(args: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedP
 
 def run_scenario(name: str, processes: int, devices: int, out) -> list[dict]:
     proc = launch(
-        [
-            "-n",
-            str(processes),
-            "--devices-per-process",
-            str(devices),
-            "--",
-            sys.executable,
-            WORKER,
-            name,
-            str(out),
-        ]
-    )
+        ["-n", str(processes), "--devices-per-process", str(devices), "--", sys.executable,
+         "-m", "tests.distributed_worker", name, str(out)]
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return [json.loads((out / f"rank{i}.json").read_text()) for i in range(processes)]
 
@@ -71,6 +62,14 @@ def test_readme_two_task_step_matches_one_process(tmp_path, two_task_reference, 
     results = run_scenario("two_task", processes, devices, tmp_path)
     assert [r["process"] for r in results] == list(range(processes))
     assert_same_run(results, two_task_reference)
+
+
+def test_multimesh_compat_autosharding_across_processes(tmp_path):
+    # multimesh's autosharding example: layer 1 on process 0's devices, layer 2 on process 1's
+    alone = worker.compat_autosharding()
+    for r in run_scenario("compat_autosharding", 2, 4, tmp_path):
+        np.testing.assert_array_equal(r["out"], alone["out"])
+        np.testing.assert_allclose(r["out"], r["reference"], rtol=1e-5)
 
 
 def test_processes_that_planned_differently_all_refuse_naming_the_difference(tmp_path):

@@ -25,6 +25,7 @@ from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.program import Recv, Run
 
 _LAYOUT_KEY = "mmnnx/layout/{}/{}"
+_OUTPUT_KEY = "mmnnx/output-layout/{}/{}"
 _LAYOUT_WAIT_S = 600.0
 _PUT, _CALL = 1, 2  # the runner's step kinds
 
@@ -143,8 +144,20 @@ class ProcessView:
         return slot in self._here
 
     def placeholder(self, slot: int, sharding_of: list[Any]) -> jax.Array:
+        """A result of another process's task, laid out as it is there (a layout the compiler
+        chose is read from the coordination service, where its first process publishes it)."""
         value, task = self._value_of[slot]
-        sharding = sharding_of[slot] or task.sharding()
+        sharding = sharding_of[slot]
+        if sharding is None:
+            key = _OUTPUT_KEY.format(self.round, slot)
+            try:
+                spec = pickle.loads(_runtime.key_value_get(key, _LAYOUT_WAIT_S))
+            except jax.errors.JaxRuntimeError as e:
+                raise MPMDError(
+                    f"mm.jit: no process of task {task.name!r} published the layout of a result "
+                    f"within {_LAYOUT_WAIT_S:.0f} s"
+                ) from e
+            sharding = task.sharding(spec)
         return placeholder(self.graph.shapes[value], self.graph.dtypes[value], sharding)
 
     def output_layout(self, slot: int, sharding_of: list[Any]) -> Any:
@@ -152,8 +165,12 @@ class ProcessView:
         other processes' placeholders of it are laid out on the task, and ``fetch`` tells a
         task's value from a process's own by that."""
         layout = sharding_of[slot]
-        if slot in self._here and isinstance(layout, SingleDeviceSharding):
-            _, task = self._value_of.get(slot, (None, None))
-            if task is not None:
-                return task.sharding()
-        return None
+        _, task = self._value_of.get(slot, (None, None))
+        if slot not in self._here or task is None:
+            return None
+        rewrap = isinstance(layout, SingleDeviceSharding)
+        processes = self.processes(task)
+        if self.me == min(processes) and len(processes) < jax.process_count():
+            spec = PartitionSpec() if rewrap else _spec_of(layout, task)
+            _runtime.key_value_set(_OUTPUT_KEY.format(self.round, slot), pickle.dumps(spec))
+        return task.sharding() if rewrap else None
