@@ -1,7 +1,8 @@
 """One process of a multi-process test (started by tests/test_distributed.py via mmnnx launch).
 
-``python -m tests.distributed_worker SCENARIO OUT_DIR`` (from the repository root): joins the run, runs SCENARIO and, on
-every process, writes what it computed (fetched to host) to ``OUT_DIR/rank{i}.json``.
+``python -m tests.distributed_worker SCENARIO OUT_DIR`` (from the repository root): joins the
+run, runs SCENARIO and, on every process, writes what it computed (fetched to host) to
+``OUT_DIR/rank{i}.json``.
 """
 
 from __future__ import annotations
