@@ -85,35 +85,43 @@ class Route:
             me in processes_of(target),
         )
 
+    def __post_init__(self) -> None:
+        """This process's part, worked out once: which shards go to which peer, which come from
+        which peer (with their layouts), and which are copied between its own devices."""
+        me = jax.process_index()
+        self._outgoing: dict[int, list[Any]] = {}
+        self._incoming: dict[int, list[Any]] = {}
+        for src, dst in self.pairs:
+            if src.process_index == me and dst.process_index != me:
+                self._outgoing.setdefault(dst.process_index, []).append(src)
+            elif dst.process_index == me and src.process_index != me:
+                self._incoming.setdefault(src.process_index, []).append(dst)
+        self._outgoing = dict(sorted(self._outgoing.items()))
+        self._specs = {
+            peer: [self._shard_spec(d) for d in devices]
+            for peer, devices in sorted(self._incoming.items())
+        }
+        self._mine = [(src, dst) for src, dst in self.pairs if dst.process_index == me]
+
     def __call__(self, value: Any) -> Any:
         """Sends this process's shards of ``value`` (ignored where it holds none) and returns the
         target array where this process holds part of it, else ``None``."""
-        me, port = jax.process_index(), transport()
+        port = transport()
         shards: dict[Any, Any] = {}
         if self.sends:
             if value.sharding != self.source_wire:
                 value = _reshard(self.source_wire)(value)
             shards = {s.device: s.data for s in value.addressable_shards}
-            outgoing: dict[int, list[Any]] = {}
-            for src, dst in self.pairs:
-                if src.process_index == me and dst.process_index != me:
-                    outgoing.setdefault(dst.process_index, []).append(shards[src])
-            for peer, arrays in sorted(outgoing.items()):
-                port.send(peer, arrays)
+            for peer, devices in self._outgoing.items():
+                port.send(peer, [shards[d] for d in devices])
         if not self.receives:
             return None
-        incoming: dict[int, list[Any]] = {}
-        for src, dst in self.pairs:
-            if dst.process_index == me and src.process_index != me:
-                incoming.setdefault(src.process_index, []).append(dst)
         received: dict[Any, Any] = {}
-        for peer, devices in sorted(incoming.items()):
-            specs = [self._shard_spec(d) for d in devices]
-            received.update(zip(devices, port.receive(peer, specs), strict=True))
+        for peer, specs in self._specs.items():
+            received.update(zip(self._incoming[peer], port.receive(peer, specs), strict=True))
         local = [
-            received[dst] if src.process_index != me else jax.device_put(shards[src], dst)
-            for src, dst in self.pairs
-            if dst.process_index == me
+            received[dst] if dst in received else jax.device_put(shards[src], dst)
+            for src, dst in self._mine
         ]
         out = jax.make_array_from_single_device_arrays(self.shape, self.target_wire, local)
         if self.target_wire != self.target:
