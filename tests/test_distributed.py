@@ -302,3 +302,23 @@ def test_mmnnx_train_under_launch_matches_one_process(tmp_path):
                 assert a[key] == pytest.approx(b[key], rel=1e-5), (a, b)
     assert (out / "loss.png").is_file() and (out / "timeline.png").is_file()
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
+
+
+def test_initialize_names_a_coordinator_port_in_use():
+    code = (
+        "import socket, mmnnx as mm\n"
+        "busy = socket.socket(); busy.bind(('127.0.0.1', 0)); busy.listen()\n"
+        "address = '127.0.0.1:%d' % busy.getsockname()[1]\n"
+        "try:\n"
+        "    mm.distributed.initialize(address, num_processes=2, process_id=0)\n"
+        "except RuntimeError as e:\n"
+        "    print(str(e).replace(address, 'ADDRESS'))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.stdout.strip() == (
+        "mm.distributed.initialize: process 0 cannot start the coordinator on ADDRESS: the port "
+        "is in use (another run, or a leftover process); choose another port (mmnnx launch picks "
+        "a free one)"
+    ), proc.stdout + proc.stderr[-2000:]

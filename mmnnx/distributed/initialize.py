@@ -103,7 +103,17 @@ def initialize(
             kwargs.setdefault("coordinator_bind_address", coordinator_address)
     elif _cluster() is None:
         return False
-    jax.distributed.initialize(**kwargs)
+    try:
+        jax.distributed.initialize(**kwargs)
+    except jax.errors.JaxRuntimeError as e:
+        if "Failed to start RPC server" not in str(e):
+            raise
+        address = kwargs.get("coordinator_bind_address", kwargs.get("coordinator_address"))
+        raise RuntimeError(
+            f"mm.distributed.initialize: process {process_id} cannot start the coordinator on "
+            f"{address}: the port is in use (another run, or a leftover process); choose another "
+            "port (mmnnx launch picks a free one)"
+        ) from e
     if jax.process_count() > 1:
         _hold_exit_until_everyone_is_done()
     return jax.process_count() > 1
