@@ -214,6 +214,38 @@ def checkpoint_roundtrip():
     return {"saved": saved, "restored": restored}
 
 
+@scenario
+def killed_during_save():
+    """Saves step 1; then process 0 is killed while committing step 2, its data written but not
+    yet renamed into place. Writes step 1's state to OUT_DIR/step1.json first."""
+    import signal
+
+    from mmnnx.train import Checkpointer, checkpoint
+
+    model = gpt_model(gpt_tasks(2))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = _gpt_train_step()
+    directory = os.environ["CKPT_DIR"]
+    with Checkpointer(directory) as ckpt:
+        step(model, opt, _gpt_tokens(1))
+        ckpt.save(1, model=model, opt=opt)
+        state = _digest(model, opt)
+        if jax.process_index() == 0:
+            pathlib.Path(sys.argv[2], "step1.json").write_text(json.dumps(state))
+        step(model, opt, _gpt_tokens(2))
+        if jax.process_index() == 0:
+            original = checkpoint._SyncedAtomicRename.finalize
+
+            async def killed_before_the_rename(self):
+                if checkpoint._TMP_SUFFIX not in self.get_final().parent.name:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                await original(self)
+
+            checkpoint._SyncedAtomicRename.finalize = killed_before_the_rename
+        ckpt.save(2, model=model, opt=opt)
+    return {}
+
+
 def _digest(model, opt) -> dict[str, list]:
     """Every array of the model and optimizer, fetched, as nested lists."""
     state = {"model": nnx.state(model), "opt": nnx.state(opt)}
