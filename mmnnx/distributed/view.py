@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +27,6 @@ from mmnnx.mpmd.program import Recv, Run
 _LAYOUT_KEY = "mmnnx/layout/{}/{}"
 _OUTPUT_KEY = "mmnnx/output-layout/{}/{}"
 _LAYOUT_WAIT_S = 600.0
-_PUT, _CALL = 1, 2  # the runner's step kinds
 
 
 def _spec_of(sharding: Any, task: Any) -> PartitionSpec:
@@ -115,27 +114,25 @@ class ProcessView:
         layout = sharding_of[recv.from_slot] = recv.source.sharding(spec)
         return layout
 
-    def receive(self, recv: Recv, sharding: Any, source_layout: Any) -> list | None:
+    def receive(self, recv: Recv, sharding: Any, source_layout: Any) -> Callable | bool | None:
         target = self.processes(recv.target)
         self._value_of[recv.slot] = (recv.value, recv.target)
         if recv.source is None:
             if self.me not in target:
                 return None
             self._here.add(recv.slot)
-            if target == {self.me}:
-                return [_PUT, recv.from_slot, recv.slot, sharding]
-            return [_CALL, _Global(sharding), recv.from_slot, recv.slot]
+            return True if target == {self.me} else _Global(sharding)
         source = self.processes(recv.source)
         if self.me not in source | target:
             return None
         if self.me in target:
             self._here.add(recv.slot)
         if source == target == {self.me}:
-            return [_PUT, recv.from_slot, recv.slot, sharding]
+            return True
         if self.me in source:
             self._sent.add(recv.from_slot)
         shape, dtype = self.graph.shapes[recv.value], self.graph.dtypes[recv.value]
-        return [_CALL, Route.plan(shape, dtype, source_layout, sharding), recv.from_slot, recv.slot]
+        return Route.plan(shape, dtype, source_layout, sharding)
 
     def put(self, value: Any, sharding: Any) -> jax.Array:
         return put(value, sharding)

@@ -104,8 +104,10 @@ class _LocalView:
     def source_layout(self, recv: Recv, sharding_of: list[Any]) -> Any:
         return sharding_of[recv.from_slot]
 
-    def receive(self, recv: Recv, sharding: Any, source_layout: Any) -> list | None:
-        return [_PUT, recv.from_slot, recv.slot, sharding]
+    def receive(self, recv: Recv, sharding: Any, source_layout: Any) -> Callable | bool | None:
+        """How this process takes part in ``recv``: ``True``, a ``device_put`` here; a callable,
+        which moves the value (returning it where it lands here); ``None``, not at all."""
+        return True
 
     def put(self, value: Any, sharding: Any) -> jax.Array:
         return jax.device_put(value, sharding)
@@ -185,9 +187,11 @@ class Executable:
                     sharding = compatible(source_layout, action.target)
                     resolved.setdefault((action.value, action.source, action.target), sharding)
                 sharding_of[action.slot] = sharding
-                step = local.receive(action, sharding, source_layout)
-                if step is not None:
-                    steps.append([*step, ()])
+                how = local.receive(action, sharding, source_layout)
+                if how is True:
+                    steps.append([_PUT, action.from_slot, action.slot, sharding, ()])
+                elif how is not None:  # a transfer that involves another process
+                    steps.append([_CALL, how, action.from_slot, action.slot, ()])
             elif isinstance(action, Constant):
                 sharding_of[action.slot] = action.task.sharding()
                 if local.runs(action.task):
