@@ -271,9 +271,18 @@ def train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if len(jax.devices()) < args.stages * args.data_axis * args.model_axis:
+    needed = args.stages * args.data_axis * args.model_axis
+    if len(jax.devices()) < needed:
+        where = (
+            f" ({jax.process_count()} processes x {jax.local_device_count()})"
+            if jax.process_count() > 1
+            else ""
+        )
         print(
-            f"mmnnx train: error: only {len(jax.devices())} devices are available", file=sys.stderr
+            f"mmnnx train: error: only {len(jax.devices())} devices are available{where}; "
+            f"--stages {args.stages} x --data-axis {args.data_axis} x --model-axis "
+            f"{args.model_axis} needs {needed}",
+            file=sys.stderr,
         )
         return 2
     if args.resume:

@@ -318,3 +318,14 @@ def test_a_process_killed_while_a_checkpoint_commits_leaves_the_previous_one(tmp
         assert checkpoints.latest_step() == 1
     restored = worker.checkpoint_restore(ckpt, stages=2, train=False)
     assert restored["state"] == json.loads((tmp_path / "step1.json").read_text())
+
+
+def test_mmnnx_train_with_too_few_devices_across_processes_says_what_it_needs(tmp_path):
+    proc = launch(["-n", "3", "--devices-per-process", "2", "--", sys.executable, "-m", "mmnnx",
+                   "train", "--output-dir", str(tmp_path), "--steps", "1"])  # fmt: skip
+    assert proc.returncode == 2
+    assert (
+        "mmnnx train: error: only 6 devices are available (3 processes x 2); --stages 2 x "
+        "--data-axis 2 x --model-axis 2 needs 8"
+    ) in proc.stdout
+    assert "failed first (exit code 2)" in proc.stderr
