@@ -14,6 +14,11 @@ def processes_of(sharding: Any) -> frozenset[int]:
     return frozenset(d.process_index for d in sharding.device_set)
 
 
+def slice_key(index: tuple) -> tuple:
+    """A hashable key for a shard's index (a tuple of slices), equal for equal slices."""
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
 def placeholder(shape: Sequence[int], dtype: Any, sharding: Any) -> jax.Array:
     """An array of ``shape`` on devices of other processes only: it holds no data here and
     stands for a value another process computes (a remote task's Variable or result)."""

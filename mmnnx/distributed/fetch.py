@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from mmnnx.distributed.arrays import processes_of
+from mmnnx.distributed.arrays import processes_of, slice_key
 from mmnnx.distributed.transport import transport
 
 
@@ -16,8 +16,7 @@ def _owners(array: jax.Array) -> list[tuple[Any, tuple]]:
     """One (device, index) per distinct slice of ``array``: the first device holding it."""
     seen: dict[tuple, tuple[Any, tuple]] = {}
     for device, index in array.sharding.devices_indices_map(array.shape).items():
-        key = tuple((s.start, s.stop, s.step) for s in index)
-        seen.setdefault(key, (device, index))
+        seen.setdefault(slice_key(index), (device, index))
     return list(seen.values())
 
 

@@ -18,12 +18,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from mmnnx.distributed.arrays import processes_of
+from mmnnx.distributed.arrays import processes_of, slice_key
 from mmnnx.distributed.transport import transport
-
-
-def _key(index: tuple) -> tuple:
-    return tuple((s.start, s.stop, s.step) for s in index)
 
 
 def _pairs(source: Any, target: Any, shape: tuple[int, ...]) -> list[tuple[Any, Any]] | None:
@@ -31,18 +27,18 @@ def _pairs(source: Any, target: Any, shape: tuple[int, ...]) -> list[tuple[Any, 
     source device of the target's own process; ``None`` if some slice has no source."""
     holders: dict[tuple, list[Any]] = {}
     for device, index in source.devices_indices_map(shape).items():
-        holders.setdefault(_key(index), []).append(device)
+        holders.setdefault(slice_key(index), []).append(device)
     pairs, used = [], dict.fromkeys(holders, 0)
     for device, index in target.devices_indices_map(shape).items():
-        candidates = holders.get(_key(index))
+        candidates = holders.get(slice_key(index))
         if candidates is None:
             return None
         local = [c for c in candidates if c.process_index == device.process_index]
         if local:
             pairs.append((local[0], device))
         else:  # spread the copies of one slice over the devices holding it
-            k = used[_key(index)]
-            used[_key(index)] = k + 1
+            k = used[slice_key(index)]
+            used[slice_key(index)] = k + 1
             pairs.append((candidates[k % len(candidates)], device))
     return pairs
 

@@ -10,6 +10,7 @@ through the coordination service by the first process of the task that made it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,7 +33,9 @@ _LAYOUT_WAIT_S = 600.0
 def _spec_of(sharding: Any, task: Any) -> PartitionSpec:
     if isinstance(sharding, NamedSharding):
         return sharding.spec
-    if sharding.is_equivalent_to(task.sharding(), len(sharding.device_set)):
+    if isinstance(sharding, SingleDeviceSharding) and sharding.device_set == set(
+        task.jax_mesh.devices.flat
+    ):  # the one device of a one-device task
         return PartitionSpec()
     raise MPMDError(
         f"mm.jit: a result on task {task.name!r} has layout {sharding}, which cannot be sent to "
@@ -40,14 +43,9 @@ def _spec_of(sharding: Any, task: Any) -> PartitionSpec:
     )
 
 
-@dataclasses.dataclass
-class _Global:
-    """Puts a step input (the same on every process) onto a layout spanning processes."""
-
-    sharding: Any
-
-    def __call__(self, value: Any) -> jax.Array:
-        return put(value, self.sharding)
+def _publish(key: str, layout: Any, task: Any) -> None:
+    """Makes ``layout`` (of a value on ``task``) readable by every process under ``key``."""
+    _runtime.key_value_set(key, pickle.dumps(_spec_of(layout, task)))
 
 
 class ProcessView:
@@ -99,19 +97,11 @@ class ProcessView:
         key = _LAYOUT_KEY.format(self.round, recv.from_slot)
         if layout is not None:
             if self.me == min(source) and target - source:
-                spec = _spec_of(layout, recv.source)
-                _runtime.key_value_set(key, pickle.dumps(spec))
+                _publish(key, layout, recv.source)
             return layout
         if self.me not in target:
             return None
-        try:
-            spec = pickle.loads(_runtime.key_value_get(key, _LAYOUT_WAIT_S))
-        except jax.errors.JaxRuntimeError as e:
-            raise MPMDError(
-                f"mm.jit: process {min(source)} did not publish the layout of a value of task "
-                f"{recv.source.name!r} within {_LAYOUT_WAIT_S:.0f} s"
-            ) from e
-        layout = sharding_of[recv.from_slot] = recv.source.sharding(spec)
+        layout = sharding_of[recv.from_slot] = self._published(key, recv.source, "a value")
         return layout
 
     def receive(self, recv: Recv, sharding: Any, source_layout: Any) -> Callable | bool | None:
@@ -121,7 +111,8 @@ class ProcessView:
             if self.me not in target:
                 return None
             self._here.add(recv.slot)
-            return True if target == {self.me} else _Global(sharding)
+            # a step input, the same on every process, onto a layout spanning processes
+            return True if target == {self.me} else functools.partial(put, sharding=sharding)
         source = self.processes(recv.source)
         if self.me not in source | target:
             return None
@@ -146,15 +137,7 @@ class ProcessView:
         value, task = self._value_of[slot]
         sharding = sharding_of[slot]
         if sharding is None:
-            key = _OUTPUT_KEY.format(self.round, slot)
-            try:
-                spec = pickle.loads(_runtime.key_value_get(key, _LAYOUT_WAIT_S))
-            except jax.errors.JaxRuntimeError as e:
-                raise MPMDError(
-                    f"mm.jit: no process of task {task.name!r} published the layout of a result "
-                    f"within {_LAYOUT_WAIT_S:.0f} s"
-                ) from e
-            sharding = task.sharding(spec)
+            sharding = self._published(_OUTPUT_KEY.format(self.round, slot), task, "a result")
         return placeholder(self.graph.shapes[value], self.graph.dtypes[value], sharding)
 
     def output_layout(self, slot: int, sharding_of: list[Any]) -> Any:
@@ -165,9 +148,18 @@ class ProcessView:
         _, task = self._value_of.get(slot, (None, None))
         if slot not in self._here or task is None:
             return None
-        rewrap = isinstance(layout, SingleDeviceSharding)
         processes = self.processes(task)
         if self.me == min(processes) and len(processes) < jax.process_count():
-            spec = PartitionSpec() if rewrap else _spec_of(layout, task)
-            _runtime.key_value_set(_OUTPUT_KEY.format(self.round, slot), pickle.dumps(spec))
-        return task.sharding() if rewrap else None
+            _publish(_OUTPUT_KEY.format(self.round, slot), layout, task)
+        return task.sharding() if isinstance(layout, SingleDeviceSharding) else None
+
+    def _published(self, key: str, task: Any, what: str) -> NamedSharding:
+        """The layout on ``task`` that its first process published under ``key``."""
+        try:
+            spec = pickle.loads(_runtime.key_value_get(key, _LAYOUT_WAIT_S))
+        except jax.errors.JaxRuntimeError as e:
+            raise MPMDError(
+                f"mm.jit: process {min(self.processes(task))} did not publish the layout of "
+                f"{what} of task {task.name!r} within {_LAYOUT_WAIT_S:.0f} s"
+            ) from e
+        return task.sharding(spec)

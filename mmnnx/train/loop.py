@@ -175,11 +175,9 @@ def fit(
         metrics_path = out / "metrics.jsonl"
         metrics: list[dict] = []
         eval_losses = [(start, evaluate())]
-        if not leader:
-            pass
-        elif start == 0:
+        if leader and start == 0:
             metrics_path.write_text(json.dumps({"step": 0, "eval_loss": eval_losses[0][1]}) + "\n")
-        else:
+        elif leader:
             _keep_metrics_up_to(metrics_path, start)
         files = {"metrics": str(metrics_path), "checkpoints": str(ckpt_dir)}
         tokens_per_step = dataset.batch_size * dataset.seq_len
