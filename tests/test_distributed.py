@@ -297,6 +297,7 @@ def test_initialize_names_a_coordinator_port_in_use():
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
+    assert proc.returncode == 0, proc.stderr[-2000:]  # the error, and no crash at exit
     assert proc.stdout.strip() == (
         "mm.distributed.initialize: process 0 cannot start the coordinator on ADDRESS: the port "
         "is in use (another run, or a leftover process); choose another port (mmnnx launch picks "

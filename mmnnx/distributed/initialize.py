@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import os
+import socket
 import sys
 from typing import Any
 
@@ -103,17 +105,15 @@ def initialize(
             kwargs.setdefault("coordinator_bind_address", coordinator_address)
     elif _cluster() is None:
         return False
+    bind = kwargs.get("coordinator_bind_address")
+    if process_id == 0 and bind is not None:
+        _check_coordinator_port(bind)  # JAX's own failure here crashes the process at exit
     try:
         jax.distributed.initialize(**kwargs)
     except jax.errors.JaxRuntimeError as e:
         if "Failed to start RPC server" not in str(e):
             raise
-        address = kwargs.get("coordinator_bind_address", kwargs.get("coordinator_address"))
-        raise RuntimeError(
-            f"mm.distributed.initialize: process {process_id} cannot start the coordinator on "
-            f"{address}: the port is in use (another run, or a leftover process); choose another "
-            "port (mmnnx launch picks a free one)"
-        ) from e
+        raise _port_in_use(kwargs.get("coordinator_address")) from e
     if jax.process_count() > 1:
         _hold_exit_until_everyone_is_done()
     return jax.process_count() > 1
@@ -141,6 +141,25 @@ def _hold_exit_until_everyone_is_done() -> None:
 
     sys.excepthook = note_failure
     atexit.register(wait_for_everyone)
+
+
+def _port_in_use(address: str | None) -> RuntimeError:
+    return RuntimeError(
+        f"mm.distributed.initialize: process 0 cannot start the coordinator on {address}: the "
+        "port is in use (another run, or a leftover process); choose another port (mmnnx launch "
+        "picks a free one)"
+    )
+
+
+def _check_coordinator_port(address: str) -> None:
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, int(port)))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise _port_in_use(address) from None
+            raise
 
 
 def is_distributed() -> bool:
