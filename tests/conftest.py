@@ -1,12 +1,23 @@
 """Test set-up: 8 simulated CPU devices, configured before JAX is imported."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the whole run (the processes tests start included): tests compile
+# the same small programs again and again. Fresh per run, so nothing carries over between runs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="mmnnx-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -30,12 +30,16 @@ def scenario(fn):
     return fn
 
 
-def readme_model():
-    """The README's two-task model (two tensor-parallel Linear layers, one per stage)."""
+def readme_model_tasks() -> list[mm.Task]:
+    """The README's two tasks: 2 x 2 (data x model) devices each."""
     mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"))
     rules = mm.logical_rules(batch="data", mlp="model", embed=None)
-    stage0 = mm.Task("stage0", mesh=mesh.slice(stage=0), logical_axes=rules)
-    stage1 = mm.Task("stage1", mesh=mesh.slice(stage=1), logical_axes=rules)
+    return [mm.Task(f"stage{i}", mesh=mesh.slice(stage=i), logical_axes=rules) for i in (0, 1)]
+
+
+def readme_model():
+    """The README's two-task model (two tensor-parallel Linear layers, one per stage)."""
+    stage0, stage1 = readme_model_tasks()
 
     def make_model():
         tp = lambda names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
@@ -204,6 +208,49 @@ def checkpoint_restore(directory, stages: int = 2, train: bool = True) -> dict:
     if train:
         loss = float(mm.distributed.fetch(_gpt_train_step()(model, opt, _gpt_tokens(2))))
     return {"extra": extra, "state": state, "next_loss": loss}
+
+
+@scenario
+def schedules() -> dict:
+    """Two steps of a four-layer MLP under every built-in schedule, one task per process (two
+    layers each; the interleaved schedule takes the layers of the two tasks in turn): the
+    losses of each."""
+    tasks = readme_model_tasks()
+    contiguous = [("^layers/[02]/", tasks[0]), ("^layers/[46]/", tasks[1])]  # Linear at 0, 2, ..
+    interleaved = [("^layers/[04]/", tasks[0]), ("^layers/[26]/", tasks[1])]
+
+    def make_model():
+        tp = lambda names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
+        layers = []
+        for i in range(4):
+            names = ("embed", "mlp") if i % 2 == 0 else ("mlp", "embed")
+            shape = (64, 128) if i % 2 == 0 else (128, 64)
+            layers += [nnx.Linear(*shape, kernel_init=tp(names), rngs=nnx.Rngs(i)), nnx.tanh]
+        return nnx.Sequential(*layers[:-1])
+
+    x, y = readme_batch()
+    losses = {}
+    for name in mm.schedules.names():
+        virtual = 2 if name == "interleaved-1f1b" else 1
+        model = mm.init(make_model, interleaved if virtual == 2 else contiguous)
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+        @mm.jit
+        def train_step(model, opt, x, y, name=name, virtual=virtual):
+            grad_fn = mm.microbatch(
+                nnx.value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2)),
+                num=4,
+                argnums=(1, 2),
+                reduce="mean",
+                schedule=name,
+                virtual_stages=virtual,
+            )
+            loss, grads = grad_fn(model, x, y)
+            opt.update(model, grads)
+            return loss
+
+        losses[name] = [float(mm.distributed.fetch(train_step(model, opt, x, y))) for _ in "12"]
+    return {"losses": losses}
 
 
 @scenario

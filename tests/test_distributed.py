@@ -197,6 +197,16 @@ def test_tabulate_cached_partial_timeline_and_memory_profile_across_processes(tm
         assert "stage0 │ 0-3" in r["table"] and "stage1 │ 2048-2051" in r["table"]
 
 
+def test_every_schedule_pipelines_across_processes_as_in_one(tmp_path):
+    results = run_scenario("schedules", 2, 4, tmp_path)
+    reference = worker.schedules()["losses"]
+    assert set(reference) == set(mm.schedules.names())
+    for r in results:
+        assert set(r["losses"]) == set(reference)
+        for name, losses in reference.items():
+            np.testing.assert_allclose(r["losses"][name], losses, rtol=1e-5, err_msg=name)
+
+
 def test_pipelined_gpt_and_checkpoints_across_process_counts(tmp_path, monkeypatch):
     # one process: a 1F1B GPT step, saved
     alone = worker.checkpoint_save(tmp_path / "alone", stages=2)
