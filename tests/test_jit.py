@@ -181,6 +181,24 @@ def test_one_task_is_one_program(batch):
     assert all(tr.source is None for tr in plan.transfers)  # only the batch goes in
 
 
+def test_an_input_already_laid_out_on_its_task_is_not_moved(monkeypatch):
+    # a one-device task: its inputs' layout is a NamedSharding on a one-device mesh, while an
+    # array made on that device has a SingleDeviceSharding; the same layout under another name
+    solo = mm.Task("solo", mesh=mm.TaskMesh(devices=[3]))
+    model = mm.place(make(), [(".*", solo)])
+    step = mm.jit(lambda m, x: m(x))
+    here = jax.device_put(jnp.ones((8, 16)), jax.devices()[3])
+    elsewhere = np.ones((8, 16), np.float32)  # on the host
+    expected = step(model, here)
+    puts = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(a) or device_put(*a, **k))
+    close(step(model, here), expected)
+    assert puts == []
+    close(step(model, elsewhere), expected)
+    assert len(puts) == 1
+
+
 def test_cache_and_replan_on_new_shape(tasks, batch):
     model = two_stage(tasks)
     step = mm.jit(lambda m, x: m(x))

@@ -151,6 +151,7 @@ class Executable:
         self.name = name
         self.fingerprint = fingerprint
         self._steps: list[tuple] | None = None
+        self._same_layout: dict[tuple, bool] = {}
 
     def compile(self) -> None:
         """Compiles every distinct program of the step (once) and resolves every transfer."""
@@ -255,7 +256,7 @@ class Executable:
                     env[s] = o
             elif step[0] == _PUT:
                 value = env[step[1]]
-                if getattr(value, "sharding", None) != step[3]:
+                if not self._laid_out_as(value, step[3]):
                     value = jax.device_put(value, step[3])
                 env[step[2]] = value
             else:  # a transfer involving another process: ``step[1]`` moves it
@@ -272,6 +273,19 @@ class Executable:
                 outputs[i].shape, layout, [outputs[i]]
             )
         return outputs
+
+    def _laid_out_as(self, value: Any, sharding: Any) -> bool:
+        """Whether ``value`` is an array already laid out as ``sharding`` (the same devices and
+        slices under another name, e.g. a one-device array for a one-device task): moving it
+        would only copy it. Decided once per pair of layouts."""
+        have = getattr(value, "sharding", None)
+        if have is None or have == sharding:
+            return have is not None
+        key = (have, sharding, value.ndim)
+        same = self._same_layout.get(key)
+        if same is None:
+            same = self._same_layout[key] = have.is_equivalent_to(sharding, value.ndim)
+        return same
 
     def _record(self, env: list, memory: dict) -> None:
         live: dict[str, tuple[int, set]] = {}
