@@ -356,6 +356,50 @@ def test_logical_constraint_shards_batch_on_first_consumer(tasks, batch):
     assert inp.sharding.mesh == s0.jax_mesh
 
 
+class ScannedHidden(nnx.Module):
+    """MLP4 whose hidden activations go through a ``jax.lax.scan`` of small steps on the first
+    stage and a ``jax.checkpoint``-ed block on the second, each constraining its activations
+    inside the transformed body (as a scanned or rematerialised transformer block does)."""
+
+    def __init__(self, rngs, constrain=True):
+        self.mlp = MLP4(rngs)
+        self.constrain = constrain
+
+    def _c(self, h, names):
+        return mm.with_sharding_constraint(h, names) if self.constrain else h
+
+    def __call__(self, x):
+        m = self.mlp
+
+        def small_step(h, scale):
+            return self._c(jnp.tanh(h) * scale, ("batch", "mlp")), None
+
+        h, _ = jax.lax.scan(small_step, m.l0(x), jnp.linspace(0.5, 1.0, 3))
+        h = m.l1(jax.nn.relu(h))
+        block = jax.checkpoint(lambda h: self._c(jax.nn.relu(m.l2(h)), ("batch", "mlp")))
+        return m.l3(block(h))
+
+
+def test_constraints_inside_scan_and_checkpoint_bodies_apply_on_their_task(tasks, batch):
+    s0, s1 = tasks
+    with nnx.use_eager_sharding(False):
+        model = mm.place(ScannedHidden(nnx.Rngs(0)), [("l0|l1", s0), ("l2|l3", s1)])
+        reference = ScannedHidden(nnx.Rngs(0), constrain=False)
+    x, y = batch
+    step = mm.jit(nnx.value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2)))
+    (loss, grads), (ref_loss, ref_grads) = (
+        step(model, x, y),
+        nnx.value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2))(reference, x, y),
+    )
+    close(loss, ref_loss)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        close(a, b)
+    # resolved on the task that runs the body: an axis that does not divide is named there
+    narrow = jnp.ones((3, 16))  # 3 rows: the data axis (2) does not divide them
+    with pytest.raises(ValueError, match=r"with_sharding_constraint at .* on task 'stage0'"):
+        mm.jit(lambda m, x: m(x))(model, narrow)
+
+
 def test_batch_not_divisible_by_data_axis(tasks):
     model = two_stage(tasks)
 

@@ -11,6 +11,8 @@ names a traced step in JAX's errors, which JAX does not export.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -21,9 +23,9 @@ import numpy as np
 from jax._src import api_util, effects, source_info_util
 from jax._src import core as jax_core
 from jax.extend import core as jcore
-from jax.interpreters import ad, batching
+from jax.interpreters import ad, batching, mlir
 
-from mmnnx.mpmd.errors import SideEffectError
+from mmnnx.mpmd.errors import MPMDError, SideEffectError
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op
 from mmnnx.sharding.specs import itemsize
 
@@ -246,23 +248,21 @@ def _aval_info(aval) -> tuple[tuple[int, ...], Any, int]:
 
 
 def _source_line(source_info) -> str:
-    frame = source_info_util.user_frame(source_info.traceback)
+    return _frame_line(source_info.traceback)
+
+
+def _frame_line(traceback) -> str:
+    frame = source_info_util.user_frame(traceback)
     if frame is None:
         return "<unknown>"
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
-def run_ops(
-    ops: Sequence[Op],
-    in_ids: Sequence[int],
-    out_ids: Sequence[int],
-    args,
-    constrain: Callable[[Any, Op], Any],
-) -> list:
+def run_ops(ops: Sequence[Op], in_ids: Sequence[int], out_ids: Sequence[int], args) -> list:
     """Evaluates ``ops`` (in order) on ``args`` bound to ``in_ids``; returns ``out_ids``' values.
 
-    Called inside ``jax.jit`` to build one fragment's program. ``constrain(x, op)`` applies a
-    logical sharding constraint (see :data:`constraint_p`) on the fragment's task.
+    Called inside ``jax.jit`` to build one fragment's program, lowered under
+    :func:`constraint_layouts` for the fragment's task.
     """
     env = dict(zip(in_ids, args, strict=True))
 
@@ -270,9 +270,6 @@ def run_ops(
         return a.value if isinstance(a, Const) else env[a]
 
     for op in ops:
-        if op.primitive is constraint_p:
-            env[op.outs[0]] = constrain(read(op.ins[0]), op)
-            continue
         params = op.primitive.get_bind_params(op.params)
         result = op.primitive.bind(*(read(a) for a in op.ins), **params)
         if not op.multiple_results:
@@ -281,11 +278,45 @@ def run_ops(
     return [read(i) for i in out_ids]
 
 
-# A logical sharding constraint recorded while mm.jit traces a step: identity on values, resolved
-# to ``jax.lax.with_sharding_constraint`` on the task that runs it (see runtime.py).
+# A logical sharding constraint recorded while mm.jit traces a step: identity on values, lowered
+# to ``jax.lax.with_sharding_constraint`` on the task whose fragment contains it, wherever it sits
+# (the step's own ops, or the body of a scan, cond, while or checkpoint).
 constraint_p = jcore.Primitive("mm_sharding_constraint")
 constraint_p.def_impl(lambda x, *, names: x)
 constraint_p.def_abstract_eval(lambda x, *, names: x)
+
+# names, shape, source line -> the sharding on the task whose fragment is lowering
+_CONSTRAINT_LAYOUT: contextvars.ContextVar[Callable[[tuple, tuple, str], Any] | None] = (
+    contextvars.ContextVar("mm_constraint_layout", default=None)
+)
+
+
+@contextlib.contextmanager
+def constraint_layouts(layout: Callable[[tuple, tuple, str], Any]):
+    """Lowers the constraints met inside this block with ``layout(names, shape, source)``."""
+    token = _CONSTRAINT_LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        _CONSTRAINT_LAYOUT.reset(token)
+
+
+def _constraint_lowering(ctx, x, *, names):
+    layout = _CONSTRAINT_LAYOUT.get()
+    where = _frame_line(ctx.traceback)
+    if layout is None:
+        raise MPMDError(
+            f"mm.with_sharding_constraint at {where}: a constraint traced inside an mm.jit step "
+            "was compiled outside it (logical names mean something only on a task)"
+        )
+    sharding = layout(names, tuple(ctx.avals_in[0].shape), where)
+    apply = mlir.lower_fun(
+        lambda v: jax.lax.with_sharding_constraint(v, sharding), multiple_results=False
+    )
+    return apply(ctx, x)
+
+
+mlir.register_lowering(constraint_p, _constraint_lowering)
 
 
 def _constraint_transpose(ct, x, *, names):

@@ -35,12 +35,20 @@ def compatible(sharding: Any, task: Task) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def constraint_sharding(op: Op, task: Task, shape: Sequence[int]) -> NamedSharding:
-    """The sharding a logical ``mm.with_sharding_constraint`` op asks for on ``task``."""
-    spec = resolve_names(task, constraint_names(op))
-    where = f"with_sharding_constraint at {op.source} on task {task.name!r}"
+def constraint_layout(
+    task: Task, names: Sequence[Any], shape: Sequence[int], source: str
+) -> NamedSharding:
+    """The sharding an ``mm.with_sharding_constraint`` of ``names`` (logical names or ``task``'s
+    mesh axes) at line ``source`` asks for on ``task``."""
+    spec = resolve_names(task, names)
+    where = f"with_sharding_constraint at {source} on task {task.name!r}"
     check_spec(spec, shape, task.jax_mesh, where)
     return NamedSharding(task.jax_mesh, spec)
+
+
+def constraint_sharding(op: Op, task: Task, shape: Sequence[int]) -> NamedSharding:
+    """The sharding a logical ``mm.with_sharding_constraint`` op asks for on ``task``."""
+    return constraint_layout(task, constraint_names(op), shape, op.source)
 
 
 def _donations(

@@ -143,7 +143,8 @@ def with_sharding_constraint(x: Any, spec: PartitionSpec | Sequence[str | None])
 
     Inside ``mm.jit`` each entry of ``spec`` is a logical name (translated by the ``logical_axes``
     of the task that runs the op) or a device axis of that task's mesh; an input array constrained
-    before anything else uses it is sent to its task with that sharding. Outside ``mm.jit`` it is
+    before anything else uses it is sent to its task with that sharding. It may sit inside the
+    body of a scan, cond, while loop or checkpoint. Outside ``mm.jit`` it is
     ``jax.lax.with_sharding_constraint`` with physical axis names.
 
     Example:

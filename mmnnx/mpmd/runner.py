@@ -10,15 +10,16 @@ Send/Recv pair is one ``jax.device_put``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from mmnnx.mpmd._jax import is_constraint, run_ops
+from mmnnx.mpmd._jax import constraint_layouts, run_ops
 from mmnnx.mpmd.ir import Graph
-from mmnnx.mpmd.lower import compatible, constraint_sharding
+from mmnnx.mpmd.lower import compatible, constraint_layout
 from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram
 
@@ -44,19 +45,10 @@ def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any
     frag = run.fragment
     n = len(frag.in_ids)
     total_shardings = list(in_shardings[n:])
-    constraints = {
-        op.index: constraint_sharding(op, frag.task, graph.shapes[op.outs[0]])
-        for op in frag.ops
-        if is_constraint(op)
-    }
-
-    def constrain(x, op):
-        return jax.lax.with_sharding_constraint(x, constraints[op.index])
-
     summed = run.summed
 
     def body(*args):
-        outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, args[:n], constrain)
+        outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, args[:n])
         return [*outs, *(total + outs[i] for total, i in zip(args[n:], summed, strict=True))]
 
     jitted = jax.jit(
@@ -75,7 +67,9 @@ def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any
         )
         for i, s in zip(summed, total_shardings, strict=True)
     ]
-    return jitted.lower(*avals).compile()
+    with constraint_layouts(functools.partial(constraint_layout, frag.task)):
+        lowered = jitted.lower(*avals)
+    return lowered.compile()
 
 
 class _LocalView:
