@@ -19,6 +19,7 @@ from typing import Any
 import flax
 import jax
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 Path = tuple[Any, ...]
 
@@ -125,6 +126,26 @@ def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:
     if isinstance(key, jax.tree_util.DictKey):
         holder = parent.raw_mapping if isinstance(parent, nnx.State) else parent
         return (holder, key.key) if isinstance(holder, dict) else None
+    return None
+
+
+def annotated_spec(variable: nnx.Variable) -> PartitionSpec | None:
+    """The ``PartitionSpec`` a Variable was annotated with (Flax's explicit-sharding form,
+    ``kernel_metadata={"out_sharding": P(None, "model")}``), if any.
+
+    Example:
+        >>> from flax import nnx
+        >>> from jax.sharding import PartitionSpec as P
+        >>> with nnx.use_eager_sharding(False):
+        ...     layer = nnx.Linear(2, 2, kernel_metadata={"out_sharding": P(None, "model")},
+        ...                        rngs=nnx.Rngs(0))
+        >>> annotated_spec(layer.kernel)
+        P(None, 'model')
+    """
+    meta = variable.get_metadata()
+    for key in _LOGICAL_KEYS:
+        if isinstance(spec := meta.get(key), PartitionSpec):
+            return spec
     return None
 
 

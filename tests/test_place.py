@@ -128,6 +128,44 @@ def test_explicit_and_callable_specs_first_match_wins(tasks):
     assert mm.placement(model)["layers/1/kernel"] == ("stage1", P("model", None))
 
 
+class DotReluDot(nnx.Module):
+    """Flax's "Scale up on multiple devices" guide's model, annotated the way that guide writes
+    it for explicit sharding: ``kernel_metadata={"out_sharding": P(...)}`` with device axes."""
+
+    def __init__(self, depth: int, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.dot1 = nnx.Linear(
+            depth, depth, kernel_init=init, kernel_metadata={"out_sharding": P(None, "model")},
+            use_bias=False, rngs=rngs,
+        )  # fmt: skip
+        self.w2 = nnx.Param(init(rngs.params(), (depth, depth)), out_sharding=P("model", None))
+
+    def __call__(self, x):
+        return jax.nn.relu(self.dot1(x)) @ self.w2
+
+
+def test_flax_partition_spec_annotations_are_placed_by_axis_or_logical_name(tasks):
+    s0, _ = tasks
+    with nnx.use_eager_sharding(False):
+        model = DotReluDot(16, nnx.Rngs(0))
+    placed = mm.place(model, [(".*", s0)])
+    assert placed.dot1.kernel.get_value().sharding.spec == P(None, "model")
+    assert placed.w2.get_value().sharding.spec == P("model", None)
+    # a logical name in the spec goes through the task's rules, as a tuple of names does
+    with nnx.use_eager_sharding(False):
+        logical = nnx.Linear(8, 16, kernel_metadata={"out_sharding": P("embed", "mlp")},
+                             rngs=nnx.Rngs(0))  # fmt: skip
+    assert mm.place(logical, [(".*", s0)]).kernel.get_value().sharding.spec == P(None, "model")
+    # a name that is neither is named, with the Variable and task, before anything moves
+    solo = mm.Task("solo", mesh=mm.TaskMesh(devices=[4]))
+    with nnx.use_eager_sharding(False):
+        model = DotReluDot(16, nnx.Rngs(0))
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"'dot1/kernel' on task 'solo'.*'model' is neither"):
+        mm.place(model, [(".*", solo)])
+    assert all(np.array_equal(a, snapshot(model)[k][0]) for k, (a, _) in before.items())
+
+
 def test_regex_inside_a_tuple_filter(tasks):
     s0, s1 = tasks
     model = mm.place(make_mlp(), [(("layers/0", "norm"), s0), (..., s1)])

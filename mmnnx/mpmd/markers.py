@@ -160,13 +160,4 @@ def with_sharding_constraint(x: Any, spec: PartitionSpec | Sequence[str | None])
 
 def resolve_names(task: Task, names: Sequence[Any]) -> PartitionSpec:
     """Translates constraint entries on ``task``: logical names by its rules, axis names as-is."""
-    logical = {name for name, _ in task.rules}
-    axes = set(task.axis_names)
-    translated = task.spec(tuple(n if isinstance(n, str) and n in logical else None for n in names))
-    out = []
-    for n, t in zip(names, translated, strict=True):
-        if isinstance(n, tuple) or (isinstance(n, str) and n not in logical and n in axes):
-            out.append(n)
-        else:
-            out.append(t)
-    return PartitionSpec(*out)
+    return task.resolve(names)

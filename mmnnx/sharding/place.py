@@ -14,7 +14,13 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmnnx._nnx import logical_names, mirrors_a_variable, outside_state_error, variables_of
+from mmnnx._nnx import (
+    annotated_spec,
+    logical_names,
+    mirrors_a_variable,
+    outside_state_error,
+    variables_of,
+)
 from mmnnx.distributed.arrays import placeholder, processes_of, put
 from mmnnx.sharding.rules import Path, PlacementRule, compile_rules, path_str
 from mmnnx.sharding.specs import check_spec
@@ -57,6 +63,9 @@ def _resolve_spec(rule: PlacementRule, path: Path, variable: nnx.Variable) -> Pa
                 "not a PartitionSpec"
             )
         return spec
+    annotated = annotated_spec(variable)
+    if annotated is not None:  # Flax's explicit form: device axes, or logical names
+        return rule.task.resolve(annotated, where=where)
     names = logical_names(variable)
     if names is None:
         return PartitionSpec()

@@ -162,6 +162,43 @@ class Task:
                 used.update(wanted)
         return PartitionSpec(*(None if r is unassigned else r for r in result))
 
+    def resolve(self, names: Sequence[Any], *, where: str | None = None) -> PartitionSpec:
+        """Translates spec entries that mix logical names and this task's device axes: a logical
+        name goes through the rules (as in :meth:`spec`), a device axis (or a tuple of them)
+        stays as it is, ``None`` replicates. A name that is neither is replicated, or, with
+        ``where`` (what is being placed), raises a ``ValueError`` naming it.
+
+        Example:
+            >>> tm = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("data", "model"))
+            >>> Task("t", mesh=tm, logical_axes=[("batch", "data")]).resolve(("batch", "model"))
+            P('data', 'model')
+        """
+        names = tuple(names)
+        logical = {name for name, _ in self.rules}
+        axes = set(self.axis_names)
+        translated = self.spec(
+            tuple(n if isinstance(n, str) and n in logical else None for n in names)
+        )
+        out: list[Any] = []
+        for n, t in zip(names, translated, strict=True):
+            unknown = [
+                a for a in (_axes_tuple(n) if isinstance(n, str | tuple) else ()) if a not in axes
+            ]
+            if n is None or (isinstance(n, str) and n in logical):
+                out.append(t)
+            elif isinstance(n, str | tuple) and not unknown:
+                out.append(n)
+            elif where is None:
+                out.append(n if isinstance(n, tuple) else t)
+            else:
+                raise ValueError(
+                    f"{where}: {unknown[0]!r} is neither a device axis of task {self.name!r} "
+                    f"(axes {sorted(axes)}) nor a logical name of its rules ({sorted(logical)}); "
+                    f"add a rule for it, e.g. logical_rules({unknown[0]}=None) in the task's "
+                    "logical_axes to replicate that dimension"
+                )
+        return PartitionSpec(*out)
+
     def sharding(self, spec: PartitionSpec | None = None) -> NamedSharding:
         """A ``NamedSharding`` on this task's mesh (replicated when ``spec`` is None).
 
