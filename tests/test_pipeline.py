@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from tests.models import four_tasks, placed_gpt, tiny_gpt
+from tests.models import Block, TinyGPT, four_stage_rules, four_tasks, placed_gpt, tiny_gpt
 from tests.oracle import close, params_close, trees_close
 
 M = 8
@@ -108,6 +108,65 @@ def test_interleaved_eight_stages_on_four_tasks(tasks, tokens):
     pipeline = grads_step.plan(model, tokens).pipeline
     assert [t.name for t in pipeline.stage_tasks] == [f"t{i % 4}" for i in range(8)]
     assert pipeline.schedule.num_ranks == 4
+
+
+class SideInputBlock(Block):
+    """``tests.models.Block`` taking its attention mask and a position table from the caller."""
+
+    def __call__(self, x, mask, positions):
+        b, t, d = x.shape
+        x = x + positions
+        q, k, v = jax.numpy.split(self.qkv(self.norm1(x)), 3, axis=-1)
+        q, k, v = (a.reshape(b, t, self.heads, d // self.heads) for a in (q, k, v))
+        attn = nnx.dot_product_attention(q, k, v, mask=mask).reshape(b, t, d)
+        x = x + self.out(attn)
+        return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+
+
+class SideInputGPT(TinyGPT):
+    """The Gemma example's pattern: the attention mask (causal and padding, from the tokens) and
+    a sinusoidal position table (from constants) are built once in ``__call__`` and read by every
+    block, so by every pipeline stage."""
+
+    def __init__(self, rngs):
+        super().__init__(rngs=rngs)
+        self.blocks = nnx.List([SideInputBlock(16, 2, rngs=rngs) for _ in range(4)])
+
+    def __call__(self, tokens):
+        mask = nnx.combine_masks(
+            nnx.make_causal_mask(tokens), nnx.make_attention_mask(tokens != 0, tokens != 0)
+        )
+        t = tokens.shape[1]
+        angle = jax.numpy.arange(t)[:, None] / 10000 ** (jax.numpy.arange(16)[None, :] / 16)
+        positions = jax.numpy.where(jax.numpy.arange(16) % 2 == 0, jax.numpy.sin(angle),
+                                    jax.numpy.cos(angle))  # fmt: skip
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, mask, positions)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
+def test_side_inputs_built_in_the_step_are_recomputed_in_each_stage(tasks, schedule):
+    with nnx.use_eager_sharding(False):
+        model, ref = SideInputGPT(nnx.Rngs(0)), SideInputGPT(nnx.Rngs(0))
+    model = mm.place(model, four_stage_rules(tasks))
+    tokens = jax.random.randint(jax.random.key(3), (M, 9), 0, 32)  # some 0s: padding
+    step = mm.jit(
+        mm.microbatch(nnx.value_and_grad(loss_fn), num=M // 2, reduce="mean", schedule=schedule)
+    )
+    (loss, grads), (ref_loss, ref_grads) = (
+        step(model, tokens),
+        nnx.value_and_grad(loss_fn)(ref, tokens),
+    )
+    close(loss, ref_loss)
+    trees_close(grads, ref_grads)
+    plan = step.plan(model, tokens)
+    assert [t.name for t in plan.pipeline.stage_tasks] == ["t0", "t1", "t2", "t3"]
+    # values cross between neighbouring stages only, and neither the mask nor the table is sent
+    between = [tr for tr in plan.transfers if tr.source is not None]
+    assert {abs(int(tr.source.name[1]) - int(tr.target.name[1])) for tr in between} == {1}
+    assert not [tr for tr in between if tr.dtype == bool or tuple(tr.shape) == (8, 16)]
 
 
 def test_compiled_programs_do_not_depend_on_microbatch_count(tasks):

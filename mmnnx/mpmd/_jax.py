@@ -84,6 +84,19 @@ def is_slicing(op: Op) -> bool:
     return op.name in _SLICING
 
 
+# Ops too costly to repeat in every stage that reads their result (contractions), and ops that
+# run a nested program (their cost is unknown).
+_COSTLY = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+
+def is_cheap(op: Op) -> bool:
+    """Whether ``op`` is cheap enough to recompute where its result is needed: anything but a
+    contraction or an op holding a nested program (scan, while, cond, custom derivatives)."""
+    return op.name not in _COSTLY and not any(
+        isinstance(p, jcore.Jaxpr | jcore.ClosedJaxpr) for p in op.params.values()
+    )
+
+
 def is_backward_scope(scope: str) -> bool:
     """Whether a name scope (as the tracer records it) is inside a backward (transposed) pass.
 

@@ -111,10 +111,11 @@ def plan_pipeline(
         else:
             pre_ops.append(op)
 
-    # Index arithmetic and the slicing of unplaced inputs (the batch) by the microbatch index are
-    # recomputed in every fragment that needs them rather than sent between tasks.
+    # Index arithmetic, the slicing of unplaced inputs (the batch) by the microbatch index, and
+    # side inputs built from them and constants (masks, positions) are recomputed in every
+    # fragment that needs them rather than sent between tasks.
     seeds = {index_value} if index_value is not None else set()
-    replicable = replicable_ops(graph, region, seeds, free_inputs)
+    replicable = replicable_ops(graph, region, seeds, free_inputs, side_inputs=True)
     replicable_ids = {op.index for op in replicable}
     staged = [op for op in region if op.index not in replicable_ids]
     stages, stage_tasks = stage_fragments(graph, staged, op_tasks, replicable)

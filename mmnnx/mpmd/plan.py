@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from mmnnx.mpmd._jax import is_slicing
+from mmnnx.mpmd._jax import is_cheap, is_slicing
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.sharding import Task
 
@@ -198,25 +198,48 @@ def make_fragment(
     return Fragment(name, task, ops, in_ids, out_ids, kinds)
 
 
-def replicable_ops(graph: Graph, ops: Sequence[Op], seeds: set[int], allowed: set[int]) -> list[Op]:
+def replicable_ops(
+    graph: Graph,
+    ops: Sequence[Op],
+    seeds: set[int],
+    allowed: set[int],
+    *,
+    side_inputs: bool = False,
+) -> list[Op]:
     """Cheap ops that read at least one ``seeds`` value (or another such op's result) and
-    otherwise only ``allowed`` values; their results are not step outputs."""
+    otherwise only ``allowed`` values; their results are not step outputs.
+
+    With ``side_inputs`` (a pipeline's microbatch region), ops that read no value at all
+    (``iota``, constants) are seeds too, and any op but a contraction or a nested program counts
+    as cheap: a mask, position table or time embedding built from the batch and constants is
+    recomputed in each stage that reads it instead of running on one stage and being sent to
+    every other. Results read outside ``ops`` (a microbatch sum, another cut) are not recomputed.
+    """
     outputs = {a for a in graph.outputs if isinstance(a, int)}
+    inside = {op.index for op in ops}
+    consumers = graph.consumers() if side_inputs else {}
     reachable = set(seeds)
     found = []
     for op in ops:
         if op.effectful or op.may_fail or not op.outs:
             continue  # runs exactly once: effects and callbacks are not recomputed (nor dropped)
         sources = [a for a in op.ins if isinstance(a, int)]
-        # slicing a batch into inputs and labels, and index arithmetic (scalar or non-float
-        # results), is cheap enough to recompute in every fragment that reads it
-        cheap = is_slicing(op) or all(
-            graph.shapes[v] == () or not jnp.issubdtype(graph.dtypes[v], jnp.floating)
-            for v in op.outs
-        )
+        if side_inputs:
+            cheap = is_cheap(op) and all(
+                c.index in inside for v in op.outs for c in consumers.get(v, ())
+            )
+            seeded = not sources or any(a in reachable for a in sources)
+        else:
+            # slicing a batch into inputs and labels, and index arithmetic (scalar or non-float
+            # results), is cheap enough to recompute in every fragment that reads it
+            cheap = is_slicing(op) or all(
+                graph.shapes[v] == () or not jnp.issubdtype(graph.dtypes[v], jnp.floating)
+                for v in op.outs
+            )
+            seeded = any(a in reachable for a in sources)
         if (
             cheap
-            and any(a in reachable for a in sources)
+            and seeded
             and all(a in reachable or a in allowed for a in sources)
             and not outputs.intersection(op.outs)
         ):
