@@ -26,8 +26,29 @@ from mmnnx.sharding.place import SPEC_KEY, task_of
 from mmnnx.sharding.rules import Path, path_str
 from mmnnx.sharding.specs import bytes_per_device, itemsize
 
-_CALLS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mm_tabulate", default=None)
+_CALLS: contextvars.ContextVar[_Calls | None] = contextvars.ContextVar("mm_tabulate", default=None)
 _RECORDING: dict[type, type] = {}
+# The attribute that tags each module of the traced copy with its path. It is static data of the
+# module, so the copies that lifted transforms (nnx.scan, nnx.vmap, nnx.remat) merge inside their
+# own traces carry it too, where ``id(module)`` would name an object tabulate never saw.
+_PATH_ATTR = "_mm_tabulate_path"
+
+
+class _Calls:
+    """The first call of each module during one abstract trace: ``{path: (order, ins, outs)}``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: dict[Path, tuple[int, str, str]] = {}
+
+    def next_order(self) -> int:
+        self.count += 1
+        return self.count
+
+    def record(self, path: Path, order: int, args: tuple, kwargs: dict, out: Any) -> None:
+        if path not in self.first or order < self.first[path][0]:
+            inputs = _describe((args, kwargs) if kwargs else args)
+            self.first[path] = (order, inputs, _describe(out))
 
 
 class Tabulation(str):
@@ -43,15 +64,17 @@ class Tabulation(str):
 
 
 def _recording_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``__call__`` records its inputs and outputs while tabulating."""
     sub = _RECORDING.get(cls)
     if sub is None:
 
         def __call__(self, *args, **kwargs):
             calls = _CALLS.get()
-            order = calls["#"] = calls.get("#", 0) + 1 if calls is not None else 0
+            path = getattr(self, _PATH_ATTR, None)
+            order = calls.next_order() if calls is not None else 0
             out = super(sub, self).__call__(*args, **kwargs)
-            if calls is not None:
-                calls.setdefault(id(self), []).append((order, args, kwargs, out))
+            if calls is not None and path is not None:
+                calls.record(path, order, args, kwargs, out)
             return out
 
         sub = type(
@@ -87,14 +110,13 @@ def _trace_calls(model: Any, inputs: Sequence[Any], method: str) -> dict[Path, t
     leaves, treedef = jax.tree.flatten(inputs)
     is_array = [hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
     array_leaves = [_abstract(x) for x, a in zip(leaves, is_array, strict=True) if a]
-    calls: dict[int, list] = {}
-    paths: dict[int, Path] = {}
+    calls = _Calls()
 
     def run(state, array_leaves):
         copy = nnx.merge(graphdef, state)
         for path, node in nnx.iter_graph(copy):
             if isinstance(node, nnx.Module):
-                paths[id(node)] = path
+                setattr(node, _PATH_ATTR, path)
                 if callable(node):
                     node.__class__ = _recording_class(type(node))
         it = iter(array_leaves)
@@ -104,19 +126,13 @@ def _trace_calls(model: Any, inputs: Sequence[Any], method: str) -> dict[Path, t
         try:
             out = getattr(copy, method)(*args)
             if method != "__call__":
-                calls.setdefault(id(copy), []).insert(0, (-1, args, {}, out))
+                calls.record((), -1, args, {}, out)
         finally:
             _CALLS.reset(token)
         return out
 
     jax.eval_shape(run, abstract_state, array_leaves)
-    result = {}
-    calls.pop("#", None)
-    for key, records in calls.items():
-        order, args, kwargs, out = min(records, key=lambda r: r[0])
-        inputs_text = _describe((args, kwargs) if kwargs else args)
-        result[paths[key]] = (order, inputs_text, _describe(out))
-    return result
+    return calls.first
 
 
 def _path_key(path: Path) -> tuple:

@@ -1,5 +1,6 @@
 import re
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -164,3 +165,75 @@ def test_every_variable_has_a_row():
     text = mm.tabulate(model, jnp.ones((2, 16)))
     for path, _ in nnx.to_flat_state(nnx.state(model)):
         assert row(text, mm.sharding.path_str(path))
+
+
+class ScanBlock(nnx.Module):
+    """The Block of the ``nnx.scan`` docstring's scan-over-layers example: Linear, Dropout, relu."""
+
+    def __init__(self, features: int, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(features, features, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.relu(self.dropout(self.linear(x)))
+
+
+class ScannedLayers(nnx.Module):
+    """Flax's scan-over-layers pattern: a stack of blocks made by ``nnx.vmap`` over split rngs,
+    applied by ``nnx.scan`` with the activation as the carry (``nnx.scan`` docstring)."""
+
+    def __init__(self, num_layers: int, features: int, *, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create_block(rngs: nnx.Rngs):
+            return ScanBlock(features, rngs=rngs)
+
+        self.blocks = create_block(rngs)
+        self.head = nnx.Linear(features, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def forward(block, x):
+            return block(x)
+
+        return self.head(forward(self.blocks, x))
+
+
+def test_scan_over_vmapped_layers():
+    model = ScannedLayers(3, 8, rngs=nnx.Rngs(0))
+    text = mm.tabulate(model, jnp.ones((4, 8)))
+    assert row(text, "(root)")[1:4] == ["ScannedLayers", "float32[4,8]", "float32[4,2]"]
+    # the scanned block and its layers are recorded per layer (inside the scan body)
+    assert row(text, "blocks")[1:4] == ["ScanBlock", "float32[4,8]", "float32[4,8]"]
+    assert row(text, "blocks/linear")[1:4] == ["Linear", "float32[4,8]", "float32[4,8]"]
+    assert row(text, "head")[1:4] == ["Linear", "float32[4,8]", "float32[4,2]"]
+    # the stacked Variables keep their leading layer axis
+    assert row(text, "blocks/linear/kernel")[4:] == ["float32[3,8,8]", "(unplaced)", "-", "768 B"]
+    assert row(text, "blocks/linear/bias")[4] == "float32[3,8]"
+    assert row(text, "blocks/dropout/rngs/key")[4] == "key<fry>[3]"
+    # totals: 3 x (64 + 8) stacked + the stream's stacked count and key (3 + 3) + head 16 + 2
+    assert row(text, "total")[2:4] == ["6", f"{3 * (64 + 8) + 3 + 3 + 16 + 2:,}"]
+
+
+class RematMLP(nnx.Module):
+    """Activation checkpointing as Flax's transforms guide writes it: ``nnx.remat`` of a function
+    that calls a submodule."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.block = ScanBlock(8, rngs=rngs)
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.remat
+        def body(block, x):
+            return block(x)
+
+        return self.head(body(self.block, x))
+
+
+def test_remat():
+    text = mm.tabulate(RematMLP(rngs=nnx.Rngs(0)), jnp.ones((4, 8)))
+    assert row(text, "block")[1:4] == ["ScanBlock", "float32[4,8]", "float32[4,8]"]
+    assert row(text, "block/linear")[1:4] == ["Linear", "float32[4,8]", "float32[4,8]"]
+    assert row(text, "head")[1:4] == ["Linear", "float32[4,8]", "float32[4,2]"]
+    assert row(text, "total")[3] == f"{64 + 8 + 16 + 2 + 2:,}"
