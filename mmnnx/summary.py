@@ -8,6 +8,7 @@ never patched: the copy's modules get per-class recording subclasses instead.
 from __future__ import annotations
 
 import contextvars
+import functools
 import io
 import math
 import sys
@@ -47,8 +48,7 @@ class _Calls:
 
     def record(self, path: Path, order: int, args: tuple, kwargs: dict, out: Any) -> None:
         if path not in self.first or order < self.first[path][0]:
-            inputs = _describe((args, kwargs) if kwargs else args)
-            self.first[path] = (order, inputs, _describe(out))
+            self.first[path] = (order, _describe(args, kwargs), _describe(out))
 
 
 class Tabulation(str):
@@ -64,10 +64,15 @@ class Tabulation(str):
 
 
 def _recording_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__call__`` records its inputs and outputs while tabulating."""
+    """A subclass of ``cls`` whose ``__call__`` records its inputs and outputs while tabulating.
+
+    The recording ``__call__`` keeps the signature of ``cls.__call__`` (``functools.wraps``): Flax
+    reads it, e.g. ``nnx.Sequential`` passes ``rngs=`` only to layers whose ``__call__`` takes it.
+    """
     sub = _RECORDING.get(cls)
     if sub is None:
 
+        @functools.wraps(cls.__call__)
         def __call__(self, *args, **kwargs):
             calls = _CALLS.get()
             path = getattr(self, _PATH_ATTR, None)
@@ -86,15 +91,24 @@ def _recording_class(cls: type) -> type:
     return sub
 
 
-def _describe(tree: Any) -> str:
-    leaves = jax.tree.leaves(tree)
-    parts = [
-        f"{leaf.dtype}[{','.join(str(d) for d in leaf.shape)}]"
-        if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-        else repr(leaf)
-        for leaf in leaves
-    ]
-    return ", ".join(parts) if parts else "-"
+def _describe(args: Any, kwargs: dict[str, Any] | None = None) -> str:
+    """Shapes of ``args`` (a pytree) then ``name=...`` per keyword; graph nodes (an ``nnx.Rngs``,
+    a cache Module) by their type name."""
+
+    def text(tree: Any) -> str:
+        leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+        return ", ".join(_describe_leaf(leaf) for leaf in leaves)
+
+    parts = [text(args)] + [f"{k}={text(v) or repr(v)}" for k, v in (kwargs or {}).items()]
+    return ", ".join(p for p in parts if p) or "-"
+
+
+def _describe_leaf(leaf: Any) -> str:
+    if isinstance(leaf, nnx.Pytree):
+        return type(leaf).__name__
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return f"{leaf.dtype}[{','.join(str(d) for d in leaf.shape)}]"
+    return repr(leaf)
 
 
 def _abstract(x: Any) -> Any:

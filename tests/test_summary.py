@@ -1,3 +1,4 @@
+import inspect
 import re
 
 import jax
@@ -237,3 +238,36 @@ def test_remat():
     assert row(text, "block/linear")[1:4] == ["Linear", "float32[4,8]", "float32[4,8]"]
     assert row(text, "head")[1:4] == ["Linear", "float32[4,8]", "float32[4,2]"]
     assert row(text, "total")[3] == f"{64 + 8 + 16 + 2 + 2:,}"
+
+
+class EncoderMLP(nnx.Module):
+    """A ViT encoder block's MLP as the Flax ViT tutorial writes it (``nnx.Sequential`` of Linear,
+    gelu, Dropout), with the dropout rngs given at call time: ``self.mlp(x, rngs=rngs)``."""
+
+    def __init__(self, dim: int, mlp_dim: int, rate: float, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.mlp = nnx.Sequential(
+            nnx.Linear(dim, mlp_dim, rngs=rngs),
+            nnx.gelu,
+            nnx.Dropout(rate),
+            nnx.Linear(mlp_dim, dim, rngs=rngs),
+            nnx.Dropout(rate),
+        )
+
+    def __call__(self, x, rngs: nnx.Rngs | None = None):
+        return x + self.mlp(self.norm(x), rngs=rngs)
+
+
+def test_sequential_passes_rngs_to_its_layers():
+    # nnx.Sequential gives rngs= only to layers whose __call__ signature takes it
+    sub = mm.summary._recording_class(nnx.Dropout)
+    assert inspect.signature(sub.__call__) == inspect.signature(nnx.Dropout.__call__)
+    model = EncoderMLP(8, 16, 0.1, rngs=nnx.Rngs(0))
+    text = mm.tabulate(model, jnp.ones((2, 5, 8)), nnx.Rngs(dropout=1))
+    # graph nodes among the inputs show as their type, keywords by name
+    assert row(text, "(root)")[2] == "float32[2,5,8], Rngs"
+    assert row(text, "mlp")[1:4] == ["Sequential", "float32[2,5,8], rngs=Rngs", "float32[2,5,8]"]
+    assert row(text, "mlp/layers/0")[1:4] == ["Linear", "float32[2,5,8]", "float32[2,5,16]"]
+    for layer, dim in (("mlp/layers/2", 16), ("mlp/layers/4", 8)):
+        shape = f"float32[2,5,{dim}]"
+        assert row(text, layer)[1:4] == ["Dropout", f"{shape}, rngs=Rngs", shape]
