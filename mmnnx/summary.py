@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mmnnx._nnx import variables_of
+from mmnnx.mpmd.markers import shapes_only
 from mmnnx.sharding.place import SPEC_KEY, task_of
 from mmnnx.sharding.rules import Path, path_str
 from mmnnx.sharding.specs import bytes_per_device, itemsize
@@ -145,7 +146,8 @@ def _trace_calls(model: Any, inputs: Sequence[Any], method: str) -> dict[Path, t
             _CALLS.reset(token)
         return out
 
-    jax.eval_shape(run, abstract_state, array_leaves)
+    with shapes_only():
+        jax.eval_shape(run, abstract_state, array_leaves)
     return calls.first
 
 

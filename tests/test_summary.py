@@ -271,3 +271,30 @@ def test_sequential_passes_rngs_to_its_layers():
     for layer, dim in (("mlp/layers/2", 16), ("mlp/layers/4", 8)):
         shape = f"float32[2,5,{dim}]"
         assert row(text, layer)[1:4] == ["Dropout", f"{shape}, rngs=Rngs", shape]
+
+
+class ConstrainedMLP(nnx.Module):
+    """Activations constrained inside ``__call__``, as in the ``DotReluDot`` module of Flax's
+    "Scale up on multiple devices" guide, written with ``mm.with_sharding_constraint`` and logical
+    names (docs/jit.md)."""
+
+    def __init__(self, net: nnx.Module):
+        self.net = net
+
+    def __call__(self, x):
+        x = mm.with_sharding_constraint(x, ("batch", None))
+        return mm.with_sharding_constraint(self.net(x), P("batch", None))
+
+
+def test_sharding_constraint_inside_the_model(placed):
+    model = ConstrainedMLP(placed)
+    text = mm.tabulate(model, jnp.ones((8, 16)))
+    assert row(text, "(root)")[1:4] == ["ConstrainedMLP", "float32[8,16]", "float32[8,16]"]
+    assert row(text, "net/layers/0")[1:4] == ["Linear", "float32[8,16]", "float32[8,32]"]
+    # only tabulate's trace drops the constraint: outside it there is still no mesh in context
+    with pytest.raises(RuntimeError, match="mesh"):
+        jax.eval_shape(lambda x: mm.with_sharding_constraint(x, P("batch")), jnp.ones(8))
+    # and mm.jit still honours it: the batch goes to stage0 sharded over its data axis
+    step = mm.jit(lambda m, x: m(x))
+    (batch,) = [t for t in step.plan(model, jnp.ones((8, 16))).transfers if t.source is None]
+    assert batch.sharding.spec == P("data", None)
