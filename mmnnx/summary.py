@@ -2,17 +2,19 @@
 
 The forward pass is traced abstractly on a copy of the model whose arrays are shape-only, so a model
 spread over several submeshes is summarised without running anything across them. Module classes are
-never patched: the copy's modules get per-class recording subclasses instead.
+never patched: the copy's modules get per-class recording subclasses instead, and a static attribute
+holding their path, which the copies made by lifted transforms (``nnx.scan``, ``nnx.remat``) keep.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import io
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -118,11 +120,16 @@ def _abstract(x: Any) -> Any:
     return x
 
 
-def _trace_calls(model: Any, inputs: Sequence[Any], method: str) -> dict[Path, tuple]:
-    """Runs ``model.<method>(*inputs)`` abstractly; returns ``{module path: (order, in, out)}``."""
+def _trace_calls(
+    model: Any, args: tuple, kwargs: dict[str, Any], method: str | Callable[..., Any]
+) -> dict[Path, tuple]:
+    """Runs ``model.<method>(*args, **kwargs)`` (or ``method(model, *args, **kwargs)``)
+    abstractly; returns ``{module path: (order, inputs, outputs)}``. Array leaves of the inputs
+    are traced; other leaves (``deterministic=True``, a layer count) are passed as they are."""
     graphdef, state = nnx.split(model)
     abstract_state = jax.tree.map(_abstract, state)
-    leaves, treedef = jax.tree.flatten(inputs)
+    names = list(kwargs)  # unflattening a dict would sort the keywords
+    leaves, treedef = jax.tree.flatten((args, [kwargs[k] for k in names]))
     is_array = [hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
     array_leaves = [_abstract(x) for x, a in zip(leaves, is_array, strict=True) if a]
     calls = _Calls()
@@ -136,12 +143,14 @@ def _trace_calls(model: Any, inputs: Sequence[Any], method: str) -> dict[Path, t
                     node.__class__ = _recording_class(type(node))
         it = iter(array_leaves)
         full = [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
-        args = jax.tree.unflatten(treedef, full)
+        args, values = jax.tree.unflatten(treedef, full)
+        kwargs = dict(zip(names, values, strict=True))
+        fn = getattr(copy, method) if isinstance(method, str) else functools.partial(method, copy)
         token = _CALLS.set(calls)
         try:
-            out = getattr(copy, method)(*args)
+            out = fn(*args, **kwargs)
             if method != "__call__":
-                calls.record((), -1, args, {}, out)
+                calls.record((), -1, args, kwargs, out)
         finally:
             _CALLS.reset(token)
         return out
@@ -149,6 +158,34 @@ def _trace_calls(model: Any, inputs: Sequence[Any], method: str) -> dict[Path, t
     with shapes_only():
         jax.eval_shape(run, abstract_state, array_leaves)
     return calls.first
+
+
+def _check_method(
+    model: Any, args: tuple, kwargs: dict[str, Any], method: str | Callable[..., Any]
+) -> None:
+    """Raises a clear error for a ``method`` that is not there or cannot take the inputs."""
+    owner = type(model).__name__
+    if isinstance(method, str):
+        if not hasattr(model, method):
+            raise AttributeError(f"tabulate: {owner} has no method {method!r}")
+        fn, where = getattr(model, method), f"{owner}.{method}"
+        if not callable(fn):
+            raise TypeError(f"tabulate: {where} is not callable")
+    elif callable(method):
+        fn, where = functools.partial(method, model), f"method {method!r}"
+    else:
+        raise TypeError(f"tabulate: method must be a method name or a callable, got {method!r}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check against (a builtin)
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"tabulate: {where}{signature} cannot take the inputs given: {e} (depth, method and "
+            "title are tabulate's own keywords; see tabulate's docstring to pass them on)"
+        ) from None
 
 
 def _path_key(path: Path) -> tuple:
@@ -202,31 +239,49 @@ def tabulate(
     model: Any,
     *inputs: Any,
     depth: int | None = None,
-    method: str = "__call__",
+    method: str | Callable[..., Any] = "__call__",
     title: str | None = None,
+    **kwargs: Any,
 ) -> Tabulation:
     """Summarises ``model`` with a row per module and per Variable, and totals per task.
 
-    Module rows show the path, type and the input and output shapes of ``model.<method>(*inputs)``
-    (traced abstractly; leave ``inputs`` out for a parameter-only table). Variable rows show the
-    shape, **task, PartitionSpec and bytes per device**. With ``depth``, Variables below that depth
-    are summed into one row per module at ``depth``. The result is a ``str`` (plain text unless
-    stdout is a terminal) that renders as an HTML table in Jupyter.
+    Module rows show the path, type and the input and output shapes of
+    ``model.<method>(*inputs, **kwargs)``, traced abstractly (leave the inputs out for a
+    parameter-only table); arrays are traced, other values (``deterministic=True``) are passed as
+    they are. Calls inside ``nnx.scan``, ``nnx.vmap`` or ``nnx.remat`` are recorded with the shapes
+    the transform's body sees; stacked Variables keep their leading layer axis.
+    ``mm.with_sharding_constraint`` in the model returns its input during this trace. Variable rows
+    show the shape, **task, PartitionSpec and bytes per device**. With ``depth``, Variables below
+    that depth are summed into one row per module at ``depth``. The result is a ``str`` (plain text
+    unless stdout is a terminal) that renders as an HTML table in Jupyter.
+
+    ``depth``, ``method`` and ``title`` are tabulate's own keywords, never passed to the model. To
+    give the model an argument with one of those names, pass it positionally, or pass ``method``
+    as a callable taking the model first: ``method=lambda m, x: m(x, depth=2)``.
 
     Example:
         >>> import jax.numpy as jnp
         >>> from mmnnx.sharding import Task, TaskMesh, place
+        >>> class Net(nnx.Module):
+        ...     def __init__(self, rngs: nnx.Rngs):
+        ...         self.linear = nnx.Linear(4, 8, rngs=rngs)
+        ...         self.drop = nnx.Dropout(0.5)
+        ...     def __call__(self, x, *, deterministic: bool = False):
+        ...         return self.drop(self.linear(x), deterministic=deterministic)
         >>> t = Task("t", mesh=TaskMesh(devices=range(2)))
-        >>> model = place(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), [(".*", t)])
-        >>> print(tabulate(model, jnp.ones((2, 4))))  # doctest: +SKIP
+        >>> model = place(Net(nnx.Rngs(0)), [(".*", t)])
+        >>> text = tabulate(model, jnp.ones((2, 4)), deterministic=True)
+        >>> "float32[2,8], deterministic=True" in text  # the inputs of model.drop
+        True
     """
     if depth is not None and (not isinstance(depth, int) or depth < 0):
         raise ValueError(f"tabulate: depth must be a non-negative int, got {depth!r}")
     if not isinstance(model, nnx.Pytree):
         raise TypeError(f"tabulate: expected an NNX graph node, got {type(model).__name__}")
-    if inputs and not hasattr(model, method):
-        raise AttributeError(f"tabulate: {type(model).__name__} has no method {method!r}")
-    calls = _trace_calls(model, inputs, method) if inputs else {}
+    traced = bool(inputs or kwargs)
+    if traced:
+        _check_method(model, inputs, kwargs, method)
+    calls = _trace_calls(model, inputs, kwargs, method) if traced else {}
     modules = {p: m for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) or p == ()}
     infos = [_variable_info(p, v) for p, v in variables_of(model)]
     order = sorted(

@@ -298,3 +298,87 @@ def test_sharding_constraint_inside_the_model(placed):
     step = mm.jit(lambda m, x: m(x))
     (batch,) = [t for t in step.plan(model, jnp.ones((8, 16))).transfers if t.source is None]
     assert batch.sharding.spec == P("data", None)
+
+
+class CachedAttention(nnx.Module):
+    """A decoding attention layer in the style of Flax's Gemma example: ``__call__(x, segment_pos,
+    cache, attn_mask)`` returns ``(new_cache, out)``, the cache a dict of ``k``, ``v`` and
+    ``end_index`` updated with ``dynamic_update_slice``; plus a ``deterministic`` dropout flag."""
+
+    def __init__(self, dim: int, heads: int, max_len: int, *, rngs: nnx.Rngs):
+        self.heads = heads
+        self.pos = nnx.Embed(max_len, dim, rngs=rngs)
+        self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x, *, segment_pos, cache=None, attn_mask, deterministic=False):
+        b, t, d = x.shape
+        x = x + self.pos(segment_pos)
+        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * self.heads, -1), 3, axis=2)
+        if cache is not None:
+            start = (0, cache["end_index"][0], 0, 0)
+            k = jax.lax.dynamic_update_slice(cache["k"], k, start)
+            v = jax.lax.dynamic_update_slice(cache["v"], v, start)
+            cache = {"k": k, "v": v, "end_index": cache["end_index"] + t}
+        logits = jnp.where(attn_mask[:, None], jnp.einsum("bthd,bshd->bhts", q, k), -1e9)
+        probs = self.drop(jax.nn.softmax(logits), deterministic=deterministic)
+        return cache, self.out(jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, d))
+
+
+def test_keyword_inputs():
+    model = CachedAttention(8, 2, 16, rngs=nnx.Rngs(0))
+    cache = {
+        "k": jnp.zeros((2, 16, 2, 4)),
+        "v": jnp.zeros((2, 16, 2, 4)),
+        "end_index": jnp.zeros((2,), jnp.int32),
+    }
+    text = mm.tabulate(
+        model,
+        jnp.ones((2, 1, 8)),
+        segment_pos=jnp.zeros((2, 1), jnp.int32),
+        cache=cache,
+        attn_mask=jnp.ones((2, 1, 16), bool),
+        deterministic=True,
+        depth=1,
+        title="decode step",
+    )
+    assert text.splitlines()[0].strip() == "decode step"
+    # keywords go to the model (arrays traced, the flag as it is); depth and title to tabulate
+    ins, outs = row(text, "(root)")[2:4]
+    assert ins == (
+        "float32[2,1,8], segment_pos=int32[2,1], "
+        "cache=int32[2], float32[2,16,2,4], float32[2,16,2,4], "
+        "attn_mask=bool[2,1,16], deterministic=True"
+    )
+    assert outs == "int32[2], float32[2,16,2,4], float32[2,16,2,4], float32[2,1,8]"
+    assert row(text, "drop")[2] == "float32[2,2,1,16], deterministic=True"
+    assert row(text, "pos")[2:4] == ["int32[2,1]", "float32[2,1,8]"]
+
+
+class Pyramid(nnx.Module):
+    """A model whose ``__call__`` takes keywords named like tabulate's own options."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x, *, depth: int, title: str = ""):
+        for _ in range(depth):
+            x = self.linear(x)
+        return x
+
+
+def test_reserved_keywords_and_bad_keywords():
+    model = Pyramid(rngs=nnx.Rngs(0))
+    # depth= is tabulate's; the model's depth goes through a callable method
+    text = mm.tabulate(model, jnp.ones((2, 4)), method=lambda m, x: m(x, depth=3), depth=0)
+    assert row(text, "(root)")[1:4] == ["Pyramid", "float32[2,4]", "float32[2,4]"]
+    assert row(text, "(root)/… (2 Variables)")[4] == "20 elements"
+    with pytest.raises(TypeError, match=r"Pyramid.__call__\(x, \*, depth.*'depth'.*tabulate's own"):
+        mm.tabulate(model, jnp.ones((2, 4)))
+    with pytest.raises(TypeError, match=r"Pyramid.__call__.*unexpected keyword argument 'cahce'"):
+        mm.tabulate(model, jnp.ones((2, 4)), method=lambda m, x, **kw: m(x, depth=1, **kw), cahce=1)
+    with pytest.raises(TypeError, match="method must be a method name or a callable, got 3"):
+        mm.tabulate(model, jnp.ones((2, 4)), method=3)
+    with pytest.raises(TypeError, match="Sequential.layers is not callable"):
+        mm.tabulate(nnx.Sequential(), jnp.ones((2, 4)), method="layers")
