@@ -217,8 +217,9 @@ def test_scan_over_vmapped_layers():
 
 
 class RematMLP(nnx.Module):
-    """Activation checkpointing as Flax's transforms guide writes it: ``nnx.remat`` of a function
-    that calls a submodule."""
+    """Activation checkpointing with ``nnx.remat`` in the lifted-transform style of Flax's NNX
+    transforms (the ``nnx.scan`` docstring's ``forward``): a function that takes the submodule as
+    an argument and calls it."""
 
     def __init__(self, *, rngs: nnx.Rngs):
         self.block = ScanBlock(8, rngs=rngs)
