@@ -2,16 +2,19 @@
 
 The forward pass is traced abstractly on a copy of the model whose arrays are shape-only, so a model
 spread over several submeshes is summarised without running anything across them. Module classes are
-never patched: the copy's modules get per-class recording subclasses instead.
+never patched: the copy's modules get per-class recording subclasses instead, and a static attribute
+holding their path, which the copies made by lifted transforms (``nnx.scan``, ``nnx.remat``) keep.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
+import inspect
 import io
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,12 +25,33 @@ from rich.console import Console
 from rich.table import Table
 
 from mmnnx._nnx import variables_of
+from mmnnx.mpmd.markers import shapes_only
 from mmnnx.sharding.place import SPEC_KEY, task_of
 from mmnnx.sharding.rules import Path, path_str
 from mmnnx.sharding.specs import bytes_per_device, itemsize
 
-_CALLS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mm_tabulate", default=None)
+_CALLS: contextvars.ContextVar[_Calls | None] = contextvars.ContextVar("mm_tabulate", default=None)
 _RECORDING: dict[type, type] = {}
+# The attribute that tags each module of the traced copy with its path. It is static data of the
+# module, so the copies that lifted transforms (nnx.scan, nnx.vmap, nnx.remat) merge inside their
+# own traces carry it too, where ``id(module)`` would name an object tabulate never saw.
+_PATH_ATTR = "_mm_tabulate_path"
+
+
+class _Calls:
+    """The first call of each module during one abstract trace: ``{path: (order, ins, outs)}``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: dict[Path, tuple[int, str, str]] = {}
+
+    def next_order(self) -> int:
+        self.count += 1
+        return self.count
+
+    def record(self, path: Path, order: int, args: tuple, kwargs: dict, out: Any) -> None:
+        if path not in self.first or order < self.first[path][0]:
+            self.first[path] = (order, _describe(args, kwargs), _describe(out))
 
 
 class Tabulation(str):
@@ -43,15 +67,22 @@ class Tabulation(str):
 
 
 def _recording_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``__call__`` records its inputs and outputs while tabulating.
+
+    The recording ``__call__`` keeps the signature of ``cls.__call__`` (``functools.wraps``): Flax
+    reads it, e.g. ``nnx.Sequential`` passes ``rngs=`` only to layers whose ``__call__`` takes it.
+    """
     sub = _RECORDING.get(cls)
     if sub is None:
 
+        @functools.wraps(cls.__call__)
         def __call__(self, *args, **kwargs):
             calls = _CALLS.get()
-            order = calls["#"] = calls.get("#", 0) + 1 if calls is not None else 0
+            path = getattr(self, _PATH_ATTR, None)
+            order = calls.next_order() if calls is not None else 0
             out = super(sub, self).__call__(*args, **kwargs)
-            if calls is not None:
-                calls.setdefault(id(self), []).append((order, args, kwargs, out))
+            if calls is not None and path is not None:
+                calls.record(path, order, args, kwargs, out)
             return out
 
         sub = type(
@@ -63,15 +94,24 @@ def _recording_class(cls: type) -> type:
     return sub
 
 
-def _describe(tree: Any) -> str:
-    leaves = jax.tree.leaves(tree)
-    parts = [
-        f"{leaf.dtype}[{','.join(str(d) for d in leaf.shape)}]"
-        if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-        else repr(leaf)
-        for leaf in leaves
-    ]
-    return ", ".join(parts) if parts else "-"
+def _describe(args: Any, kwargs: dict[str, Any] | None = None) -> str:
+    """Shapes of ``args`` (a pytree) then ``name=...`` per keyword; graph nodes (an ``nnx.Rngs``,
+    a cache Module) by their type name."""
+
+    def text(tree: Any) -> str:
+        leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+        return ", ".join(_describe_leaf(leaf) for leaf in leaves)
+
+    parts = [text(args)] + [f"{k}={text(v) or repr(v)}" for k, v in (kwargs or {}).items()]
+    return ", ".join(p for p in parts if p) or "-"
+
+
+def _describe_leaf(leaf: Any) -> str:
+    if isinstance(leaf, nnx.Pytree):
+        return type(leaf).__name__
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return f"{leaf.dtype}[{','.join(str(d) for d in leaf.shape)}]"
+    return repr(leaf)
 
 
 def _abstract(x: Any) -> Any:
@@ -80,43 +120,72 @@ def _abstract(x: Any) -> Any:
     return x
 
 
-def _trace_calls(model: Any, inputs: Sequence[Any], method: str) -> dict[Path, tuple]:
-    """Runs ``model.<method>(*inputs)`` abstractly; returns ``{module path: (order, in, out)}``."""
+def _trace_calls(
+    model: Any, args: tuple, kwargs: dict[str, Any], method: str | Callable[..., Any]
+) -> dict[Path, tuple]:
+    """Runs ``model.<method>(*args, **kwargs)`` (or ``method(model, *args, **kwargs)``)
+    abstractly; returns ``{module path: (order, inputs, outputs)}``. Array leaves of the inputs
+    are traced; other leaves (``deterministic=True``, a layer count) are passed as they are."""
     graphdef, state = nnx.split(model)
     abstract_state = jax.tree.map(_abstract, state)
-    leaves, treedef = jax.tree.flatten(inputs)
+    names = list(kwargs)  # unflattening a dict would sort the keywords
+    leaves, treedef = jax.tree.flatten((args, [kwargs[k] for k in names]))
     is_array = [hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
     array_leaves = [_abstract(x) for x, a in zip(leaves, is_array, strict=True) if a]
-    calls: dict[int, list] = {}
-    paths: dict[int, Path] = {}
+    calls = _Calls()
 
     def run(state, array_leaves):
         copy = nnx.merge(graphdef, state)
         for path, node in nnx.iter_graph(copy):
             if isinstance(node, nnx.Module):
-                paths[id(node)] = path
+                setattr(node, _PATH_ATTR, path)
                 if callable(node):
                     node.__class__ = _recording_class(type(node))
         it = iter(array_leaves)
         full = [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
-        args = jax.tree.unflatten(treedef, full)
+        args, values = jax.tree.unflatten(treedef, full)
+        kwargs = dict(zip(names, values, strict=True))
+        fn = getattr(copy, method) if isinstance(method, str) else functools.partial(method, copy)
         token = _CALLS.set(calls)
         try:
-            out = getattr(copy, method)(*args)
+            out = fn(*args, **kwargs)
             if method != "__call__":
-                calls.setdefault(id(copy), []).insert(0, (-1, args, {}, out))
+                calls.record((), -1, args, kwargs, out)
         finally:
             _CALLS.reset(token)
         return out
 
-    jax.eval_shape(run, abstract_state, array_leaves)
-    result = {}
-    calls.pop("#", None)
-    for key, records in calls.items():
-        order, args, kwargs, out = min(records, key=lambda r: r[0])
-        inputs_text = _describe((args, kwargs) if kwargs else args)
-        result[paths[key]] = (order, inputs_text, _describe(out))
-    return result
+    with shapes_only():
+        jax.eval_shape(run, abstract_state, array_leaves)
+    return calls.first
+
+
+def _check_method(
+    model: Any, args: tuple, kwargs: dict[str, Any], method: str | Callable[..., Any]
+) -> None:
+    """Raises a clear error for a ``method`` that is not there or cannot take the inputs."""
+    owner = type(model).__name__
+    if isinstance(method, str):
+        if not hasattr(model, method):
+            raise AttributeError(f"tabulate: {owner} has no method {method!r}")
+        fn, where = getattr(model, method), f"{owner}.{method}"
+        if not callable(fn):
+            raise TypeError(f"tabulate: {where} is not callable")
+    elif callable(method):
+        fn, where = functools.partial(method, model), f"method {method!r}"
+    else:
+        raise TypeError(f"tabulate: method must be a method name or a callable, got {method!r}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check against (a builtin)
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"tabulate: {where}{signature} cannot take the inputs given: {e} (depth, method and "
+            "title are tabulate's own keywords; see tabulate's docstring to pass them on)"
+        ) from None
 
 
 def _path_key(path: Path) -> tuple:
@@ -170,31 +239,49 @@ def tabulate(
     model: Any,
     *inputs: Any,
     depth: int | None = None,
-    method: str = "__call__",
+    method: str | Callable[..., Any] = "__call__",
     title: str | None = None,
+    **kwargs: Any,
 ) -> Tabulation:
     """Summarises ``model`` with a row per module and per Variable, and totals per task.
 
-    Module rows show the path, type and the input and output shapes of ``model.<method>(*inputs)``
-    (traced abstractly; leave ``inputs`` out for a parameter-only table). Variable rows show the
-    shape, **task, PartitionSpec and bytes per device**. With ``depth``, Variables below that depth
-    are summed into one row per module at ``depth``. The result is a ``str`` (plain text unless
-    stdout is a terminal) that renders as an HTML table in Jupyter.
+    Module rows show the path, type and the input and output shapes of
+    ``model.<method>(*inputs, **kwargs)``, traced abstractly (leave the inputs out for a
+    parameter-only table); arrays are traced, other values (``deterministic=True``) are passed as
+    they are. Calls inside ``nnx.scan``, ``nnx.vmap`` or ``nnx.remat`` are recorded with the shapes
+    the transform's body sees; stacked Variables keep their leading layer axis.
+    ``mm.with_sharding_constraint`` in the model returns its input during this trace. Variable rows
+    show the shape, **task, PartitionSpec and bytes per device**. With ``depth``, Variables below
+    that depth are summed into one row per module at ``depth``. The result is a ``str`` (plain text
+    unless stdout is a terminal) that renders as an HTML table in Jupyter.
+
+    ``depth``, ``method`` and ``title`` are tabulate's own keywords, never passed to the model. To
+    give the model an argument with one of those names, pass it positionally, or pass ``method``
+    as a callable taking the model first: ``method=lambda m, x: m(x, depth=2)``.
 
     Example:
         >>> import jax.numpy as jnp
         >>> from mmnnx.sharding import Task, TaskMesh, place
+        >>> class Net(nnx.Module):
+        ...     def __init__(self, rngs: nnx.Rngs):
+        ...         self.linear = nnx.Linear(4, 8, rngs=rngs)
+        ...         self.drop = nnx.Dropout(0.5)
+        ...     def __call__(self, x, *, deterministic: bool = False):
+        ...         return self.drop(self.linear(x), deterministic=deterministic)
         >>> t = Task("t", mesh=TaskMesh(devices=range(2)))
-        >>> model = place(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), [(".*", t)])
-        >>> print(tabulate(model, jnp.ones((2, 4))))  # doctest: +SKIP
+        >>> model = place(Net(nnx.Rngs(0)), [(".*", t)])
+        >>> text = tabulate(model, jnp.ones((2, 4)), deterministic=True)
+        >>> "float32[2,8], deterministic=True" in text  # the inputs of model.drop
+        True
     """
     if depth is not None and (not isinstance(depth, int) or depth < 0):
         raise ValueError(f"tabulate: depth must be a non-negative int, got {depth!r}")
     if not isinstance(model, nnx.Pytree):
         raise TypeError(f"tabulate: expected an NNX graph node, got {type(model).__name__}")
-    if inputs and not hasattr(model, method):
-        raise AttributeError(f"tabulate: {type(model).__name__} has no method {method!r}")
-    calls = _trace_calls(model, inputs, method) if inputs else {}
+    traced = bool(inputs or kwargs)
+    if traced:
+        _check_method(model, inputs, kwargs, method)
+    calls = _trace_calls(model, inputs, kwargs, method) if traced else {}
     modules = {p: m for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) or p == ()}
     infos = [_variable_info(p, v) for p, v in variables_of(model)]
     order = sorted(

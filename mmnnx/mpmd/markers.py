@@ -33,6 +33,7 @@ class Trace:
 
 
 _TRACING: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("mm_tracing", default=None)
+_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("mm_shapes_only", default=False)
 
 
 @contextlib.contextmanager
@@ -44,6 +45,24 @@ def tracing() -> Iterator[Trace]:
         yield trace
     finally:
         _TRACING.reset(token)
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Marks a trace that only computes shapes (``mm.tabulate``'s): inside it, unless ``mm.jit``
+    is tracing, :func:`with_sharding_constraint` returns its input, so no mesh need be in context.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> with shapes_only():
+        ...     jax.eval_shape(lambda x: with_sharding_constraint(x, ("batch",)), jnp.ones(4)).shape
+        (4,)
+    """
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
 
 
 def current_trace() -> Trace | None:
@@ -145,7 +164,8 @@ def with_sharding_constraint(x: Any, spec: PartitionSpec | Sequence[str | None])
     of the task that runs the op) or a device axis of that task's mesh; an input array constrained
     before anything else uses it is sent to its task with that sharding. It may sit inside the
     body of a scan, cond, while loop or checkpoint. Outside ``mm.jit`` it is
-    ``jax.lax.with_sharding_constraint`` with physical axis names.
+    ``jax.lax.with_sharding_constraint`` with physical axis names, except while ``mm.tabulate``
+    traces a model for its shapes, where it returns ``x`` unchanged.
 
     Example:
         >>> import jax.numpy as jnp
@@ -153,6 +173,8 @@ def with_sharding_constraint(x: Any, spec: PartitionSpec | Sequence[str | None])
         (4,)
     """
     if _TRACING.get() is None:
+        if _SHAPES_ONLY.get():
+            return x
         return jax.lax.with_sharding_constraint(x, spec)
     names = tuple(spec)
     return jax.tree.map(lambda leaf: _jax.constraint_p.bind(leaf, names=names), x)
