@@ -437,9 +437,10 @@ class JitFunction:
         ]
         homes = [s for _, s in out_homes] + state_homes[: call.num_variables]
         home_tasks = [t for t, _ in out_homes] + list(call.tasks[: call.num_variables])
-        op_tasks = colour(graph, call.tasks, call.names, home_tasks, tasks, regions)
+        pinned: set[int] = set()
+        op_tasks = colour(graph, call.tasks, call.names, home_tasks, tasks, regions, pinned)
         free = {v for v, t in zip(graph.inputs, call.tasks, strict=True) if t is None}
-        pipeline = plan_pipeline(graph, op_tasks, tasks, trace.microbatches, free)
+        pipeline = plan_pipeline(graph, op_tasks, tasks, trace.microbatches, free, pinned)
         if pipeline is None:
             order = [(f, None) for f in cut(graph, op_tasks, tasks, free_inputs=free)]
         else:

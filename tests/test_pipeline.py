@@ -169,6 +169,48 @@ def test_side_inputs_built_in_the_step_are_recomputed_in_each_stage(tasks, sched
     assert not [tr for tr in between if tr.dtype == bool or tuple(tr.shape) == (8, 16)]
 
 
+class SkipNet(nnx.Module):
+    """A UNet's shape on four stages: the decoder at stage 2 adds the features of its encoder
+    twin at stage 0 (an additive skip over a stage), the last stage concatenates the input."""
+
+    def __init__(self, rngs):
+        self.enc1 = nnx.Linear(8, 16, rngs=rngs)
+        self.enc2 = nnx.Linear(16, 16, rngs=rngs)
+        self.dec2 = nnx.Linear(16, 16, rngs=rngs)
+        self.dec1 = nnx.Linear(24, 8, rngs=rngs)
+
+    def __call__(self, x):
+        h1 = jax.nn.relu(self.enc1(x))
+        h2 = jax.nn.relu(self.enc2(h1))
+        d2 = jax.nn.relu(self.dec2(h2)) + h1
+        return self.dec1(jax.numpy.concatenate([d2, x], axis=-1))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_skip_connections_cross_stages_directly(tasks, schedule):
+    model = mm.place(
+        SkipNet(nnx.Rngs(0)),
+        [("enc1", tasks[0]), ("enc2", tasks[1]), ("dec2", tasks[2]), ("dec1", tasks[3])],
+    )
+    ref = SkipNet(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (M, 8))
+
+    def mse(m, x):
+        return jax.numpy.mean((m(x) - x) ** 2)
+
+    step = mm.jit(mm.microbatch(nnx.value_and_grad(mse), num=4, reduce="mean", schedule=schedule))
+    (loss, grads), (ref_loss, ref_grads) = step(model, x), nnx.value_and_grad(mse)(ref, x)
+    close(loss, ref_loss)
+    trees_close(grads, ref_grads)
+    plan = step.plan(model, x)
+    assert [t.name for t in plan.pipeline.stage_tasks] == ["t0", "t1", "t2", "t3"]
+    # a value crosses straight from its producer's stage to its reader's, over the stage between
+    hops = {
+        abs(int(tr.source.name[1]) - int(tr.target.name[1])) for tr in plan.transfers if tr.source
+    }
+    assert hops == {1, 2}
+
+
 def test_compiled_programs_do_not_depend_on_microbatch_count(tasks):
     tokens = jax.random.randint(jax.random.key(1), (16, 9), 0, 32)
     counts = []

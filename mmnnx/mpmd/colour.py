@@ -32,11 +32,13 @@ def colour(
     output_homes: Sequence[Task | None],
     tasks: Sequence[Task],
     regions: dict[str, Task] | None = None,
+    pinned: set[int] | None = None,
 ) -> list[Task]:
     """Returns the task of every op in ``graph.ops`` (same order).
 
     ``regions`` maps the task names of ``mm.task`` regions to their tasks; ops traced inside a
-    region (forward or backward) run on its task.
+    region (forward or backward) run on its task. ``pinned``: a set to fill with the indices of
+    the ops whose task is fixed (they read placed state or sit in a region); the others may move.
     """
     regions = regions or {}
     placed = {v: t for v, t in zip(graph.inputs, input_tasks, strict=True) if t is not None}
@@ -81,6 +83,8 @@ def colour(
         elif reads:
             fixed[op.index] = next(iter(reads))
 
+    if pinned is not None:
+        pinned.update(fixed)
     assigned: list[Task | None] = [fixed.get(op.index) for op in graph.ops]
 
     def where(v: int) -> Task | None:

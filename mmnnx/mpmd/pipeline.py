@@ -64,10 +64,13 @@ def plan_pipeline(
     tasks: Sequence[Task],
     groups: dict[int, MicrobatchGroup],
     free_inputs: set[int],
+    pinned: set[int] = frozenset(),
 ) -> Pipeline | None:
     """The pipelined plan, or ``None`` when the step has no traced microbatch region.
 
-    ``free_inputs`` are the graph inputs placed on no task (batches, counters)."""
+    ``free_inputs`` are the graph inputs placed on no task (batches, counters); ``pinned`` the ops
+    whose task is fixed (they read placed state): the others may move to keep the stages a
+    chain (``op_tasks`` is updated in place)."""
     region_groups = {op.group for op in graph.ops if op.group is not None}
     if not region_groups:
         return None
@@ -118,6 +121,7 @@ def plan_pipeline(
     replicable = replicable_ops(graph, region, seeds, free_inputs, side_inputs=True)
     replicable_ids = {op.index for op in replicable}
     staged = [op for op in region if op.index not in replicable_ids]
+    follow_the_flow(graph, staged, op_tasks, pinned)
     stages, stage_tasks = stage_fragments(graph, staged, op_tasks, replicable)
     schedule = _schedule(group, len(stage_tasks))
     for s, task in enumerate(stage_tasks):
@@ -152,6 +156,64 @@ def plan_pipeline(
         region_values,
         order,
     )
+
+
+def follow_the_flow(
+    graph: Graph, region: list[Op], op_tasks: list[Task], pinned: set[int]
+) -> None:
+    """Moves ops that read no placed state onto the stage their data comes from when the
+    colouring (which counts bytes only) put them on a stage that runs earlier in their pass.
+
+    A forward op combining a skip connection from stage 0 with stage 2's output runs on stage 2
+    (the skip is sent from stage 0 to stage 2, instead of stage 2's output going back to stage
+    0); in the backward pass, the sum of that skip's cotangent and stage 1's runs on stage 1,
+    where both have arrived. ``op_tasks`` is updated in place."""
+    producer = {v: op for op in region for v in op.outs}
+    updates = after_backward(graph)
+    movable = [op for op in region if op.index not in pinned and op.index not in updates]
+    for _ in range(len(region)):  # forward: by cross-task depth
+        level = levels(graph, region, op_tasks, inputs_movable=False)
+        first_level: dict[Task, int] = {}
+        for op in region:
+            task = op_tasks[op.index]
+            first_level[task] = min(first_level.get(task, level[op.index]), level[op.index])
+        moved = False
+        for op in movable:
+            inputs = [producer[a] for a in op.ins if isinstance(a, int) and a in producer]
+            if op.backward or not inputs:
+                continue
+            deepest = max(inputs, key=lambda p: level[p.index])
+            task, home = op_tasks[op.index], op_tasks[deepest.index]
+            if task != home and first_level[task] < level[deepest.index]:
+                op_tasks[op.index] = home
+                moved = True
+        if not moved:
+            break
+    # backward: cotangents walk the stages in reverse, so an op joins the input that arrives
+    # last, the one on the earliest stage (only where each task holds one stage)
+    level, late = join_consumers(
+        graph, region, op_tasks, levels(graph, region, op_tasks, inputs_movable=False)
+    )
+    stage: dict[Task, set[int]] = {}
+    for op in region:
+        if not op.backward and op.index not in updates and op.index not in late:
+            stage.setdefault(op_tasks[op.index], set()).add(level[op.index])
+    if any(len(levels_) != 1 for levels_ in stage.values()):
+        return
+    stage_of = {task: min(levels_) for task, levels_ in stage.items()}
+    for op in movable:
+        inputs = [
+            producer[a]
+            for a in op.ins
+            if isinstance(a, int) and a in producer and producer[a].backward
+        ]
+        if not op.backward or not inputs or op_tasks[op.index] not in stage_of:
+            continue
+        tasks = [op_tasks[p.index] for p in inputs if op_tasks[p.index] in stage_of]
+        if tasks:
+            latest = min(tasks, key=stage_of.get)
+            if stage_of[latest] < stage_of[op_tasks[op.index]]:
+                op_tasks[op.index] = latest
 
 
 def stage_fragments(
