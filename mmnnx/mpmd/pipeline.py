@@ -158,9 +158,7 @@ def plan_pipeline(
     )
 
 
-def follow_the_flow(
-    graph: Graph, region: list[Op], op_tasks: list[Task], pinned: set[int]
-) -> None:
+def follow_the_flow(graph: Graph, region: list[Op], op_tasks: list[Task], pinned: set[int]) -> None:
     """Moves ops that read no placed state onto the stage their data comes from when the
     colouring (which counts bytes only) put them on a stage that runs earlier in their pass.
 

@@ -1,0 +1,114 @@
+"""Train steps written the way Flax's own tutorials write them, run through mm.jit unchanged on
+two tasks and compared with the same code on one device."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from tests.oracle import params_close
+
+
+class CNN(nnx.Module):
+    """The CNN of Flax's MNIST tutorial (docs_nnx/mnist_tutorial), with fewer channels: Dropout
+    drawing from an ``nnx.Rngs`` passed to ``__call__``, and BatchNorm."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm1 = nnx.BatchNorm(8, rngs=rngs)
+        self.dropout1 = nnx.Dropout(rate=0.025, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm2 = nnx.BatchNorm(16, rngs=rngs)
+        self.avg_pool = partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+        self.linear1 = nnx.Linear(784, 32, rngs=rngs)
+        self.dropout2 = nnx.Dropout(rate=0.025, rngs=rngs)
+        self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x, rngs: nnx.Rngs | None = None):
+        x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x), rngs=rngs))))
+        x = self.avg_pool(nnx.relu(self.batch_norm2(self.dropout2(self.conv2(x), rngs=rngs))))
+        x = x.reshape(x.shape[0], -1)
+        x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
+        return self.linear2(x)
+
+
+def loss_fn(model, rngs, batch):
+    logits = model(batch["image"], rngs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, logits
+
+
+def train_step(model, optimizer, metrics, rngs, batch):
+    """The tutorial's train step: metrics updated inside it, an unplaced Rngs for Dropout."""
+    grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+    (loss, logits), grads = grad_fn(model, rngs, batch)
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])
+    optimizer.update(model, grads)
+
+
+def eval_step(model, metrics, batch):
+    loss, logits = loss_fn(model, None, batch)
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])
+
+
+def batches(n: int):
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "image": jnp.asarray(rng.normal(size=(16, 28, 28, 1)), jnp.float32),
+            "label": jnp.asarray(rng.integers(0, 10, size=(16,)), jnp.int32),
+        }
+        for _ in range(n)
+    ]
+
+
+def run(train, evaluate, model):
+    """The tutorial's loop: train steps, compute and reset the metrics, an eval step."""
+    optimizer = nnx.Optimizer(model, optax.adamw(0.005, 0.9), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+    rngs = nnx.Rngs(0)
+    history = []
+    data = batches(3)
+    for batch in data[:2]:
+        model.train()
+        train(model, optimizer, metrics, rngs, batch)
+    history.append({k: float(v) for k, v in metrics.compute().items()})
+    metrics.reset()
+    model.eval()
+    evaluate(model, metrics, data[2])
+    history.append({k: float(v) for k, v in metrics.compute().items()})
+    return history, model
+
+
+def test_mnist_tutorial_train_and_eval_steps_on_two_tasks():
+    convs = mm.Task("convs", mesh=mm.TaskMesh(devices=range(2)))
+    dense = mm.Task("dense", mesh=mm.TaskMesh(devices=range(2, 4)))
+    rules = [("conv|batch_norm|dropout1", convs), ("linear|dropout2", dense)]
+    placed = mm.init(lambda: CNN(rngs=nnx.Rngs(0)), rules)
+    history, placed = run(mm.jit(train_step), mm.jit(eval_step), placed)
+    expected, reference = run(nnx.jit(train_step), nnx.jit(eval_step), CNN(rngs=nnx.Rngs(0)))
+    for got, want in zip(history, expected, strict=True):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    # parameters after two AdamW steps (rounding noise in a gradient becomes a +-lr step), and
+    # every other Variable (batch statistics, RNG keys and counts) as on one device
+    (_, _), first_grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+        CNN(rngs=nnx.Rngs(0)), nnx.Rngs(0), batches(1)[0]
+    )
+    params_close(placed, reference, first_grads, steps=2, lr=0.005)
+    others = nnx.Not(nnx.Param)
+    for (path, a), (_, b) in zip(
+        nnx.to_flat_state(nnx.state(placed, others)),
+        nnx.to_flat_state(nnx.state(reference, others)),
+        strict=True,
+    ):
+        a, b = a.get_value(), b.get_value()
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, err_msg=str(path))
