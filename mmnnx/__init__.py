@@ -16,6 +16,7 @@ from mmnnx.mpmd import (
     Plan,
     SideEffectError,
     StepError,
+    UnrolledMicrobatchWarning,
     schedules,
 )
 from mmnnx.mpmd.markers import task, with_sharding_constraint
@@ -46,6 +47,7 @@ __all__ = [
     "Plan",
     "SideEffectError",
     "StepError",
+    "UnrolledMicrobatchWarning",
     "Task",
     "TaskMesh",
     "bytes_per_device",

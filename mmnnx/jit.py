@@ -446,6 +446,7 @@ class JitFunction:
         else:
             order = pipeline.order
         plan = lower(graph, tasks, call.tasks, state_homes, homes, call.donated, order, pipeline)
+        plan.unrolled = list(trace.unrolled)
         executable = Executable(
             graph,
             plan,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 
 from mmnnx import _nnx
 from mmnnx.mpmd import _jax, markers, schedules
+from mmnnx.mpmd.errors import UnrolledMicrobatchWarning
 from mmnnx.mpmd.ir import GROUP_PREFIX
 from mmnnx.mpmd.pipeline import MicrobatchGroup
 
@@ -197,6 +199,23 @@ def _finish(total: Any, reduce: Any, m: int) -> Any:
         ) from None
 
 
+def _unrolled_reason(args, kwargs, changed, m: int) -> str:
+    """Names the Variables whose update keeps ``fun`` from being pipelined."""
+    names = {}
+    for where, node in [*((f"arg{i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+        found = [((), node)] if _nnx.is_variable(node) else _nnx.variables_of(node)
+        for path, v in found:
+            names.setdefault(id(v), "/".join(map(str, (where, *path))))
+    shown = [names.get(id(v), type(v).__name__) for v in changed]
+    more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
+    return (
+        "mm.microbatch: the microbatched function updates "
+        f"{', '.join(repr(n) for n in shown[:3])}{more}, so its "
+        f"{m} microbatches run as an unrolled loop (traced {m} times, one program per "
+        "microbatch), not as a pipeline"
+    )
+
+
 def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any | None:
     """Traces ``fun`` once on microbatch ``index`` (a value the runtime supplies per replica).
 
@@ -221,9 +240,13 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any |
 
         call_args = [jax.tree.map(piece, a) if i in split_args else a for i, a in enumerate(args)]
         out = fun(*call_args, **kwargs)
-    if any(v.get_raw_value() is not b for v, b in zip(variables, before, strict=True)):
+    changed = [v for v, b in zip(variables, before, strict=True) if v.get_raw_value() is not b]
+    if changed:
         for v, b in zip(variables, before, strict=True):
             v.set_raw_value(b)
+        why = _unrolled_reason(args, kwargs, changed, m)
+        trace.unrolled.append(why)
+        warnings.warn(why, UnrolledMicrobatchWarning, stacklevel=4)
         return None
     trace.microbatches[group] = MicrobatchGroup(m, schedule, virtual_stages)
     return jax.tree.map(lambda x: _jax.accumulate(x, group), out)

@@ -126,3 +126,29 @@ def test_a_reduce_tree_that_does_not_match_names_both_structures():
     f = mm.microbatch(lambda w, x: (x.sum(), x.mean()), num=2, reduce={"a": "sum"})
     with pytest.raises(ValueError, match=r"reduce is PyTreeDef\(\{'a': \*\}\), the output is "):
         f(1.0, jnp.ones(4))
+
+
+def test_a_function_updating_variables_is_unrolled_and_says_so(tasks):
+    # BatchNorm statistics and Dropout's RNG count change per microbatch: traced once per
+    # microbatch instead of pipelined; the warning and the plan name the Variables
+    from tests.models import make_mlp
+
+    s0, s1 = tasks
+    model = mm.place(make_mlp(), [("layers/0", s0), ("layers/1|norm|drop", s1)])
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+
+    def loss(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    step = mm.jit(mm.microbatch(nnx.value_and_grad(loss), num=4, reduce="mean"))
+    with pytest.warns(mm.UnrolledMicrobatchWarning) as caught:
+        step(model, x)
+    message = str(caught[0].message)
+    assert message.startswith(
+        "mm.microbatch: the microbatched function updates 'arg0/drop/rngs/count', "
+        "'arg0/norm/mean', 'arg0/norm/var', so its 4 microbatches run as an unrolled loop"
+    )
+    assert "4 microbatches run as an unrolled loop" in message
+    plan = step.plan(model, x)
+    assert plan.pipeline is None and plan.unrolled == [message]
+    assert f"unrolled: {message}" in str(plan)

@@ -2,7 +2,13 @@
 
 from mmnnx.mpmd import schedules
 from mmnnx.mpmd._jax import is_backward_scope, scope_components, scopes_of
-from mmnnx.mpmd.errors import MPMDError, PlacementConflictError, SideEffectError, StepError
+from mmnnx.mpmd.errors import (
+    MPMDError,
+    PlacementConflictError,
+    SideEffectError,
+    StepError,
+    UnrolledMicrobatchWarning,
+)
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX
 from mmnnx.mpmd.markers import ScopeResolver, resolve_scopes
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer
@@ -30,4 +36,5 @@ __all__ = [
     "SideEffectError",
     "StepError",
     "Transfer",
+    "UnrolledMicrobatchWarning",
 ]

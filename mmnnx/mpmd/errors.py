@@ -16,3 +16,8 @@ class StepError(RuntimeError):
 
 class SideEffectError(MPMDError):
     """The step changes its arguments in a way mm.jit cannot carry back (e.g. new attributes)."""
+
+
+class UnrolledMicrobatchWarning(UserWarning):
+    """An ``mm.microbatch`` call inside ``mm.jit`` runs as an unrolled loop, not a pipeline,
+    because its function updates Variables (the message names them); ``plan()`` says so too."""

@@ -30,6 +30,7 @@ class Trace:
     regions: dict[str, Task] = dataclasses.field(default_factory=dict)
     microbatches: dict[int, MicrobatchGroup] = dataclasses.field(default_factory=dict)
     resolvers: list[ScopeResolver] = dataclasses.field(default_factory=list)
+    unrolled: list[str] = dataclasses.field(default_factory=list)  # why, per unrolled call
 
 
 _TRACING: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("mm_tracing", default=None)

@@ -53,7 +53,8 @@ class Plan:
 
     ``num_programs`` counts the distinct compiled programs; building a plan compiles nothing.
     ``inputs``: the value id of each input leaf, in the order mm.jit flattens the arguments
-    (Variables first, then the other arrays), as ``Transfer.value`` names them.
+    (Variables first, then the other arrays), as ``Transfer.value`` names them. ``unrolled``: for
+    each ``mm.microbatch`` call that runs as an unrolled loop instead of a pipeline, why.
     """
 
     tasks: list[Task]
@@ -63,6 +64,7 @@ class Plan:
     pipeline: Any = None
     program: Any = None
     inputs: list[int] = dataclasses.field(default_factory=list)
+    unrolled: list[str] = dataclasses.field(default_factory=list)
 
     def fragments_of(self, task: Task | str) -> list[Fragment]:
         name = task if isinstance(task, str) else task.name
@@ -77,6 +79,7 @@ class Plan:
             f"Plan: {len(self.tasks)} task(s), {len(self.fragments)} fragment(s), "
             f"{len(self.transfers)} transfer(s), {self.transfer_bytes:,} B moved"
         ]
+        lines += [f"  unrolled: {why}" for why in self.unrolled]
         for task in self.tasks:
             lines.append(f"  task {task.name!r}:")
             for f in self.fragments_of(task):
