@@ -128,6 +128,7 @@ class _Call:
                 arrays.append(node)
         self.num_variables = len(self.variables)
         self.tasks: list[Task | None] = [task_of(v) for v in self.variables]
+        self.unplaced = [i for i, t in enumerate(self.tasks) if t is None]
         self.tasks += [None] * len(arrays)
         self._set_leaves(arrays)
 
@@ -356,6 +357,22 @@ class _Call:
         return tuple(args), {**dyn_kwargs, **dict(self.static_kwargs)}
 
 
+def _stay_home(call: _Call, updates: list[Any]) -> None:
+    """State on no task (metrics, an ``nnx.Rngs`` passed in, a step counter) goes back to the
+    devices it was on before the step, wherever the step computed its new value: Variables of
+    one object (a key and its count, a metric's total and count) stay together for eager code."""
+    for i in call.unplaced:
+        old, new = call.leaves[i], updates[i]
+        if not isinstance(old, jax.Array) or new is old or new.sharding == old.sharding:
+            continue
+        home = old.sharding.device_set
+        if len(home) == 1 and new.sharding.is_fully_replicated and home <= new.sharding.device_set:
+            (device,) = home  # a replica is already there: take it, no copy
+            updates[i] = next(s.data for s in new.addressable_shards if s.device == device)
+        else:
+            updates[i] = jax.device_put(new, old.sharding)
+
+
 def _execute(executable: Executable, call: _Call, fun: Callable, modes: dict) -> list[Any]:
     """Runs the step; a step that calls back into Python is waited for, so that a failure in any
     of its programs raises here, before anything is written back (pure XLA programs cannot fail
@@ -498,7 +515,10 @@ class JitFunction:
             raise deleted  # before any input is donated
         with _jax.no_ambient_mesh():  # each fragment runs on its own task's mesh
             results = _execute(executable, call, self.fun, modes)
-        _nnx.set_values(call.variables, results[num_user_outputs:])
+        updates = results[num_user_outputs:]
+        if call.unplaced and jax.process_count() == 1:
+            _stay_home(call, updates)
+        _nnx.set_values(call.variables, updates)
         return jax.tree.unflatten(out_tree, results[:num_user_outputs])
 
     def timeline(self, *args, **kwargs) -> list[Event]:

@@ -74,9 +74,14 @@ def run(train, evaluate, model):
     rngs = nnx.Rngs(0)
     history = []
     data = batches(3)
+    unplaced = nnx.state((metrics, rngs))
+    devices = {path: v.get_value().devices() for path, v in nnx.to_flat_state(unplaced)}
     for batch in data[:2]:
         model.train()
         train(model, optimizer, metrics, rngs, batch)
+        # state on no task stays on its devices: a metric's total and count together
+        now = nnx.state((metrics, rngs))
+        assert {p: v.get_value().devices() for p, v in nnx.to_flat_state(now)} == devices
     history.append({k: float(v) for k, v in metrics.compute().items()})
     metrics.reset()
     model.eval()
