@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedule",
         choices=_schedule_names(),
         default="1f1b",
-        help="pipeline schedule (1f1b); interleaved-1f1b needs several stages per "
+        help="pipeline schedule (1f1b); the interleaved ones need several stages per "
         "task: use the Python API",
     )
     run.add_argument(

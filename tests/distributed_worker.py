@@ -213,7 +213,7 @@ def checkpoint_restore(directory, stages: int = 2, train: bool = True) -> dict:
 @scenario
 def schedules() -> dict:
     """Two steps of a four-layer MLP under every built-in schedule, one task per process (two
-    layers each; the interleaved schedule takes the layers of the two tasks in turn): the
+    layers each; the interleaved schedules take the layers of the two tasks in turn): the
     losses of each."""
     tasks = readme_model_tasks()
     contiguous = [("^layers/[02]/", tasks[0]), ("^layers/[46]/", tasks[1])]  # Linear at 0, 2, ..
@@ -231,7 +231,7 @@ def schedules() -> dict:
     x, y = readme_batch()
     losses = {}
     for name in mm.schedules.names():
-        virtual = 2 if name == "interleaved-1f1b" else 1
+        virtual = 2 if name.startswith("interleaved") else 1
         model = mm.init(make_model, interleaved if virtual == 2 else contiguous)
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 

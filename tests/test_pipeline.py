@@ -65,9 +65,10 @@ CUSTOM = mm.schedules.from_csv(mm.schedules.one_f_one_b(4, M).to_csv(), name="cu
         ("1f1b", 4, 1),
         ("zero-bubble-h1", 4, 1),
         ("interleaved-1f1b", 8, 2),
+        ("interleaved-gpipe", 8, 2),
         (CUSTOM, 4, 1),
     ],
-    ids=["gpipe", "1f1b", "zero-bubble-h1", "interleaved-1f1b", "custom"],
+    ids=["gpipe", "1f1b", "zero-bubble-h1", "interleaved-1f1b", "interleaved-gpipe", "custom"],
 )
 def test_schedules_match_full_batch_on_one_device(tasks, tokens, schedule, depth, virtual_stages):
     model = placed(tasks, depth)

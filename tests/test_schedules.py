@@ -14,6 +14,7 @@ from mmnnx.mpmd.schedules import (
     get,
     gpipe,
     interleaved_1f1b,
+    interleaved_gpipe,
     one_f_one_b,
     simulate,
     validate,
@@ -33,6 +34,9 @@ BUILT = [
     pytest.param(lambda: interleaved_1f1b(2, 4, 3), id="interleaved-2r-v3-4"),
     pytest.param(lambda: interleaved_1f1b(3, 3, 2), id="interleaved-3r-v2-3"),
     pytest.param(lambda: interleaved_1f1b(3, 6, 1), id="interleaved-3r-v1-6"),
+    pytest.param(lambda: interleaved_gpipe(4, 8, 2), id="interleaved-gpipe-4r-v2-8"),
+    pytest.param(lambda: interleaved_gpipe(2, 3, 3), id="interleaved-gpipe-2r-v3-3"),
+    pytest.param(lambda: interleaved_gpipe(4, 2, 2), id="interleaved-gpipe-4r-v2-2"),
     pytest.param(lambda: zero_bubble_h1(1, 2), id="zb-1x2"),
     pytest.param(lambda: zero_bubble_h1(4, 4), id="zb-4x4"),
     pytest.param(lambda: zero_bubble_h1(4, 10), id="zb-4x10"),
@@ -204,6 +208,25 @@ def test_interleaved_bubble_formula(num_ranks, virtual_stages, num_microbatches)
     assert result.bubble_fraction == Fraction(num_ranks - 1, v * num_microbatches + num_ranks - 1)
     plain = simulate(one_f_one_b(num_ranks, num_microbatches))
     assert result.bubble_fraction < plain.bubble_fraction
+
+
+@pytest.mark.parametrize(
+    ("num_ranks", "virtual_stages", "num_microbatches"),
+    [(4, 2, 8), (2, 3, 4), (3, 2, 3), (4, 1, 8)],
+)
+def test_interleaved_gpipe_bubble_and_memory(num_ranks, virtual_stages, num_microbatches):
+    v = virtual_stages
+    schedule = interleaved_gpipe(num_ranks, num_microbatches, v)
+    assert schedule.stages_of(1) == tuple(1 + k * num_ranks for k in range(v))
+    result = simulate(schedule, forward_cost=Fraction(1, v), backward_cost=Fraction(2, v))
+    # the interleaved formula for M >= R: GPipe's bubble divided by about v ...
+    assert result.bubble_fraction == Fraction(num_ranks - 1, v * num_microbatches + num_ranks - 1)
+    plain = simulate(gpipe(num_ranks, num_microbatches), Fraction(1), Fraction(2))
+    assert result.bubble_fraction <= plain.bubble_fraction
+    # ... at GPipe's memory: every stage holds all M microbatches until its backwards
+    assert result.peak_in_flight == (num_microbatches,) * (num_ranks * v)
+    if v == 1:
+        assert schedule.actions == gpipe(num_ranks, num_microbatches).actions
 
 
 @pytest.mark.parametrize(("num_stages", "num_microbatches"), [*SIZES, (3, 3), (5, 7)])

@@ -675,6 +675,42 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int)
     )
 
 
+def interleaved_gpipe(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+    """Interleaved GPipe (PyTorch's "looped BFS"): each rank holds ``virtual_stages``
+    non-adjacent stages (rank ``r``: ``r``, ``r + num_ranks``, ...) and runs them breadth-first:
+    all microbatches' forwards of its first stage, then of its next, ..., then the backwards
+    stage by stage in reverse.
+
+    With unit costs per stage (a rank's work split over ``v`` stages) the bubble is
+    ``(R - 1) / (v * M + R - 1)`` of the run, GPipe's divided by about ``v``, for ``M >= R``;
+    like GPipe, each stage holds all ``M`` microbatches' activations until its backwards.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import interleaved_gpipe
+        >>> schedule = interleaved_gpipe(num_ranks=2, num_microbatches=2, virtual_stages=2)
+        >>> " ".join(map(str, schedule.actions_of(1)))
+        'F1.0 F1.1 F3.0 F3.1 B3.0 B3.1 B1.0 B1.1'
+    """
+    _check_counts(num_ranks, num_microbatches)
+    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool):
+        raise ValueError(f"virtual_stages must be an int, got {virtual_stages!r}")
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+    microbatches = range(num_microbatches)
+    rows = []
+    for rank in range(num_ranks):
+        stages = [rank + k * num_ranks for k in range(virtual_stages)]
+        rows.append(
+            [Action("F", stage, m) for stage in stages for m in microbatches]
+            + [Action("B", stage, m) for stage in reversed(stages) for m in microbatches]
+        )
+    num_stages = num_ranks * virtual_stages
+    stage_to_rank = tuple(stage % num_ranks for stage in range(num_stages))
+    return validate(
+        Schedule("interleaved-gpipe", num_stages, num_microbatches, num_ranks, stage_to_rank, rows)
+    )
+
+
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-H1 from "Zero Bubble Pipeline Parallelism" (Qi et al., 2023).
 
@@ -830,7 +866,7 @@ def names() -> tuple[str, ...]:
     Example:
         >>> from mmnnx.mpmd.schedules import names
         >>> names()
-        ('gpipe', '1f1b', 'interleaved-1f1b', 'zero-bubble-h1')
+        ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-gpipe', 'zero-bubble-h1')
     """
     return tuple(_REGISTRY)
 
@@ -890,18 +926,21 @@ def _one_stage_per_rank(name: str, build: Callable[[int, int], Schedule]) -> Bui
     return builder
 
 
-def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
-    _check_counts(num_stages, num_microbatches)
-    if num_stages % virtual_stages:
-        raise ValueError(
-            f"virtual_stages={virtual_stages} does not divide num_stages={num_stages}: "
-            f"interleaved-1f1b puts virtual_stages stages on each of "
-            f"num_stages / virtual_stages ranks"
-        )
-    return interleaved_1f1b(num_stages // virtual_stages, num_microbatches, virtual_stages)
+def _interleaved(name: str, build: Callable[[int, int, int], Schedule]) -> Builder:
+    def builder(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+        _check_counts(num_stages, num_microbatches)
+        if num_stages % virtual_stages:
+            raise ValueError(
+                f"virtual_stages={virtual_stages} does not divide num_stages={num_stages}: "
+                f"{name} puts virtual_stages stages on each of num_stages / virtual_stages ranks"
+            )
+        return build(num_stages // virtual_stages, num_microbatches, virtual_stages)
+
+    return builder
 
 
 register("gpipe", _one_stage_per_rank("gpipe", gpipe))
 register("1f1b", _one_stage_per_rank("1f1b", one_f_one_b))
-register("interleaved-1f1b", _interleaved)
+register("interleaved-1f1b", _interleaved("interleaved-1f1b", interleaved_1f1b))
+register("interleaved-gpipe", _interleaved("interleaved-gpipe", interleaved_gpipe))
 register("zero-bubble-h1", _one_stage_per_rank("zero-bubble-h1", zero_bubble_h1))

@@ -20,6 +20,8 @@ _ALIASES = {
     "zero-bubble-h2": "zero-bubble-h1",  # used where the registry has no ZB-H2
     "custom": "custom",
 }
+# with interleave=v > 1: the schedule that runs v stages per rank in the same pattern
+_INTERLEAVED = {"1f1b": "interleaved-1f1b", "gpipe": "interleaved-gpipe"}
 
 
 class _ScheduleNames(Mapping):
@@ -96,7 +98,8 @@ def microbatch(
     ``fun`` is called directly. Inside this layer's programs the microbatches are pipelined by
     mmnnx's engine with the schedule named (see the docs for how multimesh's schedule names map
     to mmnnx's); ``num_stages`` and ``unrolling`` are hints that mmnnx does not need, and
-    ``interleave=v > 1`` selects mmnnx's interleaved 1F1B with ``v`` virtual stages.
+    ``interleave=v > 1`` selects mmnnx's interleaved 1F1B (or, for the GPipe family, interleaved
+    GPipe) with ``v`` virtual stages.
 
     Example:
         >>> import jax.numpy as jnp
@@ -156,8 +159,8 @@ def microbatch(
         virtual = 1
         if name == "custom":
             sched: Any = _custom_table(custom_schedule, num)
-        elif interleave and interleave > 1 and name == "1f1b":
-            sched, virtual = "interleaved-1f1b", int(interleave)
+        elif interleave and interleave > 1 and name in _INTERLEAVED:
+            sched, virtual = _INTERLEAVED[name], int(interleave)
         else:
             sched = name
         micro = mm.microbatch(
