@@ -681,3 +681,24 @@ def test_resolve_scopes_errors():
 
     with pytest.raises(mm.MPMDError, match="returned 'stage9' for scope"):
         mm.jit(step)(model, jnp.ones((1, 2)))
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        # gradient accumulation, as in Flax's optimization cookbook
+        lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+        lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=2),
+    ],
+    ids=["MultiSteps", "apply_if_finite"],
+)
+def test_optimizer_wrappers_with_a_cond_over_every_parameter_run_across_tasks(tasks, batch, tx):
+    # the wrapper's lax.cond updates the state of every parameter at once; it is split into one
+    # cond per parameter, each on the parameter's task
+    model, opt, ref, ref_opt = placed_and_reference(tasks, tx())
+    step = mm.jit(train_step)
+    for _ in range(4):
+        close(step(model, opt, *batch), train_step(ref, ref_opt, *batch))
+    for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
+        close(a, b, rtol=1e-5, atol=1e-5)
+    assert mm.placement(model) == mm.placement(two_stage(tasks))

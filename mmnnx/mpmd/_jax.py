@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax._src import api_util, effects, source_info_util
 from jax._src import core as jax_core
+from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
@@ -204,30 +205,34 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
                     "tasks; use an unordered callback (e.g. jax.debug.print) or move it out of "
                     "the step"
                 )
-            ins = [atom(a) for a in eqn.invars]
-            outs = [graph.new_value(_aval_info(v.aval)) for v in eqn.outvars]
-            for v, o in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(v, jcore.DropVar):
-                    env[v] = o
-            group = _last(_GROUP, scope)
-            graph.ops.append(
-                Op(
-                    index=len(graph.ops),
-                    primitive=eqn.primitive,
-                    params=dict(eqn.params),
-                    ins=ins,
-                    outs=outs,
-                    multiple_results=eqn.primitive.multiple_results,
-                    source=_source_line(eqn.source_info),
-                    name=eqn.primitive.name,
-                    scope=scope,
-                    effectful=bool(eqn.effects),
-                    backward=is_backward_scope(scope),
-                    region=_last(_REGION, scope),
-                    group=int(group) if group is not None else None,
-                    may_fail=_calls_back(eqn),
+            pieces = _split_cond(eqn) if eqn.primitive.name == "cond" else None
+            if pieces is None:
+                pieces = [(dict(eqn.params), list(eqn.invars), list(eqn.outvars))]
+            for params, invars, outvars in pieces:
+                ins = [atom(a) for a in invars]
+                outs = [graph.new_value(_aval_info(v.aval)) for v in outvars]
+                for v, o in zip(outvars, outs, strict=True):
+                    if not isinstance(v, jcore.DropVar):
+                        env[v] = o
+                group = _last(_GROUP, scope)
+                graph.ops.append(
+                    Op(
+                        index=len(graph.ops),
+                        primitive=eqn.primitive,
+                        params=params,
+                        ins=ins,
+                        outs=outs,
+                        multiple_results=eqn.primitive.multiple_results,
+                        source=_source_line(eqn.source_info),
+                        name=eqn.primitive.name,
+                        scope=scope,
+                        effectful=bool(eqn.effects),
+                        backward=is_backward_scope(scope),
+                        region=_last(_REGION, scope),
+                        group=int(group) if group is not None else None,
+                        may_fail=_calls_back(eqn),
+                    )
                 )
-            )
         return [atom(a) for a in jaxpr.outvars]
 
     inputs = [graph.new_value(_aval_info(v.aval)) for v in closed.jaxpr.invars]
@@ -235,6 +240,64 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
     graph.outputs = walk(closed.jaxpr, closed.consts, inputs)
     _drop_dead_ops(graph)
     return graph
+
+
+def _split_cond(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
+    """A ``cond`` whose results fall into independent groups, as one cond per group (each with
+    the predicate and only the operands its group reads), or ``None`` if it does not split.
+
+    Results are independent when, in every branch, they share no computation but scalar
+    arithmetic (a step count, a flag), which each piece recomputes. An optimizer wrapper such as
+    ``optax.MultiSteps`` updates every parameter's state in one cond; split, each parameter's
+    piece can run on the task that holds it."""
+    branches = eqn.params["branches"]
+    if eqn.effects or len(eqn.outvars) < 2:
+        return None
+    n = len(eqn.outvars)
+    parent = list(range(n))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for branch in branches:
+        jaxpr = branch.jaxpr
+        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+        owner: dict[int, int] = {}  # id of a shared (non-scalar) equation -> an output using it
+        for i, out in enumerate(jaxpr.outvars):
+            stack, seen = [out], set()
+            while stack:
+                v = stack.pop()
+                e = None if isinstance(v, jcore.Literal) else producer.get(v)
+                if e is None or id(e) in seen:
+                    continue
+                seen.add(id(e))
+                if any(getattr(v.aval, "shape", ()) != () for v in e.outvars):
+                    j = owner.setdefault(id(e), i)
+                    parent[root(i)] = root(j)
+                stack += [v for v in e.invars if not isinstance(v, jcore.Literal)]
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(root(i), []).append(i)
+    if len(groups) < 2:
+        return None
+    pieces = []
+    for positions in groups.values():
+        used = [i in positions for i in range(n)]
+        keep = [False] * (len(eqn.invars) - 1)
+        for branch in branches:
+            _, reads = pe.dce_jaxpr(branch.jaxpr, used)
+            keep = [a or b for a, b in zip(keep, reads, strict=True)]
+        new_branches = []
+        for branch in branches:
+            jaxpr, _ = pe.dce_jaxpr(branch.jaxpr, used, instantiate=keep)
+            new_branches.append(jcore.ClosedJaxpr(jaxpr, branch.consts))
+        operands = [v for v, k in zip(eqn.invars[1:], keep, strict=True) if k]
+        outvars = [eqn.outvars[i] for i in positions]
+        pieces.append(({"branches": tuple(new_branches)}, [eqn.invars[0], *operands], outvars))
+    return pieces
 
 
 def _drop_dead_ops(graph: Graph) -> None:
