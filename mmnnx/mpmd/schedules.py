@@ -550,6 +550,14 @@ def _check_counts(num_stages: int, num_microbatches: int) -> None:
             raise ValueError(f"{field} must be a positive int, got {value!r}")
 
 
+def _check_interleaved(num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
+    _check_counts(num_ranks, num_microbatches)
+    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool):
+        raise ValueError(f"virtual_stages must be an int, got {virtual_stages!r}")
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+
+
 def _need_enough_microbatches(name: str, num_microbatches: int, depth: int, what: str) -> None:
     if num_microbatches < depth:
         raise ValueError(
@@ -629,11 +637,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int)
         >>> " ".join(map(str, schedule.actions_of(1)))
         'F1.0 F1.1 F3.0 B3.0 F3.1 B3.1 B1.0 B1.1'
     """
-    _check_counts(num_ranks, num_microbatches)
-    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool):
-        raise ValueError(f"virtual_stages must be an int, got {virtual_stages!r}")
-    if virtual_stages < 1:
-        raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+    _check_interleaved(num_ranks, num_microbatches, virtual_stages)
     if virtual_stages == 1:
         plain = one_f_one_b(num_ranks, num_microbatches)
         return dataclasses.replace(plain, name="interleaved-1f1b")
@@ -691,11 +695,7 @@ def interleaved_gpipe(num_ranks: int, num_microbatches: int, virtual_stages: int
         >>> " ".join(map(str, schedule.actions_of(1)))
         'F1.0 F1.1 F3.0 F3.1 B3.0 B3.1 B1.0 B1.1'
     """
-    _check_counts(num_ranks, num_microbatches)
-    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool):
-        raise ValueError(f"virtual_stages must be an int, got {virtual_stages!r}")
-    if virtual_stages < 1:
-        raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+    _check_interleaved(num_ranks, num_microbatches, virtual_stages)
     microbatches = range(num_microbatches)
     rows = []
     for rank in range(num_ranks):
