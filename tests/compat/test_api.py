@@ -510,3 +510,36 @@ def test_custom_partitioning_runs_on_the_task_submesh():
     # traced under MultiMesh.slice(stage=1), partitioned on that submesh
     assert traced and all(m == multi.slice(stage=1) for m in traced)
     assert partitioned and all(d == [4, 5, 6, 7] for d in partitioned)
+
+
+@pytest.mark.parametrize(
+    "schedule, expected", [("gpipe", "interleaved-gpipe"), ("1f1b", "interleaved-1f1b")]
+)
+def test_microbatch_interleave_runs_two_stages_per_task(schedule, expected):
+    p = {f"w{i}": jnp.linspace(-1, 1, 36).reshape(6, 6) * (0.5 + i / 4) for i in range(4)}
+    rules = [("batch", "x")]
+    meshes = [mj.TaskMesh(devices=range(4)), mj.TaskMesh(devices=range(4, 8))]
+
+    def loss(p, x):
+        for i in range(4):  # stages s0, s1, s0, s1: two per task
+            layer = lambda h, w=p[f"w{i}"]: jnp.tanh(h @ w)  # noqa: E731
+            x = mj.task(layer, name=f"s{i % 2}", mesh=meshes[i % 2], logical_axes=rules)(x)
+        return (x**2).sum()
+
+    def plain(p, x):
+        for i in range(4):
+            x = jnp.tanh(x @ p[f"w{i}"])
+        return (x**2).sum()
+
+    step = lambda p, x: mj.microbatch(  # noqa: E731
+        jax.value_and_grad(loss), dim=0, size=4, argnum=1, schedule=schedule, interleave=2
+    )(p, x)
+    run = mj.mjit(step, devices=jax.devices())
+    value, grads = run(p, BATCH[:16])
+    ref_value, ref_grads = jax.value_and_grad(plain)(p, BATCH[:16])
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for k in p:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6)
+    pipeline = run.plan(p, BATCH[:16]).pipeline
+    assert pipeline.schedule.name == expected
+    assert [t.name for t in pipeline.stage_tasks] == ["s0", "s1", "s0", "s1"]
