@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd._jax import is_accumulate, is_index
@@ -64,7 +65,7 @@ def plan_pipeline(
     tasks: Sequence[Task],
     groups: dict[int, MicrobatchGroup],
     free_inputs: set[int],
-    pinned: set[int] = frozenset(),
+    pinned: AbstractSet[int] = frozenset(),
 ) -> Pipeline | None:
     """The pipelined plan, or ``None`` when the step has no traced microbatch region.
 
@@ -158,7 +159,9 @@ def plan_pipeline(
     )
 
 
-def follow_the_flow(graph: Graph, region: list[Op], op_tasks: list[Task], pinned: set[int]) -> None:
+def follow_the_flow(
+    graph: Graph, region: list[Op], op_tasks: list[Task], pinned: AbstractSet[int]
+) -> None:
     """Moves ops that read no placed state onto the stage their data comes from when the
     colouring (which counts bytes only) put them on a stage that runs earlier in their pass.
 
