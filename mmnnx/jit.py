@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from jax.sharding import PartitionSpec
 from mmnnx import _nnx
 from mmnnx.mpmd import _jax, markers
 from mmnnx.mpmd.colour import colour
-from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError
+from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd.lower import lower
 from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
@@ -526,9 +527,15 @@ class JitFunction:
         pipeline action: task, kind (F, B, I or W), stage, microbatch, start and end in seconds.
 
         Only this mode blocks on each action's outputs; ``mm.plot_timeline`` draws the result.
+        A step with no pipeline has no actions to time (an empty list); when its ``mm.microbatch``
+        runs unrolled, an ``mm.UnrolledMicrobatchWarning`` says why.
         """
         events: list[Event] = []
-        self._run(_Call(self, args, kwargs), timeline=events)
+        call = _Call(self, args, kwargs)
+        self._run(call, timeline=events)
+        if not events:
+            for why in self._cache[call.key][0].plan.unrolled:
+                warnings.warn(f"timeline: nothing to time, {why}", UnrolledMicrobatchWarning, 2)
         return events
 
     def memory_profile(self, *args, **kwargs) -> dict[str, tuple[int, int]]:

@@ -152,3 +152,6 @@ def test_a_function_updating_variables_is_unrolled_and_says_so(tasks):
     plan = step.plan(model, x)
     assert plan.pipeline is None and plan.unrolled == [message]
     assert f"unrolled: {message}" in str(plan)
+    # the timeline has no pipeline actions to show, and says why
+    with pytest.warns(mm.UnrolledMicrobatchWarning, match="timeline: nothing to time, mm.micro"):
+        assert step.timeline(model, x) == []
