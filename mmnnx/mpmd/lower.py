@@ -14,7 +14,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx.mpmd._jax import constraint_names, is_constraint
 from mmnnx.mpmd.ir import Const, Graph, Op
-from mmnnx.mpmd.markers import resolve_names
 from mmnnx.mpmd.pipeline import Pipeline
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer
 from mmnnx.mpmd.program import Action, Constant, Recv, Release, Run, Send, StepProgram
@@ -40,7 +39,7 @@ def constraint_layout(
 ) -> NamedSharding:
     """The sharding an ``mm.with_sharding_constraint`` of ``names`` (logical names or ``task``'s
     mesh axes) at line ``source`` asks for on ``task``."""
-    spec = resolve_names(task, names)
+    spec = task.resolve(names)
     where = f"with_sharding_constraint at {source} on task {task.name!r}"
     check_spec(spec, shape, task.jax_mesh, where)
     return NamedSharding(task.jax_mesh, spec)

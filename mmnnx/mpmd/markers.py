@@ -179,8 +179,3 @@ def with_sharding_constraint(x: Any, spec: PartitionSpec | Sequence[str | None])
         return jax.lax.with_sharding_constraint(x, spec)
     names = tuple(spec)
     return jax.tree.map(lambda leaf: _jax.constraint_p.bind(leaf, names=names), x)
-
-
-def resolve_names(task: Task, names: Sequence[Any]) -> PartitionSpec:
-    """Translates constraint entries on ``task``: logical names by its rules, axis names as-is."""
-    return task.resolve(names)
