@@ -24,6 +24,7 @@ from mmnnx.sharding import (
     MultiMesh,
     Task,
     TaskMesh,
+    TaskStack,
     bytes_per_device,
     current_multimesh,
     init,
@@ -31,6 +32,7 @@ from mmnnx.sharding import (
     place,
     place_optimizer,
     placement,
+    stack_of,
     task_of,
 )
 from mmnnx.summary import tabulate
@@ -49,6 +51,7 @@ __all__ = [
     "StepError",
     "UnrolledMicrobatchWarning",
     "Task",
+    "TaskStack",
     "TaskMesh",
     "bytes_per_device",
     "cached_partial",
@@ -67,6 +70,7 @@ __all__ = [
     "plot_timeline",
     "schedules",
     "train",
+    "stack_of",
     "stage_rules",
     "tabulate",
     "task",

@@ -20,7 +20,8 @@ from mmnnx.mpmd.lower import lower
 from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
 from mmnnx.mpmd.runner import Event, Executable
-from mmnnx.sharding import Task, task_of
+from mmnnx.mpmd.stacks import Expansion, chunk_sharding, split_stacks
+from mmnnx.sharding import Task, TaskStack, home_of, stack_of, task_of
 from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state
 
 
@@ -45,20 +46,18 @@ def _leaf_name(path: tuple) -> str:
     return "/".join([head, *(str(k) for k in keys[2:])])
 
 
-def _output_homes(out_shape: Any) -> list[tuple[Task | None, Any]]:
-    """For each output leaf: the task and sharding of the Variable it belongs to, if placed.
+def _output_homes(out_shape: Any) -> list[tuple[Task | TaskStack | None, PartitionSpec]]:
+    """For each output leaf: the task (or task stack) and spec of the Variable it belongs to,
+    if placed.
 
     Gradients from ``nnx.grad`` are Variables carrying their parameter's placement, so they are
     computed on, and returned from, their parameter's task.
     """
     homes = []
     for node in jax.tree.leaves(out_shape, is_leaf=_nnx.is_variable):
-        task = task_of(node) if _nnx.is_variable(node) else None
-        if task is None:
-            homes.append((None, None))
-        else:
-            spec = node.get_metadata().get(SPEC_KEY, PartitionSpec())
-            homes.append((task, task.sharding(spec)))
+        home = home_of(node) if _nnx.is_variable(node) else None
+        spec = node.get_metadata().get(SPEC_KEY, PartitionSpec()) if home else PartitionSpec()
+        homes.append((home, spec))
     return homes
 
 
@@ -129,8 +128,14 @@ class _Call:
                 arrays.append(node)
         self.num_variables = len(self.variables)
         self.tasks: list[Task | None] = [task_of(v) for v in self.variables]
-        self.unplaced = [i for i, t in enumerate(self.tasks) if t is None]
+        self.stacks: list[TaskStack | None] = [stack_of(v) for v in self.variables]
+        self.unplaced = [
+            i
+            for i, (t, s) in enumerate(zip(self.tasks, self.stacks, strict=True))
+            if t is s is None
+        ]
         self.tasks += [None] * len(arrays)
+        self.stacks += [None] * len(arrays)
         self._set_leaves(arrays)
 
     def template(self, num_tail: int, num_bound: int) -> _Call:
@@ -227,15 +232,15 @@ class _Call:
         # Placed leaves: their sharding is part of the plan. Free leaves go wherever their
         # consumers are; only a committed one on devices no task owns is an error.
         self.shardings = [
-            leaf.sharding if task is not None else None
-            for leaf, task in zip(self.leaves, self.tasks, strict=True)
+            leaf.sharding if task is not None or stack is not None else None
+            for leaf, task, stack in zip(self.leaves, self.tasks, self.stacks, strict=True)
         ]
         signature = tuple(
             (leaf.shape, leaf.dtype, sharding)
             for leaf, sharding in zip(self.leaves, self.shardings, strict=True)
         )
         # The plan holds its tasks, so their ids stay unique while it is cached.
-        placement = tuple(id(t) for t in self.tasks)
+        placement = tuple(id(t) for t in self.tasks) + tuple(id(s) for s in self.stacks)
         self.key = (self.treedef, signature, placement, self.statics, self.static_kwargs)
 
     @functools.cached_property
@@ -256,8 +261,9 @@ class _Call:
     @property
     def donated(self) -> list[bool]:
         return [
-            task is not None and _arg_position(path) in self.fn.donate_argnums
-            for path, task in zip(self._paths, self.tasks, strict=True)
+            (task is not None or stack is not None)
+            and _arg_position(path) in self.fn.donate_argnums
+            for path, task, stack in zip(self._paths, self.tasks, self.stacks, strict=True)
         ]
 
     def rebuild(self, values: Sequence[Any]) -> tuple[tuple, dict, list[Any], list[Any]]:
@@ -296,16 +302,28 @@ class _Call:
 
     def check_devices(self) -> None:
         """Raises if a leaf lives on devices its task (or, if unplaced, any task) does not own."""
-        for name, leaf, task in zip(self.names, self.leaves, self.tasks, strict=True):
+        for i, (name, leaf, task, stack) in enumerate(
+            zip(self.names, self.leaves, self.tasks, self.stacks, strict=True)
+        ):
             devices = leaf.sharding.device_set if isinstance(leaf, jax.Array) else None
-            if task is not None and devices != set(task.jax_mesh.devices.flat):
+            home = task or stack
+            if home is not None and devices != set(home.jax_mesh.devices.flat):
                 raise MPMDError(
-                    f"mm.jit: {name!r} is placed on task {task.name!r} but its array lives on "
+                    f"mm.jit: {name!r} is placed on task {home.name!r} but its array lives on "
                     f"devices {sorted(d.id for d in devices)}; re-run mm.place after moving it"
+                )
+            if stack is not None and leaf.sharding != stack.sharding(
+                self.variables[i].get_metadata(SPEC_KEY, PartitionSpec())
+            ):
+                raise MPMDError(
+                    f"mm.jit: {name!r} is stacked over tasks {stack.name!r} but its array is laid "
+                    f"out as {leaf.sharding}; re-run mm.place after moving it"
                 )
         owned: set = set()
         for task in dict.fromkeys(t for t in self.tasks if t is not None):
             owned.update(task.jax_mesh.devices.flat)
+        for stack in dict.fromkeys(s for s in self.stacks if s is not None):
+            owned.update(stack.jax_mesh.devices.flat)
         if owned:  # with no placed state, the tasks come from mm.task regions: checked later
             self.check_free_devices(owned)
 
@@ -374,15 +392,22 @@ def _stay_home(call: _Call, updates: list[Any]) -> None:
             updates[i] = jax.device_put(new, old.sharding)
 
 
-def _execute(executable: Executable, call: _Call, fun: Callable, modes: dict) -> list[Any]:
+def _execute(
+    executable: Executable, call: _Call, fun: Callable, modes: dict, expansion: Expansion | None
+) -> list[Any]:
     """Runs the step; a step that calls back into Python is waited for, so that a failure in any
     of its programs raises here, before anything is written back (pure XLA programs cannot fail
     while they run, so other steps return as soon as they are dispatched). A failure raises
     :class:`StepError`, the arguments untouched."""
     try:
-        results = executable(call.leaves, **modes)
+        if expansion is None:
+            results = executable(call.leaves, **modes)
+        else:
+            results = executable(expansion.split_leaves(call.leaves), **modes)
         if executable.may_fail:
             jax.block_until_ready(results)
+        if expansion is not None:
+            results = expansion.join_results(results)
     except jax.errors.JaxRuntimeError as e:
         if deleted := call.deleted_input():
             raise deleted from None
@@ -438,32 +463,52 @@ class JitFunction:
         markers.apply_resolvers(graph, trace)
         regions = trace.regions
         out_tree = jax.tree.structure(out_shape[0])
-        tasks = list(dict.fromkeys([*(t for t in call.tasks if t is not None), *regions.values()]))
-        names = {}
+        num_user_outputs = len(graph.outputs) - call.num_variables
+        out_homes = _output_homes(out_shape[0])
+        spec_of = [v.get_metadata(SPEC_KEY, PartitionSpec()) for v in call.variables]
+        input_tasks, names, donated = list(call.tasks), call.names, call.donated
+        state_homes = [
+            s if t is not None else None for s, t in zip(call.shardings, call.tasks, strict=True)
+        ]
+        homes = [h.sharding(spec) if isinstance(h, Task) else None for h, spec in out_homes]
+        homes += state_homes[: call.num_variables]
+        home_tasks = [h if isinstance(h, Task) else None for h, _ in out_homes]
+        home_tasks += input_tasks[: call.num_variables]
+        expansion = None
+        if any(call.stacks):
+            stacked_inputs = [
+                (s, spec_of[i]) if s is not None else None for i, s in enumerate(call.stacks)
+            ]
+            stacked_outputs = [
+                (h, spec) if isinstance(h, TaskStack) else None for h, spec in out_homes
+            ]
+            stacked_outputs += stacked_inputs[: call.num_variables]
+            graph, expansion = split_stacks(graph, stacked_inputs, stacked_outputs, names)
+            input_tasks = expansion.expand_inputs(input_tasks, lambda _, t, j, h: t)
+            names = expansion.expand_inputs(names, lambda n, t, j, h: f"{n}[{j}]")
+            donated = expansion.expand_inputs(donated, lambda d, t, j, h: d)
+            state_homes = expansion.expand_inputs(state_homes, chunk_sharding)
+            homes = expansion.expand_outputs(homes, chunk_sharding)
+            home_tasks = expansion.expand_outputs(home_tasks, lambda _, t, j, h: t)
+        tasks = list(dict.fromkeys([*(t for t in input_tasks if t is not None), *regions.values()]))
+        by_name: dict[str, Task] = {}
         for t in tasks:
-            if names.setdefault(t.name, t) != t:
+            if by_name.setdefault(t.name, t) != t:
                 raise MPMDError(f"mm.jit: two different tasks are named {t.name!r}")
         if not tasks:
             raise MPMDError(
                 "mm.jit: no argument holds state placed on a task; place the model with "
                 "mm.place or mm.init first"
             )
-        num_user_outputs = len(graph.outputs) - call.num_variables
-        out_homes = _output_homes(out_shape[0])
-        state_homes = [
-            s if t is not None else None for s, t in zip(call.shardings, call.tasks, strict=True)
-        ]
-        homes = [s for _, s in out_homes] + state_homes[: call.num_variables]
-        home_tasks = [t for t, _ in out_homes] + list(call.tasks[: call.num_variables])
         pinned: set[int] = set()
-        op_tasks = colour(graph, call.tasks, call.names, home_tasks, tasks, regions, pinned)
-        free = {v for v, t in zip(graph.inputs, call.tasks, strict=True) if t is None}
+        op_tasks = colour(graph, input_tasks, names, home_tasks, tasks, regions, pinned)
+        free = {v for v, t in zip(graph.inputs, input_tasks, strict=True) if t is None}
         pipeline = plan_pipeline(graph, op_tasks, tasks, trace.microbatches, free, pinned)
         if pipeline is None:
             order = [(f, None) for f in cut(graph, op_tasks, tasks, free_inputs=free)]
         else:
             order = pipeline.order
-        plan = lower(graph, tasks, call.tasks, state_homes, homes, call.donated, order, pipeline)
+        plan = lower(graph, tasks, input_tasks, state_homes, homes, donated, order, pipeline)
         plan.unrolled = list(trace.unrolled)
         executable = Executable(
             graph,
@@ -471,7 +516,7 @@ class JitFunction:
             name=repr(getattr(fun, "__name__", "the step")),
             fingerprint=lambda: _fingerprint(graph, plan, call),
         )
-        return executable, (out_tree, num_user_outputs)
+        return executable, (out_tree, num_user_outputs, expansion)
 
     def _lookup(self, call: _Call) -> tuple[Executable, Any]:
         try:
@@ -511,11 +556,11 @@ class JitFunction:
         return self.fun(*args, **kwargs)
 
     def _run(self, call: _Call, **modes):
-        executable, (out_tree, num_user_outputs) = self._lookup(call)
+        executable, (out_tree, num_user_outputs, expansion) = self._lookup(call)
         if self.donate_argnums and (deleted := call.deleted_input()):
             raise deleted  # before any input is donated
         with _jax.no_ambient_mesh():  # each fragment runs on its own task's mesh
-            results = _execute(executable, call, self.fun, modes)
+            results = _execute(executable, call, self.fun, modes, expansion)
         updates = results[num_user_outputs:]
         if call.unplaced and jax.process_count() == 1:
             _stay_home(call, updates)

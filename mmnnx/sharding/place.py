@@ -24,6 +24,7 @@ from mmnnx._nnx import (
 from mmnnx.distributed.arrays import placeholder, processes_of, put
 from mmnnx.sharding.rules import Path, PlacementRule, compile_rules, path_str
 from mmnnx.sharding.specs import check_spec
+from mmnnx.sharding.stack import TaskStack
 from mmnnx.sharding.task import Task
 
 M = TypeVar("M")
@@ -43,7 +44,7 @@ class Assignment:
     spec: PartitionSpec
 
     @property
-    def task(self) -> Task:
+    def task(self) -> Task | TaskStack:
         return self.rule.task
 
     @property
@@ -52,7 +53,41 @@ class Assignment:
 
 
 def _resolve_spec(rule: PlacementRule, path: Path, variable: nnx.Variable) -> PartitionSpec:
-    where = f"Variable {path_str(path)!r} on task {rule.task.name!r}"
+    if isinstance(rule.task, TaskStack):
+        return _stack_spec(rule, path, variable)
+    return _task_spec(rule, rule.task, path, variable)
+
+
+def _stack_spec(rule: PlacementRule, path: Path, variable: nnx.Variable) -> PartitionSpec:
+    """The spec of each chunk of a stacked Variable: its leading (layer) axis is split over the
+    stack's tasks, so it is not sharded inside a task. Logical names given for one layer (one
+    fewer than the array's rank, as ``nnx.vmap`` leaves them) get a leading ``None``."""
+    stack = rule.task
+    ndim = len(variable.get_value().shape)
+    where = f"stacked Variable {path_str(path)!r} on tasks {stack.name!r}"
+    if ndim == 0:
+        raise ValueError(f"{where}: a scalar has no leading layer axis to split over tasks")
+    specs = {_task_spec(rule, t, path, variable) for t in stack.tasks}
+    if len(specs) > 1:
+        raise ValueError(
+            f"{where}: the tasks' logical rules give it different specs {sorted(map(str, specs))}; "
+            "a stack's tasks must lay out its chunks alike"
+        )
+    (spec,) = specs
+    if len(spec) == ndim - 1 and logical_names(variable) is not None:
+        spec = PartitionSpec(None, *spec)
+    if len(spec) and spec[0] is not None:
+        raise ValueError(
+            f"{where}: its spec {spec} shards the leading layer axis over {spec[0]!r}, but that "
+            "axis is split over the tasks; give it None (or a logical name that maps to None)"
+        )
+    return spec
+
+
+def _task_spec(
+    rule: PlacementRule, task: Task, path: Path, variable: nnx.Variable
+) -> PartitionSpec:
+    where = f"Variable {path_str(path)!r} on task {task.name!r}"
     if isinstance(rule.spec, PartitionSpec):
         return rule.spec
     if rule.spec is not None:
@@ -65,22 +100,24 @@ def _resolve_spec(rule: PlacementRule, path: Path, variable: nnx.Variable) -> Pa
         return spec
     annotated = annotated_spec(variable)
     if annotated is not None:  # Flax's explicit form: device axes, or logical names
-        return rule.task.resolve(annotated, where=where)
+        return task.resolve(annotated, where=where)
     names = logical_names(variable)
     if names is None:
         return PartitionSpec()
-    return rule.task.spec(names)
+    return task.spec(names)
 
 
 def _check_tasks(rules: list[PlacementRule]) -> None:
     by_name: dict[str, Task] = {}
     for rule in rules:
-        known = by_name.setdefault(rule.task.name, rule.task)
-        if known != rule.task:
-            raise ValueError(
-                f"{rule.describe()}: two different tasks are named {rule.task.name!r}: "
-                f"{known!r} and {rule.task!r}"
-            )
+        members = rule.task.tasks if isinstance(rule.task, TaskStack) else (rule.task,)
+        for task in members:
+            known = by_name.setdefault(task.name, task)
+            if known != task:
+                raise ValueError(
+                    f"{rule.describe()}: two different tasks are named {task.name!r}: "
+                    f"{known!r} and {task!r}"
+                )
     owner: dict[jax.Device, str] = {}
     for name, task in by_name.items():
         try:
@@ -125,7 +162,13 @@ def plan_placement(model: Any, rules: Sequence[tuple], *, strict: bool = True) -
             )
         spec = _resolve_spec(rule, path, variable)
         where = f"Variable {path_str(path)!r} on task {rule.task.name!r}"
-        check_spec(spec, value.shape, rule.task.jax_mesh, where)
+        shape = tuple(value.shape)
+        if isinstance(rule.task, TaskStack):
+            where = f"stacked Variable {path_str(path)!r} on tasks {rule.task.name!r}"
+            (start, stop), *_ = rule.task.chunks(shape[0], where=where)
+            check_spec(spec, (stop - start, *shape[1:]), rule.task.tasks[0].jax_mesh, where)
+        else:
+            check_spec(spec, shape, rule.task.jax_mesh, where)
         assignments.append(Assignment(path, variable, rule, spec))
     if unmatched and strict:
         shown = ", ".join(repr(path_str(p)) for p in unmatched[:5])
@@ -297,9 +340,9 @@ class Misplaced(NamedTuple):
     ``/``-joined and start with their root's name."""
 
     path: str
-    task: Task | None
+    task: Task | TaskStack | None
     param_path: str
-    param_task: Task
+    param_task: Task | TaskStack
 
 
 def misplaced_optimizer_state(roots: Sequence[tuple[str, Any]]) -> list[Misplaced]:
@@ -326,12 +369,12 @@ def misplaced_optimizer_state(roots: Sequence[tuple[str, Any]]) -> list[Misplace
             if model is opt:
                 continue
             for m in optimizer_mirrors(opt, model):
-                param_task = task_of(m.param)
-                if param_task is not None and task_of(m.state) != param_task:
+                param_task = home_of(m.param)
+                if param_task is not None and home_of(m.state) != param_task:
                     found.append(
                         Misplaced(
                             path_str((opt_name, *m.path)),
-                            task_of(m.state),
+                            home_of(m.state),
                             path_str((name, *m.param_path)),
                             param_task,
                         )
@@ -368,9 +411,9 @@ def place_optimizer(opt: Opt, model: Any) -> Opt:
             f"place_optimizer: no state of this {type(opt).__name__} is kept for a Variable of "
             f"this {type(model).__name__}; pass the optimizer and the model it was created for"
         )
-    moved = [m for m in mirrors if task_of(m.param) is not None]
+    moved = [m for m in mirrors if home_of(m.param) is not None]
     specs = [m.param.get_metadata(SPEC_KEY, PartitionSpec()) for m in moved]
-    tasks = [task_of(m.param) for m in moved]
+    tasks = [home_of(m.param) for m in moved]
     values = _put_all(
         [m.state.get_value() for m in moved],
         [task.sharding(spec) for task, spec in zip(tasks, specs, strict=True)],
@@ -413,12 +456,34 @@ def placement(model: Any) -> dict[str, tuple[str, PartitionSpec]]:
     for path, variable in variables_of(model):
         meta = variable.get_metadata()
         task = meta.get(TASK_KEY)
-        if isinstance(task, Task):
+        if isinstance(task, Task | TaskStack):
             out[path_str(path)] = (task.name, meta.get(SPEC_KEY, PartitionSpec()))
     return out
 
 
 def task_of(variable: nnx.Variable) -> Task | None:
-    """The task a Variable was placed on by ``place``/``init``, or ``None``."""
+    """The task a Variable was placed on by ``place``/``init``, or ``None`` (also for stacked
+    layers split over several tasks: see :func:`stack_of`)."""
     task = variable.get_metadata(TASK_KEY, None)
     return task if isinstance(task, Task) else None
+
+
+def stack_of(variable: nnx.Variable) -> TaskStack | None:
+    """The tasks a stacked Variable's leading axis is split over (a rule naming a list of
+    tasks), or ``None``.
+
+    Example:
+        >>> from mmnnx.sharding import TaskMesh
+        >>> s0, s1 = Task("s0", mesh=TaskMesh(devices=[0])), Task("s1", mesh=TaskMesh(devices=[1]))
+        >>> layers = nnx.vmap(lambda r: nnx.Linear(2, 2, rngs=r))(nnx.Rngs(0).fork(split=4))
+        >>> stack_of(place(layers, [(".*", [s0, s1])]).kernel).name
+        's0+s1'
+    """
+    stack = variable.get_metadata(TASK_KEY, None)
+    return stack if isinstance(stack, TaskStack) else None
+
+
+def home_of(variable: nnx.Variable) -> Task | TaskStack | None:
+    """Where ``place``/``init`` put a Variable: a task, a task stack, or ``None``."""
+    home = variable.get_metadata(TASK_KEY, None)
+    return home if isinstance(home, Task | TaskStack) else None

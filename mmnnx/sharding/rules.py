@@ -10,6 +10,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from mmnnx.sharding.stack import TaskStack
 from mmnnx.sharding.task import Task
 
 Path = tuple[Any, ...]
@@ -27,7 +28,7 @@ class PlacementRule:
 
     index: int
     filter: Any
-    task: Task
+    task: Task | TaskStack
     spec: SpecOrFn
     predicate: Callable[[Path, Any], bool]
 
@@ -62,6 +63,9 @@ def _predicate(flt: Any, index: int) -> Callable[[Path, Any], bool]:
 def compile_rules(rules: Sequence[tuple]) -> list[PlacementRule]:
     """Checks and compiles ``(filter, task)`` / ``(filter, task, spec)`` tuples, in order.
 
+    ``task`` may be a list of tasks: the matched Variables are stacked layers (``nnx.vmap``),
+    whose leading axis is split over those tasks in order (a :class:`TaskStack`).
+
     Example:
         >>> import jax
         >>> from mmnnx.sharding.task_mesh import TaskMesh
@@ -80,12 +84,23 @@ def compile_rules(rules: Sequence[tuple]) -> list[PlacementRule]:
             )
         flt, task, *rest = rule
         spec = rest[0] if rest else None
-        if not isinstance(task, Task):
-            raise TypeError(f"placement rule {index}: {task!r} is not an mm.Task")
-        if task.name is None or task.mesh is None:
-            raise ValueError(
-                f"placement rule {index}: task {task!r} needs a name and a mesh to place state on"
-            )
+        members = list(task) if isinstance(task, list | tuple) else [task]
+        for member in members:
+            if not isinstance(member, Task):
+                raise TypeError(
+                    f"placement rule {index}: {member!r} is not an mm.Task (a rule names a task, "
+                    "or a list of tasks that split stacked layers)"
+                )
+            if member.name is None or member.mesh is None:
+                raise ValueError(
+                    f"placement rule {index}: task {member!r} needs a name and a mesh to place "
+                    "state on"
+                )
+        if isinstance(task, list | tuple):
+            try:
+                task = TaskStack(tuple(task))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"placement rule {index}: {e}") from None
         if spec is not None and not isinstance(spec, PartitionSpec) and not callable(spec):
             raise TypeError(
                 f"placement rule {index}: spec {spec!r} is neither a PartitionSpec nor a callable "

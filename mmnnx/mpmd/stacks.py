@@ -1,0 +1,318 @@
+"""Stacked layers split over tasks: a traced step rewritten so that each task runs its chunk.
+
+A Variable placed on a :class:`~mmnnx.sharding.TaskStack` holds layers along its leading axis,
+task ``i`` holding chunk ``i``. Before colouring, the step's graph is rewritten on chunks: the
+stacked input becomes one input per task; a scan over the layers becomes one scan per chunk (in
+the scan's direction, the carry passed from task to task), elementwise ops and views run chunk
+by chunk (an optimizer update), and a reduction over the layers sums per-chunk partials. Every
+chunk op then reads state placed on one task, so the engine runs it there and pipelines the
+chunks like any other stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from mmnnx.mpmd import _jax
+from mmnnx.mpmd.errors import MPMDError
+from mmnnx.mpmd.ir import Atom, Const, Graph, Op
+from mmnnx.sharding import Task
+from mmnnx.sharding.stack import TaskStack
+
+StackHome = tuple[TaskStack, PartitionSpec]
+"""A stacked value's tasks and the PartitionSpec of each chunk on its task."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    stack: TaskStack
+    bounds: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass
+class Expansion:
+    """How a step's inputs and outputs map to those of its rewritten graph: a stacked one
+    (``inputs[i]`` / ``outputs[i]`` not ``None``) becomes one per task of its stack."""
+
+    inputs: list[StackHome | None]
+    outputs: list[StackHome | None]
+
+    def expand_inputs(self, items: Sequence[Any], chunk: Any) -> list[Any]:
+        """``items`` (one per input) with each stacked input's item replaced by
+        ``chunk(item, task, index, home)`` for each task of its stack."""
+        return _expand(items, self.inputs, chunk)
+
+    def expand_outputs(self, items: Sequence[Any], chunk: Any) -> list[Any]:
+        """As :meth:`expand_inputs`, for the outputs."""
+        return _expand(items, self.outputs, chunk)
+
+    def split_leaves(self, leaves: Sequence[Any]) -> list[Any]:
+        """The step's input arrays with each stacked one cut into its chunks (no copies)."""
+        out: list[Any] = []
+        for leaf, home in zip(leaves, self.inputs, strict=True):
+            if home is None:
+                out.append(leaf)
+            else:
+                out.extend(home[0].split(leaf, home[1]))
+        return out
+
+    def join_results(self, results: Sequence[Any]) -> list[Any]:
+        """The rewritten graph's results with each stacked output's chunks joined again."""
+        out: list[Any] = []
+        i = 0
+        for home in self.outputs:
+            if home is None:
+                out.append(results[i])
+                i += 1
+            else:
+                k = len(home[0].tasks)
+                out.append(home[0].join(results[i : i + k], home[1]))
+                i += k
+        return out
+
+
+def _expand(items: Sequence[Any], homes: Sequence[StackHome | None], chunk: Any) -> list[Any]:
+    out: list[Any] = []
+    for item, home in zip(items, homes, strict=True):
+        if home is None:
+            out.append(item)
+        else:
+            out.extend(chunk(item, t, j, home) for j, t in enumerate(home[0].tasks))
+    return out
+
+
+def chunk_sharding(_item: Any, task: Task, _index: int, home: StackHome) -> Any:
+    """A stacked value's chunk layout on ``task`` (for :meth:`Expansion.expand_inputs`)."""
+    return task.sharding(home[1])
+
+
+class _Rewriter:
+    def __init__(self, graph: Graph, names: Sequence[str]):
+        self.old = graph
+        self.new = Graph()
+        self.names = dict(zip(graph.inputs, names, strict=True))
+        self.whole: dict[int, Atom] = {}
+        self.split: dict[int, tuple[_Layout, list[Atom]]] = {}
+        self.origin: dict[int, str] = {}  # split value -> the stacked input it comes from
+        self.pieces: dict[tuple[int, int, int], Atom] = {}
+
+    def info(self, shape: tuple, dtype: Any) -> tuple:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return tuple(shape), dtype, nbytes
+
+    def emit(self, like: Op | None, primitive: Any, params: dict, ins: list, infos: list) -> list:
+        outs = [self.new.new_value(i) for i in infos]
+        self.new.ops.append(
+            Op(
+                index=len(self.new.ops),
+                primitive=primitive,
+                params=params,
+                ins=ins,
+                outs=outs,
+                multiple_results=primitive.multiple_results,
+                source=like.source if like else "<stacked output>",
+                name=primitive.name,
+                scope=like.scope if like else "",
+                effectful=like.effectful if like else False,
+                backward=like.backward if like else False,
+                region=like.region if like else None,
+                group=like.group if like else None,
+                may_fail=like.may_fail if like else False,
+            )
+        )
+        return outs
+
+    def read(self, a: Atom, op: Op) -> Atom:
+        if isinstance(a, Const):
+            return a
+        if a in self.split:
+            raise self.refuse(op, a)
+        return self.whole[a]
+
+    def shape(self, a: Atom) -> tuple:
+        return tuple(np.shape(a.value)) if isinstance(a, Const) else self.old.shapes[a]
+
+    def piece(self, a: Atom, layout: _Layout, j: int, like: Op | None) -> Atom:
+        """Chunk ``j`` of operand ``a`` along the leading axis (sliced if ``a`` is whole)."""
+        start, stop = layout.bounds[j]
+        if isinstance(a, Const):
+            return Const(np.asarray(a.value)[start:stop])
+        if a in self.split:
+            return self.split[a][1][j]
+        key = (a, start, stop)
+        if key not in self.pieces:
+            shape = self.old.shapes[a]
+            primitive, params = _jax.slice_leading(shape, start, stop)
+            info = self.info((stop - start, *shape[1:]), self.old.dtypes[a])
+            (self.pieces[key],) = self.emit(like, primitive, params, [self.whole[a]], [info])
+        return self.pieces[key]
+
+    def refuse(self, op: Op, a: int) -> MPMDError:
+        return MPMDError(
+            f"`{op.name}` at {op.source} needs the whole of a value computed from the stacked "
+            f"Variable {self.origin.get(a, '?')!r}, whose layers are split over tasks; over the "
+            "layer axis mm.jit splits scans, elementwise ops, views that keep it first, "
+            "reductions and batched matmuls. Keep other ops inside the scan's body, or place "
+            "the Variable on one task"
+        )
+
+    def layout_of(self, op: Op, flags: list[bool]) -> _Layout:
+        layouts = {self.split[a][0] for a, f in zip(op.ins, flags, strict=True) if f}
+        if len(layouts) > 1:
+            a = next(a for a, f in zip(op.ins, flags, strict=True) if f)
+            raise MPMDError(
+                f"`{op.name}` at {op.source} combines stacked values split over different tasks "
+                f"or in different chunks (one comes from {self.origin.get(a, '?')!r}); place "
+                "stacked Variables that are used together on the same list of tasks"
+            )
+        return layouts.pop()
+
+    def chunk_ins(self, op: Op, layout: _Layout, j: int, ins: Sequence[Atom]) -> list[Atom]:
+        length = layout.bounds[-1][1]
+        out = []
+        for a in ins:
+            if isinstance(a, int) and a in self.split:
+                out.append(self.split[a][1][j])
+            elif self.shape(a) == ():
+                out.append(self.read(a, op))
+            elif self.shape(a)[0] == length:
+                out.append(self.piece(a, layout, j, op))
+            else:
+                raise self.refuse(op, next(x for x in op.ins if x in self.split))
+        return out
+
+    def mark(self, op: Op, olds: Sequence[int], layout: _Layout, chunks: list[list[Atom]]):
+        source = next(self.origin[a] for a in op.ins if isinstance(a, int) and a in self.origin)
+        for k, v in enumerate(olds):
+            self.split[v] = (layout, [c[k] for c in chunks])
+            self.origin[v] = source
+
+    def rewrite(self, op: Op) -> None:
+        flags = [isinstance(a, int) and a in self.split for a in op.ins]
+        if not any(flags):
+            ins = [self.read(a, op) for a in op.ins]
+            infos = [self.info(self.old.shapes[v], self.old.dtypes[v]) for v in op.outs]
+            outs = self.emit(op, op.primitive, op.params, ins, infos)
+            self.whole.update(zip(op.outs, outs, strict=True))
+            return
+        layout = self.layout_of(op, flags)
+        rule = _jax.stack_rule(op, flags, [self.shape(a) for a in op.ins])
+        if rule is None:
+            raise self.refuse(op, next(a for a, f in zip(op.ins, flags, strict=True) if f))
+        if rule == "scan":
+            self.rewrite_scan(op, layout)
+            return
+        per_chunk = []
+        for j, (start, stop) in enumerate(layout.bounds):
+            size = stop - start
+            infos = [
+                self.info(
+                    self.old.shapes[v] if rule == "reduce" else (size, *self.old.shapes[v][1:]),
+                    self.old.dtypes[v],
+                )
+                for v in op.outs
+            ]
+            ins = self.chunk_ins(op, layout, j, op.ins)
+            per_chunk.append(self.emit(op, op.primitive, _jax.chunk_params(op, size), ins, infos))
+        if rule == "map":
+            self.mark(op, op.outs, layout, per_chunk)
+            return
+        combine = _jax.combiner(op)
+        for k, v in enumerate(op.outs):
+            total = per_chunk[0][k]
+            info = self.info(self.old.shapes[v], self.old.dtypes[v])
+            for outs in per_chunk[1:]:
+                (total,) = self.emit(op, combine, {}, [total, outs[k]], [info])
+            self.whole[v] = total
+
+    def rewrite_scan(self, op: Op, layout: _Layout) -> None:
+        num_consts, num_carry, reverse = _jax.scan_layout(op)
+        consts = [self.read(a, op) for a in op.ins[:num_consts]]
+        carry = [self.read(a, op) for a in op.ins[num_consts : num_consts + num_carry]]
+        xs = op.ins[num_consts + num_carry :]
+        carry_infos = [
+            self.info(self.old.shapes[v], self.old.dtypes[v]) for v in op.outs[:num_carry]
+        ]
+        order = range(len(layout.bounds))
+        ys: list[list[Atom]] = [[] for _ in order]
+        for j in reversed(order) if reverse else order:
+            start, stop = layout.bounds[j]
+            infos = carry_infos + [
+                self.info((stop - start, *self.old.shapes[v][1:]), self.old.dtypes[v])
+                for v in op.outs[num_carry:]
+            ]
+            ins = [*consts, *carry, *self.chunk_ins(op, layout, j, xs)]
+            outs = self.emit(op, op.primitive, _jax.chunk_params(op, stop - start), ins, infos)
+            carry, ys[j] = outs[:num_carry], outs[num_carry:]
+        self.whole.update(zip(op.outs[:num_carry], carry, strict=True))
+        self.mark(op, op.outs[num_carry:], layout, ys)
+
+
+def split_stacks(
+    graph: Graph,
+    inputs: Sequence[StackHome | None],
+    outputs: Sequence[StackHome | None],
+    names: Sequence[str],
+) -> tuple[Graph, Expansion]:
+    """``graph`` rewritten on chunks of its stacked inputs (``inputs[i]``: the stack and chunk
+    spec of input ``i``, or ``None``), and how its inputs and outputs expanded.
+
+    An output whose home is a stack (``outputs[i]``: an updated stacked Variable, or a gradient
+    of one) is returned as chunks on the stack's tasks; another output computed on chunks (a
+    scan's per-layer results) too, each chunk replicated on its task.
+
+    Raises:
+        MPMDError: an op needs the whole of a stacked value (naming the op and the Variable).
+    """
+    rw = _Rewriter(graph, names)
+    new_inputs: list[int] = []
+    for v, home in zip(graph.inputs, inputs, strict=True):
+        info = rw.info(graph.shapes[v], graph.dtypes[v])
+        if home is None:
+            rw.whole[v] = rw.new.new_value(info)
+            new_inputs.append(rw.whole[v])
+            continue
+        stack, _ = home
+        shape = graph.shapes[v]
+        layout = _Layout(stack, tuple(stack.chunks(shape[0], where=rw.names[v])))
+        chunks = [
+            rw.new.new_value(rw.info((b - a, *shape[1:]), graph.dtypes[v]))
+            for a, b in layout.bounds
+        ]
+        rw.split[v] = (layout, chunks)
+        rw.origin[v] = rw.names[v]
+        new_inputs.extend(chunks)
+    rw.new.inputs = new_inputs
+    for op in graph.ops:
+        rw.rewrite(op)
+    new_outputs: list[Atom] = []
+    expanded: list[StackHome | None] = []
+    for atom, home in zip(graph.outputs, outputs, strict=True):
+        if isinstance(atom, int) and atom in rw.split:
+            layout, chunks = rw.split[atom]
+            if home is not None and home[0] != layout.stack:
+                raise MPMDError(
+                    f"a step result computed on the stack {layout.stack.name!r} belongs to a "
+                    f"Variable stacked on {home[0].name!r}; place both on the same tasks"
+                )
+            new_outputs.extend(chunks)
+            expanded.append(home or (layout.stack, PartitionSpec()))
+        elif home is not None:  # a stacked Variable given a whole new value: cut it up
+            stack, _ = home
+            shape = rw.shape(atom)
+            layout = _Layout(stack, tuple(stack.chunks(shape[0])))
+            whole = atom if isinstance(atom, Const) else rw.whole[atom]
+            if isinstance(atom, int):
+                rw.whole[atom] = whole
+            new_outputs.extend(rw.piece(atom, layout, j, None) for j in range(len(stack.tasks)))
+            expanded.append(home)
+        else:
+            new_outputs.append(atom if isinstance(atom, Const) else rw.whole[atom])
+            expanded.append(None)
+    rw.new.outputs = new_outputs
+    return rw.new, Expansion(list(inputs), expanded)
