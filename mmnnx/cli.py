@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument("--heads", type=_positive("--heads"), default=4, help="attention heads (4)")
     model.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="stack the blocks and run them with nnx.scan, each stage scanning its own chunk "
+        "(--depth must be a multiple of --stages)",
+    )
+    model.add_argument(
         "--seq-len",
         type=_positive("--seq-len"),
         default=64,
@@ -208,6 +214,11 @@ def _check(args: argparse.Namespace) -> str | None:
         )
     if args.depth < args.stages:
         return f"--depth {args.depth} gives fewer blocks than --stages {args.stages}"
+    if args.scan_layers and args.depth % args.stages:
+        return (
+            f"--scan-layers splits --depth {args.depth} blocks into equal chunks, one per stage; "
+            f"--stages {args.stages} does not divide it"
+        )
     if args.dim % args.heads:
         return f"--dim {args.dim} is not divisible by --heads {args.heads}"
     if (args.dim // args.heads) % 2:
@@ -325,6 +336,7 @@ def train(args: argparse.Namespace) -> int:
         depth=args.depth,
         num_heads=args.heads,
         max_seq_len=args.seq_len,
+        scan_layers=args.scan_layers,
     )
 
     def factory():

@@ -26,7 +26,7 @@ from rich.table import Table
 
 from mmnnx._nnx import variables_of
 from mmnnx.mpmd.markers import shapes_only
-from mmnnx.sharding.place import SPEC_KEY, task_of
+from mmnnx.sharding.place import SPEC_KEY, stack_of, task_of
 from mmnnx.sharding.rules import Path, path_str
 from mmnnx.sharding.specs import bytes_per_device, itemsize
 
@@ -207,11 +207,24 @@ def _variable_info(path: Path, variable: nnx.Variable) -> dict:
     value = variable.get_value()
     shape, dtype = tuple(value.shape), value.dtype
     task = task_of(variable)
+    stack = stack_of(variable)
     sharding = getattr(value, "sharding", None)
+    elements, nbytes = math.prod(shape), math.prod(shape) * itemsize(dtype)
+    shares = None
     if task is not None:
         spec = variable.get_metadata().get(SPEC_KEY, PartitionSpec())
         per_device = bytes_per_device(shape, dtype, spec, task.jax_mesh)
         where, spec_text, devices = task.name, str(spec), _devices_text(task.jax_mesh)
+    elif stack is not None:  # each task holds an equal chunk of the layers
+        spec = variable.get_metadata().get(SPEC_KEY, PartitionSpec())
+        k = len(stack.tasks)
+        chunk = (shape[0] // k, *shape[1:])
+        per_device = bytes_per_device(chunk, dtype, spec, stack.tasks[0].jax_mesh)
+        where, spec_text, devices = stack.name, str(spec), _devices_text(stack.jax_mesh)
+        shares = [
+            (t.name, _devices_text(t.jax_mesh), elements // k, nbytes // k, per_device)
+            for t in stack.tasks
+        ]
     else:
         if sharding is not None:
             per_device = math.prod(sharding.shard_shape(shape)) * itemsize(dtype)
@@ -226,12 +239,13 @@ def _variable_info(path: Path, variable: nnx.Variable) -> dict:
         "path": path,
         "type": type(variable).__name__,
         "shape": f"{dtype}[{','.join(str(d) for d in shape)}]",
-        "elements": math.prod(shape),
-        "bytes": math.prod(shape) * itemsize(dtype),
+        "elements": elements,
+        "bytes": nbytes,
         "per_device": per_device,
         "task": where,
         "spec": spec_text,
         "devices": devices,
+        "shares": shares or [(where, devices, elements, nbytes, per_device)],
     }
 
 
@@ -337,19 +351,20 @@ def tabulate(
     totals = Table(title="Totals per task", box=box.SQUARE)
     for name in ["task", "devices", "Variables", "elements", "bytes", "bytes/device"]:
         totals.add_column(name, justify="left" if name in ("task", "devices") else "right")
-    by_task: dict[str, list[dict]] = {}
+    by_task: dict[str, list[tuple]] = {}  # a stacked Variable counts its chunk on each task
     for info in infos:
-        by_task.setdefault(info["task"], []).append(info)
+        for share in info["shares"]:
+            by_task.setdefault(share[0], []).append(share)
     for name in sorted(by_task, key=lambda n: (n == "(unplaced)", n)):
         group = by_task[name]
-        devices = sorted({i["devices"] for i in group})
+        devices = sorted({share[1] for share in group})
         totals.add_row(
             name,
             " ".join(devices),
             str(len(group)),
-            f"{sum(i['elements'] for i in group):,}",
-            _fmt_bytes(sum(i["bytes"] for i in group)),
-            _fmt_bytes(sum(i["per_device"] for i in group)),
+            f"{sum(share[2] for share in group):,}",
+            _fmt_bytes(sum(share[3] for share in group)),
+            _fmt_bytes(sum(share[4] for share in group)),
         )
     totals.add_row(
         "total",

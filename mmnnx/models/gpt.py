@@ -18,7 +18,8 @@ class GPTConfig:
     ``num_kv_heads`` (default ``num_heads``) enables grouped-query attention, ``gated_mlp`` a
     SiLU-gated MLP, ``tie_embeddings`` an output head that reuses the embedding table, and
     ``norm`` is ``"rms"`` or ``"layer"``. Positions are rotary (RoPE); ``max_seq_len`` bounds
-    the input length.
+    the input length. ``scan_layers`` stacks the blocks (``nnx.vmap``) and runs them with
+    ``nnx.scan``: tracing and compiling cost one block, not ``depth``.
 
     Example:
         >>> GPTConfig(depth=2, dim=64).num_heads
@@ -35,16 +36,19 @@ class GPTConfig:
     max_seq_len: int = 128
     tie_embeddings: bool = False
     norm: str = "rms"
+    scan_layers: bool = False
 
 
 class GPT(nnx.Module):
     """Token embedding, ``depth`` pre-norm ``TransformerBlock``s, a final norm and a head.
 
-    Attributes: ``embed`` (``Embed``), ``blocks`` (an ``nnx.List`` of ``TransformerBlock``),
-    ``norm``, and ``head`` (a ``Linear`` named ``("embed", "vocab")``; absent with
+    Attributes: ``embed`` (``Embed``), ``blocks`` (an ``nnx.List`` of ``TransformerBlock``; with
+    ``config.scan_layers``, one ``TransformerBlock`` whose Variables have a leading ``depth``
+    axis), ``norm``, and ``head`` (a ``Linear`` named ``("embed", "vocab")``; absent with
     ``tie_embeddings``, where ``embed.attend`` makes the logits). ``model(tokens)`` returns
     logits; ``model.loss(batch)`` is the next-token cross-entropy of a ``(B, T + 1)`` batch.
-    ``mmnnx.models.stage_rules(model, tasks)`` cuts it into pipeline stages.
+    ``mmnnx.models.stage_rules(model, tasks)`` cuts it into pipeline stages (stacked blocks
+    are split over the tasks).
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -58,20 +62,22 @@ class GPT(nnx.Module):
         self.config = config
         c = config
         self.embed = Embed(c.vocab_size, c.dim, rngs=rngs)
-        self.blocks = nnx.List(
-            [
-                TransformerBlock(
-                    c.dim,
-                    c.num_heads,
-                    num_kv_heads=c.num_kv_heads,
-                    mlp_ratio=c.mlp_ratio,
-                    gated_mlp=c.gated_mlp,
-                    norm=c.norm,
-                    rngs=rngs,
-                )
-                for _ in range(c.depth)
-            ]
-        )
+
+        def block(rngs: nnx.Rngs) -> TransformerBlock:
+            return TransformerBlock(
+                c.dim,
+                c.num_heads,
+                num_kv_heads=c.num_kv_heads,
+                mlp_ratio=c.mlp_ratio,
+                gated_mlp=c.gated_mlp,
+                norm=c.norm,
+                rngs=rngs,
+            )
+
+        if c.scan_layers:
+            self.blocks = nnx.split_rngs(splits=c.depth)(nnx.vmap(block, in_axes=0))(rngs)
+        else:
+            self.blocks = nnx.List([block(rngs) for _ in range(c.depth)])
         self.norm = make_norm(c.norm, c.dim)
         if not c.tie_embeddings:
             self.head = Linear(
@@ -85,8 +91,11 @@ class GPT(nnx.Module):
                 f"{self.config.max_seq_len}, got {tokens.shape}"
             )
         x = self.embed(constrain(tokens, ("batch", "seq")))
-        for block in self.blocks:
-            x = block(x)
+        if self.config.scan_layers:
+            x = nnx.scan(_apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+        else:
+            for block in self.blocks:
+                x = block(x)
         x = self.norm(x)
         return self.embed.attend(x) if self.config.tie_embeddings else self.head(x)
 
@@ -108,3 +117,7 @@ class GPT(nnx.Module):
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
         return jnp.mean(nll)
+
+
+def _apply_block(x: jax.Array, block: TransformerBlock) -> jax.Array:
+    return block(x)

@@ -148,7 +148,10 @@ def stage_rules(
 
     Rules are one ``(regex, task)`` per task, anchored on the ``/``-joined path
     (``^embed/|^blocks/(0|1)/``), so ``blocks/1/`` never matches ``blocks/10/`` nor ``^norm/``
-    ``blocks/0/norm1``. With ``report``, a table of the stages is printed: blocks, parameters,
+    ``blocks/0/norm1``. Stacked blocks (one module made with ``nnx.vmap``, as
+    ``GPT(scan_layers=True)``) get one rule ``("^blocks/", tasks)`` splitting their layer axis
+    into equal chunks, one per task in order (the depth must be a multiple of the task count).
+    With ``report``, a table of the stages is printed: blocks, parameters,
     FLOPs, their shares, and the imbalance (largest stage / mean).
 
     Example:
@@ -171,15 +174,33 @@ def stage_rules(
         if not isinstance(t, Task):
             raise TypeError(f"stage_rules: {t!r} is not an mm.Task")
     blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nnx.List | list | tuple) or not all(
+    stacked = isinstance(blocks, nnx.Module) and not isinstance(blocks, nnx.List)
+    if stacked:
+        depths = {v.shape[0] for _, v in variables_of(blocks) if v.shape}
+        if len(depths) != 1:
+            raise ValueError(
+                f"stage_rules: the Variables of {type(model).__name__}.blocks (one stacked "
+                f"module) do not share one leading layer axis (sizes {sorted(depths)})"
+            )
+        (n,) = depths
+        if n % len(tasks):
+            raise ValueError(
+                f"stage_rules: {n} stacked blocks cannot be split evenly over {len(tasks)} tasks "
+                "(each task holds an equal chunk of a stacked Variable); use a depth divisible "
+                f"by {len(tasks)}"
+            )
+        layers = [blocks] * n
+    elif isinstance(blocks, nnx.List | list | tuple) and all(
         isinstance(b, nnx.Module) for b in blocks
     ):
+        n, layers = len(blocks), list(blocks)
+    else:
         raise ValueError(
             f"stage_rules: {type(model).__name__} has no attribute 'blocks' holding its layers; "
-            "expected model.blocks to be an nnx.List of modules (as GPT.blocks), got "
-            f"{type(blocks).__name__}"
+            "expected model.blocks to be an nnx.List of modules (as GPT.blocks) or one module "
+            f"of stacked layers (nnx.vmap), got {type(blocks).__name__}"
         )
-    n, k = len(blocks), len(tasks)
+    k = len(tasks)
     if n < k:
         raise ValueError(
             f"stage_rules: {n} block(s) cannot fill {k} tasks; every stage needs at least one "
@@ -215,11 +236,18 @@ def stage_rules(
         fl = [flops(node, head=tied_head and isinstance(node, Embed | nnx.Embed)) for node in nodes]
         return params, None if None in fl else sum(fl)
 
-    block_params = [_num_params(b) for b in blocks]
-    block_flops = [flops(b) for b in blocks]
+    block_params = [_num_params(b) // (n if stacked else 1) for b in layers]
+    block_flops = [flops(b) for b in layers]
+    if stacked:  # a stacked module holds every layer's matmuls but one of each attention
+        one = 2 * block_params[0] * (tokens or 0) + 4 * (seq or 0) * _attention_dims(blocks) * (
+            tokens or 0
+        )
+        block_flops = [None if f is None else one for f in block_flops]
     first_params, first_flops = group_cost(firsts, tied_head=tied)
     last_params, last_flops = group_cost(lasts)
-    if by == "flops":
+    if stacked:
+        sizes = [n // k] * k
+    elif by == "flops":
         if None in block_flops:
             raise ValueError(
                 "stage_rules: by='flops' needs a sequence length: pass seq_len= (or give the "
@@ -234,9 +262,11 @@ def stage_rules(
         idx = list(range(start, start + size))
         start += size
         parts = [f"^{re.escape(name)}{'$' if tops[name] else '/'}" for name in firsts if s == 0]
-        parts.append(f"^blocks/{_alternation([str(i) for i in idx])}/")
+        if not stacked:
+            parts.append(f"^blocks/{_alternation([str(i) for i in idx])}/")
         parts += [f"^{re.escape(name)}{'$' if tops[name] else '/'}" for name in lasts if s == k - 1]
-        rules.append(("|".join(parts), task))
+        if parts:
+            rules.append(("|".join(parts), task))
         params = sum(block_params[i] for i in idx)
         fl = None if None in block_flops else sum(block_flops[i] for i in idx)
         names = []
@@ -251,6 +281,8 @@ def stage_rules(
         label = f"{idx[0]}-{idx[-1]}" if size > 1 else str(idx[0])
         rows.append((task.name, label + (f" + {', '.join(names)}" if names else ""), params, fl))
 
+    if stacked:
+        rules.append(("^blocks/", tasks))
     if report and jax.process_index() == 0:  # one report for a multi-process run
         _print_report(rows, n, by, tokens)
     return rules

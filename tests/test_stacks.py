@@ -1,0 +1,198 @@
+"""Stacked (scanned) layers split over tasks: a rule naming a list of tasks, against one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import mmnnx as mm
+from mmnnx.models import GPT, GPTConfig, stage_rules
+from tests.models import four_tasks
+from tests.oracle import close, params_close, trees_close
+
+CONFIG = dict(vocab_size=64, dim=32, depth=8, num_heads=2, max_seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return four_tasks()
+
+
+def gpt(scan_layers: bool) -> GPT:
+    with nnx.use_eager_sharding(False):
+        return GPT(GPTConfig(**CONFIG, scan_layers=scan_layers), rngs=nnx.Rngs(0))
+
+
+def unscanned_copy(scanned: GPT) -> GPT:
+    """The same model with its blocks in an ``nnx.List``, holding the scanned layers' values."""
+    model = gpt(scan_layers=False)
+    stacked = nnx.state(scanned.blocks)
+    for i, block in enumerate(model.blocks):
+        nnx.update(block, jax.tree.map(lambda x, i=i: jnp.asarray(x)[i], stacked))
+    for name in ("embed", "norm", "head"):
+        nnx.update(getattr(model, name), nnx.state(getattr(scanned, name)))
+    return model
+
+
+def train_step(schedule: str | None):
+    def loss_fn(model, tokens):
+        return model.loss(tokens)
+
+    def step(model, opt, tokens):
+        grad_fn = nnx.value_and_grad(loss_fn)
+        if schedule is not None:
+            grad_fn = mm.microbatch(grad_fn, num=4, reduce="mean", schedule=schedule)
+        loss, grads = grad_fn(model, tokens)
+        opt.update(model, grads)
+        return loss, grads
+
+    return step
+
+
+@pytest.mark.parametrize("schedule", [None, "1f1b", "zero-bubble-h1"])
+def test_scanned_gpt_split_over_four_tasks_equals_the_unscanned_model(tasks, schedule):
+    tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG["vocab_size"])
+    scanned = gpt(scan_layers=True)
+    ref = unscanned_copy(scanned)
+    model = mm.place(scanned, stage_rules(scanned, tasks, report=False))
+    kernel = model.blocks.mlp.up.kernel
+    assert mm.stack_of(kernel).tasks == tuple(tasks)
+    assert kernel.get_value().sharding.spec == P("mm_stack", None, "model")
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.adamw(1e-3), wrt=nnx.Param)
+    step = mm.jit(train_step(schedule))
+    plan = step.plan(model, opt, tokens)
+    assert (plan.pipeline is not None) == (schedule is not None) and not plan.unrolled
+    scans = {f.task.name for f in plan.fragments if any(op.name == "scan" for op in f.ops)}
+    assert scans == {t.name for t in tasks}  # each task scans its own chunk
+    ref_step = nnx.jit(train_step(schedule))
+    first_grads = None
+    for _ in range(3):
+        loss, grads = step(model, opt, tokens)
+        ref_loss, ref_grads = ref_step(ref, ref_opt, tokens)
+        close(loss, ref_loss)
+        first_grads = first_grads or ref_grads
+        stacked = nnx.state(grads["blocks"])
+        for i in range(CONFIG["depth"]):
+            trees_close(jax.tree.map(lambda x, i=i: x[i], stacked), ref_grads["blocks"][i])
+    assert kernel.get_value().sharding.spec == P("mm_stack", None, "model")  # still split
+    assert kernel.get_value().sharding.mesh.devices.shape == (4, 2)
+    params_close(unscanned_copy(model), ref, first_grads, steps=3, lr=1e-3)
+
+
+class ScannedMLP(nnx.Module):
+    """Layers built with ``nnx.vmap`` and applied with ``nnx.scan``, as Flax's "Scan over
+    layers" guide (flax docs, nnx/guides/transforms) writes them."""
+
+    def __init__(self, depth: int, dim: int, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=depth)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create_block(rngs: nnx.Rngs):
+            return nnx.Linear(dim, dim, rngs=rngs)
+
+        self.blocks = create_block(rngs)
+        self.head = nnx.Linear(dim, 1, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, block):
+            return x + jnp.tanh(block(x))
+
+        return self.head(forward(x, self.blocks))
+
+
+def mlp_step(schedule):
+    def step(model, opt, x):
+        grad_fn = nnx.value_and_grad(lambda m, x: (m(x) ** 2).mean())
+        if schedule is not None:
+            grad_fn = mm.microbatch(grad_fn, num=4, reduce="mean", schedule=schedule)
+        loss, grads = grad_fn(model, x)
+        opt.update(model, grads)
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b"])
+def test_flax_scan_over_layers_pipelines_on_two_tasks(tasks, schedule):
+    x = jax.random.normal(jax.random.key(2), (8, 16))
+    ref = ScannedMLP(6, 16, nnx.Rngs(0))
+    model = mm.place(ScannedMLP(6, 16, nnx.Rngs(0)), [("blocks", tasks[:2]), ("head", tasks[1])])
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    step, ref_step = mm.jit(mlp_step(schedule)), nnx.jit(mlp_step(schedule))
+    for _ in range(3):
+        close(step(model, opt, x), ref_step(ref, ref_opt, x))
+    trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
+    moments = opt.opt_state[0].mu["blocks"]["kernel"].get_value()
+    assert moments.sharding == model.blocks.kernel.get_value().sharding  # state follows
+
+
+def test_a_global_norm_clip_reduces_over_the_chunks(tasks):
+    x = jax.random.normal(jax.random.key(3), (8, 16))
+    tx = optax.chain(optax.clip_by_global_norm(0.01), optax.sgd(0.5))
+    ref = ScannedMLP(4, 16, nnx.Rngs(0))
+    model = mm.place(ScannedMLP(4, 16, nnx.Rngs(0)), [("blocks", tasks), ("head", tasks[3])])
+    opt, ref_opt = (nnx.Optimizer(m, tx, wrt=nnx.Param) for m in (model, ref))
+    for _ in range(2):
+        close(mm.jit(mlp_step(None))(model, opt, x), nnx.jit(mlp_step(None))(ref, ref_opt, x))
+    trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
+
+
+def test_bad_stacks_are_refused_before_anything_moves(tasks):
+    model = ScannedMLP(6, 16, nnx.Rngs(0))
+    before = model.blocks.kernel.get_value()
+    with pytest.raises(ValueError, match=r"'blocks/bias'.*6 layers.*4 tasks 't0\+t1\+t2\+t3'"):
+        mm.place(model, [("blocks", tasks), ("head", tasks[3])])
+    with pytest.raises(ValueError, match=r"'blocks/kernel'.*leading layer axis over 'model'"):
+        mm.place(model, [("blocks/kernel", tasks[:2], P("model")), (".*", tasks[2])])
+    solo = mm.Task("solo", mesh=mm.TaskMesh(devices=[6]))
+    with pytest.raises(ValueError, match=r"tasks 't0' and 'solo' cannot share stacked"):
+        mm.place(model, [("blocks", [tasks[0], solo]), ("head", tasks[1])])
+    assert model.blocks.kernel.get_value() is before and mm.stack_of(model.blocks.kernel) is None
+
+
+def test_an_op_needing_the_whole_stack_names_the_variable(tasks):
+    model = mm.place(ScannedMLP(4, 16, nnx.Rngs(0)), [("blocks", tasks), ("head", tasks[3])])
+
+    @mm.jit
+    def first_layer_norm(model):
+        return jnp.abs(model.blocks.kernel[...][0]).sum()
+
+    with pytest.raises(mm.MPMDError, match=r"stacked Variable 'arg0/blocks/kernel'.*split over"):
+        first_layer_norm(model)
+
+
+def test_tabulate_and_placement_show_the_stack(tasks):
+    model = mm.place(ScannedMLP(4, 16, nnx.Rngs(0)), [("blocks", tasks), ("head", tasks[3])])
+    assert mm.placement(model)["blocks/kernel"] == ("t0+t1+t2+t3", P())
+    text = str(mm.tabulate(model, jnp.ones((2, 16))))
+    assert "t0+t1+t2+t3" in text and "(unplaced)" not in text
+    totals = text[text.index("Totals per task") :]
+    kernel_chunk = 16 * 16 * 4  # one layer of float32 weights per task
+    bias_chunk = 16 * 4
+    row = next(line for line in totals.splitlines() if " t0 " in line)
+    assert f"{kernel_chunk + bias_chunk:,} B" in row
+
+
+def test_stage_rules_split_stacked_blocks_evenly(tasks):
+    model = gpt(scan_layers=True)
+    rules = stage_rules(model, tasks, report=False)
+    assert rules[-1] == ("^blocks/", tasks)
+    assert [task.name for _, task in rules[:-1]] == ["t0", "t3"]
+    with pytest.raises(ValueError, match="8 stacked blocks cannot be split evenly over 3"):
+        stage_rules(model, tasks[:3], report=False)
+
+
+def test_init_builds_a_stack_on_its_tasks(tasks):
+    rules = [("^blocks/", tasks), ("^embed/", tasks[0]), ("^norm/|^head/", tasks[3])]
+    model = mm.init(lambda: GPT(GPTConfig(**CONFIG, scan_layers=True), rngs=nnx.Rngs(0)), rules)
+    ref = gpt(scan_layers=True)
+    kernel = model.blocks.attn.q.kernel.get_value()
+    assert kernel.sharding == mm.stack_of(model.blocks.attn.q.kernel).sharding(
+        P(None, None, "model")
+    )
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(ref.blocks.attn.q.kernel[...]))
