@@ -12,6 +12,7 @@ chunks like any other stages.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from mmnnx.mpmd import _jax
 from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Atom, Const, Graph, Op
 from mmnnx.sharding import Task
+from mmnnx.sharding.specs import itemsize
 from mmnnx.sharding.stack import TaskStack
 
 StackHome = tuple[TaskStack, PartitionSpec]
@@ -102,8 +104,7 @@ class _Rewriter:
         self.pieces: dict[tuple[int, int, int], Atom] = {}
 
     def info(self, shape: tuple, dtype: Any) -> tuple:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        return tuple(shape), dtype, nbytes
+        return tuple(shape), dtype, math.prod(shape) * itemsize(dtype)
 
     def emit(self, like: Op | None, primitive: Any, params: dict, ins: list, infos: list) -> list:
         outs = [self.new.new_value(i) for i in infos]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -108,7 +109,14 @@ class Task:
         return isinstance(other, Task) and self._key() == other._key()
 
     def __hash__(self):
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:  # the engine hashes tasks in its inner loops; fields are frozen
         return hash(self._key())
+
+    def __getstate__(self):  # string hashes differ between processes: never ship a cached one
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def __repr__(self):
         return f"Task({self.name!r}, mesh={self.mesh!r})"
