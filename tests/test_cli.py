@@ -18,6 +18,7 @@ from mmnnx.cli import main
     [
         (["--stages", "3"], "needs 12 devices, but --devices is 8"),
         (["--depth", "1"], "--depth 1 gives fewer blocks than --stages 2"),
+        (["--depth", "5", "--scan-layers"], "--stages 2 does not divide it"),
         (["--dim", "30"], "--dim 30 is not divisible by --heads 4"),
         (
             ["--heads", "2", "--model-axis", "4", "--data-axis", "1"],
@@ -70,6 +71,7 @@ def test_help_documents_every_flag(capsys):
         "--dim",
         "--depth",
         "--heads",
+        "--scan-layers",
         "--seq-len",
         "--batch-size",
         "--microbatches",

@@ -196,3 +196,25 @@ def test_init_builds_a_stack_on_its_tasks(tasks):
         P(None, None, "model")
     )
     np.testing.assert_array_equal(np.asarray(kernel), np.asarray(ref.blocks.attn.q.kernel[...]))
+
+
+def test_a_stack_saves_and_restores_onto_other_stacks_and_one_task(tasks, tmp_path):
+    x = jax.random.normal(jax.random.key(4), (8, 16))
+    model = mm.place(ScannedMLP(4, 16, nnx.Rngs(0)), [("blocks", tasks), ("head", tasks[3])])
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = mm.jit(mlp_step(None))
+    step(model, opt, x)
+    with mm.train.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, model=model, opt=opt)
+    expected = float(step(model, opt, x))
+    for rules in (
+        [("blocks", tasks[2:]), ("head", tasks[3])],
+        [(".*", tasks[1])],
+    ):
+        fresh = mm.place(ScannedMLP(4, 16, nnx.Rngs(1)), rules)
+        fresh_opt = nnx.Optimizer(fresh, optax.adam(1e-2), wrt=nnx.Param)
+        layout = fresh.blocks.kernel.get_value().sharding
+        with mm.train.Checkpointer(tmp_path) as ckpt:
+            ckpt.restore(model=fresh, opt=fresh_opt)
+        assert fresh.blocks.kernel.get_value().sharding == layout  # the current placement
+        close(mm.jit(mlp_step(None))(fresh, fresh_opt, x), expected)

@@ -475,7 +475,7 @@ def stack_of(variable: nnx.Variable) -> TaskStack | None:
     Example:
         >>> from mmnnx.sharding import TaskMesh
         >>> s0, s1 = Task("s0", mesh=TaskMesh(devices=[0])), Task("s1", mesh=TaskMesh(devices=[1]))
-        >>> layers = nnx.vmap(lambda r: nnx.Linear(2, 2, rngs=r))(nnx.Rngs(0).fork(split=4))
+        >>> layers = nnx.vmap(lambda r: nnx.Linear(2, 2, rngs=r))(nnx.Rngs(0).split(4))
         >>> stack_of(place(layers, [(".*", [s0, s1])]).kernel).name
         's0+s1'
     """

@@ -740,6 +740,8 @@ class Checkpointer:
                         jax.random.key_data(current) if _is_key(current) else current
                     ).sharding
                     value = put(value, layout)
+                if isinstance(current, jax.Array) and not current.committed:
+                    value = jnp.asarray(np.asarray(value))  # state on no task stays uncommitted
                 if _is_key(current):
                     value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(current))
                 if value.shape != current.shape or value.dtype != current.dtype:
