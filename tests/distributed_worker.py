@@ -7,6 +7,7 @@ run, runs SCENARIO and, on every process, writes what it computed (fetched to ho
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import functools
 import json
@@ -251,6 +252,36 @@ def schedules() -> dict:
 
         losses[name] = [float(mm.distributed.fetch(train_step(model, opt, x, y))) for _ in "12"]
     return {"losses": losses}
+
+
+@scenario
+def scanned_gpt() -> dict:
+    """``GPT(scan_layers=True)`` built by ``mm.init`` with its stacked blocks split over two
+    stages, one per process: two 1F1B steps, saved and restored; losses and every array."""
+    from mmnnx.models import GPT, GPTConfig
+    from mmnnx.train import Checkpointer
+
+    config = GPTConfig(vocab_size=256, dim=32, depth=4, num_heads=2, max_seq_len=16)
+
+    def factory():
+        return GPT(dataclasses.replace(config, scan_layers=True), rngs=nnx.Rngs(0))
+
+    tasks = gpt_tasks(2)
+    with nnx.use_eager_sharding(False):
+        rules = mm.stage_rules(nnx.eval_shape(factory), tasks, report=False)
+    model = mm.init(factory, rules)
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = _gpt_train_step()
+    losses = [float(mm.distributed.fetch(step(model, opt, _gpt_tokens(i)))) for i in (1, 2)]
+    digest = _digest(model, opt)
+    directory = pathlib.Path(os.environ["CKPT_OUT"])
+    with Checkpointer(directory) as ckpt:
+        ckpt.save(2, model=model, opt=opt)
+    fresh = mm.init(factory, rules)
+    fresh_opt = nnx.Optimizer(fresh, optax.adam(1e-2), wrt=nnx.Param)
+    with Checkpointer(directory) as ckpt:
+        ckpt.restore(model=fresh, opt=fresh_opt)
+    return {"losses": losses, "state": digest, "restored": _digest(fresh, fresh_opt)}
 
 
 @scenario

@@ -207,6 +207,17 @@ def test_every_schedule_pipelines_across_processes_as_in_one(tmp_path):
             np.testing.assert_allclose(r["losses"][name], losses, rtol=1e-5, err_msg=name)
 
 
+def test_scanned_layers_split_over_processes_as_in_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_OUT", str(tmp_path / "alone"))
+    alone = worker.scanned_gpt()
+    monkeypatch.setenv("CKPT_OUT", str(tmp_path / "together"))
+    for r in run_scenario("scanned_gpt", 2, 4, tmp_path):
+        np.testing.assert_allclose(r["losses"], alone["losses"], rtol=1e-5)
+        for key, value in alone["state"].items():
+            np.testing.assert_allclose(r["state"][key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+        assert r["restored"] == r["state"]  # saved and restored across processes: bit-exact
+
+
 def test_pipelined_gpt_and_checkpoints_across_process_counts(tmp_path, monkeypatch):
     # one process: a 1F1B GPT step, saved
     alone = worker.checkpoint_save(tmp_path / "alone", stages=2)
