@@ -190,3 +190,20 @@ def set_values(variables: Sequence[nnx.Variable], values: Sequence[Any]) -> None
     variables[0].set_raw_value(values[0])
     for variable, value in zip(variables[1:], values[1:], strict=True):
         object.__setattr__(variable, "_raw_value", value)
+
+
+def state_kind(variable: nnx.Variable) -> str:
+    """How ``mm.microbatch`` treats a Variable that its function may update: ``"count"`` (an
+    RNG counter), ``"fixed"`` (parameters and RNG keys: updating them is not pipelined), or
+    ``"chained"`` (batch statistics, caches, metrics: each microbatch starts from the last's).
+
+    Example:
+        >>> from flax import nnx
+        >>> [state_kind(v) for v in (nnx.Param(1.0), nnx.BatchStat(0.0))]
+        ['fixed', 'chained']
+    """
+    if isinstance(variable, nnx.RngCount):
+        return "count"
+    if isinstance(variable, nnx.Param | nnx.RngKey):
+        return "fixed"
+    return "chained"

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec
 
 from mmnnx import _nnx
 from mmnnx.mpmd import _jax, markers
+from mmnnx.mpmd.chains import resolve_rng_counts
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd.lower import lower
@@ -490,6 +491,7 @@ class JitFunction:
             state_homes = expansion.expand_inputs(state_homes, chunk_sharding)
             homes = expansion.expand_outputs(homes, chunk_sharding)
             home_tasks = expansion.expand_outputs(home_tasks, lambda _, t, j, h: t)
+        resolve_rng_counts(graph, {g: m.num_microbatches for g, m in trace.microbatches.items()})
         tasks = list(dict.fromkeys([*(t for t in input_tasks if t is not None), *regions.values()]))
         by_name: dict[str, Task] = {}
         for t in tasks:

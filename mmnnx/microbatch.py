@@ -219,20 +219,32 @@ def _unrolled_reason(args, kwargs, changed, m: int) -> str:
 def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any | None:
     """Traces ``fun`` once on microbatch ``index`` (a value the runtime supplies per replica).
 
-    Returns ``None`` (leaving the arguments as they were) when ``fun`` updates a Variable: such a
-    step is unrolled instead, so that the updates chain from one microbatch to the next.
+    State ``fun`` updates is traced once too: an RNG count starts microbatch ``index`` at
+    ``count + index * d`` (``d``: the draws of one microbatch), so each microbatch draws the keys
+    of the unrolled loop; other state (batch statistics) starts each microbatch from the
+    previous one's result. Returns ``None`` (leaving the arguments as they were) when ``fun``
+    updates a parameter or an RNG key: such a step is unrolled instead.
     """
     group = len(trace.microbatches)
     schedule, virtual_stages = options
-    variables = [
-        v
-        for a in (*args, *kwargs.values())
-        for v in jax.tree.leaves(a, is_leaf=_nnx.is_variable)
-        if _nnx.is_variable(v)
-    ]
+    variables = list(
+        {
+            id(v): v
+            for a in (*args, *kwargs.values())
+            for v in jax.tree.leaves(a, is_leaf=_nnx.is_variable)
+            if _nnx.is_variable(v)
+        }.values()
+    )
     before = [v.get_raw_value() for v in variables]
+    kinds = [_nnx.state_kind(v) for v in variables]
     with jax.named_scope(f"{GROUP_PREFIX}{group}"):
         index = _jax.microbatch_index(group)
+        for slot, (v, b, kind) in enumerate(zip(variables, before, kinds, strict=True)):
+            if kind == "count":
+                v.set_raw_value(_jax.rng_base(b, index, group, slot))
+            elif kind == "chained":
+                v.set_raw_value(_jax.chain_in(b, group, slot))
+        start = [v.get_raw_value() for v in variables]
 
         def piece(x):
             rows = x.shape[dim] // m
@@ -240,13 +252,24 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any |
 
         call_args = [jax.tree.map(piece, a) if i in split_args else a for i, a in enumerate(args)]
         out = fun(*call_args, **kwargs)
-    changed = [v for v, b in zip(variables, before, strict=True) if v.get_raw_value() is not b]
-    if changed:
+    after = [v.get_raw_value() for v in variables]
+    changed = [v for v, s, a in zip(variables, start, after, strict=True) if a is not s]
+    fixed = [v for v in changed if _nnx.state_kind(v) == "fixed"]
+    if fixed:
         for v, b in zip(variables, before, strict=True):
             v.set_raw_value(b)
-        why = _unrolled_reason(args, kwargs, changed, m)
+        why = _unrolled_reason(args, kwargs, fixed, m)
         trace.unrolled.append(why)
         warnings.warn(why, UnrolledMicrobatchWarning, stacklevel=4)
         return None
+    for slot, (v, b, s, a, kind) in enumerate(
+        zip(variables, before, start, after, kinds, strict=True)
+    ):
+        if a is s or kind == "fixed":
+            v.set_raw_value(b)
+        elif kind == "count":
+            v.set_raw_value(_jax.rng_next(a, group, slot))
+        else:
+            v.set_raw_value(_jax.chain_out(a, group, slot))
     trace.microbatches[group] = MicrobatchGroup(m, schedule, virtual_stages)
     return jax.tree.map(lambda x: _jax.accumulate(x, group), out)

@@ -19,7 +19,8 @@ class GPTConfig:
     SiLU-gated MLP, ``tie_embeddings`` an output head that reuses the embedding table, and
     ``norm`` is ``"rms"`` or ``"layer"``. Positions are rotary (RoPE); ``max_seq_len`` bounds
     the input length. ``scan_layers`` stacks the blocks (``nnx.vmap``) and runs them with
-    ``nnx.scan``: tracing and compiling cost one block, not ``depth``.
+    ``nnx.scan``: tracing and compiling cost one block, not ``depth``. ``dropout`` is the
+    residual dropout rate of every block (0: none).
 
     Example:
         >>> GPTConfig(depth=2, dim=64).num_heads
@@ -37,6 +38,7 @@ class GPTConfig:
     tie_embeddings: bool = False
     norm: str = "rms"
     scan_layers: bool = False
+    dropout: float = 0.0
 
 
 class GPT(nnx.Module):
@@ -71,6 +73,7 @@ class GPT(nnx.Module):
                 mlp_ratio=c.mlp_ratio,
                 gated_mlp=c.gated_mlp,
                 norm=c.norm,
+                dropout=c.dropout,
                 rngs=rngs,
             )
 

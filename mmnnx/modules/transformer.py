@@ -34,6 +34,8 @@ class TransformerBlock(nnx.Module):
     Its input and output are constrained to the logical names ``("batch", "seq", "embed")``
     (``constrain``), so inside ``mm.jit`` activations between blocks are sharded as each task's
     rules say (e.g. batch over ``data``). The MLP's hidden size is ``int(mlp_ratio * dim)``.
+    With ``dropout > 0``, the attention and MLP outputs go through ``nnx.Dropout`` before each
+    residual add (drawing from the block's own RNG stream; ``model.eval()`` turns it off).
 
     Example:
         >>> import jax.numpy as jnp
@@ -53,6 +55,7 @@ class TransformerBlock(nnx.Module):
         gated_mlp: bool = False,
         norm: str = "rms",
         rope: bool = True,
+        dropout: float = 0.0,
         rngs: nnx.Rngs,
     ):
         self.dim = dim
@@ -60,9 +63,13 @@ class TransformerBlock(nnx.Module):
         self.attn = Attention(dim, num_heads, num_kv_heads=num_kv_heads, rope=rope, rngs=rngs)
         self.norm2 = make_norm(norm, dim)
         self.mlp = MLP(dim, int(mlp_ratio * dim), gated=gated_mlp, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = constrain(x, ACTIVATION_NAMES)
-        x = x + self.attn(self.norm1(x))
-        x = x + self.mlp(self.norm2(x))
+        x = x + self._drop(self.attn(self.norm1(x)))
+        x = x + self._drop(self.mlp(self.norm2(x)))
         return constrain(x, ACTIVATION_NAMES)
+
+    def _drop(self, x: jax.Array) -> jax.Array:
+        return x if self.dropout is None else self.dropout(x)

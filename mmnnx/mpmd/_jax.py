@@ -46,6 +46,7 @@ _VIEWS = frozenset(
         "convert_element_type",
         "copy",
         "reduce_precision",
+        "mm_chain_in",
     }
 )
 
@@ -519,6 +520,10 @@ _ELEMENTWISE = frozenset(
         "clz",
         "mm_sharding_constraint",
         "mm_microbatch_accumulate",
+        "mm_chain_in",
+        "mm_chain_out",
+        "mm_rng_base",
+        "mm_rng_next",
     ]
 )
 _COMBINE = {
@@ -595,3 +600,98 @@ def slice_leading(shape: Sequence[int], start: int, stop: int) -> tuple[Any, dic
         "limit_indices": (stop, *shape[1:]),
         "strides": None,
     }
+
+
+# State that a microbatched function updates, traced once (``mm.microbatch``; ``chains.py``).
+# ``rng_base_p(count, index)`` is an RNG count as microbatch ``index`` starts:
+# ``count + index * d``, ``d`` (the draws of one microbatch) known once the function is traced;
+# ``rng_next_p(new)`` marks the count after one microbatch (the step's result: ``count + M * d``).
+# ``chain_in_p(value)`` is a Variable's value as a microbatch starts (its input for the first, the
+# previous microbatch's ``chain_out_p`` for the others); ``chain_out_p`` marks the value after.
+rng_base_p = jcore.Primitive("mm_rng_base")
+rng_base_p.def_abstract_eval(lambda count, index, *, group, slot: count)
+rng_next_p = jcore.Primitive("mm_rng_next")
+rng_next_p.def_abstract_eval(lambda new, *, group, slot: new)
+chain_in_p = jcore.Primitive("mm_chain_in")
+chain_in_p.def_abstract_eval(lambda x, *, group, slot: x)
+chain_out_p = jcore.Primitive("mm_chain_out")
+chain_out_p.def_abstract_eval(lambda x, *, group, slot: x)
+for _p in (chain_in_p, chain_out_p):
+    ad.deflinear2(_p, lambda ct, x, *, group, slot: [ct])
+
+
+def rng_base(count, index, group: int, slot: int):
+    """An RNG count as microbatch ``index`` of ``group`` starts (resolved after tracing)."""
+    return rng_base_p.bind(count, index, group=group, slot=slot)
+
+
+def rng_next(new, group: int, slot: int):
+    """Marks an RNG count after one microbatch; the step's result is the count after all."""
+    return rng_next_p.bind(new, group=group, slot=slot)
+
+
+def chain_in(x, group: int, slot: int):
+    """A Variable's value as a microbatch of ``group`` starts."""
+    return chain_in_p.bind(x, group=group, slot=slot)
+
+
+def chain_out(x, group: int, slot: int):
+    """Marks a Variable's value after a microbatch; the step's result is the last one's."""
+    return chain_out_p.bind(x, group=group, slot=slot)
+
+
+def marker_kind(op: Op) -> str | None:
+    """``"rng_base"``, ``"rng_next"``, ``"chain_in"`` or ``"chain_out"`` for those markers."""
+    return {
+        rng_base_p: "rng_base",
+        rng_next_p: "rng_next",
+        chain_in_p: "chain_in",
+        chain_out_p: "chain_out",
+    }.get(op.primitive)
+
+
+def count_ops(count: Op, index: Any, stride: Any, graph: Graph) -> list[Op]:
+    """Ops computing ``count + index * stride`` (``stride`` a constant) in place of the
+    ``rng_base`` marker ``count``: the same outputs, group and scope."""
+    (out,) = count.outs
+    dtype = graph.dtypes[out]
+    shape = graph.shapes[out]
+    cast = graph.new_value(((), dtype, itemsize(dtype)))
+    step = graph.new_value((shape, dtype, math.prod(shape) * itemsize(dtype)))
+
+    def op(primitive, params, ins, outs):
+        return Op(
+            index=-1,
+            primitive=primitive,
+            params=params,
+            ins=ins,
+            outs=outs,
+            multiple_results=False,
+            source=count.source,
+            name=primitive.name,
+            scope=count.scope,
+            group=count.group,
+        )
+
+    convert = {"new_dtype": np.dtype(dtype), "weak_type": False, "sharding": None}
+    return [
+        op(jax.lax.convert_element_type_p, convert, [index], [cast]),
+        op(jax.lax.mul_p, {}, [cast, Const(np.asarray(stride, dtype))], [step]),
+        op(jax.lax.add_p, {}, [count.ins[0], step], [out]),
+    ]
+
+
+def offset_op(marker: Op, base: Any, offset: Any, graph: Graph) -> Op:
+    """An op computing ``base + offset`` (``offset`` a constant) into ``marker``'s output."""
+    (out,) = marker.outs
+    return Op(
+        index=-1,
+        primitive=jax.lax.add_p,
+        params={},
+        ins=[base, Const(np.asarray(offset, graph.dtypes[out]))],
+        outs=[out],
+        multiple_results=False,
+        source=marker.source,
+        name="add",
+        scope="",
+    )

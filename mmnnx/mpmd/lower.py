@@ -102,6 +102,8 @@ class _Lowering:
             if is_constraint(op) and isinstance(op.ins[0], int):
                 self.first_constraint.setdefault(op.ins[0], op)
         self.op_task: dict[int, Task] = {}
+        self.chains = pipeline.chains if pipeline else None
+        self.last = pipeline.num_microbatches - 1 if pipeline else 0
 
     def replica(self, v: int, m: int | None) -> int | None:
         return m if v in self.per_replica else None
@@ -121,10 +123,24 @@ class _Lowering:
             self.activations[slot] = (task.name, m)
         return slot
 
+    def chained(self, v: int, m: int | None) -> tuple[int, int | None]:
+        """The value (and microbatch) a chain marker's result stands for: the Variable's value
+        before the step for microbatch 0 (or for all, if no microbatch changes it), the previous
+        microbatch's result for the others, the last microbatch's as the step's result."""
+        if v in self.chains.results:
+            return self.chains.results[v], self.last
+        before, new = self.chains.starts[v]
+        if new is None or m in (None, 0):
+            return before, None
+        return new, m - 1
+
     def ensure(self, v: int, task: Task, m: int | None, want: NamedSharding | None = None) -> int:
         """The slot holding value ``v`` (of microbatch ``m``) on ``task``, receiving it first if
         it is not there yet."""
         graph = self.graph
+        if self.chains is not None and v in self.chains.marker_values:
+            value, m = self.chained(v, m)
+            return self.ensure(value, task, m, want)
         m = self.replica(v, m)
         found = self.find(v, task, m, want)
         if found is not None:
@@ -218,6 +234,9 @@ def lower(
                 low.where[(u, None)] = frag.task
                 low.activations.pop(slot, None)  # now a running sum, not an activation
 
+    if low.chains is not None:  # a chained result is where the last microbatch left it
+        for result, new in low.chains.results.items():
+            low.where[(result, None)] = low.where[(new, low.last)]
     outputs: list[tuple[int | None, Any, Any]] = []
     for atom, home in zip(graph.outputs, output_homes, strict=True):
         if isinstance(atom, Const):
@@ -226,7 +245,10 @@ def lower(
             task = next(t for t in tasks if t.jax_mesh == home.mesh)
             outputs.append((low.ensure(atom, task, None, home), None, None))
         else:
-            outputs.append((low.find(atom, low.where[(atom, None)], None), None, None))
+            task = low.where[(atom, None)]
+            outputs.append(
+                (low.ensure(atom, task, None) if task else low.find(atom, task, None), None, None)
+            )
 
     actions = _with_releases(low.actions, low.slot_task, inputs, outputs)
     program = StepProgram(list(tasks), actions, inputs, outputs, low.sharding_of, low.activations)

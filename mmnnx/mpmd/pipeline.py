@@ -16,6 +16,7 @@ from collections.abc import Set as AbstractSet
 
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd._jax import is_accumulate, is_index
+from mmnnx.mpmd.chains import Chains, chains, is_marker
 from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.plan import (
@@ -29,6 +30,8 @@ from mmnnx.mpmd.plan import (
     with_replicas,
 )
 from mmnnx.sharding import Task
+
+_SMALL_STATE = 4096  # bytes: inputs this small may be sent to every stage that reads them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,8 @@ class Pipeline:
     accumulated: dict[int, int]  # accumulate op output -> its per-microbatch input
     region_values: set[int]
     order: list[tuple[Fragment, int | None]]
+    chains: Chains = dataclasses.field(default_factory=lambda: Chains({}, {}))
+    num_microbatches: int = 1
 
     @property
     def fragments(self) -> list[Fragment]:
@@ -86,16 +91,19 @@ def plan_pipeline(
     index_ops = [op for op in graph.ops if is_index(op)]
     index_value = index_ops[0].outs[0] if index_ops else None
     accumulate_ops = [op for op in graph.ops if is_accumulate(op)]
-    region = [
-        op for op in graph.ops if op.group == gid and not is_index(op) and not is_accumulate(op)
-    ]
+    chained = chains(graph)
+
+    def special(op: Op) -> bool:
+        return is_index(op) or is_accumulate(op) or is_marker(op)
+
+    region = [op for op in graph.ops if op.group == gid and not special(op)]
     region_ids = {op.index for op in region}
     region_values = {v for op in region for v in op.outs}
     accumulated = {op.outs[0]: op.ins[0] for op in accumulate_ops}
 
     for v in region_values:
         for c in consumers.get(v, ()):
-            if c.index not in region_ids and not is_accumulate(c):
+            if c.index not in region_ids and not is_accumulate(c) and not is_marker(c):
                 raise MPMDError(
                     f"mm.jit: `{c.name}` at {c.source} reads a value computed inside "
                     "mm.microbatch that is not one of its outputs (differentiate inside the "
@@ -104,10 +112,10 @@ def plan_pipeline(
     if any(v in region_values for v in graph.outputs if isinstance(v, int)):
         raise MPMDError("mm.jit: a value computed inside mm.microbatch is returned directly")
 
-    downstream: set[int] = set(accumulated)
+    downstream: set[int] = set(accumulated) | set(chained.results)
     post_ops, pre_ops = [], []
     for op in graph.ops:
-        if op.index in region_ids or is_index(op) or is_accumulate(op):
+        if op.index in region_ids or special(op):
             continue
         if any(isinstance(a, int) and a in downstream for a in op.ins):
             downstream.update(op.outs)
@@ -118,8 +126,13 @@ def plan_pipeline(
     # Index arithmetic, the slicing of unplaced inputs (the batch) by the microbatch index, and
     # side inputs built from them and constants (masks, positions) are recomputed in every
     # fragment that needs them rather than sent between tasks.
+    # So are RNG keys derived per microbatch: small placed state (a key, a count) is sent to
+    # each stage that draws, which draws its own random bits.
     seeds = {index_value} if index_value is not None else set()
-    replicable = replicable_ops(graph, region, seeds, free_inputs, side_inputs=True)
+    small_state = {v for v in graph.inputs if graph.nbytes[v] <= _SMALL_STATE}
+    replicable = replicable_ops(
+        graph, region, seeds, set(free_inputs) | small_state, side_inputs=True
+    )
     replicable_ids = {op.index for op in replicable}
     staged = [op for op in region if op.index not in replicable_ids]
     follow_the_flow(graph, staged, op_tasks, pinned)
@@ -136,6 +149,7 @@ def plan_pipeline(
             )
     if schedule.splits_backward:
         stages = split_backward(graph, stages, op_tasks, schedule.split_stages)
+    _check_chains(graph, chained, stages)
 
     pre = cut(graph, op_tasks, tasks, pre_ops, suffix="pre", free_inputs=free_inputs)
     post = cut(graph, op_tasks, tasks, post_ops, suffix="post", free_inputs=free_inputs)
@@ -156,7 +170,31 @@ def plan_pipeline(
         accumulated,
         region_values,
         order,
+        chained,
+        group.num_microbatches,
     )
+
+
+def _check_chains(graph: Graph, chained: Chains, stages: dict[tuple[str, int], Fragment]) -> None:
+    """Raises unless each chained Variable is read and written by one stage's forward program:
+    microbatch k's value is handed to microbatch k + 1's program there."""
+    where = {op.index: key for key, frag in stages.items() for op in frag.ops}
+    producer = graph.producers()
+    consumers = graph.consumers()
+    for start, (_, new) in chained.starts.items():
+        if new is None:
+            continue
+        maker = producer.get(new)
+        keys = {where.get(maker.index)} if maker is not None else {None}
+        keys |= {where.get(c.index) for c in consumers.get(start, ()) if c.index in where}
+        if len(keys) != 1 or None in keys or next(iter(keys))[0] != "F":
+            source = maker.source if maker is not None else "?"
+            raise MPMDError(
+                f"mm.microbatch: the state updated at {source} is read and written by different "
+                f"pipeline stages or passes ({sorted(str(k) for k in keys)}); each microbatch "
+                "starts from the previous one's value, so one stage's forward pass must both "
+                "read and update it (place the Variable with the layer that updates it)"
+            )
 
 
 def follow_the_flow(
