@@ -702,3 +702,38 @@ def test_optimizer_wrappers_with_a_cond_over_every_parameter_run_across_tasks(ta
     for a, b in zip(flat(nnx.state(model)), flat(nnx.state(ref)), strict=True):
         close(a, b, rtol=1e-5, atol=1e-5)
     assert mm.placement(model) == mm.placement(two_stage(tasks))
+
+
+def test_a_while_loop_over_every_parameter_runs_across_tasks(tasks):
+    # a loop with a traced trip count (lax.while_loop) carrying state of two tasks and a step
+    # counter: split into one loop per task, each carrying the counter
+    s0, s1 = tasks
+
+    class Two(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(4, 4, rngs=rngs)
+            self.b = nnx.Linear(4, 4, rngs=rngs)
+
+    def shrink(model, n):
+        def body(carry):
+            i, a, b = carry
+            return i + 1, a * 0.5, b * 0.25
+
+        init = (0, model.a.kernel[...], model.b.kernel[...])
+        _, a, b = jax.lax.while_loop(lambda c: c[0] < n, body, init)
+        model.a.kernel[...], model.b.kernel[...] = a, b
+        return a.sum() + b.sum()
+
+    model = mm.place(Two(nnx.Rngs(0)), [("a", s0), ("b", s1)])
+    ref = Two(nnx.Rngs(0))
+    step = mm.jit(shrink)
+    close(step(model, jnp.int32(3)), shrink(ref, jnp.int32(3)))
+    close(model.b.kernel[...], ref.b.kernel[...])
+    assert model.a.kernel[...].sharding.device_set == s0.sharding().device_set
+    loops = {
+        f.task.name
+        for f in step.plan(model, jnp.int32(3)).fragments
+        for op in f.ops
+        if op.name == "while"
+    }
+    assert loops == {s0.name, s1.name}

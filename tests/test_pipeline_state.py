@@ -125,7 +125,7 @@ def gpt_step(schedule: str):
     return step
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+@pytest.mark.parametrize("schedule", ["zero-bubble-h1"])  # the CNN test runs 1F1B too
 def test_gpt_with_dropout_pipelines_like_the_unrolled_loop(schedule):
     tasks = four_tasks()
     config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16, dropout=0.1)

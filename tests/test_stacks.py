@@ -52,7 +52,7 @@ def train_step(schedule: str | None):
     return step
 
 
-@pytest.mark.parametrize("schedule", [None, "1f1b", "zero-bubble-h1"])
+@pytest.mark.parametrize("schedule", [None, "1f1b"])
 def test_scanned_gpt_split_over_four_tasks_equals_the_unscanned_model(tasks, schedule):
     tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG["vocab_size"])
     scanned = gpt(scan_layers=True)
@@ -116,7 +116,7 @@ def mlp_step(schedule):
     return step
 
 
-@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble-h1"])
 def test_flax_scan_over_layers_pipelines_on_two_tasks(tasks, schedule):
     x = jax.random.normal(jax.random.key(2), (8, 16))
     ref = ScannedMLP(6, 16, nnx.Rngs(0))

@@ -206,7 +206,8 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
                     "tasks; use an unordered callback (e.g. jax.debug.print) or move it out of "
                     "the step"
                 )
-            pieces = _split_cond(eqn) if eqn.primitive.name == "cond" else None
+            split = _SPLITTERS.get(eqn.primitive.name)
+            pieces = split(eqn) if split is not None else None
             if pieces is None:
                 pieces = [(dict(eqn.params), list(eqn.invars), list(eqn.outvars))]
             for params, invars, outvars in pieces:
@@ -299,6 +300,112 @@ def _split_cond(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
         outvars = [eqn.outvars[i] for i in positions]
         pieces.append(({"branches": tuple(new_branches)}, [eqn.invars[0], *operands], outvars))
     return pieces
+
+
+def _split_while(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
+    """A ``while_loop`` whose carried values fall into independent groups, as one loop per group,
+    or ``None`` if it does not split.
+
+    Scalar carried values computed only from each other (a step counter) are carried by every
+    piece, and so is whatever the loop's predicate reads, which must be among them. The other
+    values are grouped as :func:`_split_cond` groups results: one piece per group, each reading
+    only the operands its group needs, so each can run on the task that holds its state."""
+    params = eqn.params
+    cond_n, body_n = params["cond_nconsts"], params["body_nconsts"]
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+    init = eqn.invars[cond_n + body_n :]
+    n = len(init)
+    if eqn.effects or n < 2:
+        return None
+    jaxpr = body.jaxpr
+    carry_in = jaxpr.invars[body_n:]
+    position = {v: i for i, v in enumerate(carry_in)}
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+    def reads(out) -> tuple[set[int], set[int]]:
+        """The carried inputs an output reads, and the ids of the non-scalar equations on
+        the way."""
+        found, shared, seen, stack = set(), set(), set(), [out]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, jcore.Literal):
+                continue
+            if v in position:
+                found.add(position[v])
+                continue
+            e = producer.get(v)
+            if e is None or id(e) in seen:
+                continue
+            seen.add(id(e))
+            if any(getattr(o.aval, "shape", ()) != () for o in e.outvars):
+                shared.add(id(e))
+            stack += list(e.invars)
+        return found, shared
+
+    deps = [reads(out) for out in jaxpr.outvars]
+    scalar = {i for i in range(n) if getattr(carry_in[i].aval, "shape", ()) == ()}
+    replicated = set(scalar)
+    changed = True
+    while changed:  # scalars computed from replicated scalars only
+        changed = False
+        for i in list(replicated):
+            if not deps[i][0] <= replicated or deps[i][1]:
+                replicated.discard(i)
+                changed = True
+    cond_reads = {i for i, v in enumerate(cond.jaxpr.invars[cond_n:]) if _used(cond.jaxpr, v)}
+    if not cond_reads <= replicated:
+        return None
+    others = [i for i in range(n) if i not in replicated]
+    parent = {i: i for i in others}
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i in others:
+        for j in deps[i][0] - replicated:
+            parent[root(i)] = root(j)
+        for e in deps[i][1]:
+            parent[root(i)] = root(owner.setdefault(e, i))
+    groups: dict[int, list[int]] = {}
+    for i in others:
+        groups.setdefault(root(i), []).append(i)
+    if len(groups) < 2:
+        return None
+    pieces = []
+    for members in groups.values():
+        keep = sorted({*members, *replicated})
+        carried = [i in keep for i in range(n)]
+        _, body_reads = pe.dce_jaxpr(jaxpr, carried)
+        body_keep = body_reads[:body_n] + carried
+        new_body, _ = pe.dce_jaxpr(jaxpr, carried, instantiate=body_keep)
+        _, cond_used = pe.dce_jaxpr(cond.jaxpr, [True])
+        cond_keep = cond_used[:cond_n] + carried
+        new_cond, _ = pe.dce_jaxpr(cond.jaxpr, [True], instantiate=cond_keep)
+        piece = dict(params)
+        piece.update(
+            cond_jaxpr=jcore.ClosedJaxpr(new_cond, cond.consts),
+            body_jaxpr=jcore.ClosedJaxpr(new_body, body.consts),
+            cond_nconsts=sum(cond_keep[:cond_n]),
+            body_nconsts=sum(body_keep[:body_n]),
+        )
+        cond_consts = [v for v, k in zip(eqn.invars[:cond_n], cond_keep, strict=False) if k]
+        body_consts = [
+            v for v, k in zip(eqn.invars[cond_n : cond_n + body_n], body_keep, strict=False) if k
+        ]
+        operands = [*cond_consts, *body_consts, *(init[i] for i in keep)]
+        pieces.append((piece, operands, [eqn.outvars[i] for i in keep]))
+    return pieces
+
+
+def _used(jaxpr: jcore.Jaxpr, var) -> bool:
+    return any(var in e.invars for e in jaxpr.eqns) or var in jaxpr.outvars
+
+
+_SPLITTERS = {"cond": _split_cond, "while": _split_while}
 
 
 def _drop_dead_ops(graph: Graph) -> None:
