@@ -678,6 +678,13 @@ def stack_rule(op: Op, split: Sequence[bool], in_shapes: Sequence[tuple]) -> str
     return None
 
 
+def is_constant_broadcast(op: Op) -> bool:
+    """Whether ``op`` fills an array with one constant (``jnp.zeros``, ``jnp.full``)."""
+    return op.name == "broadcast_in_dim" and all(
+        isinstance(x, Const) and np.ndim(x.value) == 0 for x in op.ins
+    )
+
+
 def chunk_params(op: Op, size: int) -> dict:
     """``op``'s parameters for a chunk of ``size`` along the leading axis."""
     params = dict(op.params)

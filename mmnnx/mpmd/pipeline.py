@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 from mmnnx.mpmd import schedules as sched
-from mmnnx.mpmd._jax import is_accumulate, is_index
+from mmnnx.mpmd._jax import is_accumulate, is_cheap, is_index
 from mmnnx.mpmd.chains import Chains, chains, is_marker
 from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
@@ -133,6 +133,11 @@ def plan_pipeline(
     replicable = replicable_ops(
         graph, region, seeds, set(free_inputs) | small_state, side_inputs=True
     )
+    # Constants the stages read (filled arrays of a norm's statistics, scan constants) are made in
+    # each stage that reads them, not on one task and sent before the first microbatch.
+    made_here = _stage_constants(graph, pre_ops, region_ids)
+    pre_ops = [op for op in pre_ops if op.index not in {c.index for c in made_here}]
+    replicable = sorted([*replicable, *made_here], key=lambda op: op.index)
     replicable_ids = {op.index for op in replicable}
     staged = [op for op in region if op.index not in replicable_ids]
     follow_the_flow(graph, staged, op_tasks, pinned)
@@ -173,6 +178,21 @@ def plan_pipeline(
         chained,
         group.num_microbatches,
     )
+
+
+def _stage_constants(graph: Graph, pre_ops: list[Op], region_ids: set[int]) -> list[Op]:
+    """The ops of ``pre_ops`` that read nothing (constants, filled arrays), are cheap, and whose
+    results only pipeline stages read."""
+    consumers = graph.consumers()
+    return [
+        op
+        for op in pre_ops
+        if op.outs
+        and not op.effectful
+        and is_cheap(op)
+        and not any(isinstance(a, int) for a in op.ins)
+        and all(c.index in region_ids for v in op.outs for c in consumers.get(v, ()))
+    ]
 
 
 def _check_chains(graph: Graph, chained: Chains, stages: dict[tuple[str, int], Fragment]) -> None:

@@ -148,9 +148,15 @@ class _Rewriter:
         key = (a, start, stop)
         if key not in self.pieces:
             shape = self.old.shapes[a]
-            primitive, params = _jax.slice_leading(shape, start, stop)
             info = self.info((stop - start, *shape[1:]), self.old.dtypes[a])
-            (self.pieces[key],) = self.emit(like, primitive, params, [self.whole[a]], [info])
+            made = self.old.producers().get(a)
+            if made is not None and _jax.is_constant_broadcast(made):
+                # a constant filled over the layers: made at the chunk's size where it is read
+                params = _jax.chunk_params(made, stop - start)
+                (self.pieces[key],) = self.emit(made, made.primitive, params, made.ins, [info])
+            else:
+                primitive, params = _jax.slice_leading(shape, start, stop)
+                (self.pieces[key],) = self.emit(like, primitive, params, [self.whole[a]], [info])
         return self.pieces[key]
 
     def refuse(self, op: Op, a: int) -> MPMDError:
