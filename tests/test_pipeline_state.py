@@ -145,9 +145,6 @@ def test_gpt_with_dropout_pipelines_like_the_unrolled_loop(schedule):
         strict=True,
     ):
         close(a, b)
-    model.eval()  # no draws: the step is the same function of the parameters
-    ref.eval()
-    close(step(model, opt, tokens), ref_step(ref, ref_opt, tokens))
 
 
 def test_state_updated_by_two_stages_is_refused_naming_it():
