@@ -14,6 +14,9 @@ rows, JAX's own transpose of the scan took 2.1x as long as this one and two stag
 - speed-up over running the same actions without overlap (blocking after each) (target >= 1.4x);
 - the same for 1F1B with each stage's output through ``nnx.Dropout(0.1)`` (its RNG count
   updated per microbatch: traced once and pipelined; target: the same efficiency);
+- per schedule (GPipe, 1F1B, ZB-H1), the step time ``mm.schedules.simulate`` predicts from the
+  step's own measured action durations against the measured step time (target: within 10%),
+  and the measured bubble against the analytic one;
 - host overhead per action (step span minus device time, per action) at M = 4 and M = 32
   (target: flat).
 
@@ -152,6 +155,34 @@ def efficiency(num=8, schedule="gpipe", dropout=False):
     }
 
 
+def measured_vs_simulated(num=8):
+    """Per schedule: the step time ``simulate`` predicts from the durations the step's own
+    timeline measured (median per action kind and stage), against the measured step time; and
+    the measured bubble (idle share of the ranks' time) against the analytic one (F = 1, B = 2)."""
+    out = {}
+    for name in ("gpipe", "1f1b", "zero-bubble-h1"):
+        step, model, x = build(num, name)
+        t_step = median_time(lambda step=step, model=model, x=x: step(model, x))
+        durations: dict[tuple[str, int], list[float]] = {}
+        for _ in range(5):
+            for e in step.timeline(model, x):
+                durations.setdefault((e.kind, e.stage), []).append(e.end - e.start)
+        costs = {key: statistics.median(values) for key, values in durations.items()}
+        schedule = mm.schedules.get(name, num_stages=2, num_microbatches=num)
+        for row in schedule.actions:  # a pass with no ops (stage 0's I) runs nothing
+            for a in row:
+                costs.setdefault((a.kind, a.stage), 0.0)
+        predicted = mm.schedules.simulate(schedule, action_costs=costs)
+        busy = sum(costs[(a.kind, a.stage)] for row in schedule.actions for a in row)
+        out[f"{name}: predicted / measured step"] = predicted.makespan / t_step
+        out[f"{name}: bubble measured"] = 1 - busy / (schedule.num_ranks * t_step)
+        out[f"{name}: bubble analytic"] = float(mm.schedules.simulate(schedule).bubble_fraction)
+    out["target: every prediction within 10%"] = all(
+        abs(v - 1) <= 0.1 for k, v in out.items() if k.endswith("predicted / measured step")
+    )
+    return out
+
+
 def host_overhead():
     """Host time between actions: a step's span minus its actions' device time, per action.
 
@@ -181,10 +212,17 @@ def main():
         "efficiency": efficiency(),
         "efficiency 1f1b": efficiency(schedule="1f1b"),
         "efficiency 1f1b, dropout": efficiency(schedule="1f1b", dropout=True),
+        "measured vs simulated": measured_vs_simulated(),
         "host": host_overhead(),
         "device": str(jax.devices()[0]),
     }
-    sections = ("efficiency", "efficiency 1f1b", "efficiency 1f1b, dropout", "host")
+    sections = (
+        "efficiency",
+        "efficiency 1f1b",
+        "efficiency 1f1b, dropout",
+        "measured vs simulated",
+        "host",
+    )
     publish(results, RESULTS, "pipeline", sections)
 
 

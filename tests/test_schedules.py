@@ -426,3 +426,13 @@ def test_str_of_a_schedule_that_cannot_run_still_prints():
     text = str(stuck)
     assert "cannot run as ordered" in text
     assert "rank 0 | B0.0 F0.0" in text
+
+
+def test_simulate_with_measured_costs_per_kind_and_stage():
+    s = schedules.get("1f1b", num_stages=3, num_microbatches=6)
+    uniform = {(k, st): c for st in range(3) for k, c in (("F", 1), ("B", 2))}
+    assert schedules.simulate(s, action_costs=uniform).makespan == schedules.simulate(s).makespan
+    slow_last = {**uniform, ("F", 2): 3, ("B", 2): 6}  # the last stage bounds every microbatch
+    assert schedules.simulate(s, action_costs=slow_last).makespan == 6 * 9 + 2 * 3
+    with pytest.raises(ValueError, match=r"no cost for \[\('B', 1\)\]"):
+        schedules.simulate(s, action_costs={k: v for k, v in uniform.items() if k != ("B", 1)})

@@ -25,7 +25,7 @@ import csv
 import dataclasses
 import io
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 KINDS = ("F", "B", "I", "W")
@@ -494,6 +494,8 @@ def simulate(
     forward_cost: float = 1,
     backward_cost: float = 2,
     weight_cost: float | None = None,
+    *,
+    action_costs: Mapping[tuple[str, int], float] | None = None,
 ) -> SimulationResult:
     """Simulate ``schedule`` with fixed per-action costs and zero communication time.
 
@@ -505,6 +507,10 @@ def simulate(
     whose ranks hold ``v`` stages each models the same per-rank work as a plain one when its
     costs are divided by ``v``. Ints or ``fractions.Fraction`` costs give exact results.
 
+    ``action_costs`` maps ``(kind, stage)`` to a cost and replaces the three per-kind costs:
+    feed it the durations a step's ``timeline()`` measured to predict that step's time under
+    this or another schedule (``benchmarks/pipeline.py`` compares the two).
+
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate, zero_bubble_h1
         >>> simulate(one_f_one_b(4, 8)).makespan
@@ -512,6 +518,12 @@ def simulate(
         >>> simulate(zero_bubble_h1(4, 8)).makespan
         27.0
     """
+    if action_costs is not None:
+        validate(schedule)
+        missing = {(a.kind, a.stage) for row in schedule.actions for a in row} - set(action_costs)
+        if missing:
+            raise ValueError(f"action_costs has no cost for {sorted(missing)}")
+        return _result(schedule, _execute(schedule, lambda a: action_costs[(a.kind, a.stage)]))
     if weight_cost is None:
         weight_cost = backward_cost / 2
     if not forward_cost > 0 or not backward_cost > 0:
@@ -528,7 +540,10 @@ def simulate(
         "I": backward_cost - weight_cost,
         "W": weight_cost,
     }
-    timed = _execute(schedule, lambda action: costs[action.kind])
+    return _result(schedule, _execute(schedule, lambda action: costs[action.kind]))
+
+
+def _result(schedule: Schedule, timed: list) -> SimulationResult:
     makespan = max(t.end for t in timed)
     busy = sum(t.end - t.start for t in timed)
     capacity = schedule.num_ranks * makespan
