@@ -26,7 +26,7 @@ import dataclasses
 import io
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 KINDS = ("F", "B", "I", "W")
 """Action kinds: forward, full backward, input-gradient half, weight-gradient half."""
@@ -959,3 +959,16 @@ register("1f1b", _one_stage_per_rank("1f1b", one_f_one_b))
 register("interleaved-1f1b", _interleaved("interleaved-1f1b", interleaved_1f1b))
 register("interleaved-gpipe", _interleaved("interleaved-gpipe", interleaved_gpipe))
 register("zero-bubble-h1", _one_stage_per_rank("zero-bubble-h1", zero_bubble_h1))
+
+
+def tune(step: Any, *args: Any, **kwargs: Any) -> Any:
+    """Measures a pipelined ``mm.jit`` step once and returns the fastest schedule and
+    microbatch count that fit a memory budget, with a table of every candidate
+    (:func:`mmnnx.mpmd.tuning.tune`, which runs the step; this module itself only holds data).
+
+    Example:
+        >>> # best = mm.schedules.tune(train_step, model, opt, batch, memory_budget="2GiB").best
+    """
+    from mmnnx.mpmd.tuning import tune as run_and_simulate  # noqa: PLC0415
+
+    return run_and_simulate(step, *args, **kwargs)

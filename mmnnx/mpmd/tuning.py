@@ -1,0 +1,216 @@
+"""``mm.schedules.tune``: measure a pipelined step once, simulate the candidate schedules, pick.
+
+The step runs twice in ``timeline`` mode (a warm-up that compiles, then one measured run) and
+once to record live activations (``memory_profile``), on the caller's arguments, whose values
+are put back afterwards. The measured durations per action kind and stage, scaled by the
+microbatch size, drive :func:`~mmnnx.mpmd.schedules.simulate` for every candidate; memory is
+each device's placed state plus the candidate's peak in-flight microbatches times the measured
+activation bytes of one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from mmnnx.mpmd import schedules as sched
+from mmnnx.mpmd.errors import MPMDError
+
+_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6}
+_UNITS["GB"] = 10**9
+
+
+def parse_bytes(size: int | str) -> int:
+    """``2GiB``, ``512 MiB``, ``1.5GB`` or an int, in bytes.
+
+    Example:
+        >>> parse_bytes("2GiB"), parse_bytes(4096)
+        (2147483648, 4096)
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    found = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(size))
+    unit = found.group(2).upper() if found else None
+    if found is None or unit not in _UNITS:
+        raise ValueError(f"memory size {size!r}: expected a number of bytes such as '2GiB'")
+    return int(float(found.group(1)) * _UNITS[unit])
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One simulated choice: its predicted step time (seconds), bubble fraction, the largest
+    device's predicted memory (bytes), and why it was rejected ("" when it fits)."""
+
+    schedule: str
+    num_microbatches: int
+    predicted_seconds: float | None
+    bubble: float | None
+    peak_bytes: int | None
+    rejected: str = ""
+
+
+@dataclasses.dataclass
+class TuneResult:
+    """The fastest candidate that fits (``best``) and every candidate, fastest first; ``str``
+    draws the table."""
+
+    best: Candidate
+    candidates: list[Candidate]
+    measured_schedule: str
+    measured_microbatches: int
+
+    def __str__(self) -> str:
+        table = Table(title="mm.schedules.tune", box=box.SQUARE)
+        for column in ("schedule", "M", "predicted step", "bubble", "peak memory/device", "note"):
+            table.add_column(column, justify="left" if column in ("schedule", "note") else "right")
+        for c in self.candidates:
+            note = c.rejected or ("chosen" if c == self.best else "")
+            table.add_row(
+                c.schedule,
+                str(c.num_microbatches),
+                "-" if c.predicted_seconds is None else f"{c.predicted_seconds * 1e3:.1f} ms",
+                "-" if c.bubble is None else f"{c.bubble:.3f}",
+                "-" if c.peak_bytes is None else f"{c.peak_bytes:,} B",
+                note,
+            )
+        console = Console(width=120, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+        console.print(table)
+        return console.export_text()
+
+
+def _state_bytes_per_device(args: Sequence[Any], variables: Sequence[Any]) -> dict[Any, int]:
+    """Bytes of the step's array arguments on each device."""
+    per_device: dict[Any, int] = {}
+    for value in variables:
+        if not isinstance(value, jax.Array):
+            continue
+        shard = value.sharding.shard_shape(value.shape)
+        nbytes = math.prod(shard) * value.dtype.itemsize
+        for device in value.sharding.device_set:
+            per_device[device] = per_device.get(device, 0) + nbytes
+    return per_device
+
+
+def tune(
+    step: Any,
+    *args: Any,
+    memory_budget: int | str | None = None,
+    schedules: Sequence[str] | None = None,
+    microbatches: Sequence[int] | None = None,
+    **kwargs: Any,
+) -> TuneResult:
+    """Measures ``step(*args, **kwargs)`` (an ``mm.jit`` step with a pipelined
+    ``mm.microbatch``) once and returns the fastest candidate schedule and microbatch count
+    whose predicted memory per device fits ``memory_budget``, with a table of all.
+
+    Candidates are every registered schedule that runs the step's stages as they are placed
+    (``schedules``: default all of them; the interleaved ones need ``virtual_stages`` > 1 and
+    are tried only when the step already uses that many) times ``microbatches`` (default: the
+    step's own count). A candidate's per-action time is the measured one scaled by the
+    microbatch size, and a split backward (ZB) is estimated as half input, half weight gradient
+    when the step ran a joint one. The arguments keep the values they had.
+
+    Example:
+        >>> # result = mm.schedules.tune(train_step, model, opt, batch, memory_budget="2GiB")
+        >>> # print(result); result.best.schedule
+    """
+    if getattr(step, "donate_argnums", ()):
+        raise MPMDError("tune: the step donates its arguments, which tune must put back")
+    plan = step.plan(*args, **kwargs)
+    pipeline = plan.pipeline
+    if pipeline is None:
+        raise MPMDError(
+            "tune: the step has no pipelined mm.microbatch (see plan().unrolled for why a "
+            "microbatched function runs unrolled)"
+        )
+    measured = pipeline.schedule
+    m0 = pipeline.num_microbatches
+    from mmnnx import _nnx  # noqa: PLC0415
+
+    variables = [
+        v for v in jax.tree.leaves((args, kwargs), is_leaf=_nnx.is_variable) if _nnx.is_variable(v)
+    ]
+    before = [v.get_raw_value() for v in variables]
+    try:
+        step.timeline(*args, **kwargs)  # compiles
+        _nnx.set_values(variables, before)
+        events = step.timeline(*args, **kwargs)
+        _nnx.set_values(variables, before)
+        memory = step.memory_profile(*args, **kwargs)
+    finally:
+        _nnx.set_values(variables, before)
+    durations: dict[tuple[str, int], list[float]] = {}
+    for e in events:
+        durations.setdefault((e.kind, e.stage), []).append(e.end - e.start)
+    cost = {key: statistics.median(values) for key, values in durations.items()}
+    stage_task = [t.name for t in pipeline.stage_tasks]
+    per_microbatch = {
+        task: (total / count if count else 0.0) for task, (total, count) in memory.items()
+    }
+    state = _state_bytes_per_device(args, before)
+    task_devices = {t.name: list(t.jax_mesh.devices.flat) for t in plan.tasks}
+    task_state = {name: max(state.get(d, 0) for d in devs) for name, devs in task_devices.items()}
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+
+    def stage_cost(kind: str, stage: int) -> float:
+        if (kind, stage) in cost:
+            return cost[(kind, stage)]
+        if kind == "B":
+            return cost.get(("I", stage), 0.0) + cost.get(("W", stage), 0.0)
+        if kind in "IW" and ("B", stage) in cost:
+            return cost[("B", stage)] / 2
+        return 0.0  # a pass with no ops (the first stage's input gradient)
+
+    results: list[Candidate] = []
+    virtual = measured.num_stages // measured.num_ranks
+    names = list(schedules) if schedules is not None else sched.names()
+    if schedules is None and virtual == 1:  # with one stage per task they equal the plain ones
+        names = [n for n in names if not n.startswith("interleaved")]
+    for name in names:
+        for m in microbatches or (m0,):
+            try:
+                schedule = sched.get(
+                    name,
+                    num_stages=measured.num_stages,
+                    num_microbatches=m,
+                    virtual_stages=virtual,
+                )
+            except (ValueError, TypeError) as e:
+                results.append(Candidate(name, m, None, None, None, f"cannot run: {e}"))
+                continue
+            scale = m0 / m
+            costs = {
+                (a.kind, a.stage): stage_cost(a.kind, a.stage) * scale
+                for row in schedule.actions
+                for a in row
+            }
+            result = sched.simulate(schedule, action_costs=costs)
+            peak = 0
+            for stage, held in enumerate(result.peak_in_flight):
+                task = stage_task[stage]
+                activations = held * per_microbatch.get(task, 0.0) * scale
+                peak = max(peak, int(task_state.get(task, 0) + activations))
+            rejected = ""
+            if budget is not None and peak > budget:
+                rejected = f"over the budget of {budget:,} B"
+            results.append(
+                Candidate(name, m, result.makespan, float(result.bubble_fraction), peak, rejected)
+            )
+    fitting = [c for c in results if not c.rejected]
+    if not fitting:
+        raise MPMDError(
+            f"tune: no candidate fits the memory budget of {budget:,} B; the smallest needs "
+            f"{min((c.peak_bytes for c in results if c.peak_bytes), default=0):,} B"
+        )
+    results.sort(key=lambda c: (c.predicted_seconds is None, c.predicted_seconds or 0))
+    best = min(fitting, key=lambda c: c.predicted_seconds)
+    return TuneResult(best, results, measured.name, m0)

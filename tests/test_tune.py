@@ -1,0 +1,54 @@
+"""mm.schedules.tune: one measured run, every candidate simulated, the fastest that fits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from tests.models import four_tasks, placed_gpt
+
+
+def pipelined(num: int):
+    @mm.jit
+    def step(model, opt, tokens):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(lambda m, t: m.loss(t)), num=num, reduce="mean", schedule="1f1b"
+        )
+        loss, grads = grad_fn(model, tokens)
+        opt.update(model, grads)
+        return loss
+
+    return step
+
+
+def test_a_budget_that_excludes_gpipe_picks_a_1f1b_family_schedule():
+    model = placed_gpt(four_tasks())
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.key(0), (16, 9), 0, 32)
+    step = pipelined(16)
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, opt)))]
+    free = mm.schedules.tune(step, model, opt, tokens, microbatches=(8, 16))
+    after = [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, opt)))]
+    assert all((a == b).all() for a, b in zip(before, after, strict=True))  # nothing trained
+    by = {(c.schedule, c.num_microbatches): c for c in free.candidates}
+    assert set(by) == {(s, m) for s in ("gpipe", "1f1b", "zero-bubble-h1") for m in (8, 16)}
+    gpipe, one_f = by[("gpipe", 16)], by[("1f1b", 16)]
+    assert gpipe.peak_bytes > one_f.peak_bytes  # GPipe holds all 16 microbatches
+    assert by[("zero-bubble-h1", 16)].bubble < one_f.bubble
+    budget = (gpipe.peak_bytes + max(one_f.peak_bytes, by[("zero-bubble-h1", 16)].peak_bytes)) // 2
+    tuned = mm.schedules.tune(step, model, opt, tokens, memory_budget=budget, microbatches=(16,))
+    assert tuned.best.schedule in ("1f1b", "zero-bubble-h1")
+    assert "over the budget" in next(c for c in tuned.candidates if c.schedule == "gpipe").rejected
+    assert "chosen" in str(tuned)
+    with pytest.raises(mm.MPMDError, match="no candidate fits the memory budget"):
+        mm.schedules.tune(step, model, opt, tokens, memory_budget="1KiB")
+
+
+def test_a_step_without_a_pipeline_is_refused():
+    model = placed_gpt(four_tasks())
+    step = mm.jit(lambda m, t: m.loss(t))
+    with pytest.raises(mm.MPMDError, match="tune: the step has no pipelined mm.microbatch"):
+        mm.schedules.tune(step, model, jnp.zeros((4, 9), jnp.int32))
