@@ -113,10 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--schedule",
-        choices=_schedule_names(),
+        choices=(*_schedule_names(), "auto"),
         default="1f1b",
         help="pipeline schedule (1f1b); the interleaved ones need several stages per "
-        "task: use the Python API",
+        "task: use the Python API. 'auto' measures a step once and picks the fastest "
+        "schedule that fits --memory-budget (mm.schedules.tune), printing its choice",
+    )
+    run.add_argument(
+        "--memory-budget",
+        default=None,
+        help="with --schedule auto: bytes per device the schedule may use (e.g. 2GiB)",
     )
     run.add_argument(
         "--steps", type=_positive("--steps"), default=300, help="optimizer steps (300)"
@@ -244,7 +250,17 @@ def _check(args: argparse.Namespace) -> str | None:
         if path is not None and pathlib.Path(path).exists() and not pathlib.Path(path).is_dir():
             return f"{flag} {path} is a file, not a directory"
     from mmnnx.mpmd.schedules import get  # noqa: PLC0415
+    from mmnnx.mpmd.tuning import parse_bytes  # noqa: PLC0415
 
+    if args.memory_budget is not None:
+        if args.schedule != "auto":
+            return "--memory-budget needs --schedule auto"
+        try:
+            parse_bytes(args.memory_budget)
+        except ValueError as e:
+            return f"--memory-budget: {e}"
+    if args.schedule == "auto":
+        return None
     try:
         get(args.schedule, args.stages, args.microbatches)
     except ValueError as e:
@@ -369,6 +385,7 @@ def train(args: argparse.Namespace) -> int:
                 checkpoint_dir=args.checkpoint_dir,
                 resume=args.resume,
                 schedule_steps=args.schedule_steps,
+                memory_budget=args.memory_budget,
             ),
         )
     except (CheckpointMismatchError, CheckpointCorruptError, NoReadableCheckpointError) as e:

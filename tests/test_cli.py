@@ -19,6 +19,8 @@ from mmnnx.cli import main
         (["--stages", "3"], "needs 12 devices, but --devices is 8"),
         (["--depth", "1"], "--depth 1 gives fewer blocks than --stages 2"),
         (["--depth", "5", "--scan-layers"], "--stages 2 does not divide it"),
+        (["--memory-budget", "1GiB"], "--memory-budget needs --schedule auto"),
+        (["--schedule", "auto", "--memory-budget", "lots"], "expected a number of bytes"),
         (["--dim", "30"], "--dim 30 is not divisible by --heads 4"),
         (
             ["--heads", "2", "--model-axis", "4", "--data-axis", "1"],
@@ -72,6 +74,7 @@ def test_help_documents_every_flag(capsys):
         "--depth",
         "--heads",
         "--scan-layers",
+        "--memory-budget",
         "--seq-len",
         "--batch-size",
         "--microbatches",
@@ -122,10 +125,15 @@ def test_tiny_run_trains_and_resumes(tmp_path):
         str(out),
     ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    first = subprocess.run(
-        [*base, "--steps", "8"], capture_output=True, text=True, env=env, timeout=600
+    first = subprocess.run(  # the schedule measured and chosen for this model
+        [*base, "--steps", "8", "--schedule", "auto", "--memory-budget", "1GiB"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert first.returncode == 0, first.stderr[-2000:]
+    assert "mm.schedules.tune" in first.stdout and "schedule auto: " in first.stdout
     assert "Totals per task" in first.stdout and "run report" in first.stdout
     for name in ("metrics.jsonl", "loss.png", "timeline.png"):
         assert (out / name).stat().st_size > 0

@@ -70,3 +70,22 @@ def share_outcome(root: int, what: str, failure: str | None, timeout_s: float = 
         raise RuntimeError(f"{what}: process {root} did not finish within {timeout_s:.0f} s") from e
     if text:
         raise RuntimeError(f"{what} failed on process {root}: {text}")
+
+
+def from_process_zero(what: str, value: str) -> str:
+    """Process 0's ``value`` on every process (a collective, called by all in the same order):
+    a choice that depends on timings, such as the schedule ``mmnnx train --schedule auto``
+    picks, is made once for the run. With one process, ``value`` itself."""
+    if jax.process_count() == 1:
+        return value
+    n = next(_round)
+    key = _KEY.format(n, "chosen")
+    if jax.process_index() == 0:
+        _runtime.key_value_set(key, value.encode())
+        return value
+    try:
+        return _runtime.key_value_get(key, _WAIT_S).decode()
+    except jax.errors.JaxRuntimeError as e:
+        raise MPMDError(
+            f"{what}: process 0 did not publish its choice within {_WAIT_S:.0f} s"
+        ) from e

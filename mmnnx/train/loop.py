@@ -46,6 +46,7 @@ class TrainConfig:
     resume: bool = False
     timeline_step: int | None = 3
     schedule_steps: int | None = None
+    memory_budget: int | str | None = None
 
     def __post_init__(self):
         for name in ("steps", "microbatches", "eval_every", "eval_batches", "log_every"):
@@ -147,8 +148,10 @@ def fit(
     out.mkdir(parents=True, exist_ok=True)
     ckpt_dir = pathlib.Path(config.checkpoint_dir or out / "checkpoints")
     opt = optimizer or nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
-    train_step, eval_step = make_steps(config)
     eval_data = dataset.eval_batches(config.eval_batches)
+    if config.schedule == "auto":
+        config = _tuned(config, model, opt, eval_data[0], console)
+    train_step, eval_step = make_steps(config)
 
     def evaluate() -> float:
         loss = cached_partial(eval_step, model)
@@ -251,6 +254,30 @@ def _resumed_line(resumed: Resumed, set_aside: list[str], directory: pathlib.Pat
     for skipped, name in zip(resumed.skipped, set_aside, strict=True):
         line += f"; {skipped}, set aside as {name}"
     return line
+
+
+def _tuned(
+    config: TrainConfig, model: Any, opt: Any, batch: Any, console: Console | None
+) -> TrainConfig:
+    """``config`` with the schedule ``mm.schedules.tune`` picks for this model, measured on
+    ``batch`` (process 0's choice, with several processes), printed with its table."""
+    from mmnnx.distributed.agree import from_process_zero  # noqa: PLC0415
+    from mmnnx.mpmd.schedules import tune  # noqa: PLC0415
+
+    if config.microbatches == 1:
+        return dataclasses.replace(config, schedule="1f1b")
+    measured = dataclasses.replace(config, schedule="gpipe")
+    step, _ = make_steps(measured)
+    result = tune(step, model, opt, batch, memory_budget=config.memory_budget)
+    choice = from_process_zero("--schedule auto", result.best.schedule)
+    if jax.process_index() == 0:
+        _print_line(console, str(result).rstrip())
+        _print_line(
+            console,
+            f"schedule auto: {choice} with {config.microbatches} microbatches (predicted "
+            f"{result.best.predicted_seconds * 1e3:.1f} ms per step)",
+        )
+    return dataclasses.replace(config, schedule=choice)
 
 
 def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -> int:
