@@ -29,7 +29,12 @@ from mmnnx.train.data import TextDataset
 
 @dataclasses.dataclass
 class TrainConfig:
-    """What ``fit`` does: steps, optimizer, pipelining, evaluation, outputs and checkpoints."""
+    """What ``fit`` does: steps, optimizer, pipelining, evaluation, outputs and checkpoints.
+
+    ``schedule`` is a registered schedule name, or ``"auto"``: ``fit`` measures a step once and
+    uses the fastest schedule whose memory per device fits ``memory_budget`` (bytes, or a string
+    such as ``"2GiB"``; ``None``: no limit), printing the candidates (``mm.schedules.tune``).
+    """
 
     steps: int = 300
     learning_rate: float = 3e-3
