@@ -17,6 +17,8 @@ rows, JAX's own transpose of the scan took 2.1x as long as this one and two stag
 - per schedule (GPipe, 1F1B, ZB-H1), the step time ``mm.schedules.simulate`` predicts from the
   step's own measured action durations against the measured step time (target: within 10%),
   and the measured bubble against the analytic one;
+- ``mm.schedules.tune``'s predicted ranking of GPipe, 1F1B and ZB-H1 against their measured
+  step times;
 - host overhead per action (step span minus device time, per action) at M = 4 and M = 32
   (target: flat).
 
@@ -183,6 +185,32 @@ def measured_vs_simulated(num=8):
     return out
 
 
+def tuner_ranking(num=8):
+    """``mm.schedules.tune`` on the benchmark step: its predicted step times for GPipe, 1F1B and
+    ZB-H1 against each one's measured step, and whether the predicted order is the measured one
+    (predictions within 2% of each other count as a tie, either order agreeing)."""
+    step, model, x = build(num, "gpipe")
+    names = ("gpipe", "1f1b", "zero-bubble-h1")
+    tuned = mm.schedules.tune(step, model, x, schedules=names)
+    predicted = {c.schedule: c.predicted_seconds for c in tuned.candidates}
+    measured = {}
+    for name in names:
+        s, m, xs = build(num, name)
+        measured[name] = median_time(lambda s=s, m=m, xs=xs: s(m, xs))
+    agree = all(
+        abs(predicted[a] - predicted[b]) <= 0.02 * max(predicted[a], predicted[b])
+        or (predicted[a] < predicted[b]) == (measured[a] < measured[b])
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    )
+    out = {f"{n}: predicted ms": predicted[n] * 1e3 for n in names}
+    out.update({f"{n}: measured ms": measured[n] * 1e3 for n in names})
+    out["tuner's choice"] = tuned.best.schedule
+    out["measured fastest"] = min(measured, key=measured.get)
+    out["predicted order agrees with measured"] = agree
+    return out
+
+
 def host_overhead():
     """Host time between actions: a step's span minus its actions' device time, per action.
 
@@ -213,6 +241,7 @@ def main():
         "efficiency 1f1b": efficiency(schedule="1f1b"),
         "efficiency 1f1b, dropout": efficiency(schedule="1f1b", dropout=True),
         "measured vs simulated": measured_vs_simulated(),
+        "tuner": tuner_ranking(),
         "host": host_overhead(),
         "device": str(jax.devices()[0]),
     }
@@ -221,6 +250,7 @@ def main():
         "efficiency 1f1b",
         "efficiency 1f1b, dropout",
         "measured vs simulated",
+        "tuner",
         "host",
     )
     publish(results, RESULTS, "pipeline", sections)
