@@ -227,6 +227,7 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any |
     """
     group = len(trace.microbatches)
     schedule, virtual_stages = options
+    schedule = markers.overridden_schedule() or schedule
     variables = list(
         {
             id(v): v

@@ -22,6 +22,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from mmnnx.mpmd import markers
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.errors import MPMDError
 
@@ -116,8 +117,9 @@ def tune(
     (``schedules``: default all of them; the interleaved ones need ``virtual_stages`` > 1 and
     are tried only when the step already uses that many) times ``microbatches`` (default: the
     step's own count). A candidate's per-action time is the measured one scaled by the
-    microbatch size, and a split backward (ZB) is estimated as half input, half weight gradient
-    when the step ran a joint one. The arguments keep the values they had.
+    microbatch size. When the step runs a joint backward, an ``mm.jit`` step is measured a second
+    time with a split one (ZB-H1), whose two programs per stage cost more than half a joint
+    backward each. The arguments keep the values they had.
 
     Example:
         >>> # result = mm.schedules.tune(train_step, model, opt, batch, memory_budget="2GiB")
@@ -140,18 +142,25 @@ def tune(
         v for v in jax.tree.leaves((args, kwargs), is_leaf=_nnx.is_variable) if _nnx.is_variable(v)
     ]
     before = [v.get_raw_value() for v in variables]
+
+    def measure(run: Any) -> dict[tuple[str, int], float]:
+        try:
+            run.timeline(*args, **kwargs)  # compiles
+            _nnx.set_values(variables, before)
+            events = run.timeline(*args, **kwargs)
+        finally:
+            _nnx.set_values(variables, before)
+        durations: dict[tuple[str, int], list[float]] = {}
+        for e in events:
+            durations.setdefault((e.kind, e.stage), []).append(e.end - e.start)
+        return {key: statistics.median(values) for key, values in durations.items()}
+
+    cost = measure(step)
     try:
-        step.timeline(*args, **kwargs)  # compiles
-        _nnx.set_values(variables, before)
-        events = step.timeline(*args, **kwargs)
-        _nnx.set_values(variables, before)
         memory = step.memory_profile(*args, **kwargs)
     finally:
         _nnx.set_values(variables, before)
-    durations: dict[tuple[str, int], list[float]] = {}
-    for e in events:
-        durations.setdefault((e.kind, e.stage), []).append(e.end - e.start)
-    cost = {key: statistics.median(values) for key, values in durations.items()}
+    split_cost = cost if measured.splits_backward else None
     stage_task = [t.name for t in pipeline.stage_tasks]
     per_microbatch = {
         task: (total / count if count else 0.0) for task, (total, count) in memory.items()
@@ -162,12 +171,13 @@ def tune(
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
 
     def stage_cost(kind: str, stage: int) -> float:
-        if (kind, stage) in cost:
-            return cost[(kind, stage)]
+        costs = split_cost if kind in "IW" and split_cost is not None else cost
+        if (kind, stage) in costs:
+            return costs[(kind, stage)]
         if kind == "B":
-            return cost.get(("I", stage), 0.0) + cost.get(("W", stage), 0.0)
-        if kind in "IW" and ("B", stage) in cost:
-            return cost[("B", stage)] / 2
+            return costs.get(("I", stage), 0.0) + costs.get(("W", stage), 0.0)
+        if kind in "IW" and ("B", stage) in costs:
+            return costs[("B", stage)] / 2
         return 0.0  # a pass with no ops (the first stage's input gradient)
 
     results: list[Candidate] = []
@@ -175,6 +185,18 @@ def tune(
     names = list(schedules) if schedules is not None else sched.names()
     if schedules is None and virtual == 1:  # with one stage per task they equal the plain ones
         names = [n for n in names if not n.startswith("interleaved")]
+    if split_cost is None and "zero-bubble-h1" in names and hasattr(step, "fun"):
+        # a split backward runs two programs per stage: measure them rather than halve B
+        try:
+            sched.get("zero-bubble-h1", measured.num_stages, m0)
+        except ValueError:
+            pass
+        else:
+            fresh = type(step)(
+                step.fun, step.static_argnums, step.static_argnames, step.donate_argnums
+            )
+            with markers.schedule_override("zero-bubble-h1"):
+                split_cost = measure(fresh)
     for name in names:
         for m in microbatches or (m0,):
             try:
