@@ -466,7 +466,6 @@ class JitFunction:
         out_tree = jax.tree.structure(out_shape[0])
         num_user_outputs = len(graph.outputs) - call.num_variables
         out_homes = _output_homes(out_shape[0])
-        spec_of = [v.get_metadata(SPEC_KEY, PartitionSpec()) for v in call.variables]
         input_tasks, names, donated = list(call.tasks), call.names, call.donated
         state_homes = [
             s if t is not None else None for s, t in zip(call.shardings, call.tasks, strict=True)
@@ -478,7 +477,10 @@ class JitFunction:
         expansion = None
         if any(call.stacks):
             stacked_inputs = [
-                (s, spec_of[i]) if s is not None else None for i, s in enumerate(call.stacks)
+                (s, call.variables[i].get_metadata(SPEC_KEY, PartitionSpec()))
+                if s is not None
+                else None
+                for i, s in enumerate(call.stacks)
             ]
             stacked_outputs = [
                 (h, spec) if isinstance(h, TaskStack) else None for h, spec in out_homes

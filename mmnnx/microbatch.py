@@ -254,8 +254,11 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any |
         call_args = [jax.tree.map(piece, a) if i in split_args else a for i, a in enumerate(args)]
         out = fun(*call_args, **kwargs)
     after = [v.get_raw_value() for v in variables]
-    changed = [v for v, s, a in zip(variables, start, after, strict=True) if a is not s]
-    fixed = [v for v in changed if _nnx.state_kind(v) == "fixed"]
+    fixed = [
+        v
+        for v, s, a, kind in zip(variables, start, after, kinds, strict=True)
+        if a is not s and kind == "fixed"
+    ]
     if fixed:
         for v, b in zip(variables, before, strict=True):
             v.set_raw_value(b)

@@ -256,14 +256,7 @@ def _split_cond(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
     if eqn.effects or len(eqn.outvars) < 2:
         return None
     n = len(eqn.outvars)
-    parent = list(range(n))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    links: list[tuple[int, int]] = []
     for branch in branches:
         jaxpr = branch.jaxpr
         producer = {v: e for e in jaxpr.eqns for v in e.outvars}
@@ -277,16 +270,13 @@ def _split_cond(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
                     continue
                 seen.add(id(e))
                 if any(getattr(v.aval, "shape", ()) != () for v in e.outvars):
-                    j = owner.setdefault(id(e), i)
-                    parent[root(i)] = root(j)
+                    links.append((i, owner.setdefault(id(e), i)))
                 stack += [v for v in e.invars if not isinstance(v, jcore.Literal)]
-    groups: dict[int, list[int]] = {}
-    for i in range(n):
-        groups.setdefault(root(i), []).append(i)
+    groups = _groups(range(n), links)
     if len(groups) < 2:
         return None
     pieces = []
-    for positions in groups.values():
+    for positions in groups:
         used = [i in positions for i in range(n)]
         keep = [False] * (len(eqn.invars) - 1)
         for branch in branches:
@@ -352,37 +342,23 @@ def _split_while(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
             if not deps[i][0] <= replicated or deps[i][1]:
                 replicated.discard(i)
                 changed = True
-    cond_reads = {i for i, v in enumerate(cond.jaxpr.invars[cond_n:]) if _used(cond.jaxpr, v)}
-    if not cond_reads <= replicated:
+    _, cond_used = pe.dce_jaxpr(cond.jaxpr, [True])
+    if not {i for i, used in enumerate(cond_used[cond_n:]) if used} <= replicated:
         return None
     others = [i for i in range(n) if i not in replicated]
-    parent = {i: i for i in others}
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
     owner: dict[int, int] = {}
-    for i in others:
-        for j in deps[i][0] - replicated:
-            parent[root(i)] = root(j)
-        for e in deps[i][1]:
-            parent[root(i)] = root(owner.setdefault(e, i))
-    groups: dict[int, list[int]] = {}
-    for i in others:
-        groups.setdefault(root(i), []).append(i)
+    links = [(i, j) for i in others for j in deps[i][0] - replicated]
+    links += [(i, owner.setdefault(e, i)) for i in others for e in deps[i][1]]
+    groups = _groups(others, links)
     if len(groups) < 2:
         return None
     pieces = []
-    for members in groups.values():
+    for members in groups:
         keep = sorted({*members, *replicated})
         carried = [i in keep for i in range(n)]
         _, body_reads = pe.dce_jaxpr(jaxpr, carried)
         body_keep = body_reads[:body_n] + carried
         new_body, _ = pe.dce_jaxpr(jaxpr, carried, instantiate=body_keep)
-        _, cond_used = pe.dce_jaxpr(cond.jaxpr, [True])
         cond_keep = cond_used[:cond_n] + carried
         new_cond, _ = pe.dce_jaxpr(cond.jaxpr, [True], instantiate=cond_keep)
         piece = dict(params)
@@ -401,8 +377,28 @@ def _split_while(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
     return pieces
 
 
-def _used(jaxpr: jcore.Jaxpr, var) -> bool:
-    return any(var in e.invars for e in jaxpr.eqns) or var in jaxpr.outvars
+def _groups(items: Sequence[int], links: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """``items`` grouped by ``links`` (pairs that belong together, transitively), each group in
+    the order of ``items``; groups ordered by their first item.
+
+    Example:
+        >>> _groups(range(5), [(0, 3), (3, 4)])
+        [[0, 3, 4], [1], [2]]
+    """
+    parent = {i: i for i in items}
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, b in links:
+        parent[root(a)] = root(b)
+    groups: dict[int, list[int]] = {}
+    for i in items:
+        groups.setdefault(root(i), []).append(i)
+    return list(groups.values())
 
 
 _SPLITTERS = {"cond": _split_cond, "while": _split_while}
@@ -772,40 +768,17 @@ def count_ops(count: Op, index: Any, stride: Any, graph: Graph) -> list[Op]:
     shape = graph.shapes[out]
     cast = graph.new_value(((), dtype, itemsize(dtype)))
     step = graph.new_value((shape, dtype, math.prod(shape) * itemsize(dtype)))
-
-    def op(primitive, params, ins, outs):
-        return Op(
-            index=-1,
-            primitive=primitive,
-            params=params,
-            ins=ins,
-            outs=outs,
-            multiple_results=False,
-            source=count.source,
-            name=primitive.name,
-            scope=count.scope,
-            group=count.group,
-        )
-
     convert = {"new_dtype": np.dtype(dtype), "weak_type": False, "sharding": None}
     return [
-        op(jax.lax.convert_element_type_p, convert, [index], [cast]),
-        op(jax.lax.mul_p, {}, [cast, Const(np.asarray(stride, dtype))], [step]),
-        op(jax.lax.add_p, {}, [count.ins[0], step], [out]),
+        count.derived(jax.lax.convert_element_type_p, convert, [index], [cast]),
+        count.derived(jax.lax.mul_p, {}, [cast, Const(np.asarray(stride, dtype))], [step]),
+        count.derived(jax.lax.add_p, {}, [count.ins[0], step], [out]),
     ]
 
 
 def offset_op(marker: Op, base: Any, offset: Any, graph: Graph) -> Op:
     """An op computing ``base + offset`` (``offset`` a constant) into ``marker``'s output."""
     (out,) = marker.outs
-    return Op(
-        index=-1,
-        primitive=jax.lax.add_p,
-        params={},
-        ins=[base, Const(np.asarray(offset, graph.dtypes[out]))],
-        outs=[out],
-        multiple_results=False,
-        source=marker.source,
-        name="add",
-        scope="",
+    return marker.derived(
+        jax.lax.add_p, {}, [base, Const(np.asarray(offset, graph.dtypes[out]))], [out]
     )

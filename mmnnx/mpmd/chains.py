@@ -17,33 +17,39 @@ around the Variables it may update (``_jax.py``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from mmnnx.mpmd import _jax
 from mmnnx.mpmd.errors import MPMDError
-from mmnnx.mpmd.ir import Const, Graph, Op
+from mmnnx.mpmd.ir import Graph, Op
 
 
-def _cone(graph: Graph, start: int, stop: set[int]) -> tuple[list[Op], set[int]] | None:
-    """The ops computing ``start`` back to values in ``stop`` (in graph order) and the ``stop``
-    values reached; ``None`` if ``start`` also depends on another input."""
+def _upstream(graph: Graph, start: int, stop: set[int]) -> tuple[list[Op], set[int], bool]:
+    """Walking back from ``start`` to values in ``stop``: the ops on the way (in graph order),
+    the ``stop`` values reached, and whether no other input of the step was reached."""
     producer = graph.producers()
-    seen: dict[int, Op] = {}
+    ops: dict[int, Op] = {}
+    seen: set[int] = set()
     reached: set[int] = set()
+    closed = True
     stack = [start]
     while stack:
         v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
         if v in stop:
             reached.add(v)
             continue
         op = producer.get(v)
         if op is None:
-            return None
-        if op.index not in seen:
-            seen[op.index] = op
-            stack += [a for a in op.ins if isinstance(a, int)]
-    return sorted(seen.values(), key=lambda op: op.index), reached
+            closed = False
+            continue
+        ops[op.index] = op
+        stack += [a for a in op.ins if isinstance(a, int)]
+    return sorted(ops.values(), key=lambda op: op.index), reached, closed
 
 
 def resolve_rng_counts(graph: Graph, num_microbatches: dict[int, int]) -> None:
@@ -61,17 +67,21 @@ def resolve_rng_counts(graph: Graph, num_microbatches: dict[int, int]) -> None:
     for op in graph.ops:
         if _jax.marker_kind(op) != "rng_next":
             continue
-        found = _cone(graph, op.ins[0], set(bases)) if isinstance(op.ins[0], int) else None
-        if found is None or len(found[1]) != 1:
+        advance, reached, closed = (
+            _upstream(graph, op.ins[0], set(bases))
+            if isinstance(op.ins[0], int)
+            else ([], set(), False)
+        )
+        if not closed or len(reached) != 1:
             raise MPMDError(
                 f"mm.microbatch: an RNG count updated at {op.source} does not advance by a fixed "
                 "number of draws per microbatch; draw from nnx.Rngs the same way in every "
                 "microbatch"
             )
-        ops, (start,) = found
+        (start,) = reached
         base = bases[start]
         zero = np.zeros(graph.shapes[start], graph.dtypes[start])
-        (after,) = _jax.run_ops(ops, [start], [op.ins[0]], [zero])
+        (after,) = _jax.run_ops(advance, [start], [op.ins[0]], [zero])
         d = np.asarray(after)
         stride[start] = d
         total = d * num_microbatches[op.params["group"]]
@@ -98,9 +108,10 @@ class Chains:
     starts: dict[int, tuple[int, int | None]]
     results: dict[int, int]
 
-    @property
-    def marker_values(self) -> set[int]:
-        return set(self.starts) | set(self.results)
+    @functools.cached_property
+    def marker_values(self) -> frozenset[int]:
+        """The values that stand for another (read by the lowering for every fragment input)."""
+        return frozenset(self.starts) | frozenset(self.results)
 
 
 def chains(graph: Graph) -> Chains:
@@ -113,13 +124,16 @@ def chains(graph: Graph) -> Chains:
     """
     starts = {op.outs[0]: op for op in graph.ops if _jax.marker_kind(op) == "chain_in"}
     pairs: dict[int, tuple[int, int | None]] = {v: (op.ins[0], None) for v, op in starts.items()}
+    by_slot: dict[int, set[int]] = {}
+    for v, op in starts.items():
+        by_slot.setdefault(op.params["slot"], set()).add(v)
     results: dict[int, int] = {}
     for op in graph.ops:
         if _jax.marker_kind(op) != "chain_out":
             continue
         new = op.ins[0]
-        same_slot = {v for v, s in starts.items() if s.params["slot"] == op.params["slot"]}
-        found = _reach(graph, new, same_slot) if isinstance(new, int) else set()
+        same_slot = by_slot.get(op.params["slot"], set())
+        found = _upstream(graph, new, same_slot)[1] if isinstance(new, int) else set()
         if len(found) != 1:
             raise MPMDError(
                 f"mm.microbatch: the state updated at {op.source} is not computed from its own "
@@ -132,29 +146,6 @@ def chains(graph: Graph) -> Chains:
     return Chains(pairs, results)
 
 
-def _reach(graph: Graph, value: int, targets: set[int]) -> set[int]:
-    """The ``targets`` that ``value`` depends on."""
-    producer = graph.producers()
-    seen: set[int] = set()
-    found: set[int] = set()
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        if v in targets:
-            found.add(v)
-            continue
-        op = producer.get(v)
-        if op is not None:
-            stack += [a for a in op.ins if isinstance(a, int)]
-    return found
-
-
 def is_marker(op: Op) -> bool:
     """Whether ``op`` is a chain marker (handled by the lowering, never compiled)."""
     return _jax.marker_kind(op) in ("chain_in", "chain_out")
-
-
-__all__ = ["Chains", "Const", "chains", "is_marker", "resolve_rng_counts"]

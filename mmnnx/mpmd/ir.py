@@ -49,6 +49,20 @@ class Op:
     group: int | None = None
     may_fail: bool = False
 
+    def derived(self, primitive: Any, params: dict, ins: list[Atom], outs: list[int]) -> Op:
+        """An op of ``primitive`` that stands in for (part of) this one: same source, scope,
+        pass, region and microbatch group; its index is set when it joins a graph."""
+        return dataclasses.replace(
+            self,
+            index=-1,
+            primitive=primitive,
+            params=params,
+            ins=ins,
+            outs=outs,
+            multiple_results=primitive.multiple_results,
+            name=primitive.name,
+        )
+
 
 @dataclasses.dataclass
 class Graph:

@@ -136,7 +136,8 @@ def plan_pipeline(
     # Constants the stages read (filled arrays of a norm's statistics, scan constants) are made in
     # each stage that reads them, not on one task and sent before the first microbatch.
     made_here = _stage_constants(graph, pre_ops, region_ids)
-    pre_ops = [op for op in pre_ops if op.index not in {c.index for c in made_here}]
+    made_ids = {op.index for op in made_here}
+    pre_ops = [op for op in pre_ops if op.index not in made_ids]
     replicable = sorted([*replicable, *made_here], key=lambda op: op.index)
     replicable_ids = {op.index for op in replicable}
     staged = [op for op in region if op.index not in replicable_ids]

@@ -93,6 +93,10 @@ def chunk_sharding(_item: Any, task: Task, _index: int, home: StackHome) -> Any:
     return task.sharding(home[1])
 
 
+# What the slices of a stacked step result are made "like" (no op of the step makes them).
+_OUTPUT = Op(-1, None, {}, [], [], False, source="<stacked output>", name="")
+
+
 class _Rewriter:
     def __init__(self, graph: Graph, names: Sequence[str]):
         self.old = graph
@@ -103,29 +107,18 @@ class _Rewriter:
         self.origin: dict[int, str] = {}  # split value -> the stacked input it comes from
         self.pieces: dict[tuple[int, int, int], Atom] = {}
 
-    def info(self, shape: tuple, dtype: Any) -> tuple:
+    def info(self, v: int, size: int | None = None) -> tuple:
+        """Shape, dtype and bytes of the step's value ``v``, or of a chunk of ``size`` of it."""
+        shape = self.old.shapes[v] if size is None else (size, *self.old.shapes[v][1:])
+        dtype = self.old.dtypes[v]
         return tuple(shape), dtype, math.prod(shape) * itemsize(dtype)
 
     def emit(self, like: Op | None, primitive: Any, params: dict, ins: list, infos: list) -> list:
         outs = [self.new.new_value(i) for i in infos]
-        self.new.ops.append(
-            Op(
-                index=len(self.new.ops),
-                primitive=primitive,
-                params=params,
-                ins=ins,
-                outs=outs,
-                multiple_results=primitive.multiple_results,
-                source=like.source if like else "<stacked output>",
-                name=primitive.name,
-                scope=like.scope if like else "",
-                effectful=like.effectful if like else False,
-                backward=like.backward if like else False,
-                region=like.region if like else None,
-                group=like.group if like else None,
-                may_fail=like.may_fail if like else False,
-            )
-        )
+        like = like or _OUTPUT
+        op = like.derived(primitive, params, ins, outs)
+        op.index = len(self.new.ops)
+        self.new.ops.append(op)
         return outs
 
     def read(self, a: Atom, op: Op) -> Atom:
@@ -148,7 +141,7 @@ class _Rewriter:
         key = (a, start, stop)
         if key not in self.pieces:
             shape = self.old.shapes[a]
-            info = self.info((stop - start, *shape[1:]), self.old.dtypes[a])
+            info = self.info(a, stop - start)
             made = self.old.producers().get(a)
             if made is not None and _jax.is_constant_broadcast(made):
                 # a constant filled over the layers: made at the chunk's size where it is read
@@ -203,7 +196,7 @@ class _Rewriter:
         flags = [isinstance(a, int) and a in self.split for a in op.ins]
         if not any(flags):
             ins = [self.read(a, op) for a in op.ins]
-            infos = [self.info(self.old.shapes[v], self.old.dtypes[v]) for v in op.outs]
+            infos = [self.info(v) for v in op.outs]
             outs = self.emit(op, op.primitive, op.params, ins, infos)
             self.whole.update(zip(op.outs, outs, strict=True))
             return
@@ -217,13 +210,7 @@ class _Rewriter:
         per_chunk = []
         for j, (start, stop) in enumerate(layout.bounds):
             size = stop - start
-            infos = [
-                self.info(
-                    self.old.shapes[v] if rule == "reduce" else (size, *self.old.shapes[v][1:]),
-                    self.old.dtypes[v],
-                )
-                for v in op.outs
-            ]
+            infos = [self.info(v, None if rule == "reduce" else size) for v in op.outs]
             ins = self.chunk_ins(op, layout, j, op.ins)
             per_chunk.append(self.emit(op, op.primitive, _jax.chunk_params(op, size), ins, infos))
         if rule == "map":
@@ -232,7 +219,7 @@ class _Rewriter:
         combine = _jax.combiner(op)
         for k, v in enumerate(op.outs):
             total = per_chunk[0][k]
-            info = self.info(self.old.shapes[v], self.old.dtypes[v])
+            info = self.info(v)
             for outs in per_chunk[1:]:
                 (total,) = self.emit(op, combine, {}, [total, outs[k]], [info])
             self.whole[v] = total
@@ -242,17 +229,12 @@ class _Rewriter:
         consts = [self.read(a, op) for a in op.ins[:num_consts]]
         carry = [self.read(a, op) for a in op.ins[num_consts : num_consts + num_carry]]
         xs = op.ins[num_consts + num_carry :]
-        carry_infos = [
-            self.info(self.old.shapes[v], self.old.dtypes[v]) for v in op.outs[:num_carry]
-        ]
+        carry_infos = [self.info(v) for v in op.outs[:num_carry]]
         order = range(len(layout.bounds))
         ys: list[list[Atom]] = [[] for _ in order]
         for j in reversed(order) if reverse else order:
             start, stop = layout.bounds[j]
-            infos = carry_infos + [
-                self.info((stop - start, *self.old.shapes[v][1:]), self.old.dtypes[v])
-                for v in op.outs[num_carry:]
-            ]
+            infos = carry_infos + [self.info(v, stop - start) for v in op.outs[num_carry:]]
             ins = [*consts, *carry, *self.chunk_ins(op, layout, j, xs)]
             outs = self.emit(op, op.primitive, _jax.chunk_params(op, stop - start), ins, infos)
             carry, ys[j] = outs[:num_carry], outs[num_carry:]
@@ -279,18 +261,14 @@ def split_stacks(
     rw = _Rewriter(graph, names)
     new_inputs: list[int] = []
     for v, home in zip(graph.inputs, inputs, strict=True):
-        info = rw.info(graph.shapes[v], graph.dtypes[v])
         if home is None:
-            rw.whole[v] = rw.new.new_value(info)
+            rw.whole[v] = rw.new.new_value(rw.info(v))
             new_inputs.append(rw.whole[v])
             continue
         stack, _ = home
         shape = graph.shapes[v]
         layout = _Layout(stack, tuple(stack.chunks(shape[0], where=rw.names[v])))
-        chunks = [
-            rw.new.new_value(rw.info((b - a, *shape[1:]), graph.dtypes[v]))
-            for a, b in layout.bounds
-        ]
+        chunks = [rw.new.new_value(rw.info(v, b - a)) for a, b in layout.bounds]
         rw.split[v] = (layout, chunks)
         rw.origin[v] = rw.names[v]
         new_inputs.extend(chunks)
@@ -313,9 +291,6 @@ def split_stacks(
             stack, _ = home
             shape = rw.shape(atom)
             layout = _Layout(stack, tuple(stack.chunks(shape[0])))
-            whole = atom if isinstance(atom, Const) else rw.whole[atom]
-            if isinstance(atom, int):
-                rw.whole[atom] = whole
             new_outputs.extend(rw.piece(atom, layout, j, None) for j in range(len(stack.tasks)))
             expanded.append(home)
         else:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mmnnx.distributed.arrays import placeholder
 from mmnnx.sharding.task import Task
 
 STACK_AXIS = "mm_stack"
@@ -107,8 +108,6 @@ class TaskStack:
     def split(self, array: jax.Array, spec: PartitionSpec) -> list[jax.Array]:
         """Each task's chunk of a stacked ``array`` as an array on that task (no copy); a task
         on another process gets a placeholder of its chunk's shape."""
-        from mmnnx.distributed.arrays import placeholder
-
         length = array.shape[0]
         size = length // len(self.tasks)
         shape = (size, *array.shape[1:])
