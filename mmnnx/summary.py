@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import io
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -21,10 +19,10 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from mmnnx._nnx import variables_of
+from mmnnx._tables import Tabulation, render
 from mmnnx.mpmd.markers import shapes_only
 from mmnnx.sharding.place import SPEC_KEY, stack_of, task_of
 from mmnnx.sharding.rules import Path, path_str
@@ -52,18 +50,6 @@ class _Calls:
     def record(self, path: Path, order: int, args: tuple, kwargs: dict, out: Any) -> None:
         if path not in self.first or order < self.first[path][0]:
             self.first[path] = (order, _describe(args, kwargs), _describe(out))
-
-
-class Tabulation(str):
-    """The text of a tabulate; displays as a rich HTML table in Jupyter."""
-
-    html: str = ""
-
-    def _repr_html_(self) -> str:
-        return self.html
-
-    def __repr__(self) -> str:
-        return str(self)
 
 
 def _recording_class(cls: type) -> type:
@@ -375,23 +361,4 @@ def tabulate(
         "",
         style="bold",
     )
-    return _render(table, totals)
-
-
-def _render(*tables: Table) -> Tabulation:
-    tty = sys.stdout.isatty()
-    console = Console(
-        file=io.StringIO(),
-        width=100_000,
-        record=True,
-        force_terminal=tty,
-        color_system="auto" if tty else None,
-        force_jupyter=False,
-    )
-    for t in tables:
-        console.print(t)
-    text = console.export_text(styles=tty, clear=False)
-    html = console.export_html(inline_styles=True)
-    result = Tabulation("\n".join(line.rstrip() for line in text.splitlines()))
-    result.html = html
-    return result
+    return render(table, totals)

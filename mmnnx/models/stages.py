@@ -189,11 +189,10 @@ def stage_rules(
                 "(each task holds an equal chunk of a stacked Variable); use a depth divisible "
                 f"by {len(tasks)}"
             )
-        layers = [blocks] * n
     elif isinstance(blocks, nnx.List | list | tuple) and all(
         isinstance(b, nnx.Module) for b in blocks
     ):
-        n, layers = len(blocks), list(blocks)
+        n = len(blocks)
     else:
         raise ValueError(
             f"stage_rules: {type(model).__name__} has no attribute 'blocks' holding its layers; "
@@ -236,13 +235,15 @@ def stage_rules(
         fl = [flops(node, head=tied_head and isinstance(node, Embed | nnx.Embed)) for node in nodes]
         return params, None if None in fl else sum(fl)
 
-    block_params = [_num_params(b) // (n if stacked else 1) for b in layers]
-    block_flops = [flops(b) for b in layers]
-    if stacked:  # a stacked module holds every layer's matmuls but one of each attention
-        one = 2 * block_params[0] * (tokens or 0) + 4 * (seq or 0) * _attention_dims(blocks) * (
-            tokens or 0
-        )
-        block_flops = [None if f is None else one for f in block_flops]
+    if stacked:  # one module holds every layer's matmuls but one of each attention: count once
+        per_layer = _num_params(blocks) // n
+        whole = flops(blocks)
+        attention = 4 * (seq or 0) * _attention_dims(blocks)
+        one = None if whole is None else (2 * per_layer + attention) * tokens
+        block_params, block_flops = [per_layer] * n, [one] * n
+    else:
+        block_params = [_num_params(b) for b in blocks]
+        block_flops = [flops(b) for b in blocks]
     first_params, first_flops = group_cost(firsts, tied_head=tied)
     last_params, last_flops = group_cost(lasts)
     if stacked:

@@ -581,6 +581,20 @@ def _need_enough_microbatches(name: str, num_microbatches: int, depth: int, what
         )
 
 
+def _looped_stages(rank: int, num_ranks: int, virtual_stages: int) -> list[int]:
+    """The stages rank ``rank`` holds when ``virtual_stages`` loops go round the ranks."""
+    return [rank + k * num_ranks for k in range(virtual_stages)]
+
+
+def _looped(
+    name: str, num_ranks: int, num_microbatches: int, virtual_stages: int, rows: list
+) -> Schedule:
+    """A validated schedule whose stage ``s`` runs on rank ``s % num_ranks``."""
+    num_stages = num_ranks * virtual_stages
+    stage_to_rank = tuple(stage % num_ranks for stage in range(num_stages))
+    return validate(Schedule(name, num_stages, num_microbatches, num_ranks, stage_to_rank, rows))
+
+
 def _plain(name: str, num_stages: int, num_microbatches: int, rows: list[list[Action]]) -> Schedule:
     """A validated schedule where rank ``r`` runs exactly stage ``r``."""
     return validate(
@@ -664,11 +678,10 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int)
             f"interleaved-1f1b sends microbatches through in groups of num_ranks={num_ranks}: "
             f"num_microbatches must be a multiple of {num_ranks}, got {num_microbatches}"
         )
-    num_stages = num_ranks * virtual_stages
     groups = range(num_microbatches // num_ranks)
     rows = []
     for rank in range(num_ranks):
-        stages = [rank + k * num_ranks for k in range(virtual_stages)]
+        stages = _looped_stages(rank, num_ranks, virtual_stages)
         forwards = [
             Action("F", stage, g * num_ranks + j)
             for g in groups
@@ -688,10 +701,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int)
             row += [forwards[warmup + i], backwards[i]]
         row += backwards[total - warmup :]
         rows.append(row)
-    stage_to_rank = tuple(stage % num_ranks for stage in range(num_stages))
-    return validate(
-        Schedule("interleaved-1f1b", num_stages, num_microbatches, num_ranks, stage_to_rank, rows)
-    )
+    return _looped("interleaved-1f1b", num_ranks, num_microbatches, virtual_stages, rows)
 
 
 def interleaved_gpipe(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
@@ -714,16 +724,12 @@ def interleaved_gpipe(num_ranks: int, num_microbatches: int, virtual_stages: int
     microbatches = range(num_microbatches)
     rows = []
     for rank in range(num_ranks):
-        stages = [rank + k * num_ranks for k in range(virtual_stages)]
+        stages = _looped_stages(rank, num_ranks, virtual_stages)
         rows.append(
             [Action("F", stage, m) for stage in stages for m in microbatches]
             + [Action("B", stage, m) for stage in reversed(stages) for m in microbatches]
         )
-    num_stages = num_ranks * virtual_stages
-    stage_to_rank = tuple(stage % num_ranks for stage in range(num_stages))
-    return validate(
-        Schedule("interleaved-gpipe", num_stages, num_microbatches, num_ranks, stage_to_rank, rows)
-    )
+    return _looped("interleaved-gpipe", num_ranks, num_microbatches, virtual_stages, rows)
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:

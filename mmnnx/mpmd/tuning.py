@@ -19,9 +19,10 @@ from typing import Any
 
 import jax
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
+from mmnnx import _nnx
+from mmnnx._tables import Tabulation, render
 from mmnnx.mpmd import markers
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.errors import MPMDError
@@ -69,7 +70,8 @@ class TuneResult:
     measured_schedule: str
     measured_microbatches: int
 
-    def __str__(self) -> str:
+    def table(self) -> Tabulation:
+        """The candidates as a table (text, and HTML in Jupyter)."""
         table = Table(title="mm.schedules.tune", box=box.SQUARE)
         for column in ("schedule", "M", "predicted step", "bubble", "peak memory/device", "note"):
             table.add_column(column, justify="left" if column in ("schedule", "note") else "right")
@@ -83,15 +85,19 @@ class TuneResult:
                 "-" if c.peak_bytes is None else f"{c.peak_bytes:,} B",
                 note,
             )
-        console = Console(width=120, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
-        console.print(table)
-        return console.export_text()
+        return render(table)
+
+    def __str__(self) -> str:
+        return str(self.table())
+
+    def _repr_html_(self) -> str:
+        return self.table().html
 
 
-def _state_bytes_per_device(args: Sequence[Any], variables: Sequence[Any]) -> dict[Any, int]:
+def _state_bytes_per_device(values: Sequence[Any]) -> dict[Any, int]:
     """Bytes of the step's array arguments on each device."""
     per_device: dict[Any, int] = {}
-    for value in variables:
+    for value in values:
         if not isinstance(value, jax.Array):
             continue
         shard = value.sharding.shard_shape(value.shape)
@@ -136,8 +142,6 @@ def tune(
         )
     measured = pipeline.schedule
     m0 = pipeline.num_microbatches
-    from mmnnx import _nnx  # noqa: PLC0415
-
     variables = [
         v for v in jax.tree.leaves((args, kwargs), is_leaf=_nnx.is_variable) if _nnx.is_variable(v)
     ]
@@ -165,7 +169,7 @@ def tune(
     per_microbatch = {
         task: (total / count if count else 0.0) for task, (total, count) in memory.items()
     }
-    state = _state_bytes_per_device(args, before)
+    state = _state_bytes_per_device(before)
     task_devices = {t.name: list(t.jax_mesh.devices.flat) for t in plan.tasks}
     task_state = {name: max(state.get(d, 0) for d in devs) for name, devs in task_devices.items()}
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
