@@ -64,6 +64,41 @@ def variables_of(node: Any) -> list[tuple[Path, nnx.Variable]]:
     return [(path, v) for path, v in nnx.iter_graph(node) if is_variable(v)]
 
 
+def variable_from(kind: type, metadata: dict, value: Any) -> nnx.Variable:
+    """A ``kind`` Variable holding ``value`` with ``metadata``, made as Flax rebuilds a Variable
+    (no eager sharding, so it works outside any mesh).
+
+    Example:
+        >>> from flax import nnx
+        >>> v = variable_from(nnx.Intermediate, nnx.Intermediate(()).get_metadata(), (1.0,))
+        >>> v.get_value()
+        (1.0,)
+    """
+    return kind.from_metadata(value, metadata)
+
+
+def remove_variables(roots: Sequence[Any], variables: Sequence[nnx.Variable]) -> None:
+    """Deletes ``variables`` from the Modules under ``roots`` that hold them as attributes
+    (undoing a ``sow`` that created them).
+
+    Example:
+        >>> from flax import nnx
+        >>> layer = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+        >>> layer.h = nnx.Intermediate((1.0,))
+        >>> remove_variables([layer], [layer.h])
+        >>> hasattr(layer, "h")
+        False
+    """
+    doomed = {id(v) for v in variables}
+    for root in roots:
+        nodes = dict(nnx.iter_graph(root))
+        for path, node in nodes.items():
+            if id(node) in doomed and path:
+                parent = nodes.get(path[:-1])
+                if str(path[-1]) in getattr(parent, "__dict__", {}):
+                    delattr(parent, str(path[-1]))
+
+
 def mirrors_a_variable(x: Any) -> bool:
     """Whether ``x`` is optimizer state made from a model Variable: ``nnx.Optimizer`` wraps the
     state it keeps per parameter (Adam's moments, say) in ``nnx.OptVariable``s that copy the

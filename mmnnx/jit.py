@@ -58,7 +58,7 @@ def _output_homes(out_shape: Any) -> list[tuple[Task | TaskStack | None, Partiti
     for node in jax.tree.leaves(out_shape, is_leaf=_nnx.is_variable):
         home = home_of(node) if _nnx.is_variable(node) else None
         spec = node.get_metadata().get(SPEC_KEY, PartitionSpec()) if home else PartitionSpec()
-        homes.append((home, spec))
+        homes += [(home, spec)] * len(jax.tree.leaves(node))  # sown: a tuple in one Variable
     return homes
 
 
@@ -224,6 +224,15 @@ class _Call:
         arrays = [np.asarray(a) if isinstance(a, _SCALARS) else a for a in arrays]
         self.leaves = [v.get_raw_value() for v in self.variables] + arrays
         for i, leaf in enumerate(self.leaves):
+            if i < self.num_variables and isinstance(leaf, tuple | dict):
+                kind = type(self.variables[i]).__name__
+                raise MPMDError(
+                    f"mm.jit: {self.names[i]!r} holds values sown by an earlier call (an "
+                    f"nnx.{kind} holding a {type(leaf).__name__}); take them off the model "
+                    f"before the next step, e.g. nnx.pop(model, nnx.{kind}), or pop them inside "
+                    "the step and return them (nnx.jit would append to them and retrace on "
+                    "every call)"
+                )
             if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
                 raise MPMDError(
                     f"mm.jit: argument leaf {self.names[i]!r} is a {type(leaf).__name__}, not an "
@@ -276,6 +285,33 @@ class _Call:
         nodes = [fresh[s] if s >= 0 else arrays[-1 - s] for s in self.slots]
         dyn_args, dyn_kwargs = jax.tree.unflatten(self.treedef, nodes)
         return dyn_args, dyn_kwargs, fresh, nodes
+
+    def take_added(self, dyn_args: tuple, dyn_kwargs: dict, fresh: list[Any]) -> list[_Added]:
+        """The Variables the step added as attributes of its arguments' objects (``self.sow``
+        creates an ``nnx.Intermediate``), taken off those (traced) objects so that the rest of
+        the structure can be checked unchanged."""
+        known = {id(v) for v in fresh}
+        found, _ = jax.tree.flatten_with_path((dyn_args, dyn_kwargs), is_leaf=_nnx.is_variable)
+        added = []
+        for path, node in found:
+            if not _nnx.is_variable(node) or id(node) in known:
+                continue
+            parent = _parent_at((dyn_args, dyn_kwargs), path)
+            if parent is None:
+                continue  # not an attribute: check_unchanged names the change
+            value = node.get_raw_value()
+            added.append(_Added(path, type(node), node.get_metadata(), value))
+            delattr(parent, path[-1].name)
+        return added
+
+    def put_added(self, added: Sequence[_Added], values: Sequence[Any]) -> None:
+        """Sets each added Variable, holding its computed ``values``, on the caller's object."""
+        start = 0
+        for a in added:
+            leaves = values[start : start + a.num_leaves]
+            start += a.num_leaves
+            variable = _nnx.variable_from(a.kind, a.metadata, jax.tree.unflatten(a.tree, leaves))
+            setattr(_parent_at(self.target, a.path), a.path[-1].name, variable)
 
     def check_unchanged(self, dyn_args: tuple, dyn_kwargs: dict, before: list[Any]) -> None:
         """Raises if the step changed its arguments in a way mm.jit cannot carry back: their
@@ -377,6 +413,31 @@ class _Call:
         return tuple(args), {**dyn_kwargs, **dict(self.static_kwargs)}
 
 
+class _Added:
+    """A Variable a step added to an argument's object: where, its type and metadata, and how
+    its value's leaves (step outputs) form the value."""
+
+    def __init__(self, path: tuple, kind: type, metadata: dict, value: Any):
+        self.path, self.kind, self.metadata, self.value = path, kind, metadata, value
+        leaves, self.tree = jax.tree.flatten(value)
+        self.num_leaves = len(leaves)
+
+
+def _parent_at(root: Any, path: tuple) -> Any | None:
+    """The object holding the attribute at the end of ``path`` (a pytree path from ``root``), or
+    ``None`` if the path does not end in an attribute of an object reachable by subscripts."""
+    if not path or not isinstance(path[-1], jax.tree_util.GetAttrKey):
+        return None
+    node = root
+    for key in path[:-1]:
+        slot = _nnx.child_slot(node, key)
+        if slot is None:
+            return None
+        holder, k = slot
+        node = holder[k]
+    return node if hasattr(node, "__dict__") else None
+
+
 def _stay_home(call: _Call, updates: list[Any]) -> None:
     """State on no task (metrics, an ``nnx.Rngs`` passed in, a step counter) goes back to the
     devices it was on before the step, wherever the step computed its new value: Variables of
@@ -449,13 +510,16 @@ class JitFunction:
         call.check_optimizer_state()
         fun = self.fun
 
+        added: list[_Added] = []
+
         def pure(*leaves):
             dyn_args, dyn_kwargs, fresh, nodes = call.rebuild(leaves)
             args, kwargs = call.full_args(dyn_args, dyn_kwargs)
             out = fun(*args, **kwargs)
             _check_outputs(out, _step_name(fun))
+            added[:] = call.take_added(dyn_args, dyn_kwargs, fresh)
             call.check_unchanged(dyn_args, dyn_kwargs, nodes)
-            return out, [v.get_value() for v in fresh]
+            return out, [v.get_value() for v in fresh], [a.value for a in added]
 
         self.trace_count += 1
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
@@ -464,16 +528,19 @@ class JitFunction:
         markers.apply_resolvers(graph, trace)
         regions = trace.regions
         out_tree = jax.tree.structure(out_shape[0])
-        num_user_outputs = len(graph.outputs) - call.num_variables
+        num_added = sum(a.num_leaves for a in added)
+        for a in added:
+            del a.value  # a tracer: the step's results give the value
+        num_user_outputs = len(graph.outputs) - call.num_variables - num_added
         out_homes = _output_homes(out_shape[0])
         input_tasks, names, donated = list(call.tasks), call.names, call.donated
         state_homes = [
             s if t is not None else None for s, t in zip(call.shardings, call.tasks, strict=True)
         ]
         homes = [h.sharding(spec) if isinstance(h, Task) else None for h, spec in out_homes]
-        homes += state_homes[: call.num_variables]
+        homes += state_homes[: call.num_variables] + [None] * num_added
         home_tasks = [h if isinstance(h, Task) else None for h, _ in out_homes]
-        home_tasks += input_tasks[: call.num_variables]
+        home_tasks += input_tasks[: call.num_variables] + [None] * num_added
         expansion = None
         if any(call.stacks):
             stacked_inputs = [
@@ -485,7 +552,7 @@ class JitFunction:
             stacked_outputs = [
                 (h, spec) if isinstance(h, TaskStack) else None for h, spec in out_homes
             ]
-            stacked_outputs += stacked_inputs[: call.num_variables]
+            stacked_outputs += stacked_inputs[: call.num_variables] + [None] * num_added
             graph, expansion = split_stacks(graph, stacked_inputs, stacked_outputs, names)
             input_tasks = expansion.expand_inputs(input_tasks, lambda _, t, j, h: t)
             names = expansion.expand_inputs(names, lambda n, t, j, h: f"{n}[{j}]")
@@ -520,7 +587,7 @@ class JitFunction:
             name=repr(getattr(fun, "__name__", "the step")),
             fingerprint=lambda: _fingerprint(graph, plan, call),
         )
-        return executable, (out_tree, num_user_outputs, expansion)
+        return executable, (out_tree, num_user_outputs, expansion, added)
 
     def _lookup(self, call: _Call) -> tuple[Executable, Any]:
         try:
@@ -560,15 +627,16 @@ class JitFunction:
         return self.fun(*args, **kwargs)
 
     def _run(self, call: _Call, **modes):
-        executable, (out_tree, num_user_outputs, expansion) = self._lookup(call)
+        executable, (out_tree, num_user_outputs, expansion, added) = self._lookup(call)
         if self.donate_argnums and (deleted := call.deleted_input()):
             raise deleted  # before any input is donated
         with _jax.no_ambient_mesh():  # each fragment runs on its own task's mesh
             results = _execute(executable, call, self.fun, modes, expansion)
-        updates = results[num_user_outputs:]
+        updates = results[num_user_outputs : num_user_outputs + call.num_variables]
         if call.unplaced and jax.process_count() == 1:
             _stay_home(call, updates)
         _nnx.set_values(call.variables, updates)
+        call.put_added(added, results[num_user_outputs + call.num_variables :])
         return jax.tree.unflatten(out_tree, results[:num_user_outputs])
 
     def timeline(self, *args, **kwargs) -> list[Event]:

@@ -78,9 +78,10 @@ def microbatch(
 
     Outside ``mm.jit`` the microbatches run as a plain loop. Inside it, ``fun`` is traced once and
     the engine runs its per-stage programs once per microbatch in the schedule's order, so the
-    number of compiled programs does not depend on ``num``. A ``fun`` that updates Variables
-    (batch statistics, RNG counters) is traced once per microbatch instead, so the updates chain
-    as in the plain loop.
+    number of compiled programs does not depend on ``num``. RNG counts, batch statistics and
+    sown values that ``fun`` updates are still traced once and equal the plain loop's; a
+    ``fun`` that updates parameters or RNG keys is traced once per microbatch instead (with an
+    ``mm.UnrolledMicrobatchWarning``), so the updates chain as in the plain loop.
 
     Example:
         >>> import jax.numpy as jnp
@@ -216,19 +217,9 @@ def _unrolled_reason(args, kwargs, changed, m: int) -> str:
     )
 
 
-def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any | None:
-    """Traces ``fun`` once on microbatch ``index`` (a value the runtime supplies per replica).
-
-    State ``fun`` updates is traced once too: an RNG count starts microbatch ``index`` at
-    ``count + index * d`` (``d``: the draws of one microbatch), so each microbatch draws the keys
-    of the unrolled loop; other state (batch statistics) starts each microbatch from the
-    previous one's result. Returns ``None`` (leaving the arguments as they were) when ``fun``
-    updates a parameter or an RNG key: such a step is unrolled instead.
-    """
-    group = len(trace.microbatches)
-    schedule, virtual_stages = options
-    schedule = markers.overridden_schedule() or schedule
-    variables = list(
+def _variables(args: Sequence[Any], kwargs: dict) -> list[Any]:
+    """The distinct Variables reachable from the arguments, in order."""
+    return list(
         {
             id(v): v
             for a in (*args, *kwargs.values())
@@ -236,8 +227,84 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any |
             if _nnx.is_variable(v)
         }.values()
     )
-    before = [v.get_raw_value() for v in variables]
-    kinds = [_nnx.state_kind(v) for v in variables]
+
+
+def _is_sown(value: Any) -> bool:
+    """Whether a Variable holds sown values (a tuple, or a dict of them under ``nnx.capture``)
+    rather than one array."""
+    return isinstance(value, tuple | dict)
+
+
+def _snapshot(value: Any) -> Any:
+    """A sown value's containers copied (``nnx.capture`` adds to its dicts in place)."""
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    return value
+
+
+def _with_every_microbatch(before: Any, after: Any, collect: Callable) -> Any | None:
+    """``after`` (a sown value as one microbatch left it) with the values that microbatch
+    appended replaced by every microbatch's, in the unrolled loop's order; ``None`` if the
+    microbatch did more than append to tuples (a ``sow`` with its own ``reduce_fn``)."""
+    if after is before:
+        return after
+    if isinstance(after, tuple) and isinstance(before, tuple):
+        kept = after[: len(before)]
+        if len(kept) == len(before) and all(a is b for a, b in zip(kept, before, strict=True)):
+            return collect(after[len(before) :])
+        return None
+    if isinstance(after, dict) and isinstance(before, dict) and before.keys() <= after.keys():
+        merged = {}
+        for k, v in after.items():
+            merged[k] = _with_every_microbatch(before.get(k, ()), v, collect)
+            if merged[k] is None:
+                return None
+        return merged
+    return None
+
+
+def _collector(index: Any, group: int, m: int) -> Callable:
+    """A function from one microbatch's appended values to every microbatch's, interleaved as
+    the unrolled loop appends them: ``(a, b)`` becomes ``(a0, b0, a1, b1, ...)``. Each value is
+    written into row ``index`` of an ``(m, ...)`` buffer that the runtime sums over the
+    microbatches; ``None`` if a value is not an array."""
+
+    def collect(items: tuple) -> tuple | None:
+        if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in items):
+            return None
+        with jax.named_scope(f"{GROUP_PREFIX}{group}"):
+            rows = [
+                jax.lax.dynamic_update_index_in_dim(
+                    jnp.zeros((m, *x.shape), x.dtype), x, index, axis=0
+                )
+                for x in items
+            ]
+        every = [_jax.accumulate(r, group) for r in rows]
+        return tuple(e[k] for k in range(m) for e in every)
+
+    return collect
+
+
+def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any | None:
+    """Traces ``fun`` once on microbatch ``index`` (a value the runtime supplies per replica).
+
+    State ``fun`` updates is traced once too: an RNG count starts microbatch ``index`` at
+    ``count + index * d`` (``d``: the draws of one microbatch), so each microbatch draws the keys
+    of the unrolled loop; other state (batch statistics) starts each microbatch from the
+    previous one's result; values ``fun`` sows (``nnx.Intermediate``) are collected from every
+    microbatch, in order. Returns ``None`` (leaving the arguments as they were) when ``fun``
+    updates a parameter or an RNG key, or sows with its own ``reduce_fn``: such a step is
+    unrolled instead.
+    """
+    group = len(trace.microbatches)
+    schedule, virtual_stages = options
+    schedule = markers.overridden_schedule() or schedule
+    variables = _variables(args, kwargs)
+    before = [_snapshot(v.get_raw_value()) for v in variables]
+    kinds = [
+        "sown" if _is_sown(b) else _nnx.state_kind(v)
+        for v, b in zip(variables, before, strict=True)
+    ]
     with jax.named_scope(f"{GROUP_PREFIX}{group}"):
         index = _jax.microbatch_index(group)
         for slot, (v, b, kind) in enumerate(zip(variables, before, kinds, strict=True)):
@@ -254,22 +321,36 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any |
         call_args = [jax.tree.map(piece, a) if i in split_args else a for i, a in enumerate(args)]
         out = fun(*call_args, **kwargs)
     after = [v.get_raw_value() for v in variables]
+    known = {id(v) for v in variables}
+    added = [v for v in _variables(args, kwargs) if id(v) not in known]
+    collect = _collector(index, group, m)
+    sown = {}
+    for v, b, a, kind in zip(variables, before, after, kinds, strict=True):
+        if kind == "sown":
+            sown[id(v)] = _with_every_microbatch(b, a, collect)
+    for v in added:
+        sown[id(v)] = _with_every_microbatch((), v.get_raw_value(), collect)
     fixed = [
         v
         for v, s, a, kind in zip(variables, start, after, kinds, strict=True)
         if a is not s and kind == "fixed"
-    ]
+    ] + [v for v in (*variables, *added) if id(v) in sown and sown[id(v)] is None]
     if fixed:
         for v, b in zip(variables, before, strict=True):
             v.set_raw_value(b)
         why = _unrolled_reason(args, kwargs, fixed, m)
+        _nnx.remove_variables([*args, *kwargs.values()], added)
         trace.unrolled.append(why)
         warnings.warn(why, UnrolledMicrobatchWarning, stacklevel=4)
         return None
+    for v in added:
+        v.set_raw_value(sown[id(v)])
     for slot, (v, b, s, a, kind) in enumerate(
         zip(variables, before, start, after, kinds, strict=True)
     ):
-        if a is s or kind == "fixed":
+        if id(v) in sown:
+            v.set_raw_value(sown[id(v)])
+        elif a is s or kind == "fixed":
             v.set_raw_value(b)
         elif kind == "count":
             v.set_raw_value(_jax.rng_next(a, group, slot))

@@ -286,13 +286,26 @@ def test_non_array_leaves(tasks):
 def test_structural_side_effect(tasks):
     model = two_stage(tasks)
 
-    def grow(m):
-        m.extra = nnx.Param(jnp.ones(3))
+    def replace(m):
+        m.l0.kernel = nnx.Param(m.l0.kernel[...] + 1)
         return m.l0.kernel[...].sum()
 
-    with pytest.raises(mm.SideEffectError, match="changed the structure"):
-        mm.jit(grow)(model)
-    assert not hasattr(model, "extra")
+    def shrink(m):
+        del m.l0.bias
+        return m.l0.kernel[...].sum()
+
+    kernel = model.l0.kernel
+    for step in (replace, shrink):
+        with pytest.raises(mm.SideEffectError, match="changed the structure"):
+            mm.jit(step)(model)
+    assert model.l0.kernel is kernel and hasattr(model.l0, "bias")
+
+    def grow(m):  # added Variables are carried back, as nnx.jit does (what sow needs)
+        m.extra = nnx.Param(m.l0.kernel[...].sum() * jnp.ones(3))
+        return m.l0.kernel[...].sum()
+
+    total = mm.jit(grow)(model)
+    np.testing.assert_allclose(model.extra.get_value(), total * np.ones(3), rtol=1e-6)
 
 
 def test_unplaced_model_is_an_error():
