@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx import _nnx
 from mmnnx.mpmd import _jax, markers
@@ -438,6 +438,47 @@ def _parent_at(root: Any, path: tuple) -> Any | None:
     return node if hasattr(node, "__dict__") else None
 
 
+def _typed_inputs(call: _Call, step: str, cause: BaseException) -> tuple[Any, list[Any]]:
+    """For a step written for explicit mesh axes (``reshard``, ``out_sharding=P(...)``): the
+    mesh whose shape every task shares, and the inputs with their placement spec in their type
+    (other inputs replicated). Raises, naming the tasks, when no such mesh exists."""
+    tasks = list(dict.fromkeys(t for t in call.tasks if t is not None))
+    shapes = {(t.jax_mesh.axis_names, t.jax_mesh.axis_sizes): t for t in tasks}
+    if any(call.stacks) or len(shapes) != 1:
+        why = (
+            "stacked layers (a rule naming a list of tasks) are placed"
+            if any(call.stacks)
+            else "its tasks' meshes differ: "
+            + "; ".join(
+                f"{t.name!r} {dict(zip(*shape, strict=True))}" for shape, t in shapes.items()
+            )
+        )
+        raise MPMDError(
+            f"mm.jit: {step} uses explicit mesh axes ({str(cause).splitlines()[0]}), which "
+            "mm.jit gives meaning by tracing the step on the mesh shape all its tasks share; "
+            f"but {why}. Give every task the same axis names and sizes, or use "
+            "mm.with_sharding_constraint"
+        ) from cause
+    mesh = tasks[0].jax_mesh
+
+    def spec_of(x: Any, task: Task | None) -> PartitionSpec:
+        if task is not None:
+            return x.sharding.spec
+        sharding = getattr(x, "sharding", None)  # a batch laid out on a mesh of this shape
+        if isinstance(sharding, NamedSharding) and (
+            sharding.mesh.axis_names,
+            sharding.mesh.axis_sizes,
+        ) == (mesh.axis_names, mesh.axis_sizes):
+            return sharding.spec
+        return PartitionSpec()
+
+    avals = [
+        _jax.typed_aval(np.shape(x), x.dtype, mesh, spec_of(x, task))
+        for x, task in zip(call.leaves, call.tasks, strict=True)
+    ]
+    return mesh, avals
+
+
 def _stay_home(call: _Call, updates: list[Any]) -> None:
     """State on no task (metrics, an ``nnx.Rngs`` passed in, a step counter) goes back to the
     devices it was on before the step, wherever the step computed its new value: Variables of
@@ -523,8 +564,15 @@ class JitFunction:
 
         self.trace_count += 1
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
-        with markers.tracing() as trace:
-            graph, out_shape = _jax.trace(pure, avals, name_as=fun, arg_names=call.names)
+        try:
+            with markers.tracing() as trace:
+                graph, out_shape = _jax.trace(pure, avals, name_as=fun, arg_names=call.names)
+        except Exception as e:
+            if not _jax.needs_explicit_axes(e):
+                raise
+            mesh, avals = _typed_inputs(call, _step_name(fun), e)
+            with markers.tracing() as trace, _jax.explicit_tracing(mesh):
+                graph, out_shape = _jax.trace(pure, avals, name_as=fun, arg_names=call.names)
         markers.apply_resolvers(graph, trace)
         regions = trace.regions
         out_tree = jax.tree.structure(out_shape[0])
@@ -579,6 +627,12 @@ class JitFunction:
             order = [(f, None) for f in cut(graph, op_tasks, tasks, free_inputs=free)]
         else:
             order = pipeline.order
+        if graph.specs and any(t.jax_mesh.shape != tasks[0].jax_mesh.shape for t in tasks):
+            raise MPMDError(
+                f"mm.jit: {_step_name(fun)} uses explicit mesh axes, but its mm.task regions "
+                f"run on meshes of other shapes ({', '.join(repr(t.name) for t in tasks)}); "
+                "give every task the same axis names and sizes"
+            )
         plan = lower(graph, tasks, input_tasks, state_homes, homes, donated, order, pipeline)
         plan.unrolled = list(trace.unrolled)
         executable = Executable(
@@ -633,6 +687,12 @@ class JitFunction:
         with _jax.no_ambient_mesh():  # each fragment runs on its own task's mesh
             results = _execute(executable, call, self.fun, modes, expansion)
         updates = results[num_user_outputs : num_user_outputs + call.num_variables]
+        if executable.graph.specs:  # sharding in types: hand back on the tasks' own meshes
+            results = [_jax.auto_twin(r) for r in results]
+            updates = [
+                _jax.auto_twin(new, like=old)
+                for new, old in zip(updates, call.shardings, strict=False)
+            ]
         if call.unplaced and jax.process_count() == 1:
             _stay_home(call, updates)
         _nnx.set_values(call.variables, updates)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from jax._src import core as jax_core
 from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from mmnnx.mpmd.errors import MPMDError, SideEffectError
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op
@@ -170,8 +172,84 @@ def trace(
             "mm.jit", api_util.fun_sourceinfo(name_as), names, jax_core.initial_result_paths
         )
         api_util.save_wrapped_fun_debug_info(fun, info)
-    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
+    with fast_sharding_probes():
+        closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
     return to_graph(closed), out_shape
+
+
+def _no_sharding(tracer: Any) -> Any:
+    raise AttributeError(f"The 'sharding' attribute is not available on {type(tracer).__name__}")
+
+
+@contextlib.contextmanager
+def fast_sharding_probes():
+    """Makes ``getattr(tracer, "sharding", None)`` cheap while tracing.
+
+    Flax probes every value set into a Variable this way. JAX answers a tracer with an
+    ``AttributeError`` whose message walks the whole trace so far to say where the tracer came
+    from. A model's construction draws RNG keys thousands of times, so tracing it costs time
+    quadratic in its size (measured: 17 of 21 s for a 64-block GPT). Inside this block the
+    error says only that a tracer has no sharding.
+    """
+    original = jax_core.Tracer.sharding
+    jax_core.Tracer.sharding = property(_no_sharding)
+    try:
+        yield
+    finally:
+        jax_core.Tracer.sharding = original
+
+
+def replay(
+    closed: jcore.ClosedJaxpr, wanted: Sequence[int], device: Any, put: Callable[[int, Any], None]
+) -> None:
+    """Evaluates, op by op on ``device``, the ops of ``closed`` (a function of no arguments)
+    that its outputs ``wanted`` need, and hands each of those outputs to ``put(index, value)``
+    as soon as it is made; a value is dropped after its last use.
+
+    Each op compiles once per shape, as eager code does, so a model of many equal layers costs
+    what building it eagerly costs; and only one Variable's value at a time need exist in full.
+    """
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    keep = set(wanted)
+    used = [i in keep for i in range(len(jaxpr.outvars))]
+    jaxpr, used_inputs = pe.dce_jaxpr(jaxpr, used)
+    consts = [c for c, u in zip(closed.consts, used_inputs, strict=True) if u]
+    positions: dict[Any, list[int]] = {}
+    literals = []
+    for i, v in zip(sorted(keep), jaxpr.outvars, strict=True):
+        if isinstance(v, jcore.Literal):
+            literals.append((i, v.val))
+        else:
+            positions.setdefault(v, []).append(i)
+    last_read = {}
+    for n, eqn in enumerate(jaxpr.eqns):
+        for a in eqn.invars:
+            if not isinstance(a, jcore.Literal):
+                last_read[a] = n
+    env: dict[Any, Any] = {}
+
+    def write(v, value, n):
+        for i in positions.get(v, ()):
+            put(i, value)
+        if last_read.get(v, -1) > n:
+            env[v] = value
+
+    with jax.default_device(device):
+        for v, c in zip(jaxpr.invars, consts, strict=True):
+            write(v, c, -1)
+        for n, eqn in enumerate(jaxpr.eqns):
+            ins = [a.val if isinstance(a, jcore.Literal) else env[a] for a in eqn.invars]
+            with eqn.ctx.manager:
+                out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            outs = out if eqn.primitive.multiple_results else [out]
+            for v, value in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, jcore.DropVar):
+                    write(v, value, n)
+            for a in eqn.invars:
+                if not isinstance(a, jcore.Literal) and last_read[a] == n:
+                    env.pop(a, None)
+    for i, value in literals:
+        put(i, value)
 
 
 def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
@@ -212,7 +290,7 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
                 pieces = [(dict(eqn.params), list(eqn.invars), list(eqn.outvars))]
             for params, invars, outvars in pieces:
                 ins = [atom(a) for a in invars]
-                outs = [graph.new_value(_aval_info(v.aval)) for v in outvars]
+                outs = [_new_value(graph, v.aval) for v in outvars]
                 for v, o in zip(outvars, outs, strict=True):
                     if not isinstance(v, jcore.DropVar):
                         env[v] = o
@@ -233,11 +311,12 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
                         region=_last(_REGION, scope),
                         group=int(group) if group is not None else None,
                         may_fail=_calls_back(eqn),
+                        mesh=_traced_mesh(eqn),
                     )
                 )
         return [atom(a) for a in jaxpr.outvars]
 
-    inputs = [graph.new_value(_aval_info(v.aval)) for v in closed.jaxpr.invars]
+    inputs = [_new_value(graph, v.aval) for v in closed.jaxpr.invars]
     graph.inputs = inputs
     graph.outputs = walk(closed.jaxpr, closed.consts, inputs)
     _drop_dead_ops(graph)
@@ -417,6 +496,88 @@ def _drop_dead_ops(graph: Graph) -> None:
         op.index = i
 
 
+def _traced_mesh(eqn: Any) -> Any:
+    """The abstract mesh ``eqn`` was traced under, if it has any explicit axes (``None``
+    otherwise: such ops re-trace in any context)."""
+    mesh = getattr(eqn.ctx, "cur_abstract_mesh", None)
+    if mesh is None or mesh.empty:
+        return None
+    return mesh if AxisType.Explicit in mesh.axis_types or _explicit_trace.get() else None
+
+
+def _new_value(graph: Graph, aval: Any) -> int:
+    """A graph value for ``aval``, with its sharding type if traced under explicit axes."""
+    v = graph.new_value(_aval_info(aval))
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types:
+        graph.specs[v] = sharding.spec
+    return v
+
+
+# Messages JAX raises when a step uses explicit-axes APIs (``jax.sharding.reshard``,
+# ``out_sharding=P(...)``) with no mesh to give them meaning.
+_NEEDS_MESH = (
+    "not under a mesh context",
+    "Reshard should only be used",
+    "have a non-empty mesh",
+)
+
+
+def needs_explicit_axes(error: BaseException) -> bool:
+    """Whether tracing failed because the step was written for explicit mesh axes."""
+    return any(m in str(error) for m in _NEEDS_MESH)
+
+
+@functools.cache
+def explicit_twin(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis explicit (same devices and names): a task's programs compile
+    under it when its step was traced with sharding in types."""
+    return Mesh(
+        mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * len(mesh.axis_names)
+    )
+
+
+def auto_twin(x: Any, like: Any = None) -> Any:
+    """``x`` on the same devices and spec with automatic axes, without a copy (values handed
+    back to the caller stay on their task's own mesh), as sharding ``like`` if that lays it out
+    alike (``P()`` for a type's ``P(None,)``: the caller's next call plans the same); other
+    values unchanged."""
+    sharding = getattr(x, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    same_layout = isinstance(like, NamedSharding) and like.is_equivalent_to(sharding, x.ndim)
+    if same_layout and like != sharding:
+        return jax.device_put(x, like)
+    if not isinstance(mesh, Mesh) or AxisType.Explicit not in mesh.axis_types:
+        return x
+    auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    return jax.device_put(x, NamedSharding(auto, sharding.spec))
+
+
+_explicit_trace: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "mm_explicit_trace", default=False
+)
+
+
+@contextlib.contextmanager
+def explicit_tracing(mesh: Mesh):
+    """Traces under ``mesh``'s shape with explicit axes, so that ``reshard`` and
+    ``out_sharding=P(...)`` in a step mean the axes of whichever task runs them."""
+    token = _explicit_trace.set(True)
+    try:
+        with jax.sharding.use_abstract_mesh(explicit_twin(mesh).abstract_mesh):
+            yield
+    finally:
+        _explicit_trace.reset(token)
+
+
+def typed_aval(shape: Sequence[int], dtype: Any, mesh: Mesh, spec: Any) -> Any:
+    """An abstract input with sharding ``spec`` in its type, for :func:`explicit_tracing`."""
+    return jax.ShapeDtypeStruct(
+        shape, dtype, sharding=NamedSharding(explicit_twin(mesh).abstract_mesh, spec)
+    )
+
+
 def _aval_info(aval) -> tuple[tuple[int, ...], Any, int]:
     shape = tuple(getattr(aval, "shape", ()))
     dtype = getattr(aval, "dtype", np.dtype("float32"))
@@ -451,7 +612,8 @@ def run_ops(ops: Sequence[Op], in_ids: Sequence[int], out_ids: Sequence[int], ar
 
     for op in ops:
         params = op.primitive.get_bind_params(op.params)
-        result = op.primitive.bind(*(read(a) for a in op.ins), **params)
+        with jax.sharding.use_abstract_mesh(op.mesh) if op.mesh else contextlib.nullcontext():
+            result = op.primitive.bind(*(read(a) for a in op.ins), **params)
         if not op.multiple_results:
             result = (result,)
         env.update(zip(op.outs, result, strict=True))

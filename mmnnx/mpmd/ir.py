@@ -31,7 +31,9 @@ class Op:
     the innermost ``mm.task`` region it was traced in; ``group``: the ``mm.microbatch`` call it
     was traced in. The tracer (``_jax.py``) reads all three from the op's name scope.
     ``may_fail``: the op (or one nested in it) calls back into Python, which may raise while the
-    compiled program runs; pure XLA ops do not fail at run time.
+    compiled program runs; pure XLA ops do not fail at run time. ``mesh``: for a step traced
+    with explicit mesh axes, the abstract mesh in effect where the op was traced (its axes may
+    be automatic inside ``jax.sharding.auto_axes``), which re-tracing it must restore.
     """
 
     index: int
@@ -48,6 +50,7 @@ class Op:
     region: str | None = None
     group: int | None = None
     may_fail: bool = False
+    mesh: Any = None  # under explicit axes: the abstract mesh the op was traced under
 
     def derived(self, primitive: Any, params: dict, ins: list[Atom], outs: list[int]) -> Op:
         """An op of ``primitive`` that stands in for (part of) this one: same source, scope,
@@ -74,6 +77,9 @@ class Graph:
     shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     dtypes: list[Any] = dataclasses.field(default_factory=list)
     nbytes: list[int] = dataclasses.field(default_factory=list)
+    # Under explicit mesh axes: each value's sharding type (its spec), which every program
+    # that reads or makes the value must keep. Empty for a step traced with automatic axes.
+    specs: dict[int, Any] = dataclasses.field(default_factory=dict)
     _producers: dict[int, Op] | None = dataclasses.field(default=None, repr=False)
     _consumers: dict[int, list[Op]] | None = dataclasses.field(default=None, repr=False)
 

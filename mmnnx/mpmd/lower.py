@@ -34,6 +34,23 @@ def compatible(sharding: Any, task: Task) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def same_spec(a: PartitionSpec, b: PartitionSpec) -> bool:
+    """Whether two specs lay an array out alike (trailing ``None`` entries mean nothing).
+
+    Example:
+        >>> same_spec(PartitionSpec("x", None), PartitionSpec("x"))
+        True
+    """
+
+    def trimmed(spec):
+        entries = list(spec)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return entries
+
+    return trimmed(a) == trimmed(b)
+
+
 def constraint_layout(
     task: Task, names: Sequence[Any], shape: Sequence[int], source: str
 ) -> NamedSharding:
@@ -152,6 +169,8 @@ class _Lowering:
             return slot
         source = self.where[(v, m)]
         src_slot = self.find(v, source, m)
+        if want is None and graph.specs:  # sharding in types: the type's, on this task
+            want = task.sharding(graph.specs.get(v, PartitionSpec()))
         if want is None:
             if source is None and v in self.first_constraint:
                 op = self.first_constraint[v]
@@ -207,6 +226,7 @@ def lower(
     donate_in = _donations(graph, order, input_tasks, donated or [False] * len(input_tasks))
     labels = _labels(pipeline)
     out_shardings_of: dict[int, tuple] = {}
+    typed = graph.specs or None
     for frag, m in order:
         in_slots = tuple(low.ensure(v, frag.task, m) for v in frag.in_ids)
         positions = tuple(i for i, v in enumerate(frag.out_ids) if v in sum_of)
@@ -215,7 +235,7 @@ def lower(
         accumulate = bool(summed) and totals[0] is not None
         shardings = out_shardings_of.get(id(frag))
         if shardings is None:
-            shardings = out_shardings_of[id(frag)] = _out_shardings(frag, home_of)
+            shardings = out_shardings_of[id(frag)] = _out_shardings(frag, home_of, typed)
         out_slots = []
         for v, s in zip(frag.out_ids, shardings, strict=True):
             r = low.replica(v, m)
@@ -264,13 +284,20 @@ def lower(
     )
 
 
-def _out_shardings(frag: Fragment, home_of: dict[int, NamedSharding]) -> tuple:
+def _out_shardings(
+    frag: Fragment, home_of: dict[int, NamedSharding], typed: dict[int, Any] | None
+) -> tuple:
     """A fragment's results: on their home sharding when it is on this task, replicated for a
-    program with no inputs (nothing to infer a layout from), else the compiler's choice."""
+    program with no inputs (nothing to infer a layout from), else the compiler's choice; with
+    sharding in types (``typed``), always the type's."""
     out = []
     for v in frag.out_ids:
         home = home_of.get(v)
-        if home is not None and home.mesh == frag.task.jax_mesh:
+        if typed is not None:
+            spec = typed.get(v, PartitionSpec())
+            on_home = home is not None and home.mesh == frag.task.jax_mesh
+            out.append(home if on_home and same_spec(home.spec, spec) else frag.task.sharding(spec))
+        elif home is not None and home.mesh == frag.task.jax_mesh:
             out.append(home)
         elif not frag.in_ids:
             out.append(frag.task.sharding())

@@ -9,6 +9,7 @@ Send/Recv pair is one ``jax.device_put``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -16,7 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
+from mmnnx.mpmd import _jax
 from mmnnx.mpmd._jax import constraint_layouts, run_ops
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower import compatible, constraint_layout
@@ -51,10 +54,22 @@ def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any
         outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, args[:n])
         return [*outs, *(total + outs[i] for total, i in zip(args[n:], summed, strict=True))]
 
+    out_shardings = [*run.out_shardings, *total_shardings]
+    explicit = None
+    if graph.specs:  # traced with sharding in types: every program keeps the types
+        explicit = _jax.explicit_twin(frag.task.jax_mesh)
+
+        def typed(v: int) -> NamedSharding:
+            return NamedSharding(explicit, graph.specs.get(v, PartitionSpec()))
+
+        in_shardings = [typed(v) for v in frag.in_ids]
+        in_shardings += [typed(frag.out_ids[i]) for i in summed]
+        total_shardings = list(in_shardings[n:])
+        out_shardings = [typed(v) for v in frag.out_ids] + total_shardings
     jitted = jax.jit(
         body,
         in_shardings=list(in_shardings),
-        out_shardings=[*run.out_shardings, *total_shardings],
+        out_shardings=out_shardings,
         donate_argnums=(*run.donate, *range(n, n + len(total_shardings))),
     )
     avals = [
@@ -67,7 +82,10 @@ def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any
         )
         for i, s in zip(summed, total_shardings, strict=True)
     ]
-    with constraint_layouts(functools.partial(constraint_layout, frag.task)):
+    with (
+        constraint_layouts(functools.partial(constraint_layout, frag.task)),
+        jax.set_mesh(explicit) if explicit is not None else contextlib.nullcontext(),
+    ):
         lowered = jitted.lower(*avals)
     return lowered.compile()
 

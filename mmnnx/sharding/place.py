@@ -6,6 +6,7 @@ Every check runs before any array moves, so a bad rule list leaves the model unt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -238,10 +239,13 @@ def place(model: M, rules: Sequence[tuple], *, strict: bool = True) -> M:
 def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = True) -> M:
     """Builds ``factory()`` with each task's Variables created directly on that task's submesh.
 
-    The model is first built abstractly (``nnx.eval_shape``); then one jitted init per task
-    computes only that task's Variables, sharded as the rules say, so no full copy of the model
-    ever exists on one device. The values equal ``place(factory(), rules)`` for the same RNG seed.
-    ``factory`` must create its own ``nnx.Rngs``; it is traced once per task.
+    The factory is traced once (which also gives the model's structure); then the Variables
+    are computed op by op on one device and each is moved to its task's sharding as soon as it
+    is made, so no full copy of the model ever exists on one device, and equal layers compile
+    their ops once whatever the number of tasks (as an eager build does). A task spanning
+    processes runs one jitted init instead, sharded as the rules say; each process computes
+    only the tasks it takes part in. The values equal ``place(factory(), rules)`` for the same
+    RNG seed. ``factory`` must create its own ``nnx.Rngs``.
 
     Raises:
         ValueError: a rule problem (as :func:`place`), or a factory that changes state created
@@ -257,7 +261,7 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
         >>> model.layers[0].kernel.get_value().sharding.mesh.devices.size
         4
     """
-    abstract = _abstract(factory)
+    abstract, traced, order = _traced(factory)
     assignments = plan_placement(abstract, rules, strict=strict)
     placed = {a.path for a in assignments}
     groups: dict[Task | None, list[Any]] = {}
@@ -266,21 +270,18 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
     leftovers = [p for p, _ in variables_of(abstract) if p not in placed]
     if leftovers:
         groups[None] = leftovers
+    position = {p: i for i, p in enumerate(order)}
 
+    def build(paths):
+        with nnx.use_eager_sharding(False):
+            built = factory()
+        values = {p: v.get_value() for p, v in variables_of(built)}
+        return [values[p] for p in paths]
+
+    here: list[tuple[Path, Any, Assignment | None]] = []  # computed by this process's replay
     for task, group in groups.items():
-        paths = [a.path for a in group] if task is not None else group
-
-        def build(paths=paths):
-            with nnx.use_eager_sharding(False):
-                built = factory()
-            values = {p: v.get_value() for p, v in variables_of(built)}
-            return [values[p] for p in paths]
-
         if task is None:
-            values = jax.jit(build)()
-            by_path = dict(variables_of(abstract))
-            for p, value in zip(paths, values, strict=True):
-                by_path[p].set_value(value)
+            here += [(p, None, None) for p in group]
         elif jax.process_index() not in processes_of(task.sharding()):
             abstract_values = [a.variable.get_value() for a in group]
             _commit(
@@ -290,10 +291,39 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
                     for x, a in zip(abstract_values, group, strict=True)
                 ],
             )
-        else:
-            values = jax.jit(build, out_shardings=[a.sharding for a in group])()
+        elif not task.sharding().is_fully_addressable:
+            paths = [a.path for a in group]
+            out_shardings = [a.sharding for a in group]
+            values = jax.jit(functools.partial(build, paths), out_shardings=out_shardings)()
             _commit(group, values)
+        else:
+            here += [(a.path, a.sharding, a) for a in group]
+    values = _build_here(traced, [position[p] for p, _, _ in here], [s for _, s, _ in here])
+    by_path = dict(variables_of(abstract))
+    for (p, _, a), value in zip(here, values, strict=True):
+        if a is not None:
+            _commit([a], [value])
+        else:
+            by_path[p].set_value(value)
     return abstract
+
+
+def _build_here(traced: Any, wanted: list[int], shardings: list[Any]) -> list[Any]:
+    """The traced factory's outputs ``wanted``, computed op by op on this process's first
+    device and each moved to its sharding (``None``: left there) as soon as it is made. Each
+    distinct op compiles once, as in an eager build, whatever the number of tasks, and no more
+    than one Variable's value at a time exists whole on that device."""
+    from mmnnx.mpmd._jax import replay
+
+    at = {i: k for k, i in enumerate(wanted)}
+    values: list[Any] = [None] * len(wanted)
+
+    def put(i: int, value: Any) -> None:
+        k = at[i]
+        values[k] = value if shardings[k] is None else jax.device_put(value, shardings[k])
+
+    replay(traced, wanted, jax.local_devices()[0], put)
+    return values
 
 
 class Mirror(NamedTuple):
@@ -425,22 +455,38 @@ def place_optimizer(opt: Opt, model: Any) -> Opt:
     return opt
 
 
-def _abstract(factory: Callable[[], M]) -> M:
-    """``factory()`` built abstractly; a factory that changes state created outside it (an
-    ``nnx.Rngs`` it closes over) is refused, naming the fix."""
-    try:
+def _traced(factory: Callable[[], M]) -> tuple[M, Any, list[Path]]:
+    """``factory()`` traced once: the model built abstractly, the traced computation of its
+    Variables' values (one output each), and their paths in output order. A factory that
+    changes state created outside it (an ``nnx.Rngs`` it closes over) is refused, naming the
+    fix."""
+    from mmnnx.mpmd._jax import fast_sharding_probes  # the engine imports this module
+
+    made = []
+
+    def build():
         with nnx.use_eager_sharding(False):
-            return nnx.eval_shape(factory)
+            built = factory()
+        graphdef, state = nnx.split(built)
+        made.append((graphdef, nnx.to_flat_state(state)))
+        return [v.get_value() for _, v in made[-1][1]]
+
+    try:
+        with fast_sharding_probes():
+            traced, shapes = jax.make_jaxpr(build, return_shape=True)()
     except Exception as e:
         what = outside_state_error(e)
         if what is None:
             raise
         raise ValueError(
             f"mm.init: the factory changes {what} created outside it; mm.init traces "
-            "the factory (once abstractly, then once per task), so it must create its own "
+            "the factory once and computes it from that trace, so it must create its own "
             "state: build the nnx.Rngs inside it, e.g. mm.init(lambda: Model(rngs=nnx.Rngs(0)), "
             "rules), not mm.init(lambda: Model(rngs=rngs), rules)"
         ) from e
+    graphdef, flat = made[-1]
+    state = nnx.from_flat_state([(p, v.replace(s)) for (p, v), s in zip(flat, shapes, strict=True)])
+    return nnx.merge(graphdef, state), traced, [p for p, _ in flat]
 
 
 def placement(model: Any) -> dict[str, tuple[str, PartitionSpec]]:
