@@ -18,7 +18,8 @@ import os
 import sys
 
 if __name__ == "__main__":  # a fresh process: devices before jax, the repository importable
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*kept, "--xla_force_host_platform_device_count=8"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -5,10 +5,16 @@ import os
 import shutil
 import tempfile
 
+from tests.flags import COMPILE_FLAGS
+
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+# Both sides of every comparison compile alike (processes tests start included); benchmarks
+# and notebooks keep XLA's defaults.
+if COMPILE_FLAGS not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + COMPILE_FLAGS
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One compilation cache for the whole run (the processes tests start included): tests compile
 # the same small programs again and again. Fresh per run, so nothing carries over between runs.

@@ -18,12 +18,13 @@ def trees_close(a, b):
 def params_close(model, ref, ref_grads, steps, lr):
     """Parameters after ``steps`` Adam steps against the oracle's.
 
-    Adam turns a gradient at rounding noise into a full +-lr step: elements whose first gradient
-    is nonzero but below 1e-5 of their array's largest are held to ``steps`` x ``lr``; every
-    other element (exact zeros included) to 1e-5 relative.
+    Adam turns a gradient at rounding noise into a full +-lr step, and a gradient near its
+    epsilon (1e-8) into a step that follows the gradient's rounding: elements whose first
+    gradient is nonzero but below 1e-5 of their array's largest, or below 1e-6, are held to
+    ``steps`` x ``lr``; every other element (exact zeros included) to 1e-5 relative.
     """
     noise = [
-        (g != 0) & (np.abs(g) < 1e-5 * np.abs(g).max())
+        (g != 0) & ((np.abs(g) < 1e-5 * np.abs(g).max()) | (np.abs(g) < 1e-6))
         for g in map(np.asarray, jax.tree.leaves(ref_grads))
     ]
     pairs = zip(

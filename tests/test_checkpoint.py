@@ -50,7 +50,7 @@ def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
 
 def run_worker(*args: str, stderr=subprocess.PIPE) -> subprocess.Popen:
     """``tests/checkpoint_worker.py`` in a fresh process, 8 CPU devices set before jax loads."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ)  # 8 devices and the tests' compile flags
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.Popen(
         [sys.executable, WORKER, *args],

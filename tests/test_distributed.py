@@ -17,6 +17,7 @@ import pytest
 import mmnnx as mm
 from mmnnx.distributed import launch as launcher
 from tests import distributed_worker as worker
+from tests.flags import without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
@@ -24,7 +25,7 @@ TIMEOUT_S = 240
 
 
 def launch(args: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
     return subprocess.run(
         [sys.executable, "-m", "mmnnx", "launch", *args],
         capture_output=True,
@@ -122,9 +123,10 @@ def test_launch_prefixes_lines_and_sets_each_process_environment():
     )
     proc = launch(["-n", "3", "--devices-per-process", "2", "--", sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stderr
+    kept = without_device_count(os.environ["XLA_FLAGS"])  # the caller's other flags stay
     for rank in range(3):
-        line = f"[rank {rank}] hello {rank} 3 127.0.0.1 --xla_force_host_platform_device_count=2"
-        assert line in proc.stdout.splitlines()
+        flags = f"{kept} --xla_force_host_platform_device_count=2".strip()
+        assert f"[rank {rank}] hello {rank} 3 127.0.0.1 {flags}" in proc.stdout.splitlines()
 
 
 def test_launch_stops_the_others_when_one_fails_and_returns_its_status():

@@ -12,7 +12,6 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx.models import GPT, GPTConfig, stage_rules
-from tests.models import four_tasks
 from tests.oracle import close, params_close
 from tests.test_flax_examples import CNN
 
@@ -85,7 +84,17 @@ def test_mnist_cnn_with_dropout_and_batchnorm_pipelines_like_the_unrolled_loop(s
     assert [t.name for t in plan.pipeline.stage_tasks] == ["d0", "d1", "d2", "d3"]
     ref_step = nnx.jit(cnn_step(schedule, 4))  # outside mm.jit, mm.microbatch is a plain loop
     probe = with_rates(CNN(rngs=nnx.Rngs(0)), 0.3)  # a copy: a forward pass updates statistics
-    first_grads = nnx.grad(lambda m: m(batch["image"], nnx.Rngs(7)).sum())(probe)
+
+    @nnx.jit
+    def first_grads_of(probe):  # the first step's gradient, for params_close's noise
+        def loss_fn(model, rngs, batch):
+            logits = model(batch["image"], rngs)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+        grad_fn = mm.microbatch(nnx.grad(loss_fn), num=4, argnums=(2,), reduce="mean")
+        return grad_fn(probe, nnx.Rngs(7), batch)
+
+    first_grads = first_grads_of(probe)
     for i in range(3):
         close(step(model, opt, rngs, batch), ref_step(ref, ref_opt, ref_rngs, batch))
         if i == 0:  # later steps' statistics also follow Adam's noise-sized bias steps
@@ -125,25 +134,42 @@ def gpt_step(schedule: str):
     return step
 
 
-@pytest.mark.parametrize("schedule", ["zero-bubble-h1"])  # the CNN test runs 1F1B too
-def test_gpt_with_dropout_pipelines_like_the_unrolled_loop(schedule):
-    tasks = four_tasks()
-    config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16, dropout=0.1)
+GPT_DROPOUT = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16, dropout=0.1)
+GPT_TOKENS = jax.random.randint(jax.random.key(1), (8, 17), 0, 64)
+
+
+def new_gpt() -> GPT:
     with nnx.use_eager_sharding(False):
-        model, ref = (GPT(config, rngs=nnx.Rngs(0)) for _ in range(2))
-    model = mm.place(model, stage_rules(model, tasks, report=False))
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)  # Adam would magnify rounding
-    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
-    tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, 64)
-    step, ref_step = mm.jit(gpt_step(schedule)), nnx.jit(gpt_step(schedule))
-    pipelined_without_unrolling(step, model, opt, tokens)
-    for _ in range(3):
-        close(step(model, opt, tokens), ref_step(ref, ref_opt, tokens))
-    for a, b in zip(
-        jax.tree.leaves(nnx.state(model, nnx.Param)),
-        jax.tree.leaves(nnx.state(ref, nnx.Param)),
-        strict=True,
-    ):
+        return GPT(GPT_DROPOUT, rngs=nnx.Rngs(0))
+
+
+def sgd(model: GPT) -> nnx.Optimizer:
+    return nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)  # Adam would magnify rounding
+
+
+@pytest.fixture(scope="module")
+def gpt_unrolled_loop() -> tuple[list, list]:
+    """Three steps of the unrolled loop (``mm.microbatch`` outside ``mm.jit``, any schedule):
+    the losses and the parameters after them."""
+    ref = new_gpt()
+    ref_opt = sgd(ref)
+    step = nnx.jit(gpt_step("1f1b"))
+    losses = [step(ref, ref_opt, GPT_TOKENS) for _ in range(3)]
+    return losses, jax.tree.leaves(nnx.state(ref, nnx.Param))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+def test_gpt_with_dropout_pipelines_like_the_unrolled_loop(schedule, gpt_unrolled_loop):
+    tasks = single_device_tasks()  # tensor parallelism would only slow compiling here
+    model = new_gpt()
+    mm.place(model, stage_rules(model, tasks, report=False))
+    opt = sgd(model)
+    step = mm.jit(gpt_step(schedule))
+    pipelined_without_unrolling(step, model, opt, GPT_TOKENS)
+    ref_losses, ref_params = gpt_unrolled_loop
+    for ref_loss in ref_losses:
+        close(step(model, opt, GPT_TOKENS), ref_loss)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), ref_params, strict=True):
         close(a, b)
 
 
