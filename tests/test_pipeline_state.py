@@ -119,6 +119,7 @@ def test_programs_do_not_grow_with_the_microbatch_count():
         step = mm.jit(cnn_step("1f1b", num))
         plan = pipelined_without_unrolling(step, model, opt, nnx.Rngs(0), cnn_batch(32))
         programs.add(plan.num_programs)
+        assert plan.num_programs == len(plan.fragments)  # one program per fragment, summing too
     assert len(programs) == 1
 
 

@@ -78,6 +78,11 @@ class ProcessView:
             sharding_of[slot] = sharding
             self._value_of[slot] = (value, run.task)
 
+    def elsewhere(self, slots: Sequence[int], task: Any) -> None:
+        """Values another process makes on ``task`` (a skipped action's), known by slot."""
+        for slot in slots:
+            self._value_of[slot] = (None, task)
+
     def without_sent_donations(self, run: Run) -> Run:
         donate = tuple(i for i in run.donate if run.ins[i] not in self._sent)
         return run if donate == run.donate else dataclasses.replace(run, donate=donate)

@@ -12,7 +12,7 @@ from mmnnx.mpmd.errors import (
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX
 from mmnnx.mpmd.markers import ScopeResolver, resolve_scopes
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer
-from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram
+from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
 
 __all__ = [
     "GROUP_PREFIX",
@@ -23,6 +23,7 @@ __all__ = [
     "Recv",
     "Release",
     "Run",
+    "Zeros",
     "ScopeResolver",
     "Send",
     "StepProgram",

@@ -16,7 +16,7 @@ from mmnnx.mpmd._jax import constraint_names, is_constraint
 from mmnnx.mpmd.ir import Const, Graph, Op
 from mmnnx.mpmd.pipeline import Pipeline
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer
-from mmnnx.mpmd.program import Action, Constant, Recv, Release, Run, Send, StepProgram
+from mmnnx.mpmd.program import Action, Constant, Recv, Release, Run, Send, StepProgram, Zeros
 from mmnnx.sharding import Task
 from mmnnx.sharding.specs import check_spec
 
@@ -140,6 +140,30 @@ class _Lowering:
             self.activations[slot] = (task.name, m)
         return slot
 
+    def zeros(
+        self, frag: Fragment, positions: Sequence[int], sums: Sequence[int], shardings: Sequence
+    ) -> tuple[int, ...]:
+        """Slots of zero-filled running sums ``sums`` (values) of ``frag``'s outputs at
+        ``positions``, made by a :class:`Zeros` action: on the output's pinned sharding, else
+        replicated on the task (a sum's layout must be known before its program compiles)."""
+        task = frag.task
+        layouts = [shardings[i] or task.sharding() for i in positions]
+        slots = []
+        for u, layout in zip(sums, layouts, strict=True):
+            slots.append(self.new_slot(u, task, layout, None))
+            self.where[(u, None)] = task
+        graph = self.graph
+        self.actions.append(
+            Zeros(
+                task,
+                tuple(slots),
+                tuple(graph.shapes[u] for u in sums),
+                tuple(graph.dtypes[u] for u in sums),
+                tuple(layouts),
+            )
+        )
+        return tuple(slots)
+
     def chained(self, v: int, m: int | None) -> tuple[int, int | None]:
         """The value (and microbatch) a chain marker's result stands for: the Variable's value
         before the step for microbatch 0 (or for all, if no microbatch changes it), the previous
@@ -232,10 +256,11 @@ def lower(
         positions = tuple(i for i, v in enumerate(frag.out_ids) if v in sum_of)
         summed = [frag.out_ids[i] for i in positions]
         totals = tuple(low.find(sum_of[v], frag.task, None) for v in summed)
-        accumulate = bool(summed) and totals[0] is not None
         shardings = out_shardings_of.get(id(frag))
         if shardings is None:
             shardings = out_shardings_of[id(frag)] = _out_shardings(frag, home_of, typed)
+        if summed and totals[0] is None:  # the first microbatch adds to zeros
+            totals = low.zeros(frag, positions, [sum_of[v] for v in summed], shardings)
         out_slots = []
         for v, s in zip(frag.out_ids, shardings, strict=True):
             r = low.replica(v, m)
@@ -243,16 +268,9 @@ def lower(
             low.where[(v, r)] = frag.task
         donate = tuple(i for i, v in enumerate(frag.in_ids) if donate_in.get(v) is frag)
         label = labels.get(id(frag))
-        sums, summed_at = (totals, positions) if accumulate else ((), ())
         low.actions.append(
-            Run(frag, in_slots, tuple(out_slots), m, sums, summed_at, donate, shardings, label)
+            Run(frag, in_slots, tuple(out_slots), m, totals, positions, donate, shardings, label)
         )
-        if not accumulate:  # the first microbatch's values start the sums
-            for i in positions:
-                u, slot = sum_of[frag.out_ids[i]], out_slots[i]
-                low.by_value.setdefault((u, frag.task, None), []).append(slot)
-                low.where[(u, None)] = frag.task
-                low.activations.pop(slot, None)  # now a running sum, not an activation
 
     if low.chains is not None:  # a chained result is where the last microbatch left it
         for result, new in low.chains.results.items():
@@ -313,6 +331,8 @@ def _reads_writes(action: Action) -> tuple[Sequence[int], Sequence[int]]:
         return (action.from_slot,), (action.slot,)
     if isinstance(action, Constant):
         return (), (action.slot,)
+    if isinstance(action, Zeros):
+        return (), action.slots
     return (), ()
 
 

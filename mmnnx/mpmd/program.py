@@ -38,7 +38,7 @@ class Run:
     """Runs ``fragment`` on the values in ``ins``, writing its results into ``outs``.
 
     ``sums``: running microbatch sums (slots) that the program reads and returns updated with
-    its results at positions ``summed`` (the first microbatch's results start each sum). ``donate``:
+    its results at positions ``summed`` (a :class:`Zeros` action starts them). ``donate``:
     positions in ``ins`` whose buffers the program may reuse. ``out_shardings``: the sharding
     each result is pinned to, ``None`` where the compiler chooses. ``label``: ``(task, kind,
     stage)`` of a pipeline stage, for timelines.
@@ -129,6 +129,21 @@ class Constant:
 
 
 @dataclasses.dataclass(frozen=True)
+class Zeros:
+    """Puts zero-filled arrays into ``slots`` on ``task``, fresh every step: the running sums a
+    fragment's first microbatch adds to, so that every microbatch runs one compiled program."""
+
+    task: Task
+    slots: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+    shardings: tuple[Any, ...]
+
+    def __str__(self) -> str:
+        return f"zeros {_slots(self.slots)}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Release:
     """Drops values no later action reads, so their memory is freed during the step."""
 
@@ -139,7 +154,7 @@ class Release:
         return f"release {' '.join(f's{s}' for s in self.slots)}"
 
 
-Action = Run | Send | Recv | Constant | Release
+Action = Run | Send | Recv | Constant | Zeros | Release
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from mmnnx.mpmd._jax import constraint_layouts, run_ops
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower import compatible, constraint_layout
 from mmnnx.mpmd.plan import Plan
-from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram
+from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
 
 _RUN, _PUT, _CALL = 0, 1, 2
 
@@ -90,6 +90,19 @@ def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any
     return lowered.compile()
 
 
+def compile_zeros(action: Zeros) -> Any:
+    """One program making every zero-filled sum of ``action`` in its layout (called each step:
+    the sums are donated to the programs that add to them)."""
+
+    def zeros():
+        return [
+            jax.numpy.zeros(shape, dtype)
+            for shape, dtype in zip(action.shapes, action.dtypes, strict=True)
+        ]
+
+    return jax.jit(zeros, out_shardings=list(action.shardings)).lower().compile()
+
+
 class _LocalView:
     """What one process does with each action: in a single process, everything."""
 
@@ -105,6 +118,9 @@ class _LocalView:
         return True
 
     def skipped(self, run: Run, sharding_of: list[Any]) -> None:
+        raise AssertionError("a single process runs every action")
+
+    def elsewhere(self, slots: Sequence[int], task: Any) -> None:
         raise AssertionError("a single process runs every action")
 
     def without_sent_donations(self, run: Run) -> Run:
@@ -205,6 +221,14 @@ class Executable:
                     steps.append([_PUT, action.from_slot, action.slot, sharding, ()])
                 elif how is not None:  # a transfer that involves another process
                     steps.append([_CALL, how, action.from_slot, action.slot, ()])
+            elif isinstance(action, Zeros):
+                for s, sharding in zip(action.slots, action.shardings, strict=True):
+                    sharding_of[s] = sharding
+                if local.runs(action.task):
+                    local.made(action.slots, action.task)
+                    steps.append([_RUN, compile_zeros(action), (), action.slots, None, None, ()])
+                else:
+                    local.elsewhere(action.slots, action.task)
             elif isinstance(action, Constant):
                 sharding_of[action.slot] = action.task.sharding()
                 if local.runs(action.task):
