@@ -120,6 +120,8 @@ def test_programs_do_not_grow_with_the_microbatch_count():
         plan = pipelined_without_unrolling(step, model, opt, nnx.Rngs(0), cnn_batch(32))
         programs.add(plan.num_programs)
         assert plan.num_programs == len(plan.fragments)  # one program per fragment, summing too
+        summing = [a for a in plan.program.actions if isinstance(a, mm.mpmd.Run) and a.sums]
+        assert summing and all(None in a.outs for a in summing)  # gradients: the sums alone
     assert len(programs) == 1
 
 

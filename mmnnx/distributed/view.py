@@ -75,6 +75,8 @@ class ProcessView:
         for slot, value, sharding in zip(
             run.outs, run.fragment.out_ids, run.out_shardings, strict=True
         ):
+            if slot is None:  # only added to its sum, not returned
+                continue
             sharding_of[slot] = sharding
             self._value_of[slot] = (value, run.task)
 

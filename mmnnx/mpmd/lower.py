@@ -12,7 +12,7 @@ from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmnnx.mpmd._jax import constraint_names, is_constraint
+from mmnnx.mpmd._jax import constraint_names, is_accumulate, is_constraint
 from mmnnx.mpmd.ir import Const, Graph, Op
 from mmnnx.mpmd.pipeline import Pipeline
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer
@@ -251,6 +251,20 @@ def lower(
     labels = _labels(pipeline)
     out_shardings_of: dict[int, tuple] = {}
     typed = graph.specs or None
+    consumers = graph.consumers()
+    fragment_of = {op.index: id(f) for f, _ in order for op in f.ops}
+
+    def only_summed(v: int, frag: Fragment) -> bool:
+        """Whether ``frag``'s result ``v`` is read only by its microbatch sum (so the program
+        need not return each microbatch's copy: a gradient, say)."""
+        return (
+            all(
+                is_accumulate(c) or fragment_of.get(c.index) == id(frag)
+                for c in consumers.get(v, ())
+            )
+            and v not in graph.outputs
+        )
+
     for frag, m in order:
         in_slots = tuple(low.ensure(v, frag.task, m) for v in frag.in_ids)
         positions = tuple(i for i, v in enumerate(frag.out_ids) if v in sum_of)
@@ -261,8 +275,11 @@ def lower(
             shardings = out_shardings_of[id(frag)] = _out_shardings(frag, home_of, typed)
         if summed and totals[0] is None:  # the first microbatch adds to zeros
             totals = low.zeros(frag, positions, [sum_of[v] for v in summed], shardings)
-        out_slots = []
-        for v, s in zip(frag.out_ids, shardings, strict=True):
+        out_slots: list[int | None] = []
+        for i, (v, s) in enumerate(zip(frag.out_ids, shardings, strict=True)):
+            if i in positions and only_summed(v, frag):
+                out_slots.append(None)
+                continue
             r = low.replica(v, m)
             out_slots.append(low.new_slot(v, frag.task, s, r))
             low.where[(v, r)] = frag.task
@@ -326,7 +343,8 @@ def _out_shardings(
 
 def _reads_writes(action: Action) -> tuple[Sequence[int], Sequence[int]]:
     if isinstance(action, Run):
-        return (*action.ins, *action.sums), (*action.outs, *action.sums)
+        outs = (s for s in action.outs if s is not None)
+        return (*action.ins, *action.sums), (*outs, *action.sums)
     if isinstance(action, Recv):
         return (action.from_slot,), (action.slot,)
     if isinstance(action, Constant):

@@ -25,8 +25,8 @@ from mmnnx.mpmd.plan import Fragment
 from mmnnx.sharding import Task
 
 
-def _slots(slots: tuple[int, ...]) -> str:
-    return ", ".join(f"s{s}" for s in slots)
+def _slots(slots: tuple[int | None, ...]) -> str:
+    return ", ".join("-" if s is None else f"s{s}" for s in slots)
 
 
 def _mb(microbatch: int | None) -> str:
@@ -38,7 +38,8 @@ class Run:
     """Runs ``fragment`` on the values in ``ins``, writing its results into ``outs``.
 
     ``sums``: running microbatch sums (slots) that the program reads and returns updated with
-    its results at positions ``summed`` (a :class:`Zeros` action starts them). ``donate``:
+    its results at positions ``summed`` (a :class:`Zeros` action starts them). An ``outs`` entry
+    of ``None``: a result only added to its sum, which the program does not return. ``donate``:
     positions in ``ins`` whose buffers the program may reuse. ``out_shardings``: the sharding
     each result is pinned to, ``None`` where the compiler chooses. ``label``: ``(task, kind,
     stage)`` of a pipeline stage, for timelines.
@@ -46,7 +47,7 @@ class Run:
 
     fragment: Fragment
     ins: tuple[int, ...]
-    outs: tuple[int, ...]
+    outs: tuple[int | None, ...]
     microbatch: int | None = None
     sums: tuple[int, ...] = ()
     summed: tuple[int, ...] = ()

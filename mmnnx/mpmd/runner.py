@@ -49,12 +49,14 @@ def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any
     n = len(frag.in_ids)
     total_shardings = list(in_shardings[n:])
     summed = run.summed
+    returned = [i for i, s in enumerate(run.outs) if s is not None]
 
     def body(*args):
         outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, args[:n])
-        return [*outs, *(total + outs[i] for total, i in zip(args[n:], summed, strict=True))]
+        totals = [total + outs[i] for total, i in zip(args[n:], summed, strict=True)]
+        return [*(outs[i] for i in returned), *totals]
 
-    out_shardings = [*run.out_shardings, *total_shardings]
+    out_shardings = [*(run.out_shardings[i] for i in returned), *total_shardings]
     explicit = None
     if graph.specs:  # traced with sharding in types: every program keeps the types
         explicit = _jax.explicit_twin(frag.task.jax_mesh)
@@ -65,7 +67,7 @@ def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any
         in_shardings = [typed(v) for v in frag.in_ids]
         in_shardings += [typed(frag.out_ids[i]) for i in summed]
         total_shardings = list(in_shardings[n:])
-        out_shardings = [typed(v) for v in frag.out_ids] + total_shardings
+        out_shardings = [typed(frag.out_ids[i]) for i in returned] + total_shardings
     jitted = jax.jit(
         body,
         in_shardings=list(in_shardings),
@@ -204,7 +206,7 @@ class Executable:
                 if compiled is None:
                     in_shardings = [sharding_of[s] for s in ins]
                     compiled = compiled_of[key] = compile_fragment(self.graph, run, in_shardings)
-                outs = [*run.outs, *run.sums]
+                outs = [*(s for s in run.outs if s is not None), *run.sums]
                 for s, sharding in zip(outs, compiled.output_shardings, strict=True):
                     sharding_of[s] = sharding
                 local.made(outs, run.task)
