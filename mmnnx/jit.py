@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -686,13 +687,13 @@ class JitFunction:
             raise deleted  # before any input is donated
         with _jax.no_ambient_mesh():  # each fragment runs on its own task's mesh
             results = _execute(executable, call, self.fun, modes, expansion)
-        updates = results[num_user_outputs : num_user_outputs + call.num_variables]
         if executable.graph.specs:  # sharding in types: hand back on the tasks' own meshes
-            results = [_jax.auto_twin(r) for r in results]
-            updates = [
-                _jax.auto_twin(new, like=old)
-                for new, old in zip(updates, call.shardings, strict=False)
+            likes = [None] * num_user_outputs + call.shardings[: call.num_variables]
+            results = [
+                _jax.auto_twin(r, like=like)
+                for r, like in itertools.zip_longest(results, likes)  # added: no like
             ]
+        updates = results[num_user_outputs : num_user_outputs + call.num_variables]
         if call.unplaced and jax.process_count() == 1:
             _stay_home(call, updates)
         _nnx.set_values(call.variables, updates)

@@ -249,35 +249,34 @@ def lower(
 
     donate_in = _donations(graph, order, input_tasks, donated or [False] * len(input_tasks))
     labels = _labels(pipeline)
-    out_shardings_of: dict[int, tuple] = {}
     typed = graph.specs or None
     consumers = graph.consumers()
     fragment_of = {op.index: id(f) for f, _ in order for op in f.ops}
+    returned = {a for a in graph.outputs if isinstance(a, int)}
 
     def only_summed(v: int, frag: Fragment) -> bool:
         """Whether ``frag``'s result ``v`` is read only by its microbatch sum (so the program
         need not return each microbatch's copy: a gradient, say)."""
-        return (
-            all(
-                is_accumulate(c) or fragment_of.get(c.index) == id(frag)
-                for c in consumers.get(v, ())
-            )
-            and v not in graph.outputs
+        return v not in returned and all(
+            is_accumulate(c) or fragment_of.get(c.index) == id(frag) for c in consumers.get(v, ())
         )
 
+    layout_of: dict[int, tuple[tuple, tuple[int, ...], frozenset[int]]] = {}
     for frag, m in order:
         in_slots = tuple(low.ensure(v, frag.task, m) for v in frag.in_ids)
-        positions = tuple(i for i, v in enumerate(frag.out_ids) if v in sum_of)
+        if id(frag) not in layout_of:  # the same for every microbatch
+            positions = tuple(i for i, v in enumerate(frag.out_ids) if v in sum_of)
+            dropped = frozenset(i for i in positions if only_summed(frag.out_ids[i], frag))
+            shardings = _out_shardings(frag, home_of, typed)
+            layout_of[id(frag)] = (shardings, positions, dropped)
+        shardings, positions, dropped = layout_of[id(frag)]
         summed = [frag.out_ids[i] for i in positions]
         totals = tuple(low.find(sum_of[v], frag.task, None) for v in summed)
-        shardings = out_shardings_of.get(id(frag))
-        if shardings is None:
-            shardings = out_shardings_of[id(frag)] = _out_shardings(frag, home_of, typed)
         if summed and totals[0] is None:  # the first microbatch adds to zeros
             totals = low.zeros(frag, positions, [sum_of[v] for v in summed], shardings)
         out_slots: list[int | None] = []
         for i, (v, s) in enumerate(zip(frag.out_ids, shardings, strict=True)):
-            if i in positions and only_summed(v, frag):
+            if i in dropped:
                 out_slots.append(None)
                 continue
             r = low.replica(v, m)

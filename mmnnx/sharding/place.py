@@ -6,7 +6,6 @@ Every check runs before any array moves, so a bad rule list leaves the model unt
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -271,13 +270,6 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
     if leftovers:
         groups[None] = leftovers
     position = {p: i for i, p in enumerate(order)}
-
-    def build(paths):
-        with nnx.use_eager_sharding(False):
-            built = factory()
-        values = {p: v.get_value() for p, v in variables_of(built)}
-        return [values[p] for p in paths]
-
     here: list[tuple[Path, Any, Assignment | None]] = []  # computed by this process's replay
     for task, group in groups.items():
         if task is None:
@@ -291,11 +283,11 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
                     for x, a in zip(abstract_values, group, strict=True)
                 ],
             )
-        elif not task.sharding().is_fully_addressable:
-            paths = [a.path for a in group]
-            out_shardings = [a.sharding for a in group]
-            values = jax.jit(functools.partial(build, paths), out_shardings=out_shardings)()
-            _commit(group, values)
+        elif not task.sharding().is_fully_addressable:  # the same trace, compiled sharded
+            from mmnnx.mpmd._jax import outputs_of  # the engine imports this module
+
+            compute = outputs_of(traced, [position[a.path] for a in group])
+            _commit(group, jax.jit(compute, out_shardings=[a.sharding for a in group])())
         else:
             here += [(a.path, a.sharding, a) for a in group]
     values = _build_here(traced, [position[p] for p, _, _ in here], [s for _, s, _ in here])
