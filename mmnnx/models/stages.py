@@ -129,6 +129,8 @@ def stage_rules(
     report: bool = True,
     seq_len: int | None = None,
     last: Sequence[str] = ("norm", "head"),
+    virtual_stages: int = 1,
+    order: str = "loop",
 ) -> list[tuple[str, Task]]:
     """Placement rules for ``mm.place`` / ``mm.init`` that pipeline ``model.blocks`` over ``tasks``.
 
@@ -154,6 +156,14 @@ def stage_rules(
     With ``report``, a table of the stages is printed: blocks, parameters,
     FLOPs, their shares, and the imbalance (largest stage / mean).
 
+    ``virtual_stages=v`` cuts ``model.blocks`` into ``v * len(tasks)`` stages for the interleaved
+    schedules, each task holding ``v`` of them: with ``order="loop"`` stage ``j`` goes on task
+    ``j % len(tasks)`` (``interleaved-1f1b``, ``interleaved-gpipe``,
+    ``interleaved-zero-bubble``); with ``order="v"`` (``v = 2``, for ``zero-bubble-v``) the stages
+    go down the tasks and come back up, task ``i`` holding stage ``i`` and stage
+    ``2 * len(tasks) - 1 - i``, the second on ``tasks[i].virtual_stage(1)``, so the embedding and
+    the head share the first task's devices. Rules then come one per stage.
+
     Example:
         >>> from mmnnx.models import GPT, GPTConfig
         >>> from mmnnx.sharding import TaskMesh
@@ -173,6 +183,7 @@ def stage_rules(
     for t in tasks:
         if not isinstance(t, Task):
             raise TypeError(f"stage_rules: {t!r} is not an mm.Task")
+    tasks = _stage_tasks(tasks, virtual_stages, order)
     blocks = getattr(model, "blocks", None)
     stacked = isinstance(blocks, nnx.Module) and not isinstance(blocks, nnx.List)
     if stacked:
@@ -183,6 +194,12 @@ def stage_rules(
                 f"module) do not share one leading layer axis (sizes {sorted(depths)})"
             )
         (n,) = depths
+        if virtual_stages != 1:
+            raise ValueError(
+                f"stage_rules: virtual_stages={virtual_stages} needs model.blocks as a list of "
+                f"modules; {type(model).__name__}.blocks is one stacked module, whose layer axis "
+                "is split into one contiguous chunk per task"
+            )
         if n % len(tasks):
             raise ValueError(
                 f"stage_rules: {n} stacked blocks cannot be split evenly over {len(tasks)} tasks "
@@ -202,7 +219,9 @@ def stage_rules(
     k = len(tasks)
     if n < k:
         raise ValueError(
-            f"stage_rules: {n} block(s) cannot fill {k} tasks; every stage needs at least one "
+            f"stage_rules: {n} block(s) cannot fill {k} "
+            f"{'tasks' if virtual_stages == 1 else f'stages ({virtual_stages} per task)'}; "
+            "every stage needs at least one "
             "block (use fewer tasks or a deeper model)"
         )
 
@@ -289,13 +308,33 @@ def stage_rules(
     return rules
 
 
+def _stage_tasks(tasks: list[Task], virtual_stages: int, order: str) -> list[Task]:
+    """The task of each stage: ``tasks`` repeated ``virtual_stages`` times, looped or in a V."""
+    if (
+        not isinstance(virtual_stages, int)
+        or isinstance(virtual_stages, bool)
+        or (virtual_stages < 1)
+    ):
+        raise ValueError(f"stage_rules: virtual_stages must be an int >= 1, got {virtual_stages!r}")
+    if order == "loop":
+        return tasks * virtual_stages
+    if order == "v":
+        if virtual_stages != 2:
+            raise ValueError(
+                f"stage_rules: order='v' places two stages per task (down the tasks and back "
+                f"up); pass virtual_stages=2, got {virtual_stages}"
+            )
+        return tasks + [t.virtual_stage(1) for t in reversed(tasks)]
+    raise ValueError(f"stage_rules: unknown order={order!r}; expected 'loop' or 'v'")
+
+
 def _print_report(rows: list, n: int, by: str, tokens: int | None) -> None:
     params = [r[2] for r in rows]
     fl = [r[3] for r in rows]
     total_p = sum(params)
     total_f = None if None in fl else sum(fl)
     table = Table(
-        title=f"stage_rules: {n} blocks over {len(rows)} tasks, balanced by {by}",
+        title=f"stage_rules: {n} blocks over {len(rows)} stages, balanced by {by}",
         box=box.SIMPLE,
     )
     for name in ("task", "blocks", "params", "share %", "FLOPs", "share %"):

@@ -147,7 +147,7 @@ def plan_pipeline(
     for s, task in enumerate(stage_tasks):
         rank = schedule.stage_to_rank[s]
         first = stage_tasks[schedule.stages_of(rank)[0]] if schedule.stages_of(rank) else task
-        if first != task:
+        if first.home != task.home:
             raise MPMDError(
                 f"mm.jit: schedule {schedule.name!r} runs stages {schedule.stages_of(rank)} on one "
                 f"rank, but stage {s} runs on task {task.name!r} and stage "

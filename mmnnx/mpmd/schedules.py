@@ -278,14 +278,16 @@ class SimulationResult:
     ``makespan`` is the time the last action ends; ``bubble_fraction`` the idle share of all
     rank-time, ``1 - busy / (num_ranks * makespan)``; ``peak_in_flight[s]`` the largest number
     of microbatches whose activations stage ``s`` holds at once (from its F until its B, or
-    until its W when the backward is split); ``events`` every action with its start and end,
-    sorted by start time then rank.
+    until its W when the backward is split); ``rank_idle[r]`` the time rank ``r`` waits between
+    its first action's start and its last action's end (the zero-bubble paper's bubble: a rank's
+    own span, which steps without a global synchronisation overlap); ``events`` every action
+    with its start and end, sorted by start time then rank.
 
     Example:
         >>> from mmnnx.mpmd.schedules import gpipe, simulate
         >>> result = simulate(gpipe(2, 4))
-        >>> result.makespan, result.bubble_fraction, result.peak_in_flight
-        (15, 0.2, (4, 4))
+        >>> result.makespan, result.bubble_fraction, result.peak_in_flight, result.rank_idle
+        (15, 0.2, (4, 4), (3, 0))
         >>> result.events[0]
         Event(rank=0, kind='F', stage=0, microbatch=0, start=0, end=1)
     """
@@ -294,6 +296,7 @@ class SimulationResult:
     bubble_fraction: float
     peak_in_flight: tuple[int, ...]
     events: tuple[Event, ...]
+    rank_idle: tuple[float, ...] = ()
 
 
 class _Timed(NamedTuple):
@@ -551,11 +554,20 @@ def _result(schedule: Schedule, timed: list) -> SimulationResult:
         Event(t.rank, t.action.kind, t.action.stage, t.action.microbatch, t.start, t.end)
         for t in timed
     )
+    spans: dict[int, list[float]] = {}
+    for t in timed:
+        first, last, work = spans.setdefault(t.rank, [t.start, t.end, 0])
+        spans[t.rank] = [min(first, t.start), max(last, t.end), work + t.end - t.start]
+    idle = tuple(
+        spans[r][1] - spans[r][0] - spans[r][2] if r in spans else 0
+        for r in range(schedule.num_ranks)
+    )
     return SimulationResult(
         makespan=makespan,
         bubble_fraction=(capacity - busy) / capacity,
         peak_in_flight=_peak_in_flight(schedule),
         events=events,
+        rank_idle=idle,
     )
 
 
@@ -887,7 +899,7 @@ def names() -> tuple[str, ...]:
     Example:
         >>> from mmnnx.mpmd.schedules import names
         >>> names()
-        ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-gpipe', 'zero-bubble-h1')
+        ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-gpipe', 'zero-bubble-h1', 'zero-bubble-h2', 'zero-bubble-v', 'interleaved-zero-bubble')
     """
     return tuple(_REGISTRY)
 
@@ -965,6 +977,35 @@ register("1f1b", _one_stage_per_rank("1f1b", one_f_one_b))
 register("interleaved-1f1b", _interleaved("interleaved-1f1b", interleaved_1f1b))
 register("interleaved-gpipe", _interleaved("interleaved-gpipe", interleaved_gpipe))
 register("zero-bubble-h1", _one_stage_per_rank("zero-bubble-h1", zero_bubble_h1))
+
+from mmnnx.mpmd.zero_bubble import (  # noqa: E402  (builds on the definitions above)
+    interleaved_zero_bubble,
+    v_stages,
+    zero_bubble_h2,
+    zero_bubble_v,
+)
+
+
+def _v_shaped(name: str, build: Callable[[int, int], Schedule]) -> Builder:
+    def builder(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+        _check_counts(num_stages, num_microbatches)
+        if virtual_stages != 2 or num_stages % 2:
+            raise ValueError(
+                f"{name} places two stages per rank in a V: it needs virtual_stages=2 and an "
+                f"even number of stages, got virtual_stages={virtual_stages} and "
+                f"{num_stages} stages"
+            )
+        return build(num_stages // 2, num_microbatches)
+
+    return builder
+
+
+register("zero-bubble-h2", _one_stage_per_rank("zero-bubble-h2", zero_bubble_h2))
+register("zero-bubble-v", _v_shaped("zero-bubble-v", zero_bubble_v))
+register(
+    "interleaved-zero-bubble",
+    _interleaved("interleaved-zero-bubble", interleaved_zero_bubble),
+)
 
 
 def tune(step: Any, *args: Any, **kwargs: Any) -> Any:

@@ -118,19 +118,20 @@ def _check_tasks(rules: list[PlacementRule]) -> None:
                     f"{rule.describe()}: two different tasks are named {task.name!r}: "
                     f"{known!r} and {task!r}"
                 )
-    owner: dict[jax.Device, str] = {}
+    owner: dict[jax.Device, tuple[str, str]] = {}  # device -> (task name, its home's name)
     for name, task in by_name.items():
         try:
             mesh = task.jax_mesh
         except ValueError as e:
             raise ValueError(f"task {name!r}: {e}") from None
         for device in mesh.devices.flat:
-            if device in owner:
+            first, home = owner.setdefault(device, (name, task.home.name))
+            if home != task.home.name:
                 raise ValueError(
-                    f"tasks {owner[device]!r} and {name!r} overlap: both use device {device.id} "
-                    f"({device}); tasks given to one place() call need disjoint devices"
+                    f"tasks {first!r} and {name!r} overlap: both use device {device.id} "
+                    f"({device}); tasks given to one place() call need disjoint devices "
+                    "(a task's own virtual stages, Task.virtual_stage, excepted)"
                 )
-            owner[device] = name
 
 
 def plan_placement(model: Any, rules: Sequence[tuple], *, strict: bool = True) -> list[Assignment]:

@@ -122,6 +122,48 @@ class Task:
         return f"Task({self.name!r}, mesh={self.mesh!r})"
 
     @property
+    def home(self) -> Task:
+        """The task whose devices this one runs on: itself, or for a :meth:`virtual_stage` the
+        task it is a stage of.
+
+        Example:
+            >>> t = Task("t", mesh=TaskMesh(devices=[0]))
+            >>> t.home is t, t.virtual_stage(1).home is t
+            (True, True)
+        """
+        return self
+
+    def virtual_stage(self, index: int) -> Task:
+        """This task's ``index``-th pipeline stage, for a model whose forward pass visits the task
+        more than once in a row (the V placement of ``zero-bubble-v``).
+
+        A pipeline finds its stages where the forward pass changes task, so two consecutive stages
+        on one task need two names: ``virtual_stage(1)`` is a task on the same mesh, with the same
+        rules, named ``"<name>:1"``, that placement may give the same devices as this one and that
+        the pipeline runs on this task's rank. ``virtual_stage(0)`` is this task.
+        ``mm.stage_rules(..., virtual_stages=2, order="v")`` uses it.
+
+        Example:
+            >>> t = Task("t", mesh=TaskMesh(devices=[0]))
+            >>> t.virtual_stage(1).name, t.virtual_stage(1) == t, t.virtual_stage(0) is t
+            ('t:1', False, True)
+        """
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"Task {self.name!r}: virtual_stage index must be an int >= 0, got "
+                             f"{index!r}")  # fmt: skip
+        home = self.home
+        if index == 0:
+            return home
+        return _VirtualStage(
+            f"{home.name}:{index}",
+            mesh=home.mesh,
+            logical_axes=home.logical_axes,
+            extra_axes=home.extra_axes,
+            of=home,
+            index=index,
+        )
+
+    @property
     def jax_mesh(self) -> Mesh:
         """The concrete ``jax.sharding.Mesh`` this task runs on."""
         if self.mesh is None:
@@ -216,3 +258,19 @@ class Task:
             P('x',)
         """
         return NamedSharding(self.jax_mesh, PartitionSpec() if spec is None else spec)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class _VirtualStage(Task):
+    """A later pipeline stage on the devices of task ``of`` (see :meth:`Task.virtual_stage`)."""
+
+    of: Task | None = dataclasses.field(default=None, kw_only=True)
+    index: int = dataclasses.field(default=1, kw_only=True)
+
+    def _key(self) -> tuple:
+        return (*super()._key(), self.of, self.index)
+
+    @property
+    def home(self) -> Task:
+        assert self.of is not None
+        return self.of

@@ -1,0 +1,216 @@
+"""The zero-bubble schedules beyond ZB-H1: ZB-H2, ZB-V and interleaved zero bubble.
+
+Each is built the way the zero-bubble paper (Qi et al., arXiv 2401.10241) builds its schedules:
+a list scheduler plays the pipeline in unit time (F = I = W = 1 per stage), and at each step
+every free rank runs, among the actions whose inputs are ready, an ``I`` first (the previous
+stage waits for it), else an ``F`` while the rank holds fewer microbatches than its memory
+limit allows (counting from a stage's ``F`` to its ``W``), else the oldest deferred ``W``. The
+limit is what tells the schedules apart: ZB-H2 lets every rank hold ``2S - 1`` microbatches so
+that its warm-up forwards fill the time before the first input gradient comes back (about
+twice 1F1B's memory); ZB-V and interleaved zero bubble keep the memory of 1F1B and
+interleaved 1F1B. The result is an ordinary :class:`~mmnnx.mpmd.schedules.Schedule`: the
+order is data, validated, and runs under any action costs.
+
+Example:
+    >>> from mmnnx.mpmd.schedules import simulate, zero_bubble_v
+    >>> schedule = zero_bubble_v(num_ranks=2, num_microbatches=4)
+    >>> schedule.stage_to_rank
+    (0, 1, 1, 0)
+    >>> simulate(schedule, 1, 2).makespan  # 4 microbatches x 6 units of work, plus the fill
+    25.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mmnnx.mpmd import schedules as _s
+
+
+def list_schedule(
+    name: str,
+    stage_to_rank: Sequence[int],
+    num_microbatches: int,
+    limits: Sequence[int],
+) -> _s.Schedule:
+    """Builds a split-backward schedule by playing it in unit time (see the module docstring).
+
+    ``stage_to_rank[s]`` is the rank of stage ``s`` and ``limits[r]`` the most microbatches rank
+    ``r`` may hold at once, summed over its stages (at least 1).
+
+    Example:
+        >>> from mmnnx.mpmd.zero_bubble import list_schedule
+        >>> schedule = list_schedule("zb", (0, 1), 2, limits=(2, 1))
+        >>> " ".join(map(str, schedule.actions_of(1)))
+        'F1.0 I1.0 W1.0 F1.1 I1.1 W1.1'
+    """
+    stage_to_rank = tuple(stage_to_rank)
+    num_stages, num_ranks, m_count = len(stage_to_rank), len(limits), num_microbatches
+    if any(limit < 1 for limit in limits):
+        raise ValueError(f"{name}: every rank must be allowed at least one microbatch: {limits}")
+    stages_of = [[s for s in range(num_stages) if stage_to_rank[s] == r] for r in range(num_ranks)]
+    # per stage, how many microbatches have finished F and I (each runs in microbatch order)
+    forwards, inputs = [0] * num_stages, [0] * num_stages
+    weights: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]  # (microbatch, stage)
+    rows: list[list[_s.Action]] = [[] for _ in range(num_ranks)]
+    held = [0] * num_ranks
+    remaining = 3 * num_stages * m_count
+    while remaining:
+        started = []
+        for rank in range(num_ranks):
+            action = _pick(rank, stages_of[rank], forwards, inputs, weights[rank],
+                           held[rank] < limits[rank], m_count)  # fmt: skip
+            if action is not None:
+                started.append((rank, action))
+        if not started:
+            raise ValueError(f"{name}: the list scheduler is stuck with limits {tuple(limits)}")
+        for rank, action in started:  # all ranks chose from the state before this time step
+            rows[rank].append(action)
+            stage, m = action.stage, action.microbatch
+            if action.kind == "F":
+                forwards[stage] += 1
+                held[rank] += 1
+            elif action.kind == "I":
+                inputs[stage] += 1
+                weights[rank].append((m, -stage))
+                weights[rank].sort()
+            else:
+                weights[rank].pop(0)
+                held[rank] -= 1
+            remaining -= 1
+    return _s.validate(
+        _s.Schedule(name, num_stages, num_microbatches, num_ranks, stage_to_rank, rows)
+    )
+
+
+def _pick(
+    rank: int,
+    stages: list[int],
+    forwards: list[int],
+    inputs: list[int],
+    weights: list[tuple[int, int]],
+    may_forward: bool,
+    num_microbatches: int,
+) -> _s.Action | None:
+    """Input gradients first, then forwards (memory allowing), then the oldest weight pass;
+    among equals the oldest microbatch, then the deepest stage (nearest the loss)."""
+    last = len(forwards) - 1
+    ready_i = [
+        (inputs[s], -s)
+        for s in stages
+        if inputs[s] < forwards[s] and (s == last or inputs[s + 1] > inputs[s])
+    ]
+    if ready_i:
+        m, s = min(ready_i)
+        return _s.Action("I", -s, m)
+    if may_forward:
+        ready_f = [
+            (forwards[s], -s)
+            for s in stages
+            if forwards[s] < num_microbatches and (s == 0 or forwards[s - 1] > forwards[s])
+        ]
+        if ready_f:
+            m, s = min(ready_f)
+            return _s.Action("F", -s, m)
+    if weights:
+        m, s = weights[0]
+        return _s.Action("W", -s, m)
+    return None
+
+
+def zero_bubble_h2(num_stages: int, num_microbatches: int) -> _s.Schedule:
+    """ZB-H2 from "Zero Bubble Pipeline Parallelism": ZB-H1 with more warm-up forwards.
+
+    Rank ``r`` runs stage ``r`` and may hold ``2S - 1`` microbatches (ZB-H1: ``S``), so its
+    forwards fill the wait for the first input gradient and the deferred weight passes fill the
+    end. Rank 0 then waits ``(S - 1)(F + I - 2W)`` between its first action and its last (the
+    paper's bubble; none when ``2W >= F + I``), against ZB-H1's ``(S - 1)(F + I - W)`` and
+    1F1B's ``(S - 1)(F + B)`` (``SimulationResult.rank_idle``). Steps that follow each other
+    without a global synchronisation (no clipping by the global norm, losses not read on the
+    host) overlap the ranks' spans, rank 0 starting the next step while the last rank finishes
+    this one. Needs ``M >= S``.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import simulate, zero_bubble_h2
+        >>> result = simulate(zero_bubble_h2(4, 8), 1, 2)
+        >>> result.rank_idle, result.peak_in_flight
+        ((0.0, 0.0, 0.0, 0.0), (7, 7, 7, 7))
+    """
+    _s._check_counts(num_stages, num_microbatches)
+    _s._need_enough_microbatches("zero-bubble-h2", num_microbatches, num_stages, "stages")
+    limits = [2 * num_stages - 1] * num_stages
+    return list_schedule("zero-bubble-h2", range(num_stages), num_microbatches, limits)
+
+
+def v_stages(rank: int, num_ranks: int) -> tuple[int, int]:
+    """The two stages rank ``rank`` holds in a V: ``rank`` going down, ``2R - 1 - rank`` back up.
+
+    Example:
+        >>> from mmnnx.mpmd.zero_bubble import v_stages
+        >>> [v_stages(r, 4) for r in range(4)]
+        [(0, 7), (1, 6), (2, 5), (3, 4)]
+    """
+    return rank, 2 * num_ranks - 1 - rank
+
+
+def zero_bubble_v(num_ranks: int, num_microbatches: int) -> _s.Schedule:
+    """ZB-V from "Zero Bubble Pipeline Parallelism": two stages per rank placed in a V.
+
+    ``2R`` stages on ``R`` ranks: rank ``r`` holds stage ``r`` and stage ``2R - 1 - r``, so the
+    forward pass goes down the ranks and comes back up, and the first and last stages (the
+    embedding and the loss) share rank 0. Each rank may hold ``2R`` stage-microbatches, 1F1B's
+    memory (every stage holds half a rank's layers). With stage costs ``F = I = W = 1`` the
+    step takes ``6M + R - 1`` units: rank 0 waits ``R - 1`` (one stage's forward per rank of
+    the fill), against ZB-H1's ``6M + 2(R - 1)`` and 1F1B's ``6M + 6(R - 1)`` for the same model
+    cut into ``R`` stages of twice the cost. Place the model with
+    ``mm.stage_rules(model, tasks, virtual_stages=2, order="v")``. Needs ``M >= R``.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import zero_bubble_v
+        >>> " ".join(map(str, zero_bubble_v(2, 2).actions_of(1)))
+        'F1.0 F2.0 F1.1 F2.1 I2.0 I1.0 I2.1 I1.1 W2.0 W1.0 W2.1 W1.1'
+    """
+    _s._check_counts(num_ranks, num_microbatches)
+    _s._need_enough_microbatches("zero-bubble-v", num_microbatches, num_ranks, "ranks")
+    stage_to_rank = [min(s, 2 * num_ranks - 1 - s) for s in range(2 * num_ranks)]
+    return list_schedule(
+        "zero-bubble-v", stage_to_rank, num_microbatches, [2 * num_ranks] * num_ranks
+    )
+
+
+def interleaved_zero_bubble(
+    num_ranks: int, num_microbatches: int, virtual_stages: int
+) -> _s.Schedule:
+    """Interleaved zero bubble: interleaved 1F1B's placement and memory with split backwards.
+
+    Rank ``r`` holds stages ``r, r + R, ...`` (as :func:`interleaved_1f1b`) and may hold as many
+    stage-microbatches as interleaved 1F1B's rank ``r`` does; within that, input gradients come
+    first and the weight passes fill the gaps. Needs ``M >= R``.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import interleaved_1f1b, interleaved_zero_bubble, simulate
+        >>> zb = simulate(interleaved_zero_bubble(4, 8, 2), 0.5, 1)
+        >>> plain = simulate(interleaved_1f1b(4, 8, 2), 0.5, 1)
+        >>> zb.makespan < plain.makespan, max(zb.peak_in_flight) <= max(plain.peak_in_flight)
+        (True, True)
+    """
+    _s._check_interleaved(num_ranks, num_microbatches, virtual_stages)
+    _s._need_enough_microbatches(
+        "interleaved-zero-bubble", num_microbatches, num_ranks, "ranks (pipeline depth)"
+    )
+    num_stages = num_ranks * virtual_stages
+    stage_to_rank = [s % num_ranks for s in range(num_stages)]
+    limits = _rank_peaks(_s.interleaved_1f1b(num_ranks, num_microbatches, virtual_stages))
+    return list_schedule("interleaved-zero-bubble", stage_to_rank, num_microbatches, limits)
+
+
+def _rank_peaks(schedule: _s.Schedule) -> list[int]:
+    """The most stage-microbatches each rank of ``schedule`` holds at once."""
+    peaks = []
+    for row in schedule.actions:
+        held = peak = 0
+        for action in row:
+            held += {"F": 1, "B": -1, "I": 0, "W": -1}[action.kind]
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
