@@ -66,9 +66,20 @@ CUSTOM = mm.schedules.from_csv(mm.schedules.one_f_one_b(4, M).to_csv(), name="cu
         ("zero-bubble-h1", 4, 1),
         ("interleaved-1f1b", 8, 2),
         ("interleaved-gpipe", 8, 2),
+        ("zero-bubble-h2", 4, 1),
+        ("interleaved-zero-bubble", 8, 2),
         (CUSTOM, 4, 1),
     ],
-    ids=["gpipe", "1f1b", "zero-bubble-h1", "interleaved-1f1b", "interleaved-gpipe", "custom"],
+    ids=[
+        "gpipe",
+        "1f1b",
+        "zero-bubble-h1",
+        "interleaved-1f1b",
+        "interleaved-gpipe",
+        "zero-bubble-h2",
+        "interleaved-zero-bubble",
+        "custom",
+    ],
 )
 def test_schedules_match_full_batch_on_one_device(tasks, tokens, schedule, depth, virtual_stages):
     model = placed(tasks, depth)
@@ -87,6 +98,30 @@ def test_schedules_match_full_batch_on_one_device(tasks, tokens, schedule, depth
     name = schedule if isinstance(schedule, str) else "custom"
     assert plan.pipeline.schedule.name == name
     assert [t.name for t in plan.pipeline.stage_tasks] == [f"t{i % 4}" for i in range(depth)]
+    assert step.trace_count == 1
+
+
+def test_zero_bubble_v_runs_the_v_placement_and_matches_one_device(tasks, tokens):
+    # stage_rules' V: t0 t1 t2 t3 t3:1 t2:1 t1:1 t0:1, the embedding and the head on t0's devices
+    rules = mm.stage_rules(gpt(8), tasks, virtual_stages=2, order="v", report=False)
+    model = mm.place(gpt(8), rules)
+    lr = 3e-3
+    opt = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
+    ref = gpt(8)
+    ref_opt = nnx.Optimizer(ref, optax.adamw(lr), wrt=nnx.Param)
+    _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(8), tokens)
+    step = mm.jit(pipelined_step("zero-bubble-v", virtual_stages=2))
+    for _ in range(3):
+        close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
+    params_close(model, ref, ref_grads, steps=3, lr=lr)
+    pipeline = step.plan(model, opt, tokens).pipeline
+    assert [t.name for t in pipeline.stage_tasks] == [
+        *("t0", "t1", "t2", "t3"),
+        *("t3:1", "t2:1", "t1:1", "t0:1"),
+    ]
+    assert pipeline.schedule.stage_to_rank == (0, 1, 2, 3, 3, 2, 1, 0)
+    head = model.head.kernel.get_value().sharding.device_set
+    assert head == model.embed.embedding.get_value().sharding.device_set
     assert step.trace_count == 1
 
 

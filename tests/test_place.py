@@ -290,6 +290,15 @@ def test_dimension_not_divisible(tasks):
     assert_untouched(model, before)
 
 
+def test_a_task_and_its_virtual_stage_may_share_devices(tasks):
+    t = tasks[0]
+    model = mm.place(make_mlp(), [("layers/0/", t), (".*", t.virtual_stage(1))])
+    assert {task for task, _ in mm.placement(model).values()} == {t.name, f"{t.name}:1"}
+    other = mm.Task("other", mesh=t.mesh)
+    with pytest.raises(ValueError, match=r"overlap: both use device .*virtual_stage, excepted"):
+        mm.place(make_mlp(), [("layers/0/", t.virtual_stage(1)), (".*", other)])
+
+
 def test_overlapping_tasks(tasks):
     s0, _ = tasks
     clash = mm.Task("other", mesh=mm.TaskMesh(devices=[3, 4]))

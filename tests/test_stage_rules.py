@@ -216,3 +216,35 @@ def test_errors():
         stage_rules(model, [], report=False)
     with pytest.raises(TypeError, match="not an mm.Task"):
         stage_rules(model, ["t0"], report=False)
+
+
+def test_virtual_stages_loop_and_v():
+    model, ts = make(depth=8), tasks(4)
+    loop = stage_rules(model, ts, virtual_stages=2, report=False)
+    assert [t.name for _, t in loop] == ["t0", "t1", "t2", "t3"] * 2
+    v = stage_rules(model, ts, virtual_stages=2, order="v", report=False)
+    assert [t.name for _, t in v] == ["t0", "t1", "t2", "t3", "t3:1", "t2:1", "t1:1", "t0:1"]
+    assert [t.home.name for _, t in v] == ["t0", "t1", "t2", "t3", "t3", "t2", "t1", "t0"]
+    assert rule_of(v, "blocks/4/attn") == 4 and rule_of(v, "head/kernel") == 7
+    placed = mm.place(make(depth=8), v)  # a task and its virtual stage may share devices
+    assert mm.placement(placed)["blocks/4/mlp/up/kernel"][0] == "t3:1"
+    assert placed.head.kernel.get_value().devices() == {jax.devices()[0]}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(virtual_stages=3, order="v"), r"order='v' places two stages per task.*got 3"),
+        (dict(virtual_stages=2, order="zigzag"), r"unknown order='zigzag'"),
+        (dict(virtual_stages=0), r"virtual_stages must be an int >= 1"),
+        (dict(virtual_stages=4), r"8 block\(s\) cannot fill 16 stages \(4 per task\)"),
+    ],
+)
+def test_virtual_stage_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        stage_rules(make(depth=8), tasks(4), report=False, **kwargs)
+
+
+def test_virtual_stages_need_a_list_of_blocks():
+    with pytest.raises(ValueError, match="virtual_stages=2 needs model.blocks as a list"):
+        stage_rules(make(depth=8, scan_layers=True), tasks(2), virtual_stages=2, report=False)

@@ -19,6 +19,9 @@ SCHEDULES = {
     "1f1b": lambda: get("1f1b", 4, 8),
     "interleaved-1f1b": lambda: get("interleaved-1f1b", 8, 8, virtual_stages=2),
     "zero-bubble-h1": lambda: get("zero-bubble-h1", 4, 8),
+    "zero-bubble-h2": lambda: get("zero-bubble-h2", 4, 8),
+    "zero-bubble-v": lambda: get("zero-bubble-v", 8, 8, virtual_stages=2),
+    "interleaved-zero-bubble": lambda: get("interleaved-zero-bubble", 8, 8, virtual_stages=2),
 }
 
 

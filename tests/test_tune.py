@@ -34,7 +34,8 @@ def test_a_budget_that_excludes_gpipe_picks_a_1f1b_family_schedule():
     after = [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, opt)))]
     assert all((a == b).all() for a, b in zip(before, after, strict=True))  # nothing trained
     by = {(c.schedule, c.num_microbatches): c for c in free.candidates}
-    assert set(by) == {(s, m) for s in ("gpipe", "1f1b", "zero-bubble-h1") for m in (8, 16)}
+    names = ("gpipe", "1f1b", "zero-bubble-h1", "zero-bubble-h2")  # one stage per task
+    assert set(by) == {(s, m) for s in names for m in (8, 16)}
     gpipe, one_f = by[("gpipe", 16)], by[("1f1b", 16)]
     assert gpipe.peak_bytes > one_f.peak_bytes  # GPipe holds all 16 microbatches
     assert by[("zero-bubble-h1", 16)].bubble < one_f.bubble
@@ -55,3 +56,29 @@ def test_a_step_without_a_pipeline_is_refused():
     step = mm.jit(lambda m, t: m.loss(t))
     with pytest.raises(mm.MPMDError, match="tune: the step has no pipelined mm.microbatch"):
         mm.schedules.tune(step, model, jnp.zeros((4, 9), jnp.int32))
+
+
+def test_candidates_must_place_stages_as_the_step_does():
+    from mmnnx.mpmd.schedules import get
+    from mmnnx.mpmd.tuning import _fits, _same_ranks
+
+    v_step = ["t0", "t1", "t1", "t0"]  # stage_rules(..., virtual_stages=2, order="v") homes
+    loop_step = ["t0", "t1", "t0", "t1"]
+    measured = get("zero-bubble-v", 4, 4, 2)
+    assert _fits("zero-bubble-v", measured, 2, v_step)
+    assert not _fits("interleaved-1f1b", measured, 2, v_step)
+    assert not _fits("zero-bubble-v", measured, 2, loop_step)
+    assert _fits("interleaved-zero-bubble", measured, 2, loop_step)
+    assert not _fits("1f1b", measured, 2, loop_step)
+    assert _same_ranks((0, 1, 2), ["a", "b", "c"]) and not _same_ranks((0, 1, 0), ["a", "b", "c"])
+
+
+def test_peak_memory_counts_a_rank_s_stages_at_once():
+    from mmnnx.mpmd.schedules import get, simulate
+    from mmnnx.mpmd.tuning import _peak_held
+
+    schedule = get("gpipe", 2, 3)
+    events = simulate(schedule).events
+    # one task holding both stages: six microbatch-stages at once under GPipe
+    assert _peak_held(events, {0: 1.0, 1: 2.0}, ["t", "t"]) == {"t": 9.0}
+    assert _peak_held(events, {0: 1.0, 1: 2.0}, ["a", "b"]) == {"a": 3.0, "b": 6.0}

@@ -107,6 +107,45 @@ def _state_bytes_per_device(values: Sequence[Any]) -> dict[Any, int]:
     return per_device
 
 
+def _fits(name: str, measured: sched.Schedule, virtual: int, stage_home: Sequence[str]) -> bool:
+    """Whether schedule ``name`` places the step's stages on ranks as the step's tasks hold them
+    (at a microbatch count every built-in accepts), and is not merely a plain schedule again
+    (an interleaved one with one stage per task)."""
+    if virtual == 1 and name.startswith("interleaved"):
+        return False
+    try:
+        schedule = sched.get(name, measured.num_stages, measured.num_stages * measured.num_ranks,
+                             virtual)  # fmt: skip
+    except (ValueError, TypeError):
+        return False
+    return _same_ranks(schedule.stage_to_rank, stage_home)
+
+
+def _same_ranks(stage_to_rank: Sequence[int], stage_home: Sequence[str]) -> bool:
+    """Whether two stages share a rank in the schedule exactly when they share devices here."""
+    pairs = list(zip(stage_to_rank, stage_home, strict=True))
+    return all((ra == rb) == (ha == hb) for ra, ha in pairs for rb, hb in pairs)
+
+
+def _peak_held(
+    events: Sequence[sched.Event], held: dict[int, float], stage_home: Sequence[str]
+) -> dict[str, float]:
+    """Most activation bytes each home task holds at once: a stage's ``held[stage]`` bytes per
+    microbatch from the start of its F to the end of its B (or W)."""
+    changes = []
+    for e in events:
+        if e.kind == "F":
+            changes.append((e.start, 1, stage_home[e.stage], held[e.stage]))
+        elif e.kind in "BW":
+            changes.append((e.end, 0, stage_home[e.stage], -held[e.stage]))
+    now: dict[str, float] = dict.fromkeys(stage_home, 0.0)
+    peak = dict(now)
+    for _, _, home, delta in sorted(changes):  # at one instant, releases before new forwards
+        now[home] += delta
+        peak[home] = max(peak[home], now[home])
+    return peak
+
+
 def tune(
     step: Any,
     *args: Any,
@@ -120,9 +159,11 @@ def tune(
     whose predicted memory per device fits ``memory_budget``, with a table of all.
 
     Candidates are every registered schedule that runs the step's stages as they are placed
-    (``schedules``: default all of them; the interleaved ones need ``virtual_stages`` > 1 and
-    are tried only when the step already uses that many) times ``microbatches`` (default: the
-    step's own count). A candidate's per-action time is the measured one scaled by the
+    (``schedules``: default all of those; the interleaved ones need ``virtual_stages`` > 1 and
+    are tried only when the step already uses that many, ``zero-bubble-v`` only on a V
+    placement) times ``microbatches`` (default: the step's own count). A candidate's memory is
+    each device's arguments plus the most activation bytes its stages hold at once in the
+    simulated run. A candidate's per-action time is the measured one scaled by the
     microbatch size. When the step runs a joint backward, an ``mm.jit`` step is measured a second
     time with a split one (ZB-H1), whose two programs per stage cost more than half a joint
     backward each. The arguments keep the values they had.
@@ -166,6 +207,7 @@ def tune(
         _nnx.set_values(variables, before)
     split_cost = cost if measured.splits_backward else None
     stage_task = [t.name for t in pipeline.stage_tasks]
+    stage_home = [t.home.name for t in pipeline.stage_tasks]
     per_microbatch = {
         task: (total / count if count else 0.0) for task, (total, count) in memory.items()
     }
@@ -187,8 +229,8 @@ def tune(
     results: list[Candidate] = []
     virtual = measured.num_stages // measured.num_ranks
     names = list(schedules) if schedules is not None else sched.names()
-    if schedules is None and virtual == 1:  # with one stage per task they equal the plain ones
-        names = [n for n in names if not n.startswith("interleaved")]
+    if schedules is None:  # those that run this step's stages as they are placed
+        names = [n for n in names if _fits(n, measured, virtual, stage_home)]
     if split_cost is None and "zero-bubble-h1" in names and hasattr(step, "fun"):
         # a split backward runs two programs per stage: measure them rather than halve B
         try:
@@ -213,6 +255,19 @@ def tune(
             except (ValueError, TypeError) as e:
                 results.append(Candidate(name, m, None, None, None, f"cannot run: {e}"))
                 continue
+            if not _same_ranks(schedule.stage_to_rank, stage_home):
+                results.append(
+                    Candidate(
+                        name,
+                        m,
+                        None,
+                        None,
+                        None,
+                        "cannot run: it places stages on ranks "
+                        f"{list(schedule.stage_to_rank)}, this step on tasks {stage_home}",
+                    )  # fmt: skip
+                )
+                continue
             scale = m0 / m
             costs = {
                 (a.kind, a.stage): stage_cost(a.kind, a.stage) * scale
@@ -220,11 +275,12 @@ def tune(
                 for a in row
             }
             result = sched.simulate(schedule, action_costs=costs)
-            peak = 0
-            for stage, held in enumerate(result.peak_in_flight):
-                task = stage_task[stage]
-                activations = held * per_microbatch.get(task, 0.0) * scale
-                peak = max(peak, int(task_state.get(task, 0) + activations))
+            held = {
+                stage: per_microbatch.get(task, 0.0) * scale
+                for stage, task in enumerate(stage_task)
+            }
+            activations = _peak_held(result.events, held, stage_home)
+            peak = max(int(task_state.get(home, 0) + a) for home, a in activations.items())
             rejected = ""
             if budget is not None and peak > budget:
                 rejected = f"over the budget of {budget:,} B"

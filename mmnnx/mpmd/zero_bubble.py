@@ -124,7 +124,8 @@ def zero_bubble_h2(num_stages: int, num_microbatches: int) -> _s.Schedule:
     Rank ``r`` runs stage ``r`` and may hold ``2S - 1`` microbatches (ZB-H1: ``S``), so its
     forwards fill the wait for the first input gradient and the deferred weight passes fill the
     end. Rank 0 then waits ``(S - 1)(F + I - 2W)`` between its first action and its last (the
-    paper's bubble; none when ``2W >= F + I``), against ZB-H1's ``(S - 1)(F + I - W)`` and
+    paper's bubble, for ``M >= 2S - 1`` and ``2W <= F + I``: none when the passes cost the
+    same), against ZB-H1's ``(S - 1)(F + I - W)`` and
     1F1B's ``(S - 1)(F + B)`` (``SimulationResult.rank_idle``). Steps that follow each other
     without a global synchronisation (no clipping by the global norm, losses not read on the
     host) overlap the ranks' spans, rank 0 starting the next step while the last rank finishes

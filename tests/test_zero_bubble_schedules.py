@@ -1,0 +1,146 @@
+"""ZB-H2, ZB-V and interleaved zero bubble as data: structure, the paper's bubble formulas,
+memory against the schedules they improve on, CSV and printing."""
+
+from fractions import Fraction
+
+import pytest
+
+from mmnnx.mpmd import schedules
+from mmnnx.mpmd.schedules import (
+    from_csv,
+    get,
+    interleaved_1f1b,
+    interleaved_zero_bubble,
+    one_f_one_b,
+    simulate,
+    zero_bubble_h1,
+    zero_bubble_h2,
+    zero_bubble_v,
+)
+from mmnnx.mpmd.zero_bubble import list_schedule, v_stages
+
+COSTS = [(1, 2, None), (1, 2, Fraction(1, 2)), (1, 3, 1), (2, 2, 1)]
+
+
+def _split(backward, weight):
+    w = Fraction(backward, 2) if weight is None else Fraction(weight)
+    return backward - w, w
+
+
+@pytest.mark.parametrize(("forward", "backward", "weight"), COSTS)
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 3), (4, 7), (4, 16), (6, 12)])
+def test_zero_bubble_h2_rank_zero_idles_the_paper_formula(
+    forward, backward, weight, num_stages, num_microbatches
+):
+    # The paper's bubbles (arXiv 2401.10241, table 2): 1F1B (p-1)(F+B), ZB-H1 (p-1)(F+I-W),
+    # ZB-H2 (p-1)(F+I-2W), each the idle time inside the first rank's span (M >= 2p - 1 and
+    # 2W <= F + I, where the paper's formulas hold).
+    i, w = _split(backward, weight)
+    p = num_stages
+    h2 = simulate(zero_bubble_h2(p, num_microbatches), forward, backward, weight)
+    h1 = simulate(zero_bubble_h1(p, num_microbatches), forward, backward, weight)
+    ofb = simulate(one_f_one_b(p, num_microbatches), forward, backward, weight)
+    assert h2.rank_idle[0] == (p - 1) * (forward + i - 2 * w)
+    assert h1.rank_idle[0] == (p - 1) * (forward + i - w)
+    assert ofb.rank_idle[0] == (p - 1) * (forward + backward)
+    assert h2.rank_idle[0] <= h1.rank_idle[0] < ofb.rank_idle[0]
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 3), (4, 8), (5, 9)])
+def test_zero_bubble_h2_has_no_bubble_with_equal_passes_at_twice_the_memory(
+    num_stages, num_microbatches
+):
+    result = simulate(zero_bubble_h2(num_stages, num_microbatches), 1, 2)  # F = I = W = 1
+    assert result.rank_idle == (0,) * num_stages
+    assert result.peak_in_flight == (2 * num_stages - 1,) * num_stages
+    assert max(simulate(one_f_one_b(num_stages, num_microbatches)).peak_in_flight) == num_stages
+
+
+def test_v_placement():
+    schedule = zero_bubble_v(4, 8)
+    assert schedule.stage_to_rank == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert [schedule.stages_of(r) for r in range(4)] == [v_stages(r, 4) for r in range(4)]
+    assert get("zero-bubble-v", 8, 8, virtual_stages=2) == schedule
+    with pytest.raises(ValueError, match="needs virtual_stages=2 and an even number"):
+        get("zero-bubble-v", 8, 8)
+    with pytest.raises(ValueError, match="needs virtual_stages=2 and an even number"):
+        get("zero-bubble-v", 9, 8, virtual_stages=2)
+    with pytest.raises(ValueError, match=r"zero-bubble-v needs at least .* >= 4"):
+        zero_bubble_v(4, 3)
+
+
+@pytest.mark.parametrize(
+    ("num_ranks", "num_microbatches"), [(2, 2), (2, 5), (3, 6), (4, 8), (4, 16)]
+)
+def test_zero_bubble_v_beats_zero_bubble_h1_at_one_f_one_b_memory(num_ranks, num_microbatches):
+    # The same model: R ranks of F = 2, B = 4 (one stage each), or 2R stages of F = 1, B = 2.
+    v = simulate(zero_bubble_v(num_ranks, num_microbatches), 1, 2)
+    h1 = simulate(zero_bubble_h1(num_ranks, num_microbatches), 2, 4)
+    ofb = simulate(one_f_one_b(num_ranks, num_microbatches), 2, 4)
+    work = 6 * num_microbatches
+    assert v.makespan == work + (num_ranks - 1)  # rank 0 waits one stage's forward per rank
+    assert h1.makespan == work + 2 * (num_ranks - 1)
+    assert ofb.makespan == work + 6 * (num_ranks - 1)
+    # memory in stage-microbatches: 1F1B's first rank holds R microbatches of two stages' worth
+    schedule = zero_bubble_v(num_ranks, num_microbatches)
+    for rank in range(num_ranks):
+        assert _rank_peak(schedule, rank) <= 2 * num_ranks
+
+
+@pytest.mark.parametrize(("num_ranks", "num_microbatches"), [(6, 12), (8, 16)])
+def test_zero_bubble_v_stays_ahead_on_deeper_pipelines(num_ranks, num_microbatches):
+    v = simulate(zero_bubble_v(num_ranks, num_microbatches), 1, 2)
+    h1 = simulate(zero_bubble_h1(num_ranks, num_microbatches), 2, 4)
+    assert v.makespan < h1.makespan
+
+
+@pytest.mark.parametrize(
+    ("num_ranks", "num_microbatches", "virtual_stages"),
+    [(2, 4, 2), (4, 8, 2), (4, 8, 3), (2, 6, 3)],
+)
+def test_interleaved_zero_bubble_beats_interleaved_1f1b_in_its_memory(
+    num_ranks, num_microbatches, virtual_stages
+):
+    zb = interleaved_zero_bubble(num_ranks, num_microbatches, virtual_stages)
+    plain = interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
+    assert zb.stage_to_rank == plain.stage_to_rank
+    costs = (Fraction(1, virtual_stages), Fraction(2, virtual_stages))
+    assert simulate(zb, *costs).makespan < simulate(plain, *costs).makespan
+    for rank in range(num_ranks):
+        assert _rank_peak(zb, rank) <= _rank_peak(plain, rank)
+
+
+def _rank_peak(schedule, rank):
+    held = peak = 0
+    for action in schedule.actions_of(rank):
+        held += {"F": 1, "B": -1, "I": 0, "W": -1}[action.kind]
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [zero_bubble_h2(4, 8), zero_bubble_v(3, 5), interleaved_zero_bubble(2, 4, 2)],
+    ids=lambda s: s.name,
+)
+def test_csv_round_trip_and_grid(schedule):
+    assert from_csv(schedule.to_csv(), name=schedule.name) == schedule
+    grid = str(schedule).splitlines()
+    assert grid[0].startswith(f"{schedule.name}: ") and "unit-time steps" in grid[0]
+    assert len(grid) == 1 + schedule.num_ranks
+    assert schedule.splits_backward
+
+
+def test_registered_under_their_names():
+    for name in ("zero-bubble-h2", "zero-bubble-v", "interleaved-zero-bubble"):
+        assert name in schedules.names()
+    assert get("zero-bubble-h2", 4, 8) == zero_bubble_h2(4, 8)
+    assert get("interleaved-zero-bubble", 8, 8, 2) == interleaved_zero_bubble(4, 8, 2)
+
+
+def test_list_scheduler_limits():
+    with pytest.raises(ValueError, match="at least one microbatch"):
+        list_schedule("zb", (0, 1), 2, limits=(0, 1))
+    # one microbatch at a time everywhere: each rank runs F, I, W per microbatch in turn
+    one = list_schedule("zb", (0, 1), 3, limits=(1, 1))
+    assert [str(a) for a in one.actions_of(0)][:3] == ["F0.0", "I0.0", "W0.0"]
