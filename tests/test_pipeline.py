@@ -101,7 +101,8 @@ def test_schedules_match_full_batch_on_one_device(tasks, tokens, schedule, depth
     assert step.trace_count == 1
 
 
-def test_zero_bubble_v_runs_the_v_placement_and_matches_one_device(tasks, tokens):
+@pytest.mark.parametrize("schedule", ["zero-bubble-v", "dualpipev"])
+def test_v_schedules_run_the_v_placement_and_match_one_device(tasks, tokens, schedule):
     # stage_rules' V: t0 t1 t2 t3 t3:1 t2:1 t1:1 t0:1, the embedding and the head on t0's devices
     rules = mm.stage_rules(gpt(8), tasks, virtual_stages=2, order="v", report=False)
     model = mm.place(gpt(8), rules)
@@ -110,7 +111,7 @@ def test_zero_bubble_v_runs_the_v_placement_and_matches_one_device(tasks, tokens
     ref = gpt(8)
     ref_opt = nnx.Optimizer(ref, optax.adamw(lr), wrt=nnx.Param)
     _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(8), tokens)
-    step = mm.jit(pipelined_step("zero-bubble-v", virtual_stages=2))
+    step = mm.jit(pipelined_step(schedule, virtual_stages=2))
     for _ in range(3):
         close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
     params_close(model, ref, ref_grads, steps=3, lr=lr)
@@ -120,6 +121,7 @@ def test_zero_bubble_v_runs_the_v_placement_and_matches_one_device(tasks, tokens
         *("t3:1", "t2:1", "t1:1", "t0:1"),
     ]
     assert pipeline.schedule.stage_to_rank == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert pipeline.schedule.name == schedule
     head = model.head.kernel.get_value().sharding.device_set
     assert head == model.embed.embedding.get_value().sharding.device_set
     assert step.trace_count == 1

@@ -22,6 +22,7 @@ SCHEDULES = {
     "zero-bubble-h2": lambda: get("zero-bubble-h2", 4, 8),
     "zero-bubble-v": lambda: get("zero-bubble-v", 8, 8, virtual_stages=2),
     "interleaved-zero-bubble": lambda: get("interleaved-zero-bubble", 8, 8, virtual_stages=2),
+    "dualpipev": lambda: get("dualpipev", 8, 8, virtual_stages=2),
 }
 
 

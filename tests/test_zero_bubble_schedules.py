@@ -7,6 +7,7 @@ import pytest
 
 from mmnnx.mpmd import schedules
 from mmnnx.mpmd.schedules import (
+    dualpipe_v,
     from_csv,
     get,
     interleaved_1f1b,
@@ -132,7 +133,7 @@ def test_csv_round_trip_and_grid(schedule):
 
 
 def test_registered_under_their_names():
-    for name in ("zero-bubble-h2", "zero-bubble-v", "interleaved-zero-bubble"):
+    for name in ("zero-bubble-h2", "zero-bubble-v", "interleaved-zero-bubble", "dualpipev"):
         assert name in schedules.names()
     assert get("zero-bubble-h2", 4, 8) == zero_bubble_h2(4, 8)
     assert get("interleaved-zero-bubble", 8, 8, 2) == interleaved_zero_bubble(4, 8, 2)
@@ -144,3 +145,29 @@ def test_list_scheduler_limits():
     # one microbatch at a time everywhere: each rank runs F, I, W per microbatch in turn
     one = list_schedule("zb", (0, 1), 3, limits=(1, 1))
     assert [str(a) for a in one.actions_of(0)][:3] == ["F0.0", "I0.0", "W0.0"]
+
+
+@pytest.mark.parametrize(
+    ("num_ranks", "num_microbatches"), [(1, 2), (2, 4), (3, 7), (4, 8), (4, 13)]
+)
+def test_dualpipe_v_phases(num_ranks, num_microbatches):
+    schedule = dualpipe_v(num_ranks, num_microbatches)  # validated: complete, no deadlock
+    assert schedule.stage_to_rank == zero_bubble_v(num_ranks, num_ranks).stage_to_rank
+    R, M = num_ranks, num_microbatches
+    for r in range(R):
+        row = [str(a) for a in schedule.actions_of(r)]
+        down, up = v_stages(r, R)
+        # phase 1 and 2: 2(R - r - 1) + 1 chunk-0 forwards before the first chunk-1 forward
+        assert row.index(f"F{up}.0") == 2 * (R - r - 1) + 1
+        # the main phase pairs a forward with the backward of the other chunk
+        assert f"F{down}.{M - 1}" in row and row[row.index(f"F{down}.{M - 1}") + 1][0] in "BI"
+    v = simulate(schedule, 1, 2)
+    assert v.makespan <= simulate(zero_bubble_h1(R, M), 2, 4).makespan
+    assert v.makespan < simulate(one_f_one_b(R, M), 2, 4).makespan or R == 1  # no bubble at R=1
+    assert from_csv(schedule.to_csv(), name="dualpipev") == schedule
+
+
+def test_dualpipe_v_needs_twice_the_ranks_in_microbatches():
+    with pytest.raises(ValueError, match=r"dualpipev needs at least twice .* >= 8"):
+        dualpipe_v(4, 7)
+    assert get("dualpipev", 8, 8, virtual_stages=2) == dualpipe_v(4, 8)

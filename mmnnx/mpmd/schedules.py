@@ -900,7 +900,7 @@ def names() -> tuple[str, ...]:
         >>> from mmnnx.mpmd.schedules import names
         >>> names()  # doctest: +NORMALIZE_WHITESPACE
         ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-gpipe', 'zero-bubble-h1',
-         'zero-bubble-h2', 'zero-bubble-v', 'interleaved-zero-bubble')
+         'zero-bubble-h2', 'zero-bubble-v', 'interleaved-zero-bubble', 'dualpipev')
     """
     return tuple(_REGISTRY)
 
@@ -980,6 +980,7 @@ register("interleaved-gpipe", _interleaved("interleaved-gpipe", interleaved_gpip
 register("zero-bubble-h1", _one_stage_per_rank("zero-bubble-h1", zero_bubble_h1))
 
 from mmnnx.mpmd.zero_bubble import (  # noqa: E402, F401  (built on the above; re-exported)
+    dualpipe_v,
     interleaved_zero_bubble,
     v_stages,
     zero_bubble_h2,
@@ -1007,6 +1008,7 @@ register(
     "interleaved-zero-bubble",
     _interleaved("interleaved-zero-bubble", interleaved_zero_bubble),
 )
+register("dualpipev", _v_shaped("dualpipev", dualpipe_v))
 
 
 def tune(step: Any, *args: Any, **kwargs: Any) -> Any:

@@ -215,3 +215,95 @@ def _rank_peaks(schedule: _s.Schedule) -> list[int]:
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
+
+
+def dualpipe_v(num_ranks: int, num_microbatches: int) -> _s.Schedule:
+    """DualPipeV (DeepSeek's DualPipe cut in half): the V placement of :func:`zero_bubble_v` run
+    in DualPipeV's eight phases.
+
+    Rank ``r`` holds chunk 0 (stage ``r``) and chunk 1 (stage ``2R - 1 - r``) and runs, as in
+    DeepSeek's reference ``dualpipev.py``: ``2(R - r - 1)`` chunk-0 forwards; ``r + 1`` pairs of
+    chunk-0 and chunk-1 forwards; ``R - r - 1`` rounds of a chunk-1 input gradient, its weight
+    pass and a chunk-1 forward; then the main phase of ``M - 2R + r + 1`` rounds of two
+    overlapped pairs (a chunk-0 forward with a chunk-1 backward, a chunk-1 forward with a
+    chunk-0 backward); ``R - r - 1`` rounds of a chunk-1 backward and an overlapped chunk-1
+    forward / chunk-0 backward; ``r + 1`` rounds of both chunks' backwards, split into input and
+    weight gradients from the middle round on (for odd ranks one backward earlier); and the
+    deferred weight passes to finish. An overlapped pair is the two actions side by side, the
+    forward first: the runtime dispatches them back to back, so one's transfers run under the
+    other's compute. Needs ``M >= 2R``.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import dualpipe_v
+        >>> " ".join(map(str, dualpipe_v(2, 4).actions_of(1)))  # doctest: +NORMALIZE_WHITESPACE
+        'F1.0 F2.0 F1.1 F2.1 F1.2 B2.0 F2.2 B1.0 F1.3 B2.1 F2.3 B1.1 B2.2 B1.2 I2.3 I1.3 W2.3
+         W1.3'
+    """
+    _s._check_counts(num_ranks, num_microbatches)
+    if num_microbatches < 2 * num_ranks:
+        raise ValueError(
+            f"dualpipev needs at least twice as many microbatches as ranks ({2 * num_ranks}), "
+            f"got {num_microbatches}: use num_microbatches >= {2 * num_ranks}"
+        )
+    rows = [_dualpipe_v_row(rank, num_ranks, num_microbatches) for rank in range(num_ranks)]
+    stage_to_rank = [min(s, 2 * num_ranks - 1 - s) for s in range(2 * num_ranks)]
+    return _s.validate(
+        _s.Schedule("dualpipev", 2 * num_ranks, num_microbatches, num_ranks, stage_to_rank, rows)
+    )
+
+
+def _dualpipe_v_row(rank: int, num_ranks: int, num_microbatches: int) -> list[_s.Action]:
+    stages = v_stages(rank, num_ranks)
+    next_forward, next_backward = [0, 0], [0, 0]
+    weights: list[_s.Action] = []  # deferred W passes, oldest first
+    row: list[_s.Action] = []
+
+    def forward(chunk: int) -> None:
+        row.append(_s.Action("F", stages[chunk], next_forward[chunk]))
+        next_forward[chunk] += 1
+
+    def backward(chunk: int, split: bool = False) -> None:
+        m = next_backward[chunk]
+        next_backward[chunk] += 1
+        if split:
+            row.append(_s.Action("I", stages[chunk], m))
+            weights.append(_s.Action("W", stages[chunk], m))
+        else:
+            row.append(_s.Action("B", stages[chunk], m))
+
+    def weight() -> None:
+        row.append(weights.pop(0))
+
+    r, R, M = rank, num_ranks, num_microbatches
+    for _ in range(2 * (R - r - 1)):  # 1: chunk-0 forwards
+        forward(0)
+    for _ in range(r + 1):  # 2: chunk-0 and chunk-1 forwards
+        forward(0)
+        forward(1)
+    for _ in range(R - r - 1):  # 3: chunk-1 backward, split, then its W and a chunk-1 forward
+        backward(1, split=True)
+        weight()
+        forward(1)
+    for _ in range(M - 2 * R + r + 1):  # 4: the main phase, two overlapped pairs
+        forward(0)
+        backward(1)
+        forward(1)
+        backward(0)
+    for _ in range(R - r - 1):  # 5: a chunk-1 backward, then an overlapped pair
+        backward(1)
+        forward(1)
+        backward(0)
+    split = False
+    for i in range(r + 1):  # 6: both chunks' backwards, split from the middle on
+        if i == (r + 1) // 2 and r % 2 == 1:
+            split = True
+        backward(1, split)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            split = True
+        backward(0, split)
+    for _ in range(R - r - 1):  # 7: a deferred W, then a split chunk-0 backward
+        weight()
+        backward(0, split=True)
+    while weights:  # 8: the remaining weight passes
+        weight()
+    return row
