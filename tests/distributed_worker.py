@@ -214,11 +214,14 @@ def checkpoint_restore(directory, stages: int = 2, train: bool = True) -> dict:
 @scenario
 def schedules() -> dict:
     """Two steps of a four-layer MLP under every built-in schedule, one task per process (two
-    layers each; the interleaved schedules take the layers of the two tasks in turn): the
-    losses of each."""
+    layers each; the interleaved schedules take the layers of the two tasks in turn, ZB-V and
+    DualPipeV in a V): the losses of each."""
     tasks = readme_model_tasks()
     contiguous = [("^layers/[02]/", tasks[0]), ("^layers/[46]/", tasks[1])]  # Linear at 0, 2, ..
     interleaved = [("^layers/[04]/", tasks[0]), ("^layers/[26]/", tasks[1])]
+    t0, t1 = tasks  # the V: down the tasks and back up, the second visits on virtual stages
+    v = [("^layers/0/", t0), ("^layers/2/", t1), ("^layers/4/", t1.virtual_stage(1)),
+         ("^layers/6/", t0.virtual_stage(1))]  # fmt: skip
 
     def make_model():
         tp = lambda names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
@@ -232,8 +235,9 @@ def schedules() -> dict:
     x, y = readme_batch()
     losses = {}
     for name in mm.schedules.names():
-        virtual = 2 if name.startswith("interleaved") else 1
-        model = mm.init(make_model, interleaved if virtual == 2 else contiguous)
+        in_v = name in ("zero-bubble-v", "dualpipev")
+        virtual = 2 if name.startswith("interleaved") or in_v else 1
+        model = mm.init(make_model, v if in_v else interleaved if virtual == 2 else contiguous)
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
         @mm.jit

@@ -61,6 +61,7 @@ class ProcessView:
         self._here = {slot for slot, _ in executable.program.inputs}
         self._sent: set[int] = set()
         self._value_of: dict[int, tuple[int, Any]] = {}
+        self._published_keys: set[str] = set()
 
     def processes(self, task: Any) -> frozenset[int]:
         found = self._processes.get(task)
@@ -103,8 +104,9 @@ class ProcessView:
         source, target = self.processes(recv.source), self.processes(recv.target)
         key = _LAYOUT_KEY.format(self.round, recv.from_slot)
         if layout is not None:
-            if self.me == min(source) and target - source:
-                _publish(key, layout, recv.source)
+            if self.me == min(source) and target - source and key not in self._published_keys:
+                _publish(key, layout, recv.source)  # once, however many tasks it is sent to
+                self._published_keys.add(key)
             return layout
         if self.me not in target:
             return None

@@ -14,6 +14,7 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import mmnnx as mm
 import multimesh_compat.jax as mj
 from multimesh_compat.jax.flax import parallelize_step
 from multimesh_compat.jax.flax import task as flax_task
@@ -288,6 +289,11 @@ BATCH = jnp.linspace(-2, 2, 18 * 6).reshape(18, 6)
 def test_microbatch_pipeline_schedules(schedule):
     loss = _pipeline_loss()
     kw = {}
+    if schedule in ("zero-bubble-v", "dualpipev"):  # mmnnx's, for a V placement of its own
+        step = mj.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=1, schedule=schedule)
+        with pytest.raises(mm.MPMDError, match=f"{schedule} places two stages per rank in a V"):
+            mj.mjit(step, devices=jax.devices())(PARAMS, BATCH)
+        return
     if schedule == "custom":
         kw["custom_schedule"] = [
             ["s0", "s0", "s0", "s0", "s0_bwd", "s0_bwd", "s0_bwd", "s0_bwd"],
