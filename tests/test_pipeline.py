@@ -1,6 +1,7 @@
 """Pipelined steps (mm.microbatch inside mm.jit) against the full batch on one device."""
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
@@ -330,3 +331,82 @@ def test_plain_jax_regions_with_a_loss_reduced_after_the_last_stage():
     for name in ("w0", "w1"):
         close(grads[name], ref_grads[name])
     assert [t.name for t in step.plan(p, x).pipeline.stage_tasks] == ["a", "b"]
+
+
+def _layers(weights, chunk):
+    for w in weights:
+        chunk = jnp.tanh(chunk * w + 0.1)
+    return chunk
+
+
+@jax.custom_vjp
+def _chunked(weights, h):  # benchmarks/pipeline.py's stage: layers over row chunks in a scan
+    chunks = h.reshape(-1, 2, h.shape[-1])
+    return jax.lax.scan(lambda c, x: (c, _layers(weights, x)), None, chunks)[1].reshape(h.shape)
+
+
+def _chunked_fwd(weights, h):
+    return _chunked(weights, h), (weights, h)
+
+
+def _chunked_bwd(residuals, grad):
+    weights, h = residuals
+
+    def chunk_vjp(grad_weights, chunk_and_grad):
+        chunk, chunk_grad = chunk_and_grad
+        d_weights, d_chunk = jax.vjp(_layers, weights, chunk)[1](chunk_grad)
+        return jax.tree.map(jnp.add, grad_weights, d_weights), d_chunk
+
+    zeros = jax.tree.map(jnp.zeros_like, weights)
+    by_chunks = lambda a: a.reshape(-1, 2, a.shape[-1])  # noqa: E731
+    d_weights, d_h = jax.lax.scan(chunk_vjp, zeros, (by_chunks(h), by_chunks(grad)))
+    return d_weights, d_h.reshape(h.shape)
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+class _Quarter(nnx.Module):
+    def __init__(self, seed):
+        key = jax.random.key(seed)
+        self.w = nnx.List([nnx.Param(1 + 0.1 * jax.random.normal(k, (8,))) for k in
+                           jax.random.split(key, 2)])  # fmt: skip
+
+    def __call__(self, h):
+        return _chunked([w[...] for w in self.w], h)
+
+
+class _Quarters(nnx.Module):
+    def __init__(self):
+        self.q = nnx.List([_Quarter(i) for i in range(4)])
+
+    def __call__(self, x):
+        for quarter in self.q:
+            x = quarter(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "schedule, order", [("interleaved-zero-bubble", "loop"), ("zero-bubble-v", "v")]
+)
+def test_split_backward_keeps_values_a_task_s_other_stage_reads_on_the_critical_path(
+    tasks, schedule, order
+):
+    # Two stages on one task whose backward passes share a value (the benchmark's chunk-scan
+    # custom_vjp): it must run in the input-gradient program, which the other stage waits for.
+    t0, t1 = tasks[0], tasks[1]
+    homes = (
+        [t0, t1, t0, t1] if order == "loop" else [t0, t1, t1.virtual_stage(1), t0.virtual_stage(1)]
+    )
+    model = mm.place(_Quarters(), [(f"^q/{i}/", t) for i, t in enumerate(homes)])
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    loss = lambda m, x: jnp.mean(m(x) ** 2)  # noqa: E731
+    step = mm.jit(
+        mm.microbatch(
+            nnx.value_and_grad(loss), num=4, reduce="mean", schedule=schedule, virtual_stages=2
+        )  # fmt: skip
+    )
+    value, grads = step(model, x)
+    ref_value, ref_grads = nnx.value_and_grad(loss)(_Quarters(), x)
+    close(value, ref_value)
+    trees_close(grads, ref_grads)

@@ -425,17 +425,19 @@ def split_backward(
     fragment stays for microbatches the schedule runs unsplit."""
     out: dict[tuple[str, int], Fragment] = dict(stages)
     consumers = graph.consumers()
+    in_stage = {op.index for frag in stages.values() for op in frag.ops}
     for (kind, stage), frag in stages.items():
         if kind != "B" or stage not in split:
             continue
         inside = {op.index for op in frag.ops}
         producer = {v: op for op in frag.ops for v in op.outs}
-        # values leaving the fragment towards another stage's fragment are on the critical path
+        # values leaving the fragment towards another stage's fragment (on another task, or on
+        # this one when it holds several stages) are on the critical path
         critical = {
             v
             for v in frag.out_ids
             if any(
-                c.index not in inside and op_tasks[c.index] != frag.task
+                c.index not in inside and (c.index in in_stage or op_tasks[c.index] != frag.task)
                 for c in consumers.get(v, ())
             )
         }
