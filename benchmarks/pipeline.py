@@ -218,6 +218,12 @@ def measured_vs_simulated(num=8):
                 costs.setdefault((a.kind, a.stage), 0.0)
         predicted = mm.schedules.simulate(schedule, action_costs=costs)
         busy = sum(costs[(a.kind, a.stage)] for row in schedule.actions for a in row)
+        kinds = {}
+        for (kind, _), seconds in costs.items():
+            kinds.setdefault(kind, []).append(seconds * 1e3)
+        out[f"{name}: ms per action, mean over stages"] = {
+            kind: round(statistics.mean(ms), 2) for kind, ms in sorted(kinds.items())
+        }
         out[f"{name}: predicted / measured step"] = predicted.makespan / t_step
         out[f"{name}: bubble measured"] = 1 - busy / (schedule.num_ranks * t_step)
         analytic = mm.schedules.simulate(schedule, 1 / virtual, 2 / virtual).bubble_fraction
