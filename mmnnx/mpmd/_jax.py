@@ -956,3 +956,35 @@ def offset_op(marker: Op, base: Any, offset: Any, graph: Graph) -> Op:
     return marker.derived(
         jax.lax.add_p, {}, [base, Const(np.asarray(offset, graph.dtypes[out]))], [out]
     )
+
+
+def copier(source: Any, target: Any, ndim: int) -> Callable[[Any], Any] | None:
+    """A function moving an array laid out as ``source`` to ``target`` (the same slicing on other
+    devices of this process) with one call into the runtime, skipping ``jax.device_put``'s
+    Python layers, which cost several times the copy of a small activation; ``None`` when the
+    move is a reshard or leaves this process, which ``jax.device_put`` does.
+
+    Example:
+        >>> from jax.sharding import SingleDeviceSharding
+        >>> a, b = (SingleDeviceSharding(d) for d in jax.devices()[:2])
+        >>> move = copier(a, b, 1)
+        >>> move(jax.device_put(np.ones(3), a)).devices() == {jax.devices()[1]}
+        True
+    """
+    from jax._src import array as jax_array  # noqa: PLC0415
+    from jax._src.lib import xla_client  # noqa: PLC0415
+
+    try:
+        same = jax_array._sharding_indices_and_eq(source, target, ndim)
+    except NotImplementedError:
+        return None
+    if not same or not target.is_fully_addressable or not source.is_fully_addressable:
+        return None
+    devices = target._internal_device_list.addressable_device_list
+    reuse = xla_client.ArrayCopySemantics.REUSE_INPUT
+    batched = xla_client.batched_copy_array_to_devices_with_sharding
+
+    def move(x: Any) -> Any:
+        return batched([x], [devices], [target], [reuse])[0]
+
+    return move

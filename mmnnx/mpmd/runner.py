@@ -29,6 +29,10 @@ from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, 
 _RUN, _PUT, _CALL = 0, 1, 2
 
 
+def _unchanged(value: Any) -> Any:
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Event:
     """One executed action, timed (``timeline`` mode): seconds since the step started."""
@@ -220,7 +224,10 @@ class Executable:
                 sharding_of[action.slot] = sharding
                 how = local.receive(action, sharding, source_layout)
                 if how is True:
-                    steps.append([_PUT, action.from_slot, action.slot, sharding, ()])
+                    move = self._mover(source_layout, sharding, action.value)
+                    steps.append(
+                        [_PUT, action.from_slot, action.slot, sharding, move, source_layout, ()]
+                    )
                 elif how is not None:  # a transfer that involves another process
                     steps.append([_CALL, how, action.from_slot, action.slot, ()])
             elif isinstance(action, Zeros):
@@ -294,7 +301,9 @@ class Executable:
                     env[s] = o
             elif step[0] == _PUT:
                 value = env[step[1]]
-                if not self._laid_out_as(value, step[3]):
+                if step[4] is not None and getattr(value, "sharding", None) == step[5]:
+                    value = step[4](value)  # laid out as planned: the move decided at compile
+                elif not self._laid_out_as(value, step[3]):
                     value = jax.device_put(value, step[3])
                 env[step[2]] = value
             else:  # a transfer involving another process: ``step[1]`` moves it
@@ -311,6 +320,16 @@ class Executable:
                 outputs[i].shape, layout, [outputs[i]]
             )
         return outputs
+
+    def _mover(self, source: Any, target: Any, value: int) -> Callable[[Any], Any] | None:
+        """How a value laid out as ``source`` reaches ``target``: kept as it is (the same
+        devices and slices), one runtime copy, or ``None`` (``jax.device_put`` decides)."""
+        if source is None or target is None:
+            return None
+        ndim = len(self.graph.shapes[value])
+        if source == target or source.is_equivalent_to(target, ndim):
+            return _unchanged
+        return _jax.copier(source, target, ndim)
 
     def _laid_out_as(self, value: Any, sharding: Any) -> bool:
         """Whether ``value`` is an array already laid out as ``sharding`` (the same devices and
