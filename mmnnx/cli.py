@@ -116,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(*_schedule_names(), "auto"),
         default="1f1b",
         help="pipeline schedule (1f1b); the interleaved ones, zero-bubble-v and dualpipev "
-        "need several stages per task: use the Python API. 'auto' measures a step once and picks the fastest "
-        "schedule that fits --memory-budget (mm.schedules.tune), printing its choice",
+        "need several stages per task: use the Python API. 'auto' measures a step once and "
+        "picks the fastest schedule that fits --memory-budget (mm.schedules.tune), printing "
+        "its choice",
     )
     run.add_argument(
         "--memory-budget",

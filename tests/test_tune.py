@@ -37,6 +37,8 @@ def test_a_budget_that_excludes_gpipe_picks_a_1f1b_family_schedule():
     names = ("gpipe", "1f1b", "zero-bubble-h1", "zero-bubble-h2")  # one stage per task
     assert set(by) == {(s, m) for s in names for m in (8, 16)}
     gpipe, one_f = by[("gpipe", 16)], by[("1f1b", 16)]
+    assert one_f.table == mm.schedules.get("1f1b", 4, 16)  # what was simulated, to run
+    assert by[("zero-bubble-h2", 16)].table.name == "zero-bubble-h2"  # ordered for the step
     assert gpipe.peak_bytes > one_f.peak_bytes  # GPipe holds all 16 microbatches
     assert by[("zero-bubble-h1", 16)].bubble < one_f.bubble
     budget = (gpipe.peak_bytes + max(one_f.peak_bytes, by[("zero-bubble-h1", 16)].peak_bytes)) // 2

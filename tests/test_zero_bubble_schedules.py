@@ -171,3 +171,40 @@ def test_dualpipe_v_needs_twice_the_ranks_in_microbatches():
     with pytest.raises(ValueError, match=r"dualpipev needs at least twice .* >= 8"):
         dualpipe_v(4, 7)
     assert get("dualpipev", 8, 8, virtual_stages=2) == dualpipe_v(4, 8)
+
+
+BENCHMARK_COSTS = {"F": 20, "I": 11.4, "W": 4}  # per half stage, measured by benchmarks/pipeline.py
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda costs: zero_bubble_v(2, 8, costs),
+        lambda costs: interleaved_zero_bubble(2, 8, 2, costs),
+        lambda costs: zero_bubble_h2(4, 8, costs),
+    ],
+    ids=["zero-bubble-v", "interleaved-zero-bubble", "zero-bubble-h2"],
+)
+def test_built_for_measured_costs_is_faster_under_them(build):
+    def step_time(schedule):
+        durations = {
+            (a.kind, a.stage): BENCHMARK_COSTS[a.kind] for r in schedule.actions for a in r
+        }
+        return simulate(schedule, action_costs=durations).makespan
+
+    equal, measured = build(None), build(BENCHMARK_COSTS)
+    assert step_time(measured) <= step_time(equal)
+    assert build({"F": 3, "I": 3, "W": 3}).actions == equal.actions  # only ratios matter
+
+
+def test_costs_through_get():
+    schedule = get("zero-bubble-v", 4, 8, 2, costs=BENCHMARK_COSTS)
+    assert schedule == zero_bubble_v(2, 8, BENCHMARK_COSTS)
+    per_stage = {(k, s): c for k, c in BENCHMARK_COSTS.items() for s in range(4)}
+    assert get("zero-bubble-v", 4, 8, 2, costs=per_stage) == schedule
+    with pytest.raises(schedules.CostsNotUsed, match="'1f1b' is built the same whatever"):
+        get("1f1b", 4, 8, costs=BENCHMARK_COSTS)
+    with pytest.raises(ValueError, match="the cost of 'W' must be positive"):
+        zero_bubble_h2(2, 4, {"F": 1, "I": 1, "W": 0})
+    with pytest.raises(ValueError, match="no duration for W passes of stage 0"):
+        zero_bubble_h2(2, 4, {"F": 1, "I": 1})

@@ -841,6 +841,19 @@ def custom(
     return validate(Schedule(name, num_stages, num_microbatches, len(rows), stage_to_rank, rows))
 
 
+class CostsNotUsed(ValueError):
+    """Raised by :func:`get` when ``costs`` are given for a schedule whose order ignores them.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import CostsNotUsed, get
+        >>> try:
+        ...     get("1f1b", 2, 2, costs={"F": 1, "I": 1, "W": 1})
+        ... except CostsNotUsed as e:
+        ...     print(e)
+        schedule '1f1b' is built the same whatever the passes cost; pass no costs
+    """
+
+
 Builder = Callable[[int, int, int], Schedule]
 """A schedule builder: ``builder(num_stages, num_microbatches, virtual_stages) -> Schedule``."""
 
@@ -911,8 +924,18 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown schedule {name!r}; valid names: {valid}")
 
 
-def get(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+def get(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    costs: Mapping[Any, float] | None = None,
+) -> Schedule:
     """Build the registered schedule called ``name`` (see :func:`names`).
+
+    ``costs`` (durations by kind, ``{"F": 2, "I": 1, "W": 1}``, or by ``(kind, stage)``) asks a
+    schedule that orders its passes by their durations (``zero-bubble-h2``, ``zero-bubble-v``,
+    ``interleaved-zero-bubble``) to order them for these; another schedule raises a ValueError.
 
     ``num_stages`` always counts model stages. For ``"interleaved-1f1b"`` each rank holds
     ``virtual_stages`` of them, so there are ``num_stages / virtual_stages`` ranks; the other
@@ -935,7 +958,15 @@ def get(name: str, num_stages: int, num_microbatches: int, virtual_stages: int =
         or virtual_stages < 1
     ):
         raise ValueError(f"virtual_stages must be an int >= 1, got {virtual_stages!r}")
-    schedule = _REGISTRY[name](num_stages, num_microbatches, virtual_stages)
+    if costs is None:
+        schedule = _REGISTRY[name](num_stages, num_microbatches, virtual_stages)
+    else:
+        try:
+            schedule = _REGISTRY[name](num_stages, num_microbatches, virtual_stages, costs=costs)
+        except TypeError:
+            raise CostsNotUsed(
+                f"schedule {name!r} is built the same whatever the passes cost; pass no costs"
+            ) from None
     if not isinstance(schedule, Schedule):
         raise TypeError(f"the builder of schedule {name!r} returned {schedule!r}, not a Schedule")
     validate(schedule)
@@ -948,27 +979,27 @@ def get(name: str, num_stages: int, num_microbatches: int, virtual_stages: int =
     return schedule
 
 
-def _one_stage_per_rank(name: str, build: Callable[[int, int], Schedule]) -> Builder:
-    def builder(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+def _one_stage_per_rank(name: str, build: Callable[..., Schedule]) -> Builder:
+    def builder(num_stages: int, num_microbatches: int, virtual_stages: int, **costs) -> Schedule:
         if virtual_stages != 1:
             raise ValueError(
                 f"virtual_stages={virtual_stages} applies only to interleaved schedules; "
                 f"{name!r} runs one stage per rank"
             )
-        return build(num_stages, num_microbatches)
+        return build(num_stages, num_microbatches, **costs)
 
     return builder
 
 
-def _interleaved(name: str, build: Callable[[int, int, int], Schedule]) -> Builder:
-    def builder(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+def _interleaved(name: str, build: Callable[..., Schedule]) -> Builder:
+    def builder(num_stages: int, num_microbatches: int, virtual_stages: int, **costs) -> Schedule:
         _check_counts(num_stages, num_microbatches)
         if num_stages % virtual_stages:
             raise ValueError(
                 f"virtual_stages={virtual_stages} does not divide num_stages={num_stages}: "
                 f"{name} puts virtual_stages stages on each of num_stages / virtual_stages ranks"
             )
-        return build(num_stages // virtual_stages, num_microbatches, virtual_stages)
+        return build(num_stages // virtual_stages, num_microbatches, virtual_stages, **costs)
 
     return builder
 
@@ -988,8 +1019,8 @@ from mmnnx.mpmd.zero_bubble import (  # noqa: E402, F401  (built on the above; r
 )
 
 
-def _v_shaped(name: str, build: Callable[[int, int], Schedule]) -> Builder:
-    def builder(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+def _v_shaped(name: str, build: Callable[..., Schedule]) -> Builder:
+    def builder(num_stages: int, num_microbatches: int, virtual_stages: int, **costs) -> Schedule:
         _check_counts(num_stages, num_microbatches)
         if virtual_stages != 2 or num_stages % 2:
             raise ValueError(
@@ -997,7 +1028,7 @@ def _v_shaped(name: str, build: Callable[[int, int], Schedule]) -> Builder:
                 f"even number of stages, got virtual_stages={virtual_stages} and "
                 f"{num_stages} stages"
             )
-        return build(num_stages // 2, num_microbatches)
+        return build(num_stages // 2, num_microbatches, **costs)
 
     return builder
 

@@ -50,7 +50,10 @@ def parse_bytes(size: int | str) -> int:
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One simulated choice: its predicted step time (seconds), bubble fraction, the largest
-    device's predicted memory (bytes), and why it was rejected ("" when it fits)."""
+    device's predicted memory (bytes), and why it was rejected ("" when it fits). ``table`` is
+    the schedule simulated, to pass as ``mm.microbatch(schedule=candidate.table)``: for the
+    zero-bubble schedules built by list scheduling it orders the passes for the measured
+    durations, which the schedule's name alone (equal durations) does not."""
 
     schedule: str
     num_microbatches: int
@@ -58,6 +61,7 @@ class Candidate:
     bubble: float | None
     peak_bytes: int | None
     rejected: str = ""
+    table: sched.Schedule | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass
@@ -105,6 +109,15 @@ def _state_bytes_per_device(values: Sequence[Any]) -> dict[Any, int]:
         for device in value.sharding.device_set:
             per_device[device] = per_device.get(device, 0) + nbytes
     return per_device
+
+
+def _built(name: str, num_stages: int, m: int, virtual: int, stage_cost: Any) -> sched.Schedule:
+    """Schedule ``name``, ordered for the measured durations when its builder takes them."""
+    costs = {(kind, s): stage_cost(kind, s) or 1e-9 for kind in "FIW" for s in range(num_stages)}
+    try:
+        return sched.get(name, num_stages, m, virtual, costs=costs)
+    except sched.CostsNotUsed:
+        return sched.get(name, num_stages, m, virtual)
 
 
 def _fits(name: str, measured: sched.Schedule, virtual: int, stage_home: Sequence[str]) -> bool:
@@ -246,12 +259,7 @@ def tune(
     for name in names:
         for m in microbatches or (m0,):
             try:
-                schedule = sched.get(
-                    name,
-                    num_stages=measured.num_stages,
-                    num_microbatches=m,
-                    virtual_stages=virtual,
-                )
+                schedule = _built(name, measured.num_stages, m, virtual, stage_cost)
             except (ValueError, TypeError) as e:
                 results.append(Candidate(name, m, None, None, None, f"cannot run: {e}"))
                 continue
@@ -285,7 +293,15 @@ def tune(
             if budget is not None and peak > budget:
                 rejected = f"over the budget of {budget:,} B"
             results.append(
-                Candidate(name, m, result.makespan, float(result.bubble_fraction), peak, rejected)
+                Candidate(
+                    name,
+                    m,
+                    result.makespan,
+                    float(result.bubble_fraction),
+                    peak,
+                    rejected,
+                    schedule,
+                )  # fmt: skip
             )
     fitting = [c for c in results if not c.rejected]
     if not fitting:

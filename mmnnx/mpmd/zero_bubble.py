@@ -22,9 +22,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+import heapq
+from collections.abc import Callable, Mapping, Sequence
 
 from mmnnx.mpmd import schedules as _s
+
+Costs = Mapping[str | tuple[str, int], float]
+"""Durations of the passes: by kind (``{"F": 2, "I": 1, "W": 1}``) or by ``(kind, stage)``."""
 
 
 def list_schedule(
@@ -32,11 +37,14 @@ def list_schedule(
     stage_to_rank: Sequence[int],
     num_microbatches: int,
     limits: Sequence[int],
+    costs: Costs | None = None,
 ) -> _s.Schedule:
-    """Builds a split-backward schedule by playing it in unit time (see the module docstring).
+    """Builds a split-backward schedule by playing it out (see the module docstring).
 
     ``stage_to_rank[s]`` is the rank of stage ``s`` and ``limits[r]`` the most microbatches rank
-    ``r`` may hold at once, summed over its stages (at least 1).
+    ``r`` may hold at once, summed over its stages (at least 1). ``costs`` gives the passes'
+    durations (default: one unit each); a schedule built for the durations a step measured
+    (``timeline()``) orders the passes for that step, as the zero-bubble paper's scheduler does.
 
     Example:
         >>> from mmnnx.mpmd.zero_bubble import list_schedule
@@ -48,77 +56,112 @@ def list_schedule(
     num_stages, num_ranks, m_count = len(stage_to_rank), len(limits), num_microbatches
     if any(limit < 1 for limit in limits):
         raise ValueError(f"{name}: every rank must be allowed at least one microbatch: {limits}")
+    cost = _durations(name, costs)
     stages_of = [[s for s in range(num_stages) if stage_to_rank[s] == r] for r in range(num_ranks)]
-    # per stage, how many microbatches have finished F and I (each runs in microbatch order)
-    forwards, inputs = [0] * num_stages, [0] * num_stages
-    weights: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]  # (microbatch, stage)
+    # per stage, the end times of the F and I passes started so far (each in microbatch order)
+    f_end: list[list[float]] = [[] for _ in range(num_stages)]
+    i_end: list[list[float]] = [[] for _ in range(num_stages)]
+    weights: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]  # (microbatch, -stage)
     rows: list[list[_s.Action]] = [[] for _ in range(num_ranks)]
     held = [0] * num_ranks
-    remaining = 3 * num_stages * m_count
-    while remaining:
-        started = []
-        for rank in range(num_ranks):
-            action = _pick(rank, stages_of[rank], forwards, inputs, weights[rank],
-                           held[rank] < limits[rank], m_count)  # fmt: skip
-            if action is not None:
-                started.append((rank, action))
-        if not started:
-            raise ValueError(f"{name}: the list scheduler is stuck with limits {tuple(limits)}")
-        for rank, action in started:  # all ranks chose from the state before this time step
-            rows[rank].append(action)
-            stage, m = action.stage, action.microbatch
-            if action.kind == "F":
-                forwards[stage] += 1
-                held[rank] += 1
-            elif action.kind == "I":
-                inputs[stage] += 1
-                weights[rank].append((m, -stage))
-                weights[rank].sort()
-            else:
-                weights[rank].pop(0)
-                held[rank] -= 1
-            remaining -= 1
+    free_at = [0.0] * num_ranks
+    turn = list(range(num_ranks))  # among ranks free at once, who decides first
+    left = [3 * len(stages) * m_count for stages in stages_of]
+    ends: list[float] = []  # end times not yet passed, a heap
+    while any(left):
+        rank = min((r for r in range(num_ranks) if left[r]), key=lambda r: (free_at[r], turn[r]))
+        now = free_at[rank]
+        while ends and ends[0] <= now:
+            heapq.heappop(ends)
+        action = _pick(stages_of[rank], f_end, i_end, weights[rank], now,
+                       held[rank] < limits[rank], m_count)  # fmt: skip
+        if action is None:
+            later = [free_at[r] for r in range(num_ranks) if left[r] and r != rank]
+            if not ends and not later:
+                raise ValueError(f"{name}: the list scheduler is stuck with limits {tuple(limits)}")
+            # wait for the next pass to end, or for the other ranks free now to decide first
+            free_at[rank] = ends[0] if ends else min(later)
+            turn[rank] = max(turn) + 1
+            continue
+        stage, m = action.stage, action.microbatch
+        end = now + cost(action.kind, stage)
+        if action.kind == "F":
+            f_end[stage].append(end)
+            held[rank] += 1
+        elif action.kind == "I":
+            i_end[stage].append(end)
+            bisect.insort(weights[rank], (m, -stage, end))
+        else:
+            weights[rank].remove(next(w for w in weights[rank] if w[:2] == (m, -stage)))
+            held[rank] -= 1
+        rows[rank].append(action)
+        free_at[rank] = end
+        heapq.heappush(ends, end)
+        left[rank] -= 1
     return _s.validate(
         _s.Schedule(name, num_stages, num_microbatches, num_ranks, stage_to_rank, rows)
     )
 
 
+def _durations(name: str, costs: Costs | None) -> Callable[[str, int], float]:
+    if costs is None:
+        return lambda kind, stage: 1
+    for key, value in costs.items():
+        if not value > 0:
+            raise ValueError(f"{name}: the cost of {key!r} must be positive, got {value!r}")
+
+    def cost(kind: str, stage: int) -> float:
+        if (kind, stage) in costs:
+            return costs[(kind, stage)]
+        if kind in costs:
+            return costs[kind]
+        raise ValueError(f"{name}: costs give no duration for {kind} passes of stage {stage}")
+
+    return cost
+
+
 def _pick(
-    rank: int,
     stages: list[int],
-    forwards: list[int],
-    inputs: list[int],
-    weights: list[tuple[int, int]],
+    f_end: list[list[float]],
+    i_end: list[list[float]],
+    weights: list[tuple[int, int, float]],
+    now: float,
     may_forward: bool,
     num_microbatches: int,
 ) -> _s.Action | None:
     """Input gradients first, then forwards (memory allowing), then the oldest weight pass;
-    among equals the oldest microbatch, then the deepest stage (nearest the loss)."""
-    last = len(forwards) - 1
-    ready_i = [
-        (inputs[s], -s)
-        for s in stages
-        if inputs[s] < forwards[s] and (s == last or inputs[s + 1] > inputs[s])
-    ]
+    among equals the oldest microbatch, then the deepest stage (nearest the loss). A pass is
+    ready when the passes it reads have ended by ``now``."""
+    last = len(f_end) - 1
+    ready_i = []
+    for s in stages:
+        m = len(i_end[s])
+        inputs_done = s == last or (m < len(i_end[s + 1]) and i_end[s + 1][m] <= now)
+        if m < len(f_end[s]) and f_end[s][m] <= now and inputs_done:
+            ready_i.append((m, -s))
     if ready_i:
         m, s = min(ready_i)
         return _s.Action("I", -s, m)
     if may_forward:
-        ready_f = [
-            (forwards[s], -s)
-            for s in stages
-            if forwards[s] < num_microbatches and (s == 0 or forwards[s - 1] > forwards[s])
-        ]
+        ready_f = []
+        for s in stages:
+            m = len(f_end[s])
+            if m < num_microbatches and (
+                s == 0 or (m < len(f_end[s - 1]) and f_end[s - 1][m] <= now)
+            ):
+                ready_f.append((m, -s))
         if ready_f:
             m, s = min(ready_f)
             return _s.Action("F", -s, m)
-    if weights:
-        m, s = weights[0]
-        return _s.Action("W", -s, m)
+    for m, s, end in weights:
+        if end <= now:
+            return _s.Action("W", -s, m)
     return None
 
 
-def zero_bubble_h2(num_stages: int, num_microbatches: int) -> _s.Schedule:
+def zero_bubble_h2(
+    num_stages: int, num_microbatches: int, costs: Costs | None = None
+) -> _s.Schedule:
     """ZB-H2 from "Zero Bubble Pipeline Parallelism": ZB-H1 with more warm-up forwards.
 
     Rank ``r`` runs stage ``r`` and may hold ``2S - 1`` microbatches (ZB-H1: ``S``), so its
@@ -129,7 +172,9 @@ def zero_bubble_h2(num_stages: int, num_microbatches: int) -> _s.Schedule:
     1F1B's ``(S - 1)(F + B)`` (``SimulationResult.rank_idle``). Steps that follow each other
     without a global synchronisation (no clipping by the global norm, losses not read on the
     host) overlap the ranks' spans, rank 0 starting the next step while the last rank finishes
-    this one. Needs ``M >= S``.
+    this one. ``costs`` (durations by kind or ``(kind, stage)``, e.g. measured with
+    ``timeline()``) orders the passes for those durations instead of equal ones. Needs
+    ``M >= S``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import simulate, zero_bubble_h2
@@ -140,7 +185,7 @@ def zero_bubble_h2(num_stages: int, num_microbatches: int) -> _s.Schedule:
     _s._check_counts(num_stages, num_microbatches)
     _s._need_enough_microbatches("zero-bubble-h2", num_microbatches, num_stages, "stages")
     limits = [2 * num_stages - 1] * num_stages
-    return list_schedule("zero-bubble-h2", range(num_stages), num_microbatches, limits)
+    return list_schedule("zero-bubble-h2", range(num_stages), num_microbatches, limits, costs)
 
 
 def v_stages(rank: int, num_ranks: int) -> tuple[int, int]:
@@ -154,7 +199,7 @@ def v_stages(rank: int, num_ranks: int) -> tuple[int, int]:
     return rank, 2 * num_ranks - 1 - rank
 
 
-def zero_bubble_v(num_ranks: int, num_microbatches: int) -> _s.Schedule:
+def zero_bubble_v(num_ranks: int, num_microbatches: int, costs: Costs | None = None) -> _s.Schedule:
     """ZB-V from "Zero Bubble Pipeline Parallelism": two stages per rank placed in a V.
 
     ``2R`` stages on ``R`` ranks: rank ``r`` holds stage ``r`` and stage ``2R - 1 - r``, so the
@@ -164,7 +209,8 @@ def zero_bubble_v(num_ranks: int, num_microbatches: int) -> _s.Schedule:
     step takes ``6M + R - 1`` units: rank 0 waits ``R - 1`` (one stage's forward per rank of
     the fill), against ZB-H1's ``6M + 2(R - 1)`` and 1F1B's ``6M + 6(R - 1)`` for the same model
     cut into ``R`` stages of twice the cost. Place the model with
-    ``mm.stage_rules(model, tasks, virtual_stages=2, order="v")``. Needs ``M >= R``.
+    ``mm.stage_rules(model, tasks, virtual_stages=2, order="v")``. ``costs`` orders the passes
+    for measured durations (see :func:`zero_bubble_h2`). Needs ``M >= R``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import zero_bubble_v
@@ -174,19 +220,19 @@ def zero_bubble_v(num_ranks: int, num_microbatches: int) -> _s.Schedule:
     _s._check_counts(num_ranks, num_microbatches)
     _s._need_enough_microbatches("zero-bubble-v", num_microbatches, num_ranks, "ranks")
     stage_to_rank = [min(s, 2 * num_ranks - 1 - s) for s in range(2 * num_ranks)]
-    return list_schedule(
-        "zero-bubble-v", stage_to_rank, num_microbatches, [2 * num_ranks] * num_ranks
-    )
+    limits = [2 * num_ranks] * num_ranks
+    return list_schedule("zero-bubble-v", stage_to_rank, num_microbatches, limits, costs)
 
 
 def interleaved_zero_bubble(
-    num_ranks: int, num_microbatches: int, virtual_stages: int
+    num_ranks: int, num_microbatches: int, virtual_stages: int, costs: Costs | None = None
 ) -> _s.Schedule:
     """Interleaved zero bubble: interleaved 1F1B's placement and memory with split backwards.
 
     Rank ``r`` holds stages ``r, r + R, ...`` (as :func:`interleaved_1f1b`) and may hold as many
     stage-microbatches as interleaved 1F1B's rank ``r`` does; within that, input gradients come
-    first and the weight passes fill the gaps. Needs ``M >= R``.
+    first and the weight passes fill the gaps. ``costs`` orders the passes for measured
+    durations (see :func:`zero_bubble_h2`). Needs ``M >= R``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import interleaved_1f1b, interleaved_zero_bubble, simulate
@@ -202,7 +248,7 @@ def interleaved_zero_bubble(
     num_stages = num_ranks * virtual_stages
     stage_to_rank = [s % num_ranks for s in range(num_stages)]
     limits = _rank_peaks(_s.interleaved_1f1b(num_ranks, num_microbatches, virtual_stages))
-    return list_schedule("interleaved-zero-bubble", stage_to_rank, num_microbatches, limits)
+    return list_schedule("interleaved-zero-bubble", stage_to_rank, num_microbatches, limits, costs)
 
 
 def _rank_peaks(schedule: _s.Schedule) -> list[int]:
