@@ -958,22 +958,25 @@ def offset_op(marker: Op, base: Any, offset: Any, graph: Graph) -> Op:
     )
 
 
-def copier(source: Any, target: Any, ndim: int) -> Callable[[Any], Any] | None:
+def copier(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], Any] | None:
     """A function moving an array laid out as ``source`` to ``target`` (the same slicing on other
     devices of this process) with one call into the runtime, skipping ``jax.device_put``'s
     Python layers, which cost several times the copy of a small activation; ``None`` when the
-    move is a reshard or leaves this process, which ``jax.device_put`` does.
+    move is a reshard, leaves this process, or holds an extended dtype (a typed PRNG key),
+    which ``jax.device_put`` does.
 
     Example:
         >>> from jax.sharding import SingleDeviceSharding
         >>> a, b = (SingleDeviceSharding(d) for d in jax.devices()[:2])
-        >>> move = copier(a, b, 1)
+        >>> move = copier(a, b, 1, np.float32)
         >>> move(jax.device_put(np.ones(3), a)).devices() == {jax.devices()[1]}
         True
     """
     from jax._src import array as jax_array  # noqa: PLC0415
     from jax._src.lib import xla_client  # noqa: PLC0415
 
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return None
     try:
         same = jax_array._sharding_indices_and_eq(source, target, ndim)
     except NotImplementedError:

@@ -329,7 +329,7 @@ class Executable:
         ndim = len(self.graph.shapes[value])
         if source == target or source.is_equivalent_to(target, ndim):
             return _unchanged
-        return _jax.copier(source, target, ndim)
+        return _jax.copier(source, target, ndim, self.graph.dtypes[value])
 
     def _laid_out_as(self, value: Any, sharding: Any) -> bool:
         """Whether ``value`` is an array already laid out as ``sharding`` (the same devices and
