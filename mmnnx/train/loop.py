@@ -22,6 +22,7 @@ from rich.table import Table
 from mmnnx.distributed.fetch import fetch
 from mmnnx.jit import cached_partial, jit
 from mmnnx.microbatch import microbatch
+from mmnnx.mpmd.schedules import Schedule
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer, Resumed
 from mmnnx.train.data import TextDataset
@@ -31,9 +32,11 @@ from mmnnx.train.data import TextDataset
 class TrainConfig:
     """What ``fit`` does: steps, optimizer, pipelining, evaluation, outputs and checkpoints.
 
-    ``schedule`` is a registered schedule name, or ``"auto"``: ``fit`` measures a step once and
-    uses the fastest schedule whose memory per device fits ``memory_budget`` (bytes, or a string
-    such as ``"2GiB"``; ``None``: no limit), printing the candidates (``mm.schedules.tune``).
+    ``schedule`` is a registered schedule name, a ``Schedule``, or ``"auto"``: ``fit`` measures
+    a step once and uses the fastest schedule whose memory per device fits ``memory_budget``
+    (bytes, or a string such as ``"2GiB"``; ``None``: no limit), printing the candidates
+    (``mm.schedules.tune``), and runs the very table it simulated (a zero-bubble schedule
+    ordered for the measured durations).
     """
 
     steps: int = 300
@@ -41,7 +44,7 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     microbatches: int = 4
-    schedule: str = "1f1b"
+    schedule: Any = "1f1b"
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 10
@@ -274,7 +277,9 @@ def _tuned(
     measured = dataclasses.replace(config, schedule="gpipe")
     step, _ = make_steps(measured)
     result = tune(step, model, opt, batch, memory_budget=config.memory_budget)
-    choice = from_process_zero("--schedule auto", result.best.schedule)
+    best = result.best
+    name_and_table = from_process_zero("--schedule auto", f"{best.schedule}\n{best.table.to_csv()}")
+    choice, table = name_and_table.split("\n", 1)
     if jax.process_index() == 0:
         _print_line(console, str(result).rstrip())
         _print_line(
@@ -282,7 +287,7 @@ def _tuned(
             f"schedule auto: {choice} with {config.microbatches} microbatches (predicted "
             f"{result.best.predicted_seconds * 1e3:.1f} ms per step)",
         )
-    return dataclasses.replace(config, schedule=choice)
+    return dataclasses.replace(config, schedule=Schedule.from_csv(table, name=choice))
 
 
 def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -> int:
