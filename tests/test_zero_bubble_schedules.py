@@ -208,3 +208,18 @@ def test_costs_through_get():
         zero_bubble_h2(2, 4, {"F": 1, "I": 1, "W": 0})
     with pytest.raises(ValueError, match="no duration for W passes of stage 0"):
         zero_bubble_h2(2, 4, {"F": 1, "I": 1})
+
+
+def test_any_positive_costs_build_a_valid_schedule():
+    # with uneven durations every rank can end up waiting on another's memory; the list
+    # scheduler then lets one forward over the limit instead of looping forever
+    rng = __import__("random").Random(0)
+    for _ in range(60):
+        ranks = rng.randint(1, 4)
+        m = rng.randint(ranks, 3 * ranks) * 2
+        costs = {kind: rng.choice([1e-6, 0.01, 0.5, 1, 3, 20]) for kind in "FIW"}
+        validated = [get("zero-bubble-h2", ranks, m, costs=costs)]
+        validated.append(get("zero-bubble-v", 2 * ranks, m, 2, costs=costs))
+        if m % ranks == 0:
+            validated.append(get("interleaved-zero-bubble", 2 * ranks, m, 2, costs=costs))
+        assert all(s.num_microbatches == m for s in validated)

@@ -68,6 +68,7 @@ def list_schedule(
     turn = list(range(num_ranks))  # among ranks free at once, who decides first
     left = [3 * len(stages) * m_count for stages in stages_of]
     ends: list[float] = []  # end times not yet passed, a heap
+    stalled: set[int] = set()  # ranks that found nothing to run since the last pass started
     while any(left):
         rank = min((r for r in range(num_ranks) if left[r]), key=lambda r: (free_at[r], turn[r]))
         now = free_at[rank]
@@ -75,14 +76,26 @@ def list_schedule(
             heapq.heappop(ends)
         action = _pick(stages_of[rank], f_end, i_end, weights[rank], now,
                        held[rank] < limits[rank], m_count)  # fmt: skip
+        if action is None and not ends:
+            stalled.add(rank)
+            live = {r for r in range(num_ranks) if left[r]}
+            if stalled >= live:  # every rank waits on another's memory: one forward over the limit
+                rank, action = next(
+                    ((r, a) for r in sorted(live)
+                     if (a := _pick(stages_of[r], f_end, i_end, weights[r], free_at[r], True,
+                                    m_count)) is not None),
+                    (rank, None),
+                )  # fmt: skip
+                if action is None:
+                    raise ValueError(f"{name}: the list scheduler is stuck with limits {limits}")
+                now = free_at[rank]
         if action is None:
             later = [free_at[r] for r in range(num_ranks) if left[r] and r != rank]
-            if not ends and not later:
-                raise ValueError(f"{name}: the list scheduler is stuck with limits {tuple(limits)}")
             # wait for the next pass to end, or for the other ranks free now to decide first
             free_at[rank] = ends[0] if ends else min(later)
             turn[rank] = max(turn) + 1
             continue
+        stalled.clear()
         stage, m = action.stage, action.microbatch
         end = now + cost(action.kind, stage)
         if action.kind == "F":
