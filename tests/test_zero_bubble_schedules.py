@@ -18,7 +18,7 @@ from mmnnx.mpmd.schedules import (
     zero_bubble_h2,
     zero_bubble_v,
 )
-from mmnnx.mpmd.zero_bubble import list_schedule, v_stages
+from mmnnx.mpmd.zero_bubble import _rank_peaks, list_schedule, v_stages
 
 COSTS = [(1, 2, None), (1, 2, Fraction(1, 2)), (1, 3, 1), (2, 2, 1)]
 
@@ -112,11 +112,7 @@ def test_interleaved_zero_bubble_beats_interleaved_1f1b_in_its_memory(
 
 
 def _rank_peak(schedule, rank):
-    held = peak = 0
-    for action in schedule.actions_of(rank):
-        held += {"F": 1, "B": -1, "I": 0, "W": -1}[action.kind]
-        peak = max(peak, held)
-    return peak
+    return _rank_peaks(schedule)[rank]
 
 
 @pytest.mark.parametrize(

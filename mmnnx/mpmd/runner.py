@@ -327,7 +327,7 @@ class Executable:
         if source is None or target is None:
             return None
         ndim = len(self.graph.shapes[value])
-        if source == target or source.is_equivalent_to(target, ndim):
+        if self._equivalent(source, target, ndim):
             return _unchanged
         return _jax.copier(source, target, ndim, self.graph.dtypes[value])
 
@@ -336,12 +336,17 @@ class Executable:
         slices under another name, e.g. a one-device array for a one-device task): moving it
         would only copy it. Decided once per pair of layouts."""
         have = getattr(value, "sharding", None)
-        if have is None or have == sharding:
-            return have is not None
-        key = (have, sharding, value.ndim)
+        return have is not None and self._equivalent(have, sharding, value.ndim)
+
+    def _equivalent(self, have: Any, want: Any, ndim: int) -> bool:
+        """Whether layouts ``have`` and ``want`` put the same slices on the same devices, decided
+        once per pair."""
+        if have == want:
+            return True
+        key = (have, want, ndim)
         same = self._same_layout.get(key)
         if same is None:
-            same = self._same_layout[key] = have.is_equivalent_to(sharding, value.ndim)
+            same = self._same_layout[key] = have.is_equivalent_to(want, ndim)
         return same
 
     def _record(self, env: list, memory: dict) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import inspect
 import io
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -854,6 +855,22 @@ class CostsNotUsed(ValueError):
     """
 
 
+def _check_takes_costs(name: str, build: Callable[..., Schedule]) -> None:
+    if "costs" not in inspect.signature(build).parameters:
+        raise CostsNotUsed(
+            f"schedule {name!r} is built the same whatever the passes cost; pass no costs"
+        )
+
+
+def _costs_kwargs(name: str, build: Callable[..., Schedule], costs: Any) -> dict[str, Any]:
+    """``costs`` as keyword arguments for ``build``: none without costs; raises
+    :class:`CostsNotUsed` when ``build`` takes none."""
+    if costs is None:
+        return {}
+    _check_takes_costs(name, build)
+    return {"costs": costs}
+
+
 Builder = Callable[[int, int, int], Schedule]
 """A schedule builder: ``builder(num_stages, num_microbatches, virtual_stages) -> Schedule``."""
 
@@ -958,15 +975,12 @@ def get(
         or virtual_stages < 1
     ):
         raise ValueError(f"virtual_stages must be an int >= 1, got {virtual_stages!r}")
+    builder = _REGISTRY[name]
     if costs is None:
-        schedule = _REGISTRY[name](num_stages, num_microbatches, virtual_stages)
+        schedule = builder(num_stages, num_microbatches, virtual_stages)
     else:
-        try:
-            schedule = _REGISTRY[name](num_stages, num_microbatches, virtual_stages, costs=costs)
-        except TypeError:
-            raise CostsNotUsed(
-                f"schedule {name!r} is built the same whatever the passes cost; pass no costs"
-            ) from None
+        _check_takes_costs(name, builder)
+        schedule = builder(num_stages, num_microbatches, virtual_stages, costs=costs)
     if not isinstance(schedule, Schedule):
         raise TypeError(f"the builder of schedule {name!r} returned {schedule!r}, not a Schedule")
     validate(schedule)
@@ -980,26 +994,31 @@ def get(
 
 
 def _one_stage_per_rank(name: str, build: Callable[..., Schedule]) -> Builder:
-    def builder(num_stages: int, num_microbatches: int, virtual_stages: int, **costs) -> Schedule:
+    def builder(
+        num_stages: int, num_microbatches: int, virtual_stages: int, costs: Any = None
+    ) -> Schedule:
         if virtual_stages != 1:
             raise ValueError(
                 f"virtual_stages={virtual_stages} applies only to interleaved schedules; "
                 f"{name!r} runs one stage per rank"
             )
-        return build(num_stages, num_microbatches, **costs)
+        return build(num_stages, num_microbatches, **_costs_kwargs(name, build, costs))
 
     return builder
 
 
 def _interleaved(name: str, build: Callable[..., Schedule]) -> Builder:
-    def builder(num_stages: int, num_microbatches: int, virtual_stages: int, **costs) -> Schedule:
+    def builder(
+        num_stages: int, num_microbatches: int, virtual_stages: int, costs: Any = None
+    ) -> Schedule:
         _check_counts(num_stages, num_microbatches)
         if num_stages % virtual_stages:
             raise ValueError(
                 f"virtual_stages={virtual_stages} does not divide num_stages={num_stages}: "
                 f"{name} puts virtual_stages stages on each of num_stages / virtual_stages ranks"
             )
-        return build(num_stages // virtual_stages, num_microbatches, virtual_stages, **costs)
+        kwargs = _costs_kwargs(name, build, costs)
+        return build(num_stages // virtual_stages, num_microbatches, virtual_stages, **kwargs)
 
     return builder
 
@@ -1020,7 +1039,9 @@ from mmnnx.mpmd.zero_bubble import (  # noqa: E402, F401  (built on the above; r
 
 
 def _v_shaped(name: str, build: Callable[..., Schedule]) -> Builder:
-    def builder(num_stages: int, num_microbatches: int, virtual_stages: int, **costs) -> Schedule:
+    def builder(
+        num_stages: int, num_microbatches: int, virtual_stages: int, costs: Any = None
+    ) -> Schedule:
         _check_counts(num_stages, num_microbatches)
         if virtual_stages != 2 or num_stages % 2:
             raise ValueError(
@@ -1028,7 +1049,7 @@ def _v_shaped(name: str, build: Callable[..., Schedule]) -> Builder:
                 f"even number of stages, got virtual_stages={virtual_stages} and "
                 f"{num_stages} stages"
             )
-        return build(num_stages // 2, num_microbatches, **costs)
+        return build(num_stages // 2, num_microbatches, **_costs_kwargs(name, build, costs))
 
     return builder
 

@@ -61,7 +61,8 @@ def list_schedule(
     # per stage, the end times of the F and I passes started so far (each in microbatch order)
     f_end: list[list[float]] = [[] for _ in range(num_stages)]
     i_end: list[list[float]] = [[] for _ in range(num_stages)]
-    weights: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]  # (microbatch, -stage)
+    # per rank, deferred W passes ready from ``end``: (microbatch, -stage, end), oldest first
+    weights: list[list[tuple[int, int, float]]] = [[] for _ in range(num_ranks)]
     rows: list[list[_s.Action]] = [[] for _ in range(num_ranks)]
     held = [0] * num_ranks
     free_at = [0.0] * num_ranks
@@ -212,6 +213,11 @@ def v_stages(rank: int, num_ranks: int) -> tuple[int, int]:
     return rank, 2 * num_ranks - 1 - rank
 
 
+def _v_stage_to_rank(num_ranks: int) -> list[int]:
+    """The rank of each of the ``2R`` stages of a V (see :func:`v_stages`)."""
+    return [min(s, 2 * num_ranks - 1 - s) for s in range(2 * num_ranks)]
+
+
 def zero_bubble_v(num_ranks: int, num_microbatches: int, costs: Costs | None = None) -> _s.Schedule:
     """ZB-V from "Zero Bubble Pipeline Parallelism": two stages per rank placed in a V.
 
@@ -232,7 +238,7 @@ def zero_bubble_v(num_ranks: int, num_microbatches: int, costs: Costs | None = N
     """
     _s._check_counts(num_ranks, num_microbatches)
     _s._need_enough_microbatches("zero-bubble-v", num_microbatches, num_ranks, "ranks")
-    stage_to_rank = [min(s, 2 * num_ranks - 1 - s) for s in range(2 * num_ranks)]
+    stage_to_rank = _v_stage_to_rank(num_ranks)
     limits = [2 * num_ranks] * num_ranks
     return list_schedule("zero-bubble-v", stage_to_rank, num_microbatches, limits, costs)
 
@@ -305,7 +311,7 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> _s.Schedule:
             f"got {num_microbatches}: use num_microbatches >= {2 * num_ranks}"
         )
     rows = [_dualpipe_v_row(rank, num_ranks, num_microbatches) for rank in range(num_ranks)]
-    stage_to_rank = [min(s, 2 * num_ranks - 1 - s) for s in range(2 * num_ranks)]
+    stage_to_rank = _v_stage_to_rank(num_ranks)
     return _s.validate(
         _s.Schedule("dualpipev", 2 * num_ranks, num_microbatches, num_ranks, stage_to_rank, rows)
     )

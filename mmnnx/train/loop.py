@@ -44,7 +44,7 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     microbatches: int = 4
-    schedule: Any = "1f1b"
+    schedule: str | Schedule = "1f1b"
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 10
