@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/mmnnx train --output-dir runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses=4
 
 bench: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/dispatch.py
