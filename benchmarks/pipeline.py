@@ -208,24 +208,25 @@ def measured_vs_simulated(num=8):
     built_for_costs = ("zero-bubble-h2", "zero-bubble-v", "interleaved-zero-bubble")
     runs = [(name, name) for name in mm.schedules.names()]
     runs += [(f"{name} (built for measured costs)", name) for name in built_for_costs]
+    runs.append(("dualpipev (fused pairs)", "dualpipev"))
     for label, name in runs:
         schedule = name
-        if label != name:  # the same schedule, its passes ordered for the durations measured
+        if label == "dualpipev (fused pairs)":  # each overlapped pair one program
+            schedule = mm.schedules.dualpipe_v(2, num, fuse_pairs=True)
+        elif label != name:  # the same schedule, its passes ordered for the durations measured
             _, v = quarter_rules(name)
             schedule = mm.schedules.get(name, 2 * v, num, v, costs=measured_costs[name])
         step, model, x = build_quarters(num, schedule, placed_as=name)
         t_step = median_time(lambda step=step, model=model, x=x: step(model, x))
-        durations: dict[tuple[str, int], list[float]] = {}
-        for _ in range(5):
-            for e in step.timeline(model, x):
-                durations.setdefault((e.kind, e.stage), []).append(e.end - e.start)
-        costs = {key: statistics.median(values) for key, values in durations.items()}
+        events = [e for _ in range(5) for e in step.timeline(model, x)]
+        costs = mm.schedules.measured_costs(events)
         schedule = step.plan(model, x).pipeline.schedule
         virtual = schedule.num_stages // schedule.num_ranks
         for row in schedule.actions:  # a pass with no ops (stage 0's I) runs nothing
             for a in row:
                 costs.setdefault((a.kind, a.stage), 0.0)
-        measured_costs[name] = {key: max(c, 1e-6) for key, c in costs.items()}
+        if label == name:
+            measured_costs[name] = {key: max(c, 1e-6) for key, c in costs.items()}
         predicted = mm.schedules.simulate(schedule, action_costs=costs)
         busy = sum(costs[(a.kind, a.stage)] for row in schedule.actions for a in row)
         kinds = {}
@@ -247,6 +248,9 @@ def measured_vs_simulated(num=8):
     out["target: ZB-V bubble below ZB-H1's"] = bubble["zero-bubble-v"] < bubble["zero-bubble-h1"]
     tuned_v = out["zero-bubble-v (built for measured costs): bubble measured"]
     out["target: ZB-V built for measured costs below ZB-H1's"] = tuned_v < bubble["zero-bubble-h1"]
+    out["DualPipeV step, fused pairs / two programs"] = (
+        out["dualpipev (fused pairs): step ms"] / out["dualpipev: step ms"]
+    )
     return out
 
 

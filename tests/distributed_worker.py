@@ -215,7 +215,7 @@ def checkpoint_restore(directory, stages: int = 2, train: bool = True) -> dict:
 def schedules() -> dict:
     """Two steps of a four-layer MLP under every built-in schedule, one task per process (two
     layers each; the interleaved schedules take the layers of the two tasks in turn, ZB-V and
-    DualPipeV in a V): the losses of each."""
+    DualPipeV in a V; DualPipeV also with its overlapped pairs fused): the losses of each."""
     tasks = readme_model_tasks()
     contiguous = [("^layers/[02]/", tasks[0]), ("^layers/[46]/", tasks[1])]  # Linear at 0, 2, ..
     interleaved = [("^layers/[04]/", tasks[0]), ("^layers/[26]/", tasks[1])]
@@ -234,20 +234,22 @@ def schedules() -> dict:
 
     x, y = readme_batch()
     losses = {}
-    for name in mm.schedules.names():
-        in_v = name in ("zero-bubble-v", "dualpipev")
+    fused = mm.schedules.dualpipe_v(2, 4, fuse_pairs=True)
+    for name in (*mm.schedules.names(), "dualpipev fused pairs"):
+        table = fused if name == "dualpipev fused pairs" else name
+        in_v = name.startswith(("zero-bubble-v", "dualpipev"))
         virtual = 2 if name.startswith("interleaved") or in_v else 1
         model = mm.init(make_model, v if in_v else interleaved if virtual == 2 else contiguous)
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
         @mm.jit
-        def train_step(model, opt, x, y, name=name, virtual=virtual):
+        def train_step(model, opt, x, y, table=table, virtual=virtual):
             grad_fn = mm.microbatch(
                 nnx.value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2)),
                 num=4,
                 argnums=(1, 2),
                 reduce="mean",
-                schedule=name,
+                schedule=table,
                 virtual_stages=virtual,
             )
             loss, grads = grad_fn(model, x, y)

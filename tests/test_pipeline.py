@@ -102,8 +102,12 @@ def test_schedules_match_full_batch_on_one_device(tasks, tokens, schedule, depth
     assert step.trace_count == 1
 
 
-@pytest.mark.parametrize("schedule", ["zero-bubble-v", "dualpipev"])
-def test_v_schedules_run_the_v_placement_and_match_one_device(tasks, tokens, schedule):
+@pytest.mark.parametrize(
+    "schedule, fuse_pairs",
+    [("zero-bubble-v", False), ("dualpipev", False), ("dualpipev", True)],
+    ids=["zero-bubble-v", "dualpipev", "dualpipev-fused-pairs"],
+)
+def test_v_schedules_run_the_v_placement_and_match_one_device(tasks, tokens, schedule, fuse_pairs):
     # stage_rules' V: t0 t1 t2 t3 t3:1 t2:1 t1:1 t0:1, the embedding and the head on t0's devices
     rules = mm.stage_rules(gpt(8), tasks, virtual_stages=2, order="v", report=False)
     model = mm.place(gpt(8), rules)
@@ -112,7 +116,8 @@ def test_v_schedules_run_the_v_placement_and_match_one_device(tasks, tokens, sch
     ref = gpt(8)
     ref_opt = nnx.Optimizer(ref, optax.adamw(lr), wrt=nnx.Param)
     _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(8), tokens)
-    step = mm.jit(pipelined_step(schedule, virtual_stages=2))
+    table = mm.schedules.dualpipe_v(4, M, fuse_pairs=True) if fuse_pairs else schedule
+    step = mm.jit(pipelined_step(table, virtual_stages=2))
     for _ in range(3):
         close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
     params_close(model, ref, ref_grads, steps=3, lr=lr)
@@ -126,6 +131,18 @@ def test_v_schedules_run_the_v_placement_and_match_one_device(tasks, tokens, sch
     head = model.head.kernel.get_value().sharding.device_set
     assert head == model.embed.embedding.get_value().sharding.device_set
     assert step.trace_count == 1
+    # fused overlapped pairs run as one program each: the plan fuses every pair, and a
+    # timeline times the pair's two actions as one span
+    pairs = [p for r in range(4) for p in pipeline.schedule.pairs_of(r)]
+    assert bool(pairs) == fuse_pairs
+    program = step.plan(model, opt, tokens).program
+    fused = [a for a in program.actions if getattr(a, "fused", False)]
+    assert len(fused) == len(pairs)
+    events = step.timeline(model, opt, tokens)
+    together = [e for e in events if e.fused]
+    assert len(together) == 2 * len(pairs)
+    spans = {(e.start, e.end) for e in together}
+    assert len(spans) == len(pairs)
 
 
 def test_interleaved_eight_stages_on_four_tasks(tasks, tokens):

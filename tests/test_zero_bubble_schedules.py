@@ -6,6 +6,7 @@ from fractions import Fraction
 import pytest
 
 from mmnnx.mpmd import schedules
+from mmnnx.mpmd.runner import Event
 from mmnnx.mpmd.schedules import (
     dualpipe_v,
     from_csv,
@@ -161,6 +162,91 @@ def test_dualpipe_v_phases(num_ranks, num_microbatches):
     assert v.makespan <= simulate(zero_bubble_h1(R, M), 2, 4).makespan
     assert v.makespan < simulate(one_f_one_b(R, M), 2, 4).makespan or R == 1  # no bubble at R=1
     assert from_csv(schedule.to_csv(), name="dualpipev") == schedule
+
+
+@pytest.mark.parametrize(
+    ("num_ranks", "num_microbatches"), [(1, 2), (2, 4), (3, 7), (4, 8), (4, 13), (8, 34)]
+)
+def test_dualpipe_v_fused_pairs(num_ranks, num_microbatches):
+    R, M = num_ranks, num_microbatches
+    fused = dualpipe_v(R, M, fuse_pairs=True)  # validated with the pairs' semantics
+    assert fused.actions == dualpipe_v(R, M).actions
+    assert not any(dualpipe_v(R, M).overlapped)
+    for r in range(R):
+        pairs = fused.pairs_of(r)
+        down, up = v_stages(r, R)
+        # DeepSeek's: two pairs per main-phase round (the last rank's first one apart), one per
+        # phase-5 round; a forward first, then the other chunk's backward, other microbatches
+        main = M - 2 * R + r + 1
+        assert len(pairs) == 2 * main - (r == R - 1) + (R - r - 1)
+        for first, second in pairs:
+            assert first.kind == "F" and second.kind == "B"
+            assert {first.stage, second.stage} == {down, up}
+            assert first.microbatch > second.microbatch
+    assert from_csv(fused.to_csv(), name="dualpipev") == fused
+    assert "+" in fused.to_csv() and "+" not in dualpipe_v(R, M).to_csv()
+    # a fused pair waits for both inputs and hands on its results at its end: never faster in a
+    # model without communication
+    assert simulate(fused, 1, 2).makespan >= simulate(dualpipe_v(R, M), 1, 2).makespan
+
+
+def test_overlapped_pair_timing():
+    # rank 0 pairs F0.1 (ready at once) with B0.0 (waits for B1.0, which ends at 4): the pair
+    # starts at 4, and F1.1 on rank 1 gets F0.1's result only when the pair ends (7)
+    fused = schedules.custom([["F0.0", "F0.1+B0.0", "B0.1"], ["F1.0", "B1.0", "F1.1", "B1.1"]])
+    apart = schedules.custom([["F0.0", "F0.1", "B0.0", "B0.1"], ["F1.0", "B1.0", "F1.1", "B1.1"]])
+    assert fused.overlapped == ((1,), ())
+    assert fused.pairs_of(0) == ((schedules.Action("F", 0, 1), schedules.Action("B", 0, 0)),)
+
+    def start(schedule, text):
+        action = schedules.Action.parse(text)
+        return next(
+            e.start
+            for e in simulate(schedule, 1, 2).events
+            if (e.kind, e.stage, e.microbatch) == (action.kind, action.stage, action.microbatch)
+        )
+
+    assert (start(fused, "F0.1"), start(fused, "B0.0"), start(fused, "F1.1")) == (4, 5, 7)
+    assert (start(apart, "F0.1"), start(apart, "B0.0"), start(apart, "F1.1")) == (1, 4, 4)
+    print(fused)  # the grid draws a pair as its two actions in turn
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        ([["F0.0+B0.0"]], r"overlapped pair F0.0\+B0.0 on rank 0 has one microbatch"),
+        ([["F0.0+F0.1+B0.0", "B0.1"]], r"cannot read 'F0.0\+F0.1\+B0.0' on rank 0"),
+    ],
+)
+def test_overlapped_pair_errors(table, match):
+    with pytest.raises(ValueError, match=match):
+        schedules.custom(table)
+
+
+def test_overlapped_positions_are_checked():
+    rows = [[schedules.Action.parse(a) for a in ("F0.0", "F0.1", "B0.0", "B0.1")]]
+
+    def make(pairs):
+        return schedules.validate(schedules.Schedule("s", 1, 2, 1, (0,), rows, pairs))
+
+    assert make([(1,)]).pairs_of(0)[0][0] == schedules.Action("F", 0, 1)
+    with pytest.raises(ValueError, match=r"pair at position 3 on rank 0: .* in 0\.\.2"):
+        make([(3,)])
+    with pytest.raises(ValueError, match=r"positions 0 and 1 on rank 0 share action F0.1"):
+        make([(0, 1)])
+    with pytest.raises(ValueError, match=r"listed at positions 2 then 0: list them in increasing"):
+        make([(2, 0)])
+    with pytest.raises(ValueError, match=r"overlapped has 2 rows for 1 ranks"):
+        make([(1,), ()])
+
+
+def test_measured_costs_split_a_fused_pair():
+    events = [  # as a step's timeline() gives them
+        Event("t0", "F", 0, 0, 0.0, 1.0),  # apart: F0 takes 1
+        Event("t0", "F", 0, 1, 1.0, 4.0, fused=True),  # a pair: the two together take 3
+        Event("t1", "B", 1, 0, 1.0, 4.0, fused=True),  # B1 was never timed apart
+    ]
+    assert schedules.measured_costs(events) == {("F", 0): 1.0, ("B", 1): 1.5}
 
 
 def test_dualpipe_v_needs_twice_the_ranks_in_microbatches():

@@ -175,6 +175,17 @@ class _Lowering:
             return before, None
         return new, m - 1
 
+    def reads(self, frag: Fragment, m: int | None, other: Fragment, m_other: int | None) -> bool:
+        """Whether ``frag`` on microbatch ``m`` reads a result of ``other`` on ``m_other``."""
+        made = {(v, self.replica(v, m_other)) for v in other.out_ids}
+        for v in frag.in_ids:
+            at = m
+            if self.chains is not None and v in self.chains.marker_values:
+                v, at = self.chained(v, m)
+            if (v, self.replica(v, at)) in made:
+                return True
+        return False
+
     def ensure(self, v: int, task: Task, m: int | None, want: NamedSharding | None = None) -> int:
         """The slot holding value ``v`` (of microbatch ``m``) on ``task``, receiving it first if
         it is not there yet."""
@@ -262,18 +273,27 @@ def lower(
         )
 
     layout_of: dict[int, tuple[tuple, tuple[int, ...], frozenset[int]]] = {}
-    for frag, m in order:
+
+    def prepare(frag: Fragment, m: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The slots of ``frag``'s inputs on its task (received first where needed) and of
+        its running sums (started at zero for the first microbatch)."""
         in_slots = tuple(low.ensure(v, frag.task, m) for v in frag.in_ids)
         if id(frag) not in layout_of:  # the same for every microbatch
             positions = tuple(i for i, v in enumerate(frag.out_ids) if v in sum_of)
             dropped = frozenset(i for i in positions if only_summed(frag.out_ids[i], frag))
             shardings = _out_shardings(frag, home_of, typed)
             layout_of[id(frag)] = (shardings, positions, dropped)
-        shardings, positions, dropped = layout_of[id(frag)]
+        shardings, positions, _ = layout_of[id(frag)]
         summed = [frag.out_ids[i] for i in positions]
         totals = tuple(low.find(sum_of[v], frag.task, None) for v in summed)
         if summed and totals[0] is None:  # the first microbatch adds to zeros
             totals = low.zeros(frag, positions, [sum_of[v] for v in summed], shardings)
+        return in_slots, totals
+
+    def emit(
+        frag: Fragment, m: int | None, in_slots: tuple, totals: tuple, fused: bool = False
+    ) -> None:
+        shardings, positions, dropped = layout_of[id(frag)]
         out_slots: list[int | None] = []
         for i, (v, s) in enumerate(zip(frag.out_ids, shardings, strict=True)):
             if i in dropped:
@@ -285,8 +305,35 @@ def lower(
         donate = tuple(i for i, v in enumerate(frag.in_ids) if donate_in.get(v) is frag)
         label = labels.get(id(frag))
         low.actions.append(
-            Run(frag, in_slots, tuple(out_slots), m, totals, positions, donate, shardings, label)
+            Run(
+                frag,
+                in_slots,
+                tuple(out_slots),
+                m,
+                totals,
+                positions,
+                donate,
+                shardings,
+                label,
+                fused,
+            )
         )
+
+    fused = pipeline.fused if pipeline else frozenset()
+    position = 0
+    while position < len(order):
+        frag, m = order[position]
+        if position in fused and not low.reads(*order[position + 1], *order[position]):
+            second, m2 = order[position + 1]
+            first_in = prepare(frag, m)
+            second_in = prepare(second, m2)
+            apart = set(first_in[1]) & set(second_in[1])  # both add to one sum: in turn
+            emit(frag, m, *first_in, fused=not apart)
+            emit(second, m2, *second_in)
+            position += 2
+        else:
+            emit(frag, m, *prepare(frag, m))
+            position += 1
 
     if low.chains is not None:  # a chained result is where the last microbatch left it
         for result, new in low.chains.results.items():

@@ -58,6 +58,7 @@ class Pipeline:
     order: list[tuple[Fragment, int | None]]
     chains: Chains = dataclasses.field(default_factory=lambda: Chains({}, {}))
     num_microbatches: int = 1
+    fused: frozenset[int] = frozenset()  # positions in ``order`` run as one program with the next
 
     @property
     def fragments(self) -> list[Fragment]:
@@ -160,11 +161,15 @@ def plan_pipeline(
     pre = cut(graph, op_tasks, tasks, pre_ops, suffix="pre", free_inputs=free_inputs)
     post = cut(graph, op_tasks, tasks, post_ops, suffix="post", free_inputs=free_inputs)
     order: list[tuple[Fragment, int | None]] = [(f, None) for f in pre]
-    events = sched.simulate(schedule).events
-    for e in sorted(events, key=lambda e: (e.start, e.rank)):
-        frag = stages.get((e.kind, e.stage))
-        if frag is not None:  # absent: that pass of that stage has no ops (e.g. I of stage 0)
-            order.append((frag, e.microbatch))
+    fused: set[int] = set()
+    for first, second in _dispatch_order(schedule):
+        frag = stages.get((first.kind, first.stage))
+        paired = second and stages.get((second.kind, second.stage))
+        if frag is not None and paired is not None:
+            fused.add(len(order))
+            order += [(frag, first.microbatch), (paired, second.microbatch)]
+        else:  # absent: that pass of that stage has no ops (e.g. I of stage 0)
+            order += [(f, e.microbatch) for f, e in ((frag, first), (paired, second)) if f]
     order += [(f, None) for f in post]
     return Pipeline(
         schedule,
@@ -178,7 +183,30 @@ def plan_pipeline(
         order,
         chained,
         group.num_microbatches,
+        frozenset(fused),
     )
+
+
+def _dispatch_order(schedule: sched.Schedule) -> list[tuple[sched.Action, sched.Action | None]]:
+    """The schedule's actions in the order to dispatch them: by simulated start time, an
+    overlapped pair as one entry ``(first, second)`` (else ``(action, None)``).
+
+    A pair starts once both its actions' inputs are ready and hands on its results when both
+    end, so any action dispatched between its two simulated starts neither feeds it nor reads
+    it: the pair's second action can move up next to its first."""
+    events = sorted(sched.simulate(schedule).events, key=lambda e: (e.start, e.rank))
+    second_of = {
+        first: second
+        for rank in range(schedule.num_ranks)
+        for first, second in schedule.pairs_of(rank)
+    }
+    seconds = set(second_of.values())
+    out: list[tuple[sched.Action, sched.Action | None]] = []
+    for e in events:
+        action = sched.Action(e.kind, e.stage, e.microbatch)
+        if action not in seconds:
+            out.append((action, second_of.get(action)))
+    return out
 
 
 def _stage_constants(graph: Graph, pre_ops: list[Op], region_ids: set[int]) -> list[Op]:

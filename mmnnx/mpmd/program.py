@@ -42,7 +42,9 @@ class Run:
     of ``None``: a result only added to its sum, which the program does not return. ``donate``:
     positions in ``ins`` whose buffers the program may reuse. ``out_shardings``: the sharding
     each result is pinned to, ``None`` where the compiler chooses. ``label``: ``(task, kind,
-    stage)`` of a pipeline stage, for timelines.
+    stage)`` of a pipeline stage, for timelines. ``fused``: this action and the next Run (on the
+    same task, reading none of this one's results) run as one compiled program: an overlapped
+    pair of the schedule.
     """
 
     fragment: Fragment
@@ -54,6 +56,7 @@ class Run:
     donate: tuple[int, ...] = ()
     out_shardings: tuple[Any, ...] = ()
     label: tuple[str, str, int] | None = None
+    fused: bool = False
 
     @property
     def task(self) -> Task:
@@ -66,9 +69,10 @@ class Run:
 
     def __str__(self) -> str:
         sums = f" sums ({_slots(self.sums)})" if self.sums else ""
+        fused = " + next" if self.fused else ""
         return (
             f"run {self.fragment.name}{_mb(self.microbatch)} ({_slots(self.ins)}) -> "
-            f"({_slots(self.outs)}){sums}"
+            f"({_slots(self.outs)}){sums}{fused}"
         )
 
 

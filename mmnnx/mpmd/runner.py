@@ -35,7 +35,9 @@ def _unchanged(value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One executed action, timed (``timeline`` mode): seconds since the step started."""
+    """One executed action, timed (``timeline`` mode): seconds since the step started.
+    ``fused``: it ran in one program with the other actions of its overlapped pair, which share
+    its ``start`` and ``end``."""
 
     task: str
     kind: str
@@ -43,12 +45,23 @@ class Event:
     microbatch: int
     start: float
     end: float
+    fused: bool = False
 
 
-def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any:
-    """Compiles the program of ``run``'s fragment for these input layouts; with ``run.sums``,
-    the variant that also takes the running sums of its summed outputs and returns them updated
-    (donating the old ones)."""
+@dataclasses.dataclass
+class _Part:
+    """One fragment's share of a compiled program: what it computes from its arguments, and
+    their layouts, shapes and donations."""
+
+    body: Callable[..., list]
+    in_shardings: list[Any]
+    out_shardings: list[Any]
+    donate: tuple[int, ...]
+    avals: list[Any]
+    explicit: Any
+
+
+def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
     frag = run.fragment
     n = len(frag.in_ids)
     total_shardings = list(in_shardings[n:])
@@ -72,12 +85,6 @@ def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any
         in_shardings += [typed(frag.out_ids[i]) for i in summed]
         total_shardings = list(in_shardings[n:])
         out_shardings = [typed(frag.out_ids[i]) for i in returned] + total_shardings
-    jitted = jax.jit(
-        body,
-        in_shardings=list(in_shardings),
-        out_shardings=out_shardings,
-        donate_argnums=(*run.donate, *range(n, n + len(total_shardings))),
-    )
     avals = [
         jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
         for v, s in zip(frag.in_ids, in_shardings[:n], strict=True)
@@ -88,11 +95,52 @@ def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any
         )
         for i, s in zip(summed, total_shardings, strict=True)
     ]
+    donate = (*run.donate, *range(n, n + len(total_shardings)))
+    return _Part(body, list(in_shardings), out_shardings, donate, avals, explicit)
+
+
+def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any:
+    """Compiles the program of ``run``'s fragment for these input layouts; with ``run.sums``,
+    the variant that also takes the running sums of its summed outputs and returns them updated
+    (donating the old ones)."""
+    return compile_fragments(graph, [run], [in_shardings])
+
+
+def compile_fragments(
+    graph: Graph, runs: Sequence[Run], in_shardings: Sequence[Sequence[Any]]
+) -> Any:
+    """Compiles the fragments of ``runs`` (on one task; the ``in_shardings`` of each) as one
+    program taking their arguments one run after the other and returning their results in the
+    same order: an overlapped pair runs as one launch, and the compiler may interleave the
+    two."""
+    parts = [_part(graph, run, s) for run, s in zip(runs, in_shardings, strict=True)]
+    bounds = []
+    start = 0
+    for part in parts:
+        bounds.append((start, start + len(part.avals)))
+        start += len(part.avals)
+
+    def body(*args):
+        return [
+            out
+            for part, (lo, hi) in zip(parts, bounds, strict=True)
+            for out in part.body(*args[lo:hi])
+        ]
+
+    jitted = jax.jit(
+        body,
+        in_shardings=[s for part in parts for s in part.in_shardings],
+        out_shardings=[s for part in parts for s in part.out_shardings],
+        donate_argnums=tuple(
+            lo + i for part, (lo, _) in zip(parts, bounds, strict=True) for i in part.donate
+        ),
+    )
+    explicit = parts[0].explicit
     with (
-        constraint_layouts(functools.partial(constraint_layout, frag.task)),
+        constraint_layouts(functools.partial(constraint_layout, runs[0].task)),
         jax.set_mesh(explicit) if explicit is not None else contextlib.nullcontext(),
     ):
-        lowered = jitted.lower(*avals)
+        lowered = jitted.lower(*(a for part in parts for a in part.avals))
     return lowered.compile()
 
 
@@ -198,23 +246,40 @@ class Executable:
         resolved: dict[tuple, Any] = {}
         steps: list[list] = []
         constants: list[tuple[int, Any]] = []
-        for action in program.actions:
+        actions = program.actions
+        position = 0
+        while position < len(actions):
+            action = actions[position]
+            position += 1
             if isinstance(action, Run):
                 if not local.runs(action.task):
                     local.skipped(action, sharding_of)
                     continue
-                run = local.without_sent_donations(action)
-                ins = [*run.ins, *run.sums]
-                key = (*run.variant, run.donate)
+                runs = [local.without_sent_donations(action)]
+                later: list[int] = []  # released between a fused pair's two runs
+                while runs[-1].fused:
+                    while isinstance(actions[position], Release):
+                        later += actions[position].slots
+                        position += 1
+                    runs.append(local.without_sent_donations(actions[position]))
+                    position += 1
+                ins = [s for run in runs for s in (*run.ins, *run.sums)]
+                key = tuple((*run.variant, run.donate) for run in runs)
                 compiled = compiled_of.get(key)
                 if compiled is None:
-                    in_shardings = [sharding_of[s] for s in ins]
-                    compiled = compiled_of[key] = compile_fragment(self.graph, run, in_shardings)
-                outs = [*(s for s in run.outs if s is not None), *run.sums]
+                    compiled = compiled_of[key] = compile_fragments(
+                        self.graph,
+                        runs,
+                        [[sharding_of[s] for s in (*run.ins, *run.sums)] for run in runs],
+                    )
+                outs = [
+                    s for run in runs for s in (*(s for s in run.outs if s is not None), *run.sums)
+                ]
                 for s, sharding in zip(outs, compiled.output_shardings, strict=True):
                     sharding_of[s] = sharding
-                local.made(outs, run.task)
-                steps.append([_RUN, compiled, ins, outs, run.label, run.microbatch, ()])
+                local.made(outs, runs[0].task)
+                labels = tuple((run.label, run.microbatch) for run in runs)
+                steps.append([_RUN, compiled, ins, outs, labels, tuple(later)])
             elif isinstance(action, Recv):
                 sharding = action.sharding
                 source_layout = local.source_layout(action, sharding_of)
@@ -235,7 +300,7 @@ class Executable:
                     sharding_of[s] = sharding
                 if local.runs(action.task):
                     local.made(action.slots, action.task)
-                    steps.append([_RUN, compile_zeros(action), (), action.slots, None, None, ()])
+                    steps.append([_RUN, compile_zeros(action), (), action.slots, (), ()])
                 else:
                     local.elsewhere(action.slots, action.task)
             elif isinstance(action, Constant):
@@ -290,13 +355,8 @@ class Executable:
             if step[0] == _RUN:
                 began = time.perf_counter() if timeline is not None else 0.0
                 outs = step[1](*[env[s] for s in step[2]])
-                if timeline is not None and step[4] is not None:
-                    jax.block_until_ready(outs)
-                    task, kind, stage = step[4]
-                    m = step[5] if step[5] is not None else 0
-                    timeline.append(
-                        Event(task, kind, stage, m, began - start, time.perf_counter() - start)
-                    )
+                if timeline is not None:
+                    self._time(step[4], outs, began - start, start, timeline)
                 for s, o in zip(step[3], outs, strict=True):
                     env[s] = o
             elif step[0] == _PUT:
@@ -320,6 +380,18 @@ class Executable:
                 outputs[i].shape, layout, [outputs[i]]
             )
         return outputs
+
+    @staticmethod
+    def _time(labels: tuple, outs: list, began: float, start: float, timeline: list) -> None:
+        """Waits for a program's results and records an :class:`Event` for each pipeline stage
+        it ran; the fragments of one fused program share its span (``fused=True``)."""
+        stages = [(label, m) for label, m in labels if label is not None]
+        if not stages:
+            return
+        jax.block_until_ready(outs)
+        ended = time.perf_counter() - start
+        for (task, kind, stage), m in stages:
+            timeline.append(Event(task, kind, stage, m or 0, began, ended, fused=len(stages) > 1))
 
     def _mover(self, source: Any, target: Any, value: int) -> Callable[[Any], Any] | None:
         """How a value laid out as ``source`` reaches ``target``: kept as it is (the same

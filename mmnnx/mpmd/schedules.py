@@ -5,7 +5,9 @@ order in which that rank runs its actions. An action is one pass of one stage ov
 microbatch: ``F`` (forward), ``B`` (full backward), or the two halves of a split backward used
 by zero-bubble schedules, ``I`` (gradient with respect to the stage's input, which the previous
 stage waits for) and ``W`` (gradient with respect to the stage's weights, which nobody waits
-for). A separate runtime executes the table; this module only builds, checks, prints, stores
+for). Two adjacent actions of one rank may form an *overlapped pair* (DualPipe's
+forward-and-backward chunk): the runtime runs the pair as one program. A separate runtime
+executes the table; this module only builds, checks, prints, stores
 (CSV) and simulates it, and imports nothing beyond the standard library.
 
 Example:
@@ -26,7 +28,8 @@ import dataclasses
 import inspect
 import io
 import re
-from collections.abc import Callable, Mapping, Sequence
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 KINDS = ("F", "B", "I", "W")
@@ -95,6 +98,11 @@ class Schedule:
     given for these two fields are stored as tuples. Builders such as :func:`one_f_one_b` and
     :func:`custom` return schedules already checked by :func:`validate`.
 
+    ``overlapped[r]`` lists the positions ``p`` in ``actions[r]`` where actions ``p`` and
+    ``p + 1`` form an overlapped pair: two independent actions (of different microbatches) that
+    start together and run as one compiled program, so that one's transfers and compute can
+    overlap the other's (DualPipe). Empty for every rank unless a builder pairs actions.
+
     ``str(schedule)`` draws the unit-time timeline (every action takes one step; see
     :func:`simulate`) with one row per rank, and :meth:`to_csv` / :meth:`from_csv` store it.
 
@@ -117,10 +125,26 @@ class Schedule:
     num_ranks: int
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
+    overlapped: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
         object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
+        pairs = tuple(tuple(row) for row in self.overlapped)
+        if not any(pairs):
+            pairs = tuple(() for _ in self.actions)
+        object.__setattr__(self, "overlapped", pairs)
+
+    def pairs_of(self, rank: int) -> tuple[tuple[Action, Action], ...]:
+        """The overlapped pairs of ``rank`` (see ``overlapped``), in the order it runs them.
+
+        Example:
+            >>> from mmnnx.mpmd.schedules import dualpipe_v
+            >>> [f"{a}+{b}" for a, b in dualpipe_v(2, 4, fuse_pairs=True).pairs_of(0)][:2]
+            ['F0.3+B3.1', 'F3.2+B0.0']
+        """
+        row = self.actions_of(rank)
+        return tuple((row[p], row[p + 1]) for p in self.overlapped[rank])
 
     def actions_of(self, rank: int) -> tuple[Action, ...]:
         """The actions of ``rank``, in the order it runs them.
@@ -196,8 +220,9 @@ class Schedule:
 
         The header is ``rank,0,1,...,n-1``; the row of rank ``r`` is ``r`` followed by its
         actions in order, written as ``<kind><stage>.<microbatch>`` (``F0.1`` is the forward of
-        stage 0 on microbatch 1), with empty cells padding rows shorter than the longest.
-        Stage ownership and the counts are implied by the actions, so
+        stage 0 on microbatch 1), an overlapped pair as one cell ``F0.2+B3.0``, with empty cells
+        padding rows shorter than the longest. Stage ownership and the counts are implied by the
+        actions, so
         ``Schedule.from_csv(s.to_csv(), name=s.name) == s`` for every valid schedule.
 
         Example:
@@ -207,14 +232,28 @@ class Schedule:
             0,F0.0,F0.1,B0.0,B0.1
             1,F1.0,F1.1,B1.0,B1.1
         """
-        length = max((len(row) for row in self.actions), default=0)
+        rows = [self._cells(rank) for rank in range(len(self.actions))]
+        length = max((len(row) for row in rows), default=0)
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
         writer.writerow(["rank", *range(length)])
-        for rank, row in enumerate(self.actions):
-            cells = [str(action) for action in row]
+        for rank, cells in enumerate(rows):
             writer.writerow([rank, *cells, *[""] * (length - len(cells))])
         return buffer.getvalue()
+
+    def _cells(self, rank: int) -> list[str]:
+        """Rank ``rank``'s actions as CSV cells, an overlapped pair as one ``A+B`` cell."""
+        row, starts = self.actions[rank], set(self.overlapped[rank])
+        cells: list[str] = []
+        position = 0
+        while position < len(row):
+            if position in starts and position + 1 < len(row):
+                cells.append(f"{row[position]}+{row[position + 1]}")
+                position += 2
+            else:
+                cells.append(str(row[position]))
+                position += 1
+        return cells
 
     @classmethod
     def from_csv(cls, text: str, name: str = "custom") -> Schedule:
@@ -325,8 +364,10 @@ def _execute(schedule: Schedule, duration: Callable[[Action], float]) -> list[_T
     """Run every rank's actions strictly in order, each as soon as its inputs are done.
 
     Start times do not depend on the order in which ranks are visited: an action starts when
-    its rank's previous action and all of its dependencies have ended. Raises ValueError naming
-    the blocked actions when no rank can make progress.
+    its rank's previous action and all of its dependencies have ended. An overlapped pair
+    starts when both actions' inputs are ready, runs one action after the other, and hands on
+    its results when both have ended (one program). Raises ValueError naming the blocked
+    actions when no rank can make progress.
     """
     present = {action for row in schedule.actions for action in row}
     finish: dict[Action, float] = {}
@@ -334,20 +375,30 @@ def _execute(schedule: Schedule, duration: Callable[[Action], float]) -> list[_T
     pcs = [0] * schedule.num_ranks
     timed: list[_Timed] = []
     remaining = sum(len(row) for row in schedule.actions)
+    pair_starts = [set(row) for row in schedule.overlapped]
     while remaining:
         progressed = False
         for rank, row in enumerate(schedule.actions):
             while pcs[rank] < len(row):
-                action = row[pcs[rank]]
-                needs = _dependencies(action, schedule.num_stages, present)
+                width = 2 if pcs[rank] in pair_starts[rank] else 1
+                actions = row[pcs[rank] : pcs[rank] + width]
+                needs = [
+                    need
+                    for action in actions
+                    for need in _dependencies(action, schedule.num_stages, present)
+                ]
                 if any(need not in finish for need in needs):
                     break
                 start = max([free[rank], *(finish[need] for need in needs)])
-                end = start + duration(action)
-                finish[action] = free[rank] = end
-                timed.append(_Timed(rank, action, start, end))
-                pcs[rank] += 1
-                remaining -= 1
+                for action in actions:
+                    end = start + duration(action)
+                    timed.append(_Timed(rank, action, start, end))
+                    start = end
+                for action in actions:
+                    finish[action] = end
+                free[rank] = end
+                pcs[rank] += width
+                remaining -= width
                 progressed = True
         if not progressed:
             raise ValueError(_deadlock_message(schedule, pcs, finish, present))
@@ -361,9 +412,14 @@ def _deadlock_message(
     blocked = [r for r, row in enumerate(schedule.actions) if pcs[r] < len(row)]
 
     def waiting(rank: int) -> tuple[Action, Action]:
-        action = schedule.actions[rank][pcs[rank]]
-        needs = _dependencies(action, schedule.num_stages, present)
-        return action, next(need for need in needs if need not in finish)
+        pc, row = pcs[rank], schedule.actions[rank]
+        width = 2 if pc in schedule.overlapped[rank] else 1
+        for action in row[pc : pc + width]:
+            needs = _dependencies(action, schedule.num_stages, present)
+            missing = [need for need in needs if need not in finish]
+            if missing:
+                return action, missing[0]
+        raise AssertionError("a blocked rank waits for nothing")
 
     waits = {rank: waiting(rank) for rank in blocked}
     rank = blocked[0]
@@ -437,6 +493,7 @@ def _check_structure(schedule: Schedule) -> None:
                     f"and {index}"
                 )
             seen[action] = (rank, index)
+    _check_pairs(schedule)
     for stage in range(num_stages):
         for microbatch in range(schedule.num_microbatches):
             has = {kind: Action(kind, stage, microbatch) in seen for kind in KINDS}
@@ -458,6 +515,41 @@ def _check_structure(schedule: Schedule) -> None:
                 )
 
 
+def _check_pairs(schedule: Schedule) -> None:
+    """Each overlapped pair: two adjacent actions of one rank, of different microbatches (so
+    neither needs the other), in no other pair."""
+    if len(schedule.overlapped) != schedule.num_ranks:
+        raise ValueError(
+            f"overlapped has {len(schedule.overlapped)} rows for {schedule.num_ranks} ranks"
+        )
+    for rank, (row, starts) in enumerate(zip(schedule.actions, schedule.overlapped, strict=True)):
+        previous = None
+        for p in starts:
+            if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < len(row) - 1:
+                raise ValueError(
+                    f"overlapped pair at position {p!r} on rank {rank}: a pair starts at a "
+                    f"position in 0..{len(row) - 2} (its second action is the next one)"
+                )
+            if previous is not None and p < previous:
+                raise ValueError(
+                    f"overlapped pairs on rank {rank} are listed at positions {previous} then "
+                    f"{p}: list them in increasing order"
+                )
+            if previous is not None and p <= previous + 1:
+                raise ValueError(
+                    f"overlapped pairs at positions {previous} and {p} on rank {rank} share "
+                    f"action {row[p]}: an action belongs to at most one pair"
+                )
+            first, second = row[p], row[p + 1]
+            if first.microbatch == second.microbatch:
+                raise ValueError(
+                    f"overlapped pair {first}+{second} on rank {rank} has one microbatch: the "
+                    "two actions of a pair run as one program, so they must be independent "
+                    "(pair actions of different microbatches)"
+                )
+            previous = p
+
+
 def validate(schedule: Schedule) -> Schedule:
     """Check that ``schedule`` is complete and runs without deadlock; return it unchanged.
 
@@ -465,7 +557,8 @@ def validate(schedule: Schedule) -> Schedule:
     on the rank owning the stage. Then each rank runs its actions strictly in order, and an
     action waits for its inputs: F(s, m) for F(s-1, m); B or I(s, m) for F(s, m) and for B or
     I(s+1, m); W(s, m) for I(s, m). If no rank can progress, the ValueError names the first
-    blocked action of the lowest blocked rank and what it waits for.
+    blocked action of the lowest blocked rank and what it waits for. An overlapped pair must be
+    two adjacent actions of different microbatches, in no other pair.
 
     Example:
         >>> from mmnnx.mpmd.schedules import Action, Schedule, validate
@@ -512,8 +605,9 @@ def simulate(
     costs are divided by ``v``. Ints or ``fractions.Fraction`` costs give exact results.
 
     ``action_costs`` maps ``(kind, stage)`` to a cost and replaces the three per-kind costs:
-    feed it the durations a step's ``timeline()`` measured to predict that step's time under
-    this or another schedule (``benchmarks/pipeline.py`` compares the two).
+    feed it the durations a step's ``timeline()`` measured (:func:`measured_costs`) to predict
+    that step's time under this or another schedule (``benchmarks/pipeline.py`` compares the
+    two).
 
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate, zero_bubble_h1
@@ -570,6 +664,31 @@ def _result(schedule: Schedule, timed: list) -> SimulationResult:
         events=events,
         rank_idle=idle,
     )
+
+
+def measured_costs(events: Iterable[Any]) -> dict[tuple[str, int], float]:
+    """The median duration of each ``(kind, stage)`` among timed events (a step's
+    ``timeline()``), as :func:`simulate`'s ``action_costs`` takes them.
+
+    The two actions of an overlapped pair run as one program, so a timeline times them together
+    (events with ``fused=True`` share one span): each takes its duration measured apart where
+    the events have some, else half the pair's span.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import Event, measured_costs
+        >>> measured_costs([Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "F", 0, 1, 1.0, 4.0),
+        ...                 Event(0, "F", 0, 2, 4.0, 6.0)])
+        {('F', 0): 2.0}
+    """
+    apart: dict[tuple[str, int], list[float]] = {}
+    paired: dict[tuple[str, int], list[float]] = {}
+    for e in events:
+        into = paired if getattr(e, "fused", False) else apart
+        into.setdefault((e.kind, e.stage), []).append(e.end - e.start)
+    out = {key: statistics.median(values) for key, values in apart.items()}
+    for key, spans in paired.items():
+        out.setdefault(key, statistics.median(spans) / 2)
+    return out
 
 
 def _check_counts(num_stages: int, num_microbatches: int) -> None:
@@ -789,15 +908,17 @@ def custom(
     """Build and validate a schedule from one list of actions per rank.
 
     Actions may be :class:`Action` objects, short strings such as ``"F0.1"``, or
-    ``(kind, stage, microbatch)`` tuples. Each stage is owned by the rank whose row holds its
-    actions; ``num_stages`` and ``num_microbatches`` default to one more than the largest
-    index used.
+    ``(kind, stage, microbatch)`` tuples; an overlapped pair (see :class:`Schedule`) is one
+    entry ``"F0.2+B3.0"``. Each stage is owned by the rank whose row holds its actions;
+    ``num_stages`` and ``num_microbatches`` default to one more than the largest index used.
 
     Example:
         >>> from mmnnx.mpmd.schedules import custom
         >>> schedule = custom([["F0.0", "F0.1", "B0.0", "B0.1"], ["F1.0", "B1.0", "F1.1", "B1.1"]])
         >>> schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
         (2, 2, (0, 1))
+        >>> custom([["F0.0", "F0.1+B0.0", "B0.1"]]).overlapped
+        ((1,),)
         >>> custom([["F0.0", "I0.0"]])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -806,18 +927,30 @@ def custom(
     if not table:
         raise ValueError("a schedule table needs at least one rank (row)")
     rows: list[list[Action]] = []
+    overlapped: list[list[int]] = []
     for rank, entries in enumerate(table):
         if isinstance(entries, str):
             raise ValueError(f"row {rank} of the table is a string; give a list of actions")
-        row = []
+        row: list[Action] = []
+        pairs: list[int] = []
         for entry in entries:
             if isinstance(entry, Action):
                 row.append(entry)
+            elif isinstance(entry, str) and "+" in entry:
+                parts = entry.split("+")
+                if len(parts) != 2:
+                    raise ValueError(
+                        f"cannot read {entry!r} on rank {rank}: an overlapped pair is two "
+                        "actions joined by '+', e.g. 'F0.2+B3.0'"
+                    )
+                pairs.append(len(row))
+                row += [Action.parse(part) for part in parts]
             elif isinstance(entry, str):
                 row.append(Action.parse(entry))
             else:
                 row.append(Action(*entry))
         rows.append(row)
+        overlapped.append(pairs)
     actions = [action for row in rows for action in row]
     if not actions:
         raise ValueError("a schedule table needs at least one action")
@@ -839,7 +972,9 @@ def custom(
         if stage not in owners:
             raise ValueError(f"missing action F{stage}.0: stage {stage} has no actions on any rank")
     stage_to_rank = tuple(owners[stage][0] for stage in range(num_stages))
-    return validate(Schedule(name, num_stages, num_microbatches, len(rows), stage_to_rank, rows))
+    return validate(
+        Schedule(name, num_stages, num_microbatches, len(rows), stage_to_rank, rows, overlapped)
+    )
 
 
 class CostsNotUsed(ValueError):

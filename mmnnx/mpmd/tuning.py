@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -208,10 +207,7 @@ def tune(
             events = run.timeline(*args, **kwargs)
         finally:
             _nnx.set_values(variables, before)
-        durations: dict[tuple[str, int], list[float]] = {}
-        for e in events:
-            durations.setdefault((e.kind, e.stage), []).append(e.end - e.start)
-        return {key: statistics.median(values) for key, values in durations.items()}
+        return sched.measured_costs(events)
 
     cost = measure(step)
     try:

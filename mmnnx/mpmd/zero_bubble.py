@@ -282,7 +282,7 @@ def _rank_peaks(schedule: _s.Schedule) -> list[int]:
     return peaks
 
 
-def dualpipe_v(num_ranks: int, num_microbatches: int) -> _s.Schedule:
+def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) -> _s.Schedule:
     """DualPipeV (DeepSeek's DualPipe cut in half): the V placement of :func:`zero_bubble_v` run
     in DualPipeV's eight phases.
 
@@ -294,9 +294,14 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> _s.Schedule:
     chunk-0 backward); ``R - r - 1`` rounds of a chunk-1 backward and an overlapped chunk-1
     forward / chunk-0 backward; ``r + 1`` rounds of both chunks' backwards, split into input and
     weight gradients from the middle round on (for odd ranks one backward earlier); and the
-    deferred weight passes to finish. An overlapped pair is the two actions side by side, the
-    forward first: the runtime dispatches them back to back, so one's transfers run under the
-    other's compute. Needs ``M >= 2R``.
+    deferred weight passes to finish. Needs ``M >= 2R``.
+
+    An overlapped pair is its forward and backward side by side, the forward first. By default
+    the runtime dispatches them back to back as two programs, so one's transfers run under the
+    other's compute. With ``fuse_pairs=True`` they are the schedule's ``overlapped`` pairs and
+    each runs as one compiled program (the last rank runs its first main-phase pair apart, as
+    DeepSeek's does); a fused pair starts only when both its inputs have arrived.
+    ``benchmarks/pipeline.py`` measures the two: on its CPU stages, two programs are faster.
 
     Example:
         >>> from mmnnx.mpmd.schedules import dualpipe_v
@@ -310,18 +315,31 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> _s.Schedule:
             f"dualpipev needs at least twice as many microbatches as ranks ({2 * num_ranks}), "
             f"got {num_microbatches}: use num_microbatches >= {2 * num_ranks}"
         )
-    rows = [_dualpipe_v_row(rank, num_ranks, num_microbatches) for rank in range(num_ranks)]
-    stage_to_rank = _v_stage_to_rank(num_ranks)
-    return _s.validate(
-        _s.Schedule("dualpipev", 2 * num_ranks, num_microbatches, num_ranks, stage_to_rank, rows)
+    rows, pairs = zip(
+        *(_dualpipe_v_row(rank, num_ranks, num_microbatches) for rank in range(num_ranks)),
+        strict=True,
     )
+    stage_to_rank = _v_stage_to_rank(num_ranks)
+    schedule = _s.Schedule(
+        "dualpipev",
+        2 * num_ranks,
+        num_microbatches,
+        num_ranks,
+        stage_to_rank,
+        rows,
+        pairs if fuse_pairs else (),
+    )
+    return _s.validate(schedule)
 
 
-def _dualpipe_v_row(rank: int, num_ranks: int, num_microbatches: int) -> list[_s.Action]:
+def _dualpipe_v_row(
+    rank: int, num_ranks: int, num_microbatches: int
+) -> tuple[list[_s.Action], list[int]]:
     stages = v_stages(rank, num_ranks)
     next_forward, next_backward = [0, 0], [0, 0]
     weights: list[_s.Action] = []  # deferred W passes, oldest first
     row: list[_s.Action] = []
+    pairs: list[int] = []  # positions of overlapped pairs' forwards
 
     def forward(chunk: int) -> None:
         row.append(_s.Action("F", stages[chunk], next_forward[chunk]))
@@ -349,13 +367,17 @@ def _dualpipe_v_row(rank: int, num_ranks: int, num_microbatches: int) -> list[_s
         backward(1, split=True)
         weight()
         forward(1)
-    for _ in range(M - 2 * R + r + 1):  # 4: the main phase, two overlapped pairs
+    for i in range(M - 2 * R + r + 1):  # 4: the main phase, two overlapped pairs
+        if i > 0 or r < R - 1:  # the last rank's first pair runs apart (as DeepSeek's does)
+            pairs.append(len(row))
         forward(0)
         backward(1)
+        pairs.append(len(row))
         forward(1)
         backward(0)
     for _ in range(R - r - 1):  # 5: a chunk-1 backward, then an overlapped pair
         backward(1)
+        pairs.append(len(row))
         forward(1)
         backward(0)
     split = False
@@ -371,4 +393,4 @@ def _dualpipe_v_row(rank: int, num_ranks: int, num_microbatches: int) -> list[_s
         backward(0, split=True)
     while weights:  # 8: the remaining weight passes
         weight()
-    return row
+    return row, pairs
