@@ -146,9 +146,11 @@ def test_plan_compiles_nothing_and_shows_each_tasks_program(tasks, batch, monkey
     from mmnnx.mpmd import runner
 
     compiled = []
-    real = runner.compile_fragment
+    real = runner.compile_fragments
     monkeypatch.setattr(
-        runner, "compile_fragment", lambda *a: compiled.append(a[1].fragment.name) or real(*a)
+        runner,
+        "compile_fragments",
+        lambda *a: compiled.extend(run.fragment.name for run in a[1]) or real(*a),
     )
     model, opt, ref, ref_opt = placed_and_reference(tasks, optax.sgd(0.1))
     step = mm.jit(train_step)

@@ -99,20 +99,14 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
     return _Part(body, list(in_shardings), out_shardings, donate, avals, explicit)
 
 
-def compile_fragment(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> Any:
-    """Compiles the program of ``run``'s fragment for these input layouts; with ``run.sums``,
-    the variant that also takes the running sums of its summed outputs and returns them updated
-    (donating the old ones)."""
-    return compile_fragments(graph, [run], [in_shardings])
-
-
 def compile_fragments(
     graph: Graph, runs: Sequence[Run], in_shardings: Sequence[Sequence[Any]]
 ) -> Any:
     """Compiles the fragments of ``runs`` (on one task; the ``in_shardings`` of each) as one
     program taking their arguments one run after the other and returning their results in the
-    same order: an overlapped pair runs as one launch, and the compiler may interleave the
-    two."""
+    same order: one fragment's program, or an overlapped pair as one launch that the compiler
+    may interleave. A run with ``sums`` also takes the running sums of its summed outputs and
+    returns them updated (donating the old ones)."""
     parts = [_part(graph, run, s) for run, s in zip(runs, in_shardings, strict=True)]
     bounds = []
     start = 0
