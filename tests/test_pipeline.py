@@ -100,6 +100,9 @@ def test_schedules_match_full_batch_on_one_device(tasks, tokens, schedule, depth
     assert plan.pipeline.schedule.name == name
     assert [t.name for t in plan.pipeline.stage_tasks] == [f"t{i % 4}" for i in range(depth)]
     assert step.trace_count == 1
+    # AdamW's moment decay (b1 * mu) needs nothing from the loop: it runs in each task's update
+    # program after it, not in a program of its own before it holding its results meanwhile
+    assert not plan.pipeline.pre and all("#pre" not in f.name for f in plan.fragments)
 
 
 @pytest.mark.parametrize(

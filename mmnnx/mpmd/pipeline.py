@@ -11,7 +11,7 @@ to stage d again, since cotangents walk the stages in reverse.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
 from mmnnx.mpmd import schedules as sched
@@ -123,6 +123,7 @@ def plan_pipeline(
             post_ops.append(op)
         else:
             pre_ops.append(op)
+    pre_ops, post_ops = _sink_to_post(graph, pre_ops, post_ops, region_ids, special)
 
     # Index arithmetic, the slicing of unplaced inputs (the batch) by the microbatch index, and
     # side inputs built from them and constants (masks, positions) are recomputed in every
@@ -207,6 +208,44 @@ def _dispatch_order(schedule: sched.Schedule) -> list[tuple[sched.Action, sched.
         if action not in seconds:
             out.append((action, second_of.get(action)))
     return out
+
+
+def _sink_to_post(
+    graph: Graph,
+    pre_ops: list[Op],
+    post_ops: list[Op],
+    region_ids: set[int],
+    special: Callable[[Op], bool],
+) -> tuple[list[Op], list[Op]]:
+    """Moves the ops that need nothing from the microbatch loop and that the loop does not need
+    either (an optimizer's moment decay ``b1 * mu``) after it: run before the loop, each would
+    make a program of its own per task and hold its results for the whole loop. Ops that may
+    fail or have effects stay where the step put them."""
+    producer = {v: op for op in graph.ops for v in op.outs}
+    needed: set[int] = set()
+    stack = [
+        a
+        for op in graph.ops
+        if op.index in region_ids or special(op)
+        for a in op.ins
+        if isinstance(a, int)
+    ]
+    while stack:
+        op = producer.get(stack.pop())
+        if op is None or op.index in needed or op.index in region_ids or special(op):
+            continue
+        needed.add(op.index)
+        stack += [a for a in op.ins if isinstance(a, int)]
+    sunk = {
+        op.index
+        for op in pre_ops
+        if op.index not in needed and not op.effectful and not op.may_fail
+    }
+    if not sunk:
+        return pre_ops, post_ops
+    keep = [op for op in pre_ops if op.index not in sunk]
+    after = sorted([*post_ops, *(op for op in pre_ops if op.index in sunk)], key=lambda o: o.index)
+    return keep, after
 
 
 def _stage_constants(graph: Graph, pre_ops: list[Op], region_ids: set[int]) -> list[Op]:
