@@ -267,7 +267,8 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
     groups: dict[Task | None, list[Any]] = {}
     for a in assignments:
         groups.setdefault(a.task, []).append(a)
-    leftovers = [p for p, _ in variables_of(abstract) if p not in placed]
+    by_path = dict(variables_of(abstract))
+    leftovers = [p for p in by_path if p not in placed]
     if leftovers:
         groups[None] = leftovers
     position = {p: i for i, p in enumerate(order)}
@@ -292,7 +293,6 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
         else:
             here += [(a.path, a.sharding, a) for a in group]
     values = _build_here(traced, [position[p] for p, _, _ in here], [s for _, s, _ in here])
-    by_path = dict(variables_of(abstract))
     for (p, _, a), value in zip(here, values, strict=True):
         if a is not None:
             _commit([a], [value])
