@@ -12,17 +12,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx.mpmd import _jax
 from mmnnx.mpmd._jax import constraint_layouts, run_ops
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower import compatible, constraint_layout
+from mmnnx.mpmd.packing import Packed, no_packing, plan_packing
 from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
 
@@ -61,19 +64,43 @@ class _Part:
     explicit: Any
 
 
-def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
+def _part(
+    graph: Graph,
+    run: Run,
+    in_shardings: Sequence[Any],
+    unpack: tuple | None = None,
+    packs: Sequence[Packed] = (),
+    packed_args: dict[int, Packed] | None = None,
+) -> _Part:
+    """``run``'s share of a program. ``unpack``: where each of the fragment's inputs is among
+    the arguments (see :meth:`Packing.inputs`), with ``packed_args`` the packed buffers among
+    them; ``packs``: the results it returns concatenated, one buffer each."""
     frag = run.fragment
-    n = len(frag.in_ids)
+    n = len(frag.in_ids) if unpack is None else 1 + max(k for k, _, _ in unpack)
     total_shardings = list(in_shardings[n:])
     summed = run.summed
-    returned = [i for i, s in enumerate(run.outs) if s is not None]
+    in_packs = {p for packed in packs for p in packed.positions}
+    returned = [i for i, s in enumerate(run.outs) if s is not None and i not in in_packs]
+
+    def inputs(args: Sequence[Any]) -> list:
+        if unpack is None:
+            return list(args[:n])
+        return [
+            args[k] if at is None else args[k][at : at + math.prod(shape)].reshape(shape)
+            for k, at, shape in unpack
+        ]
 
     def body(*args):
-        outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, args[:n])
+        outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, inputs(args))
         totals = [total + outs[i] for total, i in zip(args[n:], summed, strict=True)]
-        return [*(outs[i] for i in returned), *totals]
+        flat = [jnp.concatenate([jnp.ravel(outs[p]) for p in pk.positions]) for pk in packs]
+        return [*(outs[i] for i in returned), *flat, *totals]
 
-    out_shardings = [*(run.out_shardings[i] for i in returned), *total_shardings]
+    out_shardings = [
+        *(run.out_shardings[i] for i in returned),
+        *(frag.task.sharding() for _ in packs),
+        *total_shardings,
+    ]
     explicit = None
     if graph.specs:  # traced with sharding in types: every program keeps the types
         explicit = _jax.explicit_twin(frag.task.jax_mesh)
@@ -85,10 +112,25 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
         in_shardings += [typed(frag.out_ids[i]) for i in summed]
         total_shardings = list(in_shardings[n:])
         out_shardings = [typed(frag.out_ids[i]) for i in returned] + total_shardings
-    avals = [
-        jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
-        for v, s in zip(frag.in_ids, in_shardings[:n], strict=True)
-    ]
+    if unpack is None:
+        avals = [
+            jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
+            for v, s in zip(frag.in_ids, in_shardings[:n], strict=True)
+        ]
+    else:
+        first = {}
+        for j, (k, _, _) in enumerate(unpack):
+            first.setdefault(k, j)
+        avals = [
+            jax.ShapeDtypeStruct((pk.size,), pk.dtype, sharding=in_shardings[k])
+            if (pk := (packed_args or {}).get(k)) is not None
+            else jax.ShapeDtypeStruct(
+                graph.shapes[frag.in_ids[first[k]]],
+                graph.dtypes[frag.in_ids[first[k]]],
+                sharding=in_shardings[k],
+            )
+            for k in range(n)
+        ]
     avals += [
         jax.ShapeDtypeStruct(
             graph.shapes[frag.out_ids[i]], graph.dtypes[frag.out_ids[i]], sharding=s
@@ -100,14 +142,21 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
 
 
 def compile_fragments(
-    graph: Graph, runs: Sequence[Run], in_shardings: Sequence[Sequence[Any]]
+    graph: Graph,
+    runs: Sequence[Run],
+    in_shardings: Sequence[Sequence[Any]],
+    packing: Sequence[tuple] = (),
 ) -> Any:
     """Compiles the fragments of ``runs`` (on one task; the ``in_shardings`` of each) as one
     program taking their arguments one run after the other and returning their results in the
     same order: one fragment's program, or an overlapped pair as one launch that the compiler
     may interleave. A run with ``sums`` also takes the running sums of its summed outputs and
-    returns them updated (donating the old ones)."""
-    parts = [_part(graph, run, s) for run, s in zip(runs, in_shardings, strict=True)]
+    returns them updated (donating the old ones). ``packing``: per run, ``(unpack, packs,
+    packed_args)`` for :func:`_part` (its results and arguments packed into flat buffers)."""
+    packing = packing or [(None, (), None)] * len(runs)
+    parts = [
+        _part(graph, run, s, *how) for run, s, how in zip(runs, in_shardings, packing, strict=True)
+    ]
     bounds = []
     start = 0
     for part in parts:
@@ -235,7 +284,9 @@ class Executable:
             return
         program = self.program
         local = _LocalView.make(self)
-        sharding_of = list(program.shardings)
+        packing = no_packing(program) if self.graph.specs else plan_packing(program, self.graph)
+        remaining = {p.slot: len(p.members) for p in set(packing.of_member.values())}
+        sharding_of = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]
         compiled_of: dict[tuple, Any] = {}
         resolved: dict[tuple, Any] = {}
         steps: list[list] = []
@@ -250,25 +301,47 @@ class Executable:
                     local.skipped(action, sharding_of)
                     continue
                 runs = [local.without_sent_donations(action)]
+                indices = [position - 1]
                 later: list[int] = []  # released between a fused pair's two runs
                 while runs[-1].fused:
                     while isinstance(actions[position], Release):
-                        later += actions[position].slots
+                        later += packing.released(actions[position].slots, remaining)
                         position += 1
                     runs.append(local.without_sent_donations(actions[position]))
+                    indices.append(position)
                     position += 1
-                ins = [s for run in runs for s in (*run.ins, *run.sums)]
-                key = tuple((*run.variant, run.donate) for run in runs)
+                how, ins, outs = [], [], []
+                for run, index in zip(runs, indices, strict=True):
+                    args, unpack = packing.inputs(run)
+                    packs = packing.by_run.get(index, ())
+                    packed_args = {
+                        k: packing.of_member[run.ins[j]]
+                        for j, (k, at, _) in enumerate(unpack or ())
+                        if at is not None
+                    }
+                    how.append((unpack, packs, packed_args))
+                    ins += [*args, *run.sums]
+                    in_packs = {p for pk in packs for p in pk.positions}
+                    outs += [
+                        s for p, s in enumerate(run.outs) if s is not None and p not in in_packs
+                    ]
+                    outs += [pk.slot for pk in packs]
+                    outs += run.sums
+                key = tuple(
+                    (*run.variant, run.donate, unpack, tuple(pk.positions for pk in packs))
+                    for run, (unpack, packs, _) in zip(runs, how, strict=True)
+                )
                 compiled = compiled_of.get(key)
                 if compiled is None:
                     compiled = compiled_of[key] = compile_fragments(
                         self.graph,
                         runs,
-                        [[sharding_of[s] for s in (*run.ins, *run.sums)] for run in runs],
+                        [
+                            [sharding_of[s] for s in (*packing.inputs(run)[0], *run.sums)]
+                            for run in runs
+                        ],
+                        how,
                     )
-                outs = [
-                    s for run in runs for s in (*(s for s in run.outs if s is not None), *run.sums)
-                ]
                 for s, sharding in zip(outs, compiled.output_shardings, strict=True):
                     sharding_of[s] = sharding
                 local.made(outs, runs[0].task)
@@ -304,7 +377,7 @@ class Executable:
                     constants.append((action.slot, value))
                     local.made([action.slot], action.task)
             elif isinstance(action, Release) and steps:  # dropped after the previous step
-                steps[-1][-1] = (*steps[-1][-1], *action.slots)
+                steps[-1][-1] = (*steps[-1][-1], *packing.released(action.slots, remaining))
             elif not isinstance(action, Send | Release):  # a Send is its Recv's transfer here
                 raise TypeError(f"unknown action {action!r}")
         self.plan.transfers[:] = [
@@ -328,7 +401,15 @@ class Executable:
             if slot is not None and (layout := local.output_layout(slot, sharding_of)) is not None
         ]
         self._inputs = program.inputs
-        self._region_slots = program.activations
+        self._region_slots = {
+            **program.activations,
+            **{
+                pk.slot: program.activations[pk.members[0][0]]
+                for pk in set(packing.of_member.values())
+                if pk.members[0][0] in program.activations
+            },
+        }
+        self._num_slots = packing.num_slots
         self._steps = [tuple(s) for s in steps]
 
     def __call__(
@@ -339,7 +420,7 @@ class Executable:
         per-microbatch bytes and microbatch count (``{task: (bytes, microbatches)}``)."""
         if self._steps is None:
             self.compile()
-        env: list[Any] = [None] * self.program.num_slots
+        env: list[Any] = [None] * self._num_slots
         for slot, i in self._inputs:
             env[slot] = leaves[i]
         for slot, value in self._constants:

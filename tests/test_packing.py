@@ -1,0 +1,94 @@
+"""Residual packing: on one-device tasks a forward returns the values only its task's later
+programs read as one flat buffer per dtype; the step's results and memory profile are those of
+the same model on one device."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from mmnnx.models import GPT, GPTConfig, stage_rules
+from mmnnx.mpmd.packing import plan_packing
+from mmnnx.mpmd.program import Run
+from tests.oracle import close, params_close
+
+CONFIG = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16)
+
+
+def gpt():
+    with nnx.use_eager_sharding(False):
+        return GPT(CONFIG, rngs=nnx.Rngs(0))
+
+
+def train(schedule):
+    def step(model, opt, tokens):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(lambda m, t: m.loss(t)), num=4, reduce="mean", schedule=schedule
+        )
+        loss, grads = grad_fn(model, tokens)
+        opt.update(model, grads)
+        return loss
+
+    return step
+
+
+def reference(model, opt, tokens):
+    loss, grads = nnx.value_and_grad(lambda m, t: m.loss(t))(model, tokens)
+    opt.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+def test_packed_residuals_train_like_one_device(schedule):
+    tokens = jax.random.randint(jax.random.key(0), (16, CONFIG.max_seq_len + 1), 0, 64)
+    tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(4)]
+    model, ref = gpt(), gpt()
+    mm.place(model, stage_rules(model, tasks, report=False))
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+    _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(gpt(), tokens)
+    step = mm.jit(train(schedule))
+    for _ in range(3):
+        close(step(model, opt, tokens), reference(ref, ref_opt, tokens))
+    params_close(model, ref, ref_grads, steps=3, lr=3e-3)
+
+    (executable, _), *_ = step._cache.values()
+    program = executable.plan.program
+    packing = plan_packing(program, executable.graph)
+    forwards = [
+        (i, a)
+        for i, a in enumerate(program.actions)
+        if isinstance(a, Run) and a.label is not None and a.label[1] == "F"
+    ]
+    assert forwards and all(i in packing.by_run for i, _ in forwards)
+    for i, run in forwards:
+        for packed in packing.by_run[i]:
+            assert len(packed.members) >= 2
+            readers = [
+                a for a in program.actions if isinstance(a, Run) and packed.members[0][0] in a.ins
+            ]
+            # read by the backward programs of the same stage and microbatch only
+            assert readers and all(
+                r.task == run.task and r.microbatch == run.microbatch and r.label[1] in "BIW"
+                for r in readers
+            )
+    # the packed buffers count as the microbatch's activations, as their members did
+    memory = step.memory_profile(model, opt, tokens)
+    activation_bytes = {
+        task.name: max(
+            sum(
+                np.dtype(executable.graph.dtypes[v]).itemsize
+                * int(np.prod(executable.graph.shapes[v]))
+                for a in program.actions
+                if isinstance(a, Run) and a.task == task and a.microbatch == 0
+                for v, s in zip(a.fragment.out_ids, a.outs, strict=True)
+                if s in packing.of_member
+            ),
+            1,
+        )
+        for task in tasks
+    }
+    for task in tasks:
+        assert memory[task.name][0] >= activation_bytes[task.name]
