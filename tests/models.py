@@ -144,3 +144,18 @@ def placed_gpt(tasks: list[mm.Task], depth: int = 4) -> "TinyGPT":
         rules = [(f"blocks/{i}/", tasks[i % 4]) for i in range(depth)]
         rules += [("^embed/", tasks[0]), ("^norm/|^head/", tasks[3])]
     return mm.place(tiny_gpt(depth), rules)
+
+
+def gpt_step(schedule: str):
+    """A train step of a model with a ``loss(tokens)`` method: 4 microbatches under
+    ``schedule``, mean loss, the optimizer updated."""
+
+    def step(model, opt, tokens):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(lambda m, t: m.loss(t)), num=4, reduce="mean", schedule=schedule
+        )
+        loss, grads = grad_fn(model, tokens)
+        opt.update(model, grads)
+        return loss
+
+    return step

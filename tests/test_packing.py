@@ -12,6 +12,7 @@ import mmnnx as mm
 from mmnnx.models import GPT, GPTConfig, stage_rules
 from mmnnx.mpmd.packing import plan_packing
 from mmnnx.mpmd.program import Run
+from tests.models import gpt_step
 from tests.oracle import close, params_close
 
 CONFIG = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16)
@@ -20,18 +21,6 @@ CONFIG = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16)
 def gpt():
     with nnx.use_eager_sharding(False):
         return GPT(CONFIG, rngs=nnx.Rngs(0))
-
-
-def train(schedule):
-    def step(model, opt, tokens):
-        grad_fn = mm.microbatch(
-            nnx.value_and_grad(lambda m, t: m.loss(t)), num=4, reduce="mean", schedule=schedule
-        )
-        loss, grads = grad_fn(model, tokens)
-        opt.update(model, grads)
-        return loss
-
-    return step
 
 
 def reference(model, opt, tokens):
@@ -49,7 +38,7 @@ def test_packed_residuals_train_like_one_device(schedule):
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
     ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
     _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(gpt(), tokens)
-    step = mm.jit(train(schedule))
+    step = mm.jit(gpt_step(schedule))
     for _ in range(3):
         close(step(model, opt, tokens), reference(ref, ref_opt, tokens))
     params_close(model, ref, ref_grads, steps=3, lr=3e-3)

@@ -12,6 +12,7 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx.models import GPT, GPTConfig, stage_rules
+from tests.models import gpt_step
 from tests.oracle import close, params_close
 from tests.test_flax_examples import CNN
 
@@ -123,18 +124,6 @@ def test_programs_do_not_grow_with_the_microbatch_count():
         summing = [a for a in plan.program.actions if isinstance(a, mm.mpmd.Run) and a.sums]
         assert summing and all(None in a.outs for a in summing)  # gradients: the sums alone
     assert len(programs) == 1
-
-
-def gpt_step(schedule: str):
-    def step(model, opt, tokens):
-        grad_fn = mm.microbatch(
-            nnx.value_and_grad(lambda m, t: m.loss(t)), num=4, reduce="mean", schedule=schedule
-        )
-        loss, grads = grad_fn(model, tokens)
-        opt.update(model, grads)
-        return loss
-
-    return step
 
 
 GPT_DROPOUT = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16, dropout=0.1)
