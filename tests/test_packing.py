@@ -13,7 +13,7 @@ from mmnnx.models import GPT, GPTConfig, stage_rules
 from mmnnx.mpmd.packing import plan_packing
 from mmnnx.mpmd.program import Run
 from tests.models import gpt_step
-from tests.oracle import close, params_close
+from tests.oracle import close, params_close, trees_close
 
 CONFIG = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16)
 
@@ -81,3 +81,34 @@ def test_packed_residuals_train_like_one_device(schedule):
     }
     for task in tasks:
         assert memory[task.name][0] >= activation_bytes[task.name]
+
+
+def test_fused_pairs_with_packed_residuals_on_one_device_tasks():
+    # DualPipeV with its overlapped pairs fused, on a V over two one-device tasks: a fused
+    # program both reads packed residuals and returns packed ones
+    tokens = jax.random.randint(jax.random.key(1), (16, CONFIG.max_seq_len + 1), 0, 64)
+    tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
+    model, ref = gpt(), gpt()
+    mm.place(model, stage_rules(model, tasks, virtual_stages=2, order="v", report=False))
+    schedule = mm.schedules.dualpipe_v(2, 4, fuse_pairs=True)
+
+    def grads_of(model, tokens):
+        return mm.microbatch(
+            nnx.value_and_grad(lambda m, t: m.loss(t)),
+            num=4,
+            reduce="mean",
+            schedule=schedule,
+            virtual_stages=2,
+        )(model, tokens)
+
+    step = mm.jit(grads_of)
+    loss, grads = step(model, tokens)
+    ref_loss, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(ref, tokens)
+    close(loss, ref_loss)
+    trees_close(grads, ref_grads)
+    (executable, _), *_ = step._cache.values()
+    program = executable.plan.program
+    packing = plan_packing(program, executable.graph)
+    fused = [i for i, a in enumerate(program.actions) if isinstance(a, Run) and a.fused]
+    assert fused and packing.by_run
+    assert any(i in packing.by_run or i + 1 in packing.by_run for i in fused)
