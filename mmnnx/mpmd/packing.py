@@ -44,14 +44,21 @@ class Packing:
     of_member: dict[int, Packed]
     num_slots: int
 
-    def inputs(self, run: Run) -> tuple[list[int], tuple | None]:
-        """The slots ``run`` reads (a packed buffer once for all its members), and how to find
-        each of the fragment's inputs among them: ``(argument, offset, shape)``, offset
-        ``None`` for the argument itself (``None`` when nothing is packed)."""
+    @property
+    def buffers(self) -> list[Packed]:
+        """Every packed buffer."""
+        return [packed for made in self.by_run.values() for packed in made]
+
+    def inputs(self, run: Run) -> tuple[list[int], tuple | None, dict[int, Packed]]:
+        """The slots ``run`` reads (a packed buffer once for all its members); how to find each
+        of the fragment's inputs among them, ``(argument, offset, shape)`` with offset ``None``
+        for the argument itself (``None`` when nothing is packed); and the packed buffers among
+        the arguments, by position."""
         if not any(s in self.of_member for s in run.ins):
-            return list(run.ins), None
+            return list(run.ins), None, {}
         args: list[int] = []
         where: list[tuple[int, int | None, tuple[int, ...]]] = []
+        packed_args: dict[int, Packed] = {}
         for s in run.ins:
             packed = self.of_member.get(s)
             slot = s if packed is None else packed.slot
@@ -63,7 +70,8 @@ class Packing:
             else:
                 _, offset, shape = next(m for m in packed.members if m[0] == s)
                 where.append((k, offset, shape))
-        return args, tuple(where)
+                packed_args[k] = packed
+        return args, tuple(where), packed_args
 
     def released(self, slots: Sequence[int], remaining: dict[int, int]) -> list[int]:
         """``slots`` (a Release's) with members replaced by their buffer once its last member
@@ -78,6 +86,13 @@ class Packing:
             if remaining[packed.slot] == 0:
                 out.append(packed.slot)
         return out
+
+
+def unpacked_outputs(run: Run, packs: Sequence[Packed]) -> list[int]:
+    """The positions of ``run``'s results that its program returns as they are: those it
+    returns (not only added to a sum) and does not pack into one of ``packs``."""
+    packed = {p for pk in packs for p in pk.positions}
+    return [i for i, s in enumerate(run.outs) if s is not None and i not in packed]
 
 
 def plan_packing(program: StepProgram, graph: Graph) -> Packing:

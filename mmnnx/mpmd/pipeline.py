@@ -221,7 +221,7 @@ def _sink_to_post(
     either (an optimizer's moment decay ``b1 * mu``) after it: run before the loop, each would
     make a program of its own per task and hold its results for the whole loop. Ops that may
     fail or have effects stay where the step put them."""
-    producer = {v: op for op in graph.ops for v in op.outs}
+    producer = graph.producers()
     needed: set[int] = set()
     stack = [
         a

@@ -25,7 +25,7 @@ from mmnnx.mpmd import _jax
 from mmnnx.mpmd._jax import constraint_layouts, run_ops
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower import compatible, constraint_layout
-from mmnnx.mpmd.packing import Packed, no_packing, plan_packing
+from mmnnx.mpmd.packing import Packed, no_packing, plan_packing, unpacked_outputs
 from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
 
@@ -79,8 +79,7 @@ def _part(
     n = len(frag.in_ids) if unpack is None else 1 + max(k for k, _, _ in unpack)
     total_shardings = list(in_shardings[n:])
     summed = run.summed
-    in_packs = {p for packed in packs for p in packed.positions}
-    returned = [i for i, s in enumerate(run.outs) if s is not None and i not in in_packs]
+    returned = unpacked_outputs(run, packs)
 
     def inputs(args: Sequence[Any]) -> list:
         if unpack is None:
@@ -153,7 +152,7 @@ def compile_fragments(
     may interleave. A run with ``sums`` also takes the running sums of its summed outputs and
     returns them updated (donating the old ones). ``packing``: per run, ``(unpack, packs,
     packed_args)`` for :func:`_part` (its results and arguments packed into flat buffers)."""
-    packing = packing or [(None, (), None)] * len(runs)
+    packing = packing or [(None, (), {})] * len(runs)
     parts = [
         _part(graph, run, s, *how) for run, s, how in zip(runs, in_shardings, packing, strict=True)
     ]
@@ -285,7 +284,7 @@ class Executable:
         program = self.program
         local = _LocalView.make(self)
         packing = no_packing(program) if self.graph.specs else plan_packing(program, self.graph)
-        remaining = {p.slot: len(p.members) for p in set(packing.of_member.values())}
+        remaining = {p.slot: len(p.members) for p in packing.buffers}
         sharding_of = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]
         compiled_of: dict[tuple, Any] = {}
         resolved: dict[tuple, Any] = {}
@@ -310,21 +309,14 @@ class Executable:
                     runs.append(local.without_sent_donations(actions[position]))
                     indices.append(position)
                     position += 1
-                how, ins, outs = [], [], []
+                how, reads, ins, outs = [], [], [], []
                 for run, index in zip(runs, indices, strict=True):
-                    args, unpack = packing.inputs(run)
+                    args, unpack, packed_args = packing.inputs(run)
                     packs = packing.by_run.get(index, ())
-                    packed_args = {
-                        k: packing.of_member[run.ins[j]]
-                        for j, (k, at, _) in enumerate(unpack or ())
-                        if at is not None
-                    }
                     how.append((unpack, packs, packed_args))
-                    ins += [*args, *run.sums]
-                    in_packs = {p for pk in packs for p in pk.positions}
-                    outs += [
-                        s for p, s in enumerate(run.outs) if s is not None and p not in in_packs
-                    ]
+                    reads.append([*args, *run.sums])
+                    ins += reads[-1]
+                    outs += [run.outs[p] for p in unpacked_outputs(run, packs)]
                     outs += [pk.slot for pk in packs]
                     outs += run.sums
                 key = tuple(
@@ -336,10 +328,7 @@ class Executable:
                     compiled = compiled_of[key] = compile_fragments(
                         self.graph,
                         runs,
-                        [
-                            [sharding_of[s] for s in (*packing.inputs(run)[0], *run.sums)]
-                            for run in runs
-                        ],
+                        [[sharding_of[s] for s in slots] for slots in reads],
                         how,
                     )
                 for s, sharding in zip(outs, compiled.output_shardings, strict=True):
@@ -405,7 +394,7 @@ class Executable:
             **program.activations,
             **{
                 pk.slot: program.activations[pk.members[0][0]]
-                for pk in set(packing.of_member.values())
+                for pk in packing.buffers
                 if pk.members[0][0] in program.activations
             },
         }
