@@ -430,3 +430,34 @@ def test_split_backward_keeps_values_a_task_s_other_stage_reads_on_the_critical_
     ref_value, ref_grads = nnx.value_and_grad(loss)(_Quarters(), x)
     close(value, ref_value)
     trees_close(grads, ref_grads)
+
+
+def test_each_stage_boundary_carries_one_activation_and_one_cotangent():
+    """The library GPT's blocks begin with an RMSNorm whose parameter-free part (mean square,
+    rsqrt, the division) reads only the previous stage's output: it runs on the next stage,
+    so one activation crosses each boundary forward and one cotangent back, not the norm's
+    intermediates (which once tripled the bytes sent)."""
+    from mmnnx.models import GPT, GPTConfig, stage_rules  # noqa: PLC0415
+
+    config = GPTConfig(vocab_size=32, dim=16, depth=4, num_heads=2, max_seq_len=8)
+    with nnx.use_eager_sharding(False):
+        model, ref = GPT(config, rngs=nnx.Rngs(0)), GPT(config, rngs=nnx.Rngs(0))
+    stages = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(4)]
+    model = mm.place(model, stage_rules(model, stages, report=False))
+    tokens = jax.random.randint(jax.random.key(0), (M, 9), 0, 32)
+    step = mm.jit(mm.microbatch(nnx.value_and_grad(loss_fn), num=4, reduce="mean"))
+    (loss, grads), (ref_loss, ref_grads) = (
+        step(model, tokens),
+        nnx.value_and_grad(loss_fn)(ref, tokens),
+    )
+    close(loss, ref_loss)
+    trees_close(grads, ref_grads)
+    between = sorted(
+        (t.source.name, t.target.name, tuple(t.shape))
+        for t in step.plan(model, tokens).transfers
+        if t.source is not None and t.shape
+    )
+    activation = (M // 4, 8, 16)
+    forward = [(f"s{i}", f"s{i + 1}", activation) for i in range(3)]
+    backward = [(f"s{i + 1}", f"s{i}", activation) for i in range(3)]
+    assert between == sorted(forward + backward)

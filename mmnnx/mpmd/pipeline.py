@@ -299,11 +299,15 @@ def follow_the_flow(
     updates = after_backward(graph)
     movable = [op for op in region if op.index not in pinned and op.index not in updates]
     for _ in range(len(region)):  # forward: by cross-task depth
+        # a stage's parameter reshapes sit at its own depth, not at 0, lest every stage seem
+        # to start first and pull the ops after each cut back onto the stage before
         level = levels(graph, region, op_tasks, inputs_movable=False)
+        joined, late = join_consumers(graph, region, op_tasks, level)
         first_level: dict[Task, int] = {}
         for op in region:
-            task = op_tasks[op.index]
-            first_level[task] = min(first_level.get(task, level[op.index]), level[op.index])
+            if not op.backward and op.index not in late:
+                task = op_tasks[op.index]
+                first_level[task] = min(first_level.get(task, joined[op.index]), joined[op.index])
         moved = False
         for op in movable:
             inputs = [producer[a] for a in op.ins if isinstance(a, int) and a in producer]
