@@ -71,21 +71,15 @@ def _part(
     unpack: tuple | None = None,
     packs: Sequence[Packed] = (),
     packed_args: dict[int, Packed] | None = None,
-    groups: tuple[tuple[int, ...], ...] | None = None,
 ) -> _Part:
     """``run``'s share of a program. ``unpack``: where each of the fragment's inputs is among
     the arguments (see :meth:`Packing.inputs`), with ``packed_args`` the packed buffers among
-    them; ``packs``: the results it returns concatenated, one buffer each; ``groups``: the
-    results added to each running sum it takes (see :meth:`Packing.sums`), several for a flat
-    bucket (by default each summed result to a sum of its own)."""
+    them; ``packs``: the results it returns concatenated, one buffer each."""
     frag = run.fragment
     n = len(frag.in_ids) if unpack is None else 1 + max(k for k, _, _ in unpack)
     total_shardings = list(in_shardings[n:])
-    groups = tuple((i,) for i in run.summed) if groups is None else groups
+    summed = run.summed
     returned = unpacked_outputs(run, packs)
-
-    def flat(outs: list, positions: Sequence[int]) -> Any:
-        return jnp.concatenate([jnp.ravel(outs[p]) for p in positions])
 
     def inputs(args: Sequence[Any]) -> list:
         if unpack is None:
@@ -97,12 +91,9 @@ def _part(
 
     def body(*args):
         outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, inputs(args))
-        totals = [
-            total + (outs[g[0]] if len(g) == 1 else flat(outs, g))
-            for total, g in zip(args[n:], groups, strict=True)
-        ]
-        packed = [flat(outs, pk.positions) for pk in packs]
-        return [*(outs[i] for i in returned), *packed, *totals]
+        totals = [total + outs[i] for total, i in zip(args[n:], summed, strict=True)]
+        flat = [jnp.concatenate([jnp.ravel(outs[p]) for p in pk.positions]) for pk in packs]
+        return [*(outs[i] for i in returned), *flat, *totals]
 
     out_shardings = [
         *(run.out_shardings[i] for i in returned),
@@ -117,7 +108,7 @@ def _part(
             return NamedSharding(explicit, graph.specs.get(v, PartitionSpec()))
 
         in_shardings = [typed(v) for v in frag.in_ids]
-        in_shardings += [typed(frag.out_ids[i]) for (i,) in groups]  # nothing packed
+        in_shardings += [typed(frag.out_ids[i]) for i in summed]
         total_shardings = list(in_shardings[n:])
         out_shardings = [typed(frag.out_ids[i]) for i in returned] + total_shardings
     if unpack is None:
@@ -141,13 +132,9 @@ def _part(
         ]
     avals += [
         jax.ShapeDtypeStruct(
-            graph.shapes[frag.out_ids[g[0]]]
-            if len(g) == 1
-            else (sum(math.prod(graph.shapes[frag.out_ids[p]]) for p in g),),
-            graph.dtypes[frag.out_ids[g[0]]],
-            sharding=s,
+            graph.shapes[frag.out_ids[i]], graph.dtypes[frag.out_ids[i]], sharding=s
         )
-        for g, s in zip(groups, total_shardings, strict=True)
+        for i, s in zip(summed, total_shardings, strict=True)
     ]
     donate = (*run.donate, *range(n, n + len(total_shardings)))
     return _Part(body, list(in_shardings), out_shardings, donate, avals, explicit)
@@ -164,9 +151,8 @@ def compile_fragments(
     same order: one fragment's program, or an overlapped pair as one launch that the compiler
     may interleave. A run with ``sums`` also takes the running sums of its summed outputs and
     returns them updated (donating the old ones). ``packing``: per run, ``(unpack, packs,
-    packed_args, groups)`` for :func:`_part` (its results, arguments and sums packed into flat
-    buffers)."""
-    packing = packing or [(None, (), {}, None)] * len(runs)
+    packed_args)`` for :func:`_part` (its results and arguments packed into flat buffers)."""
+    packing = packing or [(None, (), {})] * len(runs)
     parts = [
         _part(graph, run, s, *how) for run, s, how in zip(runs, in_shardings, packing, strict=True)
     ]
@@ -200,15 +186,17 @@ def compile_fragments(
     return lowered.compile()
 
 
-def compile_zeros(buffers: Sequence[tuple[int, tuple[int, ...], Any, Any]]) -> Any:
-    """One program making zero-filled buffers, each ``(slot, shape, dtype, sharding)`` (see
-    :meth:`Packing.zeros`; called each step: the sums are donated to the programs that add to
-    them)."""
+def compile_zeros(action: Zeros) -> Any:
+    """One program making every zero-filled sum of ``action`` in its layout (called each step:
+    the sums are donated to the programs that add to them)."""
 
     def zeros():
-        return [jax.numpy.zeros(shape, dtype) for _, shape, dtype, _ in buffers]
+        return [
+            jax.numpy.zeros(shape, dtype)
+            for shape, dtype in zip(action.shapes, action.dtypes, strict=True)
+        ]
 
-    return jax.jit(zeros, out_shardings=[s for *_, s in buffers]).lower().compile()
+    return jax.jit(zeros, out_shardings=list(action.shardings)).lower().compile()
 
 
 class _LocalView:
@@ -325,16 +313,15 @@ class Executable:
                 for run, index in zip(runs, indices, strict=True):
                     args, unpack, packed_args = packing.inputs(run)
                     packs = packing.by_run.get(index, ())
-                    sums, groups = packing.sums(run)
-                    how.append((unpack, packs, packed_args, groups))
-                    reads.append([*args, *sums])
+                    how.append((unpack, packs, packed_args))
+                    reads.append([*args, *run.sums])
                     ins += reads[-1]
                     outs += [run.outs[p] for p in unpacked_outputs(run, packs)]
                     outs += [pk.slot for pk in packs]
-                    outs += sums
+                    outs += run.sums
                 key = tuple(
-                    (*run.variant, run.donate, unpack, tuple(pk.positions for pk in packs), groups)
-                    for run, (unpack, packs, _, groups) in zip(runs, how, strict=True)
+                    (*run.variant, run.donate, unpack, tuple(pk.positions for pk in packs))
+                    for run, (unpack, packs, _) in zip(runs, how, strict=True)
                 )
                 compiled = compiled_of.get(key)
                 if compiled is None:
@@ -365,15 +352,13 @@ class Executable:
                 elif how is not None:  # a transfer that involves another process
                     steps.append([_CALL, how, action.from_slot, action.slot, ()])
             elif isinstance(action, Zeros):
-                buffers = packing.zeros(action)
-                slots = [s for s, *_ in buffers]
-                for s, *_, sharding in buffers:
+                for s, sharding in zip(action.slots, action.shardings, strict=True):
                     sharding_of[s] = sharding
                 if local.runs(action.task):
-                    local.made(slots, action.task)
-                    steps.append([_RUN, compile_zeros(buffers), (), slots, (), ()])
+                    local.made(action.slots, action.task)
+                    steps.append([_RUN, compile_zeros(action), (), action.slots, (), ()])
                 else:
-                    local.elsewhere(slots, action.task)
+                    local.elsewhere(action.slots, action.task)
             elif isinstance(action, Constant):
                 sharding_of[action.slot] = action.task.sharding()
                 if local.runs(action.task):
