@@ -1,6 +1,6 @@
-"""Residual packing: on one-device tasks a forward returns the values only its task's later
-programs read as one flat buffer per dtype; the step's results and memory profile are those of
-the same model on one device."""
+"""Residual packing (``mm.jit(pack_residuals=True)``): on one-device tasks a forward returns the
+values only its task's later programs read as one flat buffer per dtype; the step's results and
+memory profile are those of the same model on one device. Off by default: nothing is packed."""
 
 import jax
 import numpy as np
@@ -38,7 +38,7 @@ def test_packed_residuals_train_like_one_device(schedule):
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
     ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
     _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(gpt(), tokens)
-    step = mm.jit(gpt_step(schedule))
+    step = mm.jit(gpt_step(schedule), pack_residuals=True)
     for _ in range(3):
         close(step(model, opt, tokens), reference(ref, ref_opt, tokens))
     params_close(model, ref, ref_grads, steps=3, lr=3e-3)
@@ -101,7 +101,7 @@ def test_fused_pairs_with_packed_residuals_on_one_device_tasks():
             virtual_stages=2,
         )(model, tokens)
 
-    step = mm.jit(grads_of)
+    step = mm.jit(grads_of, pack_residuals=True)
     loss, grads = step(model, tokens)
     ref_loss, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(ref, tokens)
     close(loss, ref_loss)
@@ -112,3 +112,17 @@ def test_fused_pairs_with_packed_residuals_on_one_device_tasks():
     fused = [i for i, a in enumerate(program.actions) if isinstance(a, Run) and a.fused]
     assert fused and packing.by_run
     assert any(i in packing.by_run or i + 1 in packing.by_run for i in fused)
+
+
+def test_nothing_is_packed_by_default():
+    tokens = jax.random.randint(jax.random.key(0), (16, CONFIG.max_seq_len + 1), 0, 64)
+    tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
+    model = gpt()
+    mm.place(model, stage_rules(model, tasks, report=False))
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    step = mm.jit(gpt_step("1f1b"))
+    step(model, opt, tokens)
+    (executable, _), *_ = step._cache.values()
+    assert not executable.pack_residuals
+    # no packed buffer was added: every forward returns its residuals one array each
+    assert executable._num_slots == executable.plan.program.num_slots

@@ -70,8 +70,9 @@ def with_rates(model, rate: float):
     return model
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
-def test_mnist_cnn_with_dropout_and_batchnorm_pipelines_like_the_unrolled_loop(schedule):
+# ZB-H1 with the residuals packed (mm.jit(pack_residuals=True)): its I and W both read them
+@pytest.mark.parametrize("schedule, packed", [("1f1b", False), ("zero-bubble-h1", True)])
+def test_mnist_cnn_with_dropout_and_batchnorm_pipelines_like_the_unrolled_loop(schedule, packed):
     tasks = single_device_tasks()
     rules = [(regex, tasks[i]) for regex, i in CNN_RULES]
     model = mm.place(with_rates(CNN(rngs=nnx.Rngs(0)), 0.3), rules)
@@ -80,7 +81,7 @@ def test_mnist_cnn_with_dropout_and_batchnorm_pipelines_like_the_unrolled_loop(s
     ref_opt = nnx.Optimizer(ref, optax.adamw(0.005, 0.9), wrt=nnx.Param)
     rngs, ref_rngs = nnx.Rngs(7), nnx.Rngs(7)
     batch = cnn_batch()
-    step = mm.jit(cnn_step(schedule, 4))
+    step = mm.jit(cnn_step(schedule, 4), pack_residuals=packed)
     plan = pipelined_without_unrolling(step, model, opt, rngs, batch)
     assert [t.name for t in plan.pipeline.stage_tasks] == ["d0", "d1", "d2", "d3"]
     ref_step = nnx.jit(cnn_step(schedule, 4))  # outside mm.jit, mm.microbatch is a plain loop
@@ -150,13 +151,13 @@ def gpt_unrolled_loop() -> tuple[list, list]:
     return losses, jax.tree.leaves(nnx.state(ref, nnx.Param))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
-def test_gpt_with_dropout_pipelines_like_the_unrolled_loop(schedule, gpt_unrolled_loop):
+@pytest.mark.parametrize("schedule, packed", [("1f1b", False), ("zero-bubble-h1", True)])
+def test_gpt_with_dropout_pipelines_like_the_unrolled_loop(schedule, packed, gpt_unrolled_loop):
     tasks = single_device_tasks()  # tensor parallelism would only slow compiling here
     model = new_gpt()
     mm.place(model, stage_rules(model, tasks, report=False))
     opt = sgd(model)
-    step = mm.jit(gpt_step(schedule))
+    step = mm.jit(gpt_step(schedule), pack_residuals=packed)
     pipelined_without_unrolling(step, model, opt, GPT_TOKENS)
     ref_losses, ref_params = gpt_unrolled_loop
     for ref_loss in ref_losses:

@@ -255,7 +255,7 @@ class Executable:
     :class:`~mmnnx.distributed.routes.Route`, and results this process does not hold are
     placeholders (arrays on other processes' devices). ``fingerprint``: makes the lines
     describing the step that processes compare before the first compile; ``name``: the step's,
-    for messages.
+    for messages; ``pack_residuals``: see ``mm.jit`` (:mod:`~mmnnx.mpmd.packing`).
     """
 
     def __init__(
@@ -265,6 +265,7 @@ class Executable:
         *,
         name: str = "the step",
         fingerprint: Callable[[], list[str]] = list,
+        pack_residuals: bool = False,
     ):
         self.graph = graph
         self.plan = plan
@@ -274,6 +275,7 @@ class Executable:
         self.may_fail = any(op.may_fail for op in graph.ops)
         self.name = name
         self.fingerprint = fingerprint
+        self.pack_residuals = pack_residuals
         self._steps: list[tuple] | None = None
         self._same_layout: dict[tuple, bool] = {}
 
@@ -283,7 +285,8 @@ class Executable:
             return
         program = self.program
         local = _LocalView.make(self)
-        packing = no_packing(program) if self.graph.specs else plan_packing(program, self.graph)
+        packs = self.pack_residuals and not self.graph.specs
+        packing = plan_packing(program, self.graph) if packs else no_packing(program)
         remaining = {p.slot: len(p.members) for p in packing.buffers}
         sharding_of = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]
         compiled_of: dict[tuple, Any] = {}
