@@ -11,7 +11,8 @@
    bookkeeping, not the XLA worker threads; XLA:CPU runs a small program on the calling thread,
    so part of it is compute) per launched program, and the step's wall time against the same
    model's data-parallel ``nnx.jit`` step over all 8 devices. Target (issue 16): <= 0.1 ms per
-   launch, flat in parameter count; S = 4, M = 16 within 1.3x of data parallel.
+   launch, flat in parameter count; S = 4, M = 16 within 1.3x of data parallel. Measured with
+   and without ``mm.jit(pack_residuals=True)`` (a forward's residuals returned as one buffer).
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/dispatch.py
 Writes benchmarks/results/dispatch.json.
@@ -22,6 +23,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import pathlib  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -203,7 +205,7 @@ def pipelined_host_time():
         with nnx.use_eager_sharding(False):
             return GPT(dataclasses.replace(config, depth=depth), rngs=nnx.Rngs(0))
 
-    def measure(fn, steps=10):
+    def measure(fn, steps=20):
         jax.block_until_ready(fn())
         cpu, wall = [], []
         for _ in range(steps):
@@ -215,12 +217,14 @@ def pipelined_host_time():
 
     batch = 32
     tokens = jax.random.randint(jax.random.key(0), (batch, config.max_seq_len + 1), 0, 256)
-    for stages, m, per_task, depth in [
-        (2, 8, 1, 8),
-        (4, 8, 1, 8),
-        (4, 16, 1, 8),
-        (4, 16, 2, 8),
-        (4, 16, 1, 16),
+    for stages, m, per_task, depth, packed in [
+        (2, 8, 1, 8, False),
+        (4, 8, 1, 8, False),
+        (4, 16, 1, 8, False),
+        (4, 16, 1, 8, True),
+        (4, 16, 2, 8, False),
+        (4, 16, 1, 16, False),
+        (4, 16, 1, 16, True),
     ]:
         tasks = [
             mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=range(i * per_task, (i + 1) * per_task)))
@@ -229,7 +233,7 @@ def pipelined_host_time():
         model = mm.place(make(depth), stage_rules(make(depth), tasks, report=False))
         opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
 
-        @mm.jit
+        @functools.partial(mm.jit, pack_residuals=packed)
         def train(model, opt, tokens, m=m):
             grad_fn = mm.microbatch(
                 nnx.value_and_grad(lambda g, t: g.loss(t)), num=m, reduce="mean", schedule="1f1b"
@@ -244,6 +248,7 @@ def pipelined_host_time():
         key = f"S{stages} M{m} {per_task} device(s) per task" + (
             f", {depth} blocks" if depth != 8 else ""
         )
+        key += ", packed residuals" if packed else ""
         out[f"{key}: launches"] = launches
         out[f"{key}: host ms per launch"] = cpu / launches * 1e3
         out[f"{key}: step ms"] = wall * 1e3
