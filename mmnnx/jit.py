@@ -777,6 +777,8 @@ def jit(
         >>> [d.id for d in grads["layers"][1]["kernel"].get_value().devices()]
         [1]
     """
+    if not isinstance(pack_residuals, bool):
+        raise TypeError(f"mm.jit: pack_residuals must be True or False, got {pack_residuals!r}")
     if fun is None:
         return functools.partial(
             jit,

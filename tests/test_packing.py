@@ -126,3 +126,8 @@ def test_nothing_is_packed_by_default():
     assert not executable.pack_residuals
     # no packed buffer was added: every forward returns its residuals one array each
     assert executable._num_slots == executable.plan.program.num_slots
+
+
+def test_pack_residuals_must_be_a_bool():
+    with pytest.raises(TypeError, match="pack_residuals must be True or False, got 'yes'"):
+        mm.jit(gpt_step("1f1b"), pack_residuals="yes")
