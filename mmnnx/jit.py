@@ -758,10 +758,11 @@ def jit(
     ``pack_residuals``: in a pipelined step, each forward on a one-device task returns the
     residuals its backward reads as one flat buffer per dtype instead of one array each (60 for a
     2-block GPT stage). The host pays a few microseconds per returned array and launch, so this
-    saves about a fifth of the host time per launch; but every reader slices the buffer back, and
-    XLA compiles each slice-reading kernel apart: on XLA:CPU the backward programs compile about
-    3x slower (the first call of a 32-block GPT on 4 stages: 20-24 s instead of 12-14 s). Worth it
-    for long runs whose steps are bound by the host (many microbatches of small stages).
+    saves a fifth to a half of the host time per launch; but every reader slices the buffer back,
+    and XLA compiles each slice-reading kernel apart: on XLA:CPU the backward programs compile
+    about 3x slower (the first call of a 32-block GPT on 4 stages: 20-24 s instead of 12-14 s),
+    and the copies lengthen a step bound by compute. Worth it for long runs whose steps the host
+    bounds (many microbatches of small stages).
 
     Example:
         >>> import jax.numpy as jnp
