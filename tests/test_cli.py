@@ -76,6 +76,7 @@ def test_help_documents_every_flag(capsys):
         "--heads",
         "--scan-layers",
         "--memory-budget",
+        "--pack-residuals",
         "--seq-len",
         "--batch-size",
         "--microbatches",
@@ -94,6 +95,15 @@ def test_help_documents_every_flag(capsys):
         "--text",
     ]:
         assert flag in out
+
+
+def test_pack_residuals_reaches_the_train_step_only():
+    from mmnnx.train import TrainConfig  # noqa: PLC0415
+    from mmnnx.train.loop import make_steps  # noqa: PLC0415
+
+    train, evaluate = make_steps(TrainConfig(pack_residuals=True))
+    assert train.pack_residuals and not evaluate.pack_residuals
+    assert not make_steps(TrainConfig())[0].pack_residuals
 
 
 @pytest.mark.slow
@@ -141,8 +151,12 @@ def test_tiny_run_trains_and_resumes(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert evals[-1] < 0.8 * 5.6  # well below uniform over 256 bytes
-    second = subprocess.run(
-        [*base, "--steps", "12", "--resume"], capture_output=True, text=True, env=env, timeout=600
+    second = subprocess.run(  # resumed with packed residuals: the same state either way
+        [*base, "--steps", "12", "--resume", "--pack-residuals"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from step 8" in second.stdout

@@ -36,7 +36,8 @@ class TrainConfig:
     a step once and uses the fastest schedule whose memory per device fits ``memory_budget``
     (bytes, or a string such as ``"2GiB"``; ``None``: no limit), printing the candidates
     (``mm.schedules.tune``), and runs the very table it simulated (a zero-bubble schedule
-    ordered for the measured durations).
+    ordered for the measured durations). ``pack_residuals``: the train step's
+    ``mm.jit(pack_residuals=...)`` (less host time per launch, slower first compile).
     """
 
     steps: int = 300
@@ -55,6 +56,7 @@ class TrainConfig:
     timeline_step: int | None = 3
     schedule_steps: int | None = None
     memory_budget: int | str | None = None
+    pack_residuals: bool = False
 
     def __post_init__(self):
         for name in ("steps", "microbatches", "eval_every", "eval_batches", "log_every"):
@@ -119,7 +121,7 @@ def make_steps(config: TrainConfig):
         opt.update(model, grads)
         return loss
 
-    return jit(train_step), jit(_loss)
+    return jit(train_step, pack_residuals=config.pack_residuals), jit(_loss)
 
 
 def fit(
