@@ -106,6 +106,11 @@ def make_gpt(seed: int = 0) -> TinyGPT:
 GPT_RULES = mm.logical_rules(mlp="model", heads="model", vocab="model", embed=None)
 
 
+def one_device_tasks(n: int) -> list[mm.Task]:
+    """Tasks d0..d{n-1}, each on one device (device i)."""
+    return [mm.Task(f"d{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(n)]
+
+
 def four_tasks() -> list[mm.Task]:
     """Tasks t0..t3 of two devices each, tensor-parallel ("model") inside each."""
     return [

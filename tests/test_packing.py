@@ -12,7 +12,7 @@ import mmnnx as mm
 from mmnnx.models import GPT, GPTConfig, stage_rules
 from mmnnx.mpmd.packing import plan_packing
 from mmnnx.mpmd.program import Run
-from tests.models import gpt_step
+from tests.models import gpt_step, one_device_tasks
 from tests.oracle import close, params_close, trees_close
 
 CONFIG = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16)
@@ -32,7 +32,7 @@ def reference(model, opt, tokens):
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
 def test_packed_residuals_train_like_one_device(schedule):
     tokens = jax.random.randint(jax.random.key(0), (16, CONFIG.max_seq_len + 1), 0, 64)
-    tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(4)]
+    tasks = one_device_tasks(4)
     model, ref = gpt(), gpt()
     mm.place(model, stage_rules(model, tasks, report=False))
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
@@ -87,7 +87,7 @@ def test_fused_pairs_with_packed_residuals_on_one_device_tasks():
     # DualPipeV with its overlapped pairs fused, on a V over two one-device tasks: a fused
     # program both reads packed residuals and returns packed ones
     tokens = jax.random.randint(jax.random.key(1), (16, CONFIG.max_seq_len + 1), 0, 64)
-    tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
+    tasks = one_device_tasks(2)
     model, ref = gpt(), gpt()
     mm.place(model, stage_rules(model, tasks, virtual_stages=2, order="v", report=False))
     schedule = mm.schedules.dualpipe_v(2, 4, fuse_pairs=True)
@@ -116,7 +116,7 @@ def test_fused_pairs_with_packed_residuals_on_one_device_tasks():
 
 def test_nothing_is_packed_by_default():
     tokens = jax.random.randint(jax.random.key(0), (16, CONFIG.max_seq_len + 1), 0, 64)
-    tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
+    tasks = one_device_tasks(2)
     model = gpt()
     mm.place(model, stage_rules(model, tasks, report=False))
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)

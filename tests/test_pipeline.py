@@ -7,7 +7,15 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from tests.models import Block, TinyGPT, four_stage_rules, four_tasks, placed_gpt, tiny_gpt
+from tests.models import (
+    Block,
+    TinyGPT,
+    four_stage_rules,
+    four_tasks,
+    one_device_tasks,
+    placed_gpt,
+    tiny_gpt,
+)
 from tests.oracle import close, params_close, trees_close
 
 M = 8
@@ -442,7 +450,7 @@ def test_each_stage_boundary_carries_one_activation_and_one_cotangent():
     config = GPTConfig(vocab_size=32, dim=16, depth=4, num_heads=2, max_seq_len=8)
     with nnx.use_eager_sharding(False):
         model, ref = GPT(config, rngs=nnx.Rngs(0)), GPT(config, rngs=nnx.Rngs(0))
-    stages = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(4)]
+    stages = one_device_tasks(4)
     model = mm.place(model, stage_rules(model, stages, report=False))
     tokens = jax.random.randint(jax.random.key(0), (M, 9), 0, 32)
     step = mm.jit(mm.microbatch(nnx.value_and_grad(loss_fn), num=4, reduce="mean"))
@@ -458,6 +466,6 @@ def test_each_stage_boundary_carries_one_activation_and_one_cotangent():
         if t.source is not None and t.shape
     )
     activation = (M // 4, 8, 16)
-    forward = [(f"s{i}", f"s{i + 1}", activation) for i in range(3)]
-    backward = [(f"s{i + 1}", f"s{i}", activation) for i in range(3)]
+    forward = [(f"d{i}", f"d{i + 1}", activation) for i in range(3)]
+    backward = [(f"d{i + 1}", f"d{i}", activation) for i in range(3)]
     assert between == sorted(forward + backward)

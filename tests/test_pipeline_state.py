@@ -12,7 +12,7 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx.models import GPT, GPTConfig, stage_rules
-from tests.models import gpt_step
+from tests.models import gpt_step, one_device_tasks
 from tests.oracle import close, params_close
 from tests.test_flax_examples import CNN
 
@@ -25,7 +25,7 @@ CNN_RULES = [
 
 
 def single_device_tasks() -> list[mm.Task]:
-    return [mm.Task(f"d{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(4)]
+    return one_device_tasks(4)
 
 
 def cnn_step(schedule: str, num: int):

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
+from tests.models import one_device_tasks
 from tests.oracle import close, trees_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using 'Module.sow:DeprecationWarning")
@@ -32,7 +33,7 @@ class Probed(nnx.Module):
 
 
 def placed_probed() -> Probed:
-    tasks = [mm.Task(f"d{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(4)]
+    tasks = one_device_tasks(4)
     return mm.place(Probed(nnx.Rngs(0)), [(f"^layers/{i}/", t) for i, t in enumerate(tasks)])
 
 
@@ -119,7 +120,7 @@ def test_a_sow_with_its_own_reduce_fn_unrolls_and_says_so():
             self.sow(nnx.Intermediate, "total", h.sum(), reduce_fn=jnp.add, init_fn=lambda: 0.0)
             return self.b(h)
 
-    tasks = [mm.Task(f"d{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
+    tasks = one_device_tasks(2)
     model = mm.place(Summed(nnx.Rngs(0)), [("^a/", tasks[0]), ("^b/", tasks[1])])
     reference = Summed(nnx.Rngs(0))
     step = mm.jit(microbatched)

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
+from tests.models import one_device_tasks
 from tests.oracle import close
 
 
@@ -75,7 +76,7 @@ def scanned_pure_callback(tripwire, y):
 
 @pytest.fixture(scope="module")
 def single_device_tasks():
-    return [mm.Task(f"d{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
+    return one_device_tasks(2)
 
 
 # A pure_callback that raises inside a program over several devices, before a collective, makes
