@@ -20,6 +20,11 @@ rows, JAX's own transpose of the scan took 2.1x as long as this one and two stag
   step time ``mm.schedules.simulate`` predicts from the step's own measured action durations
   against the measured step time (target: within 10%), and the measured bubble against the
   analytic one (target: ZB-H1's below 1F1B's, ZB-V's below ZB-H1's);
+- the same for 1F1B, ZB-H1, interleaved 1F1B, ZB-V (and ZB-V built for the measured durations)
+  and DualPipeV on ``MatmulQuarter`` layers, whose weight gradients are matmuls: a zero-bubble
+  stage runs their backward scan as two (input gradient, then weight gradients), the split the
+  zero-bubble paper's schedules assume (on the elementwise layers the weight gradients stay in
+  the backward scan: see docs/pipelining.md);
 - ``mm.schedules.tune``'s predicted ranking of GPipe, 1F1B and ZB-H1 against their measured
   step times;
 - host overhead per action (step span minus device time, per action) at M = 4 and M = 32
@@ -46,11 +51,12 @@ import mmnnx as mm  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "pipeline.json"
 WIDTH, LAYERS, ROWS, CHUNK = 512, 24, 2048, 16
+MATMUL_WIDTH, MATMUL_LAYERS = 256, 4
 
 
 def layers(weights, chunk):
-    for w in weights:
-        chunk = jnp.tanh(chunk * w + 0.1)
+    for w in weights:  # a matmul layer's weight is a matrix, an elementwise one's a vector
+        chunk = jnp.tanh((chunk @ w if w.ndim == 2 else chunk * w) + 0.1)
     return chunk
 
 
@@ -108,11 +114,38 @@ class TwoStages(nnx.Module):
         return self.b(self.a(x))
 
 
-class FourQuarters(nnx.Module):
-    """The same layers as ``TwoStages``, in four modules of half a stage each."""
+class MatmulQuarter(nnx.Module):
+    """``MATMUL_LAYERS`` layers ``tanh(h @ w + 0.1)`` of width ``MATMUL_WIDTH``, by chunks as
+    ``Stage``: each pass's work is matmuls, the weight gradients (``x.T @ g``) as costly as
+    the forward, as in the transformer layers the zero-bubble paper schedules."""
 
-    def __init__(self):
-        self.q = nnx.List([Stage(nnx.Rngs(i), layers=LAYERS // 2) for i in range(4)])
+    def __init__(self, rngs):
+        scale = 0.5 / MATMUL_WIDTH**0.5
+        self.w = nnx.List(
+            [
+                nnx.Param(
+                    jnp.eye(MATMUL_WIDTH)
+                    + scale * jax.random.normal(rngs.params(), (MATMUL_WIDTH, MATMUL_WIDTH))
+                )
+                for _ in range(MATMUL_LAYERS)
+            ]
+        )
+
+    def __call__(self, h):
+        return chunked_layers([w[...] for w in self.w], h)
+
+
+class FourQuarters(nnx.Module):
+    """The same layers as ``TwoStages``, in four modules of half a stage each (or four
+    ``MatmulQuarter``s)."""
+
+    def __init__(self, matmul: bool = False):
+        self.q = nnx.List(
+            [
+                MatmulQuarter(nnx.Rngs(i)) if matmul else Stage(nnx.Rngs(i), layers=LAYERS // 2)
+                for i in range(4)
+            ]
+        )
 
     def __call__(self, x):
         for quarter in self.q:
@@ -148,9 +181,9 @@ def build(num, schedule="gpipe", dropout=False):
     return step, model, x
 
 
-def build_quarters(num, schedule, placed_as=None):
+def build_quarters(num, schedule, placed_as=None, matmul=False):
     rules, virtual = quarter_rules(placed_as or schedule)
-    model = mm.place(FourQuarters(), rules)
+    model = mm.place(FourQuarters(matmul), rules)
     grad_fn = mm.microbatch(
         nnx.value_and_grad(loss_fn),
         num=num,
@@ -158,7 +191,7 @@ def build_quarters(num, schedule, placed_as=None):
         schedule=schedule,
         virtual_stages=virtual,
     )
-    x = jax.random.normal(jax.random.key(2), (num * ROWS, WIDTH))
+    x = jax.random.normal(jax.random.key(2), (num * ROWS, MATMUL_WIDTH if matmul else WIDTH))
     return mm.jit(grad_fn), model, x
 
 
@@ -199,16 +232,29 @@ def efficiency(num=8, schedule="gpipe", dropout=False):
     }
 
 
-def measured_vs_simulated(num=8):
+MATMUL_SCHEDULES = ("1f1b", "zero-bubble-h1", "interleaved-1f1b", "zero-bubble-v", "dualpipev")
+
+
+def measured_vs_simulated(num=8, matmul=False):
     """Per schedule: the step time ``simulate`` predicts from the durations the step's own
     timeline measured (median per action kind and stage), against the measured step time; and
-    the measured bubble (idle share of the ranks' time) against the analytic one (F = 1, B = 2)."""
+    the measured bubble (idle share of the ranks' time) against the analytic one (F = 1, B = 2).
+
+    ``matmul``: on ``MatmulQuarter``s, whose weight gradients are matmuls that a zero-bubble
+    stage defers (its backward scan split in two), for ``MATMUL_SCHEDULES``; else on the
+    elementwise quarters for every registered schedule, whose weight gradients (a product and
+    a sum per layer) stay in the backward scan."""
     out = {}
     measured_costs = {}
-    built_for_costs = ("zero-bubble-h2", "zero-bubble-v", "interleaved-zero-bubble")
-    runs = [(name, name) for name in mm.schedules.names()]
+    if matmul:
+        names, built_for_costs = MATMUL_SCHEDULES, ("zero-bubble-v",)
+    else:
+        names = mm.schedules.names()
+        built_for_costs = ("zero-bubble-h2", "zero-bubble-v", "interleaved-zero-bubble")
+    runs = [(name, name) for name in names]
     runs += [(f"{name} (built for measured costs)", name) for name in built_for_costs]
-    runs.append(("dualpipev (fused pairs)", "dualpipev"))
+    if not matmul:
+        runs.append(("dualpipev (fused pairs)", "dualpipev"))
     for label, name in runs:
         schedule = name
         if label == "dualpipev (fused pairs)":  # each overlapped pair one program
@@ -216,7 +262,7 @@ def measured_vs_simulated(num=8):
         elif label != name:  # the same schedule, its passes ordered for the durations measured
             _, v = quarter_rules(name)
             schedule = mm.schedules.get(name, 2 * v, num, v, costs=measured_costs[name])
-        step, model, x = build_quarters(num, schedule, placed_as=name)
+        step, model, x = build_quarters(num, schedule, placed_as=name, matmul=matmul)
         t_step = median_time(lambda step=step, model=model, x=x: step(model, x))
         events = [e for _ in range(5) for e in step.timeline(model, x)]
         costs = mm.schedules.measured_costs(events)
@@ -243,15 +289,22 @@ def measured_vs_simulated(num=8):
     out["target: every prediction within 10%"] = all(
         abs(v - 1) <= 0.1 for k, v in out.items() if k.endswith("predicted / measured step")
     )
-    bubble = {n: out[f"{n}: bubble measured"] for n in mm.schedules.names()}
+    bubble = {n: out[f"{n}: bubble measured"] for n in names}
     out["target: ZB-H1 bubble below 1F1B's"] = bubble["zero-bubble-h1"] < bubble["1f1b"]
     out["target: ZB-V bubble below ZB-H1's"] = bubble["zero-bubble-v"] < bubble["zero-bubble-h1"]
     tuned_v = out["zero-bubble-v (built for measured costs): bubble measured"]
     out["target: ZB-V built for measured costs below ZB-H1's"] = tuned_v < bubble["zero-bubble-h1"]
-    out["DualPipeV step, fused pairs / two programs"] = (
-        out["dualpipev (fused pairs): step ms"] / out["dualpipev: step ms"]
-    )
+    if not matmul:
+        out["DualPipeV step, fused pairs / two programs"] = (
+            out["dualpipev (fused pairs): step ms"] / out["dualpipev: step ms"]
+        )
     return out
+
+
+def zero_bubble_on_matmul_layers(num=8):
+    """:func:`measured_vs_simulated` on matmul layers, whose weight gradients zero-bubble
+    schedules defer."""
+    return measured_vs_simulated(num, matmul=True)
 
 
 def tuner_ranking(num=8):
@@ -310,6 +363,7 @@ def main():
         "efficiency 1f1b": efficiency(schedule="1f1b"),
         "efficiency 1f1b, dropout": efficiency(schedule="1f1b", dropout=True),
         "measured vs simulated": measured_vs_simulated(),
+        "zero bubble on matmul layers": zero_bubble_on_matmul_layers(),
         "tuner": tuner_ranking(),
         "host": host_overhead(),
         "device": str(jax.devices()[0]),
@@ -319,6 +373,7 @@ def main():
         "efficiency 1f1b",
         "efficiency 1f1b, dropout",
         "measured vs simulated",
+        "zero bubble on matmul layers",
         "tuner",
         "host",
     )

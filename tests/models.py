@@ -1,6 +1,7 @@
 """Small NNX models shared by the tests."""
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import mmnnx as mm
@@ -164,3 +165,42 @@ def gpt_step(schedule: str):
         return loss
 
     return step
+
+
+def _layers(weights, chunk):
+    for w in weights:  # a matrix: a matmul layer; a vector: an elementwise one
+        chunk = jnp.tanh((chunk @ w if w.ndim == 2 else chunk * w) + 0.1)
+    return chunk
+
+
+def _by_chunks(a):
+    return a.reshape(-1, 2, a.shape[-1])
+
+
+@jax.custom_vjp
+def chunked_layers(weights, h):
+    """``benchmarks/pipeline.py``'s stage: ``tanh`` layers over chunks of 2 rows in a scan, with
+    a custom backward that recomputes each chunk and sums the weight gradients in the carry."""
+    return jax.lax.scan(lambda c, x: (c, _layers(weights, x)), None, _by_chunks(h))[1].reshape(
+        h.shape
+    )
+
+
+def _chunked_fwd(weights, h):
+    return chunked_layers(weights, h), (weights, h)
+
+
+def _chunked_bwd(residuals, grad):
+    weights, h = residuals
+
+    def chunk_vjp(grad_weights, chunk_and_grad):
+        chunk, chunk_grad = chunk_and_grad
+        d_weights, d_chunk = jax.vjp(_layers, weights, chunk)[1](chunk_grad)
+        return jax.tree.map(jnp.add, grad_weights, d_weights), d_chunk
+
+    zeros = jax.tree.map(jnp.zeros_like, weights)
+    d_weights, d_h = jax.lax.scan(chunk_vjp, zeros, (_by_chunks(h), _by_chunks(grad)))
+    return d_weights, d_h.reshape(h.shape)
+
+
+chunked_layers.defvjp(_chunked_fwd, _chunked_bwd)

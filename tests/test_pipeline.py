@@ -10,6 +10,7 @@ import mmnnx as mm
 from tests.models import (
     Block,
     TinyGPT,
+    chunked_layers,
     four_stage_rules,
     four_tasks,
     one_device_tasks,
@@ -361,39 +362,6 @@ def test_plain_jax_regions_with_a_loss_reduced_after_the_last_stage():
     assert [t.name for t in step.plan(p, x).pipeline.stage_tasks] == ["a", "b"]
 
 
-def _layers(weights, chunk):
-    for w in weights:
-        chunk = jnp.tanh(chunk * w + 0.1)
-    return chunk
-
-
-@jax.custom_vjp
-def _chunked(weights, h):  # benchmarks/pipeline.py's stage: layers over row chunks in a scan
-    chunks = h.reshape(-1, 2, h.shape[-1])
-    return jax.lax.scan(lambda c, x: (c, _layers(weights, x)), None, chunks)[1].reshape(h.shape)
-
-
-def _chunked_fwd(weights, h):
-    return _chunked(weights, h), (weights, h)
-
-
-def _chunked_bwd(residuals, grad):
-    weights, h = residuals
-
-    def chunk_vjp(grad_weights, chunk_and_grad):
-        chunk, chunk_grad = chunk_and_grad
-        d_weights, d_chunk = jax.vjp(_layers, weights, chunk)[1](chunk_grad)
-        return jax.tree.map(jnp.add, grad_weights, d_weights), d_chunk
-
-    zeros = jax.tree.map(jnp.zeros_like, weights)
-    by_chunks = lambda a: a.reshape(-1, 2, a.shape[-1])  # noqa: E731
-    d_weights, d_h = jax.lax.scan(chunk_vjp, zeros, (by_chunks(h), by_chunks(grad)))
-    return d_weights, d_h.reshape(h.shape)
-
-
-_chunked.defvjp(_chunked_fwd, _chunked_bwd)
-
-
 class _Quarter(nnx.Module):
     def __init__(self, seed):
         key = jax.random.key(seed)
@@ -401,7 +369,7 @@ class _Quarter(nnx.Module):
                            jax.random.split(key, 2)])  # fmt: skip
 
     def __call__(self, h):
-        return _chunked([w[...] for w in self.w], h)
+        return chunked_layers([w[...] for w in self.w], h)
 
 
 class _Quarters(nnx.Module):

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import mmnnx as mm
 from mmnnx.models import GPT, GPTConfig, stage_rules
-from tests.models import four_tasks
+from tests.models import chunked_layers, four_tasks, one_device_tasks
 from tests.oracle import close, params_close, trees_close
 
 CONFIG = dict(vocab_size=64, dim=32, depth=8, num_heads=2, max_seq_len=16)
@@ -218,3 +218,75 @@ def test_a_stack_saves_and_restores_onto_other_stacks_and_one_task(tasks, tmp_pa
             ckpt.restore(model=fresh, opt=fresh_opt)
         assert fresh.blocks.kernel.get_value().sharding == layout  # the current placement
         close(mm.jit(mlp_step(None))(fresh, fresh_opt, x), expected)
+
+
+def _scans(fragment) -> list:
+    return [op for op in fragment.ops if op.name == "scan"]
+
+
+def _result_shapes(ops) -> set:
+    """The shapes of the scans' results (the scanned ones stacked along their length)."""
+    shapes = set()
+    for op in ops:
+        num_carry, length = op.params["num_carry"], op.params["length"]
+        for i, aval in enumerate(op.params["jaxpr"].out_avals):
+            shapes.add(aval.shape if i < num_carry else (length, *aval.shape))
+    return shapes
+
+
+def test_zero_bubble_runs_a_scanned_backward_as_an_input_and_a_weight_gradient_scan(tasks):
+    """The backward of ``nnx.scan`` layers is one scan; a zero-bubble stage runs it as two: I
+    carries the cotangent down the layers and saves what the weight gradients read, W makes
+    those from the saved values later (oracle: the parametrized test above)."""
+    x = jax.random.normal(jax.random.key(2), (8, 16))
+    model = mm.place(ScannedMLP(6, 16, nnx.Rngs(0)), [("blocks", tasks[:2]), ("head", tasks[1])])
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    stages = mm.jit(mlp_step("zero-bubble-h1")).plan(model, opt, x).pipeline.stages
+    kernel_grads = (3, 16, 16)  # one task's three layers
+    for stage in (0, 1):
+        assert kernel_grads in _result_shapes(_scans(stages["W", stage]))
+        assert kernel_grads in _result_shapes(_scans(stages["B", stage]))
+    assert _scans(stages["I", 1]) and kernel_grads not in _result_shapes(_scans(stages["I", 1]))
+
+
+class Chunked(nnx.Module):
+    """A layer whose custom backward scans chunks, as ``benchmarks/pipeline.py``'s stages do:
+    a matmul (``weight`` of shape (8, 8)) or an elementwise scaling (shape (8,))."""
+
+    def __init__(self, seed: int, shape: tuple[int, ...]):
+        noise = jax.random.normal(jax.random.key(seed), shape)
+        self.w = nnx.Param((jnp.eye(8) if len(shape) == 2 else 1.0) + 0.1 * noise)
+
+    def __call__(self, h):
+        return chunked_layers([self.w[...]], h)
+
+
+class TwoChunked(nnx.Module):
+    def __init__(self, shape: tuple[int, ...]):
+        self.a, self.b = Chunked(0, shape), Chunked(1, shape)
+
+    def __call__(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (8,)], ids=["matmul", "elementwise"])
+def test_zero_bubble_splits_a_chunk_scan_when_its_weight_gradient_is_a_matmul(shape):
+    """A custom backward that scans chunks and sums the weight gradient in the carry. For a
+    matmul, stage 1's I scan makes the input gradient alone and its W scan the weight gradient
+    from what I saved; for an elementwise weight, saving its operands would cost more than the
+    product and sum it defers, so I runs the scan whole. Loss and gradients equal one
+    device's either way."""
+    a, b = one_device_tasks(2)
+    x = jax.random.normal(jax.random.key(3), (16, 8))
+    model = mm.place(TwoChunked(shape), [("^a/", a), ("^b/", b)])
+    loss_fn = nnx.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))
+    step = mm.jit(mm.microbatch(loss_fn, num=4, reduce="mean", schedule="zero-bubble-h1"))
+    stages = step.plan(model, x).pipeline.stages
+    split = len(shape) == 2
+    assert (shape in _result_shapes(_scans(stages["I", 1]))) != split
+    w_scans = _scans(stages["W", 1]) if ("W", 1) in stages else []
+    assert bool(w_scans) == split and (not split or shape in _result_shapes(w_scans))
+    loss, grads = step(model, x)
+    ref_loss, ref_grads = loss_fn(TwoChunked(shape), x)
+    close(loss, ref_loss)
+    trees_close(nnx.state(grads), nnx.state(ref_grads))

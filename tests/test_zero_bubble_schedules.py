@@ -305,3 +305,50 @@ def test_any_positive_costs_build_a_valid_schedule():
         if m % ranks == 0:
             validated.append(get("interleaved-zero-bubble", 2 * ranks, m, 2, costs=costs))
         assert all(s.num_microbatches == m for s in validated)
+
+
+def _per_stage(quarter, first_weight):
+    """Durations per (kind, stage) of four stages whose first has no input gradient to make:
+    its whole backward is its weight pass."""
+    f, i, w = quarter
+    costs = {("F", s): f for s in range(4)} | {("I", s): i for s in range(1, 4)}
+    costs |= {("W", s): w for s in range(1, 4)} | {("I", 0): 1e-6, ("W", 0): first_weight}
+    return costs
+
+
+# ms per quarter of benchmarks/pipeline.py's matmul layers, measured on a 16-core machine
+MATMUL_QUARTER, MATMUL_FIRST_WEIGHT = (13.0, 35.6, 26.6), 61.0
+
+
+def _time(schedule, costs):
+    needed = {(a.kind, a.stage) for row in schedule.actions for a in row}
+    return simulate(schedule, action_costs={key: costs[key] for key in needed}).makespan
+
+
+def test_zero_bubble_v_built_for_costs_where_the_first_stage_ends_the_step():
+    """The first stage's backward is all weight pass (4.7 forwards long here), so the last
+    microbatch's ends the step: the critical-path policy starts it in time, and ZB-V built for
+    these durations beats the greedy zero-bubble order, ZB-V built for equal durations, and
+    ZB-H1 on the same layers cut in two stages."""
+    v_costs = _per_stage(MATMUL_QUARTER, MATMUL_FIRST_WEIGHT)
+    h1_costs = {
+        (kind, s): v_costs[kind, 2 * s] + v_costs[kind, 2 * s + 1]
+        for kind in "FIW"
+        for s in range(2)
+    }
+    built = zero_bubble_v(2, 8, v_costs)
+    greedy = list_schedule("zero-bubble-v", (0, 1, 1, 0), 8, (4, 4), v_costs)
+    assert _time(built, v_costs) < _time(greedy, v_costs)
+    assert _time(built, v_costs) < _time(zero_bubble_v(2, 8), v_costs)
+    assert _time(built, v_costs) < _time(zero_bubble_h1(2, 8), h1_costs)
+    assert max(_rank_peaks(built)) <= max(_rank_peaks(zero_bubble_v(2, 8)))  # 1F1B's memory
+
+
+@pytest.mark.parametrize("policy", ["zero-bubble", "critical-path"])
+def test_every_policy_builds_a_valid_schedule(policy):
+    costs = _per_stage(MATMUL_QUARTER, MATMUL_FIRST_WEIGHT)
+    for limits in [(4, 4), (2, 3), (8, 8)]:
+        schedule = list_schedule("zb", (0, 1, 1, 0), 8, limits, costs, policy)
+        assert schedules.validate(schedule) is schedule
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        list_schedule("zb", (0, 1), 2, (1, 1), policy="fastest")

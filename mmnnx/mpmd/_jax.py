@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 import re
@@ -991,3 +992,210 @@ def copier(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], A
         return batched([x], [devices], [target], [reuse])[0]
 
     return move
+
+
+def _vars(atoms: Any) -> set:
+    """The variables among jaxpr atoms (literals left out)."""
+    return {a for a in atoms if isinstance(a, jcore.Var)}
+
+
+@dataclasses.dataclass
+class _ScanCut:
+    """How a scan's body divides into the part computing the results needed now (``first``) and
+    the part that can wait (``later``, fed the values it reads from the first part, stacked)."""
+
+    first_outs: list[bool]  # per result of the scan: computed by the first part
+    first_eqns: list[Any]
+    later_eqns: list[Any]
+    saved: list[Any]  # body values the later part reads from the first part, one per iteration
+
+
+def _scan_cut(op: Op, wanted: Sequence[bool]) -> _ScanCut | None:
+    """The cut of scan ``op`` whose first part makes the ``wanted`` results (and the carries
+    they depend on); ``None`` when the op is no scan, has effects, the first part would be the
+    whole body, or the rest holds no contraction (weight gradients of a matmul or convolution).
+
+    Measured with ``benchmarks/pipeline.py``'s elementwise layers on a 16-core machine: cutting
+    their backward scan (each layer's weight gradient a product and a sum) made the input
+    gradient pass 25 ms against the whole backward's 29 ms and added a 27 ms weight pass,
+    since the cut saves every layer's operands for the weight pass to read back."""
+    if op.name != "scan" or op.effectful or op.mesh is not None:
+        return None
+    body = op.params["jaxpr"].jaxpr
+    num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
+    carry_in = body.invars[num_consts : num_consts + num_carry]
+    made_by = {v: i for i, eqn in enumerate(body.eqns) for v in eqn.outvars}
+
+    def closure(roots: Sequence[Any]) -> tuple[set[int], set[Any]]:
+        eqns: set[int] = set()
+        reads = {v for v in roots if isinstance(v, jcore.Var)}
+        stack = list(reads)
+        while stack:
+            i = made_by.get(stack.pop())
+            if i is None or i in eqns:
+                continue
+            eqns.add(i)
+            for a in body.eqns[i].invars:
+                if isinstance(a, jcore.Var) and a not in reads:
+                    reads.add(a)
+                    stack.append(a)
+        return eqns, reads
+
+    first = list(wanted)
+    while True:  # a carry the first part reads is one the first part must update
+        eqns, reads = closure([v for v, w in zip(body.outvars, first, strict=True) if w])
+        grow = [j for j in range(num_carry) if not first[j] and carry_in[j] in reads]
+        if not grow:
+            break
+        for j in grow:
+            first[j] = True
+    if all(first):
+        return None
+    later_roots = [v for v, w in zip(body.outvars, first, strict=True) if not w]
+    later_eqns, _ = closure(later_roots)
+    later_eqns -= eqns
+    if any(body.eqns[i].effects for i in later_eqns):
+        return None
+    if not any(body.eqns[i].primitive.name in _COSTLY for i in later_eqns):
+        return None  # elementwise weight gradients: saving their operands costs more than them
+    later_made = {v for i in later_eqns for v in body.eqns[i].outvars}
+    later_reads = _vars(a for i in later_eqns for a in body.eqns[i].invars) | _vars(later_roots)
+    own = set(body.invars[:num_consts]) | set(body.invars[num_consts + num_carry :])
+    own |= {carry_in[j] for j in range(num_carry) if not first[j]} | set(body.constvars)
+    saved = [
+        v
+        for v in dict.fromkeys(later_reads)
+        if isinstance(v, jcore.Var) and v not in later_made and v not in own
+    ]
+    return _ScanCut(
+        first,
+        [e for i, e in enumerate(body.eqns) if i in eqns],
+        [e for i, e in enumerate(body.eqns) if i in later_eqns],
+        saved,
+    )
+
+
+def scan_first_part(op: Op, wanted: Sequence[bool]) -> tuple[list[bool], list[bool]] | None:
+    """For a scan ``op`` of whose results only those flagged in ``wanted`` are needed soon (an
+    input gradient), the results its first part makes (``wanted`` and the carries they depend
+    on) and the operands that part reads; ``None`` when the scan does not split
+    (:func:`split_scan`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> def f(w, xs):  # the carry needs only xs; the second result also reads w
+        ...     return jax.lax.scan(lambda c, x: (c + x, jnp.tanh(c) @ w), jnp.zeros(2), xs)
+        >>> graph = to_graph(jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((3, 2))))
+        >>> scan_first_part(graph.ops[-1], [True, False])
+        ([True, False], [False, True, True])
+    """
+    cut = _scan_cut(op, wanted)
+    if cut is None:
+        return None
+    body = op.params["jaxpr"].jaxpr
+    reads = _vars(a for e in cut.first_eqns for a in e.invars)
+    reads |= _vars(v for v, w in zip(body.outvars, cut.first_outs, strict=True) if w)
+    reads |= set(cut.saved)
+    num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
+    operands = [v in reads for v in body.invars]
+    for j in range(num_carry):
+        operands[num_consts + j] = cut.first_outs[j]
+    return cut.first_outs, operands
+
+
+def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | None:
+    """Scan ``op`` as two scans (zero-bubble's split of a backward pass run as a scan, e.g. over
+    ``nnx.scan`` layers or chunks): the first makes the ``wanted`` results (and the carries they
+    depend on) and saves, per iteration, the values the rest reads from it; the second makes
+    the other results (weight gradients) from those. The first's extra results are new values
+    of ``graph``. ``None`` when the scan does not split.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> def f(w, xs):  # the carry first; then the matmul, from the carries it saved
+        ...     return jax.lax.scan(lambda c, x: (c + x, jnp.tanh(c) @ w), jnp.zeros(2), xs)
+        >>> graph = to_graph(jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((3, 2))))
+        >>> first, later = split_scan(graph.ops[-1], [True, False], graph)
+        >>> [graph.shapes[v] for v in first.outs], [graph.shapes[v] for v in later.outs]
+        ([(2,), (3, 2)], [(3, 2)])
+    """
+    cut = _scan_cut(op, wanted)
+    if cut is None:
+        return None
+    closed = op.params["jaxpr"]
+    body = closed.jaxpr
+    length = op.params["length"]
+    num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
+    first_outs = cut.first_outs
+    carry_first = first_outs[:num_carry]
+
+    def scan(ins: list, eqns: list, invars: list, outvars: list, carries: int, consts: int) -> dict:
+        """The parameters of a scan running ``eqns`` of the body."""
+        part = body.replace(
+            invars=invars,
+            outvars=outvars,
+            eqns=eqns,
+            effects=jax_core.join_effects(*(e.effects for e in eqns)),
+        )
+        params = {
+            **op.params,
+            "jaxpr": jcore.ClosedJaxpr(part, closed.consts),
+            "num_consts": consts,
+            "num_carry": carries,
+        }
+        if "linear" in params:  # older JAX versions
+            params["linear"] = (False,) * len(ins)
+        return params
+
+    def operands(reads: set, carries: Sequence[bool]) -> list[bool]:
+        """Per operand of ``op``: whether a part reading ``reads`` and carrying ``carries``
+        takes it (every carry it updates; the constants and scanned operands it reads)."""
+        flags = [v in reads for v in body.invars]
+        flags[num_consts : num_consts + num_carry] = carries
+        return flags
+
+    reads = _vars(a for e in cut.first_eqns for a in e.invars)
+    reads |= _vars(v for v, w in zip(body.outvars, first_outs, strict=True) if w) | set(cut.saved)
+    pick = operands(reads, carry_first)
+    first_invars = [v for v, p in zip(body.invars, pick, strict=True) if p]
+    first_ins = [a for a, p in zip(op.ins, pick, strict=True) if p]
+    first_outvars = [v for v, w in zip(body.outvars, first_outs, strict=True) if w] + cut.saved
+    saved_ids = [
+        graph.new_value(_aval_info(jax_core.ShapedArray((length, *v.aval.shape), v.aval.dtype)))
+        for v in cut.saved
+    ]
+    first_params = scan(
+        first_ins,
+        cut.first_eqns,
+        first_invars,
+        first_outvars,
+        sum(carry_first),
+        sum(pick[:num_consts]),
+    )
+    first = op.derived(
+        op.primitive,
+        first_params,
+        first_ins,
+        [v for v, w in zip(op.outs, first_outs, strict=True) if w] + saved_ids,
+    )
+
+    later_reads = _vars(a for e in cut.later_eqns for a in e.invars)
+    later_reads |= _vars(v for v, w in zip(body.outvars, first_outs, strict=True) if not w)
+    keep = operands(later_reads, [not c for c in carry_first])
+    later_invars = [v for v, k in zip(body.invars, keep, strict=True) if k] + cut.saved
+    later_ins = [a for a, k in zip(op.ins, keep, strict=True) if k] + saved_ids
+    later_params = scan(
+        later_ins,
+        cut.later_eqns,
+        later_invars,
+        [v for v, w in zip(body.outvars, first_outs, strict=True) if not w],
+        num_carry - sum(carry_first),
+        sum(keep[:num_consts]),
+    )
+    later = op.derived(
+        op.primitive,
+        later_params,
+        later_ins,
+        [v for v, w in zip(op.outs, first_outs, strict=True) if not w],
+    )
+    return first, later

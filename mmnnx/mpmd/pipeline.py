@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
 from mmnnx.mpmd import schedules as sched
-from mmnnx.mpmd._jax import is_accumulate, is_cheap, is_index
+from mmnnx.mpmd._jax import is_accumulate, is_cheap, is_index, scan_first_part, split_scan
 from mmnnx.mpmd.chains import Chains, chains, is_marker
 from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
@@ -157,6 +157,7 @@ def plan_pipeline(
             )
     if schedule.splits_backward:
         stages = split_backward(graph, stages, op_tasks, schedule.split_stages)
+        region_values |= {v for f in stages.values() for op in f.ops for v in op.outs}
     _check_chains(graph, chained, stages)
 
     pre = cut(graph, op_tasks, tasks, pre_ops, suffix="pre", free_inputs=free_inputs)
@@ -512,23 +513,75 @@ def split_backward(
                 for c in consumers.get(v, ())
             )
         }
-        needed: set[int] = set()
-        stack = [producer[v] for v in critical if v in producer]
-        while stack:
-            op = stack.pop()
-            if op.index in needed:
-                continue
-            needed.add(op.index)
-            stack += [producer[a] for a in op.ins if isinstance(a, int) and a in producer]
-        i_ops = [op for op in frag.ops if op.index in needed]
-        w_ops = [op for op in frag.ops if op.index not in needed]
+        needed, scans = _input_gradient_ops(critical, producer)
+        i_ops: list[Op] = []
+        w_ops: list[Op] = []
+        reads = consumers
+        for op in frag.ops:
+            parts = split_scan(op, scans[op.index], graph) if op.index in scans else None
+            if parts is not None:  # its input-gradient part now, its weight-gradient part later
+                for k, part in enumerate(parts):
+                    part.index = len(graph.ops) + 2 * op.index + k
+                reads = _with_split(reads, op, parts)
+                i_ops.append(parts[0])
+                w_ops.append(parts[1])
+            else:
+                (i_ops if op.index in needed else w_ops).append(op)
         name = frag.task.name
         if i_ops:
             out[("I", stage)] = make_fragment(
-                graph, f"{name}/I{stage}", frag.task, i_ops, ("backward",)
+                graph, f"{name}/I{stage}", frag.task, i_ops, ("backward",), reads
             )
         if w_ops:
             out[("W", stage)] = make_fragment(
-                graph, f"{name}/W{stage}", frag.task, w_ops, frag.kinds
+                graph, f"{name}/W{stage}", frag.task, w_ops, frag.kinds, reads
             )
+    return out
+
+
+def _input_gradient_ops(
+    critical: set[int], producer: dict[int, Op]
+) -> tuple[set[int], dict[int, list[bool]]]:
+    """The ops an I pass runs to make the ``critical`` values; for each scan among them that
+    runs its body in two parts (:func:`split_scan`), which of its results the I pass needs."""
+    needed: set[int] = set()
+    scans: dict[int, list[bool]] = {}
+    whole: set[int] = set()  # scans the I pass runs whole
+    seen: set[int] = set()
+    stack = list(critical)
+    while stack:
+        v = stack.pop()
+        op = producer.get(v)
+        if v in seen or op is None:
+            continue
+        seen.add(v)
+        needed.add(op.index)
+        if op.name == "scan" and op.index not in whole:
+            wanted = scans.setdefault(op.index, [False] * len(op.outs))
+            wanted[op.outs.index(v)] = True
+            part = scan_first_part(op, wanted)
+            if part is not None:
+                outs, operands = part
+                stack += [o for o, w in zip(op.outs, outs, strict=True) if w]
+                stack += [a for a, r in zip(op.ins, operands, strict=True) if r]
+                continue
+            del scans[op.index]
+            whole.add(op.index)
+        stack += [a for a in op.ins if isinstance(a, int)]
+    return needed, scans
+
+
+def _with_split(
+    consumers: dict[int, list[Op]], op: Op, parts: tuple[Op, Op]
+) -> dict[int, list[Op]]:
+    """``consumers`` with ``op``'s reads replaced by those of the two scans it was split into."""
+    out = dict(consumers)
+    for part in parts:
+        for a in part.ins:
+            if isinstance(a, int):
+                mine = [c for c in out.get(a, ()) if c is not op]
+                out[a] = [*mine, part] if part not in mine else mine
+    for a in op.ins:
+        if isinstance(a, int) and not any(a in part.ins for part in parts):
+            out[a] = [c for c in out.get(a, ()) if c is not op]
     return out

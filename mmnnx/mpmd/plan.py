@@ -179,13 +179,19 @@ def levels(
 
 
 def make_fragment(
-    graph: Graph, name: str, task: Task, ops: list[Op], kinds: tuple[str, ...]
+    graph: Graph,
+    name: str,
+    task: Task,
+    ops: list[Op],
+    kinds: tuple[str, ...],
+    consumers: dict[int, list[Op]] | None = None,
 ) -> Fragment:
     """A fragment of ``ops``: its inputs are values it reads but does not make; its outputs are
-    values it makes that another op or the step's result reads."""
+    values it makes that another op (by ``consumers``, default the graph's) or the step's
+    result reads."""
     inside = {op.index for op in ops}
     produced = {v for op in ops for v in op.outs}
-    consumers = graph.consumers()
+    consumers = graph.consumers() if consumers is None else consumers
     graph_outputs = {a for a in graph.outputs if isinstance(a, int)}
     in_ids: list[int] = []
     for op in ops:

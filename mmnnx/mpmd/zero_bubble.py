@@ -32,12 +32,21 @@ Costs = Mapping[str | tuple[str, int], float]
 """Durations of the passes: by kind (``{"F": 2, "I": 1, "W": 1}``) or by ``(kind, stage)``."""
 
 
+POLICIES = ("zero-bubble", "critical-path")
+"""How :func:`list_schedule` picks among the passes a free rank could start: ``"zero-bubble"``
+takes an input gradient first, then a forward (memory allowing), then the oldest weight pass;
+``"critical-path"`` takes the pass with the most work after it on its microbatch's path to the
+last weight pass (its own duration included), so a long weight pass that ends the step (the first
+stage's, which has no input gradient to make) starts early enough."""
+
+
 def list_schedule(
     name: str,
     stage_to_rank: Sequence[int],
     num_microbatches: int,
     limits: Sequence[int],
     costs: Costs | None = None,
+    policy: str = "zero-bubble",
 ) -> _s.Schedule:
     """Builds a split-backward schedule by playing it out (see the module docstring).
 
@@ -45,6 +54,7 @@ def list_schedule(
     ``r`` may hold at once, summed over its stages (at least 1). ``costs`` gives the passes'
     durations (default: one unit each); a schedule built for the durations a step measured
     (``timeline()``) orders the passes for that step, as the zero-bubble paper's scheduler does.
+    ``policy`` (one of :data:`POLICIES`) chooses among the passes ready to start.
 
     Example:
         >>> from mmnnx.mpmd.zero_bubble import list_schedule
@@ -56,7 +66,10 @@ def list_schedule(
     num_stages, num_ranks, m_count = len(stage_to_rank), len(limits), num_microbatches
     if any(limit < 1 for limit in limits):
         raise ValueError(f"{name}: every rank must be allowed at least one microbatch: {limits}")
+    if policy not in POLICIES:
+        raise ValueError(f"{name}: unknown policy {policy!r}; choose one of {POLICIES}")
     cost = _durations(name, costs)
+    rank_of = _critical_paths(num_stages, cost) if policy == "critical-path" else None
     stages_of = [[s for s in range(num_stages) if stage_to_rank[s] == r] for r in range(num_ranks)]
     # per stage, the end times of the F and I passes started so far (each in microbatch order)
     f_end: list[list[float]] = [[] for _ in range(num_stages)]
@@ -76,7 +89,7 @@ def list_schedule(
         while ends and ends[0] <= now:
             heapq.heappop(ends)
         action = _pick(stages_of[rank], f_end, i_end, weights[rank], now,
-                       held[rank] < limits[rank], m_count)  # fmt: skip
+                       held[rank] < limits[rank], m_count, rank_of)  # fmt: skip
         if action is None and not ends:
             stalled.add(rank)
             live = {r for r in range(num_ranks) if left[r]}
@@ -84,7 +97,7 @@ def list_schedule(
                 rank, action = next(
                     ((r, a) for r in sorted(live)
                      if (a := _pick(stages_of[r], f_end, i_end, weights[r], free_at[r], True,
-                                    m_count)) is not None),
+                                    m_count, rank_of)) is not None),
                     (rank, None),
                 )  # fmt: skip
                 if action is None:
@@ -117,6 +130,44 @@ def list_schedule(
     )
 
 
+def built_for(
+    name: str,
+    stage_to_rank: Sequence[int],
+    num_microbatches: int,
+    limits: Sequence[int],
+    costs: Costs | None = None,
+) -> _s.Schedule:
+    """The :func:`list_schedule` for ``costs``: of those each policy builds for them, and the
+    one built for equal durations, the one :func:`~mmnnx.mpmd.schedules.simulate` finds fastest
+    under ``costs`` (the first policy's on a tie). Without ``costs``, the first policy's.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import simulate
+        >>> from mmnnx.mpmd.zero_bubble import built_for, list_schedule
+        >>> costs = {"F": 1, "I": 2, "W": 1, ("I", 0): 0.01, ("W", 0): 3}  # stage 0: all in W
+        >>> def time(s):
+        ...     return simulate(s, action_costs={(a.kind, a.stage): costs.get((a.kind, a.stage),
+        ...                     costs[a.kind]) for r in s.actions for a in r}).makespan
+        >>> greedy = list_schedule("zb", (0, 1, 1, 0), 8, (4, 4), costs)
+        >>> time(built_for("zb", (0, 1, 1, 0), 8, (4, 4), costs)) <= time(greedy)
+        True
+    """
+    if costs is None:
+        return list_schedule(name, stage_to_rank, num_microbatches, limits)
+    cost = _durations(name, costs)
+    built = [
+        list_schedule(name, stage_to_rank, num_microbatches, limits, costs, policy)
+        for policy in POLICIES
+    ]
+    built.append(list_schedule(name, stage_to_rank, num_microbatches, limits))
+
+    def makespan(schedule: _s.Schedule) -> float:
+        durations = {(a.kind, a.stage): cost(a.kind, a.stage) for r in schedule.actions for a in r}
+        return _s.simulate(schedule, action_costs=durations).makespan
+
+    return min(built, key=makespan)
+
+
 def _durations(name: str, costs: Costs | None) -> Callable[[str, int], float]:
     if costs is None:
         return lambda kind, stage: 1
@@ -134,6 +185,22 @@ def _durations(name: str, costs: Costs | None) -> Callable[[str, int], float]:
     return cost
 
 
+def _critical_paths(num_stages: int, cost: Callable[[str, int], float]) -> dict[tuple, float]:
+    """Per ``(kind, stage)``: the pass's duration plus the longest chain of passes that wait
+    on it (a forward feeds the next stage's forward, the last stage's input gradient and its own
+    weight pass; an input gradient feeds the previous stage's and its own weight pass)."""
+    after: dict[tuple, float] = {}
+    for s in range(num_stages):
+        after["W", s] = cost("W", s)
+    for s in range(num_stages):
+        below = after["I", s - 1] if s > 0 else 0.0
+        after["I", s] = cost("I", s) + max(after["W", s], below)
+    for s in reversed(range(num_stages)):
+        onward = after["F", s + 1] if s + 1 < num_stages else after["I", s]
+        after["F", s] = cost("F", s) + onward
+    return after
+
+
 def _pick(
     stages: list[int],
     f_end: list[list[float]],
@@ -142,35 +209,41 @@ def _pick(
     now: float,
     may_forward: bool,
     num_microbatches: int,
+    critical: dict[tuple, float] | None = None,
 ) -> _s.Action | None:
     """Input gradients first, then forwards (memory allowing), then the oldest weight pass;
-    among equals the oldest microbatch, then the deepest stage (nearest the loss). A pass is
-    ready when the passes it reads have ended by ``now``."""
+    among equals the oldest microbatch, then the deepest stage (nearest the loss). With
+    ``critical`` (:func:`_critical_paths`), the ready pass with the longest path after it, then
+    as before. A pass is ready when the passes it reads have ended by ``now``."""
     last = len(f_end) - 1
-    ready_i = []
-    for s in stages:
-        m = len(i_end[s])
-        inputs_done = s == last or (m < len(i_end[s + 1]) and i_end[s + 1][m] <= now)
-        if m < len(f_end[s]) and f_end[s][m] <= now and inputs_done:
-            ready_i.append((m, -s))
-    if ready_i:
-        m, s = min(ready_i)
-        return _s.Action("I", -s, m)
-    if may_forward:
-        ready_f = []
-        for s in stages:
-            m = len(f_end[s])
-            if m < num_microbatches and (
-                s == 0 or (m < len(f_end[s - 1]) and f_end[s - 1][m] <= now)
-            ):
-                ready_f.append((m, -s))
-        if ready_f:
-            m, s = min(ready_f)
-            return _s.Action("F", -s, m)
-    for m, s, end in weights:
-        if end <= now:
-            return _s.Action("W", -s, m)
-    return None
+
+    def first_ready(kind: str) -> _s.Action | None:
+        """The ready pass of ``kind`` to run first (oldest microbatch, then deepest stage)."""
+        ready = []
+        if kind == "I":
+            for s in stages:
+                m = len(i_end[s])
+                inputs_done = s == last or (m < len(i_end[s + 1]) and i_end[s + 1][m] <= now)
+                if m < len(f_end[s]) and f_end[s][m] <= now and inputs_done:
+                    ready.append((m, -s))
+        elif kind == "F" and may_forward:
+            for s in stages:
+                m = len(f_end[s])
+                if m < num_microbatches and (
+                    s == 0 or (m < len(f_end[s - 1]) and f_end[s - 1][m] <= now)
+                ):
+                    ready.append((m, -s))
+        elif kind == "W":
+            ready = [(m, minus_stage) for m, minus_stage, end in weights if end <= now]
+        if not ready:
+            return None
+        m, s = min(ready)
+        return _s.Action(kind, -s, m)
+
+    if critical is None:
+        return next((a for kind in ("I", "F", "W") if (a := first_ready(kind)) is not None), None)
+    ready = [a for kind in ("I", "F", "W") if (a := first_ready(kind)) is not None]
+    return max(ready, key=lambda a: critical[a.kind, a.stage]) if ready else None  # ties: I, F, W
 
 
 def zero_bubble_h2(
@@ -199,7 +272,7 @@ def zero_bubble_h2(
     _s._check_counts(num_stages, num_microbatches)
     _s._need_enough_microbatches("zero-bubble-h2", num_microbatches, num_stages, "stages")
     limits = [2 * num_stages - 1] * num_stages
-    return list_schedule("zero-bubble-h2", range(num_stages), num_microbatches, limits, costs)
+    return built_for("zero-bubble-h2", range(num_stages), num_microbatches, limits, costs)
 
 
 def v_stages(rank: int, num_ranks: int) -> tuple[int, int]:
@@ -240,7 +313,7 @@ def zero_bubble_v(num_ranks: int, num_microbatches: int, costs: Costs | None = N
     _s._need_enough_microbatches("zero-bubble-v", num_microbatches, num_ranks, "ranks")
     stage_to_rank = _v_stage_to_rank(num_ranks)
     limits = [2 * num_ranks] * num_ranks
-    return list_schedule("zero-bubble-v", stage_to_rank, num_microbatches, limits, costs)
+    return built_for("zero-bubble-v", stage_to_rank, num_microbatches, limits, costs)
 
 
 def interleaved_zero_bubble(
@@ -267,7 +340,7 @@ def interleaved_zero_bubble(
     num_stages = num_ranks * virtual_stages
     stage_to_rank = [s % num_ranks for s in range(num_stages)]
     limits = _rank_peaks(_s.interleaved_1f1b(num_ranks, num_microbatches, virtual_stages))
-    return list_schedule("interleaved-zero-bubble", stage_to_rank, num_microbatches, limits, costs)
+    return built_for("interleaved-zero-bubble", stage_to_rank, num_microbatches, limits, costs)
 
 
 def _rank_peaks(schedule: _s.Schedule) -> list[int]:
