@@ -1008,6 +1008,8 @@ class _ScanCut:
     first_eqns: list[Any]
     later_eqns: list[Any]
     saved: list[Any]  # body values the later part reads from the first part, one per iteration
+    first_operands: list[bool]  # per operand of the scan: read by the first part
+    later_operands: list[bool]  # the same for the later part (which also reads ``saved``)
 
 
 def _scan_cut(op: Op, wanted: Sequence[bool]) -> _ScanCut | None:
@@ -1062,16 +1064,24 @@ def _scan_cut(op: Op, wanted: Sequence[bool]) -> _ScanCut | None:
     later_reads = _vars(a for i in later_eqns for a in body.eqns[i].invars) | _vars(later_roots)
     own = set(body.invars[:num_consts]) | set(body.invars[num_consts + num_carry :])
     own |= {carry_in[j] for j in range(num_carry) if not first[j]} | set(body.constvars)
-    saved = [
-        v
-        for v in dict.fromkeys(later_reads)
-        if isinstance(v, jcore.Var) and v not in later_made and v not in own
-    ]
+    saved = [v for v in dict.fromkeys(later_reads) if v not in later_made and v not in own]
+    first_reads = _vars(a for i in eqns for a in body.eqns[i].invars) | set(saved)
+    first_reads |= _vars(v for v, w in zip(body.outvars, first, strict=True) if w)
+
+    def operands(reads: set, carries: Sequence[bool]) -> list[bool]:
+        """Per operand of the scan: whether a part reading ``reads`` and carrying ``carries``
+        takes it (every carry it updates; the constants and scanned operands it reads)."""
+        flags = [v in reads for v in body.invars]
+        flags[num_consts : num_consts + num_carry] = carries
+        return flags
+
     return _ScanCut(
         first,
         [e for i, e in enumerate(body.eqns) if i in eqns],
         [e for i, e in enumerate(body.eqns) if i in later_eqns],
         saved,
+        operands(first_reads, first[:num_carry]),
+        operands(later_reads, [not c for c in first[:num_carry]]),
     )
 
 
@@ -1090,17 +1100,7 @@ def scan_first_part(op: Op, wanted: Sequence[bool]) -> tuple[list[bool], list[bo
         ([True, False], [False, True, True])
     """
     cut = _scan_cut(op, wanted)
-    if cut is None:
-        return None
-    body = op.params["jaxpr"].jaxpr
-    reads = _vars(a for e in cut.first_eqns for a in e.invars)
-    reads |= _vars(v for v, w in zip(body.outvars, cut.first_outs, strict=True) if w)
-    reads |= set(cut.saved)
-    num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
-    operands = [v in reads for v in body.invars]
-    for j in range(num_carry):
-        operands[num_consts + j] = cut.first_outs[j]
-    return cut.first_outs, operands
+    return None if cut is None else (cut.first_outs, cut.first_operands)
 
 
 def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | None:
@@ -1147,16 +1147,7 @@ def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | 
             params["linear"] = (False,) * len(ins)
         return params
 
-    def operands(reads: set, carries: Sequence[bool]) -> list[bool]:
-        """Per operand of ``op``: whether a part reading ``reads`` and carrying ``carries``
-        takes it (every carry it updates; the constants and scanned operands it reads)."""
-        flags = [v in reads for v in body.invars]
-        flags[num_consts : num_consts + num_carry] = carries
-        return flags
-
-    reads = _vars(a for e in cut.first_eqns for a in e.invars)
-    reads |= _vars(v for v, w in zip(body.outvars, first_outs, strict=True) if w) | set(cut.saved)
-    pick = operands(reads, carry_first)
+    pick = cut.first_operands
     first_invars = [v for v, p in zip(body.invars, pick, strict=True) if p]
     first_ins = [a for a, p in zip(op.ins, pick, strict=True) if p]
     first_outvars = [v for v, w in zip(body.outvars, first_outs, strict=True) if w] + cut.saved
@@ -1179,9 +1170,7 @@ def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | 
         [v for v, w in zip(op.outs, first_outs, strict=True) if w] + saved_ids,
     )
 
-    later_reads = _vars(a for e in cut.later_eqns for a in e.invars)
-    later_reads |= _vars(v for v, w in zip(body.outvars, first_outs, strict=True) if not w)
-    keep = operands(later_reads, [not c for c in carry_first])
+    keep = cut.later_operands
     later_invars = [v for v, k in zip(body.invars, keep, strict=True) if k] + cut.saved
     later_ins = [a for a, k in zip(op.ins, keep, strict=True) if k] + saved_ids
     later_params = scan(

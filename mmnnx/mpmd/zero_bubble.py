@@ -69,7 +69,7 @@ def list_schedule(
     if policy not in POLICIES:
         raise ValueError(f"{name}: unknown policy {policy!r}; choose one of {POLICIES}")
     cost = _durations(name, costs)
-    rank_of = _critical_paths(num_stages, cost) if policy == "critical-path" else None
+    critical = _critical_paths(num_stages, cost) if policy == "critical-path" else None
     stages_of = [[s for s in range(num_stages) if stage_to_rank[s] == r] for r in range(num_ranks)]
     # per stage, the end times of the F and I passes started so far (each in microbatch order)
     f_end: list[list[float]] = [[] for _ in range(num_stages)]
@@ -89,7 +89,7 @@ def list_schedule(
         while ends and ends[0] <= now:
             heapq.heappop(ends)
         action = _pick(stages_of[rank], f_end, i_end, weights[rank], now,
-                       held[rank] < limits[rank], m_count, rank_of)  # fmt: skip
+                       held[rank] < limits[rank], m_count, critical)  # fmt: skip
         if action is None and not ends:
             stalled.add(rank)
             live = {r for r in range(num_ranks) if left[r]}
@@ -97,7 +97,7 @@ def list_schedule(
                 rank, action = next(
                     ((r, a) for r in sorted(live)
                      if (a := _pick(stages_of[r], f_end, i_end, weights[r], free_at[r], True,
-                                    m_count, rank_of)) is not None),
+                                    m_count, critical)) is not None),
                     (rank, None),
                 )  # fmt: skip
                 if action is None:
