@@ -536,9 +536,18 @@ def _execute(
 class JitFunction:
     """The callable ``mm.jit`` returns; see :func:`jit`."""
 
-    def __init__(self, fun, static_argnums, static_argnames, donate_argnums, pack_residuals=False):
+    def __init__(
+        self,
+        fun,
+        static_argnums,
+        static_argnames,
+        donate_argnums,
+        pack_residuals=False,
+        recompute_residuals=True,
+    ):
         self.fun = fun
         self.pack_residuals = pack_residuals
+        self.recompute_residuals = recompute_residuals
         self.static_argnums = _as_tuple(static_argnums)
         self.static_argnames = (
             (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
@@ -624,7 +633,15 @@ class JitFunction:
         pinned: set[int] = set()
         op_tasks = colour(graph, input_tasks, names, home_tasks, tasks, regions, pinned)
         free = {v for v, t in zip(graph.inputs, input_tasks, strict=True) if t is None}
-        pipeline = plan_pipeline(graph, op_tasks, tasks, trace.microbatches, free, pinned)
+        pipeline = plan_pipeline(
+            graph,
+            op_tasks,
+            tasks,
+            trace.microbatches,
+            free,
+            pinned,
+            recompute_residuals=self.recompute_residuals,
+        )
         if pipeline is None:
             order = [(f, None) for f in cut(graph, op_tasks, tasks, free_inputs=free)]
         else:
@@ -747,6 +764,7 @@ def jit(
     static_argnames: str | Sequence[str] = (),
     donate_argnums: int | Sequence[int] = (),
     pack_residuals: bool = False,
+    recompute_residuals: bool = True,
 ) -> JitFunction:
     """Lifts an NNX step over several tasks: one compiled program per task, run asynchronously.
 
@@ -764,6 +782,12 @@ def jit(
     and the copies lengthen a step bound by compute. Worth it for long runs whose steps the host
     bounds (many microbatches of small stages).
 
+    ``recompute_residuals``: in a pipelined step, each stage's backward recomputes the cheap
+    residuals of its forward (arithmetic and layout ops: ``2 * x``, a norm's scaled output, the
+    pieces of a GELU) from those it keeps, instead of the forward returning them: half the
+    arrays a GPT stage's forward returns, and fewer bytes held between the passes. Exp, tanh,
+    rsqrt, reductions and contractions are never recomputed. ``False`` keeps every residual.
+
     Example:
         >>> import jax.numpy as jnp
         >>> from mmnnx.sharding import Task, TaskMesh, place
@@ -778,8 +802,12 @@ def jit(
         >>> [d.id for d in grads["layers"][1]["kernel"].get_value().devices()]
         [1]
     """
-    if not isinstance(pack_residuals, bool):
-        raise TypeError(f"mm.jit: pack_residuals must be True or False, got {pack_residuals!r}")
+    for option, value in (
+        ("pack_residuals", pack_residuals),
+        ("recompute_residuals", recompute_residuals),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"mm.jit: {option} must be True or False, got {value!r}")
     if fun is None:
         return functools.partial(
             jit,
@@ -787,8 +815,16 @@ def jit(
             static_argnames=static_argnames,
             donate_argnums=donate_argnums,
             pack_residuals=pack_residuals,
+            recompute_residuals=recompute_residuals,
         )
-    return JitFunction(fun, static_argnums, static_argnames, donate_argnums, pack_residuals)
+    return JitFunction(
+        fun,
+        static_argnums,
+        static_argnames,
+        donate_argnums,
+        pack_residuals,
+        recompute_residuals,
+    )
 
 
 class CachedPartial:

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import mmnnx as mm
+from mmnnx.models import GPT, GPTConfig
 
 INIT = nnx.initializers.lecun_normal()
 
@@ -150,6 +151,22 @@ def placed_gpt(tasks: list[mm.Task], depth: int = 4) -> "TinyGPT":
         rules = [(f"blocks/{i}/", tasks[i % 4]) for i in range(depth)]
         rules += [("^embed/", tasks[0]), ("^norm/|^head/", tasks[3])]
     return mm.place(tiny_gpt(depth), rules)
+
+
+SMALL_GPT = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16)
+
+
+def small_gpt() -> GPT:
+    """The library's GPT at ``SMALL_GPT`` (4 blocks of dim 32), seed 0, unplaced."""
+    with nnx.use_eager_sharding(False):
+        return GPT(SMALL_GPT, rngs=nnx.Rngs(0))
+
+
+def reference_step(model, opt, tokens):
+    """One full-batch train step of a model with a ``loss(tokens)`` method (the oracle)."""
+    loss, grads = nnx.value_and_grad(lambda m, t: m.loss(t))(model, tokens)
+    opt.update(model, grads)
+    return loss
 
 
 def gpt_step(schedule: str):

@@ -9,38 +9,31 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.models import GPT, GPTConfig, stage_rules
+from mmnnx.models import stage_rules
 from mmnnx.mpmd.packing import plan_packing
 from mmnnx.mpmd.program import Run
-from tests.models import gpt_step, one_device_tasks
+from tests.models import (
+    SMALL_GPT,
+    gpt_step,
+    one_device_tasks,
+    reference_step,
+    small_gpt,
+)
 from tests.oracle import close, params_close, trees_close
-
-CONFIG = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16)
-
-
-def gpt():
-    with nnx.use_eager_sharding(False):
-        return GPT(CONFIG, rngs=nnx.Rngs(0))
-
-
-def reference(model, opt, tokens):
-    loss, grads = nnx.value_and_grad(lambda m, t: m.loss(t))(model, tokens)
-    opt.update(model, grads)
-    return loss
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
 def test_packed_residuals_train_like_one_device(schedule):
-    tokens = jax.random.randint(jax.random.key(0), (16, CONFIG.max_seq_len + 1), 0, 64)
+    tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
     tasks = one_device_tasks(4)
-    model, ref = gpt(), gpt()
+    model, ref = small_gpt(), small_gpt()
     mm.place(model, stage_rules(model, tasks, report=False))
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
     ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
-    _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(gpt(), tokens)
+    _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
     step = mm.jit(gpt_step(schedule), pack_residuals=True)
     for _ in range(3):
-        close(step(model, opt, tokens), reference(ref, ref_opt, tokens))
+        close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
     params_close(model, ref, ref_grads, steps=3, lr=3e-3)
 
     (executable, _), *_ = step._cache.values()
@@ -86,9 +79,9 @@ def test_packed_residuals_train_like_one_device(schedule):
 def test_fused_pairs_with_packed_residuals_on_one_device_tasks():
     # DualPipeV with its overlapped pairs fused, on a V over two one-device tasks: a fused
     # program both reads packed residuals and returns packed ones
-    tokens = jax.random.randint(jax.random.key(1), (16, CONFIG.max_seq_len + 1), 0, 64)
+    tokens = jax.random.randint(jax.random.key(1), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
     tasks = one_device_tasks(2)
-    model, ref = gpt(), gpt()
+    model, ref = small_gpt(), small_gpt()
     mm.place(model, stage_rules(model, tasks, virtual_stages=2, order="v", report=False))
     schedule = mm.schedules.dualpipe_v(2, 4, fuse_pairs=True)
 
@@ -115,9 +108,9 @@ def test_fused_pairs_with_packed_residuals_on_one_device_tasks():
 
 
 def test_nothing_is_packed_by_default():
-    tokens = jax.random.randint(jax.random.key(0), (16, CONFIG.max_seq_len + 1), 0, 64)
+    tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
     tasks = one_device_tasks(2)
-    model = gpt()
+    model = small_gpt()
     mm.place(model, stage_rules(model, tasks, report=False))
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
     step = mm.jit(gpt_step("1f1b"))

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
+from mmnnx.mpmd import remat
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd._jax import is_accumulate, is_cheap, is_index, scan_first_part, split_scan
 from mmnnx.mpmd.chains import Chains, chains, is_marker
@@ -72,12 +73,15 @@ def plan_pipeline(
     groups: dict[int, MicrobatchGroup],
     free_inputs: set[int],
     pinned: AbstractSet[int] = frozenset(),
+    *,
+    recompute_residuals: bool = True,
 ) -> Pipeline | None:
     """The pipelined plan, or ``None`` when the step has no traced microbatch region.
 
     ``free_inputs`` are the graph inputs placed on no task (batches, counters); ``pinned`` the ops
     whose task is fixed (they read placed state): the others may move to keep the stages a
-    chain (``op_tasks`` is updated in place)."""
+    chain (``op_tasks`` is updated in place). ``recompute_residuals``: see
+    :func:`~mmnnx.mpmd.remat.recompute_residuals`."""
     region_groups = {op.group for op in graph.ops if op.group is not None}
     if not region_groups:
         return None
@@ -159,6 +163,8 @@ def plan_pipeline(
         stages = split_backward(graph, stages, op_tasks, schedule.split_stages)
         region_values |= {v for f in stages.values() for op in f.ops for v in op.outs}
     _check_chains(graph, chained, stages)
+    if recompute_residuals:
+        stages = remat.recompute_residuals(graph, stages, replicable_ids, chained.marker_values)
 
     pre = cut(graph, op_tasks, tasks, pre_ops, suffix="pre", free_inputs=free_inputs)
     post = cut(graph, op_tasks, tasks, post_ops, suffix="post", free_inputs=free_inputs)
