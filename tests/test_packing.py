@@ -107,17 +107,51 @@ def test_fused_pairs_with_packed_residuals_on_one_device_tasks():
     assert any(i in packing.by_run or i + 1 in packing.by_run for i in fused)
 
 
-def test_nothing_is_packed_by_default():
+def launches(executable, kind):
+    """The number of arrays each launch of a ``kind`` (F, B, I, W) pass returns."""
+    return [
+        len(step[3])
+        for step in executable._steps
+        if step[0] == 0 and step[4] and step[4][0][0] and step[4][0][0][1] == kind
+    ]
+
+
+def test_residuals_are_not_packed_by_default_running_sums_are():
     tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
     tasks = one_device_tasks(2)
-    model = small_gpt()
+    model, ref = small_gpt(), small_gpt()
     mm.place(model, stage_rules(model, tasks, report=False))
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
     step = mm.jit(gpt_step("1f1b"))
-    step(model, opt, tokens)
+    for _ in range(2):
+        close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
     (executable, _), *_ = step._cache.values()
     assert not executable.pack_residuals
-    # no packed buffer was added: every forward returns its residuals one array each
+    program = executable.plan.program
+    forwards = [a for a in program.actions if isinstance(a, Run) and a.label and a.label[1] == "F"]
+    # every forward returns its residuals one array each (and the last its loss's sum)
+    assert sorted(launches(executable, "F")) == sorted(
+        sum(s is not None for s in a.outs) + len(a.sums) for a in forwards
+    )
+    # a backward returns its input gradient and one buffer for all its gradient sums (the
+    # last stage has no input gradient to send)
+    backwards = [a for a in program.actions if isinstance(a, Run) and a.label and a.label[1] == "B"]
+    assert all(len(a.sums) >= 10 for a in backwards)
+    assert set(launches(executable, "B")) == {1, 2}
+
+
+def test_running_sums_on_multi_device_tasks_are_not_packed():
+    tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
+    tasks = [mm.Task(f"p{i}", mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1])) for i in range(2)]
+    model, ref = small_gpt(), small_gpt()
+    mm.place(model, stage_rules(model, tasks, report=False))
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+    step = mm.jit(gpt_step("1f1b"))
+    close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
+    (executable, _), *_ = step._cache.values()
+    assert min(launches(executable, "B")) >= 10
     assert executable._num_slots == executable.plan.program.num_slots
 
 

@@ -1,11 +1,16 @@
-"""Packing: which results of a pipelined program travel to later programs as one buffer.
+"""Packing: which values of a pipelined step travel between programs as one buffer.
 
-A stage's forward returns every residual its backward reads (60 for a 2-block GPT stage), and
-each returned array costs the host a few microseconds per call. On a one-device task the
-residuals that only later programs of the same task read can be returned concatenated, one flat
-buffer per dtype, which each reader slices back: one output instead of many, with no change of
-layout. This module decides which, from a :class:`StepProgram`; the runner compiles the programs
-that way. A pure pass: it compiles nothing.
+Each array a program takes costs the host a fraction of a microsecond per call, and each array
+it returns a few microseconds. On a one-device task two kinds of values can travel concatenated,
+one flat buffer per dtype, which each reader slices back: one array instead of many, with no
+change of layout.
+
+- Running sums (a stage's gradients, added to by every microbatch's backward): always. Each
+  backward adds its results to the buffer and returns it; the update programs slice it.
+- Residuals that only later programs of the same task read: with ``mm.jit(pack_residuals=True)``.
+
+This module decides which, from a :class:`StepProgram`; the runner compiles the programs that
+way. A pure pass: it compiles nothing.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ from typing import Any
 import jax
 
 from mmnnx.mpmd.ir import Graph
-from mmnnx.mpmd.program import Recv, Run, Send, StepProgram
+from mmnnx.mpmd.program import Recv, Run, Send, StepProgram, Zeros
 
 
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """One flat buffer in slot ``slot``: the results of one run at ``positions`` (of its
-    outputs), each ``(member slot, offset, shape)`` in ``members``, all of ``dtype``."""
+    outputs), or running sums (no ``positions``: each Run adding to it says which of its results
+    go where), each ``(member slot, offset, shape)`` in ``members``, all of ``dtype``."""
 
     slot: int
     dtype: Any
@@ -43,11 +49,43 @@ class Packing:
     by_run: dict[int, tuple[Packed, ...]]
     of_member: dict[int, Packed]
     num_slots: int
+    by_zeros: dict[int, tuple[Packed, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def buffers(self) -> list[Packed]:
         """Every packed buffer."""
-        return [packed for made in self.by_run.values() for packed in made]
+        return [
+            packed for made in (*self.by_run.values(), *self.by_zeros.values()) for packed in made
+        ]
+
+    def zeros(self, index: int, action: Zeros) -> tuple[list[int], list, list, list]:
+        """The slots, shapes, dtypes and shardings the :class:`Zeros` action at ``index`` fills:
+        its sums that are not packed, then one flat buffer per packed group."""
+        packs = self.by_zeros.get(index, ())
+        packed = {m for pk in packs for m, _, _ in pk.members}
+        kept = [i for i, slot in enumerate(action.slots) if slot not in packed]
+        slots = [action.slots[i] for i in kept] + [pk.slot for pk in packs]
+        shapes = [action.shapes[i] for i in kept] + [(pk.size,) for pk in packs]
+        dtypes = [action.dtypes[i] for i in kept] + [pk.dtype for pk in packs]
+        shardings = [action.shardings[i] for i in kept] + [action.task.sharding() for _ in packs]
+        return slots, shapes, dtypes, shardings
+
+    def sums(self, run: Run) -> tuple[list[int], list[tuple[Packed | None, tuple[int, ...]]]]:
+        """The running sums ``run`` reads and returns updated (a packed buffer once for all its
+        members), and for each the buffer (``None``: a sum of its own) and the positions of
+        ``run``'s results added to it, in the buffer's order."""
+        position = dict(zip(run.sums, run.summed, strict=True))
+        slots: list[int] = []
+        groups: list[tuple[Packed | None, tuple[int, ...]]] = []
+        for s in run.sums:
+            packed = self.of_member.get(s)
+            if packed is None:
+                slots.append(s)
+                groups.append((None, (position[s],)))
+            elif packed.slot not in slots:
+                slots.append(packed.slot)
+                groups.append((packed, tuple(position[m] for m, _, _ in packed.members)))
+        return slots, groups
 
     def inputs(self, run: Run) -> tuple[list[int], tuple | None, dict[int, Packed]]:
         """The slots ``run`` reads (a packed buffer once for all its members); how to find each
@@ -95,14 +133,18 @@ def unpacked_outputs(run: Run, packs: Sequence[Packed]) -> list[int]:
     return [i for i, s in enumerate(run.outs) if s is not None and i not in packed]
 
 
-def plan_packing(program: StepProgram, graph: Graph) -> Packing:
-    """Packs, per Run of a pipelined microbatch on a one-device task, the results of one dtype
-    (two or more) that only runs of other fragments on that task read, in every microbatch alike
-    (so each fragment keeps one compiled program). Values that a transfer, a running sum or the
-    step's outputs read, and extended dtypes (PRNG keys), are left alone."""
-    actions = program.actions
+def plan_packing(program: StepProgram, graph: Graph, *, residuals: bool = True) -> Packing:
+    """Packs the running sums of each one-device task (:func:`_sum_packing`) and, with
+    ``residuals``, the residuals of its pipelined programs (:func:`_residual_packing`)."""
+    packing = _residual_packing(program, graph) if residuals else no_packing(program)
+    return _sum_packing(program, graph, packing)
+
+
+def _readers(program: StepProgram) -> dict[int, list[Run | None]]:
+    """The Runs reading each slot as an argument; ``None`` for any other reader (a running sum's
+    update, a transfer, the step's outputs)."""
     readers: dict[int, list[Run | None]] = {}
-    for a in actions:
+    for a in program.actions:
         if isinstance(a, Run):
             for s in a.ins:
                 readers.setdefault(s, []).append(a)
@@ -115,6 +157,62 @@ def plan_packing(program: StepProgram, graph: Graph) -> Packing:
     for slot, _, _ in program.outputs:
         if slot is not None:
             readers.setdefault(slot, []).append(None)
+    return readers
+
+
+def _sum_packing(program: StepProgram, graph: Graph, packing: Packing) -> Packing:
+    """Adds to ``packing`` the running sums of each :class:`Zeros` action on a one-device task
+    that only Runs on that task read, without donating them: grouped by dtype and by the Runs
+    adding to them (each adds to all of a buffer), one flat buffer per group of two or more."""
+    readers = _readers(program)
+    adders: dict[int, list[int]] = {}
+    for i, a in enumerate(program.actions):
+        if isinstance(a, Run):
+            for s in a.sums:
+                adders.setdefault(s, []).append(i)
+
+    def packable(slot: int, dtype: Any, task: Any) -> bool:
+        reads = [r for r in readers.get(slot, []) if r is not None]
+        return (
+            len(reads) == len(readers.get(slot, [])) - len(adders.get(slot, []))
+            and all(r.task == task and slot not in {r.ins[d] for d in r.donate} for r in reads)
+            and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+        )
+
+    next_slot = packing.num_slots
+    for i, action in enumerate(program.actions):
+        if not isinstance(action, Zeros) or action.task.jax_mesh.devices.size != 1:
+            continue
+        groups: dict[tuple, list[int]] = {}
+        for k, (slot, dtype) in enumerate(zip(action.slots, action.dtypes, strict=True)):
+            if packable(slot, dtype, action.task):
+                groups.setdefault((dtype, tuple(adders.get(slot, ()))), []).append(k)
+        made = []
+        for (dtype, _), group in groups.items():
+            if len(group) < 2:
+                continue
+            members, offset = [], 0
+            for k in group:
+                shape = tuple(action.shapes[k])
+                members.append((action.slots[k], offset, shape))
+                offset += math.prod(shape)
+            packed = Packed(next_slot, dtype, (), tuple(members))
+            next_slot += 1
+            made.append(packed)
+            packing.of_member.update({s: packed for s, _, _ in members})
+        if made:
+            packing.by_zeros[i] = tuple(made)
+    packing.num_slots = next_slot
+    return packing
+
+
+def _residual_packing(program: StepProgram, graph: Graph) -> Packing:
+    """Packs, per Run of a pipelined microbatch on a one-device task, the results of one dtype
+    (two or more) that only runs of other fragments on that task read, in every microbatch alike
+    (so each fragment keeps one compiled program). Values that a transfer, a running sum or the
+    step's outputs read, and extended dtypes (PRNG keys), are left alone."""
+    actions = program.actions
+    readers = _readers(program)
 
     def packable(run: Run, position: int) -> bool:
         slot = run.outs[position]

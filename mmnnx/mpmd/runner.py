@@ -71,14 +71,18 @@ def _part(
     unpack: tuple | None = None,
     packs: Sequence[Packed] = (),
     packed_args: dict[int, Packed] | None = None,
+    sums: Sequence[tuple[Packed | None, tuple[int, ...]]] | None = None,
 ) -> _Part:
     """``run``'s share of a program. ``unpack``: where each of the fragment's inputs is among
     the arguments (see :meth:`Packing.inputs`), with ``packed_args`` the packed buffers among
-    them; ``packs``: the results it returns concatenated, one buffer each."""
+    them; ``packs``: the results it returns concatenated, one buffer each; ``sums``: per running
+    sum it takes, its packed buffer or ``None`` and the results added to it (see
+    :meth:`Packing.sums`; default: one sum per position of ``run.summed``)."""
     frag = run.fragment
     n = len(frag.in_ids) if unpack is None else 1 + max(k for k, _, _ in unpack)
     total_shardings = list(in_shardings[n:])
     summed = run.summed
+    sums = [(None, (i,)) for i in summed] if sums is None else sums
     returned = unpacked_outputs(run, packs)
 
     def inputs(args: Sequence[Any]) -> list:
@@ -91,7 +95,10 @@ def _part(
 
     def body(*args):
         outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, inputs(args))
-        totals = [total + outs[i] for total, i in zip(args[n:], summed, strict=True)]
+        totals = [
+            total + (outs[at[0]] if pk is None else jnp.concatenate([outs[i].ravel() for i in at]))
+            for total, (pk, at) in zip(args[n:], sums, strict=True)
+        ]
         flat = [jnp.concatenate([jnp.ravel(outs[p]) for p in pk.positions]) for pk in packs]
         return [*(outs[i] for i in returned), *flat, *totals]
 
@@ -132,9 +139,11 @@ def _part(
         ]
     avals += [
         jax.ShapeDtypeStruct(
-            graph.shapes[frag.out_ids[i]], graph.dtypes[frag.out_ids[i]], sharding=s
+            graph.shapes[frag.out_ids[at[0]]], graph.dtypes[frag.out_ids[at[0]]], sharding=s
         )
-        for i, s in zip(summed, total_shardings, strict=True)
+        if pk is None
+        else jax.ShapeDtypeStruct((pk.size,), pk.dtype, sharding=s)
+        for (pk, at), s in zip(sums, total_shardings, strict=True)
     ]
     donate = (*run.donate, *range(n, n + len(total_shardings)))
     return _Part(body, list(in_shardings), out_shardings, donate, avals, explicit)
@@ -151,7 +160,8 @@ def compile_fragments(
     same order: one fragment's program, or an overlapped pair as one launch that the compiler
     may interleave. A run with ``sums`` also takes the running sums of its summed outputs and
     returns them updated (donating the old ones). ``packing``: per run, ``(unpack, packs,
-    packed_args)`` for :func:`_part` (its results and arguments packed into flat buffers)."""
+    packed_args, sums)`` for :func:`_part` (its results, arguments and running sums packed into
+    flat buffers)."""
     packing = packing or [(None, (), {})] * len(runs)
     parts = [
         _part(graph, run, s, *how) for run, s, how in zip(runs, in_shardings, packing, strict=True)
@@ -186,17 +196,14 @@ def compile_fragments(
     return lowered.compile()
 
 
-def compile_zeros(action: Zeros) -> Any:
-    """One program making every zero-filled sum of ``action`` in its layout (called each step:
-    the sums are donated to the programs that add to them)."""
+def compile_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Sequence) -> Any:
+    """One program making zero-filled running sums of ``shapes`` and ``dtypes`` in their layouts
+    (called each step: the sums are donated to the programs that add to them)."""
 
     def zeros():
-        return [
-            jax.numpy.zeros(shape, dtype)
-            for shape, dtype in zip(action.shapes, action.dtypes, strict=True)
-        ]
+        return [jax.numpy.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
 
-    return jax.jit(zeros, out_shardings=list(action.shardings)).lower().compile()
+    return jax.jit(zeros, out_shardings=list(shardings)).lower().compile()
 
 
 class _LocalView:
@@ -285,8 +292,11 @@ class Executable:
             return
         program = self.program
         local = _LocalView.make(self)
-        packs = self.pack_residuals and not self.graph.specs
-        packing = plan_packing(program, self.graph) if packs else no_packing(program)
+        packing = (
+            no_packing(program)
+            if self.graph.specs  # sharding in types: every program keeps the types
+            else plan_packing(program, self.graph, residuals=self.pack_residuals)
+        )
         remaining = {p.slot: len(p.members) for p in packing.buffers}
         sharding_of = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]
         compiled_of: dict[tuple, Any] = {}
@@ -316,15 +326,22 @@ class Executable:
                 for run, index in zip(runs, indices, strict=True):
                     args, unpack, packed_args = packing.inputs(run)
                     packs = packing.by_run.get(index, ())
-                    how.append((unpack, packs, packed_args))
-                    reads.append([*args, *run.sums])
+                    sum_slots, sums = packing.sums(run)
+                    how.append((unpack, packs, packed_args, sums))
+                    reads.append([*args, *sum_slots])
                     ins += reads[-1]
                     outs += [run.outs[p] for p in unpacked_outputs(run, packs)]
                     outs += [pk.slot for pk in packs]
-                    outs += run.sums
+                    outs += sum_slots
                 key = tuple(
-                    (*run.variant, run.donate, unpack, tuple(pk.positions for pk in packs))
-                    for run, (unpack, packs, _) in zip(runs, how, strict=True)
+                    (
+                        *run.variant,
+                        run.donate,
+                        unpack,
+                        tuple(pk.positions for pk in packs),
+                        tuple((pk is not None, at) for pk, at in sums),
+                    )
+                    for run, (unpack, packs, _, sums) in zip(runs, how, strict=True)
                 )
                 compiled = compiled_of.get(key)
                 if compiled is None:
@@ -355,11 +372,13 @@ class Executable:
                 elif how is not None:  # a transfer that involves another process
                     steps.append([_CALL, how, action.from_slot, action.slot, ()])
             elif isinstance(action, Zeros):
-                for s, sharding in zip(action.slots, action.shardings, strict=True):
+                slots, shapes, dtypes, shardings = packing.zeros(position - 1, action)
+                for s, sharding in zip(slots, shardings, strict=True):
                     sharding_of[s] = sharding
                 if local.runs(action.task):
-                    local.made(action.slots, action.task)
-                    steps.append([_RUN, compile_zeros(action), (), action.slots, (), ()])
+                    local.made(slots, action.task)
+                    zeros = compile_zeros(shapes, dtypes, shardings)
+                    steps.append([_RUN, zeros, (), slots, (), ()])
                 else:
                     local.elsewhere(action.slots, action.task)
             elif isinstance(action, Constant):
