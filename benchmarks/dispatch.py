@@ -9,10 +9,13 @@
 3. Pipelined GPT (dim 64, 8 blocks, 1F1B, AdamW) for stages x microbatches x devices per task:
    the host thread's own CPU time per step (``time.thread_time``: dispatch, transfers and
    bookkeeping, not the XLA worker threads; XLA:CPU runs a small program on the calling thread,
-   so part of it is compute) per launched program, and the step's wall time against the same
+   so part of it is compute) per launched program, called as ``mm.jit`` (which walks the Module
+   and Optimizer each call) and as ``mm.cached_partial`` (as ``mmnnx.train.fit`` calls it: the
+   walk done once), and the step's wall time against the same
    model's data-parallel ``nnx.jit`` step over all 8 devices. Target (issue 16): <= 0.1 ms per
    launch, flat in parameter count; S = 4, M = 16 within 1.3x of data parallel. Measured with
-   and without ``mm.jit(pack_residuals=True)`` (a forward's residuals returned as one buffer).
+   and without ``mm.jit(pack_residuals=True)`` (a forward's residuals returned as one buffer),
+   and once with ``recompute_residuals=False`` (every residual returned, none recomputed).
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/dispatch.py
 Writes benchmarks/results/dispatch.json.
@@ -217,14 +220,15 @@ def pipelined_host_time():
 
     batch = 32
     tokens = jax.random.randint(jax.random.key(0), (batch, config.max_seq_len + 1), 0, 256)
-    for stages, m, per_task, depth, packed in [
-        (2, 8, 1, 8, False),
-        (4, 8, 1, 8, False),
-        (4, 16, 1, 8, False),
-        (4, 16, 1, 8, True),
-        (4, 16, 2, 8, False),
-        (4, 16, 1, 16, False),
-        (4, 16, 1, 16, True),
+    for stages, m, per_task, depth, packed, recompute in [
+        (2, 8, 1, 8, False, True),
+        (4, 8, 1, 8, False, True),
+        (4, 16, 1, 8, False, True),
+        (4, 16, 1, 8, False, False),
+        (4, 16, 1, 8, True, True),
+        (4, 16, 2, 8, False, True),
+        (4, 16, 1, 16, False, True),
+        (4, 16, 1, 16, True, True),
     ]:
         tasks = [
             mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=range(i * per_task, (i + 1) * per_task)))
@@ -233,7 +237,7 @@ def pipelined_host_time():
         model = mm.place(make(depth), stage_rules(make(depth), tasks, report=False))
         opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
 
-        @functools.partial(mm.jit, pack_residuals=packed)
+        @functools.partial(mm.jit, pack_residuals=packed, recompute_residuals=recompute)
         def train(model, opt, tokens, m=m):
             grad_fn = mm.microbatch(
                 nnx.value_and_grad(lambda g, t: g.loss(t)), num=m, reduce="mean", schedule="1f1b"
@@ -243,14 +247,18 @@ def pipelined_host_time():
             return loss
 
         cpu, wall = measure(lambda train=train, model=model, opt=opt: train(model, opt, tokens))
+        bound = mm.cached_partial(train, model, opt)
+        bound_cpu, _ = measure(lambda bound=bound: bound(tokens))
         program = train.plan(model, opt, tokens).program
         launches = sum(type(a).__name__ in ("Run", "Zeros") for a in program.actions)
         key = f"S{stages} M{m} {per_task} device(s) per task" + (
             f", {depth} blocks" if depth != 8 else ""
         )
         key += ", packed residuals" if packed else ""
+        key += "" if recompute else ", every residual kept"
         out[f"{key}: launches"] = launches
         out[f"{key}: host ms per launch"] = cpu / launches * 1e3
+        out[f"{key}: host ms per launch, mm.cached_partial"] = bound_cpu / launches * 1e3
         out[f"{key}: step ms"] = wall * 1e3
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     model = make()

@@ -25,6 +25,8 @@ import jax
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.program import Recv, Run, Send, StepProgram, Zeros
 
+_MAX_PACKED = 2**31 - 1  # elements: programs take the offsets into a buffer as int32
+
 
 @dataclasses.dataclass(frozen=True)
 class Packed:
@@ -126,6 +128,17 @@ class Packing:
         return out
 
 
+def slice_offsets(unpack: tuple | None) -> list[int]:
+    """The distinct offsets at which a program slices members out of its packed arguments
+    (``unpack`` as :meth:`Packing.inputs` gives it), in the order it takes them as arguments.
+
+    Example:
+        >>> slice_offsets(((0, None, ()), (1, 0, (2, 3)), (1, 6, (4,)), (2, 0, (5,))))
+        [0, 6]
+    """
+    return sorted({at for _, at, _ in unpack or () if at is not None})
+
+
 def unpacked_outputs(run: Run, packs: Sequence[Packed]) -> list[int]:
     """The positions of ``run``'s results that its program returns as they are: those it
     returns (not only added to a sum) and does not pack into one of ``packs``."""
@@ -189,7 +202,7 @@ def _sum_packing(program: StepProgram, graph: Graph, packing: Packing) -> Packin
                 groups.setdefault((dtype, tuple(adders.get(slot, ()))), []).append(k)
         made = []
         for (dtype, _), group in groups.items():
-            if len(group) < 2:
+            if len(group) < 2 or sum(math.prod(action.shapes[k]) for k in group) > _MAX_PACKED:
                 continue
             members, offset = [], 0
             for k in group:
@@ -249,7 +262,8 @@ def _residual_packing(program: StepProgram, graph: Graph) -> Packing:
             groups.setdefault(graph.dtypes[run.fragment.out_ids[p]], []).append(p)
         made = []
         for dtype, group in groups.items():
-            if len(group) < 2:
+            sizes = [math.prod(graph.shapes[run.fragment.out_ids[p]]) for p in group]
+            if len(group) < 2 or sum(sizes) > _MAX_PACKED:
                 continue
             members, offset = [], 0
             for p in group:

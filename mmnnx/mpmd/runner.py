@@ -25,7 +25,13 @@ from mmnnx.mpmd import _jax
 from mmnnx.mpmd._jax import constraint_layouts, run_ops
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower import compatible, constraint_layout
-from mmnnx.mpmd.packing import Packed, no_packing, plan_packing, unpacked_outputs
+from mmnnx.mpmd.packing import (
+    Packed,
+    no_packing,
+    plan_packing,
+    slice_offsets,
+    unpacked_outputs,
+)
 from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
 
@@ -77,19 +83,29 @@ def _part(
     the arguments (see :meth:`Packing.inputs`), with ``packed_args`` the packed buffers among
     them; ``packs``: the results it returns concatenated, one buffer each; ``sums``: per running
     sum it takes, its packed buffer or ``None`` and the results added to it (see
-    :meth:`Packing.sums`; default: one sum per position of ``run.summed``)."""
+    :meth:`Packing.sums`; default: one sum per position of ``run.summed``).
+
+    A packed argument's members are sliced at offsets the program takes as arguments (after the
+    sums; :func:`slice_offsets`), not as constants: XLA then compiles one kernel for the members
+    of equal shape (a block's parameters, layer after layer) where constant offsets would make
+    each slice-reading kernel distinct (about 10 ms of compile each on XLA:CPU)."""
     frag = run.fragment
     n = len(frag.in_ids) if unpack is None else 1 + max(k for k, _, _ in unpack)
-    total_shardings = list(in_shardings[n:])
     summed = run.summed
     sums = [(None, (i,)) for i in summed] if sums is None else sums
+    total_shardings = list(in_shardings[n : n + len(sums)])
+    offset_arg = {at: n + len(sums) + j for j, at in enumerate(slice_offsets(unpack))}
     returned = unpacked_outputs(run, packs)
 
     def inputs(args: Sequence[Any]) -> list:
         if unpack is None:
             return list(args[:n])
         return [
-            args[k] if at is None else args[k][at : at + math.prod(shape)].reshape(shape)
+            args[k]
+            if at is None
+            else jax.lax.dynamic_slice(
+                args[k], (args[offset_arg[at]],), (math.prod(shape),)
+            ).reshape(shape)
             for k, at, shape in unpack
         ]
 
@@ -97,7 +113,7 @@ def _part(
         outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, inputs(args))
         totals = [
             total + (outs[at[0]] if pk is None else jnp.concatenate([outs[i].ravel() for i in at]))
-            for total, (pk, at) in zip(args[n:], sums, strict=True)
+            for total, (pk, at) in zip(args[n : n + len(sums)], sums, strict=True)
         ]
         flat = [jnp.concatenate([jnp.ravel(outs[p]) for p in pk.positions]) for pk in packs]
         return [*(outs[i] for i in returned), *flat, *totals]
@@ -144,6 +160,9 @@ def _part(
         if pk is None
         else jax.ShapeDtypeStruct((pk.size,), pk.dtype, sharding=s)
         for (pk, at), s in zip(sums, total_shardings, strict=True)
+    ]
+    avals += [
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=in_shardings[i]) for i in offset_arg.values()
     ]
     donate = (*run.donate, *range(n, n + len(total_shardings)))
     return _Part(body, list(in_shardings), out_shardings, donate, avals, explicit)
@@ -300,6 +319,18 @@ class Executable:
         remaining = {p.slot: len(p.members) for p in packing.buffers}
         sharding_of = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]
         compiled_of: dict[tuple, Any] = {}
+        offset_slots: dict[tuple, int] = {}
+
+        def offset_slot(task: Any, offset: int) -> int:
+            """The slot of the int32 ``offset`` on ``task`` (put there once)."""
+            slot = offset_slots.get((task, offset))
+            if slot is None:
+                slot = offset_slots[(task, offset)] = len(sharding_of)
+                sharding_of.append(task.sharding())
+                constants.append((slot, local.put(jnp.int32(offset), task.sharding())))
+                local.made([slot], task)
+            return slot
+
         resolved: dict[tuple, Any] = {}
         steps: list[list] = []
         constants: list[tuple[int, Any]] = []
@@ -328,7 +359,8 @@ class Executable:
                     packs = packing.by_run.get(index, ())
                     sum_slots, sums = packing.sums(run)
                     how.append((unpack, packs, packed_args, sums))
-                    reads.append([*args, *sum_slots])
+                    offsets = [offset_slot(run.task, at) for at in slice_offsets(unpack)]
+                    reads.append([*args, *sum_slots, *offsets])
                     ins += reads[-1]
                     outs += [run.outs[p] for p in unpacked_outputs(run, packs)]
                     outs += [pk.slot for pk in packs]
@@ -420,7 +452,7 @@ class Executable:
                 if pk.members[0][0] in program.activations
             },
         }
-        self._num_slots = packing.num_slots
+        self._num_slots = len(sharding_of)
         self._steps = [tuple(s) for s in steps]
 
     def __call__(
