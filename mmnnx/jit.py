@@ -774,13 +774,13 @@ def jit(
     another ``mm.jit`` step, ``fun`` is inlined into it.
 
     ``pack_residuals``: in a pipelined step, each forward on a one-device task returns the
-    residuals its backward reads as one flat buffer per dtype instead of one array each (60 for a
+    residuals its backward reads as one flat buffer per dtype instead of one array each (29 for a
     2-block GPT stage). The host pays a few microseconds per returned array and launch, so this
-    saves a fifth to a half of the host time per launch; but every reader slices the buffer back,
-    and XLA compiles each slice-reading kernel apart: on XLA:CPU the backward programs compile
-    about 3x slower (the first call of a 32-block GPT on 4 stages: 20-24 s instead of 12-14 s),
-    and the copies lengthen a step bound by compute. Worth it for long runs whose steps the host
-    bounds (many microbatches of small stages).
+    cuts the host time per launch by up to a third; but every reader slices the buffer back: on
+    XLA:CPU the backward programs compile about 1.4x slower (the first call of a 32-block GPT on
+    4 stages: 13.4 s instead of 11.9 s), and the copies lengthen a step bound by compute. Worth
+    it for long runs whose steps the host bounds (many microbatches of small stages). A stage's
+    gradient sums travel as one buffer either way.
 
     ``recompute_residuals``: in a pipelined step, each stage's backward recomputes the cheap
     residuals of its forward (arithmetic and layout ops: ``2 * x``, a norm's scaled output, the
