@@ -150,7 +150,7 @@ def plan_packing(program: StepProgram, graph: Graph, *, residuals: bool = True) 
     """Packs the running sums of each one-device task (:func:`_sum_packing`) and, with
     ``residuals``, the residuals of its pipelined programs (:func:`_residual_packing`)."""
     packing = _residual_packing(program, graph) if residuals else no_packing(program)
-    return _sum_packing(program, graph, packing)
+    return _sum_packing(program, packing)
 
 
 def _readers(program: StepProgram) -> dict[int, list[Run | None]]:
@@ -173,7 +173,7 @@ def _readers(program: StepProgram) -> dict[int, list[Run | None]]:
     return readers
 
 
-def _sum_packing(program: StepProgram, graph: Graph, packing: Packing) -> Packing:
+def _sum_packing(program: StepProgram, packing: Packing) -> Packing:
     """Adds to ``packing`` the running sums of each :class:`Zeros` action on a one-device task
     that only Runs on that task read, without donating them: grouped by dtype and by the Runs
     adding to them (each adds to all of a buffer), one flat buffer per group of two or more."""
@@ -202,17 +202,12 @@ def _sum_packing(program: StepProgram, graph: Graph, packing: Packing) -> Packin
                 groups.setdefault((dtype, tuple(adders.get(slot, ()))), []).append(k)
         made = []
         for (dtype, _), group in groups.items():
-            if len(group) < 2 or sum(math.prod(action.shapes[k]) for k in group) > _MAX_PACKED:
-                continue
-            members, offset = [], 0
-            for k in group:
-                shape = tuple(action.shapes[k])
-                members.append((action.slots[k], offset, shape))
-                offset += math.prod(shape)
-            packed = Packed(next_slot, dtype, (), tuple(members))
-            next_slot += 1
-            made.append(packed)
-            packing.of_member.update({s: packed for s, _, _ in members})
+            members = [(action.slots[k], action.shapes[k]) for k in group]
+            packed = _buffer(next_slot, dtype, (), members)
+            if packed is not None:
+                next_slot += 1
+                made.append(packed)
+                packing.of_member.update({m: packed for m, _, _ in packed.members})
         if made:
             packing.by_zeros[i] = tuple(made)
     packing.num_slots = next_slot
@@ -262,21 +257,29 @@ def _residual_packing(program: StepProgram, graph: Graph) -> Packing:
             groups.setdefault(graph.dtypes[run.fragment.out_ids[p]], []).append(p)
         made = []
         for dtype, group in groups.items():
-            sizes = [math.prod(graph.shapes[run.fragment.out_ids[p]]) for p in group]
-            if len(group) < 2 or sum(sizes) > _MAX_PACKED:
-                continue
-            members, offset = [], 0
-            for p in group:
-                shape = tuple(graph.shapes[run.fragment.out_ids[p]])
-                members.append((run.outs[p], offset, shape))
-                offset += math.prod(shape)
-            packed = Packed(next_slot, dtype, tuple(group), tuple(members))
-            next_slot += 1
-            made.append(packed)
-            of_member.update({s: packed for s, _, _ in members})
+            members = [(run.outs[p], graph.shapes[run.fragment.out_ids[p]]) for p in group]
+            packed = _buffer(next_slot, dtype, tuple(group), members)
+            if packed is not None:
+                next_slot += 1
+                made.append(packed)
+                of_member.update({m: packed for m, _, _ in packed.members})
         if made:
             by_run[i] = tuple(made)
     return Packing(by_run, of_member, next_slot)
+
+
+def _buffer(
+    slot: int, dtype: Any, positions: tuple[int, ...], members: Sequence[tuple[int, tuple]]
+) -> Packed | None:
+    """The buffer in ``slot`` holding ``members`` (``(slot, shape)`` each) one after the other,
+    or ``None`` if they are fewer than two or too many elements for int32 offsets."""
+    if len(members) < 2 or sum(math.prod(shape) for _, shape in members) > _MAX_PACKED:
+        return None
+    at, offset = [], 0
+    for member, shape in members:
+        at.append((member, offset, tuple(shape)))
+        offset += math.prod(shape)
+    return Packed(slot, dtype, positions, tuple(at))
 
 
 def no_packing(program: StepProgram) -> Packing:

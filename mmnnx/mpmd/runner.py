@@ -111,12 +111,15 @@ def _part(
 
     def body(*args):
         outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, inputs(args))
+
+        def flat(positions: Sequence[int]) -> Any:
+            return jnp.concatenate([jnp.ravel(outs[p]) for p in positions])
+
         totals = [
-            total + (outs[at[0]] if pk is None else jnp.concatenate([outs[i].ravel() for i in at]))
+            total + (outs[at[0]] if pk is None else flat(at))
             for total, (pk, at) in zip(args[n : n + len(sums)], sums, strict=True)
         ]
-        flat = [jnp.concatenate([jnp.ravel(outs[p]) for p in pk.positions]) for pk in packs]
-        return [*(outs[i] for i in returned), *flat, *totals]
+        return [*(outs[i] for i in returned), *(flat(pk.positions) for pk in packs), *totals]
 
     out_shardings = [
         *(run.out_shardings[i] for i in returned),
@@ -319,6 +322,7 @@ class Executable:
         remaining = {p.slot: len(p.members) for p in packing.buffers}
         sharding_of = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]
         compiled_of: dict[tuple, Any] = {}
+        constants: list[tuple[int, Any]] = []
         offset_slots: dict[tuple, int] = {}
 
         def offset_slot(task: Any, offset: int) -> int:
@@ -333,7 +337,6 @@ class Executable:
 
         resolved: dict[tuple, Any] = {}
         steps: list[list] = []
-        constants: list[tuple[int, Any]] = []
         actions = program.actions
         position = 0
         while position < len(actions):
