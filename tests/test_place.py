@@ -396,3 +396,64 @@ def test_init_refuses_a_factory_that_closes_over_an_outer_rngs(tasks):
     ):
         mm.init(factory, rules_for(s0, s1))
     assert int(rngs.params.count.get_value()) == 0  # the outer Rngs was not advanced
+
+
+def count_compiles(fn):
+    """How many XLA programs ``fn()`` compiles (jax.monitoring's backend-compile events)."""
+    compiled = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(compiled)
+
+
+class Tower(nnx.Module):
+    """``depth`` equal Linear layers with a shared tied scale derived from another Variable."""
+
+    def __init__(self, depth, width, *, rngs):
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+        self.base = nnx.Param(jax.random.normal(rngs.params(), (width,)))
+        self.tied = nnx.Param(self.base.get_value() * 2.0)  # reads another Variable's value
+
+
+def test_init_compiles_equal_layers_once_and_a_second_build_nothing(tasks):
+    s0, s1 = tasks
+    rules = [("layers/[0-3]/", s0), (".*", s1)]
+    width = 24  # a width no other test builds, so nothing is compiled yet
+    shallow = count_compiles(lambda: mm.init(lambda: Tower(2, width, rngs=nnx.Rngs(0)), rules))
+    deep = count_compiles(lambda: mm.init(lambda: Tower(8, width, rngs=nnx.Rngs(1)), rules))
+    again = count_compiles(lambda: mm.init(lambda: Tower(8, width, rngs=nnx.Rngs(2)), rules))
+    assert shallow > 0
+    assert deep <= 1 and again <= 1  # the moves onto the tasks' layouts at most
+    inited = mm.init(lambda: Tower(8, width, rngs=nnx.Rngs(5)), rules)
+    with nnx.use_eager_sharding(False):
+        eager = mm.place(Tower(8, width, rngs=nnx.Rngs(5)), rules)
+    assert snapshot(inited).keys() == snapshot(eager).keys()
+    for path, (value, sharding) in snapshot(eager).items():
+        np.testing.assert_array_equal(snapshot(inited)[path][0], value, err_msg=path)
+        assert snapshot(inited)[path][1] == sharding, path
+    np.testing.assert_allclose(host(inited.tied.get_value()), 2 * host(inited.base.get_value()))
+
+
+def test_init_runs_a_factory_with_side_effects(tasks, capsys):
+    s0, s1 = tasks
+
+    def factory():
+        model = TwoStageMLP(rngs=nnx.Rngs(4))
+        jax.debug.print("built {n} layers", n=len(model.layers))
+        return model
+
+    model = mm.init(factory, rules_for(s0, s1))
+    jax.effects_barrier()
+    assert "built 2 layers" in capsys.readouterr().out
+    for got, want in zip(
+        values(model), values(mm.place(make_mlp(4), rules_for(s0, s1))), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)
