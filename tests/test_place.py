@@ -1,3 +1,4 @@
+import importlib
 import warnings
 
 import jax
@@ -423,7 +424,7 @@ class Tower(nnx.Module):
         self.tied = nnx.Param(self.base.get_value() * 2.0)  # reads another Variable's value
 
 
-def test_init_compiles_equal_layers_once_and_a_second_build_nothing(tasks):
+def test_init_compiles_equal_layers_once_and_a_second_build_nothing(tasks, monkeypatch):
     s0, s1 = tasks
     rules = [("layers/[0-3]/", s0), (".*", s1)]
     width = 24  # a width no other test builds, so nothing is compiled yet
@@ -432,6 +433,8 @@ def test_init_compiles_equal_layers_once_and_a_second_build_nothing(tasks):
     again = count_compiles(lambda: mm.init(lambda: Tower(8, width, rngs=nnx.Rngs(2)), rules))
     assert shallow > 0
     assert deep <= 1 and again <= 1  # the moves onto the tasks' layouts at most
+    # each Variable moved on its own, as when they are larger than the batch of moves
+    monkeypatch.setattr(importlib.import_module("mmnnx.sharding.place"), "_UNPLACED_BYTES", 1)
     inited = mm.init(lambda: Tower(8, width, rngs=nnx.Rngs(5)), rules)
     with nnx.use_eager_sharding(False):
         eager = mm.place(Tower(8, width, rngs=nnx.Rngs(5)), rules)
