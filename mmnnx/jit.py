@@ -493,7 +493,7 @@ def _stay_home(call: _Call, updates: list[Any]) -> None:
             (device,) = home  # a replica is already there: take it, no copy
             updates[i] = next(s.data for s in new.addressable_shards if s.device == device)
         else:
-            updates[i] = jax.device_put(new, old.sharding)
+            updates[i] = _jax.move_to(new, old.sharding)
 
 
 def _execute(

@@ -3,9 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from mmnnx.mpmd._jax import copier
+import mmnnx as mm
+from mmnnx.mpmd._jax import copier, move_to
+from tests.models import make_mlp, one_device_tasks
 
 
 def test_a_copy_to_other_devices_keeps_values_and_lands_there():
@@ -24,3 +28,46 @@ def test_reshards_and_typed_keys_are_left_to_device_put():
     assert copier(split, whole, 1, np.float32) is None  # a reshard
     a, b = (SingleDeviceSharding(d) for d in jax.devices()[:2])
     assert copier(a, b, 0, jax.random.key(0).dtype) is None  # an extended dtype
+
+
+def test_move_to_copies_where_it_can_and_falls_back_to_device_put():
+    a, b = (SingleDeviceSharding(d) for d in jax.devices()[:2])
+    x = jax.device_put(jnp.arange(4.0), a)
+    y = move_to(x, b)
+    assert y.devices() == {jax.devices()[1]}
+    np.testing.assert_array_equal(y, x)
+    host = move_to(np.arange(3), b)  # not a jax.Array: jax.device_put
+    assert host.devices() == {jax.devices()[1]}
+    key = move_to(jax.device_put(jax.random.key(0), a), b)  # extended dtype: jax.device_put
+    assert key.devices() == {jax.devices()[1]}
+
+
+def test_a_step_moves_values_on_no_task_without_device_put(monkeypatch):
+    """The batch (on the default device) and the optimizer's step count (on no task) reach and
+    leave the last stage by runtime copies, decided once per pair of layouts."""
+    tasks = one_device_tasks(2)
+    model = mm.place(make_mlp(), [("layers/0", tasks[0]), (".*", tasks[1])])
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    reference = make_mlp()
+    reference_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+
+    def loss_fn(m, x, y):
+        return jnp.mean((m(x) - y) ** 2)  # y is read on the last stage
+
+    def step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        opt.update(model, grads)
+        return loss
+
+    x, y = jnp.ones((8, 16)), jnp.zeros((8, 16))
+    train = mm.jit(step)
+    train(model, opt, x, y)  # plans and compiles
+    step(reference, reference_opt, x, y)
+    calls = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(a) or real(*a, **k))
+    loss = train(model, opt, x, y)
+    monkeypatch.setattr(jax, "device_put", real)
+    np.testing.assert_allclose(loss, step(reference, reference_opt, x, y), rtol=1e-5)
+    assert calls == []
+    assert opt.step.get_value().devices() == {jax.devices()[0]}  # back where it was

@@ -1086,6 +1086,30 @@ def copier(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], A
     return move
 
 
+@functools.lru_cache(maxsize=1024)
+def _copier_of(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], Any] | None:
+    return copier(source, target, ndim, dtype)
+
+
+def move_to(x: Any, target: Any) -> Any:
+    """``x`` moved to the sharding ``target``: by one runtime copy (:func:`copier`, decided once
+    per pair of layouts) where ``x`` is an array with the same slicing, else by
+    ``jax.device_put``.
+
+    Example:
+        >>> from jax.sharding import SingleDeviceSharding
+        >>> a, b = (SingleDeviceSharding(d) for d in jax.devices()[:2])
+        >>> move_to(jax.device_put(np.ones(3), a), b).devices() == {jax.devices()[1]}
+        True
+    """
+    source = getattr(x, "sharding", None)
+    if source is not None:
+        move = _copier_of(source, target, x.ndim, x.dtype)
+        if move is not None:
+            return move(x)
+    return jax.device_put(x, target)
+
+
 def _vars(atoms: Any) -> set:
     """The variables among jaxpr atoms (literals left out)."""
     return {a for a in atoms if isinstance(a, jcore.Var)}

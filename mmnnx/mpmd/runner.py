@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -226,6 +227,16 @@ def compile_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Seq
         return [jax.numpy.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
 
     return jax.jit(zeros, out_shardings=list(shardings)).lower().compile()
+
+
+def _reader(slots: Sequence[int]) -> Callable[[list], tuple]:
+    """A function reading ``slots`` of the runner's value list as a tuple, in C where it can."""
+    if len(slots) > 1:
+        return operator.itemgetter(*slots)
+    if slots:
+        (slot,) = slots
+        return lambda env: (env[slot],)
+    return lambda env: ()
 
 
 class _LocalView:
@@ -456,7 +467,9 @@ class Executable:
             },
         }
         self._num_slots = len(sharding_of)
-        self._steps = [tuple(s) for s in steps]
+        self._steps = [
+            (_RUN, s[1], _reader(s[2]), *s[3:]) if s[0] == _RUN else tuple(s) for s in steps
+        ]
 
     def __call__(
         self, leaves: Sequence[Any], *, timeline: list | None = None, memory: dict | None = None
@@ -475,7 +488,7 @@ class Executable:
         for step in self._steps:
             if step[0] == _RUN:
                 began = time.perf_counter() if timeline is not None else 0.0
-                outs = step[1](*[env[s] for s in step[2]])
+                outs = step[1](*step[2](env))
                 if timeline is not None:
                     self._time(step[4], outs, began - start, start, timeline)
                 for s, o in zip(step[3], outs, strict=True):
@@ -485,7 +498,7 @@ class Executable:
                 if step[4] is not None and getattr(value, "sharding", None) == step[5]:
                     value = step[4](value)  # laid out as planned: the move decided at compile
                 elif not self._laid_out_as(value, step[3]):
-                    value = jax.device_put(value, step[3])
+                    value = _jax.move_to(value, step[3])
                 env[step[2]] = value
             else:  # a transfer involving another process: ``step[1]`` moves it
                 value = step[1](env[step[2]])
