@@ -8,12 +8,13 @@
    jax.jit executables with device_put between them. Target: <= 1.2x.
 3. Pipelined GPT (dim 64, 8 blocks, 1F1B, AdamW) for stages x microbatches x devices per task:
    the host thread's own CPU time per step (``time.thread_time``: dispatch, transfers and
-   bookkeeping, not the XLA worker threads; XLA:CPU runs a small program on the calling thread,
-   so part of it is compute) per launched program, called as ``mm.jit`` (which walks the Module
-   and Optimizer each call) and as ``mm.cached_partial`` (as ``mmnnx.train.fit`` calls it: the
-   walk done once), and the step's wall time against the same
-   model's data-parallel ``nnx.jit`` step over all 8 devices. Target (issue 16): <= 0.1 ms per
-   launch, flat in parameter count; S = 4, M = 16 within 1.3x of data parallel. Measured with
+   bookkeeping, not the XLA worker threads; XLA:CPU runs a program of under 1000 flops, a zero
+   fill, on the calling thread) per launched program, called as ``mm.jit`` (which walks the
+   Module and Optimizer each call) and as ``mm.cached_partial`` (as ``mmnnx.train.fit`` calls
+   it: the walk done once), and the step's wall time against the same model's data-parallel
+   ``nnx.jit`` step over all 8 devices. Each configuration runs in a process of its own.
+   Target (issue 16): <= 0.1 ms per launch, flat in parameter count; S = 4, M = 16 within 1.3x
+   of data parallel. Measured with
    and without ``mm.jit(pack_residuals=True)`` (a forward's residuals returned as one buffer),
    and once with ``recompute_residuals=False`` (every residual returned, none recomputed).
 
@@ -25,10 +26,12 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import json  # noqa: E402
 import pathlib  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -198,73 +201,82 @@ def two_task():
     }
 
 
-def pipelined_host_time():
-    from mmnnx.models import GPT, GPTConfig, stage_rules  # noqa: PLC0415
+CONFIG = {"vocab_size": 256, "dim": 64, "depth": 8, "num_heads": 4, "max_seq_len": 32}
+BATCH = 32
+# (stages, microbatches, devices per task, blocks, packed residuals, recomputed residuals)
+PIPELINES = [
+    (2, 8, 1, 8, False, True),
+    (4, 8, 1, 8, False, True),
+    (4, 16, 1, 8, False, True),
+    (4, 16, 1, 8, False, False),
+    (4, 16, 1, 8, True, True),
+    (4, 16, 2, 8, False, True),
+    (4, 16, 1, 16, False, True),
+    (4, 16, 1, 16, True, True),
+]
 
-    config = GPTConfig(vocab_size=256, dim=64, depth=8, num_heads=4, max_seq_len=32)
-    out = {}
 
-    def make(depth=8):
-        with nnx.use_eager_sharding(False):
-            return GPT(dataclasses.replace(config, depth=depth), rngs=nnx.Rngs(0))
+def _gpt(depth=8):
+    from mmnnx.models import GPT, GPTConfig  # noqa: PLC0415
 
-    def measure(fn, steps=20):
+    with nnx.use_eager_sharding(False):
+        return GPT(GPTConfig(**{**CONFIG, "depth": depth}), rngs=nnx.Rngs(0))
+
+
+def _tokens():
+    return jax.random.randint(
+        jax.random.key(0), (BATCH, CONFIG["max_seq_len"] + 1), 0, CONFIG["vocab_size"]
+    )
+
+
+def _host_and_wall(fn, steps=20):
+    """Median host-thread CPU seconds and wall seconds of one ``fn()`` step."""
+    jax.block_until_ready(fn())
+    cpu, wall = [], []
+    for _ in range(steps):
+        c, t = time.thread_time(), time.perf_counter()
         jax.block_until_ready(fn())
-        cpu, wall = [], []
-        for _ in range(steps):
-            c, t = time.thread_time(), time.perf_counter()
-            jax.block_until_ready(fn())
-            cpu.append(time.thread_time() - c)
-            wall.append(time.perf_counter() - t)
-        return statistics.median(cpu), statistics.median(wall)
+        cpu.append(time.thread_time() - c)
+        wall.append(time.perf_counter() - t)
+    return statistics.median(cpu), statistics.median(wall)
 
-    batch = 32
-    tokens = jax.random.randint(jax.random.key(0), (batch, config.max_seq_len + 1), 0, 256)
-    for stages, m, per_task, depth, packed, recompute in [
-        (2, 8, 1, 8, False, True),
-        (4, 8, 1, 8, False, True),
-        (4, 16, 1, 8, False, True),
-        (4, 16, 1, 8, False, False),
-        (4, 16, 1, 8, True, True),
-        (4, 16, 2, 8, False, True),
-        (4, 16, 1, 16, False, True),
-        (4, 16, 1, 16, True, True),
-    ]:
-        tasks = [
-            mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=range(i * per_task, (i + 1) * per_task)))
-            for i in range(stages)
-        ]
-        model = mm.place(make(depth), stage_rules(make(depth), tasks, report=False))
-        opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
 
-        @functools.partial(mm.jit, pack_residuals=packed, recompute_residuals=recompute)
-        def train(model, opt, tokens, m=m):
-            grad_fn = mm.microbatch(
-                nnx.value_and_grad(lambda g, t: g.loss(t)), num=m, reduce="mean", schedule="1f1b"
-            )
-            loss, grads = grad_fn(model, tokens)
-            opt.update(model, grads)
-            return loss
+def pipeline_case(stages, m, per_task, depth, packed, recompute):
+    """One pipelined configuration, measured in this (fresh) process."""
+    from mmnnx.models import stage_rules  # noqa: PLC0415
 
-        cpu, wall = measure(lambda train=train, model=model, opt=opt: train(model, opt, tokens))
-        bound = mm.cached_partial(train, model, opt)
-        bound_cpu, _ = measure(lambda bound=bound: bound(tokens))
-        program = train.plan(model, opt, tokens).program
-        launches = sum(type(a).__name__ in ("Run", "Zeros") for a in program.actions)
-        key = f"S{stages} M{m} {per_task} device(s) per task" + (
-            f", {depth} blocks" if depth != 8 else ""
+    tasks = [
+        mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=range(i * per_task, (i + 1) * per_task)))
+        for i in range(stages)
+    ]
+    model = mm.place(_gpt(depth), stage_rules(_gpt(depth), tasks, report=False))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    tokens = _tokens()
+
+    @functools.partial(mm.jit, pack_residuals=packed, recompute_residuals=recompute)
+    def train(model, opt, tokens):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(lambda g, t: g.loss(t)), num=m, reduce="mean", schedule="1f1b"
         )
-        key += ", packed residuals" if packed else ""
-        key += "" if recompute else ", every residual kept"
-        out[f"{key}: launches"] = launches
-        out[f"{key}: host ms per launch"] = cpu / launches * 1e3
-        out[f"{key}: host ms per launch, mm.cached_partial"] = bound_cpu / launches * 1e3
-        out[f"{key}: step ms"] = wall * 1e3
+        loss, grads = grad_fn(model, tokens)
+        opt.update(model, grads)
+        return loss
+
+    cpu, wall = _host_and_wall(lambda: train(model, opt, tokens))
+    bound = mm.cached_partial(train, model, opt)
+    bound_cpu, _ = _host_and_wall(lambda: bound(tokens))
+    program = train.plan(model, opt, tokens).program
+    launches = sum(type(a).__name__ in ("Run", "Zeros") for a in program.actions)
+    return {"launches": launches, "cpu": cpu, "bound_cpu": bound_cpu, "wall": wall}
+
+
+def data_parallel_case():
+    """The same GPT's data-parallel ``nnx.jit`` step over all 8 devices, in this process."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-    model = make()
+    model = _gpt()
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     sharded = jax.device_put(
-        tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        _tokens(), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     )
 
     @nnx.jit
@@ -273,7 +285,40 @@ def pipelined_host_time():
         opt.update(model, grads)
         return loss
 
-    _, dp_wall = measure(lambda: data_parallel(model, opt, sharded))
+    _, wall = _host_and_wall(lambda: data_parallel(model, opt, sharded))
+    return {"wall": wall}
+
+
+def in_fresh_process(case) -> dict:
+    """Runs ``pipeline_case(*case)`` (or, for ``None``, the data-parallel step) in a new
+    process: a process that has built and run other pipelines measured 5-10% more host time per
+    launch (their buffers and programs still alive), so each configuration gets its own."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--case", json.dumps(case)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def pipelined_host_time():
+    out = {}
+    for case in PIPELINES:
+        stages, m, per_task, depth, packed, recompute = case
+        got = in_fresh_process(list(case))
+        key = f"S{stages} M{m} {per_task} device(s) per task" + (
+            f", {depth} blocks" if depth != 8 else ""
+        )
+        key += ", packed residuals" if packed else ""
+        key += "" if recompute else ", every residual kept"
+        out[f"{key}: launches"] = got["launches"]
+        out[f"{key}: host ms per launch"] = got["cpu"] / got["launches"] * 1e3
+        out[f"{key}: host ms per launch, mm.cached_partial"] = (
+            got["bound_cpu"] / got["launches"] * 1e3
+        )
+        out[f"{key}: step ms"] = got["wall"] * 1e3
+    dp_wall = in_fresh_process(None)["wall"]
     out["data-parallel nnx.jit over 8 devices: step ms"] = dp_wall * 1e3
     out["S4 M16 1 device per task / data parallel"] = out[
         "S4 M16 1 device(s) per task: step ms"
@@ -292,4 +337,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if "--case" in sys.argv:
+        case = json.loads(sys.argv[sys.argv.index("--case") + 1])
+        print(json.dumps(data_parallel_case() if case is None else pipeline_case(*case)))
+    else:
+        main()
