@@ -146,10 +146,10 @@ def test_plan_compiles_nothing_and_shows_each_tasks_program(tasks, batch, monkey
     from mmnnx.mpmd import runner
 
     compiled = []
-    real = runner.compile_fragments
+    real = runner.lower_fragments
     monkeypatch.setattr(
         runner,
-        "compile_fragments",
+        "lower_fragments",
         lambda *a: compiled.extend(run.fragment.name for run in a[1]) or real(*a),
     )
     model, opt, ref, ref_opt = placed_and_reference(tasks, optax.sgd(0.1))

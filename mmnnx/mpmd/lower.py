@@ -369,7 +369,8 @@ def _out_shardings(
     frag: Fragment, home_of: dict[int, NamedSharding], typed: dict[int, Any] | None
 ) -> tuple:
     """A fragment's results: on their home sharding when it is on this task, replicated for a
-    program with no inputs (nothing to infer a layout from), else the compiler's choice; with
+    program with no inputs (nothing to infer a layout from) or on one device (nothing to
+    choose: pinned, its readers can be compiled before it is), else the compiler's choice; with
     sharding in types (``typed``), always the type's."""
     out = []
     for v in frag.out_ids:
@@ -380,8 +381,8 @@ def _out_shardings(
             out.append(home if on_home and same_spec(home.spec, spec) else frag.task.sharding(spec))
         elif home is not None and home.mesh == frag.task.jax_mesh:
             out.append(home)
-        elif not frag.in_ids:
-            out.append(frag.task.sharding())
+        elif not frag.in_ids or frag.task.jax_mesh.size == 1:
+            out.append(frag.task.sharding())  # nothing to infer from, or nothing to choose
         else:
             out.append(None)
     return tuple(out)

@@ -9,11 +9,13 @@ Send/Recv pair is one ``jax.device_put``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import math
 import operator
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -172,13 +174,13 @@ def _part(
     return _Part(body, list(in_shardings), out_shardings, donate, avals, explicit)
 
 
-def compile_fragments(
+def lower_fragments(
     graph: Graph,
     runs: Sequence[Run],
     in_shardings: Sequence[Sequence[Any]],
     packing: Sequence[tuple] = (),
 ) -> Any:
-    """Compiles the fragments of ``runs`` (on one task; the ``in_shardings`` of each) as one
+    """Lowers the fragments of ``runs`` (on one task; the ``in_shardings`` of each) as one
     program taking their arguments one run after the other and returning their results in the
     same order: one fragment's program, or an overlapped pair as one launch that the compiler
     may interleave. A run with ``sums`` also takes the running sums of its summed outputs and
@@ -215,18 +217,44 @@ def compile_fragments(
         constraint_layouts(functools.partial(constraint_layout, runs[0].task)),
         jax.set_mesh(explicit) if explicit is not None else contextlib.nullcontext(),
     ):
-        lowered = jitted.lower(*(a for part in parts for a in part.avals))
-    return lowered.compile()
+        return jitted.lower(*(a for part in parts for a in part.avals))
 
 
-def compile_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Sequence) -> Any:
+def lower_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Sequence) -> Any:
     """One program making zero-filled running sums of ``shapes`` and ``dtypes`` in their layouts
-    (called each step: the sums are donated to the programs that add to them)."""
+    (called each step: the sums are donated to the programs that add to them), lowered."""
 
     def zeros():
         return [jax.numpy.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
 
-    return jax.jit(zeros, out_shardings=list(shardings)).lower().compile()
+    return jax.jit(zeros, out_shardings=list(shardings)).lower()
+
+
+class _Compiler:
+    """Compiles lowered programs on a pool of threads (XLA releases the GIL while it compiles),
+    so the programs of a step compile side by side. A program whose output layouts the compiler
+    chooses is waited for at once: the programs reading its results are lowered for them."""
+
+    def __init__(self):
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="mmnnx-compile"
+        )
+
+    def submit(self, lowered: Any) -> concurrent.futures.Future:
+        return self._pool.submit(lowered.compile)
+
+    def output_shardings(self, lowered: Any, compiling: concurrent.futures.Future) -> list:
+        """The program's output layouts: pinned ones without waiting for its compilation."""
+        shardings = [leaf.sharding for leaf in jax.tree.leaves(lowered.out_info)]
+        if all(s is not None for s in shardings):
+            return shardings
+        return list(compiling.result().output_shardings)
+
+    def __enter__(self) -> _Compiler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _reader(slots: Sequence[int]) -> Callable[[list], tuple]:
@@ -320,9 +348,14 @@ class Executable:
         self._same_layout: dict[tuple, bool] = {}
 
     def compile(self) -> None:
-        """Compiles every distinct program of the step (once) and resolves every transfer."""
+        """Compiles every distinct program of the step (once, side by side on threads) and
+        resolves every transfer."""
         if self._steps is not None:
             return
+        with _Compiler() as compiler:
+            self._build(compiler)
+
+    def _build(self, compiler: _Compiler) -> None:
         program = self.program
         local = _LocalView.make(self)
         packing = (
@@ -389,15 +422,17 @@ class Executable:
                     )
                     for run, (unpack, packs, _, sums) in zip(runs, how, strict=True)
                 )
-                compiled = compiled_of.get(key)
-                if compiled is None:
-                    compiled = compiled_of[key] = compile_fragments(
+                if key not in compiled_of:
+                    lowered = lower_fragments(
                         self.graph,
                         runs,
                         [[sharding_of[s] for s in slots] for slots in reads],
                         how,
                     )
-                for s, sharding in zip(outs, compiled.output_shardings, strict=True):
+                    compiling = compiler.submit(lowered)
+                    compiled_of[key] = (compiling, compiler.output_shardings(lowered, compiling))
+                compiled, output_shardings = compiled_of[key]
+                for s, sharding in zip(outs, output_shardings, strict=True):
                     sharding_of[s] = sharding
                 local.made(outs, runs[0].task)
                 labels = tuple((run.label, run.microbatch) for run in runs)
@@ -423,7 +458,7 @@ class Executable:
                     sharding_of[s] = sharding
                 if local.runs(action.task):
                     local.made(slots, action.task)
-                    zeros = compile_zeros(shapes, dtypes, shardings)
+                    zeros = compiler.submit(lower_zeros(shapes, dtypes, shardings))
                     steps.append([_RUN, zeros, (), slots, (), ()])
                 else:
                     local.elsewhere(action.slots, action.task)
@@ -468,7 +503,8 @@ class Executable:
         }
         self._num_slots = len(sharding_of)
         self._steps = [
-            (_RUN, s[1], _reader(s[2]), *s[3:]) if s[0] == _RUN else tuple(s) for s in steps
+            (_RUN, s[1].result(), _reader(s[2]), *s[3:]) if s[0] == _RUN else tuple(s)
+            for s in steps
         ]
 
     def __call__(
