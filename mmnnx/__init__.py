@@ -20,6 +20,7 @@ from mmnnx.mpmd import (
     schedules,
 )
 from mmnnx.mpmd.markers import task, with_sharding_constraint
+from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES
 from mmnnx.sharding import (
     MultiMesh,
     Task,
@@ -45,6 +46,7 @@ __all__ = [
     "JitFunction",
     "MPMDError",
     "MultiMesh",
+    "PACK_RESIDUAL_BYTES",
     "PlacementConflictError",
     "Plan",
     "SideEffectError",

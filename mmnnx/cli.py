@@ -53,6 +53,8 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES  # noqa: PLC0415
+
     parser = _Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = commands.add_parser(
@@ -127,9 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--pack-residuals",
-        action="store_true",
-        help="return each forward's residuals as one buffer (mm.jit(pack_residuals=True)): "
-        "less host time per launch, a slower first compile",
+        dest="pack_residuals",
+        action="store_const",
+        const=True,
+        default=PACK_RESIDUAL_BYTES,
+        help="return all of each forward's residuals as one buffer (mm.jit(pack_residuals=True)); "
+        f"by default those of at most {PACK_RESIDUAL_BYTES // 1024} KiB are",
+    )
+    run.add_argument(
+        "--no-pack-residuals",
+        dest="pack_residuals",
+        action="store_const",
+        const=False,
+        help="return each residual as an array of its own (mm.jit(pack_residuals=False))",
     )
     run.add_argument(
         "--steps", type=_positive("--steps"), default=300, help="optimizer steps (300)"

@@ -10,6 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import mmnnx as mm
 from mmnnx.cli import main
 from tests.flags import without_device_count
 
@@ -77,6 +78,7 @@ def test_help_documents_every_flag(capsys):
         "--scan-layers",
         "--memory-budget",
         "--pack-residuals",
+        "--no-pack-residuals",
         "--seq-len",
         "--batch-size",
         "--microbatches",
@@ -97,13 +99,18 @@ def test_help_documents_every_flag(capsys):
         assert flag in out
 
 
-def test_pack_residuals_reaches_the_train_step_only():
+def test_pack_residuals_reaches_the_train_step():
+    from mmnnx.mpmd.packing import residual_bound  # noqa: PLC0415
     from mmnnx.train import TrainConfig  # noqa: PLC0415
     from mmnnx.train.loop import make_steps  # noqa: PLC0415
 
     train, evaluate = make_steps(TrainConfig(pack_residuals=True))
-    assert train.pack_residuals and not evaluate.pack_residuals
-    assert not make_steps(TrainConfig())[0].pack_residuals
+    assert train.pack_residuals == residual_bound(True)
+    assert evaluate.pack_residuals == mm.PACK_RESIDUAL_BYTES  # mm.jit's default
+    assert make_steps(TrainConfig(pack_residuals=False))[0].pack_residuals == 0
+    assert make_steps(TrainConfig())[0].pack_residuals == mm.PACK_RESIDUAL_BYTES
+    with pytest.raises(TypeError, match="pack_residuals must be True, False or a number"):
+        TrainConfig(pack_residuals="all")
 
 
 @pytest.mark.slow

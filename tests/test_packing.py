@@ -1,6 +1,9 @@
-"""Residual packing (``mm.jit(pack_residuals=True)``): on one-device tasks a forward returns the
+"""Residual packing (``mm.jit(pack_residuals=...)``): on one-device tasks a forward returns the
 values only its task's later programs read as one flat buffer per dtype; the step's results and
-memory profile are those of the same model on one device. Off by default: nothing is packed."""
+memory profile are those of the same model on one device. By default the residuals of at most
+``mm.PACK_RESIDUAL_BYTES`` are packed; ``True`` packs all, ``False`` none."""
+
+import re
 
 import jax
 import numpy as np
@@ -116,18 +119,18 @@ def launches(executable, kind):
     ]
 
 
-def test_residuals_are_not_packed_by_default_running_sums_are():
+def test_residuals_are_not_packed_when_asked_running_sums_are():
     tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
     tasks = one_device_tasks(2)
     model, ref = small_gpt(), small_gpt()
     mm.place(model, stage_rules(model, tasks, report=False))
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
     ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
-    step = mm.jit(gpt_step("1f1b"))
+    step = mm.jit(gpt_step("1f1b"), pack_residuals=False)
     for _ in range(2):
         close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
     (executable, _), *_ = step._cache.values()
-    assert not executable.pack_residuals
+    assert executable.pack_residuals == 0
     program = executable.plan.program
     forwards = [a for a in program.actions if isinstance(a, Run) and a.label and a.label[1] == "F"]
     # every forward returns its residuals one array each (and the last its loss's sum)
@@ -139,6 +142,59 @@ def test_residuals_are_not_packed_by_default_running_sums_are():
     backwards = [a for a in program.actions if isinstance(a, Run) and a.label and a.label[1] == "B"]
     assert all(len(a.sums) >= 10 for a in backwards)
     assert set(launches(executable, "B")) == {1, 2}
+
+
+def residual_sizes(executable):
+    """For each forward Run: the bytes of each residual it packs, and of each it returns alone
+    that only its own task's later programs read (what packing could have taken)."""
+    program, graph = executable.plan.program, executable.graph
+    packing = plan_packing(program, graph, residual_bytes=executable.pack_residuals)
+    readers = {}
+    for a in program.actions:
+        if isinstance(a, Run):
+            for s in a.ins:
+                readers.setdefault(s, []).append(a)
+    sizes = []
+    for i, run in enumerate(program.actions):
+        if not (isinstance(run, Run) and run.label and run.label[1] == "F"):
+            continue
+        packed = {m for pk in packing.by_run.get(i, ()) for m, _, _ in pk.members}
+        size = {
+            s: int(np.prod(graph.shapes[v])) * np.dtype(graph.dtypes[v]).itemsize
+            for s, v in zip(run.outs, run.fragment.out_ids, strict=True)
+            if s is not None
+        }
+        alone = [
+            size[s]
+            for s in size
+            if s not in packed
+            and readers.get(s)
+            and all(r.task == run.task and r.label and r.label[1] in "BIW" for r in readers[s])
+        ]
+        sizes.append(([size[s] for s in packed], alone))
+    return sizes
+
+
+def test_by_default_the_small_residuals_are_packed_and_a_bound_keeps_large_ones_apart():
+    tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
+    for options, bound in (({}, mm.PACK_RESIDUAL_BYTES), ({"pack_residuals": 1024}, 1024)):
+        tasks = one_device_tasks(2)
+        model, ref = small_gpt(), small_gpt()
+        mm.place(model, stage_rules(model, tasks, report=False))
+        opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+        ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+        step = mm.jit(gpt_step("1f1b"), **options)
+        for _ in range(2):
+            close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
+        (executable, _), *_ = step._cache.values()
+        assert executable.pack_residuals == bound
+        sizes = residual_sizes(executable)
+        assert sizes and all(packed for packed, _ in sizes)
+        for packed, alone in sizes:
+            assert max(packed) <= bound
+            assert all(size > bound for size in alone)
+        if bound == 1024:  # this GPT has residuals on both sides of 1 KiB
+            assert all(alone for _, alone in sizes)
 
 
 def test_running_sums_on_multi_device_tasks_are_not_packed():
@@ -155,6 +211,11 @@ def test_running_sums_on_multi_device_tasks_are_not_packed():
     assert executable._num_slots == executable.plan.program.num_slots
 
 
-def test_pack_residuals_must_be_a_bool():
-    with pytest.raises(TypeError, match="pack_residuals must be True or False, got 'yes'"):
-        mm.jit(gpt_step("1f1b"), pack_residuals="yes")
+@pytest.mark.parametrize("value", ["yes", -1, 1.5, None])
+def test_pack_residuals_must_be_a_bool_or_a_number_of_bytes(value):
+    with pytest.raises(
+        TypeError,
+        match=r"mm.jit: pack_residuals must be True, False or a number of bytes \(the largest "
+        rf"residual packed; default 65536\), got {re.escape(repr(value))}",
+    ):
+        mm.jit(gpt_step("1f1b"), pack_residuals=value)

@@ -7,7 +7,9 @@ change of layout.
 
 - Running sums (a stage's gradients, added to by every microbatch's backward): always. Each
   backward adds its results to the buffer and returns it; the update programs slice it.
-- Residuals that only later programs of the same task read: with ``mm.jit(pack_residuals=True)``.
+- Residuals that only later programs of the same task read, up to ``mm.jit(pack_residuals=...)``
+  bytes each (by default :data:`PACK_RESIDUAL_BYTES`: the small ones, whose host cost per array
+  is larger than the copy into the buffer; ``True``: all of them; ``False``: none).
 
 This module decides which, from a :class:`StepProgram`; the runner compiles the programs that
 way. A pure pass: it compiles nothing.
@@ -24,8 +26,37 @@ import jax
 
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.program import Recv, Run, Send, StepProgram, Zeros
+from mmnnx.sharding.specs import itemsize
 
 _MAX_PACKED = 2**31 - 1  # elements: programs take the offsets into a buffer as int32
+
+PACK_RESIDUAL_BYTES = 64 * 2**10
+"""The largest residual ``mm.jit`` packs by default, in bytes. Smaller arrays cost the host more
+per launch (a few microseconds each) than copying them into the buffer costs the device; the
+larger ones travel alone, so packing never holds a second copy of a large activation."""
+
+
+def residual_bound(pack_residuals: bool | int) -> int:
+    """The largest residual, in bytes, packed for ``mm.jit(pack_residuals=...)``: ``True``,
+    every one; ``False``, none; a number, those of at most that many bytes.
+
+    Example:
+        >>> residual_bound(False), residual_bound(4096)
+        (0, 4096)
+    """
+    if pack_residuals is True:
+        return _MAX_BYTES
+    if pack_residuals is False:
+        return 0
+    if isinstance(pack_residuals, int) and pack_residuals >= 0:
+        return pack_residuals
+    raise TypeError(
+        "mm.jit: pack_residuals must be True, False or a number of bytes (the largest residual "
+        f"packed; default {PACK_RESIDUAL_BYTES}), got {pack_residuals!r}"
+    )
+
+
+_MAX_BYTES = 2**63 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +177,14 @@ def unpacked_outputs(run: Run, packs: Sequence[Packed]) -> list[int]:
     return [i for i, s in enumerate(run.outs) if s is not None and i not in packed]
 
 
-def plan_packing(program: StepProgram, graph: Graph, *, residuals: bool = True) -> Packing:
-    """Packs the running sums of each one-device task (:func:`_sum_packing`) and, with
-    ``residuals``, the residuals of its pipelined programs (:func:`_residual_packing`)."""
-    packing = _residual_packing(program, graph) if residuals else no_packing(program)
+def plan_packing(
+    program: StepProgram, graph: Graph, *, residual_bytes: int = _MAX_BYTES
+) -> Packing:
+    """Packs the running sums of each one-device task (:func:`_sum_packing`) and the residuals
+    of its pipelined programs of at most ``residual_bytes`` each (:func:`_residual_packing`)."""
+    packing = (
+        _residual_packing(program, graph, residual_bytes) if residual_bytes else no_packing(program)
+    )
     return _sum_packing(program, packing)
 
 
@@ -214,11 +249,12 @@ def _sum_packing(program: StepProgram, packing: Packing) -> Packing:
     return packing
 
 
-def _residual_packing(program: StepProgram, graph: Graph) -> Packing:
+def _residual_packing(program: StepProgram, graph: Graph, residual_bytes: int) -> Packing:
     """Packs, per Run of a pipelined microbatch on a one-device task, the results of one dtype
-    (two or more) that only runs of other fragments on that task read, in every microbatch alike
-    (so each fragment keeps one compiled program). Values that a transfer, a running sum or the
-    step's outputs read, and extended dtypes (PRNG keys), are left alone."""
+    (two or more) of at most ``residual_bytes`` each that only runs of other fragments on that
+    task read, in every microbatch alike (so each fragment keeps one compiled program). Values
+    that a transfer, a running sum or the step's outputs read, and extended dtypes (PRNG keys),
+    are left alone."""
     actions = program.actions
     readers = _readers(program)
 
@@ -236,6 +272,7 @@ def _residual_packing(program: StepProgram, graph: Graph) -> Packing:
                 for r in reads
             )
             and not jax.dtypes.issubdtype(graph.dtypes[value], jax.dtypes.extended)
+            and math.prod(graph.shapes[value]) * itemsize(graph.dtypes[value]) <= residual_bytes
         )
 
     runs = [

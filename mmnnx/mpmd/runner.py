@@ -323,7 +323,8 @@ class Executable:
     :class:`~mmnnx.distributed.routes.Route`, and results this process does not hold are
     placeholders (arrays on other processes' devices). ``fingerprint``: makes the lines
     describing the step that processes compare before the first compile; ``name``: the step's,
-    for messages; ``pack_residuals``: see ``mm.jit`` (:mod:`~mmnnx.mpmd.packing`).
+    for messages; ``pack_residuals``: the largest residual packed, in bytes (``mm.jit``,
+    :mod:`~mmnnx.mpmd.packing`).
     """
 
     def __init__(
@@ -333,7 +334,7 @@ class Executable:
         *,
         name: str = "the step",
         fingerprint: Callable[[], list[str]] = list,
-        pack_residuals: bool = False,
+        pack_residuals: int = 0,
     ):
         self.graph = graph
         self.plan = plan
@@ -361,7 +362,7 @@ class Executable:
         packing = (
             no_packing(program)
             if self.graph.specs  # sharding in types: every program keeps the types
-            else plan_packing(program, self.graph, residuals=self.pack_residuals)
+            else plan_packing(program, self.graph, residual_bytes=self.pack_residuals)
         )
         remaining = {p.slot: len(p.members) for p in packing.buffers}
         sharding_of = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]

@@ -22,6 +22,7 @@ from rich.table import Table
 from mmnnx.distributed.fetch import fetch
 from mmnnx.jit import cached_partial, jit
 from mmnnx.microbatch import microbatch
+from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES, residual_bound
 from mmnnx.mpmd.schedules import Schedule
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer, Resumed
@@ -37,7 +38,8 @@ class TrainConfig:
     (bytes, or a string such as ``"2GiB"``; ``None``: no limit), printing the candidates
     (``mm.schedules.tune``), and runs the very table it simulated (a zero-bubble schedule
     ordered for the measured durations). ``pack_residuals``: the train step's
-    ``mm.jit(pack_residuals=...)`` (less host time per launch, slower first compile).
+    ``mm.jit(pack_residuals=...)``: ``True`` packs every residual, ``False`` none, a number
+    those of at most that many bytes (the default, ``mm.PACK_RESIDUAL_BYTES``).
     """
 
     steps: int = 300
@@ -56,7 +58,7 @@ class TrainConfig:
     timeline_step: int | None = 3
     schedule_steps: int | None = None
     memory_budget: int | str | None = None
-    pack_residuals: bool = False
+    pack_residuals: bool | int = PACK_RESIDUAL_BYTES
 
     def __post_init__(self):
         for name in ("steps", "microbatches", "eval_every", "eval_batches", "log_every"):
@@ -68,6 +70,7 @@ class TrainConfig:
             )
         if self.learning_rate <= 0:
             raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
+        residual_bound(self.pack_residuals)  # a TypeError naming it before any step is built
 
 
 @dataclasses.dataclass
