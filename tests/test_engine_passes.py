@@ -217,7 +217,10 @@ def test_lowering_pairs_every_send_with_a_recv_and_releases_after_the_last_read(
     send, recv = program.actions[3], program.actions[4]
     assert isinstance(send, Send) and isinstance(recv, Recv)
     assert (send.source, send.target, recv.source, recv.target) == (a, bt, a, bt)
-    assert recv.from_slot == send.slot and recv.sharding is None  # decided when compiled
+    assert recv.from_slot == send.slot
+    # a one-device task's results are pinned to it (nothing to choose), so the move's layout is
+    # decided when planned, not when compiled
+    assert recv.sharding == bt.sharding()
     assert [type(act).__name__ for act in program.program("A")] == [
         "Recv",
         "Run",
@@ -234,6 +237,25 @@ def test_lowering_pairs_every_send_with_a_recv_and_releases_after_the_last_read(
     assert plan.num_programs == 2
     assert [(t.source, t.target.name) for t in plan.transfers] == [(None, "A"), (a, "B")]
     assert "program of 'A' (5 actions)" in str(plan)
+
+
+def test_a_multi_device_tasks_results_are_laid_out_by_the_compiler():
+    pairs = [
+        mm.Task(name, mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1])) for i, name in enumerate("CD")
+    ]
+    graph, _ = two_layer_chain()
+    fragments = cut(graph, [pairs[0], pairs[0], pairs[1], pairs[1]], pairs)
+    plan = lower(
+        graph,
+        pairs,
+        [None, *pairs],
+        [None, pairs[0].sharding(), pairs[1].sharding()],
+        [None],
+        None,
+        [(f, None) for f in fragments],
+    )
+    (recv,) = [a for a in plan.program.actions if isinstance(a, Recv) and a.source is pairs[0]]
+    assert recv.sharding is None  # decided when the sending program is compiled
 
 
 def test_make_fragment_outputs_only_what_others_read(tasks):
