@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import operator
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -257,16 +256,6 @@ class _Compiler:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _reader(slots: Sequence[int]) -> Callable[[list], tuple]:
-    """A function reading ``slots`` of the runner's value list as a tuple, in C where it can."""
-    if len(slots) > 1:
-        return operator.itemgetter(*slots)
-    if slots:
-        (slot,) = slots
-        return lambda env: (env[slot],)
-    return lambda env: ()
-
-
 class _LocalView:
     """What one process does with each action: in a single process, everything."""
 
@@ -503,10 +492,7 @@ class Executable:
             },
         }
         self._num_slots = len(sharding_of)
-        self._steps = [
-            (_RUN, s[1].result(), _reader(s[2]), *s[3:]) if s[0] == _RUN else tuple(s)
-            for s in steps
-        ]
+        self._steps = [(_RUN, s[1].result(), *s[2:]) if s[0] == _RUN else tuple(s) for s in steps]
 
     def __call__(
         self, leaves: Sequence[Any], *, timeline: list | None = None, memory: dict | None = None
@@ -525,7 +511,7 @@ class Executable:
         for step in self._steps:
             if step[0] == _RUN:
                 began = time.perf_counter() if timeline is not None else 0.0
-                outs = step[1](*step[2](env))
+                outs = step[1](*[env[s] for s in step[2]])
                 if timeline is not None:
                     self._time(step[4], outs, began - start, start, timeline)
                 for s, o in zip(step[3], outs, strict=True):
