@@ -222,7 +222,7 @@ def replay(
     per output, cached by the ops' structure, so equal layers share one program and a model
     built again compiles nothing; the ops several outputs share (an ``nnx.Rngs`` counter) and
     ops with side effects run one by one, as eager code does. A value is dropped after its
-    last use, so only one Variable's value at a time need exist in full.
+    last use.
     """
     jaxpr = closed.jaxpr
     keep = sorted(set(wanted))
@@ -246,7 +246,7 @@ def replay(
     for i in keep:
         v = jaxpr.outvars[i]
         if isinstance(v, jcore.Literal):
-            program, reads = functools.partial(lambda value: value, v.val), []
+            program, reads = (lambda value=v.val: value), []
         elif v in made_at:
             program, reads = None, [v]
         else:
@@ -330,7 +330,8 @@ def _cone_program(eqns: Sequence[jcore.JaxprEqn], out: Any) -> tuple[Callable, l
             else number[a]
             for a in e.invars
         )
-        number.update((v, len(number) + k) for k, v in enumerate(e.outvars))
+        first = len(number)
+        number.update((v, first + k) for k, v in enumerate(e.outvars))
         key.append((e.primitive, _params_key(e.params), ins))
     key.append(number[out])
     program = _CONE_PROGRAMS.get(tuple(key))
