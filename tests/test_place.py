@@ -460,3 +460,23 @@ def test_init_runs_a_factory_with_side_effects(tasks, capsys):
         values(model), values(mm.place(make_mlp(4), rules_for(s0, s1))), strict=True
     ):
         np.testing.assert_array_equal(got, want)
+
+
+def test_init_restores_the_garbage_collector_when_the_factory_fails(tasks):
+    import gc  # noqa: PLC0415
+
+    s0, s1 = tasks
+
+    def factory():
+        raise RuntimeError("no such layer")
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="no such layer"):
+        mm.init(factory, rules_for(s0, s1))
+    assert gc.isenabled()  # paused only while mm.init runs
+    gc.disable()
+    try:
+        mm.init(lambda: TwoStageMLP(rngs=nnx.Rngs(0)), rules_for(s0, s1))
+        assert not gc.isenabled()  # a caller's choice is left as it was
+    finally:
+        gc.enable()
