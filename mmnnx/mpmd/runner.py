@@ -235,8 +235,9 @@ class _Compiler:
     chooses is waited for at once: the programs reading its results are lowered for them."""
 
     def __init__(self):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="mmnnx-compile"
+            max_workers=max(1, min(8, cores or 1)), thread_name_prefix="mmnnx-compile"
         )
 
     def submit(self, lowered: Any) -> concurrent.futures.Future:
