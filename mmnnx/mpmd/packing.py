@@ -29,6 +29,7 @@ from mmnnx.mpmd.program import Recv, Run, Send, StepProgram, Zeros
 from mmnnx.sharding.specs import itemsize
 
 _MAX_PACKED = 2**31 - 1  # elements: programs take the offsets into a buffer as int32
+_MAX_BYTES = 2**63 - 1  # no bound on a packed residual's size
 
 PACK_RESIDUAL_BYTES = 64 * 2**10
 """The largest residual ``mm.jit`` packs by default, in bytes. Smaller arrays cost the host more
@@ -54,9 +55,6 @@ def residual_bound(pack_residuals: bool | int) -> int:
         "mm.jit: pack_residuals must be True, False or a number of bytes (the largest residual "
         f"packed; default {PACK_RESIDUAL_BYTES}), got {pack_residuals!r}"
     )
-
-
-_MAX_BYTES = 2**63 - 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -284,12 +284,12 @@ def _cyclic_gc_paused():
     makes objects by the hundred thousand that live until the trace is done, and each of those
     triggers a full collection that scans the whole heap and frees nothing: about 0.1 s each
     for a 64-block GPT, a fifth of its trace. Collection resumes on its own schedule after."""
-    paused = gc.isenabled()
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if paused:
+        if was_enabled:
             gc.enable()
 
 
