@@ -17,7 +17,8 @@
    of data parallel. Measured with ``mm.jit``'s default packing (a forward's residuals of at
    most ``mm.PACK_RESIDUAL_BYTES`` returned as one buffer: all of this GPT's), with nothing
    packed (``pack_residuals=False``), and once with ``recompute_residuals=False`` (every
-   residual returned, none recomputed).
+   residual returned, none recomputed); and the same GPT with its blocks stacked and scanned
+   (``scan_layers=True``, the stack split over the stages) at 8, 16 and 32 blocks.
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/dispatch.py
 Writes benchmarks/results/dispatch.json.
@@ -205,24 +206,28 @@ def two_task():
 CONFIG = {"vocab_size": 256, "dim": 64, "depth": 8, "num_heads": 4, "max_seq_len": 32}
 BATCH = 32
 # (stages, microbatches, devices per task, blocks, residuals packed (None: mm.jit's default),
-# residuals recomputed)
+# residuals recomputed, blocks stacked and scanned)
 PIPELINES = [
-    (2, 8, 1, 8, None, True),
-    (4, 8, 1, 8, None, True),
-    (4, 16, 1, 8, None, True),
-    (4, 16, 1, 8, None, False),
-    (4, 16, 1, 8, False, True),
-    (4, 16, 2, 8, None, True),
-    (4, 16, 1, 16, None, True),
-    (4, 16, 1, 16, False, True),
+    (2, 8, 1, 8, None, True, False),
+    (4, 8, 1, 8, None, True, False),
+    (4, 16, 1, 8, None, True, False),
+    (4, 16, 1, 8, None, False, False),
+    (4, 16, 1, 8, False, True, False),
+    (4, 16, 2, 8, None, True, False),
+    (4, 16, 1, 16, None, True, False),
+    (4, 16, 1, 16, False, True, False),
+    (4, 16, 1, 8, None, True, True),
+    (4, 16, 1, 16, None, True, True),
+    (4, 16, 1, 32, None, True, True),
 ]
 
 
-def _gpt(depth=8):
+def _gpt(depth=8, scan_layers=False):
     from mmnnx.models import GPT, GPTConfig  # noqa: PLC0415
 
+    config = GPTConfig(**{**CONFIG, "depth": depth, "scan_layers": scan_layers})
     with nnx.use_eager_sharding(False):
-        return GPT(GPTConfig(**{**CONFIG, "depth": depth}), rngs=nnx.Rngs(0))
+        return GPT(config, rngs=nnx.Rngs(0))
 
 
 def _tokens():
@@ -243,7 +248,7 @@ def _host_and_wall(fn, steps=20):
     return statistics.median(cpu), statistics.median(wall)
 
 
-def pipeline_case(stages, m, per_task, depth, packed, recompute):
+def pipeline_case(stages, m, per_task, depth, packed, recompute, scanned):
     """One pipelined configuration, measured in this (fresh) process."""
     from mmnnx.models import stage_rules  # noqa: PLC0415
 
@@ -251,7 +256,8 @@ def pipeline_case(stages, m, per_task, depth, packed, recompute):
         mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=range(i * per_task, (i + 1) * per_task)))
         for i in range(stages)
     ]
-    model = mm.place(_gpt(depth), stage_rules(_gpt(depth), tasks, report=False))
+    model = _gpt(depth, scanned)
+    model = mm.place(model, stage_rules(model, tasks, report=False))
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     tokens = _tokens()
 
@@ -309,11 +315,12 @@ def in_fresh_process(case) -> dict:
 def pipelined_host_time():
     out = {}
     for case in PIPELINES:
-        stages, m, per_task, depth, packed, recompute = case
+        stages, m, per_task, depth, packed, recompute, scanned = case
         got = in_fresh_process(list(case))
         key = f"S{stages} M{m} {per_task} device(s) per task" + (
-            f", {depth} blocks" if depth != 8 else ""
+            f", {depth} blocks" if depth != 8 or scanned else ""
         )
+        key += " stacked (scan_layers)" if scanned else ""
         key += ", nothing packed" if packed is False else ""
         key += "" if recompute else ", every residual kept"
         out[f"{key}: launches"] = got["launches"]

@@ -142,6 +142,58 @@ def test_a_global_norm_clip_reduces_over_the_chunks(tasks):
     trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
 
 
+def test_a_step_takes_the_chunks_it_joined_and_cuts_a_new_value_again(tasks, monkeypatch):
+    x = jax.random.normal(jax.random.key(4), (8, 16))
+    ref = ScannedMLP(4, 16, nnx.Rngs(0))
+    model = mm.place(ScannedMLP(4, 16, nnx.Rngs(0)), [("blocks", tasks), ("head", tasks[3])])
+    opt, ref_opt = (nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in (model, ref))
+    step = mm.cached_partial(mm.jit(mlp_step("1f1b")), model, opt)
+    ref_step = nnx.jit(mlp_step("1f1b"))
+    close(step(x), ref_step(ref, ref_opt, x))
+    cuts = []
+    split = mm.TaskStack.split
+    monkeypatch.setattr(mm.TaskStack, "split", lambda *a: cuts.append(a[1]) or split(*a))
+    close(step(x), ref_step(ref, ref_opt, x))
+    assert cuts == []  # every stacked input is a result the previous step joined
+    new_kernel = model.blocks.kernel.get_value() * 0.5  # a value no step made: cut again
+    model.blocks.kernel.set_value(new_kernel)
+    ref.blocks.kernel.set_value(ref.blocks.kernel.get_value() * 0.5)
+    close(step(x), ref_step(ref, ref_opt, x))
+    assert [c is new_kernel for c in cuts] == [True]
+    trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
+
+
+def test_chunks_kept_for_a_joined_array_go_with_it(tasks):
+    model = mm.place(ScannedMLP(4, 16, nnx.Rngs(0)), [("blocks", tasks), ("head", tasks[3])])
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = mm.jit(mlp_step(None))
+    step(model, opt, jnp.ones((8, 16)))
+    (expansion,) = [extra[2] for _, extra in step._cache.values()]
+    assert len(expansion._joined) == sum(home is not None for home in expansion.outputs) == 2
+    nnx.update(model, jax.tree.map(jnp.copy, nnx.state(model)))  # the joined arrays are dropped
+    assert expansion._joined == {}
+
+
+def test_arrays_rebuilt_from_their_shards_equal_jax_s_own(tasks):
+    from mmnnx.mpmd._jax import array_from_shards, shards_by_device
+
+    stack = mm.stack_of(
+        mm.place(
+            ScannedMLP(4, 16, nnx.Rngs(0)), [("blocks", tasks), ("head", tasks[3])]
+        ).blocks.kernel
+    )
+    sharding = stack.sharding(P(None, None, "model"))
+    x = jax.device_put(jnp.arange(4 * 16 * 16.0).reshape(4, 16, 16), sharding)
+    by_device = shards_by_device(x)
+    assert by_device == {s.device: s.data for s in x.addressable_shards}
+    rebuilt = array_from_shards(x.shape, sharding, dict(reversed(by_device.items())))
+    ref = jax.make_array_from_single_device_arrays(x.shape, sharding, list(by_device.values()))
+    assert rebuilt.sharding == ref.sharding and rebuilt.aval == ref.aval
+    np.testing.assert_array_equal(np.asarray(rebuilt), np.asarray(x))
+    devices = [s.device for s in x.addressable_shards]
+    assert [s.device for s in rebuilt.addressable_shards] == devices
+
+
 def test_bad_stacks_are_refused_before_anything_moves(tasks):
     model = ScannedMLP(6, 16, nnx.Rngs(0))
     before = model.blocks.kernel.get_value()

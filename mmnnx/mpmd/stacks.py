@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,10 +40,17 @@ class _Layout:
 @dataclasses.dataclass
 class Expansion:
     """How a step's inputs and outputs map to those of its rewritten graph: a stacked one
-    (``inputs[i]`` / ``outputs[i]`` not ``None``) becomes one per task of its stack."""
+    (``inputs[i]`` / ``outputs[i]`` not ``None``) becomes one per task of its stack.
+
+    The chunks of each stacked result it joined are kept while the joined array lives: the next
+    step reads that array (the model's updated Variable) and takes them as they are, instead of
+    cutting it again."""
 
     inputs: list[StackHome | None]
     outputs: list[StackHome | None]
+    _joined: dict[int, tuple[weakref.ref, list]] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def expand_inputs(self, items: Sequence[Any], chunk: Any) -> list[Any]:
         """``items`` (one per input) with each stacked input's item replaced by
@@ -59,6 +67,10 @@ class Expansion:
         for leaf, home in zip(leaves, self.inputs, strict=True):
             if home is None:
                 out.append(leaf)
+                continue
+            known = self._joined.get(id(leaf))
+            if known is not None and known[0]() is leaf:
+                out.extend(known[1])
             else:
                 out.extend(home[0].split(leaf, home[1]))
         return out
@@ -73,9 +85,22 @@ class Expansion:
                 i += 1
             else:
                 k = len(home[0].tasks)
-                out.append(home[0].join(results[i : i + k], home[1]))
+                chunks = list(results[i : i + k])
+                out.append(home[0].join(chunks, home[1]))
+                self._remember(out[-1], chunks)
                 i += k
         return out
+
+    def _remember(self, joined: Any, chunks: list) -> None:
+        """Keeps ``joined``'s ``chunks`` until ``joined`` is garbage."""
+        key = id(joined)
+
+        def forget(_: weakref.ref) -> None:
+            entry = self._joined.get(key)
+            if entry is not None and entry[0]() is None:
+                del self._joined[key]
+
+        self._joined[key] = (weakref.ref(joined, forget), chunks)
 
 
 def _expand(items: Sequence[Any], homes: Sequence[StackHome | None], chunk: Any) -> list[Any]:

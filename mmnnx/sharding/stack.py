@@ -10,6 +10,7 @@ s3])``, gives each task a contiguous chunk of that axis: the Variable's array is
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +62,9 @@ class TaskStack:
                     "a stack's tasks need meshes of one shape and axis names"
                 )
 
+    def __getstate__(self):  # the mesh is remade where the stack is unpickled
+        return {k: v for k, v in self.__dict__.items() if k != "jax_mesh"}
+
     @property
     def name(self) -> str:
         return "+".join(t.name for t in self.tasks)
@@ -68,7 +72,7 @@ class TaskStack:
     def __repr__(self):
         return f"TaskStack({self.name!r})"
 
-    @property
+    @functools.cached_property
     def jax_mesh(self) -> Mesh:
         """The tasks' devices together, with a leading ``mm_stack`` axis over the tasks."""
         devices = np.stack([t.jax_mesh.devices for t in self.tasks])
@@ -108,17 +112,15 @@ class TaskStack:
     def split(self, array: jax.Array, spec: PartitionSpec) -> list[jax.Array]:
         """Each task's chunk of a stacked ``array`` as an array on that task (no copy); a task
         on another process gets a placeholder of its chunk's shape."""
-        length = array.shape[0]
-        size = length // len(self.tasks)
-        shape = (size, *array.shape[1:])
-        by_device = {s.device: s.data for s in array.addressable_shards}
+        from mmnnx.mpmd._jax import array_from_shards, shards_by_device  # noqa: PLC0415
+
+        shape = (array.shape[0] // len(self.tasks), *array.shape[1:])
+        by_device = shards_by_device(array)
         chunks = []
         for task in self.tasks:
             sharding = task.sharding(spec)
-            devices = list(task.jax_mesh.devices.flat)
-            if all(d in by_device for d in devices):
-                shards = [by_device[d] for d in devices]
-                chunks.append(jax.make_array_from_single_device_arrays(shape, sharding, shards))
+            if all(d in by_device for d in task.jax_mesh.devices.flat):
+                chunks.append(array_from_shards(shape, sharding, by_device))
             else:
                 chunks.append(placeholder(shape, array.dtype, sharding))
         return chunks
@@ -126,7 +128,11 @@ class TaskStack:
     def join(self, chunks: Sequence[Any], spec: PartitionSpec) -> jax.Array:
         """The stacked array whose chunk ``i`` is ``chunks[i]`` (each laid out on task ``i`` by
         ``spec``; no copy)."""
+        from mmnnx.mpmd._jax import array_from_shards, shards_by_device  # noqa: PLC0415
+
         first = chunks[0]
         shape = (first.shape[0] * len(chunks), *first.shape[1:])
-        shards = [s.data for c in chunks for s in c.addressable_shards]
-        return jax.make_array_from_single_device_arrays(shape, self.sharding(spec), shards)
+        by_device = {d: a for c in chunks for d, a in shards_by_device(c).items()}
+        if not by_device:
+            return placeholder(shape, first.dtype, self.sharding(spec))
+        return array_from_shards(shape, self.sharding(spec), by_device)
