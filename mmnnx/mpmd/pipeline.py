@@ -33,6 +33,7 @@ from mmnnx.mpmd.plan import (
 from mmnnx.sharding import Task
 
 _SMALL_STATE = 4096  # bytes: inputs this small may be sent to every stage that reads them
+_SMALL_TABLE = 64 * 2**10  # bytes: constant tables this small are remade by every stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ def plan_pipeline(
     )
     # Constants the stages read (filled arrays of a norm's statistics, scan constants) are made in
     # each stage that reads them, not on one task and sent before the first microbatch.
-    made_here = _stage_constants(graph, pre_ops, region_ids)
+    made_here = _stage_constants(graph, pre_ops, region_ids, small_state)
     made_ids = {op.index for op in made_here}
     pre_ops = [op for op in pre_ops if op.index not in made_ids]
     replicable = sorted([*replicable, *made_here], key=lambda op: op.index)
@@ -255,19 +256,41 @@ def _sink_to_post(
     return keep, after
 
 
-def _stage_constants(graph: Graph, pre_ops: list[Op], region_ids: set[int]) -> list[Op]:
-    """The ops of ``pre_ops`` that read nothing (constants, filled arrays), are cheap, and whose
-    results only pipeline stages read."""
+def _stage_constants(
+    graph: Graph, pre_ops: list[Op], region_ids: set[int], small_inputs: AbstractSet[int]
+) -> list[Op]:
+    """The ops of ``pre_ops`` computed from constants and ``small_inputs`` only (a filled array,
+    a position table: an ``iota`` and the ``sin`` of it), cheap, whose results only pipeline
+    stages (or other such ops) read. JAX hoists such tables out of a scan over the layers, so a
+    scanned model computes them before the microbatch loop; each stage makes its own instead of
+    waiting for one stage to make them and send them. Larger tables (over ``_SMALL_TABLE``
+    bytes) are made once per step and sent: remade for every microbatch, they could cost more
+    than the transfer."""
     consumers = graph.consumers()
-    return [
-        op
-        for op in pre_ops
-        if op.outs
-        and not op.effectful
-        and is_cheap(op)
-        and not any(isinstance(a, int) for a in op.ins)
-        and all(c.index in region_ids for v in op.outs for c in consumers.get(v, ()))
-    ]
+    outputs = {v for v in graph.outputs if isinstance(v, int)}
+    made: dict[int, Op] = {}
+    for op in pre_ops:
+        small = all(graph.nbytes[v] <= _SMALL_TABLE for v in op.outs)
+        if op.outs and small and not op.effectful and not op.may_fail and is_cheap(op):
+            made[op.index] = op
+    changed = True
+    while changed:  # a table read by anything but the stages and other tables stays as it is
+        changed = False
+        made_values = {v for op in made.values() for v in op.outs}
+        for index, op in list(made.items()):
+            reads_other = any(
+                isinstance(a, int) and a not in small_inputs and a not in made_values
+                for a in op.ins
+            )
+            read_elsewhere = any(
+                c.index not in region_ids and c.index not in made
+                for v in op.outs
+                for c in consumers.get(v, ())
+            )
+            if reads_other or read_elsewhere or outputs.intersection(op.outs):
+                del made[index]
+                changed = True
+    return list(made.values())
 
 
 def _check_chains(graph: Graph, chained: Chains, stages: dict[tuple[str, int], Fragment]) -> None:
