@@ -219,3 +219,26 @@ def test_pack_residuals_must_be_a_bool_or_a_number_of_bytes(value):
         rf"residual packed; default 65536\), got {re.escape(repr(value))}",
     ):
         mm.jit(gpt_step("1f1b"), pack_residuals=value)
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["mm.jit", "cached_partial"])
+def test_donated_state_trains_like_one_device_when_gradient_sums_are_packed(bound):
+    # the update programs read each task's gradient sums as one buffer and donate the model and
+    # optimizer state: only the arguments those are passed as are donated (an earlier version
+    # donated by the fragment's input positions, consuming the packed offsets of the next step)
+    tokens = jax.random.randint(jax.random.key(1), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
+    tasks = one_device_tasks(4)
+    model, ref = small_gpt(), small_gpt()
+    mm.place(model, stage_rules(model, tasks, report=False))
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+    _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
+    step = mm.jit(gpt_step("1f1b"), donate_argnums=(0, 1))
+    run = mm.cached_partial(step, model, opt) if bound else lambda t: step(model, opt, t)
+    for _ in range(3):
+        old_embedding = model.embed.embedding.get_value()
+        close(run(tokens), reference_step(ref, ref_opt, tokens))
+        assert old_embedding.is_deleted()
+    params_close(model, ref, ref_grads, steps=3, lr=3e-3)
+    (executable, _), *_ = step._cache.values()
+    assert plan_packing(executable.plan.program, executable.graph).by_zeros  # sums were packed

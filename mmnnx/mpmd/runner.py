@@ -169,8 +169,24 @@ def _part(
     avals += [
         jax.ShapeDtypeStruct((), jnp.int32, sharding=in_shardings[i]) for i in offset_arg.values()
     ]
-    donate = (*run.donate, *range(n, n + len(total_shardings)))
+    donate = (*_donated_args(run.donate, unpack), *range(n, n + len(total_shardings)))
     return _Part(body, list(in_shardings), out_shardings, donate, avals, explicit)
+
+
+def _donated_args(donate: Sequence[int], unpack: tuple | None) -> list[int]:
+    """The arguments a program donates for its fragment's donated inputs ``donate``: where
+    inputs are packed (``unpack``, :meth:`Packing.inputs`), the argument each unpacked one is
+    passed as; a packed member is not donated (its buffer holds other members too).
+
+    Example:
+        >>> _donated_args((0, 2), ((0, None, ()), (1, 0, (2,)), (2, None, ())))
+        [0, 2]
+        >>> _donated_args((1, 2), ((1, 0, (2,)), (1, 2, (2,)), (0, None, ())))
+        [0]
+    """
+    if unpack is None:
+        return list(donate)
+    return sorted({unpack[p][0] for p in donate if unpack[p][1] is None})
 
 
 def lower_fragments(
