@@ -25,15 +25,21 @@ from tests.models import (
 from tests.oracle import close, params_close, trees_close
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
-def test_packed_residuals_train_like_one_device(schedule):
-    tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
-    tasks = one_device_tasks(4)
+def _gpt_on_four_devices(seed: int):
+    """Tokens, the small GPT placed over 4 one-device tasks with its AdamW, the same on one
+    device, and the reference gradients of a first step."""
+    tokens = jax.random.randint(jax.random.key(seed), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
     model, ref = small_gpt(), small_gpt()
-    mm.place(model, stage_rules(model, tasks, report=False))
+    mm.place(model, stage_rules(model, one_device_tasks(4), report=False))
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
     ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
     _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
+    return tokens, model, opt, ref, ref_opt, ref_grads
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+def test_packed_residuals_train_like_one_device(schedule):
+    tokens, model, opt, ref, ref_opt, ref_grads = _gpt_on_four_devices(seed=0)
     step = mm.jit(gpt_step(schedule), pack_residuals=True)
     for _ in range(3):
         close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
@@ -73,9 +79,9 @@ def test_packed_residuals_train_like_one_device(schedule):
             ),
             1,
         )
-        for task in tasks
+        for task in executable.tasks
     }
-    for task in tasks:
+    for task in executable.tasks:
         assert memory[task.name][0] >= activation_bytes[task.name]
 
 
@@ -226,13 +232,7 @@ def test_donated_state_trains_like_one_device_when_gradient_sums_are_packed(boun
     # the update programs read each task's gradient sums as one buffer and donate the model and
     # optimizer state: only the arguments those are passed as are donated (an earlier version
     # donated by the fragment's input positions, consuming the packed offsets of the next step)
-    tokens = jax.random.randint(jax.random.key(1), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
-    tasks = one_device_tasks(4)
-    model, ref = small_gpt(), small_gpt()
-    mm.place(model, stage_rules(model, tasks, report=False))
-    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
-    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
-    _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
+    tokens, model, opt, ref, ref_opt, ref_grads = _gpt_on_four_devices(seed=1)
     step = mm.jit(gpt_step("1f1b"), donate_argnums=(0, 1))
     run = mm.cached_partial(step, model, opt) if bound else lambda t: step(model, opt, t)
     for _ in range(3):
