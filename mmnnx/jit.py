@@ -492,7 +492,7 @@ def _stay_home(call: _Call, updates: list[Any]) -> None:
         home = old.sharding.device_set
         if len(home) == 1 and new.sharding.is_fully_replicated and home <= new.sharding.device_set:
             (device,) = home  # a replica is already there: take it, no copy
-            updates[i] = next(s.data for s in new.addressable_shards if s.device == device)
+            updates[i] = _jax.shards_by_device(new)[device]
         else:
             updates[i] = _jax.move_to(new, old.sharding)
 

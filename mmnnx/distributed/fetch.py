@@ -10,6 +10,7 @@ from jax.sharding import SingleDeviceSharding
 
 from mmnnx.distributed.arrays import processes_of, slice_key
 from mmnnx.distributed.transport import transport
+from mmnnx.mpmd._jax import shards_by_device
 
 
 def _owners(array: jax.Array) -> list[tuple[Any, tuple]]:
@@ -28,7 +29,7 @@ def _fetch_array(array: jax.Array, to: int | None) -> np.ndarray | None:
     by_process: dict[int, list[tuple[Any, tuple]]] = {}
     for device, index in _owners(array):
         by_process.setdefault(device.process_index, []).append((device, index))
-    mine = {s.device: s.data for s in array.addressable_shards}
+    mine = shards_by_device(array)
     wanted = range(jax.process_count()) if to is None else (to,)
     for peer in wanted:  # every process that wants it and does not hold it all
         if peer != me and holders != {peer} and me in by_process:

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from mmnnx.distributed.arrays import processes_of, slice_key
 from mmnnx.distributed.transport import transport
+from mmnnx.mpmd._jax import shards_by_device
 
 
 def _pairs(source: Any, target: Any, shape: tuple[int, ...]) -> list[tuple[Any, Any]] | None:
@@ -107,7 +108,7 @@ class Route:
         if self.sends:
             if value.sharding != self.source_wire:
                 value = _reshard(self.source_wire)(value)
-            shards = {s.device: s.data for s in value.addressable_shards}
+            shards = shards_by_device(value)
             for peer, devices in self._outgoing.items():
                 port.send(peer, [shards[d] for d in devices])
         if not self.receives:

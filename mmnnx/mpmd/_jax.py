@@ -6,7 +6,9 @@ already say whether they are backward, which ``mm.task`` region and which ``mm.m
 they belong to; so a JAX upgrade changes this file only (``mmnnx/_nnx.py`` is its Flax twin).
 Public ``jax.extend`` names are used where they exist; ``jax._src`` only for the ordered-effects
 set, the user frame of a source location, whether a trace is in progress, and the debug info that
-names a traced step in JAX's errors, which JAX does not export.
+names a traced step in JAX's errors, which JAX does not export; and, on the per-step path, for an
+array's per-device arrays and layouts (``_arrays``, ``_addressable_device_assignment``), making
+an array from them without re-checking it, and the runtime's batched copy between devices.
 """
 
 from __future__ import annotations
