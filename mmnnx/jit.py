@@ -22,8 +22,9 @@ from mmnnx.mpmd.lower import lower
 from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES, residual_bound
 from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
-from mmnnx.mpmd.runner import Event, Executable
+from mmnnx.mpmd.runner import Executable
 from mmnnx.mpmd.stacks import Expansion, chunk_sharding, split_stacks
+from mmnnx.mpmd.timing import BlockingTimer, Event, OverlapTimer, Timer
 from mmnnx.sharding import Task, TaskStack, home_of, stack_of, task_of
 from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state
 
@@ -724,16 +725,42 @@ class JitFunction:
         """Runs one step (updating the arguments as a call does) and returns a timed event per
         pipeline action: task, kind (F, B, I or W), stage, microbatch, start and end in seconds.
 
-        Only this mode blocks on each action's outputs; ``mm.plot_timeline`` draws the result.
-        A step with no pipeline has no actions to time (an empty list); when its ``mm.microbatch``
-        runs unrolled, an ``mm.UnrolledMicrobatchWarning`` says why.
+        Each action runs alone: the step waits for its results before launching the next, so
+        its duration is its own work with nothing else running (what
+        ``mm.schedules.measured_costs`` and ``tune`` want). :meth:`overlapped_timeline` times
+        the step as a call runs it. ``mm.plot_timeline`` draws either. A step with no pipeline
+        has no actions to time (an empty list); when its ``mm.microbatch`` runs unrolled, an
+        ``mm.UnrolledMicrobatchWarning`` says why.
+
+        Example:
+            >>> events = step.timeline(model, x)  # doctest: +SKIP
+            >>> mm.plot_timeline(events)  # doctest: +SKIP
         """
-        events: list[Event] = []
-        call = _Call(self, args, kwargs)
-        self._run(call, timeline=events)
+        return self._timed(BlockingTimer(), _Call(self, args, kwargs))
+
+    def overlapped_timeline(self, *args, **kwargs) -> list[Event]:
+        """:meth:`timeline` for a step run as a call runs it: nothing waits between actions, so
+        the tasks overlap; a thread per task notes when each of its programs ends. An action
+        starts when its task's previous program has ended and the programs that made its inputs
+        have (a move between tasks is counted in the action that reads the value), so durations
+        include what the running step slowed them by, e.g. tasks sharing CPU cores, and the gaps
+        between a task's events are its real idle time (the bubble as it happened).
+
+        Example:
+            >>> events = step.overlapped_timeline(model, x)  # doctest: +SKIP
+            >>> span = max(e.end for e in events)  # doctest: +SKIP
+        """
+        return self._timed(OverlapTimer(), _Call(self, args, kwargs))
+
+    def _timed(self, timer: Timer, call: _Call) -> list[Event]:
+        try:
+            self._run(call, timer=timer)
+        finally:
+            timer.stop()
+        events = timer.events()
         if not events:
             for why in self._cache[call.key][0].plan.unrolled:
-                warnings.warn(f"timeline: nothing to time, {why}", UnrolledMicrobatchWarning, 2)
+                warnings.warn(f"timeline: nothing to time, {why}", UnrolledMicrobatchWarning, 3)
         return events
 
     def memory_profile(self, *args, **kwargs) -> dict[str, tuple[int, int]]:
@@ -876,6 +903,10 @@ class CachedPartial:
     def timeline(self, *args, **kwargs) -> list[Event]:
         """:meth:`JitFunction.timeline` with the bound arguments first."""
         return self.fn.timeline(*self.cached_args, *args, **kwargs)
+
+    def overlapped_timeline(self, *args, **kwargs) -> list[Event]:
+        """:meth:`JitFunction.overlapped_timeline` with the bound arguments first."""
+        return self.fn.overlapped_timeline(*self.cached_args, *args, **kwargs)
 
     def memory_profile(self, *args, **kwargs) -> dict[str, tuple[int, int]]:
         """:meth:`JitFunction.memory_profile` with the bound arguments first."""

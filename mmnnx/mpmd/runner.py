@@ -36,6 +36,9 @@ from mmnnx.mpmd.packing import (
 )
 from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
+from mmnnx.mpmd.timing import Event, Timer
+
+__all__ = ["Event", "Executable"]
 
 _RUN, _PUT, _CALL = 0, 1, 2
 
@@ -44,19 +47,10 @@ def _unchanged(value: Any) -> Any:
     return value
 
 
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """One executed action, timed (``timeline`` mode): seconds since the step started.
-    ``fused``: it ran in one program with the other actions of its overlapped pair, which share
-    its ``start`` and ``end``."""
-
-    task: str
-    kind: str
-    stage: int
-    microbatch: int
-    start: float
-    end: float
-    fused: bool = False
+def _rank(task: Any) -> tuple[int, ...]:
+    """The devices a task's programs run on, which run one program at a time: a task and its
+    virtual stages share them."""
+    return tuple(d.id for d in task.jax_mesh.devices.flat)
 
 
 @dataclasses.dataclass
@@ -443,7 +437,8 @@ class Executable:
                     sharding_of[s] = sharding
                 local.made(outs, runs[0].task)
                 labels = tuple((run.label, run.microbatch) for run in runs)
-                steps.append([_RUN, compiled, ins, outs, labels, tuple(later)])
+                rank = _rank(runs[0].task)
+                steps.append([_RUN, compiled, ins, outs, labels, rank, tuple(later)])
             elif isinstance(action, Recv):
                 sharding = action.sharding
                 source_layout = local.source_layout(action, sharding_of)
@@ -466,7 +461,7 @@ class Executable:
                 if local.runs(action.task):
                     local.made(slots, action.task)
                     zeros = compiler.submit(lower_zeros(shapes, dtypes, shardings))
-                    steps.append([_RUN, zeros, (), slots, (), ()])
+                    steps.append([_RUN, zeros, (), slots, (), _rank(action.task), ()])
                 else:
                     local.elsewhere(action.slots, action.task)
             elif isinstance(action, Constant):
@@ -510,12 +505,24 @@ class Executable:
         }
         self._num_slots = len(sharding_of)
         self._steps = [(_RUN, s[1].result(), *s[2:]) if s[0] == _RUN else tuple(s) for s in steps]
+        donated = {
+            slot
+            for step in self._steps
+            if step[0] == _RUN
+            for slot, arg in zip(step[2], jax.tree.leaves(step[1].args_info), strict=True)
+            if arg.donated
+        }
+        self._consumed = frozenset(  # programs whose every result a later one may donate
+            i
+            for i, step in enumerate(self._steps)
+            if step[0] == _RUN and step[3] and all(s in donated for s in step[3])
+        )
 
     def __call__(
-        self, leaves: Sequence[Any], *, timeline: list | None = None, memory: dict | None = None
+        self, leaves: Sequence[Any], *, timer: Timer | None = None, memory: dict | None = None
     ) -> list[Any]:
-        """Runs the step. ``timeline``: a list to append one timed :class:`Event` per fragment run
-        (blocking on each one's outputs). ``memory``: a dict to fill with each task's peak live
+        """Runs the step. ``timer``: told of every program launched and value moved (see
+        :mod:`~mmnnx.mpmd.timing`). ``memory``: a dict to fill with each task's peak live
         per-microbatch bytes and microbatch count (``{task: (bytes, microbatches)}``)."""
         if self._steps is None:
             self.compile()
@@ -524,13 +531,15 @@ class Executable:
             env[slot] = leaves[i]
         for slot, value in self._constants:
             env[slot] = value
-        start = time.perf_counter()
-        for step in self._steps:
+        if timer is not None:
+            timer.begin()
+        for i, step in enumerate(self._steps):
             if step[0] == _RUN:
-                began = time.perf_counter() if timeline is not None else 0.0
+                began = time.perf_counter() if timer is not None else 0.0
                 outs = step[1](*[env[s] for s in step[2]])
-                if timeline is not None:
-                    self._time(step[4], outs, began - start, start, timeline)
+                if timer is not None:
+                    consumed = i in self._consumed
+                    timer.launched(step[5], step[4], step[2], step[3], outs, began, consumed)
                 for s, o in zip(step[3], outs, strict=True):
                     env[s] = o
             elif step[0] == _PUT:
@@ -540,6 +549,8 @@ class Executable:
                 elif not self._laid_out_as(value, step[3]):
                     value = _jax.move_to(value, step[3])
                 env[step[2]] = value
+                if timer is not None:
+                    timer.moved(step[1], step[2])
             else:  # a transfer involving another process: ``step[1]`` moves it
                 value = step[1](env[step[2]])
                 if value is not None:
@@ -554,18 +565,6 @@ class Executable:
                 outputs[i].shape, layout, [outputs[i]]
             )
         return outputs
-
-    @staticmethod
-    def _time(labels: tuple, outs: list, began: float, start: float, timeline: list) -> None:
-        """Waits for a program's results and records an :class:`Event` for each pipeline stage
-        it ran; the fragments of one fused program share its span (``fused=True``)."""
-        stages = [(label, m) for label, m in labels if label is not None]
-        if not stages:
-            return
-        jax.block_until_ready(outs)
-        ended = time.perf_counter() - start
-        for (task, kind, stage), m in stages:
-            timeline.append(Event(task, kind, stage, m or 0, began, ended, fused=len(stages) > 1))
 
     def _mover(self, source: Any, target: Any, value: int) -> Callable[[Any], Any] | None:
         """How a value laid out as ``source`` reaches ``target``: kept as it is (the same

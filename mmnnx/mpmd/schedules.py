@@ -666,9 +666,20 @@ def _result(schedule: Schedule, timed: list) -> SimulationResult:
     )
 
 
-def measured_costs(events: Iterable[Any]) -> dict[tuple[str, int], float]:
-    """The median duration of each ``(kind, stage)`` among timed events (a step's
-    ``timeline()``), as :func:`simulate`'s ``action_costs`` takes them.
+_AVERAGES: dict[str, Callable[[list[float]], float]] = {
+    "median": statistics.median,
+    "mean": statistics.mean,
+}
+
+
+def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple[str, int], float]:
+    """The ``average`` duration of each ``(kind, stage)`` among timed events (a step's
+    ``timeline()`` or ``overlapped_timeline()``), as :func:`simulate`'s ``action_costs`` takes
+    them.
+
+    ``average``: ``"median"`` (default) suits ``timeline()``, where each action runs alone and a
+    slow one is noise; ``"mean"`` suits ``overlapped_timeline()``, where durations vary because
+    tasks slow each other down: a step's time adds them up, so their mean is what counts.
 
     The two actions of an overlapped pair run as one program, so a timeline times them together
     (events with ``fused=True`` share one span): each takes its duration measured apart where
@@ -676,18 +687,26 @@ def measured_costs(events: Iterable[Any]) -> dict[tuple[str, int], float]:
 
     Example:
         >>> from mmnnx.mpmd.schedules import Event, measured_costs
-        >>> measured_costs([Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "F", 0, 1, 1.0, 4.0),
-        ...                 Event(0, "F", 0, 2, 4.0, 6.0)])
+        >>> events = [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "F", 0, 1, 1.0, 4.0),
+        ...           Event(0, "F", 0, 2, 4.0, 6.0)]
+        >>> measured_costs(events)
+        {('F', 0): 2.0}
+        >>> measured_costs(events, average="mean")
         {('F', 0): 2.0}
     """
+    if average not in _AVERAGES:
+        raise ValueError(
+            f"measured_costs: average must be one of {sorted(_AVERAGES)}, got {average!r}"
+        )
+    of = _AVERAGES[average]
     apart: dict[tuple[str, int], list[float]] = {}
     paired: dict[tuple[str, int], list[float]] = {}
     for e in events:
         into = paired if getattr(e, "fused", False) else apart
         into.setdefault((e.kind, e.stage), []).append(e.end - e.start)
-    out = {key: statistics.median(values) for key, values in apart.items()}
+    out = {key: of(values) for key, values in apart.items()}
     for key, spans in paired.items():
-        out.setdefault(key, statistics.median(spans) / 2)
+        out.setdefault(key, of(spans) / 2)
     return out
 
 

@@ -1,0 +1,224 @@
+"""Timing a step's actions: one at a time (``timeline``) or as they overlap
+(``overlapped_timeline``).
+
+The runner tells a timer of every program it launches (:meth:`Timer.launched`) and every value it
+moves between tasks (:meth:`Timer.moved`); :meth:`Timer.events` returns one :class:`Event` per
+pipeline action once the step is over.
+
+- :class:`BlockingTimer` waits for each program's results before the next is launched: every
+  action runs alone, so its duration is its own work, with no other task's programs competing
+  for the machine; tasks never overlap.
+- :class:`OverlapTimer` waits for nothing: the step runs as a call runs it, and one watcher thread
+  per task notes when each of that task's programs has finished, in launch order. A device runs
+  its programs one at a time in launch order, so an action starts at the latest of: its launch,
+  the end of its task's previous program, and the ends of the programs that made its inputs (a
+  value moved from another task counts from the end of the program that made it, so the move's
+  time is counted in the action that reads it). Durations then include whatever slowed the
+  action down in the real step (tasks sharing cores or memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import sys
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+
+from mmnnx.mpmd import _jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One executed action, timed: seconds since the step started. ``fused``: it ran in one
+    program with the other actions of its overlapped pair, which share its ``start`` and
+    ``end``."""
+
+    task: str
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    fused: bool = False
+
+
+def _stages(labels: Sequence[tuple]) -> list[tuple]:
+    return [(label, m) for label, m in labels if label is not None]
+
+
+def _events(labels: Sequence[tuple], start: float, end: float) -> list[Event]:
+    stages = _stages(labels)
+    return [
+        Event(task, kind, stage, m or 0, start, end, fused=len(stages) > 1)
+        for (task, kind, stage), m in stages
+    ]
+
+
+class Timer:
+    """What the runner tells of a step as it runs it (the base: nothing is timed)."""
+
+    def begin(self) -> None:
+        """The step starts now."""
+
+    def launched(
+        self,
+        rank: Hashable,
+        labels: Sequence[tuple],
+        in_slots: Sequence[int],
+        out_slots: Sequence[int],
+        outs: Sequence[Any],
+        at: float,
+        consumed: bool = False,
+    ) -> None:
+        """A program was launched at ``at`` (``time.perf_counter``) on the devices ``rank``
+        names, reading ``in_slots`` and making ``outs`` into ``out_slots``; ``labels``: the
+        pipeline actions it runs, ``(label or None, microbatch)`` each. ``consumed``: a later
+        program may donate every one of its results (a running sum)."""
+
+    def moved(self, from_slot: int, to_slot: int) -> None:
+        """The value in ``from_slot`` was moved (or copied) into ``to_slot``."""
+
+    def stop(self) -> None:
+        """The step is over, or failed: let go of anything still watching it."""
+
+    def events(self) -> list[Event]:
+        """The timed actions, once the step is over."""
+        return []
+
+
+class BlockingTimer(Timer):
+    """Times each action alone: waits for its results before the runner goes on."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self._events: list[Event] = []
+
+    def begin(self) -> None:
+        self._start = time.perf_counter()
+
+    def launched(self, rank, labels, in_slots, out_slots, outs, at, consumed=False) -> None:
+        if not _stages(labels):
+            return
+        jax.block_until_ready(outs)
+        ended = time.perf_counter()
+        self._events += _events(labels, at - self._start, ended - self._start)
+
+    def events(self) -> list[Event]:
+        return self._events
+
+
+@jax.jit
+def _first_element(x: jax.Array) -> jax.Array:
+    return x.reshape(-1)[:1]
+
+
+@dataclasses.dataclass
+class _Launch:
+    rank: Hashable
+    labels: Sequence[tuple]
+    launched_at: float
+    made_from: set[int]
+    ended_at: float = 0.0
+
+
+def _wait_for_any(outs: Sequence[Any]) -> None:
+    """Waits until a program has run: a program's results are ready together, so for the first
+    of them not yet donated to a later program (one donated was read by a program of the same
+    device, which ran after this one: then this one has ended too)."""
+    for out in outs:
+        if out.is_deleted():
+            continue
+        try:
+            out.block_until_ready()
+            return
+        except jax.errors.JaxRuntimeError:
+            if not out.is_deleted():  # donated while we waited: try the next
+                raise
+
+
+class OverlapTimer(Timer):
+    """Times the actions of a step that runs as a call runs it (see the module docstring).
+
+    Python hands the interpreter lock between threads every 5 ms by default; while a step runs,
+    watcher threads would note an end that late, so the switch interval is lowered to
+    ``switch_interval`` seconds until :meth:`events` returns.
+    """
+
+    def __init__(self, switch_interval: float = 1e-4) -> None:
+        self._switch_interval = switch_interval
+        self._saved_interval = sys.getswitchinterval()
+        self._start = 0.0
+        self._launches: list[_Launch] = []
+        self._made_by: dict[int, int] = {}
+        self._watchers: dict[Hashable, tuple[queue.SimpleQueue, threading.Thread]] = {}
+        self._failure: BaseException | None = None
+
+    def begin(self) -> None:
+        sys.setswitchinterval(self._switch_interval)
+        self._start = time.perf_counter()
+
+    def launched(self, rank, labels, in_slots, out_slots, outs, at, consumed=False) -> None:
+        made_from = {self._made_by[s] for s in in_slots if s in self._made_by}
+        index = len(self._launches)
+        self._launches.append(_Launch(rank, labels, at, made_from))
+        for s in out_slots:
+            self._made_by[s] = index
+        if consumed:  # a later program deletes them: wait for a copy made right after this one
+            outs = [_first_element(next(iter(_jax.shards_by_device(outs[0]).values())))]
+        self._watcher(rank).put((index, list(outs)))
+
+    def moved(self, from_slot: int, to_slot: int) -> None:
+        if from_slot in self._made_by:
+            self._made_by[to_slot] = self._made_by[from_slot]
+
+    def _watcher(self, rank: Hashable) -> queue.SimpleQueue:
+        if rank not in self._watchers:
+            waiting: queue.SimpleQueue = queue.SimpleQueue()
+            thread = threading.Thread(
+                target=self._watch, args=(waiting,), name=f"mmnnx-timer-{rank}", daemon=True
+            )
+            thread.start()
+            self._watchers[rank] = (waiting, thread)
+        return self._watchers[rank][0]
+
+    def _watch(self, waiting: queue.SimpleQueue) -> None:
+        while (item := waiting.get()) is not None:
+            index, outs = item
+            try:
+                _wait_for_any(outs)
+            except Exception as e:  # noqa: BLE001  raised by events(), in the caller's thread
+                self._failure = self._failure or e
+            self._launches[index].ended_at = time.perf_counter()
+
+    def stop(self) -> None:
+        """Waits for the watchers to note every launched program and ends them; restores the
+        switch interval. Called by :meth:`events`; call it also when the step failed."""
+        try:
+            for waiting, _ in self._watchers.values():
+                waiting.put(None)
+            for _, thread in self._watchers.values():
+                thread.join()
+        finally:
+            self._watchers.clear()
+            sys.setswitchinterval(self._saved_interval)
+
+    def events(self) -> list[Event]:
+        self.stop()
+        if self._failure is not None:
+            raise self._failure
+        previous_end: dict[Hashable, float] = {}
+        events: list[Event] = []
+        for launch in self._launches:
+            started = max(
+                launch.launched_at,
+                previous_end.get(launch.rank, 0.0),
+                *(self._launches[i].ended_at for i in launch.made_from),
+            )
+            previous_end[launch.rank] = launch.ended_at
+            events += _events(launch.labels, started - self._start, launch.ended_at - self._start)
+        return events
