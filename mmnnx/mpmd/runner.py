@@ -36,7 +36,7 @@ from mmnnx.mpmd.packing import (
 )
 from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
-from mmnnx.mpmd.timing import Event, Timer
+from mmnnx.mpmd.timing import Event, Timer, witness_for
 
 __all__ = ["Event", "Executable"]
 
@@ -512,11 +512,26 @@ class Executable:
             for slot, arg in zip(step[2], jax.tree.leaves(step[1].args_info), strict=True)
             if arg.donated
         }
-        self._consumed = frozenset(  # programs whose every result a later one may donate
+        self._consumed = [  # programs whose every result a later one may donate
             i
             for i, step in enumerate(self._steps)
             if step[0] == _RUN and step[3] and all(s in donated for s in step[3])
-        )
+        ]
+        self._witness_of: dict[int, Callable] | None = None
+
+    def _witnesses(self) -> dict[int, Callable]:
+        """Per program whose every result a later one may donate, its :func:`witness_for`
+        (compiled on first use, one per layout)."""
+        if self._witness_of is None:
+            by_layout: dict[Any, Callable] = {}
+            self._witness_of = {}
+            for i in self._consumed:
+                first = jax.tree.leaves(self._steps[i][1].out_info)[0]
+                key = (first.shape, first.dtype, first.sharding)
+                if key not in by_layout:
+                    by_layout[key] = witness_for(first)
+                self._witness_of[i] = by_layout[key]
+        return self._witness_of
 
     def __call__(
         self, leaves: Sequence[Any], *, timer: Timer | None = None, memory: dict | None = None
@@ -531,6 +546,7 @@ class Executable:
             env[slot] = leaves[i]
         for slot, value in self._constants:
             env[slot] = value
+        witnesses = self._witnesses() if timer is not None and timer.wants_witnesses else {}
         if timer is not None:
             timer.begin()
         for i, step in enumerate(self._steps):
@@ -538,8 +554,8 @@ class Executable:
                 began = time.perf_counter() if timer is not None else 0.0
                 outs = step[1](*[env[s] for s in step[2]])
                 if timer is not None:
-                    consumed = i in self._consumed
-                    timer.launched(step[5], step[4], step[2], step[3], outs, began, consumed)
+                    witness = witnesses.get(i)
+                    timer.launched(step[5], step[4], step[2], step[3], outs, began, witness)
                 for s, o in zip(step[3], outs, strict=True):
                     env[s] = o
             elif step[0] == _PUT:

@@ -14,7 +14,10 @@ pipeline action once the step is over.
   the end of its task's previous program, and the ends of the programs that made its inputs (a
   value moved from another task counts from the end of the program that made it, so the move's
   time is counted in the action that reads it). Durations then include whatever slowed the
-  action down in the real step (tasks sharing cores or memory bandwidth).
+  action down in the real step (tasks sharing cores or memory bandwidth). A watcher notes an end
+  when it next holds the interpreter lock, so a time can be late by a thread switch (about
+  0.1 ms while timing). With several processes, a value received from another process has no
+  producer here: the wait for it is counted in the action that reads it.
 """
 
 from __future__ import annotations
@@ -24,12 +27,10 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
-
-from mmnnx.mpmd import _jax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,10 @@ def _events(labels: Sequence[tuple], start: float, end: float) -> list[Event]:
 class Timer:
     """What the runner tells of a step as it runs it (the base: nothing is timed)."""
 
+    wants_witnesses = False
+    """Whether :meth:`launched` wants a ``witness`` for programs whose results a later one
+    deletes."""
+
     def begin(self) -> None:
         """The step starts now."""
 
@@ -73,12 +78,13 @@ class Timer:
         out_slots: Sequence[int],
         outs: Sequence[Any],
         at: float,
-        consumed: bool = False,
+        witness: Callable[[Any], Any] | None = None,
     ) -> None:
         """A program was launched at ``at`` (``time.perf_counter``) on the devices ``rank``
         names, reading ``in_slots`` and making ``outs`` into ``out_slots``; ``labels``: the
-        pipeline actions it runs, ``(label or None, microbatch)`` each. ``consumed``: a later
-        program may donate every one of its results (a running sum)."""
+        pipeline actions it runs, ``(label or None, microbatch)`` each. ``witness``: given when
+        a later program may donate every one of its results (a running sum), a
+        :func:`witness_for` its first result."""
 
     def moved(self, from_slot: int, to_slot: int) -> None:
         """The value in ``from_slot`` was moved (or copied) into ``to_slot``."""
@@ -101,7 +107,7 @@ class BlockingTimer(Timer):
     def begin(self) -> None:
         self._start = time.perf_counter()
 
-    def launched(self, rank, labels, in_slots, out_slots, outs, at, consumed=False) -> None:
+    def launched(self, rank, labels, in_slots, out_slots, outs, at, witness=None) -> None:
         if not _stages(labels):
             return
         jax.block_until_ready(outs)
@@ -115,6 +121,13 @@ class BlockingTimer(Timer):
 @jax.jit
 def _first_element(x: jax.Array) -> jax.Array:
     return x.reshape(-1)[:1]
+
+
+def witness_for(result: Any) -> Callable[[jax.Array], jax.Array]:
+    """A compiled program that reads a program's result of the layout ``result`` (a
+    ``jax.ShapeDtypeStruct`` with its sharding) and makes a one-element copy: launched right
+    after that program, it ends when the program has, and nothing later deletes its result."""
+    return _first_element.lower(result).compile()
 
 
 @dataclasses.dataclass
@@ -144,10 +157,16 @@ def _wait_for_any(outs: Sequence[Any]) -> None:
 class OverlapTimer(Timer):
     """Times the actions of a step that runs as a call runs it (see the module docstring).
 
+    A program whose every result a later one donates (adding to a running sum) leaves nothing
+    to wait for; the runner launches a one-element copy of its first result right after it
+    (:func:`witness_for`), which ends when it does.
+
     Python hands the interpreter lock between threads every 5 ms by default; while a step runs,
     watcher threads would note an end that late, so the switch interval is lowered to
     ``switch_interval`` seconds until :meth:`events` returns.
     """
+
+    wants_witnesses = True
 
     def __init__(self, switch_interval: float = 1e-4) -> None:
         self._switch_interval = switch_interval
@@ -162,14 +181,14 @@ class OverlapTimer(Timer):
         sys.setswitchinterval(self._switch_interval)
         self._start = time.perf_counter()
 
-    def launched(self, rank, labels, in_slots, out_slots, outs, at, consumed=False) -> None:
+    def launched(self, rank, labels, in_slots, out_slots, outs, at, witness=None) -> None:
         made_from = {self._made_by[s] for s in in_slots if s in self._made_by}
         index = len(self._launches)
         self._launches.append(_Launch(rank, labels, at, made_from))
         for s in out_slots:
             self._made_by[s] = index
-        if consumed:  # a later program deletes them: wait for a copy made right after this one
-            outs = [_first_element(next(iter(_jax.shards_by_device(outs[0]).values())))]
+        if witness is not None:  # a later program deletes them: wait for a copy made now
+            outs = [witness(outs[0])]
         self._watcher(rank).put((index, list(outs)))
 
     def moved(self, from_slot: int, to_slot: int) -> None:
@@ -219,6 +238,7 @@ class OverlapTimer(Timer):
                 previous_end.get(launch.rank, 0.0),
                 *(self._launches[i].ended_at for i in launch.made_from),
             )
+            started = min(started, launch.ended_at)  # an input's end noted late by its watcher
             previous_end[launch.rank] = launch.ended_at
             events += _events(launch.labels, started - self._start, launch.ended_at - self._start)
         return events
