@@ -9,9 +9,9 @@ pipeline action once the step is over.
   action runs alone, so its duration is its own work, with no other task's programs competing
   for the machine; tasks never overlap.
 - :class:`OverlapTimer` waits for nothing: the step runs as a call runs it, and one watcher thread
-  per task notes when each of that task's programs has finished, in launch order. A device runs
-  its programs one at a time in launch order, so an action starts at the latest of: its launch,
-  the end of its task's previous program, and the ends of the programs that made its inputs (a
+  per rank (a task's devices, which its virtual stages share) notes when each of its programs has
+  finished, in launch order. A device runs its programs one at a time in launch order, so an
+  action starts at the latest of: its launch, the end of the rank's previous program, and the ends of the programs that made its inputs (a
   value moved from another task counts from the end of the program that made it, so the move's
   time is counted in the action that reads it). Durations then include whatever slowed the
   action down in the real step (tasks sharing cores or memory bandwidth). A watcher notes an end

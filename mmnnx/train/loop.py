@@ -216,7 +216,8 @@ def fit(
                 began = time.perf_counter()
                 if step == config.timeline_step:
                     loss = float(fetch(eval_step(model, batch)))  # before the step's update
-                    events = train_step.timeline(model, opt, batch)  # this process's tasks
+                    # this process's tasks, overlapping as in any step
+                    events = train_step.overlapped_timeline(model, opt, batch)
                     path = out / "timeline.png"
                     if leader:
                         plot_timeline(events, path, title=f"measured pipeline, step {step}")
