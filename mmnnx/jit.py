@@ -732,9 +732,10 @@ class JitFunction:
         has no actions to time (an empty list); when its ``mm.microbatch`` runs unrolled, an
         ``mm.UnrolledMicrobatchWarning`` says why.
 
-        Example:
-            >>> events = step.timeline(model, x)  # doctest: +SKIP
-            >>> mm.plot_timeline(events)  # doctest: +SKIP
+        Example::
+
+            events = step.timeline(model, x)
+            costs = mm.schedules.measured_costs(events)  # {(kind, stage): seconds}
         """
         return self._timed(BlockingTimer(), _Call(self, args, kwargs))
 
@@ -746,9 +747,10 @@ class JitFunction:
         include what the running step slowed them by, e.g. tasks sharing CPU cores, and the gaps
         between a task's events are its real idle time (the bubble as it happened).
 
-        Example:
-            >>> events = step.overlapped_timeline(model, x)  # doctest: +SKIP
-            >>> span = max(e.end for e in events)  # doctest: +SKIP
+        Example::
+
+            events = step.overlapped_timeline(model, x)
+            mm.plot_timeline(events, "timeline.png")  # the step as it ran, tasks overlapping
         """
         return self._timed(OverlapTimer(), _Call(self, args, kwargs))
 

@@ -9,15 +9,17 @@ pipeline action once the step is over.
   action runs alone, so its duration is its own work, with no other task's programs competing
   for the machine; tasks never overlap.
 - :class:`OverlapTimer` waits for nothing: the step runs as a call runs it, and one watcher thread
-  per rank (a task's devices, which its virtual stages share) notes when each of its programs has
-  finished, in launch order. A device runs its programs one at a time in launch order, so an
-  action starts at the latest of: its launch, the end of the rank's previous program, and the ends of the programs that made its inputs (a
-  value moved from another task counts from the end of the program that made it, so the move's
-  time is counted in the action that reads it). Durations then include whatever slowed the
-  action down in the real step (tasks sharing cores or memory bandwidth). A watcher notes an end
-  when it next holds the interpreter lock, so a time can be late by a thread switch (about
-  0.1 ms while timing). With several processes, a value received from another process has no
-  producer here: the wait for it is counted in the action that reads it.
+  per rank (a task's devices, which its virtual stages share) notes when each of its programs
+  has finished, in launch order. A device runs its programs one at a time in launch order, so
+  an action starts at the latest of: its launch, the end of the rank's previous program, and
+  the ends of the programs that made its inputs (a value moved from another task counts from
+  the end of the program that made it, so the move's time is counted in the action that reads
+  it). Durations then include whatever slowed the action down in the real step (tasks sharing
+  cores or memory bandwidth). A watcher notes an end when it next runs, which can be late on a
+  busy machine; a program ended before any program that read its results, or ran after it on
+  its rank, ended, so its end is taken as the earliest of those. With several processes, a
+  value received from another process has no producer here: the wait for it is counted in the
+  action that reads it.
 """
 
 from __future__ import annotations
@@ -230,15 +232,26 @@ class OverlapTimer(Timer):
         self.stop()
         if self._failure is not None:
             raise self._failure
+        # a watcher notes an end when it next runs, so late at times; a program ended before
+        # any program that read its results or ran after it on its rank did
+        ended = [launch.ended_at for launch in self._launches]
+        next_on_rank: dict[Hashable, int] = {}
+        for k in range(len(self._launches) - 1, -1, -1):
+            launch = self._launches[k]
+            later = next_on_rank.get(launch.rank)
+            if later is not None:
+                ended[k] = min(ended[k], ended[later])
+            next_on_rank[launch.rank] = k
+            for p in launch.made_from:
+                ended[p] = min(ended[p], ended[k])
         previous_end: dict[Hashable, float] = {}
         events: list[Event] = []
-        for launch in self._launches:
+        for k, launch in enumerate(self._launches):
             started = max(
                 launch.launched_at,
                 previous_end.get(launch.rank, 0.0),
-                *(self._launches[i].ended_at for i in launch.made_from),
+                *(ended[p] for p in launch.made_from),
             )
-            started = min(started, launch.ended_at)  # an input's end noted late by its watcher
-            previous_end[launch.rank] = launch.ended_at
-            events += _events(launch.labels, started - self._start, launch.ended_at - self._start)
+            previous_end[launch.rank] = ended[k]
+            events += _events(launch.labels, started - self._start, ended[k] - self._start)
         return events
