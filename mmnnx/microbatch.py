@@ -25,13 +25,16 @@ def _check_reduce(reduce: Any) -> None:
             raise ValueError(f"mm.microbatch: reduce {r!r} is not one of {_REDUCTIONS}")
 
 
-def _split_count(leaves: Sequence[Any], dim: int, num: int | None, size: int | None) -> int:
+def _split_count(
+    leaves: Sequence[Any], dim: int, num: int | None, size: int | None, argnums: tuple[int, ...]
+) -> int:
     sizes = {}
     for path, leaf in leaves:
         if not hasattr(leaf, "shape") or leaf.ndim <= dim:
             raise ValueError(
                 f"mm.microbatch: argument leaf {path} has no dimension {dim} to split "
-                f"(shape {getattr(leaf, 'shape', None)})"
+                f"(shape {getattr(leaf, 'shape', None)}); the arguments at argnums={argnums} "
+                "are split into microbatches: pass argnums= naming the batch arguments"
             )
         sizes.setdefault(leaf.shape[dim], path)
     if len(sizes) > 1:
@@ -123,7 +126,7 @@ def microbatch(
             for i in split_args
             for p, leaf in jax.tree.leaves_with_path(args[i])
         ]
-        m = _split_count(leaves, dim, num, size)
+        m = _split_count(leaves, dim, num, size, split_args)
         try:
             return _run_split(args, kwargs, m)
         except (TypeError, ValueError) as e:

@@ -102,6 +102,20 @@ def test_bad_batches():
         mm.microbatch(lambda w, x: 0.0, num=2)(1.0, {"a": jnp.ones((6, 2)), "b": jnp.ones(4)})
     with pytest.raises(ValueError, match="size 5 does not divide the batch of 8"):
         mm.microbatch(lambda w, x: 0.0, size=5)(1.0, jnp.ones(8))
+    # an Rngs where the batch is expected (Flax's tutorials pass one before the batch)
+    rngs_first = mm.microbatch(lambda w, rngs, x: x.sum(), num=2)
+    with pytest.raises(
+        ValueError,
+        match=r"arg1\.default\.count\.value has no dimension 0 to split \(shape \(\)\); the "
+        r"arguments at argnums=\(1,\) are split into microbatches: pass argnums=",
+    ):
+        rngs_first(1.0, nnx.Rngs(0), jnp.ones(8))
+    assert (
+        float(
+            mm.microbatch(lambda w, r, x: x.sum(), num=2, argnums=2)(1.0, nnx.Rngs(0), jnp.ones(8))
+        )
+        == 8.0
+    )
 
 
 @pytest.mark.parametrize("bad", [2.0, "2", True])

@@ -106,6 +106,18 @@ def test_overlapped_timeline_follows_the_schedule_and_updates_as_a_call(tasks, t
     assert mm.schedules.simulate(schedule_table, action_costs=costs).makespan > 0
 
 
+def test_cached_partial_overlapped_timeline_times_the_same_actions(tasks, tokens):
+    model = placed_gpt(tasks)
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    bound = mm.cached_partial(mm.jit(train_step("1f1b")), model, opt)
+    overlapped = bound.overlapped_timeline(tokens)
+    alone = bound.timeline(tokens)
+    assert sorted((e.task, e.kind, e.stage, e.microbatch) for e in overlapped) == sorted(
+        (e.task, e.kind, e.stage, e.microbatch) for e in alone
+    )
+    assert len(overlapped) == 2 * 4 * M
+
+
 def test_overlapped_timeline_of_a_failing_step_raises_and_stops_its_watchers():
     s0, s1 = one_device_tasks(2)
     model = mm.place(
