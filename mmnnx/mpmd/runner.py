@@ -36,9 +36,7 @@ from mmnnx.mpmd.packing import (
 )
 from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
-from mmnnx.mpmd.timing import Event, Timer, witness_for
-
-__all__ = ["Event", "Executable"]
+from mmnnx.mpmd.timing import Timer, witness_for
 
 _RUN, _PUT, _CALL = 0, 1, 2
 
