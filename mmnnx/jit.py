@@ -743,9 +743,10 @@ class JitFunction:
         """:meth:`timeline` for a step run as a call runs it: nothing waits between actions, so
         the tasks overlap; a thread per task (shared with its virtual stages) notes when each of
         its programs ends. An action starts when its task's previous program has ended and the
-        programs that made its inputs have (a move between tasks is counted in the action that reads the value), so durations
-        include what the running step slowed them by, e.g. tasks sharing CPU cores, and the gaps
-        between a task's events are its real idle time (the bubble as it happened).
+        programs that made its inputs have (a move between tasks is counted in the action that
+        reads the value), so durations include what the running step slowed them by, e.g. tasks
+        sharing CPU cores, and the gaps between a task's events are its real idle time (the
+        bubble as it happened).
 
         Example::
 
