@@ -1,12 +1,15 @@
 """Why a stage's weights are not passed as one packed buffer (issue 16, ratios only).
 
 A program applying 40 layers of 64x64 weights (``tanh(x @ w)``, 128 rows) is compiled and run
-four ways, all in this run:
+five ways, all in this run:
 - ``separate``: each weight its own argument (what ``mm.jit`` does);
 - ``offset arguments``: one flat buffer, each weight sliced out at an int32 offset passed as an
   argument (the way packed residuals are read);
 - ``constant offsets``: one flat buffer sliced at offsets fixed in the program;
-- ``offset vector``: one flat buffer and one int32 vector of the offsets.
+- ``offset vector``: one flat buffer and one int32 vector of the offsets;
+- ``offset vector behind a barrier``: the same, each offset read out of the vector behind an
+  ``optimization_barrier`` (so that the slices, all alike but for a scalar operand, might
+  compile as one kernel).
 Measured: compile time, device time per call, and the host thread's CPU time per call with the
 arguments ready and with them still being computed (the state of a pipeline's weights while the
 host runs ahead of the devices). Packing helps the host only if it cuts the argument count
@@ -54,6 +57,11 @@ def offset_vector(buf, x, offsets):
             for j in range(LAYERS)
         ],
     )
+
+
+def offset_vector_behind_barrier(buf, x, offsets):
+    scalars = jax.lax.optimization_barrier([offsets[j] for j in range(LAYERS)])
+    return _apply(x, [jax.lax.dynamic_slice(buf, (o,), (SIZE,)).reshape(DIM, DIM) for o in scalars])
 
 
 def measure(fn, make_args, calls=100, rounds=5):
@@ -106,6 +114,10 @@ def main():
         "offset arguments": (offset_arguments, lambda: [buf, x, *offsets]),
         "constant offsets": (constant_offsets, lambda: [buf, x]),
         "offset vector": (offset_vector, lambda: [buf, x, jnp.stack(offsets)]),
+        "offset vector behind a barrier": (
+            offset_vector_behind_barrier,
+            lambda: [buf, x, jnp.stack(offsets)],
+        ),
     }
     results = {name: measure(fn, make) for name, (fn, make) in cases.items()}
     base = results["separate"]

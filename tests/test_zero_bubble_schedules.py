@@ -6,7 +6,6 @@ from fractions import Fraction
 import pytest
 
 from mmnnx.mpmd import schedules
-from mmnnx.mpmd.runner import Event
 from mmnnx.mpmd.schedules import (
     dualpipe_v,
     from_csv,
@@ -19,6 +18,7 @@ from mmnnx.mpmd.schedules import (
     zero_bubble_h2,
     zero_bubble_v,
 )
+from mmnnx.mpmd.timing import Event
 from mmnnx.mpmd.zero_bubble import _rank_peaks, list_schedule, v_stages
 
 COSTS = [(1, 2, None), (1, 2, Fraction(1, 2)), (1, 3, 1), (2, 2, 1)]
