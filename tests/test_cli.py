@@ -153,6 +153,7 @@ def test_tiny_run_trains_and_resumes(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     assert "mm.schedules.tune" in first.stdout and "schedule auto: " in first.stdout
     assert "Totals per task" in first.stdout and "run report" in first.stdout
+    assert "pipeline bubble (step 3, measured)" in first.stdout
     for name in ("metrics.jsonl", "loss.png", "timeline.png"):
         assert (out / name).stat().st_size > 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -183,6 +184,25 @@ def test_tiny_run_trains_and_resumes(tmp_path):
         )
         assert refused.returncode == 2, refused.stderr[-2000:]
         assert refused.stderr.count("\n") == 1 and reason in refused.stderr, refused.stderr
+
+
+def test_one_stage_run_has_no_timeline_to_draw(tmp_path):
+    """One stage, one microbatch: no pipeline, so the timeline step draws nothing (it raised
+    "no events to draw" at step 3)."""
+    out = tmp_path / "run"
+    flags = "--dim 32 --depth 2 --heads 2 --seq-len 16 --stages 1 --data-axis 1 --model-axis 1"
+    flags += " --batch-size 2 --microbatches 1 --steps 3 --eval-every 3"
+    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
+    run = subprocess.run(
+        [sys.executable, "-m", "mmnnx", "train", *flags.split(), "--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "run report" in run.stdout and "pipeline bubble" not in run.stdout
+    assert (out / "loss.png").is_file() and not (out / "timeline.png").exists()
 
 
 @pytest.mark.parametrize(

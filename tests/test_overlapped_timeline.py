@@ -74,6 +74,8 @@ def test_overlapped_timeline_follows_the_schedule_and_updates_as_a_call(tasks, t
     )
     assert sorted((e.task, e.kind, e.stage, e.microbatch) for e in events) == expected
     assert all(e.end >= e.start >= 0 for e in events)
+    assert all(e.rank == e.task for e in events)
+    assert 0 <= mm.schedules.measured_bubble(events) < 1
     # a rank runs one program at a time, in the schedule's order
     for rank in range(schedule_table.num_ranks):
         mine = sorted((e for e in events if e.task == f"t{rank}"), key=lambda e: e.start)
@@ -176,11 +178,11 @@ def test_overlap_timer_starts_an_action_after_its_rank_and_its_inputs():
     timer.begin()
     f0_m0, f0_m1, f1_m0, update = _Pending(), _Pending(), _Pending(), _Pending()
     now = time.perf_counter()
-    timer.launched((0,), [(("s0", "F", 0), 0)], [0], [1], [f0_m0], now)
+    timer.launched("s0", [(("s0", "F", 0), 0)], [0], [1], [f0_m0], now)
     timer.moved(1, 2)
-    timer.launched((1,), [(("s1", "F", 1), 0)], [2], [3], [f1_m0], now)
-    timer.launched((0,), [(("s0", "F", 0), 1)], [0], [4], [f0_m1], now)
-    timer.launched((0,), [(None, None)], [0], [5], [update], now)
+    timer.launched("s1", [(("s1", "F", 1), 0)], [2], [3], [f1_m0], now)
+    timer.launched("s0", [(("s0", "F", 0), 1)], [0], [4], [f0_m1], now)
+    timer.launched("s0", [(None, None)], [0], [5], [update], now)
     for result in (f0_m0, f0_m1, f1_m0, update):
         time.sleep(0.01)
         result.done.set()
@@ -191,6 +193,27 @@ def test_overlap_timer_starts_an_action_after_its_rank_and_its_inputs():
     assert events[(0, 0)].end < events[(0, 1)].end < events[(1, 0)].end
     assert events[(0, 0)].start == pytest.approx(now - timer._start, abs=1e-9)
     assert not timers_running()
+
+
+def test_measured_bubble():
+    from mmnnx.mpmd.timing import Event
+
+    # rank t0 runs t0 and its virtual stage t0:1; a fused pair's two actions share one span
+    events = [
+        Event("t0", "F", 0, 0, 0.0, 1.0, rank="t0"),
+        Event("t1", "F", 1, 0, 1.0, 2.0, rank="t1"),
+        Event("t1:1", "F", 2, 0, 2.0, 3.0, rank="t1"),
+        Event("t0:1", "F", 3, 0, 3.0, 4.0, rank="t0"),
+        Event("t0:1", "B", 3, 0, 4.0, 6.0, fused=True, rank="t0"),
+        Event("t0", "F", 0, 1, 4.0, 6.0, fused=True, rank="t0"),
+    ]
+    # busy: t0 1 + 1 + 2 = 4, t1 2; 2 ranks over 6 s
+    assert mm.schedules.measured_bubble(events) == pytest.approx(1 - 6 / 12)
+    for name in ("gpipe", "1f1b", "zero-bubble-v"):
+        result = mm.schedules.simulate(mm.schedules.get(name, 4, 8, 2 if name.endswith("v") else 1))
+        assert mm.schedules.measured_bubble(result.events) == pytest.approx(result.bubble_fraction)
+    with pytest.raises(ValueError, match="no events"):
+        mm.schedules.measured_bubble([])
 
 
 def test_measured_costs_average():

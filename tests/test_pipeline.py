@@ -151,6 +151,11 @@ def test_v_schedules_run_the_v_placement_and_match_one_device(tasks, tokens, sch
     fused = [a for a in program.actions if getattr(a, "fused", False)]
     assert len(fused) == len(pairs)
     events = step.timeline(model, opt, tokens)
+    # a virtual stage's actions ran on its task's devices
+    assert {(e.task, e.rank) for e in events} == {
+        *((f"t{i}", f"t{i}") for i in range(4)),
+        *((f"t{i}:1", f"t{i}") for i in range(4)),
+    }
     together = [e for e in events if e.fused]
     assert len(together) == 2 * len(pairs)
     spans = {(e.start, e.end) for e in together}

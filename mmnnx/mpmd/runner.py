@@ -45,10 +45,10 @@ def _unchanged(value: Any) -> Any:
     return value
 
 
-def _rank(task: Any) -> tuple[int, ...]:
-    """The devices a task's programs run on, which run one program at a time: a task and its
-    virtual stages share them."""
-    return tuple(d.id for d in task.jax_mesh.devices.flat)
+def _rank(task: Any) -> str:
+    """The task whose devices run ``task``'s programs, one at a time: itself, or the task a
+    virtual stage belongs to (submeshes of distinct tasks do not overlap)."""
+    return task.home.name
 
 
 @dataclasses.dataclass

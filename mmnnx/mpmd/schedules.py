@@ -710,6 +710,45 @@ def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple
     return out
 
 
+def measured_bubble(events: Iterable[Any]) -> float:
+    """The idle share of the ranks' time over a step's span, from its timed events: the
+    measured counterpart of :attr:`SimulationResult.bubble_fraction`.
+
+    Each rank's busy time is the union of its events' spans (the two actions of a fused pair
+    share one span; a task's virtual stages share its devices): events are grouped by
+    ``rank`` (a step's timeline gives the task whose devices ran the action; a simulation's
+    events, the rank number), else by ``task``. The span runs from the earliest start to the
+    latest end. On an ``overlapped_timeline()`` this is the bubble as the step ran; on a
+    ``timeline()``, where actions run one at a time, it is not a bubble at all.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import gpipe, measured_bubble, simulate
+        >>> result = simulate(gpipe(2, 4))
+        >>> measured_bubble(result.events) == result.bubble_fraction
+        True
+    """
+    spans: dict[Any, list[tuple[float, float]]] = {}
+    for e in events:
+        rank = getattr(e, "rank", None)
+        key = rank if rank not in (None, "") else e.task
+        spans.setdefault(key, []).append((e.start, e.end))
+    if not spans:
+        raise ValueError("measured_bubble: no events (a step with no pipeline has none)")
+    first = min(start for row in spans.values() for start, _ in row)
+    last = max(end for row in spans.values() for _, end in row)
+    if last <= first:
+        raise ValueError(f"measured_bubble: the events span no time ({first} to {last})")
+    busy = 0
+    for row in spans.values():
+        reach = None  # the latest end so far: overlapping spans count once
+        for start, end in sorted(row):
+            lo = start if reach is None else max(start, reach)
+            busy += max(0, end - lo)
+            reach = end if reach is None else max(reach, end)
+    capacity = len(spans) * (last - first)
+    return (capacity - busy) / capacity
+
+
 def _check_counts(num_stages: int, num_microbatches: int) -> None:
     for field, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

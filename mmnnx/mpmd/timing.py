@@ -29,7 +29,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,7 +39,8 @@ import jax
 class Event:
     """One executed action, timed: seconds since the step started. ``fused``: it ran in one
     program with the other actions of its overlapped pair, which share its ``start`` and
-    ``end``."""
+    ``end``. ``rank``: the task whose devices ran it (``task`` itself, or the task a virtual
+    stage such as ``"t0:1"`` belongs to)."""
 
     task: str
     kind: str
@@ -48,16 +49,17 @@ class Event:
     start: float
     end: float
     fused: bool = False
+    rank: str = ""
 
 
 def _stages(labels: Sequence[tuple]) -> list[tuple]:
     return [(label, m) for label, m in labels if label is not None]
 
 
-def _events(labels: Sequence[tuple], start: float, end: float) -> list[Event]:
+def _events(labels: Sequence[tuple], start: float, end: float, rank: str) -> list[Event]:
     stages = _stages(labels)
     return [
-        Event(task, kind, stage, m or 0, start, end, fused=len(stages) > 1)
+        Event(task, kind, stage, m or 0, start, end, fused=len(stages) > 1, rank=rank)
         for (task, kind, stage), m in stages
     ]
 
@@ -74,7 +76,7 @@ class Timer:
 
     def launched(
         self,
-        rank: Hashable,
+        rank: str,
         labels: Sequence[tuple],
         in_slots: Sequence[int],
         out_slots: Sequence[int],
@@ -82,8 +84,8 @@ class Timer:
         at: float,
         witness: Callable[[Any], Any] | None = None,
     ) -> None:
-        """A program was launched at ``at`` (``time.perf_counter``) on the devices ``rank``
-        names, reading ``in_slots`` and making ``outs`` into ``out_slots``; ``labels``: the
+        """A program was launched at ``at`` (``time.perf_counter``) on the devices of the task
+        named ``rank``, reading ``in_slots`` and making ``outs`` into ``out_slots``; ``labels``: the
         pipeline actions it runs, ``(label or None, microbatch)`` each. ``witness``: given when
         a later program may donate every one of its results (a running sum), a
         :func:`witness_for` its first result."""
@@ -114,7 +116,7 @@ class BlockingTimer(Timer):
             return
         jax.block_until_ready(outs)
         ended = time.perf_counter()
-        self._events += _events(labels, at - self._start, ended - self._start)
+        self._events += _events(labels, at - self._start, ended - self._start, rank)
 
     def events(self) -> list[Event]:
         return self._events
@@ -134,7 +136,7 @@ def witness_for(result: Any) -> Callable[[jax.Array], jax.Array]:
 
 @dataclasses.dataclass
 class _Launch:
-    rank: Hashable
+    rank: str
     labels: Sequence[tuple]
     launched_at: float
     made_from: set[int]
@@ -176,7 +178,7 @@ class OverlapTimer(Timer):
         self._start = 0.0
         self._launches: list[_Launch] = []
         self._made_by: dict[int, int] = {}
-        self._watchers: dict[Hashable, tuple[queue.SimpleQueue, threading.Thread]] = {}
+        self._watchers: dict[str, tuple[queue.SimpleQueue, threading.Thread]] = {}
         self._failure: BaseException | None = None
 
     def begin(self) -> None:
@@ -197,7 +199,7 @@ class OverlapTimer(Timer):
         if from_slot in self._made_by:
             self._made_by[to_slot] = self._made_by[from_slot]
 
-    def _watcher(self, rank: Hashable) -> queue.SimpleQueue:
+    def _watcher(self, rank: str) -> queue.SimpleQueue:
         if rank not in self._watchers:
             waiting: queue.SimpleQueue = queue.SimpleQueue()
             thread = threading.Thread(
@@ -235,7 +237,7 @@ class OverlapTimer(Timer):
         # a watcher notes an end when it next runs, so late at times; a program ended before
         # any program that read its results or ran after it on its rank did
         ended = [launch.ended_at for launch in self._launches]
-        next_on_rank: dict[Hashable, int] = {}
+        next_on_rank: dict[str, int] = {}
         for k in range(len(self._launches) - 1, -1, -1):
             launch = self._launches[k]
             later = next_on_rank.get(launch.rank)
@@ -244,7 +246,7 @@ class OverlapTimer(Timer):
             next_on_rank[launch.rank] = k
             for p in launch.made_from:
                 ended[p] = min(ended[p], ended[k])
-        previous_end: dict[Hashable, float] = {}
+        previous_end: dict[str, float] = {}
         events: list[Event] = []
         for k, launch in enumerate(self._launches):
             started = max(
@@ -253,5 +255,6 @@ class OverlapTimer(Timer):
                 *(ended[p] for p in launch.made_from),
             )
             previous_end[launch.rank] = ended[k]
-            events += _events(launch.labels, started - self._start, ended[k] - self._start)
+            start, end = started - self._start, ended[k] - self._start
+            events += _events(launch.labels, start, end, launch.rank)
         return events

@@ -23,7 +23,7 @@ from mmnnx.distributed.fetch import fetch
 from mmnnx.jit import cached_partial, jit
 from mmnnx.microbatch import microbatch
 from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES, residual_bound
-from mmnnx.mpmd.schedules import Schedule
+from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer, Resumed
 from mmnnx.train.data import TextDataset
@@ -83,6 +83,10 @@ class FitResult:
     last_step: int
     tokens_per_second: float
     files: dict[str, str]
+    bubble: tuple[int, float] | None = None
+    """``(step, fraction)``: the idle share of this process's tasks' time in the step whose
+    timeline was drawn (``mm.schedules.measured_bubble``); ``None`` when none was (no
+    pipeline, or ``timeline_step`` not reached)."""
 
     @property
     def first_eval(self) -> float:
@@ -198,6 +202,7 @@ def fit(
         files = {"metrics": str(metrics_path), "checkpoints": str(ckpt_dir)}
         tokens_per_step = dataset.batch_size * dataset.seq_len
         timed_tokens, timed_seconds = 0, 0.0
+        bubble: tuple[int, float] | None = None
         progress = Progress(
             TextColumn("step {task.completed:>5.0f}/{task.total:.0f}"),
             BarColumn(),
@@ -218,10 +223,12 @@ def fit(
                     loss = float(fetch(eval_step(model, batch)))  # before the step's update
                     # this process's tasks, overlapping as in any step
                     events = train_step.overlapped_timeline(model, opt, batch)
-                    path = out / "timeline.png"
-                    if leader:
-                        plot_timeline(events, path, title=f"measured pipeline, step {step}")
-                    files["timeline"] = str(path)
+                    if events:  # none when the step has no pipeline (one stage)
+                        path = out / "timeline.png"
+                        if leader:
+                            plot_timeline(events, path, title=f"measured pipeline, step {step}")
+                        files["timeline"] = str(path)
+                        bubble = (step, measured_bubble(events))
                 else:
                     loss = float(fetch(run_step(batch)))
                 elapsed = time.perf_counter() - began
@@ -252,6 +259,7 @@ def fit(
         config.steps,
         timed_tokens / timed_seconds if timed_seconds else 0.0,
         files,
+        bubble,
     )
     _report(console, result)
     return result
@@ -354,6 +362,9 @@ def _report(console: Console, result: FitResult) -> None:
     table.add_row("final eval loss", f"{result.final_eval:.3f}")
     table.add_row("final / first", f"{result.final_eval / result.first_eval:.2f}")
     table.add_row("tokens/s", f"{result.tokens_per_second:,.0f}")
+    if result.bubble is not None:
+        step, fraction = result.bubble
+        table.add_row(f"pipeline bubble (step {step}, measured)", f"{fraction:.0%}")
     for name, path in result.files.items():
         table.add_row(name, path)
     console.print(table)
