@@ -104,9 +104,12 @@ def timeline_rows(
     :class:`~mmnnx.mpmd.schedules.SimulationResult`, or an iterable of event-like objects with
     attributes ``kind``, ``stage``, ``microbatch``, ``start``, ``end`` and either ``task`` (a
     name string, or an object with a ``.name``) or ``rank`` (an int); ``task`` wins when both
-    are set. Rank rows are named ``"rank <r>"`` and come first, in rank order; task rows follow
-    in the order their first event appears in the input. ``rows`` (names, rank ints or task
-    objects) puts those rows first, in that order, and keeps them even when they have no event.
+    are set, except over a ``rank`` that is a task name: a step's timeline events name the task
+    whose devices ran them there, so a virtual stage's actions (task ``"t0:1"``) share the row
+    of its task (``"t0"``), the devices that ran them one at a time. Rank rows are named
+    ``"rank <r>"`` and come first, in rank order; task rows follow in the order their first
+    event appears in the input. ``rows`` (names, rank ints or task objects) puts those rows
+    first, in that order, and keeps them even when they have no event.
     Within a row, events are sorted by start time, then end time.
 
     Raises TypeError for an unsupported input or an event missing an attribute, and ValueError
@@ -294,7 +297,9 @@ def _event(index: int, item: Any) -> TimelineEvent:
             f"event {index} ({item!r}) has no {', '.join(missing)}: events need kind, stage, "
             f"microbatch, start, end and either rank (int) or task (name or object with .name)"
         )
-    row = _row_name(task if task is not None else rank, f"event {index} ({item!r})")
+    # a step's events name both: the row is the task whose devices ran the action
+    key = rank if task is None or (isinstance(rank, str) and rank) else task
+    row = _row_name(key, f"event {index} ({item!r})")
     times = []
     for field in ("start", "end"):
         raw = getattr(item, field)

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
+from mmnnx.timeline import timeline_rows
 from tests.models import (
     Block,
     TinyGPT,
@@ -156,6 +157,12 @@ def test_v_schedules_run_the_v_placement_and_match_one_device(tasks, tokens, sch
         *((f"t{i}", f"t{i}") for i in range(4)),
         *((f"t{i}:1", f"t{i}") for i in range(4)),
     }
+    # drawn one row per rank: a virtual stage's boxes in its task's row, labelled by stage
+    rows = timeline_rows(events)
+    assert list(rows) == ["t0", "t1", "t2", "t3"]
+    assert {e.stage for e in rows["t0"]} == {0, 7}
+    figure = mm.plot_timeline(events)
+    assert len(figure.axes[0].patches) == len(events)
     together = [e for e in events if e.fused]
     assert len(together) == 2 * len(pairs)
     spans = {(e.start, e.end) for e in together}
