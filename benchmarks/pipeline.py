@@ -234,6 +234,18 @@ def efficiency(num=8, schedule="gpipe", dropout=False):
     }
 
 
+def every_action_costed(timed, schedule, model, x, average):
+    """``measured_costs`` of five runs of ``timed`` (``step.timeline`` or
+    ``step.overlapped_timeline``), with every action of ``schedule`` costed: a pass with no ops
+    (stage 0's I) runs nothing and costs 0."""
+    events = [e for _ in range(5) for e in timed(model, x)]
+    costs = mm.schedules.measured_costs(events, average=average)
+    for row in schedule.actions:
+        for a in row:
+            costs.setdefault((a.kind, a.stage), 0.0)
+    return costs
+
+
 MATMUL_SCHEDULES = ("1f1b", "zero-bubble-h1", "interleaved-1f1b", "zero-bubble-v", "dualpipev")
 
 
@@ -273,23 +285,15 @@ def measured_vs_simulated(num=8, matmul=False):
             schedule = mm.schedules.get(name, 2 * v, num, v, costs=measured_costs[name])
         step, model, x = build_quarters(num, schedule, placed_as=name, matmul=matmul)
         t_step = median_time(lambda step=step, model=model, x=x: step(model, x))
-        events = [e for _ in range(5) for e in step.timeline(model, x)]
-        costs = mm.schedules.measured_costs(events)
         schedule = step.plan(model, x).pipeline.schedule
         virtual = schedule.num_stages // schedule.num_ranks
-        for row in schedule.actions:  # a pass with no ops (stage 0's I) runs nothing
-            for a in row:
-                costs.setdefault((a.kind, a.stage), 0.0)
+        costs = every_action_costed(step.timeline, schedule, model, x, "median")
         if label == name:
             measured_costs[name] = {key: max(c, 1e-6) for key, c in costs.items()}
+        in_pipeline = every_action_costed(step.overlapped_timeline, schedule, model, x, "mean")
         predicted = mm.schedules.simulate(schedule, action_costs=costs)
-        busy = sum(costs[(a.kind, a.stage)] for row in schedule.actions for a in row)
-        overlapped = [e for _ in range(5) for e in step.overlapped_timeline(model, x)]
-        in_pipeline = mm.schedules.measured_costs(overlapped, average="mean")
-        for row in schedule.actions:
-            for a in row:
-                in_pipeline.setdefault((a.kind, a.stage), 0.0)
         predicted_in_pipeline = mm.schedules.simulate(schedule, action_costs=in_pipeline)
+        busy = sum(costs[(a.kind, a.stage)] for row in schedule.actions for a in row)
         busy_in_pipeline = sum(
             in_pipeline[(a.kind, a.stage)] for row in schedule.actions for a in row
         )
