@@ -16,7 +16,8 @@ from mmnnx.mpmd.errors import UnrolledMicrobatchWarning
 from mmnnx.mpmd.ir import GROUP_PREFIX
 from mmnnx.mpmd.pipeline import MicrobatchGroup
 
-_REDUCTIONS = ("sum", "mean")
+_REDUCTIONS = ("sum", "mean", "concat", "stack")
+_GATHERED = ("concat", "stack")  # every microbatch's value kept, in order
 
 
 def _check_reduce(reduce: Any) -> None:
@@ -75,7 +76,13 @@ def microbatch(
 
     The arrays of the ``argnums`` arguments are split along ``dim`` into ``num`` microbatches (or
     microbatches of ``size`` rows); the outputs are combined leaf by leaf with ``reduce``:
-    ``"sum"`` (multimesh's contract), ``"mean"``, or a pytree of those matching the output.
+    ``"sum"`` (multimesh's contract), ``"mean"``, ``"concat"`` (concatenated along ``dim`` in
+    microbatch order, so per-example outputs such as logits or per-sample losses line up with
+    the batch again), ``"stack"`` (one value per microbatch along a new leading axis), or a
+    pytree of those that is a prefix of the output, e.g. ``(("mean", ("concat", "concat")),
+    "mean")`` for ``nnx.value_and_grad(loss_fn, has_aux=True)`` returning per-sample losses and
+    logits as its aux. In a pipeline, each microbatch writes its rows of a gathered output in
+    place, on the task that makes it.
     ``schedule`` (a name from ``mm.schedules.names()`` or a ``Schedule``) and
     ``virtual_stages`` say how a pipeline runs the microbatches.
 
@@ -142,9 +149,9 @@ def microbatch(
     def _run_split(args, kwargs, m):
         trace = markers.current_trace()
         if trace is not None and m > 1:
-            result = _traced_once(trace, fun, args, kwargs, split_args, dim, m, options)
+            result = _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce)
             if result is not None:
-                return _finish(result, reduce, m)
+                return result
 
         def piece(tree, k):
             def cut(x):
@@ -153,14 +160,31 @@ def microbatch(
 
             return jax.tree.map(cut, tree)
 
-        total = None
+        kinds, treedef, combined = None, None, []
         for k in range(m):
             call_args = [piece(a, k) if i in split_args else a for i, a in enumerate(args)]
             out = fun(*call_args, **kwargs)
-            total = out if total is None else jax.tree.map(jnp.add, total, out)
-        if m == 1:
-            return total
-        return _finish(total, reduce, m)
+            if kinds is None:
+                kinds = _reductions(reduce, out, dim)
+                leaves, treedef = jax.tree.flatten(out)
+                combined = [
+                    [x] if kind in _GATHERED else x for x, kind in zip(leaves, kinds, strict=True)
+                ]
+                continue
+            for j, (x, kind) in enumerate(zip(treedef.flatten_up_to(out), kinds, strict=True)):
+                if kind in _GATHERED:
+                    combined[j].append(x)
+                else:  # a running total: only one microbatch's output alive at a time
+                    combined[j] = jnp.add(combined[j], x)
+        finished = [
+            jnp.stack(x)
+            if kind == "stack"
+            else jnp.concatenate(x, axis=dim)
+            if kind == "concat"
+            else (x / m if kind == "mean" and m > 1 else x)
+            for x, kind in zip(combined, kinds, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, finished)
 
     return run
 
@@ -188,19 +212,41 @@ def _unsplit_batch_hint(args: tuple, split_args: tuple, dim: int, total: int) ->
     )
 
 
-def _finish(total: Any, reduce: Any, m: int) -> Any:
+def _reductions(reduce: Any, out: Any, dim: int) -> list[str]:
+    """The reduction of each leaf of ``out``, from ``reduce`` (a string, or a pytree of strings
+    that is a prefix of ``out``); checks that each gathered leaf can be."""
+    with_paths = jax.tree_util.tree_flatten_with_path(out)[0]
     if isinstance(reduce, str):
-        return total if reduce == "sum" else jax.tree.map(lambda x: x / m, total)
-    try:
-        return jax.tree.map(
-            lambda r, sub: sub if r == "sum" else jax.tree.map(lambda x: x / m, sub), reduce, total
-        )
-    except (TypeError, ValueError):
-        raise ValueError(
-            "mm.microbatch: the reduce pytree does not match the function's output: reduce is "
-            f"{jax.tree.structure(reduce)}, the output is {jax.tree.structure(total)}; give one "
-            "'sum' or 'mean' per output leaf (or subtree), or a single string"
-        ) from None
+        kinds = [reduce] * len(with_paths)
+    else:
+        try:
+            per = jax.tree.map(lambda r, sub: [r] * len(jax.tree.leaves(sub)), reduce, out)
+        except (TypeError, ValueError):
+            raise ValueError(
+                "mm.microbatch: the reduce pytree does not match the function's output: reduce "
+                f"is {jax.tree.structure(reduce)}, the output is {jax.tree.structure(out)}; give "
+                "one of 'sum', 'mean', 'concat', 'stack' per output leaf (or subtree), or a "
+                "single string"
+            ) from None
+        lists = jax.tree.leaves(per, is_leaf=lambda x: isinstance(x, list))
+        kinds = [k for ks in lists for k in ks]
+    for (path, leaf), kind in zip(with_paths, kinds, strict=True):
+        if kind == "concat" and jnp.ndim(leaf) <= dim:
+            raise ValueError(
+                f"mm.microbatch: output {jax.tree_util.keystr(path) or '(the output)'} has no "
+                f"dimension {dim} to concatenate the microbatches along (shape "
+                f"{jnp.shape(leaf)}); reduce it with 'stack' (one value per microbatch), "
+                "'sum' or 'mean'"
+            )
+    return kinds
+
+
+def _gathered(x: Any, kind: str, m: int, dim: int) -> Any:
+    """A gathered output's ``(m, ...)`` buffer as ``kind`` returns it."""
+    if kind == "stack":
+        return x
+    x = jnp.moveaxis(x, 0, dim)  # (..., m, rows, ...): merge the two
+    return x.reshape(*x.shape[:dim], x.shape[dim] * x.shape[dim + 1], *x.shape[dim + 2 :])
 
 
 def _unrolled_reason(args, kwargs, changed, m: int) -> str:
@@ -288,8 +334,9 @@ def _collector(index: Any, group: int, m: int) -> Callable:
     return collect
 
 
-def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any | None:
-    """Traces ``fun`` once on microbatch ``index`` (a value the runtime supplies per replica).
+def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) -> Any | None:
+    """Traces ``fun`` once on microbatch ``index`` (a value the runtime supplies per replica),
+    and returns its outputs combined over the microbatches as ``reduce`` says.
 
     State ``fun`` updates is traced once too: an RNG count starts microbatch ``index`` at
     ``count + index * d`` (``d``: the draws of one microbatch), so each microbatch draws the keys
@@ -323,6 +370,14 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any |
 
         call_args = [jax.tree.map(piece, a) if i in split_args else a for i, a in enumerate(args)]
         out = fun(*call_args, **kwargs)
+        reductions = _reductions(reduce, out, dim)
+        leaves, treedef = jax.tree.flatten(out)
+        leaves = [  # each microbatch writes its row of a gathered output; the runtime sums them
+            jax.lax.dynamic_update_index_in_dim(jnp.zeros((m, *jnp.shape(x)), x.dtype), x, index, 0)
+            if kind in _GATHERED
+            else x
+            for x, kind in zip(leaves, reductions, strict=True)
+        ]
     after = [v.get_raw_value() for v in variables]
     known = {id(v) for v in variables}
     added = [v for v in _variables(args, kwargs) if id(v) not in known]
@@ -360,4 +415,11 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options) -> Any |
         else:
             v.set_raw_value(_jax.chain_out(a, group, slot))
     trace.microbatches[group] = MicrobatchGroup(m, schedule, virtual_stages)
-    return jax.tree.map(lambda x: _jax.accumulate(x, group), out)
+    totals = [_jax.accumulate(x, group) for x in leaves]
+    return jax.tree.unflatten(
+        treedef,
+        [
+            _gathered(x, kind, m, dim) if kind in _GATHERED else x / m if kind == "mean" else x
+            for x, kind in zip(totals, reductions, strict=True)
+        ],
+    )

@@ -6,6 +6,7 @@ import re
 import warnings
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -190,6 +191,44 @@ def test_any_module_with_blocks():
         assert len(stage_rules(model, tasks(2), by="flops", report=False, **kwargs)) == 2
 
 
+def test_the_layers_are_found_without_the_name_blocks():
+    """nnx.Sequential keeps its layers in ``layers``: cut as blocks, nothing before or after."""
+    with nnx.use_eager_sharding(False):
+        seq = nnx.Sequential(*[Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(6)])
+    rules = stage_rules(seq, tasks(3), report=False)
+    assert [r for r, _ in rules] == ["^layers/(0|1)/", "^layers/(2|3)/", "^layers/(4|5)/"]
+    placed = mm.place(seq, rules, strict=True)
+    x = jax.numpy.ones((4, 4))
+    loss = lambda m, x: (m(x) ** 2).mean()  # noqa: E731
+    step = mm.jit(mm.microbatch(nnx.value_and_grad(loss), num=4, reduce="mean"))
+    with nnx.use_eager_sharding(False):
+        ref = nnx.Sequential(*[Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(6)])
+    (value, grads), (ref_value, ref_grads) = step(placed, x), nnx.value_and_grad(loss)(ref, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert step.plan(placed, x).pipeline.schedule.num_stages == 3
+
+    class TwoLists(nnx.Module):
+        def __init__(self, rngs):
+            self.encoder = nnx.List([Linear(4, 4, rngs=rngs)])
+            self.decoder = nnx.List([Linear(4, 4, rngs=rngs)])
+
+    with nnx.use_eager_sharding(False):
+        two = TwoLists(nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"several lists of modules \(encoder, decoder\).*blocks="):
+        stage_rules(two, tasks(2), report=False)
+
+
+def test_attributes_after_the_blocks_go_last():
+    with nnx.use_eager_sharding(False):
+        model = Stack(nnx.Rngs(0))
+    rules = stage_rules(model, tasks(3), report=False)  # stem, blocks, bias, out, extra
+    assert rule_of(rules, "stem/kernel") == 0
+    assert rule_of(rules, "bias") == rule_of(rules, "out/kernel") == 2
+    assert rule_of(rules, "extra/0/kernel") == 2
+
+
 def test_report(capsys):
     model = make()
     stage_rules(model, tasks(2))
@@ -209,9 +248,13 @@ def test_errors():
     with pytest.raises(ValueError, match="unknown by='bytes'"):
         stage_rules(model, tasks(2), by="bytes", report=False)
     with nnx.use_eager_sharding(False):
-        seq = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match="no attribute 'blocks'.*nnx.List of modules"):
-        stage_rules(seq, tasks(2), report=False)
+        linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no attribute 'blocks'.*nnx.List of modules.*blocks="):
+        stage_rules(linear, tasks(2), report=False)
+    with pytest.raises(ValueError, match="Stack has no attribute 'layers' \\(blocks=\\)"):
+        stage_rules(Stack(nnx.Rngs(0)), tasks(2), blocks="layers", report=False)
+    with pytest.raises(ValueError, match="Stack.stem does not hold layers"):
+        stage_rules(Stack(nnx.Rngs(0)), tasks(2), blocks="stem", report=False)
     with pytest.raises(ValueError, match="no tasks"):
         stage_rules(model, [], report=False)
     with pytest.raises(TypeError, match="not an mm.Task"):
@@ -246,5 +289,5 @@ def test_virtual_stage_errors(kwargs, message):
 
 
 def test_virtual_stages_need_a_list_of_blocks():
-    with pytest.raises(ValueError, match="virtual_stages=2 needs model.blocks as a list"):
+    with pytest.raises(ValueError, match="virtual_stages=2 needs the blocks as a list"):
         stage_rules(make(depth=8, scan_layers=True), tasks(2), virtual_stages=2, report=False)

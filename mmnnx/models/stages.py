@@ -128,17 +128,21 @@ def stage_rules(
     tokens_per_step: int | None = None,
     report: bool = True,
     seq_len: int | None = None,
-    last: Sequence[str] = ("norm", "head"),
+    last: Sequence[str] | None = None,
     virtual_stages: int = 1,
     order: str = "loop",
+    blocks: str | None = None,
 ) -> list[tuple[str, Task]]:
     """Placement rules for ``mm.place`` / ``mm.init`` that pipeline ``model.blocks`` over ``tasks``.
 
     ``model.blocks`` (an ``nnx.List`` of modules) is cut into ``len(tasks)`` contiguous stages, one
     per task in order, minimising the largest stage (exact dynamic programming; ties go to the most
-    even split). Everything before ``blocks`` (the embedding) and any other top-level attribute
-    goes on the first task; the attributes named in ``last`` (the final ``norm`` and ``head``) on
-    the last, and count towards those stages' costs.
+    even split). ``blocks`` names the attribute holding the layers when it is not ``blocks``; by
+    default a model without ``blocks`` has its one top-level ``nnx.List`` of modules cut (as
+    the ``layers`` of Flax's Gemma example). The top-level attributes defined before the blocks
+    (the embedding) go on the first task, those defined after them (the final norm, the head)
+    on the last, and count towards those stages' costs. ``last`` names the attributes for the
+    last task instead, every other one going on the first.
 
     ``by="params"`` balances parameter counts. ``by="flops"`` balances estimated forward FLOPs of
     a step of ``tokens_per_step`` tokens (default: one sequence of ``seq_len``, itself by default
@@ -184,20 +188,22 @@ def stage_rules(
         if not isinstance(t, Task):
             raise TypeError(f"stage_rules: {t!r} is not an mm.Task")
     tasks = _stage_tasks(tasks, virtual_stages, order)
-    blocks = getattr(model, "blocks", None)
+    attr = _blocks_attribute(model, blocks)
+    where = f"{type(model).__name__}.{attr}"
+    blocks = getattr(model, attr)
     stacked = isinstance(blocks, nnx.Module) and not isinstance(blocks, nnx.List)
     if stacked:
         depths = {v.shape[0] for _, v in variables_of(blocks) if v.shape}
         if len(depths) != 1:
             raise ValueError(
-                f"stage_rules: the Variables of {type(model).__name__}.blocks (one stacked "
+                f"stage_rules: the Variables of {where} (one stacked "
                 f"module) do not share one leading layer axis (sizes {sorted(depths)})"
             )
         (n,) = depths
         if virtual_stages != 1:
             raise ValueError(
-                f"stage_rules: virtual_stages={virtual_stages} needs model.blocks as a list of "
-                f"modules; {type(model).__name__}.blocks is one stacked module, whose layer axis "
+                f"stage_rules: virtual_stages={virtual_stages} needs the blocks as a list of "
+                f"modules; {where} is one stacked module, whose layer axis "
                 "is split into one contiguous chunk per task"
             )
         if n % len(tasks):
@@ -212,9 +218,8 @@ def stage_rules(
         n = len(blocks)
     else:
         raise ValueError(
-            f"stage_rules: {type(model).__name__} has no attribute 'blocks' holding its layers; "
-            "expected model.blocks to be an nnx.List of modules (as GPT.blocks) or one module "
-            f"of stacked layers (nnx.vmap), got {type(blocks).__name__}"
+            f"stage_rules: {where} does not hold layers: expected an nnx.List of modules (as "
+            f"GPT.blocks) or one module of stacked layers (nnx.vmap), got {type(blocks).__name__}"
         )
     k = len(tasks)
     if n < k:
@@ -231,8 +236,11 @@ def stage_rules(
         tops.setdefault(str(path[0]), len(path) == 1)
     order = [name for name in vars(model) if name in tops]
     order += [name for name in tops if name not in order]
-    firsts = [name for name in order if name != "blocks" and name not in last]
-    lasts = [name for name in order if name != "blocks" and name in last]
+    if last is None:  # those defined after the blocks
+        after = list(vars(model))
+        last = after[after.index(attr) + 1 :] if attr in after else ()
+    firsts = [name for name in order if name != attr and name not in last]
+    lasts = [name for name in order if name != attr and name in last]
 
     config = getattr(model, "config", None)
     seq = seq_len or getattr(config, "max_seq_len", None) or getattr(model, "max_seq_len", None)
@@ -283,7 +291,7 @@ def stage_rules(
         start += size
         parts = [f"^{re.escape(name)}{'$' if tops[name] else '/'}" for name in firsts if s == 0]
         if not stacked:
-            parts.append(f"^blocks/{_alternation([str(i) for i in idx])}/")
+            parts.append(f"^{re.escape(attr)}/{_alternation([str(i) for i in idx])}/")
         parts += [f"^{re.escape(name)}{'$' if tops[name] else '/'}" for name in lasts if s == k - 1]
         if parts:
             rules.append(("|".join(parts), task))
@@ -302,10 +310,47 @@ def stage_rules(
         rows.append((task.name, label + (f" + {', '.join(names)}" if names else ""), params, fl))
 
     if stacked:
-        rules.append(("^blocks/", tasks))
+        rules.append((f"^{re.escape(attr)}/", tasks))
     if report and jax.process_index() == 0:  # one report for a multi-process run
         _print_report(rows, n, by, tokens)
     return rules
+
+
+def _blocks_attribute(model: Any, name: str | None) -> str:
+    """The attribute of ``model`` holding its layers: ``name``, else ``blocks``, else its one
+    top-level ``nnx.List`` of modules."""
+    if name is not None:
+        if not isinstance(name, str) or not hasattr(model, name):
+            raise ValueError(
+                f"stage_rules: {type(model).__name__} has no attribute {name!r} (blocks=); "
+                f"its attributes are {', '.join(_public(model)) or 'none'}"
+            )
+        return name
+    if getattr(model, "blocks", None) is not None:
+        return "blocks"
+    lists = [
+        k
+        for k, v in vars(model).items()
+        if isinstance(v, nnx.List) and len(v) and all(isinstance(b, nnx.Module) for b in v)
+    ]
+    if len(lists) == 1:
+        return lists[0]
+    if lists:
+        raise ValueError(
+            f"stage_rules: {type(model).__name__} has several lists of modules "
+            f"({', '.join(lists)}); name the one holding the layers to cut, e.g. "
+            f"blocks={lists[0]!r}"
+        )
+    raise ValueError(
+        f"stage_rules: {type(model).__name__} has no attribute 'blocks' holding its layers and "
+        "no nnx.List of modules; expected model.blocks to be an nnx.List of modules (as "
+        "GPT.blocks) or one module of stacked layers (nnx.vmap), or blocks= naming the "
+        f"attribute that holds them (its attributes: {', '.join(_public(model)) or 'none'})"
+    )
+
+
+def _public(model: Any) -> list[str]:
+    return [k for k in vars(model) if not k.startswith("_")]
 
 
 def _stage_tasks(tasks: list[Task], virtual_stages: int, order: str) -> list[Task]:

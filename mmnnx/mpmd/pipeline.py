@@ -135,10 +135,13 @@ def plan_pipeline(
     # fragment that needs them rather than sent between tasks.
     # So are RNG keys derived per microbatch: small placed state (a key, a count) is sent to
     # each stage that draws, which draws its own random bits.
+    # A side input built before the loop from the batch and passed to mm.microbatch whole (the
+    # Gemma example's attention mask) is sent to each stage that reads it, which slices it.
     seeds = {index_value} if index_value is not None else set()
     small_state = {v for v in graph.inputs if graph.nbytes[v] <= _SMALL_STATE}
+    batch = set(free_inputs) | small_state
     replicable = replicable_ops(
-        graph, region, seeds, set(free_inputs) | small_state, side_inputs=True
+        graph, region, seeds, batch | _batch_derived(pre_ops, batch), side_inputs=True
     )
     # Constants the stages read (filled arrays of a norm's statistics, scan constants) are made in
     # each stage that reads them, not on one task and sent before the first microbatch.
@@ -150,7 +153,7 @@ def plan_pipeline(
     staged = [op for op in region if op.index not in replicable_ids]
     follow_the_flow(graph, staged, op_tasks, pinned)
     stages, stage_tasks = stage_fragments(graph, staged, op_tasks, replicable)
-    schedule = _schedule(group, len(stage_tasks))
+    schedule = _schedule(group, stage_tasks)
     for s, task in enumerate(stage_tasks):
         rank = schedule.stage_to_rank[s]
         first = stage_tasks[schedule.stages_of(rank)[0]] if schedule.stages_of(rank) else task
@@ -254,6 +257,25 @@ def _sink_to_post(
     keep = [op for op in pre_ops if op.index not in sunk]
     after = sorted([*post_ops, *(op for op in pre_ops if op.index in sunk)], key=lambda o: o.index)
     return keep, after
+
+
+def _batch_derived(pre_ops: list[Op], sources: AbstractSet[int]) -> set[int]:
+    """The values that ops before the microbatch loop compute from ``sources`` (the batch,
+    small state) and constants only.
+
+    Example:
+        >>> from mmnnx.mpmd.ir import Const
+        >>> mask = Op(0, None, {}, [7, Const(0)], [8], False, "", "gt")
+        >>> scaled = Op(1, None, {}, [8, 3], [9], False, "", "mul")  # reads value 3: a weight
+        >>> _batch_derived([mask, scaled], {7})
+        {8}
+    """
+    derived = set(sources)
+    for op in sorted(pre_ops, key=lambda op: op.index):
+        pure = not op.effectful and not op.may_fail
+        if pure and all(not isinstance(a, int) or a in derived for a in op.ins):
+            derived.update(op.outs)
+    return derived - set(sources)
 
 
 def _stage_constants(
@@ -445,6 +467,21 @@ def stage_fragments(
                 if c.index in inside and c.index in stage_of and op_tasks[c.index] == task
             ]
             stage_of[op.index] = min(readers) if readers else nearest_stage(task, 0, op)
+    # A task's ops right after one of its virtual stages (a head tied to the first stage's
+    # embedding, after a V's last stage) run in that stage: the same devices, the same visit.
+    merged, kept = [0] * num_stages, [0]
+    for s in range(1, num_stages):
+        if stage_tasks[s] is not stage_tasks[s - 1] and stage_tasks[s] is stage_tasks[s - 1].home:
+            merged[s] = merged[s - 1]
+        else:
+            merged[s] = len(kept)
+            kept.append(s)
+    if len(kept) < num_stages:
+        for index, s in stage_of.items():
+            stage_of[index] = merged[s]
+            if isinstance(op_tasks, list):
+                op_tasks[index] = stage_tasks[kept[merged[s]]]
+        stage_tasks = [stage_tasks[s] for s in kept]
     members: dict[tuple[str, int], list[Op]] = {}
     for op in region:
         kind = "B" if op.index in backward else "F"
@@ -498,21 +535,29 @@ def join_consumers(
     return level, late
 
 
-def _schedule(group: MicrobatchGroup, num_stages: int) -> sched.Schedule:
-    m = group.num_microbatches
+def _schedule(group: MicrobatchGroup, stage_tasks: Sequence[Task]) -> sched.Schedule:
+    m, num_stages = group.num_microbatches, len(stage_tasks)
+    chain = " -> ".join(t.name for t in stage_tasks)
+    again = [t.name for i, t in enumerate(stage_tasks) if t in stage_tasks[:i]]
+    why = (
+        f" (the forward pass runs on {chain}: it comes back to {', '.join(again)}, whose "
+        "Variables it reads again, e.g. an output head tied to the embedding)"
+        if again
+        else f" (the forward pass runs on {chain})"
+    )
     if isinstance(group.schedule, sched.Schedule):
         schedule = group.schedule
         if schedule.num_stages != num_stages or schedule.num_microbatches != m:
             raise MPMDError(
                 f"mm.jit: the custom schedule is for {schedule.num_stages} stages and "
                 f"{schedule.num_microbatches} microbatches; this step has {num_stages} stages "
-                f"and {m} microbatches"
+                f"and {m} microbatches{why}"
             )
         return schedule
     try:
         return sched.get(group.schedule, num_stages, m, group.virtual_stages)
     except ValueError as e:
-        raise MPMDError(f"mm.jit: mm.microbatch(schedule={group.schedule!r}): {e}") from None
+        raise MPMDError(f"mm.jit: mm.microbatch(schedule={group.schedule!r}): {e}{why}") from None
 
 
 def split_backward(

@@ -1,0 +1,179 @@
+"""mm.microbatch's gathered outputs (``reduce="concat"`` / ``"stack"``), and the train step of
+Flax's Gemma example (examples/gemma/train.py) pipelined as written: the attention mask built
+from the tokens before the loss, per-sample losses and logits returned as aux for an
+``nnx.MultiMetric``, and the output head tied to the embedding. Every result is checked against
+the same step on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from tests.models import four_tasks
+from tests.oracle import close, trees_close
+
+B, T, VOCAB, DIM = 16, 8, 32, 16
+
+
+def test_plain_loop_gathers_in_microbatch_order():
+    w = jnp.arange(1.0, 4.0)
+    x = jnp.arange(24.0).reshape(8, 3)
+
+    def f(w, x):
+        return x * w, (x * w).sum()
+
+    f4 = mm.microbatch(f, num=4, reduce=("concat", "stack"))
+    rows, per_microbatch = f4(w, x)
+    close(rows, x * w)
+    close(per_microbatch, (x * w).reshape(4, 2, 3).sum(axis=(1, 2)))
+    columns = mm.microbatch(lambda w, x: x * w[0], num=4, dim=1, argnums=1, reduce="concat")
+    close(columns(w, x.T), x.T * w[0])  # split along dim 1, gathered along dim 1
+    one = mm.microbatch(f, num=1, reduce="stack")
+    assert [a.shape for a in one(w, x)] == [(1, 8, 3), (1,)]
+
+
+@pytest.mark.parametrize(
+    ("reduce", "message"),
+    [
+        ("concat", r"output \[1\] has no dimension 0 to concatenate .*\(shape \(\)\).*'stack'"),
+        (("sum", ("mean",)), "the reduce pytree does not match"),
+    ],
+)
+def test_errors(reduce, message):
+    f = mm.microbatch(lambda w, x: (x * w, (x * w).sum()), num=2, reduce=reduce)
+    with pytest.raises(ValueError, match=message):
+        f(2.0, jnp.ones((4, 3)))
+
+
+def test_an_unknown_reduction_is_named():
+    with pytest.raises(ValueError, match="reduce 'max' is not one of .*'concat', 'stack'"):
+        mm.microbatch(lambda x: x, num=2, argnums=0, reduce="max")
+
+
+class MaskedBlock(nnx.Module):
+    """A pre-norm block reading the attention mask its caller built (as Gemma's blocks do)."""
+
+    def __init__(self, rngs):
+        self.norm = nnx.RMSNorm(DIM, rngs=rngs)
+        self.qkv = nnx.Linear(DIM, 3 * DIM, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(DIM, DIM, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(DIM, 2 * DIM, rngs=rngs)
+        self.down = nnx.Linear(2 * DIM, DIM, rngs=rngs)
+
+    def __call__(self, x, mask):
+        b, t, _ = x.shape
+        q, k, v = (a.reshape(b, t, 2, DIM // 2) for a in jnp.split(self.qkv(self.norm(x)), 3, -1))
+        x = x + self.out(nnx.dot_product_attention(q, k, v, mask=mask).reshape(b, t, DIM))
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+class TiedLM(nnx.Module):
+    """Gemma's shape: an embedding, ``layers`` (not ``blocks``), a final norm, and logits from
+    the embedding table (``embedder.decode`` there: a head tied to the first stage)."""
+
+    def __init__(self, depth, rngs):
+        self.embedder = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        self.layers = nnx.List([MaskedBlock(rngs) for _ in range(depth)])
+        self.final_norm = nnx.RMSNorm(DIM, rngs=rngs)
+
+    def __call__(self, tokens, mask):
+        x = self.embedder(tokens)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.embedder.attend(self.final_norm(x))
+
+
+def loss_fn(model, inputs, mask, targets, weights):
+    logits = model(inputs, mask)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights
+    per_sample = losses.sum(axis=1) / jnp.maximum(weights.sum(axis=1), 1)
+    return per_sample.mean(), (per_sample, logits, per_sample.mean())
+
+
+def train_step(model, optimizer, metrics, batch, *, schedule=None):
+    """examples/gemma/train.py's ``train_step``, with the loss's batch passed to it as arguments
+    (``mm.microbatch`` splits those)."""
+    inputs, targets = batch["inputs"], batch["targets"]
+    input_mask = inputs > 0
+    weights = input_mask.astype(jnp.float32)
+    mask = nnx.combine_masks(
+        nnx.make_causal_mask(inputs), nnx.make_attention_mask(input_mask, input_mask)
+    )
+    grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+    if schedule is not None:
+        grad_fn = mm.microbatch(
+            grad_fn,
+            num=8,
+            argnums=(1, 2, 3, 4),
+            schedule=schedule,
+            virtual_stages=2 if schedule == "zero-bubble-v" else 1,
+            reduce=(("mean", ("concat", "concat", "stack")), "mean"),
+        )
+    (loss, (per_sample, logits, per_microbatch)), grads = grad_fn(
+        model, inputs, mask, targets, weights
+    )
+    optimizer.update(model, grads)
+    metrics.update(loss=per_sample, logits=logits, labels=targets)
+    return loss, per_sample, logits, per_microbatch
+
+
+def _metrics():
+    return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+
+
+def _build():
+    with nnx.use_eager_sharding(False):
+        model = TiedLM(8, nnx.Rngs(0))
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-v"])
+def test_the_gemma_example_step_pipelines_as_written(schedule):
+    tokens = np.random.default_rng(0).integers(1, VOCAB, (B, T + 1))
+    tokens[: B // 2, T - 2 :] = 0  # padded rows
+    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
+    order = "v" if schedule == "zero-bubble-v" else "loop"
+    v = 2 if schedule == "zero-bubble-v" else 1
+    model = _build()
+    rules = mm.stage_rules(model, four_tasks(), virtual_stages=v, order=order, report=False)
+    model = mm.place(model, rules)
+    ref = _build()
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+    metrics, ref_metrics = _metrics(), _metrics()
+    step = mm.jit(lambda *a: train_step(*a, schedule=schedule))
+    for _ in range(3):
+        got = step(model, opt, metrics, batch)
+        want = train_step(ref, ref_opt, ref_metrics, batch)
+        loss, per_sample, logits, per_microbatch = got
+        close(loss, want[0])
+        close(per_sample, want[1], atol=1e-5)  # row i is example i's, as on one device
+        close(logits, want[2], atol=1e-5)
+        close(per_microbatch, want[1].reshape(8, 2).mean(axis=1), atol=1e-5)
+        assert logits.shape == (B, T, VOCAB) and per_microbatch.shape == (8,)
+    trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
+    for name, value in ref_metrics.compute().items():
+        close(metrics.compute()[name], value)
+    plan = step.plan(model, opt, metrics, batch)
+    stages = [t.name for t in plan.pipeline.stage_tasks]
+    if schedule == "zero-bubble-v":
+        # the tied head runs in the V's last stage, on the first task's devices
+        assert stages == ["t0", "t1", "t2", "t3", "t3:1", "t2:1", "t1:1", "t0:1"]
+    else:  # the head reads the embedding table: a fifth stage, back on the first task
+        assert stages == ["t0", "t1", "t2", "t3", "t0"]
+    # the mask, built before the loss from the tokens, is made by each stage from them: not sent
+    assert not [tr for tr in plan.transfers if tr.dtype == jnp.bool_]
+
+
+def test_stage_rules_find_gemma_s_layers_and_put_what_follows_them_last():
+    model = _build()
+    tasks = four_tasks()
+    rules = mm.stage_rules(model, tasks, report=False)
+    assert rules[0][0].startswith("^embedder/|^layers/(0|1)/")
+    assert rules[-1][0] == "^layers/(6|7)/|^final_norm/"
+    assert mm.stage_rules(model, tasks, blocks="layers", report=False) == rules
+    first = mm.stage_rules(model, tasks, last=(), report=False)
+    assert "final_norm" in first[0][0]  # last=() : every other attribute on the first task
