@@ -249,12 +249,13 @@ def test_errors():
         stage_rules(model, tasks(2), by="bytes", report=False)
     with nnx.use_eager_sharding(False):
         linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        stack = Stack(nnx.Rngs(0))
     with pytest.raises(ValueError, match="no attribute 'blocks'.*nnx.List of modules.*blocks="):
         stage_rules(linear, tasks(2), report=False)
     with pytest.raises(ValueError, match="Stack has no attribute 'layers' \\(blocks=\\)"):
-        stage_rules(Stack(nnx.Rngs(0)), tasks(2), blocks="layers", report=False)
-    with pytest.raises(ValueError, match="Stack.stem does not hold layers"):
-        stage_rules(Stack(nnx.Rngs(0)), tasks(2), blocks="stem", report=False)
+        stage_rules(stack, tasks(2), blocks="layers", report=False)
+    with pytest.raises(ValueError, match=r"Stack.stem \(one stacked module\) do not share"):
+        stage_rules(stack, tasks(2), blocks="stem", report=False)
     with pytest.raises(ValueError, match="no tasks"):
         stage_rules(model, [], report=False)
     with pytest.raises(TypeError, match="not an mm.Task"):
