@@ -220,15 +220,6 @@ def test_the_layers_are_found_without_the_name_blocks():
         stage_rules(two, tasks(2), report=False)
 
 
-def test_attributes_after_the_blocks_go_last():
-    with nnx.use_eager_sharding(False):
-        model = Stack(nnx.Rngs(0))
-    rules = stage_rules(model, tasks(3), report=False)  # stem, blocks, bias, out, extra
-    assert rule_of(rules, "stem/kernel") == 0
-    assert rule_of(rules, "bias") == rule_of(rules, "out/kernel") == 2
-    assert rule_of(rules, "extra/0/kernel") == 2
-
-
 def test_report(capsys):
     model = make()
     stage_rules(model, tasks(2))

@@ -20,6 +20,11 @@ from mmnnx.sharding import Task
 
 BY = ("params", "flops")
 
+LAST = ("norm", "head", "final_norm", "ln_f", "lm_head")
+"""The top-level attributes ``stage_rules`` puts on the last task by default: the final norm
+and the output head as the library's GPT, Flax's Gemma example, GPT-2 and Llama ports name
+them."""
+
 
 def _num_params(node: Any) -> int:
     return sum(math.prod(v.shape) for _, v in variables_of(node) if isinstance(v, nnx.Param))
@@ -139,10 +144,9 @@ def stage_rules(
     per task in order, minimising the largest stage (exact dynamic programming; ties go to the most
     even split). ``blocks`` names the attribute holding the layers when it is not ``blocks``; by
     default a model without ``blocks`` has its one top-level ``nnx.List`` of modules cut (as
-    the ``layers`` of Flax's Gemma example). The top-level attributes defined before the blocks
-    (the embedding) go on the first task, those defined after them (the final norm, the head)
-    on the last, and count towards those stages' costs. ``last`` names the attributes for the
-    last task instead, every other one going on the first.
+    the ``layers`` of Flax's Gemma example). The top-level attributes named in ``last`` (by
+    default :data:`LAST`: the final norm and the head under their usual names) go on the last
+    task, every other one (the embedding) on the first, and count towards those stages' costs.
 
     ``by="params"`` balances parameter counts. ``by="flops"`` balances estimated forward FLOPs of
     a step of ``tokens_per_step`` tokens (default: one sequence of ``seq_len``, itself by default
@@ -236,9 +240,7 @@ def stage_rules(
         tops.setdefault(str(path[0]), len(path) == 1)
     order = [name for name in vars(model) if name in tops]
     order += [name for name in tops if name not in order]
-    if last is None:  # those defined after the blocks
-        after = list(vars(model))
-        last = after[after.index(attr) + 1 :] if attr in after else ()
+    last = LAST if last is None else last
     firsts = [name for name in order if name != attr and name not in last]
     lasts = [name for name in order if name != attr and name in last]
 
