@@ -328,7 +328,7 @@ def _collector(index: Any, group: int, m: int) -> Callable:
                 )
                 for x in items
             ]
-        every = [_jax.accumulate(r, group) for r in rows]
+        every = [_jax.accumulate(r, group, gathered=True) for r in rows]
         return tuple(e[k] for k in range(m) for e in every)
 
     return collect
@@ -415,7 +415,10 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) 
         else:
             v.set_raw_value(_jax.chain_out(a, group, slot))
     trace.microbatches[group] = MicrobatchGroup(m, schedule, virtual_stages)
-    totals = [_jax.accumulate(x, group) for x in leaves]
+    totals = [
+        _jax.accumulate(x, group, gathered=kind in _GATHERED)
+        for x, kind in zip(leaves, reductions, strict=True)
+    ]
     return jax.tree.unflatten(
         treedef,
         [

@@ -796,9 +796,9 @@ index_p = jcore.Primitive("mm_microbatch_index")
 index_p.def_abstract_eval(lambda *, group: jax.core.ShapedArray((), np.dtype("int32")))
 
 accumulate_p = jcore.Primitive("mm_microbatch_accumulate")
-accumulate_p.def_impl(lambda x, *, group: x)
-accumulate_p.def_abstract_eval(lambda x, *, group: x)
-ad.deflinear2(accumulate_p, lambda ct, x, *, group: [ct])
+accumulate_p.def_impl(lambda x, *, group, gathered=False: x)
+accumulate_p.def_abstract_eval(lambda x, *, group, gathered=False: x)
+ad.deflinear2(accumulate_p, lambda ct, x, *, group, gathered=False: [ct])
 
 
 def microbatch_index(group: int):
@@ -806,9 +806,11 @@ def microbatch_index(group: int):
     return index_p.bind(group=group)
 
 
-def accumulate(x, group: int):
-    """Marks ``x`` as one microbatch's contribution to a sum over the microbatches of ``group``."""
-    return accumulate_p.bind(x, group=group)
+def accumulate(x, group: int, gathered: bool = False):
+    """Marks ``x`` as one microbatch's contribution to a sum over the microbatches of ``group``.
+    ``gathered``: ``x`` is zero but for the microbatch's own rows (a gathered output), so its
+    sum is kept in a buffer of its own, where adding it is an in-place update of those rows."""
+    return accumulate_p.bind(x, group=group, gathered=gathered)
 
 
 def is_index(op: Op) -> bool:
@@ -817,6 +819,11 @@ def is_index(op: Op) -> bool:
 
 def is_accumulate(op: Op) -> bool:
     return op.primitive is accumulate_p
+
+
+def is_gathered(op: Op) -> bool:
+    """Whether ``op`` accumulates a gathered output (:func:`accumulate` with ``gathered``)."""
+    return op.primitive is accumulate_p and op.params.get("gathered", False)
 
 
 # How ops act on a stacked Variable's leading (layer) axis, split over tasks (``stacks.py``).

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from mmnnx.mpmd._jax import is_gathered
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.program import Recv, Run, Send, StepProgram, Zeros
 from mmnnx.sharding.specs import itemsize
@@ -183,7 +184,7 @@ def plan_packing(
     packing = (
         _residual_packing(program, graph, residual_bytes) if residual_bytes else no_packing(program)
     )
-    return _sum_packing(program, packing)
+    return _sum_packing(program, packing, _gathered_sums(program, graph))
 
 
 def _readers(program: StepProgram) -> dict[int, list[Run | None]]:
@@ -206,10 +207,24 @@ def _readers(program: StepProgram) -> dict[int, list[Run | None]]:
     return readers
 
 
-def _sum_packing(program: StepProgram, packing: Packing) -> Packing:
+def _gathered_sums(program: StepProgram, graph: Graph) -> set[int]:
+    """The slots of running sums that gather an output (each microbatch writes its own rows):
+    packed with others, every microbatch would add the whole buffer instead of its rows."""
+    gathered = {op.ins[0] for op in graph.ops if is_gathered(op)}
+    return {
+        slot
+        for a in program.actions
+        if isinstance(a, Run)
+        for slot, position in zip(a.sums, a.summed, strict=True)
+        if a.fragment.out_ids[position] in gathered
+    }
+
+
+def _sum_packing(program: StepProgram, packing: Packing, gathered: set[int]) -> Packing:
     """Adds to ``packing`` the running sums of each :class:`Zeros` action on a one-device task
-    that only Runs on that task read, without donating them: grouped by dtype and by the Runs
-    adding to them (each adds to all of a buffer), one flat buffer per group of two or more."""
+    that only Runs on that task read, without donating them, other than ``gathered`` ones:
+    grouped by dtype and by the Runs adding to them (each adds to all of a buffer), one flat
+    buffer per group of two or more."""
     readers = _readers(program)
     adders: dict[int, list[int]] = {}
     for i, a in enumerate(program.actions):
@@ -220,7 +235,8 @@ def _sum_packing(program: StepProgram, packing: Packing) -> Packing:
     def packable(slot: int, dtype: Any, task: Any) -> bool:
         reads = [r for r in readers.get(slot, []) if r is not None]
         return (
-            len(reads) == len(readers.get(slot, [])) - len(adders.get(slot, []))
+            slot not in gathered
+            and len(reads) == len(readers.get(slot, [])) - len(adders.get(slot, []))
             and all(r.task == task and slot not in {r.ins[d] for d in r.donate} for r in reads)
             and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
         )
