@@ -53,11 +53,22 @@ def test_an_unknown_reduction_is_named():
         mm.microbatch(lambda x: x, num=2, argnums=0, reduce="max")
 
 
+class GemmaNorm(nnx.Module):
+    """examples/gemma/layers.py's RMSNorm: the scale is stored less one."""
+
+    def __init__(self):
+        self.scale = nnx.Param(jnp.zeros(DIM))
+
+    def __call__(self, x):
+        normed = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)
+        return normed * (1 + self.scale[...])
+
+
 class MaskedBlock(nnx.Module):
     """A pre-norm block reading the attention mask its caller built (as Gemma's blocks do)."""
 
     def __init__(self, rngs):
-        self.norm = nnx.RMSNorm(DIM, rngs=rngs)
+        self.norm = GemmaNorm()
         self.qkv = nnx.Linear(DIM, 3 * DIM, use_bias=False, rngs=rngs)
         self.out = nnx.Linear(DIM, DIM, use_bias=False, rngs=rngs)
         self.up = nnx.Linear(DIM, 2 * DIM, rngs=rngs)
@@ -77,7 +88,7 @@ class TiedLM(nnx.Module):
     def __init__(self, depth, rngs):
         self.embedder = nnx.Embed(VOCAB, DIM, rngs=rngs)
         self.layers = nnx.List([MaskedBlock(rngs) for _ in range(depth)])
-        self.final_norm = nnx.RMSNorm(DIM, rngs=rngs)
+        self.final_norm = GemmaNorm()
 
     def __call__(self, tokens, mask):
         x = self.embedder(tokens)
@@ -177,3 +188,31 @@ def test_stage_rules_find_gemma_s_layers_and_put_what_follows_them_last():
     assert mm.stage_rules(model, tasks, blocks="layers", report=False) == rules
     first = mm.stage_rules(model, tasks, last=(), report=False)
     assert "final_norm" in first[0][0]  # last=() : every other attribute on the first task
+
+
+def _tied_step(schedule, num, virtual_stages=1):
+    def step(model, tokens, mask):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(lambda m, t, k: m(t, k).mean()),
+            num=num,
+            argnums=(1, 2),
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+        )
+        return grad_fn(model, tokens, mask)
+
+    return mm.jit(step)
+
+
+def test_a_tied_head_s_stage_chain_is_named_in_errors():
+    tokens = jnp.ones((B, T), jnp.int32)
+    mask = nnx.make_causal_mask(tokens)
+    model = _build()
+    model = mm.place(model, mm.stage_rules(model, four_tasks(), report=False))
+    with pytest.raises(mm.MPMDError, match=r"\(5\), got 4.*t0 -> t1 -> t2 -> t3 -> t0.*tied"):
+        _tied_step("1f1b", 4).plan(model, tokens, mask)
+    looped = _build()
+    rules = mm.stage_rules(looped, four_tasks(), virtual_stages=2, report=False)
+    looped = mm.place(looped, rules)
+    with pytest.raises(mm.MPMDError, match=r"visits t0, t2 more than once.*tied to the.*order='v'"):
+        _tied_step("interleaved-1f1b", 8, virtual_stages=2).plan(looped, tokens, mask)

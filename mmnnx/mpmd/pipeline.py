@@ -417,10 +417,20 @@ def stage_fragments(
         found = forward_levels.get(s, set())
         if len(found) != 1:
             names = sorted(t.name for t in found) or ["no task"]
-
+            again = sorted(
+                t.name for t in found if any(t in ts for d, ts in forward_levels.items() if d != s)
+            )
+            hint = (
+                f" (the forward pass visits {', '.join(again)} more than once; a task whose "
+                "Variables it reads at two points, such as an output head tied to the "
+                "embedding, pipelines in the V placement, mm.stage_rules(..., "
+                "virtual_stages=2, order='v'), or with one stage per task)"
+                if again
+                else ""
+            )
             raise MPMDError(
                 "mm.jit: mm.microbatch pipelines need the stages to form a chain, but the "
-                f"forward pass at depth {s} runs on {', '.join(names)}"
+                f"forward pass at depth {s} runs on {', '.join(names)}{hint}"
             )
         stage_tasks.append(next(iter(found)))
 
@@ -538,7 +548,7 @@ def join_consumers(
 def _schedule(group: MicrobatchGroup, stage_tasks: Sequence[Task]) -> sched.Schedule:
     m, num_stages = group.num_microbatches, len(stage_tasks)
     chain = " -> ".join(t.name for t in stage_tasks)
-    again = [t.name for i, t in enumerate(stage_tasks) if t in stage_tasks[:i]]
+    again = sorted({t.name for i, t in enumerate(stage_tasks) if t in stage_tasks[:i]})
     why = (
         f" (the forward pass runs on {chain}: it comes back to {', '.join(again)}, whose "
         "Variables it reads again, e.g. an output head tied to the embedding)"
