@@ -216,3 +216,19 @@ def test_a_tied_head_s_stage_chain_is_named_in_errors():
     looped = mm.place(looped, rules)
     with pytest.raises(mm.MPMDError, match=r"visits t0, t2 more than once.*tied to the.*order='v'"):
         _tied_step("interleaved-1f1b", 8, virtual_stages=2).plan(looped, tokens, mask)
+
+
+def test_tune_runs_a_step_whose_head_is_tied():
+    """The forward pass comes back to t0 for the head: five stages on four tasks, which tune
+    measures and ranks like any other step (it once rejected every candidate)."""
+    tokens = jax.random.randint(jax.random.key(0), (B, T), 1, VOCAB)
+    mask = nnx.make_causal_mask(tokens)
+    model = _build()
+    model = mm.place(model, mm.stage_rules(model, four_tasks(), report=False))
+    result = mm.schedules.tune(
+        _tied_step("1f1b", 8), model, tokens, mask, schedules=("gpipe", "1f1b")
+    )
+    assert {c.schedule for c in result.candidates if not c.rejected} == {"gpipe", "1f1b"}
+    assert result.best.predicted_seconds > 0
+    with pytest.raises(mm.MPMDError, match=r"no candidate can run .*zero-bubble-v \(M=8\)"):
+        mm.schedules.tune(_tied_step("1f1b", 8), model, tokens, mask, schedules=("zero-bubble-v",))

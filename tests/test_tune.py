@@ -73,9 +73,14 @@ def test_candidates_must_place_stages_as_the_step_does():
     measured = get("zero-bubble-v", 4, 4, 2)
     assert _fits("zero-bubble-v", measured, 2, v_step)
     assert not _fits("interleaved-1f1b", measured, 2, v_step)
-    assert not _fits("zero-bubble-v", measured, 2, loop_step)
-    assert _fits("interleaved-zero-bubble", measured, 2, loop_step)
-    assert not _fits("1f1b", measured, 2, loop_step)
+    looped = get("interleaved-zero-bubble", 4, 4, 2)
+    assert not _fits("zero-bubble-v", looped, 2, loop_step)
+    assert _fits("interleaved-zero-bubble", looped, 2, loop_step)
+    assert not _fits("1f1b", looped, 2, loop_step)
+    # a tied head: the forward pass ends on t0 again, a stage of its own (on a rank of its own)
+    tied = ["t0", "t1", "t0"]
+    assert _fits("1f1b", get("1f1b", 3, 4), 1, tied)
+    assert _fits("zero-bubble-h1", get("1f1b", 3, 4), 1, tied)
     assert _same_ranks((0, 1, 2), ["a", "b", "c"]) and not _same_ranks((0, 1, 0), ["a", "b", "c"])
 
 

@@ -130,7 +130,19 @@ def _fits(name: str, measured: sched.Schedule, virtual: int, stage_home: Sequenc
                              virtual)  # fmt: skip
     except (ValueError, TypeError):
         return False
-    return _same_ranks(schedule.stage_to_rank, stage_home)
+    return _places_like(schedule.stage_to_rank, measured, stage_home)
+
+
+def _places_like(
+    stage_to_rank: Sequence[int], measured: sched.Schedule, stage_home: Sequence[str]
+) -> bool:
+    """Whether a schedule with ``stage_to_rank`` runs the step's stages as placed: two stages
+    share a rank exactly when they share devices, or exactly when they do in the step's own
+    schedule (a head tied to the embedding brings the forward pass back to the first task's
+    devices as a stage of its own)."""
+    return _same_ranks(stage_to_rank, stage_home) or _same_ranks(
+        stage_to_rank, measured.stage_to_rank
+    )
 
 
 def _same_ranks(stage_to_rank: Sequence[int], stage_home: Sequence[str]) -> bool:
@@ -259,7 +271,7 @@ def tune(
             except (ValueError, TypeError) as e:
                 results.append(Candidate(name, m, None, None, None, f"cannot run: {e}"))
                 continue
-            if not _same_ranks(schedule.stage_to_rank, stage_home):
+            if not _places_like(schedule.stage_to_rank, measured, stage_home):
                 results.append(
                     Candidate(
                         name,
@@ -300,10 +312,14 @@ def tune(
                 )  # fmt: skip
             )
     fitting = [c for c in results if not c.rejected]
+    runnable = [c for c in results if c.peak_bytes is not None]
+    if not runnable:
+        reasons = "; ".join(f"{c.schedule} (M={c.num_microbatches}): {c.rejected}" for c in results)
+        raise MPMDError(f"tune: no candidate can run this step's stages: {reasons or 'none'}")
     if not fitting:
         raise MPMDError(
             f"tune: no candidate fits the memory budget of {budget:,} B; the smallest needs "
-            f"{min((c.peak_bytes for c in results if c.peak_bytes), default=0):,} B"
+            f"{min(c.peak_bytes for c in runnable):,} B"
         )
     results.sort(key=lambda c: (c.predicted_seconds is None, c.predicted_seconds or 0))
     best = min(fitting, key=lambda c: c.predicted_seconds)
