@@ -98,6 +98,9 @@ def microbatch(
         >>> f = microbatch(lambda w, x: (w * x).sum(), num=4, reduce="sum")
         >>> float(f(2.0, jnp.arange(8.0)))
         56.0
+        >>> g = microbatch(lambda w, x: (w * x, (w * x).sum()), num=4, reduce=("concat", "stack"))
+        >>> [a.tolist() for a in g(2.0, jnp.arange(8.0))]
+        [[0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0], [2.0, 10.0, 18.0, 26.0]]
     """
     if (num is None) == (size is None):
         raise ValueError("mm.microbatch: give exactly one of num= and size=")
