@@ -117,3 +117,109 @@ def test_mnist_tutorial_train_and_eval_steps_on_two_tasks():
         if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, err_msg=str(path))
+
+
+class Encoder(nnx.Module):
+    """A block of the ViT tutorial (docs_nnx/examples/vit_training.md): LayerNorms,
+    ``nnx.MultiHeadAttention`` with dropout drawing from the ``rngs`` passed in, an MLP with
+    Dropout."""
+
+    def __init__(self, dim, rngs):
+        self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
+        self.mha = nnx.MultiHeadAttention(
+            num_heads=2,
+            in_features=dim,
+            dropout_rate=0.1,
+            broadcast_dropout=False,
+            decode=False,
+            deterministic=False,
+            keep_rngs=False,
+            rngs=rngs,
+        )
+        self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
+        self.mlp_up_proj = nnx.Linear(dim, 2 * dim, rngs=rngs)
+        self.mlp_down_proj = nnx.Linear(2 * dim, dim, rngs=rngs)
+        self.mlp_drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        x = x + self.mha(self.norm1(x), rngs=rngs)
+        h = self.mlp_drop(nnx.gelu(self.mlp_up_proj(self.norm2(x))), rngs=rngs)
+        return x + self.mlp_drop(self.mlp_down_proj(h), rngs=rngs)
+
+
+class ViT(nnx.Module):
+    """The tutorial's VisionTransformer, small: patch embedding, class token, position
+    embeddings, Dropout, the blocks in an ``nnx.Sequential`` named ``encoder``, ``final_norm``
+    and ``classifier``."""
+
+    def __init__(self, rngs, dim=16, depth=4):
+        self.patch_embeddings = nnx.Conv(3, dim, kernel_size=(8, 8), strides=(8, 8), rngs=rngs)
+        self.position_embeddings = nnx.Param(0.02 * jax.random.normal(rngs.params(), (1, 5, dim)))
+        self.dropout = nnx.Dropout(0.1)
+        self.cls_token = nnx.Param(jnp.zeros((1, 1, dim)))
+        self.encoder = nnx.Sequential(*[Encoder(dim, rngs) for _ in range(depth)])
+        self.final_norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.classifier = nnx.Linear(dim, 10, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        patches = self.patch_embeddings(x)
+        patches = patches.reshape(patches.shape[0], -1, patches.shape[-1])
+        cls = jnp.tile(self.cls_token[...], (patches.shape[0], 1, 1))
+        x = jnp.concat([cls, patches], axis=1) + self.position_embeddings[...]
+        x = self.encoder(self.dropout(x, rngs=rngs), rngs=rngs)
+        return self.classifier(self.final_norm(x)[:, 0])
+
+
+def vit_losses_and_logits(model, images, labels, rngs=None):
+    logits = model(images, rngs=rngs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss, logits
+
+
+def vit_train_step(model, optimizer, rngs, batch):
+    """The tutorial's ``train_step``, its gradient microbatched: Dropout draws from an
+    ``nnx.Rngs`` forked inside the step."""
+    images, labels = batch
+    grad_fn = mm.microbatch(
+        nnx.value_and_grad(vit_losses_and_logits, has_aux=True),
+        num=4,
+        argnums=(1, 2),
+        reduce=(("mean", "concat"), "mean"),
+    )
+    (loss, logits), grads = grad_fn(model, images, labels, rngs.fork())
+    optimizer.update(model, grads)
+    return loss, logits
+
+
+def test_vit_tutorial_train_step_with_a_forked_rngs_pipelines_like_the_loop():
+    tasks = [mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1])) for i in range(2)]
+    model = ViT(nnx.Rngs(1))
+    rules = mm.stage_rules(model, tasks, report=False)  # the Sequential's layers, by default
+    assert rules[0][0].startswith("^patch_embeddings/") and "|^encoder/layers/" in rules[0][0]
+    assert rules[1][0].startswith("^encoder/layers/")
+    assert rules[1][0].endswith("|^final_norm/|^classifier/")
+    model = mm.place(model, rules)
+    ref = ViT(nnx.Rngs(1))  # mm.microbatch outside mm.jit: the plain loop, eager
+    opt = nnx.Optimizer(model, optax.sgd(0.01, 0.9, nesterov=True), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.01, 0.9, nesterov=True), wrt=nnx.Param)
+    rngs, ref_rngs = nnx.Rngs(12), nnx.Rngs(12)
+    rng = np.random.default_rng(0)
+    batch = (
+        jnp.asarray(rng.normal(size=(8, 16, 16, 3)), jnp.float32),
+        jnp.asarray(rng.integers(0, 10, 8), jnp.int32),
+    )
+    step = mm.jit(vit_train_step)
+    for _ in range(2):
+        loss, logits = step(model, opt, rngs, batch)
+        ref_loss, ref_logits = vit_train_step(ref, ref_opt, ref_rngs, batch)
+        # each microbatch draws its own dropout masks, as in the loop (they were all the
+        # first microbatch's when the forked count's update was read by nothing)
+        assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+        np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-5)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)),
+        jax.tree.leaves(nnx.state(ref, nnx.Param)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert step.plan(model, opt, rngs, batch).pipeline.schedule.num_stages == 2

@@ -20,10 +20,10 @@ from mmnnx.sharding import Task
 
 BY = ("params", "flops")
 
-LAST = ("norm", "head", "final_norm", "ln_f", "lm_head")
+LAST = ("norm", "head", "final_norm", "ln_f", "lm_head", "classifier")
 """The top-level attributes ``stage_rules`` puts on the last task by default: the final norm
-and the output head as the library's GPT, Flax's Gemma example, GPT-2 and Llama ports name
-them."""
+and the output head as the library's GPT, Flax's Gemma and ViT examples, GPT-2 and Llama ports
+name them."""
 
 
 def _num_params(node: Any) -> int:
@@ -143,10 +143,12 @@ def stage_rules(
     ``model.blocks`` (an ``nnx.List`` of modules) is cut into ``len(tasks)`` contiguous stages, one
     per task in order, minimising the largest stage (exact dynamic programming; ties go to the most
     even split). ``blocks`` names the attribute holding the layers when it is not ``blocks``; by
-    default a model without ``blocks`` has its one top-level ``nnx.List`` of modules cut (as
-    the ``layers`` of Flax's Gemma example). The top-level attributes named in ``last`` (by
-    default :data:`LAST`: the final norm and the head under their usual names) go on the last
-    task, every other one (the embedding) on the first, and count towards those stages' costs.
+    default a model without ``blocks`` has its one top-level ``nnx.List`` (or ``nnx.Sequential``)
+    of modules cut: the ``layers`` of Flax's Gemma example, the ``encoder`` of its ViT (an
+    ``nnx.Sequential``, whose layers are at ``encoder/layers/<i>/``). The top-level attributes
+    named in ``last`` (by default :data:`LAST`: the final norm and the head under their usual
+    names) go on the last task, every other one (the embedding) on the first, and count towards
+    those stages' costs.
 
     ``by="params"`` balances parameter counts. ``by="flops"`` balances estimated forward FLOPs of
     a step of ``tokens_per_step`` tokens (default: one sequence of ``seq_len``, itself by default
@@ -195,6 +197,9 @@ def stage_rules(
     attr = _blocks_attribute(model, blocks)
     where = f"{type(model).__name__}.{attr}"
     blocks = getattr(model, attr)
+    prefix = re.escape(attr)
+    if isinstance(blocks, nnx.Sequential):  # its layers, at <attr>/layers/<i>/
+        blocks, prefix = blocks.layers, f"{prefix}/layers"
     stacked = isinstance(blocks, nnx.Module) and not isinstance(blocks, nnx.List)
     if stacked:
         depths = {v.shape[0] for _, v in variables_of(blocks) if v.shape}
@@ -293,7 +298,7 @@ def stage_rules(
         start += size
         parts = [f"^{re.escape(name)}{'$' if tops[name] else '/'}" for name in firsts if s == 0]
         if not stacked:
-            parts.append(f"^{re.escape(attr)}/{_alternation([str(i) for i in idx])}/")
+            parts.append(f"^{prefix}/{_alternation([str(i) for i in idx])}/")
         parts += [f"^{re.escape(name)}{'$' if tops[name] else '/'}" for name in lasts if s == k - 1]
         if parts:
             rules.append(("|".join(parts), task))
@@ -312,7 +317,7 @@ def stage_rules(
         rows.append((task.name, label + (f" + {', '.join(names)}" if names else ""), params, fl))
 
     if stacked:
-        rules.append((f"^{re.escape(attr)}/", tasks))
+        rules.append((f"^{prefix}/", tasks))
     if report and jax.process_index() == 0:  # one report for a multi-process run
         _print_report(rows, n, by, tokens)
     return rules
@@ -320,7 +325,7 @@ def stage_rules(
 
 def _blocks_attribute(model: Any, name: str | None) -> str:
     """The attribute of ``model`` holding its layers: ``name``, else ``blocks``, else its one
-    top-level ``nnx.List`` of modules."""
+    top-level ``nnx.List`` or ``nnx.Sequential`` of modules."""
     if name is not None:
         if not isinstance(name, str) or not hasattr(model, name):
             raise ValueError(
@@ -333,7 +338,9 @@ def _blocks_attribute(model: Any, name: str | None) -> str:
     lists = [
         k
         for k, v in vars(model).items()
-        if isinstance(v, nnx.List) and len(v) and all(isinstance(b, nnx.Module) for b in v)
+        if isinstance(v, nnx.List | nnx.Sequential)
+        and len(layers := v.layers if isinstance(v, nnx.Sequential) else v)
+        and all(isinstance(b, nnx.Module) for b in layers)
     ]
     if len(lists) == 1:
         return lists[0]

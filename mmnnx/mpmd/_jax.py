@@ -427,7 +427,7 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
     inputs = [_new_value(graph, v.aval) for v in closed.jaxpr.invars]
     graph.inputs = inputs
     graph.outputs = walk(closed.jaxpr, closed.consts, inputs)
-    _drop_dead_ops(graph)
+    drop_dead_ops(graph)
     return graph
 
 
@@ -591,12 +591,16 @@ def _groups(items: Sequence[int], links: Sequence[tuple[int, int]]) -> list[list
 _SPLITTERS = {"cond": _split_cond, "while": _split_while}
 
 
-def _drop_dead_ops(graph: Graph) -> None:
-    """Removes ops whose results nothing needs (and that have no effect); renumbers the rest."""
+def drop_dead_ops(graph: Graph) -> None:
+    """Removes ops whose results nothing needs (and that have no effect); renumbers the rest.
+
+    An RNG count's ``rng_next`` marker is kept while unresolved, with the draws counting up to
+    it: its count may be read by nothing (an ``nnx.Rngs`` made by ``fork()`` inside the step),
+    yet it is how many draws one microbatch makes, which sets where the next one starts."""
     needed = {a for a in graph.outputs if isinstance(a, int)}
     kept = []
     for op in reversed(graph.ops):
-        if op.effectful or any(v in needed for v in op.outs):
+        if op.effectful or marker_kind(op) == "rng_next" or any(v in needed for v in op.outs):
             kept.append(op)
             needed.update(a for a in op.ins if isinstance(a, int))
     graph.ops = kept[::-1]

@@ -92,9 +92,8 @@ def resolve_rng_counts(graph: Graph, num_microbatches: dict[int, int]) -> None:
     ops: list[Op] = []
     for op in graph.ops:
         ops.extend(replace.get(op.index, [op]))
-    for i, op in enumerate(ops):
-        op.index = i
     graph.ops = ops
+    _jax.drop_dead_ops(graph)  # a count nothing reads after the step (a forked nnx.Rngs)
     graph._producers = graph._consumers = None
 
 
