@@ -232,3 +232,32 @@ def test_tune_runs_a_step_whose_head_is_tied():
     assert result.best.predicted_seconds > 0
     with pytest.raises(mm.MPMDError, match=r"no candidate can run .*zero-bubble-v \(M=8\)"):
         mm.schedules.tune(_tied_step("1f1b", 8), model, tokens, mask, schedules=("zero-bubble-v",))
+
+
+class TwoLinear(nnx.Module):
+    def __init__(self, rngs):
+        self.a, self.b = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(jax.nn.relu(self.a(x)))
+
+
+def test_a_pipeline_gathers_along_the_split_dimension():
+    """Features first, examples along dim 1: each microbatch's columns come back in order."""
+    tasks = four_tasks()[:2]
+    model = mm.place(TwoLinear(nnx.Rngs(0)), [("^a/", tasks[0]), ("^b/", tasks[1])])
+    ref = TwoLinear(nnx.Rngs(0))
+    x_t = jax.random.normal(jax.random.key(0), (4, 16))  # (features, examples)
+
+    def loss(m, x_t):
+        out = m(x_t.T).T  # (3, examples in this microbatch)
+        return (out**2).mean(), out
+
+    grad_fn = nnx.value_and_grad(loss, has_aux=True)
+    step = mm.jit(mm.microbatch(grad_fn, num=4, dim=1, reduce=(("mean", "concat"), "mean")))
+    (value, out), grads = step(model, x_t)
+    (ref_value, ref_out), ref_grads = grad_fn(ref, x_t)
+    assert step.plan(model, x_t).pipeline.schedule.num_stages == 2
+    close(value, ref_value)
+    close(out, ref_out, atol=1e-6)
+    trees_close(grads, ref_grads)
