@@ -315,6 +315,13 @@ def _with_every_microbatch(before: Any, after: Any, collect: Callable) -> Any | 
     return None
 
 
+def _in_row(x: Any, index: Any, m: int) -> Any:
+    """``x`` in row ``index`` of an ``(m, ...)`` buffer of zeros: one microbatch's part of a
+    gathered value, which the runtime sums over the microbatches (in place: an
+    ``accumulate(..., gathered=True)`` keeps the sum apart from others)."""
+    return jax.lax.dynamic_update_index_in_dim(jnp.zeros((m, *jnp.shape(x)), x.dtype), x, index, 0)
+
+
 def _collector(index: Any, group: int, m: int) -> Callable:
     """A function from one microbatch's appended values to every microbatch's, interleaved as
     the unrolled loop appends them: ``(a, b)`` becomes ``(a0, b0, a1, b1, ...)``. Each value is
@@ -325,12 +332,7 @@ def _collector(index: Any, group: int, m: int) -> Callable:
         if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in items):
             return None
         with jax.named_scope(f"{GROUP_PREFIX}{group}"):
-            rows = [
-                jax.lax.dynamic_update_index_in_dim(
-                    jnp.zeros((m, *x.shape), x.dtype), x, index, axis=0
-                )
-                for x in items
-            ]
+            rows = [_in_row(x, index, m) for x in items]
         every = [_jax.accumulate(r, group, gathered=True) for r in rows]
         return tuple(e[k] for k in range(m) for e in every)
 
@@ -375,10 +377,8 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) 
         out = fun(*call_args, **kwargs)
         reductions = _reductions(reduce, out, dim)
         leaves, treedef = jax.tree.flatten(out)
-        leaves = [  # each microbatch writes its row of a gathered output; the runtime sums them
-            jax.lax.dynamic_update_index_in_dim(jnp.zeros((m, *jnp.shape(x)), x.dtype), x, index, 0)
-            if kind in _GATHERED
-            else x
+        leaves = [
+            _in_row(x, index, m) if kind in _GATHERED else x
             for x, kind in zip(leaves, reductions, strict=True)
         ]
     after = [v.get_raw_value() for v in variables]

@@ -135,8 +135,9 @@ def plan_pipeline(
     # fragment that needs them rather than sent between tasks.
     # So are RNG keys derived per microbatch: small placed state (a key, a count) is sent to
     # each stage that draws, which draws its own random bits.
-    # A side input built before the loop from the batch and passed to mm.microbatch whole (the
-    # Gemma example's attention mask) is sent to each stage that reads it, which slices it.
+    # So is a stage's microbatch of a side input built before the loop from the batch and
+    # passed to mm.microbatch whole (the Gemma example's attention mask): each stage that
+    # reads it slices its own out of it, instead of one stage slicing and sending to all.
     seeds = {index_value} if index_value is not None else set()
     small_state = {v for v in graph.inputs if graph.nbytes[v] <= _SMALL_STATE}
     batch = set(free_inputs) | small_state
@@ -400,7 +401,7 @@ def follow_the_flow(
 
 
 def stage_fragments(
-    graph: Graph, region: list[Op], op_tasks: Sequence[Task], replicable: list[Op]
+    graph: Graph, region: list[Op], op_tasks: list[Task], replicable: list[Op]
 ) -> tuple[dict[tuple[str, int], Fragment], list[Task]]:
     level, late = join_consumers(
         graph, region, op_tasks, levels(graph, region, op_tasks, inputs_movable=False)
@@ -478,7 +479,8 @@ def stage_fragments(
             ]
             stage_of[op.index] = min(readers) if readers else nearest_stage(task, 0, op)
     # A task's ops right after one of its virtual stages (a head tied to the first stage's
-    # embedding, after a V's last stage) run in that stage: the same devices, the same visit.
+    # embedding, after a V's last stage) run in that stage: the same devices, the same visit
+    # (their entries in ``op_tasks`` become that stage's task).
     merged, kept = [0] * num_stages, [0]
     for s in range(1, num_stages):
         if stage_tasks[s] is not stage_tasks[s - 1] and stage_tasks[s] is stage_tasks[s - 1].home:
@@ -489,8 +491,7 @@ def stage_fragments(
     if len(kept) < num_stages:
         for index, s in stage_of.items():
             stage_of[index] = merged[s]
-            if isinstance(op_tasks, list):
-                op_tasks[index] = stage_tasks[kept[merged[s]]]
+            op_tasks[index] = stage_tasks[kept[merged[s]]]
         stage_tasks = [stage_tasks[s] for s in kept]
     members: dict[tuple[str, int], list[Op]] = {}
     for op in region:
