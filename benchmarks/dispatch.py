@@ -20,6 +20,10 @@
    residual returned, none recomputed); and the same GPT with its blocks stacked and scanned
    (``scan_layers=True``, the stack split over the stages) at 8, 16 and 32 blocks.
 
+4. JAX's own cost per argument of a compiled call (a program summing 10 or 50 one-device
+   arrays), with the devices idle and while two other devices compute, and per result (a
+   program making 10 or 50 arrays): the floor under "host time per launch" above.
+
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/dispatch.py
 Writes benchmarks/results/dispatch.json.
 """
@@ -337,14 +341,60 @@ def pipelined_host_time():
     return out
 
 
+def call_cost(small=(10, 50), calls=200, rounds=7):
+    """Host CPU time per call of a compiled program (a sum of one-device arrays of 64 floats)
+    at two argument counts, with every device idle and while two other devices run long
+    programs (as a pipeline's other stages do). The slope between the two counts is JAX's cost
+    per argument; the second measure is that cost when dispatch shares this machine's cores
+    with the stages' compute. Then the same for a program of one argument and 10 or 50
+    results: JAX's cost per result."""
+    devices = jax.devices()
+    programs = {}
+    for n in small:
+        args = [jax.device_put(jnp.full((64,), float(i)), devices[0]) for i in range(n)]
+        programs[n] = (jax.jit(lambda *xs: sum(xs)).lower(*args).compile(), args)
+    weights = [jax.device_put(jnp.full((256, 256), 1e-3), d) for d in devices[1:3]]
+    long_program = jax.jit(lambda w: functools.reduce(lambda h, _: jnp.tanh(h @ w), range(40), w))
+
+    def per_call(n, busy):
+        compiled, args = programs[n]
+        jax.block_until_ready(compiled(*args))
+        times = []
+        for _ in range(rounds):
+            pending = [long_program(w) for _ in range(10) for w in weights] if busy else []
+            start = time.thread_time()
+            outs = [compiled(*args) for _ in range(calls)]
+            times.append((time.thread_time() - start) / calls)
+            jax.block_until_ready((outs, pending))
+        return statistics.median(times) * 1e6
+
+    out = {}
+    x = jax.device_put(jnp.ones(64), devices[0])
+    for n in small:  # results cost more: each is a new jax.Array
+        many = jax.jit(lambda x, n=n: [x * i for i in range(n)]).lower(x).compile()
+        programs[f"{n} results"] = (many, [x])
+    for label, busy in (("idle", False), ("two devices busy", True)):
+        us = {n: per_call(n, busy) for n in small}
+        for n in small:
+            out[f"{label}: host us per call, {n} arguments"] = us[n]
+        low, high = small
+        out[f"{label}: host us per argument"] = (us[high] - us[low]) / (high - low)
+    results = {n: per_call(f"{n} results", False) for n in small}
+    for n in small:
+        out[f"idle: host us per call, 1 argument, {n} results"] = results[n]
+    out["idle: host us per result"] = (results[high] - results[low]) / (high - low)
+    return out
+
+
 def main():
     results = {
+        "call_cost": call_cost(),
         "one_task": one_task(),
         "two_task": two_task(),
         "pipelined": pipelined_host_time(),
         "device": str(jax.devices()[0]),
     }
-    publish(results, RESULTS, "dispatch", ("one_task", "two_task", "pipelined"))
+    publish(results, RESULTS, "dispatch", ("call_cost", "one_task", "two_task", "pipelined"))
 
 
 if __name__ == "__main__":
