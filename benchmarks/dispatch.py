@@ -349,15 +349,19 @@ def call_cost(small=(10, 50), calls=200, rounds=7):
     with the stages' compute. Then the same for a program of one argument and 10 or 50
     results: JAX's cost per result."""
     devices = jax.devices()
+    low, high = small
+    x = jax.device_put(jnp.ones(64), devices[0])
     programs = {}
     for n in small:
         args = [jax.device_put(jnp.full((64,), float(i)), devices[0]) for i in range(n)]
-        programs[n] = (jax.jit(lambda *xs: sum(xs)).lower(*args).compile(), args)
+        programs["arguments", n] = (jax.jit(lambda *xs: sum(xs)).lower(*args).compile(), args)
+        many = jax.jit(lambda x, n=n: [x * i for i in range(n)]).lower(x).compile()
+        programs["results", n] = (many, [x])  # each result is a new jax.Array
     weights = [jax.device_put(jnp.full((256, 256), 1e-3), d) for d in devices[1:3]]
     long_program = jax.jit(lambda w: functools.reduce(lambda h, _: jnp.tanh(h @ w), range(40), w))
 
-    def per_call(n, busy):
-        compiled, args = programs[n]
+    def per_call(key, busy):
+        compiled, args = programs[key]
         jax.block_until_ready(compiled(*args))
         times = []
         for _ in range(rounds):
@@ -369,17 +373,12 @@ def call_cost(small=(10, 50), calls=200, rounds=7):
         return statistics.median(times) * 1e6
 
     out = {}
-    x = jax.device_put(jnp.ones(64), devices[0])
-    for n in small:  # results cost more: each is a new jax.Array
-        many = jax.jit(lambda x, n=n: [x * i for i in range(n)]).lower(x).compile()
-        programs[f"{n} results"] = (many, [x])
     for label, busy in (("idle", False), ("two devices busy", True)):
-        us = {n: per_call(n, busy) for n in small}
+        us = {n: per_call(("arguments", n), busy) for n in small}
         for n in small:
             out[f"{label}: host us per call, {n} arguments"] = us[n]
-        low, high = small
         out[f"{label}: host us per argument"] = (us[high] - us[low]) / (high - low)
-    results = {n: per_call(f"{n} results", False) for n in small}
+    results = {n: per_call(("results", n), False) for n in small}
     for n in small:
         out[f"idle: host us per call, 1 argument, {n} results"] = results[n]
     out["idle: host us per result"] = (results[high] - results[low]) / (high - low)
