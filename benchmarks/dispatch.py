@@ -372,16 +372,19 @@ def call_cost(small=(10, 50), calls=200, rounds=7):
             jax.block_until_ready((outs, pending))
         return statistics.median(times) * 1e6
 
+    def slope(us):
+        return (us[high] - us[low]) / (high - low)
+
     out = {}
     for label, busy in (("idle", False), ("two devices busy", True)):
         us = {n: per_call(("arguments", n), busy) for n in small}
         for n in small:
             out[f"{label}: host us per call, {n} arguments"] = us[n]
-        out[f"{label}: host us per argument"] = (us[high] - us[low]) / (high - low)
+        out[f"{label}: host us per argument"] = slope(us)
     results = {n: per_call(("results", n), False) for n in small}
     for n in small:
         out[f"idle: host us per call, 1 argument, {n} results"] = results[n]
-    out["idle: host us per result"] = (results[high] - results[low]) / (high - low)
+    out["idle: host us per result"] = slope(results)
     return out
 
 
