@@ -21,14 +21,16 @@ rows, JAX's own transpose of the scan took 2.1x as long as this one and two stag
   against the measured step time (target: within 10%), from durations measured one action at a
   time (``timeline``) and from durations measured in the running pipeline
   (``overlapped_timeline``), and the measured bubble against the analytic one (target: ZB-H1's
-  below 1F1B's, ZB-V's below ZB-H1's);
+  below 1F1B's, ZB-V's below ZB-H1's). The schedules' step times and in-pipeline durations are
+  taken in interleaved rounds (each round runs every schedule once), so that the machine's load
+  changing during the minutes this takes does not favour one schedule over another;
 - the same for 1F1B, ZB-H1, interleaved 1F1B, ZB-V (and ZB-V built for the measured durations)
   and DualPipeV on ``MatmulQuarter`` layers, whose weight gradients are matmuls: a zero-bubble
   stage runs their backward scan as two (input gradient, then weight gradients), the split the
   zero-bubble paper's schedules assume (on the elementwise layers the weight gradients stay in
   the backward scan: see docs/pipelining.md);
 - ``mm.schedules.tune``'s predicted ranking of GPipe, 1F1B and ZB-H1 against their measured
-  step times;
+  step times (also timed in interleaved rounds);
 - host overhead per action (step span minus device time, per action) at M = 4 and M = 32
   (target: flat).
 
@@ -198,13 +200,22 @@ def build_quarters(num, schedule, placed_as=None, matmul=False):
 
 
 def median_time(fn, repeats=7):
-    jax.block_until_ready(fn())
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return median_times({"fn": fn}, repeats)["fn"]
+
+
+def median_times(fns, repeats=7):
+    """Median seconds per call of each of ``fns`` (label -> callable), timed in interleaved
+    rounds (each round calls every one once), so that a change in the machine's load while
+    they run lands on all of them alike, not on whichever ran then."""
+    for fn in fns.values():
         jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    samples = {label: [] for label in fns}
+    for _ in range(repeats):
+        for label, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            samples[label].append(time.perf_counter() - start)
+    return {label: statistics.median(times) for label, times in samples.items()}
 
 
 def efficiency(num=8, schedule="gpipe", dropout=False):
@@ -234,11 +245,10 @@ def efficiency(num=8, schedule="gpipe", dropout=False):
     }
 
 
-def every_action_costed(timed, schedule, model, x, average):
-    """``measured_costs`` of five runs of ``timed`` (``step.timeline`` or
+def every_action_costed(events, schedule, average):
+    """``measured_costs`` of ``events`` (from runs of ``step.timeline`` or
     ``step.overlapped_timeline``), with every action of ``schedule`` costed: a pass with no ops
     (stage 0's I) runs nothing and costs 0."""
-    events = [e for _ in range(5) for e in timed(model, x)]
     costs = mm.schedules.measured_costs(events, average=average)
     for row in schedule.actions:
         for a in row:
@@ -276,7 +286,8 @@ def measured_vs_simulated(num=8, matmul=False):
     runs += [(f"{name} (built for measured costs)", name) for name in built_for_costs]
     if not matmul:
         runs.append(("dualpipev (fused pairs)", "dualpipev"))
-    for label, name in runs:
+    built, alone = {}, {}
+    for label, name in runs:  # built in order: a schedule built for costs needs its plain one's
         schedule = name
         if label == "dualpipev (fused pairs)":  # each overlapped pair one program
             schedule = mm.schedules.dualpipe_v(2, num, fuse_pairs=True)
@@ -284,13 +295,32 @@ def measured_vs_simulated(num=8, matmul=False):
             _, v = quarter_rules(name)
             schedule = mm.schedules.get(name, 2 * v, num, v, costs=measured_costs[name])
         step, model, x = build_quarters(num, schedule, placed_as=name, matmul=matmul)
-        t_step = median_time(lambda step=step, model=model, x=x: step(model, x))
         schedule = step.plan(model, x).pipeline.schedule
-        virtual = schedule.num_stages // schedule.num_ranks
-        costs = every_action_costed(step.timeline, schedule, model, x, "median")
+        built[label] = (step, model, x, schedule)
+        events = [e for _ in range(5) for e in step.timeline(model, x)]
+        alone[label] = every_action_costed(events, schedule, "median")
         if label == name:
-            measured_costs[name] = {key: max(c, 1e-6) for key, c in costs.items()}
-        in_pipeline = every_action_costed(step.overlapped_timeline, schedule, model, x, "mean")
+            measured_costs[name] = {key: max(c, 1e-6) for key, c in alone[label].items()}
+    # The step times and the in-pipeline durations that the bubbles compare, taken in rounds
+    # across every schedule (as ``median_times`` does): a change in the machine's load while
+    # they run lands on all of them alike.
+    samples = {label: [] for label in built}
+    overlapped = {label: [] for label in built}
+    for step, model, x, _ in built.values():
+        jax.block_until_ready(step(model, x))
+    for round_ in range(7):
+        for label, (step, model, x, _) in built.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(model, x))
+            samples[label].append(time.perf_counter() - start)
+            if round_ < 5:
+                overlapped[label].extend(step.overlapped_timeline(model, x))
+    step_times = {label: statistics.median(times) for label, times in samples.items()}
+    for label, (_, _, _, schedule) in built.items():
+        t_step = step_times[label]
+        virtual = schedule.num_stages // schedule.num_ranks
+        costs = alone[label]
+        in_pipeline = every_action_costed(overlapped[label], schedule, "mean")
         predicted = mm.schedules.simulate(schedule, action_costs=costs)
         predicted_in_pipeline = mm.schedules.simulate(schedule, action_costs=in_pipeline)
         busy = sum(costs[(a.kind, a.stage)] for row in schedule.actions for a in row)
@@ -350,10 +380,8 @@ def tuner_ranking(num=8):
     names = ("gpipe", "1f1b", "zero-bubble-h1")
     tuned = mm.schedules.tune(step, model, x, schedules=names)
     predicted = {c.schedule: c.predicted_seconds for c in tuned.candidates}
-    measured = {}
-    for name in names:
-        s, m, xs = build(num, name)
-        measured[name] = median_time(lambda s=s, m=m, xs=xs: s(m, xs))
+    steps = {name: build(num, name) for name in names}
+    measured = median_times({name: lambda s=s: s[0](s[1], s[2]) for name, s in steps.items()})
     agree = all(
         abs(predicted[a] - predicted[b]) <= 0.02 * max(predicted[a], predicted[b])
         or (predicted[a] < predicted[b]) == (measured[a] < measured[b])
