@@ -135,6 +135,59 @@ def test_flax_scan_over_layers_pipelines_on_two_tasks(tasks, schedule):
     assert moments.sharding == model.blocks.kernel.get_value().sharding  # state follows
 
 
+class DropoutBlock(nnx.Module):
+    def __init__(self, dim: int, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(dim, dim, rngs=rngs)
+        self.dropout = nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.dropout(jnp.tanh(self.linear(x)))
+
+
+class ScannedDropoutMLP(nnx.Module):
+    """Stacked layers with Dropout, each layer drawing from its own split ``nnx.Rngs`` stream
+    inside ``nnx.scan``, as Flax's "Scan over layers" guide splits them."""
+
+    def __init__(self, depth: int, dim: int, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=depth)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create_block(rngs: nnx.Rngs):
+            return DropoutBlock(dim, rngs)
+
+        self.blocks = create_block(rngs)
+        self.head = nnx.Linear(dim, 1, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, block):
+            return block(x)
+
+        return self.head(forward(x, self.blocks))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+def test_dropout_in_scanned_layers_draws_the_unrolled_loop_s_keys(tasks, schedule):
+    """Each layer's RNG count advances inside the scan that also carries the activations:
+    the count's advance per microbatch is read off the scan's count loop alone."""
+    x = jax.random.normal(jax.random.key(2), (8, 16))
+    ref = ScannedDropoutMLP(4, 16, nnx.Rngs(0, dropout=1))
+    model = ScannedDropoutMLP(4, 16, nnx.Rngs(0, dropout=1))
+    model = mm.place(model, [("blocks", tasks[:2]), ("head", tasks[1])])
+
+    def step(model, x):
+        loss_fn = nnx.value_and_grad(lambda m, x: (m(x) ** 2).mean())
+        return mm.microbatch(loss_fn, num=4, reduce="mean", schedule=schedule)(model, x)
+
+    for _ in range(2):
+        loss, grads = mm.jit(step)(model, x)
+        ref_loss, ref_grads = nnx.jit(step)(ref, x)
+        close(loss, ref_loss)
+        trees_close(grads, ref_grads)
+    counts = nnx.state(model, nnx.RngCount)
+    trees_close(counts, nnx.state(ref, nnx.RngCount))
+    assert np.asarray(counts["blocks"]["dropout"]["rngs"]["count"]).tolist() == [8] * 4
+
+
 def test_a_global_norm_clip_reduces_over_the_chunks(tasks):
     x = jax.random.normal(jax.random.key(3), (8, 16))
     tx = optax.chain(optax.clip_by_global_norm(0.01), optax.sgd(0.5))

@@ -32,7 +32,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from mmnnx.mpmd.errors import MPMDError, SideEffectError
-from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op
+from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Atom, Const, Graph, Op
 from mmnnx.sharding.specs import itemsize
 
 # Call-like primitives whose bodies are spliced into the enclosing graph: they carry no semantics
@@ -1039,6 +1039,31 @@ def marker_kind(op: Op) -> str | None:
         chain_in_p: "chain_in",
         chain_out_p: "chain_out",
     }.get(op.primitive)
+
+
+def pruned_to(op: Op, out: int, graph: Graph) -> Op | None:
+    """``op`` computing only its result ``out`` and reading only the inputs that needs, by
+    JAX's dead-code rules (of a ``scan`` over layers, only the loop of ``out``); ``None`` if
+    nothing is left to compute (``out`` is an input passed through)."""
+
+    def var(value: Atom) -> jcore.Var:
+        if isinstance(value, Const):
+            return jcore.Var(jax.typeof(value.value))
+        return jcore.Var(jax_core.ShapedArray(graph.shapes[value], graph.dtypes[value]))
+
+    invars, outvars = [var(a) for a in op.ins], [var(v) for v in op.outs]
+    eqn = jcore.new_jaxpr_eqn(
+        invars, outvars, op.primitive, op.params, effects.no_effects, source_info_util.current()
+    )
+    kept, _ = pe.dce_jaxpr(jcore.Jaxpr([], invars, outvars, [eqn]), [v == out for v in op.outs])
+    if len(kept.eqns) != 1:
+        return None
+    (new,) = kept.eqns
+    position = {v: i for i, v in enumerate(invars)}
+    ins = [op.ins[position[v]] if isinstance(v, jcore.Var) else Const(v.val) for v in new.invars]
+    return dataclasses.replace(
+        op.derived(new.primitive, dict(new.params), ins, [out]), index=op.index
+    )
 
 
 def count_ops(count: Op, index: Any, stride: Any, graph: Graph) -> list[Op]:

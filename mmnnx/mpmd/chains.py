@@ -26,11 +26,16 @@ from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
 
 
-def _upstream(graph: Graph, start: int, stop: set[int]) -> tuple[list[Op], set[int], bool]:
+def _upstream(
+    graph: Graph, start: int, stop: set[int], prune: bool = False
+) -> tuple[list[Op], set[int], bool]:
     """Walking back from ``start`` to values in ``stop``: the ops on the way (in graph order),
-    the ``stop`` values reached, and whether no other input of the step was reached."""
+    the ``stop`` values reached, and whether no other input of the step was reached.
+
+    ``prune``: an op with several results (a ``scan`` over layers that also carries the
+    activations) is followed, and returned, computing only the results on the way."""
     producer = graph.producers()
-    ops: dict[int, Op] = {}
+    ops: dict[tuple[int, int], Op] = {}
     seen: set[int] = set()
     reached: set[int] = set()
     closed = True
@@ -47,7 +52,9 @@ def _upstream(graph: Graph, start: int, stop: set[int]) -> tuple[list[Op], set[i
         if op is None:
             closed = False
             continue
-        ops[op.index] = op
+        if prune and len(op.outs) > 1:
+            op = _jax.pruned_to(op, v, graph) or op
+        ops[op.index, op.outs[0] if len(op.outs) == 1 else -1] = op
         stack += [a for a in op.ins if isinstance(a, int)]
     return sorted(ops.values(), key=lambda op: op.index), reached, closed
 
@@ -68,7 +75,7 @@ def resolve_rng_counts(graph: Graph, num_microbatches: dict[int, int]) -> None:
         if _jax.marker_kind(op) != "rng_next":
             continue
         advance, reached, closed = (
-            _upstream(graph, op.ins[0], set(bases))
+            _upstream(graph, op.ins[0], set(bases), prune=True)
             if isinstance(op.ins[0], int)
             else ([], set(), False)
         )
