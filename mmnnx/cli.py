@@ -275,9 +275,11 @@ def _check(args: argparse.Namespace) -> str | None:
         if args.schedule != "auto":
             return "--memory-budget needs --schedule auto"
         try:
-            parse_bytes(args.memory_budget)
+            budget = parse_bytes(args.memory_budget)
         except ValueError as e:
             return f"--memory-budget: {e}"
+        if budget <= 0:
+            return f"--memory-budget must be positive, got {args.memory_budget}"
     if args.schedule == "auto":
         return None
     try:
@@ -383,6 +385,7 @@ def train(args: argparse.Namespace) -> int:
     table = mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2)
     if jax.process_index() == 0:
         print(table)
+    from mmnnx.mpmd.errors import NoCandidateError  # noqa: PLC0415
     from mmnnx.train.checkpoint import (  # noqa: PLC0415
         CheckpointCorruptError,
         CheckpointMismatchError,
@@ -410,6 +413,9 @@ def train(args: argparse.Namespace) -> int:
         )
     except (CheckpointMismatchError, CheckpointCorruptError, NoReadableCheckpointError) as e:
         print(f"mmnnx train: error: --resume: {e}", file=sys.stderr)
+        return 2
+    except NoCandidateError as e:
+        print(f"mmnnx train: error: --schedule auto: {e}", file=sys.stderr)
         return 2
     return 0 if math.isfinite(result.final_eval) else 1
 

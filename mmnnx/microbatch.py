@@ -417,7 +417,8 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) 
             v.set_raw_value(_jax.rng_next(a, group, slot))
         else:
             v.set_raw_value(_jax.chain_out(a, group, slot))
-    trace.microbatches[group] = MicrobatchGroup(m, schedule, virtual_stages)
+    rows = jax.tree.leaves([args[i] for i in split_args])[0].shape[dim]
+    trace.microbatches[group] = MicrobatchGroup(m, schedule, virtual_stages, rows)
     totals = [
         _jax.accumulate(x, group, gathered=kind in _GATHERED)
         for x, kind in zip(leaves, reductions, strict=True)

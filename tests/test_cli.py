@@ -23,6 +23,7 @@ from tests.flags import without_device_count
         (["--depth", "5", "--scan-layers"], "--stages 2 does not divide it"),
         (["--memory-budget", "1GiB"], "--memory-budget needs --schedule auto"),
         (["--schedule", "auto", "--memory-budget", "lots"], "expected a number of bytes"),
+        (["--schedule", "auto", "--memory-budget", "0"], "--memory-budget must be positive"),
         (["--dim", "30"], "--dim 30 is not divisible by --heads 4"),
         (
             ["--heads", "2", "--model-axis", "4", "--data-axis", "1"],
@@ -64,6 +65,18 @@ def test_bad_values_exit_2(argv, reason, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and reason in err
+
+
+def test_a_budget_nothing_fits_exits_2_with_the_candidates(tmp_path, capsys):
+    argv = ["train", "--dim", "16", "--depth", "2", "--heads", "2", "--seq-len", "16"]
+    argv += ["--batch-size", "8", "--microbatches", "2", "--steps", "1"]
+    argv += ["--output-dir", str(tmp_path), "--schedule", "auto", "--memory-budget", "1KiB"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmnnx train: error: --schedule auto: tune: no candidate fits the ")
+    assert "memory budget of 1,024 B" in err and "Traceback" not in err
+    assert "mm.schedules.tune" in err and "over the budget of 1,024 B" in err  # the table
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_help_documents_every_flag(capsys):

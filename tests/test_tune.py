@@ -30,12 +30,16 @@ def test_a_budget_that_excludes_gpipe_picks_a_1f1b_family_schedule():
     tokens = jax.random.randint(jax.random.key(0), (16, 9), 0, 32)
     step = pipelined(16)
     before = [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, opt)))]
-    free = mm.schedules.tune(step, model, opt, tokens, microbatches=(8, 16))
+    free = mm.schedules.tune(step, model, opt, tokens, microbatches=(3, 8, 16))
     after = [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, opt)))]
     assert all((a == b).all() for a, b in zip(before, after, strict=True))  # nothing trained
     by = {(c.schedule, c.num_microbatches): c for c in free.candidates}
     names = ("gpipe", "1f1b", "zero-bubble-h1", "zero-bubble-h2")  # one stage per task
-    assert set(by) == {(s, m) for s in names for m in (8, 16)}
+    assert set(by) == {(s, m) for s in names for m in (3, 8, 16)}
+    for name in names:  # 3 does not divide the batch of 16: listed, never chosen
+        assert by[(name, 3)].rejected == "cannot run: 3 microbatches do not divide the batch of 16"
+        assert by[(name, 3)].predicted_seconds is None
+    assert free.best.num_microbatches != 3
     gpipe, one_f = by[("gpipe", 16)], by[("1f1b", 16)]
     assert one_f.table == mm.schedules.get("1f1b", 4, 16)  # what was simulated, to run
     assert by[("zero-bubble-h2", 16)].table.name == "zero-bubble-h2"  # ordered for the step
@@ -43,18 +47,51 @@ def test_a_budget_that_excludes_gpipe_picks_a_1f1b_family_schedule():
     # more microbatches, a smaller bubble (ZB-H1 against 1F1B is left out: with these tiny
     # stages an I and a W launched apart can take longer than the joint B, so which is smaller
     # depends on the run)
-    assert all(0 <= c.bubble < 1 for c in free.candidates)
+    assert all(0 <= c.bubble < 1 for c in free.candidates if c.num_microbatches != 3)
     assert one_f.bubble < by[("1f1b", 8)].bubble
     budget = (gpipe.peak_bytes + max(one_f.peak_bytes, by[("zero-bubble-h1", 16)].peak_bytes)) // 2
     plain = ("gpipe", "1f1b")  # no second (split-backward) measurement needed
     tuned = mm.schedules.tune(
-        step, model, opt, tokens, memory_budget=budget, microbatches=(16,), schedules=plain
+        step, model, opt, tokens, memory_budget=budget, candidates=[(s, 16) for s in plain]
     )
+    assert {(c.schedule, c.num_microbatches) for c in tuned.candidates} == {
+        ("1f1b", 16),
+        ("gpipe", 16),
+    }
     assert tuned.best.schedule == "1f1b"
     assert "over the budget" in next(c for c in tuned.candidates if c.schedule == "gpipe").rejected
     assert "chosen" in str(tuned)
     with pytest.raises(mm.MPMDError, match="no candidate fits the memory budget"):
         mm.schedules.tune(step, model, opt, tokens, memory_budget="1KiB", schedules=plain)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(memory_budget=-1), "memory_budget must be positive"),
+        (dict(memory_budget="lots"), "expected a number of bytes"),
+        (dict(schedules="1f1c"), "unknown schedule '1f1c'"),
+        (dict(schedules=()), "schedules= is empty"),
+        (dict(microbatches=()), "microbatches= is empty"),
+        (dict(microbatches=(4, 0)), "an int >= 1, got 0"),
+        (dict(candidates=[("1f1b", 8)], microbatches=8), "not both"),
+        (dict(candidates=["1f1b"]), "not a \\(schedule, microbatches\\) pair"),
+    ],
+)
+def test_bad_tuner_options_are_refused_before_the_step_runs(options, message):
+    def step(*args):
+        raise AssertionError("the step ran")
+
+    with pytest.raises(ValueError, match=message):
+        mm.schedules.tune(step, **options)
+
+
+def test_one_schedule_name_is_one_candidate():
+    from mmnnx.mpmd.tuning import _candidate_pairs
+
+    assert _candidate_pairs("1f1b", 8, None) == [("1f1b", 8)]
+    assert _candidate_pairs(None, (4, 8), None) == [(None, 4), (None, 8)]
+    assert _candidate_pairs(None, None, None) is None
 
 
 def test_a_step_without_a_pipeline_is_refused():

@@ -9,6 +9,15 @@ class PlacementConflictError(MPMDError):
     """An op needs state placed on two tasks at once."""
 
 
+class NoCandidateError(MPMDError):
+    """``mm.schedules.tune`` found no candidate that can run the step or fits the memory
+    budget; ``candidates`` holds every one simulated (the message shows them as a table)."""
+
+    def __init__(self, message: str, candidates: list):
+        super().__init__(message)
+        self.candidates = candidates
+
+
 class StepError(RuntimeError):
     """A step failed while its programs ran (e.g. a callback raised); the arguments keep the
     values they had before the call, and the next call runs normally."""

@@ -43,6 +43,7 @@ class MicrobatchGroup:
     num_microbatches: int
     schedule: str | sched.Schedule
     virtual_stages: int
+    batch_size: int | None = None  # rows split into the microbatches
 
 
 @dataclasses.dataclass
@@ -61,6 +62,7 @@ class Pipeline:
     chains: Chains = dataclasses.field(default_factory=lambda: Chains({}, {}))
     num_microbatches: int = 1
     fused: frozenset[int] = frozenset()  # positions in ``order`` run as one program with the next
+    batch_size: int | None = None  # rows split into the microbatches
 
     @property
     def fragments(self) -> list[Fragment]:
@@ -197,6 +199,7 @@ def plan_pipeline(
         chained,
         group.num_microbatches,
         frozenset(fused),
+        group.batch_size,
     )
 
 

@@ -1256,6 +1256,9 @@ register(
 register("dualpipev", _v_shaped("dualpipev", dualpipe_v))
 
 
+from mmnnx.mpmd.errors import NoCandidateError  # noqa: E402, F401  (tune raises it)
+
+
 def tune(step: Any, *args: Any, **kwargs: Any) -> Any:
     """Measures a pipelined ``mm.jit`` step once and returns the fastest schedule and
     microbatch count that fit a memory budget, with a table of every candidate

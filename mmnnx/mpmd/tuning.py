@@ -24,7 +24,7 @@ from mmnnx import _nnx
 from mmnnx._tables import Tabulation, render
 from mmnnx.mpmd import markers
 from mmnnx.mpmd import schedules as sched
-from mmnnx.mpmd.errors import MPMDError
+from mmnnx.mpmd.errors import MPMDError, NoCandidateError
 
 _UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6}
 _UNITS["GB"] = 10**9
@@ -75,26 +75,30 @@ class TuneResult:
 
     def table(self) -> Tabulation:
         """The candidates as a table (text, and HTML in Jupyter)."""
-        table = Table(title="mm.schedules.tune", box=box.SQUARE)
-        for column in ("schedule", "M", "predicted step", "bubble", "peak memory/device", "note"):
-            table.add_column(column, justify="left" if column in ("schedule", "note") else "right")
-        for c in self.candidates:
-            note = c.rejected or ("chosen" if c == self.best else "")
-            table.add_row(
-                c.schedule,
-                str(c.num_microbatches),
-                "-" if c.predicted_seconds is None else f"{c.predicted_seconds * 1e3:.1f} ms",
-                "-" if c.bubble is None else f"{c.bubble:.3f}",
-                "-" if c.peak_bytes is None else f"{c.peak_bytes:,} B",
-                note,
-            )
-        return render(table)
+        return _candidates_table(self.candidates, self.best)
 
     def __str__(self) -> str:
         return str(self.table())
 
     def _repr_html_(self) -> str:
         return self.table().html
+
+
+def _candidates_table(candidates: Sequence[Candidate], best: Candidate | None) -> Tabulation:
+    table = Table(title="mm.schedules.tune", box=box.SQUARE)
+    for column in ("schedule", "M", "predicted step", "bubble", "peak memory/device", "note"):
+        table.add_column(column, justify="left" if column in ("schedule", "note") else "right")
+    for c in candidates:
+        note = c.rejected or ("chosen" if c == best else "")
+        table.add_row(
+            c.schedule,
+            str(c.num_microbatches),
+            "-" if c.predicted_seconds is None else f"{c.predicted_seconds * 1e3:.1f} ms",
+            "-" if c.bubble is None else f"{c.bubble:.3f}",
+            "-" if c.peak_bytes is None else f"{c.peak_bytes:,} B",
+            note,
+        )
+    return render(table)
 
 
 def _state_bytes_per_device(values: Sequence[Any]) -> dict[Any, int]:
@@ -174,8 +178,9 @@ def tune(
     step: Any,
     *args: Any,
     memory_budget: int | str | None = None,
-    schedules: Sequence[str] | None = None,
-    microbatches: Sequence[int] | None = None,
+    schedules: str | Sequence[str] | None = None,
+    microbatches: int | Sequence[int] | None = None,
+    candidates: Sequence[tuple[str, int]] | None = None,
     **kwargs: Any,
 ) -> TuneResult:
     """Measures ``step(*args, **kwargs)`` (an ``mm.jit`` step with a pipelined
@@ -185,7 +190,9 @@ def tune(
     Candidates are every registered schedule that runs the step's stages as they are placed
     (``schedules``: default all of those; the interleaved ones need ``virtual_stages`` > 1 and
     are tried only when the step already uses that many, ``zero-bubble-v`` only on a V
-    placement) times ``microbatches`` (default: the step's own count). A candidate's memory is
+    placement) times ``microbatches`` (default: the step's own count); or exactly the
+    ``candidates`` given, as ``(schedule, microbatches)`` pairs. A microbatch count that does
+    not divide the step's batch is listed as one that cannot run. A candidate's memory is
     each device's arguments plus the most activation bytes its stages hold at once in the
     simulated run. A candidate's per-action time is the measured one scaled by the
     microbatch size. When the step runs a joint backward, an ``mm.jit`` step is measured a second
@@ -195,7 +202,20 @@ def tune(
     Example:
         >>> # result = mm.schedules.tune(train_step, model, opt, batch, memory_budget="2GiB")
         >>> # print(result); result.best.schedule
+        >>> # mm.schedules.tune(train_step, model, opt, batch,
+        >>> #                   candidates=[("1f1b", 8), ("zero-bubble-h1", 16)])
+
+    Raises:
+        ValueError: a malformed budget, schedule list, microbatch count or candidate (before
+            anything runs).
+        MPMDError: the step has no pipeline or donates its arguments.
+        NoCandidateError: no candidate can run or fits the budget (an ``MPMDError`` holding
+            the candidates, drawn as a table in its message).
     """
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    if budget is not None and budget <= 0:
+        raise ValueError(f"tune: memory_budget must be positive, got {memory_budget!r}")
+    pairs = _candidate_pairs(schedules, microbatches, candidates)
     if getattr(step, "donate_argnums", ()):
         raise MPMDError("tune: the step donates its arguments, which tune must put back")
     plan = step.plan(*args, **kwargs)
@@ -235,7 +255,6 @@ def tune(
     state = _state_bytes_per_device(before)
     task_devices = {t.name: list(t.jax_mesh.devices.flat) for t in plan.tasks}
     task_state = {name: max(state.get(d, 0) for d in devs) for name, devs in task_devices.items()}
-    budget = parse_bytes(memory_budget) if memory_budget is not None else None
 
     def stage_cost(kind: str, stage: int) -> float:
         costs = split_cost if kind in "IW" and split_cost is not None else cost
@@ -249,9 +268,13 @@ def tune(
 
     results: list[Candidate] = []
     virtual = measured.num_stages // measured.num_ranks
-    names = list(schedules) if schedules is not None else sched.names()
-    if schedules is None:  # those that run this step's stages as they are placed
-        names = [n for n in names if _fits(n, measured, virtual, stage_home)]
+    fitting_names = [n for n in sched.names() if _fits(n, measured, virtual, stage_home)]
+    pairs = [
+        (name, m or m0)
+        for n, m in pairs or [(None, None)]
+        for name in ([n] if n is not None else fitting_names)
+    ]
+    names = list(dict.fromkeys(n for n, _ in pairs))
     if split_cost is None and "zero-bubble-h1" in names and hasattr(step, "fun"):
         # a split backward runs two programs per stage: measure them rather than halve B
         try:
@@ -264,63 +287,115 @@ def tune(
             )
             with markers.schedule_override("zero-bubble-h1"):
                 split_cost = measure(fresh)
-    for name in names:
-        for m in microbatches or (m0,):
-            try:
-                schedule = _built(name, measured.num_stages, m, virtual, stage_cost)
-            except (ValueError, TypeError) as e:
-                results.append(Candidate(name, m, None, None, None, f"cannot run: {e}"))
-                continue
-            if not _places_like(schedule.stage_to_rank, measured, stage_home):
-                results.append(
-                    Candidate(
-                        name,
-                        m,
-                        None,
-                        None,
-                        None,
-                        "cannot run: it places stages on ranks "
-                        f"{list(schedule.stage_to_rank)}, this step on tasks {stage_home}",
-                    )  # fmt: skip
-                )
-                continue
-            scale = m0 / m
-            costs = {
-                (a.kind, a.stage): stage_cost(a.kind, a.stage) * scale
-                for row in schedule.actions
-                for a in row
-            }
-            result = sched.simulate(schedule, action_costs=costs)
-            held = {
-                stage: per_microbatch.get(task, 0.0) * scale
-                for stage, task in enumerate(stage_task)
-            }
-            activations = _peak_held(result.events, held, stage_home)
-            peak = max(int(task_state.get(home, 0) + a) for home, a in activations.items())
-            rejected = ""
-            if budget is not None and peak > budget:
-                rejected = f"over the budget of {budget:,} B"
+    rows = pipeline.batch_size
+    for name, m in pairs:
+        if rows is not None and rows % m:
+            why = f"cannot run: {m} microbatches do not divide the batch of {rows}"
+            results.append(Candidate(name, m, None, None, None, why))
+            continue
+        try:
+            schedule = _built(name, measured.num_stages, m, virtual, stage_cost)
+        except (ValueError, TypeError) as e:
+            results.append(Candidate(name, m, None, None, None, f"cannot run: {e}"))
+            continue
+        if not _places_like(schedule.stage_to_rank, measured, stage_home):
             results.append(
                 Candidate(
                     name,
                     m,
-                    result.makespan,
-                    float(result.bubble_fraction),
-                    peak,
-                    rejected,
-                    schedule,
+                    None,
+                    None,
+                    None,
+                    "cannot run: it places stages on ranks "
+                    f"{list(schedule.stage_to_rank)}, this step on tasks {stage_home}",
                 )  # fmt: skip
             )
+            continue
+        scale = m0 / m
+        costs = {
+            (a.kind, a.stage): stage_cost(a.kind, a.stage) * scale
+            for row in schedule.actions
+            for a in row
+        }
+        result = sched.simulate(schedule, action_costs=costs)
+        held = {
+            stage: per_microbatch.get(task, 0.0) * scale for stage, task in enumerate(stage_task)
+        }
+        activations = _peak_held(result.events, held, stage_home)
+        peak = max(int(task_state.get(home, 0) + a) for home, a in activations.items())
+        rejected = ""
+        if budget is not None and peak > budget:
+            rejected = f"over the budget of {budget:,} B"
+        results.append(
+            Candidate(
+                name,
+                m,
+                result.makespan,
+                float(result.bubble_fraction),
+                peak,
+                rejected,
+                schedule,
+            )  # fmt: skip
+        )
     fitting = [c for c in results if not c.rejected]
     runnable = [c for c in results if c.peak_bytes is not None]
+    results.sort(key=lambda c: (c.predicted_seconds is None, c.predicted_seconds or 0))
     if not runnable:
         reasons = "; ".join(f"{c.schedule} (M={c.num_microbatches}): {c.rejected}" for c in results)
-        raise MPMDError(f"tune: no candidate can run this step's stages: {reasons or 'none'}")
-    if not fitting:
-        raise MPMDError(
-            f"tune: no candidate fits the memory budget of {budget:,} B; the smallest needs "
-            f"{min(c.peak_bytes for c in runnable):,} B"
+        raise NoCandidateError(
+            f"tune: no candidate can run this step's stages: {reasons or 'none'}", results
         )
-    results.sort(key=lambda c: (c.predicted_seconds is None, c.predicted_seconds or 0))
+    if not fitting:
+        raise NoCandidateError(
+            f"tune: no candidate fits the memory budget of {budget:,} B; the smallest needs "
+            f"{min(c.peak_bytes for c in runnable):,} B\n{_candidates_table(results, None)}",
+            results,
+        )
     best = min(fitting, key=lambda c: c.predicted_seconds)
     return TuneResult(best, results, measured.name, m0)
+
+
+def _candidate_pairs(
+    schedules: str | Sequence[str] | None,
+    microbatches: int | Sequence[int] | None,
+    candidates: Sequence[tuple[str, int]] | None,
+) -> list[tuple[str, int | None]] | None:
+    """The (schedule, microbatch count) pairs to simulate (a schedule of ``None``: every one
+    that runs the step's stages as placed; a count of ``None``: the step's own), or ``None``
+    for every such schedule at the step's own count.
+
+    Raises:
+        ValueError: an unknown schedule, a count that is not an int >= 1, an empty list, or
+            ``candidates`` given with ``schedules`` or ``microbatches``.
+    """
+    if candidates is not None:
+        if schedules is not None or microbatches is not None:
+            raise ValueError("tune: give candidates= or schedules=/microbatches=, not both")
+        pairs = list(candidates)
+        for pair in pairs:
+            if not (isinstance(pair, tuple | list) and len(pair) == 2):
+                raise ValueError(f"tune: candidate {pair!r} is not a (schedule, microbatches) pair")
+        if not pairs:
+            raise ValueError("tune: candidates= is empty")
+    else:
+        names = [schedules] if isinstance(schedules, str) else schedules
+        counts = [microbatches] if isinstance(microbatches, int) else microbatches
+        if names is not None and not list(names):
+            raise ValueError("tune: schedules= is empty")
+        if counts is not None and not list(counts):
+            raise ValueError("tune: microbatches= is empty")
+        if names is None and counts is None:
+            return None
+        pairs = [
+            (n, m)
+            for n in (list(names) if names is not None else [None])
+            for m in (list(counts) if counts is not None else [None])
+        ]
+    for name, m in pairs:
+        if name is not None and name not in sched.names():
+            raise ValueError(
+                f"tune: unknown schedule {name!r}; valid schedules are {', '.join(sched.names())}"
+            )
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"tune: a microbatch count must be an int >= 1, got {m!r}")
+    return pairs
