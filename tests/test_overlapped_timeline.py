@@ -101,10 +101,9 @@ def test_overlapped_timeline_follows_the_schedule_and_updates_as_a_call(tasks, t
         close(a, b)
     # and the costs it measured feed the simulator
     costs = mm.schedules.measured_costs(events, average="mean")
-    assert set(costs) == {
-        (a.kind, a.stage) for row in schedule_table.actions for a in row if runs(a)
-    }
-    costs.setdefault(("I", 0), 0.0)
+    assert set(costs) == {(a.kind, a.stage) for row in schedule_table.actions for a in row}
+    if schedule == "zero-bubble-h1":  # stage 0's I ran nothing: no event, no time
+        assert costs[("I", 0)] == 0.0
     assert mm.schedules.simulate(schedule_table, action_costs=costs).makespan > 0
 
 

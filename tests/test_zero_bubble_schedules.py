@@ -249,6 +249,16 @@ def test_measured_costs_split_a_fused_pair():
     assert schedules.measured_costs(events) == {("F", 0): 1.0, ("B", 1): 1.5}
 
 
+def test_measured_costs_give_an_untimed_half_of_a_split_backward_zero():
+    events = [schedules.Event(0, "W", 0, 0, 0.0, 2.0), schedules.Event(1, "I", 1, 0, 0.0, 1.0)]
+    assert schedules.measured_costs(events) == {
+        ("W", 0): 2.0,
+        ("I", 0): 0.0,  # the first stage's input gradient: nothing to compute
+        ("I", 1): 1.0,
+        ("W", 1): 0.0,  # a stage without parameters
+    }
+
+
 def test_dualpipe_v_needs_twice_the_ranks_in_microbatches():
     with pytest.raises(ValueError, match=r"dualpipev needs at least twice .* >= 8"):
         dualpipe_v(4, 7)

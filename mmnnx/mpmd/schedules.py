@@ -685,6 +685,11 @@ def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple
     (events with ``fused=True`` share one span): each takes its duration measured apart where
     the events have some, else half the pair's span.
 
+    A split backward's half with nothing to compute runs no program, so it has no events: the
+    first stage's input gradient (nothing before it reads one), or the weight gradient of a
+    stage without parameters. A stage timed for one of ``I`` and ``W`` but not the other gets
+    0 for the other, so a zero-bubble schedule's costs are complete for :func:`simulate`.
+
     Example:
         >>> from mmnnx.mpmd.schedules import Event, measured_costs
         >>> events = [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "F", 0, 1, 1.0, 4.0),
@@ -707,6 +712,9 @@ def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple
     out = {key: of(values) for key, values in apart.items()}
     for key, spans in paired.items():
         out.setdefault(key, of(spans) / 2)
+    for kind, stage in list(out):
+        if kind in "IW":
+            out.setdefault(("W" if kind == "I" else "I", stage), 0.0)
     return out
 
 
