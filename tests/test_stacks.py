@@ -261,6 +261,9 @@ def test_bad_stacks_are_refused_before_anything_moves(tasks):
     solo = mm.Task("solo", mesh=mm.TaskMesh(devices=[6]))
     with pytest.raises(ValueError, match=r"tasks 't0' and 'solo' cannot share stacked"):
         mm.place(model, [("blocks", [tasks[0], solo]), ("head", tasks[1])])
+    v_order = [tasks[0], tasks[1], tasks[1].virtual_stage(1), tasks[0].virtual_stage(1)]
+    with pytest.raises(ValueError, match=r"tasks 't1' and 't1:1' cannot share .* device 2"):
+        mm.place(ScannedMLP(4, 16, nnx.Rngs(0)), [("^blocks", v_order), ("head", tasks[0])])
     assert model.blocks.kernel.get_value() is before and mm.stack_of(model.blocks.kernel) is None
 
 

@@ -51,6 +51,18 @@ class TaskStack:
         names = [t.name for t in tasks]
         if len(set(names)) != len(names):
             raise ValueError(f"a task stack names a task twice: {names}")
+        holder: dict[Any, Task] = {}
+        for t in tasks:
+            for device in t.jax_mesh.devices.flat:
+                other = holder.setdefault(device, t)
+                if other is not t:
+                    raise ValueError(
+                        f"tasks {other.name!r} and {t.name!r} cannot share stacked Variables: "
+                        f"both run on device {device.id} (one jax.Array holds the stack, one "
+                        "chunk per device), as two virtual stages of one task do; give each "
+                        "virtual stage its layers as a list of modules "
+                        "(mm.stage_rules(..., virtual_stages=2)), or one chunk per task"
+                    )
         first = tasks[0]
         for t in tasks[1:]:
             if t.axis_names != first.axis_names or t.jax_mesh.devices.shape != (
