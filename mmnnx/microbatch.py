@@ -86,7 +86,9 @@ def microbatch(
     ``schedule`` (a name from ``mm.schedules.names()`` or a ``Schedule``) and
     ``virtual_stages`` say how a pipeline runs the microbatches.
 
-    Outside ``mm.jit`` the microbatches run as a plain loop. Inside it, ``fun`` is traced once and
+    Outside ``mm.jit`` the microbatches run as a plain loop. One microbatch is one call, not a
+    pipeline (a ``UserWarning`` says so inside ``mm.jit`` when a schedule other than the default
+    or ``virtual_stages`` was given). Inside it, ``fun`` is traced once and
     the engine runs its per-stage programs once per microbatch in the schedule's order, so the
     number of compiled programs does not depend on ``num``. RNG counts, batch statistics and
     sown values that ``fun`` updates are still traced once and equal the plain loop's; a
@@ -151,6 +153,15 @@ def microbatch(
 
     def _run_split(args, kwargs, m):
         trace = markers.current_trace()
+        if trace is not None and m == 1 and (schedule != "1f1b" or virtual_stages != 1):
+            warnings.warn(
+                f"mm.microbatch: one microbatch is not pipelined: the step runs its stages "
+                f"one after another, and schedule={getattr(schedule, 'name', schedule)!r}, "
+                f"virtual_stages={virtual_stages} are neither used nor checked against the "
+                "placement; pass num >= 2 to pipeline",
+                UserWarning,
+                stacklevel=3,
+            )
         if trace is not None and m > 1:
             result = _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce)
             if result is not None:

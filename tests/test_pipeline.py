@@ -348,8 +348,20 @@ def test_errors(tasks, tokens):
         odd(model, tokens)
     custom = mm.schedules.gpipe(2, M)
     wrong = mm.jit(mm.microbatch(nnx.value_and_grad(loss_fn), num=M, schedule=custom))
-    with pytest.raises(mm.MPMDError, match="custom schedule is for 2 stages"):
+    with pytest.raises(mm.MPMDError, match="schedule 'gpipe' passed to mm.microbatch is for 2 s"):
         wrong(model, tokens)
+    plain = mm.jit(
+        mm.microbatch(nnx.value_and_grad(loss_fn), num=M, schedule="interleaved-1f1b")
+    )  # virtual_stages=1: not silently 1F1B
+    with pytest.raises(mm.MPMDError, match="interleaved-1f1b with virtual_stages=1 would run"):
+        plain(model, tokens)
+    single = mm.jit(
+        mm.microbatch(
+            nnx.value_and_grad(loss_fn), num=1, schedule="zero-bubble-v", virtual_stages=2
+        )
+    )
+    with pytest.warns(UserWarning, match="one microbatch is not pipelined.*'zero-bubble-v'"):
+        assert single.plan(model, tokens).pipeline is None
 
 
 def test_plain_jax_regions_with_a_loss_reduced_after_the_last_stage():

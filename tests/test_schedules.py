@@ -168,6 +168,9 @@ def test_get_rejects_bad_virtual_stages():
         get("1f1b", 4, 8, virtual_stages=2)
     with pytest.raises(ValueError, match="virtual_stages must be an int >= 1"):
         get("interleaved-1f1b", 4, 8, virtual_stages=0)
+    for name in ("interleaved-1f1b", "interleaved-gpipe", "interleaved-zero-bubble"):
+        with pytest.raises(ValueError, match=f"{name} with virtual_stages=1 would run one stage"):
+            get(name, 4, 8)
 
 
 # ---------------------------------------------------------------------------- simulation

@@ -563,7 +563,8 @@ def _schedule(group: MicrobatchGroup, stage_tasks: Sequence[Task]) -> sched.Sche
         schedule = group.schedule
         if schedule.num_stages != num_stages or schedule.num_microbatches != m:
             raise MPMDError(
-                f"mm.jit: the custom schedule is for {schedule.num_stages} stages and "
+                f"mm.jit: the schedule {schedule.name!r} passed to mm.microbatch is for "
+                f"{schedule.num_stages} stages and "
                 f"{schedule.num_microbatches} microbatches; this step has {num_stages} stages "
                 f"and {m} microbatches{why}"
             )

@@ -1213,6 +1213,13 @@ def _interleaved(name: str, build: Callable[..., Schedule]) -> Builder:
         num_stages: int, num_microbatches: int, virtual_stages: int, costs: Any = None
     ) -> Schedule:
         _check_counts(num_stages, num_microbatches)
+        if virtual_stages == 1:
+            raise ValueError(
+                f"{name} with virtual_stages=1 would run one stage per rank, the plain "
+                "schedule it interleaves: pass virtual_stages >= 2 (and give each task that "
+                "many stages, e.g. mm.stage_rules(..., virtual_stages=2)), or name a "
+                "one-stage-per-rank schedule"
+            )
         if num_stages % virtual_stages:
             raise ValueError(
                 f"virtual_stages={virtual_stages} does not divide num_stages={num_stages}: "
