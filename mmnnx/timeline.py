@@ -145,7 +145,9 @@ def plot_timeline(
     labelled with its microbatch, or ``s<stage>:<microbatch>`` when some row holds several
     stages (interleaved schedules); a label is left out when its box is too narrow to hold it.
     Each rectangle's gid is ``<kind><stage>.<microbatch>@<row>``. Times are drawn relative to
-    the earliest start.
+    the earliest start. The actions of an overlapped pair that ran as one program (measured
+    events with ``fused=True``, which share one span) are drawn side by side, each in an equal
+    part of that span.
 
     ``unit`` says how to show times: ``"plain"`` draws them as given, with the axis labelled
     ``time``; ``"s"``, ``"ms"`` or ``"us"`` takes them as seconds and shows them in that unit
@@ -276,6 +278,15 @@ def _normalize(source: Any) -> tuple[list[TimelineEvent], str]:
     if not items:
         raise ValueError("no events to draw: the event sequence is empty")
     events = [_event(index, item) for index, item in enumerate(items)]
+    pairs: dict[tuple, list[int]] = {}
+    for index, (item, event) in enumerate(zip(items, events, strict=True)):
+        if getattr(item, "fused", False):
+            pairs.setdefault((event.row, event.start, event.end), []).append(index)
+    for members in pairs.values():  # one program's span, shared out side by side
+        for k, index in enumerate(members):
+            e = events[index]
+            width = (e.end - e.start) / len(members)
+            events[index] = e._replace(start=e.start + k * width, end=e.start + (k + 1) * width)
     has_tasks = any(getattr(item, "task", None) is not None for item in items)
     return events, "tasks" if has_tasks else "ranks"
 

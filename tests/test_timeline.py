@@ -191,6 +191,23 @@ def test_measured_events_rows_follow_first_appearance_and_use_ms():
     assert sorted(_labels(fig)) == ["0", "0", "0", "0", "1", "1", "1", "1"]
 
 
+def test_a_fused_pair_is_drawn_side_by_side_in_its_shared_span():
+    from mmnnx.mpmd.timing import Event as TimedEvent
+
+    events = [
+        TimedEvent("t0", "F", 0, 0, 0.000, 0.002, rank="t0"),
+        TimedEvent("t0", "F", 3, 1, 0.002, 0.006, fused=True, rank="t0"),
+        TimedEvent("t0:1", "B", 3, 0, 0.002, 0.006, fused=True, rank="t0"),
+    ]
+    boxes = {box.get_gid(): box for box in _boxes(plot_timeline(events))}
+    pair = [boxes["F3.1@t0"], boxes["B3.0@t0"]]
+    assert [(b.get_x(), b.get_width()) for b in pair] == [
+        pytest.approx((2.0, 2.0)),
+        pytest.approx((4.0, 2.0)),
+    ]
+    assert len(_labels(plot_timeline(events))) == 3  # each half holds its own label
+
+
 def test_measured_events_with_task_objects_and_explicit_rows():
     events = [
         Measured(TaskObject("s0"), "F", 0, 0, 0.0, 1.0),

@@ -294,6 +294,11 @@ def test_microbatch_pipeline_schedules(schedule):
         with pytest.raises(mm.MPMDError, match=f"{schedule} places two stages per rank in a V"):
             mj.mjit(step, devices=jax.devices())(PARAMS, BATCH)
         return
+    if schedule and schedule.startswith("interleaved"):  # without interleave=v > 1
+        step = mj.microbatch(jax.value_and_grad(loss), dim=0, size=4, argnum=1, schedule=schedule)
+        with pytest.raises(mm.MPMDError, match=f"{schedule} with virtual_stages=1 would run"):
+            mj.mjit(step, devices=jax.devices())(PARAMS, BATCH)
+        return
     if schedule == "custom":
         kw["custom_schedule"] = [
             ["s0", "s0", "s0", "s0", "s0_bwd", "s0_bwd", "s0_bwd", "s0_bwd"],
