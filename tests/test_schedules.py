@@ -15,6 +15,7 @@ from mmnnx.mpmd.schedules import (
     gpipe,
     interleaved_1f1b,
     interleaved_gpipe,
+    interleaved_zero_bubble,
     one_f_one_b,
     simulate,
     validate,
@@ -124,6 +125,10 @@ def test_zero_bubble_defers_w_by_rank_index():
         (lambda: zero_bubble_h1(3, 2), r"zero-bubble-h1 .*num_microbatches >= 3.*'gpipe'"),
         (lambda: interleaved_1f1b(4, 2, 2), r"num_microbatches >= 4.*'gpipe'"),
         (lambda: interleaved_1f1b(4, 6, 2), r"multiple of 4, got 6"),
+        (
+            lambda: interleaved_zero_bubble(2, 5, 2),
+            r"^interleaved-zero-bubble .*multiple of 2, got 5",
+        ),
         (lambda: interleaved_1f1b(4, 8, 0), r"virtual_stages must be >= 1"),
         (lambda: gpipe(0, 4), r"num_stages must be a positive int"),
         (lambda: one_f_one_b(2, -1), r"num_microbatches must be a positive int"),
@@ -162,10 +167,9 @@ def test_get_unknown_name_lists_valid_names():
 def test_get_rejects_bad_virtual_stages():
     with pytest.raises(ValueError, match="virtual_stages=3 does not divide num_stages=8"):
         get("interleaved-1f1b", 8, 8, virtual_stages=3)
-    with pytest.raises(
-        ValueError, match="applies only to interleaved schedules; '1f1b' runs one stage"
-    ):
+    with pytest.raises(ValueError, match="several stages per rank") as info:
         get("1f1b", 4, 8, virtual_stages=2)
+    assert "'zero-bubble-v'" in str(info.value) and "'1f1b' runs one stage" in str(info.value)
     with pytest.raises(ValueError, match="virtual_stages must be an int >= 1"):
         get("interleaved-1f1b", 4, 8, virtual_stages=0)
     for name in ("interleaved-1f1b", "interleaved-gpipe", "interleaved-zero-bubble"):
@@ -439,3 +443,29 @@ def test_simulate_with_measured_costs_per_kind_and_stage():
     assert schedules.simulate(s, action_costs=slow_last).makespan == 6 * 9 + 2 * 3
     with pytest.raises(ValueError, match=r"no cost for \[\('B', 1\)\]"):
         schedules.simulate(s, action_costs={k: v for k, v in uniform.items() if k != ("B", 1)})
+
+
+def test_simulate_takes_costs_per_kind_with_stage_entries_winning():
+    s = schedules.get("1f1b", num_stages=3, num_microbatches=6)
+    per_stage = {(k, st): c for st in range(3) for k, c in (("F", 1), ("B", 2))}
+    slow_last = {**per_stage, ("F", 2): 3, ("B", 2): 6}
+    assert (
+        schedules.simulate(s, action_costs={"F": 1, "B": 2, ("F", 2): 3, ("B", 2): 6}).makespan
+        == schedules.simulate(s, action_costs=slow_last).makespan
+    )
+    assert schedules.simulate(s, action_costs={"F": 1, "B": 2}).events == (
+        schedules.simulate(s, action_costs=per_stage).events
+    )
+
+
+@pytest.mark.parametrize(
+    ("costs", "message"),
+    [
+        ({"F": 1, "B": 2, ("F", 3): 1}, r"key \('F', 3\) names no action .* 3 stages"),
+        ({"F": 1, "X": 2}, r"key 'X' names no action"),
+        ({"F": 1, "B": -2}, r"action_costs\['B'\] must be >= 0, got -2"),
+    ],
+)
+def test_simulate_rejects_action_costs_that_name_no_action(costs, message):
+    with pytest.raises(ValueError, match=message):
+        schedules.simulate(schedules.get("1f1b", 3, 6), action_costs=costs)

@@ -27,6 +27,7 @@ import csv
 import dataclasses
 import inspect
 import io
+import numbers
 import re
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -592,7 +593,7 @@ def simulate(
     backward_cost: float = 2,
     weight_cost: float | None = None,
     *,
-    action_costs: Mapping[tuple[str, int], float] | None = None,
+    action_costs: Mapping[str | tuple[str, int], float] | None = None,
 ) -> SimulationResult:
     """Simulate ``schedule`` with fixed per-action costs and zero communication time.
 
@@ -604,10 +605,10 @@ def simulate(
     whose ranks hold ``v`` stages each models the same per-rank work as a plain one when its
     costs are divided by ``v``. Ints or ``fractions.Fraction`` costs give exact results.
 
-    ``action_costs`` maps ``(kind, stage)`` to a cost and replaces the three per-kind costs:
-    feed it the durations a step's ``timeline()`` measured (:func:`measured_costs`) to predict
-    that step's time under this or another schedule (``benchmarks/pipeline.py`` compares the
-    two).
+    ``action_costs`` maps ``(kind, stage)``, or a kind alone for every stage, to a cost (a
+    ``(kind, stage)`` entry wins over its kind's) and replaces the three per-kind costs: feed
+    it the durations a step's ``timeline()`` measured (:func:`measured_costs`) to predict that
+    step's time under this or another schedule (``benchmarks/pipeline.py`` compares the two).
 
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate, zero_bubble_h1
@@ -615,13 +616,13 @@ def simulate(
         33
         >>> simulate(zero_bubble_h1(4, 8)).makespan
         27.0
+        >>> simulate(one_f_one_b(4, 8), action_costs={"F": 1, "B": 2, ("B", 3): 4}).makespan
+        49
     """
     if action_costs is not None:
         validate(schedule)
-        missing = {(a.kind, a.stage) for row in schedule.actions for a in row} - set(action_costs)
-        if missing:
-            raise ValueError(f"action_costs has no cost for {sorted(missing)}")
-        return _result(schedule, _execute(schedule, lambda a: action_costs[(a.kind, a.stage)]))
+        costs = _costs_per_action(schedule, action_costs)
+        return _result(schedule, _execute(schedule, lambda a: costs[(a.kind, a.stage)]))
     if weight_cost is None:
         weight_cost = backward_cost / 2
     if not forward_cost > 0 or not backward_cost > 0:
@@ -670,6 +671,38 @@ _AVERAGES: dict[str, Callable[[list[float]], float]] = {
     "median": statistics.median,
     "mean": statistics.mean,
 }
+
+
+def _costs_per_action(
+    schedule: Schedule, action_costs: Mapping[str | tuple[str, int], float]
+) -> dict[tuple[str, int], float]:
+    """``action_costs`` resolved to one cost per ``(kind, stage)`` that ``schedule`` runs."""
+    for key, value in action_costs.items():
+        kind, stage = key if isinstance(key, tuple) else (key, None)
+        if kind not in KINDS or not (
+            stage is None
+            or (isinstance(stage, numbers.Integral) and 0 <= stage < schedule.num_stages)
+        ):
+            raise ValueError(
+                f"action_costs key {key!r} names no action of a schedule of "
+                f"{schedule.num_stages} stages: keys are a kind ({', '.join(KINDS)}) or "
+                f"(kind, stage) with 0 <= stage < {schedule.num_stages}"
+            )
+        if not value >= 0:
+            raise ValueError(f"action_costs[{key!r}] must be >= 0, got {value!r}")
+    costs, missing = {}, set()
+    for row in schedule.actions:
+        for a in row:
+            key = (a.kind, a.stage)
+            if key in action_costs:
+                costs[key] = action_costs[key]
+            elif a.kind in action_costs:
+                costs[key] = action_costs[a.kind]
+            else:
+                missing.add(key)
+    if missing:
+        raise ValueError(f"action_costs has no cost for {sorted(missing)}")
+    return costs
 
 
 def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple[str, int], float]:
@@ -779,6 +812,14 @@ def _need_enough_microbatches(name: str, num_microbatches: int, depth: int, what
         )
 
 
+def _need_whole_groups(name: str, num_microbatches: int, num_ranks: int) -> None:
+    if num_microbatches % num_ranks:
+        raise ValueError(
+            f"{name} sends microbatches through in groups of num_ranks={num_ranks}: "
+            f"num_microbatches must be a multiple of {num_ranks}, got {num_microbatches}"
+        )
+
+
 def _looped_stages(rank: int, num_ranks: int, virtual_stages: int) -> list[int]:
     """The stages rank ``rank`` holds when ``virtual_stages`` loops go round the ranks."""
     return [rank + k * num_ranks for k in range(virtual_stages)]
@@ -871,11 +912,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int)
     _need_enough_microbatches(
         "interleaved-1f1b", num_microbatches, num_ranks, "ranks (pipeline depth)"
     )
-    if num_microbatches % num_ranks:
-        raise ValueError(
-            f"interleaved-1f1b sends microbatches through in groups of num_ranks={num_ranks}: "
-            f"num_microbatches must be a multiple of {num_ranks}, got {num_microbatches}"
-        )
+    _need_whole_groups("interleaved-1f1b", num_microbatches, num_ranks)
     groups = range(num_microbatches // num_ranks)
     rows = []
     for rank in range(num_ranks):
@@ -1194,13 +1231,22 @@ def get(
     return schedule
 
 
+_SEVERAL_STAGES_PER_RANK: set[str] = set()
+
+
+def _several_stages_per_rank() -> list[str]:
+    """The registered built-in schedules that take ``virtual_stages > 1``."""
+    return [name for name in _REGISTRY if name in _SEVERAL_STAGES_PER_RANK]
+
+
 def _one_stage_per_rank(name: str, build: Callable[..., Schedule]) -> Builder:
     def builder(
         num_stages: int, num_microbatches: int, virtual_stages: int, costs: Any = None
     ) -> Schedule:
         if virtual_stages != 1:
             raise ValueError(
-                f"virtual_stages={virtual_stages} applies only to interleaved schedules; "
+                f"virtual_stages={virtual_stages} applies only to schedules that run several "
+                f"stages per rank ({', '.join(repr(n) for n in _several_stages_per_rank())}); "
                 f"{name!r} runs one stage per rank"
             )
         return build(num_stages, num_microbatches, **_costs_kwargs(name, build, costs))
@@ -1209,6 +1255,8 @@ def _one_stage_per_rank(name: str, build: Callable[..., Schedule]) -> Builder:
 
 
 def _interleaved(name: str, build: Callable[..., Schedule]) -> Builder:
+    _SEVERAL_STAGES_PER_RANK.add(name)
+
     def builder(
         num_stages: int, num_microbatches: int, virtual_stages: int, costs: Any = None
     ) -> Schedule:
@@ -1247,6 +1295,8 @@ from mmnnx.mpmd.zero_bubble import (  # noqa: E402, F401  (built on the above; r
 
 
 def _v_shaped(name: str, build: Callable[..., Schedule]) -> Builder:
+    _SEVERAL_STAGES_PER_RANK.add(name)
+
     def builder(
         num_stages: int, num_microbatches: int, virtual_stages: int, costs: Any = None
     ) -> Schedule:

@@ -146,8 +146,7 @@ def built_for(
         >>> from mmnnx.mpmd.zero_bubble import built_for, list_schedule
         >>> costs = {"F": 1, "I": 2, "W": 1, ("I", 0): 0.01, ("W", 0): 3}  # stage 0: all in W
         >>> def time(s):
-        ...     return simulate(s, action_costs={(a.kind, a.stage): costs.get((a.kind, a.stage),
-        ...                     costs[a.kind]) for r in s.actions for a in r}).makespan
+        ...     return simulate(s, action_costs=costs).makespan
         >>> greedy = list_schedule("zb", (0, 1, 1, 0), 8, (4, 4), costs)
         >>> time(built_for("zb", (0, 1, 1, 0), 8, (4, 4), costs)) <= time(greedy)
         True
@@ -324,7 +323,7 @@ def interleaved_zero_bubble(
     Rank ``r`` holds stages ``r, r + R, ...`` (as :func:`interleaved_1f1b`) and may hold as many
     stage-microbatches as interleaved 1F1B's rank ``r`` does; within that, input gradients come
     first and the weight passes fill the gaps. ``costs`` orders the passes for measured
-    durations (see :func:`zero_bubble_h2`). Needs ``M >= R``.
+    durations (see :func:`zero_bubble_h2`). Needs ``M`` a multiple of ``R``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import interleaved_1f1b, interleaved_zero_bubble, simulate
@@ -337,6 +336,7 @@ def interleaved_zero_bubble(
     _s._need_enough_microbatches(
         "interleaved-zero-bubble", num_microbatches, num_ranks, "ranks (pipeline depth)"
     )
+    _s._need_whole_groups("interleaved-zero-bubble", num_microbatches, num_ranks)
     num_stages = num_ranks * virtual_stages
     stage_to_rank = [s % num_ranks for s in range(num_stages)]
     limits = _rank_peaks(_s.interleaved_1f1b(num_ranks, num_microbatches, virtual_stages))
