@@ -169,6 +169,27 @@ def test_v_schedules_run_the_v_placement_and_match_one_device(tasks, tokens, sch
     assert len(spans) == len(pairs)
 
 
+@pytest.mark.parametrize(
+    "order, schedule, fix",
+    [
+        ("loop", "zero-bubble-v", r"ranks 0, 1, 2, 3, 3, 2, 1, 0; mm.stage_rules\(model, tasks, "
+         r"virtual_stages=2, order='v'\)"),
+        ("v", "interleaved-1f1b", r"ranks 0, 1, 2, 3, 0, 1, 2, 3; .*order='loop', the default"),
+    ],
+)  # fmt: skip
+def test_a_schedule_on_the_other_placement_says_which_one_it_needs(
+    tasks, tokens, order, schedule, fix
+):
+    model = mm.place(
+        gpt(8), mm.stage_rules(gpt(8), tasks, virtual_stages=2, order=order, report=False)
+    )
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+    with pytest.raises(mm.MPMDError, match=rf"schedule {schedule!r} runs stages.*{fix}"):
+        mm.jit(pipelined_step(schedule, virtual_stages=2))(model, opt, tokens)
+    trees_close(nnx.state(model, nnx.Param), before)
+
+
 def test_interleaved_eight_stages_on_four_tasks(tasks, tokens):
     model = placed(tasks, depth=8)
     ref = gpt(depth=8)

@@ -157,15 +157,7 @@ def plan_pipeline(
     follow_the_flow(graph, staged, op_tasks, pinned)
     stages, stage_tasks = stage_fragments(graph, staged, op_tasks, replicable)
     schedule = _schedule(group, stage_tasks)
-    for s, task in enumerate(stage_tasks):
-        rank = schedule.stage_to_rank[s]
-        first = stage_tasks[schedule.stages_of(rank)[0]] if schedule.stages_of(rank) else task
-        if first.home != task.home:
-            raise MPMDError(
-                f"mm.jit: schedule {schedule.name!r} runs stages {schedule.stages_of(rank)} on one "
-                f"rank, but stage {s} runs on task {task.name!r} and stage "
-                f"{schedule.stages_of(rank)[0]} on task {first.name!r}"
-            )
+    _check_ranks(schedule, stage_tasks)
     if schedule.splits_backward:
         stages = split_backward(graph, stages, op_tasks, schedule.split_stages)
         region_values |= {v for f in stages.values() for op in f.ops for v in op.outs}
@@ -573,6 +565,35 @@ def _schedule(group: MicrobatchGroup, stage_tasks: Sequence[Task]) -> sched.Sche
         return sched.get(group.schedule, num_stages, m, group.virtual_stages)
     except ValueError as e:
         raise MPMDError(f"mm.jit: mm.microbatch(schedule={group.schedule!r}): {e}{why}") from None
+
+
+def _check_ranks(schedule: sched.Schedule, stage_tasks: Sequence[Task]) -> None:
+    """The stages a schedule runs on one rank must run on one task's devices."""
+    for s, task in enumerate(stage_tasks):
+        together = schedule.stages_of(schedule.stage_to_rank[s])
+        first = stage_tasks[together[0]]
+        if first.home == task.home:
+            continue
+        ranks = schedule.stage_to_rank
+        num_ranks = max(ranks) + 1
+        if ranks == tuple(s % num_ranks for s in range(len(ranks))):
+            fix = "order='loop', the default"
+        elif ranks == (*range(num_ranks), *reversed(range(num_ranks))):
+            fix = "order='v'"
+        else:
+            fix = None
+        how = (
+            f"; mm.stage_rules(model, tasks, virtual_stages={len(ranks) // num_ranks}, {fix}) "
+            "places them so"
+            if fix
+            else ""
+        )
+        raise MPMDError(
+            f"mm.jit: schedule {schedule.name!r} runs stages {together} on one rank, but stage "
+            f"{s} runs on task {task.name!r} and stage {together[0]} on task {first.name!r} "
+            f"(the forward pass runs on {' -> '.join(t.name for t in stage_tasks)}; the schedule "
+            f"puts stage 0, 1, ... on ranks {', '.join(map(str, ranks))}{how})"
+        )
 
 
 def split_backward(

@@ -7,6 +7,8 @@ import pathlib
 
 import pytest
 
+from tests.flags import COMPILE_FLAGS
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
@@ -83,8 +85,9 @@ def test_notebook(name, monkeypatch):
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
         "stored with outputs"
     )
-    # each notebook asks for its devices with init(cpus=N) before importing jax
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    # each notebook asks for its devices with init(cpus=N) before importing jax, which adds
+    # them to the flags every test compiles with
+    monkeypatch.setenv("XLA_FLAGS", COMPILE_FLAGS)
     monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     client = nbclient.NotebookClient(
         nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(REPO)}}
