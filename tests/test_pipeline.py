@@ -1,5 +1,7 @@
 """Pipelined steps (mm.microbatch inside mm.jit) against the full batch on one device."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -7,6 +9,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
+from mmnnx.mpmd import _jax
 from mmnnx.timeline import timeline_rows
 from tests.models import (
     Block,
@@ -188,6 +191,51 @@ def test_a_schedule_on_the_other_placement_says_which_one_it_needs(
     with pytest.raises(mm.MPMDError, match=rf"schedule {schedule!r} runs stages.*{fix}"):
         mm.jit(pipelined_step(schedule, virtual_stages=2))(model, opt, tokens)
     trees_close(nnx.state(model, nnx.Param), before)
+
+
+@pytest.fixture
+def no_compilation_cache():
+    """Every program compiled, none read from the run's compilation cache or JAX's memory."""
+    jax.clear_caches()
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+
+
+def test_equal_stages_compile_once_and_train_like_one_device(
+    tasks, tokens, monkeypatch, no_compilation_cache
+):
+    """Blocks 1 and 2 are alike and their tasks hold nothing else: stage 2's forward, backward,
+    running sums and update are stage 1's programs on other devices, loaded, not compiled."""
+    from jax._src import compiler
+
+    _jax.SharedCompiles()  # its hooks into JAX in place before the count's
+    compiled = []  # by the threads that compile a step's programs
+    real = compiler.backend_compile_and_load
+
+    def counted(*args, **kwargs):
+        compiled.append(threading.current_thread().name.startswith("mmnnx-compile"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "backend_compile_and_load", counted)
+    submitted = []
+    share = _jax.SharedCompiles.compile
+    monkeypatch.setattr(
+        _jax.SharedCompiles, "compile", lambda self, low: submitted.append(1) or share(self, low)
+    )
+    model = placed(tasks)
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    ref = gpt()
+    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+    step = mm.jit(pipelined_step("1f1b"))
+    plan = step.compile(model, opt, tokens)
+    assert plan.num_loaded >= 4
+    assert f"; {plan.num_loaded} loaded from an equal one compiled for other devices" in str(plan)
+    assert sum(compiled) == len(submitted) - plan.num_loaded  # the loaded ones were not compiled
+    for _ in range(2):
+        close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
+    _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(), tokens)
+    params_close(model, ref, ref_grads, steps=2, lr=3e-3)
 
 
 def test_interleaved_eight_stages_on_four_tasks(tasks, tokens):

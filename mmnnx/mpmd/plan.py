@@ -52,6 +52,9 @@ class Plan:
     per-task programs (``program``, a ``StepProgram``) that the runner executes.
 
     ``num_programs`` counts the distinct compiled programs; building a plan compiles nothing.
+    ``num_loaded``, once the step is compiled: how many programs (these, and those making the
+    zero-filled running sums) were not compiled but loaded from an equal program compiled for
+    other devices: equal pipeline stages compile once.
     ``inputs``: the value id of each input leaf, in the order mm.jit flattens the arguments
     (Variables first, then the other arrays), as ``Transfer.value`` names them. ``unrolled``: for
     each ``mm.microbatch`` call that runs as an unrolled loop instead of a pipeline, why.
@@ -65,6 +68,7 @@ class Plan:
     program: Any = None
     inputs: list[int] = dataclasses.field(default_factory=list)
     unrolled: list[str] = dataclasses.field(default_factory=list)
+    num_loaded: int | None = None
 
     def fragments_of(self, task: Task | str) -> list[Fragment]:
         name = task if isinstance(task, str) else task.name
@@ -91,7 +95,12 @@ class Plan:
                 shape = ",".join(str(d) for d in t.shape)
                 lines.append(f"    {src} -> {t.target.name}: {t.dtype}[{shape}] ({t.nbytes:,} B)")
         if self.program is not None:
-            lines.append(f"  programs ({self.num_programs} compiled):")
+            loaded = (
+                f"; {self.num_loaded} loaded from an equal one compiled for other devices"
+                if self.num_loaded
+                else ""
+            )
+            lines.append(f"  programs ({self.num_programs} compiled{loaded}):")
             lines.append(str(self.program))
         return "\n".join(lines)
 

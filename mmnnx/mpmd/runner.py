@@ -240,16 +240,19 @@ def lower_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Seque
 class _Compiler:
     """Compiles lowered programs on a pool of threads (XLA releases the GIL while it compiles),
     so the programs of a step compile side by side. A program whose output layouts the compiler
-    chooses is waited for at once: the programs reading its results are lowered for them."""
+    chooses is waited for at once: the programs reading its results are lowered for them.
+    A program equal to one already compiled for other devices loads that one's executable
+    (equal pipeline stages compile once)."""
 
     def __init__(self):
+        self.shared = _jax.SharedCompiles()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(8, cores or 1)), thread_name_prefix="mmnnx-compile"
         )
 
     def submit(self, lowered: Any) -> concurrent.futures.Future:
-        return self._pool.submit(lowered.compile)
+        return self._pool.submit(self.shared.compile, lowered)
 
     def output_shardings(self, lowered: Any, compiling: concurrent.futures.Future) -> list:
         """The program's output layouts: pinned ones without waiting for its compilation."""
@@ -353,6 +356,7 @@ class Executable:
             return
         with _Compiler() as compiler:
             self._build(compiler)
+        self.plan.num_loaded = compiler.shared.loaded
 
     def _build(self, compiler: _Compiler) -> None:
         program = self.program
