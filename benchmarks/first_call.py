@@ -8,6 +8,10 @@ the two alternate over three rounds, and the ratio of the medians is reported wi
 own ratio (a single pair of first calls on this machine varied from 1.3x to 1.8x). The
 compiled-program count of the pipeline is reported. Target (issue 16): <= 1.5x.
 
+Equal stages compile once (a program equal to one compiled for other devices loads that one's
+executable): the same pipeline with every program compiled, and the model on 8 stages both
+ways, measure what that saves, in the same rounds.
+
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/first_call.py
 Writes benchmarks/results/first_call.json.
 """
@@ -57,23 +61,35 @@ def first_call(step, *args) -> float:
     return time.perf_counter() - start
 
 
+CASES = ("one_device", "pipelined", "pipelined_unpacked", "pipelined_unshared",
+         "8_stages", "8_stages_unshared")  # fmt: skip
+
+
 def measure(case: str) -> dict:
     """One first call, in this (fresh) process: ``case`` is "pipelined" (``mm.jit``'s default:
     the residuals of at most ``mm.PACK_RESIDUAL_BYTES`` packed, here all of them),
-    "pipelined_unpacked" (``mm.jit(pack_residuals=False)``) or "one_device"."""
+    "pipelined_unpacked" (``mm.jit(pack_residuals=False)``), "pipelined_unshared" (every
+    program compiled, none loaded from an equal one), "8_stages" and "8_stages_unshared" (the
+    same on 8 stages), or "one_device"."""
+    if case.endswith("unshared"):
+        from mmnnx.mpmd import _jax
+
+        _jax.SharedCompiles.executable = lambda self, compile, *args: compile(*args)
     tokens = jax.random.randint(jax.random.key(0), (BATCH, CONFIG.max_seq_len + 1), 0, 256)
     with nnx.use_eager_sharding(False):
         model = GPT(CONFIG, rngs=nnx.Rngs(0))
     if case == "one_device":
         opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
         return {"seconds": first_call(nnx.jit(plain_step), model, opt, tokens)}
-    tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(STAGES)]
+    stages = 8 if case.startswith("8_stages") else STAGES
+    tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(stages)]
     mm.place(model, stage_rules(model, tasks, report=False))
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     options = {"pack_residuals": False} if case == "pipelined_unpacked" else {}
     step = mm.jit(pipelined_step, **options)
     seconds = first_call(step, model, opt, tokens)
-    return {"seconds": seconds, "programs": step.plan(model, opt, tokens).num_programs}
+    plan = step.plan(model, opt, tokens)
+    return {"seconds": seconds, "programs": plan.num_programs, "loaded": plan.num_loaded}
 
 
 def in_fresh_process(case: str) -> dict:
@@ -84,31 +100,40 @@ def in_fresh_process(case: str) -> dict:
 
 
 def main():
-    rounds = []
-    for _ in range(3):
-        one = in_fresh_process("one_device")
-        piped = in_fresh_process("pipelined")
-        unpacked = in_fresh_process("pipelined_unpacked")
-        rounds.append((piped, one, unpacked))
-    piped_s = statistics.median(p["seconds"] for p, _, _ in rounds)
-    one_s = statistics.median(o["seconds"] for _, o, _ in rounds)
-    unpacked_s = statistics.median(k["seconds"] for _, _, k in rounds)
+    rounds = [{case: in_fresh_process(case) for case in CASES} for _ in range(3)]
+
+    def median(case: str) -> float:
+        return statistics.median(r[case]["seconds"] for r in rounds)
+
+    one_s = median("one_device")
     results = {
         "gpt32_4stages_m16": {
-            "pipelined_first_call_s": piped_s,
+            "pipelined_first_call_s": median("pipelined"),
             "one_device_jit_first_call_s": one_s,
-            "ratio": piped_s / one_s,
+            "ratio": median("pipelined") / one_s,
             "ratio per round": ", ".join(
-                f"{p['seconds'] / o['seconds']:.2f}" for p, o, _ in rounds
+                f"{r['pipelined']['seconds'] / r['one_device']['seconds']:.2f}" for r in rounds
             ),
-            "pipelined_nothing_packed_first_call_s": unpacked_s,
-            "ratio with nothing packed": unpacked_s / one_s,
-            "programs": rounds[0][0]["programs"],
+            "pipelined_nothing_packed_first_call_s": median("pipelined_unpacked"),
+            "ratio with nothing packed": median("pipelined_unpacked") / one_s,
+            "programs": rounds[0]["pipelined"]["programs"],
+            "programs loaded from an equal one": rounds[0]["pipelined"]["loaded"],
+            "every program compiled: first call s": median("pipelined_unshared"),
+            "every program compiled: ratio": median("pipelined_unshared") / one_s,
             "target": "ratio <= 1.5",
+        },
+        "gpt32_8stages_m16": {
+            "pipelined_first_call_s": median("8_stages"),
+            "ratio": median("8_stages") / one_s,
+            "programs": rounds[0]["8_stages"]["programs"],
+            "programs loaded from an equal one": rounds[0]["8_stages"]["loaded"],
+            "every program compiled: first call s": median("8_stages_unshared"),
+            "every program compiled: ratio": median("8_stages_unshared") / one_s,
+            "speed-up of loading equal programs": median("8_stages_unshared") / median("8_stages"),
         },
         "device": str(jax.devices()[0]),
     }
-    publish(results, RESULTS, "first call", ("gpt32_4stages_m16",))
+    publish(results, RESULTS, "first call", ("gpt32_4stages_m16", "gpt32_8stages_m16"))
 
 
 if __name__ == "__main__":
