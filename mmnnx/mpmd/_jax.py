@@ -1465,15 +1465,17 @@ class SharedCompiles:
             except BaseException as e:
                 first.set_exception(e)
                 raise
-            first.set_result((executable, _compiling_for.fresh))
+            # serialized once, for every program loading it; not one read from JAX's persistent
+            # cache, which XLA:CPU serializes without its kernels
+            first.set_result(functools.cache(lambda: backend.serialize_executable(executable))
+                             if _compiling_for.fresh else None)  # fmt: skip
             return executable
         try:
-            executable, fresh = first.result()
-            if not fresh:  # read from JAX's persistent cache: XLA:CPU serializes such a one
-                raise LookupError  # without its kernels, so it is not handed on
-            serialized = backend.serialize_executable(executable)
-            executable = backend.deserialize_executable(serialized, executable_devices, options)
-        except Exception:  # not serializable here (or the first failed): compile this one too
+            serialized = first.result()
+            if serialized is None:
+                raise LookupError
+            executable = backend.deserialize_executable(serialized(), executable_devices, options)
+        except Exception:  # the first failed, was read from the cache, or does not serialize here
             return compile(backend, computation, devices, options, host_callbacks,
                            executable_devices, *rest)  # fmt: skip
         with self._lock:
