@@ -1445,23 +1445,21 @@ class SharedCompiles:
         executable_devices: Any,
         *rest: Any,
     ) -> Any:
+        own = functools.partial(compile, backend, computation, devices, options, host_callbacks,
+                                executable_devices, *rest)  # fmt: skip
         if host_callbacks or len({d.process_index for d in devices.flat}) > 1:
-            return compile(backend, computation, devices, options, host_callbacks,
-                           executable_devices, *rest)  # fmt: skip
+            return own()
         key = (backend.platform, devices.shape, mlir.module_to_bytecode(computation),
                _without_devices(options))  # fmt: skip
         with self._lock:
             first = self._first.get(key)
-            if first is None:
+            mine = first is None
+            if mine:
                 first = self._first[key] = concurrent.futures.Future()
-                mine = True
-            else:
-                mine = False
         if mine:
             _compiling_for.fresh = False
             try:
-                executable = compile(backend, computation, devices, options, host_callbacks,
-                                     executable_devices, *rest)  # fmt: skip
+                executable = own()
             except BaseException as e:
                 first.set_exception(e)
                 raise
@@ -1476,8 +1474,7 @@ class SharedCompiles:
                 raise LookupError
             executable = backend.deserialize_executable(serialized(), executable_devices, options)
         except Exception:  # the first failed, was read from the cache, or does not serialize here
-            return compile(backend, computation, devices, options, host_callbacks,
-                           executable_devices, *rest)  # fmt: skip
+            return own()
         with self._lock:
             self.loaded += 1
         return executable

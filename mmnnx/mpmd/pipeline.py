@@ -574,9 +574,8 @@ def _check_ranks(schedule: sched.Schedule, stage_tasks: Sequence[Task]) -> None:
         first = stage_tasks[together[0]]
         if first.home == task.home:
             continue
-        ranks = schedule.stage_to_rank
-        num_ranks = max(ranks) + 1
-        if ranks == tuple(s % num_ranks for s in range(len(ranks))):
+        ranks, num_ranks = schedule.stage_to_rank, schedule.num_ranks
+        if ranks == tuple(i % num_ranks for i in range(len(ranks))):
             fix = "order='loop', the default"
         elif ranks == (*range(num_ranks), *reversed(range(num_ranks))):
             fix = "order='v'"
