@@ -196,10 +196,11 @@ def test_a_schedule_on_the_other_placement_says_which_one_it_needs(
 @pytest.fixture
 def no_compilation_cache():
     """Every program compiled, none read from the run's compilation cache or JAX's memory."""
+    was = jax.config.jax_enable_compilation_cache
     jax.clear_caches()
     jax.config.update("jax_enable_compilation_cache", False)
     yield
-    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_enable_compilation_cache", was)
 
 
 def test_equal_stages_compile_once_and_train_like_one_device(
@@ -236,6 +237,58 @@ def test_equal_stages_compile_once_and_train_like_one_device(
         close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
     _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(), tokens)
     params_close(model, ref, ref_grads, steps=2, lr=3e-3)
+
+
+def test_a_program_loaded_onto_devices_in_another_order_trains_like_one_device(
+    no_compilation_cache,
+):
+    """Four equal tensor-parallel stages on submeshes listing their devices in different orders
+    ([0, 1], [3, 2], ...): the loaded programs take each submesh's own order."""
+    rules = mm.logical_rules(embed=None, mlp="model")
+    orders = [[0, 1], [3, 2], [4, 5], [7, 6]]
+    tasks = [
+        mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=d, axis_names=("model",)), logical_axes=rules)
+        for i, d in enumerate(orders)
+    ]
+
+    def mlp():
+        tp = lambda names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
+        layers = []
+        with nnx.use_eager_sharding(False):
+            for i in range(8):
+                names = ("embed", "mlp") if i % 2 == 0 else ("mlp", "embed")
+                shape = (16, 32) if i % 2 == 0 else (32, 16)
+                layers += [nnx.Linear(*shape, kernel_init=tp(names), rngs=nnx.Rngs(i)), nnx.tanh]
+            return nnx.Sequential(*layers[:-1])
+
+    def loss(m, x, y):
+        return jnp.mean((m(x) - y) ** 2)
+
+    def step(model, opt, x, y):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(loss), num=4, argnums=(1, 2), reduce="mean", schedule="1f1b"
+        )
+        value, grads = grad_fn(model, x, y)
+        opt.update(model, grads)
+        return value
+
+    def one_device(model, opt, x, y):
+        value, grads = nnx.value_and_grad(loss)(model, x, y)
+        opt.update(model, grads)
+        return value
+
+    x, y = (jax.random.normal(jax.random.key(k), (8, 16)) for k in (0, 1))
+    model = mm.place(mlp(), [(f"^layers/({4 * i}|{4 * i + 2})/", t) for i, t in enumerate(tasks)])
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ref = mlp()
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    pipelined = mm.jit(step)
+    for _ in range(3):
+        close(pipelined(model, opt, x, y), one_device(ref, ref_opt, x, y))
+    trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
+    assert pipelined.plan(model, opt, x, y).num_loaded >= 3  # F, B and update of t1..t3
+    kernel = model.layers[6].kernel.get_value()
+    assert [d.id for d in kernel.sharding.mesh.devices.flat] == [3, 2]
 
 
 def test_interleaved_eight_stages_on_four_tasks(tasks, tokens):
