@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 import mmnnx as mm
+from tests.models import tensor_parallel_mlp
 
 SCENARIOS = {}
 
@@ -223,14 +224,7 @@ def schedules() -> dict:
     v = [("^layers/0/", t0), ("^layers/2/", t1), ("^layers/4/", t1.virtual_stage(1)),
          ("^layers/6/", t0.virtual_stage(1))]  # fmt: skip
 
-    def make_model():
-        tp = lambda names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
-        layers = []
-        for i in range(4):
-            names = ("embed", "mlp") if i % 2 == 0 else ("mlp", "embed")
-            shape = (64, 128) if i % 2 == 0 else (128, 64)
-            layers += [nnx.Linear(*shape, kernel_init=tp(names), rngs=nnx.Rngs(i)), nnx.tanh]
-        return nnx.Sequential(*layers[:-1])
+    make_model = functools.partial(tensor_parallel_mlp, 4, 64, 128)
 
     x, y = readme_batch()
     losses = {}

@@ -43,6 +43,19 @@ def make_mlp(seed: int = 0) -> TwoStageMLP:
         return TwoStageMLP(rngs=nnx.Rngs(seed))
 
 
+def tensor_parallel_mlp(depth: int, dim: int, hidden: int) -> nnx.Sequential:
+    """``depth`` Linear layers (at ``layers/0``, ``layers/2``, ...), tanh between them,
+    alternating ``dim -> hidden`` named ("embed", "mlp") and ``hidden -> dim`` named ("mlp",
+    "embed"); layer ``i`` drawn from ``nnx.Rngs(i)``."""
+    layers = []
+    for i in range(depth):
+        names, shape = (
+            (("embed", "mlp"), (dim, hidden)) if i % 2 == 0 else (("mlp", "embed"), (hidden, dim))
+        )
+        layers += [nnx.Linear(*shape, kernel_init=_tp(names), rngs=nnx.Rngs(i)), nnx.tanh]
+    return nnx.Sequential(*layers[:-1])
+
+
 def _tp(names):
     return nnx.with_partitioning(INIT, names)
 

@@ -19,6 +19,7 @@ from tests.models import (
     four_tasks,
     one_device_tasks,
     placed_gpt,
+    tensor_parallel_mlp,
     tiny_gpt,
 )
 from tests.oracle import close, params_close, trees_close
@@ -252,14 +253,8 @@ def test_a_program_loaded_onto_devices_in_another_order_trains_like_one_device(
     ]
 
     def mlp():
-        tp = lambda names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
-        layers = []
         with nnx.use_eager_sharding(False):
-            for i in range(8):
-                names = ("embed", "mlp") if i % 2 == 0 else ("mlp", "embed")
-                shape = (16, 32) if i % 2 == 0 else (32, 16)
-                layers += [nnx.Linear(*shape, kernel_init=tp(names), rngs=nnx.Rngs(i)), nnx.tanh]
-            return nnx.Sequential(*layers[:-1])
+            return tensor_parallel_mlp(8, 16, 32)
 
     def loss(m, x, y):
         return jnp.mean((m(x) - y) ** 2)
