@@ -22,7 +22,6 @@ import optax
 from flax import nnx
 
 import mmnnx as mm
-from tests.models import tensor_parallel_mlp
 
 SCENARIOS = {}
 
@@ -223,6 +222,8 @@ def schedules() -> dict:
     t0, t1 = tasks  # the V: down the tasks and back up, the second visits on virtual stages
     v = [("^layers/0/", t0), ("^layers/2/", t1), ("^layers/4/", t1.virtual_stage(1)),
          ("^layers/6/", t0.virtual_stage(1))]  # fmt: skip
+
+    from tests.models import tensor_parallel_mlp  # here: some scenarios run this file as a script
 
     make_model = functools.partial(tensor_parallel_mlp, 4, 64, 128)
 

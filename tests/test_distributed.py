@@ -100,7 +100,10 @@ def test_a_killed_process_stops_its_peers_without_the_launcher(tmp_path):
     try:
         started = time.monotonic()
         out, _ = procs[0].communicate(timeout=TIMEOUT_S)
-        assert procs[1].wait(timeout=10) == -signal.SIGKILL
+        killed = procs[1].wait(timeout=10)
+        assert killed == -signal.SIGKILL, (
+            f"rank 1 exited with {killed}:\n{procs[1].stdout.read()[-3000:]}"
+        )
         assert procs[0].returncode != 0
         assert time.monotonic() - started < 90
         assert "Error" in out
