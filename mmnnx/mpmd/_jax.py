@@ -8,7 +8,8 @@ Public ``jax.extend`` names are used where they exist; ``jax._src`` only for the
 set, the user frame of a source location, whether a trace is in progress, and the debug info that
 names a traced step in JAX's errors, which JAX does not export; and, on the per-step path, for an
 array's per-device arrays and layouts (``_arrays``, ``_addressable_device_assignment``), making
-an array from them without re-checking it, and the runtime's batched copy between devices.
+an array from them without re-checking it, the runtime's batched copy between devices, and a
+compiled program's launch without JAX's per-argument checks (``DirectLaunch``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import api_util, effects, source_info_util
+from jax._src import api_util, dispatch, effects, source_info_util
 from jax._src import core as jax_core
+from jax._src.array import ArrayImpl
 from jax._src.interpreters import partial_eval as pe
+from jax._src.interpreters import pxla
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -1516,3 +1519,104 @@ def _install_shared_compiles() -> None:
         return backend_compile(*args, **kwargs)
 
     compiler.backend_compile_and_load = compile_fresh
+
+
+# A program's launch without JAX's per-call checks (``jax.stages.Compiled.__call__`` checks each
+# argument's type, shape and layout, about 0.2 us an argument, and wraps each result). The runner
+# uses it only for a step whose every argument was found laid out as its program expects on a
+# checked run, and whose inputs are laid out as on that run (so, step by step, is every value).
+@dataclasses.dataclass(frozen=True)
+class DirectLaunch:
+    """``compiled`` (a ``jax.stages.Compiled``) run straight on the runtime: ``launch(args)``
+    takes the arguments at positions ``kept`` (``None``: all; JAX drops those the program does
+    not read), each laid out as ``shardings`` says, and returns the results as a list.
+
+    Example:
+        >>> on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        >>> x = jax.device_put(np.float32(1), on)
+        >>> direct = DirectLaunch.of(jax.jit(lambda x, y: [x + 1]).lower(x, x).compile())
+        >>> direct.kept, direct.shardings == (on,)
+        ((0,), True)
+        >>> direct.launch([x])
+        [Array(2., dtype=float32)]
+    """
+
+    launch: Callable[[list], list]
+    kept: tuple[int, ...] | None
+    shardings: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, compiled: Any) -> DirectLaunch | None:
+        """The direct launch of ``compiled``, or ``None`` where JAX's own call is needed: a
+        program with effects or host callbacks, constants passed as arguments, or results
+        that are not a flat sequence of arrays."""
+        executable = getattr(compiled, "_executable", None)
+        call = getattr(executable, "unsafe_call", None)
+        params = getattr(compiled, "_params", None)
+        if (
+            type(call) is not pxla.ExecuteReplicated
+            or call.ordered_effects
+            or call.has_unordered_effects
+            or call.has_host_callbacks
+            or call.mut is not None
+            or call.pgle_profiler is not None
+            or params is None
+            or params.const_args
+            or params.is_high
+        ):
+            return None
+        out_tree = params.out_tree
+        if out_tree.num_leaves != out_tree.num_nodes - 1 or out_tree.num_nodes == 1:
+            return None  # a flat list or tuple of arrays only
+        shardings = jax.tree.leaves(compiled.input_shardings[0])
+        kept = tuple(sorted(call.kept_var_idx))
+        runtime, handlers = call.xla_executable, call.out_handler.handlers
+
+        def launch(args: list) -> list:
+            return runtime.execute_sharded(args).consume_with_handlers(handlers)
+
+        whole = kept == tuple(range(len(shardings)))
+        return cls(launch, None if whole else kept, tuple(shardings[i] for i in kept))
+
+
+def launchable_as(x: Any, sharding: Any) -> bool:
+    """Whether ``x`` is a plain ``jax.Array`` whose per-device arrays a program expecting
+    ``sharding`` reads as they are: laid out as ``sharding`` (another name for the same slices
+    on the same devices, such as a one-device array for a one-device mesh, counts) and listing
+    its devices in the same order.
+
+    Example:
+        >>> one = jax.devices()[:1]
+        >>> mesh = jax.sharding.Mesh(np.array(one), ("x",))
+        >>> x = jax.device_put(np.ones(2), one[0])
+        >>> launchable_as(x, NamedSharding(mesh, jax.P())), launchable_as(np.ones(2), x.sharding)
+        (True, False)
+    """
+    if type(x) is not ArrayImpl:
+        return False
+    have = x.sharding
+    return have == sharding or (
+        have.is_equivalent_to(sharding, x.ndim)
+        and have._addressable_device_assignment == sharding._addressable_device_assignment
+    )
+
+
+def is_plain_array(x: Any) -> bool:
+    """Whether ``x`` is JAX's own array type (not a tracer, NumPy array or subclass).
+
+    Example:
+        >>> is_plain_array(jax.numpy.ones(2)), is_plain_array(np.ones(2))
+        (True, False)
+    """
+    return type(x) is ArrayImpl
+
+
+def checks_special_values() -> bool:
+    """Whether JAX checks results for NaN or infinity (``jax_debug_nans``/``jax_debug_infs``),
+    which only its own call does.
+
+    Example:
+        >>> checks_special_values()
+        False
+    """
+    return dispatch.needs_check_special()

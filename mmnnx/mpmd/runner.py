@@ -520,6 +520,10 @@ class Executable:
             if step[0] == _RUN and step[3] and all(s in donated for s in step[3])
         ]
         self._witness_of: dict[int, Callable] | None = None
+        self._direct = [
+            _jax.DirectLaunch.of(step[1]) if step[0] == _RUN else None for step in self._steps
+        ]
+        self._checked_layouts: tuple | None = None
 
     def _witnesses(self) -> dict[int, Callable]:
         """Per program whose every result a later one may donate, its :func:`witness_for`
@@ -549,12 +553,22 @@ class Executable:
         for slot, value in self._constants:
             env[slot] = value
         witnesses = self._witnesses() if timer is not None and timer.wants_witnesses else {}
+        direct = self._direct if self._laid_out_as_checked(leaves) else None
+        checking = direct is None
         if timer is not None:
             timer.begin()
         for i, step in enumerate(self._steps):
             if step[0] == _RUN:
                 began = time.perf_counter() if timer is not None else 0.0
-                outs = step[1](*[env[s] for s in step[2]])
+                launch = direct[i] if direct is not None else None
+                if launch is not None:
+                    slots = step[2] if launch.kept is None else [step[2][k] for k in launch.kept]
+                    outs = launch.launch([env[s] for s in slots])
+                else:
+                    args = [env[s] for s in step[2]]
+                    if checking and self._direct[i] is not None:
+                        self._check_layouts(i, args)
+                    outs = step[1](*args)
                 if timer is not None:
                     witness = witnesses.get(i)
                     timer.launched(step[5], step[4], step[2], step[3], outs, began, witness)
@@ -577,12 +591,51 @@ class Executable:
                 self._record(env, memory)
             for s in step[-1]:
                 env[s] = None
+        if checking:
+            self._checked_layouts = self._input_layouts(leaves)
         outputs = [env[s] if s is not None else const for s, const in self._outputs]
         for i, layout in self._rewrap:
             outputs[i] = jax.make_array_from_single_device_arrays(
                 outputs[i].shape, layout, [outputs[i]]
             )
         return outputs
+
+    def _input_layouts(self, leaves: Sequence[Any]) -> tuple | None:
+        """The layout of each input, or ``None`` if one is not a plain ``jax.Array``."""
+        layouts = []
+        for _, i in self._inputs:
+            if not _jax.is_plain_array(leaves[i]):
+                return None
+            layouts.append(leaves[i].sharding)
+        return tuple(layouts)
+
+    def _laid_out_as_checked(self, leaves: Sequence[Any]) -> bool:
+        """Whether this call may launch programs directly (:class:`~mmnnx.mpmd._jax.DirectLaunch`):
+        its inputs are live plain arrays laid out as on the last checked call, so every value of
+        the step is laid out as it was then (layouts follow from the inputs' alone), when each
+        directly launched program's arguments were found as it expects. A deleted input is left
+        to JAX's checked call, which refuses it before the program runs."""
+        checked = self._checked_layouts
+        if checked is None or _jax.checks_special_values():
+            return False
+        for (_, i), layout in zip(self._inputs, checked, strict=True):
+            leaf = leaves[i]
+            if not _jax.is_plain_array(leaf):
+                return False
+            have = leaf.sharding
+            if (have is not layout and have != layout) or leaf.is_deleted():
+                return False
+        return True
+
+    def _check_layouts(self, i: int, args: list) -> None:
+        """On a checked call: step ``i``'s program is launched directly from now on only if
+        each argument it reads is a plain array laid out as it expects."""
+        direct = self._direct[i]
+        kept = args if direct.kept is None else [args[k] for k in direct.kept]
+        if not all(
+            _jax.launchable_as(a, want) for a, want in zip(kept, direct.shardings, strict=True)
+        ):
+            self._direct[i] = None
 
     def _mover(self, source: Any, target: Any, value: int) -> Callable[[Any], Any] | None:
         """How a value laid out as ``source`` reaches ``target``: kept as it is (the same
