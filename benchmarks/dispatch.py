@@ -18,7 +18,9 @@
    most ``mm.PACK_RESIDUAL_BYTES`` returned as one buffer: all of this GPT's), with nothing
    packed (``pack_residuals=False``), and once with ``recompute_residuals=False`` (every
    residual returned, none recomputed); and the same GPT with its blocks stacked and scanned
-   (``scan_layers=True``, the stack split over the stages) at 8, 16 and 32 blocks.
+   (``scan_layers=True``, the stack split over the stages) at 8, 16 and 32 blocks. Programs
+   are launched directly once a checked call has found their arguments laid out as they expect
+   (``DirectLaunch``); three cases run every program through JAX's checked call instead.
 
 4. JAX's own cost per argument of a compiled call (a program summing 10 or 50 one-device
    arrays), with the devices idle and while two other devices compute, and per result (a
@@ -223,6 +225,9 @@ PIPELINES = [
     (4, 16, 1, 8, None, True, True),
     (4, 16, 1, 16, None, True, True),
     (4, 16, 1, 32, None, True, True),
+    (4, 16, 1, 8, None, True, False, False),
+    (4, 16, 1, 16, None, True, False, False),
+    (4, 16, 2, 8, None, True, False, False),
 ]
 
 
@@ -252,9 +257,15 @@ def _host_and_wall(fn, steps=20):
     return statistics.median(cpu), statistics.median(wall)
 
 
-def pipeline_case(stages, m, per_task, depth, packed, recompute, scanned):
-    """One pipelined configuration, measured in this (fresh) process."""
+def pipeline_case(stages, m, per_task, depth, packed, recompute, scanned, direct=True):
+    """One pipelined configuration, measured in this (fresh) process. ``direct=False``: every
+    program goes through JAX's checked call, as before ``DirectLaunch``."""
     from mmnnx.models import stage_rules  # noqa: PLC0415
+
+    if not direct:
+        from mmnnx.mpmd._jax import DirectLaunch  # noqa: PLC0415
+
+        DirectLaunch.of = classmethod(lambda cls, compiled: None)
 
     tasks = [
         mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=range(i * per_task, (i + 1) * per_task)))
@@ -319,7 +330,7 @@ def in_fresh_process(case) -> dict:
 def pipelined_host_time():
     out = {}
     for case in PIPELINES:
-        stages, m, per_task, depth, packed, recompute, scanned = case
+        stages, m, per_task, depth, packed, recompute, scanned, *direct = case
         got = in_fresh_process(list(case))
         key = f"S{stages} M{m} {per_task} device(s) per task" + (
             f", {depth} blocks" if depth != 8 or scanned else ""
@@ -327,6 +338,7 @@ def pipelined_host_time():
         key += " stacked (scan_layers)" if scanned else ""
         key += ", nothing packed" if packed is False else ""
         key += "" if recompute else ", every residual kept"
+        key += ", every program through JAX's checked call" if direct == [False] else ""
         out[f"{key}: launches"] = got["launches"]
         out[f"{key}: host ms per launch"] = got["cpu"] / got["launches"] * 1e3
         out[f"{key}: host ms per launch, mm.cached_partial"] = (
