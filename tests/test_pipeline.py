@@ -1,5 +1,10 @@
 """Pipelined steps (mm.microbatch inside mm.jit) against the full batch on one device."""
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
 import threading
 
 import jax
@@ -11,6 +16,7 @@ from flax import nnx
 import mmnnx as mm
 from mmnnx.mpmd import _jax
 from mmnnx.timeline import timeline_rows
+from tests.flags import COMPILE_FLAGS
 from tests.models import (
     Block,
     TinyGPT,
@@ -238,6 +244,71 @@ def test_equal_stages_compile_once_and_train_like_one_device(
         close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
     _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(), tokens)
     params_close(model, ref, ref_grads, steps=2, lr=3e-3)
+
+
+_EQUAL_STAGES_IN_A_PROCESS = """
+import json, threading
+import jax, optax
+from flax import nnx
+from jax._src import compiler
+import mmnnx as mm
+from mmnnx.mpmd import _jax
+from tests.models import tensor_parallel_mlp
+
+_jax.SharedCompiles()
+compiled = []
+real = compiler.backend_compile_and_load
+def counted(*args, **kwargs):
+    compiled.append(threading.current_thread().name.startswith("mmnnx-compile"))
+    return real(*args, **kwargs)
+compiler.backend_compile_and_load = counted
+tasks = [mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(4)]
+with nnx.use_eager_sharding(False):
+    model = tensor_parallel_mlp(8, 16, 32)
+mm.place(model, [(f"layers/{4 * i}/|layers/{4 * i + 2}/", t) for i, t in enumerate(tasks)])
+opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+x = jax.random.normal(jax.random.key(0), (8, 16))
+@mm.jit
+def step(model, opt, x):
+    grad_fn = mm.microbatch(
+        nnx.value_and_grad(lambda m, x: (m(x) ** 2).mean()), num=4, reduce="mean", schedule="1f1b"
+    )
+    loss, grads = grad_fn(model, x)
+    opt.update(model, grads)
+    return loss
+plan = step.compile(model, opt, x)
+losses = [float(step(model, opt, x)) for _ in range(2)]
+print(json.dumps({"compiled": sum(compiled), "loaded": plan.num_loaded, "losses": losses}))
+"""
+
+
+def test_a_loaded_program_is_written_to_the_persistent_cache_for_the_next_process(tmp_path):
+    """With JAX's persistent compilation cache on, the programs loaded from an equal one are
+    written to it too: a second process compiles nothing (before, it compiled the loaded ones:
+    the first's cache entry is read, and one read from the cache does not serialize whole)."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", _EQUAL_STAGES_IN_A_PROCESS],
+            env=env,
+            cwd=pathlib.Path(__file__).parent.parent,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["loaded"] >= 4 and first["compiled"] > 0
+    assert second["compiled"] == 0
+    assert second["losses"] == first["losses"]
 
 
 def test_a_program_loaded_onto_devices_in_another_order_trains_like_one_device(

@@ -22,6 +22,7 @@ import functools
 import math
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -1461,26 +1462,61 @@ class SharedCompiles:
                 first = self._first[key] = concurrent.futures.Future()
         if mine:
             _compiling_for.fresh = False
+            started = time.monotonic()
             try:
                 executable = own()
             except BaseException as e:
                 first.set_exception(e)
                 raise
+            took = time.monotonic() - started
             # serialized once, for every program loading it; not one read from JAX's persistent
             # cache, which XLA:CPU serializes without its kernels
-            first.set_result(functools.cache(lambda: backend.serialize_executable(executable))
-                             if _compiling_for.fresh else None)  # fmt: skip
+            serialized = functools.cache(lambda: backend.serialize_executable(executable))
+            first.set_result((serialized, took) if _compiling_for.fresh else None)
             return executable
         try:
-            serialized = first.result()
+            serialized, took = first.result() or (None, 0.0)
             if serialized is None:
                 raise LookupError
             executable = backend.deserialize_executable(serialized(), executable_devices, options)
         except Exception:  # the first failed, was read from the cache, or does not serialize here
             return own()
+        _persist(backend, computation, devices, options, serialized(), took)
         with self._lock:
             self.loaded += 1
         return executable
+
+
+@dataclasses.dataclass(frozen=True)
+class _Serialized:
+    """An executable's bytes, as JAX's persistent cache takes an executable to write."""
+
+    data: bytes
+
+    def serialize(self) -> bytes:
+        return self.data
+
+
+def _persist(
+    backend: Any, computation: Any, devices: np.ndarray, options: Any, data: bytes, took: float
+) -> None:
+    """Writes a loaded program to JAX's persistent compilation cache, if one is on, under its
+    own key, as JAX writes a program it compiled: a later process then reads it instead of
+    compiling it. ``data``: the executable it was loaded from, as compiled (an executable
+    loaded from bytes re-serializes without its kernels on XLA:CPU); ``took``: that compile's
+    seconds, which JAX's ``persistent_cache_min_compile_time_secs`` is checked against."""
+    from jax._src import compiler
+
+    name = mlir.ir.StringAttr(computation.operation.attributes["sym_name"]).value
+    lowest = min(devices.flat, key=lambda d: d.id).process_index
+    try:
+        key, _ = compiler._resolve_compilation_strategy(
+            computation, devices, options, backend, None, False, name, lowest
+        )
+        if key is not None:
+            compiler._cache_write(key, took, name, backend, _Serialized(data), [])
+    except Exception:  # no cache entry: the next process compiles this program, as before
+        return
 
 
 def _without_devices(options: Any) -> bytes:
@@ -1534,9 +1570,9 @@ class DirectLaunch:
     Example:
         >>> on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         >>> x = jax.device_put(np.float32(1), on)
-        >>> direct = DirectLaunch.of(jax.jit(lambda x, y: [x + 1]).lower(x, x).compile())
+        >>> direct = DirectLaunch.of(jax.jit(lambda x, y: [y + 1]).lower(x, x).compile())
         >>> direct.kept, direct.shardings == (on,)
-        ((0,), True)
+        ((1,), True)
         >>> direct.launch([x])
         [Array(2., dtype=float32)]
     """
@@ -1568,15 +1604,17 @@ class DirectLaunch:
         out_tree = params.out_tree
         if out_tree.num_leaves != out_tree.num_nodes - 1 or out_tree.num_nodes == 1:
             return None  # a flat list or tuple of arrays only
-        shardings = jax.tree.leaves(compiled.input_shardings[0])
         kept = tuple(sorted(call.kept_var_idx))
+        shardings = tuple(executable._in_shardings)  # of the kept arguments
+        if len(shardings) != len(kept):
+            return None
         runtime, handlers = call.xla_executable, call.out_handler.handlers
 
         def launch(args: list) -> list:
             return runtime.execute_sharded(args).consume_with_handlers(handlers)
 
-        whole = kept == tuple(range(len(shardings)))
-        return cls(launch, None if whole else kept, tuple(shardings[i] for i in kept))
+        whole = kept == tuple(range(params.in_tree.num_leaves))
+        return cls(launch, None if whole else kept, shardings)
 
 
 def launchable_as(x: Any, sharding: Any) -> bool:
