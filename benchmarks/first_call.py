@@ -12,6 +12,13 @@ Equal stages compile once (a program equal to one compiled for other devices loa
 executable): the same pipeline with every program compiled, and the model on 8 stages both
 ways, measure what that saves, in the same rounds.
 
+A restarted run with JAX's persistent compilation cache on (``jax_compilation_cache_dir``, and
+``jax_persistent_cache_min_compile_time_secs=0``: by default JAX caches only programs that took
+a second or more to compile, and a pipeline's stage programs take less): the 8-stage pipeline
+and the one-device step each run in three fresh processes sharing a new cache directory; the
+first call of each process, and how many programs XLA compiled during it (programs loaded from
+an equal one are written to the cache too, so a restarted process reads them).
+
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/first_call.py
 Writes benchmarks/results/first_call.json.
 """
@@ -25,6 +32,7 @@ import pathlib  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -65,7 +73,21 @@ CASES = ("one_device", "pipelined", "pipelined_unpacked", "pipelined_unshared",
          "8_stages", "8_stages_unshared")  # fmt: skip
 
 
-def measure(case: str) -> dict:
+def _count_compiles() -> list:
+    """Counts XLA compiles from now on in this process (one entry each)."""
+    from jax._src import compiler
+
+    compiles, compile = [], compiler.backend_compile_and_load
+
+    def counted(*args, **kwargs):
+        compiles.append(1)
+        return compile(*args, **kwargs)
+
+    compiler.backend_compile_and_load = counted
+    return compiles
+
+
+def measure(case: str, cache_dir: str | None = None) -> dict:
     """One first call, in this (fresh) process: ``case`` is "pipelined" (``mm.jit``'s default:
     the residuals of at most ``mm.PACK_RESIDUAL_BYTES`` packed, here all of them),
     "pipelined_unpacked" (``mm.jit(pack_residuals=False)``), "pipelined_unshared" (every
@@ -75,28 +97,61 @@ def measure(case: str) -> dict:
         from mmnnx.mpmd import _jax
 
         _jax.SharedCompiles.executable = lambda self, compile, *args: compile(*args)
+    if cache_dir is not None:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    compiles = _count_compiles()
     tokens = jax.random.randint(jax.random.key(0), (BATCH, CONFIG.max_seq_len + 1), 0, 256)
     with nnx.use_eager_sharding(False):
         model = GPT(CONFIG, rngs=nnx.Rngs(0))
     if case == "one_device":
         opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
-        return {"seconds": first_call(nnx.jit(plain_step), model, opt, tokens)}
+        compiles.clear()
+        seconds = first_call(nnx.jit(plain_step), model, opt, tokens)
+        return {"seconds": seconds, "compiled": len(compiles)}
     stages = 8 if case.startswith("8_stages") else STAGES
     tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(stages)]
     mm.place(model, stage_rules(model, tasks, report=False))
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     options = {"pack_residuals": False} if case == "pipelined_unpacked" else {}
     step = mm.jit(pipelined_step, **options)
+    compiles.clear()
     seconds = first_call(step, model, opt, tokens)
+    compiled = len(compiles)
     plan = step.plan(model, opt, tokens)
-    return {"seconds": seconds, "programs": plan.num_programs, "loaded": plan.num_loaded}
+    return {
+        "seconds": seconds,
+        "programs": plan.num_programs,
+        "loaded": plan.num_loaded,
+        "compiled": compiled,
+    }
 
 
-def in_fresh_process(case: str) -> dict:
+def in_fresh_process(case: str, cache_dir: str | None = None) -> dict:
+    cache = ["--cache-dir", cache_dir] if cache_dir is not None else []
     out = subprocess.run(
-        [sys.executable, __file__, "--case", case], capture_output=True, text=True, check=True
+        [sys.executable, __file__, "--case", case, *cache],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def restarted_with_a_cache() -> dict:
+    """First calls of three processes in turn sharing a new persistent cache directory, for the
+    8-stage pipeline and for the one-device step."""
+    out = {}
+    for case in ("8_stages", "one_device"):
+        with tempfile.TemporaryDirectory(prefix="mmnnx-first-call-cache-") as cache_dir:
+            runs = [in_fresh_process(case, cache_dir) for _ in range(3)]
+        out[f"{case}: first call s, processes 1 / 2 / 3"] = " / ".join(
+            f"{r['seconds']:.2f}" for r in runs
+        )
+        out[f"{case}: programs compiled, processes 1 / 2 / 3"] = " / ".join(
+            str(r["compiled"]) for r in runs
+        )
+    return out
 
 
 def main():
@@ -135,13 +190,18 @@ def main():
             **compiled_once("8_stages"),
             "speed-up of loading equal programs": median("8_stages_unshared") / median("8_stages"),
         },
+        "restarted with a persistent cache": restarted_with_a_cache(),
         "device": str(jax.devices()[0]),
     }
-    publish(results, RESULTS, "first call", ("gpt32_4stages_m16", "gpt32_8stages_m16"))
+    sections = ("gpt32_4stages_m16", "gpt32_8stages_m16", "restarted with a persistent cache")
+    publish(results, RESULTS, "first call", sections)
 
 
 if __name__ == "__main__":
     if "--case" in sys.argv:
-        print(json.dumps(measure(sys.argv[sys.argv.index("--case") + 1])))
+        cache_dir = None
+        if "--cache-dir" in sys.argv:
+            cache_dir = sys.argv[sys.argv.index("--cache-dir") + 1]
+        print(json.dumps(measure(sys.argv[sys.argv.index("--case") + 1], cache_dir)))
     else:
         main()
