@@ -10,6 +10,12 @@ five ways, all in this run:
 - ``offset vector behind a barrier``: the same, each offset read out of the vector behind an
   ``optimization_barrier`` (so that the slices, all alike but for a scalar operand, might
   compile as one kernel).
+Then 8 transformer-like blocks of 12 arrays each (two norms' scales and shifts, attention and
+MLP weights and biases), applied in turn:
+- ``blocks: separate``: each array its own argument (96 weights);
+- ``blocks: one buffer per block``: each block's 12 arrays in one flat buffer, laid out alike in
+  every block (8 weights): the slices sit at the same constant offsets in every block, so the
+  blocks' kernels stay alike and XLA compiles each once per program.
 Measured: compile time, device time per call, and the host thread's CPU time per call with the
 arguments ready and with them still being computed (the state of a pipeline's weights while the
 host runs ahead of the devices). Packing helps the host only if it cuts the argument count
@@ -18,6 +24,7 @@ without adding distinct kernels: on XLA:CPU each distinct slice is a kernel of i
 Run: python benchmarks/packed_reads.py  (writes benchmarks/results/packed_reads.json)
 """
 
+import math
 import pathlib
 import statistics
 import time
@@ -62,6 +69,37 @@ def offset_vector(buf, x, offsets):
 def offset_vector_behind_barrier(buf, x, offsets):
     scalars = jax.lax.optimization_barrier([offsets[j] for j in range(LAYERS)])
     return _apply(x, [jax.lax.dynamic_slice(buf, (o,), (SIZE,)).reshape(DIM, DIM) for o in scalars])
+
+
+BLOCKS = 8
+BLOCK_SHAPES = [(DIM,), (DIM,), (DIM, 3 * DIM), (3 * DIM,), (DIM, DIM), (DIM,),
+                (DIM,), (DIM,), (DIM, 4 * DIM), (4 * DIM,), (4 * DIM, DIM), (DIM,)]  # fmt: skip
+
+
+def _block(x, arrays):
+    g1, b1, wqkv, bqkv, wo, bo, g2, b2, w1, c1, w2, c2 = arrays
+    h = (x - x.mean(-1, keepdims=True)) * g1 + b1
+    x = x + jnp.tanh((h @ wqkv + bqkv)[:, :DIM]) @ wo + bo
+    h = (x - x.mean(-1, keepdims=True)) * g2 + b2
+    return x + jnp.tanh(h @ w1 + c1) @ w2 + c2
+
+
+def blocks_separate(x, *arrays):
+    n = len(BLOCK_SHAPES)
+    for b in range(BLOCKS):
+        x = _block(x, arrays[b * n : (b + 1) * n])
+    return x
+
+
+def blocks_buffered(x, *buffers):
+    for buf in buffers:
+        arrays, at = [], 0
+        for shape in BLOCK_SHAPES:
+            size = math.prod(shape)
+            arrays.append(jax.lax.slice(buf, (at,), (at + size,)).reshape(shape))
+            at += size
+        x = _block(x, arrays)
+    return x
 
 
 def measure(fn, make_args, calls=100, rounds=5):
@@ -119,14 +157,34 @@ def main():
             lambda: [buf, x, jnp.stack(offsets)],
         ),
     }
+    block_arrays = [
+        0.01 * jax.random.normal(k, shape)
+        for b in range(BLOCKS)
+        for k, shape in zip(jax.random.split(jax.random.key(b), 12), BLOCK_SHAPES, strict=True)
+    ]
+    n = len(BLOCK_SHAPES)
+    block_buffers = [
+        jnp.concatenate([a.ravel() for a in block_arrays[b * n : (b + 1) * n]])
+        for b in range(BLOCKS)
+    ]
+    cases["blocks: separate"] = (blocks_separate, lambda: [x, *block_arrays])
+    cases["blocks: one buffer per block"] = (blocks_buffered, lambda: [x, *block_buffers])
     results = {name: measure(fn, make) for name, (fn, make) in cases.items()}
     base = results["separate"]
     results["ratios to separate"] = {
         f"{name}: {what}": results[name][what] / base[what]
         for name in cases
-        if name != "separate"
+        if name not in ("separate", "blocks: separate", "blocks: one buffer per block")
         for what in ("compile s", "device us per call", "host us per call, arguments pending")
     }
+    block_base = results["blocks: separate"]
+    results["ratios to separate"].update(
+        {
+            f"blocks: one buffer per block: {what}": results["blocks: one buffer per block"][what]
+            / block_base[what]
+            for what in ("compile s", "device us per call", "host us per call, arguments pending")
+        }
+    )
     results["device"] = str(jax.devices()[0])
     publish(results, RESULTS, "packed reads", (*cases, "ratios to separate"))
 
