@@ -19,7 +19,12 @@ from mmnnx.mpmd.chains import resolve_rng_counts
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd.lower import lower
-from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES, residual_bound
+from mmnnx.mpmd.packing import (
+    PACK_RESIDUAL_BYTES,
+    PACK_WEIGHT_BYTES,
+    residual_bound,
+    weight_bound,
+)
 from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
 from mmnnx.mpmd.runner import Executable
@@ -546,9 +551,11 @@ class JitFunction:
         donate_argnums,
         pack_residuals=PACK_RESIDUAL_BYTES,
         recompute_residuals=True,
+        pack_weights=PACK_WEIGHT_BYTES,
     ):
         self.fun = fun
         self.pack_residuals = residual_bound(pack_residuals)
+        self.pack_weights = weight_bound(pack_weights)
         self.recompute_residuals = recompute_residuals
         self.static_argnums = _as_tuple(static_argnums)
         self.static_argnames = (
@@ -660,6 +667,8 @@ class JitFunction:
             graph,
             plan,
             pack_residuals=self.pack_residuals,
+            pack_weights=self.pack_weights,
+            input_names=names,
             name=repr(getattr(fun, "__name__", "the step")),
             fingerprint=lambda: _fingerprint(graph, plan, call),
         )
@@ -796,6 +805,7 @@ def jit(
     donate_argnums: int | Sequence[int] = (),
     pack_residuals: bool | int = PACK_RESIDUAL_BYTES,
     recompute_residuals: bool = True,
+    pack_weights: bool | int = PACK_WEIGHT_BYTES,
 ) -> JitFunction:
     """Lifts an NNX step over several tasks: one compiled program per task, run asynchronously.
 
@@ -813,6 +823,14 @@ def jit(
     GPT on 4 one-device stages, M = 16: 0.087 ms per launch against 0.120 unpacked, at the
     same step time). Large residuals travel alone: packing them would copy each and hold it
     twice while the buffer is made. A stage's gradient sums travel as one buffer either way.
+
+    ``pack_weights``: in a pipelined step, the weights of at most this many bytes (default
+    64 KiB) of each block of a one-device stage (the Variables under one list index, such as
+    ``blocks/3/...``) travel to its forwards and backwards as one flat buffer per dtype, packed
+    once per step by a program at its start, instead of one argument each per launch: laid out
+    alike in every block, the blocks' programs slice them at the same offsets, so XLA still
+    compiles each kernel once. ``True`` packs every block's weights, ``False`` none. The buffers
+    are a copy: they hold the packed weights twice while the step runs.
 
     ``recompute_residuals``: in a pipelined step, each stage's backward recomputes the cheap
     residuals of its forward (arithmetic and layout ops: ``2 * x``, a norm's scaled output, the
@@ -835,6 +853,7 @@ def jit(
         [1]
     """
     residual_bound(pack_residuals)  # a TypeError naming the option if it is not one
+    weight_bound(pack_weights)
     if not isinstance(recompute_residuals, bool):
         raise TypeError(
             f"mm.jit: recompute_residuals must be True or False, got {recompute_residuals!r}"
@@ -847,6 +866,7 @@ def jit(
             donate_argnums=donate_argnums,
             pack_residuals=pack_residuals,
             recompute_residuals=recompute_residuals,
+            pack_weights=pack_weights,
         )
     return JitFunction(
         fun,
@@ -855,6 +875,7 @@ def jit(
         donate_argnums,
         pack_residuals,
         recompute_residuals,
+        pack_weights,
     )
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx.models import stage_rules
-from mmnnx.mpmd.packing import plan_packing
+from mmnnx.mpmd.packing import block_of, plan_packing
 from mmnnx.mpmd.program import Run
 from tests.models import (
     SMALL_GPT,
@@ -278,3 +278,94 @@ def test_a_gathered_output_keeps_a_sum_of_its_own():
     assert len(gathered) == 2
     assert not gathered & set(packing.of_member)
     assert packing.by_zeros  # the gradients' sums still travel packed
+
+
+def weight_packing(executable):
+    """The packing ``executable`` runs with, weights included, and each input slot's path."""
+    program = executable.plan.program
+    packing = plan_packing(
+        program,
+        executable.graph,
+        residual_bytes=executable.pack_residuals,
+        weight_bytes=executable.pack_weights,
+        input_names=executable.input_names,
+    )
+    return packing, {slot: executable.input_names[leaf] for slot, leaf in program.inputs}
+
+
+def arguments(executable, kind):
+    """The number of arrays each launch of a ``kind`` (F, B, I, W) pass takes."""
+    return [
+        len(step[2])
+        for step in executable._steps
+        if step[0] == 0 and step[4] and step[4][0][0] and step[4][0][0][1] == kind
+    ]
+
+
+def test_each_blocks_weights_travel_as_one_buffer_laid_out_alike_and_train_like_one_device():
+    # two blocks per one-device stage; the update reads the weights themselves
+    tokens, results, steps = _tokens(), {}, {}
+    for pack in (mm.PACK_WEIGHT_BYTES, False):
+        model, ref = small_gpt(), small_gpt()
+        mm.place(model, stage_rules(model, one_device_tasks(2), report=False))
+        opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+        ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+        step = steps[pack] = mm.jit(gpt_step("1f1b"), pack_weights=pack)
+        results[pack] = [step(model, opt, tokens) for _ in range(3)]
+        for loss in results[pack]:
+            close(loss, reference_step(ref, ref_opt, tokens))
+        _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
+        params_close(model, ref, ref_grads, steps=3, lr=3e-3)
+    trees_close(results[mm.PACK_WEIGHT_BYTES], results[False])
+
+    (packed_step, _), *_ = steps[mm.PACK_WEIGHT_BYTES]._cache.values()
+    (unpacked_step, _), *_ = steps[False]._cache.values()
+    packing, names = weight_packing(packed_step)
+    assert len(packing.weights) == 2 and not weight_packing(unpacked_step)[0].weights
+    layouts = set()
+    for buffers in packing.weights.values():
+        assert len(buffers) == 2  # one per block
+        for packed in buffers:
+            where = [block_of(names[m]) for m, _, _ in packed.members]
+            assert len({block for block, _ in where}) == 1
+            layouts.add(
+                tuple(
+                    (inside, offset, shape)
+                    for (_, inside), (_, offset, shape) in zip(where, packed.members, strict=True)
+                )
+            )
+    assert len(layouts) == 1  # every block's buffer laid out alike
+    members = sum(len(p.members) for b in packing.weights.values() for p in b)
+    fewer = sum(arguments(unpacked_step, "F")) - sum(arguments(packed_step, "F"))
+    per_stage = members - sum(len(b) for b in packing.weights.values())
+    assert fewer == per_stage * len(arguments(packed_step, "F")) // 2  # two stages
+
+
+def test_a_weight_above_the_bound_travels_alone():
+    tokens = _tokens()
+    model = small_gpt()
+    mm.place(model, stage_rules(model, one_device_tasks(2), report=False))
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    step = mm.jit(gpt_step("1f1b"), pack_weights=512)
+    step(model, opt, tokens)
+    (executable, _), *_ = step._cache.values()
+    packing, names = weight_packing(executable)
+    graph, program = executable.graph, executable.plan.program
+    sizes = {slot: graph.nbytes[graph.inputs[leaf]] for slot, leaf in program.inputs}
+    packed = {m for b in packing.weights.values() for p in b for m, _, _ in p.members}
+    assert packed and all(sizes[m] <= 512 for m in packed)
+    assert any(sizes[s] > 512 and block_of(names[s]) for s in sizes)  # some stayed apart
+
+
+@pytest.mark.parametrize("value", ["yes", -1, 1.5, None])
+def test_pack_weights_must_be_a_bool_or_a_number_of_bytes(value):
+    with pytest.raises(
+        TypeError,
+        match=r"mm.jit: pack_weights must be True, False or a number of bytes \(the largest "
+        rf"weight packed; default 65536\), got {re.escape(repr(value))}",
+    ):
+        mm.jit(gpt_step("1f1b"), pack_weights=value)
+
+
+def _tokens():
+    return jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)

@@ -46,15 +46,34 @@ def residual_bound(pack_residuals: bool | int) -> int:
         >>> residual_bound(False), residual_bound(4096)
         (0, 4096)
     """
-    if pack_residuals is True:
+    return _bound(pack_residuals, "pack_residuals", "residual")
+
+
+PACK_WEIGHT_BYTES = PACK_RESIDUAL_BYTES
+"""The largest weight ``mm.jit`` packs by default, in bytes (see :func:`weight_bound`)."""
+
+
+def weight_bound(pack_weights: bool | int) -> int:
+    """The largest weight, in bytes, packed for ``mm.jit(pack_weights=...)``: ``True``, every
+    one; ``False``, none; a number, those of at most that many bytes.
+
+    Example:
+        >>> weight_bound(True) > 2**40, weight_bound(0)
+        (True, 0)
+    """
+    return _bound(pack_weights, "pack_weights", "weight")
+
+
+def _bound(value: bool | int, option: str, what: str) -> int:
+    if value is True:
         return _MAX_BYTES
-    if pack_residuals is False:
+    if value is False:
         return 0
-    if isinstance(pack_residuals, int) and pack_residuals >= 0:
-        return pack_residuals
+    if isinstance(value, int) and value >= 0:
+        return value
     raise TypeError(
-        "mm.jit: pack_residuals must be True, False or a number of bytes (the largest residual "
-        f"packed; default {PACK_RESIDUAL_BYTES}), got {pack_residuals!r}"
+        f"mm.jit: {option} must be True, False or a number of bytes (the largest {what} "
+        f"packed; default {PACK_RESIDUAL_BYTES}), got {value!r}"
     )
 
 
@@ -68,6 +87,7 @@ class Packed:
     dtype: Any
     positions: tuple[int, ...]
     members: tuple[tuple[int, int, tuple[int, ...]], ...]
+    fixed: bool = False  # read at offsets fixed in the readers' programs (weights of a block)
 
     @property
     def size(self) -> int:
@@ -82,13 +102,22 @@ class Packing:
     of_member: dict[int, Packed]
     num_slots: int
     by_zeros: dict[int, tuple[Packed, ...]] = dataclasses.field(default_factory=dict)
+    # Weights: per task, the buffers a program at the step's start packs from step inputs, which
+    # the pipelined runs (of one microbatch) read instead of the inputs; other readers do not.
+    weights: dict[Any, tuple[Packed, ...]] = dataclasses.field(default_factory=dict)
+    of_weight: dict[int, Packed] = dataclasses.field(default_factory=dict)
 
     @property
     def buffers(self) -> list[Packed]:
         """Every packed buffer."""
-        return [
-            packed for made in (*self.by_run.values(), *self.by_zeros.values()) for packed in made
-        ]
+        made = (*self.by_run.values(), *self.by_zeros.values(), *self.weights.values())
+        return [packed for buffers in made for packed in buffers]
+
+    def _buffer_of(self, run: Run, slot: int) -> Packed | None:
+        packed = self.of_member.get(slot)
+        if packed is None and run.microbatch is not None:
+            packed = self.of_weight.get(slot)
+        return packed
 
     def zeros(self, index: int, action: Zeros) -> tuple[list[int], list, list, list]:
         """The slots, shapes, dtypes and shardings the :class:`Zeros` action at ``index`` fills:
@@ -124,13 +153,13 @@ class Packing:
         of the fragment's inputs among them, ``(argument, offset, shape)`` with offset ``None``
         for the argument itself (``None`` when nothing is packed); and the packed buffers among
         the arguments, by position."""
-        if not any(s in self.of_member for s in run.ins):
+        if not any(self._buffer_of(run, s) is not None for s in run.ins):
             return list(run.ins), None, {}
         args: list[int] = []
         where: list[tuple[int, int | None, tuple[int, ...]]] = []
         packed_args: dict[int, Packed] = {}
         for s in run.ins:
-            packed = self.of_member.get(s)
+            packed = self._buffer_of(run, s)
             slot = s if packed is None else packed.slot
             if slot not in args:
                 args.append(slot)
@@ -151,22 +180,26 @@ class Packing:
             packed = self.of_member.get(s)
             if packed is None:
                 out.append(s)
-                continue
+                packed = self.of_weight.get(s)  # the input goes, and its share of its buffer
+                if packed is None:
+                    continue
             remaining[packed.slot] -= 1
             if remaining[packed.slot] == 0:
                 out.append(packed.slot)
         return out
 
 
-def slice_offsets(unpack: tuple | None) -> list[int]:
+def slice_offsets(unpack: tuple | None, packed_args: dict[int, Packed] | None = None) -> list[int]:
     """The distinct offsets at which a program slices members out of its packed arguments
-    (``unpack`` as :meth:`Packing.inputs` gives it), in the order it takes them as arguments.
+    (``unpack`` and ``packed_args`` as :meth:`Packing.inputs` gives them), in the order it takes
+    them as arguments; a ``fixed`` buffer's offsets are in the program, not arguments.
 
     Example:
         >>> slice_offsets(((0, None, ()), (1, 0, (2, 3)), (1, 6, (4,)), (2, 0, (5,))))
         [0, 6]
     """
-    return sorted({at for _, at, _ in unpack or () if at is not None})
+    fixed = {k for k, packed in (packed_args or {}).items() if packed.fixed}
+    return sorted({at for k, at, _ in unpack or () if at is not None and k not in fixed})
 
 
 def unpacked_outputs(run: Run, packs: Sequence[Packed]) -> list[int]:
@@ -177,14 +210,88 @@ def unpacked_outputs(run: Run, packs: Sequence[Packed]) -> list[int]:
 
 
 def plan_packing(
-    program: StepProgram, graph: Graph, *, residual_bytes: int = _MAX_BYTES
+    program: StepProgram,
+    graph: Graph,
+    *,
+    residual_bytes: int = _MAX_BYTES,
+    weight_bytes: int = 0,
+    input_names: Sequence[str] = (),
 ) -> Packing:
-    """Packs the running sums of each one-device task (:func:`_sum_packing`) and the residuals
-    of its pipelined programs of at most ``residual_bytes`` each (:func:`_residual_packing`)."""
+    """Packs the running sums of each one-device task (:func:`_sum_packing`), the residuals
+    of its pipelined programs of at most ``residual_bytes`` each (:func:`_residual_packing`),
+    and the weights of at most ``weight_bytes`` each of each block its pipelined programs read
+    (:func:`_weight_packing`; ``input_names``: the step inputs' paths)."""
     packing = (
         _residual_packing(program, graph, residual_bytes) if residual_bytes else no_packing(program)
     )
-    return _sum_packing(program, packing, _gathered_sums(program, graph))
+    packing = _sum_packing(program, packing, _gathered_sums(program, graph))
+    if weight_bytes and input_names:
+        packing = _weight_packing(program, graph, packing, weight_bytes, input_names)
+    return packing
+
+
+def block_of(path: str) -> tuple[str, str] | None:
+    """A Variable's block and its path inside it: the path up to its first index (a layer of a
+    list), and the rest; ``None`` for a path without one.
+
+    Example:
+        >>> block_of("arg0/blocks/3/attn/kernel"), block_of("arg0/head/kernel")
+        (('arg0/blocks/3', 'attn/kernel'), None)
+    """
+    parts = path.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if i and part.isdigit():
+            return "/".join(parts[: i + 1]), "/".join(parts[i + 1 :])
+    return None
+
+
+def _weight_packing(
+    program: StepProgram,
+    graph: Graph,
+    packing: Packing,
+    weight_bytes: int,
+    input_names: Sequence[str],
+) -> Packing:
+    """Adds to ``packing``, per one-device task and block (:func:`block_of`), one buffer per
+    dtype of the step inputs of at most ``weight_bytes`` each that pipelined runs on that task
+    alone read, more than once, without donating them. Members go in the order of their paths
+    inside the block, so blocks alike are laid out alike: their programs slice them at the same
+    offsets, and the blocks' kernels stay alike (XLA compiles each once per program)."""
+    readers = _readers(program)
+    groups: dict[tuple, list[tuple[str, int, tuple[int, ...]]]] = {}
+    seen: set[int] = set()
+    for slot, leaf in program.inputs:
+        if slot in seen or leaf >= len(input_names):
+            continue
+        seen.add(slot)
+        where = block_of(input_names[leaf])
+        runs = [r for r in readers.get(slot, []) if r is not None and r.microbatch is not None]
+        if where is None or len(runs) < 2 or len({r.task for r in runs}) != 1:
+            continue
+        task = runs[0].task
+        value = next(
+            v for r in runs for v, s in zip(r.fragment.in_ids, r.ins, strict=True) if s == slot
+        )
+        dtype, shape = graph.dtypes[value], graph.shapes[value]
+        if (
+            task.jax_mesh.devices.size != 1
+            or any(slot in {r.ins[d] for d in r.donate} for r in runs)
+            or jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+            or math.prod(shape) * itemsize(dtype) > weight_bytes
+        ):
+            continue
+        groups.setdefault((task, where[0], dtype), []).append((where[1], slot, shape))
+    next_slot = packing.num_slots
+    for (task, _, dtype), members in groups.items():
+        members.sort()
+        packed = _buffer(next_slot, dtype, (), [(slot, shape) for _, slot, shape in members])
+        if packed is not None:
+            packed = dataclasses.replace(packed, fixed=True)
+            next_slot += 1
+            packing.weights[task] = (*packing.weights.get(task, ()), packed)
+            packing.of_weight.update({m: packed for m, _, _ in packed.members})
+    packing.num_slots = next_slot
+    return packing
 
 
 def _readers(program: StepProgram) -> dict[int, list[Run | None]]:

@@ -88,20 +88,21 @@ def _part(
     summed = run.summed
     sums = [(None, (i,)) for i in summed] if sums is None else sums
     total_shardings = list(in_shardings[n : n + len(sums)])
-    offset_arg = {at: n + len(sums) + j for j, at in enumerate(slice_offsets(unpack))}
+    offset_arg = {at: n + len(sums) + j for j, at in enumerate(slice_offsets(unpack, packed_args))}
+    fixed = {k for k, packed in (packed_args or {}).items() if packed.fixed}
     returned = unpacked_outputs(run, packs)
 
     def inputs(args: Sequence[Any]) -> list:
         if unpack is None:
             return list(args[:n])
-        return [
-            args[k]
-            if at is None
-            else jax.lax.dynamic_slice(
-                args[k], (args[offset_arg[at]],), (math.prod(shape),)
-            ).reshape(shape)
-            for k, at, shape in unpack
-        ]
+
+        def member(k: int, at: int, shape: tuple[int, ...]) -> Any:
+            size = math.prod(shape)
+            if k in fixed:  # at the same offset in every block: the blocks' kernels stay alike
+                return jax.lax.slice(args[k], (at,), (at + size,)).reshape(shape)
+            return jax.lax.dynamic_slice(args[k], (args[offset_arg[at]],), (size,)).reshape(shape)
+
+        return [args[k] if at is None else member(k, at, shape) for k, at, shape in unpack]
 
     def body(*args):
         outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, inputs(args))
@@ -227,6 +228,27 @@ def lower_fragments(
         return jitted.lower(*(a for part in parts for a in part.avals))
 
 
+def lower_packing(buffers: Sequence[Packed], shardings: Sequence[Any], task: Any) -> Any:
+    """One program concatenating step inputs (laid out as ``shardings``, one argument per
+    member, buffer after buffer) into each of ``buffers``, flat on ``task``, lowered."""
+    layouts = iter(shardings)
+    avals = [
+        jax.ShapeDtypeStruct(shape, packed.dtype, sharding=next(layouts))
+        for packed in buffers
+        for _, _, shape in packed.members
+    ]
+
+    def pack(*members):
+        out, at = [], 0
+        for packed in buffers:
+            taken = members[at : at + len(packed.members)]
+            out.append(jnp.concatenate([jnp.ravel(m) for m in taken]))
+            at += len(packed.members)
+        return out
+
+    return jax.jit(pack, out_shardings=[task.sharding()] * len(buffers)).lower(*avals)
+
+
 def lower_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Sequence) -> Any:
     """One program making zero-filled running sums of ``shapes`` and ``dtypes`` in their layouts
     (called each step: the sums are donated to the programs that add to them), lowered."""
@@ -324,8 +346,9 @@ class Executable:
     :class:`~mmnnx.distributed.routes.Route`, and results this process does not hold are
     placeholders (arrays on other processes' devices). ``fingerprint``: makes the lines
     describing the step that processes compare before the first compile; ``name``: the step's,
-    for messages; ``pack_residuals``: the largest residual packed, in bytes (``mm.jit``,
-    :mod:`~mmnnx.mpmd.packing`).
+    for messages; ``pack_residuals`` / ``pack_weights``: the largest residual / weight packed,
+    in bytes (``mm.jit``, :mod:`~mmnnx.mpmd.packing`); ``input_names``: the inputs' paths
+    (weights are packed by the block their path names).
     """
 
     def __init__(
@@ -336,6 +359,8 @@ class Executable:
         name: str = "the step",
         fingerprint: Callable[[], list[str]] = list,
         pack_residuals: int = 0,
+        pack_weights: int = 0,
+        input_names: Sequence[str] = (),
     ):
         self.graph = graph
         self.plan = plan
@@ -346,6 +371,8 @@ class Executable:
         self.name = name
         self.fingerprint = fingerprint
         self.pack_residuals = pack_residuals
+        self.pack_weights = pack_weights
+        self.input_names = list(input_names)
         self._steps: list[tuple] | None = None
         self._same_layout: dict[tuple, bool] = {}
 
@@ -364,13 +391,32 @@ class Executable:
         packing = (
             no_packing(program)
             if self.graph.specs  # sharding in types: every program keeps the types
-            else plan_packing(program, self.graph, residual_bytes=self.pack_residuals)
+            else plan_packing(
+                program,
+                self.graph,
+                residual_bytes=self.pack_residuals,
+                weight_bytes=self.pack_weights,
+                input_names=self.input_names,
+            )
         )
         remaining = {p.slot: len(p.members) for p in packing.buffers}
         sharding_of = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]
         compiled_of: dict[tuple, Any] = {}
         constants: list[tuple[int, Any]] = []
         offset_slots: dict[tuple, int] = {}
+        steps: list[list] = []
+        for task, buffers in packing.weights.items():  # made first: no run reads them before
+            members = [m for packed in buffers for m, _, _ in packed.members]
+            made = [packed.slot for packed in buffers]
+            for slot in made:
+                sharding_of[slot] = task.sharding()
+            if local.runs(task):
+                shardings = [sharding_of[m] for m in members]
+                packs = compiler.submit(lower_packing(buffers, shardings, task))
+                local.made(made, task)
+                steps.append([_RUN, packs, members, made, (), _rank(task), ()])
+            else:
+                local.elsewhere(made, task)
 
         def offset_slot(task: Any, offset: int) -> int:
             """The slot of the int32 ``offset`` on ``task`` (put there once)."""
@@ -383,7 +429,6 @@ class Executable:
             return slot
 
         resolved: dict[tuple, Any] = {}
-        steps: list[list] = []
         actions = program.actions
         position = 0
         while position < len(actions):
@@ -409,7 +454,9 @@ class Executable:
                     packs = packing.by_run.get(index, ())
                     sum_slots, sums = packing.sums(run)
                     how.append((unpack, packs, packed_args, sums))
-                    offsets = [offset_slot(run.task, at) for at in slice_offsets(unpack)]
+                    offsets = [
+                        offset_slot(run.task, at) for at in slice_offsets(unpack, packed_args)
+                    ]
                     reads.append([*args, *sum_slots, *offsets])
                     ins += reads[-1]
                     outs += [run.outs[p] for p in unpacked_outputs(run, packs)]
