@@ -20,7 +20,9 @@
    residual returned, none recomputed); and the same GPT with its blocks stacked and scanned
    (``scan_layers=True``, the stack split over the stages) at 8, 16 and 32 blocks. Programs
    are launched directly once a checked call has found their arguments laid out as they expect
-   (``DirectLaunch``); three cases run every program through JAX's checked call instead.
+   (``DirectLaunch``); three cases run every program through JAX's checked call instead. A
+   block's small weights travel as one buffer (``mm.jit(pack_weights=...)``); two cases pass
+   each weight alone.
 
 4. JAX's own cost per argument of a compiled call (a program summing 10 or 50 one-device
    arrays), with the devices idle and while two other devices compute, and per result (a
@@ -228,6 +230,8 @@ PIPELINES = [
     (4, 16, 1, 8, None, True, False, False),
     (4, 16, 1, 16, None, True, False, False),
     (4, 16, 2, 8, None, True, False, False),
+    (4, 16, 1, 8, None, True, False, True, False),
+    (4, 16, 1, 16, None, True, False, True, False),
 ]
 
 
@@ -257,9 +261,12 @@ def _host_and_wall(fn, steps=20):
     return statistics.median(cpu), statistics.median(wall)
 
 
-def pipeline_case(stages, m, per_task, depth, packed, recompute, scanned, direct=True):
+def pipeline_case(
+    stages, m, per_task, depth, packed, recompute, scanned, direct=True, weights=True
+):
     """One pipelined configuration, measured in this (fresh) process. ``direct=False``: every
-    program goes through JAX's checked call, as before ``DirectLaunch``."""
+    program goes through JAX's checked call, as before ``DirectLaunch``; ``weights=False``:
+    ``mm.jit(pack_weights=False)``, each weight passed alone."""
     from mmnnx.models import stage_rules  # noqa: PLC0415
 
     if not direct:
@@ -277,6 +284,7 @@ def pipeline_case(stages, m, per_task, depth, packed, recompute, scanned, direct
     tokens = _tokens()
 
     packing = {} if packed is None else {"pack_residuals": packed}
+    packing |= {} if weights else {"pack_weights": False}
 
     @functools.partial(mm.jit, recompute_residuals=recompute, **packing)
     def train(model, opt, tokens):
@@ -330,7 +338,9 @@ def in_fresh_process(case) -> dict:
 def pipelined_host_time():
     out = {}
     for case in PIPELINES:
-        stages, m, per_task, depth, packed, recompute, scanned, *direct = case
+        stages, m, per_task, depth, packed, recompute, scanned, *direct_weights = case
+        direct = direct_weights[:1]
+        weights = direct_weights[1:]
         got = in_fresh_process(list(case))
         key = f"S{stages} M{m} {per_task} device(s) per task" + (
             f", {depth} blocks" if depth != 8 or scanned else ""
@@ -339,6 +349,7 @@ def pipelined_host_time():
         key += ", nothing packed" if packed is False else ""
         key += "" if recompute else ", every residual kept"
         key += ", every program through JAX's checked call" if direct == [False] else ""
+        key += ", weights not packed" if weights == [False] else ""
         out[f"{key}: launches"] = got["launches"]
         out[f"{key}: host ms per launch"] = got["cpu"] / got["launches"] * 1e3
         out[f"{key}: host ms per launch, mm.cached_partial"] = (
