@@ -53,7 +53,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES  # noqa: PLC0415
+    from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES  # noqa: PLC0415
 
     parser = _Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -142,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_const",
         const=False,
         help="return each residual as an array of its own (mm.jit(pack_residuals=False))",
+    )
+    run.add_argument(
+        "--no-pack-weights",
+        dest="pack_weights",
+        action="store_false",
+        default=True,
+        help="pass each block weight to the pipelined programs as an array of its own "
+        "(mm.jit(pack_weights=False)); by default each block's weights of at most "
+        f"{PACK_WEIGHT_BYTES // 1024} KiB travel as one buffer",
     )
     run.add_argument(
         "--steps", type=_positive("--steps"), default=300, help="optimizer steps (300)"
@@ -409,6 +418,7 @@ def train(args: argparse.Namespace) -> int:
                 schedule_steps=args.schedule_steps,
                 memory_budget=args.memory_budget,
                 pack_residuals=args.pack_residuals,
+                **({} if args.pack_weights else {"pack_weights": False}),
             ),
         )
     except (CheckpointMismatchError, CheckpointCorruptError, NoReadableCheckpointError) as e:

@@ -92,6 +92,7 @@ def test_help_documents_every_flag(capsys):
         "--memory-budget",
         "--pack-residuals",
         "--no-pack-residuals",
+        "--no-pack-weights",
         "--seq-len",
         "--batch-size",
         "--microbatches",
@@ -124,6 +125,17 @@ def test_pack_residuals_reaches_the_train_step():
     assert make_steps(TrainConfig())[0].pack_residuals == mm.PACK_RESIDUAL_BYTES
     with pytest.raises(TypeError, match="pack_residuals must be True, False or a number"):
         TrainConfig(pack_residuals="all")
+
+
+def test_pack_weights_reaches_the_train_step():
+    from mmnnx.train import TrainConfig  # noqa: PLC0415
+    from mmnnx.train.loop import make_steps  # noqa: PLC0415
+
+    assert make_steps(TrainConfig())[0].pack_weights == mm.PACK_WEIGHT_BYTES
+    assert make_steps(TrainConfig(pack_weights=False))[0].pack_weights == 0
+    assert make_steps(TrainConfig(pack_weights=1024))[0].pack_weights == 1024
+    with pytest.raises(TypeError, match="pack_weights must be True, False or a number"):
+        TrainConfig(pack_weights="all")
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from rich.table import Table
 from mmnnx.distributed.fetch import fetch
 from mmnnx.jit import cached_partial, jit
 from mmnnx.microbatch import microbatch
-from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES, residual_bound
+from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES, residual_bound, weight_bound
 from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer, Resumed
@@ -40,6 +40,8 @@ class TrainConfig:
     ordered for the measured durations). ``pack_residuals``: the train step's
     ``mm.jit(pack_residuals=...)``: ``True`` packs every residual, ``False`` none, a number
     those of at most that many bytes (the default, ``mm.PACK_RESIDUAL_BYTES``).
+    ``pack_weights``: the train step's ``mm.jit(pack_weights=...)``, likewise for each block's
+    weights (default ``mm.PACK_WEIGHT_BYTES``).
     """
 
     steps: int = 300
@@ -59,6 +61,7 @@ class TrainConfig:
     schedule_steps: int | None = None
     memory_budget: int | str | None = None
     pack_residuals: bool | int = PACK_RESIDUAL_BYTES
+    pack_weights: bool | int = PACK_WEIGHT_BYTES
 
     def __post_init__(self):
         for name in ("steps", "microbatches", "eval_every", "eval_batches", "log_every"):
@@ -71,6 +74,7 @@ class TrainConfig:
         if self.learning_rate <= 0:
             raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
         residual_bound(self.pack_residuals)  # a TypeError naming it before any step is built
+        weight_bound(self.pack_weights)
 
 
 @dataclasses.dataclass
@@ -128,7 +132,8 @@ def make_steps(config: TrainConfig):
         opt.update(model, grads)
         return loss
 
-    return jit(train_step, pack_residuals=config.pack_residuals), jit(_loss)
+    train = jit(train_step, pack_residuals=config.pack_residuals, pack_weights=config.pack_weights)
+    return train, jit(_loss)
 
 
 def fit(
