@@ -116,13 +116,18 @@ def test_fused_pairs_with_packed_residuals_on_one_device_tasks():
     assert any(i in packing.by_run or i + 1 in packing.by_run for i in fused)
 
 
-def launches(executable, kind):
-    """The number of arrays each launch of a ``kind`` (F, B, I, W) pass returns."""
+def _launches_of(executable, kind):
+    """The runner's steps launching a ``kind`` (F, B, I, W) pass."""
     return [
-        len(step[3])
+        step
         for step in executable._steps
         if step[0] == 0 and step[4] and step[4][0][0] and step[4][0][0][1] == kind
     ]
+
+
+def launches(executable, kind):
+    """The number of arrays each launch of a ``kind`` (F, B, I, W) pass returns."""
+    return [len(step[3]) for step in _launches_of(executable, kind)]
 
 
 def test_residuals_are_not_packed_when_asked_running_sums_are():
@@ -295,11 +300,7 @@ def weight_packing(executable):
 
 def arguments(executable, kind):
     """The number of arrays each launch of a ``kind`` (F, B, I, W) pass takes."""
-    return [
-        len(step[2])
-        for step in executable._steps
-        if step[0] == 0 and step[4] and step[4][0][0] and step[4][0][0][1] == kind
-    ]
+    return [len(step[2]) for step in _launches_of(executable, kind)]
 
 
 def test_each_blocks_weights_travel_as_one_buffer_laid_out_alike_and_train_like_one_device():
