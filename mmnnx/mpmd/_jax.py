@@ -1429,14 +1429,20 @@ class SharedCompiles:
         self._lock = threading.Lock()
         self._first: dict[tuple, Any] = {}
         self.loaded = 0
+        self.loaded_lowered: set[int] = set()  # ids of the Lowered objects loaded, not compiled
         _install_shared_compiles()
 
     def compile(self, lowered: Any) -> Any:
         _compiling_for.table = self
+        _compiling_for.loaded = False
         try:
-            return lowered.compile()
+            compiled = lowered.compile()
         finally:
             _compiling_for.table = None
+        if _compiling_for.loaded:
+            with self._lock:
+                self.loaded_lowered.add(id(lowered))
+        return compiled
 
     def executable(
         self,
@@ -1484,6 +1490,7 @@ class SharedCompiles:
         _persist(backend, computation, devices, options, serialized(), took)
         with self._lock:
             self.loaded += 1
+        _compiling_for.loaded = True
         return executable
 
 

@@ -52,9 +52,10 @@ class Plan:
     per-task programs (``program``, a ``StepProgram``) that the runner executes.
 
     ``num_programs`` counts the distinct compiled programs; building a plan compiles nothing.
-    ``num_loaded``, once the step is compiled: how many programs (these, and those making the
-    zero-filled running sums) were not compiled but loaded from an equal program compiled for
-    other devices: equal pipeline stages compile once.
+    ``num_loaded``, once the step is compiled: how many of these programs were not compiled
+    but loaded from an equal program compiled for other devices: equal pipeline stages compile
+    once (so may the runner's own small programs, which fill running sums with zeros and pack
+    block weights; they are not counted).
     ``inputs``: the value id of each input leaf, in the order mm.jit flattens the arguments
     (Variables first, then the other arrays), as ``Transfer.value`` names them. ``unrolled``: for
     each ``mm.microbatch`` call that runs as an unrolled loop instead of a pipeline, why.

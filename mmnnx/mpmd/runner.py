@@ -375,6 +375,7 @@ class Executable:
         self.input_names = list(input_names)
         self._steps: list[tuple] | None = None
         self._same_layout: dict[tuple, bool] = {}
+        self._fragment_programs: list[Any] = []  # lowered while compiling, to count the loaded
 
     def compile(self) -> None:
         """Compiles every distinct program of the step (once, side by side on threads) and
@@ -383,7 +384,9 @@ class Executable:
             return
         with _Compiler() as compiler:
             self._build(compiler)
-        self.plan.num_loaded = compiler.shared.loaded
+        loaded = compiler.shared.loaded_lowered
+        self.plan.num_loaded = sum(id(lowered) in loaded for lowered in self._fragment_programs)
+        self._fragment_programs = []
 
     def _build(self, compiler: _Compiler) -> None:
         program = self.program
@@ -480,6 +483,7 @@ class Executable:
                         how,
                     )
                     compiling = compiler.submit(lowered)
+                    self._fragment_programs.append(lowered)
                     compiled_of[key] = (compiling, compiler.output_shardings(lowered, compiling))
                 compiled, output_shardings = compiled_of[key]
                 for s, sharding in zip(outs, output_shardings, strict=True):
