@@ -222,14 +222,17 @@ def test_running_sums_on_multi_device_tasks_are_not_packed():
     assert executable._num_slots == executable.plan.program.num_slots
 
 
+@pytest.mark.parametrize(
+    "option, what", [("pack_residuals", "residual"), ("pack_weights", "weight")]
+)
 @pytest.mark.parametrize("value", ["yes", -1, 1.5, None])
-def test_pack_residuals_must_be_a_bool_or_a_number_of_bytes(value):
+def test_a_packing_bound_must_be_a_bool_or_a_number_of_bytes(option, what, value):
     with pytest.raises(
         TypeError,
-        match=r"mm.jit: pack_residuals must be True, False or a number of bytes \(the largest "
-        rf"residual packed; default 65536\), got {re.escape(repr(value))}",
+        match=rf"mm.jit: {option} must be True, False or a number of bytes \(the largest "
+        rf"{what} packed; default 65536\), got {re.escape(repr(value))}",
     ):
-        mm.jit(gpt_step("1f1b"), pack_residuals=value)
+        mm.jit(gpt_step("1f1b"), **{option: value})
 
 
 @pytest.mark.parametrize("bound", [False, True], ids=["mm.jit", "cached_partial"])
@@ -356,16 +359,6 @@ def test_a_weight_above_the_bound_travels_alone():
     packed = {m for b in packing.weights.values() for p in b for m, _, _ in p.members}
     assert packed and all(sizes[m] <= 512 for m in packed)
     assert any(sizes[s] > 512 and block_of(names[s]) for s in sizes)  # some stayed apart
-
-
-@pytest.mark.parametrize("value", ["yes", -1, 1.5, None])
-def test_pack_weights_must_be_a_bool_or_a_number_of_bytes(value):
-    with pytest.raises(
-        TypeError,
-        match=r"mm.jit: pack_weights must be True, False or a number of bytes \(the largest "
-        rf"weight packed; default 65536\), got {re.escape(repr(value))}",
-    ):
-        mm.jit(gpt_step("1f1b"), pack_weights=value)
 
 
 def _tokens():
