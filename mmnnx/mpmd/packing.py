@@ -46,7 +46,7 @@ def residual_bound(pack_residuals: bool | int) -> int:
         >>> residual_bound(False), residual_bound(4096)
         (0, 4096)
     """
-    return _bound(pack_residuals, "pack_residuals", "residual")
+    return _bound(pack_residuals, "pack_residuals", "residual", PACK_RESIDUAL_BYTES)
 
 
 PACK_WEIGHT_BYTES = PACK_RESIDUAL_BYTES
@@ -61,10 +61,10 @@ def weight_bound(pack_weights: bool | int) -> int:
         >>> weight_bound(True) > 2**40, weight_bound(0)
         (True, 0)
     """
-    return _bound(pack_weights, "pack_weights", "weight")
+    return _bound(pack_weights, "pack_weights", "weight", PACK_WEIGHT_BYTES)
 
 
-def _bound(value: bool | int, option: str, what: str) -> int:
+def _bound(value: bool | int, option: str, what: str, default: int) -> int:
     if value is True:
         return _MAX_BYTES
     if value is False:
@@ -73,7 +73,7 @@ def _bound(value: bool | int, option: str, what: str) -> int:
         return value
     raise TypeError(
         f"mm.jit: {option} must be True, False or a number of bytes (the largest {what} "
-        f"packed; default {PACK_RESIDUAL_BYTES}), got {value!r}"
+        f"packed; default {default}), got {value!r}"
     )
 
 
@@ -268,10 +268,7 @@ def _weight_packing(
         runs = [r for r in readers.get(slot, []) if r is not None and r.microbatch is not None]
         if where is None or len(runs) < 2 or len({r.task for r in runs}) != 1:
             continue
-        task = runs[0].task
-        value = next(
-            v for r in runs for v, s in zip(r.fragment.in_ids, r.ins, strict=True) if s == slot
-        )
+        task, value = runs[0].task, graph.inputs[leaf]
         dtype, shape = graph.dtypes[value], graph.shapes[value]
         if (
             task.jax_mesh.devices.size != 1
