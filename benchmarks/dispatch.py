@@ -24,12 +24,19 @@
    block's small weights travel as one buffer (``mm.jit(pack_weights=...)``); two cases pass
    each weight alone.
 
-4. JAX's own cost per argument of a compiled call (a program summing 10 or 50 one-device
+4. Host time per pipelined launch apart from the step's once-per-step cost: the slope of the
+   host time per step between M = 4 and M = 32 (S = 4, one device per task, as
+   ``mm.cached_partial``) at 8, 16 and 32 blocks, unrolled and stacked. What a step costs once
+   (the optimizer's update returns every parameter as an array of its own, as any step does)
+   grows with the parameter count; the target is that what grows with S x M does not.
+
+5. JAX's own cost per argument of a compiled call (a program summing 10 or 50 one-device
    arrays), with the devices idle and while two other devices compute, and per result (a
    program making 10 or 50 arrays): the floor under "host time per launch" above.
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/dispatch.py
-Writes benchmarks/results/dispatch.json.
+[--only SECTION ...] (sections: call_cost one_task two_task pipelined per_pipelined_launch).
+Writes benchmarks/results/dispatch.json (with --only, replaces those sections in it).
 """
 
 import os
@@ -364,6 +371,38 @@ def pipelined_host_time():
     return out
 
 
+DEPTHS = (8, 16, 32)
+MICROBATCHES = (4, 32)
+
+
+def host_time_per_pipelined_launch():
+    """The host time a pipelined launch (a microbatch's forward or backward) costs, apart from
+    what a step costs once whatever its microbatches (the update programs, which return every
+    parameter as an array of its own, handing the values back to the model): the slope of the
+    host time per step (as ``mm.cached_partial``) between M = 4 and M = 32, S = 4, one device
+    per task, at 8, 16 and 32 blocks, unrolled and stacked, each in a fresh process."""
+    out = {}
+    for scanned in (False, True):
+        slopes = {}
+        for depth in DEPTHS:
+            low, high = (
+                in_fresh_process([4, m, 1, depth, None, True, scanned]) for m in MICROBATCHES
+            )
+            slope = (high["bound_cpu"] - low["bound_cpu"]) / (high["launches"] - low["launches"])
+            label = f"{depth} blocks" + (" stacked (scan_layers)" if scanned else "")
+            out[f"{label}: host ms per pipelined launch"] = slope * 1e3
+            out[f"{label}: host ms per step besides them"] = (
+                low["bound_cpu"] - slope * low["launches"]
+            ) * 1e3
+            slopes[depth] = slope
+        for depth in DEPTHS[1:]:
+            kind = "stacked" if scanned else "unrolled"
+            out[f"{kind}: {depth} / {DEPTHS[0]} blocks, per pipelined launch"] = (
+                slopes[depth] / slopes[DEPTHS[0]]
+            )
+    return out
+
+
 def call_cost(small=(10, 50), calls=200, rounds=7):
     """Host CPU time per call of a compiled program (a sum of one-device arrays of 64 floats)
     at two argument counts, with every device idle and while two other devices run long
@@ -411,15 +450,26 @@ def call_cost(small=(10, 50), calls=200, rounds=7):
     return out
 
 
-def main():
-    results = {
-        "call_cost": call_cost(),
-        "one_task": one_task(),
-        "two_task": two_task(),
-        "pipelined": pipelined_host_time(),
-        "device": str(jax.devices()[0]),
-    }
-    publish(results, RESULTS, "dispatch", ("call_cost", "one_task", "two_task", "pipelined"))
+SECTIONS = {
+    "call_cost": call_cost,
+    "one_task": one_task,
+    "two_task": two_task,
+    "pipelined": pipelined_host_time,
+    "per_pipelined_launch": host_time_per_pipelined_launch,
+}
+
+
+def main(only: list[str] | None = None):
+    """Runs every section, or those in ``only`` (their results replace theirs in the file)."""
+    names = only or list(SECTIONS)
+    unknown = set(names) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown section(s) {sorted(unknown)}; known: {list(SECTIONS)}")
+    results = json.loads(RESULTS.read_text()) if only and RESULTS.exists() else {}
+    for name in names:
+        results[name] = SECTIONS[name]()
+    results["device"] = str(jax.devices()[0])
+    publish(results, RESULTS, "dispatch", tuple(names))
 
 
 if __name__ == "__main__":
@@ -427,4 +477,4 @@ if __name__ == "__main__":
         case = json.loads(sys.argv[sys.argv.index("--case") + 1])
         print(json.dumps(data_parallel_case() if case is None else pipeline_case(*case)))
     else:
-        main()
+        main(sys.argv[sys.argv.index("--only") + 1 :] if "--only" in sys.argv else None)

@@ -3,6 +3,7 @@ values only its task's later programs read as one flat buffer per dtype; the ste
 memory profile are those of the same model on one device. By default the residuals of at most
 ``mm.PACK_RESIDUAL_BYTES`` are packed; ``True`` packs all, ``False`` none."""
 
+import dataclasses
 import re
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.models import stage_rules
+from mmnnx.models import GPT, stage_rules
 from mmnnx.mpmd.packing import block_of, plan_packing
 from mmnnx.mpmd.program import Run
 from tests.models import (
@@ -343,6 +344,54 @@ def test_each_blocks_weights_travel_as_one_buffer_laid_out_alike_and_train_like_
     fewer = sum(arguments(unpacked_step, "F")) - sum(arguments(packed_step, "F"))
     per_stage = members - sum(len(b) for b in packing.weights.values())
     assert fewer == per_stage * len(arguments(packed_step, "F")) // 2  # two stages
+
+
+def _residual_buffers(executable):
+    """Each one-device forward's packed residuals, by fragment (the same in every microbatch)."""
+    packing, _ = weight_packing(executable)
+    actions = executable.plan.program.actions
+    return {
+        actions[i].fragment.name: buffers
+        for i, buffers in packing.by_run.items()
+        if actions[i].label[1] == "F"
+    }
+
+
+def test_a_blocks_residuals_are_sliced_from_one_base_at_distances_shared_by_every_block():
+    # 2 and 4 blocks per one-device stage: each block's residuals lie one after the other, laid
+    # out alike, so a backward takes one offset per block plus the distances, not one per member
+    tokens, backward, buffers_per_stage = _tokens(), {}, {}
+    for depth in (4, 8):
+        config = dataclasses.replace(SMALL_GPT, depth=depth)
+        with nnx.use_eager_sharding(False):
+            model, ref = GPT(config, rngs=nnx.Rngs(0)), GPT(config, rngs=nnx.Rngs(0))
+        mm.place(model, stage_rules(model, one_device_tasks(2), report=False))
+        opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+        ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+        step = mm.jit(gpt_step("1f1b"))
+        for _ in range(3):
+            close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
+
+        (executable, _), *_ = step._cache.values()
+        packing, _ = weight_packing(executable)
+        actions = executable.plan.program.actions
+        residuals = [buffers for i, buffers in packing.by_run.items() if actions[i].label[1] == "F"]
+        assert residuals
+        for (packed,) in residuals:
+            assert len(packed.bases) == depth // 2  # one per block
+            ends = [*packed.bases[1:], packed.size]
+            layouts = {
+                tuple((at - base, shape) for _, at, shape in packed.members if base <= at < end)
+                for base, end in zip(packed.bases, ends, strict=True)
+            }
+            assert len(layouts) == 1  # every block laid out alike
+            assert len(next(iter(layouts))) > 5  # a block's residuals
+        backward[depth] = sorted(set(arguments(executable, "B")))
+        buffers_per_stage[depth] = sorted(len(b) for b in packing.weights.values())
+    # per stage, two more blocks add their weights' buffers and two bases, nothing per residual
+    more_weights = [b - a for a, b in zip(buffers_per_stage[4], buffers_per_stage[8], strict=True)]
+    assert more_weights == [2, 2]
+    assert [b - a for a, b in zip(backward[4], backward[8], strict=True)] == [4, 4]
 
 
 def test_a_weight_above_the_bound_travels_alone():

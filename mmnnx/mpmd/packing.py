@@ -88,10 +88,27 @@ class Packed:
     positions: tuple[int, ...]
     members: tuple[tuple[int, int, tuple[int, ...]], ...]
     fixed: bool = False  # read at offsets fixed in the readers' programs (weights of a block)
+    # Where the members of one block (a layer) begin: a reader slices each member at its
+    # block's base plus its distance from it, both arguments (blocks laid out alike share the
+    # distances, and every slice of one shape stays one kernel). A member before the first base
+    # is its own base.
+    bases: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
         return sum(math.prod(shape) for _, _, shape in self.members)
+
+    def base_of(self, offset: int) -> int:
+        """The base a reader slices the member at ``offset`` from (see ``bases``).
+
+        Example:
+            >>> members = ((1, 0, (2,)), (2, 2, (3,)), (3, 5, (1,)))
+            >>> packed = Packed(9, "float32", (), members, bases=(2,))
+            >>> packed.base_of(0), packed.base_of(5)
+            (0, 2)
+        """
+        below = [b for b in self.bases if b <= offset]
+        return below[-1] if below else offset
 
 
 @dataclasses.dataclass
@@ -190,16 +207,24 @@ class Packing:
 
 
 def slice_offsets(unpack: tuple | None, packed_args: dict[int, Packed] | None = None) -> list[int]:
-    """The distinct offsets at which a program slices members out of its packed arguments
-    (``unpack`` and ``packed_args`` as :meth:`Packing.inputs` gives them), in the order it takes
-    them as arguments; a ``fixed`` buffer's offsets are in the program, not arguments.
+    """The distinct offsets a program takes as arguments to slice members out of its packed
+    arguments (``unpack`` and ``packed_args`` as :meth:`Packing.inputs` gives them), in the
+    order it takes them: each member's own offset, or its block's base and its distance from it
+    (:meth:`Packed.base_of`; blocks laid out alike share the distances); a ``fixed`` buffer's
+    offsets are in the program, not arguments.
 
     Example:
         >>> slice_offsets(((0, None, ()), (1, 0, (2, 3)), (1, 6, (4,)), (2, 0, (5,))))
         [0, 6]
     """
-    fixed = {k for k, packed in (packed_args or {}).items() if packed.fixed}
-    return sorted({at for k, at, _ in unpack or () if at is not None and k not in fixed})
+    packed_args = packed_args or {}
+    offsets: set[int] = set()
+    for k, at, _ in unpack or ():
+        if at is None or (k in packed_args and packed_args[k].fixed):
+            continue
+        base = packed_args[k].base_of(at) if k in packed_args else at
+        offsets.update((base, at - base) if at != base else (base,))
+    return sorted(offsets)
 
 
 def unpacked_outputs(run: Run, packs: Sequence[Packed]) -> list[int]:
@@ -222,7 +247,9 @@ def plan_packing(
     and the weights of at most ``weight_bytes`` each of each block its pipelined programs read
     (:func:`_weight_packing`; ``input_names``: the step inputs' paths)."""
     packing = (
-        _residual_packing(program, graph, residual_bytes) if residual_bytes else no_packing(program)
+        _residual_packing(program, graph, residual_bytes, input_names)
+        if residual_bytes
+        else no_packing(program)
     )
     packing = _sum_packing(program, packing, _gathered_sums(program, graph))
     if weight_bytes and input_names:
@@ -367,13 +394,17 @@ def _sum_packing(program: StepProgram, packing: Packing, gathered: set[int]) -> 
     return packing
 
 
-def _residual_packing(program: StepProgram, graph: Graph, residual_bytes: int) -> Packing:
+def _residual_packing(
+    program: StepProgram, graph: Graph, residual_bytes: int, input_names: Sequence[str] = ()
+) -> Packing:
     """Packs, per Run of a pipelined microbatch on a one-device task, the results of one dtype
     (two or more) of at most ``residual_bytes`` each that only runs of other fragments on that
     task read, in every microbatch alike (so each fragment keeps one compiled program). Values
     that a transfer, a running sum or the step's outputs read, and extended dtypes (PRNG keys),
-    are left alone."""
+    are left alone. Each block's results (:func:`_output_blocks`; ``input_names``: the step
+    inputs' paths) go one after the other from a base of their own."""
     actions = program.actions
+    names = {v: input_names[i] for i, v in enumerate(graph.inputs) if i < len(input_names)}
     readers = _readers(program)
 
     def packable(run: Run, position: int) -> bool:
@@ -406,21 +437,62 @@ def _residual_packing(program: StepProgram, graph: Graph, residual_bytes: int) -
     by_run: dict[int, tuple[Packed, ...]] = {}
     of_member: dict[int, Packed] = {}
     next_slot = program.num_slots
+    blocks: dict[int, dict[int, int]] = {}
     for i, run in runs:
+        block = blocks.get(id(run.fragment))
+        if block is None:
+            block = blocks[id(run.fragment)] = _output_blocks(run.fragment, names)
         groups: dict[Any, list[int]] = {}
-        for p in sorted(positions[id(run.fragment)]):
+        for p in sorted(positions[id(run.fragment)], key=lambda p: _place(run, graph, block, p)):
             groups.setdefault(graph.dtypes[run.fragment.out_ids[p]], []).append(p)
         made = []
         for dtype, group in groups.items():
             members = [(run.outs[p], graph.shapes[run.fragment.out_ids[p]]) for p in group]
             packed = _buffer(next_slot, dtype, tuple(group), members)
             if packed is not None:
+                starts: dict[int, int] = {}
+                for p, (_, offset, _) in zip(group, packed.members, strict=True):
+                    if p in block:
+                        starts.setdefault(block[p], offset)
+                packed = dataclasses.replace(packed, bases=tuple(sorted(starts.values())))
                 next_slot += 1
                 made.append(packed)
                 of_member.update({m: packed for m, _, _ in packed.members})
         if made:
             by_run[i] = tuple(made)
     return Packing(by_run, of_member, next_slot)
+
+
+def _place(run: Run, graph: Graph, block: dict[int, int], position: int) -> tuple:
+    """Where ``run``'s result at ``position`` goes in its buffer: those in no block first, then
+    block by block, each block's by shape (so that blocks alike are laid out alike even where
+    their results come in another order)."""
+    if position not in block:
+        return (-1, (), position)
+    return (block[position], graph.shapes[run.fragment.out_ids[position]], position)
+
+
+def _output_blocks(fragment: Any, names: dict[int, str]) -> dict[int, int]:
+    """The block (a layer: :func:`block_of`, numbered in the order the fragment first reads
+    one) each of ``fragment``'s results belongs to: that of the first block weight read by the
+    op making it or after it, so that a block's input and the statistics of its first norm go
+    with it, as in every block. Results made after the fragment's last read of a block's weight
+    are in none."""
+    read_by: list[str | None] = []
+    for op in fragment.ops:
+        blocks = [block_of(names[a]) for a in op.ins if isinstance(a, int) and a in names]
+        read_by.append(next((b[0] for b in blocks if b is not None), None))
+    number: dict[str, int] = {}
+    for block in read_by:
+        if block is not None:
+            number.setdefault(block, len(number))
+    block_of_value: dict[int, int] = {}
+    current = None
+    for op, block in zip(reversed(fragment.ops), reversed(read_by), strict=True):
+        current = number[block] if block is not None else current
+        if current is not None:
+            block_of_value.update(dict.fromkeys(op.outs, current))
+    return {p: block_of_value[v] for p, v in enumerate(fragment.out_ids) if v in block_of_value}
 
 
 def _buffer(

@@ -81,15 +81,19 @@ def _part(
 
     A packed argument's members are sliced at offsets the program takes as arguments (after the
     sums; :func:`slice_offsets`), not as constants: XLA then compiles one kernel for the members
-    of equal shape (a block's parameters, layer after layer) where constant offsets would make
-    each slice-reading kernel distinct (about 10 ms of compile each on XLA:CPU)."""
+    of equal shape (a block's residuals, layer after layer) where constant offsets would make
+    each slice-reading kernel distinct (about 10 ms of compile each on XLA:CPU). A block's
+    members are sliced at its base plus their distance from it, both arguments: blocks laid out
+    alike share the distances, so a stage takes one offset per block and per distance, not one
+    per member."""
     frag = run.fragment
     n = len(frag.in_ids) if unpack is None else 1 + max(k for k, _, _ in unpack)
     summed = run.summed
     sums = [(None, (i,)) for i in summed] if sums is None else sums
     total_shardings = list(in_shardings[n : n + len(sums)])
+    packed_args = packed_args or {}
     offset_arg = {at: n + len(sums) + j for j, at in enumerate(slice_offsets(unpack, packed_args))}
-    fixed = {k for k, packed in (packed_args or {}).items() if packed.fixed}
+    fixed = {k for k, packed in packed_args.items() if packed.fixed}
     returned = unpacked_outputs(run, packs)
 
     def inputs(args: Sequence[Any]) -> list:
@@ -100,7 +104,11 @@ def _part(
             size = math.prod(shape)
             if k in fixed:  # at the same offset in every block: the blocks' kernels stay alike
                 return jax.lax.slice(args[k], (at,), (at + size,)).reshape(shape)
-            return jax.lax.dynamic_slice(args[k], (args[offset_arg[at]],), (size,)).reshape(shape)
+            base = packed_args[k].base_of(at)
+            start = args[offset_arg[base]]
+            if at != base:
+                start = start + args[offset_arg[at - base]]
+            return jax.lax.dynamic_slice(args[k], (start,), (size,)).reshape(shape)
 
         return [args[k] if at is None else member(k, at, shape) for k, at, shape in unpack]
 
@@ -143,7 +151,7 @@ def _part(
             first.setdefault(k, j)
         avals = [
             jax.ShapeDtypeStruct((pk.size,), pk.dtype, sharding=in_shardings[k])
-            if (pk := (packed_args or {}).get(k)) is not None
+            if (pk := packed_args.get(k)) is not None
             else jax.ShapeDtypeStruct(
                 graph.shapes[frag.in_ids[first[k]]],
                 graph.dtypes[frag.in_ids[first[k]]],
