@@ -375,31 +375,46 @@ DEPTHS = (8, 16, 32)
 MICROBATCHES = (4, 32)
 
 
-def host_time_per_pipelined_launch():
+def host_time_per_pipelined_launch(rounds=3):
     """The host time a pipelined launch (a microbatch's forward or backward) costs, apart from
     what a step costs once whatever its microbatches (the update programs, which return every
     parameter as an array of its own, handing the values back to the model): the slope of the
     host time per step (as ``mm.cached_partial``) between M = 4 and M = 32, S = 4, one device
-    per task, at 8, 16 and 32 blocks, unrolled and stacked, each in a fresh process."""
-    out = {}
+    per task, at 8, 16 and 32 blocks, unrolled and stacked, each in a fresh process, medians of
+    ``rounds`` alternating rounds. On this machine the host thread's time per launch grows with
+    the devices' load (stacked layers take the same arguments at every depth and still cost more
+    per launch when deeper), so the measure of the parameter count alone is unrolled against
+    stacked at the same depth."""
+    cases = [(depth, scanned) for scanned in (False, True) for depth in DEPTHS]
+    runs: dict[tuple, list[dict]] = {}
+    for _ in range(rounds):  # alternating, so a slow spell of this machine hits every case
+        for depth, scanned in cases:
+            for m in MICROBATCHES:
+                got = in_fresh_process([4, m, 1, depth, None, True, scanned])
+                runs.setdefault((depth, scanned, m), []).append(got)
+    out, slopes = {}, {}
+    for depth, scanned in cases:
+        (few, few_cpu), (many, many_cpu) = (
+            (
+                runs[depth, scanned, m][0]["launches"],
+                statistics.median(r["bound_cpu"] for r in runs[depth, scanned, m]),
+            )
+            for m in MICROBATCHES
+        )
+        slope = slopes[depth, scanned] = (many_cpu - few_cpu) / (many - few)
+        label = f"{depth} blocks" + (" stacked (scan_layers)" if scanned else "")
+        out[f"{label}: host ms per pipelined launch"] = slope * 1e3
+        out[f"{label}: host ms per step besides them"] = (few_cpu - slope * few) * 1e3
     for scanned in (False, True):
-        slopes = {}
-        for depth in DEPTHS:
-            low, high = (
-                in_fresh_process([4, m, 1, depth, None, True, scanned]) for m in MICROBATCHES
-            )
-            slope = (high["bound_cpu"] - low["bound_cpu"]) / (high["launches"] - low["launches"])
-            label = f"{depth} blocks" + (" stacked (scan_layers)" if scanned else "")
-            out[f"{label}: host ms per pipelined launch"] = slope * 1e3
-            out[f"{label}: host ms per step besides them"] = (
-                low["bound_cpu"] - slope * low["launches"]
-            ) * 1e3
-            slopes[depth] = slope
+        kind = "stacked" if scanned else "unrolled"
         for depth in DEPTHS[1:]:
-            kind = "stacked" if scanned else "unrolled"
             out[f"{kind}: {depth} / {DEPTHS[0]} blocks, per pipelined launch"] = (
-                slopes[depth] / slopes[DEPTHS[0]]
+                slopes[depth, scanned] / slopes[DEPTHS[0], scanned]
             )
+    for depth in DEPTHS:  # the same compute, parameters held one array per layer or stacked
+        out[f"{depth} blocks: unrolled / stacked, per pipelined launch"] = (
+            slopes[depth, False] / slopes[depth, True]
+        )
     return out
 
 

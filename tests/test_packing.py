@@ -7,6 +7,7 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -392,6 +393,74 @@ def test_a_blocks_residuals_are_sliced_from_one_base_at_distances_shared_by_ever
     more_weights = [b - a for a, b in zip(buffers_per_stage[4], buffers_per_stage[8], strict=True)]
     assert more_weights == [2, 2]
     assert [b - a for a, b in zip(backward[4], backward[8], strict=True)] == [4, 4]
+
+
+class _NormMLP(nnx.Module):
+    def __init__(self, dim, rngs):
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.up, self.down = (
+            nnx.Linear(dim, 2 * dim, rngs=rngs),
+            nnx.Linear(2 * dim, dim, rngs=rngs),
+        )
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class _Gated(nnx.Module):
+    def __init__(self, dim, rngs):
+        self.gate, self.value = nnx.Linear(dim, dim, rngs=rngs), nnx.Linear(dim, dim, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jax.nn.sigmoid(self.gate(x)) * jnp.tanh(self.value(x))
+
+
+class _Mixed(nnx.Module):
+    """Blocks of two kinds, alternating: the blocks of a stage are not laid out alike."""
+
+    def __init__(self, rngs):
+        self.blocks = nnx.List([(_NormMLP, _Gated)[i % 2](8, rngs) for i in range(6)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_blocks_of_different_kinds_pack_their_residuals_and_train_like_one_device():
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    with nnx.use_eager_sharding(False):
+        model, ref = _Mixed(nnx.Rngs(0)), _Mixed(nnx.Rngs(0))
+    mm.place(model, stage_rules(model, one_device_tasks(2), report=False))
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+
+    def loss_fn(m, x):
+        return (m(x) ** 2).mean()
+
+    @mm.jit
+    def step(model, opt, x):
+        grad_fn = mm.microbatch(nnx.value_and_grad(loss_fn), num=4, schedule="1f1b")
+        loss, grads = grad_fn(model, x)
+        opt.update(model, grads)
+        return loss
+
+    for _ in range(3):
+        loss, grads = nnx.value_and_grad(loss_fn)(ref, x)
+        ref_opt.update(ref, grads)
+        close(step(model, opt, x), loss)
+    _, first = nnx.value_and_grad(loss_fn)(_Mixed(nnx.Rngs(0)), x)
+    params_close(model, ref, first, steps=3, lr=3e-3)
+    (executable, _), *_ = step._cache.values()
+    packing, _ = weight_packing(executable)
+    actions = executable.plan.program.actions
+    bases = [
+        len(packed.bases)
+        for i, buffers in packing.by_run.items()
+        if actions[i].label[1] == "F"
+        for packed in buffers
+    ]
+    assert bases == [3, 3]  # each stage's three blocks, one base each
 
 
 def test_a_weight_above_the_bound_travels_alone():
