@@ -286,7 +286,7 @@ def measured_vs_simulated(num=8, matmul=False):
     runs += [(f"{name} (built for measured costs)", name) for name in built_for_costs]
     if not matmul:
         runs.append(("dualpipev (fused pairs)", "dualpipev"))
-    built, alone = {}, {}
+    built, alone, alone_pairs = {}, {}, {}
     for label, name in runs:  # built in order: a schedule built for costs needs its plain one's
         schedule = name
         if label == "dualpipev (fused pairs)":  # each overlapped pair one program
@@ -299,6 +299,7 @@ def measured_vs_simulated(num=8, matmul=False):
         built[label] = (step, model, x, schedule)
         events = [e for _ in range(5) for e in step.timeline(model, x)]
         alone[label] = every_action_costed(events, schedule, "median")
+        alone_pairs[label] = mm.schedules.measured_pair_costs(events, "median")
         if label == name:
             measured_costs[name] = {key: max(c, 1e-6) for key, c in alone[label].items()}
     # The step times and the in-pipeline durations that the bubbles compare, taken in rounds
@@ -321,12 +322,17 @@ def measured_vs_simulated(num=8, matmul=False):
         virtual = schedule.num_stages // schedule.num_ranks
         costs = alone[label]
         in_pipeline = every_action_costed(overlapped[label], schedule, "mean")
-        predicted = mm.schedules.simulate(schedule, action_costs=costs)
-        predicted_in_pipeline = mm.schedules.simulate(schedule, action_costs=in_pipeline)
-        busy = sum(costs[(a.kind, a.stage)] for row in schedule.actions for a in row)
-        busy_in_pipeline = sum(
-            in_pipeline[(a.kind, a.stage)] for row in schedule.actions for a in row
+        # a pair run as one program costs what it took whole (fused DualPipeV), not its halves
+        predicted = mm.schedules.simulate(
+            schedule, action_costs=costs, pair_costs=alone_pairs[label]
         )
+        predicted_in_pipeline = mm.schedules.simulate(
+            schedule,
+            action_costs=in_pipeline,
+            pair_costs=mm.schedules.measured_pair_costs(overlapped[label], "mean"),
+        )
+        busy = sum(e.end - e.start for e in predicted.events)
+        busy_in_pipeline = sum(e.end - e.start for e in predicted_in_pipeline.events)
         kinds = {}
         for (kind, _), seconds in costs.items():
             kinds.setdefault(kind, []).append(seconds * 1e3)

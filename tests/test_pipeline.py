@@ -177,6 +177,10 @@ def test_v_schedules_run_the_v_placement_and_match_one_device(tasks, tokens, sch
     assert len(together) == 2 * len(pairs)
     spans = {(e.start, e.end) for e in together}
     assert len(spans) == len(pairs)
+    # each kind of pair measured whole, its two actions in the order the pair runs them
+    pair_costs = mm.schedules.measured_pair_costs(events)
+    assert set(pair_costs) == {((a.kind, a.stage), (b.kind, b.stage)) for a, b in pairs}
+    assert all(cost > 0 for cost in pair_costs.values())
 
 
 @pytest.mark.parametrize(

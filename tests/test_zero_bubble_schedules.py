@@ -249,6 +249,64 @@ def test_measured_costs_split_a_fused_pair():
     assert schedules.measured_costs(events) == {("F", 0): 1.0, ("B", 1): 1.5}
 
 
+def test_simulate_costs_an_overlapped_pair_what_it_was_measured_to_take():
+    schedule = dualpipe_v(2, 8, fuse_pairs=True)
+    costs = {"F": 2, "B": 4, "I": 2, "W": 2}
+    plain = simulate(schedule, action_costs=costs)
+    pairs = {
+        ((a.kind, a.stage), (b.kind, b.stage))
+        for rank in range(schedule.num_ranks)
+        for a, b in schedule.pairs_of(rank)
+    }
+    assert pairs
+    # a pair costed at the sum of its halves is simulated as without pair costs
+    summed = simulate(schedule, action_costs=costs, pair_costs=dict.fromkeys(pairs, 6))
+    assert summed.events == plain.events
+    # a pair run as one program in 4 units instead of 6: each pair spans 4, its halves share
+    # them 2 : 4 (as F : B), and the step is shorter
+    faster = simulate(schedule, action_costs=costs, pair_costs=dict.fromkeys(pairs, Fraction(4)))
+    assert faster.makespan < plain.makespan
+    by_action = {(e.kind, e.stage, e.microbatch): e for e in faster.events}
+    for rank in range(schedule.num_ranks):
+        for a, b in schedule.pairs_of(rank):
+            first = by_action[a.kind, a.stage, a.microbatch]
+            second = by_action[b.kind, b.stage, b.microbatch]
+            assert first.end == second.start
+            assert second.end - first.start == 4
+            assert (first.end - first.start) * 2 == second.end - second.start
+    # the same with the per-kind costs
+    per_kind = simulate(schedule, 2, 4, 2, pair_costs=dict.fromkeys(pairs, Fraction(4)))
+    assert per_kind.events == faster.events
+
+
+def test_measured_pair_costs_time_each_kind_of_pair_whole():
+    events = [  # as a step's timeline() gives them: two pairs of one kind, one alone
+        Event("t0", "F", 0, 1, 1.0, 4.0, fused=True, rank="t0"),
+        Event("t0:1", "B", 3, 0, 1.0, 4.0, fused=True, rank="t0"),
+        Event("t0", "F", 0, 2, 5.0, 10.0, fused=True, rank="t0"),
+        Event("t0:1", "B", 3, 1, 5.0, 10.0, fused=True, rank="t0"),
+        Event("t1", "F", 1, 1, 5.0, 10.0, rank="t1"),
+    ]
+    assert schedules.measured_pair_costs(events) == {(("F", 0), ("B", 3)): 4.0}
+    assert schedules.measured_pair_costs(events, average="mean") == {(("F", 0), ("B", 3)): 4.0}
+    with pytest.raises(ValueError, match="average must be one of"):
+        schedules.measured_pair_costs(events, average="max")
+
+
+@pytest.mark.parametrize(
+    "pair_costs, match",
+    [
+        ({("F", 0): 1}, "names no overlapped pair"),
+        ({(("F", 0), ("B", 9)): 1}, "names no overlapped pair"),
+        ({(("X", 0), ("B", 1)): 1}, "names no overlapped pair"),
+        ({(("F", 0), ("B", 3)): -1}, "must be a number >= 0"),
+    ],
+)
+def test_simulate_refuses_pair_costs_naming_no_pair(pair_costs, match):
+    with pytest.raises(ValueError, match=match):
+        simulate(dualpipe_v(2, 8, fuse_pairs=True), pair_costs=pair_costs)
+
+
 def test_measured_costs_give_an_untimed_half_of_a_split_backward_zero():
     events = [schedules.Event(0, "W", 0, 0, 0.0, 2.0), schedules.Event(1, "I", 1, 0, 0.0, 1.0)]
     assert schedules.measured_costs(events) == {

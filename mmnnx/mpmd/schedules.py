@@ -361,14 +361,20 @@ def _dependencies(action: Action, num_stages: int, present: set[Action]) -> list
     return needs
 
 
-def _execute(schedule: Schedule, duration: Callable[[Action], float]) -> list[_Timed]:
+def _execute(
+    schedule: Schedule,
+    duration: Callable[[Action], float],
+    pair_duration: Callable[[Action, Action], float | None] = lambda first, second: None,
+) -> list[_Timed]:
     """Run every rank's actions strictly in order, each as soon as its inputs are done.
 
     Start times do not depend on the order in which ranks are visited: an action starts when
     its rank's previous action and all of its dependencies have ended. An overlapped pair
     starts when both actions' inputs are ready, runs one action after the other, and hands on
-    its results when both have ended (one program). Raises ValueError naming the blocked
-    actions when no rank can make progress.
+    its results when both have ended (one program); ``pair_duration`` may give the pair's own
+    duration (``None``: the sum of its actions'), which its two actions then share in
+    proportion to their own. Raises ValueError naming the blocked actions when no rank can
+    make progress.
     """
     present = {action for row in schedule.actions for action in row}
     finish: dict[Action, float] = {}
@@ -391,8 +397,13 @@ def _execute(schedule: Schedule, duration: Callable[[Action], float]) -> list[_T
                 if any(need not in finish for need in needs):
                     break
                 start = max([free[rank], *(finish[need] for need in needs)])
-                for action in actions:
-                    end = start + duration(action)
+                durations = [duration(action) for action in actions]
+                whole = pair_duration(*actions) if width == 2 else None
+                if whole is not None:
+                    total = sum(durations)
+                    durations = [whole * d / total for d in durations] if total else [whole / 2] * 2
+                for action, took in zip(actions, durations, strict=True):
+                    end = start + took
                     timed.append(_Timed(rank, action, start, end))
                     start = end
                 for action in actions:
@@ -594,6 +605,7 @@ def simulate(
     weight_cost: float | None = None,
     *,
     action_costs: Mapping[str | tuple[str, int], float] | None = None,
+    pair_costs: Mapping[tuple[tuple[str, int], tuple[str, int]], float] | None = None,
 ) -> SimulationResult:
     """Simulate ``schedule`` with fixed per-action costs and zero communication time.
 
@@ -610,6 +622,12 @@ def simulate(
     it the durations a step's ``timeline()`` measured (:func:`measured_costs`) to predict that
     step's time under this or another schedule (``benchmarks/pipeline.py`` compares the two).
 
+    ``pair_costs`` maps an overlapped pair, its two actions' ``(kind, stage)`` in the order it
+    runs them, to the duration of the pair as a whole: a pair run as one program may take less
+    than its two actions apart (``fuse_pairs=True``; :func:`measured_pair_costs` measures
+    them). Its two actions share it in proportion to their own costs. Pairs it does not name
+    take the sum of their actions' costs.
+
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate, zero_bubble_h1
         >>> simulate(one_f_one_b(4, 8)).makespan
@@ -619,10 +637,12 @@ def simulate(
         >>> simulate(one_f_one_b(4, 8), action_costs={"F": 1, "B": 2, ("B", 3): 4}).makespan
         49
     """
+    pair_duration = _pair_duration(schedule, pair_costs)
     if action_costs is not None:
         validate(schedule)
         costs = _costs_per_action(schedule, action_costs)
-        return _result(schedule, _execute(schedule, lambda a: costs[(a.kind, a.stage)]))
+        timed = _execute(schedule, lambda a: costs[(a.kind, a.stage)], pair_duration)
+        return _result(schedule, timed)
     if weight_cost is None:
         weight_cost = backward_cost / 2
     if not forward_cost > 0 or not backward_cost > 0:
@@ -639,7 +659,34 @@ def simulate(
         "I": backward_cost - weight_cost,
         "W": weight_cost,
     }
-    return _result(schedule, _execute(schedule, lambda action: costs[action.kind]))
+    return _result(schedule, _execute(schedule, lambda a: costs[a.kind], pair_duration))
+
+
+def _pair_duration(
+    schedule: Schedule, pair_costs: Mapping[Any, float] | None
+) -> Callable[[Action, Action], float | None]:
+    """``pair_costs`` (see :func:`simulate`) checked, as ``_execute``'s ``pair_duration``."""
+    costs = dict(pair_costs or {})
+
+    def an_action(part: Any) -> bool:
+        return (
+            isinstance(part, tuple)
+            and len(part) == 2
+            and part[0] in KINDS
+            and isinstance(part[1], numbers.Integral)
+            and 0 <= part[1] < schedule.num_stages
+        )
+
+    for key, value in costs.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and all(map(an_action, key))):
+            raise ValueError(
+                f"pair_costs key {key!r} names no overlapped pair of a schedule of "
+                f"{schedule.num_stages} stages: keys are two (kind, stage) actions, in the "
+                "order the pair runs them, e.g. (('F', 0), ('B', 3))"
+            )
+        if not (isinstance(value, numbers.Real) and value >= 0):
+            raise ValueError(f"pair_costs[{key!r}] must be a number >= 0, got {value!r}")
+    return lambda first, second: costs.get(((first.kind, first.stage), (second.kind, second.stage)))
 
 
 def _result(schedule: Schedule, timed: list) -> SimulationResult:
@@ -749,6 +796,41 @@ def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple
         if kind in "IW":
             out.setdefault(("W" if kind == "I" else "I", stage), 0.0)
     return out
+
+
+def measured_pair_costs(
+    events: Iterable[Any], average: str = "median"
+) -> dict[tuple[tuple[str, int], tuple[str, int]], float]:
+    """The ``average`` span of each overlapped pair run as one program among timed events (a
+    step's ``timeline()`` or ``overlapped_timeline()``: a fused pair's two events share one
+    span, ``fused=True``), keyed by its two actions' ``(kind, stage)`` in the order it runs
+    them, as :func:`simulate`'s ``pair_costs`` takes them. With :func:`measured_costs` for the
+    actions, a prediction then costs a pair what it took, not what its halves take apart.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import measured_pair_costs
+        >>> from mmnnx.mpmd.timing import Event
+        >>> pair = [Event("t0", "F", 0, 2, 1.0, 4.0, fused=True),
+        ...         Event("t0", "B", 3, 0, 1.0, 4.0, fused=True),
+        ...         Event("t0", "F", 0, 3, 5.0, 10.0)]
+        >>> measured_pair_costs(pair)
+        {(('F', 0), ('B', 3)): 3.0}
+    """
+    if average not in _AVERAGES:
+        raise ValueError(
+            f"measured_pair_costs: average must be one of {sorted(_AVERAGES)}, got {average!r}"
+        )
+    spans: dict[tuple, list[tuple[str, int]]] = {}
+    for e in events:
+        if getattr(e, "fused", False):
+            rank = getattr(e, "rank", None)
+            where = rank if rank not in (None, "") else e.task
+            spans.setdefault((where, e.start, e.end), []).append((e.kind, e.stage))
+    pairs: dict[tuple, list[float]] = {}
+    for (_, start, end), actions in spans.items():
+        if len(actions) == 2:
+            pairs.setdefault(tuple(actions), []).append(end - start)
+    return {key: _AVERAGES[average](values) for key, values in pairs.items()}
 
 
 def measured_bubble(events: Iterable[Any]) -> float:
