@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
@@ -21,11 +22,38 @@ def test_a_copy_to_other_devices_keeps_values_and_lands_there():
     np.testing.assert_array_equal(y, x)
 
 
+def _whole_on(*ids):
+    mesh = jax.sharding.Mesh(np.array([jax.devices()[i] for i in ids]), ("x",))
+    return NamedSharding(mesh, PartitionSpec())
+
+
+@pytest.mark.parametrize(
+    "source, target",
+    [((0,), (2, 3)), ((2, 3), (0,)), ((0, 1), (1, 2)), ((0,), (0, 1)), ((4, 5), (4,))],
+    ids=["one to two", "two home", "overlapping", "onto itself and one more", "onto one of its"],
+)
+def test_a_whole_value_spreads_onto_the_devices_of_another_whole_layout(source, target):
+    have = SingleDeviceSharding(jax.devices()[source[0]]) if len(source) == 1 else None
+    have = have or _whole_on(*source)
+    want = SingleDeviceSharding(jax.devices()[target[0]]) if len(target) == 1 else None
+    want = want or _whole_on(*target)
+    move = copier(have, want, 2, np.float32)
+    assert move is not None
+    x = jax.device_put(jnp.arange(6.0).reshape(2, 3), have)
+    y = move(x)
+    assert y.sharding == want
+    assert [s.device.id for s in y.addressable_shards] == list(target)
+    for shard in y.addressable_shards:
+        np.testing.assert_array_equal(shard.data, x)
+    np.testing.assert_array_equal(jax.jit(lambda v: v * 2)(y), x * 2)
+
+
 def test_reshards_and_typed_keys_are_left_to_device_put():
     devices = np.array(jax.devices()[:4])
     split = NamedSharding(jax.sharding.Mesh(devices, ("x",)), PartitionSpec("x"))
     whole = NamedSharding(jax.sharding.Mesh(devices, ("x",)), PartitionSpec())
     assert copier(split, whole, 1, np.float32) is None  # a reshard
+    assert copier(whole, split, 1, np.float32) is None
     a, b = (SingleDeviceSharding(d) for d in jax.devices()[:2])
     assert copier(a, b, 0, jax.random.key(0).dtype) is None  # an extended dtype
 
@@ -71,3 +99,41 @@ def test_a_step_moves_values_on_no_task_without_device_put(monkeypatch):
     np.testing.assert_allclose(loss, step(reference, reference_opt, x, y), rtol=1e-5)
     assert calls == []
     assert opt.step.get_value().devices() == {jax.devices()[0]}  # back where it was
+
+
+def test_a_step_over_two_device_tasks_moves_the_batch_and_step_count_without_device_put(
+    monkeypatch,
+):
+    """The batch (one device) reaches both stages, replicated over each task's two devices, and
+    the optimizer's step count goes there and home by runtime copies: no ``jax.device_put``,
+    which for a whole value onto more devices fetches it to the host."""
+    tasks = [mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1])) for i in range(2)]
+    model = mm.place(make_mlp(), [("layers/0", tasks[0]), (".*", tasks[1])])
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    reference = make_mlp()
+    reference_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+
+    def loss_fn(m, x, y):
+        return jnp.mean((m(x) - y) ** 2)
+
+    def step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        opt.update(model, grads)
+        return loss
+
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    y = jax.random.normal(jax.random.key(1), (8, 16))
+    train = mm.jit(step)
+    np.testing.assert_allclose(
+        train(model, opt, x, y), step(reference, reference_opt, x, y), rtol=1e-5
+    )
+    calls = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(a) or real(*a, **k))
+    losses = [train(model, opt, x, y) for _ in range(2)]
+    monkeypatch.setattr(jax, "device_put", real)
+    assert calls == []
+    for loss in losses:
+        np.testing.assert_allclose(loss, step(reference, reference_opt, x, y), rtol=1e-5)
+    assert int(opt.step.get_value()) == 3
+    assert opt.step.get_value().devices() == {jax.devices()[0]}

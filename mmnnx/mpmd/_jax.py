@@ -35,7 +35,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.interpreters import pxla
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 
 from mmnnx.mpmd.errors import MPMDError, SideEffectError
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Atom, Const, Graph, Op
@@ -1097,11 +1097,13 @@ def offset_op(marker: Op, base: Any, offset: Any, graph: Graph) -> Op:
 
 
 def copier(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], Any] | None:
-    """A function moving an array laid out as ``source`` to ``target`` (the same slicing on other
-    devices of this process) with one call into the runtime, skipping ``jax.device_put``'s
-    Python layers, which cost several times the copy of a small activation; ``None`` when the
-    move is a reshard, leaves this process, or holds an extended dtype (a typed PRNG key),
-    which ``jax.device_put`` does.
+    """A function moving an array laid out as ``source`` to ``target`` with one call into the
+    runtime, skipping ``jax.device_put``'s Python layers, which cost several times the copy of a
+    small activation (and, for a whole value onto more devices, fetch it to the host): either
+    the same slicing on other devices of this process, or a whole (replicated) value onto the
+    devices of another whole layout, each device that holds it already keeping its copy.
+    ``None`` when the move is a reshard, leaves this process, or holds an extended dtype (a
+    typed PRNG key), which ``jax.device_put`` does.
 
     Example:
         >>> from jax.sharding import SingleDeviceSharding
@@ -1115,20 +1117,37 @@ def copier(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], A
 
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return None
+    if not target.is_fully_addressable or not source.is_fully_addressable:
+        return None
     try:
         same = jax_array._sharding_indices_and_eq(source, target, ndim)
     except NotImplementedError:
         return None
-    if not same or not target.is_fully_addressable or not source.is_fully_addressable:
-        return None
-    devices = target._internal_device_list.addressable_device_list
     reuse = xla_client.ArrayCopySemantics.REUSE_INPUT
     batched = xla_client.batched_copy_array_to_devices_with_sharding
+    if same:
+        devices = target._internal_device_list.addressable_device_list
 
-    def move(x: Any) -> Any:
-        return batched([x], [devices], [target], [reuse])[0]
+        def move(x: Any) -> Any:
+            return batched([x], [devices], [target], [reuse])[0]
 
-    return move
+        return move
+    if not (source.is_fully_replicated and target.is_fully_replicated):
+        return None
+    held = set(source._addressable_device_assignment)
+    missing = [d for d in target._addressable_device_assignment if d not in held]
+    alone = [SingleDeviceSharding(d) for d in missing]
+    lists = [s._internal_device_list.addressable_device_list for s in alone]
+
+    def spread(x: Any) -> Any:
+        have = shards_by_device(x)
+        if missing:
+            whole = next(iter(have.values()))
+            copies = batched([whole] * len(missing), lists, alone, [reuse] * len(missing))
+            have.update(zip(missing, copies, strict=True))
+        return array_from_shards(x.shape, target, have)
+
+    return spread
 
 
 @functools.lru_cache(maxsize=1024)
