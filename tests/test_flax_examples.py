@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
+from mmnnx.mpmd.packing import plan_packing
 from tests.oracle import params_close
 
 
@@ -191,8 +192,14 @@ def vit_train_step(model, optimizer, rngs, batch):
     return loss, logits
 
 
-def test_vit_tutorial_train_step_with_a_forked_rngs_pipelines_like_the_loop():
-    tasks = [mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1])) for i in range(2)]
+@pytest.mark.parametrize("per_task", [2, 1], ids=["two devices a task", "one device a task"])
+def test_vit_tutorial_train_step_with_a_forked_rngs_pipelines_like_the_loop(per_task):
+    # on one-device tasks each encoder layer's weights and residuals travel packed, one buffer
+    # per layer and one residual buffer per forward, its layers laid out alike
+    tasks = [
+        mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=range(per_task * i, per_task * (i + 1))))
+        for i in range(2)
+    ]
     model = ViT(nnx.Rngs(1))
     rules = mm.stage_rules(model, tasks, report=False)  # the Sequential's layers, by default
     assert rules[0][0].startswith("^patch_embeddings/") and "|^encoder/layers/" in rules[0][0]
@@ -223,3 +230,25 @@ def test_vit_tutorial_train_step_with_a_forked_rngs_pipelines_like_the_loop():
     ):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert step.plan(model, opt, rngs, batch).pipeline.schedule.num_stages == 2
+    if per_task == 1:  # each encoder layer's weights and residuals travel packed
+        (executable, _), *_ = step._cache.values()
+        program = executable.plan.program
+        packing = plan_packing(
+            program,
+            executable.graph,
+            residual_bytes=executable.pack_residuals,
+            weight_bytes=executable.pack_weights,
+            input_names=executable.input_names,
+        )
+        layers_on = {task.name: 0 for task in tasks}
+        for layer in model.encoder.layers:
+            (device,) = layer.norm1.scale.get_value().devices()
+            layers_on[tasks[device.id].name] += 1
+        assert sorted(layers_on.values()) == [1, 3]  # balanced by parameters
+        for task, buffers in packing.weights.items():
+            assert len(buffers) == layers_on[task.name]  # one buffer per layer
+        forwards = [i for i in packing.by_run if program.actions[i].label[1] == "F"]
+        assert len(forwards) == 2 * 4  # two stages, four microbatches
+        for i in forwards:
+            (packed,) = packing.by_run[i]
+            assert len(packed.bases) == layers_on[program.actions[i].task.name]
