@@ -231,7 +231,10 @@ class _Call:
         """The input leaves (Variable values, then the other arrays), checked, and the cache key."""
         arrays = [np.asarray(a) if isinstance(a, _SCALARS) else a for a in arrays]
         self.leaves = [v.get_raw_value() for v in self.variables] + arrays
-        for i, leaf in enumerate(self.leaves):
+        # The checks below only fail for a leaf that is not a plain jax.Array (a step's own
+        # outputs, fed back, always are): skipped when none is, as on every step of a loop.
+        checked = () if _jax.all_plain_arrays(self.leaves) else enumerate(self.leaves)
+        for i, leaf in checked:
             if i < self.num_variables and isinstance(leaf, tuple | dict):
                 kind = type(self.variables[i]).__name__
                 raise MPMDError(
