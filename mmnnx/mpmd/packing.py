@@ -216,6 +216,10 @@ def slice_offsets(unpack: tuple | None, packed_args: dict[int, Packed] | None = 
     Example:
         >>> slice_offsets(((0, None, ()), (1, 0, (2, 3)), (1, 6, (4,)), (2, 0, (5,))))
         [0, 6]
+        >>> two_blocks = ((1, 0, (2,)), (2, 2, (3,)), (3, 5, (2,)), (4, 7, (3,)))
+        >>> packed = Packed(9, "float32", (), two_blocks, bases=(0, 5))
+        >>> slice_offsets(tuple((0, at, shape) for _, at, shape in two_blocks), {0: packed})
+        [0, 2, 5]
     """
     packed_args = packed_args or {}
     offsets: set[int] = set()
