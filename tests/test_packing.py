@@ -12,17 +12,19 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import mmnnx as mm
 from mmnnx.models import GPT, stage_rules
-from mmnnx.mpmd.packing import block_of, plan_packing
-from mmnnx.mpmd.program import Run
+from mmnnx.mpmd.packing import _whole, block_of, plan_packing
+from mmnnx.mpmd.program import Run, Zeros
 from tests.models import (
     SMALL_GPT,
     gpt_step,
     one_device_tasks,
     reference_step,
     small_gpt,
+    tensor_parallel_mlp,
 )
 from tests.oracle import close, params_close, trees_close
 
@@ -210,7 +212,9 @@ def test_by_default_the_small_residuals_are_packed_and_a_bound_keeps_large_ones_
             assert all(alone for _, alone in sizes)
 
 
-def test_running_sums_on_multi_device_tasks_are_not_packed():
+def test_whole_running_sums_on_multi_device_tasks_travel_packed():
+    # the GPT on two-device tasks holds every parameter whole (replicated): each backward adds
+    # its gradients to one buffer per dtype instead of returning one array per parameter
     tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
     tasks = [mm.Task(f"p{i}", mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1])) for i in range(2)]
     model, ref = small_gpt(), small_gpt()
@@ -218,10 +222,68 @@ def test_running_sums_on_multi_device_tasks_are_not_packed():
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
     ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
     step = mm.jit(gpt_step("1f1b"))
-    close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
+    for _ in range(3):
+        close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
+    _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
+    params_close(model, ref, ref_grads, steps=3, lr=3e-3)
     (executable, _), *_ = step._cache.values()
-    assert min(launches(executable, "B")) >= 10
-    assert executable._num_slots == executable.plan.program.num_slots
+    packing = plan_packing(executable.plan.program, executable.graph)
+    assert {pk.dtype for pk in packing.buffers if not pk.positions} == {np.dtype("float32")}
+    assert max(launches(executable, "B")) <= 2  # its input's gradient and the packed sums
+
+
+def test_tensor_parallel_stages_pack_their_whole_running_sums_and_train_like_one_device():
+    # the kernels are split over each stage's two devices; their gradients' running sums are
+    # whole (a sum's layout is the output's pinned one, else replicated) and travel packed
+    rules = mm.logical_rules(embed=None, mlp="model")
+    tasks = [
+        mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1], axis_names=("model",)),
+                logical_axes=rules)
+        for i in range(2)
+    ]  # fmt: skip
+    with nnx.use_eager_sharding(False):
+        model, ref = tensor_parallel_mlp(4, 16, 32), tensor_parallel_mlp(4, 16, 32)
+    mm.place(model, [("^layers/(0|2)/", tasks[0]), ("^layers/(4|6)/", tasks[1])])
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    x, y = (jax.random.normal(jax.random.key(k), (8, 16)) for k in (0, 1))
+
+    def loss(m, x, y):
+        return jnp.mean((m(x) - y) ** 2)
+
+    @mm.jit
+    def step(model, opt, x, y):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(loss), num=4, argnums=(1, 2), reduce="mean", schedule="1f1b"
+        )
+        value, grads = grad_fn(model, x, y)
+        opt.update(model, grads)
+        return value
+
+    with nnx.use_eager_sharding(False):
+        _, first = nnx.value_and_grad(loss)(tensor_parallel_mlp(4, 16, 32), x, y)
+    for _ in range(3):
+        value, grads = nnx.value_and_grad(loss)(ref, x, y)
+        ref_opt.update(ref, grads)
+        close(step(model, opt, x, y), value)
+    params_close(model, ref, first, steps=3, lr=1e-2)
+    (executable, _), *_ = step._cache.values()
+    program = executable.plan.program
+    packing = plan_packing(program, executable.graph)
+    assert model.layers[4].kernel.get_value().sharding.spec == P(None, "model")
+    sums = [a for a in program.actions if isinstance(a, Zeros) and len(a.slots) > 1]
+    assert sums
+    for action in sums:
+        assert set(action.slots) <= set(packing.of_member)
+
+
+def test_only_values_whole_on_every_device_of_a_task_may_travel_packed():
+    two = mm.Task("two", mesh=mm.TaskMesh(devices=[0, 1], axis_names=("x",)))
+    one = mm.Task("one", mesh=mm.TaskMesh(devices=[2]))
+    assert _whole(two.sharding(), two) and _whole(two.sharding(P(None, None)), two)
+    assert not _whole(two.sharding(P("x")), two)  # split: each device holds half
+    assert not _whole(None, two)  # decided when the program compiles
+    assert _whole(None, one) and _whole(one.sharding(), one)
 
 
 @pytest.mark.parametrize(

@@ -356,10 +356,11 @@ def _gathered_sums(program: StepProgram, graph: Graph) -> set[int]:
 
 
 def _sum_packing(program: StepProgram, packing: Packing, gathered: set[int]) -> Packing:
-    """Adds to ``packing`` the running sums of each :class:`Zeros` action on a one-device task
-    that only Runs on that task read, without donating them, other than ``gathered`` ones:
-    grouped by dtype and by the Runs adding to them (each adds to all of a buffer), one flat
-    buffer per group of two or more."""
+    """Adds to ``packing`` the running sums of each :class:`Zeros` action that only Runs on
+    its task read, without donating them, other than ``gathered`` ones, on a one-device task or
+    whole (replicated) on a task of one process's devices: grouped by dtype and by the Runs
+    adding to them (each adds to all of a buffer), one flat buffer per group of two or more,
+    replicated over the task's devices."""
     readers = _readers(program)
     adders: dict[int, list[int]] = {}
     for i, a in enumerate(program.actions):
@@ -378,11 +379,11 @@ def _sum_packing(program: StepProgram, packing: Packing, gathered: set[int]) -> 
 
     next_slot = packing.num_slots
     for i, action in enumerate(program.actions):
-        if not isinstance(action, Zeros) or action.task.jax_mesh.devices.size != 1:
+        if not isinstance(action, Zeros) or not _in_one_process(action.task):
             continue
         groups: dict[tuple, list[int]] = {}
         for k, (slot, dtype) in enumerate(zip(action.slots, action.dtypes, strict=True)):
-            if packable(slot, dtype, action.task):
+            if packable(slot, dtype, action.task) and _whole(action.shardings[k], action.task):
                 groups.setdefault((dtype, tuple(adders.get(slot, ()))), []).append(k)
         made = []
         for (dtype, _), group in groups.items():
@@ -396,6 +397,19 @@ def _sum_packing(program: StepProgram, packing: Packing, gathered: set[int]) -> 
             packing.by_zeros[i] = tuple(made)
     packing.num_slots = next_slot
     return packing
+
+
+def _in_one_process(task: Any) -> bool:
+    """Whether all of ``task``'s devices belong to one process (decided alike in every process)."""
+    return len({d.process_index for d in task.jax_mesh.devices.flat}) == 1
+
+
+def _whole(sharding: Any, task: Any) -> bool:
+    """Whether a value laid out as ``sharding`` on ``task`` is whole on each of its devices (one
+    device, or replicated), so that it can travel in a flat buffer replicated alike."""
+    if task.jax_mesh.devices.size == 1:
+        return True
+    return sharding is not None and sharding.is_fully_replicated
 
 
 def _residual_packing(
