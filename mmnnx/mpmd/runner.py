@@ -473,6 +473,8 @@ class Executable:
                     outs += [run.outs[p] for p in unpacked_outputs(run, packs)]
                     outs += [pk.slot for pk in packs]
                     outs += sum_slots
+                # A program per layout of its arguments: a value made by a fused pair may be
+                # laid out otherwise than the same value made by its fragment alone.
                 key = tuple(
                     (
                         *run.variant,
@@ -480,8 +482,9 @@ class Executable:
                         unpack,
                         tuple(pk.positions for pk in packs),
                         tuple((pk is not None, at) for pk, at in sums),
+                        tuple(sharding_of[s] for s in slots),
                     )
-                    for run, (unpack, packs, _, sums) in zip(runs, how, strict=True)
+                    for run, (unpack, packs, _, sums), slots in zip(runs, how, reads, strict=True)
                 )
                 if key not in compiled_of:
                     lowered = lower_fragments(
