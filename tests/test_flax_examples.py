@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.mpmd.packing import plan_packing
 from tests.oracle import params_close
+from tests.plans import packing_of
 
 
 class CNN(nnx.Module):
@@ -233,13 +233,7 @@ def test_vit_tutorial_train_step_with_a_forked_rngs_pipelines_like_the_loop(per_
     if per_task == 1:  # each encoder layer's weights and residuals travel packed
         (executable, _), *_ = step._cache.values()
         program = executable.plan.program
-        packing = plan_packing(
-            program,
-            executable.graph,
-            residual_bytes=executable.pack_residuals,
-            weight_bytes=executable.pack_weights,
-            input_names=executable.input_names,
-        )
+        packing, _ = packing_of(executable)
         layers_on = {task.name: 0 for task in tasks}
         for layer in model.encoder.layers:
             (device,) = layer.norm1.scale.get_value().devices()

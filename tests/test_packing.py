@@ -27,6 +27,7 @@ from tests.models import (
     tensor_parallel_mlp,
 )
 from tests.oracle import close, params_close, trees_close
+from tests.plans import packing_of
 
 
 def _gpt_on_four_devices(seed: int):
@@ -352,19 +353,6 @@ def test_a_gathered_output_keeps_a_sum_of_its_own():
     assert packing.by_zeros  # the gradients' sums still travel packed
 
 
-def weight_packing(executable):
-    """The packing ``executable`` runs with, weights included, and each input slot's path."""
-    program = executable.plan.program
-    packing = plan_packing(
-        program,
-        executable.graph,
-        residual_bytes=executable.pack_residuals,
-        weight_bytes=executable.pack_weights,
-        input_names=executable.input_names,
-    )
-    return packing, {slot: executable.input_names[leaf] for slot, leaf in program.inputs}
-
-
 def arguments(executable, kind):
     """The number of arrays each launch of a ``kind`` (F, B, I, W) pass takes."""
     return [len(step[2]) for step in _launches_of(executable, kind)]
@@ -388,8 +376,8 @@ def test_each_blocks_weights_travel_as_one_buffer_laid_out_alike_and_train_like_
 
     (packed_step, _), *_ = steps[mm.PACK_WEIGHT_BYTES]._cache.values()
     (unpacked_step, _), *_ = steps[False]._cache.values()
-    packing, names = weight_packing(packed_step)
-    assert len(packing.weights) == 2 and not weight_packing(unpacked_step)[0].weights
+    packing, names = packing_of(packed_step)
+    assert len(packing.weights) == 2 and not packing_of(unpacked_step)[0].weights
     layouts = set()
     for buffers in packing.weights.values():
         assert len(buffers) == 2  # one per block
@@ -411,7 +399,7 @@ def test_each_blocks_weights_travel_as_one_buffer_laid_out_alike_and_train_like_
 
 def _residual_buffers(executable):
     """Each one-device forward's packed residuals, by fragment (the same in every microbatch)."""
-    packing, _ = weight_packing(executable)
+    packing, _ = packing_of(executable)
     actions = executable.plan.program.actions
     return {
         actions[i].fragment.name: buffers
@@ -436,7 +424,7 @@ def test_a_blocks_residuals_are_sliced_from_one_base_at_distances_shared_by_ever
             close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
 
         (executable, _), *_ = step._cache.values()
-        packing, _ = weight_packing(executable)
+        packing, _ = packing_of(executable)
         actions = executable.plan.program.actions
         residuals = [buffers for i, buffers in packing.by_run.items() if actions[i].label[1] == "F"]
         assert residuals
@@ -514,7 +502,7 @@ def test_blocks_of_different_kinds_pack_their_residuals_and_train_like_one_devic
     _, first = nnx.value_and_grad(loss_fn)(_Mixed(nnx.Rngs(0)), x)
     params_close(model, ref, first, steps=3, lr=3e-3)
     (executable, _), *_ = step._cache.values()
-    packing, _ = weight_packing(executable)
+    packing, _ = packing_of(executable)
     actions = executable.plan.program.actions
     bases = [
         len(packed.bases)
@@ -533,7 +521,7 @@ def test_a_weight_above_the_bound_travels_alone():
     step = mm.jit(gpt_step("1f1b"), pack_weights=512)
     step(model, opt, tokens)
     (executable, _), *_ = step._cache.values()
-    packing, names = weight_packing(executable)
+    packing, names = packing_of(executable)
     graph, program = executable.graph, executable.plan.program
     sizes = {slot: graph.nbytes[graph.inputs[leaf]] for slot, leaf in program.inputs}
     packed = {m for b in packing.weights.values() for p in b for m, _, _ in p.members}
