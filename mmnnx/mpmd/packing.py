@@ -422,7 +422,11 @@ def _residual_packing(
     are left alone. Each block's results (:func:`_output_blocks`; ``input_names``: the step
     inputs' paths) go one after the other from a base of their own."""
     actions = program.actions
-    names = {v: input_names[i] for i, v in enumerate(graph.inputs) if i < len(input_names)}
+    weight_blocks = {  # the block of each step input under a list index
+        v: where[0]
+        for v, name in zip(graph.inputs, input_names, strict=False)
+        if (where := block_of(name)) is not None
+    }
     readers = _readers(program)
 
     def packable(run: Run, position: int) -> bool:
@@ -459,7 +463,7 @@ def _residual_packing(
     for i, run in runs:
         block = blocks.get(id(run.fragment))
         if block is None:
-            block = blocks[id(run.fragment)] = _output_blocks(run.fragment, names)
+            block = blocks[id(run.fragment)] = _output_blocks(run.fragment, weight_blocks)
         groups: dict[Any, list[int]] = {}
         for p in sorted(positions[id(run.fragment)], key=lambda p: _place(run, graph, block, p)):
             groups.setdefault(graph.dtypes[run.fragment.out_ids[p]], []).append(p)
@@ -490,16 +494,16 @@ def _place(run: Run, graph: Graph, block: dict[int, int], position: int) -> tupl
     return (block[position], graph.shapes[run.fragment.out_ids[position]], position)
 
 
-def _output_blocks(fragment: Any, names: dict[int, str]) -> dict[int, int]:
-    """The block (a layer: :func:`block_of`, numbered in the order the fragment first reads
-    one) each of ``fragment``'s results belongs to: that of the first block weight read by the
-    op making it or after it, so that a block's input and the statistics of its first norm go
-    with it, as in every block. Results made after the fragment's last read of a block's weight
-    are in none."""
-    read_by: list[str | None] = []
-    for op in fragment.ops:
-        blocks = [block_of(names[a]) for a in op.ins if isinstance(a, int) and a in names]
-        read_by.append(next((b[0] for b in blocks if b is not None), None))
+def _output_blocks(fragment: Any, weight_blocks: dict[int, str]) -> dict[int, int]:
+    """The block (a layer, as ``weight_blocks`` names each block weight's; numbered in the
+    order the fragment first reads one) each of ``fragment``'s results belongs to: that of the
+    first block weight read by the op making it or after it, so that a block's input and the
+    statistics of its first norm go with it, as in every block. Results made after the
+    fragment's last read of a block's weight are in none."""
+    read_by = [
+        next((weight_blocks[a] for a in op.ins if isinstance(a, int) and a in weight_blocks), None)
+        for op in fragment.ops
+    ]
     number: dict[str, int] = {}
     for block in read_by:
         if block is not None:

@@ -720,6 +720,20 @@ _AVERAGES: dict[str, Callable[[list[float]], float]] = {
 }
 
 
+def _average(caller: str, average: str) -> Callable[[list[float]], float]:
+    """The averaging function ``average`` names, or a ValueError naming ``caller``."""
+    if average not in _AVERAGES:
+        raise ValueError(f"{caller}: average must be one of {sorted(_AVERAGES)}, got {average!r}")
+    return _AVERAGES[average]
+
+
+def _rank_of(event: Any) -> Any:
+    """The rank a timed event ran on: its ``rank`` (a step's timeline: the task whose devices
+    ran it; a simulation: the rank number), else its ``task``."""
+    rank = getattr(event, "rank", None)
+    return rank if rank not in (None, "") else event.task
+
+
 def _costs_per_action(
     schedule: Schedule, action_costs: Mapping[str | tuple[str, int], float]
 ) -> dict[tuple[str, int], float]:
@@ -779,11 +793,7 @@ def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple
         >>> measured_costs(events, average="mean")
         {('F', 0): 2.0}
     """
-    if average not in _AVERAGES:
-        raise ValueError(
-            f"measured_costs: average must be one of {sorted(_AVERAGES)}, got {average!r}"
-        )
-    of = _AVERAGES[average]
+    of = _average("measured_costs", average)
     apart: dict[tuple[str, int], list[float]] = {}
     paired: dict[tuple[str, int], list[float]] = {}
     for e in events:
@@ -816,21 +826,16 @@ def measured_pair_costs(
         >>> measured_pair_costs(pair)
         {(('F', 0), ('B', 3)): 3.0}
     """
-    if average not in _AVERAGES:
-        raise ValueError(
-            f"measured_pair_costs: average must be one of {sorted(_AVERAGES)}, got {average!r}"
-        )
+    of = _average("measured_pair_costs", average)
     spans: dict[tuple, list[tuple[str, int]]] = {}
     for e in events:
         if getattr(e, "fused", False):
-            rank = getattr(e, "rank", None)
-            where = rank if rank not in (None, "") else e.task
-            spans.setdefault((where, e.start, e.end), []).append((e.kind, e.stage))
+            spans.setdefault((_rank_of(e), e.start, e.end), []).append((e.kind, e.stage))
     pairs: dict[tuple, list[float]] = {}
     for (_, start, end), actions in spans.items():
         if len(actions) == 2:
             pairs.setdefault(tuple(actions), []).append(end - start)
-    return {key: _AVERAGES[average](values) for key, values in pairs.items()}
+    return {key: of(values) for key, values in pairs.items()}
 
 
 def measured_bubble(events: Iterable[Any]) -> float:
@@ -852,9 +857,7 @@ def measured_bubble(events: Iterable[Any]) -> float:
     """
     spans: dict[Any, list[tuple[float, float]]] = {}
     for e in events:
-        rank = getattr(e, "rank", None)
-        key = rank if rank not in (None, "") else e.task
-        spans.setdefault(key, []).append((e.start, e.end))
+        spans.setdefault(_rank_of(e), []).append((e.start, e.end))
     if not spans:
         raise ValueError("measured_bubble: no events (a step with no pipeline has none)")
     first = min(start for row in spans.values() for start, _ in row)
