@@ -26,7 +26,8 @@
 
 4. Host time per pipelined launch apart from the step's once-per-step cost: the slope of the
    host time per step between M = 4 and M = 32 (S = 4, one device per task, as
-   ``mm.cached_partial``) at 8, 16 and 32 blocks, unrolled and stacked. What a step costs once
+   ``mm.cached_partial``) at 8, 16 and 32 blocks, unrolled and stacked, and at 8 blocks on four
+   times the batch (the devices' work per launch alone grows). What a step costs once
    (the optimizer's update returns every parameter as an array of its own, as any step does)
    grows with the parameter count; the target is that what grows with S x M does not.
 
@@ -329,12 +330,13 @@ def data_parallel_case():
     return {"wall": wall}
 
 
-def in_fresh_process(case) -> dict:
-    """Runs ``pipeline_case(*case)`` (or, for ``None``, the data-parallel step) in a new
-    process: a process that has built and run other pipelines measured 5-10% more host time per
-    launch (their buffers and programs still alive), so each configuration gets its own."""
+def in_fresh_process(case, batch: int = BATCH) -> dict:
+    """Runs ``pipeline_case(*case)`` (or, for ``None``, the data-parallel step) on a batch of
+    ``batch`` sequences in a new process: a process that has built and run other pipelines
+    measured 5-10% more host time per launch (their buffers and programs still alive), so each
+    configuration gets its own."""
     out = subprocess.run(
-        [sys.executable, __file__, "--case", json.dumps(case)],
+        [sys.executable, __file__, "--case", json.dumps(case), "--batch", str(batch)],
         capture_output=True,
         text=True,
         check=True,
@@ -384,37 +386,45 @@ def host_time_per_pipelined_launch(rounds=3):
     ``rounds`` alternating rounds. On this machine the host thread's time per launch grows with
     the devices' load (stacked layers take the same arguments at every depth and still cost more
     per launch when deeper), so the measure of the parameter count alone is unrolled against
-    stacked at the same depth."""
-    cases = [(depth, scanned) for scanned in (False, True) for depth in DEPTHS]
+    stacked at the same depth; and the load alone, 8 blocks on four times the batch (the same
+    parameters and arguments)."""
+    cases = [(depth, scanned, BATCH) for scanned in (False, True) for depth in DEPTHS]
+    cases.append((DEPTHS[0], False, 4 * BATCH))
     runs: dict[tuple, list[dict]] = {}
     for _ in range(rounds):  # alternating, so a slow spell of this machine hits every case
-        for depth, scanned in cases:
+        for depth, scanned, batch in cases:
             for m in MICROBATCHES:
-                got = in_fresh_process([4, m, 1, depth, None, True, scanned])
-                runs.setdefault((depth, scanned, m), []).append(got)
+                got = in_fresh_process([4, m, 1, depth, None, True, scanned], batch)
+                runs.setdefault((depth, scanned, batch, m), []).append(got)
     out, slopes = {}, {}
-    for depth, scanned in cases:
+    for case in cases:
         (few, few_cpu), (many, many_cpu) = (
             (
-                runs[depth, scanned, m][0]["launches"],
-                statistics.median(r["bound_cpu"] for r in runs[depth, scanned, m]),
+                runs[(*case, m)][0]["launches"],
+                statistics.median(r["bound_cpu"] for r in runs[(*case, m)]),
             )
             for m in MICROBATCHES
         )
-        slope = slopes[depth, scanned] = (many_cpu - few_cpu) / (many - few)
+        slope = slopes[case] = (many_cpu - few_cpu) / (many - few)
+        depth, scanned, batch = case
         label = f"{depth} blocks" + (" stacked (scan_layers)" if scanned else "")
+        label += f", batch {batch}" if batch != BATCH else ""
         out[f"{label}: host ms per pipelined launch"] = slope * 1e3
         out[f"{label}: host ms per step besides them"] = (few_cpu - slope * few) * 1e3
     for scanned in (False, True):
         kind = "stacked" if scanned else "unrolled"
         for depth in DEPTHS[1:]:
             out[f"{kind}: {depth} / {DEPTHS[0]} blocks, per pipelined launch"] = (
-                slopes[depth, scanned] / slopes[DEPTHS[0], scanned]
+                slopes[depth, scanned, BATCH] / slopes[DEPTHS[0], scanned, BATCH]
             )
     for depth in DEPTHS:  # the same compute, parameters held one array per layer or stacked
         out[f"{depth} blocks: unrolled / stacked, per pipelined launch"] = (
-            slopes[depth, False] / slopes[depth, True]
+            slopes[depth, False, BATCH] / slopes[depth, True, BATCH]
         )
+    # the same parameters and arguments, four times the devices' work per launch
+    out[f"{DEPTHS[0]} blocks: batch {4 * BATCH} / {BATCH}, per pipelined launch"] = (
+        slopes[DEPTHS[0], False, 4 * BATCH] / slopes[DEPTHS[0], False, BATCH]
+    )
     return out
 
 
@@ -490,6 +500,7 @@ def main(only: list[str] | None = None):
 if __name__ == "__main__":
     if "--case" in sys.argv:
         case = json.loads(sys.argv[sys.argv.index("--case") + 1])
+        BATCH = int(sys.argv[sys.argv.index("--batch") + 1])
         print(json.dumps(data_parallel_case() if case is None else pipeline_case(*case)))
     else:
         main(sys.argv[sys.argv.index("--only") + 1 :] if "--only" in sys.argv else None)

@@ -21,9 +21,13 @@ rows, JAX's own transpose of the scan took 2.1x as long as this one and two stag
   against the measured step time (target: within 10%), from durations measured one action at a
   time (``timeline``) and from durations measured in the running pipeline
   (``overlapped_timeline``), and the measured bubble against the analytic one (target: ZB-H1's
-  below 1F1B's, ZB-V's below ZB-H1's). The schedules' step times and in-pipeline durations are
-  taken in interleaved rounds (each round runs every schedule once), so that the machine's load
-  changing during the minutes this takes does not favour one schedule over another;
+  below 1F1B's, ZB-V's below ZB-H1's), three ways: the work measured one action at a time
+  against the step time, the work measured in the running pipeline against it, and the idle
+  time of each rank as the step ran (``mm.schedules.measured_bubble`` of each
+  ``overlapped_timeline``, median over five). The schedules' step times and in-pipeline
+  durations are taken in interleaved rounds (each round runs every schedule once), so that the
+  machine's load changing during the minutes this takes does not favour one schedule over
+  another;
 - the same for 1F1B, ZB-H1, interleaved 1F1B, ZB-V (and ZB-V built for the measured durations)
   and DualPipeV on ``MatmulQuarter`` layers, whose weight gradients are matmuls: a zero-bubble
   stage runs their backward scan as two (input gradient, then weight gradients), the split the
@@ -269,7 +273,8 @@ def measured_vs_simulated(num=8, matmul=False):
       share the machine's cores (on this 2-core machine the host thread shares them too);
 
     and the bubble (idle share of the ranks' time in the measured step) from either set of
-    durations against the analytic one (F = 1, B = 2).
+    durations, and as the step ran (the gaps between each rank's actions in each overlapped
+    run: ``measured_bubble``), against the analytic one (F = 1, B = 2).
 
     ``matmul``: on ``MatmulQuarter``s, whose weight gradients are matmuls that a zero-bubble
     stage defers (its backward scan split in two), for ``MATMUL_SCHEDULES``; else on the
@@ -307,6 +312,7 @@ def measured_vs_simulated(num=8, matmul=False):
     # they run lands on all of them alike.
     samples = {label: [] for label in built}
     overlapped = {label: [] for label in built}
+    as_it_ran = {label: [] for label in built}  # measured_bubble of each overlapped run
     for step, model, x, _ in built.values():
         jax.block_until_ready(step(model, x))
     for round_ in range(7):
@@ -315,7 +321,9 @@ def measured_vs_simulated(num=8, matmul=False):
             jax.block_until_ready(step(model, x))
             samples[label].append(time.perf_counter() - start)
             if round_ < 5:
-                overlapped[label].extend(step.overlapped_timeline(model, x))
+                events = step.overlapped_timeline(model, x)
+                overlapped[label].extend(events)
+                as_it_ran[label].append(mm.schedules.measured_bubble(events))
     step_times = {label: statistics.median(times) for label, times in samples.items()}
     for label, (_, _, _, schedule) in built.items():
         t_step = step_times[label]
@@ -346,6 +354,7 @@ def measured_vs_simulated(num=8, matmul=False):
         )
         out[f"{label}: bubble measured"] = 1 - busy / (schedule.num_ranks * t_step)
         out[f"{label}: bubble in pipeline"] = 1 - busy_in_pipeline / (schedule.num_ranks * t_step)
+        out[f"{label}: bubble as it ran"] = statistics.median(as_it_ran[label])
         analytic = mm.schedules.simulate(schedule, 1 / virtual, 2 / virtual).bubble_fraction
         out[f"{label}: bubble analytic"] = float(analytic)
     for durations, suffix in (
@@ -355,7 +364,7 @@ def measured_vs_simulated(num=8, matmul=False):
         out[f"target: every prediction{durations} within 10%"] = all(
             abs(v - 1) <= 0.1 for k, v in out.items() if k.endswith(suffix)
         )
-    for measure in ("bubble measured", "bubble in pipeline"):
+    for measure in ("bubble measured", "bubble in pipeline", "bubble as it ran"):
         bubble = {n: out[f"{n}: {measure}"] for n in names}
         tuned_v = out[f"zero-bubble-v (built for measured costs): {measure}"]
         out[f"target ({measure}): ZB-H1 below 1F1B"] = bubble["zero-bubble-h1"] < bubble["1f1b"]
