@@ -57,7 +57,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from report import publish  # noqa: E402
+from report import only_sections, run_sections  # noqa: E402
 
 import mmnnx as mm  # noqa: E402
 
@@ -486,15 +486,7 @@ SECTIONS = {
 
 def main(only: list[str] | None = None):
     """Runs every section, or those in ``only`` (their results replace theirs in the file)."""
-    names = only or list(SECTIONS)
-    unknown = set(names) - set(SECTIONS)
-    if unknown:
-        raise SystemExit(f"unknown section(s) {sorted(unknown)}; known: {list(SECTIONS)}")
-    results = json.loads(RESULTS.read_text()) if only and RESULTS.exists() else {}
-    for name in names:
-        results[name] = SECTIONS[name]()
-    results["device"] = str(jax.devices()[0])
-    publish(results, RESULTS, "dispatch", tuple(names))
+    run_sections(SECTIONS, RESULTS, "dispatch", only, str(jax.devices()[0]))
 
 
 if __name__ == "__main__":
@@ -503,4 +495,4 @@ if __name__ == "__main__":
         BATCH = int(sys.argv[sys.argv.index("--batch") + 1])
         print(json.dumps(data_parallel_case() if case is None else pipeline_case(*case)))
     else:
-        main(sys.argv[sys.argv.index("--only") + 1 :] if "--only" in sys.argv else None)
+        main(only_sections(sys.argv))

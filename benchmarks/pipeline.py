@@ -33,12 +33,16 @@ rows, JAX's own transpose of the scan took 2.1x as long as this one and two stag
   stage runs their backward scan as two (input gradient, then weight gradients), the split the
   zero-bubble paper's schedules assume (on the elementwise layers the weight gradients stay in
   the backward scan: see docs/pipelining.md);
+- the same for 1F1B, ZB-H1 and ZB-V on matmul layers over four ranks, where the analytic
+  bubbles lie further apart (1F1B 0.27, ZB-H1 0.11, ZB-V 0.06 at M = 8) than on two (0.11,
+  0.04, 0.02); it needs a core per stage besides the host's, so it is skipped on fewer than 6;
 - ``mm.schedules.tune``'s predicted ranking of GPipe, 1F1B and ZB-H1 against their measured
   step times (also timed in interleaved rounds);
 - host overhead per action (step span minus device time, per action) at M = 4 and M = 32
   (target: flat).
 
-Run: python benchmarks/dispatch.py is separate; this file: python benchmarks/pipeline.py
+Run: python benchmarks/pipeline.py [--only SECTION ...] (sections: the keys of ``SECTIONS``; with
+``--only``, their results replace theirs in the file and the others stay).
 Writes benchmarks/results/pipeline.json.
 """
 
@@ -48,12 +52,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pathlib  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from report import publish  # noqa: E402
+from report import only_sections, run_sections  # noqa: E402
 
 import mmnnx as mm  # noqa: E402
 
@@ -143,15 +148,15 @@ class MatmulQuarter(nnx.Module):
         return chunked_layers([w[...] for w in self.w], h)
 
 
-class FourQuarters(nnx.Module):
-    """The same layers as ``TwoStages``, in four modules of half a stage each (or four
-    ``MatmulQuarter``s)."""
+class Parts(nnx.Module):
+    """The same layers as ``TwoStages`` in ``2 * ranks`` modules, two per rank: on two ranks,
+    four modules of half a stage each (or ``MatmulQuarter``s, as many as there are parts)."""
 
-    def __init__(self, matmul: bool = False):
+    def __init__(self, matmul: bool = False, ranks: int = 2):
         self.q = nnx.List(
             [
                 MatmulQuarter(nnx.Rngs(i)) if matmul else Stage(nnx.Rngs(i), layers=LAYERS // 2)
-                for i in range(4)
+                for i in range(2 * ranks)
             ]
         )
 
@@ -161,17 +166,22 @@ class FourQuarters(nnx.Module):
         return x
 
 
-def quarter_rules(schedule):
-    """Plain schedules: quarters 0-1 on s0, 2-3 on s1; interleaved: looped; ZB-V, DualPipeV: V."""
-    s0 = mm.Task("s0", mesh=mm.TaskMesh(devices=[0]))
-    s1 = mm.Task("s1", mesh=mm.TaskMesh(devices=[1]))
+def part_rules(schedule, ranks=2):
+    """Plain schedules: parts 2r and 2r + 1 on rank r; interleaved: looped (part p on rank
+    p mod R); ZB-V, DualPipeV: in a V (part p on rank p going down, on rank 2R - 1 - p coming
+    back up as its second virtual stage)."""
+    tasks = [mm.Task(f"s{r}", mesh=mm.TaskMesh(devices=[r])) for r in range(ranks)]
+    parts = range(2 * ranks)
     if schedule in ("zero-bubble-v", "dualpipev"):
-        tasks, virtual = [s0, s1, s1.virtual_stage(1), s0.virtual_stage(1)], 2
+        order = [
+            tasks[p] if p < ranks else tasks[2 * ranks - 1 - p].virtual_stage(1) for p in parts
+        ]
+        virtual = 2
     elif schedule.startswith("interleaved"):
-        tasks, virtual = [s0, s1, s0, s1], 2
+        order, virtual = [tasks[p % ranks] for p in parts], 2
     else:
-        tasks, virtual = [s0, s0, s1, s1], 1
-    return [(f"^q/{i}/", t) for i, t in enumerate(tasks)], virtual
+        order, virtual = [tasks[p // 2] for p in parts], 1
+    return [(f"^q/{p}/", t) for p, t in enumerate(order)], virtual
 
 
 def loss_fn(model, x):
@@ -189,9 +199,9 @@ def build(num, schedule="gpipe", dropout=False):
     return step, model, x
 
 
-def build_quarters(num, schedule, placed_as=None, matmul=False):
-    rules, virtual = quarter_rules(placed_as or schedule)
-    model = mm.place(FourQuarters(matmul), rules)
+def build_quarters(num, schedule, placed_as=None, matmul=False, ranks=2):
+    rules, virtual = part_rules(placed_as or schedule, ranks)
+    model = mm.place(Parts(matmul, ranks), rules)
     grad_fn = mm.microbatch(
         nnx.value_and_grad(loss_fn),
         num=num,
@@ -263,7 +273,7 @@ def every_action_costed(events, schedule, average):
 MATMUL_SCHEDULES = ("1f1b", "zero-bubble-h1", "interleaved-1f1b", "zero-bubble-v", "dualpipev")
 
 
-def measured_vs_simulated(num=8, matmul=False):
+def measured_vs_simulated(num=8, matmul=False, ranks=2, names=None):
     """Per schedule: the step time ``simulate`` predicts from the durations the step's own
     timelines measured, against the measured step time, twice:
 
@@ -279,13 +289,14 @@ def measured_vs_simulated(num=8, matmul=False):
     ``matmul``: on ``MatmulQuarter``s, whose weight gradients are matmuls that a zero-bubble
     stage defers (its backward scan split in two), for ``MATMUL_SCHEDULES``; else on the
     elementwise quarters for every registered schedule, whose weight gradients (a product and
-    a sum per layer) stay in the backward scan."""
+    a sum per layer) stay in the backward scan. ``ranks``: the layers in ``2 * ranks`` parts,
+    two per rank (see :func:`part_rules`); ``names``: only these schedules."""
     out = {}
     measured_costs = {}
     if matmul:
-        names, built_for_costs = MATMUL_SCHEDULES, ("zero-bubble-v",)
+        names, built_for_costs = names or MATMUL_SCHEDULES, ("zero-bubble-v",)
     else:
-        names = mm.schedules.names()
+        names = names or mm.schedules.names()
         built_for_costs = ("zero-bubble-h2", "zero-bubble-v", "interleaved-zero-bubble")
     runs = [(name, name) for name in names]
     runs += [(f"{name} (built for measured costs)", name) for name in built_for_costs]
@@ -295,11 +306,11 @@ def measured_vs_simulated(num=8, matmul=False):
     for label, name in runs:  # built in order: a schedule built for costs needs its plain one's
         schedule = name
         if label == "dualpipev (fused pairs)":  # each overlapped pair one program
-            schedule = mm.schedules.dualpipe_v(2, num, fuse_pairs=True)
+            schedule = mm.schedules.dualpipe_v(ranks, num, fuse_pairs=True)
         elif label != name:  # the same schedule, its passes ordered for the durations measured
-            _, v = quarter_rules(name)
-            schedule = mm.schedules.get(name, 2 * v, num, v, costs=measured_costs[name])
-        step, model, x = build_quarters(num, schedule, placed_as=name, matmul=matmul)
+            _, v = part_rules(name, ranks)
+            schedule = mm.schedules.get(name, ranks * v, num, v, costs=measured_costs[name])
+        step, model, x = build_quarters(num, schedule, placed_as=name, matmul=matmul, ranks=ranks)
         schedule = step.plan(model, x).pipeline.schedule
         built[label] = (step, model, x, schedule)
         events = [e for _ in range(5) for e in step.timeline(model, x)]
@@ -347,6 +358,13 @@ def measured_vs_simulated(num=8, matmul=False):
         out[f"{label}: ms per action, mean over stages"] = {
             kind: round(statistics.mean(ms), 2) for kind, ms in sorted(kinds.items())
         }
+        out[f"{label}: in-pipeline ms per action and stage"] = {
+            f"{kind}{stage}": round(seconds * 1e3, 2)
+            for (kind, stage), seconds in sorted(in_pipeline.items(), key=lambda kv: kv[0][::-1])
+        }
+        # no schedule of these actions ends before its busiest rank's work does
+        busiest = max(sum(in_pipeline[a.kind, a.stage] for a in row) for row in schedule.actions)
+        out[f"{label}: busiest rank's in-pipeline work / step"] = busiest / t_step
         out[f"{label}: step ms"] = t_step * 1e3
         out[f"{label}: predicted / measured step"] = predicted.makespan / t_step
         out[f"{label}: predicted from in-pipeline durations / measured step"] = (
@@ -385,6 +403,21 @@ def zero_bubble_on_matmul_layers(num=8):
     """:func:`measured_vs_simulated` on matmul layers, whose weight gradients zero-bubble
     schedules defer."""
     return measured_vs_simulated(num, matmul=True)
+
+
+def zero_bubble_on_four_ranks(num=8):
+    """:func:`measured_vs_simulated` on matmul layers over four single-device ranks, for 1F1B,
+    ZB-H1 and ZB-V: on two ranks the analytic bubbles of ZB-H1 and ZB-V differ by 2% of the
+    step (0.04 against 0.02 at M = 8), within this benchmark's noise; on four, by 5% (0.11
+    against 0.06; 1F1B 0.27). Four stages need a core each besides the host thread's, so on a
+    machine of fewer than 6 cores this is skipped."""
+    cores = os.cpu_count() or 1
+    if cores < 6:
+        return {
+            "skipped": f"four single-core stages and the host thread need 6 cores, {cores} here"
+        }
+    names = ("1f1b", "zero-bubble-h1", "zero-bubble-v")
+    return measured_vs_simulated(num, matmul=True, ranks=4, names=names)
 
 
 def tuner_ranking(num=8):
@@ -435,28 +468,22 @@ def host_overhead():
     }
 
 
-def main():
-    results = {
-        "efficiency": efficiency(),
-        "efficiency 1f1b": efficiency(schedule="1f1b"),
-        "efficiency 1f1b, dropout": efficiency(schedule="1f1b", dropout=True),
-        "measured vs simulated": measured_vs_simulated(),
-        "zero bubble on matmul layers": zero_bubble_on_matmul_layers(),
-        "tuner": tuner_ranking(),
-        "host": host_overhead(),
-        "device": str(jax.devices()[0]),
-    }
-    sections = (
-        "efficiency",
-        "efficiency 1f1b",
-        "efficiency 1f1b, dropout",
-        "measured vs simulated",
-        "zero bubble on matmul layers",
-        "tuner",
-        "host",
-    )
-    publish(results, RESULTS, "pipeline", sections)
+SECTIONS = {
+    "efficiency": efficiency,
+    "efficiency 1f1b": lambda: efficiency(schedule="1f1b"),
+    "efficiency 1f1b, dropout": lambda: efficiency(schedule="1f1b", dropout=True),
+    "measured vs simulated": measured_vs_simulated,
+    "zero bubble on matmul layers": zero_bubble_on_matmul_layers,
+    "zero bubble on four ranks": zero_bubble_on_four_ranks,
+    "tuner": tuner_ranking,
+    "host": host_overhead,
+}
+
+
+def main(only: list[str] | None = None):
+    """Runs every section, or those in ``only`` (their results replace theirs in the file)."""
+    run_sections(SECTIONS, RESULTS, "pipeline", only, str(jax.devices()[0]))
 
 
 if __name__ == "__main__":
-    main()
+    main(only_sections(sys.argv))
