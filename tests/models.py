@@ -182,6 +182,33 @@ def reference_step(model, opt, tokens):
     return loss
 
 
+def mse(model, x, y):
+    """Mean squared error of ``model(x)`` against ``y``."""
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def train_step(model, opt, x, y):
+    """One full-batch train step on :func:`mse` (the oracle of the MLP tests)."""
+    loss, grads = nnx.value_and_grad(mse)(model, x, y)
+    opt.update(model, grads)
+    return loss
+
+
+def microbatched_train_step(schedule: str = "1f1b", num: int = 4):
+    """:func:`train_step` over ``num`` microbatches of ``x`` and ``y`` under ``schedule``, mean
+    loss."""
+
+    def step(model, opt, x, y):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(mse), num=num, argnums=(1, 2), reduce="mean", schedule=schedule
+        )
+        loss, grads = grad_fn(model, x, y)
+        opt.update(model, grads)
+        return loss
+
+    return step
+
+
 def gpt_step(schedule: str):
     """A train step of a model with a ``loss(tokens)`` method: 4 microbatches under
     ``schedule``, mean loss, the optimizer updated."""

@@ -11,6 +11,8 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
+from tests.models import mse as loss_fn
+from tests.models import train_step
 from tests.oracle import close
 
 INIT = nnx.initializers.lecun_normal()
@@ -38,16 +40,6 @@ class MLP4(nnx.Module):
 def make(seed=0):
     with nnx.use_eager_sharding(False):
         return MLP4(nnx.Rngs(seed))
-
-
-def loss_fn(model, x, y):
-    return jnp.mean((model(x) - y) ** 2)
-
-
-def train_step(model, opt, x, y):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-    opt.update(model, grads)
-    return loss
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from mmnnx.mpmd.program import Run, Zeros
 from tests.models import (
     SMALL_GPT,
     gpt_step,
+    microbatched_train_step,
+    mse,
     one_device_tasks,
     reference_step,
     small_gpt,
@@ -249,22 +251,11 @@ def test_tensor_parallel_stages_pack_their_whole_running_sums_and_train_like_one
     ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
     x, y = (jax.random.normal(jax.random.key(k), (8, 16)) for k in (0, 1))
 
-    def loss(m, x, y):
-        return jnp.mean((m(x) - y) ** 2)
-
-    @mm.jit
-    def step(model, opt, x, y):
-        grad_fn = mm.microbatch(
-            nnx.value_and_grad(loss), num=4, argnums=(1, 2), reduce="mean", schedule="1f1b"
-        )
-        value, grads = grad_fn(model, x, y)
-        opt.update(model, grads)
-        return value
-
+    step = mm.jit(microbatched_train_step())
     with nnx.use_eager_sharding(False):
-        _, first = nnx.value_and_grad(loss)(tensor_parallel_mlp(4, 16, 32), x, y)
+        _, first = nnx.value_and_grad(mse)(tensor_parallel_mlp(4, 16, 32), x, y)
     for _ in range(3):
-        value, grads = nnx.value_and_grad(loss)(ref, x, y)
+        value, grads = nnx.value_and_grad(mse)(ref, x, y)
         ref_opt.update(ref, grads)
         close(step(model, opt, x, y), value)
     params_close(model, ref, first, steps=3, lr=1e-2)

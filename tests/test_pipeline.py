@@ -23,10 +23,12 @@ from tests.models import (
     chunked_layers,
     four_stage_rules,
     four_tasks,
+    microbatched_train_step,
     one_device_tasks,
     placed_gpt,
     tensor_parallel_mlp,
     tiny_gpt,
+    train_step,
 )
 from tests.oracle import close, params_close, trees_close
 
@@ -335,30 +337,14 @@ def test_a_program_loaded_onto_devices_in_another_order_trains_like_one_device(
         with nnx.use_eager_sharding(False):
             return tensor_parallel_mlp(8, 16, 32)
 
-    def loss(m, x, y):
-        return jnp.mean((m(x) - y) ** 2)
-
-    def step(model, opt, x, y):
-        grad_fn = mm.microbatch(
-            nnx.value_and_grad(loss), num=4, argnums=(1, 2), reduce="mean", schedule="1f1b"
-        )
-        value, grads = grad_fn(model, x, y)
-        opt.update(model, grads)
-        return value
-
-    def one_device(model, opt, x, y):
-        value, grads = nnx.value_and_grad(loss)(model, x, y)
-        opt.update(model, grads)
-        return value
-
     x, y = (jax.random.normal(jax.random.key(k), (8, 16)) for k in (0, 1))
     model = mm.place(mlp(), [(f"^layers/({4 * i}|{4 * i + 2})/", t) for i, t in enumerate(tasks)])
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     ref = mlp()
     ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
-    pipelined = mm.jit(step)
+    pipelined = mm.jit(microbatched_train_step())
     for _ in range(3):
-        close(pipelined(model, opt, x, y), one_device(ref, ref_opt, x, y))
+        close(pipelined(model, opt, x, y), train_step(ref, ref_opt, x, y))
     trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
     assert pipelined.plan(model, opt, x, y).num_loaded >= 3  # F, B and update of t1..t3
     kernel = model.layers[6].kernel.get_value()

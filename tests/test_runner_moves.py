@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import mmnnx as mm
 from mmnnx.mpmd._jax import copier, move_to
-from tests.models import make_mlp, one_device_tasks
+from tests.models import make_mlp, one_device_tasks, train_step
 
 
 def test_a_copy_to_other_devices_keeps_values_and_lands_there():
@@ -79,14 +79,7 @@ def test_a_step_moves_values_on_no_task_without_device_put(monkeypatch):
     reference = make_mlp()
     reference_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
 
-    def loss_fn(m, x, y):
-        return jnp.mean((m(x) - y) ** 2)  # y is read on the last stage
-
-    def step(model, opt, x, y):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-        opt.update(model, grads)
-        return loss
-
+    step = train_step  # y is read on the last stage
     x, y = jnp.ones((8, 16)), jnp.zeros((8, 16))
     train = mm.jit(step)
     train(model, opt, x, y)  # plans and compiles
@@ -113,14 +106,7 @@ def test_a_step_over_two_device_tasks_moves_the_batch_and_step_count_without_dev
     reference = make_mlp()
     reference_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
 
-    def loss_fn(m, x, y):
-        return jnp.mean((m(x) - y) ** 2)
-
-    def step(model, opt, x, y):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-        opt.update(model, grads)
-        return loss
-
+    step = train_step
     x = jax.random.normal(jax.random.key(0), (8, 16))
     y = jax.random.normal(jax.random.key(1), (8, 16))
     train = mm.jit(step)
