@@ -19,7 +19,7 @@ from mmnnx.mpmd.schedules import (
     zero_bubble_v,
 )
 from mmnnx.mpmd.timing import Event
-from mmnnx.mpmd.zero_bubble import POLICIES, _rank_peaks, list_schedule, v_stages
+from mmnnx.mpmd.zero_bubble import POLICIES, _rank_peaks, _rounded, list_schedule, v_stages
 
 COSTS = [(1, 2, None), (1, 2, Fraction(1, 2)), (1, 3, 1), (2, 2, 1)]
 
@@ -449,8 +449,7 @@ def test_built_for_costs_rounds_them_too():
         _time(list_schedule("zb", stage_to_rank, 8, limits, v_costs, policy), v_costs)
         for policy in POLICIES
     )
-    grid = 0.1 * sum(v_costs.values()) / len(v_costs)
-    rounded = {key: grid * round(c / grid) or c for key, c in v_costs.items()}
+    rounded = _rounded(v_costs, 0.1)
     assert _time(list_schedule("zb", stage_to_rank, 8, limits, rounded), v_costs) < exact / 1.1
     built = zero_bubble_v(4, 8, v_costs)
     assert _time(built, v_costs) < _time(zero_bubble_h1(4, 8), h1_costs) < exact
