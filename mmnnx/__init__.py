@@ -20,7 +20,7 @@ from mmnnx.mpmd import (
     schedules,
 )
 from mmnnx.mpmd.markers import task, with_sharding_constraint
-from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
+from mmnnx.mpmd.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.sharding import (
     MultiMesh,
     Task,

@@ -53,7 +53,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES  # noqa: PLC0415
+    from mmnnx.mpmd.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES  # noqa: PLC0415
 
     parser = _Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

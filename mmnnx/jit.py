@@ -14,19 +14,22 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx import _nnx
+from mmnnx.distributed.peers import StepPeers
 from mmnnx.mpmd import _jax, markers
 from mmnnx.mpmd.chains import resolve_rng_counts
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd.lower import lower
-from mmnnx.mpmd.packing import (
+from mmnnx.mpmd.pack import (
     PACK_RESIDUAL_BYTES,
     PACK_WEIGHT_BYTES,
     residual_bound,
     weight_bound,
 )
+from mmnnx.mpmd.passes import run_passes
 from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
+from mmnnx.mpmd.program import StepProgram
 from mmnnx.mpmd.runner import Executable
 from mmnnx.mpmd.stacks import Expansion, chunk_sharding, split_stacks
 from mmnnx.mpmd.timing import BlockingTimer, Event, OverlapTimer, Timer
@@ -70,7 +73,7 @@ def _output_homes(out_shape: Any) -> list[tuple[Task | TaskStack | None, Partiti
     return homes
 
 
-def _fingerprint(graph: Any, plan: Plan, call: _Call) -> list[str]:
+def _fingerprint(graph: Any, tasks: list[Task], program: StepProgram, call: _Call) -> list[str]:
     """Lines describing a step (its inputs, tasks, ops and per-task programs) that processes
     compare before running it together; the first differing line names what differs."""
     lines = [
@@ -80,13 +83,11 @@ def _fingerprint(graph: Any, plan: Plan, call: _Call) -> list[str]:
             call.names, call.leaves, call.tasks, call.shardings, strict=True
         )
     ]
-    lines += [
-        f"task {t.name}: devices {[d.id for d in t.jax_mesh.devices.flat]}" for t in plan.tasks
-    ]
+    lines += [f"task {t.name}: devices {[d.id for d in t.jax_mesh.devices.flat]}" for t in tasks]
     lines += [
         f"op {op.primitive} {[graph.shapes[v] for v in op.outs]} at {op.source}" for op in graph.ops
     ]
-    lines += str(plan.program).splitlines()
+    lines += str(program).splitlines()
     return lines
 
 
@@ -664,17 +665,42 @@ class JitFunction:
                 f"run on meshes of other shapes ({', '.join(repr(t.name) for t in tasks)}); "
                 "give every task the same axis names and sizes"
             )
-        plan = lower(graph, tasks, input_tasks, state_homes, homes, donated, order, pipeline)
-        plan.unrolled = list(trace.unrolled)
-        executable = Executable(
-            graph,
-            plan,
-            pack_residuals=self.pack_residuals,
-            pack_weights=self.pack_weights,
-            input_names=names,
-            name=repr(getattr(fun, "__name__", "the step")),
-            fingerprint=lambda: _fingerprint(graph, plan, call),
+        lowered, transfers = lower(
+            graph, tasks, input_tasks, state_homes, homes, donated, order, pipeline
         )
+        peers = None
+        if jax.process_count() > 1:  # what every process must agree on, computed now: no arrays
+            lines = _fingerprint(graph, tasks, lowered, call)
+            name = repr(_step_name(fun))
+            peers = functools.partial(StepPeers, name, lines)
+
+        def plan_for(process: int) -> Plan:
+            program = run_passes(
+                lowered,
+                graph,
+                residual_bytes=self.pack_residuals,
+                weight_bytes=self.pack_weights,
+                input_names=names,
+                process=process,
+                num_processes=jax.process_count(),
+            )
+            return Plan(
+                list(tasks),
+                list({id(f): f for f, _ in order}.values()),
+                transfers,
+                program.num_programs,
+                pipeline,
+                program,
+                list(graph.inputs),
+                list(trace.unrolled),
+                input_names=list(names),
+            )
+
+        plan = plan_for(jax.process_index())
+        executable = Executable(
+            graph, plan, name=repr(getattr(fun, "__name__", "the step")), peers=peers
+        )
+        executable.plan_for = plan_for
         return executable, (out_tree, num_user_outputs, expansion, added)
 
     def _lookup(self, call: _Call) -> tuple[Executable, Any]:
@@ -785,19 +811,24 @@ class JitFunction:
         self._run(_Call(self, args, kwargs), memory=memory)
         return memory
 
-    def plan(self, *args, **kwargs) -> Plan:
+    def plan(self, *args, process: int | None = None, **kwargs) -> Plan:
         """The plan this step runs for these arguments (traced and lowered if needed; compiles
-        nothing): fragments, transfers and each task's typed program. ``print`` draws it."""
+        nothing): fragments, transfers and each task's typed program, as the runner runs it
+        (packed buffers, and with several processes this process's share, moves between
+        processes as routes). ``process``: another process's share. ``print`` draws it; once
+        the step is compiled, it shows the layouts the compiler chose."""
         executable, _ = self._lookup(_Call(self, args, kwargs))
-        return executable.plan
+        if process is not None and process != jax.process_index():
+            return executable.plan_for(process)
+        return executable.compiled_plan or executable.plan
 
     def compile(self, *args, **kwargs) -> Plan:
         """Compiles every program the step runs for these arguments, without running it, so the
-        first call starts at once; returns the plan. A call compiles on first use otherwise."""
+        first call starts at once; returns the compiled plan. A call compiles on first use
+        otherwise."""
         executable, _ = self._lookup(_Call(self, args, kwargs))
         with _jax.no_ambient_mesh():
-            executable.compile()
-        return executable.plan
+            return executable.compile()
 
 
 def jit(

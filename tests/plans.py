@@ -1,17 +1,66 @@
-"""What a compiled ``mm.jit`` step planned, read back for the tests."""
+"""What a compiled ``mm.jit`` step runs, read back from its plan's program for the tests."""
 
-from mmnnx.mpmd.packing import Packing, plan_packing
+import dataclasses
+
+from mmnnx.mpmd.program import Buffer, PackWeights, Run, Zeros
+from mmnnx.mpmd.runner import _Launch
 
 
-def packing_of(executable) -> tuple[Packing, dict[int, str]]:
-    """The packing ``executable`` runs with (residuals, sums and weights, as its runner plans
-    them) and each input slot's path."""
-    program = executable.plan.program
-    packing = plan_packing(
-        program,
-        executable.graph,
-        residual_bytes=executable.pack_residuals,
-        weight_bytes=executable.pack_weights,
-        input_names=executable.input_names,
-    )
-    return packing, {slot: executable.input_names[leaf] for slot, leaf in program.inputs}
+@dataclasses.dataclass
+class Packed:
+    """The packed buffers of a program: ``by_run``, the buffers of results each Run returns
+    (by its index in ``program.actions``); ``by_zeros``, the sum buffers each Zeros action
+    fills; ``of_member``, the residual or sum buffer holding each slot; ``weights``, each
+    task's weight buffers."""
+
+    by_run: dict[int, tuple[Buffer, ...]]
+    by_zeros: dict[int, tuple[Buffer, ...]]
+    of_member: dict[int, Buffer]
+    weights: dict
+
+    @property
+    def buffers(self) -> list[Buffer]:
+        made = (*self.by_run.values(), *self.by_zeros.values(), *self.weights.values())
+        return [b for buffers in made for b in buffers]
+
+
+def packed_buffers(program) -> Packed:
+    """The buffers ``program`` (as it runs, after the ``pack`` pass) packs values into."""
+    by_run, of_member, sums = {}, {}, {}
+    for i, a in enumerate(program.actions):
+        if isinstance(a, Run) and a.packing is not None:
+            if a.packing.packs:
+                by_run[i] = a.packing.packs
+            for s in a.packing.sums:
+                if s.buffer is not None:
+                    sums[s.buffer.slot] = s.buffer
+            for b in (*a.packing.packs, *sums.values()):
+                of_member.update({m.slot: b for m in b.members})
+    by_zeros = {
+        i: tuple(sums[s] for s in a.slots if s in sums)
+        for i, a in enumerate(program.actions)
+        if isinstance(a, Zeros) and any(s in sums for s in a.slots)
+    }
+    weights = {a.task: a.buffers for a in program.actions if isinstance(a, PackWeights)}
+    return Packed(by_run, by_zeros, of_member, weights)
+
+
+def packing_of(executable) -> tuple[Packed, dict[int, str]]:
+    """The packing ``executable`` runs with (residuals, sums and weights) and each input
+    slot's path."""
+    plan = executable.plan
+    return packed_buffers(plan.program), {
+        slot: plan.input_names[leaf] for slot, leaf in plan.program.inputs
+    }
+
+
+def launches_of(executable, kind):
+    """The runner's launches of a ``kind`` (F, B, I, W) pass."""
+    return [
+        step
+        for step in executable._steps
+        if isinstance(step, _Launch)
+        and step.labels
+        and step.labels[0][0]
+        and step.labels[0][0][1] == kind
+    ]

@@ -11,6 +11,7 @@ from mmnnx.mpmd.lower import lower
 from mmnnx.mpmd.pipeline import join_consumers, split_backward, stage_fragments
 from mmnnx.mpmd.plan import cut, levels, make_fragment
 from mmnnx.mpmd.program import Recv, Release, Run, Send
+from mmnnx.mpmd.releases import add_releases
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +203,7 @@ def test_lowering_pairs_every_send_with_a_recv_and_releases_after_the_last_read(
     graph, (x, pa, pb) = two_layer_chain()
     fragments = cut(graph, [a, a, bt, bt], tasks)
     sharding_a, sharding_b = a.sharding(), bt.sharding()
-    plan = lower(
+    lowered, transfers = lower(
         graph,
         list(tasks),
         [None, a, bt],
@@ -211,7 +212,8 @@ def test_lowering_pairs_every_send_with_a_recv_and_releases_after_the_last_read(
         None,
         [(f, None) for f in fragments],
     )
-    program = plan.program
+    assert not any(isinstance(act, Release) for act in lowered.actions)  # add_releases does
+    program = add_releases(lowered)
     kinds = [type(act).__name__ for act in program.actions]
     assert kinds == ["Recv", "Run", "Release", "Send", "Recv", "Release", "Run", "Release"]
     send, recv = program.actions[3], program.actions[4]
@@ -234,9 +236,9 @@ def test_lowering_pairs_every_send_with_a_recv_and_releases_after_the_last_read(
     assert isinstance(release, Release) and release.task is bt
     run_a = program.actions[1]
     assert isinstance(run_a, Run) and run_a.fragment is fragments[0]
-    assert plan.num_programs == 2
-    assert [(t.source, t.target.name) for t in plan.transfers] == [(None, "A"), (a, "B")]
-    assert "program of 'A' (5 actions)" in str(plan)
+    assert program.num_programs == 2
+    assert [(t.source, t.target.name) for t in transfers] == [(None, "A"), (a, "B")]
+    assert "program of 'A' (5 actions)" in str(program)
 
 
 def test_a_multi_device_tasks_results_are_laid_out_by_the_compiler():
@@ -245,7 +247,7 @@ def test_a_multi_device_tasks_results_are_laid_out_by_the_compiler():
     ]
     graph, _ = two_layer_chain()
     fragments = cut(graph, [pairs[0], pairs[0], pairs[1], pairs[1]], pairs)
-    plan = lower(
+    program, _ = lower(
         graph,
         pairs,
         [None, *pairs],
@@ -254,7 +256,7 @@ def test_a_multi_device_tasks_results_are_laid_out_by_the_compiler():
         None,
         [(f, None) for f in fragments],
     )
-    (recv,) = [a for a in plan.program.actions if isinstance(a, Recv) and a.source is pairs[0]]
+    (recv,) = [a for a in program.actions if isinstance(a, Recv) and a.source is pairs[0]]
     assert recv.sharding is None  # decided when the sending program is compiled
 
 

@@ -155,11 +155,14 @@ def test_plan_compiles_nothing_and_shows_each_tasks_program(tasks, batch, monkey
         assert {type(a).__name__ for a in actions} >= {"Run", "Send", "Recv", "Release"}
     runs = [a for a in plan.program.actions if type(a).__name__ == "Run"]
     assert [a.fragment.name for a in runs] == [f.name for f in plan.fragments]
-    assert step.compile(model, opt, *batch) is plan
+    compiled_plan = step.compile(model, opt, *batch)
+    assert compiled_plan.program is plan.program  # what was printed is what runs
+    assert step.plan(model, opt, *batch) is compiled_plan
     assert sorted(compiled) == sorted(f.name for f in plan.fragments)
     close(step(model, opt, *batch), train_step(ref, ref_opt, *batch))
     assert len(compiled) == plan.num_programs  # the call compiled nothing more
-    assert all(t.sharding is not None for t in plan.transfers)  # resolved by compiling
+    assert all(t.sharding is not None for t in compiled_plan.transfers)  # resolved by compiling
+    assert any(t.sharding is None for t in plan.transfers)  # the plan itself is left as it was
 
 
 def test_one_task_is_one_program(batch):

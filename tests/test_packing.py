@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import mmnnx as mm
 from mmnnx.models import GPT, stage_rules
-from mmnnx.mpmd.packing import _whole, block_of, plan_packing
+from mmnnx.mpmd.pack import _whole, block_of
 from mmnnx.mpmd.program import Run, Zeros
 from tests.models import (
     SMALL_GPT,
@@ -29,7 +29,7 @@ from tests.models import (
     tensor_parallel_mlp,
 )
 from tests.oracle import close, params_close, trees_close
-from tests.plans import packing_of
+from tests.plans import launches_of, packed_buffers, packing_of
 
 
 def _gpt_on_four_devices(seed: int):
@@ -54,7 +54,7 @@ def test_packed_residuals_train_like_one_device(schedule):
 
     (executable, _), *_ = step._cache.values()
     program = executable.plan.program
-    packing = plan_packing(program, executable.graph)
+    packing = packed_buffers(program)
     forwards = [
         (i, a)
         for i, a in enumerate(program.actions)
@@ -65,7 +65,7 @@ def test_packed_residuals_train_like_one_device(schedule):
         for packed in packing.by_run[i]:
             assert len(packed.members) >= 2
             readers = [
-                a for a in program.actions if isinstance(a, Run) and packed.members[0][0] in a.ins
+                a for a in program.actions if isinstance(a, Run) and packed.members[0].slot in a.ins
             ]
             # read by the backward programs of the same stage and microbatch only
             assert readers and all(
@@ -117,24 +117,15 @@ def test_fused_pairs_with_packed_residuals_on_one_device_tasks():
     trees_close(grads, ref_grads)
     (executable, _), *_ = step._cache.values()
     program = executable.plan.program
-    packing = plan_packing(program, executable.graph)
+    packing = packed_buffers(program)
     fused = [i for i, a in enumerate(program.actions) if isinstance(a, Run) and a.fused]
     assert fused and packing.by_run
     assert any(i in packing.by_run or i + 1 in packing.by_run for i in fused)
 
 
-def _launches_of(executable, kind):
-    """The runner's steps launching a ``kind`` (F, B, I, W) pass."""
-    return [
-        step
-        for step in executable._steps
-        if step[0] == 0 and step[4] and step[4][0][0] and step[4][0][0][1] == kind
-    ]
-
-
 def launches(executable, kind):
     """The number of arrays each launch of a ``kind`` (F, B, I, W) pass returns."""
-    return [len(step[3]) for step in _launches_of(executable, kind)]
+    return [len(step.results) for step in launches_of(executable, kind)]
 
 
 def test_residuals_are_not_packed_when_asked_running_sums_are():
@@ -148,7 +139,7 @@ def test_residuals_are_not_packed_when_asked_running_sums_are():
     for _ in range(2):
         close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
     (executable, _), *_ = step._cache.values()
-    assert executable.pack_residuals == 0
+    assert step.pack_residuals == 0
     program = executable.plan.program
     forwards = [a for a in program.actions if isinstance(a, Run) and a.label and a.label[1] == "F"]
     # every forward returns its residuals one array each (and the last its loss's sum)
@@ -166,7 +157,7 @@ def residual_sizes(executable):
     """For each forward Run: the bytes of each residual it packs, and of each it returns alone
     that only its own task's later programs read (what packing could have taken)."""
     program, graph = executable.plan.program, executable.graph
-    packing = plan_packing(program, graph, residual_bytes=executable.pack_residuals)
+    packing = packed_buffers(program)
     readers = {}
     for a in program.actions:
         if isinstance(a, Run):
@@ -176,7 +167,7 @@ def residual_sizes(executable):
     for i, run in enumerate(program.actions):
         if not (isinstance(run, Run) and run.label and run.label[1] == "F"):
             continue
-        packed = {m for pk in packing.by_run.get(i, ()) for m, _, _ in pk.members}
+        packed = {m for pk in packing.by_run.get(i, ()) for m in (x.slot for x in pk.members)}
         size = {
             s: int(np.prod(graph.shapes[v])) * np.dtype(graph.dtypes[v]).itemsize
             for s, v in zip(run.outs, run.fragment.out_ids, strict=True)
@@ -205,7 +196,7 @@ def test_by_default_the_small_residuals_are_packed_and_a_bound_keeps_large_ones_
         for _ in range(2):
             close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
         (executable, _), *_ = step._cache.values()
-        assert executable.pack_residuals == bound
+        assert step.pack_residuals == bound
         sizes = residual_sizes(executable)
         assert sizes and all(packed for packed, _ in sizes)
         for packed, alone in sizes:
@@ -230,7 +221,7 @@ def test_whole_running_sums_on_multi_device_tasks_travel_packed():
     _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
     params_close(model, ref, ref_grads, steps=3, lr=3e-3)
     (executable, _), *_ = step._cache.values()
-    packing = plan_packing(executable.plan.program, executable.graph)
+    packing = packed_buffers(executable.plan.program)
     assert {pk.dtype for pk in packing.buffers if not pk.positions} == {np.dtype("float32")}
     assert max(launches(executable, "B")) <= 2  # its input's gradient and the packed sums
 
@@ -261,12 +252,14 @@ def test_tensor_parallel_stages_pack_their_whole_running_sums_and_train_like_one
     params_close(model, ref, first, steps=3, lr=1e-2)
     (executable, _), *_ = step._cache.values()
     program = executable.plan.program
-    packing = plan_packing(program, executable.graph)
+    packing = packed_buffers(program)
     assert model.layers[4].kernel.get_value().sharding.spec == P(None, "model")
-    sums = [a for a in program.actions if isinstance(a, Zeros) and len(a.slots) > 1]
-    assert sums
-    for action in sums:
-        assert set(action.slots) <= set(packing.of_member)
+    buffers = {b.slot for made in packing.by_zeros.values() for b in made}
+    sums = [a for a in program.actions if isinstance(a, Zeros)]
+    assert sums and buffers
+    for action in sums:  # every running sum packed, but a lone one
+        plain = [s for s in action.slots if s not in buffers]
+        assert not plain or action.slots == tuple(plain[:1])
 
 
 def test_only_values_whole_on_every_device_of_a_task_may_travel_packed():
@@ -305,7 +298,7 @@ def test_donated_state_trains_like_one_device_when_gradient_sums_are_packed(boun
         assert old_embedding.is_deleted()
     params_close(model, ref, ref_grads, steps=3, lr=3e-3)
     (executable, _), *_ = step._cache.values()
-    assert plan_packing(executable.plan.program, executable.graph).by_zeros  # sums were packed
+    assert packed_buffers(executable.plan.program).by_zeros  # sums were packed
 
 
 def test_a_gathered_output_keeps_a_sum_of_its_own():
@@ -331,7 +324,7 @@ def test_a_gathered_output_keeps_a_sum_of_its_own():
     trees_close(grads, ref_grads)
     (executable, _), *_ = step._cache.values()
     program, graph = executable.plan.program, executable.graph
-    packing = plan_packing(program, graph)
+    packing = packed_buffers(program)
     gathered = {
         slot
         for a in program.actions
@@ -346,7 +339,7 @@ def test_a_gathered_output_keeps_a_sum_of_its_own():
 
 def arguments(executable, kind):
     """The number of arrays each launch of a ``kind`` (F, B, I, W) pass takes."""
-    return [len(step[2]) for step in _launches_of(executable, kind)]
+    return [len(step.args) for step in launches_of(executable, kind)]
 
 
 def test_each_blocks_weights_travel_as_one_buffer_laid_out_alike_and_train_like_one_device():
@@ -373,12 +366,12 @@ def test_each_blocks_weights_travel_as_one_buffer_laid_out_alike_and_train_like_
     for buffers in packing.weights.values():
         assert len(buffers) == 2  # one per block
         for packed in buffers:
-            where = [block_of(names[m]) for m, _, _ in packed.members]
+            where = [block_of(names[m]) for m in (x.slot for x in packed.members)]
             assert len({block for block, _ in where}) == 1
             layouts.add(
                 tuple(
-                    (inside, offset, shape)
-                    for (_, inside), (_, offset, shape) in zip(where, packed.members, strict=True)
+                    (inside, m.offset, m.shape)
+                    for (_, inside), m in zip(where, packed.members, strict=True)
                 )
             )
     assert len(layouts) == 1  # every block's buffer laid out alike
@@ -423,7 +416,7 @@ def test_a_blocks_residuals_are_sliced_from_one_base_at_distances_shared_by_ever
             assert len(packed.bases) == depth // 2  # one per block
             ends = [*packed.bases[1:], packed.size]
             layouts = {
-                tuple((at - base, shape) for _, at, shape in packed.members if base <= at < end)
+                tuple((m.offset - base, m.shape) for m in packed.members if base <= m.offset < end)
                 for base, end in zip(packed.bases, ends, strict=True)
             }
             assert len(layouts) == 1  # every block laid out alike
@@ -515,7 +508,7 @@ def test_a_weight_above_the_bound_travels_alone():
     packing, names = packing_of(executable)
     graph, program = executable.graph, executable.plan.program
     sizes = {slot: graph.nbytes[graph.inputs[leaf]] for slot, leaf in program.inputs}
-    packed = {m for b in packing.weights.values() for p in b for m, _, _ in p.members}
+    packed = {m for b in packing.weights.values() for p in b for m in (x.slot for x in p.members)}
     assert packed and all(sizes[m] <= 512 for m in packed)
     assert any(sizes[s] > 512 and block_of(names[s]) for s in sizes)  # some stayed apart
 

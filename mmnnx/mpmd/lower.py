@@ -1,8 +1,8 @@
 """Lowering: a cut (and possibly pipelined) graph -> one typed program per task.
 
-A pure pass: it decides which slot holds each value on each task, which values move between tasks
-(a Send/Recv pair each), where microbatch sums run, which buffers may be donated and when each
-value is dropped. It compiles nothing and touches no device; ``runner.py`` does that.
+The first pass of ``passes.py``: it decides which slot holds each value on each task, which values
+move between tasks (a Send/Recv pair each), where microbatch sums run and which buffers may be
+donated. It compiles nothing and touches no device; ``runner.py`` does that.
 """
 
 from __future__ import annotations
@@ -15,8 +15,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mmnnx.mpmd._jax import constraint_names, is_accumulate, is_constraint
 from mmnnx.mpmd.ir import Const, Graph, Op
 from mmnnx.mpmd.pipeline import Pipeline
-from mmnnx.mpmd.plan import Fragment, Plan, Transfer
-from mmnnx.mpmd.program import Action, Constant, Recv, Release, Run, Send, StepProgram, Zeros
+from mmnnx.mpmd.plan import Fragment, Transfer
+from mmnnx.mpmd.program import (
+    Action,
+    Constant,
+    ConstantOutput,
+    Output,
+    Recv,
+    Run,
+    Send,
+    StepProgram,
+    Zeros,
+)
 from mmnnx.sharding import Task
 from mmnnx.sharding.specs import check_spec
 
@@ -236,9 +246,10 @@ def lower(
     donated: Sequence[bool] | None,
     order: Sequence[tuple[Fragment, int | None]],
     pipeline: Pipeline | None = None,
-) -> Plan:
+) -> tuple[StepProgram, list[Transfer]]:
     """Lowers fragments in dispatch ``order`` (each with its microbatch, ``None`` outside the
-    microbatch loop) to a :class:`StepProgram`; returns the :class:`Plan` holding it.
+    microbatch loop) to a :class:`StepProgram`; returns it and the transfers between tasks (the
+    first microbatch's).
 
     ``input_shardings``: the sharding of each placed input (``None`` for free inputs);
     ``output_homes``: the sharding each output must end on (``None``: wherever it is made).
@@ -338,31 +349,26 @@ def lower(
     if low.chains is not None:  # a chained result is where the last microbatch left it
         for result, new in low.chains.results.items():
             low.where[(result, None)] = low.where[(new, low.last)]
-    outputs: list[tuple[int | None, Any, Any]] = []
+    outputs: list[Output | ConstantOutput] = []
     for atom, home in zip(graph.outputs, output_homes, strict=True):
         if isinstance(atom, Const):
-            outputs.append((None, atom.value, home))
+            outputs.append(ConstantOutput(atom.value, home))
         elif home is not None:
             task = next(t for t in tasks if t.jax_mesh == home.mesh)
-            outputs.append((low.ensure(atom, task, None, home), None, None))
+            outputs.append(Output(low.ensure(atom, task, None, home), atom, task))
         else:
-            task = low.where[(atom, None)]
-            outputs.append(
-                (low.ensure(atom, task, None) if task else low.find(atom, task, None), None, None)
-            )
-
-    actions = _with_releases(low.actions, low.slot_task, inputs, outputs)
-    program = StepProgram(list(tasks), actions, inputs, outputs, low.sharding_of, low.activations)
-    fragments = list({id(f): f for f, _ in order}.values())
-    return Plan(
-        list(tasks),
-        fragments,
-        low.transfers,
-        program.num_programs,
-        pipeline,
-        program,
-        list(graph.inputs),
+            task = low.where[(atom, None)]  # None: a step input on no task, returned as it is
+            slot = low.ensure(atom, task, None) if task else low.find(atom, task, None)
+            outputs.append(Output(slot, atom, task))
+    program = StepProgram(
+        tuple(tasks),
+        tuple(low.actions),
+        tuple(inputs),
+        tuple(outputs),
+        tuple(low.sharding_of),
+        low.activations,
     )
+    return program, low.transfers
 
 
 def _out_shardings(
@@ -386,45 +392,3 @@ def _out_shardings(
         else:
             out.append(None)
     return tuple(out)
-
-
-def _reads_writes(action: Action) -> tuple[Sequence[int], Sequence[int]]:
-    if isinstance(action, Run):
-        outs = (s for s in action.outs if s is not None)
-        return (*action.ins, *action.sums), (*outs, *action.sums)
-    if isinstance(action, Recv):
-        return (action.from_slot,), (action.slot,)
-    if isinstance(action, Constant):
-        return (), (action.slot,)
-    if isinstance(action, Zeros):
-        return (), action.slots
-    return (), ()
-
-
-def _with_releases(
-    actions: list[Action],
-    slot_task: list[Task | None],
-    inputs: list[tuple[int, int]],
-    outputs: list[tuple[int | None, Any, Any]],
-) -> list[Action]:
-    """``actions`` with a Release after each value's last reader, so activations are freed as
-    soon as the step no longer needs them (the caller's inputs and outputs are kept)."""
-    keep = {s for s, _, _ in outputs if s is not None}
-    keep.update(slot for slot, _ in inputs)
-    last: dict[int, int] = {}
-    for i, action in enumerate(actions):
-        reads, writes = _reads_writes(action)
-        for s in writes:  # a value nothing reads is dropped right away
-            last.setdefault(s, i)
-        for s in reads:
-            last[s] = i
-    after: dict[int, dict[Task | None, list[int]]] = {}
-    for s, i in sorted(last.items()):
-        if s not in keep:
-            after.setdefault(i, {}).setdefault(slot_task[s], []).append(s)
-    out: list[Action] = []
-    for i, action in enumerate(actions):
-        out.append(action)
-        for task, slots in after.get(i, {}).items():
-            out.append(Release(task, tuple(slots)))
-    return out

@@ -59,6 +59,7 @@ class Plan:
     ``inputs``: the value id of each input leaf, in the order mm.jit flattens the arguments
     (Variables first, then the other arrays), as ``Transfer.value`` names them. ``unrolled``: for
     each ``mm.microbatch`` call that runs as an unrolled loop instead of a pipeline, why.
+    ``input_names``: the path of each input leaf (``arg0/blocks/0/attn/kernel``).
     """
 
     tasks: list[Task]
@@ -70,6 +71,7 @@ class Plan:
     inputs: list[int] = dataclasses.field(default_factory=list)
     unrolled: list[str] = dataclasses.field(default_factory=list)
     num_loaded: int | None = None
+    input_names: list[str] = dataclasses.field(default_factory=list)
 
     def fragments_of(self, task: Task | str) -> list[Fragment]:
         name = task if isinstance(task, str) else task.name

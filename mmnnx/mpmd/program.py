@@ -1,9 +1,11 @@
 """Typed per-task programs: what each task does in one step, as data (no JAX calls).
 
 Lowering (``lower.py``) turns a plan into one :class:`StepProgram`: a global list of actions in
-dispatch order, each owned by one task. ``program(task)`` is that task's own list, which is all a
-process owning only that task needs to run. The runner (``runner.py``) compiles the fragments the
-actions name and executes them.
+dispatch order, each owned by one task. Passes then rewrite it, each a function from program to
+program (``passes.py``): ``pack`` (values travelling as flat buffers), ``localize`` (one
+process's share, cross-process moves as :class:`Route` actions) and ``add_releases``. The runner
+(``runner.py``) compiles the fragments the actions name and executes them; what ``step.plan()``
+prints is the program it runs.
 
 Values live in numbered *slots*. A value moved between tasks is a :class:`Send` in the source
 task's program followed by a :class:`Recv` in the target's; in one process the pair is one
@@ -19,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from mmnnx.mpmd.plan import Fragment
@@ -34,6 +37,126 @@ def _mb(microbatch: int | None) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Member:
+    """One value inside a packed buffer: the slot it had before packing, where it starts in the
+    buffer (in elements) and its shape."""
+
+    slot: int
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A flat buffer in ``slot`` holding ``members`` one after the other, all of ``dtype``.
+
+    ``positions``: for a buffer of one run's results, which of its results it holds (in
+    order); empty for running sums and weights. ``fixed``: readers slice it at offsets fixed in
+    their programs (a block's weights, laid out alike in every block); otherwise at offsets
+    passed as arguments. ``bases``: where the members of one block (a layer) begin: a reader
+    slices each member at its block's base plus its distance from it, both arguments (blocks
+    laid out alike share the distances, so every slice of one shape stays one kernel); a member
+    before the first base is its own base.
+    """
+
+    slot: int
+    dtype: Any
+    members: tuple[Member, ...]
+    positions: tuple[int, ...] = ()
+    fixed: bool = False
+    bases: tuple[int, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return sum(m.size for m in self.members)
+
+    def base_of(self, offset: int) -> int:
+        """The base a reader slices the member at ``offset`` from (see ``bases``).
+
+        Example:
+            >>> members = (Member(1, 0, (2,)), Member(2, 2, (3,)), Member(3, 5, (1,)))
+            >>> buffer = Buffer(9, "float32", members, bases=(2,))
+            >>> buffer.base_of(0), buffer.base_of(5)
+            (0, 2)
+        """
+        below = [b for b in self.bases if b <= offset]
+        return below[-1] if below else offset
+
+    def member(self, slot: int) -> Member:
+        return next(m for m in self.members if m.slot == slot)
+
+    @property
+    def layout(self) -> tuple:
+        """What a program reading or making this buffer depends on: its dtype, fixed or not,
+        bases and members' offsets and shapes (not the slots)."""
+        return (
+            str(self.dtype),
+            self.fixed,
+            self.bases,
+            self.positions,
+            tuple((m.offset, m.shape) for m in self.members),
+        )
+
+    def __str__(self) -> str:
+        return f"s{self.slot}[{_slots(tuple(m.slot for m in self.members))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class InputRead:
+    """Where a fragment input is among its program's arguments: argument ``arg`` itself, or
+    (``member``) a slice of the packed buffer passed there."""
+
+    arg: int
+    member: Member | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SumArg:
+    """A running sum a program takes and returns updated: in ``slot``, a buffer of several sums
+    (``buffer``) or one; ``positions``: the program's results added to it, in its order."""
+
+    slot: int
+    positions: tuple[int, ...]
+    buffer: Buffer | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPacking:
+    """How a :class:`Run`'s program takes and returns packed buffers (made by ``pack``).
+
+    ``args``: the slots passed for the fragment's inputs, a buffer once for all of its members;
+    ``reads``: per fragment input, where it is among them; ``buffers``: the packed buffers
+    among ``args``, by argument position; ``packs``: buffers the program returns, each
+    concatenating some of its results (``Buffer.positions``); ``sums``: the running sums it
+    takes; ``offsets``: the ``(slot, value)`` of each int32 offset it takes, after the sums,
+    to slice members not ``fixed`` (as arguments, not constants: XLA then compiles one kernel
+    for the members of equal shape, a block's residuals layer after layer).
+    """
+
+    args: tuple[int, ...]
+    reads: tuple[InputRead, ...]
+    buffers: tuple[tuple[int, Buffer], ...] = ()
+    packs: tuple[Buffer, ...] = ()
+    sums: tuple[SumArg, ...] = ()
+    offsets: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def layout(self) -> tuple:
+        """What the compiled program depends on (no slots)."""
+        return (
+            self.reads,
+            tuple((k, b.layout) for k, b in self.buffers),
+            tuple(b.layout for b in self.packs),
+            tuple((s.positions, s.buffer.layout if s.buffer else None) for s in self.sums),
+            tuple(value for _, value in self.offsets),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Run:
     """Runs ``fragment`` on the values in ``ins``, writing its results into ``outs``.
 
@@ -44,7 +167,9 @@ class Run:
     each result is pinned to, ``None`` where the compiler chooses. ``label``: ``(task, kind,
     stage)`` of a pipeline stage, for timelines. ``fused``: this action and the next Run (on the
     same task, reading none of this one's results) run as one compiled program: an overlapped
-    pair of the schedule.
+    pair of the schedule. ``packing``: how its arguments and results travel packed into flat
+    buffers (``None``: each value as its own array); :attr:`args` and :attr:`results` are the
+    slots the program really reads and writes.
     """
 
     fragment: Fragment
@@ -57,6 +182,7 @@ class Run:
     out_shardings: tuple[Any, ...] = ()
     label: tuple[str, str, int] | None = None
     fused: bool = False
+    packing: RunPacking | None = None
 
     @property
     def task(self) -> Task:
@@ -67,12 +193,48 @@ class Run:
         """The compiled program this action runs: one per fragment, plus its accumulating form."""
         return id(self.fragment), bool(self.sums)
 
+    @property
+    def returned(self) -> tuple[int, ...]:
+        """Positions of the results the program returns as they are (not only added to a sum,
+        not packed into a buffer)."""
+        packed = {p for b in self.packing.packs for p in b.positions} if self.packing else ()
+        return tuple(i for i, s in enumerate(self.outs) if s is not None and i not in packed)
+
+    @property
+    def args(self) -> tuple[int, ...]:
+        """The slots the program takes, in order: inputs, running sums, offsets."""
+        if self.packing is None:
+            return (*self.ins, *self.sums)
+        p = self.packing
+        return (*p.args, *(s.slot for s in p.sums), *(slot for slot, _ in p.offsets))
+
+    @property
+    def results(self) -> tuple[int, ...]:
+        """The slots the program writes, in order: returned results, packed buffers, sums."""
+        outs = tuple(self.outs[i] for i in self.returned)
+        if self.packing is None:
+            return (*outs, *self.sums)
+        p = self.packing
+        return (*outs, *(b.slot for b in p.packs), *(s.slot for s in p.sums))
+
     def __str__(self) -> str:
-        sums = f" sums ({_slots(self.sums)})" if self.sums else ""
         fused = " + next" if self.fused else ""
+        if self.packing is None:
+            sums = f" sums ({_slots(self.sums)})" if self.sums else ""
+            return (
+                f"run {self.fragment.name}{_mb(self.microbatch)} ({_slots(self.ins)}) -> "
+                f"({_slots(self.outs)}){sums}{fused}"
+            )
+        p = self.packing
+        buffers = dict(p.buffers)
+        ins = ", ".join(str(buffers[k]) if k in buffers else f"s{s}" for k, s in enumerate(p.args))
+        outs = [f"s{self.outs[i]}" for i in self.returned] + [str(b) for b in p.packs]
+        sums = [str(s.buffer) if s.buffer else f"s{s.slot}" for s in p.sums]
+        offsets = f" at ({_slots(tuple(slot for slot, _ in p.offsets))})" if p.offsets else ""
+        summed = f" sums ({', '.join(sums)})" if sums else ""
         return (
-            f"run {self.fragment.name}{_mb(self.microbatch)} ({_slots(self.ins)}) -> "
-            f"({_slots(self.outs)}){sums}{fused}"
+            f"run {self.fragment.name}{_mb(self.microbatch)} ({ins}){offsets} -> "
+            f"({', '.join(outs)}){summed}{fused}"
         )
 
 
@@ -122,8 +284,38 @@ class Recv:
 
 
 @dataclasses.dataclass(frozen=True)
+class Route:
+    """A :class:`Send`/:class:`Recv` pair whose devices belong to several processes, from one
+    process's side (made by ``localize``): it ``sends`` where this process holds part of the
+    source and ``receives`` where it holds part of the target. ``source`` ``None``: a step input,
+    the same on every process, put onto a target spanning processes."""
+
+    value: int
+    from_slot: int
+    slot: int
+    source: Task | None
+    target: Task
+    sharding: Any = None
+    sends: bool = False
+    receives: bool = False
+    microbatch: int | None = None
+
+    @property
+    def task(self) -> Task:
+        return self.target
+
+    def __str__(self) -> str:
+        src = "(input)" if self.source is None else repr(self.source.name)
+        ends = " and ".join(w for w, on in (("send", self.sends), ("receive", self.receives)) if on)
+        return (
+            f"route v{self.value}{_mb(self.microbatch)} s{self.from_slot} {src} -> "
+            f"s{self.slot} {self.target.name!r} ({ends or 'put'})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Constant:
-    """Puts a constant (a microbatch index) into ``slot`` on ``task``."""
+    """Puts a constant (a microbatch index, a packed buffer's offset) into ``slot`` on ``task``."""
 
     slot: int
     task: Task
@@ -149,6 +341,47 @@ class Zeros:
 
 
 @dataclasses.dataclass(frozen=True)
+class PackWeights:
+    """Concatenates step inputs (a block's weights) into ``buffers`` on ``task`` at the step's
+    start: its pipelined runs read the buffers instead of one argument per weight."""
+
+    task: Task
+    buffers: tuple[Buffer, ...]
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return tuple(m.slot for b in self.buffers for m in b.members)
+
+    def __str__(self) -> str:
+        return f"pack {', '.join(str(b) for b in self.buffers)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishLayout:
+    """Tells the other processes the layout the compiler chose for the value in ``slot`` on
+    ``task`` (made by ``localize``: a value they receive, or a result they hold a placeholder
+    of). Done once, when the step is compiled."""
+
+    slot: int
+    task: Task
+
+    def __str__(self) -> str:
+        return f"publish layout of s{self.slot}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AwaitLayout:
+    """Reads the layout another process published for ``slot`` on ``task`` (see
+    :class:`PublishLayout`). Done once, when the step is compiled."""
+
+    slot: int
+    task: Task
+
+    def __str__(self) -> str:
+        return f"await layout of s{self.slot}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Release:
     """Drops values no later action reads, so their memory is freed during the step."""
 
@@ -159,25 +392,59 @@ class Release:
         return f"release {' '.join(f's{s}' for s in self.slots)}"
 
 
-Action = Run | Send | Recv | Constant | Zeros | Release
+Action = (
+    Run
+    | Send
+    | Recv
+    | Route
+    | Constant
+    | Zeros
+    | PackWeights
+    | PublishLayout
+    | AwaitLayout
+    | Release
+)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """A step output: the value in ``slot``, made on ``task`` (``None``: a step input).
+    ``here``: this process holds (part of) it; otherwise the runner hands back a placeholder
+    laid out as it is on ``task``'s devices."""
+
+    slot: int
+    value: int
+    task: Task | None
+    here: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstantOutput:
+    """A step output that is a constant, put on ``home`` (``None``: returned as it is)."""
+
+    value: Any
+    home: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
 class StepProgram:
     """One step as typed actions: the global dispatch order and each task's part of it.
 
-    ``inputs``: ``(slot, leaf index)`` of the step's input leaves. ``outputs``: per output, its
-    slot, or ``None`` with a constant and the sharding it goes to. ``activations``: slots that
-    hold a microbatch's value, with their task name and microbatch (for memory profiles).
-    ``shardings``: each slot's layout where lowering knows it (``None``: the compiler's choice).
+    ``inputs``: ``(slot, leaf index)`` of the step's input leaves. ``outputs``: one
+    :class:`Output` or :class:`ConstantOutput` per output. ``shardings``: each slot's layout
+    where lowering knows it (``None``: the compiler's choice). ``activations``: slots that hold
+    a microbatch's value, with their task name and microbatch (for memory profiles).
+    ``process``: the process whose share this is (``None``: every process's, before
+    ``localize``).
     """
 
-    tasks: list[Task]
-    actions: list[Action]
-    inputs: list[tuple[int, int]]
-    outputs: list[tuple[int | None, Any, Any]]
-    shardings: list[Any]
+    tasks: tuple[Task, ...]
+    actions: tuple[Action, ...]
+    inputs: tuple[tuple[int, int], ...]
+    outputs: tuple[Output | ConstantOutput, ...]
+    shardings: tuple[Any, ...]
     activations: dict[int, tuple[str, int]]
+    process: int | None = None
 
     @property
     def num_slots(self) -> int:
@@ -193,10 +460,17 @@ class StepProgram:
         """How many distinct compiled programs the actions run."""
         return len({a.variant for a in self.actions if isinstance(a, Run)})
 
+    def replace(self, **changes: Any) -> StepProgram:
+        return dataclasses.replace(self, **changes)
+
     def __str__(self) -> str:
         lines = []
+        if self.process is not None:
+            lines.append(f"  process {self.process}'s share:")
         for task in self.tasks:
             actions = self.program(task)
+            if self.process is not None and not actions:
+                continue
             lines.append(f"  program of {task.name!r} ({len(actions)} actions):")
             lines += [f"    {a}" for a in actions]
         return "\n".join(lines)

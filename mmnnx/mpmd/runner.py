@@ -1,10 +1,12 @@
-"""The runner: compiles the fragments a :class:`StepProgram` names, then executes its actions.
+"""The runner: compiles the programs a :class:`StepProgram` names, then interprets its actions.
 
 Compiling walks the actions once in dispatch order (a fragment's input layouts are those of the
 values it reads, so they are known by the time it is reached) and turns them into a flat list of
-pre-resolved calls. Per call, the host work is one loop over that list: no tracing, no graph
-walks. Dispatch is asynchronous, so fragments on different submeshes overlap. In one process a
-Send/Recv pair is one ``jax.device_put``.
+typed steps (:class:`_Launch`, :class:`_Move`, :class:`_Put`, :class:`_Cross`), each holding what
+it needs pre-resolved. Per call, the host work is one loop over that list: no tracing, no graph
+walks. Dispatch is asynchronous, so fragments on different submeshes overlap. The runner runs the
+program it is given, as ``plan()`` prints it: packing and cross-process routes are decided by
+the passes before it (``passes.py``), and it never writes into the plan.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -21,24 +22,33 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from mmnnx.distributed.arrays import placeholder, put  # moves down with the fence
 from mmnnx.mpmd import _jax
 from mmnnx.mpmd._jax import constraint_layouts, run_ops
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower import compatible, constraint_layout
-from mmnnx.mpmd.packing import (
-    Packed,
-    no_packing,
-    plan_packing,
-    slice_offsets,
-    unpacked_outputs,
-)
+from mmnnx.mpmd.pack import slice_offsets
+from mmnnx.mpmd.peers import Peers
 from mmnnx.mpmd.plan import Plan
-from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
+from mmnnx.mpmd.program import (
+    AwaitLayout,
+    Buffer,
+    Constant,
+    ConstantOutput,
+    PackWeights,
+    PublishLayout,
+    Recv,
+    Release,
+    Route,
+    Run,
+    Send,
+    StepProgram,
+    Zeros,
+)
+from mmnnx.mpmd.routes import RoutePlan
 from mmnnx.mpmd.timing import Timer, witness_for
-
-_RUN, _PUT, _CALL = 0, 1, 2
 
 
 def _unchanged(value: Any) -> Any:
@@ -64,53 +74,52 @@ class _Part:
     explicit: Any
 
 
-def _part(
-    graph: Graph,
-    run: Run,
-    in_shardings: Sequence[Any],
-    unpack: tuple | None = None,
-    packs: Sequence[Packed] = (),
-    packed_args: dict[int, Packed] | None = None,
-    sums: Sequence[tuple[Packed | None, tuple[int, ...]]] | None = None,
-) -> _Part:
-    """``run``'s share of a program. ``unpack``: where each of the fragment's inputs is among
-    the arguments (see :meth:`Packing.inputs`), with ``packed_args`` the packed buffers among
-    them; ``packs``: the results it returns concatenated, one buffer each; ``sums``: per running
-    sum it takes, its packed buffer or ``None`` and the results added to it (see
-    :meth:`Packing.sums`; default: one sum per position of ``run.summed``).
+def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
+    """``run``'s share of a program, taking :attr:`Run.args` laid out as ``in_shardings`` and
+    returning :attr:`Run.results`.
 
     A packed argument's members are sliced at offsets the program takes as arguments (after the
-    sums; :func:`slice_offsets`), not as constants: XLA then compiles one kernel for the members
-    of equal shape (a block's residuals, layer after layer) where constant offsets would make
-    each slice-reading kernel distinct (about 10 ms of compile each on XLA:CPU). A block's
-    members are sliced at its base plus their distance from it, both arguments: blocks laid out
-    alike share the distances, so a stage takes one offset per block and per distance, not one
-    per member."""
+    sums; :func:`~mmnnx.mpmd.pack.slice_offsets`), not as constants: XLA then compiles one
+    kernel for the members of equal shape (a block's residuals, layer after layer) where
+    constant offsets would make each slice-reading kernel distinct. A block's members are sliced
+    at its base plus their distance from it, both arguments: blocks laid out alike share the
+    distances, so a stage takes one offset per block and per distance, not one per member. A
+    ``fixed`` buffer's (a block's weights) are sliced at offsets fixed in the program."""
     frag = run.fragment
-    n = len(frag.in_ids) if unpack is None else 1 + max(k for k, _, _ in unpack)
-    summed = run.summed
-    sums = [(None, (i,)) for i in summed] if sums is None else sums
+    packing = run.packing
+    n = len(frag.in_ids) if packing is None else len(packing.args)
+    if packing is None:
+        sums: list[tuple[Buffer | None, tuple[int, ...]]] = [(None, (i,)) for i in run.summed]
+        buffers: dict[int, Buffer] = {}
+    else:
+        sums = [(s.buffer, s.positions) for s in packing.sums]
+        buffers = dict(packing.buffers)
     total_shardings = list(in_shardings[n : n + len(sums)])
-    packed_args = packed_args or {}
-    offset_arg = {at: n + len(sums) + j for j, at in enumerate(slice_offsets(unpack, packed_args))}
-    fixed = {k for k, packed in packed_args.items() if packed.fixed}
-    returned = unpacked_outputs(run, packs)
+    offsets = [] if packing is None else slice_offsets(packing.reads, buffers)
+    offset_arg = {at: n + len(sums) + j for j, at in enumerate(offsets)}
+    returned = run.returned
+    packs = () if packing is None else packing.packs
 
     def inputs(args: Sequence[Any]) -> list:
-        if unpack is None:
+        if packing is None:
             return list(args[:n])
 
-        def member(k: int, at: int, shape: tuple[int, ...]) -> Any:
-            size = math.prod(shape)
-            if k in fixed:  # at the same offset in every block: the blocks' kernels stay alike
+        def member(k: int, at: int, shape: tuple[int, ...], size: int) -> Any:
+            buffer = buffers[k]
+            if buffer.fixed:  # at the same offset in every block: the blocks' kernels stay alike
                 return jax.lax.slice(args[k], (at,), (at + size,)).reshape(shape)
-            base = packed_args[k].base_of(at)
+            base = buffer.base_of(at)
             start = args[offset_arg[base]]
             if at != base:
                 start = start + args[offset_arg[at - base]]
             return jax.lax.dynamic_slice(args[k], (start,), (size,)).reshape(shape)
 
-        return [args[k] if at is None else member(k, at, shape) for k, at, shape in unpack]
+        return [
+            args[r.arg]
+            if r.member is None
+            else member(r.arg, r.member.offset, r.member.shape, r.member.size)
+            for r in packing.reads
+        ]
 
     def body(*args):
         outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, inputs(args))
@@ -119,10 +128,10 @@ def _part(
             return jnp.concatenate([jnp.ravel(outs[p]) for p in positions])
 
         totals = [
-            total + (outs[at[0]] if pk is None else flat(at))
-            for total, (pk, at) in zip(args[n : n + len(sums)], sums, strict=True)
+            total + (outs[at[0]] if buffer is None else flat(at))
+            for total, (buffer, at) in zip(args[n : n + len(sums)], sums, strict=True)
         ]
-        return [*(outs[i] for i in returned), *(flat(pk.positions) for pk in packs), *totals]
+        return [*(outs[i] for i in returned), *(flat(b.positions) for b in packs), *totals]
 
     out_shardings = [
         *(run.out_shardings[i] for i in returned),
@@ -137,21 +146,21 @@ def _part(
             return NamedSharding(explicit, graph.specs.get(v, PartitionSpec()))
 
         in_shardings = [typed(v) for v in frag.in_ids]
-        in_shardings += [typed(frag.out_ids[i]) for i in summed]
+        in_shardings += [typed(frag.out_ids[i]) for i in run.summed]
         total_shardings = list(in_shardings[n:])
         out_shardings = [typed(frag.out_ids[i]) for i in returned] + total_shardings
-    if unpack is None:
+    if packing is None:
         avals = [
             jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
             for v, s in zip(frag.in_ids, in_shardings[:n], strict=True)
         ]
     else:
         first = {}
-        for j, (k, _, _) in enumerate(unpack):
-            first.setdefault(k, j)
+        for j, r in enumerate(packing.reads):
+            first.setdefault(r.arg, j)
         avals = [
-            jax.ShapeDtypeStruct((pk.size,), pk.dtype, sharding=in_shardings[k])
-            if (pk := packed_args.get(k)) is not None
+            jax.ShapeDtypeStruct((buffer.size,), buffer.dtype, sharding=in_shardings[k])
+            if (buffer := buffers.get(k)) is not None
             else jax.ShapeDtypeStruct(
                 graph.shapes[frag.in_ids[first[k]]],
                 graph.dtypes[frag.in_ids[first[k]]],
@@ -163,50 +172,36 @@ def _part(
         jax.ShapeDtypeStruct(
             graph.shapes[frag.out_ids[at[0]]], graph.dtypes[frag.out_ids[at[0]]], sharding=s
         )
-        if pk is None
-        else jax.ShapeDtypeStruct((pk.size,), pk.dtype, sharding=s)
-        for (pk, at), s in zip(sums, total_shardings, strict=True)
+        if buffer is None
+        else jax.ShapeDtypeStruct((buffer.size,), buffer.dtype, sharding=s)
+        for (buffer, at), s in zip(sums, total_shardings, strict=True)
     ]
     avals += [
         jax.ShapeDtypeStruct((), jnp.int32, sharding=in_shardings[i]) for i in offset_arg.values()
     ]
-    donate = (*_donated_args(run.donate, unpack), *range(n, n + len(total_shardings)))
+    donate = (*_donated_args(run), *range(n, n + len(total_shardings)))
     return _Part(body, list(in_shardings), out_shardings, donate, avals, explicit)
 
 
-def _donated_args(donate: Sequence[int], unpack: tuple | None) -> list[int]:
-    """The arguments a program donates for its fragment's donated inputs ``donate``: where
-    inputs are packed (``unpack``, :meth:`Packing.inputs`), the argument each unpacked one is
-    passed as; a packed member is not donated (its buffer holds other members too).
-
-    Example:
-        >>> _donated_args((0, 2), ((0, None, ()), (1, 0, (2,)), (2, None, ())))
-        [0, 2]
-        >>> _donated_args((1, 2), ((1, 0, (2,)), (1, 2, (2,)), (0, None, ())))
-        [0]
-    """
-    if unpack is None:
-        return list(donate)
-    return sorted({unpack[p][0] for p in donate if unpack[p][1] is None})
+def _donated_args(run: Run) -> list[int]:
+    """The arguments ``run``'s program donates for its fragment's donated inputs: where inputs
+    are packed, the argument each unpacked one is passed as; a packed member is not donated
+    (its buffer holds other members too)."""
+    if run.packing is None:
+        return list(run.donate)
+    reads = run.packing.reads
+    return sorted({reads[p].arg for p in run.donate if reads[p].member is None})
 
 
 def lower_fragments(
-    graph: Graph,
-    runs: Sequence[Run],
-    in_shardings: Sequence[Sequence[Any]],
-    packing: Sequence[tuple] = (),
+    graph: Graph, runs: Sequence[Run], in_shardings: Sequence[Sequence[Any]]
 ) -> Any:
-    """Lowers the fragments of ``runs`` (on one task; the ``in_shardings`` of each) as one
-    program taking their arguments one run after the other and returning their results in the
-    same order: one fragment's program, or an overlapped pair as one launch that the compiler
-    may interleave. A run with ``sums`` also takes the running sums of its summed outputs and
-    returns them updated (donating the old ones). ``packing``: per run, ``(unpack, packs,
-    packed_args, sums)`` for :func:`_part` (its results, arguments and running sums packed into
-    flat buffers)."""
-    packing = packing or [(None, (), {})] * len(runs)
-    parts = [
-        _part(graph, run, s, *how) for run, s, how in zip(runs, in_shardings, packing, strict=True)
-    ]
+    """Lowers the fragments of ``runs`` (on one task; the ``in_shardings`` of each one's
+    :attr:`~Run.args`) as one program taking their arguments one run after the other and
+    returning their results in the same order: one fragment's program, or an overlapped pair
+    as one launch that the compiler may interleave. A run with ``sums`` also takes the running
+    sums of its summed outputs and returns them updated (donating the old ones)."""
+    parts = [_part(graph, run, s) for run, s in zip(runs, in_shardings, strict=True)]
     bounds = []
     start = 0
     for part in parts:
@@ -236,22 +231,22 @@ def lower_fragments(
         return jitted.lower(*(a for part in parts for a in part.avals))
 
 
-def lower_packing(buffers: Sequence[Packed], shardings: Sequence[Any], task: Any) -> Any:
+def lower_packing(buffers: Sequence[Buffer], shardings: Sequence[Any], task: Any) -> Any:
     """One program concatenating step inputs (laid out as ``shardings``, one argument per
     member, buffer after buffer) into each of ``buffers``, flat on ``task``, lowered."""
     layouts = iter(shardings)
     avals = [
-        jax.ShapeDtypeStruct(shape, packed.dtype, sharding=next(layouts))
-        for packed in buffers
-        for _, _, shape in packed.members
+        jax.ShapeDtypeStruct(m.shape, buffer.dtype, sharding=next(layouts))
+        for buffer in buffers
+        for m in buffer.members
     ]
 
     def pack(*members):
         out, at = [], 0
-        for packed in buffers:
-            taken = members[at : at + len(packed.members)]
+        for buffer in buffers:
+            taken = members[at : at + len(buffer.members)]
             out.append(jnp.concatenate([jnp.ravel(m) for m in taken]))
-            at += len(packed.members)
+            at += len(buffer.members)
         return out
 
     return jax.jit(pack, out_shardings=[task.sharding()] * len(buffers)).lower(*avals)
@@ -298,65 +293,71 @@ class _Compiler:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-class _LocalView:
-    """What one process does with each action: in a single process, everything."""
+# The steps a compiled program is interpreted as: each holds what its action needs resolved, and
+# ``drop``, the slots released right after it.
 
-    @staticmethod
-    def make(executable: Executable) -> _LocalView:
-        if jax.process_count() == 1:
-            return _LocalView()
-        from mmnnx.distributed.view import ProcessView
 
-        return ProcessView(executable)
+@dataclasses.dataclass(slots=True)
+class _Launch:
+    """Launches a compiled program on ``args``, writing its results into ``results``.
+    ``labels``: the pipeline actions it runs (``(label, microbatch)`` each), on ``rank``."""
 
-    def runs(self, task: Any) -> bool:
-        return True
+    program: Any
+    args: tuple[int, ...]
+    results: tuple[int, ...]
+    labels: tuple
+    rank: str
+    drop: tuple[int, ...] = ()
 
-    def skipped(self, run: Run, sharding_of: list[Any]) -> None:
-        raise AssertionError("a single process runs every action")
 
-    def elsewhere(self, slots: Sequence[int], task: Any) -> None:
-        raise AssertionError("a single process runs every action")
+@dataclasses.dataclass(slots=True)
+class _Move:
+    """Moves the value in ``source`` into ``target``, laid out as ``sharding``: by ``mover``
+    (decided at compile) where it is laid out as ``source_layout``, else decided once per pair
+    of layouts."""
 
-    def without_sent_donations(self, run: Run) -> Run:
-        return run
+    source: int
+    target: int
+    sharding: Any
+    mover: Callable[[Any], Any] | None
+    source_layout: Any
+    drop: tuple[int, ...] = ()
 
-    def made(self, slots: Sequence[int], task: Any) -> None:
-        pass
 
-    def source_layout(self, recv: Recv, sharding_of: list[Any]) -> Any:
-        return sharding_of[recv.from_slot]
+@dataclasses.dataclass(slots=True)
+class _Put:
+    """Puts a step input (the same on every process) onto ``sharding``, a layout spanning
+    processes: each process keeps its part."""
 
-    def receive(self, recv: Recv, sharding: Any, source_layout: Any) -> Callable | bool | None:
-        """How this process takes part in ``recv``: ``True``, a ``device_put`` here; a callable,
-        which moves the value (returning it where it lands here); ``None``, not at all."""
-        return True
+    source: int
+    target: int
+    sharding: Any
+    drop: tuple[int, ...] = ()
 
-    def put(self, value: Any, sharding: Any) -> jax.Array:
-        return jax.device_put(value, sharding)
 
-    def holds(self, slot: int) -> bool:
-        return True
+@dataclasses.dataclass(slots=True)
+class _Cross:
+    """This process's end of a move between processes (``route``), through the step's peers."""
 
-    def placeholder(self, slot: int, sharding_of: list[Any]) -> jax.Array:
-        raise AssertionError("a single process holds every value")
+    route: RoutePlan
+    source: int
+    target: int
+    drop: tuple[int, ...] = ()
 
-    def output_layout(self, slot: int, sharding_of: list[Any]) -> Any:
-        return None
+
+_Step = _Launch | _Move | _Put | _Cross
 
 
 class Executable:
     """A step's plan, compiled on first use: call it with the flat input leaves; it returns the
-    flat outputs. ``plan`` is available before anything is compiled.
+    flat outputs. ``plan`` is available before anything is compiled; :attr:`compiled_plan`,
+    once it is, adds what only compiling tells (the layouts the compiler chose for transfers,
+    programs loaded rather than compiled).
 
-    With several processes (``jax.distributed``), each process compiles and runs only the
-    actions of tasks holding its devices; a value moving between processes takes a
-    :class:`~mmnnx.distributed.routes.Route`, and results this process does not hold are
-    placeholders (arrays on other processes' devices). ``fingerprint``: makes the lines
-    describing the step that processes compare before the first compile; ``name``: the step's,
-    for messages; ``pack_residuals`` / ``pack_weights``: the largest residual / weight packed,
-    in bytes (``mm.jit``, :mod:`~mmnnx.mpmd.packing`); ``input_names``: the inputs' paths
-    (weights are packed by the block their path names).
+    With several processes, ``plan.program`` is this process's share (``localize``): it
+    compiles and runs only those actions, and ``peers`` (a function of no arguments returning
+    the step's :class:`~mmnnx.mpmd.peers.Peers`, called when it compiles) carries layouts and
+    arrays between processes. ``name``: the step's, for messages.
     """
 
     def __init__(
@@ -365,10 +366,7 @@ class Executable:
         plan: Plan,
         *,
         name: str = "the step",
-        fingerprint: Callable[[], list[str]] = list,
-        pack_residuals: int = 0,
-        pack_weights: int = 0,
-        input_names: Sequence[str] = (),
+        peers: Callable[[], Peers] | None = None,
     ):
         self.graph = graph
         self.plan = plan
@@ -377,215 +375,165 @@ class Executable:
         self.owned_devices = {d for t in self.tasks for d in t.jax_mesh.devices.flat}
         self.may_fail = any(op.may_fail for op in graph.ops)
         self.name = name
-        self.fingerprint = fingerprint
-        self.pack_residuals = pack_residuals
-        self.pack_weights = pack_weights
-        self.input_names = list(input_names)
-        self._steps: list[tuple] | None = None
+        self.compiled_plan: Plan | None = None
+        self._make_peers = peers
+        self._peers: Peers | None = None
+        self._steps: list[_Step] | None = None
         self._same_layout: dict[tuple, bool] = {}
-        self._fragment_programs: list[Any] = []  # lowered while compiling, to count the loaded
 
-    def compile(self) -> None:
+    def compile(self) -> Plan:
         """Compiles every distinct program of the step (once, side by side on threads) and
-        resolves every transfer."""
-        if self._steps is not None:
-            return
-        with _Compiler() as compiler:
-            self._build(compiler)
-        loaded = compiler.shared.loaded_lowered
-        self.plan.num_loaded = sum(id(lowered) in loaded for lowered in self._fragment_programs)
-        self._fragment_programs = []
+        resolves every transfer; returns :attr:`compiled_plan`."""
+        if self._steps is None:
+            if self.program.process is not None:
+                if self._make_peers is None:
+                    raise ValueError("a program localized to one process needs its peers")
+                self._peers = self._make_peers()
+            with _Compiler() as compiler:
+                self._build(compiler)
+        return self.compiled_plan
 
     def _build(self, compiler: _Compiler) -> None:
-        program = self.program
-        local = _LocalView.make(self)
-        packing = (
-            no_packing(program)
-            if self.graph.specs  # sharding in types: every program keeps the types
-            else plan_packing(
-                program,
-                self.graph,
-                residual_bytes=self.pack_residuals,
-                weight_bytes=self.pack_weights,
-                input_names=self.input_names,
-            )
-        )
-        remaining = {p.slot: len(p.members) for p in packing.buffers}
-        sharding_of = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]
+        program, peers = self.program, self._peers
+        sharding_of = list(program.shardings)
         compiled_of: dict[tuple, Any] = {}
         constants: list[tuple[int, Any]] = []
-        offset_slots: dict[tuple, int] = {}
-        steps: list[list] = []
-        for task, buffers in packing.weights.items():  # made first: no run reads them before
-            members = [m for packed in buffers for m, _, _ in packed.members]
-            made = [packed.slot for packed in buffers]
-            for slot in made:
-                sharding_of[slot] = task.sharding()
-            if local.runs(task):
-                shardings = [sharding_of[m] for m in members]
-                packs = compiler.submit(lower_packing(buffers, shardings, task))
-                local.made(made, task)
-                steps.append([_RUN, packs, members, made, (), _rank(task), ()])
-            else:
-                local.elsewhere(made, task)
-
-        def offset_slot(task: Any, offset: int) -> int:
-            """The slot of the int32 ``offset`` on ``task`` (put there once)."""
-            slot = offset_slots.get((task, offset))
-            if slot is None:
-                slot = offset_slots[(task, offset)] = len(sharding_of)
-                sharding_of.append(task.sharding())
-                constants.append((slot, local.put(jnp.int32(offset), task.sharding())))
-                local.made([slot], task)
-            return slot
-
         resolved: dict[tuple, Any] = {}
+        fragment_programs: list[Any] = []  # lowered, to count those loaded
+        steps: list[_Step] = []
         actions = program.actions
         position = 0
         while position < len(actions):
             action = actions[position]
             position += 1
             if isinstance(action, Run):
-                if not local.runs(action.task):
-                    local.skipped(action, sharding_of)
-                    continue
-                runs = [local.without_sent_donations(action)]
-                indices = [position - 1]
-                later: list[int] = []  # released between a fused pair's two runs
+                runs = [action]
                 while runs[-1].fused:
-                    while isinstance(actions[position], Release):
-                        later += packing.released(actions[position].slots, remaining)
-                        position += 1
-                    runs.append(local.without_sent_donations(actions[position]))
-                    indices.append(position)
+                    runs.append(actions[position])
                     position += 1
-                how, reads, ins, outs = [], [], [], []
-                for run, index in zip(runs, indices, strict=True):
-                    args, unpack, packed_args = packing.inputs(run)
-                    packs = packing.by_run.get(index, ())
-                    sum_slots, sums = packing.sums(run)
-                    how.append((unpack, packs, packed_args, sums))
-                    offsets = [
-                        offset_slot(run.task, at) for at in slice_offsets(unpack, packed_args)
-                    ]
-                    reads.append([*args, *sum_slots, *offsets])
-                    ins += reads[-1]
-                    outs += [run.outs[p] for p in unpacked_outputs(run, packs)]
-                    outs += [pk.slot for pk in packs]
-                    outs += sum_slots
                 # A program per layout of its arguments: a value made by a fused pair may be
                 # laid out otherwise than the same value made by its fragment alone.
                 key = tuple(
                     (
                         *run.variant,
                         run.donate,
-                        unpack,
-                        tuple(pk.positions for pk in packs),
-                        tuple((pk is not None, at) for pk, at in sums),
-                        tuple(sharding_of[s] for s in slots),
+                        run.packing.layout if run.packing else None,
+                        tuple(sharding_of[s] for s in run.args),
                     )
-                    for run, (unpack, packs, _, sums), slots in zip(runs, how, reads, strict=True)
+                    for run in runs
                 )
                 if key not in compiled_of:
                     lowered = lower_fragments(
-                        self.graph,
-                        runs,
-                        [[sharding_of[s] for s in slots] for slots in reads],
-                        how,
+                        self.graph, runs, [[sharding_of[s] for s in run.args] for run in runs]
                     )
                     compiling = compiler.submit(lowered)
-                    self._fragment_programs.append(lowered)
+                    fragment_programs.append(lowered)
                     compiled_of[key] = (compiling, compiler.output_shardings(lowered, compiling))
                 compiled, output_shardings = compiled_of[key]
-                for s, sharding in zip(outs, output_shardings, strict=True):
+                results = tuple(s for run in runs for s in run.results)
+                for s, sharding in zip(results, output_shardings, strict=True):
                     sharding_of[s] = sharding
-                local.made(outs, runs[0].task)
                 labels = tuple((run.label, run.microbatch) for run in runs)
-                rank = _rank(runs[0].task)
-                steps.append([_RUN, compiled, ins, outs, labels, rank, tuple(later)])
-            elif isinstance(action, Recv):
+                args = tuple(s for run in runs for s in run.args)
+                steps.append(_Launch(compiled, args, results, labels, _rank(action.task)))
+            elif isinstance(action, Recv | Route):
+                source_layout = sharding_of[action.from_slot]
                 sharding = action.sharding
-                source_layout = local.source_layout(action, sharding_of)
                 if sharding is None and source_layout is not None:
                     sharding = compatible(source_layout, action.target)
                     resolved.setdefault((action.value, action.source, action.target), sharding)
                 sharding_of[action.slot] = sharding
-                how = local.receive(action, sharding, source_layout)
-                if how is True:
+                if isinstance(action, Recv):
                     move = self._mover(source_layout, sharding, action.value)
                     steps.append(
-                        [_PUT, action.from_slot, action.slot, sharding, move, source_layout, ()]
+                        _Move(action.from_slot, action.slot, sharding, move, source_layout)
                     )
-                elif how is not None:  # a transfer that involves another process
-                    steps.append([_CALL, how, action.from_slot, action.slot, ()])
-            elif isinstance(action, Zeros):
-                slots, shapes, dtypes, shardings = packing.zeros(position - 1, action)
-                for s, sharding in zip(slots, shardings, strict=True):
-                    sharding_of[s] = sharding
-                if local.runs(action.task):
-                    local.made(slots, action.task)
-                    zeros = compiler.submit(lower_zeros(shapes, dtypes, shardings))
-                    steps.append([_RUN, zeros, (), slots, (), _rank(action.task), ()])
+                elif action.source is None:
+                    steps.append(_Put(action.from_slot, action.slot, sharding))
                 else:
-                    local.elsewhere(action.slots, action.task)
+                    shape, dtype = self.graph.shapes[action.value], self.graph.dtypes[action.value]
+                    route = RoutePlan.plan(shape, dtype, source_layout, sharding, program.process)
+                    steps.append(_Cross(route, action.from_slot, action.slot))
+            elif isinstance(action, Zeros):
+                zeros = compiler.submit(lower_zeros(action.shapes, action.dtypes, action.shardings))
+                steps.append(_Launch(zeros, (), action.slots, (), _rank(action.task)))
+            elif isinstance(action, PackWeights):
+                members = action.members
+                shardings = [sharding_of[m] for m in members]
+                packs = compiler.submit(lower_packing(action.buffers, shardings, action.task))
+                made = tuple(b.slot for b in action.buffers)
+                steps.append(_Launch(packs, members, made, (), _rank(action.task)))
             elif isinstance(action, Constant):
                 sharding_of[action.slot] = action.task.sharding()
-                if local.runs(action.task):
-                    value = local.put(jax.numpy.int32(action.value), sharding_of[action.slot])
-                    constants.append((action.slot, value))
-                    local.made([action.slot], action.task)
-            elif isinstance(action, Release) and steps:  # dropped after the previous step
-                steps[-1][-1] = (*steps[-1][-1], *packing.released(action.slots, remaining))
-            elif not isinstance(action, Send | Release):  # a Send is its Recv's transfer here
+                constants.append(
+                    (action.slot, put(jnp.int32(action.value), action.task.sharding()))
+                )
+            elif isinstance(action, PublishLayout):
+                peers.publish_layout(action.slot, action.task, sharding_of[action.slot])
+            elif isinstance(action, AwaitLayout):
+                sharding_of[action.slot] = peers.layout(action.slot, action.task)
+            elif isinstance(action, Release):
+                if steps:  # dropped after the previous step
+                    steps[-1].drop = (*steps[-1].drop, *action.slots)
+            elif not isinstance(action, Send):  # a Send is its Recv's transfer here
                 raise TypeError(f"unknown action {action!r}")
-        self.plan.transfers[:] = [
+        self._constants = constants
+        self._outputs = []
+        self._rewrap = []
+        for i, out in enumerate(program.outputs):
+            if isinstance(out, ConstantOutput):
+                value = out.value if out.home is None else put(out.value, out.home)
+                self._outputs.append((None, value))
+            elif out.here:
+                self._outputs.append((out.slot, None))
+                layout = sharding_of[out.slot]
+                if (
+                    program.process is not None
+                    and out.task is not None
+                    and isinstance(layout, SingleDeviceSharding)
+                ):  # presented on its task, as other processes' placeholders of it are
+                    self._rewrap.append((i, out.task.sharding()))
+            else:
+                shape, dtype = self.graph.shapes[out.value], self.graph.dtypes[out.value]
+                self._outputs.append((None, placeholder(shape, dtype, sharding_of[out.slot])))
+        self._inputs = program.inputs
+        self._num_slots = len(sharding_of)
+        for step in steps:
+            if isinstance(step, _Launch):
+                step.program = step.program.result()
+        self._steps = steps
+        donated = {
+            slot
+            for step in steps
+            if isinstance(step, _Launch)
+            for slot, arg in zip(step.args, jax.tree.leaves(step.program.args_info), strict=True)
+            if arg.donated
+        }
+        self._consumed = [  # programs whose every result a later one may donate
+            i
+            for i, step in enumerate(steps)
+            if isinstance(step, _Launch)
+            and step.results
+            and all(s in donated for s in step.results)
+        ]
+        self._witness_of: dict[int, Callable] | None = None
+        self._direct = [
+            _jax.DirectLaunch.of(step.program) if isinstance(step, _Launch) else None
+            for step in steps
+        ]
+        self._checked_layouts: tuple | None = None
+        loaded = compiler.shared.loaded_lowered
+        transfers = [
             t
             if t.sharding is not None
             else dataclasses.replace(t, sharding=resolved.get((t.value, t.source, t.target)))
             for t in self.plan.transfers
         ]
-        self._constants = constants
-        self._outputs = [
-            (slot, None)
-            if slot is not None and local.holds(slot)
-            else (None, local.placeholder(slot, sharding_of))
-            if slot is not None
-            else (None, const if home is None else local.put(const, home))
-            for slot, const, home in program.outputs
-        ]
-        self._rewrap = [
-            (i, layout)
-            for i, (slot, _) in enumerate(self._outputs)
-            if slot is not None and (layout := local.output_layout(slot, sharding_of)) is not None
-        ]
-        self._inputs = program.inputs
-        self._region_slots = {
-            **program.activations,
-            **{
-                pk.slot: program.activations[pk.members[0][0]]
-                for pk in packing.buffers
-                if pk.members[0][0] in program.activations
-            },
-        }
-        self._num_slots = len(sharding_of)
-        self._steps = [(_RUN, s[1].result(), *s[2:]) if s[0] == _RUN else tuple(s) for s in steps]
-        donated = {
-            slot
-            for step in self._steps
-            if step[0] == _RUN
-            for slot, arg in zip(step[2], jax.tree.leaves(step[1].args_info), strict=True)
-            if arg.donated
-        }
-        self._consumed = [  # programs whose every result a later one may donate
-            i
-            for i, step in enumerate(self._steps)
-            if step[0] == _RUN and step[3] and all(s in donated for s in step[3])
-        ]
-        self._witness_of: dict[int, Callable] | None = None
-        self._direct = [
-            _jax.DirectLaunch.of(step[1]) if step[0] == _RUN else None for step in self._steps
-        ]
-        self._checked_layouts: tuple | None = None
+        self.compiled_plan = dataclasses.replace(
+            self.plan,
+            transfers=transfers,
+            num_loaded=sum(id(lowered) in loaded for lowered in fragment_programs),
+        )
 
     def _witnesses(self) -> dict[int, Callable]:
         """Per program whose every result a later one may donate, its :func:`witness_for`
@@ -594,7 +542,7 @@ class Executable:
             by_layout: dict[Any, Callable] = {}
             self._witness_of = {}
             for i in self._consumed:
-                first = jax.tree.leaves(self._steps[i][1].out_info)[0]
+                first = jax.tree.leaves(self._steps[i].program.out_info)[0]
                 key = (first.shape, first.dtype, first.sharding)
                 if key not in by_layout:
                     by_layout[key] = witness_for(first)
@@ -617,41 +565,52 @@ class Executable:
         witnesses = self._witnesses() if timer is not None and timer.wants_witnesses else {}
         direct = self._direct if self._laid_out_as_checked(leaves) else None
         checking = direct is None
+        peers = self._peers
         if timer is not None:
             timer.begin()
         for i, step in enumerate(self._steps):
-            if step[0] == _RUN:
+            kind = type(step)
+            if kind is _Launch:
                 began = time.perf_counter() if timer is not None else 0.0
                 launch = direct[i] if direct is not None else None
                 if launch is not None:
-                    slots = step[2] if launch.kept is None else [step[2][k] for k in launch.kept]
+                    slots = (
+                        step.args if launch.kept is None else [step.args[k] for k in launch.kept]
+                    )
                     outs = launch.launch([env[s] for s in slots])
                 else:
-                    args = [env[s] for s in step[2]]
+                    args = [env[s] for s in step.args]
                     if checking and self._direct[i] is not None:
                         self._check_layouts(i, args)
-                    outs = step[1](*args)
+                    outs = step.program(*args)
                 if timer is not None:
                     witness = witnesses.get(i)
-                    timer.launched(step[5], step[4], step[2], step[3], outs, began, witness)
-                for s, o in zip(step[3], outs, strict=True):
+                    timer.launched(
+                        step.rank, step.labels, step.args, step.results, outs, began, witness
+                    )
+                for s, o in zip(step.results, outs, strict=True):
                     env[s] = o
-            elif step[0] == _PUT:
-                value = env[step[1]]
-                if step[4] is not None and getattr(value, "sharding", None) == step[5]:
-                    value = step[4](value)  # laid out as planned: the move decided at compile
-                elif not self._laid_out_as(value, step[3]):
-                    value = _jax.move_to(value, step[3])
-                env[step[2]] = value
+            elif kind is _Move:
+                value = env[step.source]
+                if (
+                    step.mover is not None
+                    and getattr(value, "sharding", None) == step.source_layout
+                ):
+                    value = step.mover(value)  # laid out as planned: the move decided at compile
+                elif not self._laid_out_as(value, step.sharding):
+                    value = _jax.move_to(value, step.sharding)
+                env[step.target] = value
                 if timer is not None:
-                    timer.moved(step[1], step[2])
-            else:  # a transfer involving another process: ``step[1]`` moves it
-                value = step[1](env[step[2]])
+                    timer.moved(step.source, step.target)
+            elif kind is _Put:
+                env[step.target] = put(env[step.source], step.sharding)
+            else:  # _Cross: a transfer involving another process
+                value = step.route(env[step.source], peers)
                 if value is not None:
-                    env[step[3]] = value
+                    env[step.target] = value
             if memory is not None:
                 self._record(env, memory)
-            for s in step[-1]:
+            for s in step.drop:
                 env[s] = None
         if checking:
             self._checked_layouts = self._input_layouts(leaves)
@@ -729,7 +688,7 @@ class Executable:
 
     def _record(self, env: list, memory: dict) -> None:
         live: dict[str, tuple[int, set]] = {}
-        for slot, (task, m) in self._region_slots.items():
+        for slot, (task, m) in self.program.activations.items():
             if env[slot] is not None:
                 total, microbatches = live.get(task, (0, set()))
                 microbatches.add(m)

@@ -1,12 +1,13 @@
 """How one value moves between two tasks whose devices belong to different processes.
 
-A :class:`Route` is computed once per transfer when a step is compiled: which source device sends
-which shard to which target device. Shards are matched by the slice of the array they hold, so a
-value keeps its layout on the way (the usual case: the same spec on both tasks). When no match
-exists, the source first gathers the value onto each of its devices (a program its task's
-processes run), every target device receives a whole copy, and the target reshards it locally.
-Shards whose two devices belong to one process are copied locally; the others go through the
-:mod:`transport`.
+A :class:`RoutePlan` is computed once per :class:`~mmnnx.mpmd.program.Route` when a step is
+compiled: which source device sends which shard to which target device. Shards are matched by
+the slice of the array they hold, so a value keeps its layout on the way (the usual case: the
+same spec on both tasks). When no match exists, the source first gathers the value onto each of
+its devices (a program its task's processes run), every target device receives a whole copy,
+and the target reshards it locally. Shards whose two devices belong to one process are copied
+locally; the others go through the step's :class:`~mmnnx.mpmd.peers.Peers`
+(``mmnnx.distributed`` provides them).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from mmnnx.distributed.arrays import processes_of, slice_key
-from mmnnx.distributed.transport import transport
+from mmnnx.distributed.arrays import processes_of, slice_key  # moves down with the fence
 from mmnnx.mpmd._jax import shards_by_device
+from mmnnx.mpmd.peers import Peers
 
 
 def _pairs(source: Any, target: Any, shape: tuple[int, ...]) -> list[tuple[Any, Any]] | None:
@@ -50,8 +51,8 @@ def _reshard(sharding: Any) -> Any:
 
 
 @dataclasses.dataclass
-class Route:
-    """The shard-by-shard plan of one cross-process transfer, from this process's side."""
+class RoutePlan:
+    """The shard-by-shard plan of one cross-process transfer, from process ``me``'s side."""
 
     shape: tuple[int, ...]
     dtype: Any
@@ -61,10 +62,10 @@ class Route:
     pairs: list[tuple[Any, Any]]
     sends: bool  # this process holds part of the source
     receives: bool  # this process holds part of the target
+    me: int
 
     @classmethod
-    def plan(cls, shape: tuple, dtype: Any, source: Any, target: Any) -> Route:
-        me = jax.process_index()
+    def plan(cls, shape: tuple, dtype: Any, source: Any, target: Any, me: int) -> RoutePlan:
         source_wire, target_wire = source, target
         pairs = _pairs(source, target, shape)
         if pairs is None:
@@ -80,12 +81,13 @@ class Route:
             pairs,
             me in processes_of(source),
             me in processes_of(target),
+            me,
         )
 
     def __post_init__(self) -> None:
         """This process's part, worked out once: which shards go to which peer, which come from
         which peer (with their layouts), and which are copied between its own devices."""
-        me = jax.process_index()
+        me = self.me
         self._outgoing: dict[int, list[Any]] = {}
         self._incoming: dict[int, list[Any]] = {}
         for src, dst in self.pairs:
@@ -100,10 +102,10 @@ class Route:
         }
         self._mine = [(src, dst) for src, dst in self.pairs if dst.process_index == me]
 
-    def __call__(self, value: Any) -> Any:
-        """Sends this process's shards of ``value`` (ignored where it holds none) and returns the
-        target array where this process holds part of it, else ``None``."""
-        port = transport()
+    def __call__(self, value: Any, port: Peers) -> Any:
+        """Sends this process's shards of ``value`` (ignored where it holds none) through
+        ``port`` and returns the target array where this process holds part of it, else
+        ``None``."""
         shards: dict[Any, Any] = {}
         if self.sends:
             if value.sharding != self.source_wire:

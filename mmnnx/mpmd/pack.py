@@ -11,8 +11,11 @@ change of layout.
   bytes each (by default :data:`PACK_RESIDUAL_BYTES`: the small ones, whose host cost per array
   is larger than the copy into the buffer; ``True``: all of them; ``False``: none).
 
-This module decides which, from a :class:`StepProgram`; the runner compiles the programs that
-way. A pure pass: it compiles nothing.
+The ``pack`` pass of ``passes.py`` decides which, from a lowered :class:`StepProgram`, and
+returns the program that runs them packed: :class:`~mmnnx.mpmd.program.PackWeights` actions,
+:class:`~mmnnx.mpmd.program.Zeros` filling packed sums, offsets as
+:class:`~mmnnx.mpmd.program.Constant` actions, and each :class:`~mmnnx.mpmd.program.Run`'s
+:class:`~mmnnx.mpmd.program.RunPacking`. It compiles nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +29,22 @@ import jax
 
 from mmnnx.mpmd._jax import is_gathered
 from mmnnx.mpmd.ir import Graph
-from mmnnx.mpmd.program import Recv, Run, Send, StepProgram, Zeros
+from mmnnx.mpmd.program import (
+    Action,
+    Buffer,
+    Constant,
+    InputRead,
+    Member,
+    Output,
+    PackWeights,
+    Recv,
+    Run,
+    RunPacking,
+    Send,
+    StepProgram,
+    SumArg,
+    Zeros,
+)
 from mmnnx.sharding.specs import itemsize
 
 _MAX_PACKED = 2**31 - 1  # elements: programs take the offsets into a buffer as int32
@@ -77,104 +95,68 @@ def _bound(value: bool | int, option: str, what: str, default: int) -> int:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Packed:
-    """One flat buffer in slot ``slot``: the results of one run at ``positions`` (of its
-    outputs), or running sums (no ``positions``: each Run adding to it says which of its results
-    go where), each ``(member slot, offset, shape)`` in ``members``, all of ``dtype``."""
-
-    slot: int
-    dtype: Any
-    positions: tuple[int, ...]
-    members: tuple[tuple[int, int, tuple[int, ...]], ...]
-    fixed: bool = False  # read at offsets fixed in the readers' programs (weights of a block)
-    # Where the members of one block (a layer) begin: a reader slices each member at its
-    # block's base plus its distance from it, both arguments (blocks laid out alike share the
-    # distances, and every slice of one shape stays one kernel). A member before the first base
-    # is its own base.
-    bases: tuple[int, ...] = ()
-
-    @property
-    def size(self) -> int:
-        return sum(math.prod(shape) for _, _, shape in self.members)
-
-    def base_of(self, offset: int) -> int:
-        """The base a reader slices the member at ``offset`` from (see ``bases``).
-
-        Example:
-            >>> members = ((1, 0, (2,)), (2, 2, (3,)), (3, 5, (1,)))
-            >>> packed = Packed(9, "float32", (), members, bases=(2,))
-            >>> packed.base_of(0), packed.base_of(5)
-            (0, 2)
-        """
-        below = [b for b in self.bases if b <= offset]
-        return below[-1] if below else offset
-
-
 @dataclasses.dataclass
 class Packing:
-    """The packed buffers of a program: by the index of the Run making them, and by member."""
+    """What to pack in a lowered program: buffers by the index of the action making them (a
+    Run's results, a Zeros action's sums), by member, and weight buffers by task."""
 
-    by_run: dict[int, tuple[Packed, ...]]
-    of_member: dict[int, Packed]
+    by_run: dict[int, tuple[Buffer, ...]]
+    of_member: dict[int, Buffer]
     num_slots: int
-    by_zeros: dict[int, tuple[Packed, ...]] = dataclasses.field(default_factory=dict)
+    by_zeros: dict[int, tuple[Buffer, ...]] = dataclasses.field(default_factory=dict)
     # Weights: per task, the buffers a program at the step's start packs from step inputs, which
     # the pipelined runs (of one microbatch) read instead of the inputs; other readers do not.
-    weights: dict[Any, tuple[Packed, ...]] = dataclasses.field(default_factory=dict)
-    of_weight: dict[int, Packed] = dataclasses.field(default_factory=dict)
+    weights: dict[Any, tuple[Buffer, ...]] = dataclasses.field(default_factory=dict)
+    of_weight: dict[int, Buffer] = dataclasses.field(default_factory=dict)
 
     @property
-    def buffers(self) -> list[Packed]:
+    def buffers(self) -> list[Buffer]:
         """Every packed buffer."""
         made = (*self.by_run.values(), *self.by_zeros.values(), *self.weights.values())
         return [packed for buffers in made for packed in buffers]
 
-    def _buffer_of(self, run: Run, slot: int) -> Packed | None:
+    def _buffer_of(self, run: Run, slot: int) -> Buffer | None:
         packed = self.of_member.get(slot)
         if packed is None and run.microbatch is not None:
             packed = self.of_weight.get(slot)
         return packed
 
-    def zeros(self, index: int, action: Zeros) -> tuple[list[int], list, list, list]:
-        """The slots, shapes, dtypes and shardings the :class:`Zeros` action at ``index`` fills:
-        its sums that are not packed, then one flat buffer per packed group."""
+    def zeros(self, index: int, action: Zeros) -> Zeros:
+        """The :class:`Zeros` action at ``index``, filling its sums that are not packed, then
+        one flat buffer per packed group."""
         packs = self.by_zeros.get(index, ())
-        packed = {m for pk in packs for m, _, _ in pk.members}
+        if not packs:
+            return action
+        packed = {m.slot for pk in packs for m in pk.members}
         kept = [i for i, slot in enumerate(action.slots) if slot not in packed]
-        slots = [action.slots[i] for i in kept] + [pk.slot for pk in packs]
-        shapes = [action.shapes[i] for i in kept] + [(pk.size,) for pk in packs]
-        dtypes = [action.dtypes[i] for i in kept] + [pk.dtype for pk in packs]
-        shardings = [action.shardings[i] for i in kept] + [action.task.sharding() for _ in packs]
-        return slots, shapes, dtypes, shardings
+        return Zeros(
+            action.task,
+            tuple([action.slots[i] for i in kept] + [pk.slot for pk in packs]),
+            tuple([action.shapes[i] for i in kept] + [(pk.size,) for pk in packs]),
+            tuple([action.dtypes[i] for i in kept] + [pk.dtype for pk in packs]),
+            tuple([action.shardings[i] for i in kept] + [action.task.sharding() for _ in packs]),
+        )
 
-    def sums(self, run: Run) -> tuple[list[int], list[tuple[Packed | None, tuple[int, ...]]]]:
-        """The running sums ``run`` reads and returns updated (a packed buffer once for all its
-        members), and for each the buffer (``None``: a sum of its own) and the positions of
-        ``run``'s results added to it, in the buffer's order."""
+    def sums(self, run: Run) -> tuple[SumArg, ...]:
+        """The running sums ``run`` reads and returns updated: a packed buffer once for all its
+        members, with the positions of ``run``'s results added to it in the buffer's order."""
         position = dict(zip(run.sums, run.summed, strict=True))
-        slots: list[int] = []
-        groups: list[tuple[Packed | None, tuple[int, ...]]] = []
+        sums: list[SumArg] = []
         for s in run.sums:
             packed = self.of_member.get(s)
             if packed is None:
-                slots.append(s)
-                groups.append((None, (position[s],)))
-            elif packed.slot not in slots:
-                slots.append(packed.slot)
-                groups.append((packed, tuple(position[m] for m, _, _ in packed.members)))
-        return slots, groups
+                sums.append(SumArg(s, (position[s],)))
+            elif all(a.slot != packed.slot for a in sums):
+                positions = tuple(position[m.slot] for m in packed.members)
+                sums.append(SumArg(packed.slot, positions, packed))
+        return tuple(sums)
 
-    def inputs(self, run: Run) -> tuple[list[int], tuple | None, dict[int, Packed]]:
-        """The slots ``run`` reads (a packed buffer once for all its members); how to find each
-        of the fragment's inputs among them, ``(argument, offset, shape)`` with offset ``None``
-        for the argument itself (``None`` when nothing is packed); and the packed buffers among
-        the arguments, by position."""
-        if not any(self._buffer_of(run, s) is not None for s in run.ins):
-            return list(run.ins), None, {}
+    def inputs(self, run: Run) -> tuple[tuple[int, ...], tuple[InputRead, ...], dict[int, Buffer]]:
+        """The slots ``run`` reads (a packed buffer once for all its members), where each of
+        the fragment's inputs is among them, and the packed buffers among them by position."""
         args: list[int] = []
-        where: list[tuple[int, int | None, tuple[int, ...]]] = []
-        packed_args: dict[int, Packed] = {}
+        reads: list[InputRead] = []
+        packed_args: dict[int, Buffer] = {}
         for s in run.ins:
             packed = self._buffer_of(run, s)
             slot = s if packed is None else packed.slot
@@ -182,60 +164,109 @@ class Packing:
                 args.append(slot)
             k = args.index(slot)
             if packed is None:
-                where.append((k, None, ()))
+                reads.append(InputRead(k))
             else:
-                _, offset, shape = next(m for m in packed.members if m[0] == s)
-                where.append((k, offset, shape))
+                reads.append(InputRead(k, packed.member(s)))
                 packed_args[k] = packed
-        return args, tuple(where), packed_args
-
-    def released(self, slots: Sequence[int], remaining: dict[int, int]) -> list[int]:
-        """``slots`` (a Release's) with members replaced by their buffer once its last member
-        goes (``remaining``: members left per buffer, updated)."""
-        out = []
-        for s in slots:
-            packed = self.of_member.get(s)
-            if packed is None:
-                out.append(s)
-                packed = self.of_weight.get(s)  # the input goes, and its share of its buffer
-                if packed is None:
-                    continue
-            remaining[packed.slot] -= 1
-            if remaining[packed.slot] == 0:
-                out.append(packed.slot)
-        return out
+        return tuple(args), tuple(reads), packed_args
 
 
-def slice_offsets(unpack: tuple | None, packed_args: dict[int, Packed] | None = None) -> list[int]:
+def slice_offsets(reads: Sequence[InputRead], buffers: dict[int, Buffer]) -> list[int]:
     """The distinct offsets a program takes as arguments to slice members out of its packed
-    arguments (``unpack`` and ``packed_args`` as :meth:`Packing.inputs` gives them), in the
-    order it takes them: each member's own offset, or its block's base and its distance from it
-    (:meth:`Packed.base_of`; blocks laid out alike share the distances); a ``fixed`` buffer's
-    offsets are in the program, not arguments.
+    arguments (``reads``, ``buffers`` by argument), in the order it takes them: each member's
+    own offset, or its block's base and its distance from it (:meth:`Buffer.base_of`; blocks
+    laid out alike share the distances); a ``fixed`` buffer's offsets are in the program.
 
     Example:
-        >>> slice_offsets(((0, None, ()), (1, 0, (2, 3)), (1, 6, (4,)), (2, 0, (5,))))
-        [0, 6]
-        >>> two_blocks = ((1, 0, (2,)), (2, 2, (3,)), (3, 5, (2,)), (4, 7, (3,)))
-        >>> packed = Packed(9, "float32", (), two_blocks, bases=(0, 5))
-        >>> slice_offsets(tuple((0, at, shape) for _, at, shape in two_blocks), {0: packed})
+        >>> two_blocks = (Member(1, 0, (2,)), Member(2, 2, (3,)), Member(3, 5, (2,)),
+        ...               Member(4, 7, (3,)))
+        >>> packed = Buffer(9, "float32", two_blocks, bases=(0, 5))
+        >>> slice_offsets([InputRead(0, m) for m in two_blocks], {0: packed})
         [0, 2, 5]
     """
-    packed_args = packed_args or {}
     offsets: set[int] = set()
-    for k, at, _ in unpack or ():
-        if at is None or (k in packed_args and packed_args[k].fixed):
+    for read in reads:
+        buffer = buffers.get(read.arg)
+        if read.member is None or buffer.fixed:
             continue
-        base = packed_args[k].base_of(at) if k in packed_args else at
+        at = read.member.offset
+        base = buffer.base_of(at)
         offsets.update((base, at - base) if at != base else (base,))
     return sorted(offsets)
 
 
-def unpacked_outputs(run: Run, packs: Sequence[Packed]) -> list[int]:
-    """The positions of ``run``'s results that its program returns as they are: those it
-    returns (not only added to a sum) and does not pack into one of ``packs``."""
-    packed = {p for pk in packs for p in pk.positions}
-    return [i for i, s in enumerate(run.outs) if s is not None and i not in packed]
+def pack(
+    program: StepProgram,
+    graph: Graph,
+    *,
+    residual_bytes: int = _MAX_BYTES,
+    weight_bytes: int = 0,
+    input_names: Sequence[str] = (),
+) -> StepProgram:
+    """The pass: ``program`` with the running sums of each one-device task (or whole on each
+    of a task's devices), the residuals of its pipelined programs of at most ``residual_bytes``
+    each, and the weights of at most ``weight_bytes`` each of each block its pipelined programs
+    read (``input_names``: the step inputs' paths) travelling as flat buffers
+    (:func:`plan_packing` says which)."""
+    packing = plan_packing(
+        program,
+        graph,
+        residual_bytes=residual_bytes,
+        weight_bytes=weight_bytes,
+        input_names=input_names,
+    )
+    if not packing.buffers:
+        return program
+    shardings = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]
+    actions: list[Action] = []
+    for task, buffers in packing.weights.items():  # made first: no run reads them before
+        for buffer in buffers:
+            shardings[buffer.slot] = task.sharding()
+        actions.append(PackWeights(task, buffers))
+    offset_slots: dict[tuple[Any, int], int] = {}
+    constants: list[Constant] = []  # put before the step, with the weights
+    for i, action in enumerate(program.actions):
+        if isinstance(action, Zeros):
+            action = packing.zeros(i, action)
+            for slot, sharding in zip(action.slots, action.shardings, strict=True):
+                shardings[slot] = sharding
+        elif isinstance(action, Run):
+            args, reads, buffers = packing.inputs(action)
+            sums = packing.sums(action)
+            packs = packing.by_run.get(i, ())
+            if buffers or packs or any(s.buffer is not None for s in sums):
+                for buffer in packs:
+                    shardings[buffer.slot] = action.task.sharding()
+                offsets = []
+                for value in slice_offsets(reads, buffers):
+                    slot = offset_slots.get((action.task, value))
+                    if slot is None:
+                        slot = offset_slots[(action.task, value)] = len(shardings)
+                        shardings.append(action.task.sharding())
+                        constants.append(Constant(slot, action.task, value))
+                    offsets.append((slot, value))
+                action = dataclasses.replace(
+                    action,
+                    packing=RunPacking(
+                        args,
+                        reads,
+                        tuple(sorted(buffers.items())),
+                        tuple(packs),
+                        sums,
+                        tuple(offsets),
+                    ),
+                )
+        actions.append(action)
+    activations = dict(program.activations)
+    for buffer in packing.buffers:
+        first = buffer.members[0].slot
+        if first in program.activations:
+            activations[buffer.slot] = program.activations[first]
+    weights = len(packing.weights)
+    actions = [*actions[:weights], *constants, *actions[weights:]]
+    return program.replace(
+        actions=tuple(actions), shardings=tuple(shardings), activations=activations
+    )
 
 
 def plan_packing(
@@ -317,7 +348,7 @@ def _weight_packing(
             packed = dataclasses.replace(packed, fixed=True)
             next_slot += 1
             packing.weights[task] = (*packing.weights.get(task, ()), packed)
-            packing.of_weight.update({m: packed for m, _, _ in packed.members})
+            packing.of_weight.update({m.slot: packed for m in packed.members})
     packing.num_slots = next_slot
     return packing
 
@@ -336,9 +367,9 @@ def _readers(program: StepProgram) -> dict[int, list[Run | None]]:
             readers.setdefault(a.from_slot, []).append(None)
         elif isinstance(a, Send):
             readers.setdefault(a.slot, []).append(None)
-    for slot, _, _ in program.outputs:
-        if slot is not None:
-            readers.setdefault(slot, []).append(None)
+    for output in program.outputs:
+        if isinstance(output, Output):
+            readers.setdefault(output.slot, []).append(None)
     return readers
 
 
@@ -392,7 +423,7 @@ def _sum_packing(program: StepProgram, packing: Packing, gathered: set[int]) -> 
             if packed is not None:
                 next_slot += 1
                 made.append(packed)
-                packing.of_member.update({m: packed for m, _, _ in packed.members})
+                packing.of_member.update({m.slot: packed for m in packed.members})
         if made:
             packing.by_zeros[i] = tuple(made)
     packing.num_slots = next_slot
@@ -456,8 +487,8 @@ def _residual_packing(
         here = {p for p, s in enumerate(run.outs) if s is not None and packable(run, p)}
         key = id(run.fragment)
         positions[key] = positions[key] & here if key in positions else here
-    by_run: dict[int, tuple[Packed, ...]] = {}
-    of_member: dict[int, Packed] = {}
+    by_run: dict[int, tuple[Buffer, ...]] = {}
+    of_member: dict[int, Buffer] = {}
     next_slot = program.num_slots
     blocks: dict[int, dict[int, int]] = {}
     for i, run in runs:
@@ -473,13 +504,13 @@ def _residual_packing(
             packed = _buffer(next_slot, dtype, tuple(group), members)
             if packed is not None:
                 starts: dict[int, int] = {}
-                for p, (_, offset, _) in zip(group, packed.members, strict=True):
+                for p, member in zip(group, packed.members, strict=True):
                     if p in block:
-                        starts.setdefault(block[p], offset)
+                        starts.setdefault(block[p], member.offset)
                 packed = dataclasses.replace(packed, bases=tuple(sorted(starts.values())))
                 next_slot += 1
                 made.append(packed)
-                of_member.update({m: packed for m, _, _ in packed.members})
+                of_member.update({m.slot: packed for m in packed.members})
         if made:
             by_run[i] = tuple(made)
     return Packing(by_run, of_member, next_slot)
@@ -519,16 +550,16 @@ def _output_blocks(fragment: Any, weight_blocks: dict[int, str]) -> dict[int, in
 
 def _buffer(
     slot: int, dtype: Any, positions: tuple[int, ...], members: Sequence[tuple[int, tuple]]
-) -> Packed | None:
+) -> Buffer | None:
     """The buffer in ``slot`` holding ``members`` (``(slot, shape)`` each) one after the other,
     or ``None`` if they are fewer than two or too many elements for int32 offsets."""
     if len(members) < 2 or sum(math.prod(shape) for _, shape in members) > _MAX_PACKED:
         return None
     at, offset = [], 0
     for member, shape in members:
-        at.append((member, offset, tuple(shape)))
+        at.append(Member(member, offset, tuple(shape)))
         offset += math.prod(shape)
-    return Packed(slot, dtype, positions, tuple(at))
+    return Buffer(slot, dtype, tuple(at), positions)
 
 
 def no_packing(program: StepProgram) -> Packing:

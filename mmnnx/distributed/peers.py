@@ -1,0 +1,72 @@
+"""The peers of one compiled step (:class:`~mmnnx.mpmd.peers.Peers`) across processes.
+
+Before a step first compiles, every process checks that it planned the same step
+(:func:`~mmnnx.distributed.agree.check_same_everywhere`); layouts only the compiler knows go
+through the coordination service under that check's round, and arrays through this process's
+transfer server (:mod:`~mmnnx.distributed.transport`).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from mmnnx.distributed import _runtime
+from mmnnx.distributed.agree import check_same_everywhere
+from mmnnx.distributed.transport import transport
+from mmnnx.mpmd.errors import MPMDError
+from mmnnx.sharding import Task
+
+_LAYOUT_KEY = "mmnnx/layout/{}/{}"
+_LAYOUT_WAIT_S = 600.0
+
+
+def _spec_of(sharding: Any, task: Task) -> PartitionSpec:
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    if isinstance(sharding, SingleDeviceSharding) and sharding.device_set == set(
+        task.jax_mesh.devices.flat
+    ):  # the one device of a one-device task
+        return PartitionSpec()
+    raise MPMDError(
+        f"mm.jit: a result on task {task.name!r} has layout {sharding}, which cannot be sent to "
+        "another process; pin it with mm.with_sharding_constraint"
+    )
+
+
+class StepPeers:
+    """The other processes of the step described by ``lines`` (named ``name`` in messages):
+    made on every process at once, after checking they all planned the same step.
+
+    Example::
+
+        peers = StepPeers("'train_step'", fingerprint_lines)  # on every process
+    """
+
+    def __init__(self, name: str, lines: list[str]):
+        self.round = check_same_everywhere(f"mm.jit: the plan of {name}", lines)
+
+    def publish_layout(self, slot: int, task: Task, sharding: Any) -> None:
+        key = _LAYOUT_KEY.format(self.round, slot)
+        _runtime.key_value_set(key, pickle.dumps(_spec_of(sharding, task)))
+
+    def layout(self, slot: int, task: Task) -> NamedSharding:
+        try:
+            data = _runtime.key_value_get(_LAYOUT_KEY.format(self.round, slot), _LAYOUT_WAIT_S)
+        except jax.errors.JaxRuntimeError as e:
+            first = min(d.process_index for d in task.jax_mesh.devices.flat)
+            raise MPMDError(
+                f"mm.jit: process {first} did not publish the layout of a value of task "
+                f"{task.name!r} within {_LAYOUT_WAIT_S:.0f} s"
+            ) from e
+        return task.sharding(pickle.loads(data))
+
+    def send(self, peer: int, arrays: Sequence[jax.Array]) -> None:
+        transport().send(peer, arrays)
+
+    def receive(self, peer: int, specs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+        return transport().receive(peer, specs)

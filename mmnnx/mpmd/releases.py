@@ -1,0 +1,82 @@
+"""The ``add_releases`` pass: a :class:`Release` after each value's last reader.
+
+The last pass of ``passes.py``: it runs on the program as it will run (packed, localized), so a
+packed buffer is dropped after its last reader and a value this process only sends is dropped
+once sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mmnnx.mpmd.program import (
+    Action,
+    Constant,
+    Output,
+    PackWeights,
+    Recv,
+    Release,
+    Route,
+    Run,
+    StepProgram,
+    Zeros,
+)
+from mmnnx.sharding import Task
+
+
+def reads_writes(action: Action) -> tuple[Sequence[int], Sequence[int]]:
+    """The slots ``action`` reads and writes when it runs.
+
+    Example:
+        >>> from mmnnx.sharding import Task, TaskMesh
+        >>> reads_writes(Constant(3, Task("t", mesh=TaskMesh(devices=[0])), 0))
+        ((), (3,))
+    """
+    if isinstance(action, Run):
+        return action.args, action.results
+    if isinstance(action, Recv):
+        return (action.from_slot,), (action.slot,)
+    if isinstance(action, Route):
+        reads = (action.from_slot,) if action.sends or action.source is None else ()
+        return reads, (action.slot,) if action.receives else ()
+    if isinstance(action, Constant):
+        return (), (action.slot,)
+    if isinstance(action, Zeros):
+        return (), action.slots
+    if isinstance(action, PackWeights):
+        return action.members, tuple(b.slot for b in action.buffers)
+    return (), ()
+
+
+def _writer_task(action: Action) -> Task | None:
+    return action.target if isinstance(action, Recv | Route) else action.task
+
+
+def add_releases(program: StepProgram) -> StepProgram:
+    """``program`` with a :class:`Release` after each value's last reader, so activations are
+    freed as soon as the step no longer needs them (the step's inputs and outputs are kept). A
+    value written and never read is dropped right away. Nothing is released between the two
+    runs of an overlapped pair (they are one program)."""
+    keep = {o.slot for o in program.outputs if isinstance(o, Output) and o.slot is not None}
+    keep.update(slot for slot, _ in program.inputs)
+    actions = [a for a in program.actions if not isinstance(a, Release)]
+    last: dict[int, int] = {}
+    task_of: dict[int, Task | None] = {}
+    for i, action in enumerate(actions):
+        at = i + 1 if isinstance(action, Run) and action.fused else i
+        reads, writes = reads_writes(action)
+        for s in writes:
+            last.setdefault(s, at)
+            task_of.setdefault(s, _writer_task(action))
+        for s in reads:
+            last[s] = max(last.get(s, at), at)
+    after: dict[int, dict[Task | None, list[int]]] = {}
+    for s, i in sorted(last.items()):
+        if s not in keep:
+            after.setdefault(i, {}).setdefault(task_of.get(s), []).append(s)
+    out: list[Action] = []
+    for i, action in enumerate(actions):
+        out.append(action)
+        for task, slots in after.get(i, {}).items():
+            out.append(Release(task, tuple(slots)))
+    return program.replace(actions=tuple(out))
