@@ -7,10 +7,12 @@ import pytest
 import mmnnx as mm
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.localize import localize
 from mmnnx.mpmd.lower import lower
+from mmnnx.mpmd.pack import pack
 from mmnnx.mpmd.pipeline import join_consumers, split_backward, stage_fragments
-from mmnnx.mpmd.plan import cut, levels, make_fragment
-from mmnnx.mpmd.program import Recv, Release, Run, Send
+from mmnnx.mpmd.plan import Fragment, cut, levels, make_fragment
+from mmnnx.mpmd.program import Constant, Output, Recv, Release, Run, Send, StepProgram, Zeros
 from mmnnx.mpmd.releases import add_releases
 
 
@@ -265,3 +267,120 @@ def test_make_fragment_outputs_only_what_others_read(tasks):
     graph, _ = two_layer_chain()
     frag = make_fragment(graph, "f", a, graph.ops[:2], ("forward",))
     assert frag.out_ids == [graph.ops[1].outs[0]]  # the dot's result is used inside only
+
+
+def _pipelined_program(task):
+    """By hand, what lowering makes of two microbatches of a forward F (two small residuals)
+    and its backward B (adding two gradients to running sums), then an update U reading the
+    sums, on one task."""
+    b = Builder()
+    x = b.input(4)
+    r1, r2, g1, g2, new = (b.value(4) for _ in range(5))
+    graph = b.graph
+    forward = Fragment("F", task, [], [x], [r1, r2], ("forward",))
+    backward = Fragment("B", task, [], [r1, r2], [g1, g2], ("backward",))
+    update = Fragment("U", task, [], [g1, g2], [new], ("update",))
+    x_slot, sums = 0, (1, 2)
+    actions = [Zeros(task, sums, ((4,), (4,)), (np.dtype("float32"),) * 2, (None, None))]
+    slot = 3
+    for m in range(2):
+        outs = (slot, slot + 1)
+        actions.append(Run(forward, (x_slot,), outs, m, label=(task.name, "F", 0)))
+        actions.append(
+            Run(backward, outs, (None, None), m, sums, (0, 1), label=(task.name, "B", 0))
+        )
+        slot += 2
+    actions.append(Run(update, sums, (slot,)))
+    program = StepProgram(
+        (task,),
+        tuple(actions),
+        ((x_slot, 0),),
+        (Output(slot, new, task),),
+        (task.sharding(),) * (slot + 1),
+        {s: (task.name, (s - 3) // 2) for s in range(3, slot)},
+    )
+    return program, graph
+
+
+def test_pack_makes_buffers_typed_actions_and_fields(tasks):
+    a, _ = tasks
+    program, graph = _pipelined_program(a)
+    packed = pack(program, graph)
+    assert packed.num_slots > program.num_slots and program.actions[0].slots == (1, 2)
+    (zeros,) = [act for act in packed.actions if isinstance(act, Zeros)]
+    assert len(zeros.slots) == 1 and zeros.shapes == ((8,),)
+    (sum_buffer,) = zeros.slots
+    runs = [act for act in packed.actions if isinstance(act, Run)]
+    for forward, backward in zip(runs[:-1:2], runs[1::2], strict=True):
+        (residuals,) = forward.packing.packs  # both residuals in one buffer
+        assert [m.slot for m in residuals.members] == list(forward.outs)
+        assert forward.results == (residuals.slot,)
+        assert backward.packing.args == (residuals.slot,)
+        assert [r.member.slot for r in backward.packing.reads] == list(forward.outs)
+        (total,) = backward.packing.sums
+        assert total.slot == sum_buffer and total.positions == (0, 1)
+        assert backward.args[:2] == (residuals.slot, sum_buffer)  # then the offsets
+        assert backward.results == (sum_buffer,)
+    offsets = [act for act in packed.actions if isinstance(act, Constant)]
+    assert [c.value for c in offsets] == [0, 4]  # each residual's, put once for every run
+    assert runs[-1].packing.args == (sum_buffer,)  # the update slices the sums back
+    assert "run B @mb1 (s" in str(packed) and "sums (s" in str(packed)
+    unpacked = [
+        act for act in pack(program, graph, residual_bytes=0).actions if isinstance(act, Run)
+    ]
+    assert unpacked[0].packing is None and unpacked[1].packing.sums  # the sums only
+
+
+def test_add_releases_drops_a_buffer_after_its_last_reader_and_keeps_outputs(tasks):
+    a, _ = tasks
+    program, graph = _pipelined_program(a)
+    released = add_releases(pack(program, graph))
+    dropped = [s for act in released.actions if isinstance(act, Release) for s in act.slots]
+    runs = [act for act in released.actions if isinstance(act, Run)]
+    buffers = [run.packing.packs[0].slot for run in runs[:-1:2]]
+    assert set(buffers) <= set(dropped)  # each microbatch's residuals, once read
+    assert not {o.slot for o in released.outputs} & set(dropped)  # the sums are the results
+    assert 0 not in dropped  # nor a step input
+    for buffer in buffers:  # released right after the backward reading it
+        (at,) = [
+            i
+            for i, act in enumerate(released.actions)
+            if isinstance(act, Run) and buffer in act.args
+        ]
+        assert buffer in released.actions[at + 1].slots
+
+
+def test_localize_keeps_one_process_share_and_routes_what_crosses(tasks):
+    a, bt = tasks
+    graph, _ = two_layer_chain()
+    pairs = [
+        mm.Task(name, mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1])) for i, name in enumerate("CD")
+    ]
+    lowered, _ = lower(
+        graph,
+        pairs,
+        [None, *pairs],
+        [None, pairs[0].sharding(), pairs[1].sharding()],
+        [None],
+        None,
+        [(f, None) for f in cut(graph, [pairs[0]] * 2 + [pairs[1]] * 2, pairs)],
+    )
+    on = {"C": frozenset({0}), "D": frozenset({1})}  # as if each task were another process's
+    first = localize(lowered, 0, 2, lambda t: on[t.name])
+    second = localize(lowered, 1, 2, lambda t: on[t.name])
+    kinds = [type(act).__name__ for act in first.actions]
+    # the result is D's: process 0 hands back a placeholder laid out as D's compiler chose
+    assert kinds == ["Recv", "Run", "PublishLayout", "Route", "AwaitLayout"]
+    route = first.actions[3]
+    assert route.sends and not route.receives and route.source is pairs[0]
+    kinds = [type(act).__name__ for act in second.actions]
+    assert kinds == ["AwaitLayout", "Route", "Run", "PublishLayout"]
+    assert second.actions[1].receives and not second.actions[1].sends
+    assert second.actions[0].slot == route.from_slot == first.actions[2].slot
+    assert first.actions[-1].slot == second.actions[-1].slot == second.outputs[0].slot
+    (out,) = first.outputs
+    assert not out.here and second.outputs[0].here  # process 0 hands back a placeholder
+    assert first.process == 0 and "process 0's share" in str(first)
+    assert localize(lowered, 0, 1, lambda t: frozenset({0})).actions == tuple(
+        act for act in lowered.actions if not isinstance(act, Release)
+    )  # one process holding everything keeps everything
