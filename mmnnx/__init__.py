@@ -6,7 +6,7 @@ Example:
     >>> s0 = mm.Task("stage0", mesh=mesh.slice(stage=0))
 """
 
-from mmnnx import distributed, models, modules, mpmd, train
+from mmnnx import distributed, models, modules, mpmd, schedules, train
 from mmnnx.jit import CachedPartial, JitFunction, cached_partial, jit
 from mmnnx.microbatch import microbatch
 from mmnnx.models.stages import stage_rules
@@ -17,7 +17,6 @@ from mmnnx.mpmd import (
     SideEffectError,
     StepError,
     UnrolledMicrobatchWarning,
-    schedules,
 )
 from mmnnx.mpmd.markers import task, with_sharding_constraint
 from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES

@@ -502,3 +502,42 @@ def test_simulate_takes_costs_per_kind_with_stage_entries_winning():
 def test_simulate_rejects_action_costs_that_name_no_action(costs, message):
     with pytest.raises(ValueError, match=message):
         schedules.simulate(schedules.get("1f1b", 3, 6), action_costs=costs)
+
+
+# ---------------------------------------------------------------------------- namespaces
+
+
+def test_mm_schedules_holds_the_engine_names_and_tune():
+    import mmnnx as mm
+
+    engine = schedules
+    for name in engine.__all__:
+        assert getattr(mm.schedules, name) is getattr(engine, name), name
+    assert set(mm.schedules.__all__) - set(engine.__all__) == {
+        "Candidate",
+        "NoCandidateError",
+        "TuneResult",
+        "tune",
+    }
+    assert not hasattr(engine, "tune")  # it runs steps: above the engine
+
+
+def test_the_schedules_package_imports_only_the_standard_library_and_itself():
+    import ast
+    import pathlib
+    import sys
+
+    folder = pathlib.Path(schedules.__file__).parent
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                assert module.startswith("mmnnx.mpmd.schedules") or (
+                    top in sys.stdlib_module_names or top == "__future__"
+                ), f"{path.name} imports {module}"

@@ -87,7 +87,7 @@ def test_bad_tuner_options_are_refused_before_the_step_runs(options, message):
 
 
 def test_one_schedule_name_is_one_candidate():
-    from mmnnx.mpmd.tuning import _candidate_pairs
+    from mmnnx.tuning import _candidate_pairs
 
     assert _candidate_pairs("1f1b", 8, None) == [("1f1b", 8)]
     assert _candidate_pairs(None, (4, 8), None) == [(None, 4), (None, 8)]
@@ -103,7 +103,7 @@ def test_a_step_without_a_pipeline_is_refused():
 
 def test_candidates_must_place_stages_as_the_step_does():
     from mmnnx.mpmd.schedules import get
-    from mmnnx.mpmd.tuning import _fits, _same_ranks
+    from mmnnx.tuning import _fits, _same_ranks
 
     v_step = ["t0", "t1", "t1", "t0"]  # stage_rules(..., virtual_stages=2, order="v") homes
     loop_step = ["t0", "t1", "t0", "t1"]
@@ -123,7 +123,7 @@ def test_candidates_must_place_stages_as_the_step_does():
 
 def test_peak_memory_counts_a_rank_s_stages_at_once():
     from mmnnx.mpmd.schedules import get, simulate
-    from mmnnx.mpmd.tuning import _peak_held
+    from mmnnx.tuning import _peak_held
 
     schedule = get("gpipe", 2, 3)
     events = simulate(schedule).events

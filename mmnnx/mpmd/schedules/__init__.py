@@ -88,13 +88,3 @@ __all__ = [
     "zero_bubble_h2",
     "zero_bubble_v",
 ]
-
-from mmnnx.mpmd.errors import NoCandidateError  # noqa: E402, F401  (tune raises it)
-
-
-def tune(step, *args, **kwargs):  # moves to mmnnx.tuning in the next commit
-    """Measures a pipelined ``mm.jit`` step once and returns the fastest schedule
-    (:func:`mmnnx.mpmd.tuning.tune`)."""
-    from mmnnx.mpmd.tuning import tune as run_and_simulate  # noqa: PLC0415
-
-    return run_and_simulate(step, *args, **kwargs)
