@@ -364,7 +364,6 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) 
     """
     group = len(trace.microbatches)
     schedule, virtual_stages = options
-    schedule = markers.overridden_schedule() or schedule
     variables = _variables(args, kwargs)
     before = [_snapshot(v.get_raw_value()) for v in variables]
     kinds = [

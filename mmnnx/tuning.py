@@ -22,7 +22,6 @@ from rich.table import Table
 
 from mmnnx import _nnx
 from mmnnx._tables import Tabulation, render
-from mmnnx.mpmd import markers
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.errors import MPMDError, NoCandidateError
 
@@ -275,18 +274,14 @@ def tune(
         for name in ([n] if n is not None else fitting_names)
     ]
     names = list(dict.fromkeys(n for n, _ in pairs))
-    if split_cost is None and "zero-bubble-h1" in names and hasattr(step, "fun"):
+    if split_cost is None and "zero-bubble-h1" in names and hasattr(step, "with_options"):
         # a split backward runs two programs per stage: measure them rather than halve B
         try:
             sched.get("zero-bubble-h1", measured.num_stages, m0)
         except ValueError:
             pass
         else:
-            fresh = type(step)(
-                step.fun, step.static_argnums, step.static_argnames, step.donate_argnums
-            )
-            with markers.schedule_override("zero-bubble-h1"):
-                split_cost = measure(fresh)
+            split_cost = measure(step.with_options(schedule="zero-bubble-h1"))
     rows = pipeline.batch_size
     for name, m in pairs:
         if rows is not None and rows % m:

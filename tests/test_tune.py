@@ -130,3 +130,24 @@ def test_peak_memory_counts_a_rank_s_stages_at_once():
     # one task holding both stages: six microbatch-stages at once under GPipe
     assert _peak_held(events, {0: 1.0, 1: 2.0}, ["t", "t"]) == {"t": 9.0}
     assert _peak_held(events, {0: 1.0, 1: 2.0}, ["a", "b"]) == {"a": 3.0, "b": 6.0}
+
+
+def test_the_split_backward_is_measured_on_the_user_s_step_with_its_options(monkeypatch):
+    model = placed_gpt(four_tasks())
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 32)
+    step = mm.jit(pipelined(4).fun, pack_residuals=False, recompute_residuals=False, pack_weights=0)
+    measured = []
+    timeline = mm.JitFunction.timeline
+
+    def recording(self, *args, **kwargs):
+        schedule = self.plan(*args, **kwargs).pipeline.schedule.name
+        options = (self.pack_residuals, self.recompute_residuals, self.pack_weights)
+        measured.append((schedule, *options))
+        return timeline(self, *args, **kwargs)
+
+    monkeypatch.setattr(mm.JitFunction, "timeline", recording)
+    result = mm.schedules.tune(step, model, opt, tokens, candidates=[("zero-bubble-h1", 4)])
+    assert result.best.schedule == "zero-bubble-h1"
+    # the step as given (a warm-up, then measured), then the same step with a split backward
+    assert measured == [("1f1b", 0, False, 0)] * 2 + [("zero-bubble-h1", 0, False, 0)] * 2

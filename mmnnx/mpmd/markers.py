@@ -66,25 +66,6 @@ def shapes_only() -> Iterator[None]:
         _SHAPES_ONLY.reset(token)
 
 
-_SCHEDULE: contextvars.ContextVar[str | None] = contextvars.ContextVar("mm_schedule", default=None)
-
-
-@contextlib.contextmanager
-def schedule_override(name: str) -> Iterator[None]:
-    """Steps traced inside this block pipeline their ``mm.microbatch`` with schedule ``name``,
-    whatever the call says (``mm.schedules.tune`` measures each kind of schedule this way)."""
-    token = _SCHEDULE.set(name)
-    try:
-        yield
-    finally:
-        _SCHEDULE.reset(token)
-
-
-def overridden_schedule() -> str | None:
-    """The schedule :func:`schedule_override` imposes, or ``None``."""
-    return _SCHEDULE.get()
-
-
 def current_trace() -> Trace | None:
     """The annotations of the mm.jit trace in progress, or ``None`` outside mm.jit."""
     return _TRACING.get()

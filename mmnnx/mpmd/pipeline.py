@@ -78,13 +78,15 @@ def plan_pipeline(
     pinned: AbstractSet[int] = frozenset(),
     *,
     recompute_residuals: bool = True,
+    schedule: str | sched.Schedule | None = None,
 ) -> Pipeline | None:
     """The pipelined plan, or ``None`` when the step has no traced microbatch region.
 
     ``free_inputs`` are the graph inputs placed on no task (batches, counters); ``pinned`` the ops
     whose task is fixed (they read placed state): the others may move to keep the stages a
     chain (``op_tasks`` is updated in place). ``recompute_residuals``: see
-    :func:`~mmnnx.mpmd.remat.recompute_residuals`."""
+    :func:`~mmnnx.mpmd.remat.recompute_residuals`. ``schedule`` (a name or a table), if given,
+    replaces the schedule the ``mm.microbatch`` call named (``mm.jit``'s planning option)."""
     region_groups = {op.group for op in graph.ops if op.group is not None}
     if not region_groups:
         return None
@@ -94,6 +96,8 @@ def plan_pipeline(
         )
     (gid,) = region_groups
     group = groups[gid]
+    if schedule is not None:
+        group = dataclasses.replace(group, schedule=schedule)
     consumers = graph.consumers()
 
     index_ops = [op for op in graph.ops if is_index(op)]
