@@ -151,3 +151,17 @@ def test_the_split_backward_is_measured_on_the_user_s_step_with_its_options(monk
     assert result.best.schedule == "zero-bubble-h1"
     # the step as given (a warm-up, then measured), then the same step with a split backward
     assert measured == [("1f1b", 0, False, 0)] * 2 + [("zero-bubble-h1", 0, False, 0)] * 2
+
+
+def test_a_cached_partial_step_keeps_its_bound_arguments_values():
+    model = placed_gpt(four_tasks())
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 32)
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, opt)))]
+    step = mm.cached_partial(pipelined(4), model, opt)
+    result = mm.schedules.tune(step, tokens, candidates=[("1f1b", 4), ("zero-bubble-h1", 4)])
+    assert {c.schedule for c in result.candidates} == {"1f1b", "zero-bubble-h1"}
+    after = [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, opt)))]
+    assert all((a == b).all() for a, b in zip(before, after, strict=True))  # nothing trained
+    with pytest.raises(mm.MPMDError, match="donates its arguments"):
+        mm.schedules.tune(mm.cached_partial(mm.jit(pipelined(4).fun, donate_argnums=0), model))
