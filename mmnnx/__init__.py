@@ -18,7 +18,7 @@ from mmnnx.mpmd import (
     StepError,
     UnrolledMicrobatchWarning,
 )
-from mmnnx.mpmd.markers import task, with_sharding_constraint
+from mmnnx.mpmd.annotations import task, with_sharding_constraint
 from mmnnx.mpmd.packing import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.sharding import (
     MultiMesh,

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx import _nnx
-from mmnnx.mpmd import _jax, markers
+from mmnnx.mpmd import _jax, annotations, trace_state
 from mmnnx.mpmd.chains import resolve_rng_counts
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
@@ -638,15 +638,15 @@ class JitFunction:
         self.trace_count += 1
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
         try:
-            with markers.tracing() as trace:
+            with trace_state.tracing() as trace:
                 graph, out_shape = _jax.trace(pure, avals, name_as=fun, arg_names=call.names)
         except Exception as e:
             if not _jax.needs_explicit_axes(e):
                 raise
             mesh, avals = _typed_inputs(call, _step_name(fun), e)
-            with markers.tracing() as trace, _jax.explicit_tracing(mesh):
+            with trace_state.tracing() as trace, _jax.explicit_tracing(mesh):
                 graph, out_shape = _jax.trace(pure, avals, name_as=fun, arg_names=call.names)
-        markers.apply_resolvers(graph, trace)
+        annotations.apply_resolvers(graph, trace)
         regions = trace.regions
         out_tree = jax.tree.structure(out_shape[0])
         num_added = sum(a.num_leaves for a in added)
@@ -755,7 +755,7 @@ class JitFunction:
         its ops join that step's, which carries its Variable updates back (as a ``jax.jit``
         inside a ``jax.jit`` does). Any other transformation cannot trace a step that dispatches
         its own programs on several submeshes."""
-        if markers.current_trace() is None:
+        if trace_state.current_trace() is None:
             name = _step_name(self.fun)
             raise MPMDError(
                 f"mm.jit: {name} was called inside a JAX transformation (jax.jit, nnx.jit, "

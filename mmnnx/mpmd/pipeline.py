@@ -30,20 +30,11 @@ from mmnnx.mpmd.plan import (
     replicable_ops,
     with_replicas,
 )
+from mmnnx.mpmd.trace_state import MicrobatchGroup
 from mmnnx.sharding import Task
 
 _SMALL_STATE = 4096  # bytes: inputs this small may be sent to every stage that reads them
 _SMALL_TABLE = 64 * 2**10  # bytes: constant tables this small are remade by every stage
-
-
-@dataclasses.dataclass(frozen=True)
-class MicrobatchGroup:
-    """What ``mm.microbatch`` recorded while mm.jit traced it."""
-
-    num_microbatches: int
-    schedule: str | sched.Schedule
-    virtual_stages: int
-    batch_size: int | None = None  # rows split into the microbatches
 
 
 @dataclasses.dataclass
