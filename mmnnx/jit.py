@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx import _nnx
 from mmnnx.mpmd import _jax, annotations, trace_state
-from mmnnx.mpmd.chains import resolve_rng_counts
+from mmnnx.mpmd.carry import resolve_rng_counts
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd.lower import lower
@@ -31,7 +31,7 @@ from mmnnx.mpmd.plan import Plan, cut
 from mmnnx.mpmd.runner import Executable
 from mmnnx.mpmd.schedules import Schedule
 from mmnnx.mpmd.schedules import names as schedule_names
-from mmnnx.mpmd.stacks import Expansion, chunk_sharding, split_stacks
+from mmnnx.mpmd.stack_split import Expansion, chunk_sharding, split_stacks
 from mmnnx.mpmd.timing import BlockingTimer, Event, OverlapTimer, Timer
 from mmnnx.sharding import Task, TaskStack, home_of, stack_of, task_of
 from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state

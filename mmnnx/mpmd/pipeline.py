@@ -17,7 +17,7 @@ from collections.abc import Set as AbstractSet
 from mmnnx.mpmd import remat
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd._jax import is_accumulate, is_cheap, is_index, scan_first_part, split_scan
-from mmnnx.mpmd.chains import Chains, chains, is_marker
+from mmnnx.mpmd.carry import Carry, carry_of, is_marker
 from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.plan import (
@@ -50,7 +50,7 @@ class Pipeline:
     accumulated: dict[int, int]  # accumulate op output -> its per-microbatch input
     region_values: set[int]
     order: list[tuple[Fragment, int | None]]
-    chains: Chains = dataclasses.field(default_factory=lambda: Chains({}, {}))
+    chains: Carry = dataclasses.field(default_factory=lambda: Carry({}, {}))  # lower.py reads it
     num_microbatches: int = 1
     fused: frozenset[int] = frozenset()  # positions in ``order`` run as one program with the next
     batch_size: int | None = None  # rows split into the microbatches
@@ -94,7 +94,7 @@ def plan_pipeline(
     index_ops = [op for op in graph.ops if is_index(op)]
     index_value = index_ops[0].outs[0] if index_ops else None
     accumulate_ops = [op for op in graph.ops if is_accumulate(op)]
-    chained = chains(graph)
+    chained = carry_of(graph)
 
     def special(op: Op) -> bool:
         return is_index(op) or is_accumulate(op) or is_marker(op)
@@ -306,7 +306,7 @@ def _stage_constants(
     return list(made.values())
 
 
-def _check_chains(graph: Graph, chained: Chains, stages: dict[tuple[str, int], Fragment]) -> None:
+def _check_chains(graph: Graph, chained: Carry, stages: dict[tuple[str, int], Fragment]) -> None:
     """Raises unless each chained Variable is read and written by one stage's forward program:
     microbatch k's value is handed to microbatch k + 1's program there."""
     where = {op.index: key for key, frag in stages.items() for op in frag.ops}
