@@ -6,7 +6,7 @@ Example:
     >>> s0 = mm.Task("stage0", mesh=mesh.slice(stage=0))
 """
 
-from mmnnx import distributed, models, modules, mpmd, train
+from mmnnx import distributed, models, modules, mpmd, schedules, train
 from mmnnx.jit import CachedPartial, JitFunction, cached_partial, jit
 from mmnnx.microbatch import microbatch
 from mmnnx.models.stages import stage_rules
@@ -17,9 +17,8 @@ from mmnnx.mpmd import (
     SideEffectError,
     StepError,
     UnrolledMicrobatchWarning,
-    schedules,
 )
-from mmnnx.mpmd.markers import task, with_sharding_constraint
+from mmnnx.mpmd.annotations import task, with_sharding_constraint
 from mmnnx.mpmd.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.sharding import (
     MultiMesh,

@@ -278,7 +278,7 @@ def _check(args: argparse.Namespace) -> str | None:
         if path is not None and pathlib.Path(path).exists() and not pathlib.Path(path).is_dir():
             return f"{flag} {path} is a file, not a directory"
     from mmnnx.mpmd.schedules import get  # noqa: PLC0415
-    from mmnnx.mpmd.tuning import parse_bytes  # noqa: PLC0415
+    from mmnnx.tuning import parse_bytes  # noqa: PLC0415
 
     if args.memory_budget is not None:
         if args.schedule != "auto":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import warnings
@@ -15,8 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx import _nnx
 from mmnnx.distributed.peers import StepPeers
-from mmnnx.mpmd import _jax, markers
-from mmnnx.mpmd.chains import resolve_rng_counts
+from mmnnx.mpmd import _jax, annotations, trace_state
+from mmnnx.mpmd.carry import resolve_rng_counts
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd.lower import lower
@@ -31,7 +32,9 @@ from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan, cut
 from mmnnx.mpmd.program import StepProgram
 from mmnnx.mpmd.runner import Executable
-from mmnnx.mpmd.stacks import Expansion, chunk_sharding, split_stacks
+from mmnnx.mpmd.schedules import Schedule
+from mmnnx.mpmd.schedules import names as schedule_names
+from mmnnx.mpmd.stack_split import Expansion, chunk_sharding, split_stacks
 from mmnnx.mpmd.timing import BlockingTimer, Event, OverlapTimer, Timer
 from mmnnx.sharding import Task, TaskStack, home_of, stack_of, task_of
 from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state
@@ -544,31 +547,78 @@ def _execute(
     return results
 
 
-class JitFunction:
-    """The callable ``mm.jit`` returns; see :func:`jit`."""
+@dataclasses.dataclass(frozen=True)
+class JitOptions:
+    """Everything a step is built with besides its function: ``mm.jit``'s options (see
+    :func:`jit`) and the planning options, held normalised. :meth:`JitFunction.with_options`
+    replaces some and keeps the others, so an option added here is kept too."""
 
-    def __init__(
-        self,
-        fun,
-        static_argnums,
-        static_argnames,
-        donate_argnums,
-        pack_residuals=PACK_RESIDUAL_BYTES,
-        recompute_residuals=True,
-        pack_weights=PACK_WEIGHT_BYTES,
-    ):
+    static_argnums: tuple[int, ...] = ()
+    static_argnames: tuple[str, ...] = ()
+    donate_argnums: tuple[int, ...] = ()
+    pack_residuals: int = PACK_RESIDUAL_BYTES  # bytes (True / False given: every / none)
+    recompute_residuals: bool = True
+    pack_weights: int = PACK_WEIGHT_BYTES  # bytes (True / False given: every / none)
+    schedule: str | Schedule | None = None  # replaces each mm.microbatch's schedule when planned
+
+    def __post_init__(self) -> None:
+        names = self.static_argnames
+        normalised = {
+            "static_argnums": _as_tuple(self.static_argnums),
+            "static_argnames": (names,) if isinstance(names, str) else tuple(names),
+            "donate_argnums": _as_tuple(self.donate_argnums),
+            "pack_residuals": residual_bound(self.pack_residuals),
+            "pack_weights": weight_bound(self.pack_weights),
+        }
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
+        if not isinstance(self.recompute_residuals, bool):
+            got = self.recompute_residuals
+            raise TypeError(f"mm.jit: recompute_residuals must be True or False, got {got!r}")
+        if isinstance(self.schedule, str) and self.schedule not in schedule_names():
+            raise ValueError(
+                f"mm.jit: unknown schedule {self.schedule!r}; valid schedules are "
+                f"{', '.join(schedule_names())} (or a Schedule object)"
+            )
+        if not isinstance(self.schedule, str | Schedule | None):
+            raise TypeError(f"mm.jit: schedule {self.schedule!r} is not a name or a Schedule")
+
+
+class JitFunction:
+    """The callable ``mm.jit`` returns; see :func:`jit`. ``JitFunction(fun, *options,
+    **options)`` takes :class:`JitOptions`' fields, in their order or by name."""
+
+    def __init__(self, fun, *options, **named_options):
         self.fun = fun
-        self.pack_residuals = residual_bound(pack_residuals)
-        self.pack_weights = weight_bound(pack_weights)
-        self.recompute_residuals = recompute_residuals
-        self.static_argnums = _as_tuple(static_argnums)
-        self.static_argnames = (
-            (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
-        )
-        self.donate_argnums = _as_tuple(donate_argnums)
         self._cache: dict[Any, tuple[Executable, Any]] = {}
         self.trace_count = 0
         functools.update_wrapper(self, fun)
+        self.options = JitOptions(*options, **named_options)
+
+    static_argnums = property(lambda self: self.options.static_argnums)
+    static_argnames = property(lambda self: self.options.static_argnames)
+    donate_argnums = property(lambda self: self.options.donate_argnums)
+    pack_residuals = property(lambda self: self.options.pack_residuals)
+    recompute_residuals = property(lambda self: self.options.recompute_residuals)
+    pack_weights = property(lambda self: self.options.pack_weights)
+
+    def with_options(self, **changes: Any) -> JitFunction:
+        """A new step of the same function with the same options except ``changes`` (any field
+        of :class:`JitOptions`), planned and compiled afresh on its first call.
+
+        ``schedule``, a planning option, replaces the schedule of the step's ``mm.microbatch``
+        when the step is planned (the trace is the same): ``mm.schedules.tune`` measures a
+        split backward with ``step.with_options(schedule="zero-bubble-h1")``.
+
+        Example:
+            >>> step = jit(lambda x: x * 2, pack_residuals=False)
+            >>> gpipe = step.with_options(schedule="gpipe")
+            >>> gpipe.options.schedule, gpipe.pack_residuals, step.options.schedule
+            ('gpipe', 0, None)
+        """
+        options = dataclasses.replace(self.options, **changes)
+        fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+        return JitFunction(self.fun, **fields)
 
     def _build(self, call: _Call) -> tuple[Executable, Any]:
         call.check_devices()
@@ -589,15 +639,15 @@ class JitFunction:
         self.trace_count += 1
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
         try:
-            with markers.tracing() as trace:
+            with trace_state.tracing() as trace:
                 graph, out_shape = _jax.trace(pure, avals, name_as=fun, arg_names=call.names)
         except Exception as e:
             if not _jax.needs_explicit_axes(e):
                 raise
             mesh, avals = _typed_inputs(call, _step_name(fun), e)
-            with markers.tracing() as trace, _jax.explicit_tracing(mesh):
+            with trace_state.tracing() as trace, _jax.explicit_tracing(mesh):
                 graph, out_shape = _jax.trace(pure, avals, name_as=fun, arg_names=call.names)
-        markers.apply_resolvers(graph, trace)
+        annotations.apply_resolvers(graph, trace)
         regions = trace.regions
         out_tree = jax.tree.structure(out_shape[0])
         num_added = sum(a.num_leaves for a in added)
@@ -654,6 +704,7 @@ class JitFunction:
             free,
             pinned,
             recompute_residuals=self.recompute_residuals,
+            schedule=self.options.schedule,
         )
         if pipeline is None:
             order = [(f, None) for f in cut(graph, op_tasks, tasks, free_inputs=free)]
@@ -730,7 +781,7 @@ class JitFunction:
         its ops join that step's, which carries its Variable updates back (as a ``jax.jit``
         inside a ``jax.jit`` does). Any other transformation cannot trace a step that dispatches
         its own programs on several submeshes."""
-        if markers.current_trace() is None:
+        if trace_state.current_trace() is None:
             name = _step_name(self.fun)
             raise MPMDError(
                 f"mm.jit: {name} was called inside a JAX transformation (jax.jit, nnx.jit, "
@@ -957,6 +1008,10 @@ class CachedPartial:
                 "step's own arguments (it is inlined there)"
             )
         return self.fn._run(self._call(args, kwargs))
+
+    def with_options(self, **changes: Any) -> CachedPartial:
+        """:meth:`JitFunction.with_options`, with the same bound arguments."""
+        return CachedPartial(self.fn.with_options(**changes), self.cached_args)
 
     def timeline(self, *args, **kwargs) -> list[Event]:
         """:meth:`JitFunction.timeline` with the bound arguments first."""

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from mmnnx import _nnx
-from mmnnx.mpmd import _jax, markers, schedules
+from mmnnx.mpmd import _jax, schedules, trace_state
 from mmnnx.mpmd.errors import UnrolledMicrobatchWarning
 from mmnnx.mpmd.ir import GROUP_PREFIX
-from mmnnx.mpmd.pipeline import MicrobatchGroup
+from mmnnx.mpmd.trace_state import MicrobatchGroup
 
 _REDUCTIONS = ("sum", "mean", "concat", "stack")
 _GATHERED = ("concat", "stack")  # every microbatch's value kept, in order
@@ -152,7 +152,7 @@ def microbatch(
             raise wrapped from e
 
     def _run_split(args, kwargs, m):
-        trace = markers.current_trace()
+        trace = trace_state.current_trace()
         if trace is not None and m == 1 and (schedule != "1f1b" or virtual_stages != 1):
             warnings.warn(
                 f"mm.microbatch: one microbatch is not pipelined: the step runs its stages "
@@ -364,7 +364,6 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) 
     """
     group = len(trace.microbatches)
     schedule, virtual_stages = options
-    schedule = markers.overridden_schedule() or schedule
     variables = _variables(args, kwargs)
     before = [_snapshot(v.get_raw_value()) for v in variables]
     kinds = [

@@ -1,5 +1,6 @@
 """mm.jit against the same model on one device."""
 
+import dataclasses
 import functools
 import re
 
@@ -207,6 +208,46 @@ def test_cache_and_replan_on_new_shape(tasks, batch):
     assert step.trace_count == 2
     step(model, jnp.ones((4, 16)))
     assert step.trace_count == 2
+
+
+def test_with_options_keeps_every_option_and_changes_the_given_ones(tasks, batch):
+    from mmnnx.jit import JitOptions
+
+    step = mm.jit(
+        train_step,
+        static_argnums=4,
+        static_argnames="flag",
+        donate_argnums=(0, 1),
+        pack_residuals=False,
+        recompute_residuals=False,
+        pack_weights=1024,
+    )
+    defaults = JitOptions()
+    given = [f.name for f in dataclasses.fields(JitOptions) if f.name != "schedule"]
+    assert all(getattr(step.options, name) != getattr(defaults, name) for name in given)
+    same = step.with_options()
+    assert same is not step and same.fun is step.fun and same.options == step.options
+    gpipe = step.with_options(schedule="gpipe")
+    assert gpipe.options == dataclasses.replace(step.options, schedule="gpipe")
+    assert (gpipe.pack_residuals, gpipe.recompute_residuals, gpipe.pack_weights) == (0, False, 1024)
+    assert gpipe.with_options(pack_weights=True).options.schedule == "gpipe"
+    assert step.options.schedule is None  # the step itself is unchanged
+    table = mm.schedules.gpipe(2, 4)
+    assert step.with_options(schedule=table).options.schedule is table
+    with pytest.raises(ValueError, match="unknown schedule 'gpipee'; valid schedules are gpipe"):
+        step.with_options(schedule="gpipee")
+    with pytest.raises(TypeError, match="is not a name or a Schedule"):
+        step.with_options(schedule=4)
+    with pytest.raises(TypeError, match="recompute_residuals must be True or False"):
+        step.with_options(recompute_residuals="yes")
+    with pytest.raises(TypeError, match="no_such_option"):
+        step.with_options(no_such_option=1)
+    model = two_stage(tasks)
+    bound = mm.cached_partial(mm.jit(lambda m, x: m(x)), model)
+    again = bound.with_options(schedule="1f1b")
+    assert isinstance(again, mm.CachedPartial) and again.cached_args == bound.cached_args
+    assert again.fn.options.schedule == "1f1b" and bound.fn.options.schedule is None
+    close(again(batch[0]), bound(batch[0]))
 
 
 # -- mixed state: batch statistics and dropout RNG --------------------------------------------

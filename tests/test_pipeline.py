@@ -351,6 +351,24 @@ def test_a_program_loaded_onto_devices_in_another_order_trains_like_one_device(
     assert [d.id for d in kernel.sharding.mesh.devices.flat] == [3, 2]
 
 
+def test_the_schedule_option_replaces_the_microbatch_schedule_when_planned(tasks, tokens):
+    model = placed(tasks)
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    step = mm.jit(pipelined_step("1f1b", num=4), recompute_residuals=False)
+
+    def last_stage(step):
+        pipeline = step.plan(model, opt, tokens).pipeline
+        kinds = [f.name for f, m in pipeline.order if m is not None and f.name.startswith("t3/")]
+        return pipeline.schedule, "".join(name[3] for name in kinds)
+
+    assert last_stage(step) == (mm.schedules.one_f_one_b(4, 4), "FBFBFBFB")
+    gpipe = step.with_options(schedule="gpipe")
+    assert last_stage(gpipe) == (mm.schedules.gpipe(4, 4), "FFFFBBBB")
+    assert last_stage(step.with_options(schedule=mm.schedules.gpipe(4, 4)))[1] == "FFFFBBBB"
+    assert not gpipe.options.recompute_residuals  # the user's options, besides the schedule
+    assert last_stage(step)[0].name == "1f1b"  # the step itself plans as before
+
+
 def test_interleaved_eight_stages_on_four_tasks(tasks, tokens):
     model = placed(tasks, depth=8)
     ref = gpt(depth=8)

@@ -1,5 +1,6 @@
 """Pipeline schedules as data: builders, validation, CSV, printing and the timing simulator."""
 
+import inspect
 from collections import Counter
 from fractions import Fraction
 
@@ -175,6 +176,38 @@ def test_get_rejects_bad_virtual_stages():
     for name in ("interleaved-1f1b", "interleaved-gpipe", "interleaved-zero-bubble"):
         with pytest.raises(ValueError, match=f"{name} with virtual_stages=1 would run one stage"):
             get(name, 4, 8)
+
+
+def test_one_record_per_name_says_its_placement_and_costs():
+    from mmnnx.mpmd.schedules.registry import Placement, registered
+
+    several = [n for n in schedules.names() if registered(n).placement.name != "ONE_PER_RANK"]
+    assert several == [
+        "interleaved-1f1b",
+        "interleaved-gpipe",
+        "zero-bubble-v",
+        "interleaved-zero-bubble",
+        "dualpipev",
+    ]
+    assert registered("zero-bubble-v").placement is Placement.V_SHAPED
+    for name in schedules.names():  # the record says what the builder's signature does
+        entry = registered(name)
+        assert entry.name == name
+        assert entry.takes_costs == ("costs" in inspect.signature(entry.builder).parameters)
+    with pytest.raises(ValueError, match="several stages per rank \\('interleaved-1f1b', "):
+        get("gpipe", 4, 8, virtual_stages=2)
+
+    def with_costs(num_stages, num_microbatches, virtual_stages, costs=None):
+        return gpipe(num_stages, num_microbatches)
+
+    schedules.register("with-costs", with_costs)
+    try:
+        user = registered("with-costs")
+        assert (user.placement, user.takes_costs) == (Placement.BUILDER_DECIDES, True)
+        assert get("with-costs", 2, 2, costs={"F": 1, "B": 2}) == gpipe(2, 2)
+        assert "with-costs" not in str(pytest.raises(ValueError, get, "1f1b", 2, 2, 2).value)
+    finally:
+        schedules.unregister("with-costs")
 
 
 # ---------------------------------------------------------------------------- simulation
@@ -469,3 +502,42 @@ def test_simulate_takes_costs_per_kind_with_stage_entries_winning():
 def test_simulate_rejects_action_costs_that_name_no_action(costs, message):
     with pytest.raises(ValueError, match=message):
         schedules.simulate(schedules.get("1f1b", 3, 6), action_costs=costs)
+
+
+# ---------------------------------------------------------------------------- namespaces
+
+
+def test_mm_schedules_holds_the_engine_names_and_tune():
+    import mmnnx as mm
+
+    engine = schedules
+    for name in engine.__all__:
+        assert getattr(mm.schedules, name) is getattr(engine, name), name
+    assert set(mm.schedules.__all__) - set(engine.__all__) == {
+        "Candidate",
+        "NoCandidateError",
+        "TuneResult",
+        "tune",
+    }
+    assert not hasattr(engine, "tune")  # it runs steps: above the engine
+
+
+def test_the_schedules_package_imports_only_the_standard_library_and_itself():
+    import ast
+    import pathlib
+    import sys
+
+    folder = pathlib.Path(schedules.__file__).parent
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                assert module.startswith("mmnnx.mpmd.schedules") or (
+                    top in sys.stdlib_module_names or top == "__future__"
+                ), f"{path.name} imports {module}"

@@ -87,7 +87,7 @@ def test_bad_tuner_options_are_refused_before_the_step_runs(options, message):
 
 
 def test_one_schedule_name_is_one_candidate():
-    from mmnnx.mpmd.tuning import _candidate_pairs
+    from mmnnx.tuning import _candidate_pairs
 
     assert _candidate_pairs("1f1b", 8, None) == [("1f1b", 8)]
     assert _candidate_pairs(None, (4, 8), None) == [(None, 4), (None, 8)]
@@ -103,7 +103,7 @@ def test_a_step_without_a_pipeline_is_refused():
 
 def test_candidates_must_place_stages_as_the_step_does():
     from mmnnx.mpmd.schedules import get
-    from mmnnx.mpmd.tuning import _fits, _same_ranks
+    from mmnnx.tuning import _fits, _same_ranks
 
     v_step = ["t0", "t1", "t1", "t0"]  # stage_rules(..., virtual_stages=2, order="v") homes
     loop_step = ["t0", "t1", "t0", "t1"]
@@ -123,10 +123,45 @@ def test_candidates_must_place_stages_as_the_step_does():
 
 def test_peak_memory_counts_a_rank_s_stages_at_once():
     from mmnnx.mpmd.schedules import get, simulate
-    from mmnnx.mpmd.tuning import _peak_held
+    from mmnnx.tuning import _peak_held
 
     schedule = get("gpipe", 2, 3)
     events = simulate(schedule).events
     # one task holding both stages: six microbatch-stages at once under GPipe
     assert _peak_held(events, {0: 1.0, 1: 2.0}, ["t", "t"]) == {"t": 9.0}
     assert _peak_held(events, {0: 1.0, 1: 2.0}, ["a", "b"]) == {"a": 3.0, "b": 6.0}
+
+
+def test_the_split_backward_is_measured_on_the_user_s_step_with_its_options(monkeypatch):
+    model = placed_gpt(four_tasks())
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 32)
+    step = mm.jit(pipelined(4).fun, pack_residuals=False, recompute_residuals=False, pack_weights=0)
+    measured = []
+    timeline = mm.JitFunction.timeline
+
+    def recording(self, *args, **kwargs):
+        schedule = self.plan(*args, **kwargs).pipeline.schedule.name
+        options = (self.pack_residuals, self.recompute_residuals, self.pack_weights)
+        measured.append((schedule, *options))
+        return timeline(self, *args, **kwargs)
+
+    monkeypatch.setattr(mm.JitFunction, "timeline", recording)
+    result = mm.schedules.tune(step, model, opt, tokens, candidates=[("zero-bubble-h1", 4)])
+    assert result.best.schedule == "zero-bubble-h1"
+    # the step as given (a warm-up, then measured), then the same step with a split backward
+    assert measured == [("1f1b", 0, False, 0)] * 2 + [("zero-bubble-h1", 0, False, 0)] * 2
+
+
+def test_a_cached_partial_step_keeps_its_bound_arguments_values():
+    model = placed_gpt(four_tasks())
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 32)
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, opt)))]
+    step = mm.cached_partial(pipelined(4), model, opt)
+    result = mm.schedules.tune(step, tokens, candidates=[("1f1b", 4), ("zero-bubble-h1", 4)])
+    assert {c.schedule for c in result.candidates} == {"1f1b", "zero-bubble-h1"}
+    after = [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, opt)))]
+    assert all((a == b).all() for a, b in zip(before, after, strict=True))  # nothing trained
+    with pytest.raises(mm.MPMDError, match="donates its arguments"):
+        mm.schedules.tune(mm.cached_partial(mm.jit(pipelined(4).fun, donate_argnums=0), model))

@@ -18,8 +18,14 @@ from mmnnx.mpmd.schedules import (
     zero_bubble_h2,
     zero_bubble_v,
 )
+from mmnnx.mpmd.schedules.zero_bubble import (
+    POLICIES,
+    _rank_peaks,
+    _rounded,
+    list_schedule,
+    v_stages,
+)
 from mmnnx.mpmd.timing import Event
-from mmnnx.mpmd.zero_bubble import POLICIES, _rank_peaks, _rounded, list_schedule, v_stages
 
 COSTS = [(1, 2, None), (1, 2, Fraction(1, 2)), (1, 3, 1), (2, 2, 1)]
 

@@ -17,7 +17,7 @@ from collections.abc import Set as AbstractSet
 from mmnnx.mpmd import remat
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd._jax import is_accumulate, is_cheap, is_index, scan_first_part, split_scan
-from mmnnx.mpmd.chains import Chains, chains, is_marker
+from mmnnx.mpmd.carry import Carry, carry_of, is_marker
 from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.plan import (
@@ -30,20 +30,11 @@ from mmnnx.mpmd.plan import (
     replicable_ops,
     with_replicas,
 )
+from mmnnx.mpmd.trace_state import MicrobatchGroup
 from mmnnx.sharding import Task
 
 _SMALL_STATE = 4096  # bytes: inputs this small may be sent to every stage that reads them
 _SMALL_TABLE = 64 * 2**10  # bytes: constant tables this small are remade by every stage
-
-
-@dataclasses.dataclass(frozen=True)
-class MicrobatchGroup:
-    """What ``mm.microbatch`` recorded while mm.jit traced it."""
-
-    num_microbatches: int
-    schedule: str | sched.Schedule
-    virtual_stages: int
-    batch_size: int | None = None  # rows split into the microbatches
 
 
 @dataclasses.dataclass
@@ -59,7 +50,7 @@ class Pipeline:
     accumulated: dict[int, int]  # accumulate op output -> its per-microbatch input
     region_values: set[int]
     order: list[tuple[Fragment, int | None]]
-    chains: Chains = dataclasses.field(default_factory=lambda: Chains({}, {}))
+    chains: Carry = dataclasses.field(default_factory=lambda: Carry({}, {}))  # lower.py reads it
     num_microbatches: int = 1
     fused: frozenset[int] = frozenset()  # positions in ``order`` run as one program with the next
     batch_size: int | None = None  # rows split into the microbatches
@@ -78,13 +69,15 @@ def plan_pipeline(
     pinned: AbstractSet[int] = frozenset(),
     *,
     recompute_residuals: bool = True,
+    schedule: str | sched.Schedule | None = None,
 ) -> Pipeline | None:
     """The pipelined plan, or ``None`` when the step has no traced microbatch region.
 
     ``free_inputs`` are the graph inputs placed on no task (batches, counters); ``pinned`` the ops
     whose task is fixed (they read placed state): the others may move to keep the stages a
     chain (``op_tasks`` is updated in place). ``recompute_residuals``: see
-    :func:`~mmnnx.mpmd.remat.recompute_residuals`."""
+    :func:`~mmnnx.mpmd.remat.recompute_residuals`. ``schedule`` (a name or a table), if given,
+    replaces the schedule the ``mm.microbatch`` call named (``mm.jit``'s planning option)."""
     region_groups = {op.group for op in graph.ops if op.group is not None}
     if not region_groups:
         return None
@@ -94,12 +87,14 @@ def plan_pipeline(
         )
     (gid,) = region_groups
     group = groups[gid]
+    if schedule is not None:
+        group = dataclasses.replace(group, schedule=schedule)
     consumers = graph.consumers()
 
     index_ops = [op for op in graph.ops if is_index(op)]
     index_value = index_ops[0].outs[0] if index_ops else None
     accumulate_ops = [op for op in graph.ops if is_accumulate(op)]
-    chained = chains(graph)
+    chained = carry_of(graph)
 
     def special(op: Op) -> bool:
         return is_index(op) or is_accumulate(op) or is_marker(op)
@@ -311,7 +306,7 @@ def _stage_constants(
     return list(made.values())
 
 
-def _check_chains(graph: Graph, chained: Chains, stages: dict[tuple[str, int], Fragment]) -> None:
+def _check_chains(graph: Graph, chained: Carry, stages: dict[tuple[str, int], Fragment]) -> None:
     """Raises unless each chained Variable is read and written by one stage's forward program:
     microbatch k's value is handed to microbatch k + 1's program there."""
     where = {op.index: key for key, frag in stages.items() for op in frag.ops}

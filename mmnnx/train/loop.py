@@ -27,6 +27,7 @@ from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer, Resumed
 from mmnnx.train.data import TextDataset
+from mmnnx.tuning import tune
 
 
 @dataclasses.dataclass
@@ -289,7 +290,6 @@ def _tuned(
     """``config`` with the schedule ``mm.schedules.tune`` picks for this model, measured on
     ``batch`` (process 0's choice, with several processes), printed with its table."""
     from mmnnx.distributed.agree import from_process_zero  # noqa: PLC0415
-    from mmnnx.mpmd.schedules import tune  # noqa: PLC0415
 
     if config.microbatches == 1:
         return dataclasses.replace(config, schedule="1f1b")

@@ -1,12 +1,11 @@
-"""User annotations that steer the engine: ``mm.task`` regions and logical sharding constraints."""
+"""User annotations that steer the engine: ``mm.task`` regions, logical sharding constraints
+(``mm.with_sharding_constraint``) and scope resolvers (:func:`resolve_scopes`). What they record
+while ``mm.jit`` traces a step lives in the trace state (``trace_state.py``)."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -15,79 +14,12 @@ from jax.sharding import PartitionSpec
 from mmnnx.mpmd import _jax
 from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import REGION_PREFIX, Graph
-from mmnnx.mpmd.pipeline import MicrobatchGroup
+from mmnnx.mpmd.trace_state import Trace, current_trace, is_shapes_only
 from mmnnx.sharding import Task
 
 ScopeResolver = Callable[[str, bool], "Task | None"]
 """``resolver(scope, backward) -> Task | None``: the task of an op traced under name scope
 ``scope`` (``backward``: in a backward pass), or ``None`` to leave it to colouring."""
-
-
-@dataclasses.dataclass
-class Trace:
-    """What annotations record while mm.jit traces a step."""
-
-    regions: dict[str, Task] = dataclasses.field(default_factory=dict)
-    microbatches: dict[int, MicrobatchGroup] = dataclasses.field(default_factory=dict)
-    resolvers: list[ScopeResolver] = dataclasses.field(default_factory=list)
-    unrolled: list[str] = dataclasses.field(default_factory=list)  # why, per unrolled call
-
-
-_TRACING: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("mm_tracing", default=None)
-_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("mm_shapes_only", default=False)
-
-
-@contextlib.contextmanager
-def tracing() -> Iterator[Trace]:
-    """Marks an mm.jit trace; collects ``mm.task`` regions and ``mm.microbatch`` groups."""
-    trace = Trace()
-    token = _TRACING.set(trace)
-    try:
-        yield trace
-    finally:
-        _TRACING.reset(token)
-
-
-@contextlib.contextmanager
-def shapes_only() -> Iterator[None]:
-    """Marks a trace that only computes shapes (``mm.tabulate``'s): inside it, unless ``mm.jit``
-    is tracing, :func:`with_sharding_constraint` returns its input, so no mesh need be in context.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> with shapes_only():
-        ...     jax.eval_shape(lambda x: with_sharding_constraint(x, ("batch",)), jnp.ones(4)).shape
-        (4,)
-    """
-    token = _SHAPES_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _SHAPES_ONLY.reset(token)
-
-
-_SCHEDULE: contextvars.ContextVar[str | None] = contextvars.ContextVar("mm_schedule", default=None)
-
-
-@contextlib.contextmanager
-def schedule_override(name: str) -> Iterator[None]:
-    """Steps traced inside this block pipeline their ``mm.microbatch`` with schedule ``name``,
-    whatever the call says (``mm.schedules.tune`` measures each kind of schedule this way)."""
-    token = _SCHEDULE.set(name)
-    try:
-        yield
-    finally:
-        _SCHEDULE.reset(token)
-
-
-def overridden_schedule() -> str | None:
-    """The schedule :func:`schedule_override` imposes, or ``None``."""
-    return _SCHEDULE.get()
-
-
-def current_trace() -> Trace | None:
-    """The annotations of the mm.jit trace in progress, or ``None`` outside mm.jit."""
-    return _TRACING.get()
 
 
 def task(fn: Callable, task: Task) -> Callable:
@@ -109,7 +41,7 @@ def task(fn: Callable, task: Task) -> Callable:
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        trace = _TRACING.get()
+        trace = current_trace()
         if trace is None:
             return fn(*args, **kwargs)
         regions = trace.regions
@@ -146,7 +78,7 @@ def resolve_scopes(resolver: ScopeResolver) -> None:
         >>> [d.id for d in jit(step)(jnp.zeros(2)).devices()]
         [1]
     """
-    trace = _TRACING.get()
+    trace = current_trace()
     if trace is None:
         raise MPMDError("mm.mpmd.resolve_scopes is for code that runs while mm.jit traces a step")
     if not callable(resolver):
@@ -192,8 +124,8 @@ def with_sharding_constraint(x: Any, spec: PartitionSpec | Sequence[str | None])
         >>> with_sharding_constraint(jnp.ones(4), PartitionSpec()).shape  # doctest: +SKIP
         (4,)
     """
-    if _TRACING.get() is None:
-        if _SHAPES_ONLY.get():
+    if current_trace() is None:
+        if is_shapes_only():
             return x
         return jax.lax.with_sharding_constraint(x, spec)
     names = tuple(spec)

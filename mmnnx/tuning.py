@@ -22,7 +22,6 @@ from rich.table import Table
 
 from mmnnx import _nnx
 from mmnnx._tables import Tabulation, render
-from mmnnx.mpmd import markers
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.errors import MPMDError, NoCandidateError
 
@@ -195,9 +194,10 @@ def tune(
     not divide the step's batch is listed as one that cannot run. A candidate's memory is
     each device's arguments plus the most activation bytes its stages hold at once in the
     simulated run. A candidate's per-action time is the measured one scaled by the
-    microbatch size. When the step runs a joint backward, an ``mm.jit`` step is measured a second
+    microbatch size. When the step runs a joint backward, it is measured a second
     time with a split one (ZB-H1), whose two programs per stage cost more than half a joint
-    backward each. The arguments keep the values they had.
+    backward each. The arguments keep the values they had (an ``mm.cached_partial``'s bound
+    ones too).
 
     Example:
         >>> # result = mm.schedules.tune(train_step, model, opt, batch, memory_budget="2GiB")
@@ -216,7 +216,9 @@ def tune(
     if budget is not None and budget <= 0:
         raise ValueError(f"tune: memory_budget must be positive, got {memory_budget!r}")
     pairs = _candidate_pairs(schedules, microbatches, candidates)
-    if getattr(step, "donate_argnums", ()):
+    partial = hasattr(step, "cached_args")  # an mm.cached_partial: its step, arguments bound
+    bound = step.cached_args if partial else ()
+    if getattr(step.fn if partial else step, "donate_argnums", ()):
         raise MPMDError("tune: the step donates its arguments, which tune must put back")
     plan = step.plan(*args, **kwargs)
     pipeline = plan.pipeline
@@ -228,7 +230,9 @@ def tune(
     measured = pipeline.schedule
     m0 = pipeline.num_microbatches
     variables = [
-        v for v in jax.tree.leaves((args, kwargs), is_leaf=_nnx.is_variable) if _nnx.is_variable(v)
+        v
+        for v in jax.tree.leaves((bound, args, kwargs), is_leaf=_nnx.is_variable)
+        if _nnx.is_variable(v)
     ]
     before = [v.get_raw_value() for v in variables]
 
@@ -275,18 +279,14 @@ def tune(
         for name in ([n] if n is not None else fitting_names)
     ]
     names = list(dict.fromkeys(n for n, _ in pairs))
-    if split_cost is None and "zero-bubble-h1" in names and hasattr(step, "fun"):
+    if split_cost is None and "zero-bubble-h1" in names and hasattr(step, "with_options"):
         # a split backward runs two programs per stage: measure them rather than halve B
         try:
             sched.get("zero-bubble-h1", measured.num_stages, m0)
         except ValueError:
             pass
         else:
-            fresh = type(step)(
-                step.fun, step.static_argnums, step.static_argnames, step.donate_argnums
-            )
-            with markers.schedule_override("zero-bubble-h1"):
-                split_cost = measure(fresh)
+            split_cost = measure(step.with_options(schedule="zero-bubble-h1"))
     rows = pipeline.batch_size
     for name, m in pairs:
         if rows is not None and rows % m:

@@ -1,15 +1,17 @@
-"""The zero-bubble schedules beyond ZB-H1: ZB-H2, ZB-V and interleaved zero bubble.
+"""The zero-bubble schedules beyond ZB-H1: ZB-H2, ZB-V and interleaved zero bubble, the list
+scheduler that builds them, and DualPipeV.
 
-Each is built the way the zero-bubble paper (Qi et al., arXiv 2401.10241) builds its schedules:
-a list scheduler plays the pipeline in unit time (F = I = W = 1 per stage), and at each step
-every free rank runs, among the actions whose inputs are ready, an ``I`` first (the previous
-stage waits for it), else an ``F`` while the rank holds fewer microbatches than its memory
-limit allows (counting from a stage's ``F`` to its ``W``), else the oldest deferred ``W``. The
-limit is what tells the schedules apart: ZB-H2 lets every rank hold ``2S - 1`` microbatches so
-that its warm-up forwards fill the time before the first input gradient comes back (about
-twice 1F1B's memory); ZB-V and interleaved zero bubble keep the memory of 1F1B and
+The first three are built the way the zero-bubble paper (Qi et al., arXiv 2401.10241) builds
+its schedules: a list scheduler plays the pipeline in unit time (F = I = W = 1 per stage), and
+at each step every free rank runs, among the actions whose inputs are ready, an ``I`` first (the
+previous stage waits for it), else an ``F`` while the rank holds fewer microbatches than its
+memory limit allows (counting from a stage's ``F`` to its ``W``), else the oldest deferred
+``W``. The limit is what tells the schedules apart: ZB-H2 lets every rank hold ``2S - 1``
+microbatches so that its warm-up forwards fill the time before the first input gradient comes
+back (about twice 1F1B's memory); ZB-V and interleaved zero bubble keep the memory of 1F1B and
 interleaved 1F1B. The result is an ordinary :class:`~mmnnx.mpmd.schedules.Schedule`: the
-order is data, validated, and runs under any action costs.
+order is data, validated, and runs under any action costs. DualPipeV is built by its own
+phases (:func:`dualpipe_v`).
 
 Example:
     >>> from mmnnx.mpmd.schedules import simulate, zero_bubble_v
@@ -26,7 +28,14 @@ import bisect
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 
-from mmnnx.mpmd import schedules as _s
+from mmnnx.mpmd.schedules.builders import (
+    check_interleaved,
+    interleaved_1f1b,
+    need_enough_microbatches,
+    need_whole_groups,
+)
+from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validate
+from mmnnx.mpmd.schedules.simulation import simulate
 
 Costs = Mapping[str | tuple[str, int], float]
 """Durations of the passes: by kind (``{"F": 2, "I": 1, "W": 1}``) or by ``(kind, stage)``."""
@@ -47,7 +56,7 @@ def list_schedule(
     limits: Sequence[int],
     costs: Costs | None = None,
     policy: str = "zero-bubble",
-) -> _s.Schedule:
+) -> Schedule:
     """Builds a split-backward schedule by playing it out (see the module docstring).
 
     ``stage_to_rank[s]`` is the rank of stage ``s`` and ``limits[r]`` the most microbatches rank
@@ -57,7 +66,7 @@ def list_schedule(
     ``policy`` (one of :data:`POLICIES`) chooses among the passes ready to start.
 
     Example:
-        >>> from mmnnx.mpmd.zero_bubble import list_schedule
+        >>> from mmnnx.mpmd.schedules.zero_bubble import list_schedule
         >>> schedule = list_schedule("zb", (0, 1), 2, limits=(2, 1))
         >>> " ".join(map(str, schedule.actions_of(1)))
         'F1.0 I1.0 W1.0 F1.1 I1.1 W1.1'
@@ -76,7 +85,7 @@ def list_schedule(
     i_end: list[list[float]] = [[] for _ in range(num_stages)]
     # per rank, deferred W passes ready from ``end``: (microbatch, -stage, end), oldest first
     weights: list[list[tuple[int, int, float]]] = [[] for _ in range(num_ranks)]
-    rows: list[list[_s.Action]] = [[] for _ in range(num_ranks)]
+    rows: list[list[Action]] = [[] for _ in range(num_ranks)]
     held = [0] * num_ranks
     free_at = [0.0] * num_ranks
     turn = list(range(num_ranks))  # among ranks free at once, who decides first
@@ -125,9 +134,7 @@ def list_schedule(
         free_at[rank] = end
         heapq.heappush(ends, end)
         left[rank] -= 1
-    return _s.validate(
-        _s.Schedule(name, num_stages, num_microbatches, num_ranks, stage_to_rank, rows)
-    )
+    return validate(Schedule(name, num_stages, num_microbatches, num_ranks, stage_to_rank, rows))
 
 
 GRIDS = (0.05, 0.1, 0.2)
@@ -143,7 +150,7 @@ def built_for(
     num_microbatches: int,
     limits: Sequence[int],
     costs: Costs | None = None,
-) -> _s.Schedule:
+) -> Schedule:
     """The :func:`list_schedule` for ``costs``: of those each policy builds for them and for them
     rounded to each of :data:`GRIDS`, and the one built for equal durations, the one
     :func:`~mmnnx.mpmd.schedules.simulate` finds fastest under ``costs`` (the first built on a
@@ -151,7 +158,7 @@ def built_for(
 
     Example:
         >>> from mmnnx.mpmd.schedules import simulate
-        >>> from mmnnx.mpmd.zero_bubble import built_for, list_schedule
+        >>> from mmnnx.mpmd.schedules.zero_bubble import built_for, list_schedule
         >>> costs = {"F": 1, "I": 2, "W": 1, ("I", 0): 0.01, ("W", 0): 3}  # stage 0: all in W
         >>> def time(s):
         ...     return simulate(s, action_costs=costs).makespan
@@ -169,9 +176,9 @@ def built_for(
     ]
     built.append(list_schedule(name, stage_to_rank, num_microbatches, limits))
 
-    def makespan(schedule: _s.Schedule) -> float:
+    def makespan(schedule: Schedule) -> float:
         durations = {(a.kind, a.stage): cost(a.kind, a.stage) for r in schedule.actions for a in r}
-        return _s.simulate(schedule, action_costs=durations).makespan
+        return simulate(schedule, action_costs=durations).makespan
 
     return min(built, key=makespan)
 
@@ -225,14 +232,14 @@ def _pick(
     may_forward: bool,
     num_microbatches: int,
     critical: dict[tuple, float] | None = None,
-) -> _s.Action | None:
+) -> Action | None:
     """Input gradients first, then forwards (memory allowing), then the oldest weight pass;
     among equals the oldest microbatch, then the deepest stage (nearest the loss). With
     ``critical`` (:func:`_critical_paths`), the ready pass with the longest path after it, then
     as before. A pass is ready when the passes it reads have ended by ``now``."""
     last = len(f_end) - 1
 
-    def first_ready(kind: str) -> _s.Action | None:
+    def first_ready(kind: str) -> Action | None:
         """The ready pass of ``kind`` to run first (oldest microbatch, then deepest stage)."""
         ready = []
         if kind == "I":
@@ -253,7 +260,7 @@ def _pick(
         if not ready:
             return None
         m, s = min(ready)
-        return _s.Action(kind, -s, m)
+        return Action(kind, -s, m)
 
     if critical is None:
         return next((a for kind in ("I", "F", "W") if (a := first_ready(kind)) is not None), None)
@@ -261,9 +268,7 @@ def _pick(
     return max(ready, key=lambda a: critical[a.kind, a.stage]) if ready else None  # ties: I, F, W
 
 
-def zero_bubble_h2(
-    num_stages: int, num_microbatches: int, costs: Costs | None = None
-) -> _s.Schedule:
+def zero_bubble_h2(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     """ZB-H2 from "Zero Bubble Pipeline Parallelism": ZB-H1 with more warm-up forwards.
 
     Rank ``r`` runs stage ``r`` and may hold ``2S - 1`` microbatches (ZB-H1: ``S``), so its
@@ -284,8 +289,8 @@ def zero_bubble_h2(
         >>> result.rank_idle, result.peak_in_flight
         ((0.0, 0.0, 0.0, 0.0), (7, 7, 7, 7))
     """
-    _s._check_counts(num_stages, num_microbatches)
-    _s._need_enough_microbatches("zero-bubble-h2", num_microbatches, num_stages, "stages")
+    check_counts(num_stages, num_microbatches)
+    need_enough_microbatches("zero-bubble-h2", num_microbatches, num_stages, "stages")
     limits = [2 * num_stages - 1] * num_stages
     return built_for("zero-bubble-h2", range(num_stages), num_microbatches, limits, costs)
 
@@ -294,7 +299,7 @@ def v_stages(rank: int, num_ranks: int) -> tuple[int, int]:
     """The two stages rank ``rank`` holds in a V: ``rank`` going down, ``2R - 1 - rank`` back up.
 
     Example:
-        >>> from mmnnx.mpmd.zero_bubble import v_stages
+        >>> from mmnnx.mpmd.schedules.zero_bubble import v_stages
         >>> [v_stages(r, 4) for r in range(4)]
         [(0, 7), (1, 6), (2, 5), (3, 4)]
     """
@@ -306,7 +311,7 @@ def _v_stage_to_rank(num_ranks: int) -> list[int]:
     return [min(s, 2 * num_ranks - 1 - s) for s in range(2 * num_ranks)]
 
 
-def zero_bubble_v(num_ranks: int, num_microbatches: int, costs: Costs | None = None) -> _s.Schedule:
+def zero_bubble_v(num_ranks: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     """ZB-V from "Zero Bubble Pipeline Parallelism": two stages per rank placed in a V.
 
     ``2R`` stages on ``R`` ranks: rank ``r`` holds stage ``r`` and stage ``2R - 1 - r``, so the
@@ -324,8 +329,8 @@ def zero_bubble_v(num_ranks: int, num_microbatches: int, costs: Costs | None = N
         >>> " ".join(map(str, zero_bubble_v(2, 2).actions_of(1)))
         'F1.0 F2.0 F1.1 F2.1 I2.0 I1.0 I2.1 I1.1 W2.0 W1.0 W2.1 W1.1'
     """
-    _s._check_counts(num_ranks, num_microbatches)
-    _s._need_enough_microbatches("zero-bubble-v", num_microbatches, num_ranks, "ranks")
+    check_counts(num_ranks, num_microbatches)
+    need_enough_microbatches("zero-bubble-v", num_microbatches, num_ranks, "ranks")
     stage_to_rank = _v_stage_to_rank(num_ranks)
     limits = [2 * num_ranks] * num_ranks
     return built_for("zero-bubble-v", stage_to_rank, num_microbatches, limits, costs)
@@ -333,7 +338,7 @@ def zero_bubble_v(num_ranks: int, num_microbatches: int, costs: Costs | None = N
 
 def interleaved_zero_bubble(
     num_ranks: int, num_microbatches: int, virtual_stages: int, costs: Costs | None = None
-) -> _s.Schedule:
+) -> Schedule:
     """Interleaved zero bubble: interleaved 1F1B's placement and memory with split backwards.
 
     Rank ``r`` holds stages ``r, r + R, ...`` (as :func:`interleaved_1f1b`) and may hold as many
@@ -348,18 +353,18 @@ def interleaved_zero_bubble(
         >>> zb.makespan < plain.makespan, max(zb.peak_in_flight) <= max(plain.peak_in_flight)
         (True, True)
     """
-    _s._check_interleaved(num_ranks, num_microbatches, virtual_stages)
-    _s._need_enough_microbatches(
+    check_interleaved(num_ranks, num_microbatches, virtual_stages)
+    need_enough_microbatches(
         "interleaved-zero-bubble", num_microbatches, num_ranks, "ranks (pipeline depth)"
     )
-    _s._need_whole_groups("interleaved-zero-bubble", num_microbatches, num_ranks)
+    need_whole_groups("interleaved-zero-bubble", num_microbatches, num_ranks)
     num_stages = num_ranks * virtual_stages
     stage_to_rank = [s % num_ranks for s in range(num_stages)]
-    limits = _rank_peaks(_s.interleaved_1f1b(num_ranks, num_microbatches, virtual_stages))
+    limits = _rank_peaks(interleaved_1f1b(num_ranks, num_microbatches, virtual_stages))
     return built_for("interleaved-zero-bubble", stage_to_rank, num_microbatches, limits, costs)
 
 
-def _rank_peaks(schedule: _s.Schedule) -> list[int]:
+def _rank_peaks(schedule: Schedule) -> list[int]:
     """The most stage-microbatches each rank of ``schedule`` holds at once."""
     peaks = []
     for row in schedule.actions:
@@ -371,7 +376,7 @@ def _rank_peaks(schedule: _s.Schedule) -> list[int]:
     return peaks
 
 
-def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) -> _s.Schedule:
+def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) -> Schedule:
     """DualPipeV (DeepSeek's DualPipe cut in half): the V placement of :func:`zero_bubble_v` run
     in DualPipeV's eight phases.
 
@@ -398,7 +403,7 @@ def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) 
         'F1.0 F2.0 F1.1 F2.1 F1.2 B2.0 F2.2 B1.0 F1.3 B2.1 F2.3 B1.1 B2.2 B1.2 I2.3 I1.3 W2.3
          W1.3'
     """
-    _s._check_counts(num_ranks, num_microbatches)
+    check_counts(num_ranks, num_microbatches)
     if num_microbatches < 2 * num_ranks:
         raise ValueError(
             f"dualpipev needs at least twice as many microbatches as ranks ({2 * num_ranks}), "
@@ -409,7 +414,7 @@ def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) 
         strict=True,
     )
     stage_to_rank = _v_stage_to_rank(num_ranks)
-    schedule = _s.Schedule(
+    schedule = Schedule(
         "dualpipev",
         2 * num_ranks,
         num_microbatches,
@@ -418,30 +423,30 @@ def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) 
         rows,
         pairs if fuse_pairs else (),
     )
-    return _s.validate(schedule)
+    return validate(schedule)
 
 
 def _dualpipe_v_row(
     rank: int, num_ranks: int, num_microbatches: int
-) -> tuple[list[_s.Action], list[int]]:
+) -> tuple[list[Action], list[int]]:
     stages = v_stages(rank, num_ranks)
     next_forward, next_backward = [0, 0], [0, 0]
-    weights: list[_s.Action] = []  # deferred W passes, oldest first
-    row: list[_s.Action] = []
+    weights: list[Action] = []  # deferred W passes, oldest first
+    row: list[Action] = []
     pairs: list[int] = []  # positions of overlapped pairs' forwards
 
     def forward(chunk: int) -> None:
-        row.append(_s.Action("F", stages[chunk], next_forward[chunk]))
+        row.append(Action("F", stages[chunk], next_forward[chunk]))
         next_forward[chunk] += 1
 
     def backward(chunk: int, split: bool = False) -> None:
         m = next_backward[chunk]
         next_backward[chunk] += 1
         if split:
-            row.append(_s.Action("I", stages[chunk], m))
-            weights.append(_s.Action("W", stages[chunk], m))
+            row.append(Action("I", stages[chunk], m))
+            weights.append(Action("W", stages[chunk], m))
         else:
-            row.append(_s.Action("B", stages[chunk], m))
+            row.append(Action("B", stages[chunk], m))
 
     def weight() -> None:
         row.append(weights.pop(0))

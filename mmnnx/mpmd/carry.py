@@ -1,4 +1,5 @@
-"""State that a pipelined ``mm.microbatch`` function updates, traced once.
+"""The microbatch carry: state that a pipelined ``mm.microbatch`` function updates (RNG counts,
+batch statistics), traced once and carried from microbatch to microbatch.
 
 ``mm.microbatch`` traces its function once, for microbatch ``index``, with two kinds of markers
 around the Variables it may update (``_jax.py``):
@@ -8,10 +9,10 @@ around the Variables it may update (``_jax.py``):
   evaluates the count's arithmetic (one ``+ 1`` per draw) and replaces the markers, so every
   microbatch draws the keys of the unrolled loop, on whichever stage draws them, and the step
   returns ``count + M * d``.
-- Other state (batch statistics, a running average) is chained: microbatch 0 starts from the
-  Variable's value, microbatch ``k`` from what microbatch ``k - 1`` left, and the step returns
-  the last. :func:`chains` pairs the markers; the lowering hands each microbatch's result to the
-  next microbatch's program on the same stage.
+- Other state (batch statistics, a running average) is carried (chained): microbatch 0 starts
+  from the Variable's value, microbatch ``k`` from what microbatch ``k - 1`` left, and the step
+  returns the last. :func:`carry_of` pairs the markers; the lowering hands each microbatch's
+  result to the next microbatch's program on the same stage.
 """
 
 from __future__ import annotations
@@ -105,11 +106,11 @@ def resolve_rng_counts(graph: Graph, num_microbatches: dict[int, int]) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Chains:
-    """Chained state of a pipelined step: for each value a microbatch starts from (a
-    ``chain_in`` result), the Variable's value before the step and the value one microbatch
-    leaves (``None`` if no microbatch changes it); for each chained result of the step (a
-    ``chain_out`` result), the value the last microbatch leaves."""
+class Carry:
+    """The state a pipelined step carries from microbatch to microbatch: for each value a
+    microbatch starts from (a ``chain_in`` result), the Variable's value before the step and the
+    value one microbatch leaves (``None`` if no microbatch changes it); for each chained result
+    of the step (a ``chain_out`` result), the value the last microbatch leaves."""
 
     starts: dict[int, tuple[int, int | None]]
     results: dict[int, int]
@@ -120,9 +121,9 @@ class Chains:
         return frozenset(self.starts) | frozenset(self.results)
 
 
-def chains(graph: Graph) -> Chains:
-    """Pairs the chain markers of ``graph``: each ``chain_out`` with the ``chain_in`` its value
-    is computed from (the same slot).
+def carry_of(graph: Graph) -> Carry:
+    """The carry of ``graph``, pairing its chain markers: each ``chain_out`` with the
+    ``chain_in`` its value is computed from (the same slot).
 
     Raises:
         MPMDError: a chained value is computed from another microbatch-start value of its slot,
@@ -149,7 +150,7 @@ def chains(graph: Graph) -> Chains:
         (start,) = found
         pairs[start] = (pairs[start][0], new)
         results[op.outs[0]] = new
-    return Chains(pairs, results)
+    return Carry(pairs, results)
 
 
 def is_marker(op: Op) -> bool:

@@ -1,0 +1,90 @@
+"""Pipeline schedules as pure data: build them, check that they run, and simulate their timing.
+
+A schedule says, for every rank (a group of devices that runs one or more model stages), the
+order in which that rank runs its actions. An action is one pass of one stage over one
+microbatch: ``F`` (forward), ``B`` (full backward), or the two halves of a split backward used
+by zero-bubble schedules, ``I`` (gradient with respect to the stage's input, which the previous
+stage waits for) and ``W`` (gradient with respect to the stage's weights, which nobody waits
+for). Two adjacent actions of one rank may form an *overlapped pair* (DualPipe's
+forward-and-backward chunk): the runtime runs the pair as one program. A separate runtime
+executes the table; this package only builds, checks, prints, stores (CSV) and simulates it,
+and imports nothing beyond the standard library.
+
+Modules: ``ir`` (the records, validation, CSV), ``simulation`` (timing, measured costs),
+``builders`` (GPipe, 1F1B, interleaved, ZB-H1), ``zero_bubble`` (ZB-H2, ZB-V, interleaved zero
+bubble, DualPipeV and the list scheduler) and ``registry`` (the names). ``mm.schedules`` holds
+these names and ``tune``, which runs steps (``mmnnx.tuning``).
+
+Example:
+    >>> from mmnnx.mpmd.schedules import get, simulate
+    >>> schedule = get("1f1b", num_stages=2, num_microbatches=3)
+    >>> print(schedule)
+    1f1b: 2 stages, 3 microbatches, 2 ranks (unit-time steps; blank = idle)
+    rank 0 | F0.0 F0.1      B0.0 F0.2 B0.1      B0.2
+    rank 1 |      F1.0 B1.0 F1.1 B1.1 F1.2 B1.2
+    >>> simulate(schedule).makespan
+    12
+"""
+
+from mmnnx.mpmd.schedules.builders import (
+    gpipe,
+    interleaved_1f1b,
+    interleaved_gpipe,
+    one_f_one_b,
+    zero_bubble_h1,
+)
+from mmnnx.mpmd.schedules.ir import KINDS, Action, Schedule, custom, from_csv, validate
+from mmnnx.mpmd.schedules.registry import (
+    Builder,
+    CostsNotUsed,
+    get,
+    names,
+    register,
+    unregister,
+)
+from mmnnx.mpmd.schedules.simulation import (
+    Event,
+    SimulationResult,
+    measured_bubble,
+    measured_costs,
+    measured_pair_costs,
+    simulate,
+)
+from mmnnx.mpmd.schedules.zero_bubble import (
+    dualpipe_v,
+    interleaved_zero_bubble,
+    v_stages,
+    zero_bubble_h2,
+    zero_bubble_v,
+)
+
+__all__ = [
+    "KINDS",
+    "Action",
+    "Builder",
+    "CostsNotUsed",
+    "Event",
+    "Schedule",
+    "SimulationResult",
+    "custom",
+    "dualpipe_v",
+    "from_csv",
+    "get",
+    "gpipe",
+    "interleaved_1f1b",
+    "interleaved_gpipe",
+    "interleaved_zero_bubble",
+    "measured_bubble",
+    "measured_costs",
+    "measured_pair_costs",
+    "names",
+    "one_f_one_b",
+    "register",
+    "simulate",
+    "unregister",
+    "v_stages",
+    "validate",
+    "zero_bubble_h1",
+    "zero_bubble_h2",
+    "zero_bubble_v",
+]

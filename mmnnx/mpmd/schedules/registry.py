@@ -1,0 +1,277 @@
+"""The schedule names: one record per name (its builder, how it places stages on ranks, whether
+it orders its passes for given costs), and ``register`` / ``unregister`` / ``names`` / ``get``
+over them. ``mm.microbatch(schedule=name)``, ``mmnnx train --schedule`` and
+``multimesh_compat`` all read this one registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mmnnx.mpmd.schedules.builders import (
+    gpipe,
+    interleaved_1f1b,
+    interleaved_gpipe,
+    one_f_one_b,
+    zero_bubble_h1,
+)
+from mmnnx.mpmd.schedules.ir import Schedule, check_counts, validate
+from mmnnx.mpmd.schedules.zero_bubble import (
+    dualpipe_v,
+    interleaved_zero_bubble,
+    zero_bubble_h2,
+    zero_bubble_v,
+)
+
+
+class CostsNotUsed(ValueError):
+    """Raised by :func:`get` when ``costs`` are given for a schedule whose order ignores them.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import CostsNotUsed, get
+        >>> try:
+        ...     get("1f1b", 2, 2, costs={"F": 1, "I": 1, "W": 1})
+        ... except CostsNotUsed as e:
+        ...     print(e)
+        schedule '1f1b' is built the same whatever the passes cost; pass no costs
+    """
+
+
+Builder = Callable[[int, int, int], Schedule]
+"""A schedule builder: ``builder(num_stages, num_microbatches, virtual_stages) -> Schedule``."""
+
+
+class Placement(enum.Enum):
+    """How a registered schedule places model stages on ranks, which says what its builder is
+    given (``num_stages`` always counts model stages, ``v`` is ``virtual_stages``)."""
+
+    ONE_PER_RANK = "one stage per rank"
+    """Rank ``r`` runs stage ``r``: ``builder(num_stages, M)``; ``v`` must be 1."""
+    INTERLEAVED = "several stages per rank, looped"
+    """Rank ``r`` runs stages ``r, r + R, ...``: ``builder(num_stages / v, M, v)``; ``v >= 2``
+    dividing ``num_stages``."""
+    V_SHAPED = "two stages per rank in a V"
+    """Rank ``r`` runs stages ``r`` and ``2R - 1 - r``: ``builder(num_stages / 2, M)``; ``v``
+    must be 2 and ``num_stages`` even."""
+    BUILDER_DECIDES = "as the builder decides"
+    """A :func:`register`-ed builder: ``builder(num_stages, M, v)``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredSchedule:
+    """One schedule name: its builder, how it places stages on ranks (which says what the
+    builder is given), and whether the builder orders its passes for given ``costs`` (then
+    called with ``costs=`` when :func:`get` is given some)."""
+
+    name: str
+    builder: Callable[..., Schedule]
+    placement: Placement
+    takes_costs: bool = False
+
+    def build(
+        self,
+        num_stages: int,
+        num_microbatches: int,
+        virtual_stages: int,
+        costs: Mapping[Any, float] | None = None,
+    ) -> Schedule:
+        """Calls the builder as :attr:`placement` says, after checking ``virtual_stages``
+        against it (a ValueError naming the schedule) and that it takes ``costs`` if given
+        (:class:`CostsNotUsed`); the result is not checked here (:func:`get` does)."""
+        name, v = self.name, virtual_stages
+        if self.placement is Placement.BUILDER_DECIDES:
+            return self.builder(num_stages, num_microbatches, v, **self._costs(costs))
+        if self.placement is Placement.ONE_PER_RANK:
+            if v != 1:
+                several = ", ".join(repr(n) for n in _several_stages_per_rank())
+                raise ValueError(
+                    f"virtual_stages={v} applies only to schedules that run several "
+                    f"stages per rank ({several}); {name!r} runs one stage per rank"
+                )
+            return self.builder(num_stages, num_microbatches, **self._costs(costs))
+        check_counts(num_stages, num_microbatches)
+        if self.placement is Placement.V_SHAPED:
+            if v != 2 or num_stages % 2:
+                raise ValueError(
+                    f"{name} places two stages per rank in a V: it needs virtual_stages=2 and "
+                    f"an even number of stages, got virtual_stages={v} and {num_stages} stages"
+                )
+            return self.builder(num_stages // 2, num_microbatches, **self._costs(costs))
+        if v == 1:
+            raise ValueError(
+                f"{name} with virtual_stages=1 would run one stage per rank, the plain "
+                "schedule it interleaves: pass virtual_stages >= 2 (and give each task that "
+                "many stages, e.g. mm.stage_rules(..., virtual_stages=2)), or name a "
+                "one-stage-per-rank schedule"
+            )
+        if num_stages % v:
+            raise ValueError(
+                f"virtual_stages={v} does not divide num_stages={num_stages}: "
+                f"{name} puts virtual_stages stages on each of num_stages / virtual_stages ranks"
+            )
+        return self.builder(num_stages // v, num_microbatches, v, **self._costs(costs))
+
+    def _costs(self, costs: Mapping[Any, float] | None) -> dict[str, Any]:
+        """``costs`` as keyword arguments for the builder: none without costs; raises
+        :class:`CostsNotUsed` when the builder takes none."""
+        if costs is None:
+            return {}
+        if not self.takes_costs:
+            raise CostsNotUsed(
+                f"schedule {self.name!r} is built the same whatever the passes cost; pass no costs"
+            )
+        return {"costs": costs}
+
+
+_BUILT_IN = (
+    RegisteredSchedule("gpipe", gpipe, Placement.ONE_PER_RANK),
+    RegisteredSchedule("1f1b", one_f_one_b, Placement.ONE_PER_RANK),
+    RegisteredSchedule("interleaved-1f1b", interleaved_1f1b, Placement.INTERLEAVED),
+    RegisteredSchedule("interleaved-gpipe", interleaved_gpipe, Placement.INTERLEAVED),
+    RegisteredSchedule("zero-bubble-h1", zero_bubble_h1, Placement.ONE_PER_RANK),
+    RegisteredSchedule("zero-bubble-h2", zero_bubble_h2, Placement.ONE_PER_RANK, True),
+    RegisteredSchedule("zero-bubble-v", zero_bubble_v, Placement.V_SHAPED, True),
+    RegisteredSchedule(
+        "interleaved-zero-bubble", interleaved_zero_bubble, Placement.INTERLEAVED, True
+    ),
+    RegisteredSchedule("dualpipev", dualpipe_v, Placement.V_SHAPED),
+)
+
+_REGISTRY: dict[str, RegisteredSchedule] = {entry.name: entry for entry in _BUILT_IN}
+
+
+def _several_stages_per_rank() -> list[str]:
+    """The registered schedules that place several stages on each rank (``virtual_stages > 1``)."""
+    several = (Placement.INTERLEAVED, Placement.V_SHAPED)
+    return [name for name, entry in _REGISTRY.items() if entry.placement in several]
+
+
+def _takes_costs(builder: Callable[..., Schedule]) -> bool:
+    try:
+        return "costs" in inspect.signature(builder).parameters
+    except (TypeError, ValueError):  # a callable whose signature cannot be read
+        return False
+
+
+def register(name: str, builder: Builder, *, replace: bool = False) -> None:
+    """Make ``builder`` available as the schedule ``name`` everywhere a name is accepted.
+
+    ``builder(num_stages, num_microbatches, virtual_stages)`` returns the :class:`Schedule`;
+    ``num_stages`` counts model stages, ``virtual_stages`` how many of them each rank holds.
+    A builder with a ``costs`` parameter is also given :func:`get`'s ``costs``.
+    :func:`get`, ``mm.microbatch(schedule=name)``, ``mmnnx train --schedule`` and
+    ``multimesh_compat`` all read this one registry. Registering a taken name raises unless
+    ``replace=True``.
+
+    Example:
+        >>> from mmnnx.mpmd import schedules
+        >>> def forwards_first(num_stages, num_microbatches, virtual_stages):
+        ...     rows = [[f"F{s}.{m}" for m in range(num_microbatches)]
+        ...             + [f"B{s}.{m}" for m in reversed(range(num_microbatches))]
+        ...             for s in range(num_stages)]
+        ...     return schedules.custom(rows, name="forwards-first")
+        >>> schedules.register("forwards-first", forwards_first)
+        >>> schedules.get("forwards-first", 2, 2).actions_of(0)[2]
+        Action(kind='B', stage=0, microbatch=1)
+        >>> schedules.unregister("forwards-first")
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a schedule name must be a non-empty str, got {name!r}")
+    if not callable(builder):
+        raise TypeError(f"the builder of schedule {name!r} is not callable: {builder!r}")
+    if name in _REGISTRY and not replace:
+        raise ValueError(
+            f"schedule {name!r} is already registered; pass replace=True to replace it"
+        )
+    _REGISTRY[name] = RegisteredSchedule(
+        name, builder, Placement.BUILDER_DECIDES, _takes_costs(builder)
+    )
+
+
+def unregister(name: str) -> None:
+    """Remove the schedule ``name`` from the registry (see :func:`register`).
+
+    Example:
+        >>> from mmnnx.mpmd import schedules
+        >>> schedules.unregister("no-such-schedule")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown schedule 'no-such-schedule'; valid names: 'gpipe', ...
+    """
+    del _REGISTRY[registered(name).name]
+
+
+def names() -> tuple[str, ...]:
+    """The registered schedule names, in registration order.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import names
+        >>> names()  # doctest: +NORMALIZE_WHITESPACE
+        ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-gpipe', 'zero-bubble-h1',
+         'zero-bubble-h2', 'zero-bubble-v', 'interleaved-zero-bubble', 'dualpipev')
+    """
+    return tuple(_REGISTRY)
+
+
+def registered(name: str) -> RegisteredSchedule:
+    """The record of schedule ``name``; a ValueError listing the valid names if none.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules.registry import registered
+        >>> registered("zero-bubble-v").placement, registered("zero-bubble-v").takes_costs
+        (<Placement.V_SHAPED: 'two stages per rank in a V'>, True)
+    """
+    if name not in _REGISTRY:
+        valid = ", ".join(repr(n) for n in _REGISTRY)
+        raise ValueError(f"unknown schedule {name!r}; valid names: {valid}")
+    return _REGISTRY[name]
+
+
+def get(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    costs: Mapping[Any, float] | None = None,
+) -> Schedule:
+    """Build the registered schedule called ``name`` (see :func:`names`).
+
+    ``costs`` (durations by kind, ``{"F": 2, "I": 1, "W": 1}``, or by ``(kind, stage)``) asks a
+    schedule that orders its passes by their durations (``zero-bubble-h2``, ``zero-bubble-v``,
+    ``interleaved-zero-bubble``) to order them for these; another schedule raises a ValueError.
+
+    ``num_stages`` always counts model stages. For ``"interleaved-1f1b"`` each rank holds
+    ``virtual_stages`` of them, so there are ``num_stages / virtual_stages`` ranks; the other
+    built-in schedules use one rank per stage and ``virtual_stages=1``.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import get
+        >>> schedule = get("interleaved-1f1b", num_stages=8, num_microbatches=8, virtual_stages=2)
+        >>> schedule.num_ranks, schedule.stages_of(0)
+        (4, (0, 4))
+        >>> get("pipedream", 4, 8)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown schedule 'pipedream'; valid names: 'gpipe', '1f1b', ...
+    """
+    entry = registered(name)
+    if (
+        not isinstance(virtual_stages, int)
+        or isinstance(virtual_stages, bool)
+        or virtual_stages < 1
+    ):
+        raise ValueError(f"virtual_stages must be an int >= 1, got {virtual_stages!r}")
+    schedule = entry.build(num_stages, num_microbatches, virtual_stages, costs)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"the builder of schedule {name!r} returned {schedule!r}, not a Schedule")
+    validate(schedule)
+    if (schedule.num_stages, schedule.num_microbatches) != (num_stages, num_microbatches):
+        raise ValueError(
+            f"the builder of schedule {name!r} was asked for {num_stages} stages and "
+            f"{num_microbatches} microbatches but built {schedule.num_stages} and "
+            f"{schedule.num_microbatches}"
+        )
+    return schedule

@@ -1,0 +1,348 @@
+"""Simulating a schedule's timing (fixed or measured costs per action, overlapped pairs as one
+program), and the costs, pair costs and bubble a step's timed events measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import statistics
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+from mmnnx.mpmd.schedules.ir import KINDS, Action, Schedule, play, validate
+
+
+class Event(NamedTuple):
+    """One simulated action: which rank ran it, what it was, and when it started and ended.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate
+        >>> last = simulate(one_f_one_b(2, 2)).events[-1]
+        >>> last.rank, last.kind, last.stage, last.microbatch, last.start, last.end
+        (0, 'B', 0, 1, 7, 9)
+    """
+
+    rank: int
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationResult:
+    """What :func:`simulate` measured.
+
+    ``makespan`` is the time the last action ends; ``bubble_fraction`` the idle share of all
+    rank-time, ``1 - busy / (num_ranks * makespan)``; ``peak_in_flight[s]`` the largest number
+    of microbatches whose activations stage ``s`` holds at once (from its F until its B, or
+    until its W when the backward is split); ``rank_idle[r]`` the time rank ``r`` waits between
+    its first action's start and its last action's end (the zero-bubble paper's bubble: a rank's
+    own span, which steps without a global synchronisation overlap); ``events`` every action
+    with its start and end, sorted by start time then rank.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import gpipe, simulate
+        >>> result = simulate(gpipe(2, 4))
+        >>> result.makespan, result.bubble_fraction, result.peak_in_flight, result.rank_idle
+        (15, 0.2, (4, 4), (3, 0))
+        >>> result.events[0]
+        Event(rank=0, kind='F', stage=0, microbatch=0, start=0, end=1)
+    """
+
+    makespan: float
+    bubble_fraction: float
+    peak_in_flight: tuple[int, ...]
+    events: tuple[Event, ...]
+    rank_idle: tuple[float, ...] = ()
+
+
+def _peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
+    held = [0] * schedule.num_stages
+    peak = [0] * schedule.num_stages
+    for row in schedule.actions:
+        for action in row:
+            if action.kind == "F":
+                held[action.stage] += 1
+                peak[action.stage] = max(peak[action.stage], held[action.stage])
+            elif action.kind in "BW":
+                held[action.stage] -= 1
+    return tuple(peak)
+
+
+def simulate(
+    schedule: Schedule,
+    forward_cost: float = 1,
+    backward_cost: float = 2,
+    weight_cost: float | None = None,
+    *,
+    action_costs: Mapping[str | tuple[str, int], float] | None = None,
+    pair_costs: Mapping[tuple[tuple[str, int], tuple[str, int]], float] | None = None,
+) -> SimulationResult:
+    """Simulate ``schedule`` with fixed per-action costs and zero communication time.
+
+    Each rank runs its actions in order; an action starts at the later of the time its rank is
+    free and the time its inputs (see :func:`validate`) have ended. Every action of a kind costs
+    the same on every stage: F costs ``forward_cost`` and B ``backward_cost``; a split
+    backward costs ``backward_cost`` in all, W taking ``weight_cost`` and I the rest, with
+    ``weight_cost=None`` meaning half each. Costs are per stage, so an interleaved schedule
+    whose ranks hold ``v`` stages each models the same per-rank work as a plain one when its
+    costs are divided by ``v``. Ints or ``fractions.Fraction`` costs give exact results.
+
+    ``action_costs`` maps ``(kind, stage)``, or a kind alone for every stage, to a cost (a
+    ``(kind, stage)`` entry wins over its kind's) and replaces the three per-kind costs: feed
+    it the durations a step's ``timeline()`` measured (:func:`measured_costs`) to predict that
+    step's time under this or another schedule (``benchmarks/pipeline.py`` compares the two).
+
+    ``pair_costs`` maps an overlapped pair, its two actions' ``(kind, stage)`` in the order it
+    runs them, to the duration of the pair as a whole: a pair run as one program may take less
+    than its two actions apart (``fuse_pairs=True``; :func:`measured_pair_costs` measures
+    them). Its two actions share it in proportion to their own costs. Pairs it does not name
+    take the sum of their actions' costs.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate, zero_bubble_h1
+        >>> simulate(one_f_one_b(4, 8)).makespan
+        33
+        >>> simulate(zero_bubble_h1(4, 8)).makespan
+        27.0
+        >>> simulate(one_f_one_b(4, 8), action_costs={"F": 1, "B": 2, ("B", 3): 4}).makespan
+        49
+    """
+    pair_duration = _pair_duration(schedule, pair_costs)
+    if action_costs is not None:
+        validate(schedule)
+        costs = _costs_per_action(schedule, action_costs)
+        timed = play(schedule, lambda a: costs[(a.kind, a.stage)], pair_duration)
+        return _result(schedule, timed)
+    if weight_cost is None:
+        weight_cost = backward_cost / 2
+    if not forward_cost > 0 or not backward_cost > 0:
+        raise ValueError(
+            f"forward_cost and backward_cost must be positive, got {forward_cost} and "
+            f"{backward_cost}"
+        )
+    if not 0 <= weight_cost <= backward_cost:
+        raise ValueError(f"weight_cost must be in [0, backward_cost], got {weight_cost}")
+    validate(schedule)
+    costs = {
+        "F": forward_cost,
+        "B": backward_cost,
+        "I": backward_cost - weight_cost,
+        "W": weight_cost,
+    }
+    return _result(schedule, play(schedule, lambda a: costs[a.kind], pair_duration))
+
+
+def _pair_duration(
+    schedule: Schedule, pair_costs: Mapping[Any, float] | None
+) -> Callable[[Action, Action], float | None]:
+    """``pair_costs`` (see :func:`simulate`) checked, as ``play``'s ``pair_duration``."""
+    costs = dict(pair_costs or {})
+
+    def an_action(part: Any) -> bool:
+        return (
+            isinstance(part, tuple)
+            and len(part) == 2
+            and part[0] in KINDS
+            and isinstance(part[1], numbers.Integral)
+            and 0 <= part[1] < schedule.num_stages
+        )
+
+    for key, value in costs.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and all(map(an_action, key))):
+            raise ValueError(
+                f"pair_costs key {key!r} names no overlapped pair of a schedule of "
+                f"{schedule.num_stages} stages: keys are two (kind, stage) actions, in the "
+                "order the pair runs them, e.g. (('F', 0), ('B', 3))"
+            )
+        if not (isinstance(value, numbers.Real) and value >= 0):
+            raise ValueError(f"pair_costs[{key!r}] must be a number >= 0, got {value!r}")
+    return lambda first, second: costs.get(((first.kind, first.stage), (second.kind, second.stage)))
+
+
+def _result(schedule: Schedule, timed: list) -> SimulationResult:
+    makespan = max(t.end for t in timed)
+    busy = sum(t.end - t.start for t in timed)
+    capacity = schedule.num_ranks * makespan
+    events = tuple(
+        Event(t.rank, t.action.kind, t.action.stage, t.action.microbatch, t.start, t.end)
+        for t in timed
+    )
+    spans: dict[int, list[float]] = {}
+    for t in timed:
+        first, last, work = spans.setdefault(t.rank, [t.start, t.end, 0])
+        spans[t.rank] = [min(first, t.start), max(last, t.end), work + t.end - t.start]
+    idle = tuple(
+        spans[r][1] - spans[r][0] - spans[r][2] if r in spans else 0
+        for r in range(schedule.num_ranks)
+    )
+    return SimulationResult(
+        makespan=makespan,
+        bubble_fraction=(capacity - busy) / capacity,
+        peak_in_flight=_peak_in_flight(schedule),
+        events=events,
+        rank_idle=idle,
+    )
+
+
+_AVERAGES: dict[str, Callable[[list[float]], float]] = {
+    "median": statistics.median,
+    "mean": statistics.mean,
+}
+
+
+def _average(caller: str, average: str) -> Callable[[list[float]], float]:
+    """The averaging function ``average`` names, or a ValueError naming ``caller``."""
+    if average not in _AVERAGES:
+        raise ValueError(f"{caller}: average must be one of {sorted(_AVERAGES)}, got {average!r}")
+    return _AVERAGES[average]
+
+
+def _rank_of(event: Any) -> Any:
+    """The rank a timed event ran on: its ``rank`` (a step's timeline: the task whose devices
+    ran it; a simulation: the rank number), else its ``task``."""
+    rank = getattr(event, "rank", None)
+    return rank if rank not in (None, "") else event.task
+
+
+def _costs_per_action(
+    schedule: Schedule, action_costs: Mapping[str | tuple[str, int], float]
+) -> dict[tuple[str, int], float]:
+    """``action_costs`` resolved to one cost per ``(kind, stage)`` that ``schedule`` runs."""
+    for key, value in action_costs.items():
+        kind, stage = key if isinstance(key, tuple) else (key, None)
+        if kind not in KINDS or not (
+            stage is None
+            or (isinstance(stage, numbers.Integral) and 0 <= stage < schedule.num_stages)
+        ):
+            raise ValueError(
+                f"action_costs key {key!r} names no action of a schedule of "
+                f"{schedule.num_stages} stages: keys are a kind ({', '.join(KINDS)}) or "
+                f"(kind, stage) with 0 <= stage < {schedule.num_stages}"
+            )
+        if not value >= 0:
+            raise ValueError(f"action_costs[{key!r}] must be >= 0, got {value!r}")
+    costs, missing = {}, set()
+    for row in schedule.actions:
+        for a in row:
+            key = (a.kind, a.stage)
+            if key in action_costs:
+                costs[key] = action_costs[key]
+            elif a.kind in action_costs:
+                costs[key] = action_costs[a.kind]
+            else:
+                missing.add(key)
+    if missing:
+        raise ValueError(f"action_costs has no cost for {sorted(missing)}")
+    return costs
+
+
+def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple[str, int], float]:
+    """The ``average`` duration of each ``(kind, stage)`` among timed events (a step's
+    ``timeline()`` or ``overlapped_timeline()``), as :func:`simulate`'s ``action_costs`` takes
+    them.
+
+    ``average``: ``"median"`` (default) suits ``timeline()``, where each action runs alone and a
+    slow one is noise; ``"mean"`` suits ``overlapped_timeline()``, where durations vary because
+    tasks slow each other down: a step's time adds them up, so their mean is what counts.
+
+    The two actions of an overlapped pair run as one program, so a timeline times them together
+    (events with ``fused=True`` share one span): each takes its duration measured apart where
+    the events have some, else half the pair's span.
+
+    A split backward's half with nothing to compute runs no program, so it has no events: the
+    first stage's input gradient (nothing before it reads one), or the weight gradient of a
+    stage without parameters. A stage timed for one of ``I`` and ``W`` but not the other gets
+    0 for the other, so a zero-bubble schedule's costs are complete for :func:`simulate`.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import Event, measured_costs
+        >>> events = [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "F", 0, 1, 1.0, 4.0),
+        ...           Event(0, "F", 0, 2, 4.0, 6.0)]
+        >>> measured_costs(events)
+        {('F', 0): 2.0}
+        >>> measured_costs(events, average="mean")
+        {('F', 0): 2.0}
+    """
+    of = _average("measured_costs", average)
+    apart: dict[tuple[str, int], list[float]] = {}
+    paired: dict[tuple[str, int], list[float]] = {}
+    for e in events:
+        into = paired if getattr(e, "fused", False) else apart
+        into.setdefault((e.kind, e.stage), []).append(e.end - e.start)
+    out = {key: of(values) for key, values in apart.items()}
+    for key, spans in paired.items():
+        out.setdefault(key, of(spans) / 2)
+    for kind, stage in list(out):
+        if kind in "IW":
+            out.setdefault(("W" if kind == "I" else "I", stage), 0.0)
+    return out
+
+
+def measured_pair_costs(
+    events: Iterable[Any], average: str = "median"
+) -> dict[tuple[tuple[str, int], tuple[str, int]], float]:
+    """The ``average`` span of each overlapped pair run as one program among timed events (a
+    step's ``timeline()`` or ``overlapped_timeline()``: a fused pair's two events share one
+    span, ``fused=True``), keyed by its two actions' ``(kind, stage)`` in the order it runs
+    them, as :func:`simulate`'s ``pair_costs`` takes them. With :func:`measured_costs` for the
+    actions, a prediction then costs a pair what it took, not what its halves take apart.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import measured_pair_costs
+        >>> from mmnnx.mpmd.timing import Event
+        >>> pair = [Event("t0", "F", 0, 2, 1.0, 4.0, fused=True),
+        ...         Event("t0", "B", 3, 0, 1.0, 4.0, fused=True),
+        ...         Event("t0", "F", 0, 3, 5.0, 10.0)]
+        >>> measured_pair_costs(pair)
+        {(('F', 0), ('B', 3)): 3.0}
+    """
+    of = _average("measured_pair_costs", average)
+    spans: dict[tuple, list[tuple[str, int]]] = {}
+    for e in events:
+        if getattr(e, "fused", False):
+            spans.setdefault((_rank_of(e), e.start, e.end), []).append((e.kind, e.stage))
+    pairs: dict[tuple, list[float]] = {}
+    for (_, start, end), actions in spans.items():
+        if len(actions) == 2:
+            pairs.setdefault(tuple(actions), []).append(end - start)
+    return {key: of(values) for key, values in pairs.items()}
+
+
+def measured_bubble(events: Iterable[Any]) -> float:
+    """The idle share of the ranks' time over a step's span, from its timed events: the
+    measured counterpart of :attr:`SimulationResult.bubble_fraction`.
+
+    Each rank's busy time is the union of its events' spans (the two actions of a fused pair
+    share one span; a task's virtual stages share its devices): events are grouped by
+    ``rank`` (a step's timeline gives the task whose devices ran the action; a simulation's
+    events, the rank number), else by ``task``. The span runs from the earliest start to the
+    latest end. On an ``overlapped_timeline()`` this is the bubble as the step ran; on a
+    ``timeline()``, where actions run one at a time, it is not a bubble at all.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import gpipe, measured_bubble, simulate
+        >>> result = simulate(gpipe(2, 4))
+        >>> measured_bubble(result.events) == result.bubble_fraction
+        True
+    """
+    spans: dict[Any, list[tuple[float, float]]] = {}
+    for e in events:
+        spans.setdefault(_rank_of(e), []).append((e.start, e.end))
+    if not spans:
+        raise ValueError("measured_bubble: no events (a step with no pipeline has none)")
+    first = min(start for row in spans.values() for start, _ in row)
+    last = max(end for row in spans.values() for _, end in row)
+    if last <= first:
+        raise ValueError(f"measured_bubble: the events span no time ({first} to {last})")
+    busy = 0
+    for row in spans.values():
+        reach = None  # the latest end so far: overlapping spans count once
+        for start, end in sorted(row):
+            lo = start if reach is None else max(start, reach)
+            busy += max(0, end - lo)
+            reach = end if reach is None else max(reach, end)
+    capacity = len(spans) * (last - first)
+    return (capacity - busy) / capacity
