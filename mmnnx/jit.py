@@ -7,7 +7,7 @@ import functools
 import itertools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -17,24 +17,20 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mmnnx import _nnx
 from mmnnx.distributed.peers import StepPeers
 from mmnnx.mpmd import _jax, annotations, trace_state
-from mmnnx.mpmd.carry import resolve_rng_counts
-from mmnnx.mpmd.colour import colour
+from mmnnx.mpmd.engine import PlanningOptions, StepInput, StepOutput, plan_step
 from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
-from mmnnx.mpmd.lower import lower
 from mmnnx.mpmd.pack import (
     PACK_RESIDUAL_BYTES,
     PACK_WEIGHT_BYTES,
     residual_bound,
     weight_bound,
 )
-from mmnnx.mpmd.passes import run_passes
-from mmnnx.mpmd.pipeline import plan_pipeline
-from mmnnx.mpmd.plan import Plan, cut
+from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import StepProgram
 from mmnnx.mpmd.runner import Executable
 from mmnnx.mpmd.schedules import Schedule
 from mmnnx.mpmd.schedules import names as schedule_names
-from mmnnx.mpmd.stack_split import Expansion, chunk_sharding, split_stacks
+from mmnnx.mpmd.stack_split import Expansion
 from mmnnx.mpmd.timing import BlockingTimer, Event, OverlapTimer, Timer
 from mmnnx.sharding import Task, TaskStack, home_of, stack_of, task_of
 from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state
@@ -61,19 +57,21 @@ def _leaf_name(path: tuple) -> str:
     return "/".join([head, *(str(k) for k in keys[2:])])
 
 
-def _output_homes(out_shape: Any) -> list[tuple[Task | TaskStack | None, PartitionSpec]]:
-    """For each output leaf: the task (or task stack) and spec of the Variable it belongs to,
-    if placed.
+def _user_outputs(out_shape: Any) -> list[StepOutput]:
+    """For each output leaf of the step's result: the task (or task stack) and spec of the
+    Variable it belongs to, if placed.
 
     Gradients from ``nnx.grad`` are Variables carrying their parameter's placement, so they are
     computed on, and returned from, their parameter's task.
     """
-    homes = []
+    outputs = []
     for node in jax.tree.leaves(out_shape, is_leaf=_nnx.is_variable):
         home = home_of(node) if _nnx.is_variable(node) else None
         spec = node.get_metadata().get(SPEC_KEY, PartitionSpec()) if home else PartitionSpec()
-        homes += [(home, spec)] * len(jax.tree.leaves(node))  # sown: a tuple in one Variable
-    return homes
+        sharding = home.sharding(spec) if isinstance(home, Task) else None
+        leaves = len(jax.tree.leaves(node))  # sown: a tuple in one Variable
+        outputs += [StepOutput(home, spec, sharding)] * leaves
+    return outputs
 
 
 def _fingerprint(graph: Any, tasks: list[Task], program: StepProgram, call: _Call) -> list[str]:
@@ -289,6 +287,41 @@ class _Call:
             (task is not None or stack is not None)
             and _arg_position(path) in self.fn.donate_argnums
             for path, task, stack in zip(self._paths, self.tasks, self.stacks, strict=True)
+        ]
+
+    def _specs(self) -> list[PartitionSpec]:
+        return [v.get_metadata(SPEC_KEY, PartitionSpec()) for v in self.variables]
+
+    def step_inputs(self) -> list[StepInput]:
+        """What the engine is told of each input leaf (Variables first, then other arrays)."""
+        specs = self._specs() + [PartitionSpec()] * (len(self.leaves) - self.num_variables)
+        return [
+            StepInput(
+                name,
+                task,
+                stack,
+                spec,
+                sharding if task is not None else None,
+                donated,
+            )
+            for name, task, stack, spec, sharding, donated in zip(
+                self.names,
+                self.tasks,
+                self.stacks,
+                specs,
+                self.shardings,
+                self.donated,
+                strict=True,
+            )
+        ]
+
+    def state_outputs(self) -> list[StepOutput]:
+        """Where each Variable's new value ends: on its task (stack), laid out as it is now."""
+        return [
+            StepOutput(task or stack, spec, sharding if task is not None else None)
+            for task, stack, spec, sharding in zip(
+                self.tasks, self.stacks, self._specs(), self.shardings, strict=False
+            )
         ]
 
     def rebuild(self, values: Sequence[Any]) -> tuple[tuple, dict, list[Any], list[Any]]:
@@ -584,13 +617,31 @@ class JitOptions:
             raise TypeError(f"mm.jit: schedule {self.schedule!r} is not a name or a Schedule")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Results:
+    """How a compiled step's flat results become the step's return value and Variables."""
+
+    tree: Any  # the pytree structure of the step's own return value
+    num_user_outputs: int  # its leaves come first; then each Variable's new value
+    expansion: Expansion | None  # stacked layers: their chunks, joined again
+    added: list[_Added]  # Variables the step added (sown), whose values come last
+    plan_for: Callable[[int], Plan]  # the plan of another process
+
+
+class _Compiled(NamedTuple):
+    """A cache entry of :class:`JitFunction`: the step's executable and its results' map."""
+
+    executable: Executable
+    results: _Results
+
+
 class JitFunction:
     """The callable ``mm.jit`` returns; see :func:`jit`. ``JitFunction(fun, *options,
     **options)`` takes :class:`JitOptions`' fields, in their order or by name."""
 
     def __init__(self, fun, *options, **named_options):
         self.fun = fun
-        self._cache: dict[Any, tuple[Executable, Any]] = {}
+        self._cache: dict[Any, _Compiled] = {}
         self.trace_count = 0
         functools.update_wrapper(self, fun)
         self.options = JitOptions(*options, **named_options)
@@ -620,7 +671,7 @@ class JitFunction:
         fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
         return JitFunction(self.fun, **fields)
 
-    def _build(self, call: _Call) -> tuple[Executable, Any]:
+    def _build(self, call: _Call) -> _Compiled:
         call.check_devices()
         call.check_optimizer_state()
         fun = self.fun
@@ -648,113 +699,40 @@ class JitFunction:
             with trace_state.tracing() as trace, _jax.explicit_tracing(mesh):
                 graph, out_shape = _jax.trace(pure, avals, name_as=fun, arg_names=call.names)
         annotations.apply_resolvers(graph, trace)
-        regions = trace.regions
         out_tree = jax.tree.structure(out_shape[0])
         num_added = sum(a.num_leaves for a in added)
         for a in added:
             del a.value  # a tracer: the step's results give the value
         num_user_outputs = len(graph.outputs) - call.num_variables - num_added
-        out_homes = _output_homes(out_shape[0])
-        input_tasks, names, donated = list(call.tasks), call.names, call.donated
-        state_homes = [
-            s if t is not None else None for s, t in zip(call.shardings, call.tasks, strict=True)
-        ]
-        homes = [h.sharding(spec) if isinstance(h, Task) else None for h, spec in out_homes]
-        homes += state_homes[: call.num_variables] + [None] * num_added
-        home_tasks = [h if isinstance(h, Task) else None for h, _ in out_homes]
-        home_tasks += input_tasks[: call.num_variables] + [None] * num_added
-        expansion = None
-        if any(call.stacks):
-            stacked_inputs = [
-                (s, call.variables[i].get_metadata(SPEC_KEY, PartitionSpec()))
-                if s is not None
-                else None
-                for i, s in enumerate(call.stacks)
-            ]
-            stacked_outputs = [
-                (h, spec) if isinstance(h, TaskStack) else None for h, spec in out_homes
-            ]
-            stacked_outputs += stacked_inputs[: call.num_variables] + [None] * num_added
-            graph, expansion = split_stacks(graph, stacked_inputs, stacked_outputs, names)
-            input_tasks = expansion.expand_inputs(input_tasks, lambda _, t, j, h: t)
-            names = expansion.expand_inputs(names, lambda n, t, j, h: f"{n}[{j}]")
-            donated = expansion.expand_inputs(donated, lambda d, t, j, h: d)
-            state_homes = expansion.expand_inputs(state_homes, chunk_sharding)
-            homes = expansion.expand_outputs(homes, chunk_sharding)
-            home_tasks = expansion.expand_outputs(home_tasks, lambda _, t, j, h: t)
-        resolve_rng_counts(graph, {g: m.num_microbatches for g, m in trace.microbatches.items()})
-        tasks = list(dict.fromkeys([*(t for t in input_tasks if t is not None), *regions.values()]))
-        by_name: dict[str, Task] = {}
-        for t in tasks:
-            if by_name.setdefault(t.name, t) != t:
-                raise MPMDError(f"mm.jit: two different tasks are named {t.name!r}")
-        if not tasks:
-            raise MPMDError(
-                "mm.jit: no argument holds state placed on a task; place the model with "
-                "mm.place or mm.init first"
-            )
-        pinned: set[int] = set()
-        op_tasks = colour(graph, input_tasks, names, home_tasks, tasks, regions, pinned)
-        free = {v for v, t in zip(graph.inputs, input_tasks, strict=True) if t is None}
-        pipeline = plan_pipeline(
+        options = self.options
+        planned = plan_step(
             graph,
-            op_tasks,
-            tasks,
-            trace.microbatches,
-            free,
-            pinned,
-            recompute_residuals=self.recompute_residuals,
-            schedule=self.options.schedule,
-        )
-        if pipeline is None:
-            order = [(f, None) for f in cut(graph, op_tasks, tasks, free_inputs=free)]
-        else:
-            order = pipeline.order
-        if graph.specs and any(t.jax_mesh.shape != tasks[0].jax_mesh.shape for t in tasks):
-            raise MPMDError(
-                f"mm.jit: {_step_name(fun)} uses explicit mesh axes, but its mm.task regions "
-                f"run on meshes of other shapes ({', '.join(repr(t.name) for t in tasks)}); "
-                "give every task the same axis names and sizes"
-            )
-        lowered, transfers = lower(
-            graph, tasks, input_tasks, state_homes, homes, donated, order, pipeline
+            trace,
+            call.step_inputs(),
+            [*_user_outputs(out_shape[0]), *call.state_outputs(), *[StepOutput()] * num_added],
+            PlanningOptions(
+                options.pack_residuals,
+                options.pack_weights,
+                options.recompute_residuals,
+                options.schedule,
+            ),
+            name=_step_name(fun),
+            process=jax.process_index(),
+            num_processes=jax.process_count(),
         )
         peers = None
         if jax.process_count() > 1:  # what every process must agree on, computed now: no arrays
-            lines = _fingerprint(graph, tasks, lowered, call)
-            name = repr(_step_name(fun))
-            peers = functools.partial(StepPeers, name, lines)
-
-        def plan_for(process: int) -> Plan:
-            program = run_passes(
-                lowered,
-                graph,
-                residual_bytes=self.pack_residuals,
-                weight_bytes=self.pack_weights,
-                input_names=names,
-                process=process,
-                num_processes=jax.process_count(),
-            )
-            return Plan(
-                list(tasks),
-                list({id(f): f for f, _ in order}.values()),
-                transfers,
-                program.num_programs,
-                pipeline,
-                program,
-                list(graph.inputs),
-                list(trace.unrolled),
-                input_names=list(names),
-            )
-
-        plan = plan_for(jax.process_index())
+            lines = _fingerprint(planned.graph, planned.plan.tasks, planned.lowered, call)
+            peers = functools.partial(StepPeers, repr(_step_name(fun)), lines)
         executable = Executable(
-            graph, plan, name=repr(getattr(fun, "__name__", "the step")), peers=peers
+            planned.graph, planned.plan, name=repr(_step_name(fun)), peers=peers
         )
-        executable.plan_for = plan_for
-        return executable, (out_tree, num_user_outputs, expansion, added)
+        return _Compiled(
+            executable,
+            _Results(out_tree, num_user_outputs, planned.expansion, added, planned.plan_for),
+        )
 
-    def _lookup(self, call: _Call) -> tuple[Executable, Any]:
+    def _lookup(self, call: _Call) -> _Compiled:
         try:
             entry = self._cache.get(call.key)
         except TypeError as e:
@@ -792,11 +770,12 @@ class JitFunction:
         return self.fun(*args, **kwargs)
 
     def _run(self, call: _Call, **modes):
-        executable, (out_tree, num_user_outputs, expansion, added) = self._lookup(call)
+        executable, results = self._lookup(call)
+        out_tree, num_user_outputs, added = results.tree, results.num_user_outputs, results.added
         if self.donate_argnums and (deleted := call.deleted_input()):
             raise deleted  # before any input is donated
         with _jax.no_ambient_mesh():  # each fragment runs on its own task's mesh
-            results = _execute(executable, call, self.fun, modes, expansion)
+            results = _execute(executable, call, self.fun, modes, results.expansion)
         if executable.graph.specs:  # sharding in types: hand back on the tasks' own meshes
             likes = [None] * num_user_outputs + call.shardings[: call.num_variables]
             results = [
@@ -868,9 +847,9 @@ class JitFunction:
         (packed buffers, and with several processes this process's share, moves between
         processes as routes). ``process``: another process's share. ``print`` draws it; once
         the step is compiled, it shows the layouts the compiler chose."""
-        executable, _ = self._lookup(_Call(self, args, kwargs))
+        executable, results = self._lookup(_Call(self, args, kwargs))
         if process is not None and process != jax.process_index():
-            return executable.plan_for(process)
+            return results.plan_for(process)
         return executable.compiled_plan or executable.plan
 
     def compile(self, *args, **kwargs) -> Plan:

@@ -6,12 +6,12 @@ import pytest
 
 import mmnnx as mm
 from mmnnx.mpmd.colour import colour
+from mmnnx.mpmd.cut import Fragment, cut, levels, make_fragment
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.localize import localize
 from mmnnx.mpmd.lower import lower
 from mmnnx.mpmd.pack import pack
 from mmnnx.mpmd.pipeline import join_consumers, split_backward, stage_fragments
-from mmnnx.mpmd.plan import Fragment, cut, levels, make_fragment
 from mmnnx.mpmd.program import Constant, Output, Recv, Release, Run, Send, StepProgram, Zeros
 from mmnnx.mpmd.releases import add_releases
 
@@ -71,7 +71,7 @@ def two_layer_chain():
 def test_colour_follows_state_and_moves_the_fewest_bytes(tasks):
     a, bt = tasks
     graph, _ = two_layer_chain()
-    labels = colour(graph, [None, a, bt], ["x", "pa", "pb"], [None], tasks)
+    labels = colour(graph, [None, a, bt], ["x", "pa", "pb"], [None], tasks).op_tasks
     assert [t.name for t in labels] == ["A", "A", "B", "B"]
 
 
@@ -81,7 +81,7 @@ def test_colour_keeps_a_free_op_with_its_heaviest_operand(tasks):
     pa, pb = b.input(1000), b.input(1)
     big, small = b.op("exp", pa, size=1000), b.op("exp", pb, size=1)
     graph = b.outputs(b.op("mul", big, small, size=1000))
-    labels = colour(graph, [a, bt], ["pa", "pb"], [None], tasks)
+    labels = colour(graph, [a, bt], ["pa", "pb"], [None], tasks).op_tasks
     assert [t.name for t in labels] == ["A", "B", "A"]
 
 
@@ -100,7 +100,7 @@ def test_colour_region_wins_and_rejects_foreign_state(tasks):
     b = Builder()
     x, pa = b.input(4), b.input(4)
     graph = b.outputs(b.op("exp", x, size=4, region="B"))
-    labels = colour(graph, [None, a], ["x", "pa"], [None], tasks, {"B": bt})
+    labels = colour(graph, [None, a], ["x", "pa"], [None], tasks, {"B": bt}).op_tasks
     assert labels[0] is bt
     b = Builder()
     pa = b.input(4)

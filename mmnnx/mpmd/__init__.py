@@ -3,6 +3,7 @@
 from mmnnx.mpmd import schedules
 from mmnnx.mpmd._jax import is_backward_scope, scope_components, scopes_of
 from mmnnx.mpmd.annotations import ScopeResolver, resolve_scopes
+from mmnnx.mpmd.cut import Fragment, Transfer
 from mmnnx.mpmd.errors import (
     MPMDError,
     PlacementConflictError,
@@ -11,7 +12,7 @@ from mmnnx.mpmd.errors import (
     UnrolledMicrobatchWarning,
 )
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX
-from mmnnx.mpmd.plan import Fragment, Plan, Transfer
+from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
 
 __all__ = [

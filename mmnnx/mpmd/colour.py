@@ -10,6 +10,7 @@ parameter's task.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +26,16 @@ _MAX_ROUNDS = 4
 _MAX_CAPACITY = 2**20
 
 
+@dataclasses.dataclass(frozen=True)
+class Colouring:
+    """The task of every op of a graph (``op_tasks``, in op order), and ``pinned``, the indices
+    of the ops whose task is fixed (they read placed state or sit in a region); the others may
+    move."""
+
+    op_tasks: tuple[Task, ...]
+    pinned: frozenset[int]
+
+
 def colour(
     graph: Graph,
     input_tasks: Sequence[Task | None],
@@ -32,13 +43,11 @@ def colour(
     output_homes: Sequence[Task | None],
     tasks: Sequence[Task],
     regions: dict[str, Task] | None = None,
-    pinned: set[int] | None = None,
-) -> list[Task]:
-    """Returns the task of every op in ``graph.ops`` (same order).
+) -> Colouring:
+    """The task of every op in ``graph.ops``.
 
     ``regions`` maps the task names of ``mm.task`` regions to their tasks; ops traced inside a
-    region (forward or backward) run on its task. ``pinned``: a set to fill with the indices of
-    the ops whose task is fixed (they read placed state or sit in a region); the others may move.
+    region (forward or backward) run on its task.
     """
     regions = regions or {}
     placed = {v: t for v, t in zip(graph.inputs, input_tasks, strict=True) if t is not None}
@@ -83,8 +92,6 @@ def colour(
         elif reads:
             fixed[op.index] = next(iter(reads))
 
-    if pinned is not None:
-        pinned.update(fixed)
     assigned: list[Task | None] = [fixed.get(op.index) for op in graph.ops]
 
     def where(v: int) -> Task | None:
@@ -114,7 +121,7 @@ def colour(
             improved |= _expand(labels, alpha, free, edges)
         if not improved:
             break
-    return labels
+    return Colouring(tuple(labels), frozenset(fixed))
 
 
 # An edge joins two ops (ints) or an op and a fixed task (a Task): (a, b, bytes).

@@ -13,9 +13,9 @@ from typing import Any
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx.mpmd._jax import constraint_names, is_accumulate, is_constraint
+from mmnnx.mpmd.cut import Fragment, Transfer
 from mmnnx.mpmd.ir import Const, Graph, Op
 from mmnnx.mpmd.pipeline import Pipeline
-from mmnnx.mpmd.plan import Fragment, Transfer
 from mmnnx.mpmd.program import (
     Action,
     Constant,
@@ -129,7 +129,7 @@ class _Lowering:
             if is_constraint(op) and isinstance(op.ins[0], int):
                 self.first_constraint.setdefault(op.ins[0], op)
         self.op_task: dict[int, Task] = {}
-        self.chains = pipeline.chains if pipeline else None
+        self.carry = pipeline.carry if pipeline else None
         self.last = pipeline.num_microbatches - 1 if pipeline else 0
 
     def replica(self, v: int, m: int | None) -> int | None:
@@ -178,9 +178,9 @@ class _Lowering:
         """The value (and microbatch) a chain marker's result stands for: the Variable's value
         before the step for microbatch 0 (or for all, if no microbatch changes it), the previous
         microbatch's result for the others, the last microbatch's as the step's result."""
-        if v in self.chains.results:
-            return self.chains.results[v], self.last
-        before, new = self.chains.starts[v]
+        if v in self.carry.results:
+            return self.carry.results[v], self.last
+        before, new = self.carry.starts[v]
         if new is None or m in (None, 0):
             return before, None
         return new, m - 1
@@ -190,7 +190,7 @@ class _Lowering:
         made = {(v, self.replica(v, m_other)) for v in other.out_ids}
         for v in frag.in_ids:
             at = m
-            if self.chains is not None and v in self.chains.marker_values:
+            if self.carry is not None and v in self.carry.marker_values:
                 v, at = self.chained(v, m)
             if (v, self.replica(v, at)) in made:
                 return True
@@ -200,7 +200,7 @@ class _Lowering:
         """The slot holding value ``v`` (of microbatch ``m``) on ``task``, receiving it first if
         it is not there yet."""
         graph = self.graph
-        if self.chains is not None and v in self.chains.marker_values:
+        if self.carry is not None and v in self.carry.marker_values:
             value, m = self.chained(v, m)
             return self.ensure(value, task, m, want)
         m = self.replica(v, m)
@@ -346,8 +346,8 @@ def lower(
             emit(frag, m, *prepare(frag, m))
             position += 1
 
-    if low.chains is not None:  # a chained result is where the last microbatch left it
-        for result, new in low.chains.results.items():
+    if low.carry is not None:  # a chained result is where the last microbatch left it
+        for result, new in low.carry.results.items():
             low.where[(result, None)] = low.where[(new, low.last)]
     outputs: list[Output | ConstantOutput] = []
     for atom, home in zip(graph.outputs, output_homes, strict=True):

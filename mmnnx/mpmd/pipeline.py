@@ -18,9 +18,7 @@ from mmnnx.mpmd import remat
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd._jax import is_accumulate, is_cheap, is_index, scan_first_part, split_scan
 from mmnnx.mpmd.carry import Carry, carry_of, is_marker
-from mmnnx.mpmd.errors import MPMDError
-from mmnnx.mpmd.ir import Graph, Op
-from mmnnx.mpmd.plan import (
+from mmnnx.mpmd.cut import (
     Fragment,
     after_backward,
     cut,
@@ -30,6 +28,8 @@ from mmnnx.mpmd.plan import (
     replicable_ops,
     with_replicas,
 )
+from mmnnx.mpmd.errors import MPMDError
+from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.trace_state import MicrobatchGroup
 from mmnnx.sharding import Task
 
@@ -41,16 +41,16 @@ _SMALL_TABLE = 64 * 2**10  # bytes: constant tables this small are remade by eve
 class Pipeline:
     """The pipelined plan of a step: fragments and the order to dispatch them in."""
 
-    schedule: sched.Schedule
-    stage_tasks: list[Task]
-    pre: list[Fragment]
-    stages: dict[tuple[str, int], Fragment]
-    post: list[Fragment]
-    index_value: int | None
+    schedule: sched.Schedule  # the schedule its stages run (the tuned or named one)
+    stage_tasks: list[Task]  # the task of each stage, in stage order
+    pre: list[Fragment]  # before the microbatch loop
+    stages: dict[tuple[str, int], Fragment]  # (kind F/B/I/W, stage) -> its fragment
+    post: list[Fragment]  # after the loop (optimizer updates)
+    index_value: int | None  # the microbatch index the stages read, if any
     accumulated: dict[int, int]  # accumulate op output -> its per-microbatch input
-    region_values: set[int]
-    order: list[tuple[Fragment, int | None]]
-    chains: Carry = dataclasses.field(default_factory=lambda: Carry({}, {}))  # lower.py reads it
+    region_values: set[int]  # values made once per microbatch
+    order: list[tuple[Fragment, int | None]]  # dispatch order, with each one's microbatch
+    carry: Carry = dataclasses.field(default_factory=lambda: Carry({}, {}))  # state chained
     num_microbatches: int = 1
     fused: frozenset[int] = frozenset()  # positions in ``order`` run as one program with the next
     batch_size: int | None = None  # rows split into the microbatches
@@ -70,17 +70,18 @@ def plan_pipeline(
     *,
     recompute_residuals: bool = True,
     schedule: str | sched.Schedule | None = None,
-) -> Pipeline | None:
-    """The pipelined plan, or ``None`` when the step has no traced microbatch region.
+) -> tuple[Pipeline | None, tuple[Task, ...]]:
+    """The pipelined plan (``None`` when the step has no traced microbatch region) and the task
+    of every op, which planning may change.
 
     ``free_inputs`` are the graph inputs placed on no task (batches, counters); ``pinned`` the ops
     whose task is fixed (they read placed state): the others may move to keep the stages a
-    chain (``op_tasks`` is updated in place). ``recompute_residuals``: see
+    chain. ``recompute_residuals``: see
     :func:`~mmnnx.mpmd.remat.recompute_residuals`. ``schedule`` (a name or a table), if given,
     replaces the schedule the ``mm.microbatch`` call named (``mm.jit``'s planning option)."""
     region_groups = {op.group for op in graph.ops if op.group is not None}
     if not region_groups:
-        return None
+        return None, tuple(op_tasks)
     if len(region_groups) > 1:
         raise MPMDError(
             f"mm.jit: a step may contain one mm.microbatch call; this one has {len(region_groups)}"
@@ -149,7 +150,7 @@ def plan_pipeline(
     replicable = sorted([*replicable, *made_here], key=lambda op: op.index)
     replicable_ids = {op.index for op in replicable}
     staged = [op for op in region if op.index not in replicable_ids]
-    follow_the_flow(graph, staged, op_tasks, pinned)
+    op_tasks = follow_the_flow(graph, staged, op_tasks, pinned)
     stages, stage_tasks = stage_fragments(graph, staged, op_tasks, replicable)
     schedule = _schedule(group, stage_tasks)
     _check_ranks(schedule, stage_tasks)
@@ -173,21 +174,22 @@ def plan_pipeline(
         else:  # absent: that pass of that stage has no ops (e.g. I of stage 0)
             order += [(f, e.microbatch) for f, e in ((frag, first), (paired, second)) if f]
     order += [(f, None) for f in post]
-    return Pipeline(
-        schedule,
-        stage_tasks,
-        pre,
-        stages,
-        post,
-        index_value,
-        accumulated,
-        region_values,
-        order,
-        chained,
-        group.num_microbatches,
-        frozenset(fused),
-        group.batch_size,
+    pipeline = Pipeline(
+        schedule=schedule,
+        stage_tasks=stage_tasks,
+        pre=pre,
+        stages=stages,
+        post=post,
+        index_value=index_value,
+        accumulated=accumulated,
+        region_values=region_values,
+        order=order,
+        carry=chained,
+        num_microbatches=group.num_microbatches,
+        fused=frozenset(fused),
+        batch_size=group.batch_size,
     )
+    return pipeline, tuple(op_tasks)
 
 
 def _dispatch_order(schedule: sched.Schedule) -> list[tuple[sched.Action, sched.Action | None]]:
@@ -329,15 +331,24 @@ def _check_chains(graph: Graph, chained: Carry, stages: dict[tuple[str, int], Fr
 
 
 def follow_the_flow(
-    graph: Graph, region: list[Op], op_tasks: list[Task], pinned: AbstractSet[int]
-) -> None:
-    """Moves ops that read no placed state onto the stage their data comes from when the
-    colouring (which counts bytes only) put them on a stage that runs earlier in their pass.
+    graph: Graph, region: list[Op], op_tasks: Sequence[Task], pinned: AbstractSet[int]
+) -> list[Task]:
+    """``op_tasks`` with the ops that read no placed state moved onto the stage their data comes
+    from where the colouring (which counts bytes only) put them on a stage that runs earlier in
+    their pass.
 
     A forward op combining a skip connection from stage 0 with stage 2's output runs on stage 2
     (the skip is sent from stage 0 to stage 2, instead of stage 2's output going back to stage
     0); in the backward pass, the sum of that skip's cotangent and stage 1's runs on stage 1,
-    where both have arrived. ``op_tasks`` is updated in place."""
+    where both have arrived."""
+    moved = list(op_tasks)
+    _move_onto_the_flow(graph, region, moved, pinned)
+    return moved
+
+
+def _move_onto_the_flow(
+    graph: Graph, region: list[Op], op_tasks: list[Task], pinned: AbstractSet[int]
+) -> None:
     producer = {v: op for op in region for v in op.outs}
     updates = after_backward(graph)
     movable = [op for op in region if op.index not in pinned and op.index not in updates]

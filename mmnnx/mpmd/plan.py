@@ -1,77 +1,42 @@
-"""Cutting a coloured graph into per-task fragments and the transfers between them (pure data)."""
+"""The plan of one ``mm.jit`` step: what ``step.plan()`` returns and prints."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
 
-import jax.numpy as jnp
-
-from mmnnx.mpmd._jax import is_cheap, is_slicing
-from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.cut import Fragment, Transfer
+from mmnnx.mpmd.pipeline import Pipeline
+from mmnnx.mpmd.program import StepProgram
 from mmnnx.sharding import Task
-
-
-@dataclasses.dataclass
-class Fragment:
-    """A maximal run of one task's ops that can execute as one compiled program."""
-
-    name: str
-    task: Task
-    ops: list[Op]
-    in_ids: list[int]
-    out_ids: list[int]
-    kinds: tuple[str, ...]
-
-    @property
-    def num_eqns(self) -> int:
-        return len(self.ops)
-
-
-@dataclasses.dataclass(frozen=True)
-class Transfer:
-    """A value moved to ``target`` (from ``source``; ``None`` for an input not yet on any task).
-
-    ``sharding`` is its layout on ``target``. For a value made by a program whose output layout
-    the compiler chooses, it is ``None`` until the step is compiled (first call or ``compile``).
-    """
-
-    value: int
-    source: Task | None
-    target: Task
-    shape: tuple[int, ...]
-    dtype: Any
-    nbytes: int
-    sharding: Any = None
 
 
 @dataclasses.dataclass
 class Plan:
     """What one mm.jit step runs: tasks, fragments in dispatch order, transfers, and the typed
-    per-task programs (``program``, a ``StepProgram``) that the runner executes.
+    per-task programs (``program``, a ``StepProgram``) that the runner executes as they are.
 
-    ``num_programs`` counts the distinct compiled programs; building a plan compiles nothing.
-    ``num_loaded``, once the step is compiled: how many of these programs were not compiled
-    but loaded from an equal program compiled for other devices: equal pipeline stages compile
-    once (so may the runner's own small programs, which fill running sums with zeros and pack
-    block weights; they are not counted).
-    ``inputs``: the value id of each input leaf, in the order mm.jit flattens the arguments
-    (Variables first, then the other arrays), as ``Transfer.value`` names them. ``unrolled``: for
-    each ``mm.microbatch`` call that runs as an unrolled loop instead of a pipeline, why.
-    ``input_names``: the path of each input leaf (``arg0/blocks/0/attn/kernel``).
+    Building a plan compiles nothing. ``num_loaded``, on the plan a compiled step returns: how
+    many of its programs were not compiled but loaded from an equal program compiled for other
+    devices (equal pipeline stages compile once; the runner's own small programs, which fill
+    running sums with zeros and pack block weights, are not counted). ``inputs``: the value id
+    of each input leaf, in the order mm.jit flattens the arguments (Variables first, then the
+    other arrays), as ``Transfer.value`` names them.
     """
 
-    tasks: list[Task]
-    fragments: list[Fragment]
-    transfers: list[Transfer]
-    num_programs: int = 0
-    pipeline: Any = None
-    program: Any = None
-    inputs: list[int] = dataclasses.field(default_factory=list)
-    unrolled: list[str] = dataclasses.field(default_factory=list)
-    num_loaded: int | None = None
-    input_names: list[str] = dataclasses.field(default_factory=list)
+    tasks: list[Task]  # the tasks the step runs on
+    fragments: list[Fragment]  # every fragment, in dispatch order of its first run
+    transfers: list[Transfer]  # values moved between tasks (a microbatch's once)
+    program: StepProgram  # what runs, after every pass: this process's share
+    pipeline: Pipeline | None = None  # the pipelined plan of an mm.microbatch loop
+    inputs: list[int] = dataclasses.field(default_factory=list)  # value id of each input leaf
+    input_names: list[str] = dataclasses.field(default_factory=list)  # path of each input leaf
+    unrolled: list[str] = dataclasses.field(default_factory=list)  # why a loop is not pipelined
+    num_loaded: int | None = None  # once compiled: programs loaded, not compiled
+
+    @property
+    def num_programs(self) -> int:
+        """How many distinct compiled programs the step runs."""
+        return self.program.num_programs
 
     def fragments_of(self, task: Task | str) -> list[Fragment]:
         name = task if isinstance(task, str) else task.name
@@ -97,256 +62,14 @@ class Plan:
                 src = t.source.name if t.source is not None else "(input)"
                 shape = ",".join(str(d) for d in t.shape)
                 lines.append(f"    {src} -> {t.target.name}: {t.dtype}[{shape}] ({t.nbytes:,} B)")
-        if self.program is not None:
-            loaded = (
-                f"; {self.num_loaded} loaded from an equal one compiled for other devices"
-                if self.num_loaded
-                else ""
-            )
-            lines.append(f"  programs ({self.num_programs} compiled{loaded}):")
-            lines.append(str(self.program))
+        loaded = (
+            f"; {self.num_loaded} loaded from an equal one compiled for other devices"
+            if self.num_loaded
+            else ""
+        )
+        lines.append(f"  programs ({self.num_programs} compiled{loaded}):")
+        lines.append(str(self.program))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return str(self)
-
-
-def kinds_of(ops: Sequence[Op], after_backward: set[int]) -> tuple[str, ...]:
-    kinds = set()
-    for op in ops:
-        if op.backward:
-            kinds.add("backward")
-        elif op.index in after_backward:
-            kinds.add("update")
-        else:
-            kinds.add("forward")
-    return tuple(k for k in ("forward", "backward", "update") if k in kinds)
-
-
-def after_backward(graph: Graph) -> set[int]:
-    """Indices of the non-backward ops that depend on a backward op (optimizer updates)."""
-    tainted: set[int] = set()
-    out: set[int] = set()
-    for op in graph.ops:
-        if op.backward or any(isinstance(a, int) and a in tainted for a in op.ins):
-            tainted.update(op.outs)
-            if not op.backward:
-                out.add(op.index)
-    return out
-
-
-def levels(
-    graph: Graph, ops: Sequence[Op], op_tasks: Sequence[Task], *, inputs_movable: bool = True
-) -> dict[int, int]:
-    """Cross-task depth of each op in ``ops`` (values from outside ``ops`` are at depth 0).
-
-    Ops that depend on no other task's op (constants, cotangent seeds, step counters) are then
-    moved as late as their consumers allow, so they join a fragment that exists anyway. With
-    ``inputs_movable=False`` only ops that read no value from outside ``ops`` move (a pipeline
-    stage's forward reads its parameters and must stay first).
-    """
-    inside = {op.index for op in ops}
-    producer = {v: op for op in ops for v in op.outs}
-    level: dict[int, int] = {}
-    for op in ops:
-        lv = 0
-        for a in op.ins:
-            if isinstance(a, int) and a in producer:
-                p = producer[a]
-                lv = max(lv, level[p.index] + (op_tasks[p.index] != op_tasks[op.index]))
-        level[op.index] = lv
-    movable: set[int] = set()
-    for op in ops:
-        task = op_tasks[op.index]
-        if all(
-            (inputs_movable and a not in producer)
-            or (
-                a in producer
-                and producer[a].index in movable
-                and op_tasks[producer[a].index] == task
-            )
-            for a in op.ins
-            if isinstance(a, int)
-        ):
-            movable.add(op.index)
-    last_level: dict[Task, int] = {}
-    for op in ops:
-        if op.index not in movable:
-            task = op_tasks[op.index]
-            last_level[task] = max(last_level.get(task, 0), level[op.index])
-    consumers = graph.consumers()
-    for op in reversed(ops):
-        if op.index not in movable:
-            continue
-        task = op_tasks[op.index]
-        bounds = [
-            level[c.index] - (op_tasks[c.index] != task)
-            for v in op.outs
-            for c in consumers.get(v, ())
-            if c.index in inside
-        ]
-        latest = min(bounds) if bounds else last_level.get(task, 0)
-        level[op.index] = max(level[op.index], latest)
-    return level
-
-
-def make_fragment(
-    graph: Graph,
-    name: str,
-    task: Task,
-    ops: list[Op],
-    kinds: tuple[str, ...],
-    consumers: dict[int, list[Op]] | None = None,
-) -> Fragment:
-    """A fragment of ``ops``: its inputs are values it reads but does not make; its outputs are
-    values it makes that another op (by ``consumers``, default the graph's) or the step's
-    result reads."""
-    inside = {op.index for op in ops}
-    produced = {v for op in ops for v in op.outs}
-    consumers = graph.consumers() if consumers is None else consumers
-    graph_outputs = {a for a in graph.outputs if isinstance(a, int)}
-    in_ids: list[int] = []
-    for op in ops:
-        for a in op.ins:
-            if isinstance(a, int) and a not in produced and a not in in_ids:
-                in_ids.append(a)
-    out_ids = [
-        v
-        for op in ops
-        for v in op.outs
-        if v in graph_outputs or any(c.index not in inside for c in consumers.get(v, ()))
-    ]
-    return Fragment(name, task, ops, in_ids, out_ids, kinds)
-
-
-def replicable_ops(
-    graph: Graph,
-    ops: Sequence[Op],
-    seeds: set[int],
-    allowed: set[int],
-    *,
-    side_inputs: bool = False,
-) -> list[Op]:
-    """Cheap ops that read at least one ``seeds`` value (or another such op's result) and
-    otherwise only ``allowed`` values; their results are not step outputs.
-
-    With ``side_inputs`` (a pipeline's microbatch region), ops that read no value at all
-    (``iota``, constants) are seeds too, and any op but a contraction or a nested program counts
-    as cheap: a mask, position table or time embedding built from the batch and constants is
-    recomputed in each stage that reads it instead of running on one stage and being sent to
-    every other. Results read outside ``ops`` (a microbatch sum, another cut) are not recomputed.
-    """
-    outputs = {a for a in graph.outputs if isinstance(a, int)}
-    inside = {op.index for op in ops}
-    consumers = graph.consumers() if side_inputs else {}
-    reachable = set(seeds)
-    found = []
-    for op in ops:
-        if op.effectful or op.may_fail or not op.outs:
-            continue  # runs exactly once: effects and callbacks are not recomputed (nor dropped)
-        sources = [a for a in op.ins if isinstance(a, int)]
-        if side_inputs:
-            cheap = is_cheap(op) and all(
-                c.index in inside for v in op.outs for c in consumers.get(v, ())
-            )
-            seeded = not sources or any(a in reachable for a in sources)
-        else:
-            # slicing a batch into inputs and labels, and index arithmetic (scalar or non-float
-            # results), is cheap enough to recompute in every fragment that reads it
-            cheap = is_slicing(op) or all(
-                graph.shapes[v] == () or not jnp.issubdtype(graph.dtypes[v], jnp.floating)
-                for v in op.outs
-            )
-            seeded = any(a in reachable for a in sources)
-        if (
-            cheap
-            and seeded
-            and all(a in reachable or a in allowed for a in sources)
-            and not outputs.intersection(op.outs)
-        ):
-            found.append(op)
-            reachable.update(op.outs)
-    return found
-
-
-def with_replicas(
-    graph: Graph, name: str, task: Task, ops: list[Op], kinds: tuple[str, ...], replicas: list[Op]
-) -> Fragment:
-    """A fragment of ``ops`` plus the replicable ops whose results they read (recomputed here)."""
-    producer = {v: op for op in replicas for v in op.outs}
-    needed: dict[int, Op] = {}
-    stack = [a for op in ops for a in op.ins if isinstance(a, int) and a in producer]
-    while stack:
-        p = producer[stack.pop()]
-        if p.index not in needed:
-            needed[p.index] = p
-            stack += [a for a in p.ins if isinstance(a, int) and a in producer]
-    body = sorted([*ops, *needed.values()], key=lambda op: op.index)
-    frag = make_fragment(graph, name, task, body, kinds)
-    frag.out_ids = [v for v in frag.out_ids if v not in producer]
-    return frag
-
-
-def _input_slicing(graph: Graph, ops: list[Op], free: set[int]) -> list[Op]:
-    """The ops of ``ops`` that cut free inputs (a batch into inputs and targets), to recompute
-    in each fragment that reads them rather than send between tasks.
-
-    Only for inputs that no ``mm.task`` region reads, directly or through such ops: a region's
-    unplaced inputs are its parameters (multimesh programs), which go to that region's task once.
-    An op whose result is read outside ``ops`` (another cut) runs once, as usual.
-    """
-    consumers = graph.consumers()
-    candidates = replicable_ops(graph, ops, free, free)
-    origin: dict[int, set[int]] = {v: {v} for v in free}
-    for op in candidates:
-        sources = set().union(*(origin.get(a, set()) for a in op.ins if isinstance(a, int)))
-        origin.update((v, sources) for v in op.outs)
-    regional = {
-        seed
-        for v, seeds in origin.items()
-        if any(c.region is not None for c in consumers.get(v, ()))
-        for seed in seeds
-    }
-    if regional:
-        free = free - regional
-        candidates = replicable_ops(graph, ops, free, free)
-    inside = {op.index for op in ops}
-    return [
-        op
-        for op in candidates
-        if all(c.index in inside for v in op.outs for c in consumers.get(v, ()))
-    ]
-
-
-def cut(
-    graph: Graph,
-    op_tasks: Sequence[Task],
-    tasks: Sequence[Task],
-    ops: Sequence[Op] | None = None,
-    suffix: str = "",
-    free_inputs: set[int] | None = None,
-) -> list[Fragment]:
-    """Groups ``ops`` (default: all) into fragments keyed by (cross-task depth, task), in a valid
-    dispatch order. Cheap slicing of ``free_inputs`` (inputs on no task, e.g. the batch) is
-    recomputed in each fragment that reads it."""
-    ops = list(graph.ops if ops is None else ops)
-    replicas = _input_slicing(graph, ops, free_inputs or set())
-    replica_ids = {op.index for op in replicas}
-    ops = [op for op in ops if op.index not in replica_ids]
-    level = levels(graph, ops, op_tasks)
-    updates = after_backward(graph)
-    order = {t: i for i, t in enumerate(tasks)}
-    groups: dict[tuple[int, int], list[Op]] = {}
-    for op in ops:
-        groups.setdefault((level[op.index], order[op_tasks[op.index]]), []).append(op)
-    fragments = []
-    counts: dict[Task, int] = {}
-    for key in sorted(groups):
-        task = tasks[key[1]]
-        k = counts[task] = counts.get(task, -1) + 1
-        group = groups[key]
-        name = f"{task.name}#{suffix}{k}"
-        fragments.append(
-            with_replicas(graph, name, task, group, kinds_of(group, updates), replicas)
-        )
-    return fragments

@@ -24,7 +24,7 @@ import dataclasses
 import math
 from typing import Any
 
-from mmnnx.mpmd.plan import Fragment
+from mmnnx.mpmd.cut import Fragment
 from mmnnx.sharding import Task
 
 

@@ -1,0 +1,193 @@
+"""The engine's entry: a traced step and what is known of its inputs and outputs -> its plan.
+
+``mm.jit`` (``jit.py``) traces a step and describes each input leaf (:class:`StepInput`) and
+each output leaf (:class:`StepOutput`); :func:`plan_step` then splits stacked layers over their
+tasks, colours every op with a task, cuts the graph into fragments (pipelined per microbatch
+where the step has an ``mm.microbatch`` loop), lowers them to a typed program and runs the
+passes (``passes.py``). Nothing here knows Flax NNX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from mmnnx.mpmd.carry import resolve_rng_counts
+from mmnnx.mpmd.colour import colour
+from mmnnx.mpmd.cut import cut
+from mmnnx.mpmd.errors import MPMDError
+from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.lower import lower
+from mmnnx.mpmd.passes import run_passes
+from mmnnx.mpmd.pipeline import plan_pipeline
+from mmnnx.mpmd.plan import Plan
+from mmnnx.mpmd.program import StepProgram
+from mmnnx.mpmd.schedules import Schedule
+from mmnnx.mpmd.stack_split import Expansion, chunk_sharding, split_stacks
+from mmnnx.mpmd.trace_state import Trace
+from mmnnx.sharding import Task, TaskStack
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """One input leaf of a step."""
+
+    name: str  # its path, e.g. "arg0/blocks/0/attn/kernel"
+    task: Task | None = None  # the task it is placed on; None: a batch, a counter
+    stack: TaskStack | None = None  # the tasks its stacked layers are split over
+    spec: PartitionSpec = PartitionSpec()  # its placement spec (a stacked Variable's)
+    sharding: Any = None  # its layout, where placed on a task
+    donated: bool = False  # the step may reuse its buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """Where one output leaf of a step ends."""
+
+    home: Task | TaskStack | None = None  # the task (or stack) of the Variable it belongs to
+    spec: PartitionSpec = PartitionSpec()  # that Variable's placement spec
+    sharding: Any = None  # the layout it must end in; None: wherever it is made
+
+    @property
+    def task(self) -> Task | None:
+        return self.home if isinstance(self.home, Task) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanningOptions:
+    """How to plan a step (``mm.jit``'s options)."""
+
+    residual_bytes: int = 0  # the largest residual packed (mm.jit(pack_residuals=...))
+    weight_bytes: int = 0  # the largest block weight packed (mm.jit(pack_weights=...))
+    recompute_residuals: bool = True  # backwards recompute cheap residuals
+    schedule: str | Schedule | None = None  # replaces each mm.microbatch's schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedStep:
+    """A planned step: what the runner needs, and what the processes compare."""
+
+    graph: Graph  # the traced graph, stacked layers split over their tasks
+    plan: Plan  # this process's plan
+    lowered: StepProgram  # the program before the passes: the same on every process
+    expansion: Expansion | None  # how stacked inputs and outputs map to the graph's
+    plan_for: Callable[[int], Plan]  # another process's plan
+
+
+def plan_step(
+    graph: Graph,
+    trace: Trace,
+    inputs: Sequence[StepInput],
+    outputs: Sequence[StepOutput],
+    options: PlanningOptions,
+    *,
+    name: str = "the step",
+    process: int = 0,
+    num_processes: int = 1,
+) -> PlannedStep:
+    """Plans a traced step (``graph``, with its ``trace`` state) for ``process`` of
+    ``num_processes``: one record per graph input and output, in order. ``name``: the step's,
+    for messages. Compiles nothing.
+
+    Example::
+
+        planned = plan_step(graph, trace, inputs, outputs, PlanningOptions())
+        print(planned.plan)
+    """
+    expansion = None
+    if any(i.stack is not None for i in inputs):
+        graph, expansion = split_stacks(
+            graph,
+            [(i.stack, i.spec) if i.stack is not None else None for i in inputs],
+            [(o.home, o.spec) if isinstance(o.home, TaskStack) else None for o in outputs],
+            [i.name for i in inputs],
+        )
+        inputs = expansion.expand_inputs(inputs, _input_chunk)
+        outputs = expansion.expand_outputs(outputs, _output_chunk)
+    resolve_rng_counts(graph, {g: m.num_microbatches for g, m in trace.microbatches.items()})
+    input_tasks = [i.task for i in inputs]
+    names = [i.name for i in inputs]
+    tasks = _tasks(input_tasks, trace.regions.values())
+    colouring = colour(graph, input_tasks, names, [o.task for o in outputs], tasks, trace.regions)
+    free = {v for v, i in zip(graph.inputs, inputs, strict=True) if i.task is None}
+    pipeline, op_tasks = plan_pipeline(
+        graph,
+        colouring.op_tasks,
+        tasks,
+        trace.microbatches,
+        free,
+        colouring.pinned,
+        recompute_residuals=options.recompute_residuals,
+        schedule=options.schedule,
+    )
+    if pipeline is None:
+        order = [(f, None) for f in cut(graph, op_tasks, tasks, free_inputs=free)]
+    else:
+        order = pipeline.order
+    if graph.specs and any(t.jax_mesh.shape != tasks[0].jax_mesh.shape for t in tasks):
+        raise MPMDError(
+            f"mm.jit: {name} uses explicit mesh axes, but its mm.task regions run on meshes of "
+            f"other shapes ({', '.join(repr(t.name) for t in tasks)}); give every task the same "
+            "axis names and sizes"
+        )
+    lowered, transfers = lower(
+        graph,
+        tasks,
+        input_tasks,
+        [i.sharding if i.task is not None else None for i in inputs],
+        [o.sharding for o in outputs],
+        [i.donated for i in inputs],
+        order,
+        pipeline,
+    )
+    fragments = list({id(f): f for f, _ in order}.values())
+
+    def plan_for(process: int) -> Plan:
+        program = run_passes(
+            lowered,
+            graph,
+            residual_bytes=options.residual_bytes,
+            weight_bytes=options.weight_bytes,
+            input_names=names,
+            process=process,
+            num_processes=num_processes,
+        )
+        return Plan(
+            tasks=list(tasks),
+            fragments=fragments,
+            transfers=transfers,
+            program=program,
+            pipeline=pipeline,
+            inputs=list(graph.inputs),
+            input_names=names,
+            unrolled=list(trace.unrolled),
+        )
+
+    return PlannedStep(graph, plan_for(process), lowered, expansion, plan_for)
+
+
+def _input_chunk(item: StepInput, task: Task, index: int, home: Any) -> StepInput:
+    sharding = chunk_sharding(item, task, index, home)
+    return StepInput(f"{item.name}[{index}]", task, sharding=sharding, donated=item.donated)
+
+
+def _output_chunk(item: StepOutput, task: Task, index: int, home: Any) -> StepOutput:
+    return StepOutput(task, home[1], chunk_sharding(item, task, index, home))
+
+
+def _tasks(input_tasks: Sequence[Task | None], regions: Any) -> list[Task]:
+    """The step's tasks: those of its placed inputs, then of its ``mm.task`` regions."""
+    tasks = list(dict.fromkeys([*(t for t in input_tasks if t is not None), *regions]))
+    by_name: dict[str, Task] = {}
+    for t in tasks:
+        if by_name.setdefault(t.name, t) != t:
+            raise MPMDError(f"mm.jit: two different tasks are named {t.name!r}")
+    if not tasks:
+        raise MPMDError(
+            "mm.jit: no argument holds state placed on a task; place the model with mm.place or "
+            "mm.init first"
+        )
+    return tasks
