@@ -847,6 +847,11 @@ class JitFunction:
         (packed buffers, and with several processes this process's share, moves between
         processes as routes). ``process``: another process's share. ``print`` draws it; once
         the step is compiled, it shows the layouts the compiler chose."""
+        if process is not None and not 0 <= process < jax.process_count():
+            raise ValueError(
+                f"mm.jit: plan(process={process!r}): this job has {jax.process_count()} "
+                f"process(es), numbered 0 to {jax.process_count() - 1}"
+            )
         executable, results = self._lookup(_Call(self, args, kwargs))
         if process is not None and process != jax.process_index():
             return results.plan_for(process)

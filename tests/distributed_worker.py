@@ -89,6 +89,11 @@ def two_task(steps: int = 3, pipelined: str | None = None):
         "losses": losses,
         "params": {k: np.asarray(v).tolist() for k, v in _flat(params).items()},
         "transfers": len(train_step.plan(model, opt, x, y).transfers),
+        "program": str(train_step.plan(model, opt, x, y).program),
+        "programs": [
+            str(train_step.plan(model, opt, x, y, process=i).program)
+            for i in range(jax.process_count())
+        ],
     }
 
 

@@ -63,6 +63,9 @@ def test_readme_two_task_step_matches_one_process(tmp_path, two_task_reference, 
     results = run_scenario("two_task", processes, devices, tmp_path)
     assert [r["process"] for r in results] == list(range(processes))
     assert_same_run(results, two_task_reference)
+    for i, r in enumerate(results):  # each process's share, as it runs and as others plan it
+        assert f"process {i}'s share" in r["program"] and "route v" in r["program"]
+        assert all(other["programs"][i] == r["program"] for other in results)
 
 
 def test_multimesh_compat_autosharding_across_processes(tmp_path):

@@ -788,3 +788,11 @@ def test_a_while_loop_over_every_parameter_runs_across_tasks(tasks):
         if op.name == "while"
     }
     assert loops == {s0.name, s1.name}
+
+
+def test_plan_of_a_process_the_job_does_not_have_is_refused(tasks, batch):
+    model, opt, _, _ = placed_and_reference(tasks, optax.sgd(0.1))
+    step = mm.jit(train_step)
+    assert step.plan(model, opt, *batch, process=0).program == step.plan(model, opt, *batch).program
+    with pytest.raises(ValueError, match=r"plan\(process=1\): this job has 1 process"):
+        step.plan(model, opt, *batch, process=1)
