@@ -14,10 +14,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx import _nnx
+from mmnnx.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd import _jax, markers
 from mmnnx.mpmd.chains import resolve_rng_counts
 from mmnnx.mpmd.colour import colour
-from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd.lower import lower
 from mmnnx.mpmd.packing import (
     PACK_RESIDUAL_BYTES,

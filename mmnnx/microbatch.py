@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from mmnnx import _nnx
+from mmnnx.errors import UnrolledMicrobatchWarning
 from mmnnx.mpmd import _jax, markers, schedules
-from mmnnx.mpmd.errors import UnrolledMicrobatchWarning
 from mmnnx.mpmd.ir import GROUP_PREFIX
 from mmnnx.mpmd.pipeline import MicrobatchGroup
 

@@ -8,7 +8,7 @@ import zlib
 import jax
 
 from mmnnx.distributed import _runtime
-from mmnnx.mpmd.errors import MPMDError
+from mmnnx.errors import MPMDError
 
 _KEY = "mmnnx/agree/{}/{}"
 _WAIT_S = 300.0

@@ -22,7 +22,7 @@ from mmnnx.distributed import _runtime
 from mmnnx.distributed.agree import check_same_everywhere
 from mmnnx.distributed.arrays import placeholder, processes_of, put
 from mmnnx.distributed.routes import Route
-from mmnnx.mpmd.errors import MPMDError
+from mmnnx.errors import MPMDError
 from mmnnx.mpmd.program import Recv, Run
 
 _LAYOUT_KEY = "mmnnx/layout/{}/{}"

@@ -1,14 +1,14 @@
 """mmnnx.mpmd: the engine (trace, colour, cut, compile, run) behind mm.jit."""
 
-from mmnnx.mpmd import schedules
-from mmnnx.mpmd._jax import is_backward_scope, scope_components, scopes_of
-from mmnnx.mpmd.errors import (
+from mmnnx.errors import (
     MPMDError,
     PlacementConflictError,
     SideEffectError,
     StepError,
     UnrolledMicrobatchWarning,
 )
+from mmnnx.mpmd import schedules
+from mmnnx.mpmd._jax import is_backward_scope, scope_components, scopes_of
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX
 from mmnnx.mpmd.markers import ScopeResolver, resolve_scopes
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer

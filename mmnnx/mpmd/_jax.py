@@ -37,7 +37,7 @@ from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 
-from mmnnx.mpmd.errors import MPMDError, SideEffectError
+from mmnnx.errors import MPMDError, SideEffectError
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Atom, Const, Graph, Op
 from mmnnx.sharding.specs import itemsize
 

@@ -21,8 +21,8 @@ import functools
 
 import numpy as np
 
+from mmnnx.errors import MPMDError
 from mmnnx.mpmd import _jax
-from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
 
 

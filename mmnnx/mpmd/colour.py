@@ -16,8 +16,8 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
+from mmnnx.errors import PlacementConflictError
 from mmnnx.mpmd._jax import is_view
-from mmnnx.mpmd.errors import PlacementConflictError
 from mmnnx.mpmd.ir import Graph
 from mmnnx.sharding import Task
 

@@ -12,8 +12,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from mmnnx.errors import MPMDError
 from mmnnx.mpmd import _jax
-from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import REGION_PREFIX, Graph
 from mmnnx.mpmd.pipeline import MicrobatchGroup
 from mmnnx.sharding import Task

@@ -14,11 +14,11 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
+from mmnnx.errors import MPMDError
 from mmnnx.mpmd import remat
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd._jax import is_accumulate, is_cheap, is_index, scan_first_part, split_scan
 from mmnnx.mpmd.chains import Chains, chains, is_marker
-from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.plan import (
     Fragment,

@@ -1406,7 +1406,7 @@ register(
 register("dualpipev", _v_shaped("dualpipev", dualpipe_v))
 
 
-from mmnnx.mpmd.errors import NoCandidateError  # noqa: E402, F401  (tune raises it)
+from mmnnx.errors import NoCandidateError  # noqa: E402, F401  (tune raises it)
 
 
 def tune(step: Any, *args: Any, **kwargs: Any) -> Any:

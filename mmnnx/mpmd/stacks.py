@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from mmnnx.errors import MPMDError
 from mmnnx.mpmd import _jax
-from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Atom, Const, Graph, Op
 from mmnnx.sharding import Task
 from mmnnx.sharding.specs import itemsize
