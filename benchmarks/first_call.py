@@ -101,7 +101,7 @@ def measure(case: str, cache_dir: str | None = None) -> dict:
     program compiled, none loaded from an equal one), "8_stages" and "8_stages_unshared" (the
     same on 8 stages), or "one_device"."""
     if case.endswith("unshared"):
-        from mmnnx.mpmd import _jax
+        from mmnnx._jax import compile as _jax
 
         _jax.SharedCompiles.executable = lambda self, compile, *args: compile(*args)
     if cache_dir is not None:

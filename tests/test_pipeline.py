@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.mpmd import _jax
+from mmnnx._jax import compile as _jax
 from mmnnx.timeline import timeline_rows
 from tests.flags import COMPILE_FLAGS
 from tests.models import (
@@ -262,7 +262,7 @@ import jax, optax
 from flax import nnx
 from jax._src import compiler
 import mmnnx as mm
-from mmnnx.mpmd import _jax
+from mmnnx._jax import compile as _jax
 from tests.models import tensor_parallel_mlp
 
 _jax.SharedCompiles()

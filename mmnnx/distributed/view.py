@@ -18,12 +18,12 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from mmnnx.distributed import _runtime
+from mmnnx._jax import runtime
 from mmnnx.distributed.agree import check_same_everywhere
-from mmnnx.distributed.arrays import placeholder, processes_of, put
 from mmnnx.distributed.routes import Route
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd.program import Recv, Run
+from mmnnx.sharding.arrays import placeholder, processes_of, put
 
 _LAYOUT_KEY = "mmnnx/layout/{}/{}"
 _OUTPUT_KEY = "mmnnx/output-layout/{}/{}"
@@ -45,7 +45,7 @@ def _spec_of(sharding: Any, task: Any) -> PartitionSpec:
 
 def _publish(key: str, layout: Any, task: Any) -> None:
     """Makes ``layout`` (of a value on ``task``) readable by every process under ``key``."""
-    _runtime.key_value_set(key, pickle.dumps(_spec_of(layout, task)))
+    runtime.key_value_set(key, pickle.dumps(_spec_of(layout, task)))
 
 
 class ProcessView:
@@ -165,7 +165,7 @@ class ProcessView:
     def _published(self, key: str, task: Any, what: str) -> NamedSharding:
         """The layout on ``task`` that its first process published under ``key``."""
         try:
-            spec = pickle.loads(_runtime.key_value_get(key, _LAYOUT_WAIT_S))
+            spec = pickle.loads(runtime.key_value_get(key, _LAYOUT_WAIT_S))
         except jax.errors.JaxRuntimeError as e:
             raise MPMDError(
                 f"mm.jit: process {min(self.processes(task))} did not publish the layout of "

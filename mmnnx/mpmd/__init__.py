@@ -8,11 +8,11 @@ from mmnnx.errors import (
     UnrolledMicrobatchWarning,
 )
 from mmnnx.mpmd import schedules
-from mmnnx.mpmd._jax import is_backward_scope, scope_components, scopes_of
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX
 from mmnnx.mpmd.markers import ScopeResolver, resolve_scopes
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer
 from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
+from mmnnx.mpmd.tracing import is_backward_scope, scope_components, scopes_of
 
 __all__ = [
     "GROUP_PREFIX",

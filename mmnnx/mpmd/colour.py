@@ -17,8 +17,8 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from mmnnx.errors import PlacementConflictError
-from mmnnx.mpmd._jax import is_view
 from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.op_kinds import is_view
 from mmnnx.sharding import Task
 
 _MAX_ROUNDS = 4

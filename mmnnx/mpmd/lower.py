@@ -12,10 +12,10 @@ from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmnnx.mpmd._jax import constraint_names, is_accumulate, is_constraint
 from mmnnx.mpmd.ir import Const, Graph, Op
 from mmnnx.mpmd.pipeline import Pipeline
 from mmnnx.mpmd.plan import Fragment, Plan, Transfer
+from mmnnx.mpmd.primitives import constraint_names, is_accumulate, is_constraint
 from mmnnx.mpmd.program import Action, Constant, Recv, Release, Run, Send, StepProgram, Zeros
 from mmnnx.sharding import Task
 from mmnnx.sharding.specs import check_spec

@@ -13,9 +13,9 @@ import jax
 from jax.sharding import PartitionSpec
 
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd import _jax
 from mmnnx.mpmd.ir import REGION_PREFIX, Graph
 from mmnnx.mpmd.pipeline import MicrobatchGroup
+from mmnnx.mpmd.primitives import constraint_p
 from mmnnx.sharding import Task
 
 ScopeResolver = Callable[[str, bool], "Task | None"]
@@ -197,4 +197,4 @@ def with_sharding_constraint(x: Any, spec: PartitionSpec | Sequence[str | None])
             return x
         return jax.lax.with_sharding_constraint(x, spec)
     names = tuple(spec)
-    return jax.tree.map(lambda leaf: _jax.constraint_p.bind(leaf, names=names), x)
+    return jax.tree.map(lambda leaf: constraint_p.bind(leaf, names=names), x)

@@ -17,9 +17,10 @@ from collections.abc import Set as AbstractSet
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd import remat
 from mmnnx.mpmd import schedules as sched
-from mmnnx.mpmd._jax import is_accumulate, is_cheap, is_index, scan_first_part, split_scan
 from mmnnx.mpmd.chains import Chains, chains, is_marker
+from mmnnx.mpmd.control_flow import scan_first_part, split_scan
 from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.op_kinds import is_cheap
 from mmnnx.mpmd.plan import (
     Fragment,
     after_backward,
@@ -30,6 +31,7 @@ from mmnnx.mpmd.plan import (
     replicable_ops,
     with_replicas,
 )
+from mmnnx.mpmd.primitives import is_accumulate, is_index
 from mmnnx.sharding import Task
 
 _SMALL_STATE = 4096  # bytes: inputs this small may be sent to every stage that reads them
