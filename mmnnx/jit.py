@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mmnnx import _nnx
 from mmnnx._jax.arrays import all_plain_arrays, move_to, shards_by_device
 from mmnnx._jax.tracing import tracing
+from mmnnx.distributed.view import ProcessView
 from mmnnx.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd import markers
 from mmnnx.mpmd.chains import resolve_rng_counts
@@ -684,6 +685,7 @@ class JitFunction:
             input_names=names,
             name=repr(getattr(fun, "__name__", "the step")),
             fingerprint=lambda: _fingerprint(graph, plan, call),
+            process_view=ProcessView,
         )
         return executable, (out_tree, num_user_outputs, expansion, added)
 

@@ -306,12 +306,12 @@ class _LocalView:
     """What one process does with each action: in a single process, everything."""
 
     @staticmethod
-    def make(executable: Executable) -> _LocalView:
+    def make(executable: Executable) -> Any:
         if jax.process_count() == 1:
             return _LocalView()
-        from mmnnx.distributed.view import ProcessView
-
-        return ProcessView(executable)
+        if executable.process_view is None:
+            raise RuntimeError(f"{executable.name} runs on several processes: pass process_view")
+        return executable.process_view(executable)
 
     def runs(self, task: Any) -> bool:
         return True
@@ -360,7 +360,9 @@ class Executable:
     describing the step that processes compare before the first compile; ``name``: the step's,
     for messages; ``pack_residuals`` / ``pack_weights``: the largest residual / weight packed,
     in bytes (``mm.jit``, :mod:`~mmnnx.mpmd.packing`); ``input_names``: the inputs' paths
-    (weights are packed by the block their path names).
+    (weights are packed by the block their path names); ``process_view``: with several
+    processes, makes the view of this process's share of the step from the executable
+    (``mm.jit`` passes :class:`~mmnnx.distributed.view.ProcessView`).
     """
 
     def __init__(
@@ -373,6 +375,7 @@ class Executable:
         pack_residuals: int = 0,
         pack_weights: int = 0,
         input_names: Sequence[str] = (),
+        process_view: Callable[[Executable], Any] | None = None,
     ):
         self.graph = graph
         self.plan = plan
@@ -385,6 +388,7 @@ class Executable:
         self.pack_residuals = pack_residuals
         self.pack_weights = pack_weights
         self.input_names = list(input_names)
+        self.process_view = process_view
         self._steps: list[tuple] | None = None
         self._same_layout: dict[tuple, bool] = {}
         self._fragment_programs: list[Any] = []  # lowered while compiling, to count the loaded
