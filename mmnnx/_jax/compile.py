@@ -33,7 +33,8 @@ class SharedCompiles:
     """The executables compiled so far in one ``compile`` of a step, by program and device-free
     compile options; ``compile(lowered)`` compiles a ``jax.stages.Lowered`` through it.
     ``loaded``: how many programs were loaded from an equal one rather than compiled;
-    ``loaded_lowered``: the ids of those ``Lowered`` objects.
+    ``loaded_lowered``: the ids of those ``Lowered`` objects (kept alive as long as the table,
+    so that no other object takes one of their ids meanwhile).
 
     Example:
         >>> import jax, numpy as np
@@ -53,6 +54,7 @@ class SharedCompiles:
         self._first: dict[tuple, concurrent.futures.Future] = {}
         self.loaded = 0
         self.loaded_lowered: set[int] = set()
+        self._loaded: list[Any] = []  # the Lowered objects of loaded_lowered, alive
 
     def compile(self, lowered: Any) -> Any:
         program = _Program.of(lowered)
@@ -89,6 +91,7 @@ class SharedCompiles:
         with self._lock:
             self.loaded += 1
             self.loaded_lowered.add(id(lowered))
+            self._loaded.append(lowered)
         return compiled
 
 
