@@ -278,7 +278,7 @@ def pipeline_case(
     from mmnnx.models import stage_rules  # noqa: PLC0415
 
     if not direct:
-        from mmnnx.mpmd._jax import DirectLaunch  # noqa: PLC0415
+        from mmnnx._jax.launch import DirectLaunch  # noqa: PLC0415
 
         DirectLaunch.of = classmethod(lambda cls, compiled: None)
 

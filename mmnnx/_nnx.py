@@ -1,6 +1,6 @@
 """The one module that knows how Flax NNX stores things: which objects are Variables, how a
 model's Variables are walked, where Flax keeps logical axis names, and how a step's new values
-are written back. A Flax upgrade changes this file (and ``mpmd/_jax.py`` for JAX) only.
+are written back. A Flax upgrade changes this file (and the package ``_jax`` for JAX) only.
 
 It imports nothing of mmnnx's, so every layer may use it.
 

@@ -394,7 +394,7 @@ def train(args: argparse.Namespace) -> int:
     table = mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2)
     if jax.process_index() == 0:
         print(table)
-    from mmnnx.mpmd.errors import NoCandidateError  # noqa: PLC0415
+    from mmnnx.errors import NoCandidateError  # noqa: PLC0415
     from mmnnx.train.checkpoint import (  # noqa: PLC0415
         CheckpointCorruptError,
         CheckpointMismatchError,

@@ -15,10 +15,19 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx import _nnx
+from mmnnx._jax.arrays import all_plain_arrays, move_to, shards_by_device
+from mmnnx._jax.tracing import tracing
 from mmnnx.distributed.peers import StepPeers
-from mmnnx.mpmd import _jax, annotations, trace_state
+from mmnnx.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
+from mmnnx.mpmd import annotations, trace_state
 from mmnnx.mpmd.engine import PlanningOptions, StepInput, StepOutput, plan_step
-from mmnnx.mpmd.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
+from mmnnx.mpmd.mesh_context import (
+    auto_twin,
+    explicit_tracing,
+    needs_explicit_axes,
+    no_ambient_mesh,
+    typed_aval,
+)
 from mmnnx.mpmd.pack import (
     PACK_RESIDUAL_BYTES,
     PACK_WEIGHT_BYTES,
@@ -32,6 +41,7 @@ from mmnnx.mpmd.schedules import Schedule
 from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.mpmd.stack_split import Expansion
 from mmnnx.mpmd.timing import BlockingTimer, Event, OverlapTimer, Timer
+from mmnnx.mpmd.tracing import trace as trace_graph
 from mmnnx.sharding import Task, TaskStack, home_of, stack_of, task_of
 from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state
 
@@ -235,7 +245,7 @@ class _Call:
         self.leaves = [v.get_raw_value() for v in self.variables] + arrays
         # The checks below only fail for a leaf that is not a plain jax.Array (a step's own
         # outputs, fed back, always are): skipped when none is, as on every step of a loop.
-        checked = () if _jax.all_plain_arrays(self.leaves) else enumerate(self.leaves)
+        checked = () if all_plain_arrays(self.leaves) else enumerate(self.leaves)
         for i, leaf in checked:
             if i < self.num_variables and isinstance(leaf, tuple | dict):
                 kind = type(self.variables[i]).__name__
@@ -521,7 +531,7 @@ def _typed_inputs(call: _Call, step: str, cause: BaseException) -> tuple[Any, li
         return PartitionSpec()
 
     avals = [
-        _jax.typed_aval(np.shape(x), x.dtype, mesh, spec_of(x, task))
+        typed_aval(np.shape(x), x.dtype, mesh, spec_of(x, task))
         for x, task in zip(call.leaves, call.tasks, strict=True)
     ]
     return mesh, avals
@@ -538,9 +548,9 @@ def _stay_home(call: _Call, updates: list[Any]) -> None:
         home = old.sharding.device_set
         if len(home) == 1 and new.sharding.is_fully_replicated and home <= new.sharding.device_set:
             (device,) = home  # a replica is already there: take it, no copy
-            updates[i] = _jax.shards_by_device(new)[device]
+            updates[i] = shards_by_device(new)[device]
         else:
-            updates[i] = _jax.move_to(new, old.sharding)
+            updates[i] = move_to(new, old.sharding)
 
 
 def _execute(
@@ -691,13 +701,13 @@ class JitFunction:
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
         try:
             with trace_state.tracing() as trace:
-                graph, out_shape = _jax.trace(pure, avals, name_as=fun, arg_names=call.names)
+                graph, out_shape = trace_graph(pure, avals, name_as=fun, arg_names=call.names)
         except Exception as e:
-            if not _jax.needs_explicit_axes(e):
+            if not needs_explicit_axes(e):
                 raise
             mesh, avals = _typed_inputs(call, _step_name(fun), e)
-            with trace_state.tracing() as trace, _jax.explicit_tracing(mesh):
-                graph, out_shape = _jax.trace(pure, avals, name_as=fun, arg_names=call.names)
+            with trace_state.tracing() as trace, explicit_tracing(mesh):
+                graph, out_shape = trace_graph(pure, avals, name_as=fun, arg_names=call.names)
         annotations.apply_resolvers(graph, trace)
         out_tree = jax.tree.structure(out_shape[0])
         num_added = sum(a.num_leaves for a in added)
@@ -743,14 +753,14 @@ class JitFunction:
         if entry is None:
             if call.bound:  # a new plan for a bound call: was the model placed again?
                 call.check_placement()
-            with _jax.no_ambient_mesh():
+            with no_ambient_mesh():
                 entry = self._cache[call.key] = self._build(call)
         else:
             call.check_free_devices(entry[0].owned_devices)
         return entry
 
     def __call__(self, *args, **kwargs):
-        if _jax.tracing():
+        if tracing():
             return self._traced_call(args, kwargs)
         return self._run(_Call(self, args, kwargs))
 
@@ -774,12 +784,12 @@ class JitFunction:
         out_tree, num_user_outputs, added = results.tree, results.num_user_outputs, results.added
         if self.donate_argnums and (deleted := call.deleted_input()):
             raise deleted  # before any input is donated
-        with _jax.no_ambient_mesh():  # each fragment runs on its own task's mesh
+        with no_ambient_mesh():  # each fragment runs on its own task's mesh
             results = _execute(executable, call, self.fun, modes, results.expansion)
         if executable.graph.specs:  # sharding in types: hand back on the tasks' own meshes
             likes = [None] * num_user_outputs + call.shardings[: call.num_variables]
             results = [
-                _jax.auto_twin(r, like=like)
+                auto_twin(r, like=like)
                 for r, like in itertools.zip_longest(results, likes)  # added: no like
             ]
         updates = results[num_user_outputs : num_user_outputs + call.num_variables]
@@ -862,7 +872,7 @@ class JitFunction:
         first call starts at once; returns the compiled plan. A call compiles on first use
         otherwise."""
         executable, _ = self._lookup(_Call(self, args, kwargs))
-        with _jax.no_ambient_mesh():
+        with no_ambient_mesh():
             return executable.compile()
 
 
@@ -983,7 +993,7 @@ class CachedPartial:
         return call
 
     def __call__(self, *args, **kwargs):
-        if _jax.tracing():
+        if tracing():
             name = _step_name(self.fn.fun)
             raise MPMDError(
                 f"mm.cached_partial: {name} was called while another function is traced (an "

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from mmnnx import _nnx
-from mmnnx.mpmd import _jax, schedules, trace_state
-from mmnnx.mpmd.errors import UnrolledMicrobatchWarning
+from mmnnx.errors import UnrolledMicrobatchWarning
+from mmnnx.mpmd import primitives, schedules, trace_state
 from mmnnx.mpmd.ir import GROUP_PREFIX
 from mmnnx.mpmd.trace_state import MicrobatchGroup
 
@@ -344,7 +344,7 @@ def _collector(index: Any, group: int, m: int) -> Callable:
             return None
         with jax.named_scope(f"{GROUP_PREFIX}{group}"):
             rows = [_in_row(x, index, m) for x in items]
-        every = [_jax.accumulate(r, group, gathered=True) for r in rows]
+        every = [primitives.accumulate(r, group, gathered=True) for r in rows]
         return tuple(e[k] for k in range(m) for e in every)
 
     return collect
@@ -371,12 +371,12 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) 
         for v, b in zip(variables, before, strict=True)
     ]
     with jax.named_scope(f"{GROUP_PREFIX}{group}"):
-        index = _jax.microbatch_index(group)
+        index = primitives.microbatch_index(group)
         for slot, (v, b, kind) in enumerate(zip(variables, before, kinds, strict=True)):
             if kind == "count":
-                v.set_raw_value(_jax.rng_base(b, index, group, slot))
+                v.set_raw_value(primitives.rng_base(b, index, group, slot))
             elif kind == "chained":
-                v.set_raw_value(_jax.chain_in(b, group, slot))
+                v.set_raw_value(primitives.chain_in(b, group, slot))
         start = [v.get_raw_value() for v in variables]
 
         def piece(x):
@@ -424,13 +424,13 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) 
         elif a is s or kind == "fixed":
             v.set_raw_value(b)
         elif kind == "count":
-            v.set_raw_value(_jax.rng_next(a, group, slot))
+            v.set_raw_value(primitives.rng_next(a, group, slot))
         else:
-            v.set_raw_value(_jax.chain_out(a, group, slot))
+            v.set_raw_value(primitives.chain_out(a, group, slot))
     rows = jax.tree.leaves([args[i] for i in split_args])[0].shape[dim]
     trace.microbatches[group] = MicrobatchGroup(m, schedule, virtual_stages, rows)
     totals = [
-        _jax.accumulate(x, group, gathered=kind in _GATHERED)
+        primitives.accumulate(x, group, gathered=kind in _GATHERED)
         for x, kind in zip(leaves, reductions, strict=True)
     ]
     return jax.tree.unflatten(

@@ -9,7 +9,7 @@ Example:
     12
 """
 
-from mmnnx.mpmd.errors import NoCandidateError
+from mmnnx.errors import NoCandidateError
 from mmnnx.mpmd.schedules import (
     KINDS,
     Action,

@@ -22,8 +22,8 @@ from rich.table import Table
 
 from mmnnx import _nnx
 from mmnnx._tables import Tabulation, render
+from mmnnx.errors import MPMDError, NoCandidateError
 from mmnnx.mpmd import schedules as sched
-from mmnnx.mpmd.errors import MPMDError, NoCandidateError
 
 _UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6}
 _UNITS["GB"] = 10**9

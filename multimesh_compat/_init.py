@@ -68,9 +68,9 @@ def init(
         logging.getLogger("multimesh_compat").setLevel(_LOG_LEVELS[debug])
     jax_mod = sys.modules.get("jax")
     if jax_mod is not None:
-        from jax._src import xla_bridge
+        from mmnnx.distributed import backends_started  # imports JAX, imported already
 
-        if xla_bridge.backends_are_initialized():
+        if backends_started():
             if cpus is not None:
                 have = len(jax_mod.devices("cpu"))
                 if have != cpus:

@@ -1,5 +1,5 @@
 """Launching a step's programs without JAX's per-argument checks, once a checked call has found
-every argument laid out as its program expects (``mmnnx/mpmd/_jax.py: DirectLaunch``)."""
+every argument laid out as its program expects (``mmnnx/_jax/launch.py: DirectLaunch``)."""
 
 import jax
 import numpy as np
@@ -9,8 +9,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mmnnx as mm
+from mmnnx._jax.arrays import launchable_as
 from mmnnx.models import stage_rules
-from mmnnx.mpmd import _jax
 from tests.models import SMALL_GPT, gpt_step, one_device_tasks, reference_step, small_gpt
 from tests.oracle import close, params_close
 
@@ -100,10 +100,10 @@ def test_launchable_as_needs_the_same_slices_on_the_same_devices_in_the_same_ord
     pair = Mesh(np.array([a, b]), ("x",))
     swapped = Mesh(np.array([b, a]), ("x",))
     x = jax.device_put(np.ones((4, 2), np.float32), NamedSharding(pair, PartitionSpec("x")))
-    assert _jax.launchable_as(x, NamedSharding(pair, PartitionSpec("x")))
-    assert not _jax.launchable_as(x, NamedSharding(swapped, PartitionSpec("x")))
-    assert not _jax.launchable_as(x, NamedSharding(pair, PartitionSpec()))
-    assert not _jax.launchable_as(np.ones((4, 2), np.float32), x.sharding)
+    assert launchable_as(x, NamedSharding(pair, PartitionSpec("x")))
+    assert not launchable_as(x, NamedSharding(swapped, PartitionSpec("x")))
+    assert not launchable_as(x, NamedSharding(pair, PartitionSpec()))
+    assert not launchable_as(np.ones((4, 2), np.float32), x.sharding)
     one = jax.device_put(np.ones(3), a)
-    assert _jax.launchable_as(one, NamedSharding(Mesh(np.array([a]), ("x",)), PartitionSpec()))
-    assert not _jax.launchable_as(one, jax.sharding.SingleDeviceSharding(b))
+    assert launchable_as(one, NamedSharding(Mesh(np.array([a]), ("x",)), PartitionSpec()))
+    assert not launchable_as(one, jax.sharding.SingleDeviceSharding(b))

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.mpmd import _jax
+from mmnnx._jax.compile import SharedCompiles
 from mmnnx.timeline import timeline_rows
 from tests.flags import COMPILE_FLAGS
 from tests.models import (
@@ -223,7 +223,6 @@ def test_equal_stages_compile_once_and_train_like_one_device(
     running sums and update are stage 1's programs on other devices, loaded, not compiled."""
     from jax._src import compiler
 
-    _jax.SharedCompiles()  # its hooks into JAX in place before the count's
     compiled = []  # by the threads that compile a step's programs
     real = compiler.backend_compile_and_load
 
@@ -233,9 +232,9 @@ def test_equal_stages_compile_once_and_train_like_one_device(
 
     monkeypatch.setattr(compiler, "backend_compile_and_load", counted)
     submitted, tables = [], []
-    share = _jax.SharedCompiles.compile
+    share = SharedCompiles.compile
     monkeypatch.setattr(
-        _jax.SharedCompiles,
+        SharedCompiles,
         "compile",
         lambda self, low: submitted.append(1) or tables.append(self) or share(self, low),
     )
@@ -256,16 +255,43 @@ def test_equal_stages_compile_once_and_train_like_one_device(
     params_close(model, ref, ref_grads, steps=2, lr=3e-3)
 
 
+def test_loading_an_equal_program_replaces_no_jax_function(no_compilation_cache):
+    """An equal program on other devices is loaded by an explicit call path: JAX's compile
+    functions are the same objects before and after, and the loaded program computes on its
+    own devices."""
+    from jax._src import compiler
+    from jax._src.interpreters import pxla
+
+    jax_functions = (
+        compiler.compile_or_get_cached,
+        compiler.backend_compile_and_load,
+        pxla.UnloadedMeshExecutable.from_hlo,
+    )
+    shared = SharedCompiles()
+    outs = []
+    for device in jax.devices()[:2]:
+        on = jax.sharding.SingleDeviceSharding(device)
+        compiled = shared.compile(jax.jit(lambda x: x * 3, in_shardings=on).lower(jnp.float32(0)))
+        outs.append(compiled(jax.device_put(jnp.float32(2), on)))
+    assert shared.loaded == 1
+    assert [float(o) for o in outs] == [6.0, 6.0]
+    assert outs[1].devices() == {jax.devices()[1]}
+    after = (
+        compiler.compile_or_get_cached,
+        compiler.backend_compile_and_load,
+        pxla.UnloadedMeshExecutable.from_hlo,
+    )
+    assert all(a is b for a, b in zip(after, jax_functions, strict=True))
+
+
 _EQUAL_STAGES_IN_A_PROCESS = """
 import json, threading
 import jax, optax
 from flax import nnx
 from jax._src import compiler
 import mmnnx as mm
-from mmnnx.mpmd import _jax
 from tests.models import tensor_parallel_mlp
 
-_jax.SharedCompiles()
 compiled = []
 real = compiler.backend_compile_and_load
 def counted(*args, **kwargs):

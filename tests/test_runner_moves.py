@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import mmnnx as mm
-from mmnnx.mpmd._jax import copier, move_to
+from mmnnx._jax.arrays import copier, move_to
 from tests.models import make_mlp, one_device_tasks, train_step
 
 

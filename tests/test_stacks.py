@@ -232,7 +232,7 @@ def test_chunks_kept_for_a_joined_array_go_with_it(tasks):
 
 
 def test_arrays_rebuilt_from_their_shards_equal_jax_s_own(tasks):
-    from mmnnx.mpmd._jax import array_from_shards, shards_by_device
+    from mmnnx._jax.arrays import array_from_shards, shards_by_device
 
     stack = mm.stack_of(
         mm.place(

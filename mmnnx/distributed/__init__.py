@@ -6,6 +6,6 @@ process's devices; every process plans every step and runs its own tasks' parts 
 """
 
 from mmnnx.distributed.fetch import fetch
-from mmnnx.distributed.initialize import initialize, is_distributed
+from mmnnx.distributed.initialize import backends_started, initialize, is_distributed
 
-__all__ = ["fetch", "initialize", "is_distributed"]
+__all__ = ["backends_started", "fetch", "initialize", "is_distributed"]

@@ -7,8 +7,8 @@ import zlib
 
 import jax
 
-from mmnnx.distributed import _runtime
-from mmnnx.mpmd.errors import MPMDError
+from mmnnx._jax import runtime
+from mmnnx.errors import MPMDError
 
 _KEY = "mmnnx/agree/{}/{}"
 _WAIT_S = 300.0
@@ -22,12 +22,12 @@ def check_same_everywhere(what: str, lines: list[str]) -> int:
     the round's number (the same on every process), for keys that belong to this step."""
     me, count = jax.process_index(), jax.process_count()
     n = next(_round)
-    _runtime.key_value_set(_KEY.format(n, me), zlib.compress("\n".join(lines).encode()))
+    runtime.key_value_set(_KEY.format(n, me), zlib.compress("\n".join(lines).encode()))
     for peer in range(count):
         if peer == me:
             continue
         try:
-            raw = _runtime.key_value_get(_KEY.format(n, peer), _WAIT_S)
+            raw = runtime.key_value_get(_KEY.format(n, peer), _WAIT_S)
         except jax.errors.JaxRuntimeError as e:
             raise MPMDError(
                 f"{what}: process {peer} did not plan it within {_WAIT_S:.0f} s (it runs other "
@@ -62,10 +62,10 @@ def share_outcome(root: int, what: str, failure: str | None, timeout_s: float = 
     collective, like :func:`check_same_everywhere`."""
     key = _OUTCOME_KEY.format(next(_outcomes))
     if jax.process_index() == root:
-        _runtime.key_value_set(key, (failure or "").encode())
+        runtime.key_value_set(key, (failure or "").encode())
         return
     try:
-        text = _runtime.key_value_get(key, timeout_s).decode()
+        text = runtime.key_value_get(key, timeout_s).decode()
     except jax.errors.JaxRuntimeError as e:
         raise RuntimeError(f"{what}: process {root} did not finish within {timeout_s:.0f} s") from e
     if text:
@@ -81,10 +81,10 @@ def from_process_zero(what: str, value: str) -> str:
     n = next(_round)
     key = _KEY.format(n, "chosen")
     if jax.process_index() == 0:
-        _runtime.key_value_set(key, value.encode())
+        runtime.key_value_set(key, value.encode())
         return value
     try:
-        return _runtime.key_value_get(key, _WAIT_S).decode()
+        return runtime.key_value_get(key, _WAIT_S).decode()
     except jax.errors.JaxRuntimeError as e:
         raise MPMDError(
             f"{what}: process 0 did not publish its choice within {_WAIT_S:.0f} s"

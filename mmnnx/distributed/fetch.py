@@ -8,9 +8,9 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from mmnnx.distributed.arrays import processes_of, slice_key
+from mmnnx._jax.arrays import shards_by_device
 from mmnnx.distributed.transport import transport
-from mmnnx.mpmd._jax import shards_by_device
+from mmnnx.sharding.arrays import processes_of, slice_key
 
 
 def _owners(array: jax.Array) -> list[tuple[Any, tuple]]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from mmnnx.distributed import _runtime
+from mmnnx._jax import runtime
 
 ENV_COORDINATOR = "MMNNX_COORDINATOR"
 ENV_NUM_PROCESSES = "MMNNX_NUM_PROCESSES"
@@ -75,7 +75,7 @@ def initialize(
         >>> mm.distributed.initialize()  # alone: nothing to join
         False
     """
-    if _runtime.is_initialized():
+    if runtime.is_initialized():
         return jax.process_count() > 1
     if coordinator_address is None and ENV_COORDINATOR in os.environ:
         coordinator_address = os.environ[ENV_COORDINATOR]
@@ -137,7 +137,7 @@ def _hold_exit_until_everyone_is_done() -> None:
         if _failed:
             return
         with contextlib.suppress(Exception):
-            _runtime.barrier("mmnnx/exit", _EXIT_WAIT_S)
+            runtime.barrier("mmnnx/exit", _EXIT_WAIT_S)
 
     sys.excepthook = note_failure
     atexit.register(wait_for_everyone)
@@ -162,6 +162,20 @@ def _check_coordinator_port(address: str) -> None:
             raise
 
 
+def backends_started() -> bool:
+    """Whether JAX's backends, and so its devices, have started (something asked for devices or
+    made an array): from then on the settings JAX reads as they start (``XLA_FLAGS``, such as
+    the CPU device count, and ``jax_platforms``) no longer take effect.
+
+    Example:
+        >>> import jax, mmnnx as mm
+        >>> _ = jax.devices()
+        >>> mm.distributed.backends_started()
+        True
+    """
+    return runtime.backends_started()
+
+
 def is_distributed() -> bool:
     """Whether this process is one of several (``jax.process_count() > 1``).
 
@@ -170,4 +184,4 @@ def is_distributed() -> bool:
         >>> mm.distributed.is_distributed()
         False
     """
-    return _runtime.is_initialized() and jax.process_count() > 1
+    return runtime.is_initialized() and jax.process_count() > 1

@@ -15,10 +15,10 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from mmnnx.distributed import _runtime
+from mmnnx._jax import runtime
 from mmnnx.distributed.agree import check_same_everywhere
 from mmnnx.distributed.transport import transport
-from mmnnx.mpmd.errors import MPMDError
+from mmnnx.errors import MPMDError
 from mmnnx.sharding import Task
 
 _LAYOUT_KEY = "mmnnx/layout/{}/{}"
@@ -52,11 +52,11 @@ class StepPeers:
 
     def publish_layout(self, slot: int, task: Task, sharding: Any) -> None:
         key = _LAYOUT_KEY.format(self.round, slot)
-        _runtime.key_value_set(key, pickle.dumps(_spec_of(sharding, task)))
+        runtime.key_value_set(key, pickle.dumps(_spec_of(sharding, task)))
 
     def layout(self, slot: int, task: Task) -> NamedSharding:
         try:
-            data = _runtime.key_value_get(_LAYOUT_KEY.format(self.round, slot), _LAYOUT_WAIT_S)
+            data = runtime.key_value_get(_LAYOUT_KEY.format(self.round, slot), _LAYOUT_WAIT_S)
         except jax.errors.JaxRuntimeError as e:
             first = min(d.process_index for d in task.jax_mesh.devices.flat)
             raise MPMDError(

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from mmnnx.distributed import _runtime
+from mmnnx._jax import runtime
 
 _ADDRESS_KEY = "mmnnx/transfer-server/{}"
 _PEER_WAIT_S = 120.0
@@ -42,8 +42,8 @@ class Transport:
 
     def __init__(self, coordinator: str | None):
         self.me = jax.process_index()
-        self.server = _runtime.start_transfer_server(f"{_host_for(coordinator)}:0")
-        _runtime.key_value_set(_ADDRESS_KEY.format(self.me), self.server.address().encode())
+        self.server = runtime.start_transfer_server(f"{_host_for(coordinator)}:0")
+        runtime.key_value_set(_ADDRESS_KEY.format(self.me), self.server.address().encode())
         self._connections: dict[int, Any] = {}
         self._sequence: collections.Counter = collections.Counter()
 
@@ -55,7 +55,7 @@ class Transport:
     def _connection(self, peer: int) -> Any:
         conn = self._connections.get(peer)
         if conn is None:
-            address = _runtime.key_value_get(_ADDRESS_KEY.format(peer), _PEER_WAIT_S).decode()
+            address = runtime.key_value_get(_ADDRESS_KEY.format(peer), _PEER_WAIT_S).decode()
             conn = self._connections[peer] = self.server.connect(address)
         return conn
 
@@ -75,5 +75,5 @@ def transport() -> Transport:
     """The process's transport, started on first use (every process starts its own)."""
     global _transport
     if _transport is None:
-        _transport = Transport(_runtime.coordinator_address())
+        _transport = Transport(runtime.coordinator_address())
     return _transport

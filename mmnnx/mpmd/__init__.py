@@ -1,19 +1,19 @@
 """mmnnx.mpmd: the engine (trace, colour, cut, compile, run) behind mm.jit."""
 
-from mmnnx.mpmd import schedules
-from mmnnx.mpmd._jax import is_backward_scope, scope_components, scopes_of
-from mmnnx.mpmd.annotations import ScopeResolver, resolve_scopes
-from mmnnx.mpmd.cut import Fragment, Transfer
-from mmnnx.mpmd.errors import (
+from mmnnx.errors import (
     MPMDError,
     PlacementConflictError,
     SideEffectError,
     StepError,
     UnrolledMicrobatchWarning,
 )
+from mmnnx.mpmd import schedules
+from mmnnx.mpmd.annotations import ScopeResolver, resolve_scopes
+from mmnnx.mpmd.cut import Fragment, Transfer
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX
 from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
+from mmnnx.mpmd.tracing import is_backward_scope, scope_components, scopes_of
 
 __all__ = [
     "GROUP_PREFIX",

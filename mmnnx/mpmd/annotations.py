@@ -11,9 +11,9 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from mmnnx.mpmd import _jax
-from mmnnx.mpmd.errors import MPMDError
+from mmnnx.errors import MPMDError
 from mmnnx.mpmd.ir import REGION_PREFIX, Graph
+from mmnnx.mpmd.primitives import constraint_p
 from mmnnx.mpmd.trace_state import Trace, current_trace, is_shapes_only
 from mmnnx.sharding import Task
 
@@ -129,4 +129,4 @@ def with_sharding_constraint(x: Any, spec: PartitionSpec | Sequence[str | None])
             return x
         return jax.lax.with_sharding_constraint(x, spec)
     names = tuple(spec)
-    return jax.tree.map(lambda leaf: _jax.constraint_p.bind(leaf, names=names), x)
+    return jax.tree.map(lambda leaf: constraint_p.bind(leaf, names=names), x)

@@ -2,7 +2,7 @@
 batch statistics), traced once and carried from microbatch to microbatch.
 
 ``mm.microbatch`` traces its function once, for microbatch ``index``, with two kinds of markers
-around the Variables it may update (``_jax.py``):
+around the Variables it may update (``primitives.py``):
 
 - An RNG count starts microbatch ``index`` at ``count + index * d``, ``d`` being how far one
   microbatch advances it. ``d`` is known once the function is traced: :func:`resolve_rng_counts`
@@ -22,9 +22,11 @@ import functools
 
 import numpy as np
 
-from mmnnx.mpmd import _jax
-from mmnnx.mpmd.errors import MPMDError
+from mmnnx.errors import MPMDError
+from mmnnx.mpmd.evaluate import pruned_to, run_ops
 from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.primitives import count_ops, marker_kind, offset_op
+from mmnnx.mpmd.tracing import drop_dead_ops
 
 
 def _upstream(
@@ -54,7 +56,7 @@ def _upstream(
             closed = False
             continue
         if prune and len(op.outs) > 1:
-            op = _jax.pruned_to(op, v, graph) or op
+            op = pruned_to(op, v, graph) or op
         ops[op.index, op.outs[0] if len(op.outs) == 1 else -1] = op
         stack += [a for a in op.ins if isinstance(a, int)]
     return sorted(ops.values(), key=lambda op: op.index), reached, closed
@@ -67,13 +69,13 @@ def resolve_rng_counts(graph: Graph, num_microbatches: dict[int, int]) -> None:
     Raises:
         MPMDError: a count advances by something other than constants (naming the source line).
     """
-    bases = {op.outs[0]: op for op in graph.ops if _jax.marker_kind(op) == "rng_base"}
+    bases = {op.outs[0]: op for op in graph.ops if marker_kind(op) == "rng_base"}
     if not bases:
         return
     replace: dict[int, list[Op]] = {}
     stride: dict[int, np.ndarray] = {}
     for op in graph.ops:
-        if _jax.marker_kind(op) != "rng_next":
+        if marker_kind(op) != "rng_next":
             continue
         advance, reached, closed = (
             _upstream(graph, op.ins[0], set(bases), prune=True)
@@ -89,19 +91,19 @@ def resolve_rng_counts(graph: Graph, num_microbatches: dict[int, int]) -> None:
         (start,) = reached
         base = bases[start]
         zero = np.zeros(graph.shapes[start], graph.dtypes[start])
-        (after,) = _jax.run_ops(advance, [start], [op.ins[0]], [zero])
+        (after,) = run_ops(advance, [start], [op.ins[0]], [zero])
         d = np.asarray(after)
         stride[start] = d
         total = d * num_microbatches[op.params["group"]]
-        replace[op.index] = [_jax.offset_op(op, base.ins[0], total, graph)]
+        replace[op.index] = [offset_op(op, base.ins[0], total, graph)]
     for start, base in bases.items():
         d = stride.get(start, np.zeros(graph.shapes[start], graph.dtypes[start]))
-        replace[base.index] = _jax.count_ops(base, base.ins[1], d, graph)
+        replace[base.index] = count_ops(base, base.ins[1], d, graph)
     ops: list[Op] = []
     for op in graph.ops:
         ops.extend(replace.get(op.index, [op]))
     graph.ops = ops
-    _jax.drop_dead_ops(graph)  # a count nothing reads after the step (a forked nnx.Rngs)
+    drop_dead_ops(graph)  # a count nothing reads after the step (a forked nnx.Rngs)
     graph._producers = graph._consumers = None
 
 
@@ -129,14 +131,14 @@ def carry_of(graph: Graph) -> Carry:
         MPMDError: a chained value is computed from another microbatch-start value of its slot,
             or from none.
     """
-    starts = {op.outs[0]: op for op in graph.ops if _jax.marker_kind(op) == "chain_in"}
+    starts = {op.outs[0]: op for op in graph.ops if marker_kind(op) == "chain_in"}
     pairs: dict[int, tuple[int, int | None]] = {v: (op.ins[0], None) for v, op in starts.items()}
     by_slot: dict[int, set[int]] = {}
     for v, op in starts.items():
         by_slot.setdefault(op.params["slot"], set()).add(v)
     results: dict[int, int] = {}
     for op in graph.ops:
-        if _jax.marker_kind(op) != "chain_out":
+        if marker_kind(op) != "chain_out":
             continue
         new = op.ins[0]
         same_slot = by_slot.get(op.params["slot"], set())
@@ -155,4 +157,4 @@ def carry_of(graph: Graph) -> Carry:
 
 def is_marker(op: Op) -> bool:
     """Whether ``op`` is a chain marker (handled by the lowering, never compiled)."""
-    return _jax.marker_kind(op) in ("chain_in", "chain_out")
+    return marker_kind(op) in ("chain_in", "chain_out")

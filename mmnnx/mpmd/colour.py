@@ -17,9 +17,9 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
-from mmnnx.mpmd._jax import is_view
-from mmnnx.mpmd.errors import PlacementConflictError
+from mmnnx.errors import PlacementConflictError
 from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.op_kinds import is_view
 from mmnnx.sharding import Task
 
 _MAX_ROUNDS = 4

@@ -8,8 +8,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from mmnnx.mpmd._jax import is_cheap, is_slicing
 from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.op_kinds import is_cheap, is_slicing
 from mmnnx.sharding import Task
 
 

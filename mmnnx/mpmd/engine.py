@@ -15,10 +15,10 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from mmnnx.errors import MPMDError
 from mmnnx.mpmd.carry import resolve_rng_counts
 from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.cut import cut
-from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower import lower
 from mmnnx.mpmd.passes import run_passes

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
+
+import numpy as np
+
+from mmnnx.sharding.specs import itemsize
 
 REGION_PREFIX = "mm_task:"
 """``mm.task(fn, t)`` traces ``fn`` under the name scope ``REGION_PREFIX + t.name``: every op in
@@ -29,7 +34,7 @@ class Op:
 
     ``backward``: the op belongs to a backward (transposed) pass; ``region``: the task name of
     the innermost ``mm.task`` region it was traced in; ``group``: the ``mm.microbatch`` call it
-    was traced in. The tracer (``_jax.py``) reads all three from the op's name scope.
+    was traced in. The tracer (``tracing.py``) reads all three from the op's name scope.
     ``may_fail``: the op (or one nested in it) calls back into Python, which may raise while the
     compiled program runs; pure XLA ops do not fail at run time. ``mesh``: for a step traced
     with explicit mesh axes, the abstract mesh in effect where the op was traced (its axes may
@@ -105,3 +110,15 @@ class Graph:
                     if isinstance(a, int):
                         self._consumers.setdefault(a, []).append(op)
         return self._consumers
+
+
+def aval_info(aval: Any) -> tuple[tuple[int, ...], Any, int]:
+    """A value's ``(shape, dtype, bytes)`` for :meth:`Graph.new_value`, from a JAX abstract
+    value (bytes 0 where the dtype has no size, e.g. a token)."""
+    shape = tuple(getattr(aval, "shape", ()))
+    dtype = getattr(aval, "dtype", np.dtype("float32"))
+    try:
+        nbytes = math.prod(shape) * itemsize(dtype)
+    except TypeError:
+        nbytes = 0
+    return shape, dtype, nbytes

@@ -12,10 +12,10 @@ from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmnnx.mpmd._jax import constraint_names, is_accumulate, is_constraint
 from mmnnx.mpmd.cut import Fragment, Transfer
 from mmnnx.mpmd.ir import Const, Graph, Op
 from mmnnx.mpmd.pipeline import Pipeline
+from mmnnx.mpmd.primitives import constraint_names, is_accumulate, is_constraint
 from mmnnx.mpmd.program import (
     Action,
     Constant,

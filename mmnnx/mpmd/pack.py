@@ -27,8 +27,8 @@ from typing import Any
 
 import jax
 
-from mmnnx.mpmd._jax import is_gathered
 from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.primitives import is_gathered
 from mmnnx.mpmd.program import (
     Action,
     Buffer,

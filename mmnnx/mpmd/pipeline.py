@@ -14,10 +14,11 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
+from mmnnx.errors import MPMDError
 from mmnnx.mpmd import remat
 from mmnnx.mpmd import schedules as sched
-from mmnnx.mpmd._jax import is_accumulate, is_cheap, is_index, scan_first_part, split_scan
 from mmnnx.mpmd.carry import Carry, carry_of, is_marker
+from mmnnx.mpmd.control_flow import scan_first_part, split_scan
 from mmnnx.mpmd.cut import (
     Fragment,
     after_backward,
@@ -28,8 +29,9 @@ from mmnnx.mpmd.cut import (
     replicable_ops,
     with_replicas,
 )
-from mmnnx.mpmd.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.op_kinds import is_cheap
+from mmnnx.mpmd.primitives import is_accumulate, is_index
 from mmnnx.mpmd.trace_state import MicrobatchGroup
 from mmnnx.sharding import Task
 

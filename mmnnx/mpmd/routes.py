@@ -19,9 +19,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from mmnnx.distributed.arrays import processes_of, slice_key  # moves down with the fence
-from mmnnx.mpmd._jax import shards_by_device
+from mmnnx._jax.arrays import shards_by_device
 from mmnnx.mpmd.peers import Peers
+from mmnnx.sharding.arrays import processes_of, slice_key
 
 
 def _pairs(source: Any, target: Any, shape: tuple[int, ...]) -> list[tuple[Any, Any]] | None:

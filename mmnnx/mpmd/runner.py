@@ -24,14 +24,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from mmnnx.distributed.arrays import placeholder, put  # moves down with the fence
-from mmnnx.mpmd import _jax
-from mmnnx.mpmd._jax import constraint_layouts, run_ops
+from mmnnx._jax.arrays import checks_special_values, copier, is_plain_array, launchable_as, move_to
+from mmnnx._jax.compile import SharedCompiles
+from mmnnx._jax.launch import DirectLaunch
+from mmnnx.mpmd.evaluate import run_ops
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower import compatible, constraint_layout
+from mmnnx.mpmd.mesh_context import explicit_twin
 from mmnnx.mpmd.pack import slice_offsets
 from mmnnx.mpmd.peers import Peers
 from mmnnx.mpmd.plan import Plan
+from mmnnx.mpmd.primitives import constraint_layouts
 from mmnnx.mpmd.program import (
     AwaitLayout,
     Buffer,
@@ -49,6 +52,7 @@ from mmnnx.mpmd.program import (
 )
 from mmnnx.mpmd.routes import RoutePlan
 from mmnnx.mpmd.timing import Timer, witness_for
+from mmnnx.sharding.arrays import placeholder, put
 
 
 def _unchanged(value: Any) -> Any:
@@ -140,7 +144,7 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
     ]
     explicit = None
     if graph.specs:  # traced with sharding in types: every program keeps the types
-        explicit = _jax.explicit_twin(frag.task.jax_mesh)
+        explicit = explicit_twin(frag.task.jax_mesh)
 
         def typed(v: int) -> NamedSharding:
             return NamedSharding(explicit, graph.specs.get(v, PartitionSpec()))
@@ -270,7 +274,7 @@ class _Compiler:
     (equal pipeline stages compile once)."""
 
     def __init__(self):
-        self.shared = _jax.SharedCompiles()
+        self.shared = SharedCompiles()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(8, cores or 1)), thread_name_prefix="mmnnx-compile"
@@ -518,8 +522,7 @@ class Executable:
         ]
         self._witness_of: dict[int, Callable] | None = None
         self._direct = [
-            _jax.DirectLaunch.of(step.program) if isinstance(step, _Launch) else None
-            for step in steps
+            DirectLaunch.of(step.program) if isinstance(step, _Launch) else None for step in steps
         ]
         self._checked_layouts: tuple | None = None
         loaded = compiler.shared.loaded_lowered
@@ -598,7 +601,7 @@ class Executable:
                 ):
                     value = step.mover(value)  # laid out as planned: the move decided at compile
                 elif not self._laid_out_as(value, step.sharding):
-                    value = _jax.move_to(value, step.sharding)
+                    value = move_to(value, step.sharding)
                 env[step.target] = value
                 if timer is not None:
                     timer.moved(step.source, step.target)
@@ -625,23 +628,24 @@ class Executable:
         """The layout of each input, or ``None`` if one is not a plain ``jax.Array``."""
         layouts = []
         for _, i in self._inputs:
-            if not _jax.is_plain_array(leaves[i]):
+            if not is_plain_array(leaves[i]):
                 return None
             layouts.append(leaves[i].sharding)
         return tuple(layouts)
 
     def _laid_out_as_checked(self, leaves: Sequence[Any]) -> bool:
-        """Whether this call may launch programs directly (:class:`~mmnnx.mpmd._jax.DirectLaunch`):
-        its inputs are live plain arrays laid out as on the last checked call, so every value of
-        the step is laid out as it was then (layouts follow from the inputs' alone), when each
-        directly launched program's arguments were found as it expects. A deleted input is left
-        to JAX's checked call, which refuses it before the program runs."""
+        """Whether this call may launch programs directly
+        (:class:`~mmnnx._jax.launch.DirectLaunch`): its inputs are live plain arrays laid out as
+        on the last checked call, so every value of the step is laid out as it was then (layouts
+        follow from the inputs' alone), when each directly launched program's arguments were
+        found as it expects. A deleted input is left to JAX's checked call, which refuses it
+        before the program runs."""
         checked = self._checked_layouts
-        if checked is None or _jax.checks_special_values():
+        if checked is None or checks_special_values():
             return False
         for (_, i), layout in zip(self._inputs, checked, strict=True):
             leaf = leaves[i]
-            if not _jax.is_plain_array(leaf):
+            if not is_plain_array(leaf):
                 return False
             have = leaf.sharding
             if (have is not layout and have != layout) or leaf.is_deleted():
@@ -653,9 +657,7 @@ class Executable:
         each argument it reads is a plain array laid out as it expects."""
         direct = self._direct[i]
         kept = args if direct.kept is None else [args[k] for k in direct.kept]
-        if not all(
-            _jax.launchable_as(a, want) for a, want in zip(kept, direct.shardings, strict=True)
-        ):
+        if not all(launchable_as(a, want) for a, want in zip(kept, direct.shardings, strict=True)):
             self._direct[i] = None
 
     def _mover(self, source: Any, target: Any, value: int) -> Callable[[Any], Any] | None:
@@ -666,7 +668,7 @@ class Executable:
         ndim = len(self.graph.shapes[value])
         if self._equivalent(source, target, ndim):
             return _unchanged
-        return _jax.copier(source, target, ndim, self.graph.dtypes[value])
+        return copier(source, target, ndim, self.graph.dtypes[value])
 
     def _laid_out_as(self, value: Any, sharding: Any) -> bool:
         """Whether ``value`` is an array already laid out as ``sharding`` (the same devices and

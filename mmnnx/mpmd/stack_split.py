@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from mmnnx.mpmd import _jax
-from mmnnx.mpmd.errors import MPMDError
+from mmnnx.errors import MPMDError
+from mmnnx.mpmd import stack_rules
 from mmnnx.mpmd.ir import Atom, Const, Graph, Op
 from mmnnx.sharding import Task
 from mmnnx.sharding.specs import itemsize
@@ -168,12 +168,12 @@ class _Rewriter:
             shape = self.old.shapes[a]
             info = self.info(a, stop - start)
             made = self.old.producers().get(a)
-            if made is not None and _jax.is_constant_broadcast(made):
+            if made is not None and stack_rules.is_constant_broadcast(made):
                 # a constant filled over the layers: made at the chunk's size where it is read
-                params = _jax.chunk_params(made, stop - start)
+                params = stack_rules.chunk_params(made, stop - start)
                 (self.pieces[key],) = self.emit(made, made.primitive, params, made.ins, [info])
             else:
-                primitive, params = _jax.slice_leading(shape, start, stop)
+                primitive, params = stack_rules.slice_leading(shape, start, stop)
                 (self.pieces[key],) = self.emit(like, primitive, params, [self.whole[a]], [info])
         return self.pieces[key]
 
@@ -226,7 +226,7 @@ class _Rewriter:
             self.whole.update(zip(op.outs, outs, strict=True))
             return
         layout = self.layout_of(op, flags)
-        rule = _jax.stack_rule(op, flags, [self.shape(a) for a in op.ins])
+        rule = stack_rules.stack_rule(op, flags, [self.shape(a) for a in op.ins])
         if rule is None:
             raise self.refuse(op, next(a for a, f in zip(op.ins, flags, strict=True) if f))
         if rule == "scan":
@@ -237,11 +237,13 @@ class _Rewriter:
             size = stop - start
             infos = [self.info(v, None if rule == "reduce" else size) for v in op.outs]
             ins = self.chunk_ins(op, layout, j, op.ins)
-            per_chunk.append(self.emit(op, op.primitive, _jax.chunk_params(op, size), ins, infos))
+            per_chunk.append(
+                self.emit(op, op.primitive, stack_rules.chunk_params(op, size), ins, infos)
+            )
         if rule == "map":
             self.mark(op, op.outs, layout, per_chunk)
             return
-        combine = _jax.combiner(op)
+        combine = stack_rules.combiner(op)
         for k, v in enumerate(op.outs):
             total = per_chunk[0][k]
             info = self.info(v)
@@ -250,7 +252,7 @@ class _Rewriter:
             self.whole[v] = total
 
     def rewrite_scan(self, op: Op, layout: _Layout) -> None:
-        num_consts, num_carry, reverse = _jax.scan_layout(op)
+        num_consts, num_carry, reverse = stack_rules.scan_layout(op)
         consts = [self.read(a, op) for a in op.ins[:num_consts]]
         carry = [self.read(a, op) for a in op.ins[num_consts : num_consts + num_carry]]
         xs = op.ins[num_consts + num_carry :]
@@ -261,7 +263,9 @@ class _Rewriter:
             start, stop = layout.bounds[j]
             infos = carry_infos + [self.info(v, stop - start) for v in op.outs[num_carry:]]
             ins = [*consts, *carry, *self.chunk_ins(op, layout, j, xs)]
-            outs = self.emit(op, op.primitive, _jax.chunk_params(op, stop - start), ins, infos)
+            outs = self.emit(
+                op, op.primitive, stack_rules.chunk_params(op, stop - start), ins, infos
+            )
             carry, ys[j] = outs[:num_carry], outs[num_carry:]
         self.whole.update(zip(op.outs[:num_carry], carry, strict=True))
         self.mark(op, op.outs[num_carry:], layout, ys)

@@ -16,6 +16,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mmnnx._jax.tracing import fast_sharding_probes
 from mmnnx._nnx import (
     annotated_spec,
     logical_names,
@@ -23,7 +24,8 @@ from mmnnx._nnx import (
     outside_state_error,
     variables_of,
 )
-from mmnnx.distributed.arrays import placeholder, processes_of, put
+from mmnnx.sharding.arrays import placeholder, processes_of, put
+from mmnnx.sharding.replay import outputs_of, replay
 from mmnnx.sharding.rules import Path, PlacementRule, compile_rules, path_str
 from mmnnx.sharding.specs import check_spec
 from mmnnx.sharding.stack import TaskStack
@@ -320,8 +322,6 @@ def _init(factory: Callable[[], M], rules: Sequence[tuple], strict: bool) -> M:
                 ],
             )
         elif not task.sharding().is_fully_addressable:  # the same trace, compiled sharded
-            from mmnnx.mpmd._jax import outputs_of  # the engine imports this module
-
             compute = outputs_of(traced, [position[a.path] for a in group])
             _commit(group, jax.jit(compute, out_shardings=[a.sharding for a in group])())
         else:
@@ -341,8 +341,6 @@ def _build_here(traced: Any, wanted: list[int], shardings: list[Any]) -> list[An
     ``_UNPLACED_BYTES``, so no more than that (or one Variable, if larger) exists unplaced on
     that device at a time. Equal layers share their compiled initializers, whatever the number
     of tasks."""
-    from mmnnx.mpmd._jax import replay
-
     at = {i: k for k, i in enumerate(wanted)}
     values: list[Any] = [None] * len(wanted)
     pending: list[int] = []
@@ -509,8 +507,6 @@ def _traced(factory: Callable[[], M]) -> tuple[M, Any, list[Path]]:
     Variables' values (one output each), and their paths in output order. A factory that
     changes state created outside it (an ``nnx.Rngs`` it closes over) is refused, naming the
     fix."""
-    from mmnnx.mpmd._jax import fast_sharding_probes  # the engine imports this module
-
     made = []
 
     def build():

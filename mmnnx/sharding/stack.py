@@ -18,7 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mmnnx.distributed.arrays import placeholder
+from mmnnx._jax.arrays import array_from_shards, shards_by_device
+from mmnnx.sharding.arrays import placeholder
 from mmnnx.sharding.task import Task
 
 STACK_AXIS = "mm_stack"
@@ -124,8 +125,6 @@ class TaskStack:
     def split(self, array: jax.Array, spec: PartitionSpec) -> list[jax.Array]:
         """Each task's chunk of a stacked ``array`` as an array on that task (no copy); a task
         on another process gets a placeholder of its chunk's shape."""
-        from mmnnx.mpmd._jax import array_from_shards, shards_by_device  # noqa: PLC0415
-
         shape = (array.shape[0] // len(self.tasks), *array.shape[1:])
         by_device = shards_by_device(array)
         chunks = []
@@ -140,8 +139,6 @@ class TaskStack:
     def join(self, chunks: Sequence[Any], spec: PartitionSpec) -> jax.Array:
         """The stacked array whose chunk ``i`` is ``chunks[i]`` (each laid out on task ``i`` by
         ``spec``; no copy)."""
-        from mmnnx.mpmd._jax import array_from_shards, shards_by_device  # noqa: PLC0415
-
         first = chunks[0]
         shape = (first.shape[0] * len(chunks), *first.shape[1:])
         by_device = {d: a for c in chunks for d, a in shards_by_device(c).items()}

@@ -47,8 +47,8 @@ from flax import nnx
 
 from mmnnx._nnx import variables_of
 from mmnnx.distributed.agree import share_outcome
-from mmnnx.distributed.arrays import put
 from mmnnx.distributed.fetch import fetch
+from mmnnx.sharding.arrays import put
 from mmnnx.sharding.place import SPEC_KEY, TASK_KEY
 
 __all__ = [

@@ -1,4 +1,6 @@
-"""Exceptions raised by the engine."""
+"""The exceptions and warnings mmnnx raises (re-exported as ``mmnnx.MPMDError`` etc.).
+
+It imports nothing of mmnnx, so every layer may raise them."""
 
 
 class MPMDError(ValueError):

@@ -1,7 +1,9 @@
-"""The one place mmnnx reaches into JAX's distributed runtime.
+"""JAX's runtime beyond its public API: the distributed coordination service's client (its
+key-value store and barriers), a transfer server on this process's devices, and whether JAX's
+backends have started.
 
 JAX exports ``jax.distributed.initialize`` and ``jax.experimental.transfer``, but not the
-coordination service's client (its key-value store), which is reached here only.
+coordination service's client, nor whether its backends (and so its devices) exist yet.
 """
 
 from __future__ import annotations
@@ -9,23 +11,33 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax._src import distributed, xla_bridge
+
+
+def backends_started() -> bool:
+    """Whether JAX's backends exist already (something asked for devices or made an array):
+    from then on, flags that configure them (``XLA_FLAGS``, ``jax_platforms``) are ignored.
+
+    Example:
+        >>> _ = jax.devices()
+        >>> backends_started()
+        True
+    """
+    return xla_bridge.backends_are_initialized()
 
 
 def client() -> Any:
     """The coordination-service client of this process (``None`` before initialization)."""
-    from jax._src import distributed
-
     return distributed.global_state.client
 
 
 def coordinator_address() -> str | None:
     """The coordinator's host:port as JAX resolved it (given, or detected on a cluster)."""
-    from jax._src import distributed
-
     return distributed.global_state.coordinator_address
 
 
 def is_initialized() -> bool:
+    """Whether ``jax.distributed.initialize`` has connected this process."""
     return client() is not None
 
 
@@ -45,7 +57,7 @@ def key_value_delete(key: str) -> None:
 def start_transfer_server(address: str) -> Any:
     """A ``jax.experimental.transfer`` server on this process's devices, listening on
     ``address`` (host:0 picks a free port)."""
-    from jax.experimental import transfer
+    from jax.experimental import transfer  # noqa: PLC0415  (only with several processes)
 
     backend = jax.local_devices()[0].client
     return transfer.start_transfer_server(backend, address, [address])

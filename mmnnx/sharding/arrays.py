@@ -1,4 +1,5 @@
-"""Arrays whose devices may belong to other processes."""
+"""Arrays whose devices may belong to other processes: which processes hold one, a
+placeholder for a value held elsewhere, and a ``device_put`` for layouts spanning processes."""
 
 from __future__ import annotations
 

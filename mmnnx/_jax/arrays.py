@@ -1,0 +1,200 @@
+"""A ``jax.Array``'s per-device arrays and layouts, as JAX keeps them (``_arrays``,
+``_addressable_device_assignment``): reading them and making an array from them without
+re-checking each, the runtime's batched copy between devices, and the tests that tell a plain
+array laid out as a program expects.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import array as jax_array
+from jax._src import core as jax_core
+from jax._src import dispatch
+from jax._src.array import ArrayImpl
+from jax._src.lib import xla_client
+from jax.sharding import SingleDeviceSharding
+
+
+def copier(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], Any] | None:
+    """A function moving an array laid out as ``source`` to ``target`` with one call into the
+    runtime, skipping ``jax.device_put``'s Python layers, which cost several times the copy of a
+    small activation (and, for a whole value onto more devices, fetch it to the host): either
+    the same slicing on other devices of this process, or a whole (replicated) value onto the
+    devices of another whole layout, each device that holds it already keeping its copy.
+    ``None`` when the move is a reshard, leaves this process, or holds an extended dtype (a
+    typed PRNG key), which ``jax.device_put`` does.
+
+    Example:
+        >>> import numpy as np
+        >>> from jax.sharding import SingleDeviceSharding
+        >>> a, b = (SingleDeviceSharding(d) for d in jax.devices()[:2])
+        >>> move = copier(a, b, 1, np.float32)
+        >>> move(jax.device_put(np.ones(3), a)).devices() == {jax.devices()[1]}
+        True
+    """
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return None
+    if not target.is_fully_addressable or not source.is_fully_addressable:
+        return None
+    try:
+        same = jax_array._sharding_indices_and_eq(source, target, ndim)
+    except NotImplementedError:
+        return None
+    reuse = xla_client.ArrayCopySemantics.REUSE_INPUT
+    batched = xla_client.batched_copy_array_to_devices_with_sharding
+    if same:
+        devices = target._internal_device_list.addressable_device_list
+
+        def move(x: Any) -> Any:
+            return batched([x], [devices], [target], [reuse])[0]
+
+        return move
+    if not (source.is_fully_replicated and target.is_fully_replicated):
+        return None
+    held = set(source._addressable_device_assignment)
+    missing = [d for d in target._addressable_device_assignment if d not in held]
+    alone = [SingleDeviceSharding(d) for d in missing]
+    lists = [s._internal_device_list.addressable_device_list for s in alone]
+
+    def spread(x: Any) -> Any:
+        have = shards_by_device(x)
+        if missing:
+            whole = next(iter(have.values()))
+            copies = batched([whole] * len(missing), lists, alone, [reuse] * len(missing))
+            have.update(zip(missing, copies, strict=True))
+        return array_from_shards(x.shape, target, have)
+
+    return spread
+
+
+@functools.lru_cache(maxsize=1024)
+def _copier_of(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], Any] | None:
+    return copier(source, target, ndim, dtype)
+
+
+def move_to(x: Any, target: Any) -> Any:
+    """``x`` moved to the sharding ``target``: by one runtime copy (:func:`copier`, decided once
+    per pair of layouts) where ``x`` is an array with the same slicing, else by
+    ``jax.device_put``.
+
+    Example:
+        >>> import numpy as np
+        >>> from jax.sharding import SingleDeviceSharding
+        >>> a, b = (SingleDeviceSharding(d) for d in jax.devices()[:2])
+        >>> move_to(jax.device_put(np.ones(3), a), b).devices() == {jax.devices()[1]}
+        True
+    """
+    source = getattr(x, "sharding", None)
+    if source is not None:
+        move = _copier_of(source, target, x.ndim, x.dtype)
+        if move is not None:
+            return move(x)
+    return jax.device_put(x, target)
+
+
+def array_from_shards(shape: Sequence[int], sharding: Any, by_device: dict[Any, Any]) -> Any:
+    """The array of ``shape`` laid out as ``sharding`` whose shard on each of this process's
+    devices is ``by_device[device]`` (single-device arrays, committed, of one dtype): what
+    ``jax.make_array_from_single_device_arrays`` makes, without re-checking each shard's dtype,
+    device and order on every call (a stacked Variable's chunks are split and joined every step,
+    and those checks cost several times the array's creation).
+
+    Example:
+        >>> import numpy as np
+        >>> from jax.sharding import SingleDeviceSharding
+        >>> d = jax.devices()[0]
+        >>> x = jax.device_put(np.ones(3, np.float32), d)
+        >>> array_from_shards((3,), SingleDeviceSharding(d), {d: x}).shape
+        (3,)
+    """
+    arrays = [by_device[d] for d in sharding._addressable_device_assignment]
+    if not arrays or jax.dtypes.issubdtype(arrays[0].dtype, jax.dtypes.extended):
+        return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+    aval = _sharded_aval(tuple(shape), arrays[0].dtype, sharding)
+    return jax_array.ArrayImpl(aval, sharding, arrays, committed=True, _skip_checks=True)
+
+
+def shards_by_device(array: Any) -> dict[Any, Any]:
+    """``array``'s single-device arrays on this process's devices, by device: what
+    ``{s.device: s.data for s in array.addressable_shards}`` gives, without making a ``Shard``
+    (and its index) per device, which costs tens of microseconds for each new array.
+
+    Example:
+        >>> import numpy as np
+        >>> x = jax.device_put(np.ones(3, np.float32), jax.devices()[0])
+        >>> list(shards_by_device(x)) == [jax.devices()[0]]
+        True
+    """
+    arrays = getattr(array, "_arrays", None)
+    if arrays is None:
+        return {s.device: s.data for s in array.addressable_shards}
+    return dict(zip(array.sharding._addressable_device_assignment, arrays, strict=True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _sharded_aval(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:
+    return jax_core.update_aval_with_sharding(
+        jax_core.ShapedArray(shape, dtype, weak_type=False), sharding
+    )
+
+
+def launchable_as(x: Any, sharding: Any) -> bool:
+    """Whether ``x`` is a plain ``jax.Array`` whose per-device arrays a program expecting
+    ``sharding`` reads as they are: laid out as ``sharding`` (another name for the same slices
+    on the same devices, such as a one-device array for a one-device mesh, counts) and listing
+    its devices in the same order.
+
+    Example:
+        >>> import numpy as np
+        >>> from jax.sharding import NamedSharding
+        >>> one = jax.devices()[:1]
+        >>> mesh = jax.sharding.Mesh(np.array(one), ("x",))
+        >>> x = jax.device_put(np.ones(2), one[0])
+        >>> launchable_as(x, NamedSharding(mesh, jax.P())), launchable_as(np.ones(2), x.sharding)
+        (True, False)
+    """
+    if type(x) is not ArrayImpl:
+        return False
+    have = x.sharding
+    return have == sharding or (
+        have.is_equivalent_to(sharding, x.ndim)
+        and have._addressable_device_assignment == sharding._addressable_device_assignment
+    )
+
+
+def is_plain_array(x: Any) -> bool:
+    """Whether ``x`` is JAX's own array type (not a tracer, NumPy array or subclass).
+
+    Example:
+        >>> import numpy as np
+        >>> is_plain_array(jax.numpy.ones(2)), is_plain_array(np.ones(2))
+        (True, False)
+    """
+    return type(x) is ArrayImpl
+
+
+def all_plain_arrays(values: Sequence[Any]) -> bool:
+    """Whether every one of ``values`` is JAX's own array type (:func:`is_plain_array`), checked
+    at a few hundredths of a microsecond each (``isinstance(x, jax.Array)`` takes ten times as
+    long).
+
+    Example:
+        >>> all_plain_arrays([jax.numpy.ones(2), jax.numpy.zeros(1)]), all_plain_arrays([1.0])
+        (True, False)
+    """
+    return all(type(x) is ArrayImpl for x in values)
+
+
+def checks_special_values() -> bool:
+    """Whether JAX checks results for NaN or infinity (``jax_debug_nans``/``jax_debug_infs``),
+    which only its own call does.
+
+    Example:
+        >>> checks_special_values()
+        False
+    """
+    return dispatch.needs_check_special()

@@ -1,0 +1,72 @@
+"""A compiled program launched straight on the runtime, without the per-argument checks of
+JAX's own call (``DirectLaunch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jax._src.interpreters import pxla
+
+
+# A program's launch without JAX's per-call checks (``jax.stages.Compiled.__call__`` checks each
+# argument's type, shape and layout, about 0.2 us an argument, and wraps each result). The runner
+# uses it only for a step whose every argument was found laid out as its program expects on a
+# checked run, and whose inputs are laid out as on that run (so, step by step, is every value).
+@dataclasses.dataclass(frozen=True)
+class DirectLaunch:
+    """``compiled`` (a ``jax.stages.Compiled``) run straight on the runtime: ``launch(args)``
+    takes the arguments at positions ``kept`` (``None``: all; JAX drops those the program does
+    not read), each laid out as ``shardings`` says, and returns the results as a list.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        >>> x = jax.device_put(np.float32(1), on)
+        >>> direct = DirectLaunch.of(jax.jit(lambda x, y: [y + 1]).lower(x, x).compile())
+        >>> direct.kept, direct.shardings == (on,)
+        ((1,), True)
+        >>> direct.launch([x])
+        [Array(2., dtype=float32)]
+    """
+
+    launch: Callable[[list], list]
+    kept: tuple[int, ...] | None
+    shardings: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, compiled: Any) -> DirectLaunch | None:
+        """The direct launch of ``compiled``, or ``None`` where JAX's own call is needed: a
+        program with effects or host callbacks, constants passed as arguments, or results
+        that are not a flat sequence of arrays."""
+        executable = getattr(compiled, "_executable", None)
+        call = getattr(executable, "unsafe_call", None)
+        params = getattr(compiled, "_params", None)
+        if (
+            type(call) is not pxla.ExecuteReplicated
+            or call.ordered_effects
+            or call.has_unordered_effects
+            or call.has_host_callbacks
+            or call.mut is not None
+            or call.pgle_profiler is not None
+            or params is None
+            or params.const_args
+            or params.is_high
+        ):
+            return None
+        out_tree = params.out_tree
+        if out_tree.num_leaves != out_tree.num_nodes - 1 or out_tree.num_nodes == 1:
+            return None  # a flat list or tuple of arrays only
+        kept = tuple(sorted(call.kept_var_idx))
+        shardings = tuple(executable._in_shardings)  # of the kept arguments
+        if len(shardings) != len(kept):
+            return None
+        runtime, handlers = call.xla_executable, call.out_handler.handlers
+
+        def launch(args: list) -> list:
+            return runtime.execute_sharded(args).consume_with_handlers(handlers)
+
+        whole = kept == tuple(range(params.in_tree.num_leaves))
+        return cls(launch, None if whole else kept, shardings)

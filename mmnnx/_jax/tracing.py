@@ -1,0 +1,118 @@
+"""JAX's tracing, as far as JAX does not export it: whether a trace is in progress, the debug
+info that names a traced function in JAX's errors, the user's line of a source location, an
+equation's ordered effects, dead-code elimination of a jaxpr, and a cheap ``sharding`` probe
+on tracers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax._src import api_util, effects, source_info_util
+from jax._src import core as jax_core
+from jax._src.interpreters import partial_eval as pe
+
+ShapedArray = jax_core.ShapedArray
+"""JAX's abstract array (shape, dtype, weak type, sharding)."""
+
+no_effects = effects.no_effects
+"""The effects of an equation that has none."""
+
+join_effects = jax_core.join_effects
+"""The union of several equations' effects."""
+
+
+def tracing() -> bool:
+    """Whether a JAX trace (``jit``, ``grad``, ``vmap``, ``make_jaxpr``, ...) is in progress.
+
+    Example:
+        >>> import jax
+        >>> tracing(), jax.make_jaxpr(lambda: tracing() or 0)().eqns
+        (False, [])
+    """
+    return not jax_core.trace_state_clean()
+
+
+def name_trace_as(
+    fun: Callable, name_as: Callable, traced_for: str, arg_names: Sequence[str] | None
+) -> None:
+    """Makes JAX's tracing errors describe a trace of ``fun`` as one of ``name_as`` (its name
+    and source line) for ``traced_for`` (an API name such as ``"mm.jit"``), with inputs named
+    ``arg_names``: "while tracing the function train_step at model.py:12 for mm.jit ... the
+    argument arg2", not as the wrapper ``fun`` that is traced."""
+    names = None if arg_names is None else tuple(arg_names)
+    info = jax_core.DebugInfo(
+        traced_for, api_util.fun_sourceinfo(name_as), names, jax_core.initial_result_paths
+    )
+    api_util.save_wrapped_fun_debug_info(fun, info)
+
+
+def debug_info(traced_for: str, what: str) -> Any:
+    """The debug info of a jaxpr built by hand, naming it ``what`` for ``traced_for`` in JAX's
+    messages (no argument or result names)."""
+    return jax_core.DebugInfo(traced_for, what, None, None)
+
+
+def current_source_info() -> Any:
+    """The source info JAX gives an equation made now (the current name stack and frame)."""
+    return source_info_util.current()
+
+
+def source_line(source_info: Any) -> str:
+    """``file:line (function)`` of the user's frame where an equation was traced."""
+    return user_line(source_info.traceback)
+
+
+def user_line(traceback: Any) -> str:
+    """``file:line (function)`` of the innermost user frame (not JAX's, not Python's) of a
+    traceback JAX recorded, or ``"<unknown>"``."""
+    frame = source_info_util.user_frame(traceback)
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def ordered_effects(eqn: Any) -> list:
+    """The effects of ``eqn`` that JAX keeps in program order (``io_callback(ordered=True)``,
+    ``jax.debug.print(ordered=True)``)."""
+    return [e for e in eqn.effects if effects.ordered_effects.contains(e)]
+
+
+def dce_jaxpr(
+    jaxpr: Any, used_outputs: Sequence[bool], instantiate: bool | Sequence[bool] = False
+) -> tuple[Any, list[bool]]:
+    """``jaxpr`` with only what the outputs flagged in ``used_outputs`` need (its inputs kept
+    where ``instantiate`` says), and which inputs that reads (JAX's ``dce_jaxpr``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> closed = jax.make_jaxpr(lambda x, y: (jnp.sin(x), y * 2))(1.0, 2.0)
+        >>> kept, reads = dce_jaxpr(closed.jaxpr, [False, True])
+        >>> len(kept.eqns), reads
+        (1, [False, True])
+    """
+    return pe.dce_jaxpr(jaxpr, used_outputs, instantiate=instantiate)
+
+
+def _no_sharding(tracer: Any) -> Any:
+    raise AttributeError(f"The 'sharding' attribute is not available on {type(tracer).__name__}")
+
+
+@contextlib.contextmanager
+def fast_sharding_probes():
+    """Makes ``getattr(tracer, "sharding", None)`` cheap while tracing.
+
+    Flax probes every value set into a Variable this way. JAX answers a tracer with an
+    ``AttributeError`` whose message walks the whole trace so far to say where the tracer came
+    from. A model's construction draws RNG keys thousands of times, so tracing it costs time
+    quadratic in its size (measured: 17 of 21 s for a 64-block GPT). Inside this block the
+    error says only that a tracer has no sharding; the property is restored on leaving it.
+    """
+    original = jax_core.Tracer.sharding
+    jax_core.Tracer.sharding = property(_no_sharding)
+    try:
+        yield
+    finally:
+        jax_core.Tracer.sharding = original

@@ -1,0 +1,381 @@
+"""Control flow cut into independent pieces, so each piece can run on the task that holds its
+state: a ``cond`` or ``while_loop`` whose results fall into independent groups (split while
+tracing, one piece per group), and a ``scan`` cut in two (zero-bubble's split of a backward
+pass: the input gradient first, the weight gradients later)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jax.extend import core as jcore
+
+from mmnnx._jax.tracing import ShapedArray, dce_jaxpr, join_effects
+from mmnnx.mpmd.ir import Graph, Op, aval_info
+from mmnnx.mpmd.op_kinds import COSTLY
+
+
+def _split_cond(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
+    """A ``cond`` whose results fall into independent groups, as one cond per group (each with
+    the predicate and only the operands its group reads), or ``None`` if it does not split.
+
+    Results are independent when, in every branch, they share no computation but scalar
+    arithmetic (a step count, a flag), which each piece recomputes. An optimizer wrapper such as
+    ``optax.MultiSteps`` updates every parameter's state in one cond; split, each parameter's
+    piece can run on the task that holds it."""
+    branches = eqn.params["branches"]
+    if eqn.effects or len(eqn.outvars) < 2:
+        return None
+    n = len(eqn.outvars)
+    links: list[tuple[int, int]] = []
+    for branch in branches:
+        jaxpr = branch.jaxpr
+        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+        owner: dict[int, int] = {}  # id of a shared (non-scalar) equation -> an output using it
+        for i, out in enumerate(jaxpr.outvars):
+            stack, seen = [out], set()
+            while stack:
+                v = stack.pop()
+                e = None if isinstance(v, jcore.Literal) else producer.get(v)
+                if e is None or id(e) in seen:
+                    continue
+                seen.add(id(e))
+                if any(getattr(v.aval, "shape", ()) != () for v in e.outvars):
+                    links.append((i, owner.setdefault(id(e), i)))
+                stack += [v for v in e.invars if not isinstance(v, jcore.Literal)]
+    groups = _groups(range(n), links)
+    if len(groups) < 2:
+        return None
+    pieces = []
+    for positions in groups:
+        used = [i in positions for i in range(n)]
+        keep = [False] * (len(eqn.invars) - 1)
+        for branch in branches:
+            _, reads = dce_jaxpr(branch.jaxpr, used)
+            keep = [a or b for a, b in zip(keep, reads, strict=True)]
+        new_branches = []
+        for branch in branches:
+            jaxpr, _ = dce_jaxpr(branch.jaxpr, used, instantiate=keep)
+            new_branches.append(jcore.ClosedJaxpr(jaxpr, branch.consts))
+        operands = [v for v, k in zip(eqn.invars[1:], keep, strict=True) if k]
+        outvars = [eqn.outvars[i] for i in positions]
+        pieces.append(({"branches": tuple(new_branches)}, [eqn.invars[0], *operands], outvars))
+    return pieces
+
+
+def _split_while(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
+    """A ``while_loop`` whose carried values fall into independent groups, as one loop per group,
+    or ``None`` if it does not split.
+
+    Scalar carried values computed only from each other (a step counter) are carried by every
+    piece, and so is whatever the loop's predicate reads, which must be among them. The other
+    values are grouped as :func:`_split_cond` groups results: one piece per group, each reading
+    only the operands its group needs, so each can run on the task that holds its state."""
+    params = eqn.params
+    cond_n, body_n = params["cond_nconsts"], params["body_nconsts"]
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+    init = eqn.invars[cond_n + body_n :]
+    n = len(init)
+    if eqn.effects or n < 2:
+        return None
+    jaxpr = body.jaxpr
+    carry_in = jaxpr.invars[body_n:]
+    position = {v: i for i, v in enumerate(carry_in)}
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+    def reads(out) -> tuple[set[int], set[int]]:
+        """The carried inputs an output reads, and the ids of the non-scalar equations on
+        the way."""
+        found, shared, seen, stack = set(), set(), set(), [out]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, jcore.Literal):
+                continue
+            if v in position:
+                found.add(position[v])
+                continue
+            e = producer.get(v)
+            if e is None or id(e) in seen:
+                continue
+            seen.add(id(e))
+            if any(getattr(o.aval, "shape", ()) != () for o in e.outvars):
+                shared.add(id(e))
+            stack += list(e.invars)
+        return found, shared
+
+    deps = [reads(out) for out in jaxpr.outvars]
+    scalar = {i for i in range(n) if getattr(carry_in[i].aval, "shape", ()) == ()}
+    replicated = set(scalar)
+    changed = True
+    while changed:  # scalars computed from replicated scalars only
+        changed = False
+        for i in list(replicated):
+            if not deps[i][0] <= replicated or deps[i][1]:
+                replicated.discard(i)
+                changed = True
+    _, cond_used = dce_jaxpr(cond.jaxpr, [True])
+    if not {i for i, used in enumerate(cond_used[cond_n:]) if used} <= replicated:
+        return None
+    others = [i for i in range(n) if i not in replicated]
+    owner: dict[int, int] = {}
+    links = [(i, j) for i in others for j in deps[i][0] - replicated]
+    links += [(i, owner.setdefault(e, i)) for i in others for e in deps[i][1]]
+    groups = _groups(others, links)
+    if len(groups) < 2:
+        return None
+    pieces = []
+    for members in groups:
+        keep = sorted({*members, *replicated})
+        carried = [i in keep for i in range(n)]
+        _, body_reads = dce_jaxpr(jaxpr, carried)
+        body_keep = body_reads[:body_n] + carried
+        new_body, _ = dce_jaxpr(jaxpr, carried, instantiate=body_keep)
+        cond_keep = cond_used[:cond_n] + carried
+        new_cond, _ = dce_jaxpr(cond.jaxpr, [True], instantiate=cond_keep)
+        piece = dict(params)
+        piece.update(
+            cond_jaxpr=jcore.ClosedJaxpr(new_cond, cond.consts),
+            body_jaxpr=jcore.ClosedJaxpr(new_body, body.consts),
+            cond_nconsts=sum(cond_keep[:cond_n]),
+            body_nconsts=sum(body_keep[:body_n]),
+        )
+        cond_consts = [v for v, k in zip(eqn.invars[:cond_n], cond_keep, strict=False) if k]
+        body_consts = [
+            v for v, k in zip(eqn.invars[cond_n : cond_n + body_n], body_keep, strict=False) if k
+        ]
+        operands = [*cond_consts, *body_consts, *(init[i] for i in keep)]
+        pieces.append((piece, operands, [eqn.outvars[i] for i in keep]))
+    return pieces
+
+
+def _groups(items: Sequence[int], links: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """``items`` grouped by ``links`` (pairs that belong together, transitively), each group in
+    the order of ``items``; groups ordered by their first item.
+
+    Example:
+        >>> _groups(range(5), [(0, 3), (3, 4)])
+        [[0, 3, 4], [1], [2]]
+    """
+    parent = {i: i for i in items}
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, b in links:
+        parent[root(a)] = root(b)
+    groups: dict[int, list[int]] = {}
+    for i in items:
+        groups.setdefault(root(i), []).append(i)
+    return list(groups.values())
+
+
+_SPLITTERS = {"cond": _split_cond, "while": _split_while}
+
+
+def split_eqn(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
+    """A ``cond`` or ``while_loop`` equation as independent pieces, each ``(params, invars,
+    outvars)`` of one equation of the same primitive; ``None`` if it does not split."""
+    split = _SPLITTERS.get(eqn.primitive.name)
+    return split(eqn) if split is not None else None
+
+
+def _vars(atoms: Any) -> set:
+    """The variables among jaxpr atoms (literals left out)."""
+    return {a for a in atoms if isinstance(a, jcore.Var)}
+
+
+@dataclasses.dataclass
+class _ScanCut:
+    """How a scan's body divides into the part computing the results needed now (``first``) and
+    the part that can wait (``later``, fed the values it reads from the first part, stacked)."""
+
+    first_outs: list[bool]  # per result of the scan: computed by the first part
+    first_eqns: list[Any]
+    later_eqns: list[Any]
+    saved: list[Any]  # body values the later part reads from the first part, one per iteration
+    first_operands: list[bool]  # per operand of the scan: read by the first part
+    later_operands: list[bool]  # the same for the later part (which also reads ``saved``)
+
+
+def _scan_cut(op: Op, wanted: Sequence[bool]) -> _ScanCut | None:
+    """The cut of scan ``op`` whose first part makes the ``wanted`` results (and the carries
+    they depend on); ``None`` when the op is no scan, has effects, the first part would be the
+    whole body, or the rest holds no contraction (weight gradients of a matmul or convolution).
+
+    Measured with ``benchmarks/pipeline.py``'s elementwise layers on a 16-core machine: cutting
+    their backward scan (each layer's weight gradient a product and a sum) made the input
+    gradient pass 25 ms against the whole backward's 29 ms and added a 27 ms weight pass,
+    since the cut saves every layer's operands for the weight pass to read back."""
+    if op.name != "scan" or op.effectful or op.mesh is not None:
+        return None
+    body = op.params["jaxpr"].jaxpr
+    num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
+    carry_in = body.invars[num_consts : num_consts + num_carry]
+    made_by = {v: i for i, eqn in enumerate(body.eqns) for v in eqn.outvars}
+
+    def closure(roots: Sequence[Any]) -> tuple[set[int], set[Any]]:
+        eqns: set[int] = set()
+        reads = {v for v in roots if isinstance(v, jcore.Var)}
+        stack = list(reads)
+        while stack:
+            i = made_by.get(stack.pop())
+            if i is None or i in eqns:
+                continue
+            eqns.add(i)
+            for a in body.eqns[i].invars:
+                if isinstance(a, jcore.Var) and a not in reads:
+                    reads.add(a)
+                    stack.append(a)
+        return eqns, reads
+
+    first = list(wanted)
+    while True:  # a carry the first part reads is one the first part must update
+        eqns, reads = closure([v for v, w in zip(body.outvars, first, strict=True) if w])
+        grow = [j for j in range(num_carry) if not first[j] and carry_in[j] in reads]
+        if not grow:
+            break
+        for j in grow:
+            first[j] = True
+    if all(first):
+        return None
+    later_roots = [v for v, w in zip(body.outvars, first, strict=True) if not w]
+    later_eqns, _ = closure(later_roots)
+    later_eqns -= eqns
+    if any(body.eqns[i].effects for i in later_eqns):
+        return None
+    if not any(body.eqns[i].primitive.name in COSTLY for i in later_eqns):
+        return None  # elementwise weight gradients: saving their operands costs more than them
+    later_made = {v for i in later_eqns for v in body.eqns[i].outvars}
+    later_reads = _vars(a for i in later_eqns for a in body.eqns[i].invars) | _vars(later_roots)
+    own = set(body.invars[:num_consts]) | set(body.invars[num_consts + num_carry :])
+    own |= {carry_in[j] for j in range(num_carry) if not first[j]} | set(body.constvars)
+    saved = [v for v in dict.fromkeys(later_reads) if v not in later_made and v not in own]
+    first_reads = _vars(a for i in eqns for a in body.eqns[i].invars) | set(saved)
+    first_reads |= _vars(v for v, w in zip(body.outvars, first, strict=True) if w)
+
+    def operands(reads: set, carries: Sequence[bool]) -> list[bool]:
+        """Per operand of the scan: whether a part reading ``reads`` and carrying ``carries``
+        takes it (every carry it updates; the constants and scanned operands it reads)."""
+        flags = [v in reads for v in body.invars]
+        flags[num_consts : num_consts + num_carry] = carries
+        return flags
+
+    return _ScanCut(
+        first,
+        [e for i, e in enumerate(body.eqns) if i in eqns],
+        [e for i, e in enumerate(body.eqns) if i in later_eqns],
+        saved,
+        operands(first_reads, first[:num_carry]),
+        operands(later_reads, [not c for c in first[:num_carry]]),
+    )
+
+
+def scan_first_part(op: Op, wanted: Sequence[bool]) -> tuple[list[bool], list[bool]] | None:
+    """For a scan ``op`` of whose results only those flagged in ``wanted`` are needed soon (an
+    input gradient), the results its first part makes (``wanted`` and the carries they depend
+    on) and the operands that part reads; ``None`` when the scan does not split
+    (:func:`split_scan`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from mmnnx.mpmd.tracing import to_graph
+        >>> def f(w, xs):  # the carry needs only xs; the second result also reads w
+        ...     return jax.lax.scan(lambda c, x: (c + x, jnp.tanh(c) @ w), jnp.zeros(2), xs)
+        >>> graph = to_graph(jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((3, 2))))
+        >>> scan_first_part(graph.ops[-1], [True, False])
+        ([True, False], [False, True, True])
+    """
+    cut = _scan_cut(op, wanted)
+    return None if cut is None else (cut.first_outs, cut.first_operands)
+
+
+def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | None:
+    """Scan ``op`` as two scans (zero-bubble's split of a backward pass run as a scan, e.g. over
+    ``nnx.scan`` layers or chunks): the first makes the ``wanted`` results (and the carries they
+    depend on) and saves, per iteration, the values the rest reads from it; the second makes
+    the other results (weight gradients) from those. The first's extra results are new values
+    of ``graph``. ``None`` when the scan does not split.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from mmnnx.mpmd.tracing import to_graph
+        >>> def f(w, xs):  # the carry first; then the matmul, from the carries it saved
+        ...     return jax.lax.scan(lambda c, x: (c + x, jnp.tanh(c) @ w), jnp.zeros(2), xs)
+        >>> graph = to_graph(jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((3, 2))))
+        >>> first, later = split_scan(graph.ops[-1], [True, False], graph)
+        >>> [graph.shapes[v] for v in first.outs], [graph.shapes[v] for v in later.outs]
+        ([(2,), (3, 2)], [(3, 2)])
+    """
+    cut = _scan_cut(op, wanted)
+    if cut is None:
+        return None
+    closed = op.params["jaxpr"]
+    body = closed.jaxpr
+    length = op.params["length"]
+    num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
+    first_outs = cut.first_outs
+    carry_first = first_outs[:num_carry]
+
+    def scan(ins: list, eqns: list, invars: list, outvars: list, carries: int, consts: int) -> dict:
+        """The parameters of a scan running ``eqns`` of the body."""
+        part = body.replace(
+            invars=invars,
+            outvars=outvars,
+            eqns=eqns,
+            effects=join_effects(*(e.effects for e in eqns)),
+        )
+        params = {
+            **op.params,
+            "jaxpr": jcore.ClosedJaxpr(part, closed.consts),
+            "num_consts": consts,
+            "num_carry": carries,
+        }
+        if "linear" in params:  # older JAX versions
+            params["linear"] = (False,) * len(ins)
+        return params
+
+    pick = cut.first_operands
+    first_invars = [v for v, p in zip(body.invars, pick, strict=True) if p]
+    first_ins = [a for a, p in zip(op.ins, pick, strict=True) if p]
+    first_outvars = [v for v, w in zip(body.outvars, first_outs, strict=True) if w] + cut.saved
+    saved_ids = [
+        graph.new_value(aval_info(ShapedArray((length, *v.aval.shape), v.aval.dtype)))
+        for v in cut.saved
+    ]
+    first_params = scan(
+        first_ins,
+        cut.first_eqns,
+        first_invars,
+        first_outvars,
+        sum(carry_first),
+        sum(pick[:num_consts]),
+    )
+    first = op.derived(
+        op.primitive,
+        first_params,
+        first_ins,
+        [v for v, w in zip(op.outs, first_outs, strict=True) if w] + saved_ids,
+    )
+
+    keep = cut.later_operands
+    later_invars = [v for v, k in zip(body.invars, keep, strict=True) if k] + cut.saved
+    later_ins = [a for a, k in zip(op.ins, keep, strict=True) if k] + saved_ids
+    later_params = scan(
+        later_ins,
+        cut.later_eqns,
+        later_invars,
+        [v for v, w in zip(body.outvars, first_outs, strict=True) if not w],
+        num_carry - sum(carry_first),
+        sum(keep[:num_consts]),
+    )
+    later = op.derived(
+        op.primitive,
+        later_params,
+        later_ins,
+        [v for v, w in zip(op.outs, first_outs, strict=True) if not w],
+    )
+    return first, later

@@ -1,0 +1,197 @@
+"""Tracing a step to the engine's flat IR (``ir.Graph``): calls inlined, each op's backward
+flag, ``mm.task`` region and ``mm.microbatch`` group read from its name scope, splittable
+control flow split, ops nothing needs dropped."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+from jax.sharding import AxisType
+
+from mmnnx._jax.tracing import fast_sharding_probes, name_trace_as, ordered_effects, source_line
+from mmnnx.errors import SideEffectError
+from mmnnx.mpmd.control_flow import split_eqn
+from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op, aval_info
+from mmnnx.mpmd.mesh_context import traced_mesh
+from mmnnx.mpmd.primitives import marker_kind
+
+# Call-like primitives whose bodies are spliced into the enclosing graph: they carry no semantics
+# beyond grouping, and splicing lets their pieces run on different tasks.
+_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+# JAX names the transposed (backward) pass of a computation ``transpose(...)`` in name stacks.
+_BACKWARD_MARK = "transpose("
+_REGION = re.compile(re.escape(REGION_PREFIX) + r"([^/()]+)")
+_GROUP = re.compile(re.escape(GROUP_PREFIX) + r"(\d+)")
+
+
+# Primitives that call back into Python (and so may raise while a compiled program runs).
+_CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "callback"})
+
+
+def _calls_back(eqn: jcore.JaxprEqn) -> bool:
+    if eqn.primitive.name in _CALLBACKS:
+        return True
+    return any(
+        _calls_back(inner)
+        for sub in jcore.jaxprs_in_params(eqn.params)
+        for inner in getattr(sub, "eqns", ())
+    )
+
+
+def is_backward_scope(scope: str) -> bool:
+    """Whether a name scope (as the tracer records it) is inside a backward (transposed) pass.
+
+    Example:
+        >>> is_backward_scope("jvp(step)/transpose(jvp(mm_task:a))"), is_backward_scope("a/b")
+        (True, False)
+    """
+    return _BACKWARD_MARK in scope
+
+
+_TRANSFORM = re.compile(r"^(?:[\w\-]+\()*([^()]*?)\)*$")
+
+
+def scope_components(scope: str) -> list[str]:
+    """The names in a name scope, outermost first, with JAX's transform wrappers (``jvp(...)``,
+    ``transpose(...)``) taken off.
+
+    Example:
+        >>> scope_components("/jvp(step)/transpose(jvp(layer0))/dense")
+        ['step', 'layer0', 'dense']
+    """
+    return [m.group(1) for part in scope.split("/") if (m := _TRANSFORM.match(part)) and m.group(1)]
+
+
+def scopes_of(closed: jcore.ClosedJaxpr) -> list[tuple[str, bool]]:
+    """``(scope, backward)`` of every op a traced function (``jax.make_jaxpr``) runs, with calls
+    inlined as mm.jit inlines them."""
+    return [(op.scope, op.backward) for op in to_graph(closed).ops]
+
+
+def _last(pattern: re.Pattern, scope: str) -> str | None:
+    found = pattern.findall(scope)
+    return found[-1] if found else None
+
+
+def trace(
+    fun: Callable,
+    avals: Sequence[jax.ShapeDtypeStruct],
+    *,
+    name_as: Callable | None = None,
+    arg_names: Sequence[str] | None = None,
+) -> tuple[Graph, Any]:
+    """Traces ``fun(*avals)`` to a flat op graph; returns it and the output shapes' pytree.
+
+    With ``name_as``, JAX's tracing errors describe the trace as that function's (its name and
+    source line) for ``mm.jit``, with inputs named ``arg_names``: a traced value used where a
+    concrete one is needed (a shape, an ``if``) is reported "while tracing the function
+    train_step at model.py:12 for mm.jit ... the argument arg2", not as mm.jit's wrapper.
+    """
+    if name_as is not None:
+        name_trace_as(fun, name_as, "mm.jit", arg_names)
+    with fast_sharding_probes():
+        closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
+    return to_graph(closed), out_shape
+
+
+def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
+    """The flat op graph of a traced function (``jax.make_jaxpr``), calls inlined."""
+    graph = Graph()
+    env: dict[Any, Any] = {}
+
+    def atom(a):
+        if isinstance(a, jcore.Literal):
+            return Const(a.val)
+        return env[a]
+
+    def walk(jaxpr: jcore.Jaxpr, consts: Sequence[Any], inputs: Sequence[Any], prefix: str = ""):
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = Const(c)
+        for v, x in zip(jaxpr.invars, inputs, strict=True):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            scope = f"{prefix}/{eqn.source_info.name_stack}"
+            if eqn.primitive.name in _INLINE and "jaxpr" in eqn.params:
+                inner = eqn.params["jaxpr"]
+                inner_jaxpr = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+                inner_consts = inner.consts if isinstance(inner, jcore.ClosedJaxpr) else []
+                outs = walk(inner_jaxpr, inner_consts, [atom(a) for a in eqn.invars], scope)
+                for v, o in zip(eqn.outvars, outs, strict=True):
+                    env[v] = o
+                continue
+            ordered = ordered_effects(eqn)
+            if ordered:
+                raise SideEffectError(
+                    f"mm.jit: `{eqn.primitive.name}` at {source_line(eqn.source_info)} has the "
+                    f"ordered side effect {ordered[0]}, which mm.jit cannot keep in order across "
+                    "tasks; use an unordered callback (e.g. jax.debug.print) or move it out of "
+                    "the step"
+                )
+            pieces = split_eqn(eqn)
+            if pieces is None:
+                pieces = [(dict(eqn.params), list(eqn.invars), list(eqn.outvars))]
+            for params, invars, outvars in pieces:
+                ins = [atom(a) for a in invars]
+                outs = [_new_value(graph, v.aval) for v in outvars]
+                for v, o in zip(outvars, outs, strict=True):
+                    if not isinstance(v, jcore.DropVar):
+                        env[v] = o
+                group = _last(_GROUP, scope)
+                graph.ops.append(
+                    Op(
+                        index=len(graph.ops),
+                        primitive=eqn.primitive,
+                        params=params,
+                        ins=ins,
+                        outs=outs,
+                        multiple_results=eqn.primitive.multiple_results,
+                        source=source_line(eqn.source_info),
+                        name=eqn.primitive.name,
+                        scope=scope,
+                        effectful=bool(eqn.effects),
+                        backward=is_backward_scope(scope),
+                        region=_last(_REGION, scope),
+                        group=int(group) if group is not None else None,
+                        may_fail=_calls_back(eqn),
+                        mesh=traced_mesh(eqn),
+                    )
+                )
+        return [atom(a) for a in jaxpr.outvars]
+
+    inputs = [_new_value(graph, v.aval) for v in closed.jaxpr.invars]
+    graph.inputs = inputs
+    graph.outputs = walk(closed.jaxpr, closed.consts, inputs)
+    drop_dead_ops(graph)
+    return graph
+
+
+def drop_dead_ops(graph: Graph) -> None:
+    """Removes ops whose results nothing needs (and that have no effect); renumbers the rest.
+
+    An RNG count's ``rng_next`` marker is kept while unresolved, with the draws counting up to
+    it: its count may be read by nothing (an ``nnx.Rngs`` made by ``fork()`` inside the step),
+    yet it is how many draws one microbatch makes, which sets where the next one starts."""
+    needed = {a for a in graph.outputs if isinstance(a, int)}
+    kept = []
+    for op in reversed(graph.ops):
+        if op.effectful or marker_kind(op) == "rng_next" or any(v in needed for v in op.outs):
+            kept.append(op)
+            needed.update(a for a in op.ins if isinstance(a, int))
+    graph.ops = kept[::-1]
+    for i, op in enumerate(graph.ops):
+        op.index = i
+
+
+def _new_value(graph: Graph, aval: Any) -> int:
+    """A graph value for ``aval``, with its sharding type if traced under explicit axes."""
+    v = graph.new_value(aval_info(aval))
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types:
+        graph.specs[v] = sharding.spec
+    return v

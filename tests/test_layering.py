@@ -1,0 +1,323 @@
+"""The import structure of mmnnx and multimesh_compat, read from the source (nothing imported).
+
+Every module is parsed; an import (inside a function too) is an edge to the module it names:
+``from pkg import name`` goes to ``pkg.name`` where that is a module, else to ``pkg`` (its
+``__init__``). The checks: no cycle between modules, none between subpackages, no import going
+up the layer table below (docs/architecture.md draws the same table), ``jax._src`` imported only
+inside the fence ``mmnnx/_jax/``, and multimesh_compat using mmnnx's public names only.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import itertools
+import pathlib
+from collections.abc import Callable
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("mmnnx", "multimesh_compat")
+
+# Lowest first. A module belongs to the longest entry that is its name or a package holding it;
+# an import may go to the same layer or a lower one only. ``mmnnx`` is the package's __init__.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("mmnnx.errors", "mmnnx._nnx", "mmnnx._tables", "mmnnx._jax"),
+    ("mmnnx.sharding",),
+    ("mmnnx.mpmd",),
+    ("mmnnx.distributed",),
+    (
+        "mmnnx.jit",
+        "mmnnx.microbatch",
+        "mmnnx.summary",
+        "mmnnx.timeline",
+        "mmnnx.modules",
+        "mmnnx.tuning",
+        "mmnnx.schedules",
+    ),
+    ("mmnnx.models", "mmnnx.train"),
+    ("mmnnx.cli", "mmnnx.__main__", "mmnnx"),
+    ("multimesh_compat",),  # on top of mmnnx's public API
+)
+
+FENCE = "mmnnx._jax"
+# JAX's internals: ``jax._src`` anywhere; of ``jax.interpreters``, only the modules that
+# register a primitive's rules (``ad``, ``batching``, ``mlir``) outside the fence.
+REGISTRATION = frozenset(
+    {"jax.interpreters.ad", "jax.interpreters.batching", "jax.interpreters.mlir"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+    source: str  # the importing module
+    target: str  # the module imported (one of ours), or the external name
+    names: tuple[str, ...]  # the names taken from it (``from target import names``)
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.source} -> {self.target} ({_path(self.source)}:{self.line})"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@functools.cache
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found[_module_name(path)] = path
+    return found
+
+
+def _path(module: str) -> str:
+    return str(_modules()[module].relative_to(ROOT))
+
+
+def _is_package(module: str) -> bool:
+    return _modules()[module].name == "__init__.py"
+
+
+def _ours(name: str) -> bool:
+    return name.split(".")[0] in PACKAGES
+
+
+@functools.cache
+def _imports() -> tuple[Import, ...]:
+    """Every import statement of every module, our targets resolved to modules."""
+    modules = _modules()
+    found = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        package = module if _is_package(module) else module.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    found.append(Import(module, alias.name, (), node.lineno))
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                names = tuple(alias.name for alias in node.names)
+                if not _ours(base):
+                    found.append(Import(module, base, names, node.lineno))
+                    continue
+                for name in names:
+                    target = f"{base}.{name}" if f"{base}.{name}" in modules else base
+                    found.append(Import(module, target, (name,), node.lineno))
+    return tuple(found)
+
+
+def _edges() -> dict[str, dict[str, Import]]:
+    """Module -> the modules of ours it imports (one import statement each, for messages)."""
+    graph: dict[str, dict[str, Import]] = {m: {} for m in _modules()}
+    for imp in _imports():
+        if _ours(imp.target) and imp.target != imp.source:
+            graph[imp.source].setdefault(imp.target, imp)
+    return graph
+
+
+def _components(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm): each holds
+    the nodes of one or more cycles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def _a_cycle(graph: dict[str, set[str]], component: set[str], start: str) -> list[str]:
+    """A shortest cycle through ``start``, a node of the strongly connected ``component``,
+    closed (``start`` repeated at the end)."""
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for v in frontier:
+            for w in sorted(graph.get(v, ())):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [*reversed(path), start]
+                if w in component and w not in previous:
+                    previous[w] = v
+                    following.append(w)
+        frontier = following
+    return sorted(component)
+
+
+def _describe(cycle: list[str], statement: Callable[[str, str], Import]) -> str:
+    """A cycle's nodes, then the import statement of each of its edges."""
+    return " -> ".join(cycle) + "".join(
+        f"\n    {statement(a, b)}" for a, b in itertools.pairwise(cycle)
+    )
+
+
+def _layer(module: str) -> int | None:
+    best, layer = "", None
+    for number, names in enumerate(LAYERS):
+        for name in names:
+            covers = module == name or (name != "mmnnx" and module.startswith(name + "."))
+            if covers and len(name) > len(best):
+                best, layer = name, number
+    return layer
+
+
+def _unit(module: str) -> str:
+    """The subpackage a module belongs to (``mmnnx.mpmd`` for ``mmnnx.mpmd.plan``), or the
+    module itself when it sits at a package's top level (``mmnnx.jit``, ``mmnnx``)."""
+    parts = module.split(".")
+    if len(parts) >= 2 and _is_package(".".join(parts[:2])):
+        return ".".join(parts[:2])
+    return module
+
+
+def test_every_import_of_ours_names_a_module_that_exists():
+    missing = [str(imp) for imp in _imports() if _ours(imp.target) and imp.target not in _modules()]
+    assert not missing, "imports of modules that do not exist:\n" + "\n".join(missing)
+
+
+def test_no_cycle_between_modules():
+    edges = _edges()
+    graph = {m: set(targets) for m, targets in edges.items()}
+    bad = _components(graph)
+    lines = [
+        f"{sorted(c)}, e.g. " + _describe(_a_cycle(graph, c, min(c)), lambda a, b: edges[a][b])
+        for c in bad
+    ]
+    assert not bad, "import cycles between modules:\n" + "\n".join(lines)
+
+
+def test_no_cycle_between_subpackages():
+    edges = _edges()
+    units: dict[str, set[str]] = {}
+    witness: dict[tuple[str, str], Import] = {}
+    for source, targets in edges.items():
+        for target, imp in targets.items():
+            a, b = _unit(source), _unit(target)
+            if a != b:
+                units.setdefault(a, set()).add(b)
+                witness.setdefault((a, b), imp)
+    cycles = _components(units)
+    lines = [
+        f"{sorted(c)}, e.g. " + _describe(_a_cycle(units, c, min(c)), lambda a, b: witness[a, b])
+        for c in cycles
+    ]
+    assert not cycles, "import cycles between subpackages:\n" + "\n".join(lines)
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in _modules() if _layer(m) is None)
+    assert not missing, f"modules missing from the layer table LAYERS: {missing}"
+
+
+def test_imports_go_to_the_same_or_a_lower_layer():
+    upward = [
+        f"{imp} (layer {_layer(imp.source)} -> {_layer(imp.target)})"
+        for targets in _edges().values()
+        for imp in targets.values()
+        if _layer(imp.source) is not None
+        and _layer(imp.target) is not None
+        and _layer(imp.target) > _layer(imp.source)
+    ]
+    assert not upward, "imports going up the layer table:\n" + "\n".join(upward)
+
+
+def _internal(name: str) -> bool:
+    parts = name.split(".")
+    if parts[:2] == ["jax", "_src"]:
+        return True
+    interpreters = parts[:2] == ["jax", "interpreters"] and len(parts) > 2
+    return interpreters and ".".join(parts[:3]) not in REGISTRATION
+
+
+def _jax_internal(imp: Import) -> bool:
+    """Whether ``imp`` imports JAX's internals (``from jax import _src`` too)."""
+    return _internal(imp.target) or any(_internal(f"{imp.target}.{n}") for n in imp.names)
+
+
+def test_jax_internals_only_inside_the_fence():
+    outside = [
+        str(imp)
+        for imp in _imports()
+        if not (imp.source == FENCE or imp.source.startswith(FENCE + ".")) and _jax_internal(imp)
+    ]
+    assert not outside, f"JAX internals imported outside {FENCE}:\n" + "\n".join(outside)
+
+
+def test_the_fence_imports_nothing_of_mmnnx_but_its_errors():
+    inside = [
+        str(imp)
+        for imp in _imports()
+        if (imp.source == FENCE or imp.source.startswith(FENCE + "."))
+        and _ours(imp.target)
+        and not (imp.target == "mmnnx.errors" or imp.target.startswith(FENCE))
+    ]
+    assert not inside, "the fence imports mmnnx:\n" + "\n".join(inside)
+
+
+def _private(dotted: str) -> bool:
+    return any(p.startswith("_") and not p.endswith("__") for p in dotted.split("."))
+
+
+def test_multimesh_compat_uses_only_public_mmnnx_names():
+    private = []
+    for imp in _imports():
+        if not imp.source.startswith("multimesh_compat") or not imp.target.startswith("mmnnx"):
+            continue
+        if _private(imp.target) or any(_private(n) for n in imp.names):
+            private.append(str(imp))
+    for module, path in _modules().items():  # attributes of mmnnx read through an alias
+        if not module.startswith("multimesh_compat"):
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = {
+            alias.asname or alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+            if alias.name.split(".")[0] == "mmnnx"
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in aliases:
+                    private.append(f"{module}: {ast.unparse(node)} ({_path(module)}:{node.lineno})")
+    assert not private, "multimesh_compat uses private mmnnx names:\n" + "\n".join(private)
