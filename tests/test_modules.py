@@ -323,10 +323,10 @@ def two_task_run():
     ref_opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
     batch = jax.random.randint(jax.random.key(1), (4, SEQ + 1), 0, CONFIG.vocab_size)
     step = mm.jit(train_step)
-    plan = step.plan(model, opt, batch)
     ref_step = nnx.jit(train_step)
     # two adamw steps, and a third whose loss shows the second update
     losses = [(step(model, opt, batch), ref_step(ref, ref_opt, batch)) for _ in range(3)]
+    plan = step.plan(model, opt, batch)  # compiled: with the layouts the compiler chose
     return dict(tasks=tasks, model=model, plan=plan, losses=losses, step=step)
 
 
