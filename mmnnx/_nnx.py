@@ -207,11 +207,11 @@ def set_values(variables: Sequence[nnx.Variable], values: Sequence[Any]) -> None
     """Writes a step's new values into the caller's Variables.
 
     Flax checks on every write that the Variable may be updated at the current trace level
-    (about 2 us each); all of a call's Variables come from the caller's level, so the first write
-    is checked and the rest store the value directly. Flax's own bypass,
-    ``set_raw_value(x, _unsafe_bypass_check=True)``, still goes through ``Variable.__setattr__``:
-    measured 1.4 us per Variable against 0.15 us for the slot write below (flax 0.12.8), which
-    would add 0.12 ms to a 0.7 ms step of 100 Variables. The doctest checks the slot still works.
+    (microseconds each); all of a call's Variables come from the caller's level, so the first
+    write is checked and the rest store the value directly. Flax's own bypass,
+    ``set_raw_value(x, _unsafe_bypass_check=True)``, still goes through ``Variable.__setattr__``,
+    about ten times the slot write below (benchmarks/HISTORY.md). The doctest checks the slot
+    still works.
 
     Example:
         >>> from flax import nnx

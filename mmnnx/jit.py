@@ -896,11 +896,10 @@ def jit(
     ``pack_residuals``: in a pipelined step, each forward on a one-device task returns the
     residuals its backward reads of at most this many bytes (default
     ``mm.PACK_RESIDUAL_BYTES``, 64 KiB) as one flat buffer per dtype instead of one array each;
-    ``True`` packs every residual, ``False`` none. The host pays a few microseconds per array a
-    program returns, more than copying a small array into the buffer costs; so small stages
-    (many microbatches, a host-bound step) launch in about a third less host time (the 8-block
-    GPT on 4 one-device stages, M = 16: 0.087 ms per launch against 0.120 unpacked, at the
-    same step time). Large residuals travel alone: packing them would copy each and hold it
+    ``True`` packs every residual, ``False`` none. The host pays for each array a program
+    returns, more than copying a small array into the buffer costs; so small stages (many
+    microbatches, a host-bound step) launch in less host time (``benchmarks/dispatch.py``
+    measures how much). Large residuals travel alone: packing them would copy each and hold it
     twice while the buffer is made. A stage's gradient sums travel as one buffer either way.
 
     ``pack_weights``: in a pipelined step, the weights of at most this many bytes (default

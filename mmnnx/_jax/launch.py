@@ -12,7 +12,8 @@ from jax._src.interpreters import pxla
 
 
 # A program's launch without JAX's per-call checks (``jax.stages.Compiled.__call__`` checks each
-# argument's type, shape and layout, about 0.2 us an argument, and wraps each result). The runner
+# argument's type, shape and layout, and wraps each result: benchmarks/dispatch.py's call_cost
+# measures what that costs per argument). The runner
 # uses it only for a step whose every argument was found laid out as its program expects on a
 # checked run, and whose inputs are laid out as on that run (so, step by step, is every value).
 @dataclasses.dataclass(frozen=True)

@@ -107,7 +107,7 @@ def fast_sharding_probes():
     Flax probes every value set into a Variable this way. JAX answers a tracer with an
     ``AttributeError`` whose message walks the whole trace so far to say where the tracer came
     from. A model's construction draws RNG keys thousands of times, so tracing it costs time
-    quadratic in its size (measured: 17 of 21 s for a 64-block GPT). Inside this block the
+    quadratic in its size (most of a large model's trace; benchmarks/init.py). Inside this block the
     error says only that a tracer has no sharding; the property is restored on leaving it.
     """
     original = jax_core.Tracer.sharding

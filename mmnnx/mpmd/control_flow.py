@@ -204,12 +204,9 @@ class _ScanCut:
 def _scan_cut(op: Op, wanted: Sequence[bool]) -> _ScanCut | None:
     """The cut of scan ``op`` whose first part makes the ``wanted`` results (and the carries
     they depend on); ``None`` when the op is no scan, has effects, the first part would be the
-    whole body, or the rest holds no contraction (weight gradients of a matmul or convolution).
-
-    Measured with ``benchmarks/pipeline.py``'s elementwise layers on a 16-core machine: cutting
-    their backward scan (each layer's weight gradient a product and a sum) made the input
-    gradient pass 25 ms against the whole backward's 29 ms and added a 27 ms weight pass,
-    since the cut saves every layer's operands for the weight pass to read back."""
+    whole body, or the rest holds no contraction (weight gradients of a matmul or convolution):
+    cutting a scan of elementwise layers saves every layer's operands for the weight pass to read
+    back, which costs about as much as the weight pass saves (benchmarks/HISTORY.md)."""
     if op.name != "scan" or op.effectful or op.mesh is not None:
         return None
     body = op.params["jaxpr"].jaxpr

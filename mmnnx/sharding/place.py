@@ -284,8 +284,8 @@ def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = Tru
 def _cyclic_gc_paused():
     """Pauses Python's cyclic garbage collector (reference counting goes on). Tracing a model
     makes objects by the hundred thousand that live until the trace is done, and each of those
-    triggers a full collection that scans the whole heap and frees nothing: about 0.1 s each
-    for a 64-block GPT, a fifth of its trace. Collection resumes on its own schedule after."""
+    triggers a full collection that scans the whole heap and frees nothing (a large share of a
+    deep model's trace, benchmarks/init.py). Collection resumes on its own schedule after."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

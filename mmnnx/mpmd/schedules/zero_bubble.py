@@ -140,8 +140,7 @@ def list_schedule(
 GRIDS = (0.05, 0.1, 0.2)
 """Besides the exact costs, :func:`built_for` plays the pipeline with the costs rounded to
 these grids (fractions of the mean cost): the list scheduler is greedy, and its choices flip on
-differences far below what a timing resolves (on four ranks, ZB-V built for one step's measured
-durations simulated 12% slower than built for the same durations rounded to 0.1 of their mean)."""
+differences far below what a timing resolves (benchmarks/HISTORY.md has a case on four ranks)."""
 
 
 def built_for(
