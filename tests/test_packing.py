@@ -72,6 +72,13 @@ def test_packed_residuals_train_like_one_device(schedule):
                 r.task == run.task and r.microbatch == run.microbatch and r.label[1] in "BIW"
                 for r in readers
             )
+    # every microbatch of a stage's pass runs one compiled program (packing keys no slot)
+    programs = {}
+    for kind in "FBIW":
+        for launch in launches_of(executable, kind):
+            programs.setdefault(launch.labels[0][0], set()).add(id(launch.program))
+    assert {label[1] for label in programs} >= {"F", "B" if schedule == "1f1b" else "W"}
+    assert all(len(p) == 1 for p in programs.values())
     # the packed buffers count as the microbatch's activations, as their members did
     memory = step.memory_profile(model, opt, tokens)
     activation_bytes = {

@@ -148,7 +148,7 @@ class RunPacking:
     def layout(self) -> tuple:
         """What the compiled program depends on (no slots)."""
         return (
-            self.reads,
+            tuple((r.arg, r.member and (r.member.offset, r.member.shape)) for r in self.reads),
             tuple((k, b.layout) for k, b in self.buffers),
             tuple(b.layout for b in self.packs),
             tuple((s.positions, s.buffer.layout if s.buffer else None) for s in self.sums),
