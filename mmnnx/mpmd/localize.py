@@ -75,10 +75,10 @@ def localize(
         makers = procs(task)
         if process == min(makers) and readers - makers and slot not in published:
             published.add(slot)
-            actions.append(PublishLayout(slot, task))
+            actions.append(PublishLayout(slot=slot, task=task))
         if process in readers - makers and slot not in awaited:
             awaited.add(slot)
-            actions.append(AwaitLayout(slot, task))
+            actions.append(AwaitLayout(slot=slot, task=task))
 
     pending: Send | None = None
     sent: set[int] = set()
@@ -137,12 +137,12 @@ def _route(
     if (recv.source is None and target == {me}) or source == target == {me}:
         return recv
     return Route(
-        recv.value,
-        recv.from_slot,
-        recv.slot,
-        recv.source,
-        recv.target,
-        recv.sharding,
+        value=recv.value,
+        from_slot=recv.from_slot,
+        slot=recv.slot,
+        source=recv.source,
+        target=recv.target,
+        sharding=recv.sharding,
         sends=me in source,
         receives=me in target,
         microbatch=recv.microbatch,

@@ -165,11 +165,11 @@ class _Lowering:
         graph = self.graph
         self.actions.append(
             Zeros(
-                task,
-                tuple(slots),
-                tuple(graph.shapes[u] for u in sums),
-                tuple(graph.dtypes[u] for u in sums),
-                tuple(layouts),
+                task=task,
+                slots=tuple(slots),
+                shapes=tuple(graph.shapes[u] for u in sums),
+                dtypes=tuple(graph.dtypes[u] for u in sums),
+                shardings=tuple(layouts),
             )
         )
         return tuple(slots)
@@ -210,7 +210,7 @@ class _Lowering:
         if v == self.index_value:
             slot = self.new_slot(v, task, task.sharding(), m)
             del self.activations[slot]  # a constant, not an activation
-            self.actions.append(Constant(slot, task, m))
+            self.actions.append(Constant(slot=slot, task=task, value=m))
             return slot
         source = self.where[(v, m)]
         src_slot = self.find(v, source, m)
@@ -228,8 +228,20 @@ class _Lowering:
                 want = compatible(self.sharding_of[src_slot], task)
         slot = self.new_slot(v, task, want, m)
         if source is not None:
-            self.actions.append(Send(v, src_slot, source, task, m))
-        self.actions.append(Recv(v, slot, source, task, src_slot, want, m))
+            self.actions.append(
+                Send(value=v, slot=src_slot, source=source, target=task, microbatch=m)
+            )
+        self.actions.append(
+            Recv(
+                value=v,
+                slot=slot,
+                source=source,
+                target=task,
+                from_slot=src_slot,
+                sharding=want,
+                microbatch=m,
+            )
+        )
         if m in (None, 0):
             self.transfers.append(
                 Transfer(v, source, task, graph.shapes[v], graph.dtypes[v], graph.nbytes[v], want)
@@ -317,16 +329,16 @@ def lower(
         label = labels.get(id(frag))
         low.actions.append(
             Run(
-                frag,
-                in_slots,
-                tuple(out_slots),
-                m,
-                totals,
-                positions,
-                donate,
-                shardings,
-                label,
-                fused,
+                fragment=frag,
+                ins=in_slots,
+                outs=tuple(out_slots),
+                microbatch=m,
+                sums=totals,
+                summed=positions,
+                donate=donate,
+                out_shardings=shardings,
+                label=label,
+                fused=fused,
             )
         )
 
@@ -352,21 +364,22 @@ def lower(
     outputs: list[Output | ConstantOutput] = []
     for atom, home in zip(graph.outputs, output_homes, strict=True):
         if isinstance(atom, Const):
-            outputs.append(ConstantOutput(atom.value, home))
+            outputs.append(ConstantOutput(value=atom.value, home=home))
         elif home is not None:
             task = next(t for t in tasks if t.jax_mesh == home.mesh)
-            outputs.append(Output(low.ensure(atom, task, None, home), atom, task))
+            slot = low.ensure(atom, task, None, home)
+            outputs.append(Output(slot=slot, value=atom, task=task))
         else:
             task = low.where[(atom, None)]  # None: a step input on no task, returned as it is
             slot = low.ensure(atom, task, None) if task else low.find(atom, task, None)
-            outputs.append(Output(slot, atom, task))
+            outputs.append(Output(slot=slot, value=atom, task=task))
     program = StepProgram(
-        tuple(tasks),
-        tuple(low.actions),
-        tuple(inputs),
-        tuple(outputs),
-        tuple(low.sharding_of),
-        low.activations,
+        tasks=tuple(tasks),
+        actions=tuple(low.actions),
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        shardings=tuple(low.sharding_of),
+        activations=low.activations,
     )
     return program, low.transfers
 

@@ -130,11 +130,13 @@ class Packing:
         packed = {m.slot for pk in packs for m in pk.members}
         kept = [i for i, slot in enumerate(action.slots) if slot not in packed]
         return Zeros(
-            action.task,
-            tuple([action.slots[i] for i in kept] + [pk.slot for pk in packs]),
-            tuple([action.shapes[i] for i in kept] + [(pk.size,) for pk in packs]),
-            tuple([action.dtypes[i] for i in kept] + [pk.dtype for pk in packs]),
-            tuple([action.shardings[i] for i in kept] + [action.task.sharding() for _ in packs]),
+            task=action.task,
+            slots=tuple([action.slots[i] for i in kept] + [pk.slot for pk in packs]),
+            shapes=tuple([action.shapes[i] for i in kept] + [(pk.size,) for pk in packs]),
+            dtypes=tuple([action.dtypes[i] for i in kept] + [pk.dtype for pk in packs]),
+            shardings=tuple(
+                [action.shardings[i] for i in kept] + [action.task.sharding() for _ in packs]
+            ),
         )
 
     def sums(self, run: Run) -> tuple[SumArg, ...]:
@@ -145,10 +147,10 @@ class Packing:
         for s in run.sums:
             packed = self.of_member.get(s)
             if packed is None:
-                sums.append(SumArg(s, (position[s],)))
+                sums.append(SumArg(slot=s, positions=(position[s],)))
             elif all(a.slot != packed.slot for a in sums):
                 positions = tuple(position[m.slot] for m in packed.members)
-                sums.append(SumArg(packed.slot, positions, packed))
+                sums.append(SumArg(slot=packed.slot, positions=positions, buffer=packed))
         return tuple(sums)
 
     def inputs(self, run: Run) -> tuple[tuple[int, ...], tuple[InputRead, ...], dict[int, Buffer]]:
@@ -164,9 +166,9 @@ class Packing:
                 args.append(slot)
             k = args.index(slot)
             if packed is None:
-                reads.append(InputRead(k))
+                reads.append(InputRead(arg=k))
             else:
-                reads.append(InputRead(k, packed.member(s)))
+                reads.append(InputRead(arg=k, member=packed.member(s)))
                 packed_args[k] = packed
         return tuple(args), tuple(reads), packed_args
 
@@ -222,7 +224,7 @@ def pack(
     for task, buffers in packing.weights.items():  # made first: no run reads them before
         for buffer in buffers:
             shardings[buffer.slot] = task.sharding()
-        actions.append(PackWeights(task, buffers))
+        actions.append(PackWeights(task=task, buffers=buffers))
     offset_slots: dict[tuple[Any, int], int] = {}
     constants: list[Constant] = []  # put before the step, with the weights
     for i, action in enumerate(program.actions):
@@ -243,17 +245,17 @@ def pack(
                     if slot is None:
                         slot = offset_slots[(action.task, value)] = len(shardings)
                         shardings.append(action.task.sharding())
-                        constants.append(Constant(slot, action.task, value))
+                        constants.append(Constant(slot=slot, task=action.task, value=value))
                     offsets.append((slot, value))
                 action = dataclasses.replace(
                     action,
                     packing=RunPacking(
-                        args,
-                        reads,
-                        tuple(sorted(buffers.items())),
-                        tuple(packs),
-                        sums,
-                        tuple(offsets),
+                        args=args,
+                        reads=reads,
+                        buffers=tuple(sorted(buffers.items())),
+                        packs=tuple(packs),
+                        sums=sums,
+                        offsets=tuple(offsets),
                     ),
                 )
         actions.append(action)
@@ -557,9 +559,9 @@ def _buffer(
         return None
     at, offset = [], 0
     for member, shape in members:
-        at.append(Member(member, offset, tuple(shape)))
+        at.append(Member(slot=member, offset=offset, shape=tuple(shape)))
         offset += math.prod(shape)
-    return Buffer(slot, dtype, tuple(at), positions)
+    return Buffer(slot=slot, dtype=dtype, members=tuple(at), positions=positions)
 
 
 def no_packing(program: StepProgram) -> Packing:

@@ -24,6 +24,9 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
+from jax.sharding import NamedSharding
+
 from mmnnx.mpmd.cut import Fragment
 from mmnnx.sharding import Task
 
@@ -64,7 +67,7 @@ class Buffer:
     """
 
     slot: int
-    dtype: Any
+    dtype: np.dtype
     members: tuple[Member, ...]
     positions: tuple[int, ...] = ()
     fixed: bool = False
@@ -179,7 +182,7 @@ class Run:
     sums: tuple[int, ...] = ()
     summed: tuple[int, ...] = ()
     donate: tuple[int, ...] = ()
-    out_shardings: tuple[Any, ...] = ()
+    out_shardings: tuple[NamedSharding | None, ...] = ()
     label: tuple[str, str, int] | None = None
     fused: bool = False
     packing: RunPacking | None = None
@@ -270,7 +273,7 @@ class Recv:
     source: Task | None
     target: Task
     from_slot: int
-    sharding: Any = None
+    sharding: NamedSharding | None = None
     microbatch: int | None = None
 
     @property
@@ -295,7 +298,7 @@ class Route:
     slot: int
     source: Task | None
     target: Task
-    sharding: Any = None
+    sharding: NamedSharding | None = None
     sends: bool = False
     receives: bool = False
     microbatch: int | None = None
@@ -319,7 +322,7 @@ class Constant:
 
     slot: int
     task: Task
-    value: Any
+    value: int
 
     def __str__(self) -> str:
         return f"const s{self.slot} = {self.value!r}"
@@ -333,8 +336,8 @@ class Zeros:
     task: Task
     slots: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[Any, ...]
-    shardings: tuple[Any, ...]
+    dtypes: tuple[np.dtype, ...]
+    shardings: tuple[NamedSharding, ...]
 
     def __str__(self) -> str:
         return f"zeros {_slots(self.slots)}"
@@ -442,7 +445,7 @@ class StepProgram:
     actions: tuple[Action, ...]
     inputs: tuple[tuple[int, int], ...]
     outputs: tuple[Output | ConstantOutput, ...]
-    shardings: tuple[Any, ...]
+    shardings: tuple[NamedSharding | None, ...]
     activations: dict[int, tuple[str, int]]
     process: int | None = None
 

@@ -78,5 +78,5 @@ def add_releases(program: StepProgram) -> StepProgram:
     for i, action in enumerate(actions):
         out.append(action)
         for task, slots in after.get(i, {}).items():
-            out.append(Release(task, tuple(slots)))
+            out.append(Release(task=task, slots=tuple(slots)))
     return program.replace(actions=tuple(out))
