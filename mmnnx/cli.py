@@ -221,6 +221,13 @@ def _add_launch(commands: Any) -> None:
         "--port", type=_integer("--port", 1), default=None, help="coordinator port (default: free)"
     )
     launch.add_argument(
+        "--collectives",
+        choices=("none", "gloo", "mpi"),
+        default=None,
+        help="collectives between processes on CPU, needed only by tasks whose devices belong to "
+        "several processes (default none: they slow down every collective)",
+    )
+    launch.add_argument(
         "argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command and its arguments"
     )
 
@@ -231,7 +238,11 @@ def run_launch(args: argparse.Namespace) -> int:
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     try:
         return launch(
-            command, args.nprocs, devices_per_process=args.devices_per_process, port=args.port
+            command,
+            args.nprocs,
+            devices_per_process=args.devices_per_process,
+            port=args.port,
+            collectives=args.collectives,
         )
     except LaunchError as e:
         print(e, file=sys.stderr)

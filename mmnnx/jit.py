@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mmnnx import _nnx
 from mmnnx._jax.arrays import all_plain_arrays, move_to, shards_by_device
 from mmnnx._jax.tracing import tracing
+from mmnnx.distributed.initialize import check_collectives_for
 from mmnnx.distributed.peers import StepPeers
 from mmnnx.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd import annotations, trace_state
@@ -732,6 +733,7 @@ class JitFunction:
         )
         peers = None
         if jax.process_count() > 1:  # what every process must agree on, computed now: no arrays
+            check_collectives_for(planned.plan.tasks)
             lines = _fingerprint(planned.graph, planned.plan.tasks, planned.lowered, call)
             peers = functools.partial(StepPeers, repr(_step_name(fun)), lines)
         executable = Executable(

@@ -405,6 +405,25 @@ def different_models():
     return {"error": None}
 
 
+@scenario
+def spanning_without_collectives():
+    """The README's tasks over 4 processes of 2 devices (each task spans two), in a job started
+    without collectives between processes: the step must say so before it runs."""
+    model = readme_model()
+    before = {k: v.tolist() for k, v in _flat(mm.distributed.fetch(nnx.state(model))).items()}
+
+    @mm.jit
+    def forward(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    try:
+        forward(model, readme_batch()[0])
+    except mm.MPMDError as e:
+        after = {k: v.tolist() for k, v in _flat(mm.distributed.fetch(nnx.state(model))).items()}
+        return {"error": str(e), "unchanged": after == before}
+    return {"error": None}
+
+
 def _flat(state) -> dict[str, np.ndarray]:
     return {
         "/".join(str(k) for k in path): np.asarray(v.get_value() if hasattr(v, "get_value") else v)

@@ -36,10 +36,13 @@ def launch(args: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedP
     )
 
 
-def run_scenario(name: str, processes: int, devices: int, out) -> list[dict]:
+def run_scenario(
+    name: str, processes: int, devices: int, out, collectives: str | None = None
+) -> list[dict]:
+    flags = [] if collectives is None else ["--collectives", collectives]
     proc = launch(
-        ["-n", str(processes), "--devices-per-process", str(devices), "--", sys.executable,
-         "-m", "tests.distributed_worker", name, str(out)]
+        ["-n", str(processes), "--devices-per-process", str(devices), *flags, "--",
+         sys.executable, "-m", "tests.distributed_worker", name, str(out)]
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return [json.loads((out / f"rank{i}.json").read_text()) for i in range(processes)]
@@ -59,13 +62,22 @@ def two_task_reference():
 
 @pytest.mark.parametrize("processes,devices", [(2, 4), (4, 2)])
 def test_readme_two_task_step_matches_one_process(tmp_path, two_task_reference, processes, devices):
-    # 2 x 4: one stage per process; 4 x 2: each stage's tensor-parallel mesh spans two processes
-    results = run_scenario("two_task", processes, devices, tmp_path)
+    # 2 x 4: one stage per process; 4 x 2: each stage's tensor-parallel mesh spans two processes,
+    # whose programs need collectives between processes
+    collectives = "gloo" if processes == 4 else None
+    results = run_scenario("two_task", processes, devices, tmp_path, collectives)
     assert [r["process"] for r in results] == list(range(processes))
     assert_same_run(results, two_task_reference)
     for i, r in enumerate(results):  # each process's share, as it runs and as others plan it
         assert f"process {i}'s share" in r["program"] and "route v" in r["program"]
         assert all(other["programs"][i] == r["program"] for other in results)
+
+
+def test_a_task_spanning_processes_without_collectives_is_refused_naming_it(tmp_path):
+    for r in run_scenario("spanning_without_collectives", 4, 2, tmp_path):
+        assert "task 'stage0' runs on devices of processes [0, 1]" in r["error"]
+        assert "collectives='gloo'" in r["error"] and "--collectives gloo" in r["error"]
+        assert r["unchanged"]
 
 
 def test_multimesh_compat_autosharding_across_processes(tmp_path):

@@ -10,9 +10,20 @@ from mmnnx.mpmd.cut import Fragment, cut, levels, make_fragment
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.localize import localize
 from mmnnx.mpmd.lower import lower
+from mmnnx.mpmd.order import check_same_order
 from mmnnx.mpmd.pack import pack
 from mmnnx.mpmd.pipeline import join_consumers, split_backward, stage_fragments
-from mmnnx.mpmd.program import Constant, Output, Recv, Release, Run, Send, StepProgram, Zeros
+from mmnnx.mpmd.program import (
+    Constant,
+    Output,
+    Recv,
+    Release,
+    Route,
+    Run,
+    Send,
+    StepProgram,
+    Zeros,
+)
 from mmnnx.mpmd.releases import add_releases
 
 
@@ -384,3 +395,47 @@ def test_localize_keeps_one_process_share_and_routes_what_crosses(tasks):
     assert localize(lowered, 0, 1, lambda t: frozenset({0})).actions == tuple(
         act for act in lowered.actions if not isinstance(act, Release)
     )  # one process holding everything keeps everything
+
+
+def _two_routes():
+    """C (devices 0, 1) makes two values that D (devices 2, 3) reads; each task as if it were
+    another process's; the shares of processes 0 and 1."""
+    b = Builder()
+    x, pc, pd = b.input(4), b.input(4), b.input(4)
+    u, w = b.op("mul", x, pc, size=4), b.op("add", x, pc, size=4)
+    graph = b.outputs(b.op("mul", b.op("add", u, w, size=4), pd, size=4))
+    c, d = (mm.Task(n, mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1])) for i, n in enumerate("CD"))
+    lowered, _ = lower(
+        graph,
+        [c, d],
+        [None, c, d],
+        [None, c.sharding(), d.sharding()],
+        [None],
+        None,
+        [(f, None) for f in cut(graph, [c, c, d, d], [c, d])],
+    )
+    on = {"C": frozenset({0}), "D": frozenset({1})}
+    return [localize(lowered, p, 2, lambda t: on[t.name]) for p in (0, 1)], on
+
+
+def test_processes_meeting_in_one_order_pass_the_check():
+    shares, on = _two_routes()
+    check_same_order(shares, lambda t: on[t.name])
+    assert sum(isinstance(a, Route) for a in shares[1].actions) == 2
+
+
+def test_processes_meeting_in_two_orders_are_refused_naming_both_actions():
+    shares, on = _two_routes()
+    actions = list(shares[1].actions)
+    first, second = [i for i, a in enumerate(actions) if isinstance(a, Route)]
+    actions[first], actions[second] = actions[second], actions[first]
+    swapped = shares[1].replace(actions=tuple(actions))
+    with pytest.raises(mm.MPMDError, match="would wait for each other: process 0 meets") as e:
+        check_same_order([shares[0], swapped], lambda t: on[t.name])
+    for route in (actions[first], actions[second]):  # as process 0 runs them
+        assert f"`route v{route.value} s{route.from_slot} 'C' -> s{route.slot} 'D' (send)`" in str(
+            e.value
+        )
+    dropped = shares[1].replace(actions=tuple(a for a in actions if a is not actions[first]))
+    with pytest.raises(mm.MPMDError, match="only one of them runs `route"):
+        check_same_order([shares[0], dropped], lambda t: on[t.name])

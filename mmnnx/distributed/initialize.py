@@ -14,16 +14,21 @@ import errno
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from mmnnx._jax import runtime
+from mmnnx.errors import MPMDError
 
 ENV_COORDINATOR = "MMNNX_COORDINATOR"
 ENV_NUM_PROCESSES = "MMNNX_NUM_PROCESSES"
 ENV_PROCESS_ID = "MMNNX_PROCESS_ID"
 ENV_HEARTBEAT = "MMNNX_HEARTBEAT_TIMEOUT"
+ENV_COLLECTIVES = "MMNNX_COLLECTIVES"
+COLLECTIVES = ("none", "gloo", "mpi")
+"""Collectives between processes on CPU: none (the default), or JAX's gloo or MPI ones."""
 
 _CLUSTER_VARIABLES = {
     "SLURM_NTASKS": "SLURM",
@@ -57,6 +62,7 @@ def initialize(
     process_id: int | None = None,
     *,
     heartbeat_timeout_s: int | None = None,
+    collectives: str | None = None,
     **jax_kwargs: Any,
 ) -> bool:
     """Joins this process to a multi-process run; returns whether there is more than one process.
@@ -69,6 +75,14 @@ def initialize(
     stays loopback). ``heartbeat_timeout_s`` (default 20, or ``MMNNX_HEARTBEAT_TIMEOUT``): how
     soon the others stop after a process dies. Other keyword arguments go to
     ``jax.distributed.initialize``. Call it before anything touches a device.
+
+    ``collectives`` (default ``"none"``, or ``MMNNX_COLLECTIVES``; ``mmnnx launch
+    --collectives``): on CPU, the implementation of collectives between processes, ``"gloo"`` or
+    ``"mpi"``, which only a task whose devices belong to several processes needs. JAX's CPU
+    client runs every collective through it once it is on, those among one process's devices
+    too, over TCP (several times slower for data-parallel stages;
+    ``benchmarks/multiprocess.py``), so it is off unless asked for; a step on a task spanning
+    processes then says so before it runs.
 
     Example:
         >>> import mmnnx as mm
@@ -83,6 +97,13 @@ def initialize(
         process_id = _env_int(ENV_PROCESS_ID) if process_id is None else process_id
     if heartbeat_timeout_s is None:
         heartbeat_timeout_s = _env_int(ENV_HEARTBEAT) if ENV_HEARTBEAT in os.environ else 20
+    if collectives is None:
+        collectives = os.environ.get(ENV_COLLECTIVES, "none")
+    if collectives not in COLLECTIVES:
+        raise ValueError(
+            f"mm.distributed.initialize: collectives={collectives!r} is not one of "
+            f"{', '.join(COLLECTIVES)}"
+        )
     kwargs: dict[str, Any] = {"heartbeat_timeout_seconds": heartbeat_timeout_s, **jax_kwargs}
     if coordinator_address is not None:
         if num_processes is None or process_id is None:
@@ -105,6 +126,9 @@ def initialize(
             kwargs.setdefault("coordinator_bind_address", coordinator_address)
     elif _cluster() is None:
         return False
+    jax.config.update(
+        "jax_cpu_collectives_implementation", None if collectives == "none" else collectives
+    )
     bind = kwargs.get("coordinator_bind_address")
     if process_id == 0 and bind is not None:
         _check_coordinator_port(bind)  # JAX's own failure here crashes the process at exit
@@ -141,6 +165,29 @@ def _hold_exit_until_everyone_is_done() -> None:
 
     sys.excepthook = note_failure
     atexit.register(wait_for_everyone)
+
+
+def check_collectives_for(tasks: Sequence[Any]) -> None:
+    """Raises, naming the first task whose devices belong to several processes, when this job
+    runs on CPU without collectives between processes (``initialize(collectives=...)``): the
+    programs of such a task run as one program over all its processes.
+
+    Example:
+        >>> import mmnnx as mm
+        >>> check_collectives_for([mm.Task("t", mesh=mm.TaskMesh(devices=[0, 1]))])  # one process
+    """
+    if jax.config.jax_cpu_collectives_implementation is not None:
+        return
+    for task in tasks:
+        devices = list(task.jax_mesh.devices.flat)
+        processes = sorted({d.process_index for d in devices})
+        if len(processes) > 1 and devices[0].platform == "cpu":
+            raise MPMDError(
+                f"mm.jit: task {task.name!r} runs on devices of processes {processes}, whose "
+                "programs need collectives between processes, and this job started without "
+                "them: start it with mm.distributed.initialize(collectives='gloo') (mmnnx "
+                "launch --collectives gloo), or give each task devices of one process"
+            )
 
 
 def _port_in_use(address: str | None) -> RuntimeError:

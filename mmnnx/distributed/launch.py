@@ -20,6 +20,8 @@ import time
 from collections.abc import Sequence
 
 from mmnnx.distributed.initialize import (
+    COLLECTIVES,
+    ENV_COLLECTIVES,
     ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
@@ -50,10 +52,16 @@ def _check_port(port: int) -> None:
 
 
 def process_env(
-    base: dict[str, str], rank: int, count: int, port: int, devices_per_process: int | None
+    base: dict[str, str],
+    rank: int,
+    count: int,
+    port: int,
+    devices_per_process: int | None,
+    collectives: str | None = None,
 ) -> dict[str, str]:
-    """The environment of process ``rank``: where the coordinator is, who it is, and (unless
-    ``JAX_PLATFORMS`` names an accelerator) ``devices_per_process`` simulated CPU devices.
+    """The environment of process ``rank``: where the coordinator is, who it is, (unless
+    ``JAX_PLATFORMS`` names an accelerator) ``devices_per_process`` simulated CPU devices, and
+    the ``collectives`` between processes (``mm.distributed.initialize``).
 
     Example:
         >>> env = process_env({}, 1, 2, 1234, 4)
@@ -64,6 +72,8 @@ def process_env(
     env[ENV_COORDINATOR] = f"127.0.0.1:{port}"
     env[ENV_NUM_PROCESSES] = str(count)
     env[ENV_PROCESS_ID] = str(rank)
+    if collectives is not None:
+        env[ENV_COLLECTIVES] = collectives
     env["PYTHONUNBUFFERED"] = "1"
     if env.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
         flags = _DEVICE_COUNT.sub("", env.get("XLA_FLAGS", "")).strip()
@@ -121,6 +131,7 @@ def launch(
     *,
     devices_per_process: int | None = None,
     port: int | None = None,
+    collectives: str | None = None,
 ) -> int:
     """Runs ``command`` as ``num_processes`` processes and returns the exit status: 0 when all
     succeed, else that of the first process to fail (the others are stopped).
@@ -134,6 +145,11 @@ def launch(
         raise LaunchError(f"mmnnx launch: -n must be at least 1, got {num_processes}")
     if not command:
         raise LaunchError("mmnnx launch: give the command to run after --")
+    if collectives is not None and collectives not in COLLECTIVES:
+        raise LaunchError(
+            f"mmnnx launch: --collectives must be one of {', '.join(COLLECTIVES)}, "
+            f"got {collectives!r}"
+        )
     if port is None:
         port = free_port()
     else:
@@ -149,7 +165,9 @@ def launch(
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for rank in range(num_processes):
-            env = process_env(dict(os.environ), rank, num_processes, port, devices_per_process)
+            env = process_env(
+                dict(os.environ), rank, num_processes, port, devices_per_process, collectives
+            )
             try:
                 proc = subprocess.Popen(
                     list(command),

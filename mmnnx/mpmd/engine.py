@@ -21,7 +21,7 @@ from mmnnx.mpmd.colour import colour
 from mmnnx.mpmd.cut import cut
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower import lower
-from mmnnx.mpmd.passes import run_passes
+from mmnnx.mpmd.passes import Passes
 from mmnnx.mpmd.pipeline import plan_pipeline
 from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import StepProgram
@@ -144,22 +144,21 @@ def plan_step(
         pipeline,
     )
     fragments = list({id(f): f for f, _ in order}.values())
+    passes = Passes.of(
+        lowered,
+        graph,
+        residual_bytes=options.residual_bytes,
+        weight_bytes=options.weight_bytes,
+        input_names=names,
+        num_processes=num_processes,
+    )
 
     def plan_for(process: int) -> Plan:
-        program = run_passes(
-            lowered,
-            graph,
-            residual_bytes=options.residual_bytes,
-            weight_bytes=options.weight_bytes,
-            input_names=names,
-            process=process,
-            num_processes=num_processes,
-        )
         return Plan(
             tasks=list(tasks),
             fragments=fragments,
             transfers=transfers,
-            program=program,
+            program=passes.share(process),
             pipeline=pipeline,
             inputs=list(graph.inputs),
             input_names=names,

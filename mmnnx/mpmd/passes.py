@@ -1,11 +1,13 @@
 """Lowering as a chain of named passes over typed programs.
 
 ``lower`` (``lower.py``) makes the :class:`~mmnnx.mpmd.program.StepProgram` of a cut graph;
-:func:`run_passes` then applies, in order:
+:class:`Passes` then applies, in order:
 
-1. ``pack`` (``pack.py``): values that travel as flat buffers (weights, residuals, sums);
+1. ``pack`` (``pack.py``): values that travel as flat buffers (weights, residuals, sums), once
+   for every process;
 2. ``localize`` (``localize.py``): one process's share, moves between processes as routes
-   (only with several processes);
+   (only with several processes), after :func:`~mmnnx.mpmd.order.check_same_order` has checked
+   that every process's share meets the others' in the same order;
 3. ``add_releases`` (``releases.py``): a release after each value's last reader.
 
 Each is a function from program to program; the runner executes the result as it is, and
@@ -14,36 +16,60 @@ Each is a function from program to program; the runner executes the result as it
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.localize import localize
+from mmnnx.mpmd.order import check_same_order
 from mmnnx.mpmd.pack import pack
 from mmnnx.mpmd.program import StepProgram
 from mmnnx.mpmd.releases import add_releases
 
 
-def run_passes(
-    program: StepProgram,
-    graph: Graph,
-    *,
-    residual_bytes: int,
-    weight_bytes: int,
-    input_names: Sequence[str],
-    process: int = 0,
-    num_processes: int = 1,
-) -> StepProgram:
-    """``program`` (as lowered) through every pass, for ``process`` of ``num_processes``.
-    A step traced with sharding in types (``graph.specs``) packs nothing: every program keeps
-    the types of its arguments."""
-    if not graph.specs:
-        program = pack(
-            program,
-            graph,
-            residual_bytes=residual_bytes,
-            weight_bytes=weight_bytes,
-            input_names=input_names,
-        )
-    if num_processes > 1:
-        program = localize(program, process, num_processes)
-    return add_releases(program)
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """The passes after ``lower`` for one step: :meth:`share` is what ``process`` runs.
+
+    Example::
+
+        passes = Passes.of(lowered, graph, residual_bytes=0, weight_bytes=0, input_names=names)
+        program = passes.share(process=0)
+    """
+
+    packed: StepProgram  # the lowered program, packed (the same for every process)
+    num_processes: int = 1
+
+    @classmethod
+    def of(
+        cls,
+        lowered: StepProgram,
+        graph: Graph,
+        *,
+        residual_bytes: int,
+        weight_bytes: int,
+        input_names: Sequence[str],
+        num_processes: int = 1,
+    ) -> Passes:
+        """Packs ``lowered`` (a step traced with sharding in types, ``graph.specs``, packs
+        nothing: every program keeps the types of its arguments) and, with several processes,
+        checks that their shares meet in one order."""
+        packed = lowered
+        if not graph.specs:
+            packed = pack(
+                lowered,
+                graph,
+                residual_bytes=residual_bytes,
+                weight_bytes=weight_bytes,
+                input_names=input_names,
+            )
+        if num_processes > 1:
+            check_same_order([localize(packed, p, num_processes) for p in range(num_processes)])
+        return cls(packed, num_processes)
+
+    def share(self, process: int = 0) -> StepProgram:
+        """What ``process`` runs: its share of the packed program, with its releases."""
+        program = self.packed
+        if self.num_processes > 1:
+            program = localize(program, process, self.num_processes)
+        return add_releases(program)

@@ -610,6 +610,11 @@ class Executable:
             else:  # _Cross: a transfer involving another process
                 value = step.route(env[step.source], peers)
                 if value is not None:
+                    # Wait for what another process sends before launching what reads it: a
+                    # process running ahead fills its devices' bounded queues of launched
+                    # programs (and the transfer server's of copies) with work waiting on the
+                    # others, who may need a slot of the same queues first (docs/distributed.md).
+                    value.block_until_ready()
                     env[step.target] = value
             if memory is not None:
                 self._record(env, memory)

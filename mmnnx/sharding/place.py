@@ -25,7 +25,7 @@ from mmnnx._nnx import (
     variables_of,
 )
 from mmnnx.sharding.arrays import placeholder, processes_of, put
-from mmnnx.sharding.replay import outputs_of, replay
+from mmnnx.sharding.replay import replay
 from mmnnx.sharding.rules import Path, PlacementRule, compile_rules, path_str
 from mmnnx.sharding.specs import check_spec
 from mmnnx.sharding.stack import TaskStack
@@ -321,9 +321,6 @@ def _init(factory: Callable[[], M], rules: Sequence[tuple], strict: bool) -> M:
                     for x, a in zip(abstract_values, group, strict=True)
                 ],
             )
-        elif not task.sharding().is_fully_addressable:  # the same trace, compiled sharded
-            compute = outputs_of(traced, [position[a.path] for a in group])
-            _commit(group, jax.jit(compute, out_shardings=[a.sharding for a in group])())
         else:
             here += [(a.path, a.sharding, a) for a in group]
     values = _build_here(traced, [position[p] for p, _, _ in here], [s for _, s, _ in here])
@@ -348,13 +345,17 @@ def _build_here(traced: Any, wanted: list[int], shardings: list[Any]) -> list[An
 
     def flush() -> None:
         nonlocal pending_bytes
-        moved = jax.device_put([values[k] for k in pending], [shardings[k] for k in pending])
-        for k, value in zip(pending, moved, strict=True):
+        local = [k for k in pending if shardings[k].is_fully_addressable]
+        moved = jax.device_put([values[k] for k in local], [shardings[k] for k in local])
+        for k, value in zip(local, moved, strict=True):
             values[k] = value
+        for k in pending:  # spanning processes: each keeps its part of the same value
+            if not shardings[k].is_fully_addressable:
+                values[k] = put(values[k], shardings[k])
         pending.clear()
         pending_bytes = 0
 
-    def put(i: int, value: Any) -> None:
+    def made(i: int, value: Any) -> None:
         nonlocal pending_bytes
         k = at[i]
         values[k] = value
@@ -364,7 +365,7 @@ def _build_here(traced: Any, wanted: list[int], shardings: list[Any]) -> list[An
             if pending_bytes >= _UNPLACED_BYTES:
                 flush()
 
-    replay(traced, wanted, jax.local_devices()[0], put)
+    replay(traced, wanted, jax.local_devices()[0], made)
     flush()
     return values
 

@@ -13,18 +13,6 @@ from jax.extend import core as jcore
 from mmnnx._jax.tracing import debug_info
 
 
-def outputs_of(closed: jcore.ClosedJaxpr, wanted: Sequence[int]) -> Callable[[], list]:
-    """A function of no arguments computing the outputs ``wanted`` of ``closed`` (a traced
-    function of no arguments), to compile with ``jax.jit``."""
-    fun = jcore.jaxpr_as_fun(closed)
-
-    def wanted_outputs() -> list:
-        outs = fun()
-        return [outs[i] for i in wanted]
-
-    return wanted_outputs
-
-
 def replay(
     closed: jcore.ClosedJaxpr, wanted: Sequence[int], device: Any, put: Callable[[int, Any], None]
 ) -> None:

@@ -29,6 +29,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mmnnx as mm
+from mmnnx.sharding.arrays import placeholder, processes_of, put
 from multimesh_compat.jax import _context, _tasks
 
 _ORIGINAL_WSC = jax.lax.with_sharding_constraint
@@ -396,8 +397,17 @@ def _grouped_put(make: Callable[[], Any], shardings: list, tree: Any) -> Any:
                 leaves = jax.tree.leaves(make())
             return [leaves[i] for i in idx]
 
+        targets = [shardings[i] for i in idx]
         with no_ambient_mesh():
-            values = jax.jit(part, out_shardings=[shardings[i] for i in idx])()
+            if all(s.is_fully_addressable for s in targets):
+                values = jax.jit(part, out_shardings=targets)()
+            elif all(jax.process_index() not in processes_of(s) for s in targets):
+                shapes = jax.eval_shape(part)  # another process's devices: nothing to make here
+                values = [
+                    placeholder(x.shape, x.dtype, s) for x, s in zip(shapes, targets, strict=True)
+                ]
+            else:  # devices of several processes: each makes the value and keeps its part
+                values = [put(x, s) for x, s in zip(jax.jit(part)(), targets, strict=True)]
         for i, v in zip(idx, values, strict=True):
             out[i] = v
     return jax.tree.unflatten(tree, out)
