@@ -132,6 +132,56 @@ def gpt_model(tasks):
 
 
 @scenario
+def back_to_back():
+    """Issue 41's GPT over two tasks of ``BACK_TO_BACK_DEVICES`` devices each (the first at
+    device 0, the second at device 4: with 4 devices a process, one process each), batch over
+    'data', 8 microbatches under ``BACK_TO_BACK_SCHEDULE``: 5 steps called back to back with
+    nothing read in between, then the losses and parameters."""
+    from mmnnx.models import GPT, GPTConfig
+
+    schedule = os.environ.get("BACK_TO_BACK_SCHEDULE", "1f1b")
+    per_task = int(os.environ.get("BACK_TO_BACK_DEVICES", "4"))
+    virtual = 2 if schedule.startswith("interleaved") else 1
+    rules = mm.logical_rules(batch="data")
+    tasks = [
+        mm.Task(
+            f"t{i}",
+            mesh=mm.TaskMesh(devices=range(4 * i, 4 * i + per_task), axis_names=("data",)),
+            logical_axes=rules,
+        )
+        for i in range(2)
+    ]
+    config = GPTConfig(vocab_size=256, dim=64, depth=4, num_heads=4, max_seq_len=32)
+    with nnx.use_eager_sharding(False):
+        model = GPT(config, rngs=nnx.Rngs(0))
+    model = mm.place(model, mm.stage_rules(model, tasks, virtual_stages=virtual, report=False))
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.key(0), (32, 33), 0, 256)
+
+    @mm.jit
+    def train_step(model, opt, tokens):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(lambda m, t: m.loss(t)),
+            num=8,
+            reduce="mean",
+            schedule=schedule,
+            virtual_stages=virtual,
+        )
+        loss, grads = grad_fn(model, tokens)
+        opt.update(model, grads)
+        return loss
+
+    losses = [train_step(model, opt, tokens) for _ in range(5)]
+    return {
+        "losses": [float(x) for x in mm.distributed.fetch(losses)],
+        "params": {
+            k: v.tolist()
+            for k, v in _flat(mm.distributed.fetch(nnx.state(model, nnx.Param))).items()
+        },
+    }
+
+
+@scenario
 def tools():
     """tabulate, cached_partial, timeline and memory_profile of the pipelined README step."""
     model = readme_model()
