@@ -1,16 +1,19 @@
-"""Several processes: the pipeline benchmark's two single-core stages, one per process.
+"""Several processes: a pipelined GPT step in two processes against the same layout in one.
 
-Two processes of one CPU device each (`mmnnx launch -n 2 --devices-per-process 1`), the model of
-benchmarks/pipeline.py (stage s0 on process 0, s1 on process 1), M = 8, 1F1B. Measured against
-baselines taken in the same run:
-- time per step vs the same layout in one process (two devices) (the cost of processes);
-- pipeline efficiency vs ideal: (M + S - 1) * t_stage / step time, t_stage (one stage's F + B
-  for one microbatch) timed action by action in the one-process run;
-- transfer: a microbatch's round trip across the stage boundary (ROWS x WIDTH float32, 4 MiB, to
-  s1 and back, between three elementwise programs), vs the same programs hand-written around the
-  chosen mechanism (`jax.experimental.transfer` offer + pull, no mmnnx) (target <= 1.2x).
+The model of issue 41: a GPT (vocab 256, dim 64, 4 blocks, 4 heads, 32 tokens) in two stages of
+4 CPU devices each (batch over their 'data' axis), AdamW, 8 microbatches of 1F1B, called through
+``mm.cached_partial``. Two configurations, each in processes of its own, alternating over the
+rounds (A, B, A, B, ...):
+- one process of 8 devices holding both stages;
+- ``mmnnx launch -n 2 --devices-per-process 4``: one stage per process.
+Each reports its steady step time (median of 5 blocks of 5 steps, each block ended by reading
+the loss), and the two-process run also times a hop across the stage boundary (a 4 MiB float32
+activation to the other process and its answer back, between three elementwise programs)
+through ``mm.jit`` and hand-written around ``jax.experimental.transfer`` (offer + pull, the same
+programs, no mmnnx), alternating. Reported: each as the median of the rounds with min-max, and
+the ratios (targets: step <= 1.2x one process; hop <= 1.2x hand-written).
 
-Run: python benchmarks/multiprocess.py (starts the processes itself).
+Run: python benchmarks/multiprocess.py [--rounds N] (starts the processes itself).
 Writes benchmarks/results/multiprocess.json.
 """
 
@@ -21,54 +24,89 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results" / "multiprocess.json"
 MICROBATCHES = 8
+ROWS, WIDTH = 1024, 1024  # the hop's activation: 4 MiB of float32
 
 
-def pipeline_numbers() -> dict:
-    """Step time and this process's stage time (F + B per microbatch) of the 1F1B step."""
+def _median_time(fn, repeats: int = 5, per_block: int = 5) -> float:
+    """Median seconds per call of ``fn`` over ``repeats`` blocks of ``per_block`` calls, each
+    block ended by waiting for the last call's result."""
     import jax
-    from pipeline import build, median_time
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(per_block):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / per_block)
+    return statistics.median(times)
+
+
+def gpt_step_time() -> float:
+    """Steady seconds per step of the two-stage GPT, wherever its stages' devices are."""
+    import jax
+    import optax
+    from flax import nnx
 
     import mmnnx as mm
+    from mmnnx.models import GPT, GPTConfig, stage_rules
 
-    step, model, x = build(MICROBATCHES, "1f1b")
+    rules = mm.logical_rules(batch="data")
+    tasks = [
+        mm.Task(
+            f"t{i}",
+            mesh=mm.TaskMesh(devices=range(4 * i, 4 * i + 4), axis_names=("data",)),
+            logical_axes=rules,
+        )
+        for i in range(2)
+    ]
+    config = GPTConfig(vocab_size=256, dim=64, depth=4, num_heads=4, max_seq_len=32)
+    with nnx.use_eager_sharding(False):
+        model = GPT(config, rngs=nnx.Rngs(0))
+    model = mm.place(model, stage_rules(model, tasks, report=False))
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.key(0), (32, 33), 0, 256)
 
-    def run():
-        out = step(model, x)
-        return [a for a in jax.tree.leaves(out) if a.is_fully_addressable]
+    @mm.jit
+    def train_step(model, opt, tokens):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(lambda m, t: m.loss(t)),
+            num=MICROBATCHES,
+            reduce="mean",
+            schedule="1f1b",
+        )
+        loss, grads = grad_fn(model, tokens)
+        opt.update(model, grads)
+        return loss
 
-    t_step = median_time(run)
-    per_action: dict = {}
-    for _ in range(5):
-        for e in step.timeline(model, x):
-            per_action.setdefault((e.task, e.kind), []).append(e.end - e.start)
-    median = statistics.median
-    stages = {
-        task: median(per_action[(task, "F")]) + median(per_action[(task, "B")])
-        for task in {t for t, _ in per_action}
-    }
-    mm.distributed.fetch(jax.numpy.zeros(()))  # everyone done before the next measurement
-    return {"t_step": t_step, "t_stage": stages}
+    step = mm.cached_partial(train_step, model, opt)
+    for _ in range(3):
+        float(mm.distributed.fetch(step(tokens)))
+
+    def read_loss():  # every process reads the loss: the block's steps are over everywhere
+        return jax.numpy.asarray(mm.distributed.fetch(step(tokens)))
+
+    return _median_time(read_loss)
 
 
-def transfer_numbers() -> dict:
-    """A microbatch's round trip (activation to s1, its answer back to s0, as a forward pass and
-    its cotangent cross a stage boundary) through mm.jit vs hand-written around the transfer
-    server: rank 0's time per step, which waits for the answer, so both sides run in lock-step."""
+def hop_times() -> dict[str, float]:
+    """Seconds per 4 MiB round trip (to the other process and back) through mm.jit and by hand
+    over the transfer server, alternating blocks; rank 0 waits for the answer."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import SingleDeviceSharding
-    from pipeline import ROWS, WIDTH, median_time
 
     import mmnnx as mm
     from mmnnx.distributed.transport import transport
 
     s0 = mm.Task("s0", mesh=mm.TaskMesh(devices=[0]))
-    s1 = mm.Task("s1", mesh=mm.TaskMesh(devices=[1]))
+    s1 = mm.Task("s1", mesh=mm.TaskMesh(devices=[4]))
 
     class Scale(nnx.Module):
         def __init__(self):
@@ -87,15 +125,15 @@ def transfer_numbers() -> dict:
         return [o for o in [round_trip(a, b, x)] if o.is_fully_addressable]
 
     me = jax.process_index()
-    d0 = [d for d in jax.devices() if d.process_index == 0][0]
-    d1 = [d for d in jax.devices() if d.process_index == 1][0]
+    d0, d1 = jax.devices()[0], jax.devices()[4]
     layer = jax.jit(lambda w, h: jnp.tanh(w * h))
     wa, wb = a.w.get_value(), b.w.get_value()
     x0 = jax.device_put(x, d0) if me == 0 else None
 
     def spec(device):
-        layout = SingleDeviceSharding(device)
-        return jax.ShapeDtypeStruct((ROWS, WIDTH), jnp.float32, sharding=layout)
+        return jax.ShapeDtypeStruct(
+            (ROWS, WIDTH), jnp.float32, sharding=SingleDeviceSharding(device)
+        )
 
     def by_hand():
         if me == 0:
@@ -106,11 +144,11 @@ def transfer_numbers() -> dict:
         transport().send(0, [layer(wb, there)])
         return []
 
-    # alternating blocks, so a slow spell of this shared machine falls on both alike
     samples: dict[str, list[float]] = {"mm.jit": [], "by hand": []}
-    for _ in range(20):
+    for _ in range(10):
         for name, fn in (("mm.jit", through_mmnnx), ("by hand", by_hand)):
-            samples[name].append(median_time(fn, repeats=15))
+            fn()  # warm
+            samples[name].append(_median_time(fn, repeats=3, per_block=5))
             mm.distributed.fetch(jnp.zeros(()))
     return {name: statistics.median(times) for name, times in samples.items()}
 
@@ -121,59 +159,74 @@ def worker(out_dir: str) -> None:
     import mmnnx as mm
 
     mm.distributed.initialize()
-    result = {"pipeline": pipeline_numbers()}
+    result = {"step": gpt_step_time()}
     if jax.process_count() > 1:
-        result["transfer"] = transfer_numbers()
-    me = jax.process_index()
-    pathlib.Path(out_dir, f"rank{me}.json").write_text(json.dumps(result))
+        result["hop"] = hop_times()
+    pathlib.Path(out_dir, f"rank{jax.process_index()}.json").write_text(json.dumps(result))
 
 
-def main() -> None:
+def _run(command: list[str], env: dict, out: str) -> list[dict]:
+    subprocess.run(command, env=env, check=True, timeout=900, capture_output=True)
+    return [json.loads(p.read_text()) for p in sorted(pathlib.Path(out).glob("rank*.json"))]
+
+
+def main(rounds: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-    with tempfile.TemporaryDirectory() as alone, tempfile.TemporaryDirectory() as together:
-        single = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-        subprocess.run(
-            [sys.executable, __file__, "--worker", alone], env=single, check=True, timeout=900
+    one_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    one, two, hop, by_hand = [], [], [], []
+    for r in range(rounds):
+        with tempfile.TemporaryDirectory() as alone, tempfile.TemporaryDirectory() as together:
+            (single,) = _run([sys.executable, __file__, "--worker", alone], one_env, alone)
+            ranks = _run(
+                [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--devices-per-process",
+                 "4", "--", sys.executable, __file__, "--worker", together],
+                env,
+                together,
+            )  # fmt: skip
+        one.append(single["step"])
+        two.append(max(x["step"] for x in ranks))
+        hop.append(ranks[0]["hop"]["mm.jit"])  # rank 0 waits for the round trip
+        by_hand.append(ranks[0]["hop"]["by hand"])
+        print(
+            f"round {r + 1}: one process {one[-1] * 1e3:.1f} ms, two {two[-1] * 1e3:.1f} ms; "
+            f"hop mm.jit {hop[-1] * 1e3:.2f} ms, by hand {by_hand[-1] * 1e3:.2f} ms",
+            flush=True,
         )
-        subprocess.run(
-            [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--devices-per-process", "1",
-             "--", sys.executable, __file__, "--worker", together],
-            env=env, check=True, timeout=900,
-        )  # fmt: skip
-        one = json.loads(pathlib.Path(alone, "rank0.json").read_text())
-        ranks = [json.loads(pathlib.Path(together, f"rank{i}.json").read_text()) for i in (0, 1)]
-    t_one = one["pipeline"]["t_step"]
-    t_two = max(r["pipeline"]["t_step"] for r in ranks)
-    # stage time from the one-process run: timed there, an action's inputs are on its devices;
-    # in a process of its own, an action's timed span also holds the wait for its peer's data
-    t_stage = max(one["pipeline"]["t_stage"].values())
-    ideal = (MICROBATCHES + 2 - 1) * t_stage
-    hop = ranks[0]["transfer"]  # rank 0 waits for the round trip
+
+    def spread(values: list[float], scale: float = 1e3) -> str:
+        return (
+            f"{statistics.median(values) * scale:.2f} "
+            f"[{min(values) * scale:.2f}-{max(values) * scale:.2f}]"
+        )
+
     results = {
-        "pipeline": {
-            "microbatches": MICROBATCHES,
-            "one process ms": t_one * 1e3,
-            "two processes ms": t_two * 1e3,
-            "two processes / one process": t_two / t_one,
-            "t_stage ms (slowest stage, one process)": t_stage * 1e3,
-            "ideal ms": ideal * 1e3,
-            "pipeline efficiency, one process": ideal / t_one,
-            "pipeline efficiency, two processes": ideal / t_two,
+        "gpt": {
+            "layout": "2 stages x 4 CPU devices (batch over 'data'), 1F1B, M = 8",
+            "rounds": rounds,
+            "one process ms": spread(one),
+            "two processes ms": spread(two),
+            "two processes / one process (target <= 1.2)": spread(
+                [b / a for a, b in zip(one, two, strict=True)], 1
+            ),
         },
-        "transfer": {
-            "4 MiB round trip, mm.jit ms": hop["mm.jit"] * 1e3,
-            "4 MiB round trip, by hand over jax.experimental.transfer ms": hop["by hand"] * 1e3,
-            "mm.jit / by hand (target <= 1.2)": hop["mm.jit"] / hop["by hand"],
+        "hop": {
+            "4 MiB round trip, mm.jit ms": spread(hop),
+            "4 MiB round trip, by hand over jax.experimental.transfer ms": spread(by_hand),
+            "mm.jit / by hand (target <= 1.2)": spread(
+                [a / b for a, b in zip(hop, by_hand, strict=True)], 1
+            ),
         },
+        "cores": os.cpu_count(),
     }
     from report import publish
 
-    publish(results, RESULTS, "multiprocess", ("pipeline", "transfer"))
+    publish(results, RESULTS, "multiprocess", ("gpt", "hop"))
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         worker(sys.argv[2])
     else:
-        main()
+        n = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
+        main(n)
