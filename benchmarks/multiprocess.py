@@ -13,6 +13,12 @@ through ``mm.jit`` and hand-written around ``jax.experimental.transfer`` (offer 
 programs, no mmnnx), alternating. Reported: each as the median of the rounds with min-max, and
 the ratios (targets: step <= 1.2x one process; hop <= 1.2x hand-written).
 
+Checkpoints: each process of the two-process run saves a larger GPT (dim 256, 8 blocks, vocab
+4096) with its AdamW state, and reports how far its resident memory rose above what it was
+before the save (sampled every 2 ms while saving) against its own share of the state (the bytes
+of the shards on its devices) and the largest array. Target: process 0's rise <= its own share
+plus one array (before each process wrote its own part, process 0 received everyone's state).
+
 Run: python benchmarks/multiprocess.py [--rounds N] (starts the processes itself).
 Writes benchmarks/results/multiprocess.json.
 """
@@ -153,6 +159,57 @@ def hop_times() -> dict[str, float]:
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def save_memory() -> dict[str, float]:
+    """This process's resident memory rise while saving a larger GPT and its AdamW state, its
+    own share of that state and the largest array, in MiB."""
+    import threading
+
+    import jax
+    import optax
+    from flax import nnx
+
+    import mmnnx as mm
+    from mmnnx.models import GPT, GPTConfig, stage_rules
+    from mmnnx.train import Checkpointer
+
+    tasks = [mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=range(4 * i, 4 * i + 4))) for i in range(2)]
+    config = GPTConfig(vocab_size=4096, dim=256, depth=8, num_heads=4, max_seq_len=32)
+    with nnx.use_eager_sharding(False):
+        model = GPT(config, rngs=nnx.Rngs(0))
+    model = mm.place(model, stage_rules(model, tasks, report=False))
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    leaves = jax.tree.leaves((nnx.state(model), nnx.state(opt)))
+    own = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.replica_id == 0)
+    largest = max(x.nbytes for x in leaves)
+    total = sum(x.nbytes for x in leaves)
+    with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as ckpt:
+        ckpt.save(0, model=model, opt=opt)  # warm: Orbax, TensorStore and the writer set up
+        base, peak, done = _resident_bytes(), [0], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], _resident_bytes())
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=sample)
+        watcher.start()
+        ckpt.save(1, model=model, opt=opt)
+        done.set()
+        watcher.join()
+    mib = 2**20
+    return {
+        "rise": (max(peak[0], base) - base) / mib,
+        "own": own / mib,
+        "largest": largest / mib,
+        "total": total / mib,
+    }
+
+
 def worker(out_dir: str) -> None:
     import jax
 
@@ -162,6 +219,7 @@ def worker(out_dir: str) -> None:
     result = {"step": gpt_step_time()}
     if jax.process_count() > 1:
         result["hop"] = hop_times()
+        result["save"] = save_memory()
     pathlib.Path(out_dir, f"rank{jax.process_index()}.json").write_text(json.dumps(result))
 
 
@@ -174,7 +232,7 @@ def main(rounds: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     one_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    one, two, hop, by_hand = [], [], [], []
+    one, two, hop, by_hand, saves = [], [], [], [], []
     for r in range(rounds):
         with tempfile.TemporaryDirectory() as alone, tempfile.TemporaryDirectory() as together:
             (single,) = _run([sys.executable, __file__, "--worker", alone], one_env, alone)
@@ -188,6 +246,7 @@ def main(rounds: int) -> None:
         two.append(max(x["step"] for x in ranks))
         hop.append(ranks[0]["hop"]["mm.jit"])  # rank 0 waits for the round trip
         by_hand.append(ranks[0]["hop"]["by hand"])
+        saves.append(ranks[0]["save"])
         print(
             f"round {r + 1}: one process {one[-1] * 1e3:.1f} ms, two {two[-1] * 1e3:.1f} ms; "
             f"hop mm.jit {hop[-1] * 1e3:.2f} ms, by hand {by_hand[-1] * 1e3:.2f} ms",
@@ -217,11 +276,21 @@ def main(rounds: int) -> None:
                 [a / b for a, b in zip(hop, by_hand, strict=True)], 1
             ),
         },
+        "checkpoint": {
+            "state MiB (GPT dim 256, 8 blocks, AdamW)": f"{saves[0]['total']:.1f}",
+            "process 0's own share MiB; largest array MiB": (
+                f"{saves[0]['own']:.1f}; {saves[0]['largest']:.1f}"
+            ),
+            "process 0's resident rise while saving, MiB": spread([x["rise"] for x in saves], 1),
+            "rise <= own share + largest array": all(
+                x["rise"] <= x["own"] + x["largest"] for x in saves
+            ),
+        },
         "cores": os.cpu_count(),
     }
     from report import publish
 
-    publish(results, RESULTS, "multiprocess", ("gpt", "hop"))
+    publish(results, RESULTS, "multiprocess", ("gpt", "hop", "checkpoint"))
 
 
 if __name__ == "__main__":

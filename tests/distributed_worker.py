@@ -344,24 +344,47 @@ def scanned_gpt(save: bool = True) -> dict:
 
 @scenario
 def checkpoint_roundtrip():
-    """A 1F1B GPT step saved into $CKPT_OUT; then $CKPT_IN (saved elsewhere) restored."""
+    """A 1F1B GPT step saved into $CKPT_OUT; then $CKPT_IN (saved elsewhere) restored; then a
+    step of the GPT on 4 stages (2 tasks a process) saved into $CKPT_OUT4 and restored into 2
+    stages, noting which arrays this process read (and whether it holds part of each)."""
+    from mmnnx.train import process_arrays
+
     saved = checkpoint_save(os.environ["CKPT_OUT"])
     restored = checkpoint_restore(os.environ["CKPT_IN"])
-    return {"saved": saved, "restored": restored}
+    saved4 = checkpoint_save(os.environ["CKPT_OUT4"], stages=4)
+    reads, read = [], process_arrays.read
+
+    def noted(root, item, path, record, target):
+        here = target is None or bool(target.addressable_devices)
+        reads.append(["/".join((item, *path)), here])
+        return read(root, item, path, record, target)
+
+    process_arrays.read = noted
+    restored4 = checkpoint_restore(os.environ["CKPT_OUT4"], stages=2, train=False)
+    process_arrays.read = read
+    return {
+        "saved": saved,
+        "restored": restored,
+        "saved4": saved4,
+        "restored4": restored4,
+        "reads": reads,
+    }
 
 
 @scenario
 def killed_during_save():
-    """Saves step 1; then process 0 is killed while committing step 2, its data written but not
-    yet renamed into place. Writes step 1's state to OUT_DIR/step1.json first."""
+    """Saves step 1; then a process is killed while step 2 is saved: rank ``KILL_RANK`` (0:
+    process 0 once every process has written its arrays, before it commits the step; 1: process
+    1 after writing part of its arrays). Writes step 1's state to OUT_DIR/step1.json first."""
     import signal
 
-    from mmnnx.train import Checkpointer, checkpoint
+    from mmnnx.train import Checkpointer, checkpoint, process_arrays
 
     model = gpt_model(gpt_tasks(2))
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     step = _gpt_train_step()
     directory = os.environ["CKPT_DIR"]
+    victim = int(os.environ.get("KILL_RANK", "0"))
     with Checkpointer(directory) as ckpt:
         step(model, opt, _gpt_tokens(1))
         ckpt.save(1, model=model, opt=opt)
@@ -369,15 +392,21 @@ def killed_during_save():
         if jax.process_index() == 0:
             pathlib.Path(sys.argv[2], "step1.json").write_text(json.dumps(state))
         step(model, opt, _gpt_tokens(2))
-        if jax.process_index() == 0:
-            original = checkpoint._SyncedAtomicRename.finalize
 
-            async def killed_before_the_rename(self):
-                if checkpoint._TMP_SUFFIX not in self.get_final().parent.name:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                await original(self)
+        def killed(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
 
-            checkpoint._SyncedAtomicRename.finalize = killed_before_the_rename
+        if jax.process_index() == victim == 0:
+            checkpoint.Checkpointer._commit_parts = killed
+        elif jax.process_index() == victim:
+            write = process_arrays.write
+
+            def killed_half_way(root, items, me):
+                first = dict(list(items.items())[:1])  # the model's arrays, not the optimizer's
+                write(root, first, me)
+                killed()
+
+            process_arrays.write = killed_half_way
         ckpt.save(2, model=model, opt=opt)
     return {}
 

@@ -285,6 +285,7 @@ def test_pipelined_gpt_and_checkpoints_across_process_counts(tmp_path, monkeypat
     alone = worker.checkpoint_save(tmp_path / "alone", stages=2)
     monkeypatch.setenv("CKPT_IN", str(tmp_path / "alone"))
     monkeypatch.setenv("CKPT_OUT", str(tmp_path / "together"))
+    monkeypatch.setenv("CKPT_OUT4", str(tmp_path / "four"))
     # two processes, one stage each: the same step, saved; then the one-process checkpoint
     results = run_scenario("checkpoint_roundtrip", 2, 4, tmp_path)
     for r in results:
@@ -300,6 +301,20 @@ def test_pipelined_gpt_and_checkpoints_across_process_counts(tmp_path, monkeypat
         restored = worker.checkpoint_restore(tmp_path / "together", stages=stages, train=False)
         assert restored["extra"] == {"loss": saved["loss"]}
         assert restored["state"] == saved["state"]
+    # every process wrote the arrays of its own tasks, each array one process
+    manifest = json.loads((tmp_path / "together" / "1" / "mmnnx" / "metadata").read_text())
+    writers = {name: {c[3] for c in a["chunks"]} for name, a in manifest["arrays"].items()}
+    assert writers["model/blocks/0/attn/q/kernel"] == {0}
+    assert writers["model/blocks/3/attn/q/kernel"] == {1}
+    assert all(len(w) == 1 for w in writers.values())
+    # 2 processes x 2 tasks -> 2 processes x 1 task: bit-exact, each reading only its arrays
+    for r in results:
+        assert r["restored4"]["state"] == r["saved4"]["state"]
+        assert r["reads"] and all(here for _, here in r["reads"])
+    # both read only the values every process has its own copy of (the optimizer's counts)
+    both = {n for n, _ in results[0]["reads"]} & {n for n, _ in results[1]["reads"]}
+    manifest4 = json.loads((tmp_path / "four" / "1" / "mmnnx" / "metadata").read_text())
+    assert all(manifest4["arrays"][n]["shape"] == [] for n in both)
 
 
 def test_mmnnx_train_under_launch_matches_one_process(tmp_path):
@@ -388,13 +403,19 @@ def test_initialize_names_a_coordinator_port_in_use():
     ), proc.stdout + proc.stderr[-2000:]
 
 
-def test_a_process_killed_while_a_checkpoint_commits_leaves_the_previous_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_process_killed_while_a_checkpoint_is_saved_leaves_the_previous_one(
+    tmp_path, monkeypatch, victim
+):
+    # rank 0 killed before it commits (every process has written); rank 1 half-way through
+    # writing its own arrays
     ckpt = tmp_path / "ckpt"
     monkeypatch.setenv("CKPT_DIR", str(ckpt))
+    monkeypatch.setenv("KILL_RANK", str(victim))
     proc = launch(["-n", "2", "--devices-per-process", "4", "--", sys.executable, "-m",
                    "tests.distributed_worker", "killed_during_save", str(tmp_path)])  # fmt: skip
     assert proc.returncode == 128 + signal.SIGKILL, proc.stdout[-3000:]
-    assert "rank 0 failed first (killed by SIGKILL)" in proc.stderr
+    assert f"rank {victim} failed first (killed by SIGKILL)" in proc.stderr
     assert any(p.name.startswith("2.") for p in ckpt.iterdir())  # step 2's data, not committed
     from mmnnx.train import Checkpointer
 

@@ -46,10 +46,10 @@ from etils import epath
 from flax import nnx
 
 from mmnnx._nnx import variables_of
-from mmnnx.distributed.agree import share_outcome
-from mmnnx.distributed.fetch import fetch
+from mmnnx.distributed.agree import exchange, share_outcome
 from mmnnx.sharding.arrays import put
 from mmnnx.sharding.place import SPEC_KEY, TASK_KEY
+from mmnnx.train import process_arrays
 
 __all__ = [
     "CheckpointCorruptError",
@@ -61,7 +61,9 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+PARTS_FORMAT_VERSION = 2  # several processes: each writes its own arrays (process_arrays.py)
 _MODEL, _OPT, _EXTRA, _META = "model", "opt", "extra", "mmnnx"
+_ARRAYS = "arrays"
 _ITEMS = (_MODEL, _OPT, _EXTRA, _META)
 _TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
 _STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -323,6 +325,21 @@ def _join_writers(running: set[threading.Thread], timeout: float = 120.0) -> Non
         thread.join(max(0.0, deadline - time.monotonic()))
 
 
+def _together(what: str, work: Callable[[], Any]) -> Any:
+    """``work()``, this process's part of a step every process takes (a collective); raises
+    on every process when it failed on any, naming the first that failed."""
+    error: Exception | None = None
+    try:
+        result = work()
+    except Exception as e:
+        error, result = e, None
+    failures = exchange(what, "" if error is None else f"{type(error).__name__}: {error}")
+    bad = next((p for p, f in enumerate(failures) if f), None)
+    if bad is not None:
+        raise RuntimeError(f"{what} failed on process {bad}: {failures[bad]}") from error
+    return result
+
+
 # -- the saved tree -----------------------------------------------------------------------------
 
 
@@ -397,6 +414,13 @@ def _target(value: Any, process: int | None) -> Any:
     if isinstance(value, jax.Array) and process is None:
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
     return np.zeros(value.shape, value.dtype)  # numpy leaves restore as numpy arrays
+
+
+def _stored(value: Any) -> jax.ShapeDtypeStruct:
+    """The shape and dtype ``value`` is stored with (an RNG key as its key data)."""
+    if _is_key(value):
+        value = jax.random.key_data(value)
+    return jax.ShapeDtypeStruct(np.shape(value), value.dtype)
 
 
 def _compare(
@@ -484,6 +508,7 @@ class Checkpointer:
             )
         path = os.fspath(directory)
         self._directory = epath.Path(path if "://" in path else os.path.abspath(path))
+        self._max_to_keep = max_to_keep
         # With several processes, each has its own manager that never waits for the others:
         # process 0 alone writes (the others send it their arrays), and every process reads.
         self._me = jax.process_index() if jax.process_count() > 1 else None
@@ -575,42 +600,112 @@ class Checkpointer:
         except (TypeError, ValueError) as e:
             raise TypeError(f"extra must be JSON-able: {e}") from None
 
-        args: dict[str, Any] = {}
+        items: dict[str, dict[Path, Any]] = {}
         variables: dict[str, dict[str, Any]] = {}
         for item, node in ((_MODEL, model), (_OPT, opt)):
             if node is None:
                 continue
-            flat = {}
+            flat = items[item] = {}
             for path, var in _variables(node):
                 value = _leaf(item, path, var)
                 flat[path] = jax.random.key_data(value) if _is_key(value) else value
                 variables[_show(item, path)] = _describe(item, path, var)
-            if self._me is not None:  # every array to process 0's host, which writes them
-                flat = fetch(flat, to=0)
-                if self._me != 0:
-                    continue
+        if self._me is not None:
+            self._save_parts(step, items, extra, variables)
+            return
+        args: dict[str, Any] = {}
+        for item, flat in items.items():
             sums = _checksums({_show(item, path): value for path, value in flat.items()})
             for name, checksum in sums.items():
                 variables[name]["checksum"] = checksum
             args[item] = ocp.args.StandardSave(_nest(flat))
         args[_EXTRA] = ocp.args.JsonSave(extra)
         args[_META] = ocp.args.JsonSave({"format": FORMAT_VERSION, "variables": variables})
-        if self._me is None:
-            self._write(step, args)
-            return
-        if self._me == 0:
-            failure: str | None = "interrupted"
-            try:
-                self._write(step, args)
-                failure = None
-            except Exception as e:
-                failure = f"{type(e).__name__}: {e}"
-                raise
-            finally:
-                share_outcome(0, f"saving checkpoint step {step}", failure)
-        else:
-            share_outcome(0, f"saving checkpoint step {step}", None)
+        self._write(step, args)
+
+    def _save_parts(
+        self,
+        step: int,
+        items: dict[str, dict[Path, Any]],
+        extra: dict[str, Any],
+        variables: dict[str, dict[str, Any]],
+    ) -> None:
+        """A save with several processes, every one a collective step in the same order: each
+        process writes its own slices of every array (:mod:`process_arrays`) into the step's
+        temporary directory, in parallel; process 0, which holds the writer lock throughout,
+        commits the step (manifest, ``extra``, one atomic rename) once every process has
+        written, and tells the others. A process failing or dying on the way leaves the step
+        uncommitted (and the previous one the latest)."""
+        me, what = self._me, f"saving checkpoint step {step}"
+        tmp = self._directory / f"{step}{_TMP_SUFFIX}-processes"
+        with _writer_lock(self._directory) if me == 0 else contextlib.nullcontext():
+            if me == 0:
+                _remove_abandoned_saves(self._directory)
+            _together(what, lambda: tmp.mkdir(parents=True) if me == 0 else None)
+            _together(what, lambda: process_arrays.create(tmp, items, me))
+            written = _together(what, lambda: process_arrays.write(tmp, items, me))
+            reports = exchange(what, json.dumps(written))
+            _together(
+                what,
+                lambda: (
+                    self._commit_parts(step, tmp, items, reports, extra, variables)
+                    if me == 0
+                    else None
+                ),
+            )
         self._manager.reload()
+
+    def _commit_parts(
+        self,
+        step: int,
+        tmp: epath.Path,
+        items: dict[str, dict[Path, Any]],
+        reports: list[str],
+        extra: dict[str, Any],
+        variables: dict[str, dict[str, Any]],
+    ) -> None:
+        """Process 0's part of :meth:`_save_parts`, once every process has written: the
+        manifest (each array's shape, dtype and chunks with their checksums), ``extra``, and
+        the atomic rename; then the steps older than ``max_to_keep`` go."""
+        arrays: dict[str, dict[str, Any]] = {}
+        for item, flat in items.items():
+            for path, value in flat.items():
+                arrays[_show(item, path)] = {
+                    "shape": list(np.shape(value)),
+                    "dtype": np.dtype(value.dtype).name,
+                    "chunks": [],
+                }
+        for report in reports:
+            for item, by_path in json.loads(report).items():
+                for path, chunks in by_path.items():
+                    arrays[f"{item}/{path}"]["chunks"] += chunks
+        manifest = {"format": PARTS_FORMAT_VERSION, "variables": variables, "arrays": arrays}
+        for item, content in ((_META, manifest), (_EXTRA, extra)):
+            (tmp / item).mkdir(parents=True, exist_ok=True)
+            (tmp / item / "metadata").write_text(json.dumps(content))
+        json_items = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
+        now = time.time_ns()
+        (tmp / _STEP_METADATA).write_text(  # as Orbax writes it, so its listing reads the step
+            json.dumps(
+                {
+                    "item_handlers": {_EXTRA: json_items, _META: json_items},
+                    "metrics": {},
+                    "performance_metrics": {},
+                    "init_timestamp_nsecs": now,
+                    "commit_timestamp_nsecs": now,
+                    "custom_metadata": {"mmnnx_format": PARTS_FORMAT_VERSION},
+                }
+            )
+        )
+        final = self._directory / str(step)
+        _fsync_tree(tmp)
+        tmp.rename(final)
+        if _is_local(final.parent):
+            _fsync(os.fspath(final.parent), directory=True)
+        keep = self._max_to_keep
+        steps = self.all_steps()
+        for old in steps[: len(steps) - keep] if keep is not None else ():
+            shutil.rmtree(os.fspath(self._directory / str(old)), ignore_errors=True)
 
     def _write(self, step: int, args: dict[str, Any]) -> None:
         running = set(threading.enumerate())
@@ -680,6 +775,9 @@ class Checkpointer:
                 f"no checkpoint for step {step} in {self._directory}; steps saved: {steps}"
             )
 
+        folder = self._directory / str(step)
+        if (folder / _ARRAYS).exists():
+            return self._restore_parts(step, folder, model, opt)
         metadata = self._read(step, lambda: self._manager.item_metadata(step))
         saved_items = set(metadata.keys())
         info = {}
@@ -755,6 +853,76 @@ class Checkpointer:
             var.set_value(value)
         extra = restored[_EXTRA] if _EXTRA in saved_items else None
         return dict(extra or {})
+
+    def _restore_parts(
+        self, step: int, folder: epath.Path, model: Any, opt: nnx.Optimizer | None
+    ) -> dict[str, Any]:
+        """:meth:`restore` of a step saved by several processes (:meth:`_save_parts`): each
+        process reads the slices of the arrays its devices hold now."""
+
+        def manifest() -> dict[str, Any]:
+            return json.loads((folder / _META / "metadata").read_text())
+
+        content = self._read(step, manifest)
+        info, arrays = content.get("variables", {}), content["arrays"]
+        owners: dict[str, list[tuple[Path, nnx.Variable, Any]]] = {}
+        problems: list[str] = []
+        for item, node in ((_MODEL, model), (_OPT, opt)):
+            if node is None:
+                continue
+            entries = [(path, var, _leaf(item, path, var)) for path, var in _variables(node)]
+            owners[item] = entries
+            saved = {
+                tuple(name.split("/")[1:]): jax.ShapeDtypeStruct(
+                    tuple(record["shape"]), np.dtype(record["dtype"])
+                )
+                for name, record in arrays.items()
+                if name.split("/")[0] == item
+            }
+            if not saved:
+                what = "optimizer state" if item == _OPT else "model state"
+                problems.append(f"checkpoint step {step}: no {what} ({item!r}) was saved")
+                continue
+            wanted = {path: _stored(value) for path, _, value in entries}
+            problems += _compare(step, item, saved, wanted)
+            for path, _, value in entries:
+                want = info.get(_show(item, path), {}).get("key_impl")
+                have = str(jax.random.key_impl(value)) if _is_key(value) else None
+                if path in saved and want != have:
+                    problems.append(
+                        f"checkpoint step {step}: {_show(item, path)!r} holds RNG keys of impl "
+                        f"{want} in the checkpoint but {have} in the model"
+                    )
+        if problems:
+            more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+            raise CheckpointMismatchError(problems[0] + more)
+        updates: list[tuple[nnx.Variable, Any]] = []
+        for item, entries in owners.items():
+            for path, var, current in entries:
+                record = arrays[_show(item, path)]
+                stored = jax.random.key_data(current) if _is_key(current) else current
+                try:
+                    if not process_arrays.own(stored):
+                        if not stored.sharding.addressable_devices:
+                            continue  # another process's: it reads it
+                        value = process_arrays.read(folder, item, path, record, stored.sharding)
+                    else:
+                        value = process_arrays.read(folder, item, path, record, None)
+                        if isinstance(stored, jax.Array):
+                            value = (
+                                jax.device_put(value, stored.sharding)
+                                if stored.committed
+                                else jnp.asarray(value)
+                            )
+                except process_arrays.DamagedChunk as e:
+                    raise CheckpointCorruptError(step, os.fspath(folder), array=e.name) from e
+                if _is_key(current):
+                    value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(current))
+                updates.append((var, value))
+        for var, value in updates:
+            var.set_value(value)
+        extra = folder / _EXTRA / "metadata"
+        return dict(json.loads(extra.read_text())) if extra.exists() else {}
 
     def restore_newest_readable(self, *, model: Any, opt: nnx.Optimizer | None = None) -> Resumed:
         """Restores the newest step that reads back whole, like :meth:`restore`, passing over
@@ -892,16 +1060,23 @@ class Checkpointer:
 
         return _listing(listed)
 
+    def _required(self, step: int) -> tuple[str, ...]:
+        """What every committed step holds: Orbax's step metadata and the model and mmnnx items,
+        or, saved by several processes, the manifest and the arrays."""
+        if (self._directory / str(step) / _ARRAYS).exists():
+            return (_STEP_METADATA, f"{_META}/metadata", _ARRAYS)
+        return (_STEP_METADATA, _MODEL, _META)
+
     def _complete(self, step: int) -> bool:
         folder = self._directory / str(step)
-        return all((folder / name).exists() for name in (_STEP_METADATA, _MODEL, _META))
+        return all((folder / name).exists() for name in self._required(step))
 
     def _incomplete(self, step: int) -> str:
         """Why step ``step`` is not a complete checkpoint, as a :class:`Skipped` reason."""
         folder = self._directory / str(step)
-        if not (folder / _STEP_METADATA).exists():
+        missing = next(name for name in self._required(step) if not (folder / name).exists())
+        if missing in (_STEP_METADATA, f"{_META}/metadata"):
             return "incomplete (no metadata)"
-        missing = next(item for item in (_MODEL, _META) if not (folder / item).exists())
         return f"incomplete (no {missing} item)"
 
     def latest_step(self) -> int | None:
