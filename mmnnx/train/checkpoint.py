@@ -21,6 +21,17 @@ On-disk layout, one directory per step (Orbax's ``CheckpointManager`` with four 
 
 The saved trees are nested dicts keyed by the Variables' paths, with string keys (``"0"`` for a list
 index); typed PRNG keys are saved as their ``jax.random.key_data`` (``uint32``).
+
+With several processes, every process writes its own part of a step (``process_arrays.py``)::
+
+    <directory>/
+      3/
+        _CHECKPOINT_METADATA
+        arrays/model/blocks/0/attn/q/kernel/   # a zarr array, one chunk per slice of its layout
+        arrays/opt/...
+        extra/metadata
+        mmnnx/metadata    # the manifest: each array's shape, dtype, chunks (checksum, writer)
+      4.orbax-checkpoint-tmp-processes/   # a save in progress (or one that was interrupted)
 """
 
 from __future__ import annotations
@@ -510,7 +521,8 @@ class Checkpointer:
         self._directory = epath.Path(path if "://" in path else os.path.abspath(path))
         self._max_to_keep = max_to_keep
         # With several processes, each has its own manager that never waits for the others:
-        # process 0 alone writes (the others send it their arrays), and every process reads.
+        # it lists and reads steps; saves go through _save_parts, which writes every process's
+        # own arrays and commits on process 0.
         self._me = jax.process_index() if jax.process_count() > 1 else None
         if self._me is not None:
             self._directory.mkdir(parents=True, exist_ok=True)
