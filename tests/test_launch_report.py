@@ -3,6 +3,7 @@ loopback, each step compared with the same run in one process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -12,6 +13,8 @@ import sys
 import pytest
 
 from mmnnx.distributed.chatter import is_chatter
+from mmnnx.distributed.timeline import _merged
+from mmnnx.errors import MPMDError
 from mmnnx.mpmd.schedules import measured_bubble
 from mmnnx.mpmd.timing import Event
 from tests.flags import without_device_count
@@ -156,3 +159,21 @@ def test_gloo_connection_lines_only_with_verbose():
 )  # fmt: skip
 def test_chatter_is_gloo_connected_lines_only(line, chatter):
     assert is_chatter(line) is chatter
+
+
+def test_merged_events_count_from_the_earliest_start_and_a_failure_is_named():
+    # process 0 started its step 0.5 s after the common barrier, process 1 0.2 s after it
+    event = Event("stage0", "F", 0, 0, 0.0, 1.0, rank="stage0")
+    parts = [
+        {"offset": 0.5, "events": [list(dataclasses.astuple(event))]},
+        {"offset": 0.2, "events": [["stage1", "F", 1, 0, 0.0, 1.0, False, "stage1"]]},
+    ]
+    first, second = _merged(parts)
+    assert (first.task, first.start, first.end) == (
+        "stage0",
+        pytest.approx(0.3),
+        pytest.approx(1.3),
+    )
+    assert (second.task, second.start, second.end) == ("stage1", 0.0, 1.0)
+    with pytest.raises(MPMDError, match="failed on process 1"):
+        _merged([parts[0], "failed"])
