@@ -228,6 +228,12 @@ def _add_launch(commands: Any) -> None:
         "several processes (default none: they slow down every collective)",
     )
     launch.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print gloo's connection lines and JAX's C++ information logs "
+        "(TF_CPP_MIN_LOG_LEVEL=0), left out by default; warnings and errors always show",
+    )
+    launch.add_argument(
         "argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command and its arguments"
     )
 
@@ -243,6 +249,7 @@ def run_launch(args: argparse.Namespace) -> int:
             devices_per_process=args.devices_per_process,
             port=args.port,
             collectives=args.collectives,
+            verbose=args.verbose,
         )
     except LaunchError as e:
         print(e, file=sys.stderr)

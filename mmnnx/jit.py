@@ -19,6 +19,7 @@ from mmnnx._jax.arrays import all_plain_arrays, move_to, shards_by_device
 from mmnnx._jax.tracing import tracing
 from mmnnx.distributed.initialize import check_collectives_for
 from mmnnx.distributed.peers import StepPeers
+from mmnnx.distributed.timeline import JobTimeline
 from mmnnx.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd import annotations, trace_state
 from mmnnx.mpmd.engine import PlanningOptions, StepInput, StepOutput, plan_step
@@ -812,6 +813,12 @@ class JitFunction:
         has no actions to time (an empty list); when its ``mm.microbatch`` runs unrolled, an
         ``mm.UnrolledMicrobatchWarning`` says why.
 
+        With several processes, every process calls it (as any step) and gets the events of
+        the whole job, every task's: each process times its own programs, and the step
+        starts on all of them at once, after a barrier whose end is their common clock's
+        zero (``mmnnx/distributed/timeline.py``); times count from the earliest start of the
+        step on any process.
+
         Example::
 
             events = step.timeline(model, x)
@@ -836,11 +843,13 @@ class JitFunction:
         return self._timed(OverlapTimer(), _Call(self, args, kwargs))
 
     def _timed(self, timer: Timer, call: _Call) -> list[Event]:
-        try:
-            self._run(call, timer=timer)
-        finally:
-            timer.stop()
-        events = timer.events()
+        with JobTimeline() as job:  # with several processes: every process's events, one clock
+            timer = job.timer(timer)
+            try:
+                self._run(call, timer=timer)
+            finally:
+                timer.stop()
+            events = job.events(timer.events())
         if not events:
             for why in self._cache[call.key][0].plan.unrolled:
                 warnings.warn(f"timeline: nothing to time, {why}", UnrolledMicrobatchWarning, 3)

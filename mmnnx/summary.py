@@ -183,10 +183,25 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _devices_text(mesh) -> str:
-    ids = sorted(d.id for d in mesh.devices.flat)
-    if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1:
-        return f"{ids[0]}-{ids[-1]}"
-    return ",".join(str(i) for i in ids)
+    return _device_list(mesh.devices.flat)
+
+
+def _device_list(devices, *, runs: bool = True) -> str:
+    """``devices`` as the user names them: their indices in ``jax.devices()``, which
+    ``mm.TaskMesh(devices=...)`` takes (JAX's device ids differ with several processes: process
+    1's CPU devices are 2048, 2049, ...), consecutive ones as ``first-last`` when ``runs``;
+    with several processes, followed by the processes holding them."""
+    devices = list(devices)
+    position = {d: i for i, d in enumerate(jax.devices())}
+    ids = sorted(position[d] for d in devices)
+    if runs and ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1:
+        text = f"{ids[0]}-{ids[-1]}"
+    else:
+        text = ",".join(str(i) for i in ids)
+    if jax.process_count() > 1:
+        processes = sorted({d.process_index for d in devices})
+        text += f" (process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))})"
+    return text
 
 
 def _variable_info(path: Path, variable: nnx.Variable) -> dict:
@@ -214,8 +229,7 @@ def _variable_info(path: Path, variable: nnx.Variable) -> dict:
     else:
         if sharding is not None:
             per_device = math.prod(sharding.shard_shape(shape)) * itemsize(dtype)
-            ids = sorted(d.id for d in sharding.device_set)
-            devices = ",".join(str(i) for i in ids)
+            devices = _device_list(sharding.device_set, runs=False)
         else:
             per_device = math.prod(shape) * itemsize(dtype)
             devices = "-"

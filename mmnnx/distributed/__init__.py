@@ -6,6 +6,7 @@ process's devices; every process plans every step and runs its own tasks' parts 
 """
 
 from mmnnx.distributed.fetch import fetch
+from mmnnx.distributed.gather import gather
 from mmnnx.distributed.initialize import backends_started, initialize, is_distributed
 
-__all__ = ["backends_started", "fetch", "initialize", "is_distributed"]
+__all__ = ["backends_started", "fetch", "gather", "initialize", "is_distributed"]

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from mmnnx.distributed.chatter import is_chatter
 from mmnnx.distributed.initialize import (
     COLLECTIVES,
     ENV_COLLECTIVES,
@@ -92,9 +93,11 @@ def _die_with_parent() -> None:  # runs in the child before exec
         pass
 
 
-def _pump(rank: int, stream, lock: threading.Lock) -> None:
+def _pump(rank: int, stream, lock: threading.Lock, verbose: bool = False) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
+        if not verbose and is_chatter(line):  # gloo's connection lines (chatter.py)
+            continue
         with lock:
             sys.stdout.write(f"[rank {rank}] {line}\n")
             sys.stdout.flush()
@@ -132,9 +135,13 @@ def launch(
     devices_per_process: int | None = None,
     port: int | None = None,
     collectives: str | None = None,
+    verbose: bool = False,
 ) -> int:
     """Runs ``command`` as ``num_processes`` processes and returns the exit status: 0 when all
     succeed, else that of the first process to fail (the others are stopped).
+
+    ``verbose``: print gloo's connection lines too, which are left out otherwise, and JAX's
+    C++ information logs (``TF_CPP_MIN_LOG_LEVEL=0``; see ``chatter.py``).
 
     Example:
         >>> import sys
@@ -168,6 +175,8 @@ def launch(
             env = process_env(
                 dict(os.environ), rank, num_processes, port, devices_per_process, collectives
             )
+            if verbose:  # (importing JAX here set it to 1 unless it was set)
+                env["TF_CPP_MIN_LOG_LEVEL"] = "0"
             try:
                 proc = subprocess.Popen(
                     list(command),
@@ -182,7 +191,9 @@ def launch(
                     f"mmnnx launch: cannot run {command[0]!r}: {e.strerror}"
                 ) from None
             procs.append(proc)
-            pump = threading.Thread(target=_pump, args=(rank, proc.stdout, lock), daemon=True)
+            pump = threading.Thread(
+                target=_pump, args=(rank, proc.stdout, lock, verbose), daemon=True
+            )
             pump.start()
             pumps.append(pump)
         failed: tuple[int, int] | None = None

@@ -18,8 +18,10 @@ pipeline action once the step is over.
   cores or memory bandwidth). A watcher notes an end when it next runs, which can be late on a
   busy machine; a program ended before any program that read its results, or ran after it on
   its rank, ended, so its end is taken as the earliest of those. With several processes, a
-  value received from another process has no producer here: the wait for it is counted in the
-  action that reads it.
+  value received from another process has no producer here, but the runner waits for it
+  before launching the program reading it: that action starts once the value is here, and the
+  wait shows as idle time. A timer's events count from its :attr:`Timer.started`; with several
+  processes ``mmnnx.distributed.timeline`` puts every process's on one clock.
 """
 
 from __future__ import annotations
@@ -70,6 +72,14 @@ class Timer:
     wants_witnesses = False
     """Whether :meth:`launched` wants a ``witness`` for programs whose results a later one
     deletes."""
+
+    _start = 0.0
+
+    @property
+    def started(self) -> float:
+        """``time.perf_counter()`` when the step started (:meth:`begin`): the events' times
+        count from it."""
+        return self._start
 
     def begin(self) -> None:
         """The step starts now."""

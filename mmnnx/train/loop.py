@@ -89,9 +89,9 @@ class FitResult:
     tokens_per_second: float
     files: dict[str, str]
     bubble: tuple[int, float] | None = None
-    """``(step, fraction)``: the idle share of this process's tasks' time in the step whose
-    timeline was drawn (``mm.schedules.measured_bubble``); ``None`` when none was (no
-    pipeline, or ``timeline_step`` not reached)."""
+    """``(step, fraction)``: the idle share of every task's time in the step whose timeline
+    was drawn (``mm.schedules.measured_bubble``; with several processes, over every process's
+    tasks); ``None`` when none was (no pipeline, or ``timeline_step`` not reached)."""
 
     @property
     def first_eval(self) -> float:
@@ -146,8 +146,10 @@ def fit(
     console: Console | None = None,
 ) -> FitResult:
     """Trains ``model`` (placed with ``mm.place``/``mm.init``; it needs ``loss(batch)``) on
-    ``dataset`` and writes ``metrics.jsonl``, ``loss.png`` and ``timeline.png`` under
-    ``config.output_dir`` and checkpoints under ``config.checkpoint_dir``.
+    ``dataset`` and writes ``metrics.jsonl``, ``loss.png``, ``timeline.png`` and
+    ``timeline.json`` (the events drawn, and the bubble) under ``config.output_dir`` and
+    checkpoints under ``config.checkpoint_dir``. With several processes, process 0 writes and
+    reports; the timeline and bubble are the whole job's, every process's tasks.
 
     With ``config.resume`` it continues from the newest readable checkpoint: parameters,
     optimizer state, step, data position and the learning-rate schedule's horizon, so N steps +
@@ -227,14 +229,16 @@ def fit(
                 began = time.perf_counter()
                 if step == config.timeline_step:
                     loss = float(fetch(eval_step(model, batch)))  # before the step's update
-                    # this process's tasks, overlapping as in any step
+                    # every task's events (every process's), overlapping as in any step
                     events = train_step.overlapped_timeline(model, opt, batch)
                     if events:  # none when the step has no pipeline (one stage)
+                        bubble = (step, measured_bubble(events))
                         path = out / "timeline.png"
                         if leader:
                             plot_timeline(events, path, title=f"measured pipeline, step {step}")
+                            _write_events(out / "timeline.json", step, bubble[1], events)
                         files["timeline"] = str(path)
-                        bubble = (step, measured_bubble(events))
+                        files["timeline_events"] = str(out / "timeline.json")
                 else:
                     loss = float(fetch(run_step(batch)))
                 elapsed = time.perf_counter() - began
@@ -341,6 +345,13 @@ def _keep_metrics_up_to(path: pathlib.Path, step: int) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text("".join(kept))
     os.replace(temporary, path)
+
+
+def _write_events(path: pathlib.Path, step: int, bubble: float, events: list) -> None:
+    """The timeline drawn, as JSON: the step, its measured bubble and one object per event
+    (task, kind, stage, microbatch, start, end in seconds, fused, rank)."""
+    rows = [dataclasses.asdict(e) for e in events]
+    path.write_text(json.dumps({"step": step, "bubble": bubble, "events": rows}, indent=1) + "\n")
 
 
 def _plot_losses(metrics_path: pathlib.Path, path: pathlib.Path) -> pathlib.Path:

@@ -1,0 +1,65 @@
+"""``gather``: a small value from every process, through JAX's coordination service.
+
+For things of a few kilobytes that one process (or every process) wants from all of them, such
+as each process's timeline events: each process writes its value, JSON-encoded and compressed,
+under a key of this round in the coordination service's key-value store, and reads the others'.
+Arrays go through :func:`~mmnnx.distributed.fetch` (the transfer server) instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import zlib
+from typing import Any
+
+import jax
+
+from mmnnx._jax import runtime
+from mmnnx.errors import MPMDError
+
+_KEY = "mmnnx/gather/{}/{}"
+_WAIT_S = 300.0
+_rounds = itertools.count()
+
+
+def gather(value: Any, *, to: int | None = None, what: str = "gather") -> list[Any] | None:
+    """Every process's ``value`` as a list in process order, on process ``to`` (``None``: on
+    every process); the other processes get ``None``.
+
+    A collective: every process calls it, in the same order as its other collectives. ``value``
+    must be JSON-serialisable (tuples come back as lists) and small (it travels through the
+    coordination service). ``what`` names it in the error raised when a process does not send
+    its value within 300 s. In one process: ``[value]``.
+
+    Example:
+        >>> from mmnnx.distributed.gather import gather
+        >>> gather({"rank": 0, "seconds": 0.5})  # one process
+        [{'rank': 0, 'seconds': 0.5}]
+    """
+    me, count = jax.process_index(), jax.process_count()
+    if to is not None and not 0 <= to < count:
+        raise ValueError(f"{what}: to={to!r} is not a process of this job (0 to {count - 1})")
+    if count == 1:
+        return [value]
+    n = next(_rounds)
+    runtime.key_value_set(_KEY.format(n, me), zlib.compress(json.dumps(value).encode()))
+    if to is not None and me != to:
+        return None
+    values = []
+    for peer in range(count):
+        if peer == me:
+            values.append(json.loads(json.dumps(value)))  # as the others see it
+            continue
+        try:
+            raw = runtime.key_value_get(_KEY.format(n, peer), _WAIT_S)
+        except jax.errors.JaxRuntimeError as e:
+            raise MPMDError(
+                f"{what}: process {peer} did not send its part within {_WAIT_S:.0f} s (it failed, "
+                "or runs other steps: every process must make the same calls in the same order)"
+            ) from e
+        values.append(json.loads(zlib.decompress(raw).decode()))
+    if to is not None:  # only this process reads the round's keys
+        for peer in range(count):
+            runtime.key_value_delete(_KEY.format(n, peer))
+    return values

@@ -1,0 +1,151 @@
+"""A step's timeline across processes: every process's events, on one clock.
+
+Each process times the programs it runs against its own ``time.perf_counter()``, whose zero is
+its own (and on different machines, its rate drifts too). To put every process's events on one
+time axis, the processes start the timed step together: the step's timer waits at a barrier of
+the coordination service when the step begins (after anything it compiles or prepares, right
+before its first program is launched), and the moment every process leaves that barrier is the
+common zero. Each process's events then count from it (its step's start minus its time at the
+barrier, plus the event's time), every process gathers all of them
+(:func:`~mmnnx.distributed.gather.gather`), and times are shifted so that 0 is the earliest
+step start of any process, as one process's events count from its step's start.
+
+The error is how far apart the processes leave the barrier: the coordination service answers
+them all at once, so it is the spread of one reply's delivery (about 0.1 ms on loopback here,
+about a network round trip between machines), small against a pipeline action's milliseconds.
+Starting together also keeps what each process prepares for a timed run (the overlapped
+timer's first run compiles small programs) out of the other processes' timelines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import jax
+
+from mmnnx._jax import runtime
+from mmnnx.distributed.gather import gather
+from mmnnx.errors import MPMDError
+from mmnnx.mpmd.timing import Event, Timer
+
+_BARRIER = "mmnnx/timeline/{}"
+_WAIT_S = 300.0
+_rounds = itertools.count()
+_FAILED = "failed"
+
+
+class JobTimeline:
+    """Times one step on every process on a common clock; with one process it changes nothing.
+
+    A collective: every process enters it around the same timed step. :meth:`timer` wraps the
+    step's timer so that the step starts on every process at once; :meth:`events` gathers
+    every process's events onto one clock. Leaving with an exception before :meth:`events`
+    tells the others, whose :meth:`events` then raise :class:`MPMDError` naming this process
+    instead of waiting for its events.
+
+    Example (``mm.jit``'s ``timeline``, in jit.py)::
+
+        with JobTimeline() as job:
+            timer = job.timer(OverlapTimer())
+            run_the_step(timer=timer)
+            events = job.events(timer.events())  # every process's
+    """
+
+    def __init__(self) -> None:
+        self._several = jax.process_count() > 1
+        self._round = next(_rounds) if self._several else 0
+        self._timer: _StartTogether | None = None
+        self._gathered = False
+
+    def __enter__(self) -> JobTimeline:
+        return self
+
+    def timer(self, timer: Timer) -> Timer:
+        """``timer``, starting the step on every process at once (with one process, itself)."""
+        if not self._several:
+            return timer
+        self._timer = _StartTogether(timer, _BARRIER.format(self._round))
+        return self._timer
+
+    def events(self, mine: Sequence[Event]) -> list[Event]:
+        """Every process's events (this process's are ``mine``, as :meth:`timer`'s timer gave
+        them), in process order, in seconds since the earliest start of the step on any
+        process. With one process, ``mine`` as they are."""
+        if not self._several:
+            return list(mine)
+        if self._timer is None or self._timer.zero is None:
+            raise MPMDError("timeline: the step's timer was not made by JobTimeline.timer")
+        self._gathered = True
+        offset = self._timer.started - self._timer.zero  # the step's start on the common clock
+        parts = gather(
+            {"offset": offset, "events": [dataclasses.astuple(e) for e in mine]},
+            what="timeline: the events of each process",
+        )
+        return _merged(parts)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._several and error is not None and not self._gathered:
+            self._gathered = True
+            # only written (``to`` another process): the others' gather raises, naming this
+            # process, and this one does not wait for theirs; its own error goes on
+            other = 1 if jax.process_index() == 0 else 0
+            gather(_FAILED, to=other, what="timeline")
+
+
+class _StartTogether(Timer):
+    """A timer whose step begins when every process has reached the barrier ``name``: notes
+    the moment it leaves it (``zero``) and hands everything else to ``inner``."""
+
+    def __init__(self, inner: Timer, name: str) -> None:
+        self.inner = inner
+        self.name = name
+        self.zero: float | None = None
+        self.wants_witnesses = inner.wants_witnesses
+
+    @property
+    def started(self) -> float:
+        return self.inner.started
+
+    def begin(self) -> None:
+        runtime.barrier(self.name, _WAIT_S)
+        self.zero = time.perf_counter()
+        self.inner.begin()
+
+    def launched(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.launched(*args, **kwargs)
+
+    def moved(self, from_slot: int, to_slot: int) -> None:
+        self.inner.moved(from_slot, to_slot)
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+    def events(self) -> list[Event]:
+        return self.inner.events()
+
+
+def _merged(parts: list) -> list[Event]:
+    failed = [p for p, part in enumerate(parts) if part == _FAILED]
+    if failed:
+        raise MPMDError(
+            f"timeline: the timed step failed on process {failed[0]}, so there is no timeline "
+            "of the whole job (that process raised the error)"
+        )
+    first = min(part["offset"] for part in parts)
+    events = []
+    for part in parts:
+        shift = part["offset"] - first
+        for fields in part["events"]:
+            e = Event(*fields)
+            events.append(dataclasses.replace(e, start=e.start + shift, end=e.end + shift))
+    return events
