@@ -89,34 +89,3 @@ def from_process_zero(what: str, value: str) -> str:
         raise MPMDError(
             f"{what}: process 0 did not publish its choice within {_WAIT_S:.0f} s"
         ) from e
-
-
-_EXCHANGE_KEY = "mmnnx/exchange/{}/{}"
-_exchanges = itertools.count()
-
-
-def exchange(what: str, value: str, timeout_s: float = 3600.0) -> list[str]:
-    """Every process's ``value``, by process (a collective, called by all in the same order):
-    how processes that each did part of some work learn how all of it went. With one process,
-    ``[value]``.
-
-    Example:
-        >>> exchange("nothing", "ok")
-        ['ok']
-    """
-    if jax.process_count() == 1:
-        return [value]
-    me, n = jax.process_index(), next(_exchanges)
-    runtime.key_value_set(_EXCHANGE_KEY.format(n, me), value.encode())
-    out = []
-    for peer in range(jax.process_count()):
-        if peer == me:
-            out.append(value)
-            continue
-        try:
-            out.append(runtime.key_value_get(_EXCHANGE_KEY.format(n, peer), timeout_s).decode())
-        except jax.errors.JaxRuntimeError as e:
-            raise RuntimeError(
-                f"{what}: process {peer} did not answer within {timeout_s:.0f} s"
-            ) from e
-    return out

@@ -23,14 +23,16 @@ _WAIT_S = 300.0
 _rounds = itertools.count()
 
 
-def gather(value: Any, *, to: int | None = None, what: str = "gather") -> list[Any] | None:
+def gather(
+    value: Any, *, to: int | None = None, what: str = "gather", timeout_s: float = _WAIT_S
+) -> list[Any] | None:
     """Every process's ``value`` as a list in process order, on process ``to`` (``None``: on
     every process); the other processes get ``None``.
 
     A collective: every process calls it, in the same order as its other collectives. ``value``
     must be JSON-serialisable (tuples come back as lists) and small (it travels through the
     coordination service). ``what`` names it in the error raised when a process does not send
-    its value within 300 s. In one process: ``[value]``.
+    its value within ``timeout_s`` (300 s unless given). In one process: ``[value]``.
 
     Example:
         >>> from mmnnx.distributed.gather import gather
@@ -52,10 +54,11 @@ def gather(value: Any, *, to: int | None = None, what: str = "gather") -> list[A
             values.append(json.loads(json.dumps(value)))  # as the others see it
             continue
         try:
-            raw = runtime.key_value_get(_KEY.format(n, peer), _WAIT_S)
+            raw = runtime.key_value_get(_KEY.format(n, peer), timeout_s)
         except jax.errors.JaxRuntimeError as e:
             raise MPMDError(
-                f"{what}: process {peer} did not send its part within {_WAIT_S:.0f} s (it failed, "
+                f"{what}: process {peer} did not send its part within {timeout_s:.0f} s "
+                "(it failed, "
                 "or runs other steps: every process must make the same calls in the same order)"
             ) from e
         values.append(json.loads(zlib.decompress(raw).decode()))

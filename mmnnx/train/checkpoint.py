@@ -57,7 +57,8 @@ from etils import epath
 from flax import nnx
 
 from mmnnx._nnx import variables_of
-from mmnnx.distributed.agree import exchange, share_outcome
+from mmnnx.distributed.agree import share_outcome
+from mmnnx.distributed.gather import gather
 from mmnnx.sharding.arrays import put
 from mmnnx.sharding.place import SPEC_KEY, TASK_KEY
 from mmnnx.train import process_arrays
@@ -344,7 +345,9 @@ def _together(what: str, work: Callable[[], Any]) -> Any:
         result = work()
     except Exception as e:
         error, result = e, None
-    failures = exchange(what, "" if error is None else f"{type(error).__name__}: {error}")
+    failures = gather(
+        "" if error is None else f"{type(error).__name__}: {error}", what=what, timeout_s=3600.0
+    )
     bad = next((p for p, f in enumerate(failures) if f), None)
     if bad is not None:
         raise RuntimeError(f"{what} failed on process {bad}: {failures[bad]}") from error
@@ -656,7 +659,7 @@ class Checkpointer:
             _together(what, lambda: tmp.mkdir(parents=True) if me == 0 else None)
             _together(what, lambda: process_arrays.create(tmp, items, me))
             written = _together(what, lambda: process_arrays.write(tmp, items, me))
-            reports = exchange(what, json.dumps(written))
+            reports = gather(written, what=what, timeout_s=3600.0)
             _together(
                 what,
                 lambda: (
@@ -672,7 +675,7 @@ class Checkpointer:
         step: int,
         tmp: epath.Path,
         items: dict[str, dict[Path, Any]],
-        reports: list[str],
+        reports: list[dict[str, Any]],
         extra: dict[str, Any],
         variables: dict[str, dict[str, Any]],
     ) -> None:
@@ -688,7 +691,7 @@ class Checkpointer:
                     "chunks": [],
                 }
         for report in reports:
-            for item, by_path in json.loads(report).items():
+            for item, by_path in report.items():
                 for path, chunks in by_path.items():
                     arrays[f"{item}/{path}"]["chunks"] += chunks
         manifest = {"format": PARTS_FORMAT_VERSION, "variables": variables, "arrays": arrays}
