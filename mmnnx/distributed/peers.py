@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from mmnnx._jax import runtime
 from mmnnx.distributed.agree import check_same_everywhere
+from mmnnx.distributed.exits import wait_for
 from mmnnx.distributed.transport import transport
 from mmnnx.errors import MPMDError
 from mmnnx.sharding import Task
@@ -55,10 +56,11 @@ class StepPeers:
         runtime.key_value_set(key, pickle.dumps(_spec_of(sharding, task)))
 
     def layout(self, slot: int, task: Task) -> NamedSharding:
+        first = min(d.process_index for d in task.jax_mesh.devices.flat)
+        key = _LAYOUT_KEY.format(self.round, slot)
         try:
-            data = runtime.key_value_get(_LAYOUT_KEY.format(self.round, slot), _LAYOUT_WAIT_S)
-        except jax.errors.JaxRuntimeError as e:
-            first = min(d.process_index for d in task.jax_mesh.devices.flat)
+            data = wait_for(key, first, _LAYOUT_WAIT_S, f"mm.jit: a layout of task {task.name!r}")
+        except TimeoutError as e:
             raise MPMDError(
                 f"mm.jit: process {first} did not publish the layout of a value of task "
                 f"{task.name!r} within {_LAYOUT_WAIT_S:.0f} s"
