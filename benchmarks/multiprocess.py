@@ -19,7 +19,11 @@ before the save (sampled every 2 ms while saving) against its own share of the s
 of the shards on its devices) and the largest array. Target: process 0's rise <= its own share
 plus one array (before each process wrote its own part, process 0 received everyone's state).
 
-Run: python benchmarks/multiprocess.py [--rounds N] (starts the processes itself).
+What blocks: ``--profile`` runs the two-process GPT once more under ``cProfile`` in each
+process and prints, per rank, the functions with the most own time over the timed steps
+(waiting for a received value shows as ``block_until_ready``; waiting for the loss as ``fetch``).
+
+Run: python benchmarks/multiprocess.py [--rounds N] [--profile] (starts the processes itself).
 Writes benchmarks/results/multiprocess.json.
 """
 
@@ -53,8 +57,9 @@ def _median_time(fn, repeats: int = 5, per_block: int = 5) -> float:
     return statistics.median(times)
 
 
-def gpt_step_time() -> float:
-    """Steady seconds per step of the two-stage GPT, wherever its stages' devices are."""
+def gpt_step_time(measure=_median_time):
+    """Steady seconds per step of the two-stage GPT, wherever its stages' devices are, as
+    ``measure`` (called with the step) returns them."""
     import jax
     import optax
     from flax import nnx
@@ -97,7 +102,7 @@ def gpt_step_time() -> float:
     def read_loss():  # every process reads the loss: the block's steps are over everywhere
         return jax.numpy.asarray(mm.distributed.fetch(step(tokens)))
 
-    return _median_time(read_loss)
+    return measure(read_loss)
 
 
 def hop_times() -> dict[str, float]:
@@ -210,12 +215,33 @@ def save_memory() -> dict[str, float]:
     }
 
 
-def worker(out_dir: str) -> None:
+def _profiled(fn, top: int = 8) -> tuple[float, list[dict]]:
+    """``fn()`` under cProfile: its result and the ``top`` functions by own time."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    result = profile.runcall(fn)
+    stats = pstats.Stats(profile).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return result, [
+        {"function": f"{pathlib.Path(file).name}:{line} {name}", "own s": round(own, 3),
+         "calls": calls}
+        for (file, line, name), (_, calls, own, _, _) in rows
+    ]  # fmt: skip
+
+
+def worker(out_dir: str, profile: bool = False) -> None:
     import jax
 
     import mmnnx as mm
 
     mm.distributed.initialize()
+    if profile:
+        seconds, top = gpt_step_time(lambda step: _profiled(lambda: _median_time(step)))
+        result = {"step": seconds, "profile": top}
+        pathlib.Path(out_dir, f"rank{jax.process_index()}.json").write_text(json.dumps(result))
+        return
     result = {"step": gpt_step_time()}
     if jax.process_count() > 1:
         result["hop"] = hop_times()
@@ -293,9 +319,28 @@ def main(rounds: int) -> None:
     publish(results, RESULTS, "multiprocess", ("gpt", "hop", "checkpoint"))
 
 
+def profile() -> None:
+    """Prints each rank's functions with the most own time over a two-process GPT run."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as together:
+        ranks = _run(
+            [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--devices-per-process",
+             "4", "--", sys.executable, __file__, "--worker", together, "--profile"],
+            env,
+            together,
+        )  # fmt: skip
+    for rank, result in enumerate(ranks):
+        print(f"rank {rank}: {result['step'] * 1e3:.1f} ms per step (profiled)")
+        for row in result["profile"]:
+            print(f"  {row['own s']:8.3f} s  {row['calls']:7d} calls  {row['function']}")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2])
+        worker(sys.argv[2], profile="--profile" in sys.argv)
+    elif "--profile" in sys.argv:
+        profile()
     else:
         n = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
         main(n)

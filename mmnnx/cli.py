@@ -23,8 +23,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _integer(name: str, minimum: int):
-    """An argparse type: an int of at least ``minimum``, with a one-line reason otherwise."""
+def _integer(name: str, minimum: int, maximum: int | None = None):
+    """An argparse type: an int of at least ``minimum`` (and at most ``maximum``), with a
+    one-line reason otherwise."""
 
     def parse(text: str) -> int:
         try:
@@ -33,6 +34,8 @@ def _integer(name: str, minimum: int):
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{name} must be <= {maximum}, got {value}")
         return value
 
     return parse
@@ -204,8 +207,9 @@ def _add_launch(commands: Any) -> None:
         "launch",
         help="run a command as several local processes joined by mm.distributed.initialize",
         description="Run COMMAND as N processes on this machine (coordinator on 127.0.0.1), "
-        "each output line prefixed with its rank. When one process fails the others are "
-        "stopped and the exit status is the failed one's. Example: "
+        "each output line prefixed with its rank. When one process fails (or stops "
+        "responding) the others are stopped at once, the one that failed first is named, and "
+        "the exit status is its own; with --max-restarts, all are then started again. Example: "
         "mmnnx launch -n 2 --devices-per-process 4 -- python train.py",
     )
     launch.add_argument("-n", "--nprocs", type=_positive("-n"), required=True, metavar="N")
@@ -218,7 +222,10 @@ def _add_launch(commands: Any) -> None:
         "(default 1)",
     )
     launch.add_argument(
-        "--port", type=_integer("--port", 1), default=None, help="coordinator port (default: free)"
+        "--port",
+        type=_integer("--port", 1, 65535),
+        default=None,
+        help="coordinator port (default: a free one, a fresh one for each restart)",
     )
     launch.add_argument(
         "--collectives",
@@ -232,6 +239,24 @@ def _add_launch(commands: Any) -> None:
         action="store_true",
         help="also print gloo's connection lines and JAX's C++ information logs "
         "(TF_CPP_MIN_LOG_LEVEL=0), left out by default; warnings and errors always show",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=_integer("--max-restarts", 0),
+        default=0,
+        metavar="N",
+        help="when a process fails, stop all and start all again, up to N times, one line each; "
+        "the exit status is the last attempt's. Each process sees the attempt's number in "
+        "MMNNX_RESTART_COUNT; `mmnnx train --resume` continues from the newest checkpoint (0)",
+    )
+    launch.add_argument(
+        "--heartbeat-timeout",
+        type=_positive("--heartbeat-timeout"),
+        default=None,
+        metavar="S",
+        help="a process silent this long has stopped responding: JAX's heartbeat timeout in "
+        "every process (MMNNX_HEARTBEAT_TIMEOUT), and how long the launcher lets a process "
+        "stay stopped (SIGSTOP) before it names it and ends the job (default 20)",
     )
     launch.add_argument(
         "argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command and its arguments"
@@ -250,6 +275,8 @@ def run_launch(args: argparse.Namespace) -> int:
             port=args.port,
             collectives=args.collectives,
             verbose=args.verbose,
+            max_restarts=args.max_restarts,
+            heartbeat_timeout_s=args.heartbeat_timeout,
         )
     except LaunchError as e:
         print(e, file=sys.stderr)
@@ -458,6 +485,16 @@ def _latest_checkpoint(directory: pathlib.Path) -> tuple[int | None, bool]:
         return ckpt.latest_step(), bool(ckpt.all_steps() or ckpt.incomplete_steps())
 
 
+def _failed_now(status: int) -> int:
+    """``status``; a failure of one process of several ends it at once, telling the others
+    (``mm.distributed.fail``), rather than waiting for them as at a normal end."""
+    from mmnnx.distributed import fail, is_distributed  # noqa: PLC0415
+
+    if status != 0 and is_distributed():
+        fail(status)
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mmnnx`` console script.
 
@@ -472,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             print(f"mmnnx train: error: {problem}", file=sys.stderr)
             return 2
-        return train(args)
+        return _failed_now(train(args))
     if args.command == "launch":
         return run_launch(args)
     return 2

@@ -50,6 +50,26 @@ def key_value_get(key: str, timeout_s: float) -> bytes:
     return client().blocking_key_value_get_bytes(key, int(timeout_s * 1000))
 
 
+def key_value_try_get(key: str) -> bytes | None:
+    """The value of ``key`` now, or ``None`` when it is not set."""
+    try:
+        return client().key_value_try_get_bytes(key)
+    except jax.errors.JaxRuntimeError as e:
+        if "NOT_FOUND" in str(e):
+            return None
+        raise
+
+
+def key_value_dir_get(prefix: str) -> dict[str, bytes]:
+    """Every key under ``prefix`` (ending in ``/``) with its value, now."""
+    return dict(client().key_value_dir_get_bytes(prefix))
+
+
+def is_timeout(error: Exception) -> bool:
+    """Whether ``error`` (from :func:`key_value_get` or :func:`barrier`) is a timeout."""
+    return "DEADLINE_EXCEEDED" in str(error)
+
+
 def key_value_delete(key: str) -> None:
     client().key_value_delete(key)
 

@@ -5,8 +5,17 @@ Start processes with ``mmnnx launch -n N -- python train.py`` (or a cluster's la
 process's devices; every process plans every step and runs its own tasks' parts of it.
 """
 
+from mmnnx.distributed.exits import PeerExitedError, fail
 from mmnnx.distributed.fetch import fetch
 from mmnnx.distributed.gather import gather
 from mmnnx.distributed.initialize import backends_started, initialize, is_distributed
 
-__all__ = ["backends_started", "fetch", "gather", "initialize", "is_distributed"]
+__all__ = [
+    "PeerExitedError",
+    "backends_started",
+    "fail",
+    "fetch",
+    "gather",
+    "initialize",
+    "is_distributed",
+]

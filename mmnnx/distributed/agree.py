@@ -8,6 +8,7 @@ import zlib
 import jax
 
 from mmnnx._jax import runtime
+from mmnnx.distributed.exits import wait_for
 from mmnnx.errors import MPMDError
 
 _KEY = "mmnnx/agree/{}/{}"
@@ -18,7 +19,8 @@ _round = itertools.count()
 def check_same_everywhere(what: str, lines: list[str]) -> int:
     """Raises :class:`MPMDError` on every process if the processes' ``lines`` differ, naming the
     first line that differs and the two processes. A collective: every process calls it, in the
-    same order. A process that never calls it makes the others fail after a timeout. Returns
+    same order. A process that never calls it makes the others fail after a timeout, or as soon
+    as it ends (:class:`~mmnnx.distributed.exits.PeerExitedError`). Returns
     the round's number (the same on every process), for keys that belong to this step."""
     me, count = jax.process_index(), jax.process_count()
     n = next(_round)
@@ -27,8 +29,8 @@ def check_same_everywhere(what: str, lines: list[str]) -> int:
         if peer == me:
             continue
         try:
-            raw = runtime.key_value_get(_KEY.format(n, peer), _WAIT_S)
-        except jax.errors.JaxRuntimeError as e:
+            raw = wait_for(_KEY.format(n, peer), peer, _WAIT_S, what)
+        except TimeoutError as e:
             raise MPMDError(
                 f"{what}: process {peer} did not plan it within {_WAIT_S:.0f} s (it runs other "
                 "steps, or failed); every process must make the same mm.jit calls in the same "
@@ -65,8 +67,8 @@ def share_outcome(root: int, what: str, failure: str | None, timeout_s: float = 
         runtime.key_value_set(key, (failure or "").encode())
         return
     try:
-        text = runtime.key_value_get(key, timeout_s).decode()
-    except jax.errors.JaxRuntimeError as e:
+        text = wait_for(key, root, timeout_s, what).decode()
+    except TimeoutError as e:
         raise RuntimeError(f"{what}: process {root} did not finish within {timeout_s:.0f} s") from e
     if text:
         raise RuntimeError(f"{what} failed on process {root}: {text}")
@@ -84,8 +86,8 @@ def from_process_zero(what: str, value: str) -> str:
         runtime.key_value_set(key, value.encode())
         return value
     try:
-        return runtime.key_value_get(key, _WAIT_S).decode()
-    except jax.errors.JaxRuntimeError as e:
+        return wait_for(key, 0, _WAIT_S, what).decode()
+    except TimeoutError as e:
         raise MPMDError(
             f"{what}: process 0 did not publish its choice within {_WAIT_S:.0f} s"
         ) from e

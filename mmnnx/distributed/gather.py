@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from mmnnx._jax import runtime
+from mmnnx.distributed.exits import wait_for
 from mmnnx.errors import MPMDError
 
 _KEY = "mmnnx/gather/{}/{}"
@@ -54,8 +55,8 @@ def gather(
             values.append(json.loads(json.dumps(value)))  # as the others see it
             continue
         try:
-            raw = runtime.key_value_get(_KEY.format(n, peer), timeout_s)
-        except jax.errors.JaxRuntimeError as e:
+            raw = wait_for(_KEY.format(n, peer), peer, timeout_s, what)
+        except TimeoutError as e:
             raise MPMDError(
                 f"{what}: process {peer} did not send its part within {timeout_s:.0f} s "
                 "(it failed, "

@@ -8,18 +8,16 @@ find each other through JAX's coordination service; mmnnx adds a transfer server
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import errno
 import os
 import socket
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from mmnnx._jax import runtime
+from mmnnx.distributed import exits
 from mmnnx.errors import MPMDError
 
 ENV_COORDINATOR = "MMNNX_COORDINATOR"
@@ -139,32 +137,8 @@ def initialize(
             raise
         raise _port_in_use(kwargs.get("coordinator_address")) from e
     if jax.process_count() > 1:
-        _hold_exit_until_everyone_is_done()
+        exits.install()
     return jax.process_count() > 1
-
-
-_EXIT_WAIT_S = 300.0
-_failed: list[BaseException] = []
-
-
-def _hold_exit_until_everyone_is_done() -> None:
-    """At exit, a process waits for the others before JAX tears its runtime down: a peer may
-    still be pulling arrays this process offered (they live in this process's runtime). A
-    process leaving with an uncaught exception does not wait."""
-    previous = sys.excepthook
-
-    def note_failure(kind, value, traceback):
-        _failed.append(value)
-        previous(kind, value, traceback)
-
-    def wait_for_everyone() -> None:
-        if _failed:
-            return
-        with contextlib.suppress(Exception):
-            runtime.barrier("mmnnx/exit", _EXIT_WAIT_S)
-
-    sys.excepthook = note_failure
-    atexit.register(wait_for_everyone)
 
 
 def check_collectives_for(tasks: Sequence[Any]) -> None:

@@ -2,21 +2,20 @@
 
 Like ``torchrun`` on one machine: a coordinator on 127.0.0.1 with a free port, each process told
 its rank through the environment, each output line prefixed with its rank; when one process
-fails the others are stopped, and none outlives the launcher (Ctrl-C included).
+fails or stops responding the others are stopped at once (:mod:`~mmnnx.distributed.ranks`) and,
+with ``max_restarts``, all of them are started again; none outlives the launcher (Ctrl-C
+included).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import re
+import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 
 from mmnnx.distributed.chatter import is_chatter
@@ -24,16 +23,21 @@ from mmnnx.distributed.initialize import (
     COLLECTIVES,
     ENV_COLLECTIVES,
     ENV_COORDINATOR,
+    ENV_HEARTBEAT,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
+from mmnnx.distributed.ranks import Outcome, Ranks
 
+ENV_RESTART_COUNT = "MMNNX_RESTART_COUNT"
+"""How many times ``mmnnx launch`` restarted the processes before this attempt (0, 1, ...)."""
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S+")
-_GRACE_S = 5.0
+_DEFAULT_HEARTBEAT_S = 20
 
 
 class LaunchError(RuntimeError):
-    """The launcher could not start (a port in use, a command that does not exist)."""
+    """The launcher could not start (bad arguments, a port in use, a command that does not
+    exist)."""
 
 
 def free_port() -> int:
@@ -44,6 +48,8 @@ def free_port() -> int:
 
 def _check_port(port: int) -> None:
     with socket.socket() as probe:
+        # as the coordinator binds: a port left in TIME_WAIT by a previous attempt is free
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError as e:
@@ -84,48 +90,40 @@ def process_env(
     return env
 
 
-def _die_with_parent() -> None:  # runs in the child before exec
-    os.setsid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the launcher's own handlers still stop the children
-        pass
-
-
-def _pump(rank: int, stream, lock: threading.Lock, verbose: bool = False) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        if not verbose and is_chatter(line):  # gloo's connection lines (chatter.py)
-            continue
-        with lock:
-            sys.stdout.write(f"[rank {rank}] {line}\n")
-            sys.stdout.flush()
-    stream.close()
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + _GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+def _check(
+    command: Sequence[str],
+    num_processes: int,
+    devices_per_process: int | None,
+    port: int | None,
+    collectives: str | None,
+    max_restarts: int,
+    heartbeat_timeout_s: int | None,
+) -> None:
+    """Raises :class:`LaunchError` with one line for the first bad argument."""
+    if num_processes < 1:
+        raise LaunchError(f"mmnnx launch: -n must be at least 1, got {num_processes}")
+    if devices_per_process is not None and devices_per_process < 1:
+        raise LaunchError(
+            f"mmnnx launch: --devices-per-process must be at least 1, got {devices_per_process}"
+        )
+    if port is not None and not 1 <= port <= 65535:
+        raise LaunchError(f"mmnnx launch: --port must be in 1..65535, got {port}")
+    if max_restarts < 0:
+        raise LaunchError(f"mmnnx launch: --max-restarts must be at least 0, got {max_restarts}")
+    if heartbeat_timeout_s is not None and heartbeat_timeout_s < 1:
+        raise LaunchError(
+            f"mmnnx launch: --heartbeat-timeout must be at least 1, got {heartbeat_timeout_s}"
+        )
+    if collectives is not None and collectives not in COLLECTIVES:
+        raise LaunchError(
+            f"mmnnx launch: --collectives must be one of {', '.join(COLLECTIVES)}, "
+            f"got {collectives!r}"
+        )
+    if not command:
+        raise LaunchError("mmnnx launch: give the command to run after --")
+    if shutil.which(command[0]) is None:
+        why = "not an executable file" if os.sep in command[0] else "no such command"
+        raise LaunchError(f"mmnnx launch: cannot run {command[0]!r}: {why}")
 
 
 def launch(
@@ -135,93 +133,103 @@ def launch(
     devices_per_process: int | None = None,
     port: int | None = None,
     collectives: str | None = None,
+    max_restarts: int = 0,
+    heartbeat_timeout_s: int | None = None,
     verbose: bool = False,
 ) -> int:
     """Runs ``command`` as ``num_processes`` processes and returns the exit status: 0 when all
-    succeed, else that of the first process to fail (the others are stopped).
+    succeed, else that of the first process to fail (1 for one that stopped responding); the
+    others are stopped at once.
+
+    A process stopped by a signal for ``heartbeat_timeout_s`` (default ``MMNNX_HEARTBEAT_TIMEOUT``
+    or 20, also JAX's heartbeat timeout in the processes) has stopped responding. With
+    ``max_restarts`` = N, a failed attempt is followed by a fresh one of all processes (a new
+    coordinator port unless ``port`` is given), up to N times, one line each; the status is
+    the last attempt's. Each process sees the attempt's number in ``MMNNX_RESTART_COUNT``.
 
     ``verbose``: print gloo's connection lines too, which are left out otherwise, and JAX's
     C++ information logs (``TF_CPP_MIN_LOG_LEVEL=0``; see ``chatter.py``).
+
+    Raises:
+        LaunchError: a bad argument, a port in use, or a command that cannot be run.
 
     Example:
         >>> import sys
         >>> launch([sys.executable, "-c", "pass"], 2)
         0
     """
-    if num_processes < 1:
-        raise LaunchError(f"mmnnx launch: -n must be at least 1, got {num_processes}")
-    if not command:
-        raise LaunchError("mmnnx launch: give the command to run after --")
-    if collectives is not None and collectives not in COLLECTIVES:
-        raise LaunchError(
-            f"mmnnx launch: --collectives must be one of {', '.join(COLLECTIVES)}, "
-            f"got {collectives!r}"
-        )
-    if port is None:
-        port = free_port()
-    else:
-        _check_port(port)
-    lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
+    _check(
+        command,
+        num_processes,
+        devices_per_process,
+        port,
+        collectives,
+        max_restarts,
+        heartbeat_timeout_s,
+    )
     interrupted: list[int] = []
+    wake = threading.Event()
 
     def on_signal(signum, frame):
         interrupted.append(signum)
+        wake.set()
 
+    base = dict(os.environ)
+    if heartbeat_timeout_s is not None:
+        base[ENV_HEARTBEAT] = str(heartbeat_timeout_s)
+    heartbeat = int(base.get(ENV_HEARTBEAT, _DEFAULT_HEARTBEAT_S))
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for rank in range(num_processes):
-            env = process_env(
-                dict(os.environ), rank, num_processes, port, devices_per_process, collectives
-            )
-            if verbose:  # (importing JAX here set it to 1 unless it was set)
-                env["TF_CPP_MIN_LOG_LEVEL"] = "0"
-            try:
-                proc = subprocess.Popen(
-                    list(command),
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    preexec_fn=_die_with_parent,
+        for attempt in range(max_restarts + 1):
+            if port is None:
+                now = free_port()  # a fresh one each attempt
+            else:
+                _check_port(now := port)
+            envs = [
+                process_env(base, rank, num_processes, now, devices_per_process, collectives)
+                | {ENV_RESTART_COUNT: str(attempt)}
+                | ({"TF_CPP_MIN_LOG_LEVEL": "0"} if verbose else {})
+                for rank in range(num_processes)
+            ]
+            outcome = _attempt(command, envs, heartbeat, wake, verbose)
+            if outcome is None:
+                name = signal.Signals(interrupted[0]).name
+                sys.stderr.write(
+                    f"mmnnx launch: {name} received; stopped all {num_processes} processes\n"
                 )
-            except OSError as e:
-                _stop(procs)
-                raise LaunchError(
-                    f"mmnnx launch: cannot run {command[0]!r}: {e.strerror}"
-                ) from None
-            procs.append(proc)
-            pump = threading.Thread(
-                target=_pump, args=(rank, proc.stdout, lock, verbose), daemon=True
-            )
-            pump.start()
-            pumps.append(pump)
-        failed: tuple[int, int] | None = None
-        while failed is None and not interrupted:
-            codes = [p.poll() for p in procs]
-            failed = next(((r, c) for r, c in enumerate(codes) if c is not None and c != 0), None)
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(0.05)
-        if failed is not None or interrupted:
-            _stop(procs)
-        for pump in pumps:
-            pump.join(timeout=_GRACE_S)
-        if interrupted:
-            name = signal.Signals(interrupted[0]).name
+                return 128 + interrupted[0]
+            if outcome.failure is None:
+                return 0
+            if attempt == max_restarts:
+                sys.stderr.write(
+                    f"mmnnx launch: {outcome.failure}; stopped the other {num_processes - 1} "
+                    "process(es)\n"
+                )
+                return outcome.status
             sys.stderr.write(
-                f"mmnnx launch: {name} received; stopped all {num_processes} processes\n"
+                f"mmnnx launch: {outcome.failure}; restarting all {num_processes} processes "
+                f"(restart {attempt + 1} of {max_restarts})\n"
             )
-            return 128 + interrupted[0]
-        if failed is not None:
-            rank, code = failed
-            sys.stderr.write(
-                f"mmnnx launch: rank {rank} failed first ({_describe(code)}); stopped the "
-                f"other {num_processes - 1} process(es)\n"
-            )
-            return code if code > 0 else 128 - code
-        return 0
+            sys.stderr.flush()
+        raise AssertionError("unreachable")
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        _stop(procs)
+
+
+def _attempt(
+    command: Sequence[str],
+    envs: list[dict[str, str]],
+    heartbeat: int,
+    wake: threading.Event,
+    verbose: bool,
+) -> Outcome | None:
+    """One attempt: a process per environment, watched until it ends (``None``: interrupted)."""
+    try:
+        ranks = Ranks(command, envs, leave_out=None if verbose else is_chatter)
+    except OSError as e:
+        raise LaunchError(f"mmnnx launch: cannot run {command[0]!r}: {e.strerror}") from None
+    try:
+        return ranks.watch(heartbeat, wake)
+    finally:
+        ranks.stop()

@@ -16,7 +16,9 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from mmnnx._jax import runtime
+from mmnnx.distributed import exits
 from mmnnx.distributed.agree import check_same_everywhere
+from mmnnx.distributed.exits import wait_for
 from mmnnx.distributed.transport import transport
 from mmnnx.errors import MPMDError
 from mmnnx.sharding import Task
@@ -55,10 +57,11 @@ class StepPeers:
         runtime.key_value_set(key, pickle.dumps(_spec_of(sharding, task)))
 
     def layout(self, slot: int, task: Task) -> NamedSharding:
+        first = min(d.process_index for d in task.jax_mesh.devices.flat)
+        key = _LAYOUT_KEY.format(self.round, slot)
         try:
-            data = runtime.key_value_get(_LAYOUT_KEY.format(self.round, slot), _LAYOUT_WAIT_S)
-        except jax.errors.JaxRuntimeError as e:
-            first = min(d.process_index for d in task.jax_mesh.devices.flat)
+            data = wait_for(key, first, _LAYOUT_WAIT_S, f"mm.jit: a layout of task {task.name!r}")
+        except TimeoutError as e:
             raise MPMDError(
                 f"mm.jit: process {first} did not publish the layout of a value of task "
                 f"{task.name!r} within {_LAYOUT_WAIT_S:.0f} s"
@@ -69,4 +72,16 @@ class StepPeers:
         transport().send(peer, arrays)
 
     def receive(self, peer: int, specs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
-        return transport().receive(peer, specs)
+        """The arrays, once they have arrived (the runner waits for them anyway: see its
+        ``_Cross``); a failed transfer names ``peer``."""
+        arrays = transport().receive(peer, specs)
+        try:
+            for array in arrays:
+                array.block_until_ready()
+        except jax.errors.JaxRuntimeError as e:
+            exits.lost(peer)
+            raise MPMDError(
+                f"mm.jit: receiving a value from process {peer} failed (the process ended or "
+                f"its host is unreachable): {e}"
+            ) from e
+        return arrays

@@ -19,6 +19,8 @@ from typing import Any
 import jax
 
 from mmnnx._jax import runtime
+from mmnnx.distributed import exits
+from mmnnx.distributed.exits import wait_for
 
 _ADDRESS_KEY = "mmnnx/transfer-server/{}"
 _PEER_WAIT_S = 120.0
@@ -47,25 +49,36 @@ class Transport:
         self._connections: dict[int, Any] = {}
         self._sequence: collections.Counter = collections.Counter()
 
-    def _id(self, source: int, target: int) -> int:
+    def _next(self, source: int, target: int) -> int:
+        """The number of the next message from ``source`` to ``target`` (0, 1, ...)."""
         n = self._sequence[(source, target)]
         self._sequence[(source, target)] = n + 1
-        return (n << 24) | (source << 12) | target
+        return n
 
     def _connection(self, peer: int) -> Any:
         conn = self._connections.get(peer)
         if conn is None:
-            address = runtime.key_value_get(_ADDRESS_KEY.format(peer), _PEER_WAIT_S).decode()
+            key, what = _ADDRESS_KEY.format(peer), f"a transfer from or to process {peer}"
+            address = wait_for(key, peer, _PEER_WAIT_S, what).decode()
             conn = self._connections[peer] = self.server.connect(address)
         return conn
 
     def send(self, peer: int, arrays: Sequence[jax.Array]) -> None:
         """Offers single-device ``arrays`` to process ``peer`` (which calls :meth:`receive`)."""
-        self.server.await_pull(self._id(self.me, peer), list(arrays))
+        n = self._next(self.me, peer)
+        self.server.await_pull(_message_id(n, self.me, peer), list(arrays))
+        exits.offered(peer, n + 1)
 
     def receive(self, peer: int, specs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
         """The arrays ``peer`` sends next, laid out as ``specs`` (single-device shardings)."""
-        return self._connection(peer).pull(self._id(peer, self.me), list(specs))
+        n = self._next(peer, self.me)
+        arrays = self._connection(peer).pull(_message_id(n, peer, self.me), list(specs))
+        exits.awaiting(peer, n, arrays)
+        return arrays
+
+
+def _message_id(n: int, source: int, target: int) -> int:
+    return (n << 24) | (source << 12) | target
 
 
 _transport: Transport | None = None

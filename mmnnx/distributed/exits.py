@@ -1,0 +1,331 @@
+"""Leaving a run of several processes: a failing process ends at once, a finishing one waits
+for the others, and a process waiting for one that has left says so and ends instead of hanging.
+
+Each process publishes how it leaves under ``mmnnx/exit/<process>`` in the coordination
+service's key-value store: ``failed`` (an uncaught exception, ``sys.exit`` with a failing status,
+or :func:`fail`) or ``leaving`` (its script ended, or called ``sys.exit(0)``), with how many
+messages it offered each process (``leaving {"0": 17}``).
+
+- A failing process ends without waiting for anyone: JAX's own exit handler would wait at its
+  shutdown barrier for every process (``shutdown_timeout``, 300 s), and a process waiting for a
+  value of the failed one never gets there. The others are stopped by ``mmnnx launch`` at once;
+  without it, each fails when it next waits for the failed one (its pulls fail, or
+  :func:`wait_for` raises), or JAX's coordination service ends it at the heartbeat timeout.
+- ``sys.exit(status)`` with a failing status (not 0 or ``None``) is a failure too: ``install``
+  wraps ``sys.exit`` to note the status, which Python does not tell exit handlers.
+- A process that ends normally waits (up to 300 s) until every other one has ended too, or one
+  has failed, before JAX tears down its runtime: a peer may still be pulling arrays it offered.
+- A process waiting for one that has left, in a wait of mmnnx (:func:`wait_for`: the plan
+  agreement, a transfer server's address, a layout, a checkpoint's outcome) or for a message
+  the leaving one never offered (a step's transfer, ``fetch``; watched by a thread), fails.
+  When that one left normally, as far as anyone knows, this one first joins JAX's shutdown
+  barrier, where the leaving one waits for it, and stays a moment after, so that one ends
+  first with its own status and is the one ``mmnnx launch`` names.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import NoReturn
+
+import jax
+
+from mmnnx._jax import runtime
+from mmnnx.errors import MPMDError
+
+_PREFIX = "mmnnx/exit/"
+FAILED = b"failed"
+LEAVING = b"leaving"
+_SLICE_S = 0.5  # how often a wait looks at whether the process it waits for has left
+_EXIT_WAIT_S = 300.0  # how long a process ending normally waits for the others
+_SHUTDOWN_WAIT_S = 10.0  # how long a process failing after a peer left waits at the barrier
+_AFTER_S = 2.0  # then how long it stays, so that the process that left ends first
+
+
+class PeerExitedError(MPMDError):
+    """This process waited for process ``peer``, which had ended: ``failed`` (an uncaught
+    exception, or :func:`fail`) or not (its script returned or called ``sys.exit(0)``)."""
+
+    def __init__(self, what: str, peer: int, failed: bool):
+        self.peer, self.failed = peer, failed
+        super().__init__(
+            f"{what}: process {peer} {_how(failed)} while this process waited for it; see its "
+            "output (every process must make the same mm.jit and mm.distributed calls)"
+        )
+
+
+def _how(failed: bool) -> str:
+    return "failed" if failed else "ended (its script returned or called sys.exit(0))"
+
+
+def _key(process: int) -> str:
+    return f"{_PREFIX}{process}"
+
+
+def _left(process: int) -> tuple[bytes, dict[int, int]] | None:
+    """How ``process`` left (``FAILED`` or ``LEAVING``) and how many messages it offered each
+    process, or ``None`` while it runs."""
+    value = runtime.key_value_try_get(_key(process))
+    if value is None:
+        return None
+    how, _, offers = value.partition(b" ")
+    return how, {int(p): n for p, n in json.loads(offers or b"{}").items()}
+
+
+def wait_for(key: str, peer: int, timeout_s: float, what: str) -> bytes:
+    """The value of ``key``, which process ``peer`` sets, as soon as it is set.
+
+    Raises :class:`PeerExitedError` within a second of ``peer`` leaving without setting it, and
+    ``TimeoutError`` after ``timeout_s``.
+
+    Example::
+
+        address = wait_for("mmnnx/transfer-server/1", 1, 120.0, "mm.distributed.fetch")
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        slice_s = max(min(_SLICE_S, deadline - time.monotonic()), 0.001)
+        try:
+            return runtime.key_value_get(key, slice_s)
+        except jax.errors.JaxRuntimeError as e:
+            if not runtime.is_timeout(e):
+                raise
+        left = _left(peer)
+        if left is not None:
+            value = runtime.key_value_try_get(key)  # set just before it left
+            if value is not None:
+                return value
+            raise PeerExitedError(what, peer, failed=left[0] == FAILED)
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what}: process {peer} did not answer within {timeout_s:.0f} s")
+
+
+# Messages between processes (mmnnx.distributed.transport tells them), for the watch.
+_lock = threading.Lock()
+_offered: dict[int, int] = {}  # peer -> messages offered to it so far
+_awaited: list[tuple[int, int, list[jax.Array]]] = []  # (peer, message, arrays) not yet ready
+_lost: set[int] = set()  # peers a transfer from which failed
+
+
+def offered(peer: int, count: int) -> None:
+    """Notes that this process has offered ``count`` messages to ``peer`` so far."""
+    with _lock:
+        _offered[peer] = count
+
+
+def lost(peer: int) -> None:
+    """Notes that a transfer from ``peer`` failed (its process died, most likely): when this
+    process then fails, it lets ``peer`` be the first to have failed (see :func:`fail`)."""
+    with _lock:
+        _lost.add(peer)
+
+
+def _follows_another() -> bool:
+    """Whether this process's failure may follow another's: a transfer from a process failed,
+    or another process has said it failed."""
+    with _lock:
+        if _lost:
+            return True
+    with contextlib.suppress(Exception):  # the coordination service may be gone already
+        me = _key(jax.process_index())
+        left = runtime.key_value_dir_get(_PREFIX)
+        return any(how.startswith(FAILED) for key, how in left.items() if key != me)
+    return False
+
+
+def awaiting(peer: int, message: int, arrays: Sequence[jax.Array]) -> None:
+    """Notes that ``arrays`` are message number ``message`` (0, 1, ...) from ``peer``, on their
+    way: the watch ends this process if ``peer`` leaves without ever offering it. They are
+    held until they are ready (the messages before, found ready, are let go here)."""
+    with _lock:
+        _awaited[:] = [entry for entry in _awaited if _pending(entry[2])]
+        _awaited.append((peer, message, list(arrays)))
+
+
+def _pending(arrays: list[jax.Array]) -> bool:
+    for array in arrays:
+        with contextlib.suppress(Exception):  # deleted or donated: not waited for
+            if not array.is_ready():
+                return True
+    return False
+
+
+def _never_coming() -> tuple[int, int] | None:
+    """A message this process waits for from a process that left without offering it."""
+    with _lock:
+        _awaited[:] = [entry for entry in _awaited if _pending(entry[2])]
+        first = {}
+        for peer, message, _ in _awaited:
+            first[peer] = min(message, first.get(peer, message))
+    me = jax.process_index()
+    for peer, message in first.items():
+        left = _left(peer)
+        if left is not None and left[0] == LEAVING and message >= left[1].get(me, 0):
+            return peer, message
+    return None
+
+
+_watch_turn = threading.Lock()  # held while the watch looks; taken for good at exit
+_watching = threading.Event()
+
+
+def _watch() -> None:
+    """Ends this process when it waits for a message a process that left never offered (this
+    process's main thread then waits inside the runtime, where no error reaches it). Stops
+    once this process leaves: a look at the key-value store after process 0's coordination
+    service has gone aborts the process (JAX's client does not raise there)."""
+    while True:
+        time.sleep(_SLICE_S)
+        with _watch_turn:
+            if not _watching.is_set():
+                return
+            with contextlib.suppress(Exception):  # the coordination service may be gone
+                stuck = _never_coming()
+                if stuck is not None:
+                    peer, message = stuck
+                    sys.stderr.write(
+                        f"mmnnx: process {jax.process_index()} waits for a value from process "
+                        f"{peer} (message {message}), which {_how(False)} without sending it; "
+                        "ending this process (every process must make the same mm.jit and "
+                        "mm.distributed calls)\n"
+                    )
+                    _fail_after_peer(leaving=True)
+
+
+def _stop_watching() -> None:
+    with _watch_turn:
+        _watching.clear()
+
+
+_failure: list[BaseException] = []
+
+
+def install() -> None:
+    """Makes this process leave the run as the module says: called by
+    ``mm.distributed.initialize`` once this process is one of several."""
+    previous = sys.excepthook
+
+    def note_failure(kind, value, traceback):
+        _failure.append(value)
+        previous(kind, value, traceback)
+
+    exit_ = sys.exit
+
+    def exit_noting_status(status=None):
+        if status not in (None, 0):
+            _failure.append(SystemExit(status))
+        exit_(status)
+
+    sys.excepthook = note_failure
+    sys.exit = exit_noting_status
+    atexit.register(_at_exit)  # after JAX's own exit handler, so it runs before it
+    _watching.set()
+    threading.Thread(target=_watch, name="mmnnx-exits", daemon=True).start()
+
+
+def fail(status: int = 1) -> NoReturn:
+    """Ends this process now with exit ``status``, telling the other processes it failed
+    rather than waiting for them, from any thread (``sys.exit(status)`` does the same from the
+    main thread, and ``raise SystemExit(status)``, which mmnnx cannot see, ends it as a normal
+    end that waits for the others). Standard output and error are flushed; other exit handlers
+    do not run. When its failure may follow another process's (a transfer from one failed, or
+    one said it failed), it waits 2 s first, so that ``mmnnx launch`` names that one. With one
+    process it is ``os._exit(status)`` after the flush.
+
+    Example::
+
+        if not ok:
+            print("bad data on this process", file=sys.stderr)
+            mm.distributed.fail(3)
+    """
+    if runtime.is_initialized():
+        _announce(FAILED)
+        if _follows_another():
+            time.sleep(_AFTER_S)  # so that the launcher finds the other first
+    _end(status)
+
+
+def _at_exit() -> None:
+    _stop_watching()
+    failure = _failure[0] if _failure else getattr(sys, "last_value", None)
+    if failure is None:  # the script ended, or called sys.exit(0)
+        with _lock:
+            offers = json.dumps({str(p): n for p, n in _offered.items()})
+        _announce(LEAVING + b" " + offers.encode())
+        _wait_for_everyone()
+        return
+    if isinstance(failure, PeerExitedError):
+        _fail_after_peer(leaving=not failure.failed)
+    _announce(FAILED)
+    if _follows_another():
+        time.sleep(_AFTER_S)  # so that the launcher finds the other first
+    _end(_status_of(failure))
+
+
+def _status_of(failure: BaseException) -> int:
+    """The exit status Python gives an uncaught ``failure``."""
+    if isinstance(failure, SystemExit):
+        code = failure.code
+        return code if isinstance(code, int) else 1
+    return 1
+
+
+def _fail_after_peer(leaving: bool) -> NoReturn:
+    """Fails this process after a peer left, letting that peer end first."""
+    _announce(FAILED)
+    if leaving:
+        _join_shutdown()
+    time.sleep(_AFTER_S)
+    _end(1)
+
+
+def _announce(how: bytes) -> None:
+    with contextlib.suppress(Exception):  # the coordination service may be gone already
+        runtime.key_value_set(_key(jax.process_index()), how)
+
+
+def _wait_for_everyone() -> None:
+    """Until every process has left, one has failed, or ``_EXIT_WAIT_S`` has passed."""
+    count = jax.process_count()
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            left = runtime.key_value_dir_get(_PREFIX)
+            if any(how.startswith(FAILED) for how in left.values()):
+                return
+            missing = [p for p in range(count) if _key(p) not in left]
+            if not missing:
+                return
+            runtime.key_value_get(_key(missing[0]), _SLICE_S)
+        except jax.errors.JaxRuntimeError as e:
+            if not runtime.is_timeout(e):  # the coordination service is gone
+                return
+
+
+def _join_shutdown() -> None:
+    """Joins JAX's shutdown barrier, where a process that left waits for this one."""
+    done = threading.Thread(target=_shutdown, daemon=True)
+    done.start()
+    done.join(_SHUTDOWN_WAIT_S)
+
+
+def _shutdown() -> None:
+    with contextlib.suppress(Exception):
+        jax.distributed.shutdown()
+
+
+def _end(status: int) -> NoReturn:
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)

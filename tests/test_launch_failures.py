@@ -1,0 +1,227 @@
+"""A failing process of several ends the job in seconds, and ``mmnnx launch --max-restarts``
+heals it: real processes on loopback, each run under a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.flags import without_device_count
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 240
+WITHIN_S = 60  # the issue's bound for a failure to end every process
+
+TRAIN_FLAGS = [
+    "--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
+    "--microbatches", "4", "--schedule", "1f1b", "--eval-every", "100",
+]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
+
+
+def launch(
+    args: list[str], timeout: float = TIMEOUT_S
+) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmnnx", "launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+        cwd=ROOT,
+    )
+    return proc, time.monotonic() - started
+
+
+# A JAX barrier in the coordination service: rank 0 waits there for rank 1, in no wait of mmnnx.
+BARRIER = """
+import sys, jax, mmnnx as mm
+from mmnnx._jax import runtime
+mm.distributed.initialize()
+print('ready', flush=True)
+if jax.process_index() == {rank}:
+    {fail}
+runtime.barrier('the other process never comes', 600)
+"""
+
+
+@pytest.mark.parametrize(
+    "rank,fail,status",
+    [
+        (1, "raise RuntimeError('rank 1 broke')", 1),
+        (1, "sys.exit(1)", 1),
+        (0, "sys.exit(4)", 4),
+    ],
+)
+def test_a_failing_process_ends_every_process_in_seconds_and_is_named(rank, fail, status):
+    code = BARRIER.format(rank=rank, fail=fail)
+    proc, seconds = launch(["-n", "2", "--", sys.executable, "-c", code])
+    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert seconds < WITHIN_S, (seconds, proc.stderr[-3000:])
+    assert f"mmnnx launch: rank {rank} failed first (exit code {status})" in proc.stderr
+    assert f"[rank {rank}] ready" in proc.stdout  # it failed after initialize
+
+
+def test_a_process_of_several_that_exits_with_a_failing_status_does_not_wait_for_the_others(
+    tmp_path,
+):
+    # without the launcher (as on a cluster): rank 1's sys.exit(1) must not hold it at exit for
+    # rank 0 (which waits in a barrier); rank 0 then fails when the coordination service notices
+    from mmnnx.distributed import launch as launcher
+
+    port = launcher.free_port()
+    code = BARRIER.format(rank=1, fail="sys.exit(1)")
+    procs = []
+    for process in range(2):
+        env = launcher.process_env(_env(), process, 2, port, 1)
+        env["MMNNX_HEARTBEAT_TIMEOUT"] = "5"
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT))
+    try:
+        started = time.monotonic()
+        assert procs[1].wait(timeout=WITHIN_S) == 1
+        assert time.monotonic() - started < 30
+        assert procs[0].wait(timeout=WITHIN_S) != 0
+        assert time.monotonic() - started < WITHIN_S
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _failing_train(rank: int, step: int, how: str, out, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "tests.failing_train", str(rank), str(step), how,
+            "--output-dir", str(out), *TRAIN_FLAGS, *flags]  # fmt: skip
+
+
+@pytest.mark.parametrize("how,said", [("raise", "exit code 1"), ("kill", "killed by SIGKILL")])
+def test_a_data_loader_failing_on_one_process_of_mmnnx_train_ends_the_job_in_seconds(
+    tmp_path, how, said
+):
+    proc, _ = launch(
+        ["-n", "2", "--devices-per-process", "4", "--",
+         *_failing_train(1, 3, how, tmp_path / "run", "--steps", "20")]
+    )  # fmt: skip
+    ended = time.time()
+    assert proc.returncode != 0
+    assert f"mmnnx launch: rank 1 failed first ({said})" in proc.stderr, proc.stderr[-3000:]
+    failed_at = float(re.search(r"\[rank 1\] failing at ([0-9.]+)", proc.stdout).group(1))
+    assert ended - failed_at < WITHIN_S
+    if how == "raise":
+        assert "the data loader of process 1 failed at step 3" in proc.stdout
+
+
+def test_a_process_that_stops_responding_is_named_and_the_job_ends():
+    code = (
+        "import os, time, mmnnx as mm\n"
+        "mm.distributed.initialize()\n"
+        "print('pid', os.getpid(), flush=True)\n"
+        "while True:\n"
+        "    mm.distributed.gather(0, what='heartbeat of the script')\n"
+        "    time.sleep(0.05)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--heartbeat-timeout", "4", "--",
+         sys.executable, "-c", code],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    try:
+        pids = {}
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            if match := re.match(r"\[rank (\d)\] pid (\d+)", line):
+                pids[int(match.group(1))] = int(match.group(2))
+        assert len(pids) == 2
+        stopped = time.monotonic()
+        os.kill(pids[1], signal.SIGSTOP)
+        _, err = launcher.communicate(timeout=120)
+        assert launcher.returncode == 1, err[-3000:]
+        assert "mmnnx launch: rank 1 stopped responding" in err, err[-3000:]
+        assert time.monotonic() - stopped < 4 + 30
+        for pid in pids.values():
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def _losses(out) -> list[tuple[int, float, float]]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"], r["eval_loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_max_restarts_restarts_every_process_and_train_resumes_to_the_uninterrupted_losses(
+    tmp_path,
+):
+    # rank 1 is killed reading its 5th batch; checkpoints every 2 steps: the restart resumes
+    # from step 4 and the finished run's losses equal a run that was never interrupted
+    flags = ["--steps", "6", "--eval-every", "2", "--checkpoint-every", "2", "--resume"]
+    proc, _ = launch(
+        ["-n", "2", "--devices-per-process", "4", "--max-restarts", "1", "--",
+         *_failing_train(1, 5, "kill", tmp_path / "healed", *flags)]
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert (
+        "mmnnx launch: rank 1 failed first (killed by SIGKILL); restarting all 2 processes "
+        "(restart 1 of 1)" in proc.stderr
+    )
+    assert "[rank 0] resumed from step 4" in proc.stdout, proc.stdout[-4000:]
+    alone = tmp_path / "alone"
+    single = subprocess.run(
+        [sys.executable, "-m", "mmnnx", "train", "--output-dir", str(alone), *TRAIN_FLAGS,
+         "--steps", "6", "--eval-every", "2"],
+        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    )  # fmt: skip
+    assert single.returncode == 0, single.stderr[-2000:]
+    healed, reference = _losses(tmp_path / "healed"), _losses(alone)
+    assert [r[0] for r in healed] == [r[0] for r in reference] == [2, 4, 6]
+    for a, b in zip(healed, reference, strict=True):
+        assert a[1:] == pytest.approx(b[1:], rel=1e-5), (a, b)
+
+
+def test_max_restarts_gives_up_after_n_attempts_with_the_last_status():
+    code = "import sys, os; sys.exit(3 if os.environ['MMNNX_PROCESS_ID'] == '1' else 0)"
+    proc, _ = launch(["-n", "2", "--max-restarts", "2", "--", sys.executable, "-c", code])
+    assert proc.returncode == 3
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [
+        "mmnnx launch: rank 1 failed first (exit code 3); restarting all 2 processes "
+        "(restart 1 of 2)",
+        "mmnnx launch: rank 1 failed first (exit code 3); restarting all 2 processes "
+        "(restart 2 of 2)",
+        "mmnnx launch: rank 1 failed first (exit code 3); stopped the other 1 process(es)",
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags,said",
+    [
+        (["--port", "70000"], "--port"),
+        (["--max-restarts", "-1"], "--max-restarts"),
+        (["--heartbeat-timeout", "0"], "--heartbeat-timeout"),
+        (["--collectives", "tcp"], "--collectives"),
+        (["-n", "two"], "-n"),
+    ],
+)
+def test_bad_launcher_flags_are_one_line_and_exit_2(flags, said):
+    args = ["-n", "2", *flags] if flags[0] != "-n" else flags
+    proc, _ = launch([*args, "--", sys.executable, "-c", "pass"], timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert said in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
