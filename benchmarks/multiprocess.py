@@ -250,7 +250,9 @@ def worker(out_dir: str, profile: bool = False) -> None:
 
 
 def _run(command: list[str], env: dict, out: str) -> list[dict]:
-    subprocess.run(command, env=env, check=True, timeout=900, capture_output=True)
+    done = subprocess.run(command, env=env, timeout=900, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-6000:]}{done.stderr[-3000:]}")
     return [json.loads(p.read_text()) for p in sorted(pathlib.Path(out).glob("rank*.json"))]
 
 

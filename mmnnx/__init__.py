@@ -7,6 +7,7 @@ Example:
 """
 
 from mmnnx import distributed, models, modules, mpmd, schedules, train
+from mmnnx.errors import UnrolledLayersWarning
 from mmnnx.jit import CachedPartial, JitFunction, cached_partial, jit
 from mmnnx.microbatch import microbatch
 from mmnnx.models.stages import stage_rules
@@ -51,6 +52,7 @@ __all__ = [
     "Plan",
     "SideEffectError",
     "StepError",
+    "UnrolledLayersWarning",
     "UnrolledMicrobatchWarning",
     "Task",
     "TaskStack",

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--scan-layers",
         action="store_true",
         help="stack the blocks and run them with nnx.scan, each stage scanning its own chunk "
-        "(--depth must be a multiple of --stages)",
+        "(--depth must be a multiple of --stages); traced once whatever the depth: use it for "
+        "deep models (more than 32 blocks unrolled warn)",
     )
     model.add_argument(
         "--seq-len",

@@ -29,6 +29,12 @@ class SideEffectError(MPMDError):
     """The step changes its arguments in a way mm.jit cannot carry back (e.g. new attributes)."""
 
 
+class UnrolledLayersWarning(UserWarning):
+    """A step's model holds many equal blocks as a Python list (unrolled): tracing, planning
+    and compiling grow with their number; stacking them and running them with ``nnx.scan``
+    does not (the message names the list)."""
+
+
 class UnrolledMicrobatchWarning(UserWarning):
     """An ``mm.microbatch`` call inside ``mm.jit`` runs as an unrolled loop, not a pipeline,
     because its function updates Variables (the message names them); ``plan()`` says so too."""

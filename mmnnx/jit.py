@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 import warnings
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mmnnx import _nnx
 from mmnnx._jax.arrays import all_plain_arrays, move_to, shards_by_device
 from mmnnx._jax.tracing import tracing
+from mmnnx.deep_models import warn_unrolled_blocks
 from mmnnx.distributed.initialize import check_collectives_for
 from mmnnx.distributed.peers import StepPeers
 from mmnnx.distributed.timeline import JobTimeline
@@ -109,6 +111,19 @@ _SCALARS = (bool, int, float, complex)
 
 def _step_name(fun: Callable) -> str:
     return getattr(fun, "__name__", "the step")
+
+
+def _parameter_names(fun: Callable, count: int) -> list[str]:
+    """The names of ``fun``'s first ``count`` positional parameters (``arg<i>`` where unknown)."""
+    try:
+        names = [
+            p.name
+            for p in inspect.signature(fun).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        names = []
+    return [names[i] if i < len(names) else f"arg{i}" for i in range(count)]
 
 
 def _check_outputs(out: Any, step: str) -> None:
@@ -687,6 +702,13 @@ class JitFunction:
         call.check_devices()
         call.check_optimizer_state()
         fun = self.fun
+        if self.trace_count == 0:
+            dyn_args, dyn_kwargs = call.target
+            warn_unrolled_blocks(
+                [*dyn_args, *dyn_kwargs.values()],
+                [*_parameter_names(fun, len(dyn_args)), *dyn_kwargs],
+                f"mm.jit({_step_name(fun)})",
+            )
 
         added: list[_Added] = []
 

@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mmnnx.distributed",),
     (
         "mmnnx.jit",
+        "mmnnx.deep_models",
         "mmnnx.microbatch",
         "mmnnx.summary",
         "mmnnx.timeline",

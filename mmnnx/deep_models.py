@@ -1,0 +1,92 @@
+"""Steering deep models to stacked layers: a warning when a step's argument holds many equal
+blocks unrolled (a Python list of modules), since tracing, planning and compiling then grow
+with their number, while a stack of them run with ``nnx.scan`` is traced once."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from mmnnx._nnx import variables_of
+from mmnnx.errors import UnrolledLayersWarning
+
+UNROLLED_BLOCKS_WARN_AT = 32
+"""More equal blocks than this in one list of modules: :func:`warn_unrolled_blocks` warns."""
+
+
+def _signature(block: nnx.Module) -> Any:
+    """What equal blocks share: their type and each Variable's path, kind, shape and dtype (not
+    its metadata: blocks placed on different tasks are still equal)."""
+    return type(block), tuple(
+        (path, type(var), np.shape(var.get_value()), str(getattr(var.get_value(), "dtype", "")))
+        for path, var in variables_of(block)
+    )
+
+
+def equal_blocks(node: Any, at_least: int = UNROLLED_BLOCKS_WARN_AT + 1) -> list[tuple[str, int]]:
+    """Each list of modules in ``node`` holding at least ``at_least`` equal blocks (same type,
+    structure and shapes): its path (``/``-joined) and how many equal blocks it holds.
+
+    Example:
+        >>> from flax import nnx
+        >>> class Deep(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.blocks = nnx.List([nnx.Linear(2, 2, rngs=rngs) for _ in range(40)])
+        >>> equal_blocks(Deep(nnx.Rngs(0)))
+        [('blocks', 40)]
+    """
+    found = []
+    for path, child in nnx.iter_graph(node):
+        if not isinstance(child, (list, tuple, nnx.List)) or len(child) < at_least:
+            continue
+        modules = [x for x in child if isinstance(x, nnx.Module)]
+        if len(modules) < at_least:
+            continue
+        count = Counter(_signature(m) for m in modules).most_common(1)[0][1]
+        if count >= at_least:
+            found.append(("/".join(str(p) for p in path), count))
+    return found
+
+
+def warn_unrolled_blocks(args: Sequence[Any], names: Sequence[str], step: str) -> None:
+    """Warns (:class:`~mmnnx.UnrolledLayersWarning`) once per list of more than
+    :data:`UNROLLED_BLOCKS_WARN_AT` equal blocks found in the arguments ``args`` (named
+    ``names``) of the step ``step``.
+
+    Example::
+
+        warn_unrolled_blocks([model, opt], ["model", "opt"], "mm.jit(train_step)")
+    """
+    seen: set[int] = set()
+    for arg, name in zip(args, names, strict=False):
+        if not isinstance(arg, nnx.Module) or id(arg) in seen:
+            continue
+        seen.add(id(arg))
+        for path, count in equal_blocks(arg):
+            where = f"{name}.{path.replace('/', '.')}" if path else name
+            warnings.warn(
+                f"{step}: {where} holds {count} equal blocks unrolled; tracing, planning and "
+                "compiling grow with their number. Stack them (nnx.vmap) and run them with "
+                "nnx.scan: GPTConfig(scan_layers=True), `mmnnx train --scan-layers`, and a "
+                "placement rule naming a list of tasks splits the stack into stages "
+                "(docs/pipelining.md, Scanned layers)",
+                UnrolledLayersWarning,
+                stacklevel=_user_frame(),
+            )
+
+
+def _user_frame() -> int:
+    """The ``stacklevel`` of the innermost caller outside mmnnx (for ``warnings.warn`` called
+    from the function that calls this one)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
