@@ -26,7 +26,13 @@ stand-alone block (norm, two matmuls, tanh; forward and backward in one program)
 time and fusion count of one program of 1, 8 and 32 blocks, of 32 blocks whose hidden widths
 all differ (as many fusions, none alike), and of 4 programs of 8.
 
+Issue 42's measures (``--only issue42``, 5 interleaved rounds, median [min-max]): first call
+of the 16- and 32-block GPT on 4 stages, M = 8, against ``nnx.jit`` on one device; and the plan
+of an unrolled 128-block GPT (everything in the first call but compiling) against JAX alone
+tracing the plain step (``jax.make_jaxpr``).
+
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/first_call.py
+[--only issue42]
 Writes benchmarks/results/first_call.json.
 """
 
@@ -51,8 +57,9 @@ import mmnnx as mm  # noqa: E402
 from mmnnx.models import GPT, GPTConfig, stage_rules  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "first_call.json"
-CONFIG = GPTConfig(vocab_size=256, dim=64, depth=32, num_heads=4, max_seq_len=32)
-STAGES, M, BATCH = 4, 16, 32
+DEPTH = int(os.environ.get("FIRST_CALL_DEPTH", "32"))
+CONFIG = GPTConfig(vocab_size=256, dim=64, depth=DEPTH, num_heads=4, max_seq_len=32)
+STAGES, M, BATCH = 4, int(os.environ.get("FIRST_CALL_MICROBATCHES", "16")), 32
 
 
 def pipelined_step(model, opt, tokens):
@@ -111,6 +118,16 @@ def measure(case: str, cache_dir: str | None = None) -> dict:
     tokens = jax.random.randint(jax.random.key(0), (BATCH, CONFIG.max_seq_len + 1), 0, 256)
     with nnx.use_eager_sharding(False):
         model = GPT(CONFIG, rngs=nnx.Rngs(0))
+    if case == "jax_trace":  # JAX alone tracing the plain step (no compile)
+        opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+        graphdef, state = nnx.split((model, opt))
+
+        def pure(state, tokens):
+            return plain_step(*nnx.merge(graphdef, state), tokens)
+
+        start = time.perf_counter()
+        jax.make_jaxpr(pure)(state, tokens)
+        return {"seconds": time.perf_counter() - start}
     if case == "one_device":
         opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
         compiles.clear()
@@ -122,6 +139,10 @@ def measure(case: str, cache_dir: str | None = None) -> dict:
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     options = {"pack_residuals": False} if case == "pipelined_unpacked" else {}
     step = mm.jit(pipelined_step, **options)
+    if case == "plan":  # everything of the first call but compiling and running
+        start = time.perf_counter()
+        step.plan(model, opt, tokens)
+        return {"seconds": time.perf_counter() - start}
     compiles.clear()
     seconds = first_call(step, model, opt, tokens)
     compiled = len(compiles)
@@ -185,13 +206,17 @@ def kernel_reuse(width: int = 64, rounds: int = 3) -> dict:
         jax.config.update("jax_enable_compilation_cache", was)
 
 
-def in_fresh_process(case: str, cache_dir: str | None = None) -> dict:
+def in_fresh_process(
+    case: str, cache_dir: str | None = None, depth: int = 32, microbatches: int = 16
+) -> dict:
     cache = ["--cache-dir", cache_dir] if cache_dir is not None else []
+    env = dict(os.environ, FIRST_CALL_DEPTH=str(depth), FIRST_CALL_MICROBATCHES=str(microbatches))
     out = subprocess.run(
         [sys.executable, __file__, "--case", case, *cache],
         capture_output=True,
         text=True,
         check=True,
+        env=env,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -210,6 +235,53 @@ def restarted_with_a_cache() -> dict:
             str(r["compiled"]) for r in runs
         )
     return out
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
+def interleaved(depth: int, microbatches: int, cases: tuple[str, str], rounds: int) -> dict:
+    """``cases[1]`` against ``cases[0]``, each in a fresh process, alternating over ``rounds``
+    rounds (A, B, A, B, ...): seconds of each and their ratio, median [min-max]."""
+    base, measured = [], []
+    for _ in range(rounds):
+        base.append(in_fresh_process(cases[0], depth=depth, microbatches=microbatches)["seconds"])
+        measured.append(
+            in_fresh_process(cases[1], depth=depth, microbatches=microbatches)["seconds"]
+        )
+    return {
+        f"{cases[0]} s": _spread(base),
+        f"{cases[1]} s": _spread(measured),
+        "ratio": _spread([b / a for a, b in zip(base, measured, strict=True)]),
+        "rounds": rounds,
+    }
+
+
+def deep_and_first_calls(rounds: int = 5) -> dict:
+    """Issue 42's measures, each in fresh processes over interleaved rounds: the first call of
+    the 16- and 32-block GPT on 4 one-device stages, 1F1B, M = 8, against the plain step's under
+    ``nnx.jit`` on one device (target <= 1.5x); and an unrolled 128-block GPT's plan (all of the
+    first call but compiling and running) against JAX alone tracing the plain step (target
+    <= 1.5x)."""
+    out = {}
+    for depth in (16, 32):
+        out[f"first call, {depth} blocks, 4 stages, M = 8 / nnx.jit"] = interleaved(
+            depth, 8, ("one_device", "pipelined"), rounds
+        )
+    out["plan, 128 blocks unrolled, 4 stages, M = 8 / JAX trace"] = interleaved(
+        128, 8, ("jax_trace", "plan"), rounds
+    )
+    out["cores"] = os.cpu_count()
+    out["load average before"] = os.getloadavg()[0]
+    return out
+
+
+def main_issue42():
+    """Runs :func:`deep_and_first_calls` only, keeping the other sections of the results file."""
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results["issue 42: first calls and planning"] = deep_and_first_calls()
+    publish(results, RESULTS, "first call", ("issue 42: first calls and planning",))
 
 
 def main():
@@ -252,6 +324,9 @@ def main():
         "kernels compiled once per program": kernel_reuse(),
         "device": str(jax.devices()[0]),
     }
+    kept = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if "issue 42: first calls and planning" in kept:  # measured by --only issue42
+        results["issue 42: first calls and planning"] = kept["issue 42: first calls and planning"]
     sections = (
         "gpt32_4stages_m16",
         "gpt32_8stages_m16",
@@ -267,5 +342,7 @@ if __name__ == "__main__":
         if "--cache-dir" in sys.argv:
             cache_dir = sys.argv[sys.argv.index("--cache-dir") + 1]
         print(json.dumps(measure(sys.argv[sys.argv.index("--case") + 1], cache_dir)))
+    elif "--only" in sys.argv and "issue42" in sys.argv:
+        main_issue42()
     else:
         main()

@@ -113,15 +113,14 @@ def colour(
                 assigned[op.index] = max(weight, key=weight.get)
 
     labels = [t if t is not None else tasks[0] for t in assigned]
-    edges = _edges(graph, producer, placed, sinks)
-    free = [op.index for op in graph.ops if op.index not in fixed]
+    cut = _Cut.of(graph, _edges(graph, producer, placed, sinks), labels, tasks, fixed)
     for _ in range(_MAX_ROUNDS):
         improved = False
-        for alpha in tasks:
-            improved |= _expand(labels, alpha, free, edges)
+        for alpha in range(len(tasks)):
+            improved |= cut.expand(alpha)
         if not improved:
             break
-    return Colouring(tuple(labels), frozenset(fixed))
+    return Colouring(cut.tasks_of_ops(), frozenset(fixed))
 
 
 # An edge joins two ops (ints) or an op and a fixed task (a Task): (a, b, bytes).
@@ -146,79 +145,113 @@ def _edges(graph: Graph, producer, placed, sinks) -> list[Edge]:
     return [(a, b, w) for (a, b), w in weights.items() if w > 0]
 
 
-def _expand(labels: list[Task], alpha: Task, free: list[int], edges: list[Edge]) -> bool:
-    """One alpha-expansion move: the cheapest set of free ops to switch to ``alpha`` (min cut).
+@dataclasses.dataclass
+class _Cut:
+    """The edges as arrays over nodes: ops ``0..n-1``, then one node per task (an edge's fixed
+    end); ``labels[node]`` is a task's number in ``tasks``."""
 
-    Minimises the bytes crossing tasks exactly over all such switches (Boykov, Veksler & Zabih),
-    so whole chains move together where single-op moves would stall on ties.
-    """
-    movable = [op for op in free if labels[op] is not alpha]
-    index = {op: i for i, op in enumerate(movable)}
-    if not index:
-        return False
-    n = len(index)
-    source, sink = n, n + 1
-    to_alpha = np.zeros(n + 2, dtype=np.int64)  # paid when switched (edge source -> p)
-    to_keep = np.zeros(n + 2, dtype=np.int64)  # paid when kept (edge p -> sink)
-    pairs: dict[tuple[int, int], int] = {}
+    tasks: list[Task]
+    labels: np.ndarray  # int64, ops then task nodes (whose labels never change)
+    free: np.ndarray  # bool per node: an op whose task may change
+    a: np.ndarray
+    b: np.ndarray
+    w: np.ndarray
+    num_ops: int
 
-    def label(x):
-        return x if isinstance(x, Task) else labels[x]
+    @classmethod
+    def of(cls, graph: Graph, edges: list[Edge], labels: list[Task], tasks, fixed) -> _Cut:
+        known = list(tasks)
+        number = {id(t): i for i, t in enumerate(known)}
+        for t in [*labels, *(x for e in edges for x in e[:2] if isinstance(x, Task))]:
+            if id(t) not in number:
+                number[id(t)] = len(known)
+                known.append(t)
+        n = len(graph.ops)
 
-    def unary(p: int, keep: int, switch: int):
-        to_keep[p] += keep
-        to_alpha[p] += switch
+        def node(x: int | Task) -> int:
+            return n + number[id(x)] if isinstance(x, Task) else x
 
-    before = 0
-    for a, b, w in edges:
-        before += w * (label(a) is not label(b))
-        ia = index.get(a) if isinstance(a, int) else None
-        ib = index.get(b) if isinstance(b, int) else None
-        if ia is None and ib is None:
-            continue
-        if ib is None:
-            ia, ib, a, b = ib, ia, b, a  # make b the free end
-        lb = label(b)
-        if ia is None:
-            la = label(a)
-            unary(ib, w * (lb is not la), w * (alpha is not la))
-            continue
-        la = label(a)
-        e00, e01, e10 = w * (la is not lb), w * (la is not alpha), w * (alpha is not lb)
-        # E = e00 + (e10 - e00) x_a + (0 - e10) x_b + (e01 + e10 - e00) (1 - x_a) x_b
+        free = np.zeros(n + len(known), dtype=bool)
+        free[[op.index for op in graph.ops if op.index not in fixed]] = True
+        return cls(
+            tasks=known,
+            labels=np.array([number[id(t)] for t in labels] + list(range(len(known))), np.int64),
+            free=free,
+            a=np.array([node(e[0]) for e in edges], dtype=np.int64),
+            b=np.array([node(e[1]) for e in edges], dtype=np.int64),
+            w=np.array([e[2] for e in edges], dtype=np.int64),
+            num_ops=n,
+        )
+
+    def tasks_of_ops(self) -> tuple[Task, ...]:
+        return tuple(self.tasks[i] for i in self.labels[: self.num_ops])
+
+    def crossing(self) -> int:
+        return int((self.w * (self.labels[self.a] != self.labels[self.b])).sum())
+
+    def expand(self, alpha: int) -> bool:
+        """One alpha-expansion move: the cheapest set of free ops to switch to task number
+        ``alpha`` (min cut); ``True`` when it lowered the bytes crossing tasks.
+
+        Minimises the bytes crossing tasks exactly over all such switches (Boykov, Veksler &
+        Zabih), so whole chains move together where single-op moves would stall on ties.
+        """
+        labels, a, b, w = self.labels, self.a, self.b, self.w
+        movable = self.free & (labels != alpha)
+        n = int(movable.sum())
+        if not n:
+            return False
+        index = np.full(len(labels), -1, dtype=np.int64)
+        index[movable] = np.arange(n)
+        source, sink = n, n + 1
+        la, lb = labels[a], labels[b]
+        before = int((w * (la != lb)).sum())
+        ia, ib = index[a], index[b]
+        to_alpha = np.zeros(n + 2, dtype=np.int64)  # paid when switched (edge source -> p)
+        to_keep = np.zeros(n + 2, dtype=np.int64)  # paid when kept (edge p -> sink)
+        # one free end: its unary costs
+        for mine, other, lm, lo in ((ib, ia, lb, la), (ia, ib, la, lb)):
+            one = (mine >= 0) & (other < 0)
+            np.add.at(to_keep, mine[one], (w * (lm != lo))[one])
+            np.add.at(to_alpha, mine[one], (w * (lo != alpha))[one])
+        # both free: E = e00 + (e10 - e00) x_a + (0 - e10) x_b + (e01 + e10 - e00) (1 - x_a) x_b
+        both = (ia >= 0) & (ib >= 0)
+        pa, pb, wb, la2, lb2 = ia[both], ib[both], w[both], la[both], lb[both]
+        e00, e01, e10 = wb * (la2 != lb2), wb * (la2 != alpha), wb * (lb2 != alpha)
         d = e10 - e00
-        unary(ia, 0, d) if d >= 0 else unary(ia, -d, 0)
-        unary(ib, e10, 0)
-        pairs[(ia, ib)] = pairs.get((ia, ib), 0) + (e01 + e10 - e00)
-
-    scale = max(1, int(max(to_alpha.max(), to_keep.max(), *pairs.values(), 1)) // _MAX_CAPACITY)
-    rows, cols, caps = [], [], []
-    for p in range(n):
-        if to_alpha[p]:
-            rows.append(source), cols.append(p), caps.append(to_alpha[p])
-        if to_keep[p]:
-            rows.append(p), cols.append(sink), caps.append(to_keep[p])
-    for (p, q), c in pairs.items():
-        if c:
-            rows.append(p), cols.append(q), caps.append(c)
-    if not rows:
-        return False
-    caps = np.maximum(1, np.asarray(caps, dtype=np.int64) // scale).astype(np.int32)
-    capacity = csr_matrix((caps, (rows, cols)), shape=(n + 2, n + 2))
-    flow = maximum_flow(capacity, source, sink).flow
-    residual = (capacity - flow).tocsr()
-    residual.data = (residual.data > 0).astype(np.int8)
-    residual.eliminate_zeros()
-    reached = set(breadth_first_order(residual, source, directed=True, return_predecessors=False))
-    switch = [op for op, i in index.items() if i not in reached]
-    if not switch:
-        return False
-    old = {op: labels[op] for op in switch}
-    for op in switch:
-        labels[op] = alpha
-    after = sum(w * (label(a) is not label(b)) for a, b, w in edges)
-    if after >= before:
-        for op, t in old.items():
-            labels[op] = t
-        return False
-    return True
+        np.add.at(to_alpha, pa, np.maximum(d, 0))
+        np.add.at(to_keep, pa, np.maximum(-d, 0))
+        np.add.at(to_keep, pb, e10)
+        keys, inverse = np.unique(pa * (n + 2) + pb, return_inverse=True)
+        pair_caps = np.bincount(inverse, weights=e01 + e10 - e00, minlength=len(keys))
+        pair_caps = pair_caps.astype(np.int64)
+        nonzero = pair_caps != 0
+        keys, pair_caps = keys[nonzero], pair_caps[nonzero]
+        largest = max(int(to_alpha.max()), int(to_keep.max()), int(pair_caps.max(initial=0)), 1)
+        scale = max(1, largest // _MAX_CAPACITY)
+        ops = np.arange(n)
+        switch_cost, keep_cost = to_alpha[:n] != 0, to_keep[:n] != 0
+        rows = np.concatenate([np.full(switch_cost.sum(), source), ops[keep_cost], keys // (n + 2)])
+        cols = np.concatenate([ops[switch_cost], np.full(keep_cost.sum(), sink), keys % (n + 2)])
+        caps = np.concatenate([to_alpha[:n][switch_cost], to_keep[:n][keep_cost], pair_caps])
+        if not len(rows):
+            return False
+        caps = np.maximum(1, caps // scale).astype(np.int32)
+        capacity = csr_matrix((caps, (rows, cols)), shape=(n + 2, n + 2))
+        flow = maximum_flow(capacity, source, sink).flow
+        residual = (capacity - flow).tocsr()
+        residual.data = (residual.data > 0).astype(np.int8)
+        residual.eliminate_zeros()
+        reached = np.zeros(n + 2, dtype=bool)
+        reached[breadth_first_order(residual, source, directed=True, return_predecessors=False)] = (
+            True
+        )
+        switch = np.flatnonzero(movable)[~reached[:n]]
+        if not len(switch):
+            return False
+        old = labels[switch].copy()
+        labels[switch] = alpha
+        if self.crossing() >= before:
+            labels[switch] = old
+            return False
+        return True

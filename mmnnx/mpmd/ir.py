@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -117,8 +118,12 @@ def aval_info(aval: Any) -> tuple[tuple[int, ...], Any, int]:
     value (bytes 0 where the dtype has no size, e.g. a token)."""
     shape = tuple(getattr(aval, "shape", ()))
     dtype = getattr(aval, "dtype", np.dtype("float32"))
+    return shape, dtype, _nbytes(shape, dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
     try:
-        nbytes = math.prod(shape) * itemsize(dtype)
+        return math.prod(shape) * itemsize(dtype)
     except TypeError:
-        nbytes = 0
-    return shape, dtype, nbytes
+        return 0

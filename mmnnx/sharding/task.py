@@ -106,7 +106,9 @@ class Task:
         return (self.name, self.mesh, self.logical_axes, self.extra_axes)
 
     def __eq__(self, other):
-        return isinstance(other, Task) and self._key() == other._key()
+        if self is other:
+            return True
+        return isinstance(other, Task) and self._hash == other._hash and self._key() == other._key()
 
     def __hash__(self):
         return self._hash
