@@ -588,3 +588,56 @@ def test_no_readable_step_names_the_directory_and_every_step(tmp_path):
         f"skipped step 1: damaged ({tmp_path / '1' / 'model' / 'manifest.ocdbt'} cannot be read)"
     )
     assert_same(arrays(model=fresh), before)
+
+
+# -- what a resume depends on is checked like the arrays ----------------------------------------
+
+
+def _two_steps(directory) -> tuple[nnx.Linear, list]:
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    saved = []
+    with Checkpointer(directory) as ckpt:
+        for step in (3, 4):
+            model.kernel.set_value(model.kernel.get_value() + 1)
+            ckpt.save(step, model=model, extra={"step": step, "data": {"position": 10 * step}})
+            saved.append(np.array(model.kernel.get_value()))
+    return model, saved
+
+
+@pytest.mark.parametrize("damage", ["changed", "deleted", "no orbax metadata"])
+def test_a_damaged_resume_state_falls_back_to_the_newest_whole_step(tmp_path, damage):
+    _, saved = _two_steps(tmp_path)
+    step4 = tmp_path / "4"
+    if damage == "changed":  # another valid position: before, a resume silently used it
+        (step4 / "extra" / "metadata").write_text(json.dumps({"step": 4, "data": {"position": 7}}))
+    elif damage == "deleted":  # before: KeyError 'data' in the resume
+        shutil.rmtree(step4 / "extra")
+    else:  # before: restore() said "no checkpoint"
+        (step4 / "_CHECKPOINT_METADATA").unlink()
+    with Checkpointer(tmp_path) as ckpt:
+        if damage != "no orbax metadata":
+            fresh = nnx.Linear(2, 3, rngs=nnx.Rngs(5))
+            untouched = np.array(fresh.kernel.get_value())
+            with pytest.raises(checkpoint.CheckpointCorruptError, match="checkpoint step 4"):
+                ckpt.restore(4, model=fresh)
+            np.testing.assert_array_equal(fresh.kernel.get_value(), untouched)
+        fresh = nnx.Linear(2, 3, rngs=nnx.Rngs(5))
+        with pytest.warns(UserWarning, match=r"restored checkpoint step 3 .* skipped step 4"):
+            extra = ckpt.restore(model=fresh)
+        assert extra == {"step": 3, "data": {"position": 30}}
+        np.testing.assert_array_equal(fresh.kernel.get_value(), saved[0])
+        resumed = ckpt.restore_newest_readable(model=fresh)
+        assert resumed.step == 3 and [s.step for s in resumed.skipped] == [4]
+
+
+def test_restore_never_says_no_checkpoint_when_steps_are_there_but_unreadable(tmp_path):
+    _two_steps(tmp_path)
+    for step in ("3", "4"):
+        (tmp_path / step / "_CHECKPOINT_METADATA").unlink()
+    with (
+        Checkpointer(tmp_path) as ckpt,
+        pytest.raises(checkpoint.NoReadableCheckpointError) as caught,
+    ):
+        ckpt.restore(model=nnx.Linear(2, 3, rngs=nnx.Rngs(5)))
+    assert "no checkpoint in" not in str(caught.value)
+    assert "step 4" in str(caught.value) and "step 3" in str(caught.value)

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -214,6 +215,28 @@ def _checksum(x: jax.Array) -> jax.Array:
     words = words.reshape(-1)
     position = jnp.arange(words.size, dtype=jnp.uint32)
     return jnp.sum(words * (position * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
+
+
+def _extra_checksum(extra: Mapping[str, Any]) -> str:
+    """The checksum of a step's ``extra`` (what a resume depends on: data position, step,
+    schedule horizon, seeds), over its canonical JSON."""
+    canonical = json.dumps(extra, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _check_extra(step: int, folder: epath.Path, extra: Any, saved_checksum: str | None) -> None:
+    """Raises :class:`CheckpointCorruptError` when ``extra`` (``None``: missing) does not match
+    the checksum saved with the step (steps saved without one are not checked)."""
+    if saved_checksum is None:
+        return
+    where = os.fspath(folder)
+    if extra is None:
+        missing = FileNotFoundError(f"the step's {_EXTRA}/ item is missing")
+        raise CheckpointCorruptError(
+            step, where, file=os.path.join(where, _EXTRA, "metadata"), cause=missing
+        )
+    if _extra_checksum(extra) != saved_checksum:
+        raise CheckpointCorruptError(step, where, array=_EXTRA)
 
 
 def _checksums(values: Mapping[str, Any]) -> dict[str, int]:
@@ -727,7 +750,13 @@ class Checkpointer:
                 variables[name]["checksum"] = checksum
             args[item] = ocp.args.StandardSave(_nest(flat))
         args[_EXTRA] = ocp.args.JsonSave(extra)
-        args[_META] = ocp.args.JsonSave({"format": FORMAT_VERSION, "variables": variables})
+        args[_META] = ocp.args.JsonSave(
+            {
+                "format": FORMAT_VERSION,
+                "variables": variables,
+                "extra_checksum": _extra_checksum(extra),
+            }
+        )
         self._write(step, args)
 
     def _save_parts(
@@ -783,7 +812,12 @@ class Checkpointer:
             for item, by_path in report.items():
                 for path, chunks in by_path.items():
                     arrays[f"{item}/{path}"]["chunks"] += chunks
-        manifest = {"format": PARTS_FORMAT_VERSION, "variables": variables, "arrays": arrays}
+        manifest = {
+            "format": PARTS_FORMAT_VERSION,
+            "variables": variables,
+            "arrays": arrays,
+            "extra_checksum": _extra_checksum(extra),
+        }
         for item, content in ((_META, manifest), (_EXTRA, extra)):
             (tmp / item).mkdir(parents=True, exist_ok=True)
             (tmp / item / "metadata").write_text(json.dumps(content))
@@ -848,8 +882,15 @@ class Checkpointer:
         Returns:
             the ``extra`` dict saved with the step.
 
+        Without ``step``, the newest step that reads back whole is restored, passing over newer
+        damaged or incomplete ones with a warning that names each and why
+        (:meth:`restore_newest_readable`).
+
         Raises:
             FileNotFoundError: no checkpoint (or no such step) in the directory.
+            NoReadableCheckpointError: without ``step``: every step is damaged or incomplete
+                (each is named; a directory of one damaged step raises that step's
+                ``CheckpointCorruptError``).
             CheckpointMismatchError: (a ``ValueError``) the checkpoint does not match (a path
                 missing on either side, another shape, dtype or RNG key implementation, no
                 optimizer state saved), naming the first mismatching path; the model and
@@ -870,10 +911,19 @@ class Checkpointer:
             ...
             mmnnx.train.checkpoint.CheckpointMismatchError: checkpoint step 1: 'model/bias' has ...
         """
+        if step is None:  # the newest step that reads back whole, saying what it passed over
+            if len(self.all_steps()) == 1 and not self.incomplete_steps():
+                return self.restore(self.all_steps()[0], model=model, opt=opt)  # its own error
+            resumed = self.restore_newest_readable(model=model, opt=opt)
+            if resumed.skipped:
+                warnings.warn(
+                    f"restored checkpoint step {resumed.step} of {self._directory}, the newest "
+                    f"that reads back whole; {'; '.join(str(s) for s in resumed.skipped)}",
+                    stacklevel=2,
+                )
+            return resumed.extra
         steps = self.all_steps()
-        if not steps:
-            raise FileNotFoundError(f"no checkpoint in {self._directory}")
-        step = steps[-1] if step is None else int(step)
+        step = int(step)
         if step not in steps:
             raise FileNotFoundError(
                 f"no checkpoint for step {step} in {self._directory}; steps saved: {steps}"
@@ -884,14 +934,15 @@ class Checkpointer:
             return self._restore_parts(step, folder, model, opt)
         metadata = self._read(step, lambda: self._manager.item_metadata(step))
         saved_items = set(metadata.keys())
-        info = {}
+        meta: dict[str, Any] = {}
         if _META in saved_items:
-            info = self._read(
+            meta = self._read(
                 step,
                 lambda: self._manager.restore(
                     step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
-                )[_META].get("variables", {}),
+                )[_META],
             )
+        info = meta.get("variables", {})
 
         targets: dict[str, dict[Path, Any]] = {}
         owners: dict[str, list[tuple[Path, nnx.Variable, Any]]] = {}
@@ -931,6 +982,8 @@ class Checkpointer:
             step, lambda: self._manager.restore(step, args=ocp.args.Composite(**args))
         )
 
+        extra = restored[_EXTRA] if _EXTRA in saved_items else None
+        _check_extra(step, folder, extra, meta.get("extra_checksum"))
         self._verify(step, restored, owners, info)
         updates: list[tuple[nnx.Variable, Any]] = []
         for item, entries in owners.items():
@@ -955,7 +1008,6 @@ class Checkpointer:
                 updates.append((var, value))
         for var, value in updates:
             var.set_value(value)
-        extra = restored[_EXTRA] if _EXTRA in saved_items else None
         return dict(extra or {})
 
     def _restore_parts(
@@ -1000,6 +1052,13 @@ class Checkpointer:
         if problems:
             more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
             raise CheckpointMismatchError(problems[0] + more)
+        extra_file = folder / _EXTRA / "metadata"
+        extra = (
+            self._read(step, lambda: json.loads(extra_file.read_text()))
+            if extra_file.exists()
+            else None
+        )
+        _check_extra(step, folder, extra, content.get("extra_checksum"))
         updates: list[tuple[nnx.Variable, Any]] = []
         for item, entries in owners.items():
             for path, var, current in entries:
@@ -1025,8 +1084,7 @@ class Checkpointer:
                 updates.append((var, value))
         for var, value in updates:
             var.set_value(value)
-        extra = folder / _EXTRA / "metadata"
-        return dict(json.loads(extra.read_text())) if extra.exists() else {}
+        return dict(extra or {})
 
     def restore_newest_readable(self, *, model: Any, opt: nnx.Optimizer | None = None) -> Resumed:
         """Restores the newest step that reads back whole, like :meth:`restore`, passing over
