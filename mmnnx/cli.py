@@ -443,6 +443,7 @@ def train(args: argparse.Namespace) -> int:
     from mmnnx.errors import NoCandidateError  # noqa: PLC0415
     from mmnnx.train.checkpoint import (  # noqa: PLC0415
         CheckpointCorruptError,
+        CheckpointDirectoryBusyError,
         CheckpointMismatchError,
         NoReadableCheckpointError,
     )
@@ -472,6 +473,9 @@ def train(args: argparse.Namespace) -> int:
         return 2
     except NoCandidateError as e:
         print(f"mmnnx train: error: --schedule auto: {e}", file=sys.stderr)
+        return 2
+    except CheckpointDirectoryBusyError as e:
+        print(f"mmnnx train: error: {e}", file=sys.stderr)
         return 2
     return 0 if math.isfinite(result.final_eval) else 1
 

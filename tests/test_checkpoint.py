@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -292,9 +293,63 @@ def test_next_save_removes_an_abandoned_save(killed_run, tmp_path):
     with Checkpointer(copy) as ckpt:
         model, opt = build("two", seed=1)
         ckpt.restore(model=model, opt=opt)
-        ckpt.save(4, model=model, opt=opt)  # holds the writer lock: no other save is running
+        # the killed writer's lock died with it: taken over, naming it
+        with pytest.warns(UserWarning, match=r"took over the writer lock .* from process \d+ on"):
+            ckpt.save(4, model=model, opt=opt)  # holds the writer lock: no other save runs
         assert ckpt.all_steps() == [3, 4]
     assert sorted(os.listdir(copy)) == [".mmnnx-writer.lock", "3", "4"]
+
+
+def test_one_writer_per_directory_the_second_is_refused_naming_the_first(tmp_path):
+    first, second = Checkpointer(tmp_path), Checkpointer(tmp_path)
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    other = nnx.Linear(2, 3, rngs=nnx.Rngs(1))
+    first.save(1, model=model)
+    message = rf"being written by another Checkpointer \(process {os.getpid()} on host .*, since"
+    with pytest.raises(mm.train.CheckpointDirectoryBusyError, match=message):
+        second.save(2, model=other)  # refused before it looks at what is there
+    with pytest.raises(mm.train.CheckpointDirectoryBusyError):
+        second.claim()
+    first.save(2, model=model)
+    assert first.all_steps() == [1, 2]
+    first.close()  # releases it: the second may write now, and takes over from no one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second.save(3, model=other)
+    fresh = nnx.Linear(2, 3, rngs=nnx.Rngs(2))
+    second.restore(2, model=fresh)
+    np.testing.assert_array_equal(fresh.kernel.get_value(), model.kernel.get_value())
+    second.close()
+
+
+def test_two_processes_saving_into_one_directory_one_is_refused_and_nothing_is_mixed(tmp_path):
+    # before: both reported 12 successful saves and every step held one writer's model
+    directory = tmp_path / "ckpt"
+    writers = [run_worker("write", str(directory), "12") for _ in range(2)]
+    outcomes = []
+    for proc in writers:
+        out, err = proc.communicate(timeout=240)
+        outcomes.append((proc.returncode, err))
+    refused = [err for code, err in outcomes if code != 0]
+    assert len(refused) == 1, outcomes
+    assert "CheckpointDirectoryBusyError" in refused[0] and "process " in refused[0]
+    with Checkpointer(directory) as ckpt:
+        assert ckpt.all_steps() == [11, 12]
+
+
+def test_mmnnx_train_on_a_directory_another_writer_holds_exits_2_naming_it(tmp_path):
+    with Checkpointer(tmp_path / "ckpt") as holder:
+        holder.claim()
+        proc = subprocess.run(
+            [sys.executable, "-m", "mmnnx", "train", "--output-dir", str(tmp_path / "out"),
+             "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2", "--dim", "16",
+             "--depth", "2", "--heads", "2", "--seq-len", "8", "--batch-size", "8"],
+            capture_output=True, text=True, timeout=240, cwd=ROOT,
+            env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"being written by another Checkpointer (process {os.getpid()}" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_readers_never_break_a_save_in_progress(tmp_path):
@@ -533,3 +588,56 @@ def test_no_readable_step_names_the_directory_and_every_step(tmp_path):
         f"skipped step 1: damaged ({tmp_path / '1' / 'model' / 'manifest.ocdbt'} cannot be read)"
     )
     assert_same(arrays(model=fresh), before)
+
+
+# -- what a resume depends on is checked like the arrays ----------------------------------------
+
+
+def _two_steps(directory) -> tuple[nnx.Linear, list]:
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    saved = []
+    with Checkpointer(directory) as ckpt:
+        for step in (3, 4):
+            model.kernel.set_value(model.kernel.get_value() + 1)
+            ckpt.save(step, model=model, extra={"step": step, "data": {"position": 10 * step}})
+            saved.append(np.array(model.kernel.get_value()))
+    return model, saved
+
+
+@pytest.mark.parametrize("damage", ["changed", "deleted", "no orbax metadata"])
+def test_a_damaged_resume_state_falls_back_to_the_newest_whole_step(tmp_path, damage):
+    _, saved = _two_steps(tmp_path)
+    step4 = tmp_path / "4"
+    if damage == "changed":  # another valid position: before, a resume silently used it
+        (step4 / "extra" / "metadata").write_text(json.dumps({"step": 4, "data": {"position": 7}}))
+    elif damage == "deleted":  # before: KeyError 'data' in the resume
+        shutil.rmtree(step4 / "extra")
+    else:  # before: restore() said "no checkpoint"
+        (step4 / "_CHECKPOINT_METADATA").unlink()
+    with Checkpointer(tmp_path) as ckpt:
+        if damage != "no orbax metadata":
+            fresh = nnx.Linear(2, 3, rngs=nnx.Rngs(5))
+            untouched = np.array(fresh.kernel.get_value())
+            with pytest.raises(checkpoint.CheckpointCorruptError, match="checkpoint step 4"):
+                ckpt.restore(4, model=fresh)
+            np.testing.assert_array_equal(fresh.kernel.get_value(), untouched)
+        fresh = nnx.Linear(2, 3, rngs=nnx.Rngs(5))
+        with pytest.warns(UserWarning, match=r"restored checkpoint step 3 .* skipped step 4"):
+            extra = ckpt.restore(model=fresh)
+        assert extra == {"step": 3, "data": {"position": 30}}
+        np.testing.assert_array_equal(fresh.kernel.get_value(), saved[0])
+        resumed = ckpt.restore_newest_readable(model=fresh)
+        assert resumed.step == 3 and [s.step for s in resumed.skipped] == [4]
+
+
+def test_restore_never_says_no_checkpoint_when_steps_are_there_but_unreadable(tmp_path):
+    _two_steps(tmp_path)
+    for step in ("3", "4"):
+        (tmp_path / step / "_CHECKPOINT_METADATA").unlink()
+    with (
+        Checkpointer(tmp_path) as ckpt,
+        pytest.raises(checkpoint.NoReadableCheckpointError) as caught,
+    ):
+        ckpt.restore(model=nnx.Linear(2, 3, rngs=nnx.Rngs(5)))
+    assert "no checkpoint in" not in str(caught.value)
+    assert "step 4" in str(caught.value) and "step 3" in str(caught.value)

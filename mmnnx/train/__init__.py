@@ -9,6 +9,7 @@ Example:
 
 from mmnnx.train.checkpoint import (
     CheckpointCorruptError,
+    CheckpointDirectoryBusyError,
     Checkpointer,
     CheckpointMismatchError,
     NoReadableCheckpointError,
@@ -21,6 +22,7 @@ from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
 __all__ = [
     "ByteTokenizer",
     "CheckpointCorruptError",
+    "CheckpointDirectoryBusyError",
     "CheckpointMismatchError",
     "Checkpointer",
     "FitResult",

@@ -40,12 +40,15 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -214,6 +217,28 @@ def _checksum(x: jax.Array) -> jax.Array:
     return jnp.sum(words * (position * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
 
 
+def _extra_checksum(extra: Mapping[str, Any]) -> str:
+    """The checksum of a step's ``extra`` (what a resume depends on: data position, step,
+    schedule horizon, seeds), over its canonical JSON."""
+    canonical = json.dumps(extra, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _check_extra(step: int, folder: epath.Path, extra: Any, saved_checksum: str | None) -> None:
+    """Raises :class:`CheckpointCorruptError` when ``extra`` (``None``: missing) does not match
+    the checksum saved with the step (steps saved without one are not checked)."""
+    if saved_checksum is None:
+        return
+    where = os.fspath(folder)
+    if extra is None:
+        missing = FileNotFoundError(f"the step's {_EXTRA}/ item is missing")
+        raise CheckpointCorruptError(
+            step, where, file=os.path.join(where, _EXTRA, "metadata"), cause=missing
+        )
+    if _extra_checksum(extra) != saved_checksum:
+        raise CheckpointCorruptError(step, where, array=_EXTRA)
+
+
 def _checksums(values: Mapping[str, Any]) -> dict[str, int]:
     sums = {name: _checksum(jnp.asarray(value)) for name, value in values.items()}
     return {name: int(value) for name, value in jax.device_get(sums).items()}
@@ -277,24 +302,80 @@ _WRITER_LOCK = ".mmnnx-writer.lock"
 _LIST_ATTEMPTS = 10
 
 
-@contextlib.contextmanager
-def _writer_lock(directory: epath.Path) -> Iterator[None]:
-    """Holds the directory's writer lock (an ``flock`` on ``.mmnnx-writer.lock``) while saving.
+class CheckpointDirectoryBusyError(RuntimeError):
+    """Another writer (a ``Checkpointer`` in this or another process) holds the checkpoint
+    directory; the message names it (host, process id, since when)."""
 
-    A save holds it from start to commit, so a temporary directory found by the holder belongs
-    to no save in progress: its writer died or failed, and it may be removed. Readers never take
-    it and never remove anything. The lock is released when its process dies. Remote (non-local)
-    directories have no lock: there only one writer may use a directory.
+
+class _WriterLock:
+    """One writer per checkpoint directory: an ``flock`` on ``.mmnnx-writer.lock``, taken when a
+    ``Checkpointer`` first writes (or :meth:`Checkpointer.claim`) and held until it is closed,
+    with the holder (host, process id, since when) written in the file for the next one to name.
+
+    The holder's lock ends with its process, so the lock of a process that died is taken over
+    (saying so, from the holder it left in the file). While it is held, a temporary directory
+    belongs to no save in progress: its writer died or failed, and it may be removed. Readers
+    never take it and never remove anything. Remote (non-local) directories have no lock: there
+    only one writer may use a directory.
     """
-    if not _is_local(directory):
-        yield
-        return
-    fd = os.open(os.path.join(os.fspath(directory), _WRITER_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+
+    def __init__(self, directory: epath.Path):
+        self._directory = directory
+        self._fd: int | None = None
+
+    def hold(self) -> None:
+        """Takes the lock unless this writer holds it already.
+
+        Raises:
+            CheckpointDirectoryBusyError: another writer holds it.
+        """
+        if self._fd is not None or not _is_local(self._directory):
+            return
+        self._directory.mkdir(parents=True, exist_ok=True)
+        path = os.path.join(os.fspath(self._directory), _WRITER_LOCK)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise CheckpointDirectoryBusyError(
+                f"{self._directory} is being written by another Checkpointer "
+                f"({holder or 'its holder did not say who it is'}); one writer per checkpoint "
+                "directory: stop that one, or write to another directory"
+            ) from None
+        left = _holder(fd)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        if left:
+            warnings.warn(
+                f"took over the writer lock of {self._directory} from {left}, which ended "
+                "without closing its Checkpointer",
+                stacklevel=4,
+            )
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # a clean end: the next holder takes over from no one
+            os.close(fd)  # releases the lock
+
+
+def _holder(fd: int) -> str:
+    """Who the lock file says holds it, in words (empty when it says nothing)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+        said = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"process {said['pid']} on host {said['host']}, since {said['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
 def _listing(read: Callable[[], Any]) -> Any:
@@ -547,6 +628,7 @@ class Checkpointer:
             _EXTRA: ocp.JsonCheckpointHandler(),
             _META: ocp.JsonCheckpointHandler(),
         }
+        self._lock = _WriterLock(self._directory)
         self._manager = _listing(
             lambda: ocp.CheckpointManager(
                 self._directory, options=options, item_names=_ITEMS, item_handlers=handlers
@@ -568,6 +650,36 @@ class Checkpointer:
 
     # -- save -----------------------------------------------------------------------------------
 
+    def claim(self) -> None:
+        """Takes the directory's writer lock now, as the first save would, and holds it until
+        :meth:`close`: a trainer calls it before training, so that a second writer fails at
+        once rather than at its first save. With several processes, process 0 holds it (a
+        collective: every process calls it, and raises if process 0 could not).
+
+        Raises:
+            CheckpointDirectoryBusyError: another ``Checkpointer`` (in this or another process
+                or host) holds it; the message names it.
+
+        Example:
+            >>> import tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> directory = tempfile.mkdtemp()
+            >>> with Checkpointer(directory) as ckpt:
+            ...     ckpt.claim()
+            ...     try:
+            ...         Checkpointer(directory).claim()
+            ...     except RuntimeError as e:
+            ...         print(type(e).__name__)
+            CheckpointDirectoryBusyError
+        """
+        if self._me is None:
+            self._lock.hold()
+        else:  # process 0 writes the directory; every process learns whether it could
+            _together(
+                f"claiming checkpoint directory {self._directory}",
+                lambda: self._lock.hold() if self._me == 0 else None,
+            )
+
     def save(
         self,
         step: int,
@@ -586,6 +698,8 @@ class Checkpointer:
 
         Raises:
             ValueError: ``step`` is negative or already saved.
+            CheckpointDirectoryBusyError: another ``Checkpointer`` writes this directory (the
+                first save takes the directory's writer lock; :meth:`close` releases it).
             TypeError: ``extra`` is not a JSON-able dict; a Variable holds no array.
 
         Example:
@@ -605,6 +719,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         step = int(step)
+        self.claim()  # before looking at what is there: one writer decides
         if step in self.all_steps():
             raise ValueError(f"checkpoint step {step} already exists in {self._directory}")
         extra = {} if extra is None else extra
@@ -635,7 +750,13 @@ class Checkpointer:
                 variables[name]["checksum"] = checksum
             args[item] = ocp.args.StandardSave(_nest(flat))
         args[_EXTRA] = ocp.args.JsonSave(extra)
-        args[_META] = ocp.args.JsonSave({"format": FORMAT_VERSION, "variables": variables})
+        args[_META] = ocp.args.JsonSave(
+            {
+                "format": FORMAT_VERSION,
+                "variables": variables,
+                "extra_checksum": _extra_checksum(extra),
+            }
+        )
         self._write(step, args)
 
     def _save_parts(
@@ -653,21 +774,18 @@ class Checkpointer:
         uncommitted (and the previous one the latest)."""
         me, what = self._me, f"saving checkpoint step {step}"
         tmp = self._directory / f"{step}{_TMP_SUFFIX}-processes"
-        with _writer_lock(self._directory) if me == 0 else contextlib.nullcontext():
-            if me == 0:
-                _remove_abandoned_saves(self._directory)
-            _together(what, lambda: tmp.mkdir(parents=True) if me == 0 else None)
-            _together(what, lambda: process_arrays.create(tmp, items, me))
-            written = _together(what, lambda: process_arrays.write(tmp, items, me))
-            reports = gather(written, what=what, timeout_s=3600.0)
-            _together(
-                what,
-                lambda: (
-                    self._commit_parts(step, tmp, items, reports, extra, variables)
-                    if me == 0
-                    else None
-                ),
-            )
+        if me == 0:
+            _remove_abandoned_saves(self._directory)
+        _together(what, lambda: tmp.mkdir(parents=True) if me == 0 else None)
+        _together(what, lambda: process_arrays.create(tmp, items, me))
+        written = _together(what, lambda: process_arrays.write(tmp, items, me))
+        reports = gather(written, what=what, timeout_s=3600.0)
+        _together(
+            what,
+            lambda: (
+                self._commit_parts(step, tmp, items, reports, extra, variables) if me == 0 else None
+            ),
+        )
         self._manager.reload()
 
     def _commit_parts(
@@ -694,7 +812,12 @@ class Checkpointer:
             for item, by_path in report.items():
                 for path, chunks in by_path.items():
                     arrays[f"{item}/{path}"]["chunks"] += chunks
-        manifest = {"format": PARTS_FORMAT_VERSION, "variables": variables, "arrays": arrays}
+        manifest = {
+            "format": PARTS_FORMAT_VERSION,
+            "variables": variables,
+            "arrays": arrays,
+            "extra_checksum": _extra_checksum(extra),
+        }
         for item, content in ((_META, manifest), (_EXTRA, extra)):
             (tmp / item).mkdir(parents=True, exist_ok=True)
             (tmp / item / "metadata").write_text(json.dumps(content))
@@ -724,14 +847,14 @@ class Checkpointer:
 
     def _write(self, step: int, args: dict[str, Any]) -> None:
         running = set(threading.enumerate())
-        with _writer_lock(self._directory):
-            _remove_abandoned_saves(self._directory)
-            try:
-                self._manager.save(step, args=ocp.args.Composite(**args), force=True)
-            except BaseException:
-                _join_writers(running)
-                raise
-            self._manager.wait_until_finished()
+        self._lock.hold()
+        _remove_abandoned_saves(self._directory)
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        except BaseException:
+            _join_writers(running)
+            raise
+        self._manager.wait_until_finished()
 
     def wait(self) -> None:
         """Waits for a save in flight; saves are synchronous, so this returns at once.
@@ -759,8 +882,15 @@ class Checkpointer:
         Returns:
             the ``extra`` dict saved with the step.
 
+        Without ``step``, the newest step that reads back whole is restored, passing over newer
+        damaged or incomplete ones with a warning that names each and why
+        (:meth:`restore_newest_readable`).
+
         Raises:
             FileNotFoundError: no checkpoint (or no such step) in the directory.
+            NoReadableCheckpointError: without ``step``: every step is damaged or incomplete
+                (each is named; a directory of one damaged step raises that step's
+                ``CheckpointCorruptError``).
             CheckpointMismatchError: (a ``ValueError``) the checkpoint does not match (a path
                 missing on either side, another shape, dtype or RNG key implementation, no
                 optimizer state saved), naming the first mismatching path; the model and
@@ -781,10 +911,19 @@ class Checkpointer:
             ...
             mmnnx.train.checkpoint.CheckpointMismatchError: checkpoint step 1: 'model/bias' has ...
         """
+        if step is None:  # the newest step that reads back whole, saying what it passed over
+            if len(self.all_steps()) == 1 and not self.incomplete_steps():
+                return self.restore(self.all_steps()[0], model=model, opt=opt)  # its own error
+            resumed = self.restore_newest_readable(model=model, opt=opt)
+            if resumed.skipped:
+                warnings.warn(
+                    f"restored checkpoint step {resumed.step} of {self._directory}, the newest "
+                    f"that reads back whole; {'; '.join(str(s) for s in resumed.skipped)}",
+                    stacklevel=2,
+                )
+            return resumed.extra
         steps = self.all_steps()
-        if not steps:
-            raise FileNotFoundError(f"no checkpoint in {self._directory}")
-        step = steps[-1] if step is None else int(step)
+        step = int(step)
         if step not in steps:
             raise FileNotFoundError(
                 f"no checkpoint for step {step} in {self._directory}; steps saved: {steps}"
@@ -795,14 +934,15 @@ class Checkpointer:
             return self._restore_parts(step, folder, model, opt)
         metadata = self._read(step, lambda: self._manager.item_metadata(step))
         saved_items = set(metadata.keys())
-        info = {}
+        meta: dict[str, Any] = {}
         if _META in saved_items:
-            info = self._read(
+            meta = self._read(
                 step,
                 lambda: self._manager.restore(
                     step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
-                )[_META].get("variables", {}),
+                )[_META],
             )
+        info = meta.get("variables", {})
 
         targets: dict[str, dict[Path, Any]] = {}
         owners: dict[str, list[tuple[Path, nnx.Variable, Any]]] = {}
@@ -842,6 +982,8 @@ class Checkpointer:
             step, lambda: self._manager.restore(step, args=ocp.args.Composite(**args))
         )
 
+        extra = restored[_EXTRA] if _EXTRA in saved_items else None
+        _check_extra(step, folder, extra, meta.get("extra_checksum"))
         self._verify(step, restored, owners, info)
         updates: list[tuple[nnx.Variable, Any]] = []
         for item, entries in owners.items():
@@ -866,7 +1008,6 @@ class Checkpointer:
                 updates.append((var, value))
         for var, value in updates:
             var.set_value(value)
-        extra = restored[_EXTRA] if _EXTRA in saved_items else None
         return dict(extra or {})
 
     def _restore_parts(
@@ -911,6 +1052,13 @@ class Checkpointer:
         if problems:
             more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
             raise CheckpointMismatchError(problems[0] + more)
+        extra_file = folder / _EXTRA / "metadata"
+        extra = (
+            self._read(step, lambda: json.loads(extra_file.read_text()))
+            if extra_file.exists()
+            else None
+        )
+        _check_extra(step, folder, extra, content.get("extra_checksum"))
         updates: list[tuple[nnx.Variable, Any]] = []
         for item, entries in owners.items():
             for path, var, current in entries:
@@ -936,8 +1084,7 @@ class Checkpointer:
                 updates.append((var, value))
         for var, value in updates:
             var.set_value(value)
-        extra = folder / _EXTRA / "metadata"
-        return dict(json.loads(extra.read_text())) if extra.exists() else {}
+        return dict(extra or {})
 
     def restore_newest_readable(self, *, model: Any, opt: nnx.Optimizer | None = None) -> Resumed:
         """Restores the newest step that reads back whole, like :meth:`restore`, passing over
@@ -996,14 +1143,14 @@ class Checkpointer:
         """
         names: list[str] = []
         if self._me in (None, 0):
-            with _writer_lock(self._directory):
-                for step in steps:
-                    name, n = f"{step}{_SET_ASIDE}", 0
-                    while (self._directory / name).exists():
-                        n += 1
-                        name = f"{step}{_SET_ASIDE}-{n}"
-                    (self._directory / str(step)).rename(self._directory / name)
-                    names.append(name)
+            self._lock.hold()
+            for step in steps:
+                name, n = f"{step}{_SET_ASIDE}", 0
+                while (self._directory / name).exists():
+                    n += 1
+                    name = f"{step}{_SET_ASIDE}-{n}"
+                (self._directory / str(step)).rename(self._directory / name)
+                names.append(name)
         if self._me is not None:  # process 0 renamed; the others see it once it is done
             share_outcome(0, "setting aside unreadable checkpoints", None)
             self._manager.reload()
@@ -1120,6 +1267,7 @@ class Checkpointer:
             >>> Checkpointer(tempfile.mkdtemp()).close()
         """
         self._manager.close()
+        self._lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -185,6 +185,7 @@ def fit(
     start = 0
     horizon = config.schedule_steps or config.steps
     with Checkpointer(ckpt_dir) as checkpoints:
+        checkpoints.claim()  # a second writer fails here, before training
         if not config.resume and checkpoints.latest_step() is not None:
             raise FileExistsError(
                 f"{ckpt_dir} already holds checkpoints (steps {checkpoints.all_steps()}); resume "
