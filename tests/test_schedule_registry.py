@@ -171,6 +171,30 @@ def test_builder_that_breaks_its_contract_is_named():
         mm.schedules.unregister("not-a-schedule")
 
 
+@pytest.mark.parametrize(
+    "builder",
+    [lambda s, m: None, lambda s, m, v, extra: None, lambda *, stages, m, v: None, lambda: None],
+)
+def test_a_builder_with_the_wrong_signature_is_refused_at_register_naming_it(builder):
+    with pytest.raises(
+        TypeError,
+        match=r"the builder of schedule 'bad-shape' must take \(num_stages, num_microbatches, "
+        r"virtual_stages\) positionally, and optionally costs=; <lambda>\(",
+    ):
+        mm.schedules.register("bad-shape", builder)
+    assert "bad-shape" not in mm.schedules.names()
+
+
+def test_builders_taking_defaults_varargs_or_costs_are_accepted():
+    for builder in (
+        lambda s, m, v=1: mm.schedules.gpipe(s, m),
+        lambda *args: mm.schedules.gpipe(*args[:2]),
+        lambda s, m, v, costs=None: mm.schedules.gpipe(s, m),
+    ):
+        mm.schedules.register("fine", builder)
+        mm.schedules.unregister("fine")
+
+
 def test_compat_aliases_point_into_the_registry():
     for alias, target in COMPAT_SCHEDULES.items():
         assert target == "custom" or target in mm.schedules.names(), alias

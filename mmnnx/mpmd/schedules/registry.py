@@ -156,6 +156,25 @@ def _takes_costs(builder: Callable[..., Schedule]) -> bool:
         return False
 
 
+def _check_signature(name: str, builder: Callable[..., Schedule]) -> None:
+    """Raises a TypeError naming the schedule when ``builder`` cannot be called as
+    ``builder(num_stages, num_microbatches, virtual_stages)`` (with ``costs=`` if it has one)."""
+    try:
+        signature = inspect.signature(builder)
+    except (TypeError, ValueError):  # a callable whose signature cannot be read: trust it
+        return
+    extra = {"costs": None} if "costs" in signature.parameters else {}
+    try:
+        signature.bind(1, 1, 1, **extra)
+    except TypeError as e:
+        shown = getattr(builder, "__name__", type(builder).__name__)
+        raise TypeError(
+            f"the builder of schedule {name!r} must take (num_stages, num_microbatches, "
+            f"virtual_stages) positionally, and optionally costs=; {shown}{signature} cannot "
+            f"({e})"
+        ) from None
+
+
 def register(name: str, builder: Builder, *, replace: bool = False) -> None:
     """Make ``builder`` available as the schedule ``name`` everywhere a name is accepted.
 
@@ -164,7 +183,8 @@ def register(name: str, builder: Builder, *, replace: bool = False) -> None:
     A builder with a ``costs`` parameter is also given :func:`get`'s ``costs``.
     :func:`get`, ``mm.microbatch(schedule=name)``, ``mmnnx train --schedule`` and
     ``multimesh_compat`` all read this one registry. Registering a taken name raises unless
-    ``replace=True``.
+    ``replace=True``; a builder that cannot be called that way raises a TypeError naming the
+    schedule and the signature it needs.
 
     Example:
         >>> from mmnnx.mpmd import schedules
@@ -186,6 +206,7 @@ def register(name: str, builder: Builder, *, replace: bool = False) -> None:
         raise ValueError(
             f"schedule {name!r} is already registered; pass replace=True to replace it"
         )
+    _check_signature(name, builder)
     _REGISTRY[name] = RegisteredSchedule(
         name, builder, Placement.BUILDER_DECIDES, _takes_costs(builder)
     )
