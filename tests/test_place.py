@@ -356,6 +356,38 @@ def test_init_equals_place_and_creates_on_tasks(tasks):
         np.testing.assert_array_equal(host(xa), host(xb), err_msg=str(pa))
 
 
+_I = nnx.initializers
+# what docs/sharding.md says: exact, but for a random draw scaled by a constant (a few ulps)
+EXACT = {
+    "normal(1.0)": _I.normal(1.0), "uniform(0.01)": _I.uniform(0.01),
+    "lecun_normal": _I.lecun_normal(),
+    "lecun_uniform": _I.lecun_uniform(), "glorot_normal": _I.glorot_normal(),
+    "glorot_uniform": _I.glorot_uniform(), "he_normal": _I.he_normal(),
+    "he_uniform": _I.he_uniform(), "xavier_normal": _I.xavier_normal(),
+    "kaiming_uniform": _I.kaiming_uniform(), "orthogonal": _I.orthogonal(),
+    "constant(0.3)": _I.constant(0.3), "ones": _I.ones, "zeros": _I.zeros,
+}  # fmt: skip
+SCALED_DRAWS = {  # within a few ulps
+    "normal(0.01)": _I.normal(0.01),
+    "truncated_normal(0.02)": _I.truncated_normal(0.02),
+    "variance_scaling(0.1, fan_avg, normal)": _I.variance_scaling(0.1, "fan_avg", "normal"),
+}
+
+
+@pytest.mark.parametrize("name", [*EXACT, *SCALED_DRAWS])
+def test_init_equals_place_for_every_flax_initializer_as_documented(tasks, name):
+    init = EXACT.get(name) or SCALED_DRAWS[name]
+
+    def factory():
+        return nnx.Linear(64, 128, kernel_init=init, rngs=nnx.Rngs(0))
+
+    rules = [(".*", tasks[0])]
+    built = np.asarray(mm.init(factory, rules).kernel.get_value())
+    placed = np.asarray(mm.place(factory(), rules).kernel.get_value())
+    ulps = np.abs(built.view(np.int32).astype(np.int64) - placed.view(np.int32).astype(np.int64))
+    assert ulps.max() <= (0 if name in EXACT else 4), f"{name}: {ulps.max()} ulps"
+
+
 def test_init_traces_the_factory_once_whatever_the_task_count(tasks):
     s0, s1 = tasks
     calls = []
