@@ -24,6 +24,7 @@ from mmnnx.distributed.peers import StepPeers
 from mmnnx.distributed.timeline import JobTimeline
 from mmnnx.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd import annotations, trace_state
+from mmnnx.mpmd.callbacks import CallbackFailures
 from mmnnx.mpmd.engine import PlanningOptions, StepInput, StepOutput, plan_step
 from mmnnx.mpmd.mesh_context import (
     auto_twin,
@@ -571,12 +572,20 @@ def _stay_home(call: _Call, updates: list[Any]) -> None:
 
 
 def _execute(
-    executable: Executable, call: _Call, fun: Callable, modes: dict, expansion: Expansion | None
+    executable: Executable,
+    call: _Call,
+    fun: Callable,
+    modes: dict,
+    expansion: Expansion | None,
+    callback_failures: CallbackFailures,
 ) -> list[Any]:
     """Runs the step; a step that calls back into Python is waited for, so that a failure in any
     of its programs raises here, before anything is written back (pure XLA programs cannot fail
     while they run, so other steps return as soon as they are dispatched). A failure raises
-    :class:`StepError`, the arguments untouched."""
+    :class:`StepError`, the arguments untouched. A host callback's exception never reaches the
+    running programs (:mod:`~mmnnx.mpmd.callbacks`): it is recorded, the programs finish, and it
+    raises here the same way."""
+    callback_failures.take()  # from a run that did not check them (a timeline, a tabulate)
     try:
         if expansion is None:
             results = executable(call.leaves, **modes)
@@ -584,6 +593,9 @@ def _execute(
             results = executable(expansion.split_leaves(call.leaves), **modes)
         if executable.may_fail:
             jax.block_until_ready(results)
+        if raised := callback_failures.take():
+            error = raised[0]
+            raise _step_failed(fun, call, f"{type(error).__name__}: {error}") from error
         if expansion is not None:
             results = expansion.join_results(results)
     except jax.errors.JaxRuntimeError as e:
@@ -591,20 +603,24 @@ def _execute(
             raise deleted from None
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         cause = lines[-1] if lines else type(e).__name__  # a callback's own exception comes last
-        kept = (
-            "its arguments keep the values they had before this call, except donated ones"
-            if any(call.donated)
-            else "its arguments keep the values they had before this call"
-        )
-        raise StepError(
-            f"mm.jit: {getattr(fun, '__name__', 'the step')} failed while running ({cause}); "
-            f"{kept}, and the next call runs normally"
-        ) from e
+        raise _step_failed(fun, call, cause) from e
     except RuntimeError:  # JAX refuses a deleted array when a program is dispatched
         if deleted := call.deleted_input():
             raise deleted from None
         raise
     return results
+
+
+def _step_failed(fun: Callable, call: _Call, cause: str) -> StepError:
+    kept = (
+        "its arguments keep the values they had before this call, except donated ones"
+        if any(call.donated)
+        else "its arguments keep the values they had before this call"
+    )
+    return StepError(
+        f"mm.jit: {getattr(fun, '__name__', 'the step')} failed while running ({cause}); "
+        f"{kept}, and the next call runs normally"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -653,6 +669,7 @@ class _Results:
     expansion: Expansion | None  # stacked layers: their chunks, joined again
     added: list[_Added]  # Variables the step added (sown), whose values come last
     plan_for: Callable[[int], Plan]  # the plan of another process
+    callback_failures: CallbackFailures  # what the step's host callbacks raised
 
 
 class _Compiled(NamedTuple):
@@ -722,16 +739,29 @@ class JitFunction:
             return out, [v.get_value() for v in fresh], [a.value for a in added]
 
         self.trace_count += 1
+        callback_failures = CallbackFailures()
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
         try:
             with trace_state.tracing() as trace:
-                graph, out_shape = trace_graph(pure, avals, name_as=fun, arg_names=call.names)
+                graph, out_shape = trace_graph(
+                    pure,
+                    avals,
+                    name_as=fun,
+                    arg_names=call.names,
+                    callback_failures=callback_failures,
+                )
         except Exception as e:
             if not needs_explicit_axes(e):
                 raise
             mesh, avals = _typed_inputs(call, _step_name(fun), e)
             with trace_state.tracing() as trace, explicit_tracing(mesh):
-                graph, out_shape = trace_graph(pure, avals, name_as=fun, arg_names=call.names)
+                graph, out_shape = trace_graph(
+                    pure,
+                    avals,
+                    name_as=fun,
+                    arg_names=call.names,
+                    callback_failures=callback_failures,
+                )
         annotations.apply_resolvers(graph, trace)
         out_tree = jax.tree.structure(out_shape[0])
         num_added = sum(a.num_leaves for a in added)
@@ -764,7 +794,14 @@ class JitFunction:
         )
         return _Compiled(
             executable,
-            _Results(out_tree, num_user_outputs, planned.expansion, added, planned.plan_for),
+            _Results(
+                out_tree,
+                num_user_outputs,
+                planned.expansion,
+                added,
+                planned.plan_for,
+                callback_failures,
+            ),
         )
 
     def _lookup(self, call: _Call) -> _Compiled:
@@ -810,7 +847,9 @@ class JitFunction:
         if self.donate_argnums and (deleted := call.deleted_input()):
             raise deleted  # before any input is donated
         with no_ambient_mesh():  # each fragment runs on its own task's mesh
-            results = _execute(executable, call, self.fun, modes, results.expansion)
+            results = _execute(
+                executable, call, self.fun, modes, results.expansion, results.callback_failures
+            )
         if executable.graph.specs:  # sharding in types: hand back on the tasks' own meshes
             likes = [None] * num_user_outputs + call.shardings[: call.num_variables]
             results = [

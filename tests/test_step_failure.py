@@ -74,18 +74,34 @@ def scanned_pure_callback(tripwire, y):
     return total  # zero, but read by the loss: the callback runs
 
 
+def io_callback_in_cond(tripwire, y):
+    """An unordered io_callback in a cond branch."""
+    from jax.experimental import io_callback
+
+    def call(v):
+        return io_callback(lambda r: (tripwire(r), r)[1], jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+
+    out = jax.lax.cond(True, call, lambda v: v, jax.lax.stop_gradient(y))
+    return out.sum() * 0
+
+
 @pytest.fixture(scope="module")
 def single_device_tasks():
     return one_device_tasks(2)
 
 
-# A pure_callback that raises inside a program over several devices, before a collective, makes
-# XLA:CPU abort the process after 40 s (plain jax.jit on a 2x2 mesh too, measured with jax
-# 0.10.2): that case runs on one-device tasks.
+# A callback raising inside a program over several devices, before a collective, made XLA:CPU
+# abort the process after 40 s; mm.jit now catches the callback's exception (mpmd/callbacks.py),
+# lets the programs finish and raises StepError: every layout survives.
 @pytest.mark.parametrize(
     "callback, layout",
-    [(debug_callback, "tasks"), (scanned_pure_callback, "single_device_tasks")],
-    ids=["debug_callback_2x2", "pure_callback_in_scan"],
+    [
+        (debug_callback, "tasks"),
+        (scanned_pure_callback, "single_device_tasks"),
+        (scanned_pure_callback, "tasks"),
+        (io_callback_in_cond, "tasks"),
+    ],
+    ids=["debug_callback_2x2", "pure_callback_in_scan", "pure_callback_in_scan_2x2", "io_2x2"],
 )
 def test_failing_step_raises_and_keeps_the_state(request, callback, layout):
     s0, s1 = request.getfixturevalue(layout)

@@ -14,6 +14,7 @@ from jax.sharding import AxisType
 
 from mmnnx._jax.tracing import fast_sharding_probes, name_trace_as, ordered_effects, source_line
 from mmnnx.errors import SideEffectError
+from mmnnx.mpmd.callbacks import CallbackFailures, catch_callbacks
 from mmnnx.mpmd.control_flow import split_eqn
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op, aval_info
 from mmnnx.mpmd.mesh_context import traced_mesh
@@ -84,6 +85,7 @@ def trace(
     *,
     name_as: Callable | None = None,
     arg_names: Sequence[str] | None = None,
+    callback_failures: CallbackFailures | None = None,
 ) -> tuple[Graph, Any]:
     """Traces ``fun(*avals)`` to a flat op graph; returns it and the output shapes' pytree.
 
@@ -91,11 +93,15 @@ def trace(
     source line) for ``mm.jit``, with inputs named ``arg_names``: a traced value used where a
     concrete one is needed (a shape, an ``if``) is reported "while tracing the function
     train_step at model.py:12 for mm.jit ... the argument arg2", not as mm.jit's wrapper.
+    With ``callback_failures``, host callbacks record their exceptions there instead of
+    raising them into the running programs (:mod:`~mmnnx.mpmd.callbacks`).
     """
     if name_as is not None:
         name_trace_as(fun, name_as, "mm.jit", arg_names)
     with fast_sharding_probes():
         closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
+    if callback_failures is not None:
+        closed = catch_callbacks(closed, callback_failures)
     return to_graph(closed), out_shape
 
 
