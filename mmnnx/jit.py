@@ -25,6 +25,7 @@ from mmnnx.distributed.timeline import JobTimeline
 from mmnnx.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
 from mmnnx.mpmd import annotations, trace_state
 from mmnnx.mpmd.callbacks import CallbackFailures
+from mmnnx.mpmd.constraints import abstract_mesh_of, needs_a_mesh
 from mmnnx.mpmd.engine import PlanningOptions, StepInput, StepOutput, plan_step
 from mmnnx.mpmd.mesh_context import (
     auto_twin,
@@ -611,6 +612,16 @@ def _execute(
     return results
 
 
+def _meshes(call: _Call) -> list[Any]:
+    """The meshes the step's placed inputs live on (tasks' and stacks' meshes)."""
+    meshes = [t.jax_mesh for t in call.tasks if t is not None]
+    for leaf in call.leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            meshes.append(sharding.mesh)
+    return meshes
+
+
 def _step_failed(fun: Callable, call: _Call, cause: str) -> StepError:
     kept = (
         "its arguments keep the values they had before this call, except donated ones"
@@ -751,17 +762,30 @@ class JitFunction:
                     callback_failures=callback_failures,
                 )
         except Exception as e:
-            if not needs_explicit_axes(e):
+            if needs_a_mesh(e):  # a bare PartitionSpec constraint: traced on the tasks' axes
+                with (
+                    trace_state.tracing() as trace,
+                    jax.sharding.use_abstract_mesh(abstract_mesh_of(_meshes(call))),
+                ):
+                    graph, out_shape = trace_graph(
+                        pure,
+                        avals,
+                        name_as=fun,
+                        arg_names=call.names,
+                        callback_failures=callback_failures,
+                    )
+            elif not needs_explicit_axes(e):
                 raise
-            mesh, avals = _typed_inputs(call, _step_name(fun), e)
-            with trace_state.tracing() as trace, explicit_tracing(mesh):
-                graph, out_shape = trace_graph(
-                    pure,
-                    avals,
-                    name_as=fun,
-                    arg_names=call.names,
-                    callback_failures=callback_failures,
-                )
+            else:
+                mesh, avals = _typed_inputs(call, _step_name(fun), e)
+                with trace_state.tracing() as trace, explicit_tracing(mesh):
+                    graph, out_shape = trace_graph(
+                        pure,
+                        avals,
+                        name_as=fun,
+                        arg_names=call.names,
+                        callback_failures=callback_failures,
+                    )
         annotations.apply_resolvers(graph, trace)
         out_tree = jax.tree.structure(out_shape[0])
         num_added = sum(a.num_leaves for a in added)

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
+from mmnnx.mpmd.rewrite import rewrite
+
 CALLBACK_PRIMITIVES = frozenset({"debug_callback", "pure_callback", "io_callback"})
 
 
@@ -47,56 +49,20 @@ class CallbackFailures:
         return errors
 
 
-def calls_back(jaxpr: jcore.Jaxpr) -> bool:
-    """Whether ``jaxpr`` (or one nested in it) holds a host callback."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in CALLBACK_PRIMITIVES:
-            return True
-        if any(calls_back(inner) for inner in _inner_jaxprs(eqn.params)):
-            return True
-    return False
+def _is_callback(eqn: Any) -> bool:
+    return eqn.primitive.name in CALLBACK_PRIMITIVES and callable(eqn.params.get("callback"))
 
 
 def catch_callbacks(closed: jcore.ClosedJaxpr, failures: CallbackFailures) -> jcore.ClosedJaxpr:
     """``closed`` with every host callback in it (nested ones too) recording its exceptions in
     ``failures`` instead of raising them; ``closed`` itself when it holds none."""
-    if not calls_back(closed.jaxpr):
-        return closed
-    return jcore.ClosedJaxpr(_rewrite(closed.jaxpr, failures), closed.consts)
 
+    def caught(eqn: Any) -> Any:
+        params = dict(eqn.params)
+        params["callback"] = _Caught(params["callback"], params.get("result_avals"), failures)
+        return eqn.replace(params=params)
 
-def _inner_jaxprs(params: dict) -> list[jcore.Jaxpr]:
-    found = []
-    for value in params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            if isinstance(item, jcore.ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, jcore.Jaxpr):
-                found.append(item)
-    return found
-
-
-def _rewrite(jaxpr: jcore.Jaxpr, failures: CallbackFailures) -> jcore.Jaxpr:
-    eqns = []
-    for eqn in jaxpr.eqns:
-        params = {key: _rewrite_param(value, failures) for key, value in eqn.params.items()}
-        if eqn.primitive.name in CALLBACK_PRIMITIVES and callable(params.get("callback")):
-            params["callback"] = _Caught(params["callback"], params.get("result_avals"), failures)
-        eqns.append(eqn.replace(params=params))
-    return jaxpr.replace(eqns=eqns)
-
-
-def _rewrite_param(value: Any, failures: CallbackFailures) -> Any:
-    if isinstance(value, jcore.ClosedJaxpr):
-        if not calls_back(value.jaxpr):
-            return value
-        return jcore.ClosedJaxpr(_rewrite(value.jaxpr, failures), value.consts)
-    if isinstance(value, jcore.Jaxpr):
-        return _rewrite(value, failures) if calls_back(value) else value
-    jaxprs = jcore.Jaxpr | jcore.ClosedJaxpr
-    if isinstance(value, tuple) and any(isinstance(v, jaxprs) for v in value):
-        return tuple(_rewrite_param(v, failures) for v in value)
-    return value
+    return rewrite(closed, _is_callback, caught)
 
 
 class _Caught:

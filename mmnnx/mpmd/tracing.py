@@ -15,6 +15,7 @@ from jax.sharding import AxisType
 from mmnnx._jax.tracing import fast_sharding_probes, name_trace_as, ordered_effects, source_line
 from mmnnx.errors import SideEffectError
 from mmnnx.mpmd.callbacks import CallbackFailures, catch_callbacks
+from mmnnx.mpmd.constraints import on_tasks
 from mmnnx.mpmd.control_flow import split_eqn
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op, aval_info
 from mmnnx.mpmd.mesh_context import traced_mesh
@@ -100,6 +101,7 @@ def trace(
         name_trace_as(fun, name_as, "mm.jit", arg_names)
     with fast_sharding_probes():
         closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
+    closed = on_tasks(closed)  # bare PartitionSpec constraints (mpmd/constraints.py)
     if callback_failures is not None:
         closed = catch_callbacks(closed, callback_failures)
     return to_graph(closed), out_shape

@@ -108,7 +108,7 @@ def _task_spec(
     names = logical_names(variable)
     if names is None:
         return PartitionSpec()
-    return task.spec(names)
+    return task.resolve(names)  # logical names through the rules; device axes (Flax's GSPMD guide)
 
 
 def _check_tasks(rules: list[PlacementRule]) -> None:

@@ -1,0 +1,68 @@
+"""``jax.lax.with_sharding_constraint(x, PartitionSpec(...))`` as Flax's guides write it, inside
+``mm.jit``: JAX wants a mesh in context for a bare ``PartitionSpec``, and a step spans several
+meshes. ``mm.jit`` traces such a step under an abstract mesh of its tasks' axes
+(:func:`abstract_mesh_of`), then turns each constraint on an abstract mesh into the
+constraint ``mm.with_sharding_constraint`` makes (:func:`on_tasks`), which is laid out on the
+mesh of the task whose program runs it, nested bodies included."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from jax.extend import core as jcore
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+
+from mmnnx.mpmd.primitives import constraint_p
+from mmnnx.mpmd.rewrite import rewrite
+
+_NO_MESH = "requires a non-empty mesh in context"
+
+
+def needs_a_mesh(error: BaseException) -> bool:
+    """Whether tracing failed because a bare ``PartitionSpec`` needed a mesh in context."""
+    while error is not None:
+        if _NO_MESH in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def abstract_mesh_of(meshes: Iterable[Any]) -> AbstractMesh:
+    """An abstract mesh holding every axis of ``meshes`` (a task's, or a placed array's; its
+    size on the first that has it), automatic axes.
+
+    Example:
+        >>> from mmnnx.sharding import Task, TaskMesh
+        >>> mesh = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("data", "model"))
+        >>> abstract_mesh_of([Task("t", mesh=mesh).jax_mesh]).shape
+        OrderedDict([('data', 2), ('model', 2)])
+    """
+    sizes: dict[str, int] = {}
+    for mesh in meshes:
+        for name, size in mesh.shape.items():
+            sizes.setdefault(name, size)
+    return AbstractMesh(
+        tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes)
+    )
+
+
+def _on_abstract_mesh(eqn: Any) -> bool:
+    sharding = eqn.params.get("sharding")
+    return (
+        eqn.primitive.name == "sharding_constraint"
+        and isinstance(sharding, NamedSharding)
+        and isinstance(sharding.mesh, AbstractMesh)
+    )
+
+
+def on_tasks(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """``closed`` with each ``sharding_constraint`` on an abstract mesh, at any depth, made an
+    ``mm.with_sharding_constraint`` of the same spec."""
+    return rewrite(
+        closed,
+        _on_abstract_mesh,
+        lambda eqn: eqn.replace(
+            primitive=constraint_p, params={"names": tuple(eqn.params["sharding"].spec)}
+        ),
+    )
