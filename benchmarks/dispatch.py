@@ -31,12 +31,18 @@
    (the optimizer's update returns every parameter as an array of its own, as any step does)
    grows with the parameter count; the target is that what grows with S x M does not.
 
+6. The 4-stage (and 2-stage) pipeline against data parallelism over all 8 devices, 5
+   interleaved fresh-process rounds with min-max, with XLA:CPU's defaults and with its Eigen
+   thread pool off, separating what 2 shared cores impose from what the pipeline costs
+   (``pipeline_vs_data_parallel``).
+
 5. JAX's own cost per argument of a compiled call (a program summing 10 or 50 one-device
    arrays), with the devices idle and while two other devices compute, and per result (a
    program making 10 or 50 arrays): the floor under "host time per launch" above.
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/dispatch.py
-[--only SECTION ...] (sections: call_cost one_task two_task pipelined per_pipelined_launch).
+[--only SECTION ...] (sections: call_cost one_task two_task pipelined per_pipelined_launch
+pipeline_vs_data_parallel).
 Writes benchmarks/results/dispatch.json (with --only, replaces those sections in it).
 """
 
@@ -330,16 +336,19 @@ def data_parallel_case():
     return {"wall": wall}
 
 
-def in_fresh_process(case, batch: int = BATCH) -> dict:
+def in_fresh_process(case, batch: int = BATCH, xla_flags: str = "") -> dict:
     """Runs ``pipeline_case(*case)`` (or, for ``None``, the data-parallel step) on a batch of
-    ``batch`` sequences in a new process: a process that has built and run other pipelines
-    measured 5-10% more host time per launch (their buffers and programs still alive), so each
-    configuration gets its own."""
+    ``batch`` sequences in a new process (with ``xla_flags`` added to ``XLA_FLAGS``): a process
+    that has built and run other pipelines measured 5-10% more host time per launch (their
+    buffers and programs still alive), so each configuration gets its own."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     out = subprocess.run(
         [sys.executable, __file__, "--case", json.dumps(case), "--batch", str(batch)],
         capture_output=True,
         text=True,
         check=True,
+        env=env,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -370,6 +379,40 @@ def pipelined_host_time():
     out["S4 M16 1 device per task / data parallel"] = out[
         "S4 M16 1 device(s) per task: step ms"
     ] / (dp_wall * 1e3)
+    return out
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
+def pipeline_vs_data_parallel(rounds: int = 5) -> dict:
+    """The pipelined GPT (1F1B, M = 16, one device per stage) on 4 and on 2 stages against the
+    data-parallel ``nnx.jit`` step over all 8 devices, each in a fresh process, alternating
+    over ``rounds`` rounds (DP, S4, S2, DP, ...), with XLA:CPU's defaults and with its Eigen
+    thread pool off (``--xla_cpu_multi_thread_eigen=false``: each device's kernels on one
+    thread). On 2 cores, with Eigen's threads a large kernel of one device takes every core,
+    which the data-parallel step's 8 devices share anyway and a pipeline's idle stages leave
+    free; without them each device computes on its own thread, as an accelerator would. What
+    the ratio keeps without them is the pipeline's own cost (bubble, transfers, launches)."""
+    out: dict = {"cores": os.cpu_count(), "rounds": rounds}
+    for label, flags in (
+        ("defaults", ""),
+        ("Eigen threads off", "--xla_cpu_multi_thread_eigen=false"),
+    ):
+        walls: dict[str, list[float]] = {"dp": [], "s4": [], "s2": []}
+        for _ in range(rounds):
+            walls["dp"].append(in_fresh_process(None, xla_flags=flags)["wall"])
+            walls["s4"].append(
+                in_fresh_process([4, 16, 1, 8, None, True, False], xla_flags=flags)["wall"]
+            )
+            walls["s2"].append(
+                in_fresh_process([2, 16, 1, 8, None, True, False], xla_flags=flags)["wall"]
+            )
+        out[f"{label}: data parallel step ms"] = _spread([w * 1e3 for w in walls["dp"]])
+        for stages in ("s4", "s2"):
+            ratios = [p / d for p, d in zip(walls[stages], walls["dp"], strict=True)]
+            out[f"{label}: S{stages[1]} M16 step / data parallel"] = _spread(ratios)
     return out
 
 
@@ -481,6 +524,7 @@ SECTIONS = {
     "two_task": two_task,
     "pipelined": pipelined_host_time,
     "per_pipelined_launch": host_time_per_pipelined_launch,
+    "pipeline_vs_data_parallel": pipeline_vs_data_parallel,
 }
 
 

@@ -210,9 +210,10 @@ def test_launch_on_ctrl_c_leaves_no_process_behind(tmp_path):
         text=True,
     )
     deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("pids*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    children = [int(p.read_text()) for p in tmp_path.glob("pids*")]
+    written = lambda: [p.read_text() for p in tmp_path.glob("pids*")]  # noqa: E731
+    while not (len(w := written()) == 2 and all(w)) and time.monotonic() < deadline:
+        time.sleep(0.1)  # (a file exists before its process has written its pid in it)
+    children = [int(text) for text in written()]
     assert len(children) == 2
     launcher.send_signal(signal.SIGINT)
     _, err = launcher.communicate(timeout=30)
