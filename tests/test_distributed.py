@@ -16,6 +16,7 @@ import pytest
 
 import mmnnx as mm
 from mmnnx.distributed import launch as launcher
+from mmnnx.train import CheckpointCorruptError
 from tests import distributed_worker as worker
 from tests.flags import without_device_count
 
@@ -304,6 +305,14 @@ def test_pipelined_gpt_and_checkpoints_across_process_counts(tmp_path, monkeypat
         restored = worker.checkpoint_restore(tmp_path / "together", stages=stages, train=False)
         assert restored["extra"] == {"loss": saved["loss"]}
         assert restored["state"] == saved["state"]
+    # what a resume depends on is checked in a step saved by several processes too: an extra
+    # changed to another valid value is damage, named, and nothing is written
+    extra_file = tmp_path / "together" / "1" / "extra" / "metadata"
+    extra_file.write_text(json.dumps({"loss": saved["loss"] + 1.0}))
+    with pytest.raises(
+        CheckpointCorruptError, match=r"checkpoint step 1 .*'extra' reads back different .*checksum"
+    ):
+        worker.checkpoint_restore(tmp_path / "together", stages=2, train=False)
     # every process wrote the arrays of its own tasks, each array one process
     manifest = json.loads((tmp_path / "together" / "1" / "mmnnx" / "metadata").read_text())
     writers = {name: {c[3] for c in a["chunks"]} for name, a in manifest["arrays"].items()}
