@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -752,8 +753,9 @@ class JitFunction:
         self.trace_count += 1
         callback_failures = CallbackFailures()
         avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
-        try:
-            with trace_state.tracing() as trace:
+
+        def traced(avals, context=None):
+            with trace_state.tracing() as trace, context or contextlib.nullcontext():
                 graph, out_shape = trace_graph(
                     pure,
                     avals,
@@ -761,31 +763,19 @@ class JitFunction:
                     arg_names=call.names,
                     callback_failures=callback_failures,
                 )
+            return trace, graph, out_shape
+
+        try:
+            trace, graph, out_shape = traced(avals)
         except Exception as e:
             if needs_a_mesh(e):  # a bare PartitionSpec constraint: traced on the tasks' axes
-                with (
-                    trace_state.tracing() as trace,
-                    jax.sharding.use_abstract_mesh(abstract_mesh_of(_meshes(call))),
-                ):
-                    graph, out_shape = trace_graph(
-                        pure,
-                        avals,
-                        name_as=fun,
-                        arg_names=call.names,
-                        callback_failures=callback_failures,
-                    )
-            elif not needs_explicit_axes(e):
-                raise
-            else:
+                mesh = abstract_mesh_of(_meshes(call))
+                trace, graph, out_shape = traced(avals, jax.sharding.use_abstract_mesh(mesh))
+            elif needs_explicit_axes(e):
                 mesh, avals = _typed_inputs(call, _step_name(fun), e)
-                with trace_state.tracing() as trace, explicit_tracing(mesh):
-                    graph, out_shape = trace_graph(
-                        pure,
-                        avals,
-                        name_as=fun,
-                        arg_names=call.names,
-                        callback_failures=callback_failures,
-                    )
+                trace, graph, out_shape = traced(avals, explicit_tracing(mesh))
+            else:
+                raise
         annotations.apply_resolvers(graph, trace)
         out_tree = jax.tree.structure(out_shape[0])
         num_added = sum(a.num_leaves for a in added)

@@ -217,6 +217,33 @@ def _checksum(x: jax.Array) -> jax.Array:
     return jnp.sum(words * (position * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
 
 
+def _key_impl_problems(
+    step: int, item: str, entries: Sequence[tuple[Path, Any, Any]], saved: Mapping, info: Mapping
+) -> list[str]:
+    """A line for each saved Variable of ``item`` whose RNG key implementation (in ``info``,
+    mmnnx's metadata of the step) differs from the model's; Variables the metadata does not
+    describe (a checkpoint written without it) are not compared."""
+    problems = []
+    for path, _, value in entries:
+        if path not in saved or _show(item, path) not in info:
+            continue
+        want = info[_show(item, path)].get("key_impl")
+        have = str(jax.random.key_impl(value)) if _is_key(value) else None
+        if want != have:
+            problems.append(
+                f"checkpoint step {step}: {_show(item, path)!r} holds RNG keys of impl "
+                f"{want} in the checkpoint but {have} in the model"
+            )
+    return problems
+
+
+def _raise_mismatches(problems: list[str]) -> None:
+    """Raises :class:`CheckpointMismatchError` with the first of ``problems``, if any."""
+    if problems:
+        more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+        raise CheckpointMismatchError(problems[0] + more)
+
+
 def _extra_checksum(extra: Mapping[str, Any]) -> str:
     """The checksum of a step's ``extra`` (what a resume depends on: data position, step,
     schedule horizon, seeds), over its canonical JSON."""
@@ -961,19 +988,8 @@ class Checkpointer:
                 continue
             saved = dict(_flatten(_tree_of(metadata[item])))
             problems += _compare(step, item, saved, targets[item])
-            for path, _, value in entries:
-                if path not in saved or _show(item, path) not in info:
-                    continue  # a checkpoint without mmnnx's metadata: shapes were compared
-                want = info[_show(item, path)].get("key_impl")
-                have = str(jax.random.key_impl(value)) if _is_key(value) else None
-                if want != have:
-                    problems.append(
-                        f"checkpoint step {step}: {_show(item, path)!r} holds RNG keys of impl "
-                        f"{want} in the checkpoint but {have} in the model"
-                    )
-        if problems:
-            more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
-            raise CheckpointMismatchError(problems[0] + more)
+            problems += _key_impl_problems(step, item, entries, saved, info)
+        _raise_mismatches(problems)
 
         args = {item: ocp.args.StandardRestore(_nest(t)) for item, t in targets.items()}
         if _EXTRA in saved_items:
@@ -1041,17 +1057,8 @@ class Checkpointer:
                 continue
             wanted = {path: _stored(value) for path, _, value in entries}
             problems += _compare(step, item, saved, wanted)
-            for path, _, value in entries:
-                want = info.get(_show(item, path), {}).get("key_impl")
-                have = str(jax.random.key_impl(value)) if _is_key(value) else None
-                if path in saved and want != have:
-                    problems.append(
-                        f"checkpoint step {step}: {_show(item, path)!r} holds RNG keys of impl "
-                        f"{want} in the checkpoint but {have} in the model"
-                    )
-        if problems:
-            more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
-            raise CheckpointMismatchError(problems[0] + more)
+            problems += _key_impl_problems(step, item, entries, saved, info)
+        _raise_mismatches(problems)
         extra_file = folder / _EXTRA / "metadata"
         extra = (
             self._read(step, lambda: json.loads(extra_file.read_text()))
