@@ -361,6 +361,7 @@ def train(args: argparse.Namespace) -> int:
     from mmnnx.models.stages import stage_rules  # noqa: PLC0415
     from mmnnx.train.data import TextDataset, embedded_text, load_text  # noqa: PLC0415
     from mmnnx.train.loop import TrainConfig, fit  # noqa: PLC0415
+    from mmnnx.train.tokenizers import ByteTokenizer  # noqa: PLC0415
 
     checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
     if (
@@ -402,10 +403,11 @@ def train(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    tokenizer = ByteTokenizer()
     try:
         text = load_text(args.text) if args.text else embedded_text()
-        dataset = TextDataset.from_text(
-            text, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
+        dataset = TextDataset(
+            tokenizer.encode(text), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
         )
     except (OSError, ValueError) as e:
         print(f"mmnnx train: error: {e}", file=sys.stderr)
@@ -423,7 +425,7 @@ def train(args: argparse.Namespace) -> int:
         for i in range(args.stages)
     ]
     config = GPTConfig(
-        vocab_size=256,
+        vocab_size=tokenizer.vocab_size,
         dim=args.dim,
         depth=args.depth,
         num_heads=args.heads,
@@ -434,6 +436,8 @@ def train(args: argparse.Namespace) -> int:
     def factory():
         return GPT(config, rngs=nnx.Rngs(args.seed))
 
+    if jax.process_index() == 0:
+        tokenizer.save(pathlib.Path(args.output_dir, "tokenizer"))
     with nnx.use_eager_sharding(False):
         placement = stage_rules(nnx.eval_shape(factory), tasks)
     model = mm.init(factory, placement)

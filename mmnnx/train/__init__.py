@@ -16,8 +16,9 @@ from mmnnx.train.checkpoint import (
     Resumed,
     Skipped,
 )
-from mmnnx.train.data import ByteTokenizer, TextDataset, embedded_text, load_text
+from mmnnx.train.data import TextDataset, embedded_text, load_text
 from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
+from mmnnx.train.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "ByteTokenizer",
@@ -30,9 +31,11 @@ __all__ = [
     "Resumed",
     "Skipped",
     "TextDataset",
+    "Tokenizer",
     "TrainConfig",
     "embedded_text",
     "fit",
     "load_text",
+    "load_tokenizer",
     "make_optimizer",
 ]

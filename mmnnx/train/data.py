@@ -9,26 +9,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from mmnnx.train.tokenizers import ByteTokenizer
+
 TEXTS = pathlib.Path(__file__).parent / "texts"
 EMBEDDED = TEXTS / "kjv_genesis_exodus.txt"
-
-
-class ByteTokenizer:
-    """Bytes as tokens: a vocabulary of 256, no training, lossless on any UTF-8 text.
-
-    Example:
-        >>> tok = ByteTokenizer()
-        >>> tok.encode("hi").tolist(), tok.decode([104, 105])
-        ([104, 105], 'hi')
-    """
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        return bytes(np.asarray(ids, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
 
 
 def embedded_text() -> str:
