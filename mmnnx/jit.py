@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx import _nnx
+from mmnnx._error_location import with_location
 from mmnnx._jax.arrays import all_plain_arrays, move_to, shards_by_device
 from mmnnx._jax.tracing import tracing
 from mmnnx.deep_models import warn_unrolled_blocks
@@ -740,10 +741,12 @@ class JitFunction:
             )
 
         added: list[_Added] = []
+        rebuilt: list[Any] = []  # the step's arguments as traced: to name a failing module
 
         def pure(*leaves):
             dyn_args, dyn_kwargs, fresh, nodes = call.rebuild(leaves)
             args, kwargs = call.full_args(dyn_args, dyn_kwargs)
+            rebuilt[:] = [*args, *kwargs.values()]
             out = fun(*args, **kwargs)
             _check_outputs(out, _step_name(fun))
             added[:] = call.take_added(dyn_args, dyn_kwargs, fresh)
@@ -774,8 +777,14 @@ class JitFunction:
             elif needs_explicit_axes(e):
                 mesh, avals = _typed_inputs(call, _step_name(fun), e)
                 trace, graph, out_shape = traced(avals, explicit_tracing(mesh))
+            elif isinstance(e, TypeError | ValueError):
+                located = with_location(e, rebuilt)
+                if located is e:
+                    raise
+                raise located from e
             else:
                 raise
+        rebuilt.clear()
         annotations.apply_resolvers(graph, trace)
         out_tree = jax.tree.structure(out_shape[0])
         num_added = sum(a.num_leaves for a in added)

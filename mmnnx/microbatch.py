@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -142,7 +143,10 @@ def microbatch(
         try:
             return _run_split(args, kwargs, m)
         except (TypeError, ValueError) as e:
-            hint = _unsplit_batch_hint(args, split_args, dim, leaves[0][1].shape[dim])
+            total = leaves[0][1].shape[dim]
+            hint = _unsplit_batch_hint(args, split_args, dim, total) or _whole_batch_shape_hint(
+                e, dim, total, m
+            )
             if hint is None:
                 raise
             try:
@@ -223,6 +227,22 @@ def _unsplit_batch_hint(args: tuple, split_args: tuple, dim: int, total: int) ->
         f"mm.microbatch: argument(s) {', '.join(map(str, suspects))} have the batch's size "
         f"{total} along dimension {dim} but are not split (argnums={split_args}); if they are "
         f"part of the batch, use argnums={wanted}"
+    )
+
+
+def _whole_batch_shape_hint(error: Exception, dim: int, total: int, m: int) -> str | None:
+    """When ``fun`` failed on a shape: a shape that names the whole batch's size, which a
+    microbatch does not have (a Python int written for the batch, e.g. ``x.reshape(8, -1)``)."""
+    message = str(error)
+    if m == 1 or not re.search(r"reshape|broadcast", message):
+        return None
+    numbers = {int(n) for n in re.findall(r"\b\d+\b", message)}
+    if total not in numbers:
+        return None
+    return (
+        f"mm.microbatch: the batch's {total} rows along dimension {dim} are split into {m} "
+        f"microbatches of {total // m}; a shape written with the whole batch's size {total} does "
+        f"not fit one microbatch: take it from the input instead (e.g. x.shape[{dim}])"
     )
 
 

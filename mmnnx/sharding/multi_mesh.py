@@ -134,7 +134,7 @@ class MultiMesh:
             >>> MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "x")).task_mesh(stage=1).devices
             array([4, 5, 6, 7])
         """
-        devs = self._mesh.devices[self._index(slices, keep_dims=False)]
+        devs = np.asarray(self._mesh.devices[self._index(slices, keep_dims=False)], dtype=object)
         all_devices = jax.devices()
         ids = np.asarray([all_devices.index(d) for d in devs.flat], dtype=int)
         kept = [

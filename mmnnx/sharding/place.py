@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import gc
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -138,7 +138,9 @@ def _check_tasks(rules: list[PlacementRule]) -> None:
                 )
 
 
-def plan_placement(model: Any, rules: Sequence[tuple], *, strict: bool = True) -> list[Assignment]:
+def plan_placement(
+    model: Any, rules: Sequence[tuple] | Mapping, *, strict: bool = True
+) -> list[Assignment]:
     """Matches every Variable of ``model`` to a rule and checks its spec; moves nothing.
 
     Example:
@@ -153,7 +155,7 @@ def plan_placement(model: Any, rules: Sequence[tuple], *, strict: bool = True) -
 
 def _plan(
     variables: Sequence[tuple[Path, nnx.Variable]],
-    rules: Sequence[tuple],
+    rules: Sequence[tuple] | Mapping,
     strict: bool,
     warn_at: int,
 ) -> list[Assignment]:
@@ -219,10 +221,11 @@ def _commit(assignments: list[Assignment], values: list[Any]) -> None:
         a.variable.set_metadata(**{TASK_KEY: a.task, SPEC_KEY: a.spec})
 
 
-def place(model: M, rules: Sequence[tuple], *, strict: bool = True) -> M:
+def place(model: M, rules: Sequence[tuple] | Mapping, *, strict: bool = True) -> M:
     """Moves every Variable of ``model`` to the task its first matching rule names.
 
-    ``rules`` is a sequence of ``(filter, task)`` or ``(filter, task, spec)``. A ``str`` filter is a
+    ``rules`` is a sequence of ``(filter, task)`` or ``(filter, task, spec)`` (or a dict
+    ``{filter: task}``). A ``str`` filter is a
     regular expression searched in the Variable's ``/``-joined path; any NNX filter works too.
     ``spec`` is a PartitionSpec or a callable ``(path, variable) -> PartitionSpec``; without it,
     the Variable's logical names (``nnx.with_partitioning``) are translated by the task's rules,
@@ -251,7 +254,7 @@ def place(model: M, rules: Sequence[tuple], *, strict: bool = True) -> M:
     return model
 
 
-def init(factory: Callable[[], M], rules: Sequence[tuple], *, strict: bool = True) -> M:
+def init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, *, strict: bool = True) -> M:
     """Builds ``factory()`` with each task's Variables created directly on that task's submesh.
 
     The factory is traced once (which also gives the model's structure); then the Variables
@@ -295,7 +298,7 @@ def _cyclic_gc_paused():
             gc.enable()
 
 
-def _init(factory: Callable[[], M], rules: Sequence[tuple], strict: bool) -> M:
+def _init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, strict: bool) -> M:
     abstract, traced, order = _traced(factory)
     variables = variables_of(abstract)
     assignments = _plan(variables, rules, strict, warn_at=3)

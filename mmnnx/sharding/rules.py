@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flax import nnx
@@ -60,11 +60,12 @@ def _predicate(flt: Any, index: int) -> Callable[[Path, Any], bool]:
     )
 
 
-def compile_rules(rules: Sequence[tuple]) -> list[PlacementRule]:
+def compile_rules(rules: Sequence[tuple] | Mapping) -> list[PlacementRule]:
     """Checks and compiles ``(filter, task)`` / ``(filter, task, spec)`` tuples, in order.
 
-    ``task`` may be a list of tasks: the matched Variables are stacked layers (``nnx.vmap``),
-    whose leading axis is split over those tasks in order (a :class:`TaskStack`).
+    A dict ``{filter: task}`` is the same rules in its order. ``task`` may be a list of tasks:
+    the matched Variables are stacked layers (``nnx.vmap``), whose leading axis is split over
+    those tasks in order (a :class:`TaskStack`).
 
     Example:
         >>> import jax
@@ -73,8 +74,13 @@ def compile_rules(rules: Sequence[tuple]) -> list[PlacementRule]:
         >>> [r.describe() for r in compile_rules([("layers/0", t)])]
         ["rule 0 ('layers/0' -> task 't')"]
     """
+    if isinstance(rules, Mapping):
+        rules = list(rules.items())
     if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
-        raise TypeError(f"placement rules must be a sequence of tuples, got {type(rules).__name__}")
+        raise TypeError(
+            f"placement rules must be a sequence of (filter, task) tuples or a dict "
+            f"{{filter: task}}, got {type(rules).__name__}"
+        )
     compiled = []
     for index, rule in enumerate(rules):
         if not isinstance(rule, tuple | list) or len(rule) not in (2, 3):
