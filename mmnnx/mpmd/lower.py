@@ -362,11 +362,14 @@ def lower(
         for result, new in low.carry.results.items():
             low.where[(result, None)] = low.where[(new, low.last)]
     outputs: list[Output | ConstantOutput] = []
+    task_on: dict[int, Task] = {}  # id of a home's mesh -> its task (comparing meshes is slow)
     for atom, home in zip(graph.outputs, output_homes, strict=True):
         if isinstance(atom, Const):
             outputs.append(ConstantOutput(value=atom.value, home=home))
         elif home is not None:
-            task = next(t for t in tasks if t.jax_mesh == home.mesh)
+            if id(home.mesh) not in task_on:
+                task_on[id(home.mesh)] = next(t for t in tasks if t.jax_mesh == home.mesh)
+            task = task_on[id(home.mesh)]
             slot = low.ensure(atom, task, None, home)
             outputs.append(Output(slot=slot, value=atom, task=task))
         else:
