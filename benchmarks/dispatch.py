@@ -52,7 +52,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import functools  # noqa: E402
 import json  # noqa: E402
-import pathlib  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -63,33 +62,29 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from report import only_sections, run_sections  # noqa: E402
+from report import (  # noqa: E402
+    interleaved,
+    only_sections,
+    per_call,
+    ratio_spread,
+    results_path,
+    rounds_option,
+    run_sections,
+    spread,
+)
 
 import mmnnx as mm  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "dispatch.json"
+RESULTS = results_path("dispatch.json")
 
 
-def timeit(fn, steps=200, repeats=5):
-    """Median seconds per call of ``fn()`` (which returns something to block on)."""
-    return timeit_interleaved({"fn": fn}, steps, repeats)["fn"]
-
-
-def timeit_interleaved(fns, steps=200, repeats=7):
-    """Median seconds per call of each ``fns[name]()``, the candidates timed in turn in each
-    round so that a slow spell of this shared machine hits all of them alike."""
+def per_call_samples(fns, steps: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each ``fns[name]()`` (which returns something to block on), averaged
+    over ``steps`` calls, in ``rounds`` interleaved rounds (each one warmed up first)."""
     for fn in fns.values():
         jax.block_until_ready(fn())
-    samples = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            out = None
-            for _ in range(steps):
-                out = fn()
-            jax.block_until_ready(out)
-            samples[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(times) for name, times in samples.items()}
+    candidates = {name: per_call(fn, steps, jax.block_until_ready) for name, fn in fns.items()}
+    return interleaved(candidates, rounds)
 
 
 class Deep(nnx.Module):
@@ -108,16 +103,23 @@ def step(model, opt, x):
     return loss
 
 
-def one_task():
+def _one_task_mm():
+    """The 50-layer model on one task, its optimizer, a batch and its ``mm.jit`` step."""
+    task = mm.Task("solo", mesh=mm.TaskMesh(devices=[0]))
+    model = mm.place(Deep(50, 32, nnx.Rngs(0)), [(".*", task)])
+    opt = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+    return mm.jit(step), model, opt, jnp.ones((8, 32))
+
+
+def one_task(rounds: int):
     x = jnp.ones((8, 32))
 
     def build():
         model = Deep(50, 32, nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
 
-    model, opt = build()
+    nnx_model, nnx_opt = build()
     nnx_step = nnx.jit(step)
-    t_nnx = timeit(lambda: nnx_step(model, opt, x))
 
     model, opt = build()
     graphdef, state = nnx.split((model, opt))
@@ -134,34 +136,38 @@ def one_task():
         loss, holder["state"] = pure(holder["state"], x)
         return loss
 
-    task = mm.Task("solo", mesh=mm.TaskMesh(devices=[0]))
-    model, opt = build()
-    model = mm.place(model, [(".*", task)])
-    opt = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
-    mm_step = mm.jit(step)
-    start = time.perf_counter()
+    mm_step, model, opt, x = _one_task_mm()
     jax.block_until_ready(mm_step(model, opt, x))
-    compile_s = time.perf_counter() - start
     bound = mm.cached_partial(mm_step, model, opt)
-    times = timeit_interleaved(
-        {"jax": run_pure, "mm": lambda: mm_step(model, opt, x), "bound": lambda: bound(x)}
+    times = per_call_samples(
+        {
+            "jax": run_pure,
+            "nnx": lambda: nnx_step(nnx_model, nnx_opt, x),
+            "mm": lambda: mm_step(model, opt, x),
+            "bound": lambda: bound(x),
+        },
+        steps=200,
+        rounds=rounds,
     )
-    t_jax, t_mm, t_bound = times["jax"], times["mm"], times["bound"]
+    t_jax, t_nnx, t_mm, t_bound = times["jax"], times["nnx"], times["mm"], times["bound"]
     programs = mm_step.plan(model, opt, x).num_programs
+    compile_s = interleaved({"first": lambda: first_call_in_fresh_process("one_task")}, rounds)
     return {
-        "jax.jit(graphdef, state) us": t_jax * 1e6,
-        "nnx.jit us": t_nnx * 1e6,
-        "mm.jit us": t_mm * 1e6,
-        "mm.cached_partial us": t_bound * 1e6,
-        "mm.jit / jax.jit": t_mm / t_jax,
-        "mm.cached_partial / jax.jit": t_bound / t_jax,
-        "mm.jit / nnx.jit": t_mm / t_nnx,
-        "mm.jit compile s": compile_s,
+        "jax.jit(graphdef, state) us": spread(t_jax, 1e6, 1),
+        "nnx.jit us": spread(t_nnx, 1e6, 1),
+        "mm.jit us": spread(t_mm, 1e6, 1),
+        "mm.cached_partial us": spread(t_bound, 1e6, 1),
+        "mm.jit / jax.jit": ratio_spread(t_mm, t_jax),
+        "mm.cached_partial / jax.jit": ratio_spread(t_bound, t_jax),
+        "mm.jit / nnx.jit": ratio_spread(t_mm, t_nnx),
+        "mm.jit compile s (first call, fresh process)": spread(compile_s["first"]),
         "mm.jit programs": programs,
     }
 
 
-def two_task():
+def _two_task_setup():
+    """The 2-stage MLP: the hand-written loop's step, and the ``mm.jit`` step with its model,
+    optimizer and batch."""
     width, batch = 256, 64
     mesh = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "x"))
     s0 = mm.Task("s0", mesh=mesh.task_mesh(stage=0))
@@ -199,8 +205,6 @@ def two_task():
         state["p0"] = bwd0(vjp, state["p0"], jax.device_put(gh, rep0))
         return loss
 
-    t_manual = timeit(manual, steps=50)
-
     class Model(nnx.Module):
         def __init__(self):
             self.w = nnx.List([nnx.Param(w) for w in weights])
@@ -210,19 +214,46 @@ def two_task():
 
     model = mm.place(Model(), [("w/[01]", s0), ("w/[23]", s1)])
     opt = nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param)
-    mm_step = mm.jit(step)
-    start = time.perf_counter()
-    jax.block_until_ready(mm_step(model, opt, x))
-    compile_s = time.perf_counter() - start
-    t_mm = timeit(lambda: mm_step(model, opt, x), steps=50)
+    return manual, mm.jit(step), model, opt, x
+
+
+def _two_task_mm():
+    return _two_task_setup()[1:]
+
+
+def two_task(rounds: int):
+    manual, mm_step, model, opt, x = _two_task_setup()
+    times = per_call_samples(
+        {"manual": manual, "mm": lambda: mm_step(model, opt, x)}, steps=50, rounds=rounds
+    )
     plan = mm_step.plan(model, opt, x)
+    compile_s = interleaved({"first": lambda: first_call_in_fresh_process("two_task")}, rounds)
     return {
-        "hand-written loop us": t_manual * 1e6,
-        "mm.jit us": t_mm * 1e6,
-        "mm.jit / hand-written": t_mm / t_manual,
-        "mm.jit compile s": compile_s,
+        "hand-written loop us": spread(times["manual"], 1e6, 1),
+        "mm.jit us": spread(times["mm"], 1e6, 1),
+        "mm.jit / hand-written": ratio_spread(times["mm"], times["manual"]),
+        "mm.jit compile s (first call, fresh process)": spread(compile_s["first"]),
         "mm.jit programs": plan.num_programs,
     }
+
+
+FIRST_CALLS = {"one_task": _one_task_mm, "two_task": _two_task_mm}
+
+
+def first_call(name: str) -> float:
+    """Seconds of the first call of ``FIRST_CALLS[name]``'s ``mm.jit`` step (trace, plan, compile,
+    run), in this (fresh) process."""
+    mm_step, *args = FIRST_CALLS[name]()
+    start = time.perf_counter()
+    jax.block_until_ready(mm_step(*args))
+    return time.perf_counter() - start
+
+
+def first_call_in_fresh_process(name: str) -> float:
+    out = subprocess.run(
+        [sys.executable, __file__, "--first-call", name], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 CONFIG = {"vocab_size": 256, "dim": 64, "depth": 8, "num_heads": 4, "max_seq_len": 32}
@@ -353,40 +384,48 @@ def in_fresh_process(case, batch: int = BATCH, xla_flags: str = "") -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def pipelined_host_time():
+def _pipeline_label(case) -> str:
+    stages, m, per_task, depth, packed, recompute, scanned, *direct_weights = case
+    direct = direct_weights[:1]
+    weights = direct_weights[1:]
+    key = f"S{stages} M{m} {per_task} device(s) per task" + (
+        f", {depth} blocks" if depth != 8 or scanned else ""
+    )
+    key += " stacked (scan_layers)" if scanned else ""
+    key += ", nothing packed" if packed is False else ""
+    key += "" if recompute else ", every residual kept"
+    key += ", every program through JAX's checked call" if direct == [False] else ""
+    key += ", weights not packed" if weights == [False] else ""
+    return key
+
+
+def pipelined_host_time(rounds: int):
+    """Every configuration of ``PIPELINES`` and the data-parallel step, each in a fresh process,
+    all of them once per round over ``rounds`` rounds."""
+    candidates = {_pipeline_label(case): functools.partial(in_fresh_process, list(case))
+                  for case in PIPELINES}  # fmt: skip
+    candidates["data parallel"] = functools.partial(in_fresh_process, None)
+    runs = interleaved(candidates, rounds)
     out = {}
-    for case in PIPELINES:
-        stages, m, per_task, depth, packed, recompute, scanned, *direct_weights = case
-        direct = direct_weights[:1]
-        weights = direct_weights[1:]
-        got = in_fresh_process(list(case))
-        key = f"S{stages} M{m} {per_task} device(s) per task" + (
-            f", {depth} blocks" if depth != 8 or scanned else ""
+    for key in candidates:
+        if key == "data parallel":
+            continue
+        got = runs[key]
+        out[f"{key}: launches"] = got[0]["launches"]
+        out[f"{key}: host ms per launch"] = spread([r["cpu"] / r["launches"] for r in got], 1e3, 3)
+        out[f"{key}: host ms per launch, mm.cached_partial"] = spread(
+            [r["bound_cpu"] / r["launches"] for r in got], 1e3, 3
         )
-        key += " stacked (scan_layers)" if scanned else ""
-        key += ", nothing packed" if packed is False else ""
-        key += "" if recompute else ", every residual kept"
-        key += ", every program through JAX's checked call" if direct == [False] else ""
-        key += ", weights not packed" if weights == [False] else ""
-        out[f"{key}: launches"] = got["launches"]
-        out[f"{key}: host ms per launch"] = got["cpu"] / got["launches"] * 1e3
-        out[f"{key}: host ms per launch, mm.cached_partial"] = (
-            got["bound_cpu"] / got["launches"] * 1e3
-        )
-        out[f"{key}: step ms"] = got["wall"] * 1e3
-    dp_wall = in_fresh_process(None)["wall"]
-    out["data-parallel nnx.jit over 8 devices: step ms"] = dp_wall * 1e3
-    out["S4 M16 1 device per task / data parallel"] = out[
-        "S4 M16 1 device(s) per task: step ms"
-    ] / (dp_wall * 1e3)
+        out[f"{key}: step ms"] = spread([r["wall"] for r in got], 1e3, 1)
+    dp_walls = [r["wall"] for r in runs["data parallel"]]
+    out["data-parallel nnx.jit over 8 devices: step ms"] = spread(dp_walls, 1e3, 1)
+    out["S4 M16 1 device per task / data parallel"] = ratio_spread(
+        [r["wall"] for r in runs["S4 M16 1 device(s) per task"]], dp_walls
+    )
     return out
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
-
-
-def pipeline_vs_data_parallel(rounds: int = 5) -> dict:
+def pipeline_vs_data_parallel(rounds: int) -> dict:
     """The pipelined GPT (1F1B, M = 16, one device per stage) on 4 and on 2 stages against the
     data-parallel ``nnx.jit`` step over all 8 devices, each in a fresh process, alternating
     over ``rounds`` rounds (DP, S4, S2, DP, ...), with XLA:CPU's defaults and with its Eigen
@@ -395,24 +434,23 @@ def pipeline_vs_data_parallel(rounds: int = 5) -> dict:
     which the data-parallel step's 8 devices share anyway and a pipeline's idle stages leave
     free; without them each device computes on its own thread, as an accelerator would. What
     the ratio keeps without them is the pipeline's own cost (bubble, transfers, launches)."""
-    out: dict = {"cores": os.cpu_count(), "rounds": rounds}
+    out: dict = {}
     for label, flags in (
         ("defaults", ""),
         ("Eigen threads off", "--xla_cpu_multi_thread_eigen=false"),
     ):
-        walls: dict[str, list[float]] = {"dp": [], "s4": [], "s2": []}
-        for _ in range(rounds):
-            walls["dp"].append(in_fresh_process(None, xla_flags=flags)["wall"])
-            walls["s4"].append(
-                in_fresh_process([4, 16, 1, 8, None, True, False], xla_flags=flags)["wall"]
-            )
-            walls["s2"].append(
-                in_fresh_process([2, 16, 1, 8, None, True, False], xla_flags=flags)["wall"]
-            )
-        out[f"{label}: data parallel step ms"] = _spread([w * 1e3 for w in walls["dp"]])
+        cases = {"dp": None, "s4": [4, 16, 1, 8, None, True, False],
+                 "s2": [2, 16, 1, 8, None, True, False]}  # fmt: skip
+        runs = interleaved(
+            {k: functools.partial(in_fresh_process, c, xla_flags=flags) for k, c in cases.items()},
+            rounds,
+        )
+        walls = {k: [r["wall"] for r in got] for k, got in runs.items()}
+        out[f"{label}: data parallel step ms"] = spread(walls["dp"], 1e3)
         for stages in ("s4", "s2"):
-            ratios = [p / d for p, d in zip(walls[stages], walls["dp"], strict=True)]
-            out[f"{label}: S{stages[1]} M16 step / data parallel"] = _spread(ratios)
+            out[f"{label}: S{stages[1]} M16 step / data parallel"] = ratio_spread(
+                walls[stages], walls["dp"]
+            )
     return out
 
 
@@ -420,58 +458,62 @@ DEPTHS = (8, 16, 32)
 MICROBATCHES = (4, 32)
 
 
-def host_time_per_pipelined_launch(rounds=3):
+def host_time_per_pipelined_launch(rounds: int):
     """The host time a pipelined launch (a microbatch's forward or backward) costs, apart from
     what a step costs once whatever its microbatches (the update programs, which return every
     parameter as an array of its own, handing the values back to the model): the slope of the
     host time per step (as ``mm.cached_partial``) between M = 4 and M = 32, S = 4, one device
-    per task, at 8, 16 and 32 blocks, unrolled and stacked, each in a fresh process, medians of
-    ``rounds`` alternating rounds. On this machine the host thread's time per launch grows with
+    per task, at 8, 16 and 32 blocks, unrolled and stacked, each in a fresh process, over
+    ``rounds`` alternating rounds: the slope taken per round, then its median [min-max]. On this
+    machine the host thread's time per launch grows with
     the devices' load (stacked layers take the same arguments at every depth and still cost more
     per launch when deeper), so the measure of the parameter count alone is unrolled against
     stacked at the same depth; and the load alone, 8 blocks on four times the batch (the same
     parameters and arguments)."""
     cases = [(depth, scanned, BATCH) for scanned in (False, True) for depth in DEPTHS]
     cases.append((DEPTHS[0], False, 4 * BATCH))
-    runs: dict[tuple, list[dict]] = {}
-    for _ in range(rounds):  # alternating, so a slow spell of this machine hits every case
-        for depth, scanned, batch in cases:
-            for m in MICROBATCHES:
-                got = in_fresh_process([4, m, 1, depth, None, True, scanned], batch)
-                runs.setdefault((depth, scanned, batch, m), []).append(got)
+    runs = interleaved(  # alternating, so a slow spell of this machine hits every case
+        {
+            (depth, scanned, batch, m): functools.partial(
+                in_fresh_process, [4, m, 1, depth, None, True, scanned], batch
+            )
+            for depth, scanned, batch in cases
+            for m in MICROBATCHES
+        },
+        rounds,
+    )
     out, slopes = {}, {}
     for case in cases:
-        (few, few_cpu), (many, many_cpu) = (
-            (
-                runs[(*case, m)][0]["launches"],
-                statistics.median(r["bound_cpu"] for r in runs[(*case, m)]),
-            )
-            for m in MICROBATCHES
-        )
-        slope = slopes[case] = (many_cpu - few_cpu) / (many - few)
+        few_runs, many_runs = (runs[(*case, m)] for m in MICROBATCHES)
+        few, many = few_runs[0]["launches"], many_runs[0]["launches"]
+        per_round = list(zip(few_runs, many_runs, strict=True))
+        slope = slopes[case] = [(b["bound_cpu"] - a["bound_cpu"]) / (many - few)
+                                for a, b in per_round]  # fmt: skip
         depth, scanned, batch = case
         label = f"{depth} blocks" + (" stacked (scan_layers)" if scanned else "")
         label += f", batch {batch}" if batch != BATCH else ""
-        out[f"{label}: host ms per pipelined launch"] = slope * 1e3
-        out[f"{label}: host ms per step besides them"] = (few_cpu - slope * few) * 1e3
+        out[f"{label}: host ms per pipelined launch"] = spread(slope, 1e3, 3)
+        out[f"{label}: host ms per step besides them"] = spread(
+            [a["bound_cpu"] - s * few for (a, _), s in zip(per_round, slope, strict=True)], 1e3
+        )
     for scanned in (False, True):
         kind = "stacked" if scanned else "unrolled"
         for depth in DEPTHS[1:]:
-            out[f"{kind}: {depth} / {DEPTHS[0]} blocks, per pipelined launch"] = (
-                slopes[depth, scanned, BATCH] / slopes[DEPTHS[0], scanned, BATCH]
+            out[f"{kind}: {depth} / {DEPTHS[0]} blocks, per pipelined launch"] = ratio_spread(
+                slopes[depth, scanned, BATCH], slopes[DEPTHS[0], scanned, BATCH]
             )
     for depth in DEPTHS:  # the same compute, parameters held one array per layer or stacked
-        out[f"{depth} blocks: unrolled / stacked, per pipelined launch"] = (
-            slopes[depth, False, BATCH] / slopes[depth, True, BATCH]
+        out[f"{depth} blocks: unrolled / stacked, per pipelined launch"] = ratio_spread(
+            slopes[depth, False, BATCH], slopes[depth, True, BATCH]
         )
     # the same parameters and arguments, four times the devices' work per launch
-    out[f"{DEPTHS[0]} blocks: batch {4 * BATCH} / {BATCH}, per pipelined launch"] = (
-        slopes[DEPTHS[0], False, 4 * BATCH] / slopes[DEPTHS[0], False, BATCH]
+    out[f"{DEPTHS[0]} blocks: batch {4 * BATCH} / {BATCH}, per pipelined launch"] = ratio_spread(
+        slopes[DEPTHS[0], False, 4 * BATCH], slopes[DEPTHS[0], False, BATCH]
     )
     return out
 
 
-def call_cost(small=(10, 50), calls=200, rounds=7):
+def call_cost(rounds: int, small=(10, 50), calls=200):
     """Host CPU time per call of a compiled program (a sum of one-device arrays of 64 floats)
     at two argument counts, with every device idle and while two other devices run long
     programs (as a pipeline's other stages do). The slope between the two counts is JAX's cost
@@ -490,31 +532,39 @@ def call_cost(small=(10, 50), calls=200, rounds=7):
     weights = [jax.device_put(jnp.full((256, 256), 1e-3), d) for d in devices[1:3]]
     long_program = jax.jit(lambda w: functools.reduce(lambda h, _: jnp.tanh(h @ w), range(40), w))
 
-    def per_call(key, busy):
+    def host_us(key, busy):
+        """One round: host microseconds per call of ``programs[key]``, mean of ``calls``."""
         compiled, args = programs[key]
-        jax.block_until_ready(compiled(*args))
-        times = []
-        for _ in range(rounds):
-            pending = [long_program(w) for _ in range(10) for w in weights] if busy else []
-            start = time.thread_time()
-            outs = [compiled(*args) for _ in range(calls)]
-            times.append((time.thread_time() - start) / calls)
-            jax.block_until_ready((outs, pending))
-        return statistics.median(times) * 1e6
+        pending = [long_program(w) for _ in range(10) for w in weights] if busy else []
+        start = time.thread_time()
+        outs = [compiled(*args) for _ in range(calls)]
+        seconds = (time.thread_time() - start) / calls
+        jax.block_until_ready((outs, pending))
+        return seconds * 1e6
 
-    def slope(us):
-        return (us[high] - us[low]) / (high - low)
+    cases = [("idle", "arguments", n) for n in small]
+    cases += [("two devices busy", "arguments", n) for n in small]
+    cases += [("idle", "results", n) for n in small]
+    for _, kind, n in cases:
+        compiled, args = programs[kind, n]
+        jax.block_until_ready(compiled(*args))
+    jax.block_until_ready([long_program(w) for w in weights])
+    us = interleaved(
+        {case: functools.partial(host_us, case[1:], case[0] != "idle") for case in cases}, rounds
+    )
+
+    def slope(label, kind):
+        per_round = zip(us[label, kind, high], us[label, kind, low], strict=True)
+        return spread([(b - a) / (high - low) for b, a in per_round])
 
     out = {}
-    for label, busy in (("idle", False), ("two devices busy", True)):
-        us = {n: per_call(("arguments", n), busy) for n in small}
+    for label in ("idle", "two devices busy"):
         for n in small:
-            out[f"{label}: host us per call, {n} arguments"] = us[n]
-        out[f"{label}: host us per argument"] = slope(us)
-    results = {n: per_call(("results", n), False) for n in small}
+            out[f"{label}: host us per call, {n} arguments"] = spread(us[label, "arguments", n])
+        out[f"{label}: host us per argument"] = slope(label, "arguments")
     for n in small:
-        out[f"idle: host us per call, 1 argument, {n} results"] = results[n]
-    out["idle: host us per result"] = slope(results)
+        out[f"idle: host us per call, 1 argument, {n} results"] = spread(us["idle", "results", n])
+    out["idle: host us per result"] = slope("idle", "results")
     return out
 
 
@@ -528,15 +578,17 @@ SECTIONS = {
 }
 
 
-def main(only: list[str] | None = None):
+def main(only: list[str] | None, rounds: int):
     """Runs every section, or those in ``only`` (their results replace theirs in the file)."""
-    run_sections(SECTIONS, RESULTS, "dispatch", only, str(jax.devices()[0]))
+    run_sections(SECTIONS, RESULTS, "dispatch", only, str(jax.devices()[0]), rounds)
 
 
 if __name__ == "__main__":
-    if "--case" in sys.argv:
+    if "--first-call" in sys.argv:
+        print(json.dumps(first_call(sys.argv[sys.argv.index("--first-call") + 1])))
+    elif "--case" in sys.argv:
         case = json.loads(sys.argv[sys.argv.index("--case") + 1])
         BATCH = int(sys.argv[sys.argv.index("--batch") + 1])
         print(json.dumps(data_parallel_case() if case is None else pipeline_case(*case)))
     else:
-        main(only_sections(sys.argv))
+        main(only_sections(sys.argv), rounds_option(sys.argv))

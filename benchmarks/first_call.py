@@ -4,8 +4,9 @@ under ``jax.jit`` on one device, in the same run (ratios only).
 A 32-block GPT (dim 64) pipelined over 4 stages of one device each with 1F1B, M = 16, AdamW,
 against the plain full-batch step (no microbatching) of the same model under ``nnx.jit`` on
 one device. A first call compiles, so each measurement runs in a fresh process (nothing cached);
-the two alternate over three rounds, and the ratio of the medians is reported with each round's
-own ratio (a single pair of first calls on this machine varied from 1.3x to 1.8x). The
+every case runs once per round, the cases taking turns, over ``--rounds N`` rounds (default 5),
+and each time and each ratio (taken per round) is reported as the median [min-max] over the
+rounds (a single pair of first calls on this machine varied from 1.3x to 1.8x). The
 compiled-program count of the pipeline is reported. Target (issue 16): <= 1.5x.
 
 Equal stages compile once (a program equal to one compiled for other devices loads that one's
@@ -15,24 +16,26 @@ ways, measure what that saves, in the same rounds.
 A restarted run with JAX's persistent compilation cache on (``jax_compilation_cache_dir``, and
 ``jax_persistent_cache_min_compile_time_secs=0``: by default JAX caches only programs that took
 a second or more to compile, and a pipeline's stage programs take less): the 8-stage pipeline
-and the one-device step each run in three fresh processes sharing a new cache directory; the
-first call of each process, and how many programs XLA compiled during it (programs loaded from
-an equal one are written to the cache too, so a restarted process reads them).
+and the one-device step each run in three fresh processes sharing a new cache directory, the two
+taking turns, a new directory each round; the first call of each process (median [min-max] over
+the rounds), and how many programs XLA compiled during it (programs loaded from an equal one are
+written to the cache too, so a restarted process reads them).
 
 Why stage programs compile slower per instruction than the whole step: XLA compiles each
 distinct fused kernel once per program, so a program of 32 equal blocks costs little more to
 compile than one of 8, and 4 programs of 8 blocks cost nearly 4 times one of 32. Measured on a
 stand-alone block (norm, two matmuls, tanh; forward and backward in one program), compile
 time and fusion count of one program of 1, 8 and 32 blocks, of 32 blocks whose hidden widths
-all differ (as many fusions, none alike), and of 4 programs of 8.
+all differ (as many fusions, none alike), and of 4 programs of 8 (JAX's caches off: each program
+compiled once per round, the programs taking turns).
 
-Issue 42's measures (``--only issue42``, 5 interleaved rounds, median [min-max]): first call
-of the 16- and 32-block GPT on 4 stages, M = 8, against ``nnx.jit`` on one device; and the plan
-of an unrolled 128-block GPT (everything in the first call but compiling) against JAX alone
-tracing the plain step (``jax.make_jaxpr``).
+Issue 42's measures (``--only issue42``, fresh processes, interleaved rounds, median
+[min-max]): first call of the 16- and 32-block GPT on 4 stages, M = 8, against ``nnx.jit`` on
+one device; and the plan of an unrolled 128-block GPT (everything in the first call but
+compiling) against JAX alone tracing the plain step (``jax.make_jaxpr``).
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/first_call.py
-[--only issue42]
+[--only issue42] [--rounds N]
 Writes benchmarks/results/first_call.json.
 """
 
@@ -40,9 +43,8 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import functools  # noqa: E402
 import json  # noqa: E402
-import pathlib  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -51,12 +53,19 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from report import publish  # noqa: E402
+from report import (  # noqa: E402
+    interleaved,
+    publish,
+    ratio_spread,
+    results_path,
+    rounds_option,
+    spread,
+)
 
 import mmnnx as mm  # noqa: E402
 from mmnnx.models import GPT, GPTConfig, stage_rules  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "first_call.json"
+RESULTS = results_path("first_call.json")
 DEPTH = int(os.environ.get("FIRST_CALL_DEPTH", "32"))
 CONFIG = GPTConfig(vocab_size=256, dim=64, depth=DEPTH, num_heads=4, max_seq_len=32)
 STAGES, M, BATCH = 4, int(os.environ.get("FIRST_CALL_MICROBATCHES", "16")), 32
@@ -155,10 +164,11 @@ def measure(case: str, cache_dir: str | None = None) -> dict:
     }
 
 
-def kernel_reuse(width: int = 64, rounds: int = 3) -> dict:
-    """Compile seconds (best of ``rounds``, JAX's caches off) and fused kernels of one
+def kernel_reuse(rounds: int, width: int = 64) -> dict:
+    """Compile seconds (JAX's caches off; every program compiled once per round, the programs
+    taking turns; median [min-max] over ``rounds`` rounds) and fused kernels of one
     ``value_and_grad`` program over 1, 8 and 32 equal blocks, over 32 blocks of distinct hidden
-    widths (no two kernels alike), and of 4 programs of 8."""
+    widths (no two kernels alike), and of 4 programs of 8 (4 times one of 8, per round)."""
     import jax.numpy as jnp  # noqa: PLC0415
 
     def block(x, w1, w2, g):
@@ -177,33 +187,33 @@ def kernel_reuse(width: int = 64, rounds: int = 3) -> dict:
             (jnp.full((width, h), i + 1.0), jnp.ones((h, width)), jnp.ones(width))
             for i, h in enumerate(hidden)
         ]
-        best, fusions = float("inf"), 0
-        for _ in range(rounds):
-            lowered = jax.jit(jax.value_and_grad(blocks, argnums=1)).lower(x, weights)
-            start = time.perf_counter()
-            compiled = lowered.compile()
-            best = min(best, time.perf_counter() - start)
-            fusions = compiled.as_text().count(" fusion(")
-        return best, fusions
+        lowered = jax.jit(jax.value_and_grad(blocks, argnums=1)).lower(x, weights)
+        start = time.perf_counter()
+        compiled = lowered.compile()
+        return time.perf_counter() - start, compiled.as_text().count(" fusion(")
 
+    programs = {f"one program of {k} blocks": (k, False) for k in (1, 8, 32)}
+    programs["one program of 32 blocks of distinct widths"] = (32, True)
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        out = {}
-        for k in (1, 8, 32):
-            seconds, fusions = compile_seconds(k)
-            out[f"one program of {k} blocks: compile s"] = seconds
-            out[f"one program of {k} blocks: fused kernels"] = fusions
-        seconds, fusions = compile_seconds(32, distinct=True)
-        out["one program of 32 blocks of distinct widths: compile s"] = seconds
-        out["one program of 32 blocks of distinct widths: fused kernels"] = fusions
-        out["4 programs of 8 blocks: compile s"] = 4 * out["one program of 8 blocks: compile s"]
-        out["4 programs of 8 / one program of 32"] = (
-            out["4 programs of 8 blocks: compile s"] / out["one program of 32 blocks: compile s"]
+        runs = interleaved(
+            {name: functools.partial(compile_seconds, *args) for name, args in programs.items()},
+            rounds,
         )
-        return out
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
+    seconds = {name: [s for s, _ in got] for name, got in runs.items()}
+    out = {}
+    for name, got in runs.items():
+        out[f"{name}: compile s"] = spread(seconds[name])
+        out[f"{name}: fused kernels"] = got[0][1]
+    four_of_8 = [4 * s for s in seconds["one program of 8 blocks"]]
+    out["4 programs of 8 blocks: compile s"] = spread(four_of_8)
+    out["4 programs of 8 / one program of 32"] = ratio_spread(
+        four_of_8, seconds["one program of 32 blocks"]
+    )
+    return out
 
 
 def in_fresh_process(
@@ -221,44 +231,52 @@ def in_fresh_process(
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def restarted_with_a_cache() -> dict:
+def three_processes_sharing_a_cache(case: str) -> list[dict]:
+    """First calls of three processes in turn sharing a new persistent cache directory."""
+    with tempfile.TemporaryDirectory(prefix="mmnnx-first-call-cache-") as cache_dir:
+        return [in_fresh_process(case, cache_dir) for _ in range(3)]
+
+
+def restarted_with_a_cache(rounds: int) -> dict:
     """First calls of three processes in turn sharing a new persistent cache directory, for the
-    8-stage pipeline and for the one-device step."""
+    8-stage pipeline and for the one-device step, the two taking turns over ``rounds`` rounds
+    (a new directory each): each process's first call, median [min-max]."""
+    cases = ("8_stages", "one_device")
+    runs = interleaved(
+        {case: functools.partial(three_processes_sharing_a_cache, case) for case in cases}, rounds
+    )
     out = {}
-    for case in ("8_stages", "one_device"):
-        with tempfile.TemporaryDirectory(prefix="mmnnx-first-call-cache-") as cache_dir:
-            runs = [in_fresh_process(case, cache_dir) for _ in range(3)]
-        out[f"{case}: first call s, processes 1 / 2 / 3"] = " / ".join(
-            f"{r['seconds']:.2f}" for r in runs
-        )
-        out[f"{case}: programs compiled, processes 1 / 2 / 3"] = " / ".join(
-            str(r["compiled"]) for r in runs
+    for case in cases:
+        for i in range(3):
+            out[f"{case}: first call s, process {i + 1}"] = spread(
+                [r[i]["seconds"] for r in runs[case]]
+            )
+        out[f"{case}: programs compiled, processes 1 / 2 / 3 (first round)"] = " / ".join(
+            str(r["compiled"]) for r in runs[case][0]
         )
     return out
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
-
-
-def interleaved(depth: int, microbatches: int, cases: tuple[str, str], rounds: int) -> dict:
+def first_calls_against(depth: int, microbatches: int, cases: tuple[str, str], rounds: int) -> dict:
     """``cases[1]`` against ``cases[0]``, each in a fresh process, alternating over ``rounds``
     rounds (A, B, A, B, ...): seconds of each and their ratio, median [min-max]."""
-    base, measured = [], []
-    for _ in range(rounds):
-        base.append(in_fresh_process(cases[0], depth=depth, microbatches=microbatches)["seconds"])
-        measured.append(
-            in_fresh_process(cases[1], depth=depth, microbatches=microbatches)["seconds"]
-        )
+    runs = interleaved(
+        {
+            case: functools.partial(in_fresh_process, case, depth=depth, microbatches=microbatches)
+            for case in cases
+        },
+        rounds,
+    )
+    base, measured = ([r["seconds"] for r in runs[case]] for case in cases)
     return {
-        f"{cases[0]} s": _spread(base),
-        f"{cases[1]} s": _spread(measured),
-        "ratio": _spread([b / a for a, b in zip(base, measured, strict=True)]),
+        f"{cases[0]} s": spread(base),
+        f"{cases[1]} s": spread(measured),
+        "ratio": ratio_spread(measured, base),
         "rounds": rounds,
     }
 
 
-def deep_and_first_calls(rounds: int = 5) -> dict:
+def deep_and_first_calls(rounds: int) -> dict:
     """Issue 42's measures, each in fresh processes over interleaved rounds: the first call of
     the 16- and 32-block GPT on 4 one-device stages, 1F1B, M = 8, against the plain step's under
     ``nnx.jit`` on one device (target <= 1.5x); and an unrolled 128-block GPT's plan (all of the
@@ -266,62 +284,59 @@ def deep_and_first_calls(rounds: int = 5) -> dict:
     <= 1.5x)."""
     out = {}
     for depth in (16, 32):
-        out[f"first call, {depth} blocks, 4 stages, M = 8 / nnx.jit"] = interleaved(
+        out[f"first call, {depth} blocks, 4 stages, M = 8 / nnx.jit"] = first_calls_against(
             depth, 8, ("one_device", "pipelined"), rounds
         )
-    out["plan, 128 blocks unrolled, 4 stages, M = 8 / JAX trace"] = interleaved(
+    out["plan, 128 blocks unrolled, 4 stages, M = 8 / JAX trace"] = first_calls_against(
         128, 8, ("jax_trace", "plan"), rounds
     )
-    out["cores"] = os.cpu_count()
-    out["load average before"] = os.getloadavg()[0]
     return out
 
 
-def main_issue42():
+def main_issue42(rounds: int):
     """Runs :func:`deep_and_first_calls` only, keeping the other sections of the results file."""
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results["issue 42: first calls and planning"] = deep_and_first_calls()
-    publish(results, RESULTS, "first call", ("issue 42: first calls and planning",))
+    results["issue 42: first calls and planning"] = deep_and_first_calls(rounds)
+    publish(results, RESULTS, "first call", ("issue 42: first calls and planning",), rounds)
 
 
-def main():
-    rounds = [{case: in_fresh_process(case) for case in CASES} for _ in range(3)]
+def main(rounds: int):
+    runs = interleaved({case: functools.partial(in_fresh_process, case) for case in CASES}, rounds)
 
-    def median(case: str) -> float:
-        return statistics.median(r[case]["seconds"] for r in rounds)
+    def seconds(case: str) -> list[float]:
+        return [r["seconds"] for r in runs[case]]
 
-    one_s = median("one_device")
+    one_s = seconds("one_device")
 
     def compiled_once(case: str) -> dict:
         """What loading equal programs saves: ``case`` against the same with every one compiled."""
         return {
-            "programs": rounds[0][case]["programs"],
-            "programs loaded from an equal one": rounds[0][case]["loaded"],
-            "every program compiled: first call s": median(f"{case}_unshared"),
-            "every program compiled: ratio": median(f"{case}_unshared") / one_s,
+            "programs": runs[case][0]["programs"],
+            "programs loaded from an equal one": runs[case][0]["loaded"],
+            "every program compiled: first call s": spread(seconds(f"{case}_unshared")),
+            "every program compiled: ratio": ratio_spread(seconds(f"{case}_unshared"), one_s),
         }
 
     results = {
         "gpt32_4stages_m16": {
-            "pipelined_first_call_s": median("pipelined"),
-            "one_device_jit_first_call_s": one_s,
-            "ratio": median("pipelined") / one_s,
-            "ratio per round": ", ".join(
-                f"{r['pipelined']['seconds'] / r['one_device']['seconds']:.2f}" for r in rounds
-            ),
-            "pipelined_nothing_packed_first_call_s": median("pipelined_unpacked"),
-            "ratio with nothing packed": median("pipelined_unpacked") / one_s,
+            "pipelined_first_call_s": spread(seconds("pipelined")),
+            "one_device_jit_first_call_s": spread(one_s),
+            "ratio": ratio_spread(seconds("pipelined"), one_s),
+            "pipelined_nothing_packed_first_call_s": spread(seconds("pipelined_unpacked")),
+            "ratio with nothing packed": ratio_spread(seconds("pipelined_unpacked"), one_s),
             **compiled_once("pipelined"),
             "target": "ratio <= 1.5",
         },
         "gpt32_8stages_m16": {
-            "pipelined_first_call_s": median("8_stages"),
-            "ratio": median("8_stages") / one_s,
+            "pipelined_first_call_s": spread(seconds("8_stages")),
+            "ratio": ratio_spread(seconds("8_stages"), one_s),
             **compiled_once("8_stages"),
-            "speed-up of loading equal programs": median("8_stages_unshared") / median("8_stages"),
+            "speed-up of loading equal programs": ratio_spread(
+                seconds("8_stages_unshared"), seconds("8_stages")
+            ),
         },
-        "restarted with a persistent cache": restarted_with_a_cache(),
-        "kernels compiled once per program": kernel_reuse(),
+        "restarted with a persistent cache": restarted_with_a_cache(rounds),
+        "kernels compiled once per program": kernel_reuse(rounds),
         "device": str(jax.devices()[0]),
     }
     kept = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -333,7 +348,12 @@ def main():
         "restarted with a persistent cache",
         "kernels compiled once per program",
     )
-    publish(results, RESULTS, "first call", sections)
+    kept_runs = kept.get("measured", {})
+    if "issue 42: first calls and planning" in kept_runs:
+        results["measured"] = {
+            "issue 42: first calls and planning": kept_runs["issue 42: first calls and planning"]
+        }
+    publish(results, RESULTS, "first call", sections, rounds)
 
 
 if __name__ == "__main__":
@@ -343,6 +363,6 @@ if __name__ == "__main__":
             cache_dir = sys.argv[sys.argv.index("--cache-dir") + 1]
         print(json.dumps(measure(sys.argv[sys.argv.index("--case") + 1], cache_dir)))
     elif "--only" in sys.argv and "issue42" in sys.argv:
-        main_issue42()
+        main_issue42(rounds_option(sys.argv))
     else:
-        main()
+        main(rounds_option(sys.argv))

@@ -21,19 +21,24 @@ arguments ready and with them still being computed (the state of a pipeline's we
 host runs ahead of the devices). Packing helps the host only if it cuts the argument count
 without adding distinct kernels: on XLA:CPU each distinct slice is a kernel of its own.
 
-Run: python benchmarks/packed_reads.py  (writes benchmarks/results/packed_reads.json)
+Each case is measured once per round, the cases taking turns (A, B, C, ..., A, B, C, ...), and
+each measure and each ratio to ``separate`` (taken per round) is reported as the median
+[min-max] over the rounds (``--rounds N``, default 5). Compile times with JAX's compilation
+caches off, so every round compiles anew.
+
+Run: python benchmarks/packed_reads.py [--rounds N]  (writes benchmarks/results/packed_reads.json)
 """
 
+import functools
 import math
-import pathlib
-import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
-from report import publish
+from report import interleaved, publish, ratio_spread, results_path, rounds_option, spread
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "packed_reads.json"
+RESULTS = results_path("packed_reads.json")
 LAYERS, DIM, ROWS = 40, 64, 128
 SIZE = DIM * DIM
 
@@ -102,46 +107,53 @@ def blocks_buffered(x, *buffers):
     return x
 
 
-def measure(fn, make_args, calls=100, rounds=5):
-    args = make_args()
+def measure(fn, args, calls=100) -> dict:
+    """One round of ``fn`` on ``args``: compile seconds (JAX's caches off), and device seconds
+    and host CPU seconds per call, mean of ``calls`` calls, with the arguments ready and still
+    being computed."""
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - start
     jax.block_until_ready(compiled(*args))
-    device, host_ready, host_pending = [], [], []
     slow = jax.jit(lambda a: jnp.tanh(a @ a @ a @ a)).lower(jnp.ones((512, 512))).compile()
     busy = jnp.ones((512, 512))
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = compiled(*args)
-        jax.block_until_ready(out)
-        device.append((time.perf_counter() - start) / calls)
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = compiled(*args)
+    jax.block_until_ready(out)
+    device = (time.perf_counter() - start) / calls
+    cpu = time.thread_time()
+    for _ in range(calls):
+        out = compiled(*args)
+    host_ready = (time.thread_time() - cpu) / calls
+    jax.block_until_ready(out)
+    pending = 0.0
+    for _ in range(calls // 10):
+        gate = slow(busy)  # the arguments are made after a slow program: not ready yet
+        later = jax.tree.map(lambda a, g=gate: a + 0 * g[0, 0].astype(a.dtype), args)
         cpu = time.thread_time()
-        for _ in range(calls):
-            out = compiled(*args)
-        host_ready.append((time.thread_time() - cpu) / calls)
+        for _ in range(10):
+            out = compiled(*later)
+        pending += time.thread_time() - cpu
         jax.block_until_ready(out)
-        pending = 0.0
-        for _ in range(calls // 10):
-            gate = slow(busy)  # the arguments are made after a slow program: not ready yet
-            later = jax.tree.map(lambda a, g=gate: a + 0 * g[0, 0].astype(a.dtype), args)
-            cpu = time.thread_time()
-            for _ in range(10):
-                out = compiled(*later)
-            pending += time.thread_time() - cpu
-            jax.block_until_ready(out)
-        host_pending.append(pending / calls)
     return {
         "compile s": compile_s,
-        "device us per call": statistics.median(device) * 1e6,
-        "host us per call, arguments ready": statistics.median(host_ready) * 1e6,
-        "host us per call, arguments pending": statistics.median(host_pending) * 1e6,
-        "arguments": len(args),
+        "device us per call": device * 1e6,
+        "host us per call, arguments ready": host_ready * 1e6,
+        "host us per call, arguments pending": pending / calls * 1e6,
     }
 
 
-def main():
+MEASURES = (
+    "compile s",
+    "device us per call",
+    "host us per call, arguments ready",
+    "host us per call, arguments pending",
+)
+RATIOS = ("compile s", "device us per call", "host us per call, arguments pending")
+
+
+def main(rounds: int):
     key = jax.random.key(0)
     weights = [0.1 * jax.random.normal(k, (DIM, DIM)) for k in jax.random.split(key, LAYERS)]
     buf = jnp.concatenate([w.ravel() for w in weights])
@@ -169,25 +181,42 @@ def main():
     ]
     cases["blocks: separate"] = (blocks_separate, lambda: [x, *block_arrays])
     cases["blocks: one buffer per block"] = (blocks_buffered, lambda: [x, *block_buffers])
-    results = {name: measure(fn, make) for name, (fn, make) in cases.items()}
-    base = results["separate"]
-    results["ratios to separate"] = {
-        f"{name}: {what}": results[name][what] / base[what]
-        for name in cases
-        if name not in ("separate", "blocks: separate", "blocks: one buffer per block")
-        for what in ("compile s", "device us per call", "host us per call, arguments pending")
-    }
-    block_base = results["blocks: separate"]
-    results["ratios to separate"].update(
-        {
-            f"blocks: one buffer per block: {what}": results["blocks: one buffer per block"][what]
-            / block_base[what]
-            for what in ("compile s", "device us per call", "host us per call, arguments pending")
+    made = {name: make() for name, (_, make) in cases.items()}
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        samples = interleaved(
+            {name: functools.partial(measure, fn, made[name]) for name, (fn, _) in cases.items()},
+            rounds,
+        )
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+
+    def of(name: str, what: str) -> list[float]:
+        return [s[what] for s in samples[name]]
+
+    results = {
+        name: {
+            **{
+                what: spread(of(name, what), digits=3 if what == "compile s" else 1)
+                for what in MEASURES
+            },
+            "arguments": len(made[name]),
         }
-    )
+        for name in cases
+    }
+    bases = {
+        name: "blocks: separate" if name.startswith("blocks") else "separate" for name in cases
+    }
+    results["ratios to separate"] = {
+        f"{name}: {what}": ratio_spread(of(name, what), of(bases[name], what))
+        for name in cases
+        if name not in bases.values()
+        for what in RATIOS
+    }
     results["device"] = str(jax.devices()[0])
-    publish(results, RESULTS, "packed reads", (*cases, "ratios to separate"))
+    publish(results, RESULTS, "packed reads", (*cases, "ratios to separate"), rounds)
 
 
 if __name__ == "__main__":
-    main()
+    main(rounds_option(sys.argv))

@@ -41,8 +41,12 @@ rows, JAX's own transpose of the scan took 2.1x as long as this one and two stag
 - host overhead per action (step span minus device time, per action) at M = 4 and M = 32
   (target: flat).
 
-Run: python benchmarks/pipeline.py [--only SECTION ...] (sections: the keys of ``SECTIONS``; with
-``--only``, their results replace theirs in the file and the others stay).
+Every timing is taken in interleaved rounds (``--rounds N``, default 5; the candidates of a
+section take turns in each round) and reported as the median [min-max] over the rounds, a ratio
+taken per round; targets are checked on the medians.
+
+Run: python benchmarks/pipeline.py [--only SECTION ...] [--rounds N] (sections: the keys of
+``SECTIONS``; with ``--only``, their results replace theirs in the file and the others stay).
 Writes benchmarks/results/pipeline.json.
 """
 
@@ -50,19 +54,27 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import pathlib  # noqa: E402
+import functools  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from report import only_sections, run_sections  # noqa: E402
+from report import (  # noqa: E402
+    interleaved,
+    only_sections,
+    per_call,
+    ratio_spread,
+    results_path,
+    rounds_option,
+    run_sections,
+    spread,
+)
 
 import mmnnx as mm  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "pipeline.json"
+RESULTS = results_path("pipeline.json")
 WIDTH, LAYERS, ROWS, CHUNK = 512, 24, 2048, 16
 MATMUL_WIDTH, MATMUL_LAYERS = 256, 4
 
@@ -213,47 +225,42 @@ def build_quarters(num, schedule, placed_as=None, matmul=False, ranks=2):
     return mm.jit(grad_fn), model, x
 
 
-def median_time(fn, repeats=7):
-    return median_times({"fn": fn}, repeats)["fn"]
+def step_seconds(step, *args):
+    """A candidate for ``interleaved``: seconds of one call of ``step(*args)``."""
+    return per_call(lambda: step(*args), 1, jax.block_until_ready)
 
 
-def median_times(fns, repeats=7):
-    """Median seconds per call of each of ``fns`` (label -> callable), timed in interleaved
-    rounds (each round calls every one once), so that a change in the machine's load while
-    they run lands on all of them alike, not on whichever ran then."""
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    samples = {label: [] for label in fns}
-    for _ in range(repeats):
-        for label, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            samples[label].append(time.perf_counter() - start)
-    return {label: statistics.median(times) for label, times in samples.items()}
-
-
-def efficiency(num=8, schedule="gpipe", dropout=False):
+def efficiency(rounds: int, num=8, schedule="gpipe", dropout=False):
+    """Per round: one step's time, and one ``timeline`` (each action run to completion alone):
+    its span (the actions without overlap) and the stage time (the slower stage's median forward
+    plus median backward over its microbatches); efficiency and speed-up taken per round."""
     step, model, x = build(num, schedule, dropout)
-    t_step = median_time(lambda: step(model, x))
-    timelines = [step.timeline(model, x) for _ in range(5)]
-    blocking = statistics.median(max(e.end for e in t) - min(e.start for e in t) for t in timelines)
-    per_action = {}
-    for events in timelines:
+    jax.block_until_ready(step(model, x))
+    step.timeline(model, x)  # warmed up
+
+    def timeline_round() -> tuple[float, float]:
+        events = step.timeline(model, x)
+        per_action = {}
         for e in events:
             per_action.setdefault((e.task, e.kind), []).append(e.end - e.start)
-    t_stage = max(
-        statistics.median(per_action[(task, "F")]) + statistics.median(per_action[(task, "B")])
-        for task in ("s0", "s1")
-    )
-    ideal = (num + 2 - 1) * t_stage
+        t_stage = max(
+            statistics.median(per_action[(task, "F")]) + statistics.median(per_action[(task, "B")])
+            for task in ("s0", "s1")
+        )
+        return max(e.end for e in events) - min(e.start for e in events), t_stage
+
+    runs = interleaved({"step": step_seconds(step, model, x), "timeline": timeline_round}, rounds)
+    t_step = runs["step"]
+    blocking = [b for b, _ in runs["timeline"]]
+    ideal = [(num + 2 - 1) * t for _, t in runs["timeline"]]
     return {
         "microbatches": num,
-        "t_stage ms": t_stage * 1e3,
-        "ideal GPipe ms": ideal * 1e3,
-        "measured step ms": t_step * 1e3,
-        "blocking (no overlap) ms": blocking * 1e3,
-        "pipeline efficiency": ideal / t_step,
-        "speed-up over no overlap": blocking / t_step,
+        "t_stage ms": spread([t for _, t in runs["timeline"]], 1e3),
+        "ideal GPipe ms": spread(ideal, 1e3, 1),
+        "measured step ms": spread(t_step, 1e3, 1),
+        "blocking (no overlap) ms": spread(blocking, 1e3, 1),
+        "pipeline efficiency": ratio_spread(ideal, t_step),
+        "speed-up over no overlap": ratio_spread(blocking, t_step),
         "compiled programs": step.plan(model, x).num_programs,
         "pipelined (not unrolled)": not step.plan(model, x).unrolled,
     }
@@ -273,11 +280,12 @@ def every_action_costed(events, schedule, average):
 MATMUL_SCHEDULES = ("1f1b", "zero-bubble-h1", "interleaved-1f1b", "zero-bubble-v", "dualpipev")
 
 
-def measured_vs_simulated(num=8, matmul=False, ranks=2, names=None):
+def measured_vs_simulated(rounds: int, num=8, matmul=False, ranks=2, names=None):
     """Per schedule: the step time ``simulate`` predicts from the durations the step's own
     timelines measured, against the measured step time, twice:
 
-    - from ``timeline()`` (each action run alone; median per action kind and stage);
+    - from ``timeline()`` (each action run alone, ``rounds`` timelines; median per action kind
+      and stage);
     - from ``overlapped_timeline()`` (the step run as a call runs it; mean per kind and stage):
       "in-pipeline durations", which include what the stages slow each other down by when they
       share the machine's cores (on this 2-core machine the host thread shares them too);
@@ -290,7 +298,13 @@ def measured_vs_simulated(num=8, matmul=False, ranks=2, names=None):
     stage defers (its backward scan split in two), for ``MATMUL_SCHEDULES``; else on the
     elementwise quarters for every registered schedule, whose weight gradients (a product and
     a sum per layer) stay in the backward scan. ``ranks``: the layers in ``2 * ranks`` parts,
-    two per rank (see :func:`part_rules`); ``names``: only these schedules."""
+    two per rank (see :func:`part_rules`); ``names``: only these schedules.
+
+    The step times, one overlapped timeline per step and the bubble as it ran are taken in
+    ``rounds`` interleaved rounds, every schedule once per round; each step time, prediction
+    / measured step and bubble is reported as median [min-max] over the rounds (the predicted
+    step, from the durations pooled over the rounds, against each round's step), and the
+    targets are checked on the medians."""
     out = {}
     measured_costs = {}
     if matmul:
@@ -313,31 +327,34 @@ def measured_vs_simulated(num=8, matmul=False, ranks=2, names=None):
         step, model, x = build_quarters(num, schedule, placed_as=name, matmul=matmul, ranks=ranks)
         schedule = step.plan(model, x).pipeline.schedule
         built[label] = (step, model, x, schedule)
-        events = [e for _ in range(5) for e in step.timeline(model, x)]
+        events = [e for _ in range(rounds) for e in step.timeline(model, x)]
         alone[label] = every_action_costed(events, schedule, "median")
         alone_pairs[label] = mm.schedules.measured_pair_costs(events, "median")
         if label == name:
             measured_costs[name] = {key: max(c, 1e-6) for key, c in alone[label].items()}
     # The step times and the in-pipeline durations that the bubbles compare, taken in rounds
-    # across every schedule (as ``median_times`` does): a change in the machine's load while
-    # they run lands on all of them alike.
-    samples = {label: [] for label in built}
-    overlapped = {label: [] for label in built}
-    as_it_ran = {label: [] for label in built}  # measured_bubble of each overlapped run
+    # across every schedule: a change in the machine's load while they run lands on all of
+    # them alike.
     for step, model, x, _ in built.values():
         jax.block_until_ready(step(model, x))
-    for round_ in range(7):
-        for label, (step, model, x, _) in built.items():
-            start = time.perf_counter()
-            jax.block_until_ready(step(model, x))
-            samples[label].append(time.perf_counter() - start)
-            if round_ < 5:
-                events = step.overlapped_timeline(model, x)
-                overlapped[label].extend(events)
-                as_it_ran[label].append(mm.schedules.measured_bubble(events))
-    step_times = {label: statistics.median(times) for label, times in samples.items()}
+
+    def one_round(step, model, x) -> tuple[float, list]:
+        """One step's seconds, then one overlapped timeline's events."""
+        seconds = step_seconds(step, model, x)()
+        return seconds, step.overlapped_timeline(model, x)
+
+    runs = interleaved(
+        {label: functools.partial(one_round, *b[:3]) for label, b in built.items()}, rounds
+    )
+    samples = {label: [t for t, _ in got] for label, got in runs.items()}
+    overlapped = {label: [e for _, events in got for e in events] for label, got in runs.items()}
+    as_it_ran = {  # measured_bubble of each overlapped run
+        label: [mm.schedules.measured_bubble(events) for _, events in got]
+        for label, got in runs.items()
+    }
+    medians = {}  # what the targets are checked on
     for label, (_, _, _, schedule) in built.items():
-        t_step = step_times[label]
+        t_step = samples[label]
         virtual = schedule.num_stages // schedule.num_ranks
         costs = alone[label]
         in_pipeline = every_action_costed(overlapped[label], schedule, "mean")
@@ -364,27 +381,32 @@ def measured_vs_simulated(num=8, matmul=False, ranks=2, names=None):
         }
         # no schedule of these actions ends before its busiest rank's work does
         busiest = max(sum(in_pipeline[a.kind, a.stage] for a in row) for row in schedule.actions)
-        out[f"{label}: busiest rank's in-pipeline work / step"] = busiest / t_step
-        out[f"{label}: step ms"] = t_step * 1e3
-        out[f"{label}: predicted / measured step"] = predicted.makespan / t_step
-        out[f"{label}: predicted from in-pipeline durations / measured step"] = (
-            predicted_in_pipeline.makespan / t_step
-        )
-        out[f"{label}: bubble measured"] = 1 - busy / (schedule.num_ranks * t_step)
-        out[f"{label}: bubble in pipeline"] = 1 - busy_in_pipeline / (schedule.num_ranks * t_step)
-        out[f"{label}: bubble as it ran"] = statistics.median(as_it_ran[label])
+        per_round = {
+            "busiest rank's in-pipeline work / step": [busiest / t for t in t_step],
+            "predicted / measured step": [predicted.makespan / t for t in t_step],
+            "predicted from in-pipeline durations / measured step": [
+                predicted_in_pipeline.makespan / t for t in t_step
+            ],
+            "bubble measured": [1 - busy / (schedule.num_ranks * t) for t in t_step],
+            "bubble in pipeline": [1 - busy_in_pipeline / (schedule.num_ranks * t) for t in t_step],
+            "bubble as it ran": as_it_ran[label],
+        }
+        out[f"{label}: step ms"] = spread(t_step, 1e3, 1)
+        for measure, values in per_round.items():
+            out[f"{label}: {measure}"] = spread(values, digits=3)
+            medians[f"{label}: {measure}"] = statistics.median(values)
         analytic = mm.schedules.simulate(schedule, 1 / virtual, 2 / virtual).bubble_fraction
         out[f"{label}: bubble analytic"] = float(analytic)
     for durations, suffix in (
         ("", "predicted / measured step"),
         (" from in-pipeline durations", "predicted from in-pipeline durations / measured step"),
     ):
-        out[f"target: every prediction{durations} within 10%"] = all(
-            abs(v - 1) <= 0.1 for k, v in out.items() if k.endswith(suffix)
+        out[f"target: every prediction{durations} within 10% (medians)"] = all(
+            abs(v - 1) <= 0.1 for k, v in medians.items() if k.endswith(suffix)
         )
     for measure in ("bubble measured", "bubble in pipeline", "bubble as it ran"):
-        bubble = {n: out[f"{n}: {measure}"] for n in names}
-        tuned_v = out[f"zero-bubble-v (built for measured costs): {measure}"]
+        bubble = {n: medians[f"{n}: {measure}"] for n in names}
+        tuned_v = medians[f"zero-bubble-v (built for measured costs): {measure}"]
         out[f"target ({measure}): ZB-H1 below 1F1B"] = bubble["zero-bubble-h1"] < bubble["1f1b"]
         out[f"target ({measure}): ZB-V below ZB-H1"] = (
             bubble["zero-bubble-v"] < bubble["zero-bubble-h1"]
@@ -393,19 +415,19 @@ def measured_vs_simulated(num=8, matmul=False, ranks=2, names=None):
             tuned_v < bubble["zero-bubble-h1"]
         )
     if not matmul:
-        out["DualPipeV step, fused pairs / two programs"] = (
-            out["dualpipev (fused pairs): step ms"] / out["dualpipev: step ms"]
+        out["DualPipeV step, fused pairs / two programs"] = ratio_spread(
+            samples["dualpipev (fused pairs)"], samples["dualpipev"]
         )
     return out
 
 
-def zero_bubble_on_matmul_layers(num=8):
+def zero_bubble_on_matmul_layers(rounds: int, num=8):
     """:func:`measured_vs_simulated` on matmul layers, whose weight gradients zero-bubble
     schedules defer."""
-    return measured_vs_simulated(num, matmul=True)
+    return measured_vs_simulated(rounds, num, matmul=True)
 
 
-def zero_bubble_on_four_ranks(num=8):
+def zero_bubble_on_four_ranks(rounds: int, num=8):
     """:func:`measured_vs_simulated` on matmul layers over four single-device ranks, for 1F1B,
     ZB-H1 and ZB-V: on two ranks the analytic bubbles of ZB-H1 and ZB-V differ by 2% of the
     step (0.04 against 0.02 at M = 8), within this benchmark's noise; on four, by 5% (0.11
@@ -417,10 +439,10 @@ def zero_bubble_on_four_ranks(num=8):
             "skipped": f"four single-core stages and the host thread need 6 cores, {cores} here"
         }
     names = ("1f1b", "zero-bubble-h1", "zero-bubble-v")
-    return measured_vs_simulated(num, matmul=True, ranks=4, names=names)
+    return measured_vs_simulated(rounds, num, matmul=True, ranks=4, names=names)
 
 
-def tuner_ranking(num=8):
+def tuner_ranking(rounds: int, num=8):
     """``mm.schedules.tune`` on the benchmark step: its predicted step times for GPipe, 1F1B and
     ZB-H1 against each one's measured step, and whether the predicted order is the measured one
     (predictions within 2% of each other count as a tie, either order agreeing)."""
@@ -429,7 +451,10 @@ def tuner_ranking(num=8):
     tuned = mm.schedules.tune(step, model, x, schedules=names)
     predicted = {c.schedule: c.predicted_seconds for c in tuned.candidates}
     steps = {name: build(num, name) for name in names}
-    measured = median_times({name: lambda s=s: s[0](s[1], s[2]) for name, s in steps.items()})
+    for step, model, x in steps.values():
+        jax.block_until_ready(step(model, x))
+    samples = interleaved({name: step_seconds(*s) for name, s in steps.items()}, rounds)
+    measured = {name: statistics.median(times) for name, times in samples.items()}
     agree = all(
         abs(predicted[a] - predicted[b]) <= 0.02 * max(predicted[a], predicted[b])
         or (predicted[a] < predicted[b]) == (measured[a] < measured[b])
@@ -437,41 +462,43 @@ def tuner_ranking(num=8):
         for b in names[i + 1 :]
     )
     out = {f"{n}: predicted ms": predicted[n] * 1e3 for n in names}
-    out.update({f"{n}: measured ms": measured[n] * 1e3 for n in names})
+    out.update({f"{n}: measured ms": spread(samples[n], 1e3, 1) for n in names})
     out["tuner's choice"] = tuned.best.schedule
     out["measured fastest"] = min(measured, key=measured.get)
-    out["predicted order agrees with measured"] = agree
+    out["predicted order agrees with measured (medians)"] = agree
     return out
 
 
-def host_overhead():
-    """Host time between actions: a step's span minus its actions' device time, per action.
+def host_overhead(rounds: int):
+    """Host time between actions: a step's span minus its actions' device time, per action,
+    at M = 4 and M = 32, one timeline of each per round.
 
     Measured in timeline mode (each action timed to completion), so device time is exact and the
     remainder is the executor's own work: dispatch, transfers, bookkeeping.
     """
-    out = {}
-    for num in (4, 32):
-        step, model, x = build(num)
+    built = {num: build(num) for num in (4, 32)}
+
+    def per_action(step, model, x) -> float:
+        events = step.timeline(model, x)
+        span = max(e.end for e in events) - min(e.start for e in events)
+        busy = sum(e.end - e.start for e in events)
+        return (span - busy) / len(events)
+
+    for step, model, x in built.values():
         jax.block_until_ready(step(model, x))
-        samples = []
-        for _ in range(3):
-            events = step.timeline(model, x)
-            span = max(e.end for e in events) - min(e.start for e in events)
-            busy = sum(e.end - e.start for e in events)
-            samples.append((span - busy) / len(events))
-        out[num] = statistics.median(samples)
+        step.timeline(model, x)  # warmed up
+    out = interleaved({num: functools.partial(per_action, *b) for num, b in built.items()}, rounds)
     return {
-        "host us per action (M=4)": out[4] * 1e6,
-        "host us per action (M=32)": out[32] * 1e6,
-        "growth M=4 -> M=32": out[32] / out[4],
+        "host us per action (M=4)": spread(out[4], 1e6, 0),
+        "host us per action (M=32)": spread(out[32], 1e6, 0),
+        "growth M=4 -> M=32": ratio_spread(out[32], out[4]),
     }
 
 
 SECTIONS = {
     "efficiency": efficiency,
-    "efficiency 1f1b": lambda: efficiency(schedule="1f1b"),
-    "efficiency 1f1b, dropout": lambda: efficiency(schedule="1f1b", dropout=True),
+    "efficiency 1f1b": lambda rounds: efficiency(rounds, schedule="1f1b"),
+    "efficiency 1f1b, dropout": lambda rounds: efficiency(rounds, schedule="1f1b", dropout=True),
     "measured vs simulated": measured_vs_simulated,
     "zero bubble on matmul layers": zero_bubble_on_matmul_layers,
     "zero bubble on four ranks": zero_bubble_on_four_ranks,
@@ -480,10 +507,10 @@ SECTIONS = {
 }
 
 
-def main(only: list[str] | None = None):
+def main(only: list[str] | None, rounds: int):
     """Runs every section, or those in ``only`` (their results replace theirs in the file)."""
-    run_sections(SECTIONS, RESULTS, "pipeline", only, str(jax.devices()[0]))
+    run_sections(SECTIONS, RESULTS, "pipeline", only, str(jax.devices()[0]), rounds)
 
 
 if __name__ == "__main__":
-    main(only_sections(sys.argv))
+    main(only_sections(sys.argv), rounds_option(sys.argv))
