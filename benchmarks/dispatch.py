@@ -31,8 +31,8 @@
    (the optimizer's update returns every parameter as an array of its own, as any step does)
    grows with the parameter count; the target is that what grows with S x M does not.
 
-6. The 4-stage (and 2-stage) pipeline against data parallelism over all 8 devices, 5
-   interleaved fresh-process rounds with min-max, with XLA:CPU's defaults and with its Eigen
+6. The 4-stage (and 2-stage) pipeline against data parallelism over all 8 devices, interleaved
+   fresh-process rounds, with XLA:CPU's defaults and with its Eigen
    thread pool off, separating what 2 shared cores impose from what the pipeline costs
    (``pipeline_vs_data_parallel``).
 
@@ -40,9 +40,14 @@
    arrays), with the devices idle and while two other devices compute, and per result (a
    program making 10 or 50 arrays): the floor under "host time per launch" above.
 
+Every number is the median [min-max] over ``--rounds N`` rounds (default 5) in which the
+candidates of a section take turns (A, B, A, B, ...), a ratio or slope taken per round: per-call
+times average 200 (50 for two tasks) calls in each round; each pipelined configuration, and
+each first call (``mm.jit compile s``), runs in a fresh process per round.
+
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/dispatch.py
-[--only SECTION ...] (sections: call_cost one_task two_task pipelined per_pipelined_launch
-pipeline_vs_data_parallel).
+[--only SECTION ...] [--rounds N] (sections: call_cost one_task two_task pipelined
+per_pipelined_launch pipeline_vs_data_parallel).
 Writes benchmarks/results/dispatch.json (with --only, replaces those sections in it).
 """
 

@@ -11,6 +11,9 @@ baseline) and ``mm.jit`` as a plain step on one task, on two tasks, bound with
 ``mm.cached_partial``, and pipelined over 4 stages (1F1B, M = 4). Target: <= 1.05x, as
 ``nnx.jit``.
 
+Byte counts do not vary from run to run, so this script measures once (no rounds); its results
+file records the machine all the same.
+
 Run: python benchmarks/memory.py  (writes benchmarks/results/memory.json)
 """
 
@@ -19,11 +22,11 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import json  # noqa: E402
-import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from report import record_run, results_path  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -31,7 +34,7 @@ import mmnnx as mm  # noqa: E402
 from mmnnx.models import GPT, GPTConfig  # noqa: E402
 from mmnnx.models.stages import stage_rules  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "memory.json"
+RESULTS = results_path("memory.json")
 CONFIG = GPTConfig(vocab_size=256, dim=256, depth=8, num_heads=8, max_seq_len=128)
 
 
@@ -127,6 +130,7 @@ LIVE_MODES = (
 def main():
     results = {"config": CONFIG.__dict__, "runs": [measure(s) for s in (1, 2, 4)]}
     results[LIVE_KEY] = {mode: round(live_after_steps(mode), 4) for mode in LIVE_MODES}
+    record_run(results, ("runs", LIVE_KEY), "one run: byte counts, the same in every run")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     table = Table(title="parameters + AdamW state per device (reference GPT, 8 blocks, dim 256)")

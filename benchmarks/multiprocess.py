@@ -36,8 +36,10 @@ import sys
 import tempfile
 import time
 
+from report import interleaved, publish, ratio_spread, results_path, rounds_option, spread
+
 HERE = pathlib.Path(__file__).parent
-RESULTS = HERE / "results" / "multiprocess.json"
+RESULTS = results_path("multiprocess.json")
 MICROBATCHES = 8
 ROWS, WIDTH = 1024, 1024  # the hop's activation: 4 MiB of float32
 
@@ -260,65 +262,52 @@ def main(rounds: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     one_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    one, two, hop, by_hand, saves = [], [], [], [], []
-    for r in range(rounds):
-        with tempfile.TemporaryDirectory() as alone, tempfile.TemporaryDirectory() as together:
+
+    def one_process() -> dict:
+        with tempfile.TemporaryDirectory() as alone:
             (single,) = _run([sys.executable, __file__, "--worker", alone], one_env, alone)
-            ranks = _run(
+        return single
+
+    def two_processes() -> list[dict]:
+        with tempfile.TemporaryDirectory() as together:
+            return _run(
                 [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--devices-per-process",
                  "4", "--", sys.executable, __file__, "--worker", together],
                 env,
                 together,
             )  # fmt: skip
-        one.append(single["step"])
-        two.append(max(x["step"] for x in ranks))
-        hop.append(ranks[0]["hop"]["mm.jit"])  # rank 0 waits for the round trip
-        by_hand.append(ranks[0]["hop"]["by hand"])
-        saves.append(ranks[0]["save"])
-        print(
-            f"round {r + 1}: one process {one[-1] * 1e3:.1f} ms, two {two[-1] * 1e3:.1f} ms; "
-            f"hop mm.jit {hop[-1] * 1e3:.2f} ms, by hand {by_hand[-1] * 1e3:.2f} ms",
-            flush=True,
-        )
 
-    def spread(values: list[float], scale: float = 1e3) -> str:
-        return (
-            f"{statistics.median(values) * scale:.2f} "
-            f"[{min(values) * scale:.2f}-{max(values) * scale:.2f}]"
-        )
-
+    runs = interleaved({"one": one_process, "two": two_processes}, rounds)
+    one = [r["step"] for r in runs["one"]]
+    two = [max(x["step"] for x in ranks) for ranks in runs["two"]]
+    hop = [ranks[0]["hop"]["mm.jit"] for ranks in runs["two"]]  # rank 0 waits for the round trip
+    by_hand = [ranks[0]["hop"]["by hand"] for ranks in runs["two"]]
+    saves = [ranks[0]["save"] for ranks in runs["two"]]
     results = {
         "gpt": {
             "layout": "2 stages x 4 CPU devices (batch over 'data'), 1F1B, M = 8",
             "rounds": rounds,
-            "one process ms": spread(one),
-            "two processes ms": spread(two),
-            "two processes / one process (target <= 1.2)": spread(
-                [b / a for a, b in zip(one, two, strict=True)], 1
-            ),
+            "one process ms": spread(one, 1e3),
+            "two processes ms": spread(two, 1e3),
+            "two processes / one process (target <= 1.2)": ratio_spread(two, one),
         },
         "hop": {
-            "4 MiB round trip, mm.jit ms": spread(hop),
-            "4 MiB round trip, by hand over jax.experimental.transfer ms": spread(by_hand),
-            "mm.jit / by hand (target <= 1.2)": spread(
-                [a / b for a, b in zip(hop, by_hand, strict=True)], 1
-            ),
+            "4 MiB round trip, mm.jit ms": spread(hop, 1e3),
+            "4 MiB round trip, by hand over jax.experimental.transfer ms": spread(by_hand, 1e3),
+            "mm.jit / by hand (target <= 1.2)": ratio_spread(hop, by_hand),
         },
         "checkpoint": {
             "state MiB (GPT dim 256, 8 blocks, AdamW)": f"{saves[0]['total']:.1f}",
             "process 0's own share MiB; largest array MiB": (
                 f"{saves[0]['own']:.1f}; {saves[0]['largest']:.1f}"
             ),
-            "process 0's resident rise while saving, MiB": spread([x["rise"] for x in saves], 1),
+            "process 0's resident rise while saving, MiB": spread([x["rise"] for x in saves]),
             "rise <= own share + largest array": all(
                 x["rise"] <= x["own"] + x["largest"] for x in saves
             ),
         },
-        "cores": os.cpu_count(),
     }
-    from report import publish
-
-    publish(results, RESULTS, "multiprocess", ("gpt", "hop", "checkpoint"))
+    publish(results, RESULTS, "multiprocess", ("gpt", "hop", "checkpoint"), rounds)
 
 
 def profile() -> None:
@@ -344,5 +333,4 @@ if __name__ == "__main__":
     elif "--profile" in sys.argv:
         profile()
     else:
-        n = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
-        main(n)
+        main(rounds_option(sys.argv))

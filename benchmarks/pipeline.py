@@ -24,7 +24,7 @@ rows, JAX's own transpose of the scan took 2.1x as long as this one and two stag
   below 1F1B's, ZB-V's below ZB-H1's), three ways: the work measured one action at a time
   against the step time, the work measured in the running pipeline against it, and the idle
   time of each rank as the step ran (``mm.schedules.measured_bubble`` of each
-  ``overlapped_timeline``, median over five). The schedules' step times and in-pipeline
+  ``overlapped_timeline``, one per round). The schedules' step times and in-pipeline
   durations are taken in interleaved rounds (each round runs every schedule once), so that the
   machine's load changing during the minutes this takes does not favour one schedule over
   another;
