@@ -1,0 +1,66 @@
+"""benchmarks/report.py, the harness every benchmark script reports through: interleaved rounds,
+"median [min-max]" spreads, per-round ratios, the machine record and the ``--rounds`` option."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_candidates_take_turns_in_each_round(report):
+    calls = []
+
+    def candidate(name):
+        return lambda: calls.append(name) or len(calls)
+
+    samples = report.interleaved({"a": candidate("a"), "b": candidate("b")}, rounds=3)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert samples == {"a": [1, 3, 5], "b": [2, 4, 6]}
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        report.interleaved({"a": lambda: 1.0}, rounds=0)
+
+
+def test_ratios_are_taken_per_round_before_the_median(report):
+    # medians 2.0 / 2.0 = 1.0, but the per-round ratios are 0.5, 1.0, 4.0
+    assert report.ratio_spread([1.0, 2.0, 8.0], [2.0, 2.0, 2.0]) == "1.00 [0.50-4.00]"
+    assert report.spread([0.004, 0.001, 0.002], scale=1e3, digits=1) == "2.0 [1.0-4.0]"
+
+
+def test_rounds_option(report):
+    assert report.rounds_option(["x.py"]) == report.MIN_ROUNDS == 5
+    assert report.rounds_option(["x.py", "--only", "a", "--rounds", "7"]) == 7
+    with pytest.raises(SystemExit, match="--rounds"):
+        report.rounds_option(["x.py", "--rounds", "many"])
+    with pytest.raises(SystemExit, match="at least 1"):
+        report.rounds_option(["x.py", "--rounds", "0"])
+    assert report.only_sections(["x.py", "--only", "a", "b c", "--rounds", "1"]) == ["a", "b c"]
+
+
+def test_results_file_records_machine_and_rounds_per_section(report, tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_RESULTS_DIR", str(tmp_path))
+    path = report.results_path("bench.json")
+    assert path == tmp_path / "bench.json"
+    report.run_sections({"s": lambda rounds: {"rounds seen": rounds}}, path, "t", rounds=2)
+    results = json.loads(path.read_text())
+    assert results["s"] == {"rounds seen": 2}
+    run = results["measured"]["s"]
+    assert run["rounds"] == 2 and "quick check" in run["note"]
+    assert run["cores"] >= 1 and run["load average before"] >= 0 and run["cpu"]
+    # a later run of another section keeps this section's record
+    report.run_sections(
+        {"s": lambda rounds: {}, "u": lambda rounds: {"x": 1.0}}, path, "t", only=["u"]
+    )
+    results = json.loads(path.read_text())
+    assert results["measured"]["s"]["rounds"] == 2 and results["measured"]["u"]["rounds"] == 5
+    assert "note" not in results["measured"]["u"]
