@@ -63,6 +63,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from report import (  # noqa: E402
     interleaved,
+    median,
     only_sections,
     per_call,
     ratio_spread,
@@ -394,7 +395,7 @@ def measured_vs_simulated(rounds: int, num=8, matmul=False, ranks=2, names=None)
         out[f"{label}: step ms"] = spread(t_step, 1e3, 1)
         for measure, values in per_round.items():
             out[f"{label}: {measure}"] = spread(values, digits=3)
-            medians[f"{label}: {measure}"] = statistics.median(values)
+            medians[f"{label}: {measure}"] = median(values)
         analytic = mm.schedules.simulate(schedule, 1 / virtual, 2 / virtual).bubble_fraction
         out[f"{label}: bubble analytic"] = float(analytic)
     for durations, suffix in (
@@ -454,7 +455,7 @@ def tuner_ranking(rounds: int, num=8):
     for step, model, x in steps.values():
         jax.block_until_ready(step(model, x))
     samples = interleaved({name: step_seconds(*s) for name, s in steps.items()}, rounds)
-    measured = {name: statistics.median(times) for name, times in samples.items()}
+    measured = {name: median(times) for name, times in samples.items()}
     agree = all(
         abs(predicted[a] - predicted[b]) <= 0.02 * max(predicted[a], predicted[b])
         or (predicted[a] < predicted[b]) == (measured[a] < measured[b])
