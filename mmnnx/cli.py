@@ -209,6 +209,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps between evaluations (50)",
     )
     run.add_argument(
+        "--eval-batches",
+        type=_positive("--eval-batches"),
+        default=4,
+        help="held-out batches each evaluation averages (4)",
+    )
+    run.add_argument(
+        "--log-every",
+        type=_positive("--log-every"),
+        default=10,
+        help="steps between lines of metrics.jsonl (10)",
+    )
+    run.add_argument(
+        "--timeline-step",
+        type=_integer("--timeline-step", 0),
+        default=3,
+        help="the step whose pipeline timeline is measured and drawn (3; 0: none)",
+    )
+    run.add_argument(
         "--seed", type=_integer("--seed", 0), default=0, help="initialisation and data seed (0)"
     )
     run.add_argument(
@@ -628,6 +646,9 @@ def train(args: argparse.Namespace) -> int:
                 microbatches=args.microbatches,
                 schedule=args.schedule,
                 eval_every=args.eval_every,
+                eval_batches=args.eval_batches,
+                log_every=args.log_every,
+                timeline_step=args.timeline_step,
                 checkpoint_every=args.checkpoint_every,
                 output_dir=args.output_dir,
                 checkpoint_dir=args.checkpoint_dir,
@@ -712,6 +733,26 @@ def _with_config_files(
     return args
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, with the flags not given
+    taken from ``--config FILE`` and, with ``--resume``, from the run's saved
+    ``OUTPUT_DIR/config.toml``, in that order, before the flags' defaults.
+
+    Raises:
+        ConfigError: a config file that is missing, not TOML, or holds a table, key or value
+            ``mmnnx train`` does not take (one line naming the file and key).
+
+    Example:
+        >>> parse_args(["train", "--dim", "64"]).dim
+        64
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        args = _with_config_files(parser, argv, args)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mmnnx`` console script.
 
@@ -719,16 +760,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["train", "--stages", "3", "--devices", "4"])
         2
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "train":
-        from mmnnx.train.run_config import ConfigError  # noqa: PLC0415
+    from mmnnx.train.run_config import ConfigError  # noqa: PLC0415
 
-        try:
-            args = _with_config_files(parser, argv, args)
-        except ConfigError as e:
-            print(f"mmnnx train: error: {e}", file=sys.stderr)
-            return 2
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        print(f"mmnnx train: error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "train":
         problem = _check(args)
         if problem:
             print(f"mmnnx train: error: {problem}", file=sys.stderr)
