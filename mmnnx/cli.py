@@ -55,6 +55,21 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _nonnegative_float(name: str):
+    """An argparse type: a finite float of at least 0, with a one-line reason otherwise."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number >= 0, got {text!r}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mmnnx.mpmd.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES  # noqa: PLC0415
 
@@ -65,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="train the reference GPT, pipelined over several submeshes",
         description="Train the reference GPT (byte-level) on the embedded public-domain text or "
         "your own files, as stages x (data x model) submeshes, pipelined with a schedule.",
+    )
+    train.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a TOML file of these flags, one table per group below ([model], [layout], "
+        "[training], [outputs]; keys as the flags: seq_len = 64); flags given here override it. "
+        "Every run writes its resolved flags to OUTPUT_DIR/config.toml, which --resume reads",
     )
     model = train.add_argument_group("model")
     model.add_argument("--dim", type=_positive("--dim"), default=128, help="model width (128)")
@@ -168,10 +191,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (3e-3)")
     run.add_argument(
+        "--warmup-steps",
+        type=_integer("--warmup-steps", 0),
+        default=20,
+        help="steps of linear learning-rate warm-up from 0 (20)",
+    )
+    run.add_argument(
+        "--weight-decay",
+        type=_nonnegative_float("--weight-decay"),
+        default=0.01,
+        help="AdamW's decoupled weight decay (0.01)",
+    )
+    run.add_argument(
         "--eval-every",
         type=_positive("--eval-every"),
         default=50,
         help="steps between evaluations (50)",
+    )
+    run.add_argument(
+        "--eval-batches",
+        type=_positive("--eval-batches"),
+        default=4,
+        help="held-out batches each evaluation averages (4)",
+    )
+    run.add_argument(
+        "--log-every",
+        type=_positive("--log-every"),
+        default=10,
+        help="steps between lines of metrics.jsonl (10)",
+    )
+    run.add_argument(
+        "--timeline-step",
+        type=_integer("--timeline-step", 0),
+        default=3,
+        help="the step whose pipeline timeline is measured and drawn (3; 0: none)",
     )
     run.add_argument(
         "--seed", type=_integer("--seed", 0), default=0, help="initialisation and data seed (0)"
@@ -200,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="save a checkpoint every this many steps, and at the end (100)",
     )
     _add_launch(commands)
+    _add_generate(commands)
     return parser
 
 
@@ -262,6 +316,133 @@ def _add_launch(commands: Any) -> None:
     launch.add_argument(
         "argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command and its arguments"
     )
+
+
+def _add_generate(commands: Any) -> None:
+    generate = commands.add_parser(
+        "generate",
+        help="continue a prompt with the model of a run `mmnnx train` wrote",
+        description="Rebuild the model of run directory DIR from DIR/config.toml, restore its "
+        "newest checkpoint, and print PROMPT followed by its continuation (decoded with "
+        "DIR/tokenizer). Each token is one step of a compiled decoder with a key/value cache; "
+        "greedy unless --temperature is given. Example: mmnnx generate --run runs/demo "
+        '--prompt "In the beginning"',
+    )
+    generate.add_argument("--run", required=True, metavar="DIR", help="the run's --output-dir")
+    generate.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    generate.add_argument(
+        "--max-new-tokens",
+        type=_positive("--max-new-tokens"),
+        default=None,
+        metavar="N",
+        help="tokens to add (default: as many as the model's context, --seq-len, has room for)",
+    )
+    generate.add_argument(
+        "--temperature",
+        type=_nonnegative_float("--temperature"),
+        default=0.0,
+        metavar="T",
+        help="0 picks the likeliest token (greedy, the default); above 0, sample from the "
+        "logits divided by T",
+    )
+    generate.add_argument(
+        "--top-k",
+        type=_positive("--top-k"),
+        default=None,
+        metavar="K",
+        help="with --temperature, sample among the K likeliest tokens only",
+    )
+    generate.add_argument(
+        "--seed", type=_integer("--seed", 0), default=0, help="sampling seed (0)", metavar="S"
+    )
+    generate.add_argument(
+        "--layout",
+        choices=("one-device", "run"),
+        default="one-device",
+        help="one-device (default), or run: the run's own --stages x --data-axis x "
+        "--model-axis tasks, each stage's blocks and their cache on its submesh (mm.jit)",
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``mmnnx generate``: the prompt and its continuation on stdout, one line about the run
+    on stderr; a run without config, tokenizer or checkpoint, or a prompt the model has no
+    room for, exits 2 in one line."""
+
+    def error(message: str) -> int:
+        print(f"mmnnx generate: error: {message}", file=sys.stderr)
+        return 2
+
+    if not args.prompt:
+        return error("--prompt is empty; give some text to continue")
+    from mmnnx.train.generation import RunError, read_run_flags  # noqa: PLC0415
+
+    try:
+        flags = read_run_flags(args.run)
+    except RunError as e:
+        return error(f"--run: {e}")
+    xla = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in xla:
+        devices = flags.get("devices", 8)
+        os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices}"
+    from mmnnx.train.checkpoint import (  # noqa: PLC0415
+        CheckpointCorruptError,
+        CheckpointMismatchError,
+        NoReadableCheckpointError,
+    )
+    from mmnnx.train.generation import continue_text, load_run  # noqa: PLC0415
+
+    try:
+        run = load_run(args.run, layout=args.layout)
+    except (
+        RunError,
+        CheckpointMismatchError,
+        CheckpointCorruptError,
+        NoReadableCheckpointError,
+    ) as e:
+        return error(f"--run: {e}")
+    prompt_tokens = len(run.tokenizer.encode(args.prompt))
+    room = run.model.config.max_seq_len - prompt_tokens
+    if room < 1:
+        return error(
+            f"--prompt is {prompt_tokens} tokens; the model reads at most "
+            f"{run.model.config.max_seq_len} (its --seq-len), leaving no room to continue"
+        )
+    if args.max_new_tokens is not None and args.max_new_tokens > room:
+        return error(
+            f"--max-new-tokens {args.max_new_tokens} exceeds the {room} tokens the model's "
+            f"--seq-len {run.model.config.max_seq_len} leaves after a {prompt_tokens}-token prompt"
+        )
+    print(f"mmnnx generate: {args.run}, step {run.step}, layout {args.layout}", file=sys.stderr)
+    text = continue_text(
+        run.model,
+        run.tokenizer,
+        args.prompt,
+        args.max_new_tokens or room,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    print(text)
+    return 0
+
+
+SAMPLE_PROMPT = "In the beginning"
+"""The prompt of the greedy sample ``mmnnx train`` prints at the end of a run."""
+
+
+def _print_sample(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
+    """A greedy continuation of :data:`SAMPLE_PROMPT` by the trained ``model`` (on its own
+    tasks), at most 48 tokens, as the run report's last lines."""
+    from mmnnx.train.generation import continue_text  # noqa: PLC0415
+
+    room = model.config.max_seq_len - len(tokenizer.encode(SAMPLE_PROMPT))
+    if room < 1:
+        print(f"sample: none (--seq-len {args.seq_len} leaves no room after {SAMPLE_PROMPT!r})")
+        return
+    text = continue_text(model, tokenizer, SAMPLE_PROMPT, min(48, room))
+    print(f'sample (greedy; more: mmnnx generate --run {args.output_dir} --prompt "...")')
+    print(text)
 
 
 def run_launch(args: argparse.Namespace) -> int:
@@ -438,6 +619,7 @@ def train(args: argparse.Namespace) -> int:
 
     if jax.process_index() == 0:
         tokenizer.save(pathlib.Path(args.output_dir, "tokenizer"))
+        _write_run_config(args)
     with nnx.use_eager_sharding(False):
         placement = stage_rules(nnx.eval_shape(factory), tasks)
     model = mm.init(factory, placement)
@@ -459,9 +641,14 @@ def train(args: argparse.Namespace) -> int:
             TrainConfig(
                 steps=args.steps,
                 learning_rate=args.lr,
+                warmup_steps=args.warmup_steps,
+                weight_decay=args.weight_decay,
                 microbatches=args.microbatches,
                 schedule=args.schedule,
                 eval_every=args.eval_every,
+                eval_batches=args.eval_batches,
+                log_every=args.log_every,
+                timeline_step=args.timeline_step,
                 checkpoint_every=args.checkpoint_every,
                 output_dir=args.output_dir,
                 checkpoint_dir=args.checkpoint_dir,
@@ -481,7 +668,20 @@ def train(args: argparse.Namespace) -> int:
     except CheckpointDirectoryBusyError as e:
         print(f"mmnnx train: error: {e}", file=sys.stderr)
         return 2
-    return 0 if math.isfinite(result.final_eval) else 1
+    if not math.isfinite(result.final_eval):
+        return 1
+    if jax.process_count() == 1:  # a multi-process job's tasks span processes: see generate
+        _print_sample(model, tokenizer, args)
+    return 0
+
+
+def _write_run_config(args: argparse.Namespace) -> None:
+    """Every flag of this run, resolved, in ``OUTPUT_DIR/config.toml`` (``--resume`` and
+    ``mmnnx generate`` read it back)."""
+    from mmnnx.train.run_config import CONFIG_FILE, resolved_config, write_config  # noqa: PLC0415
+
+    train_parser = _subparser(build_parser(), "train")
+    write_config(pathlib.Path(args.output_dir, CONFIG_FILE), resolved_config(args, train_parser))
 
 
 def _latest_checkpoint(directory: pathlib.Path) -> tuple[int | None, bool]:
@@ -504,6 +704,55 @@ def _failed_now(status: int) -> int:
     return status
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``name`` (``train``) of ``build_parser()``'s parser."""
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    return commands.choices[name]
+
+
+def _with_config_files(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, args: argparse.Namespace
+) -> argparse.Namespace:
+    """``mmnnx train``'s flags over the values of ``--config FILE``, over (with ``--resume``)
+    those the run saved in ``OUTPUT_DIR/config.toml``, over the flags' defaults."""
+    from mmnnx.train.run_config import CONFIG_FILE, read_config  # noqa: PLC0415
+
+    train = _subparser(parser, "train")
+    given = read_config(args.config, train) if args.config else {}
+    if given:
+        train.set_defaults(**given)
+        args = parser.parse_args(argv)
+    saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
+    if args.resume and saved_file.is_file():
+        saved = read_config(saved_file, train)
+        for key in ("output_dir", "resume"):  # where the run is now, and what this call does
+            saved.pop(key, None)
+        train.set_defaults(**{**saved, **given})
+        args = parser.parse_args(argv)
+        print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
+    return args
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, with the flags not given
+    taken from ``--config FILE`` and, with ``--resume``, from the run's saved
+    ``OUTPUT_DIR/config.toml``, in that order, before the flags' defaults.
+
+    Raises:
+        ConfigError: a config file that is missing, not TOML, or holds a table, key or value
+            ``mmnnx train`` does not take (one line naming the file and key).
+
+    Example:
+        >>> parse_args(["train", "--dim", "64"]).dim
+        64
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        args = _with_config_files(parser, argv, args)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mmnnx`` console script.
 
@@ -511,8 +760,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["train", "--stages", "3", "--devices", "4"])
         2
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from mmnnx.train.run_config import ConfigError  # noqa: PLC0415
+
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        print(f"mmnnx train: error: {e}", file=sys.stderr)
+        return 2
     if args.command == "train":
         problem = _check(args)
         if problem:
@@ -521,6 +775,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _failed_now(train(args))
     if args.command == "launch":
         return run_launch(args)
+    if args.command == "generate":
+        return run_generate(args)
     return 2
 
 

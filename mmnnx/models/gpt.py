@@ -121,6 +121,31 @@ class GPT(nnx.Module):
         nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
         return jnp.mean(nll)
 
+    def generate(
+        self,
+        prompt: jax.Array,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        rng: jax.Array | None = None,
+    ) -> jax.Array:
+        """The next ``max_new_tokens`` tokens after ``prompt`` (``(seq,)`` or ``(batch, seq)``
+        ids), ``(batch, max_new_tokens)``: greedy with ``temperature`` 0, else sampled (from the
+        ``top_k`` most likely when given, keys from ``rng``), with a key/value cache. Placed on
+        tasks (``mm.init``), each step runs with ``mm.jit``, each stage on its own submesh. See
+        ``mmnnx.models.decoding.generate``.
+
+        Example:
+            >>> with nnx.use_eager_sharding(False):
+            ...     model = GPT(GPTConfig(dim=32, depth=1, vocab_size=64), rngs=nnx.Rngs(0))
+            >>> model.generate(jnp.array([5, 6]), 3).shape
+            (1, 3)
+        """
+        from mmnnx.models.decoding import generate  # noqa: PLC0415  (it runs GPTs: no cycle)
+
+        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, rng=rng)
+
 
 def _apply_block(x: jax.Array, block: TransformerBlock) -> jax.Array:
     return block(x)

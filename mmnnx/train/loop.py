@@ -316,9 +316,18 @@ def _tuned(
 
 def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -> int:
     """The learning-rate schedule's horizon of a resumed run: the one saved with the checkpoint
-    unless ``config.schedule_steps`` gives another (said in one line); ``config.steps`` for
-    checkpoints saved without one."""
+    unless ``config.schedule_steps`` gives another (said in one line), or ``config.steps`` is
+    beyond it: the schedule is then stretched to end at ``config.steps`` (said in one line);
+    ``config.steps`` for checkpoints saved without one."""
     if config.schedule_steps is None:
+        if saved is not None and config.steps > saved:
+            _print_line(
+                console,
+                f"learning-rate schedule extended from the checkpoint's {saved} steps to "
+                f"{config.steps} (TrainConfig.steps / --steps): the cosine decay now ends at step "
+                f"{config.steps}; give --schedule-steps {saved} to keep the old one",
+            )
+            return config.steps
         return saved or config.steps
     if saved is not None and saved != config.schedule_steps:
         _print_line(
