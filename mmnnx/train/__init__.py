@@ -18,9 +18,10 @@ from mmnnx.train.checkpoint import (
 )
 from mmnnx.train.data import TextDataset, embedded_text, load_text
 from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
-from mmnnx.train.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
+from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
+    "BPETokenizer",
     "ByteTokenizer",
     "CheckpointCorruptError",
     "CheckpointDirectoryBusyError",
