@@ -181,7 +181,21 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="PATH",
-        help="your own UTF-8 text files or directories (default: embedded text)",
+        help="your own UTF-8 text files or directories (default: embedded text); tokenized a "
+        "chunk at a time into OUTPUT_DIR/data/tokens.bin, read from disk as training goes",
+    )
+    run.add_argument(
+        "--tokenizer",
+        choices=("bytes", "bpe"),
+        default="bytes",
+        help="bytes (256 tokens) or a byte-level BPE trained on the text (saved with the run "
+        "under OUTPUT_DIR/tokenizer; --resume reuses it) (bytes)",
+    )
+    run.add_argument(
+        "--vocab-size",
+        type=_integer("--vocab-size", 256),
+        default=None,
+        help="with --tokenizer bpe: tokens of the BPE, at least 256 (1024)",
     )
     io = train.add_argument_group("outputs")
     io.add_argument(
@@ -335,6 +349,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--memory-budget: {e}"
         if budget <= 0:
             return f"--memory-budget must be positive, got {args.memory_budget}"
+    if args.vocab_size is not None and args.tokenizer != "bpe":
+        return "--vocab-size needs --tokenizer bpe"
     if args.schedule == "auto":
         return None
     try:
@@ -359,9 +375,8 @@ def train(args: argparse.Namespace) -> int:
     mm.distributed.initialize()  # under `mmnnx launch` or a cluster; a no-op alone
     from mmnnx.models import GPT, GPTConfig  # noqa: PLC0415
     from mmnnx.models.stages import stage_rules  # noqa: PLC0415
-    from mmnnx.train.data import TextDataset, embedded_text, load_text  # noqa: PLC0415
+    from mmnnx.train.data import EMBEDDED, TextDataset  # noqa: PLC0415
     from mmnnx.train.loop import TrainConfig, fit  # noqa: PLC0415
-    from mmnnx.train.tokenizers import ByteTokenizer  # noqa: PLC0415
 
     checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
     if (
@@ -403,11 +418,16 @@ def train(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    tokenizer = ByteTokenizer()
+    sources = args.text or [EMBEDDED]
     try:
-        text = load_text(args.text) if args.text else embedded_text()
-        dataset = TextDataset(
-            tokenizer.encode(text), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
+        tokenizer = _tokenizer(args, sources)
+        dataset = TextDataset.from_files(
+            sources,
+            tokenizer,
+            pathlib.Path(args.output_dir, "data"),
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            seed=args.seed,
         )
     except (OSError, ValueError) as e:
         print(f"mmnnx train: error: {e}", file=sys.stderr)
@@ -425,7 +445,7 @@ def train(args: argparse.Namespace) -> int:
         for i in range(args.stages)
     ]
     config = GPTConfig(
-        vocab_size=tokenizer.vocab_size,
+        vocab_size=-(-tokenizer.vocab_size // args.model_axis) * args.model_axis,  # sharded
         dim=args.dim,
         depth=args.depth,
         num_heads=args.heads,
@@ -482,6 +502,37 @@ def train(args: argparse.Namespace) -> int:
         print(f"mmnnx train: error: {e}", file=sys.stderr)
         return 2
     return 0 if math.isfinite(result.final_eval) else 1
+
+
+def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
+    """The run's tokenizer: bytes; with --resume, the one saved under OUTPUT_DIR/tokenizer;
+    else a BPE process 0 trains on ``sources`` (streamed) and hands to every process."""
+    from mmnnx.distributed.agree import from_process_zero  # noqa: PLC0415
+    from mmnnx.train.corpus import text_chunks  # noqa: PLC0415
+    from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, load_tokenizer  # noqa: PLC0415
+
+    saved = pathlib.Path(args.output_dir, "tokenizer")
+    if args.resume and saved.is_dir():
+        tokenizer = load_tokenizer(saved)
+        if tokenizer.name != args.tokenizer:
+            raise ValueError(
+                f"--tokenizer {args.tokenizer}: the run in {args.output_dir} was trained with "
+                f"--tokenizer {tokenizer.name} (saved in {saved})"
+            )
+        if args.vocab_size not in (None, tokenizer.vocab_size):
+            raise ValueError(
+                f"--vocab-size {args.vocab_size}: the tokenizer saved in {saved} has "
+                f"{tokenizer.vocab_size} tokens"
+            )
+        return tokenizer
+    if args.tokenizer == "bytes":
+        return ByteTokenizer()
+    import jax  # noqa: PLC0415
+
+    trained = ""
+    if jax.process_index() == 0:
+        trained = BPETokenizer.train(text_chunks(sources), args.vocab_size or 1024).to_str()
+    return BPETokenizer.from_str(from_process_zero("--tokenizer bpe", trained))
 
 
 def _latest_checkpoint(directory: pathlib.Path) -> tuple[int | None, bool]:

@@ -108,16 +108,15 @@ def token_file(
     tokenizer: Tokenizer,
     directory: str | pathlib.Path,
     chunk_bytes: int = CHUNK_BYTES,
-) -> np.memmap:
+) -> np.ndarray:
     """The tokens of ``paths`` (``tokenizer`` applied to each :func:`text_chunks` piece), as a
-    read-only ``np.memmap`` of a file in ``directory``: ``uint16`` when the vocabulary fits,
-    else ``int32``. The file is reused while the files (paths, sizes, modification times) and
-    the tokenizer are the same; it is written under a temporary name and renamed, so processes
-    writing it at once each leave a whole file.
+    read-only ``np.memmap`` of a file in ``directory`` (an empty array for no text), ``uint16``
+    when the vocabulary fits, else ``int32``. The file is reused while the files (paths, sizes,
+    modification times) and the tokenizer are the same; it is written under a temporary name
+    and renamed, so processes writing it at once each leave a whole file.
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`text_chunks`; ValueError also when the text
-        gives no token.
+        FileNotFoundError, ValueError: as :func:`text_chunks`.
     """
     files = text_files(paths)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32)
@@ -138,8 +137,8 @@ def token_file(
         meta_temporary = folder / f".tokens.{os.getpid()}.json.tmp"
         meta_temporary.write_text(json.dumps({"key": key, "count": count}, indent=1) + "\n")
         os.replace(meta_temporary, meta)
-    if count == 0:
-        raise ValueError(f"the text files {[str(f) for f in files]} hold no text")
+    if count == 0:  # a file of no bytes cannot be mapped
+        return np.zeros(0, dtype)
     return np.memmap(data, dtype=dtype, mode="r", shape=(count,))
 
 

@@ -1,0 +1,93 @@
+"""Tokenizers: bytes and a trained byte-level BPE, each saved into a folder and loaded back by
+``load_tokenizer``; BPE training is the same in every process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mmnnx.train import BPETokenizer, ByteTokenizer, embedded_text, load_tokenizer, tokenizers
+from mmnnx.train.tokenizers import register_tokenizer
+
+TEXT = "In the beginning — ünïcode ✓\n\n  tabs\tand  spaces "
+
+
+@pytest.fixture(scope="module")
+def bpe() -> BPETokenizer:
+    return BPETokenizer.train([embedded_text()[:100_000]], vocab_size=400)
+
+
+def test_byte_tokenizer_round_trips_and_saves(tmp_path):
+    tok = ByteTokenizer()
+    ids = tok.encode(TEXT)
+    assert ids.dtype == np.int32 and ids.max() < 256 and tok.decode(ids) == TEXT
+    tok.save(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert isinstance(loaded, ByteTokenizer) and loaded.vocab_size == 256
+
+
+def test_bpe_is_lossless_and_shorter_than_bytes(bpe):
+    assert bpe.vocab_size == 400
+    sample = embedded_text()[200_000:210_000]  # text it was not trained on
+    ids = bpe.encode(sample)
+    assert ids.dtype == np.int32 and 256 <= ids.max() < 400  # merges are used
+    assert bpe.decode(ids) == sample
+    assert len(ids) < 0.6 * len(sample.encode())
+    assert bpe.decode(bpe.encode(TEXT)) == TEXT  # characters it never saw: their bytes
+
+
+def test_bpe_saves_and_loads(bpe, tmp_path):
+    bpe.save(tmp_path / "tok")
+    assert json.loads((tmp_path / "tok" / "tokenizer.json").read_text()) == {
+        "name": "bpe",
+        "vocab_size": 400,
+    }
+    loaded = load_tokenizer(tmp_path / "tok")
+    assert isinstance(loaded, BPETokenizer) and loaded.vocab_size == 400
+    np.testing.assert_array_equal(loaded.encode(TEXT), bpe.encode(TEXT))
+    assert loaded.to_str() == bpe.to_str()
+
+
+def test_bpe_training_is_the_same_in_every_process():
+    """A fresh interpreter (another hash seed) trains the tokenizer this process trains."""
+    script = (
+        "from mmnnx.train import BPETokenizer, embedded_text\n"
+        "print(BPETokenizer.train([embedded_text()[:50_000]], vocab_size=350).to_str(), end='')"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    here = BPETokenizer.train([embedded_text()[:50_000]], vocab_size=350).to_str()
+    assert run.stdout == here and '"merges"' in here
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no saved tokenizer in .*missing tokenizer.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"name": "wordpiece"}')
+    with pytest.raises(ValueError, match="names tokenizer 'wordpiece'; known: bpe, bytes"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"name": "bpe"}')
+    with pytest.raises(FileNotFoundError, match="has no bpe.json"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="vocab_size >= 256, got 100"):
+        BPETokenizer.train(["abc"], vocab_size=100)
+
+
+def test_register_tokenizer_makes_a_new_kind_loadable(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenizers, "_LOADERS", dict(tokenizers._LOADERS))  # undone after
+
+    class Upper(ByteTokenizer):
+        name = "upper"
+
+        def encode(self, text):
+            return super().encode(text.upper())
+
+    register_tokenizer("upper", lambda folder: Upper())
+    Upper().save(tmp_path)
+    assert load_tokenizer(tmp_path).encode("a").tolist() == [65]
