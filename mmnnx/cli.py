@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--vocab-size",
         type=_integer("--vocab-size", 256),
         default=None,
-        help="with --tokenizer bpe: tokens of the BPE, at least 256 (1024)",
+        help="with --tokenizer bpe: tokens of the BPE, at least 256; fewer if the text has "
+        "fewer pairs to merge; --resume keeps the saved tokenizer's (1024)",
     )
     io = train.add_argument_group("outputs")
     io.add_argument(
@@ -518,11 +519,6 @@ def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
             raise ValueError(
                 f"--tokenizer {args.tokenizer}: the run in {args.output_dir} was trained with "
                 f"--tokenizer {tokenizer.name} (saved in {saved})"
-            )
-        if args.vocab_size not in (None, tokenizer.vocab_size):
-            raise ValueError(
-                f"--vocab-size {args.vocab_size}: the tokenizer saved in {saved} has "
-                f"{tokenizer.vocab_size} tokens"
             )
         return tokenizer
     if args.tokenizer == "bytes":

@@ -93,8 +93,11 @@ def text_chunks(paths: Paths, chunk_bytes: int = CHUNK_BYTES) -> Iterator[str]:
                 if not block:
                     break
                 offset += len(block)
-                cut = pending.rfind("\n") + 1
-                if cut and len(pending) >= chunk_bytes:
+                while len(pending) >= chunk_bytes:
+                    # the last line end in the first chunk_bytes characters, else the next one
+                    cut = pending.rfind("\n", 0, chunk_bytes) + 1 or pending.find("\n") + 1
+                    if not cut:
+                        break  # a line longer than this: read on
                     yield pending[:cut]
                     pending = pending[cut:]
         if number < len(files) - 1:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from mmnnx.train.corpus import Paths, text_chunks, token_file
+from mmnnx.train.corpus import CHUNK_BYTES, Paths, text_chunks, token_file
 from mmnnx.train.tokenizers import ByteTokenizer, Tokenizer
 
 TEXTS = pathlib.Path(__file__).parent / "texts"
@@ -137,7 +137,12 @@ class TextDataset:
 
     @classmethod
     def from_files(
-        cls, paths: Paths, tokenizer: Tokenizer, cache: str | pathlib.Path, **kwargs
+        cls,
+        paths: Paths,
+        tokenizer: Tokenizer,
+        cache: str | pathlib.Path,
+        chunk_bytes: int = CHUNK_BYTES,
+        **kwargs,
     ) -> TextDataset:
         """A dataset of the text files ``paths``, tokenized a chunk at a time into a token file
         under ``cache`` and read from it as a ``np.memmap`` (:func:`mmnnx.train.corpus.token_file`):
@@ -151,7 +156,7 @@ class TextDataset:
             >>> type(ds.tokens).__name__, next(ds).shape
             ('memmap', (4, 8))
         """
-        return cls(token_file(paths, tokenizer, cache), **kwargs)
+        return cls(token_file(paths, tokenizer, cache, chunk_bytes), **kwargs)
 
     @property
     def batches_per_epoch(self) -> int:
