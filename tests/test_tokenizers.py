@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from mmnnx.train import BPETokenizer, ByteTokenizer, embedded_text, load_tokenizer, tokenizers
+from mmnnx.train.corpus import token_file
+from mmnnx.train.data import EMBEDDED
 from mmnnx.train.tokenizers import register_tokenizer
 
 TEXT = "In the beginning — ünïcode ✓\n\n  tabs\tand  spaces "
@@ -91,3 +93,8 @@ def test_register_tokenizer_makes_a_new_kind_loadable(tmp_path, monkeypatch):
     register_tokenizer("upper", lambda folder: Upper())
     Upper().save(tmp_path)
     assert load_tokenizer(tmp_path).encode("a").tolist() == [65]
+
+
+def test_a_bpe_token_file_made_by_pieces_equals_the_text_encoded_whole(bpe, tmp_path):
+    tokens = token_file([EMBEDDED], bpe, tmp_path, chunk_bytes=4096)
+    np.testing.assert_array_equal(tokens, bpe.encode(embedded_text()))
