@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len",
         type=_positive("--seq-len"),
         default=64,
-        help="tokens (bytes) per sequence (64)",
+        help="tokens per sequence (64)",
     )
     layout = train.add_argument_group("layout")
     layout.add_argument(
