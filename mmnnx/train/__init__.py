@@ -16,6 +16,7 @@ from mmnnx.train.checkpoint import (
     Resumed,
     Skipped,
 )
+from mmnnx.train.corpus import text_chunks, token_file
 from mmnnx.train.data import TextDataset, embedded_text, load_text
 from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
 from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
@@ -39,4 +40,6 @@ __all__ = [
     "load_text",
     "load_tokenizer",
     "make_optimizer",
+    "text_chunks",
+    "token_file",
 ]
