@@ -507,8 +507,9 @@ def train(args: argparse.Namespace) -> int:
 
 def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
     """The run's tokenizer: bytes; with --resume, the one saved under OUTPUT_DIR/tokenizer;
-    else a BPE process 0 trains on ``sources`` (streamed) and hands to every process."""
-    from mmnnx.distributed.agree import from_process_zero  # noqa: PLC0415
+    else a BPE trained on ``sources`` (streamed) by every process, checked to be the same (no
+    process waits for another's training, however long it takes)."""
+    from mmnnx.distributed.agree import check_same_everywhere  # noqa: PLC0415
     from mmnnx.train.corpus import text_chunks  # noqa: PLC0415
     from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, load_tokenizer  # noqa: PLC0415
 
@@ -523,12 +524,15 @@ def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
         return tokenizer
     if args.tokenizer == "bytes":
         return ByteTokenizer()
+    import hashlib  # noqa: PLC0415
+
     import jax  # noqa: PLC0415
 
-    trained = ""
-    if jax.process_index() == 0:
-        trained = BPETokenizer.train(text_chunks(sources), args.vocab_size or 1024).to_str()
-    return BPETokenizer.from_str(from_process_zero("--tokenizer bpe", trained))
+    tokenizer = BPETokenizer.train(text_chunks(sources), args.vocab_size or 1024)
+    if jax.process_count() > 1:  # training is deterministic: each trains, all check
+        digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+        check_same_everywhere("--tokenizer bpe: the BPE each process trained", [digest])
+    return tokenizer
 
 
 def _latest_checkpoint(directory: pathlib.Path) -> tuple[int | None, bool]:

@@ -330,8 +330,8 @@ def test_pipelined_gpt_and_checkpoints_across_process_counts(tmp_path, monkeypat
 
 
 def test_mmnnx_train_under_launch_matches_one_process(tmp_path):
-    # the main job: each pipeline stage in its own process; rank 0 reports and writes; the BPE
-    # process 0 trains is every process's, and both make the token file at once
+    # the main job: each pipeline stage in its own process; rank 0 reports and writes; each
+    # process trains the BPE (the same one), and both make the token file at once
     flags = [
         "--tokenizer",
         "bpe",

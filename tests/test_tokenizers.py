@@ -13,6 +13,9 @@ from mmnnx.train import BPETokenizer, ByteTokenizer, embedded_text, load_tokeniz
 from mmnnx.train.corpus import token_file
 from mmnnx.train.data import EMBEDDED
 from mmnnx.train.tokenizers import register_tokenizer
+from tests.flags import without_device_count
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TEXT = "In the beginning — ünïcode ✓\n\n  tabs\tand  spaces "
 
@@ -98,3 +101,28 @@ def test_register_tokenizer_makes_a_new_kind_loadable(tmp_path, monkeypatch):
 def test_a_bpe_token_file_made_by_pieces_equals_the_text_encoded_whole(bpe, tmp_path):
     tokens = token_file([EMBEDDED], bpe, tmp_path, chunk_bytes=4096)
     np.testing.assert_array_equal(tokens, bpe.encode(embedded_text()))
+
+
+def test_processes_that_train_different_bpes_stop_before_training(tmp_path):
+    """``mmnnx train --tokenizer bpe`` under ``mmnnx launch`` with rank 1 training another
+    vocabulary size: every process stops, naming the difference."""
+    code = (
+        "import os, sys\n"
+        "from mmnnx.train.tokenizers import BPETokenizer\n"
+        "train = BPETokenizer.train.__func__\n"
+        "if os.environ['MMNNX_PROCESS_ID'] == '1':\n"
+        "    BPETokenizer.train = classmethod(lambda c, texts, n: train(c, texts, n - 1))\n"
+        "from mmnnx.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    train = ["train", "--tokenizer", "bpe", "--vocab-size", "300", "--steps", "1"]
+    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
+    run = subprocess.run(
+        [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--devices-per-process", "4", "--",
+         sys.executable, "-c", code, *train, "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert run.returncode != 0
+    said = run.stdout + run.stderr
+    assert "--tokenizer bpe: the BPE each process trained differs between processes 0 and 1" in said
+    assert not (tmp_path / "checkpoints").exists()
