@@ -204,3 +204,15 @@ def test_token_file_is_tokenized_by_chunks_and_read_from_disk(tmp_path):
     for row in next(ds):  # windows of the token file
         starts = np.flatnonzero(changed[: len(changed) - 33] == row[0])
         assert any(np.array_equal(changed[s : s + 33], row) for s in starts)
+
+
+def test_a_vocabulary_past_uint16_gets_an_int32_token_file(tmp_path):
+    class Wide(ByteTokenizer):
+        vocab_size = 200_000
+
+        def encode(self, text):
+            return super().encode(text) * 1000  # "~" (126) is 126,000: past uint16
+
+    (tmp_path / "a.txt").write_text("~" * 100)
+    tokens = token_file(tmp_path / "a.txt", Wide(), tmp_path / "cache")
+    assert tokens.dtype == np.int32 and tokens.tolist() == [126_000] * 100
