@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len",
         type=_positive("--seq-len"),
         default=64,
-        help="tokens (bytes) per sequence (64)",
+        help="tokens per sequence (64)",
     )
     layout = train.add_argument_group("layout")
     layout.add_argument(
@@ -234,7 +234,22 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="PATH",
-        help="your own UTF-8 text files or directories (default: embedded text)",
+        help="your own UTF-8 text files or directories (default: embedded text); tokenized a "
+        "chunk at a time into OUTPUT_DIR/data/tokens.bin, read from disk as training goes",
+    )
+    run.add_argument(
+        "--tokenizer",
+        choices=("bytes", "bpe"),
+        default="bytes",
+        help="bytes (256 tokens) or a byte-level BPE trained on the text (saved with the run "
+        "under OUTPUT_DIR/tokenizer; --resume reuses it) (bytes)",
+    )
+    run.add_argument(
+        "--vocab-size",
+        type=_integer("--vocab-size", 256),
+        default=None,
+        help="with --tokenizer bpe: tokens of the BPE, at least 256; fewer if the text has "
+        "fewer pairs to merge; --resume keeps the saved tokenizer's (1024)",
     )
     io = train.add_argument_group("outputs")
     io.add_argument(
@@ -516,6 +531,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--memory-budget: {e}"
         if budget <= 0:
             return f"--memory-budget must be positive, got {args.memory_budget}"
+    if args.vocab_size is not None and args.tokenizer != "bpe":
+        return "--vocab-size needs --tokenizer bpe"
     if args.schedule == "auto":
         return None
     try:
@@ -538,11 +555,11 @@ def train(args: argparse.Namespace) -> int:
     import mmnnx as mm  # noqa: PLC0415
 
     mm.distributed.initialize()  # under `mmnnx launch` or a cluster; a no-op alone
-    from mmnnx.models import GPT, GPTConfig  # noqa: PLC0415
+    from mmnnx.models import GPT  # noqa: PLC0415
     from mmnnx.models.stages import stage_rules  # noqa: PLC0415
-    from mmnnx.train.data import TextDataset, embedded_text, load_text  # noqa: PLC0415
+    from mmnnx.train.data import EMBEDDED, TextDataset  # noqa: PLC0415
+    from mmnnx.train.generation import gpt_config, run_tasks  # noqa: PLC0415
     from mmnnx.train.loop import TrainConfig, fit  # noqa: PLC0415
-    from mmnnx.train.tokenizers import ByteTokenizer  # noqa: PLC0415
 
     checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
     if (
@@ -584,35 +601,22 @@ def train(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    tokenizer = ByteTokenizer()
+    sources = args.text or [EMBEDDED]
     try:
-        text = load_text(args.text) if args.text else embedded_text()
-        dataset = TextDataset(
-            tokenizer.encode(text), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
+        tokenizer = _tokenizer(args, sources)
+        dataset = TextDataset.from_files(
+            sources,
+            tokenizer,
+            pathlib.Path(args.output_dir, "data"),
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            seed=args.seed,
         )
     except (OSError, ValueError) as e:
         print(f"mmnnx train: error: {e}", file=sys.stderr)
         return 2
-    mesh = mm.MultiMesh(
-        axis_sizes=(args.stages, args.data_axis, args.model_axis),
-        axis_names=("stage", "data", "model"),
-        devices=range(args.stages * args.data_axis * args.model_axis),
-    )
-    rules = mm.logical_rules(
-        batch="data", mlp="model", heads="model", vocab="model", embed=None, seq=None
-    )
-    tasks = [
-        mm.Task(f"stage{i}", mesh=mesh.task_mesh(stage=i), logical_axes=rules)
-        for i in range(args.stages)
-    ]
-    config = GPTConfig(
-        vocab_size=tokenizer.vocab_size,
-        dim=args.dim,
-        depth=args.depth,
-        num_heads=args.heads,
-        max_seq_len=args.seq_len,
-        scan_layers=args.scan_layers,
-    )
+    tasks = run_tasks(args.stages, args.data_axis, args.model_axis)
+    config = gpt_config(vars(args), tokenizer.vocab_size)
 
     def factory():
         return GPT(config, rngs=nnx.Rngs(args.seed))
@@ -682,6 +686,36 @@ def _write_run_config(args: argparse.Namespace) -> None:
 
     train_parser = _subparser(build_parser(), "train")
     write_config(pathlib.Path(args.output_dir, CONFIG_FILE), resolved_config(args, train_parser))
+
+
+def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
+    """The run's tokenizer: bytes; with --resume, the one saved under OUTPUT_DIR/tokenizer;
+    else a BPE trained on ``sources`` (streamed) by every process, checked to be the same (no
+    process waits for another's training, however long it takes)."""
+    from mmnnx.distributed.agree import check_same_everywhere  # noqa: PLC0415
+    from mmnnx.train.corpus import text_chunks  # noqa: PLC0415
+    from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, load_tokenizer  # noqa: PLC0415
+
+    saved = pathlib.Path(args.output_dir, "tokenizer")
+    if args.resume and saved.is_dir():
+        tokenizer = load_tokenizer(saved)
+        if tokenizer.name != args.tokenizer:
+            raise ValueError(
+                f"--tokenizer {args.tokenizer}: the run in {args.output_dir} was trained with "
+                f"--tokenizer {tokenizer.name} (saved in {saved})"
+            )
+        return tokenizer
+    if args.tokenizer == "bytes":
+        return ByteTokenizer()
+    import hashlib  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    tokenizer = BPETokenizer.train(text_chunks(sources), args.vocab_size or 1024)
+    if jax.process_count() > 1:  # training is deterministic: each trains, all check
+        digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+        check_same_everywhere("--tokenizer bpe: the BPE each process trained", [digest])
+    return tokenizer
 
 
 def _latest_checkpoint(directory: pathlib.Path) -> tuple[int | None, bool]:

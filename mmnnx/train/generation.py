@@ -71,17 +71,21 @@ def read_run_flags(run_dir: str | pathlib.Path) -> dict[str, Any]:
 
 def gpt_config(flags: Mapping[str, Any], vocab_size: int) -> GPTConfig:
     """The ``GPTConfig`` ``mmnnx train`` builds from its flags (a run's ``config.toml``): every
-    flag named as a field (or in ``_MODEL_FLAGS``), the vocabulary its tokenizer's.
+    flag named as a field (or in ``_MODEL_FLAGS``); the vocabulary is the tokenizer's
+    ``vocab_size`` rounded up to a multiple of ``model_axis`` (the embedding is sharded over it).
 
     Example:
         >>> gpt_config({"dim": 64, "heads": 2, "seq_len": 32, "lr": 0.1}, 256).max_seq_len
         32
+        >>> gpt_config({"model_axis": 2}, 289).vocab_size
+        290
     """
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     values = {_MODEL_FLAGS.get(k, k): v for k, v in flags.items()}
+    shards = int(flags.get("model_axis") or 1)
     return GPTConfig(
         **{k: v for k, v in values.items() if k in fields and k != "vocab_size"},
-        vocab_size=vocab_size,
+        vocab_size=-(-vocab_size // shards) * shards,
     )
 
 

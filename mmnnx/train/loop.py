@@ -373,7 +373,7 @@ def _plot_losses(metrics_path: pathlib.Path, path: pathlib.Path) -> pathlib.Path
     evals = [r for r in rows if "eval_loss" in r]
     ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
+    ax.set_ylabel("loss (nats/token)")
     ax.legend()
     fig.savefig(path, dpi=120)
     return path
