@@ -55,6 +55,56 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _positive_number(name: str):
+    """An argparse type: a finite float > 0, with a one-line reason naming ``name``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number > 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    """``A:B`` as ``(A, B)``, steps with ``1 <= A <= B`` (``--profile-steps``)."""
+    first, colon, last = text.partition(":")
+    try:
+        steps = (int(first), int(last)) if colon else (int(first), int(first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--profile-steps must be FIRST:LAST steps, e.g. 10:12, got {text!r}"
+        ) from None
+    if not 1 <= steps[0] <= steps[1]:
+        raise argparse.ArgumentTypeError(f"--profile-steps needs 1 <= FIRST <= LAST, got {text!r}")
+    return steps
+
+
+def _schedule_help() -> str:
+    """``--schedule``'s help: each choice with what it needs of ``--virtual-stages``."""
+    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
+
+    needs = {
+        Placement.ONE_PER_RANK: "one stage per task",
+        Placement.INTERLEAVED: "--virtual-stages 2 or more",
+        Placement.V_SHAPED: "--virtual-stages 2",
+        Placement.BUILDER_DECIDES: "as registered",
+    }
+    groups: dict[str, list[str]] = {}
+    for name in _schedule_names():
+        groups.setdefault(needs[registered(name).placement], []).append(name)
+    choices = "; ".join(f"{', '.join(names)}: {need}" for need, names in groups.items())
+    return (
+        f"pipeline schedule (1f1b). {choices}. 'auto' (one stage per task) measures a step "
+        "once and picks the fastest schedule that fits --memory-budget (mm.schedules.tune), "
+        "printing its choice"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mmnnx.mpmd.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES  # noqa: PLC0415
 
@@ -102,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel size inside each stage (2)",
     )
     layout.add_argument(
+        "--virtual-stages",
+        type=_positive("--virtual-stages"),
+        default=1,
+        help="model stages per task (1): the blocks are cut into --stages x V stages, looped "
+        "over the tasks for the interleaved schedules, down and back up (a V, the embedding "
+        "and head on the first task) for zero-bubble-v and dualpipev",
+    )
+    layout.add_argument(
         "--devices",
         type=_positive("--devices"),
         default=8,
@@ -121,10 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedule",
         choices=(*_schedule_names(), "auto"),
         default="1f1b",
-        help="pipeline schedule (1f1b); the interleaved ones, zero-bubble-v and dualpipev "
-        "need several stages per task: use the Python API. 'auto' measures a step once and "
-        "picks the fastest schedule that fits --memory-budget (mm.schedules.tune), printing "
-        "its choice",
+        help=_schedule_help(),
     )
     run.add_argument(
         "--memory-budget",
@@ -182,6 +237,40 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="your own UTF-8 text files or directories (default: embedded text)",
+    )
+    logs = train.add_argument_group("precision and logging")
+    logs.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype of activations and matmuls; parameters and optimizer state stay "
+        "float32 (float32)",
+    )
+    logs.add_argument(
+        "--clip-grad-norm",
+        type=_positive_number("--clip-grad-norm"),
+        default=None,
+        metavar="NORM",
+        help="scale the gradients down to this global norm, over every stage's (default: none)",
+    )
+    logs.add_argument(
+        "--log-every",
+        type=_positive("--log-every"),
+        default=10,
+        help="steps between logged metrics; without a terminal, one line each (10)",
+    )
+    logs.add_argument(
+        "--no-tensorboard",
+        dest="tensorboard",
+        action="store_false",
+        help="write no TensorBoard event files (by default under OUTPUT_DIR/tensorboard)",
+    )
+    logs.add_argument(
+        "--profile-steps",
+        type=_step_range,
+        default=None,
+        metavar="A:B",
+        help="trace steps A to B with jax.profiler into OUTPUT_DIR/profile",
     )
     io = train.add_argument_group("outputs")
     io.add_argument(
@@ -294,6 +383,9 @@ def _check(args: argparse.Namespace) -> str | None:
         )
     if args.depth < args.stages:
         return f"--depth {args.depth} gives fewer blocks than --stages {args.stages}"
+    problem = _check_virtual_stages(args)
+    if problem:
+        return problem
     if args.scan_layers and args.depth % args.stages:
         return (
             f"--scan-layers splits --depth {args.depth} blocks into equal chunks, one per stage; "
@@ -335,14 +427,53 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--memory-budget: {e}"
         if budget <= 0:
             return f"--memory-budget must be positive, got {args.memory_budget}"
+    if args.profile_steps is not None and args.profile_steps[0] > args.steps:
+        return f"--profile-steps starts at step {args.profile_steps[0]}, after --steps {args.steps}"
     if args.schedule == "auto":
         return None
+    v = args.virtual_stages
     try:
-        get(args.schedule, args.stages, args.microbatches)
+        get(args.schedule, args.stages * v, args.microbatches, v)
     except ValueError as e:
+        with_v = f", --virtual-stages {v}" if v > 1 else ""
         return (
-            f"--schedule {args.schedule} with --stages {args.stages} and --microbatches "
+            f"--schedule {args.schedule} with --stages {args.stages}{with_v} and --microbatches "
             f"{args.microbatches}: {e}"
+        )
+    return None
+
+
+def _stage_order(schedule: str) -> str:
+    """``stage_rules``' ``order`` for ``schedule``: ``"v"`` for the V-shaped ones."""
+    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
+
+    if schedule != "auto" and registered(schedule).placement is Placement.V_SHAPED:
+        return "v"
+    return "loop"
+
+
+def _check_virtual_stages(args: argparse.Namespace) -> str | None:
+    """What ``--schedule`` needs of ``--virtual-stages`` and the model, unless given."""
+    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
+
+    v, name = args.virtual_stages, args.schedule
+    placement = None if name == "auto" else registered(name).placement
+    if placement is Placement.V_SHAPED and v != 2:
+        return f"--schedule {name} needs --virtual-stages 2 (two stages per task, in a V)"
+    if placement is Placement.INTERLEAVED and v < 2:
+        return f"--schedule {name} needs --virtual-stages 2 or more (several stages per task)"
+    if v > 1 and placement in (None, Placement.ONE_PER_RANK):
+        return (
+            f"--virtual-stages {v} needs a schedule that runs several stages per task "
+            "(interleaved-*, zero-bubble-v, dualpipev); --schedule "
+            f"{name} runs one"
+        )
+    if v > 1 and args.scan_layers:
+        return f"--virtual-stages {v} needs the blocks as a list: leave out --scan-layers"
+    if args.depth < args.stages * v:
+        return (
+            f"--depth {args.depth} gives fewer blocks than --stages {args.stages} x "
+            f"--virtual-stages {v} stages"
         )
     return None
 
@@ -431,6 +562,7 @@ def train(args: argparse.Namespace) -> int:
         num_heads=args.heads,
         max_seq_len=args.seq_len,
         scan_layers=args.scan_layers,
+        dtype=args.dtype,
     )
 
     def factory():
@@ -439,7 +571,12 @@ def train(args: argparse.Namespace) -> int:
     if jax.process_index() == 0:
         tokenizer.save(pathlib.Path(args.output_dir, "tokenizer"))
     with nnx.use_eager_sharding(False):
-        placement = stage_rules(nnx.eval_shape(factory), tasks)
+        placement = stage_rules(
+            nnx.eval_shape(factory),
+            tasks,
+            virtual_stages=args.virtual_stages,
+            order=_stage_order(args.schedule),
+        )
     model = mm.init(factory, placement)
     table = mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2)
     if jax.process_index() == 0:
@@ -470,6 +607,11 @@ def train(args: argparse.Namespace) -> int:
                 memory_budget=args.memory_budget,
                 pack_residuals=args.pack_residuals,
                 **({} if args.pack_weights else {"pack_weights": False}),
+                clip_grad_norm=args.clip_grad_norm,
+                virtual_stages=args.virtual_stages,
+                log_every=args.log_every,
+                tensorboard=args.tensorboard,
+                profile_steps=args.profile_steps,
             ),
         )
     except (CheckpointMismatchError, CheckpointCorruptError, NoReadableCheckpointError) as e:
