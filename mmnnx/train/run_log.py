@@ -60,7 +60,9 @@ class RunLog:
 
             directory = pathlib.Path(output_dir) / "tensorboard"
             purge = first_step + 1 if first_step else None  # a resumed run's later events go
-            self._writer = SummaryWriter(str(directory), purge_step=purge)
+            self._writer = SummaryWriter(  # one file per run, named after its first step
+                str(directory), purge_step=purge, filename_suffix=f".from-step-{first_step}"
+            )
             self.files["tensorboard"] = str(directory)
 
     def train(
