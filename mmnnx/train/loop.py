@@ -133,8 +133,8 @@ def learning_rates(config: TrainConfig) -> optax.Schedule:
 
     Example:
         >>> rate = learning_rates(TrainConfig(steps=100, learning_rate=1e-3, warmup_steps=10))
-        >>> float(rate(0)), float(rate(10))
-        (0.0, 0.001)
+        >>> [round(float(rate(n)), 6) for n in (0, 5, 10, 99)]  # warm-up, peak, decayed
+        [0.0, 0.0005, 0.001, 0.0001]
     """
     horizon = config.schedule_steps or config.steps
     return optax.warmup_cosine_decay_schedule(
@@ -198,8 +198,11 @@ def fit(
 ) -> FitResult:
     """Trains ``model`` (placed with ``mm.place``/``mm.init``; it needs ``loss(batch)``) on
     ``dataset`` and writes ``metrics.jsonl``, ``loss.png``, ``timeline.png`` and
-    ``timeline.json`` (the events drawn, and the bubble) under ``config.output_dir`` and
-    checkpoints under ``config.checkpoint_dir``. With several processes, process 0 writes and
+    ``timeline.json`` (the events drawn, and the bubble), TensorBoard event files
+    (``tensorboard/``) and a profiler trace (``profile/``, with ``config.profile_steps``) under
+    ``config.output_dir`` and checkpoints under ``config.checkpoint_dir``. Without a terminal
+    it prints one plain line per ``config.log_every`` steps instead of the progress bar, and
+    evaluation losses as they come (``RunLog``). With several processes, process 0 writes and
     reports; the timeline and bubble are the whole job's, every process's tasks.
 
     With ``config.resume`` it continues from the newest readable checkpoint: parameters,
