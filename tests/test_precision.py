@@ -106,3 +106,17 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_trains_over_two_t
     assert bf16[-1] < 0.5 * bf16[0]  # it learns the batch
     np.testing.assert_allclose(bf16, fp32, rtol=0.05)  # the same curve, to bfloat16's precision
     assert bf16 != fp32  # computed otherwise
+
+
+@pytest.mark.parametrize(
+    "fields, reason",
+    [
+        ({"clip_grad_norm": 0.0}, "clip_grad_norm must be > 0 or None, got 0.0"),
+        ({"virtual_stages": 0}, "virtual_stages must be >= 1, got 0"),
+        ({"virtual_stages": 2, "schedule": "auto"}, "name a schedule for virtual_stages=2"),
+        ({"profile_steps": (3, 2)}, r"1 <= first <= last, got \(3, 2\)"),
+    ],
+)
+def test_train_config_refuses_bad_new_fields(fields, reason):
+    with pytest.raises(ValueError, match=reason):
+        TrainConfig(**fields)

@@ -94,6 +94,11 @@ class TrainConfig:
             )
         if self.virtual_stages < 1:
             raise ValueError(f"TrainConfig.virtual_stages must be >= 1, got {self.virtual_stages}")
+        if self.virtual_stages > 1 and self.schedule == "auto":
+            raise ValueError(
+                "TrainConfig.schedule='auto' picks among schedules of one stage per task; "
+                f"name a schedule for virtual_stages={self.virtual_stages}"
+            )
         if self.profile_steps is not None:
             first, last = self.profile_steps
             if not 1 <= first <= last:
