@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--virtual-stages",
         type=_positive("--virtual-stages"),
         default=1,
+        metavar="V",
         help="model stages per task (1): the blocks are cut into --stages x V stages, looped "
         "over the tasks for the interleaved schedules, down and back up (a V, the embedding "
         "and head on the first task) for zero-bubble-v and dualpipev",
