@@ -45,29 +45,58 @@ def _positive(name: str):
     return _integer(name, 1)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--lr must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"--lr must be a finite number > 0, got {text!r}")
-    return value
-
-
-def _nonnegative_float(name: str):
-    """An argparse type: a finite float of at least 0, with a one-line reason otherwise."""
+def _finite_float(name: str, *, positive: bool):
+    """An argparse type: a finite float, > 0 if ``positive`` else >= 0, with a one-line reason
+    naming ``name`` otherwise."""
+    bound = "> 0" if positive else ">= 0"
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not math.isfinite(value) or value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number >= 0, got {text!r}")
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a finite number {bound}, got {text!r}"
+            )
         return value
 
     return parse
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    """``A:B`` as ``(A, B)``, steps with ``1 <= A <= B`` (``--profile-steps``)."""
+    first, colon, last = text.partition(":")
+    try:
+        steps = (int(first), int(last)) if colon else (int(first), int(first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--profile-steps must be FIRST:LAST steps, e.g. 10:12, got {text!r}"
+        ) from None
+    if not 1 <= steps[0] <= steps[1]:
+        raise argparse.ArgumentTypeError(f"--profile-steps needs 1 <= FIRST <= LAST, got {text!r}")
+    return steps
+
+
+def _schedule_help() -> str:
+    """``--schedule``'s help: each choice with what it needs of ``--virtual-stages``."""
+    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
+
+    needs = {
+        Placement.ONE_PER_RANK: "one stage per task",
+        Placement.INTERLEAVED: "--virtual-stages 2 or more",
+        Placement.V_SHAPED: "--virtual-stages 2",
+        Placement.BUILDER_DECIDES: "as registered",
+    }
+    groups: dict[str, list[str]] = {}
+    for name in _schedule_names():
+        groups.setdefault(needs[registered(name).placement], []).append(name)
+    choices = "; ".join(f"{', '.join(names)}: {need}" for need, names in groups.items())
+    return (
+        f"pipeline schedule (1f1b). {choices}. 'auto' (one stage per task) measures a step "
+        "once and picks the fastest schedule that fits --memory-budget (mm.schedules.tune), "
+        "printing its choice"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel size inside each stage (2)",
     )
     layout.add_argument(
+        "--virtual-stages",
+        type=_positive("--virtual-stages"),
+        default=1,
+        metavar="V",
+        help="model stages per task (1): the blocks are cut into --stages x V stages, looped "
+        "over the tasks for the interleaved schedules, down and back up (a V, the embedding "
+        "and head on the first task) for zero-bubble-v and dualpipev",
+    )
+    layout.add_argument(
         "--devices",
         type=_positive("--devices"),
         default=8,
@@ -144,10 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedule",
         choices=(*_schedule_names(), "auto"),
         default="1f1b",
-        help="pipeline schedule (1f1b); the interleaved ones, zero-bubble-v and dualpipev "
-        "need several stages per task: use the Python API. 'auto' measures a step once and "
-        "picks the fastest schedule that fits --memory-budget (mm.schedules.tune), printing "
-        "its choice",
+        help=_schedule_help(),
     )
     run.add_argument(
         "--memory-budget",
@@ -189,7 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="horizon of the learning-rate schedule, warm-up + cosine decay (default: --steps; "
         "with --resume, the horizon saved with the checkpoint)",
     )
-    run.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (3e-3)")
+    run.add_argument(
+        "--lr",
+        type=_finite_float("--lr", positive=True),
+        default=3e-3,
+        help="peak learning rate (3e-3)",
+    )
     run.add_argument(
         "--warmup-steps",
         type=_integer("--warmup-steps", 0),
@@ -198,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--weight-decay",
-        type=_nonnegative_float("--weight-decay"),
+        type=_finite_float(positive=False, name="--weight-decay"),
         default=0.01,
         help="AdamW's decoupled weight decay (0.01)",
     )
@@ -213,12 +253,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive("--eval-batches"),
         default=4,
         help="held-out batches each evaluation averages (4)",
-    )
-    run.add_argument(
-        "--log-every",
-        type=_positive("--log-every"),
-        default=10,
-        help="steps between lines of metrics.jsonl (10)",
     )
     run.add_argument(
         "--timeline-step",
@@ -250,6 +284,40 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --tokenizer bpe: tokens of the BPE, at least 256; fewer if the text has "
         "fewer pairs to merge; --resume keeps the saved tokenizer's (1024)",
+    )
+    logs = train.add_argument_group("precision and logging")
+    logs.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype of activations and matmuls; parameters and optimizer state stay "
+        "float32 (float32)",
+    )
+    logs.add_argument(
+        "--clip-grad-norm",
+        type=_finite_float(positive=True, name="--clip-grad-norm"),
+        default=None,
+        metavar="NORM",
+        help="scale the gradients down to this global norm, over every stage's (default: none)",
+    )
+    logs.add_argument(
+        "--log-every",
+        type=_positive("--log-every"),
+        default=10,
+        help="steps between logged metrics; without a terminal, one line each (10)",
+    )
+    logs.add_argument(
+        "--no-tensorboard",
+        dest="tensorboard",
+        action="store_false",
+        help="write no TensorBoard event files (by default under OUTPUT_DIR/tensorboard)",
+    )
+    logs.add_argument(
+        "--profile-steps",
+        type=_step_range,
+        default=None,
+        metavar="A:B",
+        help="trace steps A to B with jax.profiler into OUTPUT_DIR/profile",
     )
     io = train.add_argument_group("outputs")
     io.add_argument(
@@ -354,7 +422,7 @@ def _add_generate(commands: Any) -> None:
     )
     generate.add_argument(
         "--temperature",
-        type=_nonnegative_float("--temperature"),
+        type=_finite_float(positive=False, name="--temperature"),
         default=0.0,
         metavar="T",
         help="0 picks the likeliest token (greedy, the default); above 0, sample from the "
@@ -490,6 +558,9 @@ def _check(args: argparse.Namespace) -> str | None:
         )
     if args.depth < args.stages:
         return f"--depth {args.depth} gives fewer blocks than --stages {args.stages}"
+    problem = _check_virtual_stages(args)
+    if problem:
+        return problem
     if args.scan_layers and args.depth % args.stages:
         return (
             f"--scan-layers splits --depth {args.depth} blocks into equal chunks, one per stage; "
@@ -533,14 +604,53 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--memory-budget must be positive, got {args.memory_budget}"
     if args.vocab_size is not None and args.tokenizer != "bpe":
         return "--vocab-size needs --tokenizer bpe"
+    if args.profile_steps is not None and args.profile_steps[0] > args.steps:
+        return f"--profile-steps starts at step {args.profile_steps[0]}, after --steps {args.steps}"
     if args.schedule == "auto":
         return None
+    v = args.virtual_stages
     try:
-        get(args.schedule, args.stages, args.microbatches)
+        get(args.schedule, args.stages * v, args.microbatches, v)
     except ValueError as e:
+        with_v = f", --virtual-stages {v}" if v > 1 else ""
         return (
-            f"--schedule {args.schedule} with --stages {args.stages} and --microbatches "
+            f"--schedule {args.schedule} with --stages {args.stages}{with_v} and --microbatches "
             f"{args.microbatches}: {e}"
+        )
+    return None
+
+
+def _stage_order(schedule: str) -> str:
+    """``stage_rules``' ``order`` for ``schedule``: ``"v"`` for the V-shaped ones."""
+    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
+
+    if schedule != "auto" and registered(schedule).placement is Placement.V_SHAPED:
+        return "v"
+    return "loop"
+
+
+def _check_virtual_stages(args: argparse.Namespace) -> str | None:
+    """What ``--schedule`` needs of ``--virtual-stages`` and the model, unless given."""
+    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
+
+    v, name = args.virtual_stages, args.schedule
+    placement = None if name == "auto" else registered(name).placement
+    if placement is Placement.V_SHAPED and v != 2:
+        return f"--schedule {name} needs --virtual-stages 2 (two stages per task, in a V)"
+    if placement is Placement.INTERLEAVED and v < 2:
+        return f"--schedule {name} needs --virtual-stages 2 or more (several stages per task)"
+    if v > 1 and placement in (None, Placement.ONE_PER_RANK):
+        return (
+            f"--virtual-stages {v} needs a schedule that runs several stages per task "
+            "(interleaved-*, zero-bubble-v, dualpipev); --schedule "
+            f"{name} runs one"
+        )
+    if v > 1 and args.scan_layers:
+        return f"--virtual-stages {v} needs the blocks as a list: leave out --scan-layers"
+    if args.depth < args.stages * v:
+        return (
+            f"--depth {args.depth} gives fewer blocks than --stages {args.stages} x "
+            f"--virtual-stages {v} stages"
         )
     return None
 
@@ -625,7 +735,12 @@ def train(args: argparse.Namespace) -> int:
         tokenizer.save(pathlib.Path(args.output_dir, "tokenizer"))
         _write_run_config(args)
     with nnx.use_eager_sharding(False):
-        placement = stage_rules(nnx.eval_shape(factory), tasks)
+        placement = stage_rules(
+            nnx.eval_shape(factory),
+            tasks,
+            virtual_stages=args.virtual_stages,
+            order=_stage_order(args.schedule),
+        )
     model = mm.init(factory, placement)
     table = mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2)
     if jax.process_index() == 0:
@@ -661,6 +776,10 @@ def train(args: argparse.Namespace) -> int:
                 memory_budget=args.memory_budget,
                 pack_residuals=args.pack_residuals,
                 **({} if args.pack_weights else {"pack_weights": False}),
+                clip_grad_norm=args.clip_grad_norm,
+                virtual_stages=args.virtual_stages,
+                tensorboard=args.tensorboard,
+                profile_steps=args.profile_steps,
             ),
         )
     except (CheckpointMismatchError, CheckpointCorruptError, NoReadableCheckpointError) as e:

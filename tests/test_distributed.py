@@ -374,7 +374,8 @@ def test_mmnnx_train_under_launch_matches_one_process(tmp_path):
         ]
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "[rank 0] step     4/4" in proc.stdout
+    assert "[rank 0] step 4/4 loss " in proc.stdout  # a plain line: no terminal under launch
+    assert "[rank 0] step 4/4 eval_loss " in proc.stdout and "[rank 1] step" not in proc.stdout
     assert "run report" in proc.stdout and "[rank 1]" not in "".join(
         line for line in proc.stdout.splitlines(keepends=True) if "run report" in line
     )

@@ -20,7 +20,9 @@ class GPTConfig:
     ``norm`` is ``"rms"`` or ``"layer"``. Positions are rotary (RoPE); ``max_seq_len`` bounds
     the input length. ``scan_layers`` stacks the blocks (``nnx.vmap``) and runs them with
     ``nnx.scan``: tracing and compiling cost one block, not ``depth``. ``dropout`` is the
-    residual dropout rate of every block (0: none).
+    residual dropout rate of every block (0: none). ``dtype`` is the compute dtype
+    (``"float32"`` or ``"bfloat16"``): activations and matmuls run in it while the parameters
+    (and so the optimizer state) stay float32; norms, softmax and the loss compute in float32.
 
     Example:
         >>> GPTConfig(depth=2, dim=64).num_heads
@@ -39,6 +41,11 @@ class GPTConfig:
     norm: str = "rms"
     scan_layers: bool = False
     dropout: float = 0.0
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"GPTConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
 
 class GPT(nnx.Module):
@@ -93,7 +100,7 @@ class GPT(nnx.Module):
                 f"GPT: tokens must have shape (batch, seq) with seq <= max_seq_len "
                 f"{self.config.max_seq_len}, got {tokens.shape}"
             )
-        x = self.embed(constrain(tokens, ("batch", "seq")))
+        x = self.embed(constrain(tokens, ("batch", "seq"))).astype(self.config.dtype)
         if self.config.scan_layers:
             x = nnx.scan(_apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
         else:
