@@ -285,21 +285,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --tokenizer bpe: tokens of the BPE, at least 256; fewer if the text has "
         "fewer pairs to merge; --resume keeps the saved tokenizer's (1024)",
     )
-    logs = train.add_argument_group("precision and logging")
-    logs.add_argument(
+    precision = train.add_argument_group("precision")
+    precision.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
         help="compute dtype of activations and matmuls; parameters and optimizer state stay "
         "float32 (float32)",
     )
-    logs.add_argument(
+    precision.add_argument(
         "--clip-grad-norm",
         type=_finite_float(positive=True, name="--clip-grad-norm"),
         default=None,
         metavar="NORM",
         help="scale the gradients down to this global norm, over every stage's (default: none)",
     )
+    logs = train.add_argument_group("logging")
     logs.add_argument(
         "--log-every",
         type=_positive("--log-every"),
@@ -602,7 +603,7 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--memory-budget: {e}"
         if budget <= 0:
             return f"--memory-budget must be positive, got {args.memory_budget}"
-    if args.vocab_size is not None and args.tokenizer != "bpe":
+    if args.vocab_size is not None and args.tokenizer != "bpe" and not args.resume:
         return "--vocab-size needs --tokenizer bpe"
     if args.profile_steps is not None and args.profile_steps[0] > args.steps:
         return f"--profile-steps starts at step {args.profile_steps[0]}, after --steps {args.steps}"

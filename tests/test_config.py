@@ -40,7 +40,7 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
     "text, reason",
     [
         ("[model]\ndimm = 64\n", "[model] dimm: unknown key (known: dim, depth, heads,"),
-        ("[modle]\ndim = 64\n", "[modle]: unknown table (known: model, layout, training, outputs)"),
+        ("[modle]\ndim = 64\n", "[modle]: unknown table (known: model, layout, training, precision, logging, outputs)"),
         ("dim = 64\n", "dim: a key outside any table (put it under [model])"),
         ("[training]\ndim = 64\n", "[training] dim: belongs in [model], not [training]"),
         ('[model]\ndim = "big"\n', "[model] dim: --dim must be an integer, got 'big'"),
@@ -109,7 +109,7 @@ def test_a_run_writes_its_config_and_resume_reads_it(tmp_path, capsys):
     )
     assert main(["train", "--config", str(config), "--output-dir", str(run), "--lr", "0.01"]) == 0
     saved = tomllib.loads((run / "config.toml").read_text())
-    assert set(saved) == {"model", "layout", "training", "outputs"}
+    assert set(saved) == {"model", "layout", "training", "precision", "logging", "outputs"}
     model = {"dim": 32, "depth": 2, "heads": 2, "seq_len": 16, "scan_layers": False}
     assert saved["model"] == model
     assert saved["training"]["lr"] == 0.01 and saved["training"]["weight_decay"] == 0.05
