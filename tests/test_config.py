@@ -40,7 +40,10 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
     "text, reason",
     [
         ("[model]\ndimm = 64\n", "[model] dimm: unknown key (known: dim, depth, heads,"),
-        ("[modle]\ndim = 64\n", "[modle]: unknown table (known: model, layout, training, precision, logging, outputs)"),
+        (
+            "[modle]\ndim = 64\n",
+            "[modle]: unknown table (known: model, layout, training, precision, logging, outputs)",
+        ),
         ("dim = 64\n", "dim: a key outside any table (put it under [model])"),
         ("[training]\ndim = 64\n", "[training] dim: belongs in [model], not [training]"),
         ('[model]\ndim = "big"\n', "[model] dim: --dim must be an integer, got 'big'"),
