@@ -87,6 +87,7 @@ def pipelined_step(schedule):
     return step
 
 
+@nnx.jit
 def reference_step(model, opt, x, y):
     loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
     opt.update(model, grads)

@@ -59,6 +59,7 @@ def pipelined_step(schedule, num):
     return step
 
 
+@nnx.jit
 def reference_step(model, opt, features, tokens):
     loss, grads = nnx.value_and_grad(loss_fn)(model, features, tokens)
     opt.update(model, grads)

@@ -451,9 +451,21 @@ def stage_fragments(
                 if again
                 else ""
             )
+            first = {}  # task name -> its first op at this depth, to name in the message
+            for op in region:
+                if op.index not in backward and level[op.index] == s:
+                    first.setdefault(op_tasks[op.index].name, op)
+            ops = "; ".join(
+                f"on {name}: `{first[name].name}` at {first[name].source}" for name in sorted(first)
+            )
             raise MPMDError(
                 "mm.jit: mm.microbatch pipelines need the stages to form a chain, but the "
                 f"forward pass at depth {s} runs on {', '.join(names)}{hint}"
+                + (
+                    f" ({ops}; place the Variables these read on one task)"
+                    if len(first) > 1
+                    else ""
+                )
             )
         stage_tasks.append(next(iter(found)))
 
