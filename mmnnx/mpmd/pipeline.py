@@ -415,13 +415,12 @@ def _move_onto_the_flow(
         if not op.backward or not inputs or op_tasks[op.index] not in stage_of:
             continue
         tasks = [op_tasks[p.index] for p in inputs if op_tasks[p.index] in stage_of]
-        bound = readers_bound(op)
         if tasks:
             latest = min(tasks, key=stage_of.get)
-            if stage_of[latest] < stage_of[op_tasks[op.index]] and (
-                bound is None or stage_of[latest] >= stage_of[bound]
-            ):
-                op_tasks[op.index] = latest
+            if stage_of[latest] < stage_of[op_tasks[op.index]]:
+                bound = readers_bound(op)  # never before a stage whose backward reads it
+                if bound is None or stage_of[latest] >= stage_of[bound]:
+                    op_tasks[op.index] = latest
 
 
 def stage_fragments(
