@@ -1,6 +1,7 @@
 """Demo: a small NNX model placed on two tasks of 8 simulated CPU devices, then summarised.
 
-Run with `make demo` (which sets XLA_FLAGS for 8 CPU devices before JAX is imported).
+Run with `.venv/bin/python examples/place_and_tabulate.py` (after `make setup`); it sets
+XLA_FLAGS for 8 simulated CPU devices itself, before JAX is imported.
 """
 
 import os

@@ -45,14 +45,58 @@ def _positive(name: str):
     return _integer(name, 1)
 
 
-def _positive_float(text: str) -> float:
+def _finite_float(name: str, *, positive: bool):
+    """An argparse type: a finite float, > 0 if ``positive`` else >= 0, with a one-line reason
+    naming ``name`` otherwise."""
+    bound = "> 0" if positive else ">= 0"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a finite number {bound}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    """``A:B`` as ``(A, B)``, steps with ``1 <= A <= B`` (``--profile-steps``)."""
+    first, colon, last = text.partition(":")
     try:
-        value = float(text)
+        steps = (int(first), int(last)) if colon else (int(first), int(first))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--lr must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"--lr must be a finite number > 0, got {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(
+            f"--profile-steps must be FIRST:LAST steps, e.g. 10:12, got {text!r}"
+        ) from None
+    if not 1 <= steps[0] <= steps[1]:
+        raise argparse.ArgumentTypeError(f"--profile-steps needs 1 <= FIRST <= LAST, got {text!r}")
+    return steps
+
+
+def _schedule_help() -> str:
+    """``--schedule``'s help: each choice with what it needs of ``--virtual-stages``."""
+    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
+
+    needs = {
+        Placement.ONE_PER_RANK: "one stage per task",
+        Placement.INTERLEAVED: "--virtual-stages 2 or more",
+        Placement.V_SHAPED: "--virtual-stages 2",
+        Placement.BUILDER_DECIDES: "as registered",
+    }
+    groups: dict[str, list[str]] = {}
+    for name in _schedule_names():
+        groups.setdefault(needs[registered(name).placement], []).append(name)
+    choices = "; ".join(f"{', '.join(names)}: {need}" for need, names in groups.items())
+    return (
+        f"pipeline schedule (1f1b). {choices}. 'auto' (one stage per task) measures a step "
+        "once and picks the fastest schedule that fits --memory-budget (mm.schedules.tune), "
+        "printing its choice"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="train the reference GPT, pipelined over several submeshes",
         description="Train the reference GPT (byte-level) on the embedded public-domain text or "
         "your own files, as stages x (data x model) submeshes, pipelined with a schedule.",
+    )
+    train.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a TOML file of these flags, one table per group below ([model], [layout], "
+        "[training], [outputs]; keys as the flags: seq_len = 64); flags given here override it. "
+        "Every run writes its resolved flags to OUTPUT_DIR/config.toml, which --resume reads",
     )
     model = train.add_argument_group("model")
     model.add_argument("--dim", type=_positive("--dim"), default=128, help="model width (128)")
@@ -83,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len",
         type=_positive("--seq-len"),
         default=64,
-        help="tokens (bytes) per sequence (64)",
+        help="tokens per sequence (64)",
     )
     layout = train.add_argument_group("layout")
     layout.add_argument(
@@ -100,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive("--model-axis"),
         default=2,
         help="tensor-parallel size inside each stage (2)",
+    )
+    layout.add_argument(
+        "--virtual-stages",
+        type=_positive("--virtual-stages"),
+        default=1,
+        metavar="V",
+        help="model stages per task (1): the blocks are cut into --stages x V stages, looped "
+        "over the tasks for the interleaved schedules, down and back up (a V, the embedding "
+        "and head on the first task) for zero-bubble-v and dualpipev",
     )
     layout.add_argument(
         "--devices",
@@ -121,10 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedule",
         choices=(*_schedule_names(), "auto"),
         default="1f1b",
-        help="pipeline schedule (1f1b); the interleaved ones, zero-bubble-v and dualpipev "
-        "need several stages per task: use the Python API. 'auto' measures a step once and "
-        "picks the fastest schedule that fits --memory-budget (mm.schedules.tune), printing "
-        "its choice",
+        help=_schedule_help(),
     )
     run.add_argument(
         "--memory-budget",
@@ -166,12 +224,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="horizon of the learning-rate schedule, warm-up + cosine decay (default: --steps; "
         "with --resume, the horizon saved with the checkpoint)",
     )
-    run.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (3e-3)")
+    run.add_argument(
+        "--lr",
+        type=_finite_float("--lr", positive=True),
+        default=3e-3,
+        help="peak learning rate (3e-3)",
+    )
+    run.add_argument(
+        "--warmup-steps",
+        type=_integer("--warmup-steps", 0),
+        default=20,
+        help="steps of linear learning-rate warm-up from 0 (20)",
+    )
+    run.add_argument(
+        "--weight-decay",
+        type=_finite_float(positive=False, name="--weight-decay"),
+        default=0.01,
+        help="AdamW's decoupled weight decay (0.01)",
+    )
     run.add_argument(
         "--eval-every",
         type=_positive("--eval-every"),
         default=50,
         help="steps between evaluations (50)",
+    )
+    run.add_argument(
+        "--eval-batches",
+        type=_positive("--eval-batches"),
+        default=4,
+        help="held-out batches each evaluation averages (4)",
+    )
+    run.add_argument(
+        "--timeline-step",
+        type=_integer("--timeline-step", 0),
+        default=3,
+        help="the step whose pipeline timeline is measured and drawn (3; 0: none)",
     )
     run.add_argument(
         "--seed", type=_integer("--seed", 0), default=0, help="initialisation and data seed (0)"
@@ -181,7 +268,57 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="PATH",
-        help="your own UTF-8 text files or directories (default: embedded text)",
+        help="your own UTF-8 text files or directories (default: embedded text); tokenized a "
+        "chunk at a time into OUTPUT_DIR/data/tokens.bin, read from disk as training goes",
+    )
+    run.add_argument(
+        "--tokenizer",
+        choices=("bytes", "bpe"),
+        default="bytes",
+        help="bytes (256 tokens) or a byte-level BPE trained on the text (saved with the run "
+        "under OUTPUT_DIR/tokenizer; --resume reuses it) (bytes)",
+    )
+    run.add_argument(
+        "--vocab-size",
+        type=_integer("--vocab-size", 256),
+        default=None,
+        help="with --tokenizer bpe: tokens of the BPE, at least 256; fewer if the text has "
+        "fewer pairs to merge; --resume keeps the saved tokenizer's (1024)",
+    )
+    precision = train.add_argument_group("precision")
+    precision.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype of activations and matmuls; parameters and optimizer state stay "
+        "float32 (float32)",
+    )
+    precision.add_argument(
+        "--clip-grad-norm",
+        type=_finite_float(positive=True, name="--clip-grad-norm"),
+        default=None,
+        metavar="NORM",
+        help="scale the gradients down to this global norm, over every stage's (default: none)",
+    )
+    logs = train.add_argument_group("logging")
+    logs.add_argument(
+        "--log-every",
+        type=_positive("--log-every"),
+        default=10,
+        help="steps between logged metrics; without a terminal, one line each (10)",
+    )
+    logs.add_argument(
+        "--no-tensorboard",
+        dest="tensorboard",
+        action="store_false",
+        help="write no TensorBoard event files (by default under OUTPUT_DIR/tensorboard)",
+    )
+    logs.add_argument(
+        "--profile-steps",
+        type=_step_range,
+        default=None,
+        metavar="A:B",
+        help="trace steps A to B with jax.profiler into OUTPUT_DIR/profile",
     )
     io = train.add_argument_group("outputs")
     io.add_argument(
@@ -200,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="save a checkpoint every this many steps, and at the end (100)",
     )
     _add_launch(commands)
+    _add_generate(commands)
     return parser
 
 
@@ -264,6 +402,133 @@ def _add_launch(commands: Any) -> None:
     )
 
 
+def _add_generate(commands: Any) -> None:
+    generate = commands.add_parser(
+        "generate",
+        help="continue a prompt with the model of a run `mmnnx train` wrote",
+        description="Rebuild the model of run directory DIR from DIR/config.toml, restore its "
+        "newest checkpoint, and print PROMPT followed by its continuation (decoded with "
+        "DIR/tokenizer). Each token is one step of a compiled decoder with a key/value cache; "
+        "greedy unless --temperature is given. Example: mmnnx generate --run runs/demo "
+        '--prompt "In the beginning"',
+    )
+    generate.add_argument("--run", required=True, metavar="DIR", help="the run's --output-dir")
+    generate.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    generate.add_argument(
+        "--max-new-tokens",
+        type=_positive("--max-new-tokens"),
+        default=None,
+        metavar="N",
+        help="tokens to add (default: as many as the model's context, --seq-len, has room for)",
+    )
+    generate.add_argument(
+        "--temperature",
+        type=_finite_float(positive=False, name="--temperature"),
+        default=0.0,
+        metavar="T",
+        help="0 picks the likeliest token (greedy, the default); above 0, sample from the "
+        "logits divided by T",
+    )
+    generate.add_argument(
+        "--top-k",
+        type=_positive("--top-k"),
+        default=None,
+        metavar="K",
+        help="with --temperature, sample among the K likeliest tokens only",
+    )
+    generate.add_argument(
+        "--seed", type=_integer("--seed", 0), default=0, help="sampling seed (0)", metavar="S"
+    )
+    generate.add_argument(
+        "--layout",
+        choices=("one-device", "run"),
+        default="one-device",
+        help="one-device (default), or run: the run's own --stages x --data-axis x "
+        "--model-axis tasks, each stage's blocks and their cache on its submesh (mm.jit)",
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``mmnnx generate``: the prompt and its continuation on stdout, one line about the run
+    on stderr; a run without config, tokenizer or checkpoint, or a prompt the model has no
+    room for, exits 2 in one line."""
+
+    def error(message: str) -> int:
+        print(f"mmnnx generate: error: {message}", file=sys.stderr)
+        return 2
+
+    if not args.prompt:
+        return error("--prompt is empty; give some text to continue")
+    from mmnnx.train.generation import RunError, read_run_flags  # noqa: PLC0415
+
+    try:
+        flags = read_run_flags(args.run)
+    except RunError as e:
+        return error(f"--run: {e}")
+    xla = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in xla:
+        devices = flags.get("devices", 8)
+        os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices}"
+    from mmnnx.train.checkpoint import (  # noqa: PLC0415
+        CheckpointCorruptError,
+        CheckpointMismatchError,
+        NoReadableCheckpointError,
+    )
+    from mmnnx.train.generation import continue_text, load_run  # noqa: PLC0415
+
+    try:
+        run = load_run(args.run, layout=args.layout)
+    except (
+        RunError,
+        CheckpointMismatchError,
+        CheckpointCorruptError,
+        NoReadableCheckpointError,
+    ) as e:
+        return error(f"--run: {e}")
+    prompt_tokens = len(run.tokenizer.encode(args.prompt))
+    room = run.model.config.max_seq_len - prompt_tokens
+    if room < 1:
+        return error(
+            f"--prompt is {prompt_tokens} tokens; the model reads at most "
+            f"{run.model.config.max_seq_len} (its --seq-len), leaving no room to continue"
+        )
+    if args.max_new_tokens is not None and args.max_new_tokens > room:
+        return error(
+            f"--max-new-tokens {args.max_new_tokens} exceeds the {room} tokens the model's "
+            f"--seq-len {run.model.config.max_seq_len} leaves after a {prompt_tokens}-token prompt"
+        )
+    print(f"mmnnx generate: {args.run}, step {run.step}, layout {args.layout}", file=sys.stderr)
+    text = continue_text(
+        run.model,
+        run.tokenizer,
+        args.prompt,
+        args.max_new_tokens or room,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    print(text)
+    return 0
+
+
+SAMPLE_PROMPT = "In the beginning"
+"""The prompt of the greedy sample ``mmnnx train`` prints at the end of a run."""
+
+
+def _print_sample(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
+    """A greedy continuation of :data:`SAMPLE_PROMPT` by the trained ``model`` (on its own
+    tasks), at most 48 tokens, as the run report's last lines."""
+    from mmnnx.train.generation import continue_text  # noqa: PLC0415
+
+    room = model.config.max_seq_len - len(tokenizer.encode(SAMPLE_PROMPT))
+    if room < 1:
+        print(f"sample: none (--seq-len {args.seq_len} leaves no room after {SAMPLE_PROMPT!r})")
+        return
+    text = continue_text(model, tokenizer, SAMPLE_PROMPT, min(48, room))
+    print(f'sample (greedy; more: mmnnx generate --run {args.output_dir} --prompt "...")')
+    print(text)
+
+
 def run_launch(args: argparse.Namespace) -> int:
     from mmnnx.distributed.launch import LaunchError, launch  # noqa: PLC0415
 
@@ -294,6 +559,9 @@ def _check(args: argparse.Namespace) -> str | None:
         )
     if args.depth < args.stages:
         return f"--depth {args.depth} gives fewer blocks than --stages {args.stages}"
+    problem = _check_virtual_stages(args)
+    if problem:
+        return problem
     if args.scan_layers and args.depth % args.stages:
         return (
             f"--scan-layers splits --depth {args.depth} blocks into equal chunks, one per stage; "
@@ -335,14 +603,55 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--memory-budget: {e}"
         if budget <= 0:
             return f"--memory-budget must be positive, got {args.memory_budget}"
+    if args.vocab_size is not None and args.tokenizer != "bpe" and not args.resume:
+        return "--vocab-size needs --tokenizer bpe"
+    if args.profile_steps is not None and args.profile_steps[0] > args.steps:
+        return f"--profile-steps starts at step {args.profile_steps[0]}, after --steps {args.steps}"
     if args.schedule == "auto":
         return None
+    v = args.virtual_stages
     try:
-        get(args.schedule, args.stages, args.microbatches)
+        get(args.schedule, args.stages * v, args.microbatches, v)
     except ValueError as e:
+        with_v = f", --virtual-stages {v}" if v > 1 else ""
         return (
-            f"--schedule {args.schedule} with --stages {args.stages} and --microbatches "
+            f"--schedule {args.schedule} with --stages {args.stages}{with_v} and --microbatches "
             f"{args.microbatches}: {e}"
+        )
+    return None
+
+
+def _stage_order(schedule: str) -> str:
+    """``stage_rules``' ``order`` for ``schedule``: ``"v"`` for the V-shaped ones."""
+    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
+
+    if schedule != "auto" and registered(schedule).placement is Placement.V_SHAPED:
+        return "v"
+    return "loop"
+
+
+def _check_virtual_stages(args: argparse.Namespace) -> str | None:
+    """What ``--schedule`` needs of ``--virtual-stages`` and the model, unless given."""
+    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
+
+    v, name = args.virtual_stages, args.schedule
+    placement = None if name == "auto" else registered(name).placement
+    if placement is Placement.V_SHAPED and v != 2:
+        return f"--schedule {name} needs --virtual-stages 2 (two stages per task, in a V)"
+    if placement is Placement.INTERLEAVED and v < 2:
+        return f"--schedule {name} needs --virtual-stages 2 or more (several stages per task)"
+    if v > 1 and placement in (None, Placement.ONE_PER_RANK):
+        return (
+            f"--virtual-stages {v} needs a schedule that runs several stages per task "
+            "(interleaved-*, zero-bubble-v, dualpipev); --schedule "
+            f"{name} runs one"
+        )
+    if v > 1 and args.scan_layers:
+        return f"--virtual-stages {v} needs the blocks as a list: leave out --scan-layers"
+    if args.depth < args.stages * v:
+        return (
+            f"--depth {args.depth} gives fewer blocks than --stages {args.stages} x "
+            f"--virtual-stages {v} stages"
         )
     return None
 
@@ -357,11 +666,11 @@ def train(args: argparse.Namespace) -> int:
     import mmnnx as mm  # noqa: PLC0415
 
     mm.distributed.initialize()  # under `mmnnx launch` or a cluster; a no-op alone
-    from mmnnx.models import GPT, GPTConfig  # noqa: PLC0415
+    from mmnnx.models import GPT  # noqa: PLC0415
     from mmnnx.models.stages import stage_rules  # noqa: PLC0415
-    from mmnnx.train.data import TextDataset, embedded_text, load_text  # noqa: PLC0415
+    from mmnnx.train.data import EMBEDDED, TextDataset  # noqa: PLC0415
+    from mmnnx.train.generation import gpt_config, run_tasks  # noqa: PLC0415
     from mmnnx.train.loop import TrainConfig, fit  # noqa: PLC0415
-    from mmnnx.train.tokenizers import ByteTokenizer  # noqa: PLC0415
 
     checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
     if (
@@ -403,43 +712,36 @@ def train(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    tokenizer = ByteTokenizer()
+    sources = args.text or [EMBEDDED]
     try:
-        text = load_text(args.text) if args.text else embedded_text()
-        dataset = TextDataset(
-            tokenizer.encode(text), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
+        tokenizer = _tokenizer(args, sources)
+        dataset = TextDataset.from_files(
+            sources,
+            tokenizer,
+            pathlib.Path(args.output_dir, "data"),
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            seed=args.seed,
         )
     except (OSError, ValueError) as e:
         print(f"mmnnx train: error: {e}", file=sys.stderr)
         return 2
-    mesh = mm.MultiMesh(
-        axis_sizes=(args.stages, args.data_axis, args.model_axis),
-        axis_names=("stage", "data", "model"),
-        devices=range(args.stages * args.data_axis * args.model_axis),
-    )
-    rules = mm.logical_rules(
-        batch="data", mlp="model", heads="model", vocab="model", embed=None, seq=None
-    )
-    tasks = [
-        mm.Task(f"stage{i}", mesh=mesh.task_mesh(stage=i), logical_axes=rules)
-        for i in range(args.stages)
-    ]
-    config = GPTConfig(
-        vocab_size=tokenizer.vocab_size,
-        dim=args.dim,
-        depth=args.depth,
-        num_heads=args.heads,
-        max_seq_len=args.seq_len,
-        scan_layers=args.scan_layers,
-    )
+    tasks = run_tasks(args.stages, args.data_axis, args.model_axis)
+    config = gpt_config(vars(args), tokenizer.vocab_size)
 
     def factory():
         return GPT(config, rngs=nnx.Rngs(args.seed))
 
     if jax.process_index() == 0:
         tokenizer.save(pathlib.Path(args.output_dir, "tokenizer"))
+        _write_run_config(args)
     with nnx.use_eager_sharding(False):
-        placement = stage_rules(nnx.eval_shape(factory), tasks)
+        placement = stage_rules(
+            nnx.eval_shape(factory),
+            tasks,
+            virtual_stages=args.virtual_stages,
+            order=_stage_order(args.schedule),
+        )
     model = mm.init(factory, placement)
     table = mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2)
     if jax.process_index() == 0:
@@ -459,9 +761,14 @@ def train(args: argparse.Namespace) -> int:
             TrainConfig(
                 steps=args.steps,
                 learning_rate=args.lr,
+                warmup_steps=args.warmup_steps,
+                weight_decay=args.weight_decay,
                 microbatches=args.microbatches,
                 schedule=args.schedule,
                 eval_every=args.eval_every,
+                eval_batches=args.eval_batches,
+                log_every=args.log_every,
+                timeline_step=args.timeline_step,
                 checkpoint_every=args.checkpoint_every,
                 output_dir=args.output_dir,
                 checkpoint_dir=args.checkpoint_dir,
@@ -470,6 +777,10 @@ def train(args: argparse.Namespace) -> int:
                 memory_budget=args.memory_budget,
                 pack_residuals=args.pack_residuals,
                 **({} if args.pack_weights else {"pack_weights": False}),
+                clip_grad_norm=args.clip_grad_norm,
+                virtual_stages=args.virtual_stages,
+                tensorboard=args.tensorboard,
+                profile_steps=args.profile_steps,
             ),
         )
     except (CheckpointMismatchError, CheckpointCorruptError, NoReadableCheckpointError) as e:
@@ -481,7 +792,50 @@ def train(args: argparse.Namespace) -> int:
     except CheckpointDirectoryBusyError as e:
         print(f"mmnnx train: error: {e}", file=sys.stderr)
         return 2
-    return 0 if math.isfinite(result.final_eval) else 1
+    if not math.isfinite(result.final_eval):
+        return 1
+    if jax.process_count() == 1:  # a multi-process job's tasks span processes: see generate
+        _print_sample(model, tokenizer, args)
+    return 0
+
+
+def _write_run_config(args: argparse.Namespace) -> None:
+    """Every flag of this run, resolved, in ``OUTPUT_DIR/config.toml`` (``--resume`` and
+    ``mmnnx generate`` read it back)."""
+    from mmnnx.train.run_config import CONFIG_FILE, resolved_config, write_config  # noqa: PLC0415
+
+    train_parser = _subparser(build_parser(), "train")
+    write_config(pathlib.Path(args.output_dir, CONFIG_FILE), resolved_config(args, train_parser))
+
+
+def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
+    """The run's tokenizer: bytes; with --resume, the one saved under OUTPUT_DIR/tokenizer;
+    else a BPE trained on ``sources`` (streamed) by every process, checked to be the same (no
+    process waits for another's training, however long it takes)."""
+    from mmnnx.distributed.agree import check_same_everywhere  # noqa: PLC0415
+    from mmnnx.train.corpus import text_chunks  # noqa: PLC0415
+    from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, load_tokenizer  # noqa: PLC0415
+
+    saved = pathlib.Path(args.output_dir, "tokenizer")
+    if args.resume and saved.is_dir():
+        tokenizer = load_tokenizer(saved)
+        if tokenizer.name != args.tokenizer:
+            raise ValueError(
+                f"--tokenizer {args.tokenizer}: the run in {args.output_dir} was trained with "
+                f"--tokenizer {tokenizer.name} (saved in {saved})"
+            )
+        return tokenizer
+    if args.tokenizer == "bytes":
+        return ByteTokenizer()
+    import hashlib  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    tokenizer = BPETokenizer.train(text_chunks(sources), args.vocab_size or 1024)
+    if jax.process_count() > 1:  # training is deterministic: each trains, all check
+        digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+        check_same_everywhere("--tokenizer bpe: the BPE each process trained", [digest])
+    return tokenizer
 
 
 def _latest_checkpoint(directory: pathlib.Path) -> tuple[int | None, bool]:
@@ -504,6 +858,55 @@ def _failed_now(status: int) -> int:
     return status
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``name`` (``train``) of ``build_parser()``'s parser."""
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    return commands.choices[name]
+
+
+def _with_config_files(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, args: argparse.Namespace
+) -> argparse.Namespace:
+    """``mmnnx train``'s flags over the values of ``--config FILE``, over (with ``--resume``)
+    those the run saved in ``OUTPUT_DIR/config.toml``, over the flags' defaults."""
+    from mmnnx.train.run_config import CONFIG_FILE, read_config  # noqa: PLC0415
+
+    train = _subparser(parser, "train")
+    given = read_config(args.config, train) if args.config else {}
+    if given:
+        train.set_defaults(**given)
+        args = parser.parse_args(argv)
+    saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
+    if args.resume and saved_file.is_file():
+        saved = read_config(saved_file, train)
+        for key in ("output_dir", "resume"):  # where the run is now, and what this call does
+            saved.pop(key, None)
+        train.set_defaults(**{**saved, **given})
+        args = parser.parse_args(argv)
+        print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
+    return args
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, with the flags not given
+    taken from ``--config FILE`` and, with ``--resume``, from the run's saved
+    ``OUTPUT_DIR/config.toml``, in that order, before the flags' defaults.
+
+    Raises:
+        ConfigError: a config file that is missing, not TOML, or holds a table, key or value
+            ``mmnnx train`` does not take (one line naming the file and key).
+
+    Example:
+        >>> parse_args(["train", "--dim", "64"]).dim
+        64
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        args = _with_config_files(parser, argv, args)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mmnnx`` console script.
 
@@ -511,8 +914,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["train", "--stages", "3", "--devices", "4"])
         2
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from mmnnx.train.run_config import ConfigError  # noqa: PLC0415
+
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        print(f"mmnnx train: error: {e}", file=sys.stderr)
+        return 2
     if args.command == "train":
         problem = _check(args)
         if problem:
@@ -521,6 +929,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _failed_now(train(args))
     if args.command == "launch":
         return run_launch(args)
+    if args.command == "generate":
+        return run_generate(args)
     return 2
 
 

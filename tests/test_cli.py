@@ -12,6 +12,7 @@ import pytest
 
 import mmnnx as mm
 from mmnnx.cli import main
+from mmnnx.train import BPETokenizer, load_tokenizer
 from tests.flags import without_device_count
 
 
@@ -36,6 +37,21 @@ from tests.flags import without_device_count
             "needs at least as many microbatches as stages",
         ),
         (["--dim", "30", "--heads", "2"], "heads of 15 dimensions; rotary position embeddings"),
+        (["--vocab-size", "512"], "--vocab-size needs --tokenizer bpe"),
+        (["--schedule", "zero-bubble-v"], "--schedule zero-bubble-v needs --virtual-stages 2 "),
+        (["--schedule", "dualpipev", "--virtual-stages", "3"], "dualpipev needs --virtual-stages"),
+        (["--schedule", "interleaved-1f1b"], "interleaved-1f1b needs --virtual-stages 2 or more"),
+        (["--virtual-stages", "2"], "--virtual-stages 2 needs a schedule that runs several"),
+        (["--schedule", "auto", "--virtual-stages", "2"], "--schedule auto runs one"),
+        (
+            ["--schedule", "zero-bubble-v", "--virtual-stages", "2", "--scan-layers"],
+            "leave out --scan-layers",
+        ),
+        (
+            ["--schedule", "interleaved-gpipe", "--virtual-stages", "3"],
+            "--depth 4 gives fewer blocks than --stages 2 x --virtual-stages 3 stages",
+        ),
+        (["--profile-steps", "400:401"], "--profile-steps starts at step 400, after --steps 300"),
     ],
 )
 def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
@@ -57,6 +73,37 @@ def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
         (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
         (["--schedule-steps", "0"], "--schedule-steps must be >= 1, got 0"),
+        (["--schedule", "zero-bubble-v"], "--schedule zero-bubble-v needs --virtual-stages 2 "),
+        (["--schedule", "dualpipev", "--virtual-stages", "3"], "dualpipev needs --virtual-stages"),
+        (["--schedule", "interleaved-1f1b"], "interleaved-1f1b needs --virtual-stages 2 or more"),
+        (["--virtual-stages", "2"], "--virtual-stages 2 needs a schedule that runs several"),
+        (["--schedule", "auto", "--virtual-stages", "2"], "--schedule auto runs one"),
+        (
+            ["--schedule", "zero-bubble-v", "--virtual-stages", "2", "--scan-layers"],
+            "leave out --scan-layers",
+        ),
+        (
+            ["--schedule", "interleaved-gpipe", "--virtual-stages", "3"],
+            "--depth 4 gives fewer blocks than --stages 2 x --virtual-stages 3 stages",
+        ),
+        (["--profile-steps", "400:401"], "--profile-steps starts at step 400, after --steps 300"),
+    ],
+)
+def test_flags_a_schedule_cannot_run_with_exit_2_naming_the_requirement(argv, reason, capsys):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mmnnx train: error: ")
+    assert reason in err
+
+
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["--virtual-stages", "0"], "--virtual-stages must be >= 1, got 0"),
+        (["--clip-grad-norm", "0"], "--clip-grad-norm must be a finite number > 0, got '0'"),
+        (["--profile-steps", "5:3"], "--profile-steps needs 1 <= FIRST <= LAST, got '5:3'"),
+        (["--profile-steps", "a:b"], "--profile-steps must be FIRST:LAST steps"),
+        (["--dtype", "float16"], "invalid choice: 'float16'"),
     ],
 )
 def test_bad_values_exit_2(argv, reason, capsys):
@@ -103,12 +150,20 @@ def test_help_documents_every_flag(capsys):
         "--steps",
         "--schedule-steps",
         "--lr",
+        "--warmup-steps",
+        "--weight-decay",
+        "--eval-batches",
+        "--log-every",
+        "--timeline-step",
+        "--config",
         "--devices",
         "--checkpoint-dir",
         "--resume",
         "--checkpoint-every",
         "--output-dir",
         "--text",
+        "--tokenizer",
+        "--vocab-size",
     ]:
         assert flag in out
 
@@ -357,3 +412,27 @@ def test_extending_a_run_keeps_its_schedule_and_matches_a_straight_run(tmp_path,
         for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
     assert saved_extra(tmp_path / "parts" / "checkpoints" / "12")["schedule_steps"] == 16
+
+
+def test_a_bpe_run_saves_its_tokenizer_and_resumes_as_a_straight_run(tmp_path, capsys):
+    bpe = ["--tokenizer", "bpe", "--vocab-size", "300", "--eval-every", "1"]
+    every = ["--checkpoint-every", "2", "--schedule-steps", "4"]
+    assert tiny_run(tmp_path, "straight", "--steps", "4", *bpe, *every) == 0
+    assert tiny_run(tmp_path, "parts", "--steps", "2", *bpe, *every) == 0
+    assert tiny_run(tmp_path, "parts", "--steps", "4", "--resume", *bpe, *every) == 0
+    straight, parts = metrics(tmp_path / "straight"), metrics(tmp_path / "parts")
+    for a, b in zip(straight, parts, strict=True):
+        a.pop("tokens_per_s", None), b.pop("tokens_per_s", None)
+        assert a == b  # the same batches in the same order: losses to the last bit
+    assert saved_extra(tmp_path / "parts" / "checkpoints" / "4")["data"] == {"next_index": 4}
+    tokenizer = load_tokenizer(tmp_path / "parts" / "tokenizer")
+    assert isinstance(tokenizer, BPETokenizer) and 256 < tokenizer.vocab_size <= 300
+    assert tokenizer.to_str() == load_tokenizer(tmp_path / "straight" / "tokenizer").to_str()
+    text = (tmp_path / "text.txt").read_text()
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert len(tokenizer.encode(text)) < len(text) / 3
+    capsys.readouterr()
+    refused = tiny_run(tmp_path, "parts", "--steps", "6", "--resume", "--tokenizer", "bytes")
+    err = capsys.readouterr().err
+    assert refused == 2 and err.count("\n") == 1, err
+    assert "--tokenizer bytes: the run in" in err and "with --tokenizer bpe" in err

@@ -330,8 +330,13 @@ def test_pipelined_gpt_and_checkpoints_across_process_counts(tmp_path, monkeypat
 
 
 def test_mmnnx_train_under_launch_matches_one_process(tmp_path):
-    # the main job: each pipeline stage in its own process; rank 0 reports and writes
+    # the main job: each pipeline stage in its own process; rank 0 reports and writes; each
+    # process trains the BPE (the same one), and both make the token file at once
     flags = [
+        "--tokenizer",
+        "bpe",
+        "--vocab-size",
+        "300",
         "--steps",
         "4",
         "--eval-every",
@@ -369,7 +374,8 @@ def test_mmnnx_train_under_launch_matches_one_process(tmp_path):
         ]
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "[rank 0] step     4/4" in proc.stdout
+    assert "[rank 0] step 4/4 loss " in proc.stdout  # a plain line: no terminal under launch
+    assert "[rank 0] step 4/4 eval_loss " in proc.stdout and "[rank 1] step" not in proc.stdout
     assert "run report" in proc.stdout and "[rank 1]" not in "".join(
         line for line in proc.stdout.splitlines(keepends=True) if "run report" in line
     )
@@ -392,6 +398,8 @@ def test_mmnnx_train_under_launch_matches_one_process(tmp_path):
                 assert a[key] == pytest.approx(b[key], rel=1e-5), (a, b)
     assert (out / "loss.png").is_file() and (out / "timeline.png").is_file()
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
+    saved = (out / "tokenizer" / "bpe.json").read_text()
+    assert saved == (alone / "tokenizer" / "bpe.json").read_text() and '"merges"' in saved
 
 
 def test_initialize_names_a_coordinator_port_in_use():

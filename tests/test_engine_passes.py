@@ -194,9 +194,23 @@ def test_chain_check_names_the_depth_and_tasks(tasks):
     b = Builder()
     x, pa, pb, pc = b.input(), b.input(), b.input(), b.input()
     h = b.op("mul", x, pa)
-    graph = b.outputs(b.op("add", b.op("mul", h, pb), b.op("mul", h, pc)))
+    graph = b.outputs(b.op("mul", h, pb), b.op("mul", h, pc))  # two branches: no chain
     with pytest.raises(mm.MPMDError, match="forward pass at depth 1 runs on B, C"):
-        stage_fragments(graph, graph.ops, [a, bt, c, c], [])
+        stage_fragments(graph, graph.ops, [a, bt, c], [])
+
+
+def test_a_value_two_later_stages_read_is_a_side_input_of_both(tasks):
+    """A's result read by B and by C, whose op joins B's result (a decoder layer's key
+    projection of the encoder's output): C's read runs in C's stage, after B's."""
+    a, bt = tasks
+    c = mm.Task("C", mesh=mm.TaskMesh(devices=[2]))
+    b = Builder()
+    x, pa, pb, pc = b.input(), b.input(), b.input(), b.input()
+    h = b.op("mul", x, pa)
+    graph = b.outputs(b.op("add", b.op("mul", h, pb), b.op("mul", h, pc)))
+    frags, stage_tasks = stage_fragments(graph, graph.ops, [a, bt, c, c], [])
+    assert stage_tasks == [a, bt, c]
+    assert [op.index for op in frags[("F", 2)].ops] == [2, 3]
 
 
 def test_split_backward_separates_the_input_gradient_from_weight_gradients(tasks):

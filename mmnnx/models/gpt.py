@@ -20,7 +20,9 @@ class GPTConfig:
     ``norm`` is ``"rms"`` or ``"layer"``. Positions are rotary (RoPE); ``max_seq_len`` bounds
     the input length. ``scan_layers`` stacks the blocks (``nnx.vmap``) and runs them with
     ``nnx.scan``: tracing and compiling cost one block, not ``depth``. ``dropout`` is the
-    residual dropout rate of every block (0: none).
+    residual dropout rate of every block (0: none). ``dtype`` is the compute dtype
+    (``"float32"`` or ``"bfloat16"``): activations and matmuls run in it while the parameters
+    (and so the optimizer state) stay float32; norms, softmax and the loss compute in float32.
 
     Example:
         >>> GPTConfig(depth=2, dim=64).num_heads
@@ -39,6 +41,11 @@ class GPTConfig:
     norm: str = "rms"
     scan_layers: bool = False
     dropout: float = 0.0
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"GPTConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
 
 class GPT(nnx.Module):
@@ -93,7 +100,7 @@ class GPT(nnx.Module):
                 f"GPT: tokens must have shape (batch, seq) with seq <= max_seq_len "
                 f"{self.config.max_seq_len}, got {tokens.shape}"
             )
-        x = self.embed(constrain(tokens, ("batch", "seq")))
+        x = self.embed(constrain(tokens, ("batch", "seq"))).astype(self.config.dtype)
         if self.config.scan_layers:
             x = nnx.scan(_apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
         else:
@@ -120,6 +127,31 @@ class GPT(nnx.Module):
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
         return jnp.mean(nll)
+
+    def generate(
+        self,
+        prompt: jax.Array,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        rng: jax.Array | None = None,
+    ) -> jax.Array:
+        """The next ``max_new_tokens`` tokens after ``prompt`` (``(seq,)`` or ``(batch, seq)``
+        ids), ``(batch, max_new_tokens)``: greedy with ``temperature`` 0, else sampled (from the
+        ``top_k`` most likely when given, keys from ``rng``), with a key/value cache. Placed on
+        tasks (``mm.init``), each step runs with ``mm.jit``, each stage on its own submesh. See
+        ``mmnnx.models.decoding.generate``.
+
+        Example:
+            >>> with nnx.use_eager_sharding(False):
+            ...     model = GPT(GPTConfig(dim=32, depth=1, vocab_size=64), rngs=nnx.Rngs(0))
+            >>> model.generate(jnp.array([5, 6]), 3).shape
+            (1, 3)
+        """
+        from mmnnx.models.decoding import generate  # noqa: PLC0415  (it runs GPTs: no cycle)
+
+        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, rng=rng)
 
 
 def _apply_block(x: jax.Array, block: TransformerBlock) -> jax.Array:

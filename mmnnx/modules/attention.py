@@ -76,6 +76,6 @@ class Attention(nnx.Module):
         scores = jnp.einsum("...qhd,...khd->...hqk", q, k) / math.sqrt(self.head_dim)
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores, axis=-1)
+        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
         y = jnp.einsum("...hqk,...khd->...qhd", weights, v)
         return self.out(y.reshape(*lead, seq, self.dim))

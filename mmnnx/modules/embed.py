@@ -50,4 +50,4 @@ class Embed(nnx.Module):
             >>> embed.attend(jnp.ones((2, 8))).shape
             (2, 16)
         """
-        return x @ self.embedding[...].T
+        return x @ self.embedding[...].T.astype(x.dtype)

@@ -23,8 +23,9 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((dim,)), out_sharding=("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        ms = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-        return x * jax.lax.rsqrt(ms + self.eps) * self.scale[...]
+        y = x.astype(jnp.float32)  # statistics in float32 whatever x's dtype; out in x's
+        ms = jnp.mean(jnp.square(y), axis=-1, keepdims=True)
+        return (y * jax.lax.rsqrt(ms + self.eps) * self.scale[...]).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -44,6 +45,8 @@ class LayerNorm(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dim,)), out_sharding=("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        y = x.astype(jnp.float32)  # statistics in float32 whatever x's dtype; out in x's
+        mean = jnp.mean(y, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(y - mean), axis=-1, keepdims=True)
+        out = (y - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        return out.astype(x.dtype)

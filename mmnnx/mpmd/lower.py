@@ -12,6 +12,7 @@ from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mmnnx.errors import MPMDError
 from mmnnx.mpmd.cut import Fragment, Transfer
 from mmnnx.mpmd.ir import Const, Graph, Op
 from mmnnx.mpmd.pipeline import Pipeline
@@ -150,6 +151,20 @@ class _Lowering:
             self.activations[slot] = (task.name, m)
         return slot
 
+    def read_before_made(self, v: int, task: Task, m: int | None) -> MPMDError:
+        """The error for a program on ``task`` that reads value ``v`` before any program makes
+        it (a plan whose order contradicts its data flow): it names the op that makes ``v``."""
+        maker = self.graph.producers().get(v)
+        what = f"`{maker.name}` at {maker.source}" if maker is not None else f"value {v}"
+        made_on = self.op_task.get(maker.index) if maker is not None else None
+        where = f" on task {made_on.name!r}" if made_on is not None else ""
+        of = f" for microbatch {m}" if m is not None else ""
+        return MPMDError(
+            f"mm.jit: a program on task {task.name!r} reads the result of {what}{where}{of} "
+            "before the program that makes it runs; place the Variables that code reads on "
+            f"task {task.name!r}, or put it in an mm.task({task.name!r}) region"
+        )
+
     def zeros(
         self, frag: Fragment, positions: Sequence[int], sums: Sequence[int], shardings: Sequence
     ) -> tuple[int, ...]:
@@ -212,6 +227,8 @@ class _Lowering:
             del self.activations[slot]  # a constant, not an activation
             self.actions.append(Constant(slot=slot, task=task, value=m))
             return slot
+        if (v, m) not in self.where:
+            raise self.read_before_made(v, task, m)
         source = self.where[(v, m)]
         src_slot = self.find(v, source, m)
         if want is None and graph.specs:  # sharding in types: the type's, on this task

@@ -32,6 +32,7 @@ from mmnnx.mpmd.cut import (
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.op_kinds import is_cheap
 from mmnnx.mpmd.primitives import is_accumulate, is_index
+from mmnnx.mpmd.stage_levels import check_stage_order, settle_on_visits
 from mmnnx.mpmd.trace_state import MicrobatchGroup
 from mmnnx.sharding import Task
 
@@ -358,7 +359,7 @@ def _move_onto_the_flow(
         # a stage's parameter reshapes sit at its own depth, not at 0, lest every stage seem
         # to start first and pull the ops after each cut back onto the stage before
         level = levels(graph, region, op_tasks, inputs_movable=False)
-        joined, late = join_consumers(graph, region, op_tasks, level)
+        joined, late = _stage_levels(graph, region, op_tasks, level)
         first_level: dict[Task, int] = {}
         for op in region:
             if not op.backward and op.index not in late:
@@ -378,9 +379,7 @@ def _move_onto_the_flow(
             break
     # backward: cotangents walk the stages in reverse, so an op joins the input that arrives
     # last, the one on the earliest stage (only where each task holds one stage)
-    level, late = join_consumers(
-        graph, region, op_tasks, levels(graph, region, op_tasks, inputs_movable=False)
-    )
+    level, late = _stage_levels(graph, region, op_tasks)
     stage: dict[Task, set[int]] = {}
     for op in region:
         if not op.backward and op.index not in updates and op.index not in late:
@@ -388,6 +387,25 @@ def _move_onto_the_flow(
     if any(len(levels_) != 1 for levels_ in stage.values()):
         return
     stage_of = {task: min(levels_) for task, levels_ in stage.items()}
+    inside = {op.index for op in region}
+    consumers = graph.consumers()
+
+    def readers_bound(op: Op) -> Task | None:
+        """The task of the latest stage whose backward reads ``op``'s results."""
+        readers = [
+            op_tasks[c.index]
+            for v in op.outs
+            for c in consumers.get(v, ())
+            if c.index in inside and c.backward and op_tasks[c.index] in stage_of
+        ]
+        return max(readers, key=stage_of.get) if readers else None
+
+    # an op a later stage's backward reads runs there, not on a stage whose backward comes
+    # after it (the cross-attention's query cotangent, made with the key of an earlier task)
+    for op in reversed(movable):
+        bound = readers_bound(op) if op.backward and op_tasks[op.index] in stage_of else None
+        if bound is not None and stage_of[bound] > stage_of[op_tasks[op.index]]:
+            op_tasks[op.index] = bound
     for op in movable:
         inputs = [
             producer[a]
@@ -400,15 +418,15 @@ def _move_onto_the_flow(
         if tasks:
             latest = min(tasks, key=stage_of.get)
             if stage_of[latest] < stage_of[op_tasks[op.index]]:
-                op_tasks[op.index] = latest
+                bound = readers_bound(op)  # never before a stage whose backward reads it
+                if bound is None or stage_of[latest] >= stage_of[bound]:
+                    op_tasks[op.index] = latest
 
 
 def stage_fragments(
     graph: Graph, region: list[Op], op_tasks: list[Task], replicable: list[Op]
 ) -> tuple[dict[tuple[str, int], Fragment], list[Task]]:
-    level, late = join_consumers(
-        graph, region, op_tasks, levels(graph, region, op_tasks, inputs_movable=False)
-    )
+    level, late = _stage_levels(graph, region, op_tasks)
     updates = after_backward(graph)
     backward = {op.index for op in region if op.backward or op.index in updates} | late
     forward_levels: dict[int, set[Task]] = {}
@@ -432,9 +450,21 @@ def stage_fragments(
                 if again
                 else ""
             )
+            first = {}  # task name -> its first op at this depth, to name in the message
+            for op in region:
+                if op.index not in backward and level[op.index] == s:
+                    first.setdefault(op_tasks[op.index].name, op)
+            ops = "; ".join(
+                f"on {name}: `{first[name].name}` at {first[name].source}" for name in sorted(first)
+            )
             raise MPMDError(
                 "mm.jit: mm.microbatch pipelines need the stages to form a chain, but the "
                 f"forward pass at depth {s} runs on {', '.join(names)}{hint}"
+                + (
+                    f" ({ops}; place the Variables these read on one task)"
+                    if len(first) > 1
+                    else ""
+                )
             )
         stage_tasks.append(next(iter(found)))
 
@@ -505,7 +535,23 @@ def stage_fragments(
         task = stage_tasks[key[1]]
         name = f"{task.name}/{key[0]}{key[1]}"
         fragments[key] = with_replicas(graph, name, task, ops, kinds_of(ops, updates), replicable)
+    check_stage_order(graph, fragments, stage_tasks)
     return fragments, stage_tasks
+
+
+def _stage_levels(
+    graph: Graph, region: list[Op], op_tasks: Sequence[Task], raw: dict[int, int] | None = None
+) -> tuple[dict[int, int], set[int]]:
+    """The forward depth of each op of ``region`` (``raw``: its cross-task depth, computed if
+    not given) once the ops read only by later stages join them (:func:`join_consumers`) and
+    each op runs at a depth where its task runs anyway (:func:`settle_on_visits`); and the ops
+    read by the backward pass only."""
+    if raw is None:
+        raw = levels(graph, region, op_tasks, inputs_movable=False)
+    level, late = join_consumers(graph, region, op_tasks, raw)
+    skipped = late | after_backward(graph)
+    forward = [op for op in region if not op.backward and op.index not in skipped]
+    return settle_on_visits(graph, forward, op_tasks, level), late
 
 
 def join_consumers(

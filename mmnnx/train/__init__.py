@@ -16,26 +16,40 @@ from mmnnx.train.checkpoint import (
     Resumed,
     Skipped,
 )
+from mmnnx.train.corpus import text_chunks, token_file
 from mmnnx.train.data import TextDataset, embedded_text, load_text
+from mmnnx.train.generation import LoadedRun, RunError, continue_text, load_run
 from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
-from mmnnx.train.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
+from mmnnx.train.run_config import ConfigError, read_config, resolved_config, write_config
+from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
+    "BPETokenizer",
     "ByteTokenizer",
     "CheckpointCorruptError",
     "CheckpointDirectoryBusyError",
     "CheckpointMismatchError",
+    "ConfigError",
     "Checkpointer",
     "FitResult",
+    "LoadedRun",
     "NoReadableCheckpointError",
     "Resumed",
+    "RunError",
     "Skipped",
     "TextDataset",
     "Tokenizer",
     "TrainConfig",
+    "continue_text",
     "embedded_text",
     "fit",
+    "load_run",
     "load_text",
     "load_tokenizer",
     "make_optimizer",
+    "read_config",
+    "resolved_config",
+    "write_config",
+    "text_chunks",
+    "token_file",
 ]

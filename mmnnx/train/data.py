@@ -1,15 +1,16 @@
-"""Training text: a byte-level tokenizer, the embedded public-domain text, and a deterministic,
-resumable batch iterator whose position is part of a checkpoint."""
+"""Training text: the embedded public-domain text, and a deterministic, shardable, resumable
+batch iterator (a Grain pipeline) whose state is part of a checkpoint."""
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 
-from mmnnx.train.tokenizers import ByteTokenizer
+from mmnnx.train.corpus import CHUNK_BYTES, Paths, text_chunks, token_file
+from mmnnx.train.tokenizers import ByteTokenizer, Tokenizer
 
 TEXTS = pathlib.Path(__file__).parent / "texts"
 EMBEDDED = TEXTS / "kjv_genesis_exodus.txt"
@@ -25,8 +26,9 @@ def embedded_text() -> str:
     return EMBEDDED.read_text(encoding="utf-8")
 
 
-def load_text(paths: str | pathlib.Path | Sequence[str | pathlib.Path]) -> str:
-    """Reads and joins UTF-8 text files: a path, a directory of ``*.txt`` files, or a list.
+def load_text(paths: Paths) -> str:
+    """Reads and joins UTF-8 text files: a path, a directory of ``*.txt`` files, or a list
+    (the whole text in memory; :func:`mmnnx.train.corpus.token_file` streams it instead).
 
     Example:
         >>> import tempfile, os
@@ -35,47 +37,48 @@ def load_text(paths: str | pathlib.Path | Sequence[str | pathlib.Path]) -> str:
         >>> load_text(d)
         'abc'
     """
-    if isinstance(paths, str | pathlib.Path):
-        paths = [paths]
-    files: list[pathlib.Path] = []
-    for p in map(pathlib.Path, paths):
-        if p.is_dir():
-            found = sorted(p.glob("*.txt"))
-            if not found:
-                raise FileNotFoundError(f"no *.txt files in directory {p}")
-            files += found
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"text file {p} does not exist")
-    texts = []
-    for f in files:
-        data = f.read_bytes()
-        try:
-            texts.append(data.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise ValueError(
-                f"text file {f} is not UTF-8: byte {e.start} is {data[e.start : e.start + 1]!r} "
-                f"({e.reason}); convert it to UTF-8"
-            ) from None
-    return "\n".join(texts)
+    return "".join(text_chunks(paths))
+
+
+class _Windows:
+    """Window ``i`` (``window`` tokens, as int32) of ``tokens``: a Grain data source read
+    lazily, so a memory-mapped token file stays on disk."""
+
+    def __init__(self, tokens: np.ndarray, window: int):
+        self._tokens, self._window = tokens, window
+
+    def __len__(self) -> int:
+        return len(self._tokens) // self._window
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        w = self._window
+        return np.asarray(self._tokens[i * w : (i + 1) * w], dtype=np.int32)
 
 
 @dataclasses.dataclass
 class TextDataset:
-    """Fixed-length windows of a token stream, served in batches of shape ``(batch, seq_len + 1)``.
+    """Fixed-length windows of a token stream, served in batches of shape ``(batch, seq_len + 1)``
+    by a Grain pipeline.
 
     The last ``eval_fraction`` of the tokens is held out for evaluation. Training batches walk a
-    seeded permutation of non-overlapping windows, a fresh one per epoch; the iterator's position
-    (``state()``) is one integer, so a run restored from a checkpoint continues with exactly the
-    batches it would have seen.
+    seeded shuffle of the non-overlapping windows, a fresh one per epoch
+    (``grain.MapDataset.source(...).shuffle(seed).repeat()``); ``state()`` is the Grain
+    iterator's own state, so a run restored from a checkpoint continues with exactly the batches
+    it would have seen. ``tokens`` may be a ``np.memmap`` (:func:`from_files`): windows are
+    read from it as batches are made.
+
+    Sharded (``shard_count > 1``), shard ``shard_index`` reads only its rows of each batch of
+    ``batch_size``: rows ``shard_index::shard_count``, ``batch_size // shard_count`` of them,
+    so the shards together give the one-shard batch; likewise for :meth:`eval_batches`.
 
     Example:
         >>> ds = TextDataset(np.arange(1000), seq_len=7, batch_size=4)
         >>> next(ds).shape
         (4, 8)
         >>> ds.state()
-        {'position': 1}
+        {'next_index': 1}
+        >>> next(TextDataset(np.arange(1000), seq_len=7, batch_size=4, shard_count=2)).shape
+        (2, 8)
     """
 
     tokens: np.ndarray
@@ -83,17 +86,28 @@ class TextDataset:
     batch_size: int
     seed: int = 0
     eval_fraction: float = 0.05
-    position: int = 0
+    shard_index: int = 0
+    shard_count: int = 1
 
     def __post_init__(self):
-        tokens = np.asarray(self.tokens, dtype=np.int32)
         if self.seq_len < 1 or self.batch_size < 1:
             raise ValueError("seq_len and batch_size must be >= 1")
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if not 0 <= self.shard_index < self.shard_count:
+            raise ValueError(
+                f"shard_index must be in [0, shard_count={self.shard_count}), "
+                f"got {self.shard_index}"
+            )
+        if self.batch_size % self.shard_count:
+            raise ValueError(
+                f"batch_size {self.batch_size} is not divisible by shard_count {self.shard_count}"
+            )
+        if not isinstance(self.tokens, np.memmap):
+            self.tokens = np.asarray(self.tokens, dtype=np.int32)
         window = self.seq_len + 1
-        split = int(len(tokens) * (1 - self.eval_fraction))
-        self._train, self._eval = tokens[:split], tokens[split:]
+        split = int(len(self.tokens) * (1 - self.eval_fraction))
+        self._train, self._eval = self.tokens[:split], self.tokens[split:]
         self._windows = len(self._train) // window
         if self._windows < self.batch_size:
             raise ValueError(
@@ -105,47 +119,81 @@ class TextDataset:
                 f"the held-out text ({len(self._eval)} tokens) is shorter than one window of "
                 f"{window}; use more text or a larger eval_fraction"
             )
-        self.tokens = tokens
+        self._iterator = self._pipeline()
+
+    def _pipeline(self):
+        import grain  # noqa: PLC0415  (imported with the first dataset)
+
+        rows = self.batch_size // self.shard_count
+        windows = grain.MapDataset.source(_Windows(self._train, self.seq_len + 1))
+        stream = windows.shuffle(seed=self.seed).repeat(None)
+        mine = stream[self.shard_index :: self.shard_count].batch(rows, drop_remainder=True)
+        return iter(mine.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
 
     @classmethod
-    def from_text(cls, text: str, **kwargs) -> TextDataset:
-        """A dataset of ``text`` encoded with :class:`ByteTokenizer`."""
-        return cls(ByteTokenizer().encode(text), **kwargs)
+    def from_text(cls, text: str, tokenizer: Tokenizer | None = None, **kwargs) -> TextDataset:
+        """A dataset of ``text`` encoded with ``tokenizer`` (:class:`ByteTokenizer` if none)."""
+        return cls((tokenizer or ByteTokenizer()).encode(text), **kwargs)
+
+    @classmethod
+    def from_files(
+        cls,
+        paths: Paths,
+        tokenizer: Tokenizer,
+        cache: str | pathlib.Path,
+        chunk_bytes: int = CHUNK_BYTES,
+        **kwargs,
+    ) -> TextDataset:
+        """A dataset of the text files ``paths``, tokenized a chunk at a time into a token file
+        under ``cache`` and read from it as a ``np.memmap`` (:func:`mmnnx.train.corpus.token_file`):
+        the whole text is never in memory.
+
+        Example:
+            >>> import tempfile, pathlib
+            >>> d = pathlib.Path(tempfile.mkdtemp())
+            >>> _ = (d / "a.txt").write_text("some text to train on\\n" * 50)
+            >>> ds = TextDataset.from_files(d, ByteTokenizer(), d / "c", seq_len=7, batch_size=4)
+            >>> type(ds.tokens).__name__, next(ds).shape
+            ('memmap', (4, 8))
+        """
+        return cls(token_file(paths, tokenizer, cache, chunk_bytes), **kwargs)
 
     @property
     def batches_per_epoch(self) -> int:
+        """Whole batches in one pass over the training windows."""
         return self._windows // self.batch_size
-
-    def _batch(self, position: int) -> np.ndarray:
-        epoch, index = divmod(position, self.batches_per_epoch)
-        order = np.random.default_rng([self.seed, epoch]).permutation(self._windows)
-        starts = order[index * self.batch_size : (index + 1) * self.batch_size]
-        window = self.seq_len + 1
-        return np.stack([self._train[s * window : (s + 1) * window] for s in starts])
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self
 
     def __next__(self) -> np.ndarray:
-        batch = self._batch(self.position)
-        self.position += 1
-        return batch
+        return next(self._iterator)
 
     def state(self) -> dict:
-        """The iterator's position, to store in a checkpoint."""
-        return {"position": self.position}
+        """The Grain iterator's state, to store in a checkpoint."""
+        return self._iterator.get_state()
 
     def restore(self, state: dict) -> None:
-        """Continues from a position returned by :meth:`state`."""
-        self.position = int(state["position"])
+        """Continues from a state returned by :meth:`state`.
+
+        Raises:
+            ValueError: ``state`` is not one (e.g. a checkpoint of an mmnnx before Grain).
+        """
+        if not isinstance(state, dict) or "next_index" not in state:
+            raise ValueError(
+                f"data state {state!r} is not a Grain iterator's state (TextDataset.state()); "
+                "was the checkpoint written by an older mmnnx?"
+            )
+        self._iterator.set_state(state)
 
     def eval_batches(self, count: int) -> list[np.ndarray]:
-        """``count`` fixed batches from the held-out text (the same every time)."""
+        """``count`` fixed batches from the held-out text (the same every time; this shard's
+        rows of them)."""
         window = self.seq_len + 1
         n = len(self._eval) // window
-        rows = [self._eval[(i % n) * window : (i % n + 1) * window] for i in range(n)]
         batches = []
         for b in range(count):
-            picks = [rows[(b * self.batch_size + j) % n] for j in range(self.batch_size)]
-            batches.append(np.stack(picks))
+            picks = [(b * self.batch_size + j) % n for j in range(self.batch_size)]
+            rows = [self._eval[i * window : (i + 1) * window] for i in picks]
+            batches.append(np.stack(rows)[self.shard_index :: self.shard_count].astype(np.int32))
         return batches

@@ -27,6 +27,7 @@ from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer, Resumed
 from mmnnx.train.data import TextDataset
+from mmnnx.train.run_log import RunLog
 from mmnnx.tuning import tune
 
 
@@ -43,6 +44,13 @@ class TrainConfig:
     those of at most that many bytes (the default, ``mm.PACK_RESIDUAL_BYTES``).
     ``pack_weights``: the train step's ``mm.jit(pack_weights=...)``, likewise for each block's
     weights (default ``mm.PACK_WEIGHT_BYTES``).
+
+    ``clip_grad_norm``: gradients are scaled down to this global norm (over every task's
+    gradients) before AdamW (``None``: no clipping). ``virtual_stages``: model stages per task
+    for the schedules that run several (``mm.microbatch(virtual_stages=...)``; the model must
+    be placed so, e.g. ``stage_rules(..., virtual_stages=2, order="v")``). ``tensorboard``:
+    TensorBoard event files under ``output_dir/tensorboard``. ``profile_steps``: ``(a, b)``
+    traces steps ``a`` to ``b`` with ``jax.profiler`` into ``output_dir/profile``.
     """
 
     steps: int = 300
@@ -63,6 +71,10 @@ class TrainConfig:
     memory_budget: int | str | None = None
     pack_residuals: bool | int = PACK_RESIDUAL_BYTES
     pack_weights: bool | int = PACK_WEIGHT_BYTES
+    clip_grad_norm: float | None = None
+    virtual_stages: int = 1
+    tensorboard: bool = True
+    profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self):
         for name in ("steps", "microbatches", "eval_every", "eval_batches", "log_every"):
@@ -76,6 +88,24 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
         residual_bound(self.pack_residuals)  # a TypeError naming it before any step is built
         weight_bound(self.pack_weights)
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(
+                f"TrainConfig.clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}"
+            )
+        if self.virtual_stages < 1:
+            raise ValueError(f"TrainConfig.virtual_stages must be >= 1, got {self.virtual_stages}")
+        if self.virtual_stages > 1 and self.schedule == "auto":
+            raise ValueError(
+                "TrainConfig.schedule='auto' picks among schedules of one stage per task; "
+                f"name a schedule for virtual_stages={self.virtual_stages}"
+            )
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            if not 1 <= first <= last:
+                raise ValueError(
+                    "TrainConfig.profile_steps must be (first, last) steps with "
+                    f"1 <= first <= last, got {self.profile_steps}"
+                )
 
 
 @dataclasses.dataclass
@@ -102,18 +132,40 @@ class FitResult:
         return self.eval_losses[-1][1]
 
 
-def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and cosine decay over ``config.schedule_steps`` (the schedule's
-    horizon; ``config.steps`` when it is ``None``)."""
+def learning_rates(config: TrainConfig) -> optax.Schedule:
+    """The learning rate of each update (0-based): linear warm-up and cosine decay over
+    ``config.schedule_steps`` (the schedule's horizon; ``config.steps`` when it is ``None``).
+
+    Example:
+        >>> rate = learning_rates(TrainConfig(steps=100, learning_rate=1e-3, warmup_steps=10))
+        >>> [round(float(rate(n)), 6) for n in (0, 5, 10, 99)]  # warm-up, peak, decayed
+        [0.0, 0.0005, 0.001, 0.0001]
+    """
     horizon = config.schedule_steps or config.steps
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.warmup_cosine_decay_schedule(
         0.0,
         config.learning_rate,
         min(config.warmup_steps, max(horizon - 1, 1)),
         max(horizon, 2),
         end_value=config.learning_rate * 0.1,
     )
-    return optax.adamw(schedule, weight_decay=config.weight_decay)
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW following :func:`learning_rates`, after clipping the gradients to the global norm
+    ``config.clip_grad_norm`` (over every parameter, whatever task holds it) when it is set.
+
+    Example:
+        >>> params = {"w": jax.numpy.zeros(3)}
+        >>> tx = make_optimizer(TrainConfig(clip_grad_norm=1.0))
+        >>> updates, _ = tx.update({"w": jax.numpy.full(3, 100.0)}, tx.init(params), params)
+        >>> updates["w"].shape
+        (3,)
+    """
+    tx = optax.adamw(learning_rates(config), weight_decay=config.weight_decay)
+    if config.clip_grad_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(config.clip_grad_norm), tx)
+    return tx
 
 
 def _loss(model, batch):
@@ -125,7 +177,11 @@ def make_steps(config: TrainConfig):
     grad_fn = nnx.value_and_grad(_loss)
     if config.microbatches > 1:
         grad_fn = microbatch(
-            grad_fn, num=config.microbatches, reduce="mean", schedule=config.schedule
+            grad_fn,
+            num=config.microbatches,
+            reduce="mean",
+            schedule=config.schedule,
+            virtual_stages=config.virtual_stages,
         )
 
     def train_step(model, opt, batch):
@@ -147,8 +203,11 @@ def fit(
 ) -> FitResult:
     """Trains ``model`` (placed with ``mm.place``/``mm.init``; it needs ``loss(batch)``) on
     ``dataset`` and writes ``metrics.jsonl``, ``loss.png``, ``timeline.png`` and
-    ``timeline.json`` (the events drawn, and the bubble) under ``config.output_dir`` and
-    checkpoints under ``config.checkpoint_dir``. With several processes, process 0 writes and
+    ``timeline.json`` (the events drawn, and the bubble), TensorBoard event files
+    (``tensorboard/``) and a profiler trace (``profile/``, with ``config.profile_steps``) under
+    ``config.output_dir`` and checkpoints under ``config.checkpoint_dir``. Without a terminal
+    it prints one plain line per ``config.log_every`` steps instead of the progress bar, and
+    evaluation losses as they come (``RunLog``). With several processes, process 0 writes and
     reports; the timeline and bubble are the whole job's, every process's tasks.
 
     With ``config.resume`` it continues from the newest readable checkpoint: parameters,
@@ -209,6 +268,17 @@ def fit(
         elif leader:
             _keep_metrics_up_to(metrics_path, start)
         files = {"metrics": str(metrics_path), "checkpoints": str(ckpt_dir)}
+        rates = None  # a given optimizer's learning rates are its own, not known here
+        if optimizer is None:
+            rates = learning_rates(dataclasses.replace(config, schedule_steps=horizon))
+        log = RunLog(
+            console,
+            out,
+            total_steps=config.steps,
+            first_step=start,
+            tensorboard=config.tensorboard and leader,
+            profile_steps=config.profile_steps if leader else None,
+        )
         tokens_per_step = dataset.batch_size * dataset.seq_len
         timed_tokens, timed_seconds = 0, 0.0
         bubble: tuple[int, float] | None = None
@@ -220,13 +290,16 @@ def fit(
             TimeRemainingColumn(),
             console=console,
             transient=False,
+            disable=log.plain,  # no terminal: RunLog's plain lines instead
         )
-        with progress:
+        with log, progress:
+            log.evaluation(start, eval_losses[0][1])
             bar = progress.add_task(
                 "train", total=config.steps, completed=start, loss=float("nan"), tps=0.0
             )
             for step in range(start + 1, config.steps + 1):
                 batch = next(dataset)
+                log.step_begins(step)
                 began = time.perf_counter()
                 if step == config.timeline_step:
                     loss = float(fetch(eval_step(model, batch)))  # before the step's update
@@ -243,15 +316,23 @@ def fit(
                 else:
                     loss = float(fetch(run_step(batch)))
                 elapsed = time.perf_counter() - began
+                log.step_ends(step)
                 if step > start + 1:  # the first step compiles
                     timed_tokens += tokens_per_step
                     timed_seconds += elapsed
                 tps = timed_tokens / timed_seconds if timed_seconds else 0.0
                 progress.update(bar, completed=step, loss=loss, tps=tps)
                 record: dict[str, Any] = {"step": step, "loss": loss, "tokens_per_s": tps}
+                if rates is not None:
+                    record["learning_rate"] = float(rates(step - 1))  # this step's update's
+                if step % config.log_every == 0 or step == config.steps:
+                    log.train(
+                        step, loss=loss, tokens_per_s=tps, learning_rate=record.get("learning_rate")
+                    )
                 if step % config.eval_every == 0 or step == config.steps:
                     record["eval_loss"] = evaluate()
                     eval_losses.append((step, record["eval_loss"]))
+                    log.evaluation(step, record["eval_loss"])
                 if step % config.log_every == 0 or "eval_loss" in record:
                     metrics.append(record)
                     if leader:
@@ -260,6 +341,7 @@ def fit(
                 if step % config.checkpoint_every == 0 or step == config.steps:
                     extra = {"data": dataset.state(), "step": step, "schedule_steps": horizon}
                     checkpoints.save(step, model=model, opt=opt, extra=extra)
+    files.update(log.files)
     files["loss_curve"] = str(out / "loss.png")
     if leader:
         _plot_losses(metrics_path, out / "loss.png")
@@ -316,9 +398,18 @@ def _tuned(
 
 def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -> int:
     """The learning-rate schedule's horizon of a resumed run: the one saved with the checkpoint
-    unless ``config.schedule_steps`` gives another (said in one line); ``config.steps`` for
-    checkpoints saved without one."""
+    unless ``config.schedule_steps`` gives another (said in one line), or ``config.steps`` is
+    beyond it: the schedule is then stretched to end at ``config.steps`` (said in one line);
+    ``config.steps`` for checkpoints saved without one."""
     if config.schedule_steps is None:
+        if saved is not None and config.steps > saved:
+            _print_line(
+                console,
+                f"learning-rate schedule extended from the checkpoint's {saved} steps to "
+                f"{config.steps} (TrainConfig.steps / --steps): the cosine decay now ends at step "
+                f"{config.steps}; give --schedule-steps {saved} to keep the old one",
+            )
+            return config.steps
         return saved or config.steps
     if saved is not None and saved != config.schedule_steps:
         _print_line(
@@ -364,7 +455,7 @@ def _plot_losses(metrics_path: pathlib.Path, path: pathlib.Path) -> pathlib.Path
     evals = [r for r in rows if "eval_loss" in r]
     ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
+    ax.set_ylabel("loss (nats/token)")
     ax.legend()
     fig.savefig(path, dpi=120)
     return path

@@ -1,0 +1,200 @@
+"""Autoregressive decoding of a ``GPT`` with a key/value cache: a prefill of the prompt, then
+one token per step, each step a compiled program (``nnx.jit`` on one device; ``mm.jit`` for a
+model placed on tasks, each stage's blocks and their cache on their own task)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mmnnx._nnx import variables_of
+from mmnnx.jit import jit as mm_jit
+from mmnnx.modules import constrain
+from mmnnx.modules.attention import Attention
+from mmnnx.modules.rope import apply_rope
+from mmnnx.modules.transformer import TransformerBlock
+from mmnnx.sharding import home_of
+
+ACTIVATIONS = (None, "seq", "embed")
+"""The logical names of activations between blocks while decoding: as in training, but the
+batch (a few prompts, often one) is never split."""
+
+KV = tuple[jax.Array, jax.Array]
+"""One block's cache: keys and values, each ``(batch, max_seq_len, num_kv_heads, head_dim)``
+(with a leading ``depth`` axis for stacked blocks)."""
+
+
+def _attend(
+    attn: Attention, x: jax.Array, cache: KV | None, pos: jax.Array, length: int
+) -> tuple[jax.Array, KV]:
+    """``attn`` on ``x`` at positions ``pos .. pos + seq - 1``, reading the keys and values of
+    earlier positions from ``cache`` (a new one of ``length`` positions when ``None``)."""
+    *lead, seq, _ = x.shape
+    q = attn.q(x).reshape(*lead, seq, attn.num_heads, attn.head_dim)
+    k = attn.k(x).reshape(*lead, seq, attn.num_kv_heads, attn.head_dim)
+    v = attn.v(x).reshape(*lead, seq, attn.num_kv_heads, attn.head_dim)
+    positions = pos + jnp.arange(seq)
+    if attn.rope:
+        q = apply_rope(q, positions, base=attn.rope_base)
+        k = apply_rope(k, positions, base=attn.rope_base)
+    if cache is None:
+        shape = (*lead, length, attn.num_kv_heads, attn.head_dim)
+        cache = (jnp.zeros(shape, k.dtype), jnp.zeros(shape, v.dtype))
+    keys = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=-3)
+    values = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=-3)
+    k_all, v_all = keys, values
+    groups = attn.num_heads // attn.num_kv_heads
+    if groups > 1:  # query head h reads key/value head h // groups
+        k_all = jnp.repeat(k_all, groups, axis=-2)
+        v_all = jnp.repeat(v_all, groups, axis=-2)
+    scores = jnp.einsum("...qhd,...khd->...hqk", q, k_all) / math.sqrt(attn.head_dim)
+    visible = positions[:, None] >= jnp.arange(k_all.shape[-3])[None, :]
+    scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    y = jnp.einsum("...hqk,...khd->...qhd", weights, v_all)
+    return attn.out(y.reshape(*lead, seq, attn.dim)), (keys, values)
+
+
+def _block(
+    block: TransformerBlock, x: jax.Array, cache: KV | None, pos: jax.Array, length: int
+) -> tuple[jax.Array, KV]:
+    """``block(x)`` (without dropout, as in evaluation) with its attention reading ``cache``."""
+    x = constrain(x, ACTIVATIONS)
+    attended, cache = _attend(block.attn, block.norm1(x), cache, pos, length)
+    x = x + attended
+    x = x + block.mlp(block.norm2(x))
+    return constrain(x, ACTIVATIONS), cache
+
+
+def _forward(model: Any, tokens: jax.Array, cache: Any, pos: jax.Array) -> tuple[jax.Array, Any]:
+    """The last position's logits (float32) of ``tokens`` at ``pos ..``, and the new cache."""
+    length = model.config.max_seq_len
+    x = model.embed(tokens)
+    if model.config.scan_layers:
+
+        def body(x, block, layer_cache):
+            return _block(block, x, layer_cache, pos, length)
+
+        if cache is None:
+            scan = nnx.scan(
+                lambda x, b: body(x, b, None),
+                in_axes=(nnx.Carry, 0),
+                out_axes=(
+                    nnx.Carry,
+                    0,
+                ),
+            )
+            x, cache = scan(x, model.blocks)
+        else:
+            scan = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+            x, cache = scan(x, model.blocks, cache)
+    else:
+        caches = [None] * len(model.blocks) if cache is None else cache
+        new = []
+        for block, layer_cache in zip(model.blocks, caches, strict=True):
+            x, layer_cache = _block(block, x, layer_cache, pos, length)
+            new.append(layer_cache)
+        cache = tuple(new)
+    x = model.norm(x[:, -1:])
+    logits = model.embed.attend(x) if model.config.tie_embeddings else model.head(x)
+    return logits[:, -1].astype(jnp.float32), cache
+
+
+def _prefill(model: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
+    return _forward(model, tokens, None, jnp.zeros((), jnp.int32))
+
+
+def _decode(model: Any, cache: Any, token: jax.Array, pos: jax.Array) -> tuple[jax.Array, Any]:
+    return _forward(model, token, cache, pos)
+
+
+_ONE_DEVICE = (nnx.jit(_prefill), nnx.jit(_decode))
+_ON_TASKS = (mm_jit(_prefill), mm_jit(_decode))
+
+
+def is_placed(model: Any) -> bool:
+    """Whether ``mm.place``/``mm.init`` put any of ``model``'s Variables on a task.
+
+    Example:
+        >>> is_placed(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+        False
+    """
+    return any(home_of(v) is not None for _, v in variables_of(model))
+
+
+@functools.partial(jax.jit, static_argnames=("top_k",))
+def _sample(logits: jax.Array, temperature: jax.Array, top_k: int | None, key: jax.Array):
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate(
+    model: Any,
+    prompt: jax.Array,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    rng: jax.Array | None = None,
+) -> jax.Array:
+    """The ``max_new_tokens`` tokens ``model`` (a ``GPT``) continues ``prompt`` with,
+    ``(batch, max_new_tokens)`` int32 (``prompt``: ``(seq,)`` or ``(batch, seq)`` token ids).
+
+    The prompt is run once (prefill), filling a key/value cache of ``max_seq_len`` positions
+    per block; each new token then costs one position. ``temperature`` 0 is greedy (argmax);
+    above 0, the logits are divided by it and sampled from, keeping the ``top_k`` most likely
+    tokens when given, with keys drawn from ``rng`` (default ``jax.random.key(0)``). A model
+    placed on tasks (``mm.init``/``mm.place``) runs each step with ``mm.jit``: every block, and
+    its cache, on its own task; otherwise with ``nnx.jit``.
+
+    Raises:
+        ValueError: an empty prompt, ``max_new_tokens < 1``, a prompt plus new tokens longer
+            than ``max_seq_len``, a negative temperature or ``top_k < 1``.
+
+    Example:
+        >>> from mmnnx.models import GPT, GPTConfig
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(dim=32, depth=2, vocab_size=64), rngs=nnx.Rngs(0))
+        >>> generate(model, jnp.array([1, 2, 3]), 4).shape
+        (1, 4)
+    """
+    prompt = jnp.asarray(prompt, jnp.int32)
+    if prompt.ndim == 1:
+        prompt = prompt[None]
+    limit = model.config.max_seq_len
+    if prompt.ndim != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"generate: the prompt must be a non-empty (batch, seq): {prompt.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prompt.shape[1] + max_new_tokens > limit:
+        raise ValueError(
+            f"generate: a prompt of {prompt.shape[1]} tokens plus max_new_tokens "
+            f"{max_new_tokens} exceeds the model's max_seq_len {limit}"
+        )
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"generate: top_k must be >= 1, got {top_k}")
+    prefill, decode = _ON_TASKS if is_placed(model) else _ONE_DEVICE
+    key = jax.random.key(0) if rng is None else rng
+    logits, cache = prefill(model, prompt)
+    tokens = []
+    for i in range(max_new_tokens):
+        if temperature == 0:
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            key, draw = jax.random.split(key)
+            token = _sample(logits, jnp.float32(temperature), top_k, draw)
+        tokens.append(token)
+        if i + 1 < max_new_tokens:
+            pos = jnp.asarray(prompt.shape[1] + i, jnp.int32)
+            logits, cache = decode(model, cache, token[:, None], pos)
+    return jnp.stack([jax.device_get(t) for t in tokens], axis=1)

@@ -1,0 +1,126 @@
+"""Which forward stage each op of a pipelined region runs in: a value several later stages read
+(an encoder's output under cross-attention) is a side input of each, not a stage of its own.
+
+Cross-task depth (``cut.levels``) puts an op at the first depth its inputs allow. An op that
+reads an early stage's output and belongs to a later task (a decoder layer's cross-attention
+key projection of the encoder output) then lands at a depth where another task's stage runs,
+and the forward pass seems to visit its task twice. :func:`settle_on_visits` moves such an op to
+the latest depth its readers allow at which its task runs anyway, so the stage chain follows the
+placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mmnnx.errors import MPMDError
+from mmnnx.mpmd.cut import Fragment
+from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.sharding import Task
+
+
+def settle_on_visits(
+    graph: Graph,
+    forward: Sequence[Op],
+    op_tasks: Sequence[Task],
+    level: dict[int, int],
+) -> dict[int, int]:
+    """``level`` with each op of ``forward`` (a region's forward ops, in order) moved to the
+    latest depth at which its task runs other forward ops and that its forward readers allow
+    (a reader on another task must stay deeper, one on its own task no shallower). A new dict.
+
+    Example (values are ints, tasks stand-ins): an encoder op on ``t0``, a decoder layer on
+    ``t1`` and another on ``t2``, each reading the encoder's output; the second layer's key
+    projection (op 2) starts at depth 1, beside the first layer, and moves to its task's
+    depth 2::
+
+        >>> from mmnnx.mpmd.ir import Graph
+        >>> enc = Op(0, None, {}, [9], [10], False, "", "tanh")
+        >>> layer0 = Op(1, None, {}, [10], [11], False, "", "dot_general")
+        >>> key1 = Op(2, None, {}, [10], [12], False, "", "dot_general")
+        >>> layer1 = Op(3, None, {}, [11, 12], [13], False, "", "dot_general")
+        >>> ops = [enc, layer0, key1, layer1]
+        >>> graph = Graph(ops=ops, inputs=[9], outputs=[13])
+        >>> settle_on_visits(graph, ops, ["t0", "t1", "t2", "t2"], {0: 0, 1: 1, 2: 1, 3: 2})
+        {0: 0, 1: 1, 2: 2, 3: 2}
+    """
+    level = dict(level)
+    inside = {op.index for op in forward}
+    consumers = graph.consumers()
+    for _ in range(len(forward)):
+        visits: dict[Task, set[int]] = {}
+        for op in forward:
+            visits.setdefault(op_tasks[op.index], set()).add(level[op.index])
+        moved = False
+        for op in reversed(forward):
+            task = op_tasks[op.index]
+            bounds = [
+                level[c.index] - (op_tasks[c.index] != task)
+                for v in op.outs
+                for c in consumers.get(v, ())
+                if c.index in inside
+            ]
+            if not bounds:
+                continue
+            later = [d for d in visits[task] if level[op.index] < d <= min(bounds)]
+            if later:
+                level[op.index] = max(later)
+                moved = True
+        if not moved:
+            break
+    return level
+
+
+def check_stage_order(
+    graph: Graph, fragments: dict[tuple[str, int], Fragment], stage_tasks: Sequence[Task]
+) -> None:
+    """Raises an ``MPMDError`` naming the ops, their tasks and a fix unless each stage's
+    fragment (``(kind, stage)`` -> fragment, kind ``F`` or ``B``) reads only what runs before it
+    for the same microbatch: a forward reads earlier stages' forwards, a backward any forward and
+    later stages' backwards.
+
+    Example: stage 1's backward makes a value stage 2's backward reads, though stage 2's
+    backward runs first::
+
+        >>> from mmnnx.mpmd.ir import Graph
+        >>> from mmnnx.mpmd.cut import Fragment
+        >>> from mmnnx.sharding import Task, TaskMesh
+        >>> t1, t2 = Task("t1", mesh=TaskMesh(devices=[0])), Task("t2", mesh=TaskMesh(devices=[1]))
+        >>> dq = Op(0, None, {}, [5], [6], False, "model.py:7", "dot_general", backward=True)
+        >>> grad = Op(1, None, {}, [6], [7], False, "model.py:9", "transpose", backward=True)
+        >>> b1 = Fragment("t1/B1", t1, [dq], [5], [6], ("backward",))
+        >>> b2 = Fragment("t2/B2", t2, [grad], [6], [7], ("backward",))
+        >>> check_stage_order(  # doctest: +ELLIPSIS
+        ...     Graph(ops=[dq, grad]), {("B", 1): b1, ("B", 2): b2}, [t1, t1, t2]
+        ... )
+        Traceback (most recent call last):
+        ...
+        mmnnx.errors.MPMDError: mm.jit: `transpose` at model.py:9 (the backward pass of stage 2, \
+on task 't2') reads the result of `dot_general` at model.py:7 (...stage 1, on task 't1'), ...
+    """
+    made_by = {v: key for key, frag in fragments.items() for v in frag.out_ids}
+    producer = graph.producers()
+    passes = {"F": "the forward pass", "B": "the backward pass"}
+    for (kind, stage), frag in fragments.items():
+        for v in frag.in_ids:
+            source = made_by.get(v)
+            if source is None or source == (kind, stage):
+                continue
+            made_kind, made_stage = source
+            if made_kind == "F" and (kind == "B" or made_stage < stage):
+                continue
+            if made_kind == "B" and kind == "B" and made_stage > stage:
+                continue
+            maker = producer[v]
+            reader = next(op for op in frag.ops if v in op.ins)
+            where = stage_tasks[made_stage].name
+            fix = stage_tasks[stage].name
+            chain = " -> ".join(t.name for t in stage_tasks)
+            raise MPMDError(
+                f"mm.jit: `{reader.name}` at {reader.source} ({passes[kind]} of stage {stage}, "
+                f"on task {frag.task.name!r}) reads the result of `{maker.name}` at "
+                f"{maker.source} ({passes[made_kind]} of stage {made_stage}, on task "
+                f"{where!r}), which runs after it (the forward pass runs on {chain}); place the "
+                f"Variables the layer at {maker.source} reads on task {fix!r}, or put that code "
+                f"in an mm.task({fix!r}) region"
+            )

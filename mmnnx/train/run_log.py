@@ -1,0 +1,132 @@
+"""``RunLog``: what ``fit`` reports while it trains, besides its progress bar and
+``metrics.jsonl``: plain lines when the output is no terminal, evaluation losses as they come,
+TensorBoard scalars and a ``jax.profiler`` trace of chosen steps."""
+
+from __future__ import annotations
+
+import pathlib
+from types import TracebackType
+
+import jax
+from rich.console import Console
+
+
+class RunLog:
+    """Reports a run as it goes; a context manager that closes its writer and trace on exit.
+
+    ``train(step, ...)`` writes the TensorBoard scalars ``loss``, ``tokens_per_sec`` and
+    ``learning_rate`` and, when ``console`` is no terminal (``nohup``, SLURM, CI, a pipe),
+    prints one plain line ``step S/N loss L tokens/s T lr R``: on a terminal the progress bar
+    shows them. ``evaluation(step, loss)`` prints ``step S/N eval_loss L`` in both cases (on a
+    terminal above the bar) and writes the scalar ``eval_loss``. With ``tensorboard`` the
+    event files go to ``output_dir/tensorboard`` (tensorboardX); a run resumed at
+    ``first_step`` drops the events beyond it that an earlier run wrote. With
+    ``profile_steps=(a, b)``, ``step_begins(a)`` starts a ``jax.profiler`` trace into
+    ``output_dir/profile`` and ``step_ends(b)`` stops it (``tensorboard --logdir
+    output_dir/profile`` or Perfetto read it). ``files`` names the directories written.
+
+    Example:
+        >>> import io, tempfile
+        >>> console = Console(file=io.StringIO())  # not a terminal: plain lines
+        >>> with RunLog(console, tempfile.mkdtemp(), total_steps=20, tensorboard=False) as log:
+        ...     log.train(10, loss=2.5, tokens_per_s=1000.0, learning_rate=1e-3)
+        ...     log.evaluation(10, 2.25)
+        >>> print(console.file.getvalue(), end="")
+        step 10/20 loss 2.5000 tokens/s 1,000 lr 1.00e-03
+        step 10/20 eval_loss 2.2500
+    """
+
+    def __init__(
+        self,
+        console: Console,
+        output_dir: str | pathlib.Path,
+        *,
+        total_steps: int,
+        first_step: int = 0,
+        tensorboard: bool = True,
+        profile_steps: tuple[int, int] | None = None,
+    ):
+        self.console = console
+        self.plain = not console.is_terminal
+        self.total_steps = total_steps
+        self.first_step = first_step
+        self.profile_steps = profile_steps
+        self.files: dict[str, str] = {}
+        self._tracing = False
+        self._profile_dir = pathlib.Path(output_dir) / "profile"
+        self._writer = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # noqa: PLC0415  (only when asked for)
+
+            directory = pathlib.Path(output_dir) / "tensorboard"
+            purge = first_step + 1 if first_step else None  # a resumed run's later events go
+            self._writer = SummaryWriter(  # one file per run, named after its first step
+                str(directory), purge_step=purge, filename_suffix=f".from-step-{first_step}"
+            )
+            self.files["tensorboard"] = str(directory)
+
+    def train(
+        self, step: int, *, loss: float, tokens_per_s: float, learning_rate: float | None
+    ) -> None:
+        """A logged training step: scalars, and a plain line when no terminal shows the bar."""
+        if self._writer is not None:
+            self._writer.add_scalar("loss", loss, step)
+            if tokens_per_s:  # 0 until a step after the compiling one is timed
+                self._writer.add_scalar("tokens_per_sec", tokens_per_s, step)
+            if learning_rate is not None:
+                self._writer.add_scalar("learning_rate", learning_rate, step)
+        if self.plain:
+            line = f"step {step}/{self.total_steps} loss {loss:.4f} tokens/s {tokens_per_s:,.0f}"
+            if learning_rate is not None:
+                line += f" lr {learning_rate:.2e}"
+            self._print(line)
+
+    def evaluation(self, step: int, loss: float) -> None:
+        """An evaluation's loss: printed at once, and a scalar (but the one a resumed run
+        starts from, which its first run wrote)."""
+        if self._writer is not None and (step > self.first_step or step == 0):
+            self._writer.add_scalar("eval_loss", loss, step)
+            self._writer.flush()
+        self._print(f"step {step}/{self.total_steps} eval_loss {loss:.4f}")
+
+    def step_begins(self, step: int) -> None:
+        """Starts the profiler trace at the first profiled step."""
+        if self.profile_steps is None or self._tracing:
+            return
+        first, last = self.profile_steps
+        if first <= step <= last:
+            jax.profiler.start_trace(str(self._profile_dir))
+            self._tracing = True
+            self.files["profile"] = str(self._profile_dir)
+
+    def step_ends(self, step: int) -> None:
+        """Stops the trace after the last profiled step (the step's result already fetched)."""
+        if self._tracing and step >= self.profile_steps[1]:
+            self._stop_trace()
+
+    def close(self) -> None:
+        """Stops a trace still running (a run shorter than its profiled steps) and closes the
+        event files."""
+        if self._tracing:
+            self._stop_trace()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _stop_trace(self) -> None:
+        jax.profiler.stop_trace()
+        self._tracing = False
+
+    def _print(self, line: str) -> None:
+        self.console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

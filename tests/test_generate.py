@@ -1,0 +1,186 @@
+"""Generation: the key/value-cached decoder equals recomputing the whole sequence, the run's
+layout (mm.jit over tasks) equals one device, and `mmnnx generate` continues a prompt with a
+trained run's model."""
+
+import contextlib
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from mmnnx.cli import main
+from mmnnx.models import GPT, GPTConfig
+from mmnnx.models.decoding import _decode, _prefill, generate
+from mmnnx.models.stages import stage_rules
+from mmnnx.train.generation import run_tasks
+
+SMALL = dict(dim=32, depth=2, num_heads=2, vocab_size=64, max_seq_len=16)
+
+
+def one_device(config: GPTConfig) -> GPT:
+    with nnx.use_eager_sharding(False):
+        return GPT(config, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_the_cache_gives_the_logits_of_the_whole_sequence(scan_layers):
+    model = one_device(GPTConfig(**SMALL, num_kv_heads=1, scan_layers=scan_layers))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
+    whole = model(tokens)  # (2, 12, 64): no cache, every position recomputed
+    logits, cache = _prefill(model, tokens[:, :5])
+    np.testing.assert_allclose(logits, whole[:, 4], rtol=1e-5, atol=1e-5)
+    for pos in range(5, 12):
+        logits, cache = _decode(model, cache, tokens[:, pos : pos + 1], jnp.int32(pos))
+        np.testing.assert_allclose(logits, whole[:, pos], rtol=1e-5, atol=1e-5)
+    # greedy: each token is the argmax of recomputing the prompt and the tokens so far
+    new = generate(model, tokens[:, :4], 8)
+    sequence = jnp.concatenate([tokens[:, :4], new], axis=1)
+    np.testing.assert_array_equal(new, jnp.argmax(model(sequence[:, :-1])[:, 3:], axis=-1))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_generating_on_the_run_layout_equals_one_device(scan_layers):
+    config = GPTConfig(**SMALL, scan_layers=scan_layers)
+    tasks = run_tasks(2, 2, 2)  # two stages of 2 x 2 devices, heads and vocab over "model"
+
+    def factory():
+        return GPT(config, rngs=nnx.Rngs(0))
+
+    with nnx.use_eager_sharding(False):
+        placement = stage_rules(nnx.eval_shape(factory), tasks, report=False)
+    placed = mm.init(factory, placement)
+    single = one_device(config)
+    prompt = jnp.array([3, 4, 5, 6])
+    np.testing.assert_array_equal(placed.generate(prompt, 8), single.generate(prompt, 8))
+    key = jax.random.key(7)
+    np.testing.assert_array_equal(
+        placed.generate(prompt, 8, temperature=0.9, top_k=8, rng=key),
+        single.generate(prompt, 8, temperature=0.9, top_k=8, rng=key),
+    )
+    if not scan_layers:  # each block's cache lives on its block's task
+        _, cache = mm.jit(_prefill)(placed, prompt[None])
+        for (keys, values), task in zip(cache, tasks, strict=True):
+            devices = {int(d) for d in task.mesh.devices.flat}
+            assert {d.id for d in keys.sharding.device_set} == devices
+            assert {d.id for d in values.sharding.device_set} == devices
+
+
+def test_sampling_follows_temperature_top_k_and_key():
+    model = one_device(GPTConfig(**SMALL))
+    prompt = jnp.array([1, 2])
+    a = model.generate(prompt, 10, temperature=1.0, rng=jax.random.key(1))
+    assert (a == model.generate(prompt, 10, temperature=1.0, rng=jax.random.key(1))).all()
+    assert (a != model.generate(prompt, 10, temperature=1.0, rng=jax.random.key(2))).any()
+    top1 = model.generate(prompt, 10, temperature=1.0, top_k=1, rng=jax.random.key(3))
+    np.testing.assert_array_equal(top1, model.generate(prompt, 10))  # top-1 is greedy
+
+
+@pytest.mark.parametrize(
+    "prompt, new, options, reason",
+    [
+        ([], 4, {}, "the prompt must be a non-empty"),
+        ([1, 2], 0, {}, "max_new_tokens must be >= 1, got 0"),
+        ([1] * 10, 7, {}, "a prompt of 10 tokens plus max_new_tokens 7 exceeds the model's"),
+        ([1, 2], 4, {"temperature": -1.0}, "temperature must be a finite number >= 0"),
+        ([1, 2], 4, {"temperature": 1.0, "top_k": 0}, "top_k must be >= 1, got 0"),
+    ],
+)
+def test_bad_requests_raise_before_running(prompt, new, options, reason):
+    model = one_device(GPTConfig(**SMALL))
+    with pytest.raises(ValueError, match=reason):
+        model.generate(jnp.array(prompt, jnp.int32), new, **options)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A tiny run of `mmnnx train` (4 steps), in this process, and what it printed."""
+    tmp = tmp_path_factory.mktemp("generate")
+    text = tmp / "text.txt"
+    text.write_text("In the beginning the quick brown fox jumps over the lazy dog. " * 300)
+    run = tmp / "run"
+    argv = ["train", "--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "24"]
+    argv += ["--batch-size", "8", "--microbatches", "2", "--steps", "4", "--eval-every", "4"]
+    argv += ["--timeline-step", "0", "--text", str(text), "--output-dir", str(run)]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0
+    return run, printed.getvalue()
+
+
+def test_a_run_ends_with_a_sample(trained_run):
+    run, printed = trained_run
+    *_, title, sample, end = printed.split("\n")
+    assert title == f'sample (greedy; more: mmnnx generate --run {run} --prompt "...")'
+    assert sample.startswith("In the beginning") and end == ""
+    assert len(sample.encode()) <= 24  # the prompt's 16 bytes and 8 more: --seq-len 24
+
+
+def test_generate_continues_prompts_on_one_device_and_on_the_layout(trained_run, capsys):
+    trained_run, _ = trained_run
+    argv = ["generate", "--run", str(trained_run), "--prompt", "In the"]
+    assert main([*argv, "--max-new-tokens", "10"]) == 0
+    one = capsys.readouterr()
+    assert one.err == f"mmnnx generate: {trained_run}, step 4, layout one-device\n"
+    text = one.out.removesuffix("\n")
+    assert text.startswith("In the") and len(text.encode()) <= len("In the") + 10
+    assert main([*argv, "--max-new-tokens", "10", "--layout", "run"]) == 0
+    assert capsys.readouterr().out == one.out  # the run's 2 stages x 2 x 2 give the same text
+    assert main(argv) == 0  # by default, up to the model's context (--seq-len 24)
+    assert len(capsys.readouterr().out.removesuffix("\n").encode()) <= 24
+
+
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "x" * 24], "--prompt is 24 tokens; the model reads at most 24"),
+        (["--prompt", "In", "--max-new-tokens", "23"], "--max-new-tokens 23 exceeds the 22"),
+    ],
+)
+def test_prompts_the_model_cannot_take_exit_2_in_one_line(trained_run, capsys, argv, reason):
+    trained_run, _ = trained_run
+    assert main(["generate", "--run", str(trained_run), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and reason in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["--top-k", "0"], "--top-k must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--layout", "wide"], "invalid choice: 'wide'"),
+    ],
+)
+def test_bad_generate_flags_exit_2_in_one_line(capsys, argv, reason):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--run", "runs/none", "--prompt", "In", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and reason in err, err
+
+
+def test_a_directory_without_a_run_exits_2_in_one_line(trained_run, tmp_path, capsys):
+    trained_run, _ = trained_run
+    assert main(["generate", "--run", str(tmp_path), "--prompt", "In"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"mmnnx generate: error: --run: {tmp_path / 'config.toml'}: no such file; is {tmp_path} "
+        "a directory `mmnnx train` wrote?\n"
+    )
+    (tmp_path / "config.toml").write_text((trained_run / "config.toml").read_text())
+    assert main(["generate", "--run", str(tmp_path), "--prompt", "In"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no saved tokenizer in" in err, err
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text('{"name": "bytes"}')
+    text = (trained_run / "config.toml").read_text().replace(str(trained_run), str(tmp_path))
+    (tmp_path / "config.toml").write_text(text)
+    assert main(["generate", "--run", str(tmp_path), "--prompt", "In"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no checkpoint in" in err, err
