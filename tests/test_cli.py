@@ -73,32 +73,6 @@ def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
         (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
         (["--schedule-steps", "0"], "--schedule-steps must be >= 1, got 0"),
-        (["--schedule", "zero-bubble-v"], "--schedule zero-bubble-v needs --virtual-stages 2 "),
-        (["--schedule", "dualpipev", "--virtual-stages", "3"], "dualpipev needs --virtual-stages"),
-        (["--schedule", "interleaved-1f1b"], "interleaved-1f1b needs --virtual-stages 2 or more"),
-        (["--virtual-stages", "2"], "--virtual-stages 2 needs a schedule that runs several"),
-        (["--schedule", "auto", "--virtual-stages", "2"], "--schedule auto runs one"),
-        (
-            ["--schedule", "zero-bubble-v", "--virtual-stages", "2", "--scan-layers"],
-            "leave out --scan-layers",
-        ),
-        (
-            ["--schedule", "interleaved-gpipe", "--virtual-stages", "3"],
-            "--depth 4 gives fewer blocks than --stages 2 x --virtual-stages 3 stages",
-        ),
-        (["--profile-steps", "400:401"], "--profile-steps starts at step 400, after --steps 300"),
-    ],
-)
-def test_flags_a_schedule_cannot_run_with_exit_2_naming_the_requirement(argv, reason, capsys):
-    assert main(["train", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("mmnnx train: error: ")
-    assert reason in err
-
-
-@pytest.mark.parametrize(
-    "argv, reason",
-    [
         (["--virtual-stages", "0"], "--virtual-stages must be >= 1, got 0"),
         (["--clip-grad-norm", "0"], "--clip-grad-norm must be a finite number > 0, got '0'"),
         (["--profile-steps", "5:3"], "--profile-steps needs 1 <= FIRST <= LAST, got '5:3'"),
