@@ -58,8 +58,18 @@ def kinds_of(ops: Sequence[Op], after_backward: set[int]) -> tuple[str, ...]:
     return tuple(k for k in ("forward", "backward", "update") if k in kinds)
 
 
-def after_backward(graph: Graph) -> set[int]:
-    """Indices of the non-backward ops that depend on a backward op (optimizer updates)."""
+def after_backward(graph: Graph) -> frozenset[int]:
+    """Indices of the non-backward ops that depend on a backward op (optimizer updates);
+    computed once per list of ops (planning asks several times)."""
+    cached = graph._after_backward
+    if cached is not None and cached[0] is graph.ops and cached[1] == len(graph.ops):
+        return cached[2]
+    out = frozenset(_after_backward(graph))
+    graph._after_backward = (graph.ops, len(graph.ops), out)
+    return out
+
+
+def _after_backward(graph: Graph) -> set[int]:
     tainted: set[int] = set()
     out: set[int] = set()
     for op in graph.ops:

@@ -88,6 +88,8 @@ class Graph:
     specs: dict[int, Any] = dataclasses.field(default_factory=dict)
     _producers: dict[int, Op] | None = dataclasses.field(default=None, repr=False)
     _consumers: dict[int, list[Op]] | None = dataclasses.field(default=None, repr=False)
+    # (the ops list it was computed for, its length, the result): cut.after_backward's cache
+    _after_backward: tuple | None = dataclasses.field(default=None, repr=False)
 
     def new_value(self, info: tuple[tuple[int, ...], Any, int]) -> int:
         shape, dtype, nbytes = info
