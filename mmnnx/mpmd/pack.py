@@ -283,14 +283,15 @@ def plan_packing(
     of its pipelined programs of at most ``residual_bytes`` each (:func:`_residual_packing`),
     and the weights of at most ``weight_bytes`` each of each block its pipelined programs read
     (:func:`_weight_packing`; ``input_names``: the step inputs' paths)."""
+    readers = _readers(program)
     packing = (
-        _residual_packing(program, graph, residual_bytes, input_names)
+        _residual_packing(program, graph, residual_bytes, input_names, readers)
         if residual_bytes
         else no_packing(program)
     )
-    packing = _sum_packing(program, packing, _gathered_sums(program, graph))
+    packing = _sum_packing(program, packing, _gathered_sums(program, graph), readers)
     if weight_bytes and input_names:
-        packing = _weight_packing(program, graph, packing, weight_bytes, input_names)
+        packing = _weight_packing(program, graph, packing, weight_bytes, input_names, readers)
     return packing
 
 
@@ -315,13 +316,13 @@ def _weight_packing(
     packing: Packing,
     weight_bytes: int,
     input_names: Sequence[str],
+    readers: dict[int, list[Run | None]],
 ) -> Packing:
     """Adds to ``packing``, per one-device task and block (:func:`block_of`), one buffer per
     dtype of the step inputs of at most ``weight_bytes`` each that pipelined runs on that task
     alone read, more than once, without donating them. Members go in the order of their paths
     inside the block, so blocks alike are laid out alike: their programs slice them at the same
     offsets, and the blocks' kernels stay alike (XLA compiles each once per program)."""
-    readers = _readers(program)
     groups: dict[tuple, list[tuple[str, int, tuple[int, ...]]]] = {}
     seen: set[int] = set()
     for slot, leaf in program.inputs:
@@ -388,13 +389,17 @@ def _gathered_sums(program: StepProgram, graph: Graph) -> set[int]:
     }
 
 
-def _sum_packing(program: StepProgram, packing: Packing, gathered: set[int]) -> Packing:
+def _sum_packing(
+    program: StepProgram,
+    packing: Packing,
+    gathered: set[int],
+    readers: dict[int, list[Run | None]],
+) -> Packing:
     """Adds to ``packing`` the running sums of each :class:`Zeros` action that only Runs on
     its task read, without donating them, other than ``gathered`` ones, on a one-device task or
     whole (replicated) on a task of one process's devices: grouped by dtype and by the Runs
     adding to them (each adds to all of a buffer), one flat buffer per group of two or more,
     replicated over the task's devices."""
-    readers = _readers(program)
     adders: dict[int, list[int]] = {}
     for i, a in enumerate(program.actions):
         if isinstance(a, Run):
@@ -446,7 +451,11 @@ def _whole(sharding: Any, task: Any) -> bool:
 
 
 def _residual_packing(
-    program: StepProgram, graph: Graph, residual_bytes: int, input_names: Sequence[str] = ()
+    program: StepProgram,
+    graph: Graph,
+    residual_bytes: int,
+    input_names: Sequence[str],
+    readers: dict[int, list[Run | None]],
 ) -> Packing:
     """Packs, per Run of a pipelined microbatch on a one-device task, the results of one dtype
     (two or more) of at most ``residual_bytes`` each that only runs of other fragments on that
@@ -460,7 +469,6 @@ def _residual_packing(
         for v, name in zip(graph.inputs, input_names, strict=False)
         if (where := block_of(name)) is not None
     }
-    readers = _readers(program)
 
     def packable(run: Run, position: int) -> bool:
         slot = run.outs[position]

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -90,7 +91,11 @@ class Buffer:
         return below[-1] if below else offset
 
     def member(self, slot: int) -> Member:
-        return next(m for m in self.members if m.slot == slot)
+        return self._member_of[slot]
+
+    @functools.cached_property
+    def _member_of(self) -> dict[int, Member]:
+        return {m.slot: m for m in self.members}
 
     @property
     def layout(self) -> tuple:

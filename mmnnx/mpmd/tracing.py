@@ -35,14 +35,18 @@ _GROUP = re.compile(re.escape(GROUP_PREFIX) + r"(\d+)")
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "callback"})
 
 
-def _calls_back(eqn: jcore.JaxprEqn) -> bool:
+def _calls_back(eqn: jcore.JaxprEqn, known: dict[int, bool] | None = None) -> bool:
+    """Whether ``eqn`` is, or holds at any depth, a host callback; ``known`` caches the answer
+    for each nested jaxpr by id (the same body is often called many times)."""
     if eqn.primitive.name in _CALLBACKS:
         return True
-    return any(
-        _calls_back(inner)
-        for sub in jcore.jaxprs_in_params(eqn.params)
-        for inner in getattr(sub, "eqns", ())
-    )
+    known = {} if known is None else known
+    for sub in jcore.jaxprs_in_params(eqn.params):
+        if id(sub) not in known:
+            known[id(sub)] = any(_calls_back(inner, known) for inner in getattr(sub, "eqns", ()))
+        if known[id(sub)]:
+            return True
+    return False
 
 
 def is_backward_scope(scope: str) -> bool:
@@ -111,6 +115,20 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
     """The flat op graph of a traced function (``jax.make_jaxpr``), calls inlined."""
     graph = Graph()
     env: dict[Any, Any] = {}
+    calls_back: dict[int, bool] = {}  # by nested jaxpr id; the jaxprs live as long as `closed`
+    scope_of: dict[tuple[str, int], str] = {}  # by (prefix, id of the eqn's name stack)
+    # scope -> (microbatch group, mm.task region, backward): scopes repeat across many ops
+    marks: dict[str, tuple[int | None, str | None, bool]] = {}
+
+    def scope_marks(scope: str) -> tuple[int | None, str | None, bool]:
+        if scope not in marks:
+            group = _last(_GROUP, scope)
+            marks[scope] = (
+                int(group) if group is not None else None,
+                _last(_REGION, scope),
+                is_backward_scope(scope),
+            )
+        return marks[scope]
 
     def atom(a):
         if isinstance(a, jcore.Literal):
@@ -123,7 +141,10 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
         for v, x in zip(jaxpr.invars, inputs, strict=True):
             env[v] = x
         for eqn in jaxpr.eqns:
-            scope = f"{prefix}/{eqn.source_info.name_stack}"
+            stack = eqn.source_info.name_stack
+            scope = scope_of.get((prefix, id(stack)))
+            if scope is None:
+                scope = scope_of[(prefix, id(stack))] = f"{prefix}/{stack}"
             if eqn.primitive.name in _INLINE and "jaxpr" in eqn.params:
                 inner = eqn.params["jaxpr"]
                 inner_jaxpr = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
@@ -149,7 +170,7 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
                 for v, o in zip(outvars, outs, strict=True):
                     if not isinstance(v, jcore.DropVar):
                         env[v] = o
-                group = _last(_GROUP, scope)
+                group, region, backward = scope_marks(scope)
                 graph.ops.append(
                     Op(
                         index=len(graph.ops),
@@ -162,10 +183,10 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
                         name=eqn.primitive.name,
                         scope=scope,
                         effectful=bool(eqn.effects),
-                        backward=is_backward_scope(scope),
-                        region=_last(_REGION, scope),
-                        group=int(group) if group is not None else None,
-                        may_fail=_calls_back(eqn),
+                        backward=backward,
+                        region=region,
+                        group=group,
+                        may_fail=_calls_back(eqn, calls_back),
                         mesh=traced_mesh(eqn),
                     )
                 )
