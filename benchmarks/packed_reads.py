@@ -111,6 +111,7 @@ def measure(fn, args, calls=100) -> dict:
     """One round of ``fn`` on ``args``: compile seconds (JAX's caches off), and device seconds
     and host CPU seconds per call, mean of ``calls`` calls, with the arguments ready and still
     being computed."""
+    jax.clear_caches()  # JAX's in-memory cache of compiled programs too: every round compiles
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - start
