@@ -1,5 +1,7 @@
 """Small NNX models shared by the tests."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -207,6 +209,33 @@ def microbatched_train_step(schedule: str = "1f1b", num: int = 4):
         return loss
 
     return step
+
+
+def loss_and_grads_steps(loss_fn, schedule: str, num: int):
+    """A train step of ``loss_fn(model, x, y)`` over ``num`` microbatches of ``x`` and ``y``
+    under ``schedule`` (to run with ``mm.jit``), and its full-batch reference under
+    ``nnx.jit``; both update the optimizer and return ``(loss, grads)``."""
+
+    def pipelined(model, opt, x, y):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(loss_fn), num=num, argnums=(1, 2), reduce="mean", schedule=schedule
+        )
+        loss, grads = grad_fn(model, x, y)
+        opt.update(model, grads)
+        return loss, grads
+
+    return pipelined, _reference_step(loss_fn)
+
+
+@functools.cache  # one nnx.jit per loss: its compiled steps are shared by every schedule
+def _reference_step(loss_fn):
+    @nnx.jit
+    def reference(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        opt.update(model, grads)
+        return loss, grads
+
+    return reference
 
 
 def gpt_step(schedule: str):

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from tests.models import four_tasks
+from tests.models import four_tasks, loss_and_grads_steps
 from tests.oracle import close, params_close, trees_close
 
 DIM, M, LR = 16, 4, 3e-3
@@ -75,25 +75,6 @@ def loss_fn(model, x, y):
     return jnp.mean(model(x, y) ** 2)
 
 
-def pipelined_step(schedule):
-    def step(model, opt, x, y):
-        grad_fn = mm.microbatch(
-            nnx.value_and_grad(loss_fn), num=M, argnums=(1, 2), reduce="mean", schedule=schedule
-        )
-        loss, grads = grad_fn(model, x, y)
-        opt.update(model, grads)
-        return loss, grads
-
-    return step
-
-
-@nnx.jit
-def reference_step(model, opt, x, y):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-    opt.update(model, grads)
-    return loss, grads
-
-
 VARIANTS = {
     "softmax": ({}, []),
     "linear": ({"softmax": False}, []),
@@ -119,7 +100,8 @@ def test_cross_attention_pipelines_as_placed_and_matches_one_device(variant, sch
         y = jax.random.randint(jax.random.key(1), (8, 3), 0, 32)
     else:
         y = jax.random.normal(jax.random.key(1), (8, 3, DIM))
-    step = mm.jit(pipelined_step(schedule))
+    pipelined_step, reference_step = loss_and_grads_steps(loss_fn, schedule, M)
+    step = mm.jit(pipelined_step)
 
     plan = step.plan(model, opt, x, y)
     assert [t.name for t in plan.pipeline.stage_tasks] == ["t0", "t1", "t2"]

@@ -12,7 +12,7 @@ from flax import nnx
 
 import mmnnx as mm
 from tests import bonsai_whisper as whisper
-from tests.models import four_tasks
+from tests.models import four_tasks, loss_and_grads_steps
 from tests.oracle import close, params_close, trees_close
 
 LR, SOURCE = 3e-3, 6  # learning rate, encoder positions
@@ -45,25 +45,6 @@ def loss_fn(model, features, tokens):
     hidden = model.decoder(inputs, nnx.make_causal_mask(inputs), encoded, None, decode=False)
     logits = model.decoder.embed_tokens.attend(hidden)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
-def pipelined_step(schedule, num):
-    def step(model, opt, features, tokens):
-        grad_fn = mm.microbatch(
-            nnx.value_and_grad(loss_fn), num=num, argnums=(1, 2), reduce="mean", schedule=schedule
-        )
-        loss, grads = grad_fn(model, features, tokens)
-        opt.update(model, grads)
-        return loss, grads
-
-    return step
-
-
-@nnx.jit
-def reference_step(model, opt, features, tokens):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, features, tokens)
-    opt.update(model, grads)
-    return loss, grads
 
 
 # (placement rules, the stage chain, microbatches): on 4 tasks the output projection, tied to
@@ -107,7 +88,8 @@ def test_whisper_trains_pipelined_as_placed_and_matches_one_device(num_tasks, sc
     batch = 2 * num
     features = jax.random.normal(jax.random.key(0), (batch, 2 * SOURCE, CONFIG.num_mel_bins))
     tokens = jax.random.randint(jax.random.key(1), (batch, 5), 0, CONFIG.vocab_size)
-    step = mm.jit(pipelined_step(schedule, num))
+    pipelined_step, reference_step = loss_and_grads_steps(loss_fn, schedule, num)
+    step = mm.jit(pipelined_step)
 
     plan = step.plan(model, opt, features, tokens)
     assert [t.name for t in plan.pipeline.stage_tasks] == chain
