@@ -124,15 +124,28 @@ def levels(
         if op.index not in movable:
             continue
         task = op_tasks[op.index]
-        bounds = [
-            level[c.index] - (op_tasks[c.index] != task)
-            for v in op.outs
-            for c in consumers.get(v, ())
-            if c.index in inside
-        ]
+        bounds = reader_bounds(op, level, op_tasks, consumers, inside)
         latest = min(bounds) if bounds else last_level.get(task, 0)
         level[op.index] = max(level[op.index], latest)
     return level
+
+
+def reader_bounds(
+    op: Op,
+    level: dict[int, int],
+    op_tasks: Sequence[Task],
+    consumers: dict[int, list[Op]],
+    inside: set[int],
+) -> list[int]:
+    """The deepest level each reader of ``op``'s results among ``inside`` allows ``op``: a
+    reader on another task one level shallower than itself, one on ``op``'s task its own."""
+    task = op_tasks[op.index]
+    return [
+        level[c.index] - (op_tasks[c.index] != task)
+        for v in op.outs
+        for c in consumers.get(v, ())
+        if c.index in inside
+    ]
 
 
 def make_fragment(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd.cut import Fragment
+from mmnnx.mpmd.cut import Fragment, reader_bounds
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.sharding import Task
 
@@ -53,16 +53,10 @@ def settle_on_visits(
             visits.setdefault(op_tasks[op.index], set()).add(level[op.index])
         moved = False
         for op in reversed(forward):
-            task = op_tasks[op.index]
-            bounds = [
-                level[c.index] - (op_tasks[c.index] != task)
-                for v in op.outs
-                for c in consumers.get(v, ())
-                if c.index in inside
-            ]
+            bounds = reader_bounds(op, level, op_tasks, consumers, inside)
             if not bounds:
                 continue
-            later = [d for d in visits[task] if level[op.index] < d <= min(bounds)]
+            later = [d for d in visits[op_tasks[op.index]] if level[op.index] < d <= min(bounds)]
             if later:
                 level[op.index] = max(later)
                 moved = True
@@ -83,7 +77,7 @@ def check_stage_order(
     backward runs first::
 
         >>> from mmnnx.mpmd.ir import Graph
-        >>> from mmnnx.mpmd.cut import Fragment
+        >>> from mmnnx.mpmd.cut import Fragment, reader_bounds
         >>> from mmnnx.sharding import Task, TaskMesh
         >>> t1, t2 = Task("t1", mesh=TaskMesh(devices=[0])), Task("t2", mesh=TaskMesh(devices=[1]))
         >>> dq = Op(0, None, {}, [5], [6], False, "model.py:7", "dot_general", backward=True)
