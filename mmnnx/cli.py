@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--weight-decay",
-        type=_finite_float(positive=False, name="--weight-decay"),
+        type=_finite_float("--weight-decay", positive=False),
         default=0.01,
         help="AdamW's decoupled weight decay (0.01)",
     )
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     precision.add_argument(
         "--clip-grad-norm",
-        type=_finite_float(positive=True, name="--clip-grad-norm"),
+        type=_finite_float("--clip-grad-norm", positive=True),
         default=None,
         metavar="NORM",
         help="scale the gradients down to this global norm, over every stage's (default: none)",
@@ -423,7 +423,7 @@ def _add_generate(commands: Any) -> None:
     )
     generate.add_argument(
         "--temperature",
-        type=_finite_float(positive=False, name="--temperature"),
+        type=_finite_float("--temperature", positive=False),
         default=0.0,
         metavar="T",
         help="0 picks the likeliest token (greedy, the default); above 0, sample from the "
