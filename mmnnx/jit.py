@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx import _nnx
 from mmnnx._error_location import with_location
+from mmnnx._gc import cyclic_gc_paused
 from mmnnx._jax.arrays import all_plain_arrays, move_to, shards_by_device
 from mmnnx._jax.tracing import tracing
 from mmnnx.deep_models import warn_unrolled_blocks
@@ -838,7 +839,7 @@ class JitFunction:
         if entry is None:
             if call.bound:  # a new plan for a bound call: was the model placed again?
                 call.check_placement()
-            with no_ambient_mesh():
+            with no_ambient_mesh(), cyclic_gc_paused():
                 entry = self._cache[call.key] = self._build(call)
         else:
             call.check_free_devices(entry[0].owned_devices)

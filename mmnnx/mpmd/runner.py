@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from mmnnx._gc import cyclic_gc_paused
 from mmnnx._jax.arrays import checks_special_values, copier, is_plain_array, launchable_as, move_to
 from mmnnx._jax.compile import SharedCompiles
 from mmnnx._jax.launch import DirectLaunch
@@ -393,7 +394,7 @@ class Executable:
                 if self._make_peers is None:
                     raise ValueError("a program localized to one process needs its peers")
                 self._peers = self._make_peers()
-            with _Compiler() as compiler:
+            with _Compiler() as compiler, cyclic_gc_paused():
                 self._build(compiler)
         return self.compiled_plan
 

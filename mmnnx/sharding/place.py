@@ -5,9 +5,7 @@ Every check runs before any array moves, so a bad rule list leaves the model unt
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -16,6 +14,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mmnnx._gc import cyclic_gc_paused
 from mmnnx._jax.tracing import fast_sharding_probes
 from mmnnx._nnx import (
     annotated_spec,
@@ -279,23 +278,8 @@ def init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, *, strict: 
         >>> model.layers[0].kernel.get_value().sharding.mesh.devices.size
         4
     """
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         return _init(factory, rules, strict)
-
-
-@contextlib.contextmanager
-def _cyclic_gc_paused():
-    """Pauses Python's cyclic garbage collector (reference counting goes on). Tracing a model
-    makes objects by the hundred thousand that live until the trace is done, and each of those
-    triggers a full collection that scans the whole heap and frees nothing (a large share of a
-    deep model's trace, benchmarks/init.py). Collection resumes on its own schedule after."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, strict: bool) -> M:
