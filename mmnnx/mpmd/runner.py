@@ -116,8 +116,10 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
             base = buffer.base_of(at)
             start = args[offset_arg[base]]
             if at != base:
-                start = start + args[offset_arg[at - base]]
-            return jax.lax.dynamic_slice(args[k], (start,), (size,)).reshape(shape)
+                start = jax.lax.add(start, args[offset_arg[at - base]])
+            # offsets are never negative: no ops to wrap them around
+            member = jax.lax.dynamic_slice(args[k], (start,), (size,), allow_negative_indices=False)
+            return member.reshape(shape)
 
         return [
             args[r.arg]
