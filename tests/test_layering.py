@@ -22,7 +22,14 @@ PACKAGES = ("mmnnx", "multimesh_compat")
 # Lowest first. A module belongs to the longest entry that is its name or a package holding it;
 # an import may go to the same layer or a lower one only. ``mmnnx`` is the package's __init__.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("mmnnx.errors", "mmnnx._nnx", "mmnnx._tables", "mmnnx._jax", "mmnnx._error_location"),
+    (
+        "mmnnx.errors",
+        "mmnnx._nnx",
+        "mmnnx._tables",
+        "mmnnx._jax",
+        "mmnnx._error_location",
+        "mmnnx._gc",
+    ),
     ("mmnnx.sharding",),
     ("mmnnx.mpmd",),
     ("mmnnx.distributed",),

@@ -232,11 +232,13 @@ def test_equal_stages_compile_once_and_train_like_one_device(
 
     monkeypatch.setattr(compiler, "backend_compile_and_load", counted)
     submitted, tables = [], []
-    share = SharedCompiles.compile
+    share = SharedCompiles.submit
     monkeypatch.setattr(
         SharedCompiles,
-        "compile",
-        lambda self, low: submitted.append(1) or tables.append(self) or share(self, low),
+        "submit",
+        lambda self, low, pool: (
+            submitted.append(1) or tables.append(self) or share(self, low, pool)
+        ),
     )
     model = placed(tasks)
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)

@@ -57,7 +57,46 @@ class SharedCompiles:
         self._loaded: list[Any] = []  # the Lowered objects of loaded_lowered, alive
 
     def compile(self, lowered: Any) -> Any:
-        program = _Program.of(lowered)
+        """The program ``lowered`` compiled, or loaded from an equal one's executable (waiting
+        for that one if it is compiling on another thread)."""
+        return self._compile(lowered, _Program.of(lowered))
+
+    def submit(self, lowered: Any, pool: concurrent.futures.Executor) -> concurrent.futures.Future:
+        """Compiles ``lowered`` (as :meth:`compile`) on ``pool``; the future of its result. A
+        program equal to one still compiling takes no worker while it waits: it is queued
+        again once that one is done, and the worker goes on to the next program."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def settle(program: _Program | None) -> None:
+            try:
+                done.set_result(self._compile(lowered, program))
+            except BaseException as e:
+                done.set_exception(e)
+
+        def queue_again(program: _Program) -> None:
+            try:
+                pool.submit(settle, program)
+            except RuntimeError as e:  # the pool was shut down: the step's build failed
+                done.set_exception(e)
+
+        def start() -> None:
+            try:
+                program = _Program.of(lowered)
+            except BaseException as e:
+                done.set_exception(e)
+                return
+            if program is not None:
+                with self._lock:
+                    first = self._first.get(program.key)
+                if first is not None and not first.done():
+                    first.add_done_callback(lambda _: queue_again(program))
+                    return
+            settle(program)
+
+        pool.submit(start)
+        return done
+
+    def _compile(self, lowered: Any, program: _Program | None) -> Any:
         if program is None:  # host callbacks, several processes, or no mesh computation
             return lowered.compile()
         with self._lock:

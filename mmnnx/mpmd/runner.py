@@ -284,7 +284,7 @@ class _Compiler:
         )
 
     def submit(self, lowered: Any) -> concurrent.futures.Future:
-        return self._pool.submit(self.shared.compile, lowered)
+        return self.shared.submit(lowered, self._pool)
 
     def output_shardings(self, lowered: Any, compiling: concurrent.futures.Future) -> list:
         """The program's output layouts: pinned ones without waiting for its compilation."""
