@@ -197,6 +197,37 @@ def test_an_input_already_laid_out_on_its_task_is_not_moved(monkeypatch):
     assert len(puts) == 1
 
 
+def test_cyclic_gc_is_paused_while_a_step_is_traced_and_lowered(tasks, batch, monkeypatch):
+    """Python's cyclic collector is off while mm.jit traces, plans and lowers a step, and on
+    again after, a trace that raises included."""
+    import gc
+
+    from mmnnx.mpmd import runner
+
+    seen = []
+    lower = runner.lower_fragments
+    monkeypatch.setattr(
+        runner, "lower_fragments", lambda *a: seen.append(("lower", gc.isenabled())) or lower(*a)
+    )
+
+    def forward(m, x):
+        seen.append(("trace", gc.isenabled()))
+        return m(x)
+
+    assert gc.isenabled()
+    mm.jit(forward).compile(two_stage(tasks), batch[0])
+    assert gc.isenabled()
+    assert ("trace", False) in seen and ("lower", False) in seen
+    assert all(not enabled for _, enabled in seen)
+
+    def failing(m, x):
+        raise RuntimeError("user error while tracing")
+
+    with pytest.raises(RuntimeError, match="user error while tracing"):
+        mm.jit(failing)(two_stage(tasks), batch[0])
+    assert gc.isenabled()
+
+
 def test_cache_and_replan_on_new_shape(tasks, batch):
     model = two_stage(tasks)
     step = mm.jit(lambda m, x: m(x))

@@ -286,6 +286,47 @@ def test_loading_an_equal_program_replaces_no_jax_function(no_compilation_cache)
     assert all(a is b for a, b in zip(after, jax_functions, strict=True))
 
 
+def test_a_program_waiting_for_an_equal_one_leaves_its_compile_thread_free(
+    no_compilation_cache,
+):
+    """With two compile threads, A compiling, B equal to A (other device) and C distinct: B
+    waits for A without a thread, so C compiles meanwhile. A's compile here finishes only once
+    C's has, and fails after 20 s if B holds the second thread."""
+    import concurrent.futures
+
+    def lowered(fn, device):
+        on = jax.sharding.SingleDeviceSharding(device)
+        return jax.jit(fn, in_shardings=on).lower(jnp.float32(0))
+
+    first, equal = (lowered(lambda x: x * 3, d) for d in jax.devices()[:2])
+    other = lowered(lambda x: x - 1, jax.devices()[0])
+    other_compiled = threading.Event()
+    compile_first, compile_other = first.compile, other.compile
+
+    def compile_first_once_other_is():
+        if not other_compiled.wait(20):
+            raise AssertionError("C did not compile while A did: B held the other thread")
+        return compile_first()
+
+    def compile_other_and_tell():
+        out = compile_other()
+        other_compiled.set()
+        return out
+
+    first.compile, other.compile = compile_first_once_other_is, compile_other_and_tell
+    shared = SharedCompiles()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [shared.submit(low, pool) for low in (first, equal, other)]
+        programs = [f.result(timeout=30) for f in futures]
+    assert shared.loaded == 1
+    outs = [
+        p(jax.device_put(jnp.float32(2), jax.sharding.SingleDeviceSharding(d)))
+        for p, d in zip(programs, [*jax.devices()[:2], jax.devices()[0]], strict=True)
+    ]
+    assert [float(o) for o in outs] == [6.0, 6.0, 1.0]
+    assert outs[1].devices() == {jax.devices()[1]}
+
+
 _EQUAL_STAGES_IN_A_PROCESS = """
 import json, threading
 import jax, optax
