@@ -32,7 +32,8 @@ compiled once per round, the programs taking turns).
 Issue 42's measures (``--only issue42``, fresh processes, interleaved rounds, median
 [min-max]): first call of the 16- and 32-block GPT on 4 stages, M = 8, against ``nnx.jit`` on
 one device; and the plan of an unrolled 128-block GPT (everything in the first call but
-compiling) against JAX alone tracing the plain step (``jax.make_jaxpr``).
+compiling) against JAX alone tracing the plain step (``jax.make_jaxpr``), as a user would run it
+and with Python's garbage collector paused, as ``mm.jit`` pauses it while it plans.
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/first_call.py
 [--only issue42] [--rounds N]
@@ -43,6 +44,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import contextlib  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -63,6 +65,7 @@ from report import (  # noqa: E402
 )
 
 import mmnnx as mm  # noqa: E402
+from mmnnx._gc import cyclic_gc_paused  # noqa: E402
 from mmnnx.models import GPT, GPTConfig, stage_rules  # noqa: E402
 
 RESULTS = results_path("first_call.json")
@@ -127,15 +130,17 @@ def measure(case: str, cache_dir: str | None = None) -> dict:
     tokens = jax.random.randint(jax.random.key(0), (BATCH, CONFIG.max_seq_len + 1), 0, 256)
     with nnx.use_eager_sharding(False):
         model = GPT(CONFIG, rngs=nnx.Rngs(0))
-    if case == "jax_trace":  # JAX alone tracing the plain step (no compile)
+    if case.startswith("jax_trace"):  # JAX alone tracing the plain step (no compile)
         opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
         graphdef, state = nnx.split((model, opt))
 
         def pure(state, tokens):
             return plain_step(*nnx.merge(graphdef, state), tokens)
 
+        paused = case == "jax_trace_gc_paused"  # as mm.jit pauses the collector while it plans
         start = time.perf_counter()
-        jax.make_jaxpr(pure)(state, tokens)
+        with cyclic_gc_paused() if paused else contextlib.nullcontext():
+            jax.make_jaxpr(pure)(state, tokens)
         return {"seconds": time.perf_counter() - start}
     if case == "one_device":
         opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
@@ -287,10 +292,29 @@ def deep_and_first_calls(rounds: int) -> dict:
         out[f"first call, {depth} blocks, 4 stages, M = 8 / nnx.jit"] = first_calls_against(
             depth, 8, ("one_device", "pipelined"), rounds
         )
-    out["plan, 128 blocks unrolled, 4 stages, M = 8 / JAX trace"] = first_calls_against(
-        128, 8, ("jax_trace", "plan"), rounds
-    )
+    out["plan, 128 blocks unrolled, 4 stages, M = 8 / JAX trace"] = plan_against_jax(rounds)
     return out
+
+
+def plan_against_jax(rounds: int) -> dict:
+    """The 128-block plan against JAX alone tracing the plain step as a user would (Python's
+    garbage collector on: the target's baseline), and against the same trace with the collector
+    paused, as ``mm.jit`` pauses it while it plans (like for like); the three in fresh
+    processes, taking turns over ``rounds`` rounds."""
+    cases = ("jax_trace", "jax_trace_gc_paused", "plan")
+    runs = interleaved(
+        {c: functools.partial(in_fresh_process, c, depth=128, microbatches=8) for c in cases},
+        rounds,
+    )
+    jax_s, paused_s, plan_s = ([r["seconds"] for r in runs[c]] for c in cases)
+    return {
+        "jax_trace s": spread(jax_s),
+        "jax_trace with the collector paused s": spread(paused_s),
+        "plan s": spread(plan_s),
+        "ratio": ratio_spread(plan_s, jax_s),
+        "ratio to JAX's trace with the collector paused": ratio_spread(plan_s, paused_s),
+        "rounds": rounds,
+    }
 
 
 def main_issue42(rounds: int):
