@@ -115,12 +115,35 @@ def median(samples: Sequence[float]) -> float:
     return statistics.median(samples)
 
 
+def speed_probe(repeats: int = 3) -> float:
+    """Seconds of a fixed single-threaded workload (a pure-Python loop and a NumPy sort), the
+    median of ``repeats``: how fast this machine ran when a results file was written. The same
+    code measured 1.5x slower on one day than on the day before on this machine, so runs are
+    compared by their ratios, taken in the same rounds, and this says which day was slow.
+
+    >>> 0 < speed_probe(1) < 60
+    True
+    """
+    import numpy as np  # noqa: PLC0415
+
+    values = np.random.default_rng(0).random(1_000_000)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i & 7
+        np.sort(values)
+        seconds.append(time.perf_counter() - start)
+    return round(statistics.median(seconds), 3)
+
+
 def machine() -> dict:
     """What a run was measured on, no host name: cores, the 1-minute load average when the script
-    started and now, and the CPU model.
+    started and now, the CPU model, and the seconds of :func:`speed_probe` now.
 
     >>> sorted(machine())
-    ['cores', 'cpu', 'load average after', 'load average before']
+    ['cores', 'cpu', 'load average after', 'load average before', 'speed probe s']
     """
     cpu = "unknown"
     try:
@@ -135,6 +158,7 @@ def machine() -> dict:
         "load average before": round(_LOAD_BEFORE[0], 2),
         "load average after": round(os.getloadavg()[0], 2),
         "cpu": cpu,
+        "speed probe s": speed_probe(),
     }
 
 

@@ -57,6 +57,7 @@ def test_results_file_records_machine_and_rounds_per_section(report, tmp_path, m
     run = results["measured"]["s"]
     assert run["rounds"] == 2 and "quick check" in run["note"]
     assert run["cores"] >= 1 and run["load average before"] >= 0 and run["cpu"]
+    assert run["speed probe s"] > 0
     # a later run of another section keeps this section's record
     report.run_sections(
         {"s": lambda rounds: {}, "u": lambda rounds: {"x": 1.0}}, path, "t", only=["u"]
