@@ -294,12 +294,14 @@ def test_a_program_waiting_for_an_equal_one_leaves_its_compile_thread_free(
     C's has, and fails after 20 s if B holds the second thread."""
     import concurrent.futures
 
+    # programs no other test compiles: the run's persistent cache, once read in this process,
+    # answers even with the cache switched off, and a first read from it is not handed on
     def lowered(fn, device):
         on = jax.sharding.SingleDeviceSharding(device)
-        return jax.jit(fn, in_shardings=on).lower(jnp.float32(0))
+        return jax.jit(fn, in_shardings=on).lower(jnp.zeros((3, 7), jnp.float32))
 
-    first, equal = (lowered(lambda x: x * 3, d) for d in jax.devices()[:2])
-    other = lowered(lambda x: x - 1, jax.devices()[0])
+    first, equal = (lowered(lambda x: x * 3.5, d) for d in jax.devices()[:2])
+    other = lowered(lambda x: x - 1.25, jax.devices()[0])
     other_compiled = threading.Event()
     compile_first, compile_other = first.compile, other.compile
 
@@ -320,10 +322,10 @@ def test_a_program_waiting_for_an_equal_one_leaves_its_compile_thread_free(
         programs = [f.result(timeout=30) for f in futures]
     assert shared.loaded == 1
     outs = [
-        p(jax.device_put(jnp.float32(2), jax.sharding.SingleDeviceSharding(d)))
+        p(jax.device_put(jnp.full((3, 7), 2.0), jax.sharding.SingleDeviceSharding(d)))
         for p, d in zip(programs, [*jax.devices()[:2], jax.devices()[0]], strict=True)
     ]
-    assert [float(o) for o in outs] == [6.0, 6.0, 1.0]
+    assert [float(o[0, 0]) for o in outs] == [7.0, 7.0, 0.75]
     assert outs[1].devices() == {jax.devices()[1]}
 
 
