@@ -116,24 +116,35 @@ def median(samples: Sequence[float]) -> float:
 
 
 def speed_probe(repeats: int = 3) -> float:
-    """Seconds of a fixed single-threaded workload (a pure-Python loop and a NumPy sort), the
-    median of ``repeats``: how fast this machine ran when a results file was written. The same
-    code measured 1.5x slower on one day than on the day before on this machine, so runs are
-    compared by their ratios, taken in the same rounds, and this says which day was slow.
+    """Seconds of a fixed workload, the median of ``repeats``: a pure-Python loop and XLA
+    compiling a small fixed program (a 4-layer MLP's value and gradient, a new function each
+    time, so nothing comes from JAX's caches): how fast this machine ran when a results file
+    was written. On this 2-core machine the same one-device compile took 1.5-2x longer on one
+    day than on the day before, which ratios taken in the same rounds absorb and absolute
+    numbers do not; this says which day was slow.
 
     >>> 0 < speed_probe(1) < 60
     True
     """
-    import numpy as np  # noqa: PLC0415
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
 
-    values = np.random.default_rng(0).random(1_000_000)
+    def program():
+        def loss(ws, x):
+            for w in ws:
+                x = jnp.tanh(x @ w)
+            return (x * x).mean()
+
+        return jax.jit(jax.value_and_grad(loss))
+
+    args = ([jnp.ones((64, 64))] * 4, jnp.ones((8, 64)))
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         total = 0
         for i in range(1_000_000):
             total += i & 7
-        np.sort(values)
+        program().lower(*args).compile()
         seconds.append(time.perf_counter() - start)
     return round(statistics.median(seconds), 3)
 
