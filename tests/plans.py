@@ -3,7 +3,7 @@
 import dataclasses
 
 from mmnnx.mpmd.program import Buffer, PackWeights, Run, Zeros
-from mmnnx.mpmd.runner import _Launch
+from mmnnx.mpmd.emit import Launch
 
 
 @dataclasses.dataclass
@@ -59,7 +59,7 @@ def launches_of(executable, kind):
     return [
         step
         for step in executable._steps
-        if isinstance(step, _Launch)
+        if isinstance(step, Launch)
         and step.labels
         and step.labels[0][0]
         and step.labels[0][0][1] == kind

@@ -136,12 +136,12 @@ def test_plan_is_inspectable(tasks, batch):
 
 
 def test_plan_compiles_nothing_and_shows_each_tasks_program(tasks, batch, monkeypatch):
-    from mmnnx.mpmd import runner
+    from mmnnx.mpmd import emit
 
     compiled = []
-    real = runner.lower_fragments
+    real = emit.lower_fragments
     monkeypatch.setattr(
-        runner,
+        emit,
         "lower_fragments",
         lambda *a: compiled.extend(run.fragment.name for run in a[1]) or real(*a),
     )
@@ -202,12 +202,12 @@ def test_cyclic_gc_is_paused_while_a_step_is_traced_and_lowered(tasks, batch, mo
     again after, a trace that raises included."""
     import gc
 
-    from mmnnx.mpmd import runner
+    from mmnnx.mpmd import emit
 
     seen = []
-    lower = runner.lower_fragments
+    lower = emit.lower_fragments
     monkeypatch.setattr(
-        runner, "lower_fragments", lambda *a: seen.append(("lower", gc.isenabled())) or lower(*a)
+        emit, "lower_fragments", lambda *a: seen.append(("lower", gc.isenabled())) or lower(*a)
     )
 
     def forward(m, x):

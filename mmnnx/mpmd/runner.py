@@ -1,9 +1,7 @@
-"""The runner: compiles the programs a :class:`StepProgram` names, then interprets its actions.
+"""The runner: interprets a step's emitted steps (:mod:`~mmnnx.mpmd.emit`), compiling them on
+first use.
 
-Compiling walks the actions once in dispatch order (a fragment's input layouts are those of the
-values it reads, so they are known by the time it is reached) and turns them into a flat list of
-typed steps (:class:`_Launch`, :class:`_Move`, :class:`_Put`, :class:`_Cross`), each holding what
-it needs pre-resolved. Per call, the host work is one loop over that list: no tracing, no graph
+Per call, the host work is one loop over the flat list of typed steps: no tracing, no graph
 walks. Dispatch is asynchronous, so fragments on different submeshes overlap. The runner runs the
 program it is given, as ``plan()`` prints it: packing and cross-process routes are decided by
 the passes before it (``passes.py``), and it never writes into the plan.
@@ -11,348 +9,28 @@ the passes before it (``passes.py``), and it never writes into the plan.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
-import functools
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from mmnnx._gc import cyclic_gc_paused
 from mmnnx._jax.arrays import checks_special_values, copier, is_plain_array, launchable_as, move_to
-from mmnnx._jax.compile import SharedCompiles
 from mmnnx._jax.launch import DirectLaunch
-from mmnnx.mpmd.evaluate import run_ops
+from mmnnx.mpmd.emit import Launch, Move, Put, Step, emit
 from mmnnx.mpmd.ir import Graph
-from mmnnx.mpmd.lower import compatible, constraint_layout
-from mmnnx.mpmd.mesh_context import explicit_twin
-from mmnnx.mpmd.pack import slice_offsets
 from mmnnx.mpmd.peers import Peers
 from mmnnx.mpmd.plan import Plan
-from mmnnx.mpmd.primitives import constraint_layouts
-from mmnnx.mpmd.program import (
-    AwaitLayout,
-    Buffer,
-    Constant,
-    ConstantOutput,
-    PackWeights,
-    PublishLayout,
-    Recv,
-    Release,
-    Route,
-    Run,
-    Send,
-    StepProgram,
-    Zeros,
-)
-from mmnnx.mpmd.routes import RoutePlan
+from mmnnx.mpmd.program import StepProgram
+from mmnnx.mpmd.programs import Compiler
 from mmnnx.mpmd.timing import Timer, witness_for
-from mmnnx.sharding.arrays import placeholder, put
+from mmnnx.sharding.arrays import put
 
 
 def _unchanged(value: Any) -> Any:
     return value
-
-
-def _rank(task: Any) -> str:
-    """The task whose devices run ``task``'s programs, one at a time: itself, or the task a
-    virtual stage belongs to (submeshes of distinct tasks do not overlap)."""
-    return task.home.name
-
-
-@dataclasses.dataclass
-class _Part:
-    """One fragment's share of a compiled program: what it computes from its arguments, and
-    their layouts, shapes and donations."""
-
-    body: Callable[..., list]
-    in_shardings: list[Any]
-    out_shardings: list[Any]
-    donate: tuple[int, ...]
-    avals: list[Any]
-    explicit: Any
-
-
-def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
-    """``run``'s share of a program, taking :attr:`Run.args` laid out as ``in_shardings`` and
-    returning :attr:`Run.results`.
-
-    A packed argument's members are sliced at offsets the program takes as arguments (after the
-    sums; :func:`~mmnnx.mpmd.pack.slice_offsets`), not as constants: XLA then compiles one
-    kernel for the members of equal shape (a block's residuals, layer after layer) where
-    constant offsets would make each slice-reading kernel distinct. A block's members are sliced
-    at its base plus their distance from it, both arguments: blocks laid out alike share the
-    distances, so a stage takes one offset per block and per distance, not one per member. A
-    ``fixed`` buffer's (a block's weights) are sliced at offsets fixed in the program."""
-    frag = run.fragment
-    packing = run.packing
-    n = len(frag.in_ids) if packing is None else len(packing.args)
-    if packing is None:
-        sums: list[tuple[Buffer | None, tuple[int, ...]]] = [(None, (i,)) for i in run.summed]
-        buffers: dict[int, Buffer] = {}
-    else:
-        sums = [(s.buffer, s.positions) for s in packing.sums]
-        buffers = dict(packing.buffers)
-    total_shardings = list(in_shardings[n : n + len(sums)])
-    offsets = [] if packing is None else slice_offsets(packing.reads, buffers)
-    offset_arg = {at: n + len(sums) + j for j, at in enumerate(offsets)}
-    returned = run.returned
-    packs = () if packing is None else packing.packs
-
-    def inputs(args: Sequence[Any]) -> list:
-        if packing is None:
-            return list(args[:n])
-
-        def member(k: int, at: int, shape: tuple[int, ...], size: int) -> Any:
-            buffer = buffers[k]
-            if buffer.fixed:  # at the same offset in every block: the blocks' kernels stay alike
-                return jax.lax.slice(args[k], (at,), (at + size,)).reshape(shape)
-            base = buffer.base_of(at)
-            start = args[offset_arg[base]]
-            if at != base:
-                start = jax.lax.add(start, args[offset_arg[at - base]])
-            # offsets are never negative: no ops to wrap them around
-            member = jax.lax.dynamic_slice(args[k], (start,), (size,), allow_negative_indices=False)
-            return member.reshape(shape)
-
-        return [
-            args[r.arg]
-            if r.member is None
-            else member(r.arg, r.member.offset, r.member.shape, r.member.size)
-            for r in packing.reads
-        ]
-
-    def body(*args):
-        outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, inputs(args))
-
-        def flat(positions: Sequence[int]) -> Any:
-            return jnp.concatenate([jnp.ravel(outs[p]) for p in positions])
-
-        totals = [
-            total + (outs[at[0]] if buffer is None else flat(at))
-            for total, (buffer, at) in zip(args[n : n + len(sums)], sums, strict=True)
-        ]
-        return [*(outs[i] for i in returned), *(flat(b.positions) for b in packs), *totals]
-
-    out_shardings = [
-        *(run.out_shardings[i] for i in returned),
-        *(frag.task.sharding() for _ in packs),
-        *total_shardings,
-    ]
-    explicit = None
-    if graph.specs:  # traced with sharding in types: every program keeps the types
-        explicit = explicit_twin(frag.task.jax_mesh)
-
-        def typed(v: int) -> NamedSharding:
-            return NamedSharding(explicit, graph.specs.get(v, PartitionSpec()))
-
-        in_shardings = [typed(v) for v in frag.in_ids]
-        in_shardings += [typed(frag.out_ids[i]) for i in run.summed]
-        total_shardings = list(in_shardings[n:])
-        out_shardings = [typed(frag.out_ids[i]) for i in returned] + total_shardings
-    if packing is None:
-        avals = [
-            jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
-            for v, s in zip(frag.in_ids, in_shardings[:n], strict=True)
-        ]
-    else:
-        first = {}
-        for j, r in enumerate(packing.reads):
-            first.setdefault(r.arg, j)
-        avals = [
-            jax.ShapeDtypeStruct((buffer.size,), buffer.dtype, sharding=in_shardings[k])
-            if (buffer := buffers.get(k)) is not None
-            else jax.ShapeDtypeStruct(
-                graph.shapes[frag.in_ids[first[k]]],
-                graph.dtypes[frag.in_ids[first[k]]],
-                sharding=in_shardings[k],
-            )
-            for k in range(n)
-        ]
-    avals += [
-        jax.ShapeDtypeStruct(
-            graph.shapes[frag.out_ids[at[0]]], graph.dtypes[frag.out_ids[at[0]]], sharding=s
-        )
-        if buffer is None
-        else jax.ShapeDtypeStruct((buffer.size,), buffer.dtype, sharding=s)
-        for (buffer, at), s in zip(sums, total_shardings, strict=True)
-    ]
-    avals += [
-        jax.ShapeDtypeStruct((), jnp.int32, sharding=in_shardings[i]) for i in offset_arg.values()
-    ]
-    donate = (*_donated_args(run), *range(n, n + len(total_shardings)))
-    return _Part(body, list(in_shardings), out_shardings, donate, avals, explicit)
-
-
-def _donated_args(run: Run) -> list[int]:
-    """The arguments ``run``'s program donates for its fragment's donated inputs: where inputs
-    are packed, the argument each unpacked one is passed as; a packed member is not donated
-    (its buffer holds other members too)."""
-    if run.packing is None:
-        return list(run.donate)
-    reads = run.packing.reads
-    return sorted({reads[p].arg for p in run.donate if reads[p].member is None})
-
-
-def lower_fragments(
-    graph: Graph, runs: Sequence[Run], in_shardings: Sequence[Sequence[Any]]
-) -> Any:
-    """Lowers the fragments of ``runs`` (on one task; the ``in_shardings`` of each one's
-    :attr:`~Run.args`) as one program taking their arguments one run after the other and
-    returning their results in the same order: one fragment's program, or an overlapped pair
-    as one launch that the compiler may interleave. A run with ``sums`` also takes the running
-    sums of its summed outputs and returns them updated (donating the old ones)."""
-    parts = [_part(graph, run, s) for run, s in zip(runs, in_shardings, strict=True)]
-    bounds = []
-    start = 0
-    for part in parts:
-        bounds.append((start, start + len(part.avals)))
-        start += len(part.avals)
-
-    def body(*args):
-        return [
-            out
-            for part, (lo, hi) in zip(parts, bounds, strict=True)
-            for out in part.body(*args[lo:hi])
-        ]
-
-    jitted = jax.jit(
-        body,
-        in_shardings=[s for part in parts for s in part.in_shardings],
-        out_shardings=[s for part in parts for s in part.out_shardings],
-        donate_argnums=tuple(
-            lo + i for part, (lo, _) in zip(parts, bounds, strict=True) for i in part.donate
-        ),
-    )
-    explicit = parts[0].explicit
-    with (
-        constraint_layouts(functools.partial(constraint_layout, runs[0].task)),
-        jax.set_mesh(explicit) if explicit is not None else contextlib.nullcontext(),
-    ):
-        return jitted.lower(*(a for part in parts for a in part.avals))
-
-
-def lower_packing(buffers: Sequence[Buffer], shardings: Sequence[Any], task: Any) -> Any:
-    """One program concatenating step inputs (laid out as ``shardings``, one argument per
-    member, buffer after buffer) into each of ``buffers``, flat on ``task``, lowered."""
-    layouts = iter(shardings)
-    avals = [
-        jax.ShapeDtypeStruct(m.shape, buffer.dtype, sharding=next(layouts))
-        for buffer in buffers
-        for m in buffer.members
-    ]
-
-    def pack(*members):
-        out, at = [], 0
-        for buffer in buffers:
-            taken = members[at : at + len(buffer.members)]
-            out.append(jnp.concatenate([jnp.ravel(m) for m in taken]))
-            at += len(buffer.members)
-        return out
-
-    return jax.jit(pack, out_shardings=[task.sharding()] * len(buffers)).lower(*avals)
-
-
-def lower_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Sequence) -> Any:
-    """One program making zero-filled running sums of ``shapes`` and ``dtypes`` in their layouts
-    (called each step: the sums are donated to the programs that add to them), lowered."""
-
-    def zeros():
-        return [jax.numpy.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
-
-    return jax.jit(zeros, out_shardings=list(shardings)).lower()
-
-
-class _Compiler:
-    """Compiles lowered programs on a pool of threads (XLA releases the GIL while it compiles),
-    so the programs of a step compile side by side. A program whose output layouts the compiler
-    chooses is waited for at once: the programs reading its results are lowered for them.
-    A program equal to one already compiled for other devices loads that one's executable
-    (equal pipeline stages compile once)."""
-
-    def __init__(self):
-        self.shared = SharedCompiles()
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, min(8, cores or 1)), thread_name_prefix="mmnnx-compile"
-        )
-
-    def submit(self, lowered: Any) -> concurrent.futures.Future:
-        return self.shared.submit(lowered, self._pool)
-
-    def output_shardings(self, lowered: Any, compiling: concurrent.futures.Future) -> list:
-        """The program's output layouts: pinned ones without waiting for its compilation."""
-        shardings = [leaf.sharding for leaf in jax.tree.leaves(lowered.out_info)]
-        if all(s is not None for s in shardings):
-            return shardings
-        return list(compiling.result().output_shardings)
-
-    def __enter__(self) -> _Compiler:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-# The steps a compiled program is interpreted as: each holds what its action needs resolved, and
-# ``drop``, the slots released right after it.
-
-
-@dataclasses.dataclass(slots=True)
-class _Launch:
-    """Launches a compiled program on ``args``, writing its results into ``results``.
-    ``labels``: the pipeline actions it runs (``(label, microbatch)`` each), on ``rank``."""
-
-    program: Any
-    args: tuple[int, ...]
-    results: tuple[int, ...]
-    labels: tuple
-    rank: str
-    drop: tuple[int, ...] = ()
-
-
-@dataclasses.dataclass(slots=True)
-class _Move:
-    """Moves the value in ``source`` into ``target``, laid out as ``sharding``: by ``mover``
-    (decided at compile) where it is laid out as ``source_layout``, else decided once per pair
-    of layouts."""
-
-    source: int
-    target: int
-    sharding: Any
-    mover: Callable[[Any], Any] | None
-    source_layout: Any
-    drop: tuple[int, ...] = ()
-
-
-@dataclasses.dataclass(slots=True)
-class _Put:
-    """Puts a step input (the same on every process) onto ``sharding``, a layout spanning
-    processes: each process keeps its part."""
-
-    source: int
-    target: int
-    sharding: Any
-    drop: tuple[int, ...] = ()
-
-
-@dataclasses.dataclass(slots=True)
-class _Cross:
-    """This process's end of a move between processes (``route``), through the step's peers."""
-
-    route: RoutePlan
-    source: int
-    target: int
-    drop: tuple[int, ...] = ()
-
-
-_Step = _Launch | _Move | _Put | _Cross
 
 
 class Executable:
@@ -385,7 +63,7 @@ class Executable:
         self.compiled_plan: Plan | None = None
         self._make_peers = peers
         self._peers: Peers | None = None
-        self._steps: list[_Step] | None = None
+        self._steps: list[Step] | None = None
         self._same_layout: dict[tuple, bool] = {}
 
     def compile(self) -> Plan:
@@ -396,136 +74,39 @@ class Executable:
                 if self._make_peers is None:
                     raise ValueError("a program localized to one process needs its peers")
                 self._peers = self._make_peers()
-            with _Compiler() as compiler, cyclic_gc_paused():
+            with Compiler() as compiler, cyclic_gc_paused():
                 self._build(compiler)
         return self.compiled_plan
 
-    def _build(self, compiler: _Compiler) -> None:
-        program, peers = self.program, self._peers
-        sharding_of = list(program.shardings)
-        compiled_of: dict[tuple, Any] = {}
-        constants: list[tuple[int, Any]] = []
-        resolved: dict[tuple, Any] = {}
-        fragment_programs: list[Any] = []  # lowered, to count those loaded
-        steps: list[_Step] = []
-        actions = program.actions
-        position = 0
-        while position < len(actions):
-            action = actions[position]
-            position += 1
-            if isinstance(action, Run):
-                runs = [action]
-                while runs[-1].fused:
-                    runs.append(actions[position])
-                    position += 1
-                # A program per layout of its arguments: a value made by a fused pair may be
-                # laid out otherwise than the same value made by its fragment alone.
-                key = tuple(
-                    (
-                        *run.variant,
-                        run.donate,
-                        run.packing.layout if run.packing else None,
-                        tuple(sharding_of[s] for s in run.args),
-                    )
-                    for run in runs
-                )
-                if key not in compiled_of:
-                    lowered = lower_fragments(
-                        self.graph, runs, [[sharding_of[s] for s in run.args] for run in runs]
-                    )
-                    compiling = compiler.submit(lowered)
-                    fragment_programs.append(lowered)
-                    compiled_of[key] = (compiling, compiler.output_shardings(lowered, compiling))
-                compiled, output_shardings = compiled_of[key]
-                results = tuple(s for run in runs for s in run.results)
-                for s, sharding in zip(results, output_shardings, strict=True):
-                    sharding_of[s] = sharding
-                labels = tuple((run.label, run.microbatch) for run in runs)
-                args = tuple(s for run in runs for s in run.args)
-                steps.append(_Launch(compiled, args, results, labels, _rank(action.task)))
-            elif isinstance(action, Recv | Route):
-                source_layout = sharding_of[action.from_slot]
-                sharding = action.sharding
-                if sharding is None and source_layout is not None:
-                    sharding = compatible(source_layout, action.target)
-                    resolved.setdefault((action.value, action.source, action.target), sharding)
-                sharding_of[action.slot] = sharding
-                if isinstance(action, Recv):
-                    move = self._mover(source_layout, sharding, action.value)
-                    steps.append(
-                        _Move(action.from_slot, action.slot, sharding, move, source_layout)
-                    )
-                elif action.source is None:
-                    steps.append(_Put(action.from_slot, action.slot, sharding))
-                else:
-                    shape, dtype = self.graph.shapes[action.value], self.graph.dtypes[action.value]
-                    route = RoutePlan.plan(shape, dtype, source_layout, sharding, program.process)
-                    steps.append(_Cross(route, action.from_slot, action.slot))
-            elif isinstance(action, Zeros):
-                zeros = compiler.submit(lower_zeros(action.shapes, action.dtypes, action.shardings))
-                steps.append(_Launch(zeros, (), action.slots, (), _rank(action.task)))
-            elif isinstance(action, PackWeights):
-                members = action.members
-                shardings = [sharding_of[m] for m in members]
-                packs = compiler.submit(lower_packing(action.buffers, shardings, action.task))
-                made = tuple(b.slot for b in action.buffers)
-                steps.append(_Launch(packs, members, made, (), _rank(action.task)))
-            elif isinstance(action, Constant):
-                sharding_of[action.slot] = action.task.sharding()
-                constants.append(
-                    (action.slot, put(jnp.int32(action.value), action.task.sharding()))
-                )
-            elif isinstance(action, PublishLayout):
-                peers.publish_layout(action.slot, action.task, sharding_of[action.slot])
-            elif isinstance(action, AwaitLayout):
-                sharding_of[action.slot] = peers.layout(action.slot, action.task)
-            elif isinstance(action, Release):
-                if steps:  # dropped after the previous step
-                    steps[-1].drop = (*steps[-1].drop, *action.slots)
-            elif not isinstance(action, Send):  # a Send is its Recv's transfer here
-                raise TypeError(f"unknown action {action!r}")
-        self._constants = constants
-        self._outputs = []
-        self._rewrap = []
-        for i, out in enumerate(program.outputs):
-            if isinstance(out, ConstantOutput):
-                value = out.value if out.home is None else put(out.value, out.home)
-                self._outputs.append((None, value))
-            elif out.here:
-                self._outputs.append((out.slot, None))
-                layout = sharding_of[out.slot]
-                if (
-                    program.process is not None
-                    and out.task is not None
-                    and isinstance(layout, SingleDeviceSharding)
-                ):  # presented on its task, as other processes' placeholders of it are
-                    self._rewrap.append((i, out.task.sharding()))
-            else:
-                shape, dtype = self.graph.shapes[out.value], self.graph.dtypes[out.value]
-                self._outputs.append((None, placeholder(shape, dtype, sharding_of[out.slot])))
+    def _build(self, compiler: Compiler) -> None:
+        program = self.program
+        emitted = emit(self.graph, program, compiler, self._peers, self._mover)
+        steps, resolved = emitted.steps, emitted.resolved
+        self._constants = emitted.constants
+        self._outputs = emitted.outputs
+        self._rewrap = emitted.rewrap
+        self._num_slots = emitted.num_slots
+        fragment_programs = emitted.fragment_programs
         self._inputs = program.inputs
-        self._num_slots = len(sharding_of)
         for step in steps:
-            if isinstance(step, _Launch):
+            if isinstance(step, Launch):
                 step.program = step.program.result()
         self._steps = steps
         donated = {
             slot
             for step in steps
-            if isinstance(step, _Launch)
+            if isinstance(step, Launch)
             for slot, arg in zip(step.args, jax.tree.leaves(step.program.args_info), strict=True)
             if arg.donated
         }
         self._consumed = [  # programs whose every result a later one may donate
             i
             for i, step in enumerate(steps)
-            if isinstance(step, _Launch)
-            and step.results
-            and all(s in donated for s in step.results)
+            if isinstance(step, Launch) and step.results and all(s in donated for s in step.results)
         ]
         self._witness_of: dict[int, Callable] | None = None
         self._direct = [
-            DirectLaunch.of(step.program) if isinstance(step, _Launch) else None for step in steps
+            DirectLaunch.of(step.program) if isinstance(step, Launch) else None for step in steps
         ]
         self._checked_layouts: tuple | None = None
         loaded = compiler.shared.loaded_lowered
@@ -576,7 +157,7 @@ class Executable:
             timer.begin()
         for i, step in enumerate(self._steps):
             kind = type(step)
-            if kind is _Launch:
+            if kind is Launch:
                 began = time.perf_counter() if timer is not None else 0.0
                 launch = direct[i] if direct is not None else None
                 if launch is not None:
@@ -596,7 +177,7 @@ class Executable:
                     )
                 for s, o in zip(step.results, outs, strict=True):
                     env[s] = o
-            elif kind is _Move:
+            elif kind is Move:
                 value = env[step.source]
                 if (
                     step.mover is not None
@@ -608,9 +189,9 @@ class Executable:
                 env[step.target] = value
                 if timer is not None:
                     timer.moved(step.source, step.target)
-            elif kind is _Put:
+            elif kind is Put:
                 env[step.target] = put(env[step.source], step.sharding)
-            else:  # _Cross: a transfer involving another process
+            else:  # Cross: a transfer involving another process
                 value = step.route(env[step.source], peers)
                 if value is not None:
                     # Wait for what another process sends before launching what reads it: a

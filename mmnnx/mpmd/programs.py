@@ -1,0 +1,260 @@
+"""The JAX programs a step's actions compile to: a fragment's (or an overlapped pair's) program,
+the program packing block weights, the program making zeroed running sums, and the pool of
+threads compiling them side by side."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mmnnx._jax.compile import SharedCompiles
+from mmnnx.mpmd.evaluate import run_ops
+from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.lower import constraint_layout
+from mmnnx.mpmd.mesh_context import explicit_twin
+from mmnnx.mpmd.pack import slice_offsets
+from mmnnx.mpmd.primitives import constraint_layouts
+from mmnnx.mpmd.program import Buffer, Run
+
+
+@dataclasses.dataclass
+class _Part:
+    """One fragment's share of a compiled program: what it computes from its arguments, and
+    their layouts, shapes and donations."""
+
+    body: Callable[..., list]
+    in_shardings: list[Any]
+    out_shardings: list[Any]
+    donate: tuple[int, ...]
+    avals: list[Any]
+    explicit: Any
+
+
+def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
+    """``run``'s share of a program, taking :attr:`Run.args` laid out as ``in_shardings`` and
+    returning :attr:`Run.results`.
+
+    A packed argument's members are sliced at offsets the program takes as arguments (after the
+    sums; :func:`~mmnnx.mpmd.pack.slice_offsets`), not as constants: XLA then compiles one
+    kernel for the members of equal shape (a block's residuals, layer after layer) where
+    constant offsets would make each slice-reading kernel distinct. A block's members are sliced
+    at its base plus their distance from it, both arguments: blocks laid out alike share the
+    distances, so a stage takes one offset per block and per distance, not one per member. A
+    ``fixed`` buffer's (a block's weights) are sliced at offsets fixed in the program."""
+    frag = run.fragment
+    packing = run.packing
+    n = len(frag.in_ids) if packing is None else len(packing.args)
+    if packing is None:
+        sums: list[tuple[Buffer | None, tuple[int, ...]]] = [(None, (i,)) for i in run.summed]
+        buffers: dict[int, Buffer] = {}
+    else:
+        sums = [(s.buffer, s.positions) for s in packing.sums]
+        buffers = dict(packing.buffers)
+    total_shardings = list(in_shardings[n : n + len(sums)])
+    offsets = [] if packing is None else slice_offsets(packing.reads, buffers)
+    offset_arg = {at: n + len(sums) + j for j, at in enumerate(offsets)}
+    returned = run.returned
+    packs = () if packing is None else packing.packs
+
+    def inputs(args: Sequence[Any]) -> list:
+        if packing is None:
+            return list(args[:n])
+
+        def member(k: int, at: int, shape: tuple[int, ...], size: int) -> Any:
+            buffer = buffers[k]
+            if buffer.fixed:  # at the same offset in every block: the blocks' kernels stay alike
+                return jax.lax.slice(args[k], (at,), (at + size,)).reshape(shape)
+            base = buffer.base_of(at)
+            start = args[offset_arg[base]]
+            if at != base:
+                start = jax.lax.add(start, args[offset_arg[at - base]])
+            # offsets are never negative: no ops to wrap them around
+            member = jax.lax.dynamic_slice(args[k], (start,), (size,), allow_negative_indices=False)
+            return member.reshape(shape)
+
+        return [
+            args[r.arg]
+            if r.member is None
+            else member(r.arg, r.member.offset, r.member.shape, r.member.size)
+            for r in packing.reads
+        ]
+
+    def body(*args):
+        outs = run_ops(frag.ops, frag.in_ids, frag.out_ids, inputs(args))
+
+        def flat(positions: Sequence[int]) -> Any:
+            return jnp.concatenate([jnp.ravel(outs[p]) for p in positions])
+
+        totals = [
+            total + (outs[at[0]] if buffer is None else flat(at))
+            for total, (buffer, at) in zip(args[n : n + len(sums)], sums, strict=True)
+        ]
+        return [*(outs[i] for i in returned), *(flat(b.positions) for b in packs), *totals]
+
+    out_shardings = [
+        *(run.out_shardings[i] for i in returned),
+        *(frag.task.sharding() for _ in packs),
+        *total_shardings,
+    ]
+    explicit = None
+    if graph.specs:  # traced with sharding in types: every program keeps the types
+        explicit = explicit_twin(frag.task.jax_mesh)
+
+        def typed(v: int) -> NamedSharding:
+            return NamedSharding(explicit, graph.specs.get(v, PartitionSpec()))
+
+        in_shardings = [typed(v) for v in frag.in_ids]
+        in_shardings += [typed(frag.out_ids[i]) for i in run.summed]
+        total_shardings = list(in_shardings[n:])
+        out_shardings = [typed(frag.out_ids[i]) for i in returned] + total_shardings
+    if packing is None:
+        avals = [
+            jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
+            for v, s in zip(frag.in_ids, in_shardings[:n], strict=True)
+        ]
+    else:
+        first = {}
+        for j, r in enumerate(packing.reads):
+            first.setdefault(r.arg, j)
+        avals = [
+            jax.ShapeDtypeStruct((buffer.size,), buffer.dtype, sharding=in_shardings[k])
+            if (buffer := buffers.get(k)) is not None
+            else jax.ShapeDtypeStruct(
+                graph.shapes[frag.in_ids[first[k]]],
+                graph.dtypes[frag.in_ids[first[k]]],
+                sharding=in_shardings[k],
+            )
+            for k in range(n)
+        ]
+    avals += [
+        jax.ShapeDtypeStruct(
+            graph.shapes[frag.out_ids[at[0]]], graph.dtypes[frag.out_ids[at[0]]], sharding=s
+        )
+        if buffer is None
+        else jax.ShapeDtypeStruct((buffer.size,), buffer.dtype, sharding=s)
+        for (buffer, at), s in zip(sums, total_shardings, strict=True)
+    ]
+    avals += [
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=in_shardings[i]) for i in offset_arg.values()
+    ]
+    donate = (*_donated_args(run), *range(n, n + len(total_shardings)))
+    return _Part(body, list(in_shardings), out_shardings, donate, avals, explicit)
+
+
+def _donated_args(run: Run) -> list[int]:
+    """The arguments ``run``'s program donates for its fragment's donated inputs: where inputs
+    are packed, the argument each unpacked one is passed as; a packed member is not donated
+    (its buffer holds other members too)."""
+    if run.packing is None:
+        return list(run.donate)
+    reads = run.packing.reads
+    return sorted({reads[p].arg for p in run.donate if reads[p].member is None})
+
+
+def lower_fragments(
+    graph: Graph, runs: Sequence[Run], in_shardings: Sequence[Sequence[Any]]
+) -> Any:
+    """Lowers the fragments of ``runs`` (on one task; the ``in_shardings`` of each one's
+    :attr:`~Run.args`) as one program taking their arguments one run after the other and
+    returning their results in the same order: one fragment's program, or an overlapped pair
+    as one launch that the compiler may interleave. A run with ``sums`` also takes the running
+    sums of its summed outputs and returns them updated (donating the old ones)."""
+    parts = [_part(graph, run, s) for run, s in zip(runs, in_shardings, strict=True)]
+    bounds = []
+    start = 0
+    for part in parts:
+        bounds.append((start, start + len(part.avals)))
+        start += len(part.avals)
+
+    def body(*args):
+        return [
+            out
+            for part, (lo, hi) in zip(parts, bounds, strict=True)
+            for out in part.body(*args[lo:hi])
+        ]
+
+    jitted = jax.jit(
+        body,
+        in_shardings=[s for part in parts for s in part.in_shardings],
+        out_shardings=[s for part in parts for s in part.out_shardings],
+        donate_argnums=tuple(
+            lo + i for part, (lo, _) in zip(parts, bounds, strict=True) for i in part.donate
+        ),
+    )
+    explicit = parts[0].explicit
+    with (
+        constraint_layouts(functools.partial(constraint_layout, runs[0].task)),
+        jax.set_mesh(explicit) if explicit is not None else contextlib.nullcontext(),
+    ):
+        return jitted.lower(*(a for part in parts for a in part.avals))
+
+
+def lower_packing(buffers: Sequence[Buffer], shardings: Sequence[Any], task: Any) -> Any:
+    """One program concatenating step inputs (laid out as ``shardings``, one argument per
+    member, buffer after buffer) into each of ``buffers``, flat on ``task``, lowered."""
+    layouts = iter(shardings)
+    avals = [
+        jax.ShapeDtypeStruct(m.shape, buffer.dtype, sharding=next(layouts))
+        for buffer in buffers
+        for m in buffer.members
+    ]
+
+    def pack(*members):
+        out, at = [], 0
+        for buffer in buffers:
+            taken = members[at : at + len(buffer.members)]
+            out.append(jnp.concatenate([jnp.ravel(m) for m in taken]))
+            at += len(buffer.members)
+        return out
+
+    return jax.jit(pack, out_shardings=[task.sharding()] * len(buffers)).lower(*avals)
+
+
+def lower_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Sequence) -> Any:
+    """One program making zero-filled running sums of ``shapes`` and ``dtypes`` in their layouts
+    (called each step: the sums are donated to the programs that add to them), lowered."""
+
+    def zeros():
+        return [jax.numpy.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
+
+    return jax.jit(zeros, out_shardings=list(shardings)).lower()
+
+
+class Compiler:
+    """Compiles lowered programs on a pool of threads (XLA releases the GIL while it compiles),
+    so the programs of a step compile side by side. A program whose output layouts the compiler
+    chooses is waited for at once: the programs reading its results are lowered for them.
+    A program equal to one already compiled for other devices loads that one's executable
+    (equal pipeline stages compile once)."""
+
+    def __init__(self):
+        self.shared = SharedCompiles()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, min(8, cores or 1)), thread_name_prefix="mmnnx-compile"
+        )
+
+    def submit(self, lowered: Any) -> concurrent.futures.Future:
+        return self.shared.submit(lowered, self._pool)
+
+    def output_shardings(self, lowered: Any, compiling: concurrent.futures.Future) -> list:
+        """The program's output layouts: pinned ones without waiting for its compilation."""
+        shardings = [leaf.sharding for leaf in jax.tree.leaves(lowered.out_info)]
+        if all(s is not None for s in shardings):
+            return shardings
+        return list(compiling.result().output_shardings)
+
+    def __enter__(self) -> Compiler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
