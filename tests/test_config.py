@@ -14,6 +14,7 @@ from mmnnx.train import TrainConfig
 from mmnnx.train.config import tables
 from mmnnx.train.loop import _resumed_horizon
 from mmnnx.train.options import spec
+from mmnnx.train.run_config import read_config, resolved_config, write_config
 
 
 def write(tmp_path, text: str, name: str = "run.toml"):
@@ -132,3 +133,10 @@ def test_a_run_writes_its_config_and_resume_reads_it(tmp_path, capsys):
     resaved = tomllib.loads((run / "config.toml").read_text())
     assert resaved["training"]["steps"] == 6 and resaved["outputs"]["resume"] is True
     assert resaved["training"]["lr"] == 0.01 and resaved["model"] == saved["model"]
+
+
+def test_a_written_config_reads_back_as_the_values_it_holds(tmp_path):
+    args = parse_args(["train", "--profile-steps", "2:3", "--text", "a", "--no-pack-weights"])
+    values = {k: v for k, v in vars(args).items() if v is not None}
+    path = write_config(tmp_path / "config.toml", resolved_config(values))
+    assert read_config(path) == {k: v for k, v in values.items() if k not in ("command",)}

@@ -158,7 +158,6 @@ class Training:
         "with --tokenizer bpe: tokens of the BPE, at least 256; fewer if the text has "
         "fewer pairs to merge; --resume keeps the saved tokenizer's (1024)",
         integer(256),
-        api="bpe_vocab_size",  # not GPTConfig.vocab_size, which is the tokenizer's
     )
 
 
@@ -195,6 +194,7 @@ class Logging:
         "trace steps A to B with jax.profiler into OUTPUT_DIR/profile",
         step_range,
         metavar="A:B",
+        text=lambda steps: f"{steps[0]}:{steps[1]}",
     )
 
 
@@ -272,7 +272,9 @@ def gpt_config(values: Mapping[str, Any], vocab_size: int) -> GPTConfig:
         290
     """
     shards = int(values.get("model_axis") or 1)
-    return GPTConfig(**_arguments(values, GPTConfig), vocab_size=-(-vocab_size // shards) * shards)
+    sizes = _arguments(values, GPTConfig)
+    sizes["vocab_size"] = -(-vocab_size // shards) * shards  # not the option: that is the BPE's
+    return GPTConfig(**sizes)
 
 
 def not_from_run() -> Sequence[str]:

@@ -35,7 +35,8 @@ class Option:
     (flags that take no value: flag -> (the value it sets, its help)), ``from_run`` (with
     ``--resume``, a value not given defaults to the resumed run's; ``False`` for what says
     where the run is now and what this call does), ``api`` (its name in ``TrainConfig`` or
-    ``GPTConfig``, when not its own) and ``omit`` (values that leave that field its default)."""
+    ``GPTConfig``, when not its own), ``omit`` (values that leave that field its default) and
+    ``text`` (a value as ``config.toml`` holds it, when not as is: what ``parse`` reads)."""
 
     help: str | Callable[[], str] = ""
     parse: Parse | None = None
@@ -46,6 +47,7 @@ class Option:
     from_run: bool = True
     api: str | None = None
     omit: tuple[Any, ...] = ()
+    text: Callable[[Any], Any] | None = None
 
     def help_text(self) -> str:
         return self.help() if callable(self.help) else self.help

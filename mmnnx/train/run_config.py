@@ -156,14 +156,16 @@ def resolved_config(
     """``values`` of options grouped in ``schema``'s tables; ``None`` values left out.
 
     Example:
-        >>> resolved_config({"dim": 16, "text": None, "lr": 0.1, "command": "train"})
-        {'model': {'dim': 16}, 'training': {'lr': 0.1}}
+        >>> resolved_config({"dim": 16, "text": None, "lr": 0.1, "profile_steps": (2, 3)})
+        {'model': {'dim': 16}, 'training': {'lr': 0.1}, 'logging': {'profile_steps': '2:3'}}
     """
-    grouped = {
-        title: {f.name: values[f.name] for f in fields if values.get(f.name) is not None}
-        for title, fields in tables(schema).items()
-    }
-    return {title: table for title, table in grouped.items() if table}
+    grouped: dict[str, dict[str, Any]] = {}
+    for title, fields in tables(schema).items():
+        for field in fields:
+            value, text = values.get(field.name), spec(field).text
+            if value is not None:
+                grouped.setdefault(title, {})[field.name] = text(value) if text else value
+    return grouped
 
 
 def write_config(
