@@ -1,18 +1,8 @@
-"""How a run's option is declared: a dataclass field whose metadata holds its flag's help, the
-parser of its text (with a one-line reason for a bad value) and, for a flag taking no value,
-its switches. ``mmnnx.train.config`` declares the options, ``mmnnx.cli.flags`` derives
-``argparse`` flags from them and ``mmnnx.train.run_config`` TOML keys.
-
-Example:
-    >>> import dataclasses
-    >>> @dataclasses.dataclass
-    ... class Model:
-    ...     dim: int = option(128, "model width (%(default)s)", integer(1))
-    >>> spec(dataclasses.fields(Model)[0]).parse("--dim", "0")
-    Traceback (most recent call last):
-    ...
-    argparse.ArgumentTypeError: --dim must be >= 1, got 0
-"""
+"""How a run's option is declared: a dataclass field (:func:`option`, :func:`switch`) whose
+metadata (:class:`Option`) holds its flag's help, the parser of its text (a one-line reason for
+a bad value: :func:`integer`, :func:`finite`, :func:`step_range`) and, for a flag taking no
+value, its switches. ``mmnnx.train.config`` declares the options; ``mmnnx.cli.flags`` derives
+``argparse`` flags from them, ``mmnnx.train.run_config`` TOML keys."""
 
 from __future__ import annotations
 
@@ -62,7 +52,17 @@ class Option:
 
 def option(default: Any, help: str | Callable[[], str] = "", parse: Parse | None = None, **more):
     """A dataclass field with ``default`` and its :class:`Option` (``help``, ``parse`` and
-    ``more`` of its attributes)."""
+    ``more`` of its attributes).
+
+    Example:
+        >>> @dataclasses.dataclass
+        ... class Model:
+        ...     dim: int = option(128, "model width (%(default)s)", positive)
+        >>> spec(dataclasses.fields(Model)[0]).parse("--dim", "0")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: --dim must be >= 1, got 0
+    """
     return dataclasses.field(default=default, metadata={"option": Option(help, parse, **more)})
 
 
