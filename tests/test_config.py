@@ -9,9 +9,12 @@ import tomllib
 import pytest
 from rich.console import Console
 
-from mmnnx.cli import _subparser, build_parser, main, parse_args
+from mmnnx.cli import main, parse_args
 from mmnnx.train import TrainConfig
+from mmnnx.train.config import tables
 from mmnnx.train.loop import _resumed_horizon
+from mmnnx.train.options import spec
+from mmnnx.train.run_config import read_config, resolved_config, write_config
 
 
 def write(tmp_path, text: str, name: str = "run.toml"):
@@ -74,11 +77,10 @@ def test_a_missing_config_exits_2(tmp_path, capsys):
     assert err.count("\n") == 1 and f"{tmp_path / 'none.toml'}: cannot read it" in err
 
 
-def test_every_train_config_field_has_a_flag():
-    renamed = {"learning_rate": "lr"}
-    dests = {a.dest for a in _subparser(build_parser(), "train")._actions}
+def test_every_train_config_field_has_an_option():
+    options = {spec(f).api or f.name for fields in tables().values() for f in fields}
     for field in dataclasses.fields(TrainConfig):
-        assert renamed.get(field.name, field.name) in dests, field.name
+        assert field.name in options, field.name
 
 
 def test_resume_extends_a_shorter_saved_schedule_in_one_line():
@@ -131,3 +133,10 @@ def test_a_run_writes_its_config_and_resume_reads_it(tmp_path, capsys):
     resaved = tomllib.loads((run / "config.toml").read_text())
     assert resaved["training"]["steps"] == 6 and resaved["outputs"]["resume"] is True
     assert resaved["training"]["lr"] == 0.01 and resaved["model"] == saved["model"]
+
+
+def test_a_written_config_reads_back_as_the_values_it_holds(tmp_path):
+    args = parse_args(["train", "--profile-steps", "2:3", "--text", "a", "--no-pack-weights"])
+    values = {k: v for k, v in vars(args).items() if v is not None}
+    path = write_config(tmp_path / "config.toml", resolved_config(values))
+    assert read_config(path) == {k: v for k, v in values.items() if k not in ("command",)}

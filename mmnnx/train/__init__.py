@@ -16,6 +16,7 @@ from mmnnx.train.checkpoint import (
     Resumed,
     Skipped,
 )
+from mmnnx.train.config import RunConfig, gpt_config, train_config
 from mmnnx.train.corpus import text_chunks, token_file
 from mmnnx.train.data import TextDataset, embedded_text, load_text
 from mmnnx.train.generation import LoadedRun, RunError, continue_text, load_run
@@ -35,6 +36,7 @@ __all__ = [
     "LoadedRun",
     "NoReadableCheckpointError",
     "Resumed",
+    "RunConfig",
     "RunError",
     "Skipped",
     "TextDataset",
@@ -43,6 +45,7 @@ __all__ = [
     "continue_text",
     "embedded_text",
     "fit",
+    "gpt_config",
     "load_run",
     "load_text",
     "load_tokenizer",
@@ -51,5 +54,6 @@ __all__ = [
     "resolved_config",
     "write_config",
     "text_chunks",
+    "train_config",
     "token_file",
 ]

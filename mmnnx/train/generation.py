@@ -6,27 +6,23 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import tomllib
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from mmnnx.models import GPT, GPTConfig
+from mmnnx.models import GPT
 from mmnnx.models.stages import stage_rules
 from mmnnx.sharding import MultiMesh, Task, init, logical_rules
 from mmnnx.train.checkpoint import Checkpointer
+from mmnnx.train.config import gpt_config
 from mmnnx.train.run_config import CONFIG_FILE
 from mmnnx.train.tokenizers import Tokenizer, load_tokenizer
 
 LAYOUTS = ("one-device", "run")
 """Where :func:`load_run` puts the model: on the default device, or on the run's own tasks
 (``--stages`` x ``--data-axis`` x ``--model-axis``, each stage's blocks on their submesh)."""
-
-_MODEL_FLAGS = {"heads": "num_heads", "seq_len": "max_seq_len"}
-"""``mmnnx train``'s model flags whose ``GPTConfig`` field has another name; the others
-(``dim``, ``depth``, ``scan_layers``, ...) are named alike."""
 
 
 class RunError(ValueError):
@@ -67,26 +63,6 @@ def read_run_flags(run_dir: str | pathlib.Path) -> dict[str, Any]:
         if isinstance(table, dict):
             flags.update(table)
     return flags
-
-
-def gpt_config(flags: Mapping[str, Any], vocab_size: int) -> GPTConfig:
-    """The ``GPTConfig`` ``mmnnx train`` builds from its flags (a run's ``config.toml``): every
-    flag named as a field (or in ``_MODEL_FLAGS``); the vocabulary is the tokenizer's
-    ``vocab_size`` rounded up to a multiple of ``model_axis`` (the embedding is sharded over it).
-
-    Example:
-        >>> gpt_config({"dim": 64, "heads": 2, "seq_len": 32, "lr": 0.1}, 256).max_seq_len
-        32
-        >>> gpt_config({"model_axis": 2}, 289).vocab_size
-        290
-    """
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    values = {_MODEL_FLAGS.get(k, k): v for k, v in flags.items()}
-    shards = int(flags.get("model_axis") or 1)
-    return GPTConfig(
-        **{k: v for k, v in values.items() if k in fields and k != "vocab_size"},
-        vocab_size=-(-vocab_size // shards) * shards,
-    )
 
 
 def run_tasks(stages: int, data_axis: int, model_axis: int) -> list[Task]:
@@ -177,6 +153,7 @@ def continue_text(
     (``GPT.generate``), decoded with ``tokenizer``.
 
     Example:
+        >>> from mmnnx.models import GPTConfig
         >>> from mmnnx.train.tokenizers import ByteTokenizer
         >>> with nnx.use_eager_sharding(False):
         ...     model = GPT(GPTConfig(dim=32, depth=1, max_seq_len=16), rngs=nnx.Rngs(0))

@@ -220,7 +220,7 @@ def fit(
         NoReadableCheckpointError: ``config.resume`` and every step is damaged or incomplete.
         CheckpointMismatchError: ``config.resume`` into a checkpoint of another model.
 
-    Example (``mmnnx train``, in cli.py, is a complete script)::
+    Example (``mmnnx train``, in mmnnx/cli/train.py, is a complete script)::
 
         dataset = TextDataset.from_text(embedded_text(), seq_len=64, batch_size=16)
         result = fit(model, dataset, TrainConfig(steps=300, microbatches=4, schedule="1f1b"))

@@ -1,0 +1,121 @@
+"""``mmnnx generate``: continue a prompt with the model of a run ``mmnnx train`` wrote."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from mmnnx.cli.flags import typed
+from mmnnx.train.options import finite, integer, positive
+
+
+def add_parser(commands: Any) -> None:
+    """``mmnnx generate``'s parser, among ``commands`` (``add_subparsers``' result)."""
+    generate = commands.add_parser(
+        "generate",
+        help="continue a prompt with the model of a run `mmnnx train` wrote",
+        description="Rebuild the model of run directory DIR from DIR/config.toml, restore its "
+        "newest checkpoint, and print PROMPT followed by its continuation (decoded with "
+        "DIR/tokenizer). Each token is one step of a compiled decoder with a key/value cache; "
+        "greedy unless --temperature is given. Example: mmnnx generate --run runs/demo "
+        '--prompt "In the beginning"',
+    )
+    generate.add_argument("--run", required=True, metavar="DIR", help="the run's --output-dir")
+    generate.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    generate.add_argument(
+        "--max-new-tokens",
+        type=typed(positive, "--max-new-tokens"),
+        default=None,
+        metavar="N",
+        help="tokens to add (default: as many as the model's context, --seq-len, has room for)",
+    )
+    generate.add_argument(
+        "--temperature",
+        type=typed(finite(positive=False), "--temperature"),
+        default=0.0,
+        metavar="T",
+        help="0 picks the likeliest token (greedy, the default); above 0, sample from the "
+        "logits divided by T",
+    )
+    generate.add_argument(
+        "--top-k",
+        type=typed(positive, "--top-k"),
+        default=None,
+        metavar="K",
+        help="with --temperature, sample among the K likeliest tokens only",
+    )
+    generate.add_argument(
+        "--seed", type=typed(integer(0), "--seed"), default=0, help="sampling seed (0)", metavar="S"
+    )
+    generate.add_argument(
+        "--layout",
+        choices=("one-device", "run"),
+        default="one-device",
+        help="one-device (default), or run: the run's own --stages x --data-axis x "
+        "--model-axis tasks, each stage's blocks and their cache on its submesh (mm.jit)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mmnnx generate``: the prompt and its continuation on stdout, one line about the run
+    on stderr; a run without config, tokenizer or checkpoint, or a prompt the model has no
+    room for, exits 2 in one line."""
+
+    def error(message: str) -> int:
+        print(f"mmnnx generate: error: {message}", file=sys.stderr)
+        return 2
+
+    if not args.prompt:
+        return error("--prompt is empty; give some text to continue")
+    from mmnnx.train.generation import RunError, read_run_flags  # noqa: PLC0415
+
+    try:
+        flags = read_run_flags(args.run)
+    except RunError as e:
+        return error(f"--run: {e}")
+    xla = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in xla:
+        devices = flags.get("devices", 8)
+        os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices}"
+    from mmnnx.train.checkpoint import (  # noqa: PLC0415
+        CheckpointCorruptError,
+        CheckpointMismatchError,
+        NoReadableCheckpointError,
+    )
+    from mmnnx.train.generation import continue_text, load_run  # noqa: PLC0415
+
+    try:
+        run = load_run(args.run, layout=args.layout)
+    except (
+        RunError,
+        CheckpointMismatchError,
+        CheckpointCorruptError,
+        NoReadableCheckpointError,
+    ) as e:
+        return error(f"--run: {e}")
+    prompt_tokens = len(run.tokenizer.encode(args.prompt))
+    room = run.model.config.max_seq_len - prompt_tokens
+    if room < 1:
+        return error(
+            f"--prompt is {prompt_tokens} tokens; the model reads at most "
+            f"{run.model.config.max_seq_len} (its --seq-len), leaving no room to continue"
+        )
+    if args.max_new_tokens is not None and args.max_new_tokens > room:
+        return error(
+            f"--max-new-tokens {args.max_new_tokens} exceeds the {room} tokens the model's "
+            f"--seq-len {run.model.config.max_seq_len} leaves after a {prompt_tokens}-token prompt"
+        )
+    print(f"mmnnx generate: {args.run}, step {run.step}, layout {args.layout}", file=sys.stderr)
+    text = continue_text(
+        run.model,
+        run.tokenizer,
+        args.prompt,
+        args.max_new_tokens or room,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    print(text)
+    return 0

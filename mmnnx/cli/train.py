@@ -1,0 +1,233 @@
+"""``mmnnx train``: trains the reference GPT on the embedded text (or your own), pipelined over
+simulated CPU devices or real accelerators. Its flags are the options of
+``mmnnx.train.config``; a config file and, with ``--resume``, the run's own ``config.toml``
+give the values of the flags not given."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from mmnnx.cli.flags import add_options
+from mmnnx.train.config import RunConfig, not_from_run
+from mmnnx.train.run_config import CONFIG_FILE, read_config, resolved_config, write_config
+
+SAMPLE_PROMPT = "In the beginning"
+"""The prompt of the greedy sample ``mmnnx train`` prints at the end of a run."""
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    """``mmnnx train``'s parser, among ``commands`` (``add_subparsers``' result)."""
+    train = commands.add_parser(
+        "train",
+        help="train the reference GPT, pipelined over several submeshes",
+        description="Train the reference GPT (byte-level) on the embedded public-domain text or "
+        "your own files, as stages x (data x model) submeshes, pipelined with a schedule.",
+    )
+    train.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a TOML file of these flags, one table per group below ([model], [layout], "
+        "[training], [outputs]; keys as the flags: seq_len = 64); flags given here override it. "
+        "Every run writes its resolved flags to OUTPUT_DIR/config.toml, which --resume reads",
+    )
+    add_options(train, RunConfig)
+    return train
+
+
+def with_config_files(
+    parser: argparse.ArgumentParser,
+    train: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    args: argparse.Namespace,
+) -> argparse.Namespace:
+    """``mmnnx train``'s flags (``train`` is its parser, a subparser of ``parser``) over the
+    values of ``--config FILE``, over (with ``--resume``) those the run saved in
+    ``OUTPUT_DIR/config.toml``, over the options' defaults."""
+    given = read_config(args.config) if args.config else {}
+    if given:
+        train.set_defaults(**given)
+        args = parser.parse_args(argv)
+    saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
+    if args.resume and saved_file.is_file():
+        saved = read_config(saved_file)
+        for key in not_from_run():
+            saved.pop(key, None)
+        train.set_defaults(**{**saved, **given})
+        args = parser.parse_args(argv)
+        print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
+    return args
+
+
+def error(message: str) -> int:
+    """``message`` as ``mmnnx train``'s one line on stderr; exit status 2."""
+    print(f"mmnnx train: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mmnnx train`` with the flags ``args`` (checked): 0 when trained, 1 when the loss is no
+    longer finite, 2 for an input error found only now (one line on stderr)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
+    import jax  # noqa: PLC0415  (after XLA_FLAGS)
+    from flax import nnx  # noqa: PLC0415
+
+    import mmnnx as mm  # noqa: PLC0415
+
+    mm.distributed.initialize()  # under `mmnnx launch` or a cluster; a no-op alone
+    from mmnnx.cli.checks import stage_order  # noqa: PLC0415
+    from mmnnx.errors import NoCandidateError  # noqa: PLC0415
+    from mmnnx.models import GPT  # noqa: PLC0415
+    from mmnnx.models.stages import stage_rules  # noqa: PLC0415
+    from mmnnx.train.checkpoint import (  # noqa: PLC0415
+        CheckpointCorruptError,
+        CheckpointDirectoryBusyError,
+        CheckpointMismatchError,
+        NoReadableCheckpointError,
+    )
+    from mmnnx.train.config import gpt_config, train_config  # noqa: PLC0415
+    from mmnnx.train.data import EMBEDDED, TextDataset  # noqa: PLC0415
+    from mmnnx.train.generation import run_tasks  # noqa: PLC0415
+    from mmnnx.train.loop import fit  # noqa: PLC0415
+
+    checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
+    if (
+        not args.resume
+        and checkpoints.is_dir()
+        and any(p.name.isdigit() for p in checkpoints.iterdir())
+    ):
+        return error(
+            f"{checkpoints} already holds checkpoints; pass --resume to continue from them, or "
+            "choose another --output-dir or --checkpoint-dir"
+        )
+    needed = args.stages * args.data_axis * args.model_axis
+    if len(jax.devices()) < needed:
+        where = (
+            f" ({jax.process_count()} processes x {jax.local_device_count()})"
+            if jax.process_count() > 1
+            else ""
+        )
+        return error(
+            f"only {len(jax.devices())} devices are available{where}; --stages {args.stages} x "
+            f"--data-axis {args.data_axis} x --model-axis {args.model_axis} needs {needed}"
+        )
+    if args.resume:
+        latest, any_step = _latest_checkpoint(checkpoints)
+        if not any_step:
+            print(
+                f"mmnnx train: --resume: no checkpoint in {checkpoints}; starting from step 0",
+                file=sys.stderr,
+            )
+        elif latest is not None and latest >= args.steps:
+            return error(
+                f"the latest checkpoint in {checkpoints} is step {latest}; --steps {args.steps} "
+                f"trains nothing more (give --steps above {latest})"
+            )
+    sources = args.text or [EMBEDDED]
+    try:
+        tokenizer = _tokenizer(args, sources)
+        dataset = TextDataset.from_files(
+            sources,
+            tokenizer,
+            pathlib.Path(args.output_dir, "data"),
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            seed=args.seed,
+        )
+    except (OSError, ValueError) as e:
+        return error(str(e))
+    tasks = run_tasks(args.stages, args.data_axis, args.model_axis)
+    config = gpt_config(vars(args), tokenizer.vocab_size)
+
+    def factory():
+        return GPT(config, rngs=nnx.Rngs(args.seed))
+
+    if jax.process_index() == 0:
+        tokenizer.save(pathlib.Path(args.output_dir, "tokenizer"))
+        write_config(pathlib.Path(args.output_dir, CONFIG_FILE), resolved_config(vars(args)))
+    with nnx.use_eager_sharding(False):
+        placement = stage_rules(
+            nnx.eval_shape(factory),
+            tasks,
+            virtual_stages=args.virtual_stages,
+            order=stage_order(args.schedule),
+        )
+    model = mm.init(factory, placement)
+    table = mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2)
+    if jax.process_index() == 0:
+        print(table)
+    try:
+        result = fit(model, dataset, train_config(vars(args)))
+    except (CheckpointMismatchError, CheckpointCorruptError, NoReadableCheckpointError) as e:
+        return error(f"--resume: {e}")
+    except NoCandidateError as e:
+        return error(f"--schedule auto: {e}")
+    except CheckpointDirectoryBusyError as e:
+        return error(str(e))
+    if not math.isfinite(result.final_eval):
+        return 1
+    if jax.process_count() == 1:  # a multi-process job's tasks span processes: see generate
+        _print_sample(model, tokenizer, args)
+    return 0
+
+
+def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
+    """The run's tokenizer: bytes; with --resume, the one saved under OUTPUT_DIR/tokenizer;
+    else a BPE trained on ``sources`` (streamed) by every process, checked to be the same (no
+    process waits for another's training, however long it takes)."""
+    from mmnnx.distributed.agree import check_same_everywhere  # noqa: PLC0415
+    from mmnnx.train.corpus import text_chunks  # noqa: PLC0415
+    from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, load_tokenizer  # noqa: PLC0415
+
+    saved = pathlib.Path(args.output_dir, "tokenizer")
+    if args.resume and saved.is_dir():
+        tokenizer = load_tokenizer(saved)
+        if tokenizer.name != args.tokenizer:
+            raise ValueError(
+                f"--tokenizer {args.tokenizer}: the run in {args.output_dir} was trained with "
+                f"--tokenizer {tokenizer.name} (saved in {saved})"
+            )
+        return tokenizer
+    if args.tokenizer == "bytes":
+        return ByteTokenizer()
+    import hashlib  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    tokenizer = BPETokenizer.train(text_chunks(sources), args.vocab_size or 1024)
+    if jax.process_count() > 1:  # training is deterministic: each trains, all check
+        digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+        check_same_everywhere("--tokenizer bpe: the BPE each process trained", [digest])
+    return tokenizer
+
+
+def _latest_checkpoint(directory: pathlib.Path) -> tuple[int | None, bool]:
+    """The latest complete step in ``directory``, and whether it holds any step directory."""
+    if not directory.is_dir():
+        return None, False
+    from mmnnx.train.checkpoint import Checkpointer  # noqa: PLC0415
+
+    with Checkpointer(directory) as ckpt:
+        return ckpt.latest_step(), bool(ckpt.all_steps() or ckpt.incomplete_steps())
+
+
+def _print_sample(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
+    """A greedy continuation of :data:`SAMPLE_PROMPT` by the trained ``model`` (on its own
+    tasks), at most 48 tokens, as the run report's last lines."""
+    from mmnnx.train.generation import continue_text  # noqa: PLC0415
+
+    room = model.config.max_seq_len - len(tokenizer.encode(SAMPLE_PROMPT))
+    if room < 1:
+        print(f"sample: none (--seq-len {args.seq_len} leaves no room after {SAMPLE_PROMPT!r})")
+        return
+    text = continue_text(model, tokenizer, SAMPLE_PROMPT, min(48, room))
+    print(f'sample (greedy; more: mmnnx generate --run {args.output_dir} --prompt "...")')
+    print(text)

@@ -1,0 +1,283 @@
+"""The options of a run of ``mmnnx train``, declared once: one dataclass per table of a config
+file (and group of ``mmnnx train --help``), each field with its type, default, help and parser.
+The flags (``mmnnx.cli.flags``), the TOML keys (``mmnnx.train.run_config``) and what
+``--resume`` takes from the run it resumes are derived from these fields; ``TrainConfig`` and
+``GPTConfig`` are built from their values here (:func:`train_config`, :func:`gpt_config`),
+their defaults being those fields' defaults. Adding an option is adding a field.
+
+Example:
+    >>> train_config({"steps": 8, "lr": 0.1, "seed": 3}).learning_rate
+    0.1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mmnnx.models.gpt import GPTConfig
+from mmnnx.mpmd.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
+from mmnnx.mpmd.schedules import names as schedule_names
+from mmnnx.train.loop import TrainConfig
+from mmnnx.train.options import finite, integer, option, positive, spec, step_range, switch
+
+T, G = TrainConfig, GPTConfig  # whose defaults the options feeding them take
+
+
+def schedule_choices() -> tuple[str, ...]:
+    """``--schedule``'s choices: the registered schedules and ``auto``."""
+    return (*schedule_names(), "auto")
+
+
+def _schedule_help() -> str:
+    """``--schedule``'s help: each choice with what it needs of ``--virtual-stages``."""
+    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
+
+    needs = {
+        Placement.ONE_PER_RANK: "one stage per task",
+        Placement.INTERLEAVED: "--virtual-stages 2 or more",
+        Placement.V_SHAPED: "--virtual-stages 2",
+        Placement.BUILDER_DECIDES: "as registered",
+    }
+    groups: dict[str, list[str]] = {}
+    for name in schedule_names():
+        groups.setdefault(needs[registered(name).placement], []).append(name)
+    choices = "; ".join(f"{', '.join(names)}: {need}" for need, names in groups.items())
+    return (
+        f"pipeline schedule (1f1b). {choices}. 'auto' (one stage per task) measures a step "
+        "once and picks the fastest schedule that fits --memory-budget (mm.schedules.tune), "
+        "printing its choice"
+    )
+
+
+@dataclasses.dataclass
+class Model:
+    dim: int = option(G.dim, "model width (%(default)s)", positive)
+    depth: int = option(G.depth, "number of transformer blocks (%(default)s)", positive)
+    heads: int = option(G.num_heads, "attention heads (%(default)s)", positive, api="num_heads")
+    scan_layers: bool = switch(
+        "--scan-layers",
+        "stack the blocks and run them with nnx.scan, each stage scanning its own chunk "
+        "(--depth must be a multiple of --stages); traced once whatever the depth: use it for "
+        "deep models (more than 32 blocks unrolled warn)",
+    )
+    seq_len: int = option(64, "tokens per sequence (%(default)s)", positive, api="max_seq_len")
+
+
+@dataclasses.dataclass
+class Layout:
+    stages: int = option(2, "pipeline stages, one task each (%(default)s)", positive)
+    data_axis: int = option(2, "data-parallel size inside each stage (%(default)s)", positive)
+    model_axis: int = option(2, "tensor-parallel size inside each stage (%(default)s)", positive)
+    virtual_stages: int = option(
+        T.virtual_stages,
+        "model stages per task (%(default)s): the blocks are cut into --stages x V stages, "
+        "looped over the tasks for the interleaved schedules, down and back up (a V, the "
+        "embedding and head on the first task) for zero-bubble-v and dualpipev",
+        positive,
+        metavar="V",
+    )
+    devices: int = option(
+        8, "simulated CPU devices when no accelerator is used (%(default)s)", positive
+    )
+
+
+@dataclasses.dataclass
+class Training:
+    batch_size: int = option(16, "sequences per step (%(default)s)", positive)
+    microbatches: int = option(T.microbatches, "microbatches per step (%(default)s)", positive)
+    schedule: str = option(T.schedule, _schedule_help, choices=schedule_choices)
+    memory_budget: str | None = option(
+        None, "with --schedule auto: bytes per device the schedule may use (e.g. 2GiB)"
+    )
+    pack_residuals: bool | int = option(
+        T.pack_residuals,
+        switches={
+            "--pack-residuals": (
+                True,
+                "return all of each forward's residuals as one buffer "
+                "(mm.jit(pack_residuals=True)); by default those of at most "
+                f"{PACK_RESIDUAL_BYTES // 1024} KiB are",
+            ),
+            "--no-pack-residuals": (
+                False,
+                "return each residual as an array of its own (mm.jit(pack_residuals=False))",
+            ),
+        },
+    )
+    pack_weights: bool = switch(
+        "--no-pack-weights",
+        "pass each block weight to the pipelined programs as an array of its own "
+        "(mm.jit(pack_weights=False)); by default each block's weights of at most "
+        f"{PACK_WEIGHT_BYTES // 1024} KiB travel as one buffer",
+        default=True,
+        omit=(True,),
+    )
+    steps: int = option(T.steps, "optimizer steps (%(default)s)", positive)
+    schedule_steps: int | None = option(
+        T.schedule_steps,
+        "horizon of the learning-rate schedule, warm-up + cosine decay (default: --steps; "
+        "with --resume, the horizon saved with the checkpoint)",
+        positive,
+    )
+    lr: float = option(
+        T.learning_rate, "peak learning rate (3e-3)", finite(positive=True), api="learning_rate"
+    )
+    warmup_steps: int = option(
+        T.warmup_steps, "steps of linear learning-rate warm-up from 0 (%(default)s)", integer(0)
+    )
+    weight_decay: float = option(
+        T.weight_decay, "AdamW's decoupled weight decay (%(default)s)", finite(positive=False)
+    )
+    eval_every: int = option(T.eval_every, "steps between evaluations (%(default)s)", positive)
+    eval_batches: int = option(
+        T.eval_batches, "held-out batches each evaluation averages (%(default)s)", positive
+    )
+    timeline_step: int = option(
+        T.timeline_step,
+        "the step whose pipeline timeline is measured and drawn (%(default)s; 0: none)",
+        integer(0),
+    )
+    seed: int = option(0, "initialisation and data seed (%(default)s)", integer(0))
+    text: list[str] | None = option(
+        None,
+        "your own UTF-8 text files or directories (default: embedded text); tokenized a "
+        "chunk at a time into OUTPUT_DIR/data/tokens.bin, read from disk as training goes",
+        many=True,
+        metavar="PATH",
+    )
+    tokenizer: str = option(
+        "bytes",
+        "bytes (256 tokens) or a byte-level BPE trained on the text (saved with the run "
+        "under OUTPUT_DIR/tokenizer; --resume reuses it) (%(default)s)",
+        choices=("bytes", "bpe"),
+    )
+    vocab_size: int | None = option(
+        None,
+        "with --tokenizer bpe: tokens of the BPE, at least 256; fewer if the text has "
+        "fewer pairs to merge; --resume keeps the saved tokenizer's (1024)",
+        integer(256),
+    )
+
+
+@dataclasses.dataclass
+class Precision:
+    dtype: str = option(
+        G.dtype,
+        "compute dtype of activations and matmuls; parameters and optimizer state stay "
+        "float32 (%(default)s)",
+        choices=("float32", "bfloat16"),
+    )
+    clip_grad_norm: float | None = option(
+        T.clip_grad_norm,
+        "scale the gradients down to this global norm, over every stage's (default: none)",
+        finite(positive=True),
+        metavar="NORM",
+    )
+
+
+@dataclasses.dataclass
+class Logging:
+    log_every: int = option(
+        T.log_every,
+        "steps between logged metrics; without a terminal, one line each (%(default)s)",
+        positive,
+    )
+    tensorboard: bool = switch(
+        "--no-tensorboard",
+        "write no TensorBoard event files (by default under OUTPUT_DIR/tensorboard)",
+        default=T.tensorboard,
+    )
+    profile_steps: tuple[int, int] | None = option(
+        T.profile_steps,
+        "trace steps A to B with jax.profiler into OUTPUT_DIR/profile",
+        step_range,
+        metavar="A:B",
+        text=lambda steps: f"{steps[0]}:{steps[1]}",
+    )
+
+
+@dataclasses.dataclass
+class Outputs:
+    output_dir: str = option(
+        T.output_dir,
+        "metrics, loss curve and timeline go here (%(default)s)",
+        from_run=False,  # where the run is now
+    )
+    checkpoint_dir: str | None = option(
+        T.checkpoint_dir, "checkpoints (default: OUTPUT_DIR/checkpoints)"
+    )
+    resume: bool = switch("--resume", "continue from the latest checkpoint", from_run=False)
+    checkpoint_every: int = option(
+        T.checkpoint_every,
+        "save a checkpoint every this many steps, and at the end (%(default)s)",
+        positive,
+    )
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Every option of ``mmnnx train``, one field per table (``[model]``, ``[layout]``, ...)."""
+
+    model: Model = dataclasses.field(default_factory=Model)
+    layout: Layout = dataclasses.field(default_factory=Layout)
+    training: Training = dataclasses.field(default_factory=Training)
+    precision: Precision = dataclasses.field(default_factory=Precision)
+    logging: Logging = dataclasses.field(default_factory=Logging)
+    outputs: Outputs = dataclasses.field(default_factory=Outputs)
+
+
+def tables(schema: type = RunConfig) -> dict[str, tuple[dataclasses.Field, ...]]:
+    """Each table of ``schema`` (a dataclass of dataclasses) and its options' fields.
+
+    Example:
+        >>> [f.name for f in tables()["precision"]]
+        ['dtype', 'clip_grad_norm']
+    """
+    return {t.name: dataclasses.fields(t.default_factory) for t in dataclasses.fields(schema)}
+
+
+def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
+    """The fields of ``target`` (``TrainConfig``, ``GPTConfig``) that options in ``values`` set,
+    by the name each option has there."""
+    names = {f.name for f in dataclasses.fields(target)}
+    options = [(spec(f).api or f.name, f) for fields in tables().values() for f in fields]
+    return {
+        name: values[f.name]
+        for name, f in options
+        if name in names and f.name in values and values[f.name] not in spec(f).omit
+    }
+
+
+def train_config(values: Mapping[str, Any]) -> TrainConfig:
+    """The ``TrainConfig`` of a run's option ``values`` (by field name; others ignored).
+
+    Example:
+        >>> train_config({"pack_weights": False, "no_such_option": 1}).pack_weights
+        False
+    """
+    return TrainConfig(**_arguments(values, TrainConfig))
+
+
+def gpt_config(values: Mapping[str, Any], vocab_size: int) -> GPTConfig:
+    """The ``GPTConfig`` of a run's option ``values`` (a run's ``config.toml``); the vocabulary
+    is the tokenizer's ``vocab_size`` rounded up to a multiple of ``model_axis`` (the embedding
+    is sharded over it).
+
+    Example:
+        >>> gpt_config({"dim": 64, "heads": 2, "seq_len": 32, "lr": 0.1}, 256).max_seq_len
+        32
+        >>> gpt_config({"model_axis": 2}, 289).vocab_size
+        290
+    """
+    shards = int(values.get("model_axis") or 1)
+    sizes = _arguments(values, GPTConfig)
+    sizes["vocab_size"] = -(-vocab_size // shards) * shards  # not the option: that is the BPE's
+    return GPTConfig(**sizes)
+
+
+def not_from_run() -> Sequence[str]:
+    """The options ``--resume`` does not take from the run it resumes: where the run is now
+    and what this call does."""
+    return [f.name for fs in tables().values() for f in fs if not spec(f).from_run]

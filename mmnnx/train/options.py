@@ -1,0 +1,149 @@
+"""How a run's option is declared: a dataclass field (:func:`option`, :func:`switch`) whose
+metadata (:class:`Option`) holds its flag's help, the parser of its text (a one-line reason for
+a bad value: :func:`integer`, :func:`finite`, :func:`step_range`) and, for a flag taking no
+value, its switches. ``mmnnx.train.config`` declares the options; ``mmnnx.cli.flags`` derives
+``argparse`` flags from them, ``mmnnx.train.run_config`` TOML keys."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+Parse = Callable[[str, str], Any]
+"""``parse(flag, text)``: the value of ``text`` given to ``flag``, or an
+``argparse.ArgumentTypeError`` whose message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """A field's flag: ``help`` (``%(default)s`` is the default; a callable is called when
+    the parser is built), ``parse`` (``None``: the text as is), ``choices`` (likewise
+    possibly a callable), ``metavar``, ``many`` (one value or more, a list), ``switches``
+    (flags that take no value: flag -> (the value it sets, its help)), ``from_run`` (with
+    ``--resume``, a value not given defaults to the resumed run's; ``False`` for what says
+    where the run is now and what this call does), ``api`` (its name in ``TrainConfig`` or
+    ``GPTConfig``, when not its own), ``omit`` (values that leave that field its default) and
+    ``text`` (a value as ``config.toml`` holds it, when not as is: what ``parse`` reads)."""
+
+    help: str | Callable[[], str] = ""
+    parse: Parse | None = None
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None
+    metavar: str | None = None
+    many: bool = False
+    switches: Mapping[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
+    from_run: bool = True
+    api: str | None = None
+    omit: tuple[Any, ...] = ()
+    text: Callable[[Any], Any] | None = None
+
+    def help_text(self) -> str:
+        return self.help() if callable(self.help) else self.help
+
+    def choice_list(self) -> Sequence[str] | None:
+        return self.choices() if callable(self.choices) else self.choices
+
+    def flag(self, name: str) -> str:
+        """The flag taking a value for the field ``name``: ``--seq-len`` for ``seq_len``."""
+        return "--" + name.replace("_", "-")
+
+
+def option(default: Any, help: str | Callable[[], str] = "", parse: Parse | None = None, **more):
+    """A dataclass field with ``default`` and its :class:`Option` (``help``, ``parse`` and
+    ``more`` of its attributes).
+
+    Example:
+        >>> @dataclasses.dataclass
+        ... class Model:
+        ...     dim: int = option(128, "model width (%(default)s)", positive)
+        >>> spec(dataclasses.fields(Model)[0]).parse("--dim", "0")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: --dim must be >= 1, got 0
+    """
+    return dataclasses.field(default=default, metadata={"option": Option(help, parse, **more)})
+
+
+def switch(flag: str, help: str, *, default: bool = False, **more):
+    """A boolean field set by ``flag``, which takes no value: to ``True`` (``--scan-layers``)
+    or, with ``default=True``, to ``False`` (``--no-tensorboard``)."""
+    return option(default, help, switches={flag: (not default, help)}, **more)
+
+
+def spec(field: dataclasses.Field) -> Option:
+    """The :class:`Option` of a field made by :func:`option` or :func:`switch`."""
+    return field.metadata["option"]
+
+
+def integer(minimum: int, maximum: int | None = None) -> Parse:
+    """An int of at least ``minimum`` (and at most ``maximum``).
+
+    Example:
+        >>> integer(0)("--seed", "-1")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: --seed must be >= 0, got -1
+    """
+
+    def parse(flag: str, text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{flag} must be <= {maximum}, got {value}")
+        return value
+
+    return parse
+
+
+positive = integer(1)
+"""An int >= 1."""
+
+
+def finite(*, positive: bool) -> Parse:
+    """A finite float, > 0 if ``positive`` else >= 0.
+
+    Example:
+        >>> finite(positive=True)("--lr", "nan")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: --lr must be a finite number > 0, got 'nan'
+    """
+    bound = "> 0" if positive else ">= 0"
+
+    def parse(flag: str, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(
+                f"{flag} must be a finite number {bound}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def step_range(flag: str, text: str) -> tuple[int, int]:
+    """``A:B`` (or ``A``) as ``(A, B)``, steps with ``1 <= A <= B``.
+
+    Example:
+        >>> step_range("--profile-steps", "10:12")
+        (10, 12)
+    """
+    first, colon, last = text.partition(":")
+    try:
+        steps = (int(first), int(last)) if colon else (int(first), int(first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{flag} must be FIRST:LAST steps, e.g. 10:12, got {text!r}"
+        ) from None
+    if not 1 <= steps[0] <= steps[1]:
+        raise argparse.ArgumentTypeError(f"{flag} needs 1 <= FIRST <= LAST, got {text!r}")
+    return steps
