@@ -530,7 +530,7 @@ def _print_sample(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from mmnnx.distributed.launch import LaunchError, launch  # noqa: PLC0415
+    from mmnnx.launcher.launch import LaunchError, launch  # noqa: PLC0415
 
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     try:

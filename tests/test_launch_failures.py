@@ -78,7 +78,7 @@ def test_a_process_of_several_that_exits_with_a_failing_status_does_not_wait_for
 ):
     # without the launcher (as on a cluster): rank 1's sys.exit(1) must not hold it at exit for
     # rank 0 (which waits in a barrier); rank 0 then fails when the coordination service notices
-    from mmnnx.distributed import launch as launcher
+    from mmnnx.launcher import launch as launcher
 
     port = launcher.free_port()
     code = BARRIER.format(rank=1, fail="sys.exit(1)")
