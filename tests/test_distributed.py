@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mmnnx as mm
-from mmnnx.distributed import launch as launcher
+from mmnnx.launcher import launch as launcher
 from mmnnx.train import CheckpointCorruptError
 from tests import distributed_worker as worker
 from tests.flags import without_device_count

@@ -73,12 +73,29 @@ def test_a_failing_process_ends_every_process_in_seconds_and_is_named(rank, fail
     assert f"[rank {rank}] ready" in proc.stdout  # it failed after initialize
 
 
+def test_a_script_keeps_its_own_excepthook_and_its_uncaught_exception_is_a_failure():
+    # mmnnx reads the exception from sys.last_value at exit: sys.excepthook is the script's own
+    hook = """
+def own_hook(kind, value, traceback):
+    print('own hook:', value, flush=True)
+sys.excepthook = own_hook
+"""
+    code = BARRIER.format(rank=1, fail="print('kept', sys.excepthook is own_hook); 1 / 0")
+    code = code.replace("mm.distributed.initialize()", hook + "mm.distributed.initialize()")
+    proc, seconds = launch(["-n", "2", "--", sys.executable, "-c", code])
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert seconds < WITHIN_S, (seconds, proc.stderr[-3000:])
+    assert "mmnnx launch: rank 1 failed first (exit code 1)" in proc.stderr
+    assert "[rank 1] kept True" in proc.stdout
+    assert "[rank 1] own hook: division by zero" in proc.stdout
+
+
 def test_a_process_of_several_that_exits_with_a_failing_status_does_not_wait_for_the_others(
     tmp_path,
 ):
     # without the launcher (as on a cluster): rank 1's sys.exit(1) must not hold it at exit for
     # rank 0 (which waits in a barrier); rank 0 then fails when the coordination service notices
-    from mmnnx.distributed import launch as launcher
+    from mmnnx.launcher import launch as launcher
 
     port = launcher.free_port()
     code = BARRIER.format(rank=1, fail="sys.exit(1)")

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from mmnnx.distributed.chatter import is_chatter
 from mmnnx.distributed.timeline import _merged
 from mmnnx.errors import MPMDError
+from mmnnx.launcher.chatter import is_chatter
 from mmnnx.mpmd.schedules import measured_bubble
 from mmnnx.mpmd.timing import Event
 from tests.flags import without_device_count

@@ -4,7 +4,8 @@ Every module is parsed; an import (inside a function too) is an edge to the modu
 ``from pkg import name`` goes to ``pkg.name`` where that is a module, else to ``pkg`` (its
 ``__init__``). The checks: no cycle between modules, none between subpackages, no import going
 up the layer table below (docs/architecture.md draws the same table), ``jax._src`` imported only
-inside the fence ``mmnnx/_jax/``, and multimesh_compat using mmnnx's public names only.
+inside the fence ``mmnnx/_jax/``, the launcher ``mmnnx/launcher/`` importing nothing but the
+standard library and ``mmnnx._env``, and multimesh_compat using mmnnx's public names only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import functools
 import itertools
 import pathlib
+import sys
 from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -29,8 +31,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "mmnnx._jax",
         "mmnnx._error_location",
         "mmnnx._gc",
+        "mmnnx._env",
     ),
-    ("mmnnx.sharding",),
+    ("mmnnx.sharding", "mmnnx.launcher"),
     ("mmnnx.mpmd",),
     ("mmnnx.distributed",),
     (
@@ -49,6 +52,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 FENCE = "mmnnx._jax"
+LAUNCHER = "mmnnx.launcher"
 # JAX's internals: ``jax._src`` anywhere; of ``jax.interpreters``, only the modules that
 # register a primitive's rules (``ad``, ``batching``, ``mlir``) outside the fence.
 REGISTRATION = frozenset(
@@ -297,6 +301,19 @@ def test_the_fence_imports_nothing_of_mmnnx_but_its_errors():
         and not (imp.target == "mmnnx.errors" or imp.target.startswith(FENCE))
     ]
     assert not inside, "the fence imports mmnnx:\n" + "\n".join(inside)
+
+
+def test_the_launcher_imports_the_standard_library_and_the_environment_names_only():
+    # ``mmnnx launch`` is a program of its own: nothing of JAX, nor the per-process runtime
+    found = [
+        str(imp)
+        for imp in _imports()
+        if imp.source.startswith(LAUNCHER + ".")
+        and not imp.target.startswith(LAUNCHER)
+        and imp.target not in ("mmnnx._env", "__future__")
+        and imp.target.split(".")[0] not in sys.stdlib_module_names
+    ]
+    assert not found, f"{LAUNCHER} imports more than it must:\n" + "\n".join(found)
 
 
 def _private(dotted: str) -> bool:

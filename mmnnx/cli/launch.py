@@ -74,7 +74,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmnnx.distributed.launch import LaunchError, launch  # noqa: PLC0415
+    from mmnnx.launcher.launch import LaunchError, launch  # noqa: PLC0415
 
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     try:

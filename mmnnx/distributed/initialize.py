@@ -16,17 +16,17 @@ from typing import Any
 
 import jax
 
+from mmnnx._env import (
+    COLLECTIVES,
+    ENV_COLLECTIVES,
+    ENV_COORDINATOR,
+    ENV_HEARTBEAT,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
 from mmnnx._jax import runtime
 from mmnnx.distributed import exits
 from mmnnx.errors import MPMDError
-
-ENV_COORDINATOR = "MMNNX_COORDINATOR"
-ENV_NUM_PROCESSES = "MMNNX_NUM_PROCESSES"
-ENV_PROCESS_ID = "MMNNX_PROCESS_ID"
-ENV_HEARTBEAT = "MMNNX_HEARTBEAT_TIMEOUT"
-ENV_COLLECTIVES = "MMNNX_COLLECTIVES"
-COLLECTIVES = ("none", "gloo", "mpi")
-"""Collectives between processes on CPU: none (the default), or JAX's gloo or MPI ones."""
 
 _CLUSTER_VARIABLES = {
     "SLURM_NTASKS": "SLURM",

@@ -2,7 +2,7 @@
 
 Like ``torchrun`` on one machine: a coordinator on 127.0.0.1 with a free port, each process told
 its rank through the environment, each output line prefixed with its rank; when one process
-fails or stops responding the others are stopped at once (:mod:`~mmnnx.distributed.ranks`) and,
+fails or stops responding the others are stopped at once (:mod:`~mmnnx.launcher.ranks`) and,
 with ``max_restarts``, all of them are started again; none outlives the launcher (Ctrl-C
 included).
 """
@@ -18,19 +18,18 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from mmnnx.distributed.chatter import is_chatter
-from mmnnx.distributed.initialize import (
+from mmnnx._env import (
     COLLECTIVES,
     ENV_COLLECTIVES,
     ENV_COORDINATOR,
     ENV_HEARTBEAT,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    ENV_RESTART_COUNT,
 )
-from mmnnx.distributed.ranks import Outcome, Ranks
+from mmnnx.launcher.chatter import is_chatter
+from mmnnx.launcher.ranks import Outcome, Ranks
 
-ENV_RESTART_COUNT = "MMNNX_RESTART_COUNT"
-"""How many times ``mmnnx launch`` restarted the processes before this attempt (0, 1, ...)."""
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S+")
 _DEFAULT_HEARTBEAT_S = 20
 
