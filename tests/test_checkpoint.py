@@ -23,6 +23,7 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx.train import Checkpointer, checkpoint
+from mmnnx.train.checkpoint import layout
 from tests.checkpoint_worker import arrays, build, digest, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -209,7 +210,7 @@ def _fail_before_commit(monkeypatch):
         assert (path / "model" / "_METADATA").is_file()  # all is written but the rename
         raise OSError("disk full (simulated) just before the commit")
 
-    monkeypatch.setattr(checkpoint, "_fsync_tree", boom)
+    monkeypatch.setattr(layout, "fsync_tree", boom)
     return OSError, "just before the commit"
 
 
@@ -526,7 +527,7 @@ def test_data_that_reads_back_different_is_caught_by_its_checksum(tmp_path, monk
         assert {"model/kernel", "model/bias"} <= meta["variables"].keys()
         assert all(isinstance(v["checksum"], int) for v in meta["variables"].values())
         # one flipped bit in the kernel as read back (a silent storage error)
-        real_restore = ckpt._manager.restore
+        real_restore = ckpt._orbax._manager.restore
 
         def flipped(step, args):
             out = real_restore(step, args=args)
@@ -538,7 +539,7 @@ def test_data_that_reads_back_different_is_caught_by_its_checksum(tmp_path, monk
                 )
             return out
 
-        monkeypatch.setattr(ckpt._manager, "restore", flipped)
+        monkeypatch.setattr(ckpt._orbax._manager, "restore", flipped)
         fresh = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
         before = arrays(model=fresh)
         with pytest.raises(checkpoint.CheckpointCorruptError, match=r"'model/kernel' reads back"):
