@@ -23,24 +23,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from mmnnx.sharding.arrays import put
+from mmnnx.train.checkpoint import integrity, layout
 from mmnnx.train.checkpoint.formats.base import Variables
-from mmnnx.train.checkpoint.integrity import (
-    check_extra,
-    checksums,
-    extra_checksum,
-    read_or_corrupt,
-    verify,
-)
-from mmnnx.train.checkpoint.layout import (
-    EXTRA,
-    ITEMS,
-    META,
-    MODEL,
-    OPT,
-    STEP_METADATA,
-    SyncedAtomicRename,
-    listing,
-)
+from mmnnx.train.checkpoint.layout import EXTRA, META, MODEL, OPT
 from mmnnx.train.checkpoint.tree import Path, Trees, show
 
 FORMAT_VERSION = 1
@@ -57,7 +42,7 @@ class OrbaxTree:
     Example:
         >>> import tempfile
         >>> orbax = OrbaxTree(epath.Path(tempfile.mkdtemp()), None, max_to_keep=3)
-        >>> orbax.save(1, {"model": {("w",): np.ones(2)}}, {}, {})
+        >>> orbax.save(1, {"model": {("w",): np.ones(2)}}, {}, {"model/w": {}})
         >>> step = orbax.open(1)
         >>> step.arrays["model"][("w",)].shape, step.arrays["opt"]
         ((2,), None)
@@ -67,7 +52,7 @@ class OrbaxTree:
     """
 
     marker: ClassVar[str | None] = None
-    required: ClassVar[tuple[str, ...]] = (STEP_METADATA, MODEL, META)
+    required: ClassVar[tuple[str, ...]] = (layout.STEP_METADATA, MODEL, META)
 
     def __init__(
         self,
@@ -82,7 +67,7 @@ class OrbaxTree:
             max_to_keep=max_to_keep,
             enable_async_checkpointing=False,
             cleanup_tmp_directories=False,  # readers must not touch a save in progress
-            temporary_path_class=SyncedAtomicRename,
+            temporary_path_class=layout.SyncedAtomicRename,
             create=process is None,
             multiprocessing_options=ocp.options.MultiprocessingOptions()
             if process is None
@@ -96,9 +81,9 @@ class OrbaxTree:
             EXTRA: ocp.JsonCheckpointHandler(),
             META: ocp.JsonCheckpointHandler(),
         }
-        self._manager = listing(
+        self._manager = layout.listing(
             lambda: ocp.CheckpointManager(
-                directory, options=options, item_names=ITEMS, item_handlers=handlers
+                directory, options=options, item_names=layout.ITEMS, item_handlers=handlers
             )
         )
 
@@ -109,7 +94,7 @@ class OrbaxTree:
             self._manager.reload()
             return sorted(int(s) for s in self._manager.all_steps())
 
-        return listing(listed)
+        return layout.listing(listed)
 
     def reload(self) -> None:
         """Reads the listing afresh (another process changed the directory)."""
@@ -120,7 +105,7 @@ class OrbaxTree:
         args: dict[str, Any] = {}
         described = {name: dict(info) for name, info in variables.items()}
         for item, flat in trees.items():
-            sums = checksums({show(item, path): value for path, value in flat.items()})
+            sums = integrity.checksums({show(item, path): value for path, value in flat.items()})
             for name, checksum in sums.items():
                 described[name]["checksum"] = checksum
             args[item] = ocp.args.StandardSave(_nest(flat))
@@ -129,7 +114,7 @@ class OrbaxTree:
             {
                 "format": FORMAT_VERSION,
                 "variables": described,
-                "extra_checksum": extra_checksum(extra),
+                "extra_checksum": integrity.extra_checksum(extra),
             }
         )
         running = set(threading.enumerate())
@@ -143,11 +128,13 @@ class OrbaxTree:
     def open(self, step: int) -> _OrbaxStep:
         """See :meth:`Format.open`: the items' tree metadata and mmnnx's JSON item."""
         folder = self._directory / str(step)
-        metadata = read_or_corrupt(step, folder, lambda: self._manager.item_metadata(step))
+        metadata = integrity.read_or_corrupt(
+            step, folder, lambda: self._manager.item_metadata(step)
+        )
         saved_items = set(metadata.keys())
         meta: dict[str, Any] = {}
         if META in saved_items:
-            meta = read_or_corrupt(
+            meta = integrity.read_or_corrupt(
                 step,
                 folder,
                 lambda: self._manager.restore(
@@ -195,14 +182,14 @@ class _OrbaxStep:
         if self._has_extra:
             args[EXTRA] = ocp.args.JsonRestore()
         manager = self._orbax._manager
-        restored = read_or_corrupt(
+        restored = integrity.read_or_corrupt(
             step, folder, lambda: manager.restore(step, args=ocp.args.Composite(**args))
         )
         extra = restored[EXTRA] if self._has_extra else None
-        check_extra(step, folder, extra, self._extra_checksum)
+        integrity.check_extra(step, folder, extra, self._extra_checksum)
         values = {item: dict(_flatten(restored[item])) for item in targets}
         named = {show(item, path): values[item][path] for item in targets for path in targets[item]}
-        verify(step, folder, named, self.variables)
+        integrity.verify(step, folder, named, self.variables)
         laid_out = {
             item: {
                 path: _laid_out(values[item][path], target, process)

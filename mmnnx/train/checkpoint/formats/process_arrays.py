@@ -32,24 +32,10 @@ import tensorstore as ts
 from etils import epath
 
 from mmnnx.distributed.gather import gather
+from mmnnx.train.checkpoint import integrity, layout
 from mmnnx.train.checkpoint.formats.base import Variables
-from mmnnx.train.checkpoint.integrity import (
-    CheckpointCorruptError,
-    check_extra,
-    checksum,
-    extra_checksum,
-    read_or_corrupt,
-)
-from mmnnx.train.checkpoint.layout import (
-    EXTRA,
-    META,
-    MODEL,
-    OPT,
-    STEP_METADATA,
-    TMP_SUFFIX,
-    commit,
-    remove_oldest,
-)
+from mmnnx.train.checkpoint.integrity import CheckpointCorruptError
+from mmnnx.train.checkpoint.layout import EXTRA, META, MODEL, OPT, STEP_METADATA
 from mmnnx.train.checkpoint.processes import together
 from mmnnx.train.checkpoint.tree import Path, Trees, show
 
@@ -162,7 +148,7 @@ def write(root: epath.Path, items: Trees, me: int) -> dict[str, dict[str, list]]
                 host = np.asarray(data)
                 region = tuple(slice(a, b) for a, b in zip(start, stop, strict=True))
                 pending.append(array[region].write(host))
-                records.append([list(start), list(stop), checksum(host), me])
+                records.append([list(start), list(stop), integrity.checksum(host), me])
     for future in pending:
         future.result()
     return written
@@ -197,7 +183,7 @@ def read(root: epath.Path, item: str, path: Path, record: Mapping[str, Any], tar
                 data = np.asarray(array[region].read().result(), dtype=dtype)
             except ValueError as e:
                 raise DamagedChunk(name, chunk, str(e)) from e
-            if checksum(data) != expected:
+            if integrity.checksum(data) != expected:
                 raise DamagedChunk(name, chunk, "fails its checksum")
             cache[chunk] = data
         return cache[chunk]
@@ -257,7 +243,7 @@ class ProcessArrays:
         step's temporary directory, in parallel; process 0 commits the step once every process
         has written, and tells the others."""
         me, what = self._process, f"saving checkpoint step {step}"
-        tmp = self._directory / f"{step}{TMP_SUFFIX}-processes"
+        tmp = self._directory / f"{step}{layout.TMP_SUFFIX}-processes"
         together(what, lambda: tmp.mkdir(parents=True) if me == 0 else None)
         together(what, lambda: create(tmp, trees, me))
         written = together(what, lambda: write(tmp, trees, me))
@@ -295,7 +281,7 @@ class ProcessArrays:
             "format": FORMAT_VERSION,
             "variables": variables,
             "arrays": arrays,
-            "extra_checksum": extra_checksum(extra),
+            "extra_checksum": integrity.extra_checksum(extra),
         }
         for item, content in ((META, manifest), (EXTRA, extra)):
             (tmp / item).mkdir(parents=True, exist_ok=True)
@@ -313,13 +299,13 @@ class ProcessArrays:
                 }
             )
         )
-        commit(tmp, self._directory / str(step))
-        remove_oldest(self._directory, self._steps(), self._max_to_keep)
+        layout.commit(tmp, self._directory / str(step))
+        layout.remove_oldest(self._directory, self._steps(), self._max_to_keep)
 
     def open(self, step: int) -> _ProcessArraysStep:
         """See :meth:`Format.open`: the manifest."""
         folder = self._directory / str(step)
-        content = read_or_corrupt(
+        content = integrity.read_or_corrupt(
             step, folder, lambda: json.loads((folder / META / "metadata").read_text())
         )
         return _ProcessArraysStep(step, folder, content)
@@ -347,11 +333,11 @@ class _ProcessArraysStep:
         step, folder = self._step, self._folder
         extra_file = folder / EXTRA / "metadata"
         extra = (
-            read_or_corrupt(step, folder, lambda: json.loads(extra_file.read_text()))
+            integrity.read_or_corrupt(step, folder, lambda: json.loads(extra_file.read_text()))
             if extra_file.exists()
             else None
         )
-        check_extra(step, folder, extra, self._manifest.get("extra_checksum"))
+        integrity.check_extra(step, folder, extra, self._manifest.get("extra_checksum"))
         values: Trees = {item: {} for item in targets}
         for item, flat in targets.items():
             for path, stored in flat.items():
