@@ -38,12 +38,12 @@ __all__ = [
     "Skipped",
 ]
 
-# Named here, as before the split, in tracebacks, reprs and pickles.
+# Named here, as before the split, in tracebacks and pickles (not Checkpointer: the doctests of
+# its methods are found by its module).
 for _public in (
     CheckpointCorruptError,
     CheckpointDirectoryBusyError,
     CheckpointMismatchError,
-    Checkpointer,
     NoReadableCheckpointError,
     Resumed,
     Skipped,
