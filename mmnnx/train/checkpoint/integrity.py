@@ -155,10 +155,6 @@ def check_extra(step: int, folder: epath.Path, extra: Any, saved_checksum: str |
 def read_or_corrupt(step: int, folder: epath.Path, read: Callable[[], Any]) -> Any:
     """``read()`` of step ``step`` (its directory ``folder``); a failure to read its files is a
     :class:`CheckpointCorruptError` naming the step directory and, when it can be found, the file.
-
-    Example:
-        >>> read_or_corrupt(3, epath.Path("/no/such/3"), lambda: "read")
-        'read'
     """
     try:
         return read()

@@ -68,10 +68,6 @@ def fsync_tree(root: epath.Path, *, recursive: bool = True) -> None:
     """fsyncs every file below ``root``, then each directory bottom-up (local paths only).
 
     With ``recursive=False``, only the files directly in ``root``, then ``root`` itself.
-
-    Example:
-        >>> import tempfile
-        >>> fsync_tree(epath.Path(tempfile.mkdtemp()))
     """
     if not is_local(root):
         return
@@ -87,11 +83,6 @@ def fsync_tree(root: epath.Path, *, recursive: bool = True) -> None:
         for name in filenames:
             fsync(os.path.join(dirpath, name), directory=False)
         fsync(dirpath, directory=True)
-
-
-def _sync_parent(final: epath.Path) -> None:
-    if is_local(final.parent):
-        fsync(os.fspath(final.parent), directory=True)
 
 
 class SyncedAtomicRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
@@ -113,7 +104,8 @@ class SyncedAtomicRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
         await asyncio.to_thread(fsync_tree, self.get())
         await super().finalize()
         await asyncio.to_thread(fsync_tree, final, recursive=False)
-        await asyncio.to_thread(_sync_parent, final)
+        if is_local(final.parent):
+            await asyncio.to_thread(fsync, os.fspath(final.parent), directory=True)
 
 
 def commit(tmp: epath.Path, final: epath.Path) -> None:
@@ -129,17 +121,13 @@ def commit(tmp: epath.Path, final: epath.Path) -> None:
     """
     fsync_tree(tmp)
     tmp.rename(final)
-    _sync_parent(final)
+    if is_local(final.parent):
+        fsync(os.fspath(final.parent), directory=True)
 
 
 def listing(read: Callable[[], Any]) -> Any:
     """``read()``, again if a step it was listing vanished (the writer deleted a step older than
-    ``max_to_keep`` meanwhile): Orbax lists the step directories, then reads each one.
-
-    Example:
-        >>> listing(lambda: [3, 4])
-        [3, 4]
-    """
+    ``max_to_keep`` meanwhile): Orbax lists the step directories, then reads each one."""
     for attempt in range(_LIST_ATTEMPTS):
         try:
             return read()
