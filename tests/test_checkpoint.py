@@ -519,6 +519,19 @@ def test_damaged_checkpoint_names_step_and_file(tmp_path, damage, culprit):
     assert_same(arrays(model=fresh), before)  # nothing written
 
 
+def test_a_format_that_deletes_old_steps_itself_keeps_the_newest_max_to_keep(tmp_path):
+    # what the several-process format does after a commit (Orbax's manager does it for one
+    # process); it once kept only the newest step while fewer than max_to_keep were saved
+    for step in range(1, 6):
+        (tmp_path / str(step)).mkdir()
+    layout.remove_oldest(tmp_path, [1, 2], 3)
+    assert sorted(os.listdir(tmp_path)) == ["1", "2", "3", "4", "5"]
+    layout.remove_oldest(tmp_path, [1, 2, 3, 4, 5], None)
+    assert sorted(os.listdir(tmp_path)) == ["1", "2", "3", "4", "5"]
+    layout.remove_oldest(tmp_path, [1, 2, 3, 4, 5], 3)
+    assert sorted(os.listdir(tmp_path)) == ["3", "4", "5"]
+
+
 def test_data_that_reads_back_different_is_caught_by_its_checksum(tmp_path, monkeypatch):
     model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
     with Checkpointer(tmp_path) as ckpt:

@@ -174,8 +174,19 @@ def remove_abandoned_saves(directory: epath.Path) -> None:
 
 def remove_oldest(directory: epath.Path, steps: Sequence[int], keep: int | None) -> None:
     """Deletes the step directories of all but the newest ``keep`` of ``steps`` (oldest first;
-    ``keep=None`` keeps all)."""
-    for old in steps[: len(steps) - keep] if keep is not None else ():
+    ``keep=None`` keeps all).
+
+    Example:
+        >>> import tempfile
+        >>> root = epath.Path(tempfile.mkdtemp())
+        >>> for step in (1, 2, 3):
+        ...     (root / str(step)).mkdir()
+        >>> remove_oldest(root, [1, 2], 3)  # fewer than keep: none go
+        >>> remove_oldest(root, [1, 2, 3], 2)
+        >>> sorted(p.name for p in root.iterdir())
+        ['2', '3']
+    """
+    for old in steps[: max(0, len(steps) - keep)] if keep is not None else ():
         shutil.rmtree(os.fspath(directory / str(old)), ignore_errors=True)
 
 
