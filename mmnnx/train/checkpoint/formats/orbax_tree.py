@@ -147,7 +147,8 @@ class OrbaxTree:
             else None
             for item in (MODEL, OPT)
         }
-        return _OrbaxStep(self, step, folder, arrays, meta, EXTRA in saved_items)
+        has_extra = EXTRA in saved_items
+        return _OrbaxStep(self._manager, self._process, step, folder, arrays, meta, has_extra)
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -161,27 +162,27 @@ class _OrbaxStep:
 
     def __init__(
         self,
-        orbax: OrbaxTree,
+        manager: ocp.CheckpointManager,
+        process: int | None,
         step: int,
         folder: epath.Path,
         arrays: dict[str, dict[Path, Any] | None],
         meta: Mapping[str, Any],
         has_extra: bool,
     ) -> None:
-        self._orbax, self._step, self._folder = orbax, step, folder
+        self._manager, self._process, self._step, self._folder = manager, process, step, folder
         self.arrays, self.variables = arrays, meta.get("variables", {})
         self._extra_checksum, self._has_extra = meta.get("extra_checksum"), has_extra
 
     def read(self, targets: Trees) -> tuple[dict[str, Any] | None, Trees]:
         """See :meth:`SavedStep.read`."""
-        step, folder, process = self._step, self._folder, self._orbax._process
+        step, folder, manager, process = self._step, self._folder, self._manager, self._process
         args: dict[str, Any] = {
             item: ocp.args.StandardRestore(_nest({p: _target(v, process) for p, v in flat.items()}))
             for item, flat in targets.items()
         }
         if self._has_extra:
             args[EXTRA] = ocp.args.JsonRestore()
-        manager = self._orbax._manager
         restored = integrity.read_or_corrupt(
             step, folder, lambda: manager.restore(step, args=ocp.args.Composite(**args))
         )
