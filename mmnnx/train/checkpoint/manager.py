@@ -78,7 +78,7 @@ class Checkpointer:
             )
         path = os.fspath(directory)
         self._directory = epath.Path(path if "://" in path else os.path.abspath(path))
-        # With several processes, each reads on its own; every process writes its own arrays.
+        # With several processes, each lists and reads on its own, and writes its own arrays.
         self._me = jax.process_index() if jax.process_count() > 1 else None
         if self._me is not None:
             self._directory.mkdir(parents=True, exist_ok=True)
@@ -91,7 +91,8 @@ class Checkpointer:
             self._directory, self._me, max_to_keep=max_to_keep, steps=self.all_steps
         )
         self._format: Format = self._orbax if self._me is None else parts
-        self._readers: tuple[Format, ...] = (parts, self._orbax)  # the first a step is of
+        # a step is read by the first whose marker it holds (Orbax's tree has none: the rest)
+        self._readers: tuple[Format, ...] = (parts, self._orbax)
 
     @property
     def directory(self) -> epath.Path:
