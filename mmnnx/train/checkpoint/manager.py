@@ -268,8 +268,7 @@ class Checkpointer:
         saved = self._format_of(step).open(step)
         found = tree.entries(model, opt)
         tree.check(step, saved.arrays, found, saved.variables)
-        targets = {item: {p: tree.as_stored(v) for p, _, v in ents} for item, ents in found.items()}
-        extra, values = saved.read(targets)
+        extra, values = saved.read(tree.stored(found))
         tree.write_back(step, found, values)
         return dict(extra or {})
 

@@ -79,13 +79,19 @@ def saved_trees(model: Any, opt: nnx.Optimizer | None) -> tuple[Trees, dict[str,
         >>> list(trees["model"]), variables["model/bias"]
         ([('bias',), ('kernel',)], {'type': 'Param', 'task': None, 'spec': None})
     """
-    trees: Trees = {}
-    variables: dict[str, dict[str, Any]] = {}
-    for item, found in entries(model, opt).items():
-        trees[item] = {path: as_stored(value) for path, _, value in found}
-        for path, var, value in found:
-            variables[show(item, path)] = _describe(var, value)
-    return trees, variables
+    found = entries(model, opt)
+    variables = {
+        show(item, path): _describe(var, value)
+        for item, item_entries in found.items()
+        for path, var, value in item_entries
+    }
+    return stored(found), variables
+
+
+def stored(found: Entries) -> Trees:
+    """The values of the Variables ``found`` as they are saved (:func:`as_stored`), by item and
+    path: what a step saves, and the targets a restore reads into."""
+    return {item: {p: as_stored(v) for p, _, v in ents} for item, ents in found.items()}
 
 
 def check(step: int, saved: Mapping[str, Any], found: Entries, info: Mapping[str, Any]) -> None:
@@ -97,14 +103,14 @@ def check(step: int, saved: Mapping[str, Any], found: Entries, info: Mapping[str
         CheckpointMismatchError: naming the first mismatch, model first.
     """
     problems: list[str] = []
+    wanted = stored(found)
     for item, item_entries in found.items():
         arrays = saved.get(item)
         if arrays is None:
             what = "optimizer state" if item == OPT else "model state"
             problems.append(f"checkpoint step {step}: no {what} ({item!r}) was saved")
             continue
-        wanted = {path: as_stored(value) for path, _, value in item_entries}
-        problems += _compare(step, item, arrays, wanted)
+        problems += _compare(step, item, arrays, wanted[item])
         problems += _key_impl_problems(step, item, item_entries, arrays, info)
     if problems:
         more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
