@@ -111,7 +111,8 @@ def digest(**nodes) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from mmnnx.train import Checkpointer, checkpoint
+    from mmnnx.train import Checkpointer
+    from mmnnx.train.checkpoint import layout
 
     mode, directory = argv[0], argv[1]
     if mode == "resume":
@@ -135,7 +136,7 @@ def main(argv: list[str]) -> None:
             print("COMMITTING", path, flush=True)
             time.sleep(600)
 
-        checkpoint._fsync_tree = hang  # every array of the step is written; the rename is not
+        layout.fsync_tree = hang  # every array of the step is written; the rename is not
         ckpt.save(n + 1, model=model, opt=opt, extra={"step": n + 1})
         raise AssertionError("the save should have been killed before it committed")
     elif mode == "write":

@@ -347,7 +347,7 @@ def checkpoint_roundtrip():
     """A 1F1B GPT step saved into $CKPT_OUT; then $CKPT_IN (saved elsewhere) restored; then a
     step of the GPT on 4 stages (2 tasks a process) saved into $CKPT_OUT4 and restored into 2
     stages, noting which arrays this process read (and whether it holds part of each)."""
-    from mmnnx.train import process_arrays
+    from mmnnx.train.checkpoint.formats import process_arrays
 
     saved = checkpoint_save(os.environ["CKPT_OUT"])
     restored = checkpoint_restore(os.environ["CKPT_IN"])
@@ -378,7 +378,8 @@ def killed_during_save():
     1 after writing part of its arrays). Writes step 1's state to OUT_DIR/step1.json first."""
     import signal
 
-    from mmnnx.train import Checkpointer, checkpoint, process_arrays
+    from mmnnx.train import Checkpointer
+    from mmnnx.train.checkpoint.formats import process_arrays
 
     model = gpt_model(gpt_tasks(2))
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -397,7 +398,7 @@ def killed_during_save():
             os.kill(os.getpid(), signal.SIGKILL)
 
         if jax.process_index() == victim == 0:
-            checkpoint.Checkpointer._commit_parts = killed
+            process_arrays.ProcessArrays._commit = killed
         elif jax.process_index() == victim:
             write = process_arrays.write
 

@@ -23,6 +23,7 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx.train import Checkpointer, checkpoint
+from mmnnx.train.checkpoint import layout
 from tests.checkpoint_worker import arrays, build, digest, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -209,7 +210,7 @@ def _fail_before_commit(monkeypatch):
         assert (path / "model" / "_METADATA").is_file()  # all is written but the rename
         raise OSError("disk full (simulated) just before the commit")
 
-    monkeypatch.setattr(checkpoint, "_fsync_tree", boom)
+    monkeypatch.setattr(layout, "fsync_tree", boom)
     return OSError, "just before the commit"
 
 
@@ -518,6 +519,19 @@ def test_damaged_checkpoint_names_step_and_file(tmp_path, damage, culprit):
     assert_same(arrays(model=fresh), before)  # nothing written
 
 
+def test_a_format_that_deletes_old_steps_itself_keeps_the_newest_max_to_keep(tmp_path):
+    # what the several-process format does after a commit (Orbax's manager does it for one
+    # process); it once kept only the newest step while fewer than max_to_keep were saved
+    for step in range(1, 6):
+        (tmp_path / str(step)).mkdir()
+    layout.remove_oldest(tmp_path, [1, 2], 3)
+    assert sorted(os.listdir(tmp_path)) == ["1", "2", "3", "4", "5"]
+    layout.remove_oldest(tmp_path, [1, 2, 3, 4, 5], None)
+    assert sorted(os.listdir(tmp_path)) == ["1", "2", "3", "4", "5"]
+    layout.remove_oldest(tmp_path, [1, 2, 3, 4, 5], 3)
+    assert sorted(os.listdir(tmp_path)) == ["3", "4", "5"]
+
+
 def test_data_that_reads_back_different_is_caught_by_its_checksum(tmp_path, monkeypatch):
     model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
     with Checkpointer(tmp_path) as ckpt:
@@ -526,7 +540,7 @@ def test_data_that_reads_back_different_is_caught_by_its_checksum(tmp_path, monk
         assert {"model/kernel", "model/bias"} <= meta["variables"].keys()
         assert all(isinstance(v["checksum"], int) for v in meta["variables"].values())
         # one flipped bit in the kernel as read back (a silent storage error)
-        real_restore = ckpt._manager.restore
+        real_restore = ckpt._orbax._manager.restore
 
         def flipped(step, args):
             out = real_restore(step, args=args)
@@ -538,7 +552,7 @@ def test_data_that_reads_back_different_is_caught_by_its_checksum(tmp_path, monk
                 )
             return out
 
-        monkeypatch.setattr(ckpt._manager, "restore", flipped)
+        monkeypatch.setattr(ckpt._orbax._manager, "restore", flipped)
         fresh = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
         before = arrays(model=fresh)
         with pytest.raises(checkpoint.CheckpointCorruptError, match=r"'model/kernel' reads back"):

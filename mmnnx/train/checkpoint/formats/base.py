@@ -1,0 +1,89 @@
+"""The interface of a step's storage format: :class:`Format` writes steps, :class:`SavedStep`
+reads one back.
+
+The ``Checkpointer`` owns everything around a format: the directory and its writer lock, step
+numbers and their listing, which Variables are saved (:mod:`..tree`: arrays by item and path,
+RNG keys as key data) and the check of a step's arrays against the model before anything is
+read. A format only stores and loads arrays, the JSON ``extra`` dict and mmnnx's description of
+each Variable, and proves what it read (checksums, :mod:`..integrity`). It writes a step into a
+temporary directory (a name holding ``layout.TMP_SUFFIX``) and commits it by one atomic rename
+to ``<directory>/<step>``, deleting the steps older than ``max_to_keep`` after the commit.
+
+The ``Checkpointer`` saves with one format, chosen when it is made, and reads a step with the
+format whose :attr:`Format.marker` the step directory holds (the format without a marker, Orbax's
+tree, when none does): a step restores whatever format wrote it. A new layout, such as Hugging
+Face's (``config.json``, ``model.safetensors.index.json`` mapping each tensor to one of the
+sharded ``*.safetensors`` files, each process reading only the slices its devices hold), is one
+more module here: its marker (``model.safetensors.index.json``), the files every committed step
+holds, a ``save`` writing them and an ``open`` reading the index and the tensors' headers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol
+
+from mmnnx.train.checkpoint.tree import Path, Trees
+
+Variables = Mapping[str, Mapping[str, Any]]  # "item/path" -> mmnnx's description
+
+
+class SavedStep(Protocol):
+    """A committed step as its format reads it, opened by :meth:`Format.open`.
+
+    ``arrays`` holds, by item (``"model"``, ``"opt"``), each saved array's shape and dtype (any
+    object with ``.shape`` and ``.dtype``; anything else is reported as no array) by path, or
+    ``None`` for an item the step does not hold. ``variables`` holds mmnnx's description of
+    each saved Variable by ``item/path`` name (``type``, ``task``, ``spec``, ``key_impl``).
+    """
+
+    arrays: Mapping[str, Mapping[Path, Any] | None]
+    variables: Variables
+
+    def read(self, targets: Trees) -> tuple[dict[str, Any] | None, Trees]:
+        """Reads the step's ``extra`` dict (``None`` when the step holds none) and the arrays of
+        ``targets``: by item and path, the value each array is restored into, as stored (an RNG
+        key as its key data), whose shape and dtype :meth:`Format.open`'s ``arrays`` matched.
+
+        Returns each array bit-exact, laid out as its target (the same sharding; a NumPy array
+        for a NumPy target; uncommitted for an uncommitted one), or ``None`` where this process
+        holds no part of it. Reads everything before returning.
+
+        Raises:
+            CheckpointCorruptError: a file cannot be read, or an array or ``extra`` reads back
+                different from its checksum.
+        """
+        ...
+
+
+class Format(Protocol):
+    """One way of storing a step on disk (see the module's docstring).
+
+    ``marker`` is a file or folder only this format's step directories hold (``None`` for the
+    format of every other step); ``required`` what every committed step of this format holds
+    (the first that is missing says why a step is incomplete: ``layout.incomplete``).
+    """
+
+    marker: ClassVar[str | None]
+    required: ClassVar[tuple[str, ...]]
+
+    def save(self, step: int, trees: Trees, extra: dict[str, Any], variables: Variables) -> None:
+        """Writes ``trees`` (by item and path, the arrays, an RNG key as its key data),
+        ``extra`` (JSON) and ``variables`` (mmnnx's description of each Variable) as step
+        ``step``, durable and committed when it returns. The caller holds the writer lock (with
+        several processes, process 0 does; every process calls ``save``) and has removed the
+        temporary directories of abandoned saves.
+
+        Raises:
+            any error of the writing; the step then is not committed (at most its temporary
+            directory is left).
+        """
+        ...
+
+    def open(self, step: int) -> SavedStep:
+        """Reads committed step ``step``'s description (no array data yet).
+
+        Raises:
+            CheckpointCorruptError: its description cannot be read.
+        """
+        ...

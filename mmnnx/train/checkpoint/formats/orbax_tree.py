@@ -1,0 +1,259 @@
+"""A step as Orbax's ``CheckpointManager`` writes it: :class:`OrbaxTree`, the format of one process.
+
+Every array is written by Orbax from the devices it lives on, as it is sharded on its task's
+submesh; nothing is gathered. The items ``model`` and ``opt`` are PyTrees (nested dicts keyed by
+the Variables' paths), ``extra`` and ``mmnnx`` (the description of each Variable, with its
+checksum) JSON. A restore reads each array straight into the sharding its target has now; with
+several processes, each reads the arrays to its host, then puts its part on its devices.
+
+Orbax's manager also lists the steps of every format: :meth:`OrbaxTree.steps`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from mmnnx.sharding.arrays import put
+from mmnnx.train.checkpoint import integrity, layout
+from mmnnx.train.checkpoint.formats.base import Variables
+from mmnnx.train.checkpoint.layout import EXTRA, META, MODEL, OPT
+from mmnnx.train.checkpoint.tree import Path, Trees, show
+
+FORMAT_VERSION = 1
+
+
+class OrbaxTree:
+    """Steps written by Orbax's ``CheckpointManager`` (four items, see ``layout``'s docstring).
+
+    Saves synchronously, each step into ``<step>.orbax-checkpoint-tmp``, fsynced and renamed
+    (``layout.SyncedAtomicRename``); Orbax deletes the steps older than ``max_to_keep``. With
+    several processes (``process``: this one's index), the manager never waits for the others:
+    each process lists and reads steps on its own.
+
+    Example:
+        >>> import tempfile
+        >>> orbax = OrbaxTree(epath.Path(tempfile.mkdtemp()), None, max_to_keep=3)
+        >>> orbax.save(1, {"model": {("w",): np.ones(2)}}, {}, {"model/w": {}})
+        >>> step = orbax.open(1)
+        >>> step.arrays["model"][("w",)].shape, step.arrays["opt"]
+        ((2,), None)
+        >>> step.read({"model": {("w",): np.zeros(2)}})
+        ({}, {'model': {('w',): array([1., 1.])}})
+        >>> orbax.close()
+    """
+
+    marker: ClassVar[str | None] = None
+    required: ClassVar[tuple[str, ...]] = (layout.STEP_METADATA, MODEL, META)
+
+    def __init__(
+        self,
+        directory: epath.Path,
+        process: int | None,
+        *,
+        max_to_keep: int | None,
+        use_ocdbt: bool = True,
+    ) -> None:
+        self._directory, self._process = directory, process
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=False,
+            cleanup_tmp_directories=False,  # readers must not touch a save in progress
+            temporary_path_class=layout.SyncedAtomicRename,
+            create=process is None,
+            multiprocessing_options=ocp.options.MultiprocessingOptions()
+            if process is None
+            else ocp.options.MultiprocessingOptions(
+                primary_host=process, active_processes={process}
+            ),
+        )
+        handlers = {
+            MODEL: ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt),
+            OPT: ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt),
+            EXTRA: ocp.JsonCheckpointHandler(),
+            META: ocp.JsonCheckpointHandler(),
+        }
+        self._manager = layout.listing(
+            lambda: ocp.CheckpointManager(
+                directory, options=options, item_names=layout.ITEMS, item_handlers=handlers
+            )
+        )
+
+    def steps(self) -> list[int]:
+        """Every step directory (complete or not, of any format), oldest first, as on disk now."""
+
+        def listed() -> list[int]:
+            self._manager.reload()
+            return sorted(int(s) for s in self._manager.all_steps())
+
+        return layout.listing(listed)
+
+    def reload(self) -> None:
+        """Reads the listing afresh (another process changed the directory)."""
+        self._manager.reload()
+
+    def save(self, step: int, trees: Trees, extra: dict[str, Any], variables: Variables) -> None:
+        """See :meth:`Format.save`; each array's checksum is computed on its devices."""
+        args: dict[str, Any] = {}
+        described = {name: dict(info) for name, info in variables.items()}
+        for item, flat in trees.items():
+            sums = integrity.checksums({show(item, path): value for path, value in flat.items()})
+            for name, checksum in sums.items():
+                described[name]["checksum"] = checksum
+            args[item] = ocp.args.StandardSave(_nest(flat))
+        args[EXTRA] = ocp.args.JsonSave(extra)
+        args[META] = ocp.args.JsonSave(
+            {
+                "format": FORMAT_VERSION,
+                "variables": described,
+                "extra_checksum": integrity.extra_checksum(extra),
+            }
+        )
+        running = set(threading.enumerate())
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        except BaseException:
+            _join_writers(running)
+            raise
+        self._manager.wait_until_finished()
+
+    def open(self, step: int) -> _OrbaxStep:
+        """See :meth:`Format.open`: the items' tree metadata and mmnnx's JSON item."""
+        folder = self._directory / str(step)
+        metadata = integrity.read_or_corrupt(
+            step, folder, lambda: self._manager.item_metadata(step)
+        )
+        saved_items = set(metadata.keys())
+        meta: dict[str, Any] = {}
+        if META in saved_items:
+            meta = integrity.read_or_corrupt(
+                step,
+                folder,
+                lambda: self._manager.restore(
+                    step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+                )[META],
+            )
+        arrays = {
+            item: dict(_flatten(_tree_of(metadata[item])))
+            if item in saved_items and metadata[item] is not None
+            else None
+            for item in (MODEL, OPT)
+        }
+        has_extra = EXTRA in saved_items
+        return _OrbaxStep(self._manager, self._process, step, folder, arrays, meta, has_extra)
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+class _OrbaxStep:
+    """One step of :class:`OrbaxTree`, opened (see :class:`SavedStep`)."""
+
+    def __init__(
+        self,
+        manager: ocp.CheckpointManager,
+        process: int | None,
+        step: int,
+        folder: epath.Path,
+        arrays: dict[str, dict[Path, Any] | None],
+        meta: Mapping[str, Any],
+        has_extra: bool,
+    ) -> None:
+        self._manager, self._process, self._step, self._folder = manager, process, step, folder
+        self.arrays, self.variables = arrays, meta.get("variables", {})
+        self._extra_checksum, self._has_extra = meta.get("extra_checksum"), has_extra
+
+    def read(self, targets: Trees) -> tuple[dict[str, Any] | None, Trees]:
+        """See :meth:`SavedStep.read`."""
+        step, folder, manager, process = self._step, self._folder, self._manager, self._process
+        args: dict[str, Any] = {
+            item: ocp.args.StandardRestore(_nest({p: _target(v, process) for p, v in flat.items()}))
+            for item, flat in targets.items()
+        }
+        if self._has_extra:
+            args[EXTRA] = ocp.args.JsonRestore()
+        restored = integrity.read_or_corrupt(
+            step, folder, lambda: manager.restore(step, args=ocp.args.Composite(**args))
+        )
+        extra = restored[EXTRA] if self._has_extra else None
+        integrity.check_extra(step, folder, extra, self._extra_checksum)
+        values = {item: dict(_flatten(restored[item])) for item in targets}
+        named = {show(item, path): values[item][path] for item in targets for path in targets[item]}
+        integrity.verify(step, folder, named, self.variables)
+        laid_out = {
+            item: {
+                path: _laid_out(values[item][path], target, process)
+                for path, target in flat.items()
+            }
+            for item, flat in targets.items()
+        }
+        return extra, laid_out
+
+
+def _target(value: Any, process: int | None) -> Any:
+    """The restore target of a current value: its shape, dtype and current sharding; with
+    several processes (``process`` is this one's index), a host array, moved to its sharding
+    after reading (each process keeps its own part)."""
+    if isinstance(value, jax.Array) and process is None:
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+    return np.zeros(value.shape, value.dtype)  # numpy leaves restore as numpy arrays
+
+
+def _laid_out(value: Any, target: Any, process: int | None) -> Any:
+    """A restored ``value`` laid out as ``target``, the value it is restored into."""
+    if process is not None and isinstance(target, jax.Array):
+        value = put(value, target.sharding)
+    if isinstance(target, jax.Array) and not target.committed:
+        value = jnp.asarray(np.asarray(value))  # state on no task stays uncommitted
+    return value
+
+
+def _nest(flat: Mapping[Path, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _flatten(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
+    if isinstance(tree, Mapping):
+        for key, sub in tree.items():
+            yield from _flatten(sub, (*prefix, str(key)))
+    else:
+        yield prefix, tree
+
+
+def _tree_of(metadata: Any) -> Any:
+    """The nested dict of an Orbax item's tree metadata."""
+    return getattr(metadata, "tree", metadata)
+
+
+def _join_writers(running: set[threading.Thread], timeout: float = 120.0) -> None:
+    """Waits for the writer threads a failed save leaves behind.
+
+    When one item of a step fails, Orbax 0.12.8 raises at once while the other items' writes go
+    on in its background threads (``threading.Thread`` subclasses), into the step's temporary
+    directory; a retry of the step, or the clean-up of temporary directories, would race them.
+    Executor workers (plain ``threading.Thread``) are left alone: they idle rather than end.
+    """
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread in running or type(thread) is threading.Thread:
+            continue
+        if thread is threading.current_thread() or thread.daemon:
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))

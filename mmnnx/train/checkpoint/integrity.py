@@ -1,0 +1,191 @@
+"""Whether a step reads back as written: checksums, damaged files, ``CheckpointCorruptError``.
+
+Every array is saved with a checksum (a position-weighted sum of its bits, computed where it
+lives: :func:`checksums` on device, :func:`checksum` of a host chunk, the same number), and a
+step's ``extra`` with the SHA-256 of its canonical JSON (:func:`extra_checksum`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+
+from mmnnx.train.checkpoint.layout import EXTRA, MODEL, OPT, STEP_METADATA
+
+_JSON_FILES = (STEP_METADATA, "_METADATA", "_sharding", "metadata")
+_GOLDEN = 2654435761  # Knuth's multiplicative hash: weights that differ for every position
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint step's files cannot be read (truncated, damaged or missing).
+
+    ``step`` and ``directory`` (the step's directory) say which checkpoint; ``file`` the damaged
+    or missing file when it can be found, else ``None``; ``array`` the saved array whose data
+    read back different from what was written (caught by the checksum saved with it), if that
+    was the failure. Nothing was written into the model.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        directory: str,
+        *,
+        file: str | None = None,
+        cause: BaseException | None = None,
+        array: str | None = None,
+    ):
+        self.step, self.directory, self.file, self.array = step, directory, file, array
+        if array is not None:
+            what = f"the data of {array!r} reads back different from what was saved (checksum)"
+        else:
+            where = f"file {file}" if file else "one of its files"
+            first = next((ln.strip() for ln in str(cause).splitlines() if ln.strip()), "")
+            what = f"{where} cannot be read ({type(cause).__name__}: {first[:300]})"
+        super().__init__(
+            f"checkpoint step {step} in {directory} is damaged: {what}; restore another step "
+            "(Checkpointer.all_steps() lists them) or save again"
+        )
+
+
+@jax.jit
+def _checksum(x: jax.Array) -> jax.Array:
+    """:func:`checksum`, computed where ``x`` lives; only the scalar comes to the host."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    if size == 8:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+        words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    words = words.reshape(-1)
+    position = jnp.arange(words.size, dtype=jnp.uint32)
+    return jnp.sum(words * (position * jnp.uint32(_GOLDEN) + jnp.uint32(1)), dtype=jnp.uint32)
+
+
+def checksums(values: Mapping[str, Any]) -> dict[str, int]:
+    """The checksum of each array of ``values`` (by name), each computed on its devices.
+
+    Example:
+        >>> checksums({"a": np.arange(3, dtype=np.float32)}) == {
+        ...     "a": checksum(np.arange(3, dtype=np.float32))
+        ... }
+        True
+    """
+    sums = {name: _checksum(jnp.asarray(value)) for name, value in values.items()}
+    return {name: int(value) for name, value in jax.device_get(sums).items()}
+
+
+def checksum(values: np.ndarray) -> int:
+    """A position-weighted sum of ``values``' bits as uint32 words (wrapping): any changed,
+    lost or moved word changes it; the same as :func:`checksums` computes on device.
+
+    Example:
+        >>> checksum(np.arange(3, dtype=np.float32)) == checksum(np.arange(3, dtype=np.float32))
+        True
+        >>> checksum(np.array([1, 2], np.int32)) != checksum(np.array([2, 1], np.int32))
+        True
+    """
+    values = np.ascontiguousarray(values)
+    if values.dtype == np.bool_:
+        values = values.astype(np.uint8)
+    size = values.dtype.itemsize
+    if size == 8:
+        words = values.view(np.uint32).reshape(-1)
+    else:
+        unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[size]
+        words = values.view(unsigned).reshape(-1).astype(np.uint32)
+    position = np.arange(words.size, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        weights = position * np.uint32(_GOLDEN) + np.uint32(1)
+        return int(np.sum(words * weights, dtype=np.uint32))
+
+
+def verify(
+    step: int, folder: epath.Path, values: Mapping[str, Any], info: Mapping[str, Any]
+) -> None:
+    """Compares each of ``values`` (by ``item/path`` name) with the checksum mmnnx's metadata
+    ``info`` holds for it (steps saved before checksums existed have none and are not checked).
+
+    Raises:
+        CheckpointCorruptError: naming the first array whose checksum differs.
+    """
+    checked = {name: v for name, v in values.items() if "checksum" in info.get(name, {})}
+    for name, value in checksums(checked).items():
+        if value != info[name]["checksum"]:
+            raise CheckpointCorruptError(step, os.fspath(folder), array=name)
+
+
+def extra_checksum(extra: Mapping[str, Any]) -> str:
+    """The checksum of a step's ``extra`` (what a resume depends on: data position, step,
+    schedule horizon, seeds), over its canonical JSON.
+
+    Example:
+        >>> extra_checksum({"b": 1, "a": [2]}) == extra_checksum({"a": [2], "b": 1})
+        True
+    """
+    canonical = json.dumps(extra, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def check_extra(step: int, folder: epath.Path, extra: Any, saved_checksum: str | None) -> None:
+    """Raises :class:`CheckpointCorruptError` when ``extra`` (``None``: missing) does not match
+    the checksum saved with the step (steps saved without one are not checked)."""
+    if saved_checksum is None:
+        return
+    where = os.fspath(folder)
+    if extra is None:
+        missing = FileNotFoundError(f"the step's {EXTRA}/ item is missing")
+        raise CheckpointCorruptError(
+            step, where, file=os.path.join(where, EXTRA, "metadata"), cause=missing
+        )
+    if extra_checksum(extra) != saved_checksum:
+        raise CheckpointCorruptError(step, where, array=EXTRA)
+
+
+def read_or_corrupt(step: int, folder: epath.Path, read: Callable[[], Any]) -> Any:
+    """``read()`` of step ``step`` (its directory ``folder``); a failure to read its files is a
+    :class:`CheckpointCorruptError` naming the step directory and, when it can be found, the file.
+    """
+    try:
+        return read()
+    except Exception as e:
+        where = os.fspath(folder)
+        raise CheckpointCorruptError(step, where, file=_damaged_file(where, e), cause=e) from e
+
+
+def _damaged_file(folder: str, error: BaseException) -> str | None:
+    """The file of step directory ``folder`` that ``error`` came from: a missing OCDBT manifest,
+    else the longest path under ``folder`` named in the error (or its causes), else a JSON file
+    that does not parse; ``None`` when none is found."""
+    for item in (MODEL, OPT):
+        item_dir = os.path.join(folder, item)
+        manifest = os.path.join(item_dir, "manifest.ocdbt")
+        if os.path.isdir(os.path.join(item_dir, "d")) and not os.path.exists(manifest):
+            return manifest
+    text, cause = "", error
+    while cause is not None:
+        text += f"\n{cause}"
+        cause = cause.__cause__ or cause.__context__
+    named = re.findall(re.escape(folder) + r"/[^\s'\",\\}]+", text)
+    if named:
+        return max(named, key=len).rstrip("/.")
+    for root, _, files in os.walk(folder):
+        for name in sorted(files):
+            if name in _JSON_FILES:
+                path = os.path.join(root, name)
+                try:
+                    with open(path, "rb") as f:
+                        json.loads(f.read() or b"!")
+                except (OSError, ValueError):
+                    return path
+    return None

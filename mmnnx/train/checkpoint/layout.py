@@ -1,0 +1,212 @@
+"""A checkpoint directory's layout: one directory per step, committed by an atomic rename.
+
+On-disk layout, one directory per step (Orbax's ``CheckpointManager`` with four items)::
+
+    <directory>/
+      3/                          # a complete step: only ever created by an atomic rename
+        _CHECKPOINT_METADATA      # Orbax's step metadata (timestamps, item names)
+        model/                    # Orbax PyTree: {"layers": {"0": {"kernel": ...}}, ...}
+          _METADATA  _sharding  manifest.ocdbt  ocdbt.process_0/ ...
+        opt/                      # {"opt_state": {"0": {"mu": {...}, ...}}, "step": ...}
+        extra/metadata            # the JSON ``extra`` dict
+        mmnnx/metadata            # JSON: format version, per Variable type, task, RNG key impl
+      4.orbax-checkpoint-tmp/     # a save in progress (or one that was interrupted)
+
+The saved trees are nested dicts keyed by the Variables' paths, with string keys (``"0"`` for a list
+index); typed PRNG keys are saved as their ``jax.random.key_data`` (``uint32``).
+
+With several processes, every process writes its own part of a step
+(``formats/process_arrays.py``)::
+
+    <directory>/
+      3/
+        _CHECKPOINT_METADATA
+        arrays/model/blocks/0/attn/q/kernel/   # a zarr array, one chunk per slice of its layout
+        arrays/opt/...
+        extra/metadata
+        mmnnx/metadata    # the manifest: each array's shape, dtype, chunks (checksum, writer)
+      4.orbax-checkpoint-tmp-processes/   # a save in progress (or one that was interrupted)
+
+A step directory set aside as unreadable is renamed ``<step>.unreadable`` (``-N`` added when
+taken), out of the listing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+MODEL, OPT, EXTRA, META = "model", "opt", "extra", "mmnnx"
+ITEMS = (MODEL, OPT, EXTRA, META)
+TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
+STEP_METADATA = "_CHECKPOINT_METADATA"
+_SET_ASIDE = ".unreadable"
+_LIST_ATTEMPTS = 10
+
+
+def is_local(path: epath.Path) -> bool:
+    """Whether ``path`` is an existing directory of this machine's file system."""
+    return "://" not in os.fspath(path) and os.path.isdir(os.fspath(path))
+
+
+def fsync(path: str, *, directory: bool) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: epath.Path, *, recursive: bool = True) -> None:
+    """fsyncs every file below ``root``, then each directory bottom-up (local paths only).
+
+    With ``recursive=False``, only the files directly in ``root``, then ``root`` itself.
+    """
+    if not is_local(root):
+        return
+    top = os.fspath(root)
+    if not recursive:
+        with os.scandir(top) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False):
+                    fsync(entry.path, directory=False)
+        fsync(top, directory=True)
+        return
+    for dirpath, _, filenames in os.walk(top, topdown=False):
+        for name in filenames:
+            fsync(os.path.join(dirpath, name), directory=False)
+        fsync(dirpath, directory=True)
+
+
+class SyncedAtomicRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
+    """Orbax's atomic rename, with the written data made durable before the rename commits it.
+
+    Orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>`` once every
+    item is written, but syncs neither its own JSON files nor the rename. Here every file and
+    directory of the step is fsynced before the rename; right after it, the files Orbax's commit
+    rewrote (``_CHECKPOINT_METADATA``, ``commit_success.txt``) and the parent directory, which
+    holds the rename. Items inside a step being written are left to the step's own finalize.
+    """
+
+    async def finalize(self) -> None:
+        """Syncs the step, commits it by the rename, then syncs the rename."""
+        final = self.get_final()
+        if TMP_SUFFIX in final.parent.name:  # an item inside a step not yet committed:
+            await super().finalize()  # the step's own finalize syncs everything below it
+            return
+        await asyncio.to_thread(fsync_tree, self.get())
+        await super().finalize()
+        await asyncio.to_thread(fsync_tree, final, recursive=False)
+        if is_local(final.parent):
+            await asyncio.to_thread(fsync, os.fspath(final.parent), directory=True)
+
+
+def commit(tmp: epath.Path, final: epath.Path) -> None:
+    """Makes the step written into ``tmp`` durable, then commits it as ``final`` by a rename.
+
+    Example:
+        >>> import tempfile
+        >>> root = epath.Path(tempfile.mkdtemp())
+        >>> (root / "3.orbax-checkpoint-tmp").mkdir()
+        >>> commit(root / "3.orbax-checkpoint-tmp", root / "3")
+        >>> sorted(p.name for p in root.iterdir())
+        ['3']
+    """
+    fsync_tree(tmp)
+    tmp.rename(final)
+    if is_local(final.parent):
+        fsync(os.fspath(final.parent), directory=True)
+
+
+def listing(read: Callable[[], Any]) -> Any:
+    """``read()``, again if a step it was listing vanished (the writer deleted a step older than
+    ``max_to_keep`` meanwhile): Orbax lists the step directories, then reads each one."""
+    for attempt in range(_LIST_ATTEMPTS):
+        try:
+            return read()
+        except (FileNotFoundError, NotADirectoryError):
+            if attempt == _LIST_ATTEMPTS - 1:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def missing(folder: epath.Path, required: Sequence[str]) -> str | None:
+    """The first of ``required`` (what every committed step of its format holds) that step
+    directory ``folder`` lacks, or ``None`` when it is complete.
+
+    Example:
+        >>> import tempfile
+        >>> missing(epath.Path(tempfile.mkdtemp()), (STEP_METADATA, MODEL))
+        '_CHECKPOINT_METADATA'
+    """
+    return next((name for name in required if not (folder / name).exists()), None)
+
+
+def incomplete(lacking: str) -> str:
+    """Why a step that lacks ``lacking`` is not a complete checkpoint (a ``Skipped`` reason).
+
+    Example:
+        >>> incomplete("model"), incomplete(STEP_METADATA)
+        ('incomplete (no model item)', 'incomplete (no metadata)')
+    """
+    if lacking in (STEP_METADATA, f"{META}/metadata"):
+        return "incomplete (no metadata)"
+    return f"incomplete (no {lacking} item)"
+
+
+def remove_abandoned_saves(directory: epath.Path) -> None:
+    """Removes the temporary directories of saves that never committed (call under the lock)."""
+    for path in directory.iterdir():
+        if TMP_SUFFIX in path.name:
+            if is_local(directory):
+                shutil.rmtree(os.fspath(path), ignore_errors=True)
+            else:
+                path.rmtree()
+
+
+def remove_oldest(directory: epath.Path, steps: Sequence[int], keep: int | None) -> None:
+    """Deletes the step directories of all but the newest ``keep`` of ``steps`` (oldest first;
+    ``keep=None`` keeps all).
+
+    Example:
+        >>> import tempfile
+        >>> root = epath.Path(tempfile.mkdtemp())
+        >>> for step in (1, 2, 3):
+        ...     (root / str(step)).mkdir()
+        >>> remove_oldest(root, [1, 2], 3)  # fewer than keep: none go
+        >>> remove_oldest(root, [1, 2, 3], 2)
+        >>> sorted(p.name for p in root.iterdir())
+        ['2', '3']
+    """
+    for old in steps[: max(0, len(steps) - keep)] if keep is not None else ():
+        shutil.rmtree(os.fspath(directory / str(old)), ignore_errors=True)
+
+
+def set_aside(directory: epath.Path, steps: Sequence[int]) -> list[str]:
+    """Renames the directories of ``steps`` to ``<step>.unreadable`` (or ``<step>.unreadable-N``
+    when that is taken); returns the new names.
+
+    Example:
+        >>> import tempfile
+        >>> root = epath.Path(tempfile.mkdtemp())
+        >>> (root / "8").mkdir()
+        >>> set_aside(root, [8])
+        ['8.unreadable']
+    """
+    names: list[str] = []
+    for step in steps:
+        name, n = f"{step}{_SET_ASIDE}", 0
+        while (directory / name).exists():
+            n += 1
+            name = f"{step}{_SET_ASIDE}-{n}"
+        (directory / str(step)).rename(directory / name)
+        names.append(name)
+    return names

@@ -1,0 +1,105 @@
+"""One writer per checkpoint directory: :class:`WriterLock`, an ``flock`` naming its holder."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+import warnings
+
+from etils import epath
+
+from mmnnx.train.checkpoint.layout import is_local
+
+_WRITER_LOCK = ".mmnnx-writer.lock"
+
+
+class CheckpointDirectoryBusyError(RuntimeError):
+    """Another writer (a ``Checkpointer`` in this or another process) holds the checkpoint
+    directory; the message names it (host, process id, since when)."""
+
+
+class WriterLock:
+    """One writer per checkpoint directory: an ``flock`` on ``.mmnnx-writer.lock``, taken when a
+    ``Checkpointer`` first writes (or :meth:`Checkpointer.claim`) and held until it is closed,
+    with the holder (host, process id, since when) written in the file for the next one to name.
+
+    The holder's lock ends with its process, so the lock of a process that died is taken over
+    (saying so, from the holder it left in the file). While it is held, a temporary directory
+    belongs to no save in progress: its writer died or failed, and it may be removed. Readers
+    never take it and never remove anything. Remote (non-local) directories have no lock: there
+    only one writer may use a directory.
+
+    Example:
+        >>> import tempfile
+        >>> directory = epath.Path(tempfile.mkdtemp())
+        >>> lock = WriterLock(directory)
+        >>> lock.hold()
+        >>> try:
+        ...     WriterLock(directory).hold()
+        ... except CheckpointDirectoryBusyError:
+        ...     print("busy")
+        busy
+        >>> lock.release()
+    """
+
+    def __init__(self, directory: epath.Path):
+        self._directory = directory
+        self._fd: int | None = None
+
+    def hold(self) -> None:
+        """Takes the lock unless this writer holds it already.
+
+        Raises:
+            CheckpointDirectoryBusyError: another writer holds it.
+        """
+        if self._fd is not None or not is_local(self._directory):
+            return
+        self._directory.mkdir(parents=True, exist_ok=True)
+        path = os.path.join(os.fspath(self._directory), _WRITER_LOCK)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise CheckpointDirectoryBusyError(
+                f"{self._directory} is being written by another Checkpointer "
+                f"({holder or 'its holder did not say who it is'}); one writer per checkpoint "
+                "directory: stop that one, or write to another directory"
+            ) from None
+        left = _holder(fd)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        if left:
+            warnings.warn(
+                f"took over the writer lock of {self._directory} from {left}, which ended "
+                "without closing its Checkpointer",
+                stacklevel=4,
+            )
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # a clean end: the next holder takes over from no one
+            os.close(fd)  # releases the lock
+
+
+def _holder(fd: int) -> str:
+    """Who the lock file says holds it, in words (empty when it says nothing)."""
+    try:
+        said = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"process {said['pid']} on host {said['host']}, since {said['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z")

@@ -1,0 +1,412 @@
+"""The ``Checkpointer``: saves, lists and restores the steps of one directory over a format."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+from flax import nnx
+
+from mmnnx.distributed.agree import share_outcome
+from mmnnx.train.checkpoint import layout, tree
+from mmnnx.train.checkpoint.formats.base import Format
+from mmnnx.train.checkpoint.formats.orbax_tree import OrbaxTree
+from mmnnx.train.checkpoint.formats.process_arrays import ProcessArrays
+from mmnnx.train.checkpoint.lock import WriterLock
+from mmnnx.train.checkpoint.processes import together
+from mmnnx.train.checkpoint.resume import Resumed, newest_readable
+
+
+class Checkpointer:
+    """Saves and restores task-placed NNX models and optimizers, one directory per step.
+
+    Wraps an Orbax ``CheckpointManager`` that saves synchronously: ``save`` returns once the step
+    is written, fsynced and committed by an atomic rename of its temporary directory, so an
+    interrupted save (an exception, a killed process) leaves the previous steps intact and
+    ``latest_step()`` on the last complete one. Leftover temporary directories of interrupted
+    saves are removed by the next save, which holds the directory's writer lock
+    (``.mmnnx-writer.lock``) from start to commit: any temporary directory it finds belongs to
+    no save in progress. Opening a ``Checkpointer`` and reading from it (``latest_step``,
+    ``all_steps``, ``restore``) never removes anything, so any number of readers may watch a
+    directory while one process saves into it. Only the newest ``max_to_keep`` steps are kept
+    (``None`` keeps all); older ones are deleted after a new step is committed.
+
+    A step is stored in one of the formats of ``formats/``: Orbax's tree with one process, the
+    arrays every process writes with several; a step of either restores with any process count.
+
+    Args:
+        directory: where the steps live; created if missing.
+        max_to_keep: how many of the newest steps to keep (a positive int), or ``None`` for all.
+        use_ocdbt: write each item as one OCDBT database (Orbax's default, few files) instead of
+            one Zarr directory per array.
+
+    Example:
+        >>> import tempfile
+        >>> import optax
+        >>> from flax import nnx
+        >>> from mmnnx.train import Checkpointer
+        >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+        ...     ckpt.save(7, model=model, opt=opt, extra={"seed": 0})
+        ...     fresh = nnx.Linear(2, 3, rngs=nnx.Rngs(1))
+        ...     ckpt.restore(model=fresh)
+        {'seed': 0}
+        >>> bool((fresh.kernel.get_value() == model.kernel.get_value()).all())
+        True
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = 3,
+        use_ocdbt: bool = True,
+    ) -> None:
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
+            raise ValueError(
+                f"max_to_keep must be a positive int (how many of the newest steps to keep) or "
+                f"None to keep every step, got {max_to_keep!r}"
+            )
+        path = os.fspath(directory)
+        self._directory = epath.Path(path if "://" in path else os.path.abspath(path))
+        # With several processes, each lists and reads on its own, and writes its own arrays.
+        self._me = jax.process_index() if jax.process_count() > 1 else None
+        if self._me is not None:
+            self._directory.mkdir(parents=True, exist_ok=True)
+        self._lock = WriterLock(self._directory)
+        # Orbax's manager, which also lists the steps of every format.
+        self._orbax = OrbaxTree(
+            self._directory, self._me, max_to_keep=max_to_keep, use_ocdbt=use_ocdbt
+        )
+        parts = ProcessArrays(
+            self._directory, self._me, max_to_keep=max_to_keep, steps=self.all_steps
+        )
+        self._format: Format = self._orbax if self._me is None else parts
+        # a step is read by the first whose marker it holds (Orbax's tree has none: the rest)
+        self._readers: tuple[Format, ...] = (parts, self._orbax)
+
+    @property
+    def directory(self) -> epath.Path:
+        """The absolute directory holding the steps.
+
+        Example:
+            >>> import tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     ckpt.directory.is_dir()
+            True
+        """
+        return self._directory
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def claim(self) -> None:
+        """Takes the directory's writer lock now, as the first save would, and holds it until
+        :meth:`close`: a trainer calls it before training, so that a second writer fails at
+        once rather than at its first save. With several processes, process 0 holds it (a
+        collective: every process calls it, and raises if process 0 could not).
+
+        Raises:
+            CheckpointDirectoryBusyError: another ``Checkpointer`` (in this or another process
+                or host) holds it; the message names it.
+
+        Example:
+            >>> import tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> directory = tempfile.mkdtemp()
+            >>> with Checkpointer(directory) as ckpt:
+            ...     ckpt.claim()
+            ...     try:
+            ...         Checkpointer(directory).claim()
+            ...     except RuntimeError as e:
+            ...         print(type(e).__name__)
+            CheckpointDirectoryBusyError
+        """
+        if self._me is None:
+            self._lock.hold()
+        else:  # process 0 writes the directory; every process learns whether it could
+            together(
+                f"claiming checkpoint directory {self._directory}",
+                lambda: self._lock.hold() if self._me == 0 else None,
+            )
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: Any,
+        opt: nnx.Optimizer | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Writes ``model``'s Variables, ``opt``'s state and ``extra`` as checkpoint ``step``.
+
+        Every Variable of ``model`` (any NNX graph node) is saved, each array from the devices it
+        is on, with its current sharding; ``opt`` adds the optimizer state, including its step.
+        ``extra`` is a JSON-able dict (data position, seeds, ...), returned by ``restore`` as JSON
+        gives it back (tuples become lists, keys strings). Returns once the step is durable and
+        committed; an exception on the way leaves no trace of the step but a temporary directory.
+
+        Raises:
+            ValueError: ``step`` is negative or already saved.
+            CheckpointDirectoryBusyError: another ``Checkpointer`` writes this directory (the
+                first save takes the directory's writer lock; :meth:`close` releases it).
+            TypeError: ``extra`` is not a JSON-able dict; a Variable holds no array.
+
+        Example:
+            >>> import tempfile
+            >>> from flax import nnx
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp(), max_to_keep=2)
+            >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+            >>> for step in (1, 2, 3):
+            ...     ckpt.save(step, model=model)
+            >>> ckpt.all_steps()
+            [2, 3]
+            >>> sorted(p.name for p in (ckpt.directory / "3").iterdir() if p.is_dir())
+            ['extra', 'mmnnx', 'model']
+            >>> ckpt.close()
+        """
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        step = int(step)
+        self.claim()  # before looking at what is there: one writer decides
+        if step in self.all_steps():
+            raise ValueError(f"checkpoint step {step} already exists in {self._directory}")
+        extra = {} if extra is None else extra
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"extra must be a dict, not a {type(extra).__name__}")
+        try:
+            extra = json.loads(json.dumps(dict(extra)))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"extra must be JSON-able: {e}") from None
+        trees, variables = tree.saved_trees(model, opt)
+        if self._me in (None, 0):  # under the writer lock: no other save is in progress
+            layout.remove_abandoned_saves(self._directory)
+        self._format.save(step, trees, extra, variables)
+
+    def wait(self) -> None:
+        """Waits for a save in flight; saves are synchronous, so this returns at once.
+
+        Example:
+            >>> import tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> Checkpointer(tempfile.mkdtemp()).wait()
+        """
+        self._orbax.wait()
+
+    # -- restore --------------------------------------------------------------------------------
+
+    def restore(
+        self, step: int | None = None, *, model: Any, opt: nnx.Optimizer | None = None
+    ) -> dict[str, Any]:
+        """Restores checkpoint ``step`` (default: the latest) into ``model`` and ``opt`` in place.
+
+        Each array is read directly into the sharding its Variable has now, which may differ from
+        the one it was saved with (other tasks, another mesh, one device); values are bit-exact.
+        The results are written into the same Variable objects (``set_value``), keeping their
+        metadata. Everything is checked against the checkpoint's metadata first, and nothing is
+        written unless every array was read. Without ``opt``, saved optimizer state is ignored.
+
+        Returns:
+            the ``extra`` dict saved with the step.
+
+        Without ``step``, the newest step that reads back whole is restored, passing over newer
+        damaged or incomplete ones with a warning that names each and why
+        (:meth:`restore_newest_readable`).
+
+        Raises:
+            FileNotFoundError: no checkpoint (or no such step) in the directory.
+            NoReadableCheckpointError: without ``step``: every step is damaged or incomplete
+                (each is named; a directory of one damaged step raises that step's
+                ``CheckpointCorruptError``).
+            CheckpointMismatchError: (a ``ValueError``) the checkpoint does not match (a path
+                missing on either side, another shape, dtype or RNG key implementation, no
+                optimizer state saved), naming the first mismatching path; the model and
+                optimizer are left untouched.
+            CheckpointCorruptError: a file of the step is damaged or missing (naming it), or an
+                array reads back different from its saved checksum; nothing is written.
+
+        Example:
+            >>> import tempfile
+            >>> from flax import nnx
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(1, model=nnx.Linear(2, 3, rngs=nnx.Rngs(0)), extra={"epoch": 4})
+            >>> ckpt.restore(model=nnx.Linear(2, 3, rngs=nnx.Rngs(1)))
+            {'epoch': 4}
+            >>> ckpt.restore(model=nnx.Linear(2, 4, rngs=nnx.Rngs(1)))  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            mmnnx.train.checkpoint.CheckpointMismatchError: checkpoint step 1: 'model/bias' has ...
+        """
+        if step is None:  # the newest step that reads back whole, saying what it passed over
+            if len(self.all_steps()) == 1 and not self.incomplete_steps():
+                return self.restore(self.all_steps()[0], model=model, opt=opt)  # its own error
+            resumed = self.restore_newest_readable(model=model, opt=opt)
+            if resumed.skipped:
+                warnings.warn(
+                    f"restored checkpoint step {resumed.step} of {self._directory}, the newest "
+                    f"that reads back whole; {'; '.join(str(s) for s in resumed.skipped)}",
+                    stacklevel=2,
+                )
+            return resumed.extra
+        steps = self.all_steps()
+        step = int(step)
+        if step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self._directory}; steps saved: {steps}"
+            )
+        saved = self._format_of(step).open(step)
+        found = tree.entries(model, opt)
+        tree.check(step, saved.arrays, found, saved.variables)
+        extra, values = saved.read(tree.stored(found))
+        tree.write_back(step, found, values)
+        return dict(extra or {})
+
+    def restore_newest_readable(self, *, model: Any, opt: nnx.Optimizer | None = None) -> Resumed:
+        """Restores the newest step that reads back whole, like :meth:`restore`, passing over
+        newer steps that are damaged (:class:`CheckpointCorruptError`) or incomplete.
+
+        Returns:
+            the step restored, its ``extra`` dict and the newer steps skipped, with why.
+
+        Raises:
+            FileNotFoundError: the directory holds no step at all.
+            NoReadableCheckpointError: every step is damaged or incomplete (each is named).
+            CheckpointMismatchError: the newest readable step does not match the model; older
+                steps are not tried (they hold the same model).
+
+        Example:
+            >>> import os, tempfile
+            >>> from flax import nnx
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(4, model=nnx.Linear(2, 3, rngs=nnx.Rngs(0)), extra={"step": 4})
+            >>> os.mkdir(ckpt.directory / "8")
+            >>> resumed = ckpt.restore_newest_readable(model=nnx.Linear(2, 3, rngs=nnx.Rngs(1)))
+            >>> resumed.step, resumed.extra, [str(s) for s in resumed.skipped]
+            (4, {'step': 4}, ['skipped step 8: incomplete (no metadata)'])
+        """
+        return newest_readable(
+            os.fspath(self._directory),
+            self.all_steps(),
+            self.incomplete_steps(),
+            lambda step: self.restore(step, model=model, opt=opt),
+            self._incomplete,
+        )
+
+    def set_aside(self, steps: Sequence[int]) -> list[str]:
+        """Renames the directories of ``steps`` (damaged or incomplete ones) to
+        ``<step>.unreadable`` (or ``<step>.unreadable-N``), out of the listing, so that a run
+        resumed from an older step can save those steps again; nothing is deleted. Holds the
+        writer lock. Returns the new names.
+
+        Example:
+            >>> import os, tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> os.mkdir(ckpt.directory / "8")
+            >>> ckpt.set_aside([8]), ckpt.incomplete_steps()
+            (['8.unreadable'], [])
+        """
+        names: list[str] = []
+        if self._me in (None, 0):
+            self._lock.hold()
+            names = layout.set_aside(self._directory, steps)
+        if self._me is not None:  # process 0 renamed; the others see it once it is done
+            share_outcome(0, "setting aside unreadable checkpoints", None)
+            self._orbax.reload()
+        return names
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """The complete steps in the directory, oldest first, as on disk now.
+
+        Read afresh on each call, so steps committed by another process (or another
+        ``Checkpointer``) show up; temporary directories of saves in progress or interrupted
+        never do, and neither does a step directory that lacks what every committed step has
+        (Orbax's step metadata and the ``model`` and ``mmnnx`` items), such as an empty ``5/``
+        left by a copy or a file system without atomic renames (see :meth:`incomplete_steps`).
+
+        Example:
+            >>> import tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> Checkpointer(tempfile.mkdtemp()).all_steps()
+            []
+        """
+        return [s for s in self._orbax.steps() if self._missing(s) is None]
+
+    def incomplete_steps(self) -> list[int]:
+        """Step directories that are not complete checkpoints (skipped by :meth:`all_steps`,
+        :meth:`latest_step` and a ``restore`` of the latest step), oldest first.
+
+        Example:
+            >>> import os, tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> os.mkdir(ckpt.directory / "5")
+            >>> ckpt.incomplete_steps(), ckpt.latest_step()
+            ([5], None)
+        """
+        return [s for s in self._orbax.steps() if self._missing(s) is not None]
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or ``None`` when there is none.
+
+        Example:
+            >>> import tempfile
+            >>> from flax import nnx
+            >>> from mmnnx.train import Checkpointer
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> print(ckpt.latest_step())
+            None
+            >>> ckpt.save(5, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+            >>> ckpt.latest_step()
+            5
+        """
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def _format_of(self, step: int) -> Format:
+        """The format of step ``step``: the first whose marker its directory holds, else the
+        one without a marker (Orbax's tree)."""
+        folder = self._directory / str(step)
+        return next(f for f in self._readers if f.marker is None or (folder / f.marker).exists())
+
+    def _missing(self, step: int) -> str | None:
+        """What step ``step`` lacks of what every committed step of its format holds."""
+        return layout.missing(self._directory / str(step), self._format_of(step).required)
+
+    def _incomplete(self, step: int) -> str:
+        """Why step ``step`` is not a complete checkpoint, as a :class:`Skipped` reason."""
+        return layout.incomplete(self._missing(step) or "")
+
+    def close(self) -> None:
+        """Waits for pending work and releases Orbax's resources.
+
+        Example:
+            >>> import tempfile
+            >>> from mmnnx.train import Checkpointer
+            >>> Checkpointer(tempfile.mkdtemp()).close()
+        """
+        self._orbax.close()
+        self._lock.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({os.fspath(self._directory)!r}, steps={self.all_steps()})"

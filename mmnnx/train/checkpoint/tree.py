@@ -1,0 +1,220 @@
+"""Variables <-> saved arrays: what a step saves of a model and optimizer, how a step's saved
+arrays are checked against them (``CheckpointMismatchError``), and the write-back of a restore.
+
+An array is named by its item (``model`` or ``opt``) and its Variable's path as strings
+(``("layers", "0", "kernel")``); a typed PRNG key is saved as its ``jax.random.key_data``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mmnnx._nnx import variables_of
+from mmnnx.sharding.place import SPEC_KEY, TASK_KEY
+from mmnnx.train.checkpoint.layout import MODEL, OPT
+
+Path = tuple[str, ...]
+Trees = dict[str, dict[Path, Any]]  # item -> path -> array
+Entries = dict[str, list[tuple[Path, nnx.Variable, Any]]]  # item -> (path, Variable, its value)
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not match the model or optimizer it is restored into (a path missing on
+    either side, another shape, dtype or RNG key implementation); the message names the first
+    mismatching path. Nothing was written into the model."""
+
+
+def show(item: str, path: Path) -> str:
+    """An array's name: ``item/path``.
+
+    Example:
+        >>> show("model", ("layers", "0", "kernel"))
+        'model/layers/0/kernel'
+    """
+    return "/".join((item, *path))
+
+
+def is_key(value: Any) -> bool:
+    return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+
+
+def as_stored(value: Any) -> Any:
+    """``value`` as it is saved: an RNG key as its key data, anything else as it is.
+
+    Example:
+        >>> as_stored(jax.random.key(0)).dtype
+        dtype('uint32')
+    """
+    return jax.random.key_data(value) if is_key(value) else value
+
+
+def entries(model: Any, opt: nnx.Optimizer | None) -> Entries:
+    """Every Variable of ``model`` and ``opt`` (if given), with its path and value, by item.
+
+    Raises:
+        TypeError: a Variable holds no array.
+
+    Example:
+        >>> [path for path, _, _ in entries(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), None)["model"]]
+        [('bias',), ('kernel',)]
+    """
+    found: Entries = {}
+    for item, node in ((MODEL, model), (OPT, opt)):
+        if node is not None:
+            found[item] = [(path, var, _leaf(item, path, var)) for path, var in _variables(node)]
+    return found
+
+
+def saved_trees(model: Any, opt: nnx.Optimizer | None) -> tuple[Trees, dict[str, dict[str, Any]]]:
+    """What a step saves of ``model`` and ``opt``: the arrays by item and path, and mmnnx's
+    description of each Variable by name (type, task, spec, RNG key implementation).
+
+    Example:
+        >>> trees, variables = saved_trees(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), None)
+        >>> list(trees["model"]), variables["model/bias"]
+        ([('bias',), ('kernel',)], {'type': 'Param', 'task': None, 'spec': None})
+    """
+    found = entries(model, opt)
+    variables = {
+        show(item, path): _describe(var, value)
+        for item, item_entries in found.items()
+        for path, var, value in item_entries
+    }
+    return stored(found), variables
+
+
+def stored(found: Entries) -> Trees:
+    """The values of the Variables ``found`` as they are saved (:func:`as_stored`), by item and
+    path: what a step saves, and the targets a restore reads into."""
+    return {item: {p: as_stored(v) for p, _, v in ents} for item, ents in found.items()}
+
+
+def check(step: int, saved: Mapping[str, Any], found: Entries, info: Mapping[str, Any]) -> None:
+    """Checks the Variables ``found`` against step ``step``'s saved arrays: ``saved`` holds, by
+    item, each array's shape and dtype by path (``None``: the item was not saved); ``info``
+    mmnnx's description of each Variable (its RNG key implementation).
+
+    Raises:
+        CheckpointMismatchError: naming the first mismatch, model first.
+    """
+    problems: list[str] = []
+    wanted = stored(found)
+    for item, item_entries in found.items():
+        arrays = saved.get(item)
+        if arrays is None:
+            what = "optimizer state" if item == OPT else "model state"
+            problems.append(f"checkpoint step {step}: no {what} ({item!r}) was saved")
+            continue
+        problems += _compare(step, item, arrays, wanted[item])
+        problems += _key_impl_problems(step, item, item_entries, arrays, info)
+    if problems:
+        more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+        raise CheckpointMismatchError(problems[0] + more)
+
+
+def write_back(step: int, found: Entries, values: Mapping[str, Mapping[Path, Any]]) -> None:
+    """Writes the restored ``values`` (as stored, laid out as their Variables' values; ``None``
+    for one this process holds no part of) into the Variables ``found``, once all are checked.
+
+    Raises:
+        CheckpointMismatchError: a value came back with another shape or dtype; nothing is
+            written.
+    """
+    updates: list[tuple[nnx.Variable, Any]] = []
+    for item, item_entries in found.items():
+        for path, var, current in item_entries:
+            value = values[item][path]
+            if value is None:
+                continue
+            if is_key(current):
+                value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(current))
+            if value.shape != current.shape or value.dtype != current.dtype:
+                raise CheckpointMismatchError(
+                    f"checkpoint step {step}: {show(item, path)!r} was restored as "
+                    f"{value.dtype}{list(value.shape)}, not {current.dtype}{list(current.shape)}"
+                )
+            updates.append((var, value))
+    for var, value in updates:
+        var.set_value(value)
+
+
+def _variables(node: Any) -> list[tuple[Path, nnx.Variable]]:
+    """Every Variable reachable from ``node`` (shared ones once), with its path as strings."""
+    return [(tuple(str(k) for k in path), var) for path, var in variables_of(node)]
+
+
+def _leaf(item: str, path: Path, var: nnx.Variable) -> Any:
+    value = var.get_value()
+    if not isinstance(value, jax.Array | np.ndarray):
+        raise TypeError(
+            f"Variable {show(item, path)!r} holds a {type(value).__name__}; only Variables "
+            "holding a jax.Array or a numpy array can be checkpointed"
+        )
+    return value
+
+
+def _describe(var: nnx.Variable, value: Any) -> dict[str, Any]:
+    task = var.get_metadata(TASK_KEY, None)
+    info: dict[str, Any] = {
+        "type": type(var).__name__,
+        "task": getattr(task, "name", None),
+        "spec": None if task is None else str(var.get_metadata(SPEC_KEY, None)),
+    }
+    if is_key(value):
+        info["key_impl"] = str(jax.random.key_impl(value))
+    return info
+
+
+def _compare(
+    step: int, item: str, saved: Mapping[Path, Any], wanted: Mapping[Path, Any]
+) -> list[str]:
+    """Every difference between a saved tree's metadata and the restore targets, model first."""
+    problems = []
+    for path, target in wanted.items():
+        where = repr(show(item, path))
+        meta = saved.get(path)
+        if meta is None:
+            problems.append(f"{where} is in the model but missing from the checkpoint")
+            continue
+        shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+        if shape is None or dtype is None:
+            problems.append(f"{where} is a {type(meta).__name__} in the checkpoint, not an array")
+        elif tuple(shape) != tuple(np.shape(target)):
+            problems.append(
+                f"{where} has shape {tuple(shape)} in the checkpoint but "
+                f"{tuple(np.shape(target))} in the model"
+            )
+        elif np.dtype(dtype) != np.dtype(target.dtype):
+            problems.append(
+                f"{where} has dtype {np.dtype(dtype)} in the checkpoint but "
+                f"{np.dtype(target.dtype)} in the model"
+            )
+    for path in saved:
+        if path not in wanted:
+            problems.append(f"{show(item, path)!r} is in the checkpoint but not in the model")
+    return [f"checkpoint step {step}: {p}" for p in problems]
+
+
+def _key_impl_problems(
+    step: int, item: str, found: Sequence[tuple[Path, Any, Any]], saved: Mapping, info: Mapping
+) -> list[str]:
+    """A line for each saved Variable of ``item`` whose RNG key implementation (in ``info``,
+    mmnnx's metadata of the step) differs from the model's; Variables the metadata does not
+    describe (a checkpoint written without it) are not compared."""
+    problems = []
+    for path, _, value in found:
+        if path not in saved or show(item, path) not in info:
+            continue
+        want = info[show(item, path)].get("key_impl")
+        have = str(jax.random.key_impl(value)) if is_key(value) else None
+        if want != have:
+            problems.append(
+                f"checkpoint step {step}: {show(item, path)!r} holds RNG keys of impl "
+                f"{want} in the checkpoint but {have} in the model"
+            )
+    return problems
