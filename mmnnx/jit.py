@@ -29,7 +29,7 @@ from mmnnx.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobat
 from mmnnx.mpmd import annotations, trace_state
 from mmnnx.mpmd.callbacks import CallbackFailures
 from mmnnx.mpmd.constraints import abstract_mesh_of, needs_a_mesh
-from mmnnx.mpmd.engine import PlanningOptions, StepInput, StepOutput, plan_step
+from mmnnx.mpmd.engine import PlanningOptions, plan_step
 from mmnnx.mpmd.mesh_context import (
     auto_twin,
     explicit_tracing,
@@ -49,6 +49,7 @@ from mmnnx.mpmd.runner import Executable
 from mmnnx.mpmd.schedules import Schedule
 from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.mpmd.stack_split import Expansion
+from mmnnx.mpmd.step_io import StepInput, StepOutput
 from mmnnx.mpmd.timing import BlockingTimer, Event, OverlapTimer, Timer
 from mmnnx.mpmd.tracing import trace as trace_graph
 from mmnnx.sharding import Task, TaskStack, home_of, stack_of, task_of
