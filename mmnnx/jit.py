@@ -341,7 +341,9 @@ class _Call:
             if parent is None:
                 continue  # not an attribute: check_unchanged names the change
             value = node.get_raw_value()
-            added.append(_Added(path, type(node), node.get_metadata(), value))
+            added.append(
+                _Added(path=path, kind=type(node), metadata=node.get_metadata(), value=value)
+            )
             delattr(parent, path[-1].name)
         return added
 
@@ -856,31 +858,18 @@ def jit(
         >>> [d.id for d in grads["layers"][1]["kernel"].get_value().devices()]
         [1]
     """
-    residual_bound(pack_residuals)  # a TypeError naming the option if it is not one
-    weight_bound(pack_weights)
-    if not isinstance(recompute_residuals, bool):
-        raise TypeError(
-            f"mm.jit: recompute_residuals must be True or False, got {recompute_residuals!r}"
-        )
+    options = {
+        "static_argnums": static_argnums,
+        "static_argnames": static_argnames,
+        "donate_argnums": donate_argnums,
+        "pack_residuals": pack_residuals,
+        "recompute_residuals": recompute_residuals,
+        "pack_weights": pack_weights,
+    }
     if fun is None:
-        return functools.partial(
-            jit,
-            static_argnums=static_argnums,
-            static_argnames=static_argnames,
-            donate_argnums=donate_argnums,
-            pack_residuals=pack_residuals,
-            recompute_residuals=recompute_residuals,
-            pack_weights=pack_weights,
-        )
-    return JitFunction(
-        fun,
-        static_argnums=static_argnums,
-        static_argnames=static_argnames,
-        donate_argnums=donate_argnums,
-        pack_residuals=pack_residuals,
-        recompute_residuals=recompute_residuals,
-        pack_weights=pack_weights,
-    )
+        JitOptions(**options)  # a bad option raises here, before a function is given
+        return functools.partial(jit, **options)
+    return JitFunction(fun, **options)
 
 
 class CachedPartial:
