@@ -71,15 +71,12 @@ def trace_step(
             )
         return TracedStep(graph=graph, trace=recorded, out_shape=out_shape)
 
+    avals = [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in inputs]
     try:
-        step = traced([jax.ShapeDtypeStruct(i.shape, i.dtype) for i in inputs])
+        step = traced(avals)
     except Exception as e:
         if needs_a_mesh(e):  # a bare PartitionSpec constraint: traced on the tasks' axes
-            mesh = abstract_mesh_of(_meshes(inputs))
-            step = traced(
-                [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in inputs],
-                jax.sharding.use_abstract_mesh(mesh),
-            )
+            step = traced(avals, jax.sharding.use_abstract_mesh(abstract_mesh_of(_meshes(inputs))))
         elif needs_explicit_axes(e):
             mesh, avals = _typed_inputs(inputs, getattr(name_as, "__name__", "the step"), e)
             step = traced(avals, explicit_tracing(mesh))
