@@ -1,8 +1,13 @@
-"""``mm.jit``: an NNX-aware jit that runs one step as one compiled program per task."""
+"""``mm.jit``: an NNX-aware jit that runs one step as one compiled program per task.
+
+A call flattens its arguments' NNX state into one record per input leaf, looks the step up in
+its cache (else traces it, ``mpmd/trace_step.py``; plans it, ``mpmd/engine.py``; and wires it to
+the other processes, ``distributed/step.py``), runs it (``mpmd/failures.py``: nothing is written
+back when it fails) and writes the new values back into the Variables.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -14,29 +19,22 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from mmnnx import _nnx
 from mmnnx._error_location import with_location
 from mmnnx._gc import cyclic_gc_paused
-from mmnnx._jax.arrays import all_plain_arrays, move_to, shards_by_device
+from mmnnx._jax.arrays import all_plain_arrays
 from mmnnx._jax.tracing import tracing
 from mmnnx.deep_models import warn_unrolled_blocks
-from mmnnx.distributed.initialize import check_collectives_for
-from mmnnx.distributed.peers import StepPeers
+from mmnnx.distributed.step import peers_for
 from mmnnx.distributed.timeline import JobTimeline
-from mmnnx.errors import MPMDError, SideEffectError, StepError, UnrolledMicrobatchWarning
-from mmnnx.mpmd import annotations, trace_state
+from mmnnx.errors import MPMDError, SideEffectError, UnrolledMicrobatchWarning
+from mmnnx.mpmd import trace_state
 from mmnnx.mpmd.callbacks import CallbackFailures
-from mmnnx.mpmd.constraints import abstract_mesh_of, needs_a_mesh
-from mmnnx.mpmd.engine import PlanningOptions, StepInput, StepOutput, plan_step
-from mmnnx.mpmd.mesh_context import (
-    auto_twin,
-    explicit_tracing,
-    needs_explicit_axes,
-    no_ambient_mesh,
-    typed_aval,
-)
+from mmnnx.mpmd.engine import PlanningOptions, plan_step
+from mmnnx.mpmd.failures import run_step
+from mmnnx.mpmd.mesh_context import auto_twin, no_ambient_mesh
 from mmnnx.mpmd.pack import (
     PACK_RESIDUAL_BYTES,
     PACK_WEIGHT_BYTES,
@@ -44,13 +42,14 @@ from mmnnx.mpmd.pack import (
     weight_bound,
 )
 from mmnnx.mpmd.plan import Plan
-from mmnnx.mpmd.program import StepProgram
 from mmnnx.mpmd.runner import Executable
 from mmnnx.mpmd.schedules import Schedule
 from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.mpmd.stack_split import Expansion
+from mmnnx.mpmd.stay_home import stay_home
+from mmnnx.mpmd.step_io import StepInput, StepOutput
 from mmnnx.mpmd.timing import BlockingTimer, Event, OverlapTimer, Timer
-from mmnnx.mpmd.tracing import trace as trace_graph
+from mmnnx.mpmd.trace_step import check_outputs, trace_step
 from mmnnx.sharding import Task, TaskStack, home_of, stack_of, task_of
 from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state
 
@@ -89,26 +88,15 @@ def _user_outputs(out_shape: Any) -> list[StepOutput]:
         spec = node.get_metadata().get(SPEC_KEY, PartitionSpec()) if home else PartitionSpec()
         sharding = home.sharding(spec) if isinstance(home, Task) else None
         leaves = len(jax.tree.leaves(node))  # sown: a tuple in one Variable
-        outputs += [StepOutput(home, spec, sharding)] * leaves
+        outputs += [StepOutput(home=home, spec=spec, sharding=sharding)] * leaves
     return outputs
 
 
-def _fingerprint(graph: Any, tasks: list[Task], program: StepProgram, call: _Call) -> list[str]:
-    """Lines describing a step (its inputs, tasks, ops and per-task programs) that processes
-    compare before running it together; the first differing line names what differs."""
-    lines = [
-        f"input {name}: {tuple(np.shape(leaf))} {np.dtype(leaf.dtype).name} on "
-        f"{task.name if task is not None else '-'} {getattr(sharding, 'spec', '')}"
-        for name, leaf, task, sharding in zip(
-            call.names, call.leaves, call.tasks, call.shardings, strict=True
-        )
+def _state_outputs(variables: Sequence[StepInput]) -> list[StepOutput]:
+    """Where each Variable's new value ends: on its task (stack), laid out as it is now."""
+    return [
+        StepOutput(home=v.task or v.stack, spec=v.spec, sharding=v.task_sharding) for v in variables
     ]
-    lines += [f"task {t.name}: devices {[d.id for d in t.jax_mesh.devices.flat]}" for t in tasks]
-    lines += [
-        f"op {op.primitive} {[graph.shapes[v] for v in op.outs]} at {op.source}" for op in graph.ops
-    ]
-    lines += str(program).splitlines()
-    return lines
 
 
 _SCALARS = (bool, int, float, complex)
@@ -131,20 +119,25 @@ def _parameter_names(fun: Callable, count: int) -> list[str]:
     return [names[i] if i < len(names) else f"arg{i}" for i in range(count)]
 
 
-def _check_outputs(out: Any, step: str) -> None:
-    """Raises if a step returned a leaf that is not an array (a string, an object)."""
-    for path, leaf in jax.tree.flatten_with_path(out)[0]:
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, *_SCALARS)):
-            where = "output" + jax.tree_util.keystr(path)
-            raise MPMDError(
-                f"mm.jit: {step} returned a {type(leaf).__name__} at {where}; a step must "
-                "return arrays or pytrees of arrays (Python numbers count as arrays). Return "
-                "other values from a function that calls the step"
-            )
+class _Leaf(NamedTuple):
+    """What a call knows of one input leaf besides its value, the same on every call of one
+    structure: its Variable (``None``: an array argument) and where that is placed."""
+
+    variable: Any = None
+    task: Task | None = None
+    stack: TaskStack | None = None
+
+    @property
+    def placed(self) -> bool:
+        return self.task is not None or self.stack is not None
+
+
+_ARRAY = _Leaf()
 
 
 class _Call:
-    """One call's arguments as a pytree definition, the distinct Variables, and array leaves.
+    """One call's arguments as a pytree definition and its input leaves: one :class:`_Leaf`
+    record each (``leaves``) and their arrays (``values``), the distinct Variables' first.
 
     Modules and Optimizers are flattened as pytrees with Variables as leaves; a Variable reached
     twice (tied weights) is one input, and the rebuilt arguments share it again.
@@ -170,16 +163,11 @@ class _Call:
                 self.slots.append(-1 - len(arrays))
                 arrays.append(node)
         self.num_variables = len(self.variables)
-        self.tasks: list[Task | None] = [task_of(v) for v in self.variables]
-        self.stacks: list[TaskStack | None] = [stack_of(v) for v in self.variables]
-        self.unplaced = [
-            i
-            for i, (t, s) in enumerate(zip(self.tasks, self.stacks, strict=True))
-            if t is s is None
-        ]
-        self.tasks += [None] * len(arrays)
-        self.stacks += [None] * len(arrays)
-        self._set_leaves(arrays)
+        # positional: made for every Variable on every call (by keyword, it costs twice as much)
+        self.leaves = [_Leaf(v, task_of(v), stack_of(v)) for v in self.variables]
+        self.unplaced = [i for i, leaf in enumerate(self.leaves) if not leaf.placed]
+        self.leaves += [_ARRAY] * len(arrays)
+        self._set_values(arrays)
 
     def template(self, num_tail: int, num_bound: int) -> _Call:
         """This call's Variables and structure, holding none of its values: the Variables' values
@@ -190,7 +178,7 @@ class _Call:
         arguments to their Variables, which :meth:`check_bound` verifies on each call."""
         template = object.__new__(_Call)
         template.__dict__.update(self.__dict__)
-        template.bound_arrays = self.leaves[self.num_variables : len(self.leaves) - num_tail]
+        template.bound_arrays = self.values[self.num_variables : len(self.values) - num_tail]
         edges: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
         roots = self.target[0]
         for path in self._paths:
@@ -207,7 +195,7 @@ class _Call:
                 edges.setdefault((id(holder), k), (holder, k, child, parent, key))
                 parent = child
         template.edges = list(edges.values())
-        template.leaves = template.target = None
+        template.values = template.target = None
         return template
 
     def check_bound(self) -> None:
@@ -236,14 +224,14 @@ class _Call:
         call.__dict__.update(self.__dict__)
         call.bound = True
         call._set_statics(args, kwargs)
-        call._set_leaves(self.bound_arrays + tail)
+        call._set_values(self.bound_arrays + tail)
         return call
 
     def check_placement(self) -> None:
         """Raises if a bound Variable was placed again since the binding was made (its task is
         read once, when the binding is made)."""
-        for name, variable, task in zip(self.names, self.variables, self.tasks, strict=False):
-            now = task_of(variable)
+        for name, leaf in zip(self.names, self.leaves[: self.num_variables], strict=False):
+            now, task = task_of(leaf.variable), leaf.task
             if now != task:
                 raise SideEffectError(
                     f"mm.cached_partial: {name!r} was placed again (task "
@@ -261,42 +249,38 @@ class _Call:
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in fn.static_argnames}
         self.target = (dyn_args, dyn_kwargs)
 
-    def _set_leaves(self, arrays: list[Any]) -> None:
-        """The input leaves (Variable values, then the other arrays), checked, and the cache key."""
+    def _set_values(self, arrays: list[Any]) -> None:
+        """The input values (Variables' values, then the other arrays), checked, and the cache
+        key."""
         arrays = [np.asarray(a) if isinstance(a, _SCALARS) else a for a in arrays]
-        self.leaves = [v.get_raw_value() for v in self.variables] + arrays
-        # The checks below only fail for a leaf that is not a plain jax.Array (a step's own
+        self.values = [v.get_raw_value() for v in self.variables] + arrays
+        # The checks below only fail for a value that is not a plain jax.Array (a step's own
         # outputs, fed back, always are): skipped when none is, as on every step of a loop.
-        checked = () if all_plain_arrays(self.leaves) else enumerate(self.leaves)
-        for i, leaf in checked:
-            if i < self.num_variables and isinstance(leaf, tuple | dict):
+        checked = () if all_plain_arrays(self.values) else enumerate(self.values)
+        for i, value in checked:
+            if i < self.num_variables and isinstance(value, tuple | dict):
                 kind = type(self.variables[i]).__name__
                 raise MPMDError(
                     f"mm.jit: {self.names[i]!r} holds values sown by an earlier call (an "
-                    f"nnx.{kind} holding a {type(leaf).__name__}); take them off the model "
+                    f"nnx.{kind} holding a {type(value).__name__}); take them off the model "
                     f"before the next step, e.g. nnx.pop(model, nnx.{kind}), or pop them inside "
                     "the step and return them (nnx.jit would append to them and retrace on "
                     "every call)"
                 )
-            if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
+            if not isinstance(value, jax.Array | np.ndarray | np.generic):
                 raise MPMDError(
-                    f"mm.jit: argument leaf {self.names[i]!r} is a {type(leaf).__name__}, not an "
-                    "array; mark the argument static (static_argnums/static_argnames) or pass "
+                    f"mm.jit: argument leaf {self.names[i]!r} is a {type(value).__name__}, not "
+                    "an array; mark the argument static (static_argnums/static_argnames) or pass "
                     "an array"
                 )
         # Placed leaves: their sharding is part of the plan. Free leaves go wherever their
-        # consumers are; only a committed one on devices no task owns is an error.
-        self.shardings = [
-            leaf.sharding if task is not None or stack is not None else None
-            for leaf, task, stack in zip(self.leaves, self.tasks, self.stacks, strict=True)
-        ]
+        # consumers are; only a committed one on devices no task owns is an error. The plan
+        # holds its tasks, so their ids stay unique while it is cached.
         signature = tuple(
-            (leaf.shape, leaf.dtype, sharding)
-            for leaf, sharding in zip(self.leaves, self.shardings, strict=True)
+            (v.shape, v.dtype, v.sharding if leaf.placed else None, id(leaf.task), id(leaf.stack))
+            for leaf, v in zip(self.leaves, self.values, strict=True)
         )
-        # The plan holds its tasks, so their ids stay unique while it is cached.
-        placement = tuple(id(t) for t in self.tasks) + tuple(id(s) for s in self.stacks)
-        self.key = (self.treedef, signature, placement, self.statics, self.static_kwargs)
+        self.key = (self.treedef, signature, self.statics, self.static_kwargs)
 
     @functools.cached_property
     def _paths(self) -> list[tuple]:
@@ -313,47 +297,23 @@ class _Call:
     def names(self) -> list[str]:
         return [_leaf_name(p) for p in self._paths]
 
-    @property
-    def donated(self) -> list[bool]:
-        return [
-            (task is not None or stack is not None)
-            and _arg_position(path) in self.fn.donate_argnums
-            for path, task, stack in zip(self._paths, self.tasks, self.stacks, strict=True)
-        ]
-
-    def _specs(self) -> list[PartitionSpec]:
-        return [v.get_metadata(SPEC_KEY, PartitionSpec()) for v in self.variables]
-
     def step_inputs(self) -> list[StepInput]:
         """What the engine is told of each input leaf (Variables first, then other arrays)."""
-        specs = self._specs() + [PartitionSpec()] * (len(self.leaves) - self.num_variables)
+        donate = self.fn.donate_argnums
         return [
             StepInput(
-                name,
-                task,
-                stack,
-                spec,
-                sharding if task is not None else None,
-                donated,
+                name=_leaf_name(path),
+                task=leaf.task,
+                stack=leaf.stack,
+                spec=PartitionSpec()
+                if leaf.variable is None
+                else leaf.variable.get_metadata(SPEC_KEY, PartitionSpec()),
+                sharding=getattr(value, "sharding", None),
+                donated=leaf.placed and _arg_position(path) in donate,
+                shape=tuple(np.shape(value)),
+                dtype=value.dtype,
             )
-            for name, task, stack, spec, sharding, donated in zip(
-                self.names,
-                self.tasks,
-                self.stacks,
-                specs,
-                self.shardings,
-                self.donated,
-                strict=True,
-            )
-        ]
-
-    def state_outputs(self) -> list[StepOutput]:
-        """Where each Variable's new value ends: on its task (stack), laid out as it is now."""
-        return [
-            StepOutput(task or stack, spec, sharding if task is not None else None)
-            for task, stack, spec, sharding in zip(
-                self.tasks, self.stacks, self._specs(), self.shardings, strict=False
-            )
+            for leaf, value, path in zip(self.leaves, self.values, self._paths, strict=True)
         ]
 
     def rebuild(self, values: Sequence[Any]) -> tuple[tuple, dict, list[Any], list[Any]]:
@@ -380,7 +340,9 @@ class _Call:
             if parent is None:
                 continue  # not an attribute: check_unchanged names the change
             value = node.get_raw_value()
-            added.append(_Added(path, type(node), node.get_metadata(), value))
+            added.append(
+                _Added(path=path, kind=type(node), metadata=node.get_metadata(), value=value)
+            )
             delattr(parent, path[-1].name)
         return added
 
@@ -417,37 +379,31 @@ class _Call:
                     "nnx.Variable(...) or nnx.BatchStat(...)) or return the new value"
                 )
 
-    def check_devices(self) -> None:
+    def check_devices(self, inputs: Sequence[StepInput]) -> None:
         """Raises if a leaf lives on devices its task (or, if unplaced, any task) does not own."""
-        for i, (name, leaf, task, stack) in enumerate(
-            zip(self.names, self.leaves, self.tasks, self.stacks, strict=True)
-        ):
-            devices = leaf.sharding.device_set if isinstance(leaf, jax.Array) else None
-            home = task or stack
+        for item in inputs:
+            devices = item.sharding.device_set if item.sharding is not None else None
+            home = item.task or item.stack
             if home is not None and devices != set(home.jax_mesh.devices.flat):
                 raise MPMDError(
-                    f"mm.jit: {name!r} is placed on task {home.name!r} but its array lives on "
-                    f"devices {sorted(d.id for d in devices)}; re-run mm.place after moving it"
+                    f"mm.jit: {item.name!r} is placed on task {home.name!r} but its array lives "
+                    f"on devices {sorted(d.id for d in devices)}; re-run mm.place after moving it"
                 )
-            if stack is not None and leaf.sharding != stack.sharding(
-                self.variables[i].get_metadata(SPEC_KEY, PartitionSpec())
-            ):
+            if item.stack is not None and item.sharding != item.stack.sharding(item.spec):
                 raise MPMDError(
-                    f"mm.jit: {name!r} is stacked over tasks {stack.name!r} but its array is laid "
-                    f"out as {leaf.sharding}; re-run mm.place after moving it"
+                    f"mm.jit: {item.name!r} is stacked over tasks {item.stack.name!r} but its "
+                    f"array is laid out as {item.sharding}; re-run mm.place after moving it"
                 )
         owned: set = set()
-        for task in dict.fromkeys(t for t in self.tasks if t is not None):
-            owned.update(task.jax_mesh.devices.flat)
-        for stack in dict.fromkeys(s for s in self.stacks if s is not None):
-            owned.update(stack.jax_mesh.devices.flat)
+        for home in dict.fromkeys(h for i in inputs for h in (i.task, i.stack) if h is not None):
+            owned.update(home.jax_mesh.devices.flat)
         if owned:  # with no placed state, the tasks come from mm.task regions: checked later
             self.check_free_devices(owned)
 
     def check_free_devices(self, owned: set) -> None:
-        for i, (leaf, task) in enumerate(zip(self.leaves, self.tasks, strict=True)):
-            if task is None and isinstance(leaf, jax.Array) and leaf.committed:
-                devices = leaf.sharding.device_set
+        for i, (leaf, value) in enumerate(zip(self.leaves, self.values, strict=True)):
+            if leaf.task is None and isinstance(value, jax.Array) and value.committed:
+                devices = value.sharding.device_set
                 if not devices <= owned:
                     raise MPMDError(
                         f"mm.jit: argument {self.names[i]!r} is on devices "
@@ -476,8 +432,8 @@ class _Call:
     def deleted_input(self) -> MPMDError | None:
         """The error for the first input whose array was deleted (``.delete()``, or donated to
         an earlier call while a Variable still held it), or ``None``."""
-        for i, leaf in enumerate(self.leaves):
-            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        for i, value in enumerate(self.values):
+            if isinstance(value, jax.Array) and value.is_deleted():
                 return MPMDError(
                     f"mm.jit: the array of {self.names[i]!r} was deleted before this call of "
                     f"{_step_name(self.fn.fun)} (by .delete(), or donated to an earlier call with "
@@ -518,125 +474,6 @@ def _parent_at(root: Any, path: tuple) -> Any | None:
     return node if hasattr(node, "__dict__") else None
 
 
-def _typed_inputs(call: _Call, step: str, cause: BaseException) -> tuple[Any, list[Any]]:
-    """For a step written for explicit mesh axes (``reshard``, ``out_sharding=P(...)``): the
-    mesh whose shape every task shares, and the inputs with their placement spec in their type
-    (other inputs replicated). Raises, naming the tasks, when no such mesh exists."""
-    tasks = list(dict.fromkeys(t for t in call.tasks if t is not None))
-    shapes = {(t.jax_mesh.axis_names, t.jax_mesh.axis_sizes): t for t in tasks}
-    if any(call.stacks) or len(shapes) != 1:
-        why = (
-            "stacked layers (a rule naming a list of tasks) are placed"
-            if any(call.stacks)
-            else "its tasks' meshes differ: "
-            + "; ".join(
-                f"{t.name!r} {dict(zip(*shape, strict=True))}" for shape, t in shapes.items()
-            )
-        )
-        raise MPMDError(
-            f"mm.jit: {step} uses explicit mesh axes ({str(cause).splitlines()[0]}), which "
-            "mm.jit gives meaning by tracing the step on the mesh shape all its tasks share; "
-            f"but {why}. Give every task the same axis names and sizes, or use "
-            "mm.with_sharding_constraint"
-        ) from cause
-    mesh = tasks[0].jax_mesh
-
-    def spec_of(x: Any, task: Task | None) -> PartitionSpec:
-        if task is not None:
-            return x.sharding.spec
-        sharding = getattr(x, "sharding", None)  # a batch laid out on a mesh of this shape
-        if isinstance(sharding, NamedSharding) and (
-            sharding.mesh.axis_names,
-            sharding.mesh.axis_sizes,
-        ) == (mesh.axis_names, mesh.axis_sizes):
-            return sharding.spec
-        return PartitionSpec()
-
-    avals = [
-        typed_aval(np.shape(x), x.dtype, mesh, spec_of(x, task))
-        for x, task in zip(call.leaves, call.tasks, strict=True)
-    ]
-    return mesh, avals
-
-
-def _stay_home(call: _Call, updates: list[Any]) -> None:
-    """State on no task (metrics, an ``nnx.Rngs`` passed in, a step counter) goes back to the
-    devices it was on before the step, wherever the step computed its new value: Variables of
-    one object (a key and its count, a metric's total and count) stay together for eager code."""
-    for i in call.unplaced:
-        old, new = call.leaves[i], updates[i]
-        if not isinstance(old, jax.Array) or new is old or new.sharding == old.sharding:
-            continue
-        home = old.sharding.device_set
-        if len(home) == 1 and new.sharding.is_fully_replicated and home <= new.sharding.device_set:
-            (device,) = home  # a replica is already there: take it, no copy
-            updates[i] = shards_by_device(new)[device]
-        else:
-            updates[i] = move_to(new, old.sharding)
-
-
-def _execute(
-    executable: Executable,
-    call: _Call,
-    fun: Callable,
-    modes: dict,
-    expansion: Expansion | None,
-    callback_failures: CallbackFailures,
-) -> list[Any]:
-    """Runs the step; a step that calls back into Python is waited for, so that a failure in any
-    of its programs raises here, before anything is written back (pure XLA programs cannot fail
-    while they run, so other steps return as soon as they are dispatched). A failure raises
-    :class:`StepError`, the arguments untouched. A host callback's exception never reaches the
-    running programs (:mod:`~mmnnx.mpmd.callbacks`): it is recorded, the programs finish, and it
-    raises here the same way."""
-    callback_failures.take()  # from a run that did not check them (a timeline, a tabulate)
-    try:
-        if expansion is None:
-            results = executable(call.leaves, **modes)
-        else:
-            results = executable(expansion.split_leaves(call.leaves), **modes)
-        if executable.may_fail:
-            jax.block_until_ready(results)
-        if raised := callback_failures.take():
-            error = raised[0]
-            raise _step_failed(fun, call, f"{type(error).__name__}: {error}") from error
-        if expansion is not None:
-            results = expansion.join_results(results)
-    except jax.errors.JaxRuntimeError as e:
-        if deleted := call.deleted_input():
-            raise deleted from None
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        cause = lines[-1] if lines else type(e).__name__  # a callback's own exception comes last
-        raise _step_failed(fun, call, cause) from e
-    except RuntimeError:  # JAX refuses a deleted array when a program is dispatched
-        if deleted := call.deleted_input():
-            raise deleted from None
-        raise
-    return results
-
-
-def _meshes(call: _Call) -> list[Any]:
-    """The meshes the step's placed inputs live on (tasks' and stacks' meshes)."""
-    meshes = [t.jax_mesh for t in call.tasks if t is not None]
-    for leaf in call.leaves:
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding):
-            meshes.append(sharding.mesh)
-    return meshes
-
-
-def _step_failed(fun: Callable, call: _Call, cause: str) -> StepError:
-    kept = (
-        "its arguments keep the values they had before this call, except donated ones"
-        if any(call.donated)
-        else "its arguments keep the values they had before this call"
-    )
-    return StepError(
-        f"mm.jit: {getattr(fun, '__name__', 'the step')} failed while running ({cause}); "
-        f"{kept}, and the next call runs normally"
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class JitOptions:
     """Everything a step is built with besides its function: ``mm.jit``'s options (see
@@ -673,6 +510,20 @@ class JitOptions:
         if not isinstance(self.schedule, str | Schedule | None):
             raise TypeError(f"mm.jit: schedule {self.schedule!r} is not a name or a Schedule")
 
+    def planning(self) -> PlanningOptions:
+        """The options the engine plans a step with.
+
+        Example:
+            >>> JitOptions(pack_residuals=False, schedule="gpipe").planning().schedule
+            'gpipe'
+        """
+        return PlanningOptions(
+            residual_bytes=self.pack_residuals,
+            weight_bytes=self.pack_weights,
+            recompute_residuals=self.recompute_residuals,
+            schedule=self.schedule,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class _Results:
@@ -684,6 +535,7 @@ class _Results:
     added: list[_Added]  # Variables the step added (sown), whose values come last
     plan_for: Callable[[int], Plan]  # the plan of another process
     callback_failures: CallbackFailures  # what the step's host callbacks raised
+    donated: bool  # some input is donated (a failed step keeps the others)
 
 
 class _Compiled(NamedTuple):
@@ -730,15 +582,16 @@ class JitFunction:
         return JitFunction(self.fun, **fields)
 
     def _build(self, call: _Call) -> _Compiled:
-        call.check_devices()
+        inputs = call.step_inputs()
+        call.check_devices(inputs)
         call.check_optimizer_state()
-        fun = self.fun
+        fun, name = self.fun, _step_name(self.fun)
         if self.trace_count == 0:
             dyn_args, dyn_kwargs = call.target
             warn_unrolled_blocks(
                 [*dyn_args, *dyn_kwargs.values()],
                 [*_parameter_names(fun, len(dyn_args)), *dyn_kwargs],
-                f"mm.jit({_step_name(fun)})",
+                f"mm.jit({name})",
             )
 
         added: list[_Added] = []
@@ -749,84 +602,52 @@ class JitFunction:
             args, kwargs = call.full_args(dyn_args, dyn_kwargs)
             rebuilt[:] = [*args, *kwargs.values()]
             out = fun(*args, **kwargs)
-            _check_outputs(out, _step_name(fun))
+            check_outputs(out, name)
             added[:] = call.take_added(dyn_args, dyn_kwargs, fresh)
             call.check_unchanged(dyn_args, dyn_kwargs, nodes)
             return out, [v.get_value() for v in fresh], [a.value for a in added]
 
         self.trace_count += 1
         callback_failures = CallbackFailures()
-        avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in call.leaves]
-
-        def traced(avals, context=None):
-            with trace_state.tracing() as trace, context or contextlib.nullcontext():
-                graph, out_shape = trace_graph(
-                    pure,
-                    avals,
-                    name_as=fun,
-                    arg_names=call.names,
-                    callback_failures=callback_failures,
-                )
-            return trace, graph, out_shape
-
-        try:
-            trace, graph, out_shape = traced(avals)
-        except Exception as e:
-            if needs_a_mesh(e):  # a bare PartitionSpec constraint: traced on the tasks' axes
-                mesh = abstract_mesh_of(_meshes(call))
-                trace, graph, out_shape = traced(avals, jax.sharding.use_abstract_mesh(mesh))
-            elif needs_explicit_axes(e):
-                mesh, avals = _typed_inputs(call, _step_name(fun), e)
-                trace, graph, out_shape = traced(avals, explicit_tracing(mesh))
-            elif isinstance(e, TypeError | ValueError):
-                located = with_location(e, rebuilt)
-                if located is e:
-                    raise
-                raise located from e
-            else:
-                raise
+        traced = trace_step(
+            pure,
+            inputs,
+            name_as=fun,
+            callback_failures=callback_failures,
+            located=lambda e: with_location(e, rebuilt),
+        )
         rebuilt.clear()
-        annotations.apply_resolvers(graph, trace)
-        out_tree = jax.tree.structure(out_shape[0])
         num_added = sum(a.num_leaves for a in added)
         for a in added:
             del a.value  # a tracer: the step's results give the value
-        num_user_outputs = len(graph.outputs) - call.num_variables - num_added
-        options = self.options
+        variables = inputs[: call.num_variables]
         planned = plan_step(
-            graph,
-            trace,
-            call.step_inputs(),
-            [*_user_outputs(out_shape[0]), *call.state_outputs(), *[StepOutput()] * num_added],
-            PlanningOptions(
-                options.pack_residuals,
-                options.pack_weights,
-                options.recompute_residuals,
-                options.schedule,
-            ),
-            name=_step_name(fun),
+            traced.graph,
+            traced.trace,
+            inputs,
+            [
+                *_user_outputs(traced.out_shape[0]),
+                *_state_outputs(variables),
+                *[StepOutput()] * num_added,
+            ],
+            self.options.planning(),
+            name=name,
             process=jax.process_index(),
             num_processes=jax.process_count(),
         )
-        peers = None
-        if jax.process_count() > 1:  # what every process must agree on, computed now: no arrays
-            check_collectives_for(planned.plan.tasks)
-            lines = _fingerprint(planned.graph, planned.plan.tasks, planned.lowered, call)
-            peers = functools.partial(StepPeers, repr(_step_name(fun)), lines)
         executable = Executable(
-            planned.graph, planned.plan, name=repr(_step_name(fun)), peers=peers
+            planned.graph, planned.plan, name=repr(name), peers=peers_for(planned, inputs, name)
         )
-        return _Compiled(
-            executable,
-            _Results(
-                out_tree,
-                num_user_outputs,
-                planned.expansion,
-                added,
-                planned.plan_for,
-                callback_failures,
-            ),
+        results = _Results(
+            tree=jax.tree.structure(traced.out_shape[0]),
+            num_user_outputs=len(traced.graph.outputs) - call.num_variables - num_added,
+            expansion=planned.expansion,
+            added=added,
+            plan_for=planned.plan_for,
+            callback_failures=callback_failures,
+            donated=any(i.donated for i in inputs),
         )
+        return _Compiled(executable=executable, results=results)
 
     def _lookup(self, call: _Call) -> _Compiled:
         try:
@@ -842,7 +663,7 @@ class JitFunction:
             with no_ambient_mesh(), cyclic_gc_paused():
                 entry = self._cache[call.key] = self._build(call)
         else:
-            call.check_free_devices(entry[0].owned_devices)
+            call.check_free_devices(entry.executable.owned_devices)
         return entry
 
     def __call__(self, *args, **kwargs):
@@ -867,25 +688,35 @@ class JitFunction:
 
     def _run(self, call: _Call, **modes):
         executable, results = self._lookup(call)
-        out_tree, num_user_outputs, added = results.tree, results.num_user_outputs, results.added
-        if self.donate_argnums and (deleted := call.deleted_input()):
-            raise deleted  # before any input is donated
         with no_ambient_mesh():  # each fragment runs on its own task's mesh
-            results = _execute(
-                executable, call, self.fun, modes, results.expansion, results.callback_failures
+            outs = run_step(
+                executable,
+                call.values,
+                expansion=results.expansion,
+                callback_failures=results.callback_failures,
+                name=_step_name(self.fun),
+                donated=results.donated,
+                deleted=call.deleted_input,
+                look_first=bool(self.donate_argnums),
+                **modes,
             )
+        users, num_variables = results.num_user_outputs, call.num_variables
         if executable.graph.specs:  # sharding in types: hand back on the tasks' own meshes
-            likes = [None] * num_user_outputs + call.shardings[: call.num_variables]
-            results = [
-                auto_twin(r, like=like)
-                for r, like in itertools.zip_longest(results, likes)  # added: no like
+            likes = [None] * users + [
+                value.sharding if leaf.placed else None
+                for leaf, value in zip(call.leaves[:num_variables], call.values, strict=False)
             ]
-        updates = results[num_user_outputs : num_user_outputs + call.num_variables]
+            outs = [
+                auto_twin(r, like=like)
+                for r, like in itertools.zip_longest(outs, likes)  # added: no like
+            ]
+        updates = outs[users : users + num_variables]
         if call.unplaced and jax.process_count() == 1:
-            _stay_home(call, updates)
+            for i in call.unplaced:
+                updates[i] = stay_home(call.values[i], updates[i])
         _nnx.set_values(call.variables, updates)
-        call.put_added(added, results[num_user_outputs + call.num_variables :])
-        return jax.tree.unflatten(out_tree, results[:num_user_outputs])
+        call.put_added(results.added, outs[users + num_variables :])
+        return jax.tree.unflatten(results.tree, outs[:users])
 
     def timeline(self, *args, **kwargs) -> list[Event]:
         """Runs one step (updating the arguments as a call does) and returns a timed event per
@@ -936,7 +767,7 @@ class JitFunction:
                 timer.stop()
             events = job.events(timer.events())
         if not events:
-            for why in self._cache[call.key][0].plan.unrolled:
+            for why in self._cache[call.key].executable.plan.unrolled:
                 warnings.warn(f"timeline: nothing to time, {why}", UnrolledMicrobatchWarning, 3)
         return events
 
@@ -1026,31 +857,18 @@ def jit(
         >>> [d.id for d in grads["layers"][1]["kernel"].get_value().devices()]
         [1]
     """
-    residual_bound(pack_residuals)  # a TypeError naming the option if it is not one
-    weight_bound(pack_weights)
-    if not isinstance(recompute_residuals, bool):
-        raise TypeError(
-            f"mm.jit: recompute_residuals must be True or False, got {recompute_residuals!r}"
-        )
+    options = {
+        "static_argnums": static_argnums,
+        "static_argnames": static_argnames,
+        "donate_argnums": donate_argnums,
+        "pack_residuals": pack_residuals,
+        "recompute_residuals": recompute_residuals,
+        "pack_weights": pack_weights,
+    }
     if fun is None:
-        return functools.partial(
-            jit,
-            static_argnums=static_argnums,
-            static_argnames=static_argnames,
-            donate_argnums=donate_argnums,
-            pack_residuals=pack_residuals,
-            recompute_residuals=recompute_residuals,
-            pack_weights=pack_weights,
-        )
-    return JitFunction(
-        fun,
-        static_argnums,
-        static_argnames,
-        donate_argnums,
-        pack_residuals,
-        recompute_residuals,
-        pack_weights,
-    )
+        JitOptions(**options)  # a bad option raises here, before a function is given
+        return functools.partial(jit, **options)
+    return JitFunction(fun, **options)
 
 
 class CachedPartial:

@@ -448,7 +448,9 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) 
         else:
             v.set_raw_value(primitives.chain_out(a, group, slot))
     rows = jax.tree.leaves([args[i] for i in split_args])[0].shape[dim]
-    trace.microbatches[group] = MicrobatchGroup(m, schedule, virtual_stages, rows)
+    trace.microbatches[group] = MicrobatchGroup(
+        num_microbatches=m, schedule=schedule, virtual_stages=virtual_stages, batch_size=rows
+    )
     totals = [
         primitives.accumulate(x, group, gathered=kind in _GATHERED)
         for x, kind in zip(leaves, reductions, strict=True)

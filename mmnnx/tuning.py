@@ -291,25 +291,17 @@ def tune(
     for name, m in pairs:
         if rows is not None and rows % m:
             why = f"cannot run: {m} microbatches do not divide the batch of {rows}"
-            results.append(Candidate(name, m, None, None, None, why))
+            results.append(_rejected(name, m, why))
             continue
         try:
             schedule = _built(name, measured.num_stages, m, virtual, stage_cost)
         except (ValueError, TypeError) as e:
-            results.append(Candidate(name, m, None, None, None, f"cannot run: {e}"))
+            results.append(_rejected(name, m, f"cannot run: {e}"))
             continue
         if not _places_like(schedule.stage_to_rank, measured, stage_home):
-            results.append(
-                Candidate(
-                    name,
-                    m,
-                    None,
-                    None,
-                    None,
-                    "cannot run: it places stages on ranks "
-                    f"{list(schedule.stage_to_rank)}, this step on tasks {stage_home}",
-                )  # fmt: skip
-            )
+            ranks = list(schedule.stage_to_rank)
+            why = f"cannot run: it places stages on ranks {ranks}, this step on tasks {stage_home}"
+            results.append(_rejected(name, m, why))
             continue
         scale = m0 / m
         costs = {
@@ -328,13 +320,13 @@ def tune(
             rejected = f"over the budget of {budget:,} B"
         results.append(
             Candidate(
-                name,
-                m,
-                result.makespan,
-                float(result.bubble_fraction),
-                peak,
-                rejected,
-                schedule,
+                schedule=name,
+                num_microbatches=m,
+                predicted_seconds=result.makespan,
+                bubble=float(result.bubble_fraction),
+                peak_bytes=peak,
+                rejected=rejected,
+                table=schedule,
             )  # fmt: skip
         )
     fitting = [c for c in results if not c.rejected]
@@ -352,7 +344,21 @@ def tune(
             results,
         )
     best = min(fitting, key=lambda c: c.predicted_seconds)
-    return TuneResult(best, results, measured.name, m0)
+    return TuneResult(
+        best=best, candidates=results, measured_schedule=measured.name, measured_microbatches=m0
+    )
+
+
+def _rejected(name: str, m: int, why: str) -> Candidate:
+    """A candidate that cannot run (nothing simulated)."""
+    return Candidate(
+        schedule=name,
+        num_microbatches=m,
+        predicted_seconds=None,
+        bubble=None,
+        peak_bytes=None,
+        rejected=why,
+    )
 
 
 def _candidate_pairs(

@@ -25,11 +25,21 @@ from mmnnx.mpmd.program import (
     Zeros,
 )
 from mmnnx.mpmd.releases import add_releases
+from mmnnx.mpmd.step_io import StepInput, StepOutput
 
 
 @pytest.fixture(scope="module")
 def tasks():
     return [mm.Task(name, mesh=mm.TaskMesh(devices=[i])) for i, name in enumerate("AB")]
+
+
+def ins(**placed) -> list[StepInput]:
+    """One input record per keyword, in order: its task, or (task, sharding), or None."""
+    out = []
+    for name, where in placed.items():
+        task, sharding = where if isinstance(where, tuple) else (where, None)
+        out.append(StepInput(name=name, task=task, sharding=sharding))
+    return out
 
 
 class Builder:
@@ -82,7 +92,7 @@ def two_layer_chain():
 def test_colour_follows_state_and_moves_the_fewest_bytes(tasks):
     a, bt = tasks
     graph, _ = two_layer_chain()
-    labels = colour(graph, [None, a, bt], ["x", "pa", "pb"], [None], tasks).op_tasks
+    labels = colour(graph, ins(x=None, pa=a, pb=bt), [StepOutput()], tasks).op_tasks
     assert [t.name for t in labels] == ["A", "A", "B", "B"]
 
 
@@ -92,7 +102,7 @@ def test_colour_keeps_a_free_op_with_its_heaviest_operand(tasks):
     pa, pb = b.input(1000), b.input(1)
     big, small = b.op("exp", pa, size=1000), b.op("exp", pb, size=1)
     graph = b.outputs(b.op("mul", big, small, size=1000))
-    labels = colour(graph, [a, bt], ["pa", "pb"], [None], tasks).op_tasks
+    labels = colour(graph, ins(pa=a, pb=bt), [StepOutput()], tasks).op_tasks
     assert [t.name for t in labels] == ["A", "B", "A"]
 
 
@@ -103,7 +113,7 @@ def test_colour_names_both_variables_of_a_conflict(tasks):
     view = b.op("reshape", pa, size=4)  # a view of pa still is pa
     graph = b.outputs(b.op("add", view, pb, size=4))
     with pytest.raises(mm.PlacementConflictError, match="reads pa .*'A'.* and pb .*'B'"):
-        colour(graph, [a, bt], ["pa", "pb"], [None], tasks)
+        colour(graph, ins(pa=a, pb=bt), [StepOutput()], tasks)
 
 
 def test_colour_region_wins_and_rejects_foreign_state(tasks):
@@ -111,13 +121,13 @@ def test_colour_region_wins_and_rejects_foreign_state(tasks):
     b = Builder()
     x, pa = b.input(4), b.input(4)
     graph = b.outputs(b.op("exp", x, size=4, region="B"))
-    labels = colour(graph, [None, a], ["x", "pa"], [None], tasks, {"B": bt}).op_tasks
+    labels = colour(graph, ins(x=None, pa=a), [StepOutput()], tasks, {"B": bt}).op_tasks
     assert labels[0] is bt
     b = Builder()
     pa = b.input(4)
     graph = b.outputs(b.op("exp", pa, size=4, region="B"))
     with pytest.raises(mm.PlacementConflictError, match="region 'B' but reads pa"):
-        colour(graph, [a], ["pa"], [None], tasks, {"B": bt})
+        colour(graph, ins(pa=a), [StepOutput()], tasks, {"B": bt})
 
 
 def test_levels_count_task_changes_and_move_free_ops_late(tasks):
@@ -233,10 +243,8 @@ def test_lowering_pairs_every_send_with_a_recv_and_releases_after_the_last_read(
     lowered, transfers = lower(
         graph,
         list(tasks),
-        [None, a, bt],
-        [None, sharding_a, sharding_b],
-        [None],
-        None,
+        ins(x=None, pa=(a, sharding_a), pb=(bt, sharding_b)),
+        [StepOutput()],
         [(f, None) for f in fragments],
     )
     assert not any(isinstance(act, Release) for act in lowered.actions)  # add_releases does
@@ -277,10 +285,8 @@ def test_a_multi_device_tasks_results_are_laid_out_by_the_compiler():
     program, _ = lower(
         graph,
         pairs,
-        [None, *pairs],
-        [None, pairs[0].sharding(), pairs[1].sharding()],
-        [None],
-        None,
+        ins(x=None, pc=(pairs[0], pairs[0].sharding()), pd=(pairs[1], pairs[1].sharding())),
+        [StepOutput()],
         [(f, None) for f in fragments],
     )
     (recv,) = [a for a in program.actions if isinstance(a, Recv) and a.source is pairs[0]]
@@ -384,10 +390,8 @@ def test_localize_keeps_one_process_share_and_routes_what_crosses(tasks):
     lowered, _ = lower(
         graph,
         pairs,
-        [None, *pairs],
-        [None, pairs[0].sharding(), pairs[1].sharding()],
-        [None],
-        None,
+        ins(x=None, pc=(pairs[0], pairs[0].sharding()), pd=(pairs[1], pairs[1].sharding())),
+        [StepOutput()],
         [(f, None) for f in cut(graph, [pairs[0]] * 2 + [pairs[1]] * 2, pairs)],
     )
     on = {"C": frozenset({0}), "D": frozenset({1})}  # as if each task were another process's
@@ -422,10 +426,8 @@ def _two_routes():
     lowered, _ = lower(
         graph,
         [c, d],
-        [None, c, d],
-        [None, c.sharding(), d.sharding()],
-        [None],
-        None,
+        ins(x=None, pc=(c, c.sharding()), pd=(d, d.sharding())),
+        [StepOutput()],
         [(f, None) for f in cut(graph, [c, c, d, d], [c, d])],
     )
     on = {"C": frozenset({0}), "D": frozenset({1})}

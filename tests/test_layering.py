@@ -346,3 +346,53 @@ def test_multimesh_compat_uses_only_public_mmnnx_names():
                 if isinstance(root, ast.Name) and root.id in aliases:
                     private.append(f"{module}: {ast.unparse(node)} ({_path(module)}:{node.lineno})")
     assert not private, "multimesh_compat uses private mmnnx names:\n" + "\n".join(private)
+
+
+# Records built with positional arguments whose construction other changes own: runner.py
+# (to be split) and train/ (its own owners). Each entry is (path, class); remove it once keyword.
+POSITIONAL_LEFT = frozenset(
+    {
+        ("mmnnx/mpmd/runner.py", "_Part"),
+        ("mmnnx/mpmd/runner.py", "_Launch"),
+        ("mmnnx/mpmd/runner.py", "_Move"),
+        ("mmnnx/train/generation.py", "LoadedRun"),
+        ("mmnnx/train/loop.py", "FitResult"),
+    }
+)
+MAX_POSITIONAL = 3
+
+
+def _name_of(node: ast.expr) -> str | None:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+
+
+def _is_record(node: ast.ClassDef) -> bool:
+    """A dataclass (``@dataclass``, ``@dataclasses.dataclass(...)``) or a NamedTuple."""
+    decorators = (d.func if isinstance(d, ast.Call) else d for d in node.decorator_list)
+    return any(_name_of(d) == "dataclass" for d in decorators) or any(
+        _name_of(b) == "NamedTuple" for b in node.bases
+    )
+
+
+def test_records_are_built_by_keyword():
+    """A dataclass or NamedTuple of mmnnx built with more than MAX_POSITIONAL positional
+    arguments (``Transfer(v, source, task, shape, ...)``) reads wrong silently when a field is
+    added or reordered; build it by keyword."""
+    trees = {
+        module: ast.parse(path.read_text())
+        for module, path in _modules().items()
+        if module.startswith("mmnnx")
+    }
+    classes = [n for tree in trees.values() for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    records = {c.name for c in classes if _is_record(c)}
+    found = []
+    for module, tree in trees.items():
+        path = _path(module)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or len(node.args) <= MAX_POSITIONAL:
+                continue
+            name = _name_of(node.func)
+            if name in records and (path, name) not in POSITIONAL_LEFT:
+                where = f"{path}:{node.lineno}"
+                found.append(f"{name}(...) with {len(node.args)} positional at {where}")
+    assert not found, "records built with positional arguments:\n" + "\n".join(found)

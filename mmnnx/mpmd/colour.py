@@ -20,6 +20,7 @@ from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 from mmnnx.errors import PlacementConflictError
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.op_kinds import is_view
+from mmnnx.mpmd.step_io import StepInput, StepOutput
 from mmnnx.sharding import Task
 
 _MAX_ROUNDS = 4
@@ -38,25 +39,26 @@ class Colouring:
 
 def colour(
     graph: Graph,
-    input_tasks: Sequence[Task | None],
-    input_names: Sequence[str],
-    output_homes: Sequence[Task | None],
+    inputs: Sequence[StepInput],
+    outputs: Sequence[StepOutput],
     tasks: Sequence[Task],
     regions: dict[str, Task] | None = None,
 ) -> Colouring:
-    """The task of every op in ``graph.ops``.
+    """The task of every op in ``graph.ops``, given the step's ``inputs`` and ``outputs`` (one
+    record per graph input and output: an input placed on a task pins its readers there, an
+    output's task pulls its producers).
 
     ``regions`` maps the task names of ``mm.task`` regions to their tasks; ops traced inside a
     region (forward or backward) run on its task.
     """
     regions = regions or {}
-    placed = {v: t for v, t in zip(graph.inputs, input_tasks, strict=True) if t is not None}
-    names = dict(zip(graph.inputs, input_names, strict=True))
+    placed = {v: i.task for v, i in zip(graph.inputs, inputs, strict=True) if i.task is not None}
+    names = {v: i.name for v, i in zip(graph.inputs, inputs, strict=True)}
     producer = graph.producers()
     sinks: dict[int, list[Task]] = {}
-    for atom, home in zip(graph.outputs, output_homes, strict=True):
-        if isinstance(atom, int) and home is not None:
-            sinks.setdefault(atom, []).append(home)
+    for atom, output in zip(graph.outputs, outputs, strict=True):
+        if isinstance(atom, int) and output.task is not None:
+            sinks.setdefault(atom, []).append(output.task)
 
     # A view of placed state (reshaped, broadcast, transposed, cast) still is that state: an op
     # reading it reads the state, so a stage's layer runs where its parameters live.

@@ -262,12 +262,12 @@ def _scan_cut(op: Op, wanted: Sequence[bool]) -> _ScanCut | None:
         return flags
 
     return _ScanCut(
-        first,
-        [e for i, e in enumerate(body.eqns) if i in eqns],
-        [e for i, e in enumerate(body.eqns) if i in later_eqns],
-        saved,
-        operands(first_reads, first[:num_carry]),
-        operands(later_reads, [not c for c in first[:num_carry]]),
+        first_outs=first,
+        first_eqns=[e for i, e in enumerate(body.eqns) if i in eqns],
+        later_eqns=[e for i, e in enumerate(body.eqns) if i in later_eqns],
+        saved=saved,
+        first_operands=operands(first_reads, first[:num_carry]),
+        later_operands=operands(later_reads, [not c for c in first[:num_carry]]),
     )
 
 

@@ -174,7 +174,7 @@ def make_fragment(
         for v in op.outs
         if v in graph_outputs or any(c.index not in inside for c in consumers.get(v, ()))
     ]
-    return Fragment(name, task, ops, in_ids, out_ids, kinds)
+    return Fragment(name=name, task=task, ops=ops, in_ids=in_ids, out_ids=out_ids, kinds=kinds)
 
 
 def replicable_ops(

@@ -1,7 +1,8 @@
 """The engine's entry: a traced step and what is known of its inputs and outputs -> its plan.
 
-``mm.jit`` (``jit.py``) traces a step and describes each input leaf (:class:`StepInput`) and
-each output leaf (:class:`StepOutput`); :func:`plan_step` then splits stacked layers over their
+``mm.jit`` (``jit.py``) traces a step (``trace_step.py``) and describes each input leaf
+(:class:`~mmnnx.mpmd.step_io.StepInput`) and each output leaf
+(:class:`~mmnnx.mpmd.step_io.StepOutput`); :func:`plan_step` then splits stacked layers over their
 tasks, colours every op with a task, cuts the graph into fragments (pipelined per microbatch
 where the step has an ``mm.microbatch`` loop), lowers them to a typed program and runs the
 passes (``passes.py``). Nothing here knows Flax NNX.
@@ -12,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from jax.sharding import PartitionSpec
 
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd.carry import resolve_rng_counts
@@ -27,33 +26,9 @@ from mmnnx.mpmd.plan import Plan
 from mmnnx.mpmd.program import StepProgram
 from mmnnx.mpmd.schedules import Schedule
 from mmnnx.mpmd.stack_split import Expansion, chunk_sharding, split_stacks
+from mmnnx.mpmd.step_io import StepInput, StepOutput
 from mmnnx.mpmd.trace_state import Trace
-from mmnnx.sharding import Task, TaskStack
-
-
-@dataclasses.dataclass(frozen=True)
-class StepInput:
-    """One input leaf of a step."""
-
-    name: str  # its path, e.g. "arg0/blocks/0/attn/kernel"
-    task: Task | None = None  # the task it is placed on; None: a batch, a counter
-    stack: TaskStack | None = None  # the tasks its stacked layers are split over
-    spec: PartitionSpec = PartitionSpec()  # its placement spec (a stacked Variable's)
-    sharding: Any = None  # its layout, where placed on a task
-    donated: bool = False  # the step may reuse its buffer
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    """Where one output leaf of a step ends."""
-
-    home: Task | TaskStack | None = None  # the task (or stack) of the Variable it belongs to
-    spec: PartitionSpec = PartitionSpec()  # that Variable's placement spec
-    sharding: Any = None  # the layout it must end in; None: wherever it is made
-
-    @property
-    def task(self) -> Task | None:
-        return self.home if isinstance(self.home, Task) else None
+from mmnnx.sharding import Task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,19 +74,12 @@ def plan_step(
     """
     expansion = None
     if any(i.stack is not None for i in inputs):
-        graph, expansion = split_stacks(
-            graph,
-            [(i.stack, i.spec) if i.stack is not None else None for i in inputs],
-            [(o.home, o.spec) if isinstance(o.home, TaskStack) else None for o in outputs],
-            [i.name for i in inputs],
-        )
+        graph, expansion = split_stacks(graph, inputs, outputs)
         inputs = expansion.expand_inputs(inputs, _input_chunk)
         outputs = expansion.expand_outputs(outputs, _output_chunk)
     resolve_rng_counts(graph, {g: m.num_microbatches for g, m in trace.microbatches.items()})
-    input_tasks = [i.task for i in inputs]
-    names = [i.name for i in inputs]
-    tasks = _tasks(input_tasks, trace.regions.values())
-    colouring = colour(graph, input_tasks, names, [o.task for o in outputs], tasks, trace.regions)
+    tasks = _tasks([i.task for i in inputs], trace.regions.values())
+    colouring = colour(graph, inputs, outputs, tasks, trace.regions)
     free = {v for v, i in zip(graph.inputs, inputs, strict=True) if i.task is None}
     pipeline, op_tasks = plan_pipeline(
         graph,
@@ -133,16 +101,8 @@ def plan_step(
             f"other shapes ({', '.join(repr(t.name) for t in tasks)}); give every task the same "
             "axis names and sizes"
         )
-    lowered, transfers = lower(
-        graph,
-        tasks,
-        input_tasks,
-        [i.sharding if i.task is not None else None for i in inputs],
-        [o.sharding for o in outputs],
-        [i.donated for i in inputs],
-        order,
-        pipeline,
-    )
+    lowered, transfers = lower(graph, tasks, inputs, outputs, order, pipeline)
+    names = [i.name for i in inputs]
     fragments = list({id(f): f for f, _ in order}.values())
     passes = Passes.of(
         lowered,
@@ -165,16 +125,26 @@ def plan_step(
             unrolled=list(trace.unrolled),
         )
 
-    return PlannedStep(graph, plan_for(process), lowered, expansion, plan_for)
+    return PlannedStep(
+        graph=graph,
+        plan=plan_for(process),
+        lowered=lowered,
+        expansion=expansion,
+        plan_for=plan_for,
+    )
 
 
 def _input_chunk(item: StepInput, task: Task, index: int, home: Any) -> StepInput:
-    sharding = chunk_sharding(item, task, index, home)
-    return StepInput(f"{item.name}[{index}]", task, sharding=sharding, donated=item.donated)
+    return StepInput(
+        name=f"{item.name}[{index}]",
+        task=task,
+        sharding=chunk_sharding(item, task, index, home),
+        donated=item.donated,
+    )
 
 
 def _output_chunk(item: StepOutput, task: Task, index: int, home: Any) -> StepOutput:
-    return StepOutput(task, home[1], chunk_sharding(item, task, index, home))
+    return StepOutput(home=task, spec=home[1], sharding=chunk_sharding(item, task, index, home))
 
 
 def _tasks(input_tasks: Sequence[Task | None], regions: Any) -> list[Task]:

@@ -28,6 +28,7 @@ from mmnnx.mpmd.program import (
     StepProgram,
     Zeros,
 )
+from mmnnx.mpmd.step_io import StepInput, StepOutput
 from mmnnx.sharding import Task
 from mmnnx.sharding.specs import check_spec
 
@@ -81,22 +82,22 @@ def constraint_sharding(op: Op, task: Task, shape: Sequence[int]) -> NamedShardi
 def _donations(
     graph: Graph,
     order: Sequence[tuple[Fragment, int | None]],
-    input_tasks: Sequence[Task | None],
-    donated: Sequence[bool],
+    inputs: Sequence[StepInput],
 ) -> dict[int, Fragment]:
     """Donated inputs -> the fragment that may consume their buffer (their last reader).
 
     A fragment that runs once per microbatch never donates: later microbatches read the input too.
     """
-    outputs = {a for a in graph.outputs if isinstance(a, int)}
+    returned = {a for a in graph.outputs if isinstance(a, int)}
     last: dict[int, tuple[Fragment, int | None]] = {}
     for frag, m in order:
         for v in frag.in_ids:
             last[v] = (frag, m)
     out = {}
-    for v, task, d in zip(graph.inputs, input_tasks, donated, strict=True):
+    for v, item in zip(graph.inputs, inputs, strict=True):
         frag, m = last.get(v, (None, None))
-        if d and frag is not None and m is None and frag.task == task and v not in outputs:
+        once = frag is not None and m is None  # its last reader runs outside the loop
+        if item.donated and once and frag.task == item.task and v not in returned:
             out[v] = frag
     return out
 
@@ -261,7 +262,15 @@ class _Lowering:
         )
         if m in (None, 0):
             self.transfers.append(
-                Transfer(v, source, task, graph.shapes[v], graph.dtypes[v], graph.nbytes[v], want)
+                Transfer(
+                    value=v,
+                    source=source,
+                    target=task,
+                    shape=graph.shapes[v],
+                    dtype=graph.dtypes[v],
+                    nbytes=graph.nbytes[v],
+                    sharding=want,
+                )
             )
         return slot
 
@@ -269,10 +278,8 @@ class _Lowering:
 def lower(
     graph: Graph,
     tasks: list[Task],
-    input_tasks: Sequence[Task | None],
-    input_shardings: Sequence[Any],
-    output_homes: Sequence[NamedSharding | None],
-    donated: Sequence[bool] | None,
+    inputs: Sequence[StepInput],
+    outputs: Sequence[StepOutput],
     order: Sequence[tuple[Fragment, int | None]],
     pipeline: Pipeline | None = None,
 ) -> tuple[StepProgram, list[Transfer]]:
@@ -280,25 +287,26 @@ def lower(
     microbatch loop) to a :class:`StepProgram`; returns it and the transfers between tasks (the
     first microbatch's).
 
-    ``input_shardings``: the sharding of each placed input (``None`` for free inputs);
-    ``output_homes``: the sharding each output must end on (``None``: wherever it is made).
+    ``inputs``: one record per graph input (a placed input keeps its task's sharding; a donated
+    one may give its buffer to its last reader); ``outputs``: one per graph output (its
+    ``sharding``, the layout it must end in; ``None``: wherever it is made).
     """
     low = _Lowering(graph, pipeline)
     low.op_task = {op.index: f.task for f, _ in order for op in f.ops}
     accumulated = pipeline.accumulated if pipeline else {}
     sum_of = {v: u for u, v in accumulated.items()}
 
-    inputs = []
-    for i, (v, t, s) in enumerate(zip(graph.inputs, input_tasks, input_shardings, strict=True)):
-        low.where[(v, None)] = t
-        inputs.append((low.new_slot(v, t, s, None), i))
+    input_slots = []
+    for i, (v, item) in enumerate(zip(graph.inputs, inputs, strict=True)):
+        low.where[(v, None)] = item.task
+        input_slots.append((low.new_slot(v, item.task, item.task_sharding, None), i))
 
     home_of: dict[int, NamedSharding] = {}
-    for atom, home in zip(graph.outputs, output_homes, strict=True):
-        if isinstance(atom, int) and home is not None:
-            home_of.setdefault(atom, home)
+    for atom, output in zip(graph.outputs, outputs, strict=True):
+        if isinstance(atom, int) and output.sharding is not None:
+            home_of.setdefault(atom, output.sharding)
 
-    donate_in = _donations(graph, order, input_tasks, donated or [False] * len(input_tasks))
+    donate_in = _donations(graph, order, inputs)
     labels = _labels(pipeline)
     typed = graph.specs or None
     consumers = graph.consumers()
@@ -378,26 +386,27 @@ def lower(
     if low.carry is not None:  # a chained result is where the last microbatch left it
         for result, new in low.carry.results.items():
             low.where[(result, None)] = low.where[(new, low.last)]
-    outputs: list[Output | ConstantOutput] = []
+    results: list[Output | ConstantOutput] = []
     task_on: dict[int, Task] = {}  # id of a home's mesh -> its task (comparing meshes is slow)
-    for atom, home in zip(graph.outputs, output_homes, strict=True):
+    for atom, output in zip(graph.outputs, outputs, strict=True):
+        home = output.sharding
         if isinstance(atom, Const):
-            outputs.append(ConstantOutput(value=atom.value, home=home))
+            results.append(ConstantOutput(value=atom.value, home=home))
         elif home is not None:
             if id(home.mesh) not in task_on:
                 task_on[id(home.mesh)] = next(t for t in tasks if t.jax_mesh == home.mesh)
             task = task_on[id(home.mesh)]
             slot = low.ensure(atom, task, None, home)
-            outputs.append(Output(slot=slot, value=atom, task=task))
+            results.append(Output(slot=slot, value=atom, task=task))
         else:
             task = low.where[(atom, None)]  # None: a step input on no task, returned as it is
             slot = low.ensure(atom, task, None) if task else low.find(atom, task, None)
-            outputs.append(Output(slot=slot, value=atom, task=task))
+            results.append(Output(slot=slot, value=atom, task=task))
     program = StepProgram(
         tasks=tuple(tasks),
         actions=tuple(low.actions),
-        inputs=tuple(inputs),
-        outputs=tuple(outputs),
+        inputs=tuple(input_slots),
+        outputs=tuple(results),
         shardings=tuple(low.sharding_of),
         activations=low.activations,
     )

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd import stack_rules
 from mmnnx.mpmd.ir import Atom, Const, Graph, Op
+from mmnnx.mpmd.step_io import StepInput, StepOutput
 from mmnnx.sharding import Task
 from mmnnx.sharding.specs import itemsize
 from mmnnx.sharding.stack import TaskStack
@@ -119,7 +120,16 @@ def chunk_sharding(_item: Any, task: Task, _index: int, home: StackHome) -> Any:
 
 
 # What the slices of a stacked step result are made "like" (no op of the step makes them).
-_OUTPUT = Op(-1, None, {}, [], [], False, source="<stacked output>", name="")
+_OUTPUT = Op(
+    index=-1,
+    primitive=None,
+    params={},
+    ins=[],
+    outs=[],
+    multiple_results=False,
+    source="<stacked output>",
+    name="",
+)
 
 
 class _Rewriter:
@@ -272,24 +282,23 @@ class _Rewriter:
 
 
 def split_stacks(
-    graph: Graph,
-    inputs: Sequence[StackHome | None],
-    outputs: Sequence[StackHome | None],
-    names: Sequence[str],
+    graph: Graph, inputs: Sequence[StepInput], outputs: Sequence[StepOutput]
 ) -> tuple[Graph, Expansion]:
-    """``graph`` rewritten on chunks of its stacked inputs (``inputs[i]``: the stack and chunk
-    spec of input ``i``, or ``None``), and how its inputs and outputs expanded.
+    """``graph`` rewritten on chunks of its stacked inputs (those with a ``stack``: its chunks
+    are laid out by ``spec`` on their tasks), and how its inputs and outputs expanded.
 
-    An output whose home is a stack (``outputs[i]``: an updated stacked Variable, or a gradient
-    of one) is returned as chunks on the stack's tasks; another output computed on chunks (a
-    scan's per-layer results) too, each chunk replicated on its task.
+    An output whose home is a stack (an updated stacked Variable, or a gradient of one) is
+    returned as chunks on the stack's tasks; another output computed on chunks (a scan's
+    per-layer results) too, each chunk replicated on its task.
 
     Raises:
         MPMDError: an op needs the whole of a stacked value (naming the op and the Variable).
     """
-    rw = _Rewriter(graph, names)
+    homes = [(i.stack, i.spec) if i.stack is not None else None for i in inputs]
+    out_homes = [(o.home, o.spec) if isinstance(o.home, TaskStack) else None for o in outputs]
+    rw = _Rewriter(graph, [i.name for i in inputs])
     new_inputs: list[int] = []
-    for v, home in zip(graph.inputs, inputs, strict=True):
+    for v, home in zip(graph.inputs, homes, strict=True):
         if home is None:
             rw.whole[v] = rw.new.new_value(rw.info(v))
             new_inputs.append(rw.whole[v])
@@ -306,7 +315,7 @@ def split_stacks(
         rw.rewrite(op)
     new_outputs: list[Atom] = []
     expanded: list[StackHome | None] = []
-    for atom, home in zip(graph.outputs, outputs, strict=True):
+    for atom, home in zip(graph.outputs, out_homes, strict=True):
         if isinstance(atom, int) and atom in rw.split:
             layout, chunks = rw.split[atom]
             if home is not None and home[0] != layout.stack:
@@ -326,4 +335,4 @@ def split_stacks(
             new_outputs.append(atom if isinstance(atom, Const) else rw.whole[atom])
             expanded.append(None)
     rw.new.outputs = new_outputs
-    return rw.new, Expansion(list(inputs), expanded)
+    return rw.new, Expansion(homes, expanded)

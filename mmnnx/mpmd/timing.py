@@ -61,7 +61,16 @@ def _stages(labels: Sequence[tuple]) -> list[tuple]:
 def _events(labels: Sequence[tuple], start: float, end: float, rank: str) -> list[Event]:
     stages = _stages(labels)
     return [
-        Event(task, kind, stage, m or 0, start, end, fused=len(stages) > 1, rank=rank)
+        Event(
+            task=task,
+            kind=kind,
+            stage=stage,
+            microbatch=m or 0,
+            start=start,
+            end=end,
+            fused=len(stages) > 1,
+            rank=rank,
+        )
         for (task, kind, stage), m in stages
     ]
 
@@ -202,7 +211,9 @@ class OverlapTimer(Timer):
     def launched(self, rank, labels, in_slots, out_slots, outs, at, witness=None) -> None:
         made_from = {self._made_by[s] for s in in_slots if s in self._made_by}
         index = len(self._launches)
-        self._launches.append(_Launch(rank, labels, at, made_from))
+        self._launches.append(
+            _Launch(rank=rank, labels=labels, launched_at=at, made_from=made_from)
+        )
         for s in out_slots:
             self._made_by[s] = index
         if witness is not None:  # a later program deletes them: wait for a copy made now

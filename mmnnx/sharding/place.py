@@ -186,7 +186,7 @@ def _plan(
             check_spec(spec, (stop - start, *shape[1:]), rule.task.tasks[0].jax_mesh, where)
         else:
             check_spec(spec, shape, rule.task.jax_mesh, where)
-        assignments.append(Assignment(path, variable, rule, spec))
+        assignments.append(Assignment(path=path, variable=variable, rule=rule, spec=spec))
     if unmatched and strict:
         shown = ", ".join(repr(path_str(p)) for p in unmatched[:5])
         more = f" and {len(unmatched) - 5} more" if len(unmatched) > 5 else ""
@@ -391,7 +391,7 @@ def optimizer_mirrors(opt: Any, model: Any) -> list[Mirror]:
         for start in range(1, len(path)):
             param = params.get(path[start:])
             if param is not None and _shape(param) == _shape(state):
-                mirrors.append(Mirror(path, state, path[start:], param))
+                mirrors.append(Mirror(path=path, state=state, param_path=path[start:], param=param))
                 break
     return mirrors
 
@@ -438,10 +438,10 @@ def misplaced_optimizer_state(roots: Sequence[tuple[str, Any]]) -> list[Misplace
                 if param_task is not None and home_of(m.state) != param_task:
                     found.append(
                         Misplaced(
-                            path_str((opt_name, *m.path)),
-                            home_of(m.state),
-                            path_str((name, *m.param_path)),
-                            param_task,
+                            path=path_str((opt_name, *m.path)),
+                            task=home_of(m.state),
+                            param_path=path_str((name, *m.param_path)),
+                            param_task=param_task,
                         )
                     )
     return found

@@ -112,5 +112,9 @@ def compile_rules(rules: Sequence[tuple] | Mapping) -> list[PlacementRule]:
                 f"placement rule {index}: spec {spec!r} is neither a PartitionSpec nor a callable "
                 "(path, variable) -> PartitionSpec"
             )
-        compiled.append(PlacementRule(index, flt, task, spec, _predicate(flt, index)))
+        compiled.append(
+            PlacementRule(
+                index=index, filter=flt, task=task, spec=spec, predicate=_predicate(flt, index)
+            )
+        )
     return compiled

@@ -47,13 +47,29 @@ def _looped(
     """A validated schedule whose stage ``s`` runs on rank ``s % num_ranks``."""
     num_stages = num_ranks * virtual_stages
     stage_to_rank = tuple(stage % num_ranks for stage in range(num_stages))
-    return validate(Schedule(name, num_stages, num_microbatches, num_ranks, stage_to_rank, rows))
+    return validate(
+        Schedule(
+            name=name,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            num_ranks=num_ranks,
+            stage_to_rank=stage_to_rank,
+            actions=rows,
+        )
+    )
 
 
 def _plain(name: str, num_stages: int, num_microbatches: int, rows: list[list[Action]]) -> Schedule:
     """A validated schedule where rank ``r`` runs exactly stage ``r``."""
     return validate(
-        Schedule(name, num_stages, num_microbatches, num_stages, tuple(range(num_stages)), rows)
+        Schedule(
+            name=name,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            num_ranks=num_stages,
+            stage_to_rank=tuple(range(num_stages)),
+            actions=rows,
+        )
     )
 
 

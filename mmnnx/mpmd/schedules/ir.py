@@ -344,7 +344,7 @@ def play(
                     durations = [whole * d / total for d in durations] if total else [whole / 2] * 2
                 for action, took in zip(actions, durations, strict=True):
                     end = start + took
-                    timed.append(Timed(rank, action, start, end))
+                    timed.append(Timed(rank=rank, action=action, start=start, end=end))
                     start = end
                 for action in actions:
                     finish[action] = end
@@ -606,5 +606,13 @@ def custom(
             raise ValueError(f"missing action F{stage}.0: stage {stage} has no actions on any rank")
     stage_to_rank = tuple(owners[stage][0] for stage in range(num_stages))
     return validate(
-        Schedule(name, num_stages, num_microbatches, len(rows), stage_to_rank, rows, overlapped)
+        Schedule(
+            name=name,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            num_ranks=len(rows),
+            stage_to_rank=stage_to_rank,
+            actions=rows,
+            overlapped=overlapped,
+        )
     )

@@ -132,10 +132,20 @@ _BUILT_IN = (
     RegisteredSchedule("interleaved-1f1b", interleaved_1f1b, Placement.INTERLEAVED),
     RegisteredSchedule("interleaved-gpipe", interleaved_gpipe, Placement.INTERLEAVED),
     RegisteredSchedule("zero-bubble-h1", zero_bubble_h1, Placement.ONE_PER_RANK),
-    RegisteredSchedule("zero-bubble-h2", zero_bubble_h2, Placement.ONE_PER_RANK, True),
-    RegisteredSchedule("zero-bubble-v", zero_bubble_v, Placement.V_SHAPED, True),
     RegisteredSchedule(
-        "interleaved-zero-bubble", interleaved_zero_bubble, Placement.INTERLEAVED, True
+        name="zero-bubble-h2",
+        builder=zero_bubble_h2,
+        placement=Placement.ONE_PER_RANK,
+        takes_costs=True,
+    ),
+    RegisteredSchedule(
+        name="zero-bubble-v", builder=zero_bubble_v, placement=Placement.V_SHAPED, takes_costs=True
+    ),
+    RegisteredSchedule(
+        name="interleaved-zero-bubble",
+        builder=interleaved_zero_bubble,
+        placement=Placement.INTERLEAVED,
+        takes_costs=True,
     ),
     RegisteredSchedule("dualpipev", dualpipe_v, Placement.V_SHAPED),
 )
@@ -208,7 +218,10 @@ def register(name: str, builder: Builder, *, replace: bool = False) -> None:
         )
     _check_signature(name, builder)
     _REGISTRY[name] = RegisteredSchedule(
-        name, builder, Placement.BUILDER_DECIDES, _takes_costs(builder)
+        name=name,
+        builder=builder,
+        placement=Placement.BUILDER_DECIDES,
+        takes_costs=_takes_costs(builder),
     )
 
 

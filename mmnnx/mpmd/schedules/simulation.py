@@ -167,7 +167,14 @@ def _result(schedule: Schedule, timed: list) -> SimulationResult:
     busy = sum(t.end - t.start for t in timed)
     capacity = schedule.num_ranks * makespan
     events = tuple(
-        Event(t.rank, t.action.kind, t.action.stage, t.action.microbatch, t.start, t.end)
+        Event(
+            rank=t.rank,
+            kind=t.action.kind,
+            stage=t.action.stage,
+            microbatch=t.action.microbatch,
+            start=t.start,
+            end=t.end,
+        )
         for t in timed
     )
     spans: dict[int, list[float]] = {}

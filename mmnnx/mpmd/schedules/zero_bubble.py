@@ -134,7 +134,16 @@ def list_schedule(
         free_at[rank] = end
         heapq.heappush(ends, end)
         left[rank] -= 1
-    return validate(Schedule(name, num_stages, num_microbatches, num_ranks, stage_to_rank, rows))
+    return validate(
+        Schedule(
+            name=name,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            num_ranks=num_ranks,
+            stage_to_rank=stage_to_rank,
+            actions=rows,
+        )
+    )
 
 
 GRIDS = (0.05, 0.1, 0.2)
@@ -414,13 +423,13 @@ def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) 
     )
     stage_to_rank = _v_stage_to_rank(num_ranks)
     schedule = Schedule(
-        "dualpipev",
-        2 * num_ranks,
-        num_microbatches,
-        num_ranks,
-        stage_to_rank,
-        rows,
-        pairs if fuse_pairs else (),
+        name="dualpipev",
+        num_stages=2 * num_ranks,
+        num_microbatches=num_microbatches,
+        num_ranks=num_ranks,
+        stage_to_rank=stage_to_rank,
+        actions=rows,
+        overlapped=pairs if fuse_pairs else (),
     )
     return validate(schedule)
 

@@ -1,0 +1,89 @@
+"""What a step does when it fails while running: nothing is written back, and the error says so.
+
+A step that calls back into Python is waited for, so that a failure in any of its programs
+raises before its results are handed back (pure XLA programs cannot fail while they run, so
+other steps return as soon as they are dispatched). A host callback's exception never reaches
+the running programs (:mod:`~mmnnx.mpmd.callbacks`): it is recorded, the programs finish, and
+it raises here. An input whose array was deleted (``.delete()``, or donated to an earlier call)
+is named instead of JAX's error about it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from mmnnx.errors import StepError
+from mmnnx.mpmd.callbacks import CallbackFailures
+from mmnnx.mpmd.runner import Executable
+from mmnnx.mpmd.stack_split import Expansion
+
+
+def run_step(
+    executable: Executable,
+    leaves: Sequence[Any],
+    *,
+    expansion: Expansion | None,
+    callback_failures: CallbackFailures,
+    name: str,
+    donated: bool,
+    deleted: Callable[[], BaseException | None],
+    look_first: bool = False,
+    **modes: Any,
+) -> list[Any]:
+    """Runs ``executable`` on the step's input ``leaves`` (stacked ones cut by ``expansion``)
+    and returns its results (stacked ones joined). A failure raises :class:`StepError` naming
+    the step (``name``) and whether ``donated`` inputs were lost; ``deleted()`` is the error
+    for an input deleted before the call, or ``None`` (looked for before running with
+    ``look_first``: a donating step must not run on one). ``modes``: the executable's.
+
+    Example::
+
+        results = run_step(executable, leaves, expansion=None, callback_failures=failures,
+                           name="train_step", donated=False, deleted=lambda: None)
+    """
+    if look_first and (error := deleted()):
+        raise error  # before any input is donated
+    callback_failures.take()  # from a run that did not check them (a timeline, a tabulate)
+    try:
+        results = executable(
+            leaves if expansion is None else expansion.split_leaves(leaves), **modes
+        )
+        if executable.may_fail:
+            jax.block_until_ready(results)
+        if raised := callback_failures.take():
+            error = raised[0]
+            raise step_failed(name, donated, f"{type(error).__name__}: {error}") from error
+        if expansion is not None:
+            results = expansion.join_results(results)
+    except jax.errors.JaxRuntimeError as e:
+        if error := deleted():
+            raise error from None
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        cause = lines[-1] if lines else type(e).__name__  # a callback's own exception comes last
+        raise step_failed(name, donated, cause) from e
+    except RuntimeError:  # JAX refuses a deleted array when a program is dispatched
+        if error := deleted():
+            raise error from None
+        raise
+    return results
+
+
+def step_failed(name: str, donated: bool, cause: str) -> StepError:
+    """The error of step ``name`` failing while running (``cause``): its arguments are kept,
+    except ``donated`` ones.
+
+    Example:
+        >>> str(step_failed("train_step", False, "ValueError: bad batch")).split(";")[0]
+        'mm.jit: train_step failed while running (ValueError: bad batch)'
+    """
+    kept = (
+        "its arguments keep the values they had before this call, except donated ones"
+        if donated
+        else "its arguments keep the values they had before this call"
+    )
+    return StepError(
+        f"mm.jit: {name} failed while running ({cause}); {kept}, and the next call runs normally"
+    )

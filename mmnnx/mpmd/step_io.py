@@ -1,0 +1,58 @@
+"""The engine's records of a step's leaves: :class:`StepInput` for each input leaf and
+:class:`StepOutput` for each output leaf, in order. ``mm.jit`` makes them; tracing, stack
+splitting, colouring and lowering read them. Nothing here knows Flax NNX.
+
+Example:
+    >>> from mmnnx.sharding import Task, TaskMesh
+    >>> s0 = Task("s0", mesh=TaskMesh(devices=[0]))
+    >>> x = StepInput(name="x", shape=(8, 2), dtype="float32")
+    >>> w = StepInput(name="w", task=s0, shape=(2, 4), dtype="float32")
+    >>> [i.name for i in (x, w) if i.task is None], StepOutput(home=s0).task.name
+    (['x'], 's0')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from mmnnx.sharding import Task, TaskStack
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """One input leaf of a step."""
+
+    name: str  # its path, e.g. "arg0/blocks/0/attn/kernel"
+    task: Task | None = None  # the task it is placed on; None: a batch, a counter
+    stack: TaskStack | None = None  # the tasks its stacked layers are split over
+    spec: PartitionSpec = PartitionSpec()  # its placement spec (a stacked Variable's)
+    sharding: Any = None  # its layout (planned on where it is placed on a task)
+    donated: bool = False  # the step may reuse its buffer
+    shape: tuple[int, ...] = ()
+    dtype: Any = None
+
+    @property
+    def placed(self) -> bool:
+        """Whether it is placed on a task or a stack (its layout is part of the plan)."""
+        return self.task is not None or self.stack is not None
+
+    @property
+    def task_sharding(self) -> Any:
+        """Its layout where it is placed on a task (the layout the plan keeps), else None."""
+        return self.sharding if self.task is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """Where one output leaf of a step ends."""
+
+    home: Task | TaskStack | None = None  # the task (or stack) of the Variable it belongs to
+    spec: PartitionSpec = PartitionSpec()  # that Variable's placement spec
+    sharding: Any = None  # the layout it must end in; None: wherever it is made
+
+    @property
+    def task(self) -> Task | None:
+        return self.home if isinstance(self.home, Task) else None
