@@ -2,8 +2,8 @@
 
 import dataclasses
 
-from mmnnx.mpmd.program import Buffer, PackWeights, Run, Zeros
 from mmnnx.mpmd.emit import Launch
+from mmnnx.mpmd.program import Buffer, PackWeights, Run, Zeros
 
 
 @dataclasses.dataclass

@@ -350,15 +350,6 @@ def test_multimesh_compat_uses_only_public_mmnnx_names():
 
 # Records built with positional arguments whose construction other changes own: runner.py
 # (to be split) and train/ (its own owners). Each entry is (path, class); remove it once keyword.
-POSITIONAL_LEFT = frozenset(
-    {
-        ("mmnnx/mpmd/runner.py", "_Part"),
-        ("mmnnx/mpmd/runner.py", "_Launch"),
-        ("mmnnx/mpmd/runner.py", "_Move"),
-        ("mmnnx/train/generation.py", "LoadedRun"),
-        ("mmnnx/train/loop.py", "FitResult"),
-    }
-)
 MAX_POSITIONAL = 3
 
 
@@ -392,7 +383,7 @@ def test_records_are_built_by_keyword():
             if not isinstance(node, ast.Call) or len(node.args) <= MAX_POSITIONAL:
                 continue
             name = _name_of(node.func)
-            if name in records and (path, name) not in POSITIONAL_LEFT:
+            if name in records:
                 where = f"{path}:{node.lineno}"
                 found.append(f"{name}(...) with {len(node.args)} positional at {where}")
     assert not found, "records built with positional arguments:\n" + "\n".join(found)

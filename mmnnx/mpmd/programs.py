@@ -147,7 +147,14 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
         jax.ShapeDtypeStruct((), jnp.int32, sharding=in_shardings[i]) for i in offset_arg.values()
     ]
     donate = (*_donated_args(run), *range(n, n + len(total_shardings)))
-    return _Part(body, list(in_shardings), out_shardings, donate, avals, explicit)
+    return _Part(
+        body=body,
+        in_shardings=list(in_shardings),
+        out_shardings=out_shardings,
+        donate=donate,
+        avals=avals,
+        explicit=explicit,
+    )
 
 
 def _donated_args(run: Run) -> list[int]:

@@ -136,7 +136,7 @@ def load_run(run_dir: str | pathlib.Path, *, layout: str = "one-device") -> Load
             resumed = ckpt.restore_newest_readable(model=model)
         except FileNotFoundError:
             raise RunError(f"no checkpoint in {checkpoints}") from None
-    return LoadedRun(model, tokenizer, resumed.step, flags)
+    return LoadedRun(model=model, tokenizer=tokenizer, step=resumed.step, flags=flags)
 
 
 def continue_text(

@@ -346,13 +346,13 @@ def fit(
     if leader:
         _plot_losses(metrics_path, out / "loss.png")
     result = FitResult(
-        metrics,
-        eval_losses,
-        start,
-        config.steps,
-        timed_tokens / timed_seconds if timed_seconds else 0.0,
-        files,
-        bubble,
+        metrics=metrics,
+        eval_losses=eval_losses,
+        first_step=start,
+        last_step=config.steps,
+        tokens_per_second=timed_tokens / timed_seconds if timed_seconds else 0.0,
+        files=files,
+        bubble=bubble,
     )
     _report(console, result)
     return result
