@@ -19,8 +19,8 @@ from mmnnx.mpmd import (
     StepError,
     UnrolledMicrobatchWarning,
 )
-from mmnnx.mpmd.annotations import task, with_sharding_constraint
-from mmnnx.mpmd.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
+from mmnnx.mpmd.lower.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
+from mmnnx.mpmd.trace.annotations import task, with_sharding_constraint
 from mmnnx.sharding import (
     MultiMesh,
     Task,

@@ -30,26 +30,26 @@ from mmnnx.deep_models import warn_unrolled_blocks
 from mmnnx.distributed.step import peers_for
 from mmnnx.distributed.timeline import JobTimeline
 from mmnnx.errors import MPMDError, SideEffectError, UnrolledMicrobatchWarning
-from mmnnx.mpmd import trace_state
-from mmnnx.mpmd.callbacks import CallbackFailures
 from mmnnx.mpmd.engine import PlanningOptions, plan_step
-from mmnnx.mpmd.failures import run_step
-from mmnnx.mpmd.mesh_context import auto_twin, no_ambient_mesh
-from mmnnx.mpmd.pack import (
+from mmnnx.mpmd.lower.pack import (
     PACK_RESIDUAL_BYTES,
     PACK_WEIGHT_BYTES,
     residual_bound,
     weight_bound,
 )
-from mmnnx.mpmd.plan import Plan
-from mmnnx.mpmd.runner import Executable
+from mmnnx.mpmd.lower.plan import Plan
+from mmnnx.mpmd.plan.stack_split import Expansion
+from mmnnx.mpmd.run.failures import run_step
+from mmnnx.mpmd.run.runner import Executable
+from mmnnx.mpmd.run.stay_home import stay_home
+from mmnnx.mpmd.run.timing import BlockingTimer, Event, OverlapTimer, Timer
 from mmnnx.mpmd.schedules import Schedule
 from mmnnx.mpmd.schedules import names as schedule_names
-from mmnnx.mpmd.stack_split import Expansion
-from mmnnx.mpmd.stay_home import stay_home
 from mmnnx.mpmd.step_io import StepInput, StepOutput
-from mmnnx.mpmd.timing import BlockingTimer, Event, OverlapTimer, Timer
-from mmnnx.mpmd.trace_step import check_outputs, trace_step
+from mmnnx.mpmd.trace import trace_state
+from mmnnx.mpmd.trace.callbacks import CallbackFailures
+from mmnnx.mpmd.trace.mesh_context import auto_twin, no_ambient_mesh
+from mmnnx.mpmd.trace.trace_step import check_outputs, trace_step
 from mmnnx.sharding import Task, TaskStack, home_of, stack_of, task_of
 from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state
 

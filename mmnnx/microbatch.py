@@ -13,9 +13,10 @@ import jax.numpy as jnp
 
 from mmnnx import _nnx
 from mmnnx.errors import UnrolledMicrobatchWarning
-from mmnnx.mpmd import primitives, schedules, trace_state
+from mmnnx.mpmd import primitives, schedules
 from mmnnx.mpmd.ir import GROUP_PREFIX
-from mmnnx.mpmd.trace_state import MicrobatchGroup
+from mmnnx.mpmd.trace import trace_state
+from mmnnx.mpmd.trace.trace_state import MicrobatchGroup
 
 _REDUCTIONS = ("sum", "mean", "concat", "stack")
 _GATHERED = ("concat", "stack")  # every microbatch's value kept, in order

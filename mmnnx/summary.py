@@ -23,7 +23,7 @@ from rich.table import Table
 
 from mmnnx._nnx import variables_of
 from mmnnx._tables import Tabulation, render
-from mmnnx.mpmd.trace_state import shapes_only
+from mmnnx.mpmd.trace.trace_state import shapes_only
 from mmnnx.sharding.place import SPEC_KEY, stack_of, task_of
 from mmnnx.sharding.rules import Path, path_str
 from mmnnx.sharding.specs import bytes_per_device, itemsize

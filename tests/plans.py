@@ -2,8 +2,8 @@
 
 import dataclasses
 
-from mmnnx.mpmd.emit import Launch
-from mmnnx.mpmd.program import Buffer, PackWeights, Run, Zeros
+from mmnnx.mpmd.lower.program import Buffer, PackWeights, Run, Zeros
+from mmnnx.mpmd.run.emit import Launch
 
 
 @dataclasses.dataclass

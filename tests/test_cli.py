@@ -143,7 +143,7 @@ def test_help_documents_every_flag(capsys):
 
 
 def test_pack_residuals_reaches_the_train_step():
-    from mmnnx.mpmd.pack import residual_bound  # noqa: PLC0415
+    from mmnnx.mpmd.lower.pack import residual_bound  # noqa: PLC0415
     from mmnnx.train import TrainConfig  # noqa: PLC0415
     from mmnnx.train.loop import make_steps  # noqa: PLC0415
 

@@ -5,15 +5,12 @@ import numpy as np
 import pytest
 
 import mmnnx as mm
-from mmnnx.mpmd.colour import colour
-from mmnnx.mpmd.cut import Fragment, cut, levels, make_fragment
 from mmnnx.mpmd.ir import Graph, Op
-from mmnnx.mpmd.localize import localize
-from mmnnx.mpmd.lower import lower
-from mmnnx.mpmd.order import check_same_order
-from mmnnx.mpmd.pack import pack
-from mmnnx.mpmd.pipeline import join_consumers, split_backward, stage_fragments
-from mmnnx.mpmd.program import (
+from mmnnx.mpmd.lower.localize import localize
+from mmnnx.mpmd.lower.lower import lower
+from mmnnx.mpmd.lower.order import check_same_order
+from mmnnx.mpmd.lower.pack import pack
+from mmnnx.mpmd.lower.program import (
     Constant,
     Output,
     Recv,
@@ -24,7 +21,10 @@ from mmnnx.mpmd.program import (
     StepProgram,
     Zeros,
 )
-from mmnnx.mpmd.releases import add_releases
+from mmnnx.mpmd.lower.releases import add_releases
+from mmnnx.mpmd.plan.colour import colour
+from mmnnx.mpmd.plan.cut import Fragment, cut, levels, make_fragment
+from mmnnx.mpmd.plan.pipeline import join_consumers, split_backward, stage_fragments
 from mmnnx.mpmd.step_io import StepInput, StepOutput
 
 

@@ -136,7 +136,7 @@ def test_plan_is_inspectable(tasks, batch):
 
 
 def test_plan_compiles_nothing_and_shows_each_tasks_program(tasks, batch, monkeypatch):
-    from mmnnx.mpmd import emit
+    from mmnnx.mpmd.run import emit
 
     compiled = []
     real = emit.lower_fragments
@@ -202,7 +202,7 @@ def test_cyclic_gc_is_paused_while_a_step_is_traced_and_lowered(tasks, batch, mo
     again after, a trace that raises included."""
     import gc
 
-    from mmnnx.mpmd import emit
+    from mmnnx.mpmd.run import emit
 
     seen = []
     lower = emit.lower_fragments

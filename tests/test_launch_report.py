@@ -15,8 +15,8 @@ import pytest
 from mmnnx.distributed.timeline import _merged
 from mmnnx.errors import MPMDError
 from mmnnx.launcher.chatter import is_chatter
+from mmnnx.mpmd.run.timing import Event
 from mmnnx.mpmd.schedules import measured_bubble
-from mmnnx.mpmd.timing import Event
 from tests.flags import without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

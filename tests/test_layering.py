@@ -211,7 +211,7 @@ def _layer(module: str) -> int | None:
 
 
 def _unit(module: str) -> str:
-    """The subpackage a module belongs to (``mmnnx.mpmd`` for ``mmnnx.mpmd.plan``), or the
+    """The subpackage a module belongs to (``mmnnx.mpmd`` for ``mmnnx.mpmd.lower.plan``), or the
     module itself when it sits at a package's top level (``mmnnx.jit``, ``mmnnx``)."""
     parts = module.split(".")
     if len(parts) >= 2 and _is_package(".".join(parts[:2])):
@@ -256,6 +256,50 @@ def test_no_cycle_between_subpackages():
 def test_every_module_has_a_layer():
     missing = sorted(m for m in _modules() if _layer(m) is None)
     assert not missing, f"modules missing from the layer table LAYERS: {missing}"
+
+
+# The engine's folders, one per stage of a step's life, in order: a module of one imports only
+# from its own stage, an earlier one, or the engine's top level (the IR, its primitives, the
+# step's input and output records, the schedules); the entry (engine.py) and the package's
+# __init__ sit above all four.
+ENGINE_STAGES = ("mmnnx.mpmd.trace", "mmnnx.mpmd.plan", "mmnnx.mpmd.lower", "mmnnx.mpmd.run")
+ENGINE_ENTRY = ("mmnnx.mpmd", "mmnnx.mpmd.engine")
+
+
+def _engine_stage(module: str) -> int | None:
+    """0 for the engine's top level, 1-4 for its stages, 5 for its entry, None outside it."""
+    if module in ENGINE_ENTRY:
+        return len(ENGINE_STAGES) + 1
+    for number, stage in enumerate(ENGINE_STAGES, start=1):
+        if module == stage or module.startswith(stage + "."):
+            return number
+    return 0 if module.startswith("mmnnx.mpmd.") else None
+
+
+def test_the_engine_is_grouped_by_stage():
+    at_top = sorted(
+        m
+        for m in _modules()
+        if m.count(".") == 2
+        and m.startswith("mmnnx.mpmd.")
+        and not (_is_package(m) or m in ENGINE_ENTRY)
+    )
+    assert at_top == [
+        "mmnnx.mpmd.evaluate",
+        "mmnnx.mpmd.ir",
+        "mmnnx.mpmd.op_kinds",
+        "mmnnx.mpmd.primitives",
+        "mmnnx.mpmd.step_io",
+    ], f"modules of the engine outside its stage folders: {at_top}"
+    backward = [
+        f"{imp} (stage {_engine_stage(imp.source)} -> {_engine_stage(imp.target)})"
+        for targets in _edges().values()
+        for imp in targets.values()
+        if _engine_stage(imp.source) is not None
+        and _engine_stage(imp.target) is not None
+        and _engine_stage(imp.target) > _engine_stage(imp.source)
+    ]
+    assert not backward, "imports going to a later stage of the engine:\n" + "\n".join(backward)
 
 
 def test_imports_go_to_the_same_or_a_lower_layer():

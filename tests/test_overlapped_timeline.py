@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.mpmd.timing import OverlapTimer
+from mmnnx.mpmd.run.timing import OverlapTimer
 from tests.models import four_tasks, one_device_tasks, placed_gpt
 from tests.oracle import close
 
@@ -195,7 +195,7 @@ def test_overlap_timer_starts_an_action_after_its_rank_and_its_inputs():
 
 
 def test_measured_bubble():
-    from mmnnx.mpmd.timing import Event
+    from mmnnx.mpmd.run.timing import Event
 
     # rank t0 runs t0 and its virtual stage t0:1; a fused pair's two actions share one span
     events = [

@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import mmnnx as mm
 from mmnnx.models import GPT, stage_rules
-from mmnnx.mpmd.pack import _whole, block_of
-from mmnnx.mpmd.program import Run, Zeros
+from mmnnx.mpmd.lower.pack import _whole, block_of
+from mmnnx.mpmd.lower.program import Run, Zeros
 from tests.models import (
     SMALL_GPT,
     gpt_step,

@@ -9,7 +9,7 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx.models import stage_rules
-from mmnnx.mpmd.remat import RECOMPUTED
+from mmnnx.mpmd.plan.remat import RECOMPUTED
 from tests.models import (
     SMALL_GPT,
     gpt_step,

@@ -192,7 +192,7 @@ def test_measured_events_rows_follow_first_appearance_and_use_ms():
 
 
 def test_a_fused_pair_is_drawn_side_by_side_in_its_shared_span():
-    from mmnnx.mpmd.timing import Event as TimedEvent
+    from mmnnx.mpmd.run.timing import Event as TimedEvent
 
     events = [
         TimedEvent("t0", "F", 0, 0, 0.000, 0.002, rank="t0"),

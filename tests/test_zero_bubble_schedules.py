@@ -6,6 +6,7 @@ from fractions import Fraction
 import pytest
 
 from mmnnx.mpmd import schedules
+from mmnnx.mpmd.run.timing import Event
 from mmnnx.mpmd.schedules import (
     dualpipe_v,
     from_csv,
@@ -25,7 +26,6 @@ from mmnnx.mpmd.schedules.zero_bubble import (
     list_schedule,
     v_stages,
 )
-from mmnnx.mpmd.timing import Event
 
 COSTS = [(1, 2, None), (1, 2, Fraction(1, 2)), (1, 3, 1), (2, 2, 1)]
 

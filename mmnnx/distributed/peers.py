@@ -1,4 +1,4 @@
-"""The peers of one compiled step (:class:`~mmnnx.mpmd.peers.Peers`) across processes.
+"""The peers of one compiled step (:class:`~mmnnx.mpmd.run.peers.Peers`) across processes.
 
 Before a step first compiles, every process checks that it planned the same step
 (:func:`~mmnnx.distributed.agree.check_same_everywhere`); layouts only the compiler knows go

@@ -12,7 +12,7 @@ import numpy as np
 from mmnnx.distributed.initialize import check_collectives_for
 from mmnnx.distributed.peers import StepPeers
 from mmnnx.mpmd.engine import PlannedStep
-from mmnnx.mpmd.peers import Peers
+from mmnnx.mpmd.run.peers import Peers
 from mmnnx.mpmd.step_io import StepInput
 
 

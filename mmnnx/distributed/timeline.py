@@ -31,7 +31,7 @@ import jax
 from mmnnx._jax import runtime
 from mmnnx.distributed.gather import gather
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd.timing import Event, Timer
+from mmnnx.mpmd.run.timing import Event, Timer
 
 _BARRIER = "mmnnx/timeline/{}"
 _WAIT_S = 300.0

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from mmnnx.mpmd.annotations import with_sharding_constraint
-from mmnnx.mpmd.trace_state import current_trace
+from mmnnx.mpmd.trace.annotations import with_sharding_constraint
+from mmnnx.mpmd.trace.trace_state import current_trace
 
 T = TypeVar("T")
 

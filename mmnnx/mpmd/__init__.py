@@ -8,12 +8,12 @@ from mmnnx.errors import (
     UnrolledMicrobatchWarning,
 )
 from mmnnx.mpmd import schedules
-from mmnnx.mpmd.annotations import ScopeResolver, resolve_scopes
-from mmnnx.mpmd.cut import Fragment, Transfer
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX
-from mmnnx.mpmd.plan import Plan
-from mmnnx.mpmd.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
-from mmnnx.mpmd.tracing import is_backward_scope, scope_components, scopes_of
+from mmnnx.mpmd.lower.plan import Plan
+from mmnnx.mpmd.lower.program import Constant, Recv, Release, Run, Send, StepProgram, Zeros
+from mmnnx.mpmd.plan.cut import Fragment, Transfer
+from mmnnx.mpmd.trace.annotations import ScopeResolver, resolve_scopes
+from mmnnx.mpmd.trace.tracing import is_backward_scope, scope_components, scopes_of
 
 __all__ = [
     "GROUP_PREFIX",

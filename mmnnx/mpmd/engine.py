@@ -15,19 +15,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd.carry import resolve_rng_counts
-from mmnnx.mpmd.colour import colour
-from mmnnx.mpmd.cut import cut
 from mmnnx.mpmd.ir import Graph
-from mmnnx.mpmd.lower import lower
-from mmnnx.mpmd.passes import Passes
-from mmnnx.mpmd.pipeline import plan_pipeline
-from mmnnx.mpmd.plan import Plan
-from mmnnx.mpmd.program import StepProgram
+from mmnnx.mpmd.lower.lower import lower
+from mmnnx.mpmd.lower.passes import Passes
+from mmnnx.mpmd.lower.plan import Plan
+from mmnnx.mpmd.lower.program import StepProgram
+from mmnnx.mpmd.plan.carry import resolve_rng_counts
+from mmnnx.mpmd.plan.colour import colour
+from mmnnx.mpmd.plan.cut import cut
+from mmnnx.mpmd.plan.pipeline import plan_pipeline
+from mmnnx.mpmd.plan.stack_split import Expansion, chunk_sharding, split_stacks
 from mmnnx.mpmd.schedules import Schedule
-from mmnnx.mpmd.stack_split import Expansion, chunk_sharding, split_stacks
 from mmnnx.mpmd.step_io import StepInput, StepOutput
-from mmnnx.mpmd.trace_state import Trace
+from mmnnx.mpmd.trace.trace_state import Trace
 from mmnnx.sharding import Task
 
 

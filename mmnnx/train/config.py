@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
-from mmnnx.mpmd.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
+from mmnnx.mpmd.lower.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.train.loop import TrainConfig
 from mmnnx.train.options import finite, integer, option, positive, spec, step_range, switch

@@ -22,7 +22,12 @@ from rich.table import Table
 from mmnnx.distributed.fetch import fetch
 from mmnnx.jit import cached_partial, jit
 from mmnnx.microbatch import microbatch
-from mmnnx.mpmd.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES, residual_bound, weight_bound
+from mmnnx.mpmd.lower.pack import (
+    PACK_RESIDUAL_BYTES,
+    PACK_WEIGHT_BYTES,
+    residual_bound,
+    weight_bound,
+)
 from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer, Resumed

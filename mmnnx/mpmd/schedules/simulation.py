@@ -299,7 +299,7 @@ def measured_pair_costs(
 
     Example:
         >>> from mmnnx.mpmd.schedules import measured_pair_costs
-        >>> from mmnnx.mpmd.timing import Event
+        >>> from mmnnx.mpmd.run.timing import Event
         >>> pair = [Event("t0", "F", 0, 2, 1.0, 4.0, fused=True),
         ...         Event("t0", "B", 3, 0, 1.0, 4.0, fused=True),
         ...         Event("t0", "F", 0, 3, 5.0, 10.0)]

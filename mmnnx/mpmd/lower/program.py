@@ -13,7 +13,7 @@ task's program followed by a :class:`Recv` in the target's; in one process the p
 source is ``None``.
 
 Example:
-    >>> from mmnnx.mpmd.program import Release
+    >>> from mmnnx.mpmd.lower.program import Release
     >>> str(Release(None, (3, 4)))
     'release s3 s4'
 """
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mmnnx.mpmd.cut import Fragment
+from mmnnx.mpmd.plan.cut import Fragment
 from mmnnx.sharding import Task
 
 

@@ -62,7 +62,7 @@ def shapes_only() -> Iterator[None]:
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from mmnnx.mpmd.annotations import with_sharding_constraint
+        >>> from mmnnx.mpmd.trace.annotations import with_sharding_constraint
         >>> with shapes_only():
         ...     jax.eval_shape(lambda x: with_sharding_constraint(x, ("batch",)), jnp.ones(4)).shape
         (4,)

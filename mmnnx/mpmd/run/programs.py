@@ -19,11 +19,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mmnnx._jax.compile import SharedCompiles
 from mmnnx.mpmd.evaluate import run_ops
 from mmnnx.mpmd.ir import Graph
-from mmnnx.mpmd.lower import constraint_layout
-from mmnnx.mpmd.mesh_context import explicit_twin
-from mmnnx.mpmd.pack import slice_offsets
+from mmnnx.mpmd.lower.lower import constraint_layout
+from mmnnx.mpmd.lower.pack import slice_offsets
+from mmnnx.mpmd.lower.program import Buffer, Run
 from mmnnx.mpmd.primitives import constraint_layouts
-from mmnnx.mpmd.program import Buffer, Run
+from mmnnx.mpmd.trace.mesh_context import explicit_twin
 
 
 @dataclasses.dataclass
@@ -44,7 +44,7 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
     returning :attr:`Run.results`.
 
     A packed argument's members are sliced at offsets the program takes as arguments (after the
-    sums; :func:`~mmnnx.mpmd.pack.slice_offsets`), not as constants: XLA then compiles one
+    sums; :func:`~mmnnx.mpmd.lower.pack.slice_offsets`), not as constants: XLA then compiles one
     kernel for the members of equal shape (a block's residuals, layer after layer) where
     constant offsets would make each slice-reading kernel distinct. A block's members are sliced
     at its base plus their distance from it, both arguments: blocks laid out alike share the

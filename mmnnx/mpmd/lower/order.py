@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd.localize import processes_of
-from mmnnx.mpmd.program import Action, Route, Run, StepProgram
+from mmnnx.mpmd.lower.localize import processes_of
+from mmnnx.mpmd.lower.program import Action, Route, Run, StepProgram
 from mmnnx.sharding import Task
 
 

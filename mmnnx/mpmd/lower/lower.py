@@ -13,11 +13,8 @@ from typing import Any
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd.cut import Fragment, Transfer
 from mmnnx.mpmd.ir import Const, Graph, Op
-from mmnnx.mpmd.pipeline import Pipeline
-from mmnnx.mpmd.primitives import constraint_names, is_accumulate, is_constraint
-from mmnnx.mpmd.program import (
+from mmnnx.mpmd.lower.program import (
     Action,
     Constant,
     ConstantOutput,
@@ -28,6 +25,9 @@ from mmnnx.mpmd.program import (
     StepProgram,
     Zeros,
 )
+from mmnnx.mpmd.plan.cut import Fragment, Transfer
+from mmnnx.mpmd.plan.pipeline import Pipeline
+from mmnnx.mpmd.primitives import constraint_names, is_accumulate, is_constraint
 from mmnnx.mpmd.step_io import StepInput, StepOutput
 from mmnnx.sharding import Task
 from mmnnx.sharding.specs import check_spec

@@ -1,6 +1,6 @@
 """Rewriting the equations of a traced step, nested bodies included (``scan``, ``cond``,
-``while``, ``remat``, calls): the one traversal behind :mod:`~mmnnx.mpmd.callbacks` and
-:mod:`~mmnnx.mpmd.constraints`."""
+``while``, ``remat``, calls): the one traversal behind :mod:`~mmnnx.mpmd.trace.callbacks` and
+:mod:`~mmnnx.mpmd.trace.constraints`."""
 
 from __future__ import annotations
 

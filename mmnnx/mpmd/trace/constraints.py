@@ -14,7 +14,7 @@ from jax.extend import core as jcore
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from mmnnx.mpmd.primitives import constraint_p
-from mmnnx.mpmd.rewrite import rewrite
+from mmnnx.mpmd.trace.rewrite import rewrite
 
 _NO_MESH = "requires a non-empty mesh in context"
 

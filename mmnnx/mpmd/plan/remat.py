@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from mmnnx.mpmd.cut import Fragment
 from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.plan.cut import Fragment
 
 _ARITHMETIC = ("add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "square")
 _MORE_ARITHMETIC = ("integer_pow", "select_n", "copy", "copy_p", "iota")

@@ -12,10 +12,9 @@ change of layout.
   is larger than the copy into the buffer; ``True``: all of them; ``False``: none).
 
 The ``pack`` pass of ``passes.py`` decides which, from a lowered :class:`StepProgram`, and
-returns the program that runs them packed: :class:`~mmnnx.mpmd.program.PackWeights` actions,
-:class:`~mmnnx.mpmd.program.Zeros` filling packed sums, offsets as
-:class:`~mmnnx.mpmd.program.Constant` actions, and each :class:`~mmnnx.mpmd.program.Run`'s
-:class:`~mmnnx.mpmd.program.RunPacking`. It compiles nothing.
+returns the program that runs them packed: :class:`~.program.PackWeights` actions,
+:class:`~.program.Zeros` filling packed sums, offsets as :class:`~.program.Constant` actions,
+and each :class:`~.program.Run`'s :class:`~.program.RunPacking`. It compiles nothing.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ from typing import Any
 import jax
 
 from mmnnx.mpmd.ir import Graph
-from mmnnx.mpmd.primitives import is_gathered
-from mmnnx.mpmd.program import (
+from mmnnx.mpmd.lower.program import (
     Action,
     Buffer,
     Constant,
@@ -45,6 +43,7 @@ from mmnnx.mpmd.program import (
     SumArg,
     Zeros,
 )
+from mmnnx.mpmd.primitives import is_gathered
 from mmnnx.sharding.specs import itemsize
 
 _MAX_PACKED = 2**31 - 1  # elements: programs take the offsets into a buffer as int32

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd.cut import Fragment, reader_bounds
 from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.plan.cut import Fragment, reader_bounds
 from mmnnx.sharding import Task
 
 
@@ -77,7 +77,7 @@ def check_stage_order(
     backward runs first::
 
         >>> from mmnnx.mpmd.ir import Graph
-        >>> from mmnnx.mpmd.cut import Fragment
+        >>> from mmnnx.mpmd.plan.cut import Fragment
         >>> from mmnnx.sharding import Task, TaskMesh
         >>> t1, t2 = Task("t1", mesh=TaskMesh(devices=[0])), Task("t2", mesh=TaskMesh(devices=[1]))
         >>> dq = Op(0, None, {}, [5], [6], False, "model.py:7", "dot_general", backward=True)

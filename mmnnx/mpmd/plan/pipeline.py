@@ -15,11 +15,12 @@ from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd import remat
 from mmnnx.mpmd import schedules as sched
-from mmnnx.mpmd.carry import Carry, carry_of, is_marker
-from mmnnx.mpmd.control_flow import scan_first_part, split_scan
-from mmnnx.mpmd.cut import (
+from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.op_kinds import is_cheap
+from mmnnx.mpmd.plan import remat
+from mmnnx.mpmd.plan.carry import Carry, carry_of, is_marker
+from mmnnx.mpmd.plan.cut import (
     Fragment,
     after_backward,
     cut,
@@ -29,11 +30,10 @@ from mmnnx.mpmd.cut import (
     replicable_ops,
     with_replicas,
 )
-from mmnnx.mpmd.ir import Graph, Op
-from mmnnx.mpmd.op_kinds import is_cheap
+from mmnnx.mpmd.plan.stage_levels import check_stage_order, settle_on_visits
 from mmnnx.mpmd.primitives import is_accumulate, is_index
-from mmnnx.mpmd.stage_levels import check_stage_order, settle_on_visits
-from mmnnx.mpmd.trace_state import MicrobatchGroup
+from mmnnx.mpmd.trace.control_flow import scan_first_part, split_scan
+from mmnnx.mpmd.trace.trace_state import MicrobatchGroup
 from mmnnx.sharding import Task
 
 _SMALL_STATE = 4096  # bytes: inputs this small may be sent to every stage that reads them
@@ -80,7 +80,7 @@ def plan_pipeline(
     ``free_inputs`` are the graph inputs placed on no task (batches, counters); ``pinned`` the ops
     whose task is fixed (they read placed state): the others may move to keep the stages a
     chain. ``recompute_residuals``: see
-    :func:`~mmnnx.mpmd.remat.recompute_residuals`. ``schedule`` (a name or a table), if given,
+    :func:`~mmnnx.mpmd.plan.remat.recompute_residuals`. ``schedule`` (a name or a table), if given,
     replaces the schedule the ``mm.microbatch`` call named (``mm.jit``'s planning option)."""
     region_groups = {op.group for op in graph.ops if op.group is not None}
     if not region_groups:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mmnnx.mpmd.program import (
+from mmnnx.mpmd.lower.program import (
     Action,
     Constant,
     Output,

@@ -26,7 +26,7 @@ from mmnnx.errors import MPMDError
 from mmnnx.mpmd.evaluate import pruned_to, run_ops
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.primitives import count_ops, marker_kind, offset_op
-from mmnnx.mpmd.tracing import drop_dead_ops
+from mmnnx.mpmd.trace.tracing import drop_dead_ops
 
 
 def _upstream(

@@ -1,4 +1,4 @@
-"""The runner: interprets a step's emitted steps (:mod:`~mmnnx.mpmd.emit`), compiling them on
+"""The runner: interprets a step's emitted steps (:mod:`~mmnnx.mpmd.run.emit`), compiling them on
 first use.
 
 Per call, the host work is one loop over the flat list of typed steps: no tracing, no graph
@@ -19,13 +19,13 @@ import jax
 from mmnnx._gc import cyclic_gc_paused
 from mmnnx._jax.arrays import checks_special_values, copier, is_plain_array, launchable_as, move_to
 from mmnnx._jax.launch import DirectLaunch
-from mmnnx.mpmd.emit import Launch, Move, Put, Step, emit
 from mmnnx.mpmd.ir import Graph
-from mmnnx.mpmd.peers import Peers
-from mmnnx.mpmd.plan import Plan
-from mmnnx.mpmd.program import StepProgram
-from mmnnx.mpmd.programs import Compiler
-from mmnnx.mpmd.timing import Timer, witness_for
+from mmnnx.mpmd.lower.plan import Plan
+from mmnnx.mpmd.lower.program import StepProgram
+from mmnnx.mpmd.run.emit import Launch, Move, Put, Step, emit
+from mmnnx.mpmd.run.peers import Peers
+from mmnnx.mpmd.run.programs import Compiler
+from mmnnx.mpmd.run.timing import Timer, witness_for
 from mmnnx.sharding.arrays import put
 
 
@@ -41,7 +41,7 @@ class Executable:
 
     With several processes, ``plan.program`` is this process's share (``localize``): it
     compiles and runs only those actions, and ``peers`` (a function of no arguments returning
-    the step's :class:`~mmnnx.mpmd.peers.Peers`, called when it compiles) carries layouts and
+    the step's :class:`~mmnnx.mpmd.run.peers.Peers`, called when it compiles) carries layouts and
     arrays between processes. ``name``: the step's, for messages.
     """
 
@@ -140,7 +140,7 @@ class Executable:
         self, leaves: Sequence[Any], *, timer: Timer | None = None, memory: dict | None = None
     ) -> list[Any]:
         """Runs the step. ``timer``: told of every program launched and value moved (see
-        :mod:`~mmnnx.mpmd.timing`). ``memory``: a dict to fill with each task's peak live
+        :mod:`~mmnnx.mpmd.run.timing`). ``memory``: a dict to fill with each task's peak live
         per-microbatch bytes and microbatch count (``{task: (bytes, microbatches)}``)."""
         if self._steps is None:
             self.compile()

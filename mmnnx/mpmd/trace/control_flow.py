@@ -279,7 +279,7 @@ def scan_first_part(op: Op, wanted: Sequence[bool]) -> tuple[list[bool], list[bo
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from mmnnx.mpmd.tracing import to_graph
+        >>> from mmnnx.mpmd.trace.tracing import to_graph
         >>> def f(w, xs):  # the carry needs only xs; the second result also reads w
         ...     return jax.lax.scan(lambda c, x: (c + x, jnp.tanh(c) @ w), jnp.zeros(2), xs)
         >>> graph = to_graph(jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((3, 2))))
@@ -299,7 +299,7 @@ def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | 
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from mmnnx.mpmd.tracing import to_graph
+        >>> from mmnnx.mpmd.trace.tracing import to_graph
         >>> def f(w, xs):  # the carry first; then the matmul, from the carries it saved
         ...     return jax.lax.scan(lambda c, x: (c + x, jnp.tanh(c) @ w), jnp.zeros(2), xs)
         >>> graph = to_graph(jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((3, 2))))

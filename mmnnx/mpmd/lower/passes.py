@@ -1,12 +1,12 @@
 """Lowering as a chain of named passes over typed programs.
 
-``lower`` (``lower.py``) makes the :class:`~mmnnx.mpmd.program.StepProgram` of a cut graph;
+``lower`` (``lower.py``) makes the :class:`~mmnnx.mpmd.lower.program.StepProgram` of a cut graph;
 :class:`Passes` then applies, in order:
 
 1. ``pack`` (``pack.py``): values that travel as flat buffers (weights, residuals, sums), once
    for every process;
 2. ``localize`` (``localize.py``): one process's share, moves between processes as routes
-   (only with several processes), after :func:`~mmnnx.mpmd.order.check_same_order` has checked
+   (only with several processes), after :func:`~mmnnx.mpmd.lower.order.check_same_order` has checked
    that every process's share meets the others' in the same order;
 3. ``add_releases`` (``releases.py``): a release after each value's last reader.
 
@@ -20,11 +20,11 @@ import dataclasses
 from collections.abc import Sequence
 
 from mmnnx.mpmd.ir import Graph
-from mmnnx.mpmd.localize import localize
-from mmnnx.mpmd.order import check_same_order
-from mmnnx.mpmd.pack import pack
-from mmnnx.mpmd.program import StepProgram
-from mmnnx.mpmd.releases import add_releases
+from mmnnx.mpmd.lower.localize import localize
+from mmnnx.mpmd.lower.order import check_same_order
+from mmnnx.mpmd.lower.pack import pack
+from mmnnx.mpmd.lower.program import StepProgram
+from mmnnx.mpmd.lower.releases import add_releases
 
 
 @dataclasses.dataclass(frozen=True)

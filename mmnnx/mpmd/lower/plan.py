@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from mmnnx.mpmd.cut import Fragment, Transfer
-from mmnnx.mpmd.pipeline import Pipeline
-from mmnnx.mpmd.program import StepProgram
+from mmnnx.mpmd.lower.program import StepProgram
+from mmnnx.mpmd.plan.cut import Fragment, Transfer
+from mmnnx.mpmd.plan.pipeline import Pipeline
 from mmnnx.sharding import Task
 
 

@@ -3,7 +3,7 @@
 A step that calls back into Python is waited for, so that a failure in any of its programs
 raises before its results are handed back (pure XLA programs cannot fail while they run, so
 other steps return as soon as they are dispatched). A host callback's exception never reaches
-the running programs (:mod:`~mmnnx.mpmd.callbacks`): it is recorded, the programs finish, and
+the running programs (:mod:`~mmnnx.mpmd.trace.callbacks`): it is recorded, the programs finish, and
 it raises here. An input whose array was deleted (``.delete()``, or donated to an earlier call)
 is named instead of JAX's error about it.
 """
@@ -16,9 +16,9 @@ from typing import Any
 import jax
 
 from mmnnx.errors import StepError
-from mmnnx.mpmd.callbacks import CallbackFailures
-from mmnnx.mpmd.runner import Executable
-from mmnnx.mpmd.stack_split import Expansion
+from mmnnx.mpmd.plan.stack_split import Expansion
+from mmnnx.mpmd.run.runner import Executable
+from mmnnx.mpmd.trace.callbacks import CallbackFailures
 
 
 def run_step(

@@ -14,12 +14,12 @@ from jax.sharding import AxisType
 
 from mmnnx._jax.tracing import fast_sharding_probes, name_trace_as, ordered_effects, source_line
 from mmnnx.errors import SideEffectError
-from mmnnx.mpmd.callbacks import CallbackFailures, catch_callbacks
-from mmnnx.mpmd.constraints import on_tasks
-from mmnnx.mpmd.control_flow import split_eqn
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op, aval_info
-from mmnnx.mpmd.mesh_context import traced_mesh
 from mmnnx.mpmd.primitives import marker_kind
+from mmnnx.mpmd.trace.callbacks import CallbackFailures, catch_callbacks
+from mmnnx.mpmd.trace.constraints import on_tasks
+from mmnnx.mpmd.trace.control_flow import split_eqn
+from mmnnx.mpmd.trace.mesh_context import traced_mesh
 
 # Call-like primitives whose bodies are spliced into the enclosing graph: they carry no semantics
 # beyond grouping, and splicing lets their pieces run on different tasks.
@@ -99,7 +99,7 @@ def trace(
     concrete one is needed (a shape, an ``if``) is reported "while tracing the function
     train_step at model.py:12 for mm.jit ... the argument arg2", not as mm.jit's wrapper.
     With ``callback_failures``, host callbacks record their exceptions there instead of
-    raising them into the running programs (:mod:`~mmnnx.mpmd.callbacks`).
+    raising them into the running programs (:mod:`~mmnnx.mpmd.trace.callbacks`).
     """
     if name_as is not None:
         name_trace_as(fun, name_as, "mm.jit", arg_names)

@@ -1,12 +1,12 @@
 """How one value moves between two tasks whose devices belong to different processes.
 
-A :class:`RoutePlan` is computed once per :class:`~mmnnx.mpmd.program.Route` when a step is
+A :class:`RoutePlan` is computed once per :class:`~mmnnx.mpmd.lower.program.Route` when a step is
 compiled: which source device sends which shard to which target device. Shards are matched by
 the slice of the array they hold, so a value keeps its layout on the way (the usual case: the
 same spec on both tasks). When no match exists, the source first gathers the value onto each of
 its devices (a program its task's processes run), every target device receives a whole copy,
 and the target reshards it locally. Shards whose two devices belong to one process are copied
-locally; the others go through the step's :class:`~mmnnx.mpmd.peers.Peers`
+locally; the others go through the step's :class:`~mmnnx.mpmd.run.peers.Peers`
 (``mmnnx.distributed`` provides them).
 """
 
@@ -20,7 +20,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from mmnnx._jax.arrays import shards_by_device
-from mmnnx.mpmd.peers import Peers
+from mmnnx.mpmd.run.peers import Peers
 from mmnnx.sharding.arrays import processes_of, slice_key
 
 

@@ -18,14 +18,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd import annotations, trace_state
-from mmnnx.mpmd.callbacks import CallbackFailures
-from mmnnx.mpmd.constraints import abstract_mesh_of, needs_a_mesh
 from mmnnx.mpmd.ir import Graph
-from mmnnx.mpmd.mesh_context import explicit_tracing, needs_explicit_axes, typed_aval
 from mmnnx.mpmd.step_io import StepInput
-from mmnnx.mpmd.trace_state import Trace
-from mmnnx.mpmd.tracing import trace
+from mmnnx.mpmd.trace import annotations, trace_state
+from mmnnx.mpmd.trace.callbacks import CallbackFailures
+from mmnnx.mpmd.trace.constraints import abstract_mesh_of, needs_a_mesh
+from mmnnx.mpmd.trace.mesh_context import explicit_tracing, needs_explicit_axes, typed_aval
+from mmnnx.mpmd.trace.trace_state import Trace
+from mmnnx.mpmd.trace.tracing import trace
 
 _SCALARS = (bool, int, float, complex)
 

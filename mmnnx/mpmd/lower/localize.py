@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from mmnnx.mpmd.program import (
+from mmnnx.mpmd.lower.program import (
     Action,
     AwaitLayout,
     Constant,

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
-from mmnnx.mpmd.rewrite import rewrite
+from mmnnx.mpmd.trace.rewrite import rewrite
 
 CALLBACK_PRIMITIVES = frozenset({"debug_callback", "pure_callback", "io_callback"})
 

@@ -21,8 +21,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd import stack_rules
 from mmnnx.mpmd.ir import Atom, Const, Graph, Op
+from mmnnx.mpmd.plan import stack_rules
 from mmnnx.mpmd.step_io import StepInput, StepOutput
 from mmnnx.sharding import Task
 from mmnnx.sharding.specs import itemsize

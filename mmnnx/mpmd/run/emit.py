@@ -17,9 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from mmnnx.mpmd.ir import Graph
-from mmnnx.mpmd.lower import compatible
-from mmnnx.mpmd.peers import Peers
-from mmnnx.mpmd.program import (
+from mmnnx.mpmd.lower.lower import compatible
+from mmnnx.mpmd.lower.program import (
     AwaitLayout,
     Constant,
     ConstantOutput,
@@ -33,8 +32,9 @@ from mmnnx.mpmd.program import (
     StepProgram,
     Zeros,
 )
-from mmnnx.mpmd.programs import Compiler, lower_fragments, lower_packing, lower_zeros
-from mmnnx.mpmd.routes import RoutePlan
+from mmnnx.mpmd.run.peers import Peers
+from mmnnx.mpmd.run.programs import Compiler, lower_fragments, lower_packing, lower_zeros
+from mmnnx.mpmd.run.routes import RoutePlan
 from mmnnx.sharding.arrays import placeholder, put
 
 

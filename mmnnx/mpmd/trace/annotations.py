@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd.ir import REGION_PREFIX, Graph
 from mmnnx.mpmd.primitives import constraint_p
-from mmnnx.mpmd.trace_state import Trace, current_trace, is_shapes_only
+from mmnnx.mpmd.trace.trace_state import Trace, current_trace, is_shapes_only
 from mmnnx.sharding import Task
 
 ScopeResolver = Callable[[str, bool], "Task | None"]
