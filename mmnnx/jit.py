@@ -441,6 +441,7 @@ def jit(
 
     Example:
         >>> import jax.numpy as jnp
+        >>> from flax import nnx
         >>> from mmnnx.sharding import Task, TaskMesh, place
         >>> s0, s1 = Task("s0", mesh=TaskMesh(devices=[0])), Task("s1", mesh=TaskMesh(devices=[1]))
         >>> model = place(nnx.Sequential(nnx.Linear(2, 4, rngs=nnx.Rngs(0)),
@@ -550,6 +551,7 @@ def cached_partial(fn: JitFunction, *cached_args: Any) -> CachedPartial:
 
     Example:
         >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
         >>> from mmnnx.sharding import Task, TaskMesh, place
         >>> solo = Task("solo", mesh=TaskMesh(devices=[0]))
         >>> model = place(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), [(".*", solo)])
