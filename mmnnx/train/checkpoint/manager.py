@@ -26,16 +26,12 @@ from mmnnx.train.checkpoint.resume import Resumed, newest_readable
 class Checkpointer:
     """Saves and restores task-placed NNX models and optimizers, one directory per step.
 
-    Wraps an Orbax ``CheckpointManager`` that saves synchronously: ``save`` returns once the step
-    is written, fsynced and committed by an atomic rename of its temporary directory, so an
-    interrupted save (an exception, a killed process) leaves the previous steps intact and
-    ``latest_step()`` on the last complete one. Leftover temporary directories of interrupted
-    saves are removed by the next save, which holds the directory's writer lock
-    (``.mmnnx-writer.lock``) from start to commit: any temporary directory it finds belongs to
-    no save in progress. Opening a ``Checkpointer`` and reading from it (``latest_step``,
-    ``all_steps``, ``restore``) never removes anything, so any number of readers may watch a
-    directory while one process saves into it. Only the newest ``max_to_keep`` steps are kept
-    (``None`` keeps all); older ones are deleted after a new step is committed.
+    ``save`` returns once the step is written, fsynced and committed by an atomic rename of its
+    temporary directory, so an interrupted save (an exception, a killed process) leaves the
+    previous steps intact and ``latest_step()`` on the last complete one; the next save, under
+    the directory's writer lock (``lock.py``), removes what it left. Opening a ``Checkpointer``
+    and reading from it never removes anything, so any number of readers may watch a directory
+    while one process saves into it. Only the newest ``max_to_keep`` steps are kept.
 
     A step is stored in one of the formats of ``formats/``: Orbax's tree with one process, the
     arrays every process writes with several; a step of either restores with any process count.
@@ -78,12 +74,10 @@ class Checkpointer:
             )
         path = os.fspath(directory)
         self._directory = epath.Path(path if "://" in path else os.path.abspath(path))
-        # With several processes, each lists and reads on its own, and writes its own arrays.
         self._me = jax.process_index() if jax.process_count() > 1 else None
         if self._me is not None:
             self._directory.mkdir(parents=True, exist_ok=True)
         self._lock = WriterLock(self._directory)
-        # Orbax's manager, which also lists the steps of every format.
         self._orbax = OrbaxTree(
             self._directory, self._me, max_to_keep=max_to_keep, use_ocdbt=use_ocdbt
         )
@@ -91,20 +85,11 @@ class Checkpointer:
             self._directory, self._me, max_to_keep=max_to_keep, steps=self.all_steps
         )
         self._format: Format = self._orbax if self._me is None else parts
-        # a step is read by the first whose marker it holds (Orbax's tree has none: the rest)
         self._readers: tuple[Format, ...] = (parts, self._orbax)
 
     @property
     def directory(self) -> epath.Path:
-        """The absolute directory holding the steps.
-
-        Example:
-            >>> import tempfile
-            >>> from mmnnx.train import Checkpointer
-            >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
-            ...     ckpt.directory.is_dir()
-            True
-        """
+        """The absolute directory holding the steps."""
         return self._directory
 
     # -- save -----------------------------------------------------------------------------------
@@ -194,13 +179,7 @@ class Checkpointer:
         self._format.save(step, trees, extra, variables)
 
     def wait(self) -> None:
-        """Waits for a save in flight; saves are synchronous, so this returns at once.
-
-        Example:
-            >>> import tempfile
-            >>> from mmnnx.train import Checkpointer
-            >>> Checkpointer(tempfile.mkdtemp()).wait()
-        """
+        """Waits for a save in flight; saves are synchronous, so this returns at once."""
         self._orbax.wait()
 
     # -- restore --------------------------------------------------------------------------------
@@ -301,7 +280,7 @@ class Checkpointer:
             self.all_steps(),
             self.incomplete_steps(),
             lambda step: self.restore(step, model=model, opt=opt),
-            self._incomplete,
+            lambda step: layout.incomplete(self._missing(step) or ""),
         )
 
     def set_aside(self, steps: Sequence[int]) -> list[str]:
@@ -337,12 +316,6 @@ class Checkpointer:
         never do, and neither does a step directory that lacks what every committed step has
         (Orbax's step metadata and the ``model`` and ``mmnnx`` items), such as an empty ``5/``
         left by a copy or a file system without atomic renames (see :meth:`incomplete_steps`).
-
-        Example:
-            >>> import tempfile
-            >>> from mmnnx.train import Checkpointer
-            >>> Checkpointer(tempfile.mkdtemp()).all_steps()
-            []
         """
         return [s for s in self._orbax.steps() if self._missing(s) is None]
 
@@ -385,20 +358,11 @@ class Checkpointer:
 
     def _missing(self, step: int) -> str | None:
         """What step ``step`` lacks of what every committed step of its format holds."""
-        return layout.missing(self._directory / str(step), self._format_of(step).required)
-
-    def _incomplete(self, step: int) -> str:
-        """Why step ``step`` is not a complete checkpoint, as a :class:`Skipped` reason."""
-        return layout.incomplete(self._missing(step) or "")
+        folder = self._directory / str(step)
+        return next((n for n in self._format_of(step).required if not (folder / n).exists()), None)
 
     def close(self) -> None:
-        """Waits for pending work and releases Orbax's resources.
-
-        Example:
-            >>> import tempfile
-            >>> from mmnnx.train import Checkpointer
-            >>> Checkpointer(tempfile.mkdtemp()).close()
-        """
+        """Waits for pending work, releases Orbax's resources and the writer lock."""
         self._orbax.close()
         self._lock.release()
 

@@ -56,10 +56,6 @@ def newest_readable(
     Raises:
         FileNotFoundError: ``directory`` holds no step at all.
         NoReadableCheckpointError: every step is damaged or incomplete.
-
-    Example:
-        >>> newest_readable("ckpt", [3], [5], lambda step: {"step": step}, lambda s: "incomplete")
-        Resumed(step=3, extra={'step': 3}, skipped=[Skipped(step=5, reason='incomplete')])
     """
     if not complete and not incomplete:
         raise FileNotFoundError(f"no checkpoint in {directory}")
@@ -68,16 +64,12 @@ def newest_readable(
         try:
             extra = restore(step)
         except CheckpointCorruptError as e:
-            damaged.append(Skipped(step, _damage(e)))
+            what = f"{e.file or 'one of its files'} cannot be read"
+            if e.array is not None:
+                what = f"array {e.array!r} fails its checksum"
+            damaged.append(Skipped(step, f"damaged ({what})"))
             continue
         newer = [Skipped(s, why(s)) for s in incomplete if s > step]
         return Resumed(step, extra, sorted(damaged + newer, key=lambda k: -k.step))
     skipped = damaged + [Skipped(s, why(s)) for s in incomplete]
     raise NoReadableCheckpointError(directory, sorted(skipped, key=lambda k: -k.step))
-
-
-def _damage(error: CheckpointCorruptError) -> str:
-    """The reason a :class:`Skipped` step gives for ``error``."""
-    if error.array is not None:
-        return f"damaged (array {error.array!r} fails its checksum)"
-    return f"damaged ({error.file or 'one of its files'} cannot be read)"

@@ -2,20 +2,16 @@
 reads one back.
 
 The ``Checkpointer`` owns everything around a format: the directory and its writer lock, step
-numbers and their listing, which Variables are saved (:mod:`..tree`: arrays by item and path,
-RNG keys as key data) and the check of a step's arrays against the model before anything is
-read. A format only stores and loads arrays, the JSON ``extra`` dict and mmnnx's description of
-each Variable, and proves what it read (checksums, :mod:`..integrity`). It writes a step into a
-temporary directory (a name holding ``layout.TMP_SUFFIX``) and commits it by one atomic rename
-to ``<directory>/<step>``, deleting the steps older than ``max_to_keep`` after the commit.
+numbers, which Variables are saved (:mod:`..tree`) and the check of a step's arrays against the
+model. A format only stores and loads arrays, the JSON ``extra`` dict and mmnnx's description of
+each Variable, and proves what it read (:mod:`..integrity`). It writes a step into a temporary
+directory (a name holding ``layout.TMP_SUFFIX``), commits it by one atomic rename to
+``<directory>/<step>`` and then deletes the steps older than ``max_to_keep``.
 
 The ``Checkpointer`` saves with one format, chosen when it is made, and reads a step with the
-format whose :attr:`Format.marker` the step directory holds (the format without a marker, Orbax's
-tree, when none does): a step restores whatever format wrote it. A new layout, such as Hugging
-Face's (``config.json``, ``model.safetensors.index.json`` mapping each tensor to one of the
-sharded ``*.safetensors`` files, each process reading only the slices its devices hold), is one
-more module here: its marker (``model.safetensors.index.json``), the files every committed step
-holds, a ``save`` writing them and an ``open`` reading the index and the tensors' headers.
+format whose :attr:`Format.marker` the step directory holds (else Orbax's tree, which has none).
+A new layout (Hugging Face's safetensors, say) is one more module here: its marker, the files
+every committed step holds, a ``save`` and an ``open``.
 """
 
 from __future__ import annotations

@@ -51,24 +51,15 @@ def _spec(root: epath.Path, item: str, path: Path) -> dict[str, Any]:
 
 
 def _slices(index: tuple, shape: Sequence[int]) -> Chunk:
-    starts, stops = [], []
-    for s, n in zip(index, shape, strict=True):
-        start, stop, _ = s.indices(n)
-        starts.append(start)
-        stops.append(stop)
-    return tuple(starts), tuple(stops)
+    bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+    return tuple(a for a, _ in bounds), tuple(b for _, b in bounds)
 
 
 def own(value: Any) -> bool:
     """Whether ``value`` is this process's own, as every process has one (no task holds it):
     NumPy, or an array on one device of this process (with several processes, the values of
     tasks are laid out on the task, even on one device: ``mm.jit`` hands them back so), which
-    every process tells alike.
-
-    Example:
-        >>> own(np.zeros(2)), own(jax.numpy.zeros(2))
-        (True, True)
-    """
+    every process tells alike."""
     return not isinstance(value, jax.Array) or (
         isinstance(value.sharding, jax.sharding.SingleDeviceSharding) and value.is_fully_addressable
     )
@@ -91,41 +82,27 @@ def _written_here(value: Any, me: int) -> Iterator[tuple[Chunk, Any]]:
             yield chunk, shards[device]
 
 
-def _zarr_dtype(dtype: Any) -> str:
-    """``dtype`` as zarr metadata names it (TensorStore names bfloat16 itself)."""
-    dtype = np.dtype(dtype)
-    return "bfloat16" if dtype.name == "bfloat16" else dtype.str
-
-
-def _chunk_shape(value: Any) -> tuple[int, ...]:
-    shape = tuple(np.shape(value))
-    if not own(value):
-        shape = value.sharding.shard_shape(shape)
-    return tuple(max(1, n) for n in shape)
-
-
-def _creator(value: Any) -> int:
-    """The process that creates ``value``'s zarr array: the lowest holding it (0 for a value
-    of no task)."""
-    return 0 if own(value) else min(d.process_index for d in value.sharding.device_set)
-
-
 def create(root: epath.Path, items: Trees, me: int) -> None:
-    """Creates the zarr arrays of the values whose creator this process is (every process
-    calls it, then waits for all before :func:`write`)."""
+    """Creates the zarr arrays of the values whose creator this process is, the lowest holding
+    it (0 for a value of no task); every process calls it, then waits for all before
+    :func:`write`."""
     opening = []
     for item, flat in items.items():
         for path, value in flat.items():
-            if _creator(value) != me:
+            shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
+            if own(value):
+                creator, chunks = 0, shape
+            else:
+                creator = min(d.process_index for d in value.sharding.device_set)
+                chunks = value.sharding.shard_shape(shape)
+            if creator != me:
                 continue
-            spec = {
-                **_spec(root, item, path),
-                "metadata": {
-                    "shape": list(np.shape(value)),
-                    "dtype": _zarr_dtype(value.dtype),
-                    "chunks": list(_chunk_shape(value)),
-                },
+            metadata = {
+                "shape": list(shape),
+                "dtype": "bfloat16" if dtype.name == "bfloat16" else dtype.str,  # zarr's name
+                "chunks": [max(1, n) for n in chunks],
             }
+            spec = {**_spec(root, item, path), "metadata": metadata}
             opening.append(ts.open(spec, create=True, delete_existing=True))
     for future in opening:
         future.result()
@@ -268,11 +245,8 @@ class ProcessArrays:
         arrays: dict[str, dict[str, Any]] = {}
         for item, flat in trees.items():
             for path, value in flat.items():
-                arrays[show(item, path)] = {
-                    "shape": list(np.shape(value)),
-                    "dtype": np.dtype(value.dtype).name,
-                    "chunks": [],
-                }
+                shape, dtype = list(np.shape(value)), np.dtype(value.dtype).name
+                arrays[show(item, path)] = {"shape": shape, "dtype": dtype, "chunks": []}
         for report in reports:
             for item, by_path in report.items():
                 for path, chunks in by_path.items():
