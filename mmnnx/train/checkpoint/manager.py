@@ -14,13 +14,8 @@ from etils import epath
 from flax import nnx
 
 from mmnnx.distributed.agree import share_outcome
-from mmnnx.train.checkpoint import layout, tree
-from mmnnx.train.checkpoint.formats.base import Format
-from mmnnx.train.checkpoint.formats.orbax_tree import OrbaxTree
-from mmnnx.train.checkpoint.formats.process_arrays import ProcessArrays
-from mmnnx.train.checkpoint.lock import WriterLock
-from mmnnx.train.checkpoint.processes import together
-from mmnnx.train.checkpoint.resume import Resumed, newest_readable
+from mmnnx.train.checkpoint import layout, lock, processes, resume, tree
+from mmnnx.train.checkpoint.formats import base, orbax_tree, process_arrays
 
 
 class Checkpointer:
@@ -77,22 +72,20 @@ class Checkpointer:
         self._me = jax.process_index() if jax.process_count() > 1 else None
         if self._me is not None:
             self._directory.mkdir(parents=True, exist_ok=True)
-        self._lock = WriterLock(self._directory)
-        self._orbax = OrbaxTree(
+        self._lock = lock.WriterLock(self._directory)
+        self._orbax = orbax_tree.OrbaxTree(
             self._directory, self._me, max_to_keep=max_to_keep, use_ocdbt=use_ocdbt
         )
-        parts = ProcessArrays(
+        parts = process_arrays.ProcessArrays(
             self._directory, self._me, max_to_keep=max_to_keep, steps=self.all_steps
         )
-        self._format: Format = self._orbax if self._me is None else parts
-        self._readers: tuple[Format, ...] = (parts, self._orbax)
+        self._format: base.Format = self._orbax if self._me is None else parts
+        self._readers: tuple[base.Format, ...] = (parts, self._orbax)
 
     @property
     def directory(self) -> epath.Path:
         """The absolute directory holding the steps."""
         return self._directory
-
-    # -- save -----------------------------------------------------------------------------------
 
     def claim(self) -> None:
         """Takes the directory's writer lock now, as the first save would, and holds it until
@@ -119,7 +112,7 @@ class Checkpointer:
         if self._me is None:
             self._lock.hold()
         else:  # process 0 writes the directory; every process learns whether it could
-            together(
+            processes.together(
                 f"claiming checkpoint directory {self._directory}",
                 lambda: self._lock.hold() if self._me == 0 else None,
             )
@@ -134,11 +127,11 @@ class Checkpointer:
     ) -> None:
         """Writes ``model``'s Variables, ``opt``'s state and ``extra`` as checkpoint ``step``.
 
-        Every Variable of ``model`` (any NNX graph node) is saved, each array from the devices it
-        is on, with its current sharding; ``opt`` adds the optimizer state, including its step.
-        ``extra`` is a JSON-able dict (data position, seeds, ...), returned by ``restore`` as JSON
-        gives it back (tuples become lists, keys strings). Returns once the step is durable and
-        committed; an exception on the way leaves no trace of the step but a temporary directory.
+        Every Variable of ``model`` (any NNX graph node) is saved, with its current sharding;
+        ``opt`` adds the optimizer state, including its step. ``extra`` is a JSON-able dict (data
+        position, seeds, ...), returned by ``restore`` as JSON gives it back (tuples become
+        lists, keys strings). Returns once the step is durable and committed; an exception on
+        the way leaves no trace of the step but a temporary directory.
 
         Raises:
             ValueError: ``step`` is negative or already saved.
@@ -182,37 +175,28 @@ class Checkpointer:
         """Waits for a save in flight; saves are synchronous, so this returns at once."""
         self._orbax.wait()
 
-    # -- restore --------------------------------------------------------------------------------
-
     def restore(
         self, step: int | None = None, *, model: Any, opt: nnx.Optimizer | None = None
     ) -> dict[str, Any]:
         """Restores checkpoint ``step`` (default: the latest) into ``model`` and ``opt`` in place.
 
-        Each array is read directly into the sharding its Variable has now, which may differ from
-        the one it was saved with (other tasks, another mesh, one device); values are bit-exact.
-        The results are written into the same Variable objects (``set_value``), keeping their
-        metadata. Everything is checked against the checkpoint's metadata first, and nothing is
-        written unless every array was read. Without ``opt``, saved optimizer state is ignored.
+        Each array is read bit-exact into the sharding its Variable has now, and written into
+        the same Variable (``set_value``, keeping its metadata). Everything is checked first, and
+        nothing is written unless every array was read. Without ``opt``, saved optimizer state is
+        ignored. Without ``step``, the newest step that reads back whole is restored, with a
+        warning naming each newer one passed over and why (:meth:`restore_newest_readable`).
 
         Returns:
             the ``extra`` dict saved with the step.
 
-        Without ``step``, the newest step that reads back whole is restored, passing over newer
-        damaged or incomplete ones with a warning that names each and why
-        (:meth:`restore_newest_readable`).
-
         Raises:
             FileNotFoundError: no checkpoint (or no such step) in the directory.
-            NoReadableCheckpointError: without ``step``: every step is damaged or incomplete
-                (each is named; a directory of one damaged step raises that step's
-                ``CheckpointCorruptError``).
-            CheckpointMismatchError: (a ``ValueError``) the checkpoint does not match (a path
-                missing on either side, another shape, dtype or RNG key implementation, no
-                optimizer state saved), naming the first mismatching path; the model and
-                optimizer are left untouched.
-            CheckpointCorruptError: a file of the step is damaged or missing (naming it), or an
-                array reads back different from its saved checksum; nothing is written.
+            NoReadableCheckpointError: without ``step``: every step is damaged or incomplete (a
+                directory of one damaged step raises its ``CheckpointCorruptError``).
+            CheckpointMismatchError: the checkpoint does not match, or holds no optimizer state;
+                the model and optimizer are left untouched.
+            CheckpointCorruptError: a file of the step is damaged or missing, or an array reads
+                back different from its saved checksum; nothing is written.
 
         Example:
             >>> import tempfile
@@ -251,7 +235,9 @@ class Checkpointer:
         tree.write_back(step, found, values)
         return dict(extra or {})
 
-    def restore_newest_readable(self, *, model: Any, opt: nnx.Optimizer | None = None) -> Resumed:
+    def restore_newest_readable(
+        self, *, model: Any, opt: nnx.Optimizer | None = None
+    ) -> resume.Resumed:
         """Restores the newest step that reads back whole, like :meth:`restore`, passing over
         newer steps that are damaged (:class:`CheckpointCorruptError`) or incomplete.
 
@@ -275,7 +261,7 @@ class Checkpointer:
             >>> resumed.step, resumed.extra, [str(s) for s in resumed.skipped]
             (4, {'step': 4}, ['skipped step 8: incomplete (no metadata)'])
         """
-        return newest_readable(
+        return resume.newest_readable(
             os.fspath(self._directory),
             self.all_steps(),
             self.incomplete_steps(),
@@ -306,16 +292,14 @@ class Checkpointer:
             self._orbax.reload()
         return names
 
-    # -- steps ----------------------------------------------------------------------------------
-
     def all_steps(self) -> list[int]:
         """The complete steps in the directory, oldest first, as on disk now.
 
         Read afresh on each call, so steps committed by another process (or another
         ``Checkpointer``) show up; temporary directories of saves in progress or interrupted
-        never do, and neither does a step directory that lacks what every committed step has
-        (Orbax's step metadata and the ``model`` and ``mmnnx`` items), such as an empty ``5/``
-        left by a copy or a file system without atomic renames (see :meth:`incomplete_steps`).
+        never do, and neither does a step directory that lacks what every committed step of its
+        format holds, such as an empty ``5/`` left by a copy or a file system without atomic
+        renames (see :meth:`incomplete_steps`).
         """
         return [s for s in self._orbax.steps() if self._missing(s) is None]
 
@@ -341,8 +325,6 @@ class Checkpointer:
             >>> from flax import nnx
             >>> from mmnnx.train import Checkpointer
             >>> ckpt = Checkpointer(tempfile.mkdtemp())
-            >>> print(ckpt.latest_step())
-            None
             >>> ckpt.save(5, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
             >>> ckpt.latest_step()
             5
@@ -350,9 +332,8 @@ class Checkpointer:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def _format_of(self, step: int) -> Format:
-        """The format of step ``step``: the first whose marker its directory holds, else the
-        one without a marker (Orbax's tree)."""
+    def _format_of(self, step: int) -> base.Format:
+        """The format step ``step`` was written in (``formats/base.py`` says how it is found)."""
         folder = self._directory / str(step)
         return next(f for f in self._readers if f.marker is None or (folder / f.marker).exists())
 

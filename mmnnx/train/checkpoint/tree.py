@@ -7,7 +7,7 @@ An array is named by its item (``model`` or ``opt``) and its Variable's path as 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -89,7 +89,15 @@ def check(step: int, saved: Mapping[str, Any], found: Entries, info: Mapping[str
             problems.append(f"checkpoint step {step}: no {what} ({item!r}) was saved")
             continue
         problems += _compare(step, item, arrays, wanted[item])
-        problems += _key_impl_problems(step, item, item_entries, arrays, info)
+        for path, _, value in item_entries:  # the key impl of each Variable ``info`` describes
+            if path in arrays and show(item, path) in info:
+                want = info[show(item, path)].get("key_impl")
+                have = str(jax.random.key_impl(value)) if is_key(value) else None
+                if want != have:
+                    problems.append(
+                        f"checkpoint step {step}: {show(item, path)!r} holds RNG keys of impl "
+                        f"{want} in the checkpoint but {have} in the model"
+                    )
     if problems:
         more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
         raise CheckpointMismatchError(problems[0] + more)
@@ -171,23 +179,3 @@ def _compare(
         if path not in wanted:
             problems.append(f"{show(item, path)!r} is in the checkpoint but not in the model")
     return [f"checkpoint step {step}: {p}" for p in problems]
-
-
-def _key_impl_problems(
-    step: int, item: str, found: Sequence[tuple[Path, Any, Any]], saved: Mapping, info: Mapping
-) -> list[str]:
-    """A line for each saved Variable of ``item`` whose RNG key implementation (in ``info``,
-    mmnnx's metadata of the step) differs from the model's; Variables the metadata does not
-    describe (a checkpoint written without it) are not compared."""
-    problems = []
-    for path, _, value in found:
-        if path not in saved or show(item, path) not in info:
-            continue
-        want = info[show(item, path)].get("key_impl")
-        have = str(jax.random.key_impl(value)) if is_key(value) else None
-        if want != have:
-            problems.append(
-                f"checkpoint step {step}: {show(item, path)!r} holds RNG keys of impl "
-                f"{want} in the checkpoint but {have} in the model"
-            )
-    return problems

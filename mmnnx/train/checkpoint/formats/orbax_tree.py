@@ -114,12 +114,9 @@ class OrbaxTree:
         saved_items = set(metadata.keys())
         meta: dict[str, Any] = {}
         if META in saved_items:
+            args = ocp.args.Composite(**{META: ocp.args.JsonRestore()})
             meta = integrity.read_or_corrupt(
-                step,
-                folder,
-                lambda: self._manager.restore(
-                    step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
-                )[META],
+                step, folder, lambda: self._manager.restore(step, args=args)[META]
             )
         arrays = {
             item: dict(_flatten(getattr(metadata[item], "tree", metadata[item])))

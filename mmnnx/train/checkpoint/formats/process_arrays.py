@@ -34,7 +34,6 @@ from etils import epath
 from mmnnx.distributed.gather import gather
 from mmnnx.train.checkpoint import integrity, layout
 from mmnnx.train.checkpoint.formats.base import Variables
-from mmnnx.train.checkpoint.integrity import CheckpointCorruptError
 from mmnnx.train.checkpoint.layout import EXTRA, META, MODEL, OPT, STEP_METADATA
 from mmnnx.train.checkpoint.processes import together
 from mmnnx.train.checkpoint.tree import Path, Trees, show
@@ -225,56 +224,43 @@ class ProcessArrays:
         together(what, lambda: create(tmp, trees, me))
         written = together(what, lambda: write(tmp, trees, me))
         reports = gather(written, what=what, timeout_s=3600.0)
-        together(
-            what,
-            lambda: self._commit(step, tmp, trees, reports, extra, variables) if me == 0 else None,
-        )
 
-    def _commit(
-        self,
-        step: int,
-        tmp: epath.Path,
-        trees: Trees,
-        reports: list[dict[str, Any]],
-        extra: dict[str, Any],
-        variables: Variables,
-    ) -> None:
-        """Process 0's part of :meth:`save`, once every process has written: the manifest (each
-        array's shape, dtype and chunks with their checksums), ``extra``, and the atomic rename;
-        then the steps older than ``max_to_keep`` go."""
-        arrays: dict[str, dict[str, Any]] = {}
-        for item, flat in trees.items():
-            for path, value in flat.items():
-                shape, dtype = list(np.shape(value)), np.dtype(value.dtype).name
-                arrays[show(item, path)] = {"shape": shape, "dtype": dtype, "chunks": []}
-        for report in reports:
-            for item, by_path in report.items():
-                for path, chunks in by_path.items():
-                    arrays[f"{item}/{path}"]["chunks"] += chunks
-        manifest = {
-            "format": FORMAT_VERSION,
-            "variables": variables,
-            "arrays": arrays,
-            "extra_checksum": integrity.extra_checksum(extra),
-        }
-        for item, content in ((META, manifest), (EXTRA, extra)):
-            (tmp / item).mkdir(parents=True, exist_ok=True)
-            (tmp / item / "metadata").write_text(json.dumps(content))
-        now = time.time_ns()
-        (tmp / STEP_METADATA).write_text(  # as Orbax writes it, so its listing reads the step
-            json.dumps(
-                {
-                    "item_handlers": {EXTRA: _JSON_ITEMS, META: _JSON_ITEMS},
-                    "metrics": {},
-                    "performance_metrics": {},
-                    "init_timestamp_nsecs": now,
-                    "commit_timestamp_nsecs": now,
-                    "custom_metadata": {"mmnnx_format": FORMAT_VERSION},
-                }
-            )
-        )
-        layout.commit(tmp, self._directory / str(step))
-        layout.remove_oldest(self._directory, self._steps(), self._max_to_keep)
+        def commit() -> None:
+            """Process 0's part, once every process has written: the manifest (each array's
+            shape, dtype and chunks), ``extra``, the rename; then the steps past ``max_to_keep``
+            go."""
+            arrays: dict[str, dict[str, Any]] = {}
+            for item, flat in trees.items():
+                for path, value in flat.items():
+                    shape, dtype = list(np.shape(value)), np.dtype(value.dtype).name
+                    arrays[show(item, path)] = {"shape": shape, "dtype": dtype, "chunks": []}
+            for report in reports:
+                for item, by_path in report.items():
+                    for path, chunks in by_path.items():
+                        arrays[f"{item}/{path}"]["chunks"] += chunks
+            manifest = {
+                "format": FORMAT_VERSION,
+                "variables": variables,
+                "arrays": arrays,
+                "extra_checksum": integrity.extra_checksum(extra),
+            }
+            for item, content in ((META, manifest), (EXTRA, extra)):
+                (tmp / item).mkdir(parents=True, exist_ok=True)
+                (tmp / item / "metadata").write_text(json.dumps(content))
+            now = time.time_ns()
+            step_metadata = {  # as Orbax writes it, so that its listing reads the step
+                "item_handlers": {EXTRA: _JSON_ITEMS, META: _JSON_ITEMS},
+                "metrics": {},
+                "performance_metrics": {},
+                "init_timestamp_nsecs": now,
+                "commit_timestamp_nsecs": now,
+                "custom_metadata": {"mmnnx_format": FORMAT_VERSION},
+            }
+            (tmp / STEP_METADATA).write_text(json.dumps(step_metadata))
+            layout.commit(tmp, self._directory / str(step))
+            layout.remove_oldest(self._directory, self._steps(), self._max_to_keep)
+
+        together(what, lambda: commit() if me == 0 else None)
 
     def open(self, step: int) -> _ProcessArraysStep:
         """See :meth:`Format.open`: the manifest."""
@@ -313,14 +299,13 @@ class _ProcessArraysStep:
         )
         integrity.check_extra(step, folder, extra, self._manifest.get("extra_checksum"))
         values: Trees = {item: {} for item in targets}
-        for item, flat in targets.items():
-            for path, stored in flat.items():
-                record = self._records[show(item, path)]
-                try:
-                    value = _read_as(stored, folder, item, path, record)
-                except DamagedChunk as e:
-                    raise CheckpointCorruptError(step, os.fspath(folder), array=e.name) from e
-                values[item][path] = value
+        try:
+            for item, flat in targets.items():
+                for path, stored in flat.items():
+                    record = self._records[show(item, path)]
+                    values[item][path] = _read_as(stored, folder, item, path, record)
+        except DamagedChunk as e:
+            raise integrity.CheckpointCorruptError(step, os.fspath(folder), array=e.name) from e
         return extra, values
 
 
