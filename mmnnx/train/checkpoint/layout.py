@@ -12,8 +12,7 @@ On-disk layout, one directory per step (Orbax's ``CheckpointManager`` with four 
         mmnnx/metadata            # JSON: format version, per Variable type, task, RNG key impl
       4.orbax-checkpoint-tmp/     # a save in progress (or one that was interrupted)
 
-The saved trees are nested dicts keyed by the Variables' paths, with string keys (``"0"`` for a list
-index); typed PRNG keys are saved as their ``jax.random.key_data`` (``uint32``).
+The saved trees are nested dicts keyed by the Variables' paths (``"0"`` for a list index).
 
 With several processes, every process writes its own part of a step
 (``formats/process_arrays.py``)::

@@ -14,7 +14,7 @@ from etils import epath
 from flax import nnx
 
 from mmnnx.distributed.agree import share_outcome
-from mmnnx.train.checkpoint import layout, lock, processes, resume, tree
+from mmnnx.train.checkpoint import integrity, layout, lock, processes, resume, tree
 from mmnnx.train.checkpoint.formats import base, orbax_tree, process_arrays
 
 
@@ -261,13 +261,23 @@ class Checkpointer:
             >>> resumed.step, resumed.extra, [str(s) for s in resumed.skipped]
             (4, {'step': 4}, ['skipped step 8: incomplete (no metadata)'])
         """
-        return resume.newest_readable(
-            os.fspath(self._directory),
-            self.all_steps(),
-            self.incomplete_steps(),
-            lambda step: self.restore(step, model=model, opt=opt),
-            lambda step: layout.incomplete(self._missing(step) or ""),
-        )
+        complete, incomplete = self.all_steps(), self.incomplete_steps()
+        if not complete and not incomplete:
+            raise FileNotFoundError(f"no checkpoint in {os.fspath(self._directory)}")
+        skipped = [resume.Skipped(s, layout.incomplete(self._missing(s) or "")) for s in incomplete]
+        for step in reversed(complete):
+            try:
+                extra = self.restore(step, model=model, opt=opt)
+            except integrity.CheckpointCorruptError as e:
+                what = f"{e.file or 'one of its files'} cannot be read"
+                if e.array is not None:
+                    what = f"array {e.array!r} fails its checksum"
+                skipped.append(resume.Skipped(step, f"damaged ({what})"))
+                continue
+            newer = sorted((k for k in skipped if k.step > step), key=lambda k: -k.step)
+            return resume.Resumed(step, extra, newer)
+        skipped.sort(key=lambda k: -k.step)
+        raise resume.NoReadableCheckpointError(os.fspath(self._directory), skipped)
 
     def set_aside(self, steps: Sequence[int]) -> list[str]:
         """Renames the directories of ``steps`` (damaged or incomplete ones) to

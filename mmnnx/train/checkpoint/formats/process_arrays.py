@@ -6,10 +6,9 @@ Orbax; Orbax 0.12.8 itself writes an array held by one process only from process
 array under ``arrays/<item>/<path>/``, chunked as the array is laid out: each distinct slice is
 one chunk, written by the process of the first device holding it, from that device, in parallel
 with the others. Nothing crosses processes and no host holds more than its own slices. Process
-0 commits the step: the manifest (``mmnnx/metadata``: each array's shape, dtype and chunks with
-their checksums and writers), ``extra`` and one atomic rename. A restore reads, on each process,
-the chunks holding the slices its devices need, checks each against the checksum its writer
-recorded, and builds each array in the layout it has now (any mesh, task or process count).
+0 commits the step: the manifest (``mmnnx/metadata``), ``extra`` and one atomic rename. A
+restore reads, on each process, the chunks holding the slices its devices need, checks each
+against the checksum its writer recorded, and builds each array in the layout it has now.
 
 A value held by no task (:func:`own`: a NumPy array, or an array on one device of each
 process, such as an optimizer's step count made outside ``mm.jit``) is the same on every
