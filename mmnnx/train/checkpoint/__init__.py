@@ -17,7 +17,7 @@ The modules, as Orbax splits its own (a manager over handlers per format, path u
                    layout is described there)
     integrity.py   checksums, damaged files
     lock.py        one writer per directory
-    resume.py      the newest step that reads back whole
+    resume.py      what a resume from the newest step that reads back whole reports
     processes.py   work every process does together
 """
 

@@ -12,8 +12,7 @@ On-disk layout, one directory per step (Orbax's ``CheckpointManager`` with four 
         mmnnx/metadata            # JSON: format version, per Variable type, task, RNG key impl
       4.orbax-checkpoint-tmp/     # a save in progress (or one that was interrupted)
 
-The saved trees are nested dicts keyed by the Variables' paths, with string keys (``"0"`` for a list
-index); typed PRNG keys are saved as their ``jax.random.key_data`` (``uint32``).
+The saved trees are nested dicts keyed by the Variables' paths (``"0"`` for a list index).
 
 With several processes, every process writes its own part of a step
 (``formats/process_arrays.py``)::
@@ -109,16 +108,7 @@ class SyncedAtomicRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
 
 
 def commit(tmp: epath.Path, final: epath.Path) -> None:
-    """Makes the step written into ``tmp`` durable, then commits it as ``final`` by a rename.
-
-    Example:
-        >>> import tempfile
-        >>> root = epath.Path(tempfile.mkdtemp())
-        >>> (root / "3.orbax-checkpoint-tmp").mkdir()
-        >>> commit(root / "3.orbax-checkpoint-tmp", root / "3")
-        >>> sorted(p.name for p in root.iterdir())
-        ['3']
-    """
+    """Makes the step written into ``tmp`` durable, then commits it as ``final`` by a rename."""
     fsync_tree(tmp)
     tmp.rename(final)
     if is_local(final.parent):
@@ -128,35 +118,16 @@ def commit(tmp: epath.Path, final: epath.Path) -> None:
 def listing(read: Callable[[], Any]) -> Any:
     """``read()``, again if a step it was listing vanished (the writer deleted a step older than
     ``max_to_keep`` meanwhile): Orbax lists the step directories, then reads each one."""
-    for attempt in range(_LIST_ATTEMPTS):
+    for attempt in range(1, _LIST_ATTEMPTS):
         try:
             return read()
         except (FileNotFoundError, NotADirectoryError):
-            if attempt == _LIST_ATTEMPTS - 1:
-                raise
-            time.sleep(0.01 * (attempt + 1))
-    raise AssertionError("unreachable")
-
-
-def missing(folder: epath.Path, required: Sequence[str]) -> str | None:
-    """The first of ``required`` (what every committed step of its format holds) that step
-    directory ``folder`` lacks, or ``None`` when it is complete.
-
-    Example:
-        >>> import tempfile
-        >>> missing(epath.Path(tempfile.mkdtemp()), (STEP_METADATA, MODEL))
-        '_CHECKPOINT_METADATA'
-    """
-    return next((name for name in required if not (folder / name).exists()), None)
+            time.sleep(0.01 * attempt)
+    return read()
 
 
 def incomplete(lacking: str) -> str:
-    """Why a step that lacks ``lacking`` is not a complete checkpoint (a ``Skipped`` reason).
-
-    Example:
-        >>> incomplete("model"), incomplete(STEP_METADATA)
-        ('incomplete (no model item)', 'incomplete (no metadata)')
-    """
+    """Why a step that lacks ``lacking`` is not a complete checkpoint (a ``Skipped`` reason)."""
     if lacking in (STEP_METADATA, f"{META}/metadata"):
         return "incomplete (no metadata)"
     return f"incomplete (no {lacking} item)"
@@ -174,33 +145,14 @@ def remove_abandoned_saves(directory: epath.Path) -> None:
 
 def remove_oldest(directory: epath.Path, steps: Sequence[int], keep: int | None) -> None:
     """Deletes the step directories of all but the newest ``keep`` of ``steps`` (oldest first;
-    ``keep=None`` keeps all).
-
-    Example:
-        >>> import tempfile
-        >>> root = epath.Path(tempfile.mkdtemp())
-        >>> for step in (1, 2, 3):
-        ...     (root / str(step)).mkdir()
-        >>> remove_oldest(root, [1, 2], 3)  # fewer than keep: none go
-        >>> remove_oldest(root, [1, 2, 3], 2)
-        >>> sorted(p.name for p in root.iterdir())
-        ['2', '3']
-    """
+    ``keep=None`` keeps all)."""
     for old in steps[: max(0, len(steps) - keep)] if keep is not None else ():
         shutil.rmtree(os.fspath(directory / str(old)), ignore_errors=True)
 
 
 def set_aside(directory: epath.Path, steps: Sequence[int]) -> list[str]:
     """Renames the directories of ``steps`` to ``<step>.unreadable`` (or ``<step>.unreadable-N``
-    when that is taken); returns the new names.
-
-    Example:
-        >>> import tempfile
-        >>> root = epath.Path(tempfile.mkdtemp())
-        >>> (root / "8").mkdir()
-        >>> set_aside(root, [8])
-        ['8.unreadable']
-    """
+    when that is taken); returns the new names."""
     names: list[str] = []
     for step in steps:
         name, n = f"{step}{_SET_ASIDE}", 0

@@ -23,27 +23,14 @@ class CheckpointDirectoryBusyError(RuntimeError):
 
 
 class WriterLock:
-    """One writer per checkpoint directory: an ``flock`` on ``.mmnnx-writer.lock``, taken when a
-    ``Checkpointer`` first writes (or :meth:`Checkpointer.claim`) and held until it is closed,
-    with the holder (host, process id, since when) written in the file for the next one to name.
+    """An ``flock`` on ``.mmnnx-writer.lock``, taken when a ``Checkpointer`` first writes (or
+    :meth:`Checkpointer.claim`) and held until it is closed, with the holder (host, process id,
+    since when) written in the file for the next one to name.
 
-    The holder's lock ends with its process, so the lock of a process that died is taken over
-    (saying so, from the holder it left in the file). While it is held, a temporary directory
-    belongs to no save in progress: its writer died or failed, and it may be removed. Readers
-    never take it and never remove anything. Remote (non-local) directories have no lock: there
-    only one writer may use a directory.
-
-    Example:
-        >>> import tempfile
-        >>> directory = epath.Path(tempfile.mkdtemp())
-        >>> lock = WriterLock(directory)
-        >>> lock.hold()
-        >>> try:
-        ...     WriterLock(directory).hold()
-        ... except CheckpointDirectoryBusyError:
-        ...     print("busy")
-        busy
-        >>> lock.release()
+    The lock ends with its holder's process, so the lock of a process that died is taken over
+    (saying so). While it is held, a temporary directory belongs to no save in progress: its
+    writer died or failed, and it may be removed. Readers never take it and never remove
+    anything. Remote (non-local) directories have no lock: there only one writer may use one.
     """
 
     def __init__(self, directory: epath.Path):
@@ -72,7 +59,8 @@ class WriterLock:
                 "directory: stop that one, or write to another directory"
             ) from None
         left = _holder(fd)
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()}
+        since = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": since}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         os.fsync(fd)
@@ -99,7 +87,3 @@ def _holder(fd: int) -> str:
         return f"process {said['pid']} on host {said['host']}, since {said['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return ""
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S %Z")

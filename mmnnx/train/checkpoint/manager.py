@@ -14,28 +14,19 @@ from etils import epath
 from flax import nnx
 
 from mmnnx.distributed.agree import share_outcome
-from mmnnx.train.checkpoint import layout, tree
-from mmnnx.train.checkpoint.formats.base import Format
-from mmnnx.train.checkpoint.formats.orbax_tree import OrbaxTree
-from mmnnx.train.checkpoint.formats.process_arrays import ProcessArrays
-from mmnnx.train.checkpoint.lock import WriterLock
-from mmnnx.train.checkpoint.processes import together
-from mmnnx.train.checkpoint.resume import Resumed, newest_readable
+from mmnnx.train.checkpoint import integrity, layout, lock, processes, resume, tree
+from mmnnx.train.checkpoint.formats import base, orbax_tree, process_arrays
 
 
 class Checkpointer:
     """Saves and restores task-placed NNX models and optimizers, one directory per step.
 
-    Wraps an Orbax ``CheckpointManager`` that saves synchronously: ``save`` returns once the step
-    is written, fsynced and committed by an atomic rename of its temporary directory, so an
-    interrupted save (an exception, a killed process) leaves the previous steps intact and
-    ``latest_step()`` on the last complete one. Leftover temporary directories of interrupted
-    saves are removed by the next save, which holds the directory's writer lock
-    (``.mmnnx-writer.lock``) from start to commit: any temporary directory it finds belongs to
-    no save in progress. Opening a ``Checkpointer`` and reading from it (``latest_step``,
-    ``all_steps``, ``restore``) never removes anything, so any number of readers may watch a
-    directory while one process saves into it. Only the newest ``max_to_keep`` steps are kept
-    (``None`` keeps all); older ones are deleted after a new step is committed.
+    ``save`` returns once the step is written, fsynced and committed by an atomic rename of its
+    temporary directory, so an interrupted save (an exception, a killed process) leaves the
+    previous steps intact and ``latest_step()`` on the last complete one; the next save, under
+    the directory's writer lock (``lock.py``), removes what it left. Opening a ``Checkpointer``
+    and reading from it never removes anything, so any number of readers may watch a directory
+    while one process saves into it. Only the newest ``max_to_keep`` steps are kept.
 
     A step is stored in one of the formats of ``formats/``: Orbax's tree with one process, the
     arrays every process writes with several; a step of either restores with any process count.
@@ -78,36 +69,23 @@ class Checkpointer:
             )
         path = os.fspath(directory)
         self._directory = epath.Path(path if "://" in path else os.path.abspath(path))
-        # With several processes, each lists and reads on its own, and writes its own arrays.
         self._me = jax.process_index() if jax.process_count() > 1 else None
         if self._me is not None:
             self._directory.mkdir(parents=True, exist_ok=True)
-        self._lock = WriterLock(self._directory)
-        # Orbax's manager, which also lists the steps of every format.
-        self._orbax = OrbaxTree(
+        self._lock = lock.WriterLock(self._directory)
+        self._orbax = orbax_tree.OrbaxTree(
             self._directory, self._me, max_to_keep=max_to_keep, use_ocdbt=use_ocdbt
         )
-        parts = ProcessArrays(
+        parts = process_arrays.ProcessArrays(
             self._directory, self._me, max_to_keep=max_to_keep, steps=self.all_steps
         )
-        self._format: Format = self._orbax if self._me is None else parts
-        # a step is read by the first whose marker it holds (Orbax's tree has none: the rest)
-        self._readers: tuple[Format, ...] = (parts, self._orbax)
+        self._format: base.Format = self._orbax if self._me is None else parts
+        self._readers: tuple[base.Format, ...] = (parts, self._orbax)
 
     @property
     def directory(self) -> epath.Path:
-        """The absolute directory holding the steps.
-
-        Example:
-            >>> import tempfile
-            >>> from mmnnx.train import Checkpointer
-            >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
-            ...     ckpt.directory.is_dir()
-            True
-        """
+        """The absolute directory holding the steps."""
         return self._directory
-
-    # -- save -----------------------------------------------------------------------------------
 
     def claim(self) -> None:
         """Takes the directory's writer lock now, as the first save would, and holds it until
@@ -134,7 +112,7 @@ class Checkpointer:
         if self._me is None:
             self._lock.hold()
         else:  # process 0 writes the directory; every process learns whether it could
-            together(
+            processes.together(
                 f"claiming checkpoint directory {self._directory}",
                 lambda: self._lock.hold() if self._me == 0 else None,
             )
@@ -149,11 +127,11 @@ class Checkpointer:
     ) -> None:
         """Writes ``model``'s Variables, ``opt``'s state and ``extra`` as checkpoint ``step``.
 
-        Every Variable of ``model`` (any NNX graph node) is saved, each array from the devices it
-        is on, with its current sharding; ``opt`` adds the optimizer state, including its step.
-        ``extra`` is a JSON-able dict (data position, seeds, ...), returned by ``restore`` as JSON
-        gives it back (tuples become lists, keys strings). Returns once the step is durable and
-        committed; an exception on the way leaves no trace of the step but a temporary directory.
+        Every Variable of ``model`` (any NNX graph node) is saved, with its current sharding;
+        ``opt`` adds the optimizer state, including its step. ``extra`` is a JSON-able dict (data
+        position, seeds, ...), returned by ``restore`` as JSON gives it back (tuples become
+        lists, keys strings). Returns once the step is durable and committed; an exception on
+        the way leaves no trace of the step but a temporary directory.
 
         Raises:
             ValueError: ``step`` is negative or already saved.
@@ -194,46 +172,31 @@ class Checkpointer:
         self._format.save(step, trees, extra, variables)
 
     def wait(self) -> None:
-        """Waits for a save in flight; saves are synchronous, so this returns at once.
-
-        Example:
-            >>> import tempfile
-            >>> from mmnnx.train import Checkpointer
-            >>> Checkpointer(tempfile.mkdtemp()).wait()
-        """
+        """Waits for a save in flight; saves are synchronous, so this returns at once."""
         self._orbax.wait()
-
-    # -- restore --------------------------------------------------------------------------------
 
     def restore(
         self, step: int | None = None, *, model: Any, opt: nnx.Optimizer | None = None
     ) -> dict[str, Any]:
         """Restores checkpoint ``step`` (default: the latest) into ``model`` and ``opt`` in place.
 
-        Each array is read directly into the sharding its Variable has now, which may differ from
-        the one it was saved with (other tasks, another mesh, one device); values are bit-exact.
-        The results are written into the same Variable objects (``set_value``), keeping their
-        metadata. Everything is checked against the checkpoint's metadata first, and nothing is
-        written unless every array was read. Without ``opt``, saved optimizer state is ignored.
+        Each array is read bit-exact into the sharding its Variable has now, and written into
+        the same Variable (``set_value``, keeping its metadata). Everything is checked first, and
+        nothing is written unless every array was read. Without ``opt``, saved optimizer state is
+        ignored. Without ``step``, the newest step that reads back whole is restored, with a
+        warning naming each newer one passed over and why (:meth:`restore_newest_readable`).
 
         Returns:
             the ``extra`` dict saved with the step.
 
-        Without ``step``, the newest step that reads back whole is restored, passing over newer
-        damaged or incomplete ones with a warning that names each and why
-        (:meth:`restore_newest_readable`).
-
         Raises:
             FileNotFoundError: no checkpoint (or no such step) in the directory.
-            NoReadableCheckpointError: without ``step``: every step is damaged or incomplete
-                (each is named; a directory of one damaged step raises that step's
-                ``CheckpointCorruptError``).
-            CheckpointMismatchError: (a ``ValueError``) the checkpoint does not match (a path
-                missing on either side, another shape, dtype or RNG key implementation, no
-                optimizer state saved), naming the first mismatching path; the model and
-                optimizer are left untouched.
-            CheckpointCorruptError: a file of the step is damaged or missing (naming it), or an
-                array reads back different from its saved checksum; nothing is written.
+            NoReadableCheckpointError: without ``step``: every step is damaged or incomplete (a
+                directory of one damaged step raises its ``CheckpointCorruptError``).
+            CheckpointMismatchError: the checkpoint does not match, or holds no optimizer state;
+                the model and optimizer are left untouched.
+            CheckpointCorruptError: a file of the step is damaged or missing, or an array reads
+                back different from its saved checksum; nothing is written.
 
         Example:
             >>> import tempfile
@@ -272,7 +235,9 @@ class Checkpointer:
         tree.write_back(step, found, values)
         return dict(extra or {})
 
-    def restore_newest_readable(self, *, model: Any, opt: nnx.Optimizer | None = None) -> Resumed:
+    def restore_newest_readable(
+        self, *, model: Any, opt: nnx.Optimizer | None = None
+    ) -> resume.Resumed:
         """Restores the newest step that reads back whole, like :meth:`restore`, passing over
         newer steps that are damaged (:class:`CheckpointCorruptError`) or incomplete.
 
@@ -296,13 +261,23 @@ class Checkpointer:
             >>> resumed.step, resumed.extra, [str(s) for s in resumed.skipped]
             (4, {'step': 4}, ['skipped step 8: incomplete (no metadata)'])
         """
-        return newest_readable(
-            os.fspath(self._directory),
-            self.all_steps(),
-            self.incomplete_steps(),
-            lambda step: self.restore(step, model=model, opt=opt),
-            self._incomplete,
-        )
+        complete, incomplete = self.all_steps(), self.incomplete_steps()
+        if not complete and not incomplete:
+            raise FileNotFoundError(f"no checkpoint in {os.fspath(self._directory)}")
+        skipped = [resume.Skipped(s, layout.incomplete(self._missing(s) or "")) for s in incomplete]
+        for step in reversed(complete):
+            try:
+                extra = self.restore(step, model=model, opt=opt)
+            except integrity.CheckpointCorruptError as e:
+                what = f"{e.file or 'one of its files'} cannot be read"
+                if e.array is not None:
+                    what = f"array {e.array!r} fails its checksum"
+                skipped.append(resume.Skipped(step, f"damaged ({what})"))
+                continue
+            newer = sorted((k for k in skipped if k.step > step), key=lambda k: -k.step)
+            return resume.Resumed(step, extra, newer)
+        skipped.sort(key=lambda k: -k.step)
+        raise resume.NoReadableCheckpointError(os.fspath(self._directory), skipped)
 
     def set_aside(self, steps: Sequence[int]) -> list[str]:
         """Renames the directories of ``steps`` (damaged or incomplete ones) to
@@ -327,22 +302,14 @@ class Checkpointer:
             self._orbax.reload()
         return names
 
-    # -- steps ----------------------------------------------------------------------------------
-
     def all_steps(self) -> list[int]:
         """The complete steps in the directory, oldest first, as on disk now.
 
         Read afresh on each call, so steps committed by another process (or another
         ``Checkpointer``) show up; temporary directories of saves in progress or interrupted
-        never do, and neither does a step directory that lacks what every committed step has
-        (Orbax's step metadata and the ``model`` and ``mmnnx`` items), such as an empty ``5/``
-        left by a copy or a file system without atomic renames (see :meth:`incomplete_steps`).
-
-        Example:
-            >>> import tempfile
-            >>> from mmnnx.train import Checkpointer
-            >>> Checkpointer(tempfile.mkdtemp()).all_steps()
-            []
+        never do, and neither does a step directory that lacks what every committed step of its
+        format holds, such as an empty ``5/`` left by a copy or a file system without atomic
+        renames (see :meth:`incomplete_steps`).
         """
         return [s for s in self._orbax.steps() if self._missing(s) is None]
 
@@ -368,8 +335,6 @@ class Checkpointer:
             >>> from flax import nnx
             >>> from mmnnx.train import Checkpointer
             >>> ckpt = Checkpointer(tempfile.mkdtemp())
-            >>> print(ckpt.latest_step())
-            None
             >>> ckpt.save(5, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
             >>> ckpt.latest_step()
             5
@@ -377,28 +342,18 @@ class Checkpointer:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def _format_of(self, step: int) -> Format:
-        """The format of step ``step``: the first whose marker its directory holds, else the
-        one without a marker (Orbax's tree)."""
+    def _format_of(self, step: int) -> base.Format:
+        """The format step ``step`` was written in (``formats/base.py`` says how it is found)."""
         folder = self._directory / str(step)
         return next(f for f in self._readers if f.marker is None or (folder / f.marker).exists())
 
     def _missing(self, step: int) -> str | None:
         """What step ``step`` lacks of what every committed step of its format holds."""
-        return layout.missing(self._directory / str(step), self._format_of(step).required)
-
-    def _incomplete(self, step: int) -> str:
-        """Why step ``step`` is not a complete checkpoint, as a :class:`Skipped` reason."""
-        return layout.incomplete(self._missing(step) or "")
+        folder = self._directory / str(step)
+        return next((n for n in self._format_of(step).required if not (folder / n).exists()), None)
 
     def close(self) -> None:
-        """Waits for pending work and releases Orbax's resources.
-
-        Example:
-            >>> import tempfile
-            >>> from mmnnx.train import Checkpointer
-            >>> Checkpointer(tempfile.mkdtemp()).close()
-        """
+        """Waits for pending work, releases Orbax's resources and the writer lock."""
         self._orbax.close()
         self._lock.release()
 

@@ -10,12 +10,7 @@ from mmnnx.distributed.gather import gather
 
 def together(what: str, work: Callable[[], Any]) -> Any:
     """``work()``, this process's part of a step every process takes (a collective); raises
-    on every process when it failed on any, naming the first that failed.
-
-    Example:
-        >>> together("adding", lambda: 1 + 1)  # one process
-        2
-    """
+    on every process when it failed on any, naming the first that failed."""
     error: Exception | None = None
     try:
         result = work()

@@ -1,12 +1,10 @@
-"""Resuming from the newest step that reads back whole: :func:`newest_readable`, ``Resumed``."""
+"""What a resume from the newest step that reads back whole reports: ``Resumed``, ``Skipped``,
+``NoReadableCheckpointError``."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
 from typing import Any
-
-from mmnnx.train.checkpoint.integrity import CheckpointCorruptError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,44 +38,3 @@ class NoReadableCheckpointError(RuntimeError):
     def __init__(self, directory: str, skipped: list[Skipped]):
         self.directory, self.skipped = directory, skipped
         super().__init__(f"no readable checkpoint in {directory}: " + "; ".join(map(str, skipped)))
-
-
-def newest_readable(
-    directory: str,
-    complete: Sequence[int],
-    incomplete: Sequence[int],
-    restore: Callable[[int], dict[str, Any]],
-    why: Callable[[int], str],
-) -> Resumed:
-    """``restore(step)`` of the newest of the ``complete`` steps (oldest first) that reads back
-    whole, passing over damaged ones (:class:`CheckpointCorruptError`) and the ``incomplete``
-    steps newer than it (``why(step)`` says why each is incomplete).
-
-    Raises:
-        FileNotFoundError: ``directory`` holds no step at all.
-        NoReadableCheckpointError: every step is damaged or incomplete.
-
-    Example:
-        >>> newest_readable("ckpt", [3], [5], lambda step: {"step": step}, lambda s: "incomplete")
-        Resumed(step=3, extra={'step': 3}, skipped=[Skipped(step=5, reason='incomplete')])
-    """
-    if not complete and not incomplete:
-        raise FileNotFoundError(f"no checkpoint in {directory}")
-    damaged: list[Skipped] = []
-    for step in reversed(complete):
-        try:
-            extra = restore(step)
-        except CheckpointCorruptError as e:
-            damaged.append(Skipped(step, _damage(e)))
-            continue
-        newer = [Skipped(s, why(s)) for s in incomplete if s > step]
-        return Resumed(step, extra, sorted(damaged + newer, key=lambda k: -k.step))
-    skipped = damaged + [Skipped(s, why(s)) for s in incomplete]
-    raise NoReadableCheckpointError(directory, sorted(skipped, key=lambda k: -k.step))
-
-
-def _damage(error: CheckpointCorruptError) -> str:
-    """The reason a :class:`Skipped` step gives for ``error``."""
-    if error.array is not None:
-        return f"damaged (array {error.array!r} fails its checksum)"
-    return f"damaged ({error.file or 'one of its files'} cannot be read)"

@@ -7,7 +7,7 @@ An array is named by its item (``model`` or ``opt``) and its Variable's path as 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -30,12 +30,7 @@ class CheckpointMismatchError(ValueError):
 
 
 def show(item: str, path: Path) -> str:
-    """An array's name: ``item/path``.
-
-    Example:
-        >>> show("model", ("layers", "0", "kernel"))
-        'model/layers/0/kernel'
-    """
+    """An array's name: ``item/path``."""
     return "/".join((item, *path))
 
 
@@ -43,42 +38,22 @@ def is_key(value: Any) -> bool:
     return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
 
 
-def as_stored(value: Any) -> Any:
-    """``value`` as it is saved: an RNG key as its key data, anything else as it is.
-
-    Example:
-        >>> as_stored(jax.random.key(0)).dtype
-        dtype('uint32')
-    """
-    return jax.random.key_data(value) if is_key(value) else value
-
-
 def entries(model: Any, opt: nnx.Optimizer | None) -> Entries:
     """Every Variable of ``model`` and ``opt`` (if given), with its path and value, by item.
 
     Raises:
         TypeError: a Variable holds no array.
-
-    Example:
-        >>> [path for path, _, _ in entries(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), None)["model"]]
-        [('bias',), ('kernel',)]
     """
     found: Entries = {}
     for item, node in ((MODEL, model), (OPT, opt)):
         if node is not None:
-            found[item] = [(path, var, _leaf(item, path, var)) for path, var in _variables(node)]
+            found[item] = [_entry(item, tuple(map(str, p)), var) for p, var in variables_of(node)]
     return found
 
 
 def saved_trees(model: Any, opt: nnx.Optimizer | None) -> tuple[Trees, dict[str, dict[str, Any]]]:
     """What a step saves of ``model`` and ``opt``: the arrays by item and path, and mmnnx's
-    description of each Variable by name (type, task, spec, RNG key implementation).
-
-    Example:
-        >>> trees, variables = saved_trees(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), None)
-        >>> list(trees["model"]), variables["model/bias"]
-        ([('bias',), ('kernel',)], {'type': 'Param', 'task': None, 'spec': None})
-    """
+    description of each Variable by name (type, task, spec, RNG key implementation)."""
     found = entries(model, opt)
     variables = {
         show(item, path): _describe(var, value)
@@ -89,9 +64,12 @@ def saved_trees(model: Any, opt: nnx.Optimizer | None) -> tuple[Trees, dict[str,
 
 
 def stored(found: Entries) -> Trees:
-    """The values of the Variables ``found`` as they are saved (:func:`as_stored`), by item and
-    path: what a step saves, and the targets a restore reads into."""
-    return {item: {p: as_stored(v) for p, _, v in ents} for item, ents in found.items()}
+    """The values of the Variables ``found`` as they are saved (an RNG key as its key data), by
+    item and path: what a step saves, and the targets a restore reads into."""
+    return {
+        item: {p: jax.random.key_data(v) if is_key(v) else v for p, _, v in ents}
+        for item, ents in found.items()
+    }
 
 
 def check(step: int, saved: Mapping[str, Any], found: Entries, info: Mapping[str, Any]) -> None:
@@ -111,7 +89,15 @@ def check(step: int, saved: Mapping[str, Any], found: Entries, info: Mapping[str
             problems.append(f"checkpoint step {step}: no {what} ({item!r}) was saved")
             continue
         problems += _compare(step, item, arrays, wanted[item])
-        problems += _key_impl_problems(step, item, item_entries, arrays, info)
+        for path, _, value in item_entries:  # the key impl of each Variable ``info`` describes
+            if path in arrays and show(item, path) in info:
+                want = info[show(item, path)].get("key_impl")
+                have = str(jax.random.key_impl(value)) if is_key(value) else None
+                if want != have:
+                    problems.append(
+                        f"checkpoint step {step}: {show(item, path)!r} holds RNG keys of impl "
+                        f"{want} in the checkpoint but {have} in the model"
+                    )
     if problems:
         more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
         raise CheckpointMismatchError(problems[0] + more)
@@ -143,19 +129,14 @@ def write_back(step: int, found: Entries, values: Mapping[str, Mapping[Path, Any
         var.set_value(value)
 
 
-def _variables(node: Any) -> list[tuple[Path, nnx.Variable]]:
-    """Every Variable reachable from ``node`` (shared ones once), with its path as strings."""
-    return [(tuple(str(k) for k in path), var) for path, var in variables_of(node)]
-
-
-def _leaf(item: str, path: Path, var: nnx.Variable) -> Any:
+def _entry(item: str, path: Path, var: nnx.Variable) -> tuple[Path, nnx.Variable, Any]:
     value = var.get_value()
     if not isinstance(value, jax.Array | np.ndarray):
         raise TypeError(
             f"Variable {show(item, path)!r} holds a {type(value).__name__}; only Variables "
             "holding a jax.Array or a numpy array can be checkpointed"
         )
-    return value
+    return path, var, value
 
 
 def _describe(var: nnx.Variable, value: Any) -> dict[str, Any]:
@@ -198,23 +179,3 @@ def _compare(
         if path not in wanted:
             problems.append(f"{show(item, path)!r} is in the checkpoint but not in the model")
     return [f"checkpoint step {step}: {p}" for p in problems]
-
-
-def _key_impl_problems(
-    step: int, item: str, found: Sequence[tuple[Path, Any, Any]], saved: Mapping, info: Mapping
-) -> list[str]:
-    """A line for each saved Variable of ``item`` whose RNG key implementation (in ``info``,
-    mmnnx's metadata of the step) differs from the model's; Variables the metadata does not
-    describe (a checkpoint written without it) are not compared."""
-    problems = []
-    for path, _, value in found:
-        if path not in saved or show(item, path) not in info:
-            continue
-        want = info[show(item, path)].get("key_impl")
-        have = str(jax.random.key_impl(value)) if is_key(value) else None
-        if want != have:
-            problems.append(
-                f"checkpoint step {step}: {show(item, path)!r} holds RNG keys of impl "
-                f"{want} in the checkpoint but {have} in the model"
-            )
-    return problems

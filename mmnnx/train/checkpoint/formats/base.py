@@ -2,20 +2,16 @@
 reads one back.
 
 The ``Checkpointer`` owns everything around a format: the directory and its writer lock, step
-numbers and their listing, which Variables are saved (:mod:`..tree`: arrays by item and path,
-RNG keys as key data) and the check of a step's arrays against the model before anything is
-read. A format only stores and loads arrays, the JSON ``extra`` dict and mmnnx's description of
-each Variable, and proves what it read (checksums, :mod:`..integrity`). It writes a step into a
-temporary directory (a name holding ``layout.TMP_SUFFIX``) and commits it by one atomic rename
-to ``<directory>/<step>``, deleting the steps older than ``max_to_keep`` after the commit.
+numbers, which Variables are saved (:mod:`..tree`) and the check of a step's arrays against the
+model. A format only stores and loads arrays, the JSON ``extra`` dict and mmnnx's description of
+each Variable, and proves what it read (:mod:`..integrity`). It writes a step into a temporary
+directory (a name holding ``layout.TMP_SUFFIX``), commits it by one atomic rename to
+``<directory>/<step>`` and then deletes the steps older than ``max_to_keep``.
 
 The ``Checkpointer`` saves with one format, chosen when it is made, and reads a step with the
-format whose :attr:`Format.marker` the step directory holds (the format without a marker, Orbax's
-tree, when none does): a step restores whatever format wrote it. A new layout, such as Hugging
-Face's (``config.json``, ``model.safetensors.index.json`` mapping each tensor to one of the
-sharded ``*.safetensors`` files, each process reading only the slices its devices hold), is one
-more module here: its marker (``model.safetensors.index.json``), the files every committed step
-holds, a ``save`` writing them and an ``open`` reading the index and the tensors' headers.
+format whose :attr:`Format.marker` the step directory holds (else Orbax's tree, which has none).
+A new layout (Hugging Face's safetensors, say) is one more module here: its marker, the files
+every committed step holds, a ``save`` and an ``open``.
 """
 
 from __future__ import annotations
@@ -31,10 +27,9 @@ Variables = Mapping[str, Mapping[str, Any]]  # "item/path" -> mmnnx's descriptio
 class SavedStep(Protocol):
     """A committed step as its format reads it, opened by :meth:`Format.open`.
 
-    ``arrays`` holds, by item (``"model"``, ``"opt"``), each saved array's shape and dtype (any
-    object with ``.shape`` and ``.dtype``; anything else is reported as no array) by path, or
-    ``None`` for an item the step does not hold. ``variables`` holds mmnnx's description of
-    each saved Variable by ``item/path`` name (``type``, ``task``, ``spec``, ``key_impl``).
+    ``arrays`` holds, by item (``"model"``, ``"opt"``), each saved array's shape and dtype (an
+    object with ``.shape`` and ``.dtype``) by path, or ``None`` for an item the step does not
+    hold; ``variables`` mmnnx's description of each saved Variable by ``item/path`` name.
     """
 
     arrays: Mapping[str, Mapping[Path, Any] | None]
@@ -42,12 +37,10 @@ class SavedStep(Protocol):
 
     def read(self, targets: Trees) -> tuple[dict[str, Any] | None, Trees]:
         """Reads the step's ``extra`` dict (``None`` when the step holds none) and the arrays of
-        ``targets``: by item and path, the value each array is restored into, as stored (an RNG
-        key as its key data), whose shape and dtype :meth:`Format.open`'s ``arrays`` matched.
-
-        Returns each array bit-exact, laid out as its target (the same sharding; a NumPy array
-        for a NumPy target; uncommitted for an uncommitted one), or ``None`` where this process
-        holds no part of it. Reads everything before returning.
+        ``targets`` (by item and path, the value each is restored into, as stored, checked
+        against ``arrays``), each bit-exact and laid out as its target (the same sharding; NumPy
+        for NumPy; uncommitted for uncommitted), or ``None`` where this process holds no part;
+        all read before it returns.
 
         Raises:
             CheckpointCorruptError: a file cannot be read, or an array or ``extra`` reads back
@@ -68,11 +61,10 @@ class Format(Protocol):
     required: ClassVar[tuple[str, ...]]
 
     def save(self, step: int, trees: Trees, extra: dict[str, Any], variables: Variables) -> None:
-        """Writes ``trees`` (by item and path, the arrays, an RNG key as its key data),
-        ``extra`` (JSON) and ``variables`` (mmnnx's description of each Variable) as step
-        ``step``, durable and committed when it returns. The caller holds the writer lock (with
-        several processes, process 0 does; every process calls ``save``) and has removed the
-        temporary directories of abandoned saves.
+        """Writes ``trees`` (arrays by item and path, as stored), ``extra`` and ``variables`` as
+        step ``step``, durable and committed when it returns. The caller holds the writer lock
+        (with several processes, process 0 does; every process calls ``save``) and has removed
+        abandoned saves.
 
         Raises:
             any error of the writing; the step then is not committed (at most its temporary

@@ -1,12 +1,6 @@
-"""A step as Orbax's ``CheckpointManager`` writes it: :class:`OrbaxTree`, the format of one process.
-
-Every array is written by Orbax from the devices it lives on, as it is sharded on its task's
-submesh; nothing is gathered. The items ``model`` and ``opt`` are PyTrees (nested dicts keyed by
-the Variables' paths), ``extra`` and ``mmnnx`` (the description of each Variable, with its
-checksum) JSON. A restore reads each array straight into the sharding its target has now; with
-several processes, each reads the arrays to its host, then puts its part on its devices.
-
-Orbax's manager also lists the steps of every format: :meth:`OrbaxTree.steps`.
+"""A step as Orbax's ``CheckpointManager`` writes it (four items, see ``layout``'s docstring):
+:class:`OrbaxTree`, the format of one process, whose manager also lists the steps of every
+format (:meth:`OrbaxTree.steps`).
 """
 
 from __future__ import annotations
@@ -32,24 +26,10 @@ FORMAT_VERSION = 1
 
 
 class OrbaxTree:
-    """Steps written by Orbax's ``CheckpointManager`` (four items, see ``layout``'s docstring).
-
-    Saves synchronously, each step into ``<step>.orbax-checkpoint-tmp``, fsynced and renamed
-    (``layout.SyncedAtomicRename``); Orbax deletes the steps older than ``max_to_keep``. With
-    several processes (``process``: this one's index), the manager never waits for the others:
-    each process lists and reads steps on its own.
-
-    Example:
-        >>> import tempfile
-        >>> orbax = OrbaxTree(epath.Path(tempfile.mkdtemp()), None, max_to_keep=3)
-        >>> orbax.save(1, {"model": {("w",): np.ones(2)}}, {}, {"model/w": {}})
-        >>> step = orbax.open(1)
-        >>> step.arrays["model"][("w",)].shape, step.arrays["opt"]
-        ((2,), None)
-        >>> step.read({"model": {("w",): np.zeros(2)}})
-        ({}, {'model': {('w',): array([1., 1.])}})
-        >>> orbax.close()
-    """
+    """Orbax's manager, saving synchronously: each step into ``<step>.orbax-checkpoint-tmp``,
+    fsynced and renamed (``layout.SyncedAtomicRename``); Orbax deletes the steps older than
+    ``max_to_keep``. With several processes (``process``: this one's index), the manager never
+    waits for the others: each process lists and reads steps on its own."""
 
     marker: ClassVar[str | None] = None
     required: ClassVar[tuple[str, ...]] = (layout.STEP_METADATA, MODEL, META)
@@ -134,15 +114,12 @@ class OrbaxTree:
         saved_items = set(metadata.keys())
         meta: dict[str, Any] = {}
         if META in saved_items:
+            args = ocp.args.Composite(**{META: ocp.args.JsonRestore()})
             meta = integrity.read_or_corrupt(
-                step,
-                folder,
-                lambda: self._manager.restore(
-                    step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
-                )[META],
+                step, folder, lambda: self._manager.restore(step, args=args)[META]
             )
         arrays = {
-            item: dict(_flatten(_tree_of(metadata[item])))
+            item: dict(_flatten(getattr(metadata[item], "tree", metadata[item])))
             if item in saved_items and metadata[item] is not None
             else None
             for item in (MODEL, OPT)
@@ -235,11 +212,6 @@ def _flatten(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
             yield from _flatten(sub, (*prefix, str(key)))
     else:
         yield prefix, tree
-
-
-def _tree_of(metadata: Any) -> Any:
-    """The nested dict of an Orbax item's tree metadata."""
-    return getattr(metadata, "tree", metadata)
 
 
 def _join_writers(running: set[threading.Thread], timeout: float = 120.0) -> None:

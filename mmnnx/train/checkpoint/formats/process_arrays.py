@@ -6,10 +6,9 @@ Orbax; Orbax 0.12.8 itself writes an array held by one process only from process
 array under ``arrays/<item>/<path>/``, chunked as the array is laid out: each distinct slice is
 one chunk, written by the process of the first device holding it, from that device, in parallel
 with the others. Nothing crosses processes and no host holds more than its own slices. Process
-0 commits the step: the manifest (``mmnnx/metadata``: each array's shape, dtype and chunks with
-their checksums and writers), ``extra`` and one atomic rename. A restore reads, on each process,
-the chunks holding the slices its devices need, checks each against the checksum its writer
-recorded, and builds each array in the layout it has now (any mesh, task or process count).
+0 commits the step: the manifest (``mmnnx/metadata``), ``extra`` and one atomic rename. A
+restore reads, on each process, the chunks holding the slices its devices need, checks each
+against the checksum its writer recorded, and builds each array in the layout it has now.
 
 A value held by no task (:func:`own`: a NumPy array, or an array on one device of each
 process, such as an optimizer's step count made outside ``mm.jit``) is the same on every
@@ -34,7 +33,6 @@ from etils import epath
 from mmnnx.distributed.gather import gather
 from mmnnx.train.checkpoint import integrity, layout
 from mmnnx.train.checkpoint.formats.base import Variables
-from mmnnx.train.checkpoint.integrity import CheckpointCorruptError
 from mmnnx.train.checkpoint.layout import EXTRA, META, MODEL, OPT, STEP_METADATA
 from mmnnx.train.checkpoint.processes import together
 from mmnnx.train.checkpoint.tree import Path, Trees, show
@@ -51,24 +49,15 @@ def _spec(root: epath.Path, item: str, path: Path) -> dict[str, Any]:
 
 
 def _slices(index: tuple, shape: Sequence[int]) -> Chunk:
-    starts, stops = [], []
-    for s, n in zip(index, shape, strict=True):
-        start, stop, _ = s.indices(n)
-        starts.append(start)
-        stops.append(stop)
-    return tuple(starts), tuple(stops)
+    bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+    return tuple(a for a, _ in bounds), tuple(b for _, b in bounds)
 
 
 def own(value: Any) -> bool:
     """Whether ``value`` is this process's own, as every process has one (no task holds it):
     NumPy, or an array on one device of this process (with several processes, the values of
     tasks are laid out on the task, even on one device: ``mm.jit`` hands them back so), which
-    every process tells alike.
-
-    Example:
-        >>> own(np.zeros(2)), own(jax.numpy.zeros(2))
-        (True, True)
-    """
+    every process tells alike."""
     return not isinstance(value, jax.Array) or (
         isinstance(value.sharding, jax.sharding.SingleDeviceSharding) and value.is_fully_addressable
     )
@@ -91,41 +80,27 @@ def _written_here(value: Any, me: int) -> Iterator[tuple[Chunk, Any]]:
             yield chunk, shards[device]
 
 
-def _zarr_dtype(dtype: Any) -> str:
-    """``dtype`` as zarr metadata names it (TensorStore names bfloat16 itself)."""
-    dtype = np.dtype(dtype)
-    return "bfloat16" if dtype.name == "bfloat16" else dtype.str
-
-
-def _chunk_shape(value: Any) -> tuple[int, ...]:
-    shape = tuple(np.shape(value))
-    if not own(value):
-        shape = value.sharding.shard_shape(shape)
-    return tuple(max(1, n) for n in shape)
-
-
-def _creator(value: Any) -> int:
-    """The process that creates ``value``'s zarr array: the lowest holding it (0 for a value
-    of no task)."""
-    return 0 if own(value) else min(d.process_index for d in value.sharding.device_set)
-
-
 def create(root: epath.Path, items: Trees, me: int) -> None:
-    """Creates the zarr arrays of the values whose creator this process is (every process
-    calls it, then waits for all before :func:`write`)."""
+    """Creates the zarr arrays of the values whose creator this process is, the lowest holding
+    it (0 for a value of no task); every process calls it, then waits for all before
+    :func:`write`."""
     opening = []
     for item, flat in items.items():
         for path, value in flat.items():
-            if _creator(value) != me:
+            shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
+            if own(value):
+                creator, chunks = 0, shape
+            else:
+                creator = min(d.process_index for d in value.sharding.device_set)
+                chunks = value.sharding.shard_shape(shape)
+            if creator != me:
                 continue
-            spec = {
-                **_spec(root, item, path),
-                "metadata": {
-                    "shape": list(np.shape(value)),
-                    "dtype": _zarr_dtype(value.dtype),
-                    "chunks": list(_chunk_shape(value)),
-                },
+            metadata = {
+                "shape": list(shape),
+                "dtype": "bfloat16" if dtype.name == "bfloat16" else dtype.str,  # zarr's name
+                "chunks": [max(1, n) for n in chunks],
             }
+            spec = {**_spec(root, item, path), "metadata": metadata}
             opening.append(ts.open(spec, create=True, delete_existing=True))
     for future in opening:
         future.result()
@@ -248,59 +223,43 @@ class ProcessArrays:
         together(what, lambda: create(tmp, trees, me))
         written = together(what, lambda: write(tmp, trees, me))
         reports = gather(written, what=what, timeout_s=3600.0)
-        together(
-            what,
-            lambda: self._commit(step, tmp, trees, reports, extra, variables) if me == 0 else None,
-        )
 
-    def _commit(
-        self,
-        step: int,
-        tmp: epath.Path,
-        trees: Trees,
-        reports: list[dict[str, Any]],
-        extra: dict[str, Any],
-        variables: Variables,
-    ) -> None:
-        """Process 0's part of :meth:`save`, once every process has written: the manifest (each
-        array's shape, dtype and chunks with their checksums), ``extra``, and the atomic rename;
-        then the steps older than ``max_to_keep`` go."""
-        arrays: dict[str, dict[str, Any]] = {}
-        for item, flat in trees.items():
-            for path, value in flat.items():
-                arrays[show(item, path)] = {
-                    "shape": list(np.shape(value)),
-                    "dtype": np.dtype(value.dtype).name,
-                    "chunks": [],
-                }
-        for report in reports:
-            for item, by_path in report.items():
-                for path, chunks in by_path.items():
-                    arrays[f"{item}/{path}"]["chunks"] += chunks
-        manifest = {
-            "format": FORMAT_VERSION,
-            "variables": variables,
-            "arrays": arrays,
-            "extra_checksum": integrity.extra_checksum(extra),
-        }
-        for item, content in ((META, manifest), (EXTRA, extra)):
-            (tmp / item).mkdir(parents=True, exist_ok=True)
-            (tmp / item / "metadata").write_text(json.dumps(content))
-        now = time.time_ns()
-        (tmp / STEP_METADATA).write_text(  # as Orbax writes it, so its listing reads the step
-            json.dumps(
-                {
-                    "item_handlers": {EXTRA: _JSON_ITEMS, META: _JSON_ITEMS},
-                    "metrics": {},
-                    "performance_metrics": {},
-                    "init_timestamp_nsecs": now,
-                    "commit_timestamp_nsecs": now,
-                    "custom_metadata": {"mmnnx_format": FORMAT_VERSION},
-                }
-            )
-        )
-        layout.commit(tmp, self._directory / str(step))
-        layout.remove_oldest(self._directory, self._steps(), self._max_to_keep)
+        def commit() -> None:
+            """Process 0's part, once every process has written: the manifest (each array's
+            shape, dtype and chunks), ``extra``, the rename; then the steps past ``max_to_keep``
+            go."""
+            arrays: dict[str, dict[str, Any]] = {}
+            for item, flat in trees.items():
+                for path, value in flat.items():
+                    shape, dtype = list(np.shape(value)), np.dtype(value.dtype).name
+                    arrays[show(item, path)] = {"shape": shape, "dtype": dtype, "chunks": []}
+            for report in reports:
+                for item, by_path in report.items():
+                    for path, chunks in by_path.items():
+                        arrays[f"{item}/{path}"]["chunks"] += chunks
+            manifest = {
+                "format": FORMAT_VERSION,
+                "variables": variables,
+                "arrays": arrays,
+                "extra_checksum": integrity.extra_checksum(extra),
+            }
+            for item, content in ((META, manifest), (EXTRA, extra)):
+                (tmp / item).mkdir(parents=True, exist_ok=True)
+                (tmp / item / "metadata").write_text(json.dumps(content))
+            now = time.time_ns()
+            step_metadata = {  # as Orbax writes it, so that its listing reads the step
+                "item_handlers": {EXTRA: _JSON_ITEMS, META: _JSON_ITEMS},
+                "metrics": {},
+                "performance_metrics": {},
+                "init_timestamp_nsecs": now,
+                "commit_timestamp_nsecs": now,
+                "custom_metadata": {"mmnnx_format": FORMAT_VERSION},
+            }
+            (tmp / STEP_METADATA).write_text(json.dumps(step_metadata))
+            layout.commit(tmp, self._directory / str(step))
+            layout.remove_oldest(self._directory, self._steps(), self._max_to_keep)
+
+        together(what, lambda: commit() if me == 0 else None)
 
     def open(self, step: int) -> _ProcessArraysStep:
         """See :meth:`Format.open`: the manifest."""
@@ -339,14 +298,13 @@ class _ProcessArraysStep:
         )
         integrity.check_extra(step, folder, extra, self._manifest.get("extra_checksum"))
         values: Trees = {item: {} for item in targets}
-        for item, flat in targets.items():
-            for path, stored in flat.items():
-                record = self._records[show(item, path)]
-                try:
-                    value = _read_as(stored, folder, item, path, record)
-                except DamagedChunk as e:
-                    raise CheckpointCorruptError(step, os.fspath(folder), array=e.name) from e
-                values[item][path] = value
+        try:
+            for item, flat in targets.items():
+                for path, stored in flat.items():
+                    record = self._records[show(item, path)]
+                    values[item][path] = _read_as(stored, folder, item, path, record)
+        except DamagedChunk as e:
+            raise integrity.CheckpointCorruptError(step, os.fspath(folder), array=e.name) from e
         return extra, values
 
 
