@@ -12,26 +12,6 @@ from mmnnx.cli import generate, launch, train
 from mmnnx.cli.flags import Parser
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The ``mmnnx`` parser, and its ``train`` subparser."""
-    parser = Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    train_parser = train.add_parser(commands)
-    launch.add_parser(commands)
-    generate.add_parser(commands)
-    return parser, train_parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``mmnnx`` command's parser (its flags' defaults, no config file read).
-
-    Example:
-        >>> build_parser().parse_args(["generate", "--run", "runs/demo", "--prompt", "a"]).seed
-        0
-    """
-    return _parsers()[0]
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, with the flags not given
     taken from ``--config FILE`` and, with ``--resume``, from the run's saved
@@ -45,21 +25,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         >>> parse_args(["train", "--dim", "64"]).dim
         64
     """
-    parser, train_parser = _parsers()
+    parser = Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    train_parser = train.add_parser(commands)
+    launch.add_parser(commands)
+    generate.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "train":
         args = train.with_config_files(parser, train_parser, argv, args)
     return args
-
-
-def _failed_now(status: int) -> int:
-    """``status``; a failure of one process of several ends it at once, telling the others
-    (``mm.distributed.fail``), rather than waiting for them as at a normal end."""
-    from mmnnx.distributed import fail, is_distributed  # noqa: PLC0415
-
-    if status != 0 and is_distributed():
-        fail(status)
-    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,13 +50,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
     except ConfigError as e:
         return train.error(str(e))
-    if args.command == "train":
-        problem = check(args)
-        if problem:
-            return train.error(problem)
-        return _failed_now(train.run(args))
     if args.command == "launch":
         return launch.run(args)
     if args.command == "generate":
         return generate.run(args)
-    return 2
+    problem = check(args)
+    if problem:
+        return train.error(problem)
+    status = train.run(args)
+    from mmnnx.distributed import fail, is_distributed  # noqa: PLC0415
+
+    if status != 0 and is_distributed():  # one process failing ends all at once, telling them
+        fail(status)
+    return status

@@ -1,7 +1,4 @@
-"""``mmnnx train``: trains the reference GPT on the embedded text (or your own), pipelined over
-simulated CPU devices or real accelerators. Its flags are the options of
-``mmnnx.train.config``; a config file and, with ``--resume``, the run's own ``config.toml``
-give the values of the flags not given."""
+"""``mmnnx train``: its flags are the options of ``mmnnx.train.config``."""
 
 from __future__ import annotations
 
@@ -14,11 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from mmnnx.cli.flags import add_options
-from mmnnx.train.config import RunConfig, not_from_run
+from mmnnx.train.config import RunConfig, tables
+from mmnnx.train.options import spec
 from mmnnx.train.run_config import CONFIG_FILE, read_config, resolved_config, write_config
 
-SAMPLE_PROMPT = "In the beginning"
-"""The prompt of the greedy sample ``mmnnx train`` prints at the end of a run."""
+SAMPLE_PROMPT = "In the beginning"  # of the greedy sample printed at the end of a run
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -57,8 +54,8 @@ def with_config_files(
     saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
     if args.resume and saved_file.is_file():
         saved = read_config(saved_file)
-        for key in not_from_run():
-            saved.pop(key, None)
+        for field in (f for fs in tables().values() for f in fs if not spec(f).from_run):
+            saved.pop(field.name, None)
         train.set_defaults(**{**saved, **given})
         args = parser.parse_args(argv)
         print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
@@ -95,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from mmnnx.train.config import gpt_config, train_config  # noqa: PLC0415
     from mmnnx.train.data import EMBEDDED, TextDataset  # noqa: PLC0415
-    from mmnnx.train.generation import run_tasks  # noqa: PLC0415
+    from mmnnx.train.generation import continue_text, run_tasks  # noqa: PLC0415
     from mmnnx.train.loop import fit  # noqa: PLC0415
 
     checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
@@ -120,7 +117,13 @@ def run(args: argparse.Namespace) -> int:
             f"--data-axis {args.data_axis} x --model-axis {args.model_axis} needs {needed}"
         )
     if args.resume:
-        latest, any_step = _latest_checkpoint(checkpoints)
+        latest, any_step = None, False
+        if checkpoints.is_dir():
+            from mmnnx.train.checkpoint import Checkpointer  # noqa: PLC0415
+
+            with Checkpointer(checkpoints) as ckpt:
+                latest = ckpt.latest_step()
+                any_step = bool(ckpt.all_steps() or ckpt.incomplete_steps())
         if not any_step:
             print(
                 f"mmnnx train: --resume: no checkpoint in {checkpoints}; starting from step 0",
@@ -174,8 +177,15 @@ def run(args: argparse.Namespace) -> int:
         return error(str(e))
     if not math.isfinite(result.final_eval):
         return 1
-    if jax.process_count() == 1:  # a multi-process job's tasks span processes: see generate
-        _print_sample(model, tokenizer, args)
+    if jax.process_count() > 1:  # a multi-process job's tasks span processes: see generate
+        return 0
+    room = model.config.max_seq_len - len(tokenizer.encode(SAMPLE_PROMPT))
+    if room < 1:
+        print(f"sample: none (--seq-len {args.seq_len} leaves no room after {SAMPLE_PROMPT!r})")
+        return 0
+    text = continue_text(model, tokenizer, SAMPLE_PROMPT, min(48, room))
+    print(f'sample (greedy; more: mmnnx generate --run {args.output_dir} --prompt "...")')
+    print(text)
     return 0
 
 
@@ -207,27 +217,3 @@ def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
         digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
         check_same_everywhere("--tokenizer bpe: the BPE each process trained", [digest])
     return tokenizer
-
-
-def _latest_checkpoint(directory: pathlib.Path) -> tuple[int | None, bool]:
-    """The latest complete step in ``directory``, and whether it holds any step directory."""
-    if not directory.is_dir():
-        return None, False
-    from mmnnx.train.checkpoint import Checkpointer  # noqa: PLC0415
-
-    with Checkpointer(directory) as ckpt:
-        return ckpt.latest_step(), bool(ckpt.all_steps() or ckpt.incomplete_steps())
-
-
-def _print_sample(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
-    """A greedy continuation of :data:`SAMPLE_PROMPT` by the trained ``model`` (on its own
-    tasks), at most 48 tokens, as the run report's last lines."""
-    from mmnnx.train.generation import continue_text  # noqa: PLC0415
-
-    room = model.config.max_seq_len - len(tokenizer.encode(SAMPLE_PROMPT))
-    if room < 1:
-        print(f"sample: none (--seq-len {args.seq_len} leaves no room after {SAMPLE_PROMPT!r})")
-        return
-    text = continue_text(model, tokenizer, SAMPLE_PROMPT, min(48, room))
-    print(f'sample (greedy; more: mmnnx generate --run {args.output_dir} --prompt "...")')
-    print(text)
