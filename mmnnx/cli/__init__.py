@@ -1,7 +1,5 @@
-"""The ``mmnnx`` command line: ``mmnnx train`` trains the reference GPT on the embedded text (or
-your own), pipelined over simulated CPU devices or real accelerators; ``mmnnx generate``
-continues a prompt with a trained run's model; ``mmnnx launch`` runs a command as several
-processes. One module per command; this one parses and dispatches."""
+"""The ``mmnnx`` command line (``mmnnx train``, ``generate``, ``launch``): one module per
+command; this one parses and dispatches."""
 
 from __future__ import annotations
 
@@ -15,11 +13,8 @@ from mmnnx.cli.flags import Parser
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, with the flags not given
     taken from ``--config FILE`` and, with ``--resume``, from the run's saved
-    ``OUTPUT_DIR/config.toml``, in that order, before the flags' defaults.
-
-    Raises:
-        ConfigError: a config file that is missing, not TOML, or holds a table, key or value
-            ``mmnnx train`` does not take (one line naming the file and key).
+    ``OUTPUT_DIR/config.toml``, in that order, before the flags' defaults (a bad file:
+    ``ConfigError``).
 
     Example:
         >>> parse_args(["train", "--dim", "64"]).dim
@@ -43,7 +38,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["train", "--stages", "3", "--devices", "4"])
         2
     """
-    from mmnnx.cli.checks import check  # noqa: PLC0415
     from mmnnx.train.run_config import ConfigError  # noqa: PLC0415
 
     try:
@@ -54,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch.run(args)
     if args.command == "generate":
         return generate.run(args)
-    problem = check(args)
+    problem = train.check(args)
     if problem:
         return train.error(problem)
     status = train.run(args)

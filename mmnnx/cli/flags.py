@@ -1,13 +1,5 @@
 """``argparse`` flags derived from option fields (``mmnnx.train.options``), and the parser whose
-every error is one line, exit status 2.
-
-Example:
-    >>> from mmnnx.train.config import RunConfig
-    >>> parser = Parser(prog="mmnnx train")
-    >>> add_options(parser, RunConfig)
-    >>> parser.parse_args(["--dim", "64", "--no-pack-weights"]).pack_weights
-    False
-"""
+every error is one line, exit status 2."""
 
 from __future__ import annotations
 
@@ -50,6 +42,13 @@ def add_fields(group: argparse._ActionsContainer, fields: Iterable[dataclasses.F
 
 
 def add_options(parser: argparse.ArgumentParser, schema: type) -> None:
-    """One argument group per table of ``schema``, holding its options' flags."""
+    """One argument group per table of ``schema``, holding its options' flags.
+
+    Example:
+        >>> from mmnnx.train.config import RunConfig
+        >>> add_options(parser := Parser(), RunConfig)
+        >>> parser.parse_args(["--dim", "64", "--no-pack-weights"]).pack_weights
+        False
+    """
     for title, fields in tables(schema).items():
         add_fields(parser.add_argument_group(title), fields)

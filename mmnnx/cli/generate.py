@@ -42,7 +42,6 @@ class Options:
 
 
 def add_parser(commands: Any) -> None:
-    """``mmnnx generate``'s parser, among ``commands`` (``add_subparsers``' result)."""
     generate = commands.add_parser(
         "generate",
         help="continue a prompt with the model of a run `mmnnx train` wrote",
@@ -76,20 +75,16 @@ def run(args: argparse.Namespace) -> int:
     if "xla_force_host_platform_device_count" not in xla:
         devices = flags.get("devices", 8)
         os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices}"
-    from mmnnx.train.checkpoint import (  # noqa: PLC0415
-        CheckpointCorruptError,
-        CheckpointMismatchError,
-        NoReadableCheckpointError,
-    )
+    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.generation import continue_text, load_run  # noqa: PLC0415
 
     try:
         run = load_run(args.run, layout=args.layout)
     except (
         RunError,
-        CheckpointMismatchError,
-        CheckpointCorruptError,
-        NoReadableCheckpointError,
+        ck.CheckpointMismatchError,
+        ck.CheckpointCorruptError,
+        ck.NoReadableCheckpointError,
     ) as e:
         return error(f"--run: {e}")
     prompt_tokens = len(run.tokenizer.encode(args.prompt))

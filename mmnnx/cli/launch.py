@@ -56,7 +56,6 @@ class Options:
 
 
 def add_parser(commands: Any) -> None:
-    """``mmnnx launch``'s parser, among ``commands`` (``add_subparsers``' result)."""
     launch = commands.add_parser(
         "launch",
         help="run a command as several local processes joined by mm.distributed.initialize",

@@ -11,15 +11,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from mmnnx.cli.flags import add_options
+from mmnnx.mpmd.schedules import get
+from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.train.config import RunConfig, tables
 from mmnnx.train.options import spec
 from mmnnx.train.run_config import CONFIG_FILE, read_config, resolved_config, write_config
+from mmnnx.tuning import parse_bytes
 
 SAMPLE_PROMPT = "In the beginning"  # of the greedy sample printed at the end of a run
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
-    """``mmnnx train``'s parser, among ``commands`` (``add_subparsers``' result)."""
     train = commands.add_parser(
         "train",
         help="train the reference GPT, pipelined over several submeshes",
@@ -68,6 +70,98 @@ def error(message: str) -> int:
     return 2
 
 
+def check(args: argparse.Namespace) -> str | None:
+    """The first inconsistency among the flags taken together, before any model is built, or
+    None.
+
+    Example:
+        >>> from mmnnx.cli import parse_args
+        >>> check(parse_args(["train", "--depth", "1"]))
+        '--depth 1 gives fewer blocks than --stages 2'
+    """
+    used = args.stages * args.data_axis * args.model_axis
+    if used > args.devices:
+        return (
+            f"--stages {args.stages} x --data-axis {args.data_axis} x --model-axis "
+            f"{args.model_axis} needs {used} devices, but --devices is {args.devices}"
+        )
+    if args.depth < args.stages:
+        return f"--depth {args.depth} gives fewer blocks than --stages {args.stages}"
+    v, name = args.virtual_stages, args.schedule
+    placement = None if name == "auto" else registered(name).placement
+    if placement is Placement.V_SHAPED and v != 2:
+        return f"--schedule {name} needs --virtual-stages 2 (two stages per task, in a V)"
+    if placement is Placement.INTERLEAVED and v < 2:
+        return f"--schedule {name} needs --virtual-stages 2 or more (several stages per task)"
+    if v > 1 and placement in (None, Placement.ONE_PER_RANK):
+        return (
+            f"--virtual-stages {v} needs a schedule that runs several stages per task "
+            "(interleaved-*, zero-bubble-v, dualpipev); --schedule "
+            f"{name} runs one"
+        )
+    if v > 1 and args.scan_layers:
+        return f"--virtual-stages {v} needs the blocks as a list: leave out --scan-layers"
+    if args.depth < args.stages * v:
+        return (
+            f"--depth {args.depth} gives fewer blocks than --stages {args.stages} x "
+            f"--virtual-stages {v} stages"
+        )
+    if args.scan_layers and args.depth % args.stages:
+        return (
+            f"--scan-layers splits --depth {args.depth} blocks into equal chunks, one per stage; "
+            f"--stages {args.stages} does not divide it"
+        )
+    if args.dim % args.heads:
+        return f"--dim {args.dim} is not divisible by --heads {args.heads}"
+    if (args.dim // args.heads) % 2:
+        return (
+            f"--dim {args.dim} / --heads {args.heads} gives heads of {args.dim // args.heads} "
+            "dimensions; rotary position embeddings need an even head size"
+        )
+    if args.heads % args.model_axis:
+        return f"--heads {args.heads} is not divisible by --model-axis {args.model_axis}"
+    if args.batch_size % args.microbatches:
+        return (
+            f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}"
+        )
+    if (args.batch_size // args.microbatches) % args.data_axis:
+        return (
+            f"a microbatch of {args.batch_size // args.microbatches} sequences is not "
+            f"divisible by --data-axis {args.data_axis}"
+        )
+    for flag, path in (
+        ("--output-dir", args.output_dir),
+        ("--checkpoint-dir", args.checkpoint_dir),
+    ):
+        if path is not None and pathlib.Path(path).exists() and not pathlib.Path(path).is_dir():
+            return f"{flag} {path} is a file, not a directory"
+
+    if args.memory_budget is not None:
+        if args.schedule != "auto":
+            return "--memory-budget needs --schedule auto"
+        try:
+            budget = parse_bytes(args.memory_budget)
+        except ValueError as e:
+            return f"--memory-budget: {e}"
+        if budget <= 0:
+            return f"--memory-budget must be positive, got {args.memory_budget}"
+    if args.vocab_size is not None and args.tokenizer != "bpe" and not args.resume:
+        return "--vocab-size needs --tokenizer bpe"
+    if args.profile_steps is not None and args.profile_steps[0] > args.steps:
+        return f"--profile-steps starts at step {args.profile_steps[0]}, after --steps {args.steps}"
+    if args.schedule == "auto":
+        return None
+    try:
+        get(args.schedule, args.stages * v, args.microbatches, v)
+    except ValueError as e:
+        with_v = f", --virtual-stages {v}" if v > 1 else ""
+        return (
+            f"--schedule {args.schedule} with --stages {args.stages}{with_v} and --microbatches "
+            f"{args.microbatches}: {e}"
+        )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """``mmnnx train`` with the flags ``args`` (checked): 0 when trained, 1 when the loss is no
     longer finite, 2 for an input error found only now (one line on stderr)."""
@@ -80,16 +174,10 @@ def run(args: argparse.Namespace) -> int:
     import mmnnx as mm  # noqa: PLC0415
 
     mm.distributed.initialize()  # under `mmnnx launch` or a cluster; a no-op alone
-    from mmnnx.cli.checks import stage_order  # noqa: PLC0415
     from mmnnx.errors import NoCandidateError  # noqa: PLC0415
     from mmnnx.models import GPT  # noqa: PLC0415
     from mmnnx.models.stages import stage_rules  # noqa: PLC0415
-    from mmnnx.train.checkpoint import (  # noqa: PLC0415
-        CheckpointCorruptError,
-        CheckpointDirectoryBusyError,
-        CheckpointMismatchError,
-        NoReadableCheckpointError,
-    )
+    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.config import gpt_config, train_config  # noqa: PLC0415
     from mmnnx.train.data import EMBEDDED, TextDataset  # noqa: PLC0415
     from mmnnx.train.generation import continue_text, run_tasks  # noqa: PLC0415
@@ -119,9 +207,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         latest, any_step = None, False
         if checkpoints.is_dir():
-            from mmnnx.train.checkpoint import Checkpointer  # noqa: PLC0415
-
-            with Checkpointer(checkpoints) as ckpt:
+            with ck.Checkpointer(checkpoints) as ckpt:
                 latest = ckpt.latest_step()
                 any_step = bool(ckpt.all_steps() or ckpt.incomplete_steps())
         if not any_step:
@@ -156,12 +242,13 @@ def run(args: argparse.Namespace) -> int:
     if jax.process_index() == 0:
         tokenizer.save(pathlib.Path(args.output_dir, "tokenizer"))
         write_config(pathlib.Path(args.output_dir, CONFIG_FILE), resolved_config(vars(args)))
+    v_shaped = args.schedule != "auto" and registered(args.schedule).placement is Placement.V_SHAPED
     with nnx.use_eager_sharding(False):
         placement = stage_rules(
             nnx.eval_shape(factory),
             tasks,
             virtual_stages=args.virtual_stages,
-            order=stage_order(args.schedule),
+            order="v" if v_shaped else "loop",
         )
     model = mm.init(factory, placement)
     table = mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2)
@@ -169,11 +256,15 @@ def run(args: argparse.Namespace) -> int:
         print(table)
     try:
         result = fit(model, dataset, train_config(vars(args)))
-    except (CheckpointMismatchError, CheckpointCorruptError, NoReadableCheckpointError) as e:
+    except (
+        ck.CheckpointMismatchError,
+        ck.CheckpointCorruptError,
+        ck.NoReadableCheckpointError,
+    ) as e:
         return error(f"--resume: {e}")
     except NoCandidateError as e:
         return error(f"--schedule auto: {e}")
-    except CheckpointDirectoryBusyError as e:
+    except ck.CheckpointDirectoryBusyError as e:
         return error(str(e))
     if not math.isfinite(result.final_eval):
         return 1

@@ -17,14 +17,12 @@ Parse = Callable[[str, str], Any]
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """A field's flag: ``help`` (``%(default)s`` is the default; a callable is called when
-    the parser is built), ``parse`` (``None``: the text as is), ``choices`` (likewise
-    possibly a callable), ``metavar``, ``many`` (one value or more, a list), ``switches``
-    (flags that take no value: flag -> (the value it sets, its help)), ``from_run`` (with
-    ``--resume``, a value not given defaults to the resumed run's; ``False`` for what says
-    where the run is now and what this call does), ``api`` (its name in ``TrainConfig`` or
-    ``GPTConfig``, when not its own), ``omit`` (values that leave that field its default) and
-    ``text`` (a value as ``config.toml`` holds it, when not as is: what ``parse`` reads)."""
+    """A field's flag: ``help`` (``%(default)s`` is the default) and ``choices``, each possibly a
+    callable called when the parser is built; ``parse`` (``None``: the text as is), ``metavar``,
+    ``many`` (one value or more, a list), ``switches`` (flags taking no value: flag -> (the value
+    it sets, its help)), ``from_run`` (``--resume`` takes it from the resumed run), ``api`` (its
+    name in ``TrainConfig`` or ``GPTConfig``, when not its own), ``omit`` (values leaving that
+    field its default), ``text`` (its value as ``config.toml`` holds it, when not as is)."""
 
     help: str | Callable[[], str] = ""
     parse: Parse | None = None
