@@ -4,10 +4,14 @@ command; this one parses and dispatches."""
 from __future__ import annotations
 
 import argparse
+import pathlib
 from collections.abc import Sequence
 
 from mmnnx.cli import generate, launch, train
 from mmnnx.cli.flags import Parser
+from mmnnx.train.config import tables
+from mmnnx.train.options import spec
+from mmnnx.train.run_config import CONFIG_FILE, read_config
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -26,8 +30,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     launch.add_parser(commands)
     generate.add_parser(commands)
     args = parser.parse_args(argv)
-    if args.command == "train":
-        args = train.with_config_files(parser, train_parser, argv, args)
+    if args.command != "train":
+        return args
+    given = read_config(args.config) if args.config else {}
+    if given:
+        train_parser.set_defaults(**given)
+        args = parser.parse_args(argv)
+    saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
+    if args.resume and saved_file.is_file():
+        saved = read_config(saved_file)
+        for field in (f for fs in tables().values() for f in fs if not spec(f).from_run):
+            saved.pop(field.name, None)
+        train_parser.set_defaults(**{**saved, **given})
+        args = parser.parse_args(argv)
+        print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
     return args
 
 

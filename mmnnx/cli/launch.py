@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from mmnnx.cli.flags import add_fields
-from mmnnx.train.options import integer, option, positive, switch
+from mmnnx.train.options import integer, option, positive, spec, switch
 
 
 @dataclasses.dataclass
@@ -52,6 +52,7 @@ class Options:
         "stay stopped (SIGSTOP) before it names it and ends the job (default 20)",
         positive,
         metavar="S",
+        api="heartbeat_timeout_s",
     )
 
 
@@ -77,17 +78,9 @@ def run(args: argparse.Namespace) -> int:
     from mmnnx.launcher.launch import LaunchError, launch  # noqa: PLC0415
 
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    options = {spec(f).api or f.name: getattr(args, f.name) for f in dataclasses.fields(Options)}
     try:
-        return launch(
-            command,
-            args.nprocs,
-            devices_per_process=args.devices_per_process,
-            port=args.port,
-            collectives=args.collectives,
-            verbose=args.verbose,
-            max_restarts=args.max_restarts,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-        )
+        return launch(command, args.nprocs, **options)
     except LaunchError as e:
         print(e, file=sys.stderr)
         return 2

@@ -7,15 +7,13 @@ import math
 import os
 import pathlib
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from mmnnx.cli.flags import add_options
 from mmnnx.mpmd.schedules import get
 from mmnnx.mpmd.schedules.registry import Placement, registered
-from mmnnx.train.config import RunConfig, tables
-from mmnnx.train.options import spec
-from mmnnx.train.run_config import CONFIG_FILE, read_config, resolved_config, write_config
+from mmnnx.train.config import RunConfig
+from mmnnx.train.run_config import CONFIG_FILE, resolved_config, write_config
 from mmnnx.tuning import parse_bytes
 
 SAMPLE_PROMPT = "In the beginning"  # of the greedy sample printed at the end of a run
@@ -40,30 +38,6 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     return train
 
 
-def with_config_files(
-    parser: argparse.ArgumentParser,
-    train: argparse.ArgumentParser,
-    argv: Sequence[str] | None,
-    args: argparse.Namespace,
-) -> argparse.Namespace:
-    """``mmnnx train``'s flags (``train`` is its parser, a subparser of ``parser``) over the
-    values of ``--config FILE``, over (with ``--resume``) those the run saved in
-    ``OUTPUT_DIR/config.toml``, over the options' defaults."""
-    given = read_config(args.config) if args.config else {}
-    if given:
-        train.set_defaults(**given)
-        args = parser.parse_args(argv)
-    saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
-    if args.resume and saved_file.is_file():
-        saved = read_config(saved_file)
-        for field in (f for fs in tables().values() for f in fs if not spec(f).from_run):
-            saved.pop(field.name, None)
-        train.set_defaults(**{**saved, **given})
-        args = parser.parse_args(argv)
-        print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
-    return args
-
-
 def error(message: str) -> int:
     """``message`` as ``mmnnx train``'s one line on stderr; exit status 2."""
     print(f"mmnnx train: error: {message}", file=sys.stderr)
@@ -71,8 +45,7 @@ def error(message: str) -> int:
 
 
 def check(args: argparse.Namespace) -> str | None:
-    """The first inconsistency among the flags taken together, before any model is built, or
-    None.
+    """The first inconsistency among the flags taken together, or None.
 
     Example:
         >>> from mmnnx.cli import parse_args
@@ -184,22 +157,16 @@ def run(args: argparse.Namespace) -> int:
     from mmnnx.train.loop import fit  # noqa: PLC0415
 
     checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
-    if (
-        not args.resume
-        and checkpoints.is_dir()
-        and any(p.name.isdigit() for p in checkpoints.iterdir())
-    ):
+    fresh = not args.resume and checkpoints.is_dir()
+    if fresh and any(p.name.isdigit() for p in checkpoints.iterdir()):
         return error(
             f"{checkpoints} already holds checkpoints; pass --resume to continue from them, or "
             "choose another --output-dir or --checkpoint-dir"
         )
     needed = args.stages * args.data_axis * args.model_axis
     if len(jax.devices()) < needed:
-        where = (
-            f" ({jax.process_count()} processes x {jax.local_device_count()})"
-            if jax.process_count() > 1
-            else ""
-        )
+        many = jax.process_count() > 1
+        where = f" ({jax.process_count()} processes x {jax.local_device_count()})" if many else ""
         return error(
             f"only {len(jax.devices())} devices are available{where}; --stages {args.stages} x "
             f"--data-axis {args.data_axis} x --model-axis {args.model_axis} needs {needed}"

@@ -11,6 +11,7 @@ from typing import Any
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.mpmd.lower.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.mpmd.schedules import names as schedule_names
+from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.train.loop import TrainConfig
 from mmnnx.train.options import finite, integer, option, positive, spec, step_range, switch
 
@@ -23,8 +24,6 @@ def count(default: int, help: str, **more) -> Any:
 
 
 def _schedule_help() -> str:
-    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
-
     needs = {
         Placement.ONE_PER_RANK: "one stage per task",
         Placement.INTERLEAVED: "--virtual-stages 2 or more",

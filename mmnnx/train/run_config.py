@@ -128,9 +128,7 @@ def read_config(path: str | os.PathLike[str], schema: type = RunConfig) -> dict[
     return values
 
 
-def resolved_config(
-    values: Mapping[str, Any], schema: type = RunConfig
-) -> dict[str, dict[str, Any]]:
+def resolved_config(values: Mapping[str, Any], schema: type = RunConfig) -> dict[str, dict]:
     """``values`` of options grouped in ``schema``'s tables; ``None`` values left out.
 
     Example:
