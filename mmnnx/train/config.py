@@ -166,8 +166,7 @@ class Precision:
 @dataclasses.dataclass
 class Logging:
     log_every: int = count(
-        T.log_every,
-        "steps between logged metrics; without a terminal, one line each",
+        T.log_every, "steps between logged metrics; without a terminal, one line each"
     )
     tensorboard: bool = switch(
         "--no-tensorboard",
@@ -195,8 +194,7 @@ class Outputs:
     )
     resume: bool = switch("--resume", "continue from the latest checkpoint", from_run=False)
     checkpoint_every: int = count(
-        T.checkpoint_every,
-        "save a checkpoint every this many steps, and at the end",
+        T.checkpoint_every, "save a checkpoint every this many steps, and at the end"
     )
 
 
