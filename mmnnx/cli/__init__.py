@@ -1,65 +1,50 @@
-"""The ``mmnnx`` command line: ``mmnnx train`` trains the reference GPT on the embedded text (or
-your own), pipelined over simulated CPU devices or real accelerators; ``mmnnx generate``
-continues a prompt with a trained run's model; ``mmnnx launch`` runs a command as several
-processes. One module per command; this one parses and dispatches."""
+"""The ``mmnnx`` command line (``mmnnx train``, ``generate``, ``launch``): one module per
+command; this one parses and dispatches."""
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 from collections.abc import Sequence
 
 from mmnnx.cli import generate, launch, train
 from mmnnx.cli.flags import Parser
-
-
-def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The ``mmnnx`` parser, and its ``train`` subparser."""
-    parser = Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    train_parser = train.add_parser(commands)
-    launch.add_parser(commands)
-    generate.add_parser(commands)
-    return parser, train_parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``mmnnx`` command's parser (its flags' defaults, no config file read).
-
-    Example:
-        >>> build_parser().parse_args(["generate", "--run", "runs/demo", "--prompt", "a"]).seed
-        0
-    """
-    return _parsers()[0]
+from mmnnx.train.config import tables
+from mmnnx.train.options import spec
+from mmnnx.train.run_config import CONFIG_FILE, read_config
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, with the flags not given
     taken from ``--config FILE`` and, with ``--resume``, from the run's saved
-    ``OUTPUT_DIR/config.toml``, in that order, before the flags' defaults.
-
-    Raises:
-        ConfigError: a config file that is missing, not TOML, or holds a table, key or value
-            ``mmnnx train`` does not take (one line naming the file and key).
+    ``OUTPUT_DIR/config.toml``, in that order, before the flags' defaults (a bad file:
+    ``ConfigError``).
 
     Example:
         >>> parse_args(["train", "--dim", "64"]).dim
         64
     """
-    parser, train_parser = _parsers()
+    parser = Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    train_parser = train.add_parser(commands)
+    launch.add_parser(commands)
+    generate.add_parser(commands)
     args = parser.parse_args(argv)
-    if args.command == "train":
-        args = train.with_config_files(parser, train_parser, argv, args)
+    if args.command != "train":
+        return args
+    given = read_config(args.config) if args.config else {}
+    if given:
+        train_parser.set_defaults(**given)
+        args = parser.parse_args(argv)
+    saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
+    if args.resume and saved_file.is_file():
+        saved = read_config(saved_file)
+        for field in (f for fs in tables().values() for f in fs if not spec(f).from_run):
+            saved.pop(field.name, None)
+        train_parser.set_defaults(**{**saved, **given})
+        args = parser.parse_args(argv)
+        print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
     return args
-
-
-def _failed_now(status: int) -> int:
-    """``status``; a failure of one process of several ends it at once, telling the others
-    (``mm.distributed.fail``), rather than waiting for them as at a normal end."""
-    from mmnnx.distributed import fail, is_distributed  # noqa: PLC0415
-
-    if status != 0 and is_distributed():
-        fail(status)
-    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,20 +54,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["train", "--stages", "3", "--devices", "4"])
         2
     """
-    from mmnnx.cli.checks import check  # noqa: PLC0415
     from mmnnx.train.run_config import ConfigError  # noqa: PLC0415
 
     try:
         args = parse_args(argv)
     except ConfigError as e:
         return train.error(str(e))
-    if args.command == "train":
-        problem = check(args)
-        if problem:
-            return train.error(problem)
-        return _failed_now(train.run(args))
     if args.command == "launch":
         return launch.run(args)
     if args.command == "generate":
         return generate.run(args)
-    return 2
+    problem = train.check(args)
+    if problem:
+        return train.error(problem)
+    status = train.run(args)
+    from mmnnx.distributed import fail, is_distributed  # noqa: PLC0415
+
+    if status != 0 and is_distributed():  # one process failing ends all at once, telling them
+        fail(status)
+    return status

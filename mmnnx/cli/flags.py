@@ -1,64 +1,54 @@
-"""``argparse`` flags derived from a run's option fields (``mmnnx.train.options``), and the
-parser whose every error is one line, exit status 2.
-
-Example:
-    >>> from mmnnx.train.config import RunConfig
-    >>> parser = Parser(prog="mmnnx train")
-    >>> add_options(parser, RunConfig)
-    >>> parser.parse_args(["--dim", "64", "--no-pack-weights"]).pack_weights
-    False
-"""
+"""``argparse`` flags derived from option fields (``mmnnx.train.options``), and the parser whose
+every error is one line, exit status 2."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Iterable
 
 from mmnnx.train.config import tables
-from mmnnx.train.options import Parse, spec
+from mmnnx.train.options import spec
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose error is one line on stderr, exit status 2."""
-
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def typed(parse: Parse, flag: str) -> Callable[[str], Any]:
-    """``parse`` as the ``type=`` of ``flag``: its reasons name the flag.
-
-    Example:
-        >>> from mmnnx.train.options import positive
-        >>> typed(positive, "-n")("3")
-        3
-    """
-    return functools.partial(parse, flag)
+def add_fields(group: argparse._ActionsContainer, fields: Iterable[dataclasses.Field]) -> None:
+    """One flag per option field (a switch: one flag per switch, taking no value), named,
+    typed, defaulted and helped by its field; a field without a default is a required flag."""
+    for field in fields:
+        option = spec(field)
+        for flag, (value, help) in option.switches.items():
+            group.add_argument(flag, dest=field.name, action="store_const", const=value, help=help)
+        if option.switches:
+            group.set_defaults(**{field.name: field.default})
+            continue
+        flag = option.flag(field.name)
+        required = field.default is dataclasses.MISSING
+        group.add_argument(
+            flag,
+            type=None if option.parse is None else functools.partial(option.parse, flag),
+            default=None if required else field.default,
+            required=required,
+            choices=option.choice_list(),
+            nargs="+" if option.many else None,
+            metavar=option.metavar,
+            help=option.help_text(),
+        )
 
 
 def add_options(parser: argparse.ArgumentParser, schema: type) -> None:
-    """One argument group per table of ``schema``, one flag per option (a switch: one flag per
-    switch, taking no value), named, typed, defaulted and helped by its field."""
+    """One argument group per table of ``schema``, holding its options' flags.
+
+    Example:
+        >>> from mmnnx.train.config import RunConfig
+        >>> add_options(parser := Parser(), RunConfig)
+        >>> parser.parse_args(["--dim", "64", "--no-pack-weights"]).pack_weights
+        False
+    """
     for title, fields in tables(schema).items():
-        group = parser.add_argument_group(title)
-        for field in fields:
-            option = spec(field)
-            for flag, (value, help) in option.switches.items():
-                group.add_argument(
-                    flag, dest=field.name, action="store_const", const=value, help=help
-                )
-            if option.switches:
-                parser.set_defaults(**{field.name: field.default})
-                continue
-            flag = option.flag(field.name)
-            group.add_argument(
-                flag,
-                type=None if option.parse is None else typed(option.parse, flag),
-                default=field.default,
-                choices=option.choice_list(),
-                nargs="+" if option.many else None,
-                metavar=option.metavar,
-                help=option.help_text(),
-            )
+        add_fields(parser.add_argument_group(title), fields)

@@ -3,16 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
 
-from mmnnx.cli.flags import typed
-from mmnnx.train.options import finite, integer, positive
+from mmnnx.cli.flags import add_fields
+from mmnnx.train.options import finite, integer, option, positive
+
+
+@dataclasses.dataclass
+class Options:
+    run: str = option(dataclasses.MISSING, "the run's --output-dir", metavar="DIR")
+    prompt: str = option(dataclasses.MISSING, "the text to continue", metavar="TEXT")
+    max_new_tokens: int | None = option(
+        None,
+        "tokens to add (default: as many as the model's context, --seq-len, has room for)",
+        positive,
+        metavar="N",
+    )
+    temperature: float = option(
+        0.0,
+        "0 picks the likeliest token (greedy, the default); above 0, sample from the "
+        "logits divided by T",
+        finite(positive=False),
+        metavar="T",
+    )
+    top_k: int | None = option(
+        None, "with --temperature, sample among the K likeliest tokens only", positive, metavar="K"
+    )
+    seed: int = option(0, "sampling seed (0)", integer(0), metavar="S")
+    layout: str = option(
+        "one-device",
+        "one-device (default), or run: the run's own --stages x --data-axis x "
+        "--model-axis tasks, each stage's blocks and their cache on its submesh (mm.jit)",
+        choices=("one-device", "run"),
+    )
 
 
 def add_parser(commands: Any) -> None:
-    """``mmnnx generate``'s parser, among ``commands`` (``add_subparsers``' result)."""
     generate = commands.add_parser(
         "generate",
         help="continue a prompt with the model of a run `mmnnx train` wrote",
@@ -22,40 +51,7 @@ def add_parser(commands: Any) -> None:
         "greedy unless --temperature is given. Example: mmnnx generate --run runs/demo "
         '--prompt "In the beginning"',
     )
-    generate.add_argument("--run", required=True, metavar="DIR", help="the run's --output-dir")
-    generate.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
-    generate.add_argument(
-        "--max-new-tokens",
-        type=typed(positive, "--max-new-tokens"),
-        default=None,
-        metavar="N",
-        help="tokens to add (default: as many as the model's context, --seq-len, has room for)",
-    )
-    generate.add_argument(
-        "--temperature",
-        type=typed(finite(positive=False), "--temperature"),
-        default=0.0,
-        metavar="T",
-        help="0 picks the likeliest token (greedy, the default); above 0, sample from the "
-        "logits divided by T",
-    )
-    generate.add_argument(
-        "--top-k",
-        type=typed(positive, "--top-k"),
-        default=None,
-        metavar="K",
-        help="with --temperature, sample among the K likeliest tokens only",
-    )
-    generate.add_argument(
-        "--seed", type=typed(integer(0), "--seed"), default=0, help="sampling seed (0)", metavar="S"
-    )
-    generate.add_argument(
-        "--layout",
-        choices=("one-device", "run"),
-        default="one-device",
-        help="one-device (default), or run: the run's own --stages x --data-axis x "
-        "--model-axis tasks, each stage's blocks and their cache on its submesh (mm.jit)",
-    )
+    add_fields(generate, dataclasses.fields(Options))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,20 +75,16 @@ def run(args: argparse.Namespace) -> int:
     if "xla_force_host_platform_device_count" not in xla:
         devices = flags.get("devices", 8)
         os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices}"
-    from mmnnx.train.checkpoint import (  # noqa: PLC0415
-        CheckpointCorruptError,
-        CheckpointMismatchError,
-        NoReadableCheckpointError,
-    )
+    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.generation import continue_text, load_run  # noqa: PLC0415
 
     try:
         run = load_run(args.run, layout=args.layout)
     except (
         RunError,
-        CheckpointMismatchError,
-        CheckpointCorruptError,
-        NoReadableCheckpointError,
+        ck.CheckpointMismatchError,
+        ck.CheckpointCorruptError,
+        ck.NoReadableCheckpointError,
     ) as e:
         return error(f"--run: {e}")
     prompt_tokens = len(run.tokenizer.encode(args.prompt))

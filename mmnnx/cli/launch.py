@@ -4,15 +4,59 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import sys
 from typing import Any
 
-from mmnnx.cli.flags import typed
-from mmnnx.train.options import integer, positive
+from mmnnx.cli.flags import add_fields
+from mmnnx.train.options import integer, option, positive, spec, switch
+
+
+@dataclasses.dataclass
+class Options:
+    devices_per_process: int | None = option(
+        None,
+        "simulated CPU devices per process when JAX_PLATFORMS names no accelerator (default 1)",
+        positive,
+        metavar="K",
+    )
+    port: int | None = option(
+        None,
+        "coordinator port (default: a free one, a fresh one for each restart)",
+        integer(1, 65535),
+    )
+    collectives: str | None = option(
+        None,
+        "collectives between processes on CPU, needed only by tasks whose devices belong to "
+        "several processes (default none: they slow down every collective)",
+        choices=("none", "gloo", "mpi"),
+    )
+    verbose: bool = switch(
+        "--verbose",
+        "also print gloo's connection lines and JAX's C++ information logs "
+        "(TF_CPP_MIN_LOG_LEVEL=0), left out by default; warnings and errors always show",
+    )
+    max_restarts: int = option(
+        0,
+        "when a process fails, stop all and start all again, up to N times, one line each; "
+        "the exit status is the last attempt's. Each process sees the attempt's number in "
+        "MMNNX_RESTART_COUNT; `mmnnx train --resume` continues from the newest checkpoint (0)",
+        integer(0),
+        metavar="N",
+    )
+    heartbeat_timeout: int | None = option(
+        None,
+        "a process silent this long has stopped responding: JAX's heartbeat timeout in "
+        "every process (MMNNX_HEARTBEAT_TIMEOUT), and how long the launcher lets a process "
+        "stay stopped (SIGSTOP) before it names it and ends the job (default 20)",
+        positive,
+        metavar="S",
+        api="heartbeat_timeout_s",
+    )
 
 
 def add_parser(commands: Any) -> None:
-    """``mmnnx launch``'s parser, among ``commands`` (``add_subparsers``' result)."""
     launch = commands.add_parser(
         "launch",
         help="run a command as several local processes joined by mm.distributed.initialize",
@@ -22,52 +66,9 @@ def add_parser(commands: Any) -> None:
         "the exit status is its own; with --max-restarts, all are then started again. Example: "
         "mmnnx launch -n 2 --devices-per-process 4 -- python train.py",
     )
-    launch.add_argument("-n", "--nprocs", type=typed(positive, "-n"), required=True, metavar="N")
-    launch.add_argument(
-        "--devices-per-process",
-        type=typed(positive, "--devices-per-process"),
-        default=None,
-        metavar="K",
-        help="simulated CPU devices per process when JAX_PLATFORMS names no accelerator "
-        "(default 1)",
-    )
-    launch.add_argument(
-        "--port",
-        type=typed(integer(1, 65535), "--port"),
-        default=None,
-        help="coordinator port (default: a free one, a fresh one for each restart)",
-    )
-    launch.add_argument(
-        "--collectives",
-        choices=("none", "gloo", "mpi"),
-        default=None,
-        help="collectives between processes on CPU, needed only by tasks whose devices belong to "
-        "several processes (default none: they slow down every collective)",
-    )
-    launch.add_argument(
-        "--verbose",
-        action="store_true",
-        help="also print gloo's connection lines and JAX's C++ information logs "
-        "(TF_CPP_MIN_LOG_LEVEL=0), left out by default; warnings and errors always show",
-    )
-    launch.add_argument(
-        "--max-restarts",
-        type=typed(integer(0), "--max-restarts"),
-        default=0,
-        metavar="N",
-        help="when a process fails, stop all and start all again, up to N times, one line each; "
-        "the exit status is the last attempt's. Each process sees the attempt's number in "
-        "MMNNX_RESTART_COUNT; `mmnnx train --resume` continues from the newest checkpoint (0)",
-    )
-    launch.add_argument(
-        "--heartbeat-timeout",
-        type=typed(positive, "--heartbeat-timeout"),
-        default=None,
-        metavar="S",
-        help="a process silent this long has stopped responding: JAX's heartbeat timeout in "
-        "every process (MMNNX_HEARTBEAT_TIMEOUT), and how long the launcher lets a process "
-        "stay stopped (SIGSTOP) before it names it and ends the job (default 20)",
-    )
+    nprocs = functools.partial(positive, "-n")
+    launch.add_argument("-n", "--nprocs", type=nprocs, required=True, metavar="N")
+    add_fields(launch, dataclasses.fields(Options))
     launch.add_argument(
         "argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command and its arguments"
     )
@@ -77,17 +78,9 @@ def run(args: argparse.Namespace) -> int:
     from mmnnx.launcher.launch import LaunchError, launch  # noqa: PLC0415
 
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    options = {spec(f).api or f.name: getattr(args, f.name) for f in dataclasses.fields(Options)}
     try:
-        return launch(
-            command,
-            args.nprocs,
-            devices_per_process=args.devices_per_process,
-            port=args.port,
-            collectives=args.collectives,
-            verbose=args.verbose,
-            max_restarts=args.max_restarts,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-        )
+        return launch(command, args.nprocs, **options)
     except LaunchError as e:
         print(e, file=sys.stderr)
         return 2

@@ -1,7 +1,4 @@
-"""``mmnnx train``: trains the reference GPT on the embedded text (or your own), pipelined over
-simulated CPU devices or real accelerators. Its flags are the options of
-``mmnnx.train.config``; a config file and, with ``--resume``, the run's own ``config.toml``
-give the values of the flags not given."""
+"""``mmnnx train``: its flags are the options of ``mmnnx.train.config``."""
 
 from __future__ import annotations
 
@@ -10,19 +7,19 @@ import math
 import os
 import pathlib
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from mmnnx.cli.flags import add_options
-from mmnnx.train.config import RunConfig, not_from_run
-from mmnnx.train.run_config import CONFIG_FILE, read_config, resolved_config, write_config
+from mmnnx.mpmd.schedules import get
+from mmnnx.mpmd.schedules.registry import Placement, registered
+from mmnnx.train.config import RunConfig
+from mmnnx.train.run_config import CONFIG_FILE, resolved_config, write_config
+from mmnnx.tuning import parse_bytes
 
-SAMPLE_PROMPT = "In the beginning"
-"""The prompt of the greedy sample ``mmnnx train`` prints at the end of a run."""
+SAMPLE_PROMPT = "In the beginning"  # of the greedy sample printed at the end of a run
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
-    """``mmnnx train``'s parser, among ``commands`` (``add_subparsers``' result)."""
     train = commands.add_parser(
         "train",
         help="train the reference GPT, pipelined over several submeshes",
@@ -41,34 +38,101 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     return train
 
 
-def with_config_files(
-    parser: argparse.ArgumentParser,
-    train: argparse.ArgumentParser,
-    argv: Sequence[str] | None,
-    args: argparse.Namespace,
-) -> argparse.Namespace:
-    """``mmnnx train``'s flags (``train`` is its parser, a subparser of ``parser``) over the
-    values of ``--config FILE``, over (with ``--resume``) those the run saved in
-    ``OUTPUT_DIR/config.toml``, over the options' defaults."""
-    given = read_config(args.config) if args.config else {}
-    if given:
-        train.set_defaults(**given)
-        args = parser.parse_args(argv)
-    saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
-    if args.resume and saved_file.is_file():
-        saved = read_config(saved_file)
-        for key in not_from_run():
-            saved.pop(key, None)
-        train.set_defaults(**{**saved, **given})
-        args = parser.parse_args(argv)
-        print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
-    return args
-
-
 def error(message: str) -> int:
     """``message`` as ``mmnnx train``'s one line on stderr; exit status 2."""
     print(f"mmnnx train: error: {message}", file=sys.stderr)
     return 2
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """The first inconsistency among the flags taken together, or None.
+
+    Example:
+        >>> from mmnnx.cli import parse_args
+        >>> check(parse_args(["train", "--depth", "1"]))
+        '--depth 1 gives fewer blocks than --stages 2'
+    """
+    used = args.stages * args.data_axis * args.model_axis
+    if used > args.devices:
+        return (
+            f"--stages {args.stages} x --data-axis {args.data_axis} x --model-axis "
+            f"{args.model_axis} needs {used} devices, but --devices is {args.devices}"
+        )
+    if args.depth < args.stages:
+        return f"--depth {args.depth} gives fewer blocks than --stages {args.stages}"
+    v, name = args.virtual_stages, args.schedule
+    placement = None if name == "auto" else registered(name).placement
+    if placement is Placement.V_SHAPED and v != 2:
+        return f"--schedule {name} needs --virtual-stages 2 (two stages per task, in a V)"
+    if placement is Placement.INTERLEAVED and v < 2:
+        return f"--schedule {name} needs --virtual-stages 2 or more (several stages per task)"
+    if v > 1 and placement in (None, Placement.ONE_PER_RANK):
+        return (
+            f"--virtual-stages {v} needs a schedule that runs several stages per task "
+            "(interleaved-*, zero-bubble-v, dualpipev); --schedule "
+            f"{name} runs one"
+        )
+    if v > 1 and args.scan_layers:
+        return f"--virtual-stages {v} needs the blocks as a list: leave out --scan-layers"
+    if args.depth < args.stages * v:
+        return (
+            f"--depth {args.depth} gives fewer blocks than --stages {args.stages} x "
+            f"--virtual-stages {v} stages"
+        )
+    if args.scan_layers and args.depth % args.stages:
+        return (
+            f"--scan-layers splits --depth {args.depth} blocks into equal chunks, one per stage; "
+            f"--stages {args.stages} does not divide it"
+        )
+    if args.dim % args.heads:
+        return f"--dim {args.dim} is not divisible by --heads {args.heads}"
+    if (args.dim // args.heads) % 2:
+        return (
+            f"--dim {args.dim} / --heads {args.heads} gives heads of {args.dim // args.heads} "
+            "dimensions; rotary position embeddings need an even head size"
+        )
+    if args.heads % args.model_axis:
+        return f"--heads {args.heads} is not divisible by --model-axis {args.model_axis}"
+    if args.batch_size % args.microbatches:
+        return (
+            f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}"
+        )
+    if (args.batch_size // args.microbatches) % args.data_axis:
+        return (
+            f"a microbatch of {args.batch_size // args.microbatches} sequences is not "
+            f"divisible by --data-axis {args.data_axis}"
+        )
+    for flag, path in (
+        ("--output-dir", args.output_dir),
+        ("--checkpoint-dir", args.checkpoint_dir),
+    ):
+        if path is not None and pathlib.Path(path).exists() and not pathlib.Path(path).is_dir():
+            return f"{flag} {path} is a file, not a directory"
+
+    if args.memory_budget is not None:
+        if args.schedule != "auto":
+            return "--memory-budget needs --schedule auto"
+        try:
+            budget = parse_bytes(args.memory_budget)
+        except ValueError as e:
+            return f"--memory-budget: {e}"
+        if budget <= 0:
+            return f"--memory-budget must be positive, got {args.memory_budget}"
+    if args.vocab_size is not None and args.tokenizer != "bpe" and not args.resume:
+        return "--vocab-size needs --tokenizer bpe"
+    if args.profile_steps is not None and args.profile_steps[0] > args.steps:
+        return f"--profile-steps starts at step {args.profile_steps[0]}, after --steps {args.steps}"
+    if args.schedule == "auto":
+        return None
+    try:
+        get(args.schedule, args.stages * v, args.microbatches, v)
+    except ValueError as e:
+        with_v = f", --virtual-stages {v}" if v > 1 else ""
+        return (
+            f"--schedule {args.schedule} with --stages {args.stages}{with_v} and --microbatches "
+            f"{args.microbatches}: {e}"
+        )
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,44 +147,36 @@ def run(args: argparse.Namespace) -> int:
     import mmnnx as mm  # noqa: PLC0415
 
     mm.distributed.initialize()  # under `mmnnx launch` or a cluster; a no-op alone
-    from mmnnx.cli.checks import stage_order  # noqa: PLC0415
     from mmnnx.errors import NoCandidateError  # noqa: PLC0415
     from mmnnx.models import GPT  # noqa: PLC0415
     from mmnnx.models.stages import stage_rules  # noqa: PLC0415
-    from mmnnx.train.checkpoint import (  # noqa: PLC0415
-        CheckpointCorruptError,
-        CheckpointDirectoryBusyError,
-        CheckpointMismatchError,
-        NoReadableCheckpointError,
-    )
+    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.config import gpt_config, train_config  # noqa: PLC0415
     from mmnnx.train.data import EMBEDDED, TextDataset  # noqa: PLC0415
-    from mmnnx.train.generation import run_tasks  # noqa: PLC0415
+    from mmnnx.train.generation import continue_text, run_tasks  # noqa: PLC0415
     from mmnnx.train.loop import fit  # noqa: PLC0415
 
     checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
-    if (
-        not args.resume
-        and checkpoints.is_dir()
-        and any(p.name.isdigit() for p in checkpoints.iterdir())
-    ):
+    fresh = not args.resume and checkpoints.is_dir()
+    if fresh and any(p.name.isdigit() for p in checkpoints.iterdir()):
         return error(
             f"{checkpoints} already holds checkpoints; pass --resume to continue from them, or "
             "choose another --output-dir or --checkpoint-dir"
         )
     needed = args.stages * args.data_axis * args.model_axis
     if len(jax.devices()) < needed:
-        where = (
-            f" ({jax.process_count()} processes x {jax.local_device_count()})"
-            if jax.process_count() > 1
-            else ""
-        )
+        many = jax.process_count() > 1
+        where = f" ({jax.process_count()} processes x {jax.local_device_count()})" if many else ""
         return error(
             f"only {len(jax.devices())} devices are available{where}; --stages {args.stages} x "
             f"--data-axis {args.data_axis} x --model-axis {args.model_axis} needs {needed}"
         )
     if args.resume:
-        latest, any_step = _latest_checkpoint(checkpoints)
+        latest, any_step = None, False
+        if checkpoints.is_dir():
+            with ck.Checkpointer(checkpoints) as ckpt:
+                latest = ckpt.latest_step()
+                any_step = bool(ckpt.all_steps() or ckpt.incomplete_steps())
         if not any_step:
             print(
                 f"mmnnx train: --resume: no checkpoint in {checkpoints}; starting from step 0",
@@ -153,12 +209,13 @@ def run(args: argparse.Namespace) -> int:
     if jax.process_index() == 0:
         tokenizer.save(pathlib.Path(args.output_dir, "tokenizer"))
         write_config(pathlib.Path(args.output_dir, CONFIG_FILE), resolved_config(vars(args)))
+    v_shaped = args.schedule != "auto" and registered(args.schedule).placement is Placement.V_SHAPED
     with nnx.use_eager_sharding(False):
         placement = stage_rules(
             nnx.eval_shape(factory),
             tasks,
             virtual_stages=args.virtual_stages,
-            order=stage_order(args.schedule),
+            order="v" if v_shaped else "loop",
         )
     model = mm.init(factory, placement)
     table = mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2)
@@ -166,16 +223,27 @@ def run(args: argparse.Namespace) -> int:
         print(table)
     try:
         result = fit(model, dataset, train_config(vars(args)))
-    except (CheckpointMismatchError, CheckpointCorruptError, NoReadableCheckpointError) as e:
+    except (
+        ck.CheckpointMismatchError,
+        ck.CheckpointCorruptError,
+        ck.NoReadableCheckpointError,
+    ) as e:
         return error(f"--resume: {e}")
     except NoCandidateError as e:
         return error(f"--schedule auto: {e}")
-    except CheckpointDirectoryBusyError as e:
+    except ck.CheckpointDirectoryBusyError as e:
         return error(str(e))
     if not math.isfinite(result.final_eval):
         return 1
-    if jax.process_count() == 1:  # a multi-process job's tasks span processes: see generate
-        _print_sample(model, tokenizer, args)
+    if jax.process_count() > 1:  # a multi-process job's tasks span processes: see generate
+        return 0
+    room = model.config.max_seq_len - len(tokenizer.encode(SAMPLE_PROMPT))
+    if room < 1:
+        print(f"sample: none (--seq-len {args.seq_len} leaves no room after {SAMPLE_PROMPT!r})")
+        return 0
+    text = continue_text(model, tokenizer, SAMPLE_PROMPT, min(48, room))
+    print(f'sample (greedy; more: mmnnx generate --run {args.output_dir} --prompt "...")')
+    print(text)
     return 0
 
 
@@ -207,27 +275,3 @@ def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
         digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
         check_same_everywhere("--tokenizer bpe: the BPE each process trained", [digest])
     return tokenizer
-
-
-def _latest_checkpoint(directory: pathlib.Path) -> tuple[int | None, bool]:
-    """The latest complete step in ``directory``, and whether it holds any step directory."""
-    if not directory.is_dir():
-        return None, False
-    from mmnnx.train.checkpoint import Checkpointer  # noqa: PLC0415
-
-    with Checkpointer(directory) as ckpt:
-        return ckpt.latest_step(), bool(ckpt.all_steps() or ckpt.incomplete_steps())
-
-
-def _print_sample(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
-    """A greedy continuation of :data:`SAMPLE_PROMPT` by the trained ``model`` (on its own
-    tasks), at most 48 tokens, as the run report's last lines."""
-    from mmnnx.train.generation import continue_text  # noqa: PLC0415
-
-    room = model.config.max_seq_len - len(tokenizer.encode(SAMPLE_PROMPT))
-    if room < 1:
-        print(f"sample: none (--seq-len {args.seq_len} leaves no room after {SAMPLE_PROMPT!r})")
-        return
-    text = continue_text(model, tokenizer, SAMPLE_PROMPT, min(48, room))
-    print(f'sample (greedy; more: mmnnx generate --run {args.output_dir} --prompt "...")')
-    print(text)

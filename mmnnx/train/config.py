@@ -1,39 +1,29 @@
-"""The options of a run of ``mmnnx train``, declared once: one dataclass per table of a config
-file (and group of ``mmnnx train --help``), each field with its type, default, help and parser.
-The flags (``mmnnx.cli.flags``), the TOML keys (``mmnnx.train.run_config``) and what
-``--resume`` takes from the run it resumes are derived from these fields; ``TrainConfig`` and
-``GPTConfig`` are built from their values here (:func:`train_config`, :func:`gpt_config`),
-their defaults being those fields' defaults. Adding an option is adding a field.
-
-Example:
-    >>> train_config({"steps": 8, "lr": 0.1, "seed": 3}).learning_rate
-    0.1
-"""
+"""The options of ``mmnnx train``, declared once: one dataclass per table of a config file
+(and group of ``mmnnx train --help``); ``TrainConfig`` and ``GPTConfig`` are built from their
+values (:func:`train_config`, :func:`gpt_config`). Adding an option is adding a field."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.mpmd.lower.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.mpmd.schedules import names as schedule_names
+from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.train.loop import TrainConfig
 from mmnnx.train.options import finite, integer, option, positive, spec, step_range, switch
 
 T, G = TrainConfig, GPTConfig  # whose defaults the options feeding them take
 
 
-def schedule_choices() -> tuple[str, ...]:
-    """``--schedule``'s choices: the registered schedules and ``auto``."""
-    return (*schedule_names(), "auto")
+def count(default: int, help: str, **more) -> Any:
+    """An option of an int >= 1, its help ending with its default."""
+    return option(default, help + " (%(default)s)", positive, **more)
 
 
 def _schedule_help() -> str:
-    """``--schedule``'s help: each choice with what it needs of ``--virtual-stages``."""
-    from mmnnx.mpmd.schedules.registry import Placement, registered  # noqa: PLC0415
-
     needs = {
         Placement.ONE_PER_RANK: "one stage per task",
         Placement.INTERLEAVED: "--virtual-stages 2 or more",
@@ -53,23 +43,23 @@ def _schedule_help() -> str:
 
 @dataclasses.dataclass
 class Model:
-    dim: int = option(G.dim, "model width (%(default)s)", positive)
-    depth: int = option(G.depth, "number of transformer blocks (%(default)s)", positive)
-    heads: int = option(G.num_heads, "attention heads (%(default)s)", positive, api="num_heads")
+    dim: int = count(G.dim, "model width")
+    depth: int = count(G.depth, "number of transformer blocks")
+    heads: int = count(G.num_heads, "attention heads", api="num_heads")
     scan_layers: bool = switch(
         "--scan-layers",
         "stack the blocks and run them with nnx.scan, each stage scanning its own chunk "
         "(--depth must be a multiple of --stages); traced once whatever the depth: use it for "
         "deep models (more than 32 blocks unrolled warn)",
     )
-    seq_len: int = option(64, "tokens per sequence (%(default)s)", positive, api="max_seq_len")
+    seq_len: int = count(64, "tokens per sequence", api="max_seq_len")
 
 
 @dataclasses.dataclass
 class Layout:
-    stages: int = option(2, "pipeline stages, one task each (%(default)s)", positive)
-    data_axis: int = option(2, "data-parallel size inside each stage (%(default)s)", positive)
-    model_axis: int = option(2, "tensor-parallel size inside each stage (%(default)s)", positive)
+    stages: int = count(2, "pipeline stages, one task each")
+    data_axis: int = count(2, "data-parallel size inside each stage")
+    model_axis: int = count(2, "tensor-parallel size inside each stage")
     virtual_stages: int = option(
         T.virtual_stages,
         "model stages per task (%(default)s): the blocks are cut into --stages x V stages, "
@@ -78,16 +68,14 @@ class Layout:
         positive,
         metavar="V",
     )
-    devices: int = option(
-        8, "simulated CPU devices when no accelerator is used (%(default)s)", positive
-    )
+    devices: int = count(8, "simulated CPU devices when no accelerator is used")
 
 
 @dataclasses.dataclass
 class Training:
-    batch_size: int = option(16, "sequences per step (%(default)s)", positive)
-    microbatches: int = option(T.microbatches, "microbatches per step (%(default)s)", positive)
-    schedule: str = option(T.schedule, _schedule_help, choices=schedule_choices)
+    batch_size: int = count(16, "sequences per step")
+    microbatches: int = count(T.microbatches, "microbatches per step")
+    schedule: str = option(T.schedule, _schedule_help, choices=lambda: (*schedule_names(), "auto"))
     memory_budget: str | None = option(
         None, "with --schedule auto: bytes per device the schedule may use (e.g. 2GiB)"
     )
@@ -114,7 +102,7 @@ class Training:
         default=True,
         omit=(True,),
     )
-    steps: int = option(T.steps, "optimizer steps (%(default)s)", positive)
+    steps: int = count(T.steps, "optimizer steps")
     schedule_steps: int | None = option(
         T.schedule_steps,
         "horizon of the learning-rate schedule, warm-up + cosine decay (default: --steps; "
@@ -130,10 +118,8 @@ class Training:
     weight_decay: float = option(
         T.weight_decay, "AdamW's decoupled weight decay (%(default)s)", finite(positive=False)
     )
-    eval_every: int = option(T.eval_every, "steps between evaluations (%(default)s)", positive)
-    eval_batches: int = option(
-        T.eval_batches, "held-out batches each evaluation averages (%(default)s)", positive
-    )
+    eval_every: int = count(T.eval_every, "steps between evaluations")
+    eval_batches: int = count(T.eval_batches, "held-out batches each evaluation averages")
     timeline_step: int = option(
         T.timeline_step,
         "the step whose pipeline timeline is measured and drawn (%(default)s; 0: none)",
@@ -179,10 +165,8 @@ class Precision:
 
 @dataclasses.dataclass
 class Logging:
-    log_every: int = option(
-        T.log_every,
-        "steps between logged metrics; without a terminal, one line each (%(default)s)",
-        positive,
+    log_every: int = count(
+        T.log_every, "steps between logged metrics; without a terminal, one line each"
     )
     tensorboard: bool = switch(
         "--no-tensorboard",
@@ -209,17 +193,13 @@ class Outputs:
         T.checkpoint_dir, "checkpoints (default: OUTPUT_DIR/checkpoints)"
     )
     resume: bool = switch("--resume", "continue from the latest checkpoint", from_run=False)
-    checkpoint_every: int = option(
-        T.checkpoint_every,
-        "save a checkpoint every this many steps, and at the end (%(default)s)",
-        positive,
+    checkpoint_every: int = count(
+        T.checkpoint_every, "save a checkpoint every this many steps, and at the end"
     )
 
 
 @dataclasses.dataclass
 class RunConfig:
-    """Every option of ``mmnnx train``, one field per table (``[model]``, ``[layout]``, ...)."""
-
     model: Model = dataclasses.field(default_factory=Model)
     layout: Layout = dataclasses.field(default_factory=Layout)
     training: Training = dataclasses.field(default_factory=Training)
@@ -239,8 +219,7 @@ def tables(schema: type = RunConfig) -> dict[str, tuple[dataclasses.Field, ...]]
 
 
 def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
-    """The fields of ``target`` (``TrainConfig``, ``GPTConfig``) that options in ``values`` set,
-    by the name each option has there."""
+    """The fields of ``target`` that options in ``values`` set, by their names there."""
     names = {f.name for f in dataclasses.fields(target)}
     options = [(spec(f).api or f.name, f) for fields in tables().values() for f in fields]
     return {
@@ -261,23 +240,14 @@ def train_config(values: Mapping[str, Any]) -> TrainConfig:
 
 
 def gpt_config(values: Mapping[str, Any], vocab_size: int) -> GPTConfig:
-    """The ``GPTConfig`` of a run's option ``values`` (a run's ``config.toml``); the vocabulary
-    is the tokenizer's ``vocab_size`` rounded up to a multiple of ``model_axis`` (the embedding
-    is sharded over it).
+    """The ``GPTConfig`` of a run's option ``values``; the vocabulary is the tokenizer's
+    ``vocab_size`` rounded up to a multiple of ``model_axis`` (the embedding is sharded over it).
 
     Example:
-        >>> gpt_config({"dim": 64, "heads": 2, "seq_len": 32, "lr": 0.1}, 256).max_seq_len
-        32
-        >>> gpt_config({"model_axis": 2}, 289).vocab_size
+        >>> gpt_config({"dim": 64, "model_axis": 2}, 289).vocab_size
         290
     """
     shards = int(values.get("model_axis") or 1)
     sizes = _arguments(values, GPTConfig)
     sizes["vocab_size"] = -(-vocab_size // shards) * shards  # not the option: that is the BPE's
     return GPTConfig(**sizes)
-
-
-def not_from_run() -> Sequence[str]:
-    """The options ``--resume`` does not take from the run it resumes: where the run is now
-    and what this call does."""
-    return [f.name for fs in tables().values() for f in fs if not spec(f).from_run]

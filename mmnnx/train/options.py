@@ -1,8 +1,6 @@
 """How a run's option is declared: a dataclass field (:func:`option`, :func:`switch`) whose
-metadata (:class:`Option`) holds its flag's help, the parser of its text (a one-line reason for
-a bad value: :func:`integer`, :func:`finite`, :func:`step_range`) and, for a flag taking no
-value, its switches. ``mmnnx.train.config`` declares the options; ``mmnnx.cli.flags`` derives
-``argparse`` flags from them, ``mmnnx.train.run_config`` TOML keys."""
+:class:`Option` holds its flag's help, parser and switches. ``mmnnx.cli.flags`` derives
+``argparse`` flags from such fields, ``mmnnx.train.run_config`` TOML keys."""
 
 from __future__ import annotations
 
@@ -19,14 +17,12 @@ Parse = Callable[[str, str], Any]
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """A field's flag: ``help`` (``%(default)s`` is the default; a callable is called when
-    the parser is built), ``parse`` (``None``: the text as is), ``choices`` (likewise
-    possibly a callable), ``metavar``, ``many`` (one value or more, a list), ``switches``
-    (flags that take no value: flag -> (the value it sets, its help)), ``from_run`` (with
-    ``--resume``, a value not given defaults to the resumed run's; ``False`` for what says
-    where the run is now and what this call does), ``api`` (its name in ``TrainConfig`` or
-    ``GPTConfig``, when not its own), ``omit`` (values that leave that field its default) and
-    ``text`` (a value as ``config.toml`` holds it, when not as is: what ``parse`` reads)."""
+    """A field's flag: ``help`` (``%(default)s`` is the default) and ``choices``, each possibly a
+    callable called when the parser is built; ``parse`` (``None``: the text as is), ``metavar``,
+    ``many`` (one value or more, a list), ``switches`` (flags taking no value: flag -> (the value
+    it sets, its help)), ``from_run`` (``--resume`` takes it from the resumed run), ``api`` (its
+    name in ``TrainConfig`` or ``GPTConfig``, when not its own), ``omit`` (values leaving that
+    field its default), ``text`` (its value as ``config.toml`` holds it, when not as is)."""
 
     help: str | Callable[[], str] = ""
     parse: Parse | None = None
@@ -46,13 +42,12 @@ class Option:
         return self.choices() if callable(self.choices) else self.choices
 
     def flag(self, name: str) -> str:
-        """The flag taking a value for the field ``name``: ``--seq-len`` for ``seq_len``."""
         return "--" + name.replace("_", "-")
 
 
 def option(default: Any, help: str | Callable[[], str] = "", parse: Parse | None = None, **more):
-    """A dataclass field with ``default`` and its :class:`Option` (``help``, ``parse`` and
-    ``more`` of its attributes).
+    """A dataclass field with ``default`` (``dataclasses.MISSING``: a required flag) and its
+    :class:`Option` (``help``, ``parse`` and ``more`` of its attributes).
 
     Example:
         >>> @dataclasses.dataclass
@@ -78,14 +73,7 @@ def spec(field: dataclasses.Field) -> Option:
 
 
 def integer(minimum: int, maximum: int | None = None) -> Parse:
-    """An int of at least ``minimum`` (and at most ``maximum``).
-
-    Example:
-        >>> integer(0)("--seed", "-1")
-        Traceback (most recent call last):
-        ...
-        argparse.ArgumentTypeError: --seed must be >= 0, got -1
-    """
+    """An int of at least ``minimum`` (and at most ``maximum``)."""
 
     def parse(flag: str, text: str) -> int:
         try:
@@ -102,7 +90,6 @@ def integer(minimum: int, maximum: int | None = None) -> Parse:
 
 
 positive = integer(1)
-"""An int >= 1."""
 
 
 def finite(*, positive: bool) -> Parse:
@@ -114,7 +101,6 @@ def finite(*, positive: bool) -> Parse:
         ...
         argparse.ArgumentTypeError: --lr must be a finite number > 0, got 'nan'
     """
-    bound = "> 0" if positive else ">= 0"
 
     def parse(flag: str, text: str) -> float:
         try:
@@ -122,6 +108,7 @@ def finite(*, positive: bool) -> Parse:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            bound = "> 0" if positive else ">= 0"
             raise argparse.ArgumentTypeError(
                 f"{flag} must be a finite number {bound}, got {text!r}"
             )
@@ -131,15 +118,10 @@ def finite(*, positive: bool) -> Parse:
 
 
 def step_range(flag: str, text: str) -> tuple[int, int]:
-    """``A:B`` (or ``A``) as ``(A, B)``, steps with ``1 <= A <= B``.
-
-    Example:
-        >>> step_range("--profile-steps", "10:12")
-        (10, 12)
-    """
+    """``A:B`` (or ``A``) as ``(A, B)``, steps with ``1 <= A <= B``: ``10:12`` -> ``(10, 12)``."""
     first, colon, last = text.partition(":")
     try:
-        steps = (int(first), int(last)) if colon else (int(first), int(first))
+        steps = (int(first), int(last if colon else first))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{flag} must be FIRST:LAST steps, e.g. 10:12, got {text!r}"

@@ -1,14 +1,6 @@
-"""A run's config file: the TOML form of a run's options (``mmnnx.train.config``), read as
-defaults and written back.
-
-Each table of the schema (``[model]``, ``[layout]``, ``[training]``, ...) is a TOML table; its
-keys are the options' names (``seq_len`` or ``seq-len``), and each switch's own name
-(``no_pack_weights = true``). A key takes what its flag takes, checked by the option's own
-parser and choices; a switch takes ``true`` or ``false``. :func:`read_config` checks a file
-against the schema, :func:`resolved_config` groups option values into tables and
-:func:`write_config` writes them (``None`` values are left out: TOML has no null, and a missing
-key is the option's default).
-"""
+"""A run's config file: the TOML form of the options of ``mmnnx.train.config``, one table per
+dataclass, keyed by the options' names (``seq_len`` or ``seq-len``) and each switch's own name
+(``no_pack_weights = true``); a key takes what its flag takes."""
 
 from __future__ import annotations
 
@@ -25,8 +17,7 @@ import tomli_w
 from mmnnx.train.config import RunConfig, tables
 from mmnnx.train.options import Option, spec
 
-CONFIG_FILE = "config.toml"
-"""The name of the resolved config a run writes into its output directory."""
+CONFIG_FILE = "config.toml"  # the resolved config a run writes into its output directory
 
 
 class ConfigError(ValueError):
@@ -55,11 +46,8 @@ def _value(option: Option, flag: str, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         if not value:
             raise ConfigError(f"{where}: expected at least one value")
-        return [_one(option, flag, v, where) for v in value]
-    return _one(option, flag, value, where)
-
-
-def _one(option: Option, flag: str, value: Any, where: str) -> Any:
+        one = dataclasses.replace(option, many=False)
+        return [_value(one, flag, v, where) for v in value]
     if isinstance(value, bool | list | dict):
         raise ConfigError(f"{where}: expected a value for {flag}, got {value!r}")
     if option.parse is None and not isinstance(value, str):
@@ -74,25 +62,8 @@ def _one(option: Option, flag: str, value: Any, where: str) -> Any:
     return parsed
 
 
-def _switched(field: dataclasses.Field, value: Any, where: str) -> Any:
-    """A value for an option set by switches only: one of their constants, or of the type of
-    its default (``pack_residuals`` = a byte count)."""
-    switches = spec(field).switches
-    allowed = {type(v) for v, _ in switches.values()} | {type(field.default)}
-    allowed.discard(type(None))
-    if type(value) not in allowed:
-        names = " / ".join(switches)
-        kinds = " or ".join(sorted("true or false" if t is bool else t.__name__ for t in allowed))
-        raise ConfigError(f"{where}: expected {kinds} (as {names}), got {value!r}")
-    return value
-
-
 def read_config(path: str | os.PathLike[str], schema: type = RunConfig) -> dict[str, Any]:
     """The option values ``path`` sets, by name, checked against ``schema``'s tables.
-
-    Raises:
-        ConfigError: the file is missing or not TOML, or holds a table or key that is no
-            table or option of ``schema``, or a value its option refuses.
 
     Example:
         >>> import tempfile, pathlib
@@ -140,8 +111,15 @@ def read_config(path: str | os.PathLike[str], schema: type = RunConfig) -> dict[
                 if not value:
                     continue
                 value = constant
-            elif option.switches:
-                value = _switched(field, value, where)
+            elif option.switches:  # one of their constants, or a value of its default's type
+                allowed = {type(v) for v, _ in option.switches.values()} | {type(field.default)}
+                allowed.discard(type(None))
+                if type(value) not in allowed:
+                    kinds = sorted("true or false" if t is bool else t.__name__ for t in allowed)
+                    names = " / ".join(option.switches)
+                    raise ConfigError(
+                        f"{where}: expected {' or '.join(kinds)} (as {names}), got {value!r}"
+                    )
             else:
                 value = _value(option, option.flag(field.name), value, where)
             if field.name in values:
@@ -150,9 +128,7 @@ def read_config(path: str | os.PathLike[str], schema: type = RunConfig) -> dict[
     return values
 
 
-def resolved_config(
-    values: Mapping[str, Any], schema: type = RunConfig
-) -> dict[str, dict[str, Any]]:
+def resolved_config(values: Mapping[str, Any], schema: type = RunConfig) -> dict[str, dict]:
     """``values`` of options grouped in ``schema``'s tables; ``None`` values left out.
 
     Example:
@@ -172,14 +148,7 @@ def write_config(
     path: str | os.PathLike[str], tables: Mapping[str, Mapping[str, Any]]
 ) -> pathlib.Path:
     """Writes ``tables`` (as :func:`resolved_config` makes them) to ``path`` as TOML,
-    atomically (a reader never sees half a file); returns the path.
-
-    Example:
-        >>> import tempfile, pathlib
-        >>> folder = pathlib.Path(tempfile.mkdtemp())
-        >>> write_config(folder / "config.toml", {"model": {"dim": 8}}).read_text()
-        '[model]\\ndim = 8\\n'
-    """
+    atomically (a reader never sees half a file); returns the path."""
     target = pathlib.Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.tmp")
