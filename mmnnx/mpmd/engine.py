@@ -102,14 +102,13 @@ def plan_step(
             "axis names and sizes"
         )
     lowered, transfers = lower(graph, tasks, inputs, outputs, order, pipeline)
-    names = [i.name for i in inputs]
     fragments = list({id(f): f for f, _ in order}.values())
     passes = Passes.of(
         lowered,
         graph,
         residual_bytes=options.residual_bytes,
         weight_bytes=options.weight_bytes,
-        input_names=names,
+        inputs=inputs,
         num_processes=num_processes,
     )
 
@@ -121,7 +120,7 @@ def plan_step(
             program=passes.share(process),
             pipeline=pipeline,
             inputs=list(graph.inputs),
-            input_names=names,
+            input_names=[i.name for i in inputs],
             unrolled=list(trace.unrolled),
         )
 

@@ -44,6 +44,7 @@ from mmnnx.mpmd.lower.program import (
     Zeros,
 )
 from mmnnx.mpmd.primitives import is_gathered
+from mmnnx.mpmd.step_io import StepInput
 from mmnnx.sharding.specs import itemsize
 
 _MAX_PACKED = 2**31 - 1  # elements: programs take the offsets into a buffer as int32
@@ -202,19 +203,19 @@ def pack(
     *,
     residual_bytes: int = _MAX_BYTES,
     weight_bytes: int = 0,
-    input_names: Sequence[str] = (),
+    inputs: Sequence[StepInput] = (),
 ) -> StepProgram:
     """The pass: ``program`` with the running sums of each one-device task (or whole on each
     of a task's devices), the residuals of its pipelined programs of at most ``residual_bytes``
     each, and the weights of at most ``weight_bytes`` each of each block its pipelined programs
-    read (``input_names``: the step inputs' paths) travelling as flat buffers
+    read (blocks found by the paths of the step's ``inputs``) travelling as flat buffers
     (:func:`plan_packing` says which)."""
     packing = plan_packing(
         program,
         graph,
         residual_bytes=residual_bytes,
         weight_bytes=weight_bytes,
-        input_names=input_names,
+        inputs=inputs,
     )
     if not packing.buffers:
         return program
@@ -276,12 +277,13 @@ def plan_packing(
     *,
     residual_bytes: int = _MAX_BYTES,
     weight_bytes: int = 0,
-    input_names: Sequence[str] = (),
+    inputs: Sequence[StepInput] = (),
 ) -> Packing:
     """Packs the running sums of each one-device task (:func:`_sum_packing`), the residuals
     of its pipelined programs of at most ``residual_bytes`` each (:func:`_residual_packing`),
     and the weights of at most ``weight_bytes`` each of each block its pipelined programs read
-    (:func:`_weight_packing`; ``input_names``: the step inputs' paths)."""
+    (:func:`_weight_packing`; blocks found by the paths of the step's ``inputs``)."""
+    input_names = [i.name for i in inputs]
     readers = _readers(program)
     packing = (
         _residual_packing(program, graph, residual_bytes, input_names, readers)

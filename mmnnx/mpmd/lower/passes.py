@@ -25,6 +25,7 @@ from mmnnx.mpmd.lower.order import check_same_order
 from mmnnx.mpmd.lower.pack import pack
 from mmnnx.mpmd.lower.program import StepProgram
 from mmnnx.mpmd.lower.releases import add_releases
+from mmnnx.mpmd.step_io import StepInput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Passes:
 
     Example::
 
-        passes = Passes.of(lowered, graph, residual_bytes=0, weight_bytes=0, input_names=names)
+        passes = Passes.of(lowered, graph, residual_bytes=0, weight_bytes=0, inputs=inputs)
         program = passes.share(process=0)
     """
 
@@ -48,7 +49,7 @@ class Passes:
         *,
         residual_bytes: int,
         weight_bytes: int,
-        input_names: Sequence[str],
+        inputs: Sequence[StepInput],
         num_processes: int = 1,
     ) -> Passes:
         """Packs ``lowered`` (a step traced with sharding in types, ``graph.specs``, packs
@@ -61,7 +62,7 @@ class Passes:
                 graph,
                 residual_bytes=residual_bytes,
                 weight_bytes=weight_bytes,
-                input_names=input_names,
+                inputs=inputs,
             )
         if num_processes > 1:
             check_same_order([localize(packed, p, num_processes) for p in range(num_processes)])
