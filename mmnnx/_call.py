@@ -115,8 +115,11 @@ class Call:
         self.num_variables = len(self.variables)
         # positional: made for every Variable on every call (by keyword, it costs twice as much)
         self.leaves = [Leaf(v, task_of(v), stack_of(v)) for v in self.variables]
-        self.unplaced = [i for i, leaf in enumerate(self.leaves) if not leaf.placed]
         self.leaves += [_ARRAY] * len(arrays)
+        # the same on every call of this structure: read once, not per call
+        self.placed = [leaf.placed for leaf in self.leaves]
+        self.placement = tuple((id(leaf.task), id(leaf.stack)) for leaf in self.leaves)
+        self.unplaced = [i for i in range(self.num_variables) if not self.placed[i]]
         self._set_values(arrays)
 
     def template(self, num_tail: int, num_bound: int) -> Call:
@@ -227,10 +230,10 @@ class Call:
         # consumers are; only a committed one on devices no task owns is an error. The plan
         # holds its tasks, so their ids stay unique while it is cached.
         signature = tuple(
-            (v.shape, v.dtype, v.sharding if leaf.placed else None, id(leaf.task), id(leaf.stack))
-            for leaf, v in zip(self.leaves, self.values, strict=True)
+            (v.shape, v.dtype, v.sharding if placed else None)
+            for placed, v in zip(self.placed, self.values, strict=True)
         )
-        self.key = (self.treedef, signature, self.statics, self.static_kwargs)
+        self.key = (self.treedef, signature, self.placement, self.statics, self.static_kwargs)
 
     @functools.cached_property
     def _paths(self) -> list[tuple]:
