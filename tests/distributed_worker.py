@@ -379,6 +379,7 @@ def killed_during_save():
     import signal
 
     from mmnnx.train import Checkpointer
+    from mmnnx.train.checkpoint import layout
     from mmnnx.train.checkpoint.formats import process_arrays
 
     model = gpt_model(gpt_tasks(2))
@@ -398,7 +399,7 @@ def killed_during_save():
             os.kill(os.getpid(), signal.SIGKILL)
 
         if jax.process_index() == victim == 0:
-            process_arrays.ProcessArrays._commit = killed
+            layout.commit = killed  # the step's rename, once every process has written
         elif jax.process_index() == victim:
             write = process_arrays.write
 
