@@ -20,6 +20,7 @@ from mmnnx import _nnx
 from mmnnx._jax.arrays import all_plain_arrays
 from mmnnx.errors import MPMDError, SideEffectError
 from mmnnx.mpmd.step_io import StepInput, StepOutput
+from mmnnx.mpmd.trace.trace_step import PYTHON_SCALARS
 from mmnnx.sharding import Task, TaskStack, home_of, stack_of, task_of
 from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state
 
@@ -63,9 +64,6 @@ def state_outputs(variables: Sequence[StepInput]) -> list[StepOutput]:
     return [
         StepOutput(home=v.task or v.stack, spec=v.spec, sharding=v.task_sharding) for v in variables
     ]
-
-
-_SCALARS = (bool, int, float, complex)
 
 
 class Leaf(NamedTuple):
@@ -205,7 +203,7 @@ class Call:
     def _set_values(self, arrays: list[Any]) -> None:
         """The input values (Variables' values, then the other arrays), checked, and the cache
         key."""
-        arrays = [np.asarray(a) if isinstance(a, _SCALARS) else a for a in arrays]
+        arrays = [np.asarray(a) if isinstance(a, PYTHON_SCALARS) else a for a in arrays]
         self.values = [v.get_raw_value() for v in self.variables] + arrays
         # The checks below only fail for a value that is not a plain jax.Array (a step's own
         # outputs, fed back, always are): skipped when none is, as on every step of a loop.

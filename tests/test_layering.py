@@ -292,26 +292,24 @@ def test_the_engine_is_grouped_by_stage():
         "mmnnx.mpmd.primitives",
         "mmnnx.mpmd.step_io",
     ], f"modules of the engine outside its stage folders: {at_top}"
-    backward = [
-        f"{imp} (stage {_engine_stage(imp.source)} -> {_engine_stage(imp.target)})"
-        for targets in _edges().values()
-        for imp in targets.values()
-        if _engine_stage(imp.source) is not None
-        and _engine_stage(imp.target) is not None
-        and _engine_stage(imp.target) > _engine_stage(imp.source)
-    ]
+    backward = _imports_going_up(_engine_stage, "stage")
     assert not backward, "imports going to a later stage of the engine:\n" + "\n".join(backward)
 
 
-def test_imports_go_to_the_same_or_a_lower_layer():
-    upward = [
-        f"{imp} (layer {_layer(imp.source)} -> {_layer(imp.target)})"
+def _imports_going_up(rank: Callable[[str], int | None], word: str) -> list[str]:
+    """Each import from a module to one of higher ``rank`` (both ranked), described."""
+    return [
+        f"{imp} ({word} {rank(imp.source)} -> {rank(imp.target)})"
         for targets in _edges().values()
         for imp in targets.values()
-        if _layer(imp.source) is not None
-        and _layer(imp.target) is not None
-        and _layer(imp.target) > _layer(imp.source)
+        if rank(imp.source) is not None
+        and rank(imp.target) is not None
+        and rank(imp.target) > rank(imp.source)
     ]
+
+
+def test_imports_go_to_the_same_or_a_lower_layer():
+    upward = _imports_going_up(_layer, "layer")
     assert not upward, "imports going up the layer table:\n" + "\n".join(upward)
 
 

@@ -27,7 +27,8 @@ from mmnnx.mpmd.trace.mesh_context import explicit_tracing, needs_explicit_axes,
 from mmnnx.mpmd.trace.trace_state import Trace
 from mmnnx.mpmd.trace.tracing import trace
 
-_SCALARS = (bool, int, float, complex)
+# Python numbers a step takes and returns as arrays
+PYTHON_SCALARS = (bool, int, float, complex)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,7 @@ def check_outputs(out: Any, step: str) -> None:
         >>> check_outputs({"loss": np.float32(1.0), "n": 3}, "step")
     """
     for path, leaf in jax.tree.flatten_with_path(out)[0]:
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, *_SCALARS)):
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, *PYTHON_SCALARS)):
             where = "output" + jax.tree_util.keystr(path)
             raise MPMDError(
                 f"mm.jit: {step} returned a {type(leaf).__name__} at {where}; a step must "
