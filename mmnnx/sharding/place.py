@@ -253,6 +253,41 @@ def place(model: M, rules: Sequence[tuple] | Mapping, *, strict: bool = True) ->
     return model
 
 
+def place_made(
+    model: M,
+    rules: Sequence[tuple] | Mapping,
+    make: Callable[[str, nnx.Variable, Any], jax.Array],
+    *,
+    strict: bool = True,
+) -> M:
+    """Places ``model`` (built abstractly, e.g. by ``nnx.eval_shape``) as :func:`place` would,
+    each Variable's value made by ``make(path, variable, sharding)`` right on its sharding.
+
+    Every rule is checked before ``make`` is called. A Variable whose task is on no device of
+    this process gets a placeholder instead (``make`` is not called), so each process makes
+    only what its devices hold.
+
+    Example:
+        >>> from mmnnx.sharding import TaskMesh
+        >>> t = Task("t", mesh=TaskMesh(devices=[0]))
+        >>> model = nnx.eval_shape(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+        >>> model = place_made(model, [(".*", t)],
+        ...                    lambda path, v, s: jax.device_put(jax.numpy.ones(v.shape), s))
+        >>> float(model.kernel[...].sum())
+        6.0
+    """
+    assignments = plan_placement(model, rules, strict=strict)
+    values = []
+    for a in assignments:
+        abstract = a.variable.get_value()
+        if jax.process_index() in processes_of(a.sharding):
+            values.append(make(path_str(a.path), a.variable, a.sharding))
+        else:
+            values.append(placeholder(abstract.shape, abstract.dtype, a.sharding))
+    _commit(assignments, values)
+    return model
+
+
 def init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, *, strict: bool = True) -> M:
     """Builds ``factory()`` with each task's Variables created directly on that task's submesh.
 

@@ -1,0 +1,305 @@
+"""Hugging Face checkpoints in and out: ``from_pretrained`` builds a ``GPT`` for a checkpoint's
+architecture and fills it straight onto its tasks, ``save_pretrained`` writes it back in the
+same layout; ``load_tensors``/``save_tensors`` do the same for model code of your own, through
+``TensorRule`` name maps.
+
+Example:
+    >>> import tempfile
+    >>> from flax import nnx
+    >>> from mmnnx.models import GPT, GPTConfig
+    >>> config = GPTConfig(dim=32, depth=2, vocab_size=64, gated_mlp=True, mlp_bias=False)
+    >>> with nnx.use_eager_sharding(False):
+    ...     model = GPT(config, rngs=nnx.Rngs(0))
+    >>> path = save_pretrained(model, tempfile.mkdtemp() + "/tiny", architecture="LlamaForCausalLM")
+    >>> again = from_pretrained(path)
+    >>> bool((again.blocks[1].mlp.up.kernel[...] == model.blocks[1].mlp.up.kernel[...]).all())
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mmnnx.models.gpt import GPT, GPTConfig
+from mmnnx.models.pretrained.families import FAMILIES, Family, family_of
+from mmnnx.models.pretrained.files import (
+    TOKENIZER,
+    TORCH_DTYPES,
+    CheckpointError,
+    CheckpointFiles,
+)
+from mmnnx.models.pretrained.load import load_into
+from mmnnx.models.pretrained.names import TensorRule
+from mmnnx.models.pretrained.save import (
+    MAX_SHARD_BYTES,
+    model_values,
+    torch_dtype_of,
+    write_checkpoint,
+)
+from mmnnx.sharding.task import Task
+
+M = TypeVar("M")
+
+__all__ = [
+    "FAMILIES",
+    "CheckpointError",
+    "Pretrained",
+    "TensorRule",
+    "from_pretrained",
+    "load_tensors",
+    "save_pretrained",
+    "save_tensors",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """Where a model came from: its checkpoint's architecture and ``config.json`` (as text),
+    kept on the model (``model.pretrained``) so ``save_pretrained`` writes them back."""
+
+    architecture: str
+    config_json: str
+    directory: str
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return json.loads(self.config_json)
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    tasks: Sequence[Task] | None = None,
+    rules: Sequence[tuple] | Mapping | None = None,
+    param_dtype: Any = jnp.float32,
+    dtype: Any = jnp.float32,
+    scan_layers: bool = False,
+    max_seq_len: int | None = None,
+) -> GPT:
+    """The ``GPT`` of the Hugging Face checkpoint at ``path``, its Variables read from the
+    safetensors files straight onto their devices.
+
+    ``config.json``'s ``architectures`` picks the family (:data:`FAMILIES`: Llama 3.x and
+    Qwen3 causal LMs) and its sizes the ``GPTConfig``. The model is built abstractly and
+    placed first: ``tasks`` cuts its layers into pipeline stages as ``mm.stage_rules`` does,
+    ``rules`` (``mm.place``'s rules, matched before the stage rules) places by path; with
+    neither, it lands on one device. Each Variable's shards are then read from the files
+    (slices only, through ``safetensors``), so under ``mmnnx launch`` each process reads only
+    what its devices hold. Parameters are stored in ``param_dtype`` (float32 by default, as
+    transformers loads), activations computed in ``dtype``; ``max_seq_len`` bounds the
+    sequence (default the config's ``max_position_embeddings``; ``generate`` allocates a key/value
+    cache of that length). The model keeps its origin in ``model.pretrained``.
+
+    Raises:
+        CheckpointError: an unsupported architecture (naming those that are), a missing or
+            extra tensor, a shape that does not fit the config, a missing directory or no
+            safetensors, a tokenizer larger than the vocabulary: before anything is placed.
+
+    Example:
+        >>> import tempfile
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(dim=32, depth=2, vocab_size=64, gated_mlp=True,
+        ...                           mlp_bias=False, qk_norm=True), rngs=nnx.Rngs(0))
+        >>> path = save_pretrained(model, tempfile.mkdtemp() + "/qwen",
+        ...                        architecture="Qwen3ForCausalLM")
+        >>> from_pretrained(path, max_seq_len=16)(jnp.zeros((1, 4), jnp.int32)).shape
+        (1, 4, 64)
+    """
+    files = CheckpointFiles(path)
+    family = family_of(files.config, files.directory)
+    config = family.gpt_config(
+        files.config,
+        param_dtype=np.dtype(param_dtype).name,
+        dtype=np.dtype(dtype).name,
+        scan_layers=scan_layers,
+        max_seq_len=max_seq_len,
+    )
+    _check_tokenizer(files, config)
+    model = _abstract(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    placement = list(rules or [])
+    if tasks is not None:
+        from mmnnx.models.stages import stage_rules  # noqa: PLC0415  (stages imports pretrained)
+
+        placement += stage_rules(model, tasks, report=False)
+    load_into(model, files, family.tensor_rules(config), placement or None)
+    model.pretrained = Pretrained(
+        architecture=family.architecture,
+        config_json=json.dumps(files.config),
+        directory=str(files.directory),
+    )
+    return model
+
+
+def save_pretrained(
+    model: GPT,
+    path: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    architecture: str | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    values: Mapping[str, Any] | None = None,
+) -> pathlib.Path:
+    """Writes ``model`` (a ``GPT``) as a Hugging Face checkpoint directory at ``path``:
+    ``config.json``, safetensors shards of at most ``max_shard_bytes`` and their
+    ``model.safetensors.index.json`` (plus ``tokenizer.json`` when the model was loaded from a
+    directory holding one).
+
+    ``dtype`` defaults to the ``torch_dtype`` of the checkpoint the model came from (float32
+    for a model that came from none). ``architecture`` names the family for a model not made
+    by ``from_pretrained``. Every process calls it; each writes the tensors its own devices
+    hold. Nothing replaces ``path`` until every file is written (``overwrite=True`` to replace
+    an existing one). ``values`` overrides Variables' values by path (merged LoRA weights).
+
+    Returns the directory. Raises ``CheckpointError`` before writing anything on a bad
+    ``dtype``, an existing ``path``, or a model with Variables the family does not name.
+
+    Example:
+        >>> import tempfile
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(dim=32, depth=1, vocab_size=64, gated_mlp=True,
+        ...                           mlp_bias=False), rngs=nnx.Rngs(0))
+        >>> out = save_pretrained(model, tempfile.mkdtemp() + "/m", dtype=jnp.bfloat16,
+        ...                       architecture="LlamaForCausalLM")
+        >>> sorted(p.name for p in out.iterdir())
+        ['config.json', 'model.safetensors', 'model.safetensors.index.json']
+    """
+    pretrained: Pretrained | None = getattr(model, "pretrained", None)
+    name = architecture or (pretrained.architecture if pretrained else None)
+    if name is None:
+        raise CheckpointError(
+            f"save_pretrained: name the model's architecture (architecture=, one of "
+            f"{', '.join(FAMILIES)}); it was not loaded by from_pretrained"
+        )
+    family: Family = family_of({"architectures": [name]}, path)
+    hf = pretrained.config if pretrained else {}
+    if dtype is None:
+        dtype = hf.get("torch_dtype", hf.get("dtype", "float32"))
+        if dtype not in TORCH_DTYPES:
+            dtype = "float32"
+    torch_dtype = torch_dtype_of(jnp.dtype(dtype))
+    config = {**family.hf_config(model.config, torch_dtype), **_kept(hf)}
+    config["torch_dtype"] = torch_dtype
+    extra = []
+    if pretrained and (pathlib.Path(pretrained.directory) / TOKENIZER).exists():
+        extra.append(pathlib.Path(pretrained.directory) / TOKENIZER)
+    return write_checkpoint(
+        {**model_values(model), **(values or {})},
+        path,
+        family.tensor_rules(model.config),
+        config=config,
+        dtype=jnp.dtype(dtype),
+        extra_files=extra,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+    )
+
+
+def _kept(hf: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a loaded ``config.json`` written back as they were (token ids, names)."""
+    sizes = {
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "tie_word_embeddings",
+    }
+    return {k: v for k, v in hf.items() if k not in sizes and k != "max_position_embeddings"}
+
+
+def load_tensors(
+    model: M | Callable[[], M],
+    path: str | os.PathLike,
+    tensor_rules: Sequence[TensorRule],
+    *,
+    rules: Sequence[tuple] | Mapping | None = None,
+) -> M:
+    """Fills model code of your own from a safetensors checkpoint, each Variable through the
+    ``TensorRule`` whose tensor-name template matches its tensors.
+
+    ``model`` is a factory (built abstractly here with ``nnx.eval_shape``, never on one
+    host) or a model already built abstractly. With ``rules`` (as ``mm.place`` takes) every
+    Variable is read straight onto its task's devices; each process reads only its slices.
+    Every tensor must fill a Variable and every Variable have its tensors, with shapes that
+    fit; all checked before anything is read.
+
+    Example:
+        >>> import tempfile
+        >>> from mmnnx.models.pretrained.files import write_shards
+        >>> d = tempfile.mkdtemp()
+        >>> write_shards(d, {"proj.weight": np.ones((3, 2), np.float32),
+        ...                  "proj.bias": np.zeros(3, np.float32)})
+        >>> layer = load_tensors(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0)), d,
+        ...                      [TensorRule("proj.weight", "kernel", transpose=(1, 0)),
+        ...                       TensorRule("proj.bias", "bias")])
+        >>> layer.kernel.shape
+        (2, 3)
+    """
+    abstract = _abstract(model) if callable(model) and not isinstance(model, nnx.Module) else model
+    return load_into(abstract, CheckpointFiles(path), tensor_rules, rules)
+
+
+def save_tensors(
+    model: Any,
+    path: str | os.PathLike,
+    tensor_rules: Sequence[TensorRule],
+    *,
+    dtype: Any = jnp.float32,
+    config: dict[str, Any] | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Writes model code of your own as safetensors shards with an index (and ``config``
+    as ``config.json``), each Variable through the ``TensorRule`` whose Variable template
+    matches its path; the inverse of :func:`load_tensors`.
+
+    Example:
+        >>> import tempfile
+        >>> layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        >>> rules = [TensorRule("proj.weight", "kernel", transpose=(1, 0)),
+        ...          TensorRule("proj.bias", "bias")]
+        >>> out = save_tensors(layer, tempfile.mkdtemp() + "/x", rules)
+        >>> load_tensors(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(1)), out, rules).kernel.shape
+        (2, 3)
+    """
+    return write_checkpoint(
+        model_values(model),
+        path,
+        tensor_rules,
+        config=config,
+        dtype=jnp.dtype(dtype),
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+    )
+
+
+def _abstract(factory: Callable[[], M]) -> M:
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(factory)
+
+
+def _check_tokenizer(files: CheckpointFiles, config: GPTConfig) -> None:
+    tokenizer = files.directory / TOKENIZER
+    if not tokenizer.exists():
+        return
+    from tokenizers import Tokenizer  # noqa: PLC0415  (only for checkpoints that have one)
+
+    size = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
+    if size > config.vocab_size:
+        raise CheckpointError(
+            f"{tokenizer}: the tokenizer's vocabulary has {size} tokens, more than the "
+            f"model's vocab_size {config.vocab_size} (config.json): its ids would fall outside "
+            "the embedding table"
+        )

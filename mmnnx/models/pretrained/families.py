@@ -1,0 +1,209 @@
+"""The model families ``from_pretrained`` knows: how a ``config.json`` becomes a ``GPTConfig``
+and back, and which checkpoint tensor fills which ``GPT`` Variable (torchtitan's state-dict
+adapters, as data)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.pretrained.files import CheckpointError
+from mmnnx.models.pretrained.names import TensorRule
+from mmnnx.modules.rope import RopeScaling
+
+T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
+
+_LAYER = (
+    TensorRule("model.layers.{layer}.input_layernorm.weight", "blocks/{layer}/norm1/scale"),
+    TensorRule("model.layers.{layer}.self_attn.q_proj.weight", "blocks/{layer}/attn/q/kernel", T),
+    TensorRule("model.layers.{layer}.self_attn.k_proj.weight", "blocks/{layer}/attn/k/kernel", T),
+    TensorRule("model.layers.{layer}.self_attn.v_proj.weight", "blocks/{layer}/attn/v/kernel", T),
+    TensorRule("model.layers.{layer}.self_attn.o_proj.weight", "blocks/{layer}/attn/out/kernel", T),
+    TensorRule(
+        "model.layers.{layer}.post_attention_layernorm.weight", "blocks/{layer}/norm2/scale"
+    ),
+    TensorRule("model.layers.{layer}.mlp.gate_proj.weight", "blocks/{layer}/mlp/gate/kernel", T),
+    TensorRule("model.layers.{layer}.mlp.up_proj.weight", "blocks/{layer}/mlp/up/kernel", T),
+    TensorRule("model.layers.{layer}.mlp.down_proj.weight", "blocks/{layer}/mlp/down/kernel", T),
+    TensorRule("model.layers.{layer}.self_attn.rotary_emb.inv_freq", None),  # a buffer, recomputed
+)
+_QK_NORM = (
+    TensorRule("model.layers.{layer}.self_attn.q_norm.weight", "blocks/{layer}/attn/q_norm/scale"),
+    TensorRule("model.layers.{layer}.self_attn.k_norm.weight", "blocks/{layer}/attn/k_norm/scale"),
+)
+_OUTER = (
+    TensorRule("model.embed_tokens.weight", "embed/embedding"),
+    TensorRule("model.norm.weight", "norm/scale"),
+)
+_HEAD = TensorRule("lm_head.weight", "head/kernel", T)
+_TIED_HEAD = TensorRule("lm_head.weight", None)  # some tied checkpoints store the table twice
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One architecture of ``config.json``'s ``architectures``: its ``model_type``, whether its
+    attention normalises queries and keys (Qwen3), and the config keys it cannot honour."""
+
+    architecture: str
+    model_type: str
+    qk_norm: bool
+
+    def gpt_config(self, hf: dict[str, Any], **overrides: Any) -> GPTConfig:
+        """The ``GPTConfig`` of a ``config.json`` (``overrides``: ``param_dtype``, ``dtype``,
+        ``scan_layers``, ``max_seq_len``, ...).
+
+        Raises:
+            CheckpointError: a missing key or a setting this family's GPT cannot reproduce.
+        """
+        _refuse_unsupported(self, hf)
+        heads = _key(hf, "num_attention_heads", self)
+        dim = _key(hf, "hidden_size", self)
+        scaling = hf.get("rope_scaling")
+        fields = dict(
+            vocab_size=_key(hf, "vocab_size", self),
+            dim=dim,
+            depth=_key(hf, "num_hidden_layers", self),
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or dim // heads,
+            qk_norm=self.qk_norm,
+            mlp_hidden=_key(hf, "intermediate_size", self),
+            gated_mlp=True,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            norm="rms",
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_scaling=None if scaling is None else _rope_scaling(scaling, self),
+        )
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return GPTConfig(**fields)
+
+    def hf_config(self, config: GPTConfig, torch_dtype: str) -> dict[str, Any]:
+        """A ``config.json`` for ``config`` (written by ``save_pretrained`` for a model that was
+        not loaded from one).
+
+        Example:
+            >>> FAMILIES["LlamaForCausalLM"].hf_config(GPTConfig(), "float32")["hidden_size"]
+            128
+        """
+        out = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.dim,
+            "num_hidden_layers": config.depth,
+            "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.num_kv_heads or config.num_heads,
+            "head_dim": config.head_dim or config.dim // config.num_heads,
+            "intermediate_size": config.mlp_hidden or int(config.mlp_ratio * config.dim),
+            "max_position_embeddings": config.max_seq_len,
+            "tie_word_embeddings": config.tie_embeddings,
+            "rms_norm_eps": config.norm_eps,
+            "rope_theta": config.rope_theta,
+            "rope_scaling": None
+            if config.rope_scaling is None
+            else dict(rope_type="llama3", **dataclasses.asdict(config.rope_scaling)),
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "torch_dtype": torch_dtype,
+        }
+        if self.model_type == "llama":
+            out["mlp_bias"] = config.mlp_bias
+        return out
+
+    def tensor_rules(self, config: GPTConfig) -> tuple[TensorRule, ...]:
+        """Which checkpoint tensor fills which Variable of ``GPT(config)``.
+
+        Example:
+            >>> rules = FAMILIES["Qwen3ForCausalLM"].tensor_rules(GPTConfig(qk_norm=True))
+            >>> [r.variable for r in rules if "q_norm" in r.tensor]
+            ['blocks/{layer}/attn/q_norm/scale']
+        """
+        layer = _LAYER + (_QK_NORM if config.qk_norm else ())
+        if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
+            layer = tuple(
+                dataclasses.replace(r, variable=r.variable.replace("/{layer}", ""))
+                if r.variable
+                else r
+                for r in layer
+            )
+        return _OUTER + layer + ((_TIED_HEAD,) if config.tie_embeddings else (_HEAD,))
+
+
+FAMILIES: dict[str, Family] = {
+    f.architecture: f
+    for f in (
+        Family(architecture="LlamaForCausalLM", model_type="llama", qk_norm=False),
+        Family(architecture="Qwen3ForCausalLM", model_type="qwen3", qk_norm=True),
+    )
+}
+"""The architectures ``from_pretrained`` builds, by their ``config.json`` name."""
+
+
+def family_of(hf: dict[str, Any] | None, where: Any) -> Family:
+    """The family a ``config.json`` names in ``architectures``.
+
+    Raises:
+        CheckpointError: no config, or an architecture not in :data:`FAMILIES` (naming those
+            that are).
+
+    Example:
+        >>> family_of({"architectures": ["Qwen3ForCausalLM"]}, "ckpt").model_type
+        'qwen3'
+    """
+    if hf is None:
+        raise CheckpointError(f"{where}: no config.json (it names the model's architecture)")
+    names = hf.get("architectures") or []
+    for name in names:
+        if name in FAMILIES:
+            return FAMILIES[name]
+    raise CheckpointError(
+        f"{where}/config.json: architecture {', '.join(names) or '(none given)'} is not "
+        f"supported; mmnnx builds {', '.join(FAMILIES)}"
+    )
+
+
+def _key(hf: dict[str, Any], key: str, family: Family) -> Any:
+    if key not in hf:
+        raise CheckpointError(f"config.json of a {family.architecture}: no {key!r}")
+    return hf[key]
+
+
+_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("hidden_act", lambda v: v not in (None, "silu"), "only SiLU-gated MLPs ('silu')"),
+    ("attention_bias", bool, "attention projections without biases"),
+    ("use_sliding_window", bool, "full attention in every layer (no sliding window)"),
+    (
+        "layer_types",
+        lambda v: v is not None and any(t != "full_attention" for t in v),
+        "full attention in every layer",
+    ),
+)
+
+
+def _refuse_unsupported(family: Family, hf: dict[str, Any]) -> None:
+    for key, refused, supported in _UNSUPPORTED:
+        if refused(hf.get(key)):
+            raise CheckpointError(
+                f"config.json of a {family.architecture}: {key}={hf[key]!r} is not supported; "
+                f"mmnnx's GPT has {supported}"
+            )
+
+
+def _rope_scaling(scaling: dict[str, Any], family: Family) -> RopeScaling:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise CheckpointError(
+            f"config.json of a {family.architecture}: rope_scaling of type {kind!r} is not "
+            "supported; mmnnx reads 'llama3' scaling (Llama 3.1 and later) or none"
+        )
+    return RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )

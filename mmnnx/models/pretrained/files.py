@@ -1,0 +1,200 @@
+"""A Hugging Face checkpoint directory on disk: ``config.json``, ``*.safetensors`` shards and
+their ``model.safetensors.index.json``, read lazily by slices and written shard by shard."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+TOKENIZER = "tokenizer.json"
+
+DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+"""Safetensors dtype codes and the numpy dtypes they read as (bfloat16 and float8 through
+``ml_dtypes``, as JAX has them)."""
+
+TORCH_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
+"""The dtypes ``config.json``'s ``torch_dtype`` names, as safetensors codes."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that does not hold what a model needs; names the file and tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's file (relative to the directory), shape and safetensors dtype code."""
+
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class CheckpointFiles:
+    """The tensors of a checkpoint directory, by name, read a slice at a time.
+
+    Opening reads ``config.json`` (when present) and every shard's header, nothing else:
+    ``tensors`` maps each name to its :class:`TensorInfo`. ``read(name, index)`` reads only
+    ``index`` (a tuple of slices) of one tensor from disk.
+
+    Raises:
+        CheckpointError: a missing directory, no ``*.safetensors``, an index naming a file or
+            tensor that is not there, or a tensor stored twice.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> write_shards(d, {"w": np.arange(6, dtype=np.float32).reshape(2, 3)})
+        >>> files = CheckpointFiles(d)
+        >>> files.tensors["w"].shape, files.read("w", (slice(1, 2), slice(0, 2))).tolist()
+        ((2, 3), [[3.0, 4.0]])
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = pathlib.Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: no such checkpoint directory")
+        config = self.directory / CONFIG
+        self.config: dict[str, Any] | None = (
+            json.loads(config.read_text()) if config.exists() else None
+        )
+        self.tensors: dict[str, TensorInfo] = {}
+        for file, names in self._files().items():
+            with safe_open(self.directory / file, framework="numpy") as f:
+                stored = set(f.keys())
+                for name in names if names is not None else sorted(stored):
+                    if name not in stored:
+                        raise CheckpointError(
+                            f"{self.directory / INDEX}: tensor {name!r} is mapped to {file}, "
+                            "which does not hold it"
+                        )
+                    if name in self.tensors:
+                        raise CheckpointError(
+                            f"{self.directory}: tensor {name!r} is stored in both "
+                            f"{self.tensors[name].file} and {file}"
+                        )
+                    part = f.get_slice(name)
+                    self.tensors[name] = TensorInfo(
+                        file=file, shape=tuple(part.get_shape()), dtype=part.get_dtype()
+                    )
+        self._open: dict[str, Any] = {}
+
+    def _files(self) -> dict[str, list[str] | None]:
+        """Each shard file and the tensor names the index puts in it (``None``: all of them)."""
+        index = self.directory / INDEX
+        if index.exists():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map' object")
+            files: dict[str, list[str]] = {}
+            for name, file in weight_map.items():
+                files.setdefault(file, []).append(name)
+            for file in files:
+                if not (self.directory / file).exists():
+                    raise CheckpointError(
+                        f"{index}: names {file}, which is not in {self.directory}"
+                    )
+            return dict(files)
+        found = sorted(p.name for p in self.directory.glob("*.safetensors"))
+        if not found:
+            raise CheckpointError(
+                f"{self.directory}: no *.safetensors files (a Hugging Face checkpoint holds "
+                f"{SINGLE} or shards listed in {INDEX})"
+            )
+        return {name: None for name in found}
+
+    def dtype(self, name: str) -> np.dtype:
+        """The numpy dtype tensor ``name`` is stored in."""
+        code = self.tensors[name].dtype
+        if code not in DTYPES:
+            raise CheckpointError(
+                f"{self.directory / self.tensors[name].file}: tensor {name!r} has dtype "
+                f"{code}, which mmnnx cannot read (readable: {', '.join(DTYPES)})"
+            )
+        return DTYPES[code]
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """The part ``index`` of tensor ``name``, read from disk (only that part)."""
+        info = self.tensors[name]
+        handle = self._open.get(info.file)
+        if handle is None:
+            handle = self._open[info.file] = safe_open(
+                self.directory / info.file, framework="numpy"
+            )
+        part = handle.get_slice(name)
+        return part[index] if index else part[...]
+
+    def close(self) -> None:
+        """Drops the open files (they are reopened by the next ``read``)."""
+        self._open.clear()
+
+
+def write_shards(
+    directory: str | os.PathLike,
+    shards: Mapping[str, np.ndarray] | Mapping[str, Mapping[str, np.ndarray]],
+) -> None:
+    """Writes tensors as safetensors files into ``directory`` (which must exist).
+
+    ``shards`` maps tensor names to arrays (one ``model.safetensors``) or file names to such
+    maps. Files carry ``{"format": "pt"}`` metadata, as transformers expects.
+
+    Raises:
+        CheckpointError: an array of a dtype safetensors cannot hold, naming the tensor.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> write_shards(d, {"model-00001-of-00001.safetensors": {"b": np.zeros(2, np.int32)}})
+        >>> sorted(p.name for p in pathlib.Path(d).iterdir())
+        ['model-00001-of-00001.safetensors']
+    """
+    directory = pathlib.Path(directory)
+    if shards and all(isinstance(v, np.ndarray) for v in shards.values()):
+        shards = {SINGLE: shards}
+    codes = {dtype: code for code, dtype in DTYPES.items()}
+    for file, tensors in shards.items():
+        for name, array in tensors.items():
+            if np.dtype(array.dtype) not in codes:
+                raise CheckpointError(
+                    f"{directory / file}: tensor {name!r} has dtype {array.dtype}, which "
+                    f"safetensors cannot hold (it holds {', '.join(map(str, codes))})"
+                )
+        save_file(
+            {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+            str(directory / file),
+            metadata={"format": "pt"},
+        )
+
+
+def shard_name(i: int, count: int) -> str:
+    """The Hugging Face name of shard ``i`` (from 0) of ``count``.
+
+    Example:
+        >>> shard_name(0, 2)
+        'model-00001-of-00002.safetensors'
+    """
+    return SINGLE if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"

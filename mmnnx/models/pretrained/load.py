@@ -1,0 +1,149 @@
+"""Filling a model built abstractly from a checkpoint's tensors, each Variable's shards read
+straight onto its devices: no process ever holds more than one tensor's part it needs."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mmnnx._nnx import variables_of
+from mmnnx.models.pretrained.files import CheckpointError, CheckpointFiles
+from mmnnx.models.pretrained.names import Source, TensorRule, match, tensors_of
+from mmnnx.sharding.arrays import slice_key
+from mmnnx.sharding.place import place_made
+from mmnnx.sharding.rules import path_str
+
+M = TypeVar("M")
+
+
+def plan_sources(
+    model: Any, files: CheckpointFiles, rules: Sequence[TensorRule]
+) -> dict[str, Source]:
+    """The source of every Variable of ``model``, checked against the files: each Variable has
+    its tensors, each tensor a Variable, and every shape fits. Reads no tensor data.
+
+    Raises:
+        CheckpointError: a tensor no rule or no Variable takes, a Variable with no tensor, or a
+            tensor whose shape does not fit its Variable; each naming the file and tensor.
+    """
+    where = files.directory
+    try:
+        sources, unmatched = match(files.tensors, rules)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    variables = {path_str(p): v for p, v in variables_of(model)}
+    model_name = type(model).__name__
+    for path, variable in variables.items():
+        if path in sources:
+            continue
+        expected = tensors_of(path, variable.get_value().shape, rules)
+        if expected is None:
+            raise CheckpointError(
+                f"no tensor rule fills Variable {path!r} of {model_name}; add a TensorRule "
+                "whose variable template matches it"
+            )
+        name = next(iter(expected[1].values()))
+        raise CheckpointError(
+            f"{where}: missing tensor {name!r} (for Variable {path!r} of {model_name})"
+        )
+    extra = unmatched + [
+        n for s in sources.values() if s.path not in variables for n in s.tensors.values()
+    ]
+    if extra:
+        first = extra[0]
+        raise CheckpointError(
+            f"{where / files.tensors[first].file}: tensor {first!r} fills no Variable of "
+            f"{model_name} ({len(extra)} such tensor{'s' if len(extra) > 1 else ''}: "
+            f"{', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''})"
+        )
+    for path, source in sources.items():
+        want = tuple(variables[path].get_value().shape)
+        for name in source.tensors.values():
+            info = files.tensors[name]
+            files.dtype(name)  # a dtype mmnnx cannot read fails here, before anything moves
+            try:
+                got = source.stack_shape + source.rule.variable_shape(info.shape)
+            except ValueError as e:
+                raise CheckpointError(f"{where / info.file}: {e}") from None
+            if got != want:
+                raise CheckpointError(
+                    f"{where / info.file}: tensor {name!r} has shape {info.shape}, which does "
+                    f"not fit Variable {path!r} of {model_name} (shape {want}); does "
+                    "config.json describe these files?"
+                )
+    return sources
+
+
+def read_part(
+    files: CheckpointFiles, source: Source, index: tuple[slice, ...], dtype: Any
+) -> np.ndarray:
+    """The part ``index`` of the Variable ``source`` fills, read from its tensors (each only
+    as far as ``index`` reaches, except through a reshape) and cast to ``dtype``."""
+    rule = source.rule
+    stack, inner = index[: len(rule.stacked)], index[len(rule.stacked) :]
+    ranges = [range(*s.indices(n)) for s, n in zip(stack, source.stack_shape, strict=True)]
+    parts = [
+        _read_one(files, rule, source.tensors[slot], inner) for slot in itertools.product(*ranges)
+    ]
+    if not ranges:
+        return parts[0].astype(dtype)
+    return np.stack(parts).reshape(*(len(r) for r in ranges), *parts[0].shape).astype(dtype)
+
+
+def _read_one(
+    files: CheckpointFiles, rule: TensorRule, name: str, inner: tuple[slice, ...]
+) -> np.ndarray:
+    if rule.reshape is not None:  # slices of a reshaped tensor are not slices of the file
+        whole = files.read(name)
+        whole = whole.transpose(rule.transpose) if rule.transpose else whole
+        return whole.reshape(rule.reshape)[inner]
+    if rule.transpose is None:
+        return files.read(name, tuple(inner))
+    wanted = [slice(None)] * len(rule.transpose)
+    for axis, part in zip(rule.transpose, inner, strict=False):
+        wanted[axis] = part
+    return files.read(name, tuple(wanted)).transpose(rule.transpose)
+
+
+def load_into(
+    model: M,
+    files: CheckpointFiles,
+    rules: Sequence[TensorRule],
+    placement: Sequence[tuple] | Mapping | None = None,
+) -> M:
+    """Fills every Variable of ``model`` (built abstractly) from ``files`` through ``rules``.
+
+    With ``placement`` (rules as ``mm.place`` takes them) each Variable is made on its task's
+    sharding, each device's shard read on its own (``jax.make_array_from_callback``; equal
+    shards read once), so a process reads only what its devices hold; without, each Variable
+    is read whole onto the default device. Everything is checked before any value is made.
+    """
+    sources = plan_sources(model, files, rules)
+
+    def make(path: str, variable: nnx.Variable, sharding: Any) -> jax.Array:
+        source = sources[path]
+        abstract = variable.get_value()
+        read: dict[tuple, np.ndarray] = {}
+
+        def shard(index: tuple[slice, ...]) -> np.ndarray:
+            key = slice_key(index)
+            if key not in read:
+                read[key] = read_part(files, source, index, abstract.dtype)
+            return read[key]
+
+        return jax.make_array_from_callback(abstract.shape, sharding, shard, dtype=abstract.dtype)
+
+    try:
+        if placement is not None:
+            return place_made(model, placement, make)
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        for path, variable in variables_of(model):
+            variable.set_value(make(path_str(path), variable, device))
+        return model
+    finally:
+        files.close()

@@ -1,0 +1,209 @@
+"""``TensorRule``: how a checkpoint's tensor names map to a model's Variable paths, both ways.
+
+A rule pairs a tensor-name template with a Variable-path template; ``{name}`` fields stand for
+integers (``{layer}``, ``{expert}``). A field in the tensor name but not in the Variable path is
+a *stacked* axis: the tensors for every value of it fill the Variable's leading axes, in the
+order the fields appear in the tensor name (``nnx.vmap``/``scan_layers`` stacks). The same rules
+read a checkpoint (``match``) and write one (``tensors_of``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+_FIELD = re.compile(r"\{(\w+)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRule:
+    """Checkpoint tensors named like ``tensor`` fill the Variable at path ``variable``.
+
+    The Variable's value (or, for stacked axes, each slot of it) is
+    ``tensor.transpose(transpose).reshape(reshape)``, either step skipped when ``None``.
+    Linear weights are stored ``(out, in)`` in Hugging Face checkpoints and ``(in, out)`` as NNX
+    kernels, hence ``transpose=(1, 0)``. ``variable=None`` marks tensors that are read by no
+    Variable (a tied ``lm_head.weight``, old ``rotary_emb.inv_freq`` buffers).
+
+    Example:
+        >>> rule = TensorRule("model.layers.{layer}.mlp.up_proj.weight",
+        ...                   "blocks/{layer}/mlp/up/kernel", transpose=(1, 0))
+        >>> rule.fields, rule.stacked
+        (('layer',), ())
+        >>> TensorRule("layers.{layer}.w", "blocks/w").stacked  # a scanned (stacked) layer axis
+        ('layer',)
+    """
+
+    tensor: str
+    variable: str | None
+    transpose: tuple[int, ...] | None = None
+    reshape: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.variable is not None:
+            missing = set(_FIELD.findall(self.variable)) - set(self.fields)
+            if missing:
+                raise ValueError(
+                    f"TensorRule {self.tensor!r} -> {self.variable!r}: the Variable path uses "
+                    f"{sorted(missing)}, which the tensor name does not have"
+                )
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(_FIELD.findall(self.tensor))
+
+    @property
+    def stacked(self) -> tuple[str, ...]:
+        """The fields that index the Variable's leading (stacked) axes, in order."""
+        if self.variable is None:
+            return ()
+        kept = set(_FIELD.findall(self.variable))
+        return tuple(f for f in self.fields if f not in kept)
+
+    def tensor_shape(self, variable_shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of one tensor filling a Variable of ``variable_shape`` (export's view).
+
+        Raises:
+            ValueError: the rule reshapes, which export cannot invert.
+        """
+        if self.reshape is not None:
+            raise ValueError(
+                f"TensorRule {self.tensor!r}: cannot write a tensor back through a reshape; "
+                "give the rule no reshape, or write this tensor yourself"
+            )
+        inner = tuple(variable_shape[len(self.stacked) :])
+        if self.transpose is None:
+            return inner
+        inverse = np.argsort(self.transpose)
+        return tuple(inner[i] for i in inverse)
+
+    def variable_shape(self, tensor_shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape one tensor of ``tensor_shape`` takes in the Variable (without stacked axes)."""
+        shape = tuple(tensor_shape)
+        if self.transpose is not None:
+            if sorted(self.transpose) != list(range(len(shape))):
+                raise ValueError(
+                    f"tensor {self.tensor!r}: transpose {self.transpose} does not fit its "
+                    f"{len(shape)} dimensions {shape}"
+                )
+            shape = tuple(shape[i] for i in self.transpose)
+        if self.reshape is not None:
+            if int(np.prod(self.reshape)) != int(np.prod(shape)):
+                raise ValueError(
+                    f"tensor {self.tensor!r}: cannot reshape {shape} to {self.reshape}"
+                )
+            shape = tuple(self.reshape)
+        return shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one Variable's value comes from: its rule and, per stacked slot, a tensor name.
+
+    ``tensors`` maps the stacked fields' values (``()`` for an unstacked Variable) to the
+    tensor name; ``stack_shape`` is the extent of each stacked axis.
+    """
+
+    path: str
+    rule: TensorRule
+    tensors: dict[tuple[int, ...], str]
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        if not self.rule.stacked:
+            return ()
+        return tuple(max(k[i] for k in self.tensors) + 1 for i in range(len(self.rule.stacked)))
+
+
+def _pattern(template: str) -> re.Pattern:
+    parts = _FIELD.split(template)  # literal, field, literal, field, ...
+    out = [rf"(?P<{p}>\d+)" if i % 2 else re.escape(p) for i, p in enumerate(parts)]
+    return re.compile("".join(out) + r"\Z")
+
+
+def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, Source], list[str]]:
+    """Groups checkpoint tensor ``names`` by the Variable each fills (first matching rule).
+
+    Returns the sources by Variable path and the names no rule matches. Tensors of a rule with
+    ``variable=None`` are dropped.
+
+    Raises:
+        ValueError: two tensors fill one slot of a Variable, or a stacked Variable misses a
+            slot (naming the missing tensor).
+
+    Example:
+        >>> rules = [TensorRule("layers.{layer}.w", "blocks/w"), TensorRule("extra", None)]
+        >>> sources, unmatched = match(["layers.1.w", "layers.0.w", "extra", "odd"], rules)
+        >>> sources["blocks/w"].tensors, sources["blocks/w"].stack_shape, unmatched
+        ({(1,): 'layers.1.w', (0,): 'layers.0.w'}, (2,), ['odd'])
+    """
+    patterns = [_pattern(r.tensor) for r in rules]
+    sources: dict[str, Source] = {}
+    unmatched: list[str] = []
+    for name in names:
+        for rule, pattern in zip(rules, patterns, strict=True):
+            found = pattern.match(name)
+            if found is None:
+                continue
+            if rule.variable is None:
+                break
+            values = {k: int(v) for k, v in found.groupdict().items()}
+            path = rule.variable.format(**values)
+            source = sources.setdefault(path, Source(path=path, rule=rule, tensors={}))
+            if source.rule is not rule:
+                raise ValueError(
+                    f"tensors {name!r} and {next(iter(source.tensors.values()))!r} both fill "
+                    f"Variable {path!r} through different rules"
+                )
+            slot = tuple(values[f] for f in rule.stacked)
+            if slot in source.tensors:
+                raise ValueError(
+                    f"tensors {source.tensors[slot]!r} and {name!r} both fill Variable {path!r}"
+                )
+            source.tensors[slot] = name
+            break
+        else:
+            unmatched.append(name)
+    for source in sources.values():
+        for slot in itertools.product(*(range(n) for n in source.stack_shape)):
+            if slot not in source.tensors:
+                example = next(iter(source.tensors.values()))
+                found = _pattern(source.rule.tensor).match(example).groupdict()
+                values = {k: int(v) for k, v in found.items()}
+                values.update(zip(source.rule.stacked, slot, strict=True))
+                raise ValueError(
+                    f"missing tensor {source.rule.tensor.format(**values)!r}: Variable "
+                    f"{source.path!r} stacks one tensor per {'/'.join(source.rule.stacked)} "
+                    f"({example!r} is one of them)"
+                )
+    return sources, unmatched
+
+
+def tensors_of(
+    path: str, shape: Sequence[int], rules: Sequence[TensorRule]
+) -> tuple[TensorRule, dict[tuple[int, ...], str]] | None:
+    """The rule writing the Variable at ``path`` (of ``shape``) and its tensor name per stacked
+    slot, or ``None`` when no rule's Variable template matches ``path``.
+
+    Example:
+        >>> rules = [TensorRule("layers.{layer}.w", "blocks/w")]
+        >>> tensors_of("blocks/w", (2, 3), rules)[1]
+        {(0,): 'layers.0.w', (1,): 'layers.1.w'}
+    """
+    for rule in rules:
+        if rule.variable is None:
+            continue
+        found = _pattern(rule.variable).match(path)
+        if found is None:
+            continue
+        values = {k: int(v) for k, v in found.groupdict().items()}
+        stack = tuple(shape[: len(rule.stacked)])
+        names = {}
+        for slot in itertools.product(*(range(n) for n in stack)):
+            names[slot] = rule.tensor.format(**values, **dict(zip(rule.stacked, slot, strict=True)))
+        return rule, names
+    return None

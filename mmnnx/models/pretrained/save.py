@@ -1,0 +1,237 @@
+"""Writing a model's Variables as a Hugging Face checkpoint directory, each process writing
+the tensors its own devices hold, into a staging directory renamed into place when complete."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from mmnnx._nnx import variables_of
+from mmnnx.distributed.gather import together
+from mmnnx.models.pretrained.files import (
+    CONFIG,
+    DTYPES,
+    INDEX,
+    TORCH_DTYPES,
+    CheckpointError,
+    shard_name,
+    write_shards,
+)
+from mmnnx.models.pretrained.names import TensorRule, tensors_of
+from mmnnx.sharding.rules import path_str
+
+MAX_SHARD_BYTES = 5 * 2**30
+"""The largest shard file ``save_pretrained`` writes by default (as transformers: 5 GB)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One tensor to write: its name, the Variable and stacked slot it comes from, its rule,
+    shape, and the process that writes it."""
+
+    name: str
+    path: str
+    slot: tuple[int, ...]
+    rule: TensorRule
+    shape: tuple[int, ...]
+    writer: int
+
+
+def _covers(sharding: Any, shape: tuple[int, ...], slot: tuple[int, ...]) -> list[int]:
+    """The processes whose devices together hold all of slot ``slot`` of an array laid out by
+    ``sharding``, lowest first."""
+    region = [(i, i + 1) for i in slot] + [(0, n) for n in shape[len(slot) :]]
+    size = int(np.prod([b - a for a, b in region]))
+    held: dict[int, set[tuple]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        box = []
+        for s, (a, b), n in zip(index, region, shape, strict=True):
+            lo, hi, _ = s.indices(n)
+            box.append((max(a, lo), min(b, hi)))
+        if all(lo < hi for lo, hi in box):
+            held.setdefault(device.process_index, set()).add(tuple(box))
+    return sorted(
+        p
+        for p, boxes in held.items()
+        if sum(int(np.prod([b - a for a, b in x])) for x in boxes) == size
+    )
+
+
+def _local_slot(value: jax.Array, slot: tuple[int, ...]) -> np.ndarray:
+    """Slot ``slot`` of ``value`` assembled from this process's shards (which cover it)."""
+    inner = value.shape[len(slot) :]
+    out = np.empty(inner, dtype=value.dtype)
+    for shard in value.addressable_shards:
+        index = shard.index
+        lead = index[: len(slot)]
+        if not all(
+            s.indices(n)[0] <= i < s.indices(n)[1]
+            for s, i, n in zip(lead, slot, value.shape, strict=False)
+        ):
+            continue
+        data = np.asarray(shard.data)
+        at = tuple(i - s.indices(n)[0] for s, i, n in zip(lead, slot, value.shape, strict=False))
+        out[index[len(slot) :]] = data[at]
+    return out
+
+
+def _plan(
+    values: Mapping[str, jax.Array], rules: Sequence[TensorRule]
+) -> tuple[list[_Tensor], dict[str, jax.Array]]:
+    """Every tensor to write, with its writer (the same list on every process), and the values
+    replicated within their tasks where no one process holds a whole tensor."""
+    tensors, gathered = [], {}
+    for path, value in values.items():
+        found = tensors_of(path, value.shape, rules)
+        if found is None:
+            raise CheckpointError(
+                f"no tensor rule writes Variable {path!r}; add a TensorRule whose variable "
+                "template matches it"
+            )
+        rule, names = found
+        for slot, name in names.items():
+            covering = _covers(value.sharding, value.shape, slot)
+            if not covering:  # a task spanning processes, sharded: replicate within it
+                if path not in gathered:
+                    spread = jax.sharding.NamedSharding(
+                        value.sharding.mesh, jax.sharding.PartitionSpec()
+                    )
+                    gathered[path] = jax.jit(lambda x: x, out_shardings=spread)(value)
+                covering = _covers(gathered[path].sharding, value.shape, slot)
+            try:
+                shape = rule.tensor_shape(value.shape)
+            except ValueError as e:
+                raise CheckpointError(f"Variable {path!r}: {e}") from None
+            tensors.append(
+                _Tensor(name=name, path=path, slot=slot, rule=rule, shape=shape, writer=covering[0])
+            )
+    return tensors, gathered
+
+
+def _files(
+    tensors: list[_Tensor], itemsize: int, max_bytes: int
+) -> list[tuple[int, list[_Tensor]]]:
+    """Tensors grouped into shard files: each process's own, in order, each file at most
+    ``max_bytes`` (or one tensor larger than that)."""
+    files: list[tuple[int, list[_Tensor]]] = []
+    for process in sorted({t.writer for t in tensors}):
+        size = 0
+        for t in (t for t in tensors if t.writer == process):
+            nbytes = int(np.prod(t.shape)) * itemsize
+            if not files or files[-1][0] != process or (size + nbytes > max_bytes and size):
+                files.append((process, []))
+                size = 0
+            files[-1][1].append(t)
+            size += nbytes
+    return files
+
+
+def write_checkpoint(
+    values: Mapping[str, jax.Array],
+    directory: str | os.PathLike,
+    rules: Sequence[TensorRule],
+    *,
+    config: dict[str, Any] | None,
+    dtype: Any,
+    extra_files: Sequence[str | os.PathLike] = (),
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Writes ``values`` (Variable path -> array) as tensors named by ``rules``, in ``dtype``.
+
+    Every process calls it (a collective). Each tensor is written by the lowest process whose
+    devices hold all of it; files go to ``.<name>.partial`` beside ``directory``, which
+    replaces ``directory`` once every file, the index and ``config.json`` are written, so a
+    failed save leaves an earlier checkpoint there intact. ``extra_files`` (a tokenizer) are
+    copied in.
+
+    Raises:
+        CheckpointError: ``directory`` exists and ``overwrite`` is false, a Variable no rule
+            writes, or a dtype safetensors cannot hold; before anything is written.
+    """
+    directory = pathlib.Path(directory)
+    dtype = np.dtype(dtype)
+    if dtype not in DTYPES.values():
+        raise CheckpointError(f"{directory}: safetensors cannot hold dtype {dtype}")
+    if directory.exists() and not overwrite:
+        raise CheckpointError(f"{directory} exists; pass overwrite=True to replace it")
+    tensors, gathered = _plan(values, rules)
+    files = _files(tensors, dtype.itemsize, max_shard_bytes)
+    staging = directory.parent / f".{directory.name}.partial"
+    me = jax.process_index()
+
+    def prepare() -> None:
+        if me == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+
+    def write_mine() -> None:
+        for i, (process, group) in enumerate(files):
+            if process != me:
+                continue
+            out = {}
+            for t in group:
+                part = _local_slot(gathered.get(t.path, values[t.path]), t.slot)
+                if t.rule.transpose is not None:
+                    part = part.transpose(np.argsort(t.rule.transpose))
+                out[t.name] = part.astype(dtype)
+            write_shards(staging, {shard_name(i, len(files)): out})
+
+    def finish() -> None:
+        if me != 0:
+            return
+        weight_map = {
+            t.name: shard_name(i, len(files)) for i, (_, g) in enumerate(files) for t in g
+        }
+        total = sum(int(np.prod(t.shape)) * dtype.itemsize for t in tensors)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        if config is not None:
+            (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        for extra in extra_files:
+            shutil.copy(extra, staging / pathlib.Path(extra).name)
+        old = directory.parent / f".{directory.name}.old"
+        if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            directory.rename(old)
+        staging.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+
+    for what, work in (("prepare", prepare), ("write", write_mine), ("finish", finish)):
+        _collectively(f"save_pretrained {directory} ({what})", work)
+    return directory
+
+
+def _collectively(what: str, work: Callable[[], None]) -> None:
+    if jax.process_count() == 1:
+        work()
+    else:
+        together(what, work)
+
+
+def model_values(model: Any) -> dict[str, jax.Array]:
+    """Every Variable of ``model`` by its ``/``-joined path."""
+    return {path_str(p): v.get_value() for p, v in variables_of(model)}
+
+
+def torch_dtype_of(dtype: Any) -> str:
+    """``config.json``'s name for ``dtype`` (``"bfloat16"``, ``"float32"``, ...).
+
+    Example:
+        >>> torch_dtype_of(np.float32)
+        'float32'
+    """
+    name = np.dtype(dtype).name
+    if name not in TORCH_DTYPES:
+        raise CheckpointError(
+            f"dtype {name}: Hugging Face checkpoints are written in {', '.join(TORCH_DTYPES)}"
+        )
+    return name
