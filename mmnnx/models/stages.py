@@ -3,6 +3,7 @@ modules) into balanced pipeline stages."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -408,7 +409,9 @@ def _is_list_of_modules(node: Any) -> bool:
     )
 
 
-def _groups(model: Any, paths: list[Path], layers: Path, last: Sequence[str]) -> tuple[list, list]:
+def _groups(
+    model: Any, paths: list[Path], layers: Path, last: Sequence[str]
+) -> tuple[list[Path], list[Path]]:
     """The Variables at ``paths`` (outside the layers at ``layers``) as prefixes that go on the
     first stage and on the last, each list in definition order. A path goes last when one of its
     components off the layers' own path is named in ``last``, its prefix up to that component;
@@ -435,7 +438,7 @@ def _groups(model: Any, paths: list[Path], layers: Path, last: Sequence[str]) ->
                     and not any(g[: i + 1] == p[: i + 1] for g in lasts)
                 )
             )
-    order = lambda g: _definition_order(model, g)  # noqa: E731
+    order = functools.partial(_definition_order, model)
     return sorted(firsts, key=order), sorted(lasts, key=order)
 
 
