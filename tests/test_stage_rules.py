@@ -283,3 +283,181 @@ def test_virtual_stage_errors(kwargs, message):
 def test_virtual_stages_need_a_list_of_blocks():
     with pytest.raises(ValueError, match="virtual_stages=2 needs the blocks as a list"):
         stage_rules(make(depth=8, scan_layers=True), tasks(2), virtual_stages=2, report=False)
+
+
+VOCAB, DIM = 16, 8
+
+
+class Block(nnx.Module):
+    """A residual block holding a list of its own (two summed "experts"), so the layers are not
+    the only list of modules in the model: auto-detection must pick the shallower one."""
+
+    def __init__(self, rngs):
+        self.norm = nnx.RMSNorm(DIM, rngs=rngs)  # ^model/norm/ must not catch it
+        self.experts = nnx.List([nnx.Linear(DIM, DIM, rngs=rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        h = self.norm(x)
+        return x + sum(jax.numpy.tanh(e(h)) for e in self.experts)
+
+
+class Decoder(nnx.Module):
+    def __init__(self, rngs, depth, stacked):
+        self.embed_tokens = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        if stacked:
+            self.layers = nnx.split_rngs(splits=depth)(nnx.vmap(Block, in_axes=0))(rngs)
+        else:
+            self.layers = nnx.List([Block(rngs) for _ in range(depth)])
+        self.norm = nnx.RMSNorm(DIM, rngs=rngs)
+        self.stacked = stacked
+
+    def __call__(self, tokens):
+        x = self.embed_tokens(tokens)
+        if self.stacked:
+            scan = nnx.scan(lambda x, block: block(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            x = scan(x, self.layers)
+        else:
+            for block in self.layers:
+                x = block(x)
+        return self.norm(x)
+
+
+class CausalLM(nnx.Module):
+    """Shaped as Hugging Face's: ``model.embed_tokens``, ``model.layers``, ``model.norm``,
+    then a top-level ``lm_head``."""
+
+    def __init__(self, rngs, depth=4, stacked=False):
+        self.model = Decoder(rngs, depth, stacked)
+        self.lm_head = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.lm_head(self.model(tokens))
+
+
+def placed_tasks(model):
+    """Each Variable's task name, mm.place having been strict and every rule having placed some."""
+    return {path: name for path, (name, _) in mm.placement(model).items()}
+
+
+BY_PATH = {
+    "dotted": "model.layers",
+    "slashed": "model/layers",
+    "filter": lambda path, node: path[-1:] == ("layers",),
+    "auto": None,
+}
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("blocks", BY_PATH.values(), ids=BY_PATH.keys())
+def test_nested_layers_are_cut_by_path_filter_or_found(k, blocks):
+    model = CausalLM(nnx.Rngs(0))
+    rules = stage_rules(model, tasks(k), blocks=blocks, report=False)
+    if k == 2:
+        assert [r for r, _ in rules] == [
+            "^model/embed_tokens/|^model/layers/(0|1)/",
+            "^model/layers/(2|3)/|^model/norm/|^lm_head/",
+        ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rule that places nothing would warn
+        task = placed_tasks(mm.place(model, rules, strict=True))
+    assert task["model/embed_tokens/embedding"] == "t0"
+    assert task["model/norm/scale"] == task["lm_head/kernel"] == f"t{k - 1}"
+    for i in range(4):  # one layer per task over 4, two over 2: the head and table weigh alike
+        want = f"t{i * k // 4}"
+        assert task[f"model/layers/{i}/norm/scale"] == want
+        assert task[f"model/layers/{i}/experts/1/kernel"] == want
+
+
+def test_nested_stacked_layers_are_split_over_the_tasks():
+    model = CausalLM(nnx.Rngs(0), stacked=True)
+    for blocks in ("model.layers", "model/layers", BY_PATH["filter"]):
+        rules = stage_rules(model, tasks(4), blocks=blocks, report=False)
+        assert [(r, t if isinstance(t, mm.Task) else tuple(t)) for r, t in rules] == [
+            ("^model/embed_tokens/", tasks(4)[0]),
+            ("^model/norm/|^lm_head/", tasks(4)[3]),
+            ("^model/layers/", tuple(tasks(4))),
+        ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        task = placed_tasks(mm.place(model, rules, strict=True))
+    assert task["model/embed_tokens/embedding"] == "t0"
+    assert task["model/norm/scale"] == task["lm_head/kernel"] == "t3"
+    assert task["model/layers/norm/scale"] == task["model/layers/experts/0/kernel"] == "t0+t1+t2+t3"
+
+
+def test_nested_layers_report_and_costs(capsys):
+    model = CausalLM(nnx.Rngs(0))
+    stage_rules(model, tasks(2), by="flops", seq_len=4)
+    out = capsys.readouterr().out
+    assert "0-1 + model/embed_tokens" in out and "2-3 + model/norm, lm_head" in out
+    per_layer = size(model.model.layers[0])
+    first = per_layer * 2 + size(model.model.embed_tokens)
+    last = per_layer * 2 + size(model.model.norm) + size(model.lm_head)
+    assert f"{first:,}" in out and f"{last:,}" in out
+
+
+def test_a_pipelined_step_of_nested_layers_matches_one_device():
+    tokens = jax.random.randint(jax.random.key(1), (8, 4), 0, VOCAB)
+    loss = lambda m, t: (m(t) ** 2).mean()  # noqa: E731
+    model = CausalLM(nnx.Rngs(0))
+    model = mm.place(model, stage_rules(model, tasks(2), blocks="model.layers", report=False))
+    step = mm.jit(mm.microbatch(nnx.value_and_grad(loss), num=4, reduce="mean"))
+    (value, grads), (ref_value, ref_grads) = (
+        step(model, tokens),
+        nnx.value_and_grad(loss)(CausalLM(nnx.Rngs(0)), tokens),
+    )
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert step.plan(model, tokens).pipeline.schedule.num_stages == 2
+
+
+class TwoNestedLists(nnx.Module):
+    def __init__(self, rngs):
+        self.model = nnx.Dict(
+            encoder=nnx.List([nnx.Linear(2, 2, rngs=rngs)]),
+            decoder=nnx.List([nnx.Linear(2, 2, rngs=rngs)]),
+            scale=nnx.Param(jax.numpy.ones(2)),  # a Variable next to the lists
+        )
+
+
+@pytest.mark.parametrize(
+    ("blocks", "message"),
+    [
+        (
+            "model.layer",
+            r"CausalLM.model has no attribute 'layer' \(blocks=\) on the path "
+            r"'model.layer'; its attributes are embed_tokens, layers, norm, stacked",
+        ),
+        ("decoder/layers", r"CausalLM has no attribute 'decoder'.*are model, lm_head"),
+        ("model.layers.7", r"CausalLM.model.layers has no attribute '7'.*are 0, 1, 2, 3"),
+        ("model/norm/scale", r"CausalLM.model.norm.scale does not hold layers.*got Param"),
+        ("model", r"CausalLM.model \(one stacked module\) do not share one leading layer axis"),
+        (lambda p, n: False, r"blocks= filter matches 0 modules of CausalLM \(none\)"),
+        (
+            lambda p, n: "layers" in p,  # the list, and 4 x (a block, its norm, list, 2 experts)
+            r"filter matches 21 modules of CausalLM \(model/layers, model/layers/0, "
+            r"model/layers/0/norm, .*\(15 more\)\); it must select the one",
+        ),
+    ],
+)
+def test_nested_layers_errors(blocks, message):
+    with pytest.raises(ValueError, match=message):
+        stage_rules(CausalLM(nnx.Rngs(0)), tasks(2), blocks=blocks, report=False)
+
+
+def test_nested_auto_detection_errors():
+    with pytest.raises(TypeError, match="blocks= takes a path .* got int"):
+        stage_rules(CausalLM(nnx.Rngs(0)), tasks(2), blocks=3, report=False)
+    two = TwoNestedLists(nnx.Rngs(0))
+    with pytest.raises(
+        ValueError,
+        match=r"several lists of modules \(model/encoder, model/decoder\).*"
+        r"blocks='model/encoder'",
+    ):
+        stage_rules(two, tasks(2), report=False)
+    rules = stage_rules(two, tasks(1), blocks="model.decoder", report=False)
+    assert rules == [("^model/encoder/|^model/scale$|^model/decoder/0/", tasks(1)[0])]
+    mm.place(two, rules, strict=True)
+    rules = stage_rules(two, tasks(1), blocks="model.decoder", last=("scale",), report=False)
+    assert rules == [("^model/encoder/|^model/decoder/0/|^model/scale$", tasks(1)[0])]

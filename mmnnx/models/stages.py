@@ -1,10 +1,12 @@
-"""``stage_rules``: placement rules that cut a model's ``blocks`` into balanced pipeline stages."""
+"""``stage_rules``: placement rules that cut a model's layers (``blocks``, or any nested list of
+modules) into balanced pipeline stages."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -13,7 +15,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from mmnnx._nnx import variables_of
+from mmnnx._nnx import Path, variables_of
 from mmnnx.modules.attention import Attention
 from mmnnx.modules.embed import Embed
 from mmnnx.sharding import Task
@@ -21,9 +23,9 @@ from mmnnx.sharding import Task
 BY = ("params", "flops")
 
 LAST = ("norm", "head", "final_norm", "ln_f", "lm_head", "classifier")
-"""The top-level attributes ``stage_rules`` puts on the last task by default: the final norm
-and the output head as the library's GPT, Flax's Gemma and ViT examples, GPT-2 and Llama ports
-name them."""
+"""The names ``stage_rules`` puts on the last task by default, wherever they occur on a
+Variable's path outside the layers: the final norm and the output head as the library's GPT,
+Flax's Gemma and ViT examples, GPT-2, Llama and Hugging Face's ``CausalLM`` name them."""
 
 
 def _num_params(node: Any) -> int:
@@ -136,19 +138,26 @@ def stage_rules(
     last: Sequence[str] | None = None,
     virtual_stages: int = 1,
     order: str = "loop",
-    blocks: str | None = None,
+    blocks: str | Callable[[Path, Any], bool] | None = None,
 ) -> list[tuple[str, Task]]:
     """Placement rules for ``mm.place`` / ``mm.init`` that pipeline ``model.blocks`` over ``tasks``.
 
     ``model.blocks`` (an ``nnx.List`` of modules) is cut into ``len(tasks)`` contiguous stages, one
     per task in order, minimising the largest stage (exact dynamic programming; ties go to the most
-    even split). ``blocks`` names the attribute holding the layers when it is not ``blocks``; by
-    default a model without ``blocks`` has its one top-level ``nnx.List`` (or ``nnx.Sequential``)
-    of modules cut: the ``layers`` of Flax's Gemma example, the ``encoder`` of its ViT (an
-    ``nnx.Sequential``, whose layers are at ``encoder/layers/<i>/``). The top-level attributes
-    named in ``last`` (by default :data:`LAST`: the final norm and the head under their usual
-    names) go on the last task, every other one (the embedding) on the first, and count towards
-    those stages' costs.
+    even split). ``blocks`` names the node holding the layers when it is not ``model.blocks``: a
+    path of attribute names at any depth, ``"layers"``, ``"model.layers"`` or ``"model/layers"``
+    (the ``model.layers`` of a Hugging Face-shaped ``CausalLM``), or a filter ``(path, node) ->
+    bool`` called on every module below ``model`` (``path`` a tuple of keys as in
+    ``nnx.iter_graph``: ``("model", "layers")``), which must match exactly one. By default a model
+    without ``blocks`` has its shallowest ``nnx.List`` (or ``nnx.Sequential``) of modules cut,
+    wherever it is: the ``layers`` of Flax's Gemma example, the ``encoder`` of its ViT (an
+    ``nnx.Sequential``, whose layers are at ``encoder/layers/<i>/``), the ``model/layers`` of a
+    ``CausalLM``; two at that depth is an error (pass ``blocks=``), and stacked layers are only
+    found as ``model.blocks`` or through ``blocks=``. Every Variable outside the layers goes on
+    the last task when a component of its path (off the layers' own path) is named in ``last``
+    (by default :data:`LAST`: the final norm and the head under their usual names, so
+    ``model/norm/`` and ``lm_head/``), else on the first (the embedding, ``model/embed_tokens/``),
+    and counts towards that stage's cost.
 
     ``by="params"`` balances parameter counts. ``by="flops"`` balances estimated forward FLOPs of
     a step of ``tokens_per_step`` tokens (default: one sequence of ``seq_len``, itself by default
@@ -159,10 +168,12 @@ def stage_rules(
     table lives, so its FLOPs count on the first task.
 
     Rules are one ``(regex, task)`` per task, anchored on the ``/``-joined path
-    (``^embed/|^blocks/(0|1)/``), so ``blocks/1/`` never matches ``blocks/10/`` nor ``^norm/``
-    ``blocks/0/norm1``. Stacked blocks (one module made with ``nnx.vmap``, as
-    ``GPT(scan_layers=True)``) get one rule ``("^blocks/", tasks)`` splitting their layer axis
-    into equal chunks, one per task in order (the depth must be a multiple of the task count).
+    (``^embed/|^blocks/(0|1)/``, ``^model/embed_tokens/|^model/layers/(0|1)/``), so
+    ``blocks/1/`` never matches ``blocks/10/`` nor ``^norm/`` ``blocks/0/norm1``. Stacked blocks
+    (one module made with ``nnx.vmap``, as ``GPT(scan_layers=True)``; a module whose Variables
+    all share one leading axis is taken as one) get one rule ``("^blocks/", tasks)`` (or
+    ``("^model/layers/", tasks)``) splitting their layer axis into equal chunks, one per task in
+    order (the depth must be a multiple of the task count).
     With ``report``, a table of the stages is printed: blocks, parameters,
     FLOPs, their shares, and the imbalance (largest stage / mean).
 
@@ -184,6 +195,14 @@ def stage_rules(
         ...     print(task.name, regex)
         s0 ^embed/|^blocks/(0|1)/
         s1 ^blocks/(2|3)/|^norm/|^head/
+
+        The same model one level down, its layers named by their path:
+
+        >>> outer = nnx.Dict(model=model)
+        >>> for regex, task in stage_rules(outer, tasks, blocks="model.blocks", report=False):
+        ...     print(task.name, regex)
+        s0 ^model/embed/|^model/blocks/(0|1)/
+        s1 ^model/blocks/(2|3)/|^model/norm/|^model/head/
     """
     if by not in BY:
         raise ValueError(f"stage_rules: unknown by={by!r}; expected one of {BY}")
@@ -194,12 +213,9 @@ def stage_rules(
         if not isinstance(t, Task):
             raise TypeError(f"stage_rules: {t!r} is not an mm.Task")
     tasks = _stage_tasks(tasks, virtual_stages, order)
-    attr = _blocks_attribute(model, blocks)
-    where = f"{type(model).__name__}.{attr}"
-    blocks = getattr(model, attr)
-    prefix = re.escape(attr)
-    if isinstance(blocks, nnx.Sequential):  # its layers, at <attr>/layers/<i>/
-        blocks, prefix = blocks.layers, f"{prefix}/layers"
+    path, blocks = _layers(model, blocks)
+    where = ".".join([type(model).__name__, *map(str, path)])
+    prefix = "/".join(re.escape(str(k)) for k in path)
     stacked = isinstance(blocks, nnx.Module) and not isinstance(blocks, nnx.List)
     if stacked:
         depths = {v.shape[0] for _, v in variables_of(blocks) if v.shape}
@@ -239,15 +255,9 @@ def stage_rules(
             "block (use fewer tasks or a deeper model)"
         )
 
-    # top-level attributes holding Variables, in definition order: before / after the blocks
-    tops: dict[str, bool] = {}  # name -> is a Variable itself (path of length 1)
-    for path, _ in variables_of(model):
-        tops.setdefault(str(path[0]), len(path) == 1)
-    order = [name for name in vars(model) if name in tops]
-    order += [name for name in tops if name not in order]
-    last = LAST if last is None else last
-    firsts = [name for name in order if name != attr and name not in last]
-    lasts = [name for name in order if name != attr and name in last]
+    outside = [p for p, _ in variables_of(model) if p[: len(path)] != path]
+    firsts, lasts = _groups(model, outside, path, LAST if last is None else last)
+    is_variable = set(outside)
 
     config = getattr(model, "config", None)
     seq = seq_len or getattr(config, "max_seq_len", None) or getattr(model, "max_seq_len", None)
@@ -263,8 +273,8 @@ def stage_rules(
             out += 2 * _num_params(node) * tokens
         return out
 
-    def group_cost(names: Sequence[str], *, tied_head: bool = False) -> tuple[int, int | None]:
-        nodes = [getattr(model, name) for name in names]
+    def group_cost(groups: Sequence[Path], *, tied_head: bool = False) -> tuple[int, int | None]:
+        nodes = [_node_at(model, g) for g in groups]
         params = sum(_num_params(node) for node in nodes)
         fl = [flops(node, head=tied_head and isinstance(node, Embed | nnx.Embed)) for node in nodes]
         return params, None if None in fl else sum(fl)
@@ -296,10 +306,10 @@ def stage_rules(
     for s, (task, size) in enumerate(zip(tasks, sizes, strict=True)):
         idx = list(range(start, start + size))
         start += size
-        parts = [f"^{re.escape(name)}{'$' if tops[name] else '/'}" for name in firsts if s == 0]
+        parts = [_anchored(g, g in is_variable) for g in firsts if s == 0]
         if not stacked:
             parts.append(f"^{prefix}/{_alternation([str(i) for i in idx])}/")
-        parts += [f"^{re.escape(name)}{'$' if tops[name] else '/'}" for name in lasts if s == k - 1]
+        parts += [_anchored(g, g in is_variable) for g in lasts if s == k - 1]
         if parts:
             rules.append(("|".join(parts), task))
         params = sum(block_params[i] for i in idx)
@@ -308,11 +318,11 @@ def stage_rules(
         if s == 0:
             params += first_params
             fl = None if fl is None or first_flops is None else fl + first_flops
-            names += firsts
+            names += ["/".join(map(str, g)) for g in firsts]
         if s == k - 1:
             params += last_params
             fl = None if fl is None or last_flops is None else fl + last_flops
-            names += lasts
+            names += ["/".join(map(str, g)) for g in lasts]
         label = f"{idx[0]}-{idx[-1]}" if size > 1 else str(idx[0])
         rows.append((task.name, label + (f" + {', '.join(names)}" if names else ""), params, fl))
 
@@ -323,43 +333,143 @@ def stage_rules(
     return rules
 
 
-def _blocks_attribute(model: Any, name: str | None) -> str:
-    """The attribute of ``model`` holding its layers: ``name``, else ``blocks``, else its one
-    top-level ``nnx.List`` or ``nnx.Sequential`` of modules."""
-    if name is not None:
-        if not isinstance(name, str) or not hasattr(model, name):
+def _layers(model: Any, blocks: str | Callable[[Path, Any], bool] | None) -> tuple[Path, Any]:
+    """The path and node of ``model``'s layers: the node ``blocks`` names (a path, or a filter
+    matching one module), else ``model.blocks``, else the shallowest ``nnx.List`` or
+    ``nnx.Sequential`` of modules; an ``nnx.Sequential`` gives its ``layers``."""
+    name = type(model).__name__
+    if blocks is None and getattr(model, "blocks", None) is not None:
+        blocks = "blocks"
+    if isinstance(blocks, str):
+        path, node = _resolve(model, blocks)
+    elif callable(blocks):
+        hits = [(p, n) for p, n in _modules(model) if blocks(p, n)]
+        if len(hits) != 1:
             raise ValueError(
-                f"stage_rules: {type(model).__name__} has no attribute {name!r} (blocks=); "
-                f"its attributes are {', '.join(_public(model)) or 'none'}"
+                f"stage_rules: the blocks= filter matches {len(hits)} modules of {name} "
+                f"({_joined([p for p, _ in hits]) or 'none'}); it must select the one holding "
+                "the layers"
             )
-        return name
-    if getattr(model, "blocks", None) is not None:
-        return "blocks"
-    lists = [
-        k
-        for k, v in vars(model).items()
-        if isinstance(v, nnx.List | nnx.Sequential)
-        and len(layers := v.layers if isinstance(v, nnx.Sequential) else v)
-        and all(isinstance(b, nnx.Module) for b in layers)
-    ]
-    if len(lists) == 1:
-        return lists[0]
-    if lists:
-        raise ValueError(
-            f"stage_rules: {type(model).__name__} has several lists of modules "
-            f"({', '.join(lists)}); name the one holding the layers to cut, e.g. "
-            f"blocks={lists[0]!r}"
+        ((path, node),) = hits
+    elif blocks is not None:
+        raise TypeError(
+            f"stage_rules: blocks= takes a path ('model.layers') or a filter "
+            f"(path, node) -> bool, got {type(blocks).__name__}"
         )
-    raise ValueError(
-        f"stage_rules: {type(model).__name__} has no attribute 'blocks' holding its layers and "
-        "no nnx.List of modules; expected model.blocks to be an nnx.List of modules (as "
-        "GPT.blocks) or one module of stacked layers (nnx.vmap), or blocks= naming the "
-        f"attribute that holds them (its attributes: {', '.join(_public(model)) or 'none'})"
+    else:
+        lists = [(p, n) for p, n in _modules(model) if _is_list_of_modules(n)]
+        if not lists:
+            raise ValueError(
+                f"stage_rules: {name} has no attribute 'blocks' holding its layers and no "
+                "nnx.List of modules; expected model.blocks to be an nnx.List of modules (as "
+                "GPT.blocks) or one module of stacked layers (nnx.vmap), or blocks= naming the "
+                f"attribute that holds them (its attributes: {', '.join(_public(model)) or 'none'})"
+            )
+        depth = min(len(p) for p, _ in lists)
+        shallowest = [(p, n) for p, n in lists if len(p) == depth]
+        if len(shallowest) > 1:
+            paths = [p for p, _ in shallowest]
+            raise ValueError(
+                f"stage_rules: {name} has several lists of modules ({_joined(paths)}); name the "
+                f"one holding the layers to cut, e.g. blocks={_joined(paths[:1])!r}"
+            )
+        ((path, node),) = shallowest
+    if isinstance(node, nnx.Sequential):  # its layers, at <path>/layers/<i>/
+        return (*path, "layers"), node.layers
+    return path, node
+
+
+def _resolve(model: Any, spelled: str) -> tuple[Path, Any]:
+    """The path and node ``spelled`` (``"model.layers"`` or ``"model/layers"``) names."""
+    path, node = (), model
+    for key in re.split(r"[./]", spelled):
+        if not hasattr(node, key):
+            where = ".".join([type(model).__name__, *map(str, path)])
+            raise ValueError(
+                f"stage_rules: {where} has no attribute {key!r} (blocks=) on the path "
+                f"{spelled!r}; its attributes are {', '.join(_public(node)) or 'none'}"
+            )
+        path += (int(key) if isinstance(node, nnx.List) and key.isdigit() else key,)
+        node = getattr(node, key)
+    return path, node
+
+
+def _modules(model: Any) -> list[tuple[Path, Any]]:
+    """Every module under ``model`` (lists included) with its path, in definition order."""
+    found = [(p, n) for p, n in nnx.iter_graph(model) if p and isinstance(n, nnx.Module)]
+    return sorted(found, key=lambda item: _definition_order(model, item[0]))
+
+
+def _is_list_of_modules(node: Any) -> bool:
+    layers = node.layers if isinstance(node, nnx.Sequential) else node
+    return (
+        isinstance(node, nnx.List | nnx.Sequential)
+        and len(layers) > 0
+        and all(isinstance(b, nnx.Module) for b in layers)
     )
 
 
-def _public(model: Any) -> list[str]:
-    return [k for k in vars(model) if not k.startswith("_")]
+def _groups(
+    model: Any, paths: list[Path], layers: Path, last: Sequence[str]
+) -> tuple[list[Path], list[Path]]:
+    """The Variables at ``paths`` (outside the layers at ``layers``) as prefixes that go on the
+    first stage and on the last, each list in definition order. A path goes last when one of its
+    components off the layers' own path is named in ``last``, its prefix up to that component;
+    a path going first gets its shortest prefix that holds neither the layers nor a last one."""
+
+    def on_layers_path(prefix: Path) -> bool:
+        return layers[: len(prefix)] == prefix
+
+    def last_prefix(p: Path) -> Path | None:
+        for i, key in enumerate(p):
+            if str(key) in last and not on_layers_path(p[: i + 1]):
+                return p[: i + 1]
+        return None
+
+    lasts = {g for p in paths if (g := last_prefix(p)) is not None}
+    firsts = set()
+    for p in paths:
+        if last_prefix(p) is None:
+            firsts.add(
+                next(
+                    p[: i + 1]
+                    for i in range(len(p))
+                    if not on_layers_path(p[: i + 1])
+                    and not any(g[: i + 1] == p[: i + 1] for g in lasts)
+                )
+            )
+    order = functools.partial(_definition_order, model)
+    return sorted(firsts, key=order), sorted(lasts, key=order)
+
+
+def _definition_order(model: Any, path: Path) -> tuple[int, ...]:
+    """The position of each key of ``path`` among its parent's attributes, as defined."""
+    key, node = [], model
+    for k in path:
+        names = list(vars(node)) if hasattr(node, "__dict__") else []
+        key.append(names.index(str(k)) if str(k) in names else len(names))
+        node = getattr(node, str(k), None)
+    return tuple(key)
+
+
+def _node_at(model: Any, path: Path) -> Any:
+    for key in path:
+        model = getattr(model, str(key))
+    return model
+
+
+def _anchored(path: Path, is_variable: bool) -> str:
+    """``^a/b/`` matching everything under ``path``, or ``^a/b$`` for a Variable itself."""
+    return "^" + "/".join(re.escape(str(k)) for k in path) + ("$" if is_variable else "/")
+
+
+def _joined(paths: Sequence[Path], most: int = 6) -> str:
+    names = ["/".join(map(str, p)) for p in paths[:most]]
+    return ", ".join(names + ([f"... ({len(paths) - most} more)"] if len(paths) > most else []))
+
+
+def _public(node: Any) -> list[str]:
+    return [k for k in vars(node) if not k.startswith("_")] if hasattr(node, "__dict__") else []
 
 
 def _stage_tasks(tasks: list[Task], virtual_stages: int, order: str) -> list[Task]:
