@@ -138,6 +138,8 @@ def test_help_documents_every_flag(capsys):
         "--text",
         "--tokenizer",
         "--vocab-size",
+        "--wandb",
+        "--wandb-name",
     ]:
         assert flag in out
 
