@@ -79,8 +79,8 @@ class WandbWriter:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise WandbStartError(
                 f"--wandb {project}: wandb could not start a run: {reason} (to log without a "
-                "network or an account, set WANDB_MODE=offline and `wandb sync` "
-                f"{out / 'wandb'} later)"
+                "network or an account, set WANDB_MODE=offline, and `wandb sync` the "
+                "offline-run-* directory later)"
             ) from None
         (out / RUN_ID_FILE).write_text(run.id + "\n")
         return cls(run)
