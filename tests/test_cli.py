@@ -52,6 +52,7 @@ from tests.flags import without_device_count
             "--depth 4 gives fewer blocks than --stages 2 x --virtual-stages 3 stages",
         ),
         (["--profile-steps", "400:401"], "--profile-steps starts at step 400, after --steps 300"),
+        (["--wandb-name", "tiny"], "--wandb-name needs --wandb PROJECT"),
     ],
 )
 def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
@@ -138,6 +139,8 @@ def test_help_documents_every_flag(capsys):
         "--text",
         "--tokenizer",
         "--vocab-size",
+        "--wandb",
+        "--wandb-name",
     ]:
         assert flag in out
 

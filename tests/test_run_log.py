@@ -1,5 +1,6 @@
 """What `mmnnx train` reports as it goes: plain lines without a terminal, evaluation losses as
-they come, TensorBoard event files (read back) and a jax.profiler trace."""
+they come, TensorBoard event files (read back) and a jax.profiler trace; wandb is not imported
+unless asked for (tests/test_wandb.py)."""
 
 import io
 import json
@@ -47,8 +48,9 @@ def test_without_a_terminal_it_prints_a_line_per_interval_and_evaluation_and_wri
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     flags = f"{TINY} --steps 6 --eval-every 3 --log-every 2 --profile-steps 2:3"
     env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
-    run = subprocess.run(  # stdout a pipe, as under nohup, SLURM or CI
-        [sys.executable, "-m", "mmnnx", "train", *flags.split(), "--text", str(text)]
+    run = subprocess.run(  # stdout a pipe, as under nohup, SLURM or CI; imports on stderr
+        [sys.executable, "-X", "importtime", "-m", "mmnnx", "train", *flags.split()]
+        + ["--text", str(text)]
         + ["--output-dir", str(out)],
         capture_output=True,
         text=True,
@@ -74,6 +76,8 @@ def test_without_a_terminal_it_prints_a_line_per_interval_and_evaluation_and_wri
             assert float(lr) == float(f"{by_step[int(step)]['learning_rate']:.2e}")
             assert float(tps.replace(",", "")) > 0
     assert " tok/s" not in run.stdout  # no progress bar drawn into the pipe
+    imported = re.findall(r"^import time:.*\|\s*(\S+)$", run.stderr, re.MULTILINE)
+    assert "tensorboardX" in imported and "wandb" not in imported  # slow: only with --wandb
 
     scalars = read_scalars(out / "tensorboard")
     assert set(scalars) == {"loss", "eval_loss", "learning_rate", "tokens_per_sec"}

@@ -120,6 +120,8 @@ def check(args: argparse.Namespace) -> str | None:
             return f"--memory-budget must be positive, got {args.memory_budget}"
     if args.vocab_size is not None and args.tokenizer != "bpe" and not args.resume:
         return "--vocab-size needs --tokenizer bpe"
+    if args.wandb_name is not None and args.wandb is None:
+        return "--wandb-name needs --wandb PROJECT"
     if args.profile_steps is not None and args.profile_steps[0] > args.steps:
         return f"--profile-steps starts at step {args.profile_steps[0]}, after --steps {args.steps}"
     if args.schedule == "auto":
@@ -155,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from mmnnx.train.data import EMBEDDED, TextDataset  # noqa: PLC0415
     from mmnnx.train.generation import continue_text, run_tasks  # noqa: PLC0415
     from mmnnx.train.loop import fit  # noqa: PLC0415
+    from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
 
     checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
     fresh = not args.resume and checkpoints.is_dir()
@@ -222,7 +225,9 @@ def run(args: argparse.Namespace) -> int:
     if jax.process_index() == 0:
         print(table)
     try:
-        result = fit(model, dataset, train_config(vars(args)))
+        result = fit(
+            model, dataset, train_config(vars(args)), wandb_config=resolved_config(vars(args))
+        )
     except (
         ck.CheckpointMismatchError,
         ck.CheckpointCorruptError,
@@ -231,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--resume: {e}")
     except NoCandidateError as e:
         return error(f"--schedule auto: {e}")
-    except ck.CheckpointDirectoryBusyError as e:
+    except (ck.CheckpointDirectoryBusyError, WandbStartError) as e:
         return error(str(e))
     if not math.isfinite(result.final_eval):
         return 1

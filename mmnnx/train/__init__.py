@@ -23,6 +23,7 @@ from mmnnx.train.generation import LoadedRun, RunError, continue_text, load_run
 from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
 from mmnnx.train.run_config import ConfigError, read_config, resolved_config, write_config
 from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from mmnnx.train.wandb_writer import WandbStartError, WandbWriter
 
 __all__ = [
     "BPETokenizer",
@@ -42,6 +43,8 @@ __all__ = [
     "TextDataset",
     "Tokenizer",
     "TrainConfig",
+    "WandbStartError",
+    "WandbWriter",
     "continue_text",
     "embedded_text",
     "fit",

@@ -180,6 +180,16 @@ class Logging:
         metavar="A:B",
         text=lambda steps: f"{steps[0]}:{steps[1]}",
     )
+    wandb: str | None = option(
+        T.wandb,
+        "log the TensorBoard scalars and this run's config to this Weights & Biases project "
+        "too (process 0); files under OUTPUT_DIR/wandb unless WANDB_DIR says where; "
+        "WANDB_MODE=offline logs without a network; --resume continues the same wandb run",
+        metavar="PROJECT",
+    )
+    wandb_name: str | None = option(
+        T.wandb_name, "with --wandb: the run's name (default: OUTPUT_DIR's name)", metavar="NAME"
+    )
 
 
 @dataclasses.dataclass

@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -33,6 +34,7 @@ from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer, Resumed
 from mmnnx.train.data import TextDataset
 from mmnnx.train.run_log import RunLog
+from mmnnx.train.wandb_writer import WandbWriter
 from mmnnx.tuning import tune
 
 
@@ -55,7 +57,10 @@ class TrainConfig:
     for the schedules that run several (``mm.microbatch(virtual_stages=...)``; the model must
     be placed so, e.g. ``stage_rules(..., virtual_stages=2, order="v")``). ``tensorboard``:
     TensorBoard event files under ``output_dir/tensorboard``. ``profile_steps``: ``(a, b)``
-    traces steps ``a`` to ``b`` with ``jax.profiler`` into ``output_dir/profile``.
+    traces steps ``a`` to ``b`` with ``jax.profiler`` into ``output_dir/profile``. ``wandb``:
+    a Weights & Biases project that gets the TensorBoard scalars too, in a run named
+    ``wandb_name`` (default: the output directory's name) that ``resume`` continues
+    (``WandbWriter.start``; ``WANDB_MODE=offline`` logs without a network).
     """
 
     steps: int = 300
@@ -80,6 +85,8 @@ class TrainConfig:
     virtual_stages: int = 1
     tensorboard: bool = True
     profile_steps: tuple[int, int] | None = None
+    wandb: str | None = None
+    wandb_name: str | None = None
 
     def __post_init__(self):
         for name in ("steps", "microbatches", "eval_every", "eval_batches", "log_every"):
@@ -205,12 +212,15 @@ def fit(
     *,
     optimizer: nnx.Optimizer | None = None,
     console: Console | None = None,
+    wandb_config: Mapping[str, Any] | None = None,
 ) -> FitResult:
     """Trains ``model`` (placed with ``mm.place``/``mm.init``; it needs ``loss(batch)``) on
     ``dataset`` and writes ``metrics.jsonl``, ``loss.png``, ``timeline.png`` and
     ``timeline.json`` (the events drawn, and the bubble), TensorBoard event files
     (``tensorboard/``) and a profiler trace (``profile/``, with ``config.profile_steps``) under
-    ``config.output_dir`` and checkpoints under ``config.checkpoint_dir``. Without a terminal
+    ``config.output_dir`` and checkpoints under ``config.checkpoint_dir``. With
+    ``config.wandb`` the same scalars go to a wandb run whose config is ``wandb_config``
+    (default: ``config``'s fields), started before the first evaluation. Without a terminal
     it prints one plain line per ``config.log_every`` steps instead of the progress bar, and
     evaluation losses as they come (``RunLog``). With several processes, process 0 writes and
     reports; the timeline and bubble are the whole job's, every process's tasks.
@@ -224,6 +234,7 @@ def fit(
     Raises:
         NoReadableCheckpointError: ``config.resume`` and every step is damaged or incomplete.
         CheckpointMismatchError: ``config.resume`` into a checkpoint of another model.
+        WandbStartError: ``config.wandb`` and wandb could not start its run.
 
     Example (``mmnnx train``, in mmnnx/cli/train.py, is a complete script)::
 
@@ -267,15 +278,19 @@ def fit(
         run_step = cached_partial(train_step, model, opt)
         metrics_path = out / "metrics.jsonl"
         metrics: list[dict] = []
-        eval_losses = [(start, evaluate())]
-        if leader and start == 0:
-            metrics_path.write_text(json.dumps({"step": 0, "eval_loss": eval_losses[0][1]}) + "\n")
-        elif leader:
-            _keep_metrics_up_to(metrics_path, start)
         files = {"metrics": str(metrics_path), "checkpoints": str(ckpt_dir)}
         rates = None  # a given optimizer's learning rates are its own, not known here
         if optimizer is None:
             rates = learning_rates(dataclasses.replace(config, schedule_steps=horizon))
+        writers = []
+        if config.wandb is not None and leader:  # before anything is written: it may fail
+            if wandb_config is None:
+                wandb_config = {name: _plain(v) for name, v in vars(config).items()}
+            wandb_run = WandbWriter.start(
+                config.wandb, out, name=config.wandb_name, config=wandb_config, resume=config.resume
+            )
+            writers.append(wandb_run)
+            files["wandb"] = str(wandb_run.directory)
         log = RunLog(
             console,
             out,
@@ -283,6 +298,7 @@ def fit(
             first_step=start,
             tensorboard=config.tensorboard and leader,
             profile_steps=config.profile_steps if leader else None,
+            writers=writers,
         )
         tokens_per_step = dataset.batch_size * dataset.seq_len
         timed_tokens, timed_seconds = 0, 0.0
@@ -298,6 +314,13 @@ def fit(
             disable=log.plain,  # no terminal: RunLog's plain lines instead
         )
         with log, progress:
+            eval_losses = [(start, evaluate())]
+            if leader and start == 0:
+                metrics_path.write_text(
+                    json.dumps({"step": 0, "eval_loss": eval_losses[0][1]}) + "\n"
+                )
+            elif leader:
+                _keep_metrics_up_to(metrics_path, start)
             log.evaluation(start, eval_losses[0][1])
             bar = progress.add_task(
                 "train", total=config.steps, completed=start, loss=float("nan"), tps=0.0
@@ -361,6 +384,14 @@ def fit(
     )
     _report(console, result)
     return result
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a run's config records it: numbers, strings, ``None`` and tuples as they are,
+    anything else (a ``Schedule``) by its ``str``."""
+    if value is None or isinstance(value, bool | int | float | str | tuple):
+        return value
+    return str(value)
 
 
 def _print_line(console: Console, line: str) -> None:

@@ -1,26 +1,40 @@
 """``RunLog``: what ``fit`` reports while it trains, besides its progress bar and
 ``metrics.jsonl``: plain lines when the output is no terminal, evaluation losses as they come,
-TensorBoard scalars and a ``jax.profiler`` trace of chosen steps."""
+scalars for TensorBoard (and other writers, such as a wandb run) and a ``jax.profiler`` trace of
+chosen steps."""
 
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Sequence
 from types import TracebackType
+from typing import Protocol
 
 import jax
 from rich.console import Console
 
 
-class RunLog:
-    """Reports a run as it goes; a context manager that closes its writer and trace on exit.
+class ScalarWriter(Protocol):
+    """Where ``RunLog`` writes its scalars: a tensorboardX ``SummaryWriter``, a ``WandbWriter``."""
 
-    ``train(step, ...)`` writes the TensorBoard scalars ``loss``, ``tokens_per_sec`` and
-    ``learning_rate`` and, when ``console`` is no terminal (``nohup``, SLURM, CI, a pipe),
-    prints one plain line ``step S/N loss L tokens/s T lr R``: on a terminal the progress bar
-    shows them. ``evaluation(step, loss)`` prints ``step S/N eval_loss L`` in both cases (on a
-    terminal above the bar) and writes the scalar ``eval_loss``. With ``tensorboard`` the
-    event files go to ``output_dir/tensorboard`` (tensorboardX); a run resumed at
-    ``first_step`` drops the events beyond it that an earlier run wrote. With
+    def add_scalar(self, tag: str, value: float, step: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RunLog:
+    """Reports a run as it goes; a context manager that closes its writers and trace on exit.
+
+    ``train(step, ...)`` writes the scalars ``loss``, ``tokens_per_sec`` and ``learning_rate``
+    and, when ``console`` is no terminal (``nohup``, SLURM, CI, a pipe), prints one plain line
+    ``step S/N loss L tokens/s T lr R``: on a terminal the progress bar shows them.
+    ``evaluation(step, loss)`` prints ``step S/N eval_loss L`` in both cases (on a terminal
+    above the bar) and writes the scalar ``eval_loss``. With ``tensorboard`` the scalars go to
+    event files in ``output_dir/tensorboard`` (tensorboardX); a run resumed at ``first_step``
+    drops the events beyond it that an earlier run wrote. Each of ``writers`` (e.g. a
+    ``WandbWriter``) gets the same scalars at the same steps, and is closed with the log. With
     ``profile_steps=(a, b)``, ``step_begins(a)`` starts a ``jax.profiler`` trace into
     ``output_dir/profile`` and ``step_ends(b)`` stops it (``tensorboard --logdir
     output_dir/profile`` or Perfetto read it). ``files`` names the directories written.
@@ -45,6 +59,7 @@ class RunLog:
         first_step: int = 0,
         tensorboard: bool = True,
         profile_steps: tuple[int, int] | None = None,
+        writers: Sequence[ScalarWriter] = (),
     ):
         self.console = console
         self.plain = not console.is_terminal
@@ -54,27 +69,28 @@ class RunLog:
         self.files: dict[str, str] = {}
         self._tracing = False
         self._profile_dir = pathlib.Path(output_dir) / "profile"
-        self._writer = None
+        self._writers: list[ScalarWriter] = []
         if tensorboard:
             from tensorboardX import SummaryWriter  # noqa: PLC0415  (only when asked for)
 
             directory = pathlib.Path(output_dir) / "tensorboard"
             purge = first_step + 1 if first_step else None  # a resumed run's later events go
-            self._writer = SummaryWriter(  # one file per run, named after its first step
+            writer = SummaryWriter(  # one file per run, named after its first step
                 str(directory), purge_step=purge, filename_suffix=f".from-step-{first_step}"
             )
+            self._writers.append(writer)
             self.files["tensorboard"] = str(directory)
+        self._writers.extend(writers)
 
     def train(
         self, step: int, *, loss: float, tokens_per_s: float, learning_rate: float | None
     ) -> None:
         """A logged training step: scalars, and a plain line when no terminal shows the bar."""
-        if self._writer is not None:
-            self._writer.add_scalar("loss", loss, step)
-            if tokens_per_s:  # 0 until a step after the compiling one is timed
-                self._writer.add_scalar("tokens_per_sec", tokens_per_s, step)
-            if learning_rate is not None:
-                self._writer.add_scalar("learning_rate", learning_rate, step)
+        self._scalar("loss", loss, step)
+        if tokens_per_s:  # 0 until a step after the compiling one is timed
+            self._scalar("tokens_per_sec", tokens_per_s, step)
+        if learning_rate is not None:
+            self._scalar("learning_rate", learning_rate, step)
         if self.plain:
             line = f"step {step}/{self.total_steps} loss {loss:.4f} tokens/s {tokens_per_s:,.0f}"
             if learning_rate is not None:
@@ -84,9 +100,10 @@ class RunLog:
     def evaluation(self, step: int, loss: float) -> None:
         """An evaluation's loss: printed at once, and a scalar (but the one a resumed run
         starts from, which its first run wrote)."""
-        if self._writer is not None and (step > self.first_step or step == 0):
-            self._writer.add_scalar("eval_loss", loss, step)
-            self._writer.flush()
+        if step > self.first_step or step == 0:
+            self._scalar("eval_loss", loss, step)
+            for writer in self._writers:
+                writer.flush()
         self._print(f"step {step}/{self.total_steps} eval_loss {loss:.4f}")
 
     def step_begins(self, step: int) -> None:
@@ -106,12 +123,16 @@ class RunLog:
 
     def close(self) -> None:
         """Stops a trace still running (a run shorter than its profiled steps) and closes the
-        event files."""
+        writers (the event files, the wandb run)."""
         if self._tracing:
             self._stop_trace()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        writers, self._writers = self._writers, []
+        for writer in writers:
+            writer.close()
+
+    def _scalar(self, tag: str, value: float, step: int) -> None:
+        for writer in self._writers:
+            writer.add_scalar(tag, value, step)
 
     def _stop_trace(self) -> None:
         jax.profiler.stop_trace()
