@@ -163,15 +163,15 @@ def write_checkpoint(
     tensors = _weights(config, architecture, np.random.default_rng(seed))
     if not 1 <= shards <= len(tensors):
         raise ValueError(f"shards {shards}: expected 1 to {len(tensors)} (the tensor count)")
-
-    path = pathlib.Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
     if tokenizer_size is None:
         tokenizer_size = config["vocab_size"] - 8
     tokenizer = _tokenizer(architecture, tokenizer_size)
     bos, eos = _BOS_EOS[architecture]
     config["bos_token_id"] = tokenizer.token_to_id(bos)
     config["eos_token_id"] = tokenizer.token_to_id(eos)
+
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path / "tokenizer.json"))
     _write_json(path / "config.json", config)
     _write_json(path / "generation_config.json", _generation_config(architecture, config))

@@ -194,4 +194,6 @@ def test_write_checkpoint_errors(tmp_path):
         write_checkpoint(tmp_path, shards=1000)
     with pytest.raises(ValueError, match="architecture 'GPT2LMHeadModel'"):
         write_checkpoint(tmp_path, architecture="GPT2LMHeadModel")
+    with pytest.raises(ValueError, match="tokenizer size 100"):
+        write_checkpoint(tmp_path, tokenizer_size=100)
     assert not any(tmp_path.iterdir())
