@@ -12,7 +12,7 @@ from flax import nnx
 
 from mmnnx.modules import Embed, Linear, RopeScaling, TransformerBlock, constrain, make_norm
 
-PARAM_DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")  # of the computation (dtype) and of the Variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,8 @@ class GPTConfig:
     ``nnx.scan``: tracing and compiling cost one block, not ``depth``. ``dropout`` is the
     residual dropout rate of every block (0: none). ``dtype`` is the compute dtype
     (``"float32"`` or ``"bfloat16"``): activations and matmuls run in it while the parameters
-    (and so the optimizer state) stay float32; norms, softmax and the loss compute in float32.
+    (and so the optimizer state) stay in ``param_dtype`` (float32 by default); norms, softmax
+    and the loss compute in float32.
 
     The knobs of Llama 3.x and Qwen3 checkpoints (their defaults keep the model above):
     ``head_dim`` (default ``dim // num_heads``; any even size, the attention's width being
@@ -68,9 +69,9 @@ class GPTConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"GPTConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.param_dtype not in PARAM_DTYPES:
+        if self.param_dtype not in DTYPES:
             raise ValueError(
                 f"GPTConfig.param_dtype must be 'float32' or 'bfloat16', got {self.param_dtype!r}"
             )
