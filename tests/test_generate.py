@@ -16,6 +16,7 @@ from mmnnx.cli import main
 from mmnnx.models import GPT, GPTConfig
 from mmnnx.models.decoding import _decode, _prefill, generate
 from mmnnx.models.stages import stage_rules
+from mmnnx.modules import RopeScaling
 from mmnnx.train.generation import run_tasks
 
 SMALL = dict(dim=32, depth=2, num_heads=2, vocab_size=64, max_seq_len=16)
@@ -40,6 +41,44 @@ def test_the_cache_gives_the_logits_of_the_whole_sequence(scan_layers):
     new = generate(model, tokens[:, :4], 8)
     sequence = jnp.concatenate([tokens[:, :4], new], axis=1)
     np.testing.assert_array_equal(new, jnp.argmax(model(sequence[:, :-1])[:, 3:], axis=-1))
+
+
+KNOBS = dict(
+    num_kv_heads=1,
+    head_dim=24,  # 2 * 24 != 32
+    qk_norm=True,
+    rope_theta=1e6,
+    rope_scaling=RopeScaling(
+        factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0, original_max_position_embeddings=8
+    ),
+    norm_eps=1e-5,
+    mlp_hidden=40,
+    mlp_bias=False,
+    gated_mlp=True,
+)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_the_cache_reads_the_llama_qwen3_knobs(scan_layers):
+    model = one_device(GPTConfig(**SMALL, **KNOBS, scan_layers=scan_layers))
+    for path, v in nnx.iter_graph(model):  # q/k norm scales away from ones: norms that matter
+        if isinstance(v, nnx.Param) and ("q_norm" in path or "k_norm" in path):
+            v.set_value(1 + 0.5 * jax.random.normal(jax.random.key(len(path)), v.shape))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
+    whole = model(tokens)
+    logits, cache = _prefill(model, tokens[:, :5])
+    np.testing.assert_allclose(logits, whole[:, 4], rtol=1e-5, atol=1e-5)
+    for pos in range(5, 12):
+        logits, cache = _decode(model, cache, tokens[:, pos : pos + 1], jnp.int32(pos))
+        np.testing.assert_allclose(logits, whole[:, pos], rtol=1e-5, atol=1e-5)
+    # greedy: each new token is the argmax of the whole sequence so far, recomputed each step
+    new = generate(model, tokens[:, :4], 10)
+    padded = nnx.jit(lambda m, t: m(t))  # one shape: positions after p do not change p's logits
+    sequence = jnp.zeros((2, 16), jnp.int32).at[:, :4].set(tokens[:, :4])
+    for step in range(10):
+        expected = jnp.argmax(padded(model, sequence)[:, 3 + step], axis=-1)
+        np.testing.assert_array_equal(new[:, step], expected)
+        sequence = sequence.at[:, 4 + step].set(expected)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

@@ -19,9 +19,12 @@ from mmnnx.modules import (
     LayerNorm,
     Linear,
     RMSNorm,
+    RopeScaling,
     TransformerBlock,
     apply_rope,
     constrain,
+    make_norm,
+    rope_frequencies,
 )
 
 DIM, SEQ = 32, 8
@@ -76,14 +79,15 @@ def ref_softmax(s):
     return e / e.sum(-1, keepdims=True)
 
 
-def ref_rope(x, base=10000.0):
-    """Direct formula: pair (i, i + d/2) at position p rotated by p * base**(-2i/d)."""
+def ref_rope(x, base=10000.0, inv_freq=None):
+    """Direct formula: pair (i, i + d/2) at position p rotated by p * base**(-2i/d) (or by
+    p * inv_freq[i])."""
     x = arr(x)
     out = x.copy()
     seq, d = x.shape[-3], x.shape[-1]
     for p in range(seq):
         for i in range(d // 2):
-            theta = p * base ** (-2 * i / d)
+            theta = p * (base ** (-2 * i / d) if inv_freq is None else inv_freq[i])
             c, s = math.cos(theta), math.sin(theta)
             a, b = x[..., p, :, i], x[..., p, :, i + d // 2]
             out[..., p, :, i] = c * a - s * b
@@ -91,16 +95,18 @@ def ref_rope(x, base=10000.0):
     return out
 
 
-def ref_attention(x, attn, rope=True):
-    """Per-head loops with an explicit causal mask and softmax."""
+def ref_attention(x, attn, rope=True, inv_freq=None):
+    """Per-head loops with an explicit causal mask and softmax (and per-head q/k norms)."""
     x = arr(x)
     b, t, _ = x.shape
     h, kv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q = ref_linear(x, attn.q).reshape(b, t, h, hd)
     k = ref_linear(x, attn.k).reshape(b, t, kv, hd)
     v = ref_linear(x, attn.v).reshape(b, t, kv, hd)
+    if attn.q_norm is not None:
+        q, k = ref_rms(q, attn.q_norm), ref_rms(k, attn.k_norm)
     if rope:
-        q, k = ref_rope(q), ref_rope(k)
+        q, k = ref_rope(q, inv_freq=inv_freq), ref_rope(k, inv_freq=inv_freq)
     out = np.zeros((b, t, h, hd))
     for head in range(h):
         g = head // (h // kv)
@@ -366,3 +372,104 @@ def test_each_stage_slices_the_token_batch_itself(two_task_run):
         ("s0", "s1", (4, SEQ, DIM)),
         ("s1", "s0", (4, SEQ, DIM)),
     ]
+
+
+# ----------------------------------------------------------------------------- Llama 3 / Qwen3
+
+
+def ref_llama3_inv_freq(head_dim, base, factor, low, high, old):
+    """transformers' _compute_llama3_parameters, in float64."""
+    inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    out = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return np.where(medium, (1 - smooth) * out / factor + smooth * out, out)
+
+
+def test_rope_frequencies_of_llama_3_1():
+    scaling = RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
+    plain = rope_frequencies(128, 500000.0)
+    scaled = rope_frequencies(128, 500000.0, scaling)
+    assert plain.dtype == scaled.dtype == np.float32 and scaled.shape == (64,)
+    close(plain, 500000.0 ** (-np.arange(0, 128, 2) / 128), rtol=1e-6, atol=0)
+    close(scaled, ref_llama3_inv_freq(128, 500000.0, 8.0, 1.0, 4.0, 8192), rtol=1e-6, atol=0)
+    # the three bands: kept (short wavelengths), interpolated, divided by 8 (long ones)
+    ratio = arr(plain) / arr(scaled)
+    kept, divided = np.isclose(ratio, 1.0), np.isclose(ratio, 8.0)
+    assert kept[0] and divided[-1] and (~kept & ~divided).any()
+    # apply_rope rotates by those frequencies
+    q = jax.random.normal(jax.random.key(1), (2, SEQ, 3, 8))
+    small = RopeScaling(
+        factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0, original_max_position_embeddings=64
+    )
+    inv_freq = ref_llama3_inv_freq(8, 100.0, 4.0, 1.0, 2.0, 64)
+    close(apply_rope(q, base=100.0, scaling=small), ref_rope(q, inv_freq=inv_freq), atol=1e-5)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        rope_frequencies(5)
+
+
+def test_attention_with_head_dim_and_qk_norm_matches_reference(x):
+    scaling = RopeScaling(
+        factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0, original_max_position_embeddings=16
+    )
+    attn = build(
+        Attention,
+        DIM,
+        4,
+        num_kv_heads=2,
+        head_dim=12,
+        qk_norm=True,
+        norm_eps=1e-5,
+        rope_base=1e6,
+        rope_scaling=scaling,
+        rngs=nnx.Rngs(0),
+    )
+    attn = randomize(attn)
+    assert (attn.q.kernel.shape, attn.k.kernel.shape, attn.out.kernel.shape) == (
+        (DIM, 48),
+        (DIM, 24),
+        (48, DIM),
+    )
+    assert attn.q_norm.scale.shape == attn.k_norm.scale.shape == (12,)
+    assert attn.q_norm.eps == 1e-5
+    inv_freq = ref_llama3_inv_freq(12, 1e6, 4.0, 1.0, 2.0, 16)
+    close(attn(x), ref_attention(x, attn, inv_freq=inv_freq), rtol=1e-4, atol=1e-5)
+    # project at later positions, then attend over the keys so far: the last rows of attn(x)
+    q, k, v = attn.project(x[:, 5:], jnp.arange(5, SEQ))
+    _, k0, v0 = attn.project(x[:, :5])
+    keys, values = jnp.concatenate([k0, k], axis=1), jnp.concatenate([v0, v], axis=1)
+    visible = jnp.arange(5, SEQ)[:, None] >= jnp.arange(SEQ)[None, :]
+    close(attn.attend(q, keys, values, visible), attn(x)[:, 5:], atol=1e-5)
+
+
+def test_knobs_reach_every_module():
+    block = build(
+        TransformerBlock,
+        DIM,
+        4,
+        head_dim=16,
+        qk_norm=True,
+        norm_eps=1e-5,
+        mlp_hidden=40,
+        mlp_bias=False,
+        gated_mlp=True,
+        param_dtype=jnp.bfloat16,
+        rngs=nnx.Rngs(0),
+    )
+    variables = {
+        "/".join(map(str, p)): v for p, v in nnx.iter_graph(block) if isinstance(v, nnx.Variable)
+    }
+    assert {v.get_value().dtype for v in variables.values()} == {jnp.dtype(jnp.bfloat16)}
+    assert not any(path.endswith("bias") for path in variables)
+    assert variables["attn/q_norm/scale"].get_metadata()["out_sharding"] == (None,)
+    assert variables["mlp/up/kernel"].shape == (DIM, 40)
+    assert block.norm1.eps == block.norm2.eps == block.attn.k_norm.eps == 1e-5
+    assert block(jnp.ones((1, 3, DIM))).dtype == jnp.float32
+    assert build(make_norm, "layer", 4).eps == 1e-5
+    assert build(make_norm, "layer", 4, eps=1e-6).eps == 1e-6
+    embed = build(Embed, 8, DIM, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert embed.embedding.get_value().dtype == jnp.bfloat16
+    assert build(LayerNorm, 4, param_dtype=jnp.bfloat16).bias.get_value().dtype == jnp.bfloat16

@@ -16,7 +16,6 @@ from mmnnx._nnx import variables_of
 from mmnnx.jit import jit as mm_jit
 from mmnnx.modules import constrain
 from mmnnx.modules.attention import Attention
-from mmnnx.modules.rope import apply_rope
 from mmnnx.modules.transformer import TransformerBlock
 from mmnnx.sharding import home_of
 
@@ -34,30 +33,15 @@ def _attend(
 ) -> tuple[jax.Array, KV]:
     """``attn`` on ``x`` at positions ``pos .. pos + seq - 1``, reading the keys and values of
     earlier positions from ``cache`` (a new one of ``length`` positions when ``None``)."""
-    *lead, seq, _ = x.shape
-    q = attn.q(x).reshape(*lead, seq, attn.num_heads, attn.head_dim)
-    k = attn.k(x).reshape(*lead, seq, attn.num_kv_heads, attn.head_dim)
-    v = attn.v(x).reshape(*lead, seq, attn.num_kv_heads, attn.head_dim)
-    positions = pos + jnp.arange(seq)
-    if attn.rope:
-        q = apply_rope(q, positions, base=attn.rope_base)
-        k = apply_rope(k, positions, base=attn.rope_base)
+    positions = pos + jnp.arange(x.shape[-2])
+    q, k, v = attn.project(x, positions)
     if cache is None:
-        shape = (*lead, length, attn.num_kv_heads, attn.head_dim)
+        shape = (*k.shape[:-3], length, *k.shape[-2:])
         cache = (jnp.zeros(shape, k.dtype), jnp.zeros(shape, v.dtype))
     keys = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=-3)
     values = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=-3)
-    k_all, v_all = keys, values
-    groups = attn.num_heads // attn.num_kv_heads
-    if groups > 1:  # query head h reads key/value head h // groups
-        k_all = jnp.repeat(k_all, groups, axis=-2)
-        v_all = jnp.repeat(v_all, groups, axis=-2)
-    scores = jnp.einsum("...qhd,...khd->...hqk", q, k_all) / math.sqrt(attn.head_dim)
-    visible = positions[:, None] >= jnp.arange(k_all.shape[-3])[None, :]
-    scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores, axis=-1)
-    y = jnp.einsum("...hqk,...khd->...qhd", weights, v_all)
-    return attn.out(y.reshape(*lead, seq, attn.dim)), (keys, values)
+    visible = positions[:, None] >= jnp.arange(keys.shape[-3])[None, :]
+    return attn.attend(q, keys, values, visible), (keys, values)
 
 
 def _block(

@@ -53,7 +53,7 @@ def _attention_dims(node: Any) -> int:
     total = 0
     for _, m in nnx.iter_graph(node):
         if isinstance(m, Attention):
-            total += m.dim
+            total += m.num_heads * m.head_dim
         elif isinstance(m, nnx.MultiHeadAttention):
             total += m.qkv_features
     return total

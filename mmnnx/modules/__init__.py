@@ -1,8 +1,9 @@
 """Transformer layers whose parameters carry logical axis names for ``mm.place``.
 
 Plain ``nnx.Module`` classes, small enough to read and subclass: ``Linear``, ``Embed``, ``MLP``,
-``Attention`` (causal, RoPE, grouped KV heads), ``RMSNorm``, ``LayerNorm`` and
-``TransformerBlock``. ``constrain`` adds a logical sharding constraint inside ``mm.jit`` only.
+``Attention`` (causal, RoPE with Llama 3's optional ``RopeScaling``, grouped KV heads, optional
+per-head q/k norms), ``RMSNorm``, ``LayerNorm`` and ``TransformerBlock``. ``constrain`` adds a
+logical sharding constraint inside ``mm.jit`` only.
 
 Example:
     >>> import jax.numpy as jnp
@@ -20,7 +21,7 @@ from mmnnx.modules.embed import Embed
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.mlp import MLP
 from mmnnx.modules.norms import LayerNorm, RMSNorm
-from mmnnx.modules.rope import apply_rope
+from mmnnx.modules.rope import RopeScaling, apply_rope, rope_frequencies
 from mmnnx.modules.transformer import TransformerBlock, make_norm
 
 __all__ = [
@@ -30,8 +31,10 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "RMSNorm",
+    "RopeScaling",
     "TransformerBlock",
     "apply_rope",
     "constrain",
     "make_norm",
+    "rope_frequencies",
 ]

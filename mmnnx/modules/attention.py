@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mmnnx.modules.linear import Linear
-from mmnnx.modules.rope import apply_rope
+from mmnnx.modules.norms import RMSNorm
+from mmnnx.modules.rope import RopeScaling, apply_rope
 
 
 class Attention(nnx.Module):
     """Causal self-attention: ``out(softmax(q k^T / sqrt(head_dim) + causal mask) v)``.
 
-    ``q`` has ``num_heads`` heads of ``head_dim = dim // num_heads``; ``k`` and ``v`` have
+    ``q`` has ``num_heads`` heads of ``head_dim`` features (default ``dim // num_heads``; any
+    size, as Qwen3's, where ``num_heads * head_dim != dim``); ``k`` and ``v`` have
     ``num_kv_heads`` (default ``num_heads``), each shared by ``num_heads // num_kv_heads`` query
     heads (grouped-query attention; 1 is multi-query). ``q``, ``k`` and ``v`` kernels are named
     ``("embed", "heads")`` and ``out`` ``("heads", "embed")``: mapping ``heads`` to a mesh axis
-    splits the heads across it. With ``rope``, queries and keys are rotated by ``apply_rope``.
+    splits the heads across it. With ``qk_norm``, each head of ``q`` and ``k`` goes through an
+    ``RMSNorm`` over ``head_dim`` (``q_norm``, ``k_norm``, eps ``norm_eps``) before RoPE (Qwen3).
+    With ``rope``, queries and keys are rotated by ``apply_rope`` (base ``rope_base``, Llama 3's
+    ``rope_scaling`` when given).
+
+    ``__call__`` is ``attend(*project(x), causal mask)``: ``project`` makes the rotated queries,
+    keys and values of given positions, ``attend`` mixes values by a visibility mask, so a
+    decoder with a key/value cache (``mmnnx.models.decoding``) reuses both.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -34,48 +41,94 @@ class Attention(nnx.Module):
         num_heads: int,
         *,
         num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         rope: bool = True,
         rope_base: float = 10000.0,
+        rope_scaling: RopeScaling | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         use_bias: bool = False,
+        param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if dim % num_heads:
+        if head_dim is None and dim % num_heads:
             raise ValueError(f"Attention: dim {dim} is not divisible by num_heads {num_heads}")
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(
                 f"Attention: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
             )
+        head_dim = dim // num_heads if head_dim is None else head_dim
+        if head_dim < 1:
+            raise ValueError(f"Attention: head_dim must be >= 1, got {head_dim}")
+        if rope and head_dim % 2:
+            raise ValueError(f"Attention: RoPE needs an even head_dim, got {head_dim}")
         self.dim = dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.head_dim = dim // num_heads
-        if rope and self.head_dim % 2:
-            raise ValueError(f"Attention: RoPE needs an even head_dim, got {self.head_dim}")
+        self.head_dim = head_dim
         self.rope = rope
         self.rope_base = rope_base
-        kv_features = num_kv_heads * self.head_dim
-        qkv = dict(axes=("embed", "heads"), use_bias=use_bias, rngs=rngs)
-        self.q = Linear(dim, dim, **qkv)
-        self.k = Linear(dim, kv_features, **qkv)
-        self.v = Linear(dim, kv_features, **qkv)
-        self.out = Linear(dim, dim, axes=("heads", "embed"), use_bias=use_bias, rngs=rngs)
+        self.rope_scaling = rope_scaling
+        inner, kv_features = num_heads * head_dim, num_kv_heads * head_dim
+        linear = dict(use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+        self.q = Linear(dim, inner, axes=("embed", "heads"), **linear)
+        self.k = Linear(dim, kv_features, axes=("embed", "heads"), **linear)
+        self.v = Linear(dim, kv_features, axes=("embed", "heads"), **linear)
+        self.out = Linear(inner, dim, axes=("heads", "embed"), **linear)
+        norm = dict(eps=norm_eps, axis=None, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        seq = x.shape[-2]
+        q, k, v = self.project(x)
+        return self.attend(q, k, v, jnp.tril(jnp.ones((seq, seq), dtype=bool)))
+
+    def project(
+        self, x: jax.Array, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``(..., seq, num_heads, head_dim)``, keys and values
+        ``(..., seq, num_kv_heads, head_dim)`` of ``x`` ``(..., seq, dim)``: projected, split
+        into heads, normalised per head (``qk_norm``) and rotated (``rope``) by ``positions``
+        (default ``0 .. seq - 1``).
+
+        Example:
+            >>> with nnx.use_eager_sharding(False):
+            ...     attn = Attention(16, 4, num_kv_heads=2, head_dim=6, rngs=nnx.Rngs(0))
+            >>> [a.shape for a in attn.project(jnp.ones((1, 3, 16)), jnp.arange(5, 8))]
+            [(1, 3, 4, 6), (1, 3, 2, 6), (1, 3, 2, 6)]
+        """
         *lead, seq, _ = x.shape
         q = self.q(x).reshape(*lead, seq, self.num_heads, self.head_dim)
         k = self.k(x).reshape(*lead, seq, self.num_kv_heads, self.head_dim)
         v = self.v(x).reshape(*lead, seq, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
-            q = apply_rope(q, base=self.rope_base)
-            k = apply_rope(k, base=self.rope_base)
+            q = apply_rope(q, positions, base=self.rope_base, scaling=self.rope_scaling)
+            k = apply_rope(k, positions, base=self.rope_base, scaling=self.rope_scaling)
+        return q, k, v
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+        """``out`` of the values ``v`` mixed by ``softmax(q k^T * head_dim ** -0.5)`` over the
+        keys that ``visible`` (bool, ``(q_seq, k_seq)``, or broadcastable to the scores
+        ``(..., heads, q_seq, k_seq)``) allows; ``(..., q_seq, dim)``. The softmax is float32.
+
+        Example:
+            >>> with nnx.use_eager_sharding(False):
+            ...     attn = Attention(16, 4, rngs=nnx.Rngs(0))
+            >>> q, k, v = attn.project(jnp.ones((1, 3, 16)))
+            >>> attn.attend(q[:, -1:], k, v, jnp.ones((1, 3), bool)).shape  # the last query
+            (1, 1, 16)
+        """
+        *lead, seq, _, _ = q.shape
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:  # query head h reads key/value head h // groups
             k = jnp.repeat(k, groups, axis=-2)
             v = jnp.repeat(v, groups, axis=-2)
-        scores = jnp.einsum("...qhd,...khd->...hqk", q, k) / math.sqrt(self.head_dim)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        scores = jnp.einsum("...qhd,...khd->...hqk", q, k) * self.head_dim**-0.5
+        scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
         y = jnp.einsum("...hqk,...khd->...qhd", weights, v)
-        return self.out(y.reshape(*lead, seq, self.dim))
+        return self.out(y.reshape(*lead, seq, self.num_heads * self.head_dim))

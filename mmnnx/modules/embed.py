@@ -14,6 +14,7 @@ class Embed(nnx.Module):
 
     ``embed(tokens)`` maps integer ids of any shape to vectors (``tokens.shape + (features,)``);
     ``embed.attend(x)`` is ``x @ embedding.T``, the logits of an output head tied to the table.
+    The table is created in ``param_dtype``.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -31,12 +32,13 @@ class Embed(nnx.Module):
         features: int,
         *,
         embedding_init: nnx.Initializer = default_embed_init,
+        param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.num_embeddings = num_embeddings
         self.features = features
         init = nnx.with_partitioning(embedding_init, ("vocab", "embed"))
-        self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features)))
+        self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], tokens, axis=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -13,8 +14,9 @@ class Linear(nnx.Module):
 
     The names are logical (``nnx.with_partitioning``): ``mm.place`` translates them by each
     task's ``logical_axes``, so the same layer is replicated on one task and tensor-parallel on
-    another. Build it inside a mesh context or under ``nnx.use_eager_sharding(False)``. It
-    computes in its input's dtype (bfloat16 inputs: a bfloat16 product of float32 parameters).
+    another. Build it inside a mesh context or under ``nnx.use_eager_sharding(False)``. Its
+    Variables are created in ``param_dtype``; it computes in its input's dtype (bfloat16 inputs:
+    a bfloat16 product of float32 parameters).
 
     Example:
         >>> import jax.numpy as jnp
@@ -34,6 +36,7 @@ class Linear(nnx.Module):
         axes: tuple[str | None, str | None] = ("embed", "mlp"),
         use_bias: bool = True,
         kernel_init: nnx.Initializer = default_kernel_init,
+        param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
         if len(axes) != 2:
@@ -42,9 +45,10 @@ class Linear(nnx.Module):
         self.out_features = out_features
         self.axes = tuple(axes)
         init = nnx.with_partitioning(kernel_init, self.axes)
-        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features)))
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
         zeros = nnx.with_partitioning(nnx.initializers.zeros_init(), self.axes[1:])
-        self.bias = nnx.Param(zeros(rngs.params(), (out_features,))) if use_bias else None
+        bias = zeros(rngs.params(), (out_features,), param_dtype) if use_bias else None
+        self.bias = None if bias is None else nnx.Param(bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...].astype(x.dtype)  # computed in the input's dtype

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from mmnnx.modules.linear import Linear
@@ -16,7 +17,8 @@ class MLP(nnx.Module):
     ``up`` and ``gate`` are ``dim -> hidden`` kernels named ``("embed", "mlp")``; ``down`` is
     ``hidden -> dim`` named ``("mlp", "embed")``: mapping ``mlp`` to a mesh axis gives Megatron
     tensor parallelism (one reduction, after ``down``). ``activation`` defaults to GELU, or SiLU
-    when gated.
+    when gated. ``use_bias=False`` (Llama, Qwen3) drops the three biases; Variables are created
+    in ``param_dtype``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -34,6 +36,7 @@ class MLP(nnx.Module):
         gated: bool = False,
         activation: Callable[[jax.Array], jax.Array] | None = None,
         use_bias: bool = True,
+        param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.dim = dim
@@ -42,13 +45,10 @@ class MLP(nnx.Module):
         if activation is None:
             activation = jax.nn.silu if gated else jax.nn.gelu
         self.activation = activation
-        self.up = Linear(dim, hidden, axes=("embed", "mlp"), use_bias=use_bias, rngs=rngs)
-        self.gate = (
-            Linear(dim, hidden, axes=("embed", "mlp"), use_bias=use_bias, rngs=rngs)
-            if gated
-            else None
-        )
-        self.down = Linear(hidden, dim, axes=("mlp", "embed"), use_bias=use_bias, rngs=rngs)
+        kw = dict(use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+        self.up = Linear(dim, hidden, axes=("embed", "mlp"), **kw)
+        self.gate = Linear(dim, hidden, axes=("embed", "mlp"), **kw) if gated else None
+        self.down = Linear(hidden, dim, axes=("mlp", "embed"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.gate is not None:

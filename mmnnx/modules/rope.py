@@ -1,20 +1,111 @@
-"""Rotary position embeddings (RoPE), half-split layout."""
+"""Rotary position embeddings (RoPE), half-split layout, with Llama 3's frequency scaling."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
+from math import inf
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1+'s RoPE frequency scaling (Hugging Face ``rope_type: "llama3"``).
+
+    Frequencies whose wavelength ``2 pi / inv_freq`` is above
+    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, those below
+    ``original_max_position_embeddings / high_freq_factor`` are kept, and those in between are
+    interpolated smoothly (see ``rope_frequencies``).
+
+    Example:
+        >>> RopeScaling(
+        ...     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        ...     original_max_position_embeddings=8192,
+        ... ).factor
+        8.0
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if not (number and 0 < value < inf):
+                raise ValueError(f"RopeScaling.{name} must be a finite number > 0, got {value!r}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"RopeScaling.high_freq_factor ({self.high_freq_factor}) must be greater than "
+                f"low_freq_factor ({self.low_freq_factor})"
+            )
+        original = self.original_max_position_embeddings
+        if isinstance(original, bool) or not isinstance(original, numbers.Integral) or original < 1:
+            raise ValueError(
+                f"RopeScaling.original_max_position_embeddings must be an int >= 1, "
+                f"got {original!r}"
+            )
+
+
+def rope_frequencies(
+    head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None
+) -> np.ndarray:
+    """The ``head_dim // 2`` inverse frequencies of RoPE, float32, computed as Hugging Face does.
+
+    ``1 / base ** (arange(0, head_dim, 2) / head_dim)`` in float32 (transformers'
+    ``_compute_default_rope_parameters``), then, with ``scaling``, transformers'
+    ``_compute_llama3_parameters``: with ``wavelen = 2 pi / inv_freq``, ``inv_freq / factor``
+    where ``wavelen > original_max / low_freq_factor``, unchanged where
+    ``wavelen < original_max / high_freq_factor``, and in between
+    ``(1 - s) * inv_freq / factor + s * inv_freq`` with
+    ``s = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+    A NumPy array: a constant of any program that uses it.
+
+    Example:
+        >>> rope_frequencies(4, base=100.0)
+        array([1. , 0.1], dtype=float32)
+    """
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"rope_frequencies: head_dim must be even and >= 2, got {head_dim}")
+    if not 0 < base < inf:
+        raise ValueError(f"rope_frequencies: base must be a finite number > 0, got {base}")
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = np.float32(1.0) / (np.float32(base) ** exponents)
+    if scaling is None:
+        return inv_freq
+    # Python scalars, as in transformers: NumPy keeps them weak, so every operation is float32
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    original = scaling.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 def apply_rope(
-    x: jax.Array, positions: jax.Array | None = None, *, base: float = 10000.0
+    x: jax.Array,
+    positions: jax.Array | None = None,
+    *,
+    base: float = 10000.0,
+    scaling: RopeScaling | None = None,
 ) -> jax.Array:
     """Rotates ``x`` of shape ``(..., seq, heads, head_dim)`` by its positions (RoPE).
 
     Feature ``i`` and feature ``i + head_dim // 2`` form a pair that is rotated by the angle
-    ``position * base ** (-2 * i / head_dim)``. The dot product of a rotated query and key then
-    depends only on their position difference. ``positions`` (shape ``(seq,)`` or broadcastable
-    to ``x.shape[:-2]``) defaults to ``0 .. seq - 1``.
+    ``position * inv_freq[i]``, ``inv_freq = rope_frequencies(head_dim, base, scaling)``
+    (``base ** (-2 * i / head_dim)`` without ``scaling``): Hugging Face's rotate-half layout.
+    The dot product of a rotated query and key then depends only on their position difference.
+    ``positions`` (shape ``(seq,)`` or broadcastable to ``x.shape[:-2]``) defaults to
+    ``0 .. seq - 1``. Angles, cosines and sines are float32, then cast to ``x``'s dtype.
 
     Example:
         >>> x = jnp.ones((1, 3, 2, 4))  # batch, seq, heads, head_dim
@@ -28,7 +119,7 @@ def apply_rope(
     half = head_dim // 2
     if positions is None:
         positions = jnp.arange(seq)
-    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2 / head_dim)
+    inv_freq = rope_frequencies(head_dim, base, scaling)
     angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # (..., seq, half)
     cos = jnp.cos(angles)[..., None, :].astype(x.dtype)  # broadcast over heads
     sin = jnp.sin(angles)[..., None, :].astype(x.dtype)

@@ -3,28 +3,38 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from mmnnx.modules.attention import Attention
 from mmnnx.modules.constraints import constrain
 from mmnnx.modules.mlp import MLP
 from mmnnx.modules.norms import LayerNorm, RMSNorm
+from mmnnx.modules.rope import RopeScaling
 
 ACTIVATION_NAMES = ("batch", "seq", "embed")
 
 
-def make_norm(kind: str, dim: int) -> RMSNorm | LayerNorm:
-    """The norm named ``kind``: ``"rms"`` (``RMSNorm``) or ``"layer"`` (``LayerNorm``).
+def make_norm(
+    kind: str,
+    dim: int,
+    *,
+    eps: float | None = None,
+    param_dtype: jax.typing.DTypeLike = jnp.float32,
+) -> RMSNorm | LayerNorm:
+    """The norm named ``kind``: ``"rms"`` (``RMSNorm``) or ``"layer"`` (``LayerNorm``), with
+    epsilon ``eps`` (default: the norm's own, 1e-6 and 1e-5) and Variables in ``param_dtype``.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
-        ...     type(make_norm("layer", 4)).__name__
-        'LayerNorm'
+        ...     type(make_norm("layer", 4)).__name__, make_norm("rms", 4, eps=1e-5).eps
+        ('LayerNorm', 1e-05)
     """
+    options = {} if eps is None else {"eps": eps}
     if kind == "rms":
-        return RMSNorm(dim)
+        return RMSNorm(dim, param_dtype=param_dtype, **options)
     if kind == "layer":
-        return LayerNorm(dim)
+        return LayerNorm(dim, param_dtype=param_dtype, **options)
     raise ValueError(f"unknown norm {kind!r}: expected 'rms' or 'layer'")
 
 
@@ -33,7 +43,11 @@ class TransformerBlock(nnx.Module):
 
     Its input and output are constrained to the logical names ``("batch", "seq", "embed")``
     (``constrain``), so inside ``mm.jit`` activations between blocks are sharded as each task's
-    rules say (e.g. batch over ``data``). The MLP's hidden size is ``int(mlp_ratio * dim)``.
+    rules say (e.g. batch over ``data``). The MLP's hidden size is ``mlp_hidden`` (default
+    ``int(mlp_ratio * dim)``), with biases unless ``mlp_bias=False``. ``head_dim``, ``qk_norm``,
+    ``rope_base`` and ``rope_scaling`` go to ``Attention``; ``norm_eps`` (default: each norm's
+    own) to both norms and to the attention's per-head norms; Variables are created in
+    ``param_dtype``.
     With ``dropout > 0``, the attention and MLP outputs go through ``nnx.Dropout`` before each
     residual add (drawing from the block's own RNG stream; ``model.eval()`` turns it off).
 
@@ -51,18 +65,41 @@ class TransformerBlock(nnx.Module):
         num_heads: int,
         *,
         num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         mlp_ratio: float = 4,
+        mlp_hidden: int | None = None,
+        mlp_bias: bool = True,
         gated_mlp: bool = False,
         norm: str = "rms",
+        norm_eps: float | None = None,
         rope: bool = True,
+        rope_base: float = 10000.0,
+        rope_scaling: RopeScaling | None = None,
+        qk_norm: bool = False,
         dropout: float = 0.0,
+        param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.dim = dim
-        self.norm1 = make_norm(norm, dim)
-        self.attn = Attention(dim, num_heads, num_kv_heads=num_kv_heads, rope=rope, rngs=rngs)
-        self.norm2 = make_norm(norm, dim)
-        self.mlp = MLP(dim, int(mlp_ratio * dim), gated=gated_mlp, rngs=rngs)
+        self.norm1 = make_norm(norm, dim, eps=norm_eps, param_dtype=param_dtype)
+        self.attn = Attention(
+            dim,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rope=rope,
+            rope_base=rope_base,
+            rope_scaling=rope_scaling,
+            qk_norm=qk_norm,
+            norm_eps=1e-6 if norm_eps is None else norm_eps,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.norm2 = make_norm(norm, dim, eps=norm_eps, param_dtype=param_dtype)
+        hidden = int(mlp_ratio * dim) if mlp_hidden is None else mlp_hidden
+        self.mlp = MLP(
+            dim, hidden, gated=gated_mlp, use_bias=mlp_bias, param_dtype=param_dtype, rngs=rngs
+        )
         self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
