@@ -10,6 +10,28 @@ Example:
 """
 
 from mmnnx.models.gpt import GPT, GPTConfig
+from mmnnx.models.pretrained import (
+    FAMILIES,
+    CheckpointError,
+    TensorRule,
+    from_pretrained,
+    load_tensors,
+    save_adapter,
+    save_pretrained,
+    save_tensors,
+)
 from mmnnx.models.stages import stage_rules
 
-__all__ = ["GPT", "GPTConfig", "stage_rules"]
+__all__ = [
+    "FAMILIES",
+    "GPT",
+    "CheckpointError",
+    "GPTConfig",
+    "TensorRule",
+    "from_pretrained",
+    "load_tensors",
+    "save_adapter",
+    "save_pretrained",
+    "save_tensors",
+    "stage_rules",
+]

@@ -19,6 +19,7 @@ from mmnnx.modules.attention import Attention
 from mmnnx.modules.constraints import constrain
 from mmnnx.modules.embed import Embed
 from mmnnx.modules.linear import Linear
+from mmnnx.modules.lora import LoRA, add_lora
 from mmnnx.modules.mlp import MLP
 from mmnnx.modules.norms import LayerNorm, RMSNorm
 from mmnnx.modules.rope import RopeScaling, apply_rope, rope_frequencies
@@ -30,9 +31,11 @@ __all__ = [
     "Embed",
     "LayerNorm",
     "Linear",
+    "LoRA",
     "RMSNorm",
     "RopeScaling",
     "TransformerBlock",
+    "add_lora",
     "apply_rope",
     "constrain",
     "make_norm",

@@ -49,9 +49,12 @@ class Linear(nnx.Module):
         zeros = nnx.with_partitioning(nnx.initializers.zeros_init(), self.axes[1:])
         bias = zeros(rngs.params(), (out_features,), param_dtype) if use_bias else None
         self.bias = None if bias is None else nnx.Param(bias)
+        self.lora = nnx.data(None)  # a LoRA adapter (mmnnx.modules.add_lora), added to the output
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...].astype(x.dtype)  # computed in the input's dtype
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
+        if self.lora is not None:
+            y = y + self.lora(x)
         return y

@@ -30,6 +30,8 @@ import numpy as np
 from flax import nnx
 
 from mmnnx.models.gpt import GPT, GPTConfig
+from mmnnx.models.pretrained.adapters import merged_kernels
+from mmnnx.models.pretrained.adapters import save_adapter as _save_adapter
 from mmnnx.models.pretrained.families import FAMILIES, Family, family_of
 from mmnnx.models.pretrained.files import (
     TOKENIZER,
@@ -45,6 +47,7 @@ from mmnnx.models.pretrained.save import (
     torch_dtype_of,
     write_checkpoint,
 )
+from mmnnx.models.stages import stage_rules
 from mmnnx.sharding.task import Task
 
 M = TypeVar("M")
@@ -56,6 +59,7 @@ __all__ = [
     "TensorRule",
     "from_pretrained",
     "load_tensors",
+    "save_adapter",
     "save_pretrained",
     "save_tensors",
 ]
@@ -118,6 +122,7 @@ def from_pretrained(
     family = family_of(files.config, files.directory)
     config = family.gpt_config(
         files.config,
+        files.directory,
         param_dtype=np.dtype(param_dtype).name,
         dtype=np.dtype(dtype).name,
         scan_layers=scan_layers,
@@ -127,8 +132,6 @@ def from_pretrained(
     model = _abstract(lambda: GPT(config, rngs=nnx.Rngs(0)))
     placement = list(rules or [])
     if tasks is not None:
-        from mmnnx.models.stages import stage_rules  # noqa: PLC0415  (stages imports pretrained)
-
         placement += stage_rules(model, tasks, report=False)
     load_into(model, files, family.tensor_rules(config), placement or None)
     model.pretrained = Pretrained(
@@ -158,7 +161,9 @@ def save_pretrained(
     for a model that came from none). ``architecture`` names the family for a model not made
     by ``from_pretrained``. Every process calls it; each writes the tensors its own devices
     hold. Nothing replaces ``path`` until every file is written (``overwrite=True`` to replace
-    an existing one). ``values`` overrides Variables' values by path (merged LoRA weights).
+    an existing one). LoRA adapters (``add_lora``) are merged into their kernels
+    (``W + B A * alpha / r``); :func:`save_adapter` writes them alone. ``values`` overrides
+    Variables' values by path.
 
     Returns the directory. Raises ``CheckpointError`` before writing anything on a bad
     ``dtype``, an existing ``path``, or a model with Variables the family does not name.
@@ -173,35 +178,80 @@ def save_pretrained(
         >>> sorted(p.name for p in out.iterdir())
         ['config.json', 'model.safetensors', 'model.safetensors.index.json']
     """
-    pretrained: Pretrained | None = getattr(model, "pretrained", None)
-    name = architecture or (pretrained.architecture if pretrained else None)
-    if name is None:
-        raise CheckpointError(
-            f"save_pretrained: name the model's architecture (architecture=, one of "
-            f"{', '.join(FAMILIES)}); it was not loaded by from_pretrained"
-        )
-    family: Family = family_of({"architectures": [name]}, path)
+    pretrained, family, dtype = _origin(model, path, architecture, dtype)
     hf = pretrained.config if pretrained else {}
-    if dtype is None:
-        dtype = hf.get("torch_dtype", hf.get("dtype", "float32"))
-        if dtype not in TORCH_DTYPES:
-            dtype = "float32"
-    torch_dtype = torch_dtype_of(jnp.dtype(dtype))
+    torch_dtype = torch_dtype_of(dtype)
     config = {**family.hf_config(model.config, torch_dtype), **_kept(hf)}
     config["torch_dtype"] = torch_dtype
     extra = []
     if pretrained and (pathlib.Path(pretrained.directory) / TOKENIZER).exists():
         extra.append(pathlib.Path(pretrained.directory) / TOKENIZER)
+    values = {**model_values(model), **merged_kernels(model), **(values or {})}
     return write_checkpoint(
-        {**model_values(model), **(values or {})},
+        {k: v for k, v in values.items() if "/lora/" not in k},
         path,
         family.tensor_rules(model.config),
         config=config,
-        dtype=jnp.dtype(dtype),
+        dtype=dtype,
         extra_files=extra,
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
     )
+
+
+def save_adapter(
+    model: GPT,
+    path: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    architecture: str | None = None,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Writes the LoRA adapters of ``model`` (``mmnnx.modules.add_lora``) alone, in PEFT's
+    layout: ``adapter_model.safetensors`` (``base_model.model.<name>.lora_A.weight``
+    ``(r, in)`` and ``lora_B.weight`` ``(out, r)``) and ``adapter_config.json`` (``r``,
+    ``lora_alpha``, ``target_modules``, ``base_model_name_or_path``: the directory the model
+    was loaded from). ``dtype`` and ``architecture`` as :func:`save_pretrained`.
+
+    Example:
+        >>> import tempfile
+        >>> from mmnnx.modules import add_lora
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(dim=32, depth=1, vocab_size=64, gated_mlp=True,
+        ...                           mlp_bias=False), rngs=nnx.Rngs(0))
+        >>> model = add_lora(model, rank=2, targets=("q", "v"))
+        >>> out = save_adapter(model, tempfile.mkdtemp() + "/a", architecture="LlamaForCausalLM")
+        >>> json.loads((out / "adapter_config.json").read_text())["target_modules"]
+        ['q_proj', 'v_proj']
+    """
+    pretrained, family, dtype = _origin(model, path, architecture, dtype)
+    return _save_adapter(
+        model,
+        path,
+        family.tensor_rules(model.config),
+        base_model=pretrained.directory if pretrained else "",
+        dtype=dtype,
+        overwrite=overwrite,
+    )
+
+
+def _origin(
+    model: GPT, path: Any, architecture: str | None, dtype: Any
+) -> tuple[Pretrained | None, Family, np.dtype]:
+    """Where ``model`` came from, its family, and the dtype to write it in."""
+    pretrained: Pretrained | None = getattr(model, "pretrained", None)
+    name = architecture or (pretrained.architecture if pretrained else None)
+    if name is None:
+        raise CheckpointError(
+            f"{path}: name the model's architecture (architecture=, one of "
+            f"{', '.join(FAMILIES)}); it was not loaded by from_pretrained"
+        )
+    family = family_of({"architectures": [name]}, path)
+    if dtype is None:
+        hf = pretrained.config if pretrained else {}
+        dtype = hf.get("torch_dtype", hf.get("dtype", "float32"))
+        dtype = dtype if dtype in TORCH_DTYPES else "float32"
+    return pretrained, family, np.dtype(jnp.dtype(dtype))
 
 
 def _kept(hf: dict[str, Any]) -> dict[str, Any]:

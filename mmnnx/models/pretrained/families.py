@@ -50,37 +50,41 @@ class Family:
     model_type: str
     qk_norm: bool
 
-    def gpt_config(self, hf: dict[str, Any], **overrides: Any) -> GPTConfig:
-        """The ``GPTConfig`` of a ``config.json`` (``overrides``: ``param_dtype``, ``dtype``,
-        ``scan_layers``, ``max_seq_len``, ...).
+    def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
+        """The ``GPTConfig`` of a ``config.json`` (in directory ``where``; ``overrides``:
+        ``param_dtype``, ``dtype``, ``scan_layers``, ``max_seq_len``, ...).
 
         Raises:
             CheckpointError: a missing key or a setting this family's GPT cannot reproduce.
         """
-        _refuse_unsupported(self, hf)
-        heads = _key(hf, "num_attention_heads", self)
-        dim = _key(hf, "hidden_size", self)
+        file = f"{where}/config.json ({self.architecture})"
+        _refuse_unsupported(file, hf)
+        heads = _key(hf, "num_attention_heads", file)
+        dim = _key(hf, "hidden_size", file)
         scaling = hf.get("rope_scaling")
         fields = dict(
-            vocab_size=_key(hf, "vocab_size", self),
+            vocab_size=_key(hf, "vocab_size", file),
             dim=dim,
-            depth=_key(hf, "num_hidden_layers", self),
+            depth=_key(hf, "num_hidden_layers", file),
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or dim // heads,
             qk_norm=self.qk_norm,
-            mlp_hidden=_key(hf, "intermediate_size", self),
+            mlp_hidden=_key(hf, "intermediate_size", file),
             gated_mlp=True,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             max_seq_len=hf.get("max_position_embeddings", 2048),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             norm="rms",
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            norm_eps=float(hf.get("rms_norm_eps") or 1e-6),
             rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rope_scaling=None if scaling is None else _rope_scaling(scaling, self),
+            rope_scaling=None if scaling is None else _rope_scaling(scaling, file),
         )
         fields.update({k: v for k, v in overrides.items() if v is not None})
-        return GPTConfig(**fields)
+        try:
+            return GPTConfig(**fields)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{file}: {e}") from None
 
     def hf_config(self, config: GPTConfig, torch_dtype: str) -> dict[str, Any]:
         """A ``config.json`` for ``config`` (written by ``save_pretrained`` for a model that was
@@ -102,7 +106,7 @@ class Family:
             "intermediate_size": config.mlp_hidden or int(config.mlp_ratio * config.dim),
             "max_position_embeddings": config.max_seq_len,
             "tie_word_embeddings": config.tie_embeddings,
-            "rms_norm_eps": config.norm_eps,
+            "rms_norm_eps": 1e-6 if config.norm_eps is None else config.norm_eps,
             "rope_theta": config.rope_theta,
             "rope_scaling": None
             if config.rope_scaling is None
@@ -167,9 +171,9 @@ def family_of(hf: dict[str, Any] | None, where: Any) -> Family:
     )
 
 
-def _key(hf: dict[str, Any], key: str, family: Family) -> Any:
+def _key(hf: dict[str, Any], key: str, file: str) -> Any:
     if key not in hf:
-        raise CheckpointError(f"config.json of a {family.architecture}: no {key!r}")
+        raise CheckpointError(f"{file}: no {key!r}")
     return hf[key]
 
 
@@ -185,20 +189,20 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
-def _refuse_unsupported(family: Family, hf: dict[str, Any]) -> None:
+def _refuse_unsupported(file: str, hf: dict[str, Any]) -> None:
     for key, refused, supported in _UNSUPPORTED:
         if refused(hf.get(key)):
             raise CheckpointError(
-                f"config.json of a {family.architecture}: {key}={hf[key]!r} is not supported; "
+                f"{file}: {key}={hf[key]!r} is not supported; "
                 f"mmnnx's GPT has {supported}"
             )
 
 
-def _rope_scaling(scaling: dict[str, Any], family: Family) -> RopeScaling:
+def _rope_scaling(scaling: dict[str, Any], file: str) -> RopeScaling:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind != "llama3":
         raise CheckpointError(
-            f"config.json of a {family.architecture}: rope_scaling of type {kind!r} is not "
+            f"{file}: rope_scaling of type {kind!r} is not "
             "supported; mmnnx reads 'llama3' scaling (Llama 3.1 and later) or none"
         )
     return RopeScaling(

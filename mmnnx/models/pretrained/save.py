@@ -22,6 +22,7 @@ from mmnnx.models.pretrained.files import (
     INDEX,
     TORCH_DTYPES,
     CheckpointError,
+    CheckpointFiles,
     shard_name,
     write_shards,
 )
@@ -30,6 +31,19 @@ from mmnnx.sharding.rules import path_str
 
 MAX_SHARD_BYTES = 5 * 2**30
 """The largest shard file ``save_pretrained`` writes by default (as transformers: 5 GB)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The files a checkpoint is written as: the config's name, and ``single`` (one
+    safetensors file of that name and no index, as PEFT's adapters) or shards plus an index."""
+
+    config: str = CONFIG
+    single: str | None = None
+
+
+CHECKPOINT = Layout()
+"""A Hugging Face model: ``config.json``, ``model-0000i-of-0000N.safetensors`` and the index."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +158,7 @@ def write_checkpoint(
     extra_files: Sequence[str | os.PathLike] = (),
     max_shard_bytes: int = MAX_SHARD_BYTES,
     overwrite: bool = False,
+    layout: Layout = CHECKPOINT,
 ) -> pathlib.Path:
     """Writes ``values`` (Variable path -> array) as tensors named by ``rules``, in ``dtype``.
 
@@ -151,7 +166,7 @@ def write_checkpoint(
     devices hold all of it; files go to ``.<name>.partial`` beside ``directory``, which
     replaces ``directory`` once every file, the index and ``config.json`` are written, so a
     failed save leaves an earlier checkpoint there intact. ``extra_files`` (a tokenizer) are
-    copied in.
+    copied in. With ``layout.single``, process 0 joins the shards into that one file.
 
     Raises:
         CheckpointError: ``directory`` exists and ``overwrite`` is false, a Variable no rule
@@ -188,14 +203,19 @@ def write_checkpoint(
     def finish() -> None:
         if me != 0:
             return
-        weight_map = {
-            t.name: shard_name(i, len(files)) for i, (_, g) in enumerate(files) for t in g
-        }
-        total = sum(int(np.prod(t.shape)) * dtype.itemsize for t in tensors)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        names = [shard_name(i, len(files)) for i in range(len(files))]
+        if layout.single is not None:  # small (adapters): joined here, read back whole
+            joined = CheckpointFiles(staging)
+            write_shards(staging, {layout.single: {t: joined.read(t) for t in joined.tensors}})
+            for name in names:
+                (staging / name).unlink()
+        else:
+            weight_map = {t.name: names[i] for i, (_, group) in enumerate(files) for t in group}
+            total = sum(int(np.prod(t.shape)) * dtype.itemsize for t in tensors)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         if config is not None:
-            (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            (staging / layout.config).write_text(json.dumps(config, indent=2) + "\n")
         for extra in extra_files:
             shutil.copy(extra, staging / pathlib.Path(extra).name)
         old = directory.parent / f".{directory.name}.old"

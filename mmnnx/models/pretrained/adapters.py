@@ -1,0 +1,133 @@
+"""LoRA adapters of a ``GPT`` from a pretrained family, out in PEFT's layout
+(``adapter_model.safetensors`` + ``adapter_config.json``) or merged into the kernels."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+import jax
+from flax import nnx
+
+from mmnnx.models.pretrained.files import CheckpointError
+from mmnnx.models.pretrained.names import TensorRule, tensors_of
+from mmnnx.models.pretrained.save import Layout, write_checkpoint
+from mmnnx.modules.linear import Linear
+from mmnnx.sharding.arrays import placeholder, processes_of
+from mmnnx.sharding.rules import path_str
+
+ADAPTER = Layout(config="adapter_config.json", single="adapter_model.safetensors")
+"""PEFT's files: one safetensors file, no index."""
+
+
+def adapted(model: Any) -> list[tuple[str, Linear]]:
+    """The ``Linear`` layers of ``model`` that carry a LoRA adapter, by path."""
+    return [
+        (path_str(p), m)
+        for p, m in nnx.iter_graph(model)
+        if isinstance(m, Linear) and getattr(m, "lora", None) is not None
+    ]
+
+
+def merged_kernels(model: Any) -> dict[str, jax.Array]:
+    """``kernel + a @ b * alpha / rank`` of every adapted ``Linear``, by the kernel's path,
+    computed on the kernel's own devices (a placeholder where this process holds none)."""
+    out = {}
+    for path, linear in adapted(model):
+        kernel = linear.kernel[...]
+        if jax.process_index() in processes_of(kernel.sharding):
+            merge = jax.jit(
+                lambda k, a, b, scale: (k + (a @ b) * scale).astype(k.dtype),
+                out_shardings=kernel.sharding,
+            )
+            out[f"{path}/kernel"] = merge(
+                kernel, linear.lora.a[...], linear.lora.b[...], linear.lora.scale
+            )
+        else:
+            out[f"{path}/kernel"] = placeholder(kernel.shape, kernel.dtype, kernel.sharding)
+    return out
+
+
+def adapter_rules(rules: tuple[TensorRule, ...]) -> tuple[TensorRule, ...]:
+    """PEFT's names for the adapters of the kernels ``rules`` name: ``lora_A`` ``(rank, in)``
+    and ``lora_B`` ``(out, rank)`` beside each ``...proj.weight``, under ``base_model.model.``.
+
+    Example:
+        >>> rule = TensorRule("model.layers.{layer}.mlp.up_proj.weight",
+        ...                   "blocks/{layer}/mlp/up/kernel", transpose=(1, 0))
+        >>> a, b = adapter_rules((rule,))
+        >>> a.tensor
+        'base_model.model.model.layers.{layer}.mlp.up_proj.lora_A.weight'
+        >>> a.variable, b.variable
+        ('blocks/{layer}/mlp/up/lora/a', 'blocks/{layer}/mlp/up/lora/b')
+    """
+    out = []
+    for rule in rules:
+        if rule.variable is None or not rule.variable.endswith("/kernel"):
+            continue
+        module, stem = rule.variable[: -len("/kernel")], rule.tensor[: -len(".weight")]
+        for factor, name in (("a", "lora_A"), ("b", "lora_B")):
+            out.append(
+                TensorRule(
+                    f"base_model.model.{stem}.{name}.weight",
+                    f"{module}/lora/{factor}",
+                    transpose=rule.transpose,
+                )
+            )
+    return tuple(out)
+
+
+def save_adapter(
+    model: Any,
+    path: str | os.PathLike,
+    rules: tuple[TensorRule, ...],
+    *,
+    base_model: str,
+    dtype: Any,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Writes ``model``'s LoRA adapters in PEFT's layout: ``adapter_model.safetensors`` and
+    ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
+    ``base_model_name_or_path``).
+
+    Raises:
+        CheckpointError: a model without adapters, or adapters of several ranks or alphas.
+    """
+    layers = adapted(model)
+    if not layers:
+        raise CheckpointError("the model has no LoRA adapters to write (add_lora adds them)")
+    shapes = {(m.lora.rank, m.lora.alpha) for _, m in layers}
+    if len(shapes) > 1:
+        raise CheckpointError(f"adapters of several (rank, alpha): {sorted(shapes)}")
+    ((rank, alpha),) = shapes
+    values = {f"{p}/lora/{f}": getattr(m.lora, f)[...] for p, m in layers for f in ("a", "b")}
+    lora_rules = adapter_rules(rules)
+    targets = set()
+    for path, value in values.items():
+        found = tensors_of(path, value.shape, lora_rules)
+        if found is None:
+            raise CheckpointError(f"no PEFT name for the adapter {path!r}")
+        targets.add(found[0].tensor.split(".")[-3])  # ...{module}.lora_A.weight
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(targets),
+        "base_model_name_or_path": base_model,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    return write_checkpoint(
+        values,
+        path,
+        lora_rules,
+        config=config,
+        dtype=dtype,
+        overwrite=overwrite,
+        layout=ADAPTER,
+    )

@@ -1,0 +1,143 @@
+"""``LoRA``: a low-rank update beside a frozen ``Linear`` kernel, and ``add_lora``, which gives
+the chosen projections of a model one, on the same tasks as their kernels."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mmnnx._nnx import logical_names
+from mmnnx.modules.linear import Linear
+from mmnnx.sharding.place import home_of, place
+from mmnnx.sharding.rules import path_str
+from mmnnx.sharding.stack import TaskStack
+
+M = TypeVar("M")
+
+TARGETS = ("q", "k", "v", "out", "gate", "up", "down")
+"""The ``Linear`` names of ``GPT`` blocks that ``add_lora`` adapts by default: every projection
+of attention and the MLP (PEFT's ``target_modules="all-linear"`` less the output head)."""
+
+
+class LoRA(nnx.Module):
+    """``(x @ a @ b) * alpha / rank``: the update of a ``Linear`` of ``in_features`` ->
+    ``out_features`` (Hu et al., 2021), its factors ``nnx.LoRAParam``s: ``a`` ``(in, rank)``
+    drawn as PEFT does (Kaiming-uniform), ``b`` ``(rank, out)`` zeros, so a fresh adapter
+    changes nothing. ``lead`` prepends axes to both (a stacked kernel's layer axis), ``axes``
+    names the kernel's logical axes so the factors shard like it.
+
+    Example:
+        >>> with nnx.use_eager_sharding(False):
+        ...     lora = LoRA(8, 4, rank=2, alpha=4.0, rngs=nnx.Rngs(0))
+        >>> lora.a.shape, lora.b.shape, float(lora(jnp.ones((1, 8))).sum()), lora.scale
+        ((8, 2), (2, 4), 0.0, 2.0)
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        rank: int,
+        alpha: float,
+        lead: tuple[int, ...] = (),
+        axes: tuple[Any, ...] | None = None,
+        rngs: nnx.Rngs,
+    ):
+        if not (isinstance(rank, int) and rank >= 1):
+            raise ValueError(f"LoRA: rank must be an int >= 1, got {rank!r}")
+        axes = axes or (None,) * (len(lead) + 2)
+        *lead_axes, in_axis, out_axis = axes
+        bound = (1.0 / in_features) ** 0.5  # PEFT: kaiming_uniform_(a=sqrt(5)) on (rank, in)
+        a = jax.random.uniform(
+            rngs.params(), (*lead, in_features, rank), minval=-bound, maxval=bound
+        )
+        self.a = nnx.LoRAParam(a, out_sharding=(*lead_axes, in_axis, None))
+        self.b = nnx.LoRAParam(
+            jnp.zeros((*lead, rank, out_features)), out_sharding=(*lead_axes, None, out_axis)
+        )
+        self.rank = rank
+        self.alpha = float(alpha)
+        self.scale = self.alpha / rank
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return (x @ self.a[...].astype(x.dtype)) @ self.b[...].astype(x.dtype) * self.scale
+
+    def delta(self) -> jax.Array:
+        """The kernel's change ``a @ b * alpha / rank`` (what merging adds to it)."""
+        return (self.a[...] @ self.b[...]) * self.scale
+
+
+def _axes(kernel: nnx.Variable) -> tuple[Any, ...]:
+    """The kernel's logical names, one per dimension (a stacked kernel's layer axis unnamed)."""
+    names = tuple(logical_names(kernel) or (None, None))
+    return (None,) * (kernel.ndim - len(names)) + names[-kernel.ndim :]
+
+
+def add_lora(
+    model: M,
+    *,
+    rank: int,
+    alpha: float | None = None,
+    targets: Sequence[str] = TARGETS,
+    seed: int = 0,
+) -> M:
+    """Gives every ``Linear`` of ``model`` named in ``targets`` a :class:`LoRA` (``linear.lora``),
+    on its kernel's task and sharded like it when the model is placed; returns ``model``.
+
+    ``alpha`` defaults to ``rank`` (scale 1). Train only the adapters with
+    ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` and gradients of
+    ``nnx.DiffState(0, nnx.LoRAParam)``: the frozen kernels then get neither gradients nor
+    optimizer state.
+
+    Raises:
+        ValueError: a target that names no ``Linear`` of the model (listing those it has), or
+            a model that already has adapters.
+
+    Example:
+        >>> from mmnnx.models import GPT, GPTConfig
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(dim=32, depth=2, vocab_size=64), rngs=nnx.Rngs(0))
+        ...     model = add_lora(model, rank=4, targets=("q", "v"))
+        >>> model.blocks[1].attn.q.lora.a.shape, model.blocks[1].attn.k.lora
+        ((32, 4), None)
+    """
+    linears = [(p, m) for p, m in nnx.iter_graph(model) if isinstance(m, Linear)]
+    names = sorted({str(p[-1]) for p, _ in linears})
+    unknown = [t for t in targets if t not in names]
+    if unknown:
+        raise ValueError(
+            f"add_lora: {', '.join(map(repr, unknown))} names no Linear of "
+            f"{type(model).__name__}; its Linear layers are named {', '.join(names)}"
+        )
+    rngs = nnx.Rngs(seed)
+    rules = []
+    for path, linear in linears:
+        if str(path[-1]) not in targets:
+            continue
+        if linear.lora is not None:
+            raise ValueError(f"add_lora: {path_str(path)} already has an adapter")
+        kernel = linear.kernel
+        lead = tuple(kernel.shape[:-2])
+        with nnx.use_eager_sharding(False):
+            linear.lora = LoRA(
+                linear.in_features,
+                linear.out_features,
+                rank=rank,
+                alpha=rank if alpha is None else alpha,
+                lead=lead,
+                axes=_axes(kernel),
+                rngs=rngs,
+            )
+        home = home_of(kernel)
+        if home is not None:
+            task = list(home.tasks) if isinstance(home, TaskStack) else home
+            rules.append((f"^{re.escape(path_str(path))}/lora/", task))
+    if rules:
+        place(model, rules, strict=False)
+    return model
