@@ -193,8 +193,7 @@ def _refuse_unsupported(file: str, hf: dict[str, Any]) -> None:
     for key, refused, supported in _UNSUPPORTED:
         if refused(hf.get(key)):
             raise CheckpointError(
-                f"{file}: {key}={hf[key]!r} is not supported; "
-                f"mmnnx's GPT has {supported}"
+                f"{file}: {key}={hf[key]!r} is not supported; mmnnx's GPT has {supported}"
             )
 
 
