@@ -57,13 +57,13 @@ def recorded_reads() -> list[list]:
     reads: list[list] = []
     read = CheckpointFiles.read
 
-    def recording(self, name, index=()):
+    def recording(self, name, index=(), **kwargs):
         shape = self.tensors[name].shape
         whole = [slice(None)] * len(shape)
         box = [list(s.indices(n)[:2]) for s, n in zip(tuple(index) + tuple(whole[len(index):]),
                                                       shape, strict=True)]  # fmt: skip
         reads.append([name, box])
-        return read(self, name, index)
+        return read(self, name, index, **kwargs)
 
     CheckpointFiles.read = recording
     return reads
