@@ -153,7 +153,7 @@ def test_a_process_leaving_mid_save_keeps_the_earlier_checkpoint(source, tmp_pat
             assert not (tmp_path / ".target.partial").exists()
         else:  # killed: JAX's coordination service ends process 0 at the heartbeat timeout
             assert left == -signal.SIGKILL
-            assert procs[0].returncode != 0 and "stopped sending heartbeats" in out, out[-3000:]
+            assert procs[0].returncode != 0 and "heartbeat" in out, out[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
