@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/packed_reads.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/precision.py
 	$(PY) benchmarks/multiprocess.py
+	$(PY) benchmarks/pretrained_load.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

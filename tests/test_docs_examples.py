@@ -2,6 +2,8 @@
 
 import pathlib
 import re
+import sys
+import types
 
 import pytest
 from flax import nnx
@@ -24,3 +26,19 @@ def test_gpt_examples_outside_a_mesh_run_as_written(doc, capsys):
         exec(compile(block, doc, "exec"), {"mm": mm, "nnx": nnx})  # the doc's own imports
     if doc == "docs/training.md":
         assert capsys.readouterr().out == "(1, 8)\n"
+
+
+def test_pretrained_examples_run_as_written(monkeypatch, capsys):
+    # `from bonsai.models.qwen3 import modeling` finds the vendored copy of that very file
+    from tests.outside.vendored import bonsai_qwen3_modeling
+
+    for name in ("bonsai", "bonsai.models", "bonsai.models.qwen3"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["bonsai.models.qwen3"].modeling = bonsai_qwen3_modeling
+    monkeypatch.setitem(sys.modules, "bonsai.models.qwen3.modeling", bonsai_qwen3_modeling)
+    blocks = blocks_with("docs/pretrained.md", "")
+    assert len(blocks) == 2
+    namespace = {}
+    for block in blocks:  # one after the other, as a reader runs them
+        exec(compile(block, "docs/pretrained.md", "exec"), namespace)
+    assert capsys.readouterr().out == "(1, 8, 256)\n(1, 8, 256) True\n"

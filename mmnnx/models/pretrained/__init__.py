@@ -220,9 +220,10 @@ def save_adapter(
         ...     model = GPT(GPTConfig(dim=32, depth=1, vocab_size=64, gated_mlp=True,
         ...                           mlp_bias=False), rngs=nnx.Rngs(0))
         >>> model = add_lora(model, rank=2, targets=("q", "v"))
-        >>> out = save_adapter(model, tempfile.mkdtemp() + "/a", architecture="LlamaForCausalLM")
-        >>> json.loads((out / "adapter_config.json").read_text())["target_modules"]
-        ['q_proj', 'v_proj']
+        >>> target = pathlib.Path(tempfile.mkdtemp()) / "a"
+        >>> out = save_adapter(model, target, architecture="LlamaForCausalLM")
+        >>> out == target, json.loads((out / "adapter_config.json").read_text())["target_modules"]
+        (True, ['q_proj', 'v_proj'])
     """
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     return _save_adapter(
