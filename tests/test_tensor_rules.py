@@ -265,7 +265,7 @@ def test_read_equals_numpy_indexing_and_transposing_in_small_blocks(tmp_path, mo
     write_shards(tmp_path, tensors)
     files = CheckpointFiles(tmp_path)
     monkeypatch.setattr(files_module, "BLOCK_BYTES", 13)  # a block of one or two rows
-    cuts = [slice(None), slice(1, 3), slice(0, None, 2), slice(None, None, -1), slice(5, 1, -2)]
+    cuts = [slice(None), slice(1, 3), slice(2, None), slice(5, 1)]
     for name, tensor in tensors.items():
         for index in [(), *itertools.product(cuts, repeat=tensor.ndim)]:
             for order in itertools.permutations(range(tensor.ndim)):
@@ -278,9 +278,11 @@ def test_read_equals_numpy_indexing_and_transposing_in_small_blocks(tmp_path, mo
         files.read("c", (slice(None), slice(None)))
     with pytest.raises(ValueError, match=r"tensor 'b' \(9, 4\): transpose \(0, 0\) is not"):
         files.read("b", transpose=(0, 0))
+    with pytest.raises(IndexError, match=r"tensor 'a': read takes slices of step 1"):
+        files.read("a", (slice(0, None, 2),))
     file = tmp_path / "model.safetensors"
-    file.write_bytes(file.read_bytes()[: files.tensors["c"].offset + 8])  # cut after opening
-    with pytest.raises(CheckpointError, match=r"safetensors: tensor 'c': the file ends 72 bytes"):
+    file.write_bytes(file.read_bytes()[:-16])  # cut after opening
+    with pytest.raises(CheckpointError, match=r"model.safetensors: .*incomplete metadata"):
         files.read("c")
     with pytest.raises(CheckpointError, match=r"model.safetensors: .*incomplete metadata"):
         CheckpointFiles(tmp_path)

@@ -48,13 +48,11 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-    """One tensor's file (relative to the directory), shape, safetensors dtype code and where
-    its bytes start in the file."""
+    """One tensor's file (relative to the directory), shape and safetensors dtype code."""
 
     file: str
     shape: tuple[int, ...]
     dtype: str
-    offset: int
 
 
 class CheckpointFiles:
@@ -62,10 +60,7 @@ class CheckpointFiles:
 
     Opening reads ``config.json`` (when present) and every shard's header, nothing else:
     ``tensors`` maps each name to its :class:`TensorInfo`. ``read(name, index)`` reads only
-    ``index`` (a tuple of slices) of one tensor from disk, by positioned reads into the array it
-    returns (transposed as it is read, if asked): no file is memory-mapped, so the pages read
-    never count in the process's resident memory (a slice along inner axes, or a transposed
-    one, is read in blocks of rows of at most :data:`BLOCK_BYTES`).
+    ``index`` (a tuple of slices) of one tensor, through ``safetensors``' slices, in blocks.
 
     Raises:
         CheckpointError: a missing directory, no ``*.safetensors``, an index naming a file or
@@ -90,12 +85,7 @@ class CheckpointFiles:
         )
         self.tensors: dict[str, TensorInfo] = {}
         for file, names in self._files().items():
-            try:
-                opened = safe_open(self.directory / file, framework="numpy")
-            except Exception as e:  # safetensors' own error: a damaged or truncated file
-                raise CheckpointError(f"{self.directory / file}: {e}") from None
-            offsets = _data_offsets(self.directory / file)
-            with opened as f:
+            with self._opened(file) as f:
                 stored = set(f.keys())
                 for name in names if names is not None else sorted(stored):
                     if name not in stored:
@@ -113,9 +103,7 @@ class CheckpointFiles:
                         file=file,
                         shape=tuple(part.get_shape()),
                         dtype=part.get_dtype(),
-                        offset=offsets[name],
                     )
-        self._open: dict[str, int] = {}  # file -> descriptor
 
     def _files(self) -> dict[str, list[str] | None]:
         """Each shard file and the tensor names the index puts in it (``None``: all of them)."""
@@ -154,9 +142,13 @@ class CheckpointFiles:
     def read(
         self, name: str, index: tuple[slice, ...] = (), transpose: Sequence[int] | None = None
     ) -> np.ndarray:
-        """The part ``index`` of tensor ``name``, read from disk (only that part), its axes
-        permuted by ``transpose`` (as ``np.transpose``), C-contiguous either way: a part read
-        in blocks is transposed block by block, never held twice."""
+        """The part ``index`` (slices of step 1) of tensor ``name``, its axes permuted by
+        ``transpose`` (as ``np.transpose``), C-contiguous either way.
+
+        Read through ``safetensors``' slices in blocks of rows of at most
+        :data:`BLOCK_BYTES`, each block's file mapped only while it is read, and written
+        straight into the array returned (transposed on the way): besides that array, a read
+        holds at most one block."""
         info = self.tensors[name]
         dtype = self.dtype(name)
         shape = info.shape
@@ -167,46 +159,31 @@ class CheckpointFiles:
             raise ValueError(f"tensor {name!r} {shape}: transpose {order} is not a permutation")
         slices = tuple(index) + (slice(None),) * (len(shape) - len(index))
         ranges = [range(*s.indices(n)) for s, n in zip(slices, shape, strict=True)]
+        if any(r.step != 1 for r in ranges):
+            raise IndexError(f"tensor {name!r}: read takes slices of step 1, got {index}")
         out = _empty([len(ranges[i]) for i in order], dtype)
         if out.size == 0:
             return out
-        fd = self._open.get(info.file)
-        if fd is None:
-            fd = self._open[info.file] = os.open(self.directory / info.file, os.O_RDONLY)
-        where = f"{self.directory / info.file}: tensor {name!r}"
-        if not shape:
-            _read_into(fd, info.offset, out, where)
-            return out
-        row = int(np.prod(shape[1:])) * dtype.itemsize
-        rows, inner = ranges[0], ranges[1:]
-        whole = all(r == range(n) for r, n in zip(inner, shape[1:], strict=True))
-        if rows.step == 1 and whole and order == tuple(range(len(shape))):
-            _read_into(fd, info.offset + rows.start * row, out, where)  # one run of bytes
-            return out
         part = out.transpose(np.argsort(order))  # out, its axes in the file's order
-        per_block = max(1, BLOCK_BYTES // row)
-        low, high = min(rows[0], rows[-1]), max(rows[0], rows[-1]) + 1
-        for begin in range(low, high, per_block):
-            block = _empty((min(per_block, high - begin), *shape[1:]), dtype)
-            _read_into(fd, info.offset + begin * row, block, where)
-            if rows.step == 1:
-                at = begin - rows.start
-                part[at : at + len(block)] = block[(slice(None), *slices[1:])]
-            else:  # every step-th row of the block, in the slice's order
-                taken = [r for r in rows if begin <= r < begin + len(block)]
-                picked = block[[r - begin for r in taken]][(slice(None), *slices[1:])]
-                part[[(r - rows.start) // rows.step for r in taken]] = picked
+        inner = tuple(slice(r.start, r.stop) for r in ranges[1:])
+        row = int(np.prod([len(r) for r in ranges[1:]])) * dtype.itemsize
+        rows = ranges[0] if shape else range(1)
+        per_block = max(1, BLOCK_BYTES // max(row, 1))
+        for at in range(0, len(rows), per_block):
+            block = rows[at : at + per_block]
+            with self._opened(info.file) as f:
+                tensor = f.get_slice(name)
+                if not shape:
+                    part[...] = tensor[...]
+                else:
+                    part[at : at + len(block)] = tensor[(slice(block.start, block.stop), *inner)]
         return out
 
-    def close(self) -> None:
-        """Closes the open files (they are reopened by the next ``read``)."""
-        for fd in self._open.values():
-            os.close(fd)
-        self._open.clear()
-
-    def __del__(self, _close=os.close) -> None:  # os may be gone at interpreter exit
-        for fd in getattr(self, "_open", {}).values():
-            _close(fd)
+    def _opened(self, file: str) -> Any:
+        try:
+            return safe_open(self.directory / file, framework="numpy")
+        except Exception as e:  # safetensors' own error: a damaged or truncated file
+            raise CheckpointError(f"{self.directory / file}: {e}") from None
 
 
 BLOCK_BYTES = 16 * 2**20
@@ -227,27 +204,6 @@ def _empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
         return np.empty(shape, dtype)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return np.frombuffer(pages, dtype).reshape(shape)
-
-
-def _data_offsets(path: pathlib.Path) -> dict[str, int]:
-    """Where each tensor's bytes start in the safetensors file at ``path``: after the 8-byte
-    header length and the JSON header, at the tensor's ``data_offsets[0]``."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    return {k: 8 + size + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
-
-
-def _read_into(fd: int, offset: int, out: np.ndarray, where: str) -> None:
-    """Fills ``out`` (C-contiguous) with the bytes of file ``fd`` from ``offset`` on (``where``
-    names the file and tensor in an error)."""
-    view = memoryview(out.reshape(-1).view(np.uint8))
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise CheckpointError(f"{where}: the file ends {len(view) - done} bytes early")
-        done += got
 
 
 def write_shards(

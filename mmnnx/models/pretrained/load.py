@@ -140,12 +140,9 @@ def load_into(
 
         return jax.make_array_from_callback(abstract.shape, sharding, shard, dtype=abstract.dtype)
 
-    try:
-        if placement is not None:
-            return place_made(model, placement, make)
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        for path, variable in variables_of(model):
-            variable.set_value(make(path_str(path), variable, device))
-        return model
-    finally:
-        files.close()
+    if placement is not None:
+        return place_made(model, placement, make)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    for path, variable in variables_of(model):
+        variable.set_value(make(path_str(path), variable, device))
+    return model
