@@ -190,6 +190,7 @@ def continue_text(
     (``GPT.generate``), decoded with ``tokenizer``.
 
     Example:
+        >>> from flax import nnx
         >>> from mmnnx.models import GPTConfig
         >>> from mmnnx.train.tokenizers import ByteTokenizer
         >>> with nnx.use_eager_sharding(False):

@@ -59,7 +59,7 @@ def run_placement(
         >>> from mmnnx.sharding import TaskMesh
         >>> tasks = [Task(f"s{i}", mesh=TaskMesh(devices=[i])) for i in range(2)]
         >>> [r for r, _ in run_placement(GPTConfig(depth=2), tasks)]
-        ['^embed/|^blocks/(0)/', '^blocks/(1)/|^norm/|^head/']
+        ['^embed/|^blocks/0/', '^blocks/1/|^head/|^norm/']
     """
     v_shaped = (
         isinstance(schedule, str)
