@@ -104,14 +104,15 @@ def main():
     base = runs["full fine-tuning"]
     for row in runs.values():
         row["total / full fine-tuning"] = round(row["total"] / base["total"], 4)
-    results = {"config": {k: str(v) for k, v in CONFIG.__dict__.items()}, "runs": runs}
+    results = {"config": CONFIG.__dict__, "runs": runs}
     record_run(results, ("runs",), "one run: byte counts, the same in every run")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     table = Table(
         title="bytes per device, largest device (2 stages, Llama-shaped GPT: 8 blocks, dim 512)"
     )
-    columns = ("mode", "trained", "parameters", "optimizer state", "gradients", "total", "/ full")
+    columns = ("mode", "trained (all devices)", "parameters", "optimizer state", "gradients")
+    columns += ("total", "/ full")
     for column in columns:
         table.add_column(column, justify="right")
     for mode, row in runs.items():
@@ -121,7 +122,7 @@ def main():
             *(f"{row[k]:,} B" for k in ("parameters", "optimizer state", "gradients", "total")),
             f"{row['total / full fine-tuning']:.3f}",
         )
-    Console().print(table)
+    Console(width=140).print(table)
     print(f"written to {RESULTS}")
 
 
