@@ -281,6 +281,23 @@ def test_generate_reads_and_writes_with_the_checkpoints_tokenizer(root, full_run
     assert len(prompt) < len("The quick")  # merged tokens: not bytes
 
 
+def test_the_checkpoints_tokenizer_reads_plain_text_and_is_saved_with_a_run(root, tmp_path):
+    tokenizer = HFTokenizer.from_file(root / "llama" / "tokenizer.json")
+    hf = Tokenizer.from_file(str(root / "llama" / "tokenizer.json"))
+    text = "Hello, world! The quick brown fox."
+    ids = tokenizer.encode(text)
+    assert ids.dtype == np.int32 and ids.tolist() == hf.encode(text, add_special_tokens=False).ids
+    bos = hf.token_to_id("<|begin_of_text|>")
+    assert hf.encode(text).ids == [bos, *ids.tolist()]  # the post-processor's BOS: left out
+    assert tokenizer.decode(ids) == text and tokenizer.decode([bos]) == "<|begin_of_text|>"
+    assert tokenizer.vocab_size == hf.get_vocab_size(with_added_tokens=True) == 376
+    tokenizer.save(tmp_path / "saved")
+    again = load_tokenizer(tmp_path / "saved")
+    assert isinstance(again, HFTokenizer) and again.to_str() == tokenizer.to_str()
+    with pytest.raises(FileNotFoundError, match="no such tokenizer file"):
+        HFTokenizer.from_file(tmp_path / "none.json")
+
+
 def _edit_config(root, name, **changes):
     target = root / name
     if not target.exists():
@@ -319,12 +336,14 @@ def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
     mistral = _edit_config(root, "mistral", architectures=["MistralForCausalLM"])
     no_tokenizer = _edit_config(root, "no-tokenizer")
     (no_tokenizer / "tokenizer.json").unlink(missing_ok=True)
+    small = _edit_config(root, "small-vocabulary", vocab_size=300)
     config = tmp_path / "sizes.toml"
     config.write_text("[model]\ndepth = 2\n")
     for argv, reason in [
         (["--init-from", str(mistral)], "MistralForCausalLM is not supported; mmnnx builds"),
         (["--init-from", str(root / "none")], "no such checkpoint directory"),
         (["--init-from", str(no_tokenizer)], "tokenizer.json does not exist"),
+        (["--init-from", str(small)], "has 376 tokens, more than the model's vocab_size 300"),
         (["--init-from", str(root / "llama"), "--config", str(config)], "--depth conflicts"),
         (
             ["--init-from", str(root / "llama"), "--model-axis", "4", "--data-axis", "1"],

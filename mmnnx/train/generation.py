@@ -159,14 +159,14 @@ def load_run(
                 f"{stages * data * model_axis} devices; {len(jax.devices())} are available"
             )
         placement = run_placement(spec.config, run_tasks(stages, data, model_axis))
-    model = build_model(flags, spec.config, placement, weights=False)
     with Checkpointer(spec.checkpoints) as ckpt:
+        if step is not None and step not in ckpt.all_steps():
+            raise RunError(
+                f"no checkpoint of step {step} in {spec.checkpoints} (steps saved: "
+                f"{', '.join(map(str, ckpt.all_steps())) or 'none'})"
+            )
+        model = build_model(flags, spec.config, placement, weights=False)
         if step is not None:
-            if step not in ckpt.all_steps():
-                raise RunError(
-                    f"no checkpoint of step {step} in {spec.checkpoints} (steps saved: "
-                    f"{', '.join(map(str, ckpt.all_steps())) or 'none'})"
-                )
             ckpt.restore(step, model=model)
         else:
             try:
