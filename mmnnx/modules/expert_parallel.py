@@ -108,10 +108,10 @@ def apply_expert_parallel(
     many assignments per expert (a capacity), which bounds the exchange buffers."""
     n, k = indices.shape
     pad = -n % layout.token_shards
-    if pad:
-        x = jnp.pad(x, ((0, pad), (0, 0)))
-        indices, weights = jnp.pad(indices, ((0, pad), (0, 0))), jnp.pad(weights, ((0, pad), (0, 0)))
-        keep = jnp.pad(keep, ((0, pad), (0, 0)))  # padding tokens reach no expert
+    if pad:  # padding tokens: kept by no expert, so sent nowhere
+        x, indices, weights, keep = (
+            jnp.pad(a, ((0, pad), (0, 0))) for a in (x, indices, weights, keep)
+        )
     local_tokens = (n + pad) // layout.token_shards
     local_experts = experts[0].shape[0] // layout.size
     rows = local_tokens * k  # a destination's worst case: every assignment of this device
@@ -125,9 +125,9 @@ def apply_expert_parallel(
     def body(x, indices, weights, keep, gate, up, down):
         return _exchange(layout, rows, x, indices, weights, keep, (gate, up, down))
 
-    y = jax.shard_map(
-        body, mesh=layout.mesh, in_specs=in_specs, out_specs=tokens, check_vma=False
-    )(x, indices, weights, keep, *experts)
+    y = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=tokens, check_vma=False)(
+        x, indices, weights, keep, *experts
+    )
     return y[:n]
 
 

@@ -119,9 +119,7 @@ def _metrics(stats: RouterStats) -> tuple[jax.Array, ...]:
     return stats.aux_loss, stats.z_loss, stats.tokens_per_expert, stats.dropped.sum()
 
 
-def check_moe_args(
-    num_experts: object, top_k: object, capacity_factor: object, where: str
-) -> None:
+def check_moe_args(num_experts: object, top_k: object, capacity_factor: object, where: str) -> None:
     """Raises ``ValueError`` naming ``where`` for an expert count below 1, a ``top_k`` outside
     ``1 .. num_experts``, or a capacity factor that is not a finite number > 0.
 

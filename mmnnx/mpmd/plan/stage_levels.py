@@ -49,16 +49,24 @@ def settle_on_visits(
     consumers = graph.consumers()
     for _ in range(len(forward)):
         visits: dict[Task, set[int]] = {}
+        runs: dict[int, set[Task]] = {}
         for op in forward:
             visits.setdefault(op_tasks[op.index], set()).add(level[op.index])
+            runs.setdefault(level[op.index], set()).add(op_tasks[op.index])
         moved = False
         for op in reversed(forward):
             bounds = reader_bounds(op, level, op_tasks, consumers, inside)
-            if not bounds:
+            depth, task = level[op.index], op_tasks[op.index]
+            if bounds:
+                later = [d for d in visits[task] if depth < d <= min(bounds)]
+                pick = max
+            elif len(runs[depth]) > 1:  # an end of the pass (a microbatch's output, a sown
+                # value) at a depth another task's stage runs: its own task's next visit
+                later, pick = [d for d in visits[task] if d > depth], min
+            else:
                 continue
-            later = [d for d in visits[op_tasks[op.index]] if level[op.index] < d <= min(bounds)]
             if later:
-                level[op.index] = max(later)
+                level[op.index] = pick(later)
                 moved = True
         if not moved:
             break
