@@ -65,8 +65,8 @@ def grouped_swiglu(
     Example:
         >>> w = jnp.ones((2, 3, 4))
         >>> out = grouped_swiglu(jnp.ones((3, 3)), w, w, jnp.ones((2, 4, 3)), jnp.array([1, 1]))
-        >>> out[:, 0].round(2).tolist()
-        [35.93, 35.93, 0.0]
+        >>> [round(v, 2) for v in out[:, 0].tolist()]  # 4 * silu(3) * 3, twice, then nothing
+        [34.29, 34.29, 0.0]
     """
     dtype = rows.dtype
     h = jax.nn.silu(jax.lax.ragged_dot(rows, gate.astype(dtype), group_sizes))
@@ -109,8 +109,9 @@ def apply_local(
     Example:
         >>> w = jnp.ones((2, 3, 4)), jnp.ones((2, 3, 4)), jnp.ones((2, 4, 3))
         >>> idx, keep = jnp.array([[1], [0]]), jnp.array([[True], [False]])
-        >>> apply_local(jnp.ones((2, 3)), idx, jnp.ones((2, 1)), keep, w)[:, 0].round(2).tolist()
-        [35.93, 0.0]
+        >>> y = apply_local(jnp.ones((2, 3)), idx, jnp.ones((2, 1)), keep, w)
+        >>> [round(v, 2) for v in y[:, 0].tolist()]  # the second token's assignment dropped
+        [34.29, 0.0]
     """
     n, k = indices.shape
     num_experts = experts[0].shape[0]

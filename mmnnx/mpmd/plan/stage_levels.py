@@ -43,6 +43,15 @@ def settle_on_visits(
         >>> graph = Graph(ops=ops, inputs=[9], outputs=[13])
         >>> settle_on_visits(graph, ops, ["t0", "t1", "t2", "t2"], {0: 0, 1: 1, 2: 1, 3: 2})
         {0: 0, 1: 1, 2: 2, 3: 2}
+
+    An op no forward op reads (a microbatch's output: a value the encoder sows, computed on
+    ``t2``) at a depth another task's stage runs goes to its own task's next visit::
+
+        >>> metric = Op(4, None, {}, [10], [14], False, "", "mul")
+        >>> graph = Graph(ops=[*ops, metric], inputs=[9], outputs=[13, 14])
+        >>> settle_on_visits(graph, graph.ops, ["t0", "t1", "t2", "t2", "t2"],
+        ...                  {0: 0, 1: 1, 2: 1, 3: 2, 4: 1})[4]
+        2
     """
     level = dict(level)
     inside = {op.index for op in forward}
