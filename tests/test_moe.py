@@ -117,16 +117,24 @@ def test_capacity_drops_late_assignments_and_reports_them():
     )
 
 
-def ep_task(devices=range(4)):
-    mesh = mm.TaskMesh(devices=devices, axis_sizes=(2, 2), axis_names=("expert", "data"))
-    return mm.Task("ep", mesh=mesh, logical_axes=RULES)
+def ep_task(second_axis="data", **rules):
+    mesh = mm.TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("expert", second_axis))
+    return mm.Task("ep", mesh=mesh, logical_axes=rules or RULES)
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
-def test_expert_parallel_layer_equals_one_device_and_exchanges_by_all_to_all(capacity_factor):
+@pytest.mark.parametrize(
+    "capacity_factor, task",
+    [
+        (None, ep_task()),
+        (0.5, ep_task()),
+        (None, ep_task("model", expert="expert", mlp="model")),  # hidden split: a psum
+    ],
+    ids=["dropless", "capacity", "hidden-split"],
+)
+def test_expert_parallel_layer_equals_one_device_and_exchanges_by_all_to_all(capacity_factor, task):
     moe = make_moe(capacity_factor=capacity_factor)
-    placed = mm.place(make_moe(capacity_factor=capacity_factor), [(".*", ep_task())])
-    x = tokens((3, 5))  # 15 tokens: padded to 16 for the 4 token shards
+    placed = mm.place(make_moe(capacity_factor=capacity_factor), [(".*", task)])
+    x = tokens((3, 5))  # 15 tokens: padded to a multiple of the token shards
 
     def loss(m, x):
         y, stats = m.forward(x)
@@ -140,15 +148,15 @@ def test_expert_parallel_layer_equals_one_device_and_exchanges_by_all_to_all(cap
     for a, b in zip(jax.tree.leaves(ep_grads), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
 
-    hlo = jax.jit(lambda m, x: m(x)).lower(placed, x).compile().as_text()
-    assert (
-        "all-to-all" in hlo
-        and "all-to-all" not in jax.jit(lambda m, x: m(x)).lower(moe, x).compile().as_text()
-    )
+    def hlo(m):
+        return jax.jit(lambda m, x: m(x)).lower(m, x).compile().as_text()
+
+    assert "all-to-all" in hlo(placed) and "all-to-all" not in hlo(moe)
+    split = 4 if "model" in task.axis_names else 2  # experts, and hidden over "model"
     for weight in _experts(placed):
         shards = weight[...].addressable_shards
         assert {s.data.shape[0] for s in shards} == {EXPERTS // 2}
-        assert {s.data.nbytes for s in shards} == {weight[...].nbytes // 2}
+        assert {s.data.nbytes for s in shards} == {weight[...].nbytes // split}
 
 
 # --------------------------------------------------------------------- a MoE GPT, pipelined

@@ -102,17 +102,18 @@ def apply_expert_parallel(
 ) -> jax.Array:
     """``experts.apply_local``'s result, computed with the experts split over
     ``layout.expert_axes``: tokens ``x`` ``(N, D)`` and their assignments (``indices``,
-    ``weights``, ``keep``, ``(N, k)``) split over ``layout.token_axes`` (padded to a multiple
-    of its size), each device sends each assignment's row to the device holding its expert,
-    which runs its experts as grouped matmuls, and sends the rows back. ``limit``: at most that
-    many assignments per expert (a capacity), which bounds the exchange buffers."""
+    ``weights``, ``keep``, ``(N, k)``) split over ``layout.token_axes`` (``N`` a multiple of
+    ``layout.token_shards``), each device sends each assignment's row to the device holding
+    its expert, which runs its experts as grouped matmuls, and sends the rows back. ``limit``:
+    at most that many assignments per expert (a capacity), which bounds the exchange
+    buffers."""
     n, k = indices.shape
-    pad = -n % layout.token_shards
-    if pad:  # padding tokens: kept by no expert, so sent nowhere
-        x, indices, weights, keep = (
-            jnp.pad(a, ((0, pad), (0, 0))) for a in (x, indices, weights, keep)
+    if n % layout.token_shards:
+        raise ValueError(
+            f"apply_expert_parallel: {n} tokens do not split evenly over the mesh axes "
+            f"{layout.token_axes} ({layout.token_shards} shards); pad them"
         )
-    local_tokens = (n + pad) // layout.token_shards
+    local_tokens = n // layout.token_shards
     local_experts = experts[0].shape[0] // layout.size
     rows = local_tokens * k  # a destination's worst case: every assignment of this device
     if limit is not None:
@@ -125,10 +126,9 @@ def apply_expert_parallel(
     def body(x, indices, weights, keep, gate, up, down):
         return _exchange(layout, rows, x, indices, weights, keep, (gate, up, down))
 
-    y = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=tokens, check_vma=False)(
-        x, indices, weights, keep, *experts
-    )
-    return y[:n]
+    return jax.shard_map(
+        body, mesh=layout.mesh, in_specs=in_specs, out_specs=tokens, check_vma=True
+    )(x, indices, weights, keep, *experts)
 
 
 def _exchange(

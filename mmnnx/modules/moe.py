@@ -94,17 +94,22 @@ class MoE(nnx.Module):
         if x.shape[-1] != self.dim:
             raise ValueError(f"MoE: input of shape {x.shape} does not end in dim {self.dim}")
         tokens = x.reshape(-1, self.dim)
+        n = tokens.shape[0]
+        layout = expert_layout(self.experts.gate)
+        # split evenly over the mesh axes (XLA:CPU's partitioner miscounts a scatter over
+        # unevenly split tokens): padding rows at the end, routed but kept by no expert
+        pad = 0 if layout is None else -n % layout.token_shards
+        tokens = jnp.pad(tokens, ((0, pad), (0, 0)))
         logits = self.router(tokens)
         weights, indices, probs = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
         weights = weights.astype(x.dtype)
         limit = None
-        keep = jnp.ones(indices.shape, bool)
+        keep = jnp.broadcast_to((jnp.arange(n + pad) < n)[:, None], indices.shape)
         if self.capacity_factor is not None:
-            limit = capacity(self.capacity_factor, tokens.shape[0], self.top_k, self.num_experts)
-            keep = capacity_keep(indices, self.num_experts, limit)
-        stats = router_stats(logits, probs, indices, keep)
+            limit = capacity(self.capacity_factor, n, self.top_k, self.num_experts)
+            keep = keep & capacity_keep(indices, self.num_experts, limit)
+        stats = router_stats(logits, probs, indices, keep, tokens=n)
         experts = (self.experts.gate[...], self.experts.up[...], self.experts.down[...])
-        layout = expert_layout(self.experts.gate)
         if layout is None:
             y = apply_local(tokens, indices, weights, keep, experts)
         else:
@@ -112,7 +117,7 @@ class MoE(nnx.Module):
         if _nnx.capturing(self):
             for name, value in zip(METRICS, _metrics(stats), strict=True):
                 self.sow(nnx.Intermediate, name, value)
-        return y.reshape(x.shape), stats
+        return y[:n].reshape(x.shape), stats
 
 
 def _metrics(stats: RouterStats) -> tuple[jax.Array, ...]:

@@ -126,16 +126,24 @@ def capacity_keep(indices: jax.Array, num_experts: int, limit: int) -> jax.Array
 
 
 def router_stats(
-    logits: jax.Array, probs: jax.Array, indices: jax.Array, keep: jax.Array
+    logits: jax.Array,
+    probs: jax.Array,
+    indices: jax.Array,
+    keep: jax.Array,
+    tokens: int | None = None,
 ) -> RouterStats:
     """The ``RouterStats`` of one call: router ``logits`` and ``probs`` ``(N, E)``, the chosen
-    ``indices`` ``(N, k)`` and which of them the capacity ``keep``."""
+    ``indices`` ``(N, k)`` and which of them the capacity ``keep``; with ``tokens``, only the
+    first ``tokens`` rows count (the rest pad the tokens to a multiple of a mesh axis)."""
     counts = jnp.zeros(probs.shape[-1], jnp.int32)
     lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    n = probs.shape[0] if tokens is None else tokens
+    real = jnp.arange(probs.shape[0]) < n
+    chosen = jnp.broadcast_to(real[:, None], indices.shape).astype(jnp.int32)
     return RouterStats(
-        tokens=jnp.asarray(probs.shape[0], jnp.float32),
-        selected=counts.at[indices].add(1),
-        probs=probs.sum(0),
-        logsumexp_sq=jnp.sum(lse * lse),
-        dropped=counts.at[indices].add((~keep).astype(jnp.int32)),
+        tokens=jnp.asarray(n, jnp.float32),
+        selected=counts.at[indices].add(chosen),
+        probs=jnp.where(real[:, None], probs, 0).sum(0),
+        logsumexp_sq=jnp.sum(jnp.where(real, lse * lse, 0)),
+        dropped=counts.at[indices].add(chosen * ~keep),
     )
