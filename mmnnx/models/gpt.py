@@ -182,7 +182,9 @@ class GPT(nnx.Module):
     ``config.scan_layers``, one ``TransformerBlock`` whose Variables have a leading ``depth``
     axis), ``norm``, and ``head`` (a ``Linear`` named ``("embed", "vocab")``; absent with
     ``tie_embeddings``, where ``embed.attend`` makes the logits). ``model(tokens)`` returns
-    logits; ``model.loss(batch)`` is the next-token cross-entropy of a ``(B, T + 1)`` batch.
+    logits; ``model.loss(batch)`` is the next-token cross-entropy of a ``(B, T + 1)`` batch,
+    plus the routers' losses with experts (``model.forward(tokens)`` returns the logits and
+    every MoE layer's ``RouterStats`` merged).
     ``mmnnx.models.stage_rules(model, tasks)`` cuts it into pipeline stages (stacked blocks
     are split over the tasks).
 

@@ -170,4 +170,4 @@ def _exchange(
     kept = sorted_key < num_experts
     at = dest * rows + jnp.arange(order.size) - starts[jnp.minimum(dest, ep - 1)]
     outputs = jnp.where(kept[:, None], returned[jnp.where(kept, at, 0)], 0)
-    return combine(weights * keep, outputs[inverse].reshape(n, k, -1))
+    return combine(weights, outputs[inverse].reshape(n, k, -1))  # dropped ones: zeros

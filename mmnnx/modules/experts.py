@@ -117,5 +117,5 @@ def apply_local(
     num_experts = experts[0].shape[0]
     key = jnp.where(keep, indices, num_experts).reshape(-1)
     order, inverse, sizes = sort_by_expert(key, num_experts)
-    out = grouped_swiglu(x[order // k], *experts, sizes)
-    return combine(weights * keep, out[inverse].reshape(n, k, -1))
+    out = grouped_swiglu(x[order // k], *experts, sizes)[inverse].reshape(n, k, -1)
+    return combine(weights, jnp.where(keep[..., None], out, 0))

@@ -5,6 +5,7 @@ load-balancing and z losses are made of."""
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple
 
 import jax
@@ -52,7 +53,7 @@ class RouterStats(NamedTuple):
 
     def merge(self, other: RouterStats) -> RouterStats:
         """The stats of both calls' tokens together (sums added)."""
-        return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
+        return jax.tree.map(operator.add, self, other)
 
     def loss(self, aux_coef: float, z_coef: float = 0.0) -> jax.Array:
         """``aux_coef * aux_loss + z_coef * z_loss``, a term a model adds to its loss (a zero
