@@ -242,3 +242,16 @@ def state_kind(variable: nnx.Variable) -> str:
     if isinstance(variable, nnx.Param | nnx.RngKey):
         return "fixed"
     return "chained"
+
+
+def capturing(module: nnx.Module) -> bool:
+    """Whether ``module`` runs under ``nnx.capture`` (which keeps what it sows in a capture of
+    its own, and returns it), rather than where ``sow`` writes onto the module itself.
+
+    Example:
+        >>> from flax import nnx
+        >>> layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        >>> capturing(layer), nnx.capture(lambda m: capturing(m), nnx.Intermediate)(layer)[0]
+        (False, True)
+    """
+    return hasattr(module, "__captures__")  # set by nnx.capture on every module it wraps

@@ -18,6 +18,7 @@ from rich.table import Table
 from mmnnx._nnx import Path, variables_of
 from mmnnx.modules.attention import Attention
 from mmnnx.modules.embed import Embed
+from mmnnx.modules.moe import MoE
 from mmnnx.sharding import Task
 
 BY = ("params", "flops")
@@ -33,17 +34,20 @@ def _num_params(node: Any) -> int:
 
 
 def _matmul_params(node: Any) -> int:
-    """Parameters that each cost 2 FLOPs per token: all but embedding tables (lookups)."""
-    tables = {
-        id(v)
-        for _, m in nnx.iter_graph(node)
-        if isinstance(m, Embed | nnx.Embed)
-        for _, v in variables_of(m)
-    }
-    return sum(
-        math.prod(v.shape)
-        for _, v in variables_of(node)
-        if isinstance(v, nnx.Param) and id(v) not in tables
+    """Parameters that each cost 2 FLOPs per token: all but embedding tables (lookups), and of
+    a ``MoE``'s experts the share a token runs (``top_k`` of ``num_experts``)."""
+    share = {}
+    for _, m in nnx.iter_graph(node):
+        if isinstance(m, Embed | nnx.Embed):
+            share.update((id(v), 0.0) for _, v in variables_of(m))
+        elif isinstance(m, MoE):
+            share.update((id(v), m.top_k / m.num_experts) for _, v in variables_of(m.experts))
+    return round(
+        sum(
+            math.prod(v.shape) * share.get(id(v), 1.0)
+            for _, v in variables_of(node)
+            if isinstance(v, nnx.Param)
+        )
     )
 
 
@@ -161,7 +165,8 @@ def stage_rules(
 
     ``by="params"`` balances parameter counts. ``by="flops"`` balances estimated forward FLOPs of
     a step of ``tokens_per_step`` tokens (default: one sequence of ``seq_len``, itself by default
-    ``model.config.max_seq_len``): per block ``2 * params * tokens``, plus ``4 * seq * dim *
+    ``model.config.max_seq_len``): per block ``2 * params * tokens`` (of a ``MoE``'s experts
+    only the ``top_k / num_experts`` share a token runs), plus ``4 * seq * dim *
     tokens`` per attention module in it (``Attention`` or ``nnx.MultiHeadAttention``: scores and
     values); ``2 * params * tokens`` for the head (``2 * dim * vocab * tokens``); nothing for
     embedding lookups. A tied head (``config.tie_embeddings``) runs ``embed.attend`` where the
@@ -283,7 +288,8 @@ def stage_rules(
         per_layer = _num_params(blocks) // n
         whole = flops(blocks)
         attention = 4 * (seq or 0) * _attention_dims(blocks)
-        one = None if whole is None else (2 * per_layer + attention) * tokens
+        matmuls = _matmul_params(blocks) // n
+        one = None if whole is None else (2 * matmuls + attention) * tokens
         block_params, block_flops = [per_layer] * n, [one] * n
     else:
         block_params = [_num_params(b) for b in blocks]

@@ -2,7 +2,9 @@
 
 Plain ``nnx.Module`` classes, small enough to read and subclass: ``Linear``, ``Embed``, ``MLP``,
 ``Attention`` (causal, RoPE with Llama 3's optional ``RopeScaling``, grouped KV heads, optional
-per-head q/k norms), ``RMSNorm``, ``LayerNorm`` and ``TransformerBlock``. ``constrain`` adds a
+per-head q/k norms), ``RMSNorm``, ``LayerNorm``, ``MoE`` (a mixture of SwiGLU ``Experts``, routed
+as Qwen3-MoE routes, expert-parallel where placed so; its ``RouterStats``) and
+``TransformerBlock``. ``constrain`` adds a
 logical sharding constraint inside ``mm.jit`` only.
 
 Example:
@@ -18,22 +20,28 @@ Example:
 from mmnnx.modules.attention import Attention
 from mmnnx.modules.constraints import constrain
 from mmnnx.modules.embed import Embed
+from mmnnx.modules.experts import Experts
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.lora import LoRA, add_lora
 from mmnnx.modules.mlp import MLP
+from mmnnx.modules.moe import MoE
 from mmnnx.modules.norms import LayerNorm, RMSNorm
 from mmnnx.modules.rope import RopeScaling, apply_rope, rope_frequencies
+from mmnnx.modules.routing import RouterStats
 from mmnnx.modules.transformer import TransformerBlock, make_norm
 
 __all__ = [
     "MLP",
     "Attention",
     "Embed",
+    "Experts",
     "LayerNorm",
     "Linear",
     "LoRA",
+    "MoE",
     "RMSNorm",
     "RopeScaling",
+    "RouterStats",
     "TransformerBlock",
     "add_lora",
     "apply_rope",

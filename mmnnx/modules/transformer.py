@@ -9,8 +9,10 @@ from flax import nnx
 from mmnnx.modules.attention import Attention
 from mmnnx.modules.constraints import constrain
 from mmnnx.modules.mlp import MLP
+from mmnnx.modules.moe import MoE
 from mmnnx.modules.norms import LayerNorm, RMSNorm
 from mmnnx.modules.rope import RopeScaling
+from mmnnx.modules.routing import RouterStats
 
 ACTIVATION_NAMES = ("batch", "seq", "embed")
 
@@ -47,7 +49,10 @@ class TransformerBlock(nnx.Module):
     ``int(mlp_ratio * dim)``), with biases unless ``mlp_bias=False``. ``head_dim``, ``qk_norm``,
     ``rope_base`` and ``rope_scaling`` go to ``Attention``; ``norm_eps`` (default: each norm's
     own) to both norms and to the attention's per-head norms; Variables are created in
-    ``param_dtype``.
+    ``param_dtype``. With ``experts > 0`` the feed-forward is a ``MoE`` (still at ``mlp``) of
+    that many SwiGLU experts of hidden size ``expert_hidden`` (default: the MLP's), each token
+    routed to ``experts_per_token`` of them (``norm_topk_prob`` and ``capacity_factor`` as
+    ``MoE`` takes them); ``block.forward(x)`` then returns the router's ``RouterStats`` too.
     With ``dropout > 0``, the attention and MLP outputs go through ``nnx.Dropout`` before each
     residual add (drawing from the block's own RNG stream; ``model.eval()`` turns it off).
 
@@ -77,6 +82,11 @@ class TransformerBlock(nnx.Module):
         rope_scaling: RopeScaling | None = None,
         qk_norm: bool = False,
         dropout: float = 0.0,
+        experts: int = 0,
+        experts_per_token: int = 2,
+        expert_hidden: int | None = None,
+        norm_topk_prob: bool = True,
+        capacity_factor: float | None = None,
         param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -97,16 +107,37 @@ class TransformerBlock(nnx.Module):
         )
         self.norm2 = make_norm(norm, dim, eps=norm_eps, param_dtype=param_dtype)
         hidden = int(mlp_ratio * dim) if mlp_hidden is None else mlp_hidden
-        self.mlp = MLP(
-            dim, hidden, gated=gated_mlp, use_bias=mlp_bias, param_dtype=param_dtype, rngs=rngs
-        )
+        if experts:
+            self.mlp = MoE(
+                dim,
+                hidden if expert_hidden is None else expert_hidden,
+                experts,
+                experts_per_token,
+                norm_topk_prob=norm_topk_prob,
+                capacity_factor=capacity_factor,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
+        else:
+            self.mlp = MLP(
+                dim, hidden, gated=gated_mlp, use_bias=mlp_bias, param_dtype=param_dtype, rngs=rngs
+            )
         self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return self.forward(x)[0]
+
+    def forward(self, x: jax.Array) -> tuple[jax.Array, RouterStats | None]:
+        """The block's output and its ``MoE``'s ``RouterStats`` (``None`` with a dense MLP)."""
         x = constrain(x, ACTIVATION_NAMES)
         x = x + self._drop(self.attn(self.norm1(x)))
-        x = x + self._drop(self.mlp(self.norm2(x)))
-        return constrain(x, ACTIVATION_NAMES)
+        stats = None
+        if isinstance(self.mlp, MoE):
+            h, stats = self.mlp.forward(self.norm2(x))
+        else:
+            h = self.mlp(self.norm2(x))
+        x = x + self._drop(h)
+        return constrain(x, ACTIVATION_NAMES), stats
 
     def _drop(self, x: jax.Array) -> jax.Array:
         return x if self.dropout is None else self.dropout(x)

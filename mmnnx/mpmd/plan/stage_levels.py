@@ -43,22 +43,39 @@ def settle_on_visits(
         >>> graph = Graph(ops=ops, inputs=[9], outputs=[13])
         >>> settle_on_visits(graph, ops, ["t0", "t1", "t2", "t2"], {0: 0, 1: 1, 2: 1, 3: 2})
         {0: 0, 1: 1, 2: 2, 3: 2}
+
+    An op no forward op reads (a microbatch's output: a value the encoder sows, computed on
+    ``t2``) at a depth another task's stage runs goes to its own task's next visit::
+
+        >>> metric = Op(4, None, {}, [10], [14], False, "", "mul")
+        >>> graph = Graph(ops=[*ops, metric], inputs=[9], outputs=[13, 14])
+        >>> settle_on_visits(graph, graph.ops, ["t0", "t1", "t2", "t2", "t2"],
+        ...                  {0: 0, 1: 1, 2: 1, 3: 2, 4: 1})[4]
+        2
     """
     level = dict(level)
     inside = {op.index for op in forward}
     consumers = graph.consumers()
     for _ in range(len(forward)):
         visits: dict[Task, set[int]] = {}
+        runs: dict[int, set[Task]] = {}
         for op in forward:
             visits.setdefault(op_tasks[op.index], set()).add(level[op.index])
+            runs.setdefault(level[op.index], set()).add(op_tasks[op.index])
         moved = False
         for op in reversed(forward):
             bounds = reader_bounds(op, level, op_tasks, consumers, inside)
-            if not bounds:
+            depth, task = level[op.index], op_tasks[op.index]
+            if bounds:
+                later = [d for d in visits[task] if depth < d <= min(bounds)]
+                pick = max
+            elif len(runs[depth]) > 1:  # an end of the pass (a microbatch's output, a sown
+                # value) at a depth another task's stage runs: its own task's next visit
+                later, pick = [d for d in visits[task] if d > depth], min
+            else:
                 continue
-            later = [d for d in visits[op_tasks[op.index]] if level[op.index] < d <= min(bounds)]
             if later:
-                level[op.index] = max(later)
+                level[op.index] = pick(later)
                 moved = True
         if not moved:
             break

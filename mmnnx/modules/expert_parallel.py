@@ -1,0 +1,173 @@
+"""Expert parallelism inside a task: each device holds ``E / EP`` experts, and tokens travel to
+the devices holding their experts and back by ``jax.lax.all_to_all`` under ``jax.shard_map``.
+
+The layout comes from where the experts' weights were placed (``mm.place`` / ``mm.init`` keep a
+Variable's task and spec in its metadata, also while a step is traced): the mesh axes its expert
+dimension is split over are the expert-parallel group. XLA:CPU has no ``ragged_all_to_all``, so
+the exchange is a padded ``all_to_all``: each device sends every other one a buffer of the most
+rows it could send it (all its assignments when dropless; with a capacity, at most that many
+per expert).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AbstractMesh, PartitionSpec
+
+from mmnnx.modules.experts import combine, grouped_swiglu, sort_by_expert
+from mmnnx.sharding import Task, TaskStack, home_of
+from mmnnx.sharding.place import SPEC_KEY
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """How a task's devices share a mixture of experts: the (abstract) mesh the exchange runs
+    on, and its axes that split the experts, the tokens and the experts' hidden dimension.
+
+    Example:
+        >>> from mmnnx.sharding import TaskMesh, logical_rules, place
+        >>> from mmnnx.modules.experts import Experts
+        >>> rules = logical_rules(batch="data", expert="expert")
+        >>> mesh = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("expert", "data"))
+        >>> with nnx.use_eager_sharding(False):
+        ...     experts = place(Experts(4, 8, 16, rngs=nnx.Rngs(0)), [(".*", Task("t", mesh=mesh,
+        ...                     logical_axes=rules))])
+        >>> layout = expert_layout(experts.gate)
+        >>> layout.expert_axes, layout.token_axes, layout.size
+        (('expert',), ('data', 'expert'), 2)
+    """
+
+    mesh: AbstractMesh  # the task's mesh, abstract: one program serves every task of a stack
+    expert_axes: tuple[str, ...]  # split the experts: the all_to_all's group
+    token_axes: tuple[str, ...]  # split the tokens: the task's batch axes, then the expert axes
+    hidden_axes: tuple[str, ...]  # split each expert's hidden dimension (a psum after down)
+
+    @property
+    def size(self) -> int:
+        """Devices in an expert-parallel group (EP)."""
+        return math.prod(self.mesh.shape[a] for a in self.expert_axes)
+
+    @property
+    def token_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.token_axes)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
+    """The expert-parallel layout of experts whose ``gate`` weight ``(E, D, H)`` (or a stack of
+    them, ``(L, E, D, H)``) was placed with its expert dimension split over mesh axes; ``None``
+    when it was not placed, or not split (the experts then run where GSPMD puts them)."""
+    home = home_of(gate)
+    if home is None:
+        return None
+    task = home.tasks[0] if isinstance(home, TaskStack) else home
+    spec = tuple(gate.get_metadata(SPEC_KEY, PartitionSpec()))
+    ndim = len(gate.shape)
+    if len(spec) > ndim:  # a stacked Variable's spec, seen inside the scan over its layers
+        spec = spec[len(spec) - ndim :]
+    spec = (*spec, None, None, None)[:3]
+    expert_axes = _axes(spec[0])
+    if not expert_axes:
+        return None
+    batch_axes = _axes(task.spec(("batch",))[0]) if isinstance(task, Task) else ()
+    token_axes = batch_axes + tuple(a for a in expert_axes if a not in batch_axes)
+    hidden_axes = tuple(a for a in _axes(spec[2]) if a not in token_axes)
+    return ExpertLayout(
+        mesh=task.jax_mesh.abstract_mesh,
+        expert_axes=expert_axes,
+        token_axes=token_axes,
+        hidden_axes=hidden_axes,
+    )
+
+
+def apply_expert_parallel(
+    layout: ExpertLayout,
+    x: jax.Array,
+    indices: jax.Array,
+    weights: jax.Array,
+    keep: jax.Array,
+    experts: tuple[jax.Array, jax.Array, jax.Array],
+    *,
+    limit: int | None = None,
+) -> jax.Array:
+    """``experts.apply_local``'s result, computed with the experts split over
+    ``layout.expert_axes``: tokens ``x`` ``(N, D)`` and their assignments (``indices``,
+    ``weights``, ``keep``, ``(N, k)``) split over ``layout.token_axes`` (``N`` a multiple of
+    ``layout.token_shards``), each device sends each assignment's row to the device holding
+    its expert, which runs its experts as grouped matmuls, and sends the rows back. ``limit``:
+    at most that many assignments per expert (a capacity), which bounds the exchange
+    buffers."""
+    n, k = indices.shape
+    if n % layout.token_shards:
+        raise ValueError(
+            f"apply_expert_parallel: {n} tokens do not split evenly over the mesh axes "
+            f"{layout.token_axes} ({layout.token_shards} shards); pad them"
+        )
+    local_tokens = n // layout.token_shards
+    local_experts = experts[0].shape[0] // layout.size
+    rows = local_tokens * k  # a destination's worst case: every assignment of this device
+    if limit is not None:
+        rows = min(rows, limit * local_experts)
+    tokens = PartitionSpec(layout.token_axes)
+    e, h = layout.expert_axes, layout.hidden_axes or None
+    in_specs = (tokens, tokens, tokens, tokens, PartitionSpec(e, None, h),
+                PartitionSpec(e, None, h), PartitionSpec(e, h, None))  # fmt: skip
+
+    def body(x, indices, weights, keep, gate, up, down):
+        return _exchange(layout, rows, x, indices, weights, keep, (gate, up, down))
+
+    return jax.shard_map(
+        body, mesh=layout.mesh, in_specs=in_specs, out_specs=tokens, check_vma=True
+    )(x, indices, weights, keep, *experts)
+
+
+def _exchange(
+    layout: ExpertLayout,
+    rows: int,
+    x: jax.Array,
+    indices: jax.Array,
+    weights: jax.Array,
+    keep: jax.Array,
+    experts: tuple[jax.Array, jax.Array, jax.Array],
+) -> jax.Array:
+    """One device's share (inside ``shard_map``): its tokens' assignments sorted by expert (so
+    by destination), ``rows`` slots per destination, exchanged, run, and exchanged back."""
+    n, k = indices.shape
+    ep, local_experts = layout.size, experts[0].shape[0]
+    num_experts = ep * local_experts
+    key = jnp.where(keep, indices, num_experts).reshape(-1)  # dropped ones last
+    order, inverse, _ = sort_by_expert(key, num_experts)
+    sorted_key = key[order]
+    dest = sorted_key // local_experts  # ep for a dropped assignment
+    per_dest = jnp.zeros(ep, jnp.int32).at[dest].add(1, mode="drop")
+    starts = jnp.cumsum(per_dest) - per_dest
+    # slot (d, c) of the send buffer holds the sorted assignment starts[d] + c
+    slot = jnp.arange(rows)
+    filled = slot[None, :] < per_dest[:, None]
+    source = jnp.minimum(starts[:, None] + slot[None, :], order.size - 1)
+    send = jnp.where(filled[..., None], x[order[source] // k], 0)  # (ep, rows, D)
+    send_expert = jnp.where(filled, sorted_key[source] % local_experts, local_experts)
+
+    def swap(a):
+        return jax.lax.all_to_all(a, layout.expert_axes, 0, 0, tiled=True)
+
+    received, received_expert = swap(send), swap(send_expert)
+    by_expert, back_order, sizes = sort_by_expert(received_expert.reshape(-1), local_experts)
+    out = grouped_swiglu(received.reshape(ep * rows, -1)[by_expert], *experts, sizes)
+    if layout.hidden_axes:
+        out = jax.lax.psum(out, layout.hidden_axes)
+    returned = swap(out[back_order].reshape(ep, rows, -1)).reshape(ep * rows, -1)
+    kept = sorted_key < num_experts
+    at = dest * rows + jnp.arange(order.size) - starts[jnp.minimum(dest, ep - 1)]
+    outputs = jnp.where(kept[:, None], returned[jnp.where(kept, at, 0)], 0)
+    return combine(weights, outputs[inverse].reshape(n, k, -1))  # dropped ones: zeros

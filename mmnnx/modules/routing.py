@@ -1,0 +1,150 @@
+"""A mixture of experts' router, as Qwen3-MoE routes: softmax over every expert, top-k,
+renormalised; the capacity that drops late assignments; ``RouterStats``, the sums its
+load-balancing and z losses are made of."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class RouterStats(NamedTuple):
+    """Sums over the tokens one or more router calls routed; the losses are made of them.
+
+    Sums, not means, so that the stats of several layers (or calls) add up with ``merge`` into
+    the stats of all their tokens together, as Hugging Face's ``load_balancing_loss_func`` pools
+    every layer's router logits before taking its means.
+
+    Example:
+        >>> logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 2.0, 0.0]])
+        >>> _, idx, probs = route(logits, 1)
+        >>> stats = router_stats(logits, probs, idx, jnp.ones(idx.shape, bool))
+        >>> stats.tokens_per_expert.tolist(), round(float(stats.aux_loss), 4)  # 3 * 0.4468
+        ([1, 1, 0], 1.3402)
+    """
+
+    tokens: jax.Array  # () float32: tokens routed
+    selected: jax.Array  # (E,) int32: top-k assignments chosen per expert, dropped ones included
+    probs: jax.Array  # (E,) float32: each expert's router probability summed over the tokens
+    logsumexp_sq: jax.Array  # () float32: logsumexp(logits) ** 2 summed over the tokens
+    dropped: jax.Array  # (E,) int32: assignments the capacity dropped, per expert
+
+    @property
+    def aux_loss(self) -> jax.Array:
+        """``E * sum_e f_e * P_e``: ``f_e`` the assignments to expert ``e`` per token (top-k:
+        they sum to ``k``), ``P_e`` its mean router probability; Hugging Face's
+        ``load_balancing_loss_func`` (Switch, Mixtral, Qwen3-MoE) over the tokens summed here."""
+        n = self.tokens
+        return self.probs.shape[-1] * jnp.sum(self.selected / n * (self.probs / n))
+
+    @property
+    def z_loss(self) -> jax.Array:
+        """ST-MoE's router z-loss: the mean over the tokens of ``logsumexp(logits) ** 2``."""
+        return self.logsumexp_sq / self.tokens
+
+    @property
+    def tokens_per_expert(self) -> jax.Array:
+        """Assignments each expert computed (chosen and not dropped), ``(E,)`` int32."""
+        return self.selected - self.dropped
+
+    def merge(self, other: RouterStats) -> RouterStats:
+        """The stats of both calls' tokens together (sums added)."""
+        return jax.tree.map(operator.add, self, other)
+
+    def loss(self, aux_coef: float, z_coef: float = 0.0) -> jax.Array:
+        """``aux_coef * aux_loss + z_coef * z_loss``, a term a model adds to its loss (a zero
+        coefficient leaves its loss out of the program)."""
+        total = jnp.zeros((), jnp.float32)
+        if aux_coef:
+            total = total + aux_coef * self.aux_loss
+        if z_coef:
+            total = total + z_coef * self.z_loss
+        return total
+
+    @staticmethod
+    def zeros(num_experts: int) -> RouterStats:
+        """The stats of no tokens (a sum's start)."""
+        f, i = jnp.float32, jnp.int32
+        e = (num_experts,)
+        return RouterStats(
+            tokens=jnp.zeros((), f),
+            selected=jnp.zeros(e, i),
+            probs=jnp.zeros(e, f),
+            logsumexp_sq=jnp.zeros((), f),
+            dropped=jnp.zeros(e, i),
+        )
+
+
+def route(
+    logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(weights, indices, probs)`` of tokens' router ``logits`` ``(N, E)``: ``probs`` the
+    softmax over every expert in float32, ``indices`` ``(N, top_k)`` the most probable experts
+    (ties to the lower index) and ``weights`` their probabilities, divided by their sum when
+    ``norm_topk_prob`` (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``), in float32.
+
+    Example:
+        >>> w, i, _ = route(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), 2)
+        >>> i.tolist(), [round(v, 3) for v in w[0].tolist()]
+        ([[0, 1]], [0.625, 0.375])
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, indices = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, indices.astype(jnp.int32), probs
+
+
+def capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
+    """Assignments one expert takes at most: ``ceil(capacity_factor * tokens * top_k / E)``.
+
+    Example:
+        >>> capacity(1.0, 10, 2, 8), capacity(1.25, 16, 2, 8)
+        (3, 5)
+    """
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+
+
+def capacity_keep(indices: jax.Array, num_experts: int, limit: int) -> jax.Array:
+    """Which assignments ``indices`` ``(N, k)`` keep when each expert takes at most ``limit``:
+    in token order (token 0's ``k`` choices, then token 1's, ...), an expert's assignments after
+    its first ``limit`` are dropped. A boolean ``(N, k)``.
+
+    Example:
+        >>> capacity_keep(jnp.array([[0, 1], [0, 2], [0, 1]]), 3, 2).tolist()
+        [[True, True], [True, True], [False, True]]
+    """
+    flat = indices.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    first = jnp.searchsorted(flat[order], jnp.arange(num_experts, dtype=flat.dtype))
+    rank = jnp.arange(flat.size) - first[flat[order]]  # place among its expert's assignments
+    position = jnp.zeros_like(rank).at[order].set(rank)
+    return (position < limit).reshape(indices.shape)
+
+
+def router_stats(
+    logits: jax.Array,
+    probs: jax.Array,
+    indices: jax.Array,
+    keep: jax.Array,
+    tokens: int | None = None,
+) -> RouterStats:
+    """The ``RouterStats`` of one call: router ``logits`` and ``probs`` ``(N, E)``, the chosen
+    ``indices`` ``(N, k)`` and which of them the capacity ``keep``; with ``tokens``, only the
+    first ``tokens`` rows count (the rest pad the tokens to a multiple of a mesh axis)."""
+    counts = jnp.zeros(probs.shape[-1], jnp.int32)
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    n = probs.shape[0] if tokens is None else tokens
+    real = jnp.arange(probs.shape[0]) < n
+    chosen = jnp.broadcast_to(real[:, None], indices.shape).astype(jnp.int32)
+    return RouterStats(
+        tokens=jnp.asarray(n, jnp.float32),
+        selected=counts.at[indices].add(chosen),
+        probs=jnp.where(real[:, None], probs, 0).sum(0),
+        logsumexp_sq=jnp.sum(jnp.where(real, lse * lse, 0)),
+        dropped=counts.at[indices].add(chosen * ~keep),
+    )
