@@ -6,15 +6,17 @@ stacked; what each expert-parallel device reads; the copy written back; the chec
 ``mmnnx train --init-from`` with LoRA and ``mmnnx export``."""
 
 import collections
+import contextlib
+import io
 import json
 import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import mmnnx as mm
+from mmnnx.cli import main
 from mmnnx.models import from_pretrained, save_pretrained
 from mmnnx.models.pretrained import CheckpointError
 from mmnnx.models.pretrained import load as load_module
@@ -32,13 +34,15 @@ RULES = mm.logical_rules(batch="data", expert="expert")
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Every layer MoE (float32 untied, bfloat16 tied); layer 0 dense (``mlp_only_layers``);
-    every other layer MoE (``decoder_sparse_step`` 2) without renormalised weights."""
+    """Every layer MoE; layer 0 dense (``mlp_only_layers``), in float32 and in bfloat16 (its
+    head tied); every other layer MoE (``decoder_sparse_step`` 2) without renormalised
+    weights."""
     root = tmp_path_factory.mktemp("hf-moe")
+    dense0 = dict(architecture=MOE, mlp_only_layers=[0])
     return {
         "float32": write_checkpoint(root / "f32", architecture=MOE),
-        "bfloat16": write_checkpoint(root / "bf16", architecture=MOE, tied=True, dtype="bfloat16"),
-        "dense0": write_checkpoint(root / "dense0", architecture=MOE, mlp_only_layers=[0]),
+        "dense0": write_checkpoint(root / "dense0", **dense0),
+        "dense0-bfloat16": write_checkpoint(root / "bf16", **dense0, dtype="bfloat16", tied=True),
         "step2": write_checkpoint(
             root / "step2", architecture=MOE, decoder_sparse_step=2, norm_topk_prob=False
         ),
@@ -58,9 +62,8 @@ def ep_stages():
     return [mm.Task(f"s{i}", mesh=mesh.slice(stage=i), logical_axes=RULES) for i in range(2)]
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
-def test_one_device_logits_equal_tunix_and_the_reference(checkpoints, kind):
-    path = checkpoints[kind]
+def test_one_device_logits_equal_tunix_and_the_reference(checkpoints):
+    path = checkpoints["float32"]
     model = from_pretrained(path)
     assert [type(b.mlp) for b in model.blocks] == [MoE] * 4
     c = model.config
@@ -71,11 +74,13 @@ def test_one_device_logits_equal_tunix_and_the_reference(checkpoints, kind):
     assert model.pretrained.architecture == MOE
 
 
-@pytest.mark.parametrize("kind, layers", [("dense0", "DMMM"), ("step2", "DMDM")])
+@pytest.mark.parametrize(
+    "kind, layers", [("dense0", "DMMM"), ("dense0-bfloat16", "DMMM"), ("step2", "DMDM")]
+)
 def test_dense_layers_and_sparse_steps_equal_the_reference(checkpoints, kind, layers):
     model = from_pretrained(checkpoints[kind])
     assert "".join("M" if isinstance(b.mlp, MoE) else "D" for b in model.blocks) == layers
-    assert model.config.norm_topk_prob == (kind == "dense0")
+    assert model.config.norm_topk_prob == (kind != "step2")
     _close(model(jnp.asarray(TOKENS)), reference_logits(checkpoints[kind], TOKENS))
 
 
@@ -133,10 +138,7 @@ def test_expert_parallel_stages_read_their_own_experts_and_equal_tunix(
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_load_then_save_is_bit_exact(checkpoints, tmp_path, dtype):
-    source = checkpoints["dense0"]
-    if dtype == "bfloat16":  # the same checkpoint, its tensors in bfloat16
-        source = write_checkpoint(tmp_path / "src", architecture=MOE, mlp_only_layers=[0],
-                                  dtype="bfloat16")  # fmt: skip
+    source = checkpoints["dense0" if dtype == "float32" else "dense0-bfloat16"]
     model = from_pretrained(source, tasks=ep_stages(), param_dtype=dtype)
     out = save_pretrained(model, tmp_path / "out", max_shard_bytes=40_000)
     before, after = CheckpointFiles(source), CheckpointFiles(out)
@@ -151,25 +153,19 @@ def test_load_then_save_is_bit_exact(checkpoints, tmp_path, dtype):
     assert {k: config[k] for k in original} == original
 
 
-def test_a_model_not_loaded_is_written_with_qwen3_moe_keys(tmp_path):
-    from mmnnx.models import GPT, GPTConfig
-
-    config = GPTConfig(
-        vocab_size=64, dim=32, depth=2, num_heads=4, qk_norm=True, gated_mlp=True,
-        mlp_bias=False, experts=4, experts_per_token=2, expert_hidden=16, dense_layers=(0,),
-    )  # fmt: skip
-    with nnx.use_eager_sharding(False):
-        model = GPT(config, rngs=nnx.Rngs(0))
+def test_a_model_not_loaded_is_written_with_qwen3_moe_keys(checkpoints, tmp_path):
+    model = from_pretrained(checkpoints["step2"], max_seq_len=16)
+    model.pretrained = None  # as a GPT built with mm.init would be: no config.json to keep
     out = save_pretrained(model, tmp_path / "m", architecture=MOE)
     hf = json.loads((out / "config.json").read_text())
-    assert hf["model_type"] == "qwen3_moe" and hf["mlp_only_layers"] == [0]
-    assert (hf["num_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]) == (4, 2, 16)
-    again = from_pretrained(out, max_seq_len=16)
-    assert again.config.dense_layers == (0,) and again.config.expert_hidden == 16
-    np.testing.assert_array_equal(
-        np.asarray(again.blocks[1].mlp.experts.gate[...]),
-        np.asarray(model.blocks[1].mlp.experts.gate[...]),
-    )
+    assert hf["architectures"] == [MOE] and hf["model_type"] == "qwen3_moe"
+    want = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[],
+                router_aux_loss_coef=0.001, intermediate_size=128)  # fmt: skip
+    assert {k: hf[k] for k in want} == want
+    assert from_pretrained(out, max_seq_len=16).config == model.config
+    before, after = CheckpointFiles(checkpoints["step2"]), CheckpointFiles(out)
+    assert sorted(before.tensors) == sorted(after.tensors)
 
 
 def _edit(source, target, *, config=None, drop=None):
@@ -215,6 +211,7 @@ def _edit(source, target, *, config=None, drop=None):
         ),
         (dict(config={"num_experts_per_tok": None}), r"no 'num_experts_per_tok'"),
     ],
+    ids=["fewer-experts", "more-experts", "one-missing", "dense-layer", "hidden", "no-k"],
 )
 def test_checkpoints_that_do_not_fit_their_config_are_refused(checkpoints, tmp_path, edit, message):
     path = _edit(checkpoints["float32"], tmp_path / "edited", **edit)
@@ -226,3 +223,27 @@ def test_checkpoints_that_do_not_fit_their_config_are_refused(checkpoints, tmp_p
 def test_stacked_layers_must_all_be_moe(checkpoints):
     with pytest.raises(CheckpointError, match=r"config\.json .*some layers are MoE and some dense"):
         from_pretrained(checkpoints["dense0"], scan_layers=True)
+
+
+def test_init_from_a_qwen3_moe_with_lora_trains_and_exports_qwen3_moe_names(tmp_path):
+    source = write_checkpoint(
+        tmp_path / "moe", architecture=MOE, num_hidden_layers=2, mlp_only_layers=[0]
+    )
+    (tmp_path / "text.txt").write_text("A pipeline splits a model into stages. " * 100)
+    run, out = tmp_path / "run", tmp_path / "out"
+    argv = ["train", "--init-from", str(source), "--lora-rank", "4", "--stages", "2",
+            "--data-axis", "1", "--model-axis", "2", "--seq-len", "16", "--batch-size", "4",
+            "--microbatches", "2", "--steps", "1", "--eval-every", "1", "--eval-batches", "1",
+            "--timeline-step", "0", "--warmup-steps", "0", "--lr", "1e-2", "--no-tensorboard",
+            "--text", str(tmp_path / "text.txt"), "--output-dir", str(run)]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv) == 0  # layer 0 dense, layer 1 MoE: experts' hidden over "model"
+        assert main(["export", "--run", str(run), "--output", str(out)]) == 0
+    before, after = CheckpointFiles(source), CheckpointFiles(out)
+    assert sorted(after.tensors) == sorted(before.tensors)  # Qwen3-MoE's names, every one
+    assert json.loads((out / "config.json").read_text())["architectures"] == [MOE]
+    adapted = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    for name in before.tensors:  # LoRA merged where adapted, the rest frozen
+        changed = not np.array_equal(after.read(name), before.read(name))
+        is_adapted = name.split(".")[-2] in adapted and ".experts." not in name
+        assert changed == is_adapted, name  # no adapter on the router nor the experts
