@@ -14,14 +14,15 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import mmnnx as mm
 from mmnnx.cli import main
-from mmnnx.models import from_pretrained, save_pretrained
+from mmnnx.models import from_pretrained, save_adapter, save_pretrained
 from mmnnx.models.pretrained import CheckpointError
 from mmnnx.models.pretrained import load as load_module
 from mmnnx.models.pretrained.files import CheckpointFiles, write_shards
-from mmnnx.modules import MoE
+from mmnnx.modules import MoE, add_lora
 from tests.hf_checkpoints import write_checkpoint
 from tests.hf_reference import reference_logits
 from tests.outside import tunix_qwen3_moe
@@ -247,3 +248,17 @@ def test_init_from_a_qwen3_moe_with_lora_trains_and_exports_qwen3_moe_names(tmp_
         changed = not np.array_equal(after.read(name), before.read(name))
         is_adapted = name.split(".")[-2] in adapted and ".experts." not in name
         assert changed == is_adapted, name  # no adapter on the router nor the experts
+
+
+def test_lora_adapts_what_the_layers_have_and_the_router_only_when_named(checkpoints, tmp_path):
+    every_layer_moe = add_lora(from_pretrained(checkpoints["float32"], max_seq_len=16), rank=2)
+    adapted = nnx.to_flat_state(nnx.state(every_layer_moe, nnx.LoRAParam))
+    assert {path[-3] for path, _ in adapted} == {"q", "k", "v", "out"}  # no MLP Linear left
+    model = from_pretrained(checkpoints["step2"], max_seq_len=16)
+    out = save_adapter(add_lora(model, rank=2, targets=("q", "router")), tmp_path / "adapter")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["gate", "q_proj"]  # PEFT's name of the router
+    tensors = CheckpointFiles(out).tensors
+    a, b = (tensors[f"base_model.model.model.layers.1.mlp.gate.lora_{f}.weight"] for f in "AB")
+    assert (a.shape, b.shape) == ((2, 64), (EXPERTS, 2))  # (r, in), (out, r)
+    assert not any("layers.0.mlp.gate." in n for n in tensors)  # layer 0 is dense: no router
