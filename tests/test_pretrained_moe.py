@@ -250,6 +250,14 @@ def test_init_from_a_qwen3_moe_with_lora_trains_and_exports_qwen3_moe_names(tmp_
         assert changed == is_adapted, name  # no adapter on the router nor the experts
 
 
+def test_init_from_a_moe_with_dense_layers_cannot_scan_them(checkpoints, capsys):
+    argv = ["train", "--init-from", str(checkpoints["dense0"]), "--scan-layers"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("mmnnx train: error: --init-from: ") and error.count("\n") == 1
+    assert "some layers are MoE and some dense" in error
+
+
 def test_lora_adapts_what_the_layers_have_and_the_router_only_when_named(checkpoints, tmp_path):
     every_layer_moe = add_lora(from_pretrained(checkpoints["float32"], max_seq_len=16), rank=2)
     adapted = nnx.to_flat_state(nnx.state(every_layer_moe, nnx.LoRAParam))
