@@ -70,7 +70,7 @@ class ConfigKey:
     ``null``, or :data:`REQUIRED`.
 
     Example:
-        >>> ConfigKey("mlp_only_layers", "dense_layers", []).read({"mlp_only_layers": [0]}, "c")
+        >>> ConfigKey("mlp_only_layers", "dense_layers", ()).read({"mlp_only_layers": [0]}, "c")
         (0,)
     """
 
