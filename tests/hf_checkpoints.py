@@ -1,11 +1,12 @@
 """Tiny random Hugging Face checkpoints, laid out as a Hub repository holds them.
 
-`write_checkpoint` writes what `LlamaForCausalLM` / `Qwen3ForCausalLM` repositories hold:
-``config.json`` with the field set of meta-llama/Llama-3.2-1B or Qwen/Qwen3-0.6B (sizes made
-tiny), the weights as ``model.safetensors`` or as ``model-0000i-of-0000N.safetensors`` shards
-with ``model.safetensors.index.json``, a byte-level BPE ``tokenizer.json`` and
-``generation_config.json``. Tensors are named and shaped as transformers saves them (Linear
-weights ``(out, in)``); weights are random normal, norm weights near 1 but not 1.
+`write_checkpoint` writes what `LlamaForCausalLM` / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`
+repositories hold: ``config.json`` with the field set of meta-llama/Llama-3.2-1B,
+Qwen/Qwen3-0.6B or Qwen/Qwen3-30B-A3B (sizes made tiny), the weights as ``model.safetensors``
+or as ``model-0000i-of-0000N.safetensors`` shards with ``model.safetensors.index.json``, a
+byte-level BPE ``tokenizer.json`` and ``generation_config.json``. Tensors are named and shaped
+as transformers saves them (Linear weights ``(out, in)``); weights are random normal, norm
+weights near 1 but not 1.
 """
 
 import json
@@ -16,7 +17,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 # meta-llama/Llama-3.2-1B's config.json with tiny sizes; rope_scaling (a llama3 one there) is
@@ -78,6 +79,58 @@ _QWEN3 = {
     "use_sliding_window": False,
     "vocab_size": 384,
 }
+# Qwen/Qwen3-30B-A3B's config.json with tiny sizes: 8 experts of hidden size 32 (128 of 768
+# there), 2 per token (8), the dense MLP's intermediate_size kept for mlp_only_layers.
+_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": None,
+    "decoder_sparse_step": 1,
+    "eos_token_id": None,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 4,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "num_attention_heads": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 384,
+}
+CONFIGS = {
+    "LlamaForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _QWEN3,
+    "Qwen3MoeForCausalLM": _QWEN3_MOE,
+}
+MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
+)
 SIZES = (
     "hidden_size",
     "intermediate_size",
@@ -94,10 +147,12 @@ SIZES = (
 _SPECIAL = {
     "LlamaForCausalLM": ["<|begin_of_text|>", "<|end_of_text|>"],
     "Qwen3ForCausalLM": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    "Qwen3MoeForCausalLM": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
 }
 _BOS_EOS = {
     "LlamaForCausalLM": ("<|begin_of_text|>", "<|end_of_text|>"),
     "Qwen3ForCausalLM": ("<|endoftext|>", "<|im_end|>"),
+    "Qwen3MoeForCausalLM": ("<|endoftext|>", "<|im_end|>"),
 }
 _TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -125,7 +180,8 @@ def write_checkpoint(
 ) -> pathlib.Path:
     """Write a tiny random checkpoint of ``architecture`` into ``directory``; return its path.
 
-    ``sizes`` override ``config.json``'s numbers (any of `SIZES`). ``shards=1`` writes one
+    ``sizes`` override ``config.json``'s numbers (any of `SIZES`, and of `MOE_FIELDS` for a
+    Qwen3-MoE: ``mlp_only_layers`` a list, ``norm_topk_prob`` a bool). ``shards=1`` writes one
     ``model.safetensors`` and no index. ``tokenizer_size`` is the number of tokens in
     ``tokenizer.json`` (default: ``vocab_size - 8``, spare embedding rows as in Qwen3; more
     than ``vocab_size`` makes a tokenizer that does not fit the model).
@@ -141,19 +197,25 @@ def write_checkpoint(
         ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
         >>> "lm_head.weight" in index["weight_map"]
         False
+        >>> path = write_checkpoint(tempfile.mkdtemp(), architecture="Qwen3MoeForCausalLM",
+        ...                         mlp_only_layers=[0])
+        >>> names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        >>> "model.layers.0.mlp.up_proj.weight" in names, len([n for n in names if "experts" in n])
+        (True, 72)
     """
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r}: expected one of {ARCHITECTURES}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {tuple(DTYPES)}")
-    unknown = sorted(set(sizes) - set(SIZES))
+    known = SIZES + (MOE_FIELDS if architecture == "Qwen3MoeForCausalLM" else ())
+    unknown = sorted(set(sizes) - set(known))
     if unknown:
-        raise TypeError(f"unknown config fields {unknown}: expected some of {SIZES}")
+        raise TypeError(f"unknown config fields {unknown}: expected some of {known}")
     if rope_scaling is not None and rope_scaling.get("rope_type") != "llama3":
         raise ValueError(f"rope_scaling {rope_scaling!r}: only a llama3 one is written")
-    config = dict(_LLAMA if architecture == "LlamaForCausalLM" else _QWEN3)
+    config = dict(CONFIGS[architecture])
     config.update(sizes, tie_word_embeddings=tied, torch_dtype=dtype, rope_scaling=rope_scaling)
-    if architecture == "Qwen3ForCausalLM":
+    if "max_window_layers" in config:
         config["max_window_layers"] = config["num_hidden_layers"]
     if config["num_attention_heads"] % config["num_key_value_heads"]:
         raise ValueError(
@@ -198,18 +260,41 @@ def _weights(config: dict, architecture: str, rng: np.random.Generator) -> dict:
         out[p + "self_attn.k_proj.weight"] = normal(kv, d)
         out[p + "self_attn.v_proj.weight"] = normal(kv, d)
         out[p + "self_attn.o_proj.weight"] = normal(d, q)
-        if architecture == "Qwen3ForCausalLM":
+        if architecture != "LlamaForCausalLM":  # Qwen3 and Qwen3-MoE
             out[p + "self_attn.q_norm.weight"] = norm(hd)
             out[p + "self_attn.k_norm.weight"] = norm(hd)
-        out[p + "mlp.gate_proj.weight"] = normal(f, d)
-        out[p + "mlp.up_proj.weight"] = normal(f, d)
-        out[p + "mlp.down_proj.weight"] = normal(d, f)
+        if is_moe(config, i):  # Qwen3MoeSparseMoeBlock: the router (gate), then the experts
+            e, h = config["num_experts"], config["moe_intermediate_size"]
+            out[p + "mlp.gate.weight"] = normal(e, d)
+            for j in range(e):
+                out[p + f"mlp.experts.{j}.gate_proj.weight"] = normal(h, d)
+                out[p + f"mlp.experts.{j}.up_proj.weight"] = normal(h, d)
+                out[p + f"mlp.experts.{j}.down_proj.weight"] = normal(d, h)
+        else:
+            out[p + "mlp.gate_proj.weight"] = normal(f, d)
+            out[p + "mlp.up_proj.weight"] = normal(f, d)
+            out[p + "mlp.down_proj.weight"] = normal(d, f)
         out[p + "input_layernorm.weight"] = norm(d)
         out[p + "post_attention_layernorm.weight"] = norm(d)
     out["model.norm.weight"] = norm(d)
     if not config["tie_word_embeddings"]:
         out["lm_head.weight"] = normal(v, d)
     return out
+
+
+def is_moe(config: dict, layer: int) -> bool:
+    """Whether layer ``layer`` of a ``config.json`` is a mixture of experts
+    (``Qwen3MoeDecoderLayer``'s rule; no ``num_experts``: never).
+
+    Example:
+        >>> [is_moe({"num_experts": 8, "decoder_sparse_step": 2}, i) for i in range(4)]
+        [False, True, False, True]
+    """
+    return (
+        config.get("num_experts", 0) > 0
+        and layer not in (config.get("mlp_only_layers") or [])
+        and (layer + 1) % config.get("decoder_sparse_step", 1) == 0
+    )
 
 
 def _write_weights(path: pathlib.Path, tensors: dict, shards: int) -> None:
@@ -260,7 +345,8 @@ def _tokenizer(architecture: str, size: int) -> Tokenizer:
 
 
 def _generation_config(architecture: str, config: dict) -> dict:
-    """meta-llama/Llama-3.2-1B's and Qwen/Qwen3-0.6B's generation_config.json, token ids ours."""
+    """meta-llama/Llama-3.2-1B's and Qwen/Qwen3-0.6B's (Qwen3-30B-A3B's alike)
+    generation_config.json, token ids ours."""
     bos, eos = config["bos_token_id"], config["eos_token_id"]
     if architecture == "LlamaForCausalLM":
         return {

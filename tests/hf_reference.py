@@ -1,10 +1,16 @@
-"""Logits of a Hugging Face Llama / Qwen3 checkpoint in numpy float64, from transformers' formulas.
+"""Logits of a Hugging Face Llama / Qwen3 / Qwen3-MoE checkpoint in numpy float64, from
+transformers' formulas.
 
-Written from ``modeling_llama.py`` / ``modeling_qwen3.py`` and ``modeling_rope_utils.py``:
+Written from ``modeling_llama.py`` / ``modeling_qwen3.py`` / ``modeling_qwen3_moe.py`` and
+``modeling_rope_utils.py``:
 RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``; rotate-half RoPE with ``rope_theta`` (and llama3
 ``rope_scaling``, `_compute_llama3_parameters`); grouped-query attention scaled by
 ``head_dim ** -0.5`` with a causal mask; Qwen3's RMSNorm of each query and key head before RoPE;
-``down(silu(gate(x)) * up(x))``; the embedding as the head when tied.
+``down(silu(gate(x)) * up(x))``; Qwen3-MoE's sparse block in its MoE layers
+(``Qwen3MoeSparseMoeBlock``: a softmax over every expert of the router's logits, the top
+``num_experts_per_tok``, renormalised when ``norm_topk_prob``, the chosen experts' SwiGLU outputs
+summed with those weights; float32 in transformers, float64 here); the embedding as the head
+when tied.
 """
 
 import json
@@ -13,6 +19,10 @@ import pathlib
 
 import numpy as np
 from safetensors.numpy import load_file
+
+from tests.hf_checkpoints import is_moe
+
+ARCHITECTURES = (["LlamaForCausalLM"], ["Qwen3ForCausalLM"], ["Qwen3MoeForCausalLM"])
 
 
 def read_tensors(directory: str | pathlib.Path) -> dict[str, np.ndarray]:
@@ -69,6 +79,50 @@ def inverse_frequencies(config: dict) -> np.ndarray:
     return np.where(medium, smoothed, scaled)
 
 
+def swiglu(h: np.ndarray, w: dict[str, np.ndarray], prefix: str) -> np.ndarray:
+    """``down(silu(gate(h)) * up(h))`` of the ``{prefix}{gate,up,down}_proj.weight`` tensors.
+
+    Example:
+        >>> w = {f"{n}_proj.weight": np.ones((2, 2)) for n in ("gate", "up", "down")}
+        >>> swiglu(np.ones((1, 2)), w, "").round(3).tolist()  # 2 * silu(2) * 2
+        [[7.046, 7.046]]
+    """
+    gate = h @ w[prefix + "gate_proj.weight"].T
+    up = h @ w[prefix + "up_proj.weight"].T
+    return (gate / (1 + np.exp(-gate)) * up) @ w[prefix + "down_proj.weight"].T
+
+
+def sparse_moe(h: np.ndarray, w: dict[str, np.ndarray], prefix: str, config: dict) -> np.ndarray:
+    """``Qwen3MoeSparseMoeBlock`` on ``h`` ``(..., D)``: the router ``{prefix}gate.weight``'s
+    softmax over every expert, the ``num_experts_per_tok`` most probable (ties to the lower
+    index), their weights divided by their sum when ``norm_topk_prob`` (transformers' default:
+    not), then ``sum_k weight_k * swiglu(h, experts.{e_k})``, token by token.
+
+    Example:
+        >>> w = {"gate.weight": np.array([[1.0, 0.0], [0.0, 1.0]])}
+        >>> w.update({f"experts.{e}.{n}_proj.weight": np.full((2, 2), e + 1.0)
+        ...           for e in (0, 1) for n in ("gate", "up", "down")})
+        >>> config = {"num_experts_per_tok": 1, "norm_topk_prob": True}
+        >>> out = sparse_moe(np.array([[1.0, 0.0]]), w, "", config)  # expert 0, weight 1
+        >>> bool(np.allclose(out, swiglu(np.array([[1.0, 0.0]]), w, "experts.0.")))
+        True
+    """
+    k = config["num_experts_per_tok"]
+    flat = h.reshape(-1, h.shape[-1])
+    logits = flat @ w[prefix + "gate.weight"].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, chosen, -1)
+    if config.get("norm_topk_prob", False):
+        weights /= weights.sum(-1, keepdims=True)
+    out = np.zeros_like(flat)
+    for n in range(flat.shape[0]):
+        for e, weight in zip(chosen[n], weights[n], strict=True):
+            out[n] += weight * swiglu(flat[n : n + 1], w, f"{prefix}experts.{e}.")[0]
+    return out.reshape(h.shape)
+
+
 def reference_logits(directory: str | pathlib.Path, tokens: np.ndarray) -> np.ndarray:
     """Logits ``(B, T, vocab_size)`` in float64 of the checkpoint in ``directory`` for ``tokens``
     ``(B, T)``, every sequence starting at position 0.
@@ -81,7 +135,7 @@ def reference_logits(directory: str | pathlib.Path, tokens: np.ndarray) -> np.nd
         (1, 3, 384)
     """
     config = json.loads((pathlib.Path(directory) / "config.json").read_text())
-    if config["architectures"] not in (["LlamaForCausalLM"], ["Qwen3ForCausalLM"]):
+    if config["architectures"] not in ARCHITECTURES:
         raise NotImplementedError(f"architectures {config['architectures']}")
     for field, value in [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)]:
         if config.get(field, value) != value:
@@ -123,9 +177,10 @@ def reference_logits(directory: str | pathlib.Path, tokens: np.ndarray) -> np.nd
         attn = np.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, t, heads * hd)
         x = x + attn @ w[p + "self_attn.o_proj.weight"].T
         h = norm(x, w[p + "post_attention_layernorm.weight"])
-        gate = h @ w[p + "mlp.gate_proj.weight"].T
-        up = h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+        if is_moe(config, i):
+            x = x + sparse_moe(h, w, p + "mlp.", config)
+        else:
+            x = x + swiglu(h, w, p + "mlp.")
     x = norm(x, w["model.norm.weight"])
     head = w["model.embed_tokens.weight"] if config["tie_word_embeddings"] else w["lm_head.weight"]
     return x @ head.T

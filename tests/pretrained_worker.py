@@ -10,6 +10,10 @@ environment): joins the run, loads the checkpoint in ``$SOURCE`` onto two stages
   the pipelined logits and loss of an ``mm.jit`` step (fetched), then ``save_pretrained`` into
   ``OUT_DIR/saved``, then a second save over it (bfloat16, ``overwrite=True``) while process
   1's writing raises: the error each process got.
+- ``train_moe``: loads the Qwen3-MoE checkpoint in ``$SOURCE`` onto two stages of 2 x 2
+  (expert x data) devices, 4 experts a device (EP 2), records the slices read, trains it
+  ``len(MOE_LOSSES)`` AdamW steps pipelined (1F1B, 2 microbatches; the losses fetched), then
+  writes it with ``save_pretrained`` into ``OUT_DIR/trained``.
 - ``save_abandoned``: saves into ``$TARGET``, then saves again while process 1 leaves right
   after writing its shard file (``$LEAVE``: ``kill``, SIGKILL, or ``exit``, status 3), before
   the step that renames the checkpoint into place; process 0 is left to find out on its own.
@@ -27,6 +31,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 
 import mmnnx as mm
 from mmnnx.models import from_pretrained, save_pretrained
@@ -34,6 +40,8 @@ from mmnnx.models.pretrained import save as save_module
 from mmnnx.models.pretrained.files import CheckpointFiles
 
 TOKENS = np.array([[3, 17, 250, 9, 101, 77, 5, 42], [1, 2, 3, 4, 5, 6, 7, 8]], np.int32)
+MOE_BATCH = np.random.default_rng(0).integers(0, 376, (4, 9)).astype(np.int32)
+MOE_STEPS, MOE_MICROBATCHES, MOE_LR = 2, 2, 1e-3
 SCENARIOS = {}
 
 
@@ -49,6 +57,29 @@ def stage_tasks() -> list[mm.Task]:
         batch="data", mlp="model", heads="model", vocab="model", embed=None, seq=None
     )
     return [mm.Task(f"stage{i}", mesh=mesh.task_mesh(stage=i), logical_axes=rules) for i in (0, 1)]
+
+
+def expert_stage_tasks() -> list[mm.Task]:
+    """Two tasks of 2 x 2 (expert x data) devices, process 0's then process 1's: a MoE layer's
+    experts split over ``expert`` (EP 2), the batch over ``data``."""
+    mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "expert", "data"))
+    rules = mm.logical_rules(batch="data", expert="expert")
+    return [mm.Task(f"stage{i}", mesh=mesh.task_mesh(stage=i), logical_axes=rules) for i in (0, 1)]
+
+
+def moe_step(model, opt, batch):
+    """One AdamW step of ``model.loss`` (its routers' auxiliary loss included) pipelined over
+    ``MOE_MICROBATCHES`` microbatches (1F1B; loss and gradients their mean); returns the
+    loss."""
+    grad_fn = mm.microbatch(
+        nnx.value_and_grad(lambda m, b: m.loss(b)),
+        num=MOE_MICROBATCHES,
+        reduce="mean",
+        schedule="1f1b",
+    )
+    loss, grads = grad_fn(model, batch)
+    opt.update(model, grads)
+    return loss
 
 
 def recorded_reads() -> list[list]:
@@ -100,6 +131,23 @@ def load_and_save(out: pathlib.Path) -> dict:
         "loss": float(loss),
         "error": error,
     }
+
+
+@scenario
+def train_moe(out: pathlib.Path) -> dict:
+    reads = recorded_reads()
+    model = from_pretrained(os.environ["SOURCE"], tasks=expert_stage_tasks())
+    loaded_reads = list(reads)
+    opt = nnx.Optimizer(model, optax.adamw(MOE_LR), wrt=nnx.Param)
+    step = mm.jit(moe_step)
+    losses = [
+        float(mm.distributed.fetch(step(model, opt, jnp.asarray(MOE_BATCH))))
+        for _ in range(MOE_STEPS)
+    ]
+    save_pretrained(model, out / "trained")
+    gate = model.blocks[2 * jax.process_index() + 1].mlp.experts.gate[...]  # a layer of its own
+    experts = sorted({s.data.shape[0] for s in gate.addressable_shards})
+    return {"reads": loaded_reads, "losses": losses, "experts_per_device": experts}
 
 
 @scenario

@@ -40,11 +40,11 @@ def test_pretrained_examples_run_as_written(monkeypatch, capsys):
     sys.modules["bonsai.models.qwen3"].modeling = bonsai_qwen3_modeling
     monkeypatch.setitem(sys.modules, "bonsai.models.qwen3.modeling", bonsai_qwen3_modeling)
     blocks = blocks_with("docs/pretrained.md", "")
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     namespace = {}
     for block in blocks:  # one after the other, as a reader runs them
         exec(compile(block, "docs/pretrained.md", "exec"), namespace)
-    assert capsys.readouterr().out == "(1, 8, 256)\n(1, 8, 256) True\n"
+    assert capsys.readouterr().out == ("(1, 8, 256)\n(8, 64, 32) {(4, 64, 32)}\n(1, 8, 256) True\n")
 
 
 def claimed_outputs(code: str) -> list[str]:

@@ -1,7 +1,8 @@
 """``from_pretrained`` / ``save_pretrained`` in two real processes on loopback (``mmnnx launch``,
 tests/pretrained_worker.py), one pipeline stage of 2 x 2 devices per process: what each process
 reads, the pipelined logits against a float64 reference, what each process writes, and saves
-that fail or lose a process half-way."""
+that fail or lose a process half-way; a Qwen3-MoE trained with expert parallelism against one
+device."""
 
 from __future__ import annotations
 
@@ -12,15 +13,27 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 from mmnnx.launcher import launch as launcher
+from mmnnx.models import from_pretrained
 from mmnnx.models.pretrained.files import CheckpointFiles
 from tests.flags import without_device_count
 from tests.hf_checkpoints import write_checkpoint
 from tests.hf_reference import reference_logits
-from tests.pretrained_worker import TOKENS
+from tests.oracle import params_close
+from tests.pretrained_worker import (
+    MOE_BATCH,
+    MOE_LR,
+    MOE_MICROBATCHES,
+    MOE_STEPS,
+    TOKENS,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
@@ -51,19 +64,24 @@ def _cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:
     return float(-np.take_along_axis(logp, targets[..., None], -1).mean())
 
 
-@pytest.fixture(scope="module")
-def launched(source, tmp_path_factory):
-    """The ``load_and_save`` scenario run once under ``mmnnx launch -n 2``."""
-    out = tmp_path_factory.mktemp("launched")
+def _launch(scenario, source, out):
+    """``scenario`` of tests/pretrained_worker.py run once under ``mmnnx launch -n 2`` on the
+    checkpoint ``source``; what each process returned."""
     proc = subprocess.run(
         [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--devices-per-process", "4",
-         "--", sys.executable, "-m", "tests.pretrained_worker", "load_and_save", str(out)],
+         "--", sys.executable, "-m", "tests.pretrained_worker", scenario, str(out)],
         capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(SOURCE=str(source)),
         cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in (0, 1)]
-    return out, ranks
+    return [json.loads((out / f"rank{i}.json").read_text()) for i in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def launched(source, tmp_path_factory):
+    """The ``load_and_save`` scenario run once under ``mmnnx launch -n 2``."""
+    out = tmp_path_factory.mktemp("launched")
+    return out, _launch("load_and_save", source, out)
 
 
 def test_each_process_reads_only_its_own_slices_once(source, launched):
@@ -164,3 +182,57 @@ def test_a_process_leaving_mid_save_keeps_the_earlier_checkpoint(source, tmp_pat
     for name, info in before.tensors.items():
         assert after.tensors[name].dtype == info.dtype == "F32"
         np.testing.assert_array_equal(after.read(name), before.read(name))
+
+
+@pytest.fixture(scope="module")
+def moe_source(tmp_path_factory):
+    return write_checkpoint(
+        tmp_path_factory.mktemp("hf") / "qwen3-moe", architecture="Qwen3MoeForCausalLM", shards=3
+    )
+
+
+@pytest.fixture(scope="module")
+def moe_trained(moe_source, tmp_path_factory):
+    """The ``train_moe`` scenario run once under ``mmnnx launch -n 2``."""
+    out = tmp_path_factory.mktemp("moe")
+    return out, _launch("train_moe", moe_source, out)
+
+
+def _one_device_training(source):
+    """``MOE_STEPS`` AdamW steps of the checkpoint's model on one device, microbatch by
+    microbatch: the losses, the first step's gradients and the model after them."""
+    model = from_pretrained(source)
+    opt = nnx.Optimizer(model, optax.adamw(MOE_LR), wrt=nnx.Param)
+    grad_fn = nnx.jit(nnx.value_and_grad(lambda m, b: m.loss(b)))
+    update = nnx.jit(lambda model, opt, grads: opt.update(model, grads))
+    losses, first = [], None
+    for _ in range(MOE_STEPS):
+        results = [grad_fn(model, b) for b in jnp.split(MOE_BATCH, MOE_MICROBATCHES)]
+        losses.append(np.mean([float(loss) for loss, _ in results]))
+        grads = jax.tree.map(lambda *g: sum(g) / MOE_MICROBATCHES, *[g for _, g in results])
+        first = first or grads
+        update(model, opt, grads)
+    return losses, first, model
+
+
+def test_a_moe_trained_pipelined_with_expert_parallelism_equals_one_device(moe_source, moe_trained):
+    out, ranks = moe_trained
+    losses, grads, ref = _one_device_training(moe_source)
+    for rank in ranks:
+        assert rank["experts_per_device"] == [4]  # 8 experts, EP 2
+        np.testing.assert_allclose(rank["losses"], losses, rtol=1e-5)
+    trained = from_pretrained(out / "trained")  # written by both processes, each its stage
+    assert sorted(CheckpointFiles(out / "trained").tensors) == sorted(
+        CheckpointFiles(moe_source).tensors
+    )
+    params_close(trained, ref, grads, steps=MOE_STEPS, lr=MOE_LR)
+
+
+def test_each_process_reads_its_stages_experts_once_and_whole(moe_source, moe_trained):
+    _, ranks = moe_trained
+    files = CheckpointFiles(moe_source)
+    for process, rank in enumerate(ranks):
+        names = [name for name, _ in rank["reads"]]
+        assert sorted(names) == sorted(n for n in files.tensors if _stage_of(n) == process)
+        for name, box in rank["reads"]:  # no model axis: each expert's tensors read whole
+            assert [tuple(b) for b in box] == [(0, n) for n in files.tensors[name].shape], name

@@ -181,8 +181,8 @@ def _pretrained(args: argparse.Namespace) -> tuple[str | None, Any]:
             f"{flag} conflicts with --init-from: the architecture and tokenizer come from "
             f"{args.init_from}/config.json and tokenizer.json"
         ), None
-    try:
-        config = pretrained_config(args.init_from)
+    try:  # with the run's --scan-layers: a MoE whose layers are not all alike cannot stack
+        config = pretrained_config(args.init_from, scan_layers=args.scan_layers)
     except CheckpointError as e:
         return f"--init-from: {e}", None
     tokenizer = pathlib.Path(args.init_from, TOKENIZER)

@@ -21,7 +21,14 @@ M = TypeVar("M")
 
 TARGETS = ("q", "k", "v", "out", "gate", "up", "down")
 """The ``Linear`` names of ``GPT`` blocks that ``add_lora`` adapts by default: every projection
-of attention and the MLP (PEFT's ``target_modules="all-linear"`` less the output head)."""
+of attention and the MLP (PEFT's ``target_modules="all-linear"`` less the output head), those
+a model has (a block whose feed-forward is a ``MoE`` has no ``gate``, ``up``, ``down``)."""
+
+MOE_TARGETS = ("router",)
+"""``Linear`` names ``add_lora`` adapts only when named: a ``MoE``'s router (Qwen3-MoE's
+``mlp.gate``), which PEFT's usual Qwen3-MoE ``target_modules`` leave out (an update there moves
+tokens between experts and unbalances them). A ``MoE``'s experts are stacked weights, not
+``Linear`` layers: no adapter."""
 
 
 class LoRA(nnx.Module):
@@ -84,11 +91,12 @@ def add_lora(
     *,
     rank: int,
     alpha: float | None = None,
-    targets: Sequence[str] = TARGETS,
+    targets: Sequence[str] | None = None,
     seed: int = 0,
 ) -> M:
     """Gives every ``Linear`` of ``model`` named in ``targets`` a :class:`LoRA` (``linear.lora``),
     on its kernel's task and sharded like it when the model is placed; returns ``model``.
+    ``targets`` defaults to those of :data:`TARGETS` the model has.
 
     ``alpha`` defaults to ``rank`` (scale 1). Train only the adapters with
     ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` and gradients of
@@ -109,6 +117,8 @@ def add_lora(
     """
     linears = [(p, m) for p, m in nnx.iter_graph(model) if isinstance(m, Linear)]
     names = sorted({str(p[-1]) for p, _ in linears})
+    if targets is None:
+        targets = [t for t in TARGETS if t in names]
     unknown = [t for t in targets if t not in names]
     if unknown:
         raise ValueError(

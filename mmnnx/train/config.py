@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
-from mmnnx.modules.lora import TARGETS
+from mmnnx.modules.lora import MOE_TARGETS, TARGETS
 from mmnnx.mpmd.lower.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.mpmd.schedules.registry import Placement, registered
@@ -70,7 +70,8 @@ class Model:
     )
     init_from: str | None = option(
         None,
-        "fine-tune a Hugging Face checkpoint directory (LlamaForCausalLM or Qwen3ForCausalLM): "
+        "fine-tune a Hugging Face checkpoint directory (LlamaForCausalLM, Qwen3ForCausalLM or "
+        "Qwen3MoeForCausalLM): "
         "its config.json gives the architecture (no --dim, --depth, --heads, --gated-mlp, "
         "--tokenizer, --vocab-size with it), its safetensors the weights, read straight onto "
         "the stages, its tokenizer.json the tokenizer",
@@ -92,8 +93,9 @@ class Model:
     lora_targets: tuple[str, ...] | None = option(
         None,
         f"with --lora-rank: the projections adapted, comma-separated among {','.join(TARGETS)} "
-        "(default: all)",
-        names(TARGETS),
+        f"(default: those the model has) and {','.join(MOE_TARGETS)} (a mixture of experts' "
+        "router: only when named)",
+        names(TARGETS + MOE_TARGETS),
         metavar="NAMES",
         text=",".join,
     )

@@ -13,7 +13,7 @@ from flax import nnx
 from mmnnx.models import GPT, GPTConfig, from_pretrained, pretrained_config
 from mmnnx.models.pretrained import Pretrained
 from mmnnx.models.stages import stage_rules
-from mmnnx.modules.lora import TARGETS, add_lora
+from mmnnx.modules.lora import add_lora
 from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.sharding import Task, init
 from mmnnx.train.config import gpt_config
@@ -127,7 +127,7 @@ def build_model(
             model,
             rank=rank,
             alpha=flags.get("lora_alpha"),
-            targets=flags.get("lora_targets") or TARGETS,
+            targets=flags.get("lora_targets") or None,
             seed=seed,
         )
     return model

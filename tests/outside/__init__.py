@@ -1,9 +1,9 @@
 """Outside implementations of Hugging Face's Llama and Qwen3, for checking ours against.
 
 `vendored/` holds the models and safetensors loaders as their projects wrote them (jax-ml/bonsai's
-Qwen3 and Llama 3.2, google/tunix's Llama 3), each file naming its origin and the edits made to
-run here; `bonsai_qwen3`, `bonsai_llama` and `tunix_llama` load a checkpoint with that project's
-own loader and return its logits.
+Qwen3 and Llama 3.2, google/tunix's Llama 3 and Qwen3 with its MoE layer), each file naming its
+origin and the edits made to run here; `bonsai_qwen3`, `bonsai_llama`, `tunix_llama` and
+`tunix_qwen3_moe` load a checkpoint with that project's own loader and return its logits.
 
 What the outside code does that a checkpoint's config does not say:
 - bonsai's Qwen3 computes RoPE with theta 1e6 whatever ``rope_theta`` is, and no scaling; its
@@ -15,7 +15,16 @@ What the outside code does that a checkpoint's config does not say:
   ``ModelConfig.dtype`` (bfloat16 by default).
 - tunix's Llama 3 computes RoPE with theta 1e6 whatever ``rope_theta`` is (Llama 3's is 500000),
   and no scaling; its loader reads the safetensors header itself and assumes one dtype a file.
-`bonsai_qwen3` and `tunix_llama` refuse a checkpoint whose RoPE their model would not compute.
+- tunix's Qwen3 MoE (`Qwen3MoeForCausalLM` checkpoints) computes RoPE with theta 1e6 likewise;
+  with ``num_experts`` set every layer is a `MoELayer` (no ``decoder_sparse_step``, no
+  ``mlp_only_layers``), its top-k weights always renormalised (``norm_topk_prob`` true), its
+  experts' hidden size ``ModelConfig.hidden_dim`` (``moe_intermediate_size``); on CPU the layer
+  runs every expert on the tokens masked to it (megablox and ragged all-to-all are TPU paths);
+  its loader stacks each layer's experts after reading them (its "original" mode stacks file by
+  file, so a layer's experts split over two files fail there; the "optimized" mode used here
+  stacks over every file).
+`bonsai_qwen3`, `tunix_llama` and `tunix_qwen3_moe` refuse a checkpoint whose RoPE their model
+would not compute, and `tunix_qwen3_moe` one whose dense layers or routing it would not.
 """
 
 import contextlib

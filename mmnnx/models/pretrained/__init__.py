@@ -162,16 +162,18 @@ def from_pretrained(
     """The ``GPT`` of the Hugging Face checkpoint at ``path``, its Variables read from the
     safetensors files straight onto their devices.
 
-    ``config.json``'s ``architectures`` picks the family (:data:`FAMILIES`: Llama 3.x and
-    Qwen3 causal LMs) and its sizes the ``GPTConfig``. The model is built abstractly and
+    ``config.json``'s ``architectures`` picks the family (:data:`FAMILIES`: Llama 3.x, Qwen3
+    and Qwen3-MoE causal LMs) and its sizes the ``GPTConfig``. The model is built abstractly and
     placed first: ``tasks`` cuts its layers into pipeline stages as ``mm.stage_rules`` does,
     ``rules`` (``mm.place``'s rules, matched before the stage rules) places by path; with
     neither, it lands on one device. Each Variable's shards are then read from the files
     (slices only, through ``safetensors``), so under ``mmnnx launch`` each process reads only
-    what its devices hold. Parameters are stored in ``param_dtype`` (float32 by default, as
-    transformers loads), activations computed in ``dtype``; ``max_seq_len`` bounds the
-    sequence (default the config's ``max_position_embeddings``; ``generate`` allocates a key/value
-    cache of that length). The model keeps its origin in ``model.pretrained``.
+    what its devices hold; a Qwen3-MoE's experts, stacked over the expert axis, are read per
+    expert, so a device of an expert-parallel task (rules mapping ``expert`` to a mesh axis)
+    reads only its own experts' tensors. Parameters are stored in ``param_dtype`` (float32 by
+    default, as transformers loads), activations computed in ``dtype``; ``max_seq_len`` bounds
+    the sequence (default the config's ``max_position_embeddings``; ``generate`` allocates a
+    key/value cache of that length). The model keeps its origin in ``model.pretrained``.
 
     Raises:
         CheckpointError: an unsupported architecture (naming those that are), a missing or
@@ -251,7 +253,7 @@ def save_pretrained(
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     hf = pretrained.config if pretrained else {}
     torch_dtype = torch_dtype_of(dtype)
-    config = {**family.hf_config(model.config, torch_dtype), **_kept(hf)}
+    config = {**family.hf_config(model.config, torch_dtype), **_kept(hf, family)}
     config["torch_dtype"] = torch_dtype
     extra = []
     if pretrained and (pathlib.Path(pretrained.directory) / TOKENIZER).exists():
@@ -325,8 +327,9 @@ def _origin(
     return pretrained, family, np.dtype(jnp.dtype(dtype))
 
 
-def _kept(hf: dict[str, Any]) -> dict[str, Any]:
-    """The keys of a loaded ``config.json`` written back as they were (token ids, names)."""
+def _kept(hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    """The keys of a loaded ``config.json`` written back as they were (token ids, names); its
+    sizes (the family's own keys among them) are written from the model."""
     sizes = {
         "vocab_size",
         "hidden_size",
@@ -336,7 +339,7 @@ def _kept(hf: dict[str, Any]) -> dict[str, Any]:
         "head_dim",
         "intermediate_size",
         "tie_word_embeddings",
-    }
+    } | {k.key for k in family.config_keys}
     return {k: v for k, v in hf.items() if k not in sizes and k != "max_position_embeddings"}
 
 

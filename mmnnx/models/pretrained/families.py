@@ -37,18 +37,79 @@ _OUTER = (
     TensorRule("model.embed_tokens.weight", "embed/embedding"),
     TensorRule("model.norm.weight", "norm/scale"),
 )
+_MOE_LAYER = (  # a MoE layer's router and experts (Qwen3-MoE), stacked over the experts
+    TensorRule("model.layers.{layer}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
+    TensorRule(
+        "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+        "blocks/{layer}/mlp/experts/gate",
+        T,
+    ),
+    TensorRule(
+        "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
+        "blocks/{layer}/mlp/experts/up",
+        T,
+    ),
+    TensorRule(
+        "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
+        "blocks/{layer}/mlp/experts/down",
+        T,
+    ),
+)
 _HEAD = TensorRule("lm_head.weight", "head/kernel", T)
 _TIED_HEAD = TensorRule("lm_head.weight", None)  # some tied checkpoints store the table twice
+
+
+REQUIRED = object()
+"""A :class:`ConfigKey` default: ``config.json`` must have the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigKey:
+    """A ``config.json`` key of a family's own that sets the ``GPTConfig`` field ``field``, as
+    it is (a list as a tuple); ``default`` (transformers' own) when the file lacks it or has
+    ``null``, or :data:`REQUIRED`.
+
+    Example:
+        >>> ConfigKey("mlp_only_layers", "dense_layers", ()).read({"mlp_only_layers": [0]}, "c")
+        (0,)
+    """
+
+    key: str
+    field: str
+    default: Any = REQUIRED
+
+    def read(self, hf: dict[str, Any], file: str) -> Any:
+        """The field's value in the ``config.json`` ``hf`` (read from ``file``).
+
+        Raises:
+            CheckpointError: a required key the file lacks.
+        """
+        value = hf.get(self.key)
+        if value is None:
+            if self.default is REQUIRED:
+                raise CheckpointError(f"{file}: no {self.key!r}")
+            value = self.default
+        return tuple(value) if isinstance(value, list) else value
+
+    def write(self, config: GPTConfig) -> Any:
+        """The key's value for ``config`` (a tuple as a list)."""
+        value = getattr(config, self.field)
+        return list(value) if isinstance(value, tuple) else value
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One architecture of ``config.json``'s ``architectures``: its ``model_type``, whether its
-    attention normalises queries and keys (Qwen3), and the config keys it cannot honour."""
+    attention normalises queries and keys (Qwen3), the config keys of its own (``config_keys``: a
+    mixture of experts' sizes and routing) and the tensors of its own in each layer
+    (``layer_rules``: a MoE layer's router and experts). The config keys no family honours are
+    refused."""
 
     architecture: str
     model_type: str
     qk_norm: bool
+    config_keys: tuple[ConfigKey, ...] = ()
+    layer_rules: tuple[TensorRule, ...] = ()
 
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
         """The ``GPTConfig`` of a ``config.json`` (in directory ``where``; ``overrides``:
@@ -80,6 +141,7 @@ class Family:
             rope_theta=float(hf.get("rope_theta", 10000.0)),
             rope_scaling=None if scaling is None else _rope_scaling(scaling, file),
         )
+        fields.update({k.field: k.read(hf, file) for k in self.config_keys})
         fields.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return GPTConfig(**fields)
@@ -117,6 +179,7 @@ class Family:
         }
         if self.model_type == "llama":
             out["mlp_bias"] = config.mlp_bias
+        out.update({k.key: k.write(config) for k in self.config_keys})
         return out
 
     def tensor_rules(self, config: GPTConfig) -> tuple[TensorRule, ...]:
@@ -126,8 +189,12 @@ class Family:
             >>> rules = FAMILIES["Qwen3ForCausalLM"].tensor_rules(GPTConfig(qk_norm=True))
             >>> [r.variable for r in rules if "q_norm" in r.tensor]
             ['blocks/{layer}/attn/q_norm/scale']
+            >>> moe = GPTConfig(qk_norm=True, experts=8, scan_layers=True)
+            >>> rule = FAMILIES["Qwen3MoeForCausalLM"].tensor_rules(moe)[-2]
+            >>> rule.variable, rule.stacked  # every layer's experts in one Variable
+            ('blocks/mlp/experts/down', ('layer', 'expert'))
         """
-        layer = _LAYER + (_QK_NORM if config.qk_norm else ())
+        layer = _LAYER + (_QK_NORM if config.qk_norm else ()) + self.layer_rules
         if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
             layer = tuple(
                 dataclasses.replace(r, variable=r.variable.replace("/{layer}", ""))
@@ -143,6 +210,21 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family(architecture="LlamaForCausalLM", model_type="llama", qk_norm=False),
         Family(architecture="Qwen3ForCausalLM", model_type="qwen3", qk_norm=True),
+        Family(
+            architecture="Qwen3MoeForCausalLM",
+            model_type="qwen3_moe",
+            qk_norm=True,
+            config_keys=(
+                ConfigKey("num_experts", "experts"),
+                ConfigKey("num_experts_per_tok", "experts_per_token"),
+                ConfigKey("moe_intermediate_size", "expert_hidden"),
+                ConfigKey("norm_topk_prob", "norm_topk_prob", False),
+                ConfigKey("decoder_sparse_step", "moe_every", 1),
+                ConfigKey("mlp_only_layers", "dense_layers", ()),
+                ConfigKey("router_aux_loss_coef", "router_aux_loss_coef", 0.001),
+            ),
+            layer_rules=_MOE_LAYER,
+        ),
     )
 }
 """The architectures ``from_pretrained`` builds, by their ``config.json`` name."""

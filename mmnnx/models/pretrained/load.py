@@ -62,6 +62,9 @@ def plan_sources(
             f"{', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''})"
         )
     for path, source in sources.items():
+        stack = tuple(variables[path].get_value().shape[: len(source.rule.stacked)])
+        _check_slots(files, source, stack, model_name)
+    for path, source in sources.items():
         want = tuple(variables[path].get_value().shape)
         for name in source.tensors.values():
             info = files.tensors[name]
@@ -77,6 +80,30 @@ def plan_sources(
                     "config.json describe these files?"
                 )
     return sources
+
+
+def _check_slots(
+    files: CheckpointFiles, source: Source, stack: tuple[int, ...], model_name: str
+) -> None:
+    """Raises ``CheckpointError`` unless the files hold one tensor for every slot of the stacked
+    axes ``stack`` of ``source``'s Variable, and none beyond them (an expert count, or with
+    ``scan_layers`` a layer count, that is not the config's)."""
+    if stack == source.stack_shape:
+        return
+    per = "/".join(source.rule.stacked)
+    for slot in itertools.product(*(range(n) for n in stack)):
+        if slot not in source.tensors:
+            raise CheckpointError(
+                f"{files.directory}: missing tensor {source.name(slot)!r} (for Variable "
+                f"{source.path!r} of {model_name}, {' x '.join(map(str, stack))} tensors, one per "
+                f"{per})"
+            )
+    extra = next(n for s, n in source.tensors.items() if any(map(int.__ge__, s, stack)))
+    raise CheckpointError(
+        f"{files.directory / files.tensors[extra].file}: tensor {extra!r} fills no Variable of "
+        f"{model_name} (Variable {source.path!r} stacks {' x '.join(map(str, stack))} tensors, "
+        f"one per {per}); does config.json describe these files?"
+    )
 
 
 def read_part(

@@ -118,6 +118,20 @@ class Source:
             return ()
         return tuple(max(k[i] for k in self.tensors) + 1 for i in range(len(self.rule.stacked)))
 
+    def name(self, slot: tuple[int, ...]) -> str:
+        """The name of the tensor filling stacked ``slot``, whether the files hold it or not.
+
+        Example:
+            >>> rule = TensorRule("layers.{layer}.experts.{expert}.w", "blocks/{layer}/w")
+            >>> Source("blocks/1/w", rule, {(0,): "layers.1.experts.0.w"}).name((5,))
+            'layers.1.experts.5.w'
+        """
+        example = next(iter(self.tensors.values()))
+        found = _pattern(self.rule.tensor).match(example).groupdict()
+        values = {k: int(v) for k, v in found.items()}
+        values.update(zip(self.rule.stacked, slot, strict=True))
+        return self.rule.tensor.format(**values)
+
 
 def _pattern(template: str) -> re.Pattern:
     parts = _FIELD.split(template)  # literal, field, literal, field, ...
@@ -172,11 +186,8 @@ def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, 
         for slot in itertools.product(*(range(n) for n in source.stack_shape)):
             if slot not in source.tensors:
                 example = next(iter(source.tensors.values()))
-                found = _pattern(source.rule.tensor).match(example).groupdict()
-                values = {k: int(v) for k, v in found.items()}
-                values.update(zip(source.rule.stacked, slot, strict=True))
                 raise ValueError(
-                    f"missing tensor {source.rule.tensor.format(**values)!r}: Variable "
+                    f"missing tensor {source.name(slot)!r}: Variable "
                     f"{source.path!r} stacks one tensor per {'/'.join(source.rule.stacked)} "
                     f"({example!r} is one of them)"
                 )
