@@ -16,6 +16,10 @@ What the outside code does that a checkpoint's config does not say:
 - tunix's Llama 3 computes RoPE with theta 1e6 whatever ``rope_theta`` is (Llama 3's is 500000),
   and no scaling; its loader reads the safetensors header itself and assumes one dtype a file.
 `bonsai_qwen3` and `tunix_llama` refuse a checkpoint whose RoPE their model would not compute.
+
+`vendored/bonsai_gpt_oss_modeling.py` (bonsai's gpt-oss, an unmerged pull request) is not
+loaded from a checkpoint here: `bonsai_gpt_oss` builds it small with random weights for
+tests/test_gpt_oss_pipeline.py, which pipelines it as written.
 """
 
 import contextlib

@@ -47,7 +47,7 @@ def tiny_gpt_oss(config: modeling.GptOssConfig, seed: int = 0) -> modeling.GptOs
 
     Example:
         >>> model = tiny_gpt_oss(tiny_config(layers=1))
-        >>> float(jnp.abs(model.model.layers[0].mlp.experts.down_proj[...]).max()) > 0
+        >>> bool((model.model.layers[0].mlp.experts.down_proj[...] != 0).all())
         True
     """
     model = modeling.GptOssForCausalLM(config, rngs=nnx.Rngs(seed))

@@ -2,7 +2,9 @@
 # bonsai/models/gpt_oss/modeling.py at commit 782188664fd81091d63bd505002b2d8113b45ff2
 # (pull request #166, "intial commit for gpt_oss", unmerged; #165 holds the same file). The file
 # carries no licence header of its own; the repository is under the Apache License 2.0.
-# Edits: none; it runs as written on jax 0.10.2 / flax 0.12.8.
+# Edits: none; it runs as written on jax 0.10.2 / flax 0.12.8 (its `.value` reads warn there,
+# DeprecationWarning; tests/outside/bonsai_gpt_oss.py silences them). Its params.py (a
+# safetensors loader) is not copied: the tests build the model with random weights.
 # Excluded from ruff in pyproject.toml so that it stays as written there.
 
 import jax
