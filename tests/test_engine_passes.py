@@ -198,6 +198,28 @@ def test_join_consumers_returns_new_levels_and_leaves_its_input(tasks):
     assert level[3] >= before[3]  # the seed joins its backward readers' level
 
 
+def test_a_zero_gradient_runs_in_its_tasks_first_forward_stage(tasks):
+    """The gradient of a parameter on A that the loss never reads is a zero array made from a
+    constant, read by nothing in the region (only the microbatch sum): it runs in A's forward
+    stage, not after A's backward pass as a third stage on A (gpt-oss's unused attention
+    sinks)."""
+    a, bt = tasks
+    b = Builder()
+    x, pa, pb = b.input(), b.input(), b.input()
+    f0 = b.op("mul", x, pa)
+    loss = b.op("reduce_sum", b.op("mul", f0, pb))
+    seed = b.op("broadcast_in_dim", backward=True)
+    g1 = b.op("mul", seed, pb, backward=True)
+    dpb = b.op("mul", seed, f0, backward=True)
+    dpa = b.op("mul", g1, x, backward=True)
+    zero = b.op("broadcast_in_dim")  # no operands, not marked backward: nnx.grad's zeros
+    graph = b.outputs(loss, dpa, dpb, zero)
+    op_tasks = [a, bt, bt, bt, bt, bt, a, a]
+    frags, stage_tasks = stage_fragments(graph, graph.ops, op_tasks, [])
+    assert stage_tasks == [a, bt]
+    assert [op.index for op in frags[("F", 0)].ops] == [0, 7]
+
+
 def test_chain_check_names_the_depth_and_tasks(tasks):
     a, bt = tasks
     c = mm.Task("C", mesh=mm.TaskMesh(devices=[2]))

@@ -25,6 +25,10 @@ What the outside code does that a checkpoint's config does not say:
   stacks over every file).
 `bonsai_qwen3`, `tunix_llama` and `tunix_qwen3_moe` refuse a checkpoint whose RoPE their model
 would not compute, and `tunix_qwen3_moe` one whose dense layers or routing it would not.
+
+`vendored/bonsai_gpt_oss_modeling.py` (bonsai's gpt-oss, an unmerged pull request) is not
+loaded from a checkpoint here: `bonsai_gpt_oss` builds it small with random weights for
+tests/test_gpt_oss_pipeline.py, which pipelines it as written.
 """
 
 import contextlib

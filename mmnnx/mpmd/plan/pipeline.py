@@ -560,7 +560,8 @@ def join_consumers(
     """An op that reads only values from outside the region (parameters, the batch, labels) on its
     task belongs to the stage of its consumers, not to depth 0: a later stage's parameter reshapes
     and label slices run in that stage, and so does the loss's backward seed. A forward op with
-    forward readers follows those only (its backward readers are residual uses).
+    forward readers follows those only (its backward readers are residual uses); one that no op
+    of the region reads runs in its task's first forward stage.
 
     Returns the new levels (``levels_in`` is left as it was) and the ops read by the backward
     pass only ("late": they run with their backward readers)."""
@@ -592,6 +593,24 @@ def join_consumers(
         bounds = [level[c.index] - (op_tasks[c.index] != task) for c in readers]
         if bounds:
             level[op.index] = max(level[op.index], min(bounds))
+    # A forward op no op of the region reads (the zero gradient of a parameter the loss does not
+    # use, read only by the microbatch sum) runs in its task's first forward stage: left after
+    # its task's backward pass, it would seem a forward stage of its own there.
+    unread = {
+        op.index
+        for op in region
+        if op.index in local
+        and not op.backward
+        and not any(c.index in inside for v in op.outs for c in consumers.get(v, ()))
+    }
+    first: dict[Task, int] = {}
+    for op in region:
+        if not op.backward and op.index not in unread:
+            task = op_tasks[op.index]
+            first[task] = min(first.get(task, level[op.index]), level[op.index])
+    for op in region:
+        if op.index in unread and op_tasks[op.index] in first:
+            level[op.index] = first[op_tasks[op.index]]
     return level, late
 
 

@@ -1,0 +1,120 @@
+"""bonsai's gpt-oss (tests/outside/bonsai_gpt_oss.py, an unmerged jax-ml/bonsai pull request) as
+written, pipelined: its 4 decoder layers cut by ``mm.stage_rules(blocks="model.layers")`` over 2
+tasks of 2x2 devices (experts on one mesh axis, their hidden axis on the other) and over 4 tasks
+of 2 devices (experts on the mesh's one axis), its logits, loss, gradients and parameters after 2
+AdamW steps, with and without ``mm.microbatch`` under 1F1B, equal to the same model on one
+device."""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from tests.oracle import params_close
+from tests.outside import bonsai_gpt_oss as gpt_oss
+
+LR = 3e-3
+CONFIG = gpt_oss.tiny_config(layers=4, experts=4)
+TOKENS = jax.random.randint(jax.random.key(1), (8, 7), 0, CONFIG.vocab_size)
+
+
+def tasks_of(num_tasks: int) -> tuple[list[mm.Task], str | None]:
+    """``num_tasks`` tasks on disjoint devices of the 8, and the axis the experts' hidden axis
+    goes on (2 tasks: 2x2 meshes ``("expert", "model")``; 4 tasks: 2 devices ``("expert",)``)."""
+    per = 8 // num_tasks
+    shape = {4: ((2, 2), ("expert", "model")), 2: ((2,), ("expert",))}[per]
+    tasks = [
+        mm.Task(
+            f"t{i}",
+            mesh=mm.TaskMesh(
+                devices=range(per * i, per * (i + 1)), axis_sizes=shape[0], axis_names=shape[1]
+            ),
+        )
+        for i in range(num_tasks)
+    ]
+    return tasks, "model" if per == 4 else None
+
+
+def loss_fn(model, tokens):
+    """Next-token cross-entropy of bonsai's logits."""
+    logits = gpt_oss.logits(model, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def train_step(microbatches: int | None):
+    """A step (for ``mm.jit``) returning the loss and the gradients after an AdamW update;
+    over ``microbatches`` under 1F1B when given."""
+
+    def step(model, opt, tokens):
+        grad_fn = nnx.value_and_grad(loss_fn)
+        if microbatches is not None:
+            grad_fn = mm.microbatch(grad_fn, num=microbatches, reduce="mean", schedule="1f1b")
+        loss, grads = grad_fn(model, tokens)
+        opt.update(model, grads)
+        return loss, grads
+
+    return step
+
+
+@functools.cache  # one oracle for every layout
+def one_device() -> tuple:
+    """The tiny gpt-oss on one device: the model after 2 AdamW steps, its logits before them
+    and each step's ``(loss, grads)``."""
+
+    @nnx.jit
+    def reference_step(model, opt, tokens):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+        opt.update(model, grads)
+        return loss, grads
+
+    ref = gpt_oss.tiny_gpt_oss(CONFIG)
+    logits = nnx.jit(gpt_oss.logits)(ref, TOKENS)
+    opt = nnx.Optimizer(ref, optax.adamw(LR), wrt=nnx.Param)
+    return ref, logits, [reference_step(ref, opt, TOKENS) for _ in range(2)]
+
+
+def close_to_max(a, b):
+    """Each leaf of ``a`` equal to ``b``'s to 1e-5 of ``b``'s largest magnitude."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * max(np.abs(y).max(), 1e-30))
+
+
+def placed(num_tasks: int) -> tuple[nnx.Module, list[mm.Task]]:
+    """The tiny gpt-oss (the oracle's weights: the same seed) placed over ``num_tasks`` tasks by
+    ``mm.stage_rules`` with the experts' specs, and the tasks; checks where each layer's experts
+    went."""
+    tasks, model_axis = tasks_of(num_tasks)
+    model = gpt_oss.tiny_gpt_oss(CONFIG)
+    stages = mm.stage_rules(model, tasks, blocks="model.layers", report=False)
+    spec = gpt_oss.expert_spec(model_axis)
+    model = mm.place(model, [(regex, task, spec) for regex, task in stages])
+    per_task = CONFIG.num_hidden_layers // num_tasks
+    for i, layer in enumerate(model.model.layers):
+        down = layer.mlp.experts.down_proj
+        assert set(down.get_value().devices()) == set(tasks[i // per_task].jax_mesh.devices.flat)
+        assert down.get_value().sharding.spec == spec("down_proj", down)
+    return model, tasks
+
+
+@pytest.mark.parametrize(("num_tasks", "microbatches"), [(2, None), (2, 2), (4, None), (4, 4)])
+def test_gpt_oss_trains_pipelined_as_placed_and_matches_one_device(num_tasks, microbatches):
+    model, tasks = placed(num_tasks)
+    ref, ref_logits, ref_steps = one_device()
+    if microbatches is None:  # the forward pass alone, once per layout
+        close_to_max(mm.jit(gpt_oss.logits)(model, TOKENS), ref_logits)
+
+    opt = nnx.Optimizer(model, optax.adamw(LR), wrt=nnx.Param)
+    step = mm.jit(train_step(microbatches))
+    if microbatches is not None:
+        stage_tasks = step.plan(model, opt, TOKENS).pipeline.stage_tasks
+        assert [t.name for t in stage_tasks] == [t.name for t in tasks]
+    for ref_loss, ref_grads in ref_steps:
+        loss, grads = step(model, opt, TOKENS)
+        close_to_max(loss, ref_loss)
+        close_to_max(grads, ref_grads)
+    params_close(model, ref, ref_steps[0][1], steps=2, lr=LR)
