@@ -26,12 +26,14 @@ bench: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/dispatch.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/pipeline.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/memory.py
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/lora_memory.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/scan_layers.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/init.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/first_call.py
 	$(PY) benchmarks/packed_reads.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/precision.py
 	$(PY) benchmarks/multiprocess.py
+	$(PY) benchmarks/pretrained_load.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -141,6 +141,11 @@ def test_help_documents_every_flag(capsys):
         "--vocab-size",
         "--wandb",
         "--wandb-name",
+        "--gated-mlp",
+        "--init-from",
+        "--lora-rank",
+        "--lora-alpha",
+        "--lora-targets",
     ]:
         assert flag in out
 

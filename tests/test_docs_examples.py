@@ -1,7 +1,12 @@
 """The docs' examples that build the reference GPT outside a mesh run as written."""
 
+import json
 import pathlib
 import re
+import shlex
+import sys
+import tomllib
+import types
 
 import pytest
 from flax import nnx
@@ -24,3 +29,68 @@ def test_gpt_examples_outside_a_mesh_run_as_written(doc, capsys):
         exec(compile(block, doc, "exec"), {"mm": mm, "nnx": nnx})  # the doc's own imports
     if doc == "docs/training.md":
         assert capsys.readouterr().out == "(1, 8)\n"
+
+
+def test_pretrained_examples_run_as_written(monkeypatch, capsys):
+    # `from bonsai.models.qwen3 import modeling` finds the vendored copy of that very file
+    from tests.outside.vendored import bonsai_qwen3_modeling
+
+    for name in ("bonsai", "bonsai.models", "bonsai.models.qwen3"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["bonsai.models.qwen3"].modeling = bonsai_qwen3_modeling
+    monkeypatch.setitem(sys.modules, "bonsai.models.qwen3.modeling", bonsai_qwen3_modeling)
+    blocks = blocks_with("docs/pretrained.md", "")
+    assert len(blocks) == 2
+    namespace = {}
+    for block in blocks:  # one after the other, as a reader runs them
+        exec(compile(block, "docs/pretrained.md", "exec"), namespace)
+    assert capsys.readouterr().out == "(1, 8, 256)\n(1, 8, 256) True\n"
+
+
+def claimed_outputs(code: str) -> list[str]:
+    """What a block says each ``print`` shows: the comment after it on its line, or on the
+    line below."""
+    lines = code.splitlines()
+    claims = []
+    for i, line in enumerate(lines):
+        if line.startswith("print("):
+            after = line.split("  # ", 1)[1] if "  # " in line else lines[i + 1].removeprefix("# ")
+            claims.append(after)
+    return claims
+
+
+def test_the_fine_tuning_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
+    """docs/training.md's "Fine-tuning a Hugging Face checkpoint": its Python blocks and its
+    `mmnnx` commands, in order, in an empty directory; then the files it says each wrote."""
+    from mmnnx.cli import main
+
+    text = (ROOT / "docs/training.md").read_text()
+    section = text.split("## Fine-tuning a Hugging Face checkpoint\n", 1)[1].split("\n## ")[0]
+    blocks = re.findall(r"```(python|bash)\n(.*?)```", section, flags=re.S)
+    assert [language for language, _ in blocks] == ["python", "bash", "python"]
+    monkeypatch.chdir(tmp_path)
+    printed = []
+    for language, code in blocks:
+        if language == "python":
+            exec(compile(code, "docs/training.md", "exec"), {})
+            printed += claimed_outputs(code)
+            continue
+        for command in code.replace("\\\n", " ").splitlines():
+            argv = shlex.split(command)
+            assert argv[0] == "mmnnx", command
+            assert main(argv[1:]) == 0, command
+    out = capsys.readouterr().out
+    assert printed and all(line in out for line in printed), (printed, out[-2000:])
+    run = tmp_path / "runs" / "tiny-lora"
+    saved = tomllib.loads((run / "config.toml").read_text())["model"]
+    assert saved["init_from"] == "tiny-llama" and saved["lora_rank"] == 8
+    tokenizer = {p.name for p in (run / "tokenizer").iterdir()}
+    assert tokenizer == {"tokenizer.json", "hf_tokenizer.json"}
+    assert {p.name for p in (run / "checkpoints" / "6").iterdir()} >= {"model", "opt", "extra"}
+    for name in ("metrics.jsonl", "loss.png", "timeline.png"):
+        assert (run / name).is_file(), name
+    adapter = json.loads((tmp_path / "tiny-llama-lora" / "adapter_config.json").read_text())
+    assert adapter["r"] == 8 and adapter["base_model_name_or_path"] == "tiny-llama"
+    merged = json.loads((tmp_path / "tiny-llama-merged" / "config.json").read_text())
+    assert merged["torch_dtype"] == "bfloat16"
+    assert (tmp_path / "tiny-llama-merged" / "tokenizer.json").is_file()

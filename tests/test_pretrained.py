@@ -213,3 +213,25 @@ def test_save_pretrained_needs_an_architecture_and_a_dtype_safetensors_holds(tmp
     with pytest.raises(CheckpointError, match="written in float32, bfloat16"):
         save_pretrained(model, tmp_path / "b", architecture=LLAMA, dtype=jnp.int8)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_save_failing_as_it_renames_into_place_keeps_the_earlier_one(
+    checkpoints, tmp_path, monkeypatch
+):
+    import pathlib
+
+    model = from_pretrained(checkpoints[LLAMA, False, "float32"])
+    out = save_pretrained(model, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    rename = pathlib.Path.rename
+
+    def failing(self, target):
+        if self.name.endswith(".partial"):
+            raise OSError(f"cannot rename {self}")
+        return rename(self, target)
+
+    monkeypatch.setattr(pathlib.Path, "rename", failing)
+    with pytest.raises(OSError, match="cannot rename"):
+        save_pretrained(model, out, dtype=jnp.bfloat16, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging, no old copy

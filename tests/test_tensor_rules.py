@@ -229,8 +229,8 @@ def test_reads_only_the_slices_a_process_needs(tmp_path, monkeypatch):
     read = []
     original = CheckpointFiles.read
 
-    def spy(self, name, index=()):
-        part = original(self, name, index)
+    def spy(self, name, index=(), **kwargs):
+        part = original(self, name, index, **kwargs)
         read.append((name, part.size))
         return part
 
@@ -246,3 +246,43 @@ def test_reads_only_the_slices_a_process_needs(tmp_path, monkeypatch):
     assert sorted({size for _, size in read}) == [2, 8]
     assert len(read) == 8 * 4
     assert jax.device_count() == 8
+
+
+def test_read_equals_numpy_indexing_and_transposing_in_small_blocks(tmp_path, monkeypatch):
+    import itertools
+
+    import ml_dtypes
+
+    from mmnnx.models.pretrained import files as files_module
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        "a": rng.standard_normal((7, 5, 3)).astype(np.float32),
+        "b": rng.standard_normal((9, 4)).astype(ml_dtypes.bfloat16),
+        "c": np.arange(10, dtype=np.int64),
+        "d": np.zeros((0, 3), np.float32),
+    }
+    write_shards(tmp_path, tensors)
+    files = CheckpointFiles(tmp_path)
+    monkeypatch.setattr(files_module, "BLOCK_BYTES", 13)  # a block of one or two rows
+    cuts = [slice(None), slice(1, 3), slice(2, None), slice(5, 1)]
+    for name, tensor in tensors.items():
+        for index in [(), *itertools.product(cuts, repeat=tensor.ndim)]:
+            for order in itertools.permutations(range(tensor.ndim)):
+                want = tensor[index].transpose(order)
+                part = files.read(name, index, transpose=order)
+                assert part.dtype == want.dtype and part.shape == want.shape
+                assert part.flags.c_contiguous
+                np.testing.assert_array_equal(part, want, err_msg=f"{name}{index}{order}")
+    with pytest.raises(IndexError, match=r"tensor 'c' \(10,\): read takes up to 1 slices"):
+        files.read("c", (slice(None), slice(None)))
+    with pytest.raises(ValueError, match=r"tensor 'b' \(9, 4\): transpose \(0, 0\) is not"):
+        files.read("b", transpose=(0, 0))
+    with pytest.raises(IndexError, match=r"tensor 'a': read takes slices of step 1"):
+        files.read("a", (slice(0, None, 2),))
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-16])  # cut after opening
+    with pytest.raises(CheckpointError, match=r"model.safetensors: .*incomplete metadata"):
+        files.read("c")
+    with pytest.raises(CheckpointError, match=r"model.safetensors: .*incomplete metadata"):
+        CheckpointFiles(tmp_path)

@@ -1,5 +1,5 @@
-"""The ``mmnnx`` command line (``mmnnx train``, ``generate``, ``launch``): one module per
-command; this one parses and dispatches."""
+"""The ``mmnnx`` command line (``mmnnx train``, ``generate``, ``export``, ``launch``): one
+module per command; this one parses and dispatches."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import argparse
 import pathlib
 from collections.abc import Sequence
 
-from mmnnx.cli import generate, launch, train
-from mmnnx.cli.flags import Parser
+from mmnnx.cli import export, generate, launch, train
+from mmnnx.cli.flags import GIVEN, Parser, given
 from mmnnx.train.config import tables
 from mmnnx.train.options import spec
 from mmnnx.train.run_config import CONFIG_FILE, read_config
@@ -18,7 +18,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, with the flags not given
     taken from ``--config FILE`` and, with ``--resume``, from the run's saved
     ``OUTPUT_DIR/config.toml``, in that order, before the flags' defaults (a bad file:
-    ``ConfigError``).
+    ``ConfigError``). ``mmnnx.cli.flags.given(args)`` names the options set on the command
+    line or in ``--config`` (not those from the resumed run or the defaults).
 
     Example:
         >>> parse_args(["train", "--dim", "64"]).dim
@@ -29,21 +30,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     train_parser = train.add_parser(commands)
     launch.add_parser(commands)
     generate.add_parser(commands)
+    export.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command != "train":
         return args
-    given = read_config(args.config) if args.config else {}
-    if given:
-        train_parser.set_defaults(**given)
+    given_in_file = read_config(args.config) if args.config else {}
+    if given_in_file:
+        train_parser.set_defaults(**given_in_file)
         args = parser.parse_args(argv)
     saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
     if args.resume and saved_file.is_file():
         saved = read_config(saved_file)
         for field in (f for fs in tables().values() for f in fs if not spec(f).from_run):
             saved.pop(field.name, None)
-        train_parser.set_defaults(**{**saved, **given})
+        train_parser.set_defaults(**{**saved, **given_in_file})
         args = parser.parse_args(argv)
         print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
+    setattr(args, GIVEN, given(args) | set(given_in_file))
     return args
 
 
@@ -64,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch.run(args)
     if args.command == "generate":
         return generate.run(args)
+    if args.command == "export":
+        return export.run(args)
     problem = train.check(args)
     if problem:
         return train.error(problem)

@@ -11,10 +11,50 @@ from collections.abc import Iterable
 from mmnnx.train.config import tables
 from mmnnx.train.options import spec
 
+GIVEN = "given_flags"
+"""The attribute of a parsed namespace naming the options set on the command line (or, as
+``mmnnx.cli.parse_args`` adds, in a ``--config`` file), as opposed to left at their defaults."""
+
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _note(namespace: argparse.Namespace, dest: str) -> None:
+    setattr(namespace, GIVEN, given(namespace) | {dest})
+
+
+class _Store(argparse.Action):
+    """argparse's ``store``, noting the option as given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        _note(namespace, self.dest)
+
+
+class _StoreConst(argparse.Action):
+    """argparse's ``store_const`` (a switch), noting the option as given."""
+
+    def __init__(self, option_strings, dest, const=None, default=None, help=None):
+        super().__init__(option_strings, dest, nargs=0, const=const, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const)
+        _note(namespace, self.dest)
+
+
+def given(args: argparse.Namespace) -> frozenset[str]:
+    """The options (by field name) given on the command line parsed into ``args``, not left
+    at their defaults.
+
+    Example:
+        >>> from mmnnx.train.config import RunConfig
+        >>> add_options(parser := Parser(), RunConfig)
+        >>> sorted(given(parser.parse_args(["--dim", "128", "--scan-layers"])))
+        ['dim', 'scan_layers']
+    """
+    return frozenset(getattr(args, GIVEN, frozenset()))
 
 
 def add_fields(group: argparse._ActionsContainer, fields: Iterable[dataclasses.Field]) -> None:
@@ -23,7 +63,7 @@ def add_fields(group: argparse._ActionsContainer, fields: Iterable[dataclasses.F
     for field in fields:
         option = spec(field)
         for flag, (value, help) in option.switches.items():
-            group.add_argument(flag, dest=field.name, action="store_const", const=value, help=help)
+            group.add_argument(flag, dest=field.name, action=_StoreConst, const=value, help=help)
         if option.switches:
             group.set_defaults(**{field.name: field.default})
             continue
@@ -31,6 +71,7 @@ def add_fields(group: argparse._ActionsContainer, fields: Iterable[dataclasses.F
         required = field.default is dataclasses.MISSING
         group.add_argument(
             flag,
+            action=_Store,
             type=None if option.parse is None else functools.partial(option.parse, flag),
             default=None if required else field.default,
             required=required,

@@ -58,8 +58,21 @@ def check(args: argparse.Namespace) -> str | None:
             f"--stages {args.stages} x --data-axis {args.data_axis} x --model-axis "
             f"{args.model_axis} needs {used} devices, but --devices is {args.devices}"
         )
-    if args.depth < args.stages:
-        return f"--depth {args.depth} gives fewer blocks than --stages {args.stages}"
+    problem = _lora_problem(args)
+    if problem:
+        return problem
+    blocks, depth = args.depth, f"--depth {args.depth}"
+    if args.init_from is not None:
+        problem, pretrained = _pretrained(args)
+        if problem:
+            return problem
+        blocks, depth = pretrained.depth, f"--init-from's num_hidden_layers {pretrained.depth}"
+    else:
+        problem = _heads_problem(args)
+        if problem:
+            return problem
+    if blocks < args.stages:
+        return f"{depth} gives fewer blocks than --stages {args.stages}"
     v, name = args.virtual_stages, args.schedule
     placement = None if name == "auto" else registered(name).placement
     if placement is Placement.V_SHAPED and v != 2:
@@ -74,25 +87,15 @@ def check(args: argparse.Namespace) -> str | None:
         )
     if v > 1 and args.scan_layers:
         return f"--virtual-stages {v} needs the blocks as a list: leave out --scan-layers"
-    if args.depth < args.stages * v:
+    if blocks < args.stages * v:
         return (
-            f"--depth {args.depth} gives fewer blocks than --stages {args.stages} x "
-            f"--virtual-stages {v} stages"
+            f"{depth} gives fewer blocks than --stages {args.stages} x --virtual-stages {v} stages"
         )
-    if args.scan_layers and args.depth % args.stages:
+    if args.scan_layers and blocks % args.stages:
         return (
-            f"--scan-layers splits --depth {args.depth} blocks into equal chunks, one per stage; "
+            f"--scan-layers splits {depth} blocks into equal chunks, one per stage; "
             f"--stages {args.stages} does not divide it"
         )
-    if args.dim % args.heads:
-        return f"--dim {args.dim} is not divisible by --heads {args.heads}"
-    if (args.dim // args.heads) % 2:
-        return (
-            f"--dim {args.dim} / --heads {args.heads} gives heads of {args.dim // args.heads} "
-            "dimensions; rotary position embeddings need an even head size"
-        )
-    if args.heads % args.model_axis:
-        return f"--heads {args.heads} is not divisible by --model-axis {args.model_axis}"
     if args.batch_size % args.microbatches:
         return (
             f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}"
@@ -137,6 +140,78 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _heads_problem(args: argparse.Namespace) -> str | None:
+    """Heads ``--dim`` cannot be cut into, or ``--model-axis`` cannot shard, or None."""
+    if args.dim % args.heads:
+        return f"--dim {args.dim} is not divisible by --heads {args.heads}"
+    if (args.dim // args.heads) % 2:
+        return (
+            f"--dim {args.dim} / --heads {args.heads} gives heads of {args.dim // args.heads} "
+            "dimensions; rotary position embeddings need an even head size"
+        )
+    if args.heads % args.model_axis:
+        return f"--heads {args.heads} is not divisible by --model-axis {args.model_axis}"
+    return None
+
+
+def _lora_problem(args: argparse.Namespace) -> str | None:
+    """A LoRA option given without ``--lora-rank``, or None."""
+    if args.lora_rank is None:
+        options = (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets))
+        for flag, value in options:
+            if value is not None:
+                return f"{flag} needs --lora-rank R"
+    return None
+
+
+def _pretrained(args: argparse.Namespace) -> tuple[str | None, Any]:
+    """The first problem of ``--init-from`` (an architecture flag given with it, a directory
+    mmnnx cannot build, no tokenizer, sizes the layout cannot shard) and the ``GPTConfig``
+    of its ``config.json``."""
+    from mmnnx.cli.flags import given  # noqa: PLC0415
+    from mmnnx.models import CheckpointError, pretrained_config  # noqa: PLC0415
+    from mmnnx.models.pretrained.files import TOKENIZER  # noqa: PLC0415
+    from mmnnx.train.config import ARCHITECTURE  # noqa: PLC0415
+    from mmnnx.train.tokenizers import HFTokenizer  # noqa: PLC0415
+
+    conflicting = [name for name in ARCHITECTURE if name in given(args)]
+    if conflicting:
+        flag = "--" + conflicting[0].replace("_", "-")
+        return (
+            f"{flag} conflicts with --init-from: the architecture and tokenizer come from "
+            f"{args.init_from}/config.json and tokenizer.json"
+        ), None
+    try:
+        config = pretrained_config(args.init_from)
+    except CheckpointError as e:
+        return f"--init-from: {e}", None
+    tokenizer = pathlib.Path(args.init_from, TOKENIZER)
+    if not tokenizer.is_file():
+        return (
+            f"--init-from: {tokenizer} does not exist; mmnnx train reads the text with the "
+            "checkpoint's own tokenizer"
+        ), None
+    try:
+        tokens = HFTokenizer.from_file(tokenizer).vocab_size
+    except (OSError, ValueError) as e:
+        return f"--init-from: {e}", None
+    if tokens > config.vocab_size:
+        return (
+            f"--init-from: {tokenizer} has {tokens} tokens, more than the model's vocab_size "
+            f"{config.vocab_size} (config.json): its ids would fall outside the embedding table"
+        ), None
+    for name, size in (
+        ("num_attention_heads", config.num_heads),
+        ("num_key_value_heads", config.num_kv_heads or config.num_heads),
+        ("vocab_size", config.vocab_size),
+    ):
+        if size % args.model_axis:
+            return (
+                f"--init-from's {name} {size} is not divisible by --model-axis {args.model_axis}"
+            ), None
+    return None, config
+
+
 def run(args: argparse.Namespace) -> int:
     """``mmnnx train`` with the flags ``args`` (checked): 0 when trained, 1 when the loss is no
     longer finite, 2 for an input error found only now (one line on stderr)."""
@@ -144,19 +219,23 @@ def run(args: argparse.Namespace) -> int:
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
     import jax  # noqa: PLC0415  (after XLA_FLAGS)
-    from flax import nnx  # noqa: PLC0415
 
     import mmnnx as mm  # noqa: PLC0415
 
     mm.distributed.initialize()  # under `mmnnx launch` or a cluster; a no-op alone
     from mmnnx.errors import NoCandidateError  # noqa: PLC0415
-    from mmnnx.models import GPT  # noqa: PLC0415
-    from mmnnx.models.stages import stage_rules  # noqa: PLC0415
+    from mmnnx.models import CheckpointError  # noqa: PLC0415
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
-    from mmnnx.train.config import gpt_config, train_config  # noqa: PLC0415
+    from mmnnx.train.config import ARCHITECTURE, train_config  # noqa: PLC0415
     from mmnnx.train.data import EMBEDDED, TextDataset  # noqa: PLC0415
     from mmnnx.train.generation import continue_text, run_tasks  # noqa: PLC0415
     from mmnnx.train.loop import fit  # noqa: PLC0415
+    from mmnnx.train.run_model import (  # noqa: PLC0415
+        build_model,
+        model_config,
+        run_placement,
+        trainable,
+    )
     from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
 
     checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
@@ -174,8 +253,9 @@ def run(args: argparse.Namespace) -> int:
             f"only {len(jax.devices())} devices are available{where}; --stages {args.stages} x "
             f"--data-axis {args.data_axis} x --model-axis {args.model_axis} needs {needed}"
         )
+    any_step = False
     if args.resume:
-        latest, any_step = None, False
+        latest = None
         if checkpoints.is_dir():
             with ck.Checkpointer(checkpoints) as ckpt:
                 latest = ckpt.latest_step()
@@ -204,29 +284,31 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         return error(str(e))
     tasks = run_tasks(args.stages, args.data_axis, args.model_axis)
-    config = gpt_config(vars(args), tokenizer.vocab_size)
-
-    def factory():
-        return GPT(config, rngs=nnx.Rngs(args.seed))
-
+    options = vars(args)
+    if args.init_from is not None:  # the checkpoint's architecture, not the flags' defaults
+        options = {k: v for k, v in options.items() if k not in ARCHITECTURE}
+    config = model_config(options, tokenizer.vocab_size)
+    placement = run_placement(
+        config, tasks, virtual_stages=args.virtual_stages, schedule=args.schedule, report=True
+    )
+    try:  # a run resumed from a checkpoint takes its weights from there, not from --init-from
+        model = build_model(options, config, placement, weights=not any_step)
+    except CheckpointError as e:
+        return error(f"--init-from: {e}")
+    recorded = resolved_config(options)
     if jax.process_index() == 0:
         tokenizer.save(pathlib.Path(args.output_dir, "tokenizer"))
-        write_config(pathlib.Path(args.output_dir, CONFIG_FILE), resolved_config(vars(args)))
-    v_shaped = args.schedule != "auto" and registered(args.schedule).placement is Placement.V_SHAPED
-    with nnx.use_eager_sharding(False):
-        placement = stage_rules(
-            nnx.eval_shape(factory),
-            tasks,
-            virtual_stages=args.virtual_stages,
-            order="v" if v_shaped else "loop",
-        )
-    model = mm.init(factory, placement)
+        write_config(pathlib.Path(args.output_dir, CONFIG_FILE), recorded)
     table = mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2)
     if jax.process_index() == 0:
         print(table)
     try:
         result = fit(
-            model, dataset, train_config(vars(args)), wandb_config=resolved_config(vars(args))
+            model,
+            dataset,
+            train_config(options),
+            trainable=trainable(options),
+            wandb_config=recorded,
         )
     except (
         ck.CheckpointMismatchError,
@@ -253,22 +335,35 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
-    """The run's tokenizer: bytes; with --resume, the one saved under OUTPUT_DIR/tokenizer;
-    else a BPE trained on ``sources`` (streamed) by every process, checked to be the same (no
-    process waits for another's training, however long it takes)."""
+    """The run's tokenizer: with --resume, the one saved under OUTPUT_DIR/tokenizer; with
+    --init-from, the checkpoint's tokenizer.json; bytes; else a BPE trained on ``sources``
+    (streamed) by every process, checked to be the same (no process waits for another's
+    training, however long it takes)."""
     from mmnnx.distributed.agree import check_same_everywhere  # noqa: PLC0415
     from mmnnx.train.corpus import text_chunks  # noqa: PLC0415
-    from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, load_tokenizer  # noqa: PLC0415
+    from mmnnx.train.tokenizers import (  # noqa: PLC0415
+        BPETokenizer,
+        ByteTokenizer,
+        HFTokenizer,
+        load_tokenizer,
+    )
 
     saved = pathlib.Path(args.output_dir, "tokenizer")
     if args.resume and saved.is_dir():
         tokenizer = load_tokenizer(saved)
-        if tokenizer.name != args.tokenizer:
+        if args.init_from is not None and tokenizer.name != HFTokenizer.name:
+            raise ValueError(
+                f"--init-from: the run in {args.output_dir} was trained from scratch with "
+                f"--tokenizer {tokenizer.name} (saved in {saved})"
+            )
+        if args.init_from is None and tokenizer.name != args.tokenizer:
             raise ValueError(
                 f"--tokenizer {args.tokenizer}: the run in {args.output_dir} was trained with "
                 f"--tokenizer {tokenizer.name} (saved in {saved})"
             )
         return tokenizer
+    if args.init_from is not None:
+        return HFTokenizer.from_file(pathlib.Path(args.init_from, "tokenizer.json"))
     if args.tokenizer == "bytes":
         return ByteTokenizer()
     import hashlib  # noqa: PLC0415

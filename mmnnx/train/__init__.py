@@ -22,7 +22,13 @@ from mmnnx.train.data import TextDataset, embedded_text, load_text
 from mmnnx.train.generation import LoadedRun, RunError, continue_text, load_run
 from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
 from mmnnx.train.run_config import ConfigError, read_config, resolved_config, write_config
-from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from mmnnx.train.tokenizers import (
+    BPETokenizer,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 from mmnnx.train.wandb_writer import WandbStartError, WandbWriter
 
 __all__ = [
@@ -34,6 +40,7 @@ __all__ = [
     "ConfigError",
     "Checkpointer",
     "FitResult",
+    "HFTokenizer",
     "LoadedRun",
     "NoReadableCheckpointError",
     "Resumed",

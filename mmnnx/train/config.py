@@ -9,11 +9,21 @@ from collections.abc import Mapping
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
+from mmnnx.modules.lora import TARGETS
 from mmnnx.mpmd.lower.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.train.loop import TrainConfig
-from mmnnx.train.options import finite, integer, option, positive, spec, step_range, switch
+from mmnnx.train.options import (
+    finite,
+    integer,
+    names,
+    option,
+    positive,
+    spec,
+    step_range,
+    switch,
+)
 
 T, G = TrainConfig, GPTConfig  # whose defaults the options feeding them take
 
@@ -53,6 +63,45 @@ class Model:
         "deep models (more than 32 blocks unrolled warn)",
     )
     seq_len: int = count(64, "tokens per sequence", api="max_seq_len")
+    gated_mlp: bool = switch(
+        "--gated-mlp",
+        "a SiLU-gated MLP without biases (Llama's and Qwen3's) instead of GELU with biases: a "
+        "run so trained exports as LlamaForCausalLM (mmnnx export)",
+    )
+    init_from: str | None = option(
+        None,
+        "fine-tune a Hugging Face checkpoint directory (LlamaForCausalLM or Qwen3ForCausalLM): "
+        "its config.json gives the architecture (no --dim, --depth, --heads, --gated-mlp, "
+        "--tokenizer, --vocab-size with it), its safetensors the weights, read straight onto "
+        "the stages, its tokenizer.json the tokenizer",
+        metavar="HF_DIR",
+    )
+    lora_rank: int | None = option(
+        None,
+        "train LoRA adapters of this rank only (mm.modules.add_lora), every other parameter "
+        "frozen: no gradients, no optimizer state",
+        positive,
+        metavar="R",
+    )
+    lora_alpha: float | None = option(
+        None,
+        "with --lora-rank: the adapters' alpha, their update scaled by alpha / R (default R)",
+        finite(positive=True),
+        metavar="A",
+    )
+    lora_targets: tuple[str, ...] | None = option(
+        None,
+        f"with --lora-rank: the projections adapted, comma-separated among {','.join(TARGETS)} "
+        "(default: all)",
+        names(TARGETS),
+        metavar="NAMES",
+        text=",".join,
+    )
+
+
+ARCHITECTURE = ("dim", "depth", "heads", "gated_mlp", "vocab_size", "tokenizer")
+"""The options that describe a model trained from scratch, which ``--init-from`` takes from the
+checkpoint instead (given with it: an error; not recorded in its ``config.toml``)."""
 
 
 @dataclasses.dataclass
@@ -259,5 +308,7 @@ def gpt_config(values: Mapping[str, Any], vocab_size: int) -> GPTConfig:
     """
     shards = int(values.get("model_axis") or 1)
     sizes = _arguments(values, GPTConfig)
+    if sizes.get("gated_mlp"):
+        sizes["mlp_bias"] = False  # Llama's MLP
     sizes["vocab_size"] = -(-vocab_size // shards) * shards  # not the option: that is the BPE's
     return GPTConfig(**sizes)

@@ -10,14 +10,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
-from mmnnx.models import GPT
-from mmnnx.models.stages import stage_rules
-from mmnnx.sharding import MultiMesh, Task, init, logical_rules
+from mmnnx.models import GPT, GPTConfig
+from mmnnx.models.pretrained import CheckpointError
+from mmnnx.sharding import MultiMesh, Task, logical_rules
 from mmnnx.train.checkpoint import Checkpointer
-from mmnnx.train.config import gpt_config
 from mmnnx.train.run_config import CONFIG_FILE
+from mmnnx.train.run_model import build_model, model_config, run_placement
 from mmnnx.train.tokenizers import Tokenizer, load_tokenizer
 
 LAYOUTS = ("one-device", "run")
@@ -87,23 +86,26 @@ def run_tasks(stages: int, data_axis: int, model_axis: int) -> list[Task]:
     ]
 
 
-def load_run(run_dir: str | pathlib.Path, *, layout: str = "one-device") -> LoadedRun:
-    """The model of the run ``mmnnx train`` wrote into ``run_dir``, restored from its newest
-    readable checkpoint, on one device or on the run's own tasks (``layout``, one of
-    :data:`LAYOUTS`); checkpoints restore across layouts.
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """What a run directory says of its model, before anything is built: its flags
+    (``config.toml``'s tables merged), tokenizer, ``GPTConfig`` and checkpoint directory."""
+
+    directory: pathlib.Path
+    flags: dict[str, Any]
+    tokenizer: Tokenizer
+    config: GPTConfig
+    checkpoints: pathlib.Path
+
+
+def read_run(run_dir: str | pathlib.Path) -> RunSpec:
+    """The :class:`RunSpec` of the run ``mmnnx train`` wrote into ``run_dir`` (its
+    architecture from ``--init-from``'s ``config.json`` for a fine-tuning run).
 
     Raises:
-        RunError: no ``config.toml``, tokenizer or checkpoint in the run, or too few devices
-            for the run's layout.
-        CheckpointMismatchError: the newest checkpoint holds another model than the config says.
-
-    Example (after ``mmnnx train --output-dir runs/demo``)::
-
-        run = load_run("runs/demo")
-        print(continue_text(run.model, run.tokenizer, "In the beginning", 40))
+        RunError: no ``config.toml``, tokenizer or checkpoint directory, or an ``--init-from``
+            checkpoint that is gone or unreadable.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     flags = read_run_flags(run_dir)
     try:
         tokenizer = load_tokenizer(pathlib.Path(run_dir, "tokenizer"))
@@ -112,11 +114,43 @@ def load_run(run_dir: str | pathlib.Path, *, layout: str = "one-device") -> Load
     checkpoints = pathlib.Path(flags.get("checkpoint_dir") or pathlib.Path(run_dir, "checkpoints"))
     if not checkpoints.is_dir():
         raise RunError(f"no checkpoint in {run_dir}: {checkpoints} does not exist")
-    config = gpt_config(flags, tokenizer.vocab_size)
+    try:
+        config = model_config(flags, tokenizer.vocab_size)
+    except CheckpointError as e:
+        raise RunError(f"the run's --init-from: {e}") from None
+    return RunSpec(
+        directory=pathlib.Path(run_dir),
+        flags=flags,
+        tokenizer=tokenizer,
+        config=config,
+        checkpoints=checkpoints,
+    )
 
-    def factory() -> GPT:
-        return GPT(config, rngs=nnx.Rngs(0))
 
+def load_run(
+    run_dir: str | pathlib.Path | RunSpec, *, layout: str = "one-device", step: int | None = None
+) -> LoadedRun:
+    """The model of the run ``mmnnx train`` wrote into ``run_dir`` (or of a :class:`RunSpec`
+    read from it), restored from its newest readable checkpoint (or from ``step``), on one
+    device or on the run's own tasks (``layout``, one of :data:`LAYOUTS`); checkpoints restore
+    across layouts. A fine-tuning run's model is rebuilt from its ``--init-from`` config (not
+    its weights: the checkpoint holds them) with its LoRA adapters.
+
+    Raises:
+        RunError: no ``config.toml``, tokenizer or checkpoint in the run (or no ``step``), or
+            too few devices for the run's layout.
+        CheckpointMismatchError: the checkpoint holds another model than the config says.
+
+    Example (after ``mmnnx train --output-dir runs/demo``)::
+
+        run = load_run("runs/demo")
+        print(continue_text(run.model, run.tokenizer, "In the beginning", 40))
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    spec = run_dir if isinstance(run_dir, RunSpec) else read_run(run_dir)
+    flags = spec.flags
+    placement = None
     if layout == "run":
         stages, data, model_axis = (flags.get(k, 1) for k in ("stages", "data_axis", "model_axis"))
         if stages * data * model_axis > len(jax.devices()):
@@ -124,19 +158,22 @@ def load_run(run_dir: str | pathlib.Path, *, layout: str = "one-device") -> Load
                 f"the run's layout ({stages} stages x {data} x {model_axis}) needs "
                 f"{stages * data * model_axis} devices; {len(jax.devices())} are available"
             )
-        tasks = run_tasks(stages, data, model_axis)
-        with nnx.use_eager_sharding(False):
-            placement = stage_rules(nnx.eval_shape(factory), tasks, report=False)
-        model = init(factory, placement)
-    else:
-        with nnx.use_eager_sharding(False):
-            model = factory()
-    with Checkpointer(checkpoints) as ckpt:
-        try:
-            resumed = ckpt.restore_newest_readable(model=model)
-        except FileNotFoundError:
-            raise RunError(f"no checkpoint in {checkpoints}") from None
-    return LoadedRun(model=model, tokenizer=tokenizer, step=resumed.step, flags=flags)
+        placement = run_placement(spec.config, run_tasks(stages, data, model_axis))
+    with Checkpointer(spec.checkpoints) as ckpt:
+        if step is not None and step not in ckpt.all_steps():
+            raise RunError(
+                f"no checkpoint of step {step} in {spec.checkpoints} (steps saved: "
+                f"{', '.join(map(str, ckpt.all_steps())) or 'none'})"
+            )
+        model = build_model(flags, spec.config, placement, weights=False)
+        if step is not None:
+            ckpt.restore(step, model=model)
+        else:
+            try:
+                step = ckpt.restore_newest_readable(model=model).step
+            except FileNotFoundError:
+                raise RunError(f"no checkpoint in {spec.checkpoints}") from None
+    return LoadedRun(model=model, tokenizer=spec.tokenizer, step=step, flags=flags)
 
 
 def continue_text(
@@ -153,6 +190,7 @@ def continue_text(
     (``GPT.generate``), decoded with ``tokenizer``.
 
     Example:
+        >>> from flax import nnx
         >>> from mmnnx.models import GPTConfig
         >>> from mmnnx.train.tokenizers import ByteTokenizer
         >>> with nnx.use_eager_sharding(False):

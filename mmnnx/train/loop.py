@@ -8,7 +8,7 @@ import json
 import os
 import pathlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -36,6 +36,8 @@ from mmnnx.train.data import TextDataset
 from mmnnx.train.run_log import RunLog
 from mmnnx.train.wandb_writer import WandbWriter
 from mmnnx.tuning import tune
+
+Filter = Any  # an nnx filter: a Variable type, a predicate, ... (flax.nnx.filterlib)
 
 
 @dataclasses.dataclass
@@ -184,9 +186,25 @@ def _loss(model, batch):
     return model.loss(batch)
 
 
-def make_steps(config: TrainConfig):
-    """The jitted train step (microbatched with ``config.schedule``) and eval step."""
-    grad_fn = nnx.value_and_grad(_loss)
+def loss_and_grads(config: TrainConfig, trainable: Filter = nnx.Param) -> Callable:
+    """``(model, batch) -> (loss, grads)``: the mean loss of ``batch`` and its gradients with
+    respect to the Variables of ``model`` that ``trainable`` selects (an ``nnx`` filter:
+    ``nnx.Param`` trains everything, ``nnx.LoRAParam`` only the adapters of ``add_lora``, the
+    other Variables then getting no gradients), over ``config.microbatches`` microbatches run
+    with ``config.schedule``; what the train step of :func:`make_steps` applies.
+
+    Example:
+        >>> from mmnnx.models import GPT, GPTConfig
+        >>> from mmnnx.modules import add_lora
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(dim=32, depth=1, vocab_size=64), rngs=nnx.Rngs(0))
+        ...     model = add_lora(model, rank=2, targets=("q",))
+        >>> step = loss_and_grads(TrainConfig(microbatches=1), nnx.LoRAParam)
+        >>> loss, grads = step(model, jax.numpy.zeros((2, 9), jax.numpy.int32))
+        >>> sorted(".".join(map(str, p)) for p, _ in nnx.to_flat_state(grads))
+        ['blocks.0.attn.q.lora.a', 'blocks.0.attn.q.lora.b']
+    """
+    grad_fn = nnx.value_and_grad(_loss, argnums=nnx.DiffState(0, trainable))
     if config.microbatches > 1:
         grad_fn = microbatch(
             grad_fn,
@@ -195,6 +213,13 @@ def make_steps(config: TrainConfig):
             schedule=config.schedule,
             virtual_stages=config.virtual_stages,
         )
+    return grad_fn
+
+
+def make_steps(config: TrainConfig, trainable: Filter = nnx.Param):
+    """The jitted train step (microbatched with ``config.schedule``, updating the Variables
+    ``trainable`` selects: :func:`loss_and_grads`) and eval step."""
+    grad_fn = loss_and_grads(config, trainable)
 
     def train_step(model, opt, batch):
         loss, grads = grad_fn(model, batch)
@@ -211,6 +236,7 @@ def fit(
     config: TrainConfig,
     *,
     optimizer: nnx.Optimizer | None = None,
+    trainable: Filter = nnx.Param,
     console: Console | None = None,
     wandb_config: Mapping[str, Any] | None = None,
 ) -> FitResult:
@@ -224,6 +250,12 @@ def fit(
     it prints one plain line per ``config.log_every`` steps instead of the progress bar, and
     evaluation losses as they come (``RunLog``). With several processes, process 0 writes and
     reports; the timeline and bubble are the whole job's, every process's tasks.
+
+    ``trainable`` (an ``nnx`` filter, ``nnx.Param`` by default) selects the Variables trained:
+    the optimizer's (``nnx.Optimizer(..., wrt=trainable)``, unless ``optimizer`` is given, made
+    with the same filter) and those the gradients are taken of; with ``nnx.LoRAParam`` only
+    the adapters of ``mm.modules.add_lora`` train, the frozen weights having neither
+    gradients nor optimizer state (checkpoints still hold them, with the adapters).
 
     With ``config.resume`` it continues from the newest readable checkpoint: parameters,
     optimizer state, step, data position and the learning-rate schedule's horizon, so N steps +
@@ -247,11 +279,11 @@ def fit(
     out = pathlib.Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_dir = pathlib.Path(config.checkpoint_dir or out / "checkpoints")
-    opt = optimizer or nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
+    opt = optimizer or nnx.Optimizer(model, make_optimizer(config), wrt=trainable)
     eval_data = dataset.eval_batches(config.eval_batches)
     if config.schedule == "auto":
-        config = _tuned(config, model, opt, eval_data[0], console)
-    train_step, eval_step = make_steps(config)
+        config = _tuned(config, model, opt, eval_data[0], console, trainable)
+    train_step, eval_step = make_steps(config, trainable)
 
     def evaluate() -> float:
         loss = cached_partial(eval_step, model)
@@ -408,7 +440,12 @@ def _resumed_line(resumed: Resumed, set_aside: list[str], directory: pathlib.Pat
 
 
 def _tuned(
-    config: TrainConfig, model: Any, opt: Any, batch: Any, console: Console | None
+    config: TrainConfig,
+    model: Any,
+    opt: Any,
+    batch: Any,
+    console: Console | None,
+    trainable: Filter = nnx.Param,
 ) -> TrainConfig:
     """``config`` with the schedule ``mm.schedules.tune`` picks for this model, measured on
     ``batch`` (process 0's choice, with several processes), printed with its table."""
@@ -417,7 +454,7 @@ def _tuned(
     if config.microbatches == 1:
         return dataclasses.replace(config, schedule="1f1b")
     measured = dataclasses.replace(config, schedule="gpipe")
-    step, _ = make_steps(measured)
+    step, _ = make_steps(measured, trainable)
     result = tune(step, model, opt, batch, memory_budget=config.memory_budget)
     best = result.best
     name_and_table = from_process_zero("--schedule auto", f"{best.schedule}\n{best.table.to_csv()}")

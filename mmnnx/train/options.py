@@ -117,6 +117,32 @@ def finite(*, positive: bool) -> Parse:
     return parse
 
 
+def names(allowed: Sequence[str]) -> Parse:
+    """Comma-separated names among ``allowed``, as a tuple, each once.
+
+    Example:
+        >>> names(("q", "k", "v"))("--lora-targets", "q,v")
+        ('q', 'v')
+        >>> names(("q", "k", "v"))("--lora-targets", "q,o")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: --lora-targets: 'o' is not one of q, k, v
+    """
+
+    def parse(flag: str, text: str) -> tuple[str, ...]:
+        chosen = tuple(n.strip() for n in text.split(","))
+        for name in chosen:
+            if name not in allowed:
+                raise argparse.ArgumentTypeError(
+                    f"{flag}: {name!r} is not one of {', '.join(allowed)}"
+                )
+        if len(set(chosen)) < len(chosen):
+            raise argparse.ArgumentTypeError(f"{flag}: a name given twice in {text!r}")
+        return chosen
+
+    return parse
+
+
 def step_range(flag: str, text: str) -> tuple[int, int]:
     """``A:B`` (or ``A``) as ``(A, B)``, steps with ``1 <= A <= B``: ``10:12`` -> ``(10, 12)``."""
     first, colon, last = text.partition(":")

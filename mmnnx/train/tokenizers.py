@@ -132,9 +132,84 @@ class BPETokenizer:
         return cls.from_str(path.read_text())
 
 
+_HF_FILE = "hf_tokenizer.json"
+
+
+class HFTokenizer:
+    """A Hugging Face checkpoint's own tokenizer (its ``tokenizer.json``, read with the
+    ``tokenizers`` library): what ``mmnnx train --init-from`` reads the text with.
+
+    Text is encoded as it is, without the special tokens the tokenizer's post-processor would
+    add (a Llama ``<|begin_of_text|>``): training windows are cut from one stream of tokens,
+    and prompts are read the same way. ``decode`` keeps special tokens, so nothing the model
+    generates is hidden. ``vocab_size`` counts the added tokens; it may be less than the
+    model's embedding rows (checkpoints pad them). :meth:`save` copies the file beside
+    ``tokenizer.json`` (mmnnx's own, naming the kind).
+
+    Example:
+        >>> import tempfile
+        >>> bpe = BPETokenizer.train(["the cat sat on the mat. " * 20], vocab_size=260)
+        >>> path = pathlib.Path(tempfile.mkdtemp(), "tokenizer.json")
+        >>> _ = path.write_text(bpe.to_str())  # a tokenizer.json, as a checkpoint holds
+        >>> tok = HFTokenizer.from_file(path)
+        >>> tok.name, tok.vocab_size, tok.decode(tok.encode("the mat"))
+        ('hf', 260, 'the mat')
+    """
+
+    name = "hf"
+
+    def __init__(self, model: object):
+        self._model = model  # a tokenizers.Tokenizer
+        self.vocab_size: int = model.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_file(cls, path: str | pathlib.Path) -> HFTokenizer:
+        """The tokenizer of a Hugging Face ``tokenizer.json`` file.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: a file the ``tokenizers`` library cannot read, naming it.
+        """
+        from tokenizers import Tokenizer as Model  # noqa: PLC0415  (a Rust extension)
+
+        path = pathlib.Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such tokenizer file")
+        try:
+            return cls(Model.from_file(str(path)))
+        except Exception as e:  # the library raises its own exception type
+            raise ValueError(
+                f"{path}: not a tokenizer file the tokenizers library reads: {e}"
+            ) from None
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = self._model.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.int32)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        ids = np.asarray(ids, dtype=np.int64).tolist()
+        return self._model.decode(ids, skip_special_tokens=False)
+
+    def to_str(self) -> str:
+        """The whole tokenizer as one JSON string (``tokenizer.json``'s text)."""
+        return self._model.to_str()
+
+    def save(self, directory: str | pathlib.Path) -> None:
+        folder = write_meta(directory, self.name, vocab_size=self.vocab_size)
+        (folder / _HF_FILE).write_text(self.to_str())
+
+    @classmethod
+    def load(cls, directory: str | pathlib.Path) -> HFTokenizer:
+        path = pathlib.Path(directory) / _HF_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"Hugging Face tokenizer folder {directory} has no {_HF_FILE}")
+        return cls.from_file(path)
+
+
 _LOADERS: dict[str, Callable[[pathlib.Path], Tokenizer]] = {
     "bytes": ByteTokenizer.load,
     "bpe": BPETokenizer.load,
+    "hf": HFTokenizer.load,
 }
 
 

@@ -34,6 +34,7 @@ from mmnnx.models.pretrained.adapters import merged_kernels
 from mmnnx.models.pretrained.adapters import save_adapter as _save_adapter
 from mmnnx.models.pretrained.families import FAMILIES, Family, family_of
 from mmnnx.models.pretrained.files import (
+    CONFIG,
     TOKENIZER,
     TORCH_DTYPES,
     CheckpointError,
@@ -59,6 +60,7 @@ __all__ = [
     "TensorRule",
     "from_pretrained",
     "load_tensors",
+    "pretrained_config",
     "save_adapter",
     "save_pretrained",
     "save_tensors",
@@ -77,6 +79,74 @@ class Pretrained:
     @property
     def config(self) -> dict[str, Any]:
         return json.loads(self.config_json)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> Pretrained:
+        """The origin record of the checkpoint at ``path``, from its ``config.json`` alone.
+
+        Raises:
+            CheckpointError: no such directory, no ``config.json``, or an architecture not in
+                :data:`FAMILIES`.
+
+        Example:
+            >>> import tempfile
+            >>> with nnx.use_eager_sharding(False):
+            ...     model = GPT(GPTConfig(dim=32, depth=1, vocab_size=64, gated_mlp=True,
+            ...                           mlp_bias=False), rngs=nnx.Rngs(0))
+            >>> path = save_pretrained(model, tempfile.mkdtemp() + "/m",
+            ...                        architecture="LlamaForCausalLM")
+            >>> Pretrained.read(path).architecture
+            'LlamaForCausalLM'
+        """
+        directory = pathlib.Path(path)
+        if not directory.is_dir():
+            raise CheckpointError(f"{directory}: no such checkpoint directory")
+        file = directory / CONFIG
+        try:
+            hf = json.loads(file.read_text()) if file.exists() else None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{file}: cannot be read: {e}") from None
+        family = family_of(hf, directory)
+        return cls(
+            architecture=family.architecture, config_json=json.dumps(hf), directory=str(directory)
+        )
+
+
+def pretrained_config(
+    path: str | os.PathLike,
+    *,
+    param_dtype: Any = jnp.float32,
+    dtype: Any = jnp.float32,
+    scan_layers: bool = False,
+    max_seq_len: int | None = None,
+) -> GPTConfig:
+    """The ``GPTConfig`` :func:`from_pretrained` builds for the checkpoint at ``path`` (its
+    arguments as there), read from ``config.json`` alone: no tensor is opened.
+
+    Raises:
+        CheckpointError: as :meth:`Pretrained.read`, or a ``config.json`` setting the family's
+            GPT cannot reproduce.
+
+    Example:
+        >>> import tempfile
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(dim=32, depth=3, vocab_size=64, gated_mlp=True,
+        ...                           mlp_bias=False), rngs=nnx.Rngs(0))
+        >>> path = save_pretrained(model, tempfile.mkdtemp() + "/m",
+        ...                        architecture="LlamaForCausalLM")
+        >>> config = pretrained_config(path, max_seq_len=16)
+        >>> config.depth, config.max_seq_len, config.gated_mlp
+        (3, 16, True)
+    """
+    origin = Pretrained.read(path)
+    return FAMILIES[origin.architecture].gpt_config(
+        origin.config,
+        origin.directory,
+        param_dtype=np.dtype(param_dtype).name,
+        dtype=np.dtype(dtype).name,
+        scan_layers=scan_layers,
+        max_seq_len=max_seq_len,
+    )
 
 
 def from_pretrained(
@@ -220,9 +290,10 @@ def save_adapter(
         ...     model = GPT(GPTConfig(dim=32, depth=1, vocab_size=64, gated_mlp=True,
         ...                           mlp_bias=False), rngs=nnx.Rngs(0))
         >>> model = add_lora(model, rank=2, targets=("q", "v"))
-        >>> out = save_adapter(model, tempfile.mkdtemp() + "/a", architecture="LlamaForCausalLM")
-        >>> json.loads((out / "adapter_config.json").read_text())["target_modules"]
-        ['q_proj', 'v_proj']
+        >>> target = pathlib.Path(tempfile.mkdtemp()) / "a"
+        >>> out = save_adapter(model, target, architecture="LlamaForCausalLM")
+        >>> out == target, json.loads((out / "adapter_config.json").read_text())["target_modules"]
+        (True, ['q_proj', 'v_proj'])
     """
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     return _save_adapter(

@@ -104,10 +104,10 @@ def save_adapter(
     values = {f"{p}/lora/{f}": getattr(m.lora, f)[...] for p, m in layers for f in ("a", "b")}
     lora_rules = adapter_rules(rules)
     targets = set()
-    for name, value in values.items():
-        found = tensors_of(name, value.shape, lora_rules)
+    for variable, value in values.items():
+        found = tensors_of(variable, value.shape, lora_rules)
         if found is None:
-            raise CheckpointError(f"no PEFT name for the adapter {name!r}")
+            raise CheckpointError(f"no PEFT name for the adapter {variable!r}")
         targets.add(found[0].tensor.split(".")[-3])  # ...{module}.lora_A.weight
     config = {
         "peft_type": "LORA",

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -59,7 +60,7 @@ class CheckpointFiles:
 
     Opening reads ``config.json`` (when present) and every shard's header, nothing else:
     ``tensors`` maps each name to its :class:`TensorInfo`. ``read(name, index)`` reads only
-    ``index`` (a tuple of slices) of one tensor from disk.
+    ``index`` (a tuple of slices) of one tensor, through ``safetensors``' slices, in blocks.
 
     Raises:
         CheckpointError: a missing directory, no ``*.safetensors``, an index naming a file or
@@ -84,7 +85,7 @@ class CheckpointFiles:
         )
         self.tensors: dict[str, TensorInfo] = {}
         for file, names in self._files().items():
-            with safe_open(self.directory / file, framework="numpy") as f:
+            with self._opened(file) as f:
                 stored = set(f.keys())
                 for name in names if names is not None else sorted(stored):
                     if name not in stored:
@@ -99,9 +100,10 @@ class CheckpointFiles:
                         )
                     part = f.get_slice(name)
                     self.tensors[name] = TensorInfo(
-                        file=file, shape=tuple(part.get_shape()), dtype=part.get_dtype()
+                        file=file,
+                        shape=tuple(part.get_shape()),
+                        dtype=part.get_dtype(),
                     )
-        self._open: dict[str, Any] = {}
 
     def _files(self) -> dict[str, list[str] | None]:
         """Each shard file and the tensor names the index puts in it (``None``: all of them)."""
@@ -137,20 +139,71 @@ class CheckpointFiles:
             )
         return DTYPES[code]
 
-    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
-        """The part ``index`` of tensor ``name``, read from disk (only that part)."""
-        info = self.tensors[name]
-        handle = self._open.get(info.file)
-        if handle is None:
-            handle = self._open[info.file] = safe_open(
-                self.directory / info.file, framework="numpy"
-            )
-        part = handle.get_slice(name)
-        return part[index] if index else part[...]
+    def read(
+        self, name: str, index: tuple[slice, ...] = (), transpose: Sequence[int] | None = None
+    ) -> np.ndarray:
+        """The part ``index`` (slices of step 1) of tensor ``name``, its axes permuted by
+        ``transpose`` (as ``np.transpose``), C-contiguous either way.
 
-    def close(self) -> None:
-        """Drops the open files (they are reopened by the next ``read``)."""
-        self._open.clear()
+        Read through ``safetensors``' slices in blocks of rows of at most
+        :data:`BLOCK_BYTES`, each block's file mapped only while it is read, and written
+        straight into the array returned (transposed on the way): besides that array, a read
+        holds at most one block."""
+        info = self.tensors[name]
+        dtype = self.dtype(name)
+        shape = info.shape
+        if len(index) > len(shape) or not all(isinstance(s, slice) for s in index):
+            raise IndexError(f"tensor {name!r} {shape}: read takes up to {len(shape)} slices")
+        order = tuple(range(len(shape)) if transpose is None else transpose)
+        if sorted(order) != list(range(len(shape))):
+            raise ValueError(f"tensor {name!r} {shape}: transpose {order} is not a permutation")
+        slices = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        ranges = [range(*s.indices(n)) for s, n in zip(slices, shape, strict=True)]
+        if any(r.step != 1 for r in ranges):
+            raise IndexError(f"tensor {name!r}: read takes slices of step 1, got {index}")
+        out = _empty([len(ranges[i]) for i in order], dtype)
+        if out.size == 0:
+            return out
+        part = out.transpose(np.argsort(order))  # out, its axes in the file's order
+        inner = tuple(slice(r.start, r.stop) for r in ranges[1:])
+        row = int(np.prod([len(r) for r in ranges[1:]])) * dtype.itemsize
+        rows = ranges[0] if shape else range(1)
+        per_block = max(1, BLOCK_BYTES // max(row, 1))
+        for at in range(0, len(rows), per_block):
+            block = rows[at : at + per_block]
+            with self._opened(info.file) as f:
+                tensor = f.get_slice(name)
+                if not shape:
+                    part[...] = tensor[...]
+                else:
+                    part[at : at + len(block)] = tensor[(slice(block.start, block.stop), *inner)]
+        return out
+
+    def _opened(self, file: str) -> Any:
+        try:
+            return safe_open(self.directory / file, framework="numpy")
+        except Exception as e:  # safetensors' own error: a damaged or truncated file
+            raise CheckpointError(f"{self.directory / file}: {e}") from None
+
+
+BLOCK_BYTES = 16 * 2**20
+"""How much of a tensor ``CheckpointFiles.read`` holds at once, beyond the part it returns,
+when the part is a slice along inner axes or transposed (its rows are read in blocks of this
+size)."""
+
+
+PAGED_BYTES = 2**20
+"""Arrays ``read`` returns of at least this size get pages of their own (an anonymous memory
+mapping), given back to the system when they are freed. From ``np.empty`` (malloc), freed
+blocks below 32 MiB stay in the heap: measured, reading a 0.8 GiB model left 60 MiB there."""
+
+
+def _empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes < PAGED_BYTES:
+        return np.empty(shape, dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(pages, dtype).reshape(shape)
 
 
 def write_shards(

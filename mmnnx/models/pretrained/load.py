@@ -91,23 +91,25 @@ def read_part(
         _read_one(files, rule, source.tensors[slot], inner) for slot in itertools.product(*ranges)
     ]
     if not ranges:
-        return parts[0].astype(dtype)
-    return np.stack(parts).reshape(*(len(r) for r in ranges), *parts[0].shape).astype(dtype)
+        return parts[0].astype(dtype, copy=False)
+    return (
+        np.stack(parts)
+        .reshape(*(len(r) for r in ranges), *parts[0].shape)
+        .astype(dtype, copy=False)
+    )
 
 
 def _read_one(
     files: CheckpointFiles, rule: TensorRule, name: str, inner: tuple[slice, ...]
 ) -> np.ndarray:
     if rule.reshape is not None:  # slices of a reshaped tensor are not slices of the file
-        whole = files.read(name)
-        whole = whole.transpose(rule.transpose) if rule.transpose else whole
-        return whole.reshape(rule.reshape)[inner]
+        return files.read(name, transpose=rule.transpose).reshape(rule.reshape)[inner]
     if rule.transpose is None:
         return files.read(name, tuple(inner))
     wanted = [slice(None)] * len(rule.transpose)
     for axis, part in zip(rule.transpose, inner, strict=False):
         wanted[axis] = part
-    return files.read(name, tuple(wanted)).transpose(rule.transpose)
+    return files.read(name, tuple(wanted), transpose=rule.transpose)
 
 
 def load_into(
@@ -138,12 +140,9 @@ def load_into(
 
         return jax.make_array_from_callback(abstract.shape, sharding, shard, dtype=abstract.dtype)
 
-    try:
-        if placement is not None:
-            return place_made(model, placement, make)
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        for path, variable in variables_of(model):
-            variable.set_value(make(path_str(path), variable, device))
-        return model
-    finally:
-        files.close()
+    if placement is not None:
+        return place_made(model, placement, make)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    for path, variable in variables_of(model):
+        variable.set_value(make(path_str(path), variable, device))
+    return model

@@ -165,7 +165,10 @@ def write_checkpoint(
     Every process calls it (a collective). Each tensor is written by the lowest process whose
     devices hold all of it; files go to ``.<name>.partial`` beside ``directory``, which
     replaces ``directory`` once every file, the index and ``config.json`` are written, so a
-    failed save leaves an earlier checkpoint there intact. ``extra_files`` (a tokenizer) are
+    failed save leaves an earlier checkpoint there intact: a step failing on any process
+    raises on every process (naming the process and its error), a process that died raises
+    ``PeerExitedError`` on the others (or, killed, ends them at the heartbeat timeout), and
+    process 0 then removes the staging directory. ``extra_files`` (a tokenizer) are
     copied in. With ``layout.single``, process 0 joins the shards into that one file.
 
     Raises:
@@ -222,11 +225,21 @@ def write_checkpoint(
         if directory.exists():
             shutil.rmtree(old, ignore_errors=True)
             directory.rename(old)
-        staging.rename(directory)
+        try:
+            staging.rename(directory)
+        except OSError:
+            if old.exists():  # the earlier checkpoint back where it was
+                old.rename(directory)
+            raise
         shutil.rmtree(old, ignore_errors=True)
 
-    for what, work in (("prepare", prepare), ("write", write_mine), ("finish", finish)):
-        _collectively(f"save_pretrained {directory} ({what})", work)
+    try:
+        for what, work in (("prepare", prepare), ("write", write_mine), ("finish", finish)):
+            _collectively(f"save_pretrained {directory} ({what})", work)
+    except BaseException:
+        if me == 0:  # the files written so far are half a checkpoint: not left lying beside it
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     return directory
 
 

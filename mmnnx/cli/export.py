@@ -1,0 +1,114 @@
+"""``mmnnx export``: write the model of a run ``mmnnx train`` wrote as a Hugging Face checkpoint
+or its LoRA adapters in PEFT's layout."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from mmnnx.cli.flags import add_fields
+from mmnnx.train.options import integer, option, switch
+
+
+@dataclasses.dataclass
+class Options:
+    run: str = option(dataclasses.MISSING, "the run's --output-dir", metavar="DIR")
+    output: str = option(
+        dataclasses.MISSING, "the directory to write (it must not exist)", metavar="OUT"
+    )
+    merge_lora: bool = switch(
+        "--merge-lora",
+        "write the whole model, each LoRA adapter merged into its kernel (W + alpha/r B A): "
+        "what a LoRA run exports by default",
+    )
+    adapter: bool = switch(
+        "--adapter",
+        "write the LoRA adapters alone, in PEFT's layout (adapter_model.safetensors and "
+        "adapter_config.json), for the --init-from checkpoint",
+    )
+    dtype: str | None = option(
+        None,
+        "the dtype of the tensors written (default: the --init-from checkpoint's; float32 for "
+        "a run trained from scratch)",
+        choices=("bfloat16", "float32"),
+    )
+    step: int | None = option(
+        None, "the checkpoint step to export (default: the newest)", integer(0), metavar="N"
+    )
+    overwrite: bool = switch("--overwrite", "replace OUT if it exists")
+
+
+def add_parser(commands: Any) -> None:
+    export = commands.add_parser(
+        "export",
+        help="write a run's model as a Hugging Face checkpoint, or its LoRA adapters",
+        description="Rebuild the model of run directory DIR from DIR/config.toml (and its "
+        "--init-from config.json), restore its newest checkpoint (or --step N) onto the run's "
+        "own tasks and write it into OUT: a Hugging Face checkpoint (config.json, safetensors "
+        "shards and index, tokenizer.json), LoRA adapters merged, or with --adapter the "
+        "adapters alone in PEFT's layout. A run trained from scratch is written as "
+        "LlamaForCausalLM (it needs --gated-mlp). Under `mmnnx launch -n N` each process writes "
+        "its own tasks' tensors. Example: mmnnx export --run runs/ft --output runs/ft-hf",
+    )
+    add_fields(export, dataclasses.fields(Options))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mmnnx export``: one line naming what was written on stdout; a run that cannot be
+    exported so (no adapters for --adapter or --merge-lora, a model LlamaForCausalLM cannot
+    hold, an existing OUT, no checkpoint) exits 2 in one line."""
+
+    def error(message: str) -> int:
+        print(f"mmnnx export: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.merge_lora and args.adapter:
+        return error("--merge-lora and --adapter exclude each other: pick one")
+    from mmnnx.train.generation import RunError, read_run_flags  # noqa: PLC0415
+
+    try:
+        flags = read_run_flags(args.run)
+    except RunError as e:
+        return error(f"--run: {e}")
+    if args.merge_lora and not flags.get("lora_rank"):
+        return error(
+            f"--merge-lora: the run in {args.run} has no LoRA adapters to merge (it was not "
+            "trained with --lora-rank); leave it out to export the model"
+        )
+    xla = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in xla:
+        devices = flags.get("devices", 8)
+        os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices}"
+    import jax  # noqa: PLC0415  (after XLA_FLAGS)
+
+    import mmnnx as mm  # noqa: PLC0415
+
+    mm.distributed.initialize()  # under `mmnnx launch`: every process writes its own tensors
+    from mmnnx.models import CheckpointError  # noqa: PLC0415
+    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
+    from mmnnx.train.export import export_run  # noqa: PLC0415
+
+    try:
+        done = export_run(
+            args.run,
+            args.output,
+            adapter=args.adapter,
+            dtype=args.dtype,
+            step=args.step,
+            overwrite=args.overwrite,
+        )
+    except (
+        RunError,
+        CheckpointError,
+        ck.CheckpointMismatchError,
+        ck.CheckpointCorruptError,
+        ck.NoReadableCheckpointError,
+    ) as e:
+        return error(str(e))
+    if jax.process_index() == 0:
+        what = "LoRA adapters (PEFT)" if done.adapter else done.architecture
+        print(f"mmnnx export: {done.directory}: {what}, from step {done.step} of {args.run}")
+    return 0

@@ -1,0 +1,119 @@
+"""A run's model out as a Hugging Face checkpoint (``save_pretrained``; LoRA adapters merged
+into their kernels) or as its LoRA adapters alone in PEFT's layout (``save_adapter``): the
+model rebuilt from the run's ``config.toml`` on the run's tasks and restored from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import jax
+
+from mmnnx.models import GPTConfig, save_adapter, save_pretrained
+from mmnnx.train.generation import RunError, load_run, read_run
+
+SCRATCH_ARCHITECTURE = "LlamaForCausalLM"
+"""What a run trained from scratch (no ``--init-from``) is written as, when its GPT is one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """What :func:`export_run` wrote: the directory, the architecture, the checkpoint step it
+    was restored from, and whether it holds the adapters alone."""
+
+    directory: pathlib.Path
+    architecture: str
+    step: int
+    adapter: bool
+
+
+def llama_blockers(config: GPTConfig) -> list[str]:
+    """What in ``config`` a ``LlamaForCausalLM`` cannot hold (nothing: ``[]``).
+
+    Example:
+        >>> llama_blockers(GPTConfig())
+        ['an ungated GELU MLP (Llama: SiLU-gated)', 'MLP biases']
+        >>> llama_blockers(GPTConfig(gated_mlp=True, mlp_bias=False))
+        []
+    """
+    blockers = []
+    if not config.gated_mlp:
+        blockers.append("an ungated GELU MLP (Llama: SiLU-gated)")
+    if config.mlp_bias:
+        blockers.append("MLP biases")
+    if config.norm != "rms":
+        blockers.append("LayerNorm (Llama: RMSNorm)")
+    if config.qk_norm:
+        blockers.append("query/key norms")
+    return blockers
+
+
+def export_run(
+    run_dir: str | pathlib.Path,
+    output: str | pathlib.Path,
+    *,
+    adapter: bool = False,
+    dtype: Any = None,
+    step: int | None = None,
+    overwrite: bool = False,
+) -> Exported:
+    """Writes the model of the run ``mmnnx train`` wrote into ``run_dir``, restored from its
+    newest readable checkpoint (or ``step``) onto the run's own tasks, into ``output``.
+
+    By default a Hugging Face checkpoint (``config.json``, safetensors shards and their index,
+    and the tokenizer: ``--init-from``'s ``tokenizer.json``, or the run's own BPE), the LoRA
+    adapters of a LoRA run merged into their kernels; with ``adapter``, the adapters alone in
+    PEFT's layout (``adapter_model.safetensors``, ``adapter_config.json``). A fine-tuning run is
+    written as its ``--init-from`` architecture; a run trained from scratch as
+    ``LlamaForCausalLM``, which needs a GPT trained with ``--gated-mlp``. ``dtype`` defaults
+    to the ``--init-from`` checkpoint's (float32 from scratch). Every process calls it; each
+    writes the tensors its devices hold.
+
+    Raises:
+        RunError: ``adapter`` for a run without adapters, a GPT ``LlamaForCausalLM`` cannot
+            hold, an existing ``output`` (without ``overwrite``), or the run cannot be read
+            (as ``load_run``); before anything is restored or written.
+        CheckpointMismatchError: the checkpoint holds another model than the config says.
+
+    Example (after ``mmnnx train --init-from hf/tiny-llama --lora-rank 8 --output-dir r``)::
+
+        export_run("r", "r-merged")                  # a LlamaForCausalLM checkpoint
+        export_run("r", "r-adapter", adapter=True)   # PEFT's adapter_model.safetensors
+    """
+    spec = read_run(run_dir)
+    if adapter and not spec.flags.get("lora_rank"):
+        raise RunError(
+            f"--adapter: the run in {run_dir} has no LoRA adapters (it was not trained with "
+            "--lora-rank); export the whole model instead"
+        )
+    architecture = None
+    if spec.flags.get("init_from") is None:
+        blockers = llama_blockers(spec.config)
+        if blockers:
+            raise RunError(
+                f"the run in {run_dir} was trained from scratch with {' and '.join(blockers)}, "
+                f"which {SCRATCH_ARCHITECTURE} cannot hold; train with --gated-mlp (or "
+                "--init-from a Hugging Face checkpoint) to export it"
+            )
+        architecture = SCRATCH_ARCHITECTURE
+    output = pathlib.Path(output)
+    if output.exists() and not overwrite:
+        raise RunError(f"{output} exists; pass --overwrite to replace it")
+    loaded = load_run(spec, layout="run", step=step)
+    save = save_adapter if adapter else save_pretrained
+    written = save(
+        loaded.model, output, dtype=dtype, architecture=architecture, overwrite=overwrite
+    )
+    to_str = getattr(spec.tokenizer, "to_str", None)
+    own = not (output / "tokenizer.json").exists()
+    if not adapter and own and callable(to_str) and jax.process_index() == 0:
+        (written / "tokenizer.json").write_text(to_str())  # the run's BPE, a tokenizers file
+    model_pretrained = getattr(loaded.model, "pretrained", None)
+    return Exported(
+        directory=written,
+        architecture=architecture or model_pretrained.architecture,
+        step=loaded.step,
+        adapter=adapter,
+    )

@@ -1,0 +1,144 @@
+"""The model a run's options describe, shared by ``mmnnx train``, ``generate`` and ``export``:
+its ``GPTConfig`` (from the flags, or from ``--init-from``'s ``config.json``), its stages on the
+run's tasks, and the model itself (read from the Hugging Face checkpoint, or initialised for a
+checkpoint of the run to be restored into), with LoRA adapters when the run has them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flax import nnx
+
+from mmnnx.models import GPT, GPTConfig, from_pretrained, pretrained_config
+from mmnnx.models.pretrained import Pretrained
+from mmnnx.models.stages import stage_rules
+from mmnnx.modules.lora import TARGETS, add_lora
+from mmnnx.mpmd.schedules.registry import Placement, registered
+from mmnnx.sharding import Task, init
+from mmnnx.train.config import gpt_config
+
+
+def model_config(flags: Mapping[str, Any], vocab_size: int) -> GPTConfig:
+    """The ``GPTConfig`` of a run's ``flags``: ``gpt_config(flags, vocab_size)`` for a model
+    trained from scratch; with ``init_from``, the checkpoint's (``pretrained_config``), with
+    the run's ``dtype``, ``scan_layers`` and ``seq_len`` as its ``max_seq_len`` (so a
+    ``generate`` cache holds ``seq_len`` positions, not the checkpoint's context).
+
+    Raises:
+        CheckpointError: ``init_from`` is not a checkpoint mmnnx can build.
+
+    Example:
+        >>> model_config({"dim": 64, "depth": 2, "model_axis": 1}, 256).depth
+        2
+    """
+    init_from = flags.get("init_from")
+    if init_from is None:
+        return gpt_config(flags, vocab_size)
+    return pretrained_config(
+        init_from,
+        dtype=flags.get("dtype") or "float32",
+        scan_layers=bool(flags.get("scan_layers")),
+        max_seq_len=flags.get("seq_len"),
+    )
+
+
+def run_placement(
+    config: GPTConfig,
+    tasks: Sequence[Task],
+    *,
+    virtual_stages: int = 1,
+    schedule: Any = None,
+    report: bool = False,
+) -> list[tuple[str, Task]]:
+    """``stage_rules`` of ``GPT(config)`` (built abstractly) over ``tasks``: ``virtual_stages``
+    stages per task, down and back up the tasks (a V) for a schedule of V-shaped placement
+    (``zero-bubble-v``, ``dualpipev``), looped otherwise. ``report`` prints the stages.
+
+    Example:
+        >>> from mmnnx.sharding import TaskMesh
+        >>> tasks = [Task(f"s{i}", mesh=TaskMesh(devices=[i])) for i in range(2)]
+        >>> [r for r, _ in run_placement(GPTConfig(depth=2), tasks)]
+        ['^embed/|^blocks/0/', '^blocks/1/|^head/|^norm/']
+    """
+    v_shaped = (
+        isinstance(schedule, str)
+        and schedule != "auto"
+        and registered(schedule).placement is Placement.V_SHAPED
+    )
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+        return stage_rules(
+            abstract,
+            tasks,
+            virtual_stages=virtual_stages,
+            order="v" if v_shaped else "loop",
+            report=report,
+        )
+
+
+def build_model(
+    flags: Mapping[str, Any],
+    config: GPTConfig,
+    placement: Sequence[tuple] | None = None,
+    *,
+    weights: bool = True,
+) -> GPT:
+    """The model of a run: ``GPT(config)`` on ``placement`` (rules as ``mm.init`` takes them;
+    ``None``: one device, unsharded), then, with ``flags["lora_rank"]``, LoRA adapters
+    (``add_lora``: ``lora_alpha``, ``lora_targets``; drawn from ``seed``).
+
+    With ``flags["init_from"]`` and ``weights``, its Variables are read from that checkpoint
+    straight onto their devices (``from_pretrained``); otherwise they are initialised from
+    ``flags["seed"]``, for a checkpoint of the run to be restored into (the model still
+    remembers ``init_from`` in ``model.pretrained``).
+
+    Example:
+        >>> flags = {"dim": 32, "depth": 1, "heads": 2, "lora_rank": 2, "lora_targets": ("q",)}
+        >>> model = build_model(flags, model_config(flags, 64))
+        >>> model.blocks[0].attn.q.lora.a.shape
+        (32, 2)
+    """
+    init_from, seed = flags.get("init_from"), int(flags.get("seed") or 0)
+    if init_from is not None and weights:
+        model = from_pretrained(
+            init_from,
+            rules=placement,
+            dtype=config.dtype,
+            param_dtype=config.param_dtype,
+            scan_layers=config.scan_layers,
+            max_seq_len=config.max_seq_len,
+        )
+    else:
+
+        def factory() -> GPT:
+            return GPT(config, rngs=nnx.Rngs(seed))
+
+        if placement is None:
+            with nnx.use_eager_sharding(False):
+                model = factory()
+        else:
+            model = init(factory, placement)
+        if init_from is not None:
+            model.pretrained = Pretrained.read(init_from)
+    rank = flags.get("lora_rank")
+    if rank:
+        add_lora(
+            model,
+            rank=rank,
+            alpha=flags.get("lora_alpha"),
+            targets=flags.get("lora_targets") or TARGETS,
+            seed=seed,
+        )
+    return model
+
+
+def trainable(flags: Mapping[str, Any]) -> Any:
+    """The Variables a run trains: ``nnx.LoRAParam`` (the adapters) with ``lora_rank``, else
+    every ``nnx.Param``.
+
+    Example:
+        >>> trainable({"lora_rank": 8}).__name__, trainable({}).__name__
+        ('LoRAParam', 'Param')
+    """
+    return nnx.LoRAParam if flags.get("lora_rank") else nnx.Param

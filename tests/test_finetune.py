@@ -1,0 +1,425 @@
+"""Fine-tuning a Hugging Face checkpoint: `mmnnx train --init-from` (whole, or LoRA adapters only)
+over two stages, `mmnnx generate` with the checkpoint's tokenizer, `mmnnx export` as a Hugging
+Face checkpoint or PEFT adapters; against a float64 numpy reference (tests/hf_reference.py), the
+safetensors files themselves and one device."""
+
+import contextlib
+import io
+import json
+import shutil
+import tomllib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from tokenizers import Tokenizer
+
+import mmnnx as mm
+from mmnnx.cli import main
+from mmnnx.models import from_pretrained
+from mmnnx.models.pretrained.files import CheckpointFiles
+from mmnnx.modules import add_lora
+from mmnnx.modules.lora import TARGETS, LoRA
+from mmnnx.train import Checkpointer, HFTokenizer, TextDataset, load_tokenizer, write_config
+from mmnnx.train.generation import load_run
+from mmnnx.train.loop import TrainConfig, loss_and_grads
+from mmnnx.train.run_config import resolved_config
+from mmnnx.train.tokenizers import ByteTokenizer
+from tests.hf_checkpoints import write_checkpoint
+from tests.hf_reference import reference_logits
+
+TEXT = "The quick brown fox jumps over the lazy dog. A pipeline splits a model into stages. " * 60
+TOKENS = np.array([[3, 17, 250, 9, 101, 77, 5, 42], [1, 2, 3, 4, 5, 6, 7, 8]], np.int32)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    (root / "text.txt").write_text(TEXT)
+    write_checkpoint(root / "llama", architecture="LlamaForCausalLM", num_hidden_layers=2)
+    return root
+
+
+def train(root, run, *argv):
+    """`mmnnx train --init-from` the tiny Llama in this process, its output swallowed."""
+    base = ["train", "--init-from", str(root / "llama"), "--stages", "2", "--data-axis", "1"]
+    base += ["--seq-len", "16", "--batch-size", "4", "--microbatches", "2", "--eval-every", "2"]
+    base += ["--eval-batches", "1", "--log-every", "1", "--timeline-step", "0", "--lr", "1e-2"]
+    base += ["--warmup-steps", "0", "--no-tensorboard", "--text", str(root / "text.txt")]
+    with contextlib.redirect_stdout(io.StringIO()):
+        return main([*base, "--output-dir", str(root / run), *argv])
+
+
+def metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def full_run(root):
+    """Every weight trained, stacked blocks, tensor-parallel over 2 devices in each stage."""
+    assert train(root, "full", "--steps", "4", "--model-axis", "2", "--scan-layers") == 0
+    return root / "full"
+
+
+@pytest.fixture(scope="module")
+def lora_run(root):
+    """Adapters of rank 4 on every projection, 2 stages of one device, saved at steps 2 and 4."""
+    argv = ["--steps", "4", "--model-axis", "1", "--lora-rank", "4", "--lora-alpha", "8"]
+    assert train(root, "lora", *argv, "--checkpoint-every", "2") == 0
+    return root / "lora"
+
+
+def cross_entropy(logits, targets):
+    logits = logits - logits.max(axis=-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    return float(-np.take_along_axis(logp, targets[..., None], axis=-1).mean())
+
+
+def test_full_fine_tuning_starts_at_the_reference_loss_and_lowers_it(root, full_run):
+    rows = metrics(full_run)
+    tokenizer = load_tokenizer(full_run / "tokenizer")
+    assert isinstance(tokenizer, HFTokenizer)
+    dataset = TextDataset.from_files(
+        root / "text.txt", tokenizer, full_run / "data", seq_len=16, batch_size=4, seed=0
+    )
+    batch = next(dataset)  # the run's first batch
+    expected = cross_entropy(reference_logits(root / "llama", batch[:, :-1]), batch[:, 1:])
+    first = next(r for r in rows if r["step"] == 1)
+    assert abs(first["loss"] - expected) <= 1e-4, (first["loss"], expected)
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert evals[-1] < evals[0] - 0.1, evals
+    saved = tomllib.loads((full_run / "config.toml").read_text())
+    assert saved["model"]["init_from"] == str(root / "llama")
+    assert not {"dim", "depth", "heads", "gated_mlp"} & set(saved["model"])  # the checkpoint's
+    assert "tokenizer" not in saved["training"] and "vocab_size" not in saved["training"]
+
+
+def _plain_params(model):
+    """Every ``nnx.Param`` that is not an adapter, by path."""
+    return {
+        p: np.asarray(v)
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if "lora" not in p
+    }
+
+
+def test_lora_trains_the_adapters_only(root, lora_run):
+    run = load_run(lora_run)
+    fresh = from_pretrained(root / "llama", max_seq_len=16)
+    trained, base = _plain_params(run.model), _plain_params(fresh)
+    assert trained.keys() == base.keys() and len(base) == 2 * 9 + 3
+    for path, value in base.items():
+        np.testing.assert_array_equal(trained[path], value, err_msg=str(path))  # bit-identical
+    start = add_lora(fresh, rank=4, alpha=8.0, seed=0)  # the adapters the run began with
+    for layer in range(2):
+        for name in TARGETS:
+            group = "attn" if name in ("q", "k", "v", "out") else "mlp"
+            now = getattr(getattr(run.model.blocks[layer], group), name).lora
+            then = getattr(getattr(start.blocks[layer], group), name).lora
+            assert now.scale == 2.0
+            assert not np.array_equal(np.asarray(now.a[...]), np.asarray(then.a[...]))
+            assert np.abs(np.asarray(now.b[...])).max() > 0  # from zeros
+    opt = ocp.StandardCheckpointer().restore(lora_run / "checkpoints" / "4" / "opt")
+    adapters = {
+        "/".join(map(str, p)): v.shape
+        for p, v in nnx.to_flat_state(nnx.state(run.model, nnx.LoRAParam))
+    }
+    assert len(adapters) == 2 * len(TARGETS) * 2
+    held = {}
+    for path, leaf in jax.tree.leaves_with_path(opt):
+        keys = [str(k.key) for k in path]  # opt_state/0/mu/blocks/0/attn/q/lora/a, ...
+        moment = next((k for k in keys if k in ("mu", "nu")), None)
+        if moment is None:
+            assert leaf.shape == (), keys  # the step counts
+            continue
+        held.setdefault(moment, {})["/".join(keys[keys.index(moment) + 1 :])] = leaf.shape
+    assert sorted(held) == ["mu", "nu"]
+    for moments in held.values():
+        assert moments == adapters  # adapter-shaped, one per adapter: nothing of the kernels
+
+
+def test_a_resumed_lora_run_continues_as_a_straight_one(root, lora_run):
+    parts = root / "lora-parts"
+    shutil.copytree(lora_run, parts)
+    shutil.rmtree(parts / "checkpoints" / "4")  # as if it had stopped after step 2
+    assert train(root, "lora-parts", "--steps", "4", "--resume") == 0
+    straight, resumed = metrics(lora_run), metrics(parts)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    for a, b in zip(straight, resumed, strict=True):
+        a.pop("tokens_per_s", None), b.pop("tokens_per_s", None)
+        assert a == b  # losses to the last bit
+    for item in ("model", "opt"):
+        a = ocp.StandardCheckpointer().restore(lora_run / "checkpoints" / "4" / item)
+        b = ocp.StandardCheckpointer().restore(parts / "checkpoints" / "4" / item)
+        flat_a, flat_b = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+        assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+        for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+
+
+def _tasks(n):
+    return [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(n)]
+
+
+def _with_random_b(model, seed):
+    """``model`` with every adapter's ``b`` drawn at random (a fresh one is zeros, which
+    leaves ``a`` without gradient), each on its own devices."""
+    adapters = [m for _, m in nnx.iter_graph(model) if isinstance(m, LoRA)]
+    for i, lora in enumerate(adapters):
+        value = lora.b.get_value()
+        new = 0.05 * jax.random.normal(jax.random.key(seed + i), value.shape, value.dtype)
+        lora.b.set_value(jax.device_put(new, value.sharding))
+    return model
+
+
+def test_a_lora_step_over_two_stages_equals_one_device(root):
+    path = root / "llama"
+    placed = _with_random_b(
+        add_lora(from_pretrained(path, tasks=_tasks(2), max_seq_len=16), rank=4), 7
+    )
+    one = _with_random_b(add_lora(from_pretrained(path, max_seq_len=16), rank=4), 7)
+    batch = jnp.asarray(np.concatenate([TOKENS, TOKENS[::-1]])[:, :9] % 300)
+    pipelined = TrainConfig(microbatches=2, schedule="1f1b")
+    loss, grads = mm.jit(loss_and_grads(pipelined, nnx.LoRAParam))(placed, batch)
+    ref_loss, ref_grads = loss_and_grads(TrainConfig(microbatches=1), nnx.LoRAParam)(one, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    flat, ref_flat = nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)
+    assert [p for p, _ in flat] == [p for p, _ in ref_flat]
+    assert {p[-1] for p, _ in flat} == {"a", "b"} and len(flat) == 2 * len(TARGETS) * 2
+    for (p, g), (_, r) in zip(flat, ref_flat, strict=True):
+        g, r = np.asarray(g[...]), np.asarray(r[...])
+        assert np.abs(r).max() > 0, p
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max(), err_msg=str(p))
+
+
+def export(*argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(["export", *argv])
+    return status, out.getvalue()
+
+
+def test_merged_export_loads_back_with_the_trained_logits(root, lora_run):
+    status, said = export("--run", str(lora_run), "--output", str(root / "merged"))
+    assert status == 0 and "LlamaForCausalLM, from step 4" in said
+    merged = from_pretrained(root / "merged")
+    trained = load_run(lora_run).model
+    ours, theirs = np.asarray(merged(jnp.asarray(TOKENS))), np.asarray(trained(jnp.asarray(TOKENS)))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
+    assert (root / "merged" / "tokenizer.json").read_bytes() == (
+        root / "llama" / "tokenizer.json"
+    ).read_bytes()
+    status, said = export(
+        "--run", str(lora_run), "--output", str(root / "half"), "--step", "2", "--dtype", "bfloat16"
+    )
+    assert status == 0 and "from step 2" in said
+    files = CheckpointFiles(root / "half")
+    assert {info.dtype for info in files.tensors.values()} == {"BF16"}
+    assert json.loads((root / "half" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_adapter_export_is_pefts_layout_and_merges_to_the_merged_export(root, lora_run):
+    merged = root / "merged-again"
+    assert export("--run", str(lora_run), "--output", str(merged), "--merge-lora")[0] == 0
+    out = root / "adapter"
+    assert export("--run", str(lora_run), "--output", str(out), "--adapter")[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert config["base_model_name_or_path"] == str(root / "llama")
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert sorted(config["target_modules"]) == sorted(names)
+    adapter, base, result = (
+        CheckpointFiles(out),
+        CheckpointFiles(root / "llama"),
+        CheckpointFiles(merged),
+    )
+    assert len(adapter.tensors) == 2 * len(names) * 2
+    for layer in range(2):
+        for name in names:
+            group = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            weight = f"model.layers.{layer}.{group}.{name}.weight"
+            stem = f"base_model.model.model.layers.{layer}.{group}.{name}"
+            w = base.read(weight).astype(np.float64)
+            a = adapter.read(f"{stem}.lora_A.weight").astype(np.float64)
+            b = adapter.read(f"{stem}.lora_B.weight").astype(np.float64)
+            assert a.shape == (4, w.shape[1]) and b.shape == (w.shape[0], 4)  # (r, in), (out, r)
+            np.testing.assert_allclose(
+                w + (8.0 / 4) * b @ a, result.read(weight), rtol=1e-6, atol=1e-6, err_msg=weight
+            )
+
+
+def test_generate_reads_and_writes_with_the_checkpoints_tokenizer(root, full_run):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert (
+            main(
+                [
+                    "generate",
+                    "--run",
+                    str(full_run),
+                    "--prompt",
+                    "The quick",
+                    "--max-new-tokens",
+                    "4",
+                ]
+            )
+            == 0
+        )
+    hf = Tokenizer.from_file(str(root / "llama" / "tokenizer.json"))
+    prompt = hf.encode("The quick", add_special_tokens=False).ids
+    model = load_run(full_run).model
+    new = np.asarray(model.generate(jnp.asarray(prompt), 4))[0].tolist()
+    assert out.getvalue() == hf.decode(prompt + new, skip_special_tokens=False) + "\n"
+    assert len(prompt) < len("The quick")  # merged tokens: not bytes
+
+
+def test_the_checkpoints_tokenizer_reads_plain_text_and_is_saved_with_a_run(root, tmp_path):
+    tokenizer = HFTokenizer.from_file(root / "llama" / "tokenizer.json")
+    hf = Tokenizer.from_file(str(root / "llama" / "tokenizer.json"))
+    text = "Hello, world! The quick brown fox."
+    ids = tokenizer.encode(text)
+    assert ids.dtype == np.int32 and ids.tolist() == hf.encode(text, add_special_tokens=False).ids
+    bos = hf.token_to_id("<|begin_of_text|>")
+    assert hf.encode(text).ids == [bos, *ids.tolist()]  # the post-processor's BOS: left out
+    assert tokenizer.decode(ids) == text and tokenizer.decode([bos]) == "<|begin_of_text|>"
+    assert tokenizer.vocab_size == hf.get_vocab_size(with_added_tokens=True) == 376
+    tokenizer.save(tmp_path / "saved")
+    again = load_tokenizer(tmp_path / "saved")
+    assert isinstance(again, HFTokenizer) and again.to_str() == tokenizer.to_str()
+    with pytest.raises(FileNotFoundError, match="no such tokenizer file"):
+        HFTokenizer.from_file(tmp_path / "none.json")
+
+
+def _edit_config(root, name, **changes):
+    target = root / name
+    if not target.exists():
+        shutil.copytree(root / "llama", target)
+        config = json.loads((target / "config.json").read_text())
+        config.update(changes)
+        (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["--dim", "64"], "--dim conflicts with --init-from"),
+        (["--depth", "2"], "--depth conflicts with --init-from"),
+        (["--heads", "4"], "--heads conflicts with --init-from"),
+        (["--gated-mlp"], "--gated-mlp conflicts with --init-from"),
+        (["--tokenizer", "bpe"], "--tokenizer conflicts with --init-from"),
+        (["--vocab-size", "300"], "--vocab-size conflicts with --init-from"),
+        (
+            ["--stages", "4", "--data-axis", "1"],
+            "num_hidden_layers 2 gives fewer blocks than --stages 4",
+        ),
+        (["--lora-alpha", "4"], "--lora-alpha needs --lora-rank R"),
+        (["--lora-targets", "q,v"], "--lora-targets needs --lora-rank R"),
+    ],
+)
+def test_bad_fine_tuning_flags_exit_2_in_one_line(root, capsys, argv, reason):
+    assert main(["train", "--init-from", str(root / "llama"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mmnnx train: error: "), err
+    assert reason in err, err
+
+
+def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
+    mistral = _edit_config(root, "mistral", architectures=["MistralForCausalLM"])
+    no_tokenizer = _edit_config(root, "no-tokenizer")
+    (no_tokenizer / "tokenizer.json").unlink(missing_ok=True)
+    small = _edit_config(root, "small-vocabulary", vocab_size=300)
+    config = tmp_path / "sizes.toml"
+    config.write_text("[model]\ndepth = 2\n")
+    for argv, reason in [
+        (["--init-from", str(mistral)], "MistralForCausalLM is not supported; mmnnx builds"),
+        (["--init-from", str(root / "none")], "no such checkpoint directory"),
+        (["--init-from", str(no_tokenizer)], "tokenizer.json does not exist"),
+        (["--init-from", str(small)], "has 376 tokens, more than the model's vocab_size 300"),
+        (["--init-from", str(root / "llama"), "--config", str(config)], "--depth conflicts"),
+        (
+            ["--init-from", str(root / "llama"), "--model-axis", "4", "--data-axis", "1"],
+            "--init-from's num_key_value_heads 2 is not divisible by --model-axis 4",
+        ),
+    ]:
+        assert main(["train", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("mmnnx train: error: --"), err
+        assert reason in err, err
+    with pytest.raises(SystemExit) as info:
+        main(
+            [
+                "train",
+                "--init-from",
+                str(root / "llama"),
+                "--lora-rank",
+                "2",
+                "--lora-targets",
+                "q,o",
+            ]
+        )
+    assert info.value.code == 2
+    assert (
+        "--lora-targets: 'o' is not one of q, k, v, out, gate, up, down" in capsys.readouterr().err
+    )
+
+
+def _scratch_run(tmp_path, name, **flags):
+    """A run directory as `mmnnx train` leaves it (config, byte tokenizer, one checkpoint) for
+    a GPT trained from scratch with ``flags``, its model's weights random."""
+    from mmnnx.train.run_model import build_model, model_config
+
+    run = tmp_path / name
+    values = dict(dim=32, depth=2, heads=2, seq_len=16, stages=2, data_axis=1, model_axis=1)
+    values.update(devices=8, output_dir=str(run), **flags)
+    write_config(run / "config.toml", resolved_config(values))
+    ByteTokenizer().save(run / "tokenizer")
+    model = build_model(values, model_config(values, 256))
+    with Checkpointer(run / "checkpoints") as ckpt:
+        ckpt.save(3, model=model, extra={"step": 3})
+    return run, model
+
+
+def test_a_run_from_scratch_exports_as_llama_when_its_gpt_is_one(tmp_path, capsys):
+    run, model = _scratch_run(tmp_path, "gated", gated_mlp=True)
+    status, said = export("--run", str(run), "--output", str(tmp_path / "hf"))
+    assert status == 0 and "LlamaForCausalLM, from step 3" in said
+    again = from_pretrained(tmp_path / "hf")
+    assert again.config.gated_mlp and not again.config.mlp_bias and again.config.vocab_size == 256
+    tokens = jnp.asarray(TOKENS % 256)
+    np.testing.assert_allclose(
+        np.asarray(again(tokens)), np.asarray(model(tokens)), rtol=1e-5, atol=1e-5
+    )
+    plain, _ = _scratch_run(tmp_path, "plain")
+    status = main(["export", "--run", str(plain), "--output", str(tmp_path / "no")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert "trained from scratch with an ungated GELU MLP (Llama: SiLU-gated) and MLP biases" in err
+    assert "train with --gated-mlp" in err and not (tmp_path / "no").exists()
+
+
+def test_bad_exports_exit_2_in_one_line(root, full_run, capsys):
+    cases = [
+        (["--adapter"], "--adapter: the run in"),
+        (["--merge-lora"], "--merge-lora: the run in"),
+        (["--adapter", "--merge-lora"], "--merge-lora and --adapter exclude each other"),
+        (["--step", "3"], "no checkpoint of step 3 in"),
+    ]
+    for argv, reason in cases:
+        out = root / "not-written"
+        assert main(["export", "--run", str(full_run), "--output", str(out), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("mmnnx export: error: "), err
+        assert reason in err, err
+        assert not out.exists()
+    (root / "exists").mkdir(exist_ok=True)
+    assert main(["export", "--run", str(full_run), "--output", str(root / "exists")]) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
