@@ -32,6 +32,7 @@ bench: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/first_call.py
 	$(PY) benchmarks/packed_reads.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/precision.py
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/moe.py
 	$(PY) benchmarks/multiprocess.py
 	$(PY) benchmarks/pretrained_load.py
 

@@ -237,6 +237,7 @@ def _variable_info(path: Path, variable: nnx.Variable) -> dict:
         where = "(unplaced)"
     return {
         "path": path,
+        "experts": _expert_split(variable, shape, sharding),
         "type": type(variable).__name__,
         "shape": f"{dtype}[{','.join(str(d) for d in shape)}]",
         "elements": elements,
@@ -247,6 +248,63 @@ def _variable_info(path: Path, variable: nnx.Variable) -> dict:
         "devices": devices,
         "shares": shares or [(where, devices, elements, nbytes, per_device)],
     }
+
+
+EXPERT = "expert"  # the logical name of a mixture's expert dimension (mmnnx.modules.experts)
+
+
+def _expert_split(variable: nnx.Variable, shape: tuple, sharding: Any) -> tuple | None:
+    """``(experts, mesh axes, expert-parallel size)`` of a Variable with an ``expert`` logical
+    dimension (a ``MoE``'s stacked experts; its names align with the last dimensions, a stack
+    of layers adding the first), ``None`` for any other."""
+    names = tuple(variable.get_metadata().get("out_sharding") or ())
+    if EXPERT not in names or len(names) > len(shape):
+        return None
+    at = len(shape) - len(names) + names.index(EXPERT)
+    home = task_of(variable) or stack_of(variable)
+    if home is not None:
+        spec, mesh = variable.get_metadata().get(SPEC_KEY, PartitionSpec()), home.jax_mesh
+        if stack_of(variable) is not None:
+            mesh = stack_of(variable).tasks[0].jax_mesh
+    elif isinstance(sharding, NamedSharding):
+        spec, mesh = sharding.spec, sharding.mesh
+    else:
+        return shape[at], (), 1
+    entry = tuple(spec)[at] if at < len(tuple(spec)) else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return shape[at], axes, math.prod(mesh.shape[a] for a in axes)
+
+
+def _experts_table(infos: list[dict]) -> Table | None:
+    """Per task, its mixtures' expert weights: how many experts, the mesh axes splitting them,
+    experts and bytes per device; ``None`` when the model has none."""
+    by_task: dict[str, list[tuple[dict, tuple]]] = {}
+    for info in infos:
+        if info["experts"] is not None:
+            for share in info["shares"]:
+                by_task.setdefault(share[0], []).append((info, share))
+    if not by_task:
+        return None
+    table = Table(title="Experts per device", box=box.SQUARE)
+    for name in ["task", "Variables", "experts", "split over", "experts/device", "bytes/device"]:
+        table.add_column(name, justify="left" if name in ("task", "split over") else "right")
+    for name in sorted(by_task, key=lambda n: (n == "(unplaced)", n)):
+        group = by_task[name]
+        splits = {info["experts"] for info, _ in group}
+        over = {f"{', '.join(axes)} (EP {n})" if axes else "none (EP 1)" for _, axes, n in splits}
+        table.add_row(
+            name,
+            str(len(group)),
+            _listed({e for e, _, _ in splits}),
+            ", ".join(sorted(over)),
+            _listed({e // n for e, _, n in splits}),
+            _fmt_bytes(sum(share[4] for _, share in group)),
+        )
+    return table
+
+
+def _listed(values: set[int]) -> str:
+    return ", ".join(str(v) for v in sorted(values))
 
 
 def tabulate(
@@ -266,7 +324,11 @@ def tabulate(
     the transform's body sees; stacked Variables keep their leading layer axis.
     ``mm.with_sharding_constraint`` in the model returns its input during this trace. Variable rows
     show the shape, **task, PartitionSpec and bytes per device**. With ``depth``, Variables below
-    that depth are summed into one row per module at ``depth``. The result is a ``str`` (plain text
+    that depth are summed into one row per module at ``depth``. A model with mixtures of
+    experts (Variables with an ``expert`` logical dimension) gets a third table, "Experts per
+    device": per task, its expert Variables, experts per layer, the mesh axes splitting them
+    (expert parallelism, EP), experts per device (``E / EP``) and those Variables' bytes per
+    device. The result is a ``str`` (plain text
     unless stdout is a terminal) that renders as an HTML table in Jupyter.
 
     ``depth``, ``method`` and ``title`` are tabulate's own keywords, never passed to the model. To
@@ -375,4 +437,5 @@ def tabulate(
         "",
         style="bold",
     )
-    return render(table, totals)
+    experts = _experts_table(infos)
+    return render(table, totals, *([] if experts is None else [experts]))

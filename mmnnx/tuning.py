@@ -65,12 +65,17 @@ class Candidate:
 @dataclasses.dataclass
 class TuneResult:
     """The fastest candidate that fits (``best``) and every candidate, fastest first; ``str``
-    draws the table."""
+    draws the table. ``stage_costs``: the seconds measured per ``(action kind, stage)`` at
+    ``measured_microbatches`` (each stage's programs timed alone, all they run included, e.g. a
+    mixture of experts' all_to_all); a candidate's simulation takes these, times
+    ``measured_microbatches / M`` (``I`` and ``W``, of a split backward, are there when one was
+    measured; otherwise a candidate that splits it takes half a ``B`` each)."""
 
     best: Candidate
     candidates: list[Candidate]
     measured_schedule: str
     measured_microbatches: int
+    stage_costs: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
 
     def table(self) -> Tabulation:
         """The candidates as a table (text, and HTML in Jupyter)."""
@@ -344,8 +349,13 @@ def tune(
             results,
         )
     best = min(fitting, key=lambda c: c.predicted_seconds)
+    kinds = "FBIW" if split_cost is not None else "FB"  # I and W only where measured
     return TuneResult(
-        best=best, candidates=results, measured_schedule=measured.name, measured_microbatches=m0
+        best=best,
+        candidates=results,
+        measured_schedule=measured.name,
+        measured_microbatches=m0,
+        stage_costs={(k, s): stage_cost(k, s) for k in kinds for s in range(measured.num_stages)},
     )
 
 

@@ -146,6 +146,14 @@ def test_help_documents_every_flag(capsys):
         "--lora-rank",
         "--lora-alpha",
         "--lora-targets",
+        "--experts",
+        "--experts-per-token",
+        "--expert-hidden",
+        "--moe-every",
+        "--capacity-factor",
+        "--router-aux-loss-coef",
+        "--router-z-loss-coef",
+        "--expert-axis",
     ]:
         assert flag in out
 

@@ -317,6 +317,8 @@ def _edit_config(root, name, **changes):
         (["--gated-mlp"], "--gated-mlp conflicts with --init-from"),
         (["--tokenizer", "bpe"], "--tokenizer conflicts with --init-from"),
         (["--vocab-size", "300"], "--vocab-size conflicts with --init-from"),
+        (["--experts", "4"], "--experts conflicts with --init-from"),
+        (["--expert-axis", "2"], "--expert-axis 2 needs --experts E"),
         (
             ["--stages", "4", "--data-axis", "1"],
             "num_hidden_layers 2 gives fewer blocks than --stages 4",

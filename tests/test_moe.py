@@ -6,6 +6,7 @@ stage_rules counts, and the errors."""
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +158,38 @@ def test_expert_parallel_layer_equals_one_device_and_exchanges_by_all_to_all(cap
         shards = weight[...].addressable_shards
         assert {s.data.shape[0] for s in shards} == {EXPERTS // 2}
         assert {s.data.nbytes for s in shards} == {weight[...].nbytes // split}
+
+
+def dp_task(*names, **rules):
+    mesh = mm.TaskMesh(devices=range(4), axis_sizes=(4 // len(names),) * len(names),
+                       axis_names=names)  # fmt: skip
+    return mm.Task("dp", mesh=mesh, logical_axes=rules)
+
+
+@pytest.mark.parametrize(
+    "task",
+    [dp_task("data", batch="data"), dp_task("data", "model", batch="data", mlp="model")],
+    ids=["data", "data-and-hidden-split"],
+)
+def test_replicated_experts_run_each_device_s_own_tokens_without_gathering_them(task):
+    moe, placed = make_moe(), mm.place(make_moe(), [(".*", task)])
+    x = tokens((4, 5))  # split over "data", as a step's batch
+    x = jax.device_put(x, jax.sharding.NamedSharding(task.jax_mesh, jax.P("data")))
+
+    def loss(m, x):
+        y, stats = m.forward(x)
+        return (y**2).sum() + stats.aux_loss, y
+
+    grad = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+    (_, y), grads = grad(moe, x)
+    (_, dp_y), dp_grads = grad(placed, x)
+    np.testing.assert_allclose(dp_y, y, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(dp_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    hlo = jax.jit(lambda m, x: m(x)).lower(placed, x).compile().as_text()
+    # the assignments (tokens x k) sorted per device: no gather of every token's row ids
+    assert not re.search(r"s32\[\d+\]\S* all-gather", hlo) and "all-to-all" not in hlo
+    assert {s.data.shape[0] for s in placed.experts.gate[...].addressable_shards} == {EXPERTS}
 
 
 # --------------------------------------------------------------------- a MoE GPT, pipelined

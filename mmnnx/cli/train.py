@@ -52,12 +52,12 @@ def check(args: argparse.Namespace) -> str | None:
         >>> check(parse_args(["train", "--depth", "1"]))
         '--depth 1 gives fewer blocks than --stages 2'
     """
-    used = args.stages * args.data_axis * args.model_axis
+    problem = _experts_problem(args)
+    if problem:
+        return problem
+    used = args.stages * args.data_axis * args.expert_axis * args.model_axis
     if used > args.devices:
-        return (
-            f"--stages {args.stages} x --data-axis {args.data_axis} x --model-axis "
-            f"{args.model_axis} needs {used} devices, but --devices is {args.devices}"
-        )
+        return f"{_layout(args)} needs {used} devices, but --devices is {args.devices}"
     problem = _lora_problem(args)
     if problem:
         return problem
@@ -100,11 +100,12 @@ def check(args: argparse.Namespace) -> str | None:
         return (
             f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}"
         )
-    if (args.batch_size // args.microbatches) % args.data_axis:
-        return (
-            f"a microbatch of {args.batch_size // args.microbatches} sequences is not "
-            f"divisible by --data-axis {args.data_axis}"
-        )
+    rows, shards = args.batch_size // args.microbatches, args.data_axis * args.expert_axis
+    if rows % shards:
+        over = f"--data-axis {args.data_axis}"
+        if args.expert_axis > 1:
+            over += f" x --expert-axis {args.expert_axis} (the tokens are split over both)"
+        return f"a microbatch of {rows} sequences is not divisible by {over}"
     for flag, path in (
         ("--output-dir", args.output_dir),
         ("--checkpoint-dir", args.checkpoint_dir),
@@ -151,6 +152,55 @@ def _heads_problem(args: argparse.Namespace) -> str | None:
         )
     if args.heads % args.model_axis:
         return f"--heads {args.heads} is not divisible by --model-axis {args.model_axis}"
+    return None
+
+
+def _layout(args: argparse.Namespace) -> str:
+    """The flags that multiply into the devices a run needs, as one names them."""
+    expert = f" x --expert-axis {args.expert_axis}" if args.expert_axis > 1 else ""
+    return (
+        f"--stages {args.stages} x --data-axis {args.data_axis}{expert} x --model-axis "
+        f"{args.model_axis}"
+    )
+
+
+def _experts_problem(args: argparse.Namespace) -> str | None:
+    """A mixture-of-experts option without ``--experts``, or experts the flags cannot route,
+    split or stack; None when there is none."""
+    from mmnnx.models.gpt import GPTConfig  # noqa: PLC0415
+    from mmnnx.train.config import MOE  # noqa: PLC0415
+
+    if args.experts is None:
+        for name in MOE[1:]:
+            if getattr(args, name) is not None:
+                return f"--{name.replace('_', '-')} needs --experts E"
+        if args.expert_axis > 1:
+            return f"--expert-axis {args.expert_axis} needs --experts E"
+        return None
+    if args.init_from is not None:  # a conflict: the checkpoint says (see _pretrained)
+        return None
+    e, n = args.experts, args.expert_axis
+    k = args.experts_per_token or GPTConfig.experts_per_token
+    every = args.moe_every or GPTConfig.moe_every
+    if k > e:
+        return f"--experts-per-token {k} is more than --experts {e}: a token picks K of E experts"
+    if e % n:
+        return f"--experts {e} is not divisible by --expert-axis {n} (E / N experts per device)"
+    if every > args.depth:
+        return (
+            f"--moe-every {every} leaves none of --depth {args.depth} blocks a mixture of experts"
+        )
+    if args.scan_layers and every > 1:
+        return (
+            f"--scan-layers stacks alike blocks, but --moe-every {every} leaves some dense; "
+            "use --moe-every 1 with it"
+        )
+    hidden = args.expert_hidden or int(GPTConfig.mlp_ratio * args.dim)
+    if hidden % args.model_axis:
+        return (
+            f"the experts' hidden size {hidden} (--expert-hidden) is not divisible by "
+            f"--model-axis {args.model_axis}"
+        )
     return None
 
 
@@ -245,13 +295,13 @@ def run(args: argparse.Namespace) -> int:
             f"{checkpoints} already holds checkpoints; pass --resume to continue from them, or "
             "choose another --output-dir or --checkpoint-dir"
         )
-    needed = args.stages * args.data_axis * args.model_axis
+    needed = args.stages * args.data_axis * args.expert_axis * args.model_axis
     if len(jax.devices()) < needed:
         many = jax.process_count() > 1
         where = f" ({jax.process_count()} processes x {jax.local_device_count()})" if many else ""
         return error(
-            f"only {len(jax.devices())} devices are available{where}; --stages {args.stages} x "
-            f"--data-axis {args.data_axis} x --model-axis {args.model_axis} needs {needed}"
+            f"only {len(jax.devices())} devices are available{where}; {_layout(args)} needs "
+            f"{needed}"
         )
     any_step = False
     if args.resume:
@@ -283,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except (OSError, ValueError) as e:
         return error(str(e))
-    tasks = run_tasks(args.stages, args.data_axis, args.model_axis)
+    tasks = run_tasks(args.stages, args.data_axis, args.model_axis, args.expert_axis)
     options = vars(args)
     if args.init_from is not None:  # the checkpoint's architecture, not the flags' defaults
         options = {k: v for k, v in options.items() if k not in ARCHITECTURE}

@@ -1,5 +1,8 @@
 """Expert parallelism inside a task: each device holds ``E / EP`` experts, and tokens travel to
 the devices holding their experts and back by ``jax.lax.all_to_all`` under ``jax.shard_map``.
+Experts held whole by every device of a task that splits the tokens (its batch axes, EP 1)
+run under ``shard_map`` too, each device its own tokens: left to GSPMD, the sort and grouped
+matmuls over split tokens were gathered and computed whole on every device.
 
 The layout comes from where the experts' weights were placed (``mm.place`` / ``mm.init`` keep a
 Variable's task and spec in its metadata, also while a step is traced): the mesh axes its expert
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from mmnnx.modules.experts import combine, grouped_swiglu, sort_by_expert
+from mmnnx.modules.experts import apply_local, combine, grouped_swiglu, sort_by_expert
 from mmnnx.sharding import Task, TaskStack, home_of
 from mmnnx.sharding.place import SPEC_KEY
 
@@ -65,8 +68,10 @@ def _axes(entry) -> tuple[str, ...]:
 
 def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
     """The expert-parallel layout of experts whose ``gate`` weight ``(E, D, H)`` (or a stack of
-    them, ``(L, E, D, H)``) was placed with its expert dimension split over mesh axes; ``None``
-    when it was not placed, or not split (the experts then run where GSPMD puts them)."""
+    them, ``(L, E, D, H)``) was placed on a task: its expert dimension split over mesh axes, or
+    whole on every device (``expert_axes`` empty, EP 1) while the task's batch axes split the
+    tokens; ``None`` when it was not placed, or neither is split (the experts then run where
+    GSPMD puts them)."""
     home = home_of(gate)
     if home is None:
         return None
@@ -77,10 +82,10 @@ def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
         spec = spec[len(spec) - ndim :]
     spec = (*spec, None, None, None)[:3]
     expert_axes = _axes(spec[0])
-    if not expert_axes:
-        return None
     batch_axes = _axes(task.spec(("batch",))[0]) if isinstance(task, Task) else ()
     token_axes = batch_axes + tuple(a for a in expert_axes if a not in batch_axes)
+    if not token_axes:
+        return None
     hidden_axes = tuple(a for a in _axes(spec[2]) if a not in token_axes)
     return ExpertLayout(
         mesh=task.jax_mesh.abstract_mesh,
@@ -106,7 +111,8 @@ def apply_expert_parallel(
     ``layout.token_shards``), each device sends each assignment's row to the device holding
     its expert, which runs its experts as grouped matmuls, and sends the rows back. ``limit``:
     at most that many assignments per expert (a capacity), which bounds the exchange
-    buffers."""
+    buffers. With no expert axes (every device holds every expert), each device runs its own
+    tokens' assignments, nothing exchanged."""
     n, k = indices.shape
     if n % layout.token_shards:
         raise ValueError(
@@ -119,12 +125,15 @@ def apply_expert_parallel(
     if limit is not None:
         rows = min(rows, limit * local_experts)
     tokens = PartitionSpec(layout.token_axes)
-    e, h = layout.expert_axes, layout.hidden_axes or None
+    e, h = layout.expert_axes or None, layout.hidden_axes or None
     in_specs = (tokens, tokens, tokens, tokens, PartitionSpec(e, None, h),
                 PartitionSpec(e, None, h), PartitionSpec(e, h, None))  # fmt: skip
 
     def body(x, indices, weights, keep, gate, up, down):
-        return _exchange(layout, rows, x, indices, weights, keep, (gate, up, down))
+        if layout.expert_axes:
+            return _exchange(layout, rows, x, indices, weights, keep, (gate, up, down))
+        out = apply_local(x, indices, weights, keep, (gate, up, down))
+        return jax.lax.psum(out, layout.hidden_axes) if layout.hidden_axes else out
 
     return jax.shard_map(
         body, mesh=layout.mesh, in_specs=in_specs, out_specs=tokens, check_vma=True

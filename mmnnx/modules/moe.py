@@ -40,7 +40,9 @@ class MoE(nnx.Module):
     Placed on a task whose rules map ``expert`` to mesh axes (``mm.logical_rules(batch="data",
     expert="expert")``), each device of an expert-parallel group holds ``E / EP`` experts and
     the tokens, split over the task's batch axes and the expert axes, travel to their experts
-    and back by ``all_to_all`` (:mod:`~mmnnx.modules.expert_parallel`): the same numbers.
+    and back by ``all_to_all`` (:mod:`~mmnnx.modules.expert_parallel`): the same numbers. Held
+    whole by every device of a task whose batch axes split the tokens, each device runs its
+    own tokens' assignments (under ``shard_map`` too, nothing exchanged).
 
     ``moe(x)`` returns the output, of ``x``'s shape ``(..., dim)``; ``moe.forward(x)`` returns it
     with the call's :class:`~mmnnx.modules.routing.RouterStats`, whose ``aux_loss`` (Hugging

@@ -21,6 +21,7 @@ from mmnnx.train.corpus import text_chunks, token_file
 from mmnnx.train.data import TextDataset, embedded_text, load_text
 from mmnnx.train.generation import LoadedRun, RunError, continue_text, load_run
 from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
+from mmnnx.train.router_metrics import RouterMetrics, router_metrics
 from mmnnx.train.run_config import ConfigError, read_config, resolved_config, write_config
 from mmnnx.train.tokenizers import (
     BPETokenizer,
@@ -44,6 +45,7 @@ __all__ = [
     "LoadedRun",
     "NoReadableCheckpointError",
     "Resumed",
+    "RouterMetrics",
     "RunConfig",
     "RunError",
     "Skipped",
@@ -62,6 +64,7 @@ __all__ = [
     "make_optimizer",
     "read_config",
     "resolved_config",
+    "router_metrics",
     "write_config",
     "text_chunks",
     "train_config",

@@ -99,9 +99,76 @@ class Model:
         metavar="NAMES",
         text=",".join,
     )
+    experts: int | None = option(
+        None,
+        "make blocks mixtures of this many SwiGLU experts (mm.modules.MoE, routed as "
+        "Qwen3-MoE; dropless unless --capacity-factor); which blocks: --moe-every (default: "
+        "none, a dense GPT)",
+        positive,
+        metavar="E",
+        omit=(None,),
+    )
+    experts_per_token: int | None = option(
+        None,
+        "with --experts: the experts each token is routed to, top-k "
+        f"(default {G.experts_per_token})",
+        positive,
+        metavar="K",
+        omit=(None,),
+    )
+    expert_hidden: int | None = option(
+        None,
+        "with --experts: each expert's hidden size (default: the dense MLP's, 4 x --dim)",
+        positive,
+        metavar="H",
+        omit=(None,),
+    )
+    moe_every: int | None = option(
+        None,
+        f"with --experts: block i is a mixture of experts when (i + 1) %% N == 0, the others "
+        f"dense (Qwen3-MoE's decoder_sparse_step; default {G.moe_every}: every block)",
+        positive,
+        metavar="N",
+        omit=(None,),
+    )
+    capacity_factor: float | None = option(
+        None,
+        "with --experts: each expert computes at most ceil(C x tokens x K / E) assignments of "
+        "a microbatch, the later ones dropped (logged as dropped_tokens) (default: dropless)",
+        finite(positive=True),
+        metavar="C",
+        omit=(None,),
+    )
+    router_aux_loss_coef: float | None = option(
+        None,
+        "with --experts: weight of the routers' load-balancing loss added to the loss "
+        f"(default {G.router_aux_loss_coef})",
+        finite(positive=False),
+        metavar="A",
+        omit=(None,),
+    )
+    router_z_loss_coef: float | None = option(
+        None,
+        "with --experts: weight of the routers' z-loss added to the loss "
+        f"(default {G.router_z_loss_coef})",
+        finite(positive=False),
+        metavar="Z",
+        omit=(None,),
+    )
 
 
-ARCHITECTURE = ("dim", "depth", "heads", "gated_mlp", "vocab_size", "tokenizer")
+MOE = (
+    "experts",
+    "experts_per_token",
+    "expert_hidden",
+    "moe_every",
+    "capacity_factor",
+    "router_aux_loss_coef",
+    "router_z_loss_coef",
+)
+"""The options of a mixture of experts, which need ``--experts``."""
+
+ARCHITECTURE = ("dim", "depth", "heads", "gated_mlp", "vocab_size", "tokenizer", *MOE)
 """The options that describe a model trained from scratch, which ``--init-from`` takes from the
 checkpoint instead (given with it: an error; not recorded in its ``config.toml``)."""
 
@@ -111,6 +178,13 @@ class Layout:
     stages: int = count(2, "pipeline stages, one task each")
     data_axis: int = count(2, "data-parallel size inside each stage")
     model_axis: int = count(2, "tensor-parallel size inside each stage")
+    expert_axis: int = count(
+        1,
+        "with --experts: expert-parallel size inside each stage, an 'expert' mesh axis the "
+        "experts are split over (E / N per device) and the batch too, tokens travelling to "
+        "their experts by all_to_all",
+        metavar="N",
+    )
     virtual_stages: int = option(
         T.virtual_stages,
         "model stages per task (%(default)s): the blocks are cut into --stages x V stages, "

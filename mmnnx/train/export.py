@@ -47,6 +47,8 @@ def llama_blockers(config: GPTConfig) -> list[str]:
         blockers.append("LayerNorm (Llama: RMSNorm)")
     if config.qk_norm:
         blockers.append("query/key norms")
+    if config.experts:
+        blockers.append("mixture-of-experts blocks (Llama: dense)")
     return blockers
 
 

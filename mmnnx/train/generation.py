@@ -4,6 +4,7 @@ its ``config.toml``, restored from its newest checkpoint and continued with its 
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import tomllib
 from typing import Any
@@ -64,22 +65,35 @@ def read_run_flags(run_dir: str | pathlib.Path) -> dict[str, Any]:
     return flags
 
 
-def run_tasks(stages: int, data_axis: int, model_axis: int) -> list[Task]:
-    """One task per stage over ``stages x data_axis x model_axis`` devices, with the logical
-    axis rules of ``mmnnx train`` (batch over ``data``; heads, MLP and vocabulary over
-    ``model``).
+def run_tasks(stages: int, data_axis: int, model_axis: int, expert_axis: int = 1) -> list[Task]:
+    """One task per stage over ``stages x data_axis x expert_axis x model_axis`` devices, with
+    the logical axis rules of ``mmnnx train``: batch over ``data`` (and ``expert``); heads, MLP
+    and vocabulary over ``model``; with ``expert_axis > 1`` each stage's mesh has an ``expert``
+    axis the experts of a mixture are split over (``expert -> "expert"``).
 
     Example:
         >>> [t.name for t in run_tasks(2, 1, 1)]
         ['stage0', 'stage1']
+        >>> task = run_tasks(2, 2, 1, expert_axis=2)[1]
+        >>> dict(task.jax_mesh.shape), task.spec(("batch",)), task.spec(("expert", "embed", "mlp"))
+        ({'data': 2, 'expert': 2, 'model': 1}, P(('data', 'expert'),), P('expert', None, 'model'))
     """
+    sizes = {"stage": stages, "data": data_axis, "expert": expert_axis, "model": model_axis}
+    if expert_axis == 1:
+        del sizes["expert"]
     mesh = MultiMesh(
-        axis_sizes=(stages, data_axis, model_axis),
-        axis_names=("stage", "data", "model"),
-        devices=range(stages * data_axis * model_axis),
+        axis_sizes=tuple(sizes.values()),
+        axis_names=tuple(sizes),
+        devices=range(math.prod(sizes.values())),
     )
+    experts = {"batch": ("data", "expert"), "expert": "expert"} if expert_axis > 1 else {}
     rules = logical_rules(
-        batch="data", mlp="model", heads="model", vocab="model", embed=None, seq=None
+        **{"batch": "data", **experts},
+        mlp="model",
+        heads="model",
+        vocab="model",
+        embed=None,
+        seq=None,
     )
     return [
         Task(f"stage{i}", mesh=mesh.task_mesh(stage=i), logical_axes=rules) for i in range(stages)
@@ -152,13 +166,16 @@ def load_run(
     flags = spec.flags
     placement = None
     if layout == "run":
-        stages, data, model_axis = (flags.get(k, 1) for k in ("stages", "data_axis", "model_axis"))
-        if stages * data * model_axis > len(jax.devices()):
+        names = ("stages", "data_axis", "model_axis", "expert_axis")
+        stages, data, model_axis, expert = (flags.get(k, 1) for k in names)
+        needed = stages * data * expert * model_axis
+        if needed > len(jax.devices()):
+            sizes = f"{data} x {expert} x {model_axis}" if expert > 1 else f"{data} x {model_axis}"
             raise RunError(
-                f"the run's layout ({stages} stages x {data} x {model_axis}) needs "
-                f"{stages * data * model_axis} devices; {len(jax.devices())} are available"
+                f"the run's layout ({stages} stages x {sizes}) needs {needed} devices; "
+                f"{len(jax.devices())} are available"
             )
-        placement = run_placement(spec.config, run_tasks(stages, data, model_axis))
+        placement = run_placement(spec.config, run_tasks(stages, data, model_axis, expert))
     with Checkpointer(spec.checkpoints) as ckpt:
         if step is not None and step not in ckpt.all_steps():
             raise RunError(

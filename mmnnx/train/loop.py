@@ -33,6 +33,7 @@ from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer, Resumed
 from mmnnx.train.data import TextDataset
+from mmnnx.train.router_metrics import has_router_metrics, router_metrics
 from mmnnx.train.run_log import RunLog
 from mmnnx.train.wandb_writer import WandbWriter
 from mmnnx.tuning import tune
@@ -186,12 +187,21 @@ def _loss(model, batch):
     return model.loss(batch)
 
 
-def loss_and_grads(config: TrainConfig, trainable: Filter = nnx.Param) -> Callable:
+def _loss_and_metrics(model, batch):
+    return nnx.capture(_loss, nnx.Intermediate)(model, batch)
+
+
+def loss_and_grads(
+    config: TrainConfig, trainable: Filter = nnx.Param, *, metrics: bool = False
+) -> Callable:
     """``(model, batch) -> (loss, grads)``: the mean loss of ``batch`` and its gradients with
     respect to the Variables of ``model`` that ``trainable`` selects (an ``nnx`` filter:
     ``nnx.Param`` trains everything, ``nnx.LoRAParam`` only the adapters of ``add_lora``, the
     other Variables then getting no gradients), over ``config.microbatches`` microbatches run
-    with ``config.schedule``; what the train step of :func:`make_steps` applies.
+    with ``config.schedule``; what the train step of :func:`make_steps` applies. With
+    ``metrics``, ``(model, batch) -> ((loss, intermediates), grads)``: what the model sows
+    under ``nnx.capture(..., nnx.Intermediate)`` (a ``MoE``'s router metrics), one value per
+    microbatch stacked (``router_metrics`` reads them).
 
     Example:
         >>> from mmnnx.models import GPT, GPTConfig
@@ -204,22 +214,27 @@ def loss_and_grads(config: TrainConfig, trainable: Filter = nnx.Param) -> Callab
         >>> sorted(".".join(map(str, p)) for p, _ in nnx.to_flat_state(grads))
         ['blocks.0.attn.q.lora.a', 'blocks.0.attn.q.lora.b']
     """
-    grad_fn = nnx.value_and_grad(_loss, argnums=nnx.DiffState(0, trainable))
+    grad_fn = nnx.value_and_grad(
+        _loss_and_metrics if metrics else _loss,
+        argnums=nnx.DiffState(0, trainable),
+        has_aux=metrics,
+    )
     if config.microbatches > 1:
         grad_fn = microbatch(
             grad_fn,
             num=config.microbatches,
-            reduce="mean",
+            reduce=(("mean", "stack"), "mean") if metrics else "mean",
             schedule=config.schedule,
             virtual_stages=config.virtual_stages,
         )
     return grad_fn
 
 
-def make_steps(config: TrainConfig, trainable: Filter = nnx.Param):
+def make_steps(config: TrainConfig, trainable: Filter = nnx.Param, *, metrics: bool = False):
     """The jitted train step (microbatched with ``config.schedule``, updating the Variables
-    ``trainable`` selects: :func:`loss_and_grads`) and eval step."""
-    grad_fn = loss_and_grads(config, trainable)
+    ``trainable`` selects: :func:`loss_and_grads`) and eval step. With ``metrics`` the train
+    step returns ``(loss, intermediates)``: what the model sowed (:func:`loss_and_grads`)."""
+    grad_fn = loss_and_grads(config, trainable, metrics=metrics)
 
     def train_step(model, opt, batch):
         loss, grads = grad_fn(model, batch)
@@ -281,9 +296,11 @@ def fit(
     ckpt_dir = pathlib.Path(config.checkpoint_dir or out / "checkpoints")
     opt = optimizer or nnx.Optimizer(model, make_optimizer(config), wrt=trainable)
     eval_data = dataset.eval_batches(config.eval_batches)
+    routed = has_router_metrics(model)  # a mixture of experts: its routers' metrics logged
     if config.schedule == "auto":
-        config = _tuned(config, model, opt, eval_data[0], console, trainable)
-    train_step, eval_step = make_steps(config, trainable)
+        config = _tuned(config, model, opt, eval_data[0], console, trainable, metrics=routed)
+    train_step, eval_step = make_steps(config, trainable, metrics=routed)
+    captured_step = jit(_loss_and_metrics)  # the timeline step's metrics (compiled if used)
 
     def evaluate() -> float:
         loss = cached_partial(eval_step, model)
@@ -361,8 +378,15 @@ def fit(
                 batch = next(dataset)
                 log.step_begins(step)
                 began = time.perf_counter()
+                logged = step % config.log_every == 0 or step == config.steps
+                router = None
                 if step == config.timeline_step:
-                    loss = float(fetch(eval_step(model, batch)))  # before the step's update
+                    if routed and logged:  # the batch's routing, before the step's update
+                        loss, captured = fetch(captured_step(model, batch))
+                        router = router_metrics(captured, microbatched=False)
+                    else:
+                        loss = fetch(eval_step(model, batch))  # before the step's update
+                    loss = float(loss)
                     # every task's events (every process's), overlapping as in any step
                     events = train_step.overlapped_timeline(model, opt, batch)
                     if events:  # none when the step has no pipeline (one stage)
@@ -373,6 +397,12 @@ def fit(
                             _write_events(out / "timeline.json", step, bubble[1], events)
                         files["timeline"] = str(path)
                         files["timeline_events"] = str(out / "timeline.json")
+                elif routed:
+                    loss, captured = run_step(batch)
+                    loss = float(fetch(loss))
+                    if logged:
+                        microbatched = config.microbatches > 1
+                        router = router_metrics(fetch(captured), microbatched=microbatched)
                 else:
                     loss = float(fetch(run_step(batch)))
                 elapsed = time.perf_counter() - began
@@ -385,9 +415,21 @@ def fit(
                 record: dict[str, Any] = {"step": step, "loss": loss, "tokens_per_s": tps}
                 if rates is not None:
                     record["learning_rate"] = float(rates(step - 1))  # this step's update's
-                if step % config.log_every == 0 or step == config.steps:
+                if router is not None:
+                    record.update(
+                        router_aux_loss=router.aux_loss,
+                        router_z_loss=router.z_loss,
+                        dropped_tokens=router.dropped_tokens,
+                        expert_load_imbalance=router.load_imbalance,
+                        tokens_per_expert=list(router.tokens_per_expert),
+                    )
+                if logged:
                     log.train(
-                        step, loss=loss, tokens_per_s=tps, learning_rate=record.get("learning_rate")
+                        step,
+                        loss=loss,
+                        tokens_per_s=tps,
+                        learning_rate=record.get("learning_rate"),
+                        router=router,
                     )
                 if step % config.eval_every == 0 or step == config.steps:
                     record["eval_loss"] = evaluate()
@@ -446,15 +488,19 @@ def _tuned(
     batch: Any,
     console: Console | None,
     trainable: Filter = nnx.Param,
+    *,
+    metrics: bool = False,
 ) -> TrainConfig:
     """``config`` with the schedule ``mm.schedules.tune`` picks for this model, measured on
-    ``batch`` (process 0's choice, with several processes), printed with its table."""
+    ``batch`` (process 0's choice, with several processes), printed with its table; the step
+    measured is the one trained (``metrics``: capturing what the model sows, as
+    :func:`make_steps`), under GPipe."""
     from mmnnx.distributed.agree import from_process_zero  # noqa: PLC0415
 
     if config.microbatches == 1:
         return dataclasses.replace(config, schedule="1f1b")
     measured = dataclasses.replace(config, schedule="gpipe")
-    step, _ = make_steps(measured, trainable)
+    step, _ = make_steps(measured, trainable, metrics=metrics)
     result = tune(step, model, opt, batch, memory_budget=config.memory_budget)
     best = result.best
     name_and_table = from_process_zero("--schedule auto", f"{best.schedule}\n{best.table.to_csv()}")

@@ -13,6 +13,8 @@ from typing import Protocol
 import jax
 from rich.console import Console
 
+from mmnnx.train.router_metrics import RouterMetrics
+
 
 class ScalarWriter(Protocol):
     """Where ``RunLog`` writes its scalars: a tensorboardX ``SummaryWriter``, a ``WandbWriter``."""
@@ -28,8 +30,10 @@ class RunLog:
     """Reports a run as it goes; a context manager that closes its writers and trace on exit.
 
     ``train(step, ...)`` writes the scalars ``loss``, ``tokens_per_sec`` and ``learning_rate``
-    and, when ``console`` is no terminal (``nohup``, SLURM, CI, a pipe), prints one plain line
-    ``step S/N loss L tokens/s T lr R``: on a terminal the progress bar shows them.
+    (with a mixture of experts, its routers' metrics too: ``RouterMetrics.scalars``) and, when
+    ``console`` is no terminal (``nohup``, SLURM, CI, a pipe), prints one plain line
+    ``step S/N loss L tokens/s T lr R`` (``... aux_loss A load max/mean B`` with experts): on a
+    terminal the progress bar shows them.
     ``evaluation(step, loss)`` prints ``step S/N eval_loss L`` in both cases (on a terminal
     above the bar) and writes the scalar ``eval_loss``. With ``tensorboard`` the scalars go to
     event files in ``output_dir/tensorboard`` (tensorboardX); a run resumed at ``first_step``
@@ -83,18 +87,31 @@ class RunLog:
         self._writers.extend(writers)
 
     def train(
-        self, step: int, *, loss: float, tokens_per_s: float, learning_rate: float | None
+        self,
+        step: int,
+        *,
+        loss: float,
+        tokens_per_s: float,
+        learning_rate: float | None,
+        router: RouterMetrics | None = None,
     ) -> None:
-        """A logged training step: scalars, and a plain line when no terminal shows the bar."""
+        """A logged training step: scalars, and a plain line when no terminal shows the bar.
+        ``router``: a mixture of experts' metrics, written as ``router.scalars()`` and, on the
+        plain line, as ``aux_loss A load max/mean B``."""
         self._scalar("loss", loss, step)
         if tokens_per_s:  # 0 until a step after the compiling one is timed
             self._scalar("tokens_per_sec", tokens_per_s, step)
         if learning_rate is not None:
             self._scalar("learning_rate", learning_rate, step)
+        if router is not None:
+            for tag, value in router.scalars().items():
+                self._scalar(tag, value, step)
         if self.plain:
             line = f"step {step}/{self.total_steps} loss {loss:.4f} tokens/s {tokens_per_s:,.0f}"
             if learning_rate is not None:
                 line += f" lr {learning_rate:.2e}"
+            if router is not None:
+                line += f" aux_loss {router.aux_loss:.4f} load max/mean {router.load_imbalance:.2f}"
             self._print(line)
 
     def evaluation(self, step: int, loss: float) -> None:
