@@ -101,7 +101,7 @@ def placed(num_tasks: int) -> tuple[nnx.Module, list[mm.Task]]:
     return model, tasks
 
 
-@pytest.mark.parametrize(("num_tasks", "microbatches"), [(2, None), (2, 2), (4, None), (4, 4)])
+@pytest.mark.parametrize(("num_tasks", "microbatches"), [(2, 2), (4, None)])
 def test_gpt_oss_trains_pipelined_as_placed_and_matches_one_device(num_tasks, microbatches):
     model, tasks = placed(num_tasks)
     ref, ref_logits, ref_steps = one_device()
