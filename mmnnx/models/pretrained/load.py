@@ -62,10 +62,8 @@ def plan_sources(
             f"{', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''})"
         )
     for path, source in sources.items():
-        stack = tuple(variables[path].get_value().shape[: len(source.rule.stacked)])
-        _check_slots(files, source, stack, model_name)
-    for path, source in sources.items():
         want = tuple(variables[path].get_value().shape)
+        _check_slots(files, source, want[: len(source.rule.stacked)], model_name)
         for name in source.tensors.values():
             info = files.tensors[name]
             files.dtype(name)  # a dtype mmnnx cannot read fails here, before anything moves
@@ -88,8 +86,6 @@ def _check_slots(
     """Raises ``CheckpointError`` unless the files hold one tensor for every slot of the stacked
     axes ``stack`` of ``source``'s Variable, and none beyond them (an expert count, or with
     ``scan_layers`` a layer count, that is not the config's)."""
-    if stack == source.stack_shape:
-        return
     per = "/".join(source.rule.stacked)
     for slot in itertools.product(*(range(n) for n in stack)):
         if slot not in source.tensors:
@@ -98,6 +94,8 @@ def _check_slots(
                 f"{source.path!r} of {model_name}, {' x '.join(map(str, stack))} tensors, one per "
                 f"{per})"
             )
+    if stack == source.stack_shape:
+        return
     extra = next(n for s, n in source.tensors.items() if any(map(int.__ge__, s, stack)))
     raise CheckpointError(
         f"{files.directory / files.tensors[extra].file}: tensor {extra!r} fills no Variable of "

@@ -146,8 +146,8 @@ def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, 
     ``variable=None`` are dropped.
 
     Raises:
-        ValueError: two tensors fill one slot of a Variable, or a stacked Variable misses a
-            slot (naming the missing tensor).
+        ValueError: two tensors fill one slot of a Variable. (Whether a stacked Variable's
+            slots are all filled depends on its shape: ``load`` checks that.)
 
     Example:
         >>> rules = [TensorRule("layers.{layer}.w", "blocks/w"), TensorRule("extra", None)]
@@ -182,15 +182,6 @@ def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, 
             break
         else:
             unmatched.append(name)
-    for source in sources.values():
-        for slot in itertools.product(*(range(n) for n in source.stack_shape)):
-            if slot not in source.tensors:
-                example = next(iter(source.tensors.values()))
-                raise ValueError(
-                    f"missing tensor {source.name(slot)!r}: Variable "
-                    f"{source.path!r} stacks one tensor per {'/'.join(source.rule.stacked)} "
-                    f"({example!r} is one of them)"
-                )
     return sources, unmatched
 
 
