@@ -4,6 +4,7 @@ the tensors its own devices hold, into a staging directory renamed into place wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -59,13 +60,15 @@ class _Tensor:
     writer: int
 
 
-def _covers(sharding: Any, shape: tuple[int, ...], slot: tuple[int, ...]) -> list[int]:
-    """The processes whose devices together hold all of slot ``slot`` of an array laid out by
-    ``sharding``, lowest first."""
+def _covers(
+    indices: Mapping[Any, tuple], shape: tuple[int, ...], slot: tuple[int, ...]
+) -> list[int]:
+    """The processes whose devices together hold all of slot ``slot`` of an array of ``shape``
+    whose devices hold ``indices`` (``sharding.devices_indices_map(shape)``), lowest first."""
     region = [(i, i + 1) for i in slot] + [(0, n) for n in shape[len(slot) :]]
     size = int(np.prod([b - a for a, b in region]))
     held: dict[int, set[tuple]] = {}
-    for device, index in sharding.devices_indices_map(shape).items():
+    for device, index in indices.items():
         box = []
         for s, (a, b), n in zip(index, region, shape, strict=True):
             lo, hi, _ = s.indices(n)
@@ -79,22 +82,37 @@ def _covers(sharding: Any, shape: tuple[int, ...], slot: tuple[int, ...]) -> lis
     )
 
 
-def _local_slot(value: jax.Array, slot: tuple[int, ...]) -> np.ndarray:
-    """Slot ``slot`` of ``value`` assembled from this process's shards (which cover it)."""
-    inner = value.shape[len(slot) :]
-    out = np.empty(inner, dtype=value.dtype)
+def _host_shards(value: jax.Array) -> list[tuple[tuple, np.ndarray]]:
+    """This process's distinct shards of ``value`` on the host, each with its index (copied
+    once per Variable, whatever the number of its stacked slots)."""
+    shards = {}
     for shard in value.addressable_shards:
-        index = shard.index
-        lead = index[: len(slot)]
-        if not all(
-            s.indices(n)[0] <= i < s.indices(n)[1]
-            for s, i, n in zip(lead, slot, value.shape, strict=False)
-        ):
-            continue
-        data = np.asarray(shard.data)
-        at = tuple(i - s.indices(n)[0] for s, i, n in zip(lead, slot, value.shape, strict=False))
-        out[index[len(slot) :]] = data[at]
+        key = tuple((s.start, s.stop) for s in shard.index)
+        if key not in shards:
+            shards[key] = (shard.index, np.asarray(shard.data))
+    return list(shards.values())
+
+
+def _local_slot(
+    shards: list[tuple[tuple, np.ndarray]], shape: tuple[int, ...], slot: tuple[int, ...]
+) -> np.ndarray:
+    """Slot ``slot`` of an array of ``shape`` assembled from this process's ``shards``
+    (:func:`_host_shards`, which cover it)."""
+    out = np.empty(shape[len(slot) :], dtype=shards[0][1].dtype)
+    for index, data in shards:
+        lead = [s.indices(n)[:2] for s, n in zip(index, shape, strict=False)][: len(slot)]
+        if all(lo <= i < hi for (lo, hi), i in zip(lead, slot, strict=True)):
+            out[index[len(slot) :]] = data[
+                tuple(i - lo for (lo, _), i in zip(lead, slot, strict=True))
+            ]
     return out
+
+
+@functools.cache
+def _replicated(sharding: jax.sharding.NamedSharding) -> Any:
+    """A program copying an array to every device of ``sharding``'s mesh (one per mesh)."""
+    spread = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(lambda x: x, out_shardings=spread)
 
 
 def _plan(
@@ -111,19 +129,19 @@ def _plan(
                 "template matches it"
             )
         rule, names = found
+        try:
+            shape = rule.tensor_shape(value.shape)
+        except ValueError as e:
+            raise CheckpointError(f"Variable {path!r}: {e}") from None
+        indices = value.sharding.devices_indices_map(value.shape)
+        spread = None
         for slot, name in names.items():
-            covering = _covers(value.sharding, value.shape, slot)
+            covering = _covers(indices, value.shape, slot)
             if not covering:  # a task spanning processes, sharded: replicate within it
                 if path not in gathered:
-                    spread = jax.sharding.NamedSharding(
-                        value.sharding.mesh, jax.sharding.PartitionSpec()
-                    )
-                    gathered[path] = jax.jit(lambda x: x, out_shardings=spread)(value)
-                covering = _covers(gathered[path].sharding, value.shape, slot)
-            try:
-                shape = rule.tensor_shape(value.shape)
-            except ValueError as e:
-                raise CheckpointError(f"Variable {path!r}: {e}") from None
+                    gathered[path] = _replicated(value.sharding)(value)
+                    spread = gathered[path].sharding.devices_indices_map(value.shape)
+                covering = _covers(spread, value.shape, slot)
             tensors.append(
                 _Tensor(name=name, path=path, slot=slot, rule=rule, shape=shape, writer=covering[0])
             )
@@ -195,9 +213,12 @@ def write_checkpoint(
         for i, (process, group) in enumerate(files):
             if process != me:
                 continue
-            out = {}
+            out, held = {}, (None, [])
             for t in group:
-                part = _local_slot(gathered.get(t.path, values[t.path]), t.slot)
+                value = gathered.get(t.path, values[t.path])
+                if held[0] != t.path:  # a Variable's slots come one after the other
+                    held = (t.path, _host_shards(value))
+                part = _local_slot(held[1], value.shape, t.slot)
                 if t.rule.transpose is not None:
                     part = part.transpose(np.argsort(t.rule.transpose))
                 out[t.name] = part.astype(dtype)
