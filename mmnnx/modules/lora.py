@@ -75,10 +75,6 @@ class LoRA(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return (x @ self.a[...].astype(x.dtype)) @ self.b[...].astype(x.dtype) * self.scale
 
-    def delta(self) -> jax.Array:
-        """The kernel's change ``a @ b * alpha / rank`` (what merging adds to it)."""
-        return (self.a[...] @ self.b[...]) * self.scale
-
 
 def _axes(kernel: nnx.Variable) -> tuple[Any, ...]:
     """The kernel's logical names, one per dimension (a stacked kernel's layer axis unnamed)."""

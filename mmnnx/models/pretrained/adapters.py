@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 from typing import Any
@@ -37,16 +38,21 @@ def merged_kernels(model: Any) -> dict[str, jax.Array]:
     for path, linear in adapted(model):
         kernel = linear.kernel[...]
         if jax.process_index() in processes_of(kernel.sharding):
-            merge = jax.jit(
-                lambda k, a, b, scale: (k + (a @ b) * scale).astype(k.dtype),
-                out_shardings=kernel.sharding,
-            )
-            out[f"{path}/kernel"] = merge(
+            out[f"{path}/kernel"] = _merger(kernel.sharding)(
                 kernel, linear.lora.a[...], linear.lora.b[...], linear.lora.scale
             )
         else:
             out[f"{path}/kernel"] = placeholder(kernel.shape, kernel.dtype, kernel.sharding)
     return out
+
+
+@functools.cache
+def _merger(sharding: Any) -> Any:
+    """The program merging an adapter into a kernel laid out as ``sharding`` (one per layout,
+    so equal layers share it)."""
+    return jax.jit(
+        lambda k, a, b, scale: (k + (a @ b) * scale).astype(k.dtype), out_shardings=sharding
+    )
 
 
 def adapter_rules(rules: tuple[TensorRule, ...]) -> tuple[TensorRule, ...]:
