@@ -220,9 +220,9 @@ def _pretrained(args: argparse.Namespace) -> tuple[str | None, Any]:
     of its ``config.json``."""
     from mmnnx.cli.flags import given  # noqa: PLC0415
     from mmnnx.models import CheckpointError, pretrained_config  # noqa: PLC0415
+    from mmnnx.models.pretrained import check_tokenizer  # noqa: PLC0415
     from mmnnx.models.pretrained.files import TOKENIZER  # noqa: PLC0415
     from mmnnx.train.config import ARCHITECTURE  # noqa: PLC0415
-    from mmnnx.train.tokenizers import HFTokenizer  # noqa: PLC0415
 
     conflicting = [name for name in ARCHITECTURE if name in given(args)]
     if conflicting:
@@ -242,14 +242,9 @@ def _pretrained(args: argparse.Namespace) -> tuple[str | None, Any]:
             "checkpoint's own tokenizer"
         ), None
     try:
-        tokens = HFTokenizer.from_file(tokenizer).vocab_size
-    except (OSError, ValueError) as e:
+        check_tokenizer(args.init_from, config.vocab_size)
+    except CheckpointError as e:
         return f"--init-from: {e}", None
-    if tokens > config.vocab_size:
-        return (
-            f"--init-from: {tokenizer} has {tokens} tokens, more than the model's vocab_size "
-            f"{config.vocab_size} (config.json): its ids would fall outside the embedding table"
-        ), None
     for name, size in (
         ("num_attention_heads", config.num_heads),
         ("num_key_value_heads", config.num_kv_heads or config.num_heads),

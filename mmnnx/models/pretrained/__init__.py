@@ -58,6 +58,7 @@ __all__ = [
     "CheckpointError",
     "Pretrained",
     "TensorRule",
+    "check_tokenizer",
     "from_pretrained",
     "load_tensors",
     "pretrained_config",
@@ -200,7 +201,7 @@ def from_pretrained(
         scan_layers=scan_layers,
         max_seq_len=max_seq_len,
     )
-    _check_tokenizer(files, config)
+    check_tokenizer(files.directory, config.vocab_size)
     model = _abstract(lambda: GPT(config, rngs=nnx.Rngs(0)))
     placement = list(rules or [])
     if tasks is not None:
@@ -414,16 +415,26 @@ def _abstract(factory: Callable[[], M]) -> M:
         return nnx.eval_shape(factory)
 
 
-def _check_tokenizer(files: CheckpointFiles, config: GPTConfig) -> None:
-    tokenizer = files.directory / TOKENIZER
+def check_tokenizer(directory: str | os.PathLike, vocab_size: int) -> None:
+    """Raises ``CheckpointError`` when ``directory``'s ``tokenizer.json`` (if any) cannot be
+    read or has more tokens than ``vocab_size``: its ids would fall outside the embedding table.
+
+    Example:
+        >>> import tempfile
+        >>> check_tokenizer(tempfile.mkdtemp(), 64)  # no tokenizer.json: nothing to check
+    """
+    tokenizer = pathlib.Path(directory) / TOKENIZER
     if not tokenizer.exists():
         return
     from tokenizers import Tokenizer  # noqa: PLC0415  (only for checkpoints that have one)
 
-    size = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
-    if size > config.vocab_size:
+    try:
+        size = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # the library raises its own exception type
+        raise CheckpointError(f"{tokenizer}: the tokenizers library cannot read it: {e}") from None
+    if size > vocab_size:
         raise CheckpointError(
             f"{tokenizer}: the tokenizer's vocabulary has {size} tokens, more than the "
-            f"model's vocab_size {config.vocab_size} (config.json): its ids would fall outside "
+            f"model's vocab_size {vocab_size} (config.json): its ids would fall outside "
             "the embedding table"
         )
