@@ -112,16 +112,16 @@ def read_part(
     rule = source.rule
     stack, inner = index[: len(rule.stacked)], index[len(rule.stacked) :]
     ranges = [range(*s.indices(n)) for s, n in zip(stack, source.stack_shape, strict=True)]
-    parts = [
-        _read_one(files, rule, source.tensors[slot], inner) for slot in itertools.product(*ranges)
-    ]
     if not ranges:
-        return parts[0].astype(dtype, copy=False)
-    return (
-        np.stack(parts)
-        .reshape(*(len(r) for r in ranges), *parts[0].shape)
-        .astype(dtype, copy=False)
-    )
+        return _read_one(files, rule, source.tensors[()], inner).astype(dtype, copy=False)
+    lead = tuple(len(r) for r in ranges)
+    out = None
+    for at, slot in zip(np.ndindex(*lead), itertools.product(*ranges), strict=True):
+        part = _read_one(files, rule, source.tensors[slot], inner)
+        if out is None:  # each slot's part written in place: the stack is never held twice
+            out = np.empty((*lead, *part.shape), dtype)
+        out[at] = part
+    return out
 
 
 def _read_one(
