@@ -404,7 +404,8 @@ def test_a_run_from_scratch_exports_as_llama_when_its_gpt_is_one(tmp_path, capsy
     status = main(["export", "--run", str(plain), "--output", str(tmp_path / "no")])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1, err
-    assert "trained from scratch with an ungated GELU MLP (Llama: SiLU-gated) and MLP biases" in err
+    blockers = "an ungated GELU MLP (LlamaForCausalLM: SiLU-gated) and MLP biases"
+    assert f"trained from scratch with {blockers}" in err
     assert "train with --gated-mlp" in err and not (tmp_path / "no").exists()
 
 

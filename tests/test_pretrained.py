@@ -162,6 +162,7 @@ def _edit(source, tmp_path, *, config=None, drop=None, add=None, change=None):
             "MistralForCausalLM is not supported; mmnnx builds LlamaForCausalLM, Qwen3ForCausalLM",
         ),
         (dict(config={"hidden_act": "gelu"}), "hidden_act='gelu' is not supported"),
+        (dict(config={"mlp_bias": True}), "mlp_bias=True is not supported"),
         (
             dict(config={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
             "rope_scaling of type 'yarn'",
@@ -212,6 +213,8 @@ def test_save_pretrained_needs_an_architecture_and_a_dtype_safetensors_holds(tmp
         save_pretrained(model, tmp_path / "a")
     with pytest.raises(CheckpointError, match="written in float32, bfloat16"):
         save_pretrained(model, tmp_path / "b", architecture=LLAMA, dtype=jnp.int8)
+    with pytest.raises(CheckpointError, match="Qwen3ForCausalLM checkpoint cannot hold no query"):
+        save_pretrained(model, tmp_path / "c", architecture="Qwen3ForCausalLM")
     assert not list(tmp_path.iterdir())
 
 

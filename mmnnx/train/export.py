@@ -11,7 +11,8 @@ from typing import Any
 
 import jax
 
-from mmnnx.models import GPTConfig, save_adapter, save_pretrained
+from mmnnx.models import save_adapter, save_pretrained
+from mmnnx.models.pretrained.families import FAMILIES
 from mmnnx.train.generation import RunError, load_run, read_run
 
 SCRATCH_ARCHITECTURE = "LlamaForCausalLM"
@@ -27,29 +28,6 @@ class Exported:
     architecture: str
     step: int
     adapter: bool
-
-
-def llama_blockers(config: GPTConfig) -> list[str]:
-    """What in ``config`` a ``LlamaForCausalLM`` cannot hold (nothing: ``[]``).
-
-    Example:
-        >>> llama_blockers(GPTConfig())
-        ['an ungated GELU MLP (Llama: SiLU-gated)', 'MLP biases']
-        >>> llama_blockers(GPTConfig(gated_mlp=True, mlp_bias=False))
-        []
-    """
-    blockers = []
-    if not config.gated_mlp:
-        blockers.append("an ungated GELU MLP (Llama: SiLU-gated)")
-    if config.mlp_bias:
-        blockers.append("MLP biases")
-    if config.norm != "rms":
-        blockers.append("LayerNorm (Llama: RMSNorm)")
-    if config.qk_norm:
-        blockers.append("query/key norms")
-    if config.experts:
-        blockers.append("mixture-of-experts blocks (Llama: dense)")
-    return blockers
 
 
 def export_run(
@@ -92,7 +70,7 @@ def export_run(
         )
     architecture = None
     if spec.flags.get("init_from") is None:
-        blockers = llama_blockers(spec.config)
+        blockers = FAMILIES[SCRATCH_ARCHITECTURE].cannot_hold(spec.config)
         if blockers:
             raise RunError(
                 f"the run in {run_dir} was trained from scratch with {' and '.join(blockers)}, "

@@ -239,7 +239,8 @@ def save_pretrained(
     Variables' values by path.
 
     Returns the directory. Raises ``CheckpointError`` before writing anything on a bad
-    ``dtype``, an existing ``path``, or a model with Variables the family does not name.
+    ``dtype``, an existing ``path``, or a model the family cannot hold (``Family.cannot_hold``:
+    an ungated or biased MLP for Qwen3, LayerNorm, mixture-of-experts blocks for a dense family).
 
     Example:
         >>> import tempfile
@@ -321,6 +322,9 @@ def _origin(
             f"{', '.join(FAMILIES)}); it was not loaded by from_pretrained"
         )
     family = family_of({"architectures": [name]}, path)
+    blockers = family.cannot_hold(model.config)
+    if blockers:
+        raise CheckpointError(f"{path}: a {name} checkpoint cannot hold {' and '.join(blockers)}")
     if dtype is None:
         hf = pretrained.config if pretrained else {}
         dtype = hf.get("torch_dtype", hf.get("dtype", "float32"))

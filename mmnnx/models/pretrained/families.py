@@ -133,7 +133,7 @@ class Family:
             qk_norm=self.qk_norm,
             mlp_hidden=_key(hf, "intermediate_size", file),
             gated_mlp=True,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            mlp_bias=False,
             max_seq_len=hf.get("max_position_embeddings", 2048),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             norm="rms",
@@ -177,10 +177,30 @@ class Family:
             "attention_bias": False,
             "torch_dtype": torch_dtype,
         }
-        if self.model_type == "llama":
-            out["mlp_bias"] = config.mlp_bias
         out.update({k.key: k.write(config) for k in self.config_keys})
         return out
+
+    def cannot_hold(self, config: GPTConfig) -> list[str]:
+        """What of ``config`` this family's checkpoints cannot hold (nothing: ``[]``).
+
+        Example:
+            >>> FAMILIES["LlamaForCausalLM"].cannot_hold(GPTConfig())
+            ['an ungated GELU MLP (LlamaForCausalLM: SiLU-gated)', 'MLP biases']
+            >>> FAMILIES["Qwen3ForCausalLM"].cannot_hold(GPTConfig(gated_mlp=True))
+            ['MLP biases', 'no query/key norms (Qwen3ForCausalLM: RMSNorm on both)']
+        """
+        own = {k.field for k in self.config_keys}
+        name = self.architecture
+        checks = (
+            (not config.gated_mlp, f"an ungated GELU MLP ({name}: SiLU-gated)"),
+            (config.mlp_bias, "MLP biases"),
+            (config.norm != "rms", f"LayerNorm ({name}: RMSNorm)"),
+            (config.qk_norm and not self.qk_norm, f"query/key norms ({name}: none)"),
+            (not config.qk_norm and self.qk_norm, f"no query/key norms ({name}: RMSNorm on both)"),
+            (config.experts and "experts" not in own, f"mixture-of-experts blocks ({name}: dense)"),
+            (not config.experts and "experts" in own, f"no mixture-of-experts blocks ({name})"),
+        )
+        return [what for failed, what in checks if failed]
 
     def tensor_rules(self, config: GPTConfig) -> tuple[TensorRule, ...]:
         """Which checkpoint tensor fills which Variable of ``GPT(config)``.
@@ -262,6 +282,7 @@ def _key(hf: dict[str, Any], key: str, file: str) -> Any:
 _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("hidden_act", lambda v: v not in (None, "silu"), "only SiLU-gated MLPs ('silu')"),
     ("attention_bias", bool, "attention projections without biases"),
+    ("mlp_bias", bool, "MLP projections without biases"),
     ("use_sliding_window", bool, "full attention in every layer (no sliding window)"),
     (
         "layer_types",
