@@ -1,0 +1,117 @@
+"""The paths a training run writes, and whether it can: checked before anything is built, so a
+path in the way is one line at the start of a run instead of a traceback after training."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from collections.abc import Iterable
+
+from mmnnx.train.run_config import CONFIG_FILE
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """A path a run writes: a directory (``directory``) or a file, ``what`` goes there (for the
+    message), and the option that places it (``flag``, e.g. ``--output-dir``) with its value."""
+
+    path: pathlib.Path
+    directory: bool
+    what: str
+    flag: str
+    value: pathlib.Path
+
+
+def run_outputs(
+    output_dir: str | os.PathLike[str],
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    *,
+    timeline: bool = True,
+    tensorboard: bool = True,
+    profile: bool = False,
+    wandb: bool = False,
+) -> list[Output]:
+    """What ``mmnnx train`` writes under ``output_dir`` (and ``checkpoint_dir``): its flags,
+    tokenizer, token cache, checkpoints, metrics and loss curve; the timeline (with
+    ``timeline``), TensorBoard events, profile and wandb files when asked for.
+
+    Example:
+        >>> [o.path.name for o in run_outputs("runs/x", tensorboard=False, timeline=False)][2:]
+        ['config.toml', 'tokenizer', 'tokenizer.json', 'data', 'metrics.jsonl', 'loss.png']
+    """
+    out = pathlib.Path(output_dir)
+    flag, ckpt_flag = "--output-dir", "--checkpoint-dir" if checkpoint_dir else "--output-dir"
+    ckpt = pathlib.Path(checkpoint_dir) if checkpoint_dir else out / "checkpoints"
+
+    def under(name: str, directory: bool, what: str) -> Output:
+        return Output(out / name, directory, what, flag, out)
+
+    outputs = [
+        Output(out, True, "", flag, out),
+        Output(ckpt, True, "" if checkpoint_dir else "the checkpoints", ckpt_flag, ckpt),
+        under(CONFIG_FILE, False, "the run's flags"),
+        under("tokenizer", True, "the run's tokenizer"),
+        under("tokenizer/tokenizer.json", False, "the run's tokenizer"),
+        under("data", True, "the text's tokens"),
+        under("metrics.jsonl", False, "the metrics"),
+        under("loss.png", False, "the loss curve"),
+    ]
+    if timeline:
+        outputs += [
+            under("timeline.png", False, "the pipeline timeline"),
+            under("timeline.json", False, "the pipeline timeline's events"),
+        ]
+    if tensorboard:
+        outputs.append(under("tensorboard", True, "the TensorBoard event files (--no-tensorboard)"))
+    if profile:
+        outputs.append(under("profile", True, "the profiler trace (--profile-steps)"))
+    if wandb:
+        outputs += [
+            under("wandb_run_id", False, "the wandb run's id (--wandb)"),
+            under("wandb", True, "the wandb files (--wandb)"),
+        ]
+    return outputs
+
+
+def output_problem(outputs: Iterable[Output]) -> str | None:
+    """The first of ``outputs`` a run could not write, as one line (a file where a directory
+    goes, a directory where a file goes, no write permission), or None.
+
+    Example:
+        >>> import tempfile
+        >>> out = pathlib.Path(tempfile.mkdtemp())
+        >>> (out / "loss.png").mkdir()
+        >>> output_problem(run_outputs(out))  # doctest: +ELLIPSIS
+        '--output-dir ...: .../loss.png is a directory, but the run writes the loss curve ...'
+    """
+    for output in outputs:
+        problem = _problem(output)
+        if problem:
+            return problem
+    return None
+
+
+def _problem(output: Output) -> str | None:
+    path, own = output.path, output.path == output.value
+    where = f"{output.flag} {output.value}" + ("" if own else f": {path}")
+    what = f" ({output.what})" if output.what else ""
+    fix = f"; move it aside or choose another {output.flag}"
+    if path.is_dir() and not output.directory:
+        return f"{where} is a directory, but the run writes {output.what} to a file there{fix}"
+    if path.exists() and not path.is_dir() and output.directory:
+        if own:
+            return f"{where} is a file, not a directory"
+        return f"{where} is a file, but the run writes {output.what} into a directory there{fix}"
+    if path.exists():
+        if not os.access(path, os.W_OK | (os.X_OK if output.directory else 0)):
+            return (
+                f"{where} is not writable{what}; make it writable or choose another {output.flag}"
+            )
+        return None
+    parent = next(p for p in path.parents if p.exists() or p == p.parent)
+    if not parent.is_dir():
+        return f"{where} cannot be made{what}: {parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{where} cannot be made{what}: {parent} is not writable"
+    return None
