@@ -196,8 +196,8 @@ class TextDataset:
         """
         if not isinstance(state, dict) or "next_index" not in state:
             raise DataStateError(
-                f"data state {state!r} is not a Grain iterator's state (TextDataset.state()); "
-                "was the checkpoint written by an older mmnnx?"
+                f"data state {state!r} is not a Grain iterator's state (TextDataset.state() "
+                "gives {'next_index': N}; an mmnnx before Grain saved others)"
             )
         index = state["next_index"]
         if not isinstance(index, int) or isinstance(index, bool):

@@ -14,13 +14,15 @@ from mmnnx.train.run_config import CONFIG_FILE
 @dataclasses.dataclass(frozen=True)
 class Output:
     """A path a run writes: a directory (``directory``) or a file, ``what`` goes there (for the
-    message), and the option that places it (``flag``, e.g. ``--output-dir``) with its value."""
+    message), the option that places it (``flag``, e.g. ``--output-dir``) with its value, and
+    how to do without it (``off``: ``pass --no-tensorboard``), if one can."""
 
     path: pathlib.Path
     directory: bool
     what: str
     flag: str
     value: pathlib.Path
+    off: str = ""
 
 
 def run_outputs(
@@ -44,8 +46,8 @@ def run_outputs(
     flag, ckpt_flag = "--output-dir", "--checkpoint-dir" if checkpoint_dir else "--output-dir"
     ckpt = pathlib.Path(checkpoint_dir) if checkpoint_dir else out / "checkpoints"
 
-    def under(name: str, directory: bool, what: str) -> Output:
-        return Output(out / name, directory, what, flag, out)
+    def under(name: str, directory: bool, what: str, off: str = "") -> Output:
+        return Output(out / name, directory, what, flag, out, off)
 
     outputs = [
         Output(out, True, "", flag, out),
@@ -63,13 +65,14 @@ def run_outputs(
             under("timeline.json", False, "the pipeline timeline's events"),
         ]
     if tensorboard:
-        outputs.append(under("tensorboard", True, "the TensorBoard event files (--no-tensorboard)"))
+        off = "pass --no-tensorboard"
+        outputs.append(under("tensorboard", True, "the TensorBoard event files", off))
     if profile:
-        outputs.append(under("profile", True, "the profiler trace (--profile-steps)"))
+        outputs.append(under("profile", True, "the profiler trace", "leave out --profile-steps"))
     if wandb:
         outputs += [
-            under("wandb_run_id", False, "the wandb run's id (--wandb)"),
-            under("wandb", True, "the wandb files (--wandb)"),
+            under("wandb_run_id", False, "the wandb run's id", "leave out --wandb"),
+            under("wandb", True, "the wandb files", "leave out --wandb"),
         ]
     return outputs
 
@@ -96,22 +99,22 @@ def _problem(output: Output) -> str | None:
     path, own = output.path, output.path == output.value
     where = f"{output.flag} {output.value}" + ("" if own else f": {path}")
     what = f" ({output.what})" if output.what else ""
-    fix = f"; move it aside or choose another {output.flag}"
+    other = f"choose another {output.flag}" + (f" (or {output.off})" if output.off else "")
     if path.is_dir() and not output.directory:
-        return f"{where} is a directory, but the run writes {output.what} to a file there{fix}"
+        writes = f"the run writes {output.what} to a file there"
+        return f"{where} is a directory, but {writes}; move it aside or {other}"
     if path.exists() and not path.is_dir() and output.directory:
         if own:
-            return f"{where} is a file, not a directory"
-        return f"{where} is a file, but the run writes {output.what} into a directory there{fix}"
+            return f"{where} is a file, not a directory; {other}"
+        writes = f"the run writes {output.what} into a directory there"
+        return f"{where} is a file, but {writes}; move it aside or {other}"
     if path.exists():
         if not os.access(path, os.W_OK | (os.X_OK if output.directory else 0)):
-            return (
-                f"{where} is not writable{what}; make it writable or choose another {output.flag}"
-            )
+            return f"{where} is not writable{what}; make it writable or {other}"
         return None
     parent = next(p for p in path.parents if p.exists() or p == p.parent)
     if not parent.is_dir():
-        return f"{where} cannot be made{what}: {parent} is a file, not a directory"
+        return f"{where} cannot be made{what}: {parent} is a file, not a directory; {other}"
     if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{where} cannot be made{what}: {parent} is not writable"
+        return f"{where} cannot be made{what}: {parent} is not writable; {other}"
     return None
