@@ -122,7 +122,7 @@ def test_sampling_at_a_tiny_temperature_takes_the_likeliest_token():
     """Logits of +-100 divided by 2e-38 (a normal float32) overflow to +-inf, where every draw
     among the +inf ones is a tie; measured from the likeliest logit they cannot."""
     model = one_device(GPTConfig(**SMALL))
-    model.head.kernel.value = model.head.kernel.value * 1000
+    model.head.kernel[...] = model.head.kernel[...] * 1000
     prompt = jnp.array([1, 2])
     hot = model.generate(prompt, 6, temperature=2e-38, rng=jax.random.key(1))
     np.testing.assert_array_equal(hot, model.generate(prompt, 6))

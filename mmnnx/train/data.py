@@ -180,8 +180,8 @@ class TextDataset:
         return self._iterator.get_state()
 
     def restore(self, state: dict) -> None:
-        """Continues from a state returned by :meth:`state`; checked first, the iterator left
-        as it was when the state is none.
+        """Continues from a state returned by :meth:`state`, checked first: anything else leaves
+        the iterator as it was.
 
         Raises:
             DataStateError: ``state`` is not one (e.g. a checkpoint of an mmnnx before Grain,

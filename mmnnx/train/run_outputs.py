@@ -43,36 +43,44 @@ def run_outputs(
         ['config.toml', 'tokenizer', 'tokenizer.json', 'data', 'metrics.jsonl', 'loss.png']
     """
     out = pathlib.Path(output_dir)
-    flag, ckpt_flag = "--output-dir", "--checkpoint-dir" if checkpoint_dir else "--output-dir"
-    ckpt = pathlib.Path(checkpoint_dir) if checkpoint_dir else out / "checkpoints"
 
-    def under(name: str, directory: bool, what: str, off: str = "") -> Output:
-        return Output(out / name, directory, what, flag, out, off)
+    def under(name: str, what: str, *, directory: bool = False, off: str = "") -> Output:
+        return Output(
+            path=out / name, directory=directory, what=what, flag="--output-dir", value=out, off=off
+        )
 
+    if checkpoint_dir:
+        ckpt = pathlib.Path(checkpoint_dir)
+        checkpoints = Output(
+            path=ckpt, directory=True, what="", flag="--checkpoint-dir", value=ckpt
+        )
+    else:
+        checkpoints = under("checkpoints", "the checkpoints", directory=True)
     outputs = [
-        Output(out, True, "", flag, out),
-        Output(ckpt, True, "" if checkpoint_dir else "the checkpoints", ckpt_flag, ckpt),
-        under(CONFIG_FILE, False, "the run's flags"),
-        under("tokenizer", True, "the run's tokenizer"),
-        under("tokenizer/tokenizer.json", False, "the run's tokenizer"),
-        under("data", True, "the text's tokens"),
-        under("metrics.jsonl", False, "the metrics"),
-        under("loss.png", False, "the loss curve"),
+        Output(path=out, directory=True, what="", flag="--output-dir", value=out),
+        checkpoints,
+        under(CONFIG_FILE, "the run's flags"),
+        under("tokenizer", "the run's tokenizer", directory=True),
+        under("tokenizer/tokenizer.json", "the run's tokenizer"),
+        under("data", "the text's tokens", directory=True),
+        under("metrics.jsonl", "the metrics"),
+        under("loss.png", "the loss curve"),
     ]
     if timeline:
         outputs += [
-            under("timeline.png", False, "the pipeline timeline"),
-            under("timeline.json", False, "the pipeline timeline's events"),
+            under("timeline.png", "the pipeline timeline"),
+            under("timeline.json", "the pipeline timeline's events"),
         ]
     if tensorboard:
         off = "pass --no-tensorboard"
-        outputs.append(under("tensorboard", True, "the TensorBoard event files", off))
+        outputs.append(under("tensorboard", "the TensorBoard event files", directory=True, off=off))
     if profile:
-        outputs.append(under("profile", True, "the profiler trace", "leave out --profile-steps"))
+        off = "leave out --profile-steps"
+        outputs.append(under("profile", "the profiler trace", directory=True, off=off))
     if wandb:
         outputs += [
-            under("wandb_run_id", False, "the wandb run's id", "leave out --wandb"),
-            under("wandb", True, "the wandb files", "leave out --wandb"),
+            under("wandb_run_id", "the wandb run's id", off="leave out --wandb"),
+            under("wandb", "the wandb files", directory=True, off="leave out --wandb"),
         ]
     return outputs
 
