@@ -1,5 +1,7 @@
 """The `mmnnx train` command: bad input exits 2 in one line; a tiny run trains and resumes."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -13,6 +15,7 @@ import pytest
 import mmnnx as mm
 from mmnnx.cli import main
 from mmnnx.train import BPETokenizer, load_tokenizer
+from mmnnx.train.checkpoint.integrity import extra_checksum
 from tests.flags import without_device_count
 
 
@@ -306,6 +309,57 @@ def test_paths_that_are_files_exit_2_before_training(tmp_path, capsys):
         assert err.count("\n") == 1 and f"{flag} {tmp_path / 'file'} is a file" in err
 
 
+def _files(folder) -> dict:
+    """Every file under ``folder``, by path, with its bytes (directories as None)."""
+    return {p: p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def _unwritable(path):
+    path.mkdir()
+    path.chmod(0o555)
+
+
+@pytest.mark.parametrize(
+    "name, make, reason",
+    [
+        (
+            "tensorboard",
+            lambda p: p.write_text(""),
+            "is a file, but the run writes the TensorBoard",
+        ),
+        (
+            "tokenizer",
+            lambda p: p.write_text(""),
+            "is a file, but the run writes the run's tokenizer",
+        ),
+        ("config.toml", os.mkdir, "is a directory, but the run writes the run's flags to a file"),
+        ("metrics.jsonl", os.mkdir, "is a directory, but the run writes the metrics to a file"),
+        ("loss.png", os.mkdir, "is a directory, but the run writes the loss curve to a file"),
+        pytest.param(
+            "tensorboard",
+            _unwritable,
+            "is not writable (the TensorBoard event files); make it writable or choose another "
+            "--output-dir (or pass --no-tensorboard)",
+            marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod 555"),
+        ),
+    ],
+    ids=["tensorboard-file", "tokenizer-file", "config-dir", "metrics-dir", "loss-dir", "ro-tb"],
+)
+def test_a_path_the_run_writes_in_the_way_exits_2_before_anything_is_built(
+    tmp_path, capsys, name, make, reason
+):
+    out = tmp_path / "run"
+    out.mkdir()
+    make(out / name)
+    before = _files(tmp_path)
+    assert main(["train", "--output-dir", str(out), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"mmnnx train: error: --output-dir {out}: {out / name} {reason}"
+    ), err
+    assert _files(tmp_path) == before
+
+
 TINY = ["--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "16", "--batch-size", "8"]
 
 
@@ -426,3 +480,104 @@ def test_a_bpe_run_saves_its_tokenizer_and_resumes_as_a_straight_run(tmp_path, c
     err = capsys.readouterr().err
     assert refused == 2 and err.count("\n") == 1, err
     assert "--tokenizer bytes: the run in" in err and "with --tokenizer bpe" in err
+
+
+def _truncate(path):
+    path.write_text(path.read_text()[:100])
+
+
+@pytest.mark.parametrize(
+    "damage, prompt, reason",
+    [
+        (
+            lambda tok: _truncate(tok / "bpe.json"),
+            "the",
+            "{tok}/bpe.json: not a tokenizer file the tokenizers library reads: EOF while parsing",
+        ),
+        (
+            lambda tok: (tok / "tokenizer.json").write_text("{name: bpe}"),
+            "the",
+            "{tok}/tokenizer.json: not valid JSON (Expecting property name enclosed in double",
+        ),
+        (
+            None,
+            "the \udcff",  # b"the \xff" on the command line
+            "--prompt is not UTF-8: byte 4 is b'\\xff' (the bpe tokenizer reads UTF-8 text only)",
+        ),
+    ],
+    ids=["bpe-json-truncated", "tokenizer-json-not-json", "prompt-not-utf8"],
+)
+def test_a_bpe_run_whose_tokenizer_or_prompt_cannot_be_read_exits_2_in_one_line(
+    tmp_path, capsys, damage, prompt, reason
+):
+    """generate, and train --resume, stop at the tokenizer: no model or checkpoint is needed."""
+    run, tok = tmp_path / "run", tmp_path / "run" / "tokenizer"
+    BPETokenizer.train(["the cat sat on the mat. " * 20], vocab_size=260).save(tok)
+    (run / "config.toml").write_text('[model]\ndim = 32\n[training]\ntokenizer = "bpe"\n')
+    (run / "checkpoints").mkdir()
+    if damage:
+        damage(tok)
+    before = _files(run)
+    assert main(["generate", "--run", str(run), "--prompt", prompt]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mmnnx generate: error: "), err
+    assert reason.format(tok=tok) in err, err
+    if damage:
+        assert main(["train", "--output-dir", str(run), "--resume", "--steps", "1"]) == 2
+        *notes, last = capsys.readouterr().err.splitlines()
+        assert last == f"mmnnx train: error: {err.split(': ', 3)[3].rstrip()}", last
+        assert [n for n in notes if "error" in n or "Traceback" in n] == [], notes
+    assert _files(run) == before
+
+
+ONE_STAGE = "--dim 16 --depth 1 --heads 2 --seq-len 8 --stages 1 --data-axis 1 --model-axis 1"
+ONE_STAGE += " --batch-size 2 --microbatches 1 --eval-batches 1 --timeline-step 0 --no-tensorboard"
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory):
+    """A run of one step on one stage (the cheapest to make), checkpointed at step 1."""
+    tmp = tmp_path_factory.mktemp("one_step")
+    (tmp / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 100)
+    argv = ["train", *ONE_STAGE.split(), "--steps", "1", "--text", str(tmp / "text.txt")]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*argv, "--output-dir", str(tmp / "run")]) == 0
+    return tmp / "run"
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        ({"next_index": -5}, "data state next_index -5 is not a position of the batch stream"),
+        ({"next_index": "abc"}, "data state next_index 'abc' is not an integer"),
+        ({"position": 3}, "data state {'position': 3} is not a Grain iterator's state"),
+    ],
+    ids=["negative", "string", "missing"],
+)
+def test_a_hand_edited_data_state_exits_2_naming_the_step(one_step_run, capsys, data, reason):
+    """The step's extra edited and its checksum made to match: the step reads back whole, its
+    data state is refused in one line naming the step, the checkpoints left as they were."""
+    step = one_step_run / "checkpoints" / "1"
+    extra_file, meta_file = step / "extra" / "metadata", step / "mmnnx" / "metadata"
+    saved_extra, saved_meta = extra_file.read_text(), meta_file.read_text()
+    extra = {**json.loads(saved_extra), "data": data}
+    meta = {**json.loads(saved_meta), "extra_checksum": extra_checksum(extra)}
+    extra_file.write_text(json.dumps(extra))
+    meta_file.write_text(json.dumps(meta))
+    try:
+        before = _files(one_step_run / "checkpoints")
+        capsys.readouterr()
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert (
+                main(["train", "--output-dir", str(one_step_run), "--resume", "--steps", "2"]) == 2
+            )
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.startswith(
+            f"mmnnx train: error: --resume: checkpoint step 1 in {step.parent}: {reason}"
+        ), err
+        assert err.endswith(f"; move {step} aside to resume from an older step\n"), err
+        assert _files(one_step_run / "checkpoints") == before
+    finally:
+        extra_file.write_text(saved_extra)
+        meta_file.write_text(saved_meta)

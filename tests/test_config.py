@@ -18,9 +18,9 @@ from mmnnx.train.options import spec
 from mmnnx.train.run_config import read_config, resolved_config, write_config
 
 
-def write(tmp_path, text: str, name: str = "run.toml"):
+def write(tmp_path, text: str | bytes, name: str = "run.toml"):
     path = tmp_path / name
-    path.write_text(text)
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     return path
 
 
@@ -61,6 +61,9 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
         ("[model]\ndim = 64\ndim = 32\n", "not valid TOML"),
         ("[model]\ndim = 64\n'dim' = 32\n", "not valid TOML"),
         ("[model]\nseq_len = 8\nseq-len = 16\n", "[model] seq-len: sets seq_len a second time"),
+        (b"[model]\n# caf\xe9\ndim = 64\n", "not UTF-8: byte 13 is b'\\xe9'; save it as UTF-8"),
+        # a byte-order mark (Windows editors) is skipped: the file reads on to its bad key
+        (b"\xef\xbb\xbf[model]\ndimm = 64\n", "[model] dimm: unknown key"),
     ],
 )
 def test_a_bad_config_exits_2_naming_file_and_key(tmp_path, capsys, text, reason):

@@ -118,6 +118,16 @@ def test_sampling_follows_temperature_top_k_and_key():
     np.testing.assert_array_equal(top1, model.generate(prompt, 10))  # top-1 is greedy
 
 
+def test_sampling_at_a_tiny_temperature_takes_the_likeliest_token():
+    """Logits of +-100 divided by 2e-38 (a normal float32) overflow to +-inf, where every draw
+    among the +inf ones is a tie; measured from the likeliest logit they cannot."""
+    model = one_device(GPTConfig(**SMALL))
+    model.head.kernel[...] = model.head.kernel[...] * 1000
+    prompt = jnp.array([1, 2])
+    hot = model.generate(prompt, 6, temperature=2e-38, rng=jax.random.key(1))
+    np.testing.assert_array_equal(hot, model.generate(prompt, 6))
+
+
 @pytest.mark.parametrize(
     "prompt, new, options, reason",
     [
@@ -170,6 +180,28 @@ def test_generate_continues_prompts_on_one_device_and_on_the_layout(trained_run,
     assert capsys.readouterr().out == one.out  # the run's 2 stages x 2 x 2 give the same text
     assert main(argv) == 0  # by default, up to the model's context (--seq-len 24)
     assert len(capsys.readouterr().out.removesuffix("\n").encode()) <= 24
+
+
+def test_a_temperature_too_small_for_float32_is_greedy(trained_run, capsys):
+    """1e-50 is 0 in float32 and 1e-40 subnormal (flushed to 0 on a device): both drew among
+    infinite logits (NUL bytes) before; now greedy."""
+    trained_run, _ = trained_run
+    argv = ["generate", "--run", str(trained_run), "--prompt", "In the", "--max-new-tokens", "8"]
+    assert main([*argv, "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    for temperature in ("1e-50", "1e-40"):
+        assert main([*argv, "--temperature", temperature]) == 0
+        assert capsys.readouterr().out == greedy, temperature
+
+
+def test_a_prompt_byte_that_is_not_utf8_is_that_byte_on_a_bytes_run(trained_run, capsys):
+    """`--prompt $'the \\xff'`: Python's argv holds the byte as '\\udcff'; the bytes tokenizer
+    encodes it back to 255 (it was a UnicodeEncodeError traceback)."""
+    trained_run, _ = trained_run
+    argv = ["generate", "--run", str(trained_run), "--max-new-tokens", "4", "--prompt"]
+    assert main([*argv, "the \udcff"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the \ufffd"), out  # the byte, printed as UTF-8 shows one
 
 
 @pytest.mark.parametrize(

@@ -56,8 +56,8 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``mmnnx generate``: the prompt and its continuation on stdout, one line about the run
-    on stderr; a run without config, tokenizer or checkpoint, or a prompt the model has no
-    room for, exits 2 in one line."""
+    on stderr; a run without config, tokenizer or checkpoint, a prompt its tokenizer cannot
+    read (a non-UTF-8 byte, for a BPE) or the model has no room for exits 2 in one line."""
 
     def error(message: str) -> int:
         print(f"mmnnx generate: error: {message}", file=sys.stderr)
@@ -76,10 +76,18 @@ def run(args: argparse.Namespace) -> int:
         devices = flags.get("devices", 8)
         os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices}"
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
-    from mmnnx.train.generation import continue_text, load_run  # noqa: PLC0415
+    from mmnnx.train.generation import continue_text, load_run, read_run  # noqa: PLC0415
 
     try:
-        run = load_run(args.run, layout=args.layout)
+        spec = read_run(args.run)
+    except RunError as e:
+        return error(f"--run: {e}")
+    try:  # a byte of argv that is not UTF-8 is a lone surrogate here
+        prompt_tokens = len(spec.tokenizer.encode(args.prompt))
+    except ValueError as e:
+        return error(f"--prompt is {e}")
+    try:
+        run = load_run(spec, layout=args.layout)
     except (
         RunError,
         ck.CheckpointMismatchError,
@@ -87,7 +95,6 @@ def run(args: argparse.Namespace) -> int:
         ck.NoReadableCheckpointError,
     ) as e:
         return error(f"--run: {e}")
-    prompt_tokens = len(run.tokenizer.encode(args.prompt))
     room = run.model.config.max_seq_len - prompt_tokens
     if room < 1:
         return error(

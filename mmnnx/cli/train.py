@@ -14,6 +14,7 @@ from mmnnx.mpmd.schedules import get
 from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.train.config import RunConfig
 from mmnnx.train.run_config import CONFIG_FILE, resolved_config, write_config
+from mmnnx.train.run_outputs import output_problem, run_outputs
 from mmnnx.tuning import parse_bytes
 
 SAMPLE_PROMPT = "In the beginning"  # of the greedy sample printed at the end of a run
@@ -106,13 +107,18 @@ def check(args: argparse.Namespace) -> str | None:
         if args.expert_axis > 1:
             over += f" x --expert-axis {args.expert_axis} (the tokens are split over both)"
         return f"a microbatch of {rows} sequences is not divisible by {over}"
-    for flag, path in (
-        ("--output-dir", args.output_dir),
-        ("--checkpoint-dir", args.checkpoint_dir),
-    ):
-        if path is not None and pathlib.Path(path).exists() and not pathlib.Path(path).is_dir():
-            return f"{flag} {path} is a file, not a directory"
-
+    problem = output_problem(
+        run_outputs(
+            args.output_dir,
+            args.checkpoint_dir,
+            timeline=bool(args.timeline_step),
+            tensorboard=args.tensorboard,
+            profile=args.profile_steps is not None,
+            wandb=args.wandb is not None,
+        )
+    )
+    if problem:
+        return problem
     if args.memory_budget is not None:
         if args.schedule != "auto":
             return "--memory-budget needs --schedule auto"
@@ -272,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     from mmnnx.models import CheckpointError  # noqa: PLC0415
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.config import ARCHITECTURE, train_config  # noqa: PLC0415
-    from mmnnx.train.data import EMBEDDED, TextDataset  # noqa: PLC0415
+    from mmnnx.train.data import EMBEDDED, DataStateError, TextDataset  # noqa: PLC0415
     from mmnnx.train.generation import continue_text, run_tasks  # noqa: PLC0415
     from mmnnx.train.loop import fit  # noqa: PLC0415
     from mmnnx.train.run_model import (  # noqa: PLC0415
@@ -359,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
         ck.CheckpointMismatchError,
         ck.CheckpointCorruptError,
         ck.NoReadableCheckpointError,
+        DataStateError,
     ) as e:
         return error(f"--resume: {e}")
     except NoCandidateError as e:

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mmnnx._nnx import variables_of
@@ -113,7 +114,9 @@ def is_placed(model: Any) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("top_k",))
 def _sample(logits: jax.Array, temperature: jax.Array, top_k: int | None, key: jax.Array):
-    logits = logits / temperature
+    # the likeliest token's logit made 0 first: however small the temperature, the division
+    # sends the others to -inf at worst, never a logit to +inf (where every draw is a tie)
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -133,11 +136,12 @@ def generate(
     ``(batch, max_new_tokens)`` int32 (``prompt``: ``(seq,)`` or ``(batch, seq)`` token ids).
 
     The prompt is run once (prefill), filling a key/value cache of ``max_seq_len`` positions
-    per block; each new token then costs one position. ``temperature`` 0 is greedy (argmax);
-    above 0, the logits are divided by it and sampled from, keeping the ``top_k`` most likely
-    tokens when given, with keys drawn from ``rng`` (default ``jax.random.key(0)``). A model
-    placed on tasks (``mm.init``/``mm.place``) runs each step with ``mm.jit``: every block, and
-    its cache, on its own task; otherwise with ``nnx.jit``.
+    per block; each new token then costs one position. ``temperature`` 0 is greedy (argmax), as
+    is any below float32's smallest normal number (1.2e-38); above 0, the logits are divided by
+    it and sampled from, keeping the ``top_k`` most likely tokens when given, with keys drawn
+    from ``rng`` (default ``jax.random.key(0)``). A model placed on tasks (``mm.init``/
+    ``mm.place``) runs each step with ``mm.jit``: every block, and its cache, on its own task;
+    otherwise with ``nnx.jit``.
 
     Raises:
         ValueError: an empty prompt, ``max_new_tokens < 1``, a prompt plus new tokens longer
@@ -169,10 +173,11 @@ def generate(
         raise ValueError(f"generate: top_k must be >= 1, got {top_k}")
     prefill, decode = _ON_TASKS if is_placed(model) else _ONE_DEVICE
     key = jax.random.key(0) if rng is None else rng
+    greedy = temperature < np.finfo(np.float32).tiny  # 0 in float32, or flushed to 0 on device
     logits, cache = prefill(model, prompt)
     tokens = []
     for i in range(max_new_tokens):
-        if temperature == 0:
+        if greedy:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:
             key, draw = jax.random.split(key)

@@ -18,7 +18,7 @@ from mmnnx.train.checkpoint import (
 )
 from mmnnx.train.config import RunConfig, gpt_config, train_config
 from mmnnx.train.corpus import text_chunks, token_file
-from mmnnx.train.data import TextDataset, embedded_text, load_text
+from mmnnx.train.data import DataStateError, TextDataset, embedded_text, load_text
 from mmnnx.train.generation import LoadedRun, RunError, continue_text, load_run
 from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
 from mmnnx.train.router_metrics import RouterMetrics, router_metrics
@@ -39,6 +39,7 @@ __all__ = [
     "CheckpointDirectoryBusyError",
     "CheckpointMismatchError",
     "ConfigError",
+    "DataStateError",
     "Checkpointer",
     "FitResult",
     "HFTokenizer",

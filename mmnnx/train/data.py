@@ -40,6 +40,11 @@ def load_text(paths: Paths) -> str:
     return "".join(text_chunks(paths))
 
 
+class DataStateError(ValueError):
+    """A data state :meth:`TextDataset.restore` cannot continue from: not one
+    :meth:`TextDataset.state` gives; the message is one line naming the field."""
+
+
 class _Windows:
     """Window ``i`` (``window`` tokens, as int32) of ``tokens``: a Grain data source read
     lazily, so a memory-mapped token file stays on disk."""
@@ -128,6 +133,7 @@ class TextDataset:
         windows = grain.MapDataset.source(_Windows(self._train, self.seq_len + 1))
         stream = windows.shuffle(seed=self.seed).repeat(None)
         mine = stream[self.shard_index :: self.shard_count].batch(rows, drop_remainder=True)
+        self._batches = len(mine)  # the positions a state may hold: 0 to this
         return iter(mine.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
 
     @classmethod
@@ -174,15 +180,32 @@ class TextDataset:
         return self._iterator.get_state()
 
     def restore(self, state: dict) -> None:
-        """Continues from a state returned by :meth:`state`.
+        """Continues from a state returned by :meth:`state`, checked first: anything else leaves
+        the iterator as it was.
 
         Raises:
-            ValueError: ``state`` is not one (e.g. a checkpoint of an mmnnx before Grain).
+            DataStateError: ``state`` is not one (e.g. a checkpoint of an mmnnx before Grain,
+                or one edited by hand), naming the field at fault.
+
+        Example:
+            >>> ds = TextDataset(np.arange(1000), seq_len=7, batch_size=4)
+            >>> ds.restore({"next_index": -5})  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            mmnnx.train.data.DataStateError: data state next_index -5 is not a position of the ...
         """
         if not isinstance(state, dict) or "next_index" not in state:
-            raise ValueError(
-                f"data state {state!r} is not a Grain iterator's state (TextDataset.state()); "
-                "was the checkpoint written by an older mmnnx?"
+            raise DataStateError(
+                f"data state {state!r} is not a Grain iterator's state (TextDataset.state() "
+                "gives {'next_index': N}; an mmnnx before Grain saved others)"
+            )
+        index = state["next_index"]
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise DataStateError(f"data state next_index {index!r} is not an integer")
+        if not 0 <= index <= self._batches:
+            raise DataStateError(
+                f"data state next_index {index} is not a position of the batch stream "
+                f"(0 to {self._batches})"
             )
         self._iterator.set_state(state)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
-import tomllib
 from typing import Any
 
 import jax
@@ -16,7 +15,7 @@ from mmnnx.models import GPT, GPTConfig
 from mmnnx.models.pretrained import CheckpointError
 from mmnnx.sharding import MultiMesh, Task, logical_rules
 from mmnnx.train.checkpoint import Checkpointer
-from mmnnx.train.run_config import CONFIG_FILE
+from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_toml
 from mmnnx.train.run_model import build_model, model_config, run_placement
 from mmnnx.train.tokenizers import Tokenizer, load_tokenizer
 
@@ -55,9 +54,9 @@ def read_run_flags(run_dir: str | pathlib.Path) -> dict[str, Any]:
     if not path.is_file():
         raise RunError(f"{path}: no such file; is {run_dir} a directory `mmnnx train` wrote?")
     try:
-        tables = tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise RunError(f"{path}: cannot be read: {e}") from None
+        tables = read_toml(path)
+    except ConfigError as e:
+        raise RunError(str(e)) from None
     flags: dict[str, Any] = {}
     for table in tables.values():
         if isinstance(table, dict):

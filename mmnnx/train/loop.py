@@ -32,7 +32,7 @@ from mmnnx.mpmd.lower.pack import (
 from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer, Resumed
-from mmnnx.train.data import TextDataset
+from mmnnx.train.data import DataStateError, TextDataset
 from mmnnx.train.router_metrics import has_router_metrics, router_metrics
 from mmnnx.train.run_log import RunLog
 from mmnnx.train.wandb_writer import WandbWriter
@@ -281,6 +281,9 @@ def fit(
     Raises:
         NoReadableCheckpointError: ``config.resume`` and every step is damaged or incomplete.
         CheckpointMismatchError: ``config.resume`` into a checkpoint of another model.
+        DataStateError: ``config.resume`` from a step whose data position ``dataset`` cannot
+            take (edited by hand); the model then holds that step's weights, the checkpoints
+            are as they were.
         WandbStartError: ``config.wandb`` and wandb could not start its run.
 
     Example (``mmnnx train``, in mmnnx/cli/train.py, is a complete script)::
@@ -317,7 +320,7 @@ def fit(
             )
         if config.resume and (checkpoints.all_steps() or checkpoints.incomplete_steps()):
             resumed = checkpoints.restore_newest_readable(model=model, opt=opt)
-            dataset.restore(resumed.extra["data"])
+            _restore_data(dataset, resumed, ckpt_dir)
             start = int(resumed.extra["step"])
             set_aside = checkpoints.set_aside([s.step for s in resumed.skipped])
             _print_line(console, _resumed_line(resumed, set_aside, ckpt_dir))
@@ -471,6 +474,20 @@ def _plain(value: Any) -> Any:
 def _print_line(console: Console, line: str) -> None:
     """``line`` as it is: one line however wide (no wrapping), paths not read as markup."""
     console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def _restore_data(dataset: TextDataset, resumed: Resumed, directory: pathlib.Path) -> None:
+    """``dataset`` continued from the data state of the step resumed; a state it cannot take (a
+    hand-edited checkpoint) is a :class:`DataStateError` naming the step, before anything in
+    ``directory`` changes."""
+    try:
+        dataset.restore(resumed.extra.get("data"))
+    except DataStateError as e:
+        step = resumed.step
+        raise DataStateError(
+            f"checkpoint step {step} in {directory}: {e}; move {directory / str(step)} aside to "
+            "resume from an older step"
+        ) from None
 
 
 def _resumed_line(resumed: Resumed, set_aside: list[str], directory: pathlib.Path) -> str:

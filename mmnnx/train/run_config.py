@@ -5,6 +5,7 @@ dataclass, keyed by the options' names (``seq_len`` or ``seq-len``) and each swi
 from __future__ import annotations
 
 import argparse
+import codecs
 import dataclasses
 import os
 import pathlib
@@ -62,6 +63,39 @@ def _value(option: Option, flag: str, value: Any, where: str) -> Any:
     return parsed
 
 
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The TOML file ``path`` parsed: UTF-8 text, a leading byte-order mark skipped (as
+    Windows editors write it).
+
+    Raises:
+        ConfigError: the file cannot be read, is not UTF-8 (naming the first bad byte's
+            offset) or not TOML.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> path = pathlib.Path(tempfile.mkdtemp(), "run.toml")
+        >>> _ = path.write_bytes(b"\\xef\\xbb\\xbf[model]\\ndim = 32\\n")
+        >>> read_toml(path)
+        {'model': {'dim': 32}}
+    """
+    try:
+        raw = pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
+    body = raw.removeprefix(codecs.BOM_UTF8)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        offset = e.start + len(raw) - len(body)
+        raise ConfigError(
+            f"{path}: not UTF-8: byte {offset} is {raw[offset : offset + 1]!r}; save it as UTF-8"
+        ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
 def read_config(path: str | os.PathLike[str], schema: type = RunConfig) -> dict[str, Any]:
     """The option values ``path`` sets, by name, checked against ``schema``'s tables.
 
@@ -77,13 +111,7 @@ def read_config(path: str | os.PathLike[str], schema: type = RunConfig) -> dict[
         ...
         mmnnx.train.run_config.ConfigError: ...: [model] seq_lenn: unknown key (known: dim, ...
     """
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    data = read_toml(path)
     keys = {title: _keys(fields) for title, fields in tables(schema).items()}
     homes = {key: title for title, table in keys.items() for key in table}
     values: dict[str, Any] = {}

@@ -30,20 +30,44 @@ class Tokenizer(Protocol):
     def save(self, directory: str | pathlib.Path) -> None: ...
 
 
+def _not_utf8(text: str, tokenizer: str, error: Exception) -> Exception:
+    """A ``ValueError`` naming the byte offset of the first character of ``text`` UTF-8 cannot
+    encode (a command-line byte that was not UTF-8, kept by Python as a lone surrogate: ``b'\\xff'``
+    as ``'\\udcff'``); ``error`` itself when ``text`` holds none."""
+    if not isinstance(text, str):
+        return error
+    i = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if i is None:
+        return error
+    offset, code = len(text[:i].encode("utf-8")), ord(text[i])
+    what = (
+        f"is {bytes([code - 0xDC00])!r}" if code >= 0xDC80 else f"is a lone surrogate U+{code:04X}"
+    )
+    return ValueError(
+        f"not UTF-8: byte {offset} {what} (the {tokenizer} tokenizer reads UTF-8 text only)"
+    )
+
+
 class ByteTokenizer:
-    """Bytes as tokens: a vocabulary of 256, no training, lossless on any UTF-8 text.
+    """Bytes as tokens: a vocabulary of 256, no training, lossless on any UTF-8 text and on
+    the bytes of a command line that is not UTF-8 (decoded by Python with ``surrogateescape``:
+    ``b'\\xff'`` is token 255).
 
     Example:
         >>> tok = ByteTokenizer()
-        >>> tok.encode("hi").tolist(), tok.decode([104, 105])
-        ([104, 105], 'hi')
+        >>> tok.encode("hi").tolist(), tok.decode([104, 105]), tok.encode("\\udcff").tolist()
+        ([104, 105], 'hi', [255])
     """
 
     name = "bytes"
     vocab_size = 256
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+        try:
+            data = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError as e:  # a lone surrogate not from a byte
+            raise _not_utf8(text, self.name, e) from None
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return bytes(np.asarray(ids, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
@@ -105,7 +129,11 @@ class BPETokenizer:
         return cls(model)
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._model.encode(text).ids, dtype=np.int32)
+        try:
+            ids = self._model.encode(text).ids
+        except TypeError as e:  # the library takes no lone surrogate (a non-UTF-8 byte of argv)
+            raise _not_utf8(text, self.name, e) from None
+        return np.asarray(ids, dtype=np.int32)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._model.decode(np.asarray(ids, dtype=np.int64).tolist())
@@ -126,10 +154,21 @@ class BPETokenizer:
 
     @classmethod
     def load(cls, directory: str | pathlib.Path) -> BPETokenizer:
+        """The BPE :meth:`save` wrote into ``directory``.
+
+        Raises:
+            FileNotFoundError: no ``bpe.json`` there.
+            ValueError: a ``bpe.json`` the ``tokenizers`` library cannot read, naming it.
+        """
         path = pathlib.Path(directory) / _BPE_FILE
         if not path.is_file():
             raise FileNotFoundError(f"BPE tokenizer folder {directory} has no {_BPE_FILE}")
-        return cls.from_str(path.read_text())
+        try:
+            return cls.from_str(path.read_text())
+        except Exception as e:  # the library raises its own exception type
+            raise ValueError(
+                f"{path}: not a tokenizer file the tokenizers library reads: {e}"
+            ) from None
 
 
 _HF_FILE = "hf_tokenizer.json"
@@ -183,7 +222,10 @@ class HFTokenizer:
             ) from None
 
     def encode(self, text: str) -> np.ndarray:
-        ids = self._model.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._model.encode(text, add_special_tokens=False).ids
+        except TypeError as e:  # the library takes no lone surrogate (a non-UTF-8 byte of argv)
+            raise _not_utf8(text, self.name, e) from None
         return np.asarray(ids, dtype=np.int32)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -239,7 +281,16 @@ def load_tokenizer(directory: str | pathlib.Path) -> Tokenizer:
     meta_file = folder / _META
     if not meta_file.is_file():
         raise FileNotFoundError(f"no saved tokenizer in {folder} (missing {_META})")
-    name = json.loads(meta_file.read_text())["name"]
+    try:
+        meta = json.loads(meta_file.read_bytes())
+    except ValueError as e:  # a JSONDecodeError, or bytes that are no text
+        raise ValueError(f"{meta_file}: not valid JSON ({e})") from None
+    name = meta.get("name") if isinstance(meta, dict) else None
+    if not isinstance(name, str):
+        raise ValueError(
+            f'{meta_file}: names no tokenizer (expected an object with a "name"), got '
+            f"{json.dumps(meta)[:80]}"
+        )
     if name not in _LOADERS:
         raise ValueError(
             f"{meta_file} names tokenizer {name!r}; known: {', '.join(sorted(_LOADERS))}"
