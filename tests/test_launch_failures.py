@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from mmnnx.cli import main
 from tests.flags import without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -211,6 +212,66 @@ def test_max_restarts_restarts_every_process_and_train_resumes_to_the_uninterrup
         assert a[1:] == pytest.approx(b[1:], rel=1e-5), (a, b)
 
 
+def test_min_processes_drops_a_rank_that_keeps_failing_and_train_resumes_on_the_devices_left(
+    tmp_path,
+):
+    # rank 1 is killed reading its 5th batch, then dies as it starts (a lost host): dropped at
+    # its second failure in a row. The last attempt, one process of 2 devices, re-plans the 2
+    # stages of 2 devices onto 1 device each, resumes from step 4 and finishes with the losses
+    # of a run never interrupted
+    layout = ["--stages", "2", "--data-axis", "2", "--model-axis", "1"]
+    flags = [*layout, "--steps", "6", "--eval-every", "2", "--checkpoint-every", "2", "--resume"]
+    proc, _ = launch(
+        ["-n", "2", "--devices-per-process", "2", "--max-restarts", "2", "--min-processes", "1",
+         "--", *_failing_train(1, 5, "gone", tmp_path / "shrunk", *flags)]
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-2:] == [
+        "mmnnx launch: rank 1 failed first (killed by SIGKILL); restarting all 2 processes "
+        "(restart 1 of 2)",
+        "mmnnx launch: rank 1 failed first (killed by SIGKILL), as in the attempt before: "
+        "dropped rank 1; restarting the other 1 process(es) (restart 2 of 2)",
+    ], proc.stderr[-3000:]
+    assert "[rank 1] gone" in proc.stdout
+    assert (
+        "[rank 0] mmnnx train: --resume: --stages 2 x --data-axis 2 x --model-axis 1 needs 4 "
+        "devices, the job has 2: re-planned as --data-axis 1, the same stages on 1 device each"
+    ) in proc.stdout, proc.stdout[-4000:]
+    assert "[rank 0] resumed from step 4" in proc.stdout
+    alone = tmp_path / "alone"
+    argv = ["train", "--output-dir", str(alone), *TRAIN_FLAGS, *layout, "--steps", "6"]
+    assert main([*argv, "--eval-every", "2"]) == 0
+    shrunk, reference = _losses(tmp_path / "shrunk"), _losses(alone)
+    assert [r[0] for r in shrunk] == [r[0] for r in reference] == [2, 4, 6]
+    for a, b in zip(shrunk, reference, strict=True):
+        assert a[1:] == pytest.approx(b[1:], rel=1e-4), (a, b)
+
+
+def test_min_processes_drops_a_rank_failing_twice_in_a_row_down_to_k():
+    code = (
+        "import os, sys\n"
+        "rank, count = os.environ['MMNNX_PROCESS_ID'], os.environ['MMNNX_NUM_PROCESSES']\n"
+        "print('of', count, 'in attempt', os.environ['MMNNX_RESTART_COUNT'], flush=True)\n"
+        "sys.exit(3 if rank == '1' else 0)\n"
+    )
+    proc, _ = launch(["-n", "3", "--max-restarts", "3", "--min-processes", "2", "--",
+                      sys.executable, "-c", code])  # fmt: skip
+    assert proc.returncode == 3
+    assert proc.stderr.strip().splitlines() == [
+        "mmnnx launch: rank 1 failed first (exit code 3); restarting all 3 processes "
+        "(restart 1 of 3)",
+        "mmnnx launch: rank 1 failed first (exit code 3), as in the attempt before: dropped "
+        "rank 1; restarting the other 2 process(es), the ranks above it one lower "
+        "(restart 2 of 3)",
+        "mmnnx launch: rank 1 failed first (exit code 3); restarting all 2 processes "
+        "(restart 3 of 3)",  # at --min-processes 2: kept
+        "mmnnx launch: rank 1 failed first (exit code 3); stopped the other 1 process(es)",
+    ]
+    # rank 1 prints before it fails: in a job of 3, then of 2 (the others may be stopped first)
+    for attempt, count in ((0, 3), (1, 3), (2, 2), (3, 2)):
+        assert f"[rank 1] of {count} in attempt {attempt}\n" in proc.stdout, proc.stdout
+
+
 def test_max_restarts_gives_up_after_n_attempts_with_the_last_status():
     code = "import sys, os; sys.exit(3 if os.environ['MMNNX_PROCESS_ID'] == '1' else 0)"
     proc, _ = launch(["-n", "2", "--max-restarts", "2", "--", sys.executable, "-c", code])
@@ -231,6 +292,8 @@ def test_max_restarts_gives_up_after_n_attempts_with_the_last_status():
         (["--port", "70000"], "--port"),
         (["--max-restarts", "-1"], "--max-restarts"),
         (["--heartbeat-timeout", "0"], "--heartbeat-timeout"),
+        (["--min-processes", "3"], "--min-processes must be in 1..2 (-n), got 3"),
+        (["--min-processes", "1", "--max-restarts", "1"], "needs --max-restarts 2 or more, got 1"),
         (["--collectives", "tcp"], "--collectives"),
         (["-n", "two"], "-n"),
     ],
