@@ -33,11 +33,11 @@ def replanned_line(layout: str, needed: int, devices: str, data_axis: int, per_s
     ``per_stage`` devices with ``--data-axis data_axis``.
 
     Example:
-        >>> replanned_line("--stages 2 x --data-axis 2 x --model-axis 1", 4, "2 (1 process x 2)",
-        ...                1, 1)  # doctest: +NORMALIZE_WHITESPACE
-        'mmnnx train: --resume: --stages 2 x --data-axis 2 x --model-axis 1 needs 4 devices,
-        the job has 2 (1 process x 2): re-planned as --data-axis 1, the same stages on 1 device
-        each'
+        >>> replanned_line("--stages 2 x --data-axis 4 x --model-axis 1", 8, "6 (3 processes x 2)",
+        ...                2, 2)  # doctest: +NORMALIZE_WHITESPACE
+        'mmnnx train: --resume: --stages 2 x --data-axis 4 x --model-axis 1 needs 8 devices,
+        the job has 6 (3 processes x 2): re-planned as --data-axis 2, the same stages on 2
+        devices each'
     """
     each = f"{per_stage} device{'s' if per_stage > 1 else ''} each"
     return (

@@ -129,7 +129,14 @@ def _check(
 
 def _check_min_processes(min_processes: int | None, num_processes: int, max_restarts: int) -> None:
     """Raises :class:`LaunchError` for a ``min_processes`` that cannot be: outside 1..N, or
-    below N with too few restarts to ever drop a rank (two failures in a row, then a restart)."""
+    below N with too few restarts to ever drop a rank (two failures in a row, then a restart).
+
+    Example:
+        >>> _check_min_processes(3, 2, max_restarts=2)
+        Traceback (most recent call last):
+        ...
+        mmnnx.launcher.launch.LaunchError: mmnnx launch: --min-processes must be in 1..2 (-n), got 3
+    """
     if min_processes is None:
         return
     if not 1 <= min_processes <= num_processes:
