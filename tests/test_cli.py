@@ -67,7 +67,7 @@ from tests.flags import without_device_count
             ],
             "only 8 devices are available; --stages 4 x --data-axis 2 x --model-axis 4 needs 32; "
             "--resume narrows only --data-axis, and --data-axis 1 needs 16",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
