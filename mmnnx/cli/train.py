@@ -290,9 +290,10 @@ def run(args: argparse.Namespace) -> int:
             f"{checkpoints} already holds checkpoints; pass --resume to continue from them, or "
             "choose another --output-dir or --checkpoint-dir"
         )
-    data_axis = _data_axis(args, len(jax.devices()))
-    if isinstance(data_axis, str):
-        return error(data_axis)
+    try:
+        data_axis = _data_axis(args, len(jax.devices()))
+    except ValueError as e:
+        return error(str(e))
     any_step = False
     if args.resume:
         latest = None
@@ -374,11 +375,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _data_axis(args: argparse.Namespace, devices: int) -> int | str:
+def _data_axis(args: argparse.Namespace, devices: int) -> int:
     """The data axis the run's stages are laid out with on ``devices`` (all of
     ``jax.devices()``): ``--data-axis``, or with ``--resume`` a narrower one where the layout
-    needs more devices than the job has (said in one line, :mod:`mmnnx.cli.replan`); else why
-    the layout does not fit."""
+    needs more devices than the job has (said in one line, :mod:`mmnnx.cli.replan`).
+
+    Raises:
+        ValueError: the layout does not fit, even narrowed; the message says why, in one line.
+    """
     import jax  # noqa: PLC0415
 
     from mmnnx.cli.replan import narrowed_data_axis, replanned_line  # noqa: PLC0415
@@ -390,12 +394,14 @@ def _data_axis(args: argparse.Namespace, devices: int) -> int | str:
     where = f" ({jax.process_count()} processes x {jax.local_device_count()})" if many else ""
     problem = f"only {devices} devices are available{where}; {_layout(args)} needs {needed}"
     if not args.resume:
-        return problem
+        raise ValueError(problem)
     axes = (args.stages, args.data_axis, args.expert_axis, args.model_axis)
     narrowed = narrowed_data_axis(*axes, devices)
     if narrowed is None:
         least = needed // args.data_axis
-        return f"{problem}; --resume narrows only --data-axis, and --data-axis 1 needs {least}"
+        raise ValueError(
+            f"{problem}; --resume narrows only --data-axis, and --data-axis 1 needs {least}"
+        )
     per_stage = narrowed * args.expert_axis * args.model_axis
     if jax.process_index() == 0:
         line = replanned_line(_layout(args), needed, f"{devices}{where}", narrowed, per_stage)
