@@ -4,7 +4,9 @@ launch`` only (started by tests/test_launch_failures.py).
 ``python -m tests.failing_train RANK STEP HOW TRAIN_ARGS...`` (from the repository root): on
 process RANK, while ``MMNNX_RESTART_COUNT`` is 0, reading the batch of the STEP-th step run
 fails: HOW is ``raise`` (the loader raises), ``exit`` (``sys.exit(3)``) or ``kill``
-(``SIGKILL``). It first prints ``failing at <time.time()>``.
+(``SIGKILL``). It first prints ``failing at <time.time()>``. HOW ``gone`` is ``kill``, and
+then a lost host: process RANK of every later attempt kills itself (``SIGKILL``) as it starts,
+before it joins the job.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def fail_at(rank: int, step: int, how: str) -> None:
         read += 1
         if read == step:
             print(f"failing at {time.time()}", flush=True)
-            if how == "kill":
+            if how in ("kill", "gone"):
                 os.kill(os.getpid(), signal.SIGKILL)
             if how == "exit":
                 sys.exit(3)
@@ -35,8 +37,13 @@ def fail_at(rank: int, step: int, how: str) -> None:
         return original(self)
 
     first_attempt = os.environ.get("MMNNX_RESTART_COUNT", "0") == "0"
-    if int(os.environ["MMNNX_PROCESS_ID"]) == rank and first_attempt:
+    if int(os.environ["MMNNX_PROCESS_ID"]) != rank:
+        return
+    if first_attempt:
         TextDataset.__next__ = next_batch
+    elif how == "gone":
+        print("gone", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,21 @@ from tests.flags import without_device_count
         ),
         (["--profile-steps", "400:401"], "--profile-steps starts at step 400, after --steps 300"),
         (["--wandb-name", "tiny"], "--wandb-name needs --wandb PROJECT"),
+        (  # found only on the devices there are (this process's 8)
+            [
+                "--resume",
+                "--output-dir",
+                "/nonexistent/run",
+                "--stages",
+                "4",
+                "--model-axis",
+                "4",
+                "--devices",
+                "32",
+            ],
+            "only 8 devices are available; --stages 4 x --data-axis 2 x --model-axis 4 needs 32; "
+            "--resume narrows only --data-axis, and --data-axis 1 needs 16",
+        ),
     ],
 )
 def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):

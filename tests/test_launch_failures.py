@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from mmnnx.cli import main
 from tests.flags import without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,8 +182,20 @@ def _losses(out) -> list[tuple[int, float, float]]:
     return [(r["step"], r["loss"], r["eval_loss"]) for r in map(json.loads, lines) if "loss" in r]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[tuple[int, float, float]]:
+    """The losses of the run the healed jobs below must end with: never interrupted, in this
+    process (its 8 devices: the default layout, 2 stages x 2 data x 2 model)."""
+    alone = tmp_path_factory.mktemp("alone")
+    argv = ["train", "--output-dir", str(alone), *TRAIN_FLAGS, "--steps", "6", "--eval-every", "2"]
+    assert main(argv) == 0
+    losses = _losses(alone)
+    assert [r[0] for r in losses] == [2, 4, 6]
+    return losses
+
+
 def test_max_restarts_restarts_every_process_and_train_resumes_to_the_uninterrupted_losses(
-    tmp_path,
+    tmp_path, uninterrupted
 ):
     # rank 1 is killed reading its 5th batch; checkpoints every 2 steps: the restart resumes
     # from step 4 and the finished run's losses equal a run that was never interrupted
@@ -197,18 +210,66 @@ def test_max_restarts_restarts_every_process_and_train_resumes_to_the_uninterrup
         "(restart 1 of 1)" in proc.stderr
     )
     assert "[rank 0] resumed from step 4" in proc.stdout, proc.stdout[-4000:]
-    alone = tmp_path / "alone"
-    single = subprocess.run(
-        [sys.executable, "-m", "mmnnx", "train", "--output-dir", str(alone), *TRAIN_FLAGS,
-         "--steps", "6", "--eval-every", "2"],
-        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
-    )  # fmt: skip
-    assert single.returncode == 0, single.stderr[-2000:]
-    healed, reference = _losses(tmp_path / "healed"), _losses(alone)
-    assert [r[0] for r in healed] == [r[0] for r in reference] == [2, 4, 6]
-    for a, b in zip(healed, reference, strict=True):
+    healed = _losses(tmp_path / "healed")
+    assert [r[0] for r in healed] == [2, 4, 6]
+    for a, b in zip(healed, uninterrupted, strict=True):
         assert a[1:] == pytest.approx(b[1:], rel=1e-5), (a, b)
+
+
+def test_min_processes_drops_a_rank_that_keeps_failing_and_train_resumes_on_the_devices_left(
+    tmp_path, uninterrupted
+):
+    # rank 1 is killed reading its 5th batch, then dies as it starts (a lost host): dropped at
+    # its second failure in a row. The last attempt, one process of 4 devices, re-plans the 2
+    # stages of 2 x 2 devices onto 1 x 2 each, resumes from step 4 and finishes with the losses
+    # of a run never interrupted
+    flags = ["--steps", "6", "--eval-every", "2", "--checkpoint-every", "2", "--resume"]
+    proc, _ = launch(
+        ["-n", "2", "--devices-per-process", "4", "--max-restarts", "2", "--min-processes", "1",
+         "--", *_failing_train(1, 5, "gone", tmp_path / "shrunk", *flags)]
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-2:] == [
+        "mmnnx launch: rank 1 failed first (killed by SIGKILL); restarting all 2 processes "
+        "(restart 1 of 2)",
+        "mmnnx launch: rank 1 failed first (killed by SIGKILL), as in the attempt before: "
+        "dropped rank 1; restarting the other 1 process(es) (restart 2 of 2)",
+    ], proc.stderr[-3000:]
+    assert "[rank 1] gone" in proc.stdout
+    assert (
+        "[rank 0] mmnnx train: --resume: --stages 2 x --data-axis 2 x --model-axis 2 needs 8 "
+        "devices, the job has 4: re-planned as --data-axis 1, the same stages on 2 devices each"
+    ) in proc.stdout, proc.stdout[-4000:]
+    assert "[rank 0] resumed from step 4" in proc.stdout
+    shrunk = _losses(tmp_path / "shrunk")
+    assert [r[0] for r in shrunk] == [2, 4, 6]
+    for a, b in zip(shrunk, uninterrupted, strict=True):
+        assert a[1:] == pytest.approx(b[1:], rel=1e-4), (a, b)
+
+
+def test_min_processes_drops_a_rank_failing_twice_in_a_row_down_to_k():
+    code = (
+        "import os, sys\n"
+        "rank, count = os.environ['MMNNX_PROCESS_ID'], os.environ['MMNNX_NUM_PROCESSES']\n"
+        "print('of', count, 'in attempt', os.environ['MMNNX_RESTART_COUNT'], flush=True)\n"
+        "sys.exit(3 if rank == '1' else 0)\n"
+    )
+    proc, _ = launch(["-n", "3", "--max-restarts", "3", "--min-processes", "2", "--",
+                      sys.executable, "-c", code])  # fmt: skip
+    assert proc.returncode == 3
+    assert proc.stderr.strip().splitlines() == [
+        "mmnnx launch: rank 1 failed first (exit code 3); restarting all 3 processes "
+        "(restart 1 of 3)",
+        "mmnnx launch: rank 1 failed first (exit code 3), as in the attempt before: dropped "
+        "rank 1; restarting the other 2 process(es), the ranks above it one lower "
+        "(restart 2 of 3)",
+        "mmnnx launch: rank 1 failed first (exit code 3); restarting all 2 processes "
+        "(restart 3 of 3)",  # at --min-processes 2: kept
+        "mmnnx launch: rank 1 failed first (exit code 3); stopped the other 1 process(es)",
+    ]
+    # rank 1 prints before it fails: in a job of 3, then of 2 (the others may be stopped first)
+    for attempt, count in ((0, 3), (1, 3), (2, 2), (3, 2)):
+        assert f"[rank 1] of {count} in attempt {attempt}\n" in proc.stdout, proc.stdout
 
 
 def test_max_restarts_gives_up_after_n_attempts_with_the_last_status():
@@ -231,6 +292,7 @@ def test_max_restarts_gives_up_after_n_attempts_with_the_last_status():
         (["--port", "70000"], "--port"),
         (["--max-restarts", "-1"], "--max-restarts"),
         (["--heartbeat-timeout", "0"], "--heartbeat-timeout"),
+        (["--min-processes", "1", "--max-restarts", "1"], "needs --max-restarts 2 or more, got 1"),
         (["--collectives", "tcp"], "--collectives"),
         (["-n", "two"], "-n"),
     ],

@@ -45,6 +45,15 @@ class Options:
         integer(0),
         metavar="N",
     )
+    min_processes: int | None = option(
+        None,
+        "with --max-restarts (2 or more), go on with fewer processes, down to K: a rank that "
+        "fails first in two attempts in a row is dropped, one line naming it, and the job "
+        "restarts without it (ranks above it one lower), with its devices fewer; `mmnnx train "
+        "--resume` re-plans the stages onto the devices left (default -n: none dropped)",
+        positive,
+        metavar="K",
+    )
     heartbeat_timeout: int | None = option(
         None,
         "a process silent this long has stopped responding: JAX's heartbeat timeout in "

@@ -296,14 +296,10 @@ def run(args: argparse.Namespace) -> int:
             f"{checkpoints} already holds checkpoints; pass --resume to continue from them, or "
             "choose another --output-dir or --checkpoint-dir"
         )
-    needed = args.stages * args.data_axis * args.expert_axis * args.model_axis
-    if len(jax.devices()) < needed:
-        many = jax.process_count() > 1
-        where = f" ({jax.process_count()} processes x {jax.local_device_count()})" if many else ""
-        return error(
-            f"only {len(jax.devices())} devices are available{where}; {_layout(args)} needs "
-            f"{needed}"
-        )
+    try:
+        data_axis = _data_axis(args, len(jax.devices()))
+    except ValueError as e:
+        return error(str(e))
     any_step = False
     if args.resume:
         latest = None
@@ -334,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except (OSError, ValueError) as e:
         return error(str(e))
-    tasks = run_tasks(args.stages, args.data_axis, args.model_axis, args.expert_axis)
+    tasks = run_tasks(args.stages, data_axis, args.model_axis, args.expert_axis)
     options = vars(args)
     if args.init_from is not None:  # the checkpoint's architecture, not the flags' defaults
         options = {k: v for k, v in options.items() if k not in ARCHITECTURE}
@@ -384,6 +380,40 @@ def run(args: argparse.Namespace) -> int:
     print(f'sample (greedy; more: mmnnx generate --run {args.output_dir} --prompt "...")')
     print(text)
     return 0
+
+
+def _data_axis(args: argparse.Namespace, devices: int) -> int:
+    """The data axis the run's stages are laid out with on ``devices`` (all of
+    ``jax.devices()``): ``--data-axis``, or with ``--resume`` a narrower one where the layout
+    needs more devices than the job has (said in one line, :mod:`mmnnx.cli.replan`).
+
+    Raises:
+        ValueError: the layout does not fit, even narrowed; the message says why, in one line.
+    """
+    import jax  # noqa: PLC0415
+
+    from mmnnx.cli.replan import narrowed_data_axis, replanned_line  # noqa: PLC0415
+
+    needed = args.stages * args.data_axis * args.expert_axis * args.model_axis
+    if devices >= needed:
+        return args.data_axis
+    many = jax.process_count() > 1
+    where = f" ({jax.process_count()} processes x {jax.local_device_count()})" if many else ""
+    problem = f"only {devices} devices are available{where}; {_layout(args)} needs {needed}"
+    if not args.resume:
+        raise ValueError(problem)
+    axes = (args.stages, args.data_axis, args.expert_axis, args.model_axis)
+    narrowed = narrowed_data_axis(*axes, devices)
+    if narrowed is None:
+        least = needed // args.data_axis
+        raise ValueError(
+            f"{problem}; --resume narrows only --data-axis, and --data-axis 1 needs {least}"
+        )
+    per_stage = narrowed * args.expert_axis * args.model_axis
+    if jax.process_index() == 0:
+        line = replanned_line(_layout(args), needed, f"{devices}{where}", narrowed, per_stage)
+        print(line, file=sys.stderr)
+    return narrowed
 
 
 def _tokenizer(args: argparse.Namespace, sources: list) -> Any:

@@ -3,7 +3,8 @@
 Like ``torchrun`` on one machine: a coordinator on 127.0.0.1 with a free port, each process told
 its rank through the environment, each output line prefixed with its rank; when one process
 fails or stops responding the others are stopped at once (:mod:`~mmnnx.launcher.ranks`) and,
-with ``max_restarts``, all of them are started again; none outlives the launcher (Ctrl-C
+with ``max_restarts``, all of them are started again, or all but one that keeps failing, down to
+``min_processes`` (:mod:`~mmnnx.launcher.membership`); none outlives the launcher (Ctrl-C
 included).
 """
 
@@ -28,6 +29,7 @@ from mmnnx._env import (
     ENV_RESTART_COUNT,
 )
 from mmnnx.launcher.chatter import is_chatter
+from mmnnx.launcher.membership import Membership
 from mmnnx.launcher.ranks import Outcome, Ranks
 
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S+")
@@ -125,6 +127,30 @@ def _check(
         raise LaunchError(f"mmnnx launch: cannot run {command[0]!r}: {why}")
 
 
+def _check_min_processes(min_processes: int | None, num_processes: int, max_restarts: int) -> None:
+    """Raises :class:`LaunchError` for a ``min_processes`` that cannot be: outside 1..N, or
+    below N with too few restarts to ever drop a rank (two failures in a row, then a restart).
+
+    Example:
+        >>> _check_min_processes(3, 2, max_restarts=2)
+        Traceback (most recent call last):
+        ...
+        mmnnx.launcher.launch.LaunchError: mmnnx launch: --min-processes must be in 1..2 (-n), got 3
+    """
+    if min_processes is None:
+        return
+    if not 1 <= min_processes <= num_processes:
+        raise LaunchError(
+            f"mmnnx launch: --min-processes must be in 1..{num_processes} (-n), got {min_processes}"
+        )
+    if min_processes < num_processes and max_restarts < 2:
+        raise LaunchError(
+            f"mmnnx launch: --min-processes {min_processes} drops a rank that fails first in two "
+            f"attempts in a row, then restarts: it needs --max-restarts 2 or more, got "
+            f"{max_restarts}"
+        )
+
+
 def launch(
     command: Sequence[str],
     num_processes: int,
@@ -133,6 +159,7 @@ def launch(
     port: int | None = None,
     collectives: str | None = None,
     max_restarts: int = 0,
+    min_processes: int | None = None,
     heartbeat_timeout_s: int | None = None,
     verbose: bool = False,
 ) -> int:
@@ -145,6 +172,9 @@ def launch(
     ``max_restarts`` = N, a failed attempt is followed by a fresh one of all processes (a new
     coordinator port unless ``port`` is given), up to N times, one line each; the status is
     the last attempt's. Each process sees the attempt's number in ``MMNNX_RESTART_COUNT``.
+    With ``min_processes`` = K below ``num_processes``, a rank that fails first in two attempts
+    in a row is dropped, one line naming it, while more than K processes are left: the next
+    attempts run one process fewer (ranks above it one lower), with its devices fewer.
 
     ``verbose``: print gloo's connection lines too, which are left out otherwise, and JAX's
     C++ information logs (``TF_CPP_MIN_LOG_LEVEL=0``; see ``chatter.py``).
@@ -166,6 +196,8 @@ def launch(
         max_restarts,
         heartbeat_timeout_s,
     )
+    _check_min_processes(min_processes, num_processes, max_restarts)
+    job = Membership(num_processes, num_processes if min_processes is None else min_processes)
     interrupted: list[int] = []
     wake = threading.Event()
 
@@ -184,36 +216,47 @@ def launch(
                 now = free_port()  # a fresh one each attempt
             else:
                 _check_port(now := port)
+            count = job.count
             envs = [
-                process_env(base, rank, num_processes, now, devices_per_process, collectives)
+                process_env(base, rank, count, now, devices_per_process, collectives)
                 | {ENV_RESTART_COUNT: str(attempt)}
                 | ({"TF_CPP_MIN_LOG_LEVEL": "0"} if verbose else {})
-                for rank in range(num_processes)
+                for rank in range(count)
             ]
             outcome = _attempt(command, envs, heartbeat, wake, verbose)
             if outcome is None:
                 name = signal.Signals(interrupted[0]).name
-                sys.stderr.write(
-                    f"mmnnx launch: {name} received; stopped all {num_processes} processes\n"
-                )
+                sys.stderr.write(f"mmnnx launch: {name} received; stopped all {count} processes\n")
                 return 128 + interrupted[0]
             if outcome.failure is None:
                 return 0
             if attempt == max_restarts:
                 sys.stderr.write(
-                    f"mmnnx launch: {outcome.failure}; stopped the other {num_processes - 1} "
-                    "process(es)\n"
+                    f"mmnnx launch: {outcome.failure}; stopped the other {count - 1} process(es)\n"
                 )
                 return outcome.status
-            sys.stderr.write(
-                f"mmnnx launch: {outcome.failure}; restarting all {num_processes} processes "
-                f"(restart {attempt + 1} of {max_restarts})\n"
-            )
+            sys.stderr.write(_restarting(outcome, job, attempt + 1, max_restarts))
             sys.stderr.flush()
         raise AssertionError("unreachable")
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _restarting(outcome: Outcome, job: Membership, restart: int, max_restarts: int) -> str:
+    """The line saying that ``job`` restarts after the failed ``outcome``: with all its
+    processes, or without the rank that failed first, when ``job`` drops it."""
+    if not job.failed(outcome.rank):
+        return (
+            f"mmnnx launch: {outcome.failure}; restarting all {job.count} processes "
+            f"(restart {restart} of {max_restarts})\n"
+        )
+    lower = ", the ranks above it one lower" if outcome.rank < job.count else ""
+    return (
+        f"mmnnx launch: {outcome.failure}, as in the attempt before: dropped rank "
+        f"{outcome.rank}; restarting the other {job.count} process(es){lower} "
+        f"(restart {restart} of {max_restarts})\n"
+    )
 
 
 def _attempt(

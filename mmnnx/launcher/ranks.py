@@ -34,6 +34,8 @@ class Outcome:
     for one killed by a signal; 1 for one that stopped responding)."""
     failure: str | None = None
     """What failed, e.g. ``rank 1 failed first (exit code 3)``; ``None`` when nothing did."""
+    rank: int | None = None
+    """The rank that failed first or stopped responding; ``None`` when nothing failed."""
 
 
 def describe(code: int) -> str:
@@ -173,14 +175,17 @@ class Ranks:
             if silent is not None and (
                 failed is not None or now - stopped_since[silent] >= stopped_after_s
             ):
+                seconds = now - stopped_since[silent]
                 outcome = Outcome(1, f"rank {silent} stopped responding (stopped by a signal "
-                                     f"for {now - stopped_since[silent]:.0f} s)")  # fmt: skip
+                                     f"for {seconds:.0f} s)", silent)  # fmt: skip
                 if failed is not None:
                     outcome = Outcome(1, f"{outcome.failure}; rank {failed[0]} then failed "
-                                         f"({describe(failed[1])})")  # fmt: skip
+                                         f"({describe(failed[1])})", silent)  # fmt: skip
             elif failed is not None:
                 rank, code = failed
-                outcome = Outcome(_status(code), f"rank {rank} failed first ({describe(code)})")
+                outcome = Outcome(
+                    _status(code), f"rank {rank} failed first ({describe(code)})", rank
+                )
             elif len(exits) == len(self.procs):
                 outcome = Outcome(0)
             if outcome is not None:

@@ -1,0 +1,49 @@
+"""How many processes an ``mmnnx launch`` job goes on with after a failure: with
+``--min-processes K`` below ``-n N``, a rank that fails first in two attempts in a row is
+dropped (the job restarts without it) while more than K processes are left.
+
+The ranks of an attempt are always 0..n-1 (JAX numbers the processes so): after a drop, the
+ranks above the dropped one go on one lower. On one machine a rank that keeps failing is what a
+lost host is on a cluster: the job goes on with that process's devices fewer, and
+``mmnnx train --resume`` re-plans its stages onto the devices left (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Membership:
+    """``count`` processes, never fewer than ``minimum``, and the rank that failed first in the
+    last attempt (``last_failed``).
+
+    Example:
+        >>> job = Membership(3, minimum=2)
+        >>> job.failed(2), job.failed(2), job.count  # rank 2 fails twice in a row: dropped
+        (False, True, 2)
+        >>> job.failed(1), job.failed(1), job.count  # at the minimum: kept
+        (False, False, 2)
+    """
+
+    count: int
+    minimum: int
+    last_failed: int | None = None
+
+    def failed(self, rank: int | None) -> bool:
+        """Records that ``rank`` failed first in the attempt just ended (``None``: no rank is
+        known); whether it is dropped: it failed first in the attempt before too, and more than
+        ``minimum`` processes are left. A drop starts the count of failures in a row afresh.
+
+        Example:
+            >>> job = Membership(2, minimum=1)
+            >>> job.failed(1), job.failed(0), job.failed(0), job.count
+            (False, False, True, 1)
+        """
+        again = rank is not None and rank == self.last_failed
+        self.last_failed = rank
+        if not again or self.count <= self.minimum:
+            return False
+        self.count -= 1
+        self.last_failed = None
+        return True
