@@ -13,7 +13,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import flax
@@ -131,6 +132,40 @@ def outside_state_error(error: BaseException) -> str | None:
     if not isinstance(error, flax.errors.TraceContextError):
         return None
     return "an nnx.Rngs" if "Rng" in str(error) else "a Variable"
+
+
+@contextlib.contextmanager
+def taken_as_data(kind: type) -> Iterator[None]:
+    """Inside this block Flax takes a ``kind`` value assigned to a Module attribute as data.
+
+    Flax takes an array assigned to an attribute (``self.cache = jnp.ones(3)``) as data, but
+    not a traced one: its check (``isinstance`` against a ``typing.Union`` holding
+    ``jax.Array``) misses tracers, so a Module built under a trace (``nnx.eval_shape`` too)
+    keeps that attribute as static, with a tracer in it. Registering the tracer type while the
+    Module is built makes the traced build match the eager one.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> seen = []
+        >>> def build():
+        ...     x = jnp.ones(2)
+        ...     with taken_as_data(type(x)):
+        ...         inside = nnx.is_data(x)
+        ...     seen.append((nnx.is_data(x), inside))
+        ...     return x
+        >>> _ = jax.make_jaxpr(build)()
+        >>> seen
+        [(False, True)]
+    """
+    registry = flax.nnx.pytreelib.DATA_REGISTRY
+    added = kind not in registry
+    registry.add(kind)
+    try:
+        yield
+    finally:
+        if added:
+            registry.discard(kind)
 
 
 def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:
