@@ -168,6 +168,38 @@ def taken_as_data(kind: type) -> Iterator[None]:
             registry.discard(kind)
 
 
+def holders_of(roots: Sequence[Any]) -> list[dict | list]:
+    """The mutable containers that hold the children of everything reachable from ``roots``:
+    each NNX object's ``__dict__`` (a Module's attributes, an ``nnx.List``'s items), each
+    ``nnx.State``'s mapping, each plain list and dict (as ``nnx.data`` keeps them). A child
+    added anywhere under ``roots`` makes one of them longer; Variables are children, not
+    containers.
+
+    Example:
+        >>> from flax import nnx
+        >>> model = nnx.Sequential(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+        >>> sizes = [len(h) for h in holders_of([model])]
+        >>> model.layers[0].scale = nnx.Param(1.0)
+        >>> [len(h) for h in holders_of([model])] == sizes
+        False
+    """
+    found: dict[int, dict | list] = {}
+    for root in roots:
+        for _, node in nnx.iter_graph(root):
+            holder = _holder(node)
+            if holder is not None:
+                found.setdefault(id(holder), holder)
+    return list(found.values())
+
+
+def _holder(node: Any) -> dict | list | None:
+    if isinstance(node, nnx.Pytree):
+        return vars(node)
+    if isinstance(node, nnx.State):
+        return node.raw_mapping
+    return node if type(node) in (list, dict) else None
+
+
 def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:
     """Where ``parent`` keeps its child at pytree path key ``key``: ``(holder, k)`` such that
     ``holder[k]`` is the child, read with one subscript (``None`` if unknown).

@@ -494,9 +494,13 @@ class CachedPartial:
         nodes, treedef = jax.tree.flatten(tail, is_leaf=_nnx.is_variable)
         plain = not any(_nnx.is_variable(n) for n in nodes)
         if plain and self._template is not None and treedef == self._tail_treedef:
-            self._template.check_bound()
-            return self._template.rebound(full, kwargs, nodes)
-        call = Call(self.fn, full, kwargs)
+            self._template.check_bound()  # a Variable or submodule replaced: named
+            if not self._template.grown():
+                return self._template.rebound(full, kwargs, nodes)
+            call = Call(self.fn, full, kwargs)  # walked afresh
+            self._template.check_none_added(call)  # a Variable added: named
+        else:
+            call = Call(self.fn, full, kwargs)
         if plain:  # arguments holding Variables are walked on every call
             self._template = call.template(len(nodes), offset)
             self._tail_treedef = treedef
@@ -548,6 +552,11 @@ def cached_partial(fn: JitFunction, *cached_args: Any) -> CachedPartial:
     array of another shape or sharding re-plans as usual); the bound objects' structure must
     not: adding, removing or replacing a Variable or submodule, or placing them again with
     ``mm.place``, needs a new ``cached_partial`` (the same contract as ``nnx.cached_partial``).
+    A call notices each of these and raises :class:`mm.SideEffectError` naming it before
+    anything runs (an added Variable by its path, e.g. ``'arg0/l0/scale'``), rather than
+    run a step that would never read or train it. Anything else added to a bound object (a
+    plain attribute) makes that call walk the bound arguments afresh, as a first call does. A
+    static attribute changed in place (``model.eval()``) is not noticed: bind again after it.
 
     Example:
         >>> import jax.numpy as jnp, optax

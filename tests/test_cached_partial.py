@@ -191,6 +191,21 @@ def test_a_replaced_variable_or_submodule_is_detected(tasks, batch):
         np.testing.assert_array_equal(a, b)  # refused before anything ran
 
 
+def test_an_added_variable_is_detected_and_a_plain_attribute_walked_again(tasks, batch):
+    model, opt, step = _bound_two_stage(tasks)
+    step(*batch)
+    model.note = "tuned"  # static, not a Variable: the binding walks the model afresh once
+    step(*batch)
+    step(*batch)
+    assert step.trace_count == 2  # the new static attribute re-plans once, as with mm.jit
+    model.l0.scale = nnx.Param(jnp.ones(32))  # never read nor trained by the old binding
+    before = flat(nnx.state((model, opt)))
+    with pytest.raises(mm.SideEffectError, match=r"'arg0/l0/scale', an nnx.Param, was added"):
+        step(*batch)
+    for a, b in zip(flat(nnx.state((model, opt))), before, strict=True):
+        np.testing.assert_array_equal(a, b)  # refused before anything ran
+
+
 def test_placing_the_bound_model_again_names_the_fix(tasks, batch):
     s0, s1 = tasks
     model, opt, step = _bound_two_stage(tasks)
