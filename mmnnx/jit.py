@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import jax
 
 from mmnnx import _nnx
+from mmnnx._argnums import checked_argnums
 from mmnnx._call import Added, Call, state_outputs, user_outputs
 from mmnnx._error_location import with_location
 from mmnnx._gc import cyclic_gc_paused
@@ -150,7 +151,15 @@ class JitFunction:
         self._cache: dict[Any, _Compiled] = {}
         self.trace_count = 0
         functools.update_wrapper(self, fun)
-        self.options = JitOptions(*options, **named_options)
+        given = JitOptions(*options, **named_options)
+        static, donate = checked_argnums(
+            fun,
+            _step_name(fun),
+            given.static_argnums,
+            given.static_argnames,
+            given.donate_argnums,
+        )
+        self.options = dataclasses.replace(given, static_argnums=static, donate_argnums=donate)
 
     static_argnums = property(lambda self: self.options.static_argnums)
     static_argnames = property(lambda self: self.options.static_argnames)
@@ -438,6 +447,11 @@ def jit(
     pieces of a GELU) from those it keeps, instead of the forward returning them: half the
     arrays a GPT stage's forward returns, and fewer bytes held between the passes. Exp, tanh,
     rsqrt, reductions and contractions are never recomputed. ``False`` keeps every residual.
+
+    ``static_argnums`` / ``donate_argnums`` count positional arguments, negative ones from the
+    end of ``fun``'s signature. As with ``jax.jit``, a position ``fun`` does not have, a
+    ``static_argnames`` entry it does not take, or an argument both static and donated raises
+    a ``ValueError`` when ``mm.jit`` is applied (a ``fun`` taking ``*args`` is not checked).
 
     Example:
         >>> import jax.numpy as jnp
