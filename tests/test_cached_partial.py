@@ -215,6 +215,24 @@ def test_placing_the_bound_model_again_names_the_fix(tasks, batch):
         step(*batch)
 
 
+def test_a_model_placed_on_swapped_tasks_needs_a_new_binding_which_trains_it(tasks, batch):
+    s0, s1 = tasks
+    model, opt, ref, ref_opt = placed_and_reference(tasks, optax.sgd(0.1))
+    step = mm.jit(train_step)
+    old = mm.cached_partial(step, model, opt)
+    close(old(*batch), train_step(ref, ref_opt, *batch))
+    mm.place(model, [("l0|l1", s1), ("l2|l3", s0)])
+    with pytest.raises(
+        mm.SideEffectError, match=r"'arg0/l0/bias' was placed again \(task 'stage0'"
+    ):
+        old(*batch)
+    assert mm.place_optimizer(opt, model) is opt  # optax.sgd keeps nothing per parameter
+    new = mm.cached_partial(step, model, opt)
+    close(new(*batch), train_step(ref, ref_opt, *batch))
+    assert model.l0.kernel.get_value().sharding.mesh == s1.jax_mesh
+    assert int(opt.step.get_value()) == 2
+
+
 def test_assigning_a_plain_array_attribute_is_refused(tasks, batch):
     model = two_stage(tasks)
     model.calls = jnp.zeros(())  # an array attribute, not a Variable

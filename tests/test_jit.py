@@ -590,6 +590,20 @@ def test_optimizer_state_left_behind_by_placing_again_is_refused_then_follows(ta
         mm.place_optimizer(opt, nnx.Linear(3, 5, rngs=nnx.Rngs(0)))  # not opt's model
 
 
+def test_place_optimizer_of_an_optimizer_keeping_no_state_per_parameter_succeeds(tasks):
+    s0, s1 = tasks
+    model = two_stage(tasks)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)  # its state: the step count
+    count = opt.step.get_value()
+    assert mm.place_optimizer(opt, model) is opt  # not placed again: nothing to move
+    mm.place(model, [("l0|l1", s1), ("l2|l3", s0)])
+    assert mm.place_optimizer(opt, model) is opt
+    assert opt.step.get_value() is count  # not kept per parameter: left where it is
+    adam = nnx.Optimizer(nnx.Linear(3, 5, rngs=nnx.Rngs(0)), optax.adam(0.1), wrt=nnx.Param)
+    with pytest.raises(ValueError, match="no state of this Optimizer is kept for a Variable of"):
+        mm.place_optimizer(adam, model)  # another model's optimizer
+
+
 def test_an_mm_jit_step_called_inside_another_is_inlined(tasks, batch):
     model, opt, ref, ref_opt = placed_and_reference(tasks, optax.adamw(1e-2))
     inner = mm.jit(train_step)

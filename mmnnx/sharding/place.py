@@ -491,10 +491,12 @@ def place_optimizer(opt: Opt, model: Any) -> Opt:
     ``nnx.Optimizer`` copies each parameter's placement into its state when it is created. After
     ``model`` is placed again with :func:`place`, call this so that the state follows its
     parameters; ``mm.jit`` refuses a step whose optimizer state was left on another task. State
-    that is not kept per Variable (the step count) stays where it is.
+    that is not kept per Variable (the step count) stays where it is, so an optimizer that keeps
+    none (``optax.sgd`` without momentum) has nothing to move.
 
     Raises:
-        ValueError: no optimizer state of ``opt`` is kept for a Variable of ``model``.
+        ValueError: ``opt`` keeps state per Variable, but none for a Variable of ``model`` (it
+            was created for another model).
 
     Example:
         >>> import optax
@@ -508,7 +510,7 @@ def place_optimizer(opt: Opt, model: Any) -> Opt:
         [1]
     """
     mirrors = optimizer_mirrors(opt, model)
-    if not mirrors:
+    if not mirrors and any(mirrors_a_variable(v) for _, v in variables_of(opt)):
         raise ValueError(
             f"place_optimizer: no state of this {type(opt).__name__} is kept for a Variable of "
             f"this {type(model).__name__}; pass the optimizer and the model it was created for"
