@@ -126,7 +126,8 @@ class Call:
         (a batch) are the next call's. Keeping them would keep a step's old arrays alive.
 
         Also records every edge (object, key, child) from the first ``num_bound`` positional
-        arguments to their Variables, which :meth:`check_bound` verifies on each call."""
+        arguments to their Variables, which :meth:`check_bound` verifies, and the size of each
+        container those arguments hold, which :meth:`grown` compares."""
         template = object.__new__(Call)
         template.__dict__.update(self.__dict__)
         template.bound_arrays = self.values[self.num_variables : len(self.values) - num_tail]
@@ -146,8 +147,31 @@ class Call:
                 edges.setdefault((id(holder), k), (holder, k, child, parent, key))
                 parent = child
         template.edges = list(edges.values())
+        holders = {id(h): h for h in _nnx.holders_of(roots[:num_bound])}
+        holders.update((id(e[0]), e[0]) for e in template.edges)
+        template.holders = list(holders.values())
+        template.sizes = [len(h) for h in template.holders]
         template.values = template.target = None
         return template
+
+    def check_none_added(self, call: Call) -> None:
+        """Raises if ``call`` (the same arguments, walked afresh) holds a Variable that this
+        template does not: one added to a bound argument, which the binding would never read
+        or update (as one replaced, :meth:`check_bound`)."""
+        known = {id(v) for v in self.variables}
+        for name, variable in zip(call.names, call.variables, strict=False):
+            if id(variable) not in known:
+                raise SideEffectError(
+                    f"mm.cached_partial: a bound argument changed since the binding was made "
+                    f"({name!r}, an nnx.{type(variable).__name__}, was added); the binding "
+                    "would never read or update it. Make a new mm.cached_partial after "
+                    "changing the model"
+                )
+
+    def grown(self) -> bool:
+        """Whether something was added to a bound argument since :meth:`template` (an
+        attribute, a list item): :meth:`check_bound` sees only what was replaced."""
+        return list(map(len, self.holders)) != self.sizes
 
     def check_bound(self) -> None:
         """Raises if a bound argument changed structure since :meth:`template` (a Variable or

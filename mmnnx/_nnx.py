@@ -13,7 +13,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import flax
@@ -131,6 +132,72 @@ def outside_state_error(error: BaseException) -> str | None:
     if not isinstance(error, flax.errors.TraceContextError):
         return None
     return "an nnx.Rngs" if "Rng" in str(error) else "a Variable"
+
+
+@contextlib.contextmanager
+def taken_as_data(kind: type) -> Iterator[None]:
+    """Inside this block Flax takes a ``kind`` value assigned to a Module attribute as data.
+
+    Flax takes an array assigned to an attribute (``self.cache = jnp.ones(3)``) as data, but
+    not a traced one: its check (``isinstance`` against a ``typing.Union`` holding
+    ``jax.Array``) misses tracers, so a Module built under a trace (``nnx.eval_shape`` too)
+    keeps that attribute as static, with a tracer in it. Registering the tracer type while the
+    Module is built makes the traced build match the eager one.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> seen = []
+        >>> def build():
+        ...     x = jnp.ones(2)
+        ...     with taken_as_data(type(x)):
+        ...         inside = nnx.is_data(x)
+        ...     seen.append((nnx.is_data(x), inside))
+        ...     return x
+        >>> _ = jax.make_jaxpr(build)()
+        >>> seen
+        [(False, True)]
+    """
+    registry = flax.nnx.pytreelib.DATA_REGISTRY
+    added = kind not in registry
+    registry.add(kind)
+    try:
+        yield
+    finally:
+        if added:
+            registry.discard(kind)
+
+
+def holders_of(roots: Sequence[Any]) -> list[dict | list]:
+    """The mutable containers that hold the children of everything reachable from ``roots``:
+    each NNX object's ``__dict__`` (a Module's attributes, an ``nnx.List``'s items), each
+    ``nnx.State``'s mapping, each plain list and dict (as ``nnx.data`` keeps them). A child
+    added anywhere under ``roots`` makes one of them longer; Variables are children, not
+    containers.
+
+    Example:
+        >>> from flax import nnx
+        >>> model = nnx.Sequential(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+        >>> sizes = [len(h) for h in holders_of([model])]
+        >>> model.layers[0].scale = nnx.Param(1.0)
+        >>> [len(h) for h in holders_of([model])] == sizes
+        False
+    """
+    found: dict[int, dict | list] = {}
+    for root in roots:
+        for _, node in nnx.iter_graph(root):
+            holder = _holder(node)
+            if holder is not None:
+                found.setdefault(id(holder), holder)
+    return list(found.values())
+
+
+def _holder(node: Any) -> dict | list | None:
+    if isinstance(node, nnx.Pytree):
+        return vars(node)
+    if isinstance(node, nnx.State):
+        return node.raw_mapping
+    return node if type(node) in (list, dict) else None
 
 
 def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import jax
 
 from mmnnx import _nnx
+from mmnnx._argnums import checked_argnums
 from mmnnx._call import Added, Call, state_outputs, user_outputs
 from mmnnx._error_location import with_location
 from mmnnx._gc import cyclic_gc_paused
@@ -150,7 +151,15 @@ class JitFunction:
         self._cache: dict[Any, _Compiled] = {}
         self.trace_count = 0
         functools.update_wrapper(self, fun)
-        self.options = JitOptions(*options, **named_options)
+        given = JitOptions(*options, **named_options)
+        static, donate = checked_argnums(
+            fun,
+            _step_name(fun),
+            given.static_argnums,
+            given.static_argnames,
+            given.donate_argnums,
+        )
+        self.options = dataclasses.replace(given, static_argnums=static, donate_argnums=donate)
 
     static_argnums = property(lambda self: self.options.static_argnums)
     static_argnames = property(lambda self: self.options.static_argnames)
@@ -439,6 +448,11 @@ def jit(
     arrays a GPT stage's forward returns, and fewer bytes held between the passes. Exp, tanh,
     rsqrt, reductions and contractions are never recomputed. ``False`` keeps every residual.
 
+    ``static_argnums`` / ``donate_argnums`` count positional arguments, negative ones from the
+    end of ``fun``'s signature. As with ``jax.jit``, a position ``fun`` does not have, a
+    ``static_argnames`` entry it does not take, or an argument both static and donated raises
+    a ``ValueError`` when ``mm.jit`` is applied (a ``fun`` taking ``*args`` is not checked).
+
     Example:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
@@ -494,9 +508,13 @@ class CachedPartial:
         nodes, treedef = jax.tree.flatten(tail, is_leaf=_nnx.is_variable)
         plain = not any(_nnx.is_variable(n) for n in nodes)
         if plain and self._template is not None and treedef == self._tail_treedef:
-            self._template.check_bound()
-            return self._template.rebound(full, kwargs, nodes)
-        call = Call(self.fn, full, kwargs)
+            self._template.check_bound()  # a Variable or submodule replaced: named
+            if not self._template.grown():
+                return self._template.rebound(full, kwargs, nodes)
+            call = Call(self.fn, full, kwargs)  # walked afresh
+            self._template.check_none_added(call)  # a Variable added: named
+        else:
+            call = Call(self.fn, full, kwargs)
         if plain:  # arguments holding Variables are walked on every call
             self._template = call.template(len(nodes), offset)
             self._tail_treedef = treedef
@@ -548,6 +566,11 @@ def cached_partial(fn: JitFunction, *cached_args: Any) -> CachedPartial:
     array of another shape or sharding re-plans as usual); the bound objects' structure must
     not: adding, removing or replacing a Variable or submodule, or placing them again with
     ``mm.place``, needs a new ``cached_partial`` (the same contract as ``nnx.cached_partial``).
+    A call notices each of these and raises :class:`mm.SideEffectError` naming it before
+    anything runs (an added Variable by its path, e.g. ``'arg0/l0/scale'``), rather than
+    run a step that would never read or train it. Anything else added to a bound object (a
+    plain attribute) makes that call walk the bound arguments afresh, as a first call does. A
+    static attribute changed in place (``model.eval()``) is not noticed: bind again after it.
 
     Example:
         >>> import jax.numpy as jnp, optax

@@ -191,6 +191,21 @@ def test_a_replaced_variable_or_submodule_is_detected(tasks, batch):
         np.testing.assert_array_equal(a, b)  # refused before anything ran
 
 
+def test_an_added_variable_is_detected_and_a_plain_attribute_walked_again(tasks, batch):
+    model, opt, step = _bound_two_stage(tasks)
+    step(*batch)
+    model.note = "tuned"  # static, not a Variable: the binding walks the model afresh once
+    step(*batch)
+    step(*batch)
+    assert step.trace_count == 2  # the new static attribute re-plans once, as with mm.jit
+    model.l0.scale = nnx.Param(jnp.ones(32))  # never read nor trained by the old binding
+    before = flat(nnx.state((model, opt)))
+    with pytest.raises(mm.SideEffectError, match=r"'arg0/l0/scale', an nnx.Param, was added"):
+        step(*batch)
+    for a, b in zip(flat(nnx.state((model, opt))), before, strict=True):
+        np.testing.assert_array_equal(a, b)  # refused before anything ran
+
+
 def test_placing_the_bound_model_again_names_the_fix(tasks, batch):
     s0, s1 = tasks
     model, opt, step = _bound_two_stage(tasks)
@@ -198,6 +213,24 @@ def test_placing_the_bound_model_again_names_the_fix(tasks, batch):
     mm.place(model, [("l0|l1|l2", s0), ("l3", s1)])  # l2 moves to s0
     with pytest.raises(mm.SideEffectError, match=r"'arg0/l2/.*' was placed again .*new mm.cached"):
         step(*batch)
+
+
+def test_a_model_placed_on_swapped_tasks_needs_a_new_binding_which_trains_it(tasks, batch):
+    s0, s1 = tasks
+    model, opt, ref, ref_opt = placed_and_reference(tasks, optax.sgd(0.1))
+    step = mm.jit(train_step)
+    old = mm.cached_partial(step, model, opt)
+    close(old(*batch), train_step(ref, ref_opt, *batch))
+    mm.place(model, [("l0|l1", s1), ("l2|l3", s0)])
+    with pytest.raises(
+        mm.SideEffectError, match=r"'arg0/l0/bias' was placed again \(task 'stage0'"
+    ):
+        old(*batch)
+    assert mm.place_optimizer(opt, model) is opt  # optax.sgd keeps nothing per parameter
+    new = mm.cached_partial(step, model, opt)
+    close(new(*batch), train_step(ref, ref_opt, *batch))
+    assert model.l0.kernel.get_value().sharding.mesh == s1.jax_mesh
+    assert int(opt.step.get_value()) == 2
 
 
 def test_assigning_a_plain_array_attribute_is_refused(tasks, batch):

@@ -244,8 +244,11 @@ def test_cache_and_replan_on_new_shape(tasks, batch):
 def test_with_options_keeps_every_option_and_changes_the_given_ones(tasks, batch):
     from mmnnx.jit import JitOptions
 
+    def flagged_step(model, opt, x, y, n=1, *, flag=False):
+        return train_step(model, opt, x, y)
+
     step = mm.jit(
-        train_step,
+        flagged_step,
         static_argnums=4,
         static_argnames="flag",
         donate_argnums=(0, 1),
@@ -279,6 +282,31 @@ def test_with_options_keeps_every_option_and_changes_the_given_ones(tasks, batch
     assert isinstance(again, mm.CachedPartial) and again.cached_args == bound.cached_args
     assert again.fn.options.schedule == "1f1b" and bound.fn.options.schedule is None
     close(again(batch[0]), bound(batch[0]))
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"donate_argnums": (7,)}, r"donate_argnums=\(7,\), but only accepts 4 positional ar"),
+        ({"static_argnums": 4}, r"static_argnums=\(4,\), but only accepts 4 positional arg"),
+        ({"static_argnums": -5}, r"static_argnums=\(-5,\), but only accepts 4 positional ar"),
+        ({"static_argnames": "flag"}, r"invalid argnames \['flag'\] in static_argnames; it does"),
+        ({"static_argnums": 1, "donate_argnums": (0, 1)}, r"argument 1 in both static_argnums"),
+    ],
+)
+def test_argnums_the_step_does_not_take_are_refused_when_applied(options, match):
+    with pytest.raises(ValueError, match=f"^mm.jit: train_step has {match}"):
+        mm.jit(train_step, **options)
+    with pytest.raises(ValueError, match=match):
+        mm.jit(**options)(train_step)  # as a decorator with options
+
+
+def test_negative_argnums_count_from_the_end_of_the_signature():
+    step = mm.jit(train_step, static_argnums=-1, donate_argnums=(-4, 1))
+    assert (step.static_argnums, step.donate_argnums) == ((3,), (0, 1))
+    assert mm.jit(lambda *args: args[0], donate_argnums=5).donate_argnums == (5,)  # as jax.jit
+    with pytest.raises(ValueError, match=r"donate_argnums=\(-1,\); a negative position counts"):
+        mm.jit(lambda *args: args[0], donate_argnums=-1)
 
 
 # -- mixed state: batch statistics and dropout RNG --------------------------------------------
@@ -560,6 +588,20 @@ def test_optimizer_state_left_behind_by_placing_again_is_refused_then_follows(ta
         close(a, b)
     with pytest.raises(ValueError, match="no state of this Optimizer is kept for a Variable"):
         mm.place_optimizer(opt, nnx.Linear(3, 5, rngs=nnx.Rngs(0)))  # not opt's model
+
+
+def test_place_optimizer_of_an_optimizer_keeping_no_state_per_parameter_succeeds(tasks):
+    s0, s1 = tasks
+    model = two_stage(tasks)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)  # its state: the step count
+    count = opt.step.get_value()
+    assert mm.place_optimizer(opt, model) is opt  # not placed again: nothing to move
+    mm.place(model, [("l0|l1", s1), ("l2|l3", s0)])
+    assert mm.place_optimizer(opt, model) is opt
+    assert opt.step.get_value() is count  # not kept per parameter: left where it is
+    adam = nnx.Optimizer(nnx.Linear(3, 5, rngs=nnx.Rngs(0)), optax.adam(0.1), wrt=nnx.Param)
+    with pytest.raises(ValueError, match="no state of this Optimizer is kept for a Variable of"):
+        mm.place_optimizer(adam, model)  # another model's optimizer
 
 
 def test_an_mm_jit_step_called_inside_another_is_inlined(tasks, batch):

@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mmnnx.distributed",),
     (
         "mmnnx.jit",
+        "mmnnx._argnums",
         "mmnnx._call",
         "mmnnx.deep_models",
         "mmnnx.microbatch",

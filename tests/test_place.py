@@ -2,6 +2,7 @@ import importlib
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -512,3 +513,77 @@ def test_init_restores_the_garbage_collector_when_the_factory_fails(tasks):
         assert not gc.isenabled()  # a caller's choice is left as it was
     finally:
         gc.enable()
+
+
+class Cache(nnx.Variable):
+    """A Variable type of the user's own."""
+
+
+# What a module may hold besides its Params (bonsai's Gemma3 keeps ``nnx.data(jnp.ones(...))``);
+# each is built by a tiny module next to one Param, with mm.place(factory()) as the reference.
+ATTRIBUTES = {
+    "nnx.data array": lambda rngs: nnx.data(jnp.arange(4.0) * 2),
+    "array attribute": lambda rngs: jnp.ones((2, 2)) / 3,
+    "static scalar, string, tuple": lambda rngs: (3, "gelu", (2, 3)),
+    "nnx.data list of arrays": lambda rngs: nnx.data([jnp.zeros(2), jnp.arange(3)]),
+    "nnx.data dict of arrays": lambda rngs: nnx.data({"cos": jnp.cos(jnp.arange(3.0))}),
+    "nnx.data python numbers": lambda rngs: nnx.data([1.5, 2]),
+    "numpy array": lambda rngs: np.arange(6.0).reshape(2, 3),
+    "Param of a numpy array": lambda rngs: nnx.Param(np.ones((2, 4), np.float32)),
+    "custom Variable type": lambda rngs: Cache(jnp.full((4,), 0.5), kind="rope"),
+    "BatchStat": lambda rngs: nnx.BatchNorm(4, rngs=rngs),
+    "RngState": lambda rngs: nnx.Rngs(5, dropout=6),
+    "modules in nnx.List": lambda rngs: nnx.List([nnx.Linear(2, 2, rngs=rngs)]),
+    "modules in nnx.Dict": lambda rngs: nnx.Dict(a=nnx.Linear(2, 2, rngs=rngs)),
+    "modules in an nnx.data list": lambda rngs: nnx.data([nnx.Linear(2, 2, rngs=rngs)]),
+}
+
+
+class Holder(nnx.Module):
+    def __init__(self, *kinds, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (4, 4)))
+        for k, kind in enumerate(kinds):
+            setattr(self, f"extra{k}", ATTRIBUTES[kind](rngs))
+
+
+def leaves(model):
+    """Each state leaf: (path, leaf type, value type, host value, sharding or None)."""
+    out = []
+    for path, leaf in nnx.to_flat_state(nnx.state(model)):
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        sharding = value.sharding if isinstance(value, jax.Array) else None
+        out.append((path, type(leaf), type(value), host(jnp.asarray(value)), sharding))
+    return out
+
+
+def assert_init_equals_place(factory, rules, strict=True):
+    inited = mm.init(factory, rules, strict=strict)
+    with nnx.use_eager_sharding(False):  # as mm.init builds (a Variable records it)
+        placed = mm.place(factory(), rules, strict=strict)
+    assert nnx.graphdef(inited) == nnx.graphdef(placed)  # static attributes included
+    assert mm.placement(inited) == mm.placement(placed)
+    for got, want in zip(leaves(inited), leaves(placed), strict=True):
+        assert got[:3] == want[:3]
+        np.testing.assert_array_equal(got[3], want[3], err_msg=str(want[0]))
+        assert got[4] == want[4], want[0]
+
+
+@pytest.mark.parametrize("kind", list(ATTRIBUTES))
+def test_init_takes_every_attribute_flax_allows_equal_to_place(tasks, kind):
+    assert_init_equals_place(lambda: Holder(kind, rngs=nnx.Rngs(0)), [(".*", tasks[0])])
+
+
+def test_init_leaves_what_no_rule_places_as_the_factory_made_it(tasks):
+    kinds = ("nnx.data array", "numpy array", "Param of a numpy array", "BatchStat", "RngState")
+    assert_init_equals_place(
+        lambda: Holder(*kinds, rngs=nnx.Rngs(0)), [("^w$", tasks[0])], strict=False
+    )
+
+
+def test_init_names_a_variable_holding_traced_arrays_in_a_tuple(tasks):
+    class Pair(nnx.Module):
+        def __init__(self):
+            self.pair = nnx.Variable((jnp.ones(2), jnp.zeros(3)))
+
+    with pytest.raises(TypeError, match=r"mm.init: Variable 'pair' holds a tuple of traced arr"):
+        mm.init(Pair, [(".*", tasks[0])], strict=False)

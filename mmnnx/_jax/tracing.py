@@ -23,6 +23,9 @@ no_effects = effects.no_effects
 join_effects = jax_core.join_effects
 """The union of several equations' effects."""
 
+JaxprTracer = pe.DynamicJaxprTracer
+"""The type of the values a jaxpr trace (``jax.make_jaxpr``, ``jax.jit``) makes."""
+
 
 def tracing() -> bool:
     """Whether a JAX trace (``jit``, ``grad``, ``vmap``, ``make_jaxpr``, ...) is in progress.

@@ -15,15 +15,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx._gc import cyclic_gc_paused
-from mmnnx._jax.tracing import fast_sharding_probes
 from mmnnx._nnx import (
     annotated_spec,
     logical_names,
     mirrors_a_variable,
-    outside_state_error,
     variables_of,
 )
 from mmnnx.sharding.arrays import placeholder, processes_of, put
+from mmnnx.sharding.factory import trace_factory
 from mmnnx.sharding.replay import replay
 from mmnnx.sharding.rules import Path, PlacementRule, compile_rules, path_str
 from mmnnx.sharding.specs import check_spec
@@ -297,11 +296,14 @@ def init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, *, strict: 
     of at most 64 MiB, so no full copy of the model ever exists on one device. A task spanning
     processes runs one jitted init instead, sharded as the rules say; each process computes
     only the tasks it takes part in. The values equal ``place(factory(), rules)`` for the same
-    RNG seed. ``factory`` must create its own ``nnx.Rngs``.
+    RNG seed. ``factory`` must create its own ``nnx.Rngs``. What else the model holds is
+    built as ``factory()`` builds it: arrays kept as ``nnx.data`` (or plain attributes) on this
+    process's first device, numpy arrays and Python values as the factory made them.
 
     Raises:
         ValueError: a rule problem (as :func:`place`), or a factory that changes state created
             outside it (an ``nnx.Rngs`` it closes over), before anything is built.
+        TypeError: a Variable holds traced arrays inside another value (a tuple), naming it.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh
@@ -318,40 +320,40 @@ def init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, *, strict: 
 
 
 def _init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, strict: bool) -> M:
-    abstract, traced, order = _traced(factory)
-    variables = variables_of(abstract)
-    assignments = _plan(variables, rules, strict, warn_at=3)
-    placed = {a.path for a in assignments}
-    groups: dict[Task | None, list[Any]] = {}
-    for a in assignments:
-        groups.setdefault(a.task, []).append(a)
-    by_path = dict(variables)
-    leftovers = [p for p in by_path if p not in placed]
-    if leftovers:
-        groups[None] = leftovers
-    position = {p: i for i, p in enumerate(order)}
-    here: list[tuple[Path, Any, Assignment | None]] = []  # computed by this process's replay
-    for task, group in groups.items():
-        if task is None:
-            here += [(p, None, None) for p in group]
-        elif jax.process_index() not in processes_of(task.sharding()):
-            abstract_values = [a.variable.get_value() for a in group]
-            _commit(
-                group,
-                [
-                    placeholder(x.shape, x.dtype, a.sharding)
-                    for x, a in zip(abstract_values, group, strict=True)
-                ],
-            )
+    traced = trace_factory(factory)
+    assignments = _plan(variables_of(traced.model), rules, strict, warn_at=3)
+    here = {a.path: a for a in assignments if jax.process_index() in processes_of(a.sharding)}
+    elsewhere = [a for a in assignments if a.path not in here]  # each process makes its own
+    _commit(elsewhere, [_placeholder_for(a) for a in elsewhere])
+    skipped = {a.path for a in elsewhere}
+    computed = [(k, p) for k, p in enumerate(traced.outputs) if p not in skipped]
+    values = _build_here(
+        traced.jaxpr,
+        [k for k, _ in computed],
+        [here[p].sharding if p in here else None for _, p in computed],
+    )
+    unplaced = []  # what no rule places: left where it was made, as place leaves it
+    for (_, p), value in zip(computed, values, strict=True):
+        if p in here:
+            _commit([here.pop(p)], [value])
         else:
-            here += [(a.path, a.sharding, a) for a in group]
-    values = _build_here(traced, [position[p] for p, _, _ in here], [s for _, s, _ in here])
-    for (p, _, a), value in zip(here, values, strict=True):
-        if a is not None:
-            _commit([a], [value])
-        else:
-            by_path[p].set_value(value)
-    return abstract
+            unplaced.append((p, value))
+    nnx.update(traced.model, nnx.from_flat_state(unplaced))
+    made = list(here.values())  # Variables whose value the factory made without jax
+    _commit(
+        made,
+        _put_all(
+            [a.variable.get_value() for a in made],
+            [a.sharding for a in made],
+            [path_str(a.path) for a in made],
+        ),
+    )
+    return traced.model
+
+
+def _placeholder_for(a: Assignment) -> jax.Array:
+    abstract = a.variable.get_value()
+    return placeholder(abstract.shape, abstract.dtype, a.sharding)
 
 
 def _build_here(traced: Any, wanted: list[int], shardings: list[Any]) -> list[Any]:
@@ -489,10 +491,12 @@ def place_optimizer(opt: Opt, model: Any) -> Opt:
     ``nnx.Optimizer`` copies each parameter's placement into its state when it is created. After
     ``model`` is placed again with :func:`place`, call this so that the state follows its
     parameters; ``mm.jit`` refuses a step whose optimizer state was left on another task. State
-    that is not kept per Variable (the step count) stays where it is.
+    that is not kept per Variable (the step count) stays where it is, so an optimizer that keeps
+    none (``optax.sgd`` without momentum) has nothing to move.
 
     Raises:
-        ValueError: no optimizer state of ``opt`` is kept for a Variable of ``model``.
+        ValueError: ``opt`` keeps state per Variable, but none for a Variable of ``model`` (it
+            was created for another model).
 
     Example:
         >>> import optax
@@ -506,7 +510,7 @@ def place_optimizer(opt: Opt, model: Any) -> Opt:
         [1]
     """
     mirrors = optimizer_mirrors(opt, model)
-    if not mirrors:
+    if not mirrors and any(mirrors_a_variable(v) for _, v in variables_of(opt)):
         raise ValueError(
             f"place_optimizer: no state of this {type(opt).__name__} is kept for a Variable of "
             f"this {type(model).__name__}; pass the optimizer and the model it was created for"
@@ -523,38 +527,6 @@ def place_optimizer(opt: Opt, model: Any) -> Opt:
         m.state.set_value(value)
         m.state.set_metadata(**{TASK_KEY: task, SPEC_KEY: spec})
     return opt
-
-
-def _traced(factory: Callable[[], M]) -> tuple[M, Any, list[Path]]:
-    """``factory()`` traced once: the model built abstractly, the traced computation of its
-    Variables' values (one output each), and their paths in output order. A factory that
-    changes state created outside it (an ``nnx.Rngs`` it closes over) is refused, naming the
-    fix."""
-    made = []
-
-    def build():
-        with nnx.use_eager_sharding(False):
-            built = factory()
-        graphdef, state = nnx.split(built)
-        made.append((graphdef, nnx.to_flat_state(state)))
-        return [v.get_value() for _, v in made[-1][1]]
-
-    try:
-        with fast_sharding_probes():
-            traced, shapes = jax.make_jaxpr(build, return_shape=True)()
-    except Exception as e:
-        what = outside_state_error(e)
-        if what is None:
-            raise
-        raise ValueError(
-            f"mm.init: the factory changes {what} created outside it; mm.init traces "
-            "the factory once and computes it from that trace, so it must create its own "
-            "state: build the nnx.Rngs inside it, e.g. mm.init(lambda: Model(rngs=nnx.Rngs(0)), "
-            "rules), not mm.init(lambda: Model(rngs=rngs), rules)"
-        ) from e
-    graphdef, flat = made[-1]
-    state = nnx.from_flat_state([(p, v.replace(s)) for (p, v), s in zip(flat, shapes, strict=True)])
-    return nnx.merge(graphdef, state), traced, [p for p, _ in flat]
 
 
 def placement(model: Any) -> dict[str, tuple[str, PartitionSpec]]:

@@ -17,7 +17,7 @@ def replay(
     closed: jcore.ClosedJaxpr, wanted: Sequence[int], device: Any, put: Callable[[int, Any], None]
 ) -> None:
     """Computes on ``device`` the outputs ``wanted`` of ``closed`` (a function of no arguments)
-    and hands each to ``put(index, value)`` as soon as it is made.
+    and hands each, as a jax array, to ``put(index, value)`` as soon as it is made.
 
     The ops that only one output needs (a Variable's initializer) run as one compiled program
     per output, cached by the ops' structure, so equal layers share one program and a model
@@ -60,7 +60,10 @@ def replay(
     def finish(n: int) -> None:
         for i, program, reads in due.get(n, ()):
             ins = [env[a] for a in reads]
-            put(i, ins[0] if program is None else program(*ins))
+            value = ins[0] if program is None else program(*ins)
+            # a literal or a constant (a numpy array the trace read) made a device array, as
+            # eager code makes it
+            put(i, value if isinstance(value, jax.Array) else jax.device_put(value, device))
         for v in [v for v in env if last_read.get(v, -1) <= n]:
             del env[v]
 

@@ -1,0 +1,90 @@
+"""A step's static and donated arguments checked against its signature, as ``jax.jit`` checks
+them when it is applied: a position past its positional parameters, a static name it does not
+take, or an argument both static and donated is a one-line ``ValueError`` naming the step."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class Argnums(NamedTuple):
+    """A step's static and donated argument positions, counted from its first argument."""
+
+    static: tuple[int, ...]
+    donate: tuple[int, ...]
+
+
+def checked_argnums(
+    fun: Callable,
+    name: str,
+    static_argnums: tuple[int, ...],
+    static_argnames: tuple[str, ...],
+    donate_argnums: tuple[int, ...],
+) -> Argnums:
+    """``static_argnums`` and ``donate_argnums`` of the step ``fun`` (called ``name`` in
+    errors), negative positions counted from the end of its positional parameters, after
+    checking them and ``static_argnames`` against its signature. A signature with ``*args``
+    (or none Python can read) leaves positions unchecked, as ``jax.jit`` does; negative ones
+    then cannot be resolved, and are refused.
+
+    Raises:
+        ValueError: a position the step does not have, a static name it does not take, an
+            argument both static and donated, or a negative position without a signature.
+
+    Example:
+        >>> def step(model, opt, x, y): ...
+        >>> checked_argnums(step, "step", (-1,), (), (0, 1))
+        Argnums(static=(3,), donate=(0, 1))
+        >>> checked_argnums(step, "step", (), (), (7,))
+        Traceback (most recent call last):
+        ...
+        ValueError: mm.jit: step has donate_argnums=(7,), but only accepts 4 positional arguments
+    """
+    params = _parameters(fun)
+    given = {"static_argnums": static_argnums, "donate_argnums": donate_argnums}
+    count = _positional_count(params)
+    resolved = {}
+    for option, nums in given.items():
+        if count is None:
+            if any(i < 0 for i in nums):
+                raise ValueError(
+                    f"mm.jit: {name} has {option}={nums}; a negative position counts from the "
+                    "end of the step's positional parameters, which mm.jit cannot read here "
+                    "(a step taking *args, or without a signature): give positions from 0"
+                )
+        elif any(not -count <= i < count for i in nums):
+            raise ValueError(
+                f"mm.jit: {name} has {option}={nums}, but only accepts {count} positional arguments"
+            )
+        resolved[option] = tuple(sorted({i % count if count else i for i in nums}))
+    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params):
+        takes = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
+        invalid = sorted(set(static_argnames) - takes)
+        if invalid:
+            raise ValueError(
+                f"mm.jit: {name} has invalid argnames {invalid} in static_argnames; it does "
+                "not take these arguments"
+            )
+    both = sorted(set(resolved["static_argnums"]) & set(resolved["donate_argnums"]))
+    if both:
+        raise ValueError(
+            f"mm.jit: {name} has argument {both[0]} in both static_argnums and donate_argnums; "
+            "a static argument is not an array, so it cannot be donated"
+        )
+    return Argnums(static=resolved["static_argnums"], donate=resolved["donate_argnums"])
+
+
+def _parameters(fun: Callable) -> list[inspect.Parameter] | None:
+    try:
+        return list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def _positional_count(params: list[inspect.Parameter] | None) -> int | None:
+    """How many arguments the step takes by position (``None``: any number, or unknown)."""
+    if params is None or any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
