@@ -351,9 +351,9 @@ class _Resumed:
 def _resumed(
     args: argparse.Namespace, options: dict[str, Any], checkpoints: pathlib.Path
 ) -> _Resumed:
-    """The checkpoints ``--resume`` continues from, checked: ``--steps`` beyond the latest, the
-    run's ``config.toml`` there, and ``options`` as the newest step's record has them (a step
-    without one is said to be unchecked, in one line)."""
+    """The checkpoints ``--resume`` continues from, checked: ``--steps`` beyond the latest, and
+    ``options`` as the newest step's record has them (a step without one is said to be
+    unchecked, in one line)."""
     import jax  # noqa: PLC0415
 
     from mmnnx.cli.flags import given  # noqa: PLC0415
@@ -376,14 +376,6 @@ def _resumed(
             f"the latest checkpoint in {checkpoints} is step {latest}; --steps {args.steps} "
             f"trains nothing more (give --steps above {latest})",
         )
-    config_file = pathlib.Path(args.output_dir, CONFIG_FILE)
-    if not config_file.is_file():
-        return _Resumed(
-            True,
-            saved,
-            f"--resume: {config_file} is missing; a resumed run takes the options it is not "
-            "given from the config.toml its run wrote",
-        )
     if saved is None:  # no step's extra reads back: the restore says why
         return _Resumed(True)
     if saved.record is None:
@@ -401,7 +393,7 @@ def _resumed(
         have, had = mismatch.as_flags()
     else:  # from the run's config.toml, edited since
         have, had = mismatch.as_keys()
-        have = f"{config_file} has {have}"
+        have = f"{pathlib.Path(args.output_dir, CONFIG_FILE)} has {have}"
     return _Resumed(
         True,
         saved,
