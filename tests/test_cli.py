@@ -250,7 +250,7 @@ def test_tiny_run_trains_and_resumes(tmp_path):
     assert "already holds checkpoints; pass --resume" in again.stderr
     for extra, reason in [
         (["--steps", "10", "--resume"], "is step 12; --steps 10 trains nothing more"),
-        (["--steps", "16", "--resume", "--dim", "64"], "--resume: checkpoint step 12: 'model/"),
+        (["--steps", "16", "--resume", "--dim", "64"], f"--dim 64: the run in {out} was trained"),
     ]:
         refused = subprocess.run(
             [*base, *extra], capture_output=True, text=True, env=env, timeout=600
