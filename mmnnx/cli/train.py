@@ -371,10 +371,8 @@ def _resumed(
         saved = saved_record(ckpt)
     if latest is not None and latest >= args.steps:
         return _Resumed(
-            True,
-            saved,
-            f"the latest checkpoint in {checkpoints} is step {latest}; --steps {args.steps} "
-            f"trains nothing more (give --steps above {latest})",
+            problem=f"the latest checkpoint in {checkpoints} is step {latest}; --steps "
+            f"{args.steps} trains nothing more (give --steps above {latest})"
         )
     if saved is None:  # no step's extra reads back: the restore says why
         return _Resumed(True)
@@ -395,10 +393,8 @@ def _resumed(
         have, had = mismatch.as_keys()
         have = f"{pathlib.Path(args.output_dir, CONFIG_FILE)} has {have}"
     return _Resumed(
-        True,
-        saved,
-        f"{have}: the run in {args.output_dir} was trained with {had} (checkpoint step "
-        f"{saved.step} records it); {may_change()}",
+        problem=f"{have}: the run in {args.output_dir} was trained with {had} (checkpoint "
+        f"step {saved.step} records it); {may_change()}"
     )
 
 
