@@ -16,6 +16,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
@@ -339,18 +340,27 @@ def test_two_processes_saving_into_one_directory_one_is_refused_and_nothing_is_m
 
 
 def test_mmnnx_train_on_a_directory_another_writer_holds_exits_2_naming_it(tmp_path):
-    with Checkpointer(tmp_path / "ckpt") as holder:
-        holder.claim()
+    """A second ``mmnnx train`` on the output directory of a running run (before its first
+    checkpoint) is refused before it writes anything: the running run's config.toml and
+    tokenizer/ stay its own (before: overwritten, then refused at the lock)."""
+    out = tmp_path / "out"
+    mm.train.BPETokenizer.train(["the cat sat on the mat. " * 20], 260).save(out / "tokenizer")
+    (out / "config.toml").write_text('[model]\ndim = 32\n[training]\ntokenizer = "bpe"\n')
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with Checkpointer(out / "checkpoints") as holder:
+        holder.claim()  # as the running run's fit holds it
         proc = subprocess.run(
-            [sys.executable, "-m", "mmnnx", "train", "--output-dir", str(tmp_path / "out"),
-             "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2", "--dim", "16",
-             "--depth", "2", "--heads", "2", "--seq-len", "8", "--batch-size", "8"],
+            [sys.executable, "-m", "mmnnx", "train", "--output-dir", str(out), "--steps", "2",
+             "--dim", "16", "--depth", "2", "--heads", "2", "--seq-len", "8", "--batch-size",
+             "8"],
             capture_output=True, text=True, timeout=240, cwd=ROOT,
             env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
         )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("\n") == 1, proc.stderr
     assert f"being written by another Checkpointer (process {os.getpid()}" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and ".mmnnx" not in p.name}
+    assert after == before  # no data/ either
 
 
 def test_readers_never_break_a_save_in_progress(tmp_path):
@@ -410,9 +420,21 @@ def _other_key_impl(model, opt):
     return model, opt
 
 
+def _clipped(model, opt):  # the optimizer's state gains clipping's (empty) state
+    return model, nnx.Optimizer(
+        model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), wrt=nnx.Param
+    )
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
+        (
+            _clipped,
+            r"the optimizer's state has another structure than the saved one: 'opt/opt_state/"
+            r"1/0/count' is in the model but missing from the checkpoint \(and \d+ more "
+            r"mismatches, all in it\); was the optimizer changed \(e\.g\. gradient clipping",
+        ),
         (_wider, r"'model/layers/0/bias' has shape \(32,\) in the checkpoint but \(64,\) in the"),
         (_extra_variable, r"'model/layers/0/scale' is in the model but missing from the checkp"),
         (_missing_variable, r"'model/drop/rngs/count' is in the checkpoint but not in the model"),

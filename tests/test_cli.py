@@ -16,6 +16,7 @@ import mmnnx as mm
 from mmnnx.cli import main
 from mmnnx.train import BPETokenizer, load_tokenizer
 from mmnnx.train.checkpoint.integrity import extra_checksum
+from mmnnx.train.run_record import RunRecord
 from tests.flags import without_device_count
 
 
@@ -265,7 +266,7 @@ def test_tiny_run_trains_and_resumes(tmp_path):
     assert "already holds checkpoints; pass --resume" in again.stderr
     for extra, reason in [
         (["--steps", "10", "--resume"], "is step 12; --steps 10 trains nothing more"),
-        (["--steps", "16", "--resume", "--dim", "64"], "--resume: checkpoint step 12: 'model/"),
+        (["--steps", "16", "--resume", "--dim", "64"], f"--dim 64: the run in {out} was trained"),
     ]:
         refused = subprocess.run(
             [*base, *extra], capture_output=True, text=True, env=env, timeout=600
@@ -473,12 +474,26 @@ def test_extending_a_run_keeps_its_schedule_and_matches_a_straight_run(tmp_path,
     assert saved_extra(tmp_path / "parts" / "checkpoints" / "12")["schedule_steps"] == 16
 
 
-def test_a_bpe_run_saves_its_tokenizer_and_resumes_as_a_straight_run(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def bpe_runs(tmp_path_factory):
+    """Two tiny BPE runs of 4 steps: ``straight``, and ``parts``: 2 steps by an mmnnx that
+    recorded no run in its checkpoints, then resumed to 4; and what that resume said on
+    stderr."""
+    tmp_path = tmp_path_factory.mktemp("bpe")
     bpe = ["--tokenizer", "bpe", "--vocab-size", "300", "--eval-every", "1"]
     every = ["--checkpoint-every", "2", "--schedule-steps", "4"]
     assert tiny_run(tmp_path, "straight", "--steps", "4", *bpe, *every) == 0
-    assert tiny_run(tmp_path, "parts", "--steps", "2", *bpe, *every) == 0
-    assert tiny_run(tmp_path, "parts", "--steps", "4", "--resume", *bpe, *every) == 0
+    with pytest.MonkeyPatch.context() as older:
+        older.setattr(RunRecord, "extra", lambda self: {})
+        assert tiny_run(tmp_path, "parts", "--steps", "2", *bpe, *every) == 0
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        assert tiny_run(tmp_path, "parts", "--steps", "4", "--resume", *bpe, *every) == 0
+    return tmp_path, said.getvalue()
+
+
+def test_a_bpe_run_saves_its_tokenizer_and_resumes_as_a_straight_run(bpe_runs, capsys):
+    tmp_path, _ = bpe_runs
     straight, parts = metrics(tmp_path / "straight"), metrics(tmp_path / "parts")
     for a, b in zip(straight, parts, strict=True):
         a.pop("tokens_per_s", None), b.pop("tokens_per_s", None)
@@ -596,3 +611,71 @@ def test_a_hand_edited_data_state_exits_2_naming_the_step(one_step_run, capsys, 
     finally:
         extra_file.write_text(saved_extra)
         meta_file.write_text(saved_meta)
+
+
+def test_a_run_is_resumed_and_generated_from_only_with_what_it_was_trained_with(bpe_runs, capsys):
+    """Each checkpoint records the options a resumed run may not change and the tokenizer's
+    fingerprint; `--resume` and `generate` refuse what differs, in one line naming it, before
+    anything is compiled or written. A checkpoint without a record (an older mmnnx's) resumes,
+    saying it cannot be checked."""
+    tmp_path, said = bpe_runs
+    run, resume = tmp_path / "parts", ["--steps", "6", "--resume"]
+    assert said == (
+        "mmnnx train: --resume: checkpoint step 2 holds no run record (saved by an mmnnx that "
+        "kept none): its options and tokenizer cannot be checked\n"
+    )
+    assert saved_extra(run / "checkpoints" / "4")["run"]["options"]["heads"] == 2
+    config, tokenizer = run / "config.toml", run / "tokenizer"
+    files = {p: p.read_bytes() for p in [config, *tokenizer.iterdir()]}
+    capsys.readouterr()
+
+    def refused(command: str = "train", *argv: str) -> str:
+        if command == "train":
+            status = tiny_run(tmp_path, "parts", *resume, *argv)
+        else:
+            status = main(["generate", "--run", str(run), "--prompt", "the"])
+        err = capsys.readouterr().err
+        assert status == 2 and err.count("\n") == 1, err
+        return err
+
+    trained = f"the run in {run} was trained with"
+    for argv, said in [
+        (["--heads", "4"], f"error: --heads 4: {trained} --heads 2 (checkpoint step 4 records it)"),
+        (["--clip-grad-norm", "1"], f"--clip-grad-norm 1.0: {trained} no --clip-grad-norm ("),
+        (["--scan-layers"], f"--scan-layers: {trained} no --scan-layers ("),
+        (["--vocab-size", "280"], f"--vocab-size 280: {trained} --vocab-size 300 ("),
+        (["--tokenizer", "bytes"], f"--tokenizer bytes: {trained} --tokenizer bpe ("),
+    ]:
+        err = refused("train", *argv)
+        assert said in err, err
+    assert "; a resumed run may change only its [layout], [logging] and [outputs] options, " in err
+    assert "--steps, --schedule-steps, " in err and err.endswith(" and the process count\n")
+
+    edited = files[config].decode().replace("gated_mlp = false", "gated_mlp = true")
+    config.write_text(edited)
+    said = f"error: {config} has gated_mlp = true: {trained} gated_mlp = false (checkpoint step 4"
+    assert said in refused()
+    assert (
+        f"mmnnx generate: error: --run: {config} has gated_mlp = true, but checkpoint step 4 of "
+        "the run was trained with gated_mlp = false: config.toml no longer describes the run"
+    ) in refused("generate")
+    config.unlink()  # the run's own options are gone: not the defaults' model instead
+    assert main(["train", "--output-dir", str(run), "--steps", "6", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mmnnx train: error: --resume: {config} is missing; a resumed run "), err
+    config.write_bytes(files[config])
+
+    size = load_tokenizer(tokenizer).vocab_size
+    other = BPETokenizer.train(["pack my box with five dozen liquor jugs. " * 400], size)
+    assert other.vocab_size == size  # the same shapes
+    other.save(tokenizer)
+    assert (
+        f"error: --resume: {tokenizer} holds a tokenizer that is not the one the run was trained "
+        "with (checkpoint step 4 records another): were its files replaced?\n"
+    ) in refused()
+    assert f"{tokenizer} holds a tokenizer that is not the one checkpoint step 4" in refused(
+        "generate"
+    )
+    for path, content in files.items():
+        path.write_bytes(content)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]

@@ -195,6 +195,12 @@ def test_token_file_is_tokenized_by_chunks_and_read_from_disk(tmp_path):
     np.testing.assert_array_equal(token_file(corpus, again, tmp_path / "cache", 4096), tokens)
     assert again.lengths == []  # reused
     assert (tmp_path / "cache" / "tokens.bin").stat().st_mtime_ns == made
+    with open(tmp_path / "cache" / "tokens.bin", "r+b") as f:  # zeroed by a crash, say
+        f.write(bytes(len(tokens) * tokens.itemsize))
+    with pytest.warns(UserWarning, match="tokens.bin does not have the checksum it was written"):
+        made_again = token_file(corpus, again, tmp_path / "cache", 4096)
+    np.testing.assert_array_equal(made_again, ByteTokenizer().encode(load_text(corpus)))
+    assert again.lengths  # tokenized again, not read as token 0 throughout
     (corpus / "0.txt").write_text("changed\n" * 100)
     changed = token_file(corpus, again, tmp_path / "cache", 4096)
     assert again.lengths and ByteTokenizer().decode(changed[:8]) == "changed\n"

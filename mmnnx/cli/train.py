@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import pathlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmnnx.cli.flags import add_options
 from mmnnx.mpmd.schedules import get
@@ -16,6 +17,11 @@ from mmnnx.train.config import RunConfig
 from mmnnx.train.run_config import CONFIG_FILE, resolved_config, write_config
 from mmnnx.train.run_outputs import output_problem, run_outputs
 from mmnnx.tuning import parse_bytes
+
+if TYPE_CHECKING:  # for annotations only: run() imports what it uses
+    from mmnnx.train.checkpoint import Checkpointer
+    from mmnnx.train.run_record import Saved
+    from mmnnx.train.tokenizers import Tokenizer
 
 SAMPLE_PROMPT = "In the beginning"  # of the greedy sample printed at the end of a run
 
@@ -265,7 +271,12 @@ def _pretrained(args: argparse.Namespace) -> tuple[str | None, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """``mmnnx train`` with the flags ``args`` (checked): 0 when trained, 1 when the loss is no
-    longer finite, 2 for an input error found only now (one line on stderr)."""
+    longer finite, 2 for an input error found only now (one line on stderr).
+
+    Nothing is written into the run's directories before a resumed run's options and tokenizer
+    are checked against the record its checkpoints hold (``run_record``), nor before the
+    checkpoint directory's writer lock is held (``Checkpointer.claim``; with several processes,
+    by process 0)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
@@ -274,20 +285,9 @@ def run(args: argparse.Namespace) -> int:
     import mmnnx as mm  # noqa: PLC0415
 
     mm.distributed.initialize()  # under `mmnnx launch` or a cluster; a no-op alone
-    from mmnnx.errors import NoCandidateError  # noqa: PLC0415
-    from mmnnx.models import CheckpointError  # noqa: PLC0415
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
-    from mmnnx.train.config import ARCHITECTURE, train_config  # noqa: PLC0415
-    from mmnnx.train.data import EMBEDDED, DataStateError, TextDataset  # noqa: PLC0415
-    from mmnnx.train.generation import continue_text, run_tasks  # noqa: PLC0415
-    from mmnnx.train.loop import fit  # noqa: PLC0415
-    from mmnnx.train.run_model import (  # noqa: PLC0415
-        build_model,
-        model_config,
-        run_placement,
-        trainable,
-    )
-    from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
+    from mmnnx.train.config import ARCHITECTURE  # noqa: PLC0415
+    from mmnnx.train.data import EMBEDDED  # noqa: PLC0415
 
     checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
     fresh = not args.resume and checkpoints.is_dir()
@@ -300,26 +300,167 @@ def run(args: argparse.Namespace) -> int:
         data_axis = _data_axis(args, len(jax.devices()))
     except ValueError as e:
         return error(str(e))
-    any_step = False
-    if args.resume:
-        latest = None
-        if checkpoints.is_dir():
-            with ck.Checkpointer(checkpoints) as ckpt:
-                latest = ckpt.latest_step()
-                any_step = bool(ckpt.all_steps() or ckpt.incomplete_steps())
-        if not any_step:
-            print(
-                f"mmnnx train: --resume: no checkpoint in {checkpoints}; starting from step 0",
-                file=sys.stderr,
-            )
-        elif latest is not None and latest >= args.steps:
-            return error(
-                f"the latest checkpoint in {checkpoints} is step {latest}; --steps {args.steps} "
-                f"trains nothing more (give --steps above {latest})"
-            )
+    options = vars(args)
+    if args.init_from is not None:  # the checkpoint's architecture, not the flags' defaults
+        options = {k: v for k, v in options.items() if k not in ARCHITECTURE}
+    resumed = _resumed(args, options, checkpoints) if args.resume else _Resumed()
+    if resumed.problem:
+        return error(resumed.problem)
     sources = args.text or [EMBEDDED]
     try:
         tokenizer = _tokenizer(args, sources)
+    except (OSError, ValueError) as e:
+        return error(str(e))
+    problem = _tokenizer_problem(args, tokenizer, resumed.saved)
+    if problem:
+        return error(problem)
+    with ck.Checkpointer(checkpoints) as checkpointer:
+        try:
+            checkpointer.claim()  # before the first byte written: one writer per run
+        except ck.CheckpointDirectoryBusyError as e:
+            return error(str(e))
+        weights = not resumed.has_steps  # a resumed run's come from its checkpoint
+        trained = _train(
+            args, options, tokenizer, sources, checkpointer, data_axis=data_axis, weights=weights
+        )
+    if isinstance(trained, int):
+        return trained
+    model, result = trained
+    if not math.isfinite(result.final_eval):
+        return 1
+    if jax.process_count() > 1:  # a multi-process job's tasks span processes: see generate
+        return 0
+    from mmnnx.train.generation import continue_text  # noqa: PLC0415
+
+    room = model.config.max_seq_len - len(tokenizer.encode(SAMPLE_PROMPT))
+    if room < 1:
+        print(f"sample: none (--seq-len {args.seq_len} leaves no room after {SAMPLE_PROMPT!r})")
+        return 0
+    text = continue_text(model, tokenizer, SAMPLE_PROMPT, min(48, room))
+    print(f'sample (greedy; more: mmnnx generate --run {args.output_dir} --prompt "...")')
+    print(text)
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resumed:
+    """What ``--resume`` found before anything is written: whether there is any checkpoint step,
+    the record the newest readable one holds, and the first problem (a line), if any."""
+
+    has_steps: bool = False
+    saved: Saved | None = None  # None: no step whose extra reads back
+    problem: str | None = None
+
+
+def _resumed(
+    args: argparse.Namespace, options: dict[str, Any], checkpoints: pathlib.Path
+) -> _Resumed:
+    """The checkpoints ``--resume`` continues from, checked: ``--steps`` beyond the latest, and
+    ``options`` as the newest step's record has them (a step without one is said to be
+    unchecked, in one line)."""
+    import jax  # noqa: PLC0415
+
+    from mmnnx.cli.flags import given  # noqa: PLC0415
+    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
+    from mmnnx.train.run_record import may_change, saved_record  # noqa: PLC0415
+
+    if not checkpoints.is_dir():
+        _say_no_checkpoint(checkpoints)
+        return _Resumed()
+    with ck.Checkpointer(checkpoints) as ckpt:
+        latest = ckpt.latest_step()
+        if not (ckpt.all_steps() or ckpt.incomplete_steps()):
+            _say_no_checkpoint(checkpoints)
+            return _Resumed()
+        saved = saved_record(ckpt)
+    if latest is not None and latest >= args.steps:
+        return _Resumed(
+            problem=f"the latest checkpoint in {checkpoints} is step {latest}; --steps "
+            f"{args.steps} trains nothing more (give --steps above {latest})"
+        )
+    if saved is None:  # no step's extra reads back: the restore says why
+        return _Resumed(True)
+    if saved.record is None:
+        if jax.process_index() == 0:
+            print(
+                f"mmnnx train: --resume: checkpoint step {saved.step} holds no run record (saved "
+                "by an mmnnx that kept none): its options and tokenizer cannot be checked",
+                file=sys.stderr,
+            )
+        return _Resumed(True, saved)
+    mismatch = saved.record.mismatch(options)
+    if mismatch is None:
+        return _Resumed(True, saved)
+    if mismatch.name in given(args):
+        have, had = mismatch.as_flags()
+    else:  # from the run's config.toml, edited since
+        have, had = mismatch.as_keys()
+        have = f"{pathlib.Path(args.output_dir, CONFIG_FILE)} has {have}"
+    return _Resumed(
+        problem=f"{have}: the run in {args.output_dir} was trained with {had} (checkpoint "
+        f"step {saved.step} records it); {may_change()}"
+    )
+
+
+def _say_no_checkpoint(checkpoints: pathlib.Path) -> None:
+    print(
+        f"mmnnx train: --resume: no checkpoint in {checkpoints}; starting from step 0",
+        file=sys.stderr,
+    )
+
+
+def _tokenizer_problem(
+    args: argparse.Namespace, tokenizer: Tokenizer, saved: Saved | None
+) -> str | None:
+    """A resumed run's ``tokenizer`` that is not the one its record names, in one line; or
+    None (also for no record)."""
+    from mmnnx.train.tokenizers import fingerprint  # noqa: PLC0415
+
+    if saved is None or saved.record is None or saved.record.tokenizer == fingerprint(tokenizer):
+        return None
+    folder = pathlib.Path(args.output_dir, "tokenizer")
+    what = f"{folder} holds a tokenizer that" if folder.is_dir() else f"{folder} is missing; one"
+    return (
+        f"--resume: {what} is not the one the run was trained with (checkpoint step "
+        f"{saved.step} records another): were its files replaced?"
+    )
+
+
+def _train(
+    args: argparse.Namespace,
+    options: dict[str, Any],
+    tokenizer: Tokenizer,
+    sources: list,
+    checkpointer: Checkpointer,
+    *,
+    data_axis: int,
+    weights: bool,
+) -> int | tuple[Any, Any]:
+    """The run itself, its ``checkpointer`` claimed: the token cache, model, tokenizer and
+    ``config.toml`` written, then ``fit``; the model and ``FitResult``, or an exit status
+    (an input error found only now, one line on stderr). ``weights``: read ``--init-from``'s
+    (a run resumed from a checkpoint takes them from there); ``data_axis``: the layout's, as
+    ``_data_axis`` fitted it to the devices."""
+    import jax  # noqa: PLC0415
+
+    import mmnnx as mm  # noqa: PLC0415
+    from mmnnx.errors import NoCandidateError  # noqa: PLC0415
+    from mmnnx.models import CheckpointError  # noqa: PLC0415
+    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
+    from mmnnx.train.config import train_config  # noqa: PLC0415
+    from mmnnx.train.data import DataStateError, TextDataset  # noqa: PLC0415
+    from mmnnx.train.generation import run_tasks  # noqa: PLC0415
+    from mmnnx.train.loop import fit  # noqa: PLC0415
+    from mmnnx.train.run_model import (  # noqa: PLC0415
+        build_model,
+        model_config,
+        run_placement,
+        trainable,
+    )
+    from mmnnx.train.run_record import RunRecord  # noqa: PLC0415
+    from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
+
+    try:
         dataset = TextDataset.from_files(
             sources,
             tokenizer,
@@ -331,15 +472,12 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         return error(str(e))
     tasks = run_tasks(args.stages, data_axis, args.model_axis, args.expert_axis)
-    options = vars(args)
-    if args.init_from is not None:  # the checkpoint's architecture, not the flags' defaults
-        options = {k: v for k, v in options.items() if k not in ARCHITECTURE}
     config = model_config(options, tokenizer.vocab_size)
     placement = run_placement(
         config, tasks, virtual_stages=args.virtual_stages, schedule=args.schedule, report=True
     )
-    try:  # a run resumed from a checkpoint takes its weights from there, not from --init-from
-        model = build_model(options, config, placement, weights=not any_step)
+    try:
+        model = build_model(options, config, placement, weights=weights)
     except CheckpointError as e:
         return error(f"--init-from: {e}")
     recorded = resolved_config(options)
@@ -356,6 +494,8 @@ def run(args: argparse.Namespace) -> int:
             train_config(options),
             trainable=trainable(options),
             wandb_config=recorded,
+            checkpointer=checkpointer,
+            checkpoint_extra=RunRecord.of(options, tokenizer).extra(),
         )
     except (
         ck.CheckpointMismatchError,
@@ -368,18 +508,7 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--schedule auto: {e}")
     except (ck.CheckpointDirectoryBusyError, WandbStartError) as e:
         return error(str(e))
-    if not math.isfinite(result.final_eval):
-        return 1
-    if jax.process_count() > 1:  # a multi-process job's tasks span processes: see generate
-        return 0
-    room = model.config.max_seq_len - len(tokenizer.encode(SAMPLE_PROMPT))
-    if room < 1:
-        print(f"sample: none (--seq-len {args.seq_len} leaves no room after {SAMPLE_PROMPT!r})")
-        return 0
-    text = continue_text(model, tokenizer, SAMPLE_PROMPT, min(48, room))
-    print(f'sample (greedy; more: mmnnx generate --run {args.output_dir} --prompt "...")')
-    print(text)
-    return 0
+    return model, result
 
 
 def _data_axis(args: argparse.Namespace, devices: int) -> int:

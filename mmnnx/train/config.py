@@ -343,6 +343,25 @@ class RunConfig:
     outputs: Outputs = dataclasses.field(default_factory=Outputs)
 
 
+MAY_CHANGE_ON_RESUME = (
+    *(f.name for table in (Layout, Logging, Outputs) for f in dataclasses.fields(table)),
+    "steps",
+    "schedule_steps",
+    "microbatches",
+    "schedule",
+    "memory_budget",
+    "pack_residuals",
+    "pack_weights",
+    "eval_every",
+    "eval_batches",
+    "timeline_step",
+)
+"""The options a resumed run may give other values than its checkpoints were trained with: its
+length and learning-rate horizon, its layout (how a step is run, not what it computes), logging
+and outputs. Every other option is recorded with each checkpoint and must match on ``--resume``
+(``mmnnx.train.run_record``); an option added later is so recorded unless named here."""
+
+
 def tables(schema: type = RunConfig) -> dict[str, tuple[dataclasses.Field, ...]]:
     """Each table of ``schema`` (a dataclass of dataclasses) and its options' fields.
 

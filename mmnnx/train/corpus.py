@@ -18,11 +18,13 @@ import hashlib
 import json
 import os
 import pathlib
+import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from mmnnx.train.tokenizers import Tokenizer
+from mmnnx.train.tokenizers import Tokenizer, fingerprint
 
 CHUNK_BYTES = 1 << 20
 """Bytes of text read, decoded and tokenized at a time."""
@@ -115,8 +117,10 @@ def token_file(
     """The tokens of ``paths`` (``tokenizer`` applied to each :func:`text_chunks` piece), as a
     read-only ``np.memmap`` of a file in ``directory`` (an empty array for no text), ``uint16``
     when the vocabulary fits, else ``int32``. The file is reused while the files (paths, sizes,
-    modification times) and the tokenizer are the same; it is written under a temporary name
-    and renamed, so processes writing it at once each leave a whole file.
+    modification times) and the tokenizer are the same and its content still has the checksum
+    it was written with (a file damaged since, e.g. zeroed by a crash, is made again, with a
+    warning); it is written under a temporary name and renamed, so processes writing it at
+    once each leave a whole file.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`text_chunks`.
@@ -130,15 +134,17 @@ def token_file(
     if count is None:
         folder.mkdir(parents=True, exist_ok=True)
         temporary = folder / f".tokens.{os.getpid()}.tmp"
-        count = 0
+        count, checksum = 0, 0
         with temporary.open("wb") as out:
             for piece in text_chunks(files, chunk_bytes):
-                ids = tokenizer.encode(piece)
-                out.write(ids.astype(dtype).tobytes())
-                count += len(ids)
+                ids = tokenizer.encode(piece).astype(dtype).tobytes()
+                out.write(ids)
+                checksum = zlib.crc32(ids, checksum)
+                count += len(ids) // dtype.itemsize
         os.replace(temporary, data)
         meta_temporary = folder / f".tokens.{os.getpid()}.json.tmp"
-        meta_temporary.write_text(json.dumps({"key": key, "count": count}, indent=1) + "\n")
+        described = {"key": key, "count": count, "crc32": checksum}
+        meta_temporary.write_text(json.dumps(described, indent=1) + "\n")
         os.replace(meta_temporary, meta)
     if count == 0:  # a file of no bytes cannot be mapped
         return np.zeros(0, dtype)
@@ -149,14 +155,13 @@ def _cache_key(files: list[pathlib.Path], tokenizer: Tokenizer, dtype: np.dtype,
     """What the token file depends on, hashed: each file's resolved path, size and mtime, the
     tokenizer (its whole serialized form when it has one) and how the text was cut."""
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    to_str = getattr(tokenizer, "to_str", None)
-    identity = to_str() if callable(to_str) else f"{tokenizer.name}/{tokenizer.vocab_size}"
-    described = json.dumps([stats, identity, dtype.str, chunk])
+    described = json.dumps([stats, fingerprint(tokenizer), dtype.str, chunk])
     return hashlib.sha256(described.encode()).hexdigest()
 
 
 def _cached_count(data: pathlib.Path, meta: pathlib.Path, key: str, dtype: np.dtype) -> int | None:
-    """The token count of a token file made with ``key``; ``None`` if there is none whole."""
+    """The token count of a token file made with ``key``; ``None`` if there is none whole, or
+    its content no longer has the checksum it was written with (said in a warning)."""
     try:
         saved = json.loads(meta.read_text())
         size = data.stat().st_size
@@ -164,5 +169,27 @@ def _cached_count(data: pathlib.Path, meta: pathlib.Path, key: str, dtype: np.dt
         return None
     if not isinstance(saved, dict) or saved.get("key") != key:
         return None
-    count = saved.get("count")
-    return count if isinstance(count, int) and size == count * dtype.itemsize else None
+    count, checksum = saved.get("count"), saved.get("crc32")
+    if not isinstance(count, int) or size != count * dtype.itemsize or checksum is None:
+        return None
+    try:
+        found = _crc32(data)
+    except OSError:
+        return None
+    if found != checksum:
+        warnings.warn(
+            f"{data} does not have the checksum it was written with (damaged since, e.g. by a "
+            "crash); tokenizing the text again",
+            stacklevel=3,
+        )
+        return None
+    return count
+
+
+def _crc32(path: pathlib.Path, block: int = 1 << 24) -> int:
+    """The CRC-32 of ``path``'s content, read ``block`` bytes at a time."""
+    checksum = 0
+    with path.open("rb") as f:
+        while chunk := f.read(block):
+            checksum = zlib.crc32(chunk, checksum)
+    return checksum

@@ -15,9 +15,11 @@ from mmnnx.models import GPT, GPTConfig
 from mmnnx.models.pretrained import CheckpointError
 from mmnnx.sharding import MultiMesh, Task, logical_rules
 from mmnnx.train.checkpoint import Checkpointer
-from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_toml
+from mmnnx.train.config import ARCHITECTURE
+from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config, read_toml
 from mmnnx.train.run_model import build_model, model_config, run_placement
-from mmnnx.train.tokenizers import Tokenizer, load_tokenizer
+from mmnnx.train.run_record import Saved, saved_record
+from mmnnx.train.tokenizers import Tokenizer, fingerprint, load_tokenizer
 
 LAYOUTS = ("one-device", "run")
 """Where :func:`load_run` puts the model: on the default device, or on the run's own tasks
@@ -150,8 +152,9 @@ def load_run(
     its weights: the checkpoint holds them) with its LoRA adapters.
 
     Raises:
-        RunError: no ``config.toml``, tokenizer or checkpoint in the run (or no ``step``), or
-            too few devices for the run's layout.
+        RunError: no ``config.toml``, tokenizer or checkpoint in the run (or no ``step``), too
+            few devices for the run's layout, or a ``config.toml`` option or tokenizer that is
+            not what the checkpoint records the run was trained with (``run_record``).
         CheckpointMismatchError: the checkpoint holds another model than the config says.
 
     Example (after ``mmnnx train --output-dir runs/demo``)::
@@ -181,6 +184,7 @@ def load_run(
                 f"no checkpoint of step {step} in {spec.checkpoints} (steps saved: "
                 f"{', '.join(map(str, ckpt.all_steps())) or 'none'})"
             )
+        _check_record(spec, saved_record(ckpt, step))
         model = build_model(flags, spec.config, placement, weights=False)
         if step is not None:
             ckpt.restore(step, model=model)
@@ -190,6 +194,36 @@ def load_run(
             except FileNotFoundError:
                 raise RunError(f"no checkpoint in {spec.checkpoints}") from None
     return LoadedRun(model=model, tokenizer=spec.tokenizer, step=step, flags=flags)
+
+
+def _check_record(spec: RunSpec, saved: Saved | None) -> None:
+    """Checks a run's ``config.toml`` and tokenizer against the record its checkpoint holds
+    (nothing to check without one).
+
+    Raises:
+        RunError: an option or the tokenizer differs from the record, naming it.
+    """
+    if saved is None or saved.record is None:
+        return
+    config_file = spec.directory / CONFIG_FILE
+    try:
+        values = read_config(config_file)
+    except ConfigError as e:
+        raise RunError(str(e)) from None
+    if spec.flags.get("init_from") is not None:  # as mmnnx train recorded it: see ARCHITECTURE
+        values = {k: v for k, v in values.items() if k not in ARCHITECTURE}
+    mismatch = saved.record.mismatch(values)
+    if mismatch is not None:
+        have, had = mismatch.as_keys()
+        raise RunError(
+            f"{config_file} has {have}, but checkpoint step {saved.step} of the run was trained "
+            f"with {had}: config.toml no longer describes the run (edited since?)"
+        )
+    if saved.record.tokenizer != fingerprint(spec.tokenizer):
+        raise RunError(
+            f"{spec.directory / 'tokenizer'} holds a tokenizer that is not the one checkpoint "
+            f"step {saved.step} of the run was trained with: were its files replaced?"
+        )
 
 
 def continue_text(

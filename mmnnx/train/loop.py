@@ -3,6 +3,7 @@ evaluation, JSONL metrics, a loss curve, a measured pipeline timeline and Orbax 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -254,6 +255,8 @@ def fit(
     trainable: Filter = nnx.Param,
     console: Console | None = None,
     wandb_config: Mapping[str, Any] | None = None,
+    checkpointer: Checkpointer | None = None,
+    checkpoint_extra: Mapping[str, Any] | None = None,
 ) -> FitResult:
     """Trains ``model`` (placed with ``mm.place``/``mm.init``; it needs ``loss(batch)``) on
     ``dataset`` and writes ``metrics.jsonl``, ``loss.png``, ``timeline.png`` and
@@ -271,6 +274,12 @@ def fit(
     with the same filter) and those the gradients are taken of; with ``nnx.LoRAParam`` only
     the adapters of ``mm.modules.add_lora`` train, the frozen weights having neither
     gradients nor optimizer state (checkpoints still hold them, with the adapters).
+
+    Checkpoints go to ``checkpointer`` when given (its writer lock claimed, the checkpointer
+    left open: a caller that claimed it before writing anything keeps its directory to itself
+    throughout), else to a ``Checkpointer`` of ``config.checkpoint_dir`` opened and closed
+    here. Each holds ``checkpoint_extra`` (JSON-able, e.g. ``mmnnx train``'s run record) in its
+    ``extra`` beside the data position, step and schedule horizon.
 
     With ``config.resume`` it continues from the newest readable checkpoint: parameters,
     optimizer state, step, data position and the learning-rate schedule's horizon, so N steps +
@@ -311,7 +320,8 @@ def fit(
 
     start = 0
     horizon = config.schedule_steps or config.steps
-    with Checkpointer(ckpt_dir) as checkpoints:
+    with contextlib.ExitStack() as opened:
+        checkpoints = checkpointer or opened.enter_context(Checkpointer(ckpt_dir))
         checkpoints.claim()  # a second writer fails here, before training
         if not config.resume and checkpoints.latest_step() is not None:
             raise FileExistsError(
@@ -444,7 +454,12 @@ def fit(
                         with metrics_path.open("a") as f:
                             f.write(json.dumps(record) + "\n")
                 if step % config.checkpoint_every == 0 or step == config.steps:
-                    extra = {"data": dataset.state(), "step": step, "schedule_steps": horizon}
+                    extra = {
+                        **(checkpoint_extra or {}),
+                        "data": dataset.state(),
+                        "step": step,
+                        "schedule_steps": horizon,
+                    }
                     checkpoints.save(step, model=model, opt=opt, extra=extra)
     files.update(log.files)
     files["loss_curve"] = str(out / "loss.png")

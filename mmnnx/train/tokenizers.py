@@ -7,6 +7,7 @@ A tokenizer has ``name``, ``vocab_size``, ``encode(text) -> int32 array``,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 from collections.abc import Callable, Iterable, Sequence
@@ -266,6 +267,24 @@ def write_meta(directory: str | pathlib.Path, name: str, **fields) -> pathlib.Pa
     folder.mkdir(parents=True, exist_ok=True)
     (folder / _META).write_text(json.dumps({"name": name, **fields}, indent=2) + "\n")
     return folder
+
+
+def fingerprint(tokenizer: Tokenizer) -> str:
+    """A hash of what ``tokenizer`` maps text to: its name and its whole serialized form
+    (``to_str()``, a BPE's merges and vocabulary) where it has one, else its name and
+    vocabulary size. Two tokenizers with the same fingerprint encode alike; a tokenizer saved
+    and loaded again keeps it.
+
+    Example:
+        >>> fingerprint(ByteTokenizer()) == fingerprint(ByteTokenizer())
+        True
+        >>> bpe = BPETokenizer.train(["the cat sat on the mat. " * 20], vocab_size=260)
+        >>> fingerprint(bpe) == fingerprint(BPETokenizer.from_str(bpe.to_str()))
+        True
+    """
+    to_str = getattr(tokenizer, "to_str", None)
+    form = to_str() if callable(to_str) else str(tokenizer.vocab_size)
+    return hashlib.blake2b(f"{tokenizer.name}\n{form}".encode(), digest_size=16).hexdigest()
 
 
 def load_tokenizer(directory: str | pathlib.Path) -> Tokenizer:

@@ -235,6 +235,31 @@ class Checkpointer:
         tree.write_back(step, found, values)
         return dict(extra or {})
 
+    def read_extra(self, step: int) -> dict[str, Any]:
+        """The ``extra`` dict saved with step ``step``, read alone (no array is read), checked
+        against its checksum.
+
+        Raises:
+            FileNotFoundError: no such complete step in the directory.
+            CheckpointCorruptError: the step's description or ``extra`` cannot be read whole.
+
+        Example:
+            >>> import tempfile
+            >>> from flax import nnx
+            >>> from mmnnx.train import Checkpointer
+            >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     ckpt.save(3, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0)), extra={"seed": 5})
+            ...     ckpt.read_extra(3)
+            {'seed': 5}
+        """
+        if step not in self.all_steps():
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self._directory}; steps saved: "
+                f"{self.all_steps()}"
+            )
+        extra, _ = self._format_of(step).open(step).read({})
+        return dict(extra or {})
+
     def restore_newest_readable(
         self, *, model: Any, opt: nnx.Optimizer | None = None
     ) -> resume.Resumed:

@@ -78,29 +78,43 @@ def check(step: int, saved: Mapping[str, Any], found: Entries, info: Mapping[str
     mmnnx's description of each Variable (its RNG key implementation).
 
     Raises:
-        CheckpointMismatchError: naming the first mismatch, model first.
+        CheckpointMismatchError: naming the first mismatch, model first; when the optimizer's
+            state alone differs in its arrays, saying that the optimizer was changed.
     """
     problems: list[str] = []
+    state_mismatches = 0  # of the optimizer's arrays: its structure differs
     wanted = stored(found)
     for item, item_entries in found.items():
         arrays = saved.get(item)
         if arrays is None:
             what = "optimizer state" if item == OPT else "model state"
-            problems.append(f"checkpoint step {step}: no {what} ({item!r}) was saved")
+            problems.append(f"no {what} ({item!r}) was saved")
             continue
-        problems += _compare(step, item, arrays, wanted[item])
+        compared = _compare(item, arrays, wanted[item])
+        problems += compared
+        state_mismatches += len(compared) if item == OPT else 0
         for path, _, value in item_entries:  # the key impl of each Variable ``info`` describes
             if path in arrays and show(item, path) in info:
                 want = info[show(item, path)].get("key_impl")
                 have = str(jax.random.key_impl(value)) if is_key(value) else None
                 if want != have:
                     problems.append(
-                        f"checkpoint step {step}: {show(item, path)!r} holds RNG keys of impl "
-                        f"{want} in the checkpoint but {have} in the model"
+                        f"{show(item, path)!r} holds RNG keys of impl {want} in the checkpoint "
+                        f"but {have} in the model"
                     )
+    if problems and state_mismatches == len(problems):
+        raise CheckpointMismatchError(
+            f"checkpoint step {step}: the optimizer's state has another structure than the "
+            f"saved one: {problems[0]}{_more(problems, ', all in it')}; was the optimizer "
+            "changed (e.g. gradient clipping added or removed)?"
+        )
     if problems:
-        more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
-        raise CheckpointMismatchError(problems[0] + more)
+        raise CheckpointMismatchError(f"checkpoint step {step}: {problems[0]}{_more(problems)}")
+
+
+def _more(problems: list[str], where: str = "") -> str:
+    """`` (and N more mismatches)`` after the first of ``problems``; nothing for one."""
+    return f" (and {len(problems) - 1} more mismatches{where})" if len(problems) > 1 else ""
 
 
 def write_back(step: int, found: Entries, values: Mapping[str, Mapping[Path, Any]]) -> None:
@@ -151,9 +165,7 @@ def _describe(var: nnx.Variable, value: Any) -> dict[str, Any]:
     return info
 
 
-def _compare(
-    step: int, item: str, saved: Mapping[Path, Any], wanted: Mapping[Path, Any]
-) -> list[str]:
+def _compare(item: str, saved: Mapping[Path, Any], wanted: Mapping[Path, Any]) -> list[str]:
     """Every difference between a saved tree's metadata and the restore targets, model first."""
     problems = []
     for path, target in wanted.items():
@@ -178,4 +190,4 @@ def _compare(
     for path in saved:
         if path not in wanted:
             problems.append(f"{show(item, path)!r} is in the checkpoint but not in the model")
-    return [f"checkpoint step {step}: {p}" for p in problems]
+    return problems

@@ -1,0 +1,173 @@
+"""What a run was trained with, saved in each of its checkpoints (``extra["run"]``) and checked
+when the run is resumed or generated from: the values of the options a resumed run may not
+change (every option but those of :data:`mmnnx.train.config.MAY_CHANGE_ON_RESUME`) and its
+tokenizer's fingerprint. A checkpoint saved before mmnnx recorded runs holds no record: such a
+run cannot be checked, and is not refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from mmnnx.train.checkpoint import CheckpointCorruptError, Checkpointer
+from mmnnx.train.config import MAY_CHANGE_ON_RESUME, tables
+from mmnnx.train.options import spec
+from mmnnx.train.tokenizers import Tokenizer, fingerprint
+
+KEY = "run"
+"""The entry of a checkpoint's ``extra`` holding the record."""
+
+_FIELDS = {f.name: f for fields in tables().values() for f in fields}
+
+
+def _recorded(name: str, value: Any) -> Any:
+    """``value`` of option ``name`` as a record holds it: as ``config.toml`` writes it, as JSON
+    gives it back (tuples as lists)."""
+    text = spec(_FIELDS[name]).text
+    return json.loads(json.dumps(text(value) if text and value is not None else value))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """An option whose ``value`` differs from the ``recorded`` one (both as a record holds
+    them; ``None``: not set)."""
+
+    name: str
+    value: Any
+    recorded: Any
+
+    def as_flags(self) -> tuple[str, str]:
+        """The value and the recorded one as flags: ``--heads 4``, ``--scan-layers``, ``no
+        --clip-grad-norm``."""
+        option = spec(_FIELDS[self.name])
+
+        def flag(value: Any) -> str:
+            on = [f for f, (constant, _) in option.switches.items() if constant == value]
+            if on:
+                return on[0]
+            if value is None or option.switches:
+                return f"no {' / '.join(option.switches) or option.flag(self.name)}"
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            return f"{option.flag(self.name)} {shown}"
+
+        return flag(self.value), flag(self.recorded)
+
+    def as_keys(self) -> tuple[str, str]:
+        """The value and the recorded one as ``config.toml`` keys: ``heads = 4``, ``no
+        clip_grad_norm``."""
+
+        def key(value: Any) -> str:
+            return f"no {self.name}" if value is None else f"{self.name} = {json.dumps(value)}"
+
+        return key(self.value), key(self.recorded)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """The ``options`` a run was trained with (name -> value as ``config.toml`` writes it,
+    ``None`` when not set), every option but those a resumed run may change, and its
+    ``tokenizer``'s :func:`~mmnnx.train.tokenizers.fingerprint`.
+
+    Example:
+        >>> from mmnnx.train.tokenizers import ByteTokenizer
+        >>> record = RunRecord.of({"heads": 2, "steps": 8}, ByteTokenizer())
+        >>> record.options["heads"], "steps" in record.options  # --steps may change
+        (2, False)
+        >>> record.mismatch({"heads": 4}).as_flags()
+        ('--heads 4', '--heads 2')
+        >>> RunRecord.from_extra(record.extra()) == record
+        True
+    """
+
+    options: dict[str, Any]
+    tokenizer: str
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any], tokenizer: Tokenizer) -> RunRecord:
+        """The record of a run of option ``values`` (by name, as parsed) and ``tokenizer``."""
+        options = {
+            name: _recorded(name, values.get(name))
+            for name in _FIELDS
+            if name not in MAY_CHANGE_ON_RESUME
+        }
+        return cls(options, fingerprint(tokenizer))
+
+    def extra(self) -> dict[str, Any]:
+        """The record as a checkpoint's ``extra`` holds it (under :data:`KEY`)."""
+        return {KEY: {"options": self.options, "tokenizer": self.tokenizer}}
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> RunRecord | None:
+        """The record a checkpoint's ``extra`` holds; ``None`` when it holds none."""
+        saved = extra.get(KEY)
+        if not isinstance(saved, dict) or not isinstance(saved.get("options"), dict):
+            return None
+        return cls(dict(saved["options"]), str(saved.get("tokenizer")))
+
+    def mismatch(self, values: Mapping[str, Any]) -> Mismatch | None:
+        """The first recorded option whose value in ``values`` (by name, as parsed; a name
+        missing: not set) differs; options unknown to this mmnnx are passed over."""
+        for name, recorded in self.options.items():
+            if name in _FIELDS:
+                value = _recorded(name, values.get(name))
+                if value != recorded:
+                    return Mismatch(name, value, recorded)
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """The record of checkpoint ``step``: ``None`` for a checkpoint saved without one."""
+
+    step: int
+    record: RunRecord | None
+
+
+def saved_record(checkpointer: Checkpointer, step: int | None = None) -> Saved | None:
+    """The record of checkpoint ``step`` of ``checkpointer``'s directory (default: of the newest
+    step whose ``extra`` reads back whole; a run's steps hold the same record); ``None`` when
+    that ``extra`` cannot be read (the restore then says why).
+
+    Example:
+        >>> import tempfile
+        >>> from flax import nnx
+        >>> from mmnnx.train.tokenizers import ByteTokenizer
+        >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+        ...     record = RunRecord.of({"heads": 2}, ByteTokenizer())
+        ...     ckpt.save(5, model=nnx.Linear(1, 1, rngs=nnx.Rngs(0)), extra=record.extra())
+        ...     saved_record(ckpt) == Saved(5, record)
+        True
+    """
+    for candidate in [step] if step is not None else reversed(checkpointer.all_steps()):
+        try:
+            extra = checkpointer.read_extra(candidate)
+        except (CheckpointCorruptError, FileNotFoundError):
+            continue
+        return Saved(candidate, RunRecord.from_extra(extra))
+    return None
+
+
+def may_change() -> str:
+    """The options a resumed run may change (:data:`mmnnx.train.config.MAY_CHANGE_ON_RESUME`),
+    in words: whole tables, then single flags.
+
+    Example:
+        >>> may_change()  # doctest: +ELLIPSIS
+        'a resumed run may change only its [layout], [logging] and [outputs] options, ...'
+    """
+    whole, flags = [], []
+    for title, fields in tables().items():
+        changing = [f for f in fields if f.name in MAY_CHANGE_ON_RESUME]
+        if len(changing) == len(fields):
+            whole.append(f"[{title}]")
+            continue
+        for field in changing:
+            option = spec(field)
+            flags.append("/".join(option.switches) or option.flag(field.name))
+    tables_named = ", ".join(whole[:-1]) + f" and {whole[-1]}" if len(whole) > 1 else whole[0]
+    return (
+        f"a resumed run may change only its {tables_named} options, {', '.join(flags)} and "
+        "the process count"
+    )
