@@ -17,6 +17,7 @@ from mmnnx.train.run_config import CONFIG_FILE, resolved_config, write_config
 from mmnnx.tuning import parse_bytes
 
 SAMPLE_PROMPT = "In the beginning"  # of the greedy sample printed at the end of a run
+PREEMPTED = 143  # 128 + SIGTERM: stopped by a preemption notice, after saving its last step
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -259,7 +260,8 @@ def _pretrained(args: argparse.Namespace) -> tuple[str | None, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """``mmnnx train`` with the flags ``args`` (checked): 0 when trained, 1 when the loss is no
-    longer finite, 2 for an input error found only now (one line on stderr)."""
+    longer finite, 2 for an input error found only now (one line on stderr), 143 (128 +
+    ``SIGTERM``) when a preemption notice stopped it after saving (``--resume`` continues)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
@@ -365,6 +367,8 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--schedule auto: {e}")
     except (ck.CheckpointDirectoryBusyError, WandbStartError) as e:
         return error(str(e))
+    if result.preempted:
+        return PREEMPTED
     if not math.isfinite(result.final_eval):
         return 1
     if jax.process_count() > 1:  # a multi-process job's tasks span processes: see generate

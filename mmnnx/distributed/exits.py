@@ -42,6 +42,7 @@ from typing import NoReturn
 import jax
 
 from mmnnx._jax import runtime
+from mmnnx.distributed.progress import progress
 from mmnnx.errors import MPMDError
 
 _PREFIX = "mmnnx/exit/"
@@ -262,6 +263,8 @@ def _at_exit() -> None:
     _stop_watching()
     failure = _failure[0] if _failure else _uncaught()
     if failure is None:  # the script ended, or called sys.exit(0)
+        with contextlib.suppress(OSError):  # not stuck: --step-timeout stops watching it
+            progress("ended, waiting for the other processes", finished=True)
         with _lock:
             offers = json.dumps({str(p): n for p, n in _offered.items()})
         _announce(LEAVING + b" " + offers.encode())

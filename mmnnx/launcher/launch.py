@@ -2,9 +2,11 @@
 
 Like ``torchrun`` on one machine: a coordinator on 127.0.0.1 with a free port, each process told
 its rank through the environment, each output line prefixed with its rank; when one process
-fails or stops responding the others are stopped at once (:mod:`~mmnnx.launcher.ranks`) and,
-with ``max_restarts``, all of them are started again; none outlives the launcher (Ctrl-C
-included).
+fails or stops responding (or, with ``step_timeout_s``, makes no progress) the others are
+stopped at once (:mod:`~mmnnx.launcher.ranks`) and, with ``max_restarts``, all of them are
+started again; none outlives the launcher (Ctrl-C included). A ``SIGTERM`` to the launcher is
+forwarded to every process (:mod:`~mmnnx.launcher.signals`). A Python command runs through
+:mod:`~mmnnx.launcher.python_main`, so that ``raise SystemExit(n)`` is a failure too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import shutil
 import signal
 import socket
 import sys
-import threading
+import tempfile
 from collections.abc import Sequence
 
 from mmnnx._env import (
@@ -25,10 +27,14 @@ from mmnnx._env import (
     ENV_HEARTBEAT,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    ENV_PROGRESS_DIR,
     ENV_RESTART_COUNT,
 )
 from mmnnx.launcher.chatter import is_chatter
+from mmnnx.launcher.progress import Watchdog
+from mmnnx.launcher.python_main import through_runner
 from mmnnx.launcher.ranks import Outcome, Ranks
+from mmnnx.launcher.signals import Interrupts
 
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S+")
 _DEFAULT_HEARTBEAT_S = 20
@@ -97,6 +103,7 @@ def _check(
     collectives: str | None,
     max_restarts: int,
     heartbeat_timeout_s: int | None,
+    step_timeout_s: int | None = None,
 ) -> None:
     """Raises :class:`LaunchError` with one line for the first bad argument."""
     if num_processes < 1:
@@ -113,6 +120,8 @@ def _check(
         raise LaunchError(
             f"mmnnx launch: --heartbeat-timeout must be at least 1, got {heartbeat_timeout_s}"
         )
+    if step_timeout_s is not None and step_timeout_s < 1:
+        raise LaunchError(f"mmnnx launch: --step-timeout must be at least 1, got {step_timeout_s}")
     if collectives is not None and collectives not in COLLECTIVES:
         raise LaunchError(
             f"mmnnx launch: --collectives must be one of {', '.join(COLLECTIVES)}, "
@@ -134,6 +143,7 @@ def launch(
     collectives: str | None = None,
     max_restarts: int = 0,
     heartbeat_timeout_s: int | None = None,
+    step_timeout_s: int | None = None,
     verbose: bool = False,
 ) -> int:
     """Runs ``command`` as ``num_processes`` processes and returns the exit status: 0 when all
@@ -145,6 +155,16 @@ def launch(
     ``max_restarts`` = N, a failed attempt is followed by a fresh one of all processes (a new
     coordinator port unless ``port`` is given), up to N times, one line each; the status is
     the last attempt's. Each process sees the attempt's number in ``MMNNX_RESTART_COUNT``.
+
+    ``step_timeout_s``: a process that reported progress (``mm.distributed.progress``, which
+    ``mmnnx train`` calls at every phase of every step) and then reports nothing for that long
+    has stopped making progress (a loop in Python, a data loader stuck): it prints its Python
+    stacks, and the job ends (status 1) with a line naming it and what it last reported.
+
+    A ``SIGTERM`` (a scheduler's preemption notice) is forwarded to every process, and the
+    launcher waits for them to end on their own (``mmnnx train`` saves its step and exits with
+    143); the status is 143 when a process ended so, else theirs. A second ``SIGTERM``, or
+    ``SIGINT`` (Ctrl-C), stops them at once (status 128 + the signal).
 
     ``verbose``: print gloo's connection lines too, which are left out otherwise, and JAX's
     C++ information logs (``TF_CPP_MIN_LOG_LEVEL=0``; see ``chatter.py``).
@@ -165,41 +185,45 @@ def launch(
         collectives,
         max_restarts,
         heartbeat_timeout_s,
+        step_timeout_s,
     )
-    interrupted: list[int] = []
-    wake = threading.Event()
-
-    def on_signal(signum, frame):
-        interrupted.append(signum)
-        wake.set()
-
+    interrupts = Interrupts()
     base = dict(os.environ)
     if heartbeat_timeout_s is not None:
         base[ENV_HEARTBEAT] = str(heartbeat_timeout_s)
     heartbeat = int(base.get(ENV_HEARTBEAT, _DEFAULT_HEARTBEAT_S))
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, interrupts.on_signal) for s in Interrupts.SIGNALS}
+    progress = tempfile.mkdtemp(prefix="mmnnx-progress-") if step_timeout_s else None
     try:
         for attempt in range(max_restarts + 1):
             if port is None:
                 now = free_port()  # a fresh one each attempt
             else:
                 _check_port(now := port)
+            watchdog = _watchdog(progress, attempt, num_processes, step_timeout_s)
             envs = [
                 process_env(base, rank, num_processes, now, devices_per_process, collectives)
                 | {ENV_RESTART_COUNT: str(attempt)}
                 | ({"TF_CPP_MIN_LOG_LEVEL": "0"} if verbose else {})
+                | ({ENV_PROGRESS_DIR: watchdog.directory} if watchdog else {})
                 for rank in range(num_processes)
             ]
-            outcome = _attempt(command, envs, heartbeat, wake, verbose)
+            outcome = _attempt(command, envs, heartbeat, interrupts, verbose, watchdog)
             if outcome is None:
-                name = signal.Signals(interrupted[0]).name
+                name = signal.Signals(interrupts.received[0]).name
                 sys.stderr.write(
                     f"mmnnx launch: {name} received; stopped all {num_processes} processes\n"
                 )
-                return 128 + interrupted[0]
+                return 128 + interrupts.received[0]
+            if interrupts.notice.is_set() and outcome.failure is None:
+                sys.stderr.write(
+                    f"mmnnx launch: SIGTERM received; forwarded to all {num_processes} "
+                    f"processes, which ended (exit status {outcome.status})\n"
+                )
+                return outcome.status
             if outcome.failure is None:
                 return 0
-            if attempt == max_restarts:
+            if attempt == max_restarts or interrupts.notice.is_set():
                 sys.stderr.write(
                     f"mmnnx launch: {outcome.failure}; stopped the other {num_processes - 1} "
                     "process(es)\n"
@@ -214,21 +238,35 @@ def launch(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if progress is not None:
+            shutil.rmtree(progress, ignore_errors=True)
+
+
+def _watchdog(
+    progress: str | None, attempt: int, count: int, timeout_s: int | None
+) -> Watchdog | None:
+    """The watchdog of an attempt, over a fresh folder of ``progress`` (``None``: none)."""
+    if progress is None or timeout_s is None:
+        return None
+    directory = os.path.join(progress, f"attempt-{attempt}")
+    os.mkdir(directory)
+    return Watchdog(directory, count, timeout_s)
 
 
 def _attempt(
     command: Sequence[str],
     envs: list[dict[str, str]],
     heartbeat: int,
-    wake: threading.Event,
+    interrupts: Interrupts,
     verbose: bool,
+    watchdog: Watchdog | None = None,
 ) -> Outcome | None:
     """One attempt: a process per environment, watched until it ends (``None``: interrupted)."""
     try:
-        ranks = Ranks(command, envs, leave_out=None if verbose else is_chatter)
+        ranks = Ranks(through_runner(command), envs, leave_out=None if verbose else is_chatter)
     except OSError as e:
         raise LaunchError(f"mmnnx launch: cannot run {command[0]!r}: {e.strerror}") from None
     try:
-        return ranks.watch(heartbeat, wake)
+        return ranks.watch(heartbeat, interrupts.stop, interrupts.notice, watchdog)
     finally:
         ranks.stop()
