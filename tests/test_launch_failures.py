@@ -62,6 +62,7 @@ runtime.barrier('the other process never comes', 600)
         (1, "raise RuntimeError('rank 1 broke')", 1),
         (1, "sys.exit(1)", 1),
         (0, "sys.exit(4)", 4),
+        (1, "raise SystemExit(3)", 3),  # Python keeps no trace of it: the launcher's runner
     ],
 )
 def test_a_failing_process_ends_every_process_in_seconds_and_is_named(rank, fail, status):
@@ -176,6 +177,50 @@ def test_a_process_that_stops_responding_is_named_and_the_job_ends():
             launcher.wait()
 
 
+def test_a_rank_that_makes_no_progress_ends_the_job_named_with_its_last_phase():
+    # rank 1 spins in Python after reporting "loading batch" of step 3: no exception, its
+    # heartbeat still beating; rank 0 goes on reporting
+    proc, _ = launch(
+        ["-n", "2", "--step-timeout", "5", "--",
+         sys.executable, os.path.join("tests", "stuck_rank.py"), "1"]
+    )  # fmt: skip
+    ended = time.time()
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (
+        "mmnnx launch: rank 1 made no progress for 5 s; last: loading batch (step 3); stopped "
+        "the other 1 process(es)"
+    ) in proc.stderr, proc.stderr[-3000:]
+    assert re.search(
+        r"\[rank 1\]   File \"[^\"]*stuck_rank.py\", line \d+ in spin_for_ever", proc.stdout
+    )
+    spun_at = float(re.search(r"\[rank 1\] spinning at ([0-9.]+)", proc.stdout).group(1))
+    assert ended - spun_at < 5 + 15
+
+
+def test_a_preemption_notice_stops_every_process_of_mmnnx_train_at_one_saved_step(tmp_path):
+    # rank 1 sends SIGTERM to the launcher while reading its 3rd batch; the launcher forwards
+    # it to both ranks, which agree on a step, save it and end with 143
+    every = ["--eval-every", "200", "--checkpoint-every", "200", "--log-every", "1"]
+    proc, _ = launch(
+        ["-n", "2", "--devices-per-process", "4", "--",
+         *_failing_train(1, 3, "preempt", tmp_path / "run", "--steps", "100", *every)]
+    )  # fmt: skip
+    assert proc.returncode == 143, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert (
+        "mmnnx launch: SIGTERM received; forwarded to all 2 processes, which ended (exit "
+        "status 143)"
+    ) in proc.stderr, proc.stderr[-3000:]
+    stopped = re.search(r"\[rank 0\] preemption notice \(SIGTERM\): stopped after step (\d+)",
+                        proc.stdout)  # fmt: skip
+    assert stopped, proc.stdout[-4000:]
+    step = int(stopped.group(1))
+    assert 3 <= step < 100
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [step]
+    last = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1]
+    assert json.loads(last)["step"] == step
+
+
 def _losses(out) -> list[tuple[int, float, float]]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [(r["step"], r["loss"], r["eval_loss"]) for r in map(json.loads, lines) if "loss" in r]
@@ -231,6 +276,7 @@ def test_max_restarts_gives_up_after_n_attempts_with_the_last_status():
         (["--port", "70000"], "--port"),
         (["--max-restarts", "-1"], "--max-restarts"),
         (["--heartbeat-timeout", "0"], "--heartbeat-timeout"),
+        (["--step-timeout", "0"], "--step-timeout"),
         (["--collectives", "tcp"], "--collectives"),
         (["-n", "two"], "-n"),
     ],

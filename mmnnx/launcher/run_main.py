@@ -25,6 +25,7 @@ def _run(mode: str, target: str, args: list[str]) -> None:
     builtins = main["__builtins__"]
     main.clear()
     main.update(__name__="__main__", __doc__=None, __package__=None, __spec__=None)
+    main.update(__annotations__={})
     main.update(__builtins__=builtins, __loader__=importlib.machinery.BuiltinImporter)
     try:
         if mode == "-m":
