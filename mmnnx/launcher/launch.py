@@ -209,26 +209,9 @@ def launch(
                 for rank in range(num_processes)
             ]
             outcome = _attempt(command, envs, heartbeat, interrupts, verbose, watchdog)
-            if outcome is None:
-                name = signal.Signals(interrupts.received[0]).name
-                sys.stderr.write(
-                    f"mmnnx launch: {name} received; stopped all {num_processes} processes\n"
-                )
-                return 128 + interrupts.received[0]
-            if interrupts.notice.is_set() and outcome.failure is None:
-                sys.stderr.write(
-                    f"mmnnx launch: SIGTERM received; forwarded to all {num_processes} "
-                    f"processes, which ended (exit status {outcome.status})\n"
-                )
-                return outcome.status
-            if outcome.failure is None:
-                return 0
-            if attempt == max_restarts or interrupts.notice.is_set():
-                sys.stderr.write(
-                    f"mmnnx launch: {outcome.failure}; stopped the other {num_processes - 1} "
-                    "process(es)\n"
-                )
-                return outcome.status
+            status = _job_status(outcome, interrupts, num_processes, attempt == max_restarts)
+            if status is not None:
+                return status
             sys.stderr.write(
                 f"mmnnx launch: {outcome.failure}; restarting all {num_processes} processes "
                 f"(restart {attempt + 1} of {max_restarts})\n"
@@ -240,6 +223,32 @@ def launch(
             signal.signal(s, handler)
         if progress is not None:
             shutil.rmtree(progress, ignore_errors=True)
+
+
+def _job_status(
+    outcome: Outcome | None, interrupts: Interrupts, count: int, last: bool
+) -> int | None:
+    """The launcher's exit status when the job ends with this attempt's ``outcome``, said in
+    one line unless every process succeeded; ``None`` when the processes are to restart."""
+    if outcome is None:  # stopped at once by a signal
+        signum = interrupts.received[0]
+        name = signal.Signals(signum).name
+        sys.stderr.write(f"mmnnx launch: {name} received; stopped all {count} processes\n")
+        return 128 + signum
+    if interrupts.notice.is_set() and outcome.failure is None:
+        sys.stderr.write(
+            f"mmnnx launch: SIGTERM received; forwarded to all {count} processes, which ended "
+            f"(exit status {outcome.status})\n"
+        )
+        return outcome.status
+    if outcome.failure is None:
+        return 0
+    if last or interrupts.notice.is_set():  # no restart once preempted
+        sys.stderr.write(
+            f"mmnnx launch: {outcome.failure}; stopped the other {count - 1} process(es)\n"
+        )
+        return outcome.status
+    return None
 
 
 def _watchdog(
