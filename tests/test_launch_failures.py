@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from mmnnx.launcher import progress
 from tests.flags import without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -195,6 +196,21 @@ def test_a_rank_that_makes_no_progress_ends_the_job_named_with_its_last_phase():
     )
     spun_at = float(re.search(r"\[rank 1\] spinning at ([0-9.]+)", proc.stdout).group(1))
     assert ended - spun_at < 5 + 15
+
+
+def test_the_watchdog_names_the_oldest_report_of_the_processes_it_watches(tmp_path):
+    where = str(tmp_path)
+    reports = [("running the step", 2, False), ("loading batch", 9, False),
+               ("finished training", 20, True), ("evaluating", 30, False)]  # fmt: skip
+    for rank, (phase, age, finished) in enumerate(reports):  # rank 4 never reports
+        progress.write(where, rank, progress.Record(phase, 7, finished))
+        os.utime(progress.path(where, rank), (time.time() - age,) * 2)
+    watchdog = progress.Watchdog(where, 5, timeout_s=5)
+    assert str(watchdog.stale()) == "rank 3 made no progress for 30 s; last: evaluating (step 7)"
+    assert str(watchdog.stale(ended={3})) == (
+        "rank 1 made no progress for 9 s; last: loading batch (step 7)"
+    )
+    assert progress.Watchdog(where, 5, timeout_s=10).stale(ended={3}) is None
 
 
 def test_a_preemption_notice_stops_every_process_of_mmnnx_train_at_one_saved_step(tmp_path):

@@ -5,8 +5,8 @@ JSON record, ``{"phase": ..., "step": ...}``, in the file ``rank-<i>`` of the di
 launcher names in ``MMNNX_PROGRESS_DIR``, replaced whole (``os.replace``), so the file's
 modification time is when the process last reported. The launcher's :class:`Watchdog` looks at
 those times (one ``stat`` per process and poll) and names the process whose last report is the
-oldest once it is ``timeout_s`` old; a process that has not reported yet, or whose last record
-says it has finished, is not watched.
+oldest once it is ``timeout_s`` old; a process that has not reported yet, whose last record
+says it has finished, or that has ended, is not watched.
 
 The reporting process also dumps its threads' Python stacks to its standard error on
 ``SIGUSR1`` (:data:`DUMP_SIGNAL`, ``faulthandler``), which the launcher sends to the process it
@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Collection
 
 DUMP_SIGNAL = signal.SIGUSR1
 """The signal on which a process that reported dumps its Python stacks."""
@@ -106,11 +107,13 @@ class Watchdog:
     def __init__(self, directory: str, count: int, timeout_s: float):
         self.directory, self.count, self.timeout_s = directory, count, timeout_s
 
-    def stale(self) -> Stale | None:
+    def stale(self, ended: Collection[int] = ()) -> Stale | None:
         """The watched process that has not reported for the longest, if that is
-        ``timeout_s`` or more; ``None`` otherwise."""
+        ``timeout_s`` or more; ``None`` otherwise. The processes ``ended`` are not watched."""
         now, ages = time.time(), {}
         for rank in range(self.count):
+            if rank in ended:
+                continue
             try:
                 ages[rank] = now - os.stat(path(self.directory, rank)).st_mtime
             except OSError:

@@ -212,15 +212,15 @@ class Ranks:
             elif len(exits) == len(self.procs):
                 outcome = Outcome(max((_status(code) for _, _, code in exits), default=0))
             elif watchdog is not None:
-                outcome = self._stale(watchdog)
+                outcome = self._stale(watchdog, {rank for _, rank, _ in exits})
             if outcome is not None:
                 self.stop()
                 return outcome
 
-    def _stale(self, watchdog: Watchdog) -> Outcome | None:
-        """The attempt's end when ``watchdog`` finds a process that made no progress, after
-        that process has printed its Python stacks."""
-        stale = watchdog.stale()
+    def _stale(self, watchdog: Watchdog, ended: set[int]) -> Outcome | None:
+        """The attempt's end when ``watchdog`` finds a process that made no progress (of those
+        not ``ended``), after that process has printed its Python stacks."""
+        stale = watchdog.stale(ended)
         if stale is None:
             return None
         with contextlib.suppress(ProcessLookupError):
