@@ -4,8 +4,7 @@ launch`` only (started by tests/test_launch_failures.py).
 ``python -m tests.failing_train RANK STEP HOW TRAIN_ARGS...`` (from the repository root): on
 process RANK, while ``MMNNX_RESTART_COUNT`` is 0, reading the batch of the STEP-th step run
 fails: HOW is ``raise`` (the loader raises), ``exit`` (``sys.exit(3)``) or ``kill``
-(``SIGKILL``). It first prints ``failing at <time.time()>``. HOW ``preempt`` sends ``SIGTERM``
-to the launcher (a preemption notice, which it forwards) and reads the batch.
+(``SIGKILL``). It first prints ``failing at <time.time()>``.
 """
 
 from __future__ import annotations
@@ -32,9 +31,6 @@ def fail_at(rank: int, step: int, how: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if how == "exit":
                 sys.exit(3)
-            if how == "preempt":
-                os.kill(os.getppid(), signal.SIGTERM)
-                return original(self)
             raise OSError(f"the data loader of process {rank} failed at step {step}")
         return original(self)
 

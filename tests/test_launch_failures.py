@@ -183,7 +183,7 @@ def test_a_rank_that_makes_no_progress_ends_the_job_named_with_its_last_phase():
     # heartbeat still beating; rank 0 goes on reporting
     proc, _ = launch(
         ["-n", "2", "--step-timeout", "5", "--",
-         sys.executable, os.path.join("tests", "stuck_rank.py"), "1"]
+         sys.executable, os.path.join("tests", "launched_loop.py"), "spin", "1"]
     )  # fmt: skip
     ended = time.time()
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -192,7 +192,7 @@ def test_a_rank_that_makes_no_progress_ends_the_job_named_with_its_last_phase():
         "the other 1 process(es)"
     ) in proc.stderr, proc.stderr[-3000:]
     assert re.search(
-        r"\[rank 1\]   File \"[^\"]*stuck_rank.py\", line \d+ in spin_for_ever", proc.stdout
+        r"\[rank 1\]   File \"[^\"]*launched_loop.py\", line \d+ in spin_for_ever", proc.stdout
     )
     spun_at = float(re.search(r"\[rank 1\] spinning at ([0-9.]+)", proc.stdout).group(1))
     assert ended - spun_at < 5 + 15
@@ -213,28 +213,20 @@ def test_the_watchdog_names_the_oldest_report_of_the_processes_it_watches(tmp_pa
     assert progress.Watchdog(where, 5, timeout_s=10).stale(ended={3}) is None
 
 
-def test_a_preemption_notice_stops_every_process_of_mmnnx_train_at_one_saved_step(tmp_path):
-    # rank 1 sends SIGTERM to the launcher while reading its 3rd batch; the launcher forwards
-    # it to both ranks, which agree on a step, save it and end with 143
-    every = ["--eval-every", "200", "--checkpoint-every", "200", "--log-every", "1"]
+def test_a_preemption_notice_to_the_launcher_stops_every_process_after_one_step():
+    # rank 1 sends SIGTERM to the launcher at step 3; the launcher forwards it to both ranks,
+    # which agree on a step (JAX's preemption service) and end with 143
     proc, _ = launch(
-        ["-n", "2", "--devices-per-process", "4", "--",
-         *_failing_train(1, 3, "preempt", tmp_path / "run", "--steps", "100", *every)]
-    )  # fmt: skip
-    assert proc.returncode == 143, proc.stdout[-4000:] + proc.stderr[-3000:]
+        ["-n", "2", "--", sys.executable, os.path.join("tests", "launched_loop.py"), "preempt", "1"]
+    )
+    assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (
         "mmnnx launch: SIGTERM received; forwarded to all 2 processes, which ended (exit "
         "status 143)"
     ) in proc.stderr, proc.stderr[-3000:]
-    stopped = re.search(r"\[rank 0\] preemption notice \(SIGTERM\): stopped after step (\d+)",
-                        proc.stdout)  # fmt: skip
-    assert stopped, proc.stdout[-4000:]
-    step = int(stopped.group(1))
-    assert 3 <= step < 100
-    ckpt = tmp_path / "run" / "checkpoints"
-    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [step]
-    last = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1]
-    assert json.loads(last)["step"] == step
+    steps = dict(re.findall(r"\[rank (\d)\] stopped after step (\d+)", proc.stdout))
+    assert steps.keys() == {"0", "1"} and steps["0"] == steps["1"], proc.stdout[-3000:]
+    assert int(steps["0"]) >= 3
 
 
 def _losses(out) -> list[tuple[int, float, float]]:
