@@ -38,4 +38,4 @@ if __name__ == "__main__":
                 os.kill(os.getppid(), signal.SIGTERM)
             if preemption.reached(step):
                 print(f"stopped after step {step}", flush=True)
-                sys.exit(143)
+                sys.exit(preemption.STATUS)

@@ -17,7 +17,6 @@ from mmnnx.train.run_config import CONFIG_FILE, resolved_config, write_config
 from mmnnx.tuning import parse_bytes
 
 SAMPLE_PROMPT = "In the beginning"  # of the greedy sample printed at the end of a run
-PREEMPTED = 143  # 128 + SIGTERM: stopped by a preemption notice, after saving its last step
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -367,8 +366,8 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--schedule auto: {e}")
     except (ck.CheckpointDirectoryBusyError, WandbStartError) as e:
         return error(str(e))
-    if result.preempted:
-        return PREEMPTED
+    if result.preempted:  # saved; exits with 128 + SIGTERM
+        return mm.distributed.Preemption.STATUS
     if not math.isfinite(result.final_eval):
         return 1
     if jax.process_count() > 1:  # a multi-process job's tasks span processes: see generate

@@ -16,13 +16,16 @@ from types import FrameType
 from typing import Any
 
 from mmnnx._jax import runtime
+from mmnnx.distributed import exits
 from mmnnx.distributed.initialize import is_distributed
 
 
 class Preemption:
     """Whether a preemption notice (``SIGTERM``) asks this job to stop, and at which step: every
     process calls :meth:`reached` after every step, from the same first step; all get ``True``
-    at the same step, then save it and end (``mmnnx train`` exits with 143, 128 + ``SIGTERM``).
+    at the same step, then save it and end with :attr:`STATUS` (143, 128 + ``SIGTERM``), as
+    ``mmnnx train`` does: with several processes, ending so is a normal end, which waits for the
+    others (``mm.distributed`` takes other failing statuses for failures, which leave at once).
 
     In one process, entering installs a ``SIGTERM`` handler (from the main thread only; leaving
     puts back the one before); after the first notice, a second ``SIGTERM`` acts as before it.
@@ -37,6 +40,9 @@ class Preemption:
         >>> step
         3
     """
+
+    STATUS = 128 + signal.SIGTERM
+    """The exit status of a process stopped by a preemption notice, after saving."""
 
     def __init__(self) -> None:
         self._received = False
@@ -65,6 +71,9 @@ class Preemption:
     def reached(self, step: int) -> bool:
         """Whether every process stops after ``step`` (just finished) because of a preemption
         notice; every process calls it after every step."""
-        if is_distributed():
-            return runtime.reached_preemption_sync_point(step)
-        return self._received
+        if not is_distributed():
+            return self._received
+        if not runtime.reached_preemption_sync_point(step):
+            return False
+        exits.ending_together(self.STATUS)
+        return True
