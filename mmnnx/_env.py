@@ -15,6 +15,9 @@ ENV_HEARTBEAT = "MMNNX_HEARTBEAT_TIMEOUT"
 ENV_COLLECTIVES = "MMNNX_COLLECTIVES"
 ENV_RESTART_COUNT = "MMNNX_RESTART_COUNT"
 """How many times ``mmnnx launch`` restarted the processes before this attempt (0, 1, ...)."""
+ENV_PROGRESS_DIR = "MMNNX_PROGRESS_DIR"
+"""Where each process writes what it is doing (``mm.distributed.progress``), for ``mmnnx launch
+--step-timeout`` to read; unset: nothing is written."""
 
 COLLECTIVES = ("none", "gloo", "mpi")
 """Collectives between processes on CPU: none (the default), or JAX's gloo or MPI ones."""

@@ -1,11 +1,14 @@
 """The `mmnnx train` command: bad input exits 2 in one line; a tiny run trains and resumes."""
 
 import contextlib
+import importlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+from tempfile import mkdtemp
 
 import jax
 import numpy as np
@@ -16,6 +19,7 @@ import mmnnx as mm
 from mmnnx.cli import main
 from mmnnx.train import BPETokenizer, load_tokenizer
 from mmnnx.train.checkpoint.integrity import extra_checksum
+from mmnnx.train.data import TextDataset
 from mmnnx.train.run_record import RunRecord
 from tests.flags import without_device_count
 
@@ -451,12 +455,56 @@ def test_resume_falls_back_past_damaged_and_incomplete_steps(tmp_path, capsys):
     assert "skipped step 8: damaged" in err and "skipped step 4: damaged" in err
 
 
+def preempted_while_loading(batch: int, monkeypatch) -> list[str]:
+    """Makes the next run send itself SIGTERM (a preemption notice) while it reads its batch
+    number ``batch``, and report its progress (``mm.distributed.progress``) into the list
+    returned, as well as to a directory (as under ``mmnnx launch --step-timeout``)."""
+    read, reports = 0, []
+    module = importlib.import_module("mmnnx.distributed.progress")
+    write = module.write
+    original = TextDataset.__next__
+
+    def next_batch(self):
+        nonlocal read
+        read += 1
+        if read == batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self)
+
+    def reported(directory, rank, record):
+        reports.append(str(record))
+        write(directory, rank, record)
+
+    monkeypatch.setattr(TextDataset, "__next__", next_batch)
+    monkeypatch.setattr(module, "write", reported)
+    monkeypatch.setenv("MMNNX_PROGRESS_DIR", mkdtemp())
+    return reports
+
+
 @pytest.mark.slow
-def test_extending_a_run_keeps_its_schedule_and_matches_a_straight_run(tmp_path, capsys):
+def test_extending_a_run_preempted_by_sigterm_keeps_its_schedule_and_matches_a_straight_run(
+    tmp_path, capsys, monkeypatch
+):
     every = ["--eval-every", "1", "--checkpoint-every", "4"]
     assert tiny_run(tmp_path, "straight", "--steps", "12", "--schedule-steps", "16", *every) == 0
-    assert tiny_run(tmp_path, "parts", "--steps", "8", "--schedule-steps", "16", *every) == 0
-    capsys.readouterr()
+    handler = signal.getsignal(signal.SIGTERM)
+    reports = preempted_while_loading(6, monkeypatch)
+    assert tiny_run(tmp_path, "parts", "--steps", "8", "--schedule-steps", "16", *every) == 143
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGTERM) == handler
+    ckpt = tmp_path / "parts" / "checkpoints"
+    assert (
+        f"preemption notice (SIGTERM): stopped after step 6, saved in {ckpt}; continue with "
+        "--resume (TrainConfig.resume)\n"
+    ) in capsys.readouterr().out
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [4, 6]
+    expected = ["evaluating (step 0)"]
+    for step in range(1, 7):  # fit's phases, each reported as it begins
+        expected += [f"{phase} (step {step})" for phase in ("loading batch", "running the step")]
+        expected.append(f"evaluating (step {step})")
+        if step in (4, 6):
+            expected.append(f"saving checkpoint (step {step})")
+    assert reports == [*expected, "finished training (step 6)"]
     assert tiny_run(tmp_path, "parts", "--steps", "12", "--resume", *every) == 0  # keeps 16
     assert "learning-rate schedule over" not in capsys.readouterr().out
     straight, parts = metrics(tmp_path / "straight"), metrics(tmp_path / "parts")

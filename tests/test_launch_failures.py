@@ -14,6 +14,7 @@ import time
 import pytest
 
 from mmnnx.cli import main
+from mmnnx.launcher import progress
 from tests.flags import without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +64,7 @@ runtime.barrier('the other process never comes', 600)
         (1, "raise RuntimeError('rank 1 broke')", 1),
         (1, "sys.exit(1)", 1),
         (0, "sys.exit(4)", 4),
+        (1, "raise SystemExit(3)", 3),  # Python keeps no trace of it: the launcher's runner
     ],
 )
 def test_a_failing_process_ends_every_process_in_seconds_and_is_named(rank, fail, status):
@@ -175,6 +177,57 @@ def test_a_process_that_stops_responding_is_named_and_the_job_ends():
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_a_rank_that_makes_no_progress_ends_the_job_named_with_its_last_phase():
+    # rank 1 spins in Python after reporting "loading batch" of step 3: no exception, its
+    # heartbeat still beating; rank 0 goes on reporting
+    proc, _ = launch(
+        ["-n", "2", "--step-timeout", "5", "--",
+         sys.executable, os.path.join("tests", "launched_loop.py"), "spin", "1"]
+    )  # fmt: skip
+    ended = time.time()
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (
+        "mmnnx launch: rank 1 made no progress for 5 s; last: loading batch (step 3); stopped "
+        "the other 1 process(es)"
+    ) in proc.stderr, proc.stderr[-3000:]
+    assert re.search(
+        r"\[rank 1\]   File \"[^\"]*launched_loop.py\", line \d+ in spin_for_ever", proc.stdout
+    )
+    spun_at = float(re.search(r"\[rank 1\] spinning at ([0-9.]+)", proc.stdout).group(1))
+    assert ended - spun_at < 5 + 15
+
+
+def test_the_watchdog_names_the_oldest_report_of_the_processes_it_watches(tmp_path):
+    where = str(tmp_path)
+    reports = [("running the step", 2, False), ("loading batch", 9, False),
+               ("finished training", 20, True), ("evaluating", 30, False)]  # fmt: skip
+    for rank, (phase, age, finished) in enumerate(reports):  # rank 4 never reports
+        progress.write(where, rank, progress.Record(phase, 7, finished))
+        os.utime(progress.path(where, rank), (time.time() - age,) * 2)
+    watchdog = progress.Watchdog(where, 5, timeout_s=5)
+    assert str(watchdog.stale()) == "rank 3 made no progress for 30 s; last: evaluating (step 7)"
+    assert str(watchdog.stale(ended={3})) == (
+        "rank 1 made no progress for 9 s; last: loading batch (step 7)"
+    )
+    assert progress.Watchdog(where, 5, timeout_s=10).stale(ended={3}) is None
+
+
+def test_a_preemption_notice_to_the_launcher_stops_every_process_after_one_step():
+    # rank 1 sends SIGTERM to the launcher at step 3; the launcher forwards it to both ranks,
+    # which agree on a step (JAX's preemption service) and end with 143
+    proc, _ = launch(
+        ["-n", "2", "--", sys.executable, os.path.join("tests", "launched_loop.py"), "preempt", "1"]
+    )
+    assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (
+        "mmnnx launch: SIGTERM received; forwarded to all 2 processes, which ended (exit "
+        "status 143)"
+    ) in proc.stderr, proc.stderr[-3000:]
+    steps = dict(re.findall(r"\[rank (\d)\] stopped after step (\d+)", proc.stdout))
+    assert steps.keys() == {"0", "1"} and steps["0"] == steps["1"], proc.stdout[-3000:]
+    assert int(steps["0"]) >= 3
 
 
 def _losses(out) -> list[tuple[int, float, float]]:
@@ -293,6 +346,7 @@ def test_max_restarts_gives_up_after_n_attempts_with_the_last_status():
         (["--max-restarts", "-1"], "--max-restarts"),
         (["--heartbeat-timeout", "0"], "--heartbeat-timeout"),
         (["--min-processes", "1", "--max-restarts", "1"], "needs --max-restarts 2 or more, got 1"),
+        (["--step-timeout", "0"], "--step-timeout"),
         (["--collectives", "tcp"], "--collectives"),
         (["-n", "two"], "-n"),
     ],

@@ -86,3 +86,12 @@ def start_transfer_server(address: str) -> Any:
 def barrier(name: str, timeout_s: float) -> None:
     """Waits until every process reaches barrier ``name``."""
     client().wait_at_barrier(name, int(timeout_s * 1000))
+
+
+def reached_preemption_sync_point(step: int) -> bool:
+    """Whether every process has reached the step at which a preemption notice (SIGTERM to any
+    of them) makes them all stop (JAX's preemption service: the largest step any process had
+    reached when the notice spread, plus one); called by every process at every step. ``False``
+    when JAX's preemption service is off (``jax_enable_preemption_service``)."""
+    manager = distributed.global_state.preemption_sync_manager
+    return manager is not None and manager.reached_sync_point(step)

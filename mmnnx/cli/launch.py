@@ -63,6 +63,17 @@ class Options:
         metavar="S",
         api="heartbeat_timeout_s",
     )
+    step_timeout: int | None = option(
+        None,
+        "a process that reported progress (mm.distributed.progress; mmnnx train does at every "
+        "phase of every step) and then reports nothing this long has stopped making progress "
+        "(a loop in Python, a stuck data loader): it prints its Python stacks and the job ends, "
+        "naming it and what it last reported. Larger than the longest phase: the first step's "
+        "compilation, an evaluation, a checkpoint save (default: not watched)",
+        positive,
+        metavar="S",
+        api="step_timeout_s",
+    )
 
 
 def add_parser(commands: Any) -> None:
@@ -71,8 +82,10 @@ def add_parser(commands: Any) -> None:
         help="run a command as several local processes joined by mm.distributed.initialize",
         description="Run COMMAND as N processes on this machine (coordinator on 127.0.0.1), "
         "each output line prefixed with its rank. When one process fails (or stops "
-        "responding) the others are stopped at once, the one that failed first is named, and "
-        "the exit status is its own; with --max-restarts, all are then started again. Example: "
+        "responding, or makes no progress) the others are stopped at once, the one that failed "
+        "first is named, and the exit status is its own; with --max-restarts, all are then "
+        "started again. A SIGTERM is forwarded to every process (mmnnx train saves its step "
+        "and exits with 143). Example: "
         "mmnnx launch -n 2 --devices-per-process 4 -- python train.py",
     )
     nprocs = functools.partial(positive, "-n")

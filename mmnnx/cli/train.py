@@ -271,7 +271,8 @@ def _pretrained(args: argparse.Namespace) -> tuple[str | None, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """``mmnnx train`` with the flags ``args`` (checked): 0 when trained, 1 when the loss is no
-    longer finite, 2 for an input error found only now (one line on stderr).
+    longer finite, 2 for an input error found only now (one line on stderr), 143 (128 +
+    ``SIGTERM``) when a preemption notice stopped it after saving (``--resume`` continues).
 
     Nothing is written into the run's directories before a resumed run's options and tokenizer
     are checked against the record its checkpoints hold (``run_record``), nor before the
@@ -326,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(trained, int):
         return trained
     model, result = trained
+    if result.preempted:  # saved; exits with 128 + SIGTERM
+        return mm.distributed.Preemption.STATUS
     if not math.isfinite(result.final_eval):
         return 1
     if jax.process_count() > 1:  # a multi-process job's tasks span processes: see generate

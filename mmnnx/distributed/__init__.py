@@ -9,13 +9,17 @@ from mmnnx.distributed.exits import PeerExitedError, fail
 from mmnnx.distributed.fetch import fetch
 from mmnnx.distributed.gather import gather
 from mmnnx.distributed.initialize import backends_started, initialize, is_distributed
+from mmnnx.distributed.preemption import Preemption
+from mmnnx.distributed.progress import progress
 
 __all__ = [
     "PeerExitedError",
+    "Preemption",
     "backends_started",
     "fail",
     "fetch",
     "gather",
     "initialize",
     "is_distributed",
+    "progress",
 ]

@@ -42,6 +42,7 @@ from typing import NoReturn
 import jax
 
 from mmnnx._jax import runtime
+from mmnnx.distributed.progress import progress
 from mmnnx.errors import MPMDError
 
 _PREFIX = "mmnnx/exit/"
@@ -209,6 +210,7 @@ def _stop_watching() -> None:
 
 
 _failure: list[BaseException] = []  # a failing status given to sys.exit
+_together: list[int] = []  # the status every process ends with after a step they agreed on
 _before: list[BaseException | None] = [None]  # sys.last_value at install: an earlier error
 
 
@@ -258,10 +260,23 @@ def _uncaught() -> BaseException | None:
     return None if last is _before[0] else last
 
 
+def ending_together(status: int) -> None:
+    """Notes that every process of the job ends now, after a step they agreed on (a
+    preemption notice: ``mm.distributed.Preemption``): this process ending with ``status`` is
+    then a normal end, which waits for the others, rather than a failure, which leaves at once
+    (and would make the process holding the coordination service leave first, aborting the
+    others)."""
+    _together.append(status)
+
+
 def _at_exit() -> None:
     _stop_watching()
     failure = _failure[0] if _failure else _uncaught()
+    if isinstance(failure, SystemExit) and _status_of(failure) in _together:
+        failure = None  # its status stays the one given to sys.exit
     if failure is None:  # the script ended, or called sys.exit(0)
+        with contextlib.suppress(OSError):  # not stuck: --step-timeout stops watching it
+            progress("ended, waiting for the other processes", finished=True)
         with _lock:
             offers = json.dumps({str(p): n for p, n in _offered.items()})
         _announce(LEAVING + b" " + offers.encode())

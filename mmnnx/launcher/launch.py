@@ -2,10 +2,13 @@
 
 Like ``torchrun`` on one machine: a coordinator on 127.0.0.1 with a free port, each process told
 its rank through the environment, each output line prefixed with its rank; when one process
-fails or stops responding the others are stopped at once (:mod:`~mmnnx.launcher.ranks`) and,
-with ``max_restarts``, all of them are started again, or all but one that keeps failing, down to
-``min_processes`` (:mod:`~mmnnx.launcher.membership`); none outlives the launcher (Ctrl-C
-included).
+fails or stops responding (or, with ``step_timeout_s``, makes no progress) the others are
+stopped at once (:mod:`~mmnnx.launcher.ranks`) and, with ``max_restarts``, all of them are
+started again, or all but one that keeps failing, down to ``min_processes``
+(:mod:`~mmnnx.launcher.membership`); none outlives the launcher (Ctrl-C included). A
+``SIGTERM`` to the launcher is forwarded to every process (:mod:`~mmnnx.launcher.signals`).
+A Python command runs through :mod:`~mmnnx.launcher.python_main`, so that
+``raise SystemExit(n)`` is a failure too.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import shutil
 import signal
 import socket
 import sys
-import threading
+import tempfile
 from collections.abc import Sequence
 
 from mmnnx._env import (
@@ -26,11 +29,15 @@ from mmnnx._env import (
     ENV_HEARTBEAT,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    ENV_PROGRESS_DIR,
     ENV_RESTART_COUNT,
 )
 from mmnnx.launcher.chatter import is_chatter
 from mmnnx.launcher.membership import Membership
+from mmnnx.launcher.progress import Watchdog
+from mmnnx.launcher.python_main import through_runner
 from mmnnx.launcher.ranks import Outcome, Ranks
+from mmnnx.launcher.signals import Interrupts
 
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S+")
 _DEFAULT_HEARTBEAT_S = 20
@@ -99,6 +106,7 @@ def _check(
     collectives: str | None,
     max_restarts: int,
     heartbeat_timeout_s: int | None,
+    step_timeout_s: int | None = None,
 ) -> None:
     """Raises :class:`LaunchError` with one line for the first bad argument."""
     if num_processes < 1:
@@ -115,6 +123,8 @@ def _check(
         raise LaunchError(
             f"mmnnx launch: --heartbeat-timeout must be at least 1, got {heartbeat_timeout_s}"
         )
+    if step_timeout_s is not None and step_timeout_s < 1:
+        raise LaunchError(f"mmnnx launch: --step-timeout must be at least 1, got {step_timeout_s}")
     if collectives is not None and collectives not in COLLECTIVES:
         raise LaunchError(
             f"mmnnx launch: --collectives must be one of {', '.join(COLLECTIVES)}, "
@@ -161,6 +171,7 @@ def launch(
     max_restarts: int = 0,
     min_processes: int | None = None,
     heartbeat_timeout_s: int | None = None,
+    step_timeout_s: int | None = None,
     verbose: bool = False,
 ) -> int:
     """Runs ``command`` as ``num_processes`` processes and returns the exit status: 0 when all
@@ -175,6 +186,16 @@ def launch(
     With ``min_processes`` = K below ``num_processes``, a rank that fails first in two attempts
     in a row is dropped, one line naming it, while more than K processes are left: the next
     attempts run one process fewer (ranks above it one lower), with its devices fewer.
+
+    ``step_timeout_s``: a process that reported progress (``mm.distributed.progress``, which
+    ``mmnnx train`` calls at every phase of every step) and then reports nothing for that long
+    has stopped making progress (a loop in Python, a data loader stuck): it prints its Python
+    stacks, and the job ends (status 1) with a line naming it and what it last reported.
+
+    A ``SIGTERM`` (a scheduler's preemption notice) is forwarded to every process, and the
+    launcher waits for them to end on their own (``mmnnx train`` saves its step and exits with
+    143); the status is 143 when a process ended so, else theirs. A second ``SIGTERM``, or
+    ``SIGINT`` (Ctrl-C), stops them at once (status 128 + the signal).
 
     ``verbose``: print gloo's connection lines too, which are left out otherwise, and JAX's
     C++ information logs (``TF_CPP_MIN_LOG_LEVEL=0``; see ``chatter.py``).
@@ -195,21 +216,17 @@ def launch(
         collectives,
         max_restarts,
         heartbeat_timeout_s,
+        step_timeout_s,
     )
     _check_min_processes(min_processes, num_processes, max_restarts)
     job = Membership(num_processes, num_processes if min_processes is None else min_processes)
-    interrupted: list[int] = []
-    wake = threading.Event()
-
-    def on_signal(signum, frame):
-        interrupted.append(signum)
-        wake.set()
-
+    interrupts = Interrupts()
     base = dict(os.environ)
     if heartbeat_timeout_s is not None:
         base[ENV_HEARTBEAT] = str(heartbeat_timeout_s)
     heartbeat = int(base.get(ENV_HEARTBEAT, _DEFAULT_HEARTBEAT_S))
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, interrupts.on_signal) for s in Interrupts.SIGNALS}
+    progress = tempfile.mkdtemp(prefix="mmnnx-progress-") if step_timeout_s else None
     try:
         for attempt in range(max_restarts + 1):
             if port is None:
@@ -217,30 +234,26 @@ def launch(
             else:
                 _check_port(now := port)
             count = job.count
+            watchdog = _watchdog(progress, attempt, count, step_timeout_s)
             envs = [
                 process_env(base, rank, count, now, devices_per_process, collectives)
                 | {ENV_RESTART_COUNT: str(attempt)}
                 | ({"TF_CPP_MIN_LOG_LEVEL": "0"} if verbose else {})
+                | ({ENV_PROGRESS_DIR: watchdog.directory} if watchdog else {})
                 for rank in range(count)
             ]
-            outcome = _attempt(command, envs, heartbeat, wake, verbose)
-            if outcome is None:
-                name = signal.Signals(interrupted[0]).name
-                sys.stderr.write(f"mmnnx launch: {name} received; stopped all {count} processes\n")
-                return 128 + interrupted[0]
-            if outcome.failure is None:
-                return 0
-            if attempt == max_restarts:
-                sys.stderr.write(
-                    f"mmnnx launch: {outcome.failure}; stopped the other {count - 1} process(es)\n"
-                )
-                return outcome.status
+            outcome = _attempt(command, envs, heartbeat, interrupts, verbose, watchdog)
+            status = _job_status(outcome, interrupts, count, attempt == max_restarts)
+            if status is not None:
+                return status
             sys.stderr.write(_restarting(outcome, job, attempt + 1, max_restarts))
             sys.stderr.flush()
         raise AssertionError("unreachable")
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if progress is not None:
+            shutil.rmtree(progress, ignore_errors=True)
 
 
 def _restarting(outcome: Outcome, job: Membership, restart: int, max_restarts: int) -> str:
@@ -259,19 +272,57 @@ def _restarting(outcome: Outcome, job: Membership, restart: int, max_restarts: i
     )
 
 
+def _job_status(
+    outcome: Outcome | None, interrupts: Interrupts, count: int, last: bool
+) -> int | None:
+    """The launcher's exit status when the job ends with this attempt's ``outcome``, said in
+    one line unless every process succeeded; ``None`` when the processes are to restart."""
+    if outcome is None:  # stopped at once by a signal
+        signum = interrupts.received[0]
+        name = signal.Signals(signum).name
+        sys.stderr.write(f"mmnnx launch: {name} received; stopped all {count} processes\n")
+        return 128 + signum
+    if interrupts.notice.is_set() and outcome.failure is None:
+        sys.stderr.write(
+            f"mmnnx launch: SIGTERM received; forwarded to all {count} processes, which ended "
+            f"(exit status {outcome.status})\n"
+        )
+        return outcome.status
+    if outcome.failure is None:
+        return 0
+    if last or interrupts.notice.is_set():  # no restart once preempted
+        sys.stderr.write(
+            f"mmnnx launch: {outcome.failure}; stopped the other {count - 1} process(es)\n"
+        )
+        return outcome.status
+    return None
+
+
+def _watchdog(
+    progress: str | None, attempt: int, count: int, timeout_s: int | None
+) -> Watchdog | None:
+    """The watchdog of an attempt, over a fresh folder of ``progress`` (``None``: none)."""
+    if progress is None or timeout_s is None:
+        return None
+    directory = os.path.join(progress, f"attempt-{attempt}")
+    os.mkdir(directory)
+    return Watchdog(directory, count, timeout_s)
+
+
 def _attempt(
     command: Sequence[str],
     envs: list[dict[str, str]],
     heartbeat: int,
-    wake: threading.Event,
+    interrupts: Interrupts,
     verbose: bool,
+    watchdog: Watchdog | None = None,
 ) -> Outcome | None:
     """One attempt: a process per environment, watched until it ends (``None``: interrupted)."""
     try:
-        ranks = Ranks(command, envs, leave_out=None if verbose else is_chatter)
+        ranks = Ranks(through_runner(command), envs, leave_out=None if verbose else is_chatter)
     except OSError as e:
         raise LaunchError(f"mmnnx launch: cannot run {command[0]!r}: {e.strerror}") from None
     try:
-        return ranks.watch(heartbeat, wake)
+        return ranks.watch(heartbeat, interrupts.stop, interrupts.notice, watchdog)
     finally:
         ranks.stop()

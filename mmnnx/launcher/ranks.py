@@ -5,7 +5,11 @@ Exits are recorded as they happen (a thread waits for each process), so the proc
 failed first is the first by time, not the lowest rank among those found failed. A process
 stopped by a signal (``SIGSTOP``: state ``T`` in ``/proc``, on Linux) for ``stopped_after_s``
 is said to have stopped responding, and so is one found stopped when another then fails (JAX's
-coordination service ends the others when a process misses its heartbeats).
+coordination service ends the others when a process misses its heartbeats). With a
+:class:`~mmnnx.launcher.progress.Watchdog`, a process that reports no progress for its timeout
+ends the attempt too, named with what it last reported and its Python stacks. A preemption
+notice (``SIGTERM`` to the launcher) is forwarded to every process, which then end as they
+see fit (``mmnnx train`` saves its step): ending on it is not a failure.
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from mmnnx.launcher.progress import DUMP_SIGNAL, Watchdog
+
 _GRACE_S = 3.0  # how long a process has to end after SIGTERM before SIGKILL
 _POLL_S = 0.25  # how often the launcher looks for stopped processes
+_DUMP_S = 0.5  # how long a process named by the watchdog has to print its stacks
+_ON_NOTICE = (128 + signal.SIGTERM, -signal.SIGTERM)  # exit statuses of a process ending on it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +63,12 @@ def describe(code: int) -> str:
 
 def _status(code: int) -> int:
     return code if code >= 0 else 128 - code
+
+
+def _failed(code: int, forwarded: bool) -> bool:
+    """Whether a process that ended with ``code`` failed: ending on a forwarded ``SIGTERM``
+    (a preemption notice) is not a failure."""
+    return code != 0 and not (forwarded and code in _ON_NOTICE)
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -149,17 +163,29 @@ class Ranks:
             self._exits.append((time.monotonic(), rank, code))
         self._changed.set()
 
-    def watch(self, stopped_after_s: float, interrupted: threading.Event) -> Outcome | None:
+    def watch(
+        self,
+        stopped_after_s: float,
+        interrupted: threading.Event,
+        notice: threading.Event | None = None,
+        watchdog: Watchdog | None = None,
+    ) -> Outcome | None:
         """Waits until every process succeeds, one fails or has been stopped for
-        ``stopped_after_s``, or ``interrupted`` is set (then it returns ``None``); then stops
-        the others."""
+        ``stopped_after_s`` or (with a ``watchdog``) made no progress for its timeout, or
+        ``interrupted`` is set (then it returns ``None``); then stops the others. Once
+        ``notice`` is set, ``SIGTERM`` is forwarded to every process (once), and a process
+        ending with 143 or by ``SIGTERM`` has not failed."""
         stopped_since: dict[int, float] = {}
+        forwarded = False
         while True:
             self._changed.wait(_POLL_S)
             self._changed.clear()
             if interrupted.is_set():
                 self.stop()
                 return None
+            if notice is not None and notice.is_set() and not forwarded:
+                self._signal_all(signal.SIGTERM)
+                forwarded = True
             with self._lock:
                 exits = list(self._exits)
             now = time.monotonic()
@@ -169,7 +195,9 @@ class Ranks:
                     stopped_since.setdefault(rank, now)
                 else:
                     stopped_since.pop(rank, None)
-            failed = next(((rank, code) for _, rank, code in exits if code != 0), None)
+            failed = next(
+                ((rank, code) for _, rank, code in exits if _failed(code, forwarded)), None
+            )
             silent = min(stopped_since, key=stopped_since.get, default=None)
             outcome = None
             if silent is not None and (
@@ -187,10 +215,30 @@ class Ranks:
                     _status(code), f"rank {rank} failed first ({describe(code)})", rank
                 )
             elif len(exits) == len(self.procs):
-                outcome = Outcome(0)
+                outcome = Outcome(max((_status(code) for _, _, code in exits), default=0))
+            elif watchdog is not None:
+                outcome = self._stale(watchdog, {rank for _, rank, _ in exits})
             if outcome is not None:
                 self.stop()
                 return outcome
+
+    def _stale(self, watchdog: Watchdog, ended: set[int]) -> Outcome | None:
+        """The attempt's end when ``watchdog`` finds a process that made no progress (of those
+        not ``ended``), after that process has printed its Python stacks."""
+        stale = watchdog.stale(ended)
+        if stale is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.procs[stale.rank].pid, DUMP_SIGNAL)
+        time.sleep(_DUMP_S)
+        return Outcome(1, str(stale), stale.rank)
+
+    def _signal_all(self, signum: int) -> None:
+        """Sends ``signum`` to the process group of every process still running."""
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signum)
 
     def stop(self) -> None:
         """Stops every process still running (SIGTERM to its process group, SIGKILL after

@@ -22,6 +22,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from mmnnx.distributed.fetch import fetch
+from mmnnx.distributed.preemption import Preemption
+from mmnnx.distributed.progress import progress as report
 from mmnnx.jit import cached_partial, jit
 from mmnnx.microbatch import microbatch
 from mmnnx.mpmd.lower.pack import (
@@ -138,6 +140,9 @@ class FitResult:
     """``(step, fraction)``: the idle share of every task's time in the step whose timeline
     was drawn (``mm.schedules.measured_bubble``; with several processes, over every process's
     tasks); ``None`` when none was (no pipeline, or ``timeline_step`` not reached)."""
+    preempted: bool = False
+    """Whether a preemption notice (``SIGTERM``) stopped the run after ``last_step``, which was
+    saved (``mm.distributed.Preemption``)."""
 
     @property
     def first_eval(self) -> float:
@@ -280,6 +285,12 @@ def fit(
     throughout), else to a ``Checkpointer`` of ``config.checkpoint_dir`` opened and closed
     here. Each holds ``checkpoint_extra`` (JSON-able, e.g. ``mmnnx train``'s run record) in its
     ``extra`` beside the data position, step and schedule horizon.
+    A preemption notice (``SIGTERM`` to this process, or with several processes to any of
+    them, e.g. forwarded by ``mmnnx launch``) stops the run at the next step boundary every
+    process agrees on (``mm.distributed.Preemption``): that step is saved, and the result says
+    ``preempted`` with ``last_step`` that step. Each phase of each step (loading the batch,
+    running the step, evaluating, saving) is reported to ``mm.distributed.progress``, which
+    ``mmnnx launch --step-timeout`` watches.
 
     With ``config.resume`` it continues from the newest readable checkpoint: parameters,
     optimizer state, step, data position and the learning-rate schedule's horizon, so N steps +
@@ -329,6 +340,7 @@ def fit(
                 "from them (TrainConfig.resume / --resume) or use another checkpoint directory"
             )
         if config.resume and (checkpoints.all_steps() or checkpoints.incomplete_steps()):
+            report("restoring checkpoint")
             resumed = checkpoints.restore_newest_readable(model=model, opt=opt)
             _restore_data(dataset, resumed, ckpt_dir)
             start = int(resumed.extra["step"])
@@ -375,7 +387,20 @@ def fit(
             transient=False,
             disable=log.plain,  # no terminal: RunLog's plain lines instead
         )
-        with log, progress:
+
+        def save(step: int) -> None:
+            report("saving checkpoint", step)
+            extra = {
+                **(checkpoint_extra or {}),
+                "data": dataset.state(),
+                "step": step,
+                "schedule_steps": horizon,
+            }
+            checkpoints.save(step, model=model, opt=opt, extra=extra)
+
+        stopped: int | None = None  # the step a preemption notice stopped the run after
+        with log, progress, Preemption() as preemption:
+            report("evaluating", start)
             eval_losses = [(start, evaluate())]
             if leader and start == 0:
                 metrics_path.write_text(
@@ -388,7 +413,9 @@ def fit(
                 "train", total=config.steps, completed=start, loss=float("nan"), tps=0.0
             )
             for step in range(start + 1, config.steps + 1):
+                report("loading batch", step)
                 batch = next(dataset)
+                report("running the step", step)
                 log.step_begins(step)
                 began = time.perf_counter()
                 logged = step % config.log_every == 0 or step == config.steps
@@ -445,6 +472,7 @@ def fit(
                         router=router,
                     )
                 if step % config.eval_every == 0 or step == config.steps:
+                    report("evaluating", step)
                     record["eval_loss"] = evaluate()
                     eval_losses.append((step, record["eval_loss"]))
                     log.evaluation(step, record["eval_loss"])
@@ -453,14 +481,14 @@ def fit(
                     if leader:
                         with metrics_path.open("a") as f:
                             f.write(json.dumps(record) + "\n")
-                if step % config.checkpoint_every == 0 or step == config.steps:
-                    extra = {
-                        **(checkpoint_extra or {}),
-                        "data": dataset.state(),
-                        "step": step,
-                        "schedule_steps": horizon,
-                    }
-                    checkpoints.save(step, model=model, opt=opt, extra=extra)
+                preempted = step < config.steps and preemption.reached(step)
+                if step % config.checkpoint_every == 0 or step == config.steps or preempted:
+                    save(step)
+                if preempted:
+                    stopped = step
+                    _print_line(console, _preempted_line(step, ckpt_dir))
+                    break
+    report("finished training", stopped or config.steps, finished=True)
     files.update(log.files)
     files["loss_curve"] = str(out / "loss.png")
     if leader:
@@ -469,10 +497,11 @@ def fit(
         metrics=metrics,
         eval_losses=eval_losses,
         first_step=start,
-        last_step=config.steps,
+        last_step=config.steps if stopped is None else stopped,
         tokens_per_second=timed_tokens / timed_seconds if timed_seconds else 0.0,
         files=files,
         bubble=bubble,
+        preempted=stopped is not None,
     )
     _report(console, result)
     return result
@@ -503,6 +532,14 @@ def _restore_data(dataset: TextDataset, resumed: Resumed, directory: pathlib.Pat
             f"checkpoint step {step} in {directory}: {e}; move {directory / str(step)} aside to "
             "resume from an older step"
         ) from None
+
+
+def _preempted_line(step: int, directory: pathlib.Path) -> str:
+    """One line: where a preemption notice stopped the run, and how to continue it."""
+    return (
+        f"preemption notice (SIGTERM): stopped after step {step}, saved in {directory}; "
+        "continue with --resume (TrainConfig.resume)"
+    )
 
 
 def _resumed_line(resumed: Resumed, set_aside: list[str], directory: pathlib.Path) -> str:
@@ -616,7 +653,8 @@ def _report(console: Console, result: FitResult) -> None:
     table = Table(title="run report")
     table.add_column("measure")
     table.add_column("value", justify="right")
-    table.add_row("steps", f"{result.first_step} -> {result.last_step}")
+    stopped = " (preempted)" if result.preempted else ""
+    table.add_row("steps", f"{result.first_step} -> {result.last_step}{stopped}")
     table.add_row("first eval loss", f"{result.first_eval:.3f}")
     table.add_row("final eval loss", f"{result.final_eval:.3f}")
     table.add_row("final / first", f"{result.final_eval / result.first_eval:.2f}")

@@ -1,0 +1,55 @@
+"""``mm.distributed.progress``: what this process is doing, for ``mmnnx launch --step-timeout``.
+
+A process that reports nothing for the launcher's ``--step-timeout`` seconds ends the job, named
+with its last report (:mod:`mmnnx.launcher.progress` holds the record and the watchdog). Without
+``--step-timeout`` (``MMNNX_PROGRESS_DIR`` unset) a report costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import io
+import os
+import sys
+
+from mmnnx._env import ENV_PROCESS_ID, ENV_PROGRESS_DIR
+from mmnnx.launcher.progress import DUMP_SIGNAL, Record, write
+
+_dumps: list[bool] = []  # whether this process dumps its stacks on DUMP_SIGNAL (set once)
+
+
+def progress(phase: str, step: int | None = None, *, finished: bool = False) -> None:
+    """Reports that this process now does ``phase`` (of ``step``), e.g. ``progress("loading
+    batch", 7)``: under ``mmnnx launch --step-timeout S``, a process that reports nothing new for
+    S seconds ends the job, named with its last report (``rank 1 made no progress for 5 s; last:
+    loading batch (step 7)``) and its Python stacks. ``mmnnx train`` reports every phase of
+    every step (loading the batch, running the step, evaluating, saving a checkpoint); a script
+    with its own loop reports as it goes. ``finished=True``: this process makes no more steps
+    (it waits for the others), so it is no longer watched; a process ending normally under
+    ``mm.distributed`` says so itself. Outside ``--step-timeout``, it does nothing.
+
+    Raises:
+        OSError: the launcher's directory cannot be written.
+
+    Example:
+        >>> import mmnnx as mm
+        >>> for step in range(1, 3):
+        ...     mm.distributed.progress("loading batch", step)
+        ...     mm.distributed.progress("running the step", step)
+    """
+    directory = os.environ.get(ENV_PROGRESS_DIR)
+    if not directory:
+        return
+    if not _dumps:
+        _dumps.append(_dump_stacks_on_signal())
+    write(directory, int(os.environ.get(ENV_PROCESS_ID, "0")), Record(phase, step, finished))
+
+
+def _dump_stacks_on_signal() -> bool:
+    """Makes the launcher's ``DUMP_SIGNAL`` print every thread's Python stack on standard error
+    (where the launcher reads it), whatever the main thread is stuck in."""
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+        faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+        return True
+    return False

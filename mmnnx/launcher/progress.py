@@ -1,0 +1,127 @@
+"""What each process of ``mmnnx launch`` last said it was doing, and ``--step-timeout``'s watchdog.
+
+A process reports with ``mm.distributed.progress(phase, step)``, which calls :func:`write`: one
+JSON record, ``{"phase": ..., "step": ...}``, in the file ``rank-<i>`` of the directory the
+launcher names in ``MMNNX_PROGRESS_DIR``, replaced whole (``os.replace``), so the file's
+modification time is when the process last reported. The launcher's :class:`Watchdog` looks at
+those times (one ``stat`` per process and poll) and names the process whose last report is the
+oldest once it is ``timeout_s`` old; a process that has not reported yet, whose last record
+says it has finished, or that has ended, is not watched.
+
+The reporting process also dumps its threads' Python stacks to its standard error on
+``SIGUSR1`` (:data:`DUMP_SIGNAL`, ``faulthandler``), which the launcher sends to the process it
+names before stopping the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Collection
+
+DUMP_SIGNAL = signal.SIGUSR1
+"""The signal on which a process that reported dumps its Python stacks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """What a process said it was doing: ``phase`` (e.g. ``"loading batch"``) of ``step``;
+    ``finished``: it makes no more steps (it waits for the others to end), so the watchdog no
+    longer watches it."""
+
+    phase: str
+    step: int | None = None
+    finished: bool = False
+
+    def __str__(self) -> str:
+        return self.phase if self.step is None else f"{self.phase} (step {self.step})"
+
+
+def path(directory: str, rank: int) -> str:
+    """The file of process ``rank``'s record.
+
+    Example:
+        >>> path("/tmp/progress", 1)
+        '/tmp/progress/rank-1'
+    """
+    return os.path.join(directory, f"rank-{rank}")
+
+
+def write(directory: str, rank: int, record: Record) -> None:
+    """Replaces process ``rank``'s record in ``directory`` by ``record`` (from any thread).
+
+    Example:
+        >>> import tempfile
+        >>> where = tempfile.mkdtemp()
+        >>> write(where, 0, Record("loading batch", 7))
+        >>> print(read(where, 0))
+        loading batch (step 7)
+    """
+    target = path(directory, rank)
+    temporary = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(temporary, "w") as f:
+        f.write(json.dumps(dataclasses.asdict(record)))
+    os.replace(temporary, target)
+
+
+def read(directory: str, rank: int) -> Record | None:
+    """Process ``rank``'s last record, or ``None`` when it has not reported (or the record
+    cannot be read)."""
+    try:
+        with open(path(directory, rank)) as f:
+            fields = json.loads(f.read())
+        return Record(str(fields["phase"]), fields.get("step"), bool(fields.get("finished")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stale:
+    """A process that made no progress for ``seconds``; ``last``: its last record."""
+
+    rank: int
+    seconds: float
+    last: Record | None
+
+    def __str__(self) -> str:
+        last = "unknown" if self.last is None else str(self.last)
+        return f"rank {self.rank} made no progress for {self.seconds:.0f} s; last: {last}"
+
+
+class Watchdog:
+    """Finds the process of ``count`` whose last report in ``directory`` is the oldest, once
+    it is ``timeout_s`` old (of those that have reported and not finished).
+
+    Example:
+        >>> import tempfile
+        >>> where = tempfile.mkdtemp()
+        >>> write(where, 1, Record("loading batch", 7))
+        >>> print(Watchdog(where, 2, timeout_s=0).stale())
+        rank 1 made no progress for 0 s; last: loading batch (step 7)
+    """
+
+    def __init__(self, directory: str, count: int, timeout_s: float):
+        self.directory, self.count, self.timeout_s = directory, count, timeout_s
+
+    def stale(self, ended: Collection[int] = ()) -> Stale | None:
+        """The watched process that has not reported for the longest, if that is
+        ``timeout_s`` or more; ``None`` otherwise. The processes ``ended`` are not watched."""
+        now, ages = time.time(), {}
+        for rank in range(self.count):
+            if rank in ended:
+                continue
+            try:
+                ages[rank] = now - os.stat(path(self.directory, rank)).st_mtime
+            except OSError:
+                continue  # not reported yet
+        for rank in sorted(ages, key=ages.get, reverse=True):
+            if ages[rank] < self.timeout_s:
+                return None
+            last = read(self.directory, rank)
+            if last is None or not last.finished:
+                return Stale(rank, ages[rank], last)
+        return None

@@ -1,0 +1,54 @@
+"""A Python command of ``mmnnx launch`` run through :mod:`~mmnnx.launcher.run_main`, so that a
+process ending with ``raise SystemExit(n)``, n a failing status, is a failure like
+``sys.exit(n)`` (it ends at once and the launcher names it) rather than a normal end.
+
+A command is rewritten only when it is plainly ``python [options] -c CODE | -m MODULE | FILE
+[args]`` (``python``, ``python3``, ``python3.11``, ... or a path to one), with options that take
+no value or ``-W``/``-X``/``--check-hash-based-pycs`` and theirs; anything else (``-i``, ``-x``,
+a directory or archive to run, another program) runs as given.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_main.py")
+_PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
+_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+_PLAIN_OPTIONS = frozenset("bBdEIOPqsSuvR")  # options of python that take no value
+
+
+def through_runner(command: Sequence[str]) -> list[str]:
+    """``command`` with its program run by :mod:`~mmnnx.launcher.run_main`, when it is a
+    plain Python command; else ``command`` as it is.
+
+    Example:
+        >>> through_runner(["python", "-u", "-m", "pkg", "-n", "9"])[2:]  # doctest: +ELLIPSIS
+        ['.../run_main.py', '-m', 'pkg', '-n', '9']
+        >>> through_runner(["python3", "-i", "-c", "pass"]), through_runner(["mmnnx", "train"])
+        (['python3', '-i', '-c', 'pass'], ['mmnnx', 'train'])
+    """
+    command = list(command)
+    if not command or not _PYTHON.fullmatch(os.path.basename(command[0])):
+        return command
+    i = 1
+    while i < len(command):
+        arg = command[i]
+        if arg in ("-c", "-m"):
+            return command if i + 1 == len(command) else [*command[:i], RUNNER, *command[i:]]
+        if arg in _WITH_VALUE:
+            i += 2
+        elif arg[:2] in _WITH_VALUE or (len(arg) > 1 and arg[0] == "-" and _plain(arg)):
+            i += 1
+        elif arg.startswith("-") or not os.path.isfile(arg):
+            return command  # -i, -x, a directory or archive, ...: as given
+        else:
+            return [*command[:i], RUNNER, "file", *command[i:]]
+    return command
+
+
+def _plain(option: str) -> bool:
+    """Whether ``option`` (``-u``, ``-uB``, ``-OO``) is made of options that take no value."""
+    return set(option[1:]) <= _PLAIN_OPTIONS
