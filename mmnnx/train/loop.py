@@ -316,7 +316,9 @@ def fit(
                 "from them (TrainConfig.resume / --resume) or use another checkpoint directory"
             )
         if config.resume and (checkpoints.all_steps() or checkpoints.incomplete_steps()):
-            resumed = checkpoints.restore_newest_readable(model=model, opt=opt)
+            resumed = checkpoints.restore_newest_readable(
+                model=model, opt=opt, check_extra=_saved_as
+            )
             dataset.restore(resumed.extra["data"])
             start = int(resumed.extra["step"])
             set_aside = checkpoints.set_aside([s.step for s in resumed.skipped])
@@ -471,6 +473,16 @@ def _plain(value: Any) -> Any:
 def _print_line(console: Console, line: str) -> None:
     """``line`` as it is: one line however wide (no wrapping), paths not read as markup."""
     console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def _saved_as(step: int, extra: dict[str, Any]) -> str | None:
+    """Why checkpoint ``step`` cannot resume the run (``None``: it can): its ``extra`` says
+    another step (a step directory copied or renamed, an ``extra`` edited), from which the run
+    would go on at the wrong step, or train nothing."""
+    saved = extra.get("step")
+    if isinstance(saved, bool) or saved != step:
+        return f"its extra's step is {saved!r}, not {step}"
+    return None
 
 
 def _resumed_line(resumed: Resumed, set_aside: list[str], directory: pathlib.Path) -> str:
