@@ -38,8 +38,15 @@ def devices():
 
 
 @pytest.fixture
-def stray_errors_on_stderr(monkeypatch):
-    """Errors raised in callbacks of other threads (``sys.unraisablehook``, such as a library's
-    reads completing into a closed event loop) printed on stderr, as a user sees them, rather
-    than turned into pytest warnings."""
-    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+def stray_errors(monkeypatch):
+    """Errors raised in callbacks no caller awaits any more (``sys.unraisablehook``, such as a
+    library's reads completing into a closed event loop), printed on stderr as a user sees them
+    rather than turned into pytest warnings; the fixture's value lists them."""
+    seen = []
+
+    def hook(unraisable):
+        seen.append(unraisable.exc_value)
+        sys.__unraisablehook__(unraisable)
+
+    monkeypatch.setattr(sys, "unraisablehook", hook)
+    return seen

@@ -345,9 +345,7 @@ def edit_extra(step_dir, **changes) -> None:
 
 
 @pytest.mark.slow
-def test_resume_falls_back_past_damaged_and_incomplete_steps(
-    tmp_path, capsys, stray_errors_on_stderr
-):
+def test_resume_falls_back_past_damaged_and_incomplete_steps(tmp_path, capsys, stray_errors):
     run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
     every = ["--eval-every", "2", "--checkpoint-every", "4"]
     assert tiny_run(tmp_path, "run", "--steps", "8", *every) == 0

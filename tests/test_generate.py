@@ -228,7 +228,7 @@ def test_a_directory_without_a_run_exits_2_in_one_line(trained_run, tmp_path, ca
 
 
 def test_generate_passes_over_damaged_steps_naming_them_in_one_line(
-    trained_run, tmp_path, capsys, stray_errors_on_stderr
+    trained_run, tmp_path, capsys, stray_errors
 ):
     trained_run, _ = trained_run
     run = tmp_path / "run"
