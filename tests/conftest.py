@@ -3,6 +3,7 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 from tests.flags import COMPILE_FLAGS
@@ -34,3 +35,18 @@ assert len(jax.devices()) == 8, "tests need 8 simulated CPU devices"
 @pytest.fixture
 def devices():
     return jax.devices()
+
+
+@pytest.fixture
+def stray_errors(monkeypatch):
+    """Errors raised in callbacks no caller awaits any more (``sys.unraisablehook``, such as a
+    library's reads completing into a closed event loop), printed on stderr as a user sees them
+    rather than turned into pytest warnings; the fixture's value lists them."""
+    seen = []
+
+    def hook(unraisable):
+        seen.append(unraisable.exc_value)
+        sys.__unraisablehook__(unraisable)
+
+    monkeypatch.setattr(sys, "unraisablehook", hook)
+    return seen

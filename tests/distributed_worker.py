@@ -342,11 +342,38 @@ def scanned_gpt(save: bool = True) -> dict:
     return {"losses": losses, "state": digest, "restored": _digest(fresh, fresh_opt)}
 
 
+def damaged_newest(directory) -> dict:
+    """Saves steps 1 to 4 (3 kept), truncates the chunks of step 4's array that process 1
+    alone reads, then restores the newest readable step on every process: the steps kept, the
+    step each restored and the steps it passed over."""
+    from mmnnx.train import Checkpointer
+    from mmnnx.train.checkpoint.processes import together
+
+    model = gpt_model(gpt_tasks(2))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    with Checkpointer(directory) as ckpt:
+        for step in range(1, 5):
+            ckpt.save(step, model=model, opt=opt, extra={"step": step})
+        kept = ckpt.all_steps()
+
+    def damage() -> None:
+        array = pathlib.Path(directory, "4", "arrays", "model", "blocks", "3", "attn", "q")
+        for chunk in (array / "kernel").iterdir():
+            if not chunk.name.startswith("."):
+                chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+
+    together("damaging step 4", lambda: damage() if jax.process_index() == 0 else None)
+    with Checkpointer(directory) as ckpt:
+        resumed = ckpt.restore_newest_readable(model=model, opt=opt)
+    return {"kept": kept, "step": resumed.step, "skipped": [str(s) for s in resumed.skipped]}
+
+
 @scenario
 def checkpoint_roundtrip():
     """A 1F1B GPT step saved into $CKPT_OUT; then $CKPT_IN (saved elsewhere) restored; then a
     step of the GPT on 4 stages (2 tasks a process) saved into $CKPT_OUT4 and restored into 2
-    stages, noting which arrays this process read (and whether it holds part of each)."""
+    stages, noting which arrays this process read (and whether it holds part of each); then
+    :func:`damaged_newest` in $CKPT_OUT/damaged."""
     from mmnnx.train.checkpoint.formats import process_arrays
 
     saved = checkpoint_save(os.environ["CKPT_OUT"])
@@ -368,6 +395,7 @@ def checkpoint_roundtrip():
         "saved4": saved4,
         "restored4": restored4,
         "reads": reads,
+        "damaged": damaged_newest(os.path.join(os.environ["CKPT_OUT"], "damaged")),
     }
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import gc
 import json
 import math
 import os
@@ -25,6 +27,7 @@ from flax import nnx
 import mmnnx as mm
 from mmnnx.train import Checkpointer, checkpoint
 from mmnnx.train.checkpoint import layout
+from mmnnx.train.checkpoint.formats import orbax_tree
 from tests.checkpoint_worker import arrays, build, digest, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -552,6 +555,35 @@ def test_a_format_that_deletes_old_steps_itself_keeps_the_newest_max_to_keep(tmp
     assert sorted(os.listdir(tmp_path)) == ["1", "2", "3", "4", "5"]
     layout.remove_oldest(tmp_path, [1, 2, 3, 4, 5], 3)
     assert sorted(os.listdir(tmp_path)) == ["3", "4", "5"]
+
+
+def test_reads_in_flight_when_one_fails_end_before_orbax_closes_their_loop(tmp_path, stray_errors):
+    # Orbax 0.12.8 runs a restore in a loop of its own and closes it as soon as one read fails;
+    # a TensorStore read still in flight then completed into the closed loop ("RuntimeError:
+    # Event loop is closed" on stderr, one traceback per read)
+    promise, in_flight = ts.Promise.new()
+
+    async def reads():
+        async def fails():
+            raise ValueError("OUT_OF_RANGE: a truncated file")
+
+        await asyncio.gather(fails(), in_flight)
+
+    def orbax_restore():  # as orbax.checkpoint._src.asyncio_utils.run_sync runs it
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(reads())
+        finally:
+            loop.close()
+
+    done = threading.Timer(0.2, promise.set_result, [0])
+    done.start()
+    with pytest.raises(checkpoint.CheckpointCorruptError, match="OUT_OF_RANGE: a truncated file"):
+        orbax_tree._read(3, tmp_path, orbax_restore)
+    assert in_flight.done()  # the loop closed once the read in flight had ended
+    done.join()
+    gc.collect()
+    assert stray_errors == []
 
 
 def test_data_that_reads_back_different_is_caught_by_its_checksum(tmp_path, monkeypatch):

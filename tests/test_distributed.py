@@ -327,9 +327,19 @@ def test_pipelined_gpt_and_checkpoints_across_process_counts(tmp_path, monkeypat
     both = {n for n, _ in results[0]["reads"]} & {n for n, _ in results[1]["reads"]}
     manifest4 = json.loads((tmp_path / "four" / "1" / "mmnnx" / "metadata").read_text())
     assert all(manifest4["arrays"][n]["shape"] == [] for n in both)
+    # steps 1-4 saved by both, the newest 3 kept; step 4 damaged where process 1 alone reads:
+    # both pass over it and restore step 3
+    for r in results:
+        assert r["damaged"] == {
+            "kept": [2, 3, 4],
+            "step": 3,
+            "skipped": [
+                "skipped step 4: damaged (array 'model/blocks/3/attn/q/kernel' fails its checksum)"
+            ],
+        }
 
 
-def test_mmnnx_train_under_launch_matches_one_process(tmp_path):
+def test_mmnnx_train_under_launch_matches_one_process_and_resumes_past_damage(tmp_path):
     # the main job: each pipeline stage in its own process; rank 0 reports and writes; each
     # process trains the BPE (the same one), and both make the token file at once
     flags = [
@@ -355,24 +365,12 @@ def test_mmnnx_train_under_launch_matches_one_process(tmp_path):
         "4",
         "--schedule",
         "1f1b",
+        "--checkpoint-every",
+        "1",
     ]
     out = tmp_path / "launched"
-    proc = launch(
-        [
-            "-n",
-            "2",
-            "--devices-per-process",
-            "4",
-            "--",
-            sys.executable,
-            "-m",
-            "mmnnx",
-            "train",
-            "--output-dir",
-            str(out),
-            *flags,
-        ]
-    )
+    train = ["-n", "2", "--devices-per-process", "4", "--", sys.executable, "-m", "mmnnx", "train"]
+    proc = launch([*train, "--output-dir", str(out), *flags])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "[rank 0] step 4/4 loss " in proc.stdout  # a plain line: no terminal under launch
     assert "[rank 0] step 4/4 eval_loss " in proc.stdout and "[rank 1] step" not in proc.stdout
@@ -397,9 +395,31 @@ def test_mmnnx_train_under_launch_matches_one_process(tmp_path):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-5), (a, b)
     assert (out / "loss.png").is_file() and (out / "timeline.png").is_file()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
+    ckpt = out / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2", "3", "4"]
     saved = (out / "tokenizer" / "bpe.json").read_text()
     assert saved == (alone / "tokenizer" / "bpe.json").read_text() and '"merges"' in saved
+    # the newest step damaged where process 1 alone reads (a layer of its stage): both
+    # processes resume from the step before, and rank 0 says which step it passed over
+    kernel = ckpt / "4" / "arrays" / "model" / "blocks" / "1" / "attn" / "q" / "kernel"
+    for chunk in kernel.iterdir():
+        if not chunk.name.startswith("."):
+            chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    flags[flags.index("--steps") + 1] = "5"
+    resumed = launch([*train, "--output-dir", str(out), *flags, "--resume"])
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
+    assert (
+        f"[rank 0] resumed from step 3 ({ckpt}); skipped step 4: damaged (array "
+        "'model/blocks/1/attn/q/kernel' fails its checksum), set aside as 4.unreadable\n"
+    ) in resumed.stdout
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
+        "3",
+        "4",
+        "4.unreadable",
+        "5",
+    ]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 2, 4, 5]  # step 4 once: trained again
 
 
 def test_initialize_names_a_coordinator_port_in_use():

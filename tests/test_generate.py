@@ -4,6 +4,7 @@ trained run's model."""
 
 import contextlib
 import io
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from mmnnx.models.decoding import _decode, _prefill, generate
 from mmnnx.models.stages import stage_rules
 from mmnnx.modules import RopeScaling
 from mmnnx.train.generation import run_tasks
+from tests.test_cli import damage
 
 SMALL = dict(dim=32, depth=2, num_heads=2, vocab_size=64, max_seq_len=16)
 
@@ -255,3 +257,30 @@ def test_a_directory_without_a_run_exits_2_in_one_line(trained_run, tmp_path, ca
     assert main(["generate", "--run", str(tmp_path), "--prompt", "In"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no checkpoint in" in err, err
+
+
+def test_generate_passes_over_damaged_steps_naming_them_in_one_line(
+    trained_run, tmp_path, capsys, stray_errors
+):
+    trained_run, _ = trained_run
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    config = (run / "config.toml").read_text().replace(str(trained_run), str(run))
+    (run / "config.toml").write_text(config)
+    ckpt = run / "checkpoints"
+    shutil.copytree(ckpt / "4", ckpt / "2")  # an older step, intact
+    damaged = damage(ckpt / "4")
+    argv = ["generate", "--run", str(run), "--prompt", "In", "--max-new-tokens", "2"]
+    assert main(argv) == 0
+    assert capsys.readouterr().err == (
+        f"mmnnx generate: {run}, step 2, layout one-device; skipped step 4: damaged ({damaged} "
+        "cannot be read)\n"
+    )
+    damage(ckpt / "2")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # nothing else: no Orbax or asyncio traceback
+    assert err.startswith(
+        f"mmnnx generate: error: --run: no readable checkpoint in {ckpt}: skipped step 4: "
+        f"damaged ({damaged} cannot be read); skipped step 2: damaged ("
+    ), err

@@ -56,8 +56,9 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``mmnnx generate``: the prompt and its continuation on stdout, one line about the run
-    on stderr; a run without config, tokenizer or checkpoint, a prompt its tokenizer cannot
-    read (a non-UTF-8 byte, for a BPE) or the model has no room for exits 2 in one line."""
+    on stderr (naming the newer steps passed over as unreadable); a run without config,
+    tokenizer or checkpoint, a prompt its tokenizer cannot read (a non-UTF-8 byte, for a BPE)
+    or the model has no room for exits 2 in one line."""
 
     def error(message: str) -> int:
         print(f"mmnnx generate: error: {message}", file=sys.stderr)
@@ -106,7 +107,11 @@ def run(args: argparse.Namespace) -> int:
             f"--max-new-tokens {args.max_new_tokens} exceeds the {room} tokens the model's "
             f"--seq-len {run.model.config.max_seq_len} leaves after a {prompt_tokens}-token prompt"
         )
-    print(f"mmnnx generate: {args.run}, step {run.step}, layout {args.layout}", file=sys.stderr)
+    skipped = "".join(f"; {s}" for s in run.skipped)  # newer steps that are damaged
+    print(
+        f"mmnnx generate: {args.run}, step {run.step}, layout {args.layout}{skipped}",
+        file=sys.stderr,
+    )
     text = continue_text(
         run.model,
         run.tokenizer,

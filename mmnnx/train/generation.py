@@ -14,7 +14,7 @@ import numpy as np
 from mmnnx.models import GPT, GPTConfig
 from mmnnx.models.pretrained import CheckpointError
 from mmnnx.sharding import MultiMesh, Task, logical_rules
-from mmnnx.train.checkpoint import Checkpointer
+from mmnnx.train.checkpoint import Checkpointer, Skipped
 from mmnnx.train.config import ARCHITECTURE
 from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config, read_toml
 from mmnnx.train.run_model import build_model, model_config, run_placement
@@ -34,12 +34,13 @@ class RunError(ValueError):
 @dataclasses.dataclass
 class LoadedRun:
     """A trained run ready to generate: its model (restored), tokenizer, checkpoint step and
-    flags (``config.toml``'s tables merged)."""
+    flags (``config.toml``'s tables merged), and the newer steps passed over as unreadable."""
 
     model: GPT
     tokenizer: Tokenizer
     step: int
     flags: dict[str, Any]
+    skipped: list[Skipped] = dataclasses.field(default_factory=list)
 
 
 def read_run_flags(run_dir: str | pathlib.Path) -> dict[str, Any]:
@@ -146,10 +147,11 @@ def load_run(
     run_dir: str | pathlib.Path | RunSpec, *, layout: str = "one-device", step: int | None = None
 ) -> LoadedRun:
     """The model of the run ``mmnnx train`` wrote into ``run_dir`` (or of a :class:`RunSpec`
-    read from it), restored from its newest readable checkpoint (or from ``step``), on one
-    device or on the run's own tasks (``layout``, one of :data:`LAYOUTS`); checkpoints restore
-    across layouts. A fine-tuning run's model is rebuilt from its ``--init-from`` config (not
-    its weights: the checkpoint holds them) with its LoRA adapters.
+    read from it), restored from its newest readable checkpoint (the newer steps passed over
+    are in ``skipped``) or from ``step``, on one device or on the run's own tasks (``layout``,
+    one of :data:`LAYOUTS`); checkpoints restore across layouts. A fine-tuning run's model is
+    rebuilt from its ``--init-from`` config (not its weights: the checkpoint holds them) with
+    its LoRA adapters.
 
     Raises:
         RunError: no ``config.toml``, tokenizer or checkpoint in the run (or no ``step``), too
@@ -186,14 +188,16 @@ def load_run(
             )
         _check_record(spec, saved_record(ckpt, step))
         model = build_model(flags, spec.config, placement, weights=False)
+        skipped: list[Skipped] = []
         if step is not None:
             ckpt.restore(step, model=model)
         else:
             try:
-                step = ckpt.restore_newest_readable(model=model).step
+                resumed = ckpt.restore_newest_readable(model=model)
             except FileNotFoundError:
                 raise RunError(f"no checkpoint in {spec.checkpoints}") from None
-    return LoadedRun(model=model, tokenizer=spec.tokenizer, step=step, flags=flags)
+            step, skipped = resumed.step, resumed.skipped
+    return LoadedRun(model=model, tokenizer=spec.tokenizer, step=step, flags=flags, skipped=skipped)
 
 
 def _check_record(spec: RunSpec, saved: Saved | None) -> None:

@@ -341,7 +341,9 @@ def fit(
             )
         if config.resume and (checkpoints.all_steps() or checkpoints.incomplete_steps()):
             report("restoring checkpoint")
-            resumed = checkpoints.restore_newest_readable(model=model, opt=opt)
+            resumed = checkpoints.restore_newest_readable(
+                model=model, opt=opt, check_extra=_saved_as
+            )
             _restore_data(dataset, resumed, ckpt_dir)
             start = int(resumed.extra["step"])
             set_aside = checkpoints.set_aside([s.step for s in resumed.skipped])
@@ -540,6 +542,16 @@ def _preempted_line(step: int, directory: pathlib.Path) -> str:
         f"preemption notice (SIGTERM): stopped after step {step}, saved in {directory}; "
         "continue with --resume (TrainConfig.resume)"
     )
+
+
+def _saved_as(step: int, extra: dict[str, Any]) -> str | None:
+    """Why checkpoint ``step`` cannot resume the run (``None``: it can): its ``extra`` says
+    another step (a step directory copied or renamed, an ``extra`` edited), from which the run
+    would go on at the wrong step, or train nothing."""
+    saved = extra.get("step")
+    if isinstance(saved, bool) or saved != step:
+        return f"its extra's step is {saved!r}, not {step}"
+    return None
 
 
 def _resumed_line(resumed: Resumed, set_aside: list[str], directory: pathlib.Path) -> str:

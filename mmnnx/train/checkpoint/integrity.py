@@ -26,12 +26,14 @@ _GOLDEN = 2654435761  # Knuth's multiplicative hash: weights that differ for eve
 
 
 class CheckpointCorruptError(RuntimeError):
-    """A checkpoint step's files cannot be read (truncated, damaged or missing).
+    """A checkpoint step's files cannot be read (truncated, damaged or missing), or what they
+    hold cannot be used.
 
     ``step`` and ``directory`` (the step's directory) say which checkpoint; ``file`` the damaged
     or missing file when it can be found, else ``None``; ``array`` the saved array whose data
     read back different from what was written (caught by the checksum saved with it), if that
-    was the failure. Nothing was written into the model.
+    was the failure; ``reason`` why the step cannot be used when its files read back whole (its
+    ``extra`` names another step, say), else ``None``. Nothing was written into the model.
     """
 
     def __init__(
@@ -42,9 +44,13 @@ class CheckpointCorruptError(RuntimeError):
         file: str | None = None,
         cause: BaseException | None = None,
         array: str | None = None,
+        reason: str | None = None,
     ):
         self.step, self.directory, self.file, self.array = step, directory, file, array
-        if array is not None:
+        self.reason = reason
+        if reason is not None:
+            what = reason
+        elif array is not None:
             what = f"the data of {array!r} reads back different from what was saved (checksum)"
         else:
             where = f"file {file}" if file else "one of its files"
@@ -54,6 +60,34 @@ class CheckpointCorruptError(RuntimeError):
             f"checkpoint step {step} in {directory} is damaged: {what}; restore another step "
             "(Checkpointer.all_steps() lists them) or save again"
         )
+
+    @property
+    def summary(self) -> str:
+        """What is wrong in a few words, as a resume reports a step it passed over:
+        ``FILE cannot be read``, ``array 'P' fails its checksum`` or the ``reason``."""
+        if self.reason is not None:
+            return self.reason
+        if self.array is not None:
+            return f"array {self.array!r} fails its checksum"
+        return f"{self.file or 'one of its files'} cannot be read"
+
+    def report(self) -> dict[str, Any]:
+        """Its message and fields, JSON-able: what another process needs to raise it too
+        (:meth:`reported`)."""
+        return {"message": str(self), **{name: getattr(self, name) for name in _FIELDS}}
+
+    @classmethod
+    def reported(cls, report: Mapping[str, Any]) -> CheckpointCorruptError:
+        """The error :meth:`report` describes, as another process raised it: the same message
+        and fields."""
+        error = cls.__new__(cls)
+        RuntimeError.__init__(error, report["message"])
+        for name in _FIELDS:
+            setattr(error, name, report[name])
+        return error
+
+
+_FIELDS = ("step", "directory", "file", "array", "reason")
 
 
 @jax.jit

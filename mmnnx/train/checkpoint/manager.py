@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -13,9 +13,13 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from mmnnx.distributed.agree import share_outcome
+from mmnnx.distributed.gather import gather
 from mmnnx.train.checkpoint import integrity, layout, lock, processes, resume, tree
 from mmnnx.train.checkpoint.formats import base, orbax_tree, process_arrays
+
+CheckExtra = Callable[[int, dict[str, Any]], str | None]
+"""Why a step's ``extra`` dict cannot be used (the step counts as damaged), or ``None``: called
+with the step and its ``extra`` before anything is written (``restore``'s ``check_extra``)."""
 
 
 class Checkpointer:
@@ -176,7 +180,12 @@ class Checkpointer:
         self._orbax.wait()
 
     def restore(
-        self, step: int | None = None, *, model: Any, opt: nnx.Optimizer | None = None
+        self,
+        step: int | None = None,
+        *,
+        model: Any,
+        opt: nnx.Optimizer | None = None,
+        check_extra: CheckExtra | None = None,
     ) -> dict[str, Any]:
         """Restores checkpoint ``step`` (default: the latest) into ``model`` and ``opt`` in place.
 
@@ -185,6 +194,9 @@ class Checkpointer:
         nothing is written unless every array was read. Without ``opt``, saved optimizer state is
         ignored. Without ``step``, the newest step that reads back whole is restored, with a
         warning naming each newer one passed over and why (:meth:`restore_newest_readable`).
+        ``check_extra(step, extra)``, when given, says why the step's ``extra`` cannot be used
+        (a string), or ``None``: a step it refuses is damaged. With several processes, every
+        process restores the same step together, and all fail if one does.
 
         Returns:
             the ``extra`` dict saved with the step.
@@ -195,8 +207,9 @@ class Checkpointer:
                 directory of one damaged step raises its ``CheckpointCorruptError``).
             CheckpointMismatchError: the checkpoint does not match, or holds no optimizer state;
                 the model and optimizer are left untouched.
-            CheckpointCorruptError: a file of the step is damaged or missing, or an array reads
-                back different from its saved checksum; nothing is written.
+            CheckpointCorruptError: a file of the step is damaged or missing, an array reads
+                back different from its saved checksum, or ``check_extra`` refuses the step;
+                nothing is written.
 
         Example:
             >>> import tempfile
@@ -210,11 +223,19 @@ class Checkpointer:
             Traceback (most recent call last):
             ...
             mmnnx.train.checkpoint.CheckpointMismatchError: checkpoint step 1: 'model/bias' has ...
+            >>> ckpt.restore(  # doctest: +ELLIPSIS
+            ...     model=nnx.Linear(2, 3, rngs=nnx.Rngs(1)),
+            ...     check_extra=lambda step, extra: None if extra["epoch"] < 4 else "too late",
+            ... )
+            Traceback (most recent call last):
+            ...
+            mmnnx.train.checkpoint.CheckpointCorruptError: checkpoint step 1 in ...: too late; ...
         """
         if step is None:  # the newest step that reads back whole, saying what it passed over
             if len(self.all_steps()) == 1 and not self.incomplete_steps():
-                return self.restore(self.all_steps()[0], model=model, opt=opt)  # its own error
-            resumed = self.restore_newest_readable(model=model, opt=opt)
+                only = self.all_steps()[0]  # its own error
+                return self.restore(only, model=model, opt=opt, check_extra=check_extra)
+            resumed = self.restore_newest_readable(model=model, opt=opt, check_extra=check_extra)
             if resumed.skipped:
                 warnings.warn(
                     f"restored checkpoint step {resumed.step} of {self._directory}, the newest "
@@ -228,12 +249,22 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"no checkpoint for step {step} in {self._directory}; steps saved: {steps}"
             )
-        saved = self._format_of(step).open(step)
         found = tree.entries(model, opt)
-        tree.check(step, saved.arrays, found, saved.variables)
-        extra, values = saved.read(tree.stored(found))
+
+        def read() -> tuple[dict[str, Any], tree.Trees]:
+            saved = self._format_of(step).open(step)
+            tree.check(step, saved.arrays, found, saved.variables)
+            extra, values = saved.read(tree.stored(found))
+            extra = dict(extra or {})
+            reason = None if check_extra is None else check_extra(step, extra)
+            if reason is not None:
+                folder = os.fspath(self._directory / str(step))
+                raise integrity.CheckpointCorruptError(step, folder, reason=reason)
+            return extra, values
+
+        extra, values = processes.read_together(f"restoring checkpoint step {step}", read)
         tree.write_back(step, found, values)
-        return dict(extra or {})
+        return extra
 
     def read_extra(self, step: int) -> dict[str, Any]:
         """The ``extra`` dict saved with step ``step``, read alone (no array is read), checked
@@ -261,10 +292,15 @@ class Checkpointer:
         return dict(extra or {})
 
     def restore_newest_readable(
-        self, *, model: Any, opt: nnx.Optimizer | None = None
+        self,
+        *,
+        model: Any,
+        opt: nnx.Optimizer | None = None,
+        check_extra: CheckExtra | None = None,
     ) -> resume.Resumed:
         """Restores the newest step that reads back whole, like :meth:`restore`, passing over
-        newer steps that are damaged (:class:`CheckpointCorruptError`) or incomplete.
+        newer steps that are damaged (:class:`CheckpointCorruptError`, ``check_extra``'s
+        refusals included) or incomplete. With several processes, all pass over the same steps.
 
         Returns:
             the step restored, its ``extra`` dict and the newer steps skipped, with why.
@@ -285,6 +321,15 @@ class Checkpointer:
             >>> resumed = ckpt.restore_newest_readable(model=nnx.Linear(2, 3, rngs=nnx.Rngs(1)))
             >>> resumed.step, resumed.extra, [str(s) for s in resumed.skipped]
             (4, {'step': 4}, ['skipped step 8: incomplete (no metadata)'])
+            >>> ckpt.save(9, model=nnx.Linear(2, 3, rngs=nnx.Rngs(0)), extra={"step": 4})
+            >>> resumed = ckpt.restore_newest_readable(
+            ...     model=nnx.Linear(2, 3, rngs=nnx.Rngs(1)),
+            ...     check_extra=lambda step, extra: (
+            ...         None if extra["step"] == step else f"its extra says step {extra['step']}"
+            ...     ),
+            ... )
+            >>> resumed.step, [str(s) for s in resumed.skipped][0]
+            (4, 'skipped step 9: damaged (its extra says step 4)')
         """
         complete, incomplete = self.all_steps(), self.incomplete_steps()
         if not complete and not incomplete:
@@ -292,12 +337,9 @@ class Checkpointer:
         skipped = [resume.Skipped(s, layout.incomplete(self._missing(s) or "")) for s in incomplete]
         for step in reversed(complete):
             try:
-                extra = self.restore(step, model=model, opt=opt)
+                extra = self.restore(step, model=model, opt=opt, check_extra=check_extra)
             except integrity.CheckpointCorruptError as e:
-                what = f"{e.file or 'one of its files'} cannot be read"
-                if e.array is not None:
-                    what = f"array {e.array!r} fails its checksum"
-                skipped.append(resume.Skipped(step, f"damaged ({what})"))
+                skipped.append(resume.Skipped(step, f"damaged ({e.summary})"))
                 continue
             newer = sorted((k for k in skipped if k.step > step), key=lambda k: -k.step)
             return resume.Resumed(step, extra, newer)
@@ -308,7 +350,8 @@ class Checkpointer:
         """Renames the directories of ``steps`` (damaged or incomplete ones) to
         ``<step>.unreadable`` (or ``<step>.unreadable-N``), out of the listing, so that a run
         resumed from an older step can save those steps again; nothing is deleted. Holds the
-        writer lock. Returns the new names.
+        writer lock. Returns the new names (with several processes, process 0 renames them, and
+        every process returns its names).
 
         Example:
             >>> import os, tempfile
@@ -318,13 +361,17 @@ class Checkpointer:
             >>> ckpt.set_aside([8]), ckpt.incomplete_steps()
             (['8.unreadable'], [])
         """
-        names: list[str] = []
-        if self._me in (None, 0):
+
+        def rename() -> list[str]:
             self._lock.hold()
-            names = layout.set_aside(self._directory, steps)
-        if self._me is not None:  # process 0 renamed; the others see it once it is done
-            share_outcome(0, "setting aside unreadable checkpoints", None)
-            self._orbax.reload()
+            return layout.set_aside(self._directory, steps)
+
+        if self._me is None:
+            return rename()
+        what = "setting aside unreadable checkpoints"
+        names = processes.together(what, lambda: rename() if self._me == 0 else None)
+        names = gather(names, what=what)[0]  # process 0's, once it renamed them
+        self._orbax.reload()
         return names
 
     def all_steps(self) -> list[int]:

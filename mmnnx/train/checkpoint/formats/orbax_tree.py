@@ -5,9 +5,10 @@ format (:meth:`OrbaxTree.steps`).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -108,16 +109,12 @@ class OrbaxTree:
     def open(self, step: int) -> _OrbaxStep:
         """See :meth:`Format.open`: the items' tree metadata and mmnnx's JSON item."""
         folder = self._directory / str(step)
-        metadata = integrity.read_or_corrupt(
-            step, folder, lambda: self._manager.item_metadata(step)
-        )
+        metadata = _read(step, folder, lambda: self._manager.item_metadata(step))
         saved_items = set(metadata.keys())
         meta: dict[str, Any] = {}
         if META in saved_items:
             args = ocp.args.Composite(**{META: ocp.args.JsonRestore()})
-            meta = integrity.read_or_corrupt(
-                step, folder, lambda: self._manager.restore(step, args=args)[META]
-            )
+            meta = _read(step, folder, lambda: self._manager.restore(step, args=args)[META])
         arrays = {
             item: dict(_flatten(getattr(metadata[item], "tree", metadata[item])))
             if item in saved_items and metadata[item] is not None
@@ -160,7 +157,7 @@ class _OrbaxStep:
         }
         if self._has_extra:
             args[EXTRA] = ocp.args.JsonRestore()
-        restored = integrity.read_or_corrupt(
+        restored = _read(
             step, folder, lambda: manager.restore(step, args=ocp.args.Composite(**args))
         )
         extra = restored[EXTRA] if self._has_extra else None
@@ -176,6 +173,46 @@ class _OrbaxStep:
             for item, flat in targets.items()
         }
         return extra, laid_out
+
+
+def _read(step: int, folder: epath.Path, read: Callable[[], Any]) -> Any:
+    """``read()`` of step ``step`` through Orbax, whose reads all end before it returns
+    (:class:`_FinishingLoop`); a failure is a ``CheckpointCorruptError``."""
+
+    def finished() -> Any:
+        previous = asyncio.get_event_loop_policy()
+        if type(previous) is not asyncio.DefaultEventLoopPolicy:  # a user's own (uvloop, ...)
+            return read()
+        asyncio.set_event_loop_policy(_FinishingLoops())
+        try:
+            return read()
+        finally:
+            asyncio.set_event_loop_policy(previous)
+
+    return integrity.read_or_corrupt(step, folder, finished)
+
+
+class _FinishingLoop(asyncio.SelectorEventLoop):
+    """An event loop that lets the tasks it still holds finish before it closes.
+
+    Orbax 0.12.8 runs each restore in an event loop of its own, closed on return; when one
+    array's read fails, ``asyncio.gather`` returns that error at once and the other reads go on
+    in TensorStore's threads, completing later into the closed loop (a ``RuntimeError: Event
+    loop is closed`` traceback for each, on stderr). Closing this loop waits for them first.
+    """
+
+    def close(self) -> None:
+        pending = asyncio.all_tasks(self)
+        if pending and not self.is_running() and not self.is_closed():
+            self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
+
+
+class _FinishingLoops(asyncio.DefaultEventLoopPolicy):
+    """The default event loop policy, its new loops :class:`_FinishingLoop` (set only while
+    Orbax reads a step)."""
+
+    _loop_factory = _FinishingLoop
 
 
 def _target(value: Any, process: int | None) -> Any:
