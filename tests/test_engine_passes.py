@@ -24,7 +24,8 @@ from mmnnx.mpmd.lower.program import (
 from mmnnx.mpmd.lower.releases import add_releases
 from mmnnx.mpmd.plan.colour import colour
 from mmnnx.mpmd.plan.cut import Fragment, cut, levels, make_fragment
-from mmnnx.mpmd.plan.pipeline import join_consumers, split_backward, stage_fragments
+from mmnnx.mpmd.plan.pipeline import split_backward, stage_fragments
+from mmnnx.mpmd.plan.stage_levels import join_consumers
 from mmnnx.mpmd.step_io import StepInput, StepOutput
 
 

@@ -8,13 +8,12 @@ device."""
 import functools
 
 import jax
-import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import mmnnx as mm
-from tests.oracle import params_close
+from tests.oracle import close_to_max, params_close
 from tests.outside import bonsai_gpt_oss as gpt_oss
 
 LR = 3e-3
@@ -75,13 +74,6 @@ def one_device() -> tuple:
     logits = nnx.jit(gpt_oss.logits)(ref, TOKENS)
     opt = nnx.Optimizer(ref, optax.adamw(LR), wrt=nnx.Param)
     return ref, logits, [reference_step(ref, opt, TOKENS) for _ in range(2)]
-
-
-def close_to_max(a, b):
-    """Each leaf of ``a`` equal to ``b``'s to 1e-5 of ``b``'s largest magnitude."""
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * max(np.abs(y).max(), 1e-30))
 
 
 def placed(num_tasks: int) -> tuple[nnx.Module, list[mm.Task]]:
