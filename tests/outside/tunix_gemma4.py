@@ -80,7 +80,7 @@ def logits(model: modeling.Gemma4, tokens: jax.Array) -> jax.Array:
 
     Example:
         >>> model = tiny_gemma4(tiny_config(layers=4))
-        >>> logits(model, jnp.ones((2, 5), jnp.int32)).shape
+        >>> jax.eval_shape(lambda t: logits(model, t), jnp.ones((2, 5), jnp.int32)).shape
         (2, 5, 32)
     """
     b, t = tokens.shape
