@@ -578,7 +578,10 @@ def test_unread_parameters_get_zero_gradients_on_their_task_and_add_no_stage(tas
     def build():
         return nnx.Sequential(*(UnreadStage(nnx.Rngs(i)) for i in range(3)))
 
-    model = mm.place(build(), [(f"layers/{i}/", tasks[i]) for i in range(3)])
+    # the last one on t3, which holds nothing the loss reads
+    homes = [tasks[0], tasks[1], tasks[3]]
+    rules = [("layers/2/unread", tasks[3]), *((f"layers/{i}/", tasks[i]) for i in range(3))]
+    model = mm.place(build(), rules)
     ref = build()
     x = jax.random.normal(jax.random.key(0), (M, 8))
 
@@ -592,7 +595,7 @@ def test_unread_parameters_get_zero_gradients_on_their_task_and_add_no_stage(tas
     for i in range(3):  # zero, as under nnx.jit, and on the parameter's task
         unread = grads.layers[i].unread[...]
         assert not unread.any()
-        assert unread.devices() == set(tasks[i].jax_mesh.devices.flat)
+        assert unread.devices() == set(homes[i].jax_mesh.devices.flat)
     plan = step.plan(model, x)
     assert [t.name for t in plan.pipeline.stage_tasks] == ["t0", "t1", "t2"]
 

@@ -50,13 +50,19 @@ def _forward_flow(
     pinned: AbstractSet[int],
 ) -> None:
     """Each movable forward op on a task whose first visit comes before its latest operand's
-    task (counted by :func:`pinned_depths`) moves to that operand's task."""
+    task (counted by :func:`pinned_depths`) moves to that operand's task. One that no fixed op
+    feeds, on a task the pass never visits (the zero gradient of a parameter on a task that
+    holds nothing the loss reads), moves to the first stage's task: its microbatch sum goes to
+    the parameter's task once, as the step's output."""
     depths = pinned_depths(graph, forward, op_tasks, pinned)
+    start = min(depths.first, key=depths.first.get, default=None)
     for op in movable:
         if op.backward:
             continue
         sources = depths.sources_of(op)
         if not sources:
+            if op_tasks[op.index] not in depths.first and start is not None:
+                op_tasks[op.index] = start
             continue
         deepest = max(sources.values())
         task = op_tasks[op.index]
