@@ -15,6 +15,14 @@ def trees_close(a, b):
         close(x, y)
 
 
+def close_to_max(a, b):
+    """Each leaf of ``a`` equal to ``b``'s to 1e-5 of ``b``'s largest magnitude (and 1e-8: a
+    leaf of one small element, a scale's gradient, is held to rounding noise, not below it)."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * np.abs(y).max() + 1e-8)
+
+
 def params_close(model, ref, ref_grads, steps, lr):
     """Parameters after ``steps`` Adam steps against the oracle's.
 

@@ -53,15 +53,41 @@ class CrossAttentionLayer(nnx.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+class DirectCrossAttentionLayer(nnx.Module):
+    """A decoder layer whose attention reads the encoder's output directly as its values (no
+    value projection) and, with ``keys``, as its keys too: one head, a query projection of the
+    decoder's state, an output projection, then an MLP."""
+
+    def __init__(self, rngs: nnx.Rngs, keys: bool):
+        self.norm = nnx.LayerNorm(DIM, rngs=rngs)
+        self.query = nnx.Linear(DIM, DIM, use_bias=False, rngs=rngs)
+        self.key = None if keys else nnx.Linear(DIM, DIM, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(DIM, DIM, use_bias=False, rngs=rngs)
+        self.mlp_norm = nnx.LayerNorm(DIM, rngs=rngs)
+        self.mlp = nnx.Linear(DIM, DIM, rngs=rngs)
+
+    def __call__(self, h, encoded):
+        key = encoded if self.key is None else self.key(encoded)
+        scores = jnp.einsum("btd,bsd->bts", self.query(self.norm(h)), key) / DIM**0.5
+        h = h + self.out(jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores), encoded))
+        return h + self.mlp(self.mlp_norm(h))
+
+
 class EncoderDecoder(nnx.Module):
     """An encoder and two cross-attention decoder layers; with ``embed``, the decoder reads
-    token ids through an embedding, else vectors."""
+    token ids through an embedding, else vectors; with ``direct`` (``"values"`` or
+    ``"keys"``), its layers attend over the encoder's output read directly
+    (:class:`DirectCrossAttentionLayer`)."""
 
-    def __init__(self, *, softmax: bool = True, embed: bool = False):
+    def __init__(self, *, softmax: bool = True, embed: bool = False, direct: str | None = None):
         rngs = nnx.Rngs(0)
         self.encoder = Encoder(rngs)
         self.embed = nnx.Embed(32, DIM, rngs=rngs) if embed else None
-        self.decoder = nnx.List([CrossAttentionLayer(rngs, softmax) for _ in range(2)])
+        if direct is None:
+            layers = [CrossAttentionLayer(rngs, softmax) for _ in range(2)]
+        else:
+            layers = [DirectCrossAttentionLayer(rngs, keys=direct == "keys") for _ in range(2)]
+        self.decoder = nnx.List(layers)
 
     def __call__(self, x, y):
         encoded = self.encoder(x)
@@ -81,11 +107,20 @@ VARIANTS = {
     "embedding-on-t1": ({"embed": True}, [("embed", 1)]),
     # layer 1's cross-attention key projection of the encoder output runs on layer 0's task
     "layer1-key-on-t1": ({}, [("decoder/1/attn/key", 1)]),
+    # the encoder's output read directly as values, then as keys too: counted in bytes alone,
+    # each layer's attention would run on the encoder's task, after the layer's query
+    "values-direct": ({"direct": "values"}, []),
+    "keys-and-values-direct": ({"direct": "keys"}, []),
 }
+CASES = [
+    (variant, schedule)
+    for variant in VARIANTS
+    for schedule in ("1f1b", "zero-bubble-h1")
+    if (variant, schedule) != ("values-direct", "zero-bubble-h1")  # the next variant's case
+]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(("variant", "schedule"), CASES)
 def test_cross_attention_pipelines_as_placed_and_matches_one_device(variant, schedule):
     kwargs, extra_rules = VARIANTS[variant]
     tasks = four_tasks()[:3]

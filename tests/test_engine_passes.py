@@ -24,7 +24,9 @@ from mmnnx.mpmd.lower.program import (
 from mmnnx.mpmd.lower.releases import add_releases
 from mmnnx.mpmd.plan.colour import colour
 from mmnnx.mpmd.plan.cut import Fragment, cut, levels, make_fragment
-from mmnnx.mpmd.plan.pipeline import join_consumers, split_backward, stage_fragments
+from mmnnx.mpmd.plan.flow import follow_the_flow
+from mmnnx.mpmd.plan.pipeline import split_backward, stage_fragments
+from mmnnx.mpmd.plan.stage_levels import join_consumers
 from mmnnx.mpmd.step_io import StepInput, StepOutput
 
 
@@ -243,6 +245,30 @@ def test_a_value_two_later_stages_read_is_a_side_input_of_both(tasks):
     frags, stage_tasks = stage_fragments(graph, graph.ops, [a, bt, c, c], [])
     assert stage_tasks == [a, bt, c]
     assert [op.index for op in frags[("F", 2)].ops] == [2, 3]
+
+
+def test_an_attention_over_the_encoder_s_output_runs_with_its_decoder_layer(tasks):
+    """A decoder layer on B attends over A's output read directly as keys and values: its
+    scores and weighted sum read no placed state, and the colouring (by bytes) left them on A,
+    after B's query. They move to B, the layer's own task, so the chain is A, B, C; C's view of
+    A's output stays in A's stage and is sent."""
+    a, bt = tasks
+    c = mm.Task("C", mesh=mm.TaskMesh(devices=[2]))
+    b = Builder()
+    x, y, pa, pq, po, pc = (b.input() for _ in range(6))
+    enc = b.op("mul", x, pa)  # A
+    query = b.op("mul", y, pq)  # B, from the decoder's own input
+    scores = b.op("mul", query, enc)  # unpinned, coloured on A
+    attended = b.op("mul", scores, enc)  # unpinned, coloured on A
+    h = b.op("mul", attended, po)  # B
+    view = b.op("reshape", enc)  # unpinned, for C's attention: on A
+    graph = b.outputs(b.op("mul", b.op("add", h, view), pc))  # C
+    op_tasks = [a, bt, a, a, bt, a, c, c]
+    moved = follow_the_flow(graph, graph.ops, op_tasks, pinned={0, 1, 4, 7})
+    assert [t.name for t in moved] == ["A", "B", "B", "B", "B", "A", "C", "C"]
+    frags, stage_tasks = stage_fragments(graph, graph.ops, moved, [])
+    assert stage_tasks == [a, bt, c]
+    assert [op.index for op in frags[("F", 0)].ops] == [0, 5]
 
 
 def test_split_backward_separates_the_input_gradient_from_weight_gradients(tasks):

@@ -1,20 +1,21 @@
 """bonsai's gpt-oss (tests/outside/bonsai_gpt_oss.py, an unmerged jax-ml/bonsai pull request) as
 written, pipelined: its 4 decoder layers cut by ``mm.stage_rules(blocks="model.layers")`` over 2
-tasks of 2x2 devices (experts on one mesh axis, their hidden axis on the other) and over 4 tasks
-of 2 devices (experts on the mesh's one axis), its logits, loss, gradients and parameters after 2
-AdamW steps, with and without ``mm.microbatch`` under 1F1B, equal to the same model on one
-device."""
+tasks of 2x2 devices (experts on one mesh axis, their hidden axis on the other; 2 microbatches
+under 1F1B) and over 4 tasks of 2 devices (experts on the mesh's one axis; 4 microbatches, a
+step under 1F1B then one under ZB-H1): its logits (4 tasks), loss, gradients and parameters after
+2 AdamW steps equal the same model on one device. Its attention ``sinks``, which the forward pass
+never reads, get zero gradients on their own task and add no stage: the chain is the
+placement's."""
 
 import functools
 
 import jax
-import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import mmnnx as mm
-from tests.oracle import params_close
+from tests.oracle import close_to_max, params_close
 from tests.outside import bonsai_gpt_oss as gpt_oss
 
 LR = 3e-3
@@ -45,14 +46,14 @@ def loss_fn(model, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def train_step(microbatches: int | None):
-    """A step (for ``mm.jit``) returning the loss and the gradients after an AdamW update;
-    over ``microbatches`` under 1F1B when given."""
+def train_step(microbatches: int):
+    """A step (for ``mm.jit``) over ``microbatches`` under 1F1B (unless planned with another
+    schedule) returning the loss and the gradients after an AdamW update."""
 
     def step(model, opt, tokens):
-        grad_fn = nnx.value_and_grad(loss_fn)
-        if microbatches is not None:
-            grad_fn = mm.microbatch(grad_fn, num=microbatches, reduce="mean", schedule="1f1b")
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(loss_fn), num=microbatches, reduce="mean", schedule="1f1b"
+        )
         loss, grads = grad_fn(model, tokens)
         opt.update(model, grads)
         return loss, grads
@@ -77,13 +78,6 @@ def one_device() -> tuple:
     return ref, logits, [reference_step(ref, opt, TOKENS) for _ in range(2)]
 
 
-def close_to_max(a, b):
-    """Each leaf of ``a`` equal to ``b``'s to 1e-5 of ``b``'s largest magnitude."""
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * max(np.abs(y).max(), 1e-30))
-
-
 def placed(num_tasks: int) -> tuple[nnx.Module, list[mm.Task]]:
     """The tiny gpt-oss (the oracle's weights: the same seed) placed over ``num_tasks`` tasks by
     ``mm.stage_rules`` with the experts' specs, and the tasks; checks where each layer's experts
@@ -101,20 +95,32 @@ def placed(num_tasks: int) -> tuple[nnx.Module, list[mm.Task]]:
     return model, tasks
 
 
-@pytest.mark.parametrize(("num_tasks", "microbatches"), [(2, 2), (4, None)])
-def test_gpt_oss_trains_pipelined_as_placed_and_matches_one_device(num_tasks, microbatches):
+@pytest.mark.parametrize(
+    ("num_tasks", "microbatches", "schedules"),
+    [(2, 2, ("1f1b", "1f1b")), (4, 4, ("1f1b", "zero-bubble-h1"))],
+    ids=["2-tasks-1f1b", "4-tasks-1f1b-then-zb-h1"],
+)
+def test_gpt_oss_trains_pipelined_as_placed_and_matches_one_device(
+    num_tasks, microbatches, schedules
+):
     model, tasks = placed(num_tasks)
     ref, ref_logits, ref_steps = one_device()
-    if microbatches is None:  # the forward pass alone, once per layout
+    if num_tasks == 4:  # the forward pass alone, not pipelined
         close_to_max(mm.jit(gpt_oss.logits)(model, TOKENS), ref_logits)
 
     opt = nnx.Optimizer(model, optax.adamw(LR), wrt=nnx.Param)
     step = mm.jit(train_step(microbatches))
-    if microbatches is not None:
-        stage_tasks = step.plan(model, opt, TOKENS).pipeline.stage_tasks
+    steps = {name: step.with_options(schedule=name) for name in set(schedules)}
+    per_task = CONFIG.num_hidden_layers // num_tasks
+    for schedule, (ref_loss, ref_grads) in zip(schedules, ref_steps, strict=True):
+        scheduled = steps[schedule]
+        stage_tasks = scheduled.plan(model, opt, TOKENS).pipeline.stage_tasks
         assert [t.name for t in stage_tasks] == [t.name for t in tasks]
-    for ref_loss, ref_grads in ref_steps:
-        loss, grads = step(model, opt, TOKENS)
+        loss, grads = scheduled(model, opt, TOKENS)
         close_to_max(loss, ref_loss)
         close_to_max(grads, ref_grads)
+        for i, layer in grads.model.layers.items():  # zero, on the layer's task
+            sinks = layer.self_attn.sinks[...]
+            assert not sinks.any()
+            assert sinks.devices() == set(tasks[i // per_task].jax_mesh.devices.flat)
     params_close(model, ref, ref_steps[0][1], steps=2, lr=LR)

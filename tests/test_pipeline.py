@@ -562,6 +562,44 @@ def test_skip_connections_cross_stages_directly(tasks, schedule):
     assert hops == {1, 2}
 
 
+class UnreadStage(nnx.Module):
+    """A layer holding a parameter its forward pass never reads, as bonsai's gpt-oss attention
+    holds ``sinks`` and Gemma 4's layers that share keys and values hold a ``kv_einsum``."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(8, 8, rngs=rngs)
+        self.unread = nnx.Param(jnp.ones((3,)))
+
+    def __call__(self, x):
+        return jnp.tanh(self.linear(x))
+
+
+def test_unread_parameters_get_zero_gradients_on_their_task_and_add_no_stage(tasks):
+    def build():
+        return nnx.Sequential(*(UnreadStage(nnx.Rngs(i)) for i in range(3)))
+
+    # the last one on t3, which holds nothing the loss reads
+    homes = [tasks[0], tasks[1], tasks[3]]
+    rules = [("layers/2/unread", tasks[3]), *((f"layers/{i}/", tasks[i]) for i in range(3))]
+    model = mm.place(build(), rules)
+    ref = build()
+    x = jax.random.normal(jax.random.key(0), (M, 8))
+
+    def mse(m, x):
+        return jnp.mean((m(x) - x) ** 2)
+
+    step = mm.jit(mm.microbatch(nnx.value_and_grad(mse), num=4, reduce="mean", schedule="1f1b"))
+    (loss, grads), (ref_loss, ref_grads) = step(model, x), nnx.value_and_grad(mse)(ref, x)
+    close(loss, ref_loss)
+    trees_close(grads, ref_grads)
+    for i in range(3):  # zero, as under nnx.jit, and on the parameter's task
+        unread = grads.layers[i].unread[...]
+        assert not unread.any()
+        assert unread.devices() == set(homes[i].jax_mesh.devices.flat)
+    plan = step.plan(model, x)
+    assert [t.name for t in plan.pipeline.stage_tasks] == ["t0", "t1", "t2"]
+
+
 def test_compiled_programs_do_not_depend_on_microbatch_count(tasks):
     tokens = jax.random.randint(jax.random.key(1), (16, 9), 0, 32)
     counts = []

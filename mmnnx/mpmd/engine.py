@@ -90,6 +90,7 @@ def plan_step(
         colouring.pinned,
         recompute_residuals=options.recompute_residuals,
         schedule=options.schedule,
+        names={v: i.name for v, i in zip(graph.inputs, inputs, strict=True) if i.placed},
     )
     if pipeline is None:
         order = [(f, None) for f in cut(graph, op_tasks, tasks, free_inputs=free)]

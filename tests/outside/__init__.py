@@ -1,4 +1,5 @@
-"""Outside implementations of Hugging Face's Llama and Qwen3, for checking ours against.
+"""Outside implementations of Hugging Face's Llama and Qwen3, for checking ours against, and of
+models the pipeline tests run as their projects wrote them.
 
 `vendored/` holds the models and safetensors loaders as their projects wrote them (jax-ml/bonsai's
 Qwen3 and Llama 3.2, google/tunix's Llama 3 and Qwen3 with its MoE layer), each file naming its
@@ -26,9 +27,10 @@ What the outside code does that a checkpoint's config does not say:
 `bonsai_qwen3`, `tunix_llama` and `tunix_qwen3_moe` refuse a checkpoint whose RoPE their model
 would not compute, and `tunix_qwen3_moe` one whose dense layers or routing it would not.
 
-`vendored/bonsai_gpt_oss_modeling.py` (bonsai's gpt-oss, an unmerged pull request) is not
-loaded from a checkpoint here: `bonsai_gpt_oss` builds it small with random weights for
-tests/test_gpt_oss_pipeline.py, which pipelines it as written.
+`vendored/bonsai_gpt_oss_modeling.py` (bonsai's gpt-oss, an unmerged pull request) and
+`vendored/tunix_gemma4_model.py` (tunix's Gemma 4, its text model) are not loaded from a
+checkpoint here: `bonsai_gpt_oss` and `tunix_gemma4` build them small with random weights for
+tests/test_gpt_oss_pipeline.py and tests/test_gemma4_pipeline.py, which pipeline them as written.
 """
 
 import contextlib

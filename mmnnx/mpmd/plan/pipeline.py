@@ -11,7 +11,7 @@ to stage d again, since cotangents walk the stages in reverse.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from mmnnx.errors import MPMDError
@@ -20,17 +20,18 @@ from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.op_kinds import is_cheap
 from mmnnx.mpmd.plan import remat
 from mmnnx.mpmd.plan.carry import Carry, carry_of, is_marker
+from mmnnx.mpmd.plan.chain import describe, not_a_chain
 from mmnnx.mpmd.plan.cut import (
     Fragment,
     after_backward,
     cut,
     kinds_of,
-    levels,
     make_fragment,
     replicable_ops,
     with_replicas,
 )
-from mmnnx.mpmd.plan.stage_levels import check_stage_order, settle_on_visits
+from mmnnx.mpmd.plan.flow import follow_the_flow
+from mmnnx.mpmd.plan.stage_levels import check_stage_order, forward_levels
 from mmnnx.mpmd.primitives import is_accumulate, is_index
 from mmnnx.mpmd.trace.control_flow import scan_first_part, split_scan
 from mmnnx.mpmd.trace.trace_state import MicrobatchGroup
@@ -73,6 +74,7 @@ def plan_pipeline(
     *,
     recompute_residuals: bool = True,
     schedule: str | sched.Schedule | None = None,
+    names: Mapping[int, str] | None = None,
 ) -> tuple[Pipeline | None, tuple[Task, ...]]:
     """The pipelined plan (``None`` when the step has no traced microbatch region) and the task
     of every op, which planning may change.
@@ -81,7 +83,10 @@ def plan_pipeline(
     whose task is fixed (they read placed state): the others may move to keep the stages a
     chain. ``recompute_residuals``: see
     :func:`~mmnnx.mpmd.plan.remat.recompute_residuals`. ``schedule`` (a name or a table), if given,
-    replaces the schedule the ``mm.microbatch`` call named (``mm.jit``'s planning option)."""
+    replaces the schedule the ``mm.microbatch`` call named (``mm.jit``'s planning option).
+    ``names`` (graph input value -> its path) name the Variables that bring the forward pass
+    back to a task in errors."""
+    names = names or {}
     region_groups = {op.group for op in graph.ops if op.group is not None}
     if not region_groups:
         return None, tuple(op_tasks)
@@ -154,9 +159,10 @@ def plan_pipeline(
     replicable_ids = {op.index for op in replicable}
     staged = [op for op in region if op.index not in replicable_ids]
     op_tasks = follow_the_flow(graph, staged, op_tasks, pinned)
-    stages, stage_tasks = stage_fragments(graph, staged, op_tasks, replicable)
-    schedule = _schedule(group, stage_tasks)
-    _check_ranks(schedule, stage_tasks)
+    stages, stage_tasks = stage_fragments(graph, staged, op_tasks, replicable, names)
+    chain = chain_of(graph, stages, stage_tasks, replicable_ids, names)
+    schedule = _schedule(group, len(stage_tasks), chain)
+    _check_ranks(schedule, stage_tasks, chain)
     if schedule.splits_backward:
         stages = split_backward(graph, stages, op_tasks, schedule.split_stages)
         region_values |= {v for f in stages.values() for op in f.ops for v in op.outs}
@@ -333,139 +339,32 @@ def _check_chains(graph: Graph, chained: Carry, stages: dict[tuple[str, int], Fr
             )
 
 
-def follow_the_flow(
-    graph: Graph, region: list[Op], op_tasks: Sequence[Task], pinned: AbstractSet[int]
-) -> list[Task]:
-    """``op_tasks`` with the ops that read no placed state moved onto the stage their data comes
-    from where the colouring (which counts bytes only) put them on a stage that runs earlier in
-    their pass.
-
-    A forward op combining a skip connection from stage 0 with stage 2's output runs on stage 2
-    (the skip is sent from stage 0 to stage 2, instead of stage 2's output going back to stage
-    0); in the backward pass, the sum of that skip's cotangent and stage 1's runs on stage 1,
-    where both have arrived."""
-    moved = list(op_tasks)
-    _move_onto_the_flow(graph, region, moved, pinned)
-    return moved
-
-
-def _move_onto_the_flow(
-    graph: Graph, region: list[Op], op_tasks: list[Task], pinned: AbstractSet[int]
-) -> None:
-    producer = {v: op for op in region for v in op.outs}
-    updates = after_backward(graph)
-    movable = [op for op in region if op.index not in pinned and op.index not in updates]
-    for _ in range(len(region)):  # forward: by cross-task depth
-        # a stage's parameter reshapes sit at its own depth, not at 0, lest every stage seem
-        # to start first and pull the ops after each cut back onto the stage before
-        level = levels(graph, region, op_tasks, inputs_movable=False)
-        joined, late = _stage_levels(graph, region, op_tasks, level)
-        first_level: dict[Task, int] = {}
-        for op in region:
-            if not op.backward and op.index not in late:
-                task = op_tasks[op.index]
-                first_level[task] = min(first_level.get(task, joined[op.index]), joined[op.index])
-        moved = False
-        for op in movable:
-            inputs = [producer[a] for a in op.ins if isinstance(a, int) and a in producer]
-            if op.backward or not inputs:
-                continue
-            deepest = max(inputs, key=lambda p: level[p.index])
-            task, home = op_tasks[op.index], op_tasks[deepest.index]
-            if task != home and first_level[task] < level[deepest.index]:
-                op_tasks[op.index] = home
-                moved = True
-        if not moved:
-            break
-    # backward: cotangents walk the stages in reverse, so an op joins the input that arrives
-    # last, the one on the earliest stage (only where each task holds one stage)
-    level, late = _stage_levels(graph, region, op_tasks)
-    stage: dict[Task, set[int]] = {}
-    for op in region:
-        if not op.backward and op.index not in updates and op.index not in late:
-            stage.setdefault(op_tasks[op.index], set()).add(level[op.index])
-    if any(len(levels_) != 1 for levels_ in stage.values()):
-        return
-    stage_of = {task: min(levels_) for task, levels_ in stage.items()}
-    inside = {op.index for op in region}
-    consumers = graph.consumers()
-
-    def readers_bound(op: Op) -> Task | None:
-        """The task of the latest stage whose backward reads ``op``'s results."""
-        readers = [
-            op_tasks[c.index]
-            for v in op.outs
-            for c in consumers.get(v, ())
-            if c.index in inside and c.backward and op_tasks[c.index] in stage_of
-        ]
-        return max(readers, key=stage_of.get) if readers else None
-
-    # an op a later stage's backward reads runs there, not on a stage whose backward comes
-    # after it (the cross-attention's query cotangent, made with the key of an earlier task)
-    for op in reversed(movable):
-        bound = readers_bound(op) if op.backward and op_tasks[op.index] in stage_of else None
-        if bound is not None and stage_of[bound] > stage_of[op_tasks[op.index]]:
-            op_tasks[op.index] = bound
-    for op in movable:
-        inputs = [
-            producer[a]
-            for a in op.ins
-            if isinstance(a, int) and a in producer and producer[a].backward
-        ]
-        if not op.backward or not inputs or op_tasks[op.index] not in stage_of:
-            continue
-        tasks = [op_tasks[p.index] for p in inputs if op_tasks[p.index] in stage_of]
-        if tasks:
-            latest = min(tasks, key=stage_of.get)
-            if stage_of[latest] < stage_of[op_tasks[op.index]]:
-                bound = readers_bound(op)  # never before a stage whose backward reads it
-                if bound is None or stage_of[latest] >= stage_of[bound]:
-                    op_tasks[op.index] = latest
-
-
 def stage_fragments(
-    graph: Graph, region: list[Op], op_tasks: list[Task], replicable: list[Op]
+    graph: Graph,
+    region: list[Op],
+    op_tasks: list[Task],
+    replicable: list[Op],
+    names: Mapping[int, str] | None = None,
 ) -> tuple[dict[tuple[str, int], Fragment], list[Task]]:
-    level, late = _stage_levels(graph, region, op_tasks)
+    """Each op of ``region`` (a microbatch loop's ops, in order, on ``op_tasks``) in its stage's
+    forward (``F``) or backward (``B``) fragment, ``replicable`` ops recomputed where they are
+    read; and the task of each stage. ``names`` (graph input value -> its path) name the
+    Variables of a forward pass that is no chain in the error."""
+    names = names or {}
+    level, late = forward_levels(graph, region, op_tasks)
     updates = after_backward(graph)
     backward = {op.index for op in region if op.backward or op.index in updates} | late
-    forward_levels: dict[int, set[Task]] = {}
+    at_depth: dict[int, dict[Task, list[Op]]] = {}  # depth -> each task's forward ops there
     for op in region:
         if op.index not in backward:
-            forward_levels.setdefault(level[op.index], set()).add(op_tasks[op.index])
-    num_stages = max(forward_levels) + 1 if forward_levels else 1
+            at_depth.setdefault(level[op.index], {}).setdefault(op_tasks[op.index], []).append(op)
+    num_stages = max(at_depth) + 1 if at_depth else 1
     stage_tasks: list[Task] = []
     for s in range(num_stages):
-        found = forward_levels.get(s, set())
+        found = at_depth.get(s, {})
         if len(found) != 1:
-            names = sorted(t.name for t in found) or ["no task"]
-            again = sorted(
-                t.name for t in found if any(t in ts for d, ts in forward_levels.items() if d != s)
-            )
-            hint = (
-                f" (the forward pass visits {', '.join(again)} more than once; a task whose "
-                "Variables it reads at two points, such as an output head tied to the "
-                "embedding, pipelines in the V placement, mm.stage_rules(..., "
-                "virtual_stages=2, order='v'), or with one stage per task)"
-                if again
-                else ""
-            )
-            first = {}  # task name -> its first op at this depth, to name in the message
-            for op in region:
-                if op.index not in backward and level[op.index] == s:
-                    first.setdefault(op_tasks[op.index].name, op)
-            ops = "; ".join(
-                f"on {name}: `{first[name].name}` at {first[name].source}" for name in sorted(first)
-            )
-            raise MPMDError(
-                "mm.jit: mm.microbatch pipelines need the stages to form a chain, but the "
-                f"forward pass at depth {s} runs on {', '.join(names)}{hint}"
-                + (
-                    f" ({ops}; place the Variables these read on one task)"
-                    if len(first) > 1
-                    else ""
-                )
-            )
+            again = [t for t in found if any(t in ts for d, ts in at_depth.items() if d != s)]
+            raise not_a_chain(s, found, again, graph.producers(), names)
         stage_tasks.append(next(iter(found)))
 
     # Backward ops walk the stages in reverse: their depth counts task changes along the backward
@@ -535,95 +434,40 @@ def stage_fragments(
         task = stage_tasks[key[1]]
         name = f"{task.name}/{key[0]}{key[1]}"
         fragments[key] = with_replicas(graph, name, task, ops, kinds_of(ops, updates), replicable)
-    check_stage_order(graph, fragments, stage_tasks)
+    replicas = {op.index for op in replicable}
+    check_stage_order(
+        graph, fragments, stage_tasks, chain_of(graph, fragments, stage_tasks, replicas, names)
+    )
     return fragments, stage_tasks
 
 
-def _stage_levels(
-    graph: Graph, region: list[Op], op_tasks: Sequence[Task], raw: dict[int, int] | None = None
-) -> tuple[dict[int, int], set[int]]:
-    """The forward depth of each op of ``region`` (``raw``: its cross-task depth, computed if
-    not given) once the ops read only by later stages join them (:func:`join_consumers`) and
-    each op runs at a depth where its task runs anyway (:func:`settle_on_visits`); and the ops
-    read by the backward pass only."""
-    if raw is None:
-        raw = levels(graph, region, op_tasks, inputs_movable=False)
-    level, late = join_consumers(graph, region, op_tasks, raw)
-    skipped = late | after_backward(graph)
-    forward = [op for op in region if not op.backward and op.index not in skipped]
-    return settle_on_visits(graph, forward, op_tasks, level), late
+def chain_of(
+    graph: Graph,
+    stages: dict[tuple[str, int], Fragment],
+    stage_tasks: Sequence[Task],
+    replicas: AbstractSet[int],
+    names: Mapping[int, str],
+) -> str:
+    """The stage chain in words (:func:`~mmnnx.mpmd.plan.chain.describe`), from each stage's
+    forward ops (``replicas``, recomputed side inputs, left out)."""
+    forward = [stages.get(("F", s)) for s in range(len(stage_tasks))]
+    ops = [[op for op in f.ops if op.index not in replicas] if f else [] for f in forward]
+    return describe(stage_tasks, ops, graph.producers(), names)
 
 
-def join_consumers(
-    graph: Graph, region: list[Op], op_tasks: Sequence[Task], levels_in: dict[int, int]
-) -> tuple[dict[int, int], set[int]]:
-    """An op that reads only values from outside the region (parameters, the batch, labels) on its
-    task belongs to the stage of its consumers, not to depth 0: a later stage's parameter reshapes
-    and label slices run in that stage, and so does the loss's backward seed. A forward op with
-    forward readers follows those only (its backward readers are residual uses); one that no op
-    of the region reads runs in its task's first forward stage.
-
-    Returns the new levels (``levels_in`` is left as it was) and the ops read by the backward
-    pass only ("late": they run with their backward readers)."""
-    level = dict(levels_in)
-    inside = {op.index for op in region}
-    producer = {v: op for op in region for v in op.outs}
-    consumers = graph.consumers()
-    local: set[int] = set()
-    late: set[int] = set()
-    for op in region:
-        task = op_tasks[op.index]
-        if all(
-            a not in producer
-            or (producer[a].index in local and op_tasks[producer[a].index] == task)
-            for a in op.ins
-            if isinstance(a, int)
-        ):
-            local.add(op.index)
-    for op in reversed(region):
-        if op.index not in local:
-            continue
-        task = op_tasks[op.index]
-        readers = [c for v in op.outs for c in consumers.get(v, ()) if c.index in inside]
-        forward_readers = [c for c in readers if not c.backward and c.index not in late]
-        if not op.backward and forward_readers:
-            readers = forward_readers
-        elif readers and not op.backward:
-            late.add(op.index)  # read by the backward pass only: it runs there
-        bounds = [level[c.index] - (op_tasks[c.index] != task) for c in readers]
-        if bounds:
-            level[op.index] = max(level[op.index], min(bounds))
-    # A forward op no op of the region reads (the zero gradient of a parameter the loss does not
-    # use, read only by the microbatch sum) runs in its task's first forward stage: left after
-    # its task's backward pass, it would seem a forward stage of its own there.
-    unread = {
-        op.index
-        for op in region
-        if op.index in local
-        and not op.backward
-        and not any(c.index in inside for v in op.outs for c in consumers.get(v, ()))
-    }
-    first: dict[Task, int] = {}
-    for op in region:
-        if not op.backward and op.index not in unread:
-            task = op_tasks[op.index]
-            first[task] = min(first.get(task, level[op.index]), level[op.index])
-    for op in region:
-        if op.index in unread and op_tasks[op.index] in first:
-            level[op.index] = first[op_tasks[op.index]]
-    return level, late
-
-
-def _schedule(group: MicrobatchGroup, stage_tasks: Sequence[Task]) -> sched.Schedule:
-    m, num_stages = group.num_microbatches, len(stage_tasks)
-    chain = " -> ".join(t.name for t in stage_tasks)
-    again = sorted({t.name for i, t in enumerate(stage_tasks) if t in stage_tasks[:i]})
-    why = (
-        f" (the forward pass runs on {chain}: it comes back to {', '.join(again)}, whose "
-        "Variables it reads again, e.g. an output head tied to the embedding)"
-        if again
-        else f" (the forward pass runs on {chain})"
+def _schedule(group: MicrobatchGroup, num_stages: int, chain: str) -> sched.Schedule:
+    """The schedule ``group`` names (or holds) for ``num_stages`` stages; ``chain``, the stage
+    chain in words, explains the stage count in its errors."""
+    m = group.num_microbatches
+    v = group.virtual_stages
+    tied = (
+        "; a task whose Variables the forward pass reads at two points, such as an output head "
+        "tied to the embedding, pipelines in the V placement, mm.stage_rules(..., "
+        "virtual_stages=2, order='v')"
+        if v > 1 and num_stages % v
+        else ""
     )
+    why = f" ({chain}{tied})"
     if isinstance(group.schedule, sched.Schedule):
         schedule = group.schedule
         if schedule.num_stages != num_stages or schedule.num_microbatches != m:
@@ -635,13 +479,14 @@ def _schedule(group: MicrobatchGroup, stage_tasks: Sequence[Task]) -> sched.Sche
             )
         return schedule
     try:
-        return sched.get(group.schedule, num_stages, m, group.virtual_stages)
+        return sched.get(group.schedule, num_stages, m, v)
     except ValueError as e:
         raise MPMDError(f"mm.jit: mm.microbatch(schedule={group.schedule!r}): {e}{why}") from None
 
 
-def _check_ranks(schedule: sched.Schedule, stage_tasks: Sequence[Task]) -> None:
-    """The stages a schedule runs on one rank must run on one task's devices."""
+def _check_ranks(schedule: sched.Schedule, stage_tasks: Sequence[Task], chain: str) -> None:
+    """The stages a schedule runs on one rank must run on one task's devices (``chain``: the
+    stage chain in words, for the error)."""
     for s, task in enumerate(stage_tasks):
         together = schedule.stages_of(schedule.stage_to_rank[s])
         first = stage_tasks[together[0]]
@@ -663,7 +508,7 @@ def _check_ranks(schedule: sched.Schedule, stage_tasks: Sequence[Task]) -> None:
         raise MPMDError(
             f"mm.jit: schedule {schedule.name!r} runs stages {together} on one rank, but stage "
             f"{s} runs on task {task.name!r} and stage {together[0]} on task {first.name!r} "
-            f"(the forward pass runs on {' -> '.join(t.name for t in stage_tasks)}; the schedule "
+            f"({chain}; the schedule "
             f"puts stage 0, 1, ... on ranks {', '.join(map(str, ranks))}{how})"
         )
 

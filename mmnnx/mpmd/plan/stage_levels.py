@@ -1,12 +1,17 @@
 """Which forward stage each op of a pipelined region runs in: a value several later stages read
 (an encoder's output under cross-attention) is a side input of each, not a stage of its own.
 
-Cross-task depth (``cut.levels``) puts an op at the first depth its inputs allow. An op that
+Cross-task depth (``cut.levels``) puts an op at the first depth its inputs allow.
+:func:`join_consumers` moves an op that reads only values from outside the region (a stage's
+parameter reshapes) to the stage of its readers, and one no op of the region reads (the zero
+gradient of a parameter the loss does not read) to its task's first forward stage. An op that
 reads an early stage's output and belongs to a later task (a decoder layer's cross-attention
 key projection of the encoder output) then lands at a depth where another task's stage runs,
-and the forward pass seems to visit its task twice. :func:`settle_on_visits` moves such an op to
-the latest depth its readers allow at which its task runs anyway, so the stage chain follows the
-placement.
+and the forward pass seems to visit its task twice; an op moved to readers on other tasks can
+land where its own task runs nothing. :func:`settle_on_visits` moves such an op to the latest
+depth its producers and readers allow at which its task runs anyway, so the stage chain follows
+the placement. :func:`forward_levels` does the three; :func:`check_stage_order` checks the
+stages it gives.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Sequence
 
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
-from mmnnx.mpmd.plan.cut import Fragment, reader_bounds
+from mmnnx.mpmd.plan.cut import Fragment, after_backward, levels, reader_bounds
 from mmnnx.sharding import Task
 
 
@@ -24,10 +29,15 @@ def settle_on_visits(
     forward: Sequence[Op],
     op_tasks: Sequence[Task],
     level: dict[int, int],
+    raw: dict[int, int] | None = None,
 ) -> dict[int, int]:
     """``level`` with each op of ``forward`` (a region's forward ops, in order) moved to the
     latest depth at which its task runs other forward ops and that its forward readers allow
     (a reader on another task must stay deeper, one on its own task no shallower). A new dict.
+
+    ``raw``: each op's depth before :func:`join_consumers` moved ops to their readers. An op so
+    moved marks no visit of its task; one moved where its task runs nothing else goes back to
+    the latest visit of its task that its producers and readers allow.
 
     Example (values are ints, tasks stand-ins): an encoder op on ``t0``, a decoder layer on
     ``t1`` and another on ``t2``, each reading the encoder's output; the second layer's key
@@ -52,26 +62,51 @@ def settle_on_visits(
         >>> settle_on_visits(graph, graph.ops, ["t0", "t1", "t2", "t2", "t2"],
         ...                  {0: 0, 1: 1, 2: 1, 3: 2, 4: 1})[4]
         2
+
+    A view of the encoder's output made on ``t0`` for the second layer's attention, which reads
+    it directly (no key projection), moved to depth 1 beside the first layer, goes back to
+    ``t0``'s depth 0::
+
+        >>> view = Op(2, None, {}, [10], [12], False, "", "reshape")
+        >>> ops = [enc, layer0, view, layer1]
+        >>> graph = Graph(ops=ops, inputs=[9], outputs=[13])
+        >>> raw = {0: 0, 1: 1, 2: 0, 3: 2}
+        >>> settle_on_visits(graph, ops, ["t0", "t1", "t0", "t2"], {**raw, 2: 1}, raw)[2]
+        0
     """
     level = dict(level)
     inside = {op.index for op in forward}
     consumers = graph.consumers()
+    producer = {v: op for op in forward for v in op.outs}
     for _ in range(len(forward)):
         visits: dict[Task, set[int]] = {}
         runs: dict[int, set[Task]] = {}
         for op in forward:
-            visits.setdefault(op_tasks[op.index], set()).add(level[op.index])
+            if raw is None or raw[op.index] == level[op.index]:  # not moved to its readers
+                visits.setdefault(op_tasks[op.index], set()).add(level[op.index])
             runs.setdefault(level[op.index], set()).add(op_tasks[op.index])
         moved = False
         for op in reversed(forward):
             bounds = reader_bounds(op, level, op_tasks, consumers, inside)
             depth, task = level[op.index], op_tasks[op.index]
-            if bounds:
-                later = [d for d in visits[task] if depth < d <= min(bounds)]
+            mine = visits.get(task, {depth})
+            if bounds and depth not in mine:  # moved to its readers, where its task runs
+                # nothing: the latest visit of its task between its producers and its readers
+                lowest = max(
+                    (
+                        level[p.index] + (op_tasks[p.index] != task)
+                        for a in op.ins
+                        if isinstance(a, int) and (p := producer.get(a)) is not None
+                    ),
+                    default=0,
+                )
+                later, pick = [d for d in mine if lowest <= d <= min(bounds)], max
+            elif bounds:
+                later = [d for d in mine if depth < d <= min(bounds)]
                 pick = max
             elif len(runs[depth]) > 1:  # an end of the pass (a microbatch's output, a sown
                 # value) at a depth another task's stage runs: its own task's next visit
-                later, pick = [d for d in visits[task] if d > depth], min
+                later, pick = [d for d in mine if d > depth], min
             else:
                 continue
             if later:
@@ -83,12 +118,16 @@ def settle_on_visits(
 
 
 def check_stage_order(
-    graph: Graph, fragments: dict[tuple[str, int], Fragment], stage_tasks: Sequence[Task]
+    graph: Graph,
+    fragments: dict[tuple[str, int], Fragment],
+    stage_tasks: Sequence[Task],
+    chain: str | None = None,
 ) -> None:
     """Raises an ``MPMDError`` naming the ops, their tasks and a fix unless each stage's
     fragment (``(kind, stage)`` -> fragment, kind ``F`` or ``B``) reads only what runs before it
     for the same microbatch: a forward reads earlier stages' forwards, a backward any forward and
-    later stages' backwards.
+    later stages' backwards. ``chain``: the stage chain in words for the message
+    (:func:`~mmnnx.mpmd.plan.chain.describe`; by default its tasks).
 
     Example: stage 1's backward makes a value stage 2's backward reads, though stage 2's
     backward runs first::
@@ -126,12 +165,87 @@ on task 't2') reads the result of `dot_general` at model.py:7 (...stage 1, on ta
             reader = next(op for op in frag.ops if v in op.ins)
             where = stage_tasks[made_stage].name
             fix = stage_tasks[stage].name
-            chain = " -> ".join(t.name for t in stage_tasks)
+            chain = chain or "the forward pass runs on " + " -> ".join(t.name for t in stage_tasks)
             raise MPMDError(
                 f"mm.jit: `{reader.name}` at {reader.source} ({passes[kind]} of stage {stage}, "
                 f"on task {frag.task.name!r}) reads the result of `{maker.name}` at "
                 f"{maker.source} ({passes[made_kind]} of stage {made_stage}, on task "
-                f"{where!r}), which runs after it (the forward pass runs on {chain}); place the "
+                f"{where!r}), which runs after it ({chain}); place the "
                 f"Variables the layer at {maker.source} reads on task {fix!r}, or put that code "
                 f"in an mm.task({fix!r}) region"
             )
+
+
+def forward_levels(
+    graph: Graph, region: list[Op], op_tasks: Sequence[Task], raw: dict[int, int] | None = None
+) -> tuple[dict[int, int], set[int]]:
+    """The forward depth of each op of ``region`` (``raw``: its cross-task depth, computed if
+    not given) once the ops read only by later stages join them (:func:`join_consumers`) and
+    each op runs at a depth where its task runs anyway (:func:`settle_on_visits`); and the ops
+    read by the backward pass only."""
+    if raw is None:
+        raw = levels(graph, region, op_tasks, inputs_movable=False)
+    level, late = join_consumers(graph, region, op_tasks, raw)
+    skipped = late | after_backward(graph)
+    forward = [op for op in region if not op.backward and op.index not in skipped]
+    return settle_on_visits(graph, forward, op_tasks, level, raw), late
+
+
+def join_consumers(
+    graph: Graph, region: list[Op], op_tasks: Sequence[Task], levels_in: dict[int, int]
+) -> tuple[dict[int, int], set[int]]:
+    """An op that reads only values from outside the region (parameters, the batch, labels) on its
+    task belongs to the stage of its consumers, not to depth 0: a later stage's parameter reshapes
+    and label slices run in that stage, and so does the loss's backward seed. A forward op with
+    forward readers follows those only (its backward readers are residual uses); one that no op
+    of the region reads runs in its task's first forward stage.
+
+    Returns the new levels (``levels_in`` is left as it was) and the ops read by the backward
+    pass only ("late": they run with their backward readers)."""
+    level = dict(levels_in)
+    inside = {op.index for op in region}
+    producer = {v: op for op in region for v in op.outs}
+    consumers = graph.consumers()
+    local: set[int] = set()
+    late: set[int] = set()
+    for op in region:
+        task = op_tasks[op.index]
+        if all(
+            a not in producer
+            or (producer[a].index in local and op_tasks[producer[a].index] == task)
+            for a in op.ins
+            if isinstance(a, int)
+        ):
+            local.add(op.index)
+    for op in reversed(region):
+        if op.index not in local:
+            continue
+        task = op_tasks[op.index]
+        readers = [c for v in op.outs for c in consumers.get(v, ()) if c.index in inside]
+        forward_readers = [c for c in readers if not c.backward and c.index not in late]
+        if not op.backward and forward_readers:
+            readers = forward_readers
+        elif readers and not op.backward:
+            late.add(op.index)  # read by the backward pass only: it runs there
+        bounds = [level[c.index] - (op_tasks[c.index] != task) for c in readers]
+        if bounds:
+            level[op.index] = max(level[op.index], min(bounds))
+    # A forward op no op of the region reads (the zero gradient of a parameter the loss does not
+    # use, read only by the microbatch sum) runs in its task's first forward stage: left after
+    # its task's backward pass, it would seem a forward stage of its own there.
+    unread = {
+        op.index
+        for op in region
+        if op.index in local
+        and not op.backward
+        and not any(c.index in inside for v in op.outs for c in consumers.get(v, ()))
+    }
+    first: dict[Task, int] = {}
+    for op in region:
+        if not op.backward and op.index not in unread:
+            task = op_tasks[op.index]
+            first[task] = min(first.get(task, level[op.index]), level[op.index])
+    for op in region:
+        if op.index in unread and op_tasks[op.index] in first:
+            level[op.index] = first[op_tasks[op.index]]
+    return level, late

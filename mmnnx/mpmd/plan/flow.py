@@ -1,0 +1,224 @@
+"""Which task runs each op of a pipelined region that reads no placed state, so that the stages
+form a chain: forward values flow from earlier stages to later ones, cotangents back.
+
+The colouring (``colour.py``) counts bytes only. A decoder layer's attention over an encoder's
+output, its keys and values read directly (no projection), reads the encoder's output twice
+and its own query once: counted in bytes, the attention runs on the encoder's task, which the
+forward pass would then visit again after the decoder layer's query. Here each such op moves
+to the task its latest operand comes from, the depth of every task counted over the ops whose
+task is fixed (:func:`pinned_depths`), so that where the colouring put the others does not
+change it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
+
+from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.plan.cut import after_backward
+from mmnnx.mpmd.plan.stage_levels import forward_levels
+from mmnnx.sharding import Task
+
+
+def follow_the_flow(
+    graph: Graph, region: list[Op], op_tasks: Sequence[Task], pinned: AbstractSet[int]
+) -> list[Task]:
+    """``op_tasks`` with the ops that read no placed state moved onto the stage their data comes
+    from where the colouring (which counts bytes only) put them on a stage that runs earlier in
+    their pass.
+
+    A forward op combining a skip connection from stage 0 with stage 2's output runs on stage 2
+    (the skip is sent from stage 0 to stage 2, instead of stage 2's output going back to stage
+    0); in the backward pass, the sum of that skip's cotangent and stage 1's runs on stage 1,
+    where both have arrived."""
+    moved = list(op_tasks)
+    updates = after_backward(graph)
+    movable = [op for op in region if op.index not in pinned and op.index not in updates]
+    forward = [op for op in region if not op.backward and op.index not in updates]
+    _forward_flow(graph, forward, movable, moved, pinned)
+    _backward_flow(graph, region, movable, moved)
+    return moved
+
+
+def _forward_flow(
+    graph: Graph,
+    forward: list[Op],
+    movable: list[Op],
+    op_tasks: list[Task],
+    pinned: AbstractSet[int],
+) -> None:
+    """Each movable forward op on a task whose first visit comes before its latest operand's
+    task (counted by :func:`pinned_depths`) moves to that operand's task. One that no fixed op
+    feeds, on a task the pass never visits (the zero gradient of a parameter on a task that
+    holds nothing the loss reads), moves to the first stage's task: its microbatch sum goes to
+    the parameter's task once, as the step's output."""
+    depths = pinned_depths(graph, forward, op_tasks, pinned)
+    start = min(depths.first, key=depths.first.get, default=None)
+    for op in movable:
+        if op.backward:
+            continue
+        sources = depths.sources_of(op)
+        if not sources:
+            if op_tasks[op.index] not in depths.first and start is not None:
+                op_tasks[op.index] = start
+            continue
+        deepest = max(sources.values())
+        task = op_tasks[op.index]
+        if sources.get(task) == deepest or depths.first.get(task, deepest) >= deepest:
+            continue
+        op_tasks[op.index] = max(
+            (t for t, d in sources.items() if d == deepest), key=lambda t: depths.first.get(t, 0)
+        )
+
+
+def _backward_flow(graph: Graph, region: list[Op], movable: list[Op], op_tasks: list[Task]) -> None:
+    """Cotangents walk the stages in reverse, so a backward op joins the input that arrives
+    last, the one on the earliest stage (only where each task holds one stage)."""
+    producer = {v: op for op in region for v in op.outs}
+    updates = after_backward(graph)
+    level, late = forward_levels(graph, region, op_tasks)
+    stage: dict[Task, set[int]] = {}
+    for op in region:
+        if not op.backward and op.index not in updates and op.index not in late:
+            stage.setdefault(op_tasks[op.index], set()).add(level[op.index])
+    if any(len(levels_) != 1 for levels_ in stage.values()):
+        return
+    stage_of = {task: min(levels_) for task, levels_ in stage.items()}
+    inside = {op.index for op in region}
+    consumers = graph.consumers()
+
+    def readers_bound(op: Op) -> Task | None:
+        """The task of the latest stage whose backward reads ``op``'s results."""
+        readers = [
+            op_tasks[c.index]
+            for v in op.outs
+            for c in consumers.get(v, ())
+            if c.index in inside and c.backward and op_tasks[c.index] in stage_of
+        ]
+        return max(readers, key=stage_of.get) if readers else None
+
+    # an op a later stage's backward reads runs there, not on a stage whose backward comes
+    # after it (the cross-attention's query cotangent, made with the key of an earlier task)
+    for op in reversed(movable):
+        bound = readers_bound(op) if op.backward and op_tasks[op.index] in stage_of else None
+        if bound is not None and stage_of[bound] > stage_of[op_tasks[op.index]]:
+            op_tasks[op.index] = bound
+    for op in movable:
+        inputs = [
+            producer[a]
+            for a in op.ins
+            if isinstance(a, int) and a in producer and producer[a].backward
+        ]
+        if not op.backward or not inputs or op_tasks[op.index] not in stage_of:
+            continue
+        tasks = [op_tasks[p.index] for p in inputs if op_tasks[p.index] in stage_of]
+        if tasks:
+            latest = min(tasks, key=stage_of.get)
+            if stage_of[latest] < stage_of[op_tasks[op.index]]:
+                bound = readers_bound(op)  # never before a stage whose backward reads it
+                if bound is None or stage_of[latest] >= stage_of[bound]:
+                    op_tasks[op.index] = latest
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedDepths:
+    """Where a pipeline's forward values come from, counted over the ops whose task is fixed
+    (they read placed state): ``sources[v]`` maps each task whose pinned ops ``v`` is computed
+    from (through unpinned ops only) to the depth of the deepest of them; ``first[t]`` is the
+    depth of task ``t``'s first visit. Unpinned ops do not count, so neither depends on where
+    the colouring put them."""
+
+    sources: dict[int, dict[Task, int]]
+    first: dict[Task, int]
+
+    def sources_of(self, op: Op) -> dict[Task, int]:
+        """The tasks (and depths) ``op``'s operands come from."""
+        return _merged(self.sources.get(a, {}) for a in op.ins if isinstance(a, int))
+
+
+def _merged(maps: Iterable[dict[Task, int]], pick=max) -> dict[Task, int]:
+    """The union of ``maps``, a task in several keeping the ``pick`` of its depths."""
+    out: dict[Task, int] = {}
+    for m in maps:
+        for task, depth in m.items():
+            out[task] = pick(out[task], depth) if task in out else depth
+    return out
+
+
+def pinned_depths(
+    graph: Graph, forward: Sequence[Op], op_tasks: Sequence[Task], pinned: AbstractSet[int]
+) -> PinnedDepths:
+    """The :class:`PinnedDepths` of ``forward`` (a pipelined region's forward ops, in order).
+
+    A pinned op's depth is the largest of its sources' depths, plus one for a source on
+    another task. A pinned op with no source on another task (a decoder layer's query
+    projection of its own input) moves as deep as the pinned ops its result reaches allow, as
+    :func:`~mmnnx.mpmd.plan.stage_levels.join_consumers` moves ops; such an op that reaches
+    none marks no visit of its task.
+
+    Example (tasks are stand-ins): the encoder (op 0, on ``t0``) and the decoder's query
+    projection (op 1, on ``t1``, of the decoder's own input) feed an attention that reads no
+    placed state (op 2), whose output a projection on ``t1`` reads (op 3). The query projection
+    goes to depth 1, beside that projection, so the attention's operands come from ``t0`` at
+    depth 0 and ``t1`` at depth 1, wherever the colouring put it::
+
+        >>> from mmnnx.mpmd.ir import Graph
+        >>> enc = Op(0, None, {}, [9, 20], [10], False, "", "dot_general")
+        >>> query = Op(1, None, {}, [8, 21], [11], False, "", "dot_general")
+        >>> attend = Op(2, None, {}, [11, 10], [12], False, "", "dot_general")
+        >>> out = Op(3, None, {}, [12, 22], [13], False, "", "dot_general")
+        >>> ops = [enc, query, attend, out]
+        >>> depths = pinned_depths(Graph(ops=ops), ops, ["t0", "t1", "t0", "t1"], {0, 1, 3})
+        >>> depths.sources_of(attend), depths.first
+        ({'t1': 1, 't0': 0}, {'t0': 0, 't1': 1})
+    """
+    inside = {op.index for op in forward}
+    depth: dict[int, int] = {}
+    crossed: set[int] = set()  # pinned ops with a source on another task
+
+    def propagate() -> dict[int, dict[Task, int]]:
+        sources: dict[int, dict[Task, int]] = {}
+        for op in forward:
+            merged = _merged(sources.get(a, {}) for a in op.ins if isinstance(a, int))
+            if op.index in pinned:
+                task = op_tasks[op.index]
+                if any(t != task for t in merged):
+                    crossed.add(op.index)
+                d = max((d + (t != task) for t, d in merged.items()), default=0)
+                depth[op.index] = max(depth.get(op.index, 0), d)
+                merged = {task: depth[op.index]}
+            for v in op.outs:
+                sources[v] = merged
+        return sources
+
+    propagate()
+    consumers = graph.consumers()
+    # unpinned op -> the tasks of the pinned ops its result reaches, the shallowest depth each
+    reaches: dict[int, dict[Task, int]] = {}
+    anchored = set(crossed)  # the pinned ops that mark a visit of their task
+    for op in reversed(forward):
+        reached = _merged(
+            (
+                ({op_tasks[c.index]: depth[c.index]} if c.index in pinned else reaches[c.index])
+                for v in op.outs
+                for c in consumers.get(v, ())
+                if c.index in inside
+            ),
+            pick=min,
+        )
+        if op.index not in pinned:
+            reaches[op.index] = reached
+        elif reached:
+            anchored.add(op.index)
+            if op.index not in crossed:
+                task = op_tasks[op.index]
+                bound = min(d - (t != task) for t, d in reached.items())
+                depth[op.index] = max(depth[op.index], bound)
+    sources = propagate()
+    first: dict[Task, int] = {}
+    for index in anchored:
+        task = op_tasks[index]
+        first[task] = min(first.get(task, depth[index]), depth[index])
+    return PinnedDepths(sources, first)
