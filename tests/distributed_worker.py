@@ -1,8 +1,10 @@
 """One process of a multi-process test (started by tests/test_distributed.py via mmnnx launch).
 
-``python -m tests.distributed_worker SCENARIO OUT_DIR`` (from the repository root): joins the
-run, runs SCENARIO and, on every process, writes what it computed (fetched to host) to
-``OUT_DIR/rank{i}.json``.
+``python -m tests.distributed_worker SCENARIO[,SCENARIO...] OUT_DIR`` (from the repository
+root): joins the run, runs each SCENARIO in turn (one start of the processes for several: JAX's
+import and start-up are most of a short scenario's time) and, on every process, writes what it
+computed (fetched to host) to ``OUT_DIR/SCENARIO/rank{i}.json``. A SCENARIO may carry arguments
+after colons: ``back_to_back:gpipe:4``.
 """
 
 from __future__ import annotations
@@ -132,15 +134,14 @@ def gpt_model(tasks):
 
 
 @scenario
-def back_to_back():
-    """Issue 41's GPT over two tasks of ``BACK_TO_BACK_DEVICES`` devices each (the first at
-    device 0, the second at device 4: with 4 devices a process, one process each), batch over
-    'data', 8 microbatches under ``BACK_TO_BACK_SCHEDULE``: 5 steps called back to back with
-    nothing read in between, then the losses and parameters."""
+def back_to_back(schedule: str = "1f1b", per_task: str | int = 4):
+    """Issue 41's GPT over two tasks of ``per_task`` devices each (the first at device 0, the
+    second at device 4: with 4 devices a process, one process each), batch over 'data', 8
+    microbatches under ``schedule``: 5 steps called back to back with nothing read in between,
+    then the losses and parameters."""
     from mmnnx.models import GPT, GPTConfig
 
-    schedule = os.environ.get("BACK_TO_BACK_SCHEDULE", "1f1b")
-    per_task = int(os.environ.get("BACK_TO_BACK_DEVICES", "4"))
+    per_task = int(per_task)
     virtual = 2 if schedule.startswith("interleaved") else 1
     rules = mm.logical_rules(batch="data")
     tasks = [
@@ -313,7 +314,8 @@ def schedules() -> dict:
 @scenario
 def scanned_gpt(save: bool = True) -> dict:
     """``GPT(scan_layers=True)`` built by ``mm.init`` with its stacked blocks split over two
-    stages, one per process: two 1F1B steps, saved and restored; losses and every array."""
+    stages, one per process: two 1F1B steps, saved into $SCANNED_OUT and restored; losses and
+    every array."""
     from mmnnx.models import GPT, GPTConfig
     from mmnnx.train import Checkpointer
 
@@ -332,7 +334,7 @@ def scanned_gpt(save: bool = True) -> dict:
     digest = _digest(model, opt)
     if not save:
         return {"losses": losses, "state": digest}
-    directory = pathlib.Path(os.environ["CKPT_OUT"])
+    directory = pathlib.Path(os.environ["SCANNED_OUT"])
     with Checkpointer(directory) as ckpt:
         ckpt.save(2, model=model, opt=opt)
     fresh = mm.init(factory, rules)
@@ -541,13 +543,16 @@ def _flat(state) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    name, out = sys.argv[1], pathlib.Path(sys.argv[2])
+    names, out = sys.argv[1].split(","), pathlib.Path(sys.argv[2])
     faulthandler.dump_traceback_later(float(os.environ.get("WORKER_TIMEOUT", "600")), exit=True)
     mm.distributed.initialize()
-    result = SCENARIOS[name]()
-    result["process"] = jax.process_index()
-    result["processes"] = jax.process_count()
-    (out / f"rank{jax.process_index()}.json").write_text(json.dumps(result))
+    for name in names:
+        scenario_name, *args = name.split(":")
+        result = SCENARIOS[scenario_name](*args)
+        result["process"] = jax.process_index()
+        result["processes"] = jax.process_count()
+        (out / name).mkdir(parents=True, exist_ok=True)
+        (out / name / f"rank{jax.process_index()}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -1,32 +1,38 @@
 """One process of the multi-process checkpoint tests of tests/test_pretrained_processes.py.
 
-``python -m tests.pretrained_worker SCENARIO OUT_DIR`` (from the repository root, under
-``mmnnx launch -n 2 --devices-per-process 4`` or started by hand with the launcher's
-environment): joins the run, loads the checkpoint in ``$SOURCE`` onto two stages of 2 x 2
-(data x model) devices, one stage per process, runs SCENARIO and writes what it saw to
-``OUT_DIR/rank{i}.json``.
+``python -m tests.pretrained_worker SCENARIO[,SCENARIO...] OUT_DIR`` (from the repository root,
+under ``mmnnx launch -n 2 --devices-per-process 4`` or started by hand with the launcher's
+environment): joins the run, then runs each SCENARIO in turn (one process start for several:
+JAX's import and start-up are most of a short scenario's time), each writing what it saw to
+``OUT_DIR/SCENARIO/rank{i}.json``.
 
-- ``load_and_save``: every tensor slice this process read (``CheckpointFiles.read`` recorded),
-  the pipelined logits and loss of an ``mm.jit`` step (fetched), then ``save_pretrained`` into
-  ``OUT_DIR/saved``, then a second save over it (bfloat16, ``overwrite=True``) while process
-  1's writing raises: the error each process got.
-- ``train_moe``: loads the Qwen3-MoE checkpoint in ``$SOURCE`` onto two stages of 2 x 2
+- ``load_and_save``: loads the checkpoint in ``$SOURCE`` onto two stages of 2 x 2 (data x
+  model) devices, one stage per process; every tensor slice this process read
+  (``CheckpointFiles.read`` recorded), the pipelined logits and loss of an ``mm.jit`` step
+  (fetched), then ``save_pretrained`` into ``OUT_DIR/load_and_save/saved``, then a second save
+  over it (bfloat16, ``overwrite=True``) while process 1's writing raises: the error each
+  process got.
+- ``train_moe``: loads the Qwen3-MoE checkpoint in ``$MOE_SOURCE`` onto two stages of 2 x 2
   (expert x data) devices, 4 experts a device (EP 2), records the slices read, trains it
-  ``len(MOE_LOSSES)`` AdamW steps pipelined (1F1B, 2 microbatches; the losses fetched), then
-  writes it with ``save_pretrained`` into ``OUT_DIR/trained``.
-- ``save_abandoned``: saves into ``$TARGET``, then saves again while process 1 leaves right
-  after writing its shard file (``$LEAVE``: ``kill``, SIGKILL, or ``exit``, status 3), before
-  the step that renames the checkpoint into place; process 0 is left to find out on its own.
+  ``MOE_STEPS`` AdamW steps pipelined (1F1B, 2 microbatches; the losses fetched), then writes it
+  with ``save_pretrained`` into ``OUT_DIR/train_moe/trained``.
+- ``save_abandoned`` (last: it ends the processes): prints ``ABANDONED SCENARIO STARTED AT
+  <time.monotonic()>``, loads ``$SOURCE`` as ``load_and_save`` does, saves into ``$TARGET``,
+  then saves again while process 1 leaves right after writing its shard file (``$LEAVE``:
+  ``kill``, SIGKILL, or ``exit``, status 3), before the step that renames the checkpoint into
+  place; process 0 is left to find out on its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
 import pathlib
 import signal
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -82,9 +88,11 @@ def moe_step(model, opt, batch):
     return loss
 
 
-def recorded_reads() -> list[list]:
-    """Starts recording every ``CheckpointFiles.read`` of this process as ``[name, [[start,
-    stop], ...]]`` (each slice made concrete against the tensor's shape); returns the list."""
+@contextlib.contextmanager
+def recorded_reads():
+    """Records every ``CheckpointFiles.read`` of this process as ``[name, [[start, stop],
+    ...]]`` (each slice made concrete against the tensor's shape) into the list it yields,
+    until the block ends."""
     reads: list[list] = []
     read = CheckpointFiles.read
 
@@ -97,7 +105,10 @@ def recorded_reads() -> list[list]:
         return read(self, name, index, **kwargs)
 
     CheckpointFiles.read = recording
-    return reads
+    try:
+        yield reads
+    finally:
+        CheckpointFiles.read = read
 
 
 def _load():
@@ -106,9 +117,8 @@ def _load():
 
 @scenario
 def load_and_save(out: pathlib.Path) -> dict:
-    reads = recorded_reads()
-    model = _load()
-    loaded_reads = list(reads)
+    with recorded_reads() as reads:
+        model = _load()
     logits = mm.distributed.fetch(mm.jit(lambda m, t: m(t))(model, jnp.asarray(TOKENS)))
     batch = jnp.asarray(np.concatenate([TOKENS, TOKENS[:, :1]], axis=1))
     loss = mm.distributed.fetch(mm.jit(lambda m, b: m.loss(b))(model, batch))
@@ -118,6 +128,7 @@ def load_and_save(out: pathlib.Path) -> dict:
     def raising(directory, shards):
         raise OSError(f"disk full writing {sorted(shards)} (a test's failure)")
 
+    write = save_module.write_shards
     if jax.process_index() == 1:  # a second save over the first, failing on process 1
         save_module.write_shards = raising
     try:
@@ -125,8 +136,10 @@ def load_and_save(out: pathlib.Path) -> dict:
         error = None
     except Exception as e:  # noqa: BLE001  (recorded for the test to check)
         error = f"{type(e).__name__}: {e}"
+    finally:
+        save_module.write_shards = write
     return {
-        "reads": loaded_reads,
+        "reads": reads,
         "logits": np.asarray(logits, np.float64).tolist(),
         "loss": float(loss),
         "error": error,
@@ -135,9 +148,8 @@ def load_and_save(out: pathlib.Path) -> dict:
 
 @scenario
 def train_moe(out: pathlib.Path) -> dict:
-    reads = recorded_reads()
-    model = from_pretrained(os.environ["SOURCE"], tasks=expert_stage_tasks())
-    loaded_reads = list(reads)
+    with recorded_reads() as reads:
+        model = from_pretrained(os.environ["MOE_SOURCE"], tasks=expert_stage_tasks())
     opt = nnx.Optimizer(model, optax.adamw(MOE_LR), wrt=nnx.Param)
     step = mm.jit(moe_step)
     losses = [
@@ -147,15 +159,18 @@ def train_moe(out: pathlib.Path) -> dict:
     save_pretrained(model, out / "trained")
     gate = model.blocks[2 * jax.process_index() + 1].mlp.experts.gate[...]  # a layer of its own
     experts = sorted({s.data.shape[0] for s in gate.addressable_shards})
-    return {"reads": loaded_reads, "losses": losses, "experts_per_device": experts}
+    return {"reads": reads, "losses": losses, "experts_per_device": experts}
 
 
 @scenario
 def save_abandoned(out: pathlib.Path) -> dict:
-    """Saves into ``$TARGET``, then again (bfloat16, ``overwrite=True``) while process 1 leaves
-    right after writing its shard file, before the step that renames the checkpoint into
-    place: killed (``$LEAVE=kill``, SIGKILL) or exiting with status 3 (``$LEAVE=exit``). The
-    error process 0 gets is left uncaught, as a script would."""
+    """Prints when it starts (``time.monotonic()``: one clock for every process of the
+    machine), loads ``$SOURCE``, saves into ``$TARGET``, then again (bfloat16,
+    ``overwrite=True``) while process 1 leaves right after writing its shard file, before the
+    step that renames the checkpoint into place: killed (``$LEAVE=kill``, SIGKILL) or exiting
+    with status 3 (``$LEAVE=exit``). The error process 0 gets is left uncaught, as a script
+    would."""
+    print(f"ABANDONED SCENARIO STARTED AT {time.monotonic()}", flush=True)
     target = pathlib.Path(os.environ["TARGET"])
     model = _load()
     save_pretrained(model, target)
@@ -175,12 +190,14 @@ def save_abandoned(out: pathlib.Path) -> dict:
 
 
 def main() -> None:
-    name, out = sys.argv[1], pathlib.Path(sys.argv[2])
+    names, out = sys.argv[1].split(","), pathlib.Path(sys.argv[2])
     faulthandler.dump_traceback_later(float(os.environ.get("WORKER_TIMEOUT", "600")), exit=True)
     mm.distributed.initialize()
-    result = SCENARIOS[name](out)
-    result["process"] = jax.process_index()
-    (out / f"rank{jax.process_index()}.json").write_text(json.dumps(result))
+    for name in names:
+        (out / name).mkdir(exist_ok=True)
+        result = SCENARIOS[name](out / name)
+        result["process"] = jax.process_index()
+        (out / name / f"rank{jax.process_index()}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

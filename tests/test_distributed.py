@@ -3,18 +3,22 @@ run compared with the same step in this one process (8 devices)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 
 import mmnnx as mm
+from mmnnx.cli import main
 from mmnnx.launcher import launch as launcher
 from mmnnx.train import CheckpointCorruptError
 from tests import distributed_worker as worker
@@ -25,8 +29,10 @@ WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
 TIMEOUT_S = 240
 
 
-def launch(args: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
+def launch(
+    args: list[str], timeout: float = TIMEOUT_S, **extra_env: str
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]), **extra_env)
     return subprocess.run(
         [sys.executable, "-m", "mmnnx", "launch", *args],
         capture_output=True,
@@ -37,16 +43,70 @@ def launch(args: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedP
     )
 
 
+def run_scenarios(
+    names: list[str],
+    processes: int,
+    devices: int,
+    out,
+    collectives: str | None = None,
+    **env: str,
+) -> dict[str, list[dict]]:
+    """The scenarios ``names`` of tests/distributed_worker.py run in turn in one launch (each
+    start of the processes costs seconds): what each process wrote of each."""
+    flags = [] if collectives is None else ["--collectives", collectives]
+    timeout = TIMEOUT_S * max(1, len(names) // 3)
+    proc = launch(
+        ["-n", str(processes), "--devices-per-process", str(devices), *flags, "--",
+         sys.executable, "-m", "tests.distributed_worker", ",".join(names), str(out)],
+        timeout=timeout, WORKER_TIMEOUT=str(timeout), **env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return {
+        name: [json.loads((out / name / f"rank{i}.json").read_text()) for i in range(processes)]
+        for name in names
+    }
+
+
 def run_scenario(
     name: str, processes: int, devices: int, out, collectives: str | None = None
 ) -> list[dict]:
-    flags = [] if collectives is None else ["--collectives", collectives]
-    proc = launch(
-        ["-n", str(processes), "--devices-per-process", str(devices), *flags, "--",
-         sys.executable, "-m", "tests.distributed_worker", name, str(out)]
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    return [json.loads((out / f"rank{i}.json").read_text()) for i in range(processes)]
+    return run_scenarios([name], processes, devices, out, collectives)[name]
+
+
+class Launched(NamedTuple):
+    """One launch of several scenarios: its directory, what each process wrote of each
+    scenario, and the one-process GPT checkpoint it restored (``alone``'s digest)."""
+
+    out: pathlib.Path
+    results: dict[str, list[dict]]
+    alone: dict | None = None
+
+
+BACK_TO_BACK = [("1f1b", 4), ("gpipe", 4), ("zero-bubble-h1", 4), ("interleaved-1f1b", 4),
+                ("1f1b", 1), ("1f1b", 2)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Launched:
+    """Every scenario of two processes of 4 devices each that needs nothing else of its test, in
+    one launch; ``different_models`` (which refuses its step) last."""
+    out = tmp_path_factory.mktemp("two-processes")
+    alone = worker.checkpoint_save(out / "alone", stages=2)  # one process: a 1F1B step, saved
+    names = ["two_task", *(f"back_to_back:{s}:{d}" for s, d in BACK_TO_BACK),
+             "compat_autosharding", "tools", "schedules", "scanned_gpt", "checkpoint_roundtrip",
+             "different_models"]  # fmt: skip
+    env = dict(CKPT_IN=str(out / "alone"), CKPT_OUT=str(out / "together"),
+               CKPT_OUT4=str(out / "four"), SCANNED_OUT=str(out / "scanned"))  # fmt: skip
+    return Launched(out, run_scenarios(names, 2, 4, out, **env), alone)
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory) -> Launched:
+    """The scenarios of four processes of 2 devices each, collectives over gloo: each
+    4-device task spans two processes."""
+    out = tmp_path_factory.mktemp("four-processes")
+    names = ["two_task", "back_to_back:1f1b:4"]
+    return Launched(out, run_scenarios(names, 4, 2, out, collectives="gloo"))
 
 
 def assert_same_run(results: list[dict], reference: dict, atol: float = 1e-6) -> None:
@@ -61,12 +121,12 @@ def two_task_reference():
     return worker.two_task()
 
 
-@pytest.mark.parametrize("processes,devices", [(2, 4), (4, 2)])
-def test_readme_two_task_step_matches_one_process(tmp_path, two_task_reference, processes, devices):
+@pytest.mark.parametrize("processes", [2, 4])
+def test_readme_two_task_step_matches_one_process(request, two_task_reference, processes):
     # 2 x 4: one stage per process; 4 x 2: each stage's tensor-parallel mesh spans two processes,
     # whose programs need collectives between processes
-    collectives = "gloo" if processes == 4 else None
-    results = run_scenario("two_task", processes, devices, tmp_path, collectives)
+    launched = request.getfixturevalue("two_processes" if processes == 2 else "four_processes")
+    results = launched.results["two_task"]
     assert [r["process"] for r in results] == list(range(processes))
     assert_same_run(results, two_task_reference)
     for i, r in enumerate(results):  # each process's share, as it runs and as others plan it
@@ -77,41 +137,25 @@ def test_readme_two_task_step_matches_one_process(tmp_path, two_task_reference, 
 @pytest.fixture(scope="module")
 def back_to_back_reference():
     """The back-to-back scenario in this one process, per (schedule, devices per task)."""
-    found = {}
-
-    def run(schedule: str, devices: int) -> dict:
-        if (schedule, devices) not in found:
-            with pytest.MonkeyPatch.context() as env:
-                env.setenv("BACK_TO_BACK_SCHEDULE", schedule)
-                env.setenv("BACK_TO_BACK_DEVICES", str(devices))
-                found[(schedule, devices)] = worker.back_to_back()
-        return found[(schedule, devices)]
-
-    return run
+    return functools.cache(worker.back_to_back)
 
 
-@pytest.mark.parametrize(
-    "schedule,per_task",
-    [("1f1b", 4), ("gpipe", 4), ("zero-bubble-h1", 4), ("interleaved-1f1b", 4), ("1f1b", 1),
-     ("1f1b", 2)],
-)  # fmt: skip
+@pytest.mark.parametrize("schedule,per_task", BACK_TO_BACK)
 def test_steps_back_to_back_on_tasks_of_every_size_match_one_process(
-    tmp_path, monkeypatch, back_to_back_reference, schedule, per_task
+    two_processes, back_to_back_reference, schedule, per_task
 ):
     # issue 41: five steps called back to back, nothing read in between, used to hang here
-    monkeypatch.setenv("BACK_TO_BACK_SCHEDULE", schedule)
-    monkeypatch.setenv("BACK_TO_BACK_DEVICES", str(per_task))
     assert_same_run(
-        run_scenario("back_to_back", 2, 4, tmp_path), back_to_back_reference(schedule, per_task)
+        two_processes.results[f"back_to_back:{schedule}:{per_task}"],
+        back_to_back_reference(schedule, per_task),
     )
 
 
 def test_steps_back_to_back_on_tasks_spanning_processes_match_one_process(
-    tmp_path, monkeypatch, back_to_back_reference
+    four_processes, back_to_back_reference
 ):
     # 4 processes of 2 devices: each 4-device task spans two of them (collectives over gloo)
-    monkeypatch.setenv("BACK_TO_BACK_SCHEDULE", "1f1b")
-    results = run_scenario("back_to_back", 4, 2, tmp_path, collectives="gloo")
+    results = four_processes.results["back_to_back:1f1b:4"]
     # gloo sums a gradient's parts in another order than one process: AdamW's steps on a
     # near-zero second moment turn that last bit into a few 1e-6
     assert_same_run(results, back_to_back_reference("1f1b", 4), atol=1e-5)
@@ -124,16 +168,16 @@ def test_a_task_spanning_processes_without_collectives_is_refused_naming_it(tmp_
         assert r["unchanged"]
 
 
-def test_multimesh_compat_autosharding_across_processes(tmp_path):
+def test_multimesh_compat_autosharding_across_processes(two_processes):
     # multimesh's autosharding example: layer 1 on process 0's devices, layer 2 on process 1's
     alone = worker.compat_autosharding()
-    for r in run_scenario("compat_autosharding", 2, 4, tmp_path):
+    for r in two_processes.results["compat_autosharding"]:
         np.testing.assert_array_equal(r["out"], alone["out"])
         np.testing.assert_allclose(r["out"], r["reference"], rtol=1e-5)
 
 
-def test_processes_that_planned_differently_all_refuse_naming_the_difference(tmp_path):
-    results = run_scenario("different_models", 2, 4, tmp_path)
+def test_processes_that_planned_differently_all_refuse_naming_the_difference(two_processes):
+    results = two_processes.results["different_models"]
     for r in results:
         assert "differs between processes 0 and 1" in r["error"]
         assert "process 0: input arg0/layers/0/bias: (32,)" in r["error"]
@@ -251,8 +295,8 @@ def test_initialize_alone_is_a_no_op_and_checks_its_arguments():
         mm.distributed.initialize("127.0.0.1:1234", num_processes=2, process_id=2)
 
 
-def test_tabulate_cached_partial_timeline_and_memory_profile_across_processes(tmp_path):
-    results = run_scenario("tools", 2, 4, tmp_path)
+def test_tabulate_cached_partial_timeline_and_memory_profile_across_processes(two_processes):
+    results = two_processes.results["tools"]
     reference = worker.tools()
     for rank, r in enumerate(results):
         np.testing.assert_allclose(r["losses"], reference["losses"], rtol=1e-5)
@@ -264,8 +308,8 @@ def test_tabulate_cached_partial_timeline_and_memory_profile_across_processes(tm
         assert "stage1 │ 4-7 (process 1)" in r["table"] and "2048" not in r["table"]
 
 
-def test_every_schedule_pipelines_across_processes_as_in_one(tmp_path):
-    results = run_scenario("schedules", 2, 4, tmp_path)
+def test_every_schedule_pipelines_across_processes_as_in_one(two_processes):
+    results = two_processes.results["schedules"]
     reference = worker.schedules()["losses"]
     assert set(reference) == {*mm.schedules.names(), "dualpipev fused pairs"}
     for r in results:
@@ -274,47 +318,43 @@ def test_every_schedule_pipelines_across_processes_as_in_one(tmp_path):
             np.testing.assert_allclose(r["losses"][name], losses, rtol=1e-5, err_msg=name)
 
 
-def test_scanned_layers_split_over_processes_as_in_one(tmp_path, monkeypatch):
+def test_scanned_layers_split_over_processes_as_in_one(two_processes):
     alone = worker.scanned_gpt(save=False)
-    monkeypatch.setenv("CKPT_OUT", str(tmp_path / "together"))
-    for r in run_scenario("scanned_gpt", 2, 4, tmp_path):
+    for r in two_processes.results["scanned_gpt"]:
         np.testing.assert_allclose(r["losses"], alone["losses"], rtol=1e-5)
         for key, value in alone["state"].items():
             np.testing.assert_allclose(r["state"][key], value, rtol=1e-4, atol=1e-6, err_msg=key)
         assert r["restored"] == r["state"]  # saved and restored across processes: bit-exact
 
 
-def test_pipelined_gpt_and_checkpoints_across_process_counts(tmp_path, monkeypatch):
-    # one process: a 1F1B GPT step, saved
-    alone = worker.checkpoint_save(tmp_path / "alone", stages=2)
-    monkeypatch.setenv("CKPT_IN", str(tmp_path / "alone"))
-    monkeypatch.setenv("CKPT_OUT", str(tmp_path / "together"))
-    monkeypatch.setenv("CKPT_OUT4", str(tmp_path / "four"))
-    # two processes, one stage each: the same step, saved; then the one-process checkpoint
-    results = run_scenario("checkpoint_roundtrip", 2, 4, tmp_path)
+def test_pipelined_gpt_and_checkpoints_across_process_counts(two_processes):
+    # one process: a 1F1B GPT step, saved (alone); two processes, one stage each: the same
+    # step, saved (together); then the one-process checkpoint restored
+    root, alone = two_processes.out, two_processes.alone
+    results = two_processes.results["checkpoint_roundtrip"]
     for r in results:
         assert r["saved"]["loss"] == pytest.approx(alone["loss"], rel=1e-6)
         for key, value in alone["state"].items():
             np.testing.assert_allclose(r["saved"]["state"][key], value, rtol=1e-5, err_msg=key)
         assert r["restored"]["state"] == alone["state"]  # 1 process -> 2: bit-exact
-    here = worker.checkpoint_restore(tmp_path / "alone", stages=2)
+    here = worker.checkpoint_restore(root / "alone", stages=2)
     assert results[0]["restored"]["next_loss"] == pytest.approx(here["next_loss"], rel=1e-6)
     # 2 processes -> 1 process, in 2 and in 4 stages: bit-exact
     saved = results[0]["saved"]
     for stages in (2, 4):
-        restored = worker.checkpoint_restore(tmp_path / "together", stages=stages, train=False)
+        restored = worker.checkpoint_restore(root / "together", stages=stages, train=False)
         assert restored["extra"] == {"loss": saved["loss"]}
         assert restored["state"] == saved["state"]
     # what a resume depends on is checked in a step saved by several processes too: an extra
     # changed to another valid value is damage, named, and nothing is written
-    extra_file = tmp_path / "together" / "1" / "extra" / "metadata"
+    extra_file = root / "together" / "1" / "extra" / "metadata"
     extra_file.write_text(json.dumps({"loss": saved["loss"] + 1.0}))
     with pytest.raises(
         CheckpointCorruptError, match=r"checkpoint step 1 .*'extra' reads back different .*checksum"
     ):
-        worker.checkpoint_restore(tmp_path / "together", stages=2, train=False)
+        worker.checkpoint_restore(root / "together", stages=2, train=False)
     # every process wrote the arrays of its own tasks, each array one process
-    manifest = json.loads((tmp_path / "together" / "1" / "mmnnx" / "metadata").read_text())
+    manifest = json.loads((root / "together" / "1" / "mmnnx" / "metadata").read_text())
     writers = {name: {c[3] for c in a["chunks"]} for name, a in manifest["arrays"].items()}
     assert writers["model/blocks/0/attn/q/kernel"] == {0}
     assert writers["model/blocks/3/attn/q/kernel"] == {1}
@@ -325,7 +365,7 @@ def test_pipelined_gpt_and_checkpoints_across_process_counts(tmp_path, monkeypat
         assert r["reads"] and all(here for _, here in r["reads"])
     # both read only the values every process has its own copy of (the optimizer's counts)
     both = {n for n, _ in results[0]["reads"]} & {n for n, _ in results[1]["reads"]}
-    manifest4 = json.loads((tmp_path / "four" / "1" / "mmnnx" / "metadata").read_text())
+    manifest4 = json.loads((root / "four" / "1" / "mmnnx" / "metadata").read_text())
     assert all(manifest4["arrays"][n]["shape"] == [] for n in both)
     # steps 1-4 saved by both, the newest 3 kept; step 4 damaged where process 1 alone reads:
     # both pass over it and restore step 3
@@ -377,16 +417,8 @@ def test_mmnnx_train_under_launch_matches_one_process_and_resumes_past_damage(tm
     assert "run report" in proc.stdout and "[rank 1]" not in "".join(
         line for line in proc.stdout.splitlines(keepends=True) if "run report" in line
     )
-    alone = tmp_path / "alone"
-    single = subprocess.run(
-        [sys.executable, "-m", "mmnnx", "train", "--output-dir", str(alone), *flags],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=ROOT,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
-    )
-    assert single.returncode == 0, single.stderr[-2000:]
+    alone = tmp_path / "alone"  # one process: this one (a process start costs seconds)
+    assert main(["train", "--output-dir", str(alone), *flags]) == 0
     launched = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     reference = [json.loads(line) for line in (alone / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in launched] == [r["step"] for r in reference]

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from mmnnx.cli import main
 from mmnnx.distributed.timeline import _merged
 from mmnnx.errors import MPMDError
 from mmnnx.launcher.chatter import is_chatter
@@ -64,11 +65,12 @@ def _reported_bubble(stdout: str) -> str:
     return line.split("│")[-2].strip()
 
 
-def test_rank_zero_reports_every_stage_with_user_device_indices(tmp_path):
+def test_rank_zero_reports_every_stage_with_user_device_indices(tmp_path, capsys):
     launched, alone = tmp_path / "launched", tmp_path / "alone"
     command = [sys.executable, "-m", "mmnnx", *TRAIN, "--output-dir", str(launched)]
     proc = _launch([], command)
-    single = _run([*TRAIN, "--output-dir", str(alone)])
+    assert main([*TRAIN, "--output-dir", str(alone)]) == 0  # one process: this one
+    single = capsys.readouterr().out
 
     # the timeline has every stage's actions, from both processes, on one clock
     bubble, events = _timeline(launched)
@@ -101,8 +103,8 @@ def test_rank_zero_reports_every_stage_with_user_device_indices(tmp_path):
     assert "[rank 0] │ stage0 │ 0-3 (process 0) │" in proc.stdout
     assert "[rank 0] │ stage1 │ 4-7 (process 1) │" in proc.stdout
     assert "2048" not in proc.stdout
-    assert re.search(r"\n│ stage0 │ 0-3 +│", single.stdout)  # one process: as before
-    assert re.search(r"\n│ stage1 │ 4-7 +│", single.stdout) and "(process" not in single.stdout
+    assert re.search(r"\n│ stage0 │ 0-3 +│", single)  # one process: as before
+    assert re.search(r"\n│ stage1 │ 4-7 +│", single) and "(process" not in single
 
 
 GLOO_SCRIPT = """

@@ -1,13 +1,16 @@
-"""``from_pretrained`` / ``save_pretrained`` in two real processes on loopback (``mmnnx launch``,
-tests/pretrained_worker.py), one pipeline stage of 2 x 2 devices per process: what each process
-reads, the pipelined logits against a float64 reference, what each process writes, and saves
-that fail or lose a process half-way; a Qwen3-MoE trained with expert parallelism against one
-device."""
+"""``from_pretrained`` / ``save_pretrained`` in two real processes on loopback (started with the
+launcher's environment, tests/pretrained_worker.py), one pipeline stage of 2 x 2 devices per
+process: what each process reads, the pipelined logits against a float64 reference, what each
+process writes, and saves that fail or lose a process half-way; a Qwen3-MoE trained with expert
+parallelism against one device. The scenarios share one start of the two processes (the last
+one, a process leaving mid-save, ends them), but for a second process 1 killed mid-save."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,24 +67,72 @@ def _cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:
     return float(-np.take_along_axis(logp, targets[..., None], -1).mean())
 
 
-def _launch(scenario, source, out):
-    """``scenario`` of tests/pretrained_worker.py run once under ``mmnnx launch -n 2`` on the
-    checkpoint ``source``; what each process returned."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--devices-per-process", "4",
-         "--", sys.executable, "-m", "tests.pretrained_worker", scenario, str(out)],
-        capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(SOURCE=str(source)),
-        cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    return [json.loads((out / f"rank{i}.json").read_text()) for i in (0, 1)]
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """One start of two processes of tests/pretrained_worker.py: their exit statuses, their
+    output, and when process 0 ended (``time.monotonic()``)."""
+
+    returncodes: tuple[int | None, int | None]
+    outputs: tuple[str, str]
+    ended: float
+
+    def results(self, out, scenario: str) -> list[dict]:
+        """What each process wrote of ``scenario`` into ``out``."""
+        files = [out / scenario / f"rank{i}.json" for i in (0, 1)]
+        assert all(f.exists() for f in files), self.outputs[0][-4000:] + self.outputs[1][-2000:]
+        return [json.loads(f.read_text()) for f in files]
+
+
+def _run_pair(scenarios: list[str], out, leave: str, timeout: float, **env: str) -> Pair:
+    """``scenarios`` of tests/pretrained_worker.py, in turn, in one start of two processes with
+    the launcher's environment but no launcher (it would stop process 0 itself when process 1
+    leaves: process 0 must find out on its own); ``$TARGET`` is ``out/target``."""
+    port = launcher.free_port()
+    procs, logs = [], [out / f"process{rank}.log" for rank in (0, 1)]
+    for rank in (0, 1):
+        process_env = launcher.process_env(_env(), rank, 2, port, 4)
+        process_env.update(
+            MMNNX_HEARTBEAT_TIMEOUT="5", TARGET=str(out / "target"), LEAVE=leave, **env
+        )
+        with open(logs[rank], "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.pretrained_worker", ",".join(scenarios), out],
+                    env=process_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )
+            )
+    try:
+        procs[0].wait(timeout=timeout)
+        ended = time.monotonic()
+        procs[1].wait(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outputs = tuple(log.read_text() for log in logs)
+    return Pair((procs[0].returncode, procs[1].returncode), outputs, ended)
 
 
 @pytest.fixture(scope="module")
-def launched(source, tmp_path_factory):
-    """The ``load_and_save`` scenario run once under ``mmnnx launch -n 2``."""
-    out = tmp_path_factory.mktemp("launched")
-    return out, _launch("load_and_save", source, out)
+def pair(source, moe_source, tmp_path_factory):
+    """``load_and_save``, ``train_moe`` and ``save_abandoned`` (process 1 exiting) in one start
+    of the two processes: where they wrote, and the ``Pair``."""
+    out = tmp_path_factory.mktemp("pair")
+    scenarios = ["load_and_save", "train_moe", "save_abandoned"]
+    run = _run_pair(scenarios, out, "exit", 2 * TIMEOUT_S, SOURCE=str(source),
+                    MOE_SOURCE=str(moe_source))  # fmt: skip
+    return out, run
+
+
+@pytest.fixture(scope="module")
+def launched(pair):
+    """The ``load_and_save`` scenario: where it wrote, and what each process returned."""
+    out, run = pair
+    return out / "load_and_save", run.results(out, "load_and_save")
 
 
 def test_each_process_reads_only_its_own_slices_once(source, launched):
@@ -138,45 +189,28 @@ def test_a_save_failing_on_one_process_raises_on_both_and_keeps_the_earlier_one(
 
 
 @pytest.mark.parametrize("leave", ["exit", "kill"])
-def test_a_process_leaving_mid_save_keeps_the_earlier_checkpoint(source, tmp_path, leave):
-    # no launcher (it would stop process 0 itself): process 0 must find out on its own
-    target = tmp_path / "target"
-    port = launcher.free_port()
-    started = time.monotonic()
-    procs = []
-    for rank in (0, 1):
-        env = launcher.process_env(_env(), rank, 2, port, 4)
-        env.update(MMNNX_HEARTBEAT_TIMEOUT="5", SOURCE=str(source), TARGET=str(target), LEAVE=leave)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.pretrained_worker", "save_abandoned", str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=ROOT,
-            )  # fmt: skip
-        )
-    try:
-        out, _ = procs[0].communicate(timeout=TIMEOUT_S)
-        left = procs[1].wait(timeout=30)
-        assert time.monotonic() - started < 120  # loading, two saves and the failure
-        assert "WRITTEN ['model-00002-of-00002.safetensors']" in procs[1].stdout.read()
-        if leave == "exit":  # process 0 raises, naming process 1, and fails in turn
-            assert left == 3 and procs[0].returncode == 1, out[-3000:]
-            assert (
-                f"PeerExitedError: save_pretrained {target} (write): process 1 failed while "
-                "this process waited for it"
-            ) in out, out[-3000:]
-            assert not (tmp_path / ".target.partial").exists()
-        else:  # killed: JAX's coordination service ends process 0 at the heartbeat timeout
-            assert left == -signal.SIGKILL
-            assert procs[0].returncode != 0 and "heartbeat" in out, out[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+def test_a_process_leaving_mid_save_keeps_the_earlier_checkpoint(source, tmp_path, request, leave):
+    if leave == "exit":  # the last scenario of the shared start
+        out, run = request.getfixturevalue("pair")
+    else:
+        out, run = tmp_path, _run_pair(["save_abandoned"], tmp_path, "kill", TIMEOUT_S,
+                                       SOURCE=str(source))  # fmt: skip
+    output = run.outputs[0]
+    started = re.search(r"ABANDONED SCENARIO STARTED AT (\S+)", output)
+    assert started, output[-3000:]
+    assert run.ended - float(started.group(1)) < 120  # loading, two saves and the failure
+    assert "WRITTEN ['model-00002-of-00002.safetensors']" in run.outputs[1]
+    target = out / "target"
+    if leave == "exit":  # process 0 raises, naming process 1, and fails in turn
+        assert run.returncodes == (1, 3), output[-3000:]
+        assert (
+            f"PeerExitedError: save_pretrained {target} (write): process 1 failed while "
+            "this process waited for it"
+        ) in output, output[-3000:]
+        assert not (out / ".target.partial").exists()
+    else:  # killed: JAX's coordination service ends process 0 at the heartbeat timeout
+        assert run.returncodes[1] == -signal.SIGKILL
+        assert run.returncodes[0] != 0 and "heartbeat" in output, output[-3000:]
     before, after = CheckpointFiles(source), CheckpointFiles(target)
     assert sorted(after.tensors) == sorted(before.tensors)
     for name, info in before.tensors.items():
@@ -192,10 +226,10 @@ def moe_source(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def moe_trained(moe_source, tmp_path_factory):
-    """The ``train_moe`` scenario run once under ``mmnnx launch -n 2``."""
-    out = tmp_path_factory.mktemp("moe")
-    return out, _launch("train_moe", moe_source, out)
+def moe_trained(pair):
+    """The ``train_moe`` scenario: where it wrote, and what each process returned."""
+    out, run = pair
+    return out / "train_moe", run.results(out, "train_moe")
 
 
 def _one_device_training(source):
