@@ -111,12 +111,12 @@ def test_gpt_oss_trains_pipelined_as_placed_and_matches_one_device(
     opt = nnx.Optimizer(model, optax.adamw(LR), wrt=nnx.Param)
     step = mm.jit(train_step(microbatches))
     steps = {name: step.with_options(schedule=name) for name in set(schedules)}
-    per_task = CONFIG.num_hidden_layers // num_tasks
-    for schedule, (ref_loss, ref_grads) in zip(schedules, ref_steps, strict=True):
-        scheduled = steps[schedule]
+    for scheduled in steps.values():
         stage_tasks = scheduled.plan(model, opt, TOKENS).pipeline.stage_tasks
         assert [t.name for t in stage_tasks] == [t.name for t in tasks]
-        loss, grads = scheduled(model, opt, TOKENS)
+    per_task = CONFIG.num_hidden_layers // num_tasks
+    for schedule, (ref_loss, ref_grads) in zip(schedules, ref_steps, strict=True):
+        loss, grads = steps[schedule](model, opt, TOKENS)
         close_to_max(loss, ref_loss)
         close_to_max(grads, ref_grads)
         for i, layer in grads.model.layers.items():  # zero, on the layer's task
