@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+from tests.flags import COMPILE_FLAGS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +38,7 @@ def test_readme_commands_exist_in_makefile():
 
 
 def test_demo_script_prints_two_task_tabulate():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "place_and_tabulate.py")],
         capture_output=True,

@@ -18,6 +18,8 @@ import textwrap
 
 import pytest
 
+from tests.flags import COMPILE_FLAGS
+
 SEEDS = pathlib.Path(__file__).resolve().parents[3] / "shared" / "seeds"
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -63,7 +65,8 @@ def _run(code: str, alias: bool) -> str:
         code = code.replace("from multimesh.jax", "from multimesh_compat.jax")
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        # the tests' compile flags: the examples check what they print, not speed
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {COMPILE_FLAGS}",
         "JAX_PLATFORMS": "cpu",
         "COLUMNS": "200",
         "PYTHONPATH": str(REPO),
