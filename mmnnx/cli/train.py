@@ -62,7 +62,7 @@ def check(args: argparse.Namespace) -> str | None:
     problem = _experts_problem(args)
     if problem:
         return problem
-    used = args.stages * args.data_axis * args.expert_axis * args.model_axis
+    used = _devices_needed(args)
     if used > args.devices:
         return f"{_layout(args)} needs {used} devices, but --devices is {args.devices}"
     problem = _lora_problem(args)
@@ -165,6 +165,11 @@ def _heads_problem(args: argparse.Namespace) -> str | None:
     if args.heads % args.model_axis:
         return f"--heads {args.heads} is not divisible by --model-axis {args.model_axis}"
     return None
+
+
+def _devices_needed(args: argparse.Namespace) -> int:
+    """The devices the run's layout multiplies into (:func:`_layout` names them)."""
+    return args.stages * args.data_axis * args.expert_axis * args.model_axis
 
 
 def _layout(args: argparse.Namespace) -> str:
@@ -526,7 +531,7 @@ def _data_axis(args: argparse.Namespace, devices: int) -> int:
 
     from mmnnx.cli.replan import narrowed_data_axis, replanned_line  # noqa: PLC0415
 
-    needed = args.stages * args.data_axis * args.expert_axis * args.model_axis
+    needed = _devices_needed(args)
     if devices >= needed:
         return args.data_axis
     many = jax.process_count() > 1
@@ -559,6 +564,7 @@ def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
         BPETokenizer,
         ByteTokenizer,
         HFTokenizer,
+        fingerprint,
         load_tokenizer,
     )
 
@@ -580,12 +586,10 @@ def _tokenizer(args: argparse.Namespace, sources: list) -> Any:
         return HFTokenizer.from_file(pathlib.Path(args.init_from, "tokenizer.json"))
     if args.tokenizer == "bytes":
         return ByteTokenizer()
-    import hashlib  # noqa: PLC0415
-
     import jax  # noqa: PLC0415
 
     tokenizer = BPETokenizer.train(text_chunks(sources), args.vocab_size or 1024)
     if jax.process_count() > 1:  # training is deterministic: each trains, all check
-        digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+        digest = fingerprint(tokenizer)
         check_same_everywhere("--tokenizer bpe: the BPE each process trained", [digest])
     return tokenizer
