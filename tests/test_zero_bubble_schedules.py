@@ -460,3 +460,17 @@ def test_built_for_costs_rounds_them_too():
     built = zero_bubble_v(4, 8, v_costs)
     assert _time(built, v_costs) < _time(zero_bubble_h1(4, 8), h1_costs) < exact
     assert max(_rank_peaks(built)) <= max(_rank_peaks(zero_bubble_v(4, 8)))  # 1F1B's memory
+
+
+def test_simulate_delays_a_reader_on_another_rank_by_its_transfer():
+    plain = simulate(one_f_one_b(2, 4))
+    sent = simulate(one_f_one_b(2, 4), transfer_costs={"F": Fraction(1, 2), ("B", 1): 1})
+    assert sent.makespan > plain.makespan
+    first_f1 = next(e for e in sent.events if (e.kind, e.stage) == ("F", 1))
+    assert first_f1.start == 1 + Fraction(1, 2)  # F0 of stage 0 ends at 1, then its transfer
+    w = next(e for e in sent.events if (e.kind, e.stage, e.microbatch) == ("B", 0, 0))
+    b1 = next(e for e in sent.events if (e.kind, e.stage, e.microbatch) == ("B", 1, 0))
+    assert w.start >= b1.end + 1  # stage 1's input gradient crossed to rank 0
+    for bad, match in (({("F", 2): 1}, "names no action"), ({"F": -1}, "must be a number")):
+        with pytest.raises(ValueError, match=match):
+            simulate(one_f_one_b(2, 4), transfer_costs=bad)

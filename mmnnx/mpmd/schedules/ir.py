@@ -305,6 +305,7 @@ def play(
     schedule: Schedule,
     duration: Callable[[Action], float],
     pair_duration: Callable[[Action, Action], float | None] = lambda first, second: None,
+    transfer: Callable[[Action], float] = lambda producer: 0,
 ) -> list[Timed]:
     """Run every rank's actions strictly in order, each as soon as its inputs are done.
 
@@ -313,9 +314,11 @@ def play(
     starts when both actions' inputs are ready, runs one action after the other, and hands on
     its results when both have ended (one program); ``pair_duration`` may give the pair's own
     duration (``None``: the sum of its actions'), which its two actions then share in
-    proportion to their own. Raises ValueError naming the blocked actions when no rank can
-    make progress.
+    proportion to their own. A result read on another rank than the one that made it arrives
+    ``transfer(producer)`` after its producer ended (on the same rank, at once). Raises
+    ValueError naming the blocked actions when no rank can make progress.
     """
+    rank_of = {a: r for r, row in enumerate(schedule.actions) for a in row}
     present = {action for row in schedule.actions for action in row}
     finish: dict[Action, float] = {}
     free: list[float] = [0] * schedule.num_ranks
@@ -336,7 +339,11 @@ def play(
                 ]
                 if any(need not in finish for need in needs):
                     break
-                start = max([free[rank], *(finish[need] for need in needs)])
+                arrivals = (
+                    finish[need] + (transfer(need) if rank_of[need] != rank else 0)
+                    for need in needs
+                )
+                start = max([free[rank], *arrivals])
                 durations = [duration(action) for action in actions]
                 whole = pair_duration(*actions) if width == 2 else None
                 if whole is not None:

@@ -79,8 +79,9 @@ def simulate(
     *,
     action_costs: Mapping[str | tuple[str, int], float] | None = None,
     pair_costs: Mapping[tuple[tuple[str, int], tuple[str, int]], float] | None = None,
+    transfer_costs: Mapping[str | tuple[str, int], float] | None = None,
 ) -> SimulationResult:
-    """Simulate ``schedule`` with fixed per-action costs and zero communication time.
+    """Simulate ``schedule`` with fixed per-action costs and, by default, no communication time.
 
     Each rank runs its actions in order; an action starts at the later of the time its rank is
     free and the time its inputs (see :func:`validate`) have ended. Every action of a kind costs
@@ -101,6 +102,13 @@ def simulate(
     them). Its two actions share it in proportion to their own costs. Pairs it does not name
     take the sum of their actions' costs.
 
+    ``transfer_costs`` maps ``(kind, stage)``, or a kind alone, to the time the result of that
+    action takes to reach an action on another rank that reads it: ``("F", s)`` stage ``s``'s
+    activations on their way to stage ``s + 1``, ``("B", s)`` or ``("I", s)`` its input
+    gradient on its way to stage ``s - 1``. The reader starts no earlier than its producer's
+    end plus that time; a result read on the rank that made it costs nothing, and actions not
+    named send for free.
+
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate, zero_bubble_h1
         >>> simulate(one_f_one_b(4, 8)).makespan
@@ -109,12 +117,15 @@ def simulate(
         27.0
         >>> simulate(one_f_one_b(4, 8), action_costs={"F": 1, "B": 2, ("B", 3): 4}).makespan
         49
+        >>> simulate(one_f_one_b(2, 2), transfer_costs={"F": 0.5, "B": 0.5}).makespan
+        10.0
     """
     pair_duration = _pair_duration(schedule, pair_costs)
+    transfer = _transfer(schedule, transfer_costs)
     if action_costs is not None:
         validate(schedule)
         costs = _costs_per_action(schedule, action_costs)
-        timed = play(schedule, lambda a: costs[(a.kind, a.stage)], pair_duration)
+        timed = play(schedule, lambda a: costs[(a.kind, a.stage)], pair_duration, transfer)
         return _result(schedule, timed)
     if weight_cost is None:
         weight_cost = backward_cost / 2
@@ -132,7 +143,28 @@ def simulate(
         "I": backward_cost - weight_cost,
         "W": weight_cost,
     }
-    return _result(schedule, play(schedule, lambda a: costs[a.kind], pair_duration))
+    return _result(schedule, play(schedule, lambda a: costs[a.kind], pair_duration, transfer))
+
+
+def _transfer(
+    schedule: Schedule, transfer_costs: Mapping[str | tuple[str, int], float] | None
+) -> Callable[[Action], float]:
+    """``transfer_costs`` (see :func:`simulate`) checked, as ``play``'s ``transfer``."""
+    costs = dict(transfer_costs or {})
+    for key, value in costs.items():
+        kind, stage = key if isinstance(key, tuple) and len(key) == 2 else (key, None)
+        if kind not in KINDS or not (
+            stage is None
+            or (isinstance(stage, numbers.Integral) and 0 <= stage < schedule.num_stages)
+        ):
+            raise ValueError(
+                f"transfer_costs key {key!r} names no action of a schedule of "
+                f"{schedule.num_stages} stages: keys are a kind ({', '.join(KINDS)}) or "
+                f"(kind, stage) with 0 <= stage < {schedule.num_stages}"
+            )
+        if not (isinstance(value, numbers.Real) and value >= 0):
+            raise ValueError(f"transfer_costs[{key!r}] must be a number >= 0, got {value!r}")
+    return lambda a: costs.get((a.kind, a.stage), costs.get(a.kind, 0))
 
 
 def _pair_duration(
