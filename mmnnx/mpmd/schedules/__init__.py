@@ -11,6 +11,7 @@ executes the table; this package only builds, checks, prints, stores (CSV) and s
 and imports nothing beyond the standard library.
 
 Modules: ``ir`` (the records, validation, CSV), ``simulation`` (timing, measured costs),
+``links`` (a transfer's latency and bandwidth),
 ``builders`` (GPipe, 1F1B, interleaved, ZB-H1), ``zero_bubble`` (ZB-H2, ZB-V, interleaved zero
 bubble, DualPipeV and the list scheduler) and ``registry`` (the names). ``mm.schedules`` holds
 these names and ``tune``, which runs steps (``mmnnx.tuning``).
@@ -34,6 +35,7 @@ from mmnnx.mpmd.schedules.builders import (
     zero_bubble_h1,
 )
 from mmnnx.mpmd.schedules.ir import KINDS, Action, Schedule, custom, from_csv, validate
+from mmnnx.mpmd.schedules.links import Link
 from mmnnx.mpmd.schedules.registry import (
     Builder,
     CostsNotUsed,
@@ -64,6 +66,7 @@ __all__ = [
     "Builder",
     "CostsNotUsed",
     "Event",
+    "Link",
     "Schedule",
     "SimulationResult",
     "custom",
