@@ -1,9 +1,11 @@
 """Colouring: which task runs each op.
 
 An op that reads state placed on task T runs on T; an op in an ``mm.task`` region runs on its
-task. Every other op goes where the fewest bytes cross tasks: a start from the producers (heaviest
-operand, ties to the operand produced last), then alpha-expansion moves, each an exact min cut
-(scipy's maximum_flow) over "switch these ops to task alpha", until no move lowers the bytes.
+task. Every other op goes where the fewest bytes cross tasks, a value counting once per task that
+receives it (as it is sent), however many of that task's ops read it: a start from the producers
+(heaviest operand, ties to the operand produced last), then alpha-expansion moves
+(``expansion.py``), each an exact min cut over "switch these ops to task alpha", until no move
+lowers the bytes.
 Updated state pulls its producers home; gradients returned as Variables pull theirs to their
 parameter's task.
 """
@@ -13,18 +15,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import numpy as np
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import breadth_first_order, maximum_flow
-
 from mmnnx.errors import PlacementConflictError
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.op_kinds import is_view
+from mmnnx.mpmd.plan.expansion import Expansion, Net
 from mmnnx.mpmd.step_io import StepInput, StepOutput
 from mmnnx.sharding import Task
 
 _MAX_ROUNDS = 4
-_MAX_CAPACITY = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +113,7 @@ def colour(
                 assigned[op.index] = max(weight, key=weight.get)
 
     labels = [t if t is not None else tasks[0] for t in assigned]
-    cut = _Cut.of(graph, _edges(graph, producer, placed, sinks), labels, tasks, fixed)
+    cut = Expansion.of(tasks, _nets(graph, producer, placed, sinks), labels, fixed)
     for _ in range(_MAX_ROUNDS):
         improved = False
         for alpha in range(len(tasks)):
@@ -125,135 +123,19 @@ def colour(
     return Colouring(cut.tasks_of_ops(), frozenset(fixed))
 
 
-# An edge joins two ops (ints) or an op and a fixed task (a Task): (a, b, bytes).
-Edge = tuple[int | Task, int | Task, int]
-
-
-def _edges(graph: Graph, producer, placed, sinks) -> list[Edge]:
-    weights: dict[tuple, int] = {}
+def _nets(graph: Graph, producer, placed, sinks) -> list[Net]:
+    """One net per value made by an op or placed on a task: its readers are the ops that read
+    it and the tasks it is returned to, each once."""
+    readers: dict[int, dict[int | Task, None]] = {}
     for op in graph.ops:
         for a in op.ins:
-            if not isinstance(a, int):
-                continue
-            src = producer[a].index if a in producer else placed.get(a)
-            if src is not None:
-                key = (src, op.index)
-                weights[key] = weights.get(key, 0) + graph.nbytes[a]
+            if isinstance(a, int) and (a in producer or a in placed):
+                readers.setdefault(a, {})[op.index] = None
     for v, homes in sinks.items():
         if v in producer:
-            for home in homes:
-                key = (producer[v].index, home)
-                weights[key] = weights.get(key, 0) + graph.nbytes[v]
-    return [(a, b, w) for (a, b), w in weights.items() if w > 0]
-
-
-@dataclasses.dataclass
-class _Cut:
-    """The edges as arrays over nodes: ops ``0..n-1``, then one node per task (an edge's fixed
-    end); ``labels[node]`` is a task's number in ``tasks``."""
-
-    tasks: list[Task]
-    labels: np.ndarray  # int64, ops then task nodes (whose labels never change)
-    free: np.ndarray  # bool per node: an op whose task may change
-    a: np.ndarray
-    b: np.ndarray
-    w: np.ndarray
-    num_ops: int
-
-    @classmethod
-    def of(cls, graph: Graph, edges: list[Edge], labels: list[Task], tasks, fixed) -> _Cut:
-        known = list(tasks)
-        number = {id(t): i for i, t in enumerate(known)}
-        for t in [*labels, *(x for e in edges for x in e[:2] if isinstance(x, Task))]:
-            if id(t) not in number:
-                number[id(t)] = len(known)
-                known.append(t)
-        n = len(graph.ops)
-
-        def node(x: int | Task) -> int:
-            return n + number[id(x)] if isinstance(x, Task) else x
-
-        free = np.zeros(n + len(known), dtype=bool)
-        free[[op.index for op in graph.ops if op.index not in fixed]] = True
-        return cls(
-            tasks=known,
-            labels=np.array([number[id(t)] for t in labels] + list(range(len(known))), np.int64),
-            free=free,
-            a=np.array([node(e[0]) for e in edges], dtype=np.int64),
-            b=np.array([node(e[1]) for e in edges], dtype=np.int64),
-            w=np.array([e[2] for e in edges], dtype=np.int64),
-            num_ops=n,
-        )
-
-    def tasks_of_ops(self) -> tuple[Task, ...]:
-        return tuple(self.tasks[i] for i in self.labels[: self.num_ops])
-
-    def crossing(self) -> int:
-        return int((self.w * (self.labels[self.a] != self.labels[self.b])).sum())
-
-    def expand(self, alpha: int) -> bool:
-        """One alpha-expansion move: the cheapest set of free ops to switch to task number
-        ``alpha`` (min cut); ``True`` when it lowered the bytes crossing tasks.
-
-        Minimises the bytes crossing tasks exactly over all such switches (Boykov, Veksler &
-        Zabih), so whole chains move together where single-op moves would stall on ties.
-        """
-        labels, a, b, w = self.labels, self.a, self.b, self.w
-        movable = self.free & (labels != alpha)
-        n = int(movable.sum())
-        if not n:
-            return False
-        index = np.full(len(labels), -1, dtype=np.int64)
-        index[movable] = np.arange(n)
-        source, sink = n, n + 1
-        la, lb = labels[a], labels[b]
-        before = int((w * (la != lb)).sum())
-        ia, ib = index[a], index[b]
-        to_alpha = np.zeros(n + 2, dtype=np.int64)  # paid when switched (edge source -> p)
-        to_keep = np.zeros(n + 2, dtype=np.int64)  # paid when kept (edge p -> sink)
-        # one free end: its unary costs
-        for mine, other, lm, lo in ((ib, ia, lb, la), (ia, ib, la, lb)):
-            one = (mine >= 0) & (other < 0)
-            np.add.at(to_keep, mine[one], (w * (lm != lo))[one])
-            np.add.at(to_alpha, mine[one], (w * (lo != alpha))[one])
-        # both free: E = e00 + (e10 - e00) x_a + (0 - e10) x_b + (e01 + e10 - e00) (1 - x_a) x_b
-        both = (ia >= 0) & (ib >= 0)
-        pa, pb, wb, la2, lb2 = ia[both], ib[both], w[both], la[both], lb[both]
-        e00, e01, e10 = wb * (la2 != lb2), wb * (la2 != alpha), wb * (lb2 != alpha)
-        d = e10 - e00
-        np.add.at(to_alpha, pa, np.maximum(d, 0))
-        np.add.at(to_keep, pa, np.maximum(-d, 0))
-        np.add.at(to_keep, pb, e10)
-        keys, inverse = np.unique(pa * (n + 2) + pb, return_inverse=True)
-        pair_caps = np.bincount(inverse, weights=e01 + e10 - e00, minlength=len(keys))
-        pair_caps = pair_caps.astype(np.int64)
-        nonzero = pair_caps != 0
-        keys, pair_caps = keys[nonzero], pair_caps[nonzero]
-        largest = max(int(to_alpha.max()), int(to_keep.max()), int(pair_caps.max(initial=0)), 1)
-        scale = max(1, largest // _MAX_CAPACITY)
-        ops = np.arange(n)
-        switch_cost, keep_cost = to_alpha[:n] != 0, to_keep[:n] != 0
-        rows = np.concatenate([np.full(switch_cost.sum(), source), ops[keep_cost], keys // (n + 2)])
-        cols = np.concatenate([ops[switch_cost], np.full(keep_cost.sum(), sink), keys % (n + 2)])
-        caps = np.concatenate([to_alpha[:n][switch_cost], to_keep[:n][keep_cost], pair_caps])
-        if not len(rows):
-            return False
-        caps = np.maximum(1, caps // scale).astype(np.int32)
-        capacity = csr_matrix((caps, (rows, cols)), shape=(n + 2, n + 2))
-        flow = maximum_flow(capacity, source, sink).flow
-        residual = (capacity - flow).tocsr()
-        residual.data = (residual.data > 0).astype(np.int8)
-        residual.eliminate_zeros()
-        reached = np.zeros(n + 2, dtype=bool)
-        reached[breadth_first_order(residual, source, directed=True, return_predecessors=False)] = (
-            True
-        )
-        switch = np.flatnonzero(movable)[~reached[:n]]
-        if not len(switch):
-            return False
-        old = labels[switch].copy()
-        labels[switch] = alpha
-        if self.crossing() >= before:
-            labels[switch] = old
-            return False
-        return True
+            readers.setdefault(v, {}).update(dict.fromkeys(homes))
+    return [
+        Net(producer[v].index if v in producer else placed[v], tuple(ends), graph.nbytes[v])
+        for v, ends in readers.items()
+        if graph.nbytes[v] > 0
+    ]
