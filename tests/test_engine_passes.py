@@ -25,6 +25,7 @@ from mmnnx.mpmd.lower.releases import add_releases
 from mmnnx.mpmd.plan.colour import colour
 from mmnnx.mpmd.plan.cut import Fragment, cut, levels, make_fragment
 from mmnnx.mpmd.plan.flow import follow_the_flow
+from mmnnx.mpmd.plan.net_cut import Net, NetCut
 from mmnnx.mpmd.plan.pipeline import split_backward, stage_fragments
 from mmnnx.mpmd.plan.stage_levels import join_consumers
 from mmnnx.mpmd.step_io import StepInput, StepOutput
@@ -106,6 +107,31 @@ def test_colour_keeps_a_free_op_with_its_heaviest_operand(tasks):
     graph = b.outputs(b.op("mul", big, small, size=1000))
     labels = colour(graph, ins(pa=a, pb=bt), [StepOutput()], tasks).op_tasks
     assert [t.name for t in labels] == ["A", "B", "A"]
+
+
+def test_colour_counts_a_value_once_per_task_that_receives_it(tasks):
+    """A block's output read by three ops of the next stage crosses once (256 B) rather than
+    the two addends of the residual sum that makes it (512 B); a value returned to the task
+    that reads it is sent there once."""
+    a, bt = tasks
+    b = Builder()
+    x, pa, pb = b.input(64), b.input(8), b.input(8)
+    h = b.op("dot_general", x, pa, size=64)
+    branch = b.op("dot_general", h, pa, size=64)
+    y = b.op("add", h, branch, size=64)  # the residual sum: reads no state
+    graph = b.outputs(*(b.op("dot_general", y, pb, size=64) for _ in range(3)))
+    labels = colour(graph, ins(x=None, pa=a, pb=bt), [StepOutput()] * 3, tasks).op_tasks
+    assert [t.name for t in labels] == ["A", "A", "A", "B", "B", "B"]
+    producer = graph.producers()
+    crossing = {
+        (v, labels[op.index])
+        for op in graph.ops
+        for v in op.ins
+        if v in producer and labels[producer[v].index] is not labels[op.index]
+    }
+    assert crossing == {(y, bt)}
+    returned = NetCut.of(tasks, [Net(0, (1, bt), 256)], [a, bt], {0})
+    assert returned.crossing() == 256
 
 
 def test_colour_names_both_variables_of_a_conflict(tasks):

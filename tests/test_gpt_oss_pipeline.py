@@ -111,9 +111,16 @@ def test_gpt_oss_trains_pipelined_as_placed_and_matches_one_device(
     opt = nnx.Optimizer(model, optax.adamw(LR), wrt=nnx.Param)
     step = mm.jit(train_step(microbatches))
     steps = {name: step.with_options(schedule=name) for name in set(schedules)}
+    boundaries = list(zip(tasks, tasks[1:], strict=False))
     for scheduled in steps.values():
-        stage_tasks = scheduled.plan(model, opt, TOKENS).pipeline.stage_tasks
-        assert [t.name for t in stage_tasks] == [t.name for t in tasks]
+        plan = scheduled.plan(model, opt, TOKENS)
+        assert [t.name for t in plan.pipeline.stage_tasks] == [t.name for t in tasks]
+        # one activation forward and one cotangent back per boundary (a layer's output, read by
+        # five ops of the next layer, not the two addends of the residual sum that makes it)
+        activations = [tr for tr in plan.transfers if tr.source is not None and tr.shape]
+        assert sorted((tr.source.name, tr.target.name) for tr in activations) == sorted(
+            (s.name, t.name) for pair in boundaries for s, t in (pair, pair[::-1])
+        )
     per_task = CONFIG.num_hidden_layers // num_tasks
     for schedule, (ref_loss, ref_grads) in zip(schedules, ref_steps, strict=True):
         loss, grads = steps[schedule](model, opt, TOKENS)

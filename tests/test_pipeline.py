@@ -518,6 +518,11 @@ def test_side_inputs_built_in_the_step_are_recomputed_in_each_stage(tasks, sched
     between = [tr for tr in plan.transfers if tr.source is not None]
     assert {abs(int(tr.source.name[1]) - int(tr.target.name[1])) for tr in between} == {1}
     assert not [tr for tr in between if tr.dtype == bool or tuple(tr.shape) == (8, 16)]
+    # one activation forward and one cotangent back per boundary: a block's output, which the
+    # next block reads in several ops, not the two addends of the residual sum that makes it
+    assert sorted((tr.source.name, tr.target.name) for tr in between) == sorted(
+        (f"t{i + d}", f"t{i + 1 - d}") for i in range(3) for d in (0, 1)
+    )
 
 
 class SkipNet(nnx.Module):

@@ -4,7 +4,7 @@ An op that reads state placed on task T runs on T; an op in an ``mm.task`` regio
 task. Every other op goes where the fewest bytes cross tasks, a value counting once per task that
 receives it (as it is sent), however many of that task's ops read it: a start from the producers
 (heaviest operand, ties to the operand produced last), then alpha-expansion moves
-(``expansion.py``), each an exact min cut over "switch these ops to task alpha", until no move
+(``net_cut.py``), each an exact min cut over "switch these ops to task alpha", until no move
 lowers the bytes.
 Updated state pulls its producers home; gradients returned as Variables pull theirs to their
 parameter's task.
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from mmnnx.errors import PlacementConflictError
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.op_kinds import is_view
-from mmnnx.mpmd.plan.expansion import Expansion, Net
+from mmnnx.mpmd.plan.net_cut import Net, NetCut
 from mmnnx.mpmd.step_io import StepInput, StepOutput
 from mmnnx.sharding import Task
 
@@ -113,7 +113,7 @@ def colour(
                 assigned[op.index] = max(weight, key=weight.get)
 
     labels = [t if t is not None else tasks[0] for t in assigned]
-    cut = Expansion.of(tasks, _nets(graph, producer, placed, sinks), labels, fixed)
+    cut = NetCut.of(tasks, _nets(graph, producer, placed, sinks), labels, fixed)
     for _ in range(_MAX_ROUNDS):
         improved = False
         for alpha in range(len(tasks)):

@@ -13,7 +13,7 @@ they are on (Boykov, Veksler & Zabih's moves, with the hypergraph cut's gadget o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 from scipy.sparse import csr_matrix
@@ -44,15 +44,15 @@ class Net:
 
 
 @dataclasses.dataclass
-class Expansion:
+class NetCut:
     """Nets as arrays over nodes: ops ``0..num_ops-1``, then one node per task (a fixed end);
     ``labels[node]`` is a task's number in ``tasks``, ``free[node]`` whether it may change.
 
     Example: op 0 (fixed on ``A``) makes a value that free ops 1 and 2 read; op 1 starts on
     ``B``. Moving it to ``A`` (task 0) stops 8 bytes crossing::
 
-        >>> ex = Expansion.of(["A", "B"], [Net(0, (1, 2), 8)], ["A", "B", "A"], {0})
-        >>> ex.crossing(), ex.expand(0), ex.crossing(), ex.tasks_of_ops()
+        >>> cut = NetCut.of(["A", "B"], [Net(0, (1, 2), 8)], ["A", "B", "A"], {0})
+        >>> cut.crossing(), cut.expand(0), cut.crossing(), cut.tasks_of_ops()
         (8, True, 0, ('A', 'A', 'A'))
     """
 
@@ -71,9 +71,9 @@ class Expansion:
         tasks: Sequence[Task],
         nets: Sequence[Net],
         labels: Sequence[Task],
-        fixed: set[int] | dict[int, Task],
-    ) -> Expansion:
-        """The expansion of ``nets`` over ops labelled ``labels`` (a task per op), the ops in
+        fixed: Collection[int],
+    ) -> NetCut:
+        """The cut of ``nets`` over ops labelled ``labels`` (a task per op), the ops in
         ``fixed`` never moving."""
         known = list(tasks)
         number = {id(t): i for i, t in enumerate(known)}
@@ -141,7 +141,7 @@ class Expansion:
 
 
 def _move_edges(
-    ex: Expansion, movable: np.ndarray, alpha: int
+    cut: NetCut, movable: np.ndarray, alpha: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
     """The flow network of one move: rows, columns and capacities of its edges, and its node
     count (the movable ops, the source, the sink, then one hub per group of readers that needs
@@ -153,37 +153,38 @@ def _move_edges(
     there after the move while its source is not.
     """
     n = int(movable.sum())
-    index = np.full(len(ex.labels), -1, dtype=np.int64)
+    index = np.full(len(cut.labels), -1, dtype=np.int64)
     index[movable] = np.arange(n)
     source, sink = n, n + 1
-    labels, num_tasks = ex.labels, len(ex.tasks)
-    src_label, src_free, src_index = labels[ex.source], movable[ex.source], index[ex.source]
-    reader_label, reader_free = labels[ex.pin_node], movable[ex.pin_node]
-    reader_index = index[ex.pin_node]
+    labels, num_tasks = cut.labels, len(cut.tasks)
+    src_label, src_free, src_index = labels[cut.source], movable[cut.source], index[cut.source]
+    reader_label, reader_free = labels[cut.pin_node], movable[cut.pin_node]
+    reader_index = index[cut.pin_node]
     parts = []
 
     # readers on a task t other than alpha: one group per (net, t)
     on_t = reader_label != alpha
-    keys, group = np.unique(ex.pin_net[on_t] * num_tasks + reader_label[on_t], return_inverse=True)
+    keys, group = np.unique(cut.pin_net[on_t] * num_tasks + reader_label[on_t], return_inverse=True)
     net, task = keys // num_tasks, keys % num_tasks
     fixed = np.zeros(len(keys), dtype=bool)
     fixed[group[~reader_free[on_t]]] = True
     members = _Members(group, reader_free[on_t], reader_index[on_t], fixed)
     at_source = task == src_label[net]
     # t is the source's: paid when the source switches while a reader stays
-    parts.append(members.hubs(ex.weight[net], at_source & src_free[net], src_index[net], source))
+    parts.append(members.hubs(cut.weight[net], at_source & src_free[net], src_index[net], source))
     # t is not the source's: paid when a reader stays (and anyway when one is fixed there)
-    parts.append(members.hubs(ex.weight[net], ~at_source & ~fixed, np.full(len(net), sink), source))
+    elsewhere = ~at_source & ~fixed
+    parts.append(members.hubs(cut.weight[net], elsewhere, np.full(len(net), sink), source))
 
     # readers on alpha after the move: one group per net, its movable readers (they may switch)
-    fixed = np.zeros(len(ex.weight), dtype=bool)
-    fixed[ex.pin_net[reader_label == alpha]] = True
-    members = _Members(ex.pin_net, reader_free, reader_index, fixed, switch=True)
+    fixed = np.zeros(len(cut.weight), dtype=bool)
+    fixed[cut.pin_net[reader_label == alpha]] = True
+    members = _Members(cut.pin_net, reader_free, reader_index, fixed, switch=True)
     # a free source: paid when it stays while a reader is on alpha
-    parts.append(members.hubs(ex.weight, src_free, src_index, sink))
+    parts.append(members.hubs(cut.weight, src_free, src_index, sink))
     # a fixed source on another task: paid when a reader switches (anyway when one is fixed)
     away = ~src_free & (src_label != alpha) & ~fixed
-    parts.append(members.hubs(ex.weight, away, np.full(len(ex.weight), source), sink))
+    parts.append(members.hubs(cut.weight, away, np.full(len(cut.weight), source), sink))
 
     rows, cols, caps, size = [], [], [], n + 2
     for r, c, w, hubs in parts:
