@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from mmnnx.errors import PlacementConflictError
-from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.op_kinds import is_view
 from mmnnx.mpmd.plan.net_cut import Net, NetCut
 from mmnnx.mpmd.step_io import StepInput, StepOutput
@@ -123,7 +123,12 @@ def colour(
     return Colouring(cut.tasks_of_ops(), frozenset(fixed))
 
 
-def _nets(graph: Graph, producer, placed, sinks) -> list[Net]:
+def _nets(
+    graph: Graph,
+    producer: dict[int, Op],
+    placed: dict[int, Task],
+    sinks: dict[int, list[Task]],
+) -> list[Net]:
     """One net per value made by an op or placed on a task: its readers are the ops that read
     it and the tasks it is returned to, each once."""
     readers: dict[int, dict[int | Task, None]] = {}

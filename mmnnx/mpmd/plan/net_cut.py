@@ -168,7 +168,7 @@ def _move_edges(
     net, task = keys // num_tasks, keys % num_tasks
     fixed = np.zeros(len(keys), dtype=bool)
     fixed[group[~reader_free[on_t]]] = True
-    members = _Members(group, reader_free[on_t], reader_index[on_t], fixed)
+    members = _Members(group=group, free=reader_free[on_t], index=reader_index[on_t], fixed=fixed)
     at_source = task == src_label[net]
     # t is the source's: paid when the source switches while a reader stays
     parts.append(members.hubs(cut.weight[net], at_source & src_free[net], src_index[net], source))
@@ -179,7 +179,9 @@ def _move_edges(
     # readers on alpha after the move: one group per net, its movable readers (they may switch)
     fixed = np.zeros(len(cut.weight), dtype=bool)
     fixed[cut.pin_net[reader_label == alpha]] = True
-    members = _Members(cut.pin_net, reader_free, reader_index, fixed, switch=True)
+    members = _Members(
+        group=cut.pin_net, free=reader_free, index=reader_index, fixed=fixed, switch=True
+    )
     # a free source: paid when it stays while a reader is on alpha
     parts.append(members.hubs(cut.weight, src_free, src_index, sink))
     # a fixed source on another task: paid when a reader switches (anyway when one is fixed)
