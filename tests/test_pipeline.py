@@ -1,11 +1,13 @@
 """Pipelined steps (mm.microbatch inside mm.jit) against the full batch on one device."""
 
+import functools
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import threading
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +79,34 @@ def reference_step(model, opt, tokens):
     return loss
 
 
+class OneDevice(NamedTuple):
+    """AdamW steps of the full batch on one device: each step's loss, the model after each
+    step, and the first step's gradients (``params_close``'s noise)."""
+
+    losses: list
+    after: list
+    grads: nnx.State
+
+
+@pytest.fixture(scope="module")
+def one_device(tokens):
+    """``one_device(depth)``: three reference steps of ``gpt(depth)``, computed once per depth
+    for every test of this module that checks a pipelined step against them."""
+
+    @functools.cache
+    def run(depth: int) -> OneDevice:
+        ref = gpt(depth)
+        opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+        _, grads = nnx.value_and_grad(loss_fn)(gpt(depth), tokens)
+        losses, after = [], []
+        for _ in range(3):
+            losses.append(reference_step(ref, opt, tokens))
+            after.append(nnx.clone(ref))
+        return OneDevice(losses, after, grads)
+
+    return run
+
+
 # a user's table: 1F1B's, written to CSV and read back
 CUSTOM = mm.schedules.from_csv(mm.schedules.one_f_one_b(4, M).to_csv(), name="custom")
 
@@ -104,18 +134,18 @@ CUSTOM = mm.schedules.from_csv(mm.schedules.one_f_one_b(4, M).to_csv(), name="cu
         "custom",
     ],
 )
-def test_schedules_match_full_batch_on_one_device(tasks, tokens, schedule, depth, virtual_stages):
+def test_schedules_match_full_batch_on_one_device(
+    tasks, tokens, one_device, schedule, depth, virtual_stages
+):
     model = placed(tasks, depth)
     lr = 3e-3
     opt = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
-    ref = gpt(depth)
-    ref_opt = nnx.Optimizer(ref, optax.adamw(lr), wrt=nnx.Param)
-    _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(depth), tokens)
+    ref = one_device(depth)
     placement = mm.placement(opt)
     step = mm.jit(pipelined_step(schedule, virtual_stages))
-    for _ in range(3):
-        close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
-    params_close(model, ref, ref_grads, steps=3, lr=lr)
+    for ref_loss in ref.losses:
+        close(step(model, opt, tokens), ref_loss)
+    params_close(model, ref.after[2], ref.grads, steps=3, lr=lr)
     assert mm.placement(opt) == placement
     plan = step.plan(model, opt, tokens)
     name = schedule if isinstance(schedule, str) else "custom"
@@ -132,20 +162,20 @@ def test_schedules_match_full_batch_on_one_device(tasks, tokens, schedule, depth
     [("zero-bubble-v", False), ("dualpipev", False), ("dualpipev", True)],
     ids=["zero-bubble-v", "dualpipev", "dualpipev-fused-pairs"],
 )
-def test_v_schedules_run_the_v_placement_and_match_one_device(tasks, tokens, schedule, fuse_pairs):
+def test_v_schedules_run_the_v_placement_and_match_one_device(
+    tasks, tokens, one_device, schedule, fuse_pairs
+):
     # stage_rules' V: t0 t1 t2 t3 t3:1 t2:1 t1:1 t0:1, the embedding and the head on t0's devices
     rules = mm.stage_rules(gpt(8), tasks, virtual_stages=2, order="v", report=False)
     model = mm.place(gpt(8), rules)
     lr = 3e-3
     opt = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
-    ref = gpt(8)
-    ref_opt = nnx.Optimizer(ref, optax.adamw(lr), wrt=nnx.Param)
-    _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(8), tokens)
+    ref = one_device(8)
     table = mm.schedules.dualpipe_v(4, M, fuse_pairs=True) if fuse_pairs else schedule
     step = mm.jit(pipelined_step(table, virtual_stages=2))
-    for _ in range(3):
-        close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
-    params_close(model, ref, ref_grads, steps=3, lr=lr)
+    for ref_loss in ref.losses:
+        close(step(model, opt, tokens), ref_loss)
+    params_close(model, ref.after[2], ref.grads, steps=3, lr=lr)
     pipeline = step.plan(model, opt, tokens).pipeline
     assert [t.name for t in pipeline.stage_tasks] == [
         *("t0", "t1", "t2", "t3"),
@@ -217,11 +247,13 @@ def no_compilation_cache():
 
 
 def test_equal_stages_compile_once_and_train_like_one_device(
-    tasks, tokens, monkeypatch, no_compilation_cache
+    tasks, tokens, one_device, monkeypatch, no_compilation_cache
 ):
     """Blocks 1 and 2 are alike and their tasks hold nothing else: stage 2's forward, backward,
     running sums and update are stage 1's programs on other devices, loaded, not compiled."""
     from jax._src import compiler
+
+    ref = one_device(4)
 
     compiled = []  # by the threads that compile a step's programs
     real = compiler.backend_compile_and_load
@@ -242,8 +274,6 @@ def test_equal_stages_compile_once_and_train_like_one_device(
     )
     model = placed(tasks)
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
-    ref = gpt()
-    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
     step = mm.jit(pipelined_step("1f1b"))
     plan = step.compile(model, opt, tokens)
     assert plan.num_loaded >= 3  # stage 2's forward, backward and update
@@ -251,10 +281,9 @@ def test_equal_stages_compile_once_and_train_like_one_device(
     loaded = tables[0].loaded  # the step's programs and the runner's own zero fills
     assert loaded >= 4 and sum(compiled) == len(submitted) - loaded  # loaded: not compiled
     assert plan.num_loaded <= min(loaded, plan.num_programs)
-    for _ in range(2):
-        close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
-    _, ref_grads = nnx.value_and_grad(loss_fn)(gpt(), tokens)
-    params_close(model, ref, ref_grads, steps=2, lr=3e-3)
+    for ref_loss in ref.losses[:2]:
+        close(step(model, opt, tokens), ref_loss)
+    params_close(model, ref.after[1], ref.grads, steps=2, lr=3e-3)
 
 
 def test_loading_an_equal_program_replaces_no_jax_function(no_compilation_cache):
@@ -440,9 +469,8 @@ def test_the_schedule_option_replaces_the_microbatch_schedule_when_planned(tasks
     assert last_stage(step)[0].name == "1f1b"  # the step itself plans as before
 
 
-def test_interleaved_eight_stages_on_four_tasks(tasks, tokens):
+def test_interleaved_eight_stages_on_four_tasks(tasks, tokens, one_device):
     model = placed(tasks, depth=8)
-    ref = gpt(depth=8)
     grads_step = mm.jit(
         mm.microbatch(
             nnx.value_and_grad(loss_fn),
@@ -453,9 +481,8 @@ def test_interleaved_eight_stages_on_four_tasks(tasks, tokens):
         )
     )
     loss, grads = grads_step(model, tokens)
-    ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(ref, tokens)
-    close(loss, ref_loss)
-    trees_close(grads, ref_grads)
+    close(loss, one_device(8).losses[0])
+    trees_close(grads, one_device(8).grads)
     pipeline = grads_step.plan(model, tokens).pipeline
     assert [t.name for t in pipeline.stage_tasks] == [f"t{i % 4}" for i in range(8)]
     assert pipeline.schedule.num_ranks == 4
