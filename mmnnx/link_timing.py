@@ -8,6 +8,7 @@ program (:func:`measure_launch_cost`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -36,11 +37,19 @@ the bandwidth."""
 
 
 def measure_link(
-    source: Task, target: Task, *, sizes: Sequence[int] = SIZES, repeats: int = 7
+    source: Task,
+    target: Task,
+    *,
+    sizes: Sequence[int] = SIZES,
+    repeats: int = 7,
+    spec: PartitionSpec | None = None,
 ) -> Link:
-    """The latency and bandwidth of moving a replicated float32 value from ``source``'s devices
-    to ``target``'s, as the runner moves one (median of ``repeats`` copies per size, each
-    waited for).
+    """The latency and bandwidth of moving a float32 value from ``source``'s devices to
+    ``target``'s, as the runner moves one (median of ``repeats`` copies per size, each waited
+    for). ``spec``: how the value (a vector) is laid out on both tasks: replicated by default
+    (``None``), each target device receiving all of it; ``PartitionSpec("data")``, say,
+    splits it over the tasks' ``data`` axis, as a batch-sharded activation is, each device
+    moving its slice.
 
     In one process: the runner's own copy between the two tasks' devices. With several
     processes it is a collective, which every process calls (in the same order as its other
@@ -65,30 +74,38 @@ def measure_link(
         )
     if not (isinstance(repeats, int) and repeats >= 1):
         raise ValueError(f"measure_link: repeats must be an int >= 1, got {repeats!r}")
-    involved = processes_of(source) | processes_of(target)
+    spec = PartitionSpec() if spec is None else spec
+    layouts = (source.sharding(spec), target.sharding(spec))
     if jax.process_count() == 1:
-        return _measure_here(source, target, sizes, repeats)
+        return _measure_here(*layouts, sizes, repeats)
     me = jax.process_index()
+    involved = processes_of(source) | processes_of(target)
     link = None
     if involved == {me}:
-        link = _measure_here(source, target, sizes, repeats)
+        link = _measure_here(*layouts, sizes, repeats)
     elif me in involved:
-        link = _measure_across(source, target, sizes, repeats)
+        link = _measure_across(*layouts, sizes, repeats)
     what = f"measure_link({source.name!r}, {target.name!r})"
     found = [x for x in gather(link and [link.latency, link.bandwidth], what=what) if x]
     return Link(*found[0])
 
 
-def _fit(sizes: Sequence[int], seconds: Sequence[float]) -> Link:
-    return Link.fit([4 * max(n // 4, 1) for n in sizes], seconds)
+def _vector(nbytes: int, *layouts: Any) -> tuple[int]:
+    """The shape of a float32 vector of about ``nbytes`` that each of ``layouts`` splits
+    evenly."""
+    whole = 1 << 20
+    parts = math.lcm(*(whole // layout.shard_shape((whole,))[0] for layout in layouts))
+    return (max(nbytes // 4 // parts, 1) * parts,)
 
 
-def _measure_here(source: Task, target: Task, sizes: Sequence[int], repeats: int) -> Link:
-    """The runner's copy between two tasks of this process, timed."""
-    src, dst = source.sharding(PartitionSpec()), target.sharding(PartitionSpec())
-    seconds = []
-    for nbytes in sizes:
-        shape = (max(nbytes // 4, 1),)
+def _fit(shapes: Sequence[tuple[int]], seconds: Sequence[float]) -> Link:
+    return Link.fit([4 * shape[0] for shape in shapes], seconds)
+
+
+def _measure_here(src: Any, dst: Any, sizes: Sequence[int], repeats: int) -> Link:
+    """The runner's copy from layout ``src`` to ``dst`` (devices of this process), timed."""
+    seconds, shapes = [], [_vector(nbytes, src, dst) for nbytes in sizes]
+    for shape in shapes:
         move = copier(src, dst, 1, np.float32) or (lambda x: jax.device_put(x, dst))
         value = jax.device_put(jnp.zeros(shape, jnp.float32), src)
         jax.block_until_ready(move(value))  # the first copy sets up the route
@@ -98,17 +115,15 @@ def _measure_here(source: Task, target: Task, sizes: Sequence[int], repeats: int
             jax.block_until_ready(move(value))
             times.append(time.perf_counter() - start)
         seconds.append(statistics.median(times))
-    return _fit(sizes, seconds)
+    return _fit(shapes, seconds)
 
 
-def _measure_across(source: Task, target: Task, sizes: Sequence[int], repeats: int) -> Link | None:
-    """Half a round trip ``source -> target -> source`` through the runner's cross-process
-    route, timed by the first process of ``source`` (``None`` on the others)."""
+def _measure_across(src: Any, dst: Any, sizes: Sequence[int], repeats: int) -> Link | None:
+    """Half a round trip from layout ``src`` to ``dst`` and back through the runner's
+    cross-process route, timed by the first process of ``src`` (``None`` on the others)."""
     me = jax.process_index()
-    src, dst = source.sharding(PartitionSpec()), target.sharding(PartitionSpec())
-    seconds = []
-    for nbytes in sizes:
-        shape = (max(nbytes // 4, 1),)
+    seconds, shapes = [], [_vector(nbytes, src, dst) for nbytes in sizes]
+    for shape in shapes:
         there = RoutePlan.plan(shape, np.float32, src, dst, me)
         back = RoutePlan.plan(shape, np.float32, dst, src, me)
         value = _zeros(shape, src) if there.sends else None
@@ -119,7 +134,8 @@ def _measure_across(source: Task, target: Task, sizes: Sequence[int], repeats: i
             _round_trip(there, back, value)
             times.append((time.perf_counter() - start) / 2)
         seconds.append(statistics.median(times))
-    return _fit(sizes, seconds) if me == min(processes_of(source)) else None
+    timer = min(d.process_index for d in src.device_set)
+    return _fit(shapes, seconds) if me == timer else None
 
 
 def _zeros(shape: tuple[int, ...], sharding: Any) -> jax.Array:
