@@ -1,5 +1,6 @@
-"""``mm.schedules``: pipeline schedules as data (the engine's :mod:`mmnnx.mpmd.schedules`) and
-:func:`tune`, which measures a step and picks among them (:mod:`mmnnx.tuning`).
+"""``mm.schedules``: pipeline schedules as data (the engine's :mod:`mmnnx.mpmd.schedules`),
+what a step's transfers and launches cost (:mod:`mmnnx.link_timing`), and :func:`tune`, which
+measures a step and picks among them (:mod:`mmnnx.tuning`).
 
 Example:
     >>> import mmnnx as mm
@@ -10,8 +11,26 @@ Example:
 """
 
 from mmnnx.errors import NoCandidateError
+from mmnnx.link_timing import (
+    StepTransfers,
+    boundary_bytes,
+    measure_launch_cost,
+    measure_link,
+    measure_transfers,
+)
 from mmnnx.mpmd import schedules as _engine
 from mmnnx.mpmd.schedules import *  # noqa: F403  (the engine's public names, as its __all__ lists)
 from mmnnx.tuning import Candidate, TuneResult, tune
 
-__all__ = [*_engine.__all__, "Candidate", "NoCandidateError", "TuneResult", "tune"]
+__all__ = [
+    *_engine.__all__,
+    "Candidate",
+    "NoCandidateError",
+    "StepTransfers",
+    "TuneResult",
+    "boundary_bytes",
+    "measure_launch_cost",
+    "measure_link",
+    "measure_transfers",
+    "tune",
+]

@@ -6,8 +6,9 @@ right, rank 0 (or the first task) is the top row, every action is a box spanning
 ``W`` weight gradient) and labelled with its microbatch, and idle time (the bubble) is the empty
 space between boxes. It accepts a :class:`~mmnnx.mpmd.schedules.Schedule` (simulated with the
 default costs), a :class:`~mmnnx.mpmd.schedules.SimulationResult`, or any sequence of
-event-like objects, for example the events the engine measured. :func:`timeline_rows` returns
-the normalized rows the plot draws.
+event-like objects, for example the events the engine measured. A measured transfer (kind
+``T``: a value crossing to a rank's devices) is a thin bar right under the row of the rank it
+arrives at. :func:`timeline_rows` returns the normalized rows the plot draws.
 
 Only matplotlib's object-oriented API is used: nothing is registered with ``pyplot``, so no
 figure needs closing, and the backend is left alone (saving works headless).
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from mmnnx.mpmd.schedules import Schedule, SimulationResult, simulate
+from mmnnx.mpmd.schedules import TRANSFER, Schedule, SimulationResult, simulate
 
 
 class TimelineFigure(Figure):
@@ -44,7 +45,15 @@ class TimelineFigure(Figure):
         return buffer.getvalue()
 
 
-__all__ = ["KIND_COLORS", "KIND_NAMES", "TimelineEvent", "UNITS", "plot_timeline", "timeline_rows"]
+__all__ = [
+    "KIND_COLORS",
+    "KIND_NAMES",
+    "TRANSFER_COLOR",
+    "TimelineEvent",
+    "UNITS",
+    "plot_timeline",
+    "timeline_rows",
+]
 
 KIND_COLORS: dict[str, str] = {
     "F": "#7eb0d5",
@@ -59,8 +68,14 @@ KIND_NAMES: dict[str, str] = {
     "B": "B  backward",
     "I": "I  input grad",
     "W": "W  weight grad",
+    TRANSFER: "T  transfer in",
 }
-"""Legend text of each action kind; other kinds are shown by their own name."""
+"""Legend text of each action kind (and of a transfer's bar); other kinds are shown by their
+own name."""
+
+TRANSFER_COLOR = "#6a3d9a"
+"""Fill colour of a transfer's bar."""
+_TRANSFER_BAR = (0.48, 0.12)  # a transfer bar's centre below its row's centre, and its height
 
 UNITS: dict[str, float] = {"s": 1.0, "ms": 1e3, "us": 1e6}
 """Time units :func:`plot_timeline` can show seconds in, with their factor from seconds."""
@@ -163,6 +178,11 @@ def plot_timeline(
     path's suffix names when matplotlib knows it (e.g. ``.svg``, ``.pdf``). The Figure
     displays by itself in Jupyter.
 
+    A transfer (an event of kind ``"T"``, as a step's timelines give them: a value crossing
+    from one rank's devices to another's) is drawn as a thin bar (:data:`TRANSFER_COLOR`) in
+    the gap right under the row of the rank it arrives at, spanning from when it could leave to
+    when it arrived; its gid is ``T<stage>.<microbatch>@<row>`` (the stage that made it).
+
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b
         >>> from mmnnx.timeline import plot_timeline
@@ -184,9 +204,13 @@ def plot_timeline(
     if title is None:
         title = _default_title(events_or_schedule, kind_of_input)
     names = list(grouped)
-    multi_stage = any(len({event.stage for event in row}) > 1 for row in grouped.values())
+    actions = [event for event in events if event.kind != TRANSFER]
+    multi_stage = any(
+        len({event.stage for event in row if event.kind != TRANSFER}) > 1
+        for row in grouped.values()
+    )
     if ax is None:
-        axes_width_in = _axes_width(events, multi_stage, span)
+        axes_width_in = _axes_width(actions, multi_stage, span)
         figsize = (axes_width_in + _SIDE_MARGINS_IN, 1.3 + 0.45 * len(names))
         fig = TimelineFigure(figsize=figsize, layout="constrained")
         ax = fig.add_subplot()
@@ -195,7 +219,7 @@ def plot_timeline(
         axes_width_in = ax.get_position().width * fig.get_figwidth()
     inches_per_unit = axes_width_in / (span * scale) if span > 0 else 0.0
 
-    kinds = _ordered_kinds(events)
+    kinds = _ordered_kinds(actions)
     colors = _kind_colors(kinds)
     for kind in kinds:
         placed = [
@@ -230,8 +254,9 @@ def plot_timeline(
                     clip_on=True,
                 )
 
+    below = _draw_transfers(ax, grouped, names, origin, scale)
     ax.set_yticks(range(len(names)), labels=names)
-    ax.set_ylim(len(names) - 0.5, -0.5)  # first row on top
+    ax.set_ylim(len(names) - 0.5 + below, -0.5)  # first row on top
     ax.set_xlim(0, span * scale if span > 0 else 1)
     ax.set_xlabel(xlabel)
     ax.set_title(title, loc="left")
@@ -256,6 +281,34 @@ def plot_timeline(
         supported = fig.canvas.get_supported_filetypes()
         fig.savefig(target, format=suffix if suffix in supported else "png", dpi=150)
     return fig
+
+
+def _draw_transfers(
+    ax: Axes, grouped: dict[str, list[TimelineEvent]], names: list[str], origin: float, scale: float
+) -> float:
+    """Draws each transfer as a thin bar under its row; returns how far below the last row's
+    box the bars reach (0 without transfers)."""
+    placed = [
+        (y, event)
+        for y, name in enumerate(names)
+        for event in grouped[name]
+        if event.kind == TRANSFER
+    ]
+    if not placed:
+        return 0.0
+    offset, height = _TRANSFER_BAR
+    bars = ax.barh(
+        [y + offset for y, _ in placed],
+        [(event.end - event.start) * scale for _, event in placed],
+        left=[(event.start - origin) * scale for _, event in placed],
+        height=height,
+        color=TRANSFER_COLOR,
+        linewidth=0,
+        label=KIND_NAMES[TRANSFER],
+    )
+    for rect, (_, event) in zip(bars.patches, placed, strict=True):
+        rect.set_gid(f"{TRANSFER}{event.stage}.{event.microbatch}@{event.row}")
+    return offset + height / 2 - 0.5 + 0.02
 
 
 def _normalize(source: Any) -> tuple[list[TimelineEvent], str]:

@@ -1,11 +1,13 @@
 """``mm.schedules.tune``: measure a pipelined step once, simulate the candidate schedules, pick.
 
-The step runs twice in ``timeline`` mode (a warm-up that compiles, then one measured run) and
-once to record live activations (``memory_profile``), on the caller's arguments, whose values
-are put back afterwards. The measured durations per action kind and stage, scaled by the
-microbatch size, drive :func:`~mmnnx.mpmd.schedules.simulate` for every candidate; memory is
-each device's placed state plus the candidate's peak in-flight microbatches times the measured
-activation bytes of one.
+The step runs twice in ``timeline`` mode (a warm-up that compiles, then one measured run), once
+to record live activations (``memory_profile``) and a few times to time the host's launches
+(``measure_launch_cost``), on the caller's arguments, whose values are put back afterwards;
+the links its stage boundaries cross are measured (``measure_transfers``). The measured
+durations per action kind and stage and the bytes each boundary moves, scaled by the microbatch
+size, the links and the launch cost drive :func:`~mmnnx.mpmd.schedules.simulate` for every
+candidate; memory is each device's placed state plus the candidate's peak in-flight
+microbatches times the measured activation bytes of one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rich.table import Table
 from mmnnx import _nnx
 from mmnnx._tables import Tabulation, render
 from mmnnx.errors import MPMDError, NoCandidateError
+from mmnnx.link_timing import StepTransfers, measure_launch_cost, measure_transfers
 from mmnnx.mpmd import schedules as sched
 
 _UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6}
@@ -69,13 +72,18 @@ class TuneResult:
     ``measured_microbatches`` (each stage's programs timed alone, all they run included, e.g. a
     mixture of experts' all_to_all); a candidate's simulation takes these, times
     ``measured_microbatches / M`` (``I`` and ``W``, of a split backward, are there when one was
-    measured; otherwise a candidate that splits it takes half a ``B`` each)."""
+    measured; otherwise a candidate that splits it takes half a ``B`` each). ``transfers``:
+    the links between the step's tasks and the bytes each stage boundary moves, and
+    ``launch_cost`` the host's seconds per launched program, which every candidate's
+    simulation takes too."""
 
     best: Candidate
     candidates: list[Candidate]
     measured_schedule: str
     measured_microbatches: int
     stage_costs: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
+    transfers: StepTransfers | None = None
+    launch_cost: float = 0.0
 
     def table(self) -> Tabulation:
         """The candidates as a table (text, and HTML in Jupyter)."""
@@ -199,7 +207,10 @@ def tune(
     not divide the step's batch is listed as one that cannot run. A candidate's memory is
     each device's arguments plus the most activation bytes its stages hold at once in the
     simulated run. A candidate's per-action time is the measured one scaled by the
-    microbatch size. When the step runs a joint backward, it is measured a second
+    microbatch size; each value crossing between tasks takes what the link between them
+    measured for its bytes (scaled alike), and each program waits for the host to launch it
+    (in the order the runner does, at the host time per launch measured), so that more
+    microbatches pay for more launches. When the step runs a joint backward, it is measured a second
     time with a split one (ZB-H1), whose two programs per stage cost more than half a joint
     backward each. The arguments keep the values they had (an ``mm.cached_partial``'s bound
     ones too).
@@ -253,8 +264,11 @@ def tune(
     cost = measure(step)
     try:
         memory = step.memory_profile(*args, **kwargs)
+        _nnx.set_values(variables, before)
+        launch_cost = measure_launch_cost(step, *args, **kwargs)
     finally:
         _nnx.set_values(variables, before)
+    transfers = measure_transfers(step, *args, **kwargs)
     split_cost = cost if measured.splits_backward else None
     stage_task = [t.name for t in pipeline.stage_tasks]
     stage_home = [t.home.name for t in pipeline.stage_tasks]
@@ -314,7 +328,9 @@ def tune(
             for row in schedule.actions
             for a in row
         }
-        result = sched.simulate(schedule, action_costs=costs)
+        result = sched.simulate(
+            schedule, action_costs=costs, **transfers.simulate_options(schedule, launch_cost)
+        )
         held = {
             stage: per_microbatch.get(task, 0.0) * scale for stage, task in enumerate(stage_task)
         }
@@ -356,6 +372,8 @@ def tune(
         measured_schedule=measured.name,
         measured_microbatches=m0,
         stage_costs={(k, s): stage_cost(k, s) for k in kinds for s in range(measured.num_stages)},
+        transfers=transfers,
+        launch_cost=launch_cost,
     )
 
 

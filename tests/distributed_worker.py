@@ -184,7 +184,8 @@ def back_to_back(schedule: str = "1f1b", per_task: str | int = 4):
 
 @scenario
 def tools():
-    """tabulate, cached_partial, timeline and memory_profile of the pipelined README step."""
+    """tabulate, cached_partial, timeline and memory_profile of the pipelined README step, and
+    the links between its tasks (measure_link, measure_transfers)."""
     model = readme_model()
     opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
 
@@ -208,12 +209,24 @@ def tools():
     events = train_step.timeline(model, opt, x, y)
     memory = train_step.memory_profile(model, opt, x, y)
     losses.append(float(mm.distributed.fetch(train_step(model, opt, x, y))))
+    made = {(e.rank, e.kind, e.stage, e.microbatch): e.end for e in events if e.kind != "T"}
+    moved = [e for e in events if e.kind == "T"]
+    link = mm.schedules.measure_link(*readme_model_tasks(), repeats=3)
+    measured = mm.schedules.measure_transfers(train_step, model, opt, x, y, repeats=3)
+    schedule = train_step.plan(model, opt, x, y).pipeline.schedule
     return {
         "losses": losses,
         "table": table,
         "event_tasks": sorted({e.task for e in events}),
         "events": len(events),
         "memory_tasks": sorted(memory),
+        "transfers": sorted([e.source, e.rank, e.carries, e.stage, e.microbatch] for e in moved),
+        "lag": max(made[(e.source, e.carries, e.stage, e.microbatch)] - e.start for e in moved),
+        "link": [link.latency, link.bandwidth],
+        "links": sorted(map(list, measured.links)),
+        "nbytes": sorted([k, s, n] for (k, s), n in measured.nbytes.items()),
+        "launching": list(measured.processes_of(schedule)),
+        "priced": sorted(map(list, measured.transfer_costs(schedule))),
     }
 
 

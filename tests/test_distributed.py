@@ -27,6 +27,9 @@ from tests.flags import without_device_count
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
 TIMEOUT_S = 240
+# how far apart two processes' clocks may be after the barrier that aligns them, with a
+# watcher's late note of an end (see tests/test_launch_report.py)
+SLACK_S = 0.02
 
 
 def launch(
@@ -303,6 +306,18 @@ def test_tabulate_cached_partial_timeline_and_memory_profile_across_processes(tw
         # every process gets the whole job's timeline; memory is profiled per process
         assert r["event_tasks"] == ["stage0", "stage1"] and r["memory_tasks"] == [f"stage{rank}"]
         assert r["events"] == reference["events"]
+        # each value crossing to the other process's stage is a transfer of the timeline,
+        # starting once its producer ended there, as each crossing between two tasks of one
+        # process is
+        assert r["transfers"] == reference["transfers"] and r["transfers"]
+        assert reference["lag"] <= 0 and r["lag"] <= SLACK_S  # clocks aligned to about 0.1 ms
+        # the link between the processes, measured through the runner's route: one result
+        # everywhere; the step's boundaries priced over it, each process launching its own
+        assert r["link"] == results[0]["link"] and r["link"][0] >= 0 and r["link"][1] > 0
+        for key in ("links", "nbytes", "priced"):
+            assert r[key] == reference[key], key
+        assert r["links"] == [["stage0", "stage1"], ["stage1", "stage0"]]
+        assert r["launching"] == [0, 1] and reference["launching"] == [0, 0]
         # devices as jax.devices() indices (JAX's ids of process 1's devices are 2048..)
         assert "stage0 │ 0-3 (process 0)" in r["table"]
         assert "stage1 │ 4-7 (process 1)" in r["table"] and "2048" not in r["table"]

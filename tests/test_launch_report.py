@@ -73,16 +73,18 @@ def test_rank_zero_reports_every_stage_with_user_device_indices(tmp_path, capsys
     single = capsys.readouterr().out
 
     # the timeline has every stage's actions, from both processes, on one clock
-    bubble, events = _timeline(launched)
+    bubble, timed = _timeline(launched)
+    events = [e for e in timed if e.kind != "T"]
     by_action = {(e.task, e.kind, e.microbatch): e for e in events}
     assert sorted(by_action) == sorted(
         (task, kind, m) for task in ("stage0", "stage1") for kind in "FB" for m in range(4)
     )
-    for m in range(4):  # a value is read after the action sending it ended
+    moved = {(e.carries, e.microbatch): e for e in timed if e.kind == "T"}
+    for m in range(4):  # a value is read after the action sending it ended and it arrived
         sent, read = by_action[("stage0", "F", m)], by_action[("stage1", "F", m)]
-        assert read.start >= sent.end - SLACK_S, (sent, read)
+        assert read.start >= moved[("F", m)].end >= moved[("F", m)].start >= sent.end - SLACK_S
         sent, read = by_action[("stage1", "B", m)], by_action[("stage0", "B", m)]
-        assert read.start >= sent.end - SLACK_S, (sent, read)
+        assert read.start >= moved[("B", m)].end >= moved[("B", m)].start >= sent.end - SLACK_S
     assert min(e.start for e in events) >= 0
 
     # the report's bubble is the whole job's; rank 0 alone once reported 1% here

@@ -46,6 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "mmnnx.timeline",
         "mmnnx.modules",
         "mmnnx.tuning",
+        "mmnnx.link_timing",
         "mmnnx.schedules",
     ),
     ("mmnnx.models", "mmnnx.train"),

@@ -57,9 +57,11 @@ def test_overlapped_timeline_follows_the_schedule_and_updates_as_a_call(tasks, t
     twin_opt = nnx.Optimizer(twin, optax.adamw(3e-3), wrt=nnx.Param)
     step = mm.jit(train_step(schedule))
     interval = sys.getswitchinterval()
-    events = step.overlapped_timeline(model, opt, tokens)
+    timed = step.overlapped_timeline(model, opt, tokens)
     assert sys.getswitchinterval() == interval
     assert not timers_running()
+    events = [e for e in timed if e.kind != "T"]
+    transfers = {(e.carries, e.stage, e.microbatch): e for e in timed if e.kind == "T"}
 
     schedule_table = step.plan(model, opt, tokens).pipeline.schedule
 
@@ -73,9 +75,9 @@ def test_overlapped_timeline_follows_the_schedule_and_updates_as_a_call(tasks, t
         if runs(a)
     )
     assert sorted((e.task, e.kind, e.stage, e.microbatch) for e in events) == expected
-    assert all(e.end >= e.start >= 0 for e in events)
-    assert all(e.rank == e.task for e in events)
-    assert 0 <= mm.schedules.measured_bubble(events) < 1
+    assert all(e.end >= e.start >= 0 for e in timed)
+    assert all(e.rank == e.task for e in timed)
+    assert 0 <= mm.schedules.measured_bubble(timed) == mm.schedules.measured_bubble(events) < 1
     # a rank runs one program at a time, in the schedule's order
     for rank in range(schedule_table.num_ranks):
         mine = sorted((e for e in events if e.task == f"t{rank}"), key=lambda e: e.start)
@@ -84,15 +86,19 @@ def test_overlapped_timeline_follows_the_schedule_and_updates_as_a_call(tasks, t
         ]
         assert [(e.kind, e.stage, e.microbatch) for e in mine] == order
         assert all(b.start >= a.end for a, b in zip(mine, mine[1:], strict=False))
-    # an action starts once what it reads is made: forwards after the previous stage's,
-    # backwards (input gradients) after the next stage's
+    # an action starts once what it reads is made and has crossed to its devices: forwards
+    # after the previous stage's, backwards (input gradients) after the next stage's, each
+    # value's transfer (timed apart from its reader) in between
     at = {(e.kind, e.stage, e.microbatch): e for e in events}
     back = "B" if schedule == "1f1b" else "I"
-    for (kind, stage, m), e in at.items():
-        if kind == "F" and stage > 0:
-            assert e.start >= at[("F", stage - 1, m)].end
-        if kind == back and stage < 3:
-            assert e.start >= at[(back, stage + 1, m)].end
+    crossings = [(kind, stage, m) for kind, stage, m in at if (kind, stage) in
+                 {*(("F", s) for s in range(3)), *((back, s) for s in range(1, 4))}]  # fmt: skip
+    assert sorted(transfers) == sorted(crossings)
+    for (kind, stage, m), moved in transfers.items():
+        to = stage + 1 if kind == "F" else stage - 1
+        reader = at.get((kind, to, m)) or at[("W", to, m)]  # stage 0's I runs nothing
+        assert (moved.source, moved.rank) == (at[(kind, stage, m)].rank, reader.rank)
+        assert at[(kind, stage, m)].end <= moved.start <= moved.end <= reader.start
     # the run was a step: the model and optimizer moved as a normal call moves them
     step(twin, twin_opt, tokens)
     for a, b in zip(
@@ -116,7 +122,7 @@ def test_cached_partial_overlapped_timeline_times_the_same_actions(tasks, tokens
     assert sorted((e.task, e.kind, e.stage, e.microbatch) for e in overlapped) == sorted(
         (e.task, e.kind, e.stage, e.microbatch) for e in alone
     )
-    assert len(overlapped) == 2 * 4 * M
+    assert len([e for e in overlapped if e.kind != "T"]) == 2 * 4 * M
 
 
 def test_overlapped_timeline_of_a_failing_step_raises_and_stops_its_watchers():
@@ -153,7 +159,8 @@ def test_overlapped_timeline_of_a_failing_step_raises_and_stops_its_watchers():
     for a, b in zip(before, jax.tree.leaves(nnx.state(model)), strict=True):
         np.testing.assert_array_equal(a, b)
     armed["on"] = False
-    assert len(step.overlapped_timeline(model, opt, x)) == 2 * 2 * 4  # F and B, 2 stages, M=4
+    kinds = [e.kind for e in step.overlapped_timeline(model, opt, x)]
+    assert len(kinds) == 2 * 2 * 4 + 2 * 4  # F and B, 2 stages, M=4; a transfer each way
 
 
 class _Pending:

@@ -202,7 +202,7 @@ def test_v_schedules_run_the_v_placement_and_match_one_device(
     # drawn one row per rank: a virtual stage's boxes in its task's row, labelled by stage
     rows = timeline_rows(events)
     assert list(rows) == ["t0", "t1", "t2", "t3"]
-    assert {e.stage for e in rows["t0"]} == {0, 7}
+    assert {e.stage for e in rows["t0"] if e.kind != "T"} == {0, 7}
     figure = mm.plot_timeline(events)
     assert len(figure.axes[0].patches) == len(events)
     together = [e for e in events if e.fused]
@@ -655,20 +655,39 @@ def test_live_activations_follow_the_schedule(tasks, tokens, schedule, expected)
     assert peak_microbatches <= simulated.peak_in_flight[0]
 
 
-def test_timeline_covers_every_action_once(tasks, tokens):
+def test_timeline_covers_every_action_and_transfer_once(tasks, tokens):
     model = placed(tasks)
     step = mm.jit(mm.microbatch(nnx.value_and_grad(loss_fn), num=M, reduce="mean"))
     events = step.timeline(model, tokens)
+    actions = [e for e in events if e.kind != "T"]
     schedule = step.plan(model, tokens).pipeline.schedule
+    rank = [f"t{r}" for r in schedule.stage_to_rank]
     expected = sorted(
         (f"t{schedule.stage_to_rank[a.stage]}", a.kind, a.stage, a.microbatch)
-        for rank in range(schedule.num_ranks)
-        for a in schedule.actions_of(rank)
+        for r in range(schedule.num_ranks)
+        for a in schedule.actions_of(r)
     )
-    assert sorted((e.task, e.kind, e.stage, e.microbatch) for e in events) == expected
+    assert sorted((e.task, e.kind, e.stage, e.microbatch) for e in actions) == expected
     assert all(e.end >= e.start >= 0 for e in events)
+    # each result crossing to another rank is a transfer of its own, after its producer ended
+    # and before its reader started (each runs alone); the ones transfer_costs prices
+    sending = mm.schedules.transfer_costs(
+        schedule,
+        {(a, b): mm.schedules.Link(0, 1) for a in range(4) for b in range(a)},
+        {}.fromkeys("FBIW", 0),
+    )
+    transfers = [e for e in events if e.kind == "T"]
+    assert {(e.carries, e.stage, e.microbatch) for e in transfers} == {
+        (kind, stage, m) for kind, stage in sending for m in range(M)
+    }
+    at = {(e.kind, e.stage, e.microbatch): e for e in actions}
+    for t in transfers:
+        reader = at[(t.carries, t.stage + (1 if t.carries == "F" else -1), t.microbatch)]
+        made = at[(t.carries, t.stage, t.microbatch)]
+        assert (t.source, t.rank) == (rank[t.stage], reader.rank)
+        assert made.end <= t.start <= t.end <= reader.start
     figure = mm.plot_timeline(events)
-    assert len(figure.axes[0].patches) == len(events)
+    assert len(figure.axes[0].patches) == len(events)  # a box per action, a bar per transfer
 
 
 def test_errors(tasks, tokens):

@@ -94,11 +94,17 @@ def test_one_schedule_name_is_one_candidate():
     assert _candidate_pairs(None, None, None) is None
 
 
+def sched_keys(schedule):
+    return {(a.kind, a.stage) for row in schedule.actions for a in row}
+
+
 def test_a_step_without_a_pipeline_is_refused():
     model = placed_gpt(four_tasks())
     step = mm.jit(lambda m, t: m.loss(t))
     with pytest.raises(mm.MPMDError, match="tune: the step has no pipelined mm.microbatch"):
         mm.schedules.tune(step, model, jnp.zeros((4, 9), jnp.int32))
+    with pytest.raises(mm.MPMDError, match="boundary_bytes: the step has no pipelined"):
+        mm.schedules.measure_transfers(step, model, jnp.zeros((4, 9), jnp.int32))
 
 
 def test_candidates_must_place_stages_as_the_step_does():
@@ -161,6 +167,24 @@ def test_a_cached_partial_step_keeps_its_bound_arguments_values():
     step = mm.cached_partial(pipelined(4), model, opt)
     result = mm.schedules.tune(step, tokens, candidates=[("1f1b", 4), ("zero-bubble-h1", 4)])
     assert {c.schedule for c in result.candidates} == {"1f1b", "zero-bubble-h1"}
+    # each candidate's time takes the links its boundaries cross (each way), the bytes each
+    # moves per microbatch of 2 rows (hidden states (2, 8, 16) float32, and 64 bytes beside)
+    # and the host's launches
+    transfers = result.transfers
+    ranks = [("t0", "t1"), ("t1", "t2"), ("t2", "t3")]
+    assert set(transfers.links) == {*ranks, *(pair[::-1] for pair in ranks)}
+    boundaries = [("F", 0), ("F", 1), ("F", 2), ("B", 1), ("B", 2), ("B", 3)]
+    sizes = dict.fromkeys(boundaries, 4 * 2 * 8 * 16 + 64)
+    assert transfers.nbytes == sizes
+    assert result.launch_cost > 0
+    one_f = next(c for c in result.candidates if c.schedule == "1f1b")
+    costs = {key: result.stage_costs[key] for key in sched_keys(one_f.table)}
+    options = transfers.simulate_options(one_f.table, result.launch_cost)
+    predicted = mm.schedules.simulate(one_f.table, action_costs=costs, **options).makespan
+    assert predicted == one_f.predicted_seconds
+    assert predicted > mm.schedules.simulate(one_f.table, action_costs=costs).makespan
+    with pytest.raises(ValueError, match="'gpipe' has 2 stages, the step measured 4"):
+        transfers.transfer_costs(mm.schedules.gpipe(2, 4))
     after = [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, opt)))]
     assert all((a == b).all() for a, b in zip(before, after, strict=True))  # nothing trained
     with pytest.raises(mm.MPMDError, match="donates its arguments"):

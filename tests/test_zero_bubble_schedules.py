@@ -474,3 +474,55 @@ def test_simulate_delays_a_reader_on_another_rank_by_its_transfer():
     for bad, match in (({("F", 2): 1}, "names no action"), ({"F": -1}, "must be a number")):
         with pytest.raises(ValueError, match=match):
             simulate(one_f_one_b(2, 4), transfer_costs=bad)
+
+
+def test_simulate_waits_for_the_host_to_launch_each_program_in_the_runner_s_order():
+    one_f = one_f_one_b(2, 2)
+    order = [str(first) for first, _ in schedules.dispatch_order(one_f)]
+    assert order == ["F0.0", "F0.1", "F1.0", "B1.0", "B0.0", "F1.1", "B1.1", "B0.1"]
+    late = simulate(one_f, launch_cost=Fraction(1, 2))
+    assert late.events[0].start == Fraction(1, 2)  # F0.0 starts once launched
+    assert late.makespan == simulate(one_f).makespan + Fraction(1, 2)
+    # a host slower than the devices: the 8th program is launched at 8 x 3 = 24 and runs 2
+    assert simulate(schedules.gpipe(2, 2), launch_cost=3).makespan == 26
+    # two processes: process 1's host waits for each value from process 0 before it goes on,
+    # and process 0's host sends F0.1's activations only once it reaches F1.1's place in the
+    # order, after waiting for B1.0's gradient (arrived at 6): F1.1 starts at 7, not 5
+    sent = {"F": 1, "B": 1}
+    apart = simulate(one_f, transfer_costs=sent, processes=(0, 1))
+    starts = {f"{e.kind}{e.stage}.{e.microbatch}": e.start for e in apart.events}
+    assert (starts["B0.0"], starts["F1.1"], starts["B0.1"], apart.makespan) == (6, 7, 11, 13)
+    together = simulate(one_f, transfer_costs=sent, processes=(0, 0))
+    assert together.makespan == simulate(one_f, transfer_costs=sent).makespan == 11
+    for bad, match in (
+        (dict(launch_cost=-1), "launch_cost must be a number >= 0"),
+        (dict(processes=(0,)), "a process number .* for each of the 2 ranks"),
+        (dict(processes=(0, -1)), "a process number"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            simulate(one_f, **bad)
+
+
+def test_transfer_costs_price_each_boundary_over_the_link_between_its_ranks():
+    link = schedules.Link(latency=Fraction(1, 4), bandwidth=Fraction(4))
+    one_f = one_f_one_b(2, 4)
+    costs = schedules.transfer_costs(one_f, {(1, 0): link}, {"F": 1, ("B", 1): 3})
+    assert costs == {("F", 0): Fraction(1, 2), ("B", 1): 1}  # a link given one way serves both
+    assert simulate(one_f, transfer_costs=costs) == simulate(
+        one_f, transfer_costs={"F": Fraction(1, 2), "B": 1}
+    )
+    # stages 0 and 3 share rank 0 in a V: only boundaries between two ranks cost anything
+    v = zero_bubble_v(2, 4)
+    priced = schedules.transfer_costs(v, {(0, 1): link}, {"F": 1, "I": 1})
+    assert set(priced) == {("F", 0), ("F", 2), ("I", 3), ("I", 1)}
+    for links, nbytes, match in (
+        ({(0, 2): link}, {"F": 1}, r"links key \(0, 2\) is not a pair of two distinct ranks"),
+        ({(0, 0): link}, {"F": 1}, "not a pair of two distinct ranks"),
+        ({(0, 1): 2.0}, {"F": 1}, "must be a Link"),
+        ({}, {"F": 1, "B": 1}, "no link between ranks 0 and 1, which F0 sends to"),
+        ({(0, 1): link}, {"F": -1, "B": 1}, r"nbytes\['F'\] must be a number >= 0"),
+        ({(0, 1): link}, {"F": 1}, r"no size for \('B', 1\)"),
+        ({(0, 1): link}, {("F", 4): 1}, "names no action"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            schedules.transfer_costs(one_f, links, nbytes)

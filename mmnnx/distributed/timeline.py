@@ -32,6 +32,7 @@ from mmnnx._jax import runtime
 from mmnnx.distributed.gather import gather
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd.run.timing import Event, Timer
+from mmnnx.mpmd.schedules import TRANSFER
 
 _BARRIER = "mmnnx/timeline/{}"
 _WAIT_S = 300.0
@@ -124,8 +125,11 @@ class _StartTogether(Timer):
     def launched(self, *args: Any, **kwargs: Any) -> None:
         self.inner.launched(*args, **kwargs)
 
-    def moved(self, from_slot: int, to_slot: int) -> None:
-        self.inner.moved(from_slot, to_slot)
+    def moved(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.moved(*args, **kwargs)
+
+    def received(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.received(*args, **kwargs)
 
     def stop(self) -> None:
         self.inner.stop()
@@ -148,4 +152,18 @@ def _merged(parts: list) -> list[Event]:
         for fields in part["events"]:
             e = Event(*fields)
             events.append(dataclasses.replace(e, start=e.start + shift, end=e.end + shift))
-    return events
+    return _after_producers(events)
+
+
+def _after_producers(events: list[Event]) -> list[Event]:
+    """A transfer received from another process starts no earlier than the action that made
+    its value ended there: the receiving process began waiting for it at the start it noted,
+    maybe long before the value could leave."""
+    ends = {(e.rank, e.kind, e.stage, e.microbatch): e.end for e in events if e.kind != TRANSFER}
+    out = []
+    for e in events:
+        made = ends.get((e.source, e.carries, e.stage, e.microbatch))
+        if e.kind == TRANSFER and made is not None and made > e.start:
+            e = dataclasses.replace(e, start=min(made, e.end))
+        out.append(e)
+    return out

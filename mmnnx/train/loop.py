@@ -641,7 +641,8 @@ def _keep_metrics_up_to(path: pathlib.Path, step: int) -> None:
 
 def _write_events(path: pathlib.Path, step: int, bubble: float, events: list) -> None:
     """The timeline drawn, as JSON: the step, its measured bubble and one object per event
-    (task, kind, stage, microbatch, start, end in seconds, fused, rank)."""
+    (task, kind, stage, microbatch, start, end in seconds, fused, rank; a transfer, kind T,
+    also its source and carries)."""
     rows = [dataclasses.asdict(e) for e in events]
     path.write_text(json.dumps({"step": step, "bubble": bubble, "events": rows}, indent=1) + "\n")
 

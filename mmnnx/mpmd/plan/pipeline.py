@@ -174,7 +174,7 @@ def plan_pipeline(
     post = cut(graph, op_tasks, tasks, post_ops, suffix="post", free_inputs=free_inputs)
     order: list[tuple[Fragment, int | None]] = [(f, None) for f in pre]
     fused: set[int] = set()
-    for first, second in _dispatch_order(schedule):
+    for first, second in sched.dispatch_order(schedule):
         frag = stages.get((first.kind, first.stage))
         paired = second and stages.get((second.kind, second.stage))
         if frag is not None and paired is not None:
@@ -199,28 +199,6 @@ def plan_pipeline(
         batch_size=group.batch_size,
     )
     return pipeline, tuple(op_tasks)
-
-
-def _dispatch_order(schedule: sched.Schedule) -> list[tuple[sched.Action, sched.Action | None]]:
-    """The schedule's actions in the order to dispatch them: by simulated start time, an
-    overlapped pair as one entry ``(first, second)`` (else ``(action, None)``).
-
-    A pair starts once both its actions' inputs are ready and hands on its results when both
-    end, so any action dispatched between its two simulated starts neither feeds it nor reads
-    it: the pair's second action can move up next to its first."""
-    events = sorted(sched.simulate(schedule).events, key=lambda e: (e.start, e.rank))
-    second_of = {
-        first: second
-        for rank in range(schedule.num_ranks)
-        for first, second in schedule.pairs_of(rank)
-    }
-    seconds = set(second_of.values())
-    out: list[tuple[sched.Action, sched.Action | None]] = []
-    for e in events:
-        action = sched.Action(e.kind, e.stage, e.microbatch)
-        if action not in seconds:
-            out.append((action, second_of.get(action)))
-    return out
 
 
 def _sink_to_post(

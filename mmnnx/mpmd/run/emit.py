@@ -35,6 +35,7 @@ from mmnnx.mpmd.lower.program import (
 from mmnnx.mpmd.run.peers import Peers
 from mmnnx.mpmd.run.programs import Compiler, lower_fragments, lower_packing, lower_zeros
 from mmnnx.mpmd.run.routes import RoutePlan
+from mmnnx.mpmd.run.timing import Transfer
 from mmnnx.sharding.arrays import placeholder, put
 
 
@@ -42,6 +43,36 @@ def _rank(task: Any) -> str:
     """The task whose devices run ``task``'s programs, one at a time: itself, or the task a
     virtual stage belongs to (submeshes of distinct tasks do not overlap)."""
     return task.home.name
+
+
+def stage_outputs(pipeline: Any) -> dict[int, tuple[str, int]]:
+    """Value id -> ``(kind, stage)`` of the pipeline stage fragment that makes it (``{}`` for
+    a step with no pipeline).
+
+    Example::
+
+        made_by = stage_outputs(plan.pipeline)  # {value: ("F", 0), ...}
+    """
+    if pipeline is None:
+        return {}
+    return {v: key for key, frag in pipeline.stages.items() for op in frag.ops for v in op.outs}
+
+
+def _transfer(action: Recv | Route, made_by: dict[int, tuple[str, int]]) -> Transfer | None:
+    """What ``action`` carries, when a pipeline stage made its value and it crosses between two
+    ranks' devices."""
+    made = made_by.get(action.value)
+    if made is None or action.source is None or _rank(action.source) == _rank(action.target):
+        return None
+    kind, stage = made
+    return Transfer(
+        task=action.target.name,
+        rank=_rank(action.target),
+        source=_rank(action.source),
+        kind=kind,
+        stage=stage,
+        microbatch=action.microbatch or 0,
+    )
 
 
 # The steps a compiled program is interpreted as: each holds what its action needs resolved, and
@@ -65,7 +96,8 @@ class Launch:
 class Move:
     """Moves the value in ``source`` into ``target``, laid out as ``sharding``: by ``mover``
     (decided at compile) where it is laid out as ``source_layout``, else decided once per pair
-    of layouts."""
+    of layouts. ``transfer``: what it carries, for timers, when a pipeline action made it and
+    it crosses between two ranks' devices."""
 
     source: int
     target: int
@@ -73,6 +105,7 @@ class Move:
     mover: Callable[[Any], Any] | None
     source_layout: Any
     drop: tuple[int, ...] = ()
+    transfer: Transfer | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -94,6 +127,7 @@ class Cross:
     source: int
     target: int
     drop: tuple[int, ...] = ()
+    transfer: Transfer | None = None  # what it carries, for timers (see Move)
 
 
 Step = Launch | Move | Put | Cross
@@ -118,10 +152,12 @@ def emit(
     compiler: Compiler,
     peers: Peers | None,
     mover: Callable[[Any, Any, int], Callable[[Any], Any] | None],
+    pipeline: Any = None,
 ) -> Emitted:
     """The steps of ``program`` (a step's, traced as ``graph``), its programs submitted to
     ``compiler``; ``peers`` carry layouts between processes; ``mover(source, target, value)``
-    decides how a value moves between two layouts.
+    decides how a value moves between two layouts; ``pipeline``: the step's pipelined plan,
+    whose stages' results crossing between ranks are labelled for timers.
 
     Example::
 
@@ -134,6 +170,7 @@ def emit(
     resolved: dict[tuple, Any] = {}
     fragment_programs: list[Any] = []  # lowered, to count those loaded
     steps: list[Step] = []
+    made_by = stage_outputs(pipeline)
     actions = program.actions
     position = 0
     while position < len(actions):
@@ -193,6 +230,7 @@ def emit(
                         sharding=sharding,
                         mover=move,
                         source_layout=source_layout,
+                        transfer=_transfer(action, made_by),
                     )
                 )
             elif action.source is None:
@@ -200,7 +238,14 @@ def emit(
             else:
                 shape, dtype = graph.shapes[action.value], graph.dtypes[action.value]
                 route = RoutePlan.plan(shape, dtype, source_layout, sharding, program.process)
-                steps.append(Cross(route=route, source=action.from_slot, target=action.slot))
+                steps.append(
+                    Cross(
+                        route=route,
+                        source=action.from_slot,
+                        target=action.slot,
+                        transfer=_transfer(action, made_by),
+                    )
+                )
         elif isinstance(action, Zeros):
             zeros = compiler.submit(lower_zeros(action.shapes, action.dtypes, action.shardings))
             steps.append(

@@ -80,7 +80,7 @@ class Executable:
 
     def _build(self, compiler: Compiler) -> None:
         program = self.program
-        emitted = emit(self.graph, program, compiler, self._peers, self._mover)
+        emitted = emit(self.graph, program, compiler, self._peers, self._mover, self.plan.pipeline)
         steps, resolved = emitted.steps, emitted.resolved
         self._constants = emitted.constants
         self._outputs = emitted.outputs
@@ -139,9 +139,10 @@ class Executable:
     def __call__(
         self, leaves: Sequence[Any], *, timer: Timer | None = None, memory: dict | None = None
     ) -> list[Any]:
-        """Runs the step. ``timer``: told of every program launched and value moved (see
-        :mod:`~mmnnx.mpmd.run.timing`). ``memory``: a dict to fill with each task's peak live
-        per-microbatch bytes and microbatch count (``{task: (bytes, microbatches)}``)."""
+        """Runs the step. ``timer``: told of every program launched and value moved or
+        received (see :mod:`~mmnnx.mpmd.run.timing`). ``memory``: a dict to fill with each
+        task's peak live per-microbatch bytes and microbatch count (``{task: (bytes,
+        microbatches)}``)."""
         if self._steps is None:
             self.compile()
         env: list[Any] = [None] * self._num_slots
@@ -178,6 +179,7 @@ class Executable:
                 for s, o in zip(step.results, outs, strict=True):
                     env[s] = o
             elif kind is Move:
+                began = time.perf_counter() if timer is not None else 0.0
                 value = env[step.source]
                 if (
                     step.mover is not None
@@ -188,10 +190,11 @@ class Executable:
                     value = move_to(value, step.sharding)
                 env[step.target] = value
                 if timer is not None:
-                    timer.moved(step.source, step.target)
+                    timer.moved(step.source, step.target, step.transfer, value, began)
             elif kind is Put:
                 env[step.target] = put(env[step.source], step.sharding)
             else:  # Cross: a transfer involving another process
+                began = time.perf_counter() if timer is not None else 0.0
                 value = step.route(env[step.source], peers)
                 if value is not None:
                     # Wait for what another process sends before launching what reads it: a
@@ -200,6 +203,8 @@ class Executable:
                     # others, who may need a slot of the same queues first (docs/distributed.md).
                     value.block_until_ready()
                     env[step.target] = value
+                    if timer is not None:
+                        timer.received(step.target, step.transfer, began, time.perf_counter())
             if memory is not None:
                 self._record(env, memory)
             for s in step.drop:

@@ -1,27 +1,34 @@
 """Timing a step's actions: one at a time (``timeline``) or as they overlap
 (``overlapped_timeline``).
 
-The runner tells a timer of every program it launches (:meth:`Timer.launched`) and every value it
-moves between tasks (:meth:`Timer.moved`); :meth:`Timer.events` returns one :class:`Event` per
-pipeline action once the step is over.
+The runner tells a timer of every program it launches (:meth:`Timer.launched`), every value it
+moves between tasks (:meth:`Timer.moved`) and every value it receives from another process
+(:meth:`Timer.received`); :meth:`Timer.events` returns one :class:`Event` per pipeline action,
+and one per transfer of a pipeline action's result between two ranks' devices (kind ``"T"``),
+once the step is over. An action's duration leaves out the transfers of its inputs: each is
+an event of its own.
 
-- :class:`BlockingTimer` waits for each program's results before the next is launched: every
-  action runs alone, so its duration is its own work, with no other task's programs competing
-  for the machine; tasks never overlap.
+- :class:`BlockingTimer` waits for each program's results before the next is launched, and for
+  each transfer's: every action and transfer runs alone, so its duration is its own work, with
+  no other task's programs competing for the machine; tasks never overlap.
 - :class:`OverlapTimer` waits for nothing: the step runs as a call runs it, and one watcher thread
   per rank (a task's devices, which its virtual stages share) notes when each of its programs
   has finished, in launch order. A device runs its programs one at a time in launch order, so
   an action starts at the latest of: its launch, the end of the rank's previous program, and
-  the ends of the programs that made its inputs (a value moved from another task counts from
-  the end of the program that made it, so the move's time is counted in the action that reads
-  it). Durations then include whatever slowed the action down in the real step (tasks sharing
-  cores or memory bandwidth). A watcher notes an end when it next runs, which can be late on a
-  busy machine; a program ended before any program that read its results, or ran after it on
-  its rank, ended, so its end is taken as the earliest of those. With several processes, a
-  value received from another process has no producer here, but the runner waits for it
-  before launching the program reading it: that action starts once the value is here, and the
-  wait shows as idle time. A timer's events count from its :attr:`Timer.started`; with several
-  processes ``mmnnx.distributed.timeline`` puts every process's on one clock.
+  the ends of the programs and transfers that made its inputs. A transfer between two ranks
+  starts when its value could leave (its producer had ended and the host had issued the copy)
+  and ends when the value is on the reader's devices, noted by a watcher thread of its own per
+  pair of ranks (a move the reader donated before the watcher saw it arrive is left untimed,
+  counted in the reader as before). Durations then include whatever slowed the action down in
+  the real step (tasks sharing cores or memory bandwidth). A watcher notes an end when it next
+  runs, which can be late on a busy machine; a program ended before any program that read its
+  results, or ran after it on its rank, ended, so its end is taken as the earliest of those.
+  With several processes, a value received from another process has no producer here, but the
+  runner waits for it before launching the program reading it: its transfer runs from when
+  the runner began receiving to its arrival (``mmnnx.distributed.timeline`` starts it no
+  earlier than its producer's end on the other process), and the reader starts once the value
+  is here. A timer's events count from its :attr:`Timer.started`; with several processes
+  ``mmnnx.distributed.timeline`` puts every process's on one clock.
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+
+from mmnnx.mpmd.schedules import TRANSFER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +51,11 @@ class Event:
     """One executed action, timed: seconds since the step started. ``fused``: it ran in one
     program with the other actions of its overlapped pair, which share its ``start`` and
     ``end``. ``rank``: the task whose devices ran it (``task`` itself, or the task a virtual
-    stage such as ``"t0:1"`` belongs to)."""
+    stage such as ``"t0:1"`` belongs to).
+
+    A transfer (``kind`` ``"T"``) is the result of action ``carries`` (``F``, ``B`` or ``I``) of
+    ``stage`` on ``microbatch`` crossing from the devices of task ``source`` to those of
+    ``rank``, for task ``task``: from when it could leave to when it arrived."""
 
     task: str
     kind: str
@@ -52,6 +65,35 @@ class Event:
     end: float
     fused: bool = False
     rank: str = ""
+    source: str = ""
+    carries: str = ""
+
+
+class Transfer(NamedTuple):
+    """What a move between two ranks' devices carries, as the emitter labels it for timers: the
+    result of action ``(kind, stage)`` on ``microbatch``, from the devices of task ``source``
+    to those of ``rank``, for task ``task`` (``rank`` itself or one of its virtual stages)."""
+
+    task: str
+    rank: str
+    source: str
+    kind: str
+    stage: int
+    microbatch: int
+
+    def event(self, start: float, end: float) -> Event:
+        """This transfer as a timed :class:`Event`."""
+        return Event(
+            task=self.task,
+            kind=TRANSFER,
+            stage=self.stage,
+            microbatch=self.microbatch,
+            start=start,
+            end=end,
+            rank=self.rank,
+            source=self.source,
+            carries=self.kind,
+        )
 
 
 def _stages(labels: Sequence[tuple]) -> list[tuple]:
@@ -109,8 +151,21 @@ class Timer:
         a later program may donate every one of its results (a running sum), a
         :func:`witness_for` its first result."""
 
-    def moved(self, from_slot: int, to_slot: int) -> None:
-        """The value in ``from_slot`` was moved (or copied) into ``to_slot``."""
+    def moved(
+        self,
+        from_slot: int,
+        to_slot: int,
+        transfer: Transfer | None = None,
+        value: Any = None,
+        at: float = 0.0,
+    ) -> None:
+        """The value in ``from_slot`` was moved (or copied) into ``to_slot``. ``transfer``: what
+        it carries when it crossed between two ranks' devices, ``value`` the moved array (its
+        copy issued at ``at``, ``time.perf_counter``)."""
+
+    def received(self, to_slot: int, transfer: Transfer | None, at: float, arrived: float) -> None:
+        """A value from another process is in ``to_slot``: the runner began receiving it at
+        ``at`` and had it at ``arrived``; ``transfer``: what it carries."""
 
     def stop(self) -> None:
         """The step is over, or failed: let go of anything still watching it."""
@@ -137,6 +192,16 @@ class BlockingTimer(Timer):
         ended = time.perf_counter()
         self._events += _events(labels, at - self._start, ended - self._start, rank)
 
+    def moved(self, from_slot, to_slot, transfer=None, value=None, at=0.0) -> None:
+        if transfer is None:
+            return
+        jax.block_until_ready(value)
+        self._events.append(transfer.event(at - self._start, time.perf_counter() - self._start))
+
+    def received(self, to_slot, transfer, at, arrived) -> None:
+        if transfer is not None:
+            self._events.append(transfer.event(at - self._start, arrived - self._start))
+
     def events(self) -> list[Event]:
         return self._events
 
@@ -159,11 +224,15 @@ def witness_for(result: Any) -> Callable[[jax.Array], jax.Array]:
 
 @dataclasses.dataclass
 class _Launch:
+    """A program launched, or (``transfer``) a value moved between two ranks' devices."""
+
     rank: str
     labels: Sequence[tuple]
     launched_at: float
     made_from: set[int]
     ended_at: float = 0.0
+    transfer: Transfer | None = None
+    seen: bool = True  # a transfer: its arrival was seen (not taken first by a donating reader)
 
 
 def _wait_for_any(outs: Sequence[Any]) -> None:
@@ -179,6 +248,20 @@ def _wait_for_any(outs: Sequence[Any]) -> None:
         except jax.errors.JaxRuntimeError:
             if not out.is_deleted():  # donated while we waited: try the next
                 raise
+
+
+def _arrived(value: Any) -> bool:
+    """Waits until a moved value is on its devices; ``False`` when a program it was donated to
+    took it first (its arrival is then not seen)."""
+    if value.is_deleted():
+        return False
+    try:
+        value.block_until_ready()
+    except jax.errors.JaxRuntimeError:
+        if value.is_deleted():
+            return False
+        raise
+    return True
 
 
 class OverlapTimer(Timer):
@@ -220,28 +303,48 @@ class OverlapTimer(Timer):
             outs = [witness(outs[0])]
         self._watcher(rank).put((index, list(outs)))
 
-    def moved(self, from_slot: int, to_slot: int) -> None:
-        if from_slot in self._made_by:
-            self._made_by[to_slot] = self._made_by[from_slot]
+    def moved(self, from_slot, to_slot, transfer=None, value=None, at=0.0) -> None:
+        producer = self._made_by.get(from_slot)
+        if transfer is None:
+            if producer is not None:
+                self._made_by[to_slot] = producer
+            return
+        index = len(self._launches)
+        made_from = {producer} if producer is not None else set()
+        self._launches.append(
+            _Launch(transfer.rank, (), at, made_from, transfer=transfer, seen=False)
+        )
+        self._made_by[to_slot] = index
+        # one watcher per pair of ranks: a copy ends whatever the reader's devices are running
+        self._watcher(f"{transfer.source}->{transfer.rank}").put((index, value))
 
-    def _watcher(self, rank: str) -> queue.SimpleQueue:
-        if rank not in self._watchers:
+    def received(self, to_slot, transfer, at, arrived) -> None:
+        if transfer is not None:
+            self._made_by[to_slot] = len(self._launches)
+            self._launches.append(_Launch(transfer.rank, (), at, set(), arrived, transfer))
+
+    def _watcher(self, lane: str) -> queue.SimpleQueue:
+        if lane not in self._watchers:
             waiting: queue.SimpleQueue = queue.SimpleQueue()
             thread = threading.Thread(
-                target=self._watch, args=(waiting,), name=f"mmnnx-timer-{rank}", daemon=True
+                target=self._watch, args=(waiting,), name=f"mmnnx-timer-{lane}", daemon=True
             )
             thread.start()
-            self._watchers[rank] = (waiting, thread)
-        return self._watchers[rank][0]
+            self._watchers[lane] = (waiting, thread)
+        return self._watchers[lane][0]
 
     def _watch(self, waiting: queue.SimpleQueue) -> None:
         while (item := waiting.get()) is not None:
             index, outs = item
+            launch = self._launches[index]
             try:
-                _wait_for_any(outs)
+                if launch.transfer is None:
+                    _wait_for_any(outs)
+                else:
+                    launch.seen = _arrived(outs)
             except Exception as e:  # noqa: BLE001  raised by events(), in the caller's thread
                 self._failure = self._failure or e
-            self._launches[index].ended_at = time.perf_counter()
+            launch.ended_at = time.perf_counter()
 
     def stop(self) -> None:
         """Waits for the watchers to note every launched program and ends them; restores the
@@ -259,27 +362,39 @@ class OverlapTimer(Timer):
         self.stop()
         if self._failure is not None:
             raise self._failure
+        launches = self._launches
+        # a transfer whose arrival was not seen is counted in its reader, from its producer
+        made_from = [
+            {q for p in launch.made_from for q in (
+                [p] if launches[p].seen else launches[p].made_from)}
+            for launch in launches
+        ]  # fmt: skip
         # a watcher notes an end when it next runs, so late at times; a program ended before
-        # any program that read its results or ran after it on its rank did
-        ended = [launch.ended_at for launch in self._launches]
+        # any program that read its results or ran after it on its rank did, a transfer
+        # before its reader did
+        ended = [launch.ended_at for launch in launches]
         next_on_rank: dict[str, int] = {}
-        for k in range(len(self._launches) - 1, -1, -1):
-            launch = self._launches[k]
-            later = next_on_rank.get(launch.rank)
-            if later is not None:
-                ended[k] = min(ended[k], ended[later])
-            next_on_rank[launch.rank] = k
-            for p in launch.made_from:
+        for k in range(len(launches) - 1, -1, -1):
+            launch = launches[k]
+            if not launch.seen:
+                continue
+            if launch.transfer is None:
+                later = next_on_rank.get(launch.rank)
+                if later is not None:
+                    ended[k] = min(ended[k], ended[later])
+                next_on_rank[launch.rank] = k
+            for p in made_from[k]:
                 ended[p] = min(ended[p], ended[k])
         previous_end: dict[str, float] = {}
         events: list[Event] = []
-        for k, launch in enumerate(self._launches):
-            started = max(
-                launch.launched_at,
-                previous_end.get(launch.rank, 0.0),
-                *(ended[p] for p in launch.made_from),
-            )
-            previous_end[launch.rank] = ended[k]
+        for k, launch in enumerate(launches):
+            program = launch.transfer is None
+            after = previous_end.get(launch.rank, 0.0) if program else 0.0
+            started = max(launch.launched_at, after, *(ended[p] for p in made_from[k]))
             start, end = started - self._start, ended[k] - self._start
-            events += _events(launch.labels, start, end, launch.rank)
+            if program:
+                previous_end[launch.rank] = ended[k]
+                events += _events(launch.labels, start, end, launch.rank)
+            elif launch.seen:
+                events.append(launch.transfer.event(start, end))
         return events

@@ -11,7 +11,8 @@ executes the table; this package only builds, checks, prints, stores (CSV) and s
 and imports nothing beyond the standard library.
 
 Modules: ``ir`` (the records, validation, CSV), ``simulation`` (timing, measured costs),
-``links`` (a transfer's latency and bandwidth),
+``host`` (the order the runner launches actions in, and hosts' launches and waits simulated),
+``links`` (a transfer's latency and bandwidth, a schedule's transfer costs over links),
 ``builders`` (GPipe, 1F1B, interleaved, ZB-H1), ``zero_bubble`` (ZB-H2, ZB-V, interleaved zero
 bubble, DualPipeV and the list scheduler) and ``registry`` (the names). ``mm.schedules`` holds
 these names and ``tune``, which runs steps (``mmnnx.tuning``).
@@ -34,8 +35,9 @@ from mmnnx.mpmd.schedules.builders import (
     one_f_one_b,
     zero_bubble_h1,
 )
-from mmnnx.mpmd.schedules.ir import KINDS, Action, Schedule, custom, from_csv, validate
-from mmnnx.mpmd.schedules.links import Link
+from mmnnx.mpmd.schedules.host import dispatch_order
+from mmnnx.mpmd.schedules.ir import KINDS, TRANSFER, Action, Schedule, custom, from_csv, validate
+from mmnnx.mpmd.schedules.links import Link, transfer_costs
 from mmnnx.mpmd.schedules.registry import (
     Builder,
     CostsNotUsed,
@@ -50,6 +52,7 @@ from mmnnx.mpmd.schedules.simulation import (
     measured_bubble,
     measured_costs,
     measured_pair_costs,
+    measured_transfer_costs,
     simulate,
 )
 from mmnnx.mpmd.schedules.zero_bubble import (
@@ -62,6 +65,7 @@ from mmnnx.mpmd.schedules.zero_bubble import (
 
 __all__ = [
     "KINDS",
+    "TRANSFER",
     "Action",
     "Builder",
     "CostsNotUsed",
@@ -70,6 +74,7 @@ __all__ = [
     "Schedule",
     "SimulationResult",
     "custom",
+    "dispatch_order",
     "dualpipe_v",
     "from_csv",
     "get",
@@ -80,10 +85,12 @@ __all__ = [
     "measured_bubble",
     "measured_costs",
     "measured_pair_costs",
+    "measured_transfer_costs",
     "names",
     "one_f_one_b",
     "register",
     "simulate",
+    "transfer_costs",
     "unregister",
     "v_stages",
     "validate",

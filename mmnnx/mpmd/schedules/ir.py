@@ -20,6 +20,10 @@ from typing import NamedTuple
 KINDS = ("F", "B", "I", "W")
 """Action kinds: forward, full backward, input-gradient half, weight-gradient half."""
 
+TRANSFER = "T"
+"""The kind of a timed transfer in a step's timeline: a value crossing from one rank's devices
+to another's, not an action of the schedule."""
+
 _ACTION_RE = re.compile(r"^([FBIW])(\d+)\.(\d+)$")
 
 

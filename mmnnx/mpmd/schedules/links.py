@@ -1,10 +1,14 @@
 """How long a value takes to cross from one rank to another: a latency plus its bytes over a
-bandwidth, fitted to measured copies (``mmnnx.link_timing`` measures them)."""
+bandwidth, fitted to measured copies (``mmnnx.link_timing`` measures them), and the transfer
+costs of a schedule's stage boundaries over such links."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
+
+from mmnnx.mpmd.schedules.ir import KINDS, Schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,3 +52,97 @@ class Link:
         slope = max(slope, 1e-15)
         latency = max(mean_y - slope * mean_x, 0.0)
         return cls(latency=round(latency, 12), bandwidth=round(1 / slope, 3))
+
+
+def _reader_stage(kind: str, stage: int) -> int | None:
+    """The stage that reads the result of action ``(kind, stage)``: a forward's activations go
+    to the next stage, a backward's (or input-gradient half's) gradient to the one before; a
+    weight-gradient half sends nothing."""
+    if kind == "F":
+        return stage + 1
+    if kind in "BI":
+        return stage - 1
+    return None
+
+
+def transfer_costs(
+    schedule: Schedule,
+    links: Mapping[tuple[int, int], Link],
+    nbytes: Mapping[str | tuple[str, int], float],
+) -> dict[tuple[str, int], float]:
+    """The seconds each action's result takes to reach the stage that reads it, as
+    :func:`~mmnnx.mpmd.schedules.simulate`'s ``transfer_costs`` takes them.
+
+    ``links[(a, b)]``: the :class:`Link` from rank ``a`` to rank ``b`` (a pair given one way
+    only serves both). ``nbytes`` maps ``(kind, stage)``, or a kind alone, to the bytes that
+    action sends to the stage reading it, per microbatch: ``("F", s)`` stage ``s``'s
+    activations to stage ``s + 1``, ``("B", s)`` or ``("I", s)`` its input gradient to stage
+    ``s - 1`` (``mm.schedules.boundary_bytes`` reads them off a step's plan). An action whose
+    reader sits on its own rank costs nothing and needs neither.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import Link, one_f_one_b, simulate, transfer_costs
+        >>> schedule = one_f_one_b(2, 4)
+        >>> costs = transfer_costs(schedule, {(0, 1): Link(0.25, 4.0)}, {"F": 1, "B": 3})
+        >>> costs
+        {('F', 0): 0.5, ('B', 1): 1.0}
+        >>> simulate(schedule, transfer_costs=costs).makespan
+        18.0
+
+    Raises:
+        ValueError: a key of ``links`` or ``nbytes`` names no rank pair or action of
+            ``schedule``, a value is not a :class:`Link` or a number of bytes >= 0, or an
+            action sends to another rank with no link or no bytes given.
+    """
+    ranks = schedule.num_ranks
+    for key, link in links.items():
+        if not (
+            isinstance(key, tuple)
+            and len(key) == 2
+            and all(isinstance(r, numbers.Integral) and 0 <= r < ranks for r in key)
+            and key[0] != key[1]
+        ):
+            raise ValueError(
+                f"transfer_costs: links key {key!r} is not a pair of two distinct ranks of a "
+                f"schedule of {ranks} ranks (0 to {ranks - 1})"
+            )
+        if not isinstance(link, Link):
+            raise ValueError(f"transfer_costs: links[{key!r}] must be a Link, got {link!r}")
+    for key, value in nbytes.items():
+        kind, stage = key if isinstance(key, tuple) and len(key) == 2 else (key, None)
+        if kind not in KINDS or not (
+            stage is None
+            or (isinstance(stage, numbers.Integral) and 0 <= stage < schedule.num_stages)
+        ):
+            raise ValueError(
+                f"transfer_costs: nbytes key {key!r} names no action of a schedule of "
+                f"{schedule.num_stages} stages: keys are a kind ({', '.join(KINDS)}) or "
+                f"(kind, stage) with 0 <= stage < {schedule.num_stages}"
+            )
+        if not (isinstance(value, numbers.Real) and value >= 0):
+            raise ValueError(
+                f"transfer_costs: nbytes[{key!r}] must be a number >= 0, got {value!r}"
+            )
+    costs: dict[tuple[str, int], float] = {}
+    present = {(a.kind, a.stage) for row in schedule.actions for a in row}
+    for kind, stage in sorted(present, key=lambda ks: (ks[1], KINDS.index(ks[0]))):
+        reader = _reader_stage(kind, stage)
+        if reader is None or not 0 <= reader < schedule.num_stages:
+            continue
+        pair = (schedule.stage_to_rank[stage], schedule.stage_to_rank[reader])
+        if pair[0] == pair[1]:
+            continue
+        link = links.get(pair, links.get(pair[::-1]))
+        if link is None:
+            raise ValueError(
+                f"transfer_costs: no link between ranks {pair[0]} and {pair[1]}, which "
+                f"{kind}{stage} sends to (stage {reader}); links has {sorted(links)}"
+            )
+        size = nbytes.get((kind, stage), nbytes.get(kind))
+        if size is None:
+            raise ValueError(
+                f"transfer_costs: nbytes gives no size for ({kind!r}, {stage}), which sends to "
+                f"stage {reader} on rank {pair[1]}"
+            )
+        costs[(kind, stage)] = link.seconds(size)
+    return costs

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import statistics
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from mmnnx.mpmd.schedules.ir import KINDS, Action, Schedule, play, validate
+from mmnnx.mpmd.schedules.host import play_issued
+from mmnnx.mpmd.schedules.ir import KINDS, TRANSFER, Action, Schedule, play, validate
 
 
 class Event(NamedTuple):
@@ -80,6 +81,8 @@ def simulate(
     action_costs: Mapping[str | tuple[str, int], float] | None = None,
     pair_costs: Mapping[tuple[tuple[str, int], tuple[str, int]], float] | None = None,
     transfer_costs: Mapping[str | tuple[str, int], float] | None = None,
+    launch_cost: float = 0,
+    processes: Sequence[int] | None = None,
 ) -> SimulationResult:
     """Simulate ``schedule`` with fixed per-action costs and, by default, no communication time.
 
@@ -107,7 +110,18 @@ def simulate(
     activations on their way to stage ``s + 1``, ``("B", s)`` or ``("I", s)`` its input
     gradient on its way to stage ``s - 1``. The reader starts no earlier than its producer's
     end plus that time; a result read on the rank that made it costs nothing, and actions not
-    named send for free.
+    named send for free. :func:`transfer_costs` makes them from a :class:`Link` per pair of
+    ranks and the bytes each action sends.
+
+    ``launch_cost``: the seconds a host takes to launch one program (an action, or an
+    overlapped pair run as one). Each process's host launches its ranks' programs one after
+    the other in the order the runner does (:func:`dispatch_order`), and an action starts no
+    earlier than its launch. ``processes[r]``: the process whose host launches rank ``r``'s
+    programs (default: one process for all). A value crossing processes leaves when its
+    producer has ended and both hosts have reached its reader in that order (the sender offers
+    it there), and the receiving host waits for it before it launches anything else, as the
+    runner does; within a process the copy is issued right before the reader's launch. With
+    neither, every action may start as soon as its rank and inputs are ready.
 
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate, zero_bubble_h1
@@ -119,13 +133,16 @@ def simulate(
         49
         >>> simulate(one_f_one_b(2, 2), transfer_costs={"F": 0.5, "B": 0.5}).makespan
         10.0
+        >>> simulate(one_f_one_b(2, 2), launch_cost=0.5).makespan  # rank 0 waits for F0.0's launch
+        9.5
     """
     pair_duration = _pair_duration(schedule, pair_costs)
     transfer = _transfer(schedule, transfer_costs)
+    run = _player(schedule, launch_cost, processes)
     if action_costs is not None:
         validate(schedule)
         costs = _costs_per_action(schedule, action_costs)
-        timed = play(schedule, lambda a: costs[(a.kind, a.stage)], pair_duration, transfer)
+        timed = run(schedule, lambda a: costs[(a.kind, a.stage)], pair_duration, transfer)
         return _result(schedule, timed)
     if weight_cost is None:
         weight_cost = backward_cost / 2
@@ -143,7 +160,35 @@ def simulate(
         "I": backward_cost - weight_cost,
         "W": weight_cost,
     }
-    return _result(schedule, play(schedule, lambda a: costs[a.kind], pair_duration, transfer))
+    return _result(schedule, run(schedule, lambda a: costs[a.kind], pair_duration, transfer))
+
+
+def _player(
+    schedule: Schedule, launch_cost: float, processes: Sequence[int] | None
+) -> Callable[..., list]:
+    """``play``, or with ``launch_cost`` or ``processes`` (see :func:`simulate`) checked,
+    ``play_issued`` with them."""
+    if not (isinstance(launch_cost, numbers.Real) and launch_cost >= 0):
+        raise ValueError(
+            f"simulate: launch_cost must be a number >= 0 seconds, got {launch_cost!r}"
+        )
+    if processes is None:
+        if not launch_cost:
+            return play
+        processes = (0,) * schedule.num_ranks
+    processes = tuple(processes)
+    if len(processes) != schedule.num_ranks or not all(
+        isinstance(p, numbers.Integral) and not isinstance(p, bool) and p >= 0 for p in processes
+    ):
+        raise ValueError(
+            f"simulate: processes must give a process number (an int >= 0) for each of the "
+            f"{schedule.num_ranks} ranks, got {processes!r}"
+        )
+
+    def run(schedule, duration, pair_duration, transfer):
+        return play_issued(schedule, duration, pair_duration, transfer, launch_cost, processes)
+
+    return run
 
 
 def _transfer(
@@ -296,6 +341,9 @@ def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple
     stage without parameters. A stage timed for one of ``I`` and ``W`` but not the other gets
     0 for the other, so a zero-bubble schedule's costs are complete for :func:`simulate`.
 
+    Transfers (events of kind ``"T"``: a value crossing between ranks, timed apart from the
+    action reading it) are left out; :func:`measured_transfer_costs` averages them.
+
     Example:
         >>> from mmnnx.mpmd.schedules import Event, measured_costs
         >>> events = [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "F", 0, 1, 1.0, 4.0),
@@ -309,6 +357,8 @@ def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple
     apart: dict[tuple[str, int], list[float]] = {}
     paired: dict[tuple[str, int], list[float]] = {}
     for e in events:
+        if e.kind == TRANSFER:
+            continue
         into = paired if getattr(e, "fused", False) else apart
         into.setdefault((e.kind, e.stage), []).append(e.end - e.start)
     out = {key: of(values) for key, values in apart.items()}
@@ -357,9 +407,10 @@ def measured_bubble(events: Iterable[Any]) -> float:
     Each rank's busy time is the union of its events' spans (the two actions of a fused pair
     share one span; a task's virtual stages share its devices): events are grouped by
     ``rank`` (a step's timeline gives the task whose devices ran the action; a simulation's
-    events, the rank number), else by ``task``. The span runs from the earliest start to the
-    latest end. On an ``overlapped_timeline()`` this is the bubble as the step ran; on a
-    ``timeline()``, where actions run one at a time, it is not a bubble at all.
+    events, the rank number), else by ``task``; transfers (kind ``"T"``) are not busy time.
+    The span runs from the earliest start to the latest end of the actions. On an
+    ``overlapped_timeline()`` this is the bubble as the step ran; on a ``timeline()``, where
+    actions run one at a time, it is not a bubble at all.
 
     Example:
         >>> from mmnnx.mpmd.schedules import gpipe, measured_bubble, simulate
@@ -369,7 +420,8 @@ def measured_bubble(events: Iterable[Any]) -> float:
     """
     spans: dict[Any, list[tuple[float, float]]] = {}
     for e in events:
-        spans.setdefault(_rank_of(e), []).append((e.start, e.end))
+        if e.kind != TRANSFER:
+            spans.setdefault(_rank_of(e), []).append((e.start, e.end))
     if not spans:
         raise ValueError("measured_bubble: no events (a step with no pipeline has none)")
     first = min(start for row in spans.values() for start, _ in row)
@@ -385,3 +437,31 @@ def measured_bubble(events: Iterable[Any]) -> float:
             reach = end if reach is None else max(reach, end)
     capacity = len(spans) * (last - first)
     return (capacity - busy) / capacity
+
+
+def measured_transfer_costs(
+    events: Iterable[Any], average: str = "median"
+) -> dict[tuple[str, int], float]:
+    """The ``average`` duration of the transfers among a step's timed events (kind ``"T"``),
+    keyed by the ``(kind, stage)`` of the action whose result each carried (``carries``,
+    ``stage``), as :func:`simulate`'s ``transfer_costs`` takes them.
+
+    A transfer's span runs from when its value could leave (its producer had ended and the
+    host had issued the copy or begun the receive) to when it arrived. With several
+    processes a received value may also have waited for the sending host, which
+    :func:`simulate` models apart (``processes``): a link measured on its own
+    (``mm.schedules.measure_transfers``) is the cleaner cost there.
+
+    Example:
+        >>> from mmnnx.mpmd.run.timing import Event
+        >>> sent = [Event("s1", "T", 0, m, m, m + 0.5, rank="s1", source="s0", carries="F")
+        ...         for m in range(3)]
+        >>> measured_transfer_costs(sent)
+        {('F', 0): 0.5}
+    """
+    of = _average("measured_transfer_costs", average)
+    spans: dict[tuple[str, int], list[float]] = {}
+    for e in events:
+        if e.kind == TRANSFER:
+            spans.setdefault((e.carries, e.stage), []).append(e.end - e.start)
+    return {key: of(values) for key, values in spans.items()}

@@ -1,0 +1,100 @@
+"""The host that issues a schedule's programs: the order it launches them in, and a schedule
+played with the time each launch takes and the waits of a host receiving from another process.
+
+A process's host thread launches its ranks' programs one after the other, in one order shared
+by every process (:func:`dispatch_order`); the devices run them asynchronously, but none starts
+before the host has launched it. A value moved between two ranks of one process is a copy the
+host issues right before the reader's launch; a value from another process is a receive at
+the same place, and the receiving host waits until it has arrived before it goes on (the
+runner does: ``mmnnx/mpmd/run/runner.py``), while the sending host offers it when it reaches
+that place in its own share of the order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from mmnnx.mpmd.schedules.ir import Action, Schedule, Timed, _dependencies, play
+
+_UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+def dispatch_order(schedule: Schedule) -> list[tuple[Action, Action | None]]:
+    """The schedule's actions in the order the runner launches them: by start time when every
+    action takes unit time (a backward two), ties by rank; an overlapped pair as one entry
+    ``(first, second)``, else ``(action, None)``.
+
+    A pair starts once both its actions' inputs are ready and hands on its results when both
+    end, so any action dispatched between its two simulated starts neither feeds it nor reads
+    it: the pair's second action can move up next to its first.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import dispatch_order, one_f_one_b
+        >>> [str(first) for first, _ in dispatch_order(one_f_one_b(2, 2))]
+        ['F0.0', 'F0.1', 'F1.0', 'B1.0', 'B0.0', 'F1.1', 'B1.1', 'B0.1']
+    """
+    timed = sorted(play(schedule, lambda a: _UNIT[a.kind]), key=lambda t: (t.start, t.rank))
+    second_of = {
+        first: second
+        for rank in range(schedule.num_ranks)
+        for first, second in schedule.pairs_of(rank)
+    }
+    seconds = set(second_of.values())
+    return [(t.action, second_of.get(t.action)) for t in timed if t.action not in seconds]
+
+
+def play_issued(
+    schedule: Schedule,
+    duration: Callable[[Action], float],
+    pair_duration: Callable[[Action, Action], float | None],
+    transfer: Callable[[Action], float],
+    launch_cost: float,
+    processes: Sequence[int],
+) -> list[Timed]:
+    """:func:`~mmnnx.mpmd.schedules.ir.play` with hosts: rank ``r``'s programs are launched by
+    the host of process ``processes[r]``, in :func:`dispatch_order`, each launch taking
+    ``launch_cost``; an action (an overlapped pair: one program) starts no earlier than its
+    launch. A value read on another rank of the same process leaves when its producer has
+    ended and the host has issued the copy (right before the reader's launch); one read in
+    another process leaves once its producer has ended and both hosts have reached the
+    reader's place in the order, and the reader's host waits for it to arrive before it goes
+    on. Raises ValueError when the order runs an action before one it reads (a schedule that
+    deadlocks: :func:`validate` names it).
+    """
+    rank_of = {a: r for r, row in enumerate(schedule.actions) for a in row}
+    present = set(rank_of)
+    finish: dict[Action, float] = {}
+    free = [0] * schedule.num_ranks
+    host = dict.fromkeys(processes, 0)
+    timed: list[Timed] = []
+    for first, second in dispatch_order(schedule):
+        actions = [first] if second is None else [first, second]
+        rank = rank_of[first]
+        me = processes[rank]
+        arrivals = []
+        for need in (n for a in actions for n in _dependencies(a, schedule.num_stages, present)):
+            if need not in finish:
+                raise ValueError(f"schedule {schedule.name!r}: {first} runs before {need}")
+            if rank_of[need] == rank:
+                arrivals.append(finish[need])
+                continue
+            sender = processes[rank_of[need]]
+            leaves = max(finish[need], host[me], host[sender])
+            arrived = leaves + transfer(need)
+            if sender != me:  # the receiving host waits for it
+                host[me] = max(host[me], arrived)
+            arrivals.append(arrived)
+        host[me] += launch_cost
+        start = max([free[rank], host[me], *arrivals])
+        durations = [duration(a) for a in actions]
+        whole = pair_duration(*actions) if second is not None else None
+        if whole is not None:
+            total = sum(durations)
+            durations = [whole * d / total for d in durations] if total else [whole / 2] * 2
+        for action, took in zip(actions, durations, strict=True):
+            timed.append(Timed(rank=rank, action=action, start=start, end=start + took))
+            start += took
+        for action in actions:
+            finish[action] = start
+        free[rank] = start
+    return sorted(timed, key=lambda t: (t.start, t.rank))
