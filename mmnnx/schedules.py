@@ -1,5 +1,7 @@
-"""``mm.schedules``: pipeline schedules as data (the engine's :mod:`mmnnx.mpmd.schedules`) and
-:func:`tune`, which measures a step and picks among them (:mod:`mmnnx.tuning`).
+"""``mm.schedules``: pipeline schedules as data (the engine's :mod:`mmnnx.mpmd.schedules`),
+:func:`tune`, which measures a step and picks among them (:mod:`mmnnx.tuning`), and
+:func:`partition`, which plans the split of a model's layers over the tasks with them
+(:mod:`mmnnx.partition`).
 
 Example:
     >>> import mmnnx as mm
@@ -12,6 +14,17 @@ Example:
 from mmnnx.errors import NoCandidateError
 from mmnnx.mpmd import schedules as _engine
 from mmnnx.mpmd.schedules import *  # noqa: F403  (the engine's public names, as its __all__ lists)
+from mmnnx.partition import PartitionResult, Split, StagePlan, partition
 from mmnnx.tuning import Candidate, TuneResult, tune
 
-__all__ = [*_engine.__all__, "Candidate", "NoCandidateError", "TuneResult", "tune"]
+__all__ = [
+    *_engine.__all__,
+    "Candidate",
+    "NoCandidateError",
+    "PartitionResult",
+    "Split",
+    "StagePlan",
+    "TuneResult",
+    "partition",
+    "tune",
+]

@@ -46,9 +46,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "mmnnx.timeline",
         "mmnnx.modules",
         "mmnnx.tuning",
-        "mmnnx.schedules",
+        "mmnnx.link_timing",
     ),
-    ("mmnnx.models", "mmnnx.train"),
+    ("mmnnx.models", "mmnnx.train", "mmnnx.partition", "mmnnx.schedules"),
     ("mmnnx.cli", "mmnnx.__main__", "mmnnx"),
     ("multimesh_compat",),  # on top of mmnnx's public API
 )

@@ -356,7 +356,16 @@ def find_layers(
         )
     outside = [p for p, _ in variables_of(model) if p[: len(path)] != path]
     firsts, lasts = _groups(model, outside, path, LAST if last is None else last)
-    return Layers(path, node, n, stacked, firsts, lasts, frozenset(outside), where)
+    return Layers(
+        path=path,
+        node=node,
+        count=n,
+        stacked=stacked,
+        firsts=firsts,
+        lasts=lasts,
+        variables=frozenset(outside),
+        where=where,
+    )
 
 
 def _check_depth(who: str, n: int, k: int, virtual_stages: int) -> None:
