@@ -95,7 +95,7 @@ def partition(
     pieces = Model(model, found, wrt)
     timings = _measure_all(pieces, model, loss_fn, batch, tasks, counts, optimizer, repeats)
     links = _links(tasks, options)
-    profile = Profile(tuple(tasks), rows, timings, links)
+    profile = Profile(tasks=tuple(tasks), rows=rows, timings=timings, links=links)
     candidates = search(options, counts, profile)
     best, candidates = _choose(candidates, budget)
     order = next(o.order for o in options if o.schedule == best.schedule)
@@ -215,7 +215,7 @@ def _options(
                 f"{', '.join(sched.names())}"
             )
     options = [
-        Option(name, v, order)
+        Option(schedule=name, virtual_stages=v, order=order)
         for name in named or sched.names()
         for v in vs
         if (order := _order(registered(name).placement, v)) is not None
