@@ -1,6 +1,12 @@
 """``mm.schedules``: pipeline schedules as data (the engine's :mod:`mmnnx.mpmd.schedules`),
+<<<<<<< HEAD
 what a step's transfers and launches cost (:mod:`mmnnx.link_timing`), and :func:`tune`, which
 measures a step and picks among them (:mod:`mmnnx.tuning`).
+=======
+:func:`tune`, which measures a step and picks among them (:mod:`mmnnx.tuning`), and
+:func:`partition`, which plans the split of a model's layers over the tasks with them
+(:mod:`mmnnx.partition`).
+>>>>>>> wt-partition
 
 Example:
     >>> import mmnnx as mm
@@ -20,17 +26,26 @@ from mmnnx.link_timing import (
 )
 from mmnnx.mpmd import schedules as _engine
 from mmnnx.mpmd.schedules import *  # noqa: F403  (the engine's public names, as its __all__ lists)
+from mmnnx.partition import PartitionResult, Split, StagePlan, partition
 from mmnnx.tuning import Candidate, TuneResult, tune
 
 __all__ = [
     *_engine.__all__,
     "Candidate",
     "NoCandidateError",
+<<<<<<< HEAD
     "StepTransfers",
     "TuneResult",
     "boundary_bytes",
     "measure_launch_cost",
     "measure_link",
     "measure_transfers",
+=======
+    "PartitionResult",
+    "Split",
+    "StagePlan",
+    "TuneResult",
+    "partition",
+>>>>>>> wt-partition
     "tune",
 ]

@@ -47,9 +47,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "mmnnx.modules",
         "mmnnx.tuning",
         "mmnnx.link_timing",
-        "mmnnx.schedules",
     ),
-    ("mmnnx.models", "mmnnx.train"),
+    ("mmnnx.models", "mmnnx.train", "mmnnx.partition", "mmnnx.schedules"),
     ("mmnnx.cli", "mmnnx.__main__", "mmnnx"),
     ("multimesh_compat",),  # on top of mmnnx's public API
 )

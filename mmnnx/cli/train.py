@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from mmnnx.cli.flags import add_options
+from mmnnx.cli.partition import problem as partition_problem
 from mmnnx.mpmd.schedules import get
 from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.train.config import RunConfig
@@ -80,6 +81,9 @@ def check(args: argparse.Namespace) -> str | None:
             return problem
     if blocks < args.stages:
         return f"{depth} gives fewer blocks than --stages {args.stages}"
+    problem = partition_problem(args, blocks, depth)
+    if problem:
+        return problem
     v, name = args.virtual_stages, args.schedule
     placement = None if name == "auto" else registered(name).placement
     if placement is Placement.V_SHAPED and v != 2:
@@ -126,8 +130,8 @@ def check(args: argparse.Namespace) -> str | None:
     if problem:
         return problem
     if args.memory_budget is not None:
-        if args.schedule != "auto":
-            return "--memory-budget needs --schedule auto"
+        if args.schedule != "auto" and args.partition != "auto":
+            return "--memory-budget needs --schedule auto or --partition auto"
         try:
             budget = parse_bytes(args.memory_budget)
         except ValueError as e:
@@ -452,6 +456,7 @@ def _train(
     import jax  # noqa: PLC0415
 
     import mmnnx as mm  # noqa: PLC0415
+    from mmnnx.cli.partition import latest_extra, stages  # noqa: PLC0415
     from mmnnx.errors import NoCandidateError  # noqa: PLC0415
     from mmnnx.models import CheckpointError  # noqa: PLC0415
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
@@ -459,12 +464,7 @@ def _train(
     from mmnnx.train.data import DataStateError, TextDataset  # noqa: PLC0415
     from mmnnx.train.generation import run_tasks  # noqa: PLC0415
     from mmnnx.train.loop import fit  # noqa: PLC0415
-    from mmnnx.train.run_model import (  # noqa: PLC0415
-        build_model,
-        model_config,
-        run_placement,
-        trainable,
-    )
+    from mmnnx.train.run_model import build_model, model_config, trainable  # noqa: PLC0415
     from mmnnx.train.run_record import RunRecord  # noqa: PLC0415
     from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
 
@@ -481,11 +481,13 @@ def _train(
         return error(str(e))
     tasks = run_tasks(args.stages, data_axis, args.model_axis, args.expert_axis)
     config = model_config(options, tokenizer.vocab_size)
-    placement = run_placement(
-        config, tasks, virtual_stages=args.virtual_stages, schedule=args.schedule, report=True
-    )
+    batch, extra = dataset.eval_batches(1)[0], latest_extra(checkpointer) if args.resume else None
     try:
-        model = build_model(options, config, placement, weights=weights)
+        placed = stages(args, options, config, tasks, batch, extra, data_axis=data_axis)
+    except (ValueError, NoCandidateError) as e:
+        return error(f"--partition {args.partition}: {e}")
+    try:
+        model = build_model(options, config, placed.rules, weights=weights)
     except CheckpointError as e:
         return error(f"--init-from: {e}")
     recorded = resolved_config(options)
@@ -499,11 +501,11 @@ def _train(
         result = fit(
             model,
             dataset,
-            train_config(options),
+            placed.train_config(train_config(options)),
             trainable=trainable(options),
             wandb_config=recorded,
             checkpointer=checkpointer,
-            checkpoint_extra=RunRecord.of(options, tokenizer).extra(),
+            checkpoint_extra={**RunRecord.of(options, tokenizer).extra(), **placed.extra()},
         )
     except (
         ck.CheckpointMismatchError,

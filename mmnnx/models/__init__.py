@@ -21,7 +21,7 @@ from mmnnx.models.pretrained import (
     save_pretrained,
     save_tensors,
 )
-from mmnnx.models.stages import stage_rules
+from mmnnx.models.stages import split_rules, stage_rules
 
 __all__ = [
     "FAMILIES",
@@ -35,5 +35,6 @@ __all__ = [
     "save_adapter",
     "save_pretrained",
     "save_tensors",
+    "split_rules",
     "stage_rules",
 ]

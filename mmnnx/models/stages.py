@@ -7,7 +7,7 @@ import functools
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
@@ -218,18 +218,9 @@ def stage_rules(
         if not isinstance(t, Task):
             raise TypeError(f"stage_rules: {t!r} is not an mm.Task")
     tasks = _stage_tasks(tasks, virtual_stages, order)
-    path, blocks = _layers(model, blocks)
-    where = ".".join([type(model).__name__, *map(str, path)])
-    prefix = "/".join(re.escape(str(k)) for k in path)
-    stacked = isinstance(blocks, nnx.Module) and not isinstance(blocks, nnx.List)
+    found = find_layers(model, blocks, last)
+    blocks, n, stacked, where = found.node, found.count, found.stacked, found.where
     if stacked:
-        depths = {v.shape[0] for _, v in variables_of(blocks) if v.shape}
-        if len(depths) != 1:
-            raise ValueError(
-                f"stage_rules: the Variables of {where} (one stacked "
-                f"module) do not share one leading layer axis (sizes {sorted(depths)})"
-            )
-        (n,) = depths
         if virtual_stages != 1:
             raise ValueError(
                 f"stage_rules: virtual_stages={virtual_stages} needs the blocks as a list of "
@@ -242,27 +233,9 @@ def stage_rules(
                 "(each task holds an equal chunk of a stacked Variable); use a depth divisible "
                 f"by {len(tasks)}"
             )
-    elif isinstance(blocks, nnx.List | list | tuple) and all(
-        isinstance(b, nnx.Module) for b in blocks
-    ):
-        n = len(blocks)
-    else:
-        raise ValueError(
-            f"stage_rules: {where} does not hold layers: expected an nnx.List of modules (as "
-            f"GPT.blocks) or one module of stacked layers (nnx.vmap), got {type(blocks).__name__}"
-        )
     k = len(tasks)
-    if n < k:
-        raise ValueError(
-            f"stage_rules: {n} block(s) cannot fill {k} "
-            f"{'tasks' if virtual_stages == 1 else f'stages ({virtual_stages} per task)'}; "
-            "every stage needs at least one "
-            "block (use fewer tasks or a deeper model)"
-        )
-
-    outside = [p for p, _ in variables_of(model) if p[: len(path)] != path]
-    firsts, lasts = _groups(model, outside, path, LAST if last is None else last)
-    is_variable = set(outside)
+    _check_depth("stage_rules", n, k, virtual_stages)
+    firsts, lasts = found.firsts, found.lasts
 
     config = getattr(model, "config", None)
     seq = seq_len or getattr(config, "max_seq_len", None) or getattr(model, "max_seq_len", None)
@@ -308,16 +281,10 @@ def stage_rules(
     else:
         sizes = _split(block_params, k, first_params, last_params)
 
-    rules, rows, start = [], [], 0
+    rules, rows, start = _rules(found, tasks, sizes), [], 0
     for s, (task, size) in enumerate(zip(tasks, sizes, strict=True)):
         idx = list(range(start, start + size))
         start += size
-        parts = [_anchored(g, g in is_variable) for g in firsts if s == 0]
-        if not stacked:
-            parts.append(f"^{prefix}/{_alternation([str(i) for i in idx])}/")
-        parts += [_anchored(g, g in is_variable) for g in lasts if s == k - 1]
-        if parts:
-            rules.append(("|".join(parts), task))
         params = sum(block_params[i] for i in idx)
         fl = None if None in block_flops else sum(block_flops[i] for i in idx)
         names = []
@@ -332,14 +299,155 @@ def stage_rules(
         label = f"{idx[0]}-{idx[-1]}" if size > 1 else str(idx[0])
         rows.append((task.name, label + (f" + {', '.join(names)}" if names else ""), params, fl))
 
-    if stacked:
-        rules.append((f"^{prefix}/", tasks))
     if report and jax.process_index() == 0:  # one report for a multi-process run
         _print_report(rows, n, by, tokens)
     return rules
 
 
-def _layers(model: Any, blocks: str | Callable[[Path, Any], bool] | None) -> tuple[Path, Any]:
+class Layers(NamedTuple):
+    """Where a model's layers are and what goes with the first and the last stage."""
+
+    path: Path  # of the node holding the layers, from the model
+    node: Any  # that node: a list of modules, or one module of stacked layers
+    count: int  # the number of layers
+    stacked: bool  # one module whose Variables have a leading layer axis
+    firsts: list[Path]  # prefixes of the Variables outside the layers that go on the first stage
+    lasts: list[Path]  # those that go on the last stage
+    variables: frozenset[Path]  # the prefixes among those that are Variables themselves
+    where: str  # the layers' node as one names it: "GPT.blocks"
+
+
+def find_layers(
+    model: Any,
+    blocks: str | Callable[[Path, Any], bool] | None = None,
+    last: Sequence[str] | None = None,
+    *,
+    who: str = "stage_rules",
+) -> Layers:
+    """The layers of ``model`` (``blocks=`` as :func:`stage_rules` takes it) and the groups of
+    Variables outside them going on the first and the last stage (``last``: the names that go
+    last, default :data:`LAST`); errors begin with ``who``.
+
+    Example:
+        >>> from mmnnx.models import GPT, GPTConfig
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(dim=32, depth=3), rngs=nnx.Rngs(0))
+        >>> found = find_layers(model)
+        >>> found.where, found.count, found.firsts, found.lasts
+        ('GPT.blocks', 3, [('embed',)], [('norm',), ('head',)])
+    """
+    path, node = _layers(model, blocks, who)
+    where = ".".join([type(model).__name__, *map(str, path)])
+    stacked = isinstance(node, nnx.Module) and not isinstance(node, nnx.List)
+    if stacked:
+        depths = {v.shape[0] for _, v in variables_of(node) if v.shape}
+        if len(depths) != 1:
+            raise ValueError(
+                f"{who}: the Variables of {where} (one stacked "
+                f"module) do not share one leading layer axis (sizes {sorted(depths)})"
+            )
+        (n,) = depths
+    elif isinstance(node, nnx.List | list | tuple) and all(isinstance(b, nnx.Module) for b in node):
+        n = len(node)
+    else:
+        raise ValueError(
+            f"{who}: {where} does not hold layers: expected an nnx.List of modules (as "
+            f"GPT.blocks) or one module of stacked layers (nnx.vmap), got {type(node).__name__}"
+        )
+    outside = [p for p, _ in variables_of(model) if p[: len(path)] != path]
+    firsts, lasts = _groups(model, outside, path, LAST if last is None else last)
+    return Layers(
+        path=path,
+        node=node,
+        count=n,
+        stacked=stacked,
+        firsts=firsts,
+        lasts=lasts,
+        variables=frozenset(outside),
+        where=where,
+    )
+
+
+def _check_depth(who: str, n: int, k: int, virtual_stages: int) -> None:
+    """Raises when ``n`` layers cannot give each of ``k`` stages one."""
+    if n < k:
+        raise ValueError(
+            f"{who}: {n} block(s) cannot fill {k} "
+            f"{'tasks' if virtual_stages == 1 else f'stages ({virtual_stages} per task)'}; "
+            "every stage needs at least one "
+            "block (use fewer tasks or a deeper model)"
+        )
+
+
+def _rules(found: Layers, tasks: Sequence[Task], sizes: Sequence[int]) -> list[tuple[str, Any]]:
+    """One rule per stage task: ``sizes[s]`` consecutive layers on ``tasks[s]``, the first
+    groups on the first stage and the last groups on the last (stacked layers: one rule more,
+    their layer axis split over ``tasks``)."""
+    prefix = "/".join(re.escape(str(k)) for k in found.path)
+    rules, start, k = [], 0, len(tasks)
+    for s, (task, size) in enumerate(zip(tasks, sizes, strict=True)):
+        idx = [str(i) for i in range(start, start + size)]
+        start += size
+        parts = [_anchored(g, g in found.variables) for g in found.firsts if s == 0]
+        if not found.stacked:
+            parts.append(f"^{prefix}/{_alternation(idx)}/")
+        parts += [_anchored(g, g in found.variables) for g in found.lasts if s == k - 1]
+        if parts:
+            rules.append(("|".join(parts), task))
+    if found.stacked:
+        rules.append((f"^{prefix}/", list(tasks)))
+    return rules
+
+
+def split_rules(
+    model: Any,
+    tasks: Sequence[Task],
+    sizes: Sequence[int],
+    *,
+    virtual_stages: int = 1,
+    order: str = "loop",
+    blocks: str | Callable[[Path, Any], bool] | None = None,
+    last: Sequence[str] | None = None,
+) -> list[tuple[str, Task]]:
+    """Placement rules as :func:`stage_rules` gives them, for a split chosen by the caller:
+    stage ``j`` holds the next ``sizes[j]`` layers (``len(tasks) * virtual_stages`` stages,
+    on the tasks as ``order`` puts them; ``blocks``, ``last`` as :func:`stage_rules`).
+
+    Example:
+        >>> from mmnnx.models import GPT, GPTConfig
+        >>> from mmnnx.sharding import TaskMesh
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(dim=32, depth=4), rngs=nnx.Rngs(0))
+        >>> tasks = [Task(f"s{i}", mesh=TaskMesh(devices=[i])) for i in range(2)]
+        >>> for regex, task in split_rules(model, tasks, [3, 1]):
+        ...     print(task.name, regex)
+        s0 ^embed/|^blocks/(0|1|2)/
+        s1 ^blocks/3/|^norm/|^head/
+
+    Raises:
+        ValueError: the layers are stacked, or ``sizes`` is not one count >= 1 per stage
+            adding up to the number of layers.
+    """
+    tasks = _stage_tasks(list(tasks), virtual_stages, order, "split_rules")
+    found = find_layers(model, blocks, last, who="split_rules")
+    if found.stacked:
+        raise ValueError(
+            f"split_rules: {found.where} is one stacked module, whose layer axis is split into "
+            "equal chunks (stage_rules); a split of its own needs the layers as a list"
+        )
+    good = all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sizes)
+    if not good or len(sizes) != len(tasks) or sum(sizes) != found.count:
+        raise ValueError(
+            f"split_rules: sizes {list(sizes)} must give each of the {len(tasks)} stages at "
+            f"least one of the {found.count} layers of {found.where}, adding up to "
+            f"{found.count}"
+        )
+    return _rules(found, tasks, sizes)
+
+
+def _layers(
+    model: Any, blocks: str | Callable[[Path, Any], bool] | None, who: str = "stage_rules"
+) -> tuple[Path, Any]:
     """The path and node of ``model``'s layers: the node ``blocks`` names (a path, or a filter
     matching one module), else ``model.blocks``, else the shallowest ``nnx.List`` or
     ``nnx.Sequential`` of modules; an ``nnx.Sequential`` gives its ``layers``."""
@@ -347,26 +455,26 @@ def _layers(model: Any, blocks: str | Callable[[Path, Any], bool] | None) -> tup
     if blocks is None and getattr(model, "blocks", None) is not None:
         blocks = "blocks"
     if isinstance(blocks, str):
-        path, node = _resolve(model, blocks)
+        path, node = _resolve(model, blocks, who)
     elif callable(blocks):
         hits = [(p, n) for p, n in _modules(model) if blocks(p, n)]
         if len(hits) != 1:
             raise ValueError(
-                f"stage_rules: the blocks= filter matches {len(hits)} modules of {name} "
+                f"{who}: the blocks= filter matches {len(hits)} modules of {name} "
                 f"({_joined([p for p, _ in hits]) or 'none'}); it must select the one holding "
                 "the layers"
             )
         ((path, node),) = hits
     elif blocks is not None:
         raise TypeError(
-            f"stage_rules: blocks= takes a path ('model.layers') or a filter "
+            f"{who}: blocks= takes a path ('model.layers') or a filter "
             f"(path, node) -> bool, got {type(blocks).__name__}"
         )
     else:
         lists = [(p, n) for p, n in _modules(model) if _is_list_of_modules(n)]
         if not lists:
             raise ValueError(
-                f"stage_rules: {name} has no attribute 'blocks' holding its layers and no "
+                f"{who}: {name} has no attribute 'blocks' holding its layers and no "
                 "nnx.List of modules; expected model.blocks to be an nnx.List of modules (as "
                 "GPT.blocks) or one module of stacked layers (nnx.vmap), or blocks= naming the "
                 f"attribute that holds them (its attributes: {', '.join(_public(model)) or 'none'})"
@@ -376,7 +484,7 @@ def _layers(model: Any, blocks: str | Callable[[Path, Any], bool] | None) -> tup
         if len(shallowest) > 1:
             paths = [p for p, _ in shallowest]
             raise ValueError(
-                f"stage_rules: {name} has several lists of modules ({_joined(paths)}); name the "
+                f"{who}: {name} has several lists of modules ({_joined(paths)}); name the "
                 f"one holding the layers to cut, e.g. blocks={_joined(paths[:1])!r}"
             )
         ((path, node),) = shallowest
@@ -385,14 +493,14 @@ def _layers(model: Any, blocks: str | Callable[[Path, Any], bool] | None) -> tup
     return path, node
 
 
-def _resolve(model: Any, spelled: str) -> tuple[Path, Any]:
+def _resolve(model: Any, spelled: str, who: str) -> tuple[Path, Any]:
     """The path and node ``spelled`` (``"model.layers"`` or ``"model/layers"``) names."""
     path, node = (), model
     for key in re.split(r"[./]", spelled):
         if not hasattr(node, key):
             where = ".".join([type(model).__name__, *map(str, path)])
             raise ValueError(
-                f"stage_rules: {where} has no attribute {key!r} (blocks=) on the path "
+                f"{who}: {where} has no attribute {key!r} (blocks=) on the path "
                 f"{spelled!r}; its attributes are {', '.join(_public(node)) or 'none'}"
             )
         path += (int(key) if isinstance(node, nnx.List) and key.isdigit() else key,)
@@ -478,24 +586,26 @@ def _public(node: Any) -> list[str]:
     return [k for k in vars(node) if not k.startswith("_")] if hasattr(node, "__dict__") else []
 
 
-def _stage_tasks(tasks: list[Task], virtual_stages: int, order: str) -> list[Task]:
+def _stage_tasks(
+    tasks: list[Task], virtual_stages: int, order: str, who: str = "stage_rules"
+) -> list[Task]:
     """The task of each stage: ``tasks`` repeated ``virtual_stages`` times, looped or in a V."""
     if (
         not isinstance(virtual_stages, int)
         or isinstance(virtual_stages, bool)
         or (virtual_stages < 1)
     ):
-        raise ValueError(f"stage_rules: virtual_stages must be an int >= 1, got {virtual_stages!r}")
+        raise ValueError(f"{who}: virtual_stages must be an int >= 1, got {virtual_stages!r}")
     if order == "loop":
         return tasks * virtual_stages
     if order == "v":
         if virtual_stages != 2:
             raise ValueError(
-                f"stage_rules: order='v' places two stages per task (down the tasks and back "
+                f"{who}: order='v' places two stages per task (down the tasks and back "
                 f"up); pass virtual_stages=2, got {virtual_stages}"
             )
         return tasks + [t.virtual_stage(1) for t in reversed(tasks)]
-    raise ValueError(f"stage_rules: unknown order={order!r}; expected 'loop' or 'v'")
+    raise ValueError(f"{who}: unknown order={order!r}; expected 'loop' or 'v'")
 
 
 def _print_report(rows: list, n: int, by: str, tokens: int | None) -> None:

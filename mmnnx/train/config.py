@@ -21,6 +21,7 @@ from mmnnx.train.options import (
     option,
     positive,
     spec,
+    split_or,
     step_range,
     switch,
 )
@@ -194,6 +195,16 @@ class Layout:
         metavar="V",
     )
     devices: int = count(8, "simulated CPU devices when no accelerator is used")
+    partition: str = option(
+        "params",
+        "how the blocks are split over the stages: 'params' balances their parameter counts "
+        "(stage_rules); 'auto' times each block, the embedding and the head with the loss on "
+        "the stages' devices and simulates every split (mm.schedules.partition), printing why, "
+        "and with --schedule auto picks the schedule and --microbatches too; or the blocks per "
+        "stage, e.g. 3,1 (%(default)s). --resume reuses the split a run was planned with",
+        split_or(("params", "auto")),
+        metavar="HOW",
+    )
 
 
 @dataclasses.dataclass

@@ -155,3 +155,25 @@ def step_range(flag: str, text: str) -> tuple[int, int]:
     if not 1 <= steps[0] <= steps[1]:
         raise argparse.ArgumentTypeError(f"{flag} needs 1 <= FIRST <= LAST, got {text!r}")
     return steps
+
+
+def split_or(choices: Sequence[str]) -> Parse:
+    """One of ``choices``, or comma-separated counts >= 1 (blocks per stage: ``3,1``), as text.
+
+    Example:
+        >>> parse = split_or(("params", "auto"))
+        >>> parse("--partition", "3, 1"), parse("--partition", "auto")
+        ('3,1', 'auto')
+    """
+
+    def parse(flag: str, text: str) -> str:
+        if text in choices:
+            return text
+        parts = [p.strip() for p in text.split(",")]
+        if not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"{flag} must be {', '.join(choices)} or blocks per stage such as 3,1, got {text!r}"
+            )
+        return ",".join(str(int(p)) for p in parts)
+
+    return parse

@@ -12,7 +12,7 @@ from flax import nnx
 
 from mmnnx.models import GPT, GPTConfig, from_pretrained, pretrained_config
 from mmnnx.models.pretrained import Pretrained
-from mmnnx.models.stages import stage_rules
+from mmnnx.models.stages import split_rules, stage_rules
 from mmnnx.modules.lora import add_lora
 from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.sharding import Task, init
@@ -50,10 +50,12 @@ def run_placement(
     virtual_stages: int = 1,
     schedule: Any = None,
     report: bool = False,
+    sizes: Sequence[int] | None = None,
 ) -> list[tuple[str, Task]]:
     """``stage_rules`` of ``GPT(config)`` (built abstractly) over ``tasks``: ``virtual_stages``
     stages per task, down and back up the tasks (a V) for a schedule of V-shaped placement
-    (``zero-bubble-v``, ``dualpipev``), looped otherwise. ``report`` prints the stages.
+    (``zero-bubble-v``, ``dualpipev``), looped otherwise. ``report`` prints the stages. With
+    ``sizes``, stage ``j`` holds the next ``sizes[j]`` blocks instead (``split_rules``).
 
     Example:
         >>> from mmnnx.sharding import TaskMesh
@@ -66,15 +68,27 @@ def run_placement(
         and schedule != "auto"
         and registered(schedule).placement is Placement.V_SHAPED
     )
+    order = "v" if v_shaped else "loop"
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+        if sizes is not None:
+            return split_rules(abstract, tasks, sizes, virtual_stages=virtual_stages, order=order)
         return stage_rules(
-            abstract,
-            tasks,
-            virtual_stages=virtual_stages,
-            order="v" if v_shaped else "loop",
-            report=report,
+            abstract, tasks, virtual_stages=virtual_stages, order=order, report=report
         )
+
+
+def abstract_model(flags: Mapping[str, Any], config: GPTConfig) -> GPT:
+    """The model of a run as :func:`build_model` makes it (LoRA adapters included), every
+    Variable a ``jax.ShapeDtypeStruct``: nothing allocated.
+
+    Example:
+        >>> flags = {"dim": 32, "depth": 1, "heads": 2, "lora_rank": 2, "lora_targets": ("q",)}
+        >>> abstract_model(flags, model_config(flags, 64)).blocks[0].attn.q.lora.a.shape
+        (32, 2)
+    """
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: build_model({**flags, "init_from": None}, config))
 
 
 def build_model(

@@ -1,0 +1,199 @@
+"""The partition planner (``mm.schedules.partition``) against the equal split and against the
+best split, measured.
+
+Two stages on single devices (0 and 1), 1F1B with M microbatches, a full train step (gradients
+through ``mm.microbatch``, then AdamW's update). XLA:CPU splits every large kernel over all
+the machine's cores, so two stages on a 2-core machine only overlap when each uses one:
+``--xla_cpu_multi_thread_eigen=false`` keeps each simulated device's kernels on one thread (as
+the issue's overhead harness does).
+
+- ``gpt``: the reference GPT (``mmnnx.models.GPT``) with a large vocabulary (8192), whose head
+  and loss (a vocabulary-sized matmul and softmax on the last stage) weigh as several blocks:
+  the planned split's step time against the equal split's (the same number of blocks per
+  stage), per round (target: planned >= 15% faster, ratio equal / planned >= 1.15);
+- ``unequal``: a stack of residual MLP blocks of unequal widths (three 4x wider than the other
+  five): the same comparison (target: >= 1.15);
+- ``best``: the stack of ``unequal`` cut every way over the two stages (7 splits), each split's
+  step measured; the planned split's step time against the fastest one's (target: within 5%,
+  planned / best <= 1.05).
+
+Every timing is taken in interleaved rounds (``--rounds N``, default 5; the candidates of a
+section take turns in each round) and reported as the median [min-max] over the rounds, a
+ratio taken per round; targets are checked on the medians.
+
+Run: python benchmarks/partition.py [--only SECTION ...] [--rounds N] (sections: the keys of
+``SECTIONS``; with ``--only``, their results replace theirs in the file and the others stay).
+Writes benchmarks/results/partition.json.
+"""
+
+import os
+
+os.environ.setdefault(
+    "XLA_FLAGS",
+    "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false",
+)
+
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from report import (  # noqa: E402
+    interleaved,
+    median,
+    only_sections,
+    per_call,
+    ratio_spread,
+    results_path,
+    rounds_option,
+    run_sections,
+    spread,
+)
+
+import mmnnx as mm  # noqa: E402
+from mmnnx.models import GPT, GPTConfig, split_rules  # noqa: E402
+from mmnnx.partition.search import equal_split, splits  # noqa: E402
+
+RESULTS = results_path("partition.json")
+M = 4
+CALLS = 2  # steps per sample
+GPT_CONFIG = GPTConfig(vocab_size=8192, dim=64, depth=8, num_heads=4, max_seq_len=32)
+GPT_BATCH = (8, 33)
+WIDTHS = (1024, 1024, 1024, 256, 256, 256, 256, 256)
+DIM, ROWS = 128, 256
+
+
+class Block(nnx.Module):
+    """``x + down(gelu(up(x)))`` of hidden size ``width``."""
+
+    def __init__(self, width: int, *, rngs: nnx.Rngs):
+        self.up = nnx.Linear(DIM, width, rngs=rngs)
+        self.down = nnx.Linear(width, DIM, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+class Stack(nnx.Module):
+    """Residual MLP blocks of the given widths, a linear read-in and a squared-error loss."""
+
+    def __init__(self, widths=WIDTHS, *, rngs: nnx.Rngs):
+        self.embed = nnx.Linear(DIM, DIM, rngs=rngs)
+        self.blocks = nnx.List([Block(w, rngs=rngs) for w in widths])
+
+    def loss(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return jnp.mean((h - x) ** 2)
+
+
+def loss_fn(model, batch):
+    return model.loss(batch)
+
+
+def tasks():
+    return [mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
+
+
+def train_step():
+    @mm.jit
+    def step(model, opt, batch):
+        grad_fn = mm.microbatch(nnx.value_and_grad(loss_fn), num=M, reduce="mean", schedule="1f1b")
+        loss, grads = grad_fn(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    return step
+
+
+def runner(factory, rules, batch):
+    """A sample of the step time of the model ``factory`` makes placed by ``rules``."""
+    model = mm.init(factory, rules)
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    step = train_step()
+    jax.block_until_ready(step(model, opt, batch))  # compiled
+    return per_call(lambda: step(model, opt, batch), CALLS, jax.block_until_ready)
+
+
+def planned_against_equal(factory, batch, rounds: int) -> dict:
+    """The planner's split against the equal one, each step timed in interleaved rounds."""
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(factory)
+    result = mm.schedules.partition(
+        abstract, loss_fn, batch, tasks(), optimizer=optax.adamw(1e-3), schedules="1f1b",
+        microbatches=M,
+    )  # fmt: skip
+    equal = equal_split(len(abstract.blocks), 2)
+    out = interleaved(
+        {
+            "planned": runner(factory, result.rules, batch),
+            "equal": runner(factory, split_rules(abstract, tasks(), equal), batch),
+        },
+        rounds,
+    )
+    predicted_equal = result.equal.predicted_seconds if result.equal else None
+    speedup = median([e / p for e, p in zip(out["equal"], out["planned"], strict=True)])
+    return {
+        "planned split (blocks per stage)": "/".join(map(str, result.sizes)),
+        "equal split": "/".join(map(str, equal)),
+        "planned step ms": spread(out["planned"], 1e3),
+        "equal step ms": spread(out["equal"], 1e3),
+        "equal / planned (target >= 1.15)": ratio_spread(out["equal"], out["planned"]),
+        "predicted equal / planned": (
+            f"{predicted_equal / result.predicted_seconds:.2f}" if predicted_equal else "-"
+        ),
+        "target met": speedup >= 1.15,
+    }
+
+
+def gpt(rounds: int) -> dict:
+    batch = jax.random.randint(jax.random.key(0), GPT_BATCH, 0, GPT_CONFIG.vocab_size)
+    return planned_against_equal(lambda: GPT(GPT_CONFIG, rngs=nnx.Rngs(0)), batch, rounds)
+
+
+def unequal(rounds: int) -> dict:
+    batch = jax.random.normal(jax.random.key(0), (ROWS, DIM))
+    return planned_against_equal(lambda: Stack(rngs=nnx.Rngs(0)), batch, rounds)
+
+
+def best(rounds: int) -> dict:
+    """Every split of ``Stack`` over two stages measured; the planner's against the fastest."""
+    batch = jax.random.normal(jax.random.key(0), (ROWS, DIM))
+
+    def factory():
+        return Stack(rngs=nnx.Rngs(0))
+
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(factory)
+    result = mm.schedules.partition(
+        abstract, loss_fn, batch, tasks(), optimizer=optax.adamw(1e-3), schedules="1f1b",
+        microbatches=M,
+    )  # fmt: skip
+    every = list(splits(len(WIDTHS), 2))
+    runners = {s: runner(factory, split_rules(abstract, tasks(), s), batch) for s in every}
+    out = interleaved(runners, rounds)
+    medians = {s: median(t) for s, t in out.items()}
+    fastest = min(medians, key=medians.get)
+    planned = tuple(result.sizes)
+    ratio = medians[planned] / medians[fastest]
+    return {
+        "planned split": "/".join(map(str, planned)),
+        "fastest split measured": "/".join(map(str, fastest)),
+        **{f"step ms, split {'/'.join(map(str, s))}": spread(out[s], 1e3) for s in every},
+        "planned / fastest (target <= 1.05)": ratio_spread(out[planned], out[fastest]),
+        "target met": ratio <= 1.05,
+    }
+
+
+SECTIONS = {"gpt": gpt, "unequal": unequal, "best": best}
+
+
+def main(only: list[str] | None, rounds: int):
+    """Runs every section, or those in ``only`` (their results replace theirs in the file)."""
+    run_sections(SECTIONS, RESULTS, "partition", only, str(jax.devices()[0]), rounds)
+
+
+if __name__ == "__main__":
+    main(only_sections(sys.argv), rounds_option(sys.argv))

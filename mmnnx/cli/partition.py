@@ -1,0 +1,190 @@
+"""``mmnnx train --partition``: how the blocks are split over the stages. ``params`` balances
+their parameter counts (``stage_rules``), ``3,1`` gives the blocks per stage, ``auto`` plans the
+split from measurements (``mm.schedules.partition``) and, with ``--schedule auto``, the
+schedule and microbatch count with it. The split is recorded with each checkpoint (its
+``extra``), and ``--resume`` with ``auto`` places the blocks as the run was planned rather than
+planning again."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+KEY = "partition"
+"""The entry of a checkpoint's ``extra`` holding the split (``{"sizes": [3, 1]}``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """Where a run's blocks go: the placement ``rules``, the blocks per stage (``None``: as
+    ``stage_rules`` balanced them), and the schedule and microbatch count the planner chose
+    (``None``: the run's own)."""
+
+    rules: list
+    sizes: tuple[int, ...] | None = None
+    schedule: Any = None  # a Schedule, as mm.microbatch takes it
+    microbatches: int | None = None
+
+    def extra(self) -> dict[str, Any]:
+        """The split as a checkpoint's ``extra`` records it (nothing for ``params``)."""
+        return {} if self.sizes is None else {KEY: {"sizes": list(self.sizes)}}
+
+    def train_config(self, config: Any) -> Any:
+        """``config`` (a ``TrainConfig``) with the planner's schedule and microbatch count."""
+        if self.schedule is None:
+            return config
+        return dataclasses.replace(config, schedule=self.schedule, microbatches=self.microbatches)
+
+
+def given_sizes(text: str) -> tuple[int, ...] | None:
+    """The blocks per stage ``--partition`` gives, or ``None`` for ``params`` and ``auto``.
+
+    Example:
+        >>> given_sizes("3,1"), given_sizes("auto")
+        ((3, 1), None)
+    """
+    if text in ("params", "auto"):
+        return None
+    return tuple(int(p) for p in text.split(","))
+
+
+def problem(args: argparse.Namespace, blocks: int, depth: str) -> str | None:
+    """What ``--partition`` cannot do with the other flags (``blocks`` of the model, named
+    ``depth`` as the flags give it), in one line; or None.
+
+    Example:
+        >>> from mmnnx.cli import parse_args
+        >>> problem(parse_args(["train", "--partition", "3,2"]), 4, "--depth 4")
+        '--partition 3,2 gives 5 blocks, but --depth 4 has 4'
+    """
+    stages = args.stages * args.virtual_stages
+    sizes = given_sizes(args.partition)
+    if sizes is not None:
+        if len(sizes) != stages:
+            return (
+                f"--partition {args.partition} gives {len(sizes)} stages, but --stages "
+                f"{args.stages} x --virtual-stages {args.virtual_stages} makes {stages}"
+            )
+        if sum(sizes) != blocks:
+            return (
+                f"--partition {args.partition} gives {sum(sizes)} blocks, but {depth} has {blocks}"
+            )
+    if args.partition != "params" and args.scan_layers:
+        return (
+            f"--partition {args.partition} needs the blocks as a list: leave out --scan-layers "
+            "(stacked blocks are split into equal chunks)"
+        )
+    return None
+
+
+def stages(
+    args: argparse.Namespace,
+    options: Mapping[str, Any],
+    config: Any,
+    tasks: Sequence[Any],
+    batch: Any,
+    extra: Mapping[str, Any] | None,
+    *,
+    data_axis: int,
+) -> Stages:
+    """The run's stages: as ``--partition`` says; with ``auto``, the split ``extra`` (the
+    newest checkpoint's, with ``--resume``) records when it still fits the flags, else planned
+    on ``batch`` (one step's) and printed with why; ``data_axis``: the layout's.
+
+    Raises:
+        ValueError: the planner refuses the model or the flags (its message says why).
+        NoCandidateError: no split fits ``--memory-budget``.
+    """
+    from mmnnx.train.run_model import run_placement  # noqa: PLC0415
+
+    placed = {"virtual_stages": args.virtual_stages, "schedule": args.schedule}
+    if args.partition == "params":
+        return Stages(run_placement(config, tasks, **placed, report=True))
+    sizes = given_sizes(args.partition) or _recorded(extra, args, config.depth)
+    if sizes is not None:
+        return Stages(run_placement(config, tasks, **placed, sizes=sizes), sizes)
+    return _planned(args, options, config, tasks, batch, data_axis)
+
+
+def _recorded(extra: Mapping[str, Any] | None, args: argparse.Namespace, depth: int):
+    """The split a resumed run recorded, when it has as many stages and blocks as now."""
+    sizes = ((extra or {}).get(KEY) or {}).get("sizes")
+    stages = args.stages * args.virtual_stages
+    if not (isinstance(sizes, list) and len(sizes) == stages and sum(sizes) == depth):
+        return None
+    print(
+        f"partition auto: the split the run was planned with, {'/'.join(map(str, sizes))} "
+        "blocks per stage (recorded with its checkpoint)"
+    )
+    return tuple(sizes)
+
+
+def _planned(
+    args: argparse.Namespace,
+    options: Mapping[str, Any],
+    config: Any,
+    tasks: Sequence[Any],
+    batch: Any,
+    data_axis: int,
+) -> Stages:
+    """``mm.schedules.partition`` of the run's model on ``batch``: the schedule and microbatch
+    count among the candidates ``--schedule`` and ``--microbatches`` allow."""
+    import jax  # noqa: PLC0415
+
+    from mmnnx.partition import partition  # noqa: PLC0415
+    from mmnnx.train.config import train_config  # noqa: PLC0415
+    from mmnnx.train.loop import make_optimizer  # noqa: PLC0415
+    from mmnnx.train.run_model import abstract_model, trainable  # noqa: PLC0415
+
+    if jax.process_count() > 1:
+        raise ValueError(
+            "the planner times every stage's programs in one process; plan in one process "
+            "(--partition auto), then run the job with the split it prints (--partition 3,1)"
+        )
+    auto = args.schedule == "auto"
+    result = partition(
+        abstract_model(options, config),
+        lambda model, b: model.loss(b),
+        batch,
+        tasks,
+        optimizer=make_optimizer(train_config(options)),
+        wrt=trainable(options),
+        memory_budget=args.memory_budget,
+        schedules=None if auto else args.schedule,
+        microbatches=_microbatches(args, data_axis) if auto else args.microbatches,
+        virtual_stages=args.virtual_stages,
+        report=True,
+    )
+    print(
+        f"partition auto: {'/'.join(map(str, result.sizes))} blocks per stage, "
+        f"{result.schedule} with {result.num_microbatches} microbatches (predicted "
+        f"{result.predicted_seconds * 1e3:.1f} ms per step)"
+    )
+    schedule = result.best.table if auto else None
+    return Stages(result.rules, result.sizes, schedule, result.num_microbatches if auto else None)
+
+
+def _microbatches(args: argparse.Namespace, data_axis: int) -> list[int]:
+    """``--microbatches`` and the other counts from ``--stages`` to 4 x ``--stages`` that split
+    the batch into microbatches the data (and expert) axis divides."""
+    shards = data_axis * args.expert_axis
+    counts = [
+        m
+        for m in range(args.stages, 4 * args.stages + 1)
+        if args.batch_size % m == 0 and (args.batch_size // m) % shards == 0
+    ]
+    return sorted({args.microbatches, *counts})
+
+
+def latest_extra(checkpointer: Any) -> dict[str, Any] | None:
+    """The ``extra`` of the newest checkpoint whose ``extra`` reads back, or None."""
+    from mmnnx.train.checkpoint import CheckpointCorruptError  # noqa: PLC0415
+
+    for step in reversed(checkpointer.all_steps()):
+        try:
+            return checkpointer.read_extra(step)
+        except (CheckpointCorruptError, FileNotFoundError):
+            continue
+    return None

@@ -1,0 +1,13 @@
+"""The partition planner, ``mm.schedules.partition``: which layers go on which task, with the
+schedule, microbatch count and stages per task, from each layer's measured forward, backward,
+input- and weight-gradient times, each boundary's transfer time and each task's memory.
+
+Modules: ``pieces`` (the model cut into the parts timed: the embedding, each layer, the head
+and the loss), ``measure`` (timing a part on a task), ``search`` (the splits simulated),
+``result`` (the records and the table) and ``plan`` (``partition`` itself).
+"""
+
+from mmnnx.partition.plan import partition
+from mmnnx.partition.result import PartitionResult, Split, StagePlan
+
+__all__ = ["PartitionResult", "Split", "StagePlan", "partition"]

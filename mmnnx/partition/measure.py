@@ -1,0 +1,202 @@
+"""Timing one piece of a model (:mod:`mmnnx.partition.pieces`) on a task's devices: its forward
+(keeping what its backward needs), its backward, and the two halves of a split backward
+(gradient with respect to its inputs, I, and to its weights, W), with the bytes it holds per
+microbatch between forward and backward, the bytes it sends on, and its state's bytes.
+
+The forward returns its backward's closure (``jax.vjp``'s, residuals included) from one
+compiled program; each backward is another program applied to it, returning the input
+gradients, the weight gradients or both (XLA drops what a program does not return). Its
+Variables are laid out on the task as ``mm.place`` would put them there; its input arrays are
+split over the task's ``batch`` axis where their leading axis is the microbatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mmnnx.partition.pieces import Piece
+from mmnnx.sharding import Task
+from mmnnx.sharding.place import plan_placement
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One piece measured on one task at one microbatch size: seconds per pass, bytes per
+    device."""
+
+    forward: float  # F, keeping the residuals
+    backward: float  # B: input and weight gradients in one program
+    input_grad: float  # I: the gradient with respect to the inputs (0 without any)
+    weight_grad: float  # W: the gradient with respect to the Variables differentiated
+    held_bytes: int  # residuals kept from the forward to the backward, per microbatch
+    output_bytes: int  # the floating arrays it returns (what the next stage receives)
+    state_bytes: int  # its Variables
+    optimizer_bytes: int  # its optimizer state
+
+
+def shardings_on(model: Any, task: Task) -> dict[tuple, NamedSharding]:
+    """Where ``mm.place(model, [(".*", task)])`` would put each Variable (moves nothing).
+
+    Example:
+        >>> import mmnnx as mm
+        >>> t = mm.Task("t", mesh=mm.TaskMesh(devices=[0]))
+        >>> list(shardings_on(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), t))
+        [('bias',), ('kernel',)]
+    """
+    return {a.path: a.sharding for a in plan_placement(model, [(".*", task)])}
+
+
+def measure(
+    piece: Piece,
+    task: Task,
+    shardings: dict[tuple, NamedSharding],
+    rows: int,
+    *,
+    optimizer: Any = None,
+    repeats: int = 5,
+) -> Timing:
+    """``piece`` timed on ``task`` (the median of ``repeats`` runs of each program, each
+    waited for), its Variables where ``shardings`` (by path) put them, its inputs of leading
+    axis ``rows`` split over ``task``'s ``batch`` axis; ``optimizer`` (an optax transform)
+    gives its state's bytes. The model's concrete values are copied there; abstract ones are
+    drawn at random.
+
+    Example (a piece of a model: see ``mmnnx.partition.pieces.Model``)::
+
+        timing = measure(pieces.layer(0, calls[0]), task, shardings_on(model, task), rows=4)
+    """
+    rng = np.random.default_rng(0)
+    params = _placed(piece.params, shardings, rng)
+    other = _placed(piece.other, shardings, rng)
+    inputs = tuple(_input(a, task, rows, rng) for a in piece.inputs)
+    grads = piece.grads
+
+    def forward(params: Any, other: Any, inputs: Sequence) -> Any:
+        def f(params: Any, diff: list) -> tuple:
+            it = iter(diff)
+            full = [next(it) if g else x for x, g in zip(inputs, grads, strict=True)]
+            return piece.fn(params, other, full)
+
+        return jax.vjp(f, params, [x for x, g in zip(inputs, grads, strict=True) if g])
+
+    fwd = jax.jit(forward)
+    out, vjp = fwd(params, other, inputs)
+    cotangent = jax.jit(lambda o: jax.tree.map(jnp.ones_like, o))(out)
+    with_inputs = any(grads)
+    with_weights = bool(jax.tree.leaves(params))
+    both = jax.jit(lambda v, c: v(c))
+    only_inputs = jax.jit(lambda v, c: v(c)[1])
+    only_weights = jax.jit(lambda v, c: v(c)[0])
+    args = (vjp, cotangent)
+    return Timing(
+        forward=_seconds(fwd, (params, other, inputs), repeats),
+        backward=_seconds(both, args, repeats),
+        input_grad=_seconds(only_inputs, args, repeats) if with_inputs else 0.0,
+        weight_grad=_seconds(only_weights, args, repeats) if with_weights else 0.0,
+        held_bytes=_held_bytes(forward, (params, other, inputs), vjp, len(jax.tree.leaves(out))),
+        output_bytes=sum(_device_bytes(x) for x in jax.tree.leaves(out)),
+        state_bytes=sum(_device_bytes(x) for x in jax.tree.leaves((params, other))),
+        optimizer_bytes=_optimizer_bytes(optimizer, params),
+    )
+
+
+def _seconds(fn: Callable, args: tuple, repeats: int) -> float:
+    """The median time of ``repeats`` calls of ``fn(*args)``, each waited for, after one that
+    compiles it."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _device_bytes(x: Any) -> int:
+    """The bytes of ``x`` on each of its devices."""
+    if not isinstance(x, jax.Array):
+        return 0
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+def _held_bytes(forward: Callable, args: tuple, vjp: Any, num_out: int) -> int:
+    """The bytes per device of the backward closure ``vjp``'s residuals, less the Variables
+    it reads as they are (they are held anyway): the forward's outputs that are not merely
+    its state's inputs passed through."""
+    closed = jax.make_jaxpr(forward)(*args)
+    state_vars = closed.jaxpr.invars[: len(jax.tree.leaves(args[:2]))]
+    residuals = closed.jaxpr.outvars[num_out:]
+    values = jax.tree.leaves(vjp)
+    total = 0
+    for var, value in zip(residuals, values, strict=True):
+        if not any(var is v for v in state_vars):
+            total += _device_bytes(value)
+    return total
+
+
+def _optimizer_bytes(optimizer: Any, params: Any) -> int:
+    """The bytes per device of ``optimizer``'s state for ``params``, laid out as they are
+    (each leaf's share of the state: its own bytes times the state's bytes per parameter
+    byte)."""
+    leaves = jax.tree.leaves(params)
+    if optimizer is None or not leaves:
+        return 0
+    state = jax.eval_shape(optimizer.init, jax.tree.map(_spec, params))
+    whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+    held = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    per_device = sum(_device_bytes(x) for x in leaves)
+    return round(held * per_device / whole) if whole else 0
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _placed(state: Any, shardings: dict[tuple, NamedSharding], rng: np.random.Generator) -> Any:
+    """``state`` with every Variable's value on its sharding: the value it holds, or (an
+    abstract one) drawn at random."""
+    flat = []
+    for path, variable in nnx.to_flat_state(state):
+        value = variable.get_value()
+        if not isinstance(value, jax.Array | np.ndarray):
+            value = _drawn(value, rng, scale=0.02)
+        flat.append((path, variable.replace(jax.device_put(value, shardings[path]))))
+    return nnx.from_flat_state(flat)
+
+
+def _input(aval: Any, task: Task, rows: int, rng: np.random.Generator) -> jax.Array:
+    """An input array on ``task``: ``aval``'s values when it has some, else drawn; split over
+    the task's ``batch`` axis when its leading axis is the microbatch's ``rows``."""
+    value = aval if isinstance(aval, jax.Array | np.ndarray) else _drawn(aval, rng, scale=1.0)
+    spec = PartitionSpec()
+    if aval.ndim and aval.shape[0] == rows:
+        batch = task.spec(("batch",) + (None,) * (aval.ndim - 1))
+        axes = batch[0] if batch else None
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        shards = math.prod(task.jax_mesh.shape[a] for a in names)
+        if rows % shards == 0:
+            spec = batch
+    return jax.device_put(value, task.sharding(spec))
+
+
+def _drawn(aval: Any, rng: np.random.Generator, *, scale: float) -> Any:
+    """Values of ``aval``'s shape and dtype: normal times ``scale`` for floats, ones for
+    booleans, zeros otherwise (integers, PRNG keys)."""
+    dtype = aval.dtype
+    if jnp.issubdtype(dtype, jnp.floating):
+        drawn = rng.standard_normal(aval.shape, dtype=np.float32) * scale
+        return jnp.asarray(drawn, dtype)
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return np.ones(aval.shape, bool)
+    return jnp.zeros(aval.shape, dtype)

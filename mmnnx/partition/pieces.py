@@ -1,0 +1,279 @@
+"""A model cut into the pieces the planner times: the part before its layers (the embedding),
+each layer, and the part after them (the head and the loss), each a pure function of its own
+Variables' values and its input arrays.
+
+Each piece merges the whole model from its own state and zeros for every other group: the
+zeros feed nothing the piece returns, so XLA drops them with the code that reads them. The
+layers are replaced by stubs in that throwaway model: to record how the loss function calls
+them (``jax.eval_shape``, nothing computed), to stop at the first one (the part before the
+layers returns its input, carried out by an exception caught inside the traced function), or
+to stand in for all of them (the part after the layers starts from the last layer's output,
+given as an input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mmnnx.models.stages import Layers
+
+Path = tuple
+EMBEDDING = "embedding"
+HEAD = "head + loss"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """How the loss function called one layer: the method (``"__call__"``, ``"forward"``),
+    its ``(args, kwargs)`` and what it returned, every array as a ``ShapeDtypeStruct``."""
+
+    method: str
+    inputs: Any
+    output: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One timed part of the model: ``fn(params, other, inputs)`` returns the output arrays
+    (floating ones, those a backward pass takes a cotangent for), ``params`` (the Variables
+    differentiated) and ``other`` (the rest of its state) as ``nnx.State``, ``inputs`` the
+    input arrays (``ShapeDtypeStruct`` or concrete: the batch's own values), ``grads`` which of
+    them take a gradient (the I pass), ``key`` equal for pieces that compute the same on the
+    same shapes (timed once; ``None``: a piece of its own)."""
+
+    name: str
+    fn: Callable[..., tuple]
+    params: Any
+    other: Any
+    inputs: tuple
+    grads: tuple[bool, ...]
+    key: Any
+
+
+class _Reached(Exception):  # noqa: N818  (not an error: carries layer 0's inputs out)
+    def __init__(self, inputs: Any):
+        super().__init__("layer 0 reached")
+        self.inputs = inputs
+
+
+class _Stub(nnx.Module):
+    """Stands in for layer ``index``: every method called on it goes to ``hook(index, method,
+    args, kwargs, inner)``; other attributes are the layer's."""
+
+    def __init__(self, inner: Any, index: int, hook: Callable[..., Any]):
+        self.inner = inner
+        self.index = index
+        self.hook = hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hook(self.index, "__call__", args, kwargs, self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "index", "hook") or name.startswith("_"):
+            raise AttributeError(name)
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: self.hook(self.index, name, args, kwargs, self.inner)
+
+
+def _abstract(tree: Any) -> Any:
+    """``tree`` with every array (or tracer) as a ``ShapeDtypeStruct``; other leaves kept."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if _is_array(x) else x, tree
+    )
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _zeros(tree: Any) -> Any:
+    """Zeros shaped as ``tree``'s arrays (PRNG keys included); other leaves kept."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if _is_array(a) else a, tree)
+
+
+def _differentiable(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _arrays(tree: Any) -> tuple[list, Callable[[Sequence], Any]]:
+    """The arrays of ``tree`` and a function putting new arrays back in their places."""
+    leaves, treedef = jax.tree.flatten(tree)
+    where = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def rebuild(arrays: Sequence) -> Any:
+        out = list(leaves)
+        for i, a in zip(where, arrays, strict=True):
+            out[i] = a
+        return jax.tree.unflatten(treedef, out)
+
+    return [leaves[i] for i in where], rebuild
+
+
+class Model:
+    """``model`` (placed, on one device, or abstract) split as the planner times it: the groups
+    before and after the layers (``found``) and each layer, each as an ``nnx.State`` of its
+    own, and ``wrt`` the Variables differentiated."""
+
+    def __init__(self, model: Any, found: Layers, wrt: Any):
+        self.found = found
+        self.wrt = wrt
+        n = found.count
+        inside = len(found.path)
+
+        def under(prefixes: Sequence[Path]) -> Callable[[Path, Any], bool]:
+            return lambda p, _: any(p[: len(g)] == g for g in prefixes)
+
+        def layer(i: int) -> Callable[[Path, Any], bool]:
+            return lambda p, _: p[:inside] == found.path and len(p) > inside and p[inside] == i
+
+        filters = [under(found.firsts), under(found.lasts), *map(layer, range(n)), ...]
+        self.graphdef, first, last, *states = nnx.split(model, *filters)
+        self.states = [first, last, *states]  # first, last, layer 0 .. n - 1, rest
+        self.abstract = [_abstract(s) for s in self.states]
+        self.layer_graphdefs = [nnx.graphdef(b) for b in self._layers_of(model)]
+
+    def _merged(self, live: dict[int, Any]) -> Any:
+        states = [live[i] if i in live else _zeros(a) for i, a in enumerate(self.abstract)]
+        return nnx.merge(self.graphdef, *states)
+
+    def _layers_of(self, model: Any) -> Any:
+        node = model
+        for key in self.found.path:
+            node = node[key] if isinstance(key, int) else getattr(node, key)
+        return node
+
+    def _stubbed(self, model: Any, hook: Callable[..., Any]) -> Any:
+        layers = self._layers_of(model)
+        for i in range(self.found.count):
+            layers[i] = _Stub(layers[i], i, hook)
+        return model
+
+    def record(self, loss_fn: Callable, batch: Any) -> list[Call]:
+        """How ``loss_fn(model, batch)`` (``batch`` abstract: one microbatch) calls each
+        layer, traced abstractly.
+
+        Raises:
+            ValueError: a layer is not called exactly once, or not in order.
+        """
+        calls: list[tuple[int, Call]] = []
+
+        def hook(i: int, method: str, args: Any, kwargs: Any, inner: Any) -> Any:
+            out = getattr(inner, method)(*args, **kwargs)
+            calls.append((i, Call(method, _abstract((args, kwargs)), _abstract(out))))
+            return out
+
+        def run(states: list, batch: Any) -> Any:
+            model = nnx.merge(self.graphdef, *states)
+            return loss_fn(self._stubbed(model, hook), batch)
+
+        jax.eval_shape(run, self.abstract, batch)
+        order = [i for i, _ in calls]
+        if order != list(range(self.found.count)):
+            raise ValueError(
+                f"partition: the loss function calls the layers of {self.found.where} in the "
+                f"order {order}; the planner cuts layers called once each, in order "
+                f"0..{self.found.count - 1}"
+            )
+        return [call for _, call in calls]
+
+    def _state(self, index: int) -> tuple[Any, Any]:
+        """The differentiated Variables and the rest of group ``index``'s state."""
+        params, other = nnx.split_state(self.states[index], self.wrt, ...)
+        return params, other
+
+    def layer(self, i: int, call: Call) -> Piece:
+        """Layer ``i`` as its ``call`` calls it."""
+        arrays, rebuild = _arrays(call.inputs)
+        out_arrays, _ = _arrays(call.output)
+        keep = [j for j, a in enumerate(out_arrays) if _differentiable(a)]
+
+        def fn(params: Any, other: Any, inputs: Sequence) -> tuple:
+            model = self._merged({2 + i: nnx.merge_state(params, other)})
+            args, kwargs = rebuild(inputs)
+            out = getattr(self._layers_of(model)[i], call.method)(*args, **kwargs)
+            leaves, _ = _arrays(out)
+            return tuple(leaves[j] for j in keep)
+
+        params, other = self._state(2 + i)
+        skip = len(self.found.path) + 1  # the layer's own paths: alike layers, one key
+        return Piece(
+            name=f"layer {i}",
+            fn=fn,
+            params=params,
+            other=other,
+            inputs=tuple(arrays),
+            grads=tuple(map(_differentiable, arrays)),
+            key=(self.layer_graphdefs[i], _shapes(self.abstract[2 + i], skip), repr(call)),
+        )
+
+    def embedding(self, loss_fn: Callable, batch: Any) -> Piece:
+        """Everything ``loss_fn`` runs before layer 0, on ``batch`` (one microbatch)."""
+        batch_arrays, rebuild = _arrays(batch)
+
+        def hook(i: int, method: str, args: Any, kwargs: Any, inner: Any) -> Any:
+            raise _Reached((args, kwargs))
+
+        def fn(params: Any, other: Any, inputs: Sequence) -> tuple:
+            model = self._stubbed(self._merged({0: nnx.merge_state(params, other)}), hook)
+            try:
+                loss_fn(model, rebuild(inputs))
+            except _Reached as reached:
+                leaves, _ = _arrays(reached.inputs)
+                return tuple(x for x in leaves if _differentiable(x))
+            raise ValueError(  # the record found every layer called: unreachable
+                f"partition: the loss function never calls layer 0 of {self.found.where}"
+            )
+
+        params, other = self._state(0)
+        return Piece(
+            name=EMBEDDING,
+            fn=fn,
+            params=params,
+            other=other,
+            inputs=tuple(batch_arrays),
+            grads=(False,) * len(batch_arrays),
+            key=None,
+        )
+
+    def head(self, loss_fn: Callable, batch: Any, calls: Sequence[Call]) -> Piece:
+        """Everything ``loss_fn`` runs after the last layer, to the loss, on ``batch`` (one
+        microbatch) and the last layer's output (given as inputs)."""
+        batch_arrays, rebuild_batch = _arrays(batch)
+        last = calls[-1].output
+        out_arrays, rebuild_out = _arrays(last)
+        split = len(out_arrays)
+
+        def fn(params: Any, other: Any, inputs: Sequence) -> tuple:
+            injected = rebuild_out(inputs[:split])
+
+            def hook(i: int, method: str, args: Any, kwargs: Any, inner: Any) -> Any:
+                return injected if i == len(calls) - 1 else _zeros(calls[i].output)
+
+            model = self._stubbed(self._merged({1: nnx.merge_state(params, other)}), hook)
+            return (loss_fn(model, rebuild_batch(inputs[split:])),)
+
+        params, other = self._state(1)
+        grads = tuple(map(_differentiable, out_arrays)) + (False,) * len(batch_arrays)
+        return Piece(
+            name=HEAD,
+            fn=fn,
+            params=params,
+            other=other,
+            inputs=tuple(out_arrays) + tuple(batch_arrays),
+            grads=grads,
+            key=None,
+        )
+
+
+def _shapes(state: Any, skip: int) -> tuple:
+    """The paths (less their first ``skip`` keys), shapes and dtypes of ``state``'s arrays."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    return tuple((jax.tree_util.keystr(p[skip:]), a.shape, str(a.dtype)) for p, a in flat)

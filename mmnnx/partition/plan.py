@@ -1,0 +1,333 @@
+"""``mm.schedules.partition``: which layers go on which task, with the schedule, microbatch
+count and stages per task, from measured per-layer times, transfers and memory."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from mmnnx.errors import NoCandidateError
+from mmnnx.link_timing import measure_link
+from mmnnx.models.stages import _check_depth, _stage_tasks, find_layers, split_rules
+from mmnnx.mpmd import schedules as sched
+from mmnnx.mpmd.schedules.registry import Placement, registered
+from mmnnx.partition.measure import Timing, measure, shardings_on
+from mmnnx.partition.pieces import Model, Piece
+from mmnnx.partition.result import PartitionResult, Split
+from mmnnx.partition.search import Option, Profile, equal_split, search
+from mmnnx.sharding import Task
+from mmnnx.tuning import parse_bytes
+
+
+def partition(
+    model: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    batch: Any,
+    tasks: Sequence[Task],
+    *,
+    optimizer: Any = None,
+    wrt: Any = nnx.Param,
+    blocks: str | Callable | None = None,
+    last: Sequence[str] | None = None,
+    memory_budget: int | str | None = None,
+    schedules: str | Sequence[str] | None = None,
+    microbatches: int | Sequence[int] | None = None,
+    virtual_stages: int | Sequence[int] = 1,
+    repeats: int = 5,
+    report: bool = True,
+) -> PartitionResult:
+    """Plans which of ``model``'s layers go on which of ``tasks`` (one per rank, in pipeline
+    order), with the schedule, microbatch count and stages per task, from measurements: the
+    fastest candidate whose predicted memory per device fits ``memory_budget``.
+
+    ``loss_fn(model, batch)`` is the loss as the pipelined step computes it (what
+    ``mm.microbatch(nnx.value_and_grad(loss_fn), ...)`` runs), ``batch`` one step's batch (its
+    arrays' leading axis is cut into microbatches). The layers are those ``stage_rules`` cuts
+    (``blocks``, ``last`` as it takes them): each, the part before them (the embedding: on the
+    first stage) and the part after them (the head and the loss: on the last stage) is
+    compiled alone and timed on its stage's devices at each candidate microbatch size: its
+    forward, backward, input gradient (I) and weight gradient (W), with the bytes it keeps for
+    its backward and sends on; alike layers (same structure and shapes) are timed once, and
+    tasks of alike meshes share their times. ``model`` may be placed, on one device or
+    abstract (``nnx.eval_shape``: its values are then drawn); it is not changed.
+
+    Each boundary's transfer is ``mmnnx.link_timing.measure_link`` between its two tasks
+    applied to the bytes crossing it. Candidates are the contiguous splits of the layers into
+    ``len(tasks) * v`` stages (all of them when there are at most ``search.EXHAUSTIVE``;
+    otherwise the split minimising the slowest stage, improved one boundary at a time) times
+    ``schedules`` (default: every registered one that places stages as the tasks allow) times
+    ``microbatches`` (default: the counts dividing the batch from ``len(tasks)`` to
+    ``4 * len(tasks)``) times ``virtual_stages``; each is simulated
+    (``mm.schedules.simulate`` with the measured times and transfers). A task's memory is its
+    stages' Variables, their ``optimizer`` state (an optax transform, as the step's
+    ``nnx.Optimizer`` holds it, for the ``wrt`` Variables) and the most activations its
+    stages hold at once in the simulated run. With ``report`` the table saying why is printed.
+
+    Example:
+        >>> # result = mm.schedules.partition(model, lambda m, b: m.loss(b), batch, tasks,
+        >>> #                                 optimizer=optax.adamw(3e-4), microbatches=8)
+        >>> # print(result)            # per stage: layers, F/B/I/W, send, memory; runners-up
+        >>> # model = mm.place(model, result.rules)
+        >>> # grad_fn = mm.microbatch(nnx.value_and_grad(loss_fn), num=result.num_microbatches,
+        >>> #                         schedule=result.best.table)
+
+    Raises:
+        ValueError: bad input, before anything is measured: no tasks, a task not of this
+            process, no layers found or stacked ones, a head tied to the embedding, fewer
+            layers than stages, a microbatch count not dividing the batch, an unknown
+            schedule or one no ``virtual_stages`` allows, a malformed budget.
+        NoCandidateError: no candidate fits ``memory_budget`` (the message names the
+            smallest budget that would fit) or none can run.
+    """
+    tasks = _checked_tasks(tasks)
+    budget = _budget(memory_budget)
+    found = find_layers(model, blocks, last, who="partition")
+    _check_model(model, found)
+    rows = _rows(batch)
+    counts = _microbatches(microbatches, rows, len(tasks))
+    options = _options(schedules, virtual_stages, found.count, len(tasks))
+    if repeats < 1:
+        raise ValueError(f"partition: repeats must be >= 1, got {repeats}")
+    pieces = Model(model, found, wrt)
+    timings = _measure_all(pieces, model, loss_fn, batch, tasks, counts, optimizer, repeats)
+    links = _links(tasks, options)
+    profile = Profile(tasks=tuple(tasks), rows=rows, timings=timings, links=links)
+    candidates = search(options, counts, profile)
+    best, candidates = _choose(candidates, budget)
+    order = next(o.order for o in options if o.schedule == best.schedule)
+    rules = split_rules(
+        model, tasks, list(best.sizes), virtual_stages=best.virtual_stages, order=order,
+        blocks=blocks, last=last,
+    )  # fmt: skip
+    equal = next(
+        (
+            c
+            for c in candidates
+            if c.sizes == equal_split(found.count, len(best.sizes))
+            and (c.schedule, c.num_microbatches, c.virtual_stages)
+            == (best.schedule, best.num_microbatches, best.virtual_stages)
+        ),
+        None,
+    )
+    result = PartitionResult(
+        rules=rules,
+        best=best,
+        equal=None if equal is best else equal,
+        candidates=candidates,
+        layers=found.where,
+    )
+    if report and jax.process_index() == 0:
+        print(result)
+    return result
+
+
+def _checked_tasks(tasks: Sequence[Task]) -> list[Task]:
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("partition: no tasks given")
+    for t in tasks:
+        if not isinstance(t, Task):
+            raise TypeError(f"partition: {t!r} is not an mm.Task")
+        if not all(d.process_index == jax.process_index() for d in t.jax_mesh.devices.flat):
+            raise ValueError(
+                f"partition: task {t.name!r} has devices of another process; the planner "
+                "times each task's programs here, so it needs every task in this process"
+            )
+    names = [t.name for t in tasks]
+    if len(set(names)) < len(names):
+        raise ValueError(f"partition: task names must differ, got {names}")
+    return tasks
+
+
+def _budget(memory_budget: int | str | None) -> int | None:
+    if memory_budget is None:
+        return None
+    budget = parse_bytes(memory_budget)
+    if budget <= 0:
+        raise ValueError(f"partition: memory_budget must be positive, got {memory_budget!r}")
+    return budget
+
+
+def _check_model(model: Any, found: Any) -> None:
+    if found.stacked:
+        raise ValueError(
+            f"partition: {found.where} is one stacked module (nnx.vmap, scan_layers), whose "
+            "layer axis is split into equal chunks; the planner cuts layers held as a list"
+        )
+    if getattr(getattr(model, "config", None), "tie_embeddings", False):
+        raise ValueError(
+            "partition: the model's head is tied to its embedding (config.tie_embeddings): "
+            "the forward pass comes back to the first task for the head, a stage the planner "
+            "does not model; untie it (tie_embeddings=False) or use stage_rules"
+        )
+
+
+def _rows(batch: Any) -> int:
+    leaves = jax.tree.leaves(batch)
+    sizes = {x.shape[0] for x in leaves if getattr(x, "ndim", 0) >= 1}
+    if len(sizes) != 1 or len(leaves) != sum(getattr(x, "ndim", 0) >= 1 for x in leaves):
+        raise ValueError(
+            "partition: batch must hold arrays sharing one leading (batch) axis, got leading "
+            f"sizes {sorted(sizes)} over {len(leaves)} leaves"
+        )
+    return sizes.pop()
+
+
+def _microbatches(microbatches: int | Sequence[int] | None, rows: int, k: int) -> list[int]:
+    if microbatches is None:
+        return [m for m in range(k, 4 * k + 1) if rows % m == 0] or [rows]
+    counts = [microbatches] if isinstance(microbatches, int) else list(microbatches)
+    if not counts:
+        raise ValueError("partition: microbatches= is empty")
+    for m in counts:
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"partition: a microbatch count must be an int >= 1, got {m!r}")
+        if rows % m:
+            raise ValueError(f"partition: {m} microbatches do not divide the batch of {rows}")
+    return list(dict.fromkeys(counts))
+
+
+def _options(
+    schedules: str | Sequence[str] | None,
+    virtual_stages: int | Sequence[int],
+    n: int,
+    k: int,
+) -> list[Option]:
+    """The (schedule, stages per task, order) choices to search."""
+    vs = [virtual_stages] if isinstance(virtual_stages, int) else list(virtual_stages)
+    if not vs:
+        raise ValueError("partition: virtual_stages= is empty")
+    for v in vs:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"partition: virtual_stages must be ints >= 1, got {v!r}")
+        _check_depth("partition", n, k * v, v)
+    named = [schedules] if isinstance(schedules, str) else schedules
+    if named is not None and not list(named):
+        raise ValueError("partition: schedules= is empty")
+    for name in named or ():
+        if name not in sched.names():
+            raise ValueError(
+                f"partition: unknown schedule {name!r}; valid schedules are "
+                f"{', '.join(sched.names())}"
+            )
+    options = [
+        Option(schedule=name, virtual_stages=v, order=order)
+        for name in named or sched.names()
+        for v in vs
+        if (order := _order(registered(name).placement, v)) is not None
+    ]
+    if not options:
+        raise ValueError(
+            f"partition: no schedule of {list(named or sched.names())} runs virtual_stages="
+            f"{vs} (one stage per task: gpipe, 1f1b, zero-bubble-*; 2 or more: interleaved-*; "
+            "2: zero-bubble-v, dualpipev)"
+        )
+    return options
+
+
+def _order(placement: Placement, v: int) -> str | None:
+    """How a schedule of ``placement`` puts ``v`` stages per task on the tasks (as
+    ``stage_rules``'s ``order``), or None when it cannot run ``v``."""
+    if placement is Placement.V_SHAPED:
+        return "v" if v == 2 else None
+    runs = {
+        Placement.ONE_PER_RANK: v == 1,
+        Placement.INTERLEAVED: v >= 2,
+        Placement.BUILDER_DECIDES: True,
+    }
+    return "loop" if runs[placement] else None
+
+
+def _signature(task: Task) -> tuple:
+    """Tasks with equal signatures run a piece alike (same mesh shape and rules)."""
+    mesh = task.jax_mesh
+    return (tuple(mesh.shape.items()), task.rules, mesh.devices.flat[0].platform)
+
+
+def _measure_all(
+    pieces: Model,
+    model: Any,
+    loss_fn: Callable,
+    batch: Any,
+    tasks: Sequence[Task],
+    counts: Sequence[int],
+    optimizer: Any,
+    repeats: int,
+) -> dict[tuple[str, int], list[Timing]]:
+    """The timings of every piece, per (task name, microbatch rows): each piece timed on the
+    first task of each signature, alike pieces once."""
+    rows_total = _rows(batch)
+    every = {}
+    for m in counts:
+        rows = rows_total // m
+        micro = jax.tree.map(lambda x, r=rows: x[:r], batch)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), micro)
+        calls = pieces.record(loss_fn, abstract)
+        parts: list[Piece] = [pieces.embedding(loss_fn, micro)]
+        parts += [pieces.layer(i, call) for i, call in enumerate(calls)]
+        parts.append(pieces.head(loss_fn, micro, calls))
+        by_signature: dict[tuple, list[Timing]] = {}
+        for task in tasks:
+            signature = _signature(task)
+            if signature not in by_signature:
+                shardings = shardings_on(model, task)
+                seen: dict[Any, Timing] = {}
+                timed = []
+                for piece in parts:
+                    key = piece.key
+                    if key is None or key not in seen:
+                        timing = measure(piece, task, shardings, rows, optimizer=optimizer,
+                                         repeats=repeats)  # fmt: skip
+                        if key is not None:
+                            seen[key] = timing
+                    timed.append(seen[key] if key is not None else timing)
+                by_signature[signature] = timed
+            every[(task.name, rows)] = by_signature[signature]
+    return every
+
+
+def _links(tasks: Sequence[Task], options: Sequence[Option]) -> dict[tuple[str, str], Any]:
+    """The link each way between the tasks of every two consecutive stages."""
+    links: dict[tuple[str, str], Any] = {}
+    by_name = {t.name: t for t in tasks}
+    for option in options:
+        homes = [
+            t.home.name for t in _stage_tasks(list(tasks), option.virtual_stages, option.order)
+        ]
+        for a, b in zip(homes, homes[1:], strict=False):
+            for pair in ((a, b), (b, a)):
+                if a != b and pair not in links:
+                    links[pair] = measure_link(by_name[pair[0]], by_name[pair[1]])
+    return links
+
+
+def _choose(candidates: Sequence[Split], budget: int | None) -> tuple[Split, list[Split]]:
+    """The fastest candidate that fits ``budget``, and the candidates, those over it marked."""
+    runnable = [c for c in candidates if c.predicted_seconds is not None]
+    if not runnable:
+        reasons = "; ".join(f"{c.schedule} (M={c.num_microbatches}): {c.rejected}"
+                            for c in candidates[:5])  # fmt: skip
+        raise NoCandidateError(f"partition: no candidate can run: {reasons}", list(candidates))
+    fitting = [c for c in runnable if budget is None or c.peak_bytes <= budget]
+    if not fitting:
+        smallest = min(runnable, key=lambda c: c.peak_bytes)
+        raise NoCandidateError(
+            f"partition: no split fits the memory budget of {budget:,} B per device; the "
+            f"smallest that would fit is {smallest.peak_bytes:,} B (layers "
+            f"{'/'.join(map(str, smallest.sizes))} with {smallest.schedule}, M="
+            f"{smallest.num_microbatches})",
+            list(candidates),
+        )
+    over = f"over the budget of {budget:,} B" if budget is not None else ""
+    marked = [
+        dataclasses.replace(c, rejected=over)
+        if c.predicted_seconds is not None and budget is not None and c.peak_bytes > budget
+        else c
+        for c in candidates
+    ]
+    best = min((c for c in marked if not c.rejected), key=lambda c: c.predicted_seconds)
+    return best, marked

@@ -1,0 +1,170 @@
+"""mm.schedules.partition: the split of a model's layers planned from measured pieces."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from mmnnx.models import GPT, GPTConfig
+from mmnnx.partition import plan as plan_module
+from mmnnx.partition import search as search_module
+from mmnnx.partition.measure import Timing
+from mmnnx.partition.search import Option, Profile, evaluate, search, splits
+
+
+def two_tasks():
+    return [mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
+
+
+def loss(model, batch):
+    return model.loss(batch)
+
+
+def test_a_large_vocabulary_head_gets_fewer_layers_and_the_rules_train_as_one_device():
+    config = GPTConfig(vocab_size=8192, dim=32, depth=4, num_heads=2, max_seq_len=16)
+    with nnx.use_eager_sharding(False):
+        model = GPT(config, rngs=nnx.Rngs(0))
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+    batch = jax.random.randint(jax.random.key(0), (8, 17), 0, config.vocab_size)
+    result = mm.schedules.partition(
+        model, loss, batch, two_tasks(), optimizer=optax.adam(1e-3), schedules="1f1b",
+        microbatches=2, repeats=2, report=False,
+    )  # fmt: skip
+    after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+    assert all((a == b).all() for a, b in zip(before, after, strict=True))  # left as it was
+    assert result.sizes[1] < result.sizes[0]  # the head (8192-way) weighs like several blocks
+    assert (result.schedule, result.num_microbatches, result.virtual_stages) == ("1f1b", 2, 1)
+    last = result.stages[-1]
+    assert last.groups == ("head + loss",) and last.forward > result.stages[0].forward / 4
+    assert result.equal is not None and result.equal.sizes == (2, 2)
+    assert result.equal.predicted_seconds > result.predicted_seconds
+    text = str(result)
+    assert "head + loss" in text and "chosen" in text and "equal split" in text
+    (first, t0), (second, t1) = result.rules
+    assert (t0.name, t1.name) == ("t0", "t1")
+    assert first.startswith("^embed/|^blocks/") and "^head/" in second and "^norm/" in second
+
+    # the planned rules run the step as one device does
+    with nnx.use_eager_sharding(False):
+        reference = GPT(config, rngs=nnx.Rngs(0))
+    placed = mm.place(model, result.rules)
+    grad_fn = mm.microbatch(
+        nnx.value_and_grad(loss),
+        num=result.num_microbatches,
+        reduce="mean",
+        schedule=result.best.table,
+    )
+    got, grads = mm.jit(grad_fn)(placed, batch)
+    want, want_grads = nnx.value_and_grad(loss)(reference, batch)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    for (p, g), (_, w) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6,
+                                   err_msg=str(p))  # fmt: skip
+
+    # a budget nothing fits names the smallest that would
+    smallest = min(c.peak_bytes for c in result.candidates if c.peak_bytes is not None)
+    with pytest.raises(mm.schedules.NoCandidateError, match=f"would fit is {smallest:,} B"):
+        plan_module._choose(result.candidates, smallest - 1)
+    best, marked = plan_module._choose(result.candidates, smallest)
+    assert best.peak_bytes == smallest
+    assert all(c.rejected.startswith("over the budget") for c in marked if c.peak_bytes > smallest)
+
+
+def timing(work: float, *, out: int = 4096, state: int = 1000) -> Timing:
+    """A piece whose forward takes ``work`` seconds and its backward twice that."""
+    return Timing(
+        forward=work, backward=2 * work, input_grad=work, weight_grad=work, held_bytes=out,
+        output_bytes=out, state_bytes=state, optimizer_bytes=2 * state,
+    )  # fmt: skip
+
+
+def unequal_profile(widths, tasks):
+    pieces = [timing(0.1), *(timing(w) for w in widths), timing(0.5)]
+    link = mm.schedules.Link(latency=1e-3, bandwidth=1e9)
+    return Profile(
+        tasks=tuple(tasks),
+        rows=8,
+        timings={(t.name, rows): pieces for t in tasks for rows in (1, 2, 4, 8)},
+        links={(a.name, b.name): link for a in tasks for b in tasks if a is not b},
+    )
+
+
+def test_unequal_layers_get_the_split_the_exhaustive_search_finds(monkeypatch):
+    """Layers of unequal cost (wide, then narrow): the search's split is the fastest of all
+    splits on the simulator, by trying them all and, past EXHAUSTIVE, by the minimax split
+    improved one boundary at a time."""
+    tasks = [mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(3)]
+    profile = unequal_profile([4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0], tasks)
+    options = [Option(schedule=name, virtual_stages=1, order="loop") for name in ("1f1b", "gpipe")]
+    every = [evaluate(s, o, m, profile) for o in options for m in (4, 8) for s in splits(9, 3)]
+    fastest = min(c.predicted_seconds for c in every)
+    found = search(options, (4, 8), profile)
+    assert found[0].predicted_seconds == fastest
+    assert found[0].sizes not in ((3, 3, 3),)  # the equal split puts both wide layers on t0
+    monkeypatch.setattr(search_module, "EXHAUSTIVE", 0)
+    climbed = search(options, (4, 8), profile)
+    assert climbed[0].predicted_seconds <= 1.05 * fastest
+    assert len(climbed) < len(every)  # not every split was simulated
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(tasks=[]), "partition: no tasks given"),
+        (dict(schedules="1f1c"), "unknown schedule '1f1c'"),
+        (dict(schedules="interleaved-1f1b"), "no schedule of \\['interleaved-1f1b'\\] runs"),
+        (dict(microbatches=3), "3 microbatches do not divide the batch of 8"),
+        (dict(microbatches=()), "microbatches= is empty"),
+        (dict(virtual_stages=0), "virtual_stages must be ints >= 1, got 0"),
+        (dict(virtual_stages=3), "4 block\\(s\\) cannot fill 6 stages \\(3 per task\\)"),
+        (dict(memory_budget=-1), "memory_budget must be positive"),
+        (dict(memory_budget="lots"), "expected a number of bytes"),
+        (dict(batch=(jnp.zeros((8, 9)), jnp.zeros((4, 9)))), "one leading \\(batch\\) axis"),
+        (dict(config=dict(tie_embeddings=True)), "config.tie_embeddings"),
+        (dict(config=dict(scan_layers=True)), "one stacked module"),
+        (dict(blocks="layers"), "GPT has no attribute 'layers' \\(blocks=\\)"),
+        (dict(loss_fn=lambda m, b: m.head(m.embed(b)).mean()), "calls the layers of GPT.blocks"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_measured(monkeypatch, change, message):
+    def measure(*args, **kwargs):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(plan_module, "measure", measure)
+    config = GPTConfig(vocab_size=64, dim=16, depth=4, num_heads=2, max_seq_len=8)
+    config = dataclasses.replace(config, **change.pop("config", {}))
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    arguments = dict(loss_fn=loss, batch=jnp.zeros((8, 9), jnp.int32), tasks=two_tasks())
+    arguments.update(change)
+    with pytest.raises(ValueError, match=message):
+        mm.schedules.partition(model, report=False, **arguments)
+
+
+class Wide(nnx.Module):
+    def __init__(self, width: int, *, rngs: nnx.Rngs):
+        self.up = nnx.Linear(16, width, rngs=rngs)
+        self.down = nnx.Linear(width, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+def test_a_sequential_model_of_unequal_layers_puts_its_widest_layers_apart():
+    """An nnx.Sequential of residual MLPs, two wide ones last, called with __call__ by a loss
+    of the user's: the planner finds the layers (the Sequential's), times the two kinds once
+    each, and does not put both wide ones on one stage."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.Sequential(*(Wide(w, rngs=nnx.Rngs(i)) for i, w in
+                                 enumerate((16, 16, 16, 16, 2048, 2048))))  # fmt: skip
+    result = mm.schedules.partition(
+        model, lambda m, x: jnp.mean(m(x) ** 2), jnp.ones((64, 16)), two_tasks(),
+        schedules="1f1b", microbatches=2, repeats=2, report=False,
+    )  # fmt: skip
+    assert result.sizes[1] == 1 and result.layers == "Sequential.layers"
+    assert result.rules[1][0] == "^layers/5/"
