@@ -1,12 +1,7 @@
 """``mm.schedules``: pipeline schedules as data (the engine's :mod:`mmnnx.mpmd.schedules`),
-<<<<<<< HEAD
-what a step's transfers and launches cost (:mod:`mmnnx.link_timing`), and :func:`tune`, which
-measures a step and picks among them (:mod:`mmnnx.tuning`).
-=======
-:func:`tune`, which measures a step and picks among them (:mod:`mmnnx.tuning`), and
-:func:`partition`, which plans the split of a model's layers over the tasks with them
-(:mod:`mmnnx.partition`).
->>>>>>> wt-partition
+what a step's transfers and launches cost (:mod:`mmnnx.link_timing`), :func:`tune`, which
+measures a step and picks among them (:mod:`mmnnx.tuning`), and :func:`partition`, which plans
+the split of a model's layers over the tasks with them (:mod:`mmnnx.partition`).
 
 Example:
     >>> import mmnnx as mm
@@ -33,19 +28,15 @@ __all__ = [
     *_engine.__all__,
     "Candidate",
     "NoCandidateError",
-<<<<<<< HEAD
+    "PartitionResult",
+    "Split",
+    "StagePlan",
     "StepTransfers",
     "TuneResult",
     "boundary_bytes",
     "measure_launch_cost",
     "measure_link",
     "measure_transfers",
-=======
-    "PartitionResult",
-    "Split",
-    "StagePlan",
-    "TuneResult",
     "partition",
->>>>>>> wt-partition
     "tune",
 ]
