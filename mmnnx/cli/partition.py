@@ -163,7 +163,12 @@ def _planned(
         f"{result.predicted_seconds * 1e3:.1f} ms per step)"
     )
     schedule = result.best.table if auto else None
-    return Stages(result.rules, result.sizes, schedule, result.num_microbatches if auto else None)
+    return Stages(
+        rules=result.rules,
+        sizes=result.sizes,
+        schedule=schedule,
+        microbatches=result.num_microbatches if auto else None,
+    )
 
 
 def _microbatches(args: argparse.Namespace, data_axis: int) -> list[int]:

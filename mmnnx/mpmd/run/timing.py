@@ -312,7 +312,14 @@ class OverlapTimer(Timer):
         index = len(self._launches)
         made_from = {producer} if producer is not None else set()
         self._launches.append(
-            _Launch(transfer.rank, (), at, made_from, transfer=transfer, seen=False)
+            _Launch(
+                rank=transfer.rank,
+                labels=(),
+                launched_at=at,
+                made_from=made_from,
+                transfer=transfer,
+                seen=False,
+            )
         )
         self._made_by[to_slot] = index
         # one watcher per pair of ranks: a copy ends whatever the reader's devices are running
@@ -321,7 +328,16 @@ class OverlapTimer(Timer):
     def received(self, to_slot, transfer, at, arrived) -> None:
         if transfer is not None:
             self._made_by[to_slot] = len(self._launches)
-            self._launches.append(_Launch(transfer.rank, (), at, set(), arrived, transfer))
+            self._launches.append(
+                _Launch(
+                    rank=transfer.rank,
+                    labels=(),
+                    launched_at=at,
+                    made_from=set(),
+                    ended_at=arrived,
+                    transfer=transfer,
+                )
+            )
 
     def _watcher(self, lane: str) -> queue.SimpleQueue:
         if lane not in self._watchers:
