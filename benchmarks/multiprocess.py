@@ -23,10 +23,26 @@ What blocks: ``--profile`` runs the two-process GPT once more under ``cProfile``
 process and prints, per rank, the functions with the most own time over the timed steps
 (waiting for a received value shows as ``block_until_ready``; waiting for the loss as ``fetch``).
 
-Run: python benchmarks/multiprocess.py [--rounds N] [--profile] (starts the processes itself).
-Writes benchmarks/results/multiprocess.json.
+Predicted (``--predicted``, section ``predicted``): ``benchmarks/pipeline.py``'s model (four
+elementwise parts of 12 layers, two per rank, M = 8) with its two ranks on devices 0 and 4, one
+per process under ``mmnnx launch``, for GPipe, 1F1B, ZB-H1, interleaved 1F1B and ZB-V: the step
+time ``mm.schedules.simulate`` predicts from each round's in-pipeline durations (an
+``overlapped_timeline`` of every process's tasks, taken right after the round's step), the
+link between the processes measured through the runner's route (``measure_transfers``) with
+each boundary's bytes, the host's time per launch (``measure_launch_cost``, the two processes'
+mean) and each process's host issuing its own programs (the receiving one waiting for each
+value, the sending one offering it only when it reaches its reader in the order), against the
+measured step (both processes start together and it ends when both have their results).
+Target: within 10% for every schedule (medians over the rounds). Reported beside it: the same
+prediction as if one host launched both ranks (no waits), and with neither transfers nor
+launches.
+
+Run: python benchmarks/multiprocess.py [--rounds N] [--profile | --predicted] (starts the
+processes itself). Writes benchmarks/results/multiprocess.json (``--predicted``: its
+``predicted`` section only).
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -36,7 +52,15 @@ import sys
 import tempfile
 import time
 
-from report import interleaved, publish, ratio_spread, results_path, rounds_option, spread
+from report import (
+    interleaved,
+    median,
+    publish,
+    ratio_spread,
+    results_path,
+    rounds_option,
+    spread,
+)
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = results_path("multiprocess.json")
@@ -166,6 +190,88 @@ def hop_times() -> dict[str, float]:
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+PREDICTED_SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h1", "interleaved-1f1b", "zero-bubble-v")
+
+
+def _own_results(out) -> None:
+    """Waits for the parts of a step's results this process holds."""
+    import jax
+
+    jax.block_until_ready([x for x in jax.tree.leaves(out) if x.is_fully_addressable])
+
+
+def _together(step, *args) -> float:
+    """Seconds of one call of ``step`` started by every process together (after a gather) and
+    ended once every process has its results (the next gather); this process's count."""
+    import mmnnx as mm
+
+    mm.distributed.gather(0)
+    start = time.perf_counter()
+    _own_results(step(*args))
+    mm.distributed.gather(0)
+    return time.perf_counter() - start
+
+
+def predicted(rounds: int) -> dict:
+    """The ``predicted`` section (see the module docstring), on every process alike."""
+    from pipeline import build_quarters, every_action_costed
+
+    import mmnnx as mm
+
+    built = {}
+    for name in PREDICTED_SCHEDULES:
+        step, model, x = build_quarters(MICROBATCHES, name, devices=(0, 4))
+        schedule = step.plan(model, x).pipeline.schedule
+        launch = mm.schedules.measure_launch_cost(step, model, x, calls=1)  # warms it up too
+        launch = statistics.mean(mm.distributed.gather(launch))
+        transfers = mm.schedules.measure_transfers(step, model, x)
+        built[name] = (step, model, x, schedule, transfers.simulate_options(schedule, launch))
+
+    def one_round(step, model, x) -> tuple[float, list]:
+        return _together(step, model, x), step.overlapped_timeline(model, x)
+
+    runs = interleaved(
+        {name: functools.partial(one_round, *b[:3]) for name, b in built.items()}, rounds
+    )
+    steps = mm.distributed.gather({name: [t for t, _ in got] for name, got in runs.items()})
+    out, medians = {}, {}
+    for name, (_, _, _, schedule, options) in built.items():
+        t_step = [max(ts) for ts in zip(*(s[name] for s in steps), strict=True)]
+
+        def predict(events, schedule=schedule, **extra) -> float:
+            return mm.schedules.simulate(
+                schedule,
+                action_costs=every_action_costed(events, schedule, "mean"),
+                pair_costs=mm.schedules.measured_pair_costs(events, "mean"),
+                **extra,
+            ).makespan
+
+        paired = [(events, t) for (_, events), t in zip(runs[name], t_step, strict=True)]
+        one_host = {**options, "processes": None}
+        per_round = {
+            "predicted / measured step": [predict(e, **options) / t for e, t in paired],
+            "predicted as one host / measured step": [
+                predict(e, **one_host) / t for e, t in paired
+            ],
+            "predicted without transfers or launches / measured step": [
+                predict(e) / t for e, t in paired
+            ],
+        }
+        out[f"{name}: step ms"] = spread(t_step, 1e3, 1)
+        out[f"{name}: ms per transfer over the link"] = {
+            f"{kind}{stage}": round(seconds * 1e3, 2)
+            for (kind, stage), seconds in sorted(options["transfer_costs"].items())
+        }
+        out[f"{name}: host ms per launch"] = round(options["launch_cost"] * 1e3, 3)
+        for measure, values in per_round.items():
+            out[f"{name}: {measure}"] = spread(values, digits=3)
+            medians[f"{name}: {measure}"] = median(values)
+    out["target: every prediction within 10% (medians)"] = all(
+        abs(v - 1) <= 0.1 for k, v in medians.items() if k.endswith(": predicted / measured step")
+    )
+    return out
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -233,12 +339,16 @@ def _profiled(fn, top: int = 8) -> tuple[float, list[dict]]:
     ]  # fmt: skip
 
 
-def worker(out_dir: str, profile: bool = False) -> None:
+def worker(out_dir: str, profile: bool = False, predicting: int = 0) -> None:
     import jax
 
     import mmnnx as mm
 
     mm.distributed.initialize()
+    if predicting:
+        result = predicted(predicting)
+        pathlib.Path(out_dir, f"rank{jax.process_index()}.json").write_text(json.dumps(result))
+        return
     if profile:
         seconds, top = gpt_step_time(lambda step: _profiled(lambda: _median_time(step)))
         result = {"step": seconds, "profile": top}
@@ -327,10 +437,32 @@ def profile() -> None:
             print(f"  {row['own s']:8.3f} s  {row['calls']:7d} calls  {row['function']}")
 
 
+def main_predicted(rounds: int) -> None:
+    """Runs the ``predicted`` section under ``mmnnx launch`` and writes it into the results
+    file, the other sections kept."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as together:
+        ranks = _run(
+            [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--devices-per-process",
+             "4", "--", sys.executable, __file__, "--worker", together, "--predicting",
+             str(rounds)],
+            env,
+            together,
+        )  # fmt: skip
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results["predicted"] = ranks[0]
+    publish(results, RESULTS, "multiprocess", ("predicted",), rounds)
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2], profile="--profile" in sys.argv)
+        predicting = "--predicting" in sys.argv
+        rounds = int(sys.argv[sys.argv.index("--predicting") + 1]) if predicting else 0
+        worker(sys.argv[2], profile="--profile" in sys.argv, predicting=rounds)
     elif "--profile" in sys.argv:
         profile()
+    elif "--predicted" in sys.argv:
+        main_predicted(rounds_option(sys.argv))
     else:
         main(rounds_option(sys.argv))

@@ -17,10 +17,13 @@ rows, JAX's own transpose of the scan took 2.1x as long as this one and two stag
 - per schedule (every registered one, and the zero-bubble ones again built for the durations
   their first run measured: the model cut into four quarters, two per device, placed
   as one stage per device, looped for the interleaved ones or in a V for ZB-V and DualPipeV), the
-  step time ``mm.schedules.simulate`` predicts from the step's own measured action durations
-  against the measured step time (target: within 10%), from durations measured one action at a
-  time (``timeline``) and from durations measured in the running pipeline
-  (``overlapped_timeline``), and the measured bubble against the analytic one (target: ZB-H1's
+  step time ``mm.schedules.simulate`` predicts from the step's own measured action durations,
+  each value crossing between the devices taking what the link between them measured for its
+  bytes (``measure_transfers``) and each program waiting for the host to launch it
+  (``measure_launch_cost``, in the runner's order), against the measured step time (target:
+  within 10%), from durations measured one action at a time (``timeline``) and from durations
+  measured in the running pipeline (``overlapped_timeline``; and from these without transfers
+  or launches), and the measured bubble against the analytic one (target: ZB-H1's
   below 1F1B's, ZB-V's below ZB-H1's), three ways: the work measured one action at a time
   against the step time, the work measured in the running pipeline against it, and the idle
   time of each rank as the step ran (``mm.schedules.measured_bubble`` of each
@@ -179,11 +182,12 @@ class Parts(nnx.Module):
         return x
 
 
-def part_rules(schedule, ranks=2):
+def part_rules(schedule, ranks=2, devices=None):
     """Plain schedules: parts 2r and 2r + 1 on rank r; interleaved: looped (part p on rank
     p mod R); ZB-V, DualPipeV: in a V (part p on rank p going down, on rank 2R - 1 - p coming
-    back up as its second virtual stage)."""
-    tasks = [mm.Task(f"s{r}", mesh=mm.TaskMesh(devices=[r])) for r in range(ranks)]
+    back up as its second virtual stage). Rank r is device ``devices[r]`` (default r)."""
+    devices = devices or range(ranks)
+    tasks = [mm.Task(f"s{r}", mesh=mm.TaskMesh(devices=[devices[r]])) for r in range(ranks)]
     parts = range(2 * ranks)
     if schedule in ("zero-bubble-v", "dualpipev"):
         order = [
@@ -212,8 +216,8 @@ def build(num, schedule="gpipe", dropout=False):
     return step, model, x
 
 
-def build_quarters(num, schedule, placed_as=None, matmul=False, ranks=2):
-    rules, virtual = part_rules(placed_as or schedule, ranks)
+def build_quarters(num, schedule, placed_as=None, matmul=False, ranks=2, devices=None):
+    rules, virtual = part_rules(placed_as or schedule, ranks, devices)
     model = mm.place(Parts(matmul, ranks), rules)
     grad_fn = mm.microbatch(
         nnx.value_and_grad(loss_fn),
@@ -289,7 +293,14 @@ def measured_vs_simulated(rounds: int, num=8, matmul=False, ranks=2, names=None)
       and stage);
     - from ``overlapped_timeline()`` (the step run as a call runs it; mean per kind and stage):
       "in-pipeline durations", which include what the stages slow each other down by when they
-      share the machine's cores (on this 2-core machine the host thread shares them too);
+      share the machine's cores (on this 2-core machine the host thread shares them too); each
+      round's own, taken right after its step, predicts that round's step (the machine's load
+      swings between rounds, and the two then see it alike);
+
+    each with the transfers over the links measured between the tasks (``measure_transfers``:
+    the runner's own copy of each boundary's bytes) and the host's launches
+    (``measure_launch_cost``, in the order the runner launches them); the second also without
+    either, as before transfers were timed apart from the actions reading them;
 
     and the bubble (idle share of the ranks' time in the measured step) from either set of
     durations, and as the step ran (the gaps between each rank's actions in each overlapped
@@ -333,11 +344,18 @@ def measured_vs_simulated(rounds: int, num=8, matmul=False, ranks=2, names=None)
         alone_pairs[label] = mm.schedules.measured_pair_costs(events, "median")
         if label == name:
             measured_costs[name] = {key: max(c, 1e-6) for key, c in alone[label].items()}
+    # What the host and the links cost each step: its launches (a call that also warms it up)
+    # and the link each stage boundary crosses with the bytes it moves.
+    hosts = {
+        label: (
+            mm.schedules.measure_launch_cost(step, model, x, calls=1),
+            mm.schedules.measure_transfers(step, model, x),
+        )
+        for label, (step, model, x, _) in built.items()
+    }
     # The step times and the in-pipeline durations that the bubbles compare, taken in rounds
     # across every schedule: a change in the machine's load while they run lands on all of
     # them alike.
-    for step, model, x, _ in built.values():
-        jax.block_until_ready(step(model, x))
 
     def one_round(step, model, x) -> tuple[float, list]:
         """One step's seconds, then one overlapped timeline's events."""
@@ -359,15 +377,33 @@ def measured_vs_simulated(rounds: int, num=8, matmul=False, ranks=2, names=None)
         virtual = schedule.num_stages // schedule.num_ranks
         costs = alone[label]
         in_pipeline = every_action_costed(overlapped[label], schedule, "mean")
-        # a pair run as one program costs what it took whole (fused DualPipeV), not its halves
+        # each value crossing between the devices takes what its link measured for its bytes,
+        # each program waits for the host to launch it; a pair run as one program costs what
+        # it took whole (fused DualPipeV), not its halves
+        launch, transfers = hosts[label]
+        options = transfers.simulate_options(schedule, launch)
         predicted = mm.schedules.simulate(
-            schedule, action_costs=costs, pair_costs=alone_pairs[label]
+            schedule, action_costs=costs, pair_costs=alone_pairs[label], **options
         )
         predicted_in_pipeline = mm.schedules.simulate(
             schedule,
             action_costs=in_pipeline,
             pair_costs=mm.schedules.measured_pair_costs(overlapped[label], "mean"),
+            **options,
         )
+
+        def in_round(events, schedule=schedule, **extra) -> float:
+            """The step a round's own overlapped timeline predicts (taken right after the
+            round's step: the machine's load alike)."""
+            return mm.schedules.simulate(
+                schedule,
+                action_costs=every_action_costed(events, schedule, "mean"),
+                pair_costs=mm.schedules.measured_pair_costs(events, "mean"),
+                **extra,
+            ).makespan
+
+        paired = [(events, t) for (_, events), t in zip(runs[label], t_step, strict=True)]
+        moved = mm.schedules.measured_transfer_costs(overlapped[label], "mean")
         busy = sum(e.end - e.start for e in predicted.events)
         busy_in_pipeline = sum(e.end - e.start for e in predicted_in_pipeline.events)
         kinds = {}
@@ -380,13 +416,26 @@ def measured_vs_simulated(rounds: int, num=8, matmul=False, ranks=2, names=None)
             f"{kind}{stage}": round(seconds * 1e3, 2)
             for (kind, stage), seconds in sorted(in_pipeline.items(), key=lambda kv: kv[0][::-1])
         }
+        out[f"{label}: ms per transfer, over its link (in pipeline)"] = {
+            f"{kind}{stage}": f"{seconds * 1e3:.2f} ({moved.get((kind, stage), 0) * 1e3:.2f})"
+            for (kind, stage), seconds in sorted(options["transfer_costs"].items())
+        }
+        out[f"{label}: host ms per launch"] = round(launch * 1e3, 3)
         # no schedule of these actions ends before its busiest rank's work does
         busiest = max(sum(in_pipeline[a.kind, a.stage] for a in row) for row in schedule.actions)
         per_round = {
             "busiest rank's in-pipeline work / step": [busiest / t for t in t_step],
             "predicted / measured step": [predicted.makespan / t for t in t_step],
             "predicted from in-pipeline durations / measured step": [
-                predicted_in_pipeline.makespan / t for t in t_step
+                in_round(events, **options) / t for events, t in paired
+            ],
+            "predicted from in-pipeline durations, no transfers or launches / measured step": [
+                in_round(events) / t for events, t in paired
+            ],
+            "predicted from in-pipeline durations and transfers / measured step": [
+                in_round(events, **{**options, "transfer_costs": transfer}) / t
+                for events, t in paired
+                for transfer in [mm.schedules.measured_transfer_costs(events, "mean")]
             ],
             "bubble measured": [1 - busy / (schedule.num_ranks * t) for t in t_step],
             "bubble in pipeline": [1 - busy_in_pipeline / (schedule.num_ranks * t) for t in t_step],
@@ -400,7 +449,10 @@ def measured_vs_simulated(rounds: int, num=8, matmul=False, ranks=2, names=None)
         out[f"{label}: bubble analytic"] = float(analytic)
     for durations, suffix in (
         ("", "predicted / measured step"),
-        (" from in-pipeline durations", "predicted from in-pipeline durations / measured step"),
+        (
+            " from in-pipeline durations, transfers and launches",
+            "predicted from in-pipeline durations / measured step",
+        ),
     ):
         out[f"target: every prediction{durations} within 10% (medians)"] = all(
             abs(v - 1) <= 0.1 for k, v in medians.items() if k.endswith(suffix)
@@ -471,11 +523,11 @@ def tuner_ranking(rounds: int, num=8):
 
 
 def host_overhead(rounds: int):
-    """Host time between actions: a step's span minus its actions' device time, per action,
-    at M = 4 and M = 32, one timeline of each per round.
+    """Host time between actions: a step's span minus its actions' and transfers' device time,
+    per action, at M = 4 and M = 32, one timeline of each per round.
 
-    Measured in timeline mode (each action timed to completion), so device time is exact and the
-    remainder is the executor's own work: dispatch, transfers, bookkeeping.
+    Measured in timeline mode (each action and transfer timed to completion), so device time is
+    exact and the remainder is the executor's own work: dispatch, bookkeeping.
     """
     built = {num: build(num) for num in (4, 32)}
 
@@ -483,7 +535,7 @@ def host_overhead(rounds: int):
         events = step.timeline(model, x)
         span = max(e.end for e in events) - min(e.start for e in events)
         busy = sum(e.end - e.start for e in events)
-        return (span - busy) / len(events)
+        return (span - busy) / sum(e.kind != mm.schedules.TRANSFER for e in events)
 
     for step, model, x in built.values():
         jax.block_until_ready(step(model, x))
