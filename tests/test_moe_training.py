@@ -219,4 +219,7 @@ def test_tune_simulates_a_moe_stage_with_its_measured_all_to_all():
     for candidate in result.candidates:  # the simulator ran on exactly those costs
         table = candidate.table
         acts = {(a.kind, a.stage): costs[(a.kind, a.stage)] for row in table.actions for a in row}
-        assert simulate(table, action_costs=acts).makespan == candidate.predicted_seconds
+        options = result.transfers.simulate_options(table, result.launch_cost)
+        assert simulate(table, action_costs=acts, **options).makespan == (
+            candidate.predicted_seconds
+        )

@@ -516,7 +516,16 @@ def test_mm_schedules_holds_the_engine_names_and_tune():
     assert set(mm.schedules.__all__) - set(engine.__all__) == {
         "Candidate",
         "NoCandidateError",
+        "PartitionResult",
+        "Split",
+        "StagePlan",
+        "StepTransfers",
         "TuneResult",
+        "boundary_bytes",
+        "measure_launch_cost",
+        "measure_link",
+        "measure_transfers",
+        "partition",
         "tune",
     }
     assert not hasattr(engine, "tune")  # it runs steps: above the engine
