@@ -15,7 +15,7 @@ from mmnnx.link_timing import measure_link
 from mmnnx.models.stages import _check_depth, _stage_tasks, find_layers, split_rules
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.schedules.registry import Placement, registered
-from mmnnx.partition.measure import Timing, measure, shardings_on
+from mmnnx.partition.measure import Timing, launch_seconds, measure, shardings_on
 from mmnnx.partition.pieces import Model, Piece
 from mmnnx.partition.result import PartitionResult, Split
 from mmnnx.partition.search import Option, Profile, equal_split, search
@@ -93,9 +93,13 @@ def partition(
     if repeats < 1:
         raise ValueError(f"partition: repeats must be >= 1, got {repeats}")
     pieces = Model(model, found, wrt)
-    timings = _measure_all(pieces, model, loss_fn, batch, tasks, counts, optimizer, repeats)
+    launches = _launches(tasks, repeats)
+    timings = _measure_all(pieces, model, loss_fn, batch, tasks, counts, optimizer, launches,
+                           repeats)  # fmt: skip
     links = _links(tasks, options)
-    profile = Profile(tasks=tuple(tasks), rows=rows, timings=timings, links=links)
+    profile = Profile(
+        tasks=tuple(tasks), rows=rows, timings=timings, links=links, launches=launches
+    )
     candidates = search(options, counts, profile)
     best, candidates = _choose(candidates, budget)
     order = next(o.order for o in options if o.schedule == best.schedule)
@@ -256,6 +260,7 @@ def _measure_all(
     tasks: Sequence[Task],
     counts: Sequence[int],
     optimizer: Any,
+    launches: dict[str, float],
     repeats: int,
 ) -> dict[tuple[str, int], list[Timing]]:
     """The timings of every piece, per (task name, microbatch rows): each piece timed on the
@@ -280,14 +285,25 @@ def _measure_all(
                 for piece in parts:
                     key = piece.key
                     if key is None or key not in seen:
-                        timing = measure(piece, task, shardings, rows, optimizer=optimizer,
-                                         repeats=repeats)  # fmt: skip
+                        timing = measure(
+                            piece, task, shardings, rows, optimizer=optimizer, repeats=repeats,
+                            launch=launches[task.name],
+                        )  # fmt: skip
                         if key is not None:
                             seen[key] = timing
                     timed.append(seen[key] if key is not None else timing)
                 by_signature[signature] = timed
             every[(task.name, rows)] = by_signature[signature]
     return every
+
+
+def _launches(tasks: Sequence[Task], repeats: int) -> dict[str, float]:
+    """What a program costs on each task besides its work (tasks of one signature alike)."""
+    by_signature: dict[tuple, float] = {}
+    for task in tasks:
+        if _signature(task) not in by_signature:
+            by_signature[_signature(task)] = launch_seconds(task, repeats)
+    return {task.name: by_signature[_signature(task)] for task in tasks}
 
 
 def _links(tasks: Sequence[Task], options: Sequence[Option]) -> dict[tuple[str, str], Any]:
