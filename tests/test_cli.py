@@ -181,6 +181,7 @@ def test_help_documents_every_flag(capsys):
         "--router-aux-loss-coef",
         "--router-z-loss-coef",
         "--expert-axis",
+        "--partition",
     ]:
         assert flag in out
 
