@@ -33,10 +33,11 @@ Writes benchmarks/results/partition.json.
 
 import os
 
-os.environ.setdefault(
-    "XLA_FLAGS",
-    "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false",
-)
+_flags = os.environ.get("XLA_FLAGS", "")
+for _flag in ("--xla_force_host_platform_device_count=8", "--xla_cpu_multi_thread_eigen=false"):
+    if _flag.split("=")[0] not in _flags:
+        _flags += " " + _flag
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 import sys  # noqa: E402
 
