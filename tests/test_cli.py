@@ -272,6 +272,7 @@ def test_tiny_run_trains_and_resumes(tmp_path, capsys):
         assert err.count("\n") == 1 and reason in err, err
 
 
+@pytest.mark.slow
 def test_a_planned_partition_trains_and_resumes_with_its_split(tmp_path, capsys):
     """``--partition auto``: the blocks' split measured and planned with the schedule and the
     microbatch count (``--schedule auto``), the table printed, the split recorded with the
@@ -287,7 +288,7 @@ def test_a_planned_partition_trains_and_resumes_with_its_split(tmp_path, capsys)
     assert "mm.schedules.tune" not in out  # the planner chose the schedule
     recorded = saved_extra(tmp_path / "run" / "checkpoints" / "2")["partition"]["sizes"]
     assert "/".join(map(str, recorded)) == sizes
-    resume = ["--steps", "3", "--resume", "--schedule", "1f1b"]  # the schedule may change
+    resume = ["--depth", "3", "--steps", "3", "--resume", "--schedule", "1f1b"]  # may change
     assert tiny_run(tmp_path, "run", *resume) == 0
     out = capsys.readouterr().out
     assert f"the split the run was planned with, {sizes} blocks per stage" in out
