@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/packed_reads.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/precision.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/moe.py
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/partition.py
 	$(PY) benchmarks/multiprocess.py
 	$(PY) benchmarks/pretrained_load.py
 

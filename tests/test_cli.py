@@ -30,7 +30,10 @@ from tests.flags import without_device_count
         (["--stages", "3"], "needs 12 devices, but --devices is 8"),
         (["--depth", "1"], "--depth 1 gives fewer blocks than --stages 2"),
         (["--depth", "5", "--scan-layers"], "--stages 2 does not divide it"),
-        (["--memory-budget", "1GiB"], "--memory-budget needs --schedule auto"),
+        (["--memory-budget", "1GiB"], "--memory-budget needs --schedule auto or --partition auto"),
+        (["--partition", "3,2"], "--partition 3,2 gives 5 blocks, but --depth 4 has 4"),
+        (["--partition", "1,1,2"], "gives 3 stages, but --stages 2 x --virtual-stages 1 makes 2"),
+        (["--partition", "auto", "--scan-layers"], "--partition auto needs the blocks as a list"),
         (["--schedule", "auto", "--memory-budget", "lots"], "expected a number of bytes"),
         (["--schedule", "auto", "--memory-budget", "0"], "--memory-budget must be positive"),
         (["--dim", "30"], "--dim 30 is not divisible by --heads 4"),
@@ -102,6 +105,7 @@ def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
         (["--profile-steps", "5:3"], "--profile-steps needs 1 <= FIRST <= LAST, got '5:3'"),
         (["--profile-steps", "a:b"], "--profile-steps must be FIRST:LAST steps"),
         (["--dtype", "float16"], "invalid choice: 'float16'"),
+        (["--partition", "even"], "--partition must be params, auto or blocks per stage such as"),
     ],
 )
 def test_bad_values_exit_2(argv, reason, capsys):
@@ -177,6 +181,7 @@ def test_help_documents_every_flag(capsys):
         "--router-aux-loss-coef",
         "--router-z-loss-coef",
         "--expert-axis",
+        "--partition",
     ]:
         assert flag in out
 
@@ -265,6 +270,29 @@ def test_tiny_run_trains_and_resumes(tmp_path, capsys):
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and reason in err, err
+
+
+@pytest.mark.slow
+def test_a_planned_partition_trains_and_resumes_with_its_split(tmp_path, capsys):
+    """``--partition auto``: the blocks' split measured and planned with the schedule and the
+    microbatch count (``--schedule auto``), the table printed, the split recorded with the
+    checkpoints; ``--resume`` places the blocks as planned, without planning again."""
+    argv = ["--depth", "3", "--steps", "2", "--eval-every", "2", "--eval-batches", "1"]
+    argv += ["--timeline-step", "0", "--no-tensorboard", "--partition", "auto"]
+    argv += ["--schedule", "auto"]
+    assert tiny_run(tmp_path, "run", *argv) == 0
+    out = capsys.readouterr().out
+    assert "mm.schedules.partition: GPT.blocks as " in out and "runners-up" in out
+    line = next(x for x in out.splitlines() if x.startswith("partition auto: "))
+    sizes = line.split()[2]  # "2/1"
+    assert "mm.schedules.tune" not in out  # the planner chose the schedule
+    recorded = saved_extra(tmp_path / "run" / "checkpoints" / "2")["partition"]["sizes"]
+    assert "/".join(map(str, recorded)) == sizes
+    resume = ["--depth", "3", "--steps", "3", "--resume", "--schedule", "1f1b"]  # may change
+    assert tiny_run(tmp_path, "run", *resume) == 0
+    out = capsys.readouterr().out
+    assert f"the split the run was planned with, {sizes} blocks per stage" in out
+    assert "mm.schedules.partition" not in out
 
 
 def test_one_stage_run_has_no_timeline_to_draw(tmp_path, capsys):

@@ -101,10 +101,10 @@ def stages(
 
     placed = {"virtual_stages": args.virtual_stages, "schedule": args.schedule}
     if args.partition == "params":
-        return Stages(run_placement(config, tasks, **placed, report=True))
+        return Stages(rules=run_placement(config, tasks, **placed, report=True))
     sizes = given_sizes(args.partition) or _recorded(extra, args, config.depth)
     if sizes is not None:
-        return Stages(run_placement(config, tasks, **placed, sizes=sizes), sizes)
+        return Stages(rules=run_placement(config, tasks, **placed, sizes=sizes), sizes=sizes)
     return _planned(args, options, config, tasks, batch, data_axis)
 
 
@@ -162,11 +162,10 @@ def _planned(
         f"{result.schedule} with {result.num_microbatches} microbatches (predicted "
         f"{result.predicted_seconds * 1e3:.1f} ms per step)"
     )
-    schedule = result.best.table if auto else None
     return Stages(
         rules=result.rules,
         sizes=result.sizes,
-        schedule=schedule,
+        schedule=result.best.table if auto else None,
         microbatches=result.num_microbatches if auto else None,
     )
 

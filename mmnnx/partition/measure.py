@@ -35,7 +35,7 @@ class Timing:
     """One piece measured on one task at one microbatch size: seconds per pass, bytes per
     device."""
 
-    forward: float  # F, keeping the residuals
+    forward: float  # F, keeping the residuals (each pass: its work, less a program's launch)
     backward: float  # B: input and weight gradients in one program
     input_grad: float  # I: the gradient with respect to the inputs (0 without any)
     weight_grad: float  # W: the gradient with respect to the Variables differentiated
@@ -65,12 +65,13 @@ def measure(
     *,
     optimizer: Any = None,
     repeats: int = 5,
+    launch: float = 0.0,
 ) -> Timing:
-    """``piece`` timed on ``task`` (the median of ``repeats`` runs of each program, each
-    waited for), its Variables where ``shardings`` (by path) put them, its inputs of leading
-    axis ``rows`` split over ``task``'s ``batch`` axis; ``optimizer`` (an optax transform)
-    gives its state's bytes. The model's concrete values are copied there; abstract ones are
-    drawn at random.
+    """``piece`` timed on ``task`` (each program's seconds per call over ``repeats`` calls
+    back to back, less ``launch``, what any program costs there: :func:`launch_seconds`), its
+    Variables where ``shardings`` (by path) put them, its inputs of leading axis ``rows`` split
+    over ``task``'s ``batch`` axis; ``optimizer`` (an optax transform) gives its state's bytes.
+    The model's concrete values are copied there; abstract ones are drawn at random.
 
     Example (a piece of a model: see ``mmnnx.partition.pieces.Model``)::
 
@@ -99,11 +100,15 @@ def measure(
     only_inputs = jax.jit(lambda v, c: v(c)[1])
     only_weights = jax.jit(lambda v, c: v(c)[0])
     args = (vjp, cotangent)
+
+    def work(fn: Callable, args: tuple) -> float:
+        return max(_seconds(fn, args, repeats) - launch, 0.0)
+
     return Timing(
-        forward=_seconds(fwd, (params, other, inputs), repeats),
-        backward=_seconds(both, args, repeats),
-        input_grad=_seconds(only_inputs, args, repeats) if with_inputs else 0.0,
-        weight_grad=_seconds(only_weights, args, repeats) if with_weights else 0.0,
+        forward=work(fwd, (params, other, inputs)),
+        backward=work(both, args),
+        input_grad=work(only_inputs, args) if with_inputs else 0.0,
+        weight_grad=work(only_weights, args) if with_weights else 0.0,
         held_bytes=_held_bytes(forward, (params, other, inputs), vjp, len(jax.tree.leaves(out))),
         output_bytes=sum(_device_bytes(x) for x in jax.tree.leaves(out)),
         state_bytes=sum(_device_bytes(x) for x in jax.tree.leaves((params, other))),
@@ -111,15 +116,33 @@ def measure(
     )
 
 
-def _seconds(fn: Callable, args: tuple, repeats: int) -> float:
-    """The median time of ``repeats`` calls of ``fn(*args)``, each waited for, after one that
-    compiles it."""
+def launch_seconds(task: Task, repeats: int = 5) -> float:
+    """The time a program doing next to nothing takes on ``task`` as :func:`measure` times
+    one: what every program costs besides its work (dispatch, launch), which a stage's
+    program pays once for all its layers.
+
+    Example:
+        >>> import mmnnx as mm
+        >>> launch_seconds(mm.Task("t", mesh=mm.TaskMesh(devices=[0]))) >= 0
+        True
+    """
+    x = jax.device_put(jnp.zeros((8,), jnp.float32), task.sharding())
+    return _seconds(jax.jit(lambda x: x + 1), (x,), repeats)
+
+
+def _seconds(fn: Callable, args: tuple, repeats: int, samples: int = 5) -> float:
+    """Seconds per call of ``fn(*args)``: the median over ``samples`` of ``repeats`` calls
+    issued back to back and waited for at the end (the time the devices take per call, not
+    the host's wait for each), after one call that compiles it."""
     jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(repeats):
+    for _ in range(samples):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        out = None
+        for _ in range(repeats):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / repeats)
     return statistics.median(times)
 
 

@@ -15,7 +15,7 @@ from mmnnx.link_timing import measure_link
 from mmnnx.models.stages import _check_depth, _stage_tasks, find_layers, split_rules
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.schedules.registry import Placement, registered
-from mmnnx.partition.measure import Timing, measure, shardings_on
+from mmnnx.partition.measure import Timing, launch_seconds, measure, shardings_on
 from mmnnx.partition.pieces import Model, Piece
 from mmnnx.partition.result import PartitionResult, Split
 from mmnnx.partition.search import Option, Profile, equal_split, search
@@ -93,9 +93,15 @@ def partition(
     if repeats < 1:
         raise ValueError(f"partition: repeats must be >= 1, got {repeats}")
     pieces = Model(model, found, wrt)
-    timings = _measure_all(pieces, model, loss_fn, batch, tasks, counts, optimizer, repeats)
+    launches = _launches(tasks, repeats)
+    timings = _measure_all(
+        pieces, model, loss_fn, batch, tasks, counts, optimizer=optimizer, repeats=repeats,
+        launches=launches,
+    )  # fmt: skip
     links = _links(tasks, options)
-    profile = Profile(tasks=tuple(tasks), rows=rows, timings=timings, links=links)
+    profile = Profile(
+        tasks=tuple(tasks), rows=rows, timings=timings, links=links, launches=launches
+    )
     candidates = search(options, counts, profile)
     best, candidates = _choose(candidates, budget)
     order = next(o.order for o in options if o.schedule == best.schedule)
@@ -103,16 +109,7 @@ def partition(
         model, tasks, list(best.sizes), virtual_stages=best.virtual_stages, order=order,
         blocks=blocks, last=last,
     )  # fmt: skip
-    equal = next(
-        (
-            c
-            for c in candidates
-            if c.sizes == equal_split(found.count, len(best.sizes))
-            and (c.schedule, c.num_microbatches, c.virtual_stages)
-            == (best.schedule, best.num_microbatches, best.virtual_stages)
-        ),
-        None,
-    )
+    equal = _equal_to(best, candidates, found.count)
     result = PartitionResult(
         rules=rules,
         best=best,
@@ -123,6 +120,21 @@ def partition(
     if report and jax.process_index() == 0:
         print(result)
     return result
+
+
+def _equal_to(best: Split, candidates: Sequence[Split], n: int) -> Split | None:
+    """The candidate with as many of the ``n`` layers on every stage as it can, under
+    ``best``'s schedule, microbatch count and stages per task."""
+    same = (best.schedule, best.num_microbatches, best.virtual_stages)
+    return next(
+        (
+            c
+            for c in candidates
+            if c.sizes == equal_split(n, len(best.sizes))
+            and (c.schedule, c.num_microbatches, c.virtual_stages) == same
+        ),
+        None,
+    )
 
 
 def _checked_tasks(tasks: Sequence[Task]) -> list[Task]:
@@ -255,39 +267,60 @@ def _measure_all(
     batch: Any,
     tasks: Sequence[Task],
     counts: Sequence[int],
-    optimizer: Any,
-    repeats: int,
+    **options: Any,
 ) -> dict[tuple[str, int], list[Timing]]:
-    """The timings of every piece, per (task name, microbatch rows): each piece timed on the
-    first task of each signature, alike pieces once."""
-    rows_total = _rows(batch)
+    """The timings of every piece, per (task name, microbatch rows), each timed on the first
+    task of each signature (``options``: ``optimizer``, ``repeats``, ``launches`` per task)."""
+    launches = options.pop("launches")
     every = {}
     for m in counts:
-        rows = rows_total // m
-        micro = jax.tree.map(lambda x, r=rows: x[:r], batch)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), micro)
-        calls = pieces.record(loss_fn, abstract)
-        parts: list[Piece] = [pieces.embedding(loss_fn, micro)]
-        parts += [pieces.layer(i, call) for i, call in enumerate(calls)]
-        parts.append(pieces.head(loss_fn, micro, calls))
+        rows = _rows(batch) // m
+        parts = _parts(pieces, loss_fn, batch, rows)
         by_signature: dict[tuple, list[Timing]] = {}
         for task in tasks:
             signature = _signature(task)
             if signature not in by_signature:
                 shardings = shardings_on(model, task)
-                seen: dict[Any, Timing] = {}
-                timed = []
-                for piece in parts:
-                    key = piece.key
-                    if key is None or key not in seen:
-                        timing = measure(piece, task, shardings, rows, optimizer=optimizer,
-                                         repeats=repeats)  # fmt: skip
-                        if key is not None:
-                            seen[key] = timing
-                    timed.append(seen[key] if key is not None else timing)
-                by_signature[signature] = timed
+                by_signature[signature] = _timed(
+                    parts, task, shardings, rows, launch=launches[task.name], **options
+                )
             every[(task.name, rows)] = by_signature[signature]
     return every
+
+
+def _parts(pieces: Model, loss_fn: Callable, batch: Any, rows: int) -> list[Piece]:
+    """The embedding, each layer and the head with the loss, on microbatches of ``rows``."""
+    micro = jax.tree.map(lambda x: x[:rows], batch)
+    calls = pieces.record(loss_fn, jax.tree.map(_abstract, micro))
+    layers = [pieces.layer(i, call) for i, call in enumerate(calls)]
+    return [pieces.embedding(loss_fn, micro), *layers, pieces.head(loss_fn, micro, calls)]
+
+
+def _timed(parts: Sequence[Piece], task: Task, *args: Any, **options: Any) -> list[Timing]:
+    """Each of ``parts`` timed on ``task`` (:func:`measure`'s arguments), alike ones once."""
+    seen: dict[Any, Timing] = {}
+
+    def timing(piece: Piece) -> Timing:
+        if piece.key is None:
+            return measure(piece, task, *args, **options)
+        if piece.key not in seen:
+            seen[piece.key] = measure(piece, task, *args, **options)
+        return seen[piece.key]
+
+    return [timing(piece) for piece in parts]
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _launches(tasks: Sequence[Task], repeats: int) -> dict[str, float]:
+    """What a program costs on each task besides its work (tasks of one signature alike)."""
+    by_signature: dict[tuple, float] = {}
+    for task in tasks:
+        if _signature(task) not in by_signature:
+            by_signature[_signature(task)] = launch_seconds(task, repeats)
+    return {task.name: by_signature[_signature(task)] for task in tasks}
 
 
 def _links(tasks: Sequence[Task], options: Sequence[Option]) -> dict[tuple[str, str], Any]:

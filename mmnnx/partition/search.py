@@ -39,12 +39,14 @@ class Option:
 class Profile:
     """What the search reads: per (home task name, microbatch rows) the timings of the
     embedding, each layer and the head with the loss, in order; per (task, task) the link
-    between them."""
+    between them; per task what a program costs there besides its work (once per pass of a
+    stage, whatever it holds)."""
 
     tasks: tuple[Task, ...]
     rows: int  # of the whole batch
     timings: dict[tuple[str, int], list[Timing]]
     links: dict[tuple[str, str], sched.Link]
+    launches: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -92,10 +94,10 @@ def evaluate(sizes: Sequence[int], option: Option, m: int, profile: Profile) -> 
 
     costs = {}
     for s in range(count):
-        costs[("F", s)] = total(s, "forward")
-        costs[("B", s)] = total(s, "backward")
-        costs[("I", s)] = total(s, "input_grad")
-        costs[("W", s)] = total(s, "weight_grad")
+        launch = profile.launches.get(homes[s], 0.0)
+        for kind, field in (("F", "forward"), ("B", "backward"), ("I", "input_grad"),
+                            ("W", "weight_grad")):  # fmt: skip
+            costs[(kind, s)] = total(s, field) + launch
     sent = [timed[s][starts[s] + sizes[s]].output_bytes for s in range(count)]
     transfers = {}
     for s in range(count - 1):

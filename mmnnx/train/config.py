@@ -213,7 +213,9 @@ class Training:
     microbatches: int = count(T.microbatches, "microbatches per step")
     schedule: str = option(T.schedule, _schedule_help, choices=lambda: (*schedule_names(), "auto"))
     memory_budget: str | None = option(
-        None, "with --schedule auto: bytes per device the schedule may use (e.g. 2GiB)"
+        None,
+        "with --schedule auto or --partition auto: bytes per device the schedule and the split "
+        "may use (e.g. 2GiB)",
     )
     pack_residuals: bool | int = option(
         T.pack_residuals,
