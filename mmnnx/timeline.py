@@ -23,26 +23,33 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import numbers
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
-
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mmnnx.mpmd.schedules import TRANSFER, Schedule, SimulationResult, simulate
 
+if TYPE_CHECKING:  # matplotlib is imported with the first plot: it is slow to import
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
-class TimelineFigure(Figure):
+
+@functools.cache
+def _timeline_figure() -> type:
     """A matplotlib Figure that Jupyter shows as a PNG without pyplot or ``%matplotlib``."""
+    from matplotlib.figure import Figure  # noqa: PLC0415
 
-    def _repr_png_(self) -> bytes:
-        buffer = io.BytesIO()
-        self.savefig(buffer, format="png", dpi=100)
-        return buffer.getvalue()
+    class TimelineFigure(Figure):
+        def _repr_png_(self) -> bytes:
+            buffer = io.BytesIO()
+            self.savefig(buffer, format="png", dpi=100)
+            return buffer.getvalue()
+
+    return TimelineFigure
 
 
 __all__ = [
@@ -212,7 +219,7 @@ def plot_timeline(
     if ax is None:
         axes_width_in = _axes_width(actions, multi_stage, span)
         figsize = (axes_width_in + _SIDE_MARGINS_IN, 1.3 + 0.45 * len(names))
-        fig = TimelineFigure(figsize=figsize, layout="constrained")
+        fig = _timeline_figure()(figsize=figsize, layout="constrained")
         ax = fig.add_subplot()
     else:
         fig = _root_figure(ax)
@@ -471,6 +478,8 @@ def _axes_width(events: list[TimelineEvent], multi_stage: bool, span: float) -> 
 
 
 def _root_figure(ax: Axes) -> Figure:
+    from matplotlib.figure import Figure  # noqa: PLC0415
+
     figure = ax.figure
     root = getattr(figure, "figure", None)
     return root if isinstance(root, Figure) else figure

@@ -16,7 +16,6 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from matplotlib.figure import Figure
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -648,6 +647,8 @@ def _write_events(path: pathlib.Path, step: int, bubble: float, events: list) ->
 
 
 def _plot_losses(metrics_path: pathlib.Path, path: pathlib.Path) -> pathlib.Path:
+    from matplotlib.figure import Figure  # noqa: PLC0415  (slow to import: only when plotting)
+
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
     fig = Figure(figsize=(6, 3.5), layout="constrained")
     ax = fig.add_subplot()

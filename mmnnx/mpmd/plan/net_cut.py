@@ -16,8 +16,6 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 import numpy as np
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from mmnnx.sharding import Task
 
@@ -254,6 +252,9 @@ def _source_side(
     """Which of ``size`` nodes a minimum cut between ``source`` and the next node (the sink)
     leaves on the source's side. Capacities are scaled to maximum_flow's int32, each at least
     1: an edge that carries bytes is never free to cut."""
+    from scipy.sparse import csr_matrix  # noqa: PLC0415  (slow to import: only for a cut)
+    from scipy.sparse.csgraph import breadth_first_order, maximum_flow  # noqa: PLC0415
+
     keys, inverse = np.unique(rows * size + cols, return_inverse=True)
     summed = np.bincount(inverse, weights=caps, minlength=len(keys))
     rows, cols = keys // size, keys % size
