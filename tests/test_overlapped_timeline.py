@@ -75,7 +75,7 @@ def test_overlapped_timeline_follows_the_schedule_and_updates_as_a_call(tasks, t
         if runs(a)
     )
     assert sorted((e.task, e.kind, e.stage, e.microbatch) for e in events) == expected
-    assert all(e.end >= e.start >= 0 for e in timed)
+    assert all(e.end >= e.start >= e.launched >= 0 for e in timed)
     assert all(e.rank == e.task for e in timed)
     assert 0 <= mm.schedules.measured_bubble(timed) == mm.schedules.measured_bubble(events) < 1
     # a rank runs one program at a time, in the schedule's order

@@ -194,6 +194,7 @@ def test_v_schedules_run_the_v_placement_and_match_one_device(
     fused = [a for a in program.actions if getattr(a, "fused", False)]
     assert len(fused) == len(pairs)
     events = step.timeline(model, opt, tokens)
+    assert all(e.launched == e.start for e in events)  # each action alone: it starts at launch
     # a virtual stage's actions ran on its task's devices
     assert {(e.task, e.rank) for e in events} == {
         *((f"t{i}", f"t{i}") for i in range(4)),

@@ -151,7 +151,11 @@ def _merged(parts: list) -> list[Event]:
         shift = part["offset"] - first
         for fields in part["events"]:
             e = Event(*fields)
-            events.append(dataclasses.replace(e, start=e.start + shift, end=e.end + shift))
+            events.append(
+                dataclasses.replace(
+                    e, start=e.start + shift, end=e.end + shift, launched=e.launched + shift
+                )
+            )
     return _after_producers(events)
 
 

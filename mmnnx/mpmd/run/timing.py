@@ -51,7 +51,9 @@ class Event:
     """One executed action, timed: seconds since the step started. ``fused``: it ran in one
     program with the other actions of its overlapped pair, which share its ``start`` and
     ``end``. ``rank``: the task whose devices ran it (``task`` itself, or the task a virtual
-    stage such as ``"t0:1"`` belongs to).
+    stage such as ``"t0:1"`` belongs to). ``launched``: when the host launched its program (at
+    most ``start``; the action started later when its rank or its inputs were not ready; a
+    transfer's is its ``start``).
 
     A transfer (``kind`` ``"T"``) is the result of action ``carries`` (``F``, ``B`` or ``I``) of
     ``stage`` on ``microbatch`` crossing from the devices of task ``source`` to those of
@@ -67,6 +69,7 @@ class Event:
     rank: str = ""
     source: str = ""
     carries: str = ""
+    launched: float = 0.0
 
 
 class Transfer(NamedTuple):
@@ -93,6 +96,7 @@ class Transfer(NamedTuple):
             rank=self.rank,
             source=self.source,
             carries=self.kind,
+            launched=start,
         )
 
 
@@ -100,7 +104,9 @@ def _stages(labels: Sequence[tuple]) -> list[tuple]:
     return [(label, m) for label, m in labels if label is not None]
 
 
-def _events(labels: Sequence[tuple], start: float, end: float, rank: str) -> list[Event]:
+def _events(
+    labels: Sequence[tuple], start: float, end: float, rank: str, launched: float
+) -> list[Event]:
     stages = _stages(labels)
     return [
         Event(
@@ -112,6 +118,7 @@ def _events(labels: Sequence[tuple], start: float, end: float, rank: str) -> lis
             end=end,
             fused=len(stages) > 1,
             rank=rank,
+            launched=launched,
         )
         for (task, kind, stage), m in stages
     ]
@@ -190,7 +197,8 @@ class BlockingTimer(Timer):
             return
         jax.block_until_ready(outs)
         ended = time.perf_counter()
-        self._events += _events(labels, at - self._start, ended - self._start, rank)
+        start = at - self._start
+        self._events += _events(labels, start, ended - self._start, rank, start)
 
     def moved(self, from_slot, to_slot, transfer=None, value=None, at=0.0) -> None:
         if transfer is None:
@@ -410,7 +418,8 @@ class OverlapTimer(Timer):
             start, end = started - self._start, ended[k] - self._start
             if program:
                 previous_end[launch.rank] = ended[k]
-                events += _events(launch.labels, start, end, launch.rank)
+                launched = launch.launched_at - self._start
+                events += _events(launch.labels, start, end, launch.rank, launched)
             elif launch.seen:
                 events.append(launch.transfer.event(start, end))
         return events
