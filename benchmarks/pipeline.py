@@ -42,7 +42,11 @@ rows, JAX's own transpose of the scan took 2.1x as long as this one and two stag
 - ``mm.schedules.tune``'s predicted ranking of GPipe, 1F1B and ZB-H1 against their measured
   step times (also timed in interleaved rounds);
 - host overhead per action (step span minus device time, per action) at M = 4 and M = 32
-  (target: flat).
+  (target: flat);
+- ``overhead``: the pipeline's own overhead, GPipe / 1F1B / ZB-H1 / ZB-V against the
+  data-parallel step of the same MLP, and where the time beyond the bubble goes
+  (``pipeline_overhead.py``, run in a process of its own with XLA's Eigen thread pool off;
+  target: GPipe and 1F1B at most 1.18x data parallel).
 
 Every timing is taken in interleaved rounds (``--rounds N``, default 5; the candidates of a
 section take turns in each round) and reported as the median [min-max] over the rounds, a ratio
@@ -58,7 +62,10 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import functools  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -548,6 +555,22 @@ def host_overhead(rounds: int):
     }
 
 
+def overhead(rounds: int) -> dict:
+    """``pipeline_overhead.py`` in a fresh process (its XLA flags set before JAX starts there):
+    the pipelined MLP against data parallelism, and where the time beyond the bubble goes."""
+    script = pathlib.Path(__file__).with_name("pipeline_overhead.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "--rounds", str(rounds)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=script.parent,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{script.name} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 SECTIONS = {
     "efficiency": efficiency,
     "efficiency 1f1b": lambda rounds: efficiency(rounds, schedule="1f1b"),
@@ -557,6 +580,7 @@ SECTIONS = {
     "zero bubble on four ranks": zero_bubble_on_four_ranks,
     "tuner": tuner_ranking,
     "host": host_overhead,
+    "overhead": overhead,
 }
 
 
