@@ -129,14 +129,17 @@ class _Mover:
             if not isinstance(sharding.mesh, Mesh):  # abstract: no devices in it
                 return sharding
             return NamedSharding(
-                self.mesh(sharding.mesh), sharding.spec, memory_kind=sharding._memory_kind
+                self.mesh(sharding.mesh),
+                sharding.spec,
+                memory_kind=sharding._memory_kind,
+                _logical_device_ids=sharding._logical_device_ids,
             )
         if type(sharding) is SingleDeviceSharding:
             return SingleDeviceSharding(
                 self.device(sharding._device), memory_kind=sharding._memory_kind
             )
         if type(sharding) is sharding_impls.GSPMDSharding:
-            devices = [self.device(d) for d in sharding._device_assignment]
+            devices = [self.device(d) for d in sharding._devices]
             return sharding_impls.GSPMDSharding(
                 devices, sharding._hlo_sharding, memory_kind=sharding._memory_kind
             )

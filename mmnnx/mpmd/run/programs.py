@@ -219,7 +219,7 @@ def lower_packing(
         for buffer in buffers
         for m in buffer.members
     ]
-    sums = zeros or Zeros(task, (), (), (), ())
+    made = () if zeros is None else tuple(zip(zeros.shapes, zeros.dtypes, strict=True))
 
     def pack(*members):
         out, at = [], 0
@@ -227,10 +227,9 @@ def lower_packing(
             taken = members[at : at + len(buffer.members)]
             out.append(jnp.concatenate([jnp.ravel(m) for m in taken]))
             at += len(buffer.members)
-        made = zip(sums.shapes, sums.dtypes, strict=True)
         return out + [jnp.zeros(shape, dtype) for shape, dtype in made]
 
-    out_shardings = [task.sharding()] * len(buffers) + list(sums.shardings)
+    out_shardings = [task.sharding()] * len(buffers) + list(zeros.shardings if zeros else ())
     return jax.jit(pack, out_shardings=out_shardings).lower(*avals)
 
 
