@@ -2,8 +2,9 @@
 M = 8, AdamW (``first_call.py``'s issue-42 case), phase by phase, against the plain step under
 ``nnx.jit`` on one device.
 
-Each case runs in a fresh process (nothing cached), the two taking turns over ``--rounds N``
-rounds (default 5); every number is the median [min-max] over the rounds.
+Each case runs in a fresh process (nothing cached), the cases taking turns over ``--rounds N``
+rounds (default 5); every number is the median [min-max] over the rounds. ``--before DIR``
+adds the pipelined step of another checkout (mmnnx imported from ``DIR``) to the same rounds.
 
 Pipelined phases (``mm.jit``, in the order a first call runs them): trace (``trace_step``), plan
 (``plan_step``: colour, cut, pipeline, lower to the typed program, passes), build (``emit``:
@@ -15,7 +16,7 @@ s" sum each program's own time (compiles run on threads, side by side, so their 
 the wall time they take). The ``nnx.jit`` step: its first call, and the XLA compile inside it.
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/first_call_phases.py
-[--rounds N]
+[--rounds N] [--before DIR]
 Writes benchmarks/results/first_call_phases.json.
 """
 
@@ -166,35 +167,64 @@ def measure(case: str) -> dict:
     }
 
 
-def in_fresh_process(case: str) -> dict:
+def in_fresh_process(case: str, source: str | None = None) -> dict:
+    """``case`` measured in a fresh process, importing mmnnx from ``source`` (a checkout's
+    root) when given."""
+    env = dict(os.environ)
+    if source is not None:
+        env["PYTHONPATH"] = source
     out = subprocess.run(
-        [sys.executable, __file__, "--case", case], capture_output=True, text=True, check=True
+        [sys.executable, __file__, "--case", case],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(rounds: int) -> None:
-    cases = ("one_device", "pipelined")
-    runs = interleaved({c: functools.partial(in_fresh_process, c) for c in cases}, rounds)
-    one, piped = runs["one_device"], runs["pipelined"]
-    out = {
-        "nnx.jit first call s": spread([r["first call s"] for r in one]),
-        "nnx.jit XLA compile s": spread([r["XLA compile s"] for r in one]),
-        "nnx.jit programs compiled": one[0]["compiled"],
-        "ratio": ratio_spread([r["first call s"] for r in piped], [r["first call s"] for r in one]),
+def _pipelined_rows(runs: list[dict], one_s: list[float]) -> dict:
+    out = {"ratio": ratio_spread([r["first call s"] for r in runs], one_s)}
+    for key, value in runs[0].items():
+        out[key] = spread([r[key] for r in runs]) if key.endswith(" s") else value
+    return out
+
+
+def main(rounds: int, before: str | None) -> None:
+    """The cases in turn over ``rounds`` rounds; with ``before`` (another checkout's root), the
+    pipelined step of that checkout too, in the same rounds."""
+    cases = {"one_device": functools.partial(in_fresh_process, "one_device")}
+    if before is not None:
+        cases["pipelined, before"] = functools.partial(in_fresh_process, "pipelined", before)
+    cases["pipelined"] = functools.partial(in_fresh_process, "pipelined")
+    runs = interleaved(cases, rounds)
+    one = runs["one_device"]
+    one_s = [r["first call s"] for r in one]
+    sections = {
+        "nnx.jit": {
+            "first call s": spread(one_s),
+            "XLA compile s": spread([r["XLA compile s"] for r in one]),
+            "programs compiled": one[0]["compiled"],
+        }
     }
-    for key, value in piped[0].items():
-        if key.endswith(" s") or key.endswith(" programs"):
-            out[f"mm.jit {key}"] = spread([r[key] for r in piped])
-        else:
-            out[f"mm.jit {key}"] = value
-    out["rounds"] = rounds
-    results = {"gpt16_4stages_m8 phases": out, "device": str(jax.devices()[0])}
-    publish(results, RESULTS, "first call phases", ("gpt16_4stages_m8 phases",), rounds)
+    for name in cases:
+        if name != "one_device":
+            sections[f"mm.jit, {name}"] = _pipelined_rows(runs[name], one_s)
+    if before is not None:
+        sections["mm.jit, after / before"] = {
+            "first call": ratio_spread(
+                [r["first call s"] for r in runs["pipelined"]],
+                [r["first call s"] for r in runs["pipelined, before"]],
+            ),
+            "before": before,
+        }
+    results = {**sections, "rounds": rounds, "device": str(jax.devices()[0])}
+    publish(results, RESULTS, "first call phases", tuple(sections), rounds)
 
 
 if __name__ == "__main__":
     if "--case" in sys.argv:
         print(json.dumps(measure(sys.argv[sys.argv.index("--case") + 1])))
     else:
-        main(rounds_option(sys.argv))
+        before = sys.argv[sys.argv.index("--before") + 1] if "--before" in sys.argv else None
+        main(rounds_option(sys.argv), before)
