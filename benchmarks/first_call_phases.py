@@ -40,7 +40,8 @@ import mmnnx as mm  # noqa: E402
 from mmnnx.models import GPT, GPTConfig, stage_rules  # noqa: E402
 
 RESULTS = results_path("first_call_phases.json")
-CONFIG = GPTConfig(vocab_size=256, dim=64, depth=16, num_heads=4, max_seq_len=32)
+DEPTH = int(os.environ.get("FIRST_CALL_DEPTH", "16"))  # blocks (FIRST_CALL_DEPTH=32: 32)
+CONFIG = GPTConfig(vocab_size=256, dim=64, depth=DEPTH, num_heads=4, max_seq_len=32)
 STAGES, M, BATCH = 4, 8, 32
 SMALL = ("zeros", "pack")  # the names of the small programs' functions (run/programs.py)
 
@@ -218,7 +219,7 @@ def main(rounds: int, before: str | None) -> None:
             ),
             "before": before,
         }
-    results = {**sections, "rounds": rounds, "device": str(jax.devices()[0])}
+    results = {**sections, "blocks": DEPTH, "rounds": rounds, "device": str(jax.devices()[0])}
     publish(results, RESULTS, "first call phases", tuple(sections), rounds)
 
 
