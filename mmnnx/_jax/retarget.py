@@ -47,6 +47,9 @@ def retarget(lowered: Any, devices: Mapping[Any, Any]) -> Any | None:
         >>> out = moved.compile()(jax.device_put(np.float32(1), on(two)))
         >>> float(out), out.devices() == {two}
         (2.0, True)
+        >>> echo = lambda x: jax.pure_callback(lambda v: v, jax.typeof(x), x)
+        >>> retarget(jax.jit(echo, in_shardings=on(one)).lower(np.float32(0)), {one: two}) is None
+        True
     """
     computation = getattr(lowered, "_lowering", None)
     if not isinstance(computation, pxla.MeshComputation) or computation._device_list is None:
