@@ -17,6 +17,7 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx._jax.compile import SharedCompiles
+from mmnnx.mpmd.lower.program import PackWeights, Zeros
 from mmnnx.timeline import timeline_rows
 from tests.flags import COMPILE_FLAGS
 from tests.models import (
@@ -251,7 +252,7 @@ def test_equal_stages_compile_once_and_train_like_one_device(
 ):
     """Blocks 1 and 2 are alike and their tasks hold nothing else: stage 2's forward, backward,
     running sums and update are stage 1's programs on other devices, lowered once (moved, not
-    traced again) and loaded, not compiled."""
+    traced again) and loaded, not compiled; each task's running sums start from one program."""
     from jax._src import compiler
 
     ref = one_device(4)
@@ -289,6 +290,8 @@ def test_equal_stages_compile_once_and_train_like_one_device(
     assert plan.num_loaded <= min(loaded, plan.num_programs)
     assert len(traced) == plan.num_lowered <= plan.num_programs - 3  # stage 2's: moved
     assert f"; {plan.num_lowered} lowered" in str(plan)
+    starts = [a.task.name for a in plan.program.actions if isinstance(a, Zeros | PackWeights)]
+    assert starts and sorted(starts) == sorted(set(starts))  # one per task, zeros folded in
     for ref_loss in ref.losses[:2]:
         close(step(model, opt, tokens), ref_loss)
     params_close(model, ref.after[1], ref.grads, steps=2, lr=3e-3)
