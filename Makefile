@@ -30,6 +30,7 @@ bench: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/scan_layers.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/init.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/first_call.py
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/first_call_phases.py
 	$(PY) benchmarks/packed_reads.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/precision.py
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/moe.py

@@ -10,8 +10,8 @@ from mmnnx.mpmd.run.emit import Launch
 class Packed:
     """The packed buffers of a program: ``by_run``, the buffers of results each Run returns
     (by its index in ``program.actions``); ``by_zeros``, the sum buffers each Zeros action
-    fills; ``of_member``, the residual or sum buffer holding each slot; ``weights``, each
-    task's weight buffers."""
+    (or PackWeights action with its zeros folded in) fills; ``of_member``, the residual or sum
+    buffer holding each slot; ``weights``, each task's weight buffers."""
 
     by_run: dict[int, tuple[Buffer, ...]]
     by_zeros: dict[int, tuple[Buffer, ...]]
@@ -37,12 +37,20 @@ def packed_buffers(program) -> Packed:
             for b in (*a.packing.packs, *sums.values()):
                 of_member.update({m.slot: b for m in b.members})
     by_zeros = {
-        i: tuple(sums[s] for s in a.slots if s in sums)
-        for i, a in enumerate(program.actions)
-        if isinstance(a, Zeros) and any(s in sums for s in a.slots)
+        i: tuple(sums[s] for s in zeros.slots if s in sums)
+        for i, zeros in enumerate(zeros_of(a) for a in program.actions)
+        if zeros is not None and any(s in sums for s in zeros.slots)
     }
     weights = {a.task: a.buffers for a in program.actions if isinstance(a, PackWeights)}
     return Packed(by_run, by_zeros, of_member, weights)
+
+
+def zeros_of(action):
+    """The running sums ``action`` fills with zeros: a Zeros action, or those folded into a
+    PackWeights action (``None`` for any other)."""
+    if isinstance(action, Zeros):
+        return action
+    return action.zeros if isinstance(action, PackWeights) else None
 
 
 def packing_of(executable) -> tuple[Packed, dict[int, str]]:

@@ -136,12 +136,12 @@ def test_plan_is_inspectable(tasks, batch):
 
 
 def test_plan_compiles_nothing_and_shows_each_tasks_program(tasks, batch, monkeypatch):
-    from mmnnx.mpmd.run import emit
+    from mmnnx.mpmd.run import programs
 
     compiled = []
-    real = emit.lower_fragments
+    real = programs.lower_fragments
     monkeypatch.setattr(
-        emit,
+        programs,
         "lower_fragments",
         lambda *a: compiled.extend(run.fragment.name for run in a[1]) or real(*a),
     )
@@ -202,12 +202,14 @@ def test_cyclic_gc_is_paused_while_a_step_is_traced_and_lowered(tasks, batch, mo
     again after, a trace that raises included."""
     import gc
 
-    from mmnnx.mpmd.run import emit
+    from mmnnx.mpmd.run import programs
 
     seen = []
-    lower = emit.lower_fragments
+    lower = programs.lower_fragments
     monkeypatch.setattr(
-        emit, "lower_fragments", lambda *a: seen.append(("lower", gc.isenabled())) or lower(*a)
+        programs,
+        "lower_fragments",
+        lambda *a: seen.append(("lower", gc.isenabled())) or lower(*a),
     )
 
     def forward(m, x):

@@ -264,9 +264,22 @@ def test_tensor_parallel_stages_pack_their_whole_running_sums_and_train_like_one
     buffers = {b.slot for made in packing.by_zeros.values() for b in made}
     sums = [a for a in program.actions if isinstance(a, Zeros)]
     assert sums and buffers
-    for action in sums:  # every running sum packed, but a lone one
-        plain = [s for s in action.slots if s not in buffers]
-        assert not plain or action.slots == tuple(plain[:1])
+    # every running sum packed, but a lone one: no other sum of its dtype has the same adders
+    groups = [
+        (zeros.dtypes[k], tuple(i for i, r in enumerate(program.actions) if slot in _sums_of(r)))
+        for zeros in sums
+        for k, slot in enumerate(zeros.slots)
+    ]
+    assert len(set(groups)) == len(groups)
+
+
+def _sums_of(action) -> tuple[int, ...]:
+    """The running sums (slots) a Run adds to."""
+    if not isinstance(action, Run):
+        return ()
+    if action.packing is None:
+        return action.sums
+    return tuple(s.slot for s in action.packing.sums)
 
 
 def test_only_values_whole_on_every_device_of_a_task_may_travel_packed():

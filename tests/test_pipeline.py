@@ -17,6 +17,7 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx._jax.compile import SharedCompiles
+from mmnnx.mpmd.lower.program import PackWeights, Zeros
 from mmnnx.timeline import timeline_rows
 from tests.flags import COMPILE_FLAGS
 from tests.models import (
@@ -251,7 +252,8 @@ def test_equal_stages_compile_once_and_train_like_one_device(
     tasks, tokens, one_device, monkeypatch, no_compilation_cache
 ):
     """Blocks 1 and 2 are alike and their tasks hold nothing else: stage 2's forward, backward,
-    running sums and update are stage 1's programs on other devices, loaded, not compiled."""
+    running sums and update are stage 1's programs on other devices, lowered once (moved, not
+    traced again) and loaded, not compiled; each task's running sums start from one program."""
     from jax._src import compiler
 
     ref = one_device(4)
@@ -273,6 +275,11 @@ def test_equal_stages_compile_once_and_train_like_one_device(
             submitted.append(1) or tables.append(self) or share(self, low, pool)
         ),
     )
+    from mmnnx.mpmd.run import programs
+
+    traced = []  # fragment programs traced and lowered
+    lower = programs.lower_fragments
+    monkeypatch.setattr(programs, "lower_fragments", lambda *a: traced.append(1) or lower(*a))
     model = placed(tasks)
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
     step = mm.jit(pipelined_step("1f1b"))
@@ -282,6 +289,10 @@ def test_equal_stages_compile_once_and_train_like_one_device(
     loaded = tables[0].loaded  # the step's programs and the runner's own zero fills
     assert loaded >= 4 and sum(compiled) == len(submitted) - loaded  # loaded: not compiled
     assert plan.num_loaded <= min(loaded, plan.num_programs)
+    assert len(traced) == plan.num_lowered <= plan.num_programs - 3  # stage 2's: moved
+    assert f"; {plan.num_lowered} lowered" in str(plan)
+    starts = [a.task.name for a in plan.program.actions if isinstance(a, Zeros | PackWeights)]
+    assert starts and sorted(starts) == sorted(set(starts))  # one per task, zeros folded in
     for ref_loss in ref.losses[:2]:
         close(step(model, opt, tokens), ref_loss)
     params_close(model, ref.after[1], ref.grads, steps=2, lr=3e-3)

@@ -110,7 +110,7 @@ def localize(
             elif isinstance(action, Zeros):
                 held.update(action.slots)
             elif isinstance(action, PackWeights):
-                held.update(b.slot for b in action.buffers)
+                held.update(action.made)
             elif isinstance(action, Constant):
                 held.add(action.slot)
     everyone = frozenset(range(num_processes))

@@ -5,10 +5,12 @@
 
 1. ``pack`` (``pack.py``): values that travel as flat buffers (weights, residuals, sums), once
    for every process;
-2. ``localize`` (``localize.py``): one process's share, moves between processes as routes
+2. ``fold`` (``fold.py``): each task's small programs of the step's start (zeros, packed
+   weights) as one;
+3. ``localize`` (``localize.py``): one process's share, moves between processes as routes
    (only with several processes), after :func:`~mmnnx.mpmd.lower.order.check_same_order` has checked
    that every process's share meets the others' in the same order;
-3. ``add_releases`` (``releases.py``): a release after each value's last reader.
+4. ``add_releases`` (``releases.py``): a release after each value's last reader.
 
 Each is a function from program to program; the runner executes the result as it is, and
 ``step.plan()`` prints it.
@@ -20,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.lower.fold import fold
 from mmnnx.mpmd.lower.localize import localize
 from mmnnx.mpmd.lower.order import check_same_order
 from mmnnx.mpmd.lower.pack import pack
@@ -38,7 +41,7 @@ class Passes:
         program = passes.share(process=0)
     """
 
-    packed: StepProgram  # the lowered program, packed (the same for every process)
+    packed: StepProgram  # the lowered program, packed and folded (the same for every process)
     num_processes: int = 1
 
     @classmethod
@@ -53,8 +56,8 @@ class Passes:
         num_processes: int = 1,
     ) -> Passes:
         """Packs ``lowered`` (a step traced with sharding in types, ``graph.specs``, packs
-        nothing: every program keeps the types of its arguments) and, with several processes,
-        checks that their shares meet in one order."""
+        nothing: every program keeps the types of its arguments), folds it and, with several
+        processes, checks that their shares meet in one order."""
         packed = lowered
         if not graph.specs:
             packed = pack(
@@ -64,6 +67,7 @@ class Passes:
                 weight_bytes=weight_bytes,
                 inputs=inputs,
             )
+        packed = fold(packed)
         if num_processes > 1:
             check_same_order([localize(packed, p, num_processes) for p in range(num_processes)])
         return cls(packed, num_processes)

@@ -18,7 +18,9 @@ class Plan:
     Building a plan compiles nothing. ``num_loaded``, on the plan a compiled step returns: how
     many of its programs were not compiled but loaded from an equal program compiled for other
     devices (equal pipeline stages compile once; the runner's own small programs, which fill
-    running sums with zeros and pack block weights, are not counted). ``inputs``: the value id
+    running sums with zeros and pack block weights, are not counted); ``num_lowered``: how many
+    of them were traced and lowered, the others reusing the lowering of an alike program on
+    other devices, moved there (equal stages are lowered once). ``inputs``: the value id
     of each input leaf, in the order mm.jit flattens the arguments (Variables first, then the
     other arrays), as ``Transfer.value`` names them.
     """
@@ -32,6 +34,7 @@ class Plan:
     input_names: list[str] = dataclasses.field(default_factory=list)  # path of each input leaf
     unrolled: list[str] = dataclasses.field(default_factory=list)  # why a loop is not pipelined
     num_loaded: int | None = None  # once compiled: programs loaded, not compiled
+    num_lowered: int | None = None  # once compiled: programs lowered, not moved from an alike one
 
     @property
     def num_programs(self) -> int:
@@ -67,7 +70,8 @@ class Plan:
             if self.num_loaded
             else ""
         )
-        lines.append(f"  programs ({self.num_programs} compiled{loaded}):")
+        lowered = f"; {self.num_lowered} lowered" if self.num_lowered is not None else ""
+        lines.append(f"  programs ({self.num_programs} compiled{loaded}{lowered}):")
         lines.append(str(self.program))
         return "\n".join(lines)
 

@@ -344,6 +344,15 @@ class Zeros:
     dtypes: tuple[np.dtype, ...]
     shardings: tuple[NamedSharding, ...]
 
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The slots it reads: none."""
+        return ()
+
+    @property
+    def made(self) -> tuple[int, ...]:
+        return self.slots
+
     def __str__(self) -> str:
         return f"zeros {_slots(self.slots)}"
 
@@ -351,17 +360,27 @@ class Zeros:
 @dataclasses.dataclass(frozen=True)
 class PackWeights:
     """Concatenates step inputs (a block's weights) into ``buffers`` on ``task`` at the step's
-    start: its pipelined runs read the buffers instead of one argument per weight."""
+    start: its pipelined runs read the buffers instead of one argument per weight. ``zeros``:
+    the task's running sums, made by the same program (``fold`` puts them there: one small
+    program per task instead of two)."""
 
     task: Task
     buffers: tuple[Buffer, ...]
+    zeros: Zeros | None = None
 
     @property
     def members(self) -> tuple[int, ...]:
         return tuple(m.slot for b in self.buffers for m in b.members)
 
+    @property
+    def made(self) -> tuple[int, ...]:
+        """The slots it writes: its buffers, then its zeros."""
+        zeros = self.zeros.slots if self.zeros is not None else ()
+        return (*(b.slot for b in self.buffers), *zeros)
+
     def __str__(self) -> str:
-        return f"pack {', '.join(str(b) for b in self.buffers)}"
+        zeros = f"; {self.zeros}" if self.zeros is not None else ""
+        return f"pack {', '.join(str(b) for b in self.buffers)}{zeros}"
 
 
 @dataclasses.dataclass(frozen=True)

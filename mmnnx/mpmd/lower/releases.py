@@ -44,7 +44,7 @@ def reads_writes(action: Action) -> tuple[Sequence[int], Sequence[int]]:
     if isinstance(action, Zeros):
         return (), action.slots
     if isinstance(action, PackWeights):
-        return action.members, tuple(b.slot for b in action.buffers)
+        return action.members, action.made
     return (), ()
 
 

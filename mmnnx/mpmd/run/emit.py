@@ -33,7 +33,7 @@ from mmnnx.mpmd.lower.program import (
     Zeros,
 )
 from mmnnx.mpmd.run.peers import Peers
-from mmnnx.mpmd.run.programs import Compiler, lower_fragments, lower_packing, lower_zeros
+from mmnnx.mpmd.run.programs import Compiler
 from mmnnx.mpmd.run.routes import RoutePlan
 from mmnnx.mpmd.run.timing import Transfer
 from mmnnx.sharding.arrays import placeholder, put
@@ -161,7 +161,7 @@ def emit(
 
     Example::
 
-        with Compiler() as compiler:
+        with Compiler(graph) as compiler:
             emitted = emit(graph, plan.program, compiler, None, mover)
     """
     sharding_of = list(program.shardings)
@@ -193,8 +193,8 @@ def emit(
                 for run in runs
             )
             if key not in compiled_of:
-                lowered = lower_fragments(
-                    graph, runs, [[sharding_of[s] for s in run.args] for run in runs]
+                lowered = compiler.lower_fragments(
+                    runs, [[sharding_of[s] for s in run.args] for run in runs]
                 )
                 compiling = compiler.submit(lowered)
                 fragment_programs.append(lowered)
@@ -247,7 +247,7 @@ def emit(
                     )
                 )
         elif isinstance(action, Zeros):
-            zeros = compiler.submit(lower_zeros(action.shapes, action.dtypes, action.shardings))
+            zeros = compiler.submit(compiler.lower_zeros(action))
             steps.append(
                 Launch(
                     program=zeros, args=(), results=action.slots, labels=(), rank=_rank(action.task)
@@ -256,11 +256,14 @@ def emit(
         elif isinstance(action, PackWeights):
             members = action.members
             shardings = [sharding_of[m] for m in members]
-            packs = compiler.submit(lower_packing(action.buffers, shardings, action.task))
-            made = tuple(b.slot for b in action.buffers)
+            packs = compiler.submit(compiler.lower_packing(action, shardings))
             steps.append(
                 Launch(
-                    program=packs, args=members, results=made, labels=(), rank=_rank(action.task)
+                    program=packs,
+                    args=members,
+                    results=action.made,
+                    labels=(),
+                    rank=_rank(action.task),
                 )
             )
         elif isinstance(action, Constant):

@@ -1,6 +1,6 @@
 """The JAX programs a step's actions compile to: a fragment's (or an overlapped pair's) program,
-the program packing block weights, the program making zeroed running sums, and the pool of
-threads compiling them side by side."""
+the program packing block weights, the program making zeroed running sums, and the compiler
+lowering each distinct computation once and compiling the programs side by side."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -17,11 +17,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx._jax.compile import SharedCompiles
+from mmnnx._jax.retarget import retarget
 from mmnnx.mpmd.evaluate import run_ops
 from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.lower.alike import AlikeKeys
 from mmnnx.mpmd.lower.lower import constraint_layout
 from mmnnx.mpmd.lower.pack import slice_offsets
-from mmnnx.mpmd.lower.program import Buffer, Run
+from mmnnx.mpmd.lower.program import Buffer, PackWeights, Run, Zeros
 from mmnnx.mpmd.primitives import constraint_layouts
 from mmnnx.mpmd.trace.mesh_context import explicit_twin
 
@@ -205,15 +207,19 @@ def lower_fragments(
         return jitted.lower(*(a for part in parts for a in part.avals))
 
 
-def lower_packing(buffers: Sequence[Buffer], shardings: Sequence[Any], task: Any) -> Any:
+def lower_packing(
+    buffers: Sequence[Buffer], shardings: Sequence[Any], task: Any, zeros: Zeros | None = None
+) -> Any:
     """One program concatenating step inputs (laid out as ``shardings``, one argument per
-    member, buffer after buffer) into each of ``buffers``, flat on ``task``, lowered."""
+    member, buffer after buffer) into each of ``buffers``, flat on ``task``, then making the
+    zero-filled running sums of ``zeros`` (if any), lowered."""
     layouts = iter(shardings)
     avals = [
         jax.ShapeDtypeStruct(m.shape, buffer.dtype, sharding=next(layouts))
         for buffer in buffers
         for m in buffer.members
     ]
+    made = () if zeros is None else tuple(zip(zeros.shapes, zeros.dtypes, strict=True))
 
     def pack(*members):
         out, at = [], 0
@@ -221,9 +227,10 @@ def lower_packing(buffers: Sequence[Buffer], shardings: Sequence[Any], task: Any
             taken = members[at : at + len(buffer.members)]
             out.append(jnp.concatenate([jnp.ravel(m) for m in taken]))
             at += len(buffer.members)
-        return out
+        return out + [jnp.zeros(shape, dtype) for shape, dtype in made]
 
-    return jax.jit(pack, out_shardings=[task.sharding()] * len(buffers)).lower(*avals)
+    out_shardings = [task.sharding()] * len(buffers) + list(zeros.shardings if zeros else ())
+    return jax.jit(pack, out_shardings=out_shardings).lower(*avals)
 
 
 def lower_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Sequence) -> Any:
@@ -237,18 +244,83 @@ def lower_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Seque
 
 
 class Compiler:
-    """Compiles lowered programs on a pool of threads (XLA releases the GIL while it compiles),
-    so the programs of a step compile side by side. A program whose output layouts the compiler
-    chooses is waited for at once: the programs reading its results are lowered for them.
-    A program equal to one already compiled for other devices loads that one's executable
-    (equal pipeline stages compile once)."""
+    """Lowers and compiles a step's programs (``graph``'s). A program alike one already lowered
+    for other devices (:class:`~mmnnx.mpmd.lower.alike.AlikeKeys`: the same computation, as
+    equal pipeline stages run) reuses that lowering moved to its own devices
+    (:func:`~mmnnx._jax.retarget.retarget`) instead of being traced and lowered again. Programs
+    compile on a pool of threads (XLA releases the GIL while it compiles), side by side; a
+    program whose output layouts the compiler chooses is waited for at once: the programs
+    reading its results are lowered for them. A program equal to one already compiled for other
+    devices loads that one's executable (equal pipeline stages compile once). ``moved``: the
+    ids of the ``Lowered`` programs moved from an alike one rather than lowered (kept alive
+    with the compiler, so that no other object takes one of their ids meanwhile).
 
-    def __init__(self):
+    Example::
+
+        with Compiler(graph) as compiler:
+            compiling = compiler.submit(compiler.lower_fragments(runs, in_shardings))
+    """
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
         self.shared = SharedCompiles()
+        self.moved: set[int] = set()
+        self._moved: list[Any] = []  # the Lowered objects of ``moved``, alive
+        self._keys = AlikeKeys(graph)
+        self._lowered: dict[Hashable, tuple[Any, Any]] = {}  # key -> (the first lowered, its task)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(8, cores or 1)), thread_name_prefix="mmnnx-compile"
         )
+
+    def lower_fragments(self, runs: Sequence[Run], in_shardings: Sequence[Sequence[Any]]) -> Any:
+        """:func:`lower_fragments` of the step's graph, or an alike program's lowering moved."""
+        return self._lower(
+            self._keys.program(runs, in_shardings),
+            runs[0].task,
+            functools.partial(lower_fragments, self.graph, runs, in_shardings),
+        )
+
+    def lower_zeros(self, zeros: Zeros) -> Any:
+        """:func:`lower_zeros` for a :class:`Zeros` action, or an alike one's lowering moved."""
+        what = ("zeros", zeros.shapes, zeros.dtypes)
+        return self._lower(
+            self._keys.start(zeros.task, what, zeros.shardings),
+            zeros.task,
+            functools.partial(lower_zeros, zeros.shapes, zeros.dtypes, zeros.shardings),
+        )
+
+    def lower_packing(self, pack: PackWeights, shardings: Sequence[Any]) -> Any:
+        """:func:`lower_packing` for a :class:`PackWeights` action (its members laid out as
+        ``shardings``, its zeros folded in), or an alike one's lowering moved."""
+        zeros = pack.zeros
+        what = (
+            "pack",
+            tuple(b.layout for b in pack.buffers),
+            zeros and (zeros.shapes, zeros.dtypes, self._keys.layouts(pack.task, zeros.shardings)),
+        )
+        return self._lower(
+            self._keys.start(pack.task, what, shardings),
+            pack.task,
+            functools.partial(lower_packing, pack.buffers, shardings, pack.task, zeros),
+        )
+
+    def _lower(self, key: Hashable | None, task: Any, lower: Callable[[], Any]) -> Any:
+        """The program ``lower()`` lowers for ``task``, or the first of key ``key`` moved to
+        ``task``'s devices (``None``: alike no other)."""
+        first = self._lowered.get(key) if key is not None else None
+        if first is not None:
+            lowered, on = first
+            devices = dict(zip(on.jax_mesh.devices.flat, task.jax_mesh.devices.flat, strict=True))
+            moved = retarget(lowered, devices)
+            if moved is not None:
+                self.moved.add(id(moved))
+                self._moved.append(moved)
+                return moved
+        lowered = lower()
+        if key is not None:
+            self._lowered.setdefault(key, (lowered, task))
+        return lowered
 
     def submit(self, lowered: Any) -> concurrent.futures.Future:
         return self.shared.submit(lowered, self._pool)

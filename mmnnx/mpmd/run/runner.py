@@ -74,7 +74,7 @@ class Executable:
                 if self._make_peers is None:
                     raise ValueError("a program localized to one process needs its peers")
                 self._peers = self._make_peers()
-            with Compiler() as compiler, cyclic_gc_paused():
+            with Compiler(self.graph) as compiler, cyclic_gc_paused():
                 self._build(compiler)
         return self.compiled_plan
 
@@ -120,6 +120,7 @@ class Executable:
             self.plan,
             transfers=transfers,
             num_loaded=sum(id(lowered) in loaded for lowered in fragment_programs),
+            num_lowered=sum(id(lowered) not in compiler.moved for lowered in fragment_programs),
         )
 
     def _witnesses(self) -> dict[int, Callable]:
