@@ -83,5 +83,5 @@ def whole_everywhere(
         return False
     known: dict[int, bool] = {}
     return not any(
-        _sets_layout(op.primitive.name, op.params, task_of.get(op.index), known) for op in graph.ops
+        _sets_layout(op.name, op.params, task_of.get(op.index), known) for op in graph.ops
     )
