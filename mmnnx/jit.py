@@ -425,7 +425,8 @@ def jit(
     state placed on task T runs on T; other ops go where the fewest bytes move. Called inside
     another ``mm.jit`` step, ``fun`` is inlined into it.
 
-    ``pack_residuals``: in a pipelined step, each forward on a one-device task returns the
+    ``pack_residuals``: in a pipelined step, each forward on a one-device task (or on a task
+    whose values are all replicated: a step that splits nothing over a task's devices) returns the
     residuals its backward reads of at most this many bytes (default
     ``mm.PACK_RESIDUAL_BYTES``, 64 KiB) as one flat buffer per dtype instead of one array each;
     ``True`` packs every residual, ``False`` none. The host pays for each array a program
@@ -435,7 +436,8 @@ def jit(
     twice while the buffer is made. A stage's gradient sums travel as one buffer either way.
 
     ``pack_weights``: in a pipelined step, the weights of at most this many bytes (default
-    64 KiB) of each block of a one-device stage (the Variables under one list index, such as
+    64 KiB) of each block of a one-device stage, or replicated over a stage's devices (the
+    Variables under one list index, such as
     ``blocks/3/...``) travel to its forwards and backwards as one flat buffer per dtype, packed
     once per step by a program at its start, instead of one argument each per launch: laid out
     alike in every block, the blocks' programs slice them at the same offsets, so XLA still

@@ -3,6 +3,7 @@ assignment, the backward split, and lowering to per-task programs (no tracing, n
 
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 import mmnnx as mm
 from mmnnx.mpmd.ir import Graph, Op
@@ -350,21 +351,26 @@ def test_lowering_pairs_every_send_with_a_recv_and_releases_after_the_last_read(
     assert "program of 'A' (5 actions)" in str(program)
 
 
-def test_a_multi_device_tasks_results_are_laid_out_by_the_compiler():
+@pytest.mark.parametrize("split", [True, False])
+def test_a_multi_device_tasks_results_are_laid_out_by_the_compiler_unless_nothing_splits(split):
     pairs = [
         mm.Task(name, mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1])) for i, name in enumerate("CD")
     ]
     graph, _ = two_layer_chain()
     fragments = cut(graph, [pairs[0], pairs[0], pairs[1], pairs[1]], pairs)
+    spec = PartitionSpec("x") if split else PartitionSpec()
     program, _ = lower(
         graph,
         pairs,
-        ins(x=None, pc=(pairs[0], pairs[0].sharding()), pd=(pairs[1], pairs[1].sharding())),
+        ins(x=None, pc=(pairs[0], pairs[0].sharding(spec)), pd=(pairs[1], pairs[1].sharding())),
         [StepOutput()],
         [(f, None) for f in fragments],
     )
     (recv,) = [a for a in program.actions if isinstance(a, Recv) and a.source is pairs[0]]
-    assert recv.sharding is None  # decided when the sending program is compiled
+    if split:
+        assert recv.sharding is None  # decided when the sending program is compiled
+    else:  # every value whole: pinned replicated, as on one device
+        assert recv.sharding == pairs[1].sharding()
 
 
 def test_make_fragment_outputs_only_what_others_read(tasks):
@@ -461,13 +467,18 @@ def test_localize_keeps_one_process_share_and_routes_what_crosses(tasks):
     pairs = [
         mm.Task(name, mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1])) for i, name in enumerate("CD")
     ]
-    lowered, _ = lower(
-        graph,
-        pairs,
-        ins(x=None, pc=(pairs[0], pairs[0].sharding()), pd=(pairs[1], pairs[1].sharding())),
-        [StepOutput()],
-        [(f, None) for f in cut(graph, [pairs[0]] * 2 + [pairs[1]] * 2, pairs)],
-    )
+    split = pairs[0].sharding(PartitionSpec("x"))  # C's results: the compiler's choice
+
+    def lowered_with(pc_layout):
+        return lower(
+            graph,
+            pairs,
+            ins(x=None, pc=(pairs[0], pc_layout), pd=(pairs[1], pairs[1].sharding())),
+            [StepOutput()],
+            [(f, None) for f in cut(graph, [pairs[0]] * 2 + [pairs[1]] * 2, pairs)],
+        )[0]
+
+    lowered = lowered_with(split)
     on = {"C": frozenset({0}), "D": frozenset({1})}  # as if each task were another process's
     first = localize(lowered, 0, 2, lambda t: on[t.name])
     second = localize(lowered, 1, 2, lambda t: on[t.name])
@@ -487,6 +498,9 @@ def test_localize_keeps_one_process_share_and_routes_what_crosses(tasks):
     assert localize(lowered, 0, 1, lambda t: frozenset({0})).actions == tuple(
         act for act in lowered.actions if not isinstance(act, Release)
     )  # one process holding everything keeps everything
+    whole = localize(lowered_with(pairs[0].sharding()), 0, 2, lambda t: on[t.name])
+    kinds = [type(act).__name__ for act in whole.actions]
+    assert kinds == ["Recv", "Run", "Route"]  # nothing split: every layout known, none sent
 
 
 def _two_routes():

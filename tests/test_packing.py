@@ -213,9 +213,11 @@ def test_by_default_the_small_residuals_are_packed_and_a_bound_keeps_large_ones_
             assert all(alone for _, alone in sizes)
 
 
-def test_whole_running_sums_on_multi_device_tasks_travel_packed():
-    # the GPT on two-device tasks holds every parameter whole (replicated): each backward adds
-    # its gradients to one buffer per dtype instead of returning one array per parameter
+def test_whole_values_on_multi_device_tasks_travel_packed():
+    # the GPT on two-device tasks holds every parameter whole (replicated) and splits nothing:
+    # each backward adds its gradients to one buffer per dtype instead of returning one array
+    # per parameter; each forward returns its residuals packed and every result is pinned
+    # replicated, as on one device; each block's weights travel as one buffer
     tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
     tasks = [mm.Task(f"p{i}", mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1])) for i in range(2)]
     model, ref = small_gpt(), small_gpt()
@@ -231,6 +233,53 @@ def test_whole_running_sums_on_multi_device_tasks_travel_packed():
     packing = packed_buffers(executable.plan.program)
     assert {pk.dtype for pk in packing.buffers if not pk.positions} == {np.dtype("float32")}
     assert max(launches(executable, "B")) <= 2  # its input's gradient and the packed sums
+    assert packing.by_run and max(launches(executable, "F")) <= 2  # activation, residuals
+    assert set(packing.weights) == set(tasks)
+    assert _pinned_whole(executable.plan.program)
+
+
+def _pinned_whole(program) -> bool:
+    """Whether every result of every Run of ``program`` is pinned whole on its task."""
+    layouts = [s for a in program.actions if isinstance(a, Run) for s in a.out_shardings]
+    return bool(layouts) and all(s is not None and s.is_fully_replicated for s in layouts)
+
+
+class _TwoLayers(nnx.Module):
+    def __init__(self, names):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+        self.a = nnx.Linear(8, 8, kernel_init=init, rngs=nnx.Rngs(0))
+        self.b = nnx.Linear(8, 8, kernel_init=init, rngs=nnx.Rngs(1))
+
+
+@pytest.mark.parametrize(
+    "kernel, constraint, whole",
+    [
+        ((None, "embed"), None, True),
+        ((None, "mlp"), None, False),  # kernels split over each task's two devices
+        ((None, "embed"), ("batch", "mlp"), False),  # a constraint splitting an activation
+        ((None, "embed"), ("batch", "embed"), True),  # a constraint naming no device axis
+    ],
+)
+def test_results_are_pinned_whole_only_where_the_step_splits_nothing(kernel, constraint, whole):
+    # a fragment's results are the compiler's choice on a multi-device task, unless nothing in
+    # the step can split them: its inputs whole, no constraint naming a device axis
+    rules = mm.logical_rules(embed=None, mlp="x")
+    tasks = [
+        mm.Task(f"w{i}", mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1]), logical_axes=rules)
+        for i in range(2)
+    ]
+    with nnx.use_eager_sharding(False):
+        model = _TwoLayers(kernel)
+    mm.place(model, [("^a/", tasks[0]), ("^b/", tasks[1])])
+
+    @mm.jit
+    def forward(model, x):
+        h = model.a(x)
+        if constraint is not None:
+            h = mm.with_sharding_constraint(h, constraint)
+        return model.b(jnp.tanh(h))
+
+    assert _pinned_whole(forward.plan(model, jnp.ones((4, 8))).program) == whole
 
 
 def test_tensor_parallel_stages_pack_their_whole_running_sums_and_train_like_one_device():

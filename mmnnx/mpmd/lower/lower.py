@@ -25,6 +25,7 @@ from mmnnx.mpmd.lower.program import (
     StepProgram,
     Zeros,
 )
+from mmnnx.mpmd.lower.whole import whole_everywhere
 from mmnnx.mpmd.plan.cut import Fragment, Transfer
 from mmnnx.mpmd.plan.pipeline import Pipeline
 from mmnnx.mpmd.primitives import constraint_names, is_accumulate, is_constraint
@@ -309,6 +310,7 @@ def lower(
     donate_in = _donations(graph, order, inputs)
     labels = _labels(pipeline)
     typed = graph.specs or None
+    whole = typed is None and whole_everywhere(graph, tasks, inputs, outputs, low.op_task)
     consumers = graph.consumers()
     fragment_of = {op.index: id(f) for f, _ in order for op in f.ops}
     returned = {a for a in graph.outputs if isinstance(a, int)}
@@ -329,7 +331,7 @@ def lower(
         if id(frag) not in layout_of:  # the same for every microbatch
             positions = tuple(i for i, v in enumerate(frag.out_ids) if v in sum_of)
             dropped = frozenset(i for i in positions if only_summed(frag.out_ids[i], frag))
-            shardings = _out_shardings(frag, home_of, typed)
+            shardings = _out_shardings(frag, home_of, typed, whole)
             layout_of[id(frag)] = (shardings, positions, dropped)
         shardings, positions, _ = layout_of[id(frag)]
         summed = [frag.out_ids[i] for i in positions]
@@ -414,12 +416,16 @@ def lower(
 
 
 def _out_shardings(
-    frag: Fragment, home_of: dict[int, NamedSharding], typed: dict[int, Any] | None
+    frag: Fragment,
+    home_of: dict[int, NamedSharding],
+    typed: dict[int, Any] | None,
+    whole: bool = False,
 ) -> tuple:
     """A fragment's results: on their home sharding when it is on this task, replicated for a
-    program with no inputs (nothing to infer a layout from) or on one device (nothing to
-    choose: pinned, its readers can be compiled before it is), else the compiler's choice; with
-    sharding in types (``typed``), always the type's."""
+    program with no inputs (nothing to infer a layout from), on one device or in a step whose
+    every value is whole (``whole``, :func:`~mmnnx.mpmd.lower.whole.whole_everywhere`: nothing
+    to choose; pinned, its readers can be compiled before it is), else the compiler's choice;
+    with sharding in types (``typed``), always the type's."""
     out = []
     for v in frag.out_ids:
         home = home_of.get(v)
@@ -429,7 +435,7 @@ def _out_shardings(
             out.append(home if on_home and same_spec(home.spec, spec) else frag.task.sharding(spec))
         elif home is not None and home.mesh == frag.task.jax_mesh:
             out.append(home)
-        elif not frag.in_ids or frag.task.jax_mesh.size == 1:
+        elif whole or not frag.in_ids or frag.task.jax_mesh.size == 1:
             out.append(frag.task.sharding())  # nothing to infer from, or nothing to choose
         else:
             out.append(None)

@@ -1,9 +1,10 @@
 """Packing: which values of a pipelined step travel between programs as one buffer.
 
 Each array a program takes costs the host a fraction of a microsecond per call, and each array
-it returns a few microseconds. On a one-device task two kinds of values can travel concatenated,
-one flat buffer per dtype, which each reader slices back: one array instead of many, with no
-change of layout.
+it returns a few microseconds. Values whole on each device of their task (a one-device task's,
+or replicated ones: in a step that splits nothing, :mod:`~mmnnx.mpmd.lower.whole`, all of them)
+can travel concatenated, one flat buffer per dtype laid out alike, which each reader slices
+back: one array instead of many, with no change of layout.
 
 - Running sums (a stage's gradients, added to by every microbatch's backward): always. Each
   backward adds its results to the buffer and returns it; the update programs slice it.
@@ -205,11 +206,11 @@ def pack(
     weight_bytes: int = 0,
     inputs: Sequence[StepInput] = (),
 ) -> StepProgram:
-    """The pass: ``program`` with the running sums of each one-device task (or whole on each
-    of a task's devices), the residuals of its pipelined programs of at most ``residual_bytes``
-    each, and the weights of at most ``weight_bytes`` each of each block its pipelined programs
-    read (blocks found by the paths of the step's ``inputs``) travelling as flat buffers
-    (:func:`plan_packing` says which)."""
+    """The pass: ``program`` with the running sums of each task, the residuals of its
+    pipelined programs of at most ``residual_bytes`` each, and the weights of at most
+    ``weight_bytes`` each of each block its pipelined programs read (blocks found by the paths
+    of the step's ``inputs``), whole on each of its devices (one device, or replicated),
+    travelling as flat buffers (:func:`plan_packing` says which)."""
     packing = plan_packing(
         program,
         graph,
@@ -279,7 +280,7 @@ def plan_packing(
     weight_bytes: int = 0,
     inputs: Sequence[StepInput] = (),
 ) -> Packing:
-    """Packs the running sums of each one-device task (:func:`_sum_packing`), the residuals
+    """Packs the running sums of each task (:func:`_sum_packing`), the residuals
     of its pipelined programs of at most ``residual_bytes`` each (:func:`_residual_packing`),
     and the weights of at most ``weight_bytes`` each of each block its pipelined programs read
     (:func:`_weight_packing`; blocks found by the paths of the step's ``inputs``)."""
@@ -319,9 +320,10 @@ def _weight_packing(
     input_names: Sequence[str],
     readers: dict[int, list[Run | None]],
 ) -> Packing:
-    """Adds to ``packing``, per one-device task and block (:func:`block_of`), one buffer per
-    dtype of the step inputs of at most ``weight_bytes`` each that pipelined runs on that task
-    alone read, more than once, without donating them. Members go in the order of their paths
+    """Adds to ``packing``, per task and block (:func:`block_of`), one buffer per dtype of the
+    step inputs of at most ``weight_bytes`` each, whole on each of its devices (one device, or
+    replicated), that pipelined runs on that task alone read, more than once, without donating
+    them. Members go in the order of their paths
     inside the block, so blocks alike are laid out alike: their programs slice them at the same
     offsets, and the blocks' kernels stay alike (XLA compiles each once per program)."""
     groups: dict[tuple, list[tuple[str, int, tuple[int, ...]]]] = {}
@@ -337,7 +339,7 @@ def _weight_packing(
         task, value = runs[0].task, graph.inputs[leaf]
         dtype, shape = graph.dtypes[value], graph.shapes[value]
         if (
-            task.jax_mesh.devices.size != 1
+            not _packs_on(task, program.shardings[slot])
             or any(slot in {r.ins[d] for d in r.donate} for r in runs)
             or jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
             or math.prod(shape) * itemsize(dtype) > weight_bytes
@@ -443,6 +445,12 @@ def _in_one_process(task: Any) -> bool:
     return len({d.process_index for d in task.jax_mesh.devices.flat}) == 1
 
 
+def _packs_on(task: Any, sharding: Any) -> bool:
+    """Whether a value laid out as ``sharding`` on ``task`` may travel in a flat buffer of its
+    task: whole on each of its devices (:func:`_whole`), all of one process."""
+    return _whole(sharding, task) and _in_one_process(task)
+
+
 def _whole(sharding: Any, task: Any) -> bool:
     """Whether a value laid out as ``sharding`` on ``task`` is whole on each of its devices (one
     device, or replicated), so that it can travel in a flat buffer replicated alike."""
@@ -458,12 +466,13 @@ def _residual_packing(
     input_names: Sequence[str],
     readers: dict[int, list[Run | None]],
 ) -> Packing:
-    """Packs, per Run of a pipelined microbatch on a one-device task, the results of one dtype
-    (two or more) of at most ``residual_bytes`` each that only runs of other fragments on that
-    task read, in every microbatch alike (so each fragment keeps one compiled program). Values
-    that a transfer, a running sum or the step's outputs read, and extended dtypes (PRNG keys),
-    are left alone. Each block's results (:func:`_output_blocks`; ``input_names``: the step
-    inputs' paths) go one after the other from a base of their own."""
+    """Packs, per Run of a pipelined microbatch, the results of one dtype (two or more) of at
+    most ``residual_bytes`` each, whole on each device of its task (pinned so: one device, or a
+    step that splits nothing), that only runs of other fragments on that task read, in every
+    microbatch alike (so each fragment keeps one compiled program). Values that a transfer, a
+    running sum or the step's outputs read, and extended dtypes (PRNG keys), are left alone.
+    Each block's results (:func:`_output_blocks`; ``input_names``: the step inputs' paths) go
+    one after the other from a base of their own."""
     actions = program.actions
     weight_blocks = {  # the block of each step input under a list index
         v: where[0]
@@ -486,12 +495,13 @@ def _residual_packing(
             )
             and not jax.dtypes.issubdtype(graph.dtypes[value], jax.dtypes.extended)
             and math.prod(graph.shapes[value]) * itemsize(graph.dtypes[value]) <= residual_bytes
+            and _packs_on(run.task, program.shardings[slot])
         )
 
     runs = [
         (i, a)
         for i, a in enumerate(actions)
-        if isinstance(a, Run) and a.microbatch is not None and a.task.jax_mesh.devices.size == 1
+        if isinstance(a, Run) and a.microbatch is not None and _in_one_process(a.task)
     ]
     positions: dict[int, set[int]] = {}  # fragment id -> output positions packable every time
     for _, run in runs:
