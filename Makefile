@@ -2,6 +2,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# One pytest worker more than the cores (at most 4): many tests wait on processes they start
+# (start-up, heartbeats, timeouts), and a third worker computes meanwhile.
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffinity(0)) + 1))')
 
 .PHONY: demo test bench lint setup clean
 
@@ -20,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/mmnnx train --output-dir runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --maxprocesses=4
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) benchmarks/dispatch.py
