@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -541,6 +542,25 @@ def check_counts(num_stages: int, num_microbatches: int) -> None:
     for field, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{field} must be a positive int, got {value!r}")
+
+
+def check_action_key(schedule: Schedule, key: object, name: str) -> None:
+    """Raises a ValueError unless ``key`` of the mapping ``name`` names actions of
+    ``schedule``: a kind (``"F"``) or a ``(kind, stage)`` pair with the stage in range.
+
+    Example:
+        >>> from mmnnx.mpmd.schedules import gpipe
+        >>> check_action_key(gpipe(2, 2), ("B", 1), "action_costs")  # fine: no error
+    """
+    kind, stage = key if isinstance(key, tuple) and len(key) == 2 else (key, None)
+    if kind not in KINDS or not (
+        stage is None or (isinstance(stage, numbers.Integral) and 0 <= stage < schedule.num_stages)
+    ):
+        raise ValueError(
+            f"{name} key {key!r} names no action of a schedule of "
+            f"{schedule.num_stages} stages: keys are a kind ({', '.join(KINDS)}) or "
+            f"(kind, stage) with 0 <= stage < {schedule.num_stages}"
+        )
 
 
 def custom(

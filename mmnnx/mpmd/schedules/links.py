@@ -8,7 +8,7 @@ import dataclasses
 import numbers
 from collections.abc import Mapping, Sequence
 
-from mmnnx.mpmd.schedules.ir import KINDS, Schedule
+from mmnnx.mpmd.schedules.ir import KINDS, Schedule, check_action_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,16 +109,7 @@ def transfer_costs(
         if not isinstance(link, Link):
             raise ValueError(f"transfer_costs: links[{key!r}] must be a Link, got {link!r}")
     for key, value in nbytes.items():
-        kind, stage = key if isinstance(key, tuple) and len(key) == 2 else (key, None)
-        if kind not in KINDS or not (
-            stage is None
-            or (isinstance(stage, numbers.Integral) and 0 <= stage < schedule.num_stages)
-        ):
-            raise ValueError(
-                f"transfer_costs: nbytes key {key!r} names no action of a schedule of "
-                f"{schedule.num_stages} stages: keys are a kind ({', '.join(KINDS)}) or "
-                f"(kind, stage) with 0 <= stage < {schedule.num_stages}"
-            )
+        check_action_key(schedule, key, "transfer_costs: nbytes")
         if not (isinstance(value, numbers.Real) and value >= 0):
             raise ValueError(
                 f"transfer_costs: nbytes[{key!r}] must be a number >= 0, got {value!r}"

@@ -10,7 +10,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from mmnnx.mpmd.schedules.host import play_issued
-from mmnnx.mpmd.schedules.ir import KINDS, TRANSFER, Action, Schedule, play, validate
+from mmnnx.mpmd.schedules.ir import (
+    KINDS,
+    TRANSFER,
+    Action,
+    Schedule,
+    check_action_key,
+    play,
+    validate,
+)
 
 
 class Event(NamedTuple):
@@ -197,16 +205,7 @@ def _transfer(
     """``transfer_costs`` (see :func:`simulate`) checked, as ``play``'s ``transfer``."""
     costs = dict(transfer_costs or {})
     for key, value in costs.items():
-        kind, stage = key if isinstance(key, tuple) and len(key) == 2 else (key, None)
-        if kind not in KINDS or not (
-            stage is None
-            or (isinstance(stage, numbers.Integral) and 0 <= stage < schedule.num_stages)
-        ):
-            raise ValueError(
-                f"transfer_costs key {key!r} names no action of a schedule of "
-                f"{schedule.num_stages} stages: keys are a kind ({', '.join(KINDS)}) or "
-                f"(kind, stage) with 0 <= stage < {schedule.num_stages}"
-            )
+        check_action_key(schedule, key, "transfer_costs")
         if not (isinstance(value, numbers.Real) and value >= 0):
             raise ValueError(f"transfer_costs[{key!r}] must be a number >= 0, got {value!r}")
     return lambda a: costs.get((a.kind, a.stage), costs.get(a.kind, 0))
@@ -296,16 +295,7 @@ def _costs_per_action(
 ) -> dict[tuple[str, int], float]:
     """``action_costs`` resolved to one cost per ``(kind, stage)`` that ``schedule`` runs."""
     for key, value in action_costs.items():
-        kind, stage = key if isinstance(key, tuple) else (key, None)
-        if kind not in KINDS or not (
-            stage is None
-            or (isinstance(stage, numbers.Integral) and 0 <= stage < schedule.num_stages)
-        ):
-            raise ValueError(
-                f"action_costs key {key!r} names no action of a schedule of "
-                f"{schedule.num_stages} stages: keys are a kind ({', '.join(KINDS)}) or "
-                f"(kind, stage) with 0 <= stage < {schedule.num_stages}"
-            )
+        check_action_key(schedule, key, "action_costs")
         if not value >= 0:
             raise ValueError(f"action_costs[{key!r}] must be >= 0, got {value!r}")
     costs, missing = {}, set()
