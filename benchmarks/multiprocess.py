@@ -214,7 +214,7 @@ def _together(step, *args) -> float:
 
 def predicted(rounds: int) -> dict:
     """The ``predicted`` section (see the module docstring), on every process alike."""
-    from pipeline import build_quarters, every_action_costed
+    from pipeline import build_quarters, predicted_from
 
     import mmnnx as mm
 
@@ -238,23 +238,17 @@ def predicted(rounds: int) -> dict:
     for name, (_, _, _, schedule, options) in built.items():
         t_step = [max(ts) for ts in zip(*(s[name] for s in steps), strict=True)]
 
-        def predict(events, schedule=schedule, **extra) -> float:
-            return mm.schedules.simulate(
-                schedule,
-                action_costs=every_action_costed(events, schedule, "mean"),
-                pair_costs=mm.schedules.measured_pair_costs(events, "mean"),
-                **extra,
-            ).makespan
-
         paired = [(events, t) for (_, events), t in zip(runs[name], t_step, strict=True)]
         one_host = {**options, "processes": None}
         per_round = {
-            "predicted / measured step": [predict(e, **options) / t for e, t in paired],
+            "predicted / measured step": [
+                predicted_from(e, schedule, **options) / t for e, t in paired
+            ],
             "predicted as one host / measured step": [
-                predict(e, **one_host) / t for e, t in paired
+                predicted_from(e, schedule, **one_host) / t for e, t in paired
             ],
             "predicted without transfers or launches / measured step": [
-                predict(e) / t for e, t in paired
+                predicted_from(e, schedule) / t for e, t in paired
             ],
         }
         out[f"{name}: step ms"] = spread(t_step, 1e3, 1)

@@ -278,6 +278,18 @@ def efficiency(rounds: int, num=8, schedule="gpipe", dropout=False):
     }
 
 
+def predicted_from(events, schedule, **options) -> float:
+    """The step ``simulate`` predicts for ``schedule`` from one overlapped timeline's mean
+    durations (taken right after the round's step: the machine's load alike), ``options``
+    (transfer costs, launch cost, processes) passed on."""
+    return mm.schedules.simulate(
+        schedule,
+        action_costs=every_action_costed(events, schedule, "mean"),
+        pair_costs=mm.schedules.measured_pair_costs(events, "mean"),
+        **options,
+    ).makespan
+
+
 def every_action_costed(events, schedule, average):
     """``measured_costs`` of ``events`` (from runs of ``step.timeline`` or
     ``step.overlapped_timeline``), with every action of ``schedule`` costed: a pass with no ops
@@ -399,16 +411,6 @@ def measured_vs_simulated(rounds: int, num=8, matmul=False, ranks=2, names=None)
             **options,
         )
 
-        def in_round(events, schedule=schedule, **extra) -> float:
-            """The step a round's own overlapped timeline predicts (taken right after the
-            round's step: the machine's load alike)."""
-            return mm.schedules.simulate(
-                schedule,
-                action_costs=every_action_costed(events, schedule, "mean"),
-                pair_costs=mm.schedules.measured_pair_costs(events, "mean"),
-                **extra,
-            ).makespan
-
         paired = [(events, t) for (_, events), t in zip(runs[label], t_step, strict=True)]
         moved = mm.schedules.measured_transfer_costs(overlapped[label], "mean")
         busy = sum(e.end - e.start for e in predicted.events)
@@ -434,13 +436,13 @@ def measured_vs_simulated(rounds: int, num=8, matmul=False, ranks=2, names=None)
             "busiest rank's in-pipeline work / step": [busiest / t for t in t_step],
             "predicted / measured step": [predicted.makespan / t for t in t_step],
             "predicted from in-pipeline durations / measured step": [
-                in_round(events, **options) / t for events, t in paired
+                predicted_from(events, schedule, **options) / t for events, t in paired
             ],
             "predicted from in-pipeline durations, no transfers or launches / measured step": [
-                in_round(events) / t for events, t in paired
+                predicted_from(events, schedule) / t for events, t in paired
             ],
             "predicted from in-pipeline durations and transfers / measured step": [
-                in_round(events, **{**options, "transfer_costs": transfer}) / t
+                predicted_from(events, schedule, **{**options, "transfer_costs": transfer}) / t
                 for events, t in paired
                 for transfer in [mm.schedules.measured_transfer_costs(events, "mean")]
             ],
