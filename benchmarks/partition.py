@@ -136,14 +136,20 @@ def runner(factory, rules, batch):
     return sample
 
 
-def planned_against_equal(factory, batch, rounds: int) -> dict:
-    """The planner's split against the equal one, each step timed in interleaved rounds."""
+def plan_for(factory, batch):
+    """The model ``factory`` builds, abstract, and the planner's result for it (1F1B, M)."""
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(factory)
     result = mm.schedules.partition(
         abstract, loss_fn, batch, tasks(), optimizer=optax.adamw(1e-3), schedules="1f1b",
         microbatches=M,
     )  # fmt: skip
+    return abstract, result
+
+
+def planned_against_equal(factory, batch, rounds: int) -> dict:
+    """The planner's split against the equal one, each step timed in interleaved rounds."""
+    abstract, result = plan_for(factory, batch)
     equal = equal_split(len(abstract.blocks), 2)
     out = interleaved(
         {
@@ -184,12 +190,7 @@ def best(rounds: int) -> dict:
     def factory():
         return Stack(rngs=nnx.Rngs(0))
 
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(factory)
-    result = mm.schedules.partition(
-        abstract, loss_fn, batch, tasks(), optimizer=optax.adamw(1e-3), schedules="1f1b",
-        microbatches=M,
-    )  # fmt: skip
+    abstract, result = plan_for(factory, batch)
     every = list(splits(len(WIDTHS), 2))
     runners = {s: runner(factory, split_rules(abstract, tasks(), s), batch) for s in every}
     out = interleaved(runners, rounds)
