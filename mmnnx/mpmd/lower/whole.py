@@ -81,7 +81,7 @@ def whole_everywhere(
         return False
     if not all(_whole(o.sharding) for o in outputs):
         return False
-    known: dict[int, bool] = {}
+    known: dict[tuple, bool] = {}
     return not any(
         _sets_layout(op.name, op.params, task_of.get(op.index), known) for op in graph.ops
     )
