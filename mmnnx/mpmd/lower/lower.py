@@ -104,11 +104,12 @@ def _donations(
 
 
 def _labels(pipeline: Pipeline | None) -> dict[int, tuple[str, str, int]]:
-    """Fragment id -> (task, kind, stage) of each pipeline stage fragment, for timeline events;
-    fragments outside the microbatch loop are not timed."""
+    """Fragment id -> (task, kind, stage) of each pipeline stage fragment (and of each part of
+    one), for timeline events; fragments outside the microbatch loop are not timed."""
     if pipeline is None:
         return {}
-    return {id(f): (f.task.name, kind, stage) for (kind, stage), f in pipeline.stages.items()}
+    stages = {id(f): (f.task.name, kind, stage) for (kind, stage), f in pipeline.stages.items()}
+    return {**stages, **pipeline.parts}
 
 
 class _Lowering:
