@@ -30,6 +30,7 @@ from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.lower.alike import AlikeKeys, live_view, op_key
 from mmnnx.mpmd.plan.cut import Fragment, after_backward, kinds_of
 from mmnnx.mpmd.plan.pipeline import Pipeline
+from mmnnx.mpmd.primitives import is_constraint
 
 _MAX_RETRIES = 256  # other fits tried before a fragment is taken to hold no core
 
@@ -142,7 +143,40 @@ def _cut(
         out_ids=[values[v] for v in reference.out_ids],
         kinds=reference.kinds,
     )
-    return _around(graph, frag, core, replicas)
+    return _around(graph, frag, _with_constraints(frag, core), replicas)
+
+
+def _with_constraints(frag: Fragment, core: Fragment) -> Fragment:
+    """``core`` returning, in place of a result that only a sharding constraint of ``frag`` on
+    one device reads (nothing to lay out: the reference reads it as its operand), that
+    constraint's result (or the last of a chain of them), made in the core: the readers after the fragment read the constraint's
+    result, which the rest would otherwise make from the core's."""
+    if core.task.jax_mesh.size != 1:
+        return core
+    readers: dict[int, list[Op]] = {}
+    for op in frag.ops:
+        for a in op.ins:
+            if type(a) is int:
+                readers.setdefault(a, []).append(op)
+    outs, added = list(core.out_ids), []
+    for k, v in enumerate(outs):
+        while v not in frag.out_ids and len(read := readers.get(v, [])) == 1:
+            if not is_constraint(read[0]):
+                break
+            v = outs[k] = read[0].outs[0]
+            added.append(read[0])
+    if not added:
+        return core
+    after: dict[int, list[Op]] = {}  # each constraint right after its operand is made
+    for op in added:
+        after.setdefault(op.ins[0], []).append(op)
+    ops: list[Op] = []
+    stack = list(reversed(core.ops))
+    while stack:
+        op = stack.pop()
+        ops.append(op)
+        stack += reversed([c for v in op.outs for c in after.get(v, ())])
+    return dataclasses.replace(core, ops=ops, out_ids=outs)
 
 
 def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op], dict] | None:
