@@ -110,8 +110,6 @@ def _recomputable(
         if len(known) == len(ins) and not op.effectful and not op.may_fail:
             if op.index in replicated:
                 reach = 0
-            elif op.name == "mm_sharding_constraint":  # a layout, no work: the chain's length
-                reach = max(known, default=0)
             elif op.name in RECOMPUTED:
                 reach = 1 + max(known, default=0)
         for v in op.outs:
