@@ -75,16 +75,19 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
                 cut[id(frag)] = parts
     if not cut:
         return pipeline
-    order, new_fused, parts_of = [], set(), {}
+    order, new_fused = [], set()
     for position, (frag, m) in enumerate(pipeline.order):
         if position in pipeline.fused:
             new_fused.add(len(order))
-        for part in cut.get(id(frag), (frag,)):
-            order.append((part, m))
-            if part is not frag and id(frag) in label_of:
-                parts_of[id(part)] = label_of[id(frag)]
+        order += [(part, m) for part in cut.get(id(frag), (frag,))]
+    parts = {
+        id(part): (*label_of[whole], k)
+        for whole, made in cut.items()
+        if whole in label_of
+        for k, part in enumerate(made)
+    }
     return dataclasses.replace(
-        pipeline, order=order, fused=frozenset(new_fused), parts={**pipeline.parts, **parts_of}
+        pipeline, order=order, fused=frozenset(new_fused), parts={**pipeline.parts, **parts}
     )
 
 
@@ -149,8 +152,9 @@ def _cut(
 def _with_constraints(frag: Fragment, core: Fragment) -> Fragment:
     """``core`` returning, in place of a result that only a sharding constraint of ``frag`` on
     one device reads (nothing to lay out: the reference reads it as its operand), that
-    constraint's result (or the last of a chain of them), made in the core: the readers after the fragment read the constraint's
-    result, which the rest would otherwise make from the core's."""
+    constraint's result (or the last of a chain of them), made in the core: the readers after
+    the fragment read the constraint's result, which the rest would otherwise make from the
+    core's."""
     if core.task.jax_mesh.size != 1:
         return core
     readers: dict[int, list[Op]] = {}
@@ -262,9 +266,13 @@ class _Match:
             if x in self.values:
                 if self.values[x] != y:
                     return False
-            elif x not in self.inputs or y in self.images or y in self.made:
-                return False
-            elif fresh.setdefault(x, y) != y or y in (v for k, v in fresh.items() if k != x):
+            elif (
+                x not in self.inputs
+                or y in self.images
+                or y in self.made
+                or fresh.setdefault(x, y) != y
+                or y in (v for k, v in fresh.items() if k != x)
+            ):
                 return False
         return True
 
@@ -306,9 +314,9 @@ def _around(
     made_by = {v: op for op in (*core.ops, *rest) for v in op.outs}
     for op in rest:
         for a in op.ins:
-            if type(a) is int and a in core_made and a not in core_out:
-                if made_by[a].index not in replicas:
-                    return None
+            inside = type(a) is int and a in core_made and a not in core_out
+            if inside and made_by[a].index not in replicas:
+                return None
     if any(v in core_made and v not in core_out for v in frag.out_ids):
         return None
     rest_ids = {id(op) for op in rest}
@@ -368,7 +376,9 @@ def _part(
             ]
     body = [op for op in frag.ops if id(op) in mine]
     made = {v for op in body for v in op.outs}
-    in_ids = list(dict.fromkeys(a for op in body for a in op.ins if type(a) is int and a not in made))
+    in_ids = list(
+        dict.fromkeys(a for op in body for a in op.ins if type(a) is int and a not in made)
+    )
     kinds = kinds_of(body, after_backward(graph)) if body else frag.kinds
     return Fragment(name=name, task=frag.task, ops=body, in_ids=in_ids, out_ids=[], kinds=kinds)
 

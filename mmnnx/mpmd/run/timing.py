@@ -53,7 +53,8 @@ class Event:
     ``end``. ``rank``: the task whose devices ran it (``task`` itself, or the task a virtual
     stage such as ``"t0:1"`` belongs to). ``launched``: when the host launched its program (at
     most ``start``; the action started later when its rank or its inputs were not ready; a
-    transfer's is its ``start``).
+    transfer's is its ``start``). ``part``: which of the action's programs it timed, for an
+    action run as several (a stage cut around a core: ``mm.jit(share_cores=...)``).
 
     A transfer (``kind`` ``"T"``) is the result of action ``carries`` (``F``, ``B`` or ``I``) of
     ``stage`` on ``microbatch`` crossing from the devices of task ``source`` to those of
@@ -70,6 +71,7 @@ class Event:
     source: str = ""
     carries: str = ""
     launched: float = 0.0
+    part: int = 0
 
 
 class Transfer(NamedTuple):
@@ -119,8 +121,9 @@ def _events(
             fused=len(stages) > 1,
             rank=rank,
             launched=launched,
+            part=part,
         )
-        for (task, kind, stage), m in stages
+        for (task, kind, stage, part), m in stages
     ]
 
 
