@@ -1,5 +1,5 @@
 """Sharing stage programs: an edge stage's fragment cut into the core the middle stages run
-and the rest (``share_cores``).
+and the rest (``share_cores``, on unless ``mm.jit(share_cores=False)``).
 
 XLA compiles each distinct kernel of a program once, and no kernel is shared between programs:
 a transformer's pipeline compiles its blocks' kernels once per distinct stage program. The
@@ -9,15 +9,19 @@ each is a program of its own, with its own copy of the blocks' kernels. ``share_
 inside such a fragment, the ops of a smaller fragment of the same pass (a middle stage's), and
 cuts it into the part that runs before them, that *core*, alike the smaller fragment, and the
 part after: the core then reuses the middle stages' program, and only the small parts are new.
-Each part is a launch of its own (two per microbatch where there was one).
+Each part is a launch of its own (up to three per microbatch where there was one).
 
-The core is found op by op, in the smaller fragment's order: each of its ops matched to the
-first op of the larger one with the same key (:func:`~mmnnx.mpmd.lower.alike.op_key`) that
-reads what the matched ops made; its inputs to values the larger fragment reads or makes
-before, one for one. A cut that would not give a program alike the smaller one (a value the
-core makes but does not return, read by the rest) is not made, nor is any in a fragment run as
-half of an overlapped pair. Ops recomputed in every fragment that reads them (index arithmetic,
-slices of the batch, small tables) are recomputed in each part that reads them.
+The core is found op by op, in the smaller fragment's order: each of its ops matched to an op
+of the larger one with the same key (:func:`~mmnnx.mpmd.lower.alike.op_key`) that reads what
+the matched ops made, the first after the last one matched, others tried when that leads
+nowhere; its inputs to values the larger fragment reads or makes before, one for one. A cut
+that would not give a program alike the smaller one (a value the core makes but does not
+return, read by the rest) is not made, nor is any in a fragment run as half of an overlapped
+pair, nor one of a backward whose forward is alike no other (its core would read residuals
+laid out as no other backward reads them). Ops recomputed in every fragment that reads them
+(index arithmetic, slices of the batch, small tables) are recomputed in each part that reads
+them. What one part passes the next travels alone, never packed
+(:mod:`~mmnnx.mpmd.lower.pack`), as the value the core stands for crosses between stages.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     for frag in pipeline.post:
         groups.setdefault(("post", frag.task.jax_mesh.devices.shape), []).append(frag)
     cut: dict[int, list[Fragment]] = {}
+    shared: set[int] = set()  # fragments alike another, as a whole or by their core
     for group in groups.values():
         references: list[Fragment] = []
         for frag in sorted(group, key=lambda f: len(f.ops)):
@@ -71,8 +76,13 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
                 )
             if parts is None:
                 references.append(frag)
-            elif len(parts) > 1:
+                continue
+            shared.add(id(frag))
+            if len(parts) > 1:
                 cut[id(frag)] = parts
+    for (kind, stage), frag in pipeline.stages.items():
+        if kind != "F" and id(pipeline.stages.get(("F", stage))) not in shared:
+            cut.pop(id(frag), None)  # its core would read residuals laid out as no other's
     if not cut:
         return pipeline
     order, new_fused = [], set()
@@ -188,8 +198,10 @@ def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op]
     reading the values they stand for; and the image of each of ``reference``'s values.
 
     An op reading a reference input not yet matched may fit several ops (the reductions of
-    each gradient arriving); the first is taken, and the others tried in turn, the later
-    matches undone, when a later op then fits none (at most :data:`_MAX_RETRIES` times)."""
+    each gradient arriving): the first after the last op matched is taken (the core's ops run
+    in the reference's order: its inputs then take the places they have there, and the core
+    reads them as the reference does), and the others tried in turn, the later matches undone,
+    when a later op then fits none (at most :data:`_MAX_RETRIES` times)."""
     wanted, seen_as = live_view(reference)
     live, stands_for = live_view(frag)
     need = collections.Counter(keys(op) for op in wanted)
@@ -203,13 +215,17 @@ def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op]
     if any(len(candidates.get(k, ())) < n for k, n in need.items()):
         return None
     match = _Match(set(reference.in_ids), stands_for)
+    at = {id(op): k for k, op in enumerate(live)}
     ops: list[Op] = []
+    where: list[int] = []  # the place in ``live`` of each op matched
     choices: list[tuple[int, list[Op], _Match]] = []  # (position, untried fits, match before)
     retries, i = 0, 0
     while i < len(wanted):
         r = wanted[i]
         ins = [seen_as.get(x, x) if type(x) is int else x for x in r.ins]
+        last = where[-1] if where else -1
         fits = [a for a in candidates[keys(r)] if match.fits(ins, a)]
+        fits.sort(key=lambda a: (at[id(a)] < last, at[id(a)]))
         while not fits:
             if not choices or retries == _MAX_RETRIES:
                 return None
@@ -217,10 +233,11 @@ def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op]
             i, fits, before = choices.pop()
             match, r = before.copy(), wanted[i]
             ins = [seen_as.get(x, x) if type(x) is int else x for x in r.ins]
-            del ops[i:]
+            del ops[i:], where[i:]
         if len(fits) > 1:
             choices.append((i, fits[1:], match.copy()))
         ops.append(match.take(ins, r.outs, fits[0]))
+        where.append(at[id(fits[0])])
         i += 1
     values = match.values
     for v, alias in seen_as.items():
