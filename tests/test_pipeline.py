@@ -4,7 +4,6 @@ import functools
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import threading
@@ -306,7 +305,7 @@ def test_edge_stages_run_the_middle_stages_programs_and_train_like_one_device(
     forward and backward, and the first and last stages' updates, run cores alike the middle
     stages' programs (the blocks' kernels not compiled again for them), with the head, the loss
     and the embedding's update as parts of their own; ``share_cores=False`` cuts nothing. Both
-    train like one device, the parts' timeline events added up per action."""
+    train like one device; a timeline has one event per action, its parts' together."""
     from mmnnx.mpmd.lower.alike import AlikeKeys
     from mmnnx.mpmd.lower.program import Run
 
@@ -336,14 +335,9 @@ def test_edge_stages_run_the_middle_stages_programs_and_train_like_one_device(
     for ref_loss in ref.losses[:2]:
         close(step(model, opt, tokens), ref_loss)
     params_close(model, ref.after[1], ref.grads, steps=2, lr=3e-3)
-    events = step.timeline(model, opt, tokens)
-    costs = mm.schedules.measured_costs(events)
-    assert set(costs) == {(kind, stage) for kind in "FB" for stage in range(4)}
-    parts = [
-        [e.end - e.start for e in events if (e.kind, e.stage, e.part) == ("F", 3, k)]
-        for k in (0, 1)
-    ]
-    assert costs[("F", 3)] == pytest.approx(sum(statistics.median(p) for p in parts))
+    events = [e for e in step.timeline(model, opt, tokens) if e.kind != "T"]
+    actions = sorted((e.kind, e.stage, e.microbatch) for e in events)
+    assert actions == sorted((k, stage, m) for k in "FB" for stage in range(4) for m in range(M))
 
 
 def test_loading_an_equal_program_replaces_no_jax_function(no_compilation_cache):

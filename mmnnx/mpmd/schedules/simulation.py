@@ -322,9 +322,6 @@ def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple
     slow one is noise; ``"mean"`` suits ``overlapped_timeline()``, where durations vary because
     tasks slow each other down: a step's time adds them up, so their mean is what counts.
 
-    An action run as several programs (a stage cut around a core: ``mm.jit(share_cores=...)``)
-    has an event for each, told apart by ``part``: it takes their averages added up.
-
     The two actions of an overlapped pair run as one program, so a timeline times them together
     (events with ``fused=True`` share one span): each takes its duration measured apart where
     the events have some, else half the pair's span.
@@ -347,18 +344,14 @@ def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple
         {('F', 0): 2.0}
     """
     of = _average("measured_costs", average)
-    apart: dict[tuple[str, int, int], list[float]] = {}  # (kind, stage, part) -> durations
+    apart: dict[tuple[str, int], list[float]] = {}
     paired: dict[tuple[str, int], list[float]] = {}
     for e in events:
         if e.kind == TRANSFER:
             continue
-        if getattr(e, "fused", False):
-            paired.setdefault((e.kind, e.stage), []).append(e.end - e.start)
-        else:
-            apart.setdefault((e.kind, e.stage, getattr(e, "part", 0)), []).append(e.end - e.start)
-    out: dict[tuple[str, int], float] = {}
-    for (kind, stage, _), values in apart.items():
-        out[(kind, stage)] = out.get((kind, stage), 0.0) + of(values)
+        into = paired if getattr(e, "fused", False) else apart
+        into.setdefault((e.kind, e.stage), []).append(e.end - e.start)
+    out = {key: of(values) for key, values in apart.items()}
     for key, spans in paired.items():
         out.setdefault(key, of(spans) / 2)
     for kind, stage in list(out):
