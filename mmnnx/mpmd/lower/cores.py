@@ -181,11 +181,11 @@ def _with_constraints(frag: Fragment, core: Fragment) -> Fragment:
             added.append(read[0])
     if not added:
         return core
-    after: dict[int, list[Op]] = {}  # each constraint right after its operand is made
+    after: dict[int, list[Op]] = {}  # each right after its operand is made (inputs: first)
     for op in added:
         after.setdefault(op.ins[0], []).append(op)
     ops: list[Op] = []
-    stack = list(reversed(core.ops))
+    stack = [*reversed(core.ops), *reversed([c for v in core.in_ids for c in after.get(v, ())])]
     while stack:
         op = stack.pop()
         ops.append(op)
