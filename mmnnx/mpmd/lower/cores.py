@@ -317,12 +317,13 @@ def _around(
     a value the rest or a later fragment reads that it does not return, or a part would read
     what it makes."""
     core_ids = {id(op) for op in core.ops}
+    core_indices = {op.index for op in core.ops}
     core_made = {v for op in core.ops for v in op.outs}
     core_out = set(core.out_ids)
     needed = set(frag.out_ids) | set(core.in_ids)
     rest: list[Op] = []
     for op in reversed(frag.ops):
-        if id(op) in core_ids or op.index in {o.index for o in core.ops}:
+        if id(op) in core_ids or op.index in core_indices:
             continue
         if op.effectful or any(v in needed for v in op.outs):
             rest.append(op)
