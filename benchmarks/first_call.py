@@ -151,7 +151,10 @@ def measure(case: str, cache_dir: str | None = None) -> dict:
     tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(stages)]
     mm.place(model, stage_rules(model, tasks, report=False))
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
-    options = {"pack_residuals": False} if case == "pipelined_unpacked" else {}
+    options = {
+        "pipelined_unpacked": {"pack_residuals": False},
+        "pipelined_no_cores": {"share_cores": False},
+    }.get(case, {})
     step = mm.jit(pipelined_step, **options)
     if case == "plan":  # everything of the first call but compiling and running
         start = time.perf_counter()
@@ -160,13 +163,27 @@ def measure(case: str, cache_dir: str | None = None) -> dict:
     compiles.clear()
     seconds = first_call(step, model, opt, tokens)
     compiled = len(compiles)
-    plan = step.plan(model, opt, tokens)
+    plan = step.compile(model, opt, tokens)
     return {
         "seconds": seconds,
         "programs": plan.num_programs,
         "loaded": plan.num_loaded,
+        "lowered": plan.num_lowered,
         "compiled": compiled,
+        "step s": steady_step(step, model, opt, tokens),
     }
+
+
+def steady_step(step, *args, warmup: int = 3, steps: int = 15) -> float:
+    """The median wall time of one step after ``warmup`` steps, each step waited for."""
+    for _ in range(warmup):
+        jax.block_until_ready(step(*args))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
 def kernel_reuse(rounds: int, width: int = 64) -> dict:
@@ -262,9 +279,11 @@ def restarted_with_a_cache(rounds: int) -> dict:
     return out
 
 
-def first_calls_against(depth: int, microbatches: int, cases: tuple[str, str], rounds: int) -> dict:
-    """``cases[1]`` against ``cases[0]``, each in a fresh process, alternating over ``rounds``
-    rounds (A, B, A, B, ...): seconds of each and their ratio, median [min-max]."""
+def first_calls_against(depth: int, microbatches: int, cases: tuple[str, ...], rounds: int) -> dict:
+    """Each of ``cases[1:]`` against ``cases[0]``, each in a fresh process, taking turns over
+    ``rounds`` rounds (A, B, C, A, B, C, ...): seconds of each and their ratios to the first,
+    median [min-max]; with "pipelined_no_cores" (``mm.jit(share_cores=False)``) among them, the
+    ratio of "pipelined" to it, first call and steady step time (median of 15 steps after 3)."""
     runs = interleaved(
         {
             case: functools.partial(in_fresh_process, case, depth=depth, microbatches=microbatches)
@@ -272,13 +291,27 @@ def first_calls_against(depth: int, microbatches: int, cases: tuple[str, str], r
         },
         rounds,
     )
-    base, measured = ([r["seconds"] for r in runs[case]] for case in cases)
-    return {
-        f"{cases[0]} s": spread(base),
-        f"{cases[1]} s": spread(measured),
-        "ratio": ratio_spread(measured, base),
-        "rounds": rounds,
-    }
+    seconds = {case: [r["seconds"] for r in runs[case]] for case in cases}
+    out = {f"{case} s": spread(seconds[case]) for case in cases}
+    for case in cases[1:]:
+        key = "ratio" if case == "pipelined" else f"ratio {case}"
+        out[key] = ratio_spread(seconds[case], seconds[cases[0]])
+    if {"pipelined", "pipelined_no_cores"} <= set(cases):
+        on, off = runs["pipelined"], runs["pipelined_no_cores"]
+        out["first call, share_cores on / off"] = ratio_spread(
+            seconds["pipelined"], seconds["pipelined_no_cores"]
+        )
+        out["step s, share_cores on / off"] = ratio_spread(
+            [r["step s"] for r in on], [r["step s"] for r in off]
+        )
+        out["step s, share_cores on"] = spread([r["step s"] for r in on])
+        out["step s, share_cores off"] = spread([r["step s"] for r in off])
+        for case in ("pipelined", "pipelined_no_cores"):
+            first = runs[case][0]
+            counts = (first[k] for k in ("programs", "lowered", "loaded", "compiled"))
+            out[f"{case}: programs / lowered / loaded / compiled"] = " / ".join(map(str, counts))
+    out["rounds"] = rounds
+    return out
 
 
 def deep_and_first_calls(rounds: int) -> dict:
@@ -290,7 +323,7 @@ def deep_and_first_calls(rounds: int) -> dict:
     out = {}
     for depth in (16, 32):
         out[f"first call, {depth} blocks, 4 stages, M = 8 / nnx.jit"] = first_calls_against(
-            depth, 8, ("one_device", "pipelined"), rounds
+            depth, 8, ("one_device", "pipelined", "pipelined_no_cores"), rounds
         )
     out["plan, 128 blocks unrolled, 4 stages, M = 8 / JAX trace"] = plan_against_jax(rounds)
     return out

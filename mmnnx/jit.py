@@ -84,6 +84,7 @@ class JitOptions:
     recompute_residuals: bool = True
     pack_weights: int = PACK_WEIGHT_BYTES  # bytes (True / False given: every / none)
     schedule: str | Schedule | None = None  # replaces each mm.microbatch's schedule when planned
+    share_cores: bool = True  # edge stages reuse a middle stage's program
 
     def __post_init__(self) -> None:
         names = self.static_argnames
@@ -96,9 +97,9 @@ class JitOptions:
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
-        if not isinstance(self.recompute_residuals, bool):
-            got = self.recompute_residuals
-            raise TypeError(f"mm.jit: recompute_residuals must be True or False, got {got!r}")
+        for name in ("recompute_residuals", "share_cores"):
+            if not isinstance(got := getattr(self, name), bool):
+                raise TypeError(f"mm.jit: {name} must be True or False, got {got!r}")
         if isinstance(self.schedule, str) and self.schedule not in schedule_names():
             raise ValueError(
                 f"mm.jit: unknown schedule {self.schedule!r}; valid schedules are "
@@ -119,6 +120,7 @@ class JitOptions:
             weight_bytes=self.pack_weights,
             recompute_residuals=self.recompute_residuals,
             schedule=self.schedule,
+            share_cores=self.share_cores,
         )
 
 
@@ -167,6 +169,7 @@ class JitFunction:
     pack_residuals = property(lambda self: self.options.pack_residuals)
     recompute_residuals = property(lambda self: self.options.recompute_residuals)
     pack_weights = property(lambda self: self.options.pack_weights)
+    share_cores = property(lambda self: self.options.share_cores)
 
     def with_options(self, **changes: Any) -> JitFunction:
         """A new step of the same function with the same options except ``changes`` (any field
@@ -417,6 +420,7 @@ def jit(
     pack_residuals: bool | int = PACK_RESIDUAL_BYTES,
     recompute_residuals: bool = True,
     pack_weights: bool | int = PACK_WEIGHT_BYTES,
+    share_cores: bool = True,
 ) -> JitFunction:
     """Lifts an NNX step over several tasks: one compiled program per task, run asynchronously.
 
@@ -450,6 +454,13 @@ def jit(
     arrays a GPT stage's forward returns, and fewer bytes held between the passes. Exp, tanh,
     rsqrt, reductions and contractions are never recomputed. ``False`` keeps every residual.
 
+    ``share_cores``: in a pipelined step, a stage's forward or backward that runs a middle
+    stage's computation and more (the first stage's blocks after the embedding, the last's
+    before the head and the loss) runs it as that stage's program, alike on other devices, with
+    the rest as programs of their own before and after it: XLA compiles the blocks' kernels
+    once for all the stages instead of once more for each edge stage, at the cost of a launch
+    or two more per microbatch on those stages. ``False`` runs each as one program.
+
     ``static_argnums`` / ``donate_argnums`` count positional arguments, negative ones from the
     end of ``fun``'s signature. As with ``jax.jit``, a position ``fun`` does not have, a
     ``static_argnames`` entry it does not take, or an argument both static and donated raises
@@ -477,6 +488,7 @@ def jit(
         "pack_residuals": pack_residuals,
         "recompute_residuals": recompute_residuals,
         "pack_weights": pack_weights,
+        "share_cores": share_cores,
     }
     if fun is None:
         JitOptions(**options)  # a bad option raises here, before a function is given

@@ -257,6 +257,7 @@ def test_with_options_keeps_every_option_and_changes_the_given_ones(tasks, batch
         pack_residuals=False,
         recompute_residuals=False,
         pack_weights=1024,
+        share_cores=False,
     )
     defaults = JitOptions()
     given = [f.name for f in dataclasses.fields(JitOptions) if f.name != "schedule"]
@@ -276,6 +277,8 @@ def test_with_options_keeps_every_option_and_changes_the_given_ones(tasks, batch
         step.with_options(schedule=4)
     with pytest.raises(TypeError, match="recompute_residuals must be True or False"):
         step.with_options(recompute_residuals="yes")
+    with pytest.raises(TypeError, match="share_cores must be True or False, got 1"):
+        mm.jit(share_cores=1)
     with pytest.raises(TypeError, match="no_such_option"):
         step.with_options(no_such_option=1)
     model = two_stage(tasks)

@@ -63,7 +63,9 @@ def test_overlapped_timeline_follows_the_schedule_and_updates_as_a_call(tasks, t
     events = [e for e in timed if e.kind != "T"]
     transfers = {(e.carries, e.stage, e.microbatch): e for e in timed if e.kind == "T"}
 
-    schedule_table = step.plan(model, opt, tokens).pipeline.schedule
+    pipeline = step.plan(model, opt, tokens).pipeline
+    schedule_table = pipeline.schedule
+    cut = {label[1:3] for label in pipeline.parts.values()}  # actions run as several programs
 
     def runs(a):  # stage 0 has no input gradient to make: its I runs nothing
         return (a.kind, a.stage) != ("I", 0)
@@ -98,7 +100,9 @@ def test_overlapped_timeline_follows_the_schedule_and_updates_as_a_call(tasks, t
         to = stage + 1 if kind == "F" else stage - 1
         reader = at.get((kind, to, m)) or at[("W", to, m)]  # stage 0's I runs nothing
         assert (moved.source, moved.rank) == (at[(kind, stage, m)].rank, reader.rank)
-        assert at[(kind, stage, m)].end <= moved.start <= moved.end <= reader.start
+        made = at[(kind, stage, m)]  # a cut action's value may leave before its last part ends
+        assert (made.start if (kind, stage) in cut else made.end) <= moved.start
+        assert moved.start <= moved.end <= reader.start
     # the run was a step: the model and optimizer moved as a normal call moves them
     step(twin, twin_opt, tokens)
     for a, b in zip(
@@ -184,10 +188,10 @@ def test_overlap_timer_starts_an_action_after_its_rank_and_its_inputs():
     timer.begin()
     f0_m0, f0_m1, f1_m0, update = _Pending(), _Pending(), _Pending(), _Pending()
     now = time.perf_counter()
-    timer.launched("s0", [(("s0", "F", 0), 0)], [0], [1], [f0_m0], now)
+    timer.launched("s0", [(("s0", "F", 0, 0), 0)], [0], [1], [f0_m0], now)
     timer.moved(1, 2)
-    timer.launched("s1", [(("s1", "F", 1), 0)], [2], [3], [f1_m0], now)
-    timer.launched("s0", [(("s0", "F", 0), 1)], [0], [4], [f0_m1], now)
+    timer.launched("s1", [(("s1", "F", 1, 0), 0)], [2], [3], [f1_m0], now)
+    timer.launched("s0", [(("s0", "F", 0, 0), 1)], [0], [4], [f0_m1], now)
     timer.launched("s0", [(None, None)], [0], [5], [update], now)
     for result in (f0_m0, f0_m1, f1_m0, update):
         time.sleep(0.01)

@@ -298,6 +298,48 @@ def test_equal_stages_compile_once_and_train_like_one_device(
     params_close(model, ref.after[1], ref.grads, steps=2, lr=3e-3)
 
 
+def test_edge_stages_run_the_middle_stages_programs_and_train_like_one_device(
+    tokens, one_device, no_compilation_cache
+):
+    """``share_cores`` (``mm.jit``'s default) on four one-device stages: the last stage's
+    forward and backward, and the first and last stages' updates, run cores alike the middle
+    stages' programs (the blocks' kernels not compiled again for them), with the head, the loss
+    and the embedding's update as parts of their own; ``share_cores=False`` cuts nothing. Both
+    train like one device; a timeline has one event per action, its parts' together."""
+    from mmnnx.mpmd.lower.alike import AlikeKeys
+    from mmnnx.mpmd.lower.program import Run
+
+    tasks = one_device_tasks(4)
+    ref = one_device(4)
+    model = mm.place(tiny_gpt(4), four_stage_rules(tasks))
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    step = mm.jit(pipelined_step("1f1b"))
+    off = step.with_options(share_cores=False).plan(model, opt, tokens)
+    assert not off.pipeline.parts and not any("." in f.name for f in off.fragments)
+    plan = step.compile(model, opt, tokens)
+    names = {f.name for f in plan.fragments}
+    assert {"d3/F3.core", "d3/F3.after", "d3/B3.core", "d0#post0.core"} <= names
+    assert "d0/B0" in names  # its forward embeds inside the block: alike no other, not cut
+    (executable, _), *_ = step._cache.values()
+    keys, runs = AlikeKeys(executable.graph), {}
+    for run in plan.program.actions:
+        if isinstance(run, Run) and run.microbatch in (0, None):
+            args = [plan.program.shardings[s] for s in run.args]
+            runs[run.fragment.name] = keys.program([run], [args])
+    for core, middle in [("d3/F3.core", "d1/F1"), ("d3/B3.core", "d1/B1")]:
+        assert runs[core] is not None and runs[core] == runs[middle]
+    assert runs["d3#post0.core"] == runs["d1#post0"]  # d0's packs its embedding with its block
+    assert plan.num_loaded >= 6  # stage 2's and the cores' programs: loaded, not compiled
+    labels = [(run.label, run.microbatch) for run in plan.program.actions if isinstance(run, Run)]
+    assert (("d3", "F", 3, 1), 0) in labels  # the head's part of the last forward
+    for ref_loss in ref.losses[:2]:
+        close(step(model, opt, tokens), ref_loss)
+    params_close(model, ref.after[1], ref.grads, steps=2, lr=3e-3)
+    events = [e for e in step.timeline(model, opt, tokens) if e.kind != "T"]
+    actions = sorted((e.kind, e.stage, e.microbatch) for e in events)
+    assert actions == sorted((k, stage, m) for k in "FB" for stage in range(4) for m in range(M))
+
+
 def test_loading_an_equal_program_replaces_no_jax_function(no_compilation_cache):
     """An equal program on other devices is loaded by an explicit call path: JAX's compile
     functions are the same objects before and after, and the loaded program computes on its
@@ -470,8 +512,9 @@ def test_the_schedule_option_replaces_the_microbatch_schedule_when_planned(tasks
 
     def last_stage(step):
         pipeline = step.plan(model, opt, tokens).pipeline
-        kinds = [f.name for f, m in pipeline.order if m is not None and f.name.startswith("t3/")]
-        return pipeline.schedule, "".join(name[3] for name in kinds)
+        runs = [(f.name[3], m) for f, m in pipeline.order if m is not None and f.name[:3] == "t3/"]
+        actions = [run for i, run in enumerate(runs) if i == 0 or runs[i - 1] != run]  # not parts
+        return pipeline.schedule, "".join(kind for kind, _ in actions)
 
     assert last_stage(step) == (mm.schedules.one_f_one_b(4, 4), "FBFBFBFB")
     gpipe = step.with_options(schedule="gpipe")

@@ -16,6 +16,7 @@ from typing import Any
 
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.lower.cores import share_cores
 from mmnnx.mpmd.lower.lower import lower
 from mmnnx.mpmd.lower.passes import Passes
 from mmnnx.mpmd.lower.plan import Plan
@@ -39,6 +40,7 @@ class PlanningOptions:
     weight_bytes: int = 0  # the largest block weight packed (mm.jit(pack_weights=...))
     recompute_residuals: bool = True  # backwards recompute cheap residuals
     schedule: str | Schedule | None = None  # replaces each mm.microbatch's schedule
+    share_cores: bool = True  # edge stages cut around a middle stage's program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +97,8 @@ def plan_step(
     if pipeline is None:
         order = [(f, None) for f in cut(graph, op_tasks, tasks, free_inputs=free)]
     else:
+        if options.share_cores:
+            pipeline = share_cores(graph, pipeline)
         order = pipeline.order
     if graph.specs and any(t.jax_mesh.shape != tasks[0].jax_mesh.shape for t in tasks):
         raise MPMDError(

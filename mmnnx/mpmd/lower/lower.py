@@ -103,12 +103,14 @@ def _donations(
     return out
 
 
-def _labels(pipeline: Pipeline | None) -> dict[int, tuple[str, str, int]]:
-    """Fragment id -> (task, kind, stage) of each pipeline stage fragment, for timeline events;
-    fragments outside the microbatch loop are not timed."""
+def _labels(pipeline: Pipeline | None) -> dict[int, tuple[str, str, int, int]]:
+    """Fragment id -> (task, kind, stage, part) of each pipeline stage fragment (part 0) and of
+    each part of one, for timeline events; fragments outside the microbatch loop are not
+    timed."""
     if pipeline is None:
         return {}
-    return {id(f): (f.task.name, kind, stage) for (kind, stage), f in pipeline.stages.items()}
+    stages = {id(f): (f.task.name, kind, stage, 0) for (kind, stage), f in pipeline.stages.items()}
+    return {**stages, **pipeline.parts}
 
 
 class _Lowering:

@@ -470,7 +470,8 @@ def _residual_packing(
     most ``residual_bytes`` each, whole on each device of its task (pinned so: one device, or a
     step that splits nothing), that only runs of other fragments on that task read, in every
     microbatch alike (so each fragment keeps one compiled program). Values that a transfer, a
-    running sum or the step's outputs read, and extended dtypes (PRNG keys), are left alone.
+    running sum, the step's outputs or another part of the same stage fragment read, and
+    extended dtypes (PRNG keys), are left alone.
     Each block's results (:func:`_output_blocks`; ``input_names``: the step inputs' paths) go
     one after the other from a base of their own."""
     actions = program.actions
@@ -489,6 +490,7 @@ def _residual_packing(
             and all(
                 r is not None
                 and r.fragment is not run.fragment
+                and not _parts_of_one(r, run)
                 and r.microbatch is not None
                 and not r.donate
                 for r in reads
@@ -535,6 +537,18 @@ def _residual_packing(
         if made:
             by_run[i] = tuple(made)
     return Packing(by_run, of_member, next_slot)
+
+
+def _parts_of_one(run: Run, other: Run) -> bool:
+    """Whether ``run`` and ``other`` run parts of one stage fragment (``share_cores``): what one
+    part passes the next travels as the stage's core passes it to another stage, alone, so that
+    the core keeps the program of the stages it is alike."""
+    return (
+        run.label is not None
+        and other.label is not None
+        and run.label[:3] == other.label[:3]
+        and run.microbatch == other.microbatch
+    )
 
 
 def _place(run: Run, graph: Graph, block: dict[int, int], position: int) -> tuple:

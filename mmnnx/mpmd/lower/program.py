@@ -173,7 +173,8 @@ class Run:
     of ``None``: a result only added to its sum, which the program does not return. ``donate``:
     positions in ``ins`` whose buffers the program may reuse. ``out_shardings``: the sharding
     each result is pinned to, ``None`` where the compiler chooses. ``label``: ``(task, kind,
-    stage)`` of a pipeline stage, for timelines. ``fused``: this action and the next Run (on the
+    stage, part)`` of a pipeline stage (``part``: which of its programs, for a stage fragment
+    cut around a core, else 0), for timelines. ``fused``: this action and the next Run (on the
     same task, reading none of this one's results) run as one compiled program: an overlapped
     pair of the schedule. ``packing``: how its arguments and results travel packed into flat
     buffers (``None``: each value as its own array); :attr:`args` and :attr:`results` are the
@@ -188,7 +189,7 @@ class Run:
     summed: tuple[int, ...] = ()
     donate: tuple[int, ...] = ()
     out_shardings: tuple[NamedSharding | None, ...] = ()
-    label: tuple[str, str, int] | None = None
+    label: tuple[str, str, int, int] | None = None
     fused: bool = False
     packing: RunPacking | None = None
 

@@ -58,6 +58,8 @@ class Pipeline:
     num_microbatches: int = 1
     fused: frozenset[int] = frozenset()  # positions in ``order`` run as one program with the next
     batch_size: int | None = None  # rows split into the microbatches
+    # fragment id -> (task, kind, stage, part) of the stage fragment it is a part of (share_cores)
+    parts: dict[int, tuple[str, str, int, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def fragments(self) -> list[Fragment]:

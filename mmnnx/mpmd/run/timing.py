@@ -53,7 +53,9 @@ class Event:
     ``end``. ``rank``: the task whose devices ran it (``task`` itself, or the task a virtual
     stage such as ``"t0:1"`` belongs to). ``launched``: when the host launched its program (at
     most ``start``; the action started later when its rank or its inputs were not ready; a
-    transfer's is its ``start``).
+    transfer's is its ``start``). An action run as several programs (a stage cut around a
+    core: ``mm.jit(share_cores=...)``) is one event, from its first program's start to its
+    last one's end.
 
     A transfer (``kind`` ``"T"``) is the result of action ``carries`` (``F``, ``B`` or ``I``) of
     ``stage`` on ``microbatch`` crossing from the devices of task ``source`` to those of
@@ -104,24 +106,41 @@ def _stages(labels: Sequence[tuple]) -> list[tuple]:
     return [(label, m) for label, m in labels if label is not None]
 
 
-def _events(
-    labels: Sequence[tuple], start: float, end: float, rank: str, launched: float
-) -> list[Event]:
+def _record(
+    events: list[Event],
+    labels: Sequence[tuple],
+    start: float,
+    end: float,
+    rank: str,
+    launched: float,
+) -> None:
+    """Adds to ``events`` those of a program launched at ``launched`` that ran from ``start``
+    to ``end``: one per pipeline action it runs, but a later part of an action (a stage cut
+    around a core) extends that action's event to ``end`` instead."""
     stages = _stages(labels)
-    return [
-        Event(
-            task=task,
-            kind=kind,
-            stage=stage,
-            microbatch=m or 0,
-            start=start,
-            end=end,
-            fused=len(stages) > 1,
-            rank=rank,
-            launched=launched,
+    for (task, kind, stage, part), m in stages:
+        if part:
+            k = next(
+                k
+                for k in range(len(events) - 1, -1, -1)
+                if (events[k].task, events[k].kind, events[k].stage, events[k].microbatch)
+                == (task, kind, stage, m or 0)
+            )
+            events[k] = dataclasses.replace(events[k], end=end)
+            continue
+        events.append(
+            Event(
+                task=task,
+                kind=kind,
+                stage=stage,
+                microbatch=m or 0,
+                start=start,
+                end=end,
+                fused=len(stages) > 1,
+                rank=rank,
+                launched=launched,
+            )
         )
-        for (task, kind, stage), m in stages
-    ]
 
 
 class Timer:
@@ -198,7 +217,7 @@ class BlockingTimer(Timer):
         jax.block_until_ready(outs)
         ended = time.perf_counter()
         start = at - self._start
-        self._events += _events(labels, start, ended - self._start, rank, start)
+        _record(self._events, labels, start, ended - self._start, rank, start)
 
     def moved(self, from_slot, to_slot, transfer=None, value=None, at=0.0) -> None:
         if transfer is None:
@@ -419,7 +438,7 @@ class OverlapTimer(Timer):
             if program:
                 previous_end[launch.rank] = ended[k]
                 launched = launch.launched_at - self._start
-                events += _events(launch.labels, start, end, launch.rank, launched)
+                _record(events, launch.labels, start, end, launch.rank, launched)
             elif launch.seen:
                 events.append(launch.transfer.event(start, end))
         return events

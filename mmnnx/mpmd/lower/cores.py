@@ -1,0 +1,418 @@
+"""Sharing stage programs: an edge stage's fragment cut into the core the middle stages run
+and the rest (``share_cores``, on unless ``mm.jit(share_cores=False)``).
+
+XLA compiles each distinct kernel of a program once, and no kernel is shared between programs:
+a transformer's pipeline compiles its blocks' kernels once per distinct stage program. The
+middle stages' programs are alike (:mod:`~mmnnx.mpmd.lower.alike`: lowered and compiled once),
+but the first stage's also embeds the tokens and the last's also runs the head and the loss, so
+each is a program of its own, with its own copy of the blocks' kernels. ``share_cores`` finds,
+inside such a fragment, the ops of a smaller fragment of the same pass (a middle stage's), and
+cuts it into the part that runs before them, that *core*, alike the smaller fragment, and the
+part after: the core then reuses the middle stages' program, and only the small parts are new.
+Each part is a launch of its own (up to three per microbatch where there was one).
+
+The core is found op by op, in the smaller fragment's order: each of its ops matched to an op
+of the larger one with the same key (:func:`~mmnnx.mpmd.lower.alike.op_key`) that reads what
+the matched ops made, the first after the last one matched, others tried when that leads
+nowhere; its inputs to values the larger fragment reads or makes before, one for one. A cut
+that would not give a program alike the smaller one (a value the core makes but does not
+return, read by the rest) is not made, nor is any in a fragment run as half of an overlapped
+pair, nor one of a backward whose forward is alike no other (its core would read residuals
+laid out as no other backward reads them). Ops recomputed in every fragment that reads them
+(index arithmetic, slices of the batch, small tables) are recomputed in each part that reads
+them. What one part passes the next travels alone, never packed
+(:mod:`~mmnnx.mpmd.lower.pack`), as the value the core stands for crosses between stages.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.lower.alike import AlikeKeys, live_view, op_key
+from mmnnx.mpmd.plan.cut import Fragment, after_backward, kinds_of
+from mmnnx.mpmd.plan.pipeline import Pipeline
+from mmnnx.mpmd.primitives import is_constraint
+
+_MAX_RETRIES = 256  # other fits tried before a fragment is taken to hold no core
+
+
+def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
+    """``pipeline`` with each stage fragment (and update after the loop) that holds the ops of
+    a smaller one of the same pass cut into parts around that core (see the module's
+    docstring); its order runs the parts in turn, and ``parts`` names the stage of each.
+
+    Example::
+
+        pipeline = share_cores(graph, pipeline)
+        order = pipeline.order  # (s0/F0.before, m), (s0/F0.core, m), ... for every m
+    """
+    fused = _fused_fragments(pipeline)
+    keys = _OpKeys(graph)
+    alike = AlikeKeys(graph)
+    replicas = _replicas(pipeline)
+    label_of = {id(f): (f.task.name, kind, stage) for (kind, stage), f in pipeline.stages.items()}
+    groups: dict[Hashable, list[Fragment]] = {}
+    for (kind, _), frag in pipeline.stages.items():
+        groups.setdefault((kind, frag.task.jax_mesh.devices.shape), []).append(frag)
+    for frag in pipeline.post:
+        groups.setdefault(("post", frag.task.jax_mesh.devices.shape), []).append(frag)
+    cut: dict[int, list[Fragment]] = {}
+    shared: set[int] = set()  # fragments alike another, as a whole or by their core
+    for group in groups.values():
+        references: list[Fragment] = []
+        for frag in sorted(group, key=lambda f: len(f.ops)):
+            parts = None
+            if id(frag) not in fused:
+                parts = next(
+                    (
+                        p
+                        for r in references
+                        if (p := _cut(graph, frag, r, keys, alike, replicas)) is not None
+                    ),
+                    None,
+                )
+            if parts is None:
+                references.append(frag)
+                continue
+            shared.add(id(frag))
+            if len(parts) > 1:
+                cut[id(frag)] = parts
+    for (kind, stage), frag in pipeline.stages.items():
+        if kind != "F" and id(pipeline.stages.get(("F", stage))) not in shared:
+            cut.pop(id(frag), None)  # its core would read residuals laid out as no other's
+    if not cut:
+        return pipeline
+    order, new_fused = [], set()
+    for position, (frag, m) in enumerate(pipeline.order):
+        if position in pipeline.fused:
+            new_fused.add(len(order))
+        order += [(part, m) for part in cut.get(id(frag), (frag,))]
+    parts = {
+        id(part): (*label_of[whole], k)
+        for whole, made in cut.items()
+        if whole in label_of
+        for k, part in enumerate(made)
+    }
+    return dataclasses.replace(
+        pipeline, order=order, fused=frozenset(new_fused), parts={**pipeline.parts, **parts}
+    )
+
+
+def _fused_fragments(pipeline: Pipeline) -> set[int]:
+    """The fragments run as half of an overlapped pair (by id)."""
+    order = pipeline.order
+    return {id(order[i + k][0]) for i in pipeline.fused for k in (0, 1)}
+
+
+def _replicas(pipeline: Pipeline) -> set[int]:
+    """The ops (by index) that several fragments recompute, each for itself."""
+    seen = collections.Counter(
+        op.index for frag in {id(f): f for f, _ in pipeline.order}.values() for op in frag.ops
+    )
+    return {index for index, count in seen.items() if count > 1}
+
+
+class _OpKeys:
+    """Each op's :func:`op_key`, made once."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self._keys: dict[int, Hashable | None] = {}
+
+    def __call__(self, op: Op) -> Hashable | None:
+        key = self._keys.get(id(op), self)
+        if key is self:
+            key = self._keys[id(op)] = op_key(op, self.graph)
+        return key
+
+
+def _cut(
+    graph: Graph,
+    frag: Fragment,
+    reference: Fragment,
+    keys: _OpKeys,
+    alike: AlikeKeys,
+    replicas: set[int],
+) -> list[Fragment] | None:
+    """``frag`` cut into parts in their order, the core alike ``reference``: ``[frag]`` if it is
+    alike as a whole; ``None`` if it holds no such core or cannot be cut around it."""
+    whole = alike.fragment(frag)
+    if whole is not None and whole == alike.fragment(reference):
+        return [frag]
+    if len(reference.ops) > len(frag.ops):
+        return None
+    match = _match(frag, reference, keys)
+    if match is None:
+        return None
+    ops, values = match
+    core = Fragment(
+        name=f"{frag.name}.core",
+        task=frag.task,
+        ops=ops,
+        in_ids=[values[v] for v in reference.in_ids],
+        out_ids=[values[v] for v in reference.out_ids],
+        kinds=reference.kinds,
+    )
+    return _around(graph, frag, _with_constraints(frag, core), replicas)
+
+
+def _with_constraints(frag: Fragment, core: Fragment) -> Fragment:
+    """``core`` returning, in place of a result that only a sharding constraint of ``frag`` on
+    one device reads (nothing to lay out: the reference reads it as its operand), that
+    constraint's result (or the last of a chain of them), made in the core: the readers after
+    the fragment read the constraint's result, which the rest would otherwise make from the
+    core's."""
+    if core.task.jax_mesh.size != 1:
+        return core
+    readers: dict[int, list[Op]] = {}
+    for op in frag.ops:
+        for a in op.ins:
+            if type(a) is int:
+                readers.setdefault(a, []).append(op)
+    outs, added = list(core.out_ids), []
+    for k, v in enumerate(outs):
+        while v not in frag.out_ids and len(read := readers.get(v, [])) == 1:
+            if not is_constraint(read[0]):
+                break
+            v = outs[k] = read[0].outs[0]
+            added.append(read[0])
+    if not added:
+        return core
+    after: dict[int, list[Op]] = {}  # each right after its operand is made (inputs: first)
+    for op in added:
+        after.setdefault(op.ins[0], []).append(op)
+    ops: list[Op] = []
+    stack = [*reversed(core.ops), *reversed([c for v in core.in_ids for c in after.get(v, ())])]
+    while stack:
+        op = stack.pop()
+        ops.append(op)
+        stack += reversed([c for v in op.outs for c in after.get(v, ())])
+    return dataclasses.replace(core, ops=ops, out_ids=outs)
+
+
+def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op], dict] | None:
+    """The ops of ``frag`` matching those ``reference`` runs (:func:`live_view`), in its order,
+    reading the values they stand for; and the image of each of ``reference``'s values.
+
+    An op reading a reference input not yet matched may fit several ops (the reductions of
+    each gradient arriving): the first after the last op matched is taken (the core's ops run
+    in the reference's order: its inputs then take the places they have there, and the core
+    reads them as the reference does), and the others tried in turn, the later matches undone,
+    when a later op then fits none (at most :data:`_MAX_RETRIES` times)."""
+    wanted, seen_as = live_view(reference)
+    live, stands_for = live_view(frag)
+    need = collections.Counter(keys(op) for op in wanted)
+    if None in need:
+        return None
+    candidates: dict[Hashable, list[Op]] = {}
+    for op in live:
+        key = keys(op)
+        if key in need:
+            candidates.setdefault(key, []).append(op)
+    if any(len(candidates.get(k, ())) < n for k, n in need.items()):
+        return None
+    match = _Match(set(reference.in_ids), stands_for)
+    at = {id(op): k for k, op in enumerate(live)}
+    ops: list[Op] = []
+    where: list[int] = []  # the place in ``live`` of each op matched
+    choices: list[tuple[int, list[Op], _Match]] = []  # (position, untried fits, match before)
+    retries, i = 0, 0
+    while i < len(wanted):
+        r = wanted[i]
+        ins = [seen_as.get(x, x) if type(x) is int else x for x in r.ins]
+        last = where[-1] if where else -1
+        fits = [a for a in candidates[keys(r)] if match.fits(ins, a)]
+        fits.sort(key=lambda a: (at[id(a)] < last, at[id(a)]))
+        while not fits:
+            if not choices or retries == _MAX_RETRIES:
+                return None
+            retries += 1
+            i, fits, before = choices.pop()
+            match, r = before.copy(), wanted[i]
+            ins = [seen_as.get(x, x) if type(x) is int else x for x in r.ins]
+            del ops[i:], where[i:]
+        if len(fits) > 1:
+            choices.append((i, fits[1:], match.copy()))
+        ops.append(match.take(ins, r.outs, fits[0]))
+        where.append(at[id(fits[0])])
+        i += 1
+    values = match.values
+    for v, alias in seen_as.items():
+        if alias in values:
+            values[v] = values[alias]
+    if any(v not in values for v in (*reference.in_ids, *reference.out_ids)):
+        return None
+    return ops, values
+
+
+class _Match:
+    """The images of a reference's values in a larger fragment, one for one, as its ops are
+    matched; ``stands_for``: the larger fragment's constraints read as their operands."""
+
+    def __init__(self, inputs: set[int], stands_for: dict[int, int]):
+        self.inputs = inputs
+        self.stands_for = stands_for
+        self.values: dict[int, int] = {}  # reference value -> image
+        self.images: set[int] = set()
+        self.made: set[int] = set()  # images made by matched ops
+        self.taken: set[int] = set()
+
+    def copy(self) -> _Match:
+        """A copy to go back to: later matches change only the copy they are made on."""
+        other = _Match(self.inputs, self.stands_for)
+        other.values, other.images = dict(self.values), set(self.images)
+        other.made, other.taken = set(self.made), set(self.taken)
+        return other
+
+    def fits(self, ins: Sequence, a: Op) -> bool:
+        """Whether op ``a`` can stand for a reference op reading ``ins``: each operand made
+        by a matched op maps to its image, and each reference input, on first use, to a value
+        not yet an image nor made by a matched op."""
+        if id(a) in self.taken or any(y in self.images for y in a.outs):
+            return False
+        fresh: dict[int, int] = {}
+        for x, y in zip(ins, a.ins, strict=True):
+            if type(x) is not int:
+                continue
+            if type(y) is not int:
+                return False
+            y = self.stands_for.get(y, y)
+            if x in self.values:
+                if self.values[x] != y:
+                    return False
+            elif (
+                x not in self.inputs
+                or y in self.images
+                or y in self.made
+                or fresh.setdefault(x, y) != y
+                or y in (v for k, v in fresh.items() if k != x)
+            ):
+                return False
+        return True
+
+    def take(self, ins: Sequence, outs: Sequence[int], a: Op) -> Op:
+        """Maps the reference op reading ``ins`` and making ``outs`` to ``a``; returns ``a``
+        reading the values its constraints stand for."""
+        self.taken.add(id(a))
+        read = [self.stands_for.get(y, y) if type(y) is int else y for y in a.ins]
+        for x, y in zip(ins, read, strict=True):
+            if type(x) is int and x not in self.values:
+                self.values[x] = y
+                self.images.add(y)
+        for x, y in zip(outs, a.outs, strict=True):
+            self.values[x] = y
+            self.images.add(y)
+            self.made.add(y)
+        return a if read == list(a.ins) else dataclasses.replace(a, ins=read)
+
+
+def _around(
+    graph: Graph, frag: Fragment, core: Fragment, replicas: set[int]
+) -> list[Fragment] | None:
+    """The parts of ``frag`` around ``core``: the other ops its results (or the core's inputs)
+    need, those the core depends on run before it, the others after; ``None`` if the core made
+    a value the rest or a later fragment reads that it does not return, or a part would read
+    what it makes."""
+    core_ids = {id(op) for op in core.ops}
+    core_indices = {op.index for op in core.ops}
+    core_made = {v for op in core.ops for v in op.outs}
+    core_out = set(core.out_ids)
+    needed = set(frag.out_ids) | set(core.in_ids)
+    rest: list[Op] = []
+    for op in reversed(frag.ops):
+        if id(op) in core_ids or op.index in core_indices:
+            continue
+        if op.effectful or any(v in needed for v in op.outs):
+            rest.append(op)
+            needed.update(a for a in op.ins if type(a) is int)
+    rest.reverse()
+    made_by = {v: op for op in (*core.ops, *rest) for v in op.outs}
+    for op in rest:
+        for a in op.ins:
+            inside = type(a) is int and a in core_made and a not in core_out
+            if inside and made_by[a].index not in replicas:
+                return None
+    if any(v in core_made and v not in core_out for v in frag.out_ids):
+        return None
+    rest_ids = {id(op) for op in rest}
+    before: set[int] = set()
+    stack = [made_by[v] for v in core.in_ids if v in made_by and id(made_by[v]) in rest_ids]
+    while stack:
+        op = stack.pop()
+        if id(op) in before:
+            continue
+        before.add(id(op))
+        stack += [
+            made_by[a]
+            for a in op.ins
+            if type(a) is int and a in made_by and id(made_by[a]) in rest_ids
+        ]
+    first = [op for op in rest if id(op) in before]
+    last = [op for op in rest if id(op) not in before]
+    parts = [
+        _part(graph, frag, f"{frag.name}.before", first, made_by, replicas),
+        core,
+        _part(graph, frag, f"{frag.name}.after", last, made_by, replicas),
+    ]
+    parts = _with_outputs([p for p in parts if p.ops], frag)
+    ready = set(frag.in_ids)
+    for part in parts:  # each reads what the step has or an earlier part made
+        if any(v not in ready for v in part.in_ids):
+            return None
+        ready.update(part.out_ids)
+    return parts if all(v in ready for v in frag.out_ids) else None
+
+
+def _part(
+    graph: Graph,
+    frag: Fragment,
+    name: str,
+    ops: Sequence[Op],
+    made_by: dict[int, Op],
+    replicas: set[int],
+) -> Fragment:
+    """A part of ``frag`` of ``ops`` (in ``frag``'s order), recomputing the recomputed ops
+    (``replicas``) whose results they read; its outputs are set by :func:`_with_outputs`."""
+    mine = {id(op) for op in ops}
+    stack = [
+        made_by[a]
+        for op in ops
+        for a in op.ins
+        if type(a) is int and a in made_by and made_by[a].index in replicas
+    ]
+    while stack:
+        op = stack.pop()
+        if id(op) not in mine:
+            mine.add(id(op))
+            stack += [
+                made_by[a]
+                for a in op.ins
+                if type(a) is int and a in made_by and made_by[a].index in replicas
+            ]
+    body = [op for op in frag.ops if id(op) in mine]
+    made = {v for op in body for v in op.outs}
+    in_ids = list(
+        dict.fromkeys(a for op in body for a in op.ins if type(a) is int and a not in made)
+    )
+    kinds = kinds_of(body, after_backward(graph)) if body else frag.kinds
+    return Fragment(name=name, task=frag.task, ops=body, in_ids=in_ids, out_ids=[], kinds=kinds)
+
+
+def _with_outputs(parts: list[Fragment], frag: Fragment) -> list[Fragment]:
+    """``parts`` with the outputs of each but the core: what it makes (and does not recompute
+    from the batch) that a later part, or a fragment after ``frag``, reads."""
+    read_later: set[int] = set(frag.out_ids)
+    out = []
+    for part in reversed(parts):
+        if not part.name.endswith(".core"):
+            recomputed = {v for p in parts if p is not part for op in p.ops for v in op.outs}
+            made = [v for op in part.ops for v in op.outs]
+            part = dataclasses.replace(
+                part, out_ids=[v for v in made if v in read_later and v not in recomputed]
+            )
+        read_later.update(part.in_ids)
+        out.append(part)
+    return out[::-1]
