@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import mmnnx as mm
 from mmnnx._jax.arrays import launchable_as
 from mmnnx.models import stage_rules
+from mmnnx.mpmd.run.runner import Executable
 from tests.models import SMALL_GPT, gpt_step, one_device_tasks, reference_step, small_gpt
 from tests.oracle import close, params_close
 
@@ -46,7 +47,16 @@ def _num_programs(step) -> int:
     return sum(type(a).__name__ in ("Run", "Zeros") for a in executable.plan.program.actions)
 
 
-def test_after_one_checked_call_every_program_is_launched_directly(checked_calls):
+def test_after_one_checked_call_every_program_is_launched_directly(checked_calls, monkeypatch):
+    # ... and every step replayed as that call ran it (DirectSteps), none interpreted again
+    interpreted = []
+    interpret = Executable._interpret
+
+    def counting(self, *args, **kwargs):
+        interpreted.append(self)
+        return interpret(self, *args, **kwargs)
+
+    monkeypatch.setattr(Executable, "_interpret", counting)
     model, opt, ref, ref_opt, step = _gpt_on(one_device_tasks(4))
     tokens = _tokens()
     _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
@@ -56,6 +66,7 @@ def test_after_one_checked_call_every_program_is_launched_directly(checked_calls
     for _ in range(2):
         close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
     assert checked_calls == []
+    assert len(interpreted) == 1
     params_close(model, ref, ref_grads, steps=3, lr=3e-3)
 
 

@@ -22,6 +22,7 @@ from mmnnx._jax.launch import DirectLaunch
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower.plan import Plan
 from mmnnx.mpmd.lower.program import StepProgram
+from mmnnx.mpmd.run.direct import COPY, KEEP, OTHER, DirectSteps
 from mmnnx.mpmd.run.emit import Launch, Move, Put, Step, emit
 from mmnnx.mpmd.run.peers import Peers
 from mmnnx.mpmd.run.programs import Compiler
@@ -109,6 +110,7 @@ class Executable:
             DirectLaunch.of(step.program) if isinstance(step, Launch) else None for step in steps
         ]
         self._checked_layouts: tuple | None = None
+        self._replay: DirectSteps | None = None  # set with _checked_layouts
         loaded = compiler.shared.loaded_lowered
         transfers = [
             t
@@ -151,10 +153,33 @@ class Executable:
             env[slot] = leaves[i]
         for slot, value in self._constants:
             env[slot] = value
+        laid_out = self._laid_out_as_checked(leaves)
+        if laid_out and timer is None and memory is None:
+            self._replay.run(env)
+        else:
+            self._interpret(env, leaves, laid_out, timer, memory)
+        outputs = [env[s] if s is not None else const for s, const in self._outputs]
+        for i, layout in self._rewrap:
+            outputs[i] = jax.make_array_from_single_device_arrays(
+                outputs[i].shape, layout, [outputs[i]]
+            )
+        return outputs
+
+    def _interpret(
+        self,
+        env: list[Any],
+        leaves: Sequence[Any],
+        laid_out: bool,
+        timer: Timer | None,
+        memory: dict | None,
+    ) -> None:
+        """Runs every step on ``env``, telling ``timer`` and filling ``memory``; programs are
+        launched directly where the inputs are ``laid_out`` as on the last checked call, else
+        this call is a checked one: what it finds is kept for :class:`DirectSteps`."""
         witnesses = self._witnesses() if timer is not None and timer.wants_witnesses else {}
-        direct = self._direct if self._laid_out_as_checked(leaves) else None
+        direct = self._direct if laid_out else None
         checking = direct is None
-        peers = self._peers
+        ways: dict[int, int] = {}  # on a checked call: how each move went
         if timer is not None:
             timer.begin()
         for i, step in enumerate(self._steps):
@@ -182,42 +207,57 @@ class Executable:
             elif kind is Move:
                 began = time.perf_counter() if timer is not None else 0.0
                 value = env[step.source]
-                if (
-                    step.mover is not None
-                    and getattr(value, "sharding", None) == step.source_layout
-                ):
+                way = ways[i] = self._move_way(step, value)
+                if way == COPY:
                     value = step.mover(value)  # laid out as planned: the move decided at compile
-                elif not self._laid_out_as(value, step.sharding):
+                elif way == OTHER:
                     value = move_to(value, step.sharding)
                 env[step.target] = value
                 if timer is not None:
                     timer.moved(step.source, step.target, step.transfer, value, began)
             elif kind is Put:
-                env[step.target] = put(env[step.source], step.sharding)
+                self._other(step, env)
             else:  # Cross: a transfer involving another process
                 began = time.perf_counter() if timer is not None else 0.0
-                value = step.route(env[step.source], peers)
-                if value is not None:
-                    # Wait for what another process sends before launching what reads it: a
-                    # process running ahead fills its devices' bounded queues of launched
-                    # programs (and the transfer server's of copies) with work waiting on the
-                    # others, who may need a slot of the same queues first (docs/distributed.md).
-                    value.block_until_ready()
-                    env[step.target] = value
-                    if timer is not None:
-                        timer.received(step.target, step.transfer, began, time.perf_counter())
+                received = self._other(step, env)
+                if timer is not None and received is not None:
+                    timer.received(step.target, step.transfer, began, time.perf_counter())
             if memory is not None:
                 self._record(env, memory)
             for s in step.drop:
                 env[s] = None
         if checking:
             self._checked_layouts = self._input_layouts(leaves)
-        outputs = [env[s] if s is not None else const for s, const in self._outputs]
-        for i, layout in self._rewrap:
-            outputs[i] = jax.make_array_from_single_device_arrays(
-                outputs[i].shape, layout, [outputs[i]]
-            )
-        return outputs
+            self._replay = DirectSteps.of(self._steps, self._direct, ways, self._other)
+
+    def _move_way(self, step: Move, value: Any) -> int:
+        """How ``step`` moves ``value``: by its runtime copy where it is laid out as planned
+        (``COPY``), as it is where it is laid out as the target wants already (``KEEP``), else
+        by :func:`~mmnnx._jax.arrays.move_to` (``OTHER``)."""
+        if step.mover is not None and getattr(value, "sharding", None) == step.source_layout:
+            return COPY
+        return KEEP if self._laid_out_as(value, step.sharding) else OTHER
+
+    def _other(self, step: Step, env: list[Any]) -> Any:
+        """Runs a step that neither launches a program nor copies by a move decided at compile:
+        a move by :func:`~mmnnx._jax.arrays.move_to`, a put onto a layout spanning processes,
+        this process's end of a cross-process route. Returns the value it wrote (``None``: this
+        process's end of a route receives nothing)."""
+        kind = type(step)
+        if kind is Move:
+            value = env[step.target] = move_to(env[step.source], step.sharding)
+        elif kind is Put:
+            value = env[step.target] = put(env[step.source], step.sharding)
+        else:  # Cross: a transfer involving another process
+            value = step.route(env[step.source], self._peers)
+            if value is not None:
+                # Wait for what another process sends before launching what reads it: a
+                # process running ahead fills its devices' bounded queues of launched
+                # programs (and the transfer server's of copies) with work waiting on the
+                # others, who may need a slot of the same queues first (docs/distributed.md).
+                value.block_until_ready()
+                env[step.target] = value
+        return value
 
     def _input_layouts(self, leaves: Sequence[Any]) -> tuple | None:
         """The layout of each input, or ``None`` if one is not a plain ``jax.Array``."""
