@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.lower.alike import AlikeKeys, live_view, op_key
@@ -338,18 +338,7 @@ def _around(
     if any(v in core_made and v not in core_out for v in frag.out_ids):
         return None
     rest_ids = {id(op) for op in rest}
-    before: set[int] = set()
-    stack = [made_by[v] for v in core.in_ids if v in made_by and id(made_by[v]) in rest_ids]
-    while stack:
-        op = stack.pop()
-        if id(op) in before:
-            continue
-        before.add(id(op))
-        stack += [
-            made_by[a]
-            for a in op.ins
-            if type(a) is int and a in made_by and id(made_by[a]) in rest_ids
-        ]
+    before = _upstream(core.in_ids, made_by, lambda op: id(op) in rest_ids)
     first = [op for op in rest if id(op) in before]
     last = [op for op in rest if id(op) not in before]
     parts = [
@@ -376,22 +365,8 @@ def _part(
 ) -> Fragment:
     """A part of ``frag`` of ``ops`` (in ``frag``'s order), recomputing the recomputed ops
     (``replicas``) whose results they read; its outputs are set by :func:`_with_outputs`."""
-    mine = {id(op) for op in ops}
-    stack = [
-        made_by[a]
-        for op in ops
-        for a in op.ins
-        if type(a) is int and a in made_by and made_by[a].index in replicas
-    ]
-    while stack:
-        op = stack.pop()
-        if id(op) not in mine:
-            mine.add(id(op))
-            stack += [
-                made_by[a]
-                for a in op.ins
-                if type(a) is int and a in made_by and made_by[a].index in replicas
-            ]
+    operands = [a for op in ops for a in op.ins]
+    mine = {id(op) for op in ops} | _upstream(operands, made_by, lambda op: op.index in replicas)
     body = [op for op in frag.ops if id(op) in mine]
     made = {v for op in body for v in op.outs}
     in_ids = list(
@@ -399,6 +374,21 @@ def _part(
     )
     kinds = kinds_of(body, after_backward(graph)) if body else frag.kinds
     return Fragment(name=name, task=frag.task, ops=body, in_ids=in_ids, out_ids=[], kinds=kinds)
+
+
+def _upstream(values: Iterable, made_by: dict[int, Op], keep: Callable[[Op], bool]) -> set[int]:
+    """The ops (by id) that make ``values`` and, in turn, their operands, following only ops
+    ``keep`` accepts (literals and values made by no op in ``made_by`` end the walk)."""
+    found: set[int] = set()
+    stack = [made_by[v] for v in values if type(v) is int and v in made_by and keep(made_by[v])]
+    while stack:
+        op = stack.pop()
+        if id(op) not in found:
+            found.add(id(op))
+            stack += [
+                made_by[a] for a in op.ins if type(a) is int and a in made_by and keep(made_by[a])
+            ]
+    return found
 
 
 def _with_outputs(parts: list[Fragment], frag: Fragment) -> list[Fragment]:
