@@ -208,11 +208,10 @@ class Executable:
                 began = time.perf_counter() if timer is not None else 0.0
                 value = env[step.source]
                 way = ways[i] = self._move_way(step, value)
-                if way == COPY:
-                    value = step.mover(value)  # laid out as planned: the move decided at compile
-                elif way == OTHER:
-                    value = move_to(value, step.sharding)
-                env[step.target] = value
+                if way == OTHER:
+                    value = self._other(step, env)
+                else:  # laid out as planned: the move decided at compile; or as wanted already
+                    value = env[step.target] = step.mover(value) if way == COPY else value
                 if timer is not None:
                     timer.moved(step.source, step.target, step.transfer, value, began)
             elif kind is Put:
