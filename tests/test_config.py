@@ -9,12 +9,13 @@ import tomllib
 import pytest
 from rich.console import Console
 
-from mmnnx.cli import main, parse_args
+from mmnnx.cli import main
+from mmnnx.cli.commands import parse_args
 from mmnnx.cli.flags import GIVEN
 from mmnnx.train import TrainConfig
-from mmnnx.train.config import tables
+from mmnnx.train.config import RunConfig
 from mmnnx.train.loop import _resumed_horizon
-from mmnnx.train.options import spec
+from mmnnx.train.options import spec, tables
 from mmnnx.train.run_config import read_config, resolved_config, write_config
 
 
@@ -82,7 +83,7 @@ def test_a_missing_config_exits_2(tmp_path, capsys):
 
 
 def test_every_train_config_field_has_an_option():
-    options = {spec(f).api or f.name for fields in tables().values() for f in fields}
+    options = {spec(f).api or f.name for fields in tables(RunConfig).values() for f in fields}
     for field in dataclasses.fields(TrainConfig):
         assert field.name in options, field.name
 

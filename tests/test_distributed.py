@@ -238,6 +238,18 @@ def test_launch_prefixes_lines_and_sets_each_process_environment():
         assert f"[rank {rank}] hello {rank} 3 127.0.0.1 {flags}" in proc.stdout.splitlines()
 
 
+def test_launch_imports_nothing_of_jax():
+    code = (
+        "import sys; from mmnnx.cli import main; "
+        "status = main(['launch', '-n', '2', '--', sys.executable, '-c', 'pass']); "
+        "print(status, sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'numpy'}))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT
+    )
+    assert run.stdout.splitlines()[-1] == "0 []", run.stdout + run.stderr
+
+
 def test_launch_stops_the_others_when_one_fails_and_returns_its_status():
     code = CHILD + "sys.exit(3) if rank == 1 else time.sleep(120)"
     started = time.monotonic()

@@ -18,6 +18,9 @@ import pathlib
 import sys
 from collections.abc import Callable
 
+import mmnnx
+import mmnnx.train
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("mmnnx", "multimesh_compat")
 
@@ -358,6 +361,22 @@ def test_the_launcher_imports_the_standard_library_and_the_environment_names_onl
         and imp.target.split(".")[0] not in sys.stdlib_module_names
     ]
     assert not found, f"{LAUNCHER} imports more than it must:\n" + "\n".join(found)
+
+
+def test_every_name_a_package_exports_is_found_where_its_stub_says():
+    # the packages import their names on first use, from where __init__.pyi says
+    for package in (mmnnx, mmnnx.train):
+        missing = [n for n in package.__all__ if not _resolves(package, n)]
+        assert not missing, f"{package.__name__}/__init__.pyi names what is not there: {missing}"
+    assert "jit" in dir(mmnnx) and mmnnx.jit.__module__ == "mmnnx.jit"
+
+
+def _resolves(package, name: str) -> bool:
+    try:
+        getattr(package, name)
+    except (AttributeError, ImportError):
+        return False
+    return True
 
 
 def _private(dotted: str) -> bool:

@@ -8,12 +8,12 @@ import dataclasses
 import functools
 from collections.abc import Iterable
 
-from mmnnx.train.config import tables
-from mmnnx.train.options import spec
+from mmnnx.train.options import spec, tables
 
 GIVEN = "given_flags"
 """The attribute of a parsed namespace naming the options set on the command line (or, as
-``mmnnx.cli.parse_args`` adds, in a ``--config`` file), as opposed to left at their defaults."""
+``mmnnx.cli.commands.parse_args`` adds, in a ``--config`` file), as opposed to left at their
+defaults."""
 
 
 class Parser(argparse.ArgumentParser):

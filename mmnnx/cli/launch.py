@@ -7,9 +7,10 @@ import argparse
 import dataclasses
 import functools
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from mmnnx.cli.flags import add_fields
+from mmnnx.cli.flags import Parser, add_fields
 from mmnnx.train.options import integer, option, positive, spec, switch
 
 
@@ -76,18 +77,35 @@ class Options:
     )
 
 
+_HELP = "run a command as several local processes joined by mm.distributed.initialize"
+_DESCRIPTION = (
+    "Run COMMAND as N processes on this machine (coordinator on 127.0.0.1), each output line "
+    "prefixed with its rank. When one process fails (or stops responding, or makes no "
+    "progress) the others are stopped at once, the one that failed first is named, and the "
+    "exit status is its own; with --max-restarts, all are then started again. A SIGTERM is "
+    "forwarded to every process (mmnnx train saves its step and exits with 143). Example: "
+    "mmnnx launch -n 2 --devices-per-process 4 -- python train.py"
+)
+
+
 def add_parser(commands: Any) -> None:
-    launch = commands.add_parser(
-        "launch",
-        help="run a command as several local processes joined by mm.distributed.initialize",
-        description="Run COMMAND as N processes on this machine (coordinator on 127.0.0.1), "
-        "each output line prefixed with its rank. When one process fails (or stops "
-        "responding, or makes no progress) the others are stopped at once, the one that failed "
-        "first is named, and the exit status is its own; with --max-restarts, all are then "
-        "started again. A SIGTERM is forwarded to every process (mmnnx train saves its step "
-        "and exits with 143). Example: "
-        "mmnnx launch -n 2 --devices-per-process 4 -- python train.py",
-    )
+    """``mmnnx launch``'s parser among ``mmnnx``'s commands (as ``mmnnx --help`` lists them)."""
+    _add_arguments(commands.add_parser("launch", help=_HELP, description=_DESCRIPTION))
+
+
+def main(argv: Sequence[str]) -> int:
+    """``mmnnx launch ARGV``, parsed and run by this module alone (nothing of JAX imported).
+
+    Example (a command that cannot be started: status 2, the reason on stderr):
+        >>> main(["-n", "2", "--", "no-such-command"])
+        2
+    """
+    parser = Parser(prog="mmnnx launch", description=_DESCRIPTION)
+    _add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def _add_arguments(launch: argparse.ArgumentParser) -> None:
     nprocs = functools.partial(positive, "-n")
     launch.add_argument("-n", "--nprocs", type=nprocs, required=True, metavar="N")
     add_fields(launch, dataclasses.fields(Options))

@@ -7,67 +7,8 @@ Example:
     ([97], 'Checkpointer', '1f1b')
 """
 
-from mmnnx.train.checkpoint import (
-    CheckpointCorruptError,
-    CheckpointDirectoryBusyError,
-    Checkpointer,
-    CheckpointMismatchError,
-    NoReadableCheckpointError,
-    Resumed,
-    Skipped,
-)
-from mmnnx.train.config import RunConfig, gpt_config, train_config
-from mmnnx.train.corpus import text_chunks, token_file
-from mmnnx.train.data import DataStateError, TextDataset, embedded_text, load_text
-from mmnnx.train.generation import LoadedRun, RunError, continue_text, load_run
-from mmnnx.train.loop import FitResult, TrainConfig, fit, make_optimizer
-from mmnnx.train.router_metrics import RouterMetrics, router_metrics
-from mmnnx.train.run_config import ConfigError, read_config, resolved_config, write_config
-from mmnnx.train.tokenizers import (
-    BPETokenizer,
-    ByteTokenizer,
-    HFTokenizer,
-    Tokenizer,
-    load_tokenizer,
-)
-from mmnnx.train.wandb_writer import WandbStartError, WandbWriter
+import lazy_loader
 
-__all__ = [
-    "BPETokenizer",
-    "ByteTokenizer",
-    "CheckpointCorruptError",
-    "CheckpointDirectoryBusyError",
-    "CheckpointMismatchError",
-    "ConfigError",
-    "DataStateError",
-    "Checkpointer",
-    "FitResult",
-    "HFTokenizer",
-    "LoadedRun",
-    "NoReadableCheckpointError",
-    "Resumed",
-    "RouterMetrics",
-    "RunConfig",
-    "RunError",
-    "Skipped",
-    "TextDataset",
-    "Tokenizer",
-    "TrainConfig",
-    "WandbStartError",
-    "WandbWriter",
-    "continue_text",
-    "embedded_text",
-    "fit",
-    "gpt_config",
-    "load_run",
-    "load_text",
-    "load_tokenizer",
-    "make_optimizer",
-    "read_config",
-    "resolved_config",
-    "router_metrics",
-    "write_config",
-    "text_chunks",
-    "train_config",
-    "token_file",
-]
+# Each name is imported on first use, from where __init__.pyi says: `mmnnx launch` and the
+# command line's parsing import nothing of JAX.
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)

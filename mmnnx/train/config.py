@@ -24,6 +24,7 @@ from mmnnx.train.options import (
     split_or,
     step_range,
     switch,
+    tables,
 )
 
 T, G = TrainConfig, GPTConfig  # whose defaults the options feeding them take
@@ -375,20 +376,10 @@ and outputs. Every other option is recorded with each checkpoint and must match 
 (``mmnnx.train.run_record``); an option added later is so recorded unless named here."""
 
 
-def tables(schema: type = RunConfig) -> dict[str, tuple[dataclasses.Field, ...]]:
-    """Each table of ``schema`` (a dataclass of dataclasses) and its options' fields.
-
-    Example:
-        >>> [f.name for f in tables()["precision"]]
-        ['dtype', 'clip_grad_norm']
-    """
-    return {t.name: dataclasses.fields(t.default_factory) for t in dataclasses.fields(schema)}
-
-
 def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
     """The fields of ``target`` that options in ``values`` set, by their names there."""
     names = {f.name for f in dataclasses.fields(target)}
-    options = [(spec(f).api or f.name, f) for fields in tables().values() for f in fields]
+    options = [(spec(f).api or f.name, f) for fields in tables(RunConfig).values() for f in fields]
     return {
         name: values[f.name]
         for name, f in options

@@ -177,3 +177,14 @@ def split_or(choices: Sequence[str]) -> Parse:
         return ",".join(str(int(p)) for p in parts)
 
     return parse
+
+
+def tables(schema: type) -> dict[str, tuple[dataclasses.Field, ...]]:
+    """Each table of ``schema`` (a dataclass of dataclasses of option fields) and its fields.
+
+    Example:
+        >>> from mmnnx.train.config import RunConfig
+        >>> [f.name for f in tables(RunConfig)["precision"]]
+        ['dtype', 'clip_grad_norm']
+    """
+    return {t.name: dataclasses.fields(t.default_factory) for t in dataclasses.fields(schema)}

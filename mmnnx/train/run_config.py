@@ -15,8 +15,8 @@ from typing import Any
 
 import tomli_w
 
-from mmnnx.train.config import RunConfig, tables
-from mmnnx.train.options import Option, spec
+from mmnnx.train.config import RunConfig
+from mmnnx.train.options import Option, spec, tables
 
 CONFIG_FILE = "config.toml"  # the resolved config a run writes into its output directory
 

@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from mmnnx.train.checkpoint import CheckpointCorruptError, Checkpointer
-from mmnnx.train.config import MAY_CHANGE_ON_RESUME, tables
-from mmnnx.train.options import spec
+from mmnnx.train.config import MAY_CHANGE_ON_RESUME, RunConfig
+from mmnnx.train.options import spec, tables
 from mmnnx.train.tokenizers import Tokenizer, fingerprint
 
 KEY = "run"
 """The entry of a checkpoint's ``extra`` holding the record."""
 
-_FIELDS = {f.name: f for fields in tables().values() for f in fields}
+_FIELDS = {f.name: f for fields in tables(RunConfig).values() for f in fields}
 
 
 def _recorded(name: str, value: Any) -> Any:
@@ -158,7 +158,7 @@ def may_change() -> str:
         'a resumed run may change only its [layout], [logging] and [outputs] options, ...'
     """
     whole, flags = [], []
-    for title, fields in tables().items():
+    for title, fields in tables(RunConfig).items():
         changing = [f for f in fields if f.name in MAY_CHANGE_ON_RESUME]
         if len(changing) == len(fields):
             whole.append(f"[{title}]")

@@ -1,0 +1,41 @@
+"""The names ``mmnnx`` exports, for type checkers and editors; ``__init__.py`` imports each
+on first use (``lazy_loader.attach_stub`` reads this file)."""
+
+from . import distributed as distributed
+from . import models as models
+from . import modules as modules
+from . import mpmd as mpmd
+from . import schedules as schedules
+from . import train as train
+from .errors import UnrolledLayersWarning as UnrolledLayersWarning
+from .jit import CachedPartial as CachedPartial
+from .jit import JitFunction as JitFunction
+from .jit import cached_partial as cached_partial
+from .jit import jit as jit
+from .microbatch import microbatch as microbatch
+from .models.stages import stage_rules as stage_rules
+from .mpmd import MPMDError as MPMDError
+from .mpmd import PlacementConflictError as PlacementConflictError
+from .mpmd import Plan as Plan
+from .mpmd import SideEffectError as SideEffectError
+from .mpmd import StepError as StepError
+from .mpmd import UnrolledMicrobatchWarning as UnrolledMicrobatchWarning
+from .mpmd.lower.pack import PACK_RESIDUAL_BYTES as PACK_RESIDUAL_BYTES
+from .mpmd.lower.pack import PACK_WEIGHT_BYTES as PACK_WEIGHT_BYTES
+from .mpmd.trace.annotations import task as task
+from .mpmd.trace.annotations import with_sharding_constraint as with_sharding_constraint
+from .sharding import MultiMesh as MultiMesh
+from .sharding import Task as Task
+from .sharding import TaskMesh as TaskMesh
+from .sharding import TaskStack as TaskStack
+from .sharding import bytes_per_device as bytes_per_device
+from .sharding import current_multimesh as current_multimesh
+from .sharding import init as init
+from .sharding import logical_rules as logical_rules
+from .sharding import place as place
+from .sharding import place_optimizer as place_optimizer
+from .sharding import placement as placement
+from .sharding import stack_of as stack_of
+from .sharding import task_of as task_of
+from .summary import tabulate as tabulate
+from .timeline import plot_timeline as plot_timeline

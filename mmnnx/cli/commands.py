@@ -1,0 +1,90 @@
+"""The ``mmnnx`` command line's parser of every command, and the dispatch to each command's
+module (``mmnnx launch`` reaches :mod:`~mmnnx.cli.launch` without it: see :mod:`mmnnx.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from collections.abc import Sequence
+
+from mmnnx.cli import export, generate, launch, train
+from mmnnx.cli.flags import GIVEN, Parser, given
+from mmnnx.train.config import RunConfig
+from mmnnx.train.options import spec, tables
+from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, with the flags not given
+    taken from ``--config FILE`` and, with ``--resume``, from the run's saved
+    ``OUTPUT_DIR/config.toml``, in that order, before the flags' defaults (a bad file, or
+    none where ``--resume`` finds checkpoints: ``ConfigError``).
+    ``mmnnx.cli.flags.given(args)`` names the options set on the command line or in
+    ``--config`` (not those from the resumed run or the defaults).
+
+    Example:
+        >>> parse_args(["train", "--dim", "64"]).dim
+        64
+    """
+    parser = Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    train_parser = train.add_parser(commands)
+    launch.add_parser(commands)
+    generate.add_parser(commands)
+    export.add_parser(commands)
+    args = parser.parse_args(argv)
+    if args.command != "train":
+        return args
+    given_in_file = read_config(args.config) if args.config else {}
+    if given_in_file:
+        train_parser.set_defaults(**given_in_file)
+        args = parser.parse_args(argv)
+    saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
+    if args.resume and not saved_file.is_file() and _has_steps(args):
+        raise ConfigError(
+            f"--resume: {saved_file} is missing; a resumed run takes the options it is not "
+            "given from the config.toml its run wrote"
+        )
+    if args.resume and saved_file.is_file():
+        saved = read_config(saved_file)
+        for field in (f for fs in tables(RunConfig).values() for f in fs if not spec(f).from_run):
+            saved.pop(field.name, None)
+        train_parser.set_defaults(**{**saved, **given_in_file})
+        args = parser.parse_args(argv)
+        print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
+    setattr(args, GIVEN, given(args) | set(given_in_file))
+    return args
+
+
+def _has_steps(args: argparse.Namespace) -> bool:
+    """Whether the run's checkpoint directory holds a step directory (complete or not)."""
+    checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
+    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command ``argv`` names (``mmnnx.cli.main`` without its shortcut for launch).
+
+    Example (the reason goes to stderr; bad flags exit with status 2):
+        >>> main(["train", "--stages", "3", "--devices", "4"])
+        2
+    """
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        return train.error(str(e))
+    if args.command == "launch":
+        return launch.run(args)
+    if args.command == "generate":
+        return generate.run(args)
+    if args.command == "export":
+        return export.run(args)
+    problem = train.check(args)
+    if problem:
+        return train.error(problem)
+    status = train.run(args)
+    from mmnnx.distributed import fail, is_distributed  # noqa: PLC0415
+
+    if status != 0 and is_distributed():  # one process failing ends all at once, telling them
+        fail(status)
+    return status

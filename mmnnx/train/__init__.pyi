@@ -1,0 +1,40 @@
+"""The names ``mmnnx.train`` exports, for type checkers and editors; ``__init__.py`` imports each
+on first use (``lazy_loader.attach_stub`` reads this file)."""
+
+from .checkpoint import CheckpointCorruptError as CheckpointCorruptError
+from .checkpoint import CheckpointDirectoryBusyError as CheckpointDirectoryBusyError
+from .checkpoint import Checkpointer as Checkpointer
+from .checkpoint import CheckpointMismatchError as CheckpointMismatchError
+from .checkpoint import NoReadableCheckpointError as NoReadableCheckpointError
+from .checkpoint import Resumed as Resumed
+from .checkpoint import Skipped as Skipped
+from .config import RunConfig as RunConfig
+from .config import gpt_config as gpt_config
+from .config import train_config as train_config
+from .corpus import text_chunks as text_chunks
+from .corpus import token_file as token_file
+from .data import DataStateError as DataStateError
+from .data import TextDataset as TextDataset
+from .data import embedded_text as embedded_text
+from .data import load_text as load_text
+from .generation import LoadedRun as LoadedRun
+from .generation import RunError as RunError
+from .generation import continue_text as continue_text
+from .generation import load_run as load_run
+from .loop import FitResult as FitResult
+from .loop import TrainConfig as TrainConfig
+from .loop import fit as fit
+from .loop import make_optimizer as make_optimizer
+from .router_metrics import RouterMetrics as RouterMetrics
+from .router_metrics import router_metrics as router_metrics
+from .run_config import ConfigError as ConfigError
+from .run_config import read_config as read_config
+from .run_config import resolved_config as resolved_config
+from .run_config import write_config as write_config
+from .tokenizers import BPETokenizer as BPETokenizer
+from .tokenizers import ByteTokenizer as ByteTokenizer
+from .tokenizers import HFTokenizer as HFTokenizer
+from .tokenizers import Tokenizer as Tokenizer
+from .tokenizers import load_tokenizer as load_tokenizer
+from .wandb_writer import WandbStartError as WandbStartError
+from .wandb_writer import WandbWriter as WandbWriter
