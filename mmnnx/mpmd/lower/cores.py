@@ -65,7 +65,7 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     shared: set[int] = set()  # fragments alike another, as a whole or by their core
     for group in groups.values():
         references: list[Fragment] = []
-        for frag in sorted(group, key=lambda f: len(f.ops)):
+        for frag in sorted(group, key=_size):
             parts = None
             if id(frag) not in fused:
                 parts = next(
@@ -127,7 +127,7 @@ def _lend_residuals(
         if outside is None:
             outside = _read_outside_stages(graph, pipeline)
         elsewhere = outside.union(*(f.in_ids for k, f in pipeline.stages.items() if k[1] != stage))
-        for reference in sorted(forwards.values(), key=lambda f: len(f.ops)):
+        for reference in sorted(forwards.values(), key=_size):
             shape = reference.task.jax_mesh.devices.shape
             if reference is frag or shape != frag.task.jax_mesh.devices.shape:
                 continue
@@ -219,6 +219,11 @@ def _index(op: Op) -> int:
     return op.index
 
 
+def _size(frag: Fragment) -> int:
+    """The number of ops a program of ``frag`` runs (a core of a smaller one is not in it)."""
+    return len(live_view(frag)[0])
+
+
 def _read_outside_stages(graph: Graph, pipeline: Pipeline) -> set[int]:
     """The values the step returns or an op in no stage fragment reads (a microbatch sum, a
     marker, an update)."""
@@ -290,8 +295,6 @@ def _cut(
     whole = alike.fragment(frag)
     if whole is not None and whole == alike.fragment(reference):
         return [frag]
-    if len(reference.ops) > len(frag.ops):
-        return None
     match = _match(frag, reference, keys)
     if match is None:
         return None
@@ -304,7 +307,35 @@ def _cut(
         out_ids=[values[v] for v in reference.out_ids],
         kinds=reference.kinds,
     )
-    return _around(graph, frag, _with_constraints(frag, core), replicas)
+    core = _with_constraints(frag, _reading_constraints(frag, core))
+    return _around(graph, frag, core, replicas)
+
+
+def _reading_constraints(frag: Fragment, core: Fragment) -> Fragment:
+    """``core`` reading, in place of a value made before it that a sharding constraint of
+    ``frag`` on one device reads (the core's ops read it as its operand), that constraint's
+    result: made before the core, it is what the core and the rest both read (a first stage's
+    embedded tokens, which its backward reads too), and no part after the core has to make it."""
+    if core.task.jax_mesh.size != 1:
+        return core
+    inside = {id(op) for op in core.ops}
+    result: dict[int, int] = {}
+    for op in frag.ops:
+        if is_constraint(op) and id(op) not in inside and type(op.ins[0]) is int:
+            result.setdefault(op.ins[0], op.outs[0])
+    renamed = {v: result[v] for v in core.in_ids if v in result and v not in frag.in_ids}
+    if not renamed:
+        return core
+    ops = [
+        op
+        if not any(type(a) is int and a in renamed for a in op.ins)
+        else dataclasses.replace(
+            op, ins=[renamed.get(a, a) if type(a) is int else a for a in op.ins]
+        )
+        for op in core.ops
+    ]
+    in_ids = [renamed.get(v, v) for v in core.in_ids]
+    return dataclasses.replace(core, ops=ops, in_ids=in_ids)
 
 
 def _with_constraints(frag: Fragment, core: Fragment) -> Fragment:
