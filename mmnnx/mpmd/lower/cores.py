@@ -53,7 +53,7 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     keys = _OpKeys(graph)
     alike = AlikeKeys(graph)
     replicas = _replicas(pipeline)
-    pipeline = _lend_residuals(graph, pipeline, keys, alike, replicas, fused)
+    pipeline, known = _lend_residuals(graph, pipeline, keys, alike, replicas, fused)
     replicas = _replicas(pipeline)
     label_of = {id(f): (f.task.name, kind, stage) for (kind, stage), f in pipeline.stages.items()}
     groups: dict[Hashable, list[Fragment]] = {}
@@ -65,9 +65,9 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     shared: set[int] = set()  # fragments alike another, as a whole or by their core
     for group in groups.values():
         references: list[Fragment] = []
-        for frag in sorted(group, key=_size):
-            parts = None
-            if id(frag) not in fused:
+        for frag in sorted(group, key=lambda f: len(keys.live(f)[0])):
+            parts = known.get(id(frag))
+            if parts is None and id(frag) not in fused:
                 parts = next(
                     (
                         p
@@ -110,16 +110,18 @@ def _lend_residuals(
     alike: AlikeKeys,
     replicas: set[int],
     fused: set[int],
-) -> Pipeline:
+) -> tuple[Pipeline, dict[int, list[Fragment]]]:
     """``pipeline`` with each stage forward that lacks, of another forward's ops, only ones its
     backward makes from the forward's values taking those from its backward, when it then holds
     that forward's core: the forward returns their results and its backward fragments read
     them. A first stage reads nothing from an earlier one, so the planner leaves the ops that
     only its backward reads (a norm's ``2 * x``, its rsqrt's derivative) to its backward, where
-    a middle stage's forward makes them and returns them as residuals."""
+    a middle stage's forward makes them and returns them as residuals; and the parts of each
+    forward so changed (by id)."""
     forwards = {s: f for (kind, s), f in pipeline.stages.items() if kind == "F"}
     outside: set[int] | None = None
     replaced: dict[int, Fragment] = {}
+    cut: dict[int, list[Fragment]] = {}
     for stage, frag in forwards.items():
         backs = {k: f for k, f in pipeline.stages.items() if k[1] == stage and k[0] != "F"}
         if not backs or any(id(f) in fused for f in (frag, *backs.values())):
@@ -127,22 +129,24 @@ def _lend_residuals(
         if outside is None:
             outside = _read_outside_stages(graph, pipeline)
         elsewhere = outside.union(*(f.in_ids for k, f in pipeline.stages.items() if k[1] != stage))
-        for reference in sorted(forwards.values(), key=_size):
+        for reference in sorted(forwards.values(), key=lambda f: len(keys.live(f)[0])):
             shape = reference.task.jax_mesh.devices.shape
             if reference is frag or shape != frag.task.jax_mesh.devices.shape:
                 continue
             lent = _lent(graph, frag, reference, backs, keys, alike, replicas, elsewhere)
             if lent is not None:
-                replaced[id(frag)] = lent[0]
-                replaced.update({id(backs[k]): f for k, f in lent[1].items()})
+                forward, new_backs, cut[id(forward)] = lent
+                replaced[id(frag)] = forward
+                replaced.update({id(backs[k]): f for k, f in new_backs.items()})
                 break
     if not replaced:
-        return pipeline
-    return dataclasses.replace(
+        return pipeline, cut
+    pipeline = dataclasses.replace(
         pipeline,
         stages={k: replaced.get(id(f), f) for k, f in pipeline.stages.items()},
         order=[(replaced.get(id(f), f), m) for f, m in pipeline.order],
     )
+    return pipeline, cut
 
 
 def _lent(
@@ -154,14 +158,14 @@ def _lent(
     alike: AlikeKeys,
     replicas: set[int],
     elsewhere: set[int],
-) -> tuple[Fragment, dict[Hashable, Fragment]] | None:
+) -> tuple[Fragment, dict[Hashable, Fragment], list[Fragment]] | None:
     """``frag`` with the ops it lacks to hold ``reference``'s core taken from its backward
-    fragments ``backs`` (see :func:`_lend_residuals`), and those without them; ``None`` if it
-    lacks none, or others too, or would still not be cut. ``elsewhere``: the values read
-    outside ``frag`` and ``backs``."""
-    wanted = [keys(op) for op in live_view(reference)[0]]
+    fragments ``backs`` (see :func:`_lend_residuals`), those without them, and its parts around
+    the core; ``None`` if it lacks none, or others too, or would still not be cut.
+    ``elsewhere``: the values read outside ``frag`` and ``backs``."""
+    wanted = [keys(op) for op in keys.live(reference)[0]]
     missing = collections.Counter(wanted) - collections.Counter(
-        keys(op) for op in live_view(frag)[0]
+        keys(op) for op in keys.live(frag)[0]
     )
     if not missing or None in missing:
         return None
@@ -210,18 +214,14 @@ def _lent(
         out_ids=[v for v in (*frag.out_ids, *made) if v in read],
         kinds=kinds_of(forward_ops, after_backward(graph)),
     )
-    if _cut(graph, forward, reference, keys, alike, replicas - moved) is None:
+    parts = _around_core(graph, forward, reference, match, replicas - moved)
+    if parts is None:
         return None
-    return forward, new_backs
+    return forward, new_backs, parts
 
 
 def _index(op: Op) -> int:
     return op.index
-
-
-def _size(frag: Fragment) -> int:
-    """The number of ops a program of ``frag`` runs (a core of a smaller one is not in it)."""
-    return len(live_view(frag)[0])
 
 
 def _read_outside_stages(graph: Graph, pipeline: Pipeline) -> set[int]:
@@ -269,11 +269,19 @@ def _replicas(pipeline: Pipeline) -> set[int]:
 
 
 class _OpKeys:
-    """Each op's :func:`op_key`, made once."""
+    """Each op's :func:`op_key` and each fragment's :func:`live_view`, made once."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
         self._keys: dict[int, Hashable | None] = {}
+        self._live: dict[int, tuple[Fragment, tuple[list[Op], dict[int, int]]]] = {}
+
+    def live(self, frag: Fragment) -> tuple[list[Op], dict[int, int]]:
+        """``live_view(frag)``."""
+        known = self._live.get(id(frag))
+        if known is None:
+            known = self._live[id(frag)] = (frag, live_view(frag))
+        return known[1]
 
     def __call__(self, op: Op) -> Hashable | None:
         key = self._keys.get(id(op), self)
@@ -298,6 +306,18 @@ def _cut(
     match = _match(frag, reference, keys)
     if match is None:
         return None
+    return _around_core(graph, frag, reference, match, replicas)
+
+
+def _around_core(
+    graph: Graph,
+    frag: Fragment,
+    reference: Fragment,
+    match: tuple[list[Op], dict],
+    replicas: set[int],
+) -> list[Fragment] | None:
+    """``frag`` cut around the core of its ops ``match`` found alike ``reference``'s (see
+    :func:`_cut`)."""
     ops, values = match
     core = Fragment(
         name=f"{frag.name}.core",
@@ -381,8 +401,8 @@ def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op]
     in the reference's order: its inputs then take the places they have there, and the core
     reads them as the reference does), and the others tried in turn, the later matches undone,
     when a later op then fits none (at most :data:`_MAX_RETRIES` times)."""
-    wanted, seen_as = live_view(reference)
-    live, stands_for = live_view(frag)
+    wanted, seen_as = keys.live(reference)
+    live, stands_for = keys.live(frag)
     need = collections.Counter(keys(op) for op in wanted)
     if None in need:
         return None
