@@ -718,7 +718,17 @@ def test_timeline_covers_every_action_and_transfer_once(tasks, tokens):
     step = mm.jit(mm.microbatch(nnx.value_and_grad(loss_fn), num=M, reduce="mean"))
     events = step.timeline(model, tokens)
     actions = [e for e in events if e.kind != "T"]
-    schedule = step.plan(model, tokens).pipeline.schedule
+    pipeline = step.plan(model, tokens).pipeline
+    schedule = pipeline.schedule
+    # an action cut around a core (share_cores) starts with its part before the core, which
+    # may run before a transfer its core reads arrives (the first stage's backward remakes
+    # the embedded tokens)
+    early = {
+        (kind, stage)
+        for frag, _ in pipeline.order
+        if frag.name.endswith(".before")
+        for _, kind, stage, _ in [pipeline.parts[id(frag)]]
+    }
     rank = [f"t{r}" for r in schedule.stage_to_rank]
     expected = sorted(
         (f"t{schedule.stage_to_rank[a.stage]}", a.kind, a.stage, a.microbatch)
@@ -743,7 +753,8 @@ def test_timeline_covers_every_action_and_transfer_once(tasks, tokens):
         reader = at[(t.carries, t.stage + (1 if t.carries == "F" else -1), t.microbatch)]
         made = at[(t.carries, t.stage, t.microbatch)]
         assert (t.source, t.rank) == (rank[t.stage], reader.rank)
-        assert made.end <= t.start <= t.end <= reader.start
+        assert made.end <= t.start <= t.end
+        assert t.end <= (reader.end if (reader.kind, reader.stage) in early else reader.start)
     figure = mm.plot_timeline(events)
     assert len(figure.axes[0].patches) == len(events)  # a box per action, a bar per transfer
 

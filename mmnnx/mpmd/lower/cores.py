@@ -22,6 +22,14 @@ laid out as no other backward reads them). Ops recomputed in every fragment that
 (index arithmetic, slices of the batch, small tables) are recomputed in each part that reads
 them. What one part passes the next travels alone, never packed
 (:mod:`~mmnnx.mpmd.lower.pack`), as the value the core stands for crosses between stages.
+
+A first stage's forward reads nothing from an earlier stage, so the planner leaves the ops only
+its backward reads (a norm's ``2 * x``, its rsqrt's derivative) to its backward, where a middle
+stage's forward makes them and returns them as residuals: its block ops are not a middle
+stage's. Before cutting, such a forward takes from its backward the ops it lacks to hold a
+middle stage's core (ops of the backward that read only the forward's values), and returns
+their results; its backward then reads them, and reads the core's results it recomputed
+(:func:`_lend_residuals`), so its forward and backward are cut alike the middle stage's.
 """
 
 from __future__ import annotations
@@ -238,6 +246,8 @@ def _read_outside_stages(graph: Graph, pipeline: Pipeline) -> set[int]:
 def _without(graph: Graph, frag: Fragment, moved: set[int]) -> Fragment:
     """``frag`` without the ops of ``moved`` (by index) and those only they needed, reading
     what they made."""
+    if not any(op.index in moved for op in frag.ops):
+        return frag
     needed = set(frag.out_ids)
     ops: list[Op] = []
     for op in reversed(frag.ops):
@@ -246,9 +256,10 @@ def _without(graph: Graph, frag: Fragment, moved: set[int]) -> Fragment:
             needed.update(a for a in op.ins if type(a) is int)
     ops.reverse()
     made = {v for op in ops for v in op.outs}
-    in_ids = list(
-        dict.fromkeys(a for op in ops for a in op.ins if type(a) is int and a not in made)
-    )
+    read = dict.fromkeys(a for op in ops for a in op.ins if type(a) is int and a not in made)
+    still = [v for v in frag.in_ids if v in read]  # in their order, then the new ones
+    before = set(frag.in_ids)
+    in_ids = still + [v for v in read if v not in before]
     return dataclasses.replace(
         frag, ops=ops, in_ids=in_ids, kinds=kinds_of(ops, after_backward(graph))
     )
