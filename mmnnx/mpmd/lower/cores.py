@@ -22,6 +22,14 @@ laid out as no other backward reads them). Ops recomputed in every fragment that
 (index arithmetic, slices of the batch, small tables) are recomputed in each part that reads
 them. What one part passes the next travels alone, never packed
 (:mod:`~mmnnx.mpmd.lower.pack`), as the value the core stands for crosses between stages.
+
+A first stage's forward reads nothing from an earlier stage, so the planner leaves the ops only
+its backward reads (a norm's ``2 * x``, its rsqrt's derivative) to its backward, where a middle
+stage's forward makes them and returns them as residuals: its block ops are not a middle
+stage's. Before cutting, such a forward takes from its backward the ops it lacks to hold a
+middle stage's core (ops of the backward that read only the forward's values), and returns
+their results; its backward then reads them, and reads the core's results it recomputed
+(:func:`_lend_residuals`), so its forward and backward are cut alike the middle stage's.
 """
 
 from __future__ import annotations
@@ -53,6 +61,8 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     keys = _OpKeys(graph)
     alike = AlikeKeys(graph)
     replicas = _replicas(pipeline)
+    pipeline, known = _lend_residuals(graph, pipeline, keys, alike, replicas, fused)
+    replicas = _replicas(pipeline)
     label_of = {id(f): (f.task.name, kind, stage) for (kind, stage), f in pipeline.stages.items()}
     groups: dict[Hashable, list[Fragment]] = {}
     for (kind, _), frag in pipeline.stages.items():
@@ -63,9 +73,9 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     shared: set[int] = set()  # fragments alike another, as a whole or by their core
     for group in groups.values():
         references: list[Fragment] = []
-        for frag in sorted(group, key=lambda f: len(f.ops)):
-            parts = None
-            if id(frag) not in fused:
+        for frag in sorted(group, key=lambda f: len(keys.live(f)[0])):
+            parts = known.get(id(frag))
+            if parts is None and id(frag) not in fused:
                 parts = next(
                     (
                         p
@@ -101,6 +111,160 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     )
 
 
+def _lend_residuals(
+    graph: Graph,
+    pipeline: Pipeline,
+    keys: _OpKeys,
+    alike: AlikeKeys,
+    replicas: set[int],
+    fused: set[int],
+) -> tuple[Pipeline, dict[int, list[Fragment]]]:
+    """``pipeline`` with each stage forward that lacks, of another forward's ops, only ones its
+    backward makes from the forward's values taking those from its backward, when it then holds
+    that forward's core: the forward returns their results and its backward fragments read
+    them. A first stage reads nothing from an earlier one, so the planner leaves the ops that
+    only its backward reads (a norm's ``2 * x``, its rsqrt's derivative) to its backward, where
+    a middle stage's forward makes them and returns them as residuals; and the parts of each
+    forward so changed (by id)."""
+    forwards = {s: f for (kind, s), f in pipeline.stages.items() if kind == "F"}
+    outside: set[int] | None = None
+    replaced: dict[int, Fragment] = {}
+    cut: dict[int, list[Fragment]] = {}
+    for stage, frag in forwards.items():
+        backs = {k: f for k, f in pipeline.stages.items() if k[1] == stage and k[0] != "F"}
+        if not backs or any(id(f) in fused for f in (frag, *backs.values())):
+            continue
+        if outside is None:
+            outside = _read_outside_stages(graph, pipeline)
+        elsewhere = outside.union(*(f.in_ids for k, f in pipeline.stages.items() if k[1] != stage))
+        for reference in sorted(forwards.values(), key=lambda f: len(keys.live(f)[0])):
+            shape = reference.task.jax_mesh.devices.shape
+            if reference is frag or shape != frag.task.jax_mesh.devices.shape:
+                continue
+            lent = _lent(graph, frag, reference, backs, keys, alike, replicas, elsewhere)
+            if lent is not None:
+                forward, new_backs, cut[id(forward)] = lent
+                replaced[id(frag)] = forward
+                replaced.update({id(backs[k]): f for k, f in new_backs.items()})
+                break
+    if not replaced:
+        return pipeline, cut
+    pipeline = dataclasses.replace(
+        pipeline,
+        stages={k: replaced.get(id(f), f) for k, f in pipeline.stages.items()},
+        order=[(replaced.get(id(f), f), m) for f, m in pipeline.order],
+    )
+    return pipeline, cut
+
+
+def _lent(
+    graph: Graph,
+    frag: Fragment,
+    reference: Fragment,
+    backs: dict[Hashable, Fragment],
+    keys: _OpKeys,
+    alike: AlikeKeys,
+    replicas: set[int],
+    elsewhere: set[int],
+) -> tuple[Fragment, dict[Hashable, Fragment], list[Fragment]] | None:
+    """``frag`` with the ops it lacks to hold ``reference``'s core taken from its backward
+    fragments ``backs`` (see :func:`_lend_residuals`), those without them, and its parts around
+    the core; ``None`` if it lacks none, or others too, or would still not be cut.
+    ``elsewhere``: the values read outside ``frag`` and ``backs``."""
+    wanted = [keys(op) for op in keys.live(reference)[0]]
+    missing = collections.Counter(wanted) - collections.Counter(
+        keys(op) for op in keys.live(frag)[0]
+    )
+    if not missing or None in missing:
+        return None
+    available = {*frag.in_ids, *(v for op in frag.ops for v in op.outs)}
+    returned = {v for b in backs.values() for v in b.out_ids}
+    theirs = {op.index: op for b in backs.values() for op in b.ops}
+    for op in frag.ops:  # recomputed in both
+        theirs.pop(op.index, None)
+    candidates: dict[int, Op] = {}
+    for op in sorted(theirs.values(), key=_index):
+        ready = all(a in available for a in op.ins if type(a) is int)
+        if ready and not op.effectful and not any(v in returned for v in op.outs):
+            candidates[op.index] = op
+            available.update(op.outs)
+    lent = list(candidates.values())
+    if not lent:
+        return None
+    ops = sorted([*frag.ops, *lent], key=_index)
+    widened = dataclasses.replace(
+        frag, ops=ops, out_ids=[*frag.out_ids, *(v for op in lent for v in op.outs)]
+    )
+    match = _match(widened, reference, keys)
+    if match is None:
+        return None
+    ops, values = match
+    matched = {op.index for op in ops}
+    lent_by = {v: op for op in lent for v in op.outs}
+    used = _upstream([v for op in lent if op.index in matched for v in op.outs], lent_by, bool)
+    lent = [op for op in lent if id(op) in used]
+    forward_ops = sorted([*frag.ops, *lent], key=_index)
+    core_out = {values[v] for v in reference.out_ids}
+    mine = {op.index for op in frag.ops}
+    remade = {  # what the backward recomputes of the core's results: read instead
+        op.index
+        for b in backs.values()
+        for op in b.ops
+        if op.index in mine and any(v in core_out for v in op.outs)
+    }
+    moved = remade | {op.index for op in lent}
+    new_backs = {k: _without(graph, b, moved) for k, b in backs.items()}
+    read = elsewhere.union(*(b.in_ids for b in new_backs.values()))
+    made = [v for op in forward_ops for v in op.outs if v not in frag.out_ids]
+    forward = dataclasses.replace(
+        frag,
+        ops=forward_ops,
+        out_ids=[v for v in (*frag.out_ids, *made) if v in read],
+        kinds=kinds_of(forward_ops, after_backward(graph)),
+    )
+    parts = _around_core(graph, forward, reference, match, replicas - moved)
+    if parts is None:
+        return None
+    return forward, new_backs, parts
+
+
+def _index(op: Op) -> int:
+    return op.index
+
+
+def _read_outside_stages(graph: Graph, pipeline: Pipeline) -> set[int]:
+    """The values the step returns or an op in no stage fragment reads (a microbatch sum, a
+    marker, an update)."""
+    staged = {op.index for frag in pipeline.stages.values() for op in frag.ops}
+    read = {a for a in graph.outputs if type(a) is int}
+    for op in graph.ops:
+        if op.index not in staged:
+            read.update(a for a in op.ins if type(a) is int)
+    return read
+
+
+def _without(graph: Graph, frag: Fragment, moved: set[int]) -> Fragment:
+    """``frag`` without the ops of ``moved`` (by index) and those only they needed, reading
+    what they made."""
+    if not any(op.index in moved for op in frag.ops):
+        return frag
+    needed = set(frag.out_ids)
+    ops: list[Op] = []
+    for op in reversed(frag.ops):
+        if op.index not in moved and (op.effectful or any(v in needed for v in op.outs)):
+            ops.append(op)
+            needed.update(a for a in op.ins if type(a) is int)
+    ops.reverse()
+    made = {v for op in ops for v in op.outs}
+    read = dict.fromkeys(a for op in ops for a in op.ins if type(a) is int and a not in made)
+    still = [v for v in frag.in_ids if v in read]  # in their order, then the new ones
+    before = set(frag.in_ids)
+    in_ids = still + [v for v in read if v not in before]
+    return dataclasses.replace(
+        frag, ops=ops, in_ids=in_ids, kinds=kinds_of(ops, after_backward(graph))
+    )
+
+
 def _fused_fragments(pipeline: Pipeline) -> set[int]:
     """The fragments run as half of an overlapped pair (by id)."""
     order = pipeline.order
@@ -116,11 +280,19 @@ def _replicas(pipeline: Pipeline) -> set[int]:
 
 
 class _OpKeys:
-    """Each op's :func:`op_key`, made once."""
+    """Each op's :func:`op_key` and each fragment's :func:`live_view`, made once."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
         self._keys: dict[int, Hashable | None] = {}
+        self._live: dict[int, tuple[Fragment, tuple[list[Op], dict[int, int]]]] = {}
+
+    def live(self, frag: Fragment) -> tuple[list[Op], dict[int, int]]:
+        """``live_view(frag)``."""
+        known = self._live.get(id(frag))
+        if known is None:
+            known = self._live[id(frag)] = (frag, live_view(frag))
+        return known[1]
 
     def __call__(self, op: Op) -> Hashable | None:
         key = self._keys.get(id(op), self)
@@ -142,11 +314,21 @@ def _cut(
     whole = alike.fragment(frag)
     if whole is not None and whole == alike.fragment(reference):
         return [frag]
-    if len(reference.ops) > len(frag.ops):
-        return None
     match = _match(frag, reference, keys)
     if match is None:
         return None
+    return _around_core(graph, frag, reference, match, replicas)
+
+
+def _around_core(
+    graph: Graph,
+    frag: Fragment,
+    reference: Fragment,
+    match: tuple[list[Op], dict],
+    replicas: set[int],
+) -> list[Fragment] | None:
+    """``frag`` cut around the core of its ops ``match`` found alike ``reference``'s (see
+    :func:`_cut`)."""
     ops, values = match
     core = Fragment(
         name=f"{frag.name}.core",
@@ -156,7 +338,35 @@ def _cut(
         out_ids=[values[v] for v in reference.out_ids],
         kinds=reference.kinds,
     )
-    return _around(graph, frag, _with_constraints(frag, core), replicas)
+    core = _with_constraints(frag, _reading_constraints(frag, core))
+    return _around(graph, frag, core, replicas)
+
+
+def _reading_constraints(frag: Fragment, core: Fragment) -> Fragment:
+    """``core`` reading, in place of a value made before it that a sharding constraint of
+    ``frag`` on one device reads (the core's ops read it as its operand), that constraint's
+    result: made before the core, it is what the core and the rest both read (a first stage's
+    embedded tokens, which its backward reads too), and no part after the core has to make it."""
+    if core.task.jax_mesh.size != 1:
+        return core
+    inside = {id(op) for op in core.ops}
+    result: dict[int, int] = {}
+    for op in frag.ops:
+        if is_constraint(op) and id(op) not in inside and type(op.ins[0]) is int:
+            result.setdefault(op.ins[0], op.outs[0])
+    renamed = {v: result[v] for v in core.in_ids if v in result and v not in frag.in_ids}
+    if not renamed:
+        return core
+    ops = [
+        op
+        if not any(type(a) is int and a in renamed for a in op.ins)
+        else dataclasses.replace(
+            op, ins=[renamed.get(a, a) if type(a) is int else a for a in op.ins]
+        )
+        for op in core.ops
+    ]
+    in_ids = [renamed.get(v, v) for v in core.in_ids]
+    return dataclasses.replace(core, ops=ops, in_ids=in_ids)
 
 
 def _with_constraints(frag: Fragment, core: Fragment) -> Fragment:
@@ -202,8 +412,8 @@ def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op]
     in the reference's order: its inputs then take the places they have there, and the core
     reads them as the reference does), and the others tried in turn, the later matches undone,
     when a later op then fits none (at most :data:`_MAX_RETRIES` times)."""
-    wanted, seen_as = live_view(reference)
-    live, stands_for = live_view(frag)
+    wanted, seen_as = keys.live(reference)
+    live, stands_for = keys.live(frag)
     need = collections.Counter(keys(op) for op in wanted)
     if None in need:
         return None
