@@ -9,8 +9,7 @@ import tomllib
 import pytest
 from rich.console import Console
 
-from mmnnx.cli import main
-from mmnnx.cli.commands import parse_args
+from mmnnx.cli import main, parse_args
 from mmnnx.cli.flags import GIVEN
 from mmnnx.train import TrainConfig
 from mmnnx.train.config import RunConfig

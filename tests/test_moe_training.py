@@ -13,8 +13,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.cli import main
-from mmnnx.cli.commands import parse_args
+from mmnnx.cli import main, parse_args
 from mmnnx.models import GPT, GPTConfig
 from mmnnx.mpmd.schedules import simulate
 from mmnnx.train.config import gpt_config

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.cli.commands import parse_args
+from mmnnx.cli import parse_args
 from multimesh_compat.jax import SCHEDULES as COMPAT_SCHEDULES
 from tests.models import four_tasks, placed_gpt, tiny_gpt
 from tests.oracle import close, trees_close

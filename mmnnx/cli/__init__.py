@@ -11,6 +11,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+import lazy_loader
+
+# parse_args is imported on first use, from commands (which imports the model code and JAX)
+__getattr__, _, _ = lazy_loader.attach(__name__, submod_attrs={"commands": ["parse_args"]})
+__all__ = ["main", "parse_args"]
+
+
+def __dir__() -> list[str]:
+    return __all__
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mmnnx`` console script.

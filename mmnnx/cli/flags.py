@@ -12,7 +12,7 @@ from mmnnx.train.options import spec, tables
 
 GIVEN = "given_flags"
 """The attribute of a parsed namespace naming the options set on the command line (or, as
-``mmnnx.cli.commands.parse_args`` adds, in a ``--config`` file), as opposed to left at their
+``mmnnx.cli.parse_args`` adds, in a ``--config`` file), as opposed to left at their
 defaults."""
 
 

@@ -55,7 +55,7 @@ def problem(args: argparse.Namespace, blocks: int, depth: str) -> str | None:
     ``depth`` as the flags give it), in one line; or None.
 
     Example:
-        >>> from mmnnx.cli.commands import parse_args
+        >>> from mmnnx.cli import parse_args
         >>> problem(parse_args(["train", "--partition", "3,2"]), 4, "--depth 4")
         '--partition 3,2 gives 5 blocks, but --depth 4 has 4'
     """

@@ -56,7 +56,7 @@ def check(args: argparse.Namespace) -> str | None:
     """The first inconsistency among the flags taken together, or None.
 
     Example:
-        >>> from mmnnx.cli.commands import parse_args
+        >>> from mmnnx.cli import parse_args
         >>> check(parse_args(["train", "--depth", "1"]))
         '--depth 1 gives fewer blocks than --stages 2'
     """
