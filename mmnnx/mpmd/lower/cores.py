@@ -42,6 +42,7 @@ from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.lower.alike import AlikeKeys, live_view, op_key
 from mmnnx.mpmd.plan.cut import Fragment, after_backward, kinds_of
 from mmnnx.mpmd.plan.pipeline import Pipeline
+from mmnnx.mpmd.plan.remat import read_outside
 from mmnnx.mpmd.primitives import is_constraint
 
 _MAX_RETRIES = 256  # other fits tried before a fragment is taken to hold no core
@@ -135,7 +136,7 @@ def _lend_residuals(
         if not backs or any(id(f) in fused for f in (frag, *backs.values())):
             continue
         if outside is None:
-            outside = _read_outside_stages(graph, pipeline)
+            outside = read_outside(graph, pipeline.stages)
         elsewhere = outside.union(*(f.in_ids for k, f in pipeline.stages.items() if k[1] != stage))
         for reference in sorted(forwards.values(), key=lambda f: len(keys.live(f)[0])):
             shape = reference.task.jax_mesh.devices.shape
@@ -230,17 +231,6 @@ def _lent(
 
 def _index(op: Op) -> int:
     return op.index
-
-
-def _read_outside_stages(graph: Graph, pipeline: Pipeline) -> set[int]:
-    """The values the step returns or an op in no stage fragment reads (a microbatch sum, a
-    marker, an update)."""
-    staged = {op.index for frag in pipeline.stages.values() for op in frag.ops}
-    read = {a for a in graph.outputs if type(a) is int}
-    for op in graph.ops:
-        if op.index not in staged:
-            read.update(a for a in op.ins if type(a) is int)
-    return read
 
 
 def _without(graph: Graph, frag: Fragment, moved: set[int]) -> Fragment:

@@ -50,7 +50,7 @@ def recompute_residuals(
     """
     replicated = set(replicated)
     excluded = set(excluded)
-    outside = _read_outside(graph, stages)
+    outside = read_outside(graph, stages)
     out = dict(stages)
     for (kind, stage), forward in stages.items():
         if kind != "F":
@@ -77,7 +77,7 @@ def recompute_residuals(
     return out
 
 
-def _read_outside(graph: Graph, stages: dict[tuple[str, int], Fragment]) -> set[int]:
+def read_outside(graph: Graph, stages: dict[tuple[str, int], Fragment]) -> set[int]:
     """Values some op outside the stage fragments reads (a microbatch sum, a marker), or the step
     returns."""
     staged = {op.index for frag in stages.values() for op in frag.ops}
