@@ -58,8 +58,8 @@ def play_issued(
     ended and the host has issued the copy (right before the reader's launch); one read in
     another process leaves once its producer has ended (its host offered it on launching the
     producer) and the reader's host has reached the reader's place in the order, where it
-    waits for the value to arrive before it goes on. Raises ValueError when the order runs an action before one it reads (a schedule that
-    deadlocks: :func:`validate` names it).
+    waits for the value to arrive before it goes on. Raises ValueError when the order runs an
+    action before one it reads (a schedule that deadlocks: :func:`validate` names it).
     """
     rank_of = {a: r for r, row in enumerate(schedule.actions) for a in row}
     present = set(rank_of)
