@@ -31,7 +31,7 @@ time ``mm.schedules.simulate`` predicts from each round's in-pipeline durations 
 link between the processes measured through the runner's route (``measure_transfers``) with
 each boundary's bytes, the host's time per launch (``measure_launch_cost``, the two processes'
 mean) and each process's host issuing its own programs (the receiving one waiting for each
-value, the sending one offering it only when it reaches its reader in the order), against the
+value, the sending one offering it as soon as it has launched its producer), against the
 measured step (both processes start together and it ends when both have their results).
 Target: within 10% for every schedule (medians over the rounds). Reported beside it: the same
 prediction as if one host launched both ranks (no waits), and with neither transfers nor

@@ -22,6 +22,11 @@ issue's overhead harness).
   step measured; the planned split's step time against the fastest one's (target: within 5%,
   planned / best <= 1.05).
 
+- ``gpt_processes``: the ``gpt`` comparison with a core per stage: each stage in a process of
+  its own (``mmnnx launch -n 2 --devices-per-process 1``), each process pinned to one core
+  before JAX starts (where the machine has two), so the stages' programs run at once; each
+  sample the slowest process's median step (7 blocks of 3 steps ended by reading the loss).
+
 Every timing is taken in interleaved rounds (``--rounds N``, default 5; the candidates of a
 section take turns in each round) and reported as the median [min-max] over the rounds, a
 ratio taken per round; targets are checked on the medians.
@@ -39,7 +44,13 @@ for _flag in ("--xla_force_host_platform_device_count=8", "--xla_cpu_multi_threa
         _flags += " " + _flag
 os.environ["XLA_FLAGS"] = _flags.strip()
 
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -51,6 +62,7 @@ from report import (  # noqa: E402
     only_sections,
     per_call,
     ratio_spread,
+    ratios,
     results_path,
     rounds_option,
     run_sections,
@@ -174,8 +186,7 @@ def planned_against_equal(factory, batch, rounds: int) -> dict:
 
 
 def gpt(rounds: int) -> dict:
-    batch = jax.random.randint(jax.random.key(0), GPT_BATCH, 0, GPT_CONFIG.vocab_size)
-    return planned_against_equal(lambda: GPT(GPT_CONFIG, rngs=nnx.Rngs(0)), batch, rounds)
+    return planned_against_equal(_gpt, _gpt_batch(), rounds)
 
 
 def unequal(rounds: int) -> dict:
@@ -207,7 +218,74 @@ def best(rounds: int) -> dict:
     }
 
 
-SECTIONS = {"gpt": gpt, "unequal": unequal, "best": best}
+def gpt_processes(rounds: int) -> dict:
+    """``gpt``'s planned and equal splits, each stage in a process of its own pinned to a core."""
+    abstract, result = plan_for(_gpt, _gpt_batch())
+    splits_ = {"planned": tuple(result.sizes), "equal": equal_split(len(abstract.blocks), 2)}
+    out = interleaved(
+        {name: lambda s=s: _in_two_processes(s) for name, s in splits_.items()}, rounds
+    )
+    return {
+        "layout": "one process per stage, one device and one core each (pinned)",
+        "planned split (blocks per stage)": "/".join(map(str, splits_["planned"])),
+        "planned step ms": spread(out["planned"], 1e3),
+        "equal step ms": spread(out["equal"], 1e3),
+        "equal / planned (target >= 1.15)": ratio_spread(out["equal"], out["planned"]),
+        "target met": median(ratios(out["equal"], out["planned"])) >= 1.15,
+    }
+
+
+def _gpt():
+    return GPT(GPT_CONFIG, rngs=nnx.Rngs(0))
+
+
+def _gpt_batch():
+    return jax.random.randint(jax.random.key(0), GPT_BATCH, 0, GPT_CONFIG.vocab_size)
+
+
+def _in_two_processes(sizes) -> float:
+    """The slowest process's median step time of ``_gpt`` split as ``sizes`` over two processes
+    (one stage each, each pinned to its own core where there are two)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    split = "/".join(map(str, sizes))
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run(
+            [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--devices-per-process", "1",
+             "--", sys.executable, __file__, "--worker", split, out],
+            env=env, check=True, capture_output=True, timeout=900,
+        )  # fmt: skip
+        return max(json.loads(p.read_text()) for p in pathlib.Path(out).glob("rank*.json"))
+
+
+def _worker(split: str, out: str) -> None:
+    """One process of :func:`_in_two_processes`: its stage's median step, written to ``out``."""
+    rank = int(os.environ["MMNNX_PROCESS_ID"])
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    mm.distributed.initialize()
+    tasks_ = [mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
+    with nnx.use_eager_sharding(False):
+        model = _gpt()
+    sizes = tuple(int(n) for n in split.split("/"))
+    model = mm.place(model, split_rules(model, tasks_, sizes))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    step = mm.cached_partial(train_step(), model, opt)
+    batch = _gpt_batch()
+    for _ in range(3):
+        float(mm.distributed.fetch(step(batch)))
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(3):
+            loss = step(batch)
+        float(mm.distributed.fetch(loss))
+        times.append((time.perf_counter() - start) / 3)
+    pathlib.Path(out, f"rank{rank}.json").write_text(json.dumps(statistics.median(times)))
+
+
+SECTIONS = {"gpt": gpt, "unequal": unequal, "best": best, "gpt_processes": gpt_processes}
 
 
 def main(only: list[str] | None, rounds: int):
@@ -216,4 +294,7 @@ def main(only: list[str] | None, rounds: int):
 
 
 if __name__ == "__main__":
-    main(only_sections(sys.argv), rounds_option(sys.argv))
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(*sys.argv[2:4])
+    else:
+        main(only_sections(sys.argv), rounds_option(sys.argv))

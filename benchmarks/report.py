@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import statistics
+import sys
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TypeVar
@@ -179,7 +180,12 @@ def rounds_option(argv: list[str]) -> int:
 
     >>> rounds_option(["x.py", "--rounds", "2"]), rounds_option(["x.py"])
     (2, 5)
+
+    ``--help`` (or ``-h``) prints the running benchmark's docstring and exits instead.
     """
+    if "--help" in argv or "-h" in argv:
+        print(sys.modules["__main__"].__doc__ or "see the benchmark's source")
+        raise SystemExit(0)
     if "--rounds" not in argv:
         return MIN_ROUNDS
     at = argv.index("--rounds") + 1

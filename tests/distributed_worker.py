@@ -179,7 +179,21 @@ def back_to_back(schedule: str = "1f1b", per_task: str | int = 4):
             k: v.tolist()
             for k, v in _flat(mm.distributed.fetch(nnx.state(model, nnx.Param))).items()
         },
+        "transfers": _transfer_order(train_step),
     }
+
+
+def _transfer_order(step) -> list[list]:
+    """This process's ends of the step's transfers between processes, in the order its runner
+    takes them: ``["send" or "receive", kind, stage, microbatch]`` of what each carries."""
+    from mmnnx.mpmd.run.emit import Cross
+
+    (executable, _), *_ = step._cache.values()
+    return [
+        ["receive" if s.route.receives else "send", *s.transfer[3:]]
+        for s in executable._steps
+        if isinstance(s, Cross) and s.transfer is not None
+    ]
 
 
 @scenario

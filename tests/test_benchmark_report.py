@@ -4,6 +4,7 @@
 import importlib.util
 import json
 import pathlib
+import sys
 
 import pytest
 
@@ -45,6 +46,14 @@ def test_rounds_option(report):
     with pytest.raises(SystemExit, match="at least 1"):
         report.rounds_option(["x.py", "--rounds", "0"])
     assert report.only_sections(["x.py", "--only", "a", "b c", "--rounds", "1"]) == ["a", "b c"]
+
+
+def test_help_prints_the_benchmark_s_docstring_and_runs_nothing(report, capsys, monkeypatch):
+    monkeypatch.setattr(sys.modules["__main__"], "__doc__", "What this benchmark measures.")
+    with pytest.raises(SystemExit) as exit_:
+        report.rounds_option(["x.py", "--help", "--rounds", "3"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == "What this benchmark measures.\n"
 
 
 def test_results_file_records_machine_and_rounds_per_section(report, tmp_path, monkeypatch):

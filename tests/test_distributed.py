@@ -154,6 +154,18 @@ def test_steps_back_to_back_on_tasks_of_every_size_match_one_process(
     )
 
 
+def test_a_stage_offers_each_activation_before_it_waits_for_a_cotangent(two_processes):
+    # 1F1B over one process per stage: stage 0 sends microbatch 1's activation before it waits
+    # for microbatch 0's cotangent, which stage 1 makes only after that activation's forward
+    # if it can; sent at its reader's turn instead, it waited for the cotangent and the two
+    # processes took turns instead of overlapping (benchmarks/HISTORY.md, 2026-11-27)
+    first, last = (r["transfers"] for r in two_processes.results["back_to_back:1f1b:4"])
+    assert first.index(["send", "F", 0, 1]) < first.index(["receive", "B", 1, 0])
+    sent = [t[1:] for t in first if t[0] == "send"]
+    received = [t[1:] for t in last if t[0] == "receive"]
+    assert sent == received  # both ends of the one channel take its messages in one order
+
+
 def test_steps_back_to_back_on_tasks_spanning_processes_match_one_process(
     four_processes, back_to_back_reference
 ):

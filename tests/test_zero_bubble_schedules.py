@@ -485,15 +485,23 @@ def test_simulate_waits_for_the_host_to_launch_each_program_in_the_runner_s_orde
     assert late.makespan == simulate(one_f).makespan + Fraction(1, 2)
     # a host slower than the devices: the 8th program is launched at 8 x 3 = 24 and runs 2
     assert simulate(schedules.gpipe(2, 2), launch_cost=3).makespan == 26
-    # two processes: process 1's host waits for each value from process 0 before it goes on,
-    # and process 0's host sends F0.1's activations only once it reaches F1.1's place in the
-    # order, after waiting for B1.0's gradient (arrived at 6): F1.1 starts at 7, not 5
+    # two processes: process 0's host offers F0.1's activations once it has launched F0.1, so
+    # they arrive (at 3) while stage 1 runs B1.0 and F1.1 starts when B1.0 ends, at 5 (offered
+    # at F1.1's place in the order, after B1.0's gradient had come back at 6, it started at 7)
     sent = {"F": 1, "B": 1}
     apart = simulate(one_f, transfer_costs=sent, processes=(0, 1))
     starts = {f"{e.kind}{e.stage}.{e.microbatch}": e.start for e in apart.events}
-    assert (starts["B0.0"], starts["F1.1"], starts["B0.1"], apart.makespan) == (6, 7, 11, 13)
+    assert (starts["B0.0"], starts["F1.1"], starts["B0.1"], apart.makespan) == (6, 5, 9, 11)
     together = simulate(one_f, transfer_costs=sent, processes=(0, 0))
     assert together.makespan == simulate(one_f, transfer_costs=sent).makespan == 11
+    # process 1's host waits for each value from process 0 before it goes on: F0.0 ends at
+    # 3/2 (launched at 1/2), its activations arrive at 5/2, and F1.0 is launched only then
+    half = Fraction(1, 2)
+    apart = simulate(one_f, transfer_costs=sent, processes=(0, 1), launch_cost=half)
+    f10 = next(e for e in apart.events if (e.kind, e.stage, e.microbatch) == ("F", 1, 0))
+    assert f10.start == 3
+    together = simulate(one_f, transfer_costs=sent, processes=(0, 0), launch_cost=half)
+    assert (apart.makespan, together.makespan) == (Fraction(25, 2), Fraction(23, 2))
     for bad, match in (
         (dict(launch_cost=-1), "launch_cost must be a number >= 0"),
         (dict(processes=(0,)), "a process number .* for each of the 2 ranks"),

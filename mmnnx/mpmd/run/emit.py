@@ -32,6 +32,7 @@ from mmnnx.mpmd.lower.program import (
     StepProgram,
     Zeros,
 )
+from mmnnx.mpmd.run.early_sends import send_early
 from mmnnx.mpmd.run.peers import Peers
 from mmnnx.mpmd.run.programs import Compiler
 from mmnnx.mpmd.run.routes import RoutePlan
@@ -131,6 +132,11 @@ class Cross:
 
 
 Step = Launch | Move | Put | Cross
+
+
+def _writes(step: Step) -> tuple[int, ...]:
+    """The slots ``step`` writes."""
+    return step.results if type(step) is Launch else (step.target,)
 
 
 @dataclasses.dataclass
@@ -296,6 +302,8 @@ def emit(
         else:
             shape, dtype = graph.shapes[out.value], graph.dtypes[out.value]
             outputs.append((None, placeholder(shape, dtype, sharding_of[out.slot])))
+    if program.process is not None:
+        steps = send_early(steps, Cross, _writes)
     return Emitted(
         steps=steps,
         constants=constants,

@@ -102,6 +102,11 @@ class RoutePlan:
         }
         self._mine = [(src, dst) for src, dst in self.pairs if dst.process_index == me]
 
+    @property
+    def outgoing_peers(self) -> tuple[int, ...]:
+        """The processes this process sends shards of the value to."""
+        return tuple(self._outgoing)
+
     def __call__(self, value: Any, port: Peers) -> Any:
         """Sends this process's shards of ``value`` (ignored where it holds none) through
         ``port`` and returns the target array where this process holds part of it, else

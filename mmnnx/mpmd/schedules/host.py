@@ -6,8 +6,8 @@ by every process (:func:`dispatch_order`); the devices run them asynchronously, 
 before the host has launched it. A value moved between two ranks of one process is a copy the
 host issues right before the reader's launch; a value from another process is a receive at
 the same place, and the receiving host waits until it has arrived before it goes on (the
-runner does: ``mmnnx/mpmd/run/runner.py``), while the sending host offers it when it reaches
-that place in its own share of the order.
+runner does: ``mmnnx/mpmd/run/runner.py``), while the sending host offers it as soon as it has
+launched the program making it (``mmnnx/mpmd/run/early_sends.py``).
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def play_issued(
     ``launch_cost``; an action (an overlapped pair: one program) starts no earlier than its
     launch. A value read on another rank of the same process leaves when its producer has
     ended and the host has issued the copy (right before the reader's launch); one read in
-    another process leaves once its producer has ended and both hosts have reached the
-    reader's place in the order, and the reader's host waits for it to arrive before it goes
-    on. Raises ValueError when the order runs an action before one it reads (a schedule that
-    deadlocks: :func:`validate` names it).
+    another process leaves once its producer has ended (its host offered it on launching the
+    producer) and the reader's host has reached the reader's place in the order, where it
+    waits for the value to arrive before it goes on. Raises ValueError when the order runs an
+    action before one it reads (a schedule that deadlocks: :func:`validate` names it).
     """
     rank_of = {a: r for r, row in enumerate(schedule.actions) for a in row}
     present = set(rank_of)
@@ -78,10 +78,9 @@ def play_issued(
             if rank_of[need] == rank:
                 arrivals.append(finish[need])
                 continue
-            sender = processes[rank_of[need]]
-            leaves = max(finish[need], host[me], host[sender])
+            leaves = max(finish[need], host[me])
             arrived = leaves + transfer(need)
-            if sender != me:  # the receiving host waits for it
+            if processes[rank_of[need]] != me:  # the receiving host waits for it
                 host[me] = max(host[me], arrived)
             arrivals.append(arrived)
         host[me] += launch_cost

@@ -126,10 +126,11 @@ def simulate(
     the other in the order the runner does (:func:`dispatch_order`), and an action starts no
     earlier than its launch. ``processes[r]``: the process whose host launches rank ``r``'s
     programs (default: one process for all). A value crossing processes leaves when its
-    producer has ended and both hosts have reached its reader in that order (the sender offers
-    it there), and the receiving host waits for it before it launches anything else, as the
-    runner does; within a process the copy is issued right before the reader's launch. With
-    neither, every action may start as soon as its rank and inputs are ready.
+    producer has ended and the receiving host has reached its reader in that order (the sender
+    offers it on launching its producer), and the receiving host waits for it before it
+    launches anything else, as the runner does; within a process the copy is issued right
+    before the reader's launch. With neither, every action may start as soon as its rank and
+    inputs are ready.
 
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate, zero_bubble_h1
