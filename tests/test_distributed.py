@@ -70,12 +70,6 @@ def run_scenarios(
     }
 
 
-def run_scenario(
-    name: str, processes: int, devices: int, out, collectives: str | None = None
-) -> list[dict]:
-    return run_scenarios([name], processes, devices, out, collectives)[name]
-
-
 class Launched(NamedTuple):
     """One launch of several scenarios: its directory, what each process wrote of each
     scenario, and the one-process GPT checkpoint it restored (``alone``'s digest)."""
@@ -92,12 +86,12 @@ BACK_TO_BACK = [("1f1b", 4), ("gpipe", 4), ("zero-bubble-h1", 4), ("interleaved-
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Launched:
     """Every scenario of two processes of 4 devices each that needs nothing else of its test, in
-    one launch; ``different_models`` (which refuses its step) last."""
+    one launch; those that refuse their step last."""
     out = tmp_path_factory.mktemp("two-processes")
     alone = worker.checkpoint_save(out / "alone", stages=2)  # one process: a 1F1B step, saved
     names = ["two_task", *(f"back_to_back:{s}:{d}" for s, d in BACK_TO_BACK),
              "compat_autosharding", "tools", "schedules", "scanned_gpt", "checkpoint_roundtrip",
-             "different_models"]  # fmt: skip
+             "spanning_without_collectives", "different_models"]  # fmt: skip
     env = dict(CKPT_IN=str(out / "alone"), CKPT_OUT=str(out / "together"),
                CKPT_OUT4=str(out / "four"), SCANNED_OUT=str(out / "scanned"))  # fmt: skip
     return Launched(out, run_scenarios(names, 2, 4, out, **env), alone)
@@ -164,8 +158,8 @@ def test_steps_back_to_back_on_tasks_spanning_processes_match_one_process(
     assert_same_run(results, back_to_back_reference("1f1b", 4), atol=1e-5)
 
 
-def test_a_task_spanning_processes_without_collectives_is_refused_naming_it(tmp_path):
-    for r in run_scenario("spanning_without_collectives", 4, 2, tmp_path):
+def test_a_task_spanning_processes_without_collectives_is_refused_naming_it(two_processes):
+    for r in two_processes.results["spanning_without_collectives"]:
         assert "task 'stage0' runs on devices of processes [0, 1]" in r["error"]
         assert "collectives='gloo'" in r["error"] and "--collectives gloo" in r["error"]
         assert r["unchanged"]
