@@ -508,6 +508,16 @@ def killed_peer():
 
 
 @scenario
+def error_on_stderr():
+    """Process 1 prints an error's traceback on stderr (the process goes on)."""
+    if jax.process_index() == 1:
+        import traceback
+
+        traceback.print_exception(ValueError("an error still shows"))
+    return {}
+
+
+@scenario
 def different_models():
     """Rank 1 builds its second layer wider: every process must refuse the plan."""
     mesh = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))

@@ -59,11 +59,14 @@ def run_scenarios(
     devices: int,
     out,
     collectives: str | None = None,
+    verbose: bool = False,
     **env: str,
-) -> dict[str, list[dict]]:
+) -> tuple[dict[str, list[dict]], str]:
     """The scenarios ``names`` of tests/distributed_worker.py run in turn in one launch (each
-    start of the processes costs seconds): what each process wrote of each."""
+    start of the processes costs seconds): what each process wrote of each, and what the
+    launch printed."""
     flags = [] if collectives is None else ["--collectives", collectives]
+    flags += ["--verbose"] * verbose
     timeout = TIMEOUT_S * max(1, len(names) // 3)
     proc = launch(
         ["-n", str(processes), "--devices-per-process", str(devices), *flags, "--",
@@ -74,15 +77,17 @@ def run_scenarios(
     return {
         name: [json.loads((out / name / f"rank{i}.json").read_text()) for i in range(processes)]
         for name in names
-    }
+    }, proc.stdout
 
 
 class Launched(NamedTuple):
     """One launch of several scenarios: its directory, what each process wrote of each
-    scenario, and the one-process GPT checkpoint it restored (``alone``'s digest)."""
+    scenario, what the launch printed, and the one-process GPT checkpoint it restored
+    (``alone``'s digest)."""
 
     out: pathlib.Path
     results: dict[str, list[dict]]
+    stdout: str
     alone: dict | None = None
 
 
@@ -101,16 +106,17 @@ def two_processes(tmp_path_factory) -> Launched:
              "spanning_without_collectives", "different_models"]  # fmt: skip
     env = dict(CKPT_IN=str(out / "alone"), CKPT_OUT=str(out / "together"),
                CKPT_OUT4=str(out / "four"), SCANNED_OUT=str(out / "scanned"))  # fmt: skip
-    return Launched(out, run_scenarios(names, 2, 4, out, **env), alone)
+    return Launched(out, *run_scenarios(names, 2, 4, out, **env), alone)
 
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory) -> Launched:
     """The scenarios of four processes of 2 devices each, collectives over gloo: each
-    4-device task spans two processes."""
+    4-device task spans two processes. Launched with ``--verbose``: gloo's connection lines
+    and JAX's information logs show (tests/test_launch_report.py: not without it)."""
     out = tmp_path_factory.mktemp("four-processes")
-    names = ["two_task", "back_to_back:1f1b:4"]
-    return Launched(out, run_scenarios(names, 4, 2, out, collectives="gloo"))
+    names = ["two_task", "back_to_back:1f1b:4", "error_on_stderr"]
+    return Launched(out, *run_scenarios(names, 4, 2, out, collectives="gloo", verbose=True))
 
 
 def assert_same_run(results: list[dict], reference: dict, atol: float = 1e-6) -> None:
@@ -163,6 +169,15 @@ def test_steps_back_to_back_on_tasks_spanning_processes_match_one_process(
     # gloo sums a gradient's parts in another order than one process: AdamW's steps on a
     # near-zero second moment turn that last bit into a few 1e-6
     assert_same_run(results, back_to_back_reference("1f1b", 4), atol=1e-5)
+
+
+def test_with_verbose_gloo_s_connection_lines_and_jax_s_logs_show(four_processes):
+    # a collective among one process's devices goes over gloo once it is on (--collectives);
+    # --verbose leaves nothing out, an error's traceback included
+    assert "[Gloo]" in four_processes.stdout
+    assert "is connected to 1 peer ranks" in four_processes.stdout
+    assert "coordination service" in four_processes.stdout  # JAX's C++ information logs
+    assert "[rank 1] ValueError: an error still shows" in four_processes.stdout
 
 
 def test_a_task_spanning_processes_without_collectives_is_refused_naming_it(two_processes):
