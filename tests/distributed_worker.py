@@ -33,16 +33,19 @@ def scenario(fn):
     return fn
 
 
-def readme_model_tasks() -> list[mm.Task]:
-    """The README's two tasks: 2 x 2 (data x model) devices each."""
-    mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"))
+def readme_model_tasks(devices: list[int] | None = None) -> list[mm.Task]:
+    """The README's two tasks: 2 x 2 (data x model) devices each, of ``devices`` (default: all,
+    in order)."""
+    mesh = mm.MultiMesh(
+        axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"), devices=devices
+    )
     rules = mm.logical_rules(batch="data", mlp="model", embed=None)
     return [mm.Task(f"stage{i}", mesh=mesh.slice(stage=i), logical_axes=rules) for i in (0, 1)]
 
 
-def readme_model():
+def readme_model(devices: list[int] | None = None):
     """The README's two-task model (two tensor-parallel Linear layers, one per stage)."""
-    stage0, stage1 = readme_model_tasks()
+    stage0, stage1 = readme_model_tasks(devices)
 
     def make_model():
         tp = lambda names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
@@ -519,6 +522,16 @@ def killed_peer():
 
 
 @scenario
+def error_on_stderr():
+    """Process 1 prints an error's traceback on stderr (the process goes on)."""
+    if jax.process_index() == 1:
+        import traceback
+
+        traceback.print_exception(ValueError("an error still shows"))
+    return {}
+
+
+@scenario
 def different_models():
     """Rank 1 builds its second layer wider: every process must refuse the plan."""
     mesh = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
@@ -545,9 +558,10 @@ def different_models():
 
 @scenario
 def spanning_without_collectives():
-    """The README's tasks over 4 processes of 2 devices (each task spans two), in a job started
-    without collectives between processes: the step must say so before it runs."""
-    model = readme_model()
+    """The README's tasks in a job of 2 processes of 4 devices started without collectives
+    between processes, 'stage0' on devices 2-5 (two of each process): the step must say so
+    before it runs."""
+    model = readme_model([2, 3, 4, 5, 6, 7, 0, 1])
     before = {k: v.tolist() for k, v in _flat(mm.distributed.fetch(nnx.state(model))).items()}
 
     @mm.jit

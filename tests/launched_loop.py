@@ -1,10 +1,11 @@
 """A loop of steps under ``mmnnx launch``, for tests/test_launch_failures.py: ``python
 tests/launched_loop.py HOW RANK``. Every process reports ``loading batch`` of each step with
 ``mm.distributed.progress`` (as ``mmnnx train`` does) and asks ``mm.distributed.Preemption``
-after each. On process RANK at step 3, HOW ``spin`` spins in Python for ever (no exception, its
-JAX heartbeat still beating), after printing ``spinning at <time.time()>``; HOW ``preempt``
-sends SIGTERM to the launcher (a preemption notice, which it forwards to every process). A
-process the notice stops prints ``stopped after step N`` and exits with 143.
+after each. On process RANK at step 3, HOW ``spin`` spins in a Python loop for ever (no
+exception, its JAX heartbeat still beating, a short sleep each turn), after printing ``spinning
+at <time.time()>``; HOW ``preempt`` sends SIGTERM to the launcher (a preemption notice, which
+it forwards to every process). A process the notice stops prints ``stopped after step N`` and
+exits with 143.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import mmnnx as mm
 
 
 def spin_for_ever() -> None:
-    while True:
+    while True:  # a Python loop that never ends, resting between turns: no core burnt meanwhile
         sum(range(1000))
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":

@@ -192,8 +192,27 @@ def vit_train_step(model, optimizer, rngs, batch):
     return loss, logits
 
 
+def vit_batch():
+    rng = np.random.default_rng(0)
+    return (
+        jnp.asarray(rng.normal(size=(8, 16, 16, 3)), jnp.float32),
+        jnp.asarray(rng.integers(0, 10, 8), jnp.int32),
+    )
+
+
+@pytest.fixture(scope="module")
+def vit_loop():
+    """Two steps of the tutorial's step with ``mm.microbatch`` outside ``mm.jit`` (the plain
+    loop, eager), once for every placement: each step's loss and logits, then the parameters."""
+    ref = ViT(nnx.Rngs(1))
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.01, 0.9, nesterov=True), wrt=nnx.Param)
+    ref_rngs, batch = nnx.Rngs(12), vit_batch()
+    steps = [vit_train_step(ref, ref_opt, ref_rngs, batch) for _ in range(2)]
+    return steps, jax.tree.leaves(nnx.state(ref, nnx.Param))
+
+
 @pytest.mark.parametrize("per_task", [2, 1], ids=["two devices a task", "one device a task"])
-def test_vit_tutorial_train_step_with_a_forked_rngs_pipelines_like_the_loop(per_task):
+def test_vit_tutorial_train_step_with_a_forked_rngs_pipelines_like_the_loop(vit_loop, per_task):
     # on one-device tasks each encoder layer's weights and residuals travel packed, one buffer
     # per layer and one residual buffer per forward, its layers laid out alike
     tasks = [
@@ -206,28 +225,17 @@ def test_vit_tutorial_train_step_with_a_forked_rngs_pipelines_like_the_loop(per_
     assert rules[1][0].startswith("^encoder/layers/")
     assert rules[1][0].endswith("|^final_norm/|^classifier/")
     model = mm.place(model, rules)
-    ref = ViT(nnx.Rngs(1))  # mm.microbatch outside mm.jit: the plain loop, eager
     opt = nnx.Optimizer(model, optax.sgd(0.01, 0.9, nesterov=True), wrt=nnx.Param)
-    ref_opt = nnx.Optimizer(ref, optax.sgd(0.01, 0.9, nesterov=True), wrt=nnx.Param)
-    rngs, ref_rngs = nnx.Rngs(12), nnx.Rngs(12)
-    rng = np.random.default_rng(0)
-    batch = (
-        jnp.asarray(rng.normal(size=(8, 16, 16, 3)), jnp.float32),
-        jnp.asarray(rng.integers(0, 10, 8), jnp.int32),
-    )
+    rngs, batch = nnx.Rngs(12), vit_batch()
     step = mm.jit(vit_train_step)
-    for _ in range(2):
+    reference, ref_params = vit_loop
+    for ref_loss, ref_logits in reference:
         loss, logits = step(model, opt, rngs, batch)
-        ref_loss, ref_logits = vit_train_step(ref, ref_opt, ref_rngs, batch)
         # each microbatch draws its own dropout masks, as in the loop (they were all the
         # first microbatch's when the forked count's update was read by nothing)
         assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
         np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-5)
-    for a, b in zip(
-        jax.tree.leaves(nnx.state(model, nnx.Param)),
-        jax.tree.leaves(nnx.state(ref, nnx.Param)),
-        strict=True,
-    ):
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), ref_params, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert step.plan(model, opt, rngs, batch).pipeline.schedule.num_stages == 2
     if per_task == 1:  # each encoder layer's weights and residuals travel packed
