@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.plan.cut import Fragment
+from mmnnx.mpmd.primitives import is_constraint
 
 _ARITHMETIC = ("add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "square")
 _MORE_ARITHMETIC = ("integer_pow", "select_n", "copy", "copy_p", "iota")
@@ -122,6 +123,7 @@ def _walk(
     needs (0: available as it is), walking ``forward`` in order; ``read_back``: the values the
     backward reads."""
     returned = set(forward.out_ids)
+    laid_out = forward.task.jax_mesh.size == 1  # a constraint on one device computes nothing
     depth: dict[int, int] = {v: 0 for v in forward.in_ids if v not in excluded}
     remade: set[int] = set()
     kept: set[int] = set()
@@ -133,7 +135,7 @@ def _walk(
             if op.index in replicated:
                 reach = 0
             elif op.name in RECOMPUTED:
-                reach = 1 + max(known, default=0)
+                reach = (not laid_out or not is_constraint(op)) + max(known, default=0)
         for v in op.outs:
             if v in excluded:
                 continue
