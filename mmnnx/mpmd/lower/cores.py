@@ -22,6 +22,11 @@ laid out as no other backward reads them). Ops recomputed in every fragment that
 (index arithmetic, slices of the batch, small tables) are recomputed in each part that reads
 them. What one part passes the next travels alone, never packed
 (:mod:`~mmnnx.mpmd.lower.pack`), as the value the core stands for crosses between stages.
+
+Cutting moves no op from one pass to another: an edge stage
+holds a middle stage's core because the planner splits its block ops between its forward and
+backward as a middle stage's (:func:`~mmnnx.mpmd.plan.stage_levels.join_consumers`,
+:mod:`~mmnnx.mpmd.plan.remat`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,11 @@ A stage's forward returns every value its backward reads: 56 arrays per microbat
 broadcast scale, the pieces of a GELU). Each returned array costs the host a few microseconds
 per launch and holds memory until the backward runs. Here the backward fragments of each stage
 recompute such residuals from those they keep, fused into their own kernels, so the forward
-returns fewer arrays and fewer bytes wait between the passes. A pure pass over fragments.
+returns fewer arrays and fewer bytes wait between the passes; a value they would remake two
+or more residuals from is kept in their place (a first stage's embedded tokens, from which its
+backward then remakes what a middle stage's remakes from its input). A sharding constraint on
+one device lays nothing out: it adds no depth to a chain recomputed. A pure pass over
+fragments.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ def recompute_residuals(
 
     A residual is recomputed when its op is in :data:`RECOMPUTED`, every value it reads is
     available to the backward (kept, a forward input, or itself recomputable) within
-    :data:`MAX_DEPTH` ops, and nothing but that stage's passes reads it. ``replicated``: ops
+    :data:`MAX_DEPTH` ops (a sharding constraint on one device not counted), and nothing but
+    that stage's passes reads it; a value the forward makes that two or more such residuals
+    would be remade from, no larger than they are together, is kept. ``replicated``: ops
     every fragment may remake (side inputs: masks, positions), recomputed at any depth;
     ``excluded``: values never recomputed from nor dropped (chained state).
 
