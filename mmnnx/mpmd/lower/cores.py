@@ -23,10 +23,9 @@ laid out as no other backward reads them). Ops recomputed in every fragment that
 them. What one part passes the next travels alone, never packed
 (:mod:`~mmnnx.mpmd.lower.pack`), as the value the core stands for crosses between stages.
 
-Cutting moves no op from one pass to another: an edge stage
-holds a middle stage's core because the planner splits its block ops between its forward and
-backward as a middle stage's (:func:`~mmnnx.mpmd.plan.stage_levels.join_consumers`,
-:mod:`~mmnnx.mpmd.plan.remat`).
+Cutting moves no op from one pass to another: an edge stage holds a middle stage's core
+because the planner splits its block ops between its forward and backward as a middle stage's
+(:func:`~mmnnx.mpmd.plan.stage_levels.join_consumers`, :mod:`~mmnnx.mpmd.plan.remat`).
 """
 
 from __future__ import annotations
