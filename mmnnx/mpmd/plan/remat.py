@@ -7,8 +7,7 @@ per launch and holds memory until the backward runs. Here the backward fragments
 recompute such residuals from those they keep, fused into their own kernels, so the forward
 returns fewer arrays and fewer bytes wait between the passes; a value they would remake two
 or more residuals from is kept in their place (a first stage's embedded tokens, from which its
-backward then remakes what a middle stage's remakes from its input). A sharding constraint on
-one device lays nothing out: it adds no depth to a chain recomputed. A pure pass over
+backward then remakes what a middle stage's remakes from its input). A pure pass over
 fragments.
 """
 
@@ -19,7 +18,6 @@ from collections.abc import Iterable
 
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.plan.cut import Fragment
-from mmnnx.mpmd.primitives import is_constraint
 
 _ARITHMETIC = ("add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "square")
 _MORE_ARITHMETIC = ("integer_pow", "select_n", "copy", "copy_p", "iota")
@@ -45,9 +43,9 @@ def recompute_residuals(
 
     A residual is recomputed when its op is in :data:`RECOMPUTED`, every value it reads is
     available to the backward (kept, a forward input, or itself recomputable) within
-    :data:`MAX_DEPTH` ops (a sharding constraint on one device not counted), and nothing but
-    that stage's passes reads it; a value the forward makes that two or more such residuals
-    would be remade from, no larger than they are together, is kept. ``replicated``: ops
+    :data:`MAX_DEPTH` ops, and nothing but that stage's passes reads it; a value the forward
+    makes that two or more such residuals would be remade from, no larger than they are
+    together, is kept. ``replicated``: ops
     every fragment may remake (side inputs: masks, positions), recomputed at any depth;
     ``excluded``: values never recomputed from nor dropped (chained state).
 
@@ -129,7 +127,6 @@ def _walk(
     needs (0: available as it is), walking ``forward`` in order; ``read_back``: the values the
     backward reads."""
     returned = set(forward.out_ids)
-    laid_out = forward.task.jax_mesh.size == 1  # a constraint on one device computes nothing
     depth: dict[int, int] = {v: 0 for v in forward.in_ids if v not in excluded}
     remade: set[int] = set()
     kept: set[int] = set()
@@ -141,7 +138,7 @@ def _walk(
             if op.index in replicated:
                 reach = 0
             elif op.name in RECOMPUTED:
-                reach = (not laid_out or not is_constraint(op)) + max(known, default=0)
+                reach = 1 + max(known, default=0)
         for v in op.outs:
             if v in excluded:
                 continue
