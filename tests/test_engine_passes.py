@@ -266,7 +266,7 @@ def test_a_first_stage_keeps_its_ops_on_the_microbatch_in_its_forward(sliced):
     raw = levels(graph, region, op_tasks, inputs_movable=False)
     level, late = join_consumers(graph, region, op_tasks, raw)
     assert late == ({transposed} if sliced else {twice, transposed})
-    assert level[twice] == 0
+    assert twice in late or level[twice] == 0  # in the forward: at its own depth
     frags, _ = stage_fragments(graph, region, op_tasks, [])
     forward = {op.index for op in frags[("F", 0)].ops}
     assert (twice in forward) is sliced and transposed not in forward
