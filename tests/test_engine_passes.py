@@ -28,7 +28,9 @@ from mmnnx.mpmd.plan.cut import Fragment, cut, levels, make_fragment
 from mmnnx.mpmd.plan.flow import follow_the_flow
 from mmnnx.mpmd.plan.net_cut import Net, NetCut
 from mmnnx.mpmd.plan.pipeline import split_backward, stage_fragments
+from mmnnx.mpmd.plan.remat import recompute_residuals
 from mmnnx.mpmd.plan.stage_levels import join_consumers
+from mmnnx.mpmd.primitives import index_p
 from mmnnx.mpmd.step_io import StepInput, StepOutput
 
 
@@ -225,6 +227,71 @@ def test_join_consumers_returns_new_levels_and_leaves_its_input(tasks):
     assert level is not given
     assert late == set()
     assert level[3] >= before[3]  # the seed joins its backward readers' level
+
+
+def first_stage_on_a_microbatch(sliced: bool):
+    """A first stage (A) computing ``h = x * pa`` on its microbatch ``x`` (sliced from the batch
+    by the microbatch index outside the region if ``sliced``, else read as it is), whose backward
+    reads ``2 * h`` and ``pa``'s transpose; B reads ``h`` and makes the loss. The graph, its
+    region, the ops' tasks and the indices of ``2 * h`` and the transpose."""
+    b = Builder()
+    batch, pa, pb = b.input(), b.input(), b.input()
+    if sliced:
+        index = b.op("mm_microbatch_index")
+        b.graph.ops[-1].primitive = index_p
+        x = b.op("dynamic_slice", batch, index)
+    else:
+        x = batch
+    start = len(b.graph.ops)
+    h = b.op("mul", x, pa)
+    twice, transposed = b.op("mul", h), b.op("transpose", pa)
+    loss = b.op("reduce_sum", b.op("mul", h, pb))
+    seed = b.op("broadcast_in_dim", backward=True)
+    dh = b.op("mul", seed, pb, backward=True)
+    grads = b.op("mul", dh, twice, transposed, backward=True), b.op("mul", seed, h, backward=True)
+    graph = b.outputs(loss, *grads)
+    region = graph.ops[start:]
+    a, bt = (mm.Task(name, mesh=mm.TaskMesh(devices=[i])) for i, name in enumerate("AB"))
+    op_tasks = [a] * start + [a, a, a, bt, bt, bt, bt, a, bt]
+    return graph, region, op_tasks, (start + 1, start + 2)
+
+
+@pytest.mark.parametrize("sliced", [True, False], ids=["microbatch", "no-microbatch"])
+def test_a_first_stage_keeps_its_ops_on_the_microbatch_in_its_forward(sliced):
+    """An op only the backward reads runs there (late) if it reads parameters only; one made
+    from the microbatch (``2 * h``) stays in the forward, as on a middle stage, where ``h``
+    would come from the stage before. Without a microbatch index there is no microbatch, and
+    both run in the backward."""
+    graph, region, op_tasks, (twice, transposed) = first_stage_on_a_microbatch(sliced)
+    raw = levels(graph, region, op_tasks, inputs_movable=False)
+    level, late = join_consumers(graph, region, op_tasks, raw)
+    assert late == ({transposed} if sliced else {twice, transposed})
+    assert twice in late or level[twice] == 0  # in the forward: at its own depth
+    frags, _ = stage_fragments(graph, region, op_tasks, [])
+    forward = {op.index for op in frags[("F", 0)].ops}
+    assert (twice in forward) is sliced and transposed not in forward
+
+
+def test_a_forward_keeps_an_operand_it_remakes_two_residuals_from(tasks):
+    """A forward keeps ``u = exp(x)`` rather than ``2 * u`` and ``u - 1``, both remade by its
+    backward; not when they are smaller together than ``u`` (two slices of it)."""
+    a, _ = tasks
+    for sliced in (False, True):
+        b = Builder()
+        x = b.input(4)
+        u = b.op("exp", x, size=4)
+        size, names = (1, ("slice", "slice")) if sliced else (4, ("mul", "sub"))
+        r1, r2 = (b.op(name, u, size=size) for name in names)
+        grad = b.op("add", r1, r2, size=size, backward=True)
+        graph = b.outputs(grad)
+        forward = make_fragment(graph, "A/F0", a, graph.ops[:3], ("forward",))
+        backward = make_fragment(graph, "A/B0", a, graph.ops[3:], ("backward",))
+        stages = recompute_residuals(graph, {("F", 0): forward, ("B", 0): backward})
+        if sliced:
+            assert stages[("F", 0)].out_ids == [r1, r2] and stages[("B", 0)] is backward
+        else:
+            assert stages[("F", 0)].out_ids == [u]
+            assert [op.name for op in stages[("B", 0)].ops] == ["mul", "sub", "add"]
 
 
 def test_a_zero_gradient_runs_in_its_tasks_first_forward_stage(tasks):

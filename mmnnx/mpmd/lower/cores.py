@@ -23,13 +23,9 @@ laid out as no other backward reads them). Ops recomputed in every fragment that
 them. What one part passes the next travels alone, never packed
 (:mod:`~mmnnx.mpmd.lower.pack`), as the value the core stands for crosses between stages.
 
-A first stage's forward reads nothing from an earlier stage, so the planner leaves the ops only
-its backward reads (a norm's ``2 * x``, its rsqrt's derivative) to its backward, where a middle
-stage's forward makes them and returns them as residuals: its block ops are not a middle
-stage's. Before cutting, such a forward takes from its backward the ops it lacks to hold a
-middle stage's core (ops of the backward that read only the forward's values), and returns
-their results; its backward then reads them, and reads the core's results it recomputed
-(:func:`_lend_residuals`), so its forward and backward are cut alike the middle stage's.
+Cutting moves no op from one pass to another: an edge stage holds a middle stage's core
+because the planner splits its block ops between its forward and backward as a middle stage's
+(:func:`~mmnnx.mpmd.plan.stage_levels.join_consumers`, :mod:`~mmnnx.mpmd.plan.remat`).
 """
 
 from __future__ import annotations
@@ -42,7 +38,6 @@ from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.lower.alike import AlikeKeys, live_view, op_key
 from mmnnx.mpmd.plan.cut import Fragment, after_backward, kinds_of
 from mmnnx.mpmd.plan.pipeline import Pipeline
-from mmnnx.mpmd.plan.remat import read_outside
 from mmnnx.mpmd.primitives import is_constraint
 
 _MAX_RETRIES = 256  # other fits tried before a fragment is taken to hold no core
@@ -62,8 +57,6 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     keys = _OpKeys(graph)
     alike = AlikeKeys(graph)
     replicas = _replicas(pipeline)
-    pipeline, known = _lend_residuals(graph, pipeline, keys, alike, replicas, fused)
-    replicas = _replicas(pipeline)
     label_of = {id(f): (f.task.name, kind, stage) for (kind, stage), f in pipeline.stages.items()}
     groups: dict[Hashable, list[Fragment]] = {}
     for (kind, _), frag in pipeline.stages.items():
@@ -75,8 +68,8 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     for group in groups.values():
         references: list[Fragment] = []
         for frag in sorted(group, key=lambda f: len(keys.live(f)[0])):
-            parts = known.get(id(frag))
-            if parts is None and id(frag) not in fused:
+            parts = None
+            if id(frag) not in fused:
                 parts = next(
                     (
                         p
@@ -109,149 +102,6 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     }
     return dataclasses.replace(
         pipeline, order=order, fused=frozenset(new_fused), parts={**pipeline.parts, **parts}
-    )
-
-
-def _lend_residuals(
-    graph: Graph,
-    pipeline: Pipeline,
-    keys: _OpKeys,
-    alike: AlikeKeys,
-    replicas: set[int],
-    fused: set[int],
-) -> tuple[Pipeline, dict[int, list[Fragment]]]:
-    """``pipeline`` with each stage forward that lacks, of another forward's ops, only ones its
-    backward makes from the forward's values taking those from its backward, when it then holds
-    that forward's core: the forward returns their results and its backward fragments read
-    them. A first stage reads nothing from an earlier one, so the planner leaves the ops that
-    only its backward reads (a norm's ``2 * x``, its rsqrt's derivative) to its backward, where
-    a middle stage's forward makes them and returns them as residuals; and the parts of each
-    forward so changed (by id)."""
-    forwards = {s: f for (kind, s), f in pipeline.stages.items() if kind == "F"}
-    outside: set[int] | None = None
-    replaced: dict[int, Fragment] = {}
-    cut: dict[int, list[Fragment]] = {}
-    for stage, frag in forwards.items():
-        backs = {k: f for k, f in pipeline.stages.items() if k[1] == stage and k[0] != "F"}
-        if not backs or any(id(f) in fused for f in (frag, *backs.values())):
-            continue
-        if outside is None:
-            outside = read_outside(graph, pipeline.stages)
-        elsewhere = outside.union(*(f.in_ids for k, f in pipeline.stages.items() if k[1] != stage))
-        for reference in sorted(forwards.values(), key=lambda f: len(keys.live(f)[0])):
-            shape = reference.task.jax_mesh.devices.shape
-            if reference is frag or shape != frag.task.jax_mesh.devices.shape:
-                continue
-            lent = _lent(graph, frag, reference, backs, keys, alike, replicas, elsewhere)
-            if lent is not None:
-                forward, new_backs, cut[id(forward)] = lent
-                replaced[id(frag)] = forward
-                replaced.update({id(backs[k]): f for k, f in new_backs.items()})
-                break
-    if not replaced:
-        return pipeline, cut
-    pipeline = dataclasses.replace(
-        pipeline,
-        stages={k: replaced.get(id(f), f) for k, f in pipeline.stages.items()},
-        order=[(replaced.get(id(f), f), m) for f, m in pipeline.order],
-    )
-    return pipeline, cut
-
-
-def _lent(
-    graph: Graph,
-    frag: Fragment,
-    reference: Fragment,
-    backs: dict[Hashable, Fragment],
-    keys: _OpKeys,
-    alike: AlikeKeys,
-    replicas: set[int],
-    elsewhere: set[int],
-) -> tuple[Fragment, dict[Hashable, Fragment], list[Fragment]] | None:
-    """``frag`` with the ops it lacks to hold ``reference``'s core taken from its backward
-    fragments ``backs`` (see :func:`_lend_residuals`), those without them, and its parts around
-    the core; ``None`` if it lacks none, or others too, or would still not be cut.
-    ``elsewhere``: the values read outside ``frag`` and ``backs``."""
-    wanted = [keys(op) for op in keys.live(reference)[0]]
-    missing = collections.Counter(wanted) - collections.Counter(
-        keys(op) for op in keys.live(frag)[0]
-    )
-    if not missing or None in missing:
-        return None
-    available = {*frag.in_ids, *(v for op in frag.ops for v in op.outs)}
-    returned = {v for b in backs.values() for v in b.out_ids}
-    theirs = {op.index: op for b in backs.values() for op in b.ops}
-    for op in frag.ops:  # recomputed in both
-        theirs.pop(op.index, None)
-    candidates: dict[int, Op] = {}
-    for op in sorted(theirs.values(), key=_index):
-        ready = all(a in available for a in op.ins if type(a) is int)
-        if ready and not op.effectful and not any(v in returned for v in op.outs):
-            candidates[op.index] = op
-            available.update(op.outs)
-    lent = list(candidates.values())
-    if not lent:
-        return None
-    ops = sorted([*frag.ops, *lent], key=_index)
-    widened = dataclasses.replace(
-        frag, ops=ops, out_ids=[*frag.out_ids, *(v for op in lent for v in op.outs)]
-    )
-    match = _match(widened, reference, keys)
-    if match is None:
-        return None
-    ops, values = match
-    matched = {op.index for op in ops}
-    lent_by = {v: op for op in lent for v in op.outs}
-    used = _upstream([v for op in lent if op.index in matched for v in op.outs], lent_by, bool)
-    lent = [op for op in lent if id(op) in used]
-    forward_ops = sorted([*frag.ops, *lent], key=_index)
-    core_out = {values[v] for v in reference.out_ids}
-    mine = {op.index for op in frag.ops}
-    remade = {  # what the backward recomputes of the core's results: read instead
-        op.index
-        for b in backs.values()
-        for op in b.ops
-        if op.index in mine and any(v in core_out for v in op.outs)
-    }
-    moved = remade | {op.index for op in lent}
-    new_backs = {k: _without(graph, b, moved) for k, b in backs.items()}
-    read = elsewhere.union(*(b.in_ids for b in new_backs.values()))
-    made = [v for op in forward_ops for v in op.outs if v not in frag.out_ids]
-    forward = dataclasses.replace(
-        frag,
-        ops=forward_ops,
-        out_ids=[v for v in (*frag.out_ids, *made) if v in read],
-        kinds=kinds_of(forward_ops, after_backward(graph)),
-    )
-    parts = _around_core(graph, forward, reference, match, replicas - moved)
-    if parts is None:
-        return None
-    return forward, new_backs, parts
-
-
-def _index(op: Op) -> int:
-    return op.index
-
-
-def _without(graph: Graph, frag: Fragment, moved: set[int]) -> Fragment:
-    """``frag`` without the ops of ``moved`` (by index) and those only they needed, reading
-    what they made."""
-    if not any(op.index in moved for op in frag.ops):
-        return frag
-    needed = set(frag.out_ids)
-    ops: list[Op] = []
-    for op in reversed(frag.ops):
-        if op.index not in moved and (op.effectful or any(v in needed for v in op.outs)):
-            ops.append(op)
-            needed.update(a for a in op.ins if type(a) is int)
-    ops.reverse()
-    made = {v for op in ops for v in op.outs}
-    read = dict.fromkeys(a for op in ops for a in op.ins if type(a) is int and a not in made)
-    still = [v for v in frag.in_ids if v in read]  # in their order, then the new ones
-    before = set(frag.in_ids)
-    in_ids = still + [v for v in read if v not in before]
-    return dataclasses.replace(
-        frag, ops=ops, in_ids=in_ids, kinds=kinds_of(ops, after_backward(graph))
     )
 
 

@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
+import jax.numpy as jnp
+
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.ir import Graph, Op
@@ -142,13 +144,15 @@ def plan_pipeline(
     # side inputs built from them and constants (masks, positions) are recomputed in every
     # fragment that needs them rather than sent between tasks.
     # So are RNG keys derived per microbatch: small placed state (a key, a count) is sent to
-    # each stage that draws, which draws its own random bits.
+    # each stage that draws, which draws its own random bits. Not a small parameter (floating
+    # point): the tokens a small table embeds are the first stage's compute, as a large one's.
     # So is a stage's microbatch of a side input built before the loop from the batch and
     # passed to mm.microbatch whole (the Gemma example's attention mask): each stage that
     # reads it slices its own out of it, instead of one stage slicing and sending to all.
     seeds = {index_value} if index_value is not None else set()
     small_state = {v for v in graph.inputs if graph.nbytes[v] <= _SMALL_STATE}
-    batch = set(free_inputs) | small_state
+    draws = {v for v in small_state if not jnp.issubdtype(graph.dtypes[v], jnp.floating)}
+    batch = set(free_inputs) | draws
     replicable = replicable_ops(
         graph, region, seeds, batch | _batch_derived(pre_ops, batch), side_inputs=True
     )

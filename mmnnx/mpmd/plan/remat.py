@@ -5,7 +5,10 @@ A stage's forward returns every value its backward reads: 56 arrays per microbat
 broadcast scale, the pieces of a GELU). Each returned array costs the host a few microseconds
 per launch and holds memory until the backward runs. Here the backward fragments of each stage
 recompute such residuals from those they keep, fused into their own kernels, so the forward
-returns fewer arrays and fewer bytes wait between the passes. A pure pass over fragments.
+returns fewer arrays and fewer bytes wait between the passes; a value they would remake two
+or more residuals from is kept in their place (a first stage's embedded tokens, from which its
+backward then remakes what a middle stage's remakes from its input). A pure pass over
+fragments.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ def recompute_residuals(
 
     A residual is recomputed when its op is in :data:`RECOMPUTED`, every value it reads is
     available to the backward (kept, a forward input, or itself recomputable) within
-    :data:`MAX_DEPTH` ops, and nothing but that stage's passes reads it. ``replicated``: ops
+    :data:`MAX_DEPTH` ops, and nothing but that stage's passes reads it; a value the forward
+    makes that two or more such residuals would be remade from, no larger than they are
+    together, is kept. ``replicated``: ops
     every fragment may remake (side inputs: masks, positions), recomputed at any depth;
     ``excluded``: values never recomputed from nor dropped (chained state).
 
@@ -50,7 +55,7 @@ def recompute_residuals(
     """
     replicated = set(replicated)
     excluded = set(excluded)
-    outside = read_outside(graph, stages)
+    outside = _read_outside(graph, stages)
     out = dict(stages)
     for (kind, stage), forward in stages.items():
         if kind != "F":
@@ -63,7 +68,7 @@ def recompute_residuals(
             if key != (kind, stage) and key not in backward:
                 elsewhere.update(frag.in_ids)
         remade, kept = _recomputable(
-            forward, [stages[k] for k in backward], replicated, excluded, elsewhere
+            graph, forward, [stages[k] for k in backward], replicated, excluded, elsewhere
         )
         if not remade:
             continue
@@ -71,13 +76,13 @@ def recompute_residuals(
         for key in backward:
             out[key] = _recomputing(stages[key], remade, producer)
         still_read = {v for key in backward for v in out[key].in_ids} | elsewhere | kept
-        out[(kind, stage)] = dataclasses.replace(
-            forward, out_ids=[v for v in forward.out_ids if v in still_read]
-        )
+        held = [v for op in forward.ops for v in op.outs if v in kept]  # in their order
+        out_ids = [v for v in (*forward.out_ids, *held) if v in still_read]
+        out[(kind, stage)] = dataclasses.replace(forward, out_ids=list(dict.fromkeys(out_ids)))
     return out
 
 
-def read_outside(graph: Graph, stages: dict[tuple[str, int], Fragment]) -> set[int]:
+def _read_outside(graph: Graph, stages: dict[tuple[str, int], Fragment]) -> set[int]:
     """Values some op outside the stage fragments reads (a microbatch sum, a marker), or the step
     returns."""
     staged = {op.index for frag in stages.values() for op in frag.ops}
@@ -89,6 +94,7 @@ def read_outside(graph: Graph, stages: dict[tuple[str, int], Fragment]) -> set[i
 
 
 def _recomputable(
+    graph: Graph,
     forward: Fragment,
     backward: list[Fragment],
     replicated: set[int],
@@ -96,9 +102,30 @@ def _recomputable(
     elsewhere: set[int],
 ) -> tuple[set[int], set[int]]:
     """The values of ``forward`` its ``backward`` fragments may remake, and the residuals they
-    read as they are. Walks the forward in order, with the number of recomputed ops each value
-    needs (0: available as it is)."""
+    read as they are: those they read, and a value they do not read but would remake two or
+    more residuals from, no larger than them together (a first stage's embedded tokens, from
+    which its backward remakes a norm's ``2 * x`` and ``x - mean``, as a middle stage's remakes
+    them from its input)."""
     read_back = {v for frag in backward for v in frag.in_ids}
+    held: set[int] = set()
+    while True:
+        remade, kept, depth = _walk(forward, read_back | held, replicated, excluded, elsewhere)
+        more = _operands_to_hold(graph, forward, kept, depth, excluded, elsewhere) - held
+        if not more:
+            return remade, kept
+        held |= more
+
+
+def _walk(
+    forward: Fragment,
+    read_back: set[int],
+    replicated: set[int],
+    excluded: set[int],
+    elsewhere: set[int],
+) -> tuple[set[int], set[int], dict[int, int]]:
+    """The values remade, those kept, and the number of recomputed ops each available value
+    needs (0: available as it is), walking ``forward`` in order; ``read_back``: the values the
+    backward reads."""
     returned = set(forward.out_ids)
     depth: dict[int, int] = {v: 0 for v in forward.in_ids if v not in excluded}
     remade: set[int] = set()
@@ -122,7 +149,42 @@ def _recomputable(
                 depth[v] = 0  # returned by the forward anyway
                 if v in read_back:
                     kept.add(v)
-    return remade, kept
+    return remade, kept, depth
+
+
+def _operands_to_hold(
+    graph: Graph,
+    forward: Fragment,
+    kept: set[int],
+    depth: dict[int, int],
+    excluded: set[int],
+    elsewhere: set[int],
+) -> set[int]:
+    """The values of ``forward`` not available to the backward that, kept, would let it remake
+    two or more kept residuals (each made by one recomputed op reading it and values available),
+    no larger than those together."""
+    saves: dict[int, list[int]] = {}
+    for op in forward.ops:
+        ins = [a for a in op.ins if isinstance(a, int)]
+        missing = {a for a in ins if a not in depth}
+        residuals = [v for v in op.outs if v in kept and v not in elsewhere]
+        if (
+            len(missing) != 1
+            or not residuals
+            or op.name not in RECOMPUTED
+            or op.effectful
+            or op.may_fail
+            or max((depth[a] for a in ins if a in depth), default=0) >= MAX_DEPTH
+        ):
+            continue
+        (operand,) = missing
+        if operand not in excluded:
+            saves.setdefault(operand, []).extend(residuals)
+    return {
+        v
+        for v, residuals in saves.items()
+        if len(residuals) >= 2 and graph.nbytes[v] <= sum(graph.nbytes[r] for r in residuals)
+    }
 
 
 def _recomputing(frag: Fragment, remade: set[int], producer: dict[int, Op]) -> Fragment:

@@ -4,7 +4,10 @@
 Cross-task depth (``cut.levels``) puts an op at the first depth its inputs allow.
 :func:`join_consumers` moves an op that reads only values from outside the region (a stage's
 parameter reshapes) to the stage of its readers, and one no op of the region reads (the zero
-gradient of a parameter the loss does not read) to its task's first forward stage. An op that
+gradient of a parameter the loss does not read) to its task's first forward stage; a forward
+op only the backward reads runs there, unless it is made from the microbatch: a first stage's
+forward then makes the block ops a middle stage's does (its residuals included), and the edge
+stages' block programs can be a middle stage's (:mod:`~mmnnx.mpmd.lower.cores`). An op that
 reads an early stage's output and belongs to a later task (a decoder layer's cross-attention
 key projection of the encoder output) then lands at a depth where another task's stage runs,
 and the forward pass seems to visit its task twice; an op moved to readers on other tasks can
@@ -17,10 +20,12 @@ stages it gives.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.plan.cut import Fragment, after_backward, levels, reader_bounds
+from mmnnx.mpmd.primitives import is_index
 from mmnnx.sharding import Task
 
 
@@ -200,12 +205,24 @@ def join_consumers(
     forward readers follows those only (its backward readers are residual uses); one that no op
     of the region reads runs in its task's first forward stage.
 
-    Returns the new levels (``levels_in`` is left as it was) and the ops read by the backward
-    pass only ("late": they run with their backward readers)."""
+    A forward op that only the backward pass reads runs there ("late": a parameter's transpose,
+    the loss's backward seed), unless it computes on the microbatch (:func:`_microbatch_values`),
+    directly or through the ops before it: a first stage's ops on its embedded tokens then stay
+    in its forward, as a middle stage's on the previous stage's output do (a norm's ``2 * x``,
+    its rsqrt's derivative, made by the forward and kept as residuals).
+
+    Returns the new levels (``levels_in`` is left as it was) and the late ops.
+
+    Example::
+
+        raw = levels(graph, region, op_tasks, inputs_movable=False)
+        level, late = join_consumers(graph, region, op_tasks, raw)
+    """
     level = dict(levels_in)
     inside = {op.index for op in region}
     producer = {v: op for op in region for v in op.outs}
     consumers = graph.consumers()
+    fed = _microbatch_values(graph, inside)  # grows by the local ops' results made from them
     local: set[int] = set()
     late: set[int] = set()
     for op in region:
@@ -217,6 +234,8 @@ def join_consumers(
             if isinstance(a, int)
         ):
             local.add(op.index)
+            if any(isinstance(a, int) and a in fed for a in op.ins):
+                fed.update(op.outs)
     for op in reversed(region):
         if op.index not in local:
             continue
@@ -226,6 +245,8 @@ def join_consumers(
         if not op.backward and forward_readers:
             readers = forward_readers
         elif readers and not op.backward:
+            if any(v in fed for v in op.outs):
+                continue  # on the microbatch: in the forward, at its own depth
             late.add(op.index)  # read by the backward pass only: it runs there
         bounds = [level[c.index] - (op_tasks[c.index] != task) for c in readers]
         if bounds:
@@ -249,3 +270,16 @@ def join_consumers(
         if op.index in unread and op_tasks[op.index] in first:
             level[op.index] = first[op_tasks[op.index]]
     return level, late
+
+
+def _microbatch_values(graph: Graph, region: AbstractSet[int]) -> set[int]:
+    """The values ops outside ``region`` (op indices) make from the microbatch index: the
+    batch's microbatch slices and what each stage recomputes from them (a mask of the batch,
+    the microbatch's random bits). A region op reading one computes on the stage's input, as a
+    middle stage's ops compute on the previous stage's output."""
+    varying: set[int] = set()
+    for op in graph.ops:
+        outside = op.index not in region
+        if is_index(op) or outside and any(isinstance(a, int) and a in varying for a in op.ins):
+            varying.update(op.outs)
+    return varying
