@@ -231,6 +231,11 @@ def gpt_processes(rounds: int) -> dict:
         "planned step ms": spread(out["planned"], 1e3),
         "equal step ms": spread(out["equal"], 1e3),
         "equal / planned (target >= 1.15)": ratio_spread(out["equal"], out["planned"]),
+        "predicted equal / planned": (
+            f"{result.equal.predicted_seconds / result.predicted_seconds:.2f}"
+            if result.equal
+            else "-"
+        ),
         "target met": median(ratios(out["equal"], out["planned"])) >= 1.15,
     }
 
