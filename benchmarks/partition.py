@@ -24,8 +24,9 @@ issue's overhead harness).
 
 - ``gpt_processes``: the ``gpt`` comparison with a core per stage: each stage in a process of
   its own (``mmnnx launch -n 2 --devices-per-process 1``), each process pinned to one core
-  before JAX starts (where the machine has two), so the stages' programs run at once; each
-  sample the slowest process's median step (7 blocks of 3 steps ended by reading the loss).
+  before its JAX backend starts (where the machine has two), so the stages' programs run at
+  once; each sample the slowest process's median step (7 blocks of 3 steps ended by reading
+  the loss).
 
 Every timing is taken in interleaved rounds (``--rounds N``, default 5; the candidates of a
 section take turns in each round) and reported as the median [min-max] over the rounds, a
@@ -46,11 +47,9 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -270,24 +269,18 @@ def _worker(split: str, out: str) -> None:
     if len(cores) >= 2:
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
     mm.distributed.initialize()
-    tasks_ = [mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
     with nnx.use_eager_sharding(False):
         model = _gpt()
     sizes = tuple(int(n) for n in split.split("/"))
-    model = mm.place(model, split_rules(model, tasks_, sizes))
+    model = mm.place(model, split_rules(model, tasks(), sizes))
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     step = mm.cached_partial(train_step(), model, opt)
     batch = _gpt_batch()
     for _ in range(3):
         float(mm.distributed.fetch(step(batch)))
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        for _ in range(3):
-            loss = step(batch)
-        float(mm.distributed.fetch(loss))
-        times.append((time.perf_counter() - start) / 3)
-    pathlib.Path(out, f"rank{rank}.json").write_text(json.dumps(statistics.median(times)))
+    block = per_call(lambda: step(batch), 3, lambda loss: float(mm.distributed.fetch(loss)))
+    seconds = median([block() for _ in range(7)])
+    pathlib.Path(out, f"rank{rank}.json").write_text(json.dumps(seconds))
 
 
 SECTIONS = {"gpt": gpt, "unequal": unequal, "best": best, "gpt_processes": gpt_processes}
