@@ -193,7 +193,12 @@ def _transfer_order(step) -> list[list]:
 
     (executable, _), *_ = step._cache.values()
     return [
-        ["receive" if s.route.receives else "send", *s.transfer[3:]]
+        [
+            "receive" if s.route.receives else "send",
+            s.transfer.kind,
+            s.transfer.stage,
+            s.transfer.microbatch,
+        ]
         for s in executable._steps
         if isinstance(s, Cross) and s.transfer is not None
     ]
