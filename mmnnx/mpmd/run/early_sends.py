@@ -28,7 +28,7 @@ def send_early(steps: Sequence[Any], cross: type, writes: Any) -> list[Any]:
 
     Example::
 
-        steps = send_early(steps, Cross, written_slots)
+        steps = send_early(steps, Cross, _writes)  # emit.py's Cross and the slots a step writes
     """
     out: list[Any] = []
     last_write: dict[int, int] = {}  # slot -> index in ``out`` of the step that wrote it last
