@@ -5,16 +5,23 @@ each, each pinned to its own core (``pinned.py``: ``mmnnx launch -n 2 --devices-
 same model over the same two processes (a 2-device mesh, one device per process, the batch
 split, the gradients all-reduced through gloo).
 
-One launch; in each of ``--rounds`` rounds every candidate once, in turn, each started by both
-processes together (a barrier) and timed per process over ``CALLS`` steps ended by waiting for
-the process's own results; a candidate's step is the slower process's:
+Each process pins itself before its JAX backend starts (``pinned.pin_to_own_core``, as
+partition.py's ``gpt_processes``: XLA:CPU then sizes its thread pools for one core); with
+``--pin-after-start``, once it has started (its pools sized for both cores, all on one). One
+launch; in each of ``--rounds`` rounds every candidate
+once, in turn, each started by both processes together (a barrier) and timed per process over
+``CALLS`` steps ended by waiting for the process's own results; a candidate's step is the
+slower process's:
 
 - GPipe, 1F1B, ZB-H1: step / data-parallel step (target for GPipe and 1F1B: <= 1.18, the bubble
-  (M + S - 1) / M = 1.125 plus 5%);
+  (M + S - 1) / M = 1.125 plus 5%), and step / the data-parallel step's compute alone (each
+  process its half of the batch on its own device at once, nothing all-reduced: what data
+  parallelism costs with a free all-reduce);
 - for reference, on process 0 alone (process 1 waits at the barrier): the data-parallel step of
-  the whole batch on its one device (what the two-process step would take with no all-reduce:
-  half of it); and one stage's forward + backward per microbatch, timed one action at a time
-  (``timeline``, the slower stage), so (M + S - 1) x it is the bubble-only step;
+  the whole batch on its one device (against the compute alone: whether two pinned cores do
+  twice one's work; against the two-process step: what gloo's all-reduce costs); and one
+  stage's forward + backward per microbatch, timed one action at a time (``timeline``, the
+  slower stage), so (M + S - 1) x it is the bubble-only step;
 - where the time goes, GPipe and 1F1B, from an ``overlapped_timeline`` per round: per rank, its
   actions' time and the gaps before them waiting for the other rank to make an input, for the
   transfer bringing it, or for the host to launch the program (``overhead_mlp.waits``); each
@@ -22,16 +29,18 @@ the process's own results; a candidate's step is the slower process's:
   bytes (``measure_transfers``); per process, the host's CPU time per launch
   (``measure_launch_cost``) and per step, and the cores it kept busy (CPU / wall).
 
-Run: python benchmarks/overhead_processes.py [--rounds N] (prints one JSON line; ``python
-benchmarks/pipeline.py --only overhead_processes`` runs it and records its results).
+Run: python benchmarks/overhead_processes.py [--rounds N] [--pin-after-start] (prints one JSON
+line; ``python benchmarks/pipeline.py --only overhead_processes`` runs it both ways and records
+its results).
 """
 
 import sys
 
 import pinned
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    pinned.pin_to_own_core()  # before JAX starts its threads, which inherit the core
+LATE = "--pin-after-start"
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"] and LATE not in sys.argv:
+    pinned.pin_to_own_core()  # before JAX starts: XLA:CPU sizes its thread pools for one core
 
 import functools  # noqa: E402
 import json  # noqa: E402
@@ -49,15 +58,19 @@ import mmnnx as mm  # noqa: E402
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h1")
 ANALYSED = ("gpipe", "1f1b")
 CALLS = 10  # steps per timed sample
-DP, DP_ONE = "data parallel, 2 processes", "data parallel, process 0 alone, whole batch"
+DP = "data parallel, 2 processes"
+DP_LOCAL = "data parallel's compute alone: each process its half of the batch, at once"
+DP_ONE = "data parallel, process 0 alone, whole batch"
 
 
-def measure(rounds: int) -> dict:
-    """Launches the two pinned processes, and reads their samples (see the module docstring)."""
-    ranks = pinned.launch(__file__, ["--worker", str(rounds)], collectives="gloo")
+def measure(rounds: int, pin_after_start: bool = False) -> dict:
+    """Launches the two pinned processes, and reads their samples (see the module docstring);
+    ``pin_after_start``: each pins itself once its JAX backend has started, instead of before."""
+    args = ["--worker", str(rounds), *([LATE] if pin_after_start else [])]
+    ranks = pinned.launch(__file__, args, collectives="gloo")
     wall = {
         name: [max(r[name][i]["wall"] for r in ranks) for i in range(rounds)]
-        for name in (DP, *SCHEDULES)
+        for name in (DP, DP_LOCAL, *SCHEDULES)
     }
     wall[DP_ONE] = [s["wall"] for s in ranks[0][DP_ONE]]
     dp = wall[DP]
@@ -65,7 +78,12 @@ def measure(rounds: int) -> dict:
     t_stage = [a["stage"] for a in analyses]
     out: dict = {
         "layout": "2 processes of 1 device each, each pinned to its own core, gloo collectives",
+        "pinned": "after the JAX backend started" if pin_after_start else "before it starts",
         f"{DP} step ms": spread(dp, 1e3),
+        f"{DP_LOCAL} ms": spread(wall[DP_LOCAL], 1e3),
+        f"{DP_ONE} / {DP_LOCAL} (2.0: two cores do twice one's work)": ratio_spread(
+            wall[DP_ONE], wall[DP_LOCAL], 3
+        ),
         f"{DP_ONE} step ms": spread(wall[DP_ONE], 1e3),
         f"{DP} / {DP_ONE}": ratio_spread(dp, wall[DP_ONE], 3),
         "ms per step beyond half the one-process step (gloo's all-reduce, the split)": spread(
@@ -82,6 +100,7 @@ def measure(rounds: int) -> dict:
     for name in SCHEDULES:
         out[f"{name}: step ms"] = spread(wall[name], 1e3)
         out[f"{name}: step / data parallel"] = ratio_spread(wall[name], dp, 3)
+        out[f"{name}: step / {DP_LOCAL}"] = ratio_spread(wall[name], wall[DP_LOCAL], 3)
         out[f"{name}: step / (M + S - 1) x stage"] = ratio_spread(
             wall[name], [(M + S - 1) * t for t in t_stage], 3
         )
@@ -91,7 +110,7 @@ def measure(rounds: int) -> dict:
         out[f"process {rank}: host CPU ms per launch, {', '.join(ANALYSED)}"] = ", ".join(
             f"{got['launch'][name] * 1e3:.3f}" for name in ANALYSED
         )
-        for name in (DP, *SCHEDULES):
+        for name in (DP, DP_LOCAL, *SCHEDULES):
             cpu = [s["cpu"] for s in got[name]]
             out[f"process {rank}, {name}: cores busy (CPU / wall)"] = ratio_spread(
                 cpu, [s["wall"] for s in got[name]]
@@ -102,6 +121,9 @@ def measure(rounds: int) -> dict:
     for name in ANALYSED:
         out[f"target: {name} <= 1.18x data parallel (median)"] = (
             median(ratios(wall[name], dp)) <= 1.18
+        )
+        out[f"{name} <= 1.18x {DP_LOCAL} (median)"] = (
+            median(ratios(wall[name], wall[DP_LOCAL])) <= 1.18
         )
     return out
 
@@ -191,6 +213,9 @@ def _timelines(steps: dict, x) -> dict:
 def _worker(rounds: int) -> None:
     """One of the two processes: every candidate in ``rounds`` interleaved rounds."""
     mm.distributed.initialize()
+    if LATE in sys.argv:
+        jax.devices()  # the backend started, its thread pools sized for every core
+        pinned.pin_to_own_core()
     x = batch()
     steps = {name: pipelined(name, x) for name in SCHEDULES}
     launch, links = {}, {}
@@ -200,9 +225,14 @@ def _worker(rounds: int) -> None:
         schedule = step.plan(model, x).pipeline.schedule
         costs = mm.schedules.measure_transfers(step, model, x).transfer_costs(schedule)
         links[name] = list(costs.values())
-    here = jax.local_devices()[:1]
-    alone = _data_parallel(x, Mesh(np.array(here), ("data",))) if jax.process_index() == 0 else None
-    candidates = {DP: _timed(_data_parallel(x, Mesh(np.array(jax.devices()[:S]), ("data",))))}
+    here = Mesh(np.array(jax.local_devices()[:1]), ("data",))
+    half = len(x) // S
+    own_half = x[jax.process_index() * half : (jax.process_index() + 1) * half]
+    alone = _data_parallel(x, here) if jax.process_index() == 0 else None
+    candidates = {
+        DP: _timed(_data_parallel(x, Mesh(np.array(jax.devices()[:S]), ("data",)))),
+        DP_LOCAL: _timed(_data_parallel(own_half, here)),
+    }
     for name, (step, model) in steps.items():
         candidates[name] = _timed(functools.partial(step, model, x))
     candidates[DP_ONE] = _timed(alone)
@@ -222,4 +252,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         _worker(int(sys.argv[2]))
     else:
-        print(json.dumps(measure(rounds_option(sys.argv))))
+        print(json.dumps(measure(rounds_option(sys.argv), LATE in sys.argv)))

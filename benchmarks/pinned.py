@@ -4,10 +4,11 @@ keeps nearly both cores busy in one process, exactly one in a process of its own
 threads off; benchmarks/HISTORY.md, "a core per stage").
 
 The parent calls :func:`launch` with a script and its arguments; each process of it calls
-:func:`pin_to_own_core` before its JAX backend starts, does its work and hands its result back
-with :func:`write_result`; :func:`launch` returns the results in rank order.
+:func:`pin_to_own_core`, does its work and hands its result back with :func:`write_result`;
+:func:`launch` returns the results in rank order.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -21,9 +22,16 @@ _RESULTS = "BENCH_RANK_RESULTS"  # the folder each process writes its result to
 
 
 def pin_to_own_core() -> int | None:
-    """Pins this process to one core of those it may run on, the one at its rank
-    (``MMNNX_PROCESS_ID``, 0 when unset) modulo their number, and returns it; ``None`` (nothing
-    pinned) where it may run on a single core only.
+    """Pins every thread of this process (and so those it starts later) to one core of those
+    it may run on, the one at its rank (``MMNNX_PROCESS_ID``, 0 when unset) modulo their
+    number, and returns it; ``None`` (nothing pinned) where it may run on a single core only.
+
+    Called before the JAX backend starts (as the benchmarks do), XLA:CPU sizes its thread
+    pools for one core; a value this process sends another then leaves only once the programs
+    launched on its device before the other asked for it have run. Called after, the pools are
+    sized for every core and the value leaves at once, but the programs run slower, their
+    threads sharing the one core (benchmarks/HISTORY.md, issue 54 item 5 with a core per
+    stage).
 
     Example::
 
@@ -33,7 +41,9 @@ def pin_to_own_core() -> int | None:
     if len(cores) < 2:
         return None
     core = cores[int(os.environ.get("MMNNX_PROCESS_ID", "0")) % len(cores)]
-    os.sched_setaffinity(0, {core})
+    for thread in pathlib.Path("/proc/self/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            os.sched_setaffinity(int(thread.name), {core})
     return core
 
 
