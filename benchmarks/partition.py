@@ -45,15 +45,12 @@ for _flag in ("--xla_force_host_platform_device_count=8", "--xla_cpu_multi_threa
         _flags += " " + _flag
 os.environ["XLA_FLAGS"] = _flags.strip()
 
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+import pinned  # noqa: E402
 from flax import nnx  # noqa: E402
 from report import (  # noqa: E402
     interleaved,
@@ -250,24 +247,12 @@ def _gpt_batch():
 def _in_two_processes(sizes) -> float:
     """The slowest process's median step time of ``_gpt`` split as ``sizes`` over two processes
     (one stage each, each pinned to its own core where there are two)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
-    split = "/".join(map(str, sizes))
-    with tempfile.TemporaryDirectory() as out:
-        subprocess.run(
-            [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--devices-per-process", "1",
-             "--", sys.executable, __file__, "--worker", split, out],
-            env=env, check=True, capture_output=True, timeout=900,
-        )  # fmt: skip
-        return max(json.loads(p.read_text()) for p in pathlib.Path(out).glob("rank*.json"))
+    return max(pinned.launch(__file__, ["--worker", "/".join(map(str, sizes))]))
 
 
-def _worker(split: str, out: str) -> None:
-    """One process of :func:`_in_two_processes`: its stage's median step, written to ``out``."""
-    rank = int(os.environ["MMNNX_PROCESS_ID"])
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= 2:
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+def _worker(split: str) -> None:
+    """One process of :func:`_in_two_processes`: its stage's median step, handed back."""
+    pinned.pin_to_own_core()
     mm.distributed.initialize()
     with nnx.use_eager_sharding(False):
         model = _gpt()
@@ -279,8 +264,7 @@ def _worker(split: str, out: str) -> None:
     for _ in range(3):
         float(mm.distributed.fetch(step(batch)))
     block = per_call(lambda: step(batch), 3, lambda loss: float(mm.distributed.fetch(loss)))
-    seconds = median([block() for _ in range(7)])
-    pathlib.Path(out, f"rank{rank}.json").write_text(json.dumps(seconds))
+    pinned.write_result(median([block() for _ in range(7)]))
 
 
 SECTIONS = {"gpt": gpt, "unequal": unequal, "best": best, "gpt_processes": gpt_processes}
@@ -293,6 +277,6 @@ def main(only: list[str] | None, rounds: int):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        _worker(*sys.argv[2:4])
+        _worker(sys.argv[2])
     else:
         main(only_sections(sys.argv), rounds_option(sys.argv))

@@ -46,7 +46,11 @@ rows, JAX's own transpose of the scan took 2.1x as long as this one and two stag
 - ``overhead``: the pipeline's own overhead, GPipe / 1F1B / ZB-H1 / ZB-V against the
   data-parallel step of the same MLP, and where the time beyond the bubble goes
   (``pipeline_overhead.py``, run in a process of its own with XLA's Eigen thread pool off;
-  target: GPipe and 1F1B at most 1.18x data parallel).
+  target: GPipe and 1F1B at most 1.18x data parallel);
+- ``overhead_processes``: the same with each stage in a process of its own pinned to its own
+  core, against data parallelism over the same two processes (``overhead_processes.py``); and
+  ``overhead_processes, pinned after JAX started``, the processes pinned once their JAX
+  backend has started instead of before.
 
 Every timing is taken in interleaved rounds (``--rounds N``, default 5; the candidates of a
 section take turns in each round) and reported as the median [min-max] over the rounds, a ratio
@@ -70,6 +74,7 @@ import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import overhead_processes as overhead_processes_harness  # noqa: E402
 from flax import nnx  # noqa: E402
 from report import (  # noqa: E402
     interleaved,
@@ -573,6 +578,12 @@ def overhead(rounds: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def overhead_processes(rounds: int, pin_after_start: bool = False) -> dict:
+    """``overhead_processes.py``: the same MLP with each stage in a process of its own, pinned
+    to its own core, against data parallelism over the same two processes."""
+    return overhead_processes_harness.measure(rounds, pin_after_start)
+
+
 SECTIONS = {
     "efficiency": efficiency,
     "efficiency 1f1b": lambda rounds: efficiency(rounds, schedule="1f1b"),
@@ -583,6 +594,8 @@ SECTIONS = {
     "tuner": tuner_ranking,
     "host": host_overhead,
     "overhead": overhead,
+    "overhead_processes": overhead_processes,
+    "overhead_processes, pinned after JAX started": lambda rounds: overhead_processes(rounds, True),
 }
 
 

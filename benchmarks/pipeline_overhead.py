@@ -2,11 +2,11 @@
 the data-parallel step of the same model, in a process of its own with XLA's Eigen thread pool
 off (``pipeline.py``'s ``overhead`` section runs it; the flag is dispatch.py's).
 
-The harness: an MLP of 8 parts (two ``nnx.Linear(256, 256)`` each, ``tanh`` after each), a
-batch of 8 x 64 rows, M = 8, pipelined over 2 one-device stages (4 parts each) with GPipe, 1F1B,
-ZB-H1 and ZB-V (in a V: 4 virtual stages of 2 parts), against the data-parallel ``jax.jit``
-step of the same model on the same 2 devices (the batch split over them, parameters
-replicated). Every step returns the loss and the gradients.
+The harness (its model is ``overhead_mlp.py``'s): an MLP of 8 parts (two ``nnx.Linear(256,
+256)`` each, ``tanh`` after each), a batch of 8 x 64 rows, M = 8, pipelined over 2 one-device
+stages (4 parts each) with GPipe, 1F1B, ZB-H1 and ZB-V (in a V: 4 virtual stages of 2 parts),
+against the data-parallel ``jax.jit`` step of the same model on the same 2 devices (the batch
+split over them, parameters replicated). Every step returns the loss and the gradients.
 
 In ``--rounds`` rounds, every candidate once per round (a ratio taken per round, then median
 [min-max]):
@@ -15,8 +15,8 @@ In ``--rounds`` rounds, every candidate once per round (a ratio taken per round,
 - beyond the bubble: the step against (M + S - 1) x a stage's forward + backward timed one
   action at a time (``timeline``), GPipe and 1F1B;
 - the step as it ran (``overlapped_timeline``), GPipe and 1F1B: per rank, its actions' time,
-  and the gaps before them spent waiting for an input from the other rank, or for the host to
-  launch the program (``Event.launched``);
+  and the gaps before them spent waiting for the other rank to make an input, for its transfer,
+  or for the host to launch the program (``Event.launched``; ``overhead_mlp.waits``);
 - what the step costs the machine: process CPU time per step and the cores it kept busy (CPU /
   wall), the host thread's CPU time, page faults per step;
 - experiments: a hand-written loop of per-stage ``jax.vjp`` programs (``device_put`` between
@@ -43,67 +43,19 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import overhead_mlp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+from overhead_mlp import MLP, ROWS, WAITS, M, S, batch, loss_fn, waits  # noqa: E402
 from report import interleaved, ratio_spread, rounds_option, spread  # noqa: E402
 
-import mmnnx as mm  # noqa: E402
-
-PARTS, WIDTH, ROWS, M, S = 8, 256, 64, 8, 2
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h1", "zero-bubble-v")
 CALLS = 5  # steps per timed sample
 
 
-class Part(nnx.Module):
-    def __init__(self, rngs):
-        self.a = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
-        self.b = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
-
-    def __call__(self, x):
-        return jnp.tanh(self.b(jnp.tanh(self.a(x))))
-
-
-class MLP(nnx.Module):
-    def __init__(self):
-        self.parts = nnx.List([Part(nnx.Rngs(i)) for i in range(PARTS)])
-
-    def __call__(self, x):
-        for part in self.parts:
-            x = part(x)
-        return x
-
-
-def loss_fn(model, x):
-    return jnp.mean(model(x) ** 2)
-
-
-def placement(schedule: str) -> tuple[list, int]:
-    """Rules placing the parts: 4 per rank, or for ZB-V in a V (stages 0, 1 going down on
-    ranks 0, 1, stages 2, 3 coming back up as their second virtual stages); the virtual
-    stages per rank."""
-    tasks = [mm.Task(f"s{r}", mesh=mm.TaskMesh(devices=[r])) for r in range(S)]
-    if schedule == "zero-bubble-v":
-        order = [tasks[0], tasks[1], tasks[1].virtual_stage(1), tasks[0].virtual_stage(1)]
-    else:
-        order = tasks
-    per = PARTS // len(order)
-    return [(f"^parts/{p}/", order[p // per]) for p in range(PARTS)], len(order) // S
-
-
 def pipelined(schedule: str):
     """The ``mm.jit`` step of ``schedule``, its placed model; compiled and run once."""
-    rules, virtual = placement(schedule)
-    model = mm.place(MLP(), rules)
-    grads = mm.microbatch(
-        nnx.value_and_grad(loss_fn),
-        num=M,
-        reduce="mean",
-        schedule=schedule,
-        virtual_stages=virtual,
-    )
-    step = mm.jit(grads)
-    jax.block_until_ready(step(model, BATCH))
-    return step, model
+    return overhead_mlp.pipelined(schedule, BATCH)
 
 
 def data_parallel(microbatches: int = 1):
@@ -196,7 +148,7 @@ class HandWritten:
         return sums
 
 
-BATCH = jax.random.normal(jax.random.key(2), (M * ROWS, WIDTH))
+BATCH = batch()
 
 
 def _faults() -> int:
@@ -228,41 +180,9 @@ def measured(fn, calls: int = CALLS):
 
 
 def stage_time(step, model) -> float:
-    """A stage's forward + backward timed one action at a time: the slower stage's median F
-    plus median B over its microbatches, from one ``timeline``."""
-    per: dict = {}
-    for e in step.timeline(model, BATCH):
-        per.setdefault((e.rank, e.kind), []).append(e.end - e.start)
-    return max(
-        statistics.median(per[(rank, "F")]) + statistics.median(per[(rank, "B")])
-        for rank in {rank for rank, _ in per}
-    )
-
-
-def waits(events) -> dict[str, dict[str, float]]:
-    """Per rank of an overlapped timeline: seconds of its actions (``busy``), and of the gaps
-    before them, each spent waiting for an input from another rank (the action was launched
-    before its rank went idle) or for the host to launch its program (launched after)."""
-    out: dict[str, dict[str, float]] = {}
-    by_rank: dict[str, list] = {}
-    for e in sorted(events, key=lambda e: (e.start, e.end)):
-        by_rank.setdefault(e.rank, []).append(e)
-    for rank, evs in by_rank.items():
-        busy = inputs = host = 0.0
-        previous = 0.0
-        seen = set()
-        for e in evs:
-            if (e.start, e.end) in seen:  # the other action of a fused pair
-                continue
-            seen.add((e.start, e.end))
-            gap = max(0.0, e.start - previous)
-            launching = min(gap, max(0.0, e.launched - previous))
-            host += launching
-            inputs += gap - launching
-            busy += e.end - e.start
-            previous = max(previous, e.end)
-        out[rank] = {"busy": busy, "inputs": inputs, "host": host}
-    return out
+    """A stage's forward + backward timed one action at a time (``overhead_mlp.stage_time`` of
+    one ``timeline``)."""
+    return overhead_mlp.stage_time(step.timeline(model, BATCH))
 
 
 def measure(rounds: int) -> dict:
@@ -308,9 +228,8 @@ def measure(rounds: int) -> dict:
             [w - i for w, i in zip(wall[name], ideal, strict=True)], 1e3
         )
         for rank in sorted(analyses[0][1]):
-            for what in ("busy", "inputs", "host"):
-                label = {"busy": "busy", "inputs": "waiting for inputs", "host": "waiting for host"}
-                out[f"{name}: {rank} {label[what]} ms"] = spread(
+            for what, label in WAITS.items():
+                out[f"{name}: {rank} {label} ms"] = spread(
                     [w[rank][what] for _, w in analyses], 1e3
                 )
     for name in ("data parallel", "gpipe", "1f1b", "stage 0 alone, one device"):

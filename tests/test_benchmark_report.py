@@ -1,10 +1,14 @@
 """benchmarks/report.py, the harness every benchmark script reports through: interleaved rounds,
-"median [min-max]" spreads, per-round ratios, the machine record and the ``--rounds`` option."""
+"median [min-max]" spreads, per-round ratios, the machine record and the ``--rounds`` option;
+and benchmarks/pinned.py, which runs a benchmark as processes pinned to a core each."""
 
+import contextlib
 import importlib.util
 import json
+import os
 import pathlib
 import sys
+import threading
 
 import pytest
 
@@ -74,3 +78,43 @@ def test_results_file_records_machine_and_rounds_per_section(report, tmp_path, m
     results = json.loads(path.read_text())
     assert results["measured"]["s"]["rounds"] == 2 and results["measured"]["u"]["rounds"] == 5
     assert "note" not in results["measured"]["u"]
+
+
+@pytest.fixture(scope="module")
+def pinned():
+    spec = importlib.util.spec_from_file_location("pinned", ROOT / "benchmarks" / "pinned.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_pinned_process_puts_every_thread_on_the_core_at_its_rank(pinned, monkeypatch):
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs a process allowed on two cores")
+    started, stop = threading.Event(), threading.Event()
+    other = threading.Thread(target=lambda: started.set() or stop.wait(30))
+    other.start()
+    started.wait(30)
+    tasks = pathlib.Path("/proc/self/task")
+    before = {int(t.name): os.sched_getaffinity(int(t.name)) for t in tasks.iterdir()}
+    monkeypatch.setenv("MMNNX_PROCESS_ID", "3")
+    try:
+        core = pinned.pin_to_own_core()
+        assert core == cores[3 % len(cores)]
+        assert os.sched_getaffinity(other.native_id) == os.sched_getaffinity(0) == {core}
+    finally:
+        for tid, allowed in before.items():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, allowed)
+        stop.set()
+        other.join()
+
+
+def test_each_process_s_result_comes_back_in_rank_order(pinned, tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_RANK_RESULTS", str(tmp_path))
+    for rank, result in ((1, {"s": 0.5}), (0, [1, 2])):
+        monkeypatch.setenv("MMNNX_PROCESS_ID", str(rank))
+        pinned.write_result(result)
+    assert pinned.results_in(tmp_path, 2) == [[1, 2], {"s": 0.5}]
+    assert pinned.results_in(tmp_path, 3) is None  # rank 2 wrote nothing
