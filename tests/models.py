@@ -177,11 +177,21 @@ def small_gpt() -> GPT:
         return GPT(SMALL_GPT, rngs=nnx.Rngs(0))
 
 
-def reference_step(model, opt, tokens):
-    """One full-batch train step of a model with a ``loss(tokens)`` method (the oracle)."""
+def full_batch_step(model, opt, tokens):
+    """One full-batch train step of a model with a ``loss(tokens)`` method."""
     loss, grads = nnx.value_and_grad(lambda m, t: m.loss(t))(model, tokens)
     opt.update(model, grads)
     return loss
+
+
+reference_step = nnx.jit(full_batch_step)
+"""The oracle: :func:`full_batch_step` on one device under ``nnx.jit`` (run op by op, the
+small GPT's first step compiled each op apart: 5.9 s, then 0.55 s a step; jitted, 2.0 s once,
+then 0.01 s)."""
+
+reference_loss_and_grads = nnx.jit(nnx.value_and_grad(lambda m, t: m.loss(t)))
+"""The loss and gradients of a model with a ``loss(tokens)`` method, on one device under
+``nnx.jit``: ``reference_loss_and_grads(model, tokens)``."""
 
 
 def mse(model, x, y):

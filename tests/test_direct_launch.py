@@ -12,7 +12,14 @@ import mmnnx as mm
 from mmnnx._jax.arrays import launchable_as
 from mmnnx.models import stage_rules
 from mmnnx.mpmd.run.runner import Executable
-from tests.models import SMALL_GPT, gpt_step, one_device_tasks, reference_step, small_gpt
+from tests.models import (
+    SMALL_GPT,
+    gpt_step,
+    one_device_tasks,
+    reference_loss_and_grads,
+    reference_step,
+    small_gpt,
+)
 from tests.oracle import close, params_close
 
 
@@ -59,7 +66,7 @@ def test_after_one_checked_call_every_program_is_launched_directly(checked_calls
     monkeypatch.setattr(Executable, "_interpret", counting)
     model, opt, ref, ref_opt, step = _gpt_on(one_device_tasks(4))
     tokens = _tokens()
-    _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
+    _, ref_grads = reference_loss_and_grads(small_gpt(), tokens)
     close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
     assert len(checked_calls) >= _num_programs(step)  # the first call checks every argument
     checked_calls.clear()

@@ -12,7 +12,7 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx.models import stage_rules
-from tests.models import SMALL_GPT, gpt_step, one_device_tasks, reference_step, small_gpt
+from tests.models import SMALL_GPT, full_batch_step, gpt_step, one_device_tasks, small_gpt
 
 
 class NewArrays:
@@ -43,9 +43,9 @@ def _placed(num_tasks: int):
 
 
 MODES = {
-    "one task": (1, lambda: mm.jit(reference_step), False),
-    "two tasks": (2, lambda: mm.jit(reference_step), False),
-    "cached_partial": (2, lambda: mm.jit(reference_step), True),
+    "one task": (1, lambda: mm.jit(full_batch_step), False),
+    "two tasks": (2, lambda: mm.jit(full_batch_step), False),
+    "cached_partial": (2, lambda: mm.jit(full_batch_step), True),
     "pipelined": (4, lambda: mm.jit(gpt_step("1f1b")), False),
 }
 

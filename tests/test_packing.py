@@ -24,6 +24,7 @@ from tests.models import (
     microbatched_train_step,
     mse,
     one_device_tasks,
+    reference_loss_and_grads,
     reference_step,
     small_gpt,
     tensor_parallel_mlp,
@@ -40,7 +41,7 @@ def _gpt_on_four_devices(seed: int):
     mm.place(model, stage_rules(model, one_device_tasks(4), report=False))
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
     ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
-    _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
+    _, ref_grads = reference_loss_and_grads(small_gpt(), tokens)
     return tokens, model, opt, ref, ref_opt, ref_grads
 
 
@@ -122,7 +123,7 @@ def test_fused_pairs_with_packed_residuals_on_one_device_tasks():
 
     step = mm.jit(grads_of, pack_residuals=True)
     loss, grads = step(model, tokens)
-    ref_loss, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(ref, tokens)
+    ref_loss, ref_grads = reference_loss_and_grads(ref, tokens)
     close(loss, ref_loss)
     trees_close(grads, ref_grads)
     (executable, _), *_ = step._cache.values()
@@ -230,7 +231,7 @@ def test_whole_values_on_multi_device_tasks_travel_packed():
     step = mm.jit(gpt_step("1f1b"))
     for _ in range(3):
         close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
-    _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
+    _, ref_grads = reference_loss_and_grads(small_gpt(), tokens)
     params_close(model, ref, ref_grads, steps=3, lr=3e-3)
     (executable, _), *_ = step._cache.values()
     packing = packed_buffers(executable.plan.program)
@@ -426,7 +427,7 @@ def test_each_blocks_weights_travel_as_one_buffer_laid_out_alike_and_train_like_
         results[pack] = [step(model, opt, tokens) for _ in range(3)]
         for loss in results[pack]:
             close(loss, reference_step(ref, ref_opt, tokens))
-        _, ref_grads = nnx.value_and_grad(lambda m, t: m.loss(t))(small_gpt(), tokens)
+        _, ref_grads = reference_loss_and_grads(small_gpt(), tokens)
         params_close(model, ref, ref_grads, steps=3, lr=3e-3)
     trees_close(results[mm.PACK_WEIGHT_BYTES], results[False])
 

@@ -74,6 +74,7 @@ def pipelined_step(schedule, virtual_stages=1, num=M):
     return step
 
 
+@nnx.jit
 def reference_step(model, opt, tokens):
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
     opt.update(model, grads)
