@@ -266,6 +266,7 @@ def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op]
         return None
     match = _Match(set(reference.in_ids), stands_for)
     at = {id(op): k for k, op in enumerate(live)}
+    readers = _readers(candidates, stands_for)
     ops: list[Op] = []
     where: list[int] = []  # the place in ``live`` of each op matched
     choices: list[tuple[int, list[Op], _Match]] = []  # (position, untried fits, match before)
@@ -274,7 +275,7 @@ def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op]
         r = wanted[i]
         ins = [seen_as.get(x, x) if type(x) is int else x for x in r.ins]
         last = where[-1] if where else -1
-        fits = [a for a in candidates[keys(r)] if match.fits(ins, a)]
+        fits = [a for a in _pool(r, ins, match, candidates, readers, keys) if match.fits(ins, a)]
         fits.sort(key=lambda a: (at[id(a)] < last, at[id(a)]))
         while not fits:
             if not choices or retries == _MAX_RETRIES:
@@ -296,6 +297,38 @@ def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op]
     if any(v not in values for v in (*reference.in_ids, *reference.out_ids)):
         return None
     return ops, values
+
+
+def _readers(
+    candidates: dict[Hashable, list[Op]], stands_for: dict[int, int]
+) -> dict[tuple[Hashable, int, int], list[Op]]:
+    """The candidates of each key by ``(key, position, value)``: those reading the value (the
+    one their constraint operand stands for) at that operand position."""
+    readers: dict[tuple[Hashable, int, int], list[Op]] = {}
+    for key, ops in candidates.items():
+        for op in ops:
+            for position, y in enumerate(op.ins):
+                if type(y) is int:
+                    readers.setdefault((key, position, stands_for.get(y, y)), []).append(op)
+    return readers
+
+
+def _pool(
+    r: Op,
+    ins: Sequence,
+    match: _Match,
+    candidates: dict[Hashable, list[Op]],
+    readers: dict[tuple[Hashable, int, int], list[Op]],
+    keys: _OpKeys,
+) -> list[Op]:
+    """The candidates that may stand for reference op ``r`` reading ``ins``: only those reading,
+    at the place of an operand already matched, its image (:meth:`_Match.fits` demands it);
+    every candidate of its key where none is matched yet."""
+    key = keys(r)
+    for position, x in enumerate(ins):
+        if type(x) is int and x in match.values:
+            return readers.get((key, position, match.values[x]), [])
+    return candidates[key]
 
 
 class _Match:
