@@ -55,6 +55,7 @@ import time
 from report import (
     interleaved,
     median,
+    own_results,
     publish,
     ratio_spread,
     results_path,
@@ -193,13 +194,6 @@ def hop_times() -> dict[str, float]:
 PREDICTED_SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h1", "interleaved-1f1b", "zero-bubble-v")
 
 
-def _own_results(out) -> None:
-    """Waits for the parts of a step's results this process holds."""
-    import jax
-
-    jax.block_until_ready([x for x in jax.tree.leaves(out) if x.is_fully_addressable])
-
-
 def _together(step, *args) -> float:
     """Seconds of one call of ``step`` started by every process together (after a gather) and
     ended once every process has its results (the next gather); this process's count."""
@@ -207,7 +201,7 @@ def _together(step, *args) -> float:
 
     mm.distributed.gather(0)
     start = time.perf_counter()
-    _own_results(step(*args))
+    own_results(step(*args))
     mm.distributed.gather(0)
     return time.perf_counter() - start
 

@@ -51,7 +51,16 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from overhead_mlp import MLP, WAITS, M, S, batch, loss_fn, pipelined, stage_time, waits  # noqa: E402
-from report import interleaved, median, per_call, ratio_spread, ratios, rounds_option, spread  # noqa: E402
+from report import (  # noqa: E402
+    interleaved,
+    median,
+    own_results,
+    per_call,
+    ratio_spread,
+    ratios,
+    rounds_option,
+    spread,
+)
 
 import mmnnx as mm  # noqa: E402
 
@@ -150,12 +159,6 @@ def _where_it_goes(name: str, analyses: list[dict], wall: list[float]) -> dict:
     return out
 
 
-def _own(out) -> None:
-    """Waits for the parts of ``out`` this process holds."""
-    arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
-    jax.block_until_ready([s.data for x in arrays for s in x.addressable_shards])
-
-
 def _timed(fn):
     """A candidate for ``interleaved``: after a barrier, ``CALLS`` calls of ``fn`` (``None``:
     none, this process only waits), the last one's results waited for; per call, wall seconds,
@@ -166,7 +169,7 @@ def _timed(fn):
         if fn is None:
             return None
         cpu, host = time.process_time(), time.thread_time()
-        wall = per_call(fn, CALLS, _own)()
+        wall = per_call(fn, CALLS, own_results)()
         return {
             "wall": wall,
             "cpu": (time.process_time() - cpu) / CALLS,

@@ -78,6 +78,21 @@ def per_call(
     return timed
 
 
+def own_results(out: object) -> None:
+    """Waits for the shards this process holds of the arrays in ``out`` (a step's results in a
+    run of several processes, where some arrays lie on other processes' devices): ``wait`` for
+    :func:`per_call` there.
+
+    Example::
+
+        seconds = per_call(lambda: step(model, x), calls=10, wait=own_results)()
+    """
+    import jax  # only where a process measures: the parent process of a run never starts JAX
+
+    arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+    jax.block_until_ready([s.data for x in arrays for s in x.addressable_shards])
+
+
 def spread(samples: Sequence[float], scale: float = 1.0, digits: int = 2) -> str:
     """``samples`` (times ``scale``) as "median [min-max]".
 
