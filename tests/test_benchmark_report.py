@@ -15,12 +15,17 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def report():
-    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
+def _benchmark_module(name: str):
+    """``benchmarks/<name>.py``, imported (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _benchmark_module("report")
 
 
 def test_candidates_take_turns_in_each_round(report):
@@ -82,10 +87,7 @@ def test_results_file_records_machine_and_rounds_per_section(report, tmp_path, m
 
 @pytest.fixture(scope="module")
 def pinned():
-    spec = importlib.util.spec_from_file_location("pinned", ROOT / "benchmarks" / "pinned.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark_module("pinned")
 
 
 def test_a_pinned_process_puts_every_thread_on_the_core_at_its_rank(pinned, monkeypatch):
