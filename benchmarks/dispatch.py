@@ -47,7 +47,8 @@ each first call (``mm.jit compile s``), runs in a fresh process per round.
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/dispatch.py
 [--only SECTION ...] [--rounds N] (sections: call_cost one_task two_task pipelined
-per_pipelined_launch pipeline_vs_data_parallel).
+pipelined_targets per_pipelined_launch pipeline_vs_data_parallel; ``pipelined_targets``: the
+two S4 M16 cases of ``pipelined`` that issue 54 sets targets for, with the data-parallel step).
 Writes benchmarks/results/dispatch.json (with --only, replaces those sections in it).
 """
 
@@ -404,11 +405,14 @@ def _pipeline_label(case) -> str:
     return key
 
 
-def pipelined_host_time(rounds: int):
-    """Every configuration of ``PIPELINES`` and the data-parallel step, each in a fresh process,
+ISSUE_54 = [c for c in PIPELINES if c[:2] == (4, 16) and c[3:] == (8, None, True, False)]
+
+
+def pipelined_host_time(rounds: int, cases: list[tuple] = PIPELINES):
+    """Every configuration of ``cases`` and the data-parallel step, each in a fresh process,
     all of them once per round over ``rounds`` rounds."""
     candidates = {_pipeline_label(case): functools.partial(in_fresh_process, list(case))
-                  for case in PIPELINES}  # fmt: skip
+                  for case in cases}  # fmt: skip
     candidates["data parallel"] = functools.partial(in_fresh_process, None)
     runs = interleaved(candidates, rounds)
     out = {}
@@ -578,6 +582,8 @@ SECTIONS = {
     "one_task": one_task,
     "two_task": two_task,
     "pipelined": pipelined_host_time,
+    # issue 54's two cases alone (S4 M16, 1 and 2 devices per task): minutes, not the half hour
+    "pipelined_targets": functools.partial(pipelined_host_time, cases=ISSUE_54),
     "per_pipelined_launch": host_time_per_pipelined_launch,
     "pipeline_vs_data_parallel": pipeline_vs_data_parallel,
 }

@@ -22,6 +22,7 @@ from .mpmd import StepError as StepError
 from .mpmd import UnrolledMicrobatchWarning as UnrolledMicrobatchWarning
 from .mpmd.lower.pack import PACK_RESIDUAL_BYTES as PACK_RESIDUAL_BYTES
 from .mpmd.lower.pack import PACK_WEIGHT_BYTES as PACK_WEIGHT_BYTES
+from .mpmd.run.programs import clear_caches as clear_caches
 from .mpmd.trace.annotations import task as task
 from .mpmd.trace.annotations import with_sharding_constraint as with_sharding_constraint
 from .sharding import MultiMesh as MultiMesh

@@ -241,9 +241,9 @@ def test_a_schedule_on_the_other_placement_says_which_one_it_needs(
 
 @pytest.fixture
 def no_compilation_cache():
-    """Every program compiled, none read from the run's compilation cache or JAX's memory."""
+    """Every program compiled, none read from the run's compilation cache or the process's."""
     was = jax.config.jax_enable_compilation_cache
-    jax.clear_caches()
+    mm.clear_caches()
     jax.config.update("jax_enable_compilation_cache", False)
     yield
     jax.config.update("jax_enable_compilation_cache", was)
@@ -287,7 +287,7 @@ def test_equal_stages_compile_once_and_train_like_one_device(
     plan = step.compile(model, opt, tokens)
     assert plan.num_loaded >= 3  # stage 2's forward, backward and update
     assert f"; {plan.num_loaded} loaded from an equal one compiled for other devices" in str(plan)
-    loaded = tables[0].loaded  # the step's programs and the runner's own zero fills
+    loaded = len(tables[0].loaded)  # the step's programs and the runner's own zero fills
     assert loaded >= 4 and sum(compiled) == len(submitted) - loaded  # loaded: not compiled
     assert plan.num_loaded <= min(loaded, plan.num_programs)
     assert len(traced) == plan.num_lowered <= plan.num_programs - 3  # stage 2's: moved
@@ -344,6 +344,49 @@ def test_edge_stages_run_the_middle_stages_programs_and_train_like_one_device(
     assert actions == sorted((k, stage, m) for k in "FB" for stage in range(4) for m in range(M))
 
 
+def test_a_later_step_takes_the_programs_an_earlier_one_compiled(tasks, tokens, monkeypatch):
+    """A second ``mm.jit`` of the same step (as a notebook cell run again makes) lowers and
+    compiles nothing: it takes the first's programs and trains alike; under another matmul
+    precision (JAX's trace context) it lowers its own; after ``mm.clear_caches`` so does it."""
+    from jax._src import compiler
+
+    from mmnnx.mpmd.run import programs
+
+    traced, compiled = [], []
+    lower, real = programs.lower_fragments, compiler.backend_compile_and_load
+    monkeypatch.setattr(programs, "lower_fragments", lambda *a: traced.append(1) or lower(*a))
+    monkeypatch.setattr(
+        compiler,
+        "backend_compile_and_load",
+        lambda *a, **k: compiled.append(1) or real(*a, **k),
+    )
+    mm.clear_caches()
+
+    def compiled_step():
+        model = placed(tasks)
+        opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+        step = mm.jit(pipelined_step("1f1b"))
+        plan = step.compile(model, opt, tokens)
+        return plan, [float(step(model, opt, tokens)) for _ in range(2)], (model, opt)
+
+    first, first_losses, _ = compiled_step()
+    lowered, made = len(traced), len(compiled)
+    assert lowered == first.num_lowered > 0 and made > 0 and not first.num_reused
+    traced.clear(), compiled.clear()
+    second, second_losses, (model, opt) = compiled_step()
+    assert traced == [] and compiled == [] and second.num_lowered == 0
+    assert second.num_reused == first.num_programs
+    assert f"; {second.num_reused} compiled by an earlier step" in str(second)
+    assert second_losses == first_losses
+    with jax.default_matmul_precision("highest"):
+        mm.jit(pipelined_step("1f1b")).compile(model, opt, tokens)
+    assert len(traced) == lowered
+    traced.clear()
+    mm.clear_caches()
+    assert not mm.jit(pipelined_step("1f1b")).compile(model, opt, tokens).num_reused
+    assert len(traced) == lowered
+
+
 def test_loading_an_equal_program_replaces_no_jax_function(no_compilation_cache):
     """An equal program on other devices is loaded by an explicit call path: JAX's compile
     functions are the same objects before and after, and the loaded program computes on its
@@ -362,7 +405,7 @@ def test_loading_an_equal_program_replaces_no_jax_function(no_compilation_cache)
         on = jax.sharding.SingleDeviceSharding(device)
         compiled = shared.compile(jax.jit(lambda x: x * 3, in_shardings=on).lower(jnp.float32(0)))
         outs.append(compiled(jax.device_put(jnp.float32(2), on)))
-    assert shared.loaded == 1
+    assert len(shared.loaded) == 1
     assert [float(o) for o in outs] == [6.0, 6.0]
     assert outs[1].devices() == {jax.devices()[1]}
     after = (
@@ -407,7 +450,7 @@ def test_a_program_waiting_for_an_equal_one_leaves_its_compile_thread_free(
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         futures = [shared.submit(low, pool) for low in (first, equal, other)]
         programs = [f.result(timeout=30) for f in futures]
-    assert shared.loaded == 1
+    assert len(shared.loaded) == 1
     outs = [
         p(jax.device_put(jnp.full((3, 7), 2.0), jax.sharding.SingleDeviceSharding(d)))
         for p, d in zip(programs, [*jax.devices()[:2], jax.devices()[0]], strict=True)

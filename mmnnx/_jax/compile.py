@@ -10,10 +10,16 @@ built here from the first's serialized executable and its own lowering, as JAX's
 compiles. Nothing of JAX is replaced. Loading falls back to compiling where it fails. Only an
 executable compiled in this process is handed on: one read from JAX's persistent cache
 serializes incompletely on XLA:CPU (its kernels missing).
+
+The table is the process's, not one step's: a later step (another ``mm.jit``, the same step
+traced again for new shapes, an evaluation step sharing the training step's stages) takes an
+equal program compiled for the same devices as it is, and loads one compiled for others, as
+JAX's own ``jit`` keeps its executables in bounded caches of the process. ``clear`` empties it.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -29,32 +35,87 @@ from jax._src.interpreters import mlir, pxla
 from jax._src.lib import xla_client
 
 
+class Recent:
+    """A thread-safe table of at most ``size`` entries, the least recently used dropped first.
+
+    Example:
+        >>> recent = Recent(2)
+        >>> recent.put("a", 1); recent.put("b", 2); recent.get("a"); recent.put("c", 3)
+        1
+        >>> recent.get("b") is None, recent.get("a"), len(recent)
+        (True, 1, 2)
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.lock = threading.RLock()
+        self._items: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: Any) -> Any:
+        with self.lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: Any, value: Any) -> None:
+        with self.lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def pop(self, key: Any, value: Any) -> None:
+        """Drops ``key`` if it still holds ``value``."""
+        with self.lock:
+            if self._items.get(key) is value:
+                del self._items[key]
+
+    def clear(self) -> None:
+        with self.lock:
+            self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_FIRST = Recent(64)  # program key -> future of (its serialized executable, compile s) | None
+_COMPILED = Recent(64)  # (program key, device ids) -> the jax.stages.Compiled
+
+
+def clear() -> None:
+    """Forgets every program compiled so far in this process (``SharedCompiles``' table)."""
+    _FIRST.clear()
+    _COMPILED.clear()
+
+
 class SharedCompiles:
-    """The executables compiled so far in one ``compile`` of a step, by program and device-free
-    compile options; ``compile(lowered)`` compiles a ``jax.stages.Lowered`` through it.
-    ``loaded``: how many programs were loaded from an equal one rather than compiled;
-    ``loaded_lowered``: the ids of those ``Lowered`` objects (kept alive as long as the table,
-    so that no other object takes one of their ids meanwhile).
+    """Compiles a step's programs through the process's table of executables, by program and
+    device-free compile options; ``compile(lowered)`` compiles a ``jax.stages.Lowered``.
+    ``loaded``: the ids of the ``Lowered`` programs loaded from an equal one rather than
+    compiled; ``reused``: those taken as an earlier step compiled them for the same devices
+    (each kept alive with this object, so that no other object takes its id meanwhile).
 
     Example:
         >>> import jax, numpy as np
-        >>> shared = SharedCompiles()
+        >>> clear(); shared = SharedCompiles()
         >>> on = lambda d: jax.sharding.SingleDeviceSharding(d)
         >>> one, two = (jax.jit(lambda x: x + 1, in_shardings=on(d)).lower(np.float32(0))
         ...             for d in jax.devices()[:2])
-        >>> shared.compile(one)(jax.device_put(1.0, on(jax.devices()[0]))), shared.loaded
+        >>> shared.compile(one)(jax.device_put(1.0, on(jax.devices()[0]))), len(shared.loaded)
         (Array(2., dtype=float32), 0)
         >>> out = shared.compile(two)(jax.device_put(1.0, on(jax.devices()[1])))
-        >>> float(out), out.devices() == {jax.devices()[1]}, shared.loaded
+        >>> float(out), out.devices() == {jax.devices()[1]}, len(shared.loaded)
         (2.0, True, 1)
+        >>> later = SharedCompiles(); _ = later.compile(one); len(later.reused)
+        1
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._first: dict[tuple, concurrent.futures.Future] = {}
-        self.loaded = 0
-        self.loaded_lowered: set[int] = set()
-        self._loaded: list[Any] = []  # the Lowered objects of loaded_lowered, alive
+        self.loaded: set[int] = set()
+        self.reused: set[int] = set()
+        self._alive: list[Any] = []  # the Lowered objects of loaded and reused
 
     def compile(self, lowered: Any) -> Any:
         """The program ``lowered`` compiled, or loaded from an equal one's executable (waiting
@@ -86,8 +147,7 @@ class SharedCompiles:
                 done.set_exception(e)
                 return
             if program is not None:
-                with self._lock:
-                    first = self._first.get(program.key)
+                first = _FIRST.get(program.key)
                 if first is not None and not first.done():
                     first.add_done_callback(lambda _: queue_again(program))
                     return
@@ -99,17 +159,24 @@ class SharedCompiles:
     def _compile(self, lowered: Any, program: _Program | None) -> Any:
         if program is None:  # host callbacks, several processes, or no mesh computation
             return lowered.compile()
-        with self._lock:
-            first = self._first.get(program.key)
+        where = (program.key, tuple(d.id for d in program.devices.flat))
+        compiled = _COMPILED.get(where)
+        if compiled is not None:
+            self._note(self.reused, lowered)
+            return compiled
+        with _FIRST.lock:
+            first = _FIRST.get(program.key)
             mine = first is None
             if mine:
-                first = self._first[program.key] = concurrent.futures.Future()
+                first = concurrent.futures.Future()
+                _FIRST.put(program.key, first)
         if mine:
             fresh = not program.in_persistent_cache()
             started = time.monotonic()
             try:
                 compiled = lowered.compile()
             except BaseException as e:
+                _FIRST.pop(program.key, first)  # a later step tries again
                 first.set_exception(e)
                 raise
             took = time.monotonic() - started
@@ -118,6 +185,7 @@ class SharedCompiles:
             executable = compiled._executable.xla_executable
             serialized = functools.cache(lambda: program.backend.serialize_executable(executable))
             first.set_result((serialized, took) if fresh else None)
+            _COMPILED.put(where, compiled)
             return compiled
         try:
             serialized, took = first.result() or (None, 0.0)
@@ -125,13 +193,18 @@ class SharedCompiles:
                 raise LookupError
             compiled = program.load(serialized())
         except Exception:  # the first failed, was read from the cache, or does not serialize here
-            return lowered.compile()
+            compiled = lowered.compile()
+            _COMPILED.put(where, compiled)
+            return compiled
         program.persist(serialized(), took)
-        with self._lock:
-            self.loaded += 1
-            self.loaded_lowered.add(id(lowered))
-            self._loaded.append(lowered)
+        self._note(self.loaded, lowered)
+        _COMPILED.put(where, compiled)
         return compiled
+
+    def _note(self, ids: set[int], lowered: Any) -> None:
+        with self._lock:
+            ids.add(id(lowered))
+            self._alive.append(lowered)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jax._src import api_util, effects, source_info_util
+from jax._src import api_util, config, effects, source_info_util
 from jax._src import core as jax_core
 from jax._src.interpreters import partial_eval as pe
 
@@ -25,6 +25,20 @@ join_effects = jax_core.join_effects
 
 JaxprTracer = pe.DynamicJaxprTracer
 """The type of the values a jaxpr trace (``jax.make_jaxpr``, ``jax.jit``) makes."""
+
+
+def trace_context() -> Any:
+    """The configuration a trace and its lowering depend on (x64, matmul precision, ...), as
+    JAX keys its own caches of traced and lowered programs with it.
+
+    Example:
+        >>> import jax
+        >>> with jax.default_matmul_precision("highest"):
+        ...     inside = trace_context()
+        >>> inside == trace_context()
+        False
+    """
+    return config.trace_context()
 
 
 def tracing() -> bool:

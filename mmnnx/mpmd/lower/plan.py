@@ -20,7 +20,9 @@ class Plan:
     devices (equal pipeline stages compile once; the runner's own small programs, which fill
     running sums with zeros and pack block weights, are not counted); ``num_lowered``: how many
     of them were traced and lowered, the others reusing the lowering of an alike program on
-    other devices, moved there (equal stages are lowered once). ``inputs``: the value id
+    other devices, moved there (equal stages are lowered once); ``num_reused``: how many were
+    taken as compiled by an earlier step of this process (the same program on the same
+    devices: another ``mm.jit`` of the same model, a step traced again). ``inputs``: the value id
     of each input leaf, in the order mm.jit flattens the arguments (Variables first, then the
     other arrays), as ``Transfer.value`` names them.
     """
@@ -35,6 +37,7 @@ class Plan:
     unrolled: list[str] = dataclasses.field(default_factory=list)  # why a loop is not pipelined
     num_loaded: int | None = None  # once compiled: programs loaded, not compiled
     num_lowered: int | None = None  # once compiled: programs lowered, not moved from an alike one
+    num_reused: int | None = None  # once compiled: programs an earlier step compiled
 
     @property
     def num_programs(self) -> int:
@@ -71,7 +74,8 @@ class Plan:
             else ""
         )
         lowered = f"; {self.num_lowered} lowered" if self.num_lowered is not None else ""
-        lines.append(f"  programs ({self.num_programs} compiled{loaded}{lowered}):")
+        reused = f"; {self.num_reused} compiled by an earlier step" if self.num_reused else ""
+        lines.append(f"  programs ({self.num_programs} compiled{loaded}{lowered}{reused}):")
         lines.append(str(self.program))
         return "\n".join(lines)
 

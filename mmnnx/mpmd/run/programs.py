@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmnnx._jax.compile import SharedCompiles
+from mmnnx._jax import compile as compiles
+from mmnnx._jax.compile import Recent, SharedCompiles
 from mmnnx._jax.retarget import retarget
+from mmnnx._jax.tracing import trace_context
 from mmnnx.mpmd.evaluate import run_ops
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower.alike import AlikeKeys
@@ -243,11 +245,30 @@ def lower_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Seque
     return jax.jit(zeros, out_shardings=list(shardings)).lower()
 
 
+_LOWERED = Recent(64)  # (JAX's trace context, alike key) -> (the first lowered, its task)
+
+
+def clear_caches() -> None:
+    """Forgets the programs ``mm.jit`` steps lowered and compiled in this process (a later step
+    of equal programs takes them instead of lowering and compiling its own), and JAX's caches
+    (``jax.clear_caches``). Steps already compiled keep their programs; JAX's persistent
+    compilation cache, if on, still serves the next compiles.
+
+    Example:
+        >>> import mmnnx as mm
+        >>> mm.clear_caches()
+    """
+    _LOWERED.clear()
+    compiles.clear()
+    jax.clear_caches()
+
+
 class Compiler:
     """Lowers and compiles a step's programs (``graph``'s). A program alike one already lowered
-    for other devices (:class:`~mmnnx.mpmd.lower.alike.AlikeKeys`: the same computation, as
-    equal pipeline stages run) reuses that lowering moved to its own devices
-    (:func:`~mmnnx._jax.retarget.retarget`) instead of being traced and lowered again. Programs
+    in this process (:class:`~mmnnx.mpmd.lower.alike.AlikeKeys`: the same computation, as
+    equal pipeline stages run, or an earlier step's program) reuses that lowering moved to its
+    own devices (:func:`~mmnnx._jax.retarget.retarget`) instead of being traced and lowered
+    again. Programs
     compile on a pool of threads (XLA releases the GIL while it compiles), side by side; a
     program whose output layouts the compiler chooses is waited for at once: the programs
     reading its results are lowered for them. A program equal to one already compiled for other
@@ -267,7 +288,6 @@ class Compiler:
         self.moved: set[int] = set()
         self._moved: list[Any] = []  # the Lowered objects of ``moved``, alive
         self._keys = AlikeKeys(graph)
-        self._lowered: dict[Hashable, tuple[Any, Any]] = {}  # key -> (the first lowered, its task)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(8, cores or 1)), thread_name_prefix="mmnnx-compile"
@@ -308,7 +328,9 @@ class Compiler:
     def _lower(self, key: Hashable | None, task: Any, lower: Callable[[], Any]) -> Any:
         """The program ``lower()`` lowers for ``task``, or the first of key ``key`` moved to
         ``task``'s devices (``None``: alike no other)."""
-        first = self._lowered.get(key) if key is not None else None
+        if key is not None:
+            key = (trace_context(), key)
+        first = _LOWERED.get(key) if key is not None else None
         if first is not None:
             lowered, on = first
             devices = dict(zip(on.jax_mesh.devices.flat, task.jax_mesh.devices.flat, strict=True))
@@ -319,7 +341,7 @@ class Compiler:
                 return moved
         lowered = lower()
         if key is not None:
-            self._lowered.setdefault(key, (lowered, task))
+            _LOWERED.put(key, (lowered, task))
         return lowered
 
     def submit(self, lowered: Any) -> concurrent.futures.Future:

@@ -111,7 +111,7 @@ class Executable:
         ]
         self._checked_layouts: tuple | None = None
         self._replay: DirectSteps | None = None  # set with _checked_layouts
-        loaded = compiler.shared.loaded_lowered
+        shared = compiler.shared
         transfers = [
             t
             if t.sharding is not None
@@ -121,7 +121,8 @@ class Executable:
         self.compiled_plan = dataclasses.replace(
             self.plan,
             transfers=transfers,
-            num_loaded=sum(id(lowered) in loaded for lowered in fragment_programs),
+            num_loaded=sum(id(lowered) in shared.loaded for lowered in fragment_programs),
+            num_reused=sum(id(lowered) in shared.reused for lowered in fragment_programs),
             num_lowered=sum(id(lowered) not in compiler.moved for lowered in fragment_programs),
         )
 
