@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.models import GPT, GPTConfig
+from mmnnx.models import GPT, GPTConfig, split_rules
 from mmnnx.partition import plan as plan_module
 from mmnnx.partition import search as search_module
 from mmnnx.partition.measure import Timing
@@ -110,6 +110,49 @@ def test_unequal_layers_get_the_split_the_exhaustive_search_finds(monkeypatch):
     climbed = search(options, (4, 8), profile)
     assert climbed[0].predicted_seconds <= 1.05 * fastest
     assert len(climbed) < len(every)  # not every split was simulated
+
+
+def test_a_head_that_outweighs_a_stage_gets_the_last_stage_alone(monkeypatch):
+    """A head and loss costing as much as all four layers: the last stage holds them and no
+    layer (by the exhaustive search and by the climb), reported as "head + loss" alone; where
+    the model has no head to hold, every stage keeps a layer."""
+    tasks = two_tasks()
+    heavy = dataclasses.replace(unequal_profile([1.0] * 4, tasks), ends=(True, True))
+    last = heavy.timings[("t0", 8)]
+    heavy.timings.update({k: [*last[:-1], timing(4.0)] for k in heavy.timings})
+    options = [Option(schedule="1f1b", virtual_stages=1, order="loop")]
+    best = search(options, (4,), heavy)[0]
+    assert best.sizes == (4, 0)
+    assert best.stages[-1].layers == "head + loss" and best.stages[0].layers == "0-3 + embedding"
+    assert "head + loss" in str(best.stages[-1].layers)
+    monkeypatch.setattr(search_module, "EXHAUSTIVE", 0)
+    assert search(options, (4,), heavy)[0].sizes == (4, 0)
+    closed = dataclasses.replace(heavy, ends=(False, False))
+    assert min(c.sizes[-1] for c in search(options, (4,), closed)) == 1
+    assert list(splits(2, 3, ends=(True, True))) == [(0, 1, 1), (0, 2, 0), (1, 1, 0)]
+
+
+@pytest.mark.parametrize("sizes", [(4, 0), (0, 4)])
+def test_a_stage_holding_only_the_head_or_only_the_embedding_trains_as_one_device(sizes):
+    config = GPTConfig(vocab_size=256, dim=32, depth=4, num_heads=2, max_seq_len=16)
+
+    def gpt():
+        with nnx.use_eager_sharding(False):
+            return GPT(config, rngs=nnx.Rngs(0))
+
+    rules = split_rules(gpt(), two_tasks(), list(sizes))
+    alone = "^norm/|^head/" if sizes[1] == 0 else "^embed/"
+    assert alone in [regex for regex, _ in rules]
+    batch = jax.random.randint(jax.random.key(1), (8, 17), 0, config.vocab_size)
+    grad_fn = mm.microbatch(nnx.value_and_grad(loss), num=4, reduce="mean", schedule="1f1b")
+    got, grads = mm.jit(grad_fn)(mm.place(gpt(), rules), batch)
+    want, want_grads = nnx.value_and_grad(loss)(gpt(), batch)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    for (p, g), (_, w) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6,
+                                   err_msg=str(p))  # fmt: skip
+    with pytest.raises(ValueError, match="the first or the last none"):
+        split_rules(gpt(), [*two_tasks(), mm.Task("t2", mesh=mm.TaskMesh(devices=[2]))], [4, 0, 0])
 
 
 @pytest.mark.parametrize(

@@ -389,7 +389,7 @@ def _rules(found: Layers, tasks: Sequence[Task], sizes: Sequence[int]) -> list[t
         idx = [str(i) for i in range(start, start + size)]
         start += size
         parts = [_anchored(g, g in found.variables) for g in found.firsts if s == 0]
-        if not found.stacked:
+        if not found.stacked and idx:
             parts.append(f"^{prefix}/{_alternation(idx)}/")
         parts += [_anchored(g, g in found.variables) for g in found.lasts if s == k - 1]
         if parts:
@@ -423,9 +423,12 @@ def split_rules(
         ...     print(task.name, regex)
         s0 ^embed/|^blocks/(0|1|2)/
         s1 ^blocks/3/|^norm/|^head/
+        >>> [regex for regex, _ in split_rules(model, tasks, [4, 0])]  # the head alone
+        ['^embed/|^blocks/(0|1|2|3)/', '^norm/|^head/']
 
     Raises:
         ValueError: the layers are stacked, or ``sizes`` is not one count >= 1 per stage
+            (0 for the first or the last stage where it holds the embedding or the head)
             adding up to the number of layers.
     """
     tasks = _stage_tasks(list(tasks), virtual_stages, order, "split_rules")
@@ -435,11 +438,18 @@ def split_rules(
             f"split_rules: {found.where} is one stacked module, whose layer axis is split into "
             "equal chunks (stage_rules); a split of its own needs the layers as a list"
         )
-    good = all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sizes)
-    if not good or len(sizes) != len(tasks) or sum(sizes) != found.count:
+    lowest = [1] * len(tasks)  # an end stage may hold only the embedding, or the head
+    lowest[0] -= bool(found.firsts)
+    lowest[-1] -= bool(found.lasts) if len(tasks) > 1 else 0
+    good = len(sizes) == len(tasks) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= low
+        for x, low in zip(sizes, lowest, strict=True)
+    )
+    if not good or sum(sizes) != found.count:
         raise ValueError(
             f"split_rules: sizes {list(sizes)} must give each of the {len(tasks)} stages at "
-            f"least one of the {found.count} layers of {found.where}, adding up to "
+            f"least one of the {found.count} layers of {found.where} (the first or the last "
+            "none, where it holds the embedding or the head), adding up to "
             f"{found.count}"
         )
     return _rules(found, tasks, sizes)

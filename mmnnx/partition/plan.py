@@ -57,7 +57,9 @@ def partition(
 
     Each boundary's transfer is ``mmnnx.link_timing.measure_link`` between its two tasks
     applied to the bytes crossing it. Candidates are the contiguous splits of the layers into
-    ``len(tasks) * v`` stages (all of them when there are at most ``search.EXHAUSTIVE``;
+    ``len(tasks) * v`` stages, the first or the last stage holding none where the model has an
+    embedding or a head for it to hold alone (a large vocabulary's head and loss may weigh as
+    much as the layers of a stage) (all of them when there are at most ``search.EXHAUSTIVE``;
     otherwise the split minimising the slowest stage, improved one boundary at a time) times
     ``schedules`` (default: every registered one that places stages as the tasks allow) times
     ``microbatches`` (default: the counts dividing the batch from ``len(tasks)`` to
@@ -100,8 +102,9 @@ def partition(
     )  # fmt: skip
     links = _links(tasks, options)
     profile = Profile(
-        tasks=tuple(tasks), rows=rows, timings=timings, links=links, launches=launches
-    )
+        tasks=tuple(tasks), rows=rows, timings=timings, links=links, launches=launches,
+        ends=(bool(found.firsts), bool(found.lasts)),
+    )  # fmt: skip
     candidates = search(options, counts, profile)
     best, candidates = _choose(candidates, budget)
     order = next(o.order for o in options if o.schedule == best.schedule)

@@ -43,9 +43,10 @@ class StagePlan:
 
     @property
     def layers(self) -> str:
-        """``"0-3 + embedding"``: the layers it holds and the groups with them."""
+        """``"0-3 + embedding"``: the layers it holds and the groups with them (``"head +
+        loss"`` alone for a last stage holding no layer)."""
         span = str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
-        return " + ".join([span, *self.groups])
+        return " + ".join([span] * (self.last >= self.first) + list(self.groups))
 
 
 @dataclasses.dataclass(frozen=True)

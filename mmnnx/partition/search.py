@@ -1,4 +1,6 @@
-"""The search over splits: contiguous runs of layers per stage, each candidate simulated
+"""The search over splits: contiguous runs of layers per stage (the first or the last stage may
+hold none, only the embedding or only the head and loss, where the model has them), each
+candidate simulated
 (``mm.schedules.simulate``) with its stages' measured times and transfers, and its memory per
 task read off the simulated run (the most microbatches each stage holds at once).
 
@@ -40,29 +42,48 @@ class Profile:
     """What the search reads: per (home task name, microbatch rows) the timings of the
     embedding, each layer and the head with the loss, in order; per (task, task) the link
     between them; per task what a program costs there besides its work (once per pass of a
-    stage, whatever it holds)."""
+    stage, whatever it holds); ``ends``: whether the first and the last stage may hold no layer
+    (the model has an embedding, or a head and loss, for it to hold)."""
 
     tasks: tuple[Task, ...]
     rows: int  # of the whole batch
     timings: dict[tuple[str, int], list[Timing]]
     links: dict[tuple[str, str], sched.Link]
     launches: dict[str, float] = dataclasses.field(default_factory=dict)
+    ends: tuple[bool, bool] = (False, False)
 
     @property
     def num_layers(self) -> int:
         return len(next(iter(self.timings.values()))) - 2
 
 
-def splits(n: int, stages: int) -> Iterator[tuple[int, ...]]:
-    """Every way of cutting ``n`` layers into ``stages`` non-empty consecutive runs.
+def splits(
+    n: int, stages: int, ends: tuple[bool, bool] = (False, False)
+) -> Iterator[tuple[int, ...]]:
+    """Every way of cutting ``n`` layers into ``stages`` consecutive runs, each non-empty but
+    the first and the last where ``ends`` allows.
 
     Example:
         >>> list(splits(4, 2))
         [(1, 3), (2, 2), (3, 1)]
+        >>> list(splits(3, 2, ends=(False, True)))
+        [(1, 2), (2, 1), (3, 0)]
     """
-    for cuts in itertools.combinations(range(1, n), stages - 1):
+    for cuts in itertools.combinations(_cut_points(n, ends), stages - 1):
         bounds = (0, *cuts, n)
         yield tuple(b - a for a, b in itertools.pairwise(bounds))
+
+
+def _cut_points(n: int, ends: tuple[bool, bool]) -> range:
+    return range(0 if ends[0] else 1, n + 1 if ends[1] else n)
+
+
+def _allowed(sizes: Sequence[int], ends: tuple[bool, bool]) -> bool:
+    """Whether ``sizes`` gives every stage a layer, but an empty end ``ends`` allows."""
+    lowest = [1] * len(sizes)
+    lowest[0] -= ends[0]
+    lowest[-1] -= ends[-1] if len(sizes) > 1 else 0
+    return all(size >= low for size, low in zip(sizes, lowest, strict=True))
 
 
 def equal_split(n: int, stages: int) -> tuple[int, ...]:
@@ -172,12 +193,12 @@ def search(options: Sequence[Option], microbatches: Sequence[int], profile: Prof
         count = len(profile.tasks) * option.virtual_stages
         for m in microbatches:
             tried(equal_split(n, count), option, m)
-            if math.comb(n - 1, count - 1) <= EXHAUSTIVE:
-                for sizes in splits(n, count):
+            if math.comb(len(_cut_points(n, profile.ends)), count - 1) <= EXHAUSTIVE:
+                for sizes in splits(n, count, profile.ends):
                     tried(sizes, option, m)
             else:
                 start = _minimax(profile, m, count)
-                _climb(start, lambda sizes, o=option, m=m: tried(sizes, o, m))
+                _climb(start, lambda sizes, o=option, m=m: tried(sizes, o, m), profile.ends)
     return sorted(found.values(), key=_speed)
 
 
@@ -192,7 +213,9 @@ def _minimax(profile: Profile, m: int, count: int) -> tuple[int, ...]:
     return tuple(_split(work[1:-1], count, work[0], work[-1]))
 
 
-def _climb(start: tuple[int, ...], score: Callable[[Sequence[int]], Split]) -> None:
+def _climb(
+    start: tuple[int, ...], score: Callable[[Sequence[int]], Split], ends: tuple[bool, bool]
+) -> None:
     """Moves one boundary of ``start`` by one layer at a time, to the fastest neighbour
     (``score`` simulates a split), while the simulated step gets faster."""
     current = score(start)
@@ -204,7 +227,7 @@ def _climb(start: tuple[int, ...], score: Callable[[Sequence[int]], Split]) -> N
                 moved = list(sizes)
                 moved[j] += step
                 moved[j + 1] -= step
-                if min(moved) >= 1:
+                if _allowed(moved, ends):
                     neighbours.append(score(moved))
         fastest = min((c for c in neighbours if c.predicted_seconds is not None), key=_speed,
                       default=None)  # fmt: skip
