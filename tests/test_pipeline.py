@@ -370,8 +370,8 @@ def test_a_later_step_takes_the_programs_an_earlier_one_compiled(tasks, tokens, 
         return plan, [float(step(model, opt, tokens)) for _ in range(2)], (model, opt)
 
     first, first_losses, _ = compiled_step()
-    lowered, made = len(traced), len(compiled)
-    assert lowered == first.num_lowered > 0 and made > 0 and not first.num_reused
+    lowered = len(traced)  # (XLA may still answer from JAX's caches: compiles not counted)
+    assert lowered == first.num_lowered > 0 and not first.num_reused
     traced.clear(), compiled.clear()
     second, second_losses, (model, opt) = compiled_step()
     assert traced == [] and compiled == [] and second.num_lowered == 0
