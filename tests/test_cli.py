@@ -106,6 +106,7 @@ def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
         (["--profile-steps", "a:b"], "--profile-steps must be FIRST:LAST steps"),
         (["--dtype", "float16"], "invalid choice: 'float16'"),
         (["--partition", "even"], "--partition must be params, auto or blocks per stage such as"),
+        (["--partition", "1,0,1"], "only the first and the last may be 0), got '1,0,1'"),
     ],
 )
 def test_bad_values_exit_2(argv, reason, capsys):

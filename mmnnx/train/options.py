@@ -158,21 +158,25 @@ def step_range(flag: str, text: str) -> tuple[int, int]:
 
 
 def split_or(choices: Sequence[str]) -> Parse:
-    """One of ``choices``, or comma-separated counts >= 1 (blocks per stage: ``3,1``), as text.
+    """One of ``choices``, or comma-separated counts (blocks per stage: ``3,1``), as text: each
+    >= 1 but the first and the last, which may be 0 (a stage holding only the embedding, or
+    only the head and the loss).
 
     Example:
         >>> parse = split_or(("params", "auto"))
-        >>> parse("--partition", "3, 1"), parse("--partition", "auto")
-        ('3,1', 'auto')
+        >>> parse("--partition", "3, 1"), parse("--partition", "auto"), parse("--partition", "4,0")
+        ('3,1', 'auto', '4,0')
     """
 
     def parse(flag: str, text: str) -> str:
         if text in choices:
             return text
         parts = [p.strip() for p in text.split(",")]
-        if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        inner = parts[1:-1]
+        if not all(p.isdigit() for p in parts) or not all(int(p) >= 1 for p in inner):
             raise argparse.ArgumentTypeError(
-                f"{flag} must be {', '.join(choices)} or blocks per stage such as 3,1, got {text!r}"
+                f"{flag} must be {', '.join(choices)} or blocks per stage such as 3,1 (only the "
+                f"first and the last may be 0), got {text!r}"
             )
         return ",".join(str(int(p)) for p in parts)
 
