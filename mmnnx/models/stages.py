@@ -399,6 +399,20 @@ def _rules(found: Layers, tasks: Sequence[Task], sizes: Sequence[int]) -> list[t
     return rules
 
 
+def _holds_layers(sizes: Sequence[int], ends: tuple[bool, bool]) -> bool:
+    """Whether every stage of ``sizes`` holds a layer, but the first or the last where ``ends``
+    lets it hold none (the model has an embedding, or a head, for it to hold alone).
+
+    Example:
+        >>> _holds_layers([4, 0], (True, True)), _holds_layers([4, 0], (True, False))
+        (True, False)
+    """
+    lowest = [1] * len(sizes)
+    lowest[0] -= ends[0]
+    lowest[-1] -= ends[1] if len(sizes) > 1 else 0
+    return all(size >= low for size, low in zip(sizes, lowest, strict=True))
+
+
 def split_rules(
     model: Any,
     tasks: Sequence[Task],
@@ -438,14 +452,14 @@ def split_rules(
             f"split_rules: {found.where} is one stacked module, whose layer axis is split into "
             "equal chunks (stage_rules); a split of its own needs the layers as a list"
         )
-    lowest = [1] * len(tasks)  # an end stage may hold only the embedding, or the head
-    lowest[0] -= bool(found.firsts)
-    lowest[-1] -= bool(found.lasts) if len(tasks) > 1 else 0
-    good = len(sizes) == len(tasks) and all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= low
-        for x, low in zip(sizes, lowest, strict=True)
+    ends = (bool(found.firsts), bool(found.lasts))
+    good = (
+        all(isinstance(x, int) and not isinstance(x, bool) for x in sizes)
+        and len(sizes) == len(tasks)
+        and _holds_layers(sizes, ends)
+        and sum(sizes) == found.count
     )
-    if not good or sum(sizes) != found.count:
+    if not good:
         raise ValueError(
             f"split_rules: sizes {list(sizes)} must give each of the {len(tasks)} stages at "
             f"least one of the {found.count} layers of {found.where} (the first or the last "

@@ -16,7 +16,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from mmnnx.models.stages import _split, _stage_tasks
+from mmnnx.models.stages import _holds_layers, _split, _stage_tasks
 from mmnnx.mpmd import schedules as sched
 from mmnnx.partition.measure import Timing
 from mmnnx.partition.pieces import EMBEDDING, HEAD
@@ -76,14 +76,6 @@ def splits(
 
 def _cut_points(n: int, ends: tuple[bool, bool]) -> range:
     return range(0 if ends[0] else 1, n + 1 if ends[1] else n)
-
-
-def _allowed(sizes: Sequence[int], ends: tuple[bool, bool]) -> bool:
-    """Whether ``sizes`` gives every stage a layer, but an empty end ``ends`` allows."""
-    lowest = [1] * len(sizes)
-    lowest[0] -= ends[0]
-    lowest[-1] -= ends[-1] if len(sizes) > 1 else 0
-    return all(size >= low for size, low in zip(sizes, lowest, strict=True))
 
 
 def equal_split(n: int, stages: int) -> tuple[int, ...]:
@@ -227,7 +219,7 @@ def _climb(
                 moved = list(sizes)
                 moved[j] += step
                 moved[j + 1] -= step
-                if _allowed(moved, ends):
+                if _holds_layers(moved, ends):
                     neighbours.append(score(moved))
         fastest = min((c for c in neighbours if c.predicted_seconds is not None), key=_speed,
                       default=None)  # fmt: skip
