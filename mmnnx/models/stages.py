@@ -316,6 +316,12 @@ class Layers(NamedTuple):
     variables: frozenset[Path]  # the prefixes among those that are Variables themselves
     where: str  # the layers' node as one names it: "GPT.blocks"
 
+    @property
+    def ends(self) -> tuple[bool, bool]:
+        """Whether the first and the last stage may hold no layer: the model has Variables
+        (an embedding, a head) for it to hold alone."""
+        return bool(self.firsts), bool(self.lasts)
+
 
 def find_layers(
     model: Any,
@@ -452,11 +458,10 @@ def split_rules(
             f"split_rules: {found.where} is one stacked module, whose layer axis is split into "
             "equal chunks (stage_rules); a split of its own needs the layers as a list"
         )
-    ends = (bool(found.firsts), bool(found.lasts))
     good = (
         all(isinstance(x, int) and not isinstance(x, bool) for x in sizes)
         and len(sizes) == len(tasks)
-        and _holds_layers(sizes, ends)
+        and _holds_layers(sizes, found.ends)
         and sum(sizes) == found.count
     )
     if not good:

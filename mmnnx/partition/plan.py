@@ -103,7 +103,7 @@ def partition(
     links = _links(tasks, options)
     profile = Profile(
         tasks=tuple(tasks), rows=rows, timings=timings, links=links, launches=launches,
-        ends=(bool(found.firsts), bool(found.lasts)),
+        ends=found.ends,
     )  # fmt: skip
     candidates = search(options, counts, profile)
     best, candidates = _choose(candidates, budget)
