@@ -211,3 +211,41 @@ def test_a_sequential_model_of_unequal_layers_puts_its_widest_layers_apart():
     )  # fmt: skip
     assert result.sizes[1] == 1 and result.layers == "Sequential.layers"
     assert result.rules[1][0] == "^layers/5/"
+
+
+def test_outside_models_are_planned_and_their_rules_place_every_parameter():
+    """Models the project did not write: bonsai's gpt-oss (tests/outside; every layer holds its
+    config, an unhashable dataclass, in its static state: alike layers are found by equality)
+    and the ViT of Flax's tutorial (its blocks an ``nnx.Sequential``, which passes ``rngs``
+    only to layers whose signature names it: its Dropout draws from the ``rngs`` the loss
+    passes). tests/test_gpt_oss_pipeline.py and tests/test_flax_examples.py train both placed
+    over tasks as one device does."""
+    from tests.outside import bonsai_gpt_oss as gpt_oss
+    from tests.test_flax_examples import ViT, vit_batch, vit_losses_and_logits
+
+    config = gpt_oss.tiny_config(layers=4, experts=4)
+    tokens = jax.random.randint(jax.random.key(1), (4, 7), 0, config.vocab_size)
+
+    def gpt_oss_loss(model, tokens):
+        logits = gpt_oss.logits(model, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    options = dict(schedules="1f1b", microbatches=2, repeats=1, report=False)
+    model = gpt_oss.tiny_gpt_oss(config)
+    result = mm.schedules.partition(model, gpt_oss_loss, tokens, two_tasks(), **options)
+    assert result.layers == "GptOssForCausalLM.model.layers" and sum(result.sizes) == 4
+    assert_placed_on_both(mm.place(model, result.rules))
+
+    def vit_loss(model, batch):
+        return vit_losses_and_logits(model, *batch, rngs=nnx.Rngs(3))[0]
+
+    vit = ViT(nnx.Rngs(1))
+    result = mm.schedules.partition(vit, vit_loss, vit_batch(), two_tasks(), **options)
+    assert result.layers == "ViT.encoder.layers" and sum(result.sizes) == 4
+    assert_placed_on_both(mm.place(vit, result.rules))
+
+
+def assert_placed_on_both(model) -> None:
+    """Every parameter of ``model`` is on one device, of the two tasks', both used."""
+    devices = [v.devices() for v in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    assert set().union(*devices) == set(jax.devices()[:2]) and all(len(d) == 1 for d in devices)

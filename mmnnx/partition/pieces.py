@@ -14,6 +14,7 @@ given as an input).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,6 +74,12 @@ class _Stub(nnx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.hook(self.index, "__call__", args, kwargs, self.inner)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # the layer's own: a caller may pass arguments by it (nnx.Sequential passes ``rngs``
+        # only to layers whose signature names it)
+        return inspect.signature(self.inner)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("inner", "index", "hook") or name.startswith("_"):

@@ -301,16 +301,27 @@ def _parts(pieces: Model, loss_fn: Callable, batch: Any, rows: int) -> list[Piec
 
 def _timed(parts: Sequence[Piece], task: Task, *args: Any, **options: Any) -> list[Timing]:
     """Each of ``parts`` timed on ``task`` (:func:`measure`'s arguments), alike ones once."""
-    seen: dict[Any, Timing] = {}
+    seen: list[tuple[Any, Timing]] = []  # by equality: a layer's static state may not hash
 
     def timing(piece: Piece) -> Timing:
-        if piece.key is None:
-            return measure(piece, task, *args, **options)
-        if piece.key not in seen:
-            seen[piece.key] = measure(piece, task, *args, **options)
-        return seen[piece.key]
+        if piece.key is not None:
+            for key, timed in seen:
+                if _same(key, piece.key):
+                    return timed
+        timed = measure(piece, task, *args, **options)
+        seen.append((piece.key, timed))
+        return timed
 
     return [timing(piece) for piece in parts]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two pieces' keys are equal; keys whose comparison fails (a static attribute
+    compared elementwise) are not."""
+    try:
+        return a is not None and bool(a == b)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
