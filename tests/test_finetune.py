@@ -323,6 +323,10 @@ def _edit_config(root, name, **changes):
             ["--stages", "4", "--data-axis", "1"],
             "num_hidden_layers 2 gives fewer blocks than --stages 4",
         ),
+        (
+            ["--partition", "2,1"],
+            "--partition 2,1 gives 3 blocks, but the model has 2 (--init-from's num_hidden_layers",
+        ),
         (["--lora-alpha", "4"], "--lora-alpha needs --lora-rank R"),
         (["--lora-targets", "q,v"], "--lora-targets needs --lora-rank R"),
     ],

@@ -57,7 +57,7 @@ def problem(args: argparse.Namespace, blocks: int, depth: str) -> str | None:
     Example:
         >>> from mmnnx.cli import parse_args
         >>> problem(parse_args(["train", "--partition", "3,2"]), 4, "--depth 4")
-        '--partition 3,2 gives 5 blocks, but --depth 4 has 4'
+        '--partition 3,2 gives 5 blocks, but the model has 4 (--depth 4)'
     """
     stages = args.stages * args.virtual_stages
     sizes = given_sizes(args.partition)
@@ -69,7 +69,8 @@ def problem(args: argparse.Namespace, blocks: int, depth: str) -> str | None:
             )
         if sum(sizes) != blocks:
             return (
-                f"--partition {args.partition} gives {sum(sizes)} blocks, but {depth} has {blocks}"
+                f"--partition {args.partition} gives {sum(sizes)} blocks, but the model has "
+                f"{blocks} ({depth})"
             )
     if args.partition != "params" and args.scan_layers:
         return (
