@@ -467,8 +467,9 @@ def _residual_buffers(executable):
 
 def test_a_blocks_residuals_are_sliced_from_one_base_at_distances_shared_by_every_block():
     # 2 and 4 blocks per one-device stage: each block's residuals lie one after the other, laid
-    # out alike, so a backward takes one offset per block plus the distances, not one per member
-    tokens, backward, buffers_per_stage = _tokens(), {}, {}
+    # out alike, so a backward takes one offset per block (the distances fixed in the program),
+    # not one per member
+    tokens, backward, buffers_per_stage, head_offsets = _tokens(), {}, {}, {}
     for depth in (4, 8):
         config = dataclasses.replace(SMALL_GPT, depth=depth)
         with nnx.use_eager_sharding(False):
@@ -494,12 +495,17 @@ def test_a_blocks_residuals_are_sliced_from_one_base_at_distances_shared_by_ever
             }
             assert len(layouts) == 1  # every block laid out alike
             assert len(next(iter(layouts))) > 5  # a block's residuals
+        offsets = {a.label[0]: len(a.packing.offsets) for a in actions
+                   if getattr(a, "label", None) and a.label[1] == "B" and a.packing}  # fmt: skip
+        assert offsets["d0"] == depth // 2  # a base per block: the distances are in the program
+        head_offsets[depth] = offsets["d1"] - depth // 2  # the head's residuals: their own
         backward[depth] = sorted(set(arguments(executable, "B")))
         buffers_per_stage[depth] = sorted(len(b) for b in packing.weights.values())
     # per stage, two more blocks add their weights' buffers and two bases, nothing per residual
     more_weights = [b - a for a, b in zip(buffers_per_stage[4], buffers_per_stage[8], strict=True)]
     assert more_weights == [2, 2]
     assert [b - a for a, b in zip(backward[4], backward[8], strict=True)] == [4, 4]
+    assert head_offsets[4] == head_offsets[8]
 
 
 class _NormMLP(nnx.Module):

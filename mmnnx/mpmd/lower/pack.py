@@ -177,25 +177,24 @@ class Packing:
 def slice_offsets(reads: Sequence[InputRead], buffers: dict[int, Buffer]) -> list[int]:
     """The distinct offsets a program takes as arguments to slice members out of its packed
     arguments (``reads``, ``buffers`` by argument), in the order it takes them: each member's
-    own offset, or its block's base and its distance from it (:meth:`Buffer.base_of`; blocks
-    laid out alike share the distances); a ``fixed`` buffer's offsets are in the program.
+    block's base (:meth:`Buffer.base_of`; a member before the first base is its own), its
+    distance from it being fixed in the program (blocks laid out alike share the distances);
+    a ``fixed`` buffer's offsets are all in the program.
 
     Example:
         >>> two_blocks = (Member(1, 0, (2,)), Member(2, 2, (3,)), Member(3, 5, (2,)),
         ...               Member(4, 7, (3,)))
         >>> packed = Buffer(9, "float32", two_blocks, bases=(0, 5))
         >>> slice_offsets([InputRead(0, m) for m in two_blocks], {0: packed})
-        [0, 2, 5]
+        [0, 5]
     """
-    offsets: set[int] = set()
-    for read in reads:
-        buffer = buffers.get(read.arg)
-        if read.member is None or buffer.fixed:
-            continue
-        at = read.member.offset
-        base = buffer.base_of(at)
-        offsets.update((base, at - base) if at != base else (base,))
-    return sorted(offsets)
+    return sorted(
+        {
+            buffers[read.arg].base_of(read.member.offset)
+            for read in reads
+            if read.member is not None and not buffers[read.arg].fixed
+        }
+    )
 
 
 def pack(

@@ -62,9 +62,9 @@ class Buffer:
     order); empty for running sums and weights. ``fixed``: readers slice it at offsets fixed in
     their programs (a block's weights, laid out alike in every block); otherwise at offsets
     passed as arguments. ``bases``: where the members of one block (a layer) begin: a reader
-    slices each member at its block's base plus its distance from it, both arguments (blocks
-    laid out alike share the distances, so every slice of one shape stays one kernel); a member
-    before the first base is its own base.
+    slices each member at its block's base, an argument, plus its distance from it, fixed in
+    the program (blocks laid out alike share the distances, so a block's kernels are every
+    block's); a member before the first base is its own base.
     """
 
     slot: int

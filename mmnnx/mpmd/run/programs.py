@@ -49,11 +49,12 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
 
     A packed argument's members are sliced at offsets the program takes as arguments (after the
     sums; :func:`~mmnnx.mpmd.lower.pack.slice_offsets`), not as constants: XLA then compiles one
-    kernel for the members of equal shape (a block's residuals, layer after layer) where
-    constant offsets would make each slice-reading kernel distinct. A block's members are sliced
-    at its base plus their distance from it, both arguments: blocks laid out alike share the
-    distances, so a stage takes one offset per block and per distance, not one per member. A
-    ``fixed`` buffer's (a block's weights) are sliced at offsets fixed in the program."""
+    kernel for the alike members of every block (a block's residuals, layer after layer) where
+    constant offsets would make each block's kernels distinct. A block's members are sliced at
+    its base, an argument, plus their distance from it, fixed in the program: blocks laid out
+    alike share the distances, so a stage takes one offset per block, not one per member (nor
+    per distance: each argument costs the host about a microsecond a launch). A ``fixed``
+    buffer's (a block's weights) are sliced at offsets fixed in the program."""
     frag = run.fragment
     packing = run.packing
     n = len(frag.in_ids) if packing is None else len(packing.args)
@@ -80,7 +81,7 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
             base = buffer.base_of(at)
             start = args[offset_arg[base]]
             if at != base:
-                start = jax.lax.add(start, args[offset_arg[at - base]])
+                start = jax.lax.add(start, jnp.int32(at - base))
             # offsets are never negative: no ops to wrap them around
             member = jax.lax.dynamic_slice(args[k], (start,), (size,), allow_negative_indices=False)
             return member.reshape(shape)
