@@ -45,6 +45,8 @@ def test_a_large_vocabulary_head_gets_fewer_layers_and_the_rules_train_as_one_de
     assert result.equal.predicted_seconds > result.predicted_seconds
     text = str(result)
     assert "head + loss" in text and "chosen" in text and "equal split" in text
+    sizes = "/".join(map(str, result.sizes))
+    assert repr(result).startswith(f"PartitionResult(GPT.blocks as {sizes}, 1f1b, M=2, V=1, ")
     (first, t0), (second, t1) = result.rules
     assert (t0.name, t1.name) == ("t0", "t1")
     assert first.startswith("^embed/|^blocks/") and "^head/" in second and "^norm/" in second

@@ -137,6 +137,14 @@ class PartitionResult:
     def __str__(self) -> str:
         return str(self.table())
 
+    def __repr__(self) -> str:
+        best = self.best
+        return (
+            f"PartitionResult({self.layers} as {'/'.join(map(str, best.sizes))}, "
+            f"{best.schedule}, M={best.num_microbatches}, V={best.virtual_stages}, predicted "
+            f"{_ms(best.predicted_seconds)}; {len(self.candidates)} candidates)"
+        )
+
     def _repr_html_(self) -> str:
         return self.table().html
 
