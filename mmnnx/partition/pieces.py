@@ -78,8 +78,11 @@ class _Stub(nnx.Module):
     @property
     def __signature__(self) -> inspect.Signature:
         # the layer's own: a caller may pass arguments by it (nnx.Sequential passes ``rngs``
-        # only to layers whose signature names it)
-        return inspect.signature(self.inner)
+        # only to layers whose signature names it); a layer only called by its methods: ours
+        try:
+            return inspect.signature(self.inner)
+        except (TypeError, ValueError):
+            return inspect.signature(self.__call__)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("inner", "index", "hook") or name.startswith("_"):
