@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import mmnnx as mm
 from mmnnx.models import GPT, GPTConfig, split_rules
@@ -174,6 +175,7 @@ def test_a_stage_holding_only_the_head_or_only_the_embedding_trains_as_one_devic
         (dict(config=dict(scan_layers=True)), "one stacked module"),
         (dict(blocks="layers"), "GPT has no attribute 'layers' \\(blocks=\\)"),
         (dict(loss_fn=lambda m, b: m.head(m.embed(b)).mean()), "calls the layers of GPT.blocks"),
+        (dict(spec=P("tp", None)), "'tp' is neither a device axis of task 't0'"),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_measured(monkeypatch, change, message):
@@ -181,10 +183,13 @@ def test_bad_input_is_refused_before_anything_is_measured(monkeypatch, change, m
         raise AssertionError("measured")
 
     monkeypatch.setattr(plan_module, "measure", measure)
+    monkeypatch.setattr(plan_module, "launch_seconds", measure)  # a launch's cost: measured too
     config = GPTConfig(vocab_size=64, dim=16, depth=4, num_heads=2, max_seq_len=8)
     config = dataclasses.replace(config, **change.pop("config", {}))
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    if "spec" in change:  # the embedding annotated with an axis the tasks do not have
+        model.embed.embedding.set_metadata(out_sharding=change.pop("spec"))
     arguments = dict(loss_fn=loss, batch=jnp.zeros((8, 9), jnp.int32), tasks=two_tasks())
     arguments.update(change)
     with pytest.raises(ValueError, match=message):

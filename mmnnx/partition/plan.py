@@ -81,7 +81,8 @@ def partition(
         ValueError: bad input, before anything is measured: no tasks, a task not of this
             process, no layers found or stacked ones, a head tied to the embedding, fewer
             layers than stages, a microbatch count not dividing the batch, an unknown
-            schedule or one no ``virtual_stages`` allows, a malformed budget.
+            schedule or one no ``virtual_stages`` allows, a malformed budget, a layer the loss
+            does not call once in order, a Variable's annotation naming an axis a task lacks.
         NoCandidateError: no candidate fits ``memory_budget`` (the message names the
             smallest budget that would fit) or none can run.
     """
@@ -95,11 +96,14 @@ def partition(
     if repeats < 1:
         raise ValueError(f"partition: repeats must be >= 1, got {repeats}")
     pieces = Model(model, found, wrt)
+    parts = {rows // m: _parts(pieces, loss_fn, batch, rows // m) for m in counts}
+    shardings: dict[tuple, Any] = {}  # each task's layout, a bad one refused before timing
+    for task in tasks:
+        shardings.setdefault(_signature(task), shardings_on(model, task))
     launches = _launches(tasks, repeats)
     timings = _measure_all(
-        pieces, model, loss_fn, batch, tasks, counts, optimizer=optimizer, repeats=repeats,
-        launches=launches,
-    )  # fmt: skip
+        parts, shardings, tasks, optimizer=optimizer, repeats=repeats, launches=launches
+    )
     links = _links(tasks, options)
     profile = Profile(
         tasks=tuple(tasks), rows=rows, timings=timings, links=links, launches=launches,
@@ -264,29 +268,25 @@ def _signature(task: Task) -> tuple:
 
 
 def _measure_all(
-    pieces: Model,
-    model: Any,
-    loss_fn: Callable,
-    batch: Any,
+    parts: dict[int, list[Piece]],
+    shardings: dict[tuple, Any],
     tasks: Sequence[Task],
-    counts: Sequence[int],
     **options: Any,
 ) -> dict[tuple[str, int], list[Timing]]:
-    """The timings of every piece, per (task name, microbatch rows), each timed on the first
-    task of each signature (``options``: ``optimizer``, ``repeats``, ``launches`` per task)."""
+    """The timings of every piece of ``parts`` (per microbatch rows), per (task name, rows),
+    each timed on the first task of each signature with its Variables laid out as
+    ``shardings`` says (``options``: ``optimizer``, ``repeats``, ``launches`` per task)."""
     launches = options.pop("launches")
     every = {}
-    for m in counts:
-        rows = _rows(batch) // m
-        parts = _parts(pieces, loss_fn, batch, rows)
+    for rows, pieces in parts.items():
         by_signature: dict[tuple, list[Timing]] = {}
         for task in tasks:
             signature = _signature(task)
             if signature not in by_signature:
-                shardings = shardings_on(model, task)
                 by_signature[signature] = _timed(
-                    parts, task, shardings, rows, launch=launches[task.name], **options
-                )
+                    pieces, task, shardings[signature], rows, launch=launches[task.name],
+                    **options,
+                )  # fmt: skip
             every[(task.name, rows)] = by_signature[signature]
     return every
 
