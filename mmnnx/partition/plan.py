@@ -97,9 +97,8 @@ def partition(
         raise ValueError(f"partition: repeats must be >= 1, got {repeats}")
     pieces = Model(model, found, wrt)
     parts = {rows // m: _parts(pieces, loss_fn, batch, rows // m) for m in counts}
-    shardings: dict[tuple, Any] = {}  # each task's layout, a bad one refused before timing
-    for task in tasks:
-        shardings.setdefault(_signature(task), shardings_on(model, task))
+    # each kind of task's layout of the Variables: a bad one is refused before anything is timed
+    shardings = {sig: shardings_on(model, task) for sig, task in _firsts(tasks).items()}
     launches = _launches(tasks, repeats)
     timings = _measure_all(
         parts, shardings, tasks, optimizer=optimizer, repeats=repeats, launches=launches
@@ -267,6 +266,14 @@ def _signature(task: Task) -> tuple:
     return (tuple(mesh.shape.items()), task.rules, mesh.devices.flat[0].platform)
 
 
+def _firsts(tasks: Sequence[Task]) -> dict[tuple, Task]:
+    """The first task of each signature: the one a piece is measured on for all of them."""
+    firsts: dict[tuple, Task] = {}
+    for task in tasks:
+        firsts.setdefault(_signature(task), task)
+    return firsts
+
+
 def _measure_all(
     parts: dict[int, list[Piece]],
     shardings: dict[tuple, Any],
@@ -277,17 +284,15 @@ def _measure_all(
     each timed on the first task of each signature with its Variables laid out as
     ``shardings`` says (``options``: ``optimizer``, ``repeats``, ``launches`` per task)."""
     launches = options.pop("launches")
+    firsts = _firsts(tasks)
     every = {}
     for rows, pieces in parts.items():
-        by_signature: dict[tuple, list[Timing]] = {}
+        timed = {
+            sig: _timed(pieces, task, shardings[sig], rows, launch=launches[task.name], **options)
+            for sig, task in firsts.items()
+        }
         for task in tasks:
-            signature = _signature(task)
-            if signature not in by_signature:
-                by_signature[signature] = _timed(
-                    pieces, task, shardings[signature], rows, launch=launches[task.name],
-                    **options,
-                )  # fmt: skip
-            every[(task.name, rows)] = by_signature[signature]
+            every[(task.name, rows)] = timed[_signature(task)]
     return every
 
 
@@ -330,10 +335,7 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
 
 def _launches(tasks: Sequence[Task], repeats: int) -> dict[str, float]:
     """What a program costs on each task besides its work (tasks of one signature alike)."""
-    by_signature: dict[tuple, float] = {}
-    for task in tasks:
-        if _signature(task) not in by_signature:
-            by_signature[_signature(task)] = launch_seconds(task, repeats)
+    by_signature = {sig: launch_seconds(task, repeats) for sig, task in _firsts(tasks).items()}
     return {task.name: by_signature[_signature(task)] for task in tasks}
 
 
