@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mmnnx.mpmd.schedules.ir import Action, Schedule, Timed, _dependencies, play
+from mmnnx.mpmd.schedules.ir import Action, Schedule, Timed, _dependencies, _key, play
 
 _UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}
 
@@ -62,7 +62,7 @@ def play_issued(
     action before one it reads (a schedule that deadlocks: :func:`validate` names it).
     """
     rank_of = {a: r for r, row in enumerate(schedule.actions) for a in row}
-    present = set(rank_of)
+    present = set(map(_key, rank_of))
     finish: dict[Action, float] = {}
     free = [0] * schedule.num_ranks
     host = dict.fromkeys(processes, 0)

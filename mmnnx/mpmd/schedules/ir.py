@@ -15,7 +15,7 @@ import dataclasses
 import io
 import numbers
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import NamedTuple
 
 KINDS = ("F", "B", "I", "W")
@@ -292,17 +292,29 @@ class Timed(NamedTuple):
     end: float
 
 
-def _dependencies(action: Action, num_stages: int, present: set[Action]) -> list[Action]:
-    """The actions whose results ``action`` consumes (its rank's earlier actions aside)."""
-    kind, stage, microbatch = action.kind, action.stage, action.microbatch
+def _dependencies(action: Action, num_stages: int, present: Container[tuple]) -> list[Action]:
+    """The actions whose results ``action`` consumes (its rank's earlier actions aside), among
+    those whose :func:`_key` is in ``present``."""
+    return [Action(*need) for need in _needs(*_key(action), num_stages, present)]
+
+
+def _key(action: Action) -> tuple[str, int, int]:
+    """``action`` as a plain tuple ``(kind, stage, microbatch)``, hashed faster."""
+    return action.kind, action.stage, action.microbatch
+
+
+def _needs(
+    kind: str, stage: int, microbatch: int, num_stages: int, present: Container[tuple]
+) -> list[tuple]:
+    """:func:`_dependencies` as keys."""
     if kind == "F":
-        return [Action("F", stage - 1, microbatch)] if stage > 0 else []
+        return [("F", stage - 1, microbatch)] if stage > 0 else []
     if kind == "W":
-        return [Action("I", stage, microbatch)]
-    needs = [Action("F", stage, microbatch)]
+        return [("I", stage, microbatch)]
+    needs = [("F", stage, microbatch)]
     if stage < num_stages - 1:
-        full = Action("B", stage + 1, microbatch)
-        needs.append(full if full in present else Action("I", stage + 1, microbatch))
+        full = ("B", stage + 1, microbatch)
+        needs.append(full if full in present else ("I", stage + 1, microbatch))
     return needs
 
 
@@ -323,32 +335,38 @@ def play(
     ``transfer(producer)`` after its producer ended (on the same rank, at once). Raises
     ValueError naming the blocked actions when no rank can make progress.
     """
-    rank_of = {a: r for r, row in enumerate(schedule.actions) for a in row}
-    present = {action for row in schedule.actions for action in row}
-    finish: dict[Action, float] = {}
+    # The actions by number, each one's dependencies found once: a blocked rank asks again on
+    # every round, and numbers are looked up without hashing an Action
+    rows = schedule.actions
+    rank_of = {a: r for r, row in enumerate(rows) for a in row}
+    actions_by_number, owner, missing = list(rank_of), list(rank_of.values()), len(rank_of)
+    keys = list(map(_key, actions_by_number))
+    number = dict(zip(keys, range(missing), strict=True))
+    needs_of = [
+        [number.get(need, missing) for need in _needs(*k, schedule.num_stages, number)]
+        for k in keys
+    ]
+    done: list[float | None] = [None] * (missing + 1)  # the last: actions not in the schedule
+    numbered = [[number[_key(a)] for a in row] for row in rows]
     free: list[float] = [0] * schedule.num_ranks
     pcs = [0] * schedule.num_ranks
     timed: list[Timed] = []
-    remaining = sum(len(row) for row in schedule.actions)
+    remaining = sum(map(len, rows))
     pair_starts = [set(row) for row in schedule.overlapped]
     while remaining:
         progressed = False
-        for rank, row in enumerate(schedule.actions):
-            while pcs[rank] < len(row):
-                width = 2 if pcs[rank] in pair_starts[rank] else 1
-                actions = row[pcs[rank] : pcs[rank] + width]
-                needs = [
-                    need
-                    for action in actions
-                    for need in _dependencies(action, schedule.num_stages, present)
-                ]
-                if any(need not in finish for need in needs):
+        for rank, row in enumerate(numbered):
+            while (pc := pcs[rank]) < len(row):
+                width = 2 if pc in pair_starts[rank] else 1
+                ids = row[pc : pc + width]
+                needs = needs_of[ids[0]] if width == 1 else needs_of[ids[0]] + needs_of[ids[1]]
+                if any(done[k] is None for k in needs):
                     break
-                arrivals = (
-                    finish[need] + (transfer(need) if rank_of[need] != rank else 0)
-                    for need in needs
-                )
-                start = max([free[rank], *arrivals])
+                start = free[rank]
+                for k in needs:
+                    arrival = done[k] + (transfer(actions_by_number[k]) if owner[k] != rank else 0)
+                    start = max(start, arrival)
+                actions = rows[rank][pc : pc + width]
                 durations = [duration(action) for action in actions]
                 whole = pair_duration(*actions) if width == 2 else None
                 if whole is not None:
@@ -358,19 +376,20 @@ def play(
                     end = start + took
                     timed.append(Timed(rank=rank, action=action, start=start, end=end))
                     start = end
-                for action in actions:
-                    finish[action] = end
+                for k in ids:
+                    done[k] = end
                 free[rank] = end
                 pcs[rank] += width
                 remaining -= width
                 progressed = True
         if not progressed:
-            raise ValueError(_deadlock_message(schedule, pcs, finish, present))
+            finish = {a: done[i] for i, a in enumerate(actions_by_number) if done[i] is not None}
+            raise ValueError(_deadlock_message(schedule, pcs, finish, number))
     return sorted(timed, key=lambda t: (t.start, t.rank))
 
 
 def _deadlock_message(
-    schedule: Schedule, pcs: list[int], finish: dict[Action, float], present: set[Action]
+    schedule: Schedule, pcs: list[int], finish: dict[Action, float], present: Container[tuple]
 ) -> str:
     position = {a: (r, i) for r, row in enumerate(schedule.actions) for i, a in enumerate(row)}
     blocked = [r for r, row in enumerate(schedule.actions) if pcs[r] < len(row)]
@@ -458,9 +477,10 @@ def _check_structure(schedule: Schedule) -> None:
                 )
             seen[action] = (rank, index)
     _check_pairs(schedule)
+    keys = set(map(_key, seen))
     for stage in range(num_stages):
         for microbatch in range(schedule.num_microbatches):
-            has = {kind: Action(kind, stage, microbatch) in seen for kind in KINDS}
+            has = {kind: (kind, stage, microbatch) in keys for kind in KINDS}
             tag = f"{stage}.{microbatch}"
             if not has["F"]:
                 raise ValueError(f"missing action F{tag}: every stage/microbatch needs one F")
