@@ -22,7 +22,10 @@
    are launched directly once a checked call has found their arguments laid out as they expect
    (``DirectLaunch``); three cases run every program through JAX's checked call instead. A
    block's small weights travel as one buffer (``mm.jit(pack_weights=...)``); two cases pass
-   each weight alone.
+   each weight alone. ``pipelined_floor`` measures issue 54's two cases (S = 4, M = 16, 1 and 2
+   devices per task) beside the same with the GPT shrunk to ``TINY``, whose programs barely
+   compute: what the host's own work per launch costs when the devices' work no longer shares
+   its 2 cores.
 
 4. Host time per pipelined launch apart from the step's once-per-step cost: the slope of the
    host time per step between M = 4 and M = 32 (S = 4, one device per task, as
@@ -47,8 +50,10 @@ each first call (``mm.jit compile s``), runs in a fresh process per round.
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/dispatch.py
 [--only SECTION ...] [--rounds N] (sections: call_cost one_task two_task pipelined
-pipelined_targets per_pipelined_launch pipeline_vs_data_parallel; ``pipelined_targets``: the
-two S4 M16 cases of ``pipelined`` that issue 54 sets targets for, with the data-parallel step).
+pipelined_targets pipelined_floor per_pipelined_launch pipeline_vs_data_parallel;
+``pipelined_targets``: the two S4 M16 cases of ``pipelined`` that issue 54 sets targets for,
+with the data-parallel step; ``pipelined_floor``: those two, and again with a GPT too small to
+load the devices, which leaves the host's own time per launch).
 Writes benchmarks/results/dispatch.json (with --only, replaces those sections in it).
 """
 
@@ -373,15 +378,27 @@ def data_parallel_case():
     return {"wall": wall}
 
 
-def in_fresh_process(case, batch: int = BATCH, xla_flags: str = "") -> dict:
+def in_fresh_process(
+    case, batch: int = BATCH, xla_flags: str = "", config: dict | None = None
+) -> dict:
     """Runs ``pipeline_case(*case)`` (or, for ``None``, the data-parallel step) on a batch of
-    ``batch`` sequences in a new process (with ``xla_flags`` added to ``XLA_FLAGS``): a process
-    that has built and run other pipelines measured 5-10% more host time per launch (their
-    buffers and programs still alive), so each configuration gets its own."""
+    ``batch`` sequences in a new process (with ``xla_flags`` added to ``XLA_FLAGS``, and the
+    GPT's ``CONFIG`` updated by ``config``): a process that has built and run other pipelines
+    measured 5-10% more host time per launch (their buffers and programs still alive), so each
+    configuration gets its own."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     out = subprocess.run(
-        [sys.executable, __file__, "--case", json.dumps(case), "--batch", str(batch)],
+        [
+            sys.executable,
+            __file__,
+            "--case",
+            json.dumps(case),
+            "--batch",
+            str(batch),
+            "--config",
+            json.dumps(config or {}),
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         check=True,
@@ -408,6 +425,40 @@ def _pipeline_label(case) -> str:
 ISSUE_54 = [c for c in PIPELINES if c[:2] == (4, 16) and c[3:] == (8, None, True, False)]
 
 
+def _per_launch(runs: dict[str, list[dict]]) -> dict:
+    """Each configuration's launches, host time per launch (``mm.jit``'s call and
+    ``mm.cached_partial``'s) and step time, over its rounds in ``runs``."""
+    out = {}
+    for key, got in runs.items():
+        out[f"{key}: launches"] = got[0]["launches"]
+        out[f"{key}: host ms per launch"] = spread([r["cpu"] / r["launches"] for r in got], 1e3, 3)
+        out[f"{key}: host ms per launch, mm.cached_partial"] = spread(
+            [r["bound_cpu"] / r["launches"] for r in got], 1e3, 3
+        )
+        out[f"{key}: step ms"] = spread([r["wall"] for r in got], 1e3, 1)
+    return out
+
+
+TINY = {"vocab_size": 16, "dim": 8, "num_heads": 2, "max_seq_len": 4}
+"""The GPT of ``CONFIG`` shrunk until its programs barely compute (on a batch of 16: one row a
+microbatch at M = 16): the same blocks, stages, programs, launches and copies."""
+
+
+def pipelined_floor(rounds: int) -> dict:
+    """Issue 54's two cases (``pipelined_targets``) as measured there and with the GPT shrunk
+    to :data:`TINY`, taking turns in fresh processes: the host's own time per launch once the
+    devices' work is nearly gone from the 2 cores the host shares with them (as a host beside
+    an accelerator, whose devices compute in their own memory, would see it)."""
+    candidates = {}
+    for case in ISSUE_54:
+        label = _pipeline_label(case)
+        candidates[label] = functools.partial(in_fresh_process, list(case))
+        candidates[f"{label}, tiny GPT"] = functools.partial(
+            in_fresh_process, list(case), batch=16, config=TINY
+        )
+    return _per_launch(interleaved(candidates, rounds))
+
+
 def pipelined_host_time(rounds: int, cases: list[tuple] = PIPELINES):
     """Every configuration of ``cases`` and the data-parallel step, each in a fresh process,
     all of them once per round over ``rounds`` rounds."""
@@ -415,17 +466,7 @@ def pipelined_host_time(rounds: int, cases: list[tuple] = PIPELINES):
                   for case in cases}  # fmt: skip
     candidates["data parallel"] = functools.partial(in_fresh_process, None)
     runs = interleaved(candidates, rounds)
-    out = {}
-    for key in candidates:
-        if key == "data parallel":
-            continue
-        got = runs[key]
-        out[f"{key}: launches"] = got[0]["launches"]
-        out[f"{key}: host ms per launch"] = spread([r["cpu"] / r["launches"] for r in got], 1e3, 3)
-        out[f"{key}: host ms per launch, mm.cached_partial"] = spread(
-            [r["bound_cpu"] / r["launches"] for r in got], 1e3, 3
-        )
-        out[f"{key}: step ms"] = spread([r["wall"] for r in got], 1e3, 1)
+    out = _per_launch({key: got for key, got in runs.items() if key != "data parallel"})
     dp_walls = [r["wall"] for r in runs["data parallel"]]
     out["data-parallel nnx.jit over 8 devices: step ms"] = spread(dp_walls, 1e3, 1)
     out["S4 M16 1 device per task / data parallel"] = ratio_spread(
@@ -584,6 +625,7 @@ SECTIONS = {
     "pipelined": pipelined_host_time,
     # issue 54's two cases alone (S4 M16, 1 and 2 devices per task): minutes, not the half hour
     "pipelined_targets": functools.partial(pipelined_host_time, cases=ISSUE_54),
+    "pipelined_floor": pipelined_floor,
     "per_pipelined_launch": host_time_per_pipelined_launch,
     "pipeline_vs_data_parallel": pipeline_vs_data_parallel,
 }
@@ -600,6 +642,7 @@ if __name__ == "__main__":
     elif "--case" in sys.argv:
         case = json.loads(sys.argv[sys.argv.index("--case") + 1])
         BATCH = int(sys.argv[sys.argv.index("--batch") + 1])
+        CONFIG.update(json.loads(sys.argv[sys.argv.index("--config") + 1]))
         print(json.dumps(data_parallel_case() if case is None else pipeline_case(*case)))
     else:
         main(only_sections(sys.argv), rounds_option(sys.argv))
