@@ -398,7 +398,7 @@ def in_fresh_process(
             str(batch),
             "--config",
             json.dumps(config or {}),
-        ],  # fmt: skip
+        ],
         capture_output=True,
         text=True,
         check=True,
