@@ -7,10 +7,10 @@ from . import modules as modules
 from . import mpmd as mpmd
 from . import schedules as schedules
 from . import train as train
+from .cached_partial import CachedPartial as CachedPartial
+from .cached_partial import cached_partial as cached_partial
 from .errors import UnrolledLayersWarning as UnrolledLayersWarning
-from .jit import CachedPartial as CachedPartial
 from .jit import JitFunction as JitFunction
-from .jit import cached_partial as cached_partial
 from .jit import jit as jit
 from .microbatch import microbatch as microbatch
 from .models.stages import stage_rules as stage_rules

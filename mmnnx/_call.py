@@ -8,7 +8,8 @@ task's devices, an optimizer whose state sits elsewhere than its parameters)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -17,12 +18,18 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from mmnnx import _nnx
+from mmnnx._added import Added, put_added, take_added
+from mmnnx._error_location import with_location
 from mmnnx._jax.arrays import all_plain_arrays
+from mmnnx.deep_models import warn_unrolled_blocks
 from mmnnx.errors import MPMDError, SideEffectError
-from mmnnx.mpmd.step_io import StepInput, StepOutput
-from mmnnx.mpmd.trace.trace_step import PYTHON_SCALARS
+from mmnnx.mpmd.engine import BuiltStep
+from mmnnx.mpmd.run.stay_home import stay_home
+from mmnnx.mpmd.step_io import StepInput, StepOutput, check_homes
+from mmnnx.mpmd.trace.mesh_context import auto_twin
+from mmnnx.mpmd.trace.trace_step import PYTHON_SCALARS, check_outputs
 from mmnnx.sharding import Task, TaskStack, home_of, stack_of, task_of
-from mmnnx.sharding.place import SPEC_KEY, misplaced_optimizer_state
+from mmnnx.sharding.place import SPEC_KEY, check_optimizer_placement
 
 
 def _path_keys(path: tuple) -> list:
@@ -57,13 +64,6 @@ def user_outputs(out_shape: Any) -> list[StepOutput]:
         leaves = len(jax.tree.leaves(node))  # sown: a tuple in one Variable
         outputs += [StepOutput(home=home, spec=spec, sharding=sharding)] * leaves
     return outputs
-
-
-def state_outputs(variables: Sequence[StepInput]) -> list[StepOutput]:
-    """Where each Variable's new value ends: on its task (stack), laid out as it is now."""
-    return [
-        StepOutput(home=v.task or v.stack, spec=v.spec, sharding=v.task_sharding) for v in variables
-    ]
 
 
 class Leaf(NamedTuple):
@@ -120,87 +120,68 @@ class Call:
         self.unplaced = [i for i in range(self.num_variables) if not self.placed[i]]
         self._set_values(arrays)
 
-    def template(self, num_tail: int, num_bound: int) -> Call:
-        """This call's Variables and structure, holding none of its values: the Variables' values
-        are read again by every :meth:`rebound` call, and the trailing ``num_tail`` array leaves
-        (a batch) are the next call's. Keeping them would keep a step's old arrays alive.
+    def traceable(self, fun: Callable, *, first: bool) -> tuple[Callable, list[Added]]:
+        """``fun`` as a pure function of this call's input leaves, for the engine to trace: it
+        rebuilds the arguments around fresh Variables, calls ``fun``, and returns its result,
+        the Variables' new values and those of Variables it added (``self.sow``; described in
+        the returned list once traced). ``first``: the step's first trace, which warns of long
+        lists of unrolled blocks in the arguments."""
+        if first:
+            dyn_args, dyn_kwargs = self.target
+            warn_unrolled_blocks(fun, dyn_args, dyn_kwargs, f"mm.jit({self.step_name})")
+        added: list[Added] = []
 
-        Also records every edge (object, key, child) from the first ``num_bound`` positional
-        arguments to their Variables, which :meth:`check_bound` verifies, and the size of each
-        container those arguments hold, which :meth:`grown` compares."""
-        template = object.__new__(Call)
-        template.__dict__.update(self.__dict__)
-        template.bound_arrays = self.values[self.num_variables : len(self.values) - num_tail]
-        edges: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
-        roots = self.target[0]
-        for path in self._paths:
-            position = _arg_position(path)
-            if position is None or position >= num_bound:
-                continue
-            parent = roots[position]
-            for key in path[2:]:
-                slot = _nnx.child_slot(parent, key)
-                if slot is None:
-                    break
-                holder, k = slot
-                child = holder[k]
-                edges.setdefault((id(holder), k), (holder, k, child, parent, key))
-                parent = child
-        template.edges = list(edges.values())
-        holders = {id(h): h for h in _nnx.holders_of(roots[:num_bound])}
-        holders.update((id(e[0]), e[0]) for e in template.edges)
-        template.holders = list(holders.values())
-        template.sizes = [len(h) for h in template.holders]
-        template.values = template.target = None
-        return template
+        def pure(*leaves):
+            dyn_args, dyn_kwargs, fresh, nodes = self.rebuild(leaves)
+            args, kwargs = self.full_args(dyn_args, dyn_kwargs)
+            self._rebuilt = [*args, *kwargs.values()]
+            out = fun(*args, **kwargs)
+            check_outputs(out, self.step_name)
+            added[:] = take_added((dyn_args, dyn_kwargs), fresh)
+            self.check_unchanged(dyn_args, dyn_kwargs, nodes)
+            return out, [v.get_value() for v in fresh], [a.value for a in added]
 
-    def check_none_added(self, call: Call) -> None:
-        """Raises if ``call`` (the same arguments, walked afresh) holds a Variable that this
-        template does not: one added to a bound argument, which the binding would never read
-        or update (as one replaced, :meth:`check_bound`)."""
-        known = {id(v) for v in self.variables}
-        for name, variable in zip(call.names, call.variables, strict=False):
-            if id(variable) not in known:
-                raise SideEffectError(
-                    f"mm.cached_partial: a bound argument changed since the binding was made "
-                    f"({name!r}, an nnx.{type(variable).__name__}, was added); the binding "
-                    "would never read or update it. Make a new mm.cached_partial after "
-                    "changing the model"
-                )
+        return pure, added
 
-    def grown(self) -> bool:
-        """Whether something was added to a bound argument since :meth:`template` (an
-        attribute, a list item): :meth:`check_bound` sees only what was replaced."""
-        return list(map(len, self.holders)) != self.sizes
+    def located(self, error: BaseException) -> BaseException:
+        """``error``, raised while tracing the step, pointed at the user's code and module."""
+        return with_location(error, getattr(self, "_rebuilt", []))
 
-    def check_bound(self) -> None:
-        """Raises if a bound argument changed structure since :meth:`template` (a Variable or
-        submodule replaced, or the model placed again): its new Variables would never be
-        trained."""
-        for holder, k, child, parent, key in self.edges:
-            try:
-                same = holder[k] is child
-            except (IndexError, KeyError):
-                same = False
-            if not same:
-                where = jax.tree_util.keystr((key,))
-                raise SideEffectError(
-                    f"mm.cached_partial: a bound argument changed since the binding was made "
-                    f"(its {type(parent).__name__}{where} is another object now: a Variable or "
-                    "submodule was replaced); the new one would never be updated. Make a new "
-                    "mm.cached_partial after changing the model"
-                )
+    def step_outputs(
+        self, out_shape: Any, inputs: Sequence[StepInput], added: Sequence[Added]
+    ) -> list[StepOutput]:
+        """One record per result leaf of the traced step (``out_shape``: its own return value,
+        then the Variables' values, whose ``inputs`` say where they stay, then the added
+        Variables'); forgets the traced arguments and the added values (tracers)."""
+        self._rebuilt, num = [], self.num_variables
+        for a in added:
+            del a.value  # a tracer: the step's results give the value
+        return [
+            *user_outputs(out_shape[0]),
+            *(StepOutput(i.task or i.stack, i.spec, i.task_sharding) for i in inputs[:num]),
+            *[StepOutput()] * sum(a.num_leaves for a in added),
+        ]
 
-    def rebound(self, args: tuple, kwargs: dict, tail: list[Any]) -> Call:
-        """A :meth:`template`'s Variables and structure with new trailing array leaves
-        (``tail``) and the static values of ``args``/``kwargs``: the fast path of
-        :class:`CachedPartial`."""
-        call = object.__new__(Call)
-        call.__dict__.update(self.__dict__)
-        call.bound = True
-        call._set_statics(args, kwargs)
-        call._set_values(self.bound_arrays + tail)
-        return call
+    def write_back(self, outs: list[Any], built: BuiltStep, added: Sequence[Added]) -> Any:
+        """Writes a run's results (``outs``) into the Variables (state on no task back where it
+        was) and the added ones onto their objects; returns the step's own return value."""
+        users, num_variables = built.num_outputs, self.num_variables
+        if built.executable.graph.specs:  # sharding in types: hand back on the tasks' own meshes
+            likes = [None] * users + [
+                value.sharding if leaf.placed else None
+                for leaf, value in zip(self.leaves[:num_variables], self.values, strict=False)
+            ]
+            outs = [
+                auto_twin(r, like=like)
+                for r, like in itertools.zip_longest(outs, likes)  # added: no like
+            ]
+        updates = outs[users : users + num_variables]
+        if self.unplaced and jax.process_count() == 1:
+            for i in self.unplaced:
+                updates[i] = stay_home(self.values[i], updates[i])
+        _nnx.set_values(self.variables, updates)
+        put_added(self.target, added, outs[users + num_variables :])
+        return jax.tree.unflatten(built.tree, outs[:users])
 
     def check_placement(self) -> None:
         """Raises if a bound Variable was placed again since the binding was made (its task is
@@ -273,9 +254,11 @@ class Call:
         return [_leaf_name(p) for p in self._paths]
 
     def step_inputs(self) -> list[StepInput]:
-        """What the engine is told of each input leaf (Variables first, then other arrays)."""
+        """What the engine is told of each input leaf (Variables first, then other arrays),
+        after checking that each lives on its task's devices and that no optimizer state sits
+        elsewhere than its parameter."""
         donate = self.fn.donate_argnums
-        return [
+        inputs = [
             StepInput(
                 name=_leaf_name(path),
                 task=leaf.task,
@@ -290,6 +273,13 @@ class Call:
             )
             for leaf, value, path in zip(self.leaves, self.values, self._paths, strict=True)
         ]
+        owned = check_homes(inputs)
+        if owned:  # with no placed state, the tasks come from mm.task regions: checked later
+            self.check_free_devices(owned)
+        dyn_args, dyn_kwargs = self.target
+        roots = [(f"arg{i}", a) for i, a in enumerate(dyn_args) if a is not None]
+        check_optimizer_placement(roots + list(dyn_kwargs.items()))
+        return inputs
 
     def rebuild(self, values: Sequence[Any]) -> tuple[tuple, dict, list[Any], list[Any]]:
         """The arguments again, with fresh Variables holding ``values`` (used while tracing);
@@ -300,35 +290,6 @@ class Call:
         nodes = [fresh[s] if s >= 0 else arrays[-1 - s] for s in self.slots]
         dyn_args, dyn_kwargs = jax.tree.unflatten(self.treedef, nodes)
         return dyn_args, dyn_kwargs, fresh, nodes
-
-    def take_added(self, dyn_args: tuple, dyn_kwargs: dict, fresh: list[Any]) -> list[Added]:
-        """The Variables the step added as attributes of its arguments' objects (``self.sow``
-        creates an ``nnx.Intermediate``), taken off those (traced) objects so that the rest of
-        the structure can be checked unchanged."""
-        known = {id(v) for v in fresh}
-        found, _ = jax.tree.flatten_with_path((dyn_args, dyn_kwargs), is_leaf=_nnx.is_variable)
-        added = []
-        for path, node in found:
-            if not _nnx.is_variable(node) or id(node) in known:
-                continue
-            parent = _parent_at((dyn_args, dyn_kwargs), path)
-            if parent is None:
-                continue  # not an attribute: check_unchanged names the change
-            value = node.get_raw_value()
-            added.append(
-                Added(path=path, kind=type(node), metadata=node.get_metadata(), value=value)
-            )
-            delattr(parent, path[-1].name)
-        return added
-
-    def put_added(self, added: Sequence[Added], values: Sequence[Any]) -> None:
-        """Sets each added Variable, holding its computed ``values``, on the caller's object."""
-        start = 0
-        for a in added:
-            leaves = values[start : start + a.num_leaves]
-            start += a.num_leaves
-            variable = _nnx.variable_from(a.kind, a.metadata, jax.tree.unflatten(a.tree, leaves))
-            setattr(_parent_at(self.target, a.path), a.path[-1].name, variable)
 
     def check_unchanged(self, dyn_args: tuple, dyn_kwargs: dict, before: list[Any]) -> None:
         """Raises if the step changed its arguments in a way mm.jit cannot carry back: their
@@ -354,27 +315,6 @@ class Call:
                     "nnx.Variable(...) or nnx.BatchStat(...)) or return the new value"
                 )
 
-    def check_devices(self, inputs: Sequence[StepInput]) -> None:
-        """Raises if a leaf lives on devices its task (or, if unplaced, any task) does not own."""
-        for item in inputs:
-            devices = item.sharding.device_set if item.sharding is not None else None
-            home = item.task or item.stack
-            if home is not None and devices != set(home.jax_mesh.devices.flat):
-                raise MPMDError(
-                    f"mm.jit: {item.name!r} is placed on task {home.name!r} but its array lives "
-                    f"on devices {sorted(d.id for d in devices)}; re-run mm.place after moving it"
-                )
-            if item.stack is not None and item.sharding != item.stack.sharding(item.spec):
-                raise MPMDError(
-                    f"mm.jit: {item.name!r} is stacked over tasks {item.stack.name!r} but its "
-                    f"array is laid out as {item.sharding}; re-run mm.place after moving it"
-                )
-        owned: set = set()
-        for home in dict.fromkeys(h for i in inputs for h in (i.task, i.stack) if h is not None):
-            owned.update(home.jax_mesh.devices.flat)
-        if owned:  # with no placed state, the tasks come from mm.task regions: checked later
-            self.check_free_devices(owned)
-
     def check_free_devices(self, owned: set) -> None:
         for i, (leaf, value) in enumerate(zip(self.leaves, self.values, strict=True)):
             if leaf.task is None and isinstance(value, jax.Array) and value.committed:
@@ -385,24 +325,6 @@ class Call:
                         f"{sorted(d.id for d in devices - owned)} that no task owns; tasks own "
                         f"devices {sorted(d.id for d in owned)}"
                     )
-
-    def check_optimizer_state(self) -> None:
-        """Raises if optimizer state was left on another task than the parameter it is kept for
-        (the model was placed again after its optimizer was created): every step would move it
-        between tasks."""
-        dyn_args, dyn_kwargs = self.target
-        roots = [(f"arg{i}", a) for i, a in enumerate(dyn_args) if a is not None]
-        misplaced = misplaced_optimizer_state(roots + list(dyn_kwargs.items()))
-        if misplaced:
-            first = misplaced[0]
-            raise MPMDError(
-                f"mm.jit: optimizer state {first.path!r} is on task "
-                f"{getattr(first.task, 'name', None)!r} but the parameter it is kept for, "
-                f"{first.param_path!r}, is on task {first.param_task.name!r} ({len(misplaced)} "
-                "optimizer Variables like this): the model was placed after its optimizer was "
-                "created, and every step would move that state between tasks. Call "
-                "mm.place_optimizer(opt, model) after mm.place(model, ...)"
-            )
 
     def deleted_input(self) -> MPMDError | None:
         """The error for the first input whose array was deleted (``.delete()``, or donated to
@@ -422,28 +344,3 @@ class Call:
         for i, v in self.statics:
             args[i] = v
         return tuple(args), {**dyn_kwargs, **dict(self.static_kwargs)}
-
-
-class Added:
-    """A Variable a step added to an argument's object: where, its type and metadata, and how
-    its value's leaves (step outputs) form the value."""
-
-    def __init__(self, path: tuple, kind: type, metadata: dict, value: Any):
-        self.path, self.kind, self.metadata, self.value = path, kind, metadata, value
-        leaves, self.tree = jax.tree.flatten(value)
-        self.num_leaves = len(leaves)
-
-
-def _parent_at(root: Any, path: tuple) -> Any | None:
-    """The object holding the attribute at the end of ``path`` (a pytree path from ``root``), or
-    ``None`` if the path does not end in an attribute of an object reachable by subscripts."""
-    if not path or not isinstance(path[-1], jax.tree_util.GetAttrKey):
-        return None
-    node = root
-    for key in path[:-1]:
-        slot = _nnx.child_slot(node, key)
-        if slot is None:
-            return None
-        holder, k = slot
-        node = holder[k]
-    return node if hasattr(node, "__dict__") else None

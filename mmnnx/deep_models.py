@@ -4,11 +4,12 @@ with their number, while a stack of them run with ``nnx.scan`` is traced once.""
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,17 +56,18 @@ def equal_blocks(node: Any, at_least: int = UNROLLED_BLOCKS_WARN_AT + 1) -> list
     return found
 
 
-def warn_unrolled_blocks(args: Sequence[Any], names: Sequence[str], step: str) -> None:
+def warn_unrolled_blocks(fun: Callable, args: Sequence[Any], kwargs: dict, step: str) -> None:
     """Warns (:class:`~mmnnx.UnrolledLayersWarning`) once per list of more than
-    :data:`UNROLLED_BLOCKS_WARN_AT` equal blocks found in the arguments ``args`` (named
-    ``names``) of the step ``step``.
+    :data:`UNROLLED_BLOCKS_WARN_AT` equal blocks found in the arguments ``args`` and ``kwargs``
+    of ``fun`` (each named by its parameter), called ``step`` in the message.
 
     Example::
 
-        warn_unrolled_blocks([model, opt], ["model", "opt"], "mm.jit(train_step)")
+        warn_unrolled_blocks(train_step, [model, opt], {}, "mm.jit(train_step)")
     """
+    names = [*_parameter_names(fun, len(args)), *kwargs]
     seen: set[int] = set()
-    for arg, name in zip(args, names, strict=False):
+    for arg, name in zip([*args, *kwargs.values()], names, strict=False):
         if not isinstance(arg, nnx.Module) or id(arg) in seen:
             continue
         seen.add(id(arg))
@@ -90,3 +92,16 @@ def _user_frame() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _parameter_names(fun: Callable, count: int) -> list[str]:
+    """The names of ``fun``'s first ``count`` positional parameters (``arg<i>`` where unknown)."""
+    try:
+        names = [
+            p.name
+            for p in inspect.signature(fun).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        names = []
+    return [names[i] if i < len(names) else f"arg{i}" for i in range(count)]

@@ -1,74 +1,33 @@
 """``mm.jit``: an NNX-aware jit that runs one step as one compiled program per task.
 
-A call flattens its arguments' NNX state into one record per input leaf, looks the step up in
-its cache (else traces it, ``mpmd/trace_step.py``; plans it, ``mpmd/engine.py``; and wires it to
-the other processes, ``distributed/step.py``), runs it (``mpmd/failures.py``: nothing is written
-back when it fails) and writes the new values back into the Variables.
+A call flattens its arguments' NNX state into one record per input leaf (``_call.py``), looks the
+step up in its cache, else builds it (``mpmd/engine.py``: trace, plan, lower), runs it
+(``mpmd/run/failures.py``: nothing is written back when it fails) and writes the new values back
+into the Variables.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 
-from mmnnx import _nnx
 from mmnnx._argnums import checked_argnums
-from mmnnx._call import Added, Call, state_outputs, user_outputs
-from mmnnx._error_location import with_location
-from mmnnx._gc import cyclic_gc_paused
+from mmnnx._call import Call
 from mmnnx._jax.tracing import tracing
-from mmnnx.deep_models import warn_unrolled_blocks
 from mmnnx.distributed.step import peers_for
-from mmnnx.distributed.timeline import JobTimeline
+from mmnnx.distributed.timeline import timed
 from mmnnx.errors import MPMDError, UnrolledMicrobatchWarning
-from mmnnx.mpmd.engine import PlanningOptions, plan_step
-from mmnnx.mpmd.lower.pack import (
-    PACK_RESIDUAL_BYTES,
-    PACK_WEIGHT_BYTES,
-    residual_bound,
-    weight_bound,
-)
-from mmnnx.mpmd.lower.plan import Plan
-from mmnnx.mpmd.plan.stack_split import Expansion
+from mmnnx.mpmd import engine
 from mmnnx.mpmd.run.failures import run_step
-from mmnnx.mpmd.run.runner import Executable
-from mmnnx.mpmd.run.stay_home import stay_home
-from mmnnx.mpmd.run.timing import BlockingTimer, Event, OverlapTimer, Timer
-from mmnnx.mpmd.schedules import Schedule
-from mmnnx.mpmd.schedules import names as schedule_names
-from mmnnx.mpmd.step_io import StepOutput
-from mmnnx.mpmd.trace import trace_state
-from mmnnx.mpmd.trace.callbacks import CallbackFailures
-from mmnnx.mpmd.trace.mesh_context import auto_twin, no_ambient_mesh
-from mmnnx.mpmd.trace.trace_step import check_outputs, trace_step
-
-
-def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
-    return (x,) if isinstance(x, int) else tuple(x)
 
 
 def _step_name(fun: Callable) -> str:
     return getattr(fun, "__name__", "the step")
-
-
-def _parameter_names(fun: Callable, count: int) -> list[str]:
-    """The names of ``fun``'s first ``count`` positional parameters (``arg<i>`` where unknown)."""
-    try:
-        names = [
-            p.name
-            for p in inspect.signature(fun).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (TypeError, ValueError):
-        names = []
-    return [names[i] if i < len(names) else f"arg{i}" for i in range(count)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,42 +39,32 @@ class JitOptions:
     static_argnums: tuple[int, ...] = ()
     static_argnames: tuple[str, ...] = ()
     donate_argnums: tuple[int, ...] = ()
-    pack_residuals: int = PACK_RESIDUAL_BYTES  # bytes (True / False given: every / none)
+    pack_residuals: int = engine.PACK_RESIDUAL_BYTES  # bytes (True / False given: every / none)
     recompute_residuals: bool = True
-    pack_weights: int = PACK_WEIGHT_BYTES  # bytes (True / False given: every / none)
-    schedule: str | Schedule | None = None  # replaces each mm.microbatch's schedule when planned
+    pack_weights: int = engine.PACK_WEIGHT_BYTES  # bytes (True / False given: every / none)
+    schedule: str | engine.Schedule | None = None  # replaces each mm.microbatch's, when planned
     share_cores: bool = True  # edge stages reuse a middle stage's program
 
     def __post_init__(self) -> None:
-        names = self.static_argnames
+        planning = self.planning()  # checks the planning options and normalises the bounds
         normalised = {
             "static_argnums": _as_tuple(self.static_argnums),
-            "static_argnames": (names,) if isinstance(names, str) else tuple(names),
+            "static_argnames": _as_tuple(self.static_argnames),
             "donate_argnums": _as_tuple(self.donate_argnums),
-            "pack_residuals": residual_bound(self.pack_residuals),
-            "pack_weights": weight_bound(self.pack_weights),
+            "pack_residuals": planning.residual_bytes,
+            "pack_weights": planning.weight_bytes,
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
-        for name in ("recompute_residuals", "share_cores"):
-            if not isinstance(got := getattr(self, name), bool):
-                raise TypeError(f"mm.jit: {name} must be True or False, got {got!r}")
-        if isinstance(self.schedule, str) and self.schedule not in schedule_names():
-            raise ValueError(
-                f"mm.jit: unknown schedule {self.schedule!r}; valid schedules are "
-                f"{', '.join(schedule_names())} (or a Schedule object)"
-            )
-        if not isinstance(self.schedule, str | Schedule | None):
-            raise TypeError(f"mm.jit: schedule {self.schedule!r} is not a name or a Schedule")
 
-    def planning(self) -> PlanningOptions:
+    def planning(self) -> engine.PlanningOptions:
         """The options the engine plans a step with.
 
         Example:
             >>> JitOptions(pack_residuals=False, schedule="gpipe").planning().schedule
             'gpipe'
         """
-        return PlanningOptions(
+        return engine.PlanningOptions(
             residual_bytes=self.pack_residuals,
             weight_bytes=self.pack_weights,
             recompute_residuals=self.recompute_residuals,
@@ -124,23 +73,23 @@ class JitOptions:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Results:
-    """How a compiled step's flat results become the step's return value and Variables."""
+def _as_tuple(x: Any) -> tuple:
+    return (x,) if isinstance(x, int | str) else tuple(x)
 
-    tree: Any  # the pytree structure of the step's own return value
-    numuser_outputs: int  # its leaves come first; then each Variable's new value
-    expansion: Expansion | None  # stacked layers: their chunks, joined again
-    added: list[Added]  # Variables the step added (sown), whose values come last
-    plan_for: Callable[[int], Plan]  # the plan of another process
-    callback_failures: CallbackFailures  # what the step's host callbacks raised
-    donated: bool  # some input is donated (a failed step keeps the others)
+
+class _Results(NamedTuple):
+    """How a built step's flat results become the step's return value and Variables."""
+
+    built: engine.BuiltStep  # the engine's step
+    added: list  # the Variables the step added (sown: _added.Added), their values last
+
+    expansion = property(lambda self: self.built.expansion)
 
 
 class _Compiled(NamedTuple):
     """A cache entry of :class:`JitFunction`: the step's executable and its results' map."""
 
-    executable: Executable
+    executable: Any
     results: _Results
 
 
@@ -185,77 +134,22 @@ class JitFunction:
             >>> gpipe.options.schedule, gpipe.pack_residuals, step.options.schedule
             ('gpipe', 0, None)
         """
-        options = dataclasses.replace(self.options, **changes)
-        fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-        return JitFunction(self.fun, **fields)
+        return JitFunction(self.fun, **vars(dataclasses.replace(self.options, **changes)))
 
     def _build(self, call: Call) -> _Compiled:
         inputs = call.step_inputs()
-        call.check_devices(inputs)
-        call.check_optimizer_state()
-        fun, name = self.fun, _step_name(self.fun)
-        if self.trace_count == 0:
-            dyn_args, dyn_kwargs = call.target
-            warn_unrolled_blocks(
-                [*dyn_args, *dyn_kwargs.values()],
-                [*_parameter_names(fun, len(dyn_args)), *dyn_kwargs],
-                f"mm.jit({name})",
-            )
-
-        added: list[Added] = []
-        rebuilt: list[Any] = []  # the step's arguments as traced: to name a failing module
-
-        def pure(*leaves):
-            dyn_args, dyn_kwargs, fresh, nodes = call.rebuild(leaves)
-            args, kwargs = call.full_args(dyn_args, dyn_kwargs)
-            rebuilt[:] = [*args, *kwargs.values()]
-            out = fun(*args, **kwargs)
-            check_outputs(out, name)
-            added[:] = call.take_added(dyn_args, dyn_kwargs, fresh)
-            call.check_unchanged(dyn_args, dyn_kwargs, nodes)
-            return out, [v.get_value() for v in fresh], [a.value for a in added]
-
+        pure, added = call.traceable(self.fun, first=self.trace_count == 0)
         self.trace_count += 1
-        callback_failures = CallbackFailures()
-        traced = trace_step(
+        built = engine.build_step(
             pure,
             inputs,
-            name_as=fun,
-            callback_failures=callback_failures,
-            located=lambda e: with_location(e, rebuilt),
-        )
-        rebuilt.clear()
-        num_added = sum(a.num_leaves for a in added)
-        for a in added:
-            del a.value  # a tracer: the step's results give the value
-        variables = inputs[: call.num_variables]
-        planned = plan_step(
-            traced.graph,
-            traced.trace,
-            inputs,
-            [
-                *user_outputs(traced.out_shape[0]),
-                *state_outputs(variables),
-                *[StepOutput()] * num_added,
-            ],
+            lambda out_shape: call.step_outputs(out_shape, inputs, added),
             self.options.planning(),
-            name=name,
-            process=jax.process_index(),
-            num_processes=jax.process_count(),
+            name_as=self.fun,
+            located=call.located,
+            peers=peers_for,
         )
-        executable = Executable(
-            planned.graph, planned.plan, name=repr(name), peers=peers_for(planned, inputs, name)
-        )
-        results = _Results(
-            tree=jax.tree.structure(traced.out_shape[0]),
-            numuser_outputs=len(traced.graph.outputs) - call.num_variables - num_added,
-            expansion=planned.expansion,
-            added=added,
-            plan_for=planned.plan_for,
-            callback_failures=callback_failures,
-            donated=any(i.donated for i in inputs),
-        )
-        return _Compiled(executable=executable, results=results)
+        return _Compiled(built.executable, _Results(built, added))
 
     def _lookup(self, call: Call) -> _Compiled:
         try:
@@ -268,8 +162,7 @@ class JitFunction:
         if entry is None:
             if call.bound:  # a new plan for a bound call: was the model placed again?
                 call.check_placement()
-            with no_ambient_mesh(), cyclic_gc_paused():
-                entry = self._cache[call.key] = self._build(call)
+            entry = self._cache[call.key] = self._build(call)
         else:
             call.check_free_devices(entry.executable.owned_devices)
         return entry
@@ -280,11 +173,9 @@ class JitFunction:
         return self._run(Call(self, args, kwargs))
 
     def _traced_call(self, args: tuple, kwargs: dict) -> Any:
-        """A call while something traces. Inside another ``mm.jit`` step the function is inlined:
-        its ops join that step's, which carries its Variable updates back (as a ``jax.jit``
-        inside a ``jax.jit`` does). Any other transformation cannot trace a step that dispatches
-        its own programs on several submeshes."""
-        if trace_state.current_trace() is None:
+        """Inside another ``mm.jit`` step the function is inlined (as a ``jax.jit`` in a
+        ``jax.jit``); no other transformation can trace a step running programs on submeshes."""
+        if not engine.inside_step():
             name = _step_name(self.fun)
             raise MPMDError(
                 f"mm.jit: {name} was called inside a JAX transformation (jax.jit, nnx.jit, "
@@ -295,38 +186,21 @@ class JitFunction:
         return self.fun(*args, **kwargs)
 
     def _run(self, call: Call, **modes):
-        executable, results = self._lookup(call)
-        with no_ambient_mesh():  # each fragment runs on its own task's mesh
-            outs = run_step(
-                executable,
-                call.values,
-                expansion=results.expansion,
-                callback_failures=results.callback_failures,
-                name=_step_name(self.fun),
-                donated=results.donated,
-                deleted=call.deleted_input,
-                look_first=bool(self.donate_argnums),
-                **modes,
-            )
-        users, num_variables = results.numuser_outputs, call.num_variables
-        if executable.graph.specs:  # sharding in types: hand back on the tasks' own meshes
-            likes = [None] * users + [
-                value.sharding if leaf.placed else None
-                for leaf, value in zip(call.leaves[:num_variables], call.values, strict=False)
-            ]
-            outs = [
-                auto_twin(r, like=like)
-                for r, like in itertools.zip_longest(outs, likes)  # added: no like
-            ]
-        updates = outs[users : users + num_variables]
-        if call.unplaced and jax.process_count() == 1:
-            for i in call.unplaced:
-                updates[i] = stay_home(call.values[i], updates[i])
-        _nnx.set_values(call.variables, updates)
-        call.put_added(results.added, outs[users + num_variables :])
-        return jax.tree.unflatten(results.tree, outs[:users])
+        executable, (built, added) = self._lookup(call)
+        outs = run_step(
+            executable,
+            call.values,
+            expansion=built.expansion,
+            callback_failures=built.callback_failures,
+            name=_step_name(self.fun),
+            donated=built.donated,
+            deleted=call.deleted_input,
+            look_first=bool(self.donate_argnums),
+            **modes,
+        )
+        return call.write_back(outs, built, added)
 
-    def timeline(self, *args, **kwargs) -> list[Event]:
+    def timeline(self, *args, **kwargs) -> list:
         """Runs one step (updating the arguments as a call does) and returns a timed event per
         pipeline action: task, kind (F, B, I or W), stage, microbatch, start and end in seconds.
 
@@ -348,9 +222,9 @@ class JitFunction:
             events = step.timeline(model, x)
             costs = mm.schedules.measured_costs(events)  # {(kind, stage): seconds}
         """
-        return self._timed(BlockingTimer(), Call(self, args, kwargs))
+        return self._timed(Call(self, args, kwargs), overlapped=False)
 
-    def overlapped_timeline(self, *args, **kwargs) -> list[Event]:
+    def overlapped_timeline(self, *args, **kwargs) -> list:
         """:meth:`timeline` for a step run as a call runs it: nothing waits between actions, so
         the tasks overlap; a thread per task (shared with its virtual stages) notes when each of
         its programs ends. An action starts when its task's previous program has ended and the
@@ -364,16 +238,10 @@ class JitFunction:
             events = step.overlapped_timeline(model, x)
             mm.plot_timeline(events, "timeline.png")  # the step as it ran, tasks overlapping
         """
-        return self._timed(OverlapTimer(), Call(self, args, kwargs))
+        return self._timed(Call(self, args, kwargs), overlapped=True)
 
-    def _timed(self, timer: Timer, call: Call) -> list[Event]:
-        with JobTimeline() as job:  # with several processes: every process's events, one clock
-            timer = job.timer(timer)
-            try:
-                self._run(call, timer=timer)
-            finally:
-                timer.stop()
-            events = job.events(timer.events())
+    def _timed(self, call: Call, *, overlapped: bool) -> list:
+        events = timed(lambda timer: self._run(call, timer=timer), overlapped=overlapped)
         if not events:
             for why in self._cache[call.key].executable.plan.unrolled:
                 warnings.warn(f"timeline: nothing to time, {why}", UnrolledMicrobatchWarning, 3)
@@ -386,7 +254,7 @@ class JitFunction:
         self._run(Call(self, args, kwargs), memory=memory)
         return memory
 
-    def plan(self, *args, process: int | None = None, **kwargs) -> Plan:
+    def plan(self, *args, process: int | None = None, **kwargs) -> engine.Plan:
         """The plan this step runs for these arguments (traced and lowered if needed; compiles
         nothing): fragments, transfers and each task's typed program, as the runner runs it
         (packed buffers, and with several processes this process's share, moves between
@@ -397,18 +265,17 @@ class JitFunction:
                 f"mm.jit: plan(process={process!r}): this job has {jax.process_count()} "
                 f"process(es), numbered 0 to {jax.process_count() - 1}"
             )
-        executable, results = self._lookup(Call(self, args, kwargs))
+        executable, (built, _) = self._lookup(Call(self, args, kwargs))
         if process is not None and process != jax.process_index():
-            return results.plan_for(process)
+            return built.plan_for(process)
         return executable.compiled_plan or executable.plan
 
-    def compile(self, *args, **kwargs) -> Plan:
+    def compile(self, *args, **kwargs) -> engine.Plan:
         """Compiles every program the step runs for these arguments, without running it, so the
         first call starts at once; returns the compiled plan. A call compiles on first use
         otherwise."""
         executable, _ = self._lookup(Call(self, args, kwargs))
-        with no_ambient_mesh():
-            return executable.compile()
+        return executable.compile()
 
 
 def jit(
@@ -417,9 +284,9 @@ def jit(
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     donate_argnums: int | Sequence[int] = (),
-    pack_residuals: bool | int = PACK_RESIDUAL_BYTES,
+    pack_residuals: bool | int = engine.PACK_RESIDUAL_BYTES,
     recompute_residuals: bool = True,
-    pack_weights: bool | int = PACK_WEIGHT_BYTES,
+    pack_weights: bool | int = engine.PACK_WEIGHT_BYTES,
     share_cores: bool = True,
 ) -> JitFunction:
     """Lifts an NNX step over several tasks: one compiled program per task, run asynchronously.
@@ -494,118 +361,3 @@ def jit(
         JitOptions(**options)  # a bad option raises here, before a function is given
         return functools.partial(jit, **options)
     return JitFunction(fun, **options)
-
-
-class CachedPartial:
-    """A :class:`JitFunction` with its leading arguments bound; see :func:`cached_partial`."""
-
-    def __init__(self, fn: JitFunction, cached_args: tuple):
-        self.fn = fn
-        self.cached_args = cached_args
-        self._template: Call | None = None
-        self._tail_treedef: Any = None
-        functools.update_wrapper(self, fn, updated=())
-
-    @property
-    def trace_count(self) -> int:
-        """How often the underlying step has traced (shared with the ``mm.jit`` function)."""
-        return self.fn.trace_count
-
-    def _call(self, args: tuple, kwargs: dict) -> Call:
-        full = (*self.cached_args, *args)
-        offset = len(self.cached_args)
-        statics, names = self.fn.static_argnums, self.fn.static_argnames
-        tail = (
-            tuple(None if i + offset in statics else a for i, a in enumerate(args)),
-            {k: v for k, v in kwargs.items() if k not in names},
-        )
-        nodes, treedef = jax.tree.flatten(tail, is_leaf=_nnx.is_variable)
-        plain = not any(_nnx.is_variable(n) for n in nodes)
-        if plain and self._template is not None and treedef == self._tail_treedef:
-            self._template.check_bound()  # a Variable or submodule replaced: named
-            if not self._template.grown():
-                return self._template.rebound(full, kwargs, nodes)
-            call = Call(self.fn, full, kwargs)  # walked afresh
-            self._template.check_none_added(call)  # a Variable added: named
-        else:
-            call = Call(self.fn, full, kwargs)
-        if plain:  # arguments holding Variables are walked on every call
-            self._template = call.template(len(nodes), offset)
-            self._tail_treedef = treedef
-        return call
-
-    def __call__(self, *args, **kwargs):
-        if tracing():
-            name = _step_name(self.fn.fun)
-            raise MPMDError(
-                f"mm.cached_partial: {name} was called while another function is traced (an "
-                "mm.jit step, jax.jit, ...); its bound arguments would enter that trace as "
-                f"constants. Inside an mm.jit step, call the mm.jit function {name} with the "
-                "step's own arguments (it is inlined there)"
-            )
-        return self.fn._run(self._call(args, kwargs))
-
-    def with_options(self, **changes: Any) -> CachedPartial:
-        """:meth:`JitFunction.with_options`, with the same bound arguments."""
-        return CachedPartial(self.fn.with_options(**changes), self.cached_args)
-
-    def timeline(self, *args, **kwargs) -> list[Event]:
-        """:meth:`JitFunction.timeline` with the bound arguments first."""
-        return self.fn.timeline(*self.cached_args, *args, **kwargs)
-
-    def overlapped_timeline(self, *args, **kwargs) -> list[Event]:
-        """:meth:`JitFunction.overlapped_timeline` with the bound arguments first."""
-        return self.fn.overlapped_timeline(*self.cached_args, *args, **kwargs)
-
-    def memory_profile(self, *args, **kwargs) -> dict[str, tuple[int, int]]:
-        """:meth:`JitFunction.memory_profile` with the bound arguments first."""
-        return self.fn.memory_profile(*self.cached_args, *args, **kwargs)
-
-    def plan(self, *args, **kwargs) -> Plan:
-        """:meth:`JitFunction.plan` with the bound arguments first."""
-        return self.fn.plan(*self.cached_args, *args, **kwargs)
-
-    def compile(self, *args, **kwargs) -> Plan:
-        """:meth:`JitFunction.compile` with the bound arguments first."""
-        return self.fn.compile(*self.cached_args, *args, **kwargs)
-
-
-def cached_partial(fn: JitFunction, *cached_args: Any) -> CachedPartial:
-    """Binds the leading arguments of an ``mm.jit`` step and caches their structure.
-
-    ``mm.jit`` walks every Module and Optimizer argument on every call to find its Variables;
-    for a large model that walk is most of the per-call host time. ``cached_partial`` walks the
-    bound arguments once: later calls read and write their Variables directly, and only the
-    other arguments (a batch) are walked. Values may change freely between calls (a new
-    array of another shape or sharding re-plans as usual); the bound objects' structure must
-    not: adding, removing or replacing a Variable or submodule, or placing them again with
-    ``mm.place``, needs a new ``cached_partial`` (the same contract as ``nnx.cached_partial``).
-    A call notices each of these and raises :class:`mm.SideEffectError` naming it before
-    anything runs (an added Variable by its path, e.g. ``'arg0/l0/scale'``), rather than
-    run a step that would never read or train it. Anything else added to a bound object (a
-    plain attribute) makes that call walk the bound arguments afresh, as a first call does. A
-    static attribute changed in place (``model.eval()``) is not noticed: bind again after it.
-
-    Example:
-        >>> import jax.numpy as jnp, optax
-        >>> from flax import nnx
-        >>> from mmnnx.sharding import Task, TaskMesh, place
-        >>> solo = Task("solo", mesh=TaskMesh(devices=[0]))
-        >>> model = place(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), [(".*", solo)])
-        >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        >>> @jit
-        ... def train_step(model, opt, x):
-        ...     loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
-        ...     opt.update(model, grads)
-        ...     return loss
-        >>> step = cached_partial(train_step, model, opt)
-        >>> losses = [float(step(jnp.ones((4, 2)))) for _ in range(3)]
-        >>> losses[2] < losses[0]
-        True
-    """
-    if not isinstance(fn, JitFunction):
-        raise TypeError(
-            f"mm.cached_partial binds arguments of an mm.jit function, got {type(fn).__name__}; "
-            "wrap the step with mm.jit first"
-        )
-    return CachedPartial(fn, cached_args)

@@ -44,6 +44,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "mmnnx.jit",
         "mmnnx._argnums",
         "mmnnx._call",
+        "mmnnx.cached_partial",
+        "mmnnx._added",
         "mmnnx.deep_models",
         "mmnnx.microbatch",
         "mmnnx.summary",

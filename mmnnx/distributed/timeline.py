@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -31,7 +31,7 @@ import jax
 from mmnnx._jax import runtime
 from mmnnx.distributed.gather import gather
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd.run.timing import Event, Timer
+from mmnnx.mpmd.run.timing import BlockingTimer, Event, OverlapTimer, Timer
 from mmnnx.mpmd.schedules import TRANSFER
 
 _BARRIER = "mmnnx/timeline/{}"
@@ -171,3 +171,21 @@ def _after_producers(events: list[Event]) -> list[Event]:
             e = dataclasses.replace(e, start=min(made, e.end))
         out.append(e)
     return out
+
+
+def timed(run: Callable[[Timer], Any], *, overlapped: bool) -> list[Event]:
+    """Runs ``run(timer)`` once, timed by a :class:`~mmnnx.mpmd.run.timing.BlockingTimer` (each
+    action alone) or, ``overlapped``, an :class:`~mmnnx.mpmd.run.timing.OverlapTimer` (as a
+    call runs), and returns every process's events on one clock (:class:`JobTimeline`).
+
+    Example (``mm.jit``'s ``timeline``)::
+
+        events = timed(lambda timer: run_the_step(timer=timer), overlapped=False)
+    """
+    with JobTimeline() as job:
+        timer = job.timer(OverlapTimer() if overlapped else BlockingTimer())
+        try:
+            run(timer)
+        finally:
+            timer.stop()
+        return job.events(timer.events())

@@ -1,11 +1,13 @@
-"""The engine's entry: a traced step and what is known of its inputs and outputs -> its plan.
+"""The engine's entry: a pure function of array leaves and what is known of its inputs and
+outputs -> a runnable step.
 
-``mm.jit`` (``jit.py``) traces a step (``trace_step.py``) and describes each input leaf
-(:class:`~mmnnx.mpmd.step_io.StepInput`) and each output leaf
-(:class:`~mmnnx.mpmd.step_io.StepOutput`); :func:`plan_step` then splits stacked layers over their
+``mm.jit`` (``jit.py``) describes each input leaf (:class:`~mmnnx.mpmd.step_io.StepInput`) and,
+once traced, each output leaf (:class:`~mmnnx.mpmd.step_io.StepOutput`); :func:`build_step`
+traces the function (``trace_step.py``) and :func:`plan_step` splits stacked layers over their
 tasks, colours every op with a task, cuts the graph into fragments (pipelined per microbatch
 where the step has an ``mm.microbatch`` loop), lowers them to a typed program and runs the
-passes (``passes.py``). Nothing here knows Flax NNX.
+passes (``passes.py``); the runner (``run/runner.py``) runs the plan. Nothing here knows Flax
+NNX.
 """
 
 from __future__ import annotations
@@ -14,10 +16,19 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
+from mmnnx._gc import cyclic_gc_paused
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.lower.cores import share_cores
 from mmnnx.mpmd.lower.lower import lower
+from mmnnx.mpmd.lower.pack import (
+    PACK_RESIDUAL_BYTES,
+    PACK_WEIGHT_BYTES,
+    residual_bound,
+    weight_bound,
+)
 from mmnnx.mpmd.lower.passes import Passes
 from mmnnx.mpmd.lower.plan import Plan
 from mmnnx.mpmd.lower.program import StepProgram
@@ -26,21 +37,136 @@ from mmnnx.mpmd.plan.colour import colour
 from mmnnx.mpmd.plan.cut import cut
 from mmnnx.mpmd.plan.pipeline import plan_pipeline
 from mmnnx.mpmd.plan.stack_split import Expansion, chunk_sharding, split_stacks
+from mmnnx.mpmd.run.runner import Executable
 from mmnnx.mpmd.schedules import Schedule
+from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.mpmd.step_io import StepInput, StepOutput
+from mmnnx.mpmd.trace import trace_state
+from mmnnx.mpmd.trace.callbacks import CallbackFailures
+from mmnnx.mpmd.trace.mesh_context import no_ambient_mesh
 from mmnnx.mpmd.trace.trace_state import Trace
+from mmnnx.mpmd.trace.trace_step import trace_step
 from mmnnx.sharding import Task
+
+__all__ = ["PACK_RESIDUAL_BYTES", "PACK_WEIGHT_BYTES", "Plan"]
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanningOptions:
-    """How to plan a step (``mm.jit``'s options)."""
+    """How to plan a step (``mm.jit``'s options), checked and normalised: the packing bounds
+    as bytes (``True`` / ``False`` given: every / none).
+
+    Example:
+        >>> PlanningOptions(residual_bytes=False, schedule="gpipe").residual_bytes
+        0
+    """
 
     residual_bytes: int = 0  # the largest residual packed (mm.jit(pack_residuals=...))
     weight_bytes: int = 0  # the largest block weight packed (mm.jit(pack_weights=...))
     recompute_residuals: bool = True  # backwards recompute cheap residuals
     schedule: str | Schedule | None = None  # replaces each mm.microbatch's schedule
     share_cores: bool = True  # edge stages cut around a middle stage's program
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "residual_bytes", residual_bound(self.residual_bytes))
+        object.__setattr__(self, "weight_bytes", weight_bound(self.weight_bytes))
+        for name in ("recompute_residuals", "share_cores"):
+            if not isinstance(got := getattr(self, name), bool):
+                raise TypeError(f"mm.jit: {name} must be True or False, got {got!r}")
+        if isinstance(self.schedule, str) and self.schedule not in schedule_names():
+            raise ValueError(
+                f"mm.jit: unknown schedule {self.schedule!r}; valid schedules are "
+                f"{', '.join(schedule_names())} (or a Schedule object)"
+            )
+        if not isinstance(self.schedule, str | Schedule | None):
+            raise TypeError(f"mm.jit: schedule {self.schedule!r} is not a name or a Schedule")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltStep:
+    """A step traced, planned and ready to run: what each call of it needs."""
+
+    executable: Executable  # runs this process's plan (compiled on first use)
+    tree: Any  # the pytree structure of the step's own return value (its first result)
+    expansion: Expansion | None  # stacked layers: their chunks, joined again
+    plan_for: Callable[[int], Plan]  # the plan of another process
+    callback_failures: CallbackFailures  # what the step's host callbacks raised
+    donated: bool  # some input is donated (a failed step keeps the others)
+
+    @property
+    def num_outputs(self) -> int:
+        """How many leaves the step's own return value has (they come first in its results)."""
+        return self.tree.num_leaves
+
+
+def build_step(
+    pure: Callable,
+    inputs: Sequence[StepInput],
+    outputs_of: Callable[[Any], Sequence[StepOutput]],
+    options: PlanningOptions,
+    *,
+    name_as: Callable,
+    located: Callable[[BaseException], BaseException] = lambda e: e,
+    peers: Callable[[PlannedStep, Sequence[StepInput], str], Any] | None = None,
+) -> BuiltStep:
+    """Traces ``pure(*leaves)`` (one leaf per record of ``inputs``; JAX's errors name it as
+    ``name_as``, a ``TypeError``/``ValueError`` it raises becomes ``located(error)``), describes
+    its results with ``outputs_of(out_shape)`` (``out_shape``: ``pure``'s abstract result,
+    whose first item is the step's own return value), plans it for this process and wraps the
+    plan in the runner's :class:`~mmnnx.mpmd.run.runner.Executable` (``peers(planned, inputs,
+    name)``: the other processes it runs with, as ``mmnnx.distributed.step.peers_for``).
+    Compiles nothing.
+
+    Example:
+        >>> from mmnnx.sharding import TaskMesh
+        >>> s0 = Task("s0", mesh=TaskMesh(devices=[0]))
+        >>> w = StepInput(name="w", task=s0, shape=(2,), dtype="f4", sharding=s0.sharding())
+        >>> built = build_step(lambda w: (w * 2, ()), [w], lambda shape: [StepOutput()],
+        ...                    PlanningOptions(), name_as=build_step)
+        >>> built.num_outputs, [t.name for t in built.executable.plan.tasks]
+        (1, ['s0'])
+    """
+    name = getattr(name_as, "__name__", "the step")
+    callback_failures = CallbackFailures()
+    with no_ambient_mesh(), cyclic_gc_paused():
+        traced = trace_step(
+            pure, inputs, name_as=name_as, callback_failures=callback_failures, located=located
+        )
+        planned = plan_step(
+            traced.graph,
+            traced.trace,
+            inputs,
+            outputs_of(traced.out_shape),
+            options,
+            name=name,
+            process=jax.process_index(),
+            num_processes=jax.process_count(),
+        )
+    executable = Executable(
+        planned.graph,
+        planned.plan,
+        name=repr(name),
+        peers=None if peers is None else peers(planned, inputs, name),
+    )
+    return BuiltStep(
+        executable=executable,
+        tree=jax.tree.structure(traced.out_shape[0]),
+        expansion=planned.expansion,
+        plan_for=planned.plan_for,
+        callback_failures=callback_failures,
+        donated=any(i.donated for i in inputs),
+    )
+
+
+def inside_step() -> bool:
+    """Whether an ``mm.jit`` step (or ``mm.microbatch``'s own trace) is being traced now: a
+    step called there is inlined into it.
+
+    Example:
+        >>> inside_step()
+        False
+    """
+    return trace_state.current_trace() is not None
 
 
 @dataclasses.dataclass(frozen=True)

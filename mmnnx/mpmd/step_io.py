@@ -14,10 +14,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from mmnnx.errors import MPMDError
 from mmnnx.sharding import Task, TaskStack
 
 
@@ -56,3 +58,30 @@ class StepOutput:
     @property
     def task(self) -> Task | None:
         return self.home if isinstance(self.home, Task) else None
+
+
+def check_homes(inputs: Sequence[StepInput]) -> set:
+    """Raises if a placed input's array lives elsewhere than on its task (or, stacked, is laid
+    out otherwise than its stack says); returns the devices the placed inputs' tasks own.
+
+    Example:
+        >>> check_homes([StepInput(name="x", shape=(2,), dtype="float32")])
+        set()
+    """
+    for item in inputs:
+        devices = item.sharding.device_set if item.sharding is not None else None
+        home = item.task or item.stack
+        if home is not None and devices != set(home.jax_mesh.devices.flat):
+            raise MPMDError(
+                f"mm.jit: {item.name!r} is placed on task {home.name!r} but its array lives "
+                f"on devices {sorted(d.id for d in devices)}; re-run mm.place after moving it"
+            )
+        if item.stack is not None and item.sharding != item.stack.sharding(item.spec):
+            raise MPMDError(
+                f"mm.jit: {item.name!r} is stacked over tasks {item.stack.name!r} but its "
+                f"array is laid out as {item.sharding}; re-run mm.place after moving it"
+            )
+    owned: set = set()
+    for home in dict.fromkeys(h for i in inputs for h in (i.task, i.stack) if h is not None):
+        owned.update(home.jax_mesh.devices.flat)
+    return owned

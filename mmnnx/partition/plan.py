@@ -14,7 +14,7 @@ from mmnnx.errors import NoCandidateError
 from mmnnx.link_timing import measure_link
 from mmnnx.models.stages import _check_depth, _stage_tasks, find_layers, split_rules
 from mmnnx.mpmd import schedules as sched
-from mmnnx.mpmd.schedules.registry import Placement, registered
+from mmnnx.mpmd.schedules.registry import registered
 from mmnnx.partition.measure import Timing, launch_seconds, measure, shardings_on
 from mmnnx.partition.pieces import Model, Piece
 from mmnnx.partition.result import PartitionResult, Split
@@ -236,7 +236,7 @@ def _options(
         Option(schedule=name, virtual_stages=v, order=order)
         for name in named or sched.names()
         for v in vs
-        if (order := _order(registered(name).placement, v)) is not None
+        if (order := registered(name).placement.order(v)) is not None
     ]
     if not options:
         raise ValueError(
@@ -245,19 +245,6 @@ def _options(
             "2: zero-bubble-v, dualpipev)"
         )
     return options
-
-
-def _order(placement: Placement, v: int) -> str | None:
-    """How a schedule of ``placement`` puts ``v`` stages per task on the tasks (as
-    ``stage_rules``'s ``order``), or None when it cannot run ``v``."""
-    if placement is Placement.V_SHAPED:
-        return "v" if v == 2 else None
-    runs = {
-        Placement.ONE_PER_RANK: v == 1,
-        Placement.INTERLEAVED: v >= 2,
-        Placement.BUILDER_DECIDES: True,
-    }
-    return "loop" if runs[placement] else None
 
 
 def _signature(task: Task) -> tuple:

@@ -21,6 +21,7 @@ from mmnnx._nnx import (
     mirrors_a_variable,
     variables_of,
 )
+from mmnnx.errors import MPMDError
 from mmnnx.sharding.arrays import placeholder, processes_of, put
 from mmnnx.sharding.factory import trace_factory
 from mmnnx.sharding.replay import replay
@@ -445,6 +446,27 @@ class Misplaced(NamedTuple):
     task: Task | TaskStack | None
     param_path: str
     param_task: Task | TaskStack
+
+
+def check_optimizer_placement(roots: Sequence[tuple[str, Any]]) -> None:
+    """Raises :class:`~mmnnx.MPMDError` if :func:`misplaced_optimizer_state` finds optimizer
+    state among ``roots`` (a step's arguments) on another task than its parameter: every step
+    would move that state between tasks.
+
+    Example:
+        >>> check_optimizer_placement([("x", 1.0)])
+    """
+    misplaced = misplaced_optimizer_state(roots)
+    if misplaced:
+        first = misplaced[0]
+        raise MPMDError(
+            f"mm.jit: optimizer state {first.path!r} is on task "
+            f"{getattr(first.task, 'name', None)!r} but the parameter it is kept for, "
+            f"{first.param_path!r}, is on task {first.param_task.name!r} ({len(misplaced)} "
+            "optimizer Variables like this): the model was placed after its optimizer was "
+            "created, and every step would move that state between tasks. Call "
+            "mm.place_optimizer(opt, model) after mm.place(model, ...)"
+        )
 
 
 def misplaced_optimizer_state(roots: Sequence[tuple[str, Any]]) -> list[Misplaced]:

@@ -20,10 +20,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from mmnnx.cached_partial import cached_partial
 from mmnnx.distributed.fetch import fetch
 from mmnnx.distributed.preemption import Preemption
 from mmnnx.distributed.progress import progress as report
-from mmnnx.jit import cached_partial, jit
+from mmnnx.jit import jit
 from mmnnx.microbatch import microbatch
 from mmnnx.mpmd.lower.pack import (
     PACK_RESIDUAL_BYTES,

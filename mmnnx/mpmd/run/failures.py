@@ -19,6 +19,7 @@ from mmnnx.errors import StepError
 from mmnnx.mpmd.plan.stack_split import Expansion
 from mmnnx.mpmd.run.runner import Executable
 from mmnnx.mpmd.trace.callbacks import CallbackFailures
+from mmnnx.mpmd.trace.mesh_context import no_ambient_mesh
 
 
 def run_step(
@@ -47,27 +48,28 @@ def run_step(
     if look_first and (error := deleted()):
         raise error  # before any input is donated
     callback_failures.take()  # from a run that did not check them (a timeline, a tabulate)
-    try:
-        results = executable(
-            leaves if expansion is None else expansion.split_leaves(leaves), **modes
-        )
-        if executable.may_fail:
-            jax.block_until_ready(results)
-        if raised := callback_failures.take():
-            error = raised[0]
-            raise step_failed(name, donated, f"{type(error).__name__}: {error}") from error
-        if expansion is not None:
-            results = expansion.join_results(results)
-    except jax.errors.JaxRuntimeError as e:
-        if error := deleted():
-            raise error from None
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        cause = lines[-1] if lines else type(e).__name__  # a callback's own exception comes last
-        raise step_failed(name, donated, cause) from e
-    except RuntimeError:  # JAX refuses a deleted array when a program is dispatched
-        if error := deleted():
-            raise error from None
-        raise
+    with no_ambient_mesh():  # each fragment runs on its own task's mesh
+        try:
+            results = executable(
+                leaves if expansion is None else expansion.split_leaves(leaves), **modes
+            )
+            if executable.may_fail:
+                jax.block_until_ready(results)
+            if raised := callback_failures.take():
+                error = raised[0]
+                raise step_failed(name, donated, f"{type(error).__name__}: {error}") from error
+            if expansion is not None:
+                results = expansion.join_results(results)
+        except jax.errors.JaxRuntimeError as e:
+            if error := deleted():
+                raise error from None
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            cause = lines[-1] if lines else type(e).__name__  # a callback's exception is last
+            raise step_failed(name, donated, cause) from e
+        except RuntimeError:  # JAX refuses a deleted array when a program is dispatched
+            if error := deleted():
+                raise error from None
+            raise
     return results
 
 

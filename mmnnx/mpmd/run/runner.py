@@ -27,6 +27,7 @@ from mmnnx.mpmd.run.emit import Launch, Move, Put, Step, emit
 from mmnnx.mpmd.run.peers import Peers
 from mmnnx.mpmd.run.programs import Compiler
 from mmnnx.mpmd.run.timing import Timer, witness_for
+from mmnnx.mpmd.trace.mesh_context import no_ambient_mesh
 from mmnnx.sharding.arrays import put
 
 
@@ -75,7 +76,7 @@ class Executable:
                 if self._make_peers is None:
                     raise ValueError("a program localized to one process needs its peers")
                 self._peers = self._make_peers()
-            with Compiler(self.graph) as compiler, cyclic_gc_paused():
+            with Compiler(self.graph) as compiler, cyclic_gc_paused(), no_ambient_mesh():
                 self._build(compiler)
         return self.compiled_plan
 

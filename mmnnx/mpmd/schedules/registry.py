@@ -6,7 +6,6 @@ over them. ``mm.microbatch(schedule=name)``, ``mmnnx train --schedule`` and
 from __future__ import annotations
 
 import dataclasses
-import enum
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,7 +17,8 @@ from mmnnx.mpmd.schedules.builders import (
     one_f_one_b,
     zero_bubble_h1,
 )
-from mmnnx.mpmd.schedules.ir import Schedule, check_counts, validate
+from mmnnx.mpmd.schedules.ir import Schedule, validate
+from mmnnx.mpmd.schedules.placement import Placement
 from mmnnx.mpmd.schedules.zero_bubble import (
     dualpipe_v,
     interleaved_zero_bubble,
@@ -44,22 +44,6 @@ Builder = Callable[[int, int, int], Schedule]
 """A schedule builder: ``builder(num_stages, num_microbatches, virtual_stages) -> Schedule``."""
 
 
-class Placement(enum.Enum):
-    """How a registered schedule places model stages on ranks, which says what its builder is
-    given (``num_stages`` always counts model stages, ``v`` is ``virtual_stages``)."""
-
-    ONE_PER_RANK = "one stage per rank"
-    """Rank ``r`` runs stage ``r``: ``builder(num_stages, M)``; ``v`` must be 1."""
-    INTERLEAVED = "several stages per rank, looped"
-    """Rank ``r`` runs stages ``r, r + R, ...``: ``builder(num_stages / v, M, v)``; ``v >= 2``
-    dividing ``num_stages``."""
-    V_SHAPED = "two stages per rank in a V"
-    """Rank ``r`` runs stages ``r`` and ``2R - 1 - r``: ``builder(num_stages / 2, M)``; ``v``
-    must be 2 and ``num_stages`` even."""
-    BUILDER_DECIDES = "as the builder decides"
-    """A :func:`register`-ed builder: ``builder(num_stages, M, v)``."""
-
-
 @dataclasses.dataclass(frozen=True)
 class RegisteredSchedule:
     """One schedule name: its builder, how it places stages on ranks (which says what the
@@ -81,38 +65,21 @@ class RegisteredSchedule:
         """Calls the builder as :attr:`placement` says, after checking ``virtual_stages``
         against it (a ValueError naming the schedule) and that it takes ``costs`` if given
         (:class:`CostsNotUsed`); the result is not checked here (:func:`get` does)."""
-        name, v = self.name, virtual_stages
-        if self.placement is Placement.BUILDER_DECIDES:
-            return self.builder(num_stages, num_microbatches, v, **self._costs(costs))
-        if self.placement is Placement.ONE_PER_RANK:
-            if v != 1:
-                several = ", ".join(repr(n) for n in _several_stages_per_rank())
-                raise ValueError(
-                    f"virtual_stages={v} applies only to schedules that run several "
-                    f"stages per rank ({several}); {name!r} runs one stage per rank"
-                )
-            return self.builder(num_stages, num_microbatches, **self._costs(costs))
-        check_counts(num_stages, num_microbatches)
-        if self.placement is Placement.V_SHAPED:
-            if v != 2 or num_stages % 2:
-                raise ValueError(
-                    f"{name} places two stages per rank in a V: it needs virtual_stages=2 and "
-                    f"an even number of stages, got virtual_stages={v} and {num_stages} stages"
-                )
-            return self.builder(num_stages // 2, num_microbatches, **self._costs(costs))
-        if v == 1:
+        sizes = (num_stages, num_microbatches, virtual_stages)
+        self.placement.check(self.name, *sizes)
+        if self.placement.order(virtual_stages) is None:
+            runs = [  # those whose placement is known
+                n
+                for n, e in _REGISTRY.items()
+                if e.placement.order(virtual_stages)
+                and e.placement is not Placement.BUILDER_DECIDES
+            ]
             raise ValueError(
-                f"{name} with virtual_stages=1 would run one stage per rank, the plain "
-                "schedule it interleaves: pass virtual_stages >= 2 (and give each task that "
-                "many stages, e.g. mm.stage_rules(..., virtual_stages=2)), or name a "
-                "one-stage-per-rank schedule"
+                f"virtual_stages={virtual_stages} applies only to schedules that run several "
+                f"stages per rank ({', '.join(map(repr, runs))}); {self.name!r} runs "
+                f"{self.placement.name}"
             )
-        if num_stages % v:
-            raise ValueError(
-                f"virtual_stages={v} does not divide num_stages={num_stages}: "
-                f"{name} puts virtual_stages stages on each of num_stages / virtual_stages ranks"
-            )
-        return self.builder(num_stages // v, num_microbatches, v, **self._costs(costs))
+        return self.builder(*self.placement.sizes(*sizes), **self._costs(costs))
 
     def _costs(self, costs: Mapping[Any, float] | None) -> dict[str, Any]:
         """``costs`` as keyword arguments for the builder: none without costs; raises
@@ -151,12 +118,6 @@ _BUILT_IN = (
 )
 
 _REGISTRY: dict[str, RegisteredSchedule] = {entry.name: entry for entry in _BUILT_IN}
-
-
-def _several_stages_per_rank() -> list[str]:
-    """The registered schedules that place several stages on each rank (``virtual_stages > 1``)."""
-    several = (Placement.INTERLEAVED, Placement.V_SHAPED)
-    return [name for name, entry in _REGISTRY.items() if entry.placement in several]
 
 
 def _takes_costs(builder: Callable[..., Schedule]) -> bool:
@@ -256,7 +217,7 @@ def registered(name: str) -> RegisteredSchedule:
     Example:
         >>> from mmnnx.mpmd.schedules.registry import registered
         >>> registered("zero-bubble-v").placement, registered("zero-bubble-v").takes_costs
-        (<Placement.V_SHAPED: 'two stages per rank in a V'>, True)
+        (<Placement two stages per rank in a V>, True)
     """
     if name not in _REGISTRY:
         valid = ", ".join(repr(n) for n in _REGISTRY)
