@@ -246,6 +246,7 @@ def plot_timeline(
             label=KIND_NAMES.get(kind, kind),
         )
         for rect, (y, event) in zip(bars.patches, placed, strict=True):
+            rect.set_clip_on(False)  # the edges of the first and last boxes lie on the axes' ends
             rect.set_gid(f"{event.kind}{event.stage}.{event.microbatch}@{event.row}")
             label = _label(event, multi_stage)
             size = _fitting_font_size(label, rect.get_width() * inches_per_unit)

@@ -295,3 +295,27 @@ def test_figure_renders_as_png_for_jupyter():
 
     png = plot_timeline(one_f_one_b(2, 4))._repr_png_()
     assert png.startswith(b"\x89PNG")
+
+
+def test_the_first_and_last_boxes_are_drawn_whole():
+    """The boxes touching the axes' ends keep their outlines (the last one was cut off)."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = plot_timeline(one_f_one_b(2, 4))
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    pixels = np.asarray(canvas.buffer_rgba())[..., :3].astype(int)
+    height = pixels.shape[0]
+    boxes = _boxes(fig)
+    ends = [
+        min(boxes, key=lambda b: b.get_x()),
+        max(boxes, key=lambda b: b.get_x() + b.get_width()),
+    ]
+    for box, side in zip(ends, ("x0", "x1"), strict=True):
+        extent = box.get_window_extent()
+        x = int(round(getattr(extent, side)))
+        rows = slice(height - int(extent.y1) + 3, height - int(extent.y0) - 3)
+        outline = pixels[rows, x - 1 : x + 2]
+        dark = outline.sum(axis=-1) < 350  # the outline (#333333), not a fill or the background
+        assert dark.any(axis=1).all(), side
