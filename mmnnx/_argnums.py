@@ -1,6 +1,5 @@
-"""A step's static and donated arguments checked against its signature, as ``jax.jit`` checks
-them when it is applied: a position past its positional parameters, a static name it does not
-take, or an argument both static and donated is a one-line ``ValueError`` naming the step."""
+"""A step's static and donated arguments checked against its signature when ``mm.jit`` is
+applied, as ``jax.jit`` checks them (:func:`checked_argnums`)."""
 
 from __future__ import annotations
 

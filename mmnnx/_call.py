@@ -1,9 +1,7 @@
-"""One call of an ``mm.jit`` step, as the engine sees it: the arguments' NNX state flattened into
-one :class:`Leaf` record per input leaf (Variables first, a Variable reached twice is one input)
-and their arrays, the pytree definition that rebuilds them while the step is traced, the
-:class:`~mmnnx.mpmd.step_io.StepInput` / ``StepOutput`` records describing them, and the checks
-of what a call may not change (a Variable replaced or added while tracing, state on another
-task's devices, an optimizer whose state sits elsewhere than its parameters)."""
+"""One call of an ``mm.jit`` step: its arguments' NNX state flattened into one :class:`Leaf` per
+input leaf (Variables first, one for a Variable reached twice) and their arrays, rebuilt while the
+step is traced, described as :class:`~mmnnx.mpmd.step_io.StepInput` / ``StepOutput`` records,
+checked (what a call may not change) and written back."""
 
 from __future__ import annotations
 
@@ -22,6 +20,7 @@ from mmnnx._added import Added, put_added, take_added
 from mmnnx._error_location import with_location
 from mmnnx._jax.arrays import all_plain_arrays
 from mmnnx.deep_models import warn_unrolled_blocks
+from mmnnx.distributed.homes import homes_of
 from mmnnx.errors import MPMDError, SideEffectError
 from mmnnx.mpmd.engine import BuiltStep
 from mmnnx.mpmd.run.stay_home import stay_home
@@ -67,8 +66,7 @@ def user_outputs(out_shape: Any) -> list[StepOutput]:
 
 
 class Leaf(NamedTuple):
-    """What a call knows of one input leaf besides its value, the same on every call of one
-    structure: its Variable (``None``: an array argument) and where that is placed."""
+    """One input leaf's Variable (``None``: an array argument) and where that is placed."""
 
     variable: Any = None
     task: Task | None = None
@@ -112,12 +110,10 @@ class Call:
                 arrays.append(node)
         self.num_variables = len(self.variables)
         # positional: made for every Variable on every call (by keyword, it costs twice as much)
-        self.leaves = [Leaf(v, task_of(v), stack_of(v)) for v in self.variables]
-        self.leaves += [_ARRAY] * len(arrays)
-        # the same on every call of this structure: read once, not per call
-        self.placed = [leaf.placed for leaf in self.leaves]
-        self.placement = tuple((id(leaf.task), id(leaf.stack)) for leaf in self.leaves)
+        leaves = [Leaf(v, task_of(v), stack_of(v)) for v in self.variables]
+        self._place(leaves + [_ARRAY] * len(arrays))
         self.unplaced = [i for i in range(self.num_variables) if not self.placed[i]]
+        self.tasks = {leaf.task for leaf in self.leaves if leaf.task is not None}
         self._set_values(arrays)
 
     def traceable(self, fun: Callable, *, first: bool) -> tuple[Callable, list[Added]]:
@@ -185,15 +181,19 @@ class Call:
 
     def check_placement(self) -> None:
         """Raises if a bound Variable was placed again since the binding was made (its task is
-        read once, when the binding is made)."""
-        for name, leaf in zip(self.names, self.leaves[: self.num_variables], strict=False):
-            now, task = task_of(leaf.variable), leaf.task
-            if now != task:
+        read once, when the binding is made; state on no task may sit on a task: its input)."""
+        for i, leaf in enumerate(self.leaves[: self.num_variables]):
+            now, task, name = task_of(leaf.variable), leaf.task, self.names[i]
+            if now != task and not (now is None and i in self.unplaced):
                 raise SideEffectError(
                     f"mm.cached_partial: {name!r} was placed again (task "
                     f"{getattr(task, 'name', None)!r} -> {getattr(now, 'name', None)!r}) after "
                     "the binding was made; make a new mm.cached_partial after mm.place"
                 )
+
+    def _place(self, leaves: list[Leaf]) -> None:  # read once per structure, not per call
+        self.leaves, self.placed = leaves, [leaf.placed for leaf in leaves]
+        self.placement = tuple((id(leaf.task), id(leaf.stack)) for leaf in leaves)
 
     def _set_statics(self, args: tuple, kwargs: dict) -> None:
         fn = self.fn
@@ -210,6 +210,11 @@ class Call:
         key."""
         arrays = [np.asarray(a) if isinstance(a, PYTHON_SCALARS) else a for a in arrays]
         self.values = [v.get_raw_value() for v in self.variables] + arrays
+        if self.unplaced and jax.process_count() > 1:  # state a step left on a task: its input
+            homes, leaves = homes_of(self.values, self.unplaced, self.tasks), [*self.leaves]
+            for i in self.unplaced:
+                leaves[i] = Leaf(leaves[i].variable, homes.get(i))
+            self._place(leaves)
         # The checks below only fail for a value that is not a plain jax.Array (a step's own
         # outputs, fed back, always are): skipped when none is, as on every step of a loop.
         checked = () if all_plain_arrays(self.values) else enumerate(self.values)

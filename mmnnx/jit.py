@@ -83,8 +83,6 @@ class _Results(NamedTuple):
     built: engine.BuiltStep  # the engine's step
     added: list  # the Variables the step added (sown: _added.Added), their values last
 
-    expansion = property(lambda self: self.built.expansion)
-
 
 class _Compiled(NamedTuple):
     """A cache entry of :class:`JitFunction`: the step's executable and its results' map."""
@@ -297,23 +295,20 @@ def jit(
     another ``mm.jit`` step, ``fun`` is inlined into it.
 
     ``pack_residuals``: in a pipelined step, each forward on a one-device task (or on a task
-    whose values are all replicated: a step that splits nothing over a task's devices) returns the
-    residuals its backward reads of at most this many bytes (default
-    ``mm.PACK_RESIDUAL_BYTES``, 64 KiB) as one flat buffer per dtype instead of one array each;
-    ``True`` packs every residual, ``False`` none. The host pays for each array a program
-    returns, more than copying a small array into the buffer costs; so small stages (many
-    microbatches, a host-bound step) launch in less host time (``benchmarks/dispatch.py``
-    measures how much). Large residuals travel alone: packing them would copy each and hold it
-    twice while the buffer is made. A stage's gradient sums travel as one buffer either way.
+    whose values are all replicated) returns the residuals its backward reads of at most this
+    many bytes (default ``mm.PACK_RESIDUAL_BYTES``, 64 KiB) as one flat buffer per dtype instead
+    of one array each; ``True`` packs every residual, ``False`` none. The host pays for each
+    array a program returns, more than the copy into the buffer costs, so host-bound steps
+    launch faster (``benchmarks/dispatch.py``); large residuals travel alone (packing would hold
+    each twice). A stage's gradient sums travel as one buffer either way.
 
-    ``pack_weights``: in a pipelined step, the weights of at most this many bytes (default
-    64 KiB) of each block of a one-device stage, or replicated over a stage's devices (the
-    Variables under one list index, such as
-    ``blocks/3/...``) travel to its forwards and backwards as one flat buffer per dtype, packed
-    once per step by a program at its start, instead of one argument each per launch: laid out
+    ``pack_weights``: in a pipelined step, each block's weights of at most this many bytes
+    (default 64 KiB) on a one-device stage, or replicated over a stage's devices (the Variables
+    under one list index, ``blocks/3/...``), travel to its forwards and backwards as one flat
+    buffer per dtype packed once per step, instead of one argument each per launch; laid out
     alike in every block, the blocks' programs slice them at the same offsets, so XLA still
-    compiles each kernel once. ``True`` packs every block's weights, ``False`` none. The buffers
-    are a copy: they hold the packed weights twice while the step runs.
+    compiles each kernel once. ``True`` packs every block's, ``False`` none. The buffers are a
+    copy: they hold the packed weights twice while the step runs.
 
     ``recompute_residuals``: in a pipelined step, each stage's backward recomputes the cheap
     residuals of its forward (arithmetic and layout ops: ``2 * x``, a norm's scaled output, the

@@ -565,6 +565,34 @@ def test_mmnnx_train_under_launch_matches_one_process_and_resumes_past_damage(tr
     assert [r["step"] for r in rows] == [0, 2, 4, 5]  # step 4 once: trained again
 
 
+def test_state_on_no_task_is_on_every_process_after_a_step(tmp_path):
+    # issue 69: one device per process, two stages, no warm-up: the optimizer's step counts
+    # (state on no task) were computed on stage 1 and handed to process 0 as a placeholder on
+    # process 1's device, which process 0's stage read at step 2 ("does not support cross-host
+    # device transfers"). Each process now keeps its own copy, and the run equals one process.
+    flags = ["--stages", "2", "--data-axis", "1", "--model-axis", "1", "--warmup-steps", "0",
+             "--steps", "3", "--eval-every", "3", "--checkpoint-every", "3", "--timeline-step",
+             "0", "--dim", "16", "--depth", "2", "--heads", "2", "--seq-len", "16",
+             "--batch-size", "4", "--microbatches", "2", "--log-every", "1",
+             "--no-tensorboard"]  # fmt: skip
+    out, alone = tmp_path / "launched", tmp_path / "alone"
+    proc = launch(["-n", "2", "--devices-per-process", "1", "--", sys.executable, "-m", "mmnnx",
+                   "train", "--output-dir", str(out), *flags])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--output-dir", str(alone), *flags]) == 0
+    rows = [
+        [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        for run in (out, alone)
+    ]
+    assert [r["step"] for r in rows[0]] == [r["step"] for r in rows[1]] == [0, 1, 2, 3]
+    for launched, reference in zip(*rows, strict=True):
+        for key in ("loss", "eval_loss"):
+            if key in reference:
+                assert launched[key] == pytest.approx(reference[key], rel=1e-5)
+    assert (out / "checkpoints" / "3").is_dir()
+
+
 def test_initialize_names_a_coordinator_port_in_use():
     code = (
         "import socket, mmnnx as mm\n"

@@ -1,0 +1,41 @@
+"""State on no task that a step left on a task, in a job of several processes.
+
+Before its first step each process holds its own copy of such a value (an optimizer's step count
+made outside ``mm.jit``) on one of its devices. A step computes the new value on one task and
+hands it back laid out there: the processes of that task hold it, the others a placeholder on
+its devices. The next step must read it where it is, as the input of that task (the processes
+without it receive it by a route, as any value of a task): :func:`homes_of` names that task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from jax.sharding import NamedSharding
+
+from mmnnx.sharding import Task
+
+
+def homes_of(values: Sequence[Any], which: Iterable[int], tasks: Iterable[Task]) -> dict[int, Task]:
+    """For each index ``i`` in ``which``: the task among ``tasks`` whose mesh ``values[i]`` is
+    laid out on whole (a step's result handed back on its task, or a placeholder of it); a value
+    on one device of its own process (each process's copy) has none.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from mmnnx.sharding import TaskMesh
+        >>> t = Task("t", mesh=TaskMesh(devices=[0, 1]))
+        >>> on_t = jax.device_put(jnp.zeros(()), t.sharding())
+        >>> [(i, task.name) for i, task in homes_of([on_t, jnp.zeros(())], [0, 1], [t]).items()]
+        [(0, 't')]
+    """
+    by_mesh = {task.jax_mesh: task for task in tasks}
+    homes = {}
+    for i in which:
+        sharding = getattr(values[i], "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.is_fully_replicated:
+            task = by_mesh.get(sharding.mesh)
+            if task is not None:
+                homes[i] = task
+    return homes
