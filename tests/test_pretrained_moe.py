@@ -248,7 +248,9 @@ def test_init_from_a_qwen3_moe_with_lora_trains_and_exports_qwen3_moe_names(tmp_
         assert main(["export", "--run", str(run), "--output", str(out)]) == 0
     before, after = CheckpointFiles(source), CheckpointFiles(out)
     assert sorted(after.tensors) == sorted(before.tensors)  # Qwen3-MoE's names, every one
-    assert json.loads((out / "config.json").read_text())["architectures"] == [MOE]
+    exported, hf = (json.loads((d / "config.json").read_text()) for d in (out, source))
+    assert exported["architectures"] == [MOE]
+    assert exported["max_position_embeddings"] == hf["max_position_embeddings"]  # not --seq-len
     adapted = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     for name in before.tensors:  # LoRA merged where adapted, the rest frozen
         changed = not np.array_equal(after.read(name), before.read(name))
