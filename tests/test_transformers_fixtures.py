@@ -170,3 +170,21 @@ def test_rope_types_mmnnx_does_not_compute_are_refused(tmp_path, edit, message):
     text = str(error.value)
     assert f"{tmp_path / 'c'}/config.json" in text and "rope_parameters: " in text
     assert "\n" not in text
+
+
+def test_the_moe_loss_follows_output_router_logits_as_transformers(tmp_path):
+    """transformers adds ``router_aux_loss_coef`` times the load-balancing loss only when router
+    logits are output (false in the checkpoint, its default): so does ``GPT.loss``, and the
+    term equals transformers' ``aux_loss``."""
+    theirs = json.loads((FIXTURES / "qwen3-moe" / "loss.json").read_text())
+    assert not theirs["output_router_logits"] and not theirs["loss_by_default_has_aux"]
+    plain = float(from_pretrained(FIXTURES / "qwen3-moe").loss(jnp.asarray(TOKENS)))
+    np.testing.assert_allclose(plain, theirs["cross_entropy"], rtol=F32)
+    path = tmp_path / "moe"
+    shutil.copytree(FIXTURES / "qwen3-moe", path)
+    hf = _config("qwen3-moe") | {"output_router_logits": True}
+    (path / "config.json").write_text(json.dumps(hf))
+    model = from_pretrained(path)
+    assert model.config.router_aux_loss_coef == hf["router_aux_loss_coef"] == 0.001
+    aux = (float(model.loss(jnp.asarray(TOKENS))) - plain) / hf["router_aux_loss_coef"]
+    np.testing.assert_allclose(aux, theirs["aux_loss"], rtol=1e-3)  # float32 cancellation

@@ -81,6 +81,24 @@ FIXTURES = {
 }
 
 
+def moe_loss(model) -> dict:
+    """The next-token loss of ``TOKENS`` (inputs all but the last token) as transformers'
+    ``Qwen3MoeForCausalLM`` adds it up: the cross-entropy, and ``router_aux_loss_coef`` times
+    the load-balancing loss (``aux_loss``) only when router logits are output."""
+    inputs, targets = torch.tensor(TOKENS[:, :-1]), torch.tensor(TOKENS[:, 1:])
+    with torch.no_grad():
+        out = model(inputs, output_router_logits=True)
+        ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+        plain = model(inputs, labels=torch.tensor(TOKENS[:, :-1]))  # its own default
+    return {
+        "cross_entropy": float(ce),
+        "aux_loss": float(out.aux_loss),
+        "router_aux_loss_coef": model.config.router_aux_loss_coef,
+        "output_router_logits": model.config.output_router_logits,
+        "loss_by_default_has_aux": plain.aux_loss is not None,
+    }
+
+
 def main() -> None:
     torch.manual_seed(0)
     for name, (cls, config) in FIXTURES.items():
@@ -97,6 +115,8 @@ def main() -> None:
         with torch.no_grad():
             logits = model(torch.tensor(TOKENS)).logits.float().numpy()
         np.save(out / "logits.npy", logits)
+        if config.model_type == "qwen3_moe":
+            (out / "loss.json").write_text(json.dumps(moe_loss(model), indent=2) + "\n")
         # what transformers reads back from its own files
         again = cls.from_pretrained(out)
         print(name, "rope_parameters:", again.config.rope_parameters, "dtype:", again.config.dtype)
