@@ -188,3 +188,58 @@ def test_the_moe_loss_follows_output_router_logits_as_transformers(tmp_path):
     assert model.config.router_aux_loss_coef == hf["router_aux_loss_coef"] == 0.001
     aux = (float(model.loss(jnp.asarray(TOKENS))) - plain) / hf["router_aux_loss_coef"]
     np.testing.assert_allclose(aux, theirs["aux_loss"], rtol=1e-3)  # float32 cancellation
+
+
+def test_peft_loads_every_adapter_and_gives_the_merged_logits(tmp_path):
+    """check_adapters.py loaded these adapters (written by ``save_adapters``) with PEFT onto
+    transformers 5: every tensor of the file in the model, none made up, logits equal to
+    mmnnx's merged export; a Qwen3-MoE's dense layer's MLP through ``target_parameters``."""
+    verdict = json.loads((FIXTURES / "adapters_verdict.json").read_text())
+    written = save_adapters(tmp_path)
+    assert sorted(verdict["cases"]) == sorted(NAMES)
+    for name, seen in verdict["cases"].items():
+        config = json.loads((written[f"{name}-adapter"] / "adapter_config.json").read_text())
+        assert config["target_modules"] == seen["target_modules"], name
+        assert config.get("target_parameters") == seen.get("target_parameters"), name
+        assert seen["loaded"] == seen["adapter_tensors"] > 0, name
+        assert seen["not_loaded"] == seen["lora_tensors_not_in_file"] == [], name
+        assert seen["peft_logits_error"] < F32 and seen["merged_logits_error"] < F32, name
+        merged = np.load(tmp_path / f"{name}-merged.npy")  # the adapters change the logits
+        assert relative_error(merged, np.load(FIXTURES / name / "logits.npy")) > 100 * F32
+    moe = verdict["cases"]["qwen3-moe"]
+    assert moe["target_parameters"] == [
+        f"model.layers.0.mlp.{p}_proj.weight" for p in ("down", "gate", "up")
+    ]
+    assert moe["adapter_tensors"] == 2 * (2 * 4 + 1) + 2 * 3  # attention, router, dense MLP
+
+
+def save_adapters(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The adapters check_adapters.py gives PEFT: each fixture with LoRA on every ``Linear``
+    ``add_lora`` adapts by default (plus the router for the Qwen3-MoE), its ``b`` factors
+    random (trained adapters, not zeros), written as PEFT's adapter (``<case>-adapter``,
+    ``base_model_name_or_path`` the fixture) and merged (``<case>-merged``), with mmnnx's
+    logits of the merged model as ``<case>-merged.npy``."""
+    import jax
+    from flax import nnx
+
+    from mmnnx.models import save_adapter
+    from mmnnx.modules import add_lora
+
+    out = {}
+    for name in NAMES:
+        model = from_pretrained(FIXTURES / name)
+        targets = ("q", "k", "v", "out", "gate", "up", "down")
+        model = add_lora(
+            model, rank=2, alpha=4, targets=targets + (("router",) if "moe" in name else ())
+        )
+        keys = iter(jax.random.split(jax.random.key(1), 1000))
+        for _, lora in nnx.iter_graph(model):
+            if hasattr(lora, "b") and hasattr(lora, "a") and hasattr(lora, "rank"):
+                lora.b[...] = 0.1 * jax.random.normal(next(keys), lora.b[...].shape)
+        out[f"{name}-adapter"] = save_adapter(model, root / f"{name}-adapter")
+        merged = save_pretrained(model, root / f"{name}-merged")
+        out[f"{name}-merged"] = merged
+        np.save(
+            root / f"{name}-merged.npy", np.asarray(from_pretrained(merged)(jnp.asarray(TOKENS)))
+        )
+    return out

@@ -282,8 +282,9 @@ def save_adapter(
     """Writes the LoRA adapters of ``model`` (``mmnnx.modules.add_lora``) alone, in PEFT's
     layout: ``adapter_model.safetensors`` (``base_model.model.<name>.lora_A.weight``
     ``(r, in)`` and ``lora_B.weight`` ``(out, r)``) and ``adapter_config.json`` (``r``,
-    ``lora_alpha``, ``target_modules``, ``base_model_name_or_path``: the directory the model
-    was loaded from). ``dtype`` and ``architecture`` as :func:`save_pretrained`.
+    ``lora_alpha``, ``target_modules`` (and ``target_parameters``: ``adapters.peft_targets``),
+    ``base_model_name_or_path``: the directory the model was loaded from). ``dtype`` and
+    ``architecture`` as :func:`save_pretrained`.
 
     Example:
         >>> import tempfile
