@@ -243,3 +243,36 @@ def save_adapters(root: pathlib.Path) -> dict[str, pathlib.Path]:
             root / f"{name}-merged.npy", np.asarray(from_pretrained(merged)(jnp.asarray(TOKENS)))
         )
     return out
+
+
+def test_rope_parameters_per_layer_type_read_for_full_attention(tmp_path):
+    hf = _config("qwen3")
+    hf["rope_parameters"] = {"full_attention": hf["rope_parameters"]}
+    shutil.copytree(FIXTURES / "qwen3", tmp_path / "q")
+    (tmp_path / "q" / "config.json").write_text(json.dumps(hf))
+    assert pretrained_config(tmp_path / "q") == pretrained_config(FIXTURES / "qwen3")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"num_local_experts": "4"}, 'num_local_experts: "4" is not an int >= 1'),
+        ({"num_local_experts": None}, "no 'num_local_experts' \\(or 'num_experts'\\)"),
+        ({"num_local_experts": None, "num_experts": 0}, "num_experts: 0 is not an int >= 1"),
+        ({"num_experts_per_tok": 2.5}, "num_experts_per_tok: 2.5 is not an int >= 1"),
+        ({"num_experts_per_tok": 8}, "num_experts_per_tok: 8 is more than num_local_experts 4"),
+        ({"moe_intermediate_size": -1}, "moe_intermediate_size: -1 is not an int >= 1"),
+        ({"norm_topk_prob": "yes"}, 'norm_topk_prob: "yes" is not true or false'),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step: 0 is not an int >= 1"),
+        ({"mlp_only_layers": [2]}, "mlp_only_layers: \\[2\\] are not all layer indices in 0..1"),
+        ({"mlp_only_layers": "0"}, 'mlp_only_layers: "0" is not a list of ints'),
+        ({"router_aux_loss_coef": -0.1}, "router_aux_loss_coef: -0.1 is not a finite number >= 0"),
+        ({"output_router_logits": 1}, "output_router_logits: 1 is not true or false"),
+    ],
+)
+def test_a_qwen3_moes_own_keys_are_checked(tmp_path, edit, message):
+    shutil.copytree(FIXTURES / "qwen3-moe", tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(_config("qwen3-moe") | edit))
+    with pytest.raises(CheckpointError, match=message) as error:
+        from_pretrained(tmp_path / "m")
+    assert f"{tmp_path / 'm'}/config.json" in str(error.value)

@@ -211,6 +211,11 @@ def read_config(hf: Any, file: str, model_type: str) -> HFConfig:
             f"{file}: mlp_only_layers: {_show(own['mlp_only_layers'])} are not all layer "
             f"indices in 0..{layers - 1}"
         )
+    if own.get("num_experts_per_tok", 0) > own.get("num_local_experts", 1 << 62):
+        raise CheckpointError(
+            f"{file}: num_experts_per_tok: {own['num_experts_per_tok']} is more than "
+            f"num_local_experts {own['num_local_experts']}"
+        )
     if "output_router_logits" in own and not own["output_router_logits"]:
         own["router_aux_loss_coef"] = 0.0
     theta, scaling = _rope(hf, v, file)
