@@ -92,5 +92,5 @@ def test_the_fine_tuning_walkthrough_runs_as_written(tmp_path, monkeypatch, caps
     adapter = json.loads((tmp_path / "tiny-llama-lora" / "adapter_config.json").read_text())
     assert adapter["r"] == 8 and adapter["base_model_name_or_path"] == "tiny-llama"
     merged = json.loads((tmp_path / "tiny-llama-merged" / "config.json").read_text())
-    assert merged["torch_dtype"] == "bfloat16"
+    assert merged["dtype"] == "bfloat16" and "torch_dtype" not in merged
     assert (tmp_path / "tiny-llama-merged" / "tokenizer.json").is_file()

@@ -218,7 +218,7 @@ def test_merged_export_loads_back_with_the_trained_logits(root, lora_run):
     assert status == 0 and "from step 2" in said
     files = CheckpointFiles(root / "half")
     assert {info.dtype for info in files.tensors.values()} == {"BF16"}
-    assert json.loads((root / "half" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((root / "half" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_adapter_export_is_pefts_layout_and_merges_to_the_merged_export(root, lora_run):

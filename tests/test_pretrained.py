@@ -4,6 +4,7 @@ jax-ml/bonsai's Qwen3 and Llama 3.2 (vendored in tests/outside/) and a float64 n
 written from transformers' formulas (tests/hf_reference.py)."""
 
 import json
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.models import from_pretrained, save_pretrained
+from mmnnx.models import from_pretrained, pretrained_config, save_pretrained
 from mmnnx.models.pretrained import CheckpointError
 from mmnnx.models.pretrained.files import CheckpointFiles
 from tests.hf_checkpoints import write_checkpoint
@@ -117,8 +118,15 @@ def test_load_then_save_is_bit_exact(checkpoints, tmp_path, dtype):
         assert after.tensors[name].dtype == info.dtype
         np.testing.assert_array_equal(after.read(name), before.read(name))
     config = json.loads((out / "config.json").read_text())
-    original = json.loads((source / "config.json").read_text())
-    assert {k: config[k] for k in original} == original
+    original = json.loads((source / "config.json").read_text())  # transformers 4's keys
+    old = {"torch_dtype", "rope_theta", "rope_scaling"}  # written as transformers 5 writes them
+    assert {k: config[k] for k in original if k not in old} == {
+        k: v for k, v in original.items() if k not in old
+    }
+    assert not old & set(config)
+    assert config["dtype"] == original["torch_dtype"] == dtype
+    rope = {"rope_theta": original["rope_theta"], "rope_type": "default"}
+    assert config["rope_parameters"] == rope
     assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
     again = from_pretrained(out)
     _close(again(jnp.asarray(TOKENS)), reference_logits(source, TOKENS))
@@ -165,7 +173,7 @@ def _edit(source, tmp_path, *, config=None, drop=None, add=None, change=None):
         (dict(config={"mlp_bias": True}), "mlp_bias=True is not supported"),
         (
             dict(config={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
-            "rope_scaling of type 'yarn'",
+            """rope_scaling: rope_type "yarn" is not supported""",
         ),
         (
             dict(drop="model.layers.2.mlp.up_proj.weight"),
@@ -238,3 +246,135 @@ def test_a_save_failing_as_it_renames_into_place_keeps_the_earlier_one(
         save_pretrained(model, out, dtype=jnp.bfloat16, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging, no old copy
+
+
+FIXTURE = pathlib.Path(__file__).parent / "transformers_fixtures" / "llama"  # transformers 5's
+SCALED = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+def _llama(tmp_path, edit=None, *, raw=None, file="config.json"):
+    """The transformers 5 Llama fixture with ``edit`` merged into its ``config.json`` (a key
+    mapped to ``None`` removed), or ``raw`` text as ``file``."""
+    import shutil
+
+    target = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE, target)
+    if raw is not None:
+        (target / file).write_text(raw)
+    if edit is not None:
+        hf = json.loads((target / "config.json").read_text()) | edit
+        (target / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v != ...}))
+    return target
+
+
+@pytest.mark.parametrize(
+    "edit, raw, message",
+    [
+        (
+            {"hidden_size": "32"},
+            None,
+            r'config\.json \(LlamaForCausalLM\): hidden_size: "32" is not an int >= 1',
+        ),
+        ({"hidden_size": -32}, None, "hidden_size: -32 is not an int >= 1"),
+        ({"hidden_size": 32.0}, None, "hidden_size: 32.0 is not an int >= 1"),
+        ({"rms_norm_eps": "abc"}, None, 'rms_norm_eps: "abc" is not a finite number > 0'),
+        ({"num_key_value_heads": 0}, None, "num_key_value_heads: 0 is not an int >= 1"),
+        (
+            {"num_key_value_heads": 3},
+            None,
+            "num_attention_heads: 4 is not a multiple of num_key_value_heads 3",
+        ),
+        ({"max_position_embeddings": 0}, None, "max_position_embeddings: 0 is not an int >= 1"),
+        ({"tie_word_embeddings": "no"}, None, 'tie_word_embeddings: "no" is not true or false'),
+        ({"dtype": "float99"}, None, 'dtype: "float99" is not one of "float32"'),
+        ({"torch_dtype": 32, "dtype": ...}, None, "torch_dtype: 32 is not one of"),
+        ({"rope_scaling": "abc"}, None, 'rope_scaling: "abc" is not an object'),
+        ({"rope_parameters": ["abc"]}, None, 'rope_parameters: \\["abc"\\] is not an object'),
+        (
+            {"rope_parameters": SCALED},
+            None,
+            "rope_parameters: no 'factor' \\(rope_type 'llama3' needs it\\)",
+        ),
+        ({"rope_scaling": SCALED}, None, "rope_scaling: no 'factor'"),
+        ({"rope_parameters": SCALED | {"factor": "8"}}, None, 'rope_parameters.factor: "8" is not'),
+        (
+            {"rope_parameters": SCALED | {"factor": 8, "high_freq_factor": 0.5}},
+            None,
+            "high_freq_factor: 0.5 is not greater than low_freq_factor",
+        ),
+        (
+            {"rope_parameters": {"rope_theta": -1}},
+            None,
+            "rope_parameters.rope_theta: -1 is not a finite number > 0",
+        ),
+        (
+            {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+            None,
+            "partial_rotary_factor: 0.5 is not supported",
+        ),
+        ({"layer_types": ["full_attention"]}, None, "layer_types: 1 entries, not one per layer"),
+        (
+            {"layer_types": "full_attention"},
+            None,
+            'layer_types: "full_attention" is not a list of strings',
+        ),
+        (
+            {"layer_types": ["full_attention", "sliding_attention"]},
+            None,
+            "layer_types=.* is not supported",
+        ),
+        (
+            {"architectures": "LlamaForCausalLM"},
+            None,
+            'architectures: "LlamaForCausalLM" is not a list of strings',
+        ),
+        ({"attention_bias": "false"}, None, 'attention_bias: "false" is not true or false'),
+        ({"vocab_size": None}, None, "no 'vocab_size'"),
+        (None, "[1, 2]", "config.json: holds a JSON list, not an object of config keys"),
+        (None, "{'hidden_size': 32}", "config.json: not JSON: Expecting property name"),
+        (None, "", "config.json: not JSON: Expecting value"),
+    ],
+)
+def test_config_values_are_checked_before_anything_is_built(tmp_path, edit, raw, message):
+    path = _llama(tmp_path, edit, raw=raw)
+    with pytest.raises(CheckpointError, match=message) as error:
+        from_pretrained(path, tasks=_tasks(2))
+    assert f"{path}/config.json" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(CheckpointError, match=message):
+        pretrained_config(path)
+
+
+def test_an_index_that_is_not_json(tmp_path):
+    path = _llama(tmp_path, raw="weight_map = {}", file="model.safetensors.index.json")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: not JSON") as error:
+        from_pretrained(path)
+    assert str(path) in str(error.value)
+
+
+def test_integer_weights_and_wrong_shapes_name_the_tensor_and_file(tmp_path):
+    from mmnnx.models.pretrained.files import write_shards
+
+    path = _llama(tmp_path)
+    files = CheckpointFiles(path)
+    tensors = {n: files.read(n) for n in files.tensors}
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name] = tensors[name].astype(np.int32)
+    write_shards(path, tensors)
+    with pytest.raises(CheckpointError, match=f"{path}/model.safetensors: tensor '{name}' is "
+                       r"stored as I32 \(int32\), not floating point, and cannot fill Variable "
+                       r"'blocks/1/mlp/up/kernel' of GPT \(float32\)"):  # fmt: skip
+        from_pretrained(path)
+    tensors[name] = np.zeros((40, 32), np.float32)  # stored (out, in): (48, 32) expected
+    write_shards(path, tensors)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has shape \(40, 32\), not "
+                       r"\(48, 32\), the shape that fills Variable 'blocks/1/mlp/up/kernel' of "
+                       r"GPT \(shape \(32, 48\)\)"):  # fmt: skip
+        from_pretrained(path)
+
+
+def test_save_pretrained_names_a_dtype_that_is_none(tmp_path):
+    model = from_pretrained(FIXTURE)
+    message = "dtype 'float99' is not a dtype; Hugging Face checkpoints are written in float32"
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'out'}: {message}"):
+        save_pretrained(model, tmp_path / "out", dtype="float99")
+    assert not list(tmp_path.iterdir())

@@ -150,8 +150,13 @@ def test_load_then_save_is_bit_exact(checkpoints, tmp_path, dtype):
         assert after.tensors[name].dtype == info.dtype
         np.testing.assert_array_equal(after.read(name), before.read(name))
     config = json.loads((out / "config.json").read_text())
-    original = json.loads((source / "config.json").read_text())
-    assert {k: config[k] for k in original} == original
+    original = json.loads((source / "config.json").read_text())  # transformers 4's keys
+    renamed = {"torch_dtype": "dtype", "num_experts": "num_local_experts"}
+    rope = {"rope_theta": original.pop("rope_theta"), "rope_type": "default"}
+    assert original.pop("rope_scaling") is None
+    assert {renamed.get(k, k): v for k, v in original.items()} | {"rope_parameters": rope} == config
+    assert original["output_router_logits"] is False  # so no load-balancing loss in training
+    assert from_pretrained(out).config.router_aux_loss_coef == 0
 
 
 def test_a_model_not_loaded_is_written_with_qwen3_moe_keys(checkpoints, tmp_path):
@@ -160,9 +165,10 @@ def test_a_model_not_loaded_is_written_with_qwen3_moe_keys(checkpoints, tmp_path
     out = save_pretrained(model, tmp_path / "m", architecture=MOE)
     hf = json.loads((out / "config.json").read_text())
     assert hf["architectures"] == [MOE] and hf["model_type"] == "qwen3_moe"
-    want = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    want = dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[],
-                router_aux_loss_coef=0.001, intermediate_size=128)  # fmt: skip
+                router_aux_loss_coef=0.0, output_router_logits=False,
+                intermediate_size=128)  # fmt: skip
     assert {k: hf[k] for k in want} == want
     assert from_pretrained(out, max_seq_len=16).config == model.config
     before, after = CheckpointFiles(checkpoints["step2"]), CheckpointFiles(out)
@@ -242,7 +248,9 @@ def test_init_from_a_qwen3_moe_with_lora_trains_and_exports_qwen3_moe_names(tmp_
         assert main(["export", "--run", str(run), "--output", str(out)]) == 0
     before, after = CheckpointFiles(source), CheckpointFiles(out)
     assert sorted(after.tensors) == sorted(before.tensors)  # Qwen3-MoE's names, every one
-    assert json.loads((out / "config.json").read_text())["architectures"] == [MOE]
+    exported, hf = (json.loads((d / "config.json").read_text()) for d in (out, source))
+    assert exported["architectures"] == [MOE]
+    assert exported["max_position_embeddings"] == hf["max_position_embeddings"]  # not --seq-len
     adapted = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     for name in before.tensors:  # LoRA merged where adapted, the rest frozen
         changed = not np.array_equal(after.read(name), before.read(name))

@@ -39,7 +39,9 @@ from mmnnx.models.pretrained.files import (
     TORCH_DTYPES,
     CheckpointError,
     CheckpointFiles,
+    read_json,
 )
+from mmnnx.models.pretrained.hf_config import written
 from mmnnx.models.pretrained.load import load_into
 from mmnnx.models.pretrained.names import TensorRule
 from mmnnx.models.pretrained.save import (
@@ -103,10 +105,7 @@ class Pretrained:
         if not directory.is_dir():
             raise CheckpointError(f"{directory}: no such checkpoint directory")
         file = directory / CONFIG
-        try:
-            hf = json.loads(file.read_text()) if file.exists() else None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{file}: cannot be read: {e}") from None
+        hf = read_json(file) if file.exists() else None
         family = family_of(hf, directory)
         return cls(
             architecture=family.architecture, config_json=json.dumps(hf), directory=str(directory)
@@ -255,8 +254,7 @@ def save_pretrained(
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     hf = pretrained.config if pretrained else {}
     torch_dtype = torch_dtype_of(dtype)
-    config = {**family.hf_config(model.config, torch_dtype), **_kept(hf, family)}
-    config["torch_dtype"] = torch_dtype
+    config = written(family.hf_config(model.config, torch_dtype), hf, _sizes(family))
     extra = []
     if pretrained and (pathlib.Path(pretrained.directory) / TOKENIZER).exists():
         extra.append(pathlib.Path(pretrained.directory) / TOKENIZER)
@@ -284,8 +282,9 @@ def save_adapter(
     """Writes the LoRA adapters of ``model`` (``mmnnx.modules.add_lora``) alone, in PEFT's
     layout: ``adapter_model.safetensors`` (``base_model.model.<name>.lora_A.weight``
     ``(r, in)`` and ``lora_B.weight`` ``(out, r)``) and ``adapter_config.json`` (``r``,
-    ``lora_alpha``, ``target_modules``, ``base_model_name_or_path``: the directory the model
-    was loaded from). ``dtype`` and ``architecture`` as :func:`save_pretrained`.
+    ``lora_alpha``, ``target_modules`` (and ``target_parameters``: ``adapters.peft_targets``),
+    ``base_model_name_or_path``: the directory the model was loaded from). ``dtype`` and
+    ``architecture`` as :func:`save_pretrained`.
 
     Example:
         >>> import tempfile
@@ -327,15 +326,21 @@ def _origin(
         raise CheckpointError(f"{path}: a {name} checkpoint cannot hold {' and '.join(blockers)}")
     if dtype is None:
         hf = pretrained.config if pretrained else {}
-        dtype = hf.get("torch_dtype", hf.get("dtype", "float32"))
+        dtype = hf.get("dtype", hf.get("torch_dtype", "float32"))
         dtype = dtype if dtype in TORCH_DTYPES else "float32"
-    return pretrained, family, np.dtype(jnp.dtype(dtype))
+    try:
+        return pretrained, family, np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        raise CheckpointError(
+            f"{path}: dtype {dtype!r} is not a dtype; Hugging Face checkpoints are written "
+            f"in {', '.join(TORCH_DTYPES)}"
+        ) from None
 
 
-def _kept(hf: dict[str, Any], family: Family) -> dict[str, Any]:
-    """The keys of a loaded ``config.json`` written back as they were (token ids, names); its
-    sizes (the family's own keys among them) are written from the model."""
-    sizes = {
+def _sizes(family: Family) -> set[str]:
+    """The keys of a loaded ``config.json`` written from the model (its sizes, the family's own
+    keys among them); the others are written back as they were (token ids, names)."""
+    return {
         "vocab_size",
         "hidden_size",
         "num_hidden_layers",
@@ -344,8 +349,8 @@ def _kept(hf: dict[str, Any], family: Family) -> dict[str, Any]:
         "head_dim",
         "intermediate_size",
         "tie_word_embeddings",
+        "layer_types",
     } | {k.key for k in family.config_keys}
-    return {k: v for k, v in hf.items() if k not in sizes and k != "max_position_embeddings"}
 
 
 def load_tensors(

@@ -13,7 +13,7 @@ from flax import nnx
 
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.names import TensorRule, tensors_of
-from mmnnx.models.pretrained.save import Layout, write_checkpoint
+from mmnnx.models.pretrained.save import Layout, model_values, write_checkpoint
 from mmnnx.modules.linear import Linear
 from mmnnx.sharding.arrays import placeholder, processes_of
 from mmnnx.sharding.rules import path_str
@@ -84,6 +84,51 @@ def adapter_rules(rules: tuple[TensorRule, ...]) -> tuple[TensorRule, ...]:
     return tuple(out)
 
 
+EXPERT_MLP = ("gate_proj", "up_proj", "down_proj")
+"""The projections a mixture's experts share their names with (Qwen3-MoE's, transformers 4)."""
+
+
+def peft_targets(
+    adapted: set[str], modules: set[str], *, experts: bool = False
+) -> dict[str, list[str]]:
+    """``adapter_config.json``'s targets for the modules ``adapted`` (transformers 4 names,
+    ``model.layers.0.mlp.up_proj``) among all the ``modules`` of the model: each module name
+    alone (``up_proj``, as PEFT configs usually say) where it adapts every module of that name,
+    else the full names, so PEFT builds adapters for those and no other module.
+
+    With ``experts`` (a Qwen3-MoE: its experts' projections share the dense MLP's names), the
+    dense layers' ``gate_proj`` / ``up_proj`` / ``down_proj`` go to ``target_parameters``
+    (``model.layers.0.mlp.up_proj.weight``): under transformers 5, whose experts are fused
+    parameters, PEFT maps every ``target_modules`` entry ending in those names (a bare name, a
+    full one, or what a regex matches) onto the experts, and drops the dense layers' adapters.
+
+    Example:
+        >>> mods = {f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("up_proj", "gate")}
+        >>> mods |= {"model.layers.1.mlp.experts.0.up_proj"}
+        >>> peft_targets({"model.layers.0.mlp.up_proj", "model.layers.1.mlp.gate",
+        ...               "model.layers.0.mlp.gate"}, mods)
+        {'target_modules': ['gate', 'model.layers.0.mlp.up_proj']}
+        >>> peft_targets({"model.layers.0.mlp.up_proj"}, mods, experts=True)
+        {'target_modules': [], 'target_parameters': ['model.layers.0.mlp.up_proj.weight']}
+    """
+    leaves: dict[str, set[str]] = {}
+    for module in modules | adapted:
+        leaves.setdefault(module.rsplit(".", 1)[-1], set()).add(module)
+    bare, full, parameters = set(), set(), set()
+    for module in adapted:
+        leaf = module.rsplit(".", 1)[-1]
+        if experts and leaf in EXPERT_MLP:
+            parameters.add(f"{module}.weight")
+        elif leaves[leaf] <= adapted:
+            bare.add(leaf)
+        else:
+            full.add(module)
+    out = {"target_modules": sorted(bare) + sorted(full)}
+    if parameters:
+        out["target_parameters"] = sorted(parameters)
+    return out
+
+
 def save_adapter(
     model: Any,
     path: str | os.PathLike,
@@ -109,19 +154,26 @@ def save_adapter(
     ((rank, alpha),) = shapes
     values = {f"{p}/lora/{f}": getattr(m.lora, f)[...] for p, m in layers for f in ("a", "b")}
     lora_rules = adapter_rules(rules)
-    targets = set()
+    adapted_modules = set()
     for variable, value in values.items():
         found = tensors_of(variable, value.shape, lora_rules)
         if found is None:
             raise CheckpointError(f"no PEFT name for the adapter {variable!r}")
-        targets.add(found[0].tensor.split(".")[-3])  # ...{module}.lora_A.weight
+        for name in found[1].values():  # base_model.model.{module}.lora_A.weight
+            adapted_modules.add(name.removeprefix("base_model.model.").rsplit(".", 2)[0])
+    modules = set()
+    for variable, value in model_values(model).items():
+        found = None if "/lora/" in variable else tensors_of(variable, value.shape, rules)
+        if found is not None:
+            modules |= {n.removesuffix(".weight") for n in found[1].values()}
+    experts = any("{expert}" in r.tensor for r in rules)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": 0.0,
-        "target_modules": sorted(targets),
+        **peft_targets(adapted_modules, modules, experts=experts),
         "base_model_name_or_path": base_model,
         "bias": "none",
         "fan_in_fan_out": False,

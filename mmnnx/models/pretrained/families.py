@@ -10,8 +10,8 @@ from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.files import CheckpointError
+from mmnnx.models.pretrained.hf_config import architectures, read_config, rope_parameters, written
 from mmnnx.models.pretrained.names import TensorRule
-from mmnnx.modules.rope import RopeScaling
 
 T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
 
@@ -119,29 +119,27 @@ class Family:
             CheckpointError: a missing key or a setting this family's GPT cannot reproduce.
         """
         file = f"{where}/config.json ({self.architecture})"
+        c = read_config(hf, file, self.model_type)  # checked, both dialects, defaults filled
         _refuse_unsupported(file, hf)
-        heads = _key(hf, "num_attention_heads", file)
-        dim = _key(hf, "hidden_size", file)
-        scaling = hf.get("rope_scaling")
         fields = dict(
-            vocab_size=_key(hf, "vocab_size", file),
-            dim=dim,
-            depth=_key(hf, "num_hidden_layers", file),
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or dim // heads,
+            vocab_size=c.vocab_size,
+            dim=c.hidden_size,
+            depth=c.num_hidden_layers,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
             qk_norm=self.qk_norm,
-            mlp_hidden=_key(hf, "intermediate_size", file),
+            mlp_hidden=c.intermediate_size,
             gated_mlp=True,
             mlp_bias=False,
-            max_seq_len=hf.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_seq_len=c.max_position_embeddings,
+            tie_embeddings=c.tie_word_embeddings,
             norm="rms",
-            norm_eps=float(hf.get("rms_norm_eps") or 1e-6),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rope_scaling=None if scaling is None else _rope_scaling(scaling, file),
+            norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_theta,
+            rope_scaling=c.rope_scaling,
         )
-        fields.update({k.field: k.read(hf, file) for k in self.config_keys})
+        fields.update({k.field: k.read(dict(c.own), file) for k in self.config_keys})
         fields.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return GPTConfig(**fields)
@@ -169,16 +167,15 @@ class Family:
             "max_position_embeddings": config.max_seq_len,
             "tie_word_embeddings": config.tie_embeddings,
             "rms_norm_eps": 1e-6 if config.norm_eps is None else config.norm_eps,
-            "rope_theta": config.rope_theta,
-            "rope_scaling": None
-            if config.rope_scaling is None
-            else dict(rope_type="llama3", **dataclasses.asdict(config.rope_scaling)),
+            "rope_parameters": rope_parameters(config.rope_theta, config.rope_scaling),
             "hidden_act": "silu",
             "attention_bias": False,
-            "torch_dtype": torch_dtype,
+            "dtype": torch_dtype,
         }
+        if self.model_type == "qwen3":  # transformers 5 writes Qwen3's (not Llama's)
+            out["layer_types"] = ["full_attention"] * config.depth
         out.update({k.key: k.write(config) for k in self.config_keys})
-        return out
+        return written(out, None, set())
 
     def cannot_hold(self, config: GPTConfig) -> list[str]:
         """What of ``config`` this family's checkpoints cannot hold (nothing: ``[]``).
@@ -235,7 +232,7 @@ FAMILIES: dict[str, Family] = {
             model_type="qwen3_moe",
             qk_norm=True,
             config_keys=(
-                ConfigKey("num_experts", "experts"),
+                ConfigKey("num_local_experts", "experts"),
                 ConfigKey("num_experts_per_tok", "experts_per_token"),
                 ConfigKey("moe_intermediate_size", "expert_hidden"),
                 ConfigKey("norm_topk_prob", "norm_topk_prob", False),
@@ -263,7 +260,7 @@ def family_of(hf: dict[str, Any] | None, where: Any) -> Family:
     """
     if hf is None:
         raise CheckpointError(f"{where}: no config.json (it names the model's architecture)")
-    names = hf.get("architectures") or []
+    names = architectures(hf, where)
     for name in names:
         if name in FAMILIES:
             return FAMILIES[name]
@@ -271,12 +268,6 @@ def family_of(hf: dict[str, Any] | None, where: Any) -> Family:
         f"{where}/config.json: architecture {', '.join(names) or '(none given)'} is not "
         f"supported; mmnnx builds {', '.join(FAMILIES)}"
     )
-
-
-def _key(hf: dict[str, Any], key: str, file: str) -> Any:
-    if key not in hf:
-        raise CheckpointError(f"{file}: no {key!r}")
-    return hf[key]
 
 
 _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
@@ -298,18 +289,3 @@ def _refuse_unsupported(file: str, hf: dict[str, Any]) -> None:
             raise CheckpointError(
                 f"{file}: {key}={hf[key]!r} is not supported; mmnnx's GPT has {supported}"
             )
-
-
-def _rope_scaling(scaling: dict[str, Any], file: str) -> RopeScaling:
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "llama3":
-        raise CheckpointError(
-            f"{file}: rope_scaling of type {kind!r} is not "
-            "supported; mmnnx reads 'llama3' scaling (Llama 3.1 and later) or none"
-        )
-    return RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )

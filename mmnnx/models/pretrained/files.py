@@ -46,6 +46,32 @@ class CheckpointError(ValueError):
     """A checkpoint directory that does not hold what a model needs; names the file and tensor."""
 
 
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON value in the file ``path``.
+
+    Raises:
+        CheckpointError: the file cannot be read or is not JSON, naming it.
+
+    Example:
+        >>> import tempfile
+        >>> bad = pathlib.Path(tempfile.mkdtemp()) / "config.json"
+        >>> _ = bad.write_text("{'hidden_size': 32}")
+        >>> try:
+        ...     read_json(bad)
+        ... except CheckpointError as e:
+        ...     print(str(e).replace(str(bad), "config.json")[:41])
+        config.json: not JSON: Expecting property
+    """
+    try:
+        text = pathlib.Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot be read: {e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not JSON: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
     """One tensor's file (relative to the directory), shape and safetensors dtype code."""
@@ -80,9 +106,7 @@ class CheckpointFiles:
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: no such checkpoint directory")
         config = self.directory / CONFIG
-        self.config: dict[str, Any] | None = (
-            json.loads(config.read_text()) if config.exists() else None
-        )
+        self.config: dict[str, Any] | None = read_json(config) if config.exists() else None
         self.tensors: dict[str, TensorInfo] = {}
         for file, names in self._files().items():
             with self._opened(file) as f:
@@ -109,11 +133,17 @@ class CheckpointFiles:
         """Each shard file and the tensor names the index puts in it (``None``: all of them)."""
         index = self.directory / INDEX
         if index.exists():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            content = read_json(index)
+            weight_map = content.get("weight_map") if isinstance(content, dict) else None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no 'weight_map' object")
             files: dict[str, list[str]] = {}
             for name, file in weight_map.items():
+                if not isinstance(file, str):
+                    raise CheckpointError(
+                        f"{index}: weight_map: tensor {name!r} is mapped to {file!r}, not a "
+                        "file name"
+                    )
                 files.setdefault(file, []).append(name)
             for file in files:
                 if not (self.directory / file).exists():

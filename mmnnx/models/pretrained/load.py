@@ -64,20 +64,41 @@ def plan_sources(
     for path, source in sources.items():
         want = tuple(variables[path].get_value().shape)
         _check_slots(files, source, want[: len(source.rule.stacked)], model_name)
+        wanted = variables[path].get_value().dtype
         for name in source.tensors.values():
             info = files.tensors[name]
-            files.dtype(name)  # a dtype mmnnx cannot read fails here, before anything moves
+            stored = files.dtype(name)  # a dtype mmnnx cannot read fails here, before anything
+            if _floating(wanted) and not _floating(stored):
+                raise CheckpointError(
+                    f"{where / info.file}: tensor {name!r} is stored as {info.dtype} "
+                    f"({stored.name}), not floating point, and cannot fill Variable {path!r} "
+                    f"of {model_name} ({np.dtype(wanted).name})"
+                )
             try:
                 got = source.stack_shape + source.rule.variable_shape(info.shape)
             except ValueError as e:
                 raise CheckpointError(f"{where / info.file}: {e}") from None
             if got != want:
                 raise CheckpointError(
-                    f"{where / info.file}: tensor {name!r} has shape {info.shape}, which does "
-                    f"not fit Variable {path!r} of {model_name} (shape {want}); does "
-                    "config.json describe these files?"
+                    f"{where / info.file}: tensor {name!r} has shape {info.shape}, not "
+                    f"{_stored_shape(source.rule, want)}, the shape that fills Variable "
+                    f"{path!r} of {model_name} (shape {want}); does config.json describe "
+                    "these files?"
                 )
     return sources
+
+
+def _floating(dtype: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(dtype, np.floating))
+
+
+def _stored_shape(rule: TensorRule, variable_shape: tuple[int, ...]) -> Any:
+    """The shape of one tensor that fills a Variable of ``variable_shape`` through ``rule``
+    (as stored: ``(out, in)`` for a kernel ``(in, out)``), or ``"?"`` through a reshape."""
+    try:
+        return rule.tensor_shape(variable_shape)
+    except ValueError:
+        return "?"
 
 
 def _check_slots(

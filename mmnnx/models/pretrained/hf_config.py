@@ -1,0 +1,380 @@
+"""``config.json`` as transformers 4 and 5 write it, read into one checked form and written as
+transformers 5 writes it.
+
+The two dialects on the Hub: transformers 4 writes top-level ``rope_theta`` and
+``rope_scaling``, ``torch_dtype`` and (Qwen3-MoE) ``num_experts``; transformers 5 writes
+``rope_parameters: {rope_type, rope_theta, factor, ...}``, ``dtype`` and
+``num_local_experts``, and (Qwen3) ``layer_types``. :func:`read_config` reads either into a
+:class:`HFConfig`: every value a family reads checked for type and range first, transformers'
+own defaults where a key is absent, RoPE resolved as transformers resolves it (the
+``rope_parameters`` dict first, a truthy ``rope_scaling`` before it, a top-level
+``rope_theta`` where the dict has none). :func:`written` makes the ``config.json`` that
+``save_pretrained`` writes: transformers 5's keys, the loaded file's other keys kept, no older
+key left beside its replacement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mmnnx.models.pretrained.files import TORCH_DTYPES, CheckpointError
+from mmnnx.modules.rope import RopeScaling
+
+ROPE_TYPES = ("default", "llama3")
+"""The ``rope_type`` values mmnnx computes (as transformers' ``ROPE_INIT_FUNCTIONS`` do)."""
+
+REQUIRED = object()
+"""A default meaning: ``config.json`` must have the key."""
+
+# Keys whose default transformers' config classes set differently per model type (absent key).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "head_dim": None, "num_key_value_heads": None},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32},
+    "qwen3_moe": {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 4},
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
+
+
+def _show(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class _Key:
+    """One ``config.json`` key: its check (``what`` it must be), default and older names."""
+
+    name: str
+    check: Callable[[Any], bool]
+    what: str
+    default: Any = REQUIRED
+    aliases: tuple[str, ...] = ()
+    nullable: bool = False  # ``null`` means None (transformers' ``int | None``), not absent
+
+
+def _int(minimum: int) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: _is_int(v) and v >= minimum), f"an int >= {minimum}"
+
+
+_POSITIVE = (lambda v: _is_number(v) and v > 0), "a finite number > 0"
+_NONNEGATIVE = (lambda v: _is_number(v) and v >= 0), "a finite number >= 0"
+_BOOL = (lambda v: isinstance(v, bool)), "true or false"
+_STR = (lambda v: isinstance(v, str)), "a string"
+_STRS = (
+    lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+    "a list of strings",
+)
+_INTS = (lambda v: isinstance(v, list) and all(_is_int(i) for i in v), "a list of ints")
+_OBJECT = (lambda v: isinstance(v, dict)), "an object"
+_DTYPE = (lambda v: v in TORCH_DTYPES), f"one of {', '.join(map(json.dumps, TORCH_DTYPES))}"
+
+_COMMON = (
+    _Key("vocab_size", *_int(1)),
+    _Key("hidden_size", *_int(1)),
+    _Key("num_hidden_layers", *_int(1)),
+    _Key("num_attention_heads", *_int(1)),
+    _Key("num_key_value_heads", *_int(1), default=None, nullable=True),
+    _Key("head_dim", *_int(2), default=None, nullable=True),
+    _Key("intermediate_size", *_int(1)),
+    _Key("max_position_embeddings", *_int(1), default=2048),
+    _Key("tie_word_embeddings", *_BOOL, default=False),
+    _Key("rms_norm_eps", *_POSITIVE, default=1e-6),
+    _Key("dtype", *_DTYPE, default=None, aliases=("torch_dtype",)),
+    _Key("layer_types", *_STRS, default=None),
+    _Key("hidden_act", *_STR, default="silu"),
+    _Key("attention_bias", *_BOOL, default=False),
+    _Key("mlp_bias", *_BOOL, default=False),
+    _Key("use_sliding_window", *_BOOL, default=False),
+    _Key("rope_theta", *_POSITIVE, default=10000.0),
+    _Key("partial_rotary_factor", *_POSITIVE, default=1.0),
+    _Key("original_max_position_embeddings", *_int(1), default=None),
+)
+_MOE = (  # Qwen3-MoE's own keys, named as transformers 5 writes them
+    _Key("num_local_experts", *_int(1), aliases=("num_experts",)),
+    _Key("num_experts_per_tok", *_int(1)),
+    _Key("moe_intermediate_size", *_int(1)),
+    _Key("norm_topk_prob", *_BOOL, default=False),
+    _Key("decoder_sparse_step", *_int(1), default=1),
+    _Key("mlp_only_layers", *_INTS, default=[]),
+    _Key("router_aux_loss_coef", *_NONNEGATIVE, default=0.001),
+    _Key("output_router_logits", *_BOOL, default=False),
+)
+_OWN: dict[str, tuple[_Key, ...]] = {"qwen3_moe": _MOE}
+
+STALE = {"torch_dtype": "dtype", "rope_theta": "rope_parameters", "rope_scaling": "rope_parameters"}
+"""Older keys and the transformers 5 key that replaces them (``save_pretrained`` drops them)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HFConfig:
+    """A ``config.json`` read and checked (:func:`read_config`): the values a family builds a
+    model from, absent keys at transformers' defaults, RoPE resolved.
+
+    ``head_dim`` and ``num_key_value_heads`` are filled in (``hidden_size //
+    num_attention_heads``, ``num_attention_heads``); ``rope_scaling`` is ``None`` for
+    ``rope_type`` ``"default"``; ``dtype`` is the checkpoint's dtype name (``None``: not
+    given); ``own`` holds the family's own keys (a Qwen3-MoE's, named as transformers 5 names
+    them; ``router_aux_loss_coef`` 0 where ``output_router_logits`` is false, as transformers'
+    loss adds the load-balancing loss only when router logits are output).
+
+    Example:
+        >>> c = read_config({"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+        ...                  "num_attention_heads": 4, "intermediate_size": 64,
+        ...                  "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+        ...                 "c.json", "llama")
+        >>> c.head_dim, c.num_key_value_heads, c.rope_theta, c.rope_scaling
+        (8, 4, 500000.0, None)
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    dtype: str | None
+    layer_types: tuple[str, ...] | None
+    own: Mapping[str, Any]
+
+
+def read_config(hf: Any, file: str, model_type: str) -> HFConfig:
+    """Reads ``hf`` (a parsed ``config.json``, of transformers 4 or 5; ``file`` names it in
+    errors) for a family of ``model_type``; see :class:`HFConfig`.
+
+    Raises:
+        CheckpointError: naming ``file`` and the key: not a JSON object, a required key
+            missing, a value of the wrong type or out of range, a ``rope_type`` other than
+            :data:`ROPE_TYPES` (or a ``partial_rotary_factor`` below 1), ``layer_types`` not
+            one per layer, heads that are not a multiple of the key/value heads.
+
+    Example:
+        >>> try:
+        ...     read_config({"vocab_size": 64, "hidden_size": "32"}, "ckpt/config.json", "llama")
+        ... except CheckpointError as e:
+        ...     print(e)
+        ckpt/config.json: hidden_size: "32" is not an int >= 1
+    """
+    if not isinstance(hf, dict):
+        raise CheckpointError(
+            f"{file}: holds a JSON {type(hf).__name__}, not an object of config keys"
+        )
+    defaults = _DEFAULTS.get(model_type, {})
+    v = {k.name: _value(hf, k, file, defaults) for k in _COMMON}
+    own = {k.name: _value(hf, k, file, defaults) for k in _OWN.get(model_type, ())}
+    heads = v["num_attention_heads"]
+    kv = v["num_key_value_heads"] or heads
+    if heads % kv:
+        raise CheckpointError(
+            f"{file}: num_attention_heads: {heads} is not a multiple of num_key_value_heads {kv}"
+        )
+    head_dim = v["head_dim"]
+    if head_dim is None:
+        if v["hidden_size"] % heads:
+            raise CheckpointError(
+                f"{file}: hidden_size: {v['hidden_size']} is not a multiple of "
+                f"num_attention_heads {heads} (and no head_dim is given)"
+            )
+        head_dim = v["hidden_size"] // heads
+    layers = v["num_hidden_layers"]
+    if v["layer_types"] is not None and len(v["layer_types"]) != layers:
+        raise CheckpointError(
+            f"{file}: layer_types: {len(v['layer_types'])} entries, not one per layer "
+            f"(num_hidden_layers {layers})"
+        )
+    if "mlp_only_layers" in own and not all(0 <= i < layers for i in own["mlp_only_layers"]):
+        raise CheckpointError(
+            f"{file}: mlp_only_layers: {_show(own['mlp_only_layers'])} are not all layer "
+            f"indices in 0..{layers - 1}"
+        )
+    if own.get("num_experts_per_tok", 0) > own.get("num_local_experts", 1 << 62):
+        raise CheckpointError(
+            f"{file}: num_experts_per_tok: {own['num_experts_per_tok']} is more than "
+            f"num_local_experts {own['num_local_experts']}"
+        )
+    if "output_router_logits" in own and not own["output_router_logits"]:
+        own["router_aux_loss_coef"] = 0.0
+    theta, scaling = _rope(hf, v, file)
+    return HFConfig(
+        vocab_size=v["vocab_size"],
+        hidden_size=v["hidden_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        intermediate_size=v["intermediate_size"],
+        max_position_embeddings=v["max_position_embeddings"],
+        tie_word_embeddings=v["tie_word_embeddings"],
+        rms_norm_eps=float(v["rms_norm_eps"]),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        dtype=v["dtype"],
+        layer_types=None if v["layer_types"] is None else tuple(v["layer_types"]),
+        own={k: tuple(x) if isinstance(x, list) else x for k, x in own.items()},
+    )
+
+
+def _value(hf: dict[str, Any], key: _Key, file: str, defaults: Mapping[str, Any]) -> Any:
+    """``key``'s checked value in ``hf`` (its newest name first), or its default; ``null``
+    reads as absent."""
+    for name in (key.name, *key.aliases):
+        value = hf.get(name)
+        if value is None and key.nullable and name in hf:
+            return None
+        if value is not None:
+            if not key.check(value):
+                raise CheckpointError(f"{file}: {name}: {_show(value)} is not {key.what}")
+            return value
+    default = defaults.get(key.name, key.default)
+    if default is REQUIRED:
+        also = "".join(f" (or {a!r})" for a in key.aliases)
+        raise CheckpointError(f"{file}: no {key.name!r}{also}")
+    return default
+
+
+def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, RopeScaling | None]:
+    """RoPE's base and scaling, as transformers' ``convert_rope_params_to_dict`` and
+    ``standardize_rope_params`` resolve them: a truthy ``rope_scaling`` replaces
+    ``rope_parameters``; the dict's ``rope_theta`` and ``partial_rotary_factor`` come before
+    the top-level ones; ``original_max_position_embeddings`` defaults to
+    ``max_position_embeddings`` (a top-level one wins, as transformers does for Phi-3)."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(key) or {}
+    if not _OBJECT[0](params):
+        raise CheckpointError(f"{file}: {key}: {_show(params)} is not {_OBJECT[1]}")
+    nested = [t for t in params if t in (v["layer_types"] or ())]
+    if nested:  # one set of parameters per layer type: every layer here is full attention
+        key, params = f"{key}.{nested[0]}", params[nested[0]] or {}
+        if not _OBJECT[0](params):
+            raise CheckpointError(f"{file}: {key}: {_show(params)} is not {_OBJECT[1]}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(
+            f"{file}: {key}: rope_type {_show(kind)} is not supported; mmnnx computes "
+            f"{' and '.join(map(repr, ROPE_TYPES))} RoPE"
+        )
+
+    def number(name: str, check: tuple[Callable[[Any], bool], str], default: Any) -> Any:
+        value = params.get(name)
+        if value is None:
+            if default is REQUIRED:
+                raise CheckpointError(f"{file}: {key}: no {name!r} (rope_type {kind!r} needs it)")
+            return default
+        if not check[0](value):
+            raise CheckpointError(f"{file}: {key}.{name}: {_show(value)} is not {check[1]}")
+        return value
+
+    theta = float(number("rope_theta", _POSITIVE, v["rope_theta"]))
+    partial = number("partial_rotary_factor", _POSITIVE, v["partial_rotary_factor"])
+    if partial != 1:
+        raise CheckpointError(
+            f"{file}: partial_rotary_factor: {_show(partial)} is not supported; mmnnx rotates "
+            "the whole head (1.0)"
+        )
+    if kind == "default":
+        return theta, None
+    original = v["original_max_position_embeddings"] or number(
+        "original_max_position_embeddings", _int(1), v["max_position_embeddings"]
+    )
+    low = float(number("low_freq_factor", _POSITIVE, REQUIRED))
+    high = float(number("high_freq_factor", _POSITIVE, REQUIRED))
+    if high <= low:
+        raise CheckpointError(
+            f"{file}: {key}.high_freq_factor: {_show(high)} is not greater than "
+            f"low_freq_factor {_show(low)}"
+        )
+    return theta, RopeScaling(
+        factor=float(number("factor", _POSITIVE, REQUIRED)),
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=original,
+    )
+
+
+def rope_parameters(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
+    """``rope_parameters`` as transformers 5 writes it.
+
+    Example:
+        >>> rope_parameters(1e6, None)
+        {'rope_theta': 1000000.0, 'rope_type': 'default'}
+    """
+    out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": "default"}
+    if scaling is not None:
+        out.update(rope_type="llama3", **dataclasses.asdict(scaling))
+    return dict(sorted(out.items()))
+
+
+def architectures(hf: Any, where: Any) -> list[str]:
+    """``config.json``'s ``architectures``, checked (``[]`` when absent).
+
+    Example:
+        >>> architectures({"architectures": ["LlamaForCausalLM"]}, "ckpt")
+        ['LlamaForCausalLM']
+    """
+    file = f"{where}/config.json"
+    if not isinstance(hf, dict):
+        raise CheckpointError(
+            f"{file}: holds a JSON {type(hf).__name__}, not an object of config keys"
+        )
+    names = hf.get("architectures") or []
+    if not _STRS[0](names):
+        raise CheckpointError(f"{file}: architectures: {_show(names)} is not {_STRS[1]}")
+    return names
+
+
+def written(
+    fresh: Mapping[str, Any], loaded: Mapping[str, Any] | None, sizes: set[str]
+) -> dict[str, Any]:
+    """The ``config.json`` ``save_pretrained`` writes: ``fresh`` (the keys written from the
+    model, in transformers 5's names) over the ``loaded`` file's other keys, except its
+    ``sizes`` (written from the model) and the older keys that ``fresh`` replaces
+    (:data:`STALE`, ``num_experts``); ``max_position_embeddings`` stays the loaded file's
+    (a model loaded with a shorter ``max_seq_len`` still has the checkpoint's context). A
+    Qwen3-MoE's ``output_router_logits`` follows its ``router_aux_loss_coef`` (a coefficient of
+    0 keeps the loaded file's, unused). Keys sorted, as transformers writes them.
+
+    Example:
+        >>> old = {"rope_theta": 1e4, "torch_dtype": "float32", "bos_token_id": 1,
+        ...        "hidden_size": 64}
+        >>> fresh = {"hidden_size": 32, "dtype": "bfloat16",
+        ...          "rope_parameters": rope_parameters(5e5, None)}
+        >>> out = written(fresh, old, {"hidden_size"})
+        >>> sorted(out), out["rope_parameters"]["rope_theta"]
+        (['bos_token_id', 'dtype', 'hidden_size', 'rope_parameters'], 500000.0)
+    """
+    loaded = dict(loaded or {})
+    stale = set(STALE) | {a for keys in _OWN.values() for k in keys for a in k.aliases}
+    kept = {k: x for k, x in loaded.items() if k not in sizes and k not in stale}
+    out = {**kept, **fresh}
+    if isinstance(loaded.get("max_position_embeddings"), int):
+        out["max_position_embeddings"] = loaded["max_position_embeddings"]
+    if "router_aux_loss_coef" in fresh:
+        coef = fresh["router_aux_loss_coef"]
+        out["output_router_logits"] = coef > 0
+        if coef == 0:
+            out["router_aux_loss_coef"] = loaded.get("router_aux_loss_coef", 0.0)
+    return dict(sorted(out.items()))

@@ -1,0 +1,278 @@
+"""Checkpoints written by transformers 5's own ``save_pretrained`` (tests/transformers_fixtures/,
+made by its make_fixtures.py with CPU torch): mmnnx's logits equal transformers' on one device
+and on two pipeline stages, what ``save_pretrained`` writes is what transformers 5 wrote, and
+what transformers 5 read back from mmnnx's files (its verdict, kept by check_saves.py)."""
+
+import json
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mmnnx as mm
+from mmnnx.models import from_pretrained, pretrained_config, save_pretrained
+from mmnnx.models.pretrained import CheckpointError
+from tests.hf_checkpoints import write_checkpoint
+
+FIXTURES = pathlib.Path(__file__).parent / "transformers_fixtures"
+NAMES = ("llama", "llama3-scaled", "qwen3", "qwen3-moe")
+TOKENS = np.array(json.loads((FIXTURES / "versions.json").read_text())["tokens"], np.int32)
+F32 = 1e-5  # relative to the largest logit
+
+
+def _tasks(n):
+    per = 8 // n
+    return [
+        mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=range(per * i, per * (i + 1)))) for i in range(n)
+    ]
+
+
+def relative_error(ours, theirs):
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    assert ours.shape == theirs.shape
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+
+
+def _config(name):
+    return json.loads((FIXTURES / name / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_equal_transformers_on_one_device_and_two_stages(name):
+    path = FIXTURES / name
+    theirs = np.load(path / "logits.npy")
+    one = from_pretrained(path)
+    assert relative_error(one(jnp.asarray(TOKENS)), theirs) < F32
+    staged = from_pretrained(path, tasks=_tasks(2))
+    assert {mm.task_of(staged.embed.embedding).name, mm.task_of(staged.norm.scale).name} == {
+        "s0",
+        "s1",
+    }
+    logits = mm.jit(lambda m, t: m(t))(staged, jnp.asarray(TOKENS))
+    assert relative_error(logits, theirs) < F32
+
+
+def test_what_was_read():
+    c = {name: pretrained_config(FIXTURES / name) for name in NAMES}
+    assert [c[n].rope_theta for n in NAMES] == [5e5, 5e5, 1e6, 1e6]
+    assert [c[n].rope_scaling is not None for n in NAMES] == [False, True, False, False]
+    assert c["llama3-scaled"].rope_scaling.original_max_position_embeddings == 64
+    moe = c["qwen3-moe"]
+    assert (moe.experts, moe.experts_per_token, moe.dense_layers) == (4, 2, (0,))
+    assert moe.router_aux_loss_coef == 0  # output_router_logits false: no load-balancing loss
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_the_rope_settings_matter_here(tmp_path, name):
+    """What reading no ``rope_parameters`` (theta 10,000, transformers 4's keys) would give."""
+    edited = tmp_path / name
+    shutil.copytree(FIXTURES / name, edited)
+    hf = _config(name)
+    del hf["rope_parameters"]
+    (edited / "config.json").write_text(json.dumps(hf))
+    theirs = np.load(FIXTURES / name / "logits.npy")
+    assert relative_error(from_pretrained(edited)(jnp.asarray(TOKENS)), theirs) > 100 * F32
+
+
+def test_transformers_4_keys_read_the_same(tmp_path):
+    """The scaled Llama's config in transformers 4's dialect gives the same model."""
+    hf = _config("llama3-scaled")
+    rope = hf.pop("rope_parameters")
+    hf |= {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "torch_dtype": "float32"}
+    del hf["dtype"]
+    edited = tmp_path / "v4"
+    shutil.copytree(FIXTURES / "llama3-scaled", edited)
+    (edited / "config.json").write_text(json.dumps(hf))
+    assert pretrained_config(edited) == pretrained_config(FIXTURES / "llama3-scaled")
+    hf = _config("qwen3-moe")
+    hf["num_experts"] = hf.pop("num_local_experts")
+    shutil.copytree(FIXTURES / "qwen3-moe", tmp_path / "moe")
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(hf))
+    assert pretrained_config(tmp_path / "moe") == pretrained_config(FIXTURES / "qwen3-moe")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_loaded_model_is_written_back_as_transformers_wrote_it(tmp_path, name):
+    model = from_pretrained(FIXTURES / name, tasks=_tasks(2), max_seq_len=32)
+    same = save_pretrained(model, tmp_path / "same")
+    assert json.loads((same / "config.json").read_text()) == _config(name)
+    half = save_pretrained(model, tmp_path / "half", dtype=jnp.bfloat16)
+    written = json.loads((half / "config.json").read_text())
+    assert written == _config(name) | {"dtype": "bfloat16"}
+
+
+def _verdict():
+    return json.loads((FIXTURES / "verdict.json").read_text())
+
+
+def test_transformers_reads_what_save_pretrained_writes(tmp_path):
+    """check_saves.py loaded these configs (written by ``save_saves``) in transformers 5: the
+    dtype and RoPE it read, and its logits from mmnnx's files against its own."""
+    verdict = _verdict()
+    written = save_saves(tmp_path)
+    assert sorted(verdict["cases"]) == sorted(written)
+    for case, seen in verdict["cases"].items():
+        config = json.loads((written[case] / "config.json").read_text())
+        assert config == seen["config"], case  # what transformers read is what is written now
+        assert seen["dtype"] == config["dtype"], case
+        assert seen["rope_parameters"] == config["rope_parameters"], case
+        assert seen["logits_error"] < F32, case  # transformers: the same model
+        assert not {"torch_dtype", "rope_theta", "rope_scaling", "num_experts"} & set(config)
+
+
+def save_saves(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The checkpoints check_saves.py gives transformers 5: each fixture loaded and re-saved in
+    bfloat16, a transformers 4 checkpoint with llama3 scaling (tests/hf_checkpoints.py) and a
+    Qwen3-MoE re-saved, and a model not loaded from any; beside each, ``<case>.npy``: mmnnx's
+    logits for :data:`TOKENS` from the files it wrote."""
+    from flax import nnx
+
+    from mmnnx.models import GPT, GPTConfig
+
+    out = {}
+    for name in NAMES:
+        model = from_pretrained(FIXTURES / name)
+        out[f"{name}-bf16"] = save_pretrained(model, root / f"{name}-bf16", dtype=jnp.bfloat16)
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)  # fmt: skip
+    v4 = write_checkpoint(root / "sources" / "llama3", rope_scaling=scaling, shards=1)
+    out["v4-llama3"] = save_pretrained(from_pretrained(v4, max_seq_len=16), root / "v4-llama3")
+    v4moe = write_checkpoint(root / "sources" / "moe", architecture="Qwen3MoeForCausalLM")
+    out["v4-moe"] = save_pretrained(from_pretrained(v4moe), root / "v4-moe")
+    config = GPTConfig(vocab_size=128, dim=32, depth=2, num_heads=4, num_kv_heads=2,
+                       head_dim=16, gated_mlp=True, mlp_bias=False, mlp_hidden=48,
+                       qk_norm=True, rope_theta=1e6, norm_eps=1e-5, max_seq_len=64)  # fmt: skip
+    with nnx.use_eager_sharding(False):
+        fresh = GPT(config, rngs=nnx.Rngs(0))
+    qwen3 = "Qwen3ForCausalLM"
+    out["fresh-qwen3"] = save_pretrained(fresh, root / "fresh-qwen3", architecture=qwen3)
+    for case, path in out.items():  # mmnnx's logits from the files it wrote
+        np.save(root / f"{case}.npy", np.asarray(from_pretrained(path)(jnp.asarray(TOKENS))))
+    return out
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, 'rope_type "yarn"'),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, 'rope_type "linear"'),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 'rope_type "dynamic"'),
+        ({"rope_parameters": {"type": "longrope"}}, 'rope_type "longrope"'),
+    ],
+)
+def test_rope_types_mmnnx_does_not_compute_are_refused(tmp_path, edit, message):
+    shutil.copytree(FIXTURES / "llama", tmp_path / "c")
+    (tmp_path / "c" / "config.json").write_text(json.dumps(_config("llama") | edit))
+    with pytest.raises(CheckpointError, match=message) as error:
+        from_pretrained(tmp_path / "c")
+    text = str(error.value)
+    assert f"{tmp_path / 'c'}/config.json" in text and "rope_parameters: " in text
+    assert "\n" not in text
+
+
+def test_the_moe_loss_follows_output_router_logits_as_transformers(tmp_path):
+    """transformers adds ``router_aux_loss_coef`` times the load-balancing loss only when router
+    logits are output (false in the checkpoint, its default): so does ``GPT.loss``, and the
+    term equals transformers' ``aux_loss``."""
+    theirs = json.loads((FIXTURES / "qwen3-moe" / "loss.json").read_text())
+    assert not theirs["output_router_logits"] and not theirs["loss_by_default_has_aux"]
+    plain = float(from_pretrained(FIXTURES / "qwen3-moe").loss(jnp.asarray(TOKENS)))
+    np.testing.assert_allclose(plain, theirs["cross_entropy"], rtol=F32)
+    path = tmp_path / "moe"
+    shutil.copytree(FIXTURES / "qwen3-moe", path)
+    hf = _config("qwen3-moe") | {"output_router_logits": True}
+    (path / "config.json").write_text(json.dumps(hf))
+    model = from_pretrained(path)
+    assert model.config.router_aux_loss_coef == hf["router_aux_loss_coef"] == 0.001
+    aux = (float(model.loss(jnp.asarray(TOKENS))) - plain) / hf["router_aux_loss_coef"]
+    np.testing.assert_allclose(aux, theirs["aux_loss"], rtol=1e-3)  # float32 cancellation
+
+
+def test_peft_loads_every_adapter_and_gives_the_merged_logits(tmp_path):
+    """check_adapters.py loaded these adapters (written by ``save_adapters``) with PEFT onto
+    transformers 5: every tensor of the file in the model, none made up, logits equal to
+    mmnnx's merged export; a Qwen3-MoE's dense layer's MLP through ``target_parameters``."""
+    verdict = json.loads((FIXTURES / "adapters_verdict.json").read_text())
+    written = save_adapters(tmp_path)
+    assert sorted(verdict["cases"]) == sorted(NAMES)
+    for name, seen in verdict["cases"].items():
+        config = json.loads((written[f"{name}-adapter"] / "adapter_config.json").read_text())
+        assert config["target_modules"] == seen["target_modules"], name
+        assert config.get("target_parameters") == seen.get("target_parameters"), name
+        assert seen["loaded"] == seen["adapter_tensors"] > 0, name
+        assert seen["not_loaded"] == seen["lora_tensors_not_in_file"] == [], name
+        assert seen["peft_logits_error"] < F32 and seen["merged_logits_error"] < F32, name
+        merged = np.load(tmp_path / f"{name}-merged.npy")  # the adapters change the logits
+        assert relative_error(merged, np.load(FIXTURES / name / "logits.npy")) > 100 * F32
+    moe = verdict["cases"]["qwen3-moe"]
+    assert moe["target_parameters"] == [
+        f"model.layers.0.mlp.{p}_proj.weight" for p in ("down", "gate", "up")
+    ]
+    assert moe["adapter_tensors"] == 2 * (2 * 4 + 1) + 2 * 3  # attention, router, dense MLP
+
+
+def save_adapters(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The adapters check_adapters.py gives PEFT: each fixture with LoRA on every ``Linear``
+    ``add_lora`` adapts by default (plus the router for the Qwen3-MoE), its ``b`` factors
+    random (trained adapters, not zeros), written as PEFT's adapter (``<case>-adapter``,
+    ``base_model_name_or_path`` the fixture) and merged (``<case>-merged``), with mmnnx's
+    logits of the merged model as ``<case>-merged.npy``."""
+    import jax
+    from flax import nnx
+
+    from mmnnx.models import save_adapter
+    from mmnnx.modules import add_lora
+
+    out = {}
+    for name in NAMES:
+        model = from_pretrained(FIXTURES / name)
+        targets = ("q", "k", "v", "out", "gate", "up", "down")
+        model = add_lora(
+            model, rank=2, alpha=4, targets=targets + (("router",) if "moe" in name else ())
+        )
+        keys = iter(jax.random.split(jax.random.key(1), 1000))
+        for _, lora in nnx.iter_graph(model):
+            if hasattr(lora, "b") and hasattr(lora, "a") and hasattr(lora, "rank"):
+                lora.b[...] = 0.1 * jax.random.normal(next(keys), lora.b[...].shape)
+        out[f"{name}-adapter"] = save_adapter(model, root / f"{name}-adapter")
+        merged = save_pretrained(model, root / f"{name}-merged")
+        out[f"{name}-merged"] = merged
+        np.save(
+            root / f"{name}-merged.npy", np.asarray(from_pretrained(merged)(jnp.asarray(TOKENS)))
+        )
+    return out
+
+
+def test_rope_parameters_per_layer_type_read_for_full_attention(tmp_path):
+    hf = _config("qwen3")
+    hf["rope_parameters"] = {"full_attention": hf["rope_parameters"]}
+    shutil.copytree(FIXTURES / "qwen3", tmp_path / "q")
+    (tmp_path / "q" / "config.json").write_text(json.dumps(hf))
+    assert pretrained_config(tmp_path / "q") == pretrained_config(FIXTURES / "qwen3")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"num_local_experts": "4"}, 'num_local_experts: "4" is not an int >= 1'),
+        ({"num_local_experts": None}, "no 'num_local_experts' \\(or 'num_experts'\\)"),
+        ({"num_local_experts": None, "num_experts": 0}, "num_experts: 0 is not an int >= 1"),
+        ({"num_experts_per_tok": 2.5}, "num_experts_per_tok: 2.5 is not an int >= 1"),
+        ({"num_experts_per_tok": 8}, "num_experts_per_tok: 8 is more than num_local_experts 4"),
+        ({"moe_intermediate_size": -1}, "moe_intermediate_size: -1 is not an int >= 1"),
+        ({"norm_topk_prob": "yes"}, 'norm_topk_prob: "yes" is not true or false'),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step: 0 is not an int >= 1"),
+        ({"mlp_only_layers": [2]}, "mlp_only_layers: \\[2\\] are not all layer indices in 0..1"),
+        ({"mlp_only_layers": "0"}, 'mlp_only_layers: "0" is not a list of ints'),
+        ({"router_aux_loss_coef": -0.1}, "router_aux_loss_coef: -0.1 is not a finite number >= 0"),
+        ({"output_router_logits": 1}, "output_router_logits: 1 is not true or false"),
+    ],
+)
+def test_a_qwen3_moes_own_keys_are_checked(tmp_path, edit, message):
+    shutil.copytree(FIXTURES / "qwen3-moe", tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(_config("qwen3-moe") | edit))
+    with pytest.raises(CheckpointError, match=message) as error:
+        from_pretrained(tmp_path / "m")
+    assert f"{tmp_path / 'm'}/config.json" in str(error.value)

@@ -1,0 +1,138 @@
+"""Writes the transformers 5 fixtures: tiny random checkpoints saved by transformers' own
+``save_pretrained`` and transformers' logits for fixed tokens. Not part of the test suite:
+run by hand in a venv with CPU torch, transformers 5 and safetensors (never a dependency of
+mmnnx or its tests):
+
+    /work/oracle/bin/python tests/transformers_fixtures/make_fixtures.py
+
+It rewrites ``tests/transformers_fixtures/<name>/`` (``config.json``, ``model.safetensors``,
+``generation_config.json`` as transformers writes them) and ``<name>/logits.npy``
+(float32, ``(2, 16, vocab)``, for :data:`TOKENS`), plus ``versions.json``. The tests read
+them (tests/test_transformers_fixtures.py).
+"""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import torch
+import transformers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+HERE = pathlib.Path(__file__).parent
+TOKENS = np.array(
+    [[3, 17, 120, 9, 101, 77, 5, 42, 11, 0, 99, 64, 31, 8, 127, 2], list(range(1, 17))],
+    np.int64,
+)
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,  # heads x head_dim != hidden_size, as Qwen3's
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+# Llama 3.1's scaling with a small original context: at 16 positions this head_dim's
+# frequencies fall in all three of its bands (kept, interpolated, divided by the factor).
+LLAMA3 = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
+FIXTURES = {
+    "llama": (LlamaForCausalLM, LlamaConfig(**SMALL, rope_parameters=dict(rope_theta=500000.0))),
+    "llama3-scaled": (
+        LlamaForCausalLM,
+        LlamaConfig(**{**SMALL, "tie_word_embeddings": True}, rope_parameters=LLAMA3),
+    ),
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config(
+            **{**SMALL, "tie_word_embeddings": True}, rope_parameters=dict(rope_theta=1000000.0)
+        ),
+    ),
+    "qwen3-moe": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig(
+            **{k: v for k, v in SMALL.items()},
+            rope_parameters=dict(rope_theta=1000000.0),
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],  # layer 0 dense, layer 1 a mixture of experts
+        ),
+    ),
+}
+
+
+def moe_loss(model) -> dict:
+    """The next-token loss of ``TOKENS`` (inputs all but the last token) as transformers'
+    ``Qwen3MoeForCausalLM`` adds it up: the cross-entropy, and ``router_aux_loss_coef`` times
+    the load-balancing loss (``aux_loss``) only when router logits are output."""
+    inputs, targets = torch.tensor(TOKENS[:, :-1]), torch.tensor(TOKENS[:, 1:])
+    with torch.no_grad():
+        out = model(inputs, output_router_logits=True)
+        ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+        plain = model(inputs, labels=torch.tensor(TOKENS[:, :-1]))  # its own default
+    return {
+        "cross_entropy": float(ce),
+        "aux_loss": float(out.aux_loss),
+        "router_aux_loss_coef": model.config.router_aux_loss_coef,
+        "output_router_logits": model.config.output_router_logits,
+        "loss_by_default_has_aux": plain.aux_loss is not None,
+    }
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    for name, (cls, config) in FIXTURES.items():
+        model = cls(config).float().eval()
+        with torch.no_grad():  # norms near 1, not 1: their weights matter
+            for pname, p in model.named_parameters():
+                if pname.endswith("norm.weight"):
+                    p.copy_(1 + 0.2 * torch.randn_like(p))
+                else:
+                    p.normal_(0, 0.1)
+        out = HERE / name
+        shutil.rmtree(out, ignore_errors=True)
+        model.save_pretrained(out)
+        with torch.no_grad():
+            logits = model(torch.tensor(TOKENS)).logits.float().numpy()
+        np.save(out / "logits.npy", logits)
+        if config.model_type == "qwen3_moe":
+            (out / "loss.json").write_text(json.dumps(moe_loss(model), indent=2) + "\n")
+        # what transformers reads back from its own files
+        again = cls.from_pretrained(out)
+        print(name, "rope_parameters:", again.config.rope_parameters, "dtype:", again.config.dtype)
+        print("  files:", sorted(p.name for p in out.iterdir()))
+    (HERE / "versions.json").write_text(
+        json.dumps(
+            {
+                "transformers": transformers.__version__,
+                "torch": torch.__version__,
+                "tokens": TOKENS.tolist(),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
