@@ -329,13 +329,18 @@ def _edit_config(root, name, **changes):
         ),
         (["--lora-alpha", "4"], "--lora-alpha needs --lora-rank R"),
         (["--lora-targets", "q,v"], "--lora-targets needs --lora-rank R"),
+        (  # found before anything is read but config.json (issue 69 f)
+            ["--lora-rank", "2", "--lora-targets", "q,router"],
+            "--lora-targets router: {root}/llama has no mixture of experts (--experts); its "
+            "projections are q,k,v,out,gate,up,down",
+        ),
     ],
 )
 def test_bad_fine_tuning_flags_exit_2_in_one_line(root, capsys, argv, reason):
     assert main(["train", "--init-from", str(root / "llama"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("mmnnx train: error: "), err
-    assert reason in err, err
+    assert reason.format(root=root) in err, err
 
 
 def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
@@ -411,6 +416,18 @@ def test_a_run_from_scratch_exports_as_llama_when_its_gpt_is_one(tmp_path, capsy
     blockers = "an ungated GELU MLP (LlamaForCausalLM: SiLU-gated) and MLP biases"
     assert f"trained from scratch with {blockers}" in err
     assert "train with --gated-mlp" in err and not (tmp_path / "no").exists()
+
+
+def test_a_run_with_lora_on_the_router_generates(tmp_path, capsys):
+    """Issue 69 (a): ``lora_targets = "q,v,router"`` in config.toml is read as the flag reads
+    it, three names, not each character."""
+    targets = ("q", "v", "router")
+    run, _ = _scratch_run(tmp_path, "moe", experts=4, lora_rank=2, lora_targets=targets)
+    assert 'lora_targets = "q,v,router"' in (run / "config.toml").read_text()
+    model = load_run(run).model
+    assert {str(p[-2]) for p, m in nnx.iter_graph(model) if isinstance(m, LoRA)} == set(targets)
+    argv = ["generate", "--run", str(run), "--prompt", "ab", "--max-new-tokens", "2"]
+    assert main(argv) == 0, capsys.readouterr().err
 
 
 def test_bad_exports_exit_2_in_one_line(root, full_run, capsys):

@@ -205,6 +205,11 @@ def _experts_problem(args: argparse.Namespace) -> str | None:
     every = args.moe_every or GPTConfig.moe_every
     if k > e:
         return f"--experts-per-token {k} is more than --experts {e}: a token picks K of E experts"
+    if args.capacity_factor is not None and args.capacity_factor > e:
+        return (
+            f"--capacity-factor {args.capacity_factor:g} is more than --experts {e}: from "
+            f"{e / k:g} (E / K) on no expert drops a token; leave it out for dropless routing"
+        )
     if e % n:
         return f"--experts {e} is not divisible by --expert-axis {n} (E / N experts per device)"
     if every > args.depth:
@@ -226,13 +231,37 @@ def _experts_problem(args: argparse.Namespace) -> str | None:
 
 
 def _lora_problem(args: argparse.Namespace) -> str | None:
-    """A LoRA option given without ``--lora-rank``, or None."""
+    """A LoRA option given without ``--lora-rank``, or a target of ``--lora-targets`` a model
+    trained from scratch would not have; None when there is none."""
     if args.lora_rank is None:
         options = (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets))
         for flag, value in options:
             if value is not None:
                 return f"{flag} needs --lora-rank R"
+    if args.init_from is None and args.lora_targets:  # --init-from's: see _pretrained
+        from mmnnx.train.config import gpt_config  # noqa: PLC0415
+
+        return _targets_problem(args.lora_targets, gpt_config(vars(args), 256), "the model")
     return None
+
+
+def _targets_problem(targets: tuple[str, ...], config: Any, model: str) -> str | None:
+    """The first of ``targets`` (``--lora-targets``) naming no Linear of ``GPT(config)``
+    (``model``, in words), or None."""
+    from mmnnx.train.run_model import linear_names  # noqa: PLC0415
+
+    have = linear_names(config)
+    missing = [t for t in targets if t not in have]
+    if not missing:
+        return None
+    why = {
+        "router": "no mixture of experts (--experts)",
+        "gate": "no gated MLP (--gated-mlp)",
+    }.get(missing[0], "no such projection")
+    return (
+        f"--lora-targets {missing[0]}: {model} has {why}; its projections are "
+        f"{','.join(t for t in have)}"
+    )
 
 
 def _pretrained(args: argparse.Namespace) -> tuple[str | None, Any]:
@@ -266,6 +295,9 @@ def _pretrained(args: argparse.Namespace) -> tuple[str | None, Any]:
         check_tokenizer(args.init_from, config.vocab_size)
     except CheckpointError as e:
         return f"--init-from: {e}", None
+    problem = _targets_problem(args.lora_targets or (), config, f"{args.init_from}")
+    if problem:
+        return problem, None
     for name, size in (
         ("num_attention_heads", config.num_heads),
         ("num_key_value_heads", config.num_kv_heads or config.num_heads),

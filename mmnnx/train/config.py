@@ -18,6 +18,7 @@ from mmnnx.train.options import (
     finite,
     integer,
     names,
+    nonempty,
     option,
     positive,
     spec,
@@ -324,10 +325,14 @@ class Logging:
         "log the TensorBoard scalars and this run's config to this Weights & Biases project "
         "too (process 0); files under OUTPUT_DIR/wandb unless WANDB_DIR says where; "
         "WANDB_MODE=offline logs without a network; --resume continues the same wandb run",
+        nonempty,
         metavar="PROJECT",
     )
     wandb_name: str | None = option(
-        T.wandb_name, "with --wandb: the run's name (default: OUTPUT_DIR's name)", metavar="NAME"
+        T.wandb_name,
+        "with --wandb: the run's name (default: OUTPUT_DIR's name)",
+        nonempty,
+        metavar="NAME",
     )
 
 

@@ -16,7 +16,7 @@ from mmnnx.models.pretrained import CheckpointError
 from mmnnx.sharding import MultiMesh, Task, logical_rules
 from mmnnx.train.checkpoint import Checkpointer, Skipped
 from mmnnx.train.config import ARCHITECTURE
-from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config, read_toml
+from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config
 from mmnnx.train.run_model import build_model, model_config, run_placement
 from mmnnx.train.run_record import Saved, saved_record
 from mmnnx.train.tokenizers import Tokenizer, fingerprint, load_tokenizer
@@ -44,7 +44,8 @@ class LoadedRun:
 
 
 def read_run_flags(run_dir: str | pathlib.Path) -> dict[str, Any]:
-    """The flags a run recorded in ``run_dir/config.toml``, its tables merged into one dict.
+    """The flags a run recorded in ``run_dir/config.toml``, parsed as its flags would be
+    (``lora_targets = "q,v"`` is ``("q", "v")``), its tables merged into one dict.
 
     Example:
         >>> import tempfile, pathlib
@@ -57,14 +58,9 @@ def read_run_flags(run_dir: str | pathlib.Path) -> dict[str, Any]:
     if not path.is_file():
         raise RunError(f"{path}: no such file; is {run_dir} a directory `mmnnx train` wrote?")
     try:
-        tables = read_toml(path)
+        return read_config(path)
     except ConfigError as e:
         raise RunError(str(e)) from None
-    flags: dict[str, Any] = {}
-    for table in tables.values():
-        if isinstance(table, dict):
-            flags.update(table)
-    return flags
 
 
 def run_tasks(stages: int, data_axis: int, model_axis: int, expert_axis: int = 1) -> list[Task]:

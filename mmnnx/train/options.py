@@ -143,6 +143,20 @@ def names(allowed: Sequence[str]) -> Parse:
     return parse
 
 
+def nonempty(flag: str, text: str) -> str:
+    """``text`` as it is, if it holds more than blanks.
+
+    Example:
+        >>> nonempty("--wandb", " ")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: --wandb must not be empty, got ' '
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{flag} must not be empty, got {text!r}")
+    return text
+
+
 def step_range(flag: str, text: str) -> tuple[int, int]:
     """``A:B`` (or ``A``) as ``(A, B)``, steps with ``1 <= A <= B``: ``10:12`` -> ``(10, 12)``."""
     first, colon, last = text.partition(":")

@@ -13,7 +13,7 @@ from flax import nnx
 from mmnnx.models import GPT, GPTConfig, from_pretrained, pretrained_config
 from mmnnx.models.pretrained import Pretrained
 from mmnnx.models.stages import split_rules, stage_rules
-from mmnnx.modules.lora import add_lora
+from mmnnx.modules.lora import MOE_TARGETS, TARGETS, add_lora
 from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.sharding import Task, init
 from mmnnx.train.config import gpt_config
@@ -41,6 +41,21 @@ def model_config(flags: Mapping[str, Any], vocab_size: int) -> GPTConfig:
         scan_layers=bool(flags.get("scan_layers")),
         max_seq_len=flags.get("seq_len"),
     )
+
+
+def linear_names(config: GPTConfig) -> tuple[str, ...]:
+    """The names of the ``Linear`` layers of ``GPT(config)`` LoRA may adapt (``add_lora``'s
+    targets), in :data:`~mmnnx.modules.lora.TARGETS` order then the router's.
+
+    Example:
+        >>> linear_names(GPTConfig()), linear_names(GPTConfig(gated_mlp=True, experts=4))
+        (('q', 'k', 'v', 'out', 'up', 'down'), ('q', 'k', 'v', 'out', 'router'))
+    """
+    layers = range(config.depth)
+    dense = any(not config.is_moe(i) for i in layers)
+    mlp = (*(("gate",) if config.gated_mlp else ()), "up", "down") if dense else ()
+    have = {"q", "k", "v", "out", *mlp, *(("router",) if config.experts else ())}
+    return tuple(t for t in (*TARGETS, *MOE_TARGETS) if t in have)
 
 
 def run_placement(
