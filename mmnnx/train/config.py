@@ -20,11 +20,13 @@ from mmnnx.train.options import (
     names,
     nonempty,
     option,
+    options_where,
     positive,
     spec,
     split_or,
     step_range,
     switch,
+    table,
     tables,
 )
 
@@ -34,6 +36,12 @@ T, G = TrainConfig, GPTConfig  # whose defaults the options feeding them take
 def count(default: int, help: str, **more) -> Any:
     """An option of an int >= 1, its help ending with its default."""
     return option(default, help + " (%(default)s)", positive, **more)
+
+
+def moe(help: str, parse: Any, metavar: str) -> Any:
+    """An option of a mixture of experts: architecture, ``None`` (the model's default) unless
+    given."""
+    return option(None, help, parse, metavar=metavar, omit=(None,), moe=True, architecture=True)
 
 
 def _schedule_help() -> str:
@@ -56,9 +64,9 @@ def _schedule_help() -> str:
 
 @dataclasses.dataclass
 class Model:
-    dim: int = count(G.dim, "model width")
-    depth: int = count(G.depth, "number of transformer blocks")
-    heads: int = count(G.num_heads, "attention heads", api="num_heads")
+    dim: int = count(G.dim, "model width", architecture=True)
+    depth: int = count(G.depth, "number of transformer blocks", architecture=True)
+    heads: int = count(G.num_heads, "attention heads", api="num_heads", architecture=True)
     scan_layers: bool = switch(
         "--scan-layers",
         "stack the blocks and run them with nnx.scan, each stage scanning its own chunk "
@@ -70,6 +78,7 @@ class Model:
         "--gated-mlp",
         "a SiLU-gated MLP without biases (Llama's and Qwen3's) instead of GELU with biases: a "
         "run so trained exports as LlamaForCausalLM (mmnnx export)",
+        architecture=True,
     )
     init_from: str | None = option(
         None,
@@ -102,78 +111,48 @@ class Model:
         metavar="NAMES",
         text=",".join,
     )
-    experts: int | None = option(
-        None,
+    experts: int | None = moe(
         "make blocks mixtures of this many SwiGLU experts (mm.modules.MoE, routed as "
         "Qwen3-MoE; dropless unless --capacity-factor); which blocks: --moe-every (default: "
         "none, a dense GPT)",
         positive,
-        metavar="E",
-        omit=(None,),
+        "E",
     )
-    experts_per_token: int | None = option(
-        None,
+    experts_per_token: int | None = moe(
         "with --experts: the experts each token is routed to, top-k "
         f"(default {G.experts_per_token})",
         positive,
-        metavar="K",
-        omit=(None,),
+        "K",
     )
-    expert_hidden: int | None = option(
-        None,
+    expert_hidden: int | None = moe(
         "with --experts: each expert's hidden size (default: the dense MLP's, 4 x --dim)",
         positive,
-        metavar="H",
-        omit=(None,),
+        "H",
     )
-    moe_every: int | None = option(
-        None,
+    moe_every: int | None = moe(
         f"with --experts: block i is a mixture of experts when (i + 1) %% N == 0, the others "
         f"dense (Qwen3-MoE's decoder_sparse_step; default {G.moe_every}: every block)",
         positive,
-        metavar="N",
-        omit=(None,),
+        "N",
     )
-    capacity_factor: float | None = option(
-        None,
+    capacity_factor: float | None = moe(
         "with --experts: each expert computes at most ceil(C x tokens x K / E) assignments of "
         "a microbatch, the later ones dropped (logged as dropped_tokens) (default: dropless)",
         finite(positive=True),
-        metavar="C",
-        omit=(None,),
+        "C",
     )
-    router_aux_loss_coef: float | None = option(
-        None,
+    router_aux_loss_coef: float | None = moe(
         "with --experts: weight of the routers' load-balancing loss added to the loss "
         f"(default {G.router_aux_loss_coef})",
         finite(positive=False),
-        metavar="A",
-        omit=(None,),
+        "A",
     )
-    router_z_loss_coef: float | None = option(
-        None,
+    router_z_loss_coef: float | None = moe(
         "with --experts: weight of the routers' z-loss added to the loss "
         f"(default {G.router_z_loss_coef})",
         finite(positive=False),
-        metavar="Z",
-        omit=(None,),
+        "Z",
     )
-
-
-MOE = (
-    "experts",
-    "experts_per_token",
-    "expert_hidden",
-    "moe_every",
-    "capacity_factor",
-    "router_aux_loss_coef",
-    "router_z_loss_coef",
-)
-"""The options of a mixture of experts, which need ``--experts``."""
-
-ARCHITECTURE = ("dim", "depth", "heads", "gated_mlp", "vocab_size", "tokenizer", *MOE)
-"""The options that describe a model trained from scratch, which ``--init-from`` takes from the
-checkpoint instead (given with it: an error; not recorded in its ``config.toml``)."""
 
 
 @dataclasses.dataclass
@@ -212,12 +191,18 @@ class Layout:
 @dataclasses.dataclass
 class Training:
     batch_size: int = count(16, "sequences per step")
-    microbatches: int = count(T.microbatches, "microbatches per step")
-    schedule: str = option(T.schedule, _schedule_help, choices=lambda: (*schedule_names(), "auto"))
+    microbatches: int = count(T.microbatches, "microbatches per step", may_change=True)
+    schedule: str = option(
+        T.schedule,
+        _schedule_help,
+        choices=lambda: (*schedule_names(), "auto"),
+        may_change=True,
+    )
     memory_budget: str | None = option(
         None,
         "with --schedule auto or --partition auto: bytes per device the schedule and the split "
         "may use (e.g. 2GiB)",
+        may_change=True,
     )
     pack_residuals: bool | int = option(
         T.pack_residuals,
@@ -233,6 +218,7 @@ class Training:
                 "return each residual as an array of its own (mm.jit(pack_residuals=False))",
             ),
         },
+        may_change=True,
     )
     pack_weights: bool = switch(
         "--no-pack-weights",
@@ -241,13 +227,15 @@ class Training:
         f"{PACK_WEIGHT_BYTES // 1024} KiB travel as one buffer",
         default=True,
         omit=(True,),
+        may_change=True,
     )
-    steps: int = count(T.steps, "optimizer steps")
+    steps: int = count(T.steps, "optimizer steps", may_change=True)
     schedule_steps: int | None = option(
         T.schedule_steps,
         "horizon of the learning-rate schedule, warm-up + cosine decay (default: --steps; "
         "with --resume, the horizon saved with the checkpoint)",
         positive,
+        may_change=True,
     )
     lr: float = option(
         T.learning_rate, "peak learning rate (3e-3)", finite(positive=True), api="learning_rate"
@@ -258,12 +246,15 @@ class Training:
     weight_decay: float = option(
         T.weight_decay, "AdamW's decoupled weight decay (%(default)s)", finite(positive=False)
     )
-    eval_every: int = count(T.eval_every, "steps between evaluations")
-    eval_batches: int = count(T.eval_batches, "held-out batches each evaluation averages")
+    eval_every: int = count(T.eval_every, "steps between evaluations", may_change=True)
+    eval_batches: int = count(
+        T.eval_batches, "held-out batches each evaluation averages", may_change=True
+    )
     timeline_step: int = option(
         T.timeline_step,
         "the step whose pipeline timeline is measured and drawn (%(default)s; 0: none)",
         integer(0),
+        may_change=True,
     )
     seed: int = option(0, "initialisation and data seed (%(default)s)", integer(0))
     text: list[str] | None = option(
@@ -278,12 +269,14 @@ class Training:
         "bytes (256 tokens) or a byte-level BPE trained on the text (saved with the run "
         "under OUTPUT_DIR/tokenizer; --resume reuses it) (%(default)s)",
         choices=("bytes", "bpe"),
+        architecture=True,
     )
     vocab_size: int | None = option(
         None,
         "with --tokenizer bpe: tokens of the BPE, at least 256; fewer if the text has "
         "fewer pairs to merge; --resume keeps the saved tokenizer's (1024)",
         integer(256),
+        architecture=True,
     )
 
 
@@ -354,31 +347,30 @@ class Outputs:
 
 @dataclasses.dataclass
 class RunConfig:
-    model: Model = dataclasses.field(default_factory=Model)
-    layout: Layout = dataclasses.field(default_factory=Layout)
-    training: Training = dataclasses.field(default_factory=Training)
-    precision: Precision = dataclasses.field(default_factory=Precision)
-    logging: Logging = dataclasses.field(default_factory=Logging)
-    outputs: Outputs = dataclasses.field(default_factory=Outputs)
+    """A run's options, one table each (a resumed run may change those of ``layout``,
+    ``logging`` and ``outputs``: how a step is run, not what it computes)."""
+
+    model: Model = table(Model)
+    layout: Layout = table(Layout, may_change=True)
+    training: Training = table(Training)
+    precision: Precision = table(Precision)
+    logging: Logging = table(Logging, may_change=True)
+    outputs: Outputs = table(Outputs, may_change=True)
 
 
-MAY_CHANGE_ON_RESUME = (
-    *(f.name for table in (Layout, Logging, Outputs) for f in dataclasses.fields(table)),
-    "steps",
-    "schedule_steps",
-    "microbatches",
-    "schedule",
-    "memory_budget",
-    "pack_residuals",
-    "pack_weights",
-    "eval_every",
-    "eval_batches",
-    "timeline_step",
-)
+MOE = options_where(RunConfig, "moe")
+"""The options of a mixture of experts, which need ``--experts``."""
+
+ARCHITECTURE = options_where(RunConfig, "architecture")
+"""The options that describe a model trained from scratch, which ``--init-from`` takes from the
+checkpoint instead (given with it: an error; not recorded in its ``config.toml``)."""
+
+MAY_CHANGE_ON_RESUME = options_where(RunConfig, "may_change")
 """The options a resumed run may give other values than its checkpoints were trained with: its
 length and learning-rate horizon, its layout (how a step is run, not what it computes), logging
 and outputs. Every other option is recorded with each checkpoint and must match on ``--resume``
-(``mmnnx.train.run_record``); an option added later is so recorded unless named here."""
+(``mmnnx.train.run_record``); an option added later is so recorded unless its field says
+``may_change``."""
 
 
 def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
