@@ -386,6 +386,7 @@ def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
 def _scratch_run(tmp_path, name, **flags):
     """A run directory as `mmnnx train` leaves it (config, byte tokenizer, one checkpoint) for
     a GPT trained from scratch with ``flags``, its model's weights random."""
+    from mmnnx.train.config import RunConfig
     from mmnnx.train.run_model import build_model, model_config
 
     run = tmp_path / name
@@ -393,7 +394,8 @@ def _scratch_run(tmp_path, name, **flags):
     values.update(devices=8, output_dir=str(run), **flags)
     write_config(run / "config.toml", resolved_config(values))
     ByteTokenizer().save(run / "tokenizer")
-    model = build_model(values, model_config(values, 256))
+    config = RunConfig.of(values)
+    model = build_model(config, model_config(config, 256))
     with Checkpointer(run / "checkpoints") as ckpt:
         ckpt.save(3, model=model, extra={"step": 3})
     return run, model

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Iterable
+from typing import Any
 
 from mmnnx.train.options import spec, tables
 
@@ -121,6 +122,20 @@ def add_fields(group: argparse._ActionsContainer, fields: Iterable[dataclasses.F
             metavar=option.metavar,
             help=option.help_text(),
         )
+
+
+def typed(schema: type, args: argparse.Namespace) -> Any:
+    """The ``schema`` dataclass of the option fields ``args`` holds (as :func:`add_fields`
+    declared them).
+
+    Example:
+        >>> @dataclasses.dataclass
+        ... class Options:
+        ...     steps: int = 1
+        >>> typed(Options, argparse.Namespace(steps=3, other=0))
+        Options(steps=3)
+    """
+    return schema(**{f.name: getattr(args, f.name) for f in dataclasses.fields(schema)})
 
 
 def add_options(parser: argparse.ArgumentParser, schema: type) -> None:

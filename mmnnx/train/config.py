@@ -357,6 +357,44 @@ class RunConfig:
     logging: Logging = table(Logging, may_change=True)
     outputs: Outputs = table(Outputs, may_change=True)
 
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> RunConfig:
+        """The config of option ``values`` by name (a parsed command line's, ``config.toml``'s
+        read by ``read_config``); other names are ignored, options missing take their defaults.
+
+        Example:
+            >>> RunConfig.of({"dim": 64, "steps": 5, "command": "train"}).model.dim
+            64
+        """
+        kinds = {t.name: t.default_factory for t in dataclasses.fields(cls)}
+        return cls(
+            **{
+                title: kind(
+                    **{f.name: values[f.name] for f in tables(cls)[title] if f.name in values}
+                )
+                for title, kind in kinds.items()
+            }
+        )
+
+    def options(self) -> dict[str, Any]:
+        """Every option's value by name, as the run records it (``config.toml``, the
+        checkpoints' run record): with ``--init-from``, the architecture options left out (the
+        checkpoint's ``config.json`` gives them).
+
+        Example:
+            >>> config = RunConfig.of({"init_from": "hf/llama"})
+            >>> config.options()["init_from"], "dim" in config.options()
+            ('hf/llama', False)
+        """
+        values = {
+            f.name: getattr(getattr(self, title), f.name)
+            for title, fields in tables(type(self)).items()
+            for f in fields
+        }
+        if self.model.init_from is not None:
+            values = {k: v for k, v in values.items() if k not in ARCHITECTURE}
+        return values
+
 
 MOE = options_where(RunConfig, "moe")
 """The options of a mixture of experts, which need ``--experts``."""
@@ -373,6 +411,9 @@ and outputs. Every other option is recorded with each checkpoint and must match 
 ``may_change``."""
 
 
+_FIELDS = {f.name: f for fields in tables(RunConfig).values() for f in fields}
+
+
 def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
     """The fields of ``target`` that options in ``values`` set, by their names there."""
     names = {f.name for f in dataclasses.fields(target)}
@@ -384,27 +425,98 @@ def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
     }
 
 
-def train_config(values: Mapping[str, Any]) -> TrainConfig:
-    """The ``TrainConfig`` of a run's option ``values`` (by field name; others ignored).
+def train_config(run: RunConfig) -> TrainConfig:
+    """The ``TrainConfig`` of a run's options.
 
     Example:
-        >>> train_config({"pack_weights": False, "no_such_option": 1}).pack_weights
+        >>> train_config(RunConfig.of({"pack_weights": False})).pack_weights
         False
     """
-    return TrainConfig(**_arguments(values, TrainConfig))
+    return TrainConfig(**_arguments(run.options(), TrainConfig))
 
 
-def gpt_config(values: Mapping[str, Any], vocab_size: int) -> GPTConfig:
-    """The ``GPTConfig`` of a run's option ``values``; the vocabulary is the tokenizer's
-    ``vocab_size`` rounded up to a multiple of ``model_axis`` (the embedding is sharded over it).
+def gpt_config(run: RunConfig, vocab_size: int) -> GPTConfig:
+    """The ``GPTConfig`` of a run's options for a model trained from scratch; the vocabulary is
+    the tokenizer's ``vocab_size`` rounded up to a multiple of ``--model-axis`` (the embedding
+    is sharded over it).
+
+    Raises:
+        ValueError: a model the options cannot describe, the message naming them as flags.
 
     Example:
-        >>> gpt_config({"dim": 64, "model_axis": 2}, 289).vocab_size
+        >>> gpt_config(RunConfig.of({"dim": 64, "model_axis": 2}), 289).vocab_size
         290
+        >>> gpt_config(RunConfig.of({"experts": 4, "moe_every": 5}), 256)
+        Traceback (most recent call last):
+        ...
+        ValueError: --moe-every 5 leaves none of --depth 4 blocks a mixture of experts
     """
-    shards = int(values.get("model_axis") or 1)
-    sizes = _arguments(values, GPTConfig)
-    if sizes.get("gated_mlp"):
+    problem = model_problem(run.model, run.layout.model_axis)
+    if problem:
+        raise ValueError(problem)
+    shards = run.layout.model_axis
+    sizes = _arguments(run.options(), GPTConfig)
+    if run.model.gated_mlp:
         sizes["mlp_bias"] = False  # Llama's MLP
     sizes["vocab_size"] = -(-vocab_size // shards) * shards  # not the option: that is the BPE's
     return GPTConfig(**sizes)
+
+
+def flag(name: str, value: Any = None) -> str:
+    """Option ``name`` as a flag (a switch: its flag), followed by ``value`` when given.
+
+    Example:
+        >>> flag("seq_len", 64), flag("pack_weights")
+        ('--seq-len 64', '--no-pack-weights')
+    """
+    option = spec(_FIELDS[name])
+    shown = next(iter(option.switches), None) or option.flag(name)
+    return shown if value is None else f"{shown} {value}"
+
+
+def model_problem(model: Model, model_axis: int) -> str | None:
+    """What keeps the options of ``model`` from describing a GPT whose heads and experts
+    ``--model-axis`` shards (a model trained from scratch), in one line naming the flags; or
+    None."""
+    dim, heads = model.dim, model.heads
+    if dim % heads:
+        return f"{flag('dim', dim)} is not divisible by {flag('heads', heads)}"
+    if (dim // heads) % 2:
+        return (
+            f"{flag('dim', dim)} / {flag('heads', heads)} gives heads of {dim // heads} "
+            "dimensions; rotary position embeddings need an even head size"
+        )
+    if heads % model_axis:
+        return f"{flag('heads', heads)} is not divisible by {flag('model_axis', model_axis)}"
+    if model.experts is None:
+        return None
+    e, k = model.experts, model.experts_per_token or G.experts_per_token
+    if k > e:
+        return (
+            f"{flag('experts_per_token', k)} is more than {flag('experts', e)}: a token picks "
+            "K of E experts"
+        )
+    if model.capacity_factor is not None and model.capacity_factor > e:
+        return (
+            f"{flag('capacity_factor', format(model.capacity_factor, 'g'))} is more than "
+            f"{flag('experts', e)}: from {e / k:g} (E / K) on no expert drops a token; leave it "
+            "out for dropless routing"
+        )
+    every = model.moe_every or G.moe_every
+    if every > model.depth:
+        return (
+            f"{flag('moe_every', every)} leaves none of {flag('depth', model.depth)} blocks a "
+            "mixture of experts"
+        )
+    if model.scan_layers and every > 1:
+        return (
+            f"{flag('scan_layers')} stacks alike blocks, but {flag('moe_every', every)} leaves "
+            f"some dense; use {flag('moe_every', 1)} with it"
+        )
+    hidden = model.expert_hidden or int(G.mlp_ratio * dim)
+    if hidden % model_axis:
+        return (
+            f"the experts' hidden size {hidden} ({flag('expert_hidden')}) is not divisible by "
+            f"{flag('model_axis', model_axis)}"
+        )
+    return None
