@@ -81,10 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "export":
         return export.run(args)
     config, given_options = RunConfig.of(vars(args)), given(args)
-    problem = validate.problem(config, given_options)
-    if problem:
-        return train.error(problem)
-    status = train.run(config, given_options)
+    checked = validate.check(config, given_options)
+    if checked.problem:
+        return train.error(checked.problem)
+    status = train.run(config, given_options, pretrained=checked.pretrained)
     from mmnnx.distributed import fail, is_distributed  # noqa: PLC0415
 
     if status != 0 and is_distributed():  # one process failing ends all at once, telling them

@@ -45,9 +45,10 @@ def error(message: str) -> int:
     return prologue.error("train", message)
 
 
-def run(config: RunConfig, given: Set[str] = frozenset()) -> int:
+def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = None) -> int:
     """``mmnnx train`` with the options ``config`` (checked: ``mmnnx.train.validate``;
-    ``given``: those the user set): 0 when trained, 1 when the loss is no longer finite, 2 for
+    ``given``: those the user set; ``pretrained``: the ``GPTConfig`` the check read from
+    ``--init-from``, if it did): 0 when trained, 1 when the loss is no longer finite, 2 for
     an input error found only now (one line on stderr), 143 (128 + ``SIGTERM``) when a
     preemption notice stopped it after saving (``--resume`` continues).
 
@@ -63,7 +64,7 @@ def run(config: RunConfig, given: Set[str] = frozenset()) -> int:
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.data import EMBEDDED  # noqa: PLC0415
     from mmnnx.train.run_resume import (  # noqa: PLC0415
-        Resumed,
+        ResumeCheck,
         resumed,
         run_tokenizer,
         tokenizer_problem,
@@ -83,7 +84,7 @@ def run(config: RunConfig, given: Set[str] = frozenset()) -> int:
         data_axis = fitted_data_axis(config, len(jax.devices()))
     except ValueError as e:
         return error(str(e))
-    found = resumed(config, given, checkpoints) if outputs.resume else Resumed()
+    found = resumed(config, given, checkpoints) if outputs.resume else ResumeCheck()
     if found.problem:
         return error(found.problem)
     sources = config.training.text or [EMBEDDED]
@@ -100,9 +101,7 @@ def run(config: RunConfig, given: Set[str] = frozenset()) -> int:
         except ck.CheckpointDirectoryBusyError as e:
             return error(str(e))
         weights = not found.has_steps  # a resumed run's come from its checkpoint
-        trained = _train(
-            config, tokenizer, sources, checkpointer, data_axis=data_axis, weights=weights
-        )
+        trained = _train(config, tokenizer, sources, checkpointer, data_axis, weights, pretrained)
     if isinstance(trained, int):
         return trained
     model, result = trained
@@ -135,15 +134,16 @@ def _train(
     tokenizer: Tokenizer,
     sources: list,
     checkpointer: Checkpointer,
-    *,
     data_axis: int,
     weights: bool,
+    pretrained: Any,
 ) -> int | tuple[Any, Any]:
     """The run itself, its ``checkpointer`` claimed: the token cache, model, tokenizer and
     ``config.toml`` written, then ``fit``; the model and ``FitResult``, or an exit status
     (an input error found only now, one line on stderr). ``weights``: read ``--init-from``'s
     (a run resumed from a checkpoint takes them from there); ``data_axis``: the layout's, as
-    ``replan.data_axis`` fitted it to the devices."""
+    ``replan.data_axis`` fitted it to the devices; ``pretrained``: ``--init-from``'s
+    ``GPTConfig``, when already read."""
     import jax  # noqa: PLC0415
 
     import mmnnx as mm  # noqa: PLC0415
@@ -172,7 +172,7 @@ def _train(
     except (OSError, ValueError) as e:
         return error(str(e))
     tasks = run_tasks(run.layout.stages, data_axis, run.layout.model_axis, run.layout.expert_axis)
-    config = model_config(run, tokenizer.vocab_size)
+    config = pretrained or model_config(run, tokenizer.vocab_size)
     extra = latest_extra(checkpointer) if run.outputs.resume else None
     try:
         placed = stages(run, config, tasks, dataset.eval_batches(1)[0], extra, data_axis=data_axis)

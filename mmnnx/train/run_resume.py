@@ -16,7 +16,7 @@ from mmnnx.train.run_record import Saved
 
 
 @dataclasses.dataclass(frozen=True)
-class Resumed:
+class ResumeCheck:
     """What ``--resume`` found before anything is written: whether there is any checkpoint step,
     the record the newest readable one holds, and the first problem (a line), if any."""
 
@@ -25,7 +25,7 @@ class Resumed:
     problem: str | None = None
 
 
-def resumed(run: RunConfig, given: Set[str], checkpoints: pathlib.Path) -> Resumed:
+def resumed(run: RunConfig, given: Set[str], checkpoints: pathlib.Path) -> ResumeCheck:
     """The checkpoints ``--resume`` continues from, checked: ``--steps`` beyond the latest, and
     the options of ``run`` as the newest step's record has them (a step without one is said to
     be unchecked, in one line); ``given`` names the options set by the user, as opposed to
@@ -37,21 +37,21 @@ def resumed(run: RunConfig, given: Set[str], checkpoints: pathlib.Path) -> Resum
 
     if not checkpoints.is_dir():
         _say_no_checkpoint(checkpoints)
-        return Resumed()
+        return ResumeCheck()
     with ck.Checkpointer(checkpoints) as ckpt:
         latest = ckpt.latest_step()
         if not (ckpt.all_steps() or ckpt.incomplete_steps()):
             _say_no_checkpoint(checkpoints)
-            return Resumed()
+            return ResumeCheck()
         saved = saved_record(ckpt)
     steps, output_dir = run.training.steps, run.outputs.output_dir
     if latest is not None and latest >= steps:
-        return Resumed(
+        return ResumeCheck(
             problem=f"the latest checkpoint in {checkpoints} is step {latest}; "
             f"{flag('steps', steps)} trains nothing more (give {flag('steps')} above {latest})"
         )
     if saved is None:  # no step's extra reads back: the restore says why
-        return Resumed(True)
+        return ResumeCheck(True)
     if saved.record is None:
         if jax.process_index() == 0:
             print(
@@ -59,16 +59,16 @@ def resumed(run: RunConfig, given: Set[str], checkpoints: pathlib.Path) -> Resum
                 "by an mmnnx that kept none): its options and tokenizer cannot be checked",
                 file=sys.stderr,
             )
-        return Resumed(True, saved)
+        return ResumeCheck(True, saved)
     mismatch = saved.record.mismatch(run.options())
     if mismatch is None:
-        return Resumed(True, saved)
+        return ResumeCheck(True, saved)
     if mismatch.name in given:
         have, had = mismatch.as_flags()
     else:  # from the run's config.toml, edited since
         have, had = mismatch.as_keys()
         have = f"{pathlib.Path(output_dir, CONFIG_FILE)} has {have}"
-    return Resumed(
+    return ResumeCheck(
         problem=f"{have}: the run in {output_dir} was trained with {had} (checkpoint "
         f"step {saved.step} records it); {may_change()}"
     )

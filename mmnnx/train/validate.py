@@ -7,14 +7,23 @@ than --stages 2``). The model's own rules are checked where its config is built
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable, Set
-from typing import Any
+from collections.abc import Set
+from typing import Any, NamedTuple
 
 from mmnnx.mpmd.schedules import get
 from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.train.config import MOE, RunConfig, flag, gpt_config
 from mmnnx.train.run_outputs import output_problem, run_outputs
 from mmnnx.tuning import parse_bytes
+
+
+class Checked(NamedTuple):
+    """What :func:`check` found: the first ``problem`` (one line, or None) and, for a run
+    with ``--init-from``, the ``GPTConfig`` its ``config.json`` gave (``model_config``'s: read
+    once, for the run to build its model with)."""
+
+    problem: str | None  # the first inconsistency, naming the flags
+    pretrained: Any = None  # --init-from's GPTConfig, as model_config builds it; else None
 
 
 def problem(run: RunConfig, given: Set[str] = frozenset()) -> str | None:
@@ -25,31 +34,27 @@ def problem(run: RunConfig, given: Set[str] = frozenset()) -> str | None:
         >>> problem(RunConfig.of({"depth": 1}))
         '--depth 1 gives fewer blocks than --stages 2'
     """
-    blocks: tuple[int, str] | None = None  # the model's, and how the flags name them
+    return check(run, given).problem
 
-    def model() -> str | None:
-        nonlocal blocks
-        found, blocks = _model_problem(run, given)
-        return found
 
-    checks: list[Callable[[], str | None]] = [
-        lambda: _experts_problem(run),
-        lambda: _devices_problem(run),
-        lambda: _lora_problem(run),
-        model,
-        lambda: _stages_problem(run, *blocks),
-        lambda: partition_problem(run, *blocks),
-        lambda: _schedule_problem(run, *blocks),
-        lambda: _batch_problem(run),
-        lambda: _outputs_problem(run),
-        lambda: _other_problem(run),
-        lambda: _steps_problem(run),
-    ]
-    for check in checks:
-        found = check()
-        if found:
-            return found
-    return None
+def check(run: RunConfig, given: Set[str] = frozenset()) -> Checked:
+    """:func:`problem`, with the ``--init-from`` checkpoint's ``GPTConfig`` read for it."""
+    found = _experts_problem(run) or _devices_problem(run) or _lora_problem(run)
+    if found:
+        return Checked(found)
+    found, (blocks, depth), pretrained = _model_problem(run, given)
+    if found:
+        return Checked(found)
+    found = (  # each is checked only when those before found nothing
+        _stages_problem(run, blocks, depth)
+        or partition_problem(run, blocks, depth)
+        or _schedule_problem(run, blocks, depth)
+        or _batch_problem(run)
+        or _outputs_problem(run)
+        or _other_problem(run)
+        or _steps_problem(run)
+    )
+    return Checked(found, None if found else pretrained)
 
 
 def devices_needed(run: RunConfig) -> int:
@@ -122,33 +127,34 @@ def _targets_problem(targets: tuple[str, ...], config: Any, model: str) -> str |
     )
 
 
-def _model_problem(run: RunConfig, given: Set[str]) -> tuple[str | None, tuple[int, str]]:
+def _model_problem(run: RunConfig, given: Set[str]) -> tuple[str | None, tuple[int, str], Any]:
     """What keeps the options from describing a model (as its config is built: ``gpt_config``
-    or, with ``--init-from``, its ``config.json``), or a LoRA target it lacks; and its blocks,
-    with how the flags name them."""
+    or, with ``--init-from``, its ``config.json``), or a LoRA target it lacks; its blocks, with
+    how the flags name them; and ``--init-from``'s ``GPTConfig`` (else None)."""
     init_from = run.model.init_from
     if init_from is not None:
         found, config = _pretrained(run, given)
         if found:
-            return found, (0, "")
+            return found, (0, ""), None
         depth = config.depth
-        return None, (depth, f"{flag('init_from')}'s num_hidden_layers {depth}")
+        return None, (depth, f"{flag('init_from')}'s num_hidden_layers {depth}"), config
     try:
         config = gpt_config(run, 256)
     except ValueError as e:
-        return str(e), (0, "")
+        return str(e), (0, ""), None
     blocks = (run.model.depth, flag("depth", run.model.depth))
-    return _targets_problem(run.model.lora_targets or (), config, "the model"), blocks
+    return _targets_problem(run.model.lora_targets or (), config, "the model"), blocks, None
 
 
 def _pretrained(run: RunConfig, given: Set[str]) -> tuple[str | None, Any]:
     """The first problem of ``--init-from`` (an architecture flag given with it, a directory
     mmnnx cannot build, no tokenizer, a LoRA target it lacks, sizes the layout cannot shard)
     and the ``GPTConfig`` of its ``config.json``."""
-    from mmnnx.models import CheckpointError, pretrained_config  # noqa: PLC0415
+    from mmnnx.models import CheckpointError  # noqa: PLC0415
     from mmnnx.models.pretrained import check_tokenizer  # noqa: PLC0415
     from mmnnx.models.pretrained.files import TOKENIZER  # noqa: PLC0415
     from mmnnx.train.config import ARCHITECTURE  # noqa: PLC0415
+    from mmnnx.train.run_model import model_config  # noqa: PLC0415
 
     init_from, model_axis = run.model.init_from, run.layout.model_axis
     conflicting = [name for name in ARCHITECTURE if name in given]
@@ -158,7 +164,7 @@ def _pretrained(run: RunConfig, given: Set[str]) -> tuple[str | None, Any]:
             f"tokenizer come from {init_from}/config.json and tokenizer.json"
         ), None
     try:  # with the run's --scan-layers: a MoE whose layers are not all alike cannot stack
-        config = pretrained_config(init_from, scan_layers=run.model.scan_layers)
+        config = model_config(run, 0)  # the vocabulary is the checkpoint's
     except CheckpointError as e:
         return f"{flag('init_from')}: {e}", None
     tokenizer = pathlib.Path(init_from, TOKENIZER)
