@@ -305,28 +305,18 @@ def fit(
         result = fit(model, dataset, TrainConfig(steps=300, microbatches=4, schedule="1f1b"))
         assert result.final_eval < result.first_eval
     """
-    leader = jax.process_index() == 0  # with several processes, process 0 reports and writes
-    console = console or Console(quiet=not leader)
-    out = pathlib.Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = pathlib.Path(config.checkpoint_dir or out / "checkpoints")
-    opt = optimizer or nnx.Optimizer(model, make_optimizer(config), wrt=trainable)
-    eval_data = dataset.eval_batches(config.eval_batches)
-    routed = has_router_metrics(model)  # a mixture of experts: its routers' metrics logged
-    if config.schedule == "auto":
-        config = _tuned(config, model, opt, eval_data[0], console, trainable, metrics=routed)
-    loop = _Loop(model, opt, dataset, config, console, out, ckpt_dir, leader, routed, eval_data)
-    loop.train_step, loop.eval_step = make_steps(config, trainable, metrics=routed)
+    loop = _Loop.prepare(model, dataset, config, optimizer, trainable, console)
+    config, out, ckpt_dir = loop.config, loop.out, loop.ckpt_dir  # the config tuned
     with contextlib.ExitStack() as opened:
         checkpoints = checkpointer or opened.enter_context(Checkpointer(ckpt_dir))
         start, horizon = _resume(loop, checkpoints, own_optimizer=optimizer is None)
-        loop.run_step = cached_partial(loop.train_step, model, opt)
+        loop.run_step = cached_partial(loop.train_step, model, loop.opt)
         loop.files.update(metrics=str(out / "metrics.jsonl"), checkpoints=str(ckpt_dir))
         if optimizer is None:  # a given optimizer's learning rates are its own, not known here
             loop.rates = learning_rates(dataclasses.replace(config, schedule_steps=horizon))
         loop.save = functools.partial(_save, loop, checkpoints, checkpoint_extra or {}, horizon)
         log = _log(loop, start, wandb_config)
-        with log, _progress(console, log.plain) as progress, Preemption() as preemption:
+        with log, _progress(loop.console, log.plain) as progress, Preemption() as preemption:
             stopped = loop.train(start, log, progress, preemption)
     report("finished training", stopped or config.steps, finished=True)
     return _finish(loop, log, start, stopped)
@@ -358,6 +348,44 @@ class _Loop:
     eval_losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     bubble: tuple[int, float] | None = None  # the timeline step's, measured
     timed: list[float] = dataclasses.field(default_factory=lambda: [0, 0.0])  # tokens, seconds
+
+    @classmethod
+    def prepare(
+        cls,
+        model: nnx.Module,
+        dataset: TextDataset,
+        config: TrainConfig,
+        optimizer: nnx.Optimizer | None,
+        trainable: Filter,
+        console: Console | None,
+    ) -> _Loop:
+        """What :func:`fit` trains with, before its checkpoints are opened: the optimizer, the
+        held-out batches, the schedule tuned (``"auto"``) and the steps compiled."""
+        leader = jax.process_index() == 0  # with several processes, process 0 reports and writes
+        console = console or Console(quiet=not leader)
+        out = pathlib.Path(config.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        ckpt_dir = pathlib.Path(config.checkpoint_dir or out / "checkpoints")
+        opt = optimizer or nnx.Optimizer(model, make_optimizer(config), wrt=trainable)
+        eval_data = dataset.eval_batches(config.eval_batches)
+        routed = has_router_metrics(model)  # a mixture of experts: its routers' metrics logged
+        if config.schedule == "auto":
+            config = _tuned(config, model, opt, eval_data[0], console, trainable, metrics=routed)
+        train_step, eval_step = make_steps(config, trainable, metrics=routed)
+        return cls(
+            model=model,
+            opt=opt,
+            dataset=dataset,
+            config=config,
+            console=console,
+            out=out,
+            ckpt_dir=ckpt_dir,
+            leader=leader,
+            routed=routed,
+            eval_data=eval_data,
+            train_step=train_step,
+            eval_step=eval_step,
+        )
 
     def evaluate(self) -> float:
         loss = cached_partial(self.eval_step, self.model)
