@@ -101,7 +101,15 @@ def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = N
         except ck.CheckpointDirectoryBusyError as e:
             return error(str(e))
         weights = not found.has_steps  # a resumed run's come from its checkpoint
-        trained = _train(config, tokenizer, sources, checkpointer, data_axis, weights, pretrained)
+        trained = _train(
+            config,
+            tokenizer,
+            sources,
+            checkpointer,
+            data_axis=data_axis,
+            weights=weights,
+            pretrained=pretrained,
+        )
     if isinstance(trained, int):
         return trained
     model, result = trained
@@ -134,6 +142,7 @@ def _train(
     tokenizer: Tokenizer,
     sources: list,
     checkpointer: Checkpointer,
+    *,
     data_axis: int,
     weights: bool,
     pretrained: Any,
