@@ -64,6 +64,19 @@ from tests.flags import without_device_count
         ),
         (["--profile-steps", "400:401"], "--profile-steps starts at step 400, after --steps 300"),
         (["--wandb-name", "tiny"], "--wandb-name needs --wandb PROJECT"),
+        (  # issue 69 (e): past E no expert drops a token; 1e9 overflowed in JAX
+            ["--experts", "4", "--capacity-factor", "1e9"],
+            "--capacity-factor 1e+09 is more than --experts 4: from 2 (E / K) on no expert",
+        ),
+        (  # issue 69 (f): before anything is loaded, not add_lora's traceback
+            ["--lora-rank", "2", "--lora-targets", "router"],
+            "--lora-targets router: the model has no mixture of experts (--experts); its "
+            "projections are q,k,v,out,up,down",
+        ),
+        (
+            ["--lora-rank", "2", "--lora-targets", "gate"],
+            "--lora-targets gate: the model has no gated MLP (--gated-mlp)",
+        ),
         (  # found only on the devices there are (this process's 8)
             [
                 "--resume",
@@ -107,6 +120,16 @@ def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
         (["--dtype", "float16"], "invalid choice: 'float16'"),
         (["--partition", "even"], "--partition must be params, auto or blocks per stage such as"),
         (["--partition", "1,0,1"], "only the first and the last may be 0), got '1,0,1'"),
+        (  # issue 69 (c): not argparse's "expected one argument"
+            ["--partition", "-1,3"],
+            "error: --partition must be params, auto or blocks per stage such as 3,1 (only the "
+            "first and the last may be 0), got '-1,3'",
+        ),
+        (["--output-dir", "-run"], "--output-dir -run: a value starting with '-' reads as a flag"),
+        (["--wandb", ""], "--wandb must not be empty, got ''"),  # issue 69 (d)
+        (["--wandb", "p", "--wandb-name", " "], "--wandb-name must not be empty"),
+        (["--data", "1"], "unrecognized arguments: --data 1"),  # issue 69 (b): no abbreviation
+        (["--exp", "4"], "unrecognized arguments: --exp 4"),
     ],
 )
 def test_bad_values_exit_2(argv, reason, capsys):
@@ -115,6 +138,21 @@ def test_bad_values_exit_2(argv, reason, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and reason in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--run", "r", "--prompt", "p", "--temp", "1"],
+        ["export", "--run", "r", "--output", "o", "--over"],
+        ["launch", "-n", "1", "--devices", "1", "--", "true"],
+    ],
+)
+def test_no_command_takes_an_abbreviated_flag(argv, capsys):
+    """Issue 69 (b): ``allow_abbrev=False`` for every parser."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and "unrecognized arguments: --" in capsys.readouterr().err
 
 
 def test_a_budget_nothing_fits_exits_2_with_the_candidates(tmp_path, capsys):

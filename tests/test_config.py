@@ -145,3 +145,23 @@ def test_a_written_config_reads_back_as_the_values_it_holds(tmp_path):
     values = {k: v for k, v in vars(args).items() if v is not None}
     path = write_config(tmp_path / "config.toml", resolved_config(values))
     assert read_config(path) == {k: v for k, v in values.items() if k not in ("command", GIVEN)}
+
+
+def test_the_flags_and_a_config_file_parse_into_one_typed_run_config(tmp_path):
+    """Issue 68: one nested ``RunConfig`` travels; what an option is comes from its field."""
+    from mmnnx.train.config import ARCHITECTURE, MAY_CHANGE_ON_RESUME, MOE, flag
+
+    path = write(tmp_path, '[model]\nlora_rank = 2\nlora_targets = "q,v"\n[layout]\nstages = 4\n')
+    args = parse_args(["train", "--config", str(path), "--profile-steps", "2:3"])
+    run = RunConfig.of(vars(args))
+    assert (run.model.lora_targets, run.layout.stages) == (("q", "v"), 4)
+    assert run.logging.profile_steps == (2, 3) and run.model.dim == 128  # a default
+    write_config(tmp_path / "config.toml", resolved_config(run.options()))
+    assert RunConfig.of(read_config(tmp_path / "config.toml")) == run  # as generate reads it
+    pretrained = dataclasses.replace(run, model=dataclasses.replace(run.model, init_from="hf"))
+    assert not set(ARCHITECTURE) & set(pretrained.options())  # config.json gives them
+    assert set(MOE) < set(ARCHITECTURE) and "experts" in MOE
+    layout = {f.name for f in dataclasses.fields(type(run.layout))}
+    assert layout < set(MAY_CHANGE_ON_RESUME) and "steps" in MAY_CHANGE_ON_RESUME
+    assert "lr" not in MAY_CHANGE_ON_RESUME and "seq_len" not in MAY_CHANGE_ON_RESUME
+    assert (flag("pack_weights"), flag("data_axis", 2)) == ("--no-pack-weights", "--data-axis 2")

@@ -329,13 +329,18 @@ def _edit_config(root, name, **changes):
         ),
         (["--lora-alpha", "4"], "--lora-alpha needs --lora-rank R"),
         (["--lora-targets", "q,v"], "--lora-targets needs --lora-rank R"),
+        (  # found before anything is read but config.json (issue 69 f)
+            ["--lora-rank", "2", "--lora-targets", "q,router"],
+            "--lora-targets router: {root}/llama has no mixture of experts (--experts); its "
+            "projections are q,k,v,out,gate,up,down",
+        ),
     ],
 )
 def test_bad_fine_tuning_flags_exit_2_in_one_line(root, capsys, argv, reason):
     assert main(["train", "--init-from", str(root / "llama"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("mmnnx train: error: "), err
-    assert reason in err, err
+    assert reason.format(root=root) in err, err
 
 
 def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
@@ -381,6 +386,7 @@ def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
 def _scratch_run(tmp_path, name, **flags):
     """A run directory as `mmnnx train` leaves it (config, byte tokenizer, one checkpoint) for
     a GPT trained from scratch with ``flags``, its model's weights random."""
+    from mmnnx.train.config import RunConfig
     from mmnnx.train.run_model import build_model, model_config
 
     run = tmp_path / name
@@ -388,7 +394,8 @@ def _scratch_run(tmp_path, name, **flags):
     values.update(devices=8, output_dir=str(run), **flags)
     write_config(run / "config.toml", resolved_config(values))
     ByteTokenizer().save(run / "tokenizer")
-    model = build_model(values, model_config(values, 256))
+    config = RunConfig.of(values)
+    model = build_model(config, model_config(config, 256))
     with Checkpointer(run / "checkpoints") as ckpt:
         ckpt.save(3, model=model, extra={"step": 3})
     return run, model
@@ -411,6 +418,18 @@ def test_a_run_from_scratch_exports_as_llama_when_its_gpt_is_one(tmp_path, capsy
     blockers = "an ungated GELU MLP (LlamaForCausalLM: SiLU-gated) and MLP biases"
     assert f"trained from scratch with {blockers}" in err
     assert "train with --gated-mlp" in err and not (tmp_path / "no").exists()
+
+
+def test_a_run_with_lora_on_the_router_generates(tmp_path, capsys):
+    """Issue 69 (a): ``lora_targets = "q,v,router"`` in config.toml is read as the flag reads
+    it, three names, not each character."""
+    targets = ("q", "v", "router")
+    run, _ = _scratch_run(tmp_path, "moe", experts=4, lora_rank=2, lora_targets=targets)
+    assert 'lora_targets = "q,v,router"' in (run / "config.toml").read_text()
+    model = load_run(run).model
+    assert {str(p[-2]) for p, m in nnx.iter_graph(model) if isinstance(m, LoRA)} == set(targets)
+    argv = ["generate", "--run", str(run), "--prompt", "ab", "--max-new-tokens", "2"]
+    assert main(argv) == 0, capsys.readouterr().err
 
 
 def test_bad_exports_exit_2_in_one_line(root, full_run, capsys):

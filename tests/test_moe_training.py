@@ -16,7 +16,7 @@ import mmnnx as mm
 from mmnnx.cli import main, parse_args
 from mmnnx.models import GPT, GPTConfig
 from mmnnx.mpmd.schedules import simulate
-from mmnnx.train.config import gpt_config
+from mmnnx.train.config import RunConfig, gpt_config
 from mmnnx.train.generation import run_tasks
 from mmnnx.train.run_model import run_placement
 from tests.test_cli import metrics
@@ -77,9 +77,9 @@ def test_bad_moe_values_exit_2(argv, reason, capsys):
 def test_the_moe_options_reach_gptconfig_and_leave_a_dense_model_alone():
     values = {"experts": 8, "experts_per_token": 1, "expert_hidden": 48, "moe_every": 2}
     values |= {"capacity_factor": 1.25, "router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.01}
-    config = gpt_config({**values, "dim": 32, "depth": 4, "model_axis": 1}, 256)
+    config = gpt_config(RunConfig.of({**values, "dim": 32, "depth": 4, "model_axis": 1}), 256)
     assert {k: getattr(config, k) for k in values} == values
-    dense = gpt_config({"experts": None, "router_aux_loss_coef": None}, 256)
+    dense = gpt_config(RunConfig(), 256)
     assert dense.experts == 0 and dense.router_aux_loss_coef == GPTConfig.router_aux_loss_coef
 
 

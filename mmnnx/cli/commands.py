@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from mmnnx.cli import export, generate, launch, train
 from mmnnx.cli.flags import GIVEN, Parser, given
+from mmnnx.train import validate
 from mmnnx.train.config import RunConfig
 from mmnnx.train.options import spec, tables
 from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config
@@ -79,10 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return generate.run(args)
     if args.command == "export":
         return export.run(args)
-    problem = train.check(args)
-    if problem:
-        return train.error(problem)
-    status = train.run(args)
+    config, given_options = RunConfig.of(vars(args)), given(args)
+    checked = validate.check(config, given_options)
+    if checked.problem:
+        return train.error(checked.problem)
+    status = train.run(config, given_options, pretrained=checked.pretrained)
     from mmnnx.distributed import fail, is_distributed  # noqa: PLC0415
 
     if status != 0 and is_distributed():  # one process failing ends all at once, telling them

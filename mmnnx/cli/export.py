@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 from typing import Any
 
-from mmnnx.cli.flags import add_fields
+from mmnnx.cli import prologue
+from mmnnx.cli.flags import add_fields, typed
 from mmnnx.train.options import integer, option, switch
 
 
@@ -60,45 +59,39 @@ def run(args: argparse.Namespace) -> int:
     """``mmnnx export``: one line naming what was written on stdout; a run that cannot be
     exported so (no adapters for --adapter or --merge-lora, a model LlamaForCausalLM cannot
     hold, an existing OUT, no checkpoint) exits 2 in one line."""
+    options = typed(Options, args)
 
     def error(message: str) -> int:
-        print(f"mmnnx export: error: {message}", file=sys.stderr)
-        return 2
+        return prologue.error("export", message)
 
-    if args.merge_lora and args.adapter:
+    if options.merge_lora and options.adapter:
         return error("--merge-lora and --adapter exclude each other: pick one")
-    from mmnnx.train.generation import RunError, read_run_flags  # noqa: PLC0415
+    from mmnnx.train.generation import RunError, read_run_config  # noqa: PLC0415
 
     try:
-        flags = read_run_flags(args.run)
+        config = read_run_config(options.run)
     except RunError as e:
         return error(f"--run: {e}")
-    if args.merge_lora and not flags.get("lora_rank"):
+    if options.merge_lora and not config.model.lora_rank:
         return error(
-            f"--merge-lora: the run in {args.run} has no LoRA adapters to merge (it was not "
+            f"--merge-lora: the run in {options.run} has no LoRA adapters to merge (it was not "
             "trained with --lora-rank); leave it out to export the model"
         )
-    xla = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in xla:
-        devices = flags.get("devices", 8)
-        os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices}"
+    prologue.start(config.layout.devices)  # under `mmnnx launch`: each writes its own tensors
     import jax  # noqa: PLC0415  (after XLA_FLAGS)
 
-    import mmnnx as mm  # noqa: PLC0415
-
-    mm.distributed.initialize()  # under `mmnnx launch`: every process writes its own tensors
     from mmnnx.models import CheckpointError  # noqa: PLC0415
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.export import export_run  # noqa: PLC0415
 
     try:
         done = export_run(
-            args.run,
-            args.output,
-            adapter=args.adapter,
-            dtype=args.dtype,
-            step=args.step,
-            overwrite=args.overwrite,
+            options.run,
+            options.output,
+            adapter=options.adapter,
+            dtype=options.dtype,
+            step=options.step,
+            overwrite=options.overwrite,
         )
     except (
         RunError,
@@ -110,5 +103,5 @@ def run(args: argparse.Namespace) -> int:
         return error(str(e))
     if jax.process_index() == 0:
         what = "LoRA adapters (PEFT)" if done.adapter else done.architecture
-        print(f"mmnnx export: {done.directory}: {what}, from step {done.step} of {args.run}")
+        print(f"mmnnx export: {done.directory}: {what}, from step {done.step} of {options.run}")
     return 0

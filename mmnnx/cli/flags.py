@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
 from collections.abc import Iterable
+from typing import Any
 
 from mmnnx.train.options import spec, tables
 
@@ -17,8 +19,48 @@ defaults."""
 
 
 class Parser(argparse.ArgumentParser):
+    """An ``argparse`` parser that takes no abbreviated flag (``--data`` is not
+    ``--data-axis``) and says each error in one line, exit status 2; a flag whose value starts
+    with ``-`` is told to be written ``--flag=VALUE``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):
+        message = self._dashed_value(message) or message
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def _dashed_value(self, message: str) -> str | None:
+        """For argparse's ``expected one argument`` where the flag is followed by a value that
+        starts with ``-`` (``--partition -1,3``): what is wrong with that value, or how to give
+        it (``--partition=-1,3``); else None.
+
+        Example:
+            >>> parser = Parser(prog="p")
+            >>> _ = parser.add_argument("--name")
+            >>> parser._argv = ["--name", "-x"]
+            >>> parser._dashed_value("argument --name: expected one argument")
+            "--name -x: a value starting with '-' reads as a flag; write --name=-x"
+        """
+        flag, _, what = message.removeprefix("argument ").partition(": ")
+        argv = getattr(self, "_argv", [])
+        for name in flag.split("/") if what == "expected one argument" else ():
+            at = argv.index(name) + 1 if name in argv[:-1] else 0
+            if at and argv[at].startswith("-"):
+                kind = self._option_string_actions[name].type
+                try:
+                    if kind is not None:
+                        kind(argv[at])
+                except argparse.ArgumentTypeError as e:
+                    return str(e)
+                value, hint = argv[at], "a value starting with '-' reads as a flag"
+                return f"{name} {value}: {hint}; write {name}={value}"
+        return None
 
 
 def _note(namespace: argparse.Namespace, dest: str) -> None:
@@ -80,6 +122,20 @@ def add_fields(group: argparse._ActionsContainer, fields: Iterable[dataclasses.F
             metavar=option.metavar,
             help=option.help_text(),
         )
+
+
+def typed(schema: type, args: argparse.Namespace) -> Any:
+    """The ``schema`` dataclass of the option fields ``args`` holds (as :func:`add_fields`
+    declared them).
+
+    Example:
+        >>> @dataclasses.dataclass
+        ... class Options:
+        ...     steps: int = 1
+        >>> typed(Options, argparse.Namespace(steps=3, other=0))
+        Options(steps=3)
+    """
+    return schema(**{f.name: getattr(args, f.name) for f in dataclasses.fields(schema)})
 
 
 def add_options(parser: argparse.ArgumentParser, schema: type) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from typing import Any
 
-from mmnnx.cli.flags import add_fields
+from mmnnx.cli import prologue
+from mmnnx.cli.flags import add_fields, typed
 from mmnnx.train.options import finite, integer, option, positive
 
 
@@ -59,36 +59,29 @@ def run(args: argparse.Namespace) -> int:
     on stderr (naming the newer steps passed over as unreadable); a run without config,
     tokenizer or checkpoint, a prompt its tokenizer cannot read (a non-UTF-8 byte, for a BPE)
     or the model has no room for exits 2 in one line."""
+    options = typed(Options, args)
 
     def error(message: str) -> int:
-        print(f"mmnnx generate: error: {message}", file=sys.stderr)
-        return 2
+        return prologue.error("generate", message)
 
-    if not args.prompt:
+    if not options.prompt:
         return error("--prompt is empty; give some text to continue")
-    from mmnnx.train.generation import RunError, read_run_flags  # noqa: PLC0415
+    from mmnnx.train.generation import RunError, read_run  # noqa: PLC0415
 
     try:
-        flags = read_run_flags(args.run)
+        spec = read_run(options.run)
     except RunError as e:
         return error(f"--run: {e}")
-    xla = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in xla:
-        devices = flags.get("devices", 8)
-        os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices}"
+    prologue.start(spec.run.layout.devices, distributed=False)
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
-    from mmnnx.train.generation import continue_text, load_run, read_run  # noqa: PLC0415
+    from mmnnx.train.generation import continue_text, load_run  # noqa: PLC0415
 
-    try:
-        spec = read_run(args.run)
-    except RunError as e:
-        return error(f"--run: {e}")
     try:  # a byte of argv that is not UTF-8 is a lone surrogate here
-        prompt_tokens = len(spec.tokenizer.encode(args.prompt))
+        prompt_tokens = len(spec.tokenizer.encode(options.prompt))
     except ValueError as e:
         return error(f"--prompt is {e}")
     try:
-        run = load_run(spec, layout=args.layout)
+        run = load_run(spec, layout=options.layout)
     except (
         RunError,
         ck.CheckpointMismatchError,
@@ -96,30 +89,31 @@ def run(args: argparse.Namespace) -> int:
         ck.NoReadableCheckpointError,
     ) as e:
         return error(f"--run: {e}")
-    room = run.model.config.max_seq_len - prompt_tokens
+    context = run.model.config.max_seq_len
+    room, new = context - prompt_tokens, options.max_new_tokens
     if room < 1:
         return error(
-            f"--prompt is {prompt_tokens} tokens; the model reads at most "
-            f"{run.model.config.max_seq_len} (its --seq-len), leaving no room to continue"
+            f"--prompt is {prompt_tokens} tokens; the model reads at most {context} (its "
+            "--seq-len), leaving no room to continue"
         )
-    if args.max_new_tokens is not None and args.max_new_tokens > room:
+    if new is not None and new > room:
         return error(
-            f"--max-new-tokens {args.max_new_tokens} exceeds the {room} tokens the model's "
-            f"--seq-len {run.model.config.max_seq_len} leaves after a {prompt_tokens}-token prompt"
+            f"--max-new-tokens {new} exceeds the {room} tokens the model's --seq-len {context} "
+            f"leaves after a {prompt_tokens}-token prompt"
         )
     skipped = "".join(f"; {s}" for s in run.skipped)  # newer steps that are damaged
     print(
-        f"mmnnx generate: {args.run}, step {run.step}, layout {args.layout}{skipped}",
+        f"mmnnx generate: {options.run}, step {run.step}, layout {options.layout}{skipped}",
         file=sys.stderr,
     )
     text = continue_text(
         run.model,
         run.tokenizer,
-        args.prompt,
-        args.max_new_tokens or room,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        seed=args.seed,
+        options.prompt,
+        new or room,
+        temperature=options.temperature,
+        top_k=options.top_k,
+        seed=options.seed,
     )
     print(text)
     return 0

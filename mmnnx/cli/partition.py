@@ -7,10 +7,14 @@ planning again."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from mmnnx.train.validate import given_sizes
+
+if TYPE_CHECKING:
+    from mmnnx.train.config import RunConfig
 
 KEY = "partition"
 """The entry of a checkpoint's ``extra`` holding the split (``{"sizes": [3, 1]}``)."""
@@ -38,51 +42,8 @@ class Stages:
         return dataclasses.replace(config, schedule=self.schedule, microbatches=self.microbatches)
 
 
-def given_sizes(text: str) -> tuple[int, ...] | None:
-    """The blocks per stage ``--partition`` gives, or ``None`` for ``params`` and ``auto``.
-
-    Example:
-        >>> given_sizes("3,1"), given_sizes("auto")
-        ((3, 1), None)
-    """
-    if text in ("params", "auto"):
-        return None
-    return tuple(int(p) for p in text.split(","))
-
-
-def problem(args: argparse.Namespace, blocks: int, depth: str) -> str | None:
-    """What ``--partition`` cannot do with the other flags (``blocks`` of the model, named
-    ``depth`` as the flags give it), in one line; or None.
-
-    Example:
-        >>> from mmnnx.cli import parse_args
-        >>> problem(parse_args(["train", "--partition", "3,2"]), 4, "--depth 4")
-        '--partition 3,2 gives 5 blocks, but the model has 4 (--depth 4)'
-    """
-    stages = args.stages * args.virtual_stages
-    sizes = given_sizes(args.partition)
-    if sizes is not None:
-        if len(sizes) != stages:
-            return (
-                f"--partition {args.partition} gives {len(sizes)} stages, but --stages "
-                f"{args.stages} x --virtual-stages {args.virtual_stages} makes {stages}"
-            )
-        if sum(sizes) != blocks:
-            return (
-                f"--partition {args.partition} gives {sum(sizes)} blocks, but the model has "
-                f"{blocks} ({depth})"
-            )
-    if args.partition != "params" and args.scan_layers:
-        return (
-            f"--partition {args.partition} needs the blocks as a list: leave out --scan-layers "
-            "(stacked blocks are split into equal chunks)"
-        )
-    return None
-
-
 def stages(
-    args: argparse.Namespace,
-    options: Mapping[str, Any],
+    run: RunConfig,
     config: Any,
     tasks: Sequence[Any],
     batch: Any,
@@ -100,19 +61,20 @@ def stages(
     """
     from mmnnx.train.run_model import run_placement  # noqa: PLC0415
 
-    placed = {"virtual_stages": args.virtual_stages, "schedule": args.schedule}
-    if args.partition == "params":
+    lay = run.layout
+    placed = {"virtual_stages": lay.virtual_stages, "schedule": run.training.schedule}
+    if lay.partition == "params":
         return Stages(rules=run_placement(config, tasks, **placed, report=True))
-    sizes = given_sizes(args.partition) or _recorded(extra, args, config.depth)
+    sizes = given_sizes(lay.partition) or _recorded(extra, run, config.depth)
     if sizes is not None:
         return Stages(rules=run_placement(config, tasks, **placed, sizes=sizes), sizes=sizes)
-    return _planned(args, options, config, tasks, batch, data_axis)
+    return _planned(run, config, tasks, batch, data_axis)
 
 
-def _recorded(extra: Mapping[str, Any] | None, args: argparse.Namespace, depth: int):
+def _recorded(extra: Mapping[str, Any] | None, run: RunConfig, depth: int):
     """The split a resumed run recorded, when it has as many stages and blocks as now."""
     sizes = ((extra or {}).get(KEY) or {}).get("sizes")
-    stages = args.stages * args.virtual_stages
+    stages = run.layout.stages * run.layout.virtual_stages
     if not (isinstance(sizes, list) and len(sizes) == stages and sum(sizes) == depth):
         return None
     print(
@@ -123,8 +85,7 @@ def _recorded(extra: Mapping[str, Any] | None, args: argparse.Namespace, depth: 
 
 
 def _planned(
-    args: argparse.Namespace,
-    options: Mapping[str, Any],
+    run: RunConfig,
     config: Any,
     tasks: Sequence[Any],
     batch: Any,
@@ -144,18 +105,19 @@ def _planned(
             "the planner times every stage's programs in one process; plan in one process "
             "(--partition auto), then run the job with the split it prints (--partition 3,1)"
         )
-    auto = args.schedule == "auto"
+    training = run.training
+    auto = training.schedule == "auto"
     result = partition(
-        abstract_model(options, config),
+        abstract_model(run, config),
         lambda model, b: model.loss(b),
         batch,
         tasks,
-        optimizer=make_optimizer(train_config(options)),
-        wrt=trainable(options),
-        memory_budget=args.memory_budget,
-        schedules=None if auto else args.schedule,
-        microbatches=_microbatches(args, data_axis) if auto else args.microbatches,
-        virtual_stages=args.virtual_stages,
+        optimizer=make_optimizer(train_config(run)),
+        wrt=trainable(run),
+        memory_budget=training.memory_budget,
+        schedules=None if auto else training.schedule,
+        microbatches=_microbatches(run, data_axis) if auto else training.microbatches,
+        virtual_stages=run.layout.virtual_stages,
         report=True,
     )
     print(
@@ -171,16 +133,18 @@ def _planned(
     )
 
 
-def _microbatches(args: argparse.Namespace, data_axis: int) -> list[int]:
+def _microbatches(run: RunConfig, data_axis: int) -> list[int]:
     """``--microbatches`` and the other counts from ``--stages`` to 4 x ``--stages`` that split
     the batch into microbatches the data (and expert) axis divides."""
-    shards = data_axis * args.expert_axis
+    shards, stages, batch = (
+        data_axis * run.layout.expert_axis,
+        run.layout.stages,
+        run.training.batch_size,
+    )
     counts = [
-        m
-        for m in range(args.stages, 4 * args.stages + 1)
-        if args.batch_size % m == 0 and (args.batch_size // m) % shards == 0
+        m for m in range(stages, 4 * stages + 1) if batch % m == 0 and (batch // m) % shards == 0
     ]
-    return sorted({args.microbatches, *counts})
+    return sorted({run.training.microbatches, *counts})
 
 
 def latest_extra(checkpointer: Any) -> dict[str, Any] | None:

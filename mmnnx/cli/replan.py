@@ -10,6 +10,47 @@ reads whole batches; the checkpoint holds whole arrays, restored onto any layout
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mmnnx.train.config import RunConfig
+
+
+def data_axis(run: RunConfig, devices: int) -> int:
+    """The data axis the run's stages are laid out with on ``devices`` (all of
+    ``jax.devices()``): ``--data-axis``, or with ``--resume`` a narrower one where the layout
+    needs more devices than the job has (said in one line).
+
+    Raises:
+        ValueError: the layout does not fit, even narrowed; the message says why, in one line.
+    """
+    import jax  # noqa: PLC0415
+
+    from mmnnx.train.validate import devices_needed, layout  # noqa: PLC0415
+
+    needed, lay = devices_needed(run), run.layout
+    if devices >= needed:
+        return lay.data_axis
+    many = jax.process_count() > 1
+    where = f" ({jax.process_count()} processes x {jax.local_device_count()})" if many else ""
+    problem = f"only {devices} devices are available{where}; {layout(run)} needs {needed}"
+    if not run.outputs.resume:
+        raise ValueError(problem)
+    narrowed = narrowed_data_axis(
+        lay.stages, lay.data_axis, lay.expert_axis, lay.model_axis, devices
+    )
+    if narrowed is None:
+        least = needed // lay.data_axis
+        raise ValueError(
+            f"{problem}; --resume narrows only --data-axis, and --data-axis 1 needs {least}"
+        )
+    per_stage = narrowed * lay.expert_axis * lay.model_axis
+    if jax.process_index() == 0:
+        line = replanned_line(layout(run), needed, f"{devices}{where}", narrowed, per_stage)
+        print(line, file=sys.stderr)
+    return narrowed
+
 
 def narrowed_data_axis(
     stages: int, data_axis: int, expert_axis: int, model_axis: int, devices: int

@@ -18,12 +18,15 @@ from mmnnx.train.options import (
     finite,
     integer,
     names,
+    nonempty,
     option,
+    options_where,
     positive,
     spec,
     split_or,
     step_range,
     switch,
+    table,
     tables,
 )
 
@@ -33,6 +36,12 @@ T, G = TrainConfig, GPTConfig  # whose defaults the options feeding them take
 def count(default: int, help: str, **more) -> Any:
     """An option of an int >= 1, its help ending with its default."""
     return option(default, help + " (%(default)s)", positive, **more)
+
+
+def moe(help: str, parse: Any, metavar: str) -> Any:
+    """An option of a mixture of experts: architecture, ``None`` (the model's default) unless
+    given."""
+    return option(None, help, parse, metavar=metavar, omit=(None,), moe=True, architecture=True)
 
 
 def _schedule_help() -> str:
@@ -55,9 +64,9 @@ def _schedule_help() -> str:
 
 @dataclasses.dataclass
 class Model:
-    dim: int = count(G.dim, "model width")
-    depth: int = count(G.depth, "number of transformer blocks")
-    heads: int = count(G.num_heads, "attention heads", api="num_heads")
+    dim: int = count(G.dim, "model width", architecture=True)
+    depth: int = count(G.depth, "number of transformer blocks", architecture=True)
+    heads: int = count(G.num_heads, "attention heads", api="num_heads", architecture=True)
     scan_layers: bool = switch(
         "--scan-layers",
         "stack the blocks and run them with nnx.scan, each stage scanning its own chunk "
@@ -69,6 +78,7 @@ class Model:
         "--gated-mlp",
         "a SiLU-gated MLP without biases (Llama's and Qwen3's) instead of GELU with biases: a "
         "run so trained exports as LlamaForCausalLM (mmnnx export)",
+        architecture=True,
     )
     init_from: str | None = option(
         None,
@@ -101,78 +111,48 @@ class Model:
         metavar="NAMES",
         text=",".join,
     )
-    experts: int | None = option(
-        None,
+    experts: int | None = moe(
         "make blocks mixtures of this many SwiGLU experts (mm.modules.MoE, routed as "
         "Qwen3-MoE; dropless unless --capacity-factor); which blocks: --moe-every (default: "
         "none, a dense GPT)",
         positive,
-        metavar="E",
-        omit=(None,),
+        "E",
     )
-    experts_per_token: int | None = option(
-        None,
+    experts_per_token: int | None = moe(
         "with --experts: the experts each token is routed to, top-k "
         f"(default {G.experts_per_token})",
         positive,
-        metavar="K",
-        omit=(None,),
+        "K",
     )
-    expert_hidden: int | None = option(
-        None,
+    expert_hidden: int | None = moe(
         "with --experts: each expert's hidden size (default: the dense MLP's, 4 x --dim)",
         positive,
-        metavar="H",
-        omit=(None,),
+        "H",
     )
-    moe_every: int | None = option(
-        None,
+    moe_every: int | None = moe(
         f"with --experts: block i is a mixture of experts when (i + 1) %% N == 0, the others "
         f"dense (Qwen3-MoE's decoder_sparse_step; default {G.moe_every}: every block)",
         positive,
-        metavar="N",
-        omit=(None,),
+        "N",
     )
-    capacity_factor: float | None = option(
-        None,
+    capacity_factor: float | None = moe(
         "with --experts: each expert computes at most ceil(C x tokens x K / E) assignments of "
         "a microbatch, the later ones dropped (logged as dropped_tokens) (default: dropless)",
         finite(positive=True),
-        metavar="C",
-        omit=(None,),
+        "C",
     )
-    router_aux_loss_coef: float | None = option(
-        None,
+    router_aux_loss_coef: float | None = moe(
         "with --experts: weight of the routers' load-balancing loss added to the loss "
         f"(default {G.router_aux_loss_coef})",
         finite(positive=False),
-        metavar="A",
-        omit=(None,),
+        "A",
     )
-    router_z_loss_coef: float | None = option(
-        None,
+    router_z_loss_coef: float | None = moe(
         "with --experts: weight of the routers' z-loss added to the loss "
         f"(default {G.router_z_loss_coef})",
         finite(positive=False),
-        metavar="Z",
-        omit=(None,),
+        "Z",
     )
-
-
-MOE = (
-    "experts",
-    "experts_per_token",
-    "expert_hidden",
-    "moe_every",
-    "capacity_factor",
-    "router_aux_loss_coef",
-    "router_z_loss_coef",
-)
-"""The options of a mixture of experts, which need ``--experts``."""
-
-ARCHITECTURE = ("dim", "depth", "heads", "gated_mlp", "vocab_size", "tokenizer", *MOE)
-"""The options that describe a model trained from scratch, which ``--init-from`` takes from the
-checkpoint instead (given with it: an error; not recorded in its ``config.toml``)."""
 
 
 @dataclasses.dataclass
@@ -211,12 +191,18 @@ class Layout:
 @dataclasses.dataclass
 class Training:
     batch_size: int = count(16, "sequences per step")
-    microbatches: int = count(T.microbatches, "microbatches per step")
-    schedule: str = option(T.schedule, _schedule_help, choices=lambda: (*schedule_names(), "auto"))
+    microbatches: int = count(T.microbatches, "microbatches per step", may_change=True)
+    schedule: str = option(
+        T.schedule,
+        _schedule_help,
+        choices=lambda: (*schedule_names(), "auto"),
+        may_change=True,
+    )
     memory_budget: str | None = option(
         None,
         "with --schedule auto or --partition auto: bytes per device the schedule and the split "
         "may use (e.g. 2GiB)",
+        may_change=True,
     )
     pack_residuals: bool | int = option(
         T.pack_residuals,
@@ -232,6 +218,7 @@ class Training:
                 "return each residual as an array of its own (mm.jit(pack_residuals=False))",
             ),
         },
+        may_change=True,
     )
     pack_weights: bool = switch(
         "--no-pack-weights",
@@ -240,13 +227,15 @@ class Training:
         f"{PACK_WEIGHT_BYTES // 1024} KiB travel as one buffer",
         default=True,
         omit=(True,),
+        may_change=True,
     )
-    steps: int = count(T.steps, "optimizer steps")
+    steps: int = count(T.steps, "optimizer steps", may_change=True)
     schedule_steps: int | None = option(
         T.schedule_steps,
         "horizon of the learning-rate schedule, warm-up + cosine decay (default: --steps; "
         "with --resume, the horizon saved with the checkpoint)",
         positive,
+        may_change=True,
     )
     lr: float = option(
         T.learning_rate, "peak learning rate (3e-3)", finite(positive=True), api="learning_rate"
@@ -257,12 +246,15 @@ class Training:
     weight_decay: float = option(
         T.weight_decay, "AdamW's decoupled weight decay (%(default)s)", finite(positive=False)
     )
-    eval_every: int = count(T.eval_every, "steps between evaluations")
-    eval_batches: int = count(T.eval_batches, "held-out batches each evaluation averages")
+    eval_every: int = count(T.eval_every, "steps between evaluations", may_change=True)
+    eval_batches: int = count(
+        T.eval_batches, "held-out batches each evaluation averages", may_change=True
+    )
     timeline_step: int = option(
         T.timeline_step,
         "the step whose pipeline timeline is measured and drawn (%(default)s; 0: none)",
         integer(0),
+        may_change=True,
     )
     seed: int = option(0, "initialisation and data seed (%(default)s)", integer(0))
     text: list[str] | None = option(
@@ -277,12 +269,14 @@ class Training:
         "bytes (256 tokens) or a byte-level BPE trained on the text (saved with the run "
         "under OUTPUT_DIR/tokenizer; --resume reuses it) (%(default)s)",
         choices=("bytes", "bpe"),
+        architecture=True,
     )
     vocab_size: int | None = option(
         None,
         "with --tokenizer bpe: tokens of the BPE, at least 256; fewer if the text has "
         "fewer pairs to merge; --resume keeps the saved tokenizer's (1024)",
         integer(256),
+        architecture=True,
     )
 
 
@@ -324,10 +318,14 @@ class Logging:
         "log the TensorBoard scalars and this run's config to this Weights & Biases project "
         "too (process 0); files under OUTPUT_DIR/wandb unless WANDB_DIR says where; "
         "WANDB_MODE=offline logs without a network; --resume continues the same wandb run",
+        nonempty,
         metavar="PROJECT",
     )
     wandb_name: str | None = option(
-        T.wandb_name, "with --wandb: the run's name (default: OUTPUT_DIR's name)", metavar="NAME"
+        T.wandb_name,
+        "with --wandb: the run's name (default: OUTPUT_DIR's name)",
+        nonempty,
+        metavar="NAME",
     )
 
 
@@ -349,31 +347,71 @@ class Outputs:
 
 @dataclasses.dataclass
 class RunConfig:
-    model: Model = dataclasses.field(default_factory=Model)
-    layout: Layout = dataclasses.field(default_factory=Layout)
-    training: Training = dataclasses.field(default_factory=Training)
-    precision: Precision = dataclasses.field(default_factory=Precision)
-    logging: Logging = dataclasses.field(default_factory=Logging)
-    outputs: Outputs = dataclasses.field(default_factory=Outputs)
+    """A run's options, one table each (a resumed run may change those of ``layout``,
+    ``logging`` and ``outputs``: how a step is run, not what it computes)."""
+
+    model: Model = table(Model)
+    layout: Layout = table(Layout, may_change=True)
+    training: Training = table(Training)
+    precision: Precision = table(Precision)
+    logging: Logging = table(Logging, may_change=True)
+    outputs: Outputs = table(Outputs, may_change=True)
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> RunConfig:
+        """The config of option ``values`` by name (a parsed command line's, ``config.toml``'s
+        read by ``read_config``); other names are ignored, options missing take their defaults.
+
+        Example:
+            >>> RunConfig.of({"dim": 64, "steps": 5, "command": "train"}).model.dim
+            64
+        """
+        kinds = {t.name: t.default_factory for t in dataclasses.fields(cls)}
+        return cls(
+            **{
+                title: kind(
+                    **{f.name: values[f.name] for f in tables(cls)[title] if f.name in values}
+                )
+                for title, kind in kinds.items()
+            }
+        )
+
+    def options(self) -> dict[str, Any]:
+        """Every option's value by name, as the run records it (``config.toml``, the
+        checkpoints' run record): with ``--init-from``, the architecture options left out (the
+        checkpoint's ``config.json`` gives them).
+
+        Example:
+            >>> config = RunConfig.of({"init_from": "hf/llama"})
+            >>> config.options()["init_from"], "dim" in config.options()
+            ('hf/llama', False)
+        """
+        values = {
+            f.name: getattr(getattr(self, title), f.name)
+            for title, fields in tables(type(self)).items()
+            for f in fields
+        }
+        if self.model.init_from is not None:
+            values = {k: v for k, v in values.items() if k not in ARCHITECTURE}
+        return values
 
 
-MAY_CHANGE_ON_RESUME = (
-    *(f.name for table in (Layout, Logging, Outputs) for f in dataclasses.fields(table)),
-    "steps",
-    "schedule_steps",
-    "microbatches",
-    "schedule",
-    "memory_budget",
-    "pack_residuals",
-    "pack_weights",
-    "eval_every",
-    "eval_batches",
-    "timeline_step",
-)
+MOE = options_where(RunConfig, "moe")
+"""The options of a mixture of experts, which need ``--experts``."""
+
+ARCHITECTURE = options_where(RunConfig, "architecture")
+"""The options that describe a model trained from scratch, which ``--init-from`` takes from the
+checkpoint instead (given with it: an error; not recorded in its ``config.toml``)."""
+
+MAY_CHANGE_ON_RESUME = options_where(RunConfig, "may_change")
 """The options a resumed run may give other values than its checkpoints were trained with: its
 length and learning-rate horizon, its layout (how a step is run, not what it computes), logging
 and outputs. Every other option is recorded with each checkpoint and must match on ``--resume``
-(``mmnnx.train.run_record``); an option added later is so recorded unless named here."""
+(``mmnnx.train.run_record``); an option added later is so recorded unless its field says
+``may_change``."""
+
+
+_FIELDS = {f.name: f for fields in tables(RunConfig).values() for f in fields}
 
 
 def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
@@ -387,27 +425,98 @@ def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
     }
 
 
-def train_config(values: Mapping[str, Any]) -> TrainConfig:
-    """The ``TrainConfig`` of a run's option ``values`` (by field name; others ignored).
+def train_config(run: RunConfig) -> TrainConfig:
+    """The ``TrainConfig`` of a run's options.
 
     Example:
-        >>> train_config({"pack_weights": False, "no_such_option": 1}).pack_weights
+        >>> train_config(RunConfig.of({"pack_weights": False})).pack_weights
         False
     """
-    return TrainConfig(**_arguments(values, TrainConfig))
+    return TrainConfig(**_arguments(run.options(), TrainConfig))
 
 
-def gpt_config(values: Mapping[str, Any], vocab_size: int) -> GPTConfig:
-    """The ``GPTConfig`` of a run's option ``values``; the vocabulary is the tokenizer's
-    ``vocab_size`` rounded up to a multiple of ``model_axis`` (the embedding is sharded over it).
+def gpt_config(run: RunConfig, vocab_size: int) -> GPTConfig:
+    """The ``GPTConfig`` of a run's options for a model trained from scratch; the vocabulary is
+    the tokenizer's ``vocab_size`` rounded up to a multiple of ``--model-axis`` (the embedding
+    is sharded over it).
+
+    Raises:
+        ValueError: a model the options cannot describe, the message naming them as flags.
 
     Example:
-        >>> gpt_config({"dim": 64, "model_axis": 2}, 289).vocab_size
+        >>> gpt_config(RunConfig.of({"dim": 64, "model_axis": 2}), 289).vocab_size
         290
+        >>> gpt_config(RunConfig.of({"experts": 4, "moe_every": 5}), 256)
+        Traceback (most recent call last):
+        ...
+        ValueError: --moe-every 5 leaves none of --depth 4 blocks a mixture of experts
     """
-    shards = int(values.get("model_axis") or 1)
-    sizes = _arguments(values, GPTConfig)
-    if sizes.get("gated_mlp"):
+    problem = model_problem(run.model, run.layout.model_axis)
+    if problem:
+        raise ValueError(problem)
+    shards = run.layout.model_axis
+    sizes = _arguments(run.options(), GPTConfig)
+    if run.model.gated_mlp:
         sizes["mlp_bias"] = False  # Llama's MLP
     sizes["vocab_size"] = -(-vocab_size // shards) * shards  # not the option: that is the BPE's
     return GPTConfig(**sizes)
+
+
+def flag(name: str, value: Any = None) -> str:
+    """Option ``name`` as a flag (a switch: its flag), followed by ``value`` when given.
+
+    Example:
+        >>> flag("seq_len", 64), flag("pack_weights")
+        ('--seq-len 64', '--no-pack-weights')
+    """
+    option = spec(_FIELDS[name])
+    shown = next(iter(option.switches), None) or option.flag(name)
+    return shown if value is None else f"{shown} {value}"
+
+
+def model_problem(model: Model, model_axis: int) -> str | None:
+    """What keeps the options of ``model`` from describing a GPT whose heads and experts
+    ``--model-axis`` shards (a model trained from scratch), in one line naming the flags; or
+    None."""
+    dim, heads = model.dim, model.heads
+    if dim % heads:
+        return f"{flag('dim', dim)} is not divisible by {flag('heads', heads)}"
+    if (dim // heads) % 2:
+        return (
+            f"{flag('dim', dim)} / {flag('heads', heads)} gives heads of {dim // heads} "
+            "dimensions; rotary position embeddings need an even head size"
+        )
+    if heads % model_axis:
+        return f"{flag('heads', heads)} is not divisible by {flag('model_axis', model_axis)}"
+    if model.experts is None:
+        return None
+    e, k = model.experts, model.experts_per_token or G.experts_per_token
+    if k > e:
+        return (
+            f"{flag('experts_per_token', k)} is more than {flag('experts', e)}: a token picks "
+            "K of E experts"
+        )
+    if model.capacity_factor is not None and model.capacity_factor > e:
+        return (
+            f"{flag('capacity_factor', format(model.capacity_factor, 'g'))} is more than "
+            f"{flag('experts', e)}: from {e / k:g} (E / K) on no expert drops a token; leave it "
+            "out for dropless routing"
+        )
+    every = model.moe_every or G.moe_every
+    if every > model.depth:
+        return (
+            f"{flag('moe_every', every)} leaves none of {flag('depth', model.depth)} blocks a "
+            "mixture of experts"
+        )
+    if model.scan_layers and every > 1:
+        return (
+            f"{flag('scan_layers')} stacks alike blocks, but {flag('moe_every', every)} leaves "
+            f"some dense; use {flag('moe_every', 1)} with it"
+        )
+    hidden = model.expert_hidden or int(G.mlp_ratio * dim)
+    if hidden % model_axis:
+        return (
+            f"the experts' hidden size {hidden} ({flag('expert_hidden')}) is not divisible by "
+            f"{flag('model_axis', model_axis)}"
+        )
+    return None

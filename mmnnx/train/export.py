@@ -63,13 +63,13 @@ def export_run(
         export_run("r", "r-adapter", adapter=True)   # PEFT's adapter_model.safetensors
     """
     spec = read_run(run_dir)
-    if adapter and not spec.flags.get("lora_rank"):
+    if adapter and not spec.run.model.lora_rank:
         raise RunError(
             f"--adapter: the run in {run_dir} has no LoRA adapters (it was not trained with "
             "--lora-rank); export the whole model instead"
         )
     architecture = None
-    if spec.flags.get("init_from") is None:
+    if spec.run.model.init_from is None:
         blockers = FAMILIES[SCRATCH_ARCHITECTURE].cannot_hold(spec.config)
         if blockers:
             raise RunError(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
-from typing import Any
 
 import jax
 import numpy as np
@@ -15,8 +14,8 @@ from mmnnx.models import GPT, GPTConfig
 from mmnnx.models.pretrained import CheckpointError
 from mmnnx.sharding import MultiMesh, Task, logical_rules
 from mmnnx.train.checkpoint import Checkpointer, Skipped
-from mmnnx.train.config import ARCHITECTURE
-from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config, read_toml
+from mmnnx.train.config import RunConfig
+from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config
 from mmnnx.train.run_model import build_model, model_config, run_placement
 from mmnnx.train.run_record import Saved, saved_record
 from mmnnx.train.tokenizers import Tokenizer, fingerprint, load_tokenizer
@@ -34,37 +33,34 @@ class RunError(ValueError):
 @dataclasses.dataclass
 class LoadedRun:
     """A trained run ready to generate: its model (restored), tokenizer, checkpoint step and
-    flags (``config.toml``'s tables merged), and the newer steps passed over as unreadable."""
+    options (its ``config.toml``), and the newer steps passed over as unreadable."""
 
     model: GPT
     tokenizer: Tokenizer
     step: int
-    flags: dict[str, Any]
+    run: RunConfig
     skipped: list[Skipped] = dataclasses.field(default_factory=list)
 
 
-def read_run_flags(run_dir: str | pathlib.Path) -> dict[str, Any]:
-    """The flags a run recorded in ``run_dir/config.toml``, its tables merged into one dict.
+def read_run_config(run_dir: str | pathlib.Path) -> RunConfig:
+    """The options a run recorded in ``run_dir/config.toml``, parsed as its flags would be
+    (``lora_targets = "q,v"`` is ``("q", "v")``).
 
     Example:
         >>> import tempfile, pathlib
         >>> run = pathlib.Path(tempfile.mkdtemp())
-        >>> _ = (run / "config.toml").write_text("[model]\\ndim = 32\\n[layout]\\nstages = 2\\n")
-        >>> read_run_flags(run)
-        {'dim': 32, 'stages': 2}
+        >>> _ = (run / "config.toml").write_text("[model]\\ndim = 32\\n[layout]\\nstages = 3\\n")
+        >>> config = read_run_config(run)
+        >>> config.model.dim, config.layout.stages
+        (32, 3)
     """
     path = pathlib.Path(run_dir, CONFIG_FILE)
     if not path.is_file():
         raise RunError(f"{path}: no such file; is {run_dir} a directory `mmnnx train` wrote?")
     try:
-        tables = read_toml(path)
+        return RunConfig.of(read_config(path))
     except ConfigError as e:
         raise RunError(str(e)) from None
-    flags: dict[str, Any] = {}
-    for table in tables.values():
-        if isinstance(table, dict):
-            flags.update(table)
-    return flags
 
 
 def run_tasks(stages: int, data_axis: int, model_axis: int, expert_axis: int = 1) -> list[Task]:
@@ -104,11 +100,11 @@ def run_tasks(stages: int, data_axis: int, model_axis: int, expert_axis: int = 1
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """What a run directory says of its model, before anything is built: its flags
-    (``config.toml``'s tables merged), tokenizer, ``GPTConfig`` and checkpoint directory."""
+    """What a run directory says of its model, before anything is built: its options
+    (``config.toml``), tokenizer, ``GPTConfig`` and checkpoint directory."""
 
     directory: pathlib.Path
-    flags: dict[str, Any]
+    run: RunConfig
     tokenizer: Tokenizer
     config: GPTConfig
     checkpoints: pathlib.Path
@@ -122,21 +118,21 @@ def read_run(run_dir: str | pathlib.Path) -> RunSpec:
         RunError: no ``config.toml``, tokenizer or checkpoint directory, or an ``--init-from``
             checkpoint that is gone or unreadable.
     """
-    flags = read_run_flags(run_dir)
+    run = read_run_config(run_dir)
     try:
         tokenizer = load_tokenizer(pathlib.Path(run_dir, "tokenizer"))
     except (OSError, ValueError) as e:
         raise RunError(str(e)) from None
-    checkpoints = pathlib.Path(flags.get("checkpoint_dir") or pathlib.Path(run_dir, "checkpoints"))
+    checkpoints = pathlib.Path(run.outputs.checkpoint_dir or pathlib.Path(run_dir, "checkpoints"))
     if not checkpoints.is_dir():
         raise RunError(f"no checkpoint in {run_dir}: {checkpoints} does not exist")
     try:
-        config = model_config(flags, tokenizer.vocab_size)
+        config = model_config(run, tokenizer.vocab_size)
     except CheckpointError as e:
         raise RunError(f"the run's --init-from: {e}") from None
     return RunSpec(
         directory=pathlib.Path(run_dir),
-        flags=flags,
+        run=run,
         tokenizer=tokenizer,
         config=config,
         checkpoints=checkpoints,
@@ -167,11 +163,15 @@ def load_run(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     spec = run_dir if isinstance(run_dir, RunSpec) else read_run(run_dir)
-    flags = spec.flags
     placement = None
     if layout == "run":
-        names = ("stages", "data_axis", "model_axis", "expert_axis")
-        stages, data, model_axis, expert = (flags.get(k, 1) for k in names)
+        lay = spec.run.layout
+        stages, data, model_axis, expert = (
+            lay.stages,
+            lay.data_axis,
+            lay.model_axis,
+            lay.expert_axis,
+        )
         needed = stages * data * expert * model_axis
         if needed > len(jax.devices()):
             sizes = f"{data} x {expert} x {model_axis}" if expert > 1 else f"{data} x {model_axis}"
@@ -187,7 +187,7 @@ def load_run(
                 f"{', '.join(map(str, ckpt.all_steps())) or 'none'})"
             )
         _check_record(spec, saved_record(ckpt, step))
-        model = build_model(flags, spec.config, placement, weights=False)
+        model = build_model(spec.run, spec.config, placement, weights=False)
         skipped: list[Skipped] = []
         if step is not None:
             ckpt.restore(step, model=model)
@@ -197,7 +197,9 @@ def load_run(
             except FileNotFoundError:
                 raise RunError(f"no checkpoint in {spec.checkpoints}") from None
             step, skipped = resumed.step, resumed.skipped
-    return LoadedRun(model=model, tokenizer=spec.tokenizer, step=step, flags=flags, skipped=skipped)
+    return LoadedRun(
+        model=model, tokenizer=spec.tokenizer, step=step, run=spec.run, skipped=skipped
+    )
 
 
 def _check_record(spec: RunSpec, saved: Saved | None) -> None:
@@ -210,13 +212,7 @@ def _check_record(spec: RunSpec, saved: Saved | None) -> None:
     if saved is None or saved.record is None:
         return
     config_file = spec.directory / CONFIG_FILE
-    try:
-        values = read_config(config_file)
-    except ConfigError as e:
-        raise RunError(str(e)) from None
-    if spec.flags.get("init_from") is not None:  # as mmnnx train recorded it: see ARCHITECTURE
-        values = {k: v for k, v in values.items() if k not in ARCHITECTURE}
-    mismatch = saved.record.mismatch(values)
+    mismatch = saved.record.mismatch(spec.run.options())
     if mismatch is not None:
         have, had = mismatch.as_keys()
         raise RunError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -284,19 +285,12 @@ def fit(
     left open: a caller that claimed it before writing anything keeps its directory to itself
     throughout), else to a ``Checkpointer`` of ``config.checkpoint_dir`` opened and closed
     here. Each holds ``checkpoint_extra`` (JSON-able, e.g. ``mmnnx train``'s run record) in its
-    ``extra`` beside the data position, step and schedule horizon.
-    A preemption notice (``SIGTERM`` to this process, or with several processes to any of
-    them, e.g. forwarded by ``mmnnx launch``) stops the run at the next step boundary every
-    process agrees on (``mm.distributed.Preemption``): that step is saved, and the result says
-    ``preempted`` with ``last_step`` that step. Each phase of each step (loading the batch,
-    running the step, evaluating, saving) is reported to ``mm.distributed.progress``, which
-    ``mmnnx launch --step-timeout`` watches.
-
-    With ``config.resume`` it continues from the newest readable checkpoint: parameters,
-    optimizer state, step, data position and the learning-rate schedule's horizon, so N steps +
-    save + restore + M steps equals N + M steps. Newer steps that are damaged or incomplete are
-    skipped, named in the "resumed from" line and set aside (``<step>.unreadable``); lines of
-    ``metrics.jsonl`` beyond the step resumed from are dropped.
+    ``extra`` beside the data position, step and schedule horizon. A preemption notice
+    (``SIGTERM``; with several processes, to any of them) stops the run at the next step
+    boundary every process agrees on (``mm.distributed.Preemption``): that step is saved, and
+    the result says ``preempted``. Each phase of each step is reported to
+    ``mm.distributed.progress``, which ``mmnnx launch --step-timeout`` watches. With
+    ``config.resume`` it continues from the newest readable checkpoint (:func:`_resume`).
 
     Raises:
         NoReadableCheckpointError: ``config.resume`` and every step is damaged or incomplete.
@@ -312,200 +306,295 @@ def fit(
         result = fit(model, dataset, TrainConfig(steps=300, microbatches=4, schedule="1f1b"))
         assert result.final_eval < result.first_eval
     """
-    leader = jax.process_index() == 0  # with several processes, process 0 reports and writes
-    console = console or Console(quiet=not leader)
-    out = pathlib.Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = pathlib.Path(config.checkpoint_dir or out / "checkpoints")
-    opt = optimizer or nnx.Optimizer(model, make_optimizer(config), wrt=trainable)
-    eval_data = dataset.eval_batches(config.eval_batches)
-    routed = has_router_metrics(model)  # a mixture of experts: its routers' metrics logged
-    if config.schedule == "auto":
-        config = _tuned(config, model, opt, eval_data[0], console, trainable, metrics=routed)
-    train_step, eval_step = make_steps(config, trainable, metrics=routed)
-    captured_step = jit(_loss_and_metrics)  # the timeline step's metrics (compiled if used)
-
-    def evaluate() -> float:
-        loss = cached_partial(eval_step, model)
-        return float(np.mean([float(fetch(loss(b))) for b in eval_data]))
-
-    start = 0
-    horizon = config.schedule_steps or config.steps
+    loop = _Loop.prepare(model, dataset, config, optimizer, trainable, console)
+    config, out, ckpt_dir = loop.config, loop.out, loop.ckpt_dir  # the config tuned
     with contextlib.ExitStack() as opened:
         checkpoints = checkpointer or opened.enter_context(Checkpointer(ckpt_dir))
-        checkpoints.claim()  # a second writer fails here, before training
-        if not config.resume and checkpoints.latest_step() is not None:
-            raise FileExistsError(
-                f"{ckpt_dir} already holds checkpoints (steps {checkpoints.all_steps()}); resume "
-                "from them (TrainConfig.resume / --resume) or use another checkpoint directory"
-            )
-        if config.resume and (checkpoints.all_steps() or checkpoints.incomplete_steps()):
-            report("restoring checkpoint")
-            resumed = checkpoints.restore_newest_readable(
-                model=model, opt=opt, check_extra=_saved_as
-            )
-            _restore_data(dataset, resumed, ckpt_dir)
-            start = int(resumed.extra["step"])
-            set_aside = checkpoints.set_aside([s.step for s in resumed.skipped])
-            _print_line(console, _resumed_line(resumed, set_aside, ckpt_dir))
-            horizon = _resumed_horizon(config, resumed.extra.get("schedule_steps"), console)
-            if optimizer is None:  # the schedule is the saved run's unless given
-                opt.tx = make_optimizer(dataclasses.replace(config, schedule_steps=horizon))
-        run_step = cached_partial(train_step, model, opt)
-        metrics_path = out / "metrics.jsonl"
-        metrics: list[dict] = []
-        files = {"metrics": str(metrics_path), "checkpoints": str(ckpt_dir)}
-        rates = None  # a given optimizer's learning rates are its own, not known here
-        if optimizer is None:
-            rates = learning_rates(dataclasses.replace(config, schedule_steps=horizon))
-        writers = []
-        if config.wandb is not None and leader:  # before anything is written: it may fail
-            if wandb_config is None:
-                wandb_config = {name: _plain(v) for name, v in vars(config).items()}
-            wandb_run = WandbWriter.start(
-                config.wandb, out, name=config.wandb_name, config=wandb_config, resume=config.resume
-            )
-            writers.append(wandb_run)
-            files["wandb"] = str(wandb_run.directory)
-        log = RunLog(
-            console,
-            out,
-            total_steps=config.steps,
-            first_step=start,
-            tensorboard=config.tensorboard and leader,
-            profile_steps=config.profile_steps if leader else None,
-            writers=writers,
-        )
-        tokens_per_step = dataset.batch_size * dataset.seq_len
-        timed_tokens, timed_seconds = 0, 0.0
-        bubble: tuple[int, float] | None = None
-        progress = Progress(
-            TextColumn("step {task.completed:>5.0f}/{task.total:.0f}"),
-            BarColumn(),
-            TextColumn("loss {task.fields[loss]:.3f}"),
-            TextColumn("{task.fields[tps]:,.0f} tok/s"),
-            TimeRemainingColumn(),
-            console=console,
-            transient=False,
-            disable=log.plain,  # no terminal: RunLog's plain lines instead
-        )
-
-        def save(step: int) -> None:
-            report("saving checkpoint", step)
-            extra = {
-                **(checkpoint_extra or {}),
-                "data": dataset.state(),
-                "step": step,
-                "schedule_steps": horizon,
-            }
-            checkpoints.save(step, model=model, opt=opt, extra=extra)
-
-        stopped: int | None = None  # the step a preemption notice stopped the run after
-        with log, progress, Preemption() as preemption:
-            report("evaluating", start)
-            eval_losses = [(start, evaluate())]
-            if leader and start == 0:
-                metrics_path.write_text(
-                    json.dumps({"step": 0, "eval_loss": eval_losses[0][1]}) + "\n"
-                )
-            elif leader:
-                _keep_metrics_up_to(metrics_path, start)
-            log.evaluation(start, eval_losses[0][1])
-            bar = progress.add_task(
-                "train", total=config.steps, completed=start, loss=float("nan"), tps=0.0
-            )
-            for step in range(start + 1, config.steps + 1):
-                report("loading batch", step)
-                batch = next(dataset)
-                report("running the step", step)
-                log.step_begins(step)
-                began = time.perf_counter()
-                logged = step % config.log_every == 0 or step == config.steps
-                router = None
-                if step == config.timeline_step:
-                    if routed and logged:  # the batch's routing, before the step's update
-                        loss, captured = fetch(captured_step(model, batch))
-                        router = router_metrics(captured, microbatched=False)
-                    else:
-                        loss = fetch(eval_step(model, batch))  # before the step's update
-                    loss = float(loss)
-                    # every task's events (every process's), overlapping as in any step
-                    events = train_step.overlapped_timeline(model, opt, batch)
-                    if events:  # none when the step has no pipeline (one stage)
-                        bubble = (step, measured_bubble(events))
-                        path = out / "timeline.png"
-                        if leader:
-                            plot_timeline(events, path, title=f"measured pipeline, step {step}")
-                            _write_events(out / "timeline.json", step, bubble[1], events)
-                        files["timeline"] = str(path)
-                        files["timeline_events"] = str(out / "timeline.json")
-                elif routed:
-                    loss, captured = run_step(batch)
-                    loss = float(fetch(loss))
-                    if logged:
-                        microbatched = config.microbatches > 1
-                        router = router_metrics(fetch(captured), microbatched=microbatched)
-                else:
-                    loss = float(fetch(run_step(batch)))
-                elapsed = time.perf_counter() - began
-                log.step_ends(step)
-                if step > start + 1:  # the first step compiles
-                    timed_tokens += tokens_per_step
-                    timed_seconds += elapsed
-                tps = timed_tokens / timed_seconds if timed_seconds else 0.0
-                progress.update(bar, completed=step, loss=loss, tps=tps)
-                record: dict[str, Any] = {"step": step, "loss": loss, "tokens_per_s": tps}
-                if rates is not None:
-                    record["learning_rate"] = float(rates(step - 1))  # this step's update's
-                if router is not None:
-                    record.update(
-                        router_aux_loss=router.aux_loss,
-                        router_z_loss=router.z_loss,
-                        dropped_tokens=router.dropped_tokens,
-                        expert_load_imbalance=router.load_imbalance,
-                        tokens_per_expert=list(router.tokens_per_expert),
-                    )
-                if logged:
-                    log.train(
-                        step,
-                        loss=loss,
-                        tokens_per_s=tps,
-                        learning_rate=record.get("learning_rate"),
-                        router=router,
-                    )
-                if step % config.eval_every == 0 or step == config.steps:
-                    report("evaluating", step)
-                    record["eval_loss"] = evaluate()
-                    eval_losses.append((step, record["eval_loss"]))
-                    log.evaluation(step, record["eval_loss"])
-                if step % config.log_every == 0 or "eval_loss" in record:
-                    metrics.append(record)
-                    if leader:
-                        with metrics_path.open("a") as f:
-                            f.write(json.dumps(record) + "\n")
-                preempted = step < config.steps and preemption.reached(step)
-                if step % config.checkpoint_every == 0 or step == config.steps or preempted:
-                    save(step)
-                if preempted:
-                    stopped = step
-                    _print_line(console, _preempted_line(step, ckpt_dir))
-                    break
+        start, horizon = _resume(loop, checkpoints, own_optimizer=optimizer is None)
+        loop.run_step = cached_partial(loop.train_step, model, loop.opt)
+        loop.files.update(metrics=str(out / "metrics.jsonl"), checkpoints=str(ckpt_dir))
+        if optimizer is None:  # a given optimizer's learning rates are its own, not known here
+            loop.rates = learning_rates(dataclasses.replace(config, schedule_steps=horizon))
+        loop.save = functools.partial(_save, loop, checkpoints, checkpoint_extra or {}, horizon)
+        log = _log(loop, start, wandb_config)
+        with log, _progress(loop.console, log.plain) as progress, Preemption() as preemption:
+            stopped = loop.train(start, log, progress, preemption)
     report("finished training", stopped or config.steps, finished=True)
-    files.update(log.files)
-    files["loss_curve"] = str(out / "loss.png")
-    if leader:
-        _plot_losses(metrics_path, out / "loss.png")
-    result = FitResult(
-        metrics=metrics,
-        eval_losses=eval_losses,
+    return _finish(loop, log, start, stopped)
+
+
+@dataclasses.dataclass
+class _Loop:
+    """What the steps of :func:`fit` share: the model, its optimizer and data, the config (its
+    schedule tuned), where it writes, the compiled steps, and what the run has gathered."""
+
+    model: nnx.Module
+    opt: nnx.Optimizer
+    dataset: TextDataset
+    config: TrainConfig
+    console: Console
+    out: pathlib.Path
+    ckpt_dir: pathlib.Path
+    leader: bool  # process 0 (with several processes): reports and writes
+    routed: bool  # a mixture of experts: its routers' metrics logged
+    eval_data: list
+    train_step: Any = None  # make_steps's, microbatched with the config's schedule
+    eval_step: Any = None
+    run_step: Any = None  # train_step with the model and optimizer bound (cached_partial)
+    captured_step: Any = dataclasses.field(default_factory=lambda: jit(_loss_and_metrics))
+    rates: optax.Schedule | None = None  # None: a given optimizer's, not known here
+    save: Callable[[int], None] | None = None  # saves a step's checkpoint
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+    metrics: list[dict] = dataclasses.field(default_factory=list)  # the rows logged
+    eval_losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    bubble: tuple[int, float] | None = None  # the timeline step's, measured
+    timed: list[float] = dataclasses.field(default_factory=lambda: [0, 0.0])  # tokens, seconds
+
+    @classmethod
+    def prepare(
+        cls,
+        model: nnx.Module,
+        dataset: TextDataset,
+        config: TrainConfig,
+        optimizer: nnx.Optimizer | None,
+        trainable: Filter,
+        console: Console | None,
+    ) -> _Loop:
+        """What :func:`fit` trains with, before its checkpoints are opened: the optimizer, the
+        held-out batches, the schedule tuned (``"auto"``) and the steps compiled."""
+        leader = jax.process_index() == 0  # with several processes, process 0 reports and writes
+        console = console or Console(quiet=not leader)
+        out = pathlib.Path(config.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        ckpt_dir = pathlib.Path(config.checkpoint_dir or out / "checkpoints")
+        opt = optimizer or nnx.Optimizer(model, make_optimizer(config), wrt=trainable)
+        eval_data = dataset.eval_batches(config.eval_batches)
+        routed = has_router_metrics(model)  # a mixture of experts: its routers' metrics logged
+        if config.schedule == "auto":
+            config = _tuned(config, model, opt, eval_data[0], console, trainable, metrics=routed)
+        train_step, eval_step = make_steps(config, trainable, metrics=routed)
+        return cls(
+            model=model,
+            opt=opt,
+            dataset=dataset,
+            config=config,
+            console=console,
+            out=out,
+            ckpt_dir=ckpt_dir,
+            leader=leader,
+            routed=routed,
+            eval_data=eval_data,
+            train_step=train_step,
+            eval_step=eval_step,
+        )
+
+    def evaluate(self) -> float:
+        loss = cached_partial(self.eval_step, self.model)
+        return float(np.mean([float(fetch(loss(b))) for b in self.eval_data]))
+
+    def tokens_per_second(self) -> float:
+        tokens, seconds = self.timed
+        return tokens / seconds if seconds else 0.0
+
+    def train(self, start: int, log: RunLog, progress: Progress, preemption: Any) -> int | None:
+        """Evaluates at ``start``, then trains to ``config.steps``: the step a preemption
+        notice stopped the run after (saved), or None."""
+        config, metrics_path = self.config, self.out / "metrics.jsonl"
+        report("evaluating", start)
+        self.eval_losses.append((start, self.evaluate()))
+        if self.leader and start == 0:
+            metrics_path.write_text(
+                json.dumps({"step": 0, "eval_loss": self.eval_losses[0][1]}) + "\n"
+            )
+        elif self.leader:
+            _keep_metrics_up_to(metrics_path, start)
+        log.evaluation(start, self.eval_losses[0][1])
+        bar = progress.add_task(
+            "train", total=config.steps, completed=start, loss=float("nan"), tps=0.0
+        )
+        tokens_per_step = self.dataset.batch_size * self.dataset.seq_len
+        for step in range(start + 1, config.steps + 1):
+            report("loading batch", step)
+            batch = next(self.dataset)
+            report("running the step", step)
+            log.step_begins(step)
+            began = time.perf_counter()
+            logged = step % config.log_every == 0 or step == config.steps
+            loss, router = self.step(step, batch, logged)
+            elapsed = time.perf_counter() - began
+            log.step_ends(step)
+            if step > start + 1:  # the first step compiles
+                self.timed = [self.timed[0] + tokens_per_step, self.timed[1] + elapsed]
+            progress.update(bar, completed=step, loss=loss, tps=self.tokens_per_second())
+            self.record(step, loss, router, log, logged)
+            preempted = step < config.steps and preemption.reached(step)
+            if step % config.checkpoint_every == 0 or step == config.steps or preempted:
+                self.save(step)
+            if preempted:
+                _print_line(self.console, _preempted_line(step, self.ckpt_dir))
+                return step
+        return None
+
+    def step(self, step: int, batch: Any, logged: bool) -> tuple[float, Any]:
+        """Trains step ``step`` on ``batch``: its loss and, for a mixture of experts when
+        ``logged``, its routers' metrics. The timeline step is measured and drawn; its loss
+        (and routing) is the batch's before the step's update."""
+        config, model, router, run_step = self.config, self.model, None, self.run_step
+        if step != config.timeline_step:
+            if not self.routed:
+                return float(fetch(run_step(batch))), None
+            loss, captured = run_step(batch)
+            loss = float(fetch(loss))
+            if logged:
+                router = router_metrics(fetch(captured), microbatched=config.microbatches > 1)
+            return loss, router
+        if self.routed and logged:  # the batch's routing, before the step's update
+            loss, captured = fetch(self.captured_step(model, batch))
+            router = router_metrics(captured, microbatched=False)
+        else:
+            loss = fetch(self.eval_step(model, batch))  # before the step's update
+        loss = float(loss)
+        # every task's events (every process's), overlapping as in any step
+        events = self.train_step.overlapped_timeline(model, self.opt, batch)
+        if events:  # none when the step has no pipeline (one stage)
+            self.bubble = (step, measured_bubble(events))
+            path = self.out / "timeline.png"
+            if self.leader:
+                plot_timeline(events, path, title=f"measured pipeline, step {step}")
+                _write_events(self.out / "timeline.json", step, self.bubble[1], events)
+            self.files["timeline"] = str(path)
+            self.files["timeline_events"] = str(self.out / "timeline.json")
+        return loss, router
+
+    def record(self, step: int, loss: float, router: Any, log: RunLog, logged: bool) -> None:
+        """Logs step ``step`` (``loss``, throughput, learning rate, ``router`` metrics), evaluates
+        when it is time, and appends its row to ``metrics.jsonl`` when either was."""
+        config, tps = self.config, self.tokens_per_second()
+        record: dict[str, Any] = {"step": step, "loss": loss, "tokens_per_s": tps}
+        if self.rates is not None:
+            record["learning_rate"] = float(self.rates(step - 1))  # this step's update's
+        if router is not None:
+            record.update(
+                router_aux_loss=router.aux_loss,
+                router_z_loss=router.z_loss,
+                dropped_tokens=router.dropped_tokens,
+                expert_load_imbalance=router.load_imbalance,
+                tokens_per_expert=list(router.tokens_per_expert),
+            )
+        if logged:
+            rate = record.get("learning_rate")
+            log.train(step, loss=loss, tokens_per_s=tps, learning_rate=rate, router=router)
+        if step % config.eval_every == 0 or step == config.steps:
+            report("evaluating", step)
+            record["eval_loss"] = self.evaluate()
+            self.eval_losses.append((step, record["eval_loss"]))
+            log.evaluation(step, record["eval_loss"])
+        if step % config.log_every == 0 or "eval_loss" in record:
+            self.metrics.append(record)
+            if self.leader:
+                with (self.out / "metrics.jsonl").open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+
+
+def _resume(loop: _Loop, checkpoints: Checkpointer, *, own_optimizer: bool) -> tuple[int, int]:
+    """Claims ``checkpoints`` and, with ``config.resume``, restores the newest readable one:
+    parameters, optimizer state, data position and the learning-rate schedule's horizon (the
+    optimizer's, when ``own_optimizer``). Newer steps that are damaged or incomplete are skipped,
+    named in the "resumed from" line and set aside (``<step>.unreadable``). The step to go on
+    from and the horizon."""
+    config, ckpt_dir = loop.config, loop.ckpt_dir
+    checkpoints.claim()  # a second writer fails here, before training
+    if not config.resume and checkpoints.latest_step() is not None:
+        raise FileExistsError(
+            f"{ckpt_dir} already holds checkpoints (steps {checkpoints.all_steps()}); resume "
+            "from them (TrainConfig.resume / --resume) or use another checkpoint directory"
+        )
+    horizon = config.schedule_steps or config.steps
+    if not (config.resume and (checkpoints.all_steps() or checkpoints.incomplete_steps())):
+        return 0, horizon
+    report("restoring checkpoint")
+    resumed = checkpoints.restore_newest_readable(
+        model=loop.model, opt=loop.opt, check_extra=_saved_as
+    )
+    _restore_data(loop.dataset, resumed, ckpt_dir)
+    set_aside = checkpoints.set_aside([s.step for s in resumed.skipped])
+    _print_line(loop.console, _resumed_line(resumed, set_aside, ckpt_dir))
+    horizon = _resumed_horizon(config, resumed.extra.get("schedule_steps"), loop.console)
+    if own_optimizer:  # the schedule is the saved run's unless given
+        loop.opt.tx = make_optimizer(dataclasses.replace(config, schedule_steps=horizon))
+    return int(resumed.extra["step"]), horizon
+
+
+def _save(
+    loop: _Loop, checkpoints: Checkpointer, extra: Mapping[str, Any], horizon: int, step: int
+) -> None:
+    """Saves checkpoint ``step``: the model, optimizer, and ``extra`` with the data position,
+    the step and the learning-rate schedule's ``horizon``."""
+    report("saving checkpoint", step)
+    extra = {**extra, "data": loop.dataset.state(), "step": step, "schedule_steps": horizon}
+    checkpoints.save(step, model=loop.model, opt=loop.opt, extra=extra)
+
+
+def _log(loop: _Loop, start: int, wandb_config: Mapping[str, Any] | None) -> RunLog:
+    """The run's ``RunLog`` from step ``start``, with the wandb run of ``config.wandb``."""
+    config, leader = loop.config, loop.leader
+    writers = _writers(loop, wandb_config) if config.wandb is not None and leader else []
+    return RunLog(
+        loop.console,
+        loop.out,
+        total_steps=config.steps,
         first_step=start,
-        last_step=config.steps if stopped is None else stopped,
-        tokens_per_second=timed_tokens / timed_seconds if timed_seconds else 0.0,
-        files=files,
-        bubble=bubble,
+        tensorboard=config.tensorboard and leader,
+        profile_steps=config.profile_steps if leader else None,
+        writers=writers,
+    )
+
+
+def _writers(loop: _Loop, wandb_config: Mapping[str, Any] | None) -> list:
+    """The wandb run ``config.wandb`` names, started (before anything is written: it may fail)
+    with ``wandb_config`` (default: the config's fields)."""
+    config = loop.config
+    if wandb_config is None:
+        wandb_config = {name: _plain(v) for name, v in vars(config).items()}
+    wandb_run = WandbWriter.start(
+        config.wandb, loop.out, name=config.wandb_name, config=wandb_config, resume=config.resume
+    )
+    loop.files["wandb"] = str(wandb_run.directory)
+    return [wandb_run]
+
+
+def _progress(console: Console, plain: bool) -> Progress:
+    """The progress bar of a run (none without a terminal: ``RunLog``'s plain lines)."""
+    return Progress(
+        TextColumn("step {task.completed:>5.0f}/{task.total:.0f}"),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+        disable=plain,
+    )
+
+
+def _finish(loop: _Loop, log: RunLog, start: int, stopped: int | None) -> FitResult:
+    """The run's result, its loss curve drawn and its report printed."""
+    out = loop.out
+    loop.files.update(log.files)
+    loop.files["loss_curve"] = str(out / "loss.png")
+    if loop.leader:
+        _plot_losses(out / "metrics.jsonl", out / "loss.png")
+    result = FitResult(
+        metrics=loop.metrics,
+        eval_losses=loop.eval_losses,
+        first_step=start,
+        last_step=loop.config.steps if stopped is None else stopped,
+        tokens_per_second=loop.tokens_per_second(),
+        files=loop.files,
+        bubble=loop.bubble,
         preempted=stopped is not None,
     )
-    _report(console, result)
+    _report(loop.console, result)
     return result
 
 

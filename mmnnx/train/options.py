@@ -22,7 +22,11 @@ class Option:
     ``many`` (one value or more, a list), ``switches`` (flags taking no value: flag -> (the value
     it sets, its help)), ``from_run`` (``--resume`` takes it from the resumed run), ``api`` (its
     name in ``TrainConfig`` or ``GPTConfig``, when not its own), ``omit`` (values leaving that
-    field its default), ``text`` (its value as ``config.toml`` holds it, when not as is)."""
+    field its default), ``text`` (its value as ``config.toml`` holds it, when not as is),
+    ``architecture`` (it describes a model trained from scratch: ``--init-from``'s checkpoint
+    gives it instead), ``moe`` (an option of a mixture of experts, needing ``--experts``) and
+    ``may_change`` (a resumed run may give it another value than its checkpoints record; a
+    table's field may say so for all its options, :func:`table`)."""
 
     help: str | Callable[[], str] = ""
     parse: Parse | None = None
@@ -34,6 +38,9 @@ class Option:
     api: str | None = None
     omit: tuple[Any, ...] = ()
     text: Callable[[Any], Any] | None = None
+    architecture: bool = False
+    moe: bool = False
+    may_change: bool = False
 
     def help_text(self) -> str:
         return self.help() if callable(self.help) else self.help
@@ -143,6 +150,20 @@ def names(allowed: Sequence[str]) -> Parse:
     return parse
 
 
+def nonempty(flag: str, text: str) -> str:
+    """``text`` as it is, if it holds more than blanks.
+
+    Example:
+        >>> nonempty("--wandb", " ")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: --wandb must not be empty, got ' '
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{flag} must not be empty, got {text!r}")
+    return text
+
+
 def step_range(flag: str, text: str) -> tuple[int, int]:
     """``A:B`` (or ``A``) as ``(A, B)``, steps with ``1 <= A <= B``: ``10:12`` -> ``(10, 12)``."""
     first, colon, last = text.partition(":")
@@ -181,6 +202,29 @@ def split_or(choices: Sequence[str]) -> Parse:
         return ",".join(str(int(p)) for p in parts)
 
     return parse
+
+
+def table(options: type, *, may_change: bool = False):
+    """A field of a schema holding the table ``options`` (a dataclass of option fields);
+    ``may_change``: every option of it may change on ``--resume`` (:func:`options_where`)."""
+    return dataclasses.field(default_factory=options, metadata={"may_change": may_change})
+
+
+def options_where(schema: type, attribute: str) -> tuple[str, ...]:
+    """The names of the options of ``schema`` whose :class:`Option` (or table) sets
+    ``attribute``, in the schema's order.
+
+    Example:
+        >>> from mmnnx.train.config import RunConfig
+        >>> options_where(RunConfig, "architecture")[:4]
+        ('dim', 'depth', 'heads', 'gated_mlp')
+    """
+    return tuple(
+        f.name
+        for t in dataclasses.fields(schema)
+        for f in dataclasses.fields(t.default_factory)
+        if getattr(spec(f), attribute) or t.metadata.get(attribute)
+    )
 
 
 def tables(schema: type) -> dict[str, tuple[dataclasses.Field, ...]]:

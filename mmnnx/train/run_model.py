@@ -5,7 +5,7 @@ checkpoint of the run to be restored into), with LoRA adapters when the run has 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from flax import nnx
@@ -13,34 +13,49 @@ from flax import nnx
 from mmnnx.models import GPT, GPTConfig, from_pretrained, pretrained_config
 from mmnnx.models.pretrained import Pretrained
 from mmnnx.models.stages import split_rules, stage_rules
-from mmnnx.modules.lora import add_lora
+from mmnnx.modules.lora import MOE_TARGETS, TARGETS, add_lora
 from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.sharding import Task, init
-from mmnnx.train.config import gpt_config
+from mmnnx.train.config import RunConfig, gpt_config
 
 
-def model_config(flags: Mapping[str, Any], vocab_size: int) -> GPTConfig:
-    """The ``GPTConfig`` of a run's ``flags``: ``gpt_config(flags, vocab_size)`` for a model
-    trained from scratch; with ``init_from``, the checkpoint's (``pretrained_config``), with
-    the run's ``dtype``, ``scan_layers`` and ``seq_len`` as its ``max_seq_len`` (so a
-    ``generate`` cache holds ``seq_len`` positions, not the checkpoint's context).
+def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
+    """The ``GPTConfig`` of a run: ``gpt_config(run, vocab_size)`` for a model trained from
+    scratch; with ``--init-from``, the checkpoint's (``pretrained_config``), with the run's
+    ``dtype``, ``scan_layers`` and ``seq_len`` as its ``max_seq_len`` (so a ``generate`` cache
+    holds ``seq_len`` positions, not the checkpoint's context).
 
     Raises:
         CheckpointError: ``init_from`` is not a checkpoint mmnnx can build.
 
     Example:
-        >>> model_config({"dim": 64, "depth": 2, "model_axis": 1}, 256).depth
+        >>> model_config(RunConfig.of({"dim": 64, "depth": 2, "model_axis": 1}), 256).depth
         2
     """
-    init_from = flags.get("init_from")
+    init_from = run.model.init_from
     if init_from is None:
-        return gpt_config(flags, vocab_size)
+        return gpt_config(run, vocab_size)
     return pretrained_config(
         init_from,
-        dtype=flags.get("dtype") or "float32",
-        scan_layers=bool(flags.get("scan_layers")),
-        max_seq_len=flags.get("seq_len"),
+        dtype=run.precision.dtype,
+        scan_layers=run.model.scan_layers,
+        max_seq_len=run.model.seq_len,
     )
+
+
+def linear_names(config: GPTConfig) -> tuple[str, ...]:
+    """The names of the ``Linear`` layers of ``GPT(config)`` LoRA may adapt (``add_lora``'s
+    targets), in :data:`~mmnnx.modules.lora.TARGETS` order then the router's.
+
+    Example:
+        >>> linear_names(GPTConfig()), linear_names(GPTConfig(gated_mlp=True, experts=4))
+        (('q', 'k', 'v', 'out', 'up', 'down'), ('q', 'k', 'v', 'out', 'router'))
+    """
+    layers = range(config.depth)
+    dense = any(not config.is_moe(i) for i in layers)
+    mlp = (*(("gate",) if config.gated_mlp else ()), "up", "down") if dense else ()
+    have = {"q", "k", "v", "out", *mlp, *(("router",) if config.experts else ())}
+    return tuple(t for t in (*TARGETS, *MOE_TARGETS) if t in have)
 
 
 def run_placement(
@@ -78,42 +93,43 @@ def run_placement(
         )
 
 
-def abstract_model(flags: Mapping[str, Any], config: GPTConfig) -> GPT:
+def abstract_model(run: RunConfig, config: GPTConfig) -> GPT:
     """The model of a run as :func:`build_model` makes it (LoRA adapters included), every
     Variable a ``jax.ShapeDtypeStruct``: nothing allocated.
 
     Example:
-        >>> flags = {"dim": 32, "depth": 1, "heads": 2, "lora_rank": 2, "lora_targets": ("q",)}
-        >>> abstract_model(flags, model_config(flags, 64)).blocks[0].attn.q.lora.a.shape
+        >>> run = RunConfig.of(_LORA)
+        >>> abstract_model(run, model_config(run, 64)).blocks[0].attn.q.lora.a.shape
         (32, 2)
     """
     with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(lambda: build_model({**flags, "init_from": None}, config))
+        return nnx.eval_shape(lambda: build_model(run, config, weights=False, read=False))
 
 
 def build_model(
-    flags: Mapping[str, Any],
+    run: RunConfig,
     config: GPTConfig,
     placement: Sequence[tuple] | None = None,
     *,
     weights: bool = True,
+    read: bool = True,
 ) -> GPT:
     """The model of a run: ``GPT(config)`` on ``placement`` (rules as ``mm.init`` takes them;
-    ``None``: one device, unsharded), then, with ``flags["lora_rank"]``, LoRA adapters
-    (``add_lora``: ``lora_alpha``, ``lora_targets``; drawn from ``seed``).
+    ``None``: one device, unsharded), then, with ``--lora-rank``, LoRA adapters (``add_lora``:
+    ``--lora-alpha``, ``--lora-targets``; drawn from ``--seed``).
 
-    With ``flags["init_from"]`` and ``weights``, its Variables are read from that checkpoint
-    straight onto their devices (``from_pretrained``); otherwise they are initialised from
-    ``flags["seed"]``, for a checkpoint of the run to be restored into (the model still
-    remembers ``init_from`` in ``model.pretrained``).
+    With ``--init-from`` and ``weights``, its Variables are read from that checkpoint straight
+    onto their devices (``from_pretrained``); otherwise they are initialised from ``--seed``,
+    for a checkpoint of the run to be restored into (the model still remembers ``init_from`` in
+    ``model.pretrained``, unless not ``read``).
 
     Example:
-        >>> flags = {"dim": 32, "depth": 1, "heads": 2, "lora_rank": 2, "lora_targets": ("q",)}
-        >>> model = build_model(flags, model_config(flags, 64))
+        >>> run = RunConfig.of(_LORA)
+        >>> model = build_model(run, model_config(run, 64))
         >>> model.blocks[0].attn.q.lora.a.shape
         (32, 2)
     """
-    init_from, seed = flags.get("init_from"), int(flags.get("seed") or 0)
+    init_from, seed, lora = run.model.init_from, run.training.seed, run.model
     if init_from is not None and weights:
         model = from_pretrained(
             init_from,
@@ -133,26 +149,23 @@ def build_model(
                 model = factory()
         else:
             model = init(factory, placement)
-        if init_from is not None:
+        if init_from is not None and read:
             model.pretrained = Pretrained.read(init_from)
-    rank = flags.get("lora_rank")
-    if rank:
-        add_lora(
-            model,
-            rank=rank,
-            alpha=flags.get("lora_alpha"),
-            targets=flags.get("lora_targets") or None,
-            seed=seed,
-        )
+    if lora.lora_rank:
+        targets = lora.lora_targets or None
+        add_lora(model, rank=lora.lora_rank, alpha=lora.lora_alpha, targets=targets, seed=seed)
     return model
 
 
-def trainable(flags: Mapping[str, Any]) -> Any:
-    """The Variables a run trains: ``nnx.LoRAParam`` (the adapters) with ``lora_rank``, else
+def trainable(run: RunConfig) -> Any:
+    """The Variables a run trains: ``nnx.LoRAParam`` (the adapters) with ``--lora-rank``, else
     every ``nnx.Param``.
 
     Example:
-        >>> trainable({"lora_rank": 8}).__name__, trainable({}).__name__
+        >>> trainable(RunConfig.of({"lora_rank": 8})).__name__, trainable(RunConfig()).__name__
         ('LoRAParam', 'Param')
     """
-    return nnx.LoRAParam if flags.get("lora_rank") else nnx.Param
+    return nnx.LoRAParam if run.model.lora_rank else nnx.Param
+
+
+_LORA = {"dim": 32, "depth": 1, "heads": 2, "lora_rank": 2, "lora_targets": ("q",)}  # examples

@@ -232,17 +232,7 @@ class Checkpointer:
             mmnnx.train.checkpoint.CheckpointCorruptError: checkpoint step 1 in ...: too late; ...
         """
         if step is None:  # the newest step that reads back whole, saying what it passed over
-            if len(self.all_steps()) == 1 and not self.incomplete_steps():
-                only = self.all_steps()[0]  # its own error
-                return self.restore(only, model=model, opt=opt, check_extra=check_extra)
-            resumed = self.restore_newest_readable(model=model, opt=opt, check_extra=check_extra)
-            if resumed.skipped:
-                warnings.warn(
-                    f"restored checkpoint step {resumed.step} of {self._directory}, the newest "
-                    f"that reads back whole; {'; '.join(str(s) for s in resumed.skipped)}",
-                    stacklevel=2,
-                )
-            return resumed.extra
+            return self._restore_newest(model, opt, check_extra)
         steps = self.all_steps()
         step = int(step)
         if step not in steps:
@@ -290,6 +280,23 @@ class Checkpointer:
             )
         extra, _ = self._format_of(step).open(step).read({})
         return dict(extra or {})
+
+    def _restore_newest(
+        self, model: Any, opt: nnx.Optimizer | None, check_extra: CheckExtra | None
+    ) -> dict[str, Any]:
+        """:meth:`restore` without a step: the newest that reads back whole (one step alone:
+        its own error), with a warning naming each newer one passed over and why."""
+        if len(self.all_steps()) == 1 and not self.incomplete_steps():
+            only = self.all_steps()[0]  # its own error
+            return self.restore(only, model=model, opt=opt, check_extra=check_extra)
+        resumed = self.restore_newest_readable(model=model, opt=opt, check_extra=check_extra)
+        if resumed.skipped:
+            warnings.warn(
+                f"restored checkpoint step {resumed.step} of {self._directory}, the newest "
+                f"that reads back whole; {'; '.join(str(s) for s in resumed.skipped)}",
+                stacklevel=3,
+            )
+        return resumed.extra
 
     def restore_newest_readable(
         self,

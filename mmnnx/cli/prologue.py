@@ -1,0 +1,36 @@
+"""What every command that runs a model does first: say an error as its one line, simulate the
+devices it needs (``XLA_FLAGS``, unless set) before JAX starts, and join a job of several
+processes (under ``mmnnx launch`` or a cluster; alone, nothing)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def error(command: str, message: str) -> int:
+    """``message`` as ``mmnnx COMMAND``'s one line on stderr; exit status 2.
+
+    Example:
+        >>> import contextlib, io
+        >>> with contextlib.redirect_stderr(io.StringIO()) as err:
+        ...     error("train", "no")
+        2
+        >>> err.getvalue()
+        'mmnnx train: error: no\\n'
+    """
+    print(f"mmnnx {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def start(devices: int, *, distributed: bool = True) -> None:
+    """Simulates ``devices`` CPU devices when ``XLA_FLAGS`` says no count (before JAX is
+    imported: it reads them once), then, with ``distributed``, joins the job's processes
+    (``mm.distributed.initialize``)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
+    if distributed:
+        import mmnnx as mm  # noqa: PLC0415  (after XLA_FLAGS)
+
+        mm.distributed.initialize()

@@ -1,0 +1,344 @@
+"""The checks of a :class:`~mmnnx.train.config.RunConfig` taken as a whole, before anything is
+built (as torchtitan's ``config/validation.py``): each finds the first inconsistency among the
+options of one concern and says it in one line naming the flags (``--depth 1 gives fewer blocks
+than --stages 2``). The model's own rules are checked where its config is built
+(:func:`~mmnnx.train.config.gpt_config`, ``pretrained_config``), called from here."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Set
+from typing import Any, NamedTuple
+
+from mmnnx.mpmd.schedules import get
+from mmnnx.mpmd.schedules.registry import Placement, registered
+from mmnnx.train.config import MOE, RunConfig, flag, gpt_config
+from mmnnx.train.run_outputs import output_problem, run_outputs
+from mmnnx.tuning import parse_bytes
+
+
+class Checked(NamedTuple):
+    """What :func:`check` found: the first ``problem`` (one line, or None) and, for a run
+    with ``--init-from``, the ``GPTConfig`` its ``config.json`` gave (``model_config``'s: read
+    once, for the run to build its model with)."""
+
+    problem: str | None  # the first inconsistency, naming the flags
+    pretrained: Any = None  # --init-from's GPTConfig, as model_config builds it; else None
+
+
+def problem(run: RunConfig, given: Set[str] = frozenset()) -> str | None:
+    """The first inconsistency among the options of ``run`` taken together, or None; ``given``
+    names the options the user set (``--init-from`` refuses architecture options given).
+
+    Example:
+        >>> problem(RunConfig.of({"depth": 1}))
+        '--depth 1 gives fewer blocks than --stages 2'
+    """
+    return check(run, given).problem
+
+
+def check(run: RunConfig, given: Set[str] = frozenset()) -> Checked:
+    """:func:`problem`, with the ``--init-from`` checkpoint's ``GPTConfig`` read for it."""
+    found = _experts_problem(run) or _devices_problem(run) or _lora_problem(run)
+    if found:
+        return Checked(found)
+    found, (blocks, depth), pretrained = _model_problem(run, given)
+    if found:
+        return Checked(found)
+    found = (  # each is checked only when those before found nothing
+        _stages_problem(run, blocks, depth)
+        or partition_problem(run, blocks, depth)
+        or _schedule_problem(run, blocks, depth)
+        or _batch_problem(run)
+        or _outputs_problem(run)
+        or _other_problem(run)
+        or _steps_problem(run)
+    )
+    return Checked(found, None if found else pretrained)
+
+
+def devices_needed(run: RunConfig) -> int:
+    """The devices the run's layout multiplies into (:func:`layout` names them)."""
+    lay = run.layout
+    return lay.stages * lay.data_axis * lay.expert_axis * lay.model_axis
+
+
+def layout(run: RunConfig) -> str:
+    """The flags that multiply into the devices a run needs, as one names them."""
+    lay = run.layout
+    expert = f" x {flag('expert_axis', lay.expert_axis)}" if lay.expert_axis > 1 else ""
+    return (
+        f"{flag('stages', lay.stages)} x {flag('data_axis', lay.data_axis)}{expert} x "
+        f"{flag('model_axis', lay.model_axis)}"
+    )
+
+
+def _devices_problem(run: RunConfig) -> str | None:
+    used, devices = devices_needed(run), run.layout.devices
+    if used > devices:
+        return f"{layout(run)} needs {used} devices, but {flag('devices')} is {devices}"
+    return None
+
+
+def _experts_problem(run: RunConfig) -> str | None:
+    """A mixture-of-experts option without ``--experts``, or experts ``--expert-axis`` cannot
+    split; None when there is none."""
+    model, n = run.model, run.layout.expert_axis
+    if model.experts is None:
+        for name in MOE[1:]:
+            if getattr(model, name) is not None:
+                return f"{flag(name)} needs {flag('experts', 'E')}"
+        if n > 1:
+            return f"{flag('expert_axis', n)} needs {flag('experts', 'E')}"
+        return None
+    if model.init_from is None and model.experts % n:
+        return (
+            f"{flag('experts', model.experts)} is not divisible by {flag('expert_axis', n)} "
+            "(E / N experts per device)"
+        )
+    return None
+
+
+def _lora_problem(run: RunConfig) -> str | None:
+    """A LoRA option given without ``--lora-rank``, or None."""
+    model = run.model
+    if model.lora_rank is None:
+        for name in ("lora_alpha", "lora_targets"):
+            if getattr(model, name) is not None:
+                return f"{flag(name)} needs {flag('lora_rank', 'R')}"
+    return None
+
+
+def _targets_problem(targets: tuple[str, ...], config: Any, model: str) -> str | None:
+    """The first of ``targets`` (``--lora-targets``) naming no Linear of ``GPT(config)``
+    (``model``, in words), or None."""
+    from mmnnx.train.run_model import linear_names  # noqa: PLC0415
+
+    have = linear_names(config)
+    missing = [t for t in targets if t not in have]
+    if not missing:
+        return None
+    why = {
+        "router": f"no mixture of experts ({flag('experts')})",
+        "gate": f"no gated MLP ({flag('gated_mlp')})",
+    }.get(missing[0], "no such projection")
+    return f"{flag('lora_targets', missing[0])}: {model} has {why}; its projections are " + (
+        ",".join(have)
+    )
+
+
+def _model_problem(run: RunConfig, given: Set[str]) -> tuple[str | None, tuple[int, str], Any]:
+    """What keeps the options from describing a model (as its config is built: ``gpt_config``
+    or, with ``--init-from``, its ``config.json``), or a LoRA target it lacks; its blocks, with
+    how the flags name them; and ``--init-from``'s ``GPTConfig`` (else None)."""
+    init_from = run.model.init_from
+    if init_from is not None:
+        found, config = _pretrained(run, given)
+        if found:
+            return found, (0, ""), None
+        depth = config.depth
+        return None, (depth, f"{flag('init_from')}'s num_hidden_layers {depth}"), config
+    try:
+        config = gpt_config(run, 256)
+    except ValueError as e:
+        return str(e), (0, ""), None
+    blocks = (run.model.depth, flag("depth", run.model.depth))
+    return _targets_problem(run.model.lora_targets or (), config, "the model"), blocks, None
+
+
+def _pretrained(run: RunConfig, given: Set[str]) -> tuple[str | None, Any]:
+    """The first problem of ``--init-from`` (an architecture flag given with it, a directory
+    mmnnx cannot build, no tokenizer, a LoRA target it lacks, sizes the layout cannot shard)
+    and the ``GPTConfig`` of its ``config.json``."""
+    from mmnnx.models import CheckpointError  # noqa: PLC0415
+    from mmnnx.models.pretrained import check_tokenizer  # noqa: PLC0415
+    from mmnnx.models.pretrained.files import TOKENIZER  # noqa: PLC0415
+    from mmnnx.train.config import ARCHITECTURE  # noqa: PLC0415
+    from mmnnx.train.run_model import model_config  # noqa: PLC0415
+
+    init_from, model_axis = run.model.init_from, run.layout.model_axis
+    conflicting = [name for name in ARCHITECTURE if name in given]
+    if conflicting:
+        return (
+            f"{flag(conflicting[0])} conflicts with {flag('init_from')}: the architecture and "
+            f"tokenizer come from {init_from}/config.json and tokenizer.json"
+        ), None
+    try:  # with the run's --scan-layers: a MoE whose layers are not all alike cannot stack
+        config = model_config(run, 0)  # the vocabulary is the checkpoint's
+    except CheckpointError as e:
+        return f"{flag('init_from')}: {e}", None
+    tokenizer = pathlib.Path(init_from, TOKENIZER)
+    if not tokenizer.is_file():
+        return (
+            f"{flag('init_from')}: {tokenizer} does not exist; mmnnx train reads the text with "
+            "the checkpoint's own tokenizer"
+        ), None
+    try:
+        check_tokenizer(init_from, config.vocab_size)
+    except CheckpointError as e:
+        return f"{flag('init_from')}: {e}", None
+    found = _targets_problem(run.model.lora_targets or (), config, init_from)
+    if found:
+        return found, None
+    for name, size in (
+        ("num_attention_heads", config.num_heads),
+        ("num_key_value_heads", config.num_kv_heads or config.num_heads),
+        ("vocab_size", config.vocab_size),
+    ):
+        if size % model_axis:
+            return (
+                f"{flag('init_from')}'s {name} {size} is not divisible by "
+                f"{flag('model_axis', model_axis)}"
+            ), None
+    return None, config
+
+
+def _stages_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
+    """Fewer blocks than stages."""
+    stages = run.layout.stages
+    if blocks < stages:
+        return f"{depth} gives fewer blocks than {flag('stages', stages)}"
+    return None
+
+
+def given_sizes(text: str) -> tuple[int, ...] | None:
+    """The blocks per stage ``--partition`` gives, or ``None`` for ``params`` and ``auto``.
+
+    Example:
+        >>> given_sizes("3,1"), given_sizes("auto")
+        ((3, 1), None)
+    """
+    if text in ("params", "auto"):
+        return None
+    return tuple(int(p) for p in text.split(","))
+
+
+def partition_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
+    """What ``--partition`` cannot do with the other options (``blocks`` of the model, named
+    ``depth`` as the flags give it), in one line; or None.
+
+    Example:
+        >>> partition_problem(RunConfig.of({"partition": "3,2"}), 4, "--depth 4")
+        '--partition 3,2 gives 5 blocks, but the model has 4 (--depth 4)'
+    """
+    lay, split = run.layout, flag("partition", run.layout.partition)
+    stages = lay.stages * lay.virtual_stages
+    sizes = given_sizes(lay.partition)
+    if sizes is not None:
+        if len(sizes) != stages:
+            return (
+                f"{split} gives {len(sizes)} stages, but {flag('stages', lay.stages)} x "
+                f"{flag('virtual_stages', lay.virtual_stages)} makes {stages}"
+            )
+        if sum(sizes) != blocks:
+            return f"{split} gives {sum(sizes)} blocks, but the model has {blocks} ({depth})"
+    if lay.partition != "params" and run.model.scan_layers:
+        return (
+            f"{split} needs the blocks as a list: leave out {flag('scan_layers')} (stacked "
+            "blocks are split into equal chunks)"
+        )
+    return None
+
+
+def _schedule_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
+    """A schedule that does not run ``--virtual-stages`` stages per task, or too few blocks
+    for the stages."""
+    v, name, stages = run.layout.virtual_stages, run.training.schedule, run.layout.stages
+    placement = None if name == "auto" else registered(name).placement
+    schedule, virtual = flag("schedule", name), flag("virtual_stages")
+    if placement is Placement.V_SHAPED and v != 2:
+        return f"{schedule} needs {virtual} 2 (two stages per task, in a V)"
+    if placement is Placement.INTERLEAVED and v < 2:
+        return f"{schedule} needs {virtual} 2 or more (several stages per task)"
+    if v > 1 and placement in (None, Placement.ONE_PER_RANK):
+        return (
+            f"{virtual} {v} needs a schedule that runs several stages per task "
+            f"(interleaved-*, zero-bubble-v, dualpipev); {schedule} runs one"
+        )
+    if v > 1 and run.model.scan_layers:
+        return f"{virtual} {v} needs the blocks as a list: leave out {flag('scan_layers')}"
+    if blocks < stages * v:
+        return f"{depth} gives fewer blocks than {flag('stages', stages)} x {virtual} {v} stages"
+    if run.model.scan_layers and blocks % stages:
+        return (
+            f"{flag('scan_layers')} splits {depth} blocks into equal chunks, one per stage; "
+            f"{flag('stages', stages)} does not divide it"
+        )
+    return None
+
+
+def _batch_problem(run: RunConfig) -> str | None:
+    """A batch the microbatches, or a microbatch the data (and expert) axis, cannot split."""
+    batch, micro = run.training.batch_size, run.training.microbatches
+    if batch % micro:
+        return f"{flag('batch_size', batch)} is not divisible by {flag('microbatches', micro)}"
+    data, expert = run.layout.data_axis, run.layout.expert_axis
+    rows = batch // micro
+    if rows % (data * expert):
+        over = flag("data_axis", data)
+        if expert > 1:
+            over += f" x {flag('expert_axis', expert)} (the tokens are split over both)"
+        return f"a microbatch of {rows} sequences is not divisible by {over}"
+    return None
+
+
+def _outputs_problem(run: RunConfig) -> str | None:
+    """A path the run could not write (``run_outputs``)."""
+    logging = run.logging
+    outputs = run_outputs(
+        run.outputs.output_dir,
+        run.outputs.checkpoint_dir,
+        timeline=bool(run.training.timeline_step),
+        tensorboard=logging.tensorboard,
+        profile=logging.profile_steps is not None,
+        wandb=logging.wandb is not None,
+    )
+    return output_problem(outputs)
+
+
+def _other_problem(run: RunConfig) -> str | None:
+    """An option that needs another: ``--memory-budget`` a planner, ``--vocab-size`` a BPE,
+    ``--wandb-name`` a project, ``--profile-steps`` steps that are run."""
+    training, logging = run.training, run.logging
+    budget = training.memory_budget
+    if budget is not None:
+        if training.schedule != "auto" and run.layout.partition != "auto":
+            return (
+                f"{flag('memory_budget')} needs {flag('schedule', 'auto')} or "
+                f"{flag('partition', 'auto')}"
+            )
+        try:
+            size = parse_bytes(budget)
+        except ValueError as e:
+            return f"{flag('memory_budget')}: {e}"
+        if size <= 0:
+            return f"{flag('memory_budget')} must be positive, got {budget}"
+    bpe = training.tokenizer == "bpe"
+    if training.vocab_size is not None and not bpe and not run.outputs.resume:
+        return f"{flag('vocab_size')} needs {flag('tokenizer', 'bpe')}"
+    if logging.wandb_name is not None and logging.wandb is None:
+        return f"{flag('wandb_name')} needs {flag('wandb', 'PROJECT')}"
+    profile = logging.profile_steps
+    if profile is not None and profile[0] > training.steps:
+        return (
+            f"{flag('profile_steps')} starts at step {profile[0]}, after "
+            f"{flag('steps', training.steps)}"
+        )
+    return None
+
+
+def _steps_problem(run: RunConfig) -> str | None:
+    """A schedule that cannot run the stages and microbatches (``mm.schedules.get``)."""
+    name, stages, v = run.training.schedule, run.layout.stages, run.layout.virtual_stages
+    micro = run.training.microbatches
+    if name == "auto":
+        return None
+    try:
+        get(name, stages * v, micro, v)
+    except ValueError as e:
+        with_v = f", {flag('virtual_stages', v)}" if v > 1 else ""
+        return (
+            f"{flag('schedule', name)} with {flag('stages', stages)}{with_v} and "
+            f"{flag('microbatches', micro)}: {e}"
+        )
+    return None
