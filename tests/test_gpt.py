@@ -408,17 +408,17 @@ SCALING = dict(
 @pytest.mark.parametrize(
     "make_bad, message",
     [
-        (lambda: GPTConfig(head_dim=7), "GPTConfig.head_dim must be even"),
-        (lambda: GPTConfig(head_dim=0), r"GPTConfig.head_dim must be None or an int >= 1"),
-        (lambda: GPTConfig(mlp_hidden=2.5), r"GPTConfig.mlp_hidden must be None or an int >= 1"),
-        (lambda: GPTConfig(norm_eps=-1e-5), r"GPTConfig.norm_eps must be None or a finite"),
-        (lambda: GPTConfig(norm_eps=float("nan")), r"GPTConfig.norm_eps"),
-        (lambda: GPTConfig(rope_theta=0.0), r"GPTConfig.rope_theta must be a finite number > 0"),
+        (lambda: GPTConfig(head_dim=7), "GPTConfig: AttentionConfig.head_dim must be even"),
+        (lambda: GPTConfig(head_dim=0), r"AttentionConfig.head_dim must be None or an int >= 1"),
+        (lambda: GPTConfig(mlp_hidden=2.5), r"GPTConfig: MLPConfig.hidden must be an int >= 1"),
+        (lambda: GPTConfig(norm_eps=-1e-5), r"GPTConfig: NormConfig.eps must be None or a finite"),
+        (lambda: GPTConfig(norm_eps=float("nan")), r"NormConfig.eps"),
+        (lambda: GPTConfig(rope_theta=0.0), r"RopeConfig.theta must be a finite number > 0"),
         (lambda: GPTConfig(param_dtype="float16"), "GPTConfig.param_dtype must be 'float32' or"),
-        (lambda: GPTConfig(qk_norm=1), "GPTConfig.qk_norm must be a bool"),
+        (lambda: GPTConfig(qk_norm=1), "GPTConfig: AttentionConfig.qk_norm must be a bool"),
         (
             lambda: GPTConfig(rope_scaling={"rope_type": "llama3", **SCALING}),
-            r"GPTConfig.rope_scaling must be None or a mmnnx.modules.RopeScaling",
+            r"GPTConfig: RopeConfig.scaling must be None or a mmnnx.modules.RopeScaling",
         ),
         (
             lambda: RopeScaling(**{**SCALING, "high_freq_factor": 1.0}),

@@ -15,15 +15,18 @@ from mmnnx.models import GPT, GPTConfig
 from mmnnx.modules import (
     MLP,
     Attention,
+    AttentionConfig,
+    BlockConfig,
     Embed,
     LayerNorm,
     Linear,
+    MLPConfig,
+    NormConfig,
     RMSNorm,
     RopeScaling,
     TransformerBlock,
     apply_rope,
     constrain,
-    make_norm,
     rope_frequencies,
 )
 
@@ -33,6 +36,15 @@ DIM, SEQ = 32, 8
 def build(cls, *args, **kwargs):
     with nnx.use_eager_sharding(False):
         return cls(*args, **kwargs)
+
+
+HEADS4, MLP4, RMS = AttentionConfig(4), MLPConfig(4 * DIM), NormConfig()
+
+
+def make_block(attention=HEADS4, feed_forward=MLP4, norm=RMS, **kw):
+    """A ``TransformerBlock`` of width ``DIM`` built from its component configs."""
+    config = BlockConfig(attention, feed_forward, norm)
+    return build(TransformerBlock, DIM, config, rngs=nnx.Rngs(0), **kw)
 
 
 def arr(x):
@@ -239,8 +251,8 @@ def test_gqa_equals_mha_with_repeated_kv_weights(x):
 @pytest.mark.parametrize("gated", [False, True])
 def test_transformer_block_is_pre_norm_residual(x, norm, gated):
     block = randomize(
-        build(
-            TransformerBlock, DIM, 4, num_kv_heads=2, gated_mlp=gated, norm=norm, rngs=nnx.Rngs(0)
+        make_block(
+            AttentionConfig(4, num_kv_heads=2), MLPConfig(4 * DIM, gated=gated), NormConfig(norm)
         )
     )
     assert isinstance(block.norm1, RMSNorm if norm == "rms" else LayerNorm)
@@ -254,15 +266,15 @@ def test_transformer_block_is_pre_norm_residual(x, norm, gated):
     else:
         m = ref_linear(ref_gelu(ref_linear(ref_norm(h, block.norm2), block.mlp.up)), block.mlp.down)
     close(block(x), h + m, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="unknown norm"):
-        build(TransformerBlock, DIM, 4, norm="batch", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="NormConfig.kind must be 'rms' or 'layer', got 'batch'"):
+        NormConfig("batch")
 
 
 def test_logical_names_in_metadata():
-    block = build(TransformerBlock, DIM, 4, num_kv_heads=2, gated_mlp=True, rngs=nnx.Rngs(0))
+    gated = make_block(AttentionConfig(4, num_kv_heads=2), MLPConfig(4 * DIM, gated=True))
     names = {
         "/".join(map(str, p)): v.get_metadata()["out_sharding"]
-        for p, v in nnx.iter_graph(block)
+        for p, v in nnx.iter_graph(gated)
         if isinstance(v, nnx.Variable)
     }
     assert names == {
@@ -292,10 +304,10 @@ def test_logical_names_in_metadata():
 
 def test_constrain_is_identity_outside_mm_jit(x):
     assert constrain(x, ("batch", "seq", "embed")) is x
-    block = build(TransformerBlock, DIM, 4, rngs=nnx.Rngs(0))
-    eager = block(x)
+    default = make_block()
+    eager = default(x)
     close(jax.jit(lambda a: constrain(a, ("batch", "seq", "embed")))(x), x)
-    close(nnx.jit(lambda m, a: m(a))(block, x), eager, atol=1e-5)
+    close(nnx.jit(lambda m, a: m(a))(default, x), eager, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- under mm.jit
@@ -446,30 +458,23 @@ def test_attention_with_head_dim_and_qk_norm_matches_reference(x):
 
 
 def test_knobs_reach_every_module():
-    block = build(
-        TransformerBlock,
-        DIM,
-        4,
-        head_dim=16,
-        qk_norm=True,
-        norm_eps=1e-5,
-        mlp_hidden=40,
-        mlp_bias=False,
-        gated_mlp=True,
+    knobs = make_block(
+        AttentionConfig(4, head_dim=16, qk_norm=True, qk_norm_eps=1e-5),
+        MLPConfig(40, gated=True, bias=False),
+        NormConfig(eps=1e-5),
         param_dtype=jnp.bfloat16,
-        rngs=nnx.Rngs(0),
     )
     variables = {
-        "/".join(map(str, p)): v for p, v in nnx.iter_graph(block) if isinstance(v, nnx.Variable)
+        "/".join(map(str, p)): v for p, v in nnx.iter_graph(knobs) if isinstance(v, nnx.Variable)
     }
     assert {v.get_value().dtype for v in variables.values()} == {jnp.dtype(jnp.bfloat16)}
     assert not any(path.endswith("bias") for path in variables)
     assert variables["attn/q_norm/scale"].get_metadata()["out_sharding"] == (None,)
     assert variables["mlp/up/kernel"].shape == (DIM, 40)
-    assert block.norm1.eps == block.norm2.eps == block.attn.k_norm.eps == 1e-5
-    assert block(jnp.ones((1, 3, DIM))).dtype == jnp.float32
-    assert build(make_norm, "layer", 4).eps == 1e-5
-    assert build(make_norm, "layer", 4, eps=1e-6).eps == 1e-6
+    assert knobs.norm1.eps == knobs.norm2.eps == knobs.attn.k_norm.eps == 1e-5
+    assert knobs(jnp.ones((1, 3, DIM))).dtype == jnp.float32
+    assert build(NormConfig("layer").build, 4).eps == 1e-5
+    assert build(NormConfig("layer", eps=1e-6).build, 4).eps == 1e-6
     embed = build(Embed, 8, DIM, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     assert embed.embedding.get_value().dtype == jnp.bfloat16
     assert build(LayerNorm, 4, param_dtype=jnp.bfloat16).bias.get_value().dtype == jnp.bfloat16

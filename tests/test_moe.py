@@ -371,7 +371,7 @@ def test_stage_rules_count_the_flops_of_k_of_e_experts():
 
 def test_bad_moe_arguments_are_refused_before_anything_is_built():
     for kw, match in [
-        (dict(top_k=9), r"MoE: top_k must be an int in 1..num_experts \(8\), got 9"),
+        (dict(top_k=9), r"MoEConfig.top_k must be an int in 1..num_experts \(8\), got 9"),
         (dict(top_k=0), r"top_k must be an int in 1..num_experts \(8\), got 0"),
         (dict(capacity_factor=0.0), r"capacity_factor must be None \(dropless\) or a finite"),
         (dict(capacity_factor=-1), r"capacity_factor must be None"),
@@ -379,8 +379,8 @@ def test_bad_moe_arguments_are_refused_before_anything_is_built():
         with pytest.raises(ValueError, match=match), nnx.use_eager_sharding(False):
             MoE(DIM, HIDDEN, EXPERTS, kw.pop("top_k", K), rngs=nnx.Rngs(0), **kw)
     for changes, match in [
-        (dict(experts_per_token=9), r"GPTConfig: top_k must be an int in 1..num_experts"),
-        (dict(capacity_factor=0), r"GPTConfig: capacity_factor"),
+        (dict(experts_per_token=9), r"GPTConfig: MoEConfig.top_k must be an int in 1..num_"),
+        (dict(capacity_factor=0), r"GPTConfig: MoEConfig.capacity_factor"),
         (dict(dense_layers=(4,)), r"dense_layers must be a tuple of layer indices in 0..3"),
         (dict(scan_layers=True), r"some layers are MoE and some dense"),
         (dict(router_aux_loss_coef=-0.1), r"router_aux_loss_coef must be a finite number >= 0"),

@@ -2,13 +2,79 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mmnnx.modules.checks import check, is_int, is_positive
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.norms import RMSNorm
-from mmnnx.modules.rope import RopeScaling, apply_rope
+from mmnnx.modules.rope import RopeConfig, RopeScaling, apply_rope
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """An ``Attention``'s heads, per-head norms and positions, whatever the model's width:
+    ``num_heads`` query heads of ``head_dim`` features (``None``: ``dim // num_heads``),
+    ``num_kv_heads`` key/value heads (``None``: ``num_heads``; grouped-query attention when
+    fewer), ``qk_norm`` (an ``RMSNorm`` of epsilon ``qk_norm_eps`` on each query and key head,
+    before RoPE: Qwen3) and ``rope`` (a ``RopeConfig``; ``None``: no positions).
+    ``config.build(dim, ...)`` makes the ``Attention``.
+
+    Example:
+        >>> config = AttentionConfig(num_heads=4, num_kv_heads=2, qk_norm=True)
+        >>> with nnx.use_eager_sharding(False):
+        ...     attn = config.build(16, rngs=nnx.Rngs(0))
+        >>> attn.k.kernel.shape, attn.q_norm is not None
+        ((16, 8), True)
+        >>> AttentionConfig(num_heads=4, num_kv_heads=3)
+        Traceback (most recent call last):
+        ...
+        ValueError: AttentionConfig.num_kv_heads must be None or a divisor of num_heads (4), got 3
+    """
+
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
+    rope: RopeConfig | None = RopeConfig()
+
+    def __post_init__(self):
+        heads, kv, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        check(is_int(heads, minimum=1), "AttentionConfig.num_heads", "an int >= 1", heads)
+        ok = kv is None or (is_int(kv, minimum=1) and heads % kv == 0)
+        check(ok, "AttentionConfig.num_kv_heads", f"None or a divisor of num_heads ({heads})", kv)
+        ok = head_dim is None or is_int(head_dim, minimum=1)
+        check(ok, "AttentionConfig.head_dim", "None or an int >= 1", head_dim)
+        ok = head_dim is None or self.rope is None or head_dim % 2 == 0
+        check(ok, "AttentionConfig.head_dim", "even (RoPE rotates pairs of features)", head_dim)
+        check(isinstance(self.qk_norm, bool), "AttentionConfig.qk_norm", "a bool", self.qk_norm)
+        eps = self.qk_norm_eps
+        check(is_positive(eps), "AttentionConfig.qk_norm_eps", "a finite number > 0", eps)
+        ok = self.rope is None or isinstance(self.rope, RopeConfig)
+        check(ok, "AttentionConfig.rope", "None or a RopeConfig", self.rope)
+
+    def build(
+        self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
+    ) -> Attention:
+        """The ``Attention`` of width ``dim``, its Variables in ``param_dtype``."""
+        rope = self.rope or RopeConfig()
+        return Attention(
+            dim,
+            self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope=self.rope is not None,
+            rope_base=rope.theta,
+            rope_scaling=rope.scaling,
+            qk_norm=self.qk_norm,
+            norm_eps=self.qk_norm_eps,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
 
 
 class Attention(nnx.Module):

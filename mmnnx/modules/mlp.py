@@ -2,13 +2,46 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mmnnx.modules.checks import check, is_int
 from mmnnx.modules.linear import Linear
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    """A dense feed-forward ``MLP`` of ``hidden`` features (Hugging Face's
+    ``intermediate_size``): SiLU-gated when ``gated`` (Llama, Qwen3), else GELU; with biases
+    when ``bias``. ``config.build(dim, ...)`` makes the ``MLP``.
+
+    Example:
+        >>> with nnx.use_eager_sharding(False):
+        ...     mlp = MLPConfig(32, gated=True, bias=False).build(8, rngs=nnx.Rngs(0))
+        >>> mlp.hidden, mlp.gated, mlp.up.bias
+        (32, True, None)
+    """
+
+    hidden: int
+    gated: bool = False
+    bias: bool = True
+
+    def __post_init__(self):
+        check(is_int(self.hidden, minimum=1), "MLPConfig.hidden", "an int >= 1", self.hidden)
+        for name in ("gated", "bias"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"MLPConfig.{name}", "a bool", value)
+
+    def build(
+        self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
+    ) -> MLP:
+        """The ``MLP`` of width ``dim``, its Variables in ``param_dtype``."""
+        options = dict(gated=self.gated, use_bias=self.bias, param_dtype=param_dtype, rngs=rngs)
+        return MLP(dim, self.hidden, **options)
 
 
 class MLP(nnx.Module):

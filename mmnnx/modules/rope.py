@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmnnx.modules.checks import check, is_positive
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -51,6 +53,29 @@ class RopeScaling:
                 f"RopeScaling.original_max_position_embeddings must be an int >= 1, "
                 f"got {original!r}"
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embeddings as an ``Attention`` applies them: base ``theta`` (Hugging
+    Face's ``rope_theta``) and Llama 3.1's optional frequency ``scaling``.
+
+    Example:
+        >>> RopeConfig(theta=1e6).theta
+        1000000.0
+        >>> RopeConfig(theta=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: RopeConfig.theta must be a finite number > 0, got 0
+    """
+
+    theta: float = 10000.0
+    scaling: RopeScaling | None = None
+
+    def __post_init__(self):
+        check(is_positive(self.theta), "RopeConfig.theta", "a finite number > 0", self.theta)
+        ok = self.scaling is None or isinstance(self.scaling, RopeScaling)
+        check(ok, "RopeConfig.scaling", "None or a mmnnx.modules.RopeScaling", self.scaling)
 
 
 def rope_frequencies(

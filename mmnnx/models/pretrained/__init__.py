@@ -136,7 +136,7 @@ def pretrained_config(
         >>> path = save_pretrained(model, tempfile.mkdtemp() + "/m",
         ...                        architecture="LlamaForCausalLM")
         >>> config = pretrained_config(path, max_seq_len=16)
-        >>> config.depth, config.max_seq_len, config.gated_mlp
+        >>> config.depth, config.max_seq_len, config.block_configs[0].feed_forward.gated
         (3, 16, True)
     """
     origin = Pretrained.read(path)
@@ -255,7 +255,8 @@ def save_pretrained(
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     hf = pretrained.config if pretrained else {}
     torch_dtype = torch_dtype_of(dtype)
-    config = {**family.hf_config(model.config, torch_dtype), **_kept(hf, family)}
+    written = family.hf_config(model.config, torch_dtype)
+    config = {**written, **_kept(hf, family, written)}
     config["torch_dtype"] = torch_dtype
     extra = []
     if pretrained and (pathlib.Path(pretrained.directory) / TOKENIZER).exists():
@@ -332,9 +333,10 @@ def _origin(
     return pretrained, family, np.dtype(jnp.dtype(dtype))
 
 
-def _kept(hf: dict[str, Any], family: Family) -> dict[str, Any]:
-    """The keys of a loaded ``config.json`` written back as they were (token ids, names); its
-    sizes (the family's own keys among them) are written from the model."""
+def _kept(hf: dict[str, Any], family: Family, written: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a loaded ``config.json`` written back as they were (token ids, names, a
+    size the model has no layer of); its sizes (the family's own keys among them) that the
+    model has, ``written``, are written from the model."""
     sizes = {
         "vocab_size",
         "hidden_size",
@@ -344,7 +346,8 @@ def _kept(hf: dict[str, Any], family: Family) -> dict[str, Any]:
         "head_dim",
         "intermediate_size",
         "tie_word_embeddings",
-    } | {k.key for k in family.config_keys}
+    } | set(family.feed_forward.keys)
+    sizes &= written.keys()
     return {k: v for k, v in hf.items() if k not in sizes and k != "max_position_embeddings"}
 
 

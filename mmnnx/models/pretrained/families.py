@@ -1,17 +1,27 @@
 """The model families ``from_pretrained`` knows: how a ``config.json`` becomes a ``GPTConfig``
-and back, and which checkpoint tensor fills which ``GPT`` Variable (torchtitan's state-dict
-adapters, as data)."""
+of nested component configs (``AttentionConfig``, ``MLPConfig`` or ``MoEConfig``, ... per
+layer) and back, and which checkpoint tensor fills which ``GPT`` Variable (torchtitan's
+state-dict adapters, as data)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.names import TensorRule
-from mmnnx.modules.rope import RopeScaling
+from mmnnx.modules import (
+    AttentionConfig,
+    BlockConfig,
+    MLPConfig,
+    MoEConfig,
+    NormConfig,
+    RopeConfig,
+    RopeScaling,
+)
+from mmnnx.modules.checks import check, is_int
 
 T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
 
@@ -59,126 +69,198 @@ _HEAD = TensorRule("lm_head.weight", "head/kernel", T)
 _TIED_HEAD = TensorRule("lm_head.weight", None)  # some tied checkpoints store the table twice
 
 
-REQUIRED = object()
-"""A :class:`ConfigKey` default: ``config.json`` must have the key."""
+FeedForward = MLPConfig | MoEConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class ConfigKey:
-    """A ``config.json`` key of a family's own that sets the ``GPTConfig`` field ``field``, as
-    it is (a list as a tuple); ``default`` (transformers' own) when the file lacks it or has
-    ``null``, or :data:`REQUIRED`.
+class DenseFeedForward:
+    """Llama's and Qwen3's feed-forward: every layer a SiLU-gated ``MLPConfig`` without biases
+    of ``intermediate_size`` features. ``keys``: the ``config.json`` keys it reads and writes;
+    ``rules``: the tensors of its own in each layer (beyond a dense MLP's).
 
     Example:
-        >>> ConfigKey("mlp_only_layers", "dense_layers", ()).read({"mlp_only_layers": [0]}, "c")
-        (0,)
+        >>> DenseFeedForward().read({"intermediate_size": 64}, "config.json", 2)[1]
+        MLPConfig(hidden=64, gated=True, bias=False)
     """
 
-    key: str
-    field: str
-    default: Any = REQUIRED
+    keys: ClassVar[tuple[str, ...]] = ("intermediate_size",)
+    rules: ClassVar[tuple[TensorRule, ...]] = ()
+    experts: ClassVar[bool] = False
 
-    def read(self, hf: dict[str, Any], file: str) -> Any:
-        """The field's value in the ``config.json`` ``hf`` (read from ``file``).
+    def read(self, hf: dict[str, Any], file: str, depth: int) -> tuple[FeedForward, ...]:
+        """Each of the ``depth`` layers' feed-forward config of the ``config.json`` ``hf``."""
+        return (self.dense(hf, file),) * depth
 
-        Raises:
-            CheckpointError: a required key the file lacks.
-        """
-        value = hf.get(self.key)
-        if value is None:
-            if self.default is REQUIRED:
-                raise CheckpointError(f"{file}: no {self.key!r}")
-            value = self.default
-        return tuple(value) if isinstance(value, list) else value
+    def dense(self, hf: dict[str, Any], file: str) -> MLPConfig:
+        """The dense layers' ``MLPConfig``."""
+        return MLPConfig(_key(hf, "intermediate_size", file), gated=True, bias=False)
 
-    def write(self, config: GPTConfig) -> Any:
-        """The key's value for ``config`` (a tuple as a list)."""
-        value = getattr(config, self.field)
-        return list(value) if isinstance(value, tuple) else value
+    def write(self, config: GPTConfig) -> dict[str, Any]:
+        """The ``config.json`` keys of ``config``'s feed-forwards."""
+        dense = [b.feed_forward for b in config.block_configs]
+        dense = [f for f in dense if isinstance(f, MLPConfig)]
+        return {"intermediate_size": dense[0].hidden} if dense else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeFeedForward(DenseFeedForward):
+    """Qwen3-MoE's feed-forward: a ``MoEConfig`` (``num_experts``, ``num_experts_per_tok``,
+    ``moe_intermediate_size``, ``norm_topk_prob``) in layer ``i`` when
+    ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``, else the
+    dense MLP; the router and the experts' tensors stacked over the experts.
+
+    Example:
+        >>> hf = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        ...           intermediate_size=64, decoder_sparse_step=2)
+        >>> [type(f).__name__ for f in Qwen3MoeFeedForward().read(hf, "config.json", 2)]
+        ['MLPConfig', 'MoEConfig']
+    """
+
+    keys: ClassVar[tuple[str, ...]] = (
+        *DenseFeedForward.keys,
+        *("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"),
+        *("decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"),
+    )
+    rules: ClassVar[tuple[TensorRule, ...]] = _MOE_LAYER
+    experts: ClassVar[bool] = True
+
+    def read(self, hf: dict[str, Any], file: str, depth: int) -> tuple[FeedForward, ...]:
+        moe = MoEConfig(
+            _key(hf, "moe_intermediate_size", file),
+            _key(hf, "num_experts", file),
+            _key(hf, "num_experts_per_tok", file),
+            norm_topk_prob=hf.get("norm_topk_prob") or False,
+        )
+        step, dense = hf.get("decoder_sparse_step") or 1, hf.get("mlp_only_layers") or []
+        check(is_int(step, 1), "decoder_sparse_step", "an int >= 1", step)
+        ok = all(is_int(i) and i < depth for i in dense)
+        check(ok, "mlp_only_layers", f"a list of layer indices in 0..{depth - 1}", dense)
+        sparse = [i not in dense and (i + 1) % step == 0 for i in range(depth)]
+        return tuple(moe if s else self.dense(hf, file) for s in sparse)
+
+    def write(self, config: GPTConfig) -> dict[str, Any]:
+        """The keys of ``config``'s layers, ``decoder_sparse_step`` the step that leaves the
+        fewest ``mlp_only_layers`` (the smallest of those)."""
+        blocks = config.block_configs
+        moe = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MoEConfig)]
+        if not moe:
+            return super().write(config)
+        sparse = [isinstance(b.feed_forward, MoEConfig) for b in blocks]
+
+        def dense(step: int) -> list[int]:
+            return [i for i, s in enumerate(sparse) if not s and (i + 1) % step == 0]
+
+        moe_layers = [i for i, s in enumerate(sparse) if s]
+        steps = [n for n in range(1, len(sparse) + 1) if all((i + 1) % n == 0 for i in moe_layers)]
+        step = min(steps, key=lambda n: len(dense(n)))
+        return {
+            **super().write(config),
+            "num_experts": moe[0].num_experts,
+            "num_experts_per_tok": moe[0].top_k,
+            "moe_intermediate_size": moe[0].hidden,
+            "norm_topk_prob": moe[0].norm_topk_prob,
+            "decoder_sparse_step": step,
+            "mlp_only_layers": dense(step),
+            "router_aux_loss_coef": config.router_aux_loss_coef,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One architecture of ``config.json``'s ``architectures``: its ``model_type``, whether its
-    attention normalises queries and keys (Qwen3), the config keys of its own (``config_keys``: a
-    mixture of experts' sizes and routing) and the tensors of its own in each layer
-    (``layer_rules``: a MoE layer's router and experts). The config keys no family honours are
-    refused."""
+    attention normalises queries and keys (Qwen3), and its ``feed_forward`` (the config keys
+    that make each layer's feed-forward config, and the tensors of its own in each layer: a MoE
+    layer's router and experts). The config keys no family honours are refused."""
 
     architecture: str
     model_type: str
     qk_norm: bool
-    config_keys: tuple[ConfigKey, ...] = ()
-    layer_rules: tuple[TensorRule, ...] = ()
+    feed_forward: DenseFeedForward = DenseFeedForward()
 
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
         """The ``GPTConfig`` of a ``config.json`` (in directory ``where``; ``overrides``:
-        ``param_dtype``, ``dtype``, ``scan_layers``, ``max_seq_len``, ...).
+        ``param_dtype``, ``dtype``, ``scan_layers``, ``max_seq_len``, ...): its ``layers``
+        nested component configs.
 
         Raises:
             CheckpointError: a missing key or a setting this family's GPT cannot reproduce.
+
+        Example:
+            >>> hf = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            ...           intermediate_size=64, rope_theta=1e6)
+            >>> config = FAMILIES["Qwen3ForCausalLM"].gpt_config(hf)
+            >>> config.block_configs[0].attention.rope, config.block_configs[0].attention.qk_norm
+            (RopeConfig(theta=1000000.0, scaling=None), True)
         """
         file = f"{where}/config.json ({self.architecture})"
         _refuse_unsupported(file, hf)
         heads = _key(hf, "num_attention_heads", file)
-        dim = _key(hf, "hidden_size", file)
+        dim, depth = _key(hf, "hidden_size", file), _key(hf, "num_hidden_layers", file)
+        eps = float(hf.get("rms_norm_eps") or 1e-6)
         scaling = hf.get("rope_scaling")
-        fields = dict(
-            vocab_size=_key(hf, "vocab_size", file),
-            dim=dim,
-            depth=_key(hf, "num_hidden_layers", file),
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or dim // heads,
-            qk_norm=self.qk_norm,
-            mlp_hidden=_key(hf, "intermediate_size", file),
-            gated_mlp=True,
-            mlp_bias=False,
-            max_seq_len=hf.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            norm="rms",
-            norm_eps=float(hf.get("rms_norm_eps") or 1e-6),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rope_scaling=None if scaling is None else _rope_scaling(scaling, file),
-        )
-        fields.update({k.field: k.read(hf, file) for k in self.config_keys})
-        fields.update({k: v for k, v in overrides.items() if v is not None})
         try:
+            attention = AttentionConfig(
+                heads,
+                hf.get("num_key_value_heads") or heads,
+                hf.get("head_dim") or dim // heads,
+                qk_norm=self.qk_norm,
+                qk_norm_eps=eps,
+                rope=RopeConfig(
+                    float(hf.get("rope_theta", 10000.0)),
+                    None if scaling is None else _rope_scaling(scaling, file),
+                ),
+            )
+            norm = NormConfig("rms", eps)
+            layers = self.feed_forward.read(hf, file, depth)
+            fields = dict(
+                vocab_size=_key(hf, "vocab_size", file),
+                dim=dim,
+                depth=depth,
+                num_heads=attention.num_heads,
+                num_kv_heads=attention.num_kv_heads,
+                max_seq_len=hf.get("max_position_embeddings", 2048),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                norm="rms",
+                norm_eps=eps,
+                router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                layers=tuple(BlockConfig(attention, ff, norm) for ff in layers),
+            )
+            fields.update({k: v for k, v in overrides.items() if v is not None})
             return GPTConfig(**fields)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: {e}") from None
 
     def hf_config(self, config: GPTConfig, torch_dtype: str) -> dict[str, Any]:
         """A ``config.json`` for ``config`` (written by ``save_pretrained`` for a model that was
-        not loaded from one).
+        not loaded from one; its attention: the first layer's).
 
         Example:
             >>> FAMILIES["LlamaForCausalLM"].hf_config(GPTConfig(), "float32")["hidden_size"]
             128
         """
+        attention = config.block_configs[0].attention
+        rope = attention.rope
         out = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
             "vocab_size": config.vocab_size,
             "hidden_size": config.dim,
             "num_hidden_layers": config.depth,
-            "num_attention_heads": config.num_heads,
-            "num_key_value_heads": config.num_kv_heads or config.num_heads,
-            "head_dim": config.head_dim or config.dim // config.num_heads,
-            "intermediate_size": config.mlp_hidden or int(config.mlp_ratio * config.dim),
+            "num_attention_heads": attention.num_heads,
+            "num_key_value_heads": attention.num_kv_heads or attention.num_heads,
+            "head_dim": attention.head_dim or config.dim // attention.num_heads,
             "max_position_embeddings": config.max_seq_len,
             "tie_word_embeddings": config.tie_embeddings,
             "rms_norm_eps": 1e-6 if config.norm_eps is None else config.norm_eps,
-            "rope_theta": config.rope_theta,
+            "rope_theta": rope.theta,
             "rope_scaling": None
-            if config.rope_scaling is None
-            else dict(rope_type="llama3", **dataclasses.asdict(config.rope_scaling)),
+            if rope.scaling is None
+            else dict(rope_type="llama3", **dataclasses.asdict(rope.scaling)),
             "hidden_act": "silu",
             "attention_bias": False,
             "torch_dtype": torch_dtype,
         }
-        out.update({k.key: k.write(config) for k in self.config_keys})
-        return out
+        return {**out, **self.feed_forward.write(config)}
 
     def cannot_hold(self, config: GPTConfig) -> list[str]:
         """What of ``config`` this family's checkpoints cannot hold (nothing: ``[]``).
@@ -189,16 +271,20 @@ class Family:
             >>> FAMILIES["Qwen3ForCausalLM"].cannot_hold(GPTConfig(gated_mlp=True))
             ['MLP biases', 'no query/key norms (Qwen3ForCausalLM: RMSNorm on both)']
         """
-        own = {k.field for k in self.config_keys}
-        name = self.architecture
+        name, blocks = self.architecture, config.block_configs
+        dense = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MLPConfig)]
+        experts = any(isinstance(b.feed_forward, MoEConfig) for b in blocks)
+        qk_norm = {getattr(b.attention, "qk_norm", None) for b in blocks}
+        norms = {config.norm} | {b.norm.kind for b in blocks}
+        own = self.feed_forward.experts
         checks = (
-            (not config.gated_mlp, f"an ungated GELU MLP ({name}: SiLU-gated)"),
-            (config.mlp_bias, "MLP biases"),
-            (config.norm != "rms", f"LayerNorm ({name}: RMSNorm)"),
-            (config.qk_norm and not self.qk_norm, f"query/key norms ({name}: none)"),
-            (not config.qk_norm and self.qk_norm, f"no query/key norms ({name}: RMSNorm on both)"),
-            (config.experts and "experts" not in own, f"mixture-of-experts blocks ({name}: dense)"),
-            (not config.experts and "experts" in own, f"no mixture-of-experts blocks ({name})"),
+            (any(not f.gated for f in dense), f"an ungated GELU MLP ({name}: SiLU-gated)"),
+            (any(f.bias for f in dense), "MLP biases"),
+            (norms != {"rms"}, f"LayerNorm ({name}: RMSNorm)"),
+            (True in qk_norm and not self.qk_norm, f"query/key norms ({name}: none)"),
+            (False in qk_norm and self.qk_norm, f"no query/key norms ({name}: RMSNorm on both)"),
+            (experts and not own, f"mixture-of-experts blocks ({name}: dense)"),
+            (not experts and own, f"no mixture-of-experts blocks ({name})"),
         )
         return [what for failed, what in checks if failed]
 
@@ -214,7 +300,8 @@ class Family:
             >>> rule.variable, rule.stacked  # every layer's experts in one Variable
             ('blocks/mlp/experts/down', ('layer', 'expert'))
         """
-        layer = _LAYER + (_QK_NORM if config.qk_norm else ()) + self.layer_rules
+        qk_norm = any(getattr(b.attention, "qk_norm", False) for b in config.block_configs)
+        layer = _LAYER + (_QK_NORM if qk_norm else ()) + self.feed_forward.rules
         if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
             layer = tuple(
                 dataclasses.replace(r, variable=r.variable.replace("/{layer}", ""))
@@ -234,16 +321,7 @@ FAMILIES: dict[str, Family] = {
             architecture="Qwen3MoeForCausalLM",
             model_type="qwen3_moe",
             qk_norm=True,
-            config_keys=(
-                ConfigKey("num_experts", "experts"),
-                ConfigKey("num_experts_per_tok", "experts_per_token"),
-                ConfigKey("moe_intermediate_size", "expert_hidden"),
-                ConfigKey("norm_topk_prob", "norm_topk_prob", False),
-                ConfigKey("decoder_sparse_step", "moe_every", 1),
-                ConfigKey("mlp_only_layers", "dense_layers", ()),
-                ConfigKey("router_aux_loss_coef", "router_aux_loss_coef", 0.001),
-            ),
-            layer_rules=_MOE_LAYER,
+            feed_forward=Qwen3MoeFeedForward(),
         ),
     )
 }
@@ -274,7 +352,7 @@ def family_of(hf: dict[str, Any] | None, where: Any) -> Family:
 
 
 def _key(hf: dict[str, Any], key: str, file: str) -> Any:
-    if key not in hf:
+    if hf.get(key) is None:
         raise CheckpointError(f"{file}: no {key!r}")
     return hf[key]
 
