@@ -11,7 +11,15 @@ from flax import nnx
 
 from mmnnx.models import GPT, GPTConfig
 from mmnnx.models.stages import _attention_dims
-from mmnnx.modules import Embed, LayerNorm, Linear, RMSNorm, RopeScaling, TransformerBlock
+from mmnnx.modules import (
+    Embed,
+    LayerNorm,
+    Linear,
+    RMSNorm,
+    RopeConfig,
+    RopeScaling,
+    TransformerBlock,
+)
 
 SMALL = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=4, max_seq_len=16)
 
@@ -347,7 +355,7 @@ def test_knob_parameter_paths_and_shapes():
     }
     attn = make(KNOBS).blocks[0].attn
     assert attn.q_norm.scale.get_metadata()["out_sharding"] == (None,)
-    assert (attn.q_norm.eps, attn.rope_base, attn.rope_scaling) == (1e-5, 1e6, LLAMA3)
+    assert (attn.q_norm.eps, attn.rope) == (1e-5, RopeConfig(1e6, LLAMA3))
     # FLOPs of stage_rules count the attention's width, num_heads * head_dim, not dim
     assert _attention_dims(make(KNOBS).blocks[0]) == 64
 

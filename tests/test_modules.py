@@ -23,6 +23,7 @@ from mmnnx.modules import (
     MLPConfig,
     NormConfig,
     RMSNorm,
+    RopeConfig,
     RopeScaling,
     TransformerBlock,
     apply_rope,
@@ -178,29 +179,30 @@ def test_norms(x):
 
 
 def test_mlp_plain_and_gated(x):
-    mlp = randomize(build(MLP, DIM, 64, rngs=nnx.Rngs(0)))
+    mlp = randomize(build(MLP, DIM, MLPConfig(64), rngs=nnx.Rngs(0)))
     assert mlp.gate is None and mlp.activation is jax.nn.gelu
     close(mlp(x), ref_linear(ref_gelu(ref_linear(x, mlp.up)), mlp.down), rtol=1e-4, atol=1e-4)
 
-    gated = randomize(build(MLP, DIM, 64, gated=True, rngs=nnx.Rngs(0)))
+    gated = randomize(build(MLP, DIM, MLPConfig(64, gated=True), rngs=nnx.Rngs(0)))
     assert gated.activation is jax.nn.silu
     h = ref_silu(ref_linear(x, gated.gate)) * ref_linear(x, gated.up)
     close(gated(x), ref_linear(h, gated.down), rtol=1e-4, atol=1e-4)
 
-    relu = build(MLP, DIM, 64, activation=jax.nn.relu, rngs=nnx.Rngs(0))
+    relu = build(MLP, DIM, MLPConfig(64), activation=jax.nn.relu, rngs=nnx.Rngs(0))
     close(relu(x), ref_linear(np.maximum(ref_linear(x, relu.up), 0), relu.down), atol=1e-4)
 
 
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
 def test_attention_matches_reference(x, rope, num_kv_heads):
-    attn = build(Attention, DIM, 4, num_kv_heads=num_kv_heads, rope=rope, rngs=nnx.Rngs(0))
+    config = AttentionConfig(4, num_kv_heads, rope=RopeConfig() if rope else None)
+    attn = build(Attention, DIM, config, rngs=nnx.Rngs(0))
     assert attn.k.kernel.shape == (DIM, (num_kv_heads or 4) * DIM // 4)
     close(attn(x), ref_attention(x, attn, rope=rope), rtol=1e-4, atol=1e-5)
 
 
 def test_attention_is_causal(x):
-    attn = build(Attention, DIM, 4, rngs=nnx.Rngs(0))
+    attn = build(Attention, DIM, HEADS4, rngs=nnx.Rngs(0))
     y = attn(x)
     changed = x.at[:, 5:].set(jax.random.normal(jax.random.key(9), (2, SEQ - 5, DIM)))
     y2 = attn(changed)
@@ -234,8 +236,8 @@ def test_rope_direct_formula_and_relative_positions():
 
 def test_gqa_equals_mha_with_repeated_kv_weights(x):
     h, kv = 4, 2
-    gqa = build(Attention, DIM, h, num_kv_heads=kv, rngs=nnx.Rngs(0))
-    mha = build(Attention, DIM, h, rngs=nnx.Rngs(1))
+    gqa = build(Attention, DIM, AttentionConfig(h, kv), rngs=nnx.Rngs(0))
+    mha = build(Attention, DIM, AttentionConfig(h), rngs=nnx.Rngs(1))
     hd = DIM // h
     mha.q.kernel.set_value(gqa.q.kernel.get_value())
     mha.out.kernel.set_value(gqa.out.kernel.get_value())
@@ -244,7 +246,7 @@ def test_gqa_equals_mha_with_repeated_kv_weights(x):
         getattr(mha, name).kernel.set_value(jnp.repeat(w, h // kv, axis=1).reshape(DIM, h * hd))
     close(gqa(x), mha(x), atol=1e-6)
     with pytest.raises(ValueError, match="num_kv_heads"):
-        build(Attention, DIM, 4, num_kv_heads=3, rngs=nnx.Rngs(0))
+        AttentionConfig(4, num_kv_heads=3)
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])
@@ -427,18 +429,9 @@ def test_attention_with_head_dim_and_qk_norm_matches_reference(x):
     scaling = RopeScaling(
         factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0, original_max_position_embeddings=16
     )
-    attn = build(
-        Attention,
-        DIM,
-        4,
-        num_kv_heads=2,
-        head_dim=12,
-        qk_norm=True,
-        norm_eps=1e-5,
-        rope_base=1e6,
-        rope_scaling=scaling,
-        rngs=nnx.Rngs(0),
-    )
+    rope = RopeConfig(1e6, scaling)
+    config = AttentionConfig(4, 2, head_dim=12, qk_norm=True, qk_norm_eps=1e-5, rope=rope)
+    attn = build(Attention, DIM, config, rngs=nnx.Rngs(0))
     attn = randomize(attn)
     assert (attn.q.kernel.shape, attn.k.kernel.shape, attn.out.kernel.shape) == (
         (DIM, 48),

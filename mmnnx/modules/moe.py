@@ -23,13 +23,9 @@ class MoEConfig:
     ``hidden`` features (Qwen3-MoE's ``moe_intermediate_size``), each token routed to ``top_k``
     of them (``num_experts_per_tok``), their weights renormalised when ``norm_topk_prob``;
     ``capacity_factor`` bounds each expert's assignments (``None``: dropless).
-    ``config.build(dim, ...)`` makes the ``MoE``.
+    ``config.build(dim, ...)`` makes the module.
 
     Example:
-        >>> with nnx.use_eager_sharding(False):
-        ...     moe = MoEConfig(16, num_experts=4, top_k=2).build(8, rngs=nnx.Rngs(0))
-        >>> moe.experts.gate.shape
-        (4, 8, 16)
         >>> MoEConfig(16, num_experts=8, top_k=9)
         Traceback (most recent call last):
         ...
@@ -57,16 +53,7 @@ class MoEConfig:
         self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
     ) -> MoE:
         """The ``MoE`` of width ``dim``, its Variables in ``param_dtype``."""
-        return MoE(
-            dim,
-            self.hidden,
-            self.num_experts,
-            self.top_k,
-            norm_topk_prob=self.norm_topk_prob,
-            capacity_factor=self.capacity_factor,
-            param_dtype=param_dtype,
-            rngs=rngs,
-        )
+        return MoE(dim, self, param_dtype=param_dtype, rngs=rngs)
 
 
 METRICS = ("router_aux_loss", "router_z_loss", "tokens_per_expert", "dropped_tokens")
@@ -107,7 +94,7 @@ class MoE(nnx.Module):
 
     Example:
         >>> with nnx.use_eager_sharding(False):
-        ...     moe = MoE(8, 16, num_experts=4, top_k=2, rngs=nnx.Rngs(0))
+        ...     moe = MoE(8, MoEConfig(16, num_experts=4, top_k=2), rngs=nnx.Rngs(0))
         >>> y, stats = moe.forward(jnp.ones((2, 3, 8)))
         >>> y.shape, stats.tokens_per_expert.sum().item()
         ((2, 3, 8), 12)
@@ -116,30 +103,18 @@ class MoE(nnx.Module):
     def __init__(
         self,
         dim: int,
-        hidden: int,
-        num_experts: int,
-        top_k: int,
+        config: MoEConfig,
         *,
-        norm_topk_prob: bool = True,
-        capacity_factor: float | None = None,
         kernel_init: nnx.Initializer = default_expert_init,
         param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        MoEConfig(hidden, num_experts, top_k, norm_topk_prob, capacity_factor)  # checks them
-        self.dim = dim
-        self.hidden = hidden
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
-        self.capacity_factor = capacity_factor
-        self.router = Linear(
-            dim, num_experts, axes=("embed", None), use_bias=False, param_dtype=param_dtype,
-            rngs=rngs,
-        )  # fmt: skip
-        self.experts = Experts(
-            num_experts, dim, hidden, kernel_init=kernel_init, param_dtype=param_dtype, rngs=rngs
-        )
+        self.dim, self.hidden, self.top_k = dim, config.hidden, config.top_k
+        self.num_experts, self.norm_topk_prob = config.num_experts, config.norm_topk_prob
+        self.capacity_factor = config.capacity_factor
+        kw = dict(param_dtype=param_dtype, rngs=rngs)
+        self.router = Linear(dim, self.num_experts, axes=("embed", None), use_bias=False, **kw)
+        self.experts = Experts(self.num_experts, dim, self.hidden, kernel_init=kernel_init, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.forward(x)[0]
