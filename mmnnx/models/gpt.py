@@ -28,61 +28,51 @@ from mmnnx.modules.checks import check, is_int, is_positive
 
 DTYPES = ("float32", "bfloat16")  # of the computation (dtype) and of the Variables
 PER_LAYER = (
-    *("num_heads", "num_kv_heads", "mlp_ratio", "gated_mlp", "dropout", "head_dim", "qk_norm"),
-    *("rope_theta", "rope_scaling", "mlp_hidden", "mlp_bias", "experts", "experts_per_token"),
-    *("expert_hidden", "moe_every", "dense_layers", "norm_topk_prob", "capacity_factor"),
+    *("mlp_ratio", "gated_mlp", "dropout", "head_dim", "qk_norm", "rope_theta", "rope_scaling"),
+    *("mlp_hidden", "mlp_bias", "experts", "experts_per_token", "expert_hidden", "moe_every"),
+    *("dense_layers", "norm_topk_prob", "capacity_factor"),
 )
-"""The knobs of ``GPTConfig`` that describe its layers: ``block_configs`` derives every
-layer's ``BlockConfig`` from them, unless ``layers`` gives those."""
+"""The knobs of ``GPTConfig`` from which ``block_configs`` derives every layer's
+``BlockConfig`` (with ``num_heads`` and ``num_kv_heads``), left out when ``layers`` gives them."""
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Sizes of a ``GPT``; the defaults are a byte-level model of about 0.86M parameters.
 
-    The model: ``vocab_size``, ``dim``, ``depth`` layers, ``max_seq_len`` (bounds the input
-    length), ``tie_embeddings`` (an output head that reuses the embedding table), the final
-    ``norm`` (``"rms"`` or ``"layer"``, epsilon ``norm_eps``; ``None``: the norm's own, 1e-6
-    for RMSNorm, 1e-5 for LayerNorm), ``scan_layers`` (the blocks stacked with ``nnx.vmap`` and
-    run with ``nnx.scan``: tracing and compiling cost one block, not ``depth``; the layers
-    must then be alike), ``dtype`` (the compute dtype, ``"float32"`` or ``"bfloat16"``:
-    activations and matmuls run in it; norms, softmax and the loss in float32),
-    ``param_dtype`` (the dtype of every Variable, and so of the optimizer state), and the
-    weights of the routers' losses that ``GPT.loss`` adds with experts:
-    ``router_aux_loss_coef`` times the load-balancing loss of every MoE layer's router pooled
-    (Hugging Face's ``load_balancing_loss_func`` over their concatenated logits) and
+    ``layers`` gives each layer's ``BlockConfig`` (nested component configs, as the pretrained
+    families map a ``config.json``); without it, ``block_configs`` derives one for every layer
+    from the flat knobs of :data:`PER_LAYER` (the scratch model's, those ``mmnnx train`` sets):
+    ``num_heads`` query heads of ``head_dim`` features (default ``dim // num_heads``),
+    ``num_kv_heads`` (default ``num_heads``: grouped-query attention when fewer), ``qk_norm``
+    (an ``RMSNorm`` on each query and key head, before RoPE: Qwen3), ``rope_theta`` and
+    ``rope_scaling`` (RoPE's base and Llama 3.1's ``RopeScaling``), the residual ``dropout``,
+    an MLP of ``mlp_hidden`` features (default ``int(mlp_ratio * dim)``), SiLU-gated with
+    ``gated_mlp``, with biases with ``mlp_bias``; with ``experts > 0``, layer ``i``'s
+    feed-forward is a ``MoEConfig`` of that many experts of ``expert_hidden`` features (default
+    the MLP's), ``experts_per_token``, ``norm_topk_prob`` and ``capacity_factor``, when
+    ``(i + 1) % moe_every == 0`` and ``i`` is not in ``dense_layers`` (Qwen3-MoE's rule).
+    ``num_heads`` and ``num_kv_heads`` are the model's head counts either way.
+
+    The rest is the model's: ``norm`` (``"rms"`` or ``"layer"``, epsilon ``norm_eps``; default
+    the norm's own) of the output (and of the derived layers); ``tie_embeddings`` (the head
+    reuses the embedding table); ``max_seq_len`` (bounds the input length); ``scan_layers``
+    (the layers, all alike, stacked with ``nnx.vmap`` and run with ``nnx.scan``: tracing and
+    compiling cost one block, not ``depth``); ``dtype`` (of activations and matmuls; norms,
+    softmax and the loss are float32) and ``param_dtype`` (of every Variable), ``"float32"`` or
+    ``"bfloat16"``; ``GPT.loss`` adds ``router_aux_loss_coef`` times the load-balancing loss of
+    every MoE layer's router pooled (Hugging Face's ``load_balancing_loss_func``) and
     ``router_z_loss_coef`` times their mean z-loss.
 
-    The layers: ``layers``, one ``BlockConfig`` per layer (nested component configs: what a
-    pretrained family builds from its ``config.json``), or, when ``None``, the flat knobs of
-    :data:`PER_LAYER` (the scratch model's, one ``BlockConfig`` for every layer, derived by
-    ``block_configs``): ``num_heads`` query heads of ``head_dim`` features (default
-    ``dim // num_heads``), ``num_kv_heads`` (default ``num_heads``: grouped-query attention
-    when fewer), ``qk_norm`` (an ``RMSNorm`` on each query and key head, before RoPE: Qwen3),
-    ``rope_theta`` and ``rope_scaling`` (RoPE's base and Llama 3.1's ``RopeScaling``), the
-    blocks' norms as the final one, ``dropout`` (the residual dropout rate), an MLP of
-    ``mlp_hidden`` features (default ``int(mlp_ratio * dim)``), SiLU-gated with
-    ``gated_mlp``, with biases with ``mlp_bias``; and with ``experts > 0``, layer ``i``'s
-    feed-forward is a ``MoE`` of that many SwiGLU experts of ``expert_hidden`` features
-    (default the MLP's), each token routed to ``experts_per_token`` of them
-    (``norm_topk_prob``, ``capacity_factor`` as ``MoEConfig`` takes them), when
-    ``(i + 1) % moe_every == 0`` and ``i`` is not in ``dense_layers`` (Qwen3-MoE's rule).
-    With ``layers``, those knobs stay at their defaults, but for ``num_heads`` and
-    ``num_kv_heads``: a family sets them to the model's head counts for the code that shards
-    heads.
-
     Example:
-        >>> GPTConfig(depth=2, dim=64).num_heads
-        4
         >>> GPTConfig(dim=32, num_heads=4, head_dim=16, qk_norm=True).block_configs[0].attention
         AttentionConfig(num_heads=4, num_kv_heads=None, head_dim=16, qk_norm=True, \
 qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
-        >>> [GPTConfig(depth=4, experts=8, moe_every=2).is_moe(i) for i in range(4)]
-        [False, True, False, True]
+        >>> [type(b.feed_forward).__name__ for b in GPTConfig(experts=8, moe_every=2).block_configs]
+        ['MLPConfig', 'MoEConfig', 'MLPConfig', 'MoEConfig']
         >>> layer = BlockConfig(AttentionConfig(num_heads=2), MLPConfig(64, gated=True))
-        >>> config = GPTConfig(dim=32, depth=2, num_heads=2, layers=(layer, layer))
-        >>> config.block_configs[1].feed_forward
-        MLPConfig(hidden=64, gated=True, bias=True)
+        >>> GPTConfig(dim=32, depth=2, num_heads=2, layers=(layer, layer)).block_configs[1] == layer
+        True
     """
 
     vocab_size: int = 256
@@ -133,7 +123,13 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
             where = f"a tuple of layer indices in 0..{self.depth - 1}"
             check(ok, "GPTConfig.dense_layers", where, dense)
         else:
-            self._check_layers()
+            layers, depth = self.layers, self.depth
+            ok = isinstance(layers, tuple) and all(isinstance(b, BlockConfig) for b in layers)
+            where = f"None or a tuple of depth ({depth}) BlockConfigs"
+            check(ok and len(layers) == depth, "GPTConfig.layers", where, layers)
+            given = [k for k in PER_LAYER if getattr(self, k) != getattr(GPTConfig, k)]
+            if given:
+                raise ValueError(f"GPTConfig: layers= sets every layer; leave out {given}")
         try:
             NormConfig(self.norm, self.norm_eps)
             blocks = self.block_configs
@@ -147,28 +143,10 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
                 "the same config (moe_every=1 and no dense_layers), or scan_layers=False"
             )
 
-    def _check_layers(self) -> None:
-        layers = self.layers
-        ok = isinstance(layers, tuple) and all(isinstance(b, BlockConfig) for b in layers)
-        where = f"None or a tuple of depth ({self.depth}) BlockConfigs"
-        check(ok and len(layers) == self.depth, "GPTConfig.layers", where, layers)
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name in PER_LAYER[2:] and value != field.default:
-                raise ValueError(
-                    f"GPTConfig.{field.name} is set by each of the layers' configs "
-                    f"(layers=...), not here; got {value!r}"
-                )
-
     @functools.cached_property
     def block_configs(self) -> tuple[BlockConfig, ...]:
-        """Every layer's ``BlockConfig``: ``layers``, or the one derived from the flat knobs.
-
-        Example:
-            >>> [type(b.feed_forward).__name__ for b in GPTConfig(depth=2, experts=4,
-            ...                                                   dense_layers=(0,)).block_configs]
-            ['MLPConfig', 'MoEConfig']
-        """
+        """Every layer's ``BlockConfig``: ``layers``, or those derived from the flat knobs (the
+        one place that does), e.g. ``GPTConfig().block_configs[0].feed_forward.hidden``."""
         if self.layers is not None:
             return self.layers
         hidden = int(self.mlp_ratio * self.dim) if self.mlp_hidden is None else self.mlp_hidden
@@ -194,10 +172,6 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
             sparse = moe and i not in self.dense_layers and (i + 1) % self.moe_every == 0
             layers.append(BlockConfig(attention, moe if sparse else dense, norm, self.dropout))
         return tuple(layers)
-
-    def is_moe(self, layer: int) -> bool:
-        """Whether layer ``layer``'s feed-forward is a ``MoE``."""
-        return isinstance(self.block_configs[layer].feed_forward, MoEConfig)
 
 
 class GPT(nnx.Module):

@@ -8,22 +8,12 @@ import numbers
 
 
 def is_int(value: object, minimum: int = 0) -> bool:
-    """Whether ``value`` is an int (not a bool) ``>= minimum``.
-
-    Example:
-        >>> is_int(3, minimum=1), is_int(True), is_int(2.0)
-        (True, False, False)
-    """
+    """Whether ``value`` is an int (not a bool) ``>= minimum``: ``is_int(2.0)`` is False."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
 
 
 def is_positive(value: object) -> bool:
-    """Whether ``value`` is a finite number (not a bool) ``> 0``.
-
-    Example:
-        >>> is_positive(1e-6), is_positive(0.0), is_positive(float("inf"))
-        (True, False, False)
-    """
+    """Whether ``value`` is a finite number (not a bool) ``> 0``: ``is_positive(inf)`` is False."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < math.inf
 
 

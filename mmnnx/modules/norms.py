@@ -33,7 +33,7 @@ class RMSNorm(nnx.Module):
         axis: str | None = "embed",
         param_dtype: jax.typing.DTypeLike = jnp.float32,
     ):
-        _check_eps("RMSNorm", eps)
+        check(is_positive(eps), "RMSNorm: eps", "a finite number > 0", eps)
         self.dim = dim
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=(axis,))
@@ -60,7 +60,7 @@ class LayerNorm(nnx.Module):
     def __init__(
         self, dim: int, *, eps: float = 1e-5, param_dtype: jax.typing.DTypeLike = jnp.float32
     ):
-        _check_eps("LayerNorm", eps)
+        check(is_positive(eps), "LayerNorm: eps", "a finite number > 0", eps)
         self.dim = dim
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("embed",))
@@ -101,7 +101,3 @@ class NormConfig:
         options = {} if self.eps is None else {"eps": self.eps}
         norm = RMSNorm if self.kind == "rms" else LayerNorm
         return norm(dim, param_dtype=param_dtype, **options)
-
-
-def _check_eps(name: str, eps: float) -> None:
-    check(is_positive(eps), f"{name}: eps", "a finite number > 0", eps)

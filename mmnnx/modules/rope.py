@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from math import inf
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmnnx.modules.checks import check, is_positive
+from mmnnx.modules.checks import check, is_int, is_positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,20 +38,15 @@ class RopeScaling:
     def __post_init__(self):
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
-            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-            if not (number and 0 < value < inf):
-                raise ValueError(f"RopeScaling.{name} must be a finite number > 0, got {value!r}")
+            check(is_positive(value), f"RopeScaling.{name}", "a finite number > 0", value)
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"RopeScaling.high_freq_factor ({self.high_freq_factor}) must be greater than "
                 f"low_freq_factor ({self.low_freq_factor})"
             )
         original = self.original_max_position_embeddings
-        if isinstance(original, bool) or not isinstance(original, numbers.Integral) or original < 1:
-            raise ValueError(
-                f"RopeScaling.original_max_position_embeddings must be an int >= 1, "
-                f"got {original!r}"
-            )
+        where = "RopeScaling.original_max_position_embeddings"
+        check(is_int(original, minimum=1), where, "an int >= 1", original)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +55,6 @@ class RopeConfig:
     Face's ``rope_theta``) and Llama 3.1's optional frequency ``scaling``.
 
     Example:
-        >>> RopeConfig(theta=1e6).theta
-        1000000.0
         >>> RopeConfig(theta=0)
         Traceback (most recent call last):
         ...

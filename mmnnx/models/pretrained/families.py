@@ -49,20 +49,13 @@ _OUTER = (
 )
 _MOE_LAYER = (  # a MoE layer's router and experts (Qwen3-MoE), stacked over the experts
     TensorRule("model.layers.{layer}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
-    TensorRule(
-        "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
-        "blocks/{layer}/mlp/experts/gate",
-        T,
-    ),
-    TensorRule(
-        "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
-        "blocks/{layer}/mlp/experts/up",
-        T,
-    ),
-    TensorRule(
-        "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
-        "blocks/{layer}/mlp/experts/down",
-        T,
+    *(
+        TensorRule(
+            f"model.layers.{{layer}}.mlp.experts.{{expert}}.{name}_proj.weight",
+            f"blocks/{{layer}}/mlp/experts/{name}",
+            T,
+        )
+        for name in ("gate", "up", "down")
     ),
 )
 _HEAD = TensorRule("lm_head.weight", "head/kernel", T)
@@ -75,8 +68,9 @@ FeedForward = MLPConfig | MoEConfig
 @dataclasses.dataclass(frozen=True)
 class DenseFeedForward:
     """Llama's and Qwen3's feed-forward: every layer a SiLU-gated ``MLPConfig`` without biases
-    of ``intermediate_size`` features. ``keys``: the ``config.json`` keys it reads and writes;
-    ``rules``: the tensors of its own in each layer (beyond a dense MLP's).
+    of ``intermediate_size`` features. A family's feed-forward names the ``config.json``
+    ``keys`` it reads (``read``) and writes (``write``), and its tensors (``rules``) beyond a
+    dense MLP's.
 
     Example:
         >>> DenseFeedForward().read({"intermediate_size": 64}, "config.json", 2)[1]
@@ -88,12 +82,8 @@ class DenseFeedForward:
     experts: ClassVar[bool] = False
 
     def read(self, hf: dict[str, Any], file: str, depth: int) -> tuple[FeedForward, ...]:
-        """Each of the ``depth`` layers' feed-forward config of the ``config.json`` ``hf``."""
-        return (self.dense(hf, file),) * depth
-
-    def dense(self, hf: dict[str, Any], file: str) -> MLPConfig:
-        """The dense layers' ``MLPConfig``."""
-        return MLPConfig(_key(hf, "intermediate_size", file), gated=True, bias=False)
+        """The ``depth`` layers' feed-forward configs of the ``config.json`` ``hf``."""
+        return (_mlp(hf, file),) * depth
 
     def write(self, config: GPTConfig) -> dict[str, Any]:
         """The ``config.json`` keys of ``config``'s feed-forwards."""
@@ -104,10 +94,10 @@ class DenseFeedForward:
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeFeedForward(DenseFeedForward):
-    """Qwen3-MoE's feed-forward: a ``MoEConfig`` (``num_experts``, ``num_experts_per_tok``,
+    """Qwen3-MoE's: a ``MoEConfig`` (``num_experts``, ``num_experts_per_tok``,
     ``moe_intermediate_size``, ``norm_topk_prob``) in layer ``i`` when
     ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``, else the
-    dense MLP; the router and the experts' tensors stacked over the experts.
+    dense MLP; written back with the step that leaves the fewest ``mlp_only_layers``.
 
     Example:
         >>> hf = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -136,31 +126,23 @@ class Qwen3MoeFeedForward(DenseFeedForward):
         ok = all(is_int(i) and i < depth for i in dense)
         check(ok, "mlp_only_layers", f"a list of layer indices in 0..{depth - 1}", dense)
         sparse = [i not in dense and (i + 1) % step == 0 for i in range(depth)]
-        return tuple(moe if s else self.dense(hf, file) for s in sparse)
+        return tuple(moe if s else _mlp(hf, file) for s in sparse)
 
     def write(self, config: GPTConfig) -> dict[str, Any]:
-        """The keys of ``config``'s layers, ``decoder_sparse_step`` the step that leaves the
-        fewest ``mlp_only_layers`` (the smallest of those)."""
-        blocks = config.block_configs
-        moe = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MoEConfig)]
+        layers = [b.feed_forward for b in config.block_configs]
+        moe = [i for i, f in enumerate(layers) if isinstance(f, MoEConfig)]
         if not moe:
             return super().write(config)
-        sparse = [isinstance(b.feed_forward, MoEConfig) for b in blocks]
-
-        def dense(step: int) -> list[int]:
-            return [i for i, s in enumerate(sparse) if not s and (i + 1) % step == 0]
-
-        moe_layers = [i for i, s in enumerate(sparse) if s]
-        steps = [n for n in range(1, len(sparse) + 1) if all((i + 1) % n == 0 for i in moe_layers)]
-        step = min(steps, key=lambda n: len(dense(n)))
-        return {
-            **super().write(config),
-            "num_experts": moe[0].num_experts,
-            "num_experts_per_tok": moe[0].top_k,
-            "moe_intermediate_size": moe[0].hidden,
-            "norm_topk_prob": moe[0].norm_topk_prob,
+        steps = [n for n in range(1, len(layers) + 1) if all((i + 1) % n == 0 for i in moe)]
+        dense = {n: [i for i in range(n - 1, len(layers), n) if i not in moe] for n in steps}
+        step, first = min(steps, key=lambda n: len(dense[n])), layers[moe[0]]
+        return super().write(config) | {
+            "num_experts": first.num_experts,
+            "num_experts_per_tok": first.top_k,
+            "moe_intermediate_size": first.hidden,
+            "norm_topk_prob": first.norm_topk_prob,
             "decoder_sparse_step": step,
-            "mlp_only_layers": dense(step),
+            "mlp_only_layers": dense[step],
             "router_aux_loss_coef": config.router_aux_loss_coef,
         }
 
@@ -349,6 +331,10 @@ def family_of(hf: dict[str, Any] | None, where: Any) -> Family:
         f"{where}/config.json: architecture {', '.join(names) or '(none given)'} is not "
         f"supported; mmnnx builds {', '.join(FAMILIES)}"
     )
+
+
+def _mlp(hf: dict[str, Any], file: str) -> MLPConfig:
+    return MLPConfig(_key(hf, "intermediate_size", file), gated=True, bias=False)
 
 
 def _key(hf: dict[str, Any], key: str, file: str) -> Any:
