@@ -463,3 +463,43 @@ SCALING = dict(
 def test_bad_knobs_raise(make_bad, message):
     with pytest.raises(ValueError, match=message):
         make_bad()
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_nested_layers_build_the_same_model_as_the_flat_knobs(scan_layers):
+    flat = dataclasses.replace(KNOBS, scan_layers=scan_layers, dropout=0.1)
+    nested = GPTConfig(
+        vocab_size=64, dim=32, depth=2, num_heads=4, num_kv_heads=2,
+        norm_eps=1e-5, max_seq_len=16, scan_layers=scan_layers, layers=flat.block_configs,
+    )  # fmt: skip
+    assert nested.block_configs == flat.block_configs and len(set(flat.block_configs)) == 1
+    layer = flat.block_configs[0]
+    assert (layer.attention.head_dim, layer.attention.qk_norm, layer.attention.rope) == (
+        16, True, RopeConfig(1e6, LLAMA3)
+    )  # fmt: skip
+    assert (layer.feed_forward.hidden, layer.norm.eps, layer.dropout) == (48, 1e-5, 0.1)
+    with nnx.use_eager_sharding(False):
+        a, b = (GPT(c, rngs=nnx.Rngs(0, dropout=1)) for c in (flat, nested))
+    pa, pb = params_of(a), params_of(b)
+    assert list(pa) == list(pb)
+    for path in pa:
+        np.testing.assert_array_equal(pa[path].get_value(), pb[path].get_value())
+    batch = jnp.arange(18, dtype=jnp.int32).reshape(2, 9) % 64
+    assert float(a.loss(batch)) == float(b.loss(batch))
+
+
+def test_nested_layers_are_checked():
+    layer = KNOBS.block_configs[0]
+    sized = dict(vocab_size=64, dim=32, depth=2)
+    for make_bad, message in [
+        (lambda: GPTConfig(**sized, layers=(layer,)), r"GPTConfig.layers must be None or a tuple "
+         r"of depth \(2\) BlockConfigs"),
+        (lambda: GPTConfig(**sized, layers=[layer, layer]), r"GPTConfig.layers must be"),
+        (lambda: GPTConfig(**sized, layers=(layer, layer), qk_norm=True),
+         r"GPTConfig: layers= sets every layer; leave out \['qk_norm'\]"),
+        (lambda: GPTConfig(**sized, scan_layers=True,
+                           layers=(layer, dataclasses.replace(layer, dropout=0.5))),
+         r"GPTConfig: scan_layers stacks alike layers, but layers differ"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            make_bad()

@@ -1,5 +1,6 @@
 """mmnnx.modules against hand-written reference math, and a GPT built from them under mm.jit."""
 
+import dataclasses
 import math
 
 import jax
@@ -21,6 +22,8 @@ from mmnnx.modules import (
     LayerNorm,
     Linear,
     MLPConfig,
+    MoE,
+    MoEConfig,
     NormConfig,
     RMSNorm,
     RopeConfig,
@@ -471,3 +474,89 @@ def test_knobs_reach_every_module():
     embed = build(Embed, 8, DIM, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     assert embed.embedding.get_value().dtype == jnp.bfloat16
     assert build(LayerNorm, 4, param_dtype=jnp.bfloat16).bias.get_value().dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "make_bad, message",
+    [
+        (lambda: AttentionConfig(0), r"AttentionConfig.num_heads must be an int >= 1, got 0"),
+        (
+            lambda: AttentionConfig(4, 3),
+            r"num_kv_heads must be None or a divisor of num_heads \(4\)",
+        ),
+        (
+            lambda: AttentionConfig(4, head_dim=6.0),
+            r"AttentionConfig.head_dim must be None or an int",
+        ),
+        (lambda: AttentionConfig(4, head_dim=5), r"AttentionConfig.head_dim must be even"),
+        (lambda: AttentionConfig(4, qk_norm_eps=0.0), r"AttentionConfig.qk_norm_eps must be a"),
+        (
+            lambda: AttentionConfig(4, rope=1e4),
+            r"AttentionConfig.rope must be None or a RopeConfig",
+        ),
+        (
+            lambda: RopeConfig(float("inf")),
+            r"RopeConfig.theta must be a finite number > 0, got inf",
+        ),
+        (lambda: RopeConfig(scaling={"factor": 8}), r"RopeConfig.scaling must be None or a mmnnx"),
+        (lambda: NormConfig("batch"), r"NormConfig.kind must be 'rms' or 'layer', got 'batch'"),
+        (lambda: NormConfig(eps=-1.0), r"NormConfig.eps must be None or a finite number > 0"),
+        (lambda: MLPConfig(2.5), r"MLPConfig.hidden must be an int >= 1, got 2.5"),
+        (lambda: MLPConfig(8, gated=1), r"MLPConfig.gated must be a bool, got 1"),
+        (lambda: MLPConfig(8, bias=None), r"MLPConfig.bias must be a bool, got None"),
+        (lambda: MoEConfig(8, 0), r"MoEConfig.num_experts must be an int >= 1, got 0"),
+        (lambda: MoEConfig(0, 4), r"MoEConfig.hidden must be an int >= 1, got 0"),
+        (lambda: MoEConfig(8, 4, 5), r"MoEConfig.top_k must be an int in 1..num_experts \(4\)"),
+        (lambda: MoEConfig(8, 4, norm_topk_prob=0), r"MoEConfig.norm_topk_prob must be a bool"),
+        (lambda: MoEConfig(8, 4, capacity_factor=0), r"MoEConfig.capacity_factor must be None"),
+        (lambda: BlockConfig(4, MLP4), r"BlockConfig.attention must be a component config"),
+        (lambda: BlockConfig(HEADS4, 64), r"BlockConfig.feed_forward must be a component config"),
+        (lambda: BlockConfig(HEADS4, MLP4, "rms"), r"BlockConfig.norm must be a NormConfig"),
+        (lambda: BlockConfig(HEADS4, MLP4, dropout=1.0), r"BlockConfig.dropout must be a number"),
+    ],
+)
+def test_bad_component_configs_raise_naming_the_field(make_bad, message):
+    with pytest.raises(ValueError, match=message):
+        make_bad()
+
+
+def test_component_configs_are_frozen_hashable_and_build_their_modules():
+    moe = MoEConfig(16, num_experts=4, top_k=2, norm_topk_prob=False)
+    config = BlockConfig(AttentionConfig(4, 2, qk_norm=True), moe, NormConfig("layer"), 0.1)
+    assert hash(config) == hash(BlockConfig(AttentionConfig(4, 2, qk_norm=True), moe,
+                                            NormConfig("layer"), 0.1))  # fmt: skip
+    with pytest.raises(AttributeError):
+        config.dropout = 0.0  # type: ignore[misc]
+    block = build(config.build, DIM, rngs=nnx.Rngs(0, dropout=1))
+    assert isinstance(block.norm1, LayerNorm) and isinstance(block.mlp, MoE)
+    assert (block.attn.num_kv_heads, block.mlp.top_k, block.mlp.norm_topk_prob) == (2, 2, False)
+    assert block.dropout.rate == 0.1 and block.attn.q_norm is not None
+    y, stats = block.forward(jnp.ones((2, 3, DIM)))
+    assert y.shape == (2, 3, DIM) and int(stats.tokens_per_expert.sum()) == 2 * 3 * 2
+
+
+class ScaledIdentity(nnx.Module):
+    """A made-up feed-forward: what a new component needs is a module and a config's build."""
+
+    def __init__(self, dim, config, *, param_dtype=jnp.float32, rngs):
+        self.scale = nnx.Param(jnp.full((dim,), config.scale, param_dtype))
+
+    def __call__(self, x):
+        return x * self.scale[...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledIdentityConfig:
+    scale: float = 2.0
+
+    def build(self, dim, **kw):
+        return ScaledIdentity(dim, self, **kw)
+
+
+def test_a_new_component_plugs_into_the_block_and_the_gpt_unchanged():
+    layer = BlockConfig(HEADS4, ScaledIdentityConfig(), NormConfig())
+    block = build(layer.build, DIM, rngs=nnx.Rngs(0))
+    assert isinstance(block.mlp, ScaledIdentity) and block.forward(jnp.ones((1, 2, DIM)))[1] is None
+    config = GPTConfig(dim=DIM, depth=2, vocab_size=16, layers=(layer, layer))
+    model = build(GPT, config, rngs=nnx.Rngs(0))
+    assert model(jnp.zeros((1, 4), jnp.int32)).shape == (1, 4, 16)

@@ -4,19 +4,17 @@ Plain ``nnx.Module`` classes, small enough to read and subclass: ``Linear``, ``E
 ``Attention`` (causal, RoPE with Llama 3's optional ``RopeScaling``, grouped KV heads, optional
 per-head q/k norms), ``RMSNorm``, ``LayerNorm``, ``MoE`` (a mixture of SwiGLU ``Experts``, routed
 as Qwen3-MoE routes, expert-parallel where placed so; its ``RouterStats``) and
-``TransformerBlock``. Each layer a model assembles has a frozen config beside it
-(``AttentionConfig``, ``RopeConfig``, ``NormConfig``, ``MLPConfig``, ``MoEConfig``, and
-``BlockConfig`` nesting them) whose ``build(dim, ...)`` makes it. ``constrain`` adds a logical
-sharding constraint inside ``mm.jit`` only.
+``TransformerBlock``, each built from its frozen config (``AttentionConfig``, ``RopeConfig``,
+``NormConfig``, ``MLPConfig``, ``MoEConfig``, ``BlockConfig``) by ``config.build(dim, ...)``.
+``constrain`` adds a logical sharding constraint inside ``mm.jit`` only.
 
 Example:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from mmnnx import modules
+    >>> config = modules.BlockConfig(modules.AttentionConfig(2), modules.MLPConfig(64))
     >>> with nnx.use_eager_sharding(False):
-    ...     block = modules.BlockConfig(
-    ...         modules.AttentionConfig(num_heads=2), modules.MLPConfig(64)
-    ...     ).build(16, rngs=nnx.Rngs(0))
+    ...     block = config.build(16, rngs=nnx.Rngs(0))
     >>> block(jnp.ones((1, 4, 16))).shape
     (1, 4, 16)
 """

@@ -13,7 +13,7 @@ from mmnnx.modules.attention import AttentionConfig
 from mmnnx.modules.checks import check
 from mmnnx.modules.constraints import constrain
 from mmnnx.modules.mlp import MLPConfig
-from mmnnx.modules.moe import MoE, MoEConfig
+from mmnnx.modules.moe import MoEConfig
 from mmnnx.modules.norms import NormConfig
 from mmnnx.modules.routing import RouterStats
 
@@ -22,17 +22,14 @@ ACTIVATION_NAMES = ("batch", "seq", "embed")
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-    """One ``TransformerBlock``, as nested component configs: its ``attention`` (an
-    ``AttentionConfig``), its ``feed_forward`` (an ``MLPConfig`` or a ``MoEConfig``), its two
-    ``norm``s (a ``NormConfig``) and its residual ``dropout`` rate. Each component is any
-    config whose ``build(dim, *, param_dtype, rngs)`` makes its module, so a new attention kind
-    or router is a new component config, not a new block argument.
+    """A ``TransformerBlock`` as nested component configs: ``attention`` (an
+    ``AttentionConfig``), ``feed_forward`` (an ``MLPConfig`` or a ``MoEConfig``), ``norm`` (a
+    ``NormConfig``, both norms) and the residual ``dropout`` rate. The block builds each
+    component by its ``build(dim, *, param_dtype, rngs)``, knowing none of its fields: a new
+    attention kind or router is a new component config, not a new block argument.
 
     Example:
-        >>> config = BlockConfig(
-        ...     attention=AttentionConfig(num_heads=4, num_kv_heads=2),
-        ...     feed_forward=MLPConfig(64, gated=True, bias=False),
-        ... )
+        >>> config = BlockConfig(AttentionConfig(4), MLPConfig(64, gated=True, bias=False))
         >>> with nnx.use_eager_sharding(False):
         ...     block = config.build(16, rngs=nnx.Rngs(0))
         >>> block(jnp.ones((2, 5, 16))).shape, block.mlp.hidden
@@ -99,14 +96,12 @@ class TransformerBlock(nnx.Module):
         return self.forward(x)[0]
 
     def forward(self, x: jax.Array) -> tuple[jax.Array, RouterStats | None]:
-        """The block's output and its ``MoE``'s ``RouterStats`` (``None`` with a dense MLP)."""
+        """The block's output and its feed-forward's ``RouterStats``: those of a feed-forward
+        with a ``forward`` method (``MoE``), ``None`` for a dense ``MLP``."""
         x = constrain(x, ACTIVATION_NAMES)
         x = x + self._drop(self.attn(self.norm1(x)))
-        stats = None
-        if isinstance(self.mlp, MoE):
-            h, stats = self.mlp.forward(self.norm2(x))
-        else:
-            h = self.mlp(self.norm2(x))
+        routed = getattr(self.mlp, "forward", None)
+        h, stats = routed(self.norm2(x)) if routed else (self.mlp(self.norm2(x)), None)
         x = x + self._drop(h)
         return constrain(x, ACTIVATION_NAMES), stats
 
