@@ -42,26 +42,24 @@ class GPTConfig:
 
     ``layers`` gives each layer's ``BlockConfig`` (nested component configs, as the pretrained
     families map a ``config.json``); without it, ``block_configs`` derives one for every layer
-    from the flat knobs of :data:`PER_LAYER` (the scratch model's, those ``mmnnx train`` sets):
-    ``num_heads`` query heads of ``head_dim`` features (default ``dim // num_heads``),
-    ``num_kv_heads`` (default ``num_heads``: grouped-query attention when fewer), ``qk_norm``
-    (an ``RMSNorm`` on each query and key head, before RoPE: Qwen3), ``rope_theta`` and
-    ``rope_scaling`` (RoPE's base and Llama 3.1's ``RopeScaling``), the residual ``dropout``,
-    an MLP of ``mlp_hidden`` features (default ``int(mlp_ratio * dim)``), SiLU-gated with
-    ``gated_mlp``, with biases with ``mlp_bias``; with ``experts > 0``, layer ``i``'s
-    feed-forward is a ``MoEConfig`` of that many experts of ``expert_hidden`` features (default
-    the MLP's), ``experts_per_token``, ``norm_topk_prob`` and ``capacity_factor``, when
-    ``(i + 1) % moe_every == 0`` and ``i`` is not in ``dense_layers`` (Qwen3-MoE's rule).
-    ``num_heads`` and ``num_kv_heads`` are the model's head counts either way.
+    from the flat knobs (the scratch model's, those ``mmnnx train`` sets): ``AttentionConfig``
+    (``num_heads``, ``num_kv_heads``, ``head_dim``, ``qk_norm``, its eps ``norm_eps`` or 1e-6)
+    with ``RopeConfig`` (``rope_theta``, ``rope_scaling``), ``NormConfig`` (``norm``,
+    ``norm_eps``), the residual ``dropout``, and ``MLPConfig`` (``mlp_hidden``, default
+    ``int(mlp_ratio * dim)``; ``gated_mlp``, ``mlp_bias``) or, with ``experts > 0``, in layer
+    ``i`` when ``(i + 1) % moe_every == 0`` and ``i`` is not in ``dense_layers`` (Qwen3-MoE's
+    rule), ``MoEConfig`` (``expert_hidden``, default the MLP's; ``experts``,
+    ``experts_per_token``, ``norm_topk_prob``, ``capacity_factor``). ``num_heads`` and
+    ``num_kv_heads`` are the model's head counts either way.
 
-    The rest is the model's: ``norm`` (``"rms"`` or ``"layer"``, epsilon ``norm_eps``; default
-    the norm's own) of the output (and of the derived layers); ``tie_embeddings`` (the head
-    reuses the embedding table); ``max_seq_len`` (bounds the input length); ``scan_layers``
-    (the layers, all alike, stacked with ``nnx.vmap`` and run with ``nnx.scan``: tracing and
-    compiling cost one block, not ``depth``); ``dtype`` (of activations and matmuls; norms,
-    softmax and the loss are float32) and ``param_dtype`` (of every Variable), ``"float32"`` or
-    ``"bfloat16"``; ``GPT.loss`` adds ``router_aux_loss_coef`` times the load-balancing loss of
-    every MoE layer's router pooled (Hugging Face's ``load_balancing_loss_func``) and
+    The rest is the model's: the output's ``norm`` (``"rms"`` or ``"layer"``, epsilon
+    ``norm_eps``; default the norm's own); ``tie_embeddings`` (the head reuses the embedding
+    table); ``max_seq_len`` (bounds the input length); ``scan_layers`` (the layers, all alike,
+    stacked with ``nnx.vmap`` and run with ``nnx.scan``: tracing and compiling cost one block,
+    not ``depth``); ``dtype`` (of activations and matmuls; norms, softmax and the loss are
+    float32) and ``param_dtype`` (of every Variable), ``"float32"`` or ``"bfloat16"``;
+    ``GPT.loss`` adds ``router_aux_loss_coef`` times the load-balancing loss of every MoE
+    layer's router pooled (Hugging Face's ``load_balancing_loss_func``) and
     ``router_z_loss_coef`` times their mean z-loss.
 
     Example:
@@ -196,30 +194,18 @@ class GPT(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        c = config
-        self.embed = Embed(c.vocab_size, c.dim, param_dtype=c.param_dtype, rngs=rngs)
-
+        self.config = c = config
+        kw = dict(param_dtype=c.param_dtype, rngs=rngs)
+        self.embed = Embed(c.vocab_size, c.dim, **kw)
         if c.scan_layers:  # every layer alike: one block, its Variables stacked
-
-            def stacked(rngs: nnx.Rngs) -> TransformerBlock:
-                return c.block_configs[0].build(c.dim, param_dtype=c.param_dtype, rngs=rngs)
-
-            self.blocks = nnx.split_rngs(splits=c.depth)(nnx.vmap(stacked, in_axes=0))(rngs)
+            build = functools.partial(c.block_configs[0].build, c.dim, param_dtype=c.param_dtype)
+            stacked = nnx.vmap(lambda rngs: build(rngs=rngs), in_axes=0)
+            self.blocks = nnx.split_rngs(splits=c.depth)(stacked)(rngs)
         else:
-            self.blocks = nnx.List(
-                [b.build(c.dim, param_dtype=c.param_dtype, rngs=rngs) for b in c.block_configs]
-            )
+            self.blocks = nnx.List([b.build(c.dim, **kw) for b in c.block_configs])
         self.norm = NormConfig(c.norm, c.norm_eps).build(c.dim, param_dtype=c.param_dtype)
         if not c.tie_embeddings:
-            self.head = Linear(
-                c.dim,
-                c.vocab_size,
-                axes=("embed", "vocab"),
-                use_bias=False,
-                param_dtype=c.param_dtype,
-                rngs=rngs,
-            )
+            self.head = Linear(c.dim, c.vocab_size, axes=("embed", "vocab"), use_bias=False, **kw)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.forward(tokens)[0]

@@ -180,18 +180,11 @@ class Family:
         dim, depth = _key(hf, "hidden_size", file), _key(hf, "num_hidden_layers", file)
         eps = float(hf.get("rms_norm_eps") or 1e-6)
         scaling = hf.get("rope_scaling")
+        scaling = None if scaling is None else _rope_scaling(scaling, file)
+        kv, head_dim = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or dim // heads
         try:
-            attention = AttentionConfig(
-                heads,
-                hf.get("num_key_value_heads") or heads,
-                hf.get("head_dim") or dim // heads,
-                qk_norm=self.qk_norm,
-                qk_norm_eps=eps,
-                rope=RopeConfig(
-                    float(hf.get("rope_theta", 10000.0)),
-                    None if scaling is None else _rope_scaling(scaling, file),
-                ),
-            )
+            rope = RopeConfig(float(hf.get("rope_theta", 10000.0)), scaling)
+            attention = AttentionConfig(heads, kv, head_dim, self.qk_norm, eps, rope)
             norm = NormConfig("rms", eps)
             layers = self.feed_forward.read(hf, file, depth)
             fields = dict(
@@ -209,6 +202,8 @@ class Family:
             )
             fields.update({k: v for k, v in overrides.items() if v is not None})
             return GPTConfig(**fields)
+        except CheckpointError:
+            raise
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: {e}") from None
 
