@@ -165,10 +165,11 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
             rope=RopeConfig(self.rope_theta, self.rope_scaling),
         )
         norm = NormConfig(self.norm, self.norm_eps)
+        block = BlockConfig(attention, dense, norm, dropout=self.dropout)
         layers = []
         for i in range(self.depth):
             sparse = moe and i not in self.dense_layers and (i + 1) % self.moe_every == 0
-            layers.append(BlockConfig(attention, moe if sparse else dense, norm, self.dropout))
+            layers.append(dataclasses.replace(block, feed_forward=moe) if sparse else block)
         return tuple(layers)
 
 

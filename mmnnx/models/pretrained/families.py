@@ -184,7 +184,9 @@ class Family:
         kv, head_dim = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or dim // heads
         try:
             rope = RopeConfig(float(hf.get("rope_theta", 10000.0)), scaling)
-            attention = AttentionConfig(heads, kv, head_dim, self.qk_norm, eps, rope)
+            attention = AttentionConfig(
+                heads, kv, head_dim, qk_norm=self.qk_norm, qk_norm_eps=eps, rope=rope
+            )
             norm = NormConfig("rms", eps)
             layers = self.feed_forward.read(hf, file, depth)
             fields = dict(
