@@ -490,13 +490,15 @@ def test_nested_layers_build_the_same_model_as_the_flat_knobs(scan_layers):
 
 def test_nested_layers_are_checked():
     layer = KNOBS.block_configs[0]
-    sized = dict(vocab_size=64, dim=32, depth=2)
+    sized = dict(vocab_size=64, dim=32, depth=2, num_heads=4, num_kv_heads=2)
     for make_bad, message in [
         (lambda: GPTConfig(**sized, layers=(layer,)), r"GPTConfig.layers must be None or a tuple "
          r"of depth \(2\) BlockConfigs"),
         (lambda: GPTConfig(**sized, layers=[layer, layer]), r"GPTConfig.layers must be"),
         (lambda: GPTConfig(**sized, layers=(layer, layer), qk_norm=True),
          r"GPTConfig: layers= sets every layer; leave out \['qk_norm'\]"),
+        (lambda: GPTConfig(**{**sized, "num_kv_heads": None}, layers=(layer, layer)),
+         r"GPTConfig: num_heads and num_kv_heads \(4, 4\) are not the layers' \(4, 2\)"),
         (lambda: GPTConfig(**sized, scan_layers=True,
                            layers=(layer, dataclasses.replace(layer, dropout=0.5))),
          r"GPTConfig: scan_layers stacks alike layers, but layers differ"),

@@ -67,6 +67,7 @@ def test_one_device_logits_equal_tunix_and_the_reference(checkpoints):
     path = checkpoints["float32"]
     model = from_pretrained(path)
     assert [type(b.mlp) for b in model.blocks] == [MoE] * 4
+    assert model.config.layers == model.config.block_configs  # built from nested configs
     moe = model.config.block_configs[0].feed_forward
     assert (moe.num_experts, moe.top_k, moe.hidden, moe.norm_topk_prob) == (8, 2, 32, True)
     logits = model(jnp.asarray(TOKENS))

@@ -50,7 +50,8 @@ class GPTConfig:
     ``i`` when ``(i + 1) % moe_every == 0`` and ``i`` is not in ``dense_layers`` (Qwen3-MoE's
     rule), ``MoEConfig`` (``expert_hidden``, default the MLP's; ``experts``,
     ``experts_per_token``, ``norm_topk_prob``, ``capacity_factor``). ``num_heads`` and
-    ``num_kv_heads`` are the model's head counts either way.
+    ``num_kv_heads`` are the model's head counts either way (with ``layers``, those of their
+    ``AttentionConfig``s).
 
     The rest is the model's: the output's ``norm`` (``"rms"`` or ``"layer"``, epsilon
     ``norm_eps``; default the norm's own); ``tie_embeddings`` (the head reuses the embedding
@@ -128,6 +129,14 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
             given = [k for k in PER_LAYER if getattr(self, k) != getattr(GPTConfig, k)]
             if given:
                 raise ValueError(f"GPTConfig: layers= sets every layer; leave out {given}")
+            heads = (self.num_heads, self.num_kv_heads or self.num_heads)
+            attention = [b.attention for b in layers if isinstance(b.attention, AttentionConfig)]
+            for a in attention:
+                if (a.num_heads, a.num_kv_heads or a.num_heads) != heads:
+                    raise ValueError(
+                        f"GPTConfig: num_heads and num_kv_heads {heads} are not the layers' "
+                        f"{(a.num_heads, a.num_kv_heads or a.num_heads)}"
+                    )
         try:
             NormConfig(self.norm, self.norm_eps)
             blocks = self.block_configs
