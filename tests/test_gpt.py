@@ -498,7 +498,7 @@ def test_nested_layers_are_checked():
         (lambda: GPTConfig(**sized, layers=(layer, layer), qk_norm=True),
          r"GPTConfig: layers= sets every layer; leave out \['qk_norm'\]"),
         (lambda: GPTConfig(**{**sized, "num_kv_heads": None}, layers=(layer, layer)),
-         r"GPTConfig: num_heads and num_kv_heads \(4, 4\) are not the layers' \(4, 2\)"),
+         r"GPTConfig: num_heads, num_kv_heads \(4, 4\) are not the layers' \[\(4, 2\)\]"),
         (lambda: GPTConfig(**sized, scan_layers=True,
                            layers=(layer, dataclasses.replace(layer, dropout=0.5))),
          r"GPTConfig: scan_layers stacks alike layers, but layers differ"),

@@ -129,14 +129,13 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
             given = [k for k in PER_LAYER if getattr(self, k) != getattr(GPTConfig, k)]
             if given:
                 raise ValueError(f"GPTConfig: layers= sets every layer; leave out {given}")
-            heads = (self.num_heads, self.num_kv_heads or self.num_heads)
+            ours = (self.num_heads, self.num_kv_heads or self.num_heads)
             attention = [b.attention for b in layers if isinstance(b.attention, AttentionConfig)]
-            for a in attention:
-                if (a.num_heads, a.num_kv_heads or a.num_heads) != heads:
-                    raise ValueError(
-                        f"GPTConfig: num_heads and num_kv_heads {heads} are not the layers' "
-                        f"{(a.num_heads, a.num_kv_heads or a.num_heads)}"
-                    )
+            theirs = sorted({(a.num_heads, a.num_kv_heads or a.num_heads) for a in attention})
+            if theirs not in ([], [ours]):
+                raise ValueError(
+                    f"GPTConfig: num_heads, num_kv_heads {ours} are not the layers' {theirs}"
+                )
         try:
             NormConfig(self.norm, self.norm_eps)
             blocks = self.block_configs
