@@ -4,6 +4,7 @@ its edges, built from a ``BlockConfig`` of component configs."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ class BlockConfig:
             value = getattr(self, name)
             check(hasattr(value, "build"), f"BlockConfig.{name}", "a component config", value)
         check(isinstance(self.norm, NormConfig), "BlockConfig.norm", "a NormConfig", self.norm)
-        ok = isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1
+        ok = isinstance(self.dropout, numbers.Real) and 0 <= self.dropout < 1
         check(ok, "BlockConfig.dropout", "a number in [0, 1)", self.dropout)
 
     def build(
