@@ -56,7 +56,7 @@ from report import (  # noqa: E402
 
 import mmnnx as mm  # noqa: E402
 from mmnnx.models import GPT, GPTConfig  # noqa: E402
-from mmnnx.modules import MoE  # noqa: E402
+from mmnnx.modules import MoE, MoEConfig  # noqa: E402
 from mmnnx.mpmd.schedules import measured_costs  # noqa: E402
 from mmnnx.train import TrainConfig, make_optimizer  # noqa: E402
 from mmnnx.train.generation import run_tasks  # noqa: E402
@@ -154,7 +154,8 @@ TOKENS, EP = 1024, 4
 def exchange(rounds: int) -> dict:
     def layer():
         with nnx.use_eager_sharding(False):
-            return MoE(CONFIG.dim, CONFIG.expert_hidden, CONFIG.experts, 2, rngs=nnx.Rngs(0))
+            moe = MoEConfig(CONFIG.expert_hidden, CONFIG.experts, 2)
+            return MoE(CONFIG.dim, moe, rngs=nnx.Rngs(0))
 
     task, data_task = run_tasks(1, 1, 1, EP)[0], run_tasks(1, EP, 1, 1)[0]
     placed = mm.place(layer(), [(".*", task)])

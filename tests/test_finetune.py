@@ -406,7 +406,8 @@ def test_a_run_from_scratch_exports_as_llama_when_its_gpt_is_one(tmp_path, capsy
     status, said = export("--run", str(run), "--output", str(tmp_path / "hf"))
     assert status == 0 and "LlamaForCausalLM, from step 3" in said
     again = from_pretrained(tmp_path / "hf")
-    assert again.config.gated_mlp and not again.config.mlp_bias and again.config.vocab_size == 256
+    mlp = again.config.block_configs[0].feed_forward
+    assert mlp.gated and not mlp.bias and again.config.vocab_size == 256
     tokens = jnp.asarray(TOKENS % 256)
     np.testing.assert_allclose(
         np.asarray(again(tokens)), np.asarray(model(tokens)), rtol=1e-5, atol=1e-5

@@ -11,7 +11,15 @@ from flax import nnx
 
 from mmnnx.models import GPT, GPTConfig
 from mmnnx.models.stages import _attention_dims
-from mmnnx.modules import Embed, LayerNorm, Linear, RMSNorm, RopeScaling, TransformerBlock
+from mmnnx.modules import (
+    Embed,
+    LayerNorm,
+    Linear,
+    RMSNorm,
+    RopeConfig,
+    RopeScaling,
+    TransformerBlock,
+)
 
 SMALL = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=4, max_seq_len=16)
 
@@ -347,7 +355,7 @@ def test_knob_parameter_paths_and_shapes():
     }
     attn = make(KNOBS).blocks[0].attn
     assert attn.q_norm.scale.get_metadata()["out_sharding"] == (None,)
-    assert (attn.q_norm.eps, attn.rope_base, attn.rope_scaling) == (1e-5, 1e6, LLAMA3)
+    assert (attn.q_norm.eps, attn.rope) == (1e-5, RopeConfig(1e6, LLAMA3))
     # FLOPs of stage_rules count the attention's width, num_heads * head_dim, not dim
     assert _attention_dims(make(KNOBS).blocks[0]) == 64
 
@@ -408,17 +416,17 @@ SCALING = dict(
 @pytest.mark.parametrize(
     "make_bad, message",
     [
-        (lambda: GPTConfig(head_dim=7), "GPTConfig.head_dim must be even"),
-        (lambda: GPTConfig(head_dim=0), r"GPTConfig.head_dim must be None or an int >= 1"),
-        (lambda: GPTConfig(mlp_hidden=2.5), r"GPTConfig.mlp_hidden must be None or an int >= 1"),
-        (lambda: GPTConfig(norm_eps=-1e-5), r"GPTConfig.norm_eps must be None or a finite"),
-        (lambda: GPTConfig(norm_eps=float("nan")), r"GPTConfig.norm_eps"),
-        (lambda: GPTConfig(rope_theta=0.0), r"GPTConfig.rope_theta must be a finite number > 0"),
+        (lambda: GPTConfig(head_dim=7), "GPTConfig: AttentionConfig.head_dim must be even"),
+        (lambda: GPTConfig(head_dim=0), r"AttentionConfig.head_dim must be None or an int >= 1"),
+        (lambda: GPTConfig(mlp_hidden=2.5), r"GPTConfig: MLPConfig.hidden must be an int >= 1"),
+        (lambda: GPTConfig(norm_eps=-1e-5), r"GPTConfig: NormConfig.eps must be None or a finite"),
+        (lambda: GPTConfig(norm_eps=float("nan")), r"NormConfig.eps"),
+        (lambda: GPTConfig(rope_theta=0.0), r"RopeConfig.theta must be a finite number > 0"),
         (lambda: GPTConfig(param_dtype="float16"), "GPTConfig.param_dtype must be 'float32' or"),
-        (lambda: GPTConfig(qk_norm=1), "GPTConfig.qk_norm must be a bool"),
+        (lambda: GPTConfig(qk_norm=1), "GPTConfig: AttentionConfig.qk_norm must be a bool"),
         (
             lambda: GPTConfig(rope_scaling={"rope_type": "llama3", **SCALING}),
-            r"GPTConfig.rope_scaling must be None or a mmnnx.modules.RopeScaling",
+            r"GPTConfig: RopeConfig.scaling must be None or a mmnnx.modules.RopeScaling",
         ),
         (
             lambda: RopeScaling(**{**SCALING, "high_freq_factor": 1.0}),
@@ -455,3 +463,45 @@ SCALING = dict(
 def test_bad_knobs_raise(make_bad, message):
     with pytest.raises(ValueError, match=message):
         make_bad()
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_nested_layers_build_the_same_model_as_the_flat_knobs(scan_layers):
+    flat = dataclasses.replace(KNOBS, scan_layers=scan_layers, dropout=0.1)
+    nested = GPTConfig(
+        vocab_size=64, dim=32, depth=2, num_heads=4, num_kv_heads=2,
+        norm_eps=1e-5, max_seq_len=16, scan_layers=scan_layers, layers=flat.block_configs,
+    )  # fmt: skip
+    assert nested.block_configs == flat.block_configs and len(set(flat.block_configs)) == 1
+    layer = flat.block_configs[0]
+    assert (layer.attention.head_dim, layer.attention.qk_norm, layer.attention.rope) == (
+        16, True, RopeConfig(1e6, LLAMA3)
+    )  # fmt: skip
+    assert (layer.feed_forward.hidden, layer.norm.eps, layer.dropout) == (48, 1e-5, 0.1)
+    with nnx.use_eager_sharding(False):
+        a, b = (GPT(c, rngs=nnx.Rngs(0, dropout=1)) for c in (flat, nested))
+    pa, pb = params_of(a), params_of(b)
+    assert list(pa) == list(pb)
+    for path in pa:
+        np.testing.assert_array_equal(pa[path].get_value(), pb[path].get_value())
+    batch = jnp.arange(18, dtype=jnp.int32).reshape(2, 9) % 64
+    assert float(a.loss(batch)) == float(b.loss(batch))
+
+
+def test_nested_layers_are_checked():
+    layer = KNOBS.block_configs[0]
+    sized = dict(vocab_size=64, dim=32, depth=2, num_heads=4, num_kv_heads=2)
+    for make_bad, message in [
+        (lambda: GPTConfig(**sized, layers=(layer,)), r"GPTConfig.layers must be None or a tuple "
+         r"of depth \(2\) BlockConfigs"),
+        (lambda: GPTConfig(**sized, layers=[layer, layer]), r"GPTConfig.layers must be"),
+        (lambda: GPTConfig(**sized, layers=(layer, layer), qk_norm=True),
+         r"GPTConfig: layers= sets every layer; leave out \['qk_norm'\]"),
+        (lambda: GPTConfig(**{**sized, "num_kv_heads": None}, layers=(layer, layer)),
+         r"GPTConfig: num_heads, num_kv_heads \(4, 4\) are not the layers' \[\(4, 2\)\]"),
+        (lambda: GPTConfig(**sized, scan_layers=True,
+                           layers=(layer, dataclasses.replace(layer, dropout=0.5))),
+         r"GPTConfig: scan_layers stacks alike layers, but layers differ"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            make_bad()

@@ -1,5 +1,6 @@
 """mmnnx.modules against hand-written reference math, and a GPT built from them under mm.jit."""
 
+import dataclasses
 import math
 
 import jax
@@ -15,15 +16,21 @@ from mmnnx.models import GPT, GPTConfig
 from mmnnx.modules import (
     MLP,
     Attention,
+    AttentionConfig,
+    BlockConfig,
     Embed,
     LayerNorm,
     Linear,
+    MLPConfig,
+    MoE,
+    MoEConfig,
+    NormConfig,
     RMSNorm,
+    RopeConfig,
     RopeScaling,
     TransformerBlock,
     apply_rope,
     constrain,
-    make_norm,
     rope_frequencies,
 )
 
@@ -33,6 +40,15 @@ DIM, SEQ = 32, 8
 def build(cls, *args, **kwargs):
     with nnx.use_eager_sharding(False):
         return cls(*args, **kwargs)
+
+
+HEADS4, MLP4, RMS = AttentionConfig(4), MLPConfig(4 * DIM), NormConfig()
+
+
+def make_block(attention=HEADS4, feed_forward=MLP4, norm=RMS, **kw):
+    """A ``TransformerBlock`` of width ``DIM`` built from its component configs."""
+    config = BlockConfig(attention, feed_forward, norm)
+    return build(TransformerBlock, DIM, config, rngs=nnx.Rngs(0), **kw)
 
 
 def arr(x):
@@ -166,29 +182,30 @@ def test_norms(x):
 
 
 def test_mlp_plain_and_gated(x):
-    mlp = randomize(build(MLP, DIM, 64, rngs=nnx.Rngs(0)))
+    mlp = randomize(build(MLP, DIM, MLPConfig(64), rngs=nnx.Rngs(0)))
     assert mlp.gate is None and mlp.activation is jax.nn.gelu
     close(mlp(x), ref_linear(ref_gelu(ref_linear(x, mlp.up)), mlp.down), rtol=1e-4, atol=1e-4)
 
-    gated = randomize(build(MLP, DIM, 64, gated=True, rngs=nnx.Rngs(0)))
+    gated = randomize(build(MLP, DIM, MLPConfig(64, gated=True), rngs=nnx.Rngs(0)))
     assert gated.activation is jax.nn.silu
     h = ref_silu(ref_linear(x, gated.gate)) * ref_linear(x, gated.up)
     close(gated(x), ref_linear(h, gated.down), rtol=1e-4, atol=1e-4)
 
-    relu = build(MLP, DIM, 64, activation=jax.nn.relu, rngs=nnx.Rngs(0))
+    relu = build(MLP, DIM, MLPConfig(64), activation=jax.nn.relu, rngs=nnx.Rngs(0))
     close(relu(x), ref_linear(np.maximum(ref_linear(x, relu.up), 0), relu.down), atol=1e-4)
 
 
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
 def test_attention_matches_reference(x, rope, num_kv_heads):
-    attn = build(Attention, DIM, 4, num_kv_heads=num_kv_heads, rope=rope, rngs=nnx.Rngs(0))
+    config = AttentionConfig(4, num_kv_heads, rope=RopeConfig() if rope else None)
+    attn = build(Attention, DIM, config, rngs=nnx.Rngs(0))
     assert attn.k.kernel.shape == (DIM, (num_kv_heads or 4) * DIM // 4)
     close(attn(x), ref_attention(x, attn, rope=rope), rtol=1e-4, atol=1e-5)
 
 
 def test_attention_is_causal(x):
-    attn = build(Attention, DIM, 4, rngs=nnx.Rngs(0))
+    attn = build(Attention, DIM, HEADS4, rngs=nnx.Rngs(0))
     y = attn(x)
     changed = x.at[:, 5:].set(jax.random.normal(jax.random.key(9), (2, SEQ - 5, DIM)))
     y2 = attn(changed)
@@ -222,8 +239,8 @@ def test_rope_direct_formula_and_relative_positions():
 
 def test_gqa_equals_mha_with_repeated_kv_weights(x):
     h, kv = 4, 2
-    gqa = build(Attention, DIM, h, num_kv_heads=kv, rngs=nnx.Rngs(0))
-    mha = build(Attention, DIM, h, rngs=nnx.Rngs(1))
+    gqa = build(Attention, DIM, AttentionConfig(h, kv), rngs=nnx.Rngs(0))
+    mha = build(Attention, DIM, AttentionConfig(h), rngs=nnx.Rngs(1))
     hd = DIM // h
     mha.q.kernel.set_value(gqa.q.kernel.get_value())
     mha.out.kernel.set_value(gqa.out.kernel.get_value())
@@ -232,15 +249,15 @@ def test_gqa_equals_mha_with_repeated_kv_weights(x):
         getattr(mha, name).kernel.set_value(jnp.repeat(w, h // kv, axis=1).reshape(DIM, h * hd))
     close(gqa(x), mha(x), atol=1e-6)
     with pytest.raises(ValueError, match="num_kv_heads"):
-        build(Attention, DIM, 4, num_kv_heads=3, rngs=nnx.Rngs(0))
+        AttentionConfig(4, num_kv_heads=3)
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 @pytest.mark.parametrize("gated", [False, True])
 def test_transformer_block_is_pre_norm_residual(x, norm, gated):
     block = randomize(
-        build(
-            TransformerBlock, DIM, 4, num_kv_heads=2, gated_mlp=gated, norm=norm, rngs=nnx.Rngs(0)
+        make_block(
+            AttentionConfig(4, num_kv_heads=2), MLPConfig(4 * DIM, gated=gated), NormConfig(norm)
         )
     )
     assert isinstance(block.norm1, RMSNorm if norm == "rms" else LayerNorm)
@@ -254,15 +271,15 @@ def test_transformer_block_is_pre_norm_residual(x, norm, gated):
     else:
         m = ref_linear(ref_gelu(ref_linear(ref_norm(h, block.norm2), block.mlp.up)), block.mlp.down)
     close(block(x), h + m, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="unknown norm"):
-        build(TransformerBlock, DIM, 4, norm="batch", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="NormConfig.kind must be 'rms' or 'layer', got 'batch'"):
+        NormConfig("batch")
 
 
 def test_logical_names_in_metadata():
-    block = build(TransformerBlock, DIM, 4, num_kv_heads=2, gated_mlp=True, rngs=nnx.Rngs(0))
+    gated = make_block(AttentionConfig(4, num_kv_heads=2), MLPConfig(4 * DIM, gated=True))
     names = {
         "/".join(map(str, p)): v.get_metadata()["out_sharding"]
-        for p, v in nnx.iter_graph(block)
+        for p, v in nnx.iter_graph(gated)
         if isinstance(v, nnx.Variable)
     }
     assert names == {
@@ -292,10 +309,10 @@ def test_logical_names_in_metadata():
 
 def test_constrain_is_identity_outside_mm_jit(x):
     assert constrain(x, ("batch", "seq", "embed")) is x
-    block = build(TransformerBlock, DIM, 4, rngs=nnx.Rngs(0))
-    eager = block(x)
+    default = make_block()
+    eager = default(x)
     close(jax.jit(lambda a: constrain(a, ("batch", "seq", "embed")))(x), x)
-    close(nnx.jit(lambda m, a: m(a))(block, x), eager, atol=1e-5)
+    close(nnx.jit(lambda m, a: m(a))(default, x), eager, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- under mm.jit
@@ -415,18 +432,9 @@ def test_attention_with_head_dim_and_qk_norm_matches_reference(x):
     scaling = RopeScaling(
         factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0, original_max_position_embeddings=16
     )
-    attn = build(
-        Attention,
-        DIM,
-        4,
-        num_kv_heads=2,
-        head_dim=12,
-        qk_norm=True,
-        norm_eps=1e-5,
-        rope_base=1e6,
-        rope_scaling=scaling,
-        rngs=nnx.Rngs(0),
-    )
+    rope = RopeConfig(1e6, scaling)
+    config = AttentionConfig(4, 2, head_dim=12, qk_norm=True, qk_norm_eps=1e-5, rope=rope)
+    attn = build(Attention, DIM, config, rngs=nnx.Rngs(0))
     attn = randomize(attn)
     assert (attn.q.kernel.shape, attn.k.kernel.shape, attn.out.kernel.shape) == (
         (DIM, 48),
@@ -446,30 +454,109 @@ def test_attention_with_head_dim_and_qk_norm_matches_reference(x):
 
 
 def test_knobs_reach_every_module():
-    block = build(
-        TransformerBlock,
-        DIM,
-        4,
-        head_dim=16,
-        qk_norm=True,
-        norm_eps=1e-5,
-        mlp_hidden=40,
-        mlp_bias=False,
-        gated_mlp=True,
+    knobs = make_block(
+        AttentionConfig(4, head_dim=16, qk_norm=True, qk_norm_eps=1e-5),
+        MLPConfig(40, gated=True, bias=False),
+        NormConfig(eps=1e-5),
         param_dtype=jnp.bfloat16,
-        rngs=nnx.Rngs(0),
     )
     variables = {
-        "/".join(map(str, p)): v for p, v in nnx.iter_graph(block) if isinstance(v, nnx.Variable)
+        "/".join(map(str, p)): v for p, v in nnx.iter_graph(knobs) if isinstance(v, nnx.Variable)
     }
     assert {v.get_value().dtype for v in variables.values()} == {jnp.dtype(jnp.bfloat16)}
     assert not any(path.endswith("bias") for path in variables)
     assert variables["attn/q_norm/scale"].get_metadata()["out_sharding"] == (None,)
     assert variables["mlp/up/kernel"].shape == (DIM, 40)
-    assert block.norm1.eps == block.norm2.eps == block.attn.k_norm.eps == 1e-5
-    assert block(jnp.ones((1, 3, DIM))).dtype == jnp.float32
-    assert build(make_norm, "layer", 4).eps == 1e-5
-    assert build(make_norm, "layer", 4, eps=1e-6).eps == 1e-6
+    assert knobs.norm1.eps == knobs.norm2.eps == knobs.attn.k_norm.eps == 1e-5
+    assert knobs(jnp.ones((1, 3, DIM))).dtype == jnp.float32
+    assert build(NormConfig("layer").build, 4).eps == 1e-5
+    assert build(NormConfig("layer", eps=1e-6).build, 4).eps == 1e-6
     embed = build(Embed, 8, DIM, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     assert embed.embedding.get_value().dtype == jnp.bfloat16
     assert build(LayerNorm, 4, param_dtype=jnp.bfloat16).bias.get_value().dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "make_bad, message",
+    [
+        (lambda: AttentionConfig(0), r"AttentionConfig.num_heads must be an int >= 1, got 0"),
+        (
+            lambda: AttentionConfig(4, 3),
+            r"num_kv_heads must be None or a divisor of num_heads \(4\)",
+        ),
+        (
+            lambda: AttentionConfig(4, head_dim=6.0),
+            r"AttentionConfig.head_dim must be None or an int",
+        ),
+        (lambda: AttentionConfig(4, head_dim=5), r"AttentionConfig.head_dim must be even"),
+        (lambda: AttentionConfig(4, qk_norm_eps=0.0), r"AttentionConfig.qk_norm_eps must be a"),
+        (
+            lambda: AttentionConfig(4, rope=1e4),
+            r"AttentionConfig.rope must be None or a RopeConfig",
+        ),
+        (
+            lambda: RopeConfig(float("inf")),
+            r"RopeConfig.theta must be a finite number > 0, got inf",
+        ),
+        (lambda: RopeConfig(scaling={"factor": 8}), r"RopeConfig.scaling must be None or a mmnnx"),
+        (lambda: NormConfig("batch"), r"NormConfig.kind must be 'rms' or 'layer', got 'batch'"),
+        (lambda: NormConfig(eps=-1.0), r"NormConfig.eps must be None or a finite number > 0"),
+        (lambda: MLPConfig(2.5), r"MLPConfig.hidden must be an int >= 1, got 2.5"),
+        (lambda: MLPConfig(8, gated=1), r"MLPConfig.gated must be a bool, got 1"),
+        (lambda: MLPConfig(8, bias=None), r"MLPConfig.bias must be a bool, got None"),
+        (lambda: MoEConfig(8, 0), r"MoEConfig.num_experts must be an int >= 1, got 0"),
+        (lambda: MoEConfig(0, 4), r"MoEConfig.hidden must be an int >= 1, got 0"),
+        (lambda: MoEConfig(8, 4, 5), r"MoEConfig.top_k must be an int in 1..num_experts \(4\)"),
+        (lambda: MoEConfig(8, 4, norm_topk_prob=0), r"MoEConfig.norm_topk_prob must be a bool"),
+        (lambda: MoEConfig(8, 4, capacity_factor=0), r"MoEConfig.capacity_factor must be None"),
+        (lambda: BlockConfig(4, MLP4), r"BlockConfig.attention must be a component config"),
+        (lambda: BlockConfig(HEADS4, 64), r"BlockConfig.feed_forward must be a component config"),
+        (lambda: BlockConfig(HEADS4, MLP4, "rms"), r"BlockConfig.norm must be a NormConfig"),
+        (lambda: BlockConfig(HEADS4, MLP4, dropout=1.0), r"BlockConfig.dropout must be a number"),
+    ],
+)
+def test_bad_component_configs_raise_naming_the_field(make_bad, message):
+    with pytest.raises(ValueError, match=message):
+        make_bad()
+
+
+def test_component_configs_are_frozen_hashable_and_build_their_modules():
+    moe = MoEConfig(16, num_experts=4, top_k=2, norm_topk_prob=False)
+    config = BlockConfig(AttentionConfig(4, 2, qk_norm=True), moe, NormConfig("layer"), 0.1)
+    assert hash(config) == hash(BlockConfig(AttentionConfig(4, 2, qk_norm=True), moe,
+                                            NormConfig("layer"), 0.1))  # fmt: skip
+    with pytest.raises(AttributeError):
+        config.dropout = 0.0  # type: ignore[misc]
+    block = build(config.build, DIM, rngs=nnx.Rngs(0, dropout=1))
+    assert isinstance(block.norm1, LayerNorm) and isinstance(block.mlp, MoE)
+    assert (block.attn.num_kv_heads, block.mlp.top_k, block.mlp.norm_topk_prob) == (2, 2, False)
+    assert block.dropout.rate == 0.1 and block.attn.q_norm is not None
+    y, stats = block.forward(jnp.ones((2, 3, DIM)))
+    assert y.shape == (2, 3, DIM) and int(stats.tokens_per_expert.sum()) == 2 * 3 * 2
+
+
+class ScaledIdentity(nnx.Module):
+    """A made-up feed-forward: what a new component needs is a module and a config's build."""
+
+    def __init__(self, dim, config, *, param_dtype=jnp.float32, rngs):
+        self.scale = nnx.Param(jnp.full((dim,), config.scale, param_dtype))
+
+    def __call__(self, x):
+        return x * self.scale[...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledIdentityConfig:
+    scale: float = 2.0
+
+    def build(self, dim, **kw):
+        return ScaledIdentity(dim, self, **kw)
+
+
+def test_a_new_component_plugs_into_the_block_and_the_gpt_unchanged():
+    layer = BlockConfig(HEADS4, ScaledIdentityConfig(), NormConfig())
+    block = build(layer.build, DIM, rngs=nnx.Rngs(0))
+    assert isinstance(block.mlp, ScaledIdentity) and block.forward(jnp.ones((1, 2, DIM)))[1] is None
+    config = GPTConfig(dim=DIM, depth=2, vocab_size=16, layers=(layer, layer))
+    model = build(GPT, config, rngs=nnx.Rngs(0))
+    assert model(jnp.zeros((1, 4), jnp.int32)).shape == (1, 4, 16)

@@ -19,7 +19,7 @@ from jax.extend import core as jax_core
 import mmnnx as mm
 from mmnnx.models import GPT, GPTConfig, stage_rules
 from mmnnx.models.stages import _matmul_params
-from mmnnx.modules import MoE
+from mmnnx.modules import MoE, MoEConfig
 from mmnnx.modules.moe import METRICS
 from tests.oracle import params_close
 
@@ -76,7 +76,7 @@ def _experts(moe):
 
 def make_moe(seed=0, **kw):
     with nnx.use_eager_sharding(False):
-        return MoE(DIM, HIDDEN, EXPERTS, K, rngs=nnx.Rngs(seed), **kw)
+        return MoE(DIM, MoEConfig(HIDDEN, EXPERTS, K, **kw), rngs=nnx.Rngs(seed))
 
 
 def tokens(shape=(3, 5), seed=1):
@@ -371,16 +371,16 @@ def test_stage_rules_count_the_flops_of_k_of_e_experts():
 
 def test_bad_moe_arguments_are_refused_before_anything_is_built():
     for kw, match in [
-        (dict(top_k=9), r"MoE: top_k must be an int in 1..num_experts \(8\), got 9"),
+        (dict(top_k=9), r"MoEConfig.top_k must be an int in 1..num_experts \(8\), got 9"),
         (dict(top_k=0), r"top_k must be an int in 1..num_experts \(8\), got 0"),
         (dict(capacity_factor=0.0), r"capacity_factor must be None \(dropless\) or a finite"),
         (dict(capacity_factor=-1), r"capacity_factor must be None"),
     ]:
-        with pytest.raises(ValueError, match=match), nnx.use_eager_sharding(False):
-            MoE(DIM, HIDDEN, EXPERTS, kw.pop("top_k", K), rngs=nnx.Rngs(0), **kw)
+        with pytest.raises(ValueError, match=match):
+            MoEConfig(HIDDEN, EXPERTS, kw.pop("top_k", K), **kw)
     for changes, match in [
-        (dict(experts_per_token=9), r"GPTConfig: top_k must be an int in 1..num_experts"),
-        (dict(capacity_factor=0), r"GPTConfig: capacity_factor"),
+        (dict(experts_per_token=9), r"GPTConfig: MoEConfig.top_k must be an int in 1..num_"),
+        (dict(capacity_factor=0), r"GPTConfig: MoEConfig.capacity_factor"),
         (dict(dense_layers=(4,)), r"dense_layers must be a tuple of layer indices in 0..3"),
         (dict(scan_layers=True), r"some layers are MoE and some dense"),
         (dict(router_aux_loss_coef=-0.1), r"router_aux_loss_coef must be a finite number >= 0"),
@@ -391,7 +391,7 @@ def test_bad_moe_arguments_are_refused_before_anything_is_built():
 
 def test_experts_not_divisible_by_the_expert_axis_are_refused_at_placement():
     with nnx.use_eager_sharding(False):
-        moe = MoE(DIM, HIDDEN, 3, 2, rngs=nnx.Rngs(0))
+        moe = MoE(DIM, MoEConfig(HIDDEN, 3, 2), rngs=nnx.Rngs(0))
     before = moe.experts.gate[...]
     with pytest.raises(ValueError, match=r"'experts/down' on task 'ep'.*dimension 0 of size 3 is "
                        r"not divisible by mesh axes \('expert',\)"):  # fmt: skip

@@ -15,6 +15,7 @@ import mmnnx as mm
 from mmnnx.models import from_pretrained, pretrained_config, save_pretrained
 from mmnnx.models.pretrained import CheckpointError
 from mmnnx.models.pretrained.files import CheckpointFiles
+from mmnnx.modules import MLPConfig
 from tests.hf_checkpoints import write_checkpoint
 from tests.hf_reference import reference_logits
 from tests.outside import bonsai_llama, bonsai_qwen3
@@ -61,6 +62,11 @@ def test_one_device_logits_equal_outside_implementations(checkpoints, arch, tied
     _close(logits, OUTSIDE[arch].outside_logits(path, TOKENS))
     _close(logits, reference_logits(path, TOKENS))
     assert model.pretrained.architecture == arch
+    layers = model.config.layers  # the family's nested component configs, one per layer
+    assert len(layers) == model.config.depth and layers[0].attention.qk_norm == (arch == QWEN3)
+    assert layers[0].feed_forward == MLPConfig(
+        layers[0].feed_forward.hidden, gated=True, bias=False
+    )
 
 
 @pytest.mark.parametrize("arch, stages", [(LLAMA, 2), (QWEN3, 4)])

@@ -67,8 +67,9 @@ def test_one_device_logits_equal_tunix_and_the_reference(checkpoints):
     path = checkpoints["float32"]
     model = from_pretrained(path)
     assert [type(b.mlp) for b in model.blocks] == [MoE] * 4
-    c = model.config
-    assert (c.experts, c.experts_per_token, c.expert_hidden, c.norm_topk_prob) == (8, 2, 32, True)
+    assert model.config.layers == model.config.block_configs  # built from nested configs
+    moe = model.config.block_configs[0].feed_forward
+    assert (moe.num_experts, moe.top_k, moe.hidden, moe.norm_topk_prob) == (8, 2, 32, True)
     logits = model(jnp.asarray(TOKENS))
     _close(logits, tunix_qwen3_moe.outside_logits(path, TOKENS))
     _close(logits, reference_logits(path, TOKENS))
@@ -81,7 +82,7 @@ def test_one_device_logits_equal_tunix_and_the_reference(checkpoints):
 def test_dense_layers_and_sparse_steps_equal_the_reference(checkpoints, kind, layers):
     model = from_pretrained(checkpoints[kind])
     assert "".join("M" if isinstance(b.mlp, MoE) else "D" for b in model.blocks) == layers
-    assert model.config.norm_topk_prob == (kind != "step2")
+    assert model.config.block_configs[1].feed_forward.norm_topk_prob == (kind != "step2")
     _close(model(jnp.asarray(TOKENS)), reference_logits(checkpoints[kind], TOKENS))
 
 

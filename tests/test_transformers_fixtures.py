@@ -56,11 +56,14 @@ def test_logits_equal_transformers_on_one_device_and_two_stages(name):
 
 def test_what_was_read():
     c = {name: pretrained_config(FIXTURES / name) for name in NAMES}
-    assert [c[n].rope_theta for n in NAMES] == [5e5, 5e5, 1e6, 1e6]
-    assert [c[n].rope_scaling is not None for n in NAMES] == [False, True, False, False]
-    assert c["llama3-scaled"].rope_scaling.original_max_position_embeddings == 64
+    rope = {n: c[n].block_configs[0].attention.rope for n in NAMES}
+    assert [rope[n].theta for n in NAMES] == [5e5, 5e5, 1e6, 1e6]
+    assert [rope[n].scaling is not None for n in NAMES] == [False, True, False, False]
+    assert rope["llama3-scaled"].scaling.original_max_position_embeddings == 64
     moe = c["qwen3-moe"]
-    assert (moe.experts, moe.experts_per_token, moe.dense_layers) == (4, 2, (0,))
+    feed_forwards = [b.feed_forward for b in moe.block_configs]
+    assert [type(f).__name__ for f in feed_forwards] == ["MLPConfig", "MoEConfig"]
+    assert (feed_forwards[1].num_experts, feed_forwards[1].top_k) == (4, 2)
     assert moe.router_aux_loss_coef == 0  # output_router_logits false: no load-balancing loss
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 
 import jax
@@ -12,61 +11,67 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mmnnx.modules import (
+    AttentionConfig,
+    BlockConfig,
     Embed,
     Linear,
+    MLPConfig,
+    MoEConfig,
+    NormConfig,
+    RopeConfig,
     RopeScaling,
     RouterStats,
     TransformerBlock,
     constrain,
-    make_norm,
 )
-from mmnnx.modules.moe import check_moe_args
+from mmnnx.modules.checks import check, is_int, is_positive
 
 DTYPES = ("float32", "bfloat16")  # of the computation (dtype) and of the Variables
+PER_LAYER = (
+    *("mlp_ratio", "gated_mlp", "dropout", "head_dim", "qk_norm", "rope_theta", "rope_scaling"),
+    *("mlp_hidden", "mlp_bias", "experts", "experts_per_token", "expert_hidden", "moe_every"),
+    *("dense_layers", "norm_topk_prob", "capacity_factor"),
+)
+"""The knobs of ``GPTConfig`` from which ``block_configs`` derives every layer's
+``BlockConfig`` (with ``num_heads`` and ``num_kv_heads``), left out when ``layers`` gives them."""
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Sizes of a ``GPT``; the defaults are a byte-level model of about 0.86M parameters.
 
-    ``num_kv_heads`` (default ``num_heads``) enables grouped-query attention, ``gated_mlp`` a
-    SiLU-gated MLP, ``tie_embeddings`` an output head that reuses the embedding table, and
-    ``norm`` is ``"rms"`` or ``"layer"``. Positions are rotary (RoPE); ``max_seq_len`` bounds
-    the input length. ``scan_layers`` stacks the blocks (``nnx.vmap``) and runs them with
-    ``nnx.scan``: tracing and compiling cost one block, not ``depth``. ``dropout`` is the
-    residual dropout rate of every block (0: none). ``dtype`` is the compute dtype
-    (``"float32"`` or ``"bfloat16"``): activations and matmuls run in it while the parameters
-    (and so the optimizer state) stay in ``param_dtype`` (float32 by default); norms, softmax
-    and the loss compute in float32.
+    ``layers`` gives each layer's ``BlockConfig`` (nested component configs, as the pretrained
+    families map a ``config.json``); without it, ``block_configs`` derives one for every layer
+    from the flat knobs (the scratch model's, those ``mmnnx train`` sets): ``AttentionConfig``
+    (``num_heads``, ``num_kv_heads``, ``head_dim``, ``qk_norm``, its eps ``norm_eps`` or 1e-6)
+    with ``RopeConfig`` (``rope_theta``, ``rope_scaling``), ``NormConfig`` (``norm``,
+    ``norm_eps``), the residual ``dropout``, and ``MLPConfig`` (``mlp_hidden``, default
+    ``int(mlp_ratio * dim)``; ``gated_mlp``, ``mlp_bias``) or, with ``experts > 0``, in layer
+    ``i`` when ``(i + 1) % moe_every == 0`` and ``i`` is not in ``dense_layers`` (Qwen3-MoE's
+    rule), ``MoEConfig`` (``expert_hidden``, default the MLP's; ``experts``,
+    ``experts_per_token``, ``norm_topk_prob``, ``capacity_factor``). ``num_heads`` and
+    ``num_kv_heads`` are the model's head counts either way (with ``layers``, those of their
+    ``AttentionConfig``s).
 
-    The knobs of Llama 3.x and Qwen3 checkpoints (their defaults keep the model above):
-    ``head_dim`` (default ``dim // num_heads``; any even size, the attention's width being
-    ``num_heads * head_dim``), ``qk_norm`` (an ``RMSNorm`` over ``head_dim`` on each head of the
-    queries and keys, before RoPE), ``rope_theta`` (RoPE's base), ``rope_scaling`` (Llama 3.1's
-    ``RopeScaling``), ``norm_eps`` (the epsilon of every norm; ``None``: each norm's own, 1e-6
-    for RMSNorm and the q/k norms, 1e-5 for LayerNorm), ``mlp_hidden`` (the MLP's hidden size,
-    Hugging Face's ``intermediate_size``; default ``int(mlp_ratio * dim)``), ``mlp_bias`` (MLP
-    biases; Llama and Qwen3 have none) and ``param_dtype`` (``"float32"`` or ``"bfloat16"``:
-    the dtype every Variable is created in).
-
-    A mixture of experts (Qwen3-MoE's knobs): ``experts > 0`` (``num_experts``) makes the
-    feed-forward of layer ``i`` a ``MoE`` of that many SwiGLU experts of hidden size
-    ``expert_hidden`` (``moe_intermediate_size``; default the MLP's), each token routed to
-    ``experts_per_token`` (``num_experts_per_tok``) of them, when ``(i + 1) % moe_every == 0``
-    (``decoder_sparse_step``) and ``i`` is not in ``dense_layers`` (``mlp_only_layers``);
-    ``norm_topk_prob`` and ``capacity_factor`` (None: dropless) as ``MoE`` takes them.
-    ``GPT.loss`` adds ``router_aux_loss_coef`` times the load-balancing loss of the routers of
-    every MoE layer pooled (Hugging Face's ``load_balancing_loss_func`` over their concatenated
-    logits) and ``router_z_loss_coef`` times their mean router z-loss. Stacked layers
-    (``scan_layers``) must all be alike: all MoE, or none.
+    The rest is the model's: the output's ``norm`` (``"rms"`` or ``"layer"``, epsilon
+    ``norm_eps``; default the norm's own); ``tie_embeddings`` (the head reuses the embedding
+    table); ``max_seq_len`` (bounds the input length); ``scan_layers`` (the layers, all alike,
+    stacked with ``nnx.vmap`` and run with ``nnx.scan``: tracing and compiling cost one block,
+    not ``depth``); ``dtype`` (of activations and matmuls; norms, softmax and the loss are
+    float32) and ``param_dtype`` (of every Variable), ``"float32"`` or ``"bfloat16"``;
+    ``GPT.loss`` adds ``router_aux_loss_coef`` times the load-balancing loss of every MoE
+    layer's router pooled (Hugging Face's ``load_balancing_loss_func``) and
+    ``router_z_loss_coef`` times their mean z-loss.
 
     Example:
-        >>> GPTConfig(depth=2, dim=64).num_heads
-        4
-        >>> GPTConfig(dim=32, num_heads=4, head_dim=16, qk_norm=True).head_dim
-        16
-        >>> [GPTConfig(depth=4, experts=8, moe_every=2).is_moe(i) for i in range(4)]
-        [False, True, False, True]
+        >>> GPTConfig(dim=32, num_heads=4, head_dim=16, qk_norm=True).block_configs[0].attention
+        AttentionConfig(num_heads=4, num_kv_heads=None, head_dim=16, qk_norm=True, \
+qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
+        >>> [type(b.feed_forward).__name__ for b in GPTConfig(experts=8, moe_every=2).block_configs]
+        ['MLPConfig', 'MoEConfig', 'MLPConfig', 'MoEConfig']
+        >>> layer = BlockConfig(AttentionConfig(num_heads=2), MLPConfig(64, gated=True))
+        >>> GPTConfig(dim=32, depth=2, num_heads=2, layers=(layer, layer)).block_configs[1] == layer
+        True
     """
 
     vocab_size: int = 256
@@ -99,80 +104,81 @@ class GPTConfig:
     capacity_factor: float | None = None
     router_aux_loss_coef: float = 0.001
     router_z_loss_coef: float = 0.0
+    layers: tuple[BlockConfig, ...] | None = None
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"GPTConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.param_dtype not in DTYPES:
-            raise ValueError(
-                f"GPTConfig.param_dtype must be 'float32' or 'bfloat16', got {self.param_dtype!r}"
-            )
-        for name in ("head_dim", "mlp_hidden"):
+        for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
-            if value is not None and not _is_int(value, minimum=1):
-                raise ValueError(f"GPTConfig.{name} must be None or an int >= 1, got {value!r}")
-        if self.head_dim is not None and self.head_dim % 2:
-            raise ValueError(
-                f"GPTConfig.head_dim must be even (RoPE rotates pairs of features), "
-                f"got {self.head_dim}"
-            )
-        if not _is_positive(self.rope_theta):
-            raise ValueError(
-                f"GPTConfig.rope_theta must be a finite number > 0, got {self.rope_theta!r}"
-            )
-        if self.norm_eps is not None and not _is_positive(self.norm_eps):
-            raise ValueError(
-                f"GPTConfig.norm_eps must be None or a finite number > 0, got {self.norm_eps!r}"
-            )
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise ValueError(
-                f"GPTConfig.rope_scaling must be None or a mmnnx.modules.RopeScaling, got "
-                f"{self.rope_scaling!r}"
-            )
-        for name in ("qk_norm", "mlp_bias", "norm_topk_prob"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        self._check_experts()
-
-    def _check_experts(self) -> None:
-        if not _is_int(self.experts, minimum=0):
-            raise ValueError(f"GPTConfig.experts must be an int >= 0, got {self.experts!r}")
-        if self.experts:
-            check_moe_args(self.experts, self.experts_per_token, self.capacity_factor, "GPTConfig")
-        for name in ("expert_hidden",):
-            value = getattr(self, name)
-            if value is not None and not _is_int(value, minimum=1):
-                raise ValueError(f"GPTConfig.{name} must be None or an int >= 1, got {value!r}")
-        if not _is_int(self.moe_every, minimum=1):
-            raise ValueError(f"GPTConfig.moe_every must be an int >= 1, got {self.moe_every!r}")
-        dense = self.dense_layers
-        if not isinstance(dense, tuple) or not all(
-            _is_int(i, minimum=0) and i < self.depth for i in dense
-        ):
-            raise ValueError(
-                f"GPTConfig.dense_layers must be a tuple of layer indices in 0..{self.depth - 1}, "
-                f"got {dense!r}"
-            )
+            check(value in DTYPES, f"GPTConfig.{name}", "'float32' or 'bfloat16'", value)
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             value = getattr(self, name)
-            if not (_is_positive(value) or (isinstance(value, numbers.Real) and value == 0)):
-                raise ValueError(f"GPTConfig.{name} must be a finite number >= 0, got {value!r}")
-        moe = {self.is_moe(i) for i in range(self.depth)}
-        if self.scan_layers and len(moe) > 1:
+            ok = is_positive(value) or (isinstance(value, numbers.Real) and value == 0)
+            check(ok, f"GPTConfig.{name}", "a finite number >= 0", value)
+        if self.layers is None:
+            check(is_int(self.experts), "GPTConfig.experts", "an int >= 0", self.experts)
+            check(is_int(self.moe_every, 1), "GPTConfig.moe_every", "an int >= 1", self.moe_every)
+            dense = self.dense_layers
+            ok = isinstance(dense, tuple) and all(is_int(i) and i < self.depth for i in dense)
+            where = f"a tuple of layer indices in 0..{self.depth - 1}"
+            check(ok, "GPTConfig.dense_layers", where, dense)
+        else:
+            layers, depth = self.layers, self.depth
+            ok = isinstance(layers, tuple) and all(isinstance(b, BlockConfig) for b in layers)
+            where = f"None or a tuple of depth ({depth}) BlockConfigs"
+            check(ok and len(layers) == depth, "GPTConfig.layers", where, layers)
+            given = [k for k in PER_LAYER if getattr(self, k) != getattr(GPTConfig, k)]
+            if given:
+                raise ValueError(f"GPTConfig: layers= sets every layer; leave out {given}")
+            ours = (self.num_heads, self.num_kv_heads or self.num_heads)
+            attention = [b.attention for b in layers if isinstance(b.attention, AttentionConfig)]
+            theirs = sorted({(a.num_heads, a.num_kv_heads or a.num_heads) for a in attention})
+            if theirs not in ([], [ours]):
+                raise ValueError(
+                    f"GPTConfig: num_heads, num_kv_heads {ours} are not the layers' {theirs}"
+                )
+        try:
+            NormConfig(self.norm, self.norm_eps)
+            blocks = self.block_configs
+        except ValueError as e:
+            raise ValueError(f"GPTConfig: {e}") from None
+        if self.scan_layers and len(set(blocks)) > 1:
+            moe = {isinstance(b.feed_forward, MoEConfig) for b in blocks}
+            differ = "some layers are MoE and some dense" if len(moe) > 1 else "layers differ"
             raise ValueError(
-                "GPTConfig: scan_layers stacks alike layers, but with experts="
-                f"{self.experts}, moe_every={self.moe_every} and dense_layers={dense} some "
-                "layers are MoE and some dense; use moe_every=1 and no dense_layers, or "
-                "scan_layers=False"
+                f"GPTConfig: scan_layers stacks alike layers, but {differ}; give every layer "
+                "the same config (moe_every=1 and no dense_layers), or scan_layers=False"
             )
 
-    def is_moe(self, layer: int) -> bool:
-        """Whether layer ``layer``'s feed-forward is a ``MoE`` (Qwen3-MoE's rule)."""
-        return (
-            self.experts > 0
-            and layer not in self.dense_layers
-            and (layer + 1) % self.moe_every == 0
+    @functools.cached_property
+    def block_configs(self) -> tuple[BlockConfig, ...]:
+        """Every layer's ``BlockConfig``: ``layers``, or those derived from the flat knobs (the
+        one place that does), e.g. ``GPTConfig().block_configs[0].feed_forward.hidden``."""
+        if self.layers is not None:
+            return self.layers
+        hidden = int(self.mlp_ratio * self.dim) if self.mlp_hidden is None else self.mlp_hidden
+        dense = MLPConfig(hidden, gated=self.gated_mlp, bias=self.mlp_bias)
+        moe = self.experts and MoEConfig(
+            hidden if self.expert_hidden is None else self.expert_hidden,
+            self.experts,
+            self.experts_per_token,
+            norm_topk_prob=self.norm_topk_prob,
+            capacity_factor=self.capacity_factor,
         )
+        attention = AttentionConfig(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            qk_norm=self.qk_norm,
+            qk_norm_eps=1e-6 if self.norm_eps is None else self.norm_eps,
+            rope=RopeConfig(self.rope_theta, self.rope_scaling),
+        )
+        norm = NormConfig(self.norm, self.norm_eps)
+        block = BlockConfig(attention, dense, norm, dropout=self.dropout)
+        layers = []
+        for i in range(self.depth):
+            sparse = moe and i not in self.dense_layers and (i + 1) % self.moe_every == 0
+            layers.append(dataclasses.replace(block, feed_forward=moe) if sparse else block)
+        return tuple(layers)
 
 
 class GPT(nnx.Module):
@@ -197,50 +203,18 @@ class GPT(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        c = config
-        self.embed = Embed(c.vocab_size, c.dim, param_dtype=c.param_dtype, rngs=rngs)
-
-        def block(rngs: nnx.Rngs, moe: bool) -> TransformerBlock:
-            return TransformerBlock(
-                c.dim,
-                c.num_heads,
-                num_kv_heads=c.num_kv_heads,
-                head_dim=c.head_dim,
-                mlp_ratio=c.mlp_ratio,
-                mlp_hidden=c.mlp_hidden,
-                mlp_bias=c.mlp_bias,
-                gated_mlp=c.gated_mlp,
-                norm=c.norm,
-                norm_eps=c.norm_eps,
-                rope_base=c.rope_theta,
-                rope_scaling=c.rope_scaling,
-                qk_norm=c.qk_norm,
-                dropout=c.dropout,
-                experts=c.experts if moe else 0,
-                experts_per_token=c.experts_per_token,
-                expert_hidden=c.expert_hidden,
-                norm_topk_prob=c.norm_topk_prob,
-                capacity_factor=c.capacity_factor,
-                param_dtype=c.param_dtype,
-                rngs=rngs,
-            )
-
-        if c.scan_layers:
-            stacked = functools.partial(block, moe=c.is_moe(0))
-            self.blocks = nnx.split_rngs(splits=c.depth)(nnx.vmap(stacked, in_axes=0))(rngs)
+        self.config = c = config
+        kw = dict(param_dtype=c.param_dtype, rngs=rngs)
+        self.embed = Embed(c.vocab_size, c.dim, **kw)
+        if c.scan_layers:  # every layer alike: one block, its Variables stacked
+            build = functools.partial(c.block_configs[0].build, c.dim, param_dtype=c.param_dtype)
+            stacked = nnx.vmap(lambda rngs: build(rngs=rngs), in_axes=0)
+            self.blocks = nnx.split_rngs(splits=c.depth)(stacked)(rngs)
         else:
-            self.blocks = nnx.List([block(rngs, c.is_moe(i)) for i in range(c.depth)])
-        self.norm = make_norm(c.norm, c.dim, eps=c.norm_eps, param_dtype=c.param_dtype)
+            self.blocks = nnx.List([b.build(c.dim, **kw) for b in c.block_configs])
+        self.norm = NormConfig(c.norm, c.norm_eps).build(c.dim, param_dtype=c.param_dtype)
         if not c.tie_embeddings:
-            self.head = Linear(
-                c.dim,
-                c.vocab_size,
-                axes=("embed", "vocab"),
-                use_bias=False,
-                param_dtype=c.param_dtype,
-                rngs=rngs,
-            )
+            self.head = Linear(c.dim, c.vocab_size, axes=("embed", "vocab"), use_bias=False, **kw)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.forward(tokens)[0]
@@ -255,7 +229,8 @@ class GPT(nnx.Module):
             )
         c = self.config
         x = self.embed(constrain(tokens, ("batch", "seq"))).astype(c.dtype)
-        stats = RouterStats.zeros(c.experts) if c.experts else None
+        moe = [b.feed_forward for b in c.block_configs if isinstance(b.feed_forward, MoEConfig)]
+        stats = RouterStats.zeros(moe[0].num_experts) if moe else None
         if c.scan_layers:
             scan = nnx.scan(_apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
             x, stats = scan((x, stats), self.blocks)
@@ -325,11 +300,3 @@ def _apply_block(
     x, stats = carry
     x, layer = block.forward(x)
     return x, stats if layer is None else stats.merge(layer)
-
-
-def _is_int(value: object, *, minimum: int) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
-
-
-def _is_positive(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < math.inf

@@ -2,17 +2,64 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mmnnx.modules.checks import check, is_int, is_positive
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.norms import RMSNorm
-from mmnnx.modules.rope import RopeScaling, apply_rope
+from mmnnx.modules.rope import RopeConfig, apply_rope
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """An ``Attention``, whatever the model's width: ``num_heads`` query heads of ``head_dim``
+    features (``None``: ``dim // num_heads``), ``num_kv_heads`` key/value heads (``None``:
+    ``num_heads``), ``qk_norm`` (per-head norms of epsilon ``qk_norm_eps``) and ``rope`` (a
+    ``RopeConfig``; ``None``: no positions). ``config.build(dim, ...)`` makes the module.
+
+    Example:
+        >>> AttentionConfig(num_heads=4, num_kv_heads=3)
+        Traceback (most recent call last):
+        ...
+        ValueError: AttentionConfig.num_kv_heads must be None or a divisor of num_heads (4), got 3
+    """
+
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
+    rope: RopeConfig | None = RopeConfig()
+
+    def __post_init__(self):
+        heads, kv, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        check(is_int(heads, minimum=1), "AttentionConfig.num_heads", "an int >= 1", heads)
+        ok = kv is None or (is_int(kv, minimum=1) and heads % kv == 0)
+        check(ok, "AttentionConfig.num_kv_heads", f"None or a divisor of num_heads ({heads})", kv)
+        ok = head_dim is None or is_int(head_dim, minimum=1)
+        check(ok, "AttentionConfig.head_dim", "None or an int >= 1", head_dim)
+        ok = head_dim is None or self.rope is None or head_dim % 2 == 0
+        check(ok, "AttentionConfig.head_dim", "even (RoPE rotates pairs of features)", head_dim)
+        check(isinstance(self.qk_norm, bool), "AttentionConfig.qk_norm", "a bool", self.qk_norm)
+        eps = self.qk_norm_eps
+        check(is_positive(eps), "AttentionConfig.qk_norm_eps", "a finite number > 0", eps)
+        ok = self.rope is None or isinstance(self.rope, RopeConfig)
+        check(ok, "AttentionConfig.rope", "None or a RopeConfig", self.rope)
+
+    def build(
+        self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
+    ) -> Attention:
+        """The ``Attention`` of width ``dim``, its Variables in ``param_dtype``."""
+        return Attention(dim, self, param_dtype=param_dtype, rngs=rngs)
 
 
 class Attention(nnx.Module):
-    """Causal self-attention: ``out(softmax(q k^T / sqrt(head_dim) + causal mask) v)``.
+    """Causal self-attention: ``out(softmax(q k^T / sqrt(head_dim) + causal mask) v)``, as
+    ``config`` (an ``AttentionConfig``) says.
 
     ``q`` has ``num_heads`` heads of ``head_dim`` features (default ``dim // num_heads``; any
     size, as Qwen3's, where ``num_heads * head_dim != dim``); ``k`` and ``v`` have
@@ -20,9 +67,8 @@ class Attention(nnx.Module):
     heads (grouped-query attention; 1 is multi-query). ``q``, ``k`` and ``v`` kernels are named
     ``("embed", "heads")`` and ``out`` ``("heads", "embed")``: mapping ``heads`` to a mesh axis
     splits the heads across it. With ``qk_norm``, each head of ``q`` and ``k`` goes through an
-    ``RMSNorm`` over ``head_dim`` (``q_norm``, ``k_norm``, eps ``norm_eps``) before RoPE (Qwen3).
-    With ``rope``, queries and keys are rotated by ``apply_rope`` (base ``rope_base``, Llama 3's
-    ``rope_scaling`` when given).
+    ``RMSNorm`` over ``head_dim`` (``q_norm``, ``k_norm``) before RoPE (Qwen3). With ``rope``,
+    queries and keys are rotated by ``apply_rope`` (its base and Llama 3's scaling).
 
     ``__call__`` is ``attend(*project(x), causal mask)``: ``project`` makes the rotated queries,
     keys and values of given positions, ``attend`` mixes values by a visibility mask, so a
@@ -30,7 +76,7 @@ class Attention(nnx.Module):
 
     Example:
         >>> with nnx.use_eager_sharding(False):
-        ...     attn = Attention(16, 4, num_kv_heads=2, rngs=nnx.Rngs(0))
+        ...     attn = Attention(16, AttentionConfig(4, num_kv_heads=2), rngs=nnx.Rngs(0))
         >>> attn(jnp.ones((2, 5, 16))).shape, attn.k.kernel.shape
         ((2, 5, 16), (16, 8))
     """
@@ -38,47 +84,27 @@ class Attention(nnx.Module):
     def __init__(
         self,
         dim: int,
-        num_heads: int,
+        config: AttentionConfig,
         *,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        rope: bool = True,
-        rope_base: float = 10000.0,
-        rope_scaling: RopeScaling | None = None,
-        qk_norm: bool = False,
-        norm_eps: float = 1e-6,
-        use_bias: bool = False,
         param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if head_dim is None and dim % num_heads:
-            raise ValueError(f"Attention: dim {dim} is not divisible by num_heads {num_heads}")
-        if num_kv_heads < 1 or num_heads % num_kv_heads:
-            raise ValueError(
-                f"Attention: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-            )
-        head_dim = dim // num_heads if head_dim is None else head_dim
-        if head_dim < 1:
-            raise ValueError(f"Attention: head_dim must be >= 1, got {head_dim}")
-        if rope and head_dim % 2:
+        heads, head_dim = config.num_heads, config.head_dim or dim // config.num_heads
+        if config.head_dim is None and dim % heads:
+            raise ValueError(f"Attention: dim {dim} is not divisible by num_heads {heads}")
+        if config.rope and head_dim % 2:
             raise ValueError(f"Attention: RoPE needs an even head_dim, got {head_dim}")
-        self.dim = dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.rope = rope
-        self.rope_base = rope_base
-        self.rope_scaling = rope_scaling
-        inner, kv_features = num_heads * head_dim, num_kv_heads * head_dim
-        linear = dict(use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+        self.dim, self.num_heads, self.head_dim, self.rope = dim, heads, head_dim, config.rope
+        self.num_kv_heads = config.num_kv_heads or heads
+        inner, kv_features = heads * head_dim, self.num_kv_heads * head_dim
+        linear = dict(use_bias=False, param_dtype=param_dtype, rngs=rngs)
         self.q = Linear(dim, inner, axes=("embed", "heads"), **linear)
         self.k = Linear(dim, kv_features, axes=("embed", "heads"), **linear)
         self.v = Linear(dim, kv_features, axes=("embed", "heads"), **linear)
         self.out = Linear(inner, dim, axes=("heads", "embed"), **linear)
-        norm = dict(eps=norm_eps, axis=None, param_dtype=param_dtype)
-        self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else None
+        norm = dict(eps=config.qk_norm_eps, axis=None, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         seq = x.shape[-2]
@@ -95,7 +121,8 @@ class Attention(nnx.Module):
 
         Example:
             >>> with nnx.use_eager_sharding(False):
-            ...     attn = Attention(16, 4, num_kv_heads=2, head_dim=6, rngs=nnx.Rngs(0))
+            ...     config = AttentionConfig(4, num_kv_heads=2, head_dim=6)
+            ...     attn = Attention(16, config, rngs=nnx.Rngs(0))
             >>> [a.shape for a in attn.project(jnp.ones((1, 3, 16)), jnp.arange(5, 8))]
             [(1, 3, 4, 6), (1, 3, 2, 6), (1, 3, 2, 6)]
         """
@@ -105,9 +132,9 @@ class Attention(nnx.Module):
         v = self.v(x).reshape(*lead, seq, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope:
-            q = apply_rope(q, positions, base=self.rope_base, scaling=self.rope_scaling)
-            k = apply_rope(k, positions, base=self.rope_base, scaling=self.rope_scaling)
+        if self.rope is not None:
+            q = apply_rope(q, positions, base=self.rope.theta, scaling=self.rope.scaling)
+            k = apply_rope(k, positions, base=self.rope.theta, scaling=self.rope.scaling)
         return q, k, v
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
@@ -117,7 +144,7 @@ class Attention(nnx.Module):
 
         Example:
             >>> with nnx.use_eager_sharding(False):
-            ...     attn = Attention(16, 4, rngs=nnx.Rngs(0))
+            ...     attn = Attention(16, AttentionConfig(4), rngs=nnx.Rngs(0))
             >>> q, k, v = attn.project(jnp.ones((1, 3, 16)))
             >>> attn.attend(q[:, -1:], k, v, jnp.ones((1, 3), bool)).shape  # the last query
             (1, 1, 16)

@@ -2,28 +2,60 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mmnnx.modules.checks import check, is_int
 from mmnnx.modules.linear import Linear
 
 
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    """A dense feed-forward ``MLP`` of ``hidden`` features (Hugging Face's
+    ``intermediate_size``), SiLU-gated when ``gated`` (Llama, Qwen3), with biases when
+    ``bias``. ``config.build(dim, ...)`` makes the module.
+
+    Example:
+        >>> MLPConfig(0)
+        Traceback (most recent call last):
+        ...
+        ValueError: MLPConfig.hidden must be an int >= 1, got 0
+    """
+
+    hidden: int
+    gated: bool = False
+    bias: bool = True
+
+    def __post_init__(self):
+        check(is_int(self.hidden, minimum=1), "MLPConfig.hidden", "an int >= 1", self.hidden)
+        for name in ("gated", "bias"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"MLPConfig.{name}", "a bool", value)
+
+    def build(
+        self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
+    ) -> MLP:
+        """The ``MLP`` of width ``dim``, its Variables in ``param_dtype``."""
+        return MLP(dim, self, param_dtype=param_dtype, rngs=rngs)
+
+
 class MLP(nnx.Module):
-    """``down(act(up(x)))``, or ``down(act(gate(x)) * up(x))`` when ``gated``.
+    """``down(act(up(x)))``, or ``down(act(gate(x)) * up(x))`` when ``config.gated``.
 
     ``up`` and ``gate`` are ``dim -> hidden`` kernels named ``("embed", "mlp")``; ``down`` is
     ``hidden -> dim`` named ``("mlp", "embed")``: mapping ``mlp`` to a mesh axis gives Megatron
     tensor parallelism (one reduction, after ``down``). ``activation`` defaults to GELU, or SiLU
-    when gated. ``use_bias=False`` (Llama, Qwen3) drops the three biases; Variables are created
-    in ``param_dtype``.
+    when gated. ``config.bias=False`` (Llama, Qwen3) drops the three biases; Variables are
+    created in ``param_dtype``.
 
     Example:
         >>> import jax.numpy as jnp
         >>> with nnx.use_eager_sharding(False):
-        ...     mlp = MLP(8, 32, gated=True, rngs=nnx.Rngs(0))
+        ...     mlp = MLP(8, MLPConfig(32, gated=True), rngs=nnx.Rngs(0))
         >>> mlp(jnp.ones((2, 8))).shape, mlp.activation.__name__
         ((2, 8), 'silu')
     """
@@ -31,24 +63,18 @@ class MLP(nnx.Module):
     def __init__(
         self,
         dim: int,
-        hidden: int,
+        config: MLPConfig,
         *,
-        gated: bool = False,
         activation: Callable[[jax.Array], jax.Array] | None = None,
-        use_bias: bool = True,
         param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        self.dim = dim
-        self.hidden = hidden
-        self.gated = gated
-        if activation is None:
-            activation = jax.nn.silu if gated else jax.nn.gelu
-        self.activation = activation
-        kw = dict(use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
-        self.up = Linear(dim, hidden, axes=("embed", "mlp"), **kw)
-        self.gate = Linear(dim, hidden, axes=("embed", "mlp"), **kw) if gated else None
-        self.down = Linear(hidden, dim, axes=("mlp", "embed"), **kw)
+        self.dim, self.hidden, self.gated = dim, config.hidden, config.gated
+        self.activation = activation or (jax.nn.silu if config.gated else jax.nn.gelu)
+        kw = dict(use_bias=config.bias, param_dtype=param_dtype, rngs=rngs)
+        self.up = Linear(dim, self.hidden, axes=("embed", "mlp"), **kw)
+        self.gate = Linear(dim, self.hidden, axes=("embed", "mlp"), **kw) if self.gated else None
+        self.down = Linear(self.hidden, dim, axes=("mlp", "embed"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.gate is not None:

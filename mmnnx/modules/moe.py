@@ -3,18 +3,58 @@ default, expert-parallel where its experts are placed split over a mesh axis."""
 
 from __future__ import annotations
 
-import math
-import numbers
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mmnnx import _nnx
+from mmnnx.modules.checks import check, is_int, is_positive
 from mmnnx.modules.expert_parallel import apply_expert_parallel, expert_layout
 from mmnnx.modules.experts import Experts, apply_local, default_expert_init
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.routing import RouterStats, capacity, capacity_keep, route, router_stats
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward (``MoE``): ``num_experts`` SwiGLU experts of
+    ``hidden`` features (Qwen3-MoE's ``moe_intermediate_size``), each token routed to ``top_k``
+    of them (``num_experts_per_tok``), their weights renormalised when ``norm_topk_prob``;
+    ``capacity_factor`` bounds each expert's assignments (``None``: dropless).
+    ``config.build(dim, ...)`` makes the module.
+
+    Example:
+        >>> MoEConfig(16, num_experts=8, top_k=9)
+        Traceback (most recent call last):
+        ...
+        ValueError: MoEConfig.top_k must be an int in 1..num_experts (8), got 9
+    """
+
+    hidden: int
+    num_experts: int
+    top_k: int = 2
+    norm_topk_prob: bool = True
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        experts, top_k, factor = self.num_experts, self.top_k, self.capacity_factor
+        check(is_int(self.hidden, minimum=1), "MoEConfig.hidden", "an int >= 1", self.hidden)
+        check(is_int(experts, minimum=1), "MoEConfig.num_experts", "an int >= 1", experts)
+        ok = is_int(top_k, minimum=1) and top_k <= experts
+        check(ok, "MoEConfig.top_k", f"an int in 1..num_experts ({experts})", top_k)
+        ok = isinstance(self.norm_topk_prob, bool)
+        check(ok, "MoEConfig.norm_topk_prob", "a bool", self.norm_topk_prob)
+        ok = factor is None or is_positive(factor)
+        check(ok, "MoEConfig.capacity_factor", "None (dropless) or a finite number > 0", factor)
+
+    def build(
+        self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
+    ) -> MoE:
+        """The ``MoE`` of width ``dim``, its Variables in ``param_dtype``."""
+        return MoE(dim, self, param_dtype=param_dtype, rngs=rngs)
+
 
 METRICS = ("router_aux_loss", "router_z_loss", "tokens_per_expert", "dropped_tokens")
 """The names a ``MoE`` sows under ``nnx.capture(..., nnx.Intermediate)``, one value per call."""
@@ -54,7 +94,7 @@ class MoE(nnx.Module):
 
     Example:
         >>> with nnx.use_eager_sharding(False):
-        ...     moe = MoE(8, 16, num_experts=4, top_k=2, rngs=nnx.Rngs(0))
+        ...     moe = MoE(8, MoEConfig(16, num_experts=4, top_k=2), rngs=nnx.Rngs(0))
         >>> y, stats = moe.forward(jnp.ones((2, 3, 8)))
         >>> y.shape, stats.tokens_per_expert.sum().item()
         ((2, 3, 8), 12)
@@ -63,30 +103,18 @@ class MoE(nnx.Module):
     def __init__(
         self,
         dim: int,
-        hidden: int,
-        num_experts: int,
-        top_k: int,
+        config: MoEConfig,
         *,
-        norm_topk_prob: bool = True,
-        capacity_factor: float | None = None,
         kernel_init: nnx.Initializer = default_expert_init,
         param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        check_moe_args(num_experts, top_k, capacity_factor, "MoE")
-        self.dim = dim
-        self.hidden = hidden
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
-        self.capacity_factor = capacity_factor
-        self.router = Linear(
-            dim, num_experts, axes=("embed", None), use_bias=False, param_dtype=param_dtype,
-            rngs=rngs,
-        )  # fmt: skip
-        self.experts = Experts(
-            num_experts, dim, hidden, kernel_init=kernel_init, param_dtype=param_dtype, rngs=rngs
-        )
+        self.dim, self.hidden, self.top_k = dim, config.hidden, config.top_k
+        self.num_experts, self.norm_topk_prob = config.num_experts, config.norm_topk_prob
+        self.capacity_factor = config.capacity_factor
+        kw = dict(param_dtype=param_dtype, rngs=rngs)
+        self.router = Linear(dim, self.num_experts, axes=("embed", None), use_bias=False, **kw)
+        self.experts = Experts(self.num_experts, dim, self.hidden, kernel_init=kernel_init, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.forward(x)[0]
@@ -124,35 +152,3 @@ class MoE(nnx.Module):
 
 def _metrics(stats: RouterStats) -> tuple[jax.Array, ...]:
     return stats.aux_loss, stats.z_loss, stats.tokens_per_expert, stats.dropped.sum()
-
-
-def check_moe_args(num_experts: object, top_k: object, capacity_factor: object, where: str) -> None:
-    """Raises ``ValueError`` naming ``where`` for an expert count below 1, a ``top_k`` outside
-    ``1 .. num_experts``, or a capacity factor that is not a finite number > 0.
-
-    Example:
-        >>> check_moe_args(8, 2, None, "MoE")
-        >>> check_moe_args(8, 9, None, "MoE")
-        Traceback (most recent call last):
-        ...
-        ValueError: MoE: top_k must be an int in 1..num_experts (8), got 9
-    """
-    if not _is_int(num_experts) or num_experts < 1:
-        raise ValueError(f"{where}: num_experts must be an int >= 1, got {num_experts!r}")
-    if not _is_int(top_k) or not 1 <= top_k <= num_experts:
-        raise ValueError(
-            f"{where}: top_k must be an int in 1..num_experts ({num_experts}), got {top_k!r}"
-        )
-    if capacity_factor is not None and not (
-        isinstance(capacity_factor, numbers.Real)
-        and not isinstance(capacity_factor, bool)
-        and 0 < capacity_factor < math.inf
-    ):
-        raise ValueError(
-            f"{where}: capacity_factor must be None (dropless) or a finite number > 0, got "
-            f"{capacity_factor!r}"
-        )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

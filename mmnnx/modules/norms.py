@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import math
-import numbers
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from mmnnx.modules.checks import check, is_positive
 
 
 class RMSNorm(nnx.Module):
@@ -32,7 +33,7 @@ class RMSNorm(nnx.Module):
         axis: str | None = "embed",
         param_dtype: jax.typing.DTypeLike = jnp.float32,
     ):
-        _check_eps("RMSNorm", eps)
+        check(is_positive(eps), "RMSNorm: eps", "a finite number > 0", eps)
         self.dim = dim
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=(axis,))
@@ -59,7 +60,7 @@ class LayerNorm(nnx.Module):
     def __init__(
         self, dim: int, *, eps: float = 1e-5, param_dtype: jax.typing.DTypeLike = jnp.float32
     ):
-        _check_eps("LayerNorm", eps)
+        check(is_positive(eps), "LayerNorm: eps", "a finite number > 0", eps)
         self.dim = dim
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("embed",))
@@ -73,6 +74,30 @@ class LayerNorm(nnx.Module):
         return out.astype(x.dtype)
 
 
-def _check_eps(name: str, eps: float) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
-        raise ValueError(f"{name}: eps must be a finite number > 0, got {eps!r}")
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """A norm over the model width: ``kind`` ``"rms"`` (``RMSNorm``) or ``"layer"``
+    (``LayerNorm``), with epsilon ``eps`` (``None``: the norm's own, 1e-6 and 1e-5).
+
+    Example:
+        >>> with nnx.use_eager_sharding(False):
+        ...     norm = NormConfig("layer", eps=1e-6).build(4)
+        >>> type(norm).__name__, norm.eps
+        ('LayerNorm', 1e-06)
+    """
+
+    kind: str = "rms"
+    eps: float | None = None
+
+    def __post_init__(self):
+        check(self.kind in ("rms", "layer"), "NormConfig.kind", "'rms' or 'layer'", self.kind)
+        ok = self.eps is None or is_positive(self.eps)
+        check(ok, "NormConfig.eps", "None or a finite number > 0", self.eps)
+
+    def build(
+        self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32
+    ) -> RMSNorm | LayerNorm:
+        """The norm over ``dim`` features, its Variables in ``param_dtype``."""
+        options = {} if self.eps is None else {"eps": self.eps}
+        norm = RMSNorm if self.kind == "rms" else LayerNorm
+        return norm(dim, param_dtype=param_dtype, **options)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from math import inf
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mmnnx.modules.checks import check, is_int, is_positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,20 +38,36 @@ class RopeScaling:
     def __post_init__(self):
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
-            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-            if not (number and 0 < value < inf):
-                raise ValueError(f"RopeScaling.{name} must be a finite number > 0, got {value!r}")
+            check(is_positive(value), f"RopeScaling.{name}", "a finite number > 0", value)
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"RopeScaling.high_freq_factor ({self.high_freq_factor}) must be greater than "
                 f"low_freq_factor ({self.low_freq_factor})"
             )
         original = self.original_max_position_embeddings
-        if isinstance(original, bool) or not isinstance(original, numbers.Integral) or original < 1:
-            raise ValueError(
-                f"RopeScaling.original_max_position_embeddings must be an int >= 1, "
-                f"got {original!r}"
-            )
+        where = "RopeScaling.original_max_position_embeddings"
+        check(is_int(original, minimum=1), where, "an int >= 1", original)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embeddings as an ``Attention`` applies them: base ``theta`` (Hugging
+    Face's ``rope_theta``) and Llama 3.1's optional frequency ``scaling``.
+
+    Example:
+        >>> RopeConfig(theta=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: RopeConfig.theta must be a finite number > 0, got 0
+    """
+
+    theta: float = 10000.0
+    scaling: RopeScaling | None = None
+
+    def __post_init__(self):
+        check(is_positive(self.theta), "RopeConfig.theta", "a finite number > 0", self.theta)
+        ok = self.scaling is None or isinstance(self.scaling, RopeScaling)
+        check(ok, "RopeConfig.scaling", "None or a mmnnx.modules.RopeScaling", self.scaling)
 
 
 def rope_frequencies(

@@ -13,6 +13,7 @@ from flax import nnx
 from mmnnx.models import GPT, GPTConfig, from_pretrained, pretrained_config
 from mmnnx.models.pretrained import Pretrained
 from mmnnx.models.stages import split_rules, stage_rules
+from mmnnx.modules import MLPConfig
 from mmnnx.modules.lora import MOE_TARGETS, TARGETS, add_lora
 from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.sharding import Task, init
@@ -51,10 +52,10 @@ def linear_names(config: GPTConfig) -> tuple[str, ...]:
         >>> linear_names(GPTConfig()), linear_names(GPTConfig(gated_mlp=True, experts=4))
         (('q', 'k', 'v', 'out', 'up', 'down'), ('q', 'k', 'v', 'out', 'router'))
     """
-    layers = range(config.depth)
-    dense = any(not config.is_moe(i) for i in layers)
-    mlp = (*(("gate",) if config.gated_mlp else ()), "up", "down") if dense else ()
-    have = {"q", "k", "v", "out", *mlp, *(("router",) if config.experts else ())}
+    blocks = config.block_configs
+    dense = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MLPConfig)]
+    mlp = (*(("gate",) if any(f.gated for f in dense) else ()), "up", "down") if dense else ()
+    have = {"q", "k", "v", "out", *mlp, *(("router",) if len(dense) < len(blocks) else ())}
     return tuple(t for t in (*TARGETS, *MOE_TARGETS) if t in have)
 
 

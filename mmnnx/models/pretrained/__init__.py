@@ -135,7 +135,7 @@ def pretrained_config(
         >>> path = save_pretrained(model, tempfile.mkdtemp() + "/m",
         ...                        architecture="LlamaForCausalLM")
         >>> config = pretrained_config(path, max_seq_len=16)
-        >>> config.depth, config.max_seq_len, config.gated_mlp
+        >>> config.depth, config.max_seq_len, config.block_configs[0].feed_forward.gated
         (3, 16, True)
     """
     origin = Pretrained.read(path)
@@ -254,7 +254,8 @@ def save_pretrained(
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     hf = pretrained.config if pretrained else {}
     torch_dtype = torch_dtype_of(dtype)
-    config = written(family.hf_config(model.config, torch_dtype), hf, _sizes(family))
+    fresh = family.hf_config(model.config, torch_dtype, hf)
+    config = written(fresh, hf, _sizes(family) & fresh.keys())
     extra = []
     if pretrained and (pathlib.Path(pretrained.directory) / TOKENIZER).exists():
         extra.append(pathlib.Path(pretrained.directory) / TOKENIZER)
@@ -338,8 +339,9 @@ def _origin(
 
 
 def _sizes(family: Family) -> set[str]:
-    """The keys of a loaded ``config.json`` written from the model (its sizes, the family's own
-    keys among them); the others are written back as they were (token ids, names)."""
+    """The keys of a loaded ``config.json`` written from the model where the model writes them
+    (its sizes, the family's own keys among them); the others are written back as they were
+    (token ids, names, a size the model has no layer of)."""
     return {
         "vocab_size",
         "hidden_size",
@@ -350,7 +352,7 @@ def _sizes(family: Family) -> set[str]:
         "intermediate_size",
         "tie_word_embeddings",
         "layer_types",
-    } | {k.key for k in family.config_keys}
+    } | set(family.feed_forward.keys)
 
 
 def load_tensors(

@@ -1,17 +1,26 @@
 """The model families ``from_pretrained`` knows: how a ``config.json`` becomes a ``GPTConfig``
-and back, and which checkpoint tensor fills which ``GPT`` Variable (torchtitan's state-dict
-adapters, as data)."""
+of nested component configs (``AttentionConfig``, ``MLPConfig`` or ``MoEConfig``, ... per
+layer) and back, and which checkpoint tensor fills which ``GPT`` Variable (torchtitan's
+state-dict adapters, as data)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.files import CheckpointError
-from mmnnx.models.pretrained.hf_config import architectures, read_config, rope_parameters, written
+from mmnnx.models.pretrained.hf_config import architectures, read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
+from mmnnx.modules import (
+    AttentionConfig,
+    BlockConfig,
+    MLPConfig,
+    MoEConfig,
+    NormConfig,
+    RopeConfig,
+)
 
 T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
 
@@ -39,143 +48,204 @@ _OUTER = (
 )
 _MOE_LAYER = (  # a MoE layer's router and experts (Qwen3-MoE), stacked over the experts
     TensorRule("model.layers.{layer}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
-    TensorRule(
-        "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
-        "blocks/{layer}/mlp/experts/gate",
-        T,
-    ),
-    TensorRule(
-        "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
-        "blocks/{layer}/mlp/experts/up",
-        T,
-    ),
-    TensorRule(
-        "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
-        "blocks/{layer}/mlp/experts/down",
-        T,
+    *(
+        TensorRule(
+            f"model.layers.{{layer}}.mlp.experts.{{expert}}.{name}_proj.weight",
+            f"blocks/{{layer}}/mlp/experts/{name}",
+            T,
+        )
+        for name in ("gate", "up", "down")
     ),
 )
 _HEAD = TensorRule("lm_head.weight", "head/kernel", T)
 _TIED_HEAD = TensorRule("lm_head.weight", None)  # some tied checkpoints store the table twice
 
 
-REQUIRED = object()
-"""A :class:`ConfigKey` default: ``config.json`` must have the key."""
+FeedForward = MLPConfig | MoEConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class ConfigKey:
-    """A ``config.json`` key of a family's own that sets the ``GPTConfig`` field ``field``, as
-    it is (a list as a tuple); ``default`` (transformers' own) when the file lacks it or has
-    ``null``, or :data:`REQUIRED`.
+class DenseFeedForward:
+    """Llama's and Qwen3's feed-forward: every layer a SiLU-gated ``MLPConfig`` without biases
+    of ``intermediate_size`` features. A family's feed-forward names the ``config.json``
+    ``keys`` it reads (``read``) and writes (``write``), and its tensors (``rules``) beyond a
+    dense MLP's.
+
+    ``read`` takes the keys as :func:`~mmnnx.models.pretrained.hf_config.read_config` checked
+    them (transformers 5's names).
 
     Example:
-        >>> ConfigKey("mlp_only_layers", "dense_layers", ()).read({"mlp_only_layers": [0]}, "c")
-        (0,)
+        >>> DenseFeedForward().read({"intermediate_size": 64}, 2)[1]
+        MLPConfig(hidden=64, gated=True, bias=False)
     """
 
-    key: str
-    field: str
-    default: Any = REQUIRED
+    keys: ClassVar[tuple[str, ...]] = ("intermediate_size",)
+    rules: ClassVar[tuple[TensorRule, ...]] = ()
+    experts: ClassVar[bool] = False
 
-    def read(self, hf: dict[str, Any], file: str) -> Any:
-        """The field's value in the ``config.json`` ``hf`` (read from ``file``).
+    def read(self, keys: dict[str, Any], depth: int) -> tuple[FeedForward, ...]:
+        """The ``depth`` layers' feed-forward configs of the checked ``config.json`` ``keys``."""
+        return (_mlp(keys),) * depth
 
-        Raises:
-            CheckpointError: a required key the file lacks.
-        """
-        value = hf.get(self.key)
-        if value is None:
-            if self.default is REQUIRED:
-                raise CheckpointError(f"{file}: no {self.key!r}")
-            value = self.default
-        return tuple(value) if isinstance(value, list) else value
+    def write(self, config: GPTConfig, loaded: dict[str, Any]) -> dict[str, Any]:
+        """The ``config.json`` keys of ``config``'s feed-forwards (``loaded``: the file it was
+        read from, whose equivalent spelling of them is kept)."""
+        dense = [b.feed_forward for b in config.block_configs]
+        dense = [f for f in dense if isinstance(f, MLPConfig)]
+        return {"intermediate_size": dense[0].hidden} if dense else {}
 
-    def write(self, config: GPTConfig) -> Any:
-        """The key's value for ``config`` (a tuple as a list)."""
-        value = getattr(config, self.field)
-        return list(value) if isinstance(value, tuple) else value
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeFeedForward(DenseFeedForward):
+    """Qwen3-MoE's: a ``MoEConfig`` (``num_local_experts``, ``num_experts_per_tok``,
+    ``moe_intermediate_size``, ``norm_topk_prob``) in layer ``i`` when
+    ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``, else the
+    dense MLP; written back with the step that leaves the fewest ``mlp_only_layers``.
+
+    Example:
+        >>> keys = dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        ...             norm_topk_prob=True, intermediate_size=64, decoder_sparse_step=2,
+        ...             mlp_only_layers=())
+        >>> [type(f).__name__ for f in Qwen3MoeFeedForward().read(keys, 2)]
+        ['MLPConfig', 'MoEConfig']
+    """
+
+    keys: ClassVar[tuple[str, ...]] = (
+        *DenseFeedForward.keys,
+        *("num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"),
+        *("decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"),
+    )
+    rules: ClassVar[tuple[TensorRule, ...]] = _MOE_LAYER
+    experts: ClassVar[bool] = True
+
+    def read(self, keys: dict[str, Any], depth: int) -> tuple[FeedForward, ...]:
+        moe = MoEConfig(
+            keys["moe_intermediate_size"],
+            keys["num_local_experts"],
+            keys["num_experts_per_tok"],
+            norm_topk_prob=keys["norm_topk_prob"],
+        )
+        step, dense = keys["decoder_sparse_step"], keys["mlp_only_layers"]
+        sparse = [i not in dense and (i + 1) % step == 0 for i in range(depth)]
+        return tuple(moe if s else _mlp(keys) for s in sparse)
+
+    def write(self, config: GPTConfig, loaded: dict[str, Any]) -> dict[str, Any]:
+        layers = [b.feed_forward for b in config.block_configs]
+        moe = [i for i, f in enumerate(layers) if isinstance(f, MoEConfig)]
+        if not moe:
+            return super().write(config, loaded)
+        steps = [n for n in range(1, len(layers) + 1) if all((i + 1) % n == 0 for i in moe)]
+        dense = {n: [i for i in range(n - 1, len(layers), n) if i not in moe] for n in steps}
+        step, first = min(steps, key=lambda n: len(dense[n])), layers[moe[0]]
+        was = loaded.get("decoder_sparse_step"), loaded.get("mlp_only_layers") or []
+        if was[0] in dense and sorted(was[1]) == dense[was[0]]:  # the file's own spelling
+            step = was[0]
+        return super().write(config, loaded) | {
+            "num_local_experts": first.num_experts,
+            "num_experts_per_tok": first.top_k,
+            "moe_intermediate_size": first.hidden,
+            "norm_topk_prob": first.norm_topk_prob,
+            "decoder_sparse_step": step,
+            "mlp_only_layers": dense[step],
+            "router_aux_loss_coef": config.router_aux_loss_coef,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One architecture of ``config.json``'s ``architectures``: its ``model_type``, whether its
-    attention normalises queries and keys (Qwen3), the config keys of its own (``config_keys``: a
-    mixture of experts' sizes and routing) and the tensors of its own in each layer
-    (``layer_rules``: a MoE layer's router and experts). The config keys no family honours are
-    refused."""
+    attention normalises queries and keys (Qwen3), and its ``feed_forward`` (the config keys
+    that make each layer's feed-forward config, and the tensors of its own in each layer: a MoE
+    layer's router and experts). The config keys no family honours are refused."""
 
     architecture: str
     model_type: str
     qk_norm: bool
-    config_keys: tuple[ConfigKey, ...] = ()
-    layer_rules: tuple[TensorRule, ...] = ()
+    feed_forward: DenseFeedForward = DenseFeedForward()
 
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
         """The ``GPTConfig`` of a ``config.json`` (in directory ``where``; ``overrides``:
-        ``param_dtype``, ``dtype``, ``scan_layers``, ``max_seq_len``, ...).
+        ``param_dtype``, ``dtype``, ``scan_layers``, ``max_seq_len``, ...): its ``layers``
+        nested component configs.
 
         Raises:
             CheckpointError: a missing key or a setting this family's GPT cannot reproduce.
+
+        Example:
+            >>> hf = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            ...           num_key_value_heads=4, head_dim=8, intermediate_size=64, rope_theta=1e6)
+            >>> config = FAMILIES["Qwen3ForCausalLM"].gpt_config(hf)
+            >>> config.block_configs[0].attention.rope, config.block_configs[0].attention.qk_norm
+            (RopeConfig(theta=1000000.0, scaling=None), True)
         """
         file = f"{where}/config.json ({self.architecture})"
         c = read_config(hf, file, self.model_type)  # checked, both dialects, defaults filled
         _refuse_unsupported(file, hf)
-        fields = dict(
-            vocab_size=c.vocab_size,
-            dim=c.hidden_size,
-            depth=c.num_hidden_layers,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            qk_norm=self.qk_norm,
-            mlp_hidden=c.intermediate_size,
-            gated_mlp=True,
-            mlp_bias=False,
-            max_seq_len=c.max_position_embeddings,
-            tie_embeddings=c.tie_word_embeddings,
-            norm="rms",
-            norm_eps=c.rms_norm_eps,
-            rope_theta=c.rope_theta,
-            rope_scaling=c.rope_scaling,
-        )
-        fields.update({k.field: k.read(dict(c.own), file) for k in self.config_keys})
-        fields.update({k: v for k, v in overrides.items() if v is not None})
+        keys = {"intermediate_size": c.intermediate_size, **c.own}
         try:
+            rope = RopeConfig(c.rope_theta, c.rope_scaling)
+            attention = AttentionConfig(
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                qk_norm=self.qk_norm,
+                qk_norm_eps=c.rms_norm_eps,
+                rope=rope,
+            )
+            norm = NormConfig("rms", c.rms_norm_eps)
+            layers = self.feed_forward.read(keys, c.num_hidden_layers)
+            fields = dict(
+                vocab_size=c.vocab_size,
+                dim=c.hidden_size,
+                depth=c.num_hidden_layers,
+                num_heads=attention.num_heads,
+                num_kv_heads=attention.num_kv_heads,
+                max_seq_len=c.max_position_embeddings,
+                tie_embeddings=c.tie_word_embeddings,
+                norm="rms",
+                norm_eps=c.rms_norm_eps,
+                router_aux_loss_coef=c.own.get("router_aux_loss_coef", 0.001),
+                layers=tuple(BlockConfig(attention, ff, norm) for ff in layers),
+            )
+            fields.update({k: v for k, v in overrides.items() if v is not None})
             return GPTConfig(**fields)
+        except CheckpointError:
+            raise
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: {e}") from None
 
-    def hf_config(self, config: GPTConfig, torch_dtype: str) -> dict[str, Any]:
-        """A ``config.json`` for ``config`` (written by ``save_pretrained`` for a model that was
-        not loaded from one).
+    def hf_config(
+        self, config: GPTConfig, torch_dtype: str, loaded: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """A ``config.json``'s keys for ``config`` (its attention: the first layer's), spelled
+        as in the ``loaded`` file where that is equivalent.
 
         Example:
             >>> FAMILIES["LlamaForCausalLM"].hf_config(GPTConfig(), "float32")["hidden_size"]
             128
         """
+        attention = config.block_configs[0].attention
+        rope = attention.rope
         out = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
             "vocab_size": config.vocab_size,
             "hidden_size": config.dim,
             "num_hidden_layers": config.depth,
-            "num_attention_heads": config.num_heads,
-            "num_key_value_heads": config.num_kv_heads or config.num_heads,
-            "head_dim": config.head_dim or config.dim // config.num_heads,
-            "intermediate_size": config.mlp_hidden or int(config.mlp_ratio * config.dim),
+            "num_attention_heads": attention.num_heads,
+            "num_key_value_heads": attention.num_kv_heads or attention.num_heads,
+            "head_dim": attention.head_dim or config.dim // attention.num_heads,
             "max_position_embeddings": config.max_seq_len,
             "tie_word_embeddings": config.tie_embeddings,
             "rms_norm_eps": 1e-6 if config.norm_eps is None else config.norm_eps,
-            "rope_parameters": rope_parameters(config.rope_theta, config.rope_scaling),
+            "rope_parameters": rope_parameters(rope.theta, rope.scaling),
             "hidden_act": "silu",
             "attention_bias": False,
             "dtype": torch_dtype,
         }
         if self.model_type == "qwen3":  # transformers 5 writes Qwen3's (not Llama's)
             out["layer_types"] = ["full_attention"] * config.depth
-        out.update({k.key: k.write(config) for k in self.config_keys})
-        return written(out, None, set())
+        return {**out, **self.feed_forward.write(config, loaded or {})}
 
     def cannot_hold(self, config: GPTConfig) -> list[str]:
         """What of ``config`` this family's checkpoints cannot hold (nothing: ``[]``).
@@ -186,16 +256,20 @@ class Family:
             >>> FAMILIES["Qwen3ForCausalLM"].cannot_hold(GPTConfig(gated_mlp=True))
             ['MLP biases', 'no query/key norms (Qwen3ForCausalLM: RMSNorm on both)']
         """
-        own = {k.field for k in self.config_keys}
-        name = self.architecture
+        name, blocks = self.architecture, config.block_configs
+        dense = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MLPConfig)]
+        experts = any(isinstance(b.feed_forward, MoEConfig) for b in blocks)
+        qk_norm = {getattr(b.attention, "qk_norm", None) for b in blocks}
+        norms = {config.norm} | {b.norm.kind for b in blocks}
+        own = self.feed_forward.experts
         checks = (
-            (not config.gated_mlp, f"an ungated GELU MLP ({name}: SiLU-gated)"),
-            (config.mlp_bias, "MLP biases"),
-            (config.norm != "rms", f"LayerNorm ({name}: RMSNorm)"),
-            (config.qk_norm and not self.qk_norm, f"query/key norms ({name}: none)"),
-            (not config.qk_norm and self.qk_norm, f"no query/key norms ({name}: RMSNorm on both)"),
-            (config.experts and "experts" not in own, f"mixture-of-experts blocks ({name}: dense)"),
-            (not config.experts and "experts" in own, f"no mixture-of-experts blocks ({name})"),
+            (any(not f.gated for f in dense), f"an ungated GELU MLP ({name}: SiLU-gated)"),
+            (any(f.bias for f in dense), "MLP biases"),
+            (norms != {"rms"}, f"LayerNorm ({name}: RMSNorm)"),
+            (True in qk_norm and not self.qk_norm, f"query/key norms ({name}: none)"),
+            (False in qk_norm and self.qk_norm, f"no query/key norms ({name}: RMSNorm on both)"),
+            (experts and not own, f"mixture-of-experts blocks ({name}: dense)"),
+            (not experts and own, f"no mixture-of-experts blocks ({name})"),
         )
         return [what for failed, what in checks if failed]
 
@@ -211,7 +285,8 @@ class Family:
             >>> rule.variable, rule.stacked  # every layer's experts in one Variable
             ('blocks/mlp/experts/down', ('layer', 'expert'))
         """
-        layer = _LAYER + (_QK_NORM if config.qk_norm else ()) + self.layer_rules
+        qk_norm = any(getattr(b.attention, "qk_norm", False) for b in config.block_configs)
+        layer = _LAYER + (_QK_NORM if qk_norm else ()) + self.feed_forward.rules
         if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
             layer = tuple(
                 dataclasses.replace(r, variable=r.variable.replace("/{layer}", ""))
@@ -231,16 +306,7 @@ FAMILIES: dict[str, Family] = {
             architecture="Qwen3MoeForCausalLM",
             model_type="qwen3_moe",
             qk_norm=True,
-            config_keys=(
-                ConfigKey("num_local_experts", "experts"),
-                ConfigKey("num_experts_per_tok", "experts_per_token"),
-                ConfigKey("moe_intermediate_size", "expert_hidden"),
-                ConfigKey("norm_topk_prob", "norm_topk_prob", False),
-                ConfigKey("decoder_sparse_step", "moe_every", 1),
-                ConfigKey("mlp_only_layers", "dense_layers", ()),
-                ConfigKey("router_aux_loss_coef", "router_aux_loss_coef", 0.001),
-            ),
-            layer_rules=_MOE_LAYER,
+            feed_forward=Qwen3MoeFeedForward(),
         ),
     )
 }
@@ -268,6 +334,10 @@ def family_of(hf: dict[str, Any] | None, where: Any) -> Family:
         f"{where}/config.json: architecture {', '.join(names) or '(none given)'} is not "
         f"supported; mmnnx builds {', '.join(FAMILIES)}"
     )
+
+
+def _mlp(keys: dict[str, Any]) -> MLPConfig:
+    return MLPConfig(keys["intermediate_size"], gated=True, bias=False)
 
 
 _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
