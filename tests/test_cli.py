@@ -52,8 +52,8 @@ from tests.flags import without_device_count
         (["--schedule", "zero-bubble-v"], "--schedule zero-bubble-v needs --virtual-stages 2 "),
         (["--schedule", "dualpipev", "--virtual-stages", "3"], "dualpipev needs --virtual-stages"),
         (["--schedule", "interleaved-1f1b"], "interleaved-1f1b needs --virtual-stages 2 or more"),
-        (["--virtual-stages", "2"], "--virtual-stages 2 needs a schedule that runs several"),
-        (["--schedule", "auto", "--virtual-stages", "2"], "--schedule auto runs one"),
+        (["--virtual-stages", "2"], "--schedule 1f1b needs --virtual-stages 1 (one stage per"),
+        (["--schedule", "auto", "--virtual-stages", "2"], "auto needs --virtual-stages 1"),
         (
             ["--schedule", "zero-bubble-v", "--virtual-stages", "2", "--scan-layers"],
             "leave out --scan-layers",

@@ -6,6 +6,7 @@ safetensors files themselves and one device."""
 import contextlib
 import io
 import json
+import pathlib
 import shutil
 import tomllib
 
@@ -450,3 +451,61 @@ def test_bad_exports_exit_2_in_one_line(root, full_run, capsys):
     (root / "exists").mkdir(exist_ok=True)
     assert main(["export", "--run", str(full_run), "--output", str(root / "exists")]) == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err
+
+
+def test_an_export_never_overwrites_a_run_or_its_base_even_with_overwrite(root, full_run, capsys):
+    # issue 69: `export --run R --output R --overwrite` replaced the run with the export
+    config = tomllib.loads((full_run / "config.toml").read_text())
+    base = pathlib.Path(config["model"]["init_from"])
+    before = sorted(p.relative_to(full_run) for p in full_run.rglob("*"))
+    cases = [
+        (full_run, "would overwrite the run ("),
+        (full_run / "exported", "would overwrite the run ("),
+        (full_run / "checkpoints", "would overwrite the run's checkpoints"),
+        (full_run.parent, "would overwrite the run ("),
+        (base, "would overwrite the run's --init-from checkpoint"),
+    ]
+    for output, said in cases:
+        argv = ["export", "--run", str(full_run), "--output", str(output), "--overwrite"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    other = root / "another-run"
+    (other / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (other / "config.toml").write_text("")
+    assert main(["export", "--run", str(full_run), "--output", str(other), "--overwrite"]) == 2
+    assert "holds a run (config.toml and checkpoints/)" in capsys.readouterr().err
+    assert sorted(p.relative_to(full_run) for p in full_run.rglob("*")) == before
+    assert (base / "config.json").is_file()
+
+
+def test_a_run_refuses_a_base_checkpoint_changed_since_it_trained(tmp_path, capsys):
+    # issue 69: a fine-tuning run recorded only its --init-from path; an edited config.json
+    # (every shape kept) was used without a word by --resume, generate and export
+    base = tmp_path / "base"
+    write_checkpoint(base, architecture="LlamaForCausalLM", num_hidden_layers=2)
+    (tmp_path / "text.txt").write_text(TEXT)
+    argv = ["train", "--init-from", str(base), "--stages", "2", "--data-axis", "1",
+            "--model-axis", "1", "--seq-len", "16", "--batch-size", "4", "--microbatches", "2",
+            "--eval-every", "2", "--eval-batches", "1", "--timeline-step", "0",
+            "--no-tensorboard", "--text", str(tmp_path / "text.txt"), "--steps", "2",
+            "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv) == 0
+    config = json.loads((base / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3
+    (base / "config.json").write_text(json.dumps(config))
+    said = "changed since the run was trained from it (checkpoint step 2 records it): its "
+    said += "config.json has rms_norm_eps = 0.001, the run was trained from 1e-05"
+    run = str(tmp_path / "run")
+    commands = [
+        [*argv[:-2], "--output-dir", run, "--resume", "--steps", "3"],
+        ["generate", "--run", run, "--prompt", "The", "--max-new-tokens", "2"],
+        ["export", "--run", run, "--output", str(tmp_path / "out")],
+    ]
+    for command in commands:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(command) == 2, command[0]
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()

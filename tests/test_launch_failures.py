@@ -199,6 +199,15 @@ def test_a_rank_that_makes_no_progress_ends_the_job_named_with_its_last_phase():
     assert ended - spun_at < 5 + 15
 
 
+@pytest.mark.parametrize("flags,watched", [([], True), (["--step-timeout", "0"], False)])
+def test_the_watchdog_is_on_unless_turned_off(flags, watched):
+    # issue 69: a spinning data loader hung a job unless --step-timeout was given
+    code = "import os; print('watched' if os.environ.get('MMNNX_PROGRESS_DIR') else 'not')"
+    proc, _ = launch(["-n", "1", *flags, "--", sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"[rank 0] {'watched' if watched else 'not'}" in proc.stdout
+
+
 def test_the_watchdog_names_the_oldest_report_of_the_processes_it_watches(tmp_path):
     where = str(tmp_path)
     reports = [("running the step", 2, False), ("loading batch", 9, False),
@@ -346,7 +355,7 @@ def test_max_restarts_gives_up_after_n_attempts_with_the_last_status():
         (["--max-restarts", "-1"], "--max-restarts"),
         (["--heartbeat-timeout", "0"], "--heartbeat-timeout"),
         (["--min-processes", "1", "--max-restarts", "1"], "needs --max-restarts 2 or more, got 1"),
-        (["--step-timeout", "0"], "--step-timeout"),
+        (["--step-timeout", "-1"], "--step-timeout"),
         (["--collectives", "tcp"], "--collectives"),
         (["-n", "two"], "-n"),
     ],

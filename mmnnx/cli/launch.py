@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mmnnx.cli.flags import Parser, add_fields
+from mmnnx.launcher.launch import STEP_TIMEOUT_S
 from mmnnx.train.options import integer, option, positive, spec, switch
 
 
@@ -64,14 +65,15 @@ class Options:
         metavar="S",
         api="heartbeat_timeout_s",
     )
-    step_timeout: int | None = option(
-        None,
+    step_timeout: int = option(
+        STEP_TIMEOUT_S,
         "a process that reported progress (mm.distributed.progress; mmnnx train does at every "
         "phase of every step) and then reports nothing this long has stopped making progress "
         "(a loop in Python, a stuck data loader): it prints its Python stacks and the job ends, "
         "naming it and what it last reported. Larger than the longest phase: the first step's "
-        "compilation, an evaluation, a checkpoint save (default: not watched)",
-        positive,
+        "compilation, an evaluation, a checkpoint save (default %(default)s; 0: not watched; a "
+        "process that never reports is never watched)",
+        integer(0),
         metavar="S",
         api="step_timeout_s",
     )

@@ -98,6 +98,11 @@ def process_env(
     return env
 
 
+STEP_TIMEOUT_S = 3600
+"""How long a process that reported progress may report nothing before the job ends: longer than
+any one phase of a step (a first compile, an evaluation, a checkpoint save) is expected to take."""
+
+
 def _check(
     command: Sequence[str],
     num_processes: int,
@@ -123,8 +128,11 @@ def _check(
         raise LaunchError(
             f"mmnnx launch: --heartbeat-timeout must be at least 1, got {heartbeat_timeout_s}"
         )
-    if step_timeout_s is not None and step_timeout_s < 1:
-        raise LaunchError(f"mmnnx launch: --step-timeout must be at least 1, got {step_timeout_s}")
+    if step_timeout_s is not None and step_timeout_s < 0:
+        raise LaunchError(
+            f"mmnnx launch: --step-timeout must be at least 0 (0: not watched), got "
+            f"{step_timeout_s}"
+        )
     if collectives is not None and collectives not in COLLECTIVES:
         raise LaunchError(
             f"mmnnx launch: --collectives must be one of {', '.join(COLLECTIVES)}, "
@@ -171,7 +179,7 @@ def launch(
     max_restarts: int = 0,
     min_processes: int | None = None,
     heartbeat_timeout_s: int | None = None,
-    step_timeout_s: int | None = None,
+    step_timeout_s: int | None = STEP_TIMEOUT_S,
     verbose: bool = False,
 ) -> int:
     """Runs ``command`` as ``num_processes`` processes and returns the exit status: 0 when all
@@ -187,10 +195,12 @@ def launch(
     in a row is dropped, one line naming it, while more than K processes are left: the next
     attempts run one process fewer (ranks above it one lower), with its devices fewer.
 
-    ``step_timeout_s``: a process that reported progress (``mm.distributed.progress``, which
-    ``mmnnx train`` calls at every phase of every step) and then reports nothing for that long
-    has stopped making progress (a loop in Python, a data loader stuck): it prints its Python
-    stacks, and the job ends (status 1) with a line naming it and what it last reported.
+    ``step_timeout_s`` (default :data:`STEP_TIMEOUT_S`; 0 or ``None``: not watched): a process
+    that reported progress (``mm.distributed.progress``, which ``mmnnx train`` calls at every
+    phase of every step) and then reports nothing for that long has stopped making progress (a
+    loop in Python, a data loader stuck): it prints its Python stacks, and the job ends (status
+    1) with a line naming it and what it last reported. A process that never reports is not
+    watched.
 
     A ``SIGTERM`` (a scheduler's preemption notice) is forwarded to every process, and the
     launcher waits for them to end on their own (``mmnnx train`` saves its step and exits with
@@ -226,7 +236,7 @@ def launch(
         base[ENV_HEARTBEAT] = str(heartbeat_timeout_s)
     heartbeat = int(base.get(ENV_HEARTBEAT, _DEFAULT_HEARTBEAT_S))
     previous = {s: signal.signal(s, interrupts.on_signal) for s in Interrupts.SIGNALS}
-    progress = tempfile.mkdtemp(prefix="mmnnx-progress-") if step_timeout_s else None
+    progress = tempfile.mkdtemp(prefix="mmnnx-progress-") if step_timeout_s else None  # 0: off
     try:
         for attempt in range(max_restarts + 1):
             if port is None:

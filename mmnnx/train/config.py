@@ -12,7 +12,7 @@ from mmnnx.models.gpt import GPTConfig
 from mmnnx.modules.lora import MOE_TARGETS, TARGETS
 from mmnnx.mpmd.lower.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.mpmd.schedules import names as schedule_names
-from mmnnx.mpmd.schedules.registry import Placement, registered
+from mmnnx.mpmd.schedules.registry import registered
 from mmnnx.train.loop import TrainConfig
 from mmnnx.train.options import (
     finite,
@@ -45,15 +45,10 @@ def moe(help: str, parse: Any, metavar: str) -> Any:
 
 
 def _schedule_help() -> str:
-    needs = {
-        Placement.ONE_PER_RANK: "one stage per task",
-        Placement.INTERLEAVED: "--virtual-stages 2 or more",
-        Placement.V_SHAPED: "--virtual-stages 2",
-        Placement.BUILDER_DECIDES: "as registered",
-    }
     groups: dict[str, list[str]] = {}
     for name in schedule_names():
-        groups.setdefault(needs[registered(name).placement], []).append(name)
+        placement = registered(name).placement
+        groups.setdefault(f"--virtual-stages {placement.runs} ({placement.needs})", []).append(name)
     choices = "; ".join(f"{', '.join(names)}: {need}" for need, names in groups.items())
     return (
         f"pipeline schedule (1f1b). {choices}. 'auto' (one stage per task) measures a step "

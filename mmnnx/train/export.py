@@ -79,6 +79,7 @@ def export_run(
             )
         architecture = SCRATCH_ARCHITECTURE
     output = pathlib.Path(output)
+    _check_not_a_run(output, run_dir, spec)
     if output.exists() and not overwrite:
         raise RunError(f"{output} exists; pass --overwrite to replace it")
     loaded = load_run(spec, layout="run", step=step)
@@ -97,3 +98,31 @@ def export_run(
         step=loaded.step,
         adapter=adapter,
     )
+
+
+def _check_not_a_run(output: pathlib.Path, run_dir: Any, spec: Any) -> None:
+    """Refuses, even with ``overwrite``, an ``output`` that is, holds or lies inside the run,
+    its checkpoints or its ``--init-from`` checkpoint, or that holds another run (its
+    ``config.toml`` beside ``checkpoints/``): writing there would delete them."""
+    checkpoints = spec.run.outputs.checkpoint_dir or pathlib.Path(run_dir, "checkpoints")
+    kept = [("the run", run_dir), ("the run's checkpoints", checkpoints)]
+    if spec.run.model.init_from is not None:
+        kept.append(("the run's --init-from checkpoint", spec.run.model.init_from))
+    out, kept = output.resolve(), [(what, pathlib.Path(p).resolve()) for what, p in kept]
+    within = [(what, p) for what, p in kept if out == p or p in out.parents]
+    holding = [(what, p) for what, p in kept if out in p.parents]
+    if within or holding:  # named: the innermost it lies in, else the outermost it holds
+        what, path = max(within, key=_depth) if within else min(holding, key=_depth)
+        raise RunError(
+            f"--output {output} would overwrite {what} ({path}); export somewhere else "
+            "(--overwrite replaces only an earlier export)"
+        )
+    if (output / "config.toml").is_file() and (output / "checkpoints").is_dir():
+        raise RunError(
+            f"--output {output} holds a run (config.toml and checkpoints/); export somewhere "
+            "else (--overwrite replaces only an earlier export)"
+        )
+
+
+def _depth(named: tuple[str, pathlib.Path]) -> int:
+    return len(named[1].parts)

@@ -203,11 +203,12 @@ def load_run(
 
 
 def _check_record(spec: RunSpec, saved: Saved | None) -> None:
-    """Checks a run's ``config.toml`` and tokenizer against the record its checkpoint holds
-    (nothing to check without one).
+    """Checks a run's ``config.toml``, tokenizer and ``--init-from`` checkpoint against the
+    record its checkpoint holds (nothing to check without one).
 
     Raises:
-        RunError: an option or the tokenizer differs from the record, naming it.
+        RunError: an option, the tokenizer or the base checkpoint differs from the record,
+            naming it.
     """
     if saved is None or saved.record is None:
         return
@@ -224,6 +225,8 @@ def _check_record(spec: RunSpec, saved: Saved | None) -> None:
             f"{spec.directory / 'tokenizer'} holds a tokenizer that is not the one checkpoint "
             f"step {saved.step} of the run was trained with: were its files replaced?"
         )
+    if problem := saved.record.base_problem(spec.run.model.init_from, saved.step):
+        raise RunError(problem)
 
 
 def continue_text(

@@ -15,7 +15,7 @@ from mmnnx.models.pretrained import Pretrained
 from mmnnx.models.stages import split_rules, stage_rules
 from mmnnx.modules import MLPConfig
 from mmnnx.modules.lora import MOE_TARGETS, TARGETS, add_lora
-from mmnnx.mpmd.schedules.registry import Placement, registered
+from mmnnx.mpmd.schedules.registry import registered
 from mmnnx.sharding import Task, init
 from mmnnx.train.config import RunConfig, gpt_config
 
@@ -79,12 +79,8 @@ def run_placement(
         >>> [r for r, _ in run_placement(GPTConfig(depth=2), tasks)]
         ['^embed/|^blocks/0/', '^blocks/1/|^head/|^norm/']
     """
-    v_shaped = (
-        isinstance(schedule, str)
-        and schedule != "auto"
-        and registered(schedule).placement is Placement.V_SHAPED
-    )
-    order = "v" if v_shaped else "loop"
+    named = isinstance(schedule, str) and schedule != "auto"
+    order = (named and registered(schedule).placement.order(virtual_stages)) or "loop"
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
         if sizes is not None:

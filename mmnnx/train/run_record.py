@@ -1,13 +1,17 @@
 """What a run was trained with, saved in each of its checkpoints (``extra["run"]``) and checked
-when the run is resumed or generated from: the values of the options a resumed run may not
-change (every option but those of :data:`mmnnx.train.config.MAY_CHANGE_ON_RESUME`) and its
-tokenizer's fingerprint. A checkpoint saved before mmnnx recorded runs holds no record: such a
-run cannot be checked, and is not refused."""
+when the run is resumed, generated from or exported: the values of the options a resumed run
+may not change (every option but those of :data:`mmnnx.train.config.MAY_CHANGE_ON_RESUME`), its
+tokenizer's fingerprint and, fine-tuning a checkpoint (``--init-from``), that checkpoint's
+``config.json`` and a fingerprint of its tensors' index. A checkpoint saved before mmnnx
+recorded runs (or their base) holds no record of it: that is not checked, and not refused."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import pathlib
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -83,6 +87,7 @@ class RunRecord:
 
     options: dict[str, Any]
     tokenizer: str
+    base: dict[str, Any] | None = None  # the --init-from checkpoint's (base_model)
 
     @classmethod
     def of(cls, values: Mapping[str, Any], tokenizer: Tokenizer) -> RunRecord:
@@ -92,11 +97,14 @@ class RunRecord:
             for name in _FIELDS
             if name not in MAY_CHANGE_ON_RESUME
         }
-        return cls(options, fingerprint(tokenizer))
+        init_from = values.get("init_from")
+        base = None if init_from is None else base_model(init_from)
+        return cls(options, fingerprint(tokenizer), base)
 
     def extra(self) -> dict[str, Any]:
         """The record as a checkpoint's ``extra`` holds it (under :data:`KEY`)."""
-        return {KEY: {"options": self.options, "tokenizer": self.tokenizer}}
+        saved = {"options": self.options, "tokenizer": self.tokenizer}
+        return {KEY: saved if self.base is None else {**saved, "base": self.base}}
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> RunRecord | None:
@@ -104,7 +112,40 @@ class RunRecord:
         saved = extra.get(KEY)
         if not isinstance(saved, dict) or not isinstance(saved.get("options"), dict):
             return None
-        return cls(dict(saved["options"]), str(saved.get("tokenizer")))
+        base = saved.get("base") if isinstance(saved.get("base"), dict) else None
+        return cls(dict(saved["options"]), str(saved.get("tokenizer")), base)
+
+    def base_changed(self, init_from: Any) -> str | None:
+        """How the ``--init-from`` checkpoint ``init_from`` differs from the one the run was
+        trained from (a ``config.json`` key, or its tensors), or ``None``: the same, or not
+        recorded.
+
+        Example:
+            >>> from mmnnx.train.tokenizers import ByteTokenizer
+            >>> RunRecord({}, "t").base_changed("anywhere") is None  # nothing recorded
+            True
+        """
+        if self.base is None or init_from is None:
+            return None
+        now = base_model(init_from)
+        was_config, now_config = self.base.get("config") or {}, now["config"] or {}
+        for key in sorted(set(was_config) | set(now_config)):
+            if was_config.get(key) != now_config.get(key):
+                was, got = (json.dumps(c.get(key)) for c in (was_config, now_config))
+                return f"its config.json has {key} = {got}, the run was trained from {was}"
+        if self.base.get("tensors") != now["tensors"]:
+            return "its safetensors files hold other tensors (names, shapes or dtypes)"
+        return None
+
+    def base_problem(self, init_from: Any, step: int) -> str | None:
+        """:meth:`base_changed` as one line naming the checkpoint ``step`` that records it."""
+        changed = self.base_changed(init_from)
+        if changed is None:
+            return None
+        return (
+            f"--init-from {init_from} changed since the run was trained from it (checkpoint step "
+            f"{step} records it): {changed}; restore its files, or start a new run"
+        )
 
     def mismatch(self, values: Mapping[str, Any]) -> Mismatch | None:
         """The first recorded option whose value in ``values`` (by name, as parsed; a name
@@ -171,3 +212,27 @@ def may_change() -> str:
         f"a resumed run may change only its {tables_named} options, {', '.join(flags)} and "
         "the process count"
     )
+
+
+def base_model(init_from: Any) -> dict[str, Any]:
+    """What a run records of its ``--init-from`` checkpoint: its ``config.json`` (``None`` where
+    unreadable) and ``tensors``, a fingerprint of every ``*.safetensors`` file's header (each
+    tensor's name, dtype, shape and place in the file).
+
+    Example:
+        >>> import tempfile
+        >>> base_model(tempfile.mkdtemp())["config"] is None
+        True
+    """
+    directory = pathlib.Path(init_from)
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    digest = hashlib.sha256()
+    for path in sorted(directory.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            head = f.read(8)
+            size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            digest.update(path.name.encode() + head + f.read(min(size, 100_000_000)))
+    return {"config": config if isinstance(config, dict) else None, "tensors": digest.hexdigest()}

@@ -62,7 +62,8 @@ def resumed(run: RunConfig, given: Set[str], checkpoints: pathlib.Path) -> Resum
         return ResumeCheck(True, saved)
     mismatch = saved.record.mismatch(run.options())
     if mismatch is None:
-        return ResumeCheck(True, saved)
+        problem = saved.record.base_problem(run.model.init_from, saved.step)
+        return ResumeCheck(True, saved, problem)
     if mismatch.name in given:
         have, had = mismatch.as_flags()
     else:  # from the run's config.toml, edited since

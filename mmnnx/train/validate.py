@@ -11,6 +11,7 @@ from collections.abc import Set
 from typing import Any, NamedTuple
 
 from mmnnx.mpmd.schedules import get
+from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.mpmd.schedules.registry import Placement, registered
 from mmnnx.train.config import MOE, RunConfig, flag, gpt_config
 from mmnnx.train.run_outputs import output_problem, run_outputs
@@ -244,16 +245,14 @@ def _schedule_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
     """A schedule that does not run ``--virtual-stages`` stages per task, or too few blocks
     for the stages."""
     v, name, stages = run.layout.virtual_stages, run.training.schedule, run.layout.stages
-    placement = None if name == "auto" else registered(name).placement
+    # 'auto' tunes among the schedules of one stage per task
+    placement = Placement.ONE_PER_RANK if name == "auto" else registered(name).placement
     schedule, virtual = flag("schedule", name), flag("virtual_stages")
-    if placement is Placement.V_SHAPED and v != 2:
-        return f"{schedule} needs {virtual} 2 (two stages per task, in a V)"
-    if placement is Placement.INTERLEAVED and v < 2:
-        return f"{schedule} needs {virtual} 2 or more (several stages per task)"
-    if v > 1 and placement in (None, Placement.ONE_PER_RANK):
+    if placement.order(v) is None:
+        runs = [n for n in schedule_names() if registered(n).placement.order(v) is not None]
         return (
-            f"{virtual} {v} needs a schedule that runs several stages per task "
-            f"(interleaved-*, zero-bubble-v, dualpipev); {schedule} runs one"
+            f"{schedule} needs {virtual} {placement.runs} ({placement.needs}); "
+            f"{virtual} {v} runs with {', '.join(runs) or 'no registered schedule'}"
         )
     if v > 1 and run.model.scan_layers:
         return f"{virtual} {v} needs the blocks as a list: leave out {flag('scan_layers')}"

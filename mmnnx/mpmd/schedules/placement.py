@@ -11,15 +11,17 @@ from mmnnx.mpmd.schedules.ir import check_counts
 
 
 class Placement:
-    """One way of placing stages on ranks. ``needs`` says, in words, which ``virtual_stages``
-    it runs (``"1 stage per task"``); :meth:`order` is ``None`` for any other.
+    """One way of placing stages on ranks. ``runs`` says which ``virtual_stages`` it runs
+    (``"2 or more"``) and ``needs`` the placement in words; :meth:`order` is ``None`` for any
+    other number.
 
     Example:
-        >>> Placement.V_SHAPED.order(2), Placement.V_SHAPED.order(3), Placement.V_SHAPED.needs
-        ('v', None, '2 stages per task, in a V')
+        >>> Placement.V_SHAPED.order(2), Placement.V_SHAPED.order(3), Placement.V_SHAPED.runs
+        ('v', None, '2')
     """
 
     name = "placement"
+    runs = "any"  # the virtual_stages it runs, in words
     needs = "any number of stages per task"
     ONE_PER_RANK: Placement
     INTERLEAVED: Placement
@@ -48,7 +50,7 @@ class Placement:
 class OnePerRank(Placement):
     """Rank ``r`` runs stage ``r``: ``builder(num_stages, M)``; ``v`` must be 1."""
 
-    name, needs = "one stage per rank", "1 stage per task"
+    name, runs, needs = "one stage per rank", "1", "one stage per task"
 
     def order(self, virtual_stages: int) -> str | None:
         return "loop" if virtual_stages == 1 else None
@@ -61,7 +63,7 @@ class Interleaved(Placement):
     """Rank ``r`` runs stages ``r, r + R, ...``: ``builder(num_stages / v, M, v)``; ``v >= 2``
     dividing ``num_stages``."""
 
-    name, needs = "several stages per rank, looped", "2 or more stages per task"
+    name, runs, needs = "several stages per rank, looped", "2 or more", "several stages per task"
 
     def order(self, virtual_stages: int) -> str | None:
         return "loop" if virtual_stages >= 2 else None
@@ -90,7 +92,7 @@ class VShaped(Placement):
     """Rank ``r`` runs stages ``r`` and ``2R - 1 - r``: ``builder(num_stages / 2, M)``; ``v``
     must be 2 and ``num_stages`` even."""
 
-    name, needs = "two stages per rank in a V", "2 stages per task, in a V"
+    name, runs, needs = "two stages per rank in a V", "2", "two stages per task, in a V"
 
     def order(self, virtual_stages: int) -> str | None:
         return "v" if virtual_stages == 2 else None
