@@ -418,8 +418,16 @@ def test_a_run_from_scratch_exports_as_llama_when_its_gpt_is_one(tmp_path, capsy
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1, err
     blockers = "an ungated GELU MLP (LlamaForCausalLM: SiLU-gated) and MLP biases"
-    assert f"trained from scratch with {blockers}" in err
+    assert f"LlamaForCausalLM cannot hold {blockers}" in err
     assert "train with --gated-mlp" in err and not (tmp_path / "no").exists()
+    # issue 69: a gated MoE run was told to use --gated-mlp, which it had, and not which
+    # family stops at what
+    moe, _ = _scratch_run(tmp_path, "moe-gated", gated_mlp=True, experts=4)
+    assert main(["export", "--run", str(moe), "--output", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err
+    assert "LlamaForCausalLM cannot hold mixture-of-experts blocks" in err, err
+    assert "Qwen3MoeForCausalLM cannot hold no query/key norms" in err, err
+    assert "--gated-mlp" not in err and not (tmp_path / "no").exists()
 
 
 def test_a_run_with_lora_on_the_router_generates(tmp_path, capsys):
@@ -451,6 +459,10 @@ def test_bad_exports_exit_2_in_one_line(root, full_run, capsys):
     (root / "exists").mkdir(exist_ok=True)
     assert main(["export", "--run", str(full_run), "--output", str(root / "exists")]) == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err
+    (root / "a-file").write_text("")  # issue 69: a place that cannot be written: a traceback
+    assert main(["export", "--run", str(full_run), "--output", str(root / "a-file" / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a-file/o: cannot write there (Not a directory)" in err, err
 
 
 def test_an_export_never_overwrites_a_run_or_its_base_even_with_overwrite(root, full_run, capsys):

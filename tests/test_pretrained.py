@@ -384,3 +384,21 @@ def test_save_pretrained_names_a_dtype_that_is_none(tmp_path):
     with pytest.raises(CheckpointError, match=f"{tmp_path / 'out'}: {message}"):
         save_pretrained(model, tmp_path / "out", dtype="float99")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_loaded_checkpoint_is_written_with_its_tokenizer_and_generation_files(tmp_path):
+    # issue 69: an export kept tokenizer.json alone: AutoTokenizer lost its bos/eos and
+    # generate its stopping token
+    base = write_checkpoint(tmp_path / "base", architecture="LlamaForCausalLM")
+    carried = {
+        "tokenizer_config.json": json.dumps({"bos_token": "<s>", "eos_token": "</s>"}),
+        "special_tokens_map.json": json.dumps({"eos_token": "</s>"}),
+        "chat_template.jinja": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    }
+    for name, text in carried.items():
+        (base / name).write_text(text)
+    carried["generation_config.json"] = (base / "generation_config.json").read_text()
+    carried["tokenizer.json"] = (base / "tokenizer.json").read_text()
+    out = save_pretrained(from_pretrained(base), tmp_path / "out")
+    for name, text in carried.items():
+        assert (out / name).read_text() == text, name

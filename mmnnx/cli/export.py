@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         ck.NoReadableCheckpointError,
     ) as e:
         return error(str(e))
+    except OSError as e:  # a place that cannot be written
+        return error(f"--output {options.output}: cannot write there ({e.strerror or e})")
     if jax.process_index() == 0:
         what = "LoRA adapters (PEFT)" if done.adapter else done.architecture
         print(f"mmnnx export: {done.directory}: {what}, from step {done.step} of {options.run}")

@@ -70,14 +70,7 @@ def export_run(
         )
     architecture = None
     if spec.run.model.init_from is None:
-        blockers = FAMILIES[SCRATCH_ARCHITECTURE].cannot_hold(spec.config)
-        if blockers:
-            raise RunError(
-                f"the run in {run_dir} was trained from scratch with {' and '.join(blockers)}, "
-                f"which {SCRATCH_ARCHITECTURE} cannot hold; train with --gated-mlp (or "
-                "--init-from a Hugging Face checkpoint) to export it"
-            )
-        architecture = SCRATCH_ARCHITECTURE
+        architecture = _scratch_architecture(spec.config, run_dir)
     output = pathlib.Path(output)
     _check_not_a_run(output, run_dir, spec)
     if output.exists() and not overwrite:
@@ -126,3 +119,23 @@ def _check_not_a_run(output: pathlib.Path, run_dir: Any, spec: Any) -> None:
 
 def _depth(named: tuple[str, pathlib.Path]) -> int:
     return len(named[1].parts)
+
+
+def _scratch_architecture(config: Any, run_dir: Any) -> str:
+    """The family a run trained from scratch is written as: the first of :data:`FAMILIES`
+    (Llama first) that can hold its GPT.
+
+    Raises:
+        RunError: none can, naming what stops each and, where it is the MLP, ``--gated-mlp``.
+    """
+    blockers = {name: family.cannot_hold(config) for name, family in FAMILIES.items()}
+    order = [SCRATCH_ARCHITECTURE, *(n for n in FAMILIES if n != SCRATCH_ARCHITECTURE)]
+    for name in order:
+        if not blockers[name]:
+            return name
+    why = "; ".join(f"{name} cannot hold {' and '.join(blockers[name])}" for name in order)
+    hint = " (train with --gated-mlp for a SiLU-gated MLP)" if not config.gated_mlp else ""
+    raise RunError(
+        f"the run in {run_dir} was trained from scratch into a GPT no Hugging Face family mmnnx "
+        f"writes can hold: {why}{hint}; or fine-tune a checkpoint with --init-from"
+    )

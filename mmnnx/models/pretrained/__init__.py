@@ -34,6 +34,7 @@ from mmnnx.models.pretrained.adapters import merged_kernels
 from mmnnx.models.pretrained.adapters import save_adapter as _save_adapter
 from mmnnx.models.pretrained.families import FAMILIES, Family, family_of
 from mmnnx.models.pretrained.files import (
+    CARRIED,
     CONFIG,
     TOKENIZER,
     TORCH_DTYPES,
@@ -226,8 +227,10 @@ def save_pretrained(
 ) -> pathlib.Path:
     """Writes ``model`` (a ``GPT``) as a Hugging Face checkpoint directory at ``path``:
     ``config.json``, safetensors shards of at most ``max_shard_bytes`` and their
-    ``model.safetensors.index.json`` (plus ``tokenizer.json`` when the model was loaded from a
-    directory holding one).
+    ``model.safetensors.index.json``, and the tokenizer's and generation's files of the
+    directory the model was loaded from (:data:`~mmnnx.models.pretrained.files.CARRIED`:
+    ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``, ...), where it has
+    them.
 
     ``dtype`` defaults to the ``torch_dtype`` of the checkpoint the model came from (float32
     for a model that came from none). ``architecture`` names the family for a model not made
@@ -256,9 +259,8 @@ def save_pretrained(
     torch_dtype = torch_dtype_of(dtype)
     fresh = family.hf_config(model.config, torch_dtype, hf)
     config = written(fresh, hf, _sizes(family) & fresh.keys())
-    extra = []
-    if pretrained and (pathlib.Path(pretrained.directory) / TOKENIZER).exists():
-        extra.append(pathlib.Path(pretrained.directory) / TOKENIZER)
+    origin = pathlib.Path(pretrained.directory) if pretrained else None
+    extra = [origin / name for name in CARRIED if origin and (origin / name).is_file()]
     values = {**model_values(model), **merged_kernels(model), **(values or {})}
     return write_checkpoint(
         {k: v for k, v in values.items() if "/lora/" not in k},

@@ -20,6 +20,16 @@ CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER = "tokenizer.json"
+CARRIED = (
+    TOKENIZER,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.model",
+)
+"""The files beside the weights that a checkpoint written from a loaded one carries over: the
+tokenizer (its special tokens and chat template with it) and the generation defaults (eos)."""
 
 DTYPES = {
     "F64": np.dtype(np.float64),
