@@ -442,6 +442,9 @@ SCALING = dict(
         ),
         (lambda: make(GPTConfig(dim=36, num_heads=4)), "RoPE needs an even head_dim, got 9"),
         (lambda: RMSNorm(4, eps=-1.0), r"RMSNorm: eps must be a finite number > 0, got -1.0"),
+        (lambda: GPTConfig(max_seq_len=-5), r"GPTConfig.max_seq_len must be an int >= 1, got -5"),
+        (lambda: GPTConfig(vocab_size=0), r"GPTConfig.vocab_size must be an int >= 1, got 0"),
+        (lambda: GPTConfig(depth=True), r"GPTConfig.depth must be an int >= 1, got True"),
     ],
     ids=[
         "odd-head_dim",
@@ -458,6 +461,9 @@ SCALING = dict(
         "zero-original-max",
         "odd-default-head_dim",
         "negative-rmsnorm-eps",
+        "negative-max_seq_len",
+        "zero-vocab",
+        "bool-depth",
     ],
 )
 def test_bad_knobs_raise(make_bad, message):

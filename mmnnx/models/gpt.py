@@ -107,6 +107,9 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
     layers: tuple[BlockConfig, ...] | None = None
 
     def __post_init__(self):
+        for name in ("vocab_size", "dim", "depth", "max_seq_len"):
+            value = getattr(self, name)
+            check(is_int(value, 1), f"GPTConfig.{name}", "an int >= 1", value)
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             check(value in DTYPES, f"GPTConfig.{name}", "'float32' or 'bfloat16'", value)
