@@ -113,7 +113,7 @@ class Call:
         leaves = [Leaf(v, task_of(v), stack_of(v)) for v in self.variables]
         self._place(leaves + [_ARRAY] * len(arrays))
         self.unplaced = [i for i in range(self.num_variables) if not self.placed[i]]
-        self.tasks = {leaf.task for leaf in self.leaves if leaf.task is not None}
+        self.tasks = list(dict.fromkeys(leaf.task for leaf in self.leaves if leaf.task))
         self._set_values(arrays)
 
     def traceable(self, fun: Callable, *, first: bool) -> tuple[Callable, list[Added]]:

@@ -31,6 +31,10 @@ import pytest  # noqa: E402
 
 assert len(jax.devices()) == 8, "tests need 8 simulated CPU devices"
 
+# scripts run by hand in a separate environment with torch and transformers (their outputs are
+# the fixtures beside them): never imported by the suite, nor its doctests
+collect_ignore = ["transformers_fixtures"]
+
 
 @pytest.fixture
 def devices():

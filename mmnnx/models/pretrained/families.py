@@ -337,6 +337,8 @@ def family_of(hf: dict[str, Any] | None, where: Any) -> Family:
 
 
 def _mlp(keys: dict[str, Any]) -> MLPConfig:
+    if keys["intermediate_size"] is None:
+        raise ValueError("no 'intermediate_size' (the hidden size of its dense MLP layers)")
     return MLPConfig(keys["intermediate_size"], gated=True, bias=False)
 
 

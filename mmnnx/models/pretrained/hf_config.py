@@ -94,7 +94,7 @@ _COMMON = (
     _Key("num_attention_heads", *_int(1)),
     _Key("num_key_value_heads", *_int(1), default=None, nullable=True),
     _Key("head_dim", *_int(2), default=None, nullable=True),
-    _Key("intermediate_size", *_int(1)),
+    _Key("intermediate_size", *_int(1), default=None, nullable=True),  # a dense layer's
     _Key("max_position_embeddings", *_int(1), default=2048),
     _Key("tie_word_embeddings", *_BOOL, default=False),
     _Key("rms_norm_eps", *_POSITIVE, default=1e-6),
