@@ -28,7 +28,7 @@ HERE = pathlib.Path(__file__).parent
 def main(root: pathlib.Path) -> None:
     tokens = torch.tensor(json.loads((HERE / "versions.json").read_text())["tokens"])
     cases = {}
-    for case in sorted(p for p in root.iterdir() if p.with_suffix(".npy").exists()):
+    for case in sorted(p for p in root.iterdir() if p.is_dir() and p.with_suffix(".npy").exists()):
         auto = AutoModelForCausalLM.from_pretrained(case, dtype="auto")
         wide = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32).eval()
         with torch.no_grad():
