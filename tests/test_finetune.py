@@ -210,9 +210,9 @@ def test_merged_export_loads_back_with_the_trained_logits(root, lora_run):
     trained = load_run(lora_run).model
     ours, theirs = np.asarray(merged(jnp.asarray(TOKENS))), np.asarray(trained(jnp.asarray(TOKENS)))
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
-    assert (root / "merged" / "tokenizer.json").read_bytes() == (
-        root / "llama" / "tokenizer.json"
-    ).read_bytes()
+    for name in ("tokenizer.json", "generation_config.json"):  # the base's, not a scratch one
+        assert (root / "merged" / name).read_bytes() == (root / "llama" / name).read_bytes()
+    assert not (root / "merged" / "tokenizer_config.json").exists()  # the base has none
     status, said = export(
         "--run", str(lora_run), "--output", str(root / "half"), "--step", "2", "--dtype", "bfloat16"
     )
@@ -384,19 +384,20 @@ def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
     )
 
 
-def _scratch_run(tmp_path, name, **flags):
-    """A run directory as `mmnnx train` leaves it (config, byte tokenizer, one checkpoint) for
-    a GPT trained from scratch with ``flags``, its model's weights random."""
+def _scratch_run(tmp_path, name, tokenizer=None, **flags):
+    """A run directory as `mmnnx train` leaves it (config, ``tokenizer`` (default: bytes), one
+    checkpoint) for a GPT trained from scratch with ``flags``, its model's weights random."""
     from mmnnx.train.config import RunConfig
     from mmnnx.train.run_model import build_model, model_config
 
     run = tmp_path / name
+    tokenizer = tokenizer or ByteTokenizer()
     values = dict(dim=32, depth=2, heads=2, seq_len=16, stages=2, data_axis=1, model_axis=1)
-    values.update(devices=8, output_dir=str(run), **flags)
+    values.update(devices=8, output_dir=str(run), tokenizer=tokenizer.name, **flags)
     write_config(run / "config.toml", resolved_config(values))
-    ByteTokenizer().save(run / "tokenizer")
+    tokenizer.save(run / "tokenizer")
     config = RunConfig.of(values)
-    model = build_model(config, model_config(config, 256))
+    model = build_model(config, model_config(config, tokenizer.vocab_size))
     with Checkpointer(run / "checkpoints") as ckpt:
         ckpt.save(3, model=model, extra={"step": 3})
     return run, model
@@ -413,6 +414,11 @@ def test_a_run_from_scratch_exports_as_llama_when_its_gpt_is_one(tmp_path, capsy
     np.testing.assert_allclose(
         np.asarray(again(tokens)), np.asarray(model(tokens)), rtol=1e-5, atol=1e-5
     )
+    # issue 69: transformers' generation defaults; bytes have no tokenizer.json to configure
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {}
+    assert not {"tokenizer.json", "tokenizer_config.json"} & {
+        p.name for p in (tmp_path / "hf").iterdir()
+    }
     plain, _ = _scratch_run(tmp_path, "plain")
     status = main(["export", "--run", str(plain), "--output", str(tmp_path / "no")])
     err = capsys.readouterr().err
@@ -428,6 +434,41 @@ def test_a_run_from_scratch_exports_as_llama_when_its_gpt_is_one(tmp_path, capsy
     assert "LlamaForCausalLM cannot hold mixture-of-experts blocks" in err, err
     assert "Qwen3MoeForCausalLM cannot hold no query/key norms" in err, err
     assert "--gated-mlp" not in err and not (tmp_path / "no").exists()
+
+
+def test_a_bpe_run_from_scratch_exports_what_transformers_reads_its_tokenizer_with(tmp_path):
+    """Issue 69: beside the run's BPE as ``tokenizer.json``, a ``tokenizer_config.json`` naming
+    the class that reads it as it is (its decoding spaces untouched) and transformers' minimal
+    ``generation_config.json``: the BPE has no bos or eos, so neither names one (check_exports.py
+    read these in transformers 5)."""
+    from mmnnx.train.tokenizers import BPETokenizer
+
+    bpe = BPETokenizer.train([TEXT], vocab_size=300)
+    run, _ = _scratch_run(tmp_path, "bpe", tokenizer=bpe, gated_mlp=True, vocab_size=300)
+    assert export("--run", str(run), "--output", str(tmp_path / "hf"))[0] == 0
+    out = tmp_path / "hf"
+    assert (out / "tokenizer.json").read_text() == bpe.to_str()
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+    }
+    assert json.loads((out / "generation_config.json").read_text()) == {}
+    assert not (out / "special_tokens_map.json").exists()
+
+
+def test_the_bos_and_eos_a_tokenizer_json_names_are_written():
+    from mmnnx.train.export import transformers_files
+
+    added = [{"id": 9, "content": "<|begin_of_text|>", "special": True},
+             {"id": 10, "content": "<|end_of_text|>", "special": True},
+             {"id": 11, "content": "</s>", "special": False}]  # fmt: skip
+    files = transformers_files(json.dumps({"added_tokens": added}))
+    assert files["generation_config.json"] == {"bos_token_id": 9, "eos_token_id": 10}
+    config = files["tokenizer_config.json"]
+    assert (config["bos_token"], config["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
+    with pytest.raises(ValueError, match="tokenizer.json is not a JSON object") as error:
+        transformers_files("[1, 2")
+    assert "\n" not in str(error.value)
 
 
 def test_a_run_with_lora_on_the_router_generates(tmp_path, capsys):

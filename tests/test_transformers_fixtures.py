@@ -279,3 +279,114 @@ def test_a_qwen3_moes_own_keys_are_checked(tmp_path, edit, message):
     with pytest.raises(CheckpointError, match=message) as error:
         from_pretrained(tmp_path / "m")
     assert f"{tmp_path / 'm'}/config.json" in str(error.value)
+
+
+SAMPLE = "The quick brown fox jumps over the lazy dog."
+TEXT = "The quick brown fox jumps over the lazy dog. A pipeline splits a model into stages. " * 40
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}"
+)
+
+
+def test_transformers_loads_what_export_writes(tmp_path):
+    """check_exports.py loaded the exports ``save_exports`` wrote (a fine-tuning run of the
+    Llama fixture given a tokenizer, chat template and generation defaults, and a run trained
+    from scratch with a BPE) in transformers 5: no missing or unexpected tensor, logits equal
+    to mmnnx's, the tokenizer read by ``AutoTokenizer`` giving mmnnx's ids with the base's
+    special tokens and chat template, ``GenerationConfig`` the base's eos. The small files it
+    read are those mmnnx writes now (the base's, carried; a BPE's, from ``transformers_files``)."""
+    from mmnnx.train.export import transformers_files
+
+    verdict = json.loads((FIXTURES / "exports_verdict.json").read_text())
+    assert sorted(verdict["cases"]) == ["finetune", "scratch"]
+    for case, seen in verdict["cases"].items():
+        failed = [check for check, passed in seen["checks"].items() if not passed]
+        assert failed == [], (case, failed)
+        assert seen["logits_error"] < F32 and seen["architecture"] == "LlamaForCausalLM", case
+    finetune, scratch = verdict["cases"]["finetune"], verdict["cases"]["scratch"]
+    tokenizer, generation = finetune["tokenizer"], finetune["generation"]
+    assert (tokenizer["bos_token"], tokenizer["eos_token"]) == ("<s>", "</s>")
+    assert tokenizer["ids_with_special_tokens"] == [1, *tokenizer["ids"]]
+    assert tokenizer["chat"] == "<s>user: hi</s>"
+    assert (generation["eos_token_id"], generation["temperature"]) == (2, 0.6)
+    base = base_with_tokenizer(tmp_path / "base")
+    for name in ("generation_config.json", "tokenizer_config.json"):
+        assert finetune["files"][name] == json.loads((base / name).read_text()), name
+    assert finetune["files"]["config.json"] == _config("llama")
+    assert scratch["tokenizer"]["bos_token"] is scratch["generation"]["eos_token_id"] is None
+    assert scratch["tokenizer"]["ids_with_special_tokens"] == scratch["tokenizer"]["ids"]
+    no_special = transformers_files(json.dumps({"added_tokens": []}))
+    assert {n: scratch["files"][n] for n in no_special} == no_special
+
+
+def base_with_tokenizer(path: pathlib.Path) -> pathlib.Path:
+    """The Llama fixture (written by transformers) with what a released checkpoint has beside
+    its weights: a ``tokenizer.json`` of at most its 128 tokens (``<unk>``, ``<s>``, ``</s>`` at
+    0, 1, 2, as its config's bos and eos; ``<s>`` before each text), ``tokenizer_config.json``,
+    ``chat_template.jinja`` and a ``generation_config.json`` of its own (sampling defaults)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    shutil.copytree(FIXTURES / "llama", path, ignore=shutil.ignore_patterns("*.npy"))
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    special = ["<unk>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=128, special_tokens=special, show_progress=False)
+    tokenizer.train_from_iterator([TEXT], trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    assert [tokenizer.token_to_id(t) for t in special] == [0, 1, 2]
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+              "eos_token": "</s>", "unk_token": "<unk>", "clean_up_tokenization_spaces": False,
+              "model_max_length": 512}  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6,
+                  "top_p": 0.9, "transformers_version": "5.24.0"}  # fmt: skip
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return path
+
+
+def save_exports(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The exports check_exports.py gives transformers 5: ``finetune``, of 2 steps of
+    ``mmnnx train --init-from`` :func:`base_with_tokenizer` over two stages, and ``scratch``,
+    of 2 steps of a GPT trained from scratch with ``--gated-mlp --tokenizer bpe``; beside each,
+    ``<case>.npy`` (mmnnx's logits for :data:`TOKENS` from the export) and ``<case>.json``
+    (:data:`SAMPLE`, the ids the run's tokenizer gives it, and what transformers should read:
+    the base's special tokens, chat template and eos)."""
+    import contextlib
+    import io
+
+    from mmnnx.cli import main
+    from mmnnx.train import load_tokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    base = base_with_tokenizer(root / "base")
+    (root / "text.txt").write_text(TEXT)
+    common = ["--stages", "2", "--data-axis", "1", "--model-axis", "1", "--seq-len", "16"]
+    common += ["--batch-size", "4", "--microbatches", "2", "--eval-every", "2", "--steps", "2"]
+    common += ["--eval-batches", "1", "--log-every", "1", "--timeline-step", "0", "--lr", "1e-2"]
+    common += ["--warmup-steps", "0", "--no-tensorboard", "--text", str(root / "text.txt")]
+    scratch = ["--gated-mlp", "--tokenizer", "bpe", "--vocab-size", "300", "--dim", "32"]
+    scratch += ["--depth", "2", "--heads", "2"]
+    runs = {"finetune": ["--init-from", str(base)], "scratch": scratch}
+    out = {}
+    for case, argv in runs.items():
+        run = root / "runs" / case
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["train", *common, *argv, "--output-dir", str(run)]) == 0, case
+            assert main(["export", "--run", str(run), "--output", str(root / case)]) == 0, case
+        out[case] = root / case
+        logits = from_pretrained(out[case])(jnp.asarray(TOKENS))
+        np.save(root / f"{case}.npy", np.asarray(logits))
+        ids = load_tokenizer(run / "tokenizer").encode(SAMPLE).tolist()
+        expected = {"text": SAMPLE, "ids": ids, "bos_token": None, "eos_token": None,
+                    "eos_token_id": None, "chat_template": None}  # fmt: skip
+        if case == "finetune":
+            expected |= {"bos_token": "<s>", "eos_token": "</s>", "eos_token_id": 2,
+                         "chat_template": CHAT_TEMPLATE}  # fmt: skip
+        (root / f"{case}.json").write_text(json.dumps(expected, indent=2))
+    return out

@@ -6,6 +6,7 @@ model rebuilt from the run's ``config.toml`` on the run's tasks and restored fro
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from typing import Any
 
@@ -17,6 +18,13 @@ from mmnnx.train.generation import RunError, load_run, read_run
 
 SCRATCH_ARCHITECTURE = "LlamaForCausalLM"
 """What a run trained from scratch (no ``--init-from``) is written as, when its GPT is one."""
+
+SPECIAL_NAMES = {
+    "bos": ("<|begin_of_text|>", "<s>", "<bos>"),
+    "eos": ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>"),
+}
+"""The special tokens of a ``tokenizer.json`` read as its beginning and end of text, by name
+(Llama 3's, SentencePiece's, Gemma's; GPT-2's ``<|endoftext|>`` ends text)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +55,9 @@ def export_run(
     adapters of a LoRA run merged into their kernels; with ``adapter``, the adapters alone in
     PEFT's layout (``adapter_model.safetensors``, ``adapter_config.json``). A fine-tuning run is
     written as its ``--init-from`` architecture; a run trained from scratch as
-    ``LlamaForCausalLM``, which needs a GPT trained with ``--gated-mlp``. ``dtype`` defaults
+    ``LlamaForCausalLM``, which needs a GPT trained with ``--gated-mlp``, with the
+    ``generation_config.json`` and ``tokenizer_config.json`` of :func:`transformers_files` (a
+    fine-tuning run carries its base's). ``dtype`` defaults
     to the ``--init-from`` checkpoint's (float32 from scratch). Every process calls it; each
     writes the tensors its devices hold.
 
@@ -84,6 +94,11 @@ def export_run(
     own = not (output / "tokenizer.json").exists()
     if not adapter and own and callable(to_str) and jax.process_index() == 0:
         (written / "tokenizer.json").write_text(to_str())  # the run's BPE, a tokenizers file
+    if not adapter and architecture is not None and jax.process_index() == 0:
+        tokenizer = written / "tokenizer.json"
+        files = transformers_files(tokenizer.read_text() if tokenizer.exists() else None)
+        for name, content in files.items():  # the base's are carried by a fine-tuning run
+            (written / name).write_text(json.dumps(content, indent=2) + "\n")
     model_pretrained = getattr(loaded.model, "pretrained", None)
     return Exported(
         directory=written,
@@ -91,6 +106,50 @@ def export_run(
         step=loaded.step,
         adapter=adapter,
     )
+
+
+def transformers_files(tokenizer_json: str | None) -> dict[str, dict[str, Any]]:
+    """The files transformers reads beside a checkpoint trained from scratch, by name, as JSON
+    objects: ``generation_config.json`` (transformers' minimal one: the ``bos_token_id`` and
+    ``eos_token_id`` of the tokenizer where it has them, see :data:`SPECIAL_NAMES`) and, given
+    ``tokenizer.json``'s text, ``tokenizer_config.json``, with which
+    ``AutoTokenizer.from_pretrained`` reads that file as it is (``PreTrainedTokenizerFast``,
+    its special tokens named, decoding without spaces cleaned up).
+
+    Raises:
+        ValueError: ``tokenizer_json`` is not JSON, in one line.
+
+    Example (a tokenizer with no special tokens, as a run's own BPE)::
+
+        >>> files = transformers_files('{"added_tokens": []}')
+        >>> files["generation_config.json"], files["tokenizer_config.json"]["tokenizer_class"]
+        ({}, 'PreTrainedTokenizerFast')
+        >>> transformers_files('{"added_tokens": [{"id": 7, "content": "</s>", "special": true}]}')
+        ... # doctest: +NORMALIZE_WHITESPACE
+        {'generation_config.json': {'eos_token_id': 7},
+         'tokenizer_config.json': {'tokenizer_class': 'PreTrainedTokenizerFast',
+                                   'clean_up_tokenization_spaces': False, 'eos_token': '</s>'}}
+    """
+    if tokenizer_json is None:
+        return {"generation_config.json": {}}
+    try:
+        added = json.loads(tokenizer_json).get("added_tokens") or []
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"tokenizer.json is not a JSON object: {e}") from None
+    special = {t["content"]: t["id"] for t in added if t.get("special")}
+    found = {}
+    for kind, names in SPECIAL_NAMES.items():
+        name = next((n for n in names if n in special), None)
+        if name is not None:
+            found[kind] = name
+    tokenizer = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+    }
+    return {
+        "generation_config.json": {f"{k}_token_id": special[n] for k, n in found.items()},
+        "tokenizer_config.json": tokenizer | {f"{k}_token": n for k, n in found.items()},
+    }
 
 
 def _check_not_a_run(output: pathlib.Path, run_dir: Any, spec: Any) -> None:
