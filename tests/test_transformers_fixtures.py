@@ -3,6 +3,7 @@ made by its make_fixtures.py with CPU torch): mmnnx's logits equal transformers'
 and on two pipeline stages, what ``save_pretrained`` writes is what transformers 5 wrote, and
 what transformers 5 read back from mmnnx's files (its verdict, kept by check_saves.py)."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -390,3 +391,12 @@ def save_exports(root: pathlib.Path) -> dict[str, pathlib.Path]:
                          "chat_template": CHAT_TEMPLATE}  # fmt: skip
         (root / f"{case}.json").write_text(json.dumps(expected, indent=2))
     return out
+
+
+def test_a_loaded_config_has_no_flat_knob_to_misread():
+    """A checkpoint's layers live in ``block_configs``: its flat per-layer knobs read ``None``,
+    not a default (``rope_theta`` 10,000 for a Llama 3 of 5e5), and ``replace`` still works."""
+    config = pretrained_config(FIXTURES / "llama")
+    assert (config.rope_theta, config.experts, config.head_dim) == (None, None, None)
+    assert config.block_configs[0].attention.rope.theta == 5e5
+    assert dataclasses.replace(config, scan_layers=True).block_configs == config.block_configs

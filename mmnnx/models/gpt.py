@@ -33,7 +33,8 @@ PER_LAYER = (
     *("dense_layers", "norm_topk_prob", "capacity_factor"),
 )
 """The knobs of ``GPTConfig`` from which ``block_configs`` derives every layer's
-``BlockConfig`` (with ``num_heads`` and ``num_kv_heads``), left out when ``layers`` gives them."""
+``BlockConfig`` (with ``num_heads`` and ``num_kv_heads``), left out when ``layers`` gives them
+(and then ``None``: read ``block_configs[i]``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +130,11 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
             ok = isinstance(layers, tuple) and all(isinstance(b, BlockConfig) for b in layers)
             where = f"None or a tuple of depth ({depth}) BlockConfigs"
             check(ok and len(layers) == depth, "GPTConfig.layers", where, layers)
-            given = [k for k in PER_LAYER if getattr(self, k) != getattr(GPTConfig, k)]
+            given = [k for k in PER_LAYER if getattr(self, k) not in (None, getattr(GPTConfig, k))]
             if given:
                 raise ValueError(f"GPTConfig: layers= sets every layer; leave out {given}")
+            for name in PER_LAYER:  # no default to read as if it were the layers' (rope_theta)
+                object.__setattr__(self, name, None)
             ours = (self.num_heads, self.num_kv_heads or self.num_heads)
             attention = [b.attention for b in layers if isinstance(b.attention, AttentionConfig)]
             theirs = sorted({(a.num_heads, a.num_kv_heads or a.num_heads) for a in attention})
