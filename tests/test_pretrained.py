@@ -3,6 +3,7 @@ Face layout (tests/hf_checkpoints.py), against implementations the project did n
 jax-ml/bonsai's Qwen3 and Llama 3.2 (vendored in tests/outside/) and a float64 numpy reference
 written from transformers' formulas (tests/hf_reference.py)."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -12,7 +13,7 @@ import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.models import from_pretrained, pretrained_config, save_pretrained
+from mmnnx.models import GPT, GPTConfig, from_pretrained, pretrained_config, save_pretrained
 from mmnnx.models.pretrained import CheckpointError
 from mmnnx.models.pretrained.files import CheckpointFiles
 from mmnnx.modules import MLPConfig
@@ -402,3 +403,30 @@ def test_a_loaded_checkpoint_is_written_with_its_tokenizer_and_generation_files(
     out = save_pretrained(from_pretrained(base), tmp_path / "out")
     for name, text in carried.items():
         assert (out / name).read_text() == text, name
+
+
+def test_save_refuses_layers_one_config_json_cannot_describe(tmp_path):
+    """config.json holds one attention, one dense MLP and one mixture for every layer: a GPT of
+    per-layer configs that differ (another rope base, another MLP size) or that drop RoPE is
+    refused, naming what, before anything is written (the first layer's were written)."""
+    from mmnnx.modules import AttentionConfig, BlockConfig, NormConfig, RopeConfig
+
+    attention = AttentionConfig(4, 2, 8, rope=RopeConfig(5e5, None))
+    norm, mlp = NormConfig("rms", 1e-5), MLPConfig(64, gated=True, bias=False)
+    other = dataclasses.replace(attention, rope=RopeConfig(1e4, None))
+    cases = [
+        ((BlockConfig(attention, mlp, norm), BlockConfig(other, mlp, norm)), "different attention"),
+        (
+            (BlockConfig(attention, mlp, norm), BlockConfig(attention, MLPConfig(32), norm)),
+            "feed-forwards of different sizes",
+        ),
+        ((BlockConfig(dataclasses.replace(attention, rope=None), mlp, norm),) * 2, "without RoPE"),
+    ]
+    for layers, said in cases:
+        config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=4, num_kv_heads=2,
+                           layers=layers)  # fmt: skip
+        with nnx.use_eager_sharding(False):
+            model = GPT(config, rngs=nnx.Rngs(0))
+        with pytest.raises(CheckpointError, match=said):
+            save_pretrained(model, tmp_path / "out", architecture="LlamaForCausalLM")
+        assert not (tmp_path / "out").exists()

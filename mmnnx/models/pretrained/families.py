@@ -262,7 +262,9 @@ class Family:
         qk_norm = {getattr(b.attention, "qk_norm", None) for b in blocks}
         norms = {config.norm} | {b.norm.kind for b in blocks}
         own = self.feed_forward.experts
-        checks = (
+        moes = {b.feed_forward for b in blocks if isinstance(b.feed_forward, MoEConfig)}
+        no_rope = any(getattr(b.attention, "rope", 0) is None for b in blocks)
+        checks = (  # config.json holds one attention, one dense MLP and one mixture for every layer
             (any(not f.gated for f in dense), f"an ungated GELU MLP ({name}: SiLU-gated)"),
             (any(f.bias for f in dense), "MLP biases"),
             (norms != {"rms"}, f"LayerNorm ({name}: RMSNorm)"),
@@ -270,6 +272,9 @@ class Family:
             (False in qk_norm and self.qk_norm, f"no query/key norms ({name}: RMSNorm on both)"),
             (experts and not own, f"mixture-of-experts blocks ({name}: dense)"),
             (not experts and own, f"no mixture-of-experts blocks ({name})"),
+            (len({b.attention for b in blocks}) > 1, "layers of different attention"),
+            (no_rope, f"attention without RoPE ({name}: RoPE)"),
+            (len(set(dense)) > 1 or len(moes) > 1, "feed-forwards of different sizes"),
         )
         return [what for failed, what in checks if failed]
 
