@@ -113,7 +113,6 @@ class Call:
         leaves = [Leaf(v, task_of(v), stack_of(v)) for v in self.variables]
         self._place(leaves + [_ARRAY] * len(arrays))
         self.unplaced = [i for i in range(self.num_variables) if not self.placed[i]]
-        self.tasks = list(dict.fromkeys(leaf.task for leaf in self.leaves if leaf.task))
         self._set_values(arrays)
 
     def traceable(self, fun: Callable, *, first: bool) -> tuple[Callable, list[Added]]:
@@ -211,7 +210,8 @@ class Call:
         arrays = [np.asarray(a) if isinstance(a, PYTHON_SCALARS) else a for a in arrays]
         self.values = [v.get_raw_value() for v in self.variables] + arrays
         if self.unplaced and jax.process_count() > 1:  # state a step left on a task: its input
-            homes, leaves = homes_of(self.values, self.unplaced, self.tasks), [*self.leaves]
+            tasks = dict.fromkeys(leaf.task for leaf in self.leaves if leaf.task)  # leaf order
+            homes, leaves = homes_of(self.values, self.unplaced, tasks), [*self.leaves]
             for i in self.unplaced:
                 leaves[i] = Leaf(leaves[i].variable, homes.get(i))
             self._place(leaves)

@@ -71,9 +71,7 @@ def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = N
     )
 
     outputs = config.outputs
-    checkpoints = pathlib.Path(
-        outputs.checkpoint_dir or pathlib.Path(outputs.output_dir, "checkpoints")
-    )
+    checkpoints = outputs.checkpoints()
     fresh = not outputs.resume and checkpoints.is_dir()
     if fresh and any(p.name.isdigit() for p in checkpoints.iterdir()):
         return error(

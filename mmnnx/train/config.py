@@ -5,6 +5,7 @@ values (:func:`train_config`, :func:`gpt_config`). Adding an option is adding a 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -338,6 +339,17 @@ class Outputs:
     checkpoint_every: int = count(
         T.checkpoint_every, "save a checkpoint every this many steps, and at the end"
     )
+
+    def checkpoints(self, run_dir: str | pathlib.Path | None = None) -> pathlib.Path:
+        """The run's checkpoint directory: ``checkpoint_dir``, else ``checkpoints/`` in
+        ``run_dir`` (where the run is now; default ``output_dir``).
+
+        Example:
+            >>> Outputs(output_dir="runs/a").checkpoints()
+            PosixPath('runs/a/checkpoints')
+        """
+        run_dir = self.output_dir if run_dir is None else run_dir
+        return pathlib.Path(self.checkpoint_dir or pathlib.Path(run_dir, "checkpoints"))
 
 
 @dataclasses.dataclass

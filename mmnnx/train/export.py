@@ -156,8 +156,7 @@ def _check_not_a_run(output: pathlib.Path, run_dir: Any, spec: Any) -> None:
     """Refuses, even with ``overwrite``, an ``output`` that is, holds or lies inside the run,
     its checkpoints or its ``--init-from`` checkpoint, or that holds another run (its
     ``config.toml`` beside ``checkpoints/``): writing there would delete them."""
-    checkpoints = spec.run.outputs.checkpoint_dir or pathlib.Path(run_dir, "checkpoints")
-    kept = [("the run", run_dir), ("the run's checkpoints", checkpoints)]
+    kept = [("the run", run_dir), ("the run's checkpoints", spec.run.outputs.checkpoints(run_dir))]
     if spec.run.model.init_from is not None:
         kept.append(("the run's --init-from checkpoint", spec.run.model.init_from))
     out, kept = output.resolve(), [(what, pathlib.Path(p).resolve()) for what, p in kept]

@@ -123,7 +123,7 @@ def read_run(run_dir: str | pathlib.Path) -> RunSpec:
         tokenizer = load_tokenizer(pathlib.Path(run_dir, "tokenizer"))
     except (OSError, ValueError) as e:
         raise RunError(str(e)) from None
-    checkpoints = pathlib.Path(run.outputs.checkpoint_dir or pathlib.Path(run_dir, "checkpoints"))
+    checkpoints = run.outputs.checkpoints(run_dir)
     if not checkpoints.is_dir():
         raise RunError(f"no checkpoint in {run_dir}: {checkpoints} does not exist")
     try:
