@@ -233,6 +233,11 @@ class HFTokenizer:
         ids = np.asarray(ids, dtype=np.int64).tolist()
         return self._model.decode(ids, skip_special_tokens=False)
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """:meth:`encode`'s ids and each token's ``(start, end)`` characters in ``text``."""
+        encoding = self._model.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, dtype=np.int32), encoding.offsets
+
     def to_str(self) -> str:
         """The whole tokenizer as one JSON string (``tokenizer.json``'s text)."""
         return self._model.to_str()

@@ -1,0 +1,204 @@
+"""Instruction, chat and text records as people keep them (JSON Lines, JSON, Parquet, CSV,
+read with Hugging Face ``datasets``), turned into token ids and the tokens the loss counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+from collections.abc import Iterator
+
+import numpy as np
+
+from mmnnx.train.chat_template import ROLES, ChatTemplate, ChatTemplateError
+
+FORMATS = ("text", "completion", "chat")
+TRAIN_ON = ("completions", "all")
+READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(ValueError):
+    """A record that cannot be trained on; the message names its file, line (or row) and field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fields:
+    """Which field of a record holds what, per ``--data-format``."""
+
+    text: str = "text"
+    prompt: str = "prompt"
+    completion: str = "completion"
+    messages: str = "messages"
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One record's token ids and, per token, whether the loss counts it as a target (the
+    model predicting it from the tokens before it)."""
+
+    ids: np.ndarray
+    targets: np.ndarray
+    where: str = ""
+
+
+def read_records(path: str | pathlib.Path, cache_dir: str | None = None) -> Iterator[tuple]:
+    """``(where, record)`` for every record of a file, of every data file in a directory (in
+    name order), or of a Hugging Face Hub dataset id (where a network exists), read with
+    ``datasets``; ``where`` is ``"file:line N"`` for JSON Lines, ``"file:row N"`` otherwise.
+
+    Raises:
+        DataError: no such path (and not a dataset id), or a directory with no data file.
+
+    Example:
+        >>> import tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "d.jsonl")
+        >>> _ = p.write_text('{"text": "a"}\\n{"text": "b"}\\n')
+        >>> [(w.split("/")[-1], r) for w, r in read_records(p)]
+        [('d.jsonl:line 1', {'text': 'a'}), ('d.jsonl:line 2', {'text': 'b'})]
+    """
+    import datasets  # noqa: PLC0415  (heavy: pandas and pyarrow)
+
+    datasets.disable_progress_bars()
+    path = pathlib.Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in READERS and p.is_file())
+        if not files:
+            raise DataError(f"{path}: no data files ({', '.join(READERS)}) in this directory")
+    elif path.is_file():
+        if path.suffix not in READERS:
+            raise DataError(f"{path}: unknown data file type; expected one of {', '.join(READERS)}")
+        files = [path]
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+        for i, record in enumerate(_hub(str(path), cache_dir)):
+            yield f"{path}:row {i + 1}", record
+        return
+    else:
+        raise DataError(f"{path}: no such data file or directory")
+    for file in files:
+        unit = "line" if file.suffix == ".jsonl" else "row"
+        try:
+            rows = datasets.load_dataset(
+                READERS[file.suffix], data_files=str(file), split="train", cache_dir=cache_dir
+            )
+        except Exception as e:  # the readers raise their own types (pyarrow, json, pandas)
+            raise DataError(f"{file}: not a readable {READERS[file.suffix]} file: {e}") from None
+        for i, record in enumerate(rows):
+            yield f"{file}:{unit} {i + 1}", record
+
+
+def _hub(name: str, cache_dir: str | None):
+    import datasets  # noqa: PLC0415
+
+    try:
+        return datasets.load_dataset(name, split="train", cache_dir=cache_dir)
+    except Exception as e:  # offline, unknown name, gated: the library's own exceptions
+        raise DataError(f"{name}: no such path, and no Hub dataset loads: {e}") from None
+
+
+def encode_record(
+    where: str,
+    record: dict,
+    data_format: str,
+    tokenizer,
+    template: ChatTemplate | None = None,
+    fields: Fields = Fields(),
+    train_on: str = "completions",
+    eos: str | None = None,
+) -> Example:
+    """A record's :class:`Example`: ``text`` (every token a target), ``completion`` (the
+    prompt's and completion's text tokenized together, then ``eos``, as TRL's ``SFTTrainer``
+    does; the targets the completion's tokens and ``eos``) or ``chat`` (the messages rendered
+    with ``template``; the targets the assistant's tokens, :meth:`ChatTemplate.render`).
+    ``train_on="all"`` makes every token a target.
+
+    Raises:
+        DataError: a field missing or not text, a message without a known role, or a
+            template that fails on it, naming ``where`` and the field.
+
+    Example:
+        >>> from mmnnx.train.tokenizers import ByteTokenizer
+        >>> ex = encode_record("f:line 1", {"prompt": "1+1=", "completion": "2"}, "completion",
+        ...                    ByteTokenizer())
+        >>> ex.ids.tolist(), ex.targets.tolist()
+        ([49, 43, 49, 61, 50], [False, False, False, False, True])
+    """
+    if data_format == "text":
+        ids = tokenizer.encode(_text(where, record, fields.text))
+        return Example(ids, np.ones(len(ids), bool), where)
+    if data_format == "completion":
+        prompt = _text(where, record, fields.prompt)
+        completion = _text(where, record, fields.completion)
+        if eos and not completion.endswith(eos):
+            completion += eos
+        ids = tokenizer.encode(prompt + completion)
+        targets = np.arange(len(ids)) >= len(tokenizer.encode(prompt))
+    elif data_format == "chat":
+        if template is None:
+            raise DataError(f"{where}: chat data needs the tokenizer's chat template; none given")
+        text, spans = template.render(_messages(where, record, fields.messages))
+        ids, offsets = tokenizer.encode_offsets(text)
+        targets = _in_spans(offsets, spans)
+    else:
+        raise DataError(f"unknown data format {data_format!r}; expected one of {FORMATS}")
+    if train_on == "all":
+        targets = np.ones(len(ids), bool)
+    return Example(np.asarray(ids, np.int32), np.asarray(targets, bool), where)
+
+
+def _text(where: str, record: dict, field: str) -> str:
+    if field not in record:
+        have = ", ".join(record) or "none"
+        raise DataError(f"{where}: no field {field!r} (fields: {have})")
+    value = record[field]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {field!r} is {type(value).__name__}, not text")
+    return value
+
+
+def _messages(where: str, record: dict, field: str) -> list[dict]:
+    if field not in record:
+        have = ", ".join(record) or "none"
+        raise DataError(f"{where}: no field {field!r} (fields: {have})")
+    messages = record[field]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: field {field!r} is not a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else m
+            raise DataError(
+                f"{where}: {field}[{i}] has role {role!r}; expected one of {', '.join(ROLES)}"
+            )
+        if not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {field}[{i}].content is not text")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: {field} has no assistant message to train on")
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+def _in_spans(offsets, spans) -> np.ndarray:
+    """Tokens overlapping a span, as transformers' ``return_assistant_tokens_mask`` marks them."""
+    mask = np.zeros(len(offsets), bool)
+    s = 0
+    for t, (start, end) in enumerate(offsets):
+        while s < len(spans) and start >= spans[s][1]:
+            s += 1
+        if s == len(spans):
+            break
+        mask[t] = end > spans[s][0]
+    return mask
+
+
+def encode_records(
+    records, data_format: str, tokenizer, template=None, fields=Fields(), **kwargs
+) -> list[Example]:
+    """:func:`encode_record` over ``records`` (``(where, record)`` pairs), a template error
+    named with its record."""
+    examples = []
+    for where, record in records:
+        try:
+            examples.append(
+                encode_record(where, record, data_format, tokenizer, template, fields, **kwargs)
+            )
+        except ChatTemplateError as e:
+            raise DataError(f"{where}: {e}") from None
+    return examples
