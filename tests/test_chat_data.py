@@ -1,0 +1,149 @@
+"""Chat templates, records and rows (mmnnx.train.chat_template / records / examples), checked
+against transformers 5's ``apply_chat_template`` on its own saved tokenizers
+(tests/transformers_fixtures/make_chat_fixtures.py made them)."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from mmnnx.train.chat_template import ChatTemplate, ChatTemplateError
+from mmnnx.train.examples import Rows
+from mmnnx.train.records import DataError, Example, Fields, encode_records, read_records
+from mmnnx.train.tokenizers import ByteTokenizer, HFTokenizer
+
+CHAT = pathlib.Path(__file__).parent / "transformers_fixtures" / "chat"
+EXPECTED = json.loads((CHAT / "expected.json").read_text())
+TEMPLATES = ["chatml", "llama3-v4", "generation"]
+
+
+def checkpoint(name):
+    return ChatTemplate.from_checkpoint(CHAT / name), HFTokenizer.from_file(
+        CHAT / name / "tokenizer.json"
+    )
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_rendered_ids_equal_transformers(name):
+    template, tokenizer = checkpoint(name)
+    for chat, case in zip(EXPECTED["conversations"], EXPECTED[name], strict=True):
+        for key, prompt in (("without_prompt", False), ("with_prompt", True)):
+            text, spans = template.render(chat, add_generation_prompt=prompt)
+            assert text == case[key]["text"]
+            assert tokenizer.encode(text).tolist() == case[key]["input_ids"]
+            assert len(spans) == sum(m["role"] == "assistant" for m in chat)
+
+
+def test_generation_tag_masks_equal_transformers():
+    template, tokenizer = checkpoint("generation")
+    records = [(f"c{i}", {"messages": chat}) for i, chat in enumerate(EXPECTED["conversations"])]
+    examples = encode_records(records, "chat", tokenizer, template)
+    for ex, case in zip(examples, EXPECTED["generation"], strict=True):
+        assert ex.ids.tolist() == case["without_prompt"]["input_ids"]
+        assert ex.targets.astype(int).tolist() == case["without_prompt"]["assistant_masks"]
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3-v4"])
+def test_templates_without_tags_target_the_assistant_turns(name):
+    template, tokenizer = checkpoint(name)
+    chat = EXPECTED["conversations"][1]
+    (ex,) = encode_records([("c", {"messages": chat})], "chat", tokenizer, template)
+    targeted = tokenizer.decode(ex.ids[ex.targets])
+    end = "<|im_end|>\n" if name == "chatml" else "<|eot_id|>"
+    assert targeted == "".join(m["content"] + end for m in chat if m["role"] == "assistant")
+    all_ = encode_records([("c", {"messages": chat})], "chat", tokenizer, template, train_on="all")
+    assert all_[0].targets.all()
+
+
+def test_completion_records_as_trl_tokenizes_them():
+    tokenizer = ByteTokenizer()
+    records = [("f:line 1", {"q": "2+2=", "a": "4"})]
+    fields = Fields(prompt="q", completion="a")
+    (ex,) = encode_records(records, "completion", tokenizer, fields=fields, eos="!")
+    assert bytes(ex.ids.tolist()).decode() == "2+2=4!"
+    assert ex.targets.tolist() == [False] * 4 + [True, True]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv"])
+def test_reads_each_file_type(tmp_path, suffix):
+    import pandas as pd
+
+    frame = pd.DataFrame({"prompt": ["a", "b"], "completion": ["x", "y"]})
+    path = tmp_path / f"d{suffix}"
+    write = {
+        ".jsonl": lambda: frame.to_json(path, orient="records", lines=True),
+        ".json": lambda: frame.to_json(path, orient="records"),
+        ".parquet": lambda: frame.to_parquet(path),
+        ".csv": lambda: frame.to_csv(path, index=False),
+    }
+    write[suffix]()
+    got = list(read_records(tmp_path, cache_dir=str(tmp_path / "cache")))
+    assert [r for _, r in got] == frame.to_dict("records")
+    unit = "line" if suffix == ".jsonl" else "row"
+    assert got[1][0] == f"{path}:{unit} 2"
+
+
+def test_bad_records_name_file_line_and_field(tmp_path):
+    template, tokenizer = checkpoint("chatml")
+    path = tmp_path / "d.jsonl"
+    lines = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "wizard", "content": "q"}, {"role": "assistant", "content": "a"}]},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    records = read_records(path, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"d.jsonl:line 2: messages\[0\] has role 'wizard'"):
+        encode_records(records, "chat", tokenizer, template)
+    with pytest.raises(DataError, match=r"d.jsonl:line 1: no field 'prompt' \(fields: messages\)"):
+        encode_records(read_records(path, str(tmp_path / "c2")), "completion", tokenizer)
+    failing = ChatTemplate("{{ raise_exception('only user turns') }}", origin="t.jinja")
+    with pytest.raises(DataError, match="c: t.jinja: TemplateError: only user turns"):
+        encode_records([("c", lines[0])], "chat", tokenizer, failing)
+    with pytest.raises(DataError, match="no such data file or directory"):
+        list(read_records(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no data files"):
+        list(read_records(tmp_path / "empty"))
+
+
+def test_template_missing_or_rewriting_history(tmp_path):
+    with pytest.raises(ChatTemplateError, match="has no chat template"):
+        ChatTemplate.from_checkpoint(tmp_path)
+    # drops earlier assistant turns, as Qwen3's does with their reasoning
+    forgetful = ChatTemplate(
+        "{% for m in messages %}{% if m.role != 'assistant' or loop.last %}"
+        "{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+    )
+    chat = EXPECTED["conversations"][1]
+    with pytest.raises(ChatTemplateError, match=r"\{% generation %\} tags or --train-on all"):
+        forgetful.render(chat)
+
+
+def test_rows_one_per_example_or_packed():
+    rng = np.random.default_rng(0)
+    examples = [
+        Example(rng.integers(1, 99, n).astype(np.int32), rng.random(n) < 0.5, f"e{i}")
+        for i, n in enumerate([5, 9, 3, 7, 2, 12])
+    ]
+    plain, packed = Rows.of(examples, 12), Rows.of(examples, 12, pack=True)
+    assert plain.tokens.shape == (6, 12) and len(packed.tokens) < 6
+    assert packed.padding_fraction < plain.padding_fraction
+    for rows in (plain, packed):  # each example whole in one row, positions from 0
+        found = []
+        for r in range(len(rows.tokens)):
+            for s in range(1, rows.segments[r].max() + 1):
+                at = rows.segments[r] == s
+                found.append(rows.tokens[r, at].tolist())
+                assert rows.positions[r, at].tolist() == list(range(at.sum()))
+        assert sorted(found) == sorted(e.ids.tolist() for e in examples)
+    batch = packed.batch(np.arange(len(packed.tokens)))
+    assert batch["mask"].sum() == sum(e.targets[1:].sum() for e in examples)
+
+
+def test_long_examples_truncated_and_counted_or_refused():
+    examples = [Example(np.arange(1, 11, dtype=np.int32), np.ones(10, bool), "f:line 7")]
+    rows = Rows.of(examples, 8)
+    assert rows.truncated == 1 and rows.tokens[0].tolist() == list(range(1, 9))
+    with pytest.raises(DataError, match="f:line 7: 10 tokens, more than the 8"):
+        Rows.of(examples, 8, truncate=False)
