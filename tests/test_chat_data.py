@@ -138,7 +138,9 @@ def test_rows_one_per_example_or_packed():
                 assert rows.positions[r, at].tolist() == list(range(at.sum()))
         assert sorted(found) == sorted(e.ids.tolist() for e in examples)
     batch = packed.batch(np.arange(len(packed.tokens)))
-    assert batch["mask"].sum() == sum(e.targets[1:].sum() for e in examples)
+    count = sum(e.targets[1:].sum() for e in examples)
+    assert (batch["weights"] > 0).sum() == count
+    np.testing.assert_allclose(batch["weights"].sum(), len(packed.tokens), rtol=1e-6)
 
 
 def test_long_examples_truncated_and_counted_or_refused():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from mmnnx.modules import (
     MLPConfig,
     MoEConfig,
     NormConfig,
+    Packing,
     RopeConfig,
     RopeScaling,
     RouterStats,
@@ -222,12 +224,14 @@ class GPT(nnx.Module):
         if not c.tie_embeddings:
             self.head = Linear(c.dim, c.vocab_size, axes=("embed", "vocab"), use_bias=False, **kw)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.forward(tokens)[0]
+    def __call__(self, tokens: jax.Array, packing: Packing | None = None) -> jax.Array:
+        return self.forward(tokens, packing)[0]
 
-    def forward(self, tokens: jax.Array) -> tuple[jax.Array, RouterStats | None]:
+    def forward(
+        self, tokens: jax.Array, packing: Packing | None = None
+    ) -> tuple[jax.Array, RouterStats | None]:
         """The logits of ``tokens`` ``(batch, seq)`` and the ``RouterStats`` of every MoE layer
-        merged (``None`` without experts)."""
+        merged (``None`` without experts); ``packing``: rows of several examples."""
         if tokens.ndim != 2 or tokens.shape[1] > self.config.max_seq_len:
             raise ValueError(
                 f"GPT: tokens must have shape (batch, seq) with seq <= max_seq_len "
@@ -238,23 +242,29 @@ class GPT(nnx.Module):
         moe = [b.feed_forward for b in c.block_configs if isinstance(b.feed_forward, MoEConfig)]
         stats = RouterStats.zeros(moe[0].num_experts) if moe else None
         if c.scan_layers:
-            scan = nnx.scan(_apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            x, stats = scan((x, stats), self.blocks)
+            scan = nnx.scan(_apply_block, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+            x, stats = scan((x, stats), self.blocks, packing)
         else:
             for block in self.blocks:
-                x, layer = block.forward(x)
+                x, layer = block.forward(x, packing)
                 if layer is not None:
                     stats = stats.merge(layer)
         x = self.norm(x)
         logits = self.embed.attend(x) if c.tie_embeddings else self.head(x)
         return logits, stats
 
-    def loss(self, batch: jax.Array) -> jax.Array:
+    def loss(self, batch: jax.Array | Mapping[str, jax.Array]) -> jax.Array:
         """Mean next-token cross-entropy of ``batch`` ``(B, T + 1)`` over its ``B * T`` targets.
 
-        The inputs are ``batch[:, :-1]`` and the targets ``batch[:, 1:]``. A model with experts
-        adds its routers' losses (``config.router_aux_loss_coef`` and ``router_z_loss_coef``
-        times the ``aux_loss`` and ``z_loss`` of every MoE layer's ``RouterStats`` merged).
+        The inputs are ``batch[:, :-1]`` and the targets ``batch[:, 1:]``. ``batch`` may be a
+        dict of ``tokens`` (that array) and ``weights`` ``(B, T)``: the loss is then the mean
+        over rows of each row's weighted sum, so weights of ``mask * B / mask.sum()`` (as
+        ``mmnnx.train.Rows.batch`` makes them for the whole global batch) give the mean over
+        the masked targets, whatever the microbatches; with ``segments`` and ``positions``
+        (``(B, T + 1)``, :class:`mmnnx.modules.Packing`), rows of several examples. A model
+        with experts adds its routers' losses (``config.router_aux_loss_coef`` and
+        ``router_z_loss_coef`` times the ``aux_loss`` and ``z_loss`` of every MoE layer's
+        ``RouterStats`` merged).
 
         Example:
             >>> with nnx.use_eager_sharding(False):
@@ -263,12 +273,17 @@ class GPT(nnx.Module):
             >>> bool(abs(loss - jnp.log(64)) < 0.5)  # about log(vocab) at initialisation
             True
         """
-        batch = constrain(batch, ("batch", "seq"))
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits, stats = self.forward(inputs)
+        fields = batch if isinstance(batch, Mapping) else {"tokens": batch}
+        tokens = constrain(fields["tokens"], ("batch", "seq"))
+        packing = None
+        if "segments" in fields:
+            packing = Packing(fields["segments"][:, :-1], fields["positions"][:, :-1])
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        logits, stats = self.forward(inputs, packing)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-        loss = jnp.mean(nll)
+        weights = fields.get("weights")
+        loss = jnp.mean(nll) if weights is None else jnp.mean(jnp.sum(weights * nll, axis=-1))
         if stats is not None:
             c = self.config
             loss = loss + stats.loss(c.router_aux_loss_coef, c.router_z_loss_coef)
@@ -301,8 +316,8 @@ class GPT(nnx.Module):
 
 
 def _apply_block(
-    carry: tuple[jax.Array, RouterStats | None], block: TransformerBlock
+    carry: tuple[jax.Array, RouterStats | None], block: TransformerBlock, packing: Packing | None
 ) -> tuple[jax.Array, RouterStats | None]:
     x, stats = carry
-    x, layer = block.forward(x)
+    x, layer = block.forward(x, packing)
     return x, stats if layer is None else stats.merge(layer)

@@ -28,6 +28,7 @@ from mmnnx.modules.lora import LoRA, add_lora
 from mmnnx.modules.mlp import MLP, MLPConfig
 from mmnnx.modules.moe import MoE, MoEConfig
 from mmnnx.modules.norms import LayerNorm, NormConfig, RMSNorm
+from mmnnx.modules.packing import Packing
 from mmnnx.modules.rope import RopeConfig, RopeScaling, apply_rope, rope_frequencies
 from mmnnx.modules.routing import RouterStats
 from mmnnx.modules.transformer import BlockConfig, TransformerBlock
@@ -46,6 +47,7 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "NormConfig",
+    "Packing",
     "RMSNorm",
     "RopeConfig",
     "RopeScaling",

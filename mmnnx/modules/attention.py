@@ -11,6 +11,7 @@ from flax import nnx
 from mmnnx.modules.checks import check, is_int, is_positive
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.norms import RMSNorm
+from mmnnx.modules.packing import Packing
 from mmnnx.modules.rope import RopeConfig, apply_rope
 
 
@@ -106,7 +107,9 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, packing: Packing | None = None) -> jax.Array:
+        if packing is not None:
+            return self.attend(*self.project(x, packing.positions), packing.visible())
         seq = x.shape[-2]
         q, k, v = self.project(x)
         return self.attend(q, k, v, jnp.tril(jnp.ones((seq, seq), dtype=bool)))

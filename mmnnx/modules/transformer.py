@@ -16,6 +16,7 @@ from mmnnx.modules.constraints import constrain
 from mmnnx.modules.mlp import MLPConfig
 from mmnnx.modules.moe import MoEConfig
 from mmnnx.modules.norms import NormConfig
+from mmnnx.modules.packing import Packing
 from mmnnx.modules.routing import RouterStats
 
 ACTIVATION_NAMES = ("batch", "seq", "embed")
@@ -93,14 +94,17 @@ class TransformerBlock(nnx.Module):
         self.mlp = config.feed_forward.build(dim, param_dtype=param_dtype, rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs) if config.dropout else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.forward(x)[0]
+    def __call__(self, x: jax.Array, packing: Packing | None = None) -> jax.Array:
+        return self.forward(x, packing)[0]
 
-    def forward(self, x: jax.Array) -> tuple[jax.Array, RouterStats | None]:
+    def forward(
+        self, x: jax.Array, packing: Packing | None = None
+    ) -> tuple[jax.Array, RouterStats | None]:
         """The block's output and its feed-forward's ``RouterStats``: those of a feed-forward
-        with a ``forward`` method (``MoE``), ``None`` for a dense ``MLP``."""
+        with a ``forward`` method (``MoE``), ``None`` for a dense ``MLP``. ``packing``: the
+        rows hold several examples (attention stays within each)."""
         x = constrain(x, ACTIVATION_NAMES)
-        x = x + self._drop(self.attn(self.norm1(x)))
+        x = x + self._drop(self.attn(self.norm1(x), packing))
         routed = getattr(self.mlp, "forward", None)
         h, stats = routed(self.norm2(x)) if routed else (self.mlp(self.norm2(x)), None)
         x = x + self._drop(h)

@@ -60,8 +60,65 @@ class _Windows:
         return np.asarray(self._tokens[i * w : (i + 1) * w], dtype=np.int32)
 
 
+class GrainBatches:
+    """Batches served by a Grain iterator (``self._iterator``, over ``self._batches``
+    positions), whose state a checkpoint holds: what :class:`TextDataset` and
+    :class:`mmnnx.train.examples.ExampleDataset` share."""
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        return next(self._iterator)
+
+    def state(self) -> dict:
+        """The Grain iterator's state, to store in a checkpoint."""
+        return self._iterator.get_state()
+
+    def restore(self, state: dict) -> None:
+        """Continues from a state returned by :meth:`state`, checked first: anything else leaves
+        the iterator as it was.
+
+        Raises:
+            DataStateError: ``state`` is not one (e.g. a checkpoint of an mmnnx before Grain,
+                or one edited by hand), naming the field at fault.
+
+        Example:
+            >>> ds = TextDataset(np.arange(1000), seq_len=7, batch_size=4)
+            >>> ds.restore({"next_index": -5})  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            mmnnx.train.data.DataStateError: data state next_index -5 is not a position of the ...
+        """
+        if not isinstance(state, dict) or "next_index" not in state:
+            raise DataStateError(
+                f"data state {state!r} is not a Grain iterator's state (TextDataset.state() "
+                "gives {'next_index': N}; an mmnnx before Grain saved others)"
+            )
+        index = state["next_index"]
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise DataStateError(f"data state next_index {index!r} is not an integer")
+        if not 0 <= index <= self._batches:
+            raise DataStateError(
+                f"data state next_index {index} is not a position of the batch stream "
+                f"(0 to {self._batches})"
+            )
+        self._iterator.set_state(state)
+
+
+def grain_batches(source, rows: int, seed: int, shard_index: int = 0, shard_count: int = 1):
+    """Batches of ``rows`` items of ``source``: a seeded shuffle, a fresh one per epoch, every
+    ``shard_count``-th item from ``shard_index``; the iterator and how many positions it has."""
+    import grain  # noqa: PLC0415  (imported with the first dataset)
+
+    stream = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
+    mine = stream[shard_index::shard_count].batch(rows, drop_remainder=True)
+    options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+    return iter(mine.to_iter_dataset(options)), len(mine)
+
+
 @dataclasses.dataclass
-class TextDataset:
+class TextDataset(GrainBatches):
     """Fixed-length windows of a token stream, served in batches of shape ``(batch, seq_len + 1)``
     by a Grain pipeline.
 
@@ -127,14 +184,12 @@ class TextDataset:
         self._iterator = self._pipeline()
 
     def _pipeline(self):
-        import grain  # noqa: PLC0415  (imported with the first dataset)
-
         rows = self.batch_size // self.shard_count
-        windows = grain.MapDataset.source(_Windows(self._train, self.seq_len + 1))
-        stream = windows.shuffle(seed=self.seed).repeat(None)
-        mine = stream[self.shard_index :: self.shard_count].batch(rows, drop_remainder=True)
-        self._batches = len(mine)  # the positions a state may hold: 0 to this
-        return iter(mine.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
+        windows = _Windows(self._train, self.seq_len + 1)
+        iterator, self._batches = grain_batches(
+            windows, rows, self.seed, self.shard_index, self.shard_count
+        )
+        return iterator
 
     @classmethod
     def from_text(cls, text: str, tokenizer: Tokenizer | None = None, **kwargs) -> TextDataset:
@@ -168,46 +223,6 @@ class TextDataset:
     def batches_per_epoch(self) -> int:
         """Whole batches in one pass over the training windows."""
         return self._windows // self.batch_size
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        return self
-
-    def __next__(self) -> np.ndarray:
-        return next(self._iterator)
-
-    def state(self) -> dict:
-        """The Grain iterator's state, to store in a checkpoint."""
-        return self._iterator.get_state()
-
-    def restore(self, state: dict) -> None:
-        """Continues from a state returned by :meth:`state`, checked first: anything else leaves
-        the iterator as it was.
-
-        Raises:
-            DataStateError: ``state`` is not one (e.g. a checkpoint of an mmnnx before Grain,
-                or one edited by hand), naming the field at fault.
-
-        Example:
-            >>> ds = TextDataset(np.arange(1000), seq_len=7, batch_size=4)
-            >>> ds.restore({"next_index": -5})  # doctest: +ELLIPSIS
-            Traceback (most recent call last):
-            ...
-            mmnnx.train.data.DataStateError: data state next_index -5 is not a position of the ...
-        """
-        if not isinstance(state, dict) or "next_index" not in state:
-            raise DataStateError(
-                f"data state {state!r} is not a Grain iterator's state (TextDataset.state() "
-                "gives {'next_index': N}; an mmnnx before Grain saved others)"
-            )
-        index = state["next_index"]
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise DataStateError(f"data state next_index {index!r} is not an integer")
-        if not 0 <= index <= self._batches:
-            raise DataStateError(
-                f"data state next_index {index} is not a position of the batch stream "
-                f"(0 to {self._batches})"
-            )
-        self._iterator.set_state(state)
 
     def eval_batches(self, count: int) -> list[np.ndarray]:
         """``count`` fixed batches from the held-out text (the same every time; this shard's

@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 
+from mmnnx.train.data import GrainBatches, grain_batches
 from mmnnx.train.records import DataError, Example
 
 
@@ -33,6 +34,7 @@ class Rows:
     segments: np.ndarray
     positions: np.ndarray
     truncated: int = 0
+    packed: bool = False
 
     @classmethod
     def of(
@@ -75,7 +77,7 @@ class Rows:
                 tokens[r, span], targets[r, span], segments[r, span] = ids, marks, s
                 positions[r, span] = np.arange(len(ids))
                 at += len(ids)
-        return cls(tokens, targets, segments, positions, truncated)
+        return cls(tokens, targets, segments, positions, truncated, pack)
 
     @property
     def padding_fraction(self) -> float:
@@ -83,17 +85,90 @@ class Rows:
         return float((self.segments == 0).mean()) if self.segments.size else 0.0
 
     def batch(self, rows) -> dict[str, np.ndarray]:
-        """Rows ``rows`` as a training batch: ``tokens``, ``segments`` and ``positions``
-        (``(b, length)``) and ``mask`` (``(b, length - 1)``: the loss counts the prediction
-        of token ``j + 1`` from position ``j``, a target of the same example)."""
+        """Rows ``rows`` (a whole global batch) as a training batch for ``GPT.loss``:
+        ``tokens`` ``(b, length)``, ``weights`` ``(b, length - 1)`` (the prediction of token
+        ``j + 1`` from position ``j`` counts if it is a target of the same example; weighted
+        ``b / count`` so that the mean over rows of each row's weighted sum is the mean over
+        the ``count`` targets) and, packed, ``segments`` and ``positions``.
+
+        Example:
+            >>> r = Rows.of([Example(np.arange(1, 4), np.array([0, 1, 1], bool))], 4)
+            >>> r.batch([0])["weights"].tolist()
+            [[0.5, 0.5, 0.0]]
+        """
         seg = self.segments[rows]
         mask = self.targets[rows][:, 1:] & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
-        return {
-            "tokens": self.tokens[rows],
-            "segments": seg,
-            "positions": self.positions[rows],
-            "mask": mask,
-        }
+        count = mask.sum()
+        weights = mask * np.float32(len(seg) / count) if count else np.zeros(mask.shape)
+        batch = {"tokens": self.tokens[rows], "weights": weights.astype(np.float32)}
+        if self.packed:
+            batch.update(segments=seg, positions=self.positions[rows])
+        return batch
+
+
+class ExampleDataset(GrainBatches):
+    """Batches of ``batch_size`` rows of :class:`Rows` of ``seq_len + 1`` tokens, from a
+    seeded shuffle (a fresh one per epoch) by Grain, its state part of a checkpoint as
+    :class:`mmnnx.train.data.TextDataset`'s; :meth:`Rows.batch` dicts, this shard's rows of
+    each global batch (weighted over the whole of it). A batch with no target is skipped
+    and counted (``skipped``). ``eval_rows`` (else the last ``eval_fraction`` of the
+    examples) give :meth:`eval_batches`.
+
+    Example:
+        >>> ex = [Example(np.arange(1, 6), np.ones(5, bool)) for _ in range(40)]
+        >>> ds = ExampleDataset(ex, seq_len=7, batch_size=4)
+        >>> b = next(ds)
+        >>> b["tokens"].shape, b["weights"].shape, float(b["weights"].sum(-1).mean())
+        ((4, 8), (4, 7), 1.0)
+    """
+
+    def __init__(
+        self,
+        examples: list[Example],
+        seq_len: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        pack: bool = False,
+        truncate: bool = True,
+        eval_examples: list[Example] | None = None,
+        eval_fraction: float = 0.05,
+        shard_index: int = 0,
+        shard_count: int = 1,
+        pad_id: int = 0,
+    ):
+        if eval_examples is None:
+            split = len(examples) - max(1, int(len(examples) * eval_fraction))
+            examples, eval_examples = examples[:split], examples[split:]
+        layout = dict(length=seq_len + 1, pack=pack, truncate=truncate, pad_id=pad_id)
+        self.rows, self.eval_rows = Rows.of(examples, **layout), Rows.of(eval_examples, **layout)
+        if len(self.rows.tokens) < batch_size:
+            raise DataError(
+                f"the data gives {len(self.rows.tokens)} training rows, fewer than one batch of "
+                f"{batch_size}; use more data or a smaller --batch-size"
+            )
+        if batch_size % shard_count:
+            raise ValueError(f"batch_size {batch_size} is not divisible by {shard_count} shards")
+        self.batch_size, self.skipped = batch_size, 0
+        self._mine = slice(shard_index, None, shard_count)
+        indices = np.arange(len(self.rows.tokens))
+        self._iterator, self._batches = grain_batches(indices, batch_size, seed)
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        while True:
+            batch = self.rows.batch(next(self._iterator))
+            if batch["weights"].any():
+                return {k: v[self._mine] for k, v in batch.items()}
+            self.skipped += 1
+
+    def eval_batches(self, count: int) -> list[dict[str, np.ndarray]]:
+        """``count`` fixed batches of the held-out rows (the same every time; this shard's
+        rows of them)."""
+        n = len(self.eval_rows.tokens)
+        picks = [
+            np.arange(b * self.batch_size, (b + 1) * self.batch_size) % n for b in range(count)
+        ]
+        return [{k: v[self._mine] for k, v in self.eval_rows.batch(p).items()} for p in picks]
 
 
 def _best_fit(lengths: list[int], capacity: int) -> list[list[int]]:

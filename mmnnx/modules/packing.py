@@ -1,0 +1,30 @@
+"""``Packing``: where each example of a packed sequence starts, for attention and RoPE."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Packing:
+    """Several examples in one row: ``segments`` ``(batch, seq)`` numbers them (1, 2, ...; 0
+    is padding) and ``positions`` restarts at 0 in each. Attention sees only the keys of its
+    own example (:meth:`visible`) and RoPE rotates by ``positions``: each example is computed
+    as if it were alone in its row.
+
+    Example:
+        >>> p = Packing(jnp.array([[1, 1, 2]]), jnp.array([[0, 1, 0]]))
+        >>> p.visible().astype(int)[0, 0].tolist()
+        [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    """
+
+    segments: jax.Array
+    positions: jax.Array
+
+    def visible(self) -> jax.Array:
+        """Causal and same-example: ``(batch, 1, seq, seq)``, broadcast over heads."""
+        seq = self.segments.shape[-1]
+        same = self.segments[:, None, :, None] == self.segments[:, None, None, :]
+        return same & jnp.tril(jnp.ones((seq, seq), bool))
