@@ -159,25 +159,21 @@ def _train(
     from mmnnx.models import CheckpointError  # noqa: PLC0415
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.config import train_config  # noqa: PLC0415
-    from mmnnx.train.data import DataStateError, TextDataset  # noqa: PLC0415
+    from mmnnx.train.data import DataStateError  # noqa: PLC0415
     from mmnnx.train.generation import run_tasks  # noqa: PLC0415
     from mmnnx.train.loop import fit  # noqa: PLC0415
+    from mmnnx.train.run_data import run_dataset  # noqa: PLC0415
     from mmnnx.train.run_model import build_model, model_config, trainable  # noqa: PLC0415
     from mmnnx.train.run_record import RunRecord  # noqa: PLC0415
     from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
 
-    out, training = pathlib.Path(run.outputs.output_dir), run.training
+    out = pathlib.Path(run.outputs.output_dir)
     try:
-        dataset = TextDataset.from_files(
-            sources,
-            tokenizer,
-            out / "data",
-            seq_len=run.model.seq_len,
-            batch_size=training.batch_size,
-            seed=training.seed,
-        )
+        dataset = run_dataset(run, tokenizer, sources, out / "data")
     except (OSError, ValueError) as e:
         return error(str(e))
+    if hasattr(dataset, "summary") and jax.process_index() == 0:
+        print(dataset.summary())
     tasks = run_tasks(run.layout.stages, data_axis, run.layout.model_axis, run.layout.expert_axis)
     config = pretrained or model_config(run, tokenizer.vocab_size)
     extra = latest_extra(checkpointer) if run.outputs.resume else None
@@ -193,7 +189,9 @@ def _train(
     if jax.process_index() == 0:
         tokenizer.save(out / "tokenizer")
         write_config(out / CONFIG_FILE, recorded)
-    table = mm.tabulate(model, dataset.eval_batches(1)[0][:, :-1], depth=2)
+    sample = dataset.eval_batches(1)[0]
+    tokens = sample["tokens"] if isinstance(sample, dict) else sample
+    table = mm.tabulate(model, tokens[:, :-1], depth=2)
     if jax.process_index() == 0:
         print(table)
     try:

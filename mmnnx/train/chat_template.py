@@ -104,7 +104,7 @@ class ChatTemplate:
         folder = pathlib.Path(folder)
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        tokens = {k: _content(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
+        tokens = special_tokens(folder)
         jinja = folder / "chat_template.jinja"
         if jinja.is_file():
             return cls(jinja.read_text(encoding="utf-8"), tokens, str(jinja))
@@ -165,5 +165,15 @@ class ChatTemplate:
         return "".join(blocks), list(spans)
 
 
-def _content(token) -> str:
-    return token["content"] if isinstance(token, dict) else str(token)
+def special_tokens(folder: str | pathlib.Path) -> dict[str, str]:
+    """The special tokens (``bos_token``, ``eos_token``, ...) a checkpoint's
+    ``tokenizer_config.json`` names, as text (transformers passes them to the template).
+
+    Example:
+        >>> special_tokens("/nonexistent")
+        {}
+    """
+    path = pathlib.Path(folder) / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    tokens = {k: config[k] for k in SPECIAL_TOKENS if config.get(k) is not None}
+    return {k: t["content"] if isinstance(t, dict) else str(t) for k, t in tokens.items()}

@@ -30,6 +30,7 @@ from mmnnx.train.options import (
     table,
     tables,
 )
+from mmnnx.train.records import FORMATS, TRAIN_ON, Fields
 
 T, G = TrainConfig, GPTConfig  # whose defaults the options feeding them take
 
@@ -277,6 +278,66 @@ class Training:
 
 
 @dataclasses.dataclass
+class Data:
+    data: str | None = option(
+        None,
+        "train on records instead of --text: a JSON Lines, JSON, Parquet or CSV file, a "
+        "directory of them, or a Hugging Face Hub dataset id (where a network exists), read "
+        "with the datasets library",
+        nonempty,
+        metavar="PATH",
+        omit=(None,),
+    )
+    data_format: str = option(
+        "auto",
+        "with --data: text (every token trained on), completion (prompt and completion "
+        "fields), chat (a messages field rendered with --init-from's chat template), or auto: "
+        "by the first record's fields (%(default)s)",
+        choices=("auto", *FORMATS),
+        omit=("auto",),
+    )
+    text_field: str = option(Fields.text, "with --data: the text field (%(default)s)", nonempty)
+    prompt_field: str = option(Fields.prompt, "the prompt field (%(default)s)", nonempty)
+    completion_field: str = option(
+        Fields.completion, "the completion field (%(default)s)", nonempty
+    )
+    messages_field: str = option(Fields.messages, "the messages field (%(default)s)", nonempty)
+    train_on: str = option(
+        "completions",
+        "with --data: the loss on the completions or the assistant's turns only, or on all "
+        "tokens; averaged over those of the whole batch (%(default)s)",
+        choices=TRAIN_ON,
+        omit=("completions",),
+    )
+    pack: bool = switch(
+        "--pack",
+        "with --data: several examples to a sequence, attention kept within each and "
+        "positions restarting (by default one a sequence, padded)",
+    )
+    truncate: bool = switch(
+        "--no-truncate",
+        "with --data: refuse an example longer than --seq-len + 1 tokens, naming it (by "
+        "default cut and counted)",
+        default=True,
+        omit=(True,),
+    )
+    eval_data: str | None = option(
+        None,
+        "with --data: held-out records to evaluate on (default: the last --eval-fraction of "
+        "--data)",
+        nonempty,
+        metavar="PATH",
+        omit=(None,),
+    )
+    eval_fraction: float = option(
+        0.05,
+        "with --data and no --eval-data: the share of the records held out (%(default)s)",
+        finite(positive=True),
+        omit=(0.05,),
+    )
+
+
+@dataclasses.dataclass
 class Precision:
     dtype: str = option(
         G.dtype,
@@ -360,6 +421,7 @@ class RunConfig:
     model: Model = table(Model)
     layout: Layout = table(Layout, may_change=True)
     training: Training = table(Training)
+    dataset: Data = table(Data)
     precision: Precision = table(Precision)
     logging: Logging = table(Logging, may_change=True)
     outputs: Outputs = table(Outputs, may_change=True)

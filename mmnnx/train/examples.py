@@ -84,6 +84,12 @@ class Rows:
         """The share of the rows' tokens that are padding."""
         return float((self.segments == 0).mean()) if self.segments.size else 0.0
 
+    def mask(self, rows=slice(None)) -> np.ndarray:
+        """Which predictions of rows ``rows`` the loss counts: of token ``j + 1`` from position
+        ``j``, a target of the same example, ``(rows, length - 1)``."""
+        seg = self.segments[rows]
+        return self.targets[rows][:, 1:] & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+
     def batch(self, rows) -> dict[str, np.ndarray]:
         """Rows ``rows`` (a whole global batch) as a training batch for ``GPT.loss``:
         ``tokens`` ``(b, length)``, ``weights`` ``(b, length - 1)`` (the prediction of token
@@ -97,7 +103,7 @@ class Rows:
             [[0.5, 0.5, 0.0]]
         """
         seg = self.segments[rows]
-        mask = self.targets[rows][:, 1:] & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+        mask = self.mask(rows)
         count = mask.sum()
         weights = mask * np.float32(len(seg) / count) if count else np.zeros(mask.shape)
         batch = {"tokens": self.tokens[rows], "weights": weights.astype(np.float32)}
@@ -147,9 +153,18 @@ class ExampleDataset(GrainBatches):
                 f"the data gives {len(self.rows.tokens)} training rows, fewer than one batch of "
                 f"{batch_size}; use more data or a smaller --batch-size"
             )
+        if not self.rows.mask().any():
+            raise DataError(
+                f"no training example keeps a token to train on within {seq_len + 1} tokens "
+                "(--seq-len + 1): the completions or assistant turns are cut off; use a larger "
+                "--seq-len or --train-on all"
+            )
         if batch_size % shard_count:
             raise ValueError(f"batch_size {batch_size} is not divisible by {shard_count} shards")
-        self.batch_size, self.skipped = batch_size, 0
+        self.batch_size, self.seq_len, self.skipped = batch_size, seq_len, 0
+        self.examples = len(examples)
+        lengths = np.minimum([len(e.ids) for e in examples], seq_len + 1)
+        self.unpacked_padding = 1 - lengths.sum() / (len(examples) * (seq_len + 1))
         self._mine = slice(shard_index, None, shard_count)
         indices = np.arange(len(self.rows.tokens))
         self._iterator, self._batches = grain_batches(indices, batch_size, seed)
@@ -160,6 +175,17 @@ class ExampleDataset(GrainBatches):
             if batch["weights"].any():
                 return {k: v[self._mine] for k, v in batch.items()}
             self.skipped += 1
+
+    def summary(self) -> str:
+        """One line: the examples, rows, those cut to length and the padding, packed and not."""
+        rows, truncated = len(self.rows.tokens), self.rows.truncated
+        padding = f"padding {self.unpacked_padding:.1%} one example a row"
+        if self.rows.packed:
+            padding += f", {self.rows.padding_fraction:.1%} packed"
+        return (
+            f"data: {self.examples} examples in {rows} rows of {self.seq_len + 1} tokens, "
+            f"{truncated} cut to length; {padding}"
+        )
 
     def eval_batches(self, count: int) -> list[dict[str, np.ndarray]]:
         """``count`` fixed batches of the held-out rows (the same every time; this shard's
