@@ -8,6 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from mmnnx.cli import main
 from mmnnx.train.chat_template import ChatTemplate, ChatTemplateError
 from mmnnx.train.examples import Rows
 from mmnnx.train.records import DataError, Example, Fields, encode_records, read_records
@@ -149,3 +150,61 @@ def test_long_examples_truncated_and_counted_or_refused():
     assert rows.truncated == 1 and rows.tokens[0].tolist() == list(range(1, 9))
     with pytest.raises(DataError, match="f:line 7: 10 tokens, more than the 8"):
         Rows.of(examples, 8, truncate=False)
+
+
+DPO = CHAT.parent / "dpo"
+
+
+def sft_run(tmp_path, run, data, *argv):
+    """`mmnnx train --init-from` the tiny Llama with its ChatML template, in this process."""
+    base = ["train", "--init-from", str(DPO / "policy"), "--data", str(data), "--stages", "2"]
+    base += ["--data-axis", "1", "--model-axis", "1", "--devices", "2", "--seq-len", "48"]
+    base += ["--batch-size", "4", "--microbatches", "2", "--eval-every", "3", "--log-every", "1"]
+    base += ["--eval-batches", "1", "--timeline-step", "0", "--no-tensorboard"]
+    return main([*base, "--output-dir", str(tmp_path / run), *argv])
+
+
+def chat_records(n=40):
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{2 * i}."},
+            ]
+        }  # fmt: skip
+        for i in range(n)
+    ]
+
+
+def test_chat_sft_packed_with_lora_resumes_exactly(tmp_path, capsys):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat_records()))
+    flags = ["--pack", "--lora-rank", "4", "--checkpoint-every", "3", "--schedule-steps", "6"]
+    assert sft_run(tmp_path, "a", data, *flags, "--steps", "3") == 0
+    out = capsys.readouterr().out
+    assert "data: 38 examples in" in out and "packed" in out
+    assert sft_run(tmp_path, "a", data, *flags, "--steps", "6", "--resume") == 0
+    assert sft_run(tmp_path, "b", data, *flags, "--steps", "6") == 0
+    losses = [
+        [
+            json.loads(x).get("loss")
+            for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()
+        ]
+        for r in ("a", "b")
+    ]
+    assert [x for x in losses[0] if x] == [x for x in losses[1] if x]
+
+
+def test_bad_records_exit_2_before_training(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    assert sft_run(tmp_path, "r", bad, "--steps", "1") == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:line 1: messages[0] has role 'robot'" in err
+    assert not list((tmp_path / "r").glob("checkpoints/[0-9]*"))  # no step saved
+    assert main(["train", "--data", str(bad), "--output-dir", str(tmp_path / "s")]) == 2
+    assert "--data-format chat needs --init-from" in capsys.readouterr().err
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "x" * 80, "completion": "y"}) + "\n" * 1)
+    assert sft_run(tmp_path, "t", long, "--no-truncate", "--steps", "1") == 2
+    assert "long.jsonl:line 1: " in capsys.readouterr().err
