@@ -193,6 +193,11 @@ def test_chat_sft_packed_with_lora_resumes_exactly(tmp_path, capsys):
         for r in ("a", "b")
     ]
     assert [x for x in losses[0] if x] == [x for x in losses[1] if x]
+    capsys.readouterr()
+    question = ["--prompt", "What is 3 plus 3?", "--max-new-tokens", "4"]
+    assert main(["generate", "--run", str(tmp_path / "b"), *question, "--chat"]) == 0
+    reply = capsys.readouterr().out
+    assert "What is" not in reply and "<|im_start|>" not in reply
 
 
 def test_bad_records_exit_2_before_training(tmp_path, capsys):

@@ -9,7 +9,7 @@ from typing import Any
 
 from mmnnx.cli import prologue
 from mmnnx.cli.flags import add_fields, typed
-from mmnnx.train.options import finite, integer, option, positive
+from mmnnx.train.options import finite, integer, option, positive, switch
 
 
 @dataclasses.dataclass
@@ -33,6 +33,11 @@ class Options:
         None, "with --temperature, sample among the K likeliest tokens only", positive, metavar="K"
     )
     seed: int = option(0, "sampling seed (0)", integer(0), metavar="S")
+    chat: bool = switch(
+        "--chat",
+        "PROMPT is a user's message: rendered with the chat template of the run's --init-from "
+        "checkpoint, the assistant's reply printed (up to its eos token)",
+    )
     layout: str = option(
         "one-device",
         "one-device (default), or run: the run's own --stages x --data-axis x "
@@ -76,8 +81,24 @@ def run(args: argparse.Namespace) -> int:
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.generation import continue_text, load_run  # noqa: PLC0415
 
+    prompt, eos = options.prompt, None
+    if options.chat:
+        from mmnnx.train.chat_template import ChatTemplate  # noqa: PLC0415
+
+        base = spec.run.model.init_from
+        if base is None:
+            return error(
+                "--chat: the run was trained from scratch; its tokenizer has no chat template"
+            )
+        try:
+            template = ChatTemplate.from_checkpoint(base)
+            message = [{"role": "user", "content": prompt}]
+            prompt = template.render(message, add_generation_prompt=True)[0]
+        except (OSError, ValueError) as e:
+            return error(f"--chat: {e}")
+        eos = template.tokens.get("eos_token")
     try:  # a byte of argv that is not UTF-8 is a lone surrogate here
-        prompt_tokens = len(spec.tokenizer.encode(options.prompt))
+        prompt_tokens = len(spec.tokenizer.encode(prompt))
     except ValueError as e:
         return error(f"--prompt is {e}")
     try:
@@ -109,11 +130,14 @@ def run(args: argparse.Namespace) -> int:
     text = continue_text(
         run.model,
         run.tokenizer,
-        options.prompt,
+        prompt,
         new or room,
         temperature=options.temperature,
         top_k=options.top_k,
         seed=options.seed,
     )
+    if options.chat:
+        text = text[len(prompt) :]
+        text = text[: text.index(eos)] if eos and eos in text else text
     print(text)
     return 0
