@@ -213,3 +213,17 @@ def test_bad_records_exit_2_before_training(tmp_path, capsys):
     long.write_text(json.dumps({"prompt": "x" * 80, "completion": "y"}) + "\n" * 1)
     assert sft_run(tmp_path, "t", long, "--no-truncate", "--steps", "1") == 2
     assert "long.jsonl:line 1: " in capsys.readouterr().err
+
+
+def test_dpo_loss_and_rewards_equal_trl():
+    from mmnnx.models import from_pretrained
+    from mmnnx.train.preference import dpo_loss, pair_rows
+
+    expected = json.loads((DPO / "expected.json").read_text())
+    pairs = [(p["prompt_ids"], p["chosen_ids"], p["rejected_ids"]) for p in expected["pairs"]]
+    rows = pair_rows(pairs, max(2 * len(p) + len(c) + len(r) for p, c, r in pairs))
+    policy, reference = from_pretrained(DPO / "policy"), from_pretrained(DPO / "reference")
+    loss, metrics = dpo_loss(policy, reference, rows, beta=expected["beta"])
+    np.testing.assert_allclose(loss, expected["loss"], rtol=1e-5)
+    for name, value in metrics.items():  # rewards: differences of ~70-nat float32 sums
+        np.testing.assert_allclose(value, expected["metrics"][name], rtol=1e-5, atol=2e-5)

@@ -131,3 +131,32 @@ def test_scan_layers_take_packing():
 
     alone = sum(summed(e) for e in examples) / sum(len(e.ids) - 1 for e in examples)
     np.testing.assert_allclose(got, alone, rtol=1e-5)
+
+
+def test_dpo_step_pipelined_equals_one_device():
+    from mmnnx.train.preference import dpo_loss, pair_rows
+
+    rng = np.random.default_rng(3)
+    pairs = [
+        tuple(rng.integers(1, 64, n).tolist() for n in rng.integers(2, 5, 3)) for _ in range(4)
+    ]
+    rows = pair_rows(pairs, 16)
+
+    def loss_fn(model, reference, rows):
+        return dpo_loss(model, reference, rows, beta=0.5)[0]
+
+    with nnx.use_eager_sharding(False):
+        reference = GPT(SMALL_GPT, rngs=nnx.Rngs(1))
+    ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(loss_fn))(gpt(), reference, rows)
+    tasks = two_stages_of_two()
+    rules = stage_rules(gpt(), tasks, report=False)
+    model, placed_reference = mm.place(gpt(), rules), mm.place(reference, rules)
+
+    @mm.jit
+    def step(model, reference, rows):
+        grad_fn = mm.microbatch(nnx.value_and_grad(loss_fn), num=2, argnums=(2,), reduce="mean")
+        return grad_fn(model, reference, rows)
+
+    loss, grads = step(model, placed_reference, rows)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_close(grads, ref_grads)
