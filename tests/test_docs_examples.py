@@ -94,3 +94,22 @@ def test_the_fine_tuning_walkthrough_runs_as_written(tmp_path, monkeypatch, caps
     merged = json.loads((tmp_path / "tiny-llama-merged" / "config.json").read_text())
     assert merged["dtype"] == "bfloat16" and "torch_dtype" not in merged
     assert (tmp_path / "tiny-llama-merged" / "tokenizer.json").is_file()
+
+
+def test_the_chat_data_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
+    """docs/training.md's "Instruction and chat data": its Python block and its commands."""
+    from mmnnx.cli import main
+
+    text = (ROOT / "docs/training.md").read_text()
+    section = text.split("## Instruction and chat data", 1)[1].split("\n## ")[0]
+    blocks = re.findall(r"```(python|bash)\n(.*?)```", section, flags=re.S)
+    assert [language for language, _ in blocks] == ["python", "bash"]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(blocks[0][1], "docs/training.md", "exec"), {})
+    for command in blocks[1][1].replace("\\\n", " ").splitlines():
+        argv = shlex.split(command)
+        assert argv[0] == "mmnnx" and main(argv[1:]) == 0, command
+    out = capsys.readouterr().out
+    assert "data: 38 examples in" in out and "packed" in out
+    saved = tomllib.loads((tmp_path / "runs/tiny-sft/config.toml").read_text())
+    assert saved["dataset"]["data"] == "chat.jsonl" and saved["dataset"]["pack"] is True
