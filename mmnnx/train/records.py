@@ -123,11 +123,11 @@ def encode_record(
         ([49, 43, 49, 61, 50], [False, False, False, False, True])
     """
     if data_format == "text":
-        ids = tokenizer.encode(_text(where, record, fields.text))
+        ids = tokenizer.encode(_field(where, record, fields.text))
         return Example(ids, np.ones(len(ids), bool), where)
     if data_format == "completion":
-        prompt = _text(where, record, fields.prompt)
-        completion = _text(where, record, fields.completion)
+        prompt = _field(where, record, fields.prompt)
+        completion = _field(where, record, fields.completion)
         if eos and not completion.endswith(eos):
             completion += eos
         ids = tokenizer.encode(prompt + completion)
@@ -135,7 +135,10 @@ def encode_record(
     elif data_format == "chat":
         if template is None:
             raise DataError(f"{where}: chat data needs the tokenizer's chat template; none given")
-        text, spans = template.render(_messages(where, record, fields.messages))
+        try:
+            text, spans = template.render(_messages(where, record, fields.messages))
+        except ChatTemplateError as e:
+            raise DataError(f"{where}: {e}") from None
         ids, offsets = tokenizer.encode_offsets(text)
         targets = _in_spans(offsets, spans)
     else:
@@ -145,23 +148,18 @@ def encode_record(
     return Example(np.asarray(ids, np.int32), np.asarray(targets, bool), where)
 
 
-def _text(where: str, record: dict, field: str) -> str:
+def _field(where: str, record: dict, field: str, kind: type = str):
     if field not in record:
-        have = ", ".join(record) or "none"
-        raise DataError(f"{where}: no field {field!r} (fields: {have})")
+        raise DataError(f"{where}: no field {field!r} (fields: {', '.join(record) or 'none'})")
     value = record[field]
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field {field!r} is {type(value).__name__}, not text")
+    if not isinstance(value, kind) or not (value or kind is str):
+        what = "text" if kind is str else "a non-empty list of messages"
+        raise DataError(f"{where}: field {field!r} is {type(value).__name__}, not {what}")
     return value
 
 
 def _messages(where: str, record: dict, field: str) -> list[dict]:
-    if field not in record:
-        have = ", ".join(record) or "none"
-        raise DataError(f"{where}: no field {field!r} (fields: {have})")
-    messages = record[field]
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: field {field!r} is not a non-empty list of messages")
+    messages = _field(where, record, field, list)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             role = m.get("role") if isinstance(m, dict) else m
@@ -188,17 +186,6 @@ def _in_spans(offsets, spans) -> np.ndarray:
     return mask
 
 
-def encode_records(
-    records, data_format: str, tokenizer, template=None, fields=Fields(), **kwargs
-) -> list[Example]:
-    """:func:`encode_record` over ``records`` (``(where, record)`` pairs), a template error
-    named with its record."""
-    examples = []
-    for where, record in records:
-        try:
-            examples.append(
-                encode_record(where, record, data_format, tokenizer, template, fields, **kwargs)
-            )
-        except ChatTemplateError as e:
-            raise DataError(f"{where}: {e}") from None
-    return examples
+def encode_records(records, *args, **kwargs) -> list[Example]:
+    """:func:`encode_record` of each ``(where, record)`` of ``records``."""
+    return [encode_record(where, record, *args, **kwargs) for where, record in records]
