@@ -31,8 +31,7 @@ _NAMED = 3  # returns named in a message (the first ones and the last); the othe
 
 
 def read_variable(op: Op, producer: Mapping[int, Op], names: Mapping[int, str]) -> str | None:
-    """The name of a step input ``op`` reads (``names``: graph input value -> its path), directly
-    or through views of it (a transpose, a reshape), if any."""
+    """The name of a step input ``op`` reads, directly or through views of it, if any."""
     stack = [a for a in op.ins if isinstance(a, int)]
     seen: set[int] = set()
     while stack:
@@ -47,8 +46,8 @@ def read_variable(op: Op, producer: Mapping[int, Op], names: Mapping[int, str]) 
 
 
 def culprit(ops: Sequence[Op], producer: Mapping[int, Op], names: Mapping[int, str]) -> str:
-    """What ``ops`` (one task's ops at one point of the pass, in order) run there for: the first
-    Variable they read (and the op reading it), else their first op, with its source line.
+    """What ``ops`` run there for: the first Variable they read (and the op reading it), else
+    their first op, with its source line.
 
     Example: an op in an ``mm.task`` region that reads no Variable::
 
@@ -92,8 +91,8 @@ def not_a_chain(
     producer: Mapping[int, Op],
     names: Mapping[int, str],
 ) -> MPMDError:
-    """The error for a forward pass that runs on several tasks at one ``depth`` (``ops_at``:
-    each task's ops there, in order), of which ``again`` run at other depths too."""
+    """The error for a forward pass that runs on several tasks at one ``depth``, of which
+    ``again`` run at other depths too."""
     tasks = ", ".join(sorted(t.name for t in ops_at)) or "no task"
     hint = (
         f" (the forward pass visits {', '.join(sorted(t.name for t in again))} more than once; "
