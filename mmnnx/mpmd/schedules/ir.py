@@ -367,15 +367,8 @@ def play(
                     arrival = done[k] + (transfer(actions_by_number[k]) if owner[k] != rank else 0)
                     start = max(start, arrival)
                 actions = rows[rank][pc : pc + width]
-                durations = [duration(action) for action in actions]
-                whole = pair_duration(*actions) if width == 2 else None
-                if whole is not None:
-                    total = sum(durations)
-                    durations = [whole * d / total for d in durations] if total else [whole / 2] * 2
-                for action, took in zip(actions, durations, strict=True):
-                    end = start + took
-                    timed.append(Timed(rank=rank, action=action, start=start, end=end))
-                    start = end
+                timed += run_program(rank, actions, start, duration, pair_duration)
+                end = timed[-1].end
                 for k in ids:
                     done[k] = end
                 free[rank] = end
@@ -386,6 +379,27 @@ def play(
             finish = {a: done[i] for i, a in enumerate(actions_by_number) if done[i] is not None}
             raise ValueError(_deadlock_message(schedule, pcs, finish, number))
     return sorted(timed, key=lambda t: (t.start, t.rank))
+
+
+def run_program(
+    rank: int,
+    actions: Sequence[Action],
+    start: float,
+    duration: Callable[[Action], float],
+    pair_duration: Callable[[Action, Action], float | None],
+) -> list[Timed]:
+    """One program (an action, or an overlapped pair) run on ``rank`` from ``start``, a pair's
+    ``pair_duration`` shared in proportion to its actions' own."""
+    durations = [duration(action) for action in actions]
+    whole = pair_duration(*actions) if len(actions) == 2 else None
+    if whole is not None:
+        total = sum(durations)
+        durations = [whole * d / total for d in durations] if total else [whole / 2] * 2
+    timed = []
+    for action, took in zip(actions, durations, strict=True):
+        timed.append(Timed(rank=rank, action=action, start=start, end=start + took))
+        start += took
+    return timed
 
 
 def _deadlock_message(
