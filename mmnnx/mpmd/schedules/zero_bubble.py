@@ -33,8 +33,9 @@ from mmnnx.mpmd.schedules.builders import (
     interleaved_1f1b,
     need_enough_microbatches,
     need_whole_groups,
+    validated,
 )
-from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validate
+from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts
 from mmnnx.mpmd.schedules.simulation import simulate
 
 Costs = Mapping[str | tuple[str, int], float]
@@ -126,16 +127,7 @@ def list_schedule(
         free_at[rank] = end
         heapq.heappush(ends, end)
         left[rank] -= 1
-    return validate(
-        Schedule(
-            name=name,
-            num_stages=num_stages,
-            num_microbatches=num_microbatches,
-            num_ranks=num_ranks,
-            stage_to_rank=stage_to_rank,
-            actions=rows,
-        )
-    )
+    return validated(name, num_microbatches, stage_to_rank, rows)
 
 
 GRIDS = (0.05, 0.1, 0.2)
@@ -406,16 +398,9 @@ def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) 
         strict=True,
     )
     stage_to_rank = _v_stage_to_rank(num_ranks)
-    schedule = Schedule(
-        name="dualpipev",
-        num_stages=2 * num_ranks,
-        num_microbatches=num_microbatches,
-        num_ranks=num_ranks,
-        stage_to_rank=stage_to_rank,
-        actions=rows,
-        overlapped=pairs if fuse_pairs else (),
+    return validated(
+        "dualpipev", num_microbatches, stage_to_rank, rows, pairs if fuse_pairs else ()
     )
-    return validate(schedule)
 
 
 def _dualpipe_v_row(
