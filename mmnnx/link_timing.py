@@ -91,8 +91,7 @@ def measure_link(
 
 
 def _vector(nbytes: int, *layouts: Any) -> tuple[int]:
-    """The shape of a float32 vector of about ``nbytes`` that each of ``layouts`` splits
-    evenly."""
+    """The shape of a float32 vector of about ``nbytes`` each of ``layouts`` splits evenly."""
     whole = 1 << 20
     parts = math.lcm(*(whole // layout.shard_shape((whole,))[0] for layout in layouts))
     return (max(nbytes // 4 // parts, 1) * parts,)
@@ -145,8 +144,7 @@ def _zeros(shape: tuple[int, ...], sharding: Any) -> jax.Array:
 
 
 def _round_trip(there: RoutePlan, back: RoutePlan, value: jax.Array | None) -> None:
-    """This process's part of ``value`` sent along ``there`` and back along ``back``, each
-    arrival waited for."""
+    """``value`` sent along ``there`` and back along ``back``, each arrival waited for."""
     arrived = there(value, transport())
     if arrived is not None:
         arrived.block_until_ready()

@@ -52,8 +52,7 @@ class _Calls:
 
 
 def _recording_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__call__`` (of ``cls.__call__``'s signature, which Flax
-    reads) records its inputs and outputs while tabulating."""
+    """A subclass of ``cls`` whose ``__call__`` records its inputs and outputs."""
     sub = _RECORDING.get(cls)
     if sub is None:
 
@@ -77,8 +76,7 @@ def _recording_class(cls: type) -> type:
 
 
 def _describe(args: Any, kwargs: dict[str, Any] | None = None) -> str:
-    """Shapes of ``args`` (a pytree) then ``name=...`` per keyword; graph nodes (an ``nnx.Rngs``,
-    a cache Module) by their type name."""
+    """Shapes of ``args`` then ``name=...`` per keyword; graph nodes by their type name."""
 
     def text(tree: Any) -> str:
         leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
@@ -247,8 +245,7 @@ EXPERT = "expert"  # the logical name of a mixture's expert dimension (mmnnx.mod
 
 
 def _expert_split(variable: nnx.Variable, shape: tuple, sharding: Any) -> tuple | None:
-    """``(experts, mesh axes, expert-parallel size)`` of a Variable with an ``expert`` logical
-    dimension (aligned with the last dimensions), ``None`` for any other."""
+    """``(experts, mesh axes, EP size)`` of a Variable with an ``expert`` dimension, else None."""
     names = tuple(variable.get_metadata().get("out_sharding") or ())
     if EXPERT not in names or len(names) > len(shape):
         return None

@@ -294,8 +294,7 @@ def plot_timeline(
 def _draw_transfers(
     ax: Axes, grouped: dict[str, list[TimelineEvent]], names: list[str], origin: float, scale: float
 ) -> float:
-    """Draws each transfer as a thin bar under its row; returns how far below the last row's
-    box the bars reach (0 without transfers)."""
+    """Draws the transfers under their rows; returns how far below the last row they reach."""
     placed = [
         (y, event)
         for y, name in enumerate(names)

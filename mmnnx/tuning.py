@@ -135,8 +135,7 @@ def _built(name: str, num_stages: int, m: int, virtual: int, stage_cost: Any) ->
 
 
 def _fits(name: str, measured: sched.Schedule, virtual: int, stage_home: Sequence[str]) -> bool:
-    """Whether schedule ``name`` places the step's stages on ranks as the step's tasks hold them,
-    and is not merely a plain schedule again."""
+    """Whether schedule ``name`` places the stages as the tasks hold them (and is not plain)."""
     if virtual == 1 and name.startswith("interleaved"):
         return False
     try:
@@ -166,8 +165,7 @@ def _same_ranks(stage_to_rank: Sequence[int], stage_home: Sequence[str]) -> bool
 def _peak_held(
     events: Sequence[sched.Event], held: dict[int, float], stage_home: Sequence[str]
 ) -> dict[str, float]:
-    """Most activation bytes each home task holds at once, a stage's ``held[stage]`` per
-    microbatch from its F to its B (or W)."""
+    """Most activation bytes each home task holds at once, from an F to its B (or W)."""
     changes = []
     for e in events:
         if e.kind == "F":

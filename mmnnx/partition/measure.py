@@ -137,8 +137,7 @@ def _device_bytes(x: Any) -> int:
 
 
 def _held_bytes(forward: Callable, args: tuple, vjp: Any, num_out: int) -> int:
-    """The bytes per device of the backward closure ``vjp``'s residuals, less the Variables
-    it reads as they are (held anyway)."""
+    """The bytes per device of ``vjp``'s residuals but the Variables it reads as they are."""
     closed = jax.make_jaxpr(forward)(*args)
     state_vars = closed.jaxpr.invars[: len(jax.tree.leaves(args[:2]))]
     residuals = closed.jaxpr.outvars[num_out:]
@@ -177,8 +176,7 @@ def _placed(state: Any, shardings: dict[tuple, NamedSharding], rng: np.random.Ge
 
 
 def _input(aval: Any, task: Task, rows: int, rng: np.random.Generator) -> jax.Array:
-    """An input array on ``task`` (``aval``'s values, else drawn), split over the task's
-    ``batch`` axis when its leading axis is ``rows``."""
+    """An input on ``task``, split over its ``batch`` axis where its leading axis is ``rows``."""
     value = aval if isinstance(aval, jax.Array | np.ndarray) else _drawn(aval, rng, scale=1.0)
     spec = PartitionSpec()
     if aval.ndim and aval.shape[0] == rows:
@@ -192,8 +190,7 @@ def _input(aval: Any, task: Task, rows: int, rng: np.random.Generator) -> jax.Ar
 
 
 def _drawn(aval: Any, rng: np.random.Generator, *, scale: float) -> Any:
-    """Values of ``aval``'s shape and dtype: normal times ``scale`` for floats, ones for
-    booleans, zeros otherwise."""
+    """Values of ``aval``'s shape and dtype: normal times ``scale``, ones, or zeros."""
     dtype = aval.dtype
     if jnp.issubdtype(dtype, jnp.floating):
         drawn = rng.standard_normal(aval.shape, dtype=np.float32) * scale

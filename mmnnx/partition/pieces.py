@@ -116,8 +116,7 @@ def _arrays(tree: Any) -> tuple[list, Callable[[Sequence], Any]]:
 
 
 class Model:
-    """``model`` split as the planner times it: the groups before and after the layers and each
-    layer, each as an ``nnx.State`` of its own."""
+    """``model`` split as the planner times it, each group an ``nnx.State`` of its own."""
 
     def __init__(self, model: Any, found: Layers, wrt: Any):
         self.found = found
@@ -154,8 +153,7 @@ class Model:
         return model
 
     def record(self, loss_fn: Callable, batch: Any) -> list[Call]:
-        """How ``loss_fn(model, batch)`` calls each layer, traced abstractly; a ValueError
-        unless each is called once, in order."""
+        """How ``loss_fn(model, batch)`` calls each layer (each once, in order)."""
         calls: list[tuple[int, Call]] = []
 
         def hook(i: int, method: str, args: Any, kwargs: Any, inner: Any) -> Any:

@@ -129,8 +129,7 @@ def partition(
 
 
 def _equal_to(best: Split, candidates: Sequence[Split], n: int) -> Split | None:
-    """The candidate with as many of the ``n`` layers on every stage as it can, under
-    ``best``'s schedule, microbatch count and stages per task."""
+    """The equal split under ``best``'s schedule, microbatch count and stages per task."""
     same = (best.schedule, best.num_microbatches, best.virtual_stages)
     return next(
         (
@@ -267,8 +266,7 @@ def _measure_all(
     tasks: Sequence[Task],
     **options: Any,
 ) -> dict[tuple[str, int], list[Timing]]:
-    """The timings of every piece of ``parts`` (per microbatch rows), per (task name, rows),
-    each timed on the first task of each signature."""
+    """Every piece's timings per (task name, rows), timed once per task signature."""
     launches = options.pop("launches")
     firsts = _firsts(tasks)
     every = {}

@@ -198,8 +198,7 @@ def _minimax(profile: Profile, m: int, count: int) -> tuple[int, ...]:
 def _climb(
     start: tuple[int, ...], score: Callable[[Sequence[int]], Split], ends: tuple[bool, bool]
 ) -> None:
-    """Moves one boundary of ``start`` by one layer at a time, to the fastest neighbour, while
-    the simulated step gets faster."""
+    """Moves one boundary at a time to the fastest neighbour while the step gets faster."""
     current = score(start)
     while current.predicted_seconds is not None:
         sizes = list(current.sizes)

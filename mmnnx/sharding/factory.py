@@ -86,8 +86,7 @@ def _computed(flat: list[tuple[Path, Any]]) -> list[tuple[Path, jax.Array]]:
 
 
 def _abstract(leaf: Any, shape: jax.ShapeDtypeStruct | None) -> Any:
-    """A flat-state leaf with its value replaced by ``shape`` (``None``: kept), copied out of the
-    trace."""
+    """A flat-state leaf, its value replaced by ``shape`` (``None``: kept), out of the trace."""
     if is_variable(leaf):
         return leaf.replace() if shape is None else leaf.replace(shape)
     return leaf if shape is None else shape

@@ -151,8 +151,7 @@ def _plan(
     strict: bool,
     warn_at: int,
 ) -> list[Assignment]:
-    """:func:`plan_placement` of ``variables``; a rule that places nothing is warned about at
-    the caller ``warn_at`` frames up."""
+    """:func:`plan_placement` of ``variables``, warning ``warn_at`` frames up."""
     compiled = compile_rules(rules)
     _check_tasks(compiled)
     assignments: list[Assignment] = []
@@ -345,8 +344,7 @@ def _placeholder_for(a: Assignment) -> jax.Array:
 
 
 def _build_here(traced: Any, wanted: list[int], shardings: list[Any]) -> list[Any]:
-    """The traced factory's outputs ``wanted``, computed on this process's first device and
-    moved to their shardings (``None``: left there) in batches of ``_UNPLACED_BYTES``."""
+    """The factory's outputs ``wanted``, made here and moved in batches of ``_UNPLACED_BYTES``."""
     at = {i: k for k, i in enumerate(wanted)}
     values: list[Any] = [None] * len(wanted)
     pending: list[int] = []

@@ -84,8 +84,7 @@ def _owner_of(eqn: jcore.JaxprEqn, owner: dict[Any, Any]) -> Any:
 
 
 def _owners(jaxpr: jcore.Jaxpr, outputs: Sequence[tuple[int, Any]]) -> dict[Any, Any]:
-    """Maps each value of ``jaxpr`` that ``outputs`` (index, value) need to the one output that
-    reads it, or to ``_SHARED``."""
+    """Maps each value ``outputs`` need to the one output reading it, or ``_SHARED``."""
     owner: dict[Any, Any] = {}
 
     def claim(v: Any, who: Any) -> None:

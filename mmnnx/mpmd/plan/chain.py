@@ -91,8 +91,7 @@ def not_a_chain(
     producer: Mapping[int, Op],
     names: Mapping[int, str],
 ) -> MPMDError:
-    """The error for a forward pass that runs on several tasks at one ``depth``, of which
-    ``again`` run at other depths too."""
+    """The error for a forward pass that runs on several tasks at one ``depth``."""
     tasks = ", ".join(sorted(t.name for t in ops_at)) or "no task"
     hint = (
         f" (the forward pass visits {', '.join(sorted(t.name for t in again))} more than once; "

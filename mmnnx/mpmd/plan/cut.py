@@ -52,8 +52,7 @@ def kinds_of(ops: Sequence[Op], after_backward: set[int]) -> tuple[str, ...]:
 
 
 def after_backward(graph: Graph) -> frozenset[int]:
-    """Indices of the non-backward ops that depend on a backward op (optimizer updates), cached
-    per list of ops."""
+    """The non-backward ops that depend on a backward op (updates), cached per list of ops."""
     cached = graph._after_backward
     if cached is not None and cached[0] is graph.ops and cached[1] == len(graph.ops):
         return cached[2]
@@ -139,8 +138,7 @@ def make_fragment(
     kinds: tuple[str, ...],
     consumers: dict[int, list[Op]] | None = None,
 ) -> Fragment:
-    """A fragment of ``ops``; its outputs are the values another op (by ``consumers``, default
-    the graph's) or the step's result reads."""
+    """A fragment of ``ops``, its outputs what another op or the step's result reads."""
     inside = {op.index for op in ops}
     consumers = graph.consumers() if consumers is None else consumers
     graph_outputs = {a for a in graph.outputs if isinstance(a, int)}
@@ -264,8 +262,7 @@ def cut(
     suffix: str = "",
     free_inputs: set[int] | None = None,
 ) -> list[Fragment]:
-    """Groups ``ops`` (default: all) into fragments keyed by (cross-task depth, task), in a valid
-    dispatch order, cheap slicing of ``free_inputs`` recomputed in each that reads it."""
+    """Groups ``ops`` (default: all) into fragments by (cross-task depth, task), in order."""
     ops = list(graph.ops if ops is None else ops)
     replicas = _input_slicing(graph, ops, free_inputs or set())
     replica_ids = {op.index for op in replicas}

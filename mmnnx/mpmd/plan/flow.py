@@ -18,8 +18,7 @@ from mmnnx.sharding import Task
 def follow_the_flow(
     graph: Graph, region: list[Op], op_tasks: Sequence[Task], pinned: AbstractSet[int]
 ) -> list[Task]:
-    """``op_tasks`` with the ops that read no placed state moved onto the stage their data comes
-    from where the colouring put them on a stage that runs earlier in their pass."""
+    """``op_tasks``, ops reading no placed state moved onto the stage their data comes from."""
     moved = list(op_tasks)
     updates = after_backward(graph)
     movable = [op for op in region if op.index not in pinned and op.index not in updates]

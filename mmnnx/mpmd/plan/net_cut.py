@@ -98,8 +98,7 @@ class NetCut:
         return int(self.weight[pairs // len(self.tasks)].sum())
 
     def expand(self, alpha: int) -> bool:
-        """Switches the cheapest set of free ops to task number ``alpha`` (min cut); ``True``
-        when it lowered the bytes crossing tasks."""
+        """Switches the cheapest free ops to task ``alpha``; ``True`` if fewer bytes cross."""
         movable = self.free & (self.labels != alpha)
         n = int(movable.sum())
         if not n:

@@ -301,8 +301,7 @@ def stage_fragments(
     replicable: list[Op],
     names: Mapping[int, str] | None = None,
 ) -> tuple[dict[tuple[str, int], Fragment], list[Task]]:
-    """Each op of ``region`` in its stage's ``F`` or ``B`` fragment, ``replicable`` ops
-    recomputed where they are read; and the task of each stage."""
+    """Each op of ``region`` in its stage's F or B fragment; and the task of each stage."""
     names = names or {}
     level, late = forward_levels(graph, region, op_tasks)
     updates = after_backward(graph)
@@ -466,8 +465,7 @@ def split_backward(
     op_tasks: Sequence[Task],
     split: frozenset[int],
 ) -> dict[tuple[str, int], Fragment]:
-    """Zero-bubble: the backward of each stage in ``split`` also gets an I fragment (what the
-    previous stage waits for) and a W fragment; its B fragment stays."""
+    """Zero-bubble: each split stage's backward also as an I fragment and a W fragment."""
     out: dict[tuple[str, int], Fragment] = dict(stages)
     consumers = graph.consumers()
     in_stage = {op.index for frag in stages.values() for op in frag.ops}
@@ -513,8 +511,7 @@ def split_backward(
 def _input_gradient_ops(
     critical: set[int], producer: dict[int, Op]
 ) -> tuple[set[int], dict[int, list[bool]]]:
-    """The ops an I pass runs to make the ``critical`` values, and which results of each scan
-    split in two (:func:`split_scan`) it needs."""
+    """The ops an I pass runs for ``critical``, and the results of each split scan it needs."""
     needed: set[int] = set()
     scans: dict[int, list[bool]] = {}
     whole: set[int] = set()  # scans the I pass runs whole

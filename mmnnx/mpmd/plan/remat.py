@@ -86,8 +86,7 @@ def _recomputable(
     excluded: set[int],
     elsewhere: set[int],
 ) -> tuple[set[int], set[int]]:
-    """The values of ``forward`` its ``backward`` fragments may remake, and the residuals they
-    read as they are (with :func:`_operands_to_hold`'s)."""
+    """The values ``backward`` may remake from ``forward``'s, and the residuals it keeps."""
     read_back = {v for frag in backward for v in frag.in_ids}
     held: set[int] = set()
     while True:
@@ -140,8 +139,7 @@ def _operands_to_hold(
     excluded: set[int],
     elsewhere: set[int],
 ) -> set[int]:
-    """The values not available to the backward that, kept, would let it remake two or more
-    kept residuals no larger than them together."""
+    """The values that, kept, would let the backward remake two or more kept residuals."""
     saves: dict[int, list[int]] = {}
     for op in forward.ops:
         ins = [a for a in op.ins if isinstance(a, int)]

@@ -46,8 +46,7 @@ class Expansion:
     )
 
     def expand_inputs(self, items: Sequence[Any], chunk: Any) -> list[Any]:
-        """``items`` with each stacked input's replaced by ``chunk(item, task, index, home)``
-        for each task of its stack."""
+        """``items`` with each stacked input's item replaced by one ``chunk(...)`` per task."""
         return _expand(items, self.inputs, chunk)
 
     def expand_outputs(self, items: Sequence[Any], chunk: Any) -> list[Any]:

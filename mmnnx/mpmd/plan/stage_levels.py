@@ -156,8 +156,7 @@ on task 't2') reads the result of `dot_general` at model.py:7 (...stage 1, on ta
 def forward_levels(
     graph: Graph, region: list[Op], op_tasks: Sequence[Task], raw: dict[int, int] | None = None
 ) -> tuple[dict[int, int], set[int]]:
-    """The forward depth of each op of ``region`` (``raw``: cross-task depths, computed if not
-    given), and the ops read by the backward pass only."""
+    """The forward depth of each op of ``region``, and the ops only the backward reads."""
     if raw is None:
         raw = levels(graph, region, op_tasks, inputs_movable=False)
     level, late = join_consumers(graph, region, op_tasks, raw)

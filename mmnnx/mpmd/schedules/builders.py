@@ -28,8 +28,7 @@ def need_enough_microbatches(name: str, num_microbatches: int, depth: int, what:
 
 
 def need_whole_groups(name: str, num_microbatches: int, num_ranks: int) -> None:
-    """Raises a ValueError (naming schedule ``name``) unless ``num_ranks`` divides
-    ``num_microbatches``."""
+    """Raises a ValueError unless ``num_ranks`` divides ``num_microbatches``."""
     if num_microbatches % num_ranks:
         raise ValueError(
             f"{name} sends microbatches through in groups of num_ranks={num_ranks}: "

@@ -288,8 +288,7 @@ class Timed(NamedTuple):
 
 
 def _dependencies(action: Action, num_stages: int, present: Container[tuple]) -> list[Action]:
-    """The actions whose results ``action`` consumes (its rank's earlier actions aside), among
-    those whose :func:`_key` is in ``present``."""
+    """The actions among ``present`` whose results ``action`` consumes."""
     return [Action(*need) for need in _needs(*_key(action), num_stages, present)]
 
 
@@ -499,8 +498,7 @@ def _check_structure(schedule: Schedule) -> None:
 
 
 def _check_pairs(schedule: Schedule) -> None:
-    """Each overlapped pair: two adjacent actions of one rank, of different microbatches (so
-    neither needs the other), in no other pair."""
+    """Each overlapped pair: adjacent actions of different microbatches, in no other pair."""
     if len(schedule.overlapped) != schedule.num_ranks:
         raise ValueError(
             f"overlapped has {len(schedule.overlapped)} rows for {schedule.num_ranks} ranks"

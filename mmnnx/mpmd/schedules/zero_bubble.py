@@ -196,8 +196,7 @@ def _durations(name: str, costs: Costs | None) -> Callable[[str, int], float]:
 
 
 def _critical_paths(num_stages: int, cost: Callable[[str, int], float]) -> dict[tuple, float]:
-    """Per ``(kind, stage)``: the pass's duration plus the longest chain of passes that wait on
-    it."""
+    """Per ``(kind, stage)``: its duration plus the longest chain of passes waiting on it."""
     after: dict[tuple, float] = {}
     for s in range(num_stages):
         after["W", s] = cost("W", s)
