@@ -103,8 +103,7 @@ def _abstract(x: Any) -> Any:
 def _trace_calls(
     model: Any, args: tuple, kwargs: dict[str, Any], method: str | Callable[..., Any]
 ) -> dict[Path, tuple]:
-    """Runs ``model.<method>(*args, **kwargs)`` (or ``method(model, ...)``) abstractly, array
-    leaves traced; returns ``{module path: (order, inputs, outputs)}``."""
+    """Runs ``model.<method>(...)`` abstractly; returns ``{module path: (order, ins, outs)}``."""
     graphdef, state = nnx.split(model)
     abstract_state = jax.tree.map(_abstract, state)
     names = list(kwargs)  # unflattening a dict would sort the keywords

@@ -149,8 +149,7 @@ def _fits(name: str, measured: sched.Schedule, virtual: int, stage_home: Sequenc
 def _places_like(
     stage_to_rank: Sequence[int], measured: sched.Schedule, stage_home: Sequence[str]
 ) -> bool:
-    """Whether a schedule with ``stage_to_rank`` runs the step's stages as placed: two stages
-    share a rank exactly when they share devices, or when they do in the step's own schedule."""
+    """Whether two stages share a rank exactly when they share devices (or did in the step)."""
     return _same_ranks(stage_to_rank, stage_home) or _same_ranks(
         stage_to_rank, measured.stage_to_rank
     )

@@ -115,8 +115,7 @@ def launch_seconds(task: Task, repeats: int = 5) -> float:
 
 
 def _seconds(fn: Callable, args: tuple, repeats: int, samples: int = 5) -> float:
-    """Seconds per call of ``fn(*args)``: the median over ``samples`` of ``repeats`` calls
-    issued back to back and waited for at the end, after one that compiles it."""
+    """Seconds per call of ``fn(*args)``: the median of ``samples`` runs of ``repeats`` calls."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(samples):

@@ -160,8 +160,7 @@ def _send(profile: Profile, source: str, target: str, nbytes: int) -> float:
 
 
 def search(options: Sequence[Option], microbatches: Sequence[int], profile: Profile) -> list[Split]:
-    """Every candidate simulated (see the module docstring; the equal split always), fastest
-    first, those that cannot run last."""
+    """Every candidate simulated, fastest first, those that cannot run last."""
     n = profile.num_layers
     found: dict[tuple, Split] = {}
 

@@ -108,8 +108,7 @@ _CONE_PROGRAMS_KEPT = 1024
 
 
 def _cone_program(eqns: Sequence[jcore.JaxprEqn], out: Any) -> tuple[Callable, list]:
-    """A jitted function computing ``out`` by ``eqns`` from the values they read but do not
-    make (shared by equal structures), and those values."""
+    """A jitted function computing ``out`` by ``eqns`` from the values it reads, and those."""
     made = {o for e in eqns for o in e.outvars}
     reads = list(
         dict.fromkeys(

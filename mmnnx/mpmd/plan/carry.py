@@ -111,8 +111,7 @@ class Carry:
 
 
 def carry_of(graph: Graph) -> Carry:
-    """The carry of ``graph``, each ``chain_out`` paired with the ``chain_in`` of its slot its
-    value is computed from; raises an ``MPMDError`` where not exactly one."""
+    """The carry of ``graph``, each ``chain_out`` paired with its slot's ``chain_in``."""
     starts = {op.outs[0]: op for op in graph.ops if marker_kind(op) == "chain_in"}
     pairs: dict[int, tuple[int, int | None]] = {v: (op.ins[0], None) for v, op in starts.items()}
     by_slot: dict[int, set[int]] = {}

@@ -33,8 +33,7 @@ def colour(
     tasks: Sequence[Task],
     regions: dict[str, Task] | None = None,
 ) -> Colouring:
-    """The task of every op in ``graph.ops``, given the step's ``inputs`` and ``outputs`` (one
-    record per graph input and output) and ``regions`` (``mm.task`` region name -> task)."""
+    """The task of every op, given one record per graph input and output and the regions."""
     regions = regions or {}
     placed = {v: i.task for v, i in zip(graph.inputs, inputs, strict=True) if i.task is not None}
     names = {v: i.name for v, i in zip(graph.inputs, inputs, strict=True)}

@@ -35,8 +35,7 @@ def _forward_flow(
     op_tasks: list[Task],
     pinned: AbstractSet[int],
 ) -> None:
-    """Each movable forward op on a task first visited before its latest operand's moves to that
-    operand's task; one no fixed op feeds, on a task never visited, to the first stage's."""
+    """Moves each movable forward op to its latest operand's task where that is visited later."""
     depths = pinned_depths(graph, forward, op_tasks, pinned)
     start = min(depths.first, key=depths.first.get, default=None)
     for op in movable:

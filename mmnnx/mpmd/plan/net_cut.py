@@ -216,8 +216,7 @@ class _Members:
 def _source_side(
     rows: np.ndarray, cols: np.ndarray, caps: np.ndarray, size: int, source: int
 ) -> np.ndarray:
-    """Which of ``size`` nodes a minimum cut between ``source`` and the next node (the sink)
-    leaves on the source's side; capacities scaled to int32, each at least 1."""
+    """Which of ``size`` nodes a min cut from ``source`` to ``source + 1`` leaves on its side."""
     from scipy.sparse import csr_matrix  # noqa: PLC0415  (slow to import: only for a cut)
     from scipy.sparse.csgraph import breadth_first_order, maximum_flow  # noqa: PLC0415
 

@@ -72,15 +72,12 @@ class Expansion:
         out: list[Any] = []
         i = 0
         for home in self.outputs:
-            if home is None:
-                out.append(results[i])
-                i += 1
-            else:
-                k = len(home[0].tasks)
-                chunks = list(results[i : i + k])
-                out.append(home[0].join(chunks, home[1]))
+            k = 1 if home is None else len(home[0].tasks)
+            chunks = list(results[i : i + k])
+            out.append(chunks[0] if home is None else home[0].join(chunks, home[1]))
+            if home is not None:
                 self._remember(out[-1], chunks)
-                i += k
+            i += k
         return out
 
     def _remember(self, joined: Any, chunks: list) -> None:

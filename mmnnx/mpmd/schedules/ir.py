@@ -375,8 +375,7 @@ def run_program(
     duration: Callable[[Action], float],
     pair_duration: Callable[[Action, Action], float | None],
 ) -> list[Timed]:
-    """One program (an action, or an overlapped pair) run on ``rank`` from ``start``, a pair's
-    ``pair_duration`` shared in proportion to its actions' own."""
+    """One program (an action, or an overlapped pair) run on ``rank`` from ``start``."""
     durations = [duration(action) for action in actions]
     whole = pair_duration(*actions) if len(actions) == 2 else None
     if whole is not None:
