@@ -179,8 +179,7 @@ def _devices_text(mesh) -> str:
 
 
 def _device_list(devices, *, runs: bool = True) -> str:
-    """``devices`` by their indices in ``jax.devices()`` (as ``mm.TaskMesh`` takes them),
-    consecutive ones as ``first-last`` when ``runs``, then any processes holding them."""
+    """``devices`` by their indices in ``jax.devices()``, then any processes holding them."""
     devices = list(devices)
     position = {d: i for i, d in enumerate(jax.devices())}
     ids = sorted(position[d] for d in devices)

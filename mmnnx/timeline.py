@@ -390,7 +390,14 @@ def _event(index: int, item: Any) -> TimelineEvent:
         raise ValueError(
             f"event {index} ({item!r}) ends before it starts: end {end} < start {start}"
         )
-    return TimelineEvent(row, str(item.kind), item.stage, item.microbatch, start, end)
+    return TimelineEvent(
+        row=row,
+        kind=str(item.kind),
+        stage=item.stage,
+        microbatch=item.microbatch,
+        start=start,
+        end=end,
+    )
 
 
 def _row_name(key: Any, where: str) -> str:

@@ -24,8 +24,7 @@ HEAD = "head + loss"
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """How the loss function called one layer: the method (``"__call__"``, ``"forward"``),
-    its ``(args, kwargs)`` and what it returned, every array as a ``ShapeDtypeStruct``."""
+    """How the loss function called one layer: method, ``(args, kwargs)`` and output."""
 
     method: str
     inputs: Any

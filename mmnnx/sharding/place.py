@@ -56,8 +56,7 @@ class Assignment:
 
 
 def _stack_spec(rule: PlacementRule, path: Path, variable: nnx.Variable) -> PartitionSpec:
-    """The spec of each chunk of a stacked Variable, whose leading axis is split over tasks;
-    logical names given for one layer get a leading ``None``."""
+    """The spec of each chunk of a stacked Variable (a leading ``None`` added if needed)."""
     stack = rule.task
     ndim = len(variable.get_value().shape)
     where = f"stacked Variable {path_str(path)!r} on tasks {stack.name!r}"

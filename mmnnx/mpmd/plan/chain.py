@@ -68,8 +68,7 @@ def describe(
     producer: Mapping[int, Op],
     names: Mapping[int, str],
 ) -> str:
-    """``"the forward pass runs on t0 -> t1 -> t0"``, and for each stage on a task an earlier
-    stage ran on, the :func:`culprit` of its forward ops (``stage_ops``, one list per stage)."""
+    """The stage chain in words, with the :func:`culprit` of each return to a task."""
     chain = " -> ".join(t.name for t in stage_tasks)
     returns = [
         f"stage {s} comes back to {task.name} for {culprit(stage_ops[s], producer, names)}"

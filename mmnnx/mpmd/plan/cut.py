@@ -31,8 +31,7 @@ class Fragment:
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """A value moved to ``target`` (from ``source``; ``None`` for an input not yet on any task).
-    ``sharding``: its layout on ``target``, ``None`` until compiled where the compiler chooses."""
+    """A value moved to ``target`` (``sharding``: its layout there, once compiled)."""
 
     value: int
     source: Task | None

@@ -102,8 +102,7 @@ def _backward_flow(graph: Graph, region: list[Op], movable: list[Op], op_tasks: 
 
 @dataclasses.dataclass(frozen=True)
 class PinnedDepths:
-    """Counted over the pinned ops: ``sources[v]``, each task whose pinned ops ``v`` is computed
-    from (through unpinned ops) -> the deepest's depth; ``first[t]``, task ``t``'s first visit."""
+    """Per value, each pinned task it comes from and its depth; per task, its first visit."""
 
     sources: dict[int, dict[Task, int]]
     first: dict[Task, int]

@@ -177,8 +177,7 @@ _NEW = 2**40  # hubs are numbered from here until _move_edges renumbers them
 
 @dataclasses.dataclass
 class _Members:
-    """Groups of a move's readers; ``fixed``: per group, whether a reader is fixed where the
-    charge asks. ``switch``: a group is charged when a reader switches, not stays."""
+    """Groups of a move's readers, charged when a reader stays (``switch``: switches)."""
 
     group: np.ndarray
     free: np.ndarray

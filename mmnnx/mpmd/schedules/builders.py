@@ -42,17 +42,19 @@ def _looped_stages(rank: int, num_ranks: int, virtual_stages: int) -> list[int]:
 
 
 def validated(
-    name: str,
-    num_microbatches: int,
-    stage_to_rank: Sequence[int],
-    rows: Sequence,
-    overlapped: Sequence = (),
+    name: str, num_microbatches: int, stage_to_rank: Sequence[int], rows: Sequence, overlapped=()
 ) -> Schedule:
     """The validated schedule of ``rows`` (one per rank), stage ``s`` on ``stage_to_rank[s]``."""
     stage_to_rank = tuple(stage_to_rank)
     return validate(
         Schedule(
-            name, len(stage_to_rank), num_microbatches, len(rows), stage_to_rank, rows, overlapped
+            name=name,
+            num_stages=len(stage_to_rank),
+            num_microbatches=num_microbatches,
+            num_ranks=len(rows),
+            stage_to_rank=stage_to_rank,
+            actions=rows,
+            overlapped=overlapped,
         )
     )
 

@@ -46,8 +46,7 @@ Builder = Callable[[int, int, int], Schedule]
 
 @dataclasses.dataclass(frozen=True)
 class RegisteredSchedule:
-    """One schedule name: its builder, how it places stages on ranks, and whether the builder
-    orders its passes for given ``costs``."""
+    """One schedule name: its builder, its placement, whether it takes ``costs``."""
 
     name: str
     builder: Callable[..., Schedule]
@@ -61,8 +60,7 @@ class RegisteredSchedule:
         virtual_stages: int,
         costs: Mapping[Any, float] | None = None,
     ) -> Schedule:
-        """Calls the builder as :attr:`placement` says, after checking ``virtual_stages`` and
-        ``costs`` (:class:`CostsNotUsed`); :func:`get` checks the result."""
+        """Calls the builder as :attr:`placement` says, ``virtual_stages`` and ``costs`` checked."""
         sizes = (num_stages, num_microbatches, virtual_stages)
         self.placement.check(self.name, *sizes)
         if self.placement.order(virtual_stages) is None:
@@ -115,8 +113,7 @@ def _takes_costs(builder: Callable[..., Schedule]) -> bool:
 
 
 def _check_signature(name: str, builder: Callable[..., Schedule]) -> None:
-    """Raises a TypeError naming the schedule when ``builder`` cannot be called as
-    ``builder(num_stages, num_microbatches, virtual_stages)`` (with ``costs=`` if it has one)."""
+    """Raises a TypeError unless ``builder`` can be called as a :data:`Builder`."""
     try:
         signature = inspect.signature(builder)
     except (TypeError, ValueError):  # a callable whose signature cannot be read: trust it

@@ -242,7 +242,17 @@ def _result(schedule: Schedule, timed: list) -> SimulationResult:
     makespan = max(t.end for t in timed)
     busy = sum(t.end - t.start for t in timed)
     capacity = schedule.num_ranks * makespan
-    events = tuple(Event(t.rank, *dataclasses.astuple(t.action), t.start, t.end) for t in timed)
+    events = tuple(
+        Event(
+            rank=t.rank,
+            kind=t.action.kind,
+            stage=t.action.stage,
+            microbatch=t.action.microbatch,
+            start=t.start,
+            end=t.end,
+        )
+        for t in timed
+    )
     spans: dict[int, list[float]] = {}
     for t in timed:
         first, last, work = spans.setdefault(t.rank, [t.start, t.end, 0])

@@ -219,8 +219,7 @@ def _pick(
     num_microbatches: int,
     critical: dict[tuple, float] | None = None,
 ) -> Action | None:
-    """The ready pass to run: I, then F (memory allowing), then W (or, with ``critical``, the
-    longest path after it); among equals the oldest microbatch, then the deepest stage."""
+    """The ready pass to run: I, then F (memory allowing), then W; or the most critical."""
     last = len(f_end) - 1
 
     def first_ready(kind: str) -> Action | None:
