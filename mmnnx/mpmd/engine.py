@@ -193,13 +193,7 @@ def plan_step(
 ) -> PlannedStep:
     """Plans a traced step (``graph``, with its ``trace`` state) for ``process`` of
     ``num_processes``: one record per graph input and output, in order. ``name``: the step's,
-    for messages. Compiles nothing.
-
-    Example::
-
-        planned = plan_step(graph, trace, inputs, outputs, PlanningOptions())
-        print(planned.plan)
-    """
+    for messages. Compiles nothing."""
     expansion = None
     if any(i.stack is not None for i in inputs):
         graph, expansion = split_stacks(graph, inputs, outputs)

@@ -33,13 +33,7 @@ from mmnnx.mpmd.step_io import StepInput
 
 @dataclasses.dataclass(frozen=True)
 class Passes:
-    """The passes after ``lower`` for one step: :meth:`share` is what ``process`` runs.
-
-    Example::
-
-        passes = Passes.of(lowered, graph, residual_bytes=0, weight_bytes=0, inputs=inputs)
-        program = passes.share(process=0)
-    """
+    """The passes after ``lower`` for one step: :meth:`share` is what ``process`` runs."""
 
     packed: StepProgram  # the lowered program, packed and folded (the same for every process)
     num_processes: int = 1

@@ -68,13 +68,7 @@ def whole_everywhere(
     some task has several devices (on one device every value is whole anyway), the step's
     placed inputs and its outputs' layouts are whole (an unplaced input is put replicated on
     its readers' tasks), and no op splits a value (:func:`_splits`, at any depth; ``task_of``:
-    the task of each op by index).
-
-    Example::
-
-        if whole_everywhere(graph, tasks, inputs, outputs, task_of):
-            ...  # pin every fragment's results replicated on its task
-    """
+    the task of each op by index)."""
     if all(task.jax_mesh.devices.size == 1 for task in tasks):
         return False
     if not all(_whole(i.task_sharding) for i in inputs):

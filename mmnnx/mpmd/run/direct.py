@@ -41,13 +41,7 @@ class DirectSteps:
     """A step's steps as its last checked call ran them: ``ops``, per step, ``(kind, fn, ins,
     outs, drop)`` (``kind`` one of :data:`LAUNCH`, :data:`CALL`, :data:`COPY`, :data:`KEEP`,
     :data:`OTHER`; ``ins`` a getter of the arguments or the source slot, ``outs`` the result
-    slots or the target slot, ``drop`` the slots released after it).
-
-    Example::
-
-        fast = DirectSteps.of(steps, direct, ways, other)
-        fast.run(env)  # env: the step's slots, its inputs and constants written
-    """
+    slots or the target slot, ``drop`` the slots released after it)."""
 
     ops: tuple[tuple, ...]
 

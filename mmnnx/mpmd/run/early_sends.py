@@ -24,12 +24,7 @@ def send_early(steps: Sequence[Any], cross: type, writes: Any) -> list[Any]:
     """``steps`` with each step of kind ``cross`` that only sends (this process holds part of
     its value's source and none of its target) moved up to right after the last earlier step
     that writes its source slot (``writes(step)``: the slots a step writes) or sends to one of
-    the same peers, whichever comes later.
-
-    Example::
-
-        steps = send_early(steps, Cross, _writes)  # emit.py's Cross and the slots a step writes
-    """
+    the same peers, whichever comes later."""
     out: list[Any] = []
     last_write: dict[int, int] = {}  # slot -> index in ``out`` of the step that wrote it last
     last_send: dict[int, int] = {}  # peer -> index in ``out`` of the last send to it

@@ -48,12 +48,7 @@ def _rank(task: Any) -> str:
 
 def stage_outputs(pipeline: Any) -> dict[int, tuple[str, int]]:
     """Value id -> ``(kind, stage)`` of the pipeline stage fragment that makes it (``{}`` for
-    a step with no pipeline).
-
-    Example::
-
-        made_by = stage_outputs(plan.pipeline)  # {value: ("F", 0), ...}
-    """
+    a step with no pipeline)."""
     if pipeline is None:
         return {}
     return {v: key for key, frag in pipeline.stages.items() for op in frag.ops for v in op.outs}
@@ -163,13 +158,7 @@ def emit(
     """The steps of ``program`` (a step's, traced as ``graph``), its programs submitted to
     ``compiler``; ``peers`` carry layouts between processes; ``mover(source, target, value)``
     decides how a value moves between two layouts; ``pipeline``: the step's pipelined plan,
-    whose stages' results crossing between ranks are labelled for timers.
-
-    Example::
-
-        with Compiler(graph) as compiler:
-            emitted = emit(graph, plan.program, compiler, None, mover)
-    """
+    whose stages' results crossing between ranks are labelled for timers."""
     sharding_of = list(program.shardings)
     compiled_of: dict[tuple, Any] = {}
     constants: list[tuple[int, Any]] = []

@@ -38,13 +38,7 @@ def run_step(
     and returns its results (stacked ones joined). A failure raises :class:`StepError` naming
     the step (``name``) and whether ``donated`` inputs were lost; ``deleted()`` is the error
     for an input deleted before the call, or ``None`` (looked for before running with
-    ``look_first``: a donating step must not run on one). ``modes``: the executable's.
-
-    Example::
-
-        results = run_step(executable, leaves, expansion=None, callback_failures=failures,
-                           name="train_step", donated=False, deleted=lambda: None)
-    """
+    ``look_first``: a donating step must not run on one). ``modes``: the executable's."""
     if look_first and (error := deleted()):
         raise error  # before any input is donated
     callback_failures.take()  # from a run that did not check them (a timeline, a tabulate)

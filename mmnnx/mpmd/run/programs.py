@@ -275,13 +275,7 @@ class Compiler:
     reading its results are lowered for them. A program equal to one already compiled for other
     devices loads that one's executable (equal pipeline stages compile once). ``moved``: the
     ids of the ``Lowered`` programs moved from an alike one rather than lowered (kept alive
-    with the compiler, so that no other object takes one of their ids meanwhile).
-
-    Example::
-
-        with Compiler(graph) as compiler:
-            compiling = compiler.submit(compiler.lower_fragments(runs, in_shardings))
-    """
+    with the compiler, so that no other object takes one of their ids meanwhile)."""
 
     def __init__(self, graph: Graph):
         self.graph = graph

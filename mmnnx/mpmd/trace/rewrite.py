@@ -24,12 +24,7 @@ def rewrite(
     closed: jcore.ClosedJaxpr, wanted: Callable[[Eqn], bool], replace: Callable[[Eqn], Eqn]
 ) -> jcore.ClosedJaxpr:
     """``closed`` with every equation ``wanted`` picks, at any depth, replaced by
-    ``replace(eqn)``; ``closed`` itself when there is none.
-
-    Example::
-
-        closed = rewrite(closed, lambda e: e.primitive.name == "debug_callback", quiet)
-    """
+    ``replace(eqn)``; ``closed`` itself when there is none."""
     if not holds(closed.jaxpr, wanted):
         return closed
     return jcore.ClosedJaxpr(_rewrite(closed.jaxpr, wanted, replace), closed.consts)
