@@ -1,8 +1,5 @@
-"""The ``add_releases`` pass: a :class:`Release` after each value's last reader.
-
-The last pass of ``passes.py``: it runs on the program as it will run (packed, localized), so a
-packed buffer is dropped after its last reader and a value this process only sends is dropped
-once sent.
+"""The ``add_releases`` pass: a :class:`Release` after each value's last reader, run last, on
+the program as it will run (packed, localized).
 """
 
 from __future__ import annotations
@@ -41,9 +38,7 @@ def reads_writes(action: Action) -> tuple[Sequence[int], Sequence[int]]:
         return reads, (action.slot,) if action.receives else ()
     if isinstance(action, Constant):
         return (), (action.slot,)
-    if isinstance(action, Zeros):
-        return (), action.slots
-    if isinstance(action, PackWeights):
+    if isinstance(action, Zeros | PackWeights):
         return action.members, action.made
     return (), ()
 
@@ -53,10 +48,8 @@ def _writer_task(action: Action) -> Task | None:
 
 
 def add_releases(program: StepProgram) -> StepProgram:
-    """``program`` with a :class:`Release` after each value's last reader, so activations are
-    freed as soon as the step no longer needs them (the step's inputs and outputs are kept). A
-    value written and never read is dropped right away. Nothing is released between the two
-    runs of an overlapped pair (they are one program)."""
+    """``program`` with a :class:`Release` after each value's last reader (the step's inputs and
+    outputs kept; a value never read dropped at once; nothing between an overlapped pair's runs)."""
     keep = {o.slot for o in program.outputs if isinstance(o, Output) and o.slot is not None}
     keep.update(slot for slot, _ in program.inputs)
     actions = [a for a in program.actions if not isinstance(a, Release)]
