@@ -274,7 +274,7 @@ def plan_packing(
     packing = (
         _residual_packing(program, graph, residual_bytes, input_names, readers)
         if residual_bytes
-        else no_packing(program)
+        else Packing({}, {}, program.num_slots)
     )
     packing = _sum_packing(program, packing, _gathered_sums(program, graph), readers)
     if weight_bytes and input_names:
@@ -561,8 +561,3 @@ def _buffer(
         at.append(Member(slot=member, offset=offset, shape=tuple(shape)))
         offset += math.prod(shape)
     return Buffer(slot=slot, dtype=dtype, members=tuple(at), positions=positions)
-
-
-def no_packing(program: StepProgram) -> Packing:
-    """A program run as lowered: nothing packed."""
-    return Packing({}, {}, program.num_slots)

@@ -43,10 +43,6 @@ def reads_writes(action: Action) -> tuple[Sequence[int], Sequence[int]]:
     return (), ()
 
 
-def _writer_task(action: Action) -> Task | None:
-    return action.target if isinstance(action, Recv | Route) else action.task
-
-
 def add_releases(program: StepProgram) -> StepProgram:
     """``program`` with a :class:`Release` after each value's last reader (the step's inputs and
     outputs kept; a value never read dropped at once; nothing between an overlapped pair's runs)."""
@@ -58,9 +54,10 @@ def add_releases(program: StepProgram) -> StepProgram:
     for i, action in enumerate(actions):
         at = i + 1 if isinstance(action, Run) and action.fused else i
         reads, writes = reads_writes(action)
+        writer = action.target if isinstance(action, Recv | Route) else action.task
         for s in writes:
             last.setdefault(s, at)
-            task_of.setdefault(s, _writer_task(action))
+            task_of.setdefault(s, writer)
         for s in reads:
             last[s] = max(last.get(s, at), at)
     after: dict[int, dict[Task | None, list[int]]] = {}

@@ -217,7 +217,9 @@ class Executable:
             for s in step.drop:
                 env[s] = None
         if checking:
-            self._checked_layouts = self._input_layouts(leaves)
+            values = [leaves[i] for _, i in self._inputs]
+            plain = all(is_plain_array(v) for v in values)
+            self._checked_layouts = tuple(v.sharding for v in values) if plain else None
             self._replay = DirectSteps.of(self._steps, self._direct, ways, self._other)
 
     def _move_way(self, step: Move, value: Any) -> int:
@@ -245,15 +247,6 @@ class Executable:
                 value.block_until_ready()
                 env[step.target] = value
         return value
-
-    def _input_layouts(self, leaves: Sequence[Any]) -> tuple | None:
-        """The layout of each input, or ``None`` if one is not a plain ``jax.Array``."""
-        layouts = []
-        for _, i in self._inputs:
-            if not is_plain_array(leaves[i]):
-                return None
-            layouts.append(leaves[i].sharding)
-        return tuple(layouts)
 
     def _laid_out_as_checked(self, leaves: Sequence[Any]) -> bool:
         """Whether this call may launch programs directly: its inputs are live plain arrays laid out
