@@ -81,11 +81,9 @@ def clear() -> None:
 
 
 class SharedCompiles:
-    """Compiles a step's programs through the process's table of executables, by program and
-    device-free compile options; ``compile(lowered)`` compiles a ``jax.stages.Lowered``.
-    ``loaded``: the ids of the ``Lowered`` programs loaded from an equal one rather than
-    compiled; ``reused``: those taken as an earlier step compiled them for the same devices
-    (each kept alive with this object, so that no other object takes its id meanwhile).
+    """Compiles a step's programs through the process's table of executables. ``loaded``: the ids of
+    the ``Lowered`` programs loaded from an equal one; ``reused``: those an earlier step compiled
+    for the same devices (each kept alive, so that no other object takes its id).
 
     Example:
         >>> import jax, numpy as np
@@ -109,8 +107,7 @@ class SharedCompiles:
         self._alive: list[Any] = []  # the Lowered objects of loaded and reused
 
     def compile(self, lowered: Any) -> Any:
-        """The program ``lowered`` compiled, or loaded from an equal one's executable (waiting
-        for that one if it is compiling on another thread)."""
+        """The program ``lowered`` compiled, or loaded from an equal one's executable."""
         return self._compile(lowered, _Program.of(lowered))
 
     def submit(self, lowered: Any, pool: concurrent.futures.Executor) -> concurrent.futures.Future:
