@@ -195,7 +195,7 @@ def emit(
                 sharding_of[s] = sharding
             labels = tuple((run.label, run.microbatch) for run in runs)
             args = tuple(s for run in runs for s in run.args)
-            steps.append(Launch(compiled, args, results, labels, _rank(action.task)))
+            steps.append(Launch(compiled, args, results, labels=labels, rank=_rank(action.task)))
         elif isinstance(action, Recv | Route):
             source_layout = sharding_of[action.from_slot]
             sharding = action.sharding
@@ -235,9 +235,9 @@ def emit(
                 if isinstance(action, Zeros)
                 else compiler.lower_packing(action, [sharding_of[m] for m in members])
             )
-            steps.append(
-                Launch(compiler.submit(lowered), members, action.made, (), _rank(action.task))
-            )
+            submitted = compiler.submit(lowered)
+            rank = _rank(action.task)
+            steps.append(Launch(submitted, members, action.made, labels=(), rank=rank))
         elif isinstance(action, Constant):
             sharding_of[action.slot] = action.task.sharding()
             constants.append((action.slot, put(jnp.int32(action.value), action.task.sharding())))
