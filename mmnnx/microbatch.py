@@ -366,7 +366,7 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) 
     variables = _variables(args, kwargs)
     before = [_snapshot(v.get_raw_value()) for v in variables]
     kinds = [
-        "sown" if isinstance(b, tuple | dict) else _nnx.state_kind(v)  # under nnx.capture: dicts
+        "sown" if isinstance(b, tuple | dict) else _nnx.state_kind(v)  # dicts: nnx.capture
         for v, b in zip(variables, before, strict=True)
     ]
     with jax.named_scope(f"{GROUP_PREFIX}{group}"):
