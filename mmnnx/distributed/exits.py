@@ -133,8 +133,7 @@ def lost(peer: int) -> None:
 
 
 def _follows_another() -> bool:
-    """Whether this process's failure may follow another's: a transfer from a process failed,
-    or another process has said it failed."""
+    """Whether a transfer from another process failed, or another said it failed."""
     with _lock:
         if _lost:
             return True
@@ -146,9 +145,8 @@ def _follows_another() -> bool:
 
 
 def awaiting(peer: int, message: int, arrays: Sequence[jax.Array]) -> None:
-    """Notes that ``arrays`` are message number ``message`` (0, 1, ...) from ``peer``, on their
-    way: the watch ends this process if ``peer`` leaves without ever offering it. They are
-    held until they are ready (the messages before, found ready, are let go here)."""
+    """Notes that ``arrays`` are message ``message`` from ``peer``, on their way (held until
+    ready): the watch ends this process if ``peer`` leaves without ever offering it."""
     with _lock:
         _awaited[:] = [entry for entry in _awaited if _pending(entry[2])]
         _awaited.append((peer, message, list(arrays)))
@@ -247,9 +245,7 @@ def fail(status: int = 1) -> NoReturn:
             mm.distributed.fail(3)
     """
     if runtime.is_initialized():
-        _announce(FAILED)
-        if _follows_another():
-            time.sleep(_AFTER_S)  # so that the launcher finds the other first
+        _announce_failure()
     _end(status)
 
 
@@ -261,11 +257,9 @@ def _uncaught() -> BaseException | None:
 
 
 def ending_together(status: int) -> None:
-    """Notes that every process of the job ends now, after a step they agreed on (a
-    preemption notice: ``mm.distributed.Preemption``): this process ending with ``status`` is
-    then a normal end, which waits for the others, rather than a failure, which leaves at once
-    (and would make the process holding the coordination service leave first, aborting the
-    others)."""
+    """Notes that every process ends now after a step they agreed on (``Preemption``): ending
+    with ``status`` is then a normal end, waiting for the others (a failure would leave at
+    once, the coordination service's process first, aborting the others)."""
     _together.append(status)
 
 
@@ -284,22 +278,23 @@ def _at_exit() -> None:
         return
     if isinstance(failure, PeerExitedError):
         _fail_after_peer(leaving=not failure.failed)
+    _announce_failure()
+    _end(_status_of(failure))
+
+
+def _announce_failure() -> None:
     _announce(FAILED)
     if _follows_another():
         time.sleep(_AFTER_S)  # so that the launcher finds the other first
-    _end(_status_of(failure))
 
 
 def _status_of(failure: BaseException) -> int:
     """The exit status Python gives an uncaught ``failure``."""
-    if isinstance(failure, SystemExit):
-        code = failure.code
-        return code if isinstance(code, int) else 1
-    return 1
+    code = failure.code if isinstance(failure, SystemExit) else 1
+    return code if isinstance(code, int) else 1
 
 
 def _fail_after_peer(leaving: bool) -> NoReturn:
-    """Fails this process after a peer left, letting that peer end first."""
     _announce(FAILED)
     if leaving:
         _join_shutdown()
@@ -313,7 +308,6 @@ def _announce(how: bytes) -> None:
 
 
 def _wait_for_everyone() -> None:
-    """Until every process has left, one has failed, or ``_EXIT_WAIT_S`` has passed."""
     count = jax.process_count()
     deadline = time.monotonic() + _EXIT_WAIT_S
     while time.monotonic() < deadline:

@@ -34,11 +34,9 @@ def homes_of(values: Sequence[Any], which: Iterable[int], tasks: Iterable[Task])
     by_mesh: dict[Any, Task] = {}
     for task in tasks:
         by_mesh.setdefault(task.jax_mesh, task)
-    homes = {}
-    for i in which:
-        sharding = getattr(values[i], "sharding", None)
-        if isinstance(sharding, NamedSharding) and sharding.is_fully_replicated:
-            task = by_mesh.get(sharding.mesh)
-            if task is not None:
-                homes[i] = task
-    return homes
+    shardings = {i: getattr(values[i], "sharding", None) for i in which}
+    return {
+        i: by_mesh[s.mesh]
+        for i, s in shardings.items()
+        if isinstance(s, NamedSharding) and s.is_fully_replicated and s.mesh in by_mesh
+    }

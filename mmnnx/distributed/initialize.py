@@ -36,12 +36,11 @@ _CLUSTER_VARIABLES = {
 
 
 def _cluster() -> str | None:
-    """The cluster launcher whose environment says there are several processes, if any."""
     for variable, name in _CLUSTER_VARIABLES.items():
         value = os.environ.get(variable)
-        if value is None:
-            continue
-        if variable == "JAX_COORDINATOR_ADDRESS" or (value.isdigit() and int(value) > 1):
+        if value is not None and (
+            variable == "JAX_COORDINATOR_ADDRESS" or (value.isdigit() and int(value) > 1)
+        ):
             return name
     return None
 

@@ -72,8 +72,7 @@ class StepPeers:
         transport().send(peer, arrays)
 
     def receive(self, peer: int, specs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
-        """The arrays, once they have arrived (the runner waits for them anyway: see its
-        ``_Cross``); a failed transfer names ``peer``."""
+        """The arrays, once arrived (the runner waits anyway); a failed transfer names ``peer``."""
         arrays = transport().receive(peer, specs)
         try:
             for array in arrays:

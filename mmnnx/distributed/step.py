@@ -19,10 +19,9 @@ from mmnnx.mpmd.step_io import StepInput
 def peers_for(
     planned: PlannedStep, inputs: Sequence[StepInput], name: str
 ) -> Callable[[], Peers] | None:
-    """What the runner calls, when the step first compiles, for the step's
-    :class:`~mmnnx.distributed.peers.StepPeers` (``None`` in a job of one process); checked
-    now, with no arrays: the collectives the step's tasks need. ``inputs``: the step's, as
-    traced; ``name``: the step's, for messages.
+    """What the runner calls, when the step first compiles, for its
+    :class:`~mmnnx.distributed.peers.StepPeers` (``None`` with one process); the collectives
+    its tasks need are checked now.
 
     Example::
 

@@ -43,11 +43,8 @@ _FAILED = "failed"
 class JobTimeline:
     """Times one step on every process on a common clock; with one process it changes nothing.
 
-    A collective: every process enters it around the same timed step. :meth:`timer` wraps the
-    step's timer so that the step starts on every process at once; :meth:`events` gathers
-    every process's events onto one clock. Leaving with an exception before :meth:`events`
-    tells the others, whose :meth:`events` then raise :class:`MPMDError` naming this process
-    instead of waiting for its events.
+    A collective around the same timed step. Leaving with an exception before :meth:`events`
+    tells the others, whose :meth:`events` then raise :class:`MPMDError` naming this process.
 
     Example (``mm.jit``'s ``timeline``, in jit.py)::
 
@@ -74,9 +71,8 @@ class JobTimeline:
         return self._timer
 
     def events(self, mine: Sequence[Event]) -> list[Event]:
-        """Every process's events (this process's are ``mine``, as :meth:`timer`'s timer gave
-        them), in process order, in seconds since the earliest start of the step on any
-        process. With one process, ``mine`` as they are."""
+        """Every process's events (``mine``: this one's), in process order, in seconds since the
+        earliest start of the step on any process."""
         if not self._several:
             return list(mine)
         if self._timer is None or self._timer.zero is None:
@@ -104,8 +100,8 @@ class JobTimeline:
 
 
 class _StartTogether(Timer):
-    """A timer whose step begins when every process has reached the barrier ``name``: notes
-    the moment it leaves it (``zero``) and hands everything else to ``inner``."""
+    """``inner``, its step begun when every process has reached the barrier ``name`` (left at
+    ``zero``)."""
 
     def __init__(self, inner: Timer, name: str) -> None:
         self.inner = inner
@@ -146,16 +142,11 @@ def _merged(parts: list) -> list[Event]:
             "of the whole job (that process raised the error)"
         )
     first = min(part["offset"] for part in parts)
-    events = []
-    for part in parts:
-        shift = part["offset"] - first
-        for fields in part["events"]:
-            e = Event(*fields)
-            events.append(
-                dataclasses.replace(
-                    e, start=e.start + shift, end=e.end + shift, launched=e.launched + shift
-                )
-            )
+    events = [
+        dataclasses.replace(e, start=e.start + s, end=e.end + s, launched=e.launched + s)
+        for part in parts
+        for s, e in ((part["offset"] - first, Event(*fields)) for fields in part["events"])
+    ]
     return _after_producers(events)
 
 

@@ -110,63 +110,49 @@ def _check(
     port: int | None,
     collectives: str | None,
     max_restarts: int,
+    min_processes: int | None,
     heartbeat_timeout_s: int | None,
-    step_timeout_s: int | None = None,
+    step_timeout_s: int | None,
 ) -> None:
-    """Raises :class:`LaunchError` with one line for the first bad argument."""
-    if num_processes < 1:
-        raise LaunchError(f"mmnnx launch: -n must be at least 1, got {num_processes}")
-    if devices_per_process is not None and devices_per_process < 1:
-        raise LaunchError(
-            f"mmnnx launch: --devices-per-process must be at least 1, got {devices_per_process}"
-        )
-    if port is not None and not 1 <= port <= 65535:
-        raise LaunchError(f"mmnnx launch: --port must be in 1..65535, got {port}")
-    if max_restarts < 0:
-        raise LaunchError(f"mmnnx launch: --max-restarts must be at least 0, got {max_restarts}")
-    if heartbeat_timeout_s is not None and heartbeat_timeout_s < 1:
-        raise LaunchError(
-            f"mmnnx launch: --heartbeat-timeout must be at least 1, got {heartbeat_timeout_s}"
-        )
-    if step_timeout_s is not None and step_timeout_s < 0:
-        raise LaunchError(
-            f"mmnnx launch: --step-timeout must be at least 0 (0: not watched), got "
-            f"{step_timeout_s}"
-        )
-    if collectives is not None and collectives not in COLLECTIVES:
-        raise LaunchError(
-            f"mmnnx launch: --collectives must be one of {', '.join(COLLECTIVES)}, "
-            f"got {collectives!r}"
-        )
-    if not command:
-        raise LaunchError("mmnnx launch: give the command to run after --")
-    if shutil.which(command[0]) is None:
-        why = "not an executable file" if os.sep in command[0] else "no such command"
-        raise LaunchError(f"mmnnx launch: cannot run {command[0]!r}: {why}")
-
-
-def _check_min_processes(min_processes: int | None, num_processes: int, max_restarts: int) -> None:
-    """Raises :class:`LaunchError` for a ``min_processes`` that cannot be: outside 1..N, or
-    below N with too few restarts to ever drop a rank (two failures in a row, then a restart).
+    """Raises :class:`LaunchError` with one line for the first bad argument.
 
     Example:
-        >>> _check_min_processes(3, 2, max_restarts=2)
+        >>> _check(["true"], 2, None, None, None, 2, 3, None, None)
         Traceback (most recent call last):
         ...
         mmnnx.launcher.launch.LaunchError: mmnnx launch: --min-processes must be in 1..2 (-n), got 3
     """
-    if min_processes is None:
-        return
-    if not 1 <= min_processes <= num_processes:
-        raise LaunchError(
-            f"mmnnx launch: --min-processes must be in 1..{num_processes} (-n), got {min_processes}"
-        )
-    if min_processes < num_processes and max_restarts < 2:
-        raise LaunchError(
-            f"mmnnx launch: --min-processes {min_processes} drops a rank that fails first in two "
-            f"attempts in a row, then restarts: it needs --max-restarts 2 or more, got "
-            f"{max_restarts}"
-        )
+    devices, heartbeat, step = devices_per_process, heartbeat_timeout_s, step_timeout_s
+    n, least = num_processes, num_processes if min_processes is None else min_processes
+    program = command[0] if command else ""
+    why = "not an executable file" if os.sep in program else "no such command"
+    problems = (
+        (n < 1, f"-n must be at least 1, got {n}"),
+        (devices is not None and devices < 1, f"--devices-per-process {_least(1, devices)}"),
+        (port is not None and not 1 <= port <= 65535, f"--port must be in 1..65535, got {port}"),
+        (max_restarts < 0, f"--max-restarts {_least(0, max_restarts)}"),
+        (heartbeat is not None and heartbeat < 1, f"--heartbeat-timeout {_least(1, heartbeat)}"),
+        (step is not None and step < 0, f"--step-timeout {_least('0 (0: not watched)', step)}"),
+        (
+            collectives is not None and collectives not in COLLECTIVES,
+            f"--collectives must be one of {', '.join(COLLECTIVES)}, got {collectives!r}",
+        ),
+        (not command, "give the command to run after --"),
+        (shutil.which(program) is None, f"cannot run {program!r}: {why}"),
+        (not 1 <= least <= n, f"--min-processes must be in 1..{n} (-n), got {min_processes}"),
+        (
+            least < n and max_restarts < 2,
+            f"--min-processes {min_processes} drops a rank that fails first in two attempts in "
+            f"a row, then restarts: it needs --max-restarts 2 or more, got {max_restarts}",
+        ),
+    )
+    for bad, problem in problems:
+        if bad:
+            raise LaunchError(f"mmnnx launch: {problem}")
+
+
+def _least(bound: object, value: object) -> str:
+    return f"must be at least {bound}, got {value}"
 
 
 def launch(
@@ -225,10 +211,10 @@ def launch(
         port,
         collectives,
         max_restarts,
+        min_processes,
         heartbeat_timeout_s,
         step_timeout_s,
     )
-    _check_min_processes(min_processes, num_processes, max_restarts)
     job = Membership(num_processes, num_processes if min_processes is None else min_processes)
     interrupts = Interrupts()
     base = dict(os.environ)

@@ -37,13 +37,9 @@ _ON_NOTICE = (128 + signal.SIGTERM, -signal.SIGTERM)  # exit statuses of a proce
 class Outcome:
     """How an attempt ended."""
 
-    status: int
-    """0 when every process succeeded; else the failed process's exit status (128 + signal
-    for one killed by a signal; 1 for one that stopped responding)."""
-    failure: str | None = None
-    """What failed, e.g. ``rank 1 failed first (exit code 3)``; ``None`` when nothing did."""
-    rank: int | None = None
-    """The rank that failed first or stopped responding; ``None`` when nothing failed."""
+    status: int  # 0, or the failed process's (128 + signal; 1 for one that stopped responding)
+    failure: str | None = None  # what failed, e.g. ``rank 1 failed first (exit code 3)``
+    rank: int | None = None  # the rank that failed first or stopped responding
 
 
 def describe(code: int) -> str:
@@ -66,8 +62,7 @@ def _status(code: int) -> int:
 
 
 def _failed(code: int, forwarded: bool) -> bool:
-    """Whether a process that ended with ``code`` failed: ending on a forwarded ``SIGTERM``
-    (a preemption notice) is not a failure."""
+    """Whether ``code`` is a failure: ending on a forwarded ``SIGTERM`` is not."""
     return code != 0 and not (forwarded and code in _ON_NOTICE)
 
 
@@ -223,8 +218,7 @@ class Ranks:
                 return outcome
 
     def _stale(self, watchdog: Watchdog, ended: set[int]) -> Outcome | None:
-        """The attempt's end when ``watchdog`` finds a process that made no progress (of those
-        not ``ended``), after that process has printed its Python stacks."""
+        """The outcome when ``watchdog`` finds a process not ``ended`` stale, its stacks printed."""
         stale = watchdog.stale(ended)
         if stale is None:
             return None
@@ -234,7 +228,6 @@ class Ranks:
         return Outcome(1, str(stale), stale.rank)
 
     def _signal_all(self, signum: int) -> None:
-        """Sends ``signum`` to the process group of every process still running."""
         for p in self.procs:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -13,9 +13,8 @@ from mmnnx.train.run_config import CONFIG_FILE
 
 @dataclasses.dataclass(frozen=True)
 class Output:
-    """A path a run writes: a directory (``directory``) or a file, ``what`` goes there (for the
-    message), the option that places it (``flag``, e.g. ``--output-dir``) with its value, and
-    how to do without it (``off``: ``pass --no-tensorboard``), if one can."""
+    """A path a run writes, for the messages: what goes there, the option placing it (``flag``,
+    with its ``value``) and how to do without it (``off``: ``pass --no-tensorboard``)."""
 
     path: pathlib.Path
     directory: bool
@@ -96,11 +95,7 @@ def output_problem(outputs: Iterable[Output]) -> str | None:
         >>> output_problem(run_outputs(out))  # doctest: +ELLIPSIS
         '--output-dir ...: .../loss.png is a directory, but the run writes the loss curve ...'
     """
-    for output in outputs:
-        problem = _problem(output)
-        if problem:
-            return problem
-    return None
+    return next(filter(None, map(_problem, outputs)), None)
 
 
 def _problem(output: Output) -> str | None:

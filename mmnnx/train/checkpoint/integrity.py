@@ -124,12 +124,8 @@ def checksum(values: np.ndarray) -> int:
 def verify(
     step: int, folder: epath.Path, values: Mapping[str, Any], info: Mapping[str, Any]
 ) -> None:
-    """Compares each of ``values`` (by ``item/path`` name) with the checksum mmnnx's metadata
-    ``info`` holds for it (steps saved before checksums existed have none and are not checked).
-
-    Raises:
-        CheckpointCorruptError: naming the first array whose checksum differs.
-    """
+    """Compares ``values`` (by ``item/path``) with their checksums in ``info`` (older steps
+    have none): a :class:`CheckpointCorruptError` naming the first that differs."""
     checked = {name: v for name, v in values.items() if "checksum" in info.get(name, {})}
     for name, value in checksums(checked).items():
         if value != info[name]["checksum"]:
@@ -159,9 +155,7 @@ def check_extra(step: int, folder: epath.Path, extra: Any, saved_checksum: str |
 
 
 def read_or_corrupt(step: int, folder: epath.Path, read: Callable[[], Any]) -> Any:
-    """``read()`` of step ``step`` (its directory ``folder``); a failure to read its files is a
-    :class:`CheckpointCorruptError` naming the step directory and, when it can be found, the file.
-    """
+    """``read()``; a failure is a :class:`CheckpointCorruptError` naming the file if found."""
     try:
         return read()
     except Exception as e:

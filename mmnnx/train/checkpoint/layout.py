@@ -64,10 +64,8 @@ def fsync(path: str, *, directory: bool) -> None:
 
 
 def fsync_tree(root: epath.Path, *, recursive: bool = True) -> None:
-    """fsyncs every file below ``root``, then each directory bottom-up (local paths only).
-
-    With ``recursive=False``, only the files directly in ``root``, then ``root`` itself.
-    """
+    """fsyncs every file below ``root`` (only those in it, without ``recursive``), then the
+    directories bottom-up (local paths only)."""
     if not is_local(root):
         return
     top = os.fspath(root)

@@ -38,11 +38,7 @@ class WriterLock:
         self._fd: int | None = None
 
     def hold(self) -> None:
-        """Takes the lock unless this writer holds it already.
-
-        Raises:
-            CheckpointDirectoryBusyError: another writer holds it.
-        """
+        """Takes the lock unless held already (else ``CheckpointDirectoryBusyError``)."""
         if self._fd is not None or not is_local(self._directory):
             return
         self._directory.mkdir(parents=True, exist_ok=True)

@@ -39,11 +39,8 @@ def is_key(value: Any) -> bool:
 
 
 def entries(model: Any, opt: nnx.Optimizer | None) -> Entries:
-    """Every Variable of ``model`` and ``opt`` (if given), with its path and value, by item.
-
-    Raises:
-        TypeError: a Variable holds no array.
-    """
+    """Every Variable of ``model`` and ``opt`` with its path and value, by item (a
+    ``TypeError`` for one holding no array)."""
     found: Entries = {}
     for item, node in ((MODEL, model), (OPT, opt)):
         if node is not None:
@@ -73,14 +70,8 @@ def stored(found: Entries) -> Trees:
 
 
 def check(step: int, saved: Mapping[str, Any], found: Entries, info: Mapping[str, Any]) -> None:
-    """Checks the Variables ``found`` against step ``step``'s saved arrays: ``saved`` holds, by
-    item, each array's shape and dtype by path (``None``: the item was not saved); ``info``
-    mmnnx's description of each Variable (its RNG key implementation).
-
-    Raises:
-        CheckpointMismatchError: naming the first mismatch, model first; when the optimizer's
-            state alone differs in its arrays, saying that the optimizer was changed.
-    """
+    """Checks ``found`` against the step's ``saved`` arrays and ``info``: a
+    :class:`CheckpointMismatchError` naming the first mismatch, model first."""
     problems: list[str] = []
     state_mismatches = 0  # of the optimizer's arrays: its structure differs
     wanted = stored(found)
@@ -118,13 +109,8 @@ def _more(problems: list[str], where: str = "") -> str:
 
 
 def write_back(step: int, found: Entries, values: Mapping[str, Mapping[Path, Any]]) -> None:
-    """Writes the restored ``values`` (as stored, laid out as their Variables' values; ``None``
-    for one this process holds no part of) into the Variables ``found``, once all are checked.
-
-    Raises:
-        CheckpointMismatchError: a value came back with another shape or dtype; nothing is
-            written.
-    """
+    """Writes the restored ``values`` (``None``: held by no device here) into ``found``, once
+    all are checked (a :class:`CheckpointMismatchError` writes nothing)."""
     updates: list[tuple[nnx.Variable, Any]] = []
     for item, item_entries in found.items():
         for path, var, current in item_entries:

@@ -25,22 +25,15 @@ Variables = Mapping[str, Mapping[str, Any]]  # "item/path" -> mmnnx's descriptio
 
 
 class SavedStep(Protocol):
-    """A committed step as its format reads it, opened by :meth:`Format.open`.
+    """A committed step as its format reads it, opened by :meth:`Format.open`."""
 
-    ``arrays`` holds, by item (``"model"``, ``"opt"``), each saved array's shape and dtype (an
-    object with ``.shape`` and ``.dtype``) by path, or ``None`` for an item the step does not
-    hold; ``variables`` mmnnx's description of each saved Variable by ``item/path`` name.
-    """
-
-    arrays: Mapping[str, Mapping[Path, Any] | None]
+    arrays: Mapping[str, Mapping[Path, Any] | None]  # item -> path -> shape and dtype; or None
     variables: Variables
 
     def read(self, targets: Trees) -> tuple[dict[str, Any] | None, Trees]:
-        """Reads the step's ``extra`` dict (``None`` when the step holds none) and the arrays of
-        ``targets`` (by item and path, the value each is restored into, as stored, checked
-        against ``arrays``), each bit-exact and laid out as its target (the same sharding; NumPy
-        for NumPy; uncommitted for uncommitted), or ``None`` where this process holds no part;
-        all read before it returns.
+        """The step's ``extra`` (or ``None``) and the arrays of ``targets`` (the values they are
+        restored into, by item and path), bit-exact and laid out as their targets (``None``
+        where this process holds no part).
 
         Raises:
             CheckpointCorruptError: a file cannot be read, or an array or ``extra`` reads back
@@ -50,32 +43,18 @@ class SavedStep(Protocol):
 
 
 class Format(Protocol):
-    """One way of storing a step on disk (see the module's docstring).
+    """One way of storing a step on disk (see the module's docstring)."""
 
-    ``marker`` is a file or folder only this format's step directories hold (``None`` for the
-    format of every other step); ``required`` what every committed step of this format holds
-    (the first that is missing says why a step is incomplete: ``layout.incomplete``).
-    """
-
-    marker: ClassVar[str | None]
-    required: ClassVar[tuple[str, ...]]
+    marker: ClassVar[str | None]  # held only by this format's steps (None: every other step's)
+    required: ClassVar[tuple[str, ...]]  # what every committed step of it holds
 
     def save(self, step: int, trees: Trees, extra: dict[str, Any], variables: Variables) -> None:
-        """Writes ``trees`` (arrays by item and path, as stored), ``extra`` and ``variables`` as
-        step ``step``, durable and committed when it returns. The caller holds the writer lock
-        (with several processes, process 0 does; every process calls ``save``) and has removed
-        abandoned saves.
-
-        Raises:
-            any error of the writing; the step then is not committed (at most its temporary
-            directory is left).
-        """
+        """Writes step ``step``, durable and committed when it returns (on an error, at most
+        its temporary directory is left). Every process calls it; the caller holds the writer
+        lock and has removed abandoned saves."""
         ...
 
     def open(self, step: int) -> SavedStep:
-        """Reads committed step ``step``'s description (no array data yet).
-
-        Raises:
-            CheckpointCorruptError: its description cannot be read.
-        """
+        """Committed step ``step``'s description (no array data yet), or a
+        ``CheckpointCorruptError``."""
         ...

@@ -78,7 +78,6 @@ class OrbaxTree:
         return layout.listing(listed)
 
     def reload(self) -> None:
-        """Reads the listing afresh (another process changed the directory)."""
         self._manager.reload()
 
     def save(self, step: int, trees: Trees, extra: dict[str, Any], variables: Variables) -> None:
@@ -209,16 +208,14 @@ class _FinishingLoop(asyncio.SelectorEventLoop):
 
 
 class _FinishingLoops(asyncio.DefaultEventLoopPolicy):
-    """The default event loop policy, its new loops :class:`_FinishingLoop` (set only while
-    Orbax reads a step)."""
+    """The default policy, making :class:`_FinishingLoop` s (only while Orbax reads a step)."""
 
     _loop_factory = _FinishingLoop
 
 
 def _target(value: Any, process: int | None) -> Any:
-    """The restore target of a current value: its shape, dtype and current sharding; with
-    several processes (``process`` is this one's index), a host array, moved to its sharding
-    after reading (each process keeps its own part)."""
+    """The restore target of a current value; with several processes a host array, put on
+    its sharding after reading."""
     if isinstance(value, jax.Array) and process is None:
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
     return np.zeros(value.shape, value.dtype)  # numpy leaves restore as numpy arrays
