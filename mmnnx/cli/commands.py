@@ -16,12 +16,10 @@ from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, with the flags not given
-    taken from ``--config FILE`` and, with ``--resume``, from the run's saved
-    ``OUTPUT_DIR/config.toml``, in that order, before the flags' defaults (a bad file, or
-    none where ``--resume`` finds checkpoints: ``ConfigError``).
-    ``mmnnx.cli.flags.given(args)`` names the options set on the command line or in
-    ``--config`` (not those from the resumed run or the defaults).
+    """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, the flags not given taken
+    from ``--config FILE`` then, with ``--resume``, the run's ``config.toml`` (a bad file, or
+    none where there are checkpoints: ``ConfigError``); ``given(args)`` names those set on the
+    command line or in ``--config``.
 
     Example:
         >>> parse_args(["train", "--dim", "64"]).dim
@@ -41,7 +39,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         train_parser.set_defaults(**given_in_file)
         args = parser.parse_args(argv)
     saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
-    if args.resume and not saved_file.is_file() and _has_steps(args):
+    checkpoints = RunConfig.of(vars(args)).outputs.checkpoints()
+    if args.resume and not saved_file.is_file() and train.holds_steps(checkpoints):
         raise ConfigError(
             f"--resume: {saved_file} is missing; a resumed run takes the options it is not "
             "given from the config.toml its run wrote"
@@ -55,12 +54,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
     setattr(args, GIVEN, given(args) | set(given_in_file))
     return args
-
-
-def _has_steps(args: argparse.Namespace) -> bool:
-    """Whether the run's checkpoint directory holds a step directory (complete or not)."""
-    checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
-    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

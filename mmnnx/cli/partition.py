@@ -7,6 +7,7 @@ planning again."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,13 +23,11 @@ KEY = "partition"
 
 @dataclasses.dataclass(frozen=True)
 class Stages:
-    """Where a run's blocks go: the placement ``rules``, the blocks per stage (``None``: as
-    ``stage_rules`` balanced them), and the schedule and microbatch count the planner chose
-    (``None``: the run's own)."""
+    """Where a run's blocks go, and the schedule and microbatch count a planner chose."""
 
     rules: list
-    sizes: tuple[int, ...] | None = None
-    schedule: Any = None  # a Schedule, as mm.microbatch takes it
+    sizes: tuple[int, ...] | None = None  # None: as stage_rules balanced them
+    schedule: Any = None  # a Schedule, as mm.microbatch takes it; None: the run's own
     microbatches: int | None = None
 
     def extra(self) -> dict[str, Any]:
@@ -51,14 +50,9 @@ def stages(
     *,
     data_axis: int,
 ) -> Stages:
-    """The run's stages: as ``--partition`` says; with ``auto``, the split ``extra`` (the
-    newest checkpoint's, with ``--resume``) records when it still fits the flags, else planned
-    on ``batch`` (one step's) and printed with why; ``data_axis``: the layout's.
-
-    Raises:
-        ValueError: the planner refuses the model or the flags (its message says why).
-        NoCandidateError: no split fits ``--memory-budget``.
-    """
+    """The run's stages as ``--partition`` says; with ``auto``, the split ``extra`` (the newest
+    checkpoint's) records if it still fits, else planned on ``batch`` (a ``ValueError`` or
+    ``NoCandidateError`` when the planner refuses)."""
     from mmnnx.train.run_model import run_placement  # noqa: PLC0415
 
     lay = run.layout
@@ -84,15 +78,8 @@ def _recorded(extra: Mapping[str, Any] | None, run: RunConfig, depth: int):
     return tuple(sizes)
 
 
-def _planned(
-    run: RunConfig,
-    config: Any,
-    tasks: Sequence[Any],
-    batch: Any,
-    data_axis: int,
-) -> Stages:
-    """``mm.schedules.partition`` of the run's model on ``batch``: the schedule and microbatch
-    count among the candidates ``--schedule`` and ``--microbatches`` allow."""
+def _planned(run: RunConfig, config: Any, tasks: Sequence[Any], batch: Any, data_axis: int):
+    """``mm.schedules.partition`` of the run's model on ``batch``."""
     import jax  # noqa: PLC0415
 
     from mmnnx.partition import partition  # noqa: PLC0415
@@ -134,13 +121,10 @@ def _planned(
 
 
 def _microbatches(run: RunConfig, data_axis: int) -> list[int]:
-    """``--microbatches`` and the other counts from ``--stages`` to 4 x ``--stages`` that split
-    the batch into microbatches the data (and expert) axis divides."""
-    shards, stages, batch = (
-        data_axis * run.layout.expert_axis,
-        run.layout.stages,
-        run.training.batch_size,
-    )
+    """``--microbatches`` and the counts from ``--stages`` to 4 x ``--stages`` whose
+    microbatches the data (and expert) axis divides."""
+    shards, stages = data_axis * run.layout.expert_axis, run.layout.stages
+    batch = run.training.batch_size
     counts = [
         m for m in range(stages, 4 * stages + 1) if batch % m == 0 and (batch // m) % shards == 0
     ]
@@ -152,8 +136,6 @@ def latest_extra(checkpointer: Any) -> dict[str, Any] | None:
     from mmnnx.train.checkpoint import CheckpointCorruptError  # noqa: PLC0415
 
     for step in reversed(checkpointer.all_steps()):
-        try:
+        with contextlib.suppress(CheckpointCorruptError, FileNotFoundError):
             return checkpointer.read_extra(step)
-        except (CheckpointCorruptError, FileNotFoundError):
-            continue
     return None

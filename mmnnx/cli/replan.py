@@ -18,13 +18,8 @@ if TYPE_CHECKING:
 
 
 def data_axis(run: RunConfig, devices: int) -> int:
-    """The data axis the run's stages are laid out with on ``devices`` (all of
-    ``jax.devices()``): ``--data-axis``, or with ``--resume`` a narrower one where the layout
-    needs more devices than the job has (said in one line).
-
-    Raises:
-        ValueError: the layout does not fit, even narrowed; the message says why, in one line.
-    """
+    """The data axis the run's stages are laid out with on ``devices``: ``--data-axis``, or
+    with ``--resume`` a narrower one (said in one line); a ``ValueError`` when none fits."""
     import jax  # noqa: PLC0415
 
     from mmnnx.train.validate import devices_needed, layout  # noqa: PLC0415
@@ -69,9 +64,7 @@ def narrowed_data_axis(
 
 
 def replanned_line(layout: str, needed: int, devices: str, data_axis: int, per_stage: int) -> str:
-    """The line ``mmnnx train`` prints when it re-plans: ``layout`` (the flags) needs
-    ``needed`` devices, the job has ``devices`` (in words), and each stage now runs on
-    ``per_stage`` devices with ``--data-axis data_axis``.
+    """The line ``mmnnx train`` prints when it re-plans.
 
     Example:
         >>> replanned_line("--stages 2 x --data-axis 4 x --model-axis 1", 8, "6 (3 processes x 2)",

@@ -29,8 +29,7 @@ SPECIAL_NAMES = {
 
 @dataclasses.dataclass(frozen=True)
 class Exported:
-    """What :func:`export_run` wrote: the directory, the architecture, the checkpoint step it
-    was restored from, and whether it holds the adapters alone."""
+    """What :func:`export_run` wrote (``step``: restored from; ``adapter``: the adapters alone)."""
 
     directory: pathlib.Path
     architecture: str
@@ -99,13 +98,8 @@ def export_run(
         files = transformers_files(tokenizer.read_text() if tokenizer.exists() else None)
         for name, content in files.items():  # the base's are carried by a fine-tuning run
             (written / name).write_text(json.dumps(content, indent=2) + "\n")
-    model_pretrained = getattr(loaded.model, "pretrained", None)
-    return Exported(
-        directory=written,
-        architecture=architecture or model_pretrained.architecture,
-        step=loaded.step,
-        adapter=adapter,
-    )
+    architecture = architecture or loaded.model.pretrained.architecture
+    return Exported(written, architecture, loaded.step, adapter)
 
 
 def transformers_files(tokenizer_json: str | None) -> dict[str, dict[str, Any]]:
@@ -137,11 +131,11 @@ def transformers_files(tokenizer_json: str | None) -> dict[str, dict[str, Any]]:
     except (json.JSONDecodeError, AttributeError) as e:
         raise ValueError(f"tokenizer.json is not a JSON object: {e}") from None
     special = {t["content"]: t["id"] for t in added if t.get("special")}
-    found = {}
-    for kind, names in SPECIAL_NAMES.items():
-        name = next((n for n in names if n in special), None)
-        if name is not None:
-            found[kind] = name
+    found = {
+        kind: name
+        for kind, names in SPECIAL_NAMES.items()
+        if (name := next((n for n in names if n in special), None)) is not None
+    }
     tokenizer = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
@@ -153,9 +147,8 @@ def transformers_files(tokenizer_json: str | None) -> dict[str, dict[str, Any]]:
 
 
 def _check_not_a_run(output: pathlib.Path, run_dir: Any, spec: Any) -> None:
-    """Refuses, even with ``overwrite``, an ``output`` that is, holds or lies inside the run,
-    its checkpoints or its ``--init-from`` checkpoint, or that holds another run (its
-    ``config.toml`` beside ``checkpoints/``): writing there would delete them."""
+    """Refuses, even with ``overwrite``, an ``output`` that is, holds or lies inside what the
+    run keeps, or that holds another run: writing there would delete them."""
     kept = [("the run", run_dir), ("the run's checkpoints", spec.run.outputs.checkpoints(run_dir))]
     if spec.run.model.init_from is not None:
         kept.append(("the run's --init-from checkpoint", spec.run.model.init_from))
@@ -180,12 +173,8 @@ def _depth(named: tuple[str, pathlib.Path]) -> int:
 
 
 def _scratch_architecture(config: Any, run_dir: Any) -> str:
-    """The family a run trained from scratch is written as: the first of :data:`FAMILIES`
-    (Llama first) that can hold its GPT.
-
-    Raises:
-        RunError: none can, naming what stops each and, where it is the MLP, ``--gated-mlp``.
-    """
+    """The first of :data:`FAMILIES` (Llama first) that can hold a GPT trained from scratch;
+    a :class:`RunError` naming what stops each when none can."""
     blockers = {name: family.cannot_hold(config) for name, family in FAMILIES.items()}
     order = [SCRATCH_ARCHITECTURE, *(n for n in FAMILIES if n != SCRATCH_ARCHITECTURE)]
     for name in order:

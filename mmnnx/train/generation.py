@@ -100,8 +100,7 @@ def run_tasks(stages: int, data_axis: int, model_axis: int, expert_axis: int = 1
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """What a run directory says of its model, before anything is built: its options
-    (``config.toml``), tokenizer, ``GPTConfig`` and checkpoint directory."""
+    """What a run directory says of its model, before anything is built."""
 
     directory: pathlib.Path
     run: RunConfig
@@ -111,13 +110,8 @@ class RunSpec:
 
 
 def read_run(run_dir: str | pathlib.Path) -> RunSpec:
-    """The :class:`RunSpec` of the run ``mmnnx train`` wrote into ``run_dir`` (its
-    architecture from ``--init-from``'s ``config.json`` for a fine-tuning run).
-
-    Raises:
-        RunError: no ``config.toml``, tokenizer or checkpoint directory, or an ``--init-from``
-            checkpoint that is gone or unreadable.
-    """
+    """The :class:`RunSpec` of the run in ``run_dir``; a :class:`RunError` for a missing
+    ``config.toml``, tokenizer or checkpoint directory, or an unreadable ``--init-from``."""
     run = read_run_config(run_dir)
     try:
         tokenizer = load_tokenizer(pathlib.Path(run_dir, "tokenizer"))
@@ -130,13 +124,7 @@ def read_run(run_dir: str | pathlib.Path) -> RunSpec:
         config = model_config(run, tokenizer.vocab_size)
     except CheckpointError as e:
         raise RunError(f"the run's --init-from: {e}") from None
-    return RunSpec(
-        directory=pathlib.Path(run_dir),
-        run=run,
-        tokenizer=tokenizer,
-        config=config,
-        checkpoints=checkpoints,
-    )
+    return RunSpec(pathlib.Path(run_dir), run, tokenizer, config, checkpoints)
 
 
 def load_run(
@@ -166,12 +154,8 @@ def load_run(
     placement = None
     if layout == "run":
         lay = spec.run.layout
-        stages, data, model_axis, expert = (
-            lay.stages,
-            lay.data_axis,
-            lay.model_axis,
-            lay.expert_axis,
-        )
+        stages, data, expert = lay.stages, lay.data_axis, lay.expert_axis
+        model_axis = lay.model_axis
         needed = stages * data * expert * model_axis
         if needed > len(jax.devices()):
             sizes = f"{data} x {expert} x {model_axis}" if expert > 1 else f"{data} x {model_axis}"
@@ -197,19 +181,12 @@ def load_run(
             except FileNotFoundError:
                 raise RunError(f"no checkpoint in {spec.checkpoints}") from None
             step, skipped = resumed.step, resumed.skipped
-    return LoadedRun(
-        model=model, tokenizer=spec.tokenizer, step=step, run=spec.run, skipped=skipped
-    )
+    return LoadedRun(model, spec.tokenizer, step, spec.run, skipped)
 
 
 def _check_record(spec: RunSpec, saved: Saved | None) -> None:
-    """Checks a run's ``config.toml``, tokenizer and ``--init-from`` checkpoint against the
-    record its checkpoint holds (nothing to check without one).
-
-    Raises:
-        RunError: an option, the tokenizer or the base checkpoint differs from the record,
-            naming it.
-    """
+    """A :class:`RunError` for a ``config.toml`` option, tokenizer or ``--init-from``
+    checkpoint that differs from the checkpoint's record (if any), naming it."""
     if saved is None or saved.record is None:
         return
     config_file = spec.directory / CONFIG_FILE
