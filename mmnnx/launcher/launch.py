@@ -170,34 +170,12 @@ def launch(
 ) -> int:
     """Runs ``command`` as ``num_processes`` processes and returns the exit status: 0 when all
     succeed, else that of the first process to fail (1 for one that stopped responding); the
-    others are stopped at once.
-
-    A process stopped by a signal for ``heartbeat_timeout_s`` (default ``MMNNX_HEARTBEAT_TIMEOUT``
-    or 20, also JAX's heartbeat timeout in the processes) has stopped responding. With
-    ``max_restarts`` = N, a failed attempt is followed by a fresh one of all processes (a new
-    coordinator port unless ``port`` is given), up to N times, one line each; the status is
-    the last attempt's. Each process sees the attempt's number in ``MMNNX_RESTART_COUNT``.
-    With ``min_processes`` = K below ``num_processes``, a rank that fails first in two attempts
-    in a row is dropped, one line naming it, while more than K processes are left: the next
-    attempts run one process fewer (ranks above it one lower), with its devices fewer.
-
-    ``step_timeout_s`` (default :data:`STEP_TIMEOUT_S`; 0 or ``None``: not watched): a process
-    that reported progress (``mm.distributed.progress``, which ``mmnnx train`` calls at every
-    phase of every step) and then reports nothing for that long has stopped making progress (a
-    loop in Python, a data loader stuck): it prints its Python stacks, and the job ends (status
-    1) with a line naming it and what it last reported. A process that never reports is not
-    watched.
-
-    A ``SIGTERM`` (a scheduler's preemption notice) is forwarded to every process, and the
-    launcher waits for them to end on their own (``mmnnx train`` saves its step and exits with
-    143); the status is 143 when a process ended so, else theirs. A second ``SIGTERM``, or
-    ``SIGINT`` (Ctrl-C), stops them at once (status 128 + the signal).
-
-    ``verbose``: print gloo's connection lines too, which are left out otherwise, and JAX's
-    C++ information logs (``TF_CPP_MIN_LOG_LEVEL=0``; see ``chatter.py``).
-
-    Raises:
-        LaunchError: a bad argument, a port in use, or a command that cannot be run.
+    others are stopped at once. The arguments are ``mmnnx launch``'s flags (its ``--help``
+    says what each does); ``step_timeout_s`` 0 or ``None``: not watched. A ``SIGTERM`` is
+    forwarded to every process, and the launcher waits for them to end on their own (the
+    status is theirs); a second ``SIGTERM``, or ``SIGINT``, stops them at once (128 + the
+    signal). A bad argument, a port in use or a command that cannot be run is a
+    :class:`LaunchError`.
 
     Example:
         >>> import sys

@@ -31,9 +31,9 @@ class Membership:
     last_failed: int | None = None
 
     def failed(self, rank: int | None) -> bool:
-        """Records that ``rank`` failed first in the attempt just ended (``None``: no rank is
-        known); whether it is dropped: it failed first in the attempt before too, and more than
-        ``minimum`` processes are left. A drop starts the count of failures in a row afresh.
+        """Records that ``rank`` (``None``: unknown) failed first in the attempt just ended;
+        whether it is dropped (it did in the attempt before too, and more than ``minimum`` are
+        left). A drop starts the count afresh.
 
         Example:
             >>> job = Membership(2, minimum=1)

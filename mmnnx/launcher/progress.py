@@ -29,13 +29,11 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """What a process said it was doing: ``phase`` (e.g. ``"loading batch"``) of ``step``;
-    ``finished``: it makes no more steps (it waits for the others to end), so the watchdog no
-    longer watches it."""
+    """What a process said it was doing: ``phase`` (e.g. ``"loading batch"``) of ``step``."""
 
     phase: str
     step: int | None = None
-    finished: bool = False
+    finished: bool = False  # it makes no more steps: no longer watched
 
     def __str__(self) -> str:
         return self.phase if self.step is None else f"{self.phase} (step {self.step})"
@@ -69,8 +67,7 @@ def write(directory: str, rank: int, record: Record) -> None:
 
 
 def read(directory: str, rank: int) -> Record | None:
-    """Process ``rank``'s last record, or ``None`` when it has not reported (or the record
-    cannot be read)."""
+    """Process ``rank``'s last record, or ``None`` (none readable)."""
     try:
         with open(path(directory, rank)) as f:
             fields = json.loads(f.read())
@@ -108,8 +105,7 @@ class Watchdog:
         self.directory, self.count, self.timeout_s = directory, count, timeout_s
 
     def stale(self, ended: Collection[int] = ()) -> Stale | None:
-        """The watched process that has not reported for the longest, if that is
-        ``timeout_s`` or more; ``None`` otherwise. The processes ``ended`` are not watched."""
+        """The watched process (not ``ended``) silent the longest, if ``timeout_s`` or more."""
         now, ages = time.time(), {}
         for rank in range(self.count):
             if rank in ended:
