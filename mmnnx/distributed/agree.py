@@ -52,25 +52,6 @@ def check_same_everywhere(what: str, lines: list[str]) -> int:
     return n
 
 
-_OUTCOME_KEY = "mmnnx/outcome/{}"
-_outcomes = itertools.count()
-
-
-def share_outcome(root: int, what: str, failure: str | None, timeout_s: float = 3600.0) -> None:
-    """Makes the outcome of work only process ``root`` did (``failure``: its error text, or
-    ``None``) everyone's: on the other processes a failure raises ``RuntimeError`` too."""
-    key = _OUTCOME_KEY.format(next(_outcomes))
-    if jax.process_index() == root:
-        runtime.key_value_set(key, (failure or "").encode())
-        return
-    try:
-        text = wait_for(key, root, timeout_s, what).decode()
-    except TimeoutError as e:
-        raise RuntimeError(f"{what}: process {root} did not finish within {timeout_s:.0f} s") from e
-    if text:
-        raise RuntimeError(f"{what} failed on process {root}: {text}")
-
-
 def from_process_zero(what: str, value: str) -> str:
     """Process 0's ``value`` on every process: a choice that depends on timings (``--schedule
     auto``) made once for the run."""

@@ -3,27 +3,11 @@ for the others, and a process waiting for one that has left says so and ends ins
 
 Each process publishes how it leaves under ``mmnnx/exit/<process>`` in the coordination
 service's key-value store: ``failed`` (an uncaught exception, ``sys.exit`` with a failing status,
-or :func:`fail`) or ``leaving`` (its script ended, or called ``sys.exit(0)``), with how many
-messages it offered each process (``leaving {"0": 17}``).
-
-- A failing process ends without waiting for anyone: JAX's own exit handler would wait at its
-  shutdown barrier for every process (``shutdown_timeout``, 300 s), and a process waiting for a
-  value of the failed one never gets there. The others are stopped by ``mmnnx launch`` at once;
-  without it, each fails when it next waits for the failed one (its pulls fail, or
-  :func:`wait_for` raises), or JAX's coordination service ends it at the heartbeat timeout.
-- An uncaught exception is read at exit from ``sys.last_value``, which Python sets before it
-  runs the exit handlers (``sys.excepthook`` is left alone).
-- ``sys.exit(status)`` with a failing status (not 0 or ``None``) is a failure too: ``install``
-  wraps ``sys.exit`` to note the status, which Python (3.11) leaves nowhere an exit handler can
-  read it (docs/distributed.md, "Failures", says what was measured).
-- A process that ends normally waits (up to 300 s) until every other one has ended too, or one
-  has failed, before JAX tears down its runtime: a peer may still be pulling arrays it offered.
-- A process waiting for one that has left, in a wait of mmnnx (:func:`wait_for`: the plan
-  agreement, a transfer server's address, a layout, a checkpoint's outcome) or for a message
-  the leaving one never offered (a step's transfer, ``fetch``; watched by a thread), fails.
-  When that one left normally, as far as anyone knows, this one first joins JAX's shutdown
-  barrier, where the leaving one waits for it, and stays a moment after, so that one ends
-  first with its own status and is the one ``mmnnx launch`` names.
+or :func:`fail`) or ``leaving``, with how many messages it offered each process
+(``leaving {"0": 17}``). A failing process does not wait at JAX's shutdown barrier (300 s) for
+peers that may wait for its values; ``mmnnx launch`` stops the others, else each fails when it
+next waits for it. Python 3.11 keeps a ``sys.exit`` status nowhere an exit handler can read it,
+hence the wrapped ``sys.exit`` (docs/distributed.md, "Failures", says what was measured).
 """
 
 from __future__ import annotations
@@ -89,10 +73,6 @@ def wait_for(key: str, peer: int, timeout_s: float, what: str) -> bytes:
 
     Raises :class:`PeerExitedError` within a second of ``peer`` leaving without setting it, and
     ``TimeoutError`` after ``timeout_s``.
-
-    Example::
-
-        address = wait_for("mmnnx/transfer-server/1", 1, 120.0, "mm.distributed.fetch")
     """
     deadline = time.monotonic() + timeout_s
     while True:

@@ -43,10 +43,6 @@ def _spec_of(sharding: Any, task: Task) -> PartitionSpec:
 class StepPeers:
     """The other processes of the step described by ``lines`` (named ``name`` in messages):
     made on every process at once, after checking they all planned the same step.
-
-    Example::
-
-        peers = StepPeers("'train_step'", fingerprint_lines)  # on every process
     """
 
     def __init__(self, name: str, lines: list[str]):

@@ -22,10 +22,6 @@ def peers_for(
     """What the runner calls, when the step first compiles, for its
     :class:`~mmnnx.distributed.peers.StepPeers` (``None`` with one process); the collectives
     its tasks need are checked now.
-
-    Example::
-
-        executable = Executable(planned.graph, planned.plan, peers=peers_for(planned, inputs, n))
     """
     if jax.process_count() == 1:
         return None

@@ -1,20 +1,10 @@
 """A step's timeline across processes: every process's events, on one clock.
 
-Each process times the programs it runs against its own ``time.perf_counter()``, whose zero is
-its own (and on different machines, its rate drifts too). To put every process's events on one
-time axis, the processes start the timed step together: the step's timer waits at a barrier of
-the coordination service when the step begins (after anything it compiles or prepares, right
-before its first program is launched), and the moment every process leaves that barrier is the
-common zero. Each process's events then count from it (its step's start minus its time at the
-barrier, plus the event's time), every process gathers all of them
-(:func:`~mmnnx.distributed.gather.gather`), and times are shifted so that 0 is the earliest
-step start of any process, as one process's events count from its step's start.
-
-The error is how far apart the processes leave the barrier: the coordination service answers
-them all at once, so it is the spread of one reply's delivery (about 0.1 ms on loopback here,
-about a network round trip between machines), small against a pipeline action's milliseconds.
-Starting together also keeps what each process prepares for a timed run (the overlapped
-timer's first run compiles small programs) out of the other processes' timelines.
+Each process times its programs against its own ``time.perf_counter()``. The processes start
+the timed step together at a barrier of the coordination service, right before its first
+program is launched; the moment each leaves it is the common zero, and the gathered events are
+shifted so that 0 is the earliest step start of any process. The error is the spread of the
+barrier's reply (about 0.1 ms on loopback, a network round trip between machines).
 """
 
 from __future__ import annotations
@@ -45,13 +35,6 @@ class JobTimeline:
 
     A collective around the same timed step. Leaving with an exception before :meth:`events`
     tells the others, whose :meth:`events` then raise :class:`MPMDError` naming this process.
-
-    Example (``mm.jit``'s ``timeline``, in jit.py)::
-
-        with JobTimeline() as job:
-            timer = job.timer(OverlapTimer())
-            run_the_step(timer=timer)
-            events = job.events(timer.events())  # every process's
     """
 
     def __init__(self) -> None:
@@ -168,10 +151,6 @@ def timed(run: Callable[[Timer], Any], *, overlapped: bool) -> list[Event]:
     """Runs ``run(timer)`` once, timed by a :class:`~mmnnx.mpmd.run.timing.BlockingTimer` (each
     action alone) or, ``overlapped``, an :class:`~mmnnx.mpmd.run.timing.OverlapTimer` (as a
     call runs), and returns every process's events on one clock (:class:`JobTimeline`).
-
-    Example (``mm.jit``'s ``timeline``)::
-
-        events = timed(lambda timer: run_the_step(timer=timer), overlapped=False)
     """
     with JobTimeline() as job:
         timer = job.timer(OverlapTimer() if overlapped else BlockingTimer())

@@ -1,14 +1,10 @@
 """``mmnnx launch``: N local processes of one command, joined by ``mm.distributed.initialize``.
 
 Like ``torchrun`` on one machine: a coordinator on 127.0.0.1 with a free port, each process told
-its rank through the environment, each output line prefixed with its rank; when one process
-fails or stops responding (or, with ``step_timeout_s``, makes no progress) the others are
-stopped at once (:mod:`~mmnnx.launcher.ranks`) and, with ``max_restarts``, all of them are
-started again, or all but one that keeps failing, down to ``min_processes``
-(:mod:`~mmnnx.launcher.membership`); none outlives the launcher (Ctrl-C included). A
-``SIGTERM`` to the launcher is forwarded to every process (:mod:`~mmnnx.launcher.signals`).
-A Python command runs through :mod:`~mmnnx.launcher.python_main`, so that
-``raise SystemExit(n)`` is a failure too.
+its rank through the environment, each output line prefixed with its rank; one attempt is
+:mod:`~mmnnx.launcher.ranks`, who restarts :mod:`~mmnnx.launcher.membership`, the signals
+:mod:`~mmnnx.launcher.signals`. A Python command runs through
+:mod:`~mmnnx.launcher.python_main`, so that ``raise SystemExit(n)`` is a failure too.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""How many processes an ``mmnnx launch`` job goes on with after a failure: with
-``--min-processes K`` below ``-n N``, a rank that fails first in two attempts in a row is
-dropped (the job restarts without it) while more than K processes are left.
+"""How many processes an ``mmnnx launch`` job goes on with after a failure (``--min-processes``).
 
 The ranks of an attempt are always 0..n-1 (JAX numbers the processes so): after a drop, the
 ranks above the dropped one go on one lower. On one machine a rank that keeps failing is what a
-lost host is on a cluster: the job goes on with that process's devices fewer, and
-``mmnnx train --resume`` re-plans its stages onto the devices left (docs/distributed.md).
+lost host is on a cluster (docs/distributed.md).
 """
 
 from __future__ import annotations

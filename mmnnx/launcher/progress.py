@@ -1,16 +1,10 @@
 """What each process of ``mmnnx launch`` last said it was doing, and ``--step-timeout``'s watchdog.
 
-A process reports with ``mm.distributed.progress(phase, step)``, which calls :func:`write`: one
-JSON record, ``{"phase": ..., "step": ...}``, in the file ``rank-<i>`` of the directory the
-launcher names in ``MMNNX_PROGRESS_DIR``, replaced whole (``os.replace``), so the file's
-modification time is when the process last reported. The launcher's :class:`Watchdog` looks at
-those times (one ``stat`` per process and poll) and names the process whose last report is the
-oldest once it is ``timeout_s`` old; a process that has not reported yet, whose last record
-says it has finished, or that has ended, is not watched.
-
-The reporting process also dumps its threads' Python stacks to its standard error on
-``SIGUSR1`` (:data:`DUMP_SIGNAL`, ``faulthandler``), which the launcher sends to the process it
-names before stopping the job.
+:func:`write` replaces the JSON record ``rank-<i>`` in the launcher's ``MMNNX_PROGRESS_DIR``
+whole (``os.replace``), so the file's modification time is when the process last reported: the
+:class:`Watchdog` needs one ``stat`` per process and poll. A process that reported dumps its
+Python stacks to standard error on :data:`DUMP_SIGNAL` (``faulthandler``), which the launcher
+sends to the process it names before stopping the job.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """One attempt of ``mmnnx launch``: N processes of a command, watched until all succeed, one
 fails or stops responding, or the launcher is interrupted; then none of them is left running.
 
-Exits are recorded as they happen (a thread waits for each process), so the process that
-failed first is the first by time, not the lowest rank among those found failed. A process
-stopped by a signal (``SIGSTOP``: state ``T`` in ``/proc``, on Linux) for ``stopped_after_s``
-is said to have stopped responding, and so is one found stopped when another then fails (JAX's
-coordination service ends the others when a process misses its heartbeats). With a
-:class:`~mmnnx.launcher.progress.Watchdog`, a process that reports no progress for its timeout
-ends the attempt too, named with what it last reported and its Python stacks. A preemption
-notice (``SIGTERM`` to the launcher) is forwarded to every process, which then end as they
-see fit (``mmnnx train`` saves its step): ending on it is not a failure.
+A thread waits for each process, so the process that failed first is the first by time, not
+the lowest rank found failed. A process stopped by a signal (state ``T`` in ``/proc``) for
+``stopped_after_s``, or found stopped when another fails (JAX's coordination service ends the
+others when a process misses its heartbeats), has stopped responding.
 """
 
 from __future__ import annotations
@@ -104,12 +99,6 @@ class Ranks:
     """The processes of one attempt, rank ``i`` run with environment ``envs[i]``; each output
     line is prefixed ``[rank i]``. Raises ``OSError`` (after stopping those already started)
     when ``command`` cannot be started. Lines for which ``leave_out`` is true are not printed.
-
-    Example::
-
-        ranks = Ranks(["python", "train.py"], [env0, env1])
-        outcome = ranks.watch(stopped_after_s=20, interrupted=threading.Event())
-        print(outcome.failure or "all succeeded")
     """
 
     def __init__(

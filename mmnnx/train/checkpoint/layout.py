@@ -69,28 +69,15 @@ def fsync_tree(root: epath.Path, *, recursive: bool = True) -> None:
     if not is_local(root):
         return
     top = os.fspath(root)
-    if not recursive:
-        with os.scandir(top) as entries:
-            for entry in entries:
-                if entry.is_file(follow_symlinks=False):
-                    fsync(entry.path, directory=False)
-        fsync(top, directory=True)
-        return
-    for dirpath, _, filenames in os.walk(top, topdown=False):
+    for dirpath, _, filenames in os.walk(top, topdown=False) if recursive else [next(os.walk(top))]:
         for name in filenames:
             fsync(os.path.join(dirpath, name), directory=False)
         fsync(dirpath, directory=True)
 
 
 class SyncedAtomicRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
-    """Orbax's atomic rename, with the written data made durable before the rename commits it.
-
-    Orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>`` once every
-    item is written, but syncs neither its own JSON files nor the rename. Here every file and
-    directory of the step is fsynced before the rename; right after it, the files Orbax's commit
-    rewrote (``_CHECKPOINT_METADATA``, ``commit_success.txt``) and the parent directory, which
-    holds the rename. Items inside a step being written are left to the step's own finalize.
-    """
+    """Orbax's atomic rename, which syncs neither its JSON files nor the rename, made durable:
+    the step fsynced before the rename, the files its commit rewrote and the parent after."""
 
     async def finalize(self) -> None:
         """Syncs the step, commits it by the rename, then syncs the rename."""

@@ -1,17 +1,12 @@
 """The interface of a step's storage format: :class:`Format` writes steps, :class:`SavedStep`
 reads one back.
 
-The ``Checkpointer`` owns everything around a format: the directory and its writer lock, step
-numbers, which Variables are saved (:mod:`..tree`) and the check of a step's arrays against the
-model. A format only stores and loads arrays, the JSON ``extra`` dict and mmnnx's description of
-each Variable, and proves what it read (:mod:`..integrity`). It writes a step into a temporary
-directory (a name holding ``layout.TMP_SUFFIX``), commits it by one atomic rename to
-``<directory>/<step>`` and then deletes the steps older than ``max_to_keep``.
-
-The ``Checkpointer`` saves with one format, chosen when it is made, and reads a step with the
-format whose :attr:`Format.marker` the step directory holds (else Orbax's tree, which has none).
-A new layout (Hugging Face's safetensors, say) is one more module here: its marker, the files
-every committed step holds, a ``save`` and an ``open``.
+The ``Checkpointer`` owns the directory, its writer lock, step numbers, which Variables are
+saved (:mod:`..tree`) and the check against the model; a format only stores and loads arrays,
+``extra`` and mmnnx's description of each Variable, proves what it read (:mod:`..integrity`),
+commits a step by one atomic rename of its temporary directory and then deletes the steps
+older than ``max_to_keep``. A step is read with the format whose :attr:`Format.marker` its
+directory holds (else Orbax's tree, which has none).
 """
 
 from __future__ import annotations

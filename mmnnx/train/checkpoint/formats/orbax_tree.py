@@ -27,10 +27,8 @@ FORMAT_VERSION = 1
 
 
 class OrbaxTree:
-    """Orbax's manager, saving synchronously: each step into ``<step>.orbax-checkpoint-tmp``,
-    fsynced and renamed (``layout.SyncedAtomicRename``); Orbax deletes the steps older than
-    ``max_to_keep``. With several processes (``process``: this one's index), the manager never
-    waits for the others: each process lists and reads steps on its own."""
+    """Orbax's manager, saving synchronously (``layout.SyncedAtomicRename``); with several
+    processes, each lists and reads steps on its own."""
 
     marker: ClassVar[str | None] = None
     required: ClassVar[tuple[str, ...]] = (layout.STEP_METADATA, MODEL, META)
@@ -192,13 +190,9 @@ def _read(step: int, folder: epath.Path, read: Callable[[], Any]) -> Any:
 
 
 class _FinishingLoop(asyncio.SelectorEventLoop):
-    """An event loop that lets the tasks it still holds finish before it closes.
-
-    Orbax 0.12.8 runs each restore in an event loop of its own, closed on return; when one
-    array's read fails, ``asyncio.gather`` returns that error at once and the other reads go on
-    in TensorStore's threads, completing later into the closed loop (a ``RuntimeError: Event
-    loop is closed`` traceback for each, on stderr). Closing this loop waits for them first.
-    """
+    """An event loop that lets its tasks finish before it closes: when one read of an Orbax
+    0.12.8 restore fails, the others complete later, into the closed loop (an ``Event loop is
+    closed`` traceback each, on stderr)."""
 
     def close(self) -> None:
         pending = asyncio.all_tasks(self)
@@ -249,13 +243,9 @@ def _flatten(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
 
 
 def _join_writers(running: set[threading.Thread], timeout: float = 120.0) -> None:
-    """Waits for the writer threads a failed save leaves behind.
-
-    When one item of a step fails, Orbax 0.12.8 raises at once while the other items' writes go
-    on in its background threads (``threading.Thread`` subclasses), into the step's temporary
-    directory; a retry of the step, or the clean-up of temporary directories, would race them.
-    Executor workers (plain ``threading.Thread``) are left alone: they idle rather than end.
-    """
+    """Waits for the writer threads (``threading.Thread`` subclasses; executor workers idle)
+    that go on writing after Orbax 0.12.8 raised for one item of a step: a retry, or the
+    clean-up of temporary directories, would race them."""
     deadline = time.monotonic() + timeout
     for thread in threading.enumerate():
         if thread in running or type(thread) is threading.Thread:

@@ -1,18 +1,12 @@
 """A step whose arrays every process writes, each the slices it holds: :class:`ProcessArrays`,
 the format of several processes.
 
-``Checkpointer.save`` writes each array of a step with TensorStore (the storage layer under
-Orbax; Orbax 0.12.8 itself writes an array held by one process only from process 0) as a zarr
-array under ``arrays/<item>/<path>/``, chunked as the array is laid out: each distinct slice is
-one chunk, written by the process of the first device holding it, from that device, in parallel
-with the others. Nothing crosses processes and no host holds more than its own slices. Process
-0 commits the step: the manifest (``mmnnx/metadata``), ``extra`` and one atomic rename. A
-restore reads, on each process, the chunks holding the slices its devices need, checks each
-against the checksum its writer recorded, and builds each array in the layout it has now.
-
-A value held by no task (:func:`own`: a NumPy array, or an array on one device of each
-process, such as an optimizer's step count made outside ``mm.jit``) is the same on every
-process: process 0 writes it whole.
+Each array is a zarr array under ``arrays/<item>/<path>/`` written with TensorStore (Orbax
+0.12.8 writes an array held by one process only from process 0), chunked as it is laid out:
+each distinct slice is one chunk, written by the process of its first holding device. Nothing
+crosses processes; process 0 commits the manifest, ``extra`` and the rename. A restore reads
+the chunks each process's devices need, checks each against its writer's checksum, and builds
+the array in the layout it has now. A value of no task (:func:`own`) is written by process 0.
 """
 
 from __future__ import annotations
