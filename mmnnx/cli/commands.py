@@ -28,9 +28,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     train_parser = train.add_parser(commands)
-    launch.add_parser(commands)
-    generate.add_parser(commands)
-    export.add_parser(commands)
+    for command in (launch, generate, export):
+        command.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command != "train":
         return args
@@ -67,12 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
     except ConfigError as e:
         return train.error(str(e))
-    if args.command == "launch":
-        return launch.run(args)
-    if args.command == "generate":
-        return generate.run(args)
-    if args.command == "export":
-        return export.run(args)
+    others = {"launch": launch.run, "generate": generate.run, "export": export.run}
+    if args.command in others:
+        return others[args.command](args)
     config, given_options = RunConfig.of(vars(args)), given(args)
     checked = validate.check(config, given_options)
     if checked.problem:

@@ -57,8 +57,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``mmnnx export``: one line naming what was written on stdout; a run that cannot be
-    exported so exits 2 in one line."""
+    """``mmnnx export``: what was written, in one line; status 2 and one line if it cannot."""
     options, error = typed(Options, args), functools.partial(prologue.error, "export")
     if options.merge_lora and options.adapter:
         return error("--merge-lora and --adapter exclude each other: pick one")

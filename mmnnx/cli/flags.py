@@ -97,8 +97,7 @@ def given(args: argparse.Namespace) -> frozenset[str]:
 
 
 def add_fields(group: argparse._ActionsContainer, fields: Iterable[dataclasses.Field]) -> None:
-    """One flag per option field (a switch: one flag per switch, taking no value), named,
-    typed, defaulted and helped by its field; a field without a default is a required flag."""
+    """One flag per option field (one per switch, taking no value); no default: required."""
     for field in fields:
         option = spec(field)
         for flag, (value, help) in option.switches.items():

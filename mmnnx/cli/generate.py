@@ -56,8 +56,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``mmnnx generate``: the prompt and its continuation on stdout, one line about the run
-    on stderr; a run or prompt it cannot continue exits 2 in one line."""
+    """``mmnnx generate``: the prompt continued on stdout; status 2 and one line if it cannot."""
     options, error = typed(Options, args), functools.partial(prologue.error, "generate")
     if not options.prompt:
         return error("--prompt is empty; give some text to continue")

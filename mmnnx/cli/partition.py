@@ -1,9 +1,6 @@
-"""``mmnnx train --partition``: how the blocks are split over the stages. ``params`` balances
-their parameter counts (``stage_rules``), ``3,1`` gives the blocks per stage, ``auto`` plans the
-split from measurements (``mm.schedules.partition``) and, with ``--schedule auto``, the
-schedule and microbatch count with it. The split is recorded with each checkpoint (its
-``extra``), and ``--resume`` with ``auto`` places the blocks as the run was planned rather than
-planning again."""
+"""``mmnnx train --partition``: how the blocks are split over the stages (``params``, ``3,1``
+or ``auto``, planned by ``mm.schedules.partition``). The split is recorded with each checkpoint,
+and ``--resume`` with ``auto`` places the blocks as the run was planned."""
 
 from __future__ import annotations
 
@@ -121,8 +118,7 @@ def _planned(run: RunConfig, config: Any, tasks: Sequence[Any], batch: Any, data
 
 
 def _microbatches(run: RunConfig, data_axis: int) -> list[int]:
-    """``--microbatches`` and the counts from ``--stages`` to 4 x ``--stages`` whose
-    microbatches the data (and expert) axis divides."""
+    """``--microbatches`` and the counts up to 4 x ``--stages`` the data (expert) axis splits."""
     shards, stages = data_axis * run.layout.expert_axis, run.layout.stages
     batch = run.training.batch_size
     counts = [

@@ -24,8 +24,7 @@ def error(command: str, message: str) -> int:
 
 
 def start(devices: int, *, distributed: bool = True) -> None:
-    """Simulates ``devices`` CPU devices unless ``XLA_FLAGS`` gives a count (before JAX is
-    imported), then, with ``distributed``, joins the job's processes."""
+    """Simulates ``devices`` CPU devices unless ``XLA_FLAGS`` gives a count; joins the job."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"

@@ -1,11 +1,7 @@
-"""``mmnnx train --resume`` on fewer devices than the run's layout needs (a job that goes on
-without a lost process, ``mmnnx launch --min-processes``): the same stages, each on fewer
-devices, by narrowing the data axis.
-
-Only the data axis narrows: the stages, virtual stages and model (tensor) axis shape the model
-and its schedule (``--model-axis`` even rounds the vocabulary up), while the data axis only
-splits each microbatch's rows, so the losses stay those of the run as planned (every process
-reads whole batches; the checkpoint holds whole arrays, restored onto any layout).
+"""``mmnnx train --resume`` on fewer devices than the run's layout needs (``mmnnx launch
+--min-processes``): the same stages, each on fewer devices. Only the data axis narrows: it only
+splits each microbatch's rows, so the losses stay those of the run as planned, while the other
+axes shape the model and its schedule.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ if TYPE_CHECKING:
 
 
 def data_axis(run: RunConfig, devices: int) -> int:
-    """The data axis the run's stages are laid out with on ``devices``: ``--data-axis``, or
-    with ``--resume`` a narrower one (said in one line); a ``ValueError`` when none fits."""
+    """``--data-axis``, or with ``--resume`` a narrower one that fits ``devices`` (said)."""
     import jax  # noqa: PLC0415
 
     from mmnnx.train.validate import devices_needed, layout  # noqa: PLC0415
@@ -27,8 +22,8 @@ def data_axis(run: RunConfig, devices: int) -> int:
     needed, lay = devices_needed(run), run.layout
     if devices >= needed:
         return lay.data_axis
-    many = jax.process_count() > 1
-    where = f" ({jax.process_count()} processes x {jax.local_device_count()})" if many else ""
+    processes = jax.process_count()
+    where = f" ({processes} processes x {jax.local_device_count()})" if processes > 1 else ""
     problem = f"only {devices} devices are available{where}; {layout(run)} needs {needed}"
     if not run.outputs.resume:
         raise ValueError(problem)

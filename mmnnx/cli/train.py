@@ -144,8 +144,7 @@ def _train(
     weights: bool,
     pretrained: Any,
 ) -> int | tuple[Any, Any]:
-    """The run itself, its ``checkpointer`` claimed: the model and ``FitResult``, or an exit
-    status. ``weights``: read ``--init-from``'s (not for a resumed run)."""
+    """The run itself: the model and ``FitResult``, or an exit status."""
     import jax  # noqa: PLC0415
 
     import mmnnx as mm  # noqa: PLC0415

@@ -53,8 +53,7 @@ def check_same_everywhere(what: str, lines: list[str]) -> int:
 
 
 def from_process_zero(what: str, value: str) -> str:
-    """Process 0's ``value`` on every process: a choice that depends on timings (``--schedule
-    auto``) made once for the run."""
+    """Process 0's ``value`` on every process (a choice made of timings, once for the run)."""
     if jax.process_count() == 1:
         return value
     n = next(_round)

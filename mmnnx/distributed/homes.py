@@ -1,11 +1,7 @@
-"""State on no task that a step left on a task, in a job of several processes.
-
-Before its first step each process holds its own copy of such a value (an optimizer's step count
-made outside ``mm.jit``) on one of its devices. A step computes the new value on one task and
-hands it back laid out there: the processes of that task hold it, the others a placeholder on
-its devices. The next step must read it where it is, as the input of that task (the processes
-without it receive it by a route, as any value of a task): :func:`homes_of` names that task.
-"""
+"""State on no task that a step left on a task, in a job of several processes: before its first
+step each process holds its own copy (an optimizer's step count made outside ``mm.jit``); a step
+hands the new value back on one task, and the next step must read it there, as that task's input
+(:func:`homes_of` names the task)."""
 
 from __future__ import annotations
 

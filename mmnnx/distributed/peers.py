@@ -1,10 +1,6 @@
-"""The peers of one compiled step (:class:`~mmnnx.mpmd.run.peers.Peers`) across processes.
-
-Before a step first compiles, every process checks that it planned the same step
-(:func:`~mmnnx.distributed.agree.check_same_everywhere`); layouts only the compiler knows go
-through the coordination service under that check's round, and arrays through this process's
-transfer server (:mod:`~mmnnx.distributed.transport`).
-"""
+"""The peers of one compiled step (:class:`~mmnnx.mpmd.run.peers.Peers`) across processes:
+layouts only the compiler knows go through the coordination service under the round of the
+plan's check, arrays through this process's transfer server."""
 
 from __future__ import annotations
 

@@ -30,8 +30,7 @@ def peers_for(
 
 
 def fingerprint(planned: PlannedStep, inputs: Sequence[StepInput]) -> list[str]:
-    """Lines describing a step (its inputs, tasks, ops and per-task programs) that processes
-    compare before running it together; the first differing line names what differs."""
+    """Lines describing a step, which processes compare before running it together."""
     graph = planned.graph
     lines = [
         f"input {i.name}: {tuple(i.shape)} {np.dtype(i.dtype).name} on "

@@ -54,8 +54,7 @@ class JobTimeline:
         return self._timer
 
     def events(self, mine: Sequence[Event]) -> list[Event]:
-        """Every process's events (``mine``: this one's), in process order, in seconds since the
-        earliest start of the step on any process."""
+        """Every process's events (``mine``: this one's) since the step's earliest start."""
         if not self._several:
             return list(mine)
         if self._timer is None or self._timer.zero is None:
@@ -83,8 +82,7 @@ class JobTimeline:
 
 
 class _StartTogether(Timer):
-    """``inner``, its step begun when every process has reached the barrier ``name`` (left at
-    ``zero``)."""
+    """``inner``, its step begun once every process reached the barrier ``name``."""
 
     def __init__(self, inner: Timer, name: str) -> None:
         self.inner = inner

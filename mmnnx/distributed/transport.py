@@ -24,8 +24,7 @@ _PEER_WAIT_S = 120.0
 
 
 def _host_for(coordinator: str | None) -> str:
-    """The local address peers can reach: loopback for a loopback coordinator, else the
-    interface that routes to the coordinator."""
+    """The local address peers can reach: loopback, or the interface routing to ``coordinator``."""
     if coordinator is None:
         return "127.0.0.1"
     host = coordinator.rsplit(":", 1)[0].strip("[]")

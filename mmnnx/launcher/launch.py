@@ -40,8 +40,7 @@ _DEFAULT_HEARTBEAT_S = 20
 
 
 class LaunchError(RuntimeError):
-    """The launcher could not start (bad arguments, a port in use, a command that does not
-    exist)."""
+    """The launcher could not start (bad arguments, a port in use, no such command)."""
 
 
 def free_port() -> int:
@@ -227,8 +226,7 @@ def launch(
 
 
 def _restarting(outcome: Outcome, job: Membership, restart: int, max_restarts: int) -> str:
-    """The line saying that ``job`` restarts after the failed ``outcome``: with all its
-    processes, or without the rank that failed first, when ``job`` drops it."""
+    """The line saying that ``job`` restarts after the failed ``outcome`` (dropping a rank?)."""
     if not job.failed(outcome.rank):
         return (
             f"mmnnx launch: {outcome.failure}; restarting all {job.count} processes "
@@ -245,8 +243,7 @@ def _restarting(outcome: Outcome, job: Membership, restart: int, max_restarts: i
 def _job_status(
     outcome: Outcome | None, interrupts: Interrupts, count: int, last: bool
 ) -> int | None:
-    """The launcher's exit status when the job ends with this attempt's ``outcome``, said in
-    one line unless every process succeeded; ``None`` when the processes are to restart."""
+    """The exit status the job ends with after ``outcome`` (said), or ``None``: restart."""
     if outcome is None:  # stopped at once by a signal
         signum = interrupts.received[0]
         name = signal.Signals(signum).name

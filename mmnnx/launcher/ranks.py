@@ -223,8 +223,7 @@ class Ranks:
                     os.killpg(p.pid, signum)
 
     def stop(self) -> None:
-        """Stops every process still running (SIGTERM to its process group, SIGKILL after
-        ``_GRACE_S``, or at once to a stopped one) and waits for its output."""
+        """Stops every process still running (SIGKILL after ``_GRACE_S``), waits for its output."""
         running = [p for p in self.procs if p.poll() is None]
         stopped = stopped_groups([p.pid for p in running])
         for p in running:

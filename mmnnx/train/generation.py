@@ -65,9 +65,7 @@ def read_run_config(run_dir: str | pathlib.Path) -> RunConfig:
 
 def run_tasks(stages: int, data_axis: int, model_axis: int, expert_axis: int = 1) -> list[Task]:
     """One task per stage over ``stages x data_axis x expert_axis x model_axis`` devices, with
-    the logical axis rules of ``mmnnx train``: batch over ``data`` (and ``expert``); heads, MLP
-    and vocabulary over ``model``; with ``expert_axis > 1`` each stage's mesh has an ``expert``
-    axis the experts of a mixture are split over (``expert -> "expert"``).
+    the logical axis rules of ``mmnnx train``.
 
     Example:
         >>> [t.name for t in run_tasks(2, 1, 1)]
@@ -185,8 +183,7 @@ def load_run(
 
 
 def _check_record(spec: RunSpec, saved: Saved | None) -> None:
-    """A :class:`RunError` for a ``config.toml`` option, tokenizer or ``--init-from``
-    checkpoint that differs from the checkpoint's record (if any), naming it."""
+    """A :class:`RunError` naming what differs from the checkpoint's record, if any."""
     if saved is None or saved.record is None:
         return
     config_file = spec.directory / CONFIG_FILE

@@ -325,8 +325,7 @@ def fit(
 
 @dataclasses.dataclass
 class _Loop:
-    """What the steps of :func:`fit` share: the model, its optimizer and data, the config (its
-    schedule tuned), where it writes, the compiled steps, and what the run has gathered."""
+    """What the steps of :func:`fit` share, and what the run has gathered."""
 
     model: nnx.Module
     opt: nnx.Optimizer
@@ -396,8 +395,7 @@ class _Loop:
         return tokens / seconds if seconds else 0.0
 
     def train(self, start: int, log: RunLog, progress: Progress, preemption: Any) -> int | None:
-        """Evaluates at ``start``, then trains to ``config.steps``: the step a preemption
-        notice stopped the run after (saved), or None."""
+        """Evaluates, then trains from ``start``: the step a preemption stopped after, or None."""
         config, metrics_path = self.config, self.out / "metrics.jsonl"
         report("evaluating", start)
         self.eval_losses.append((start, self.evaluate()))
@@ -439,8 +437,7 @@ class _Loop:
         return None
 
     def step(self, step: int, batch: Any, logged: bool) -> tuple[float, Any]:
-        """Trains step ``step``: its loss and (MoE, ``logged``) routers' metrics. The timeline
-        step is measured and drawn; its loss is then the batch's before the update."""
+        """Trains step ``step``: its loss and routers' metrics; the timeline step is drawn."""
         config, model, router, run_step = self.config, self.model, None, self.run_step
         if step != config.timeline_step:
             if not self.routed:
@@ -635,8 +632,7 @@ def _tuned(
     *,
     metrics: bool = False,
 ) -> TrainConfig:
-    """``config`` with the schedule ``mm.schedules.tune`` picks (process 0's), measured on
-    ``batch`` with the step trained under GPipe, printed with its table."""
+    """``config`` with the schedule ``mm.schedules.tune`` picks (process 0's), printed."""
     from mmnnx.distributed.agree import from_process_zero  # noqa: PLC0415
 
     if config.microbatches == 1:
@@ -658,8 +654,7 @@ def _tuned(
 
 
 def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -> int:
-    """A resumed run's learning-rate horizon: the ``saved`` one, unless ``config`` gives
-    another or goes beyond it (each said in one line)."""
+    """A resumed run's learning-rate horizon: the ``saved`` one, unless ``config`` says (said)."""
     if config.schedule_steps is None:
         if saved is not None and config.steps > saved:
             _print_line(

@@ -17,8 +17,7 @@ Parse = Callable[[str, str], Any]
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """A field's flag; ``help`` and ``choices`` may be callables, called when the parser is
-    built."""
+    """A field's flag; ``help`` and ``choices`` may be callables, called as the parser is built."""
 
     help: str | Callable[[], str] = ""  # %(default)s is the default
     parse: Parse | None = None  # None: the text as is
@@ -62,8 +61,7 @@ def option(default: Any, help: str | Callable[[], str] = "", parse: Parse | None
 
 
 def switch(flag: str, help: str, *, default: bool = False, **more):
-    """A boolean field set by ``flag``, which takes no value: to ``True`` (``--scan-layers``)
-    or, with ``default=True``, to ``False`` (``--no-tensorboard``)."""
+    """A boolean field that ``flag``, taking no value, sets to ``not default``."""
     return option(default, help, switches={flag: (not default, help)}, **more)
 
 
@@ -198,8 +196,7 @@ def split_or(choices: Sequence[str]) -> Parse:
 
 
 def table(options: type, *, may_change: bool = False):
-    """A field of a schema holding the table ``options`` (a dataclass of option fields);
-    ``may_change``: every option of it may change on ``--resume`` (:func:`options_where`)."""
+    """A schema's field holding the table ``options``, all of which may change if ``may_change``."""
     return dataclasses.field(default_factory=options, metadata={"may_change": may_change})
 
 

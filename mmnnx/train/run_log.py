@@ -105,8 +105,7 @@ class RunLog:
             self._print(line)
 
     def evaluation(self, step: int, loss: float) -> None:
-        """An evaluation's loss: printed at once, and a scalar (but the one a resumed run
-        starts from, which its first run wrote)."""
+        """An evaluation's loss: printed, and a scalar (but a resumed run's first, written)."""
         if step > self.first_step or step == 0:
             self._scalar("eval_loss", loss, step)
             for writer in self._writers:

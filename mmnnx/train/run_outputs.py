@@ -13,8 +13,7 @@ from mmnnx.train.run_config import CONFIG_FILE
 
 @dataclasses.dataclass(frozen=True)
 class Output:
-    """A path a run writes, for the messages: what goes there, the option placing it (``flag``,
-    with its ``value``) and how to do without it (``off``: ``pass --no-tensorboard``)."""
+    """A path a run writes, and for messages the option placing it and how to do without."""
 
     path: pathlib.Path
     directory: bool

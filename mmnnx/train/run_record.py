@@ -1,9 +1,7 @@
 """What a run was trained with, saved in each of its checkpoints (``extra["run"]``) and checked
-when the run is resumed, generated from or exported: the values of the options a resumed run
-may not change (every option but those of :data:`mmnnx.train.config.MAY_CHANGE_ON_RESUME`), its
-tokenizer's fingerprint and, fine-tuning a checkpoint (``--init-from``), that checkpoint's
-``config.json`` and a fingerprint of its tensors' index. A checkpoint saved before mmnnx
-recorded runs (or their base) holds no record of it: that is not checked, and not refused."""
+when it is resumed, generated from or exported: the options a resumed run may not change, its
+tokenizer's fingerprint and its ``--init-from`` checkpoint's ``config.json`` and tensors' index.
+A checkpoint saved without a record is not checked, and not refused."""
 
 from __future__ import annotations
 

@@ -25,8 +25,7 @@ class ResumeCheck:
 
 
 def resumed(run: RunConfig, given: Set[str], checkpoints: pathlib.Path) -> ResumeCheck:
-    """The checkpoints ``--resume`` continues from, checked against ``run`` (``given``: the
-    options the user set, not taken from the run's ``config.toml``)."""
+    """The checkpoints ``--resume`` continues from, checked against ``run`` (``given``: set)."""
     import jax  # noqa: PLC0415
 
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415

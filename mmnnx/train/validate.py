@@ -1,8 +1,6 @@
 """The checks of a :class:`~mmnnx.train.config.RunConfig` taken as a whole, before anything is
-built (as torchtitan's ``config/validation.py``): each finds the first inconsistency among the
-options of one concern and says it in one line naming the flags (``--depth 1 gives fewer blocks
-than --stages 2``). The model's own rules are checked where its config is built
-(:func:`~mmnnx.train.config.gpt_config`, ``pretrained_config``), called from here."""
+built: each finds the first inconsistency among the options of one concern and says it in one
+line naming the flags (``--depth 1 gives fewer blocks than --stages 2``)."""
 
 from __future__ import annotations
 

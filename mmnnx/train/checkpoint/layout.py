@@ -64,8 +64,7 @@ def fsync(path: str, *, directory: bool) -> None:
 
 
 def fsync_tree(root: epath.Path, *, recursive: bool = True) -> None:
-    """fsyncs every file below ``root`` (only those in it, without ``recursive``), then the
-    directories bottom-up (local paths only)."""
+    """fsyncs the files below ``root`` (in it only, unless ``recursive``), then the folders."""
     if not is_local(root):
         return
     top = os.fspath(root)
@@ -101,8 +100,7 @@ def commit(tmp: epath.Path, final: epath.Path) -> None:
 
 
 def listing(read: Callable[[], Any]) -> Any:
-    """``read()``, again if a step it was listing vanished (the writer deleted a step older than
-    ``max_to_keep`` meanwhile): Orbax lists the step directories, then reads each one."""
+    """``read()``, again if a step it was listing vanished (deleted by the writer meanwhile)."""
     for attempt in range(1, _LIST_ATTEMPTS):
         try:
             return read()
@@ -129,15 +127,13 @@ def remove_abandoned_saves(directory: epath.Path) -> None:
 
 
 def remove_oldest(directory: epath.Path, steps: Sequence[int], keep: int | None) -> None:
-    """Deletes the step directories of all but the newest ``keep`` of ``steps`` (oldest first;
-    ``keep=None`` keeps all)."""
+    """Deletes the directories of all but the newest ``keep`` of ``steps`` (oldest first)."""
     for old in steps[: max(0, len(steps) - keep)] if keep is not None else ():
         shutil.rmtree(os.fspath(directory / str(old)), ignore_errors=True)
 
 
 def set_aside(directory: epath.Path, steps: Sequence[int]) -> list[str]:
-    """Renames the directories of ``steps`` to ``<step>.unreadable`` (or ``<step>.unreadable-N``
-    when that is taken); returns the new names."""
+    """Renames the directories of ``steps`` to ``<step>.unreadable[-N]``; the new names."""
     names: list[str] = []
     for step in steps:
         name, n = f"{step}{_SET_ASIDE}", 0

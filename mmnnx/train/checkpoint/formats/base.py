@@ -50,6 +50,5 @@ class Format(Protocol):
         ...
 
     def open(self, step: int) -> SavedStep:
-        """Committed step ``step``'s description (no array data yet), or a
-        ``CheckpointCorruptError``."""
+        """Committed step ``step``'s description (no array data yet)."""
         ...

@@ -27,8 +27,7 @@ FORMAT_VERSION = 1
 
 
 class OrbaxTree:
-    """Orbax's manager, saving synchronously (``layout.SyncedAtomicRename``); with several
-    processes, each lists and reads steps on its own."""
+    """Orbax's manager, saving synchronously; each process lists and reads on its own."""
 
     marker: ClassVar[str | None] = None
     required: ClassVar[tuple[str, ...]] = (layout.STEP_METADATA, MODEL, META)
@@ -173,8 +172,7 @@ class _OrbaxStep:
 
 
 def _read(step: int, folder: epath.Path, read: Callable[[], Any]) -> Any:
-    """``read()`` of step ``step`` through Orbax, whose reads all end before it returns
-    (:class:`_FinishingLoop`); a failure is a ``CheckpointCorruptError``."""
+    """``read()`` through Orbax, all its reads ended on return (:class:`_FinishingLoop`)."""
 
     def finished() -> Any:
         previous = asyncio.get_event_loop_policy()
@@ -208,8 +206,7 @@ class _FinishingLoops(asyncio.DefaultEventLoopPolicy):
 
 
 def _target(value: Any, process: int | None) -> Any:
-    """The restore target of a current value; with several processes a host array, put on
-    its sharding after reading."""
+    """The restore target of a value; with several processes a host array (put after)."""
     if isinstance(value, jax.Array) and process is None:
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
     return np.zeros(value.shape, value.dtype)  # numpy leaves restore as numpy arrays

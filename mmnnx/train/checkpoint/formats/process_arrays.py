@@ -48,8 +48,7 @@ def _slices(index: tuple, shape: Sequence[int]) -> Chunk:
 
 
 def own(value: Any) -> bool:
-    """Whether no task holds ``value`` (NumPy, or an array on one device of this process:
-    ``mm.jit`` hands a task's back on the task), as every process tells alike."""
+    """Whether no task holds ``value``: NumPy, or an array on one device of this process."""
     return not isinstance(value, jax.Array) or (
         isinstance(value.sharding, jax.sharding.SingleDeviceSharding) and value.is_fully_addressable
     )
@@ -96,8 +95,7 @@ def create(root: epath.Path, items: Trees, me: int) -> None:
 
 
 def write(root: epath.Path, items: Trees, me: int) -> dict[str, dict[str, list]]:
-    """Writes this process's chunks: per item and ``/``-joined path,
-    ``[[start, stop, checksum, process], ...]``."""
+    """Writes this process's chunks: by item and path, ``[[start, stop, checksum, process]]``."""
     written: dict[str, dict[str, list]] = {}
     pending = []
     for item, flat in items.items():
@@ -126,8 +124,7 @@ class DamagedChunk(ValueError):
 
 
 def read(root: epath.Path, item: str, path: Path, record: Mapping[str, Any], target: Any) -> Any:
-    """The saved array (``record``: its manifest entry) laid out as ``target``, a sharding
-    (``None``: whole, as NumPy), each chunk read checked (:class:`DamagedChunk`)."""
+    """The saved array laid out as ``target`` (``None``: whole, NumPy), its chunks checked."""
     name = show(item, path)
     shape, dtype = tuple(record["shape"]), np.dtype(record["dtype"])
     chunks = [((tuple(a), tuple(b)), s) for a, b, s, *_ in record["chunks"]]
