@@ -51,11 +51,9 @@ def error(message: str) -> int:
 
 
 def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = None) -> int:
-    """``mmnnx train`` with the checked options ``config`` (``given``: those the user set;
-    ``pretrained``: ``--init-from``'s ``GPTConfig``, if read): 0 when trained, 1 when the loss is
+    """``mmnnx train`` with the checked options ``config``: 0 when trained, 1 when the loss is
     no longer finite, 2 for an input error found only now, 143 when preempted after saving.
-    Nothing is written before a resumed run is checked against its record and the checkpoint
-    directory's writer lock is held."""
+    Nothing is written before a resumed run is checked and the writer lock is held."""
     prologue.start(config.layout.devices)
     import jax  # noqa: PLC0415  (after XLA_FLAGS)
 

@@ -18,8 +18,7 @@ _round = itertools.count()
 
 def check_same_everywhere(what: str, lines: list[str]) -> int:
     """Raises :class:`MPMDError` on every process if the processes' ``lines`` differ, naming the
-    first line that differs and the two processes (a collective, as every function here).
-    Returns the round's number, the same on every process, for keys of this step."""
+    first difference (a collective, as every function here); the round's number."""
     me, count = jax.process_index(), jax.process_count()
     n = next(_round)
     runtime.key_value_set(_KEY.format(n, me), zlib.compress("\n".join(lines).encode()))

@@ -157,10 +157,9 @@ _watching = threading.Event()
 
 
 def _watch() -> None:
-    """Ends this process when it waits for a message a process that left never offered (this
-    process's main thread then waits inside the runtime, where no error reaches it). Stops
-    once this process leaves: a look at the key-value store after process 0's coordination
-    service has gone aborts the process (JAX's client does not raise there)."""
+    """Ends this process when it waits, inside the runtime, for a message a process that left
+    never offered. Stops once this process leaves (a look at the key-value store after process
+    0's coordination service has gone aborts the process)."""
     while True:
         time.sleep(_SLICE_S)
         with _watch_turn:

@@ -12,8 +12,7 @@ import dataclasses
 
 @dataclasses.dataclass
 class Membership:
-    """``count`` processes, never fewer than ``minimum``, and the rank that failed first in the
-    last attempt (``last_failed``).
+    """``count`` processes, never fewer than ``minimum``.
 
     Example:
         >>> job = Membership(3, minimum=2)

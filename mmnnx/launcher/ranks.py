@@ -154,11 +154,9 @@ class Ranks:
         notice: threading.Event | None = None,
         watchdog: Watchdog | None = None,
     ) -> Outcome | None:
-        """Waits until every process succeeds, one fails or has been stopped for
-        ``stopped_after_s`` or (with a ``watchdog``) made no progress for its timeout, or
-        ``interrupted`` is set (then it returns ``None``); then stops the others. Once
-        ``notice`` is set, ``SIGTERM`` is forwarded to every process (once), and a process
-        ending with 143 or by ``SIGTERM`` has not failed."""
+        """Waits until every process succeeds, one fails, stops responding or makes no progress,
+        or ``interrupted`` is set (``None``); then stops the others. Once ``notice`` is set,
+        ``SIGTERM`` is forwarded to every process, and ending on it is no failure."""
         stopped_since: dict[int, float] = {}
         forwarded = False
         while True:

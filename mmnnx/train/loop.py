@@ -495,8 +495,7 @@ class _Loop:
 
 
 def _resume(loop: _Loop, checkpoints: Checkpointer, *, own_optimizer: bool) -> tuple[int, int]:
-    """Claims ``checkpoints`` and, with ``config.resume``, restores the newest readable step
-    (newer ones set aside, named in one line); the step to go on from and the horizon."""
+    """Claims ``checkpoints`` and restores the newest readable step: (step, horizon)."""
     config, ckpt_dir = loop.config, loop.ckpt_dir
     checkpoints.claim()  # a second writer fails here, before training
     if not config.resume and checkpoints.latest_step() is not None:
