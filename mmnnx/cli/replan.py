@@ -45,9 +45,8 @@ def data_axis(run: RunConfig, devices: int) -> int:
 def narrowed_data_axis(
     stages: int, data_axis: int, expert_axis: int, model_axis: int, devices: int
 ) -> int | None:
-    """The largest divisor of ``data_axis`` with which ``stages x it x expert_axis x
-    model_axis`` devices fit in ``devices`` (a divisor still splits each microbatch evenly);
-    ``None`` when even 1 does not fit.
+    """The largest divisor of ``data_axis`` with which the layout fits in ``devices`` (a
+    divisor still splits each microbatch evenly), or ``None``.
 
     Example:
         >>> narrowed_data_axis(2, 4, 1, 1, 6), narrowed_data_axis(2, 2, 1, 2, 2)

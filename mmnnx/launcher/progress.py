@@ -84,8 +84,7 @@ class Stale:
 
 
 class Watchdog:
-    """Finds the process of ``count`` whose last report in ``directory`` is the oldest, once
-    it is ``timeout_s`` old (of those that have reported and not finished).
+    """Finds the process whose last report in ``directory`` is the oldest, once ``timeout_s`` old.
 
     Example:
         >>> import tempfile

@@ -88,7 +88,7 @@ def export_run(
         for name, content in files.items():  # the base's are carried by a fine-tuning run
             (written / name).write_text(json.dumps(content, indent=2) + "\n")
     architecture = architecture or loaded.model.pretrained.architecture
-    return Exported(written, architecture, loaded.step, adapter)
+    return Exported(directory=written, architecture=architecture, step=loaded.step, adapter=adapter)
 
 
 def transformers_files(tokenizer_json: str | None) -> dict[str, dict[str, Any]]:

@@ -122,7 +122,13 @@ def read_run(run_dir: str | pathlib.Path) -> RunSpec:
         config = model_config(run, tokenizer.vocab_size)
     except CheckpointError as e:
         raise RunError(f"the run's --init-from: {e}") from None
-    return RunSpec(pathlib.Path(run_dir), run, tokenizer, config, checkpoints)
+    return RunSpec(
+        directory=pathlib.Path(run_dir),
+        run=run,
+        tokenizer=tokenizer,
+        config=config,
+        checkpoints=checkpoints,
+    )
 
 
 def load_run(
@@ -179,7 +185,9 @@ def load_run(
             except FileNotFoundError:
                 raise RunError(f"no checkpoint in {spec.checkpoints}") from None
             step, skipped = resumed.step, resumed.skipped
-    return LoadedRun(model, spec.tokenizer, step, spec.run, skipped)
+    return LoadedRun(
+        model=model, tokenizer=spec.tokenizer, step=step, run=spec.run, skipped=skipped
+    )
 
 
 def _check_record(spec: RunSpec, saved: Saved | None) -> None:

@@ -174,8 +174,7 @@ def resolved_config(values: Mapping[str, Any], schema: type = RunConfig) -> dict
 def write_config(
     path: str | os.PathLike[str], tables: Mapping[str, Mapping[str, Any]]
 ) -> pathlib.Path:
-    """Writes ``tables`` (as :func:`resolved_config` makes them) to ``path`` as TOML,
-    atomically (a reader never sees half a file); returns the path."""
+    """Writes ``tables`` (:func:`resolved_config`'s) to ``path`` as TOML, atomically."""
     target = pathlib.Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.tmp")

@@ -41,8 +41,7 @@ def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
 
 
 def linear_names(config: GPTConfig) -> tuple[str, ...]:
-    """The names of the ``Linear`` layers of ``GPT(config)`` LoRA may adapt (``add_lora``'s
-    targets), in :data:`~mmnnx.modules.lora.TARGETS` order then the router's.
+    """The ``Linear`` layers of ``GPT(config)`` LoRA may adapt, in ``add_lora``'s order.
 
     Example:
         >>> linear_names(GPTConfig()), linear_names(GPTConfig(gated_mlp=True, experts=4))
@@ -85,8 +84,7 @@ def run_placement(
 
 
 def abstract_model(run: RunConfig, config: GPTConfig) -> GPT:
-    """The model of a run as :func:`build_model` makes it (LoRA adapters included), every
-    Variable a ``jax.ShapeDtypeStruct``: nothing allocated.
+    """The model :func:`build_model` makes, every Variable abstract: nothing allocated.
 
     Example:
         >>> run = RunConfig.of(_LORA)
@@ -144,8 +142,7 @@ def build_model(
 
 
 def trainable(run: RunConfig) -> Any:
-    """The Variables a run trains: ``nnx.LoRAParam`` (the adapters) with ``--lora-rank``, else
-    every ``nnx.Param``.
+    """The Variables a run trains: the adapters with ``--lora-rank``, else every ``nnx.Param``.
 
     Example:
         >>> trainable(RunConfig.of({"lora_rank": 8})).__name__, trainable(RunConfig()).__name__

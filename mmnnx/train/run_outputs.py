@@ -32,9 +32,8 @@ def run_outputs(
     profile: bool = False,
     wandb: bool = False,
 ) -> list[Output]:
-    """What ``mmnnx train`` writes under ``output_dir`` (and ``checkpoint_dir``): its flags,
-    tokenizer, token cache, checkpoints, metrics and loss curve; the timeline (with
-    ``timeline``), TensorBoard events, profile and wandb files when asked for.
+    """What ``mmnnx train`` writes under ``output_dir`` (and ``checkpoint_dir``), the optional
+    outputs when asked for.
 
     Example:
         >>> [o.path.name for o in run_outputs("runs/x", tensorboard=False, timeline=False)][2:]
@@ -84,8 +83,7 @@ def run_outputs(
 
 
 def output_problem(outputs: Iterable[Output]) -> str | None:
-    """The first of ``outputs`` a run could not write, as one line (a file where a directory
-    goes, a directory where a file goes, no write permission), or None.
+    """The first of ``outputs`` a run could not write, as one line, or None.
 
     Example:
         >>> import tempfile

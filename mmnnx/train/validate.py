@@ -204,8 +204,7 @@ def given_sizes(text: str) -> tuple[int, ...] | None:
 
 
 def partition_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
-    """What ``--partition`` cannot do with the other options (``blocks`` of the model, named
-    ``depth`` as the flags give it), in one line; or None.
+    """What ``--partition`` cannot do with the other options, in one line; or None.
 
     Example:
         >>> partition_problem(RunConfig.of({"partition": "3,2"}), 4, "--depth 4")
