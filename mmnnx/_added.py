@@ -23,9 +23,8 @@ class Added:
 
 
 def take_added(root: Any, fresh: Sequence[Any]) -> list[Added]:
-    """The Variables under ``root`` (the traced arguments) that are not among ``fresh`` (those
-    the step was given) and are attributes of an object: each taken off its object, so that
-    the rest of the structure can be checked unchanged.
+    """The Variables under ``root`` (the traced arguments) not among ``fresh`` that are attributes
+    of an object, each taken off its object (so the rest can be checked unchanged).
 
     Example:
         >>> from flax import nnx
@@ -50,8 +49,7 @@ def take_added(root: Any, fresh: Sequence[Any]) -> list[Added]:
 
 
 def put_added(root: Any, added: Sequence[Added], values: Sequence[Any]) -> None:
-    """Sets each added Variable, holding its computed ``values``, on its object under ``root``
-    (the caller's arguments)."""
+    """Sets each added Variable, holding its computed ``values``, on its object under ``root``."""
     start = 0
     for a in added:
         leaves = values[start : start + a.num_leaves]
@@ -61,8 +59,7 @@ def put_added(root: Any, added: Sequence[Added], values: Sequence[Any]) -> None:
 
 
 def _parent_at(root: Any, path: tuple) -> Any | None:
-    """The object holding the attribute at the end of ``path`` (a pytree path from ``root``), or
-    ``None`` if the path does not end in an attribute of an object reachable by subscripts."""
+    """The object holding the attribute at the end of ``path`` from ``root``, or ``None``."""
     if not path or not isinstance(path[-1], jax.tree_util.GetAttrKey):
         return None
     node = root

@@ -22,11 +22,10 @@ def checked_argnums(
     static_argnames: tuple[str, ...],
     donate_argnums: tuple[int, ...],
 ) -> Argnums:
-    """``static_argnums`` and ``donate_argnums`` of the step ``fun`` (called ``name`` in
-    errors), negative positions counted from the end of its positional parameters, after
-    checking them and ``static_argnames`` against its signature. A signature with ``*args``
-    (or none Python can read) leaves positions unchecked, as ``jax.jit`` does; negative ones
-    then cannot be resolved, and are refused.
+    """``static_argnums`` and ``donate_argnums`` of ``fun`` (called ``name`` in errors), negative
+    positions counted from the end of its positional parameters, checked with ``static_argnames``
+    against its signature. A signature with ``*args`` (or unreadable) leaves positions unchecked, as
+    ``jax.jit`` does, and refuses negative ones.
 
     Raises:
         ValueError: a position the step does not have, a static name it does not take, an

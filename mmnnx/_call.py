@@ -1,7 +1,5 @@
-"""One call of an ``mm.jit`` step: its arguments' NNX state flattened into one :class:`Leaf` per
-input leaf (Variables first, one for a Variable reached twice) and their arrays, rebuilt while the
-step is traced, described as :class:`~mmnnx.mpmd.step_io.StepInput` / ``StepOutput`` records,
-checked (what a call may not change) and written back."""
+"""One call of an ``mm.jit`` step: its arguments flattened into one :class:`Leaf` per input leaf
+and their arrays, rebuilt while tracing, described to the engine, checked and written back."""
 
 from __future__ import annotations
 
@@ -49,12 +47,8 @@ def _leaf_name(path: tuple) -> str:
 
 
 def user_outputs(out_shape: Any) -> list[StepOutput]:
-    """For each output leaf of the step's result: the task (or task stack) and spec of the
-    Variable it belongs to, if placed.
-
-    Gradients from ``nnx.grad`` are Variables carrying their parameter's placement, so they are
-    computed on, and returned from, their parameter's task.
-    """
+    """For each output leaf: the task (or stack) and spec of the Variable it belongs to, if placed
+    (``nnx.grad``'s gradients carry their parameter's placement)."""
     outputs = []
     for node in jax.tree.leaves(out_shape, is_leaf=_nnx.is_variable):
         home = home_of(node) if _nnx.is_variable(node) else None
@@ -81,12 +75,8 @@ _ARRAY = Leaf()
 
 
 class Call:
-    """One call's arguments as a pytree definition and its input leaves: one :class:`Leaf`
-    record each (``leaves``) and their arrays (``values``), the distinct Variables' first.
-
-    Modules and Optimizers are flattened as pytrees with Variables as leaves; a Variable reached
-    twice (tied weights) is one input, and the rebuilt arguments share it again.
-    """
+    """One call's arguments as a pytree definition and its input leaves (``leaves``, ``values``),
+    the distinct Variables' first: a Variable reached twice (tied weights) is one input."""
 
     def __init__(self, fn: Any, args: tuple, kwargs: dict):
         self.fn = fn
@@ -116,11 +106,9 @@ class Call:
         self._set_values(arrays)
 
     def traceable(self, fun: Callable, *, first: bool) -> tuple[Callable, list[Added]]:
-        """``fun`` as a pure function of this call's input leaves, for the engine to trace: it
-        rebuilds the arguments around fresh Variables, calls ``fun``, and returns its result,
-        the Variables' new values and those of Variables it added (``self.sow``; described in
-        the returned list once traced). ``first``: the step's first trace, which warns of long
-        lists of unrolled blocks in the arguments."""
+        """``fun`` as a pure function of this call's input leaves: it rebuilds the arguments around
+        fresh Variables and returns ``fun``'s result, the Variables' new values and those of
+        Variables it added (described in the returned list once traced)."""
         if first:
             dyn_args, dyn_kwargs = self.target
             warn_unrolled_blocks(fun, dyn_args, dyn_kwargs, f"mm.jit({self.step_name})")
@@ -145,9 +133,8 @@ class Call:
     def step_outputs(
         self, out_shape: Any, inputs: Sequence[StepInput], added: Sequence[Added]
     ) -> list[StepOutput]:
-        """One record per result leaf of the traced step (``out_shape``: its own return value,
-        then the Variables' values, whose ``inputs`` say where they stay, then the added
-        Variables'); forgets the traced arguments and the added values (tracers)."""
+        """One record per result leaf of the traced step: its return value, the Variables', the
+        added ones'; forgets the traced arguments and the added values (tracers)."""
         self._rebuilt, num = [], self.num_variables
         for a in added:
             del a.value  # a tracer: the step's results give the value
@@ -158,8 +145,8 @@ class Call:
         ]
 
     def write_back(self, outs: list[Any], built: BuiltStep, added: Sequence[Added]) -> Any:
-        """Writes a run's results (``outs``) into the Variables (state on no task back where it
-        was) and the added ones onto their objects; returns the step's own return value."""
+        """Writes a run's results into the Variables and the added ones onto their objects; returns
+        the step's own return value."""
         users, num_variables = built.num_outputs, self.num_variables
         if built.executable.graph.specs:  # sharding in types: hand back on the tasks' own meshes
             likes = [None] * users + [
@@ -179,8 +166,7 @@ class Call:
         return jax.tree.unflatten(built.tree, outs[:users])
 
     def check_placement(self) -> None:
-        """Raises if a bound Variable was placed again since the binding was made (its task is
-        read once, when the binding is made; state on no task may sit on a task: its input)."""
+        """Raises if a bound Variable was placed again since the binding was made."""
         for i, leaf in enumerate(self.leaves[: self.num_variables]):
             now, task, name = task_of(leaf.variable), leaf.task, self.names[i]
             if now != task and not (now is None and i in self.unplaced):
@@ -205,8 +191,7 @@ class Call:
         self.target = (dyn_args, dyn_kwargs)
 
     def _set_values(self, arrays: list[Any]) -> None:
-        """The input values (Variables' values, then the other arrays), checked, and the cache
-        key."""
+        """The input values (Variables', then the other arrays), checked, and the cache key."""
         arrays = [np.asarray(a) if isinstance(a, PYTHON_SCALARS) else a for a in arrays]
         self.values = [v.get_raw_value() for v in self.variables] + arrays
         if self.unplaced and jax.process_count() > 1:  # state a step left on a task: its input
@@ -215,8 +200,7 @@ class Call:
             for i in self.unplaced:
                 leaves[i] = Leaf(leaves[i].variable, homes.get(i))
             self._place(leaves)
-        # The checks below only fail for a value that is not a plain jax.Array (a step's own
-        # outputs, fed back, always are): skipped when none is, as on every step of a loop.
+        # only a value that is not a plain jax.Array fails these: skipped on a loop's steps
         checked = () if all_plain_arrays(self.values) else enumerate(self.values)
         for i, value in checked:
             if i < self.num_variables and isinstance(value, tuple | dict):
@@ -234,9 +218,8 @@ class Call:
                     "an array; mark the argument static (static_argnums/static_argnames) or pass "
                     "an array"
                 )
-        # Placed leaves: their sharding is part of the plan. Free leaves go wherever their
-        # consumers are; only a committed one on devices no task owns is an error. The plan
-        # holds its tasks, so their ids stay unique while it is cached.
+        # placed leaves' shardings are part of the plan; the plan holds its tasks, so their ids
+        # stay unique while it is cached
         signature = tuple(
             (v.shape, v.dtype, v.sharding if placed else None)
             for placed, v in zip(self.placed, self.values, strict=True)
@@ -259,9 +242,8 @@ class Call:
         return [_leaf_name(p) for p in self._paths]
 
     def step_inputs(self) -> list[StepInput]:
-        """What the engine is told of each input leaf (Variables first, then other arrays),
-        after checking that each lives on its task's devices and that no optimizer state sits
-        elsewhere than its parameter."""
+        """What the engine is told of each input leaf, after checking that each lives on its task's
+        devices and no optimizer state sits elsewhere than its parameter."""
         donate = self.fn.donate_argnums
         inputs = [
             StepInput(
@@ -287,9 +269,8 @@ class Call:
         return inputs
 
     def rebuild(self, values: Sequence[Any]) -> tuple[tuple, dict, list[Any], list[Any]]:
-        """The arguments again, with fresh Variables holding ``values`` (used while tracing);
-        also those Variables, and the flat nodes the arguments were built from (for
-        :meth:`check_unchanged`)."""
+        """The arguments with fresh Variables holding ``values``; also those Variables and the flat
+        nodes (for :meth:`check_unchanged`)."""
         fresh = [v.replace(x) for v, x in zip(self.variables, values, strict=False)]
         arrays = values[self.num_variables :]
         nodes = [fresh[s] if s >= 0 else arrays[-1 - s] for s in self.slots]
@@ -297,8 +278,7 @@ class Call:
         return dyn_args, dyn_kwargs, fresh, nodes
 
     def check_unchanged(self, dyn_args: tuple, dyn_kwargs: dict, before: list[Any]) -> None:
-        """Raises if the step changed its arguments in a way mm.jit cannot carry back: their
-        structure, or an array that is not a Variable (``m.buf = m.buf + 1``)."""
+        """Raises if the step changed its arguments' structure, or an array not in a Variable."""
         step = self.step_name
         nodes, treedef = jax.tree.flatten((dyn_args, dyn_kwargs), is_leaf=_nnx.is_variable)
         if treedef != self.treedef or any(
@@ -332,8 +312,7 @@ class Call:
                     )
 
     def deleted_input(self) -> MPMDError | None:
-        """The error for the first input whose array was deleted (``.delete()``, or donated to
-        an earlier call while a Variable still held it), or ``None``."""
+        """The error for the first input whose array was deleted, or ``None``."""
         for i, value in enumerate(self.values):
             if isinstance(value, jax.Array) and value.is_deleted():
                 return MPMDError(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import linecache
 import pathlib
 import sysconfig
-import types
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,14 +50,6 @@ def _is_library(filename: str) -> bool:
     return resolved.startswith(_LIBRARIES) or filename.startswith("<")
 
 
-def _frames(tb: types.TracebackType | None) -> list[types.FrameType]:
-    frames = []
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    return frames
-
-
 def _path_in(root: Any, target: Any) -> str | None:
     try:
         for path, node in nnx.graph.iter_graph(root):
@@ -83,7 +75,7 @@ def where(error: BaseException, roots: Sequence[Any]) -> str | None:
     origin = error
     while origin.__cause__ is not None:  # a wrapper raised `from` the error: its frames go deeper
         origin = origin.__cause__
-    frames = _frames(origin.__traceback__)
+    frames = [frame for frame, _ in traceback.walk_tb(origin.__traceback__)]
     lines = []
     # Transforms (nnx.grad, nnx.scan, ...) call copies of the user's modules: the failing module
     # is named by its path under the outermost module the traceback passes through.

@@ -9,14 +9,10 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def cyclic_gc_paused() -> Iterator[None]:
-    """Pauses Python's cyclic garbage collector (reference counting goes on) for the block.
-
-    Tracing a model or a step makes objects by the hundred thousand (equations, ops, graph
-    values) that live until the trace is done, and every few thousand of them trigger a
-    collection; the full ones scan the whole heap and free next to nothing (2.2 of the 8.8 s
-    of planning an unrolled 128-block GPT, with the same peak memory either way:
-    benchmarks/first_call.py). Collection resumes on its own schedule after. Nested pauses
-    leave the collector as the outermost found it.
+    """Pauses Python's cyclic garbage collector (reference counting goes on) for the block: tracing
+    makes objects by the hundred thousand that live until the trace is done, and the collections
+    they trigger free next to nothing (2.2 of the 8.8 s of planning an unrolled 128-block GPT:
+    benchmarks/first_call.py). Nested pauses leave it as the outermost found it.
 
     Example:
         >>> import gc

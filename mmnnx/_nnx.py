@@ -31,8 +31,7 @@ _VARIABLE_TYPES: dict[type, bool] = {}
 
 
 def is_variable(x: Any) -> bool:
-    """``isinstance(x, nnx.Variable)``, memoised per type: Flax's metaclass check runs in Python
-    and mm.jit asks it of every node of every argument on every call.
+    """``isinstance(x, nnx.Variable)``, memoised per type (Flax's metaclass check is slow).
 
     Example:
         >>> from flax import nnx
@@ -53,8 +52,7 @@ def _is_tracer(x: Any) -> bool:
 
 
 def variables_of(node: Any) -> list[tuple[Path, nnx.Variable]]:
-    """Every Variable reachable from ``node`` (a Module, an Optimizer, a graph of them), shared
-    ones once, with its path of keys.
+    """Every Variable reachable from ``node``, shared ones once, with its path of keys.
 
     Example:
         >>> from flax import nnx
@@ -66,8 +64,8 @@ def variables_of(node: Any) -> list[tuple[Path, nnx.Variable]]:
 
 
 def variable_from(kind: type, metadata: dict, value: Any) -> nnx.Variable:
-    """A ``kind`` Variable holding ``value`` with ``metadata``, made as Flax rebuilds a Variable
-    (no eager sharding, so it works outside any mesh).
+    """A ``kind`` Variable holding ``value`` with ``metadata``, made as Flax rebuilds one (no eager
+    sharding).
 
     Example:
         >>> from flax import nnx
@@ -79,8 +77,7 @@ def variable_from(kind: type, metadata: dict, value: Any) -> nnx.Variable:
 
 
 def remove_variables(roots: Sequence[Any], variables: Sequence[nnx.Variable]) -> None:
-    """Deletes ``variables`` from the Modules under ``roots`` that hold them as attributes
-    (undoing a ``sow`` that created them).
+    """Deletes ``variables`` from the Modules under ``roots`` holding them as attributes.
 
     Example:
         >>> from flax import nnx
@@ -101,9 +98,8 @@ def remove_variables(roots: Sequence[Any], variables: Sequence[nnx.Variable]) ->
 
 
 def mirrors_a_variable(x: Any) -> bool:
-    """Whether ``x`` is optimizer state made from a model Variable: ``nnx.Optimizer`` wraps the
-    state it keeps per parameter (Adam's moments, say) in ``nnx.OptVariable``s that copy the
-    parameter's metadata, its placement included, when the optimizer is created.
+    """Whether ``x`` is optimizer state made from a model Variable (``nnx.OptVariable``, which
+    copies the parameter's metadata, its placement included).
 
     Example:
         >>> import optax
@@ -117,7 +113,7 @@ def mirrors_a_variable(x: Any) -> bool:
 
 def outside_state_error(error: BaseException) -> str | None:
     """What a traced function changed that was created outside it, if ``error`` is Flax's
-    refusal of that (``TraceContextError``): ``"an nnx.Rngs"`` or ``"a Variable"``.
+    ``TraceContextError``: ``"an nnx.Rngs"`` or ``"a Variable"``.
 
     Example:
         >>> import jax
@@ -136,13 +132,9 @@ def outside_state_error(error: BaseException) -> str | None:
 
 @contextlib.contextmanager
 def taken_as_data(kind: type) -> Iterator[None]:
-    """Inside this block Flax takes a ``kind`` value assigned to a Module attribute as data.
-
-    Flax takes an array assigned to an attribute (``self.cache = jnp.ones(3)``) as data, but
-    not a traced one: its check (``isinstance`` against a ``typing.Union`` holding
-    ``jax.Array``) misses tracers, so a Module built under a trace (``nnx.eval_shape`` too)
-    keeps that attribute as static, with a tracer in it. Registering the tracer type while the
-    Module is built makes the traced build match the eager one.
+    """Inside this block Flax takes a ``kind`` value assigned to a Module attribute as data: its
+    check misses tracers, so a Module built under a trace would keep a traced array attribute as
+    static.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -169,11 +161,9 @@ def taken_as_data(kind: type) -> Iterator[None]:
 
 
 def holders_of(roots: Sequence[Any]) -> list[dict | list]:
-    """The mutable containers that hold the children of everything reachable from ``roots``:
-    each NNX object's ``__dict__`` (a Module's attributes, an ``nnx.List``'s items), each
-    ``nnx.State``'s mapping, each plain list and dict (as ``nnx.data`` keeps them). A child
-    added anywhere under ``roots`` makes one of them longer; Variables are children, not
-    containers.
+    """The mutable containers holding the children of everything reachable from ``roots``
+    (``__dict__``s, ``nnx.State`` mappings, plain lists and dicts): a child added anywhere makes one
+    of them longer.
 
     Example:
         >>> from flax import nnx
@@ -201,12 +191,8 @@ def _holder(node: Any) -> dict | list | None:
 
 
 def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:
-    """Where ``parent`` keeps its child at pytree path key ``key``: ``(holder, k)`` such that
-    ``holder[k]`` is the child, read with one subscript (``None`` if unknown).
-
-    Module attributes and ``nnx.List`` items live in the object's ``__dict__`` (an item under
-    ``str(index)``); an ``nnx.State`` wraps nested dicts in a new ``State`` on every access, so
-    its raw mapping is used; plain lists, tuples and dicts hold their children themselves.
+    """``(holder, k)`` such that ``holder[k]`` is ``parent``'s child at pytree key ``key`` (``None``
+    if unknown); an ``nnx.State``'s raw mapping, since it wraps nested dicts anew on every access.
 
     Example:
         >>> import jax
@@ -232,8 +218,7 @@ def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:
 
 
 def annotated_spec(variable: nnx.Variable) -> PartitionSpec | None:
-    """The ``PartitionSpec`` a Variable was annotated with (Flax's explicit-sharding form,
-    ``kernel_metadata={"out_sharding": P(None, "model")}``), if any.
+    """The ``PartitionSpec`` a Variable was annotated with (``out_sharding``), if any.
 
     Example:
         >>> from flax import nnx
@@ -271,14 +256,9 @@ def logical_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
 
 
 def set_values(variables: Sequence[nnx.Variable], values: Sequence[Any]) -> None:
-    """Writes a step's new values into the caller's Variables.
-
-    Flax checks on every write that the Variable may be updated at the current trace level
-    (microseconds each); all of a call's Variables come from the caller's level, so the first
-    write is checked and the rest store the value directly. Flax's own bypass,
-    ``set_raw_value(x, _unsafe_bypass_check=True)``, still goes through ``Variable.__setattr__``,
-    about ten times the slot write below (benchmarks/HISTORY.md). The doctest checks the slot
-    still works.
+    """Writes a step's new values into the caller's Variables: Flax checks the trace level of the
+    first write; the rest store into the slot directly (ten times faster than Flax's
+    ``_unsafe_bypass_check``; benchmarks/HISTORY.md). The doctest checks the slot still works.
 
     Example:
         >>> from flax import nnx
@@ -295,9 +275,9 @@ def set_values(variables: Sequence[nnx.Variable], values: Sequence[Any]) -> None
 
 
 def state_kind(variable: nnx.Variable) -> str:
-    """How ``mm.microbatch`` treats a Variable that its function may update: ``"count"`` (an
-    RNG counter), ``"fixed"`` (parameters and RNG keys: updating them is not pipelined), or
-    ``"chained"`` (batch statistics, caches, metrics: each microbatch starts from the last's).
+    """How ``mm.microbatch`` treats a Variable its function updates: ``"count"`` (an RNG counter),
+    ``"fixed"`` (parameters, RNG keys: not pipelined) or ``"chained"`` (each microbatch from the
+    last's).
 
     Example:
         >>> from flax import nnx
@@ -312,8 +292,7 @@ def state_kind(variable: nnx.Variable) -> str:
 
 
 def capturing(module: nnx.Module) -> bool:
-    """Whether ``module`` runs under ``nnx.capture`` (which keeps what it sows in a capture of
-    its own, and returns it), rather than where ``sow`` writes onto the module itself.
+    """Whether ``module`` runs under ``nnx.capture``, rather than where ``sow`` writes onto it.
 
     Example:
         >>> from flax import nnx

@@ -42,7 +42,6 @@ def render(*tables: Table) -> Tabulation:
     for t in tables:
         console.print(t)
     text = console.export_text(styles=tty, clear=False)
-    html = console.export_html(inline_styles=True)
     result = Tabulation("\n".join(line.rstrip() for line in text.splitlines()))
-    result.html = html
+    result.html = console.export_html(inline_styles=True)
     return result

@@ -21,13 +21,10 @@ from mmnnx.mpmd.engine import Plan
 
 
 class _Binding:
-    """A call's Variables and structure, holding none of its values: the Variables' values are
-    read again by every :meth:`rebound` call, and the trailing ``num_tail`` array leaves (a
-    batch) are the next call's. Keeping them would keep a step's old arrays alive.
-
-    Also records every edge (object, key, child) from the first ``num_bound`` positional
-    arguments to their Variables, which :meth:`check_bound` verifies, and the size of each
-    container those arguments hold, which :meth:`grown` compares."""
+    """A call's Variables and structure, holding none of its values (keeping them would keep a
+    step's old arrays alive); also every edge from the first ``num_bound`` positional arguments to
+    their Variables (:meth:`check_bound`) and the size of each container they hold
+    (:meth:`grown`)."""
 
     def __init__(self, call: Call, num_tail: int, num_bound: int):
         template = self.template = object.__new__(Call)
@@ -56,9 +53,7 @@ class _Binding:
         template.values = template.target = None
 
     def check_none_added(self, call: Call) -> None:
-        """Raises if ``call`` (the same arguments, walked afresh) holds a Variable that the
-        binding does not: one added to a bound argument, which the binding would never read or
-        update (as one replaced, :meth:`check_bound`)."""
+        """Raises if ``call`` (walked afresh) holds a Variable the binding does not."""
         known = {id(v) for v in self.template.variables}
         for name, variable in zip(call.names, call.variables, strict=False):
             if id(variable) not in known:
@@ -70,14 +65,11 @@ class _Binding:
                 )
 
     def grown(self) -> bool:
-        """Whether something was added to a bound argument since the binding was made (an
-        attribute, a list item): :meth:`check_bound` sees only what was replaced."""
+        """Whether something was added to a bound argument since the binding was made."""
         return list(map(len, self.holders)) != self.sizes
 
     def check_bound(self) -> None:
-        """Raises if a bound argument changed structure since the binding was made (a Variable
-        or submodule replaced, or the model placed again): its new Variables would never be
-        trained."""
+        """Raises if a bound argument's Variable or submodule was replaced since the binding."""
         for holder, k, child, parent, key in self.edges:
             try:
                 same = holder[k] is child
@@ -93,8 +85,8 @@ class _Binding:
                 )
 
     def rebound(self, args: tuple, kwargs: dict, tail: list[Any]) -> Call:
-        """The binding's Variables and structure with new trailing array leaves (``tail``) and
-        the static values of ``args``/``kwargs``: a call that walks nothing."""
+        """The binding with new trailing array leaves (``tail``) and the static values of ``args`` /
+        ``kwargs``: a call that walks nothing."""
         call = object.__new__(Call)
         call.__dict__.update(self.template.__dict__)
         call.bound = True

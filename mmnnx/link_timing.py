@@ -91,8 +91,7 @@ def measure_link(
 
 
 def _vector(nbytes: int, *layouts: Any) -> tuple[int]:
-    """The shape of a float32 vector of about ``nbytes`` that each of ``layouts`` splits
-    evenly."""
+    """The shape of a float32 vector of about ``nbytes`` each of ``layouts`` splits evenly."""
     whole = 1 << 20
     parts = math.lcm(*(whole // layout.shard_shape((whole,))[0] for layout in layouts))
     return (max(nbytes // 4 // parts, 1) * parts,)
@@ -119,8 +118,7 @@ def _measure_here(src: Any, dst: Any, sizes: Sequence[int], repeats: int) -> Lin
 
 
 def _measure_across(src: Any, dst: Any, sizes: Sequence[int], repeats: int) -> Link | None:
-    """Half a round trip from layout ``src`` to ``dst`` and back through the runner's
-    cross-process route, timed by the first process of ``src`` (``None`` on the others)."""
+    """Half a round trip from ``src`` to ``dst`` and back, timed by ``src``'s first process."""
     me = jax.process_index()
     seconds, shapes = [], [_vector(nbytes, src, dst) for nbytes in sizes]
     for shape in shapes:
@@ -145,8 +143,7 @@ def _zeros(shape: tuple[int, ...], sharding: Any) -> jax.Array:
 
 
 def _round_trip(there: RoutePlan, back: RoutePlan, value: jax.Array | None) -> None:
-    """This process's part of ``value`` sent along ``there`` and back along ``back``, each
-    arrival waited for."""
+    """``value`` sent along ``there`` and back along ``back``, each arrival waited for."""
     arrived = there(value, transport())
     if arrived is not None:
         arrived.block_until_ready()
@@ -219,13 +216,12 @@ class StepTransfers:
         takes to reach its reader, as ``simulate``'s ``transfer_costs``: the bytes per
         microbatch scaled by ``num_microbatches / schedule.num_microbatches`` (a microbatch of
         another size), an input gradient's alike whether a ``B`` or an ``I`` makes it."""
-        homes = self._homes(schedule)
+        rank_home = self._rank_homes(schedule)
         scale = self.num_microbatches / schedule.num_microbatches
         nbytes: dict[tuple[str, int], float] = {}
         for (kind, stage), size in self.nbytes.items():
             for k in ("B", "I") if kind in "BI" else (kind,):
                 nbytes[(k, stage)] = size * scale
-        rank_home = {r: homes[s] for s, r in enumerate(schedule.stage_to_rank)}
         links = {
             (a, b): self.links[(rank_home[a], rank_home[b])]
             for a in rank_home
@@ -240,8 +236,7 @@ class StepTransfers:
     def processes_of(self, schedule: Schedule) -> tuple[int, ...]:
         """The process launching each rank of ``schedule``'s programs, as ``simulate``'s
         ``processes``."""
-        homes = self._homes(schedule)
-        rank_home = {r: homes[s] for s, r in enumerate(schedule.stage_to_rank)}
+        rank_home = self._rank_homes(schedule)
         return tuple(self.processes[rank_home[r]] for r in range(schedule.num_ranks))
 
     def simulate_options(self, schedule: Schedule, launch_cost: float = 0.0) -> dict[str, Any]:
@@ -259,13 +254,13 @@ class StepTransfers:
             "launch_cost": launch_cost,
         }
 
-    def _homes(self, schedule: Schedule) -> tuple[str, ...]:
+    def _rank_homes(self, schedule: Schedule) -> dict[int, str]:
         if schedule.num_stages != len(self.stage_homes):
             raise ValueError(
                 f"StepTransfers: schedule {schedule.name!r} has {schedule.num_stages} stages, "
                 f"the step measured {len(self.stage_homes)}"
             )
-        return self.stage_homes
+        return {r: self.stage_homes[s] for s, r in enumerate(schedule.stage_to_rank)}
 
 
 def measure_transfers(

@@ -22,12 +22,6 @@ _REDUCTIONS = ("sum", "mean", "concat", "stack")
 _GATHERED = ("concat", "stack")  # every microbatch's value kept, in order
 
 
-def _check_reduce(reduce: Any) -> None:
-    for r in jax.tree.leaves(reduce):
-        if r not in _REDUCTIONS:
-            raise ValueError(f"mm.microbatch: reduce {r!r} is not one of {_REDUCTIONS}")
-
-
 def _split_count(
     leaves: Sequence[Any], dim: int, num: int | None, size: int | None, argnums: tuple[int, ...]
 ) -> int:
@@ -124,7 +118,9 @@ def microbatch(
         )
     if not isinstance(schedule, str | schedules.Schedule):
         raise TypeError(f"mm.microbatch: schedule {schedule!r} is not a name or a Schedule")
-    _check_reduce(reduce)
+    for r in jax.tree.leaves(reduce):
+        if r not in _REDUCTIONS:
+            raise ValueError(f"mm.microbatch: reduce {r!r} is not one of {_REDUCTIONS}")
     split_args = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     options = (schedule, virtual_stages)
 
@@ -209,8 +205,8 @@ def microbatch(
 
 
 def _unsplit_batch_hint(args: tuple, split_args: tuple, dim: int, total: int) -> str | None:
-    """When ``fun`` failed: positional arguments that are not split but hold an array with the
-    batch's size along ``dim`` (probably a batch left whole), as advice on ``argnums``."""
+    """Advice on ``argnums`` when ``fun`` failed: positional arguments not split that hold an array
+    of the batch's size along ``dim``."""
     suspects = [
         i
         for i, a in enumerate(args)
@@ -232,8 +228,7 @@ def _unsplit_batch_hint(args: tuple, split_args: tuple, dim: int, total: int) ->
 
 
 def _whole_batch_shape_hint(error: Exception, dim: int, total: int, m: int) -> str | None:
-    """When ``fun`` failed on a shape: a shape that names the whole batch's size, which a
-    microbatch does not have (a Python int written for the batch, e.g. ``x.reshape(8, -1)``)."""
+    """When ``fun`` failed on a shape naming the whole batch's size (``x.reshape(8, -1)``)."""
     message = str(error)
     if m == 1 or not re.search(r"reshape|broadcast", message):
         return None
@@ -248,8 +243,7 @@ def _whole_batch_shape_hint(error: Exception, dim: int, total: int, m: int) -> s
 
 
 def _reductions(reduce: Any, out: Any, dim: int) -> list[str]:
-    """The reduction of each leaf of ``out``, from ``reduce`` (a string, or a pytree of strings
-    that is a prefix of ``out``); checks that each gathered leaf can be."""
+    """The reduction of each leaf of ``out``; checks that each concatenated leaf can be."""
     with_paths = jax.tree_util.tree_flatten_with_path(out)[0]
     if isinstance(reduce, str):
         kinds = [reduce] * len(with_paths)
@@ -313,12 +307,6 @@ def _variables(args: Sequence[Any], kwargs: dict) -> list[Any]:
     )
 
 
-def _is_sown(value: Any) -> bool:
-    """Whether a Variable holds sown values (a tuple, or a dict of them under ``nnx.capture``)
-    rather than one array."""
-    return isinstance(value, tuple | dict)
-
-
 def _snapshot(value: Any) -> Any:
     """A sown value's containers copied (``nnx.capture`` adds to its dicts in place)."""
     if isinstance(value, dict):
@@ -327,9 +315,8 @@ def _snapshot(value: Any) -> Any:
 
 
 def _with_every_microbatch(before: Any, after: Any, collect: Callable) -> Any | None:
-    """``after`` (a sown value as one microbatch left it) with the values that microbatch
-    appended replaced by every microbatch's, in the unrolled loop's order; ``None`` if the
-    microbatch did more than append to tuples (a ``sow`` with its own ``reduce_fn``)."""
+    """``after`` (a sown value as one microbatch left it) with what that microbatch appended
+    replaced by every microbatch's; ``None`` if it did more than append (its own ``reduce_fn``)."""
     if after is before:
         return after
     if isinstance(after, tuple) and isinstance(before, tuple):
@@ -348,17 +335,14 @@ def _with_every_microbatch(before: Any, after: Any, collect: Callable) -> Any | 
 
 
 def _in_row(x: Any, index: Any, m: int) -> Any:
-    """``x`` in row ``index`` of an ``(m, ...)`` buffer of zeros: one microbatch's part of a
-    gathered value, which the runtime sums over the microbatches (in place: an
-    ``accumulate(..., gathered=True)`` keeps the sum apart from others)."""
+    """``x`` in row ``index`` of an ``(m, ...)`` buffer of zeros, which the runtime sums over the
+    microbatches."""
     return jax.lax.dynamic_update_index_in_dim(jnp.zeros((m, *jnp.shape(x)), x.dtype), x, index, 0)
 
 
 def _collector(index: Any, group: int, m: int) -> Callable:
-    """A function from one microbatch's appended values to every microbatch's, interleaved as
-    the unrolled loop appends them: ``(a, b)`` becomes ``(a0, b0, a1, b1, ...)``. Each value is
-    written into row ``index`` of an ``(m, ...)`` buffer that the runtime sums over the
-    microbatches; ``None`` if a value is not an array."""
+    """A function from one microbatch's appended values to every microbatch's, interleaved as the
+    unrolled loop appends them (``None`` if one is not an array)."""
 
     def collect(items: tuple) -> tuple | None:
         if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in items):
@@ -372,23 +356,17 @@ def _collector(index: Any, group: int, m: int) -> Callable:
 
 
 def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) -> Any | None:
-    """Traces ``fun`` once on microbatch ``index`` (a value the runtime supplies per replica),
-    and returns its outputs combined over the microbatches as ``reduce`` says.
-
-    State ``fun`` updates is traced once too: an RNG count starts microbatch ``index`` at
-    ``count + index * d`` (``d``: the draws of one microbatch), so each microbatch draws the keys
-    of the unrolled loop; other state (batch statistics) starts each microbatch from the
-    previous one's result; values ``fun`` sows (``nnx.Intermediate``) are collected from every
-    microbatch, in order. Returns ``None`` (leaving the arguments as they were) when ``fun``
-    updates a parameter or an RNG key, or sows with its own ``reduce_fn``: such a step is
-    unrolled instead.
-    """
+    """Traces ``fun`` once on microbatch ``index`` and returns its outputs combined as ``reduce``
+    says. RNG counts start each microbatch at its own draws, other state chains from the previous
+    microbatch, sown values are collected from every microbatch. ``None`` (the arguments left as
+    they were) when ``fun`` updates a parameter or an RNG key, or sows with its own
+    ``reduce_fn``."""
     group = len(trace.microbatches)
     schedule, virtual_stages = options
     variables = _variables(args, kwargs)
     before = [_snapshot(v.get_raw_value()) for v in variables]
     kinds = [
-        "sown" if _is_sown(b) else _nnx.state_kind(v)
+        "sown" if isinstance(b, tuple | dict) else _nnx.state_kind(v)  # dicts: nnx.capture
         for v, b in zip(variables, before, strict=True)
     ]
     with jax.named_scope(f"{GROUP_PREFIX}{group}"):

@@ -30,9 +30,8 @@ from mmnnx.sharding.specs import bytes_per_device, itemsize
 
 _CALLS: contextvars.ContextVar[_Calls | None] = contextvars.ContextVar("mm_tabulate", default=None)
 _RECORDING: dict[type, type] = {}
-# The attribute that tags each module of the traced copy with its path. It is static data of the
-# module, so the copies that lifted transforms (nnx.scan, nnx.vmap, nnx.remat) merge inside their
-# own traces carry it too, where ``id(module)`` would name an object tabulate never saw.
+# Tags each module of the traced copy with its path: static data, so lifted transforms' copies
+# carry it too
 _PATH_ATTR = "_mm_tabulate_path"
 
 
@@ -53,11 +52,7 @@ class _Calls:
 
 
 def _recording_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__call__`` records its inputs and outputs while tabulating.
-
-    The recording ``__call__`` keeps the signature of ``cls.__call__`` (``functools.wraps``): Flax
-    reads it, e.g. ``nnx.Sequential`` passes ``rngs=`` only to layers whose ``__call__`` takes it.
-    """
+    """A subclass of ``cls`` whose ``__call__`` records its inputs and outputs."""
     sub = _RECORDING.get(cls)
     if sub is None:
 
@@ -81,8 +76,7 @@ def _recording_class(cls: type) -> type:
 
 
 def _describe(args: Any, kwargs: dict[str, Any] | None = None) -> str:
-    """Shapes of ``args`` (a pytree) then ``name=...`` per keyword; graph nodes (an ``nnx.Rngs``,
-    a cache Module) by their type name."""
+    """Shapes of ``args`` then ``name=...`` per keyword; graph nodes by their type name."""
 
     def text(tree: Any) -> str:
         leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
@@ -109,9 +103,7 @@ def _abstract(x: Any) -> Any:
 def _trace_calls(
     model: Any, args: tuple, kwargs: dict[str, Any], method: str | Callable[..., Any]
 ) -> dict[Path, tuple]:
-    """Runs ``model.<method>(*args, **kwargs)`` (or ``method(model, *args, **kwargs)``)
-    abstractly; returns ``{module path: (order, inputs, outputs)}``. Array leaves of the inputs
-    are traced; other leaves (``deterministic=True``, a layer count) are passed as they are."""
+    """Runs ``model.<method>(...)`` abstractly; returns ``{module path: (order, ins, outs)}``."""
     graphdef, state = nnx.split(model)
     abstract_state = jax.tree.map(_abstract, state)
     names = list(kwargs)  # unflattening a dict would sort the keywords
@@ -187,10 +179,7 @@ def _devices_text(mesh) -> str:
 
 
 def _device_list(devices, *, runs: bool = True) -> str:
-    """``devices`` as the user names them: their indices in ``jax.devices()``, which
-    ``mm.TaskMesh(devices=...)`` takes (JAX's device ids differ with several processes: process
-    1's CPU devices are 2048, 2049, ...), consecutive ones as ``first-last`` when ``runs``;
-    with several processes, followed by the processes holding them."""
+    """``devices`` by their indices in ``jax.devices()``, then any processes holding them."""
     devices = list(devices)
     position = {d: i for i, d in enumerate(jax.devices())}
     ids = sorted(position[d] for d in devices)
@@ -254,9 +243,7 @@ EXPERT = "expert"  # the logical name of a mixture's expert dimension (mmnnx.mod
 
 
 def _expert_split(variable: nnx.Variable, shape: tuple, sharding: Any) -> tuple | None:
-    """``(experts, mesh axes, expert-parallel size)`` of a Variable with an ``expert`` logical
-    dimension (a ``MoE``'s stacked experts; its names align with the last dimensions, a stack
-    of layers adding the first), ``None`` for any other."""
+    """``(experts, mesh axes, EP size)`` of a Variable with an ``expert`` dimension, else None."""
     names = tuple(variable.get_metadata().get("out_sharding") or ())
     if EXPERT not in names or len(names) > len(shape):
         return None
@@ -276,8 +263,7 @@ def _expert_split(variable: nnx.Variable, shape: tuple, sharding: Any) -> tuple 
 
 
 def _experts_table(infos: list[dict]) -> Table | None:
-    """Per task, its mixtures' expert weights: how many experts, the mesh axes splitting them,
-    experts and bytes per device; ``None`` when the model has none."""
+    """Per task, its mixtures' expert weights; ``None`` when the model has none."""
     by_task: dict[str, list[tuple[dict, tuple]]] = {}
     for info in infos:
         if info["experts"] is not None:

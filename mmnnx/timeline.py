@@ -294,8 +294,7 @@ def plot_timeline(
 def _draw_transfers(
     ax: Axes, grouped: dict[str, list[TimelineEvent]], names: list[str], origin: float, scale: float
 ) -> float:
-    """Draws each transfer as a thin bar under its row; returns how far below the last row's
-    box the bars reach (0 without transfers)."""
+    """Draws the transfers under their rows; returns how far below the last row they reach."""
     placed = [
         (y, event)
         for y, name in enumerate(names)
@@ -494,15 +493,13 @@ def _ordered_kinds(events: list[TimelineEvent]) -> list[str]:
 
 
 def _kind_colors(kinds: list[str]) -> dict[str, str]:
-    colors = {}
-    extra = 0
-    for kind in kinds:
-        if kind in KIND_COLORS:
-            colors[kind] = KIND_COLORS[kind]
-        else:
-            colors[kind] = _OTHER_COLORS[extra % len(_OTHER_COLORS)]
-            extra += 1
-    return colors
+    others = [kind for kind in kinds if kind not in KIND_COLORS]
+    return {
+        kind: KIND_COLORS[kind]
+        if kind in KIND_COLORS
+        else _OTHER_COLORS[others.index(kind) % len(_OTHER_COLORS)]
+        for kind in kinds
+    }
 
 
 def _label(event: TimelineEvent, multi_stage: bool) -> str:
@@ -514,12 +511,8 @@ def _label(event: TimelineEvent, multi_stage: bool) -> str:
 
 def _fitting_font_size(label: str, width_in: float) -> float | None:
     """The largest of the label font sizes whose text fits ``width_in`` inches, else None."""
-    if not label:
-        return None
-    for size in _FONT_SIZES:
-        if _text_width(label, size) <= width_in:
-            return size
-    return None
+    fits = (size for size in _FONT_SIZES if _text_width(label, size) <= width_in)
+    return next(fits, None) if label else None
 
 
 def _text_width(label: str, size: float) -> float:

@@ -28,8 +28,7 @@ from mmnnx.errors import MPMDError, NoCandidateError
 from mmnnx.link_timing import StepTransfers, measure_launch_cost, measure_transfers
 from mmnnx.mpmd import schedules as sched
 
-_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6}
-_UNITS["GB"] = 10**9
+_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
 
 
 def parse_bytes(size: int | str) -> int:
@@ -136,9 +135,7 @@ def _built(name: str, num_stages: int, m: int, virtual: int, stage_cost: Any) ->
 
 
 def _fits(name: str, measured: sched.Schedule, virtual: int, stage_home: Sequence[str]) -> bool:
-    """Whether schedule ``name`` places the step's stages on ranks as the step's tasks hold them
-    (at a microbatch count every built-in accepts), and is not merely a plain schedule again
-    (an interleaved one with one stage per task)."""
+    """Whether schedule ``name`` places the stages as the tasks hold them (and is not plain)."""
     if virtual == 1 and name.startswith("interleaved"):
         return False
     try:
@@ -152,10 +149,7 @@ def _fits(name: str, measured: sched.Schedule, virtual: int, stage_home: Sequenc
 def _places_like(
     stage_to_rank: Sequence[int], measured: sched.Schedule, stage_home: Sequence[str]
 ) -> bool:
-    """Whether a schedule with ``stage_to_rank`` runs the step's stages as placed: two stages
-    share a rank exactly when they share devices, or exactly when they do in the step's own
-    schedule (a head tied to the embedding brings the forward pass back to the first task's
-    devices as a stage of its own)."""
+    """Whether two stages share a rank exactly when they share devices (or did in the step)."""
     return _same_ranks(stage_to_rank, stage_home) or _same_ranks(
         stage_to_rank, measured.stage_to_rank
     )
@@ -170,8 +164,7 @@ def _same_ranks(stage_to_rank: Sequence[int], stage_home: Sequence[str]) -> bool
 def _peak_held(
     events: Sequence[sched.Event], held: dict[int, float], stage_home: Sequence[str]
 ) -> dict[str, float]:
-    """Most activation bytes each home task holds at once: a stage's ``held[stage]`` bytes per
-    microbatch from the start of its F to the end of its B (or W)."""
+    """Most activation bytes each home task holds at once, from an F to its B (or W)."""
     changes = []
     for e in events:
         if e.kind == "F":
@@ -379,14 +372,7 @@ def tune(
 
 def _rejected(name: str, m: int, why: str) -> Candidate:
     """A candidate that cannot run (nothing simulated)."""
-    return Candidate(
-        schedule=name,
-        num_microbatches=m,
-        predicted_seconds=None,
-        bubble=None,
-        peak_bytes=None,
-        rejected=why,
-    )
+    return Candidate(name, m, predicted_seconds=None, bubble=None, peak_bytes=None, rejected=why)
 
 
 def _candidate_pairs(
@@ -394,14 +380,9 @@ def _candidate_pairs(
     microbatches: int | Sequence[int] | None,
     candidates: Sequence[tuple[str, int]] | None,
 ) -> list[tuple[str, int | None]] | None:
-    """The (schedule, microbatch count) pairs to simulate (a schedule of ``None``: every one
-    that runs the step's stages as placed; a count of ``None``: the step's own), or ``None``
-    for every such schedule at the step's own count.
-
-    Raises:
-        ValueError: an unknown schedule, a count that is not an int >= 1, an empty list, or
-            ``candidates`` given with ``schedules`` or ``microbatches``.
-    """
+    """The (schedule, microbatch count) pairs to simulate (``None``: every schedule that runs
+    the step's stages as placed, or the step's own count), or ``None`` for all of them at the
+    step's own count; a ValueError for bad ones."""
     if candidates is not None:
         if schedules is not None or microbatches is not None:
             raise ValueError("tune: give candidates= or schedules=/microbatches=, not both")

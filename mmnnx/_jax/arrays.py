@@ -20,13 +20,10 @@ from jax.sharding import SingleDeviceSharding
 
 
 def copier(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], Any] | None:
-    """A function moving an array laid out as ``source`` to ``target`` with one call into the
-    runtime, skipping ``jax.device_put``'s Python layers, which cost several times the copy of a
-    small activation (and, for a whole value onto more devices, fetch it to the host): either
-    the same slicing on other devices of this process, or a whole (replicated) value onto the
-    devices of another whole layout, each device that holds it already keeping its copy.
-    ``None`` when the move is a reshard, leaves this process, or holds an extended dtype (a
-    typed PRNG key), which ``jax.device_put`` does.
+    """A function moving an array laid out as ``source`` to ``target`` with one runtime call,
+    skipping ``jax.device_put``'s Python layers: the same slicing on other devices of this process,
+    or a replicated value onto more devices. ``None`` for a reshard, a move leaving this process or
+    an extended dtype.
 
     Example:
         >>> import numpy as np
@@ -77,8 +74,7 @@ def _copier_of(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any
 
 
 def move_to(x: Any, target: Any) -> Any:
-    """``x`` moved to the sharding ``target``: by one runtime copy (:func:`copier`, decided once
-    per pair of layouts) where ``x`` is an array with the same slicing, else by
+    """``x`` moved to ``target``: by :func:`copier` (decided once per pair of layouts), else by
     ``jax.device_put``.
 
     Example:
@@ -97,11 +93,8 @@ def move_to(x: Any, target: Any) -> Any:
 
 
 def array_from_shards(shape: Sequence[int], sharding: Any, by_device: dict[Any, Any]) -> Any:
-    """The array of ``shape`` laid out as ``sharding`` whose shard on each of this process's
-    devices is ``by_device[device]`` (single-device arrays, committed, of one dtype): what
-    ``jax.make_array_from_single_device_arrays`` makes, without re-checking each shard's dtype,
-    device and order on every call (a stacked Variable's chunks are split and joined every step,
-    and those checks cost several times the array's creation).
+    """``jax.make_array_from_single_device_arrays`` without its per-shard checks of dtype, device
+    and order (several times the array's creation, every step for a stacked Variable's chunks).
 
     Example:
         >>> import numpy as np
@@ -119,9 +112,8 @@ def array_from_shards(shape: Sequence[int], sharding: Any, by_device: dict[Any, 
 
 
 def shards_by_device(array: Any) -> dict[Any, Any]:
-    """``array``'s single-device arrays on this process's devices, by device: what
-    ``{s.device: s.data for s in array.addressable_shards}`` gives, without making a ``Shard``
-    (and its index) per device, which costs tens of microseconds for each new array.
+    """``{s.device: s.data for s in array.addressable_shards}`` without making a ``Shard`` per
+    device (tens of microseconds each new array).
 
     Example:
         >>> import numpy as np
@@ -143,10 +135,8 @@ def _sharded_aval(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:
 
 
 def launchable_as(x: Any, sharding: Any) -> bool:
-    """Whether ``x`` is a plain ``jax.Array`` whose per-device arrays a program expecting
-    ``sharding`` reads as they are: laid out as ``sharding`` (another name for the same slices
-    on the same devices, such as a one-device array for a one-device mesh, counts) and listing
-    its devices in the same order.
+    """Whether ``x`` is a plain ``jax.Array`` a program expecting ``sharding`` reads as it is: the
+    same slices on the same devices, listed in the same order.
 
     Example:
         >>> import numpy as np
@@ -178,9 +168,8 @@ def is_plain_array(x: Any) -> bool:
 
 
 def all_plain_arrays(values: Sequence[Any]) -> bool:
-    """Whether every one of ``values`` is JAX's own array type (:func:`is_plain_array`), checked
-    at a few hundredths of a microsecond each (``isinstance(x, jax.Array)`` takes ten times as
-    long).
+    """Whether every one of ``values`` is JAX's own array type, ten times as fast as ``isinstance(x,
+    jax.Array)``.
 
     Example:
         >>> all_plain_arrays([jax.numpy.ones(2), jax.numpy.zeros(1)]), all_plain_arrays([1.0])
@@ -190,8 +179,7 @@ def all_plain_arrays(values: Sequence[Any]) -> bool:
 
 
 def checks_special_values() -> bool:
-    """Whether JAX checks results for NaN or infinity (``jax_debug_nans``/``jax_debug_infs``),
-    which only its own call does.
+    """Whether JAX checks results for NaN or infinity, which only its own call does.
 
     Example:
         >>> checks_special_values()

@@ -1,20 +1,11 @@
 """Compiling a program once for every submesh of its shape (``SharedCompiles``).
 
-The programs of equal pipeline stages (the middle blocks of a transformer) differ only in the
-devices they run on, which XLA takes as a compile option, not as part of the program: the first
-is compiled, the others load its executable onto their own devices (JAX's persistent cache does
-the same on GPU, and only there, where it leaves the device assignment out of its key). This is
-an explicit call path: the first program goes through ``Lowered.compile``; an equal one is
-built here from the first's serialized executable and its own lowering, as JAX's
-``UnloadedMeshExecutable.from_hlo`` builds a compiled program around the executable it
-compiles. Nothing of JAX is replaced. Loading falls back to compiling where it fails. Only an
-executable compiled in this process is handed on: one read from JAX's persistent cache
-serializes incompletely on XLA:CPU (its kernels missing).
-
-The table is the process's, not one step's: a later step (another ``mm.jit``, the same step
-traced again for new shapes, an evaluation step sharing the training step's stages) takes an
-equal program compiled for the same devices as it is, and loads one compiled for others, as
-JAX's own ``jit`` keeps its executables in bounded caches of the process. ``clear`` empties it.
+Equal pipeline stages' programs differ only in their devices, a compile option to XLA: the first
+is compiled (``Lowered.compile``), the others load its serialized executable onto their own
+devices, built as JAX's ``UnloadedMeshExecutable.from_hlo`` builds a compiled program; loading
+falls back to compiling where it fails. Only an executable compiled in this process is handed
+on (one read from JAX's persistent cache serializes without its kernels on XLA:CPU). The table
+is the process's, bounded like JAX's own caches, so later steps reuse it; ``clear`` empties it.
 """
 
 from __future__ import annotations
@@ -90,11 +81,9 @@ def clear() -> None:
 
 
 class SharedCompiles:
-    """Compiles a step's programs through the process's table of executables, by program and
-    device-free compile options; ``compile(lowered)`` compiles a ``jax.stages.Lowered``.
-    ``loaded``: the ids of the ``Lowered`` programs loaded from an equal one rather than
-    compiled; ``reused``: those taken as an earlier step compiled them for the same devices
-    (each kept alive with this object, so that no other object takes its id meanwhile).
+    """Compiles a step's programs through the process's table of executables. ``loaded``: the ids of
+    the ``Lowered`` programs loaded from an equal one; ``reused``: those an earlier step compiled
+    for the same devices (each kept alive, so that no other object takes its id).
 
     Example:
         >>> import jax, numpy as np
@@ -118,14 +107,12 @@ class SharedCompiles:
         self._alive: list[Any] = []  # the Lowered objects of loaded and reused
 
     def compile(self, lowered: Any) -> Any:
-        """The program ``lowered`` compiled, or loaded from an equal one's executable (waiting
-        for that one if it is compiling on another thread)."""
+        """The program ``lowered`` compiled, or loaded from an equal one's executable."""
         return self._compile(lowered, _Program.of(lowered))
 
     def submit(self, lowered: Any, pool: concurrent.futures.Executor) -> concurrent.futures.Future:
-        """Compiles ``lowered`` (as :meth:`compile`) on ``pool``; the future of its result. A
-        program equal to one still compiling takes no worker while it waits: it is queued
-        again once that one is done, and the worker goes on to the next program."""
+        """Compiles ``lowered`` (as :meth:`compile`) on ``pool``. A program equal to one still
+        compiling takes no worker while it waits: it is queued again once that one is done."""
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def settle(program: _Program | None) -> None:
@@ -180,8 +167,7 @@ class SharedCompiles:
                 first.set_exception(e)
                 raise
             took = time.monotonic() - started
-            # serialized once, for every program loading it; not one read from JAX's persistent
-            # cache, which XLA:CPU serializes without its kernels
+            # serialized once, for every program loading it
             executable = compiled._executable.xla_executable
             serialized = functools.cache(lambda: program.backend.serialize_executable(executable))
             first.set_result((serialized, took) if fresh else None)
@@ -209,9 +195,8 @@ class SharedCompiles:
 
 @dataclasses.dataclass(frozen=True)
 class _Program:
-    """A lowered program as JAX compiles it: the module, devices and compile options that
-    ``UnloadedMeshExecutable.from_hlo`` passes to ``compile_or_get_cached``, and ``key``, equal
-    for programs that differ only in their devices."""
+    """A lowered program as ``UnloadedMeshExecutable.from_hlo`` passes it to
+    ``compile_or_get_cached``; ``key`` is equal for programs that differ only in their devices."""
 
     lowered: Any  # the jax.stages.Lowered
     devices: np.ndarray  # the device assignment, as JAX passes it to the compiler
@@ -276,8 +261,7 @@ class _Program:
         return mlir.ir.StringAttr(module.operation.attributes["sym_name"]).value
 
     def _cache_key(self) -> str | None:
-        """The program's key in JAX's persistent compilation cache (``None``: no cache), as
-        ``compile_or_get_cached`` computes it."""
+        """The program's key in JAX's persistent compilation cache (``None``: no cache)."""
         lowest = min(self.devices.flat, key=lambda d: d.id).process_index
         key, _ = compiler._resolve_compilation_strategy(
             self._computation._hlo,
@@ -297,9 +281,8 @@ class _Program:
         return key is not None and compiler._is_executable_in_cache(self.backend, key)
 
     def load(self, data: bytes) -> Any:
-        """The program compiled: the executable serialized as ``data`` (an equal program's,
-        compiled for other devices) loaded onto this program's devices, in a
-        ``jax.stages.Compiled`` made as ``Lowered.compile`` makes it."""
+        """The executable serialized as ``data`` (an equal program's) loaded onto this program's
+        devices, as a ``jax.stages.Compiled`` made as ``Lowered.compile`` makes it."""
         lowered, computation = self.lowered, self._computation
         args = computation.compile_args
         device_list = computation._device_list
@@ -358,12 +341,8 @@ class _Program:
         )
 
     def persist(self, data: bytes, took: float) -> None:
-        """Writes the program, loaded from ``data``, to JAX's persistent compilation cache, if one
-        is on, under its own key, as JAX writes a program it compiled: a later process then
-        reads it instead of compiling it. ``data``: the executable it was loaded from, as
-        compiled (an executable loaded from bytes re-serializes without its kernels on
-        XLA:CPU); ``took``: that compile's seconds, which JAX's
-        ``persistent_cache_min_compile_time_secs`` is checked against."""
+        """Writes the program, loaded from ``data`` (its executable as compiled, in ``took``
+        seconds), to JAX's persistent compilation cache, if on, as JAX writes one it compiled."""
         try:
             key = self._cache_key()
             if key is not None:
@@ -384,8 +363,7 @@ class _Serialized:
 
 
 def _without_devices(options: Any) -> bytes:
-    """``options`` (an XLA ``CompileOptions``) serialized with the device assignment numbered
-    0, 1, ... in place of the devices' ids."""
+    """``options`` serialized with the device assignment numbered 0, 1, ... in place of ids."""
     stripped = xla_client.CompileOptions.ParseFromString(options.SerializeAsString())
     if stripped.device_assignment is not None:
         assignment = stripped.device_assignment

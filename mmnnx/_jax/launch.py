@@ -11,16 +11,12 @@ from typing import Any
 from jax._src.interpreters import pxla
 
 
-# A program's launch without JAX's per-call checks (``jax.stages.Compiled.__call__`` checks each
-# argument's type, shape and layout, and wraps each result: benchmarks/dispatch.py's call_cost
-# measures what that costs per argument). The runner
-# uses it only for a step whose every argument was found laid out as its program expects on a
-# checked run, and whose inputs are laid out as on that run (so, step by step, is every value).
+# Used only where every argument was laid out as the program expects on a checked run
+# (benchmarks/dispatch.py's call_cost measures the checks skipped).
 @dataclasses.dataclass(frozen=True)
 class DirectLaunch:
-    """``compiled`` (a ``jax.stages.Compiled``) run straight on the runtime: ``launch(args)``
-    takes the arguments at positions ``kept`` (``None``: all; JAX drops those the program does
-    not read), each laid out as ``shardings`` says, and returns the results as a list.
+    """``compiled`` run straight on the runtime: ``launch(args)`` takes the arguments at ``kept``
+    (``None``: all), laid out as ``shardings``, and returns the results as a list.
 
     Example:
         >>> import jax, numpy as np
@@ -39,9 +35,8 @@ class DirectLaunch:
 
     @classmethod
     def of(cls, compiled: Any) -> DirectLaunch | None:
-        """The direct launch of ``compiled``, or ``None`` where JAX's own call is needed: a
-        program with effects or host callbacks, constants passed as arguments, or results
-        that are not a flat sequence of arrays."""
+        """The direct launch of ``compiled``, or ``None`` where JAX's own call is needed (effects,
+        host callbacks, constant arguments, results not a flat sequence of arrays)."""
         executable = getattr(compiled, "_executable", None)
         call = getattr(executable, "unsafe_call", None)
         params = getattr(compiled, "_params", None)

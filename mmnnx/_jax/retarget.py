@@ -1,11 +1,8 @@
 """A lowered program moved to other devices without lowering it again (``retarget``).
 
-Lowering the same computation for two submeshes of one shape gives the same module: the devices
-are not in it (shardings name a device by its position in the program's device assignment), only
-in the device assignment and the shardings JAX keeps beside it. ``retarget`` makes the second
-program from the first's module and those, with every device replaced: what ``jax.jit(f).lower``
-would return for the other devices, without tracing ``f`` or emitting its module again. It
-refuses (``None``) what it cannot move safely; the caller then lowers the program itself.
+Lowering one computation for two submeshes of one shape gives the same module: the devices are
+only in the device assignment and the shardings JAX keeps beside it, which ``retarget`` replaces.
+It refuses (``None``) what it cannot move safely; the caller then lowers the program itself.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 
 def lowers_without_devices(primitive: Any) -> bool:
-    """Whether ``primitive`` lowers without reading the program's devices (JAX lists those that
-    do, e.g. cuDNN's attention, which checks the GPU it compiles for).
+    """Whether ``primitive`` lowers without reading the program's devices.
 
     Example:
         >>> lowers_without_devices(jax.lax.add_p)
@@ -33,10 +29,9 @@ def lowers_without_devices(primitive: Any) -> bool:
 
 
 def retarget(lowered: Any, devices: Mapping[Any, Any]) -> Any | None:
-    """``lowered`` (a ``jax.stages.Lowered``) for other devices: each device ``d`` of its device
-    assignment and shardings replaced by ``devices[d]``, the module shared. ``None`` where that
-    is not safe: not a program over a device assignment, host callbacks, a profiler, constants
-    already on devices, devices of several processes, or a sharding of a kind not known here.
+    """``lowered`` for other devices: each device ``d`` replaced by ``devices[d]``, the module
+    shared. ``None`` where not safe: host callbacks, a profiler, constants on devices, several
+    processes, or an unknown kind of sharding.
 
     Example:
         >>> import numpy as np

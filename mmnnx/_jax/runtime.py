@@ -15,8 +15,7 @@ from jax._src import distributed, xla_bridge
 
 
 def backends_started() -> bool:
-    """Whether JAX's backends exist already (something asked for devices or made an array):
-    from then on, flags that configure them (``XLA_FLAGS``, ``jax_platforms``) are ignored.
+    """Whether JAX's backends exist already: flags that configure them are ignored from then on.
 
     Example:
         >>> _ = jax.devices()
@@ -89,9 +88,7 @@ def barrier(name: str, timeout_s: float) -> None:
 
 
 def reached_preemption_sync_point(step: int) -> bool:
-    """Whether every process has reached the step at which a preemption notice (SIGTERM to any
-    of them) makes them all stop (JAX's preemption service: the largest step any process had
-    reached when the notice spread, plus one); called by every process at every step. ``False``
-    when JAX's preemption service is off (``jax_enable_preemption_service``)."""
+    """Whether every process has reached the step at which a preemption notice makes them all stop
+    (JAX's preemption service; ``False`` when it is off); called by every process every step."""
     manager = distributed.global_state.preemption_sync_manager
     return manager is not None and manager.reached_sync_point(step)

@@ -28,8 +28,7 @@ JaxprTracer = pe.DynamicJaxprTracer
 
 
 def trace_context() -> Any:
-    """The configuration a trace and its lowering depend on (x64, matmul precision, ...), as
-    JAX keys its own caches of traced and lowered programs with it.
+    """The configuration a trace and its lowering depend on, as JAX keys its own caches.
 
     Example:
         >>> import jax
@@ -55,10 +54,8 @@ def tracing() -> bool:
 def name_trace_as(
     fun: Callable, name_as: Callable, traced_for: str, arg_names: Sequence[str] | None
 ) -> None:
-    """Makes JAX's tracing errors describe a trace of ``fun`` as one of ``name_as`` (its name
-    and source line) for ``traced_for`` (an API name such as ``"mm.jit"``), with inputs named
-    ``arg_names``: "while tracing the function train_step at model.py:12 for mm.jit ... the
-    argument arg2", not as the wrapper ``fun`` that is traced."""
+    """Makes JAX's tracing errors describe a trace of ``fun`` as one of ``name_as`` (its name and
+    line) for ``traced_for`` (``"mm.jit"``), with inputs named ``arg_names``."""
     names = None if arg_names is None else tuple(arg_names)
     info = jax_core.DebugInfo(
         traced_for, api_util.fun_sourceinfo(name_as), names, jax_core.initial_result_paths
@@ -83,8 +80,7 @@ def source_line(source_info: Any) -> str:
 
 
 def user_line(traceback: Any) -> str:
-    """``file:line (function)`` of the innermost user frame (not JAX's, not Python's) of a
-    traceback JAX recorded, or ``"<unknown>"``."""
+    """``file:line (function)`` of the innermost user frame of a traceback, or ``"<unknown>"``."""
     frame = source_info_util.user_frame(traceback)
     if frame is None:
         return "<unknown>"
@@ -92,16 +88,14 @@ def user_line(traceback: Any) -> str:
 
 
 def ordered_effects(eqn: Any) -> list:
-    """The effects of ``eqn`` that JAX keeps in program order (``io_callback(ordered=True)``,
-    ``jax.debug.print(ordered=True)``)."""
+    """The effects of ``eqn`` that JAX keeps in program order."""
     return [e for e in eqn.effects if effects.ordered_effects.contains(e)]
 
 
 def dce_jaxpr(
     jaxpr: Any, used_outputs: Sequence[bool], instantiate: bool | Sequence[bool] = False
 ) -> tuple[Any, list[bool]]:
-    """``jaxpr`` with only what the outputs flagged in ``used_outputs`` need (its inputs kept
-    where ``instantiate`` says), and which inputs that reads (JAX's ``dce_jaxpr``).
+    """JAX's ``dce_jaxpr``: ``jaxpr`` with only what ``used_outputs`` need, and the inputs it reads.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -119,14 +113,9 @@ def _no_sharding(tracer: Any) -> Any:
 
 @contextlib.contextmanager
 def fast_sharding_probes():
-    """Makes ``getattr(tracer, "sharding", None)`` cheap while tracing.
-
-    Flax probes every value set into a Variable this way. JAX answers a tracer with an
-    ``AttributeError`` whose message walks the whole trace so far to say where the tracer came
-    from. A model's construction draws RNG keys thousands of times, so tracing it costs time
-    quadratic in its size (most of a large model's trace; benchmarks/init.py). Inside this block the
-    error says only that a tracer has no sharding; the property is restored on leaving it.
-    """
+    """Makes ``getattr(tracer, "sharding", None)`` cheap while tracing: Flax probes every value set
+    into a Variable so, and JAX's ``AttributeError`` walks the whole trace to say where the tracer
+    came from, quadratic in a model's size (benchmarks/init.py)."""
     original = jax_core.Tracer.sharding
     jax_core.Tracer.sharding = property(_no_sharding)
     try:

@@ -16,12 +16,10 @@ from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, with the flags not given
-    taken from ``--config FILE`` and, with ``--resume``, from the run's saved
-    ``OUTPUT_DIR/config.toml``, in that order, before the flags' defaults (a bad file, or
-    none where ``--resume`` finds checkpoints: ``ConfigError``).
-    ``mmnnx.cli.flags.given(args)`` names the options set on the command line or in
-    ``--config`` (not those from the resumed run or the defaults).
+    """The ``mmnnx`` command line ``argv`` parsed; for ``mmnnx train``, the flags not given taken
+    from ``--config FILE`` then, with ``--resume``, the run's ``config.toml`` (a bad file, or
+    none where there are checkpoints: ``ConfigError``); ``given(args)`` names those set on the
+    command line or in ``--config``.
 
     Example:
         >>> parse_args(["train", "--dim", "64"]).dim
@@ -30,9 +28,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     train_parser = train.add_parser(commands)
-    launch.add_parser(commands)
-    generate.add_parser(commands)
-    export.add_parser(commands)
+    for command in (launch, generate, export):
+        command.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command != "train":
         return args
@@ -41,7 +38,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         train_parser.set_defaults(**given_in_file)
         args = parser.parse_args(argv)
     saved_file = pathlib.Path(args.output_dir, CONFIG_FILE)
-    if args.resume and not saved_file.is_file() and _has_steps(args):
+    checkpoints = RunConfig.of(vars(args)).outputs.checkpoints()
+    if args.resume and not saved_file.is_file() and train.holds_steps(checkpoints):
         raise ConfigError(
             f"--resume: {saved_file} is missing; a resumed run takes the options it is not "
             "given from the config.toml its run wrote"
@@ -57,12 +55,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _has_steps(args: argparse.Namespace) -> bool:
-    """Whether the run's checkpoint directory holds a step directory (complete or not)."""
-    checkpoints = pathlib.Path(args.checkpoint_dir or pathlib.Path(args.output_dir, "checkpoints"))
-    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command ``argv`` names (``mmnnx.cli.main`` without its shortcut for launch).
 
@@ -74,12 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
     except ConfigError as e:
         return train.error(str(e))
-    if args.command == "launch":
-        return launch.run(args)
-    if args.command == "generate":
-        return generate.run(args)
-    if args.command == "export":
-        return export.run(args)
+    others = {"launch": launch.run, "generate": generate.run, "export": export.run}
+    if args.command in others:
+        return others[args.command](args)
     config, given_options = RunConfig.of(vars(args)), given(args)
     checked = validate.check(config, given_options)
     if checked.problem:

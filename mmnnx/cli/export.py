@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from typing import Any
 
 from mmnnx.cli import prologue
@@ -56,14 +57,8 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``mmnnx export``: one line naming what was written on stdout; a run that cannot be
-    exported so (no adapters for --adapter or --merge-lora, a model LlamaForCausalLM cannot
-    hold, an existing OUT, no checkpoint) exits 2 in one line."""
-    options = typed(Options, args)
-
-    def error(message: str) -> int:
-        return prologue.error("export", message)
-
+    """``mmnnx export``: what was written, in one line; status 2 and one line if it cannot."""
+    options, error = typed(Options, args), functools.partial(prologue.error, "export")
     if options.merge_lora and options.adapter:
         return error("--merge-lora and --adapter exclude each other: pick one")
     from mmnnx.train.generation import RunError, read_run_config  # noqa: PLC0415

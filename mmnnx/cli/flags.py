@@ -19,9 +19,7 @@ defaults."""
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``argparse`` parser that takes no abbreviated flag (``--data`` is not
-    ``--data-axis``) and says each error in one line, exit status 2; a flag whose value starts
-    with ``-`` is told to be written ``--flag=VALUE``."""
+    """An ``argparse`` parser taking no abbreviated flag, each error one line (exit status 2)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
@@ -36,9 +34,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
     def _dashed_value(self, message: str) -> str | None:
-        """For argparse's ``expected one argument`` where the flag is followed by a value that
-        starts with ``-`` (``--partition -1,3``): what is wrong with that value, or how to give
-        it (``--partition=-1,3``); else None.
+        """For ``expected one argument`` before a value starting with ``-``: what is wrong
+        with that value, or how to give it (``--partition=-1,3``).
 
         Example:
             >>> parser = Parser(prog="p")
@@ -100,8 +97,7 @@ def given(args: argparse.Namespace) -> frozenset[str]:
 
 
 def add_fields(group: argparse._ActionsContainer, fields: Iterable[dataclasses.Field]) -> None:
-    """One flag per option field (a switch: one flag per switch, taking no value), named,
-    typed, defaulted and helped by its field; a field without a default is a required flag."""
+    """One flag per option field (one per switch, taking no value); no default: required."""
     for field in fields:
         option = spec(field)
         for flag, (value, help) in option.switches.items():

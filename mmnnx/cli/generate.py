@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from typing import Any
 
@@ -60,15 +61,8 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``mmnnx generate``: the prompt and its continuation on stdout, one line about the run
-    on stderr (naming the newer steps passed over as unreadable); a run without config,
-    tokenizer or checkpoint, a prompt its tokenizer cannot read (a non-UTF-8 byte, for a BPE)
-    or the model has no room for exits 2 in one line."""
-    options = typed(Options, args)
-
-    def error(message: str) -> int:
-        return prologue.error("generate", message)
-
+    """``mmnnx generate``: the prompt continued on stdout; status 2 and one line if it cannot."""
+    options, error = typed(Options, args), functools.partial(prologue.error, "generate")
     if not options.prompt:
         return error("--prompt is empty; give some text to continue")
     from mmnnx.train.generation import RunError, read_run  # noqa: PLC0415

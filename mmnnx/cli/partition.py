@@ -1,12 +1,10 @@
-"""``mmnnx train --partition``: how the blocks are split over the stages. ``params`` balances
-their parameter counts (``stage_rules``), ``3,1`` gives the blocks per stage, ``auto`` plans the
-split from measurements (``mm.schedules.partition``) and, with ``--schedule auto``, the
-schedule and microbatch count with it. The split is recorded with each checkpoint (its
-``extra``), and ``--resume`` with ``auto`` places the blocks as the run was planned rather than
-planning again."""
+"""``mmnnx train --partition``: how the blocks are split over the stages (``params``, ``3,1``
+or ``auto``, planned by ``mm.schedules.partition``). The split is recorded with each checkpoint,
+and ``--resume`` with ``auto`` places the blocks as the run was planned."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,13 +20,11 @@ KEY = "partition"
 
 @dataclasses.dataclass(frozen=True)
 class Stages:
-    """Where a run's blocks go: the placement ``rules``, the blocks per stage (``None``: as
-    ``stage_rules`` balanced them), and the schedule and microbatch count the planner chose
-    (``None``: the run's own)."""
+    """Where a run's blocks go, and the schedule and microbatch count a planner chose."""
 
     rules: list
-    sizes: tuple[int, ...] | None = None
-    schedule: Any = None  # a Schedule, as mm.microbatch takes it
+    sizes: tuple[int, ...] | None = None  # None: as stage_rules balanced them
+    schedule: Any = None  # a Schedule, as mm.microbatch takes it; None: the run's own
     microbatches: int | None = None
 
     def extra(self) -> dict[str, Any]:
@@ -51,14 +47,9 @@ def stages(
     *,
     data_axis: int,
 ) -> Stages:
-    """The run's stages: as ``--partition`` says; with ``auto``, the split ``extra`` (the
-    newest checkpoint's, with ``--resume``) records when it still fits the flags, else planned
-    on ``batch`` (one step's) and printed with why; ``data_axis``: the layout's.
-
-    Raises:
-        ValueError: the planner refuses the model or the flags (its message says why).
-        NoCandidateError: no split fits ``--memory-budget``.
-    """
+    """The run's stages as ``--partition`` says; with ``auto``, the split ``extra`` (the newest
+    checkpoint's) records if it still fits, else planned on ``batch`` (a ``ValueError`` or
+    ``NoCandidateError`` when the planner refuses)."""
     from mmnnx.train.run_model import run_placement  # noqa: PLC0415
 
     lay = run.layout
@@ -84,15 +75,8 @@ def _recorded(extra: Mapping[str, Any] | None, run: RunConfig, depth: int):
     return tuple(sizes)
 
 
-def _planned(
-    run: RunConfig,
-    config: Any,
-    tasks: Sequence[Any],
-    batch: Any,
-    data_axis: int,
-) -> Stages:
-    """``mm.schedules.partition`` of the run's model on ``batch``: the schedule and microbatch
-    count among the candidates ``--schedule`` and ``--microbatches`` allow."""
+def _planned(run: RunConfig, config: Any, tasks: Sequence[Any], batch: Any, data_axis: int):
+    """``mm.schedules.partition`` of the run's model on ``batch``."""
     import jax  # noqa: PLC0415
 
     from mmnnx.partition import partition  # noqa: PLC0415
@@ -134,13 +118,9 @@ def _planned(
 
 
 def _microbatches(run: RunConfig, data_axis: int) -> list[int]:
-    """``--microbatches`` and the other counts from ``--stages`` to 4 x ``--stages`` that split
-    the batch into microbatches the data (and expert) axis divides."""
-    shards, stages, batch = (
-        data_axis * run.layout.expert_axis,
-        run.layout.stages,
-        run.training.batch_size,
-    )
+    """``--microbatches`` and the counts up to 4 x ``--stages`` the data (expert) axis splits."""
+    shards, stages = data_axis * run.layout.expert_axis, run.layout.stages
+    batch = run.training.batch_size
     counts = [
         m for m in range(stages, 4 * stages + 1) if batch % m == 0 and (batch // m) % shards == 0
     ]
@@ -152,8 +132,6 @@ def latest_extra(checkpointer: Any) -> dict[str, Any] | None:
     from mmnnx.train.checkpoint import CheckpointCorruptError  # noqa: PLC0415
 
     for step in reversed(checkpointer.all_steps()):
-        try:
+        with contextlib.suppress(CheckpointCorruptError, FileNotFoundError):
             return checkpointer.read_extra(step)
-        except (CheckpointCorruptError, FileNotFoundError):
-            continue
     return None

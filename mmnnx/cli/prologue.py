@@ -24,9 +24,7 @@ def error(command: str, message: str) -> int:
 
 
 def start(devices: int, *, distributed: bool = True) -> None:
-    """Simulates ``devices`` CPU devices when ``XLA_FLAGS`` says no count (before JAX is
-    imported: it reads them once), then, with ``distributed``, joins the job's processes
-    (``mm.distributed.initialize``)."""
+    """Simulates ``devices`` CPU devices unless ``XLA_FLAGS`` gives a count; joins the job."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"

@@ -1,11 +1,7 @@
-"""``mmnnx train --resume`` on fewer devices than the run's layout needs (a job that goes on
-without a lost process, ``mmnnx launch --min-processes``): the same stages, each on fewer
-devices, by narrowing the data axis.
-
-Only the data axis narrows: the stages, virtual stages and model (tensor) axis shape the model
-and its schedule (``--model-axis`` even rounds the vocabulary up), while the data axis only
-splits each microbatch's rows, so the losses stay those of the run as planned (every process
-reads whole batches; the checkpoint holds whole arrays, restored onto any layout).
+"""``mmnnx train --resume`` on fewer devices than the run's layout needs (``mmnnx launch
+--min-processes``): the same stages, each on fewer devices. Only the data axis narrows: it only
+splits each microbatch's rows, so the losses stay those of the run as planned, while the other
+axes shape the model and its schedule.
 """
 
 from __future__ import annotations
@@ -18,13 +14,7 @@ if TYPE_CHECKING:
 
 
 def data_axis(run: RunConfig, devices: int) -> int:
-    """The data axis the run's stages are laid out with on ``devices`` (all of
-    ``jax.devices()``): ``--data-axis``, or with ``--resume`` a narrower one where the layout
-    needs more devices than the job has (said in one line).
-
-    Raises:
-        ValueError: the layout does not fit, even narrowed; the message says why, in one line.
-    """
+    """``--data-axis``, or with ``--resume`` a narrower one that fits ``devices`` (said)."""
     import jax  # noqa: PLC0415
 
     from mmnnx.train.validate import devices_needed, layout  # noqa: PLC0415
@@ -32,8 +22,8 @@ def data_axis(run: RunConfig, devices: int) -> int:
     needed, lay = devices_needed(run), run.layout
     if devices >= needed:
         return lay.data_axis
-    many = jax.process_count() > 1
-    where = f" ({jax.process_count()} processes x {jax.local_device_count()})" if many else ""
+    processes = jax.process_count()
+    where = f" ({processes} processes x {jax.local_device_count()})" if processes > 1 else ""
     problem = f"only {devices} devices are available{where}; {layout(run)} needs {needed}"
     if not run.outputs.resume:
         raise ValueError(problem)
@@ -55,9 +45,8 @@ def data_axis(run: RunConfig, devices: int) -> int:
 def narrowed_data_axis(
     stages: int, data_axis: int, expert_axis: int, model_axis: int, devices: int
 ) -> int | None:
-    """The largest divisor of ``data_axis`` with which ``stages x it x expert_axis x
-    model_axis`` devices fit in ``devices`` (a divisor still splits each microbatch evenly);
-    ``None`` when even 1 does not fit.
+    """The largest divisor of ``data_axis`` with which the layout fits in ``devices`` (a
+    divisor still splits each microbatch evenly), or ``None``.
 
     Example:
         >>> narrowed_data_axis(2, 4, 1, 1, 6), narrowed_data_axis(2, 2, 1, 2, 2)
@@ -69,9 +58,7 @@ def narrowed_data_axis(
 
 
 def replanned_line(layout: str, needed: int, devices: str, data_axis: int, per_stage: int) -> str:
-    """The line ``mmnnx train`` prints when it re-plans: ``layout`` (the flags) needs
-    ``needed`` devices, the job has ``devices`` (in words), and each stage now runs on
-    ``per_stage`` devices with ``--data-axis data_axis``.
+    """The line ``mmnnx train`` prints when it re-plans.
 
     Example:
         >>> replanned_line("--stages 2 x --data-axis 4 x --model-axis 1", 8, "6 (3 processes x 2)",

@@ -40,22 +40,20 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     return train
 
 
+def holds_steps(checkpoints: pathlib.Path) -> bool:
+    """Whether ``checkpoints`` holds a step directory (complete or not)."""
+    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+
+
 def error(message: str) -> int:
     """``message`` as ``mmnnx train``'s one line on stderr; exit status 2."""
     return prologue.error("train", message)
 
 
 def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = None) -> int:
-    """``mmnnx train`` with the options ``config`` (checked: ``mmnnx.train.validate``;
-    ``given``: those the user set; ``pretrained``: the ``GPTConfig`` the check read from
-    ``--init-from``, if it did): 0 when trained, 1 when the loss is no longer finite, 2 for
-    an input error found only now (one line on stderr), 143 (128 + ``SIGTERM``) when a
-    preemption notice stopped it after saving (``--resume`` continues).
-
-    Nothing is written into the run's directories before a resumed run's options and tokenizer
-    are checked against the record its checkpoints hold (``run_record``), nor before the
-    checkpoint directory's writer lock is held (``Checkpointer.claim``; with several processes,
-    by process 0)."""
+    """``mmnnx train`` with the checked options ``config``: 0 when trained, 1 when the loss is
+    no longer finite, 2 for an input error found only now, 143 when preempted after saving.
+    Nothing is written before a resumed run is checked and the writer lock is held."""
     prologue.start(config.layout.devices)
     import jax  # noqa: PLC0415  (after XLA_FLAGS)
 
@@ -72,8 +70,7 @@ def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = N
 
     outputs = config.outputs
     checkpoints = outputs.checkpoints()
-    fresh = not outputs.resume and checkpoints.is_dir()
-    if fresh and any(p.name.isdigit() for p in checkpoints.iterdir()):
+    if not outputs.resume and holds_steps(checkpoints):
         return error(
             f"{checkpoints} already holds checkpoints; pass --resume to continue from them, or "
             "choose another --output-dir or --checkpoint-dir"
@@ -145,12 +142,7 @@ def _train(
     weights: bool,
     pretrained: Any,
 ) -> int | tuple[Any, Any]:
-    """The run itself, its ``checkpointer`` claimed: the token cache, model, tokenizer and
-    ``config.toml`` written, then ``fit``; the model and ``FitResult``, or an exit status
-    (an input error found only now, one line on stderr). ``weights``: read ``--init-from``'s
-    (a run resumed from a checkpoint takes them from there); ``data_axis``: the layout's, as
-    ``replan.data_axis`` fitted it to the devices; ``pretrained``: ``--init-from``'s
-    ``GPTConfig``, when already read."""
+    """The run itself: the model and ``FitResult``, or an exit status."""
     import jax  # noqa: PLC0415
 
     import mmnnx as mm  # noqa: PLC0415

@@ -18,10 +18,7 @@ _round = itertools.count()
 
 def check_same_everywhere(what: str, lines: list[str]) -> int:
     """Raises :class:`MPMDError` on every process if the processes' ``lines`` differ, naming the
-    first line that differs and the two processes. A collective: every process calls it, in the
-    same order. A process that never calls it makes the others fail after a timeout, or as soon
-    as it ends (:class:`~mmnnx.distributed.exits.PeerExitedError`). Returns
-    the round's number (the same on every process), for keys that belong to this step."""
+    first difference (a collective, as every function here); the round's number."""
     me, count = jax.process_index(), jax.process_count()
     n = next(_round)
     runtime.key_value_set(_KEY.format(n, me), zlib.compress("\n".join(lines).encode()))
@@ -54,30 +51,8 @@ def check_same_everywhere(what: str, lines: list[str]) -> int:
     return n
 
 
-_OUTCOME_KEY = "mmnnx/outcome/{}"
-_outcomes = itertools.count()
-
-
-def share_outcome(root: int, what: str, failure: str | None, timeout_s: float = 3600.0) -> None:
-    """Makes the outcome of work only process ``root`` did (``failure``: its error text, or
-    ``None``) everyone's: on the other processes a failure raises ``RuntimeError`` too. A
-    collective, like :func:`check_same_everywhere`."""
-    key = _OUTCOME_KEY.format(next(_outcomes))
-    if jax.process_index() == root:
-        runtime.key_value_set(key, (failure or "").encode())
-        return
-    try:
-        text = wait_for(key, root, timeout_s, what).decode()
-    except TimeoutError as e:
-        raise RuntimeError(f"{what}: process {root} did not finish within {timeout_s:.0f} s") from e
-    if text:
-        raise RuntimeError(f"{what} failed on process {root}: {text}")
-
-
 def from_process_zero(what: str, value: str) -> str:
-    """Process 0's ``value`` on every process (a collective, called by all in the same order):
-    a choice that depends on timings, such as the schedule ``mmnnx train --schedule auto``
-    picks, is made once for the run. With one process, ``value`` itself."""
+    """Process 0's ``value`` on every process (a choice made of timings, once for the run)."""
     if jax.process_count() == 1:
         return value
     n = next(_round)

@@ -3,27 +3,11 @@ for the others, and a process waiting for one that has left says so and ends ins
 
 Each process publishes how it leaves under ``mmnnx/exit/<process>`` in the coordination
 service's key-value store: ``failed`` (an uncaught exception, ``sys.exit`` with a failing status,
-or :func:`fail`) or ``leaving`` (its script ended, or called ``sys.exit(0)``), with how many
-messages it offered each process (``leaving {"0": 17}``).
-
-- A failing process ends without waiting for anyone: JAX's own exit handler would wait at its
-  shutdown barrier for every process (``shutdown_timeout``, 300 s), and a process waiting for a
-  value of the failed one never gets there. The others are stopped by ``mmnnx launch`` at once;
-  without it, each fails when it next waits for the failed one (its pulls fail, or
-  :func:`wait_for` raises), or JAX's coordination service ends it at the heartbeat timeout.
-- An uncaught exception is read at exit from ``sys.last_value``, which Python sets before it
-  runs the exit handlers (``sys.excepthook`` is left alone).
-- ``sys.exit(status)`` with a failing status (not 0 or ``None``) is a failure too: ``install``
-  wraps ``sys.exit`` to note the status, which Python (3.11) leaves nowhere an exit handler can
-  read it (docs/distributed.md, "Failures", says what was measured).
-- A process that ends normally waits (up to 300 s) until every other one has ended too, or one
-  has failed, before JAX tears down its runtime: a peer may still be pulling arrays it offered.
-- A process waiting for one that has left, in a wait of mmnnx (:func:`wait_for`: the plan
-  agreement, a transfer server's address, a layout, a checkpoint's outcome) or for a message
-  the leaving one never offered (a step's transfer, ``fetch``; watched by a thread), fails.
-  When that one left normally, as far as anyone knows, this one first joins JAX's shutdown
-  barrier, where the leaving one waits for it, and stays a moment after, so that one ends
-  first with its own status and is the one ``mmnnx launch`` names.
+or :func:`fail`) or ``leaving``, with how many messages it offered each process
+(``leaving {"0": 17}``). A failing process does not wait at JAX's shutdown barrier (300 s) for
+peers that may wait for its values; ``mmnnx launch`` stops the others, else each fails when it
+next waits for it. Python 3.11 keeps a ``sys.exit`` status nowhere an exit handler can read it,
+hence the wrapped ``sys.exit`` (docs/distributed.md, "Failures", says what was measured).
 """
 
 from __future__ import annotations
@@ -75,8 +59,7 @@ def _key(process: int) -> str:
 
 
 def _left(process: int) -> tuple[bytes, dict[int, int]] | None:
-    """How ``process`` left (``FAILED`` or ``LEAVING``) and how many messages it offered each
-    process, or ``None`` while it runs."""
+    """How ``process`` left and the messages it offered each process; ``None`` while it runs."""
     value = runtime.key_value_try_get(_key(process))
     if value is None:
         return None
@@ -89,10 +72,6 @@ def wait_for(key: str, peer: int, timeout_s: float, what: str) -> bytes:
 
     Raises :class:`PeerExitedError` within a second of ``peer`` leaving without setting it, and
     ``TimeoutError`` after ``timeout_s``.
-
-    Example::
-
-        address = wait_for("mmnnx/transfer-server/1", 1, 120.0, "mm.distributed.fetch")
     """
     deadline = time.monotonic() + timeout_s
     while True:
@@ -126,15 +105,13 @@ def offered(peer: int, count: int) -> None:
 
 
 def lost(peer: int) -> None:
-    """Notes that a transfer from ``peer`` failed (its process died, most likely): when this
-    process then fails, it lets ``peer`` be the first to have failed (see :func:`fail`)."""
+    """Notes that a transfer from ``peer`` failed: this process's failure then follows its."""
     with _lock:
         _lost.add(peer)
 
 
 def _follows_another() -> bool:
-    """Whether this process's failure may follow another's: a transfer from a process failed,
-    or another process has said it failed."""
+    """Whether a transfer from another process failed, or another said it failed."""
     with _lock:
         if _lost:
             return True
@@ -146,9 +123,7 @@ def _follows_another() -> bool:
 
 
 def awaiting(peer: int, message: int, arrays: Sequence[jax.Array]) -> None:
-    """Notes that ``arrays`` are message number ``message`` (0, 1, ...) from ``peer``, on their
-    way: the watch ends this process if ``peer`` leaves without ever offering it. They are
-    held until they are ready (the messages before, found ready, are let go here)."""
+    """Notes ``arrays`` as message ``message`` from ``peer``, watched until ready."""
     with _lock:
         _awaited[:] = [entry for entry in _awaited if _pending(entry[2])]
         _awaited.append((peer, message, list(arrays)))
@@ -182,10 +157,9 @@ _watching = threading.Event()
 
 
 def _watch() -> None:
-    """Ends this process when it waits for a message a process that left never offered (this
-    process's main thread then waits inside the runtime, where no error reaches it). Stops
-    once this process leaves: a look at the key-value store after process 0's coordination
-    service has gone aborts the process (JAX's client does not raise there)."""
+    """Ends this process when it waits, inside the runtime, for a message a process that left
+    never offered. Stops once this process leaves (a look at the key-value store after process
+    0's coordination service has gone aborts the process)."""
     while True:
         time.sleep(_SLICE_S)
         with _watch_turn:
@@ -215,8 +189,7 @@ _before: list[BaseException | None] = [None]  # sys.last_value at install: an ea
 
 
 def install() -> None:
-    """Makes this process leave the run as the module says: called by
-    ``mm.distributed.initialize`` once this process is one of several."""
+    """Makes this process leave the run as the module says (``initialize`` calls it)."""
     _before[0] = getattr(sys, "last_value", None)
     exit_ = sys.exit
 
@@ -247,25 +220,20 @@ def fail(status: int = 1) -> NoReturn:
             mm.distributed.fail(3)
     """
     if runtime.is_initialized():
-        _announce(FAILED)
-        if _follows_another():
-            time.sleep(_AFTER_S)  # so that the launcher finds the other first
+        _announce_failure()
     _end(status)
 
 
 def _uncaught() -> BaseException | None:
-    """The exception that ended the main thread, if one did: Python sets ``sys.last_value``
-    before it runs the exit handlers (measured on 3.11.7 for a script, ``-c`` and ``-m``)."""
+    """The exception that ended the main thread: ``sys.last_value``, set before exit handlers."""
     last = getattr(sys, "last_value", None)
     return None if last is _before[0] else last
 
 
 def ending_together(status: int) -> None:
-    """Notes that every process of the job ends now, after a step they agreed on (a
-    preemption notice: ``mm.distributed.Preemption``): this process ending with ``status`` is
-    then a normal end, which waits for the others, rather than a failure, which leaves at once
-    (and would make the process holding the coordination service leave first, aborting the
-    others)."""
+    """Notes that every process ends now after a step they agreed on (``Preemption``): ending
+    with ``status`` is then a normal end, waiting for the others (a failure would leave at
+    once, the coordination service's process first, aborting the others)."""
     _together.append(status)
 
 
@@ -284,22 +252,23 @@ def _at_exit() -> None:
         return
     if isinstance(failure, PeerExitedError):
         _fail_after_peer(leaving=not failure.failed)
+    _announce_failure()
+    _end(_status_of(failure))
+
+
+def _announce_failure() -> None:
     _announce(FAILED)
     if _follows_another():
         time.sleep(_AFTER_S)  # so that the launcher finds the other first
-    _end(_status_of(failure))
 
 
 def _status_of(failure: BaseException) -> int:
     """The exit status Python gives an uncaught ``failure``."""
-    if isinstance(failure, SystemExit):
-        code = failure.code
-        return code if isinstance(code, int) else 1
-    return 1
+    code = failure.code if isinstance(failure, SystemExit) else 1
+    return code if isinstance(code, int) else 1
 
 
 def _fail_after_peer(leaving: bool) -> NoReturn:
-    """Fails this process after a peer left, letting that peer end first."""
     _announce(FAILED)
     if leaving:
         _join_shutdown()
@@ -313,7 +282,6 @@ def _announce(how: bytes) -> None:
 
 
 def _wait_for_everyone() -> None:
-    """Until every process has left, one has failed, or ``_EXIT_WAIT_S`` has passed."""
     count = jax.process_count()
     deadline = time.monotonic() + _EXIT_WAIT_S
     while time.monotonic() < deadline:

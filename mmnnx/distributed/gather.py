@@ -1,10 +1,5 @@
-"""``gather``: a small value from every process, through JAX's coordination service.
-
-For things of a few kilobytes that one process (or every process) wants from all of them, such
-as each process's timeline events: each process writes its value, JSON-encoded and compressed,
-under a key of this round in the coordination service's key-value store, and reads the others'.
-Arrays go through :func:`~mmnnx.distributed.fetch` (the transfer server) instead.
-"""
+"""``gather``: a small value from every process, JSON-encoded and compressed through the
+coordination service's key-value store (arrays go through :func:`~mmnnx.distributed.fetch`)."""
 
 from __future__ import annotations
 
@@ -71,8 +66,7 @@ def gather(
 
 
 def together(what: str, work: Callable[[], Any]) -> Any:
-    """``work()``, this process's part of a step every process takes (a collective); raises
-    on every process when it failed on any, naming the first that failed."""
+    """``work()``, collectively: raises on every process when it failed on any, naming it."""
     error: Exception | None = None
     try:
         result = work()

@@ -1,11 +1,7 @@
-"""State on no task that a step left on a task, in a job of several processes.
-
-Before its first step each process holds its own copy of such a value (an optimizer's step count
-made outside ``mm.jit``) on one of its devices. A step computes the new value on one task and
-hands it back laid out there: the processes of that task hold it, the others a placeholder on
-its devices. The next step must read it where it is, as the input of that task (the processes
-without it receive it by a route, as any value of a task): :func:`homes_of` names that task.
-"""
+"""State on no task that a step left on a task, in a job of several processes: before its first
+step each process holds its own copy (an optimizer's step count made outside ``mm.jit``); a step
+hands the new value back on one task, and the next step must read it there, as that task's input
+(:func:`homes_of` names the task)."""
 
 from __future__ import annotations
 
@@ -34,11 +30,9 @@ def homes_of(values: Sequence[Any], which: Iterable[int], tasks: Iterable[Task])
     by_mesh: dict[Any, Task] = {}
     for task in tasks:
         by_mesh.setdefault(task.jax_mesh, task)
-    homes = {}
-    for i in which:
-        sharding = getattr(values[i], "sharding", None)
-        if isinstance(sharding, NamedSharding) and sharding.is_fully_replicated:
-            task = by_mesh.get(sharding.mesh)
-            if task is not None:
-                homes[i] = task
-    return homes
+    shardings = {i: getattr(values[i], "sharding", None) for i in which}
+    return {
+        i: by_mesh[s.mesh]
+        for i, s in shardings.items()
+        if isinstance(s, NamedSharding) and s.is_fully_replicated and s.mesh in by_mesh
+    }

@@ -1,10 +1,6 @@
-"""Joining a multi-process run: ``mm.distributed.initialize``.
-
-One controller per process (JAX's multi-controller model): every process runs the same script,
-traces and plans the same steps, and runs the parts of them on its own devices. The processes
-find each other through JAX's coordination service; mmnnx adds a transfer server per process
-(``jax.experimental.transfer``) that moves values between tasks held by different processes.
-"""
+"""Joining a multi-process run: ``mm.distributed.initialize``. Every process runs the same
+script and the parts of each step on its own devices (JAX's multi-controller model); mmnnx adds
+a transfer server per process (``jax.experimental.transfer``) for values between them."""
 
 from __future__ import annotations
 
@@ -36,12 +32,11 @@ _CLUSTER_VARIABLES = {
 
 
 def _cluster() -> str | None:
-    """The cluster launcher whose environment says there are several processes, if any."""
     for variable, name in _CLUSTER_VARIABLES.items():
         value = os.environ.get(variable)
-        if value is None:
-            continue
-        if variable == "JAX_COORDINATOR_ADDRESS" or (value.isdigit() and int(value) > 1):
+        if value is not None and (
+            variable == "JAX_COORDINATOR_ADDRESS" or (value.isdigit() and int(value) > 1)
+        ):
             return name
     return None
 

@@ -1,10 +1,6 @@
-"""The peers of one compiled step (:class:`~mmnnx.mpmd.run.peers.Peers`) across processes.
-
-Before a step first compiles, every process checks that it planned the same step
-(:func:`~mmnnx.distributed.agree.check_same_everywhere`); layouts only the compiler knows go
-through the coordination service under that check's round, and arrays through this process's
-transfer server (:mod:`~mmnnx.distributed.transport`).
-"""
+"""The peers of one compiled step (:class:`~mmnnx.mpmd.run.peers.Peers`) across processes:
+layouts only the compiler knows go through the coordination service under the round of the
+plan's check, arrays through this process's transfer server."""
 
 from __future__ import annotations
 
@@ -43,10 +39,6 @@ def _spec_of(sharding: Any, task: Task) -> PartitionSpec:
 class StepPeers:
     """The other processes of the step described by ``lines`` (named ``name`` in messages):
     made on every process at once, after checking they all planned the same step.
-
-    Example::
-
-        peers = StepPeers("'train_step'", fingerprint_lines)  # on every process
     """
 
     def __init__(self, name: str, lines: list[str]):
@@ -72,8 +64,7 @@ class StepPeers:
         transport().send(peer, arrays)
 
     def receive(self, peer: int, specs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
-        """The arrays, once they have arrived (the runner waits for them anyway: see its
-        ``_Cross``); a failed transfer names ``peer``."""
+        """The arrays, once arrived (the runner waits anyway); a failed transfer names ``peer``."""
         arrays = transport().receive(peer, specs)
         try:
             for array in arrays:

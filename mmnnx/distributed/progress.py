@@ -47,8 +47,7 @@ def progress(phase: str, step: int | None = None, *, finished: bool = False) -> 
 
 
 def _dump_stacks_on_signal() -> bool:
-    """Makes the launcher's ``DUMP_SIGNAL`` print every thread's Python stack on standard error
-    (where the launcher reads it), whatever the main thread is stuck in."""
+    """Makes ``DUMP_SIGNAL`` print every thread's Python stack on standard error."""
     with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
         faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
         return True

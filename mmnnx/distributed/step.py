@@ -19,14 +19,9 @@ from mmnnx.mpmd.step_io import StepInput
 def peers_for(
     planned: PlannedStep, inputs: Sequence[StepInput], name: str
 ) -> Callable[[], Peers] | None:
-    """What the runner calls, when the step first compiles, for the step's
-    :class:`~mmnnx.distributed.peers.StepPeers` (``None`` in a job of one process); checked
-    now, with no arrays: the collectives the step's tasks need. ``inputs``: the step's, as
-    traced; ``name``: the step's, for messages.
-
-    Example::
-
-        executable = Executable(planned.graph, planned.plan, peers=peers_for(planned, inputs, n))
+    """What the runner calls, when the step first compiles, for its
+    :class:`~mmnnx.distributed.peers.StepPeers` (``None`` with one process); the collectives
+    its tasks need are checked now.
     """
     if jax.process_count() == 1:
         return None
@@ -35,8 +30,7 @@ def peers_for(
 
 
 def fingerprint(planned: PlannedStep, inputs: Sequence[StepInput]) -> list[str]:
-    """Lines describing a step (its inputs, tasks, ops and per-task programs) that processes
-    compare before running it together; the first differing line names what differs."""
+    """Lines describing a step, which processes compare before running it together."""
     graph = planned.graph
     lines = [
         f"input {i.name}: {tuple(i.shape)} {np.dtype(i.dtype).name} on "

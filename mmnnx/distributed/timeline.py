@@ -1,20 +1,10 @@
 """A step's timeline across processes: every process's events, on one clock.
 
-Each process times the programs it runs against its own ``time.perf_counter()``, whose zero is
-its own (and on different machines, its rate drifts too). To put every process's events on one
-time axis, the processes start the timed step together: the step's timer waits at a barrier of
-the coordination service when the step begins (after anything it compiles or prepares, right
-before its first program is launched), and the moment every process leaves that barrier is the
-common zero. Each process's events then count from it (its step's start minus its time at the
-barrier, plus the event's time), every process gathers all of them
-(:func:`~mmnnx.distributed.gather.gather`), and times are shifted so that 0 is the earliest
-step start of any process, as one process's events count from its step's start.
-
-The error is how far apart the processes leave the barrier: the coordination service answers
-them all at once, so it is the spread of one reply's delivery (about 0.1 ms on loopback here,
-about a network round trip between machines), small against a pipeline action's milliseconds.
-Starting together also keeps what each process prepares for a timed run (the overlapped
-timer's first run compiles small programs) out of the other processes' timelines.
+Each process times its programs against its own ``time.perf_counter()``. The processes start
+the timed step together at a barrier of the coordination service, right before its first
+program is launched; the moment each leaves it is the common zero, and the gathered events are
+shifted so that 0 is the earliest step start of any process. The error is the spread of the
+barrier's reply (about 0.1 ms on loopback, a network round trip between machines).
 """
 
 from __future__ import annotations
@@ -43,18 +33,8 @@ _FAILED = "failed"
 class JobTimeline:
     """Times one step on every process on a common clock; with one process it changes nothing.
 
-    A collective: every process enters it around the same timed step. :meth:`timer` wraps the
-    step's timer so that the step starts on every process at once; :meth:`events` gathers
-    every process's events onto one clock. Leaving with an exception before :meth:`events`
-    tells the others, whose :meth:`events` then raise :class:`MPMDError` naming this process
-    instead of waiting for its events.
-
-    Example (``mm.jit``'s ``timeline``, in jit.py)::
-
-        with JobTimeline() as job:
-            timer = job.timer(OverlapTimer())
-            run_the_step(timer=timer)
-            events = job.events(timer.events())  # every process's
+    A collective around the same timed step. Leaving with an exception before :meth:`events`
+    tells the others, whose :meth:`events` then raise :class:`MPMDError` naming this process.
     """
 
     def __init__(self) -> None:
@@ -74,9 +54,7 @@ class JobTimeline:
         return self._timer
 
     def events(self, mine: Sequence[Event]) -> list[Event]:
-        """Every process's events (this process's are ``mine``, as :meth:`timer`'s timer gave
-        them), in process order, in seconds since the earliest start of the step on any
-        process. With one process, ``mine`` as they are."""
+        """Every process's events (``mine``: this one's) since the step's earliest start."""
         if not self._several:
             return list(mine)
         if self._timer is None or self._timer.zero is None:
@@ -104,8 +82,7 @@ class JobTimeline:
 
 
 class _StartTogether(Timer):
-    """A timer whose step begins when every process has reached the barrier ``name``: notes
-    the moment it leaves it (``zero``) and hands everything else to ``inner``."""
+    """``inner``, its step begun once every process reached the barrier ``name``."""
 
     def __init__(self, inner: Timer, name: str) -> None:
         self.inner = inner
@@ -146,16 +123,11 @@ def _merged(parts: list) -> list[Event]:
             "of the whole job (that process raised the error)"
         )
     first = min(part["offset"] for part in parts)
-    events = []
-    for part in parts:
-        shift = part["offset"] - first
-        for fields in part["events"]:
-            e = Event(*fields)
-            events.append(
-                dataclasses.replace(
-                    e, start=e.start + shift, end=e.end + shift, launched=e.launched + shift
-                )
-            )
+    events = [
+        dataclasses.replace(e, start=e.start + s, end=e.end + s, launched=e.launched + s)
+        for part in parts
+        for s, e in ((part["offset"] - first, Event(*fields)) for fields in part["events"])
+    ]
     return _after_producers(events)
 
 
@@ -177,10 +149,6 @@ def timed(run: Callable[[Timer], Any], *, overlapped: bool) -> list[Event]:
     """Runs ``run(timer)`` once, timed by a :class:`~mmnnx.mpmd.run.timing.BlockingTimer` (each
     action alone) or, ``overlapped``, an :class:`~mmnnx.mpmd.run.timing.OverlapTimer` (as a
     call runs), and returns every process's events on one clock (:class:`JobTimeline`).
-
-    Example (``mm.jit``'s ``timeline``)::
-
-        events = timed(lambda timer: run_the_step(timer=timer), overlapped=False)
     """
     with JobTimeline() as job:
         timer = job.timer(OverlapTimer() if overlapped else BlockingTimer())

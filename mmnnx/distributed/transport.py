@@ -1,12 +1,9 @@
 """Moving shards between processes: one ``jax.experimental.transfer`` server per process.
 
-A sender offers arrays under an id (``await_pull`` returns at once and keeps the buffers alive
-until the peer has them); the receiver pulls them by the same id (``pull`` returns at once with
-arrays that become ready when the data arrives). Ids are per-pair sequence numbers: every
-process issues the transfers of a step in the same global order, so the n-th message from
-process ``a`` to process ``b`` has the same id on both sides, whatever else runs in between.
-No ordering traps, unlike cross-process ``jax.device_put``, which pairs by issue order
-(benchmarks/multiprocess.py measures its speed).
+A sender offers arrays under an id (``await_pull`` keeps them alive until pulled); the receiver
+pulls them by the same id. Ids are per-pair sequence numbers: every process issues a step's
+transfers in the same order, so the n-th message from ``a`` to ``b`` has the same id on both
+sides (cross-process ``jax.device_put`` pairs by issue order instead).
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ _PEER_WAIT_S = 120.0
 
 
 def _host_for(coordinator: str | None) -> str:
-    """The local address peers can reach: loopback for a loopback coordinator, else the
-    interface that routes to the coordinator."""
+    """The local address peers can reach: loopback, or the interface routing to ``coordinator``."""
     if coordinator is None:
         return "127.0.0.1"
     host = coordinator.rsplit(":", 1)[0].strip("[]")

@@ -1,14 +1,10 @@
 """``mmnnx launch``: N local processes of one command, joined by ``mm.distributed.initialize``.
 
 Like ``torchrun`` on one machine: a coordinator on 127.0.0.1 with a free port, each process told
-its rank through the environment, each output line prefixed with its rank; when one process
-fails or stops responding (or, with ``step_timeout_s``, makes no progress) the others are
-stopped at once (:mod:`~mmnnx.launcher.ranks`) and, with ``max_restarts``, all of them are
-started again, or all but one that keeps failing, down to ``min_processes``
-(:mod:`~mmnnx.launcher.membership`); none outlives the launcher (Ctrl-C included). A
-``SIGTERM`` to the launcher is forwarded to every process (:mod:`~mmnnx.launcher.signals`).
-A Python command runs through :mod:`~mmnnx.launcher.python_main`, so that
-``raise SystemExit(n)`` is a failure too.
+its rank through the environment, each output line prefixed with its rank; one attempt is
+:mod:`~mmnnx.launcher.ranks`, who restarts :mod:`~mmnnx.launcher.membership`, the signals
+:mod:`~mmnnx.launcher.signals`. A Python command runs through
+:mod:`~mmnnx.launcher.python_main`, so that ``raise SystemExit(n)`` is a failure too.
 """
 
 from __future__ import annotations
@@ -44,8 +40,7 @@ _DEFAULT_HEARTBEAT_S = 20
 
 
 class LaunchError(RuntimeError):
-    """The launcher could not start (bad arguments, a port in use, a command that does not
-    exist)."""
+    """The launcher could not start (bad arguments, a port in use, no such command)."""
 
 
 def free_port() -> int:
@@ -110,63 +105,49 @@ def _check(
     port: int | None,
     collectives: str | None,
     max_restarts: int,
+    min_processes: int | None,
     heartbeat_timeout_s: int | None,
-    step_timeout_s: int | None = None,
+    step_timeout_s: int | None,
 ) -> None:
-    """Raises :class:`LaunchError` with one line for the first bad argument."""
-    if num_processes < 1:
-        raise LaunchError(f"mmnnx launch: -n must be at least 1, got {num_processes}")
-    if devices_per_process is not None and devices_per_process < 1:
-        raise LaunchError(
-            f"mmnnx launch: --devices-per-process must be at least 1, got {devices_per_process}"
-        )
-    if port is not None and not 1 <= port <= 65535:
-        raise LaunchError(f"mmnnx launch: --port must be in 1..65535, got {port}")
-    if max_restarts < 0:
-        raise LaunchError(f"mmnnx launch: --max-restarts must be at least 0, got {max_restarts}")
-    if heartbeat_timeout_s is not None and heartbeat_timeout_s < 1:
-        raise LaunchError(
-            f"mmnnx launch: --heartbeat-timeout must be at least 1, got {heartbeat_timeout_s}"
-        )
-    if step_timeout_s is not None and step_timeout_s < 0:
-        raise LaunchError(
-            f"mmnnx launch: --step-timeout must be at least 0 (0: not watched), got "
-            f"{step_timeout_s}"
-        )
-    if collectives is not None and collectives not in COLLECTIVES:
-        raise LaunchError(
-            f"mmnnx launch: --collectives must be one of {', '.join(COLLECTIVES)}, "
-            f"got {collectives!r}"
-        )
-    if not command:
-        raise LaunchError("mmnnx launch: give the command to run after --")
-    if shutil.which(command[0]) is None:
-        why = "not an executable file" if os.sep in command[0] else "no such command"
-        raise LaunchError(f"mmnnx launch: cannot run {command[0]!r}: {why}")
-
-
-def _check_min_processes(min_processes: int | None, num_processes: int, max_restarts: int) -> None:
-    """Raises :class:`LaunchError` for a ``min_processes`` that cannot be: outside 1..N, or
-    below N with too few restarts to ever drop a rank (two failures in a row, then a restart).
+    """Raises :class:`LaunchError` with one line for the first bad argument.
 
     Example:
-        >>> _check_min_processes(3, 2, max_restarts=2)
+        >>> _check(["true"], 2, None, None, None, 2, 3, None, None)
         Traceback (most recent call last):
         ...
         mmnnx.launcher.launch.LaunchError: mmnnx launch: --min-processes must be in 1..2 (-n), got 3
     """
-    if min_processes is None:
-        return
-    if not 1 <= min_processes <= num_processes:
-        raise LaunchError(
-            f"mmnnx launch: --min-processes must be in 1..{num_processes} (-n), got {min_processes}"
-        )
-    if min_processes < num_processes and max_restarts < 2:
-        raise LaunchError(
-            f"mmnnx launch: --min-processes {min_processes} drops a rank that fails first in two "
-            f"attempts in a row, then restarts: it needs --max-restarts 2 or more, got "
-            f"{max_restarts}"
-        )
+    devices, heartbeat, step = devices_per_process, heartbeat_timeout_s, step_timeout_s
+    n, least = num_processes, num_processes if min_processes is None else min_processes
+    program = command[0] if command else ""
+    why = "not an executable file" if os.sep in program else "no such command"
+    problems = (
+        (n < 1, f"-n must be at least 1, got {n}"),
+        (devices is not None and devices < 1, f"--devices-per-process {_least(1, devices)}"),
+        (port is not None and not 1 <= port <= 65535, f"--port must be in 1..65535, got {port}"),
+        (max_restarts < 0, f"--max-restarts {_least(0, max_restarts)}"),
+        (heartbeat is not None and heartbeat < 1, f"--heartbeat-timeout {_least(1, heartbeat)}"),
+        (step is not None and step < 0, f"--step-timeout {_least('0 (0: not watched)', step)}"),
+        (
+            collectives is not None and collectives not in COLLECTIVES,
+            f"--collectives must be one of {', '.join(COLLECTIVES)}, got {collectives!r}",
+        ),
+        (not command, "give the command to run after --"),
+        (shutil.which(program) is None, f"cannot run {program!r}: {why}"),
+        (not 1 <= least <= n, f"--min-processes must be in 1..{n} (-n), got {min_processes}"),
+        (
+            least < n and max_restarts < 2,
+            f"--min-processes {min_processes} drops a rank that fails first in two attempts in "
+            f"a row, then restarts: it needs --max-restarts 2 or more, got {max_restarts}",
+        ),
+    )
+    for bad, problem in problems:
+        if bad:
+            raise LaunchError(f"mmnnx launch: {problem}")
+
+
+def _least(bound: object, value: object) -> str:
+    return f"must be at least {bound}, got {value}"
 
 
 def launch(
@@ -184,34 +165,12 @@ def launch(
 ) -> int:
     """Runs ``command`` as ``num_processes`` processes and returns the exit status: 0 when all
     succeed, else that of the first process to fail (1 for one that stopped responding); the
-    others are stopped at once.
-
-    A process stopped by a signal for ``heartbeat_timeout_s`` (default ``MMNNX_HEARTBEAT_TIMEOUT``
-    or 20, also JAX's heartbeat timeout in the processes) has stopped responding. With
-    ``max_restarts`` = N, a failed attempt is followed by a fresh one of all processes (a new
-    coordinator port unless ``port`` is given), up to N times, one line each; the status is
-    the last attempt's. Each process sees the attempt's number in ``MMNNX_RESTART_COUNT``.
-    With ``min_processes`` = K below ``num_processes``, a rank that fails first in two attempts
-    in a row is dropped, one line naming it, while more than K processes are left: the next
-    attempts run one process fewer (ranks above it one lower), with its devices fewer.
-
-    ``step_timeout_s`` (default :data:`STEP_TIMEOUT_S`; 0 or ``None``: not watched): a process
-    that reported progress (``mm.distributed.progress``, which ``mmnnx train`` calls at every
-    phase of every step) and then reports nothing for that long has stopped making progress (a
-    loop in Python, a data loader stuck): it prints its Python stacks, and the job ends (status
-    1) with a line naming it and what it last reported. A process that never reports is not
-    watched.
-
-    A ``SIGTERM`` (a scheduler's preemption notice) is forwarded to every process, and the
-    launcher waits for them to end on their own (``mmnnx train`` saves its step and exits with
-    143); the status is 143 when a process ended so, else theirs. A second ``SIGTERM``, or
-    ``SIGINT`` (Ctrl-C), stops them at once (status 128 + the signal).
-
-    ``verbose``: print gloo's connection lines too, which are left out otherwise, and JAX's
-    C++ information logs (``TF_CPP_MIN_LOG_LEVEL=0``; see ``chatter.py``).
-
-    Raises:
-        LaunchError: a bad argument, a port in use, or a command that cannot be run.
+    others are stopped at once. The arguments are ``mmnnx launch``'s flags (its ``--help``
+    says what each does); ``step_timeout_s`` 0 or ``None``: not watched. A ``SIGTERM`` is
+    forwarded to every process, and the launcher waits for them to end on their own (the
+    status is theirs); a second ``SIGTERM``, or ``SIGINT``, stops them at once (128 + the
+    signal). A bad argument, a port in use or a command that cannot be run is a
+    :class:`LaunchError`.
 
     Example:
         >>> import sys
@@ -225,10 +184,10 @@ def launch(
         port,
         collectives,
         max_restarts,
+        min_processes,
         heartbeat_timeout_s,
         step_timeout_s,
     )
-    _check_min_processes(min_processes, num_processes, max_restarts)
     job = Membership(num_processes, num_processes if min_processes is None else min_processes)
     interrupts = Interrupts()
     base = dict(os.environ)
@@ -267,8 +226,7 @@ def launch(
 
 
 def _restarting(outcome: Outcome, job: Membership, restart: int, max_restarts: int) -> str:
-    """The line saying that ``job`` restarts after the failed ``outcome``: with all its
-    processes, or without the rank that failed first, when ``job`` drops it."""
+    """The line saying that ``job`` restarts after the failed ``outcome`` (dropping a rank?)."""
     if not job.failed(outcome.rank):
         return (
             f"mmnnx launch: {outcome.failure}; restarting all {job.count} processes "
@@ -285,8 +243,7 @@ def _restarting(outcome: Outcome, job: Membership, restart: int, max_restarts: i
 def _job_status(
     outcome: Outcome | None, interrupts: Interrupts, count: int, last: bool
 ) -> int | None:
-    """The launcher's exit status when the job ends with this attempt's ``outcome``, said in
-    one line unless every process succeeded; ``None`` when the processes are to restart."""
+    """The exit status the job ends with after ``outcome`` (said), or ``None``: restart."""
     if outcome is None:  # stopped at once by a signal
         signum = interrupts.received[0]
         name = signal.Signals(signum).name

@@ -1,11 +1,8 @@
-"""How many processes an ``mmnnx launch`` job goes on with after a failure: with
-``--min-processes K`` below ``-n N``, a rank that fails first in two attempts in a row is
-dropped (the job restarts without it) while more than K processes are left.
+"""How many processes an ``mmnnx launch`` job goes on with after a failure (``--min-processes``).
 
 The ranks of an attempt are always 0..n-1 (JAX numbers the processes so): after a drop, the
 ranks above the dropped one go on one lower. On one machine a rank that keeps failing is what a
-lost host is on a cluster: the job goes on with that process's devices fewer, and
-``mmnnx train --resume`` re-plans its stages onto the devices left (docs/distributed.md).
+lost host is on a cluster (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -15,8 +12,7 @@ import dataclasses
 
 @dataclasses.dataclass
 class Membership:
-    """``count`` processes, never fewer than ``minimum``, and the rank that failed first in the
-    last attempt (``last_failed``).
+    """``count`` processes, never fewer than ``minimum``.
 
     Example:
         >>> job = Membership(3, minimum=2)
@@ -31,9 +27,9 @@ class Membership:
     last_failed: int | None = None
 
     def failed(self, rank: int | None) -> bool:
-        """Records that ``rank`` failed first in the attempt just ended (``None``: no rank is
-        known); whether it is dropped: it failed first in the attempt before too, and more than
-        ``minimum`` processes are left. A drop starts the count of failures in a row afresh.
+        """Records that ``rank`` (``None``: unknown) failed first in the attempt just ended;
+        whether it is dropped (it did in the attempt before too, and more than ``minimum`` are
+        left). A drop starts the count afresh.
 
         Example:
             >>> job = Membership(2, minimum=1)

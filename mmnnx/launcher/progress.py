@@ -1,16 +1,10 @@
 """What each process of ``mmnnx launch`` last said it was doing, and ``--step-timeout``'s watchdog.
 
-A process reports with ``mm.distributed.progress(phase, step)``, which calls :func:`write`: one
-JSON record, ``{"phase": ..., "step": ...}``, in the file ``rank-<i>`` of the directory the
-launcher names in ``MMNNX_PROGRESS_DIR``, replaced whole (``os.replace``), so the file's
-modification time is when the process last reported. The launcher's :class:`Watchdog` looks at
-those times (one ``stat`` per process and poll) and names the process whose last report is the
-oldest once it is ``timeout_s`` old; a process that has not reported yet, whose last record
-says it has finished, or that has ended, is not watched.
-
-The reporting process also dumps its threads' Python stacks to its standard error on
-``SIGUSR1`` (:data:`DUMP_SIGNAL`, ``faulthandler``), which the launcher sends to the process it
-names before stopping the job.
+:func:`write` replaces the JSON record ``rank-<i>`` in the launcher's ``MMNNX_PROGRESS_DIR``
+whole (``os.replace``), so the file's modification time is when the process last reported: the
+:class:`Watchdog` needs one ``stat`` per process and poll. A process that reported dumps its
+Python stacks to standard error on :data:`DUMP_SIGNAL` (``faulthandler``), which the launcher
+sends to the process it names before stopping the job.
 """
 
 from __future__ import annotations
@@ -29,13 +23,11 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """What a process said it was doing: ``phase`` (e.g. ``"loading batch"``) of ``step``;
-    ``finished``: it makes no more steps (it waits for the others to end), so the watchdog no
-    longer watches it."""
+    """What a process said it was doing: ``phase`` (e.g. ``"loading batch"``) of ``step``."""
 
     phase: str
     step: int | None = None
-    finished: bool = False
+    finished: bool = False  # it makes no more steps: no longer watched
 
     def __str__(self) -> str:
         return self.phase if self.step is None else f"{self.phase} (step {self.step})"
@@ -69,8 +61,7 @@ def write(directory: str, rank: int, record: Record) -> None:
 
 
 def read(directory: str, rank: int) -> Record | None:
-    """Process ``rank``'s last record, or ``None`` when it has not reported (or the record
-    cannot be read)."""
+    """Process ``rank``'s last record, or ``None`` (none readable)."""
     try:
         with open(path(directory, rank)) as f:
             fields = json.loads(f.read())
@@ -93,8 +84,7 @@ class Stale:
 
 
 class Watchdog:
-    """Finds the process of ``count`` whose last report in ``directory`` is the oldest, once
-    it is ``timeout_s`` old (of those that have reported and not finished).
+    """Finds the process whose last report in ``directory`` is the oldest, once ``timeout_s`` old.
 
     Example:
         >>> import tempfile
@@ -108,8 +98,7 @@ class Watchdog:
         self.directory, self.count, self.timeout_s = directory, count, timeout_s
 
     def stale(self, ended: Collection[int] = ()) -> Stale | None:
-        """The watched process that has not reported for the longest, if that is
-        ``timeout_s`` or more; ``None`` otherwise. The processes ``ended`` are not watched."""
+        """The watched process (not ``ended``) silent the longest, if ``timeout_s`` or more."""
         now, ages = time.time(), {}
         for rank in range(self.count):
             if rank in ended:

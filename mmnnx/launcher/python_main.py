@@ -1,11 +1,8 @@
-"""A Python command of ``mmnnx launch`` run through :mod:`~mmnnx.launcher.run_main`, so that a
-process ending with ``raise SystemExit(n)``, n a failing status, is a failure like
-``sys.exit(n)`` (it ends at once and the launcher names it) rather than a normal end.
+"""A Python command of ``mmnnx launch`` run through :mod:`~mmnnx.launcher.run_main`, so that
+``raise SystemExit(n)``, n a failing status, is a failure like ``sys.exit(n)``.
 
-A command is rewritten only when it is plainly ``python [options] -c CODE | -m MODULE | FILE
-[args]`` (``python``, ``python3``, ``python3.11``, ... or a path to one), with options that take
-no value or ``-W``/``-X``/``--check-hash-based-pycs`` and theirs; anything else (``-i``, ``-x``,
-a directory or archive to run, another program) runs as given.
+Only a plain ``python [options] -c CODE | -m MODULE | FILE [args]`` is rewritten, with options
+that take no value or ``-W``/``-X``/``--check-hash-based-pycs``; anything else runs as given.
 """
 
 from __future__ import annotations

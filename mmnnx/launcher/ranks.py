@@ -1,15 +1,10 @@
 """One attempt of ``mmnnx launch``: N processes of a command, watched until all succeed, one
 fails or stops responding, or the launcher is interrupted; then none of them is left running.
 
-Exits are recorded as they happen (a thread waits for each process), so the process that
-failed first is the first by time, not the lowest rank among those found failed. A process
-stopped by a signal (``SIGSTOP``: state ``T`` in ``/proc``, on Linux) for ``stopped_after_s``
-is said to have stopped responding, and so is one found stopped when another then fails (JAX's
-coordination service ends the others when a process misses its heartbeats). With a
-:class:`~mmnnx.launcher.progress.Watchdog`, a process that reports no progress for its timeout
-ends the attempt too, named with what it last reported and its Python stacks. A preemption
-notice (``SIGTERM`` to the launcher) is forwarded to every process, which then end as they
-see fit (``mmnnx train`` saves its step): ending on it is not a failure.
+A thread waits for each process, so the process that failed first is the first by time, not
+the lowest rank found failed. A process stopped by a signal (state ``T`` in ``/proc``) for
+``stopped_after_s``, or found stopped when another fails (JAX's coordination service ends the
+others when a process misses its heartbeats), has stopped responding.
 """
 
 from __future__ import annotations
@@ -37,13 +32,9 @@ _ON_NOTICE = (128 + signal.SIGTERM, -signal.SIGTERM)  # exit statuses of a proce
 class Outcome:
     """How an attempt ended."""
 
-    status: int
-    """0 when every process succeeded; else the failed process's exit status (128 + signal
-    for one killed by a signal; 1 for one that stopped responding)."""
-    failure: str | None = None
-    """What failed, e.g. ``rank 1 failed first (exit code 3)``; ``None`` when nothing did."""
-    rank: int | None = None
-    """The rank that failed first or stopped responding; ``None`` when nothing failed."""
+    status: int  # 0, or the failed process's (128 + signal; 1 for one that stopped responding)
+    failure: str | None = None  # what failed, e.g. ``rank 1 failed first (exit code 3)``
+    rank: int | None = None  # the rank that failed first or stopped responding
 
 
 def describe(code: int) -> str:
@@ -66,8 +57,7 @@ def _status(code: int) -> int:
 
 
 def _failed(code: int, forwarded: bool) -> bool:
-    """Whether a process that ended with ``code`` failed: ending on a forwarded ``SIGTERM``
-    (a preemption notice) is not a failure."""
+    """Whether ``code`` is a failure: ending on a forwarded ``SIGTERM`` is not."""
     return code != 0 and not (forwarded and code in _ON_NOTICE)
 
 
@@ -109,12 +99,6 @@ class Ranks:
     """The processes of one attempt, rank ``i`` run with environment ``envs[i]``; each output
     line is prefixed ``[rank i]``. Raises ``OSError`` (after stopping those already started)
     when ``command`` cannot be started. Lines for which ``leave_out`` is true are not printed.
-
-    Example::
-
-        ranks = Ranks(["python", "train.py"], [env0, env1])
-        outcome = ranks.watch(stopped_after_s=20, interrupted=threading.Event())
-        print(outcome.failure or "all succeeded")
     """
 
     def __init__(
@@ -170,11 +154,9 @@ class Ranks:
         notice: threading.Event | None = None,
         watchdog: Watchdog | None = None,
     ) -> Outcome | None:
-        """Waits until every process succeeds, one fails or has been stopped for
-        ``stopped_after_s`` or (with a ``watchdog``) made no progress for its timeout, or
-        ``interrupted`` is set (then it returns ``None``); then stops the others. Once
-        ``notice`` is set, ``SIGTERM`` is forwarded to every process (once), and a process
-        ending with 143 or by ``SIGTERM`` has not failed."""
+        """Waits until every process succeeds, one fails, stops responding or makes no progress,
+        or ``interrupted`` is set (``None``); then stops the others. Once ``notice`` is set,
+        ``SIGTERM`` is forwarded to every process, and ending on it is no failure."""
         stopped_since: dict[int, float] = {}
         forwarded = False
         while True:
@@ -223,8 +205,7 @@ class Ranks:
                 return outcome
 
     def _stale(self, watchdog: Watchdog, ended: set[int]) -> Outcome | None:
-        """The attempt's end when ``watchdog`` finds a process that made no progress (of those
-        not ``ended``), after that process has printed its Python stacks."""
+        """The outcome when ``watchdog`` finds a process not ``ended`` stale, its stacks printed."""
         stale = watchdog.stale(ended)
         if stale is None:
             return None
@@ -234,15 +215,13 @@ class Ranks:
         return Outcome(1, str(stale), stale.rank)
 
     def _signal_all(self, signum: int) -> None:
-        """Sends ``signum`` to the process group of every process still running."""
         for p in self.procs:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signum)
 
     def stop(self) -> None:
-        """Stops every process still running (SIGTERM to its process group, SIGKILL after
-        ``_GRACE_S``, or at once to a stopped one) and waits for its output."""
+        """Stops every process still running (SIGKILL after ``_GRACE_S``), waits for its output."""
         running = [p for p in self.procs if p.poll() is None]
         stopped = stopped_groups([p.pid for p in running])
         for p in running:

@@ -1,15 +1,11 @@
 """Runs a Python program as ``python`` itself would, for ``mmnnx launch`` (see
-:mod:`~mmnnx.launcher.python_main`), so that a failing ``raise SystemExit(n)`` counts as a
-failure: ``python run_main.py -c CODE ARGS``, ``-m MODULE ARGS`` or ``file SCRIPT ARGS``.
+:mod:`~mmnnx.launcher.python_main`): ``python run_main.py -c CODE ARGS``, ``-m MODULE ARGS`` or
+``file SCRIPT ARGS``.
 
-Python 3.11 handles a ``SystemExit`` that ends the program before any exit handler runs and
-keeps its status nowhere one could read it (docs/distributed.md, "Failures"), so
-``mm.distributed`` would take a written-out ``raise SystemExit(3)`` for a normal end and wait
-for the other processes. Caught here, a failing status is given again to ``sys.exit``, which
-``mm.distributed`` notes. The program runs in the ``__main__`` module, with ``sys.argv`` and
-``sys.path[0]`` as ``python`` sets them; its tracebacks start with two lines of this file.
-
-Only the standard library: this file is run by path, by whatever Python the command names.
+Python 3.11 keeps the status of a ``SystemExit`` that ends the program nowhere an exit handler
+can read it (docs/distributed.md, "Failures"); caught here, a failing status is given again to
+``sys.exit``, which ``mm.distributed`` notes. Only the standard library: this file is run by
+path, by whatever Python the command names.
 """
 
 

@@ -29,13 +29,10 @@ class Interrupts:
 
     def __init__(self) -> None:
         self.received: list[int] = []
-        self.stop = threading.Event()
-        """Stop every process now: ``SIGINT``, or ``SIGTERM`` a second time."""
-        self.notice = threading.Event()
-        """Forward ``SIGTERM`` to every process and let them end."""
+        self.stop = threading.Event()  # stop every process now: SIGINT, or a second SIGTERM
+        self.notice = threading.Event()  # forward SIGTERM to every process, let them end
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """The handler of :attr:`SIGNALS`."""
         if signum == signal.SIGTERM and not self.notice.is_set():
             self.notice.set()
             return

@@ -1,13 +1,7 @@
-"""The engine's entry: a pure function of array leaves and what is known of its inputs and
-outputs -> a runnable step.
-
-``mm.jit`` (``jit.py``) describes each input leaf (:class:`~mmnnx.mpmd.step_io.StepInput`) and,
-once traced, each output leaf (:class:`~mmnnx.mpmd.step_io.StepOutput`); :func:`build_step`
-traces the function (``trace_step.py``) and :func:`plan_step` splits stacked layers over their
-tasks, colours every op with a task, cuts the graph into fragments (pipelined per microbatch
-where the step has an ``mm.microbatch`` loop), lowers them to a typed program and runs the
-passes (``passes.py``); the runner (``run/runner.py``) runs the plan. Nothing here knows Flax
-NNX.
+"""The engine's entry: a pure function of array leaves, with what is known of its inputs and
+outputs (:mod:`~mmnnx.mpmd.step_io`), traced (:func:`build_step`), planned (:func:`plan_step`:
+stacks split, ops coloured, the graph cut and pipelined, lowered, the passes run) and wrapped
+in the runner's :class:`~mmnnx.mpmd.run.runner.Executable`. Nothing here knows Flax NNX.
 """
 
 from __future__ import annotations
@@ -53,8 +47,7 @@ __all__ = ["PACK_RESIDUAL_BYTES", "PACK_WEIGHT_BYTES", "Plan"]
 
 @dataclasses.dataclass(frozen=True)
 class PlanningOptions:
-    """How to plan a step (``mm.jit``'s options), checked and normalised: the packing bounds
-    as bytes (``True`` / ``False`` given: every / none).
+    """How to plan a step (``mm.jit``'s options), checked; the packing bounds as bytes.
 
     Example:
         >>> PlanningOptions(residual_bytes=False, schedule="gpipe").residual_bytes
@@ -109,13 +102,10 @@ def build_step(
     located: Callable[[BaseException], BaseException] = lambda e: e,
     peers: Callable[[PlannedStep, Sequence[StepInput], str], Any] | None = None,
 ) -> BuiltStep:
-    """Traces ``pure(*leaves)`` (one leaf per record of ``inputs``; JAX's errors name it as
-    ``name_as``, a ``TypeError``/``ValueError`` it raises becomes ``located(error)``), describes
-    its results with ``outputs_of(out_shape)`` (``out_shape``: ``pure``'s abstract result,
-    whose first item is the step's own return value), plans it for this process and wraps the
-    plan in the runner's :class:`~mmnnx.mpmd.run.runner.Executable` (``peers(planned, inputs,
-    name)``: the other processes it runs with, as ``mmnnx.distributed.step.peers_for``).
-    Compiles nothing.
+    """Traces ``pure(*leaves)`` (JAX's errors name it ``name_as``; a ``TypeError``/``ValueError``
+    becomes ``located(error)``), describes its results with ``outputs_of(out_shape)``, plans it for
+    this process and wraps the plan in an ``Executable`` (``peers(planned, inputs, name)``: the
+    other processes). Compiles nothing.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh
@@ -159,8 +149,7 @@ def build_step(
 
 
 def inside_step() -> bool:
-    """Whether an ``mm.jit`` step (or ``mm.microbatch``'s own trace) is being traced now: a
-    step called there is inlined into it.
+    """Whether an ``mm.jit`` step (or ``mm.microbatch``'s own trace) is being traced now.
 
     Example:
         >>> inside_step()
@@ -191,15 +180,8 @@ def plan_step(
     process: int = 0,
     num_processes: int = 1,
 ) -> PlannedStep:
-    """Plans a traced step (``graph``, with its ``trace`` state) for ``process`` of
-    ``num_processes``: one record per graph input and output, in order. ``name``: the step's,
-    for messages. Compiles nothing.
-
-    Example::
-
-        planned = plan_step(graph, trace, inputs, outputs, PlanningOptions())
-        print(planned.plan)
-    """
+    """Plans a traced step for ``process`` of ``num_processes``: one record per graph input and
+    output, in order. Compiles nothing."""
     expansion = None
     if any(i.stack is not None for i in inputs):
         graph, expansion = split_stacks(graph, inputs, outputs)

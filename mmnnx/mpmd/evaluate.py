@@ -15,11 +15,7 @@ from mmnnx.mpmd.ir import Atom, Const, Graph, Op
 
 
 def run_ops(ops: Sequence[Op], in_ids: Sequence[int], out_ids: Sequence[int], args) -> list:
-    """Evaluates ``ops`` (in order) on ``args`` bound to ``in_ids``; returns ``out_ids``' values.
-
-    Called inside ``jax.jit`` to build one fragment's program, lowered under
-    :func:`~mmnnx.mpmd.primitives.constraint_layouts` for the fragment's task.
-    """
+    """Evaluates ``ops`` on ``args`` bound to ``in_ids``; returns ``out_ids``' values."""
     env = dict(zip(in_ids, args, strict=True))
 
     def read(a):
@@ -36,9 +32,8 @@ def run_ops(ops: Sequence[Op], in_ids: Sequence[int], out_ids: Sequence[int], ar
 
 
 def pruned_to(op: Op, out: int, graph: Graph) -> Op | None:
-    """``op`` computing only its result ``out`` and reading only the inputs that needs, by
-    JAX's dead-code rules (of a ``scan`` over layers, only the loop of ``out``); ``None`` if
-    nothing is left to compute (``out`` is an input passed through)."""
+    """``op`` computing only its result ``out`` by JAX's dead-code rules, reading only what that
+    needs; ``None`` if nothing is left to compute."""
 
     def var(value: Atom) -> jcore.Var:
         if isinstance(value, Const):

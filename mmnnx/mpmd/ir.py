@@ -31,16 +31,10 @@ Atom = int | Const
 
 @dataclasses.dataclass
 class Op:
-    """One primitive application: reads ``ins``, writes ``outs`` (value ids).
-
-    ``backward``: the op belongs to a backward (transposed) pass; ``region``: the task name of
-    the innermost ``mm.task`` region it was traced in; ``group``: the ``mm.microbatch`` call it
-    was traced in. The tracer (``tracing.py``) reads all three from the op's name scope.
-    ``may_fail``: the op (or one nested in it) calls back into Python, which may raise while the
-    compiled program runs; pure XLA ops do not fail at run time. ``mesh``: for a step traced
-    with explicit mesh axes, the abstract mesh in effect where the op was traced (its axes may
-    be automatic inside ``jax.sharding.auto_axes``), which re-tracing it must restore.
-    """
+    """One primitive application: reads ``ins``, writes ``outs`` (value ids). ``backward``,
+    ``region`` (the innermost ``mm.task``'s) and ``group`` (the ``mm.microbatch`` call) come from
+    its name scope; ``may_fail``: it calls back into Python; ``mesh``: under explicit mesh axes, the
+    abstract mesh it was traced under, which re-tracing it must restore."""
 
     index: int
     primitive: Any
@@ -59,8 +53,8 @@ class Op:
     mesh: Any = None  # under explicit axes: the abstract mesh the op was traced under
 
     def derived(self, primitive: Any, params: dict, ins: list[Atom], outs: list[int]) -> Op:
-        """An op of ``primitive`` that stands in for (part of) this one: same source, scope,
-        pass, region and microbatch group; its index is set when it joins a graph."""
+        """An op of ``primitive`` standing in for (part of) this one; indexed when it joins a
+        graph."""
         return dataclasses.replace(
             self,
             index=-1,
@@ -83,8 +77,7 @@ class Graph:
     shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     dtypes: list[Any] = dataclasses.field(default_factory=list)
     nbytes: list[int] = dataclasses.field(default_factory=list)
-    # Under explicit mesh axes: each value's sharding type (its spec), which every program
-    # that reads or makes the value must keep. Empty for a step traced with automatic axes.
+    # Under explicit mesh axes: each value's sharding type, which every program must keep
     specs: dict[int, Any] = dataclasses.field(default_factory=dict)
     _producers: dict[int, Op] | None = dataclasses.field(default=None, repr=False)
     _consumers: dict[int, list[Op]] | None = dataclasses.field(default=None, repr=False)
@@ -116,8 +109,7 @@ class Graph:
 
 
 def aval_info(aval: Any) -> tuple[tuple[int, ...], Any, int]:
-    """A value's ``(shape, dtype, bytes)`` for :meth:`Graph.new_value`, from a JAX abstract
-    value (bytes 0 where the dtype has no size, e.g. a token)."""
+    """A value's ``(shape, dtype, bytes)`` from a JAX abstract value (bytes 0 for a token)."""
     shape = tuple(getattr(aval, "shape", ()))
     dtype = getattr(aval, "dtype", np.dtype("float32"))
     return shape, dtype, _nbytes(shape, dtype)

@@ -1,8 +1,6 @@
 """The engine's own primitives, recorded while mm.jit traces a step: the logical sharding
-constraint (``mm.with_sharding_constraint``), the microbatch markers of an ``mm.microbatch``
-call traced once (its index, its summed outputs) and of the state it updates (RNG counts,
-Variables chained from microbatch to microbatch); the tests that find them among a graph's
-ops, and the ops that replace a resolved RNG count.
+constraint, the markers of an ``mm.microbatch`` call traced once (its index, summed outputs, RNG
+counts, chained Variables), the tests that find them, and the ops replacing a resolved count.
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class StepOutput:
 
 
 def check_homes(inputs: Sequence[StepInput]) -> set:
-    """Raises if a placed input's array lives elsewhere than on its task (or, stacked, is laid
-    out otherwise than its stack says); returns the devices the placed inputs' tasks own.
+    """Raises if a placed input's array lives elsewhere than its task (or stack) says; returns the
+    devices the placed inputs' tasks own.
 
     Example:
         >>> check_homes([StepInput(name="x", shape=(2,), dtype="float32")])

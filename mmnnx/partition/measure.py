@@ -1,13 +1,6 @@
 """Timing one piece of a model (:mod:`mmnnx.partition.pieces`) on a task's devices: its forward
-(keeping what its backward needs), its backward, and the two halves of a split backward
-(gradient with respect to its inputs, I, and to its weights, W), with the bytes it holds per
-microbatch between forward and backward, the bytes it sends on, and its state's bytes.
-
-The forward returns its backward's closure (``jax.vjp``'s, residuals included) from one
-compiled program; each backward is another program applied to it, returning the input
-gradients, the weight gradients or both (XLA drops what a program does not return). Its
-Variables are laid out on the task as ``mm.place`` would put them there; its input arrays are
-split over the task's ``batch`` axis where their leading axis is the microbatch.
+(returning ``jax.vjp``'s closure), its backward and the two halves of a split backward (each a
+program applied to that closure), and the bytes it holds, sends on and keeps as state.
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ from mmnnx.sharding.place import plan_placement
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """One piece measured on one task at one microbatch size: seconds per pass, bytes per
-    device."""
+    """One piece measured on one task at one microbatch size."""
 
     forward: float  # F, keeping the residuals (each pass: its work, less a program's launch)
     backward: float  # B: input and weight gradients in one program
@@ -67,16 +59,10 @@ def measure(
     repeats: int = 5,
     launch: float = 0.0,
 ) -> Timing:
-    """``piece`` timed on ``task`` (each program's seconds per call over ``repeats`` calls
-    back to back, less ``launch``, what any program costs there: :func:`launch_seconds`), its
-    Variables where ``shardings`` (by path) put them, its inputs of leading axis ``rows`` split
-    over ``task``'s ``batch`` axis; ``optimizer`` (an optax transform) gives its state's bytes.
-    The model's concrete values are copied there; abstract ones are drawn at random.
-
-    Example (a piece of a model: see ``mmnnx.partition.pieces.Model``)::
-
-        timing = measure(pieces.layer(0, calls[0]), task, shardings_on(model, task), rows=4)
-    """
+    """``piece`` timed on ``task`` (seconds per call over ``repeats`` calls, less ``launch``),
+    its Variables where ``shardings`` (by path) put them, its inputs of leading axis ``rows``
+    split over ``task``'s ``batch`` axis; ``optimizer`` (an optax transform) gives its state's
+    bytes. Abstract values are drawn at random."""
     rng = np.random.default_rng(0)
     params = _placed(piece.params, shardings, rng)
     other = _placed(piece.other, shardings, rng)
@@ -117,9 +103,7 @@ def measure(
 
 
 def launch_seconds(task: Task, repeats: int = 5) -> float:
-    """The time a program doing next to nothing takes on ``task`` as :func:`measure` times
-    one: what every program costs besides its work (dispatch, launch), which a stage's
-    program pays once for all its layers.
+    """The time a program doing next to nothing takes on ``task`` as :func:`measure` times one.
 
     Example:
         >>> import mmnnx as mm
@@ -131,9 +115,7 @@ def launch_seconds(task: Task, repeats: int = 5) -> float:
 
 
 def _seconds(fn: Callable, args: tuple, repeats: int, samples: int = 5) -> float:
-    """Seconds per call of ``fn(*args)``: the median over ``samples`` of ``repeats`` calls
-    issued back to back and waited for at the end (the time the devices take per call, not
-    the host's wait for each), after one call that compiles it."""
+    """Seconds per call of ``fn(*args)``: the median of ``samples`` runs of ``repeats`` calls."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(samples):
@@ -154,41 +136,35 @@ def _device_bytes(x: Any) -> int:
 
 
 def _held_bytes(forward: Callable, args: tuple, vjp: Any, num_out: int) -> int:
-    """The bytes per device of the backward closure ``vjp``'s residuals, less the Variables
-    it reads as they are (they are held anyway): the forward's outputs that are not merely
-    its state's inputs passed through."""
+    """The bytes per device of ``vjp``'s residuals but the Variables it reads as they are."""
     closed = jax.make_jaxpr(forward)(*args)
     state_vars = closed.jaxpr.invars[: len(jax.tree.leaves(args[:2]))]
     residuals = closed.jaxpr.outvars[num_out:]
-    values = jax.tree.leaves(vjp)
-    total = 0
-    for var, value in zip(residuals, values, strict=True):
-        if not any(var is v for v in state_vars):
-            total += _device_bytes(value)
-    return total
+    return sum(
+        _device_bytes(value)
+        for var, value in zip(residuals, jax.tree.leaves(vjp), strict=True)
+        if not any(var is v for v in state_vars)
+    )
 
 
 def _optimizer_bytes(optimizer: Any, params: Any) -> int:
-    """The bytes per device of ``optimizer``'s state for ``params``, laid out as they are
-    (each leaf's share of the state: its own bytes times the state's bytes per parameter
-    byte)."""
+    """The bytes per device of ``optimizer``'s state for ``params``, laid out as they are."""
     leaves = jax.tree.leaves(params)
     if optimizer is None or not leaves:
         return 0
-    state = jax.eval_shape(optimizer.init, jax.tree.map(_spec, params))
+    state = jax.eval_shape(optimizer.init, jax.tree.map(abstract, params))
     whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
     held = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
     per_device = sum(_device_bytes(x) for x in leaves)
     return round(held * per_device / whole) if whole else 0
 
 
-def _spec(x: Any) -> jax.ShapeDtypeStruct:
+def abstract(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def _placed(state: Any, shardings: dict[tuple, NamedSharding], rng: np.random.Generator) -> Any:
-    """``state`` with every Variable's value on its sharding: the value it holds, or (an
-    abstract one) drawn at random."""
+    """``state`` with every Variable's value (abstract ones drawn) on its sharding."""
     flat = []
     for path, variable in nnx.to_flat_state(state):
         value = variable.get_value()
@@ -199,8 +175,7 @@ def _placed(state: Any, shardings: dict[tuple, NamedSharding], rng: np.random.Ge
 
 
 def _input(aval: Any, task: Task, rows: int, rng: np.random.Generator) -> jax.Array:
-    """An input array on ``task``: ``aval``'s values when it has some, else drawn; split over
-    the task's ``batch`` axis when its leading axis is the microbatch's ``rows``."""
+    """An input on ``task``, split over its ``batch`` axis where its leading axis is ``rows``."""
     value = aval if isinstance(aval, jax.Array | np.ndarray) else _drawn(aval, rng, scale=1.0)
     spec = PartitionSpec()
     if aval.ndim and aval.shape[0] == rows:
@@ -214,8 +189,7 @@ def _input(aval: Any, task: Task, rows: int, rng: np.random.Generator) -> jax.Ar
 
 
 def _drawn(aval: Any, rng: np.random.Generator, *, scale: float) -> Any:
-    """Values of ``aval``'s shape and dtype: normal times ``scale`` for floats, ones for
-    booleans, zeros otherwise (integers, PRNG keys)."""
+    """Values of ``aval``'s shape and dtype: normal times ``scale``, ones, or zeros."""
     dtype = aval.dtype
     if jnp.issubdtype(dtype, jnp.floating):
         drawn = rng.standard_normal(aval.shape, dtype=np.float32) * scale

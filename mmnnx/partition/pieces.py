@@ -1,14 +1,7 @@
-"""A model cut into the pieces the planner times: the part before its layers (the embedding),
-each layer, and the part after them (the head and the loss), each a pure function of its own
-Variables' values and its input arrays.
-
-Each piece merges the whole model from its own state and zeros for every other group: the
-zeros feed nothing the piece returns, so XLA drops them with the code that reads them. The
-layers are replaced by stubs in that throwaway model: to record how the loss function calls
-them (``jax.eval_shape``, nothing computed), to stop at the first one (the part before the
-layers returns its input, carried out by an exception caught inside the traced function), or
-to stand in for all of them (the part after the layers starts from the last layer's output,
-given as an input).
+"""A model cut into the pieces the planner times: the embedding, each layer, and the head and
+loss, each a pure function of its own Variables' values and its input arrays. Each piece merges
+the whole model from its own state and zeros (which XLA drops), its layers replaced by stubs
+that record calls, stop at the first layer, or stand in for them.
 """
 
 from __future__ import annotations
@@ -31,8 +24,7 @@ HEAD = "head + loss"
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """How the loss function called one layer: the method (``"__call__"``, ``"forward"``),
-    its ``(args, kwargs)`` and what it returned, every array as a ``ShapeDtypeStruct``."""
+    """How the loss function called one layer: method, ``(args, kwargs)`` and output."""
 
     method: str
     inputs: Any
@@ -41,12 +33,9 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One timed part of the model: ``fn(params, other, inputs)`` returns the output arrays
-    (floating ones, those a backward pass takes a cotangent for), ``params`` (the Variables
-    differentiated) and ``other`` (the rest of its state) as ``nnx.State``, ``inputs`` the
-    input arrays (``ShapeDtypeStruct`` or concrete: the batch's own values), ``grads`` which of
-    them take a gradient (the I pass), ``key`` equal for pieces that compute the same on the
-    same shapes (timed once; ``None``: a piece of its own)."""
+    """One timed part of the model: ``fn(params, other, inputs)`` returns its floating outputs;
+    ``grads``: which inputs take a gradient; ``key``: equal for pieces timed once (``None``:
+    a piece of its own)."""
 
     name: str
     fn: Callable[..., tuple]
@@ -64,8 +53,7 @@ class _Reached(Exception):  # noqa: N818  (not an error: carries layer 0's input
 
 
 class _Stub(nnx.Module):
-    """Stands in for layer ``index``: every method called on it goes to ``hook(index, method,
-    args, kwargs, inner)``; other attributes are the layer's."""
+    """Stands in for layer ``index``: every method called on it goes to ``hook``."""
 
     def __init__(self, inner: Any, index: int, hook: Callable[..., Any]):
         self.inner = inner
@@ -77,8 +65,7 @@ class _Stub(nnx.Module):
 
     @property
     def __signature__(self) -> inspect.Signature:
-        # the layer's own: a caller may pass arguments by it (nnx.Sequential passes ``rngs``
-        # only to layers whose signature names it); a layer only called by its methods: ours
+        # the layer's own: nnx.Sequential passes ``rngs`` only to layers whose signature names it
         try:
             return inspect.signature(self.inner)
         except (TypeError, ValueError):
@@ -128,9 +115,7 @@ def _arrays(tree: Any) -> tuple[list, Callable[[Sequence], Any]]:
 
 
 class Model:
-    """``model`` (placed, on one device, or abstract) split as the planner times it: the groups
-    before and after the layers (``found``) and each layer, each as an ``nnx.State`` of its
-    own, and ``wrt`` the Variables differentiated."""
+    """``model`` split as the planner times it, each group an ``nnx.State`` of its own."""
 
     def __init__(self, model: Any, found: Layers, wrt: Any):
         self.found = found
@@ -167,12 +152,7 @@ class Model:
         return model
 
     def record(self, loss_fn: Callable, batch: Any) -> list[Call]:
-        """How ``loss_fn(model, batch)`` (``batch`` abstract: one microbatch) calls each
-        layer, traced abstractly.
-
-        Raises:
-            ValueError: a layer is not called exactly once, or not in order.
-        """
+        """How ``loss_fn(model, batch)`` calls each layer (each once, in order)."""
         calls: list[tuple[int, Call]] = []
 
         def hook(i: int, method: str, args: Any, kwargs: Any, inner: Any) -> Any:
@@ -196,8 +176,7 @@ class Model:
 
     def _state(self, index: int) -> tuple[Any, Any]:
         """The differentiated Variables and the rest of group ``index``'s state."""
-        params, other = nnx.split_state(self.states[index], self.wrt, ...)
-        return params, other
+        return nnx.split_state(self.states[index], self.wrt, ...)
 
     def layer(self, i: int, call: Call) -> Piece:
         """Layer ``i`` as its ``call`` calls it."""
@@ -254,8 +233,7 @@ class Model:
         )
 
     def head(self, loss_fn: Callable, batch: Any, calls: Sequence[Call]) -> Piece:
-        """Everything ``loss_fn`` runs after the last layer, to the loss, on ``batch`` (one
-        microbatch) and the last layer's output (given as inputs)."""
+        """Everything ``loss_fn`` runs after the last layer, from its output, to the loss."""
         batch_arrays, rebuild_batch = _arrays(batch)
         last = calls[-1].output
         out_arrays, rebuild_out = _arrays(last)

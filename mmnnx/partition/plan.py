@@ -15,7 +15,7 @@ from mmnnx.link_timing import measure_link
 from mmnnx.models.stages import _check_depth, _stage_tasks, find_layers, split_rules
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.schedules.registry import registered
-from mmnnx.partition.measure import Timing, launch_seconds, measure, shardings_on
+from mmnnx.partition.measure import Timing, abstract, launch_seconds, measure, shardings_on
 from mmnnx.partition.pieces import Model, Piece
 from mmnnx.partition.result import PartitionResult, Split
 from mmnnx.partition.search import Option, Profile, equal_split, search
@@ -129,8 +129,7 @@ def partition(
 
 
 def _equal_to(best: Split, candidates: Sequence[Split], n: int) -> Split | None:
-    """The candidate with as many of the ``n`` layers on every stage as it can, under
-    ``best``'s schedule, microbatch count and stages per task."""
+    """The equal split under ``best``'s schedule, microbatch count and stages per task."""
     same = (best.schedule, best.num_microbatches, best.virtual_stages)
     return next(
         (
@@ -267,9 +266,7 @@ def _measure_all(
     tasks: Sequence[Task],
     **options: Any,
 ) -> dict[tuple[str, int], list[Timing]]:
-    """The timings of every piece of ``parts`` (per microbatch rows), per (task name, rows),
-    each timed on the first task of each signature with its Variables laid out as
-    ``shardings`` says (``options``: ``optimizer``, ``repeats``, ``launches`` per task)."""
+    """Every piece's timings per (task name, rows), timed once per task signature."""
     launches = options.pop("launches")
     firsts = _firsts(tasks)
     every = {}
@@ -286,7 +283,7 @@ def _measure_all(
 def _parts(pieces: Model, loss_fn: Callable, batch: Any, rows: int) -> list[Piece]:
     """The embedding, each layer and the head with the loss, on microbatches of ``rows``."""
     micro = jax.tree.map(lambda x: x[:rows], batch)
-    calls = pieces.record(loss_fn, jax.tree.map(_abstract, micro))
+    calls = pieces.record(loss_fn, jax.tree.map(abstract, micro))
     layers = [pieces.layer(i, call) for i, call in enumerate(calls)]
     return [pieces.embedding(loss_fn, micro), *layers, pieces.head(loss_fn, micro, calls)]
 
@@ -308,16 +305,11 @@ def _timed(parts: Sequence[Piece], task: Task, *args: Any, **options: Any) -> li
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Whether two pieces' keys are equal; keys whose comparison fails (a static attribute
-    compared elementwise) are not."""
+    """Whether two pieces' keys are equal (not where their comparison fails)."""
     try:
         return a is not None and bool(a == b)
     except Exception:  # noqa: BLE001
         return False
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def _launches(tasks: Sequence[Task], repeats: int) -> dict[str, float]:

@@ -1,12 +1,6 @@
-"""The search over splits: contiguous runs of layers per stage (the first or the last stage may
-hold none, only the embedding or only the head and loss, where the model has them), each
-candidate simulated
-(``mm.schedules.simulate``) with its stages' measured times and transfers, and its memory per
-task read off the simulated run (the most microbatches each stage holds at once).
-
-Every split is tried when there are at most :data:`EXHAUSTIVE` of them; otherwise the split
-that minimises the slowest stage (forward + backward, exact dynamic programming) is improved by
-moving one boundary at a time while the simulated step gets faster.
+"""The search over splits (contiguous runs of layers per stage), each simulated with its stages'
+measured times and transfers: every split up to :data:`EXHAUSTIVE` of them, else the minimax
+split improved one boundary at a time.
 """
 
 from __future__ import annotations
@@ -40,10 +34,8 @@ class Option:
 @dataclasses.dataclass(frozen=True)
 class Profile:
     """What the search reads: per (home task name, microbatch rows) the timings of the
-    embedding, each layer and the head with the loss, in order; per (task, task) the link
-    between them; per task what a program costs there besides its work (once per pass of a
-    stage, whatever it holds); ``ends``: whether the first and the last stage may hold no layer
-    (the model has an embedding, or a head and loss, for it to hold)."""
+    embedding, each layer and the head with the loss; per (task, task) the link; per task a
+    program's launch; ``ends``: whether the first and the last stage may hold no layer."""
 
     tasks: tuple[Task, ...]
     rows: int  # of the whole batch
@@ -79,8 +71,7 @@ def _cut_points(n: int, ends: tuple[bool, bool]) -> range:
 
 
 def equal_split(n: int, stages: int) -> tuple[int, ...]:
-    """The same number of layers on every stage (the first ones one more when it does not
-    divide).
+    """The same number of layers on every stage (the first ones one more where needed).
 
     Example:
         >>> equal_split(10, 4)
@@ -169,9 +160,7 @@ def _send(profile: Profile, source: str, target: str, nbytes: int) -> float:
 
 
 def search(options: Sequence[Option], microbatches: Sequence[int], profile: Profile) -> list[Split]:
-    """Every candidate simulated, fastest first (those that cannot run last): for each option
-    and microbatch count, every split, or (more than :data:`EXHAUSTIVE`) the minimax split
-    improved one boundary at a time; the equal split always."""
+    """Every candidate simulated, fastest first, those that cannot run last."""
     n = profile.num_layers
     found: dict[tuple, Split] = {}
 
@@ -208,8 +197,7 @@ def _minimax(profile: Profile, m: int, count: int) -> tuple[int, ...]:
 def _climb(
     start: tuple[int, ...], score: Callable[[Sequence[int]], Split], ends: tuple[bool, bool]
 ) -> None:
-    """Moves one boundary of ``start`` by one layer at a time, to the fastest neighbour
-    (``score`` simulates a split), while the simulated step gets faster."""
+    """Moves one boundary at a time to the fastest neighbour while the step gets faster."""
     current = score(start)
     while current.predicted_seconds is not None:
         sizes = list(current.sizes)

@@ -21,14 +21,12 @@ def slice_key(index: tuple) -> tuple:
 
 
 def placeholder(shape: Sequence[int], dtype: Any, sharding: Any) -> jax.Array:
-    """An array of ``shape`` on devices of other processes only: it holds no data here and
-    stands for a value another process computes (a remote task's Variable or result)."""
+    """An array of ``shape`` on other processes' devices only, holding no data here."""
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
 
 
 def put(value: Any, sharding: Any) -> jax.Array:
-    """``jax.device_put`` that also works for layouts spanning processes: every process passes
-    the same value and keeps the part on its own devices (none: a placeholder)."""
+    """``jax.device_put`` for layouts spanning processes, each keeping its own part."""
     if sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
     if isinstance(value, jax.Array) and value.sharding == sharding:

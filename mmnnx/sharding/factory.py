@@ -25,15 +25,9 @@ class TracedFactory(NamedTuple):
 
 
 def trace_factory(factory: Callable[[], Any]) -> TracedFactory:
-    """``factory()`` traced once. The arrays it makes (a Variable's value, or an array the
-    model keeps as ``nnx.data``) are computed later from the trace; everything else it holds
-    (numpy arrays, Python numbers, static attributes) is kept as the factory made it.
-
-    Raises:
-        ValueError: the factory changes state created outside it (an ``nnx.Rngs`` it closes
-            over), naming the fix.
-        TypeError: a Variable holds traced arrays inside another value (a tuple, say), naming
-            the Variable.
+    """``factory()`` traced once: the arrays it makes are computed later from the trace, the rest
+    kept as made. Raises a ValueError where it changes state created outside it, a TypeError
+    where a Variable holds traced arrays inside another value.
 
     Example:
         >>> import jax.numpy as jnp
@@ -76,8 +70,7 @@ def trace_factory(factory: Callable[[], Any]) -> TracedFactory:
 
 
 def _computed(flat: list[tuple[Path, Any]]) -> list[tuple[Path, jax.Array]]:
-    """The leaves of a traced model's flat state whose value is a (traced) jax array: a
-    Variable's value, or an array the model holds itself."""
+    """The leaves of a traced model's flat state whose value is a (traced) jax array."""
     found = []
     for path, leaf in flat:
         value = leaf.get_value() if is_variable(leaf) else leaf
@@ -93,8 +86,7 @@ def _computed(flat: list[tuple[Path, Any]]) -> list[tuple[Path, jax.Array]]:
 
 
 def _abstract(leaf: Any, shape: jax.ShapeDtypeStruct | None) -> Any:
-    """A flat-state leaf with its computed value replaced by ``shape`` (``None``: kept), a
-    Variable copied out of the trace it was made in (so that it can be set later)."""
+    """A flat-state leaf, its value replaced by ``shape`` (``None``: kept), out of the trace."""
     if is_variable(leaf):
         return leaf.replace() if shape is None else leaf.replace(shape)
     return leaf if shape is None else shape

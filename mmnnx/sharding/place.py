@@ -55,16 +55,8 @@ class Assignment:
         return self.task.sharding(self.spec)
 
 
-def _resolve_spec(rule: PlacementRule, path: Path, variable: nnx.Variable) -> PartitionSpec:
-    if isinstance(rule.task, TaskStack):
-        return _stack_spec(rule, path, variable)
-    return _task_spec(rule, rule.task, path, variable)
-
-
 def _stack_spec(rule: PlacementRule, path: Path, variable: nnx.Variable) -> PartitionSpec:
-    """The spec of each chunk of a stacked Variable: its leading (layer) axis is split over the
-    stack's tasks, so it is not sharded inside a task. Logical names given for one layer (one
-    fewer than the array's rank, as ``nnx.vmap`` leaves them) get a leading ``None``."""
+    """The spec of each chunk of a stacked Variable (a leading ``None`` added if needed)."""
     stack = rule.task
     ndim = len(variable.get_value().shape)
     where = f"stacked Variable {path_str(path)!r} on tasks {stack.name!r}"
@@ -158,8 +150,7 @@ def _plan(
     strict: bool,
     warn_at: int,
 ) -> list[Assignment]:
-    """:func:`plan_placement` of ``variables``; a rule that places nothing is warned about at
-    the caller ``warn_at`` frames up."""
+    """:func:`plan_placement` of ``variables``, warning ``warn_at`` frames up."""
     compiled = compile_rules(rules)
     _check_tasks(compiled)
     assignments: list[Assignment] = []
@@ -177,7 +168,10 @@ def _plan(
                 f"Variable {path_str(path)!r} holds a {type(value).__name__}, not an array; "
                 "only array-valued Variables can be placed"
             )
-        spec = _resolve_spec(rule, path, variable)
+        if isinstance(rule.task, TaskStack):
+            spec = _stack_spec(rule, path, variable)
+        else:
+            spec = _task_spec(rule, rule.task, path, variable)
         where = f"Variable {path_str(path)!r} on task {rule.task.name!r}"
         shape = tuple(value.shape)
         if isinstance(rule.task, TaskStack):
@@ -201,8 +195,7 @@ def _plan(
 
 
 def _put_all(values: list[Any], shardings: list[Any], names: list[str]) -> list[Any]:
-    """Moves ``values`` onto ``shardings``. With several processes each keeps its own part of
-    values that every process holds alike (a model built the same way everywhere)."""
+    """Moves ``values`` onto ``shardings``; with several processes each keeps its own part."""
     if jax.process_count() == 1:
         return jax.device_put(values, shardings)
     for value, name in zip(values, names, strict=True):
@@ -212,6 +205,16 @@ def _put_all(values: list[Any], shardings: list[Any], names: list[str]) -> list[
                 "model alike on every process and place it before making its optimizer"
             )
     return [put(v, s) for v, s in zip(values, shardings, strict=True)]
+
+
+def _move(assignments: list[Assignment]) -> None:
+    """Moves each assigned Variable's value to its sharding."""
+    values = _put_all(
+        [a.variable.get_value() for a in assignments],
+        [a.sharding for a in assignments],
+        [path_str(a.path) for a in assignments],
+    )
+    _commit(assignments, values)
 
 
 def _commit(assignments: list[Assignment], values: list[Any]) -> None:
@@ -243,13 +246,7 @@ def place(model: M, rules: Sequence[tuple] | Mapping, *, strict: bool = True) ->
         >>> sorted(d.id for d in model.layers[1].kernel.get_value().devices())
         [4, 5, 6, 7]
     """
-    assignments = plan_placement(model, rules, strict=strict)
-    values = _put_all(
-        [a.variable.get_value() for a in assignments],
-        [a.sharding for a in assignments],
-        [path_str(a.path) for a in assignments],
-    )
-    _commit(assignments, values)
+    _move(plan_placement(model, rules, strict=strict))
     return model
 
 
@@ -260,12 +257,9 @@ def place_made(
     *,
     strict: bool = True,
 ) -> M:
-    """Places ``model`` (built abstractly, e.g. by ``nnx.eval_shape``) as :func:`place` would,
-    each Variable's value made by ``make(path, variable, sharding)`` right on its sharding.
-
-    Every rule is checked before ``make`` is called. A Variable whose task is on no device of
-    this process gets a placeholder instead (``make`` is not called), so each process makes
-    only what its devices hold.
+    """Places ``model`` (built abstractly) as :func:`place` would, each Variable's value made by
+    ``make(path, variable, sharding)`` on its sharding, or a placeholder where this process
+    holds none of it.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh
@@ -277,13 +271,12 @@ def place_made(
         6.0
     """
     assignments = plan_placement(model, rules, strict=strict)
-    values = []
-    for a in assignments:
-        abstract = a.variable.get_value()
-        if jax.process_index() in processes_of(a.sharding):
-            values.append(make(path_str(a.path), a.variable, a.sharding))
-        else:
-            values.append(placeholder(abstract.shape, abstract.dtype, a.sharding))
+    values = [
+        make(path_str(a.path), a.variable, a.sharding)
+        if jax.process_index() in processes_of(a.sharding)
+        else _placeholder_for(a)
+        for a in assignments
+    ]
     _commit(assignments, values)
     return model
 
@@ -340,15 +333,7 @@ def _init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, strict: bo
         else:
             unplaced.append((p, value))
     nnx.update(traced.model, nnx.from_flat_state(unplaced))
-    made = list(here.values())  # Variables whose value the factory made without jax
-    _commit(
-        made,
-        _put_all(
-            [a.variable.get_value() for a in made],
-            [a.sharding for a in made],
-            [path_str(a.path) for a in made],
-        ),
-    )
+    _move(list(here.values()))  # Variables whose value the factory made without jax
     return traced.model
 
 
@@ -358,11 +343,7 @@ def _placeholder_for(a: Assignment) -> jax.Array:
 
 
 def _build_here(traced: Any, wanted: list[int], shardings: list[Any]) -> list[Any]:
-    """The traced factory's outputs ``wanted``, computed on this process's first device and
-    moved to their shardings (``None``: left there) in batches of at most
-    ``_UNPLACED_BYTES``, so no more than that (or one Variable, if larger) exists unplaced on
-    that device at a time. Equal layers share their compiled initializers, whatever the number
-    of tasks."""
+    """The factory's outputs ``wanted``, made here and moved in batches of ``_UNPLACED_BYTES``."""
     at = {i: k for k, i in enumerate(wanted)}
     values: list[Any] = [None] * len(wanted)
     pending: list[int] = []
@@ -400,8 +381,7 @@ _UNPLACED_BYTES = 64 * 2**20
 
 
 class Mirror(NamedTuple):
-    """An optimizer-state Variable (``path`` in the optimizer) and the model Variable
-    (``param_path`` in the model) it was made from."""
+    """An optimizer-state Variable and the model Variable it was made from."""
 
     path: Path
     state: nnx.Variable
@@ -410,9 +390,8 @@ class Mirror(NamedTuple):
 
 
 def optimizer_mirrors(opt: Any, model: Any) -> list[Mirror]:
-    """Each optimizer-state Variable of ``opt`` kept for a Variable of ``model``: its path in
-    ``opt`` ends with that Variable's path in ``model`` (the longest such ending wins), and it has
-    the Variable's shape.
+    """Each optimizer-state Variable of ``opt`` whose path ends with (the longest such) path of a
+    Variable of ``model`` of its shape.
 
     Example:
         >>> import optax
@@ -439,8 +418,7 @@ def _shape(variable: nnx.Variable) -> tuple[int, ...] | None:
 
 
 class Misplaced(NamedTuple):
-    """Optimizer state on another task than the placed Variable it is kept for; paths are
-    ``/``-joined and start with their root's name."""
+    """Optimizer state on another task than the placed Variable it is kept for."""
 
     path: str
     task: Task | TaskStack | None
@@ -449,9 +427,7 @@ class Misplaced(NamedTuple):
 
 
 def check_optimizer_placement(roots: Sequence[tuple[str, Any]]) -> None:
-    """Raises :class:`~mmnnx.MPMDError` if :func:`misplaced_optimizer_state` finds optimizer
-    state among ``roots`` (a step's arguments) on another task than its parameter: every step
-    would move that state between tasks.
+    """Raises :class:`~mmnnx.MPMDError` if :func:`misplaced_optimizer_state` finds any.
 
     Example:
         >>> check_optimizer_placement([("x", 1.0)])
@@ -471,8 +447,7 @@ def check_optimizer_placement(roots: Sequence[tuple[str, Any]]) -> None:
 
 def misplaced_optimizer_state(roots: Sequence[tuple[str, Any]]) -> list[Misplaced]:
     """Among named roots (a step's arguments), the optimizer state that is not on the task of
-    the placed model Variable it is kept for: ``nnx.Optimizer`` copies each parameter's placement
-    when it is created, so the model was placed (again) after its optimizer was created.
+    the placed model Variable it is kept for.
 
     Example:
         >>> import optax

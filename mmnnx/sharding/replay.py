@@ -17,13 +17,8 @@ def replay(
     closed: jcore.ClosedJaxpr, wanted: Sequence[int], device: Any, put: Callable[[int, Any], None]
 ) -> None:
     """Computes on ``device`` the outputs ``wanted`` of ``closed`` (a function of no arguments)
-    and hands each, as a jax array, to ``put(index, value)`` as soon as it is made.
-
-    The ops that only one output needs (a Variable's initializer) run as one compiled program
-    per output, cached by the ops' structure, so equal layers share one program and a model
-    built again compiles nothing; the ops several outputs share (an ``nnx.Rngs`` counter) and
-    ops with side effects run one by one, as eager code does. A value is dropped after its
-    last use.
+    and hands each to ``put(index, value)`` as soon as it is made. The ops only one output needs
+    run as one program per output, cached by structure; shared or effectful ops run one by one.
     """
     jaxpr = closed.jaxpr
     keep = sorted(set(wanted))
@@ -61,8 +56,6 @@ def replay(
         for i, program, reads in due.get(n, ()):
             ins = [env[a] for a in reads]
             value = ins[0] if program is None else program(*ins)
-            # a literal or a constant (a numpy array the trace read) made a device array, as
-            # eager code makes it
             put(i, value if isinstance(value, jax.Array) else jax.device_put(value, device))
         for v in [v for v in env if last_read.get(v, -1) <= n]:
             del env[v]
@@ -83,8 +76,7 @@ _SHARED = object()
 
 
 def _owner_of(eqn: jcore.JaxprEqn, owner: dict[Any, Any]) -> Any:
-    """The output that ``eqn``'s results are computed for: ``_SHARED`` where several are (or
-    where it has side effects), ``None`` where none is."""
+    """The output ``eqn`` computes for: ``_SHARED`` where several (or effects), else ``None``."""
     if eqn.effects or not eqn.outvars:
         return _SHARED
     owners = {owner[v] for v in eqn.outvars if v in owner}
@@ -92,8 +84,7 @@ def _owner_of(eqn: jcore.JaxprEqn, owner: dict[Any, Any]) -> Any:
 
 
 def _owners(jaxpr: jcore.Jaxpr, outputs: Sequence[tuple[int, Any]]) -> dict[Any, Any]:
-    """Maps each value of ``jaxpr`` that ``outputs`` (pairs of an output's index and its
-    value) need to the one output whose computation reads it, or to ``_SHARED``."""
+    """Maps each value ``outputs`` need to the one output reading it, or ``_SHARED``."""
     owner: dict[Any, Any] = {}
 
     def claim(v: Any, who: Any) -> None:
@@ -117,8 +108,7 @@ _CONE_PROGRAMS_KEPT = 1024
 
 
 def _cone_program(eqns: Sequence[jcore.JaxprEqn], out: Any) -> tuple[Callable, list]:
-    """A jitted function computing ``out`` by ``eqns`` from the values they read but do not
-    make, and those values. Lists of ops of the same structure share one function."""
+    """A jitted function computing ``out`` by ``eqns`` from the values it reads, and those."""
     made = {o for e in eqns for o in e.outvars}
     reads = list(
         dict.fromkeys(

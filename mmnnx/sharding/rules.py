@@ -61,11 +61,8 @@ def _predicate(flt: Any, index: int) -> Callable[[Path, Any], bool]:
 
 
 def compile_rules(rules: Sequence[tuple] | Mapping) -> list[PlacementRule]:
-    """Checks and compiles ``(filter, task)`` / ``(filter, task, spec)`` tuples, in order.
-
-    A dict ``{filter: task}`` is the same rules in its order. ``task`` may be a list of tasks:
-    the matched Variables are stacked layers (``nnx.vmap``), whose leading axis is split over
-    those tasks in order (a :class:`TaskStack`).
+    """Checks and compiles ``(filter, task)`` / ``(filter, task, spec)`` tuples (or a dict), in
+    order; a list of tasks becomes a :class:`TaskStack`.
 
     Example:
         >>> import jax

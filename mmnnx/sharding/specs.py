@@ -24,8 +24,6 @@ def _entry_axes(entry) -> tuple[str, ...]:
 def check_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str) -> PartitionSpec:
     """Checks that ``spec`` can shard an array of ``shape`` on ``mesh``; returns it.
 
-    Raises ``ValueError`` naming ``where`` (a path and task) and the axis or dimension at fault.
-
     Example:
         >>> import jax, numpy as np
         >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))

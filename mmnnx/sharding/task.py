@@ -206,9 +206,7 @@ class Task:
         for logical, axes in self.rules:
             wanted = _axes_tuple(axes)
             for dim, n in enumerate(names):
-                if n != logical or result[dim] is not unassigned:
-                    continue
-                if used.intersection(wanted):
+                if n != logical or result[dim] is not unassigned or used.intersection(wanted):
                     continue
                 result[dim] = axes
                 used.update(wanted)

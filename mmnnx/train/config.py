@@ -41,8 +41,7 @@ def count(default: int, help: str, **more) -> Any:
 
 
 def moe(help: str, parse: Any, metavar: str) -> Any:
-    """An option of a mixture of experts: architecture, ``None`` (the model's default) unless
-    given."""
+    """An architecture option of a mixture of experts, ``None`` (the default) unless given."""
     return option(None, help, parse, metavar=metavar, omit=(None,), moe=True, architecture=True)
 
 
@@ -544,9 +543,7 @@ def flag(name: str, value: Any = None) -> str:
 
 
 def model_problem(model: Model, model_axis: int) -> str | None:
-    """What keeps the options of ``model`` from describing a GPT whose heads and experts
-    ``--model-axis`` shards (a model trained from scratch), in one line naming the flags; or
-    None."""
+    """What keeps ``model``'s options from describing a GPT ``--model-axis`` shards, in a line."""
     dim, heads = model.dim, model.heads
     if dim % heads:
         return f"{flag('dim', dim)} is not divisible by {flag('heads', heads)}"

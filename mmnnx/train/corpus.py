@@ -152,16 +152,14 @@ def token_file(
 
 
 def _cache_key(files: list[pathlib.Path], tokenizer: Tokenizer, dtype: np.dtype, chunk: int) -> str:
-    """What the token file depends on, hashed: each file's resolved path, size and mtime, the
-    tokenizer (its whole serialized form when it has one) and how the text was cut."""
+    """What the token file depends on, hashed."""
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     described = json.dumps([stats, fingerprint(tokenizer), dtype.str, chunk])
     return hashlib.sha256(described.encode()).hexdigest()
 
 
 def _cached_count(data: pathlib.Path, meta: pathlib.Path, key: str, dtype: np.dtype) -> int | None:
-    """The token count of a token file made with ``key``; ``None`` if there is none whole, or
-    its content no longer has the checksum it was written with (said in a warning)."""
+    """The token count of a whole token file made with ``key`` whose checksum holds, or None."""
     try:
         saved = json.loads(meta.read_text())
         size = data.stat().st_size
@@ -187,7 +185,6 @@ def _cached_count(data: pathlib.Path, meta: pathlib.Path, key: str, dtype: np.dt
 
 
 def _crc32(path: pathlib.Path, block: int = 1 << 24) -> int:
-    """The CRC-32 of ``path``'s content, read ``block`` bytes at a time."""
     checksum = 0
     with path.open("rb") as f:
         while chunk := f.read(block):

@@ -46,8 +46,7 @@ class DataStateError(ValueError):
 
 
 class _Windows:
-    """Window ``i`` (``window`` tokens, as int32) of ``tokens``: a Grain data source read
-    lazily, so a memory-mapped token file stays on disk."""
+    """Window ``i`` of ``tokens`` as int32, read lazily (a Grain data source)."""
 
     def __init__(self, tokens: np.ndarray, window: int):
         self._tokens, self._window = tokens, window
@@ -227,11 +226,9 @@ class TextDataset(GrainBatches):
     def eval_batches(self, count: int) -> list[np.ndarray]:
         """``count`` fixed batches from the held-out text (the same every time; this shard's
         rows of them)."""
-        window = self.seq_len + 1
-        n = len(self._eval) // window
-        batches = []
-        for b in range(count):
-            picks = [(b * self.batch_size + j) % n for j in range(self.batch_size)]
-            rows = [self._eval[i * window : (i + 1) * window] for i in picks]
-            batches.append(np.stack(rows)[self.shard_index :: self.shard_count].astype(np.int32))
-        return batches
+        windows, size = _Windows(self._eval, self.seq_len + 1), self.batch_size
+        mine = slice(self.shard_index, None, self.shard_count)
+        return [
+            np.stack([windows[(b * size + j) % len(windows)] for j in range(size)])[mine]
+            for b in range(count)
+        ]

@@ -29,8 +29,7 @@ SPECIAL_NAMES = {
 
 @dataclasses.dataclass(frozen=True)
 class Exported:
-    """What :func:`export_run` wrote: the directory, the architecture, the checkpoint step it
-    was restored from, and whether it holds the adapters alone."""
+    """What :func:`export_run` wrote (``step``: restored from; ``adapter``: the adapters alone)."""
 
     directory: pathlib.Path
     architecture: str
@@ -50,22 +49,11 @@ def export_run(
     """Writes the model of the run ``mmnnx train`` wrote into ``run_dir``, restored from its
     newest readable checkpoint (or ``step``) onto the run's own tasks, into ``output``.
 
-    By default a Hugging Face checkpoint (``config.json``, safetensors shards and their index,
-    and the tokenizer: ``--init-from``'s ``tokenizer.json``, or the run's own BPE), the LoRA
-    adapters of a LoRA run merged into their kernels; with ``adapter``, the adapters alone in
-    PEFT's layout (``adapter_model.safetensors``, ``adapter_config.json``). A fine-tuning run is
-    written as its ``--init-from`` architecture; a run trained from scratch as
-    ``LlamaForCausalLM``, which needs a GPT trained with ``--gated-mlp``, with the
-    ``generation_config.json`` and ``tokenizer_config.json`` of :func:`transformers_files` (a
-    fine-tuning run carries its base's). ``dtype`` defaults
-    to the ``--init-from`` checkpoint's (float32 from scratch). Every process calls it; each
-    writes the tensors its devices hold.
-
-    Raises:
-        RunError: ``adapter`` for a run without adapters, a GPT ``LlamaForCausalLM`` cannot
-            hold, an existing ``output`` (without ``overwrite``), or the run cannot be read
-            (as ``load_run``); before anything is restored or written.
-        CheckpointMismatchError: the checkpoint holds another model than the config says.
+    A Hugging Face checkpoint with the run's tokenizer, LoRA adapters merged (``mmnnx export``'s
+    ``--help`` says more), or with ``adapter`` the adapters alone in PEFT's layout; a run from
+    scratch is written as the first family that holds it, with :func:`transformers_files`.
+    Every process calls it, each writing the tensors its devices hold. A :class:`RunError` for
+    what cannot be exported so comes before anything is restored or written.
 
     Example (after ``mmnnx train --init-from hf/tiny-llama --lora-rank 8 --output-dir r``)::
 
@@ -99,25 +87,14 @@ def export_run(
         files = transformers_files(tokenizer.read_text() if tokenizer.exists() else None)
         for name, content in files.items():  # the base's are carried by a fine-tuning run
             (written / name).write_text(json.dumps(content, indent=2) + "\n")
-    model_pretrained = getattr(loaded.model, "pretrained", None)
-    return Exported(
-        directory=written,
-        architecture=architecture or model_pretrained.architecture,
-        step=loaded.step,
-        adapter=adapter,
-    )
+    architecture = architecture or loaded.model.pretrained.architecture
+    return Exported(directory=written, architecture=architecture, step=loaded.step, adapter=adapter)
 
 
 def transformers_files(tokenizer_json: str | None) -> dict[str, dict[str, Any]]:
-    """The files transformers reads beside a checkpoint trained from scratch, by name, as JSON
-    objects: ``generation_config.json`` (transformers' minimal one: the ``bos_token_id`` and
-    ``eos_token_id`` of the tokenizer where it has them, see :data:`SPECIAL_NAMES`) and, given
-    ``tokenizer.json``'s text, ``tokenizer_config.json``, with which
-    ``AutoTokenizer.from_pretrained`` reads that file as it is (``PreTrainedTokenizerFast``,
-    its special tokens named, decoding without spaces cleaned up).
-
-    Raises:
-        ValueError: ``tokenizer_json`` is not JSON, in one line.
+    """The JSON files transformers reads beside a checkpoint trained from scratch, by name:
+    ``generation_config.json`` (the tokenizer's :data:`SPECIAL_NAMES` ids) and, given
+    ``tokenizer.json``'s text, ``tokenizer_config.json``; a ``ValueError`` for text not JSON.
 
     Example (a tokenizer with no special tokens, as a run's own BPE)::
 
@@ -137,11 +114,11 @@ def transformers_files(tokenizer_json: str | None) -> dict[str, dict[str, Any]]:
     except (json.JSONDecodeError, AttributeError) as e:
         raise ValueError(f"tokenizer.json is not a JSON object: {e}") from None
     special = {t["content"]: t["id"] for t in added if t.get("special")}
-    found = {}
-    for kind, names in SPECIAL_NAMES.items():
-        name = next((n for n in names if n in special), None)
-        if name is not None:
-            found[kind] = name
+    found = {
+        kind: name
+        for kind, names in SPECIAL_NAMES.items()
+        if (name := next((n for n in names if n in special), None)) is not None
+    }
     tokenizer = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
@@ -153,9 +130,8 @@ def transformers_files(tokenizer_json: str | None) -> dict[str, dict[str, Any]]:
 
 
 def _check_not_a_run(output: pathlib.Path, run_dir: Any, spec: Any) -> None:
-    """Refuses, even with ``overwrite``, an ``output`` that is, holds or lies inside the run,
-    its checkpoints or its ``--init-from`` checkpoint, or that holds another run (its
-    ``config.toml`` beside ``checkpoints/``): writing there would delete them."""
+    """Refuses, even with ``overwrite``, an ``output`` that is, holds or lies inside what the
+    run keeps, or that holds another run: writing there would delete them."""
     kept = [("the run", run_dir), ("the run's checkpoints", spec.run.outputs.checkpoints(run_dir))]
     if spec.run.model.init_from is not None:
         kept.append(("the run's --init-from checkpoint", spec.run.model.init_from))
@@ -180,12 +156,7 @@ def _depth(named: tuple[str, pathlib.Path]) -> int:
 
 
 def _scratch_architecture(config: Any, run_dir: Any) -> str:
-    """The family a run trained from scratch is written as: the first of :data:`FAMILIES`
-    (Llama first) that can hold its GPT.
-
-    Raises:
-        RunError: none can, naming what stops each and, where it is the MLP, ``--gated-mlp``.
-    """
+    """The first of :data:`FAMILIES` (Llama first) that can hold a GPT trained from scratch."""
     blockers = {name: family.cannot_hold(config) for name, family in FAMILIES.items()}
     order = [SCRATCH_ARCHITECTURE, *(n for n in FAMILIES if n != SCRATCH_ARCHITECTURE)]
     for name in order:

@@ -65,9 +65,7 @@ def read_run_config(run_dir: str | pathlib.Path) -> RunConfig:
 
 def run_tasks(stages: int, data_axis: int, model_axis: int, expert_axis: int = 1) -> list[Task]:
     """One task per stage over ``stages x data_axis x expert_axis x model_axis`` devices, with
-    the logical axis rules of ``mmnnx train``: batch over ``data`` (and ``expert``); heads, MLP
-    and vocabulary over ``model``; with ``expert_axis > 1`` each stage's mesh has an ``expert``
-    axis the experts of a mixture are split over (``expert -> "expert"``).
+    the logical axis rules of ``mmnnx train``.
 
     Example:
         >>> [t.name for t in run_tasks(2, 1, 1)]
@@ -100,8 +98,7 @@ def run_tasks(stages: int, data_axis: int, model_axis: int, expert_axis: int = 1
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """What a run directory says of its model, before anything is built: its options
-    (``config.toml``), tokenizer, ``GPTConfig`` and checkpoint directory."""
+    """What a run directory says of its model, before anything is built."""
 
     directory: pathlib.Path
     run: RunConfig
@@ -111,13 +108,8 @@ class RunSpec:
 
 
 def read_run(run_dir: str | pathlib.Path) -> RunSpec:
-    """The :class:`RunSpec` of the run ``mmnnx train`` wrote into ``run_dir`` (its
-    architecture from ``--init-from``'s ``config.json`` for a fine-tuning run).
-
-    Raises:
-        RunError: no ``config.toml``, tokenizer or checkpoint directory, or an ``--init-from``
-            checkpoint that is gone or unreadable.
-    """
+    """The :class:`RunSpec` of the run in ``run_dir``; a :class:`RunError` for a missing
+    ``config.toml``, tokenizer or checkpoint directory, or an unreadable ``--init-from``."""
     run = read_run_config(run_dir)
     try:
         tokenizer = load_tokenizer(pathlib.Path(run_dir, "tokenizer"))
@@ -166,12 +158,8 @@ def load_run(
     placement = None
     if layout == "run":
         lay = spec.run.layout
-        stages, data, model_axis, expert = (
-            lay.stages,
-            lay.data_axis,
-            lay.model_axis,
-            lay.expert_axis,
-        )
+        stages, data, expert = lay.stages, lay.data_axis, lay.expert_axis
+        model_axis = lay.model_axis
         needed = stages * data * expert * model_axis
         if needed > len(jax.devices()):
             sizes = f"{data} x {expert} x {model_axis}" if expert > 1 else f"{data} x {model_axis}"
@@ -203,13 +191,7 @@ def load_run(
 
 
 def _check_record(spec: RunSpec, saved: Saved | None) -> None:
-    """Checks a run's ``config.toml``, tokenizer and ``--init-from`` checkpoint against the
-    record its checkpoint holds (nothing to check without one).
-
-    Raises:
-        RunError: an option, the tokenizer or the base checkpoint differs from the record,
-            naming it.
-    """
+    """A :class:`RunError` naming what differs from the checkpoint's record, if any."""
     if saved is None or saved.record is None:
         return
     config_file = spec.directory / CONFIG_FILE

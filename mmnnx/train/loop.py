@@ -325,8 +325,7 @@ def fit(
 
 @dataclasses.dataclass
 class _Loop:
-    """What the steps of :func:`fit` share: the model, its optimizer and data, the config (its
-    schedule tuned), where it writes, the compiled steps, and what the run has gathered."""
+    """What the steps of :func:`fit` share, and what the run has gathered."""
 
     model: nnx.Module
     opt: nnx.Optimizer
@@ -360,8 +359,7 @@ class _Loop:
         trainable: Filter,
         console: Console | None,
     ) -> _Loop:
-        """What :func:`fit` trains with, before its checkpoints are opened: the optimizer, the
-        held-out batches, the schedule tuned (``"auto"``) and the steps compiled."""
+        """What :func:`fit` trains with, before its checkpoints are opened."""
         leader = jax.process_index() == 0  # with several processes, process 0 reports and writes
         console = console or Console(quiet=not leader)
         out = pathlib.Path(config.output_dir)
@@ -397,8 +395,7 @@ class _Loop:
         return tokens / seconds if seconds else 0.0
 
     def train(self, start: int, log: RunLog, progress: Progress, preemption: Any) -> int | None:
-        """Evaluates at ``start``, then trains to ``config.steps``: the step a preemption
-        notice stopped the run after (saved), or None."""
+        """Evaluates, then trains from ``start``: the step a preemption stopped after, or None."""
         config, metrics_path = self.config, self.out / "metrics.jsonl"
         report("evaluating", start)
         self.eval_losses.append((start, self.evaluate()))
@@ -431,14 +428,16 @@ class _Loop:
             if step % config.checkpoint_every == 0 or step == config.steps or preempted:
                 self.save(step)
             if preempted:
-                _print_line(self.console, _preempted_line(step, self.ckpt_dir))
+                _print_line(
+                    self.console,
+                    f"preemption notice (SIGTERM): stopped after step {step}, saved in "
+                    f"{self.ckpt_dir}; continue with --resume (TrainConfig.resume)",
+                )
                 return step
         return None
 
     def step(self, step: int, batch: Any, logged: bool) -> tuple[float, Any]:
-        """Trains step ``step`` on ``batch``: its loss and, for a mixture of experts when
-        ``logged``, its routers' metrics. The timeline step is measured and drawn; its loss
-        (and routing) is the batch's before the step's update."""
+        """Trains step ``step``: its loss and routers' metrics; the timeline step is drawn."""
         config, model, router, run_step = self.config, self.model, None, self.run_step
         if step != config.timeline_step:
             if not self.routed:
@@ -467,8 +466,7 @@ class _Loop:
         return loss, router
 
     def record(self, step: int, loss: float, router: Any, log: RunLog, logged: bool) -> None:
-        """Logs step ``step`` (``loss``, throughput, learning rate, ``router`` metrics), evaluates
-        when it is time, and appends its row to ``metrics.jsonl`` when either was."""
+        """Logs step ``step``, evaluates when it is time, and appends a row to ``metrics.jsonl``."""
         config, tps = self.config, self.tokens_per_second()
         record: dict[str, Any] = {"step": step, "loss": loss, "tokens_per_s": tps}
         if self.rates is not None:
@@ -497,11 +495,7 @@ class _Loop:
 
 
 def _resume(loop: _Loop, checkpoints: Checkpointer, *, own_optimizer: bool) -> tuple[int, int]:
-    """Claims ``checkpoints`` and, with ``config.resume``, restores the newest readable one:
-    parameters, optimizer state, data position and the learning-rate schedule's horizon (the
-    optimizer's, when ``own_optimizer``). Newer steps that are damaged or incomplete are skipped,
-    named in the "resumed from" line and set aside (``<step>.unreadable``). The step to go on
-    from and the horizon."""
+    """Claims ``checkpoints`` and restores the newest readable step: (step, horizon)."""
     config, ckpt_dir = loop.config, loop.ckpt_dir
     checkpoints.claim()  # a second writer fails here, before training
     if not config.resume and checkpoints.latest_step() is not None:
@@ -518,7 +512,9 @@ def _resume(loop: _Loop, checkpoints: Checkpointer, *, own_optimizer: bool) -> t
     )
     _restore_data(loop.dataset, resumed, ckpt_dir)
     set_aside = checkpoints.set_aside([s.step for s in resumed.skipped])
-    _print_line(loop.console, _resumed_line(resumed, set_aside, ckpt_dir))
+    skipped = zip(resumed.skipped, set_aside, strict=True)
+    line = "".join(f"; {s}, set aside as {name}" for s, name in skipped)
+    _print_line(loop.console, f"resumed from step {resumed.step} ({ckpt_dir}){line}")
     horizon = _resumed_horizon(config, resumed.extra.get("schedule_steps"), loop.console)
     if own_optimizer:  # the schedule is the saved run's unless given
         loop.opt.tx = make_optimizer(dataclasses.replace(config, schedule_steps=horizon))
@@ -528,17 +524,32 @@ def _resume(loop: _Loop, checkpoints: Checkpointer, *, own_optimizer: bool) -> t
 def _save(
     loop: _Loop, checkpoints: Checkpointer, extra: Mapping[str, Any], horizon: int, step: int
 ) -> None:
-    """Saves checkpoint ``step``: the model, optimizer, and ``extra`` with the data position,
-    the step and the learning-rate schedule's ``horizon``."""
+    """Saves checkpoint ``step``, its ``extra`` with the data position, step and ``horizon``."""
     report("saving checkpoint", step)
     extra = {**extra, "data": loop.dataset.state(), "step": step, "schedule_steps": horizon}
     checkpoints.save(step, model=loop.model, opt=loop.opt, extra=extra)
 
 
 def _log(loop: _Loop, start: int, wandb_config: Mapping[str, Any] | None) -> RunLog:
-    """The run's ``RunLog`` from step ``start``, with the wandb run of ``config.wandb``."""
-    config, leader = loop.config, loop.leader
-    writers = _writers(loop, wandb_config) if config.wandb is not None and leader else []
+    """The run's ``RunLog`` from step ``start``, with the wandb run of ``config.wandb`` started
+    (before anything is written: it may fail) with ``wandb_config`` (default: the config's
+    fields, a ``Schedule`` by its ``str``)."""
+    config, leader, writers = loop.config, loop.leader, []
+    if config.wandb is not None and leader:
+        if wandb_config is None:
+            plain = (type(None), bool, int, float, str, tuple)
+            wandb_config = {
+                k: v if isinstance(v, plain) else str(v) for k, v in vars(config).items()
+            }
+        wandb_run = WandbWriter.start(
+            config.wandb,
+            loop.out,
+            name=config.wandb_name,
+            config=wandb_config,
+            resume=config.resume,
+        )
+        loop.files["wandb"] = str(wandb_run.directory)
+        writers.append(wandb_run)
     return RunLog(
         loop.console,
         loop.out,
@@ -548,19 +559,6 @@ def _log(loop: _Loop, start: int, wandb_config: Mapping[str, Any] | None) -> Run
         profile_steps=config.profile_steps if leader else None,
         writers=writers,
     )
-
-
-def _writers(loop: _Loop, wandb_config: Mapping[str, Any] | None) -> list:
-    """The wandb run ``config.wandb`` names, started (before anything is written: it may fail)
-    with ``wandb_config`` (default: the config's fields)."""
-    config = loop.config
-    if wandb_config is None:
-        wandb_config = {name: _plain(v) for name, v in vars(config).items()}
-    wandb_run = WandbWriter.start(
-        config.wandb, loop.out, name=config.wandb_name, config=wandb_config, resume=config.resume
-    )
-    loop.files["wandb"] = str(wandb_run.directory)
-    return [wandb_run]
 
 
 def _progress(console: Console, plain: bool) -> Progress:
@@ -598,23 +596,13 @@ def _finish(loop: _Loop, log: RunLog, start: int, stopped: int | None) -> FitRes
     return result
 
 
-def _plain(value: Any) -> Any:
-    """``value`` as a run's config records it: numbers, strings, ``None`` and tuples as they are,
-    anything else (a ``Schedule``) by its ``str``."""
-    if value is None or isinstance(value, bool | int | float | str | tuple):
-        return value
-    return str(value)
-
-
 def _print_line(console: Console, line: str) -> None:
     """``line`` as it is: one line however wide (no wrapping), paths not read as markup."""
     console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def _restore_data(dataset: TextDataset, resumed: Resumed, directory: pathlib.Path) -> None:
-    """``dataset`` continued from the data state of the step resumed; a state it cannot take (a
-    hand-edited checkpoint) is a :class:`DataStateError` naming the step, before anything in
-    ``directory`` changes."""
+    """``dataset`` continued from the step resumed; a :class:`DataStateError` naming the step."""
     try:
         dataset.restore(resumed.extra.get("data"))
     except DataStateError as e:
@@ -625,30 +613,12 @@ def _restore_data(dataset: TextDataset, resumed: Resumed, directory: pathlib.Pat
         ) from None
 
 
-def _preempted_line(step: int, directory: pathlib.Path) -> str:
-    """One line: where a preemption notice stopped the run, and how to continue it."""
-    return (
-        f"preemption notice (SIGTERM): stopped after step {step}, saved in {directory}; "
-        "continue with --resume (TrainConfig.resume)"
-    )
-
-
 def _saved_as(step: int, extra: dict[str, Any]) -> str | None:
-    """Why checkpoint ``step`` cannot resume the run (``None``: it can): its ``extra`` says
-    another step (a step directory copied or renamed, an ``extra`` edited), from which the run
-    would go on at the wrong step, or train nothing."""
+    """Why checkpoint ``step`` cannot resume the run: its ``extra`` says another step."""
     saved = extra.get("step")
     if isinstance(saved, bool) or saved != step:
         return f"its extra's step is {saved!r}, not {step}"
     return None
-
-
-def _resumed_line(resumed: Resumed, set_aside: list[str], directory: pathlib.Path) -> str:
-    """One line: the step resumed from, and each newer step skipped, why, and its new name."""
-    line = f"resumed from step {resumed.step} ({directory})"
-    for skipped, name in zip(resumed.skipped, set_aside, strict=True):
-        line += f"; {skipped}, set aside as {name}"
-    return line
 
 
 def _tuned(
@@ -661,10 +631,7 @@ def _tuned(
     *,
     metrics: bool = False,
 ) -> TrainConfig:
-    """``config`` with the schedule ``mm.schedules.tune`` picks for this model, measured on
-    ``batch`` (process 0's choice, with several processes), printed with its table; the step
-    measured is the one trained (``metrics``: capturing what the model sows, as
-    :func:`make_steps`), under GPipe."""
+    """``config`` with the schedule ``mm.schedules.tune`` picks (process 0's), printed."""
     from mmnnx.distributed.agree import from_process_zero  # noqa: PLC0415
 
     if config.microbatches == 1:
@@ -686,10 +653,7 @@ def _tuned(
 
 
 def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -> int:
-    """The learning-rate schedule's horizon of a resumed run: the one saved with the checkpoint
-    unless ``config.schedule_steps`` gives another (said in one line), or ``config.steps`` is
-    beyond it: the schedule is then stretched to end at ``config.steps`` (said in one line);
-    ``config.steps`` for checkpoints saved without one."""
+    """A resumed run's learning-rate horizon: the ``saved`` one, unless ``config`` says (said)."""
     if config.schedule_steps is None:
         if saved is not None and config.steps > saved:
             _print_line(
@@ -711,8 +675,7 @@ def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -
 
 
 def _keep_metrics_up_to(path: pathlib.Path, step: int) -> None:
-    """Drops the lines of ``path`` (JSON lines) beyond ``step``, and any torn line, so that a
-    resumed run appends after the step it resumed from; rewritten atomically."""
+    """Drops the rows of ``path`` beyond ``step``, and any torn line; rewritten atomically."""
     if not path.exists():
         return
     kept = []
@@ -729,9 +692,7 @@ def _keep_metrics_up_to(path: pathlib.Path, step: int) -> None:
 
 
 def _write_events(path: pathlib.Path, step: int, bubble: float, events: list) -> None:
-    """The timeline drawn, as JSON: the step, its measured bubble and one object per event
-    (task, kind, stage, microbatch, start, end in seconds, fused, rank; a transfer, kind T,
-    also its source and carries)."""
+    """The timeline drawn, as JSON: the step, its measured bubble and its events' fields."""
     rows = [dataclasses.asdict(e) for e in events]
     path.write_text(json.dumps({"step": step, "bubble": bubble, "events": rows}, indent=1) + "\n")
 

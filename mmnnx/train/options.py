@@ -17,30 +17,22 @@ Parse = Callable[[str, str], Any]
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """A field's flag: ``help`` (``%(default)s`` is the default) and ``choices``, each possibly a
-    callable called when the parser is built; ``parse`` (``None``: the text as is), ``metavar``,
-    ``many`` (one value or more, a list), ``switches`` (flags taking no value: flag -> (the value
-    it sets, its help)), ``from_run`` (``--resume`` takes it from the resumed run), ``api`` (its
-    name in ``TrainConfig`` or ``GPTConfig``, when not its own), ``omit`` (values leaving that
-    field its default), ``text`` (its value as ``config.toml`` holds it, when not as is),
-    ``architecture`` (it describes a model trained from scratch: ``--init-from``'s checkpoint
-    gives it instead), ``moe`` (an option of a mixture of experts, needing ``--experts``) and
-    ``may_change`` (a resumed run may give it another value than its checkpoints record; a
-    table's field may say so for all its options, :func:`table`)."""
+    """A field's flag; ``help`` and ``choices`` may be callables, called as the parser is built."""
 
-    help: str | Callable[[], str] = ""
-    parse: Parse | None = None
+    help: str | Callable[[], str] = ""  # %(default)s is the default
+    parse: Parse | None = None  # None: the text as is
     choices: Sequence[str] | Callable[[], Sequence[str]] | None = None
     metavar: str | None = None
-    many: bool = False
+    many: bool = False  # one value or more, a list
+    # flags taking no value: flag -> (the value it sets, its help)
     switches: Mapping[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
-    from_run: bool = True
-    api: str | None = None
-    omit: tuple[Any, ...] = ()
-    text: Callable[[Any], Any] | None = None
-    architecture: bool = False
-    moe: bool = False
-    may_change: bool = False
+    from_run: bool = True  # --resume takes it from the resumed run
+    api: str | None = None  # its name in TrainConfig or GPTConfig, when not its own
+    omit: tuple[Any, ...] = ()  # values leaving that field its default
+    text: Callable[[Any], Any] | None = None  # its value as config.toml holds it
+    architecture: bool = False  # describes a model from scratch: --init-from gives it instead
+    moe: bool = False  # an option of a mixture of experts, needing --experts
+    may_change: bool = False  # a resumed run may change it (for a whole table: table())
 
     def help_text(self) -> str:
         return self.help() if callable(self.help) else self.help
@@ -69,8 +61,7 @@ def option(default: Any, help: str | Callable[[], str] = "", parse: Parse | None
 
 
 def switch(flag: str, help: str, *, default: bool = False, **more):
-    """A boolean field set by ``flag``, which takes no value: to ``True`` (``--scan-layers``)
-    or, with ``default=True``, to ``False`` (``--no-tensorboard``)."""
+    """A boolean field that ``flag``, taking no value, sets to ``not default``."""
     return option(default, help, switches={flag: (not default, help)}, **more)
 
 
@@ -205,8 +196,7 @@ def split_or(choices: Sequence[str]) -> Parse:
 
 
 def table(options: type, *, may_change: bool = False):
-    """A field of a schema holding the table ``options`` (a dataclass of option fields);
-    ``may_change``: every option of it may change on ``--resume`` (:func:`options_where`)."""
+    """A schema's field holding the table ``options``, all of which may change if ``may_change``."""
     return dataclasses.field(default_factory=options, metadata={"may_change": may_change})
 
 

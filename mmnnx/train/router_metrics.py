@@ -37,15 +37,12 @@ class RouterMetrics:
             >>> m.scalars()["tokens_per_expert/1"], m.scalars()["expert_load_imbalance"]
             (1.0, 1.5)
         """
-        scalars = {
+        return {
             "router_aux_loss": self.aux_loss,
             "router_z_loss": self.z_loss,
             "dropped_tokens": self.dropped_tokens,
             "expert_load_imbalance": self.load_imbalance,
-        }
-        for e, count in enumerate(self.tokens_per_expert):
-            scalars[f"tokens_per_expert/{e}"] = count
-        return scalars
+        } | {f"tokens_per_expert/{e}": count for e, count in enumerate(self.tokens_per_expert)}
 
 
 def has_router_metrics(model: Any) -> bool:

@@ -31,8 +31,7 @@ def _key(name: str) -> str:
 
 
 def _keys(fields: tuple[dataclasses.Field, ...]) -> dict[str, tuple[dataclasses.Field, Any]]:
-    """Each key of a table: an option's name (to its field, no constant) and each switch's name
-    that is not (``no_pack_weights``: to its field and the value it sets)."""
+    """Each key of a table: to its field, and for a switch's own name the value it sets."""
     keys: dict[str, tuple[dataclasses.Field, Any]] = {f.name: (f, None) for f in fields}
     for field in fields:
         for flag, (value, _) in spec(field).switches.items():
@@ -175,8 +174,7 @@ def resolved_config(values: Mapping[str, Any], schema: type = RunConfig) -> dict
 def write_config(
     path: str | os.PathLike[str], tables: Mapping[str, Mapping[str, Any]]
 ) -> pathlib.Path:
-    """Writes ``tables`` (as :func:`resolved_config` makes them) to ``path`` as TOML,
-    atomically (a reader never sees half a file); returns the path."""
+    """Writes ``tables`` (:func:`resolved_config`'s) to ``path`` as TOML, atomically."""
     target = pathlib.Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.tmp")

@@ -29,19 +29,11 @@ class ScalarWriter(Protocol):
 class RunLog:
     """Reports a run as it goes; a context manager that closes its writers and trace on exit.
 
-    ``train(step, ...)`` writes the scalars ``loss``, ``tokens_per_sec`` and ``learning_rate``
-    (with a mixture of experts, its routers' metrics too: ``RouterMetrics.scalars``) and, when
-    ``console`` is no terminal (``nohup``, SLURM, CI, a pipe), prints one plain line
-    ``step S/N loss L tokens/s T lr R`` (``... aux_loss A load max/mean B`` with experts): on a
-    terminal the progress bar shows them.
-    ``evaluation(step, loss)`` prints ``step S/N eval_loss L`` in both cases (on a terminal
-    above the bar) and writes the scalar ``eval_loss``. With ``tensorboard`` the scalars go to
-    event files in ``output_dir/tensorboard`` (tensorboardX); a run resumed at ``first_step``
-    drops the events beyond it that an earlier run wrote. Each of ``writers`` (e.g. a
-    ``WandbWriter``) gets the same scalars at the same steps, and is closed with the log. With
-    ``profile_steps=(a, b)``, ``step_begins(a)`` starts a ``jax.profiler`` trace into
-    ``output_dir/profile`` and ``step_ends(b)`` stops it (``tensorboard --logdir
-    output_dir/profile`` or Perfetto read it). ``files`` names the directories written.
+    Scalars go to TensorBoard event files in ``output_dir/tensorboard`` (with ``tensorboard``;
+    a run resumed at ``first_step`` drops the events beyond it) and to each of ``writers``; when
+    ``console`` is no terminal, each logged step is one plain line. ``profile_steps=(a, b)``
+    traces steps a to b with ``jax.profiler`` into ``output_dir/profile``. ``files`` names the
+    directories written.
 
     Example:
         >>> import io, tempfile
@@ -95,9 +87,7 @@ class RunLog:
         learning_rate: float | None,
         router: RouterMetrics | None = None,
     ) -> None:
-        """A logged training step: scalars, and a plain line when no terminal shows the bar.
-        ``router``: a mixture of experts' metrics, written as ``router.scalars()`` and, on the
-        plain line, as ``aux_loss A load max/mean B``."""
+        """A logged training step: scalars, and a plain line when no terminal shows the bar."""
         self._scalar("loss", loss, step)
         if tokens_per_s:  # 0 until a step after the compiling one is timed
             self._scalar("tokens_per_sec", tokens_per_s, step)
@@ -115,8 +105,7 @@ class RunLog:
             self._print(line)
 
     def evaluation(self, step: int, loss: float) -> None:
-        """An evaluation's loss: printed at once, and a scalar (but the one a resumed run
-        starts from, which its first run wrote)."""
+        """An evaluation's loss: printed, and a scalar (but a resumed run's first, written)."""
         if step > self.first_step or step == 0:
             self._scalar("eval_loss", loss, step)
             for writer in self._writers:
@@ -139,8 +128,7 @@ class RunLog:
             self._stop_trace()
 
     def close(self) -> None:
-        """Stops a trace still running (a run shorter than its profiled steps) and closes the
-        writers (the event files, the wandb run)."""
+        """Stops a trace still running and closes the writers."""
         if self._tracing:
             self._stop_trace()
         writers, self._writers = self._writers, []

@@ -21,13 +21,9 @@ from mmnnx.train.config import RunConfig, gpt_config
 
 
 def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
-    """The ``GPTConfig`` of a run: ``gpt_config(run, vocab_size)`` for a model trained from
-    scratch; with ``--init-from``, the checkpoint's (``pretrained_config``), with the run's
-    ``dtype``, ``scan_layers`` and ``seq_len`` as its ``max_seq_len`` (so a ``generate`` cache
-    holds ``seq_len`` positions, not the checkpoint's context).
-
-    Raises:
-        CheckpointError: ``init_from`` is not a checkpoint mmnnx can build.
+    """The ``GPTConfig`` of a run: ``gpt_config``'s, or ``--init-from``'s with the run's
+    ``dtype``, ``scan_layers`` and ``seq_len`` as ``max_seq_len`` (a ``generate`` cache's
+    length); a ``CheckpointError`` for a checkpoint mmnnx cannot build.
 
     Example:
         >>> model_config(RunConfig.of({"dim": 64, "depth": 2, "model_axis": 1}), 256).depth
@@ -45,8 +41,7 @@ def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
 
 
 def linear_names(config: GPTConfig) -> tuple[str, ...]:
-    """The names of the ``Linear`` layers of ``GPT(config)`` LoRA may adapt (``add_lora``'s
-    targets), in :data:`~mmnnx.modules.lora.TARGETS` order then the router's.
+    """The ``Linear`` layers of ``GPT(config)`` LoRA may adapt, in ``add_lora``'s order.
 
     Example:
         >>> linear_names(GPTConfig()), linear_names(GPTConfig(gated_mlp=True, experts=4))
@@ -68,10 +63,8 @@ def run_placement(
     report: bool = False,
     sizes: Sequence[int] | None = None,
 ) -> list[tuple[str, Task]]:
-    """``stage_rules`` of ``GPT(config)`` (built abstractly) over ``tasks``: ``virtual_stages``
-    stages per task, down and back up the tasks (a V) for a schedule of V-shaped placement
-    (``zero-bubble-v``, ``dualpipev``), looped otherwise. ``report`` prints the stages. With
-    ``sizes``, stage ``j`` holds the next ``sizes[j]`` blocks instead (``split_rules``).
+    """``stage_rules`` of ``GPT(config)`` over ``tasks``, in the order ``schedule`` places
+    stages (looped by default); with ``sizes``, ``split_rules`` of those blocks per stage.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh
@@ -91,8 +84,7 @@ def run_placement(
 
 
 def abstract_model(run: RunConfig, config: GPTConfig) -> GPT:
-    """The model of a run as :func:`build_model` makes it (LoRA adapters included), every
-    Variable a ``jax.ShapeDtypeStruct``: nothing allocated.
+    """The model :func:`build_model` makes, every Variable abstract: nothing allocated.
 
     Example:
         >>> run = RunConfig.of(_LORA)
@@ -111,14 +103,9 @@ def build_model(
     weights: bool = True,
     read: bool = True,
 ) -> GPT:
-    """The model of a run: ``GPT(config)`` on ``placement`` (rules as ``mm.init`` takes them;
-    ``None``: one device, unsharded), then, with ``--lora-rank``, LoRA adapters (``add_lora``:
-    ``--lora-alpha``, ``--lora-targets``; drawn from ``--seed``).
-
-    With ``--init-from`` and ``weights``, its Variables are read from that checkpoint straight
-    onto their devices (``from_pretrained``); otherwise they are initialised from ``--seed``,
-    for a checkpoint of the run to be restored into (the model still remembers ``init_from`` in
-    ``model.pretrained``, unless not ``read``).
+    """The model of a run on ``placement`` (``None``: one device), with its LoRA adapters: with
+    ``--init-from`` and ``weights``, read from that checkpoint onto their devices; else
+    initialised from ``--seed`` (``model.pretrained`` still read, with ``read``).
 
     Example:
         >>> run = RunConfig.of(_LORA)
@@ -155,8 +142,7 @@ def build_model(
 
 
 def trainable(run: RunConfig) -> Any:
-    """The Variables a run trains: ``nnx.LoRAParam`` (the adapters) with ``--lora-rank``, else
-    every ``nnx.Param``.
+    """The Variables a run trains: the adapters with ``--lora-rank``, else every ``nnx.Param``.
 
     Example:
         >>> trainable(RunConfig.of({"lora_rank": 8})).__name__, trainable(RunConfig()).__name__

@@ -13,9 +13,7 @@ from mmnnx.train.run_config import CONFIG_FILE
 
 @dataclasses.dataclass(frozen=True)
 class Output:
-    """A path a run writes: a directory (``directory``) or a file, ``what`` goes there (for the
-    message), the option that places it (``flag``, e.g. ``--output-dir``) with its value, and
-    how to do without it (``off``: ``pass --no-tensorboard``), if one can."""
+    """A path a run writes, and for messages the option placing it and how to do without."""
 
     path: pathlib.Path
     directory: bool
@@ -34,9 +32,8 @@ def run_outputs(
     profile: bool = False,
     wandb: bool = False,
 ) -> list[Output]:
-    """What ``mmnnx train`` writes under ``output_dir`` (and ``checkpoint_dir``): its flags,
-    tokenizer, token cache, checkpoints, metrics and loss curve; the timeline (with
-    ``timeline``), TensorBoard events, profile and wandb files when asked for.
+    """What ``mmnnx train`` writes under ``output_dir`` (and ``checkpoint_dir``), the optional
+    outputs when asked for.
 
     Example:
         >>> [o.path.name for o in run_outputs("runs/x", tensorboard=False, timeline=False)][2:]
@@ -86,8 +83,7 @@ def run_outputs(
 
 
 def output_problem(outputs: Iterable[Output]) -> str | None:
-    """The first of ``outputs`` a run could not write, as one line (a file where a directory
-    goes, a directory where a file goes, no write permission), or None.
+    """The first of ``outputs`` a run could not write, as one line, or None.
 
     Example:
         >>> import tempfile
@@ -96,11 +92,7 @@ def output_problem(outputs: Iterable[Output]) -> str | None:
         >>> output_problem(run_outputs(out))  # doctest: +ELLIPSIS
         '--output-dir ...: .../loss.png is a directory, but the run writes the loss curve ...'
     """
-    for output in outputs:
-        problem = _problem(output)
-        if problem:
-            return problem
-    return None
+    return next(filter(None, map(_problem, outputs)), None)
 
 
 def _problem(output: Output) -> str | None:

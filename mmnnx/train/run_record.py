@@ -1,9 +1,7 @@
 """What a run was trained with, saved in each of its checkpoints (``extra["run"]``) and checked
-when the run is resumed, generated from or exported: the values of the options a resumed run
-may not change (every option but those of :data:`mmnnx.train.config.MAY_CHANGE_ON_RESUME`), its
-tokenizer's fingerprint and, fine-tuning a checkpoint (``--init-from``), that checkpoint's
-``config.json`` and a fingerprint of its tensors' index. A checkpoint saved before mmnnx
-recorded runs (or their base) holds no record of it: that is not checked, and not refused."""
+when it is resumed, generated from or exported: the options a resumed run may not change, its
+tokenizer's fingerprint and its ``--init-from`` checkpoint's ``config.json`` and tensors' index.
+A checkpoint saved without a record is not checked, and not refused."""
 
 from __future__ import annotations
 
@@ -27,24 +25,21 @@ _FIELDS = {f.name: f for fields in tables(RunConfig).values() for f in fields}
 
 
 def _recorded(name: str, value: Any) -> Any:
-    """``value`` of option ``name`` as a record holds it: as ``config.toml`` writes it, as JSON
-    gives it back (tuples as lists)."""
+    """``value`` of option ``name`` as ``config.toml`` writes it, as JSON gives it back."""
     text = spec(_FIELDS[name]).text
     return json.loads(json.dumps(text(value) if text and value is not None else value))
 
 
 @dataclasses.dataclass(frozen=True)
 class Mismatch:
-    """An option whose ``value`` differs from the ``recorded`` one (both as a record holds
-    them; ``None``: not set)."""
+    """An option whose ``value`` differs from the ``recorded`` one (``None``: not set)."""
 
     name: str
     value: Any
     recorded: Any
 
     def as_flags(self) -> tuple[str, str]:
-        """The value and the recorded one as flags: ``--heads 4``, ``--scan-layers``, ``no
-        --clip-grad-norm``."""
+        """Both as flags: ``--heads 4``, ``--scan-layers``, ``no --clip-grad-norm``."""
         option = spec(_FIELDS[self.name])
 
         def flag(value: Any) -> str:
@@ -59,8 +54,7 @@ class Mismatch:
         return flag(self.value), flag(self.recorded)
 
     def as_keys(self) -> tuple[str, str]:
-        """The value and the recorded one as ``config.toml`` keys: ``heads = 4``, ``no
-        clip_grad_norm``."""
+        """Both as ``config.toml`` keys: ``heads = 4``, ``no clip_grad_norm``."""
 
         def key(value: Any) -> str:
             return f"no {self.name}" if value is None else f"{self.name} = {json.dumps(value)}"
@@ -116,9 +110,8 @@ class RunRecord:
         return cls(dict(saved["options"]), str(saved.get("tokenizer")), base)
 
     def base_changed(self, init_from: Any) -> str | None:
-        """How the ``--init-from`` checkpoint ``init_from`` differs from the one the run was
-        trained from (a ``config.json`` key, or its tensors), or ``None``: the same, or not
-        recorded.
+        """How ``--init-from``'s checkpoint differs from the one the run was trained from, or
+        ``None`` (the same, or not recorded).
 
         Example:
             >>> from mmnnx.train.tokenizers import ByteTokenizer
@@ -148,22 +141,21 @@ class RunRecord:
         )
 
     def mismatch(self, values: Mapping[str, Any]) -> Mismatch | None:
-        """The first recorded option whose value in ``values`` (by name, as parsed; a name
-        missing: not set) differs; options unknown to this mmnnx are passed over."""
-        for name, recorded in self.options.items():
-            if name in _FIELDS:
-                value = _recorded(name, values.get(name))
-                if value != recorded:
-                    return Mismatch(name, value, recorded)
-        return None
+        """The first recorded option known here whose value in ``values`` differs."""
+        mismatches = (
+            Mismatch(name, _recorded(name, values.get(name)), recorded)
+            for name, recorded in self.options.items()
+            if name in _FIELDS
+        )
+        return next((m for m in mismatches if m.value != m.recorded), None)
 
 
 @dataclasses.dataclass(frozen=True)
 class Saved:
-    """The record of checkpoint ``step``: ``None`` for a checkpoint saved without one."""
+    """The record of checkpoint ``step``."""
 
     step: int
-    record: RunRecord | None
+    record: RunRecord | None  # None: saved without one
 
 
 def saved_record(checkpointer: Checkpointer, step: int | None = None) -> Saved | None:

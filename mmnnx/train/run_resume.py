@@ -17,8 +17,7 @@ from mmnnx.train.run_record import Saved
 
 @dataclasses.dataclass(frozen=True)
 class ResumeCheck:
-    """What ``--resume`` found before anything is written: whether there is any checkpoint step,
-    the record the newest readable one holds, and the first problem (a line), if any."""
+    """What ``--resume`` found: any step, the newest readable one's record, the first problem."""
 
     has_steps: bool = False
     saved: Saved | None = None  # None: no step whose extra reads back
@@ -26,10 +25,7 @@ class ResumeCheck:
 
 
 def resumed(run: RunConfig, given: Set[str], checkpoints: pathlib.Path) -> ResumeCheck:
-    """The checkpoints ``--resume`` continues from, checked: ``--steps`` beyond the latest, and
-    the options of ``run`` as the newest step's record has them (a step without one is said to
-    be unchecked, in one line); ``given`` names the options set by the user, as opposed to
-    taken from the run's ``config.toml``."""
+    """The checkpoints ``--resume`` continues from, checked against ``run`` (``given``: set)."""
     import jax  # noqa: PLC0415
 
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
@@ -83,8 +79,7 @@ def _say_no_checkpoint(checkpoints: pathlib.Path) -> None:
 
 
 def tokenizer_problem(run: RunConfig, tokenizer: Any, saved: Saved | None) -> str | None:
-    """A resumed run's ``tokenizer`` that is not the one its record names, in one line; or
-    None (also for no record)."""
+    """A resumed run's ``tokenizer`` that is not the one its record names, in one line."""
     from mmnnx.train.tokenizers import fingerprint  # noqa: PLC0415
 
     if saved is None or saved.record is None or saved.record.tokenizer == fingerprint(tokenizer):
@@ -98,14 +93,9 @@ def tokenizer_problem(run: RunConfig, tokenizer: Any, saved: Saved | None) -> st
 
 
 def run_tokenizer(run: RunConfig, sources: list) -> Any:
-    """The run's tokenizer: with --resume, the one saved under OUTPUT_DIR/tokenizer; with
-    --init-from, the checkpoint's tokenizer.json; bytes; else a BPE trained on ``sources``
-    (streamed) by every process, checked to be the same (no process waits for another's
-    training, however long it takes).
-
-    Raises:
-        ValueError: the saved tokenizer is not of the kind the options say (one line).
-    """
+    """The run's tokenizer: the one saved with the run, ``--init-from``'s, bytes, or a BPE each
+    process trains on ``sources``, checked alike; a ``ValueError`` for a saved one of another
+    kind than the options say."""
     from mmnnx.distributed.agree import check_same_everywhere  # noqa: PLC0415
     from mmnnx.train.corpus import text_chunks  # noqa: PLC0415
     from mmnnx.train.tokenizers import (  # noqa: PLC0415
@@ -116,11 +106,8 @@ def run_tokenizer(run: RunConfig, sources: list) -> Any:
         load_tokenizer,
     )
 
-    init_from, kind, output_dir = (
-        run.model.init_from,
-        run.training.tokenizer,
-        run.outputs.output_dir,
-    )
+    init_from, output_dir = run.model.init_from, run.outputs.output_dir
+    kind = run.training.tokenizer
     saved = pathlib.Path(output_dir, "tokenizer")
     if run.outputs.resume and saved.is_dir():
         tokenizer = load_tokenizer(saved)

@@ -1,8 +1,6 @@
 """The checks of a :class:`~mmnnx.train.config.RunConfig` taken as a whole, before anything is
-built (as torchtitan's ``config/validation.py``): each finds the first inconsistency among the
-options of one concern and says it in one line naming the flags (``--depth 1 gives fewer blocks
-than --stages 2``). The model's own rules are checked where its config is built
-(:func:`~mmnnx.train.config.gpt_config`, ``pretrained_config``), called from here."""
+built: each finds the first inconsistency among the options of one concern and says it in one
+line naming the flags (``--depth 1 gives fewer blocks than --stages 2``)."""
 
 from __future__ import annotations
 
@@ -19,12 +17,10 @@ from mmnnx.tuning import parse_bytes
 
 
 class Checked(NamedTuple):
-    """What :func:`check` found: the first ``problem`` (one line, or None) and, for a run
-    with ``--init-from``, the ``GPTConfig`` its ``config.json`` gave (``model_config``'s: read
-    once, for the run to build its model with)."""
+    """:func:`check`'s first problem, and ``--init-from``'s ``GPTConfig`` (read once)."""
 
-    problem: str | None  # the first inconsistency, naming the flags
-    pretrained: Any = None  # --init-from's GPTConfig, as model_config builds it; else None
+    problem: str | None
+    pretrained: Any = None
 
 
 def problem(run: RunConfig, given: Set[str] = frozenset()) -> str | None:
@@ -82,8 +78,7 @@ def _devices_problem(run: RunConfig) -> str | None:
 
 
 def _experts_problem(run: RunConfig) -> str | None:
-    """A mixture-of-experts option without ``--experts``, or experts ``--expert-axis`` cannot
-    split; None when there is none."""
+    """A MoE option without ``--experts``, or experts ``--expert-axis`` cannot split."""
     model, n = run.model, run.layout.expert_axis
     if model.experts is None:
         for name in MOE[1:]:
@@ -111,8 +106,7 @@ def _lora_problem(run: RunConfig) -> str | None:
 
 
 def _targets_problem(targets: tuple[str, ...], config: Any, model: str) -> str | None:
-    """The first of ``targets`` (``--lora-targets``) naming no Linear of ``GPT(config)``
-    (``model``, in words), or None."""
+    """The first of ``targets`` naming no Linear of ``GPT(config)`` (``model``, in words)."""
     from mmnnx.train.run_model import linear_names  # noqa: PLC0415
 
     have = linear_names(config)
@@ -129,9 +123,7 @@ def _targets_problem(targets: tuple[str, ...], config: Any, model: str) -> str |
 
 
 def _model_problem(run: RunConfig, given: Set[str]) -> tuple[str | None, tuple[int, str], Any]:
-    """What keeps the options from describing a model (as its config is built: ``gpt_config``
-    or, with ``--init-from``, its ``config.json``), or a LoRA target it lacks; its blocks, with
-    how the flags name them; and ``--init-from``'s ``GPTConfig`` (else None)."""
+    """The model's problem; its blocks, as the flags name them; ``--init-from``'s config."""
     init_from = run.model.init_from
     if init_from is not None:
         found, config = _pretrained(run, given)
@@ -148,9 +140,7 @@ def _model_problem(run: RunConfig, given: Set[str]) -> tuple[str | None, tuple[i
 
 
 def _pretrained(run: RunConfig, given: Set[str]) -> tuple[str | None, Any]:
-    """The first problem of ``--init-from`` (an architecture flag given with it, a directory
-    mmnnx cannot build, no tokenizer, a LoRA target it lacks, sizes the layout cannot shard)
-    and the ``GPTConfig`` of its ``config.json``."""
+    """The first problem of ``--init-from``, and the ``GPTConfig`` of its ``config.json``."""
     from mmnnx.models import CheckpointError  # noqa: PLC0415
     from mmnnx.models.pretrained import check_tokenizer  # noqa: PLC0415
     from mmnnx.models.pretrained.files import TOKENIZER  # noqa: PLC0415
@@ -195,7 +185,6 @@ def _pretrained(run: RunConfig, given: Set[str]) -> tuple[str | None, Any]:
 
 
 def _stages_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
-    """Fewer blocks than stages."""
     stages = run.layout.stages
     if blocks < stages:
         return f"{depth} gives fewer blocks than {flag('stages', stages)}"
@@ -215,8 +204,7 @@ def given_sizes(text: str) -> tuple[int, ...] | None:
 
 
 def partition_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
-    """What ``--partition`` cannot do with the other options (``blocks`` of the model, named
-    ``depth`` as the flags give it), in one line; or None.
+    """What ``--partition`` cannot do with the other options, in one line; or None.
 
     Example:
         >>> partition_problem(RunConfig.of({"partition": "3,2"}), 4, "--depth 4")
@@ -242,8 +230,7 @@ def partition_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
 
 
 def _schedule_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
-    """A schedule that does not run ``--virtual-stages`` stages per task, or too few blocks
-    for the stages."""
+    """A schedule not of ``--virtual-stages`` stages per task, or too few blocks for them."""
     v, name, stages = run.layout.virtual_stages, run.training.schedule, run.layout.stages
     # 'auto' tunes among the schedules of one stage per task
     placement = Placement.ONE_PER_RANK if name == "auto" else registered(name).placement
@@ -284,20 +271,20 @@ def _batch_problem(run: RunConfig) -> str | None:
 def _outputs_problem(run: RunConfig) -> str | None:
     """A path the run could not write (``run_outputs``)."""
     logging = run.logging
-    outputs = run_outputs(
-        run.outputs.output_dir,
-        run.outputs.checkpoint_dir,
-        timeline=bool(run.training.timeline_step),
-        tensorboard=logging.tensorboard,
-        profile=logging.profile_steps is not None,
-        wandb=logging.wandb is not None,
+    return output_problem(
+        run_outputs(
+            run.outputs.output_dir,
+            run.outputs.checkpoint_dir,
+            timeline=bool(run.training.timeline_step),
+            tensorboard=logging.tensorboard,
+            profile=logging.profile_steps is not None,
+            wandb=logging.wandb is not None,
+        )
     )
-    return output_problem(outputs)
 
 
 def _other_problem(run: RunConfig) -> str | None:
-    """An option that needs another: ``--memory-budget`` a planner, ``--vocab-size`` a BPE,
-    ``--wandb-name`` a project, ``--profile-steps`` steps that are run."""
+    """An option that needs another, or a value another rules out."""
     training, logging = run.training, run.logging
     budget = training.memory_budget
     if budget is not None:

@@ -1,14 +1,10 @@
 """Keys saying when two programs of a step are alike: the same computation on other devices.
 
-The programs of equal pipeline stages (the middle blocks of a transformer) differ only in the
-ids of their values and in their task's devices. The keys made here leave both out, so programs
-of equal keys lower to the same module: the runner lowers the first and moves that lowering to
-the others' devices (:func:`mmnnx._jax.retarget.retarget`) instead of tracing and lowering each
-again. Their task's devices enter a key only as positions in its mesh, with the mesh's shape,
-axes and device kind, and its logical rules (which lay out the sharding constraints inside).
-
-What a key cannot compare by value (an array closed over, a parameter without value equality)
-it compares by identity: two programs are then never taken as alike by mistake, only missed.
+The keys leave out value ids and devices (which enter only as positions in the task's mesh, with
+its shape, axes, device kind and logical rules), so programs of equal keys lower to the same
+module: the runner lowers the first and moves it to the others' devices
+(:func:`mmnnx._jax.retarget.retarget`). What a key cannot compare by value it compares by
+identity: alike programs may be missed, never confused.
 """
 
 from __future__ import annotations
@@ -40,13 +36,7 @@ class _Unique:
 
 
 class AlikeKeys:
-    """The keys of one step's programs (``graph``'s), each fragment's made once.
-
-    Example:
-        >>> keys = AlikeKeys(graph)                                     # doctest: +SKIP
-        >>> keys.program(runs, in_shardings) == keys.program(others, theirs)  # doctest: +SKIP
-        True
-    """
+    """The keys of one step's programs (``graph``'s), each fragment's made once."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -56,8 +46,8 @@ class AlikeKeys:
     def program(
         self, runs: Sequence[Run], in_shardings: Sequence[Sequence[Any]]
     ) -> Hashable | None:
-        """The key of the program of ``runs`` (one fragment's, or an overlapped pair's, on one
-        task) taking arguments laid out as ``in_shardings``; ``None``: alike no other program."""
+        """The key of the program of ``runs`` (on one task) taking arguments laid out as
+        ``in_shardings``; ``None``: alike no other program."""
         task = runs[0].task
         place = self._place(task)
         if place is None:
@@ -81,31 +71,29 @@ class AlikeKeys:
         return _hashable(tuple(parts))
 
     def start(self, task: Task, what: Hashable, shardings: Sequence[Any]) -> Hashable | None:
-        """The key of a small program on ``task`` that ``what`` describes without slots or
-        devices, taking arguments laid out as ``shardings``; ``None``: alike no other."""
+        """The key of a small program on ``task`` that ``what`` describes without slots or devices;
+        ``None``: alike no other."""
         place = self._place(task)
         if place is None:
             return None
         return _hashable((place, what, self.layouts(task, shardings)))
 
     def fragment(self, fragment: Fragment) -> Hashable | None:
-        """``fragment``'s ops with its values numbered from 0 in the order it reads and makes
-        them, their shapes, dtypes and types; ``None`` where an op lowers differently on other
-        devices of the same kind."""
+        """``fragment``'s ops with its values numbered in the order it reads and makes them;
+        ``None`` where an op lowers differently on other devices."""
         known = self._fragments.get(id(fragment))
         if known is None:
             known = self._fragments[id(fragment)] = (fragment, _fragment_key(fragment, self.graph))
         return known[1]
 
     def layouts(self, task: Task, shardings: Sequence[Any]) -> tuple:
-        """Each of ``shardings`` (``None``: the compiler's choice) as the positions of its
-        devices in ``task``'s mesh and the layout over them."""
+        """Each of ``shardings`` as the positions of its devices in ``task``'s mesh and the
+        layout."""
         positions = self._positions.get(task)
         return tuple(_layout(s, positions) for s in shardings)
 
     def _place(self, task: Task) -> Hashable | None:
-        """``task`` as its programs see it: the shape, axes and device kind of its mesh and its
-        logical rules; ``None`` for a task over several processes (each runs its share)."""
+        """``task`` as its programs see it; ``None`` for a task over several processes."""
         mesh = task.jax_mesh
         devices = list(mesh.devices.flat)
         if len({d.process_index for d in devices}) > 1:

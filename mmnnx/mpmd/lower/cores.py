@@ -1,31 +1,18 @@
 """Sharing stage programs: an edge stage's fragment cut into the core the middle stages run
 and the rest (``share_cores``, on unless ``mm.jit(share_cores=False)``).
 
-XLA compiles each distinct kernel of a program once, and no kernel is shared between programs:
-a transformer's pipeline compiles its blocks' kernels once per distinct stage program. The
-middle stages' programs are alike (:mod:`~mmnnx.mpmd.lower.alike`: lowered and compiled once),
-but the first stage's also embeds the tokens and the last's also runs the head and the loss, so
-each is a program of its own, with its own copy of the blocks' kernels. ``share_cores`` finds,
-inside such a fragment, the ops of a smaller fragment of the same pass (a middle stage's), and
-cuts it into the part that runs before them, that *core*, alike the smaller fragment, and the
-part after: the core then reuses the middle stages' program, and only the small parts are new.
-Each part is a launch of its own (up to three per microbatch where there was one).
+XLA shares no kernel between programs, and the first and last stages' programs (embedding,
+head, loss) differ from the middle stages' alike ones, so each compiles its own copy of the
+blocks' kernels. ``share_cores`` finds, inside such a fragment, the ops of a smaller fragment
+of the same pass, and cuts it into the part before that *core*, the core (which reuses the
+middle stages' program) and the part after: up to three launches per microbatch.
 
-The core is found op by op, in the smaller fragment's order: each of its ops matched to an op
-of the larger one with the same key (:func:`~mmnnx.mpmd.lower.alike.op_key`) that reads what
-the matched ops made, the first after the last one matched, others tried when that leads
-nowhere; its inputs to values the larger fragment reads or makes before, one for one. A cut
-that would not give a program alike the smaller one (a value the core makes but does not
-return, read by the rest) is not made, nor is any in a fragment run as half of an overlapped
-pair, nor one of a backward whose forward is alike no other (its core would read residuals
-laid out as no other backward reads them). Ops recomputed in every fragment that reads them
-(index arithmetic, slices of the batch, small tables) are recomputed in each part that reads
-them. What one part passes the next travels alone, never packed
-(:mod:`~mmnnx.mpmd.lower.pack`), as the value the core stands for crosses between stages.
-
-Cutting moves no op from one pass to another: an edge stage holds a middle stage's core
-because the planner splits its block ops between its forward and backward as a middle stage's
-(:func:`~mmnnx.mpmd.plan.stage_levels.join_consumers`, :mod:`~mmnnx.mpmd.plan.remat`).
+The core is matched op by op in the smaller fragment's order (:func:`_match`). No cut is made
+where the core would not be alike the smaller fragment, in a fragment run as half of an
+overlapped pair, nor in a backward whose forward is alike no other. Ops recomputed in every
+fragment that reads them are recomputed in each part; what one part passes the next is never
+packed. Cutting moves no op between passes: the planner splits an edge stage's block ops as a
+middle stage's (:func:`~mmnnx.mpmd.plan.stage_levels.join_consumers`).
 """
 
 from __future__ import annotations
@@ -44,16 +31,9 @@ _MAX_RETRIES = 256  # other fits tried before a fragment is taken to hold no cor
 
 
 def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
-    """``pipeline`` with each stage fragment (and update after the loop) that holds the ops of
-    a smaller one of the same pass cut into parts around that core (see the module's
-    docstring); its order runs the parts in turn, and ``parts`` names the stage of each.
-
-    Example::
-
-        pipeline = share_cores(graph, pipeline)
-        order = pipeline.order  # (s0/F0.before, m), (s0/F0.core, m), ... for every m
-    """
-    fused = _fused_fragments(pipeline)
+    """``pipeline`` with each stage fragment (and update after the loop) holding the ops of a
+    smaller one of the same pass cut into parts around that core; ``parts`` names their stages."""
+    fused = {id(pipeline.order[i + k][0]) for i in pipeline.fused for k in (0, 1)}
     keys = _OpKeys(graph)
     alike = AlikeKeys(graph)
     replicas = _replicas(pipeline)
@@ -105,12 +85,6 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     )
 
 
-def _fused_fragments(pipeline: Pipeline) -> set[int]:
-    """The fragments run as half of an overlapped pair (by id)."""
-    order = pipeline.order
-    return {id(order[i + k][0]) for i in pipeline.fused for k in (0, 1)}
-
-
 def _replicas(pipeline: Pipeline) -> set[int]:
     """The ops (by index) that several fragments recompute, each for itself."""
     seen = collections.Counter(
@@ -157,18 +131,6 @@ def _cut(
     match = _match(frag, reference, keys)
     if match is None:
         return None
-    return _around_core(graph, frag, reference, match, replicas)
-
-
-def _around_core(
-    graph: Graph,
-    frag: Fragment,
-    reference: Fragment,
-    match: tuple[list[Op], dict],
-    replicas: set[int],
-) -> list[Fragment] | None:
-    """``frag`` cut around the core of its ops ``match`` found alike ``reference``'s (see
-    :func:`_cut`)."""
     ops, values = match
     core = Fragment(
         name=f"{frag.name}.core",
@@ -183,10 +145,8 @@ def _around_core(
 
 
 def _reading_constraints(frag: Fragment, core: Fragment) -> Fragment:
-    """``core`` reading, in place of a value made before it that a sharding constraint of
-    ``frag`` on one device reads (the core's ops read it as its operand), that constraint's
-    result: made before the core, it is what the core and the rest both read (a first stage's
-    embedded tokens, which its backward reads too), and no part after the core has to make it."""
+    """``core`` (on one device) reading, for an input that a constraint of ``frag`` outside it
+    reads, that constraint's result, which the rest reads too (a first stage's tokens)."""
     if core.task.jax_mesh.size != 1:
         return core
     inside = {id(op) for op in core.ops}
@@ -210,11 +170,8 @@ def _reading_constraints(frag: Fragment, core: Fragment) -> Fragment:
 
 
 def _with_constraints(frag: Fragment, core: Fragment) -> Fragment:
-    """``core`` returning, in place of a result that only a sharding constraint of ``frag`` on
-    one device reads (nothing to lay out: the reference reads it as its operand), that
-    constraint's result (or the last of a chain of them), made in the core: the readers after
-    the fragment read the constraint's result, which the rest would otherwise make from the
-    core's."""
+    """``core`` (on one device) returning, for a result only a chain of constraints of ``frag``
+    reads, the chain's last result, made in the core."""
     if core.task.jax_mesh.size != 1:
         return core
     readers: dict[int, list[Op]] = {}
@@ -244,14 +201,9 @@ def _with_constraints(frag: Fragment, core: Fragment) -> Fragment:
 
 
 def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op], dict] | None:
-    """The ops of ``frag`` matching those ``reference`` runs (:func:`live_view`), in its order,
-    reading the values they stand for; and the image of each of ``reference``'s values.
-
-    An op reading a reference input not yet matched may fit several ops (the reductions of
-    each gradient arriving): the first after the last op matched is taken (the core's ops run
-    in the reference's order: its inputs then take the places they have there, and the core
-    reads them as the reference does), and the others tried in turn, the later matches undone,
-    when a later op then fits none (at most :data:`_MAX_RETRIES` times)."""
+    """The ops of ``frag`` matching ``reference``'s live ones in its order, and the image of
+    each of ``reference``'s values. Where several ops fit, the first after the last op matched
+    is taken, the others tried (later matches undone) when a later op then fits none."""
     wanted, seen_as = keys.live(reference)
     live, stands_for = keys.live(frag)
     need = collections.Counter(keys(op) for op in wanted)
@@ -302,8 +254,8 @@ def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op]
 def _readers(
     candidates: dict[Hashable, list[Op]], stands_for: dict[int, int]
 ) -> dict[tuple[Hashable, int, int], list[Op]]:
-    """The candidates of each key by ``(key, position, value)``: those reading the value (the
-    one their constraint operand stands for) at that operand position."""
+    """The candidates by ``(key, position, value)``: those reading the value (as constraints
+    stand for) at that operand position."""
     readers: dict[tuple[Hashable, int, int], list[Op]] = {}
     for key, ops in candidates.items():
         for op in ops:
@@ -321,9 +273,8 @@ def _pool(
     readers: dict[tuple[Hashable, int, int], list[Op]],
     keys: _OpKeys,
 ) -> list[Op]:
-    """The candidates that may stand for reference op ``r`` reading ``ins``: only those reading,
-    at the place of an operand already matched, its image (:meth:`_Match.fits` demands it);
-    every candidate of its key where none is matched yet."""
+    """The candidates for reference op ``r`` reading ``ins``: those reading the image of its
+    first operand already matched, else every candidate of its key."""
     key = keys(r)
     for position, x in enumerate(ins):
         if type(x) is int and x in match.values:
@@ -344,16 +295,14 @@ class _Match:
         self.taken: set[int] = set()
 
     def copy(self) -> _Match:
-        """A copy to go back to: later matches change only the copy they are made on."""
         other = _Match(self.inputs, self.stands_for)
         other.values, other.images = dict(self.values), set(self.images)
         other.made, other.taken = set(self.made), set(self.taken)
         return other
 
     def fits(self, ins: Sequence, a: Op) -> bool:
-        """Whether op ``a`` can stand for a reference op reading ``ins``: each operand made
-        by a matched op maps to its image, and each reference input, on first use, to a value
-        not yet an image nor made by a matched op."""
+        """Whether op ``a`` can stand for a reference op reading ``ins``: matched operands read
+        their images, new reference inputs values not yet images nor made by matched ops."""
         if id(a) in self.taken or any(y in self.images for y in a.outs):
             return False
         fresh: dict[int, int] = {}
@@ -377,8 +326,7 @@ class _Match:
         return True
 
     def take(self, ins: Sequence, outs: Sequence[int], a: Op) -> Op:
-        """Maps the reference op reading ``ins`` and making ``outs`` to ``a``; returns ``a``
-        reading the values its constraints stand for."""
+        """Maps the reference op to ``a``; returns ``a`` reading what its constraints stand for."""
         self.taken.add(id(a))
         read = [self.stands_for.get(y, y) if type(y) is int else y for y in a.ins]
         for x, y in zip(ins, read, strict=True):
@@ -395,10 +343,8 @@ class _Match:
 def _around(
     graph: Graph, frag: Fragment, core: Fragment, replicas: set[int]
 ) -> list[Fragment] | None:
-    """The parts of ``frag`` around ``core``: the other ops its results (or the core's inputs)
-    need, those the core depends on run before it, the others after; ``None`` if the core made
-    a value the rest or a later fragment reads that it does not return, or a part would read
-    what it makes."""
+    """The parts of ``frag`` around ``core``: the ops it needs before and after; ``None`` if the
+    core keeps a value others read, or a part would read what it makes."""
     core_ids = {id(op) for op in core.ops}
     core_indices = {op.index for op in core.ops}
     core_made = {v for op in core.ops for v in op.outs}
@@ -446,8 +392,7 @@ def _part(
     made_by: dict[int, Op],
     replicas: set[int],
 ) -> Fragment:
-    """A part of ``frag`` of ``ops`` (in ``frag``'s order), recomputing the recomputed ops
-    (``replicas``) whose results they read; its outputs are set by :func:`_with_outputs`."""
+    """A part of ``frag`` of ``ops``, with the ``replicas`` they read; no outputs yet."""
     operands = [a for op in ops for a in op.ins]
     mine = {id(op) for op in ops} | _upstream(operands, made_by, lambda op: op.index in replicas)
     body = [op for op in frag.ops if id(op) in mine]
@@ -460,8 +405,7 @@ def _part(
 
 
 def _upstream(values: Iterable, made_by: dict[int, Op], keep: Callable[[Op], bool]) -> set[int]:
-    """The ops (by id) that make ``values`` and, in turn, their operands, following only ops
-    ``keep`` accepts (literals and values made by no op in ``made_by`` end the walk)."""
+    """The ids of the ops ``keep`` accepts that make ``values``, and their operands in turn."""
     found: set[int] = set()
     stack = [made_by[v] for v in values if type(v) is int and v in made_by and keep(made_by[v])]
     while stack:
@@ -475,8 +419,8 @@ def _upstream(values: Iterable, made_by: dict[int, Op], keep: Callable[[Op], boo
 
 
 def _with_outputs(parts: list[Fragment], frag: Fragment) -> list[Fragment]:
-    """``parts`` with the outputs of each but the core: what it makes (and does not recompute
-    from the batch) that a later part, or a fragment after ``frag``, reads."""
+    """``parts`` with the outputs of each but the core: what it makes, not recomputed, that is
+    read later."""
     read_later: set[int] = set(frag.out_ids)
     out = []
     for part in reversed(parts):

@@ -1,14 +1,10 @@
 """Folding: each task's small programs of the step's start made by one program.
 
-A task's running sums start at zero (:class:`~.program.Zeros`, one action before the first run
-adding to each group of them) and its block weights are packed at the step's start
-(:class:`~.program.PackWeights`). Each such action is a program of its own to lower, compile
-and launch, for a few microseconds of work. The ``fold`` pass gives a task one: its Zeros
-actions join its PackWeights action, or, on a task that packs no weights, its first Zeros
-action. (Folding them into the stage programs instead would give the first microbatch's
-program a variant of its own: a second compile of the stage's kernels.) Sums made earlier in
-the step hold no more memory at its peak: that comes at the first backward, after every
-warm-up forward, when they are already made.
+Each :class:`~.program.Zeros` (running sums) and :class:`~.program.PackWeights` action is a
+program of its own, for a few microseconds of work. The ``fold`` pass joins a task's Zeros
+actions into its PackWeights action, or its first Zeros action. (Folding them into the stage
+programs would give the first microbatch a program of its own; sums made earlier do not raise
+the peak memory, which comes at the first backward.)
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The ``localize`` pass: one process's share of a step whose tasks belong to several processes.
 
-Every process lowers the same :class:`StepProgram` and keeps the actions of tasks holding its
-devices, in the same global order. A :class:`Send`/:class:`Recv` pair whose devices belong to
-several processes becomes a :class:`Route`, run by the processes at both ends; a step output
-this process does not hold is marked, and the runner hands back a placeholder laid out as it is
-on its task. A layout only the compiler knows (a result whose sharding XLA chose) that another
-process needs is published by the first process of its task (:class:`PublishLayout`) and read
-by the others (:class:`AwaitLayout`) when the step compiles.
+Each process keeps the actions of tasks holding its devices, in the same global order. A
+:class:`Send`/:class:`Recv` pair spanning processes becomes a :class:`Route`; a step output held
+elsewhere is marked (the runner hands back a placeholder); a layout only the compiler knows is
+published by its task's first process (:class:`PublishLayout`) and read by the others
+(:class:`AwaitLayout`).
 """
 
 from __future__ import annotations
@@ -68,8 +66,8 @@ def localize(
     actions: list[Action] = []
 
     def share_layout(slot: int, task: Task, readers: frozenset[int]) -> None:
-        """``readers`` need the layout of ``slot`` (made on ``task``): published by the task's
-        first process, read by the others, where only compiling tells it."""
+        """``readers`` need the layout of ``slot`` (made on ``task``), where only compiling tells
+        it."""
         if layouts[slot] is not None:
             return
         makers = procs(task)
@@ -107,9 +105,7 @@ def localize(
             actions.append(action)
             if isinstance(action, Run):
                 held.update(action.results)
-            elif isinstance(action, Zeros):
-                held.update(action.slots)
-            elif isinstance(action, PackWeights):
+            elif isinstance(action, Zeros | PackWeights):
                 held.update(action.made)
             elif isinstance(action, Constant):
                 held.add(action.slot)
@@ -128,8 +124,8 @@ def localize(
 def _route(
     recv: Recv, send: Send | None, me: int, procs: Callable[[Task], frozenset[int]]
 ) -> Recv | Route | None:
-    """What ``me`` does for ``recv`` (and its ``send``): nothing (``None``), a move between its
-    own devices (the Recv), or its end of a :class:`Route`."""
+    """What ``me`` does for ``recv`` (and its ``send``): nothing, the Recv, or its end of a
+    Route."""
     target = procs(recv.target)
     source = frozenset() if recv.source is None else procs(recv.source)
     if me not in source | target:
@@ -150,7 +146,6 @@ def _route(
 
 
 def _without_sent_donations(run: Run, sent: set[int]) -> Run:
-    """``run`` not donating values routed to another process: the buffer must stay alive
-    until the peer has it."""
+    """``run`` not donating values routed to another process (the peer must get them)."""
     donate = tuple(i for i in run.donate if run.ins[i] not in sent)
     return run if donate == run.donate else dataclasses.replace(run, donate=donate)

@@ -75,20 +75,13 @@ def constraint_layout(
     return NamedSharding(task.jax_mesh, spec)
 
 
-def constraint_sharding(op: Op, task: Task, shape: Sequence[int]) -> NamedSharding:
-    """The sharding a logical ``mm.with_sharding_constraint`` op asks for on ``task``."""
-    return constraint_layout(task, constraint_names(op), shape, op.source)
-
-
 def _donations(
     graph: Graph,
     order: Sequence[tuple[Fragment, int | None]],
     inputs: Sequence[StepInput],
 ) -> dict[int, Fragment]:
-    """Donated inputs -> the fragment that may consume their buffer (their last reader).
-
-    A fragment that runs once per microbatch never donates: later microbatches read the input too.
-    """
+    """Donated inputs -> their last reader, which may consume their buffer (never one run per
+    microbatch)."""
     returned = {a for a in graph.outputs if isinstance(a, int)}
     last: dict[int, tuple[Fragment, int | None]] = {}
     for frag, m in order:
@@ -104,9 +97,7 @@ def _donations(
 
 
 def _labels(pipeline: Pipeline | None) -> dict[int, tuple[str, str, int, int]]:
-    """Fragment id -> (task, kind, stage, part) of each pipeline stage fragment (part 0) and of
-    each part of one, for timeline events; fragments outside the microbatch loop are not
-    timed."""
+    """Fragment id -> (task, kind, stage, part) of each pipeline stage fragment or part of one."""
     if pipeline is None:
         return {}
     stages = {id(f): (f.task.name, kind, stage, 0) for (kind, stage), f in pipeline.stages.items()}
@@ -156,8 +147,7 @@ class _Lowering:
         return slot
 
     def read_before_made(self, v: int, task: Task, m: int | None) -> MPMDError:
-        """The error for a program on ``task`` that reads value ``v`` before any program makes
-        it (a plan whose order contradicts its data flow): it names the op that makes ``v``."""
+        """The error for a program on ``task`` reading value ``v`` before any program makes it."""
         maker = self.graph.producers().get(v)
         what = f"`{maker.name}` at {maker.source}" if maker is not None else f"value {v}"
         made_on = self.op_task.get(maker.index) if maker is not None else None
@@ -172,9 +162,8 @@ class _Lowering:
     def zeros(
         self, frag: Fragment, positions: Sequence[int], sums: Sequence[int], shardings: Sequence
     ) -> tuple[int, ...]:
-        """Slots of zero-filled running sums ``sums`` (values) of ``frag``'s outputs at
-        ``positions``, made by a :class:`Zeros` action: on the output's pinned sharding, else
-        replicated on the task (a sum's layout must be known before its program compiles)."""
+        """Slots of zero-filled running sums ``sums`` of ``frag``'s outputs at ``positions``: on the
+        output's pinned sharding, else replicated (known before its program compiles)."""
         task = frag.task
         layouts = [shardings[i] or task.sharding() for i in positions]
         slots = []
@@ -195,8 +184,8 @@ class _Lowering:
 
     def chained(self, v: int, m: int | None) -> tuple[int, int | None]:
         """The value (and microbatch) a chain marker's result stands for: the Variable's value
-        before the step for microbatch 0 (or for all, if no microbatch changes it), the previous
-        microbatch's result for the others, the last microbatch's as the step's result."""
+        before the step, the previous microbatch's result, or the last one's as the step's
+        result."""
         if v in self.carry.results:
             return self.carry.results[v], self.last
         before, new = self.carry.starts[v]
@@ -216,8 +205,8 @@ class _Lowering:
         return False
 
     def ensure(self, v: int, task: Task, m: int | None, want: NamedSharding | None = None) -> int:
-        """The slot holding value ``v`` (of microbatch ``m``) on ``task``, receiving it first if
-        it is not there yet."""
+        """The slot holding value ``v`` (of microbatch ``m``) on ``task``, received first if
+        needed."""
         graph = self.graph
         if self.carry is not None and v in self.carry.marker_values:
             value, m = self.chained(v, m)
@@ -240,7 +229,8 @@ class _Lowering:
         if want is None:
             if source is None and v in self.first_constraint:
                 op = self.first_constraint[v]
-                want = constraint_sharding(op, self.op_task[op.index], graph.shapes[v])
+                names, on = constraint_names(op), self.op_task[op.index]
+                want = constraint_layout(on, names, graph.shapes[v], op.source)
                 if want.mesh != task.jax_mesh:
                     want = compatible(want, task)
             elif source is None:
@@ -286,14 +276,8 @@ def lower(
     order: Sequence[tuple[Fragment, int | None]],
     pipeline: Pipeline | None = None,
 ) -> tuple[StepProgram, list[Transfer]]:
-    """Lowers fragments in dispatch ``order`` (each with its microbatch, ``None`` outside the
-    microbatch loop) to a :class:`StepProgram`; returns it and the transfers between tasks (the
-    first microbatch's).
-
-    ``inputs``: one record per graph input (a placed input keeps its task's sharding; a donated
-    one may give its buffer to its last reader); ``outputs``: one per graph output (its
-    ``sharding``, the layout it must end in; ``None``: wherever it is made).
-    """
+    """Lowers fragments in dispatch ``order`` (each with its microbatch, ``None`` outside the loop)
+    to a :class:`StepProgram`; returns it and the first microbatch's transfers between tasks."""
     low = _Lowering(graph, pipeline)
     low.op_task = {op.index: f.task for f, _ in order for op in f.ops}
     accumulated = pipeline.accumulated if pipeline else {}
@@ -318,8 +302,7 @@ def lower(
     returned = {a for a in graph.outputs if isinstance(a, int)}
 
     def only_summed(v: int, frag: Fragment) -> bool:
-        """Whether ``frag``'s result ``v`` is read only by its microbatch sum (so the program
-        need not return each microbatch's copy: a gradient, say)."""
+        """Whether ``frag``'s result ``v`` is read only by its microbatch sum (a gradient)."""
         return v not in returned and all(
             is_accumulate(c) or fragment_of.get(c.index) == id(frag) for c in consumers.get(v, ())
         )
@@ -423,11 +406,9 @@ def _out_shardings(
     typed: dict[int, Any] | None,
     whole: bool = False,
 ) -> tuple:
-    """A fragment's results: on their home sharding when it is on this task, replicated for a
-    program with no inputs (nothing to infer a layout from), on one device or in a step whose
-    every value is whole (``whole``, :func:`~mmnnx.mpmd.lower.whole.whole_everywhere`: nothing
-    to choose; pinned, its readers can be compiled before it is), else the compiler's choice;
-    with sharding in types (``typed``), always the type's."""
+    """A fragment's results' shardings: their home's when on this task; replicated with no inputs,
+    on one device or where every value is ``whole``; else the compiler's choice; with sharding in
+    types (``typed``), the type's."""
     out = []
     for v in frag.out_ids:
         home = home_of.get(v)

@@ -1,12 +1,9 @@
 """The check that several processes meet in one order: :func:`check_same_order`.
 
-A process waits at two kinds of actions for another: a :class:`Route` (a value moving between
-them) and a :class:`Run` on a task whose devices belong to several processes (one program over
-all of them, collectives inside). Two processes that meet at such actions in different orders
-wait for each other forever: process 0 at A for process 1, which waits at B for process 0. Every
-process's share is cut from one global order (``localize``), so this holds by construction; the
-check makes a pass that breaks it fail when the step is planned, naming the two actions, instead
-of hanging when it runs.
+Processes wait for each other at a :class:`Route` and at a :class:`Run` on a task spanning
+them; meeting at such actions in different orders, they would wait forever. ``localize`` cuts
+every share from one global order, so this holds by construction; the check makes a pass that
+breaks it fail at planning, naming the two actions, instead of hanging at run time.
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ from mmnnx.sharding import Task
 def _meeting(
     action: Action, procs: Callable[[Task], frozenset[int]]
 ) -> tuple[tuple, frozenset[int]] | None:
-    """The identity of an action where several processes meet, and those processes; ``None``
-    for an action one process runs alone."""
+    """The identity of an action where several processes meet, and those processes; ``None`` for an
+    action one process runs alone."""
     if isinstance(action, Route) and action.source is not None:
         return ("route", action.from_slot, action.slot), procs(action.source) | procs(action.target)
     if isinstance(action, Run) and len(procs(action.task)) > 1:
@@ -35,9 +32,8 @@ def check_same_order(
     shares: Sequence[StepProgram],
     processes: Callable[[Task], frozenset[int]] = processes_of,
 ) -> None:
-    """Raises :class:`~mmnnx.errors.MPMDError` unless every two processes' shares (``shares[p]``
-    is process ``p``'s, as ``localize`` makes them) meet at the actions they share in the same
-    order; the message names the first two actions they meet at in different orders.
+    """Raises :class:`~mmnnx.errors.MPMDError` unless every two processes' shares meet at the
+    actions they share in the same order, naming the first two they meet at in different orders.
 
     Example:
         >>> check_same_order([])  # no process: nothing to check

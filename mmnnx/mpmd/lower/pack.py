@@ -1,21 +1,15 @@
 """Packing: which values of a pipelined step travel between programs as one buffer.
 
-Each array a program takes costs the host a fraction of a microsecond per call, and each array
-it returns a few microseconds. Values whole on each device of their task (a one-device task's,
-or replicated ones: in a step that splits nothing, :mod:`~mmnnx.mpmd.lower.whole`, all of them)
-can travel concatenated, one flat buffer per dtype laid out alike, which each reader slices
-back: one array instead of many, with no change of layout.
+Each array a program takes or returns costs the host up to a few microseconds per call. Values
+whole on each device of their task can travel concatenated, one flat buffer per dtype, which
+each reader slices back: running sums (a stage's gradients) always, and residuals that only
+later programs of the same task read, up to ``mm.jit(pack_residuals=...)`` bytes each (by
+default :data:`PACK_RESIDUAL_BYTES`), and block weights up to ``pack_weights`` bytes.
 
-- Running sums (a stage's gradients, added to by every microbatch's backward): always. Each
-  backward adds its results to the buffer and returns it; the update programs slice it.
-- Residuals that only later programs of the same task read, up to ``mm.jit(pack_residuals=...)``
-  bytes each (by default :data:`PACK_RESIDUAL_BYTES`: the small ones, whose host cost per array
-  is larger than the copy into the buffer; ``True``: all of them; ``False``: none).
-
-The ``pack`` pass of ``passes.py`` decides which, from a lowered :class:`StepProgram`, and
-returns the program that runs them packed: :class:`~.program.PackWeights` actions,
-:class:`~.program.Zeros` filling packed sums, offsets as :class:`~.program.Constant` actions,
-and each :class:`~.program.Run`'s :class:`~.program.RunPacking`. It compiles nothing.
+The ``pack`` pass decides which, from a lowered :class:`StepProgram`, and returns the program
+that runs them packed (:class:`~.program.PackWeights`, :class:`~.program.Zeros`, offsets as
+:class:`~.program.Constant` actions, each :class:`~.program.Run`'s
+:class:`~.program.RunPacking`). It compiles nothing.
 """
 
 from __future__ import annotations
@@ -98,8 +92,8 @@ def _bound(value: bool | int, option: str, what: str, default: int) -> int:
 
 @dataclasses.dataclass
 class Packing:
-    """What to pack in a lowered program: buffers by the index of the action making them (a
-    Run's results, a Zeros action's sums), by member, and weight buffers by task."""
+    """What to pack in a lowered program: buffers by the index of the action making them, by member,
+    and weight buffers by task."""
 
     by_run: dict[int, tuple[Buffer, ...]]
     of_member: dict[int, Buffer]
@@ -123,8 +117,8 @@ class Packing:
         return packed
 
     def zeros(self, index: int, action: Zeros) -> Zeros:
-        """The :class:`Zeros` action at ``index``, filling its sums that are not packed, then
-        one flat buffer per packed group."""
+        """The :class:`Zeros` action at ``index``: its unpacked sums, then one buffer per packed
+        group."""
         packs = self.by_zeros.get(index, ())
         if not packs:
             return action
@@ -141,8 +135,7 @@ class Packing:
         )
 
     def sums(self, run: Run) -> tuple[SumArg, ...]:
-        """The running sums ``run`` reads and returns updated: a packed buffer once for all its
-        members, with the positions of ``run``'s results added to it in the buffer's order."""
+        """The running sums ``run`` reads and returns: a packed buffer once for all its members."""
         position = dict(zip(run.sums, run.summed, strict=True))
         sums: list[SumArg] = []
         for s in run.sums:
@@ -155,8 +148,8 @@ class Packing:
         return tuple(sums)
 
     def inputs(self, run: Run) -> tuple[tuple[int, ...], tuple[InputRead, ...], dict[int, Buffer]]:
-        """The slots ``run`` reads (a packed buffer once for all its members), where each of
-        the fragment's inputs is among them, and the packed buffers among them by position."""
+        """The slots ``run`` reads (a packed buffer once), where each fragment input is among them,
+        and the packed buffers among them by position."""
         args: list[int] = []
         reads: list[InputRead] = []
         packed_args: dict[int, Buffer] = {}
@@ -176,10 +169,8 @@ class Packing:
 
 def slice_offsets(reads: Sequence[InputRead], buffers: dict[int, Buffer]) -> list[int]:
     """The distinct offsets a program takes as arguments to slice members out of its packed
-    arguments (``reads``, ``buffers`` by argument), in the order it takes them: each member's
-    block's base (:meth:`Buffer.base_of`; a member before the first base is its own), its
-    distance from it being fixed in the program (blocks laid out alike share the distances);
-    a ``fixed`` buffer's offsets are all in the program.
+    arguments: each member's block's base (:meth:`Buffer.base_of`); a ``fixed`` buffer's are in the
+    program.
 
     Example:
         >>> two_blocks = (Member(1, 0, (2,)), Member(2, 2, (3,)), Member(3, 5, (2,)),
@@ -205,11 +196,8 @@ def pack(
     weight_bytes: int = 0,
     inputs: Sequence[StepInput] = (),
 ) -> StepProgram:
-    """The pass: ``program`` with the running sums of each task, the residuals of its
-    pipelined programs of at most ``residual_bytes`` each, and the weights of at most
-    ``weight_bytes`` each of each block its pipelined programs read (blocks found by the paths
-    of the step's ``inputs``), whole on each of its devices (one device, or replicated),
-    travelling as flat buffers (:func:`plan_packing` says which)."""
+    """The pass: ``program`` with the running sums, residuals of at most ``residual_bytes`` and
+    block weights of at most ``weight_bytes`` travelling as flat buffers (:func:`plan_packing`)."""
     packing = plan_packing(
         program,
         graph,
@@ -279,16 +267,14 @@ def plan_packing(
     weight_bytes: int = 0,
     inputs: Sequence[StepInput] = (),
 ) -> Packing:
-    """Packs the running sums of each task (:func:`_sum_packing`), the residuals
-    of its pipelined programs of at most ``residual_bytes`` each (:func:`_residual_packing`),
-    and the weights of at most ``weight_bytes`` each of each block its pipelined programs read
-    (:func:`_weight_packing`; blocks found by the paths of the step's ``inputs``)."""
+    """What :func:`pack` packs: sums (:func:`_sum_packing`), residuals (:func:`_residual_packing`)
+    and weights (:func:`_weight_packing`, blocks found by the paths of the step's ``inputs``)."""
     input_names = [i.name for i in inputs]
     readers = _readers(program)
     packing = (
         _residual_packing(program, graph, residual_bytes, input_names, readers)
         if residual_bytes
-        else no_packing(program)
+        else Packing({}, {}, program.num_slots)
     )
     packing = _sum_packing(program, packing, _gathered_sums(program, graph), readers)
     if weight_bytes and input_names:
@@ -319,12 +305,9 @@ def _weight_packing(
     input_names: Sequence[str],
     readers: dict[int, list[Run | None]],
 ) -> Packing:
-    """Adds to ``packing``, per task and block (:func:`block_of`), one buffer per dtype of the
-    step inputs of at most ``weight_bytes`` each, whole on each of its devices (one device, or
-    replicated), that pipelined runs on that task alone read, more than once, without donating
-    them. Members go in the order of their paths
-    inside the block, so blocks alike are laid out alike: their programs slice them at the same
-    offsets, and the blocks' kernels stay alike (XLA compiles each once per program)."""
+    """Adds to ``packing``, per task and block, one buffer per dtype of the step inputs of at most
+    ``weight_bytes`` that pipelined runs on that task alone read, more than once, without donating.
+    Members go in the order of their paths in the block, so blocks alike are laid out alike."""
     groups: dict[tuple, list[tuple[str, int, tuple[int, ...]]]] = {}
     seen: set[int] = set()
     for slot, leaf in program.inputs:
@@ -359,8 +342,7 @@ def _weight_packing(
 
 
 def _readers(program: StepProgram) -> dict[int, list[Run | None]]:
-    """The Runs reading each slot as an argument; ``None`` for any other reader (a running sum's
-    update, a transfer, the step's outputs)."""
+    """The Runs reading each slot as an argument; ``None`` for any other reader."""
     readers: dict[int, list[Run | None]] = {}
     for a in program.actions:
         if isinstance(a, Run):
@@ -379,8 +361,7 @@ def _readers(program: StepProgram) -> dict[int, list[Run | None]]:
 
 
 def _gathered_sums(program: StepProgram, graph: Graph) -> set[int]:
-    """The slots of running sums that gather an output (each microbatch writes its own rows):
-    packed with others, every microbatch would add the whole buffer instead of its rows."""
+    """The slots of running sums that gather an output (each microbatch writes its own rows)."""
     gathered = {op.ins[0] for op in graph.ops if is_gathered(op)}
     return {
         slot
@@ -397,11 +378,9 @@ def _sum_packing(
     gathered: set[int],
     readers: dict[int, list[Run | None]],
 ) -> Packing:
-    """Adds to ``packing`` the running sums of each :class:`Zeros` action that only Runs on
-    its task read, without donating them, other than ``gathered`` ones, on a one-device task or
-    whole (replicated) on a task of one process's devices: grouped by dtype and by the Runs
-    adding to them (each adds to all of a buffer), one flat buffer per group of two or more,
-    replicated over the task's devices."""
+    """Adds to ``packing`` the running sums of each :class:`Zeros` action, whole on its task, that
+    only Runs on its task read, without donating, other than ``gathered`` ones: one buffer per dtype
+    and set of Runs adding to them."""
     adders: dict[int, list[int]] = {}
     for i, a in enumerate(program.actions):
         if isinstance(a, Run):
@@ -440,19 +419,17 @@ def _sum_packing(
 
 
 def _in_one_process(task: Any) -> bool:
-    """Whether all of ``task``'s devices belong to one process (decided alike in every process)."""
+    """Whether all of ``task``'s devices belong to one process."""
     return len({d.process_index for d in task.jax_mesh.devices.flat}) == 1
 
 
 def _packs_on(task: Any, sharding: Any) -> bool:
-    """Whether a value laid out as ``sharding`` on ``task`` may travel in a flat buffer of its
-    task: whole on each of its devices (:func:`_whole`), all of one process."""
+    """Whether a value laid out as ``sharding`` may travel in a flat buffer of ``task``."""
     return _whole(sharding, task) and _in_one_process(task)
 
 
 def _whole(sharding: Any, task: Any) -> bool:
-    """Whether a value laid out as ``sharding`` on ``task`` is whole on each of its devices (one
-    device, or replicated), so that it can travel in a flat buffer replicated alike."""
+    """Whether a value laid out as ``sharding`` is whole on each of ``task``'s devices."""
     if task.jax_mesh.devices.size == 1:
         return True
     return sharding is not None and sharding.is_fully_replicated
@@ -465,14 +442,10 @@ def _residual_packing(
     input_names: Sequence[str],
     readers: dict[int, list[Run | None]],
 ) -> Packing:
-    """Packs, per Run of a pipelined microbatch, the results of one dtype (two or more) of at
-    most ``residual_bytes`` each, whole on each device of its task (pinned so: one device, or a
-    step that splits nothing), that only runs of other fragments on that task read, in every
-    microbatch alike (so each fragment keeps one compiled program). Values that a transfer, a
-    running sum, the step's outputs or another part of the same stage fragment read, and
-    extended dtypes (PRNG keys), are left alone.
-    Each block's results (:func:`_output_blocks`; ``input_names``: the step inputs' paths) go
-    one after the other from a base of their own."""
+    """Packs, per pipelined Run, its results of one dtype (two or more) of at most
+    ``residual_bytes``, whole on its task, that only later runs of other fragments on that task
+    read, alike in every microbatch. Each block's results (:func:`_output_blocks`) go one after the
+    other from a base of their own."""
     actions = program.actions
     weight_blocks = {  # the block of each step input under a list index
         v: where[0]
@@ -539,9 +512,7 @@ def _residual_packing(
 
 
 def _parts_of_one(run: Run, other: Run) -> bool:
-    """Whether ``run`` and ``other`` run parts of one stage fragment (``share_cores``): what one
-    part passes the next travels as the stage's core passes it to another stage, alone, so that
-    the core keeps the program of the stages it is alike."""
+    """Whether ``run`` and ``other`` run parts of one stage fragment (``share_cores``)."""
     return (
         run.label is not None
         and other.label is not None
@@ -551,20 +522,16 @@ def _parts_of_one(run: Run, other: Run) -> bool:
 
 
 def _place(run: Run, graph: Graph, block: dict[int, int], position: int) -> tuple:
-    """Where ``run``'s result at ``position`` goes in its buffer: those in no block first, then
-    block by block, each block's by shape (so that blocks alike are laid out alike even where
-    their results come in another order)."""
+    """Where ``run``'s result at ``position`` goes in its buffer: those in no block first, then by
+    block and shape, so that blocks alike are laid out alike."""
     if position not in block:
         return (-1, (), position)
     return (block[position], graph.shapes[run.fragment.out_ids[position]], position)
 
 
 def _output_blocks(fragment: Any, weight_blocks: dict[int, str]) -> dict[int, int]:
-    """The block (a layer, as ``weight_blocks`` names each block weight's; numbered in the
-    order the fragment first reads one) each of ``fragment``'s results belongs to: that of the
-    first block weight read by the op making it or after it, so that a block's input and the
-    statistics of its first norm go with it, as in every block. Results made after the
-    fragment's last read of a block's weight are in none."""
+    """The block (numbered in the order the fragment reads them) each of ``fragment``'s results
+    belongs to: that of the first block weight read by the op making it or after it."""
     read_by = [
         next((weight_blocks[a] for a in op.ins if isinstance(a, int) and a in weight_blocks), None)
         for op in fragment.ops
@@ -585,8 +552,8 @@ def _output_blocks(fragment: Any, weight_blocks: dict[int, str]) -> dict[int, in
 def _buffer(
     slot: int, dtype: Any, positions: tuple[int, ...], members: Sequence[tuple[int, tuple]]
 ) -> Buffer | None:
-    """The buffer in ``slot`` holding ``members`` (``(slot, shape)`` each) one after the other,
-    or ``None`` if they are fewer than two or too many elements for int32 offsets."""
+    """The buffer in ``slot`` holding ``members`` one after the other, or ``None`` if fewer than two
+    or too large for int32 offsets."""
     if len(members) < 2 or sum(math.prod(shape) for _, shape in members) > _MAX_PACKED:
         return None
     at, offset = [], 0
@@ -594,8 +561,3 @@ def _buffer(
         at.append(Member(slot=member, offset=offset, shape=tuple(shape)))
         offset += math.prod(shape)
     return Buffer(slot=slot, dtype=dtype, members=tuple(at), positions=positions)
-
-
-def no_packing(program: StepProgram) -> Packing:
-    """A program run as lowered: nothing packed."""
-    return Packing({}, {}, program.num_slots)

@@ -1,19 +1,10 @@
-"""Lowering as a chain of named passes over typed programs.
+"""Lowering as a chain of named passes over typed programs, each from program to program.
 
 ``lower`` (``lower.py``) makes the :class:`~mmnnx.mpmd.lower.program.StepProgram` of a cut graph;
-:class:`Passes` then applies, in order:
-
-1. ``pack`` (``pack.py``): values that travel as flat buffers (weights, residuals, sums), once
-   for every process;
-2. ``fold`` (``fold.py``): each task's small programs of the step's start (zeros, packed
-   weights) as one;
-3. ``localize`` (``localize.py``): one process's share, moves between processes as routes
-   (only with several processes), after :func:`~mmnnx.mpmd.lower.order.check_same_order` has checked
-   that every process's share meets the others' in the same order;
-4. ``add_releases`` (``releases.py``): a release after each value's last reader.
-
-Each is a function from program to program; the runner executes the result as it is, and
-``step.plan()`` prints it.
+:class:`Passes` then applies ``pack`` (values travelling as flat buffers), ``fold`` (each task's
+small start programs as one), ``localize`` (one process's share, with several processes, after
+:func:`~mmnnx.mpmd.lower.order.check_same_order`) and ``add_releases`` (a release after each
+value's last reader). The runner executes the result as ``step.plan()`` prints it.
 """
 
 from __future__ import annotations
@@ -33,13 +24,7 @@ from mmnnx.mpmd.step_io import StepInput
 
 @dataclasses.dataclass(frozen=True)
 class Passes:
-    """The passes after ``lower`` for one step: :meth:`share` is what ``process`` runs.
-
-    Example::
-
-        passes = Passes.of(lowered, graph, residual_bytes=0, weight_bytes=0, inputs=inputs)
-        program = passes.share(process=0)
-    """
+    """The passes after ``lower`` for one step: :meth:`share` is what ``process`` runs."""
 
     packed: StepProgram  # the lowered program, packed and folded (the same for every process)
     num_processes: int = 1
@@ -55,9 +40,8 @@ class Passes:
         inputs: Sequence[StepInput],
         num_processes: int = 1,
     ) -> Passes:
-        """Packs ``lowered`` (a step traced with sharding in types, ``graph.specs``, packs
-        nothing: every program keeps the types of its arguments), folds it and, with several
-        processes, checks that their shares meet in one order."""
+        """Packs ``lowered`` (nothing where the step was traced with sharding in types), folds it
+        and, with several processes, checks that their shares meet in one order."""
         packed = lowered
         if not graph.specs:
             packed = pack(

@@ -42,8 +42,7 @@ def _mb(microbatch: int | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Member:
-    """One value inside a packed buffer: the slot it had before packing, where it starts in the
-    buffer (in elements) and its shape."""
+    """One value in a packed buffer: its slot before packing, its offset (elements), its shape."""
 
     slot: int
     offset: int
@@ -57,15 +56,10 @@ class Member:
 @dataclasses.dataclass(frozen=True)
 class Buffer:
     """A flat buffer in ``slot`` holding ``members`` one after the other, all of ``dtype``.
-
-    ``positions``: for a buffer of one run's results, which of its results it holds (in
-    order); empty for running sums and weights. ``fixed``: readers slice it at offsets fixed in
-    their programs (a block's weights, laid out alike in every block); otherwise at offsets
-    passed as arguments. ``bases``: where the members of one block (a layer) begin: a reader
-    slices each member at its block's base, an argument, plus its distance from it, fixed in
-    the program (blocks laid out alike share the distances, so a block's kernels are every
-    block's); a member before the first base is its own base.
-    """
+    ``positions``: which of one run's results it holds (empty for sums and weights). ``fixed``:
+    sliced at offsets fixed in its readers' programs (a block's weights), else at offsets passed as
+    arguments: each member at its block's base (``bases``; a member before the first is its own)
+    plus a distance fixed in the program, shared by blocks laid out alike."""
 
     slot: int
     dtype: np.dtype
@@ -99,8 +93,7 @@ class Buffer:
 
     @property
     def layout(self) -> tuple:
-        """What a program reading or making this buffer depends on: its dtype, fixed or not,
-        bases and members' offsets and shapes (not the slots)."""
+        """What a program reading or making this buffer depends on (not the slots)."""
         return (
             str(self.dtype),
             self.fixed,
@@ -115,8 +108,8 @@ class Buffer:
 
 @dataclasses.dataclass(frozen=True)
 class InputRead:
-    """Where a fragment input is among its program's arguments: argument ``arg`` itself, or
-    (``member``) a slice of the packed buffer passed there."""
+    """Where a fragment input is among its program's arguments: argument ``arg``, or a slice
+    (``member``) of the packed buffer there."""
 
     arg: int
     member: Member | None = None
@@ -124,8 +117,8 @@ class InputRead:
 
 @dataclasses.dataclass(frozen=True)
 class SumArg:
-    """A running sum a program takes and returns updated: in ``slot``, a buffer of several sums
-    (``buffer``) or one; ``positions``: the program's results added to it, in its order."""
+    """A running sum a program takes and returns updated (a buffer of several, or one);
+    ``positions``: the program's results added to it."""
 
     slot: int
     positions: tuple[int, ...]
@@ -134,16 +127,10 @@ class SumArg:
 
 @dataclasses.dataclass(frozen=True)
 class RunPacking:
-    """How a :class:`Run`'s program takes and returns packed buffers (made by ``pack``).
-
-    ``args``: the slots passed for the fragment's inputs, a buffer once for all of its members;
-    ``reads``: per fragment input, where it is among them; ``buffers``: the packed buffers
-    among ``args``, by argument position; ``packs``: buffers the program returns, each
-    concatenating some of its results (``Buffer.positions``); ``sums``: the running sums it
-    takes; ``offsets``: the ``(slot, value)`` of each int32 offset it takes, after the sums,
-    to slice members not ``fixed`` (as arguments, not constants: XLA then compiles one kernel
-    for the members of equal shape, a block's residuals layer after layer).
-    """
+    """How a :class:`Run`'s program takes and returns packed buffers: ``args``, the slots passed (a
+    buffer once); ``reads``, where each fragment input is among them; ``buffers``, the packed ones
+    by position; ``packs``, buffers it returns; ``sums``; ``offsets``, the ``(slot, value)`` of each
+    int32 offset it takes (arguments, not constants, so that alike members share kernels)."""
 
     args: tuple[int, ...]
     reads: tuple[InputRead, ...]
@@ -294,10 +281,9 @@ class Recv:
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """A :class:`Send`/:class:`Recv` pair whose devices belong to several processes, from one
-    process's side (made by ``localize``): it ``sends`` where this process holds part of the
-    source and ``receives`` where it holds part of the target. ``source`` ``None``: a step input,
-    the same on every process, put onto a target spanning processes."""
+    """A :class:`Send`/:class:`Recv` pair spanning processes, from one process's side: it ``sends``
+    where it holds part of the source, ``receives`` where it holds part of the target (``source``
+    ``None``: a step input put onto a target spanning processes)."""
 
     value: int
     from_slot: int
@@ -361,9 +347,7 @@ class Zeros:
 @dataclasses.dataclass(frozen=True)
 class PackWeights:
     """Concatenates step inputs (a block's weights) into ``buffers`` on ``task`` at the step's
-    start: its pipelined runs read the buffers instead of one argument per weight. ``zeros``:
-    the task's running sums, made by the same program (``fold`` puts them there: one small
-    program per task instead of two)."""
+    start; ``zeros``: the task's running sums, made by the same program (``fold``)."""
 
     task: Task
     buffers: tuple[Buffer, ...]
@@ -386,9 +370,8 @@ class PackWeights:
 
 @dataclasses.dataclass(frozen=True)
 class PublishLayout:
-    """Tells the other processes the layout the compiler chose for the value in ``slot`` on
-    ``task`` (made by ``localize``: a value they receive, or a result they hold a placeholder
-    of). Done once, when the step is compiled."""
+    """Tells the other processes the layout the compiler chose for ``slot`` on ``task`` (once, at
+    compile)."""
 
     slot: int
     task: Task
@@ -399,8 +382,7 @@ class PublishLayout:
 
 @dataclasses.dataclass(frozen=True)
 class AwaitLayout:
-    """Reads the layout another process published for ``slot`` on ``task`` (see
-    :class:`PublishLayout`). Done once, when the step is compiled."""
+    """Reads the layout another process published for ``slot`` on ``task`` (once, at compile)."""
 
     slot: int
     task: Task
@@ -436,9 +418,8 @@ Action = (
 
 @dataclasses.dataclass(frozen=True)
 class Output:
-    """A step output: the value in ``slot``, made on ``task`` (``None``: a step input).
-    ``here``: this process holds (part of) it; otherwise the runner hands back a placeholder
-    laid out as it is on ``task``'s devices."""
+    """A step output: the value in ``slot``, made on ``task`` (``None``: a step input); ``here``:
+    this process holds (part of) it, else the runner hands back a placeholder."""
 
     slot: int
     value: int

@@ -1,8 +1,5 @@
-"""The ``add_releases`` pass: a :class:`Release` after each value's last reader.
-
-The last pass of ``passes.py``: it runs on the program as it will run (packed, localized), so a
-packed buffer is dropped after its last reader and a value this process only sends is dropped
-once sent.
+"""The ``add_releases`` pass: a :class:`Release` after each value's last reader, run last, on
+the program as it will run (packed, localized).
 """
 
 from __future__ import annotations
@@ -41,22 +38,14 @@ def reads_writes(action: Action) -> tuple[Sequence[int], Sequence[int]]:
         return reads, (action.slot,) if action.receives else ()
     if isinstance(action, Constant):
         return (), (action.slot,)
-    if isinstance(action, Zeros):
-        return (), action.slots
-    if isinstance(action, PackWeights):
+    if isinstance(action, Zeros | PackWeights):
         return action.members, action.made
     return (), ()
 
 
-def _writer_task(action: Action) -> Task | None:
-    return action.target if isinstance(action, Recv | Route) else action.task
-
-
 def add_releases(program: StepProgram) -> StepProgram:
-    """``program`` with a :class:`Release` after each value's last reader, so activations are
-    freed as soon as the step no longer needs them (the step's inputs and outputs are kept). A
-    value written and never read is dropped right away. Nothing is released between the two
-    runs of an overlapped pair (they are one program)."""
+    """``program`` with a :class:`Release` after each value's last reader (the step's inputs and
+    outputs kept; a value never read dropped at once; nothing between an overlapped pair's runs)."""
     keep = {o.slot for o in program.outputs if isinstance(o, Output) and o.slot is not None}
     keep.update(slot for slot, _ in program.inputs)
     actions = [a for a in program.actions if not isinstance(a, Release)]
@@ -65,9 +54,10 @@ def add_releases(program: StepProgram) -> StepProgram:
     for i, action in enumerate(actions):
         at = i + 1 if isinstance(action, Run) and action.fused else i
         reads, writes = reads_writes(action)
+        writer = action.target if isinstance(action, Recv | Route) else action.task
         for s in writes:
             last.setdefault(s, at)
-            task_of.setdefault(s, _writer_task(action))
+            task_of.setdefault(s, writer)
         for s in reads:
             last[s] = max(last.get(s, at), at)
     after: dict[int, dict[Task | None, list[int]]] = {}

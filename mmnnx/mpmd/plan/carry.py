@@ -1,18 +1,8 @@
 """The microbatch carry: state that a pipelined ``mm.microbatch`` function updates (RNG counts,
 batch statistics), traced once and carried from microbatch to microbatch.
 
-``mm.microbatch`` traces its function once, for microbatch ``index``, with two kinds of markers
-around the Variables it may update (``primitives.py``):
-
-- An RNG count starts microbatch ``index`` at ``count + index * d``, ``d`` being how far one
-  microbatch advances it. ``d`` is known once the function is traced: :func:`resolve_rng_counts`
-  evaluates the count's arithmetic (one ``+ 1`` per draw) and replaces the markers, so every
-  microbatch draws the keys of the unrolled loop, on whichever stage draws them, and the step
-  returns ``count + M * d``.
-- Other state (batch statistics, a running average) is carried (chained): microbatch 0 starts
-  from the Variable's value, microbatch ``k`` from what microbatch ``k - 1`` left, and the step
-  returns the last. :func:`carry_of` pairs the markers; the lowering hands each microbatch's
-  result to the next microbatch's program on the same stage.
+An RNG count starts microbatch ``index`` at ``count + index * d`` (:func:`resolve_rng_counts`);
+other state is chained, microbatch ``k`` starting from what ``k - 1`` left (:func:`carry_of`).
 """
 
 from __future__ import annotations
@@ -34,9 +24,7 @@ def _upstream(
 ) -> tuple[list[Op], set[int], bool]:
     """Walking back from ``start`` to values in ``stop``: the ops on the way (in graph order),
     the ``stop`` values reached, and whether no other input of the step was reached.
-
-    ``prune``: an op with several results (a ``scan`` over layers that also carries the
-    activations) is followed, and returned, computing only the results on the way."""
+    ``prune``: an op with several results is returned computing only the results on the way."""
     producer = graph.producers()
     ops: dict[tuple[int, int], Op] = {}
     seen: set[int] = set()
@@ -109,10 +97,9 @@ def resolve_rng_counts(graph: Graph, num_microbatches: dict[int, int]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Carry:
-    """The state a pipelined step carries from microbatch to microbatch: for each value a
-    microbatch starts from (a ``chain_in`` result), the Variable's value before the step and the
-    value one microbatch leaves (``None`` if no microbatch changes it); for each chained result
-    of the step (a ``chain_out`` result), the value the last microbatch leaves."""
+    """``starts``: each ``chain_in`` result -> the Variable's value before the step and the value
+    one microbatch leaves (``None`` if none changes it); ``results``: each ``chain_out`` result
+    -> the value the last microbatch leaves."""
 
     starts: dict[int, tuple[int, int | None]]
     results: dict[int, int]
@@ -124,13 +111,7 @@ class Carry:
 
 
 def carry_of(graph: Graph) -> Carry:
-    """The carry of ``graph``, pairing its chain markers: each ``chain_out`` with the
-    ``chain_in`` its value is computed from (the same slot).
-
-    Raises:
-        MPMDError: a chained value is computed from another microbatch-start value of its slot,
-            or from none.
-    """
+    """The carry of ``graph``, each ``chain_out`` paired with its slot's ``chain_in``."""
     starts = {op.outs[0]: op for op in graph.ops if marker_kind(op) == "chain_in"}
     pairs: dict[int, tuple[int, int | None]] = {v: (op.ins[0], None) for v, op in starts.items()}
     by_slot: dict[int, set[int]] = {}

@@ -31,8 +31,7 @@ _NAMED = 3  # returns named in a message (the first ones and the last); the othe
 
 
 def read_variable(op: Op, producer: Mapping[int, Op], names: Mapping[int, str]) -> str | None:
-    """The name of a step input ``op`` reads (``names``: graph input value -> its path), directly
-    or through views of it (a transpose, a reshape), if any."""
+    """The name of a step input ``op`` reads, directly or through views of it, if any."""
     stack = [a for a in op.ins if isinstance(a, int)]
     seen: set[int] = set()
     while stack:
@@ -47,8 +46,8 @@ def read_variable(op: Op, producer: Mapping[int, Op], names: Mapping[int, str]) 
 
 
 def culprit(ops: Sequence[Op], producer: Mapping[int, Op], names: Mapping[int, str]) -> str:
-    """What ``ops`` (one task's ops at one point of the pass, in order) run there for: the first
-    Variable they read (and the op reading it), else their first op, with its source line.
+    """What ``ops`` run there for: the first Variable they read (and the op reading it), else
+    their first op, with its source line.
 
     Example: an op in an ``mm.task`` region that reads no Variable::
 
@@ -69,8 +68,7 @@ def describe(
     producer: Mapping[int, Op],
     names: Mapping[int, str],
 ) -> str:
-    """``"the forward pass runs on t0 -> t1 -> t0"``, and for each stage on a task an earlier
-    stage ran on, the :func:`culprit` of its forward ops (``stage_ops``, one list per stage)."""
+    """The stage chain in words, with the :func:`culprit` of each return to a task."""
     chain = " -> ".join(t.name for t in stage_tasks)
     returns = [
         f"stage {s} comes back to {task.name} for {culprit(stage_ops[s], producer, names)}"
@@ -92,8 +90,7 @@ def not_a_chain(
     producer: Mapping[int, Op],
     names: Mapping[int, str],
 ) -> MPMDError:
-    """The error for a forward pass that runs on several tasks at one ``depth`` (``ops_at``:
-    each task's ops there, in order), of which ``again`` run at other depths too."""
+    """The error for a forward pass that runs on several tasks at one ``depth``."""
     tasks = ", ".join(sorted(t.name for t in ops_at)) or "no task"
     hint = (
         f" (the forward pass visits {', '.join(sorted(t.name for t in again))} more than once; "

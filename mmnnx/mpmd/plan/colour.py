@@ -1,13 +1,6 @@
-"""Colouring: which task runs each op.
-
-An op that reads state placed on task T runs on T; an op in an ``mm.task`` region runs on its
-task. Every other op goes where the fewest bytes cross tasks, a value counting once per task that
-receives it (as it is sent), however many of that task's ops read it: a start from the producers
-(heaviest operand, ties to the operand produced last), then alpha-expansion moves
-(``net_cut.py``), each an exact min cut over "switch these ops to task alpha", until no move
-lowers the bytes.
-Updated state pulls its producers home; gradients returned as Variables pull theirs to their
-parameter's task.
+"""Colouring: which task runs each op. An op that reads state placed on task T runs on T, one in
+an ``mm.task`` region on its task; every other op goes where the fewest bytes cross tasks
+(alpha-expansion, ``net_cut.py``), from a start at its heaviest operand's task.
 """
 
 from __future__ import annotations
@@ -27,9 +20,7 @@ _MAX_ROUNDS = 4
 
 @dataclasses.dataclass(frozen=True)
 class Colouring:
-    """The task of every op of a graph (``op_tasks``, in op order), and ``pinned``, the indices
-    of the ops whose task is fixed (they read placed state or sit in a region); the others may
-    move."""
+    """The task of every op of a graph, and ``pinned``, the ops whose task is fixed."""
 
     op_tasks: tuple[Task, ...]
     pinned: frozenset[int]
@@ -42,13 +33,7 @@ def colour(
     tasks: Sequence[Task],
     regions: dict[str, Task] | None = None,
 ) -> Colouring:
-    """The task of every op in ``graph.ops``, given the step's ``inputs`` and ``outputs`` (one
-    record per graph input and output: an input placed on a task pins its readers there, an
-    output's task pulls its producers).
-
-    ``regions`` maps the task names of ``mm.task`` regions to their tasks; ops traced inside a
-    region (forward or backward) run on its task.
-    """
+    """The task of every op, given one record per graph input and output and the regions."""
     regions = regions or {}
     placed = {v: i.task for v, i in zip(graph.inputs, inputs, strict=True) if i.task is not None}
     names = {v: i.name for v, i in zip(graph.inputs, inputs, strict=True)}
@@ -58,8 +43,7 @@ def colour(
         if isinstance(atom, int) and output.task is not None:
             sinks.setdefault(atom, []).append(output.task)
 
-    # A view of placed state (reshaped, broadcast, transposed, cast) still is that state: an op
-    # reading it reads the state, so a stage's layer runs where its parameters live.
+    # A view of placed state (reshaped, broadcast, transposed, cast) still is that state
     state = dict(placed)
     origin = {v: v for v in placed}
     fixed: dict[int, Task] = {}
@@ -98,9 +82,7 @@ def colour(
         p = producer.get(v)
         return placed.get(v) if p is None else assigned[p.index]
 
-    # Start from the producers: an op joins its heaviest operand's task; on a tie, the operand
-    # produced last (the data that just arrived, as a pipeline passes activations forward and
-    # cotangents back).
+    # Start: an op joins its heaviest operand's task; on a tie, the operand produced last
     for op in graph.ops:
         if assigned[op.index] is None:
             weight: dict[Task, tuple[int, int]] = {}
@@ -129,8 +111,7 @@ def _nets(
     placed: dict[int, Task],
     sinks: dict[int, list[Task]],
 ) -> list[Net]:
-    """One net per value made by an op or placed on a task: its readers are the ops that read
-    it and the tasks it is returned to, each once."""
+    """One net per value made by an op or placed on a task."""
     readers: dict[int, dict[int | Task, None]] = {}
     for op in graph.ops:
         for a in op.ins:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -31,11 +31,7 @@ class Fragment:
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """A value moved to ``target`` (from ``source``; ``None`` for an input not yet on any task).
-
-    ``sharding`` is its layout on ``target``. For a value made by a program whose output layout
-    the compiler chooses, it is ``None`` until the step is compiled (first call or ``compile``).
-    """
+    """A value moved to ``target`` (``sharding``: its layout there, once compiled)."""
 
     value: int
     source: Task | None
@@ -47,29 +43,18 @@ class Transfer:
 
 
 def kinds_of(ops: Sequence[Op], after_backward: set[int]) -> tuple[str, ...]:
-    kinds = set()
-    for op in ops:
-        if op.backward:
-            kinds.add("backward")
-        elif op.index in after_backward:
-            kinds.add("update")
-        else:
-            kinds.add("forward")
+    kinds = {
+        "backward" if op.backward else "update" if op.index in after_backward else "forward"
+        for op in ops
+    }
     return tuple(k for k in ("forward", "backward", "update") if k in kinds)
 
 
 def after_backward(graph: Graph) -> frozenset[int]:
-    """Indices of the non-backward ops that depend on a backward op (optimizer updates);
-    computed once per list of ops (planning asks several times)."""
+    """The non-backward ops that depend on a backward op (updates), cached per list of ops."""
     cached = graph._after_backward
     if cached is not None and cached[0] is graph.ops and cached[1] == len(graph.ops):
         return cached[2]
-    out = frozenset(_after_backward(graph))
-    graph._after_backward = (graph.ops, len(graph.ops), out)
-    return out
-
-
-def _after_backward(graph: Graph) -> set[int]:
     tainted: set[int] = set()
     out: set[int] = set()
     for op in graph.ops:
@@ -77,19 +62,16 @@ def _after_backward(graph: Graph) -> set[int]:
             tainted.update(op.outs)
             if not op.backward:
                 out.add(op.index)
-    return out
+    graph._after_backward = (graph.ops, len(graph.ops), frozenset(out))
+    return graph._after_backward[2]
 
 
 def levels(
     graph: Graph, ops: Sequence[Op], op_tasks: Sequence[Task], *, inputs_movable: bool = True
 ) -> dict[int, int]:
-    """Cross-task depth of each op in ``ops`` (values from outside ``ops`` are at depth 0).
-
-    Ops that depend on no other task's op (constants, cotangent seeds, step counters) are then
-    moved as late as their consumers allow, so they join a fragment that exists anyway. With
-    ``inputs_movable=False`` only ops that read no value from outside ``ops`` move (a pipeline
-    stage's forward reads its parameters and must stay first).
-    """
+    """Cross-task depth of each op in ``ops`` (values from outside ``ops`` are at depth 0), ops
+    that depend on no other task's op moved as late as their consumers allow. With
+    ``inputs_movable=False`` only ops that read no value from outside ``ops`` move."""
     inside = {op.index for op in ops}
     producer = {v: op for op in ops for v in op.outs}
     level: dict[int, int] = {}
@@ -137,8 +119,7 @@ def reader_bounds(
     consumers: dict[int, list[Op]],
     inside: set[int],
 ) -> list[int]:
-    """The deepest level each reader of ``op``'s results among ``inside`` allows ``op``: a
-    reader on another task one level shallower than itself, one on ``op``'s task its own."""
+    """The deepest level each reader of ``op``'s results among ``inside`` allows ``op``."""
     task = op_tasks[op.index]
     return [
         level[c.index] - (op_tasks[c.index] != task)
@@ -156,18 +137,11 @@ def make_fragment(
     kinds: tuple[str, ...],
     consumers: dict[int, list[Op]] | None = None,
 ) -> Fragment:
-    """A fragment of ``ops``: its inputs are values it reads but does not make; its outputs are
-    values it makes that another op (by ``consumers``, default the graph's) or the step's
-    result reads."""
+    """A fragment of ``ops``, its outputs what another op or the step's result reads."""
     inside = {op.index for op in ops}
-    produced = {v for op in ops for v in op.outs}
     consumers = graph.consumers() if consumers is None else consumers
     graph_outputs = {a for a in graph.outputs if isinstance(a, int)}
-    in_ids: list[int] = []
-    for op in ops:
-        for a in op.ins:
-            if isinstance(a, int) and a not in produced and a not in in_ids:
-                in_ids.append(a)
+    in_ids = inputs_of(ops)
     out_ids = [
         v
         for op in ops
@@ -175,6 +149,14 @@ def make_fragment(
         if v in graph_outputs or any(c.index not in inside for c in consumers.get(v, ()))
     ]
     return Fragment(name=name, task=task, ops=ops, in_ids=in_ids, out_ids=out_ids, kinds=kinds)
+
+
+def inputs_of(ops: Sequence[Op]) -> list[int]:
+    """The values ``ops`` read but do not make, in the order first read."""
+    produced = {v for op in ops for v in op.outs}
+    return list(
+        dict.fromkeys(a for op in ops for a in op.ins if isinstance(a, int) and a not in produced)
+    )
 
 
 def replicable_ops(
@@ -186,14 +168,9 @@ def replicable_ops(
     side_inputs: bool = False,
 ) -> list[Op]:
     """Cheap ops that read at least one ``seeds`` value (or another such op's result) and
-    otherwise only ``allowed`` values; their results are not step outputs.
-
-    With ``side_inputs`` (a pipeline's microbatch region), ops that read no value at all
-    (``iota``, constants) are seeds too, and any op but a contraction or a nested program counts
-    as cheap: a mask, position table or time embedding built from the batch and constants is
-    recomputed in each stage that reads it instead of running on one stage and being sent to
-    every other. Results read outside ``ops`` (a microbatch sum, another cut) are not recomputed.
-    """
+    otherwise only ``allowed`` values; their results are not step outputs. With
+    ``side_inputs`` (a microbatch region), ops that read no value are seeds too, any op
+    :func:`is_cheap` counts is cheap, and results read outside ``ops`` are not recomputed."""
     outputs = {a for a in graph.outputs if isinstance(a, int)}
     inside = {op.index for op in ops}
     consumers = graph.consumers() if side_inputs else {}
@@ -209,8 +186,6 @@ def replicable_ops(
             )
             seeded = not sources or any(a in reachable for a in sources)
         else:
-            # slicing a batch into inputs and labels, and index arithmetic (scalar or non-float
-            # results), is cheap enough to recompute in every fragment that reads it
             cheap = is_slicing(op) or all(
                 graph.shapes[v] == () or not jnp.issubdtype(graph.dtypes[v], jnp.floating)
                 for v in op.outs
@@ -232,27 +207,29 @@ def with_replicas(
 ) -> Fragment:
     """A fragment of ``ops`` plus the replicable ops whose results they read (recomputed here)."""
     producer = {v: op for op in replicas for v in op.outs}
-    needed: dict[int, Op] = {}
-    stack = [a for op in ops for a in op.ins if isinstance(a, int) and a in producer]
-    while stack:
-        p = producer[stack.pop()]
-        if p.index not in needed:
-            needed[p.index] = p
-            stack += [a for a in p.ins if isinstance(a, int) and a in producer]
+    needed = makers_of(ops, producer, producer)
     body = sorted([*ops, *needed.values()], key=lambda op: op.index)
     frag = make_fragment(graph, name, task, body, kinds)
     frag.out_ids = [v for v in frag.out_ids if v not in producer]
     return frag
 
 
+def makers_of(ops: Sequence[Op], producer: dict[int, Op], wanted: Container[int]) -> dict[int, Op]:
+    """The ops of ``producer`` that make the ``wanted`` values ``ops`` read, transitively."""
+    needed: dict[int, Op] = {}
+    stack = [a for op in ops for a in op.ins if isinstance(a, int) and a in wanted]
+    while stack:
+        p = producer[stack.pop()]
+        if p.index not in needed:
+            needed[p.index] = p
+            stack += [a for a in p.ins if isinstance(a, int) and a in wanted]
+    return needed
+
+
 def _input_slicing(graph: Graph, ops: list[Op], free: set[int]) -> list[Op]:
     """The ops of ``ops`` that cut free inputs (a batch into inputs and targets), to recompute
-    in each fragment that reads them rather than send between tasks.
-
-    Only for inputs that no ``mm.task`` region reads, directly or through such ops: a region's
-    unplaced inputs are its parameters (multimesh programs), which go to that region's task once.
-    An op whose result is read outside ``ops`` (another cut) runs once, as usual.
-    """
+    in each fragment that reads them; not for inputs an ``mm.task`` region reads (directly or
+    through such ops), nor ops whose result is read outside ``ops``."""
     consumers = graph.consumers()
     candidates = replicable_ops(graph, ops, free, free)
     origin: dict[int, set[int]] = {v: {v} for v in free}
@@ -284,9 +261,7 @@ def cut(
     suffix: str = "",
     free_inputs: set[int] | None = None,
 ) -> list[Fragment]:
-    """Groups ``ops`` (default: all) into fragments keyed by (cross-task depth, task), in a valid
-    dispatch order. Cheap slicing of ``free_inputs`` (inputs on no task, e.g. the batch) is
-    recomputed in each fragment that reads it."""
+    """Groups ``ops`` (default: all) into fragments by (cross-task depth, task), in order."""
     ops = list(graph.ops if ops is None else ops)
     replicas = _input_slicing(graph, ops, free_inputs or set())
     replica_ids = {op.index for op in replicas}

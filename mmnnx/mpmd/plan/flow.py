@@ -1,13 +1,6 @@
 """Which task runs each op of a pipelined region that reads no placed state, so that the stages
-form a chain: forward values flow from earlier stages to later ones, cotangents back.
-
-The colouring (``colour.py``) counts bytes only. A decoder layer's attention over an encoder's
-output, its keys and values read directly (no projection), reads the encoder's output twice
-and its own query once: counted in bytes, the attention runs on the encoder's task, which the
-forward pass would then visit again after the decoder layer's query. Here each such op moves
-to the task its latest operand comes from, the depth of every task counted over the ops whose
-task is fixed (:func:`pinned_depths`), so that where the colouring put the others does not
-change it.
+form a chain: the colouring counts bytes only, so each such op moves to the task its latest
+operand comes from, depths counted over the ops whose task is fixed (:func:`pinned_depths`).
 """
 
 from __future__ import annotations
@@ -25,14 +18,7 @@ from mmnnx.sharding import Task
 def follow_the_flow(
     graph: Graph, region: list[Op], op_tasks: Sequence[Task], pinned: AbstractSet[int]
 ) -> list[Task]:
-    """``op_tasks`` with the ops that read no placed state moved onto the stage their data comes
-    from where the colouring (which counts bytes only) put them on a stage that runs earlier in
-    their pass.
-
-    A forward op combining a skip connection from stage 0 with stage 2's output runs on stage 2
-    (the skip is sent from stage 0 to stage 2, instead of stage 2's output going back to stage
-    0); in the backward pass, the sum of that skip's cotangent and stage 1's runs on stage 1,
-    where both have arrived."""
+    """``op_tasks``, ops reading no placed state moved onto the stage their data comes from."""
     moved = list(op_tasks)
     updates = after_backward(graph)
     movable = [op for op in region if op.index not in pinned and op.index not in updates]
@@ -49,11 +35,7 @@ def _forward_flow(
     op_tasks: list[Task],
     pinned: AbstractSet[int],
 ) -> None:
-    """Each movable forward op on a task whose first visit comes before its latest operand's
-    task (counted by :func:`pinned_depths`) moves to that operand's task. One that no fixed op
-    feeds, on a task the pass never visits (the zero gradient of a parameter on a task that
-    holds nothing the loss reads), moves to the first stage's task: its microbatch sum goes to
-    the parameter's task once, as the step's output."""
+    """Moves each movable forward op to its latest operand's task where that is visited later."""
     depths = pinned_depths(graph, forward, op_tasks, pinned)
     start = min(depths.first, key=depths.first.get, default=None)
     for op in movable:
@@ -74,8 +56,7 @@ def _forward_flow(
 
 
 def _backward_flow(graph: Graph, region: list[Op], movable: list[Op], op_tasks: list[Task]) -> None:
-    """Cotangents walk the stages in reverse, so a backward op joins the input that arrives
-    last, the one on the earliest stage (only where each task holds one stage)."""
+    """A backward op joins the input on the earliest stage (where each task holds one stage)."""
     producer = {v: op for op in region for v in op.outs}
     updates = after_backward(graph)
     level, late = forward_levels(graph, region, op_tasks)
@@ -90,7 +71,6 @@ def _backward_flow(graph: Graph, region: list[Op], movable: list[Op], op_tasks: 
     consumers = graph.consumers()
 
     def readers_bound(op: Op) -> Task | None:
-        """The task of the latest stage whose backward reads ``op``'s results."""
         readers = [
             op_tasks[c.index]
             for v in op.outs
@@ -99,8 +79,6 @@ def _backward_flow(graph: Graph, region: list[Op], movable: list[Op], op_tasks: 
         ]
         return max(readers, key=stage_of.get) if readers else None
 
-    # an op a later stage's backward reads runs there, not on a stage whose backward comes
-    # after it (the cross-attention's query cotangent, made with the key of an earlier task)
     for op in reversed(movable):
         bound = readers_bound(op) if op.backward and op_tasks[op.index] in stage_of else None
         if bound is not None and stage_of[bound] > stage_of[op_tasks[op.index]]:
@@ -124,17 +102,12 @@ def _backward_flow(graph: Graph, region: list[Op], movable: list[Op], op_tasks: 
 
 @dataclasses.dataclass(frozen=True)
 class PinnedDepths:
-    """Where a pipeline's forward values come from, counted over the ops whose task is fixed
-    (they read placed state): ``sources[v]`` maps each task whose pinned ops ``v`` is computed
-    from (through unpinned ops only) to the depth of the deepest of them; ``first[t]`` is the
-    depth of task ``t``'s first visit. Unpinned ops do not count, so neither depends on where
-    the colouring put them."""
+    """Per value, each pinned task it comes from and its depth; per task, its first visit."""
 
     sources: dict[int, dict[Task, int]]
     first: dict[Task, int]
 
     def sources_of(self, op: Op) -> dict[Task, int]:
-        """The tasks (and depths) ``op``'s operands come from."""
         return _merged(self.sources.get(a, {}) for a in op.ins if isinstance(a, int))
 
 
@@ -150,19 +123,10 @@ def _merged(maps: Iterable[dict[Task, int]], pick=max) -> dict[Task, int]:
 def pinned_depths(
     graph: Graph, forward: Sequence[Op], op_tasks: Sequence[Task], pinned: AbstractSet[int]
 ) -> PinnedDepths:
-    """The :class:`PinnedDepths` of ``forward`` (a pipelined region's forward ops, in order).
+    """The :class:`PinnedDepths` of ``forward``. A pinned op with no source on another task
+    moves as deep as the pinned ops its result reaches allow (reaching none, it marks no visit).
 
-    A pinned op's depth is the largest of its sources' depths, plus one for a source on
-    another task. A pinned op with no source on another task (a decoder layer's query
-    projection of its own input) moves as deep as the pinned ops its result reaches allow, as
-    :func:`~mmnnx.mpmd.plan.stage_levels.join_consumers` moves ops; such an op that reaches
-    none marks no visit of its task.
-
-    Example (tasks are stand-ins): the encoder (op 0, on ``t0``) and the decoder's query
-    projection (op 1, on ``t1``, of the decoder's own input) feed an attention that reads no
-    placed state (op 2), whose output a projection on ``t1`` reads (op 3). The query projection
-    goes to depth 1, beside that projection, so the attention's operands come from ``t0`` at
-    depth 0 and ``t1`` at depth 1, wherever the colouring put it::
+    Example: the query projection (op 1) goes to depth 1, beside the projection it feeds::
 
         >>> from mmnnx.mpmd.ir import Graph
         >>> enc = Op(0, None, {}, [9, 20], [10], False, "", "dot_general")
@@ -195,7 +159,6 @@ def pinned_depths(
 
     propagate()
     consumers = graph.consumers()
-    # unpinned op -> the tasks of the pinned ops its result reaches, the shallowest depth each
     reaches: dict[int, dict[Task, int]] = {}
     anchored = set(crossed)  # the pinned ops that mark a visit of their task
     for op in reversed(forward):

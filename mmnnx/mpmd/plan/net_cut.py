@@ -1,13 +1,7 @@
 """Alpha-expansion over nets: the task of each free op such that the fewest bytes cross tasks,
-a value counting once per task that receives it (as the lowering sends it), not once per op
-that reads it there.
-
-A net is a value: its source (the op that makes it, or the task an input is placed on) and its
-readers (the ops that read it, the tasks it is returned to). Its cost is its bytes times the
-number of tasks among its readers' other than its source's. Each move switches the set of free
-ops to one task that lowers the total most, found exactly by one min cut (scipy's
-maximum_flow): a net with several readers is joined to them through one extra node per task
-they are on (Boykov, Veksler & Zabih's moves, with the hypergraph cut's gadget of Lawler).
+a value counting once per task that receives it, not once per op that reads it there. Each
+move is one min cut (scipy's maximum_flow), a net with several readers joined to them through
+one extra node per task (Boykov, Veksler & Zabih's moves, with Lawler's hypergraph gadget).
 """
 
 from __future__ import annotations
@@ -26,9 +20,7 @@ _MAX_FLOW = 2**30  # the total capacity out of the source once scaled (the flow 
 @dataclasses.dataclass(frozen=True)
 class Net:
     """A value that crosses to each task its readers are on, but not its source's, once.
-
-    ``source``: the op index that makes it, or the task an input is placed on; ``readers``: op
-    indices and tasks (an output's home), each once; ``nbytes``: its size.
+    ``source`` and ``readers`` are op indices or tasks (an input's or output's home).
 
     Example: a value of 64 bytes that op 0 makes and ops 1 and 2 read::
 
@@ -43,11 +35,9 @@ class Net:
 
 @dataclasses.dataclass
 class NetCut:
-    """Nets as arrays over nodes: ops ``0..num_ops-1``, then one node per task (a fixed end);
-    ``labels[node]`` is a task's number in ``tasks``, ``free[node]`` whether it may change.
+    """Nets as arrays over nodes: ops ``0..num_ops-1``, then one node per task (a fixed end).
 
-    Example: op 0 (fixed on ``A``) makes a value that free ops 1 and 2 read; op 1 starts on
-    ``B``. Moving it to ``A`` (task 0) stops 8 bytes crossing::
+    Example: moving op 1 from ``B`` to ``A`` (task 0) stops 8 bytes crossing::
 
         >>> cut = NetCut.of(["A", "B"], [Net(0, (1, 2), 8)], ["A", "B", "A"], {0})
         >>> cut.crossing(), cut.expand(0), cut.crossing(), cut.tasks_of_ops()
@@ -71,8 +61,6 @@ class NetCut:
         labels: Sequence[Task],
         fixed: Collection[int],
     ) -> NetCut:
-        """The cut of ``nets`` over ops labelled ``labels`` (a task per op), the ops in
-        ``fixed`` never moving."""
         known = list(tasks)
         number = {id(t): i for i, t in enumerate(known)}
         ends = (x for net in nets for x in (net.source, *net.readers) if not isinstance(x, int))
@@ -100,12 +88,9 @@ class NetCut:
         )
 
     def tasks_of_ops(self) -> tuple[Task, ...]:
-        """The task of each op, in op order."""
         return tuple(self.tasks[i] for i in self.labels[: self.num_ops])
 
     def crossing(self) -> int:
-        """The bytes crossing tasks: each net's, once per task its readers are on but its
-        source is not."""
         labels = self.labels
         reader = labels[self.pin_node]
         away = reader != labels[self.source][self.pin_net]
@@ -113,12 +98,7 @@ class NetCut:
         return int(self.weight[pairs // len(self.tasks)].sum())
 
     def expand(self, alpha: int) -> bool:
-        """One alpha-expansion move: the cheapest set of free ops to switch to task number
-        ``alpha`` (min cut); ``True`` when it lowered the bytes crossing tasks.
-
-        Minimises the bytes crossing tasks exactly over all such switches, so whole chains move
-        together where single-op moves would stall on ties.
-        """
+        """Switches the cheapest free ops to task ``alpha``; ``True`` if fewer bytes cross."""
         movable = self.free & (self.labels != alpha)
         n = int(movable.sum())
         if not n:
@@ -141,15 +121,9 @@ class NetCut:
 def _move_edges(
     cut: NetCut, movable: np.ndarray, alpha: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
-    """The flow network of one move: rows, columns and capacities of its edges, and its node
-    count (the movable ops, the source, the sink, then one hub per group of readers that needs
-    one); ``None`` when no edge depends on the move.
-
-    An op left on the source's side keeps its task, one on the sink's side switches to
-    ``alpha``. A net costs its bytes for each task ``t`` other than ``alpha`` where a reader
-    stays while its source is not there after the move, and for ``alpha`` when a reader is
-    there after the move while its source is not.
-    """
+    """The flow network of one move (edge rows, columns, capacities, node count: the movable
+    ops, the source, the sink, then hubs), or ``None`` when no edge depends on the move. An op
+    left on the source's side keeps its task, one on the sink's side switches to ``alpha``."""
     n = int(movable.sum())
     index = np.full(len(cut.labels), -1, dtype=np.int64)
     index[movable] = np.arange(n)
@@ -203,9 +177,7 @@ _NEW = 2**40  # hubs are numbered from here until _move_edges renumbers them
 
 @dataclasses.dataclass
 class _Members:
-    """Groups of a move's readers: ``group`` of each reader, whether it may move (``free``),
-    its node (``index``), and per group whether a reader is fixed where the group's charge
-    asks (``fixed``). ``switch``: a group is charged when a reader switches, not stays."""
+    """Groups of a move's readers, charged when a reader stays (``switch``: switches)."""
 
     group: np.ndarray
     free: np.ndarray
@@ -216,16 +188,10 @@ class _Members:
     def hubs(
         self, weight: np.ndarray, use: np.ndarray, outer: np.ndarray, terminal: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """Edges charging group ``g`` its ``weight[g]`` where ``use[g]``: when a reader stays
-        while node ``outer[g]`` switches (with ``switch``: a reader switches while ``outer[g]``
-        stays). ``outer`` may be the sink (the source), for "whenever".
-
-        A group's readers join ``outer`` through a hub: the terminal ``terminal`` where a reader
-        is fixed (it stays, or is on alpha, whatever the move), the reader itself where it is
-        the only one, else a new node, each reader tied to it by the group's weight (cutting a
-        reader's edge never costs less than cutting the hub's). Returns rows, columns,
-        capacities and the number of new nodes (numbered from ``_NEW``).
-        """
+        """Edges charging group ``g`` its ``weight[g]`` where ``use[g]``, when a reader stays
+        while node ``outer[g]`` switches (with ``switch``: the reverse), through a hub: the
+        ``terminal`` where a reader is fixed, the reader itself where it is the only one, else
+        a new node (numbered from ``_NEW``). Returns rows, columns, capacities, new nodes."""
         count = np.bincount(self.group[self.free], minlength=len(self.fixed))
         single = np.full(len(self.fixed), -1, dtype=np.int64)
         np.maximum.at(single, self.group[self.free], self.index[self.free])
@@ -249,9 +215,7 @@ class _Members:
 def _source_side(
     rows: np.ndarray, cols: np.ndarray, caps: np.ndarray, size: int, source: int
 ) -> np.ndarray:
-    """Which of ``size`` nodes a minimum cut between ``source`` and the next node (the sink)
-    leaves on the source's side. Capacities are scaled to maximum_flow's int32, each at least
-    1: an edge that carries bytes is never free to cut."""
+    """Which of ``size`` nodes a min cut from ``source`` to ``source + 1`` leaves on its side."""
     from scipy.sparse import csr_matrix  # noqa: PLC0415  (slow to import: only for a cut)
     from scipy.sparse.csgraph import breadth_first_order, maximum_flow  # noqa: PLC0415
 

@@ -1,11 +1,6 @@
-"""Pipelining a traced step: an ``mm.microbatch`` region, traced once, becomes per-stage F/B (or
-I/W) fragments that the runtime runs once per microbatch, in the order a schedule gives.
-
-The step splits into three parts: ``pre`` (ops that need no microbatch result), the region (ops
-traced inside the microbatch call, run once per microbatch) and ``post`` (ops that read the
-accumulated results, e.g. the optimizer update). Region ops are assigned to stages by their
-cross-task depth: forward ops at depth d belong to stage d; backward ops at depth 2(S-1)-d belong
-to stage d again, since cotangents walk the stages in reverse.
+"""Pipelining a traced step: ``pre`` (ops that need no microbatch result), an ``mm.microbatch``
+region, traced once, cut into per-stage F/B (or I/W) fragments run once per microbatch in the
+order a schedule gives, and ``post`` (ops that read the accumulated results).
 """
 
 from __future__ import annotations
@@ -81,15 +76,9 @@ def plan_pipeline(
     names: Mapping[int, str] | None = None,
 ) -> tuple[Pipeline | None, tuple[Task, ...]]:
     """The pipelined plan (``None`` when the step has no traced microbatch region) and the task
-    of every op, which planning may change.
-
-    ``free_inputs`` are the graph inputs placed on no task (batches, counters); ``pinned`` the ops
-    whose task is fixed (they read placed state): the others may move to keep the stages a
-    chain. ``recompute_residuals``: see
-    :func:`~mmnnx.mpmd.plan.remat.recompute_residuals`. ``schedule`` (a name or a table), if given,
-    replaces the schedule the ``mm.microbatch`` call named (``mm.jit``'s planning option).
-    ``names`` (graph input value -> its path) name the Variables that bring the forward pass
-    back to a task in errors."""
+    of every op, which planning may change. ``free_inputs``: the graph inputs placed on no task;
+    ``pinned``: the ops whose task is fixed; ``schedule``, if given, replaces the one the
+    ``mm.microbatch`` call named; ``names`` (graph input value -> its path) are for errors."""
     names = names or {}
     region_groups = {op.group for op in graph.ops if op.group is not None}
     if not region_groups:
@@ -140,15 +129,8 @@ def plan_pipeline(
             pre_ops.append(op)
     pre_ops, post_ops = _sink_to_post(graph, pre_ops, post_ops, region_ids, special)
 
-    # Index arithmetic, the slicing of unplaced inputs (the batch) by the microbatch index, and
-    # side inputs built from them and constants (masks, positions) are recomputed in every
-    # fragment that needs them rather than sent between tasks.
-    # So are RNG keys derived per microbatch: small placed state (a key, a count) is sent to
-    # each stage that draws, which draws its own random bits. Not a small parameter (floating
-    # point): the tokens a small table embeds are the first stage's compute, as a large one's.
-    # So is a stage's microbatch of a side input built before the loop from the batch and
-    # passed to mm.microbatch whole (the Gemma example's attention mask): each stage that
-    # reads it slices its own out of it, instead of one stage slicing and sending to all.
+    # Index arithmetic, the batch's slicing, side inputs made from them and constants, and RNG
+    # keys drawn from small non-float state are recomputed in every stage that reads them.
     seeds = {index_value} if index_value is not None else set()
     small_state = {v for v in graph.inputs if graph.nbytes[v] <= _SMALL_STATE}
     draws = {v for v in small_state if not jnp.issubdtype(graph.dtypes[v], jnp.floating)}
@@ -156,8 +138,6 @@ def plan_pipeline(
     replicable = replicable_ops(
         graph, region, seeds, batch | _batch_derived(pre_ops, batch), side_inputs=True
     )
-    # Constants the stages read (filled arrays of a norm's statistics, scan constants) are made in
-    # each stage that reads them, not on one task and sent before the first microbatch.
     made_here = _stage_constants(graph, pre_ops, region_ids, small_state)
     made_ids = {op.index for op in made_here}
     pre_ops = [op for op in pre_ops if op.index not in made_ids]
@@ -214,10 +194,7 @@ def _sink_to_post(
     region_ids: set[int],
     special: Callable[[Op], bool],
 ) -> tuple[list[Op], list[Op]]:
-    """Moves the ops that need nothing from the microbatch loop and that the loop does not need
-    either (an optimizer's moment decay ``b1 * mu``) after it: run before the loop, each would
-    make a program of its own per task and hold its results for the whole loop. Ops that may
-    fail or have effects stay where the step put them."""
+    """Moves the pure ops of ``pre_ops`` the microbatch loop does not need after it."""
     producer = graph.producers()
     needed: set[int] = set()
     stack = [
@@ -246,8 +223,7 @@ def _sink_to_post(
 
 
 def _batch_derived(pre_ops: list[Op], sources: AbstractSet[int]) -> set[int]:
-    """The values that ops before the microbatch loop compute from ``sources`` (the batch,
-    small state) and constants only.
+    """The values that ``pre_ops`` compute from ``sources`` and constants only.
 
     Example:
         >>> from mmnnx.mpmd.ir import Const
@@ -267,13 +243,9 @@ def _batch_derived(pre_ops: list[Op], sources: AbstractSet[int]) -> set[int]:
 def _stage_constants(
     graph: Graph, pre_ops: list[Op], region_ids: set[int], small_inputs: AbstractSet[int]
 ) -> list[Op]:
-    """The ops of ``pre_ops`` computed from constants and ``small_inputs`` only (a filled array,
-    a position table: an ``iota`` and the ``sin`` of it), cheap, whose results only pipeline
-    stages (or other such ops) read. JAX hoists such tables out of a scan over the layers, so a
-    scanned model computes them before the microbatch loop; each stage makes its own instead of
-    waiting for one stage to make them and send them. Larger tables (over ``_SMALL_TABLE``
-    bytes) are made once per step and sent: remade for every microbatch, they could cost more
-    than the transfer."""
+    """The cheap ops of ``pre_ops`` computed from constants and ``small_inputs`` only, whose
+    results (up to ``_SMALL_TABLE`` bytes) only pipeline stages or other such ops read: each
+    stage makes its own."""
     consumers = graph.consumers()
     outputs = {v for v in graph.outputs if isinstance(v, int)}
     made: dict[int, Op] = {}
@@ -302,8 +274,7 @@ def _stage_constants(
 
 
 def _check_chains(graph: Graph, chained: Carry, stages: dict[tuple[str, int], Fragment]) -> None:
-    """Raises unless each chained Variable is read and written by one stage's forward program:
-    microbatch k's value is handed to microbatch k + 1's program there."""
+    """Raises unless each chained Variable is read and written by one stage's forward program."""
     where = {op.index: key for key, frag in stages.items() for op in frag.ops}
     producer = graph.producers()
     consumers = graph.consumers()
@@ -330,10 +301,7 @@ def stage_fragments(
     replicable: list[Op],
     names: Mapping[int, str] | None = None,
 ) -> tuple[dict[tuple[str, int], Fragment], list[Task]]:
-    """Each op of ``region`` (a microbatch loop's ops, in order, on ``op_tasks``) in its stage's
-    forward (``F``) or backward (``B``) fragment, ``replicable`` ops recomputed where they are
-    read; and the task of each stage. ``names`` (graph input value -> its path) name the
-    Variables of a forward pass that is no chain in the error."""
+    """Each op of ``region`` in its stage's F or B fragment; and the task of each stage."""
     names = names or {}
     level, late = forward_levels(graph, region, op_tasks)
     updates = after_backward(graph)
@@ -351,8 +319,7 @@ def stage_fragments(
             raise not_a_chain(s, found, again, graph.producers(), names)
         stage_tasks.append(next(iter(found)))
 
-    # Backward ops walk the stages in reverse: their depth counts task changes along the backward
-    # pass only (a layer's input gradient may not need its forward activations at all).
+    # A backward op's depth counts task changes along the backward pass only
     inside = {op.index: op for op in region}
     producer_of = {v: op for op in region for v in op.outs}
     depth: dict[int, int] = {}
@@ -394,9 +361,7 @@ def stage_fragments(
                 if c.index in inside and c.index in stage_of and op_tasks[c.index] == task
             ]
             stage_of[op.index] = min(readers) if readers else nearest_stage(task, 0, op)
-    # A task's ops right after one of its virtual stages (a head tied to the first stage's
-    # embedding, after a V's last stage) run in that stage: the same devices, the same visit
-    # (their entries in ``op_tasks`` become that stage's task).
+    # A task's ops right after one of its virtual stages run in that stage
     merged, kept = [0] * num_stages, [0]
     for s in range(1, num_stages):
         if stage_tasks[s] is not stage_tasks[s - 1] and stage_tasks[s] is stage_tasks[s - 1].home:
@@ -432,16 +397,14 @@ def chain_of(
     replicas: AbstractSet[int],
     names: Mapping[int, str],
 ) -> str:
-    """The stage chain in words (:func:`~mmnnx.mpmd.plan.chain.describe`), from each stage's
-    forward ops (``replicas``, recomputed side inputs, left out)."""
+    """The stage chain in words, from each stage's forward ops but ``replicas``."""
     forward = [stages.get(("F", s)) for s in range(len(stage_tasks))]
     ops = [[op for op in f.ops if op.index not in replicas] if f else [] for f in forward]
     return describe(stage_tasks, ops, graph.producers(), names)
 
 
 def _schedule(group: MicrobatchGroup, num_stages: int, chain: str) -> sched.Schedule:
-    """The schedule ``group`` names (or holds) for ``num_stages`` stages; ``chain``, the stage
-    chain in words, explains the stage count in its errors."""
+    """The schedule ``group`` names (or holds) for ``num_stages`` stages."""
     m = group.num_microbatches
     v = group.virtual_stages
     tied = (
@@ -469,8 +432,7 @@ def _schedule(group: MicrobatchGroup, num_stages: int, chain: str) -> sched.Sche
 
 
 def _check_ranks(schedule: sched.Schedule, stage_tasks: Sequence[Task], chain: str) -> None:
-    """The stages a schedule runs on one rank must run on one task's devices (``chain``: the
-    stage chain in words, for the error)."""
+    """Raises unless the stages a schedule runs on one rank run on one task's devices."""
     for s, task in enumerate(stage_tasks):
         together = schedule.stages_of(schedule.stage_to_rank[s])
         first = stage_tasks[together[0]]
@@ -503,9 +465,7 @@ def split_backward(
     op_tasks: Sequence[Task],
     split: frozenset[int],
 ) -> dict[tuple[str, int], Fragment]:
-    """Zero-bubble: the backward of each stage in ``split`` also gets an I fragment (what the
-    previous stage waits for) and a W fragment (weight gradients, which can run later); its B
-    fragment stays for microbatches the schedule runs unsplit."""
+    """Zero-bubble: each split stage's backward also as an I fragment and a W fragment."""
     out: dict[tuple[str, int], Fragment] = dict(stages)
     consumers = graph.consumers()
     in_stage = {op.index for frag in stages.values() for op in frag.ops}
@@ -514,8 +474,6 @@ def split_backward(
             continue
         inside = {op.index for op in frag.ops}
         producer = {v: op for op in frag.ops for v in op.outs}
-        # values leaving the fragment towards another stage's fragment (on another task, or on
-        # this one when it holds several stages) are on the critical path
         critical = {
             v
             for v in frag.out_ids
@@ -553,8 +511,7 @@ def split_backward(
 def _input_gradient_ops(
     critical: set[int], producer: dict[int, Op]
 ) -> tuple[set[int], dict[int, list[bool]]]:
-    """The ops an I pass runs to make the ``critical`` values; for each scan among them that
-    runs its body in two parts (:func:`split_scan`), which of its results the I pass needs."""
+    """The ops an I pass runs for ``critical``, and the results of each split scan it needs."""
     needed: set[int] = set()
     scans: dict[int, list[bool]] = {}
     whole: set[int] = set()  # scans the I pass runs whole

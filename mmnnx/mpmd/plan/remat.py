@@ -1,14 +1,6 @@
-"""Rematerialisation: which residuals a stage's backward recomputes instead of reading.
-
-A stage's forward returns every value its backward reads: 56 arrays per microbatch for a
-2-block GPT stage, a third of them arithmetic on the others (``2 * x``, ``x * rsqrt``, a norm's
-broadcast scale, the pieces of a GELU). Each returned array costs the host a few microseconds
-per launch and holds memory until the backward runs. Here the backward fragments of each stage
-recompute such residuals from those they keep, fused into their own kernels, so the forward
-returns fewer arrays and fewer bytes wait between the passes; a value they would remake two
-or more residuals from is kept in their place (a first stage's embedded tokens, from which its
-backward then remakes what a middle stage's remakes from its input). A pure pass over
-fragments.
+"""Rematerialisation: which residuals a stage's backward recomputes instead of reading, so the
+forward returns fewer arrays (each costs the host microseconds per launch) and fewer bytes wait
+between the passes. A pure pass over fragments.
 """
 
 from __future__ import annotations
@@ -17,7 +9,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from mmnnx.mpmd.ir import Graph, Op
-from mmnnx.mpmd.plan.cut import Fragment
+from mmnnx.mpmd.plan.cut import Fragment, inputs_of, makers_of
 
 _ARITHMETIC = ("add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "square")
 _MORE_ARITHMETIC = ("integer_pow", "select_n", "copy", "copy_p", "iota")
@@ -38,16 +30,10 @@ def recompute_residuals(
     replicated: Iterable[int] = (),
     excluded: Iterable[int] = (),
 ) -> dict[tuple[str, int], Fragment]:
-    """The stage fragments with each forward's cheap residuals recomputed by the backward
-    fragments of its stage (``B``, ``I``, ``W``) that read them.
-
-    A residual is recomputed when its op is in :data:`RECOMPUTED`, every value it reads is
-    available to the backward (kept, a forward input, or itself recomputable) within
-    :data:`MAX_DEPTH` ops, and nothing but that stage's passes reads it; a value the forward
-    makes that two or more such residuals would be remade from, no larger than they are
-    together, is kept. ``replicated``: ops
-    every fragment may remake (side inputs: masks, positions), recomputed at any depth;
-    ``excluded``: values never recomputed from nor dropped (chained state).
+    """The stage fragments with each forward's cheap residuals (ops in :data:`RECOMPUTED`,
+    within :data:`MAX_DEPTH` of available values, read only by that stage's passes) recomputed
+    by the backward fragments of its stage that read them. ``replicated``: ops every fragment
+    may remake, at any depth; ``excluded``: values never recomputed from nor dropped.
 
     Example:
         >>> recompute_residuals(Graph(), {})
@@ -83,8 +69,7 @@ def recompute_residuals(
 
 
 def _read_outside(graph: Graph, stages: dict[tuple[str, int], Fragment]) -> set[int]:
-    """Values some op outside the stage fragments reads (a microbatch sum, a marker), or the step
-    returns."""
+    """Values some op outside the stage fragments reads, or the step returns."""
     staged = {op.index for frag in stages.values() for op in frag.ops}
     read = {a for a in graph.outputs if isinstance(a, int)}
     for op in graph.ops:
@@ -101,11 +86,7 @@ def _recomputable(
     excluded: set[int],
     elsewhere: set[int],
 ) -> tuple[set[int], set[int]]:
-    """The values of ``forward`` its ``backward`` fragments may remake, and the residuals they
-    read as they are: those they read, and a value they do not read but would remake two or
-    more residuals from, no larger than them together (a first stage's embedded tokens, from
-    which its backward remakes a norm's ``2 * x`` and ``x - mean``, as a middle stage's remakes
-    them from its input)."""
+    """The values ``backward`` may remake from ``forward``'s, and the residuals it keeps."""
     read_back = {v for frag in backward for v in frag.in_ids}
     held: set[int] = set()
     while True:
@@ -123,9 +104,7 @@ def _walk(
     excluded: set[int],
     elsewhere: set[int],
 ) -> tuple[set[int], set[int], dict[int, int]]:
-    """The values remade, those kept, and the number of recomputed ops each available value
-    needs (0: available as it is), walking ``forward`` in order; ``read_back``: the values the
-    backward reads."""
+    """The values remade, those kept, and the recomputed ops each available value needs."""
     returned = set(forward.out_ids)
     depth: dict[int, int] = {v: 0 for v in forward.in_ids if v not in excluded}
     remade: set[int] = set()
@@ -160,9 +139,7 @@ def _operands_to_hold(
     excluded: set[int],
     elsewhere: set[int],
 ) -> set[int]:
-    """The values of ``forward`` not available to the backward that, kept, would let it remake
-    two or more kept residuals (each made by one recomputed op reading it and values available),
-    no larger than those together."""
+    """The values that, kept, would let the backward remake two or more kept residuals."""
     saves: dict[int, list[int]] = {}
     for op in forward.ops:
         ins = [a for a in op.ins if isinstance(a, int)]
@@ -188,15 +165,8 @@ def _operands_to_hold(
 
 
 def _recomputing(frag: Fragment, remade: set[int], producer: dict[int, Op]) -> Fragment:
-    """``frag`` with the forward ops that remake the ``remade`` values it reads put first (a side
-    input it made itself moves up with them)."""
-    needed: dict[int, Op] = {}
-    stack = [a for op in frag.ops for a in op.ins if isinstance(a, int) and a in remade]
-    while stack:
-        op = producer[stack.pop()]
-        if op.index not in needed:
-            needed[op.index] = op
-            stack += [a for a in op.ins if isinstance(a, int) and a in remade]
+    """``frag`` with the forward ops that remake the ``remade`` values it reads put first."""
+    needed = makers_of(frag.ops, producer, remade)
     if not needed:
         return frag
     ops = [
@@ -204,12 +174,6 @@ def _recomputing(frag: Fragment, remade: set[int], producer: dict[int, Op]) -> F
         *(op for op in frag.ops if op.index not in needed),
     ]
     made = {v for op in needed.values() for v in op.outs}
-    produced = {v for op in ops for v in op.outs}
-    in_ids: list[int] = []
-    for op in ops:
-        for a in op.ins:
-            if isinstance(a, int) and a not in produced and a not in in_ids:
-                in_ids.append(a)
     return dataclasses.replace(
-        frag, ops=ops, in_ids=in_ids, out_ids=[v for v in frag.out_ids if v not in made]
+        frag, ops=ops, in_ids=inputs_of(ops), out_ids=[v for v in frag.out_ids if v not in made]
     )

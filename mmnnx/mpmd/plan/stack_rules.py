@@ -1,6 +1,5 @@
 """How ops act on a stacked Variable's leading (layer) axis when it is split over tasks
-(``stacks.py``): which ops run chunk by chunk, reduce, or scan over it, and the parameters
-and slices of a chunk."""
+(``stack_split.py``), and the parameters and slices of a chunk."""
 
 from __future__ import annotations
 
@@ -12,86 +11,16 @@ import numpy as np
 
 from mmnnx.mpmd.ir import Const, Op
 
-# How ops act on a stacked Variable's leading (layer) axis, split over tasks (``stacks.py``).
-_ELEMENTWISE = frozenset(
-    [
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "rem",
-        "pow",
-        "integer_pow",
-        "max",
-        "min",
-        "neg",
-        "sign",
-        "floor",
-        "ceil",
-        "round",
-        "is_finite",
-        "exp",
-        "exp2",
-        "log",
-        "log1p",
-        "expm1",
-        "tanh",
-        "logistic",
-        "sin",
-        "cos",
-        "tan",
-        "asin",
-        "acos",
-        "atan",
-        "atan2",
-        "sinh",
-        "cosh",
-        "asinh",
-        "acosh",
-        "atanh",
-        "sqrt",
-        "rsqrt",
-        "cbrt",
-        "abs",
-        "square",
-        "erf",
-        "erfc",
-        "erf_inv",
-        "lgamma",
-        "digamma",
-        "and",
-        "or",
-        "not",
-        "xor",
-        "eq",
-        "ne",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "select_n",
-        "clamp",
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "reduce_precision",
-        "nextafter",
-        "real",
-        "imag",
-        "conj",
-        "shift_left",
-        "shift_right_logical",
-        "shift_right_arithmetic",
-        "population_count",
-        "clz",
-        "mm_sharding_constraint",
-        "mm_microbatch_accumulate",
-        "mm_chain_in",
-        "mm_chain_out",
-        "mm_rng_base",
-        "mm_rng_next",
-    ]
-)
+_ELEMENTWISE_NAMES = """
+    add sub mul div rem pow integer_pow max min neg sign floor ceil round is_finite exp exp2
+    log log1p expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh
+    atanh sqrt rsqrt cbrt abs square erf erfc erf_inv lgamma digamma and or not xor eq ne lt
+    le gt ge select_n clamp convert_element_type copy copy_p reduce_precision nextafter real
+    imag conj shift_left shift_right_logical shift_right_arithmetic population_count clz
+    mm_sharding_constraint mm_microbatch_accumulate mm_chain_in mm_chain_out mm_rng_base
+    mm_rng_next
+"""
+_ELEMENTWISE = frozenset(_ELEMENTWISE_NAMES.split())
 _COMBINE = {
     "reduce_sum": jax.lax.add_p,
     "reduce_max": jax.lax.max_p,
@@ -104,10 +33,8 @@ _COMBINE = {
 
 def stack_rule(op: Op, split: Sequence[bool], in_shapes: Sequence[tuple]) -> str | None:
     """How ``op`` can run chunk by chunk when the operands marked ``split`` are split along
-    their leading axis (the others are whole): ``"map"`` (each chunk's result is that chunk of
-    the result), ``"reduce"`` (a reduction over the leading axis: per-chunk partials, then
-    combined), ``"scan"`` (a scan over the split axis: one scan per chunk, the carry passed on),
-    or ``None`` (it needs the whole array)."""
+    their leading axis: ``"map"``, ``"reduce"`` (partials, then combined), ``"scan"`` (one
+    per chunk, the carry passed on), or ``None`` (it needs the whole array)."""
     name, p = op.name, op.params
     if name in _ELEMENTWISE:
         return "map"

@@ -1,12 +1,7 @@
-"""Stacked layers split over tasks: a traced step rewritten so that each task runs its chunk.
-
-A Variable placed on a :class:`~mmnnx.sharding.TaskStack` holds layers along its leading axis,
-task ``i`` holding chunk ``i``. Before colouring, the step's graph is rewritten on chunks: the
-stacked input becomes one input per task; a scan over the layers becomes one scan per chunk (in
-the scan's direction, the carry passed from task to task), elementwise ops and views run chunk
-by chunk (an optimizer update), and a reduction over the layers sums per-chunk partials. Every
-chunk op then reads state placed on one task, so the engine runs it there and pipelines the
-chunks like any other stages.
+"""Stacked layers split over tasks: a traced step rewritten, before colouring, so that each task
+runs its chunk of a :class:`~mmnnx.sharding.TaskStack` Variable: a scan over the layers becomes
+one scan per chunk (the carry passed from task to task), elementwise ops and views run chunk by
+chunk, and a reduction over the layers combines per-chunk partials.
 """
 
 from __future__ import annotations
@@ -40,12 +35,9 @@ class _Layout:
 
 @dataclasses.dataclass
 class Expansion:
-    """How a step's inputs and outputs map to those of its rewritten graph: a stacked one
-    (``inputs[i]`` / ``outputs[i]`` not ``None``) becomes one per task of its stack.
-
-    The chunks of each stacked result it joined are kept while the joined array lives: the next
-    step reads that array (the model's updated Variable) and takes them as they are, instead of
-    cutting it again."""
+    """How a step's inputs and outputs map to those of its rewritten graph: a stacked one (not
+    ``None``) becomes one per task of its stack. The chunks of each joined result are kept while
+    it lives, so the next step takes them instead of cutting it again."""
 
     inputs: list[StackHome | None]
     outputs: list[StackHome | None]
@@ -54,8 +46,7 @@ class Expansion:
     )
 
     def expand_inputs(self, items: Sequence[Any], chunk: Any) -> list[Any]:
-        """``items`` (one per input) with each stacked input's item replaced by
-        ``chunk(item, task, index, home)`` for each task of its stack."""
+        """``items`` with each stacked input's item replaced by one ``chunk(...)`` per task."""
         return _expand(items, self.inputs, chunk)
 
     def expand_outputs(self, items: Sequence[Any], chunk: Any) -> list[Any]:
@@ -81,15 +72,12 @@ class Expansion:
         out: list[Any] = []
         i = 0
         for home in self.outputs:
-            if home is None:
-                out.append(results[i])
-                i += 1
-            else:
-                k = len(home[0].tasks)
-                chunks = list(results[i : i + k])
-                out.append(home[0].join(chunks, home[1]))
+            k = 1 if home is None else len(home[0].tasks)
+            chunks = list(results[i : i + k])
+            out.append(chunks[0] if home is None else home[0].join(chunks, home[1]))
+            if home is not None:
                 self._remember(out[-1], chunks)
-                i += k
+            i += k
         return out
 
     def _remember(self, joined: Any, chunks: list) -> None:
@@ -284,16 +272,9 @@ class _Rewriter:
 def split_stacks(
     graph: Graph, inputs: Sequence[StepInput], outputs: Sequence[StepOutput]
 ) -> tuple[Graph, Expansion]:
-    """``graph`` rewritten on chunks of its stacked inputs (those with a ``stack``: its chunks
-    are laid out by ``spec`` on their tasks), and how its inputs and outputs expanded.
-
-    An output whose home is a stack (an updated stacked Variable, or a gradient of one) is
-    returned as chunks on the stack's tasks; another output computed on chunks (a scan's
-    per-layer results) too, each chunk replicated on its task.
-
-    Raises:
-        MPMDError: an op needs the whole of a stacked value (naming the op and the Variable).
-    """
+    """``graph`` rewritten on chunks of its stacked inputs, and how its inputs and outputs
+    expanded (an output homed on a stack, or computed on chunks, as chunks on its tasks).
+    Raises an ``MPMDError`` where an op needs the whole of a stacked value."""
     homes = [(i.stack, i.spec) if i.stack is not None else None for i in inputs]
     out_homes = [(o.home, o.spec) if isinstance(o.home, TaskStack) else None for o in outputs]
     rw = _Rewriter(graph, [i.name for i in inputs])

@@ -1,21 +1,8 @@
 """Which forward stage each op of a pipelined region runs in: a value several later stages read
 (an encoder's output under cross-attention) is a side input of each, not a stage of its own.
-
-Cross-task depth (``cut.levels``) puts an op at the first depth its inputs allow.
-:func:`join_consumers` moves an op that reads only values from outside the region (a stage's
-parameter reshapes) to the stage of its readers, and one no op of the region reads (the zero
-gradient of a parameter the loss does not read) to its task's first forward stage; a forward
-op only the backward reads runs there, unless it is made from the microbatch: a first stage's
-forward then makes the block ops a middle stage's does (its residuals included), and the edge
-stages' block programs can be a middle stage's (:mod:`~mmnnx.mpmd.lower.cores`). An op that
-reads an early stage's output and belongs to a later task (a decoder layer's cross-attention
-key projection of the encoder output) then lands at a depth where another task's stage runs,
-and the forward pass seems to visit its task twice; an op moved to readers on other tasks can
-land where its own task runs nothing. :func:`settle_on_visits` moves such an op to the latest
-depth its producers and readers allow at which its task runs anyway, so the stage chain follows
-the placement. :func:`forward_levels` does the three; :func:`check_stage_order` checks the
-stages it gives.
-"""
+:func:`forward_levels` joins ops to their readers' stages (:func:`join_consumers`), then moves
+each to a depth where its task runs anyway (:func:`settle_on_visits`), so the stage chain
+follows the placement."""
 
 from __future__ import annotations
 
@@ -36,18 +23,11 @@ def settle_on_visits(
     level: dict[int, int],
     raw: dict[int, int] | None = None,
 ) -> dict[int, int]:
-    """``level`` with each op of ``forward`` (a region's forward ops, in order) moved to the
-    latest depth at which its task runs other forward ops and that its forward readers allow
-    (a reader on another task must stay deeper, one on its own task no shallower). A new dict.
+    """``level`` (a new dict) with each op of ``forward`` moved to the latest depth at which its
+    task runs other forward ops and that its readers allow. ``raw``: depths before
+    :func:`join_consumers`; an op it moved marks no visit of its task.
 
-    ``raw``: each op's depth before :func:`join_consumers` moved ops to their readers. An op so
-    moved marks no visit of its task; one moved where its task runs nothing else goes back to
-    the latest visit of its task that its producers and readers allow.
-
-    Example (values are ints, tasks stand-ins): an encoder op on ``t0``, a decoder layer on
-    ``t1`` and another on ``t2``, each reading the encoder's output; the second layer's key
-    projection (op 2) starts at depth 1, beside the first layer, and moves to its task's
-    depth 2::
+    Example: the second decoder layer's key projection (op 2) moves to its task's depth 2::
 
         >>> from mmnnx.mpmd.ir import Graph
         >>> enc = Op(0, None, {}, [9], [10], False, "", "tanh")
@@ -59,8 +39,7 @@ def settle_on_visits(
         >>> settle_on_visits(graph, ops, ["t0", "t1", "t2", "t2"], {0: 0, 1: 1, 2: 1, 3: 2})
         {0: 0, 1: 1, 2: 2, 3: 2}
 
-    An op no forward op reads (a microbatch's output: a value the encoder sows, computed on
-    ``t2``) at a depth another task's stage runs goes to its own task's next visit::
+    An op no forward op reads, at a depth another task runs, goes to its task's next visit::
 
         >>> metric = Op(4, None, {}, [10], [14], False, "", "mul")
         >>> graph = Graph(ops=[*ops, metric], inputs=[9], outputs=[13, 14])
@@ -68,9 +47,7 @@ def settle_on_visits(
         ...                  {0: 0, 1: 1, 2: 1, 3: 2, 4: 1})[4]
         2
 
-    A view of the encoder's output made on ``t0`` for the second layer's attention, which reads
-    it directly (no key projection), moved to depth 1 beside the first layer, goes back to
-    ``t0``'s depth 0::
+    A view made on ``t0`` that was moved to its reader's depth 1 goes back to ``t0``'s depth 0::
 
         >>> view = Op(2, None, {}, [10], [12], False, "", "reshape")
         >>> ops = [enc, layer0, view, layer1]
@@ -95,8 +72,7 @@ def settle_on_visits(
             bounds = reader_bounds(op, level, op_tasks, consumers, inside)
             depth, task = level[op.index], op_tasks[op.index]
             mine = visits.get(task, {depth})
-            if bounds and depth not in mine:  # moved to its readers, where its task runs
-                # nothing: the latest visit of its task between its producers and its readers
+            if bounds and depth not in mine:  # moved where its task runs nothing
                 lowest = max(
                     (
                         level[p.index] + (op_tasks[p.index] != task)
@@ -128,14 +104,10 @@ def check_stage_order(
     stage_tasks: Sequence[Task],
     chain: str | None = None,
 ) -> None:
-    """Raises an ``MPMDError`` naming the ops, their tasks and a fix unless each stage's
-    fragment (``(kind, stage)`` -> fragment, kind ``F`` or ``B``) reads only what runs before it
-    for the same microbatch: a forward reads earlier stages' forwards, a backward any forward and
-    later stages' backwards. ``chain``: the stage chain in words for the message
-    (:func:`~mmnnx.mpmd.plan.chain.describe`; by default its tasks).
+    """Raises an ``MPMDError`` unless each stage's fragment reads only what runs before it for
+    the same microbatch. ``chain``: the stage chain in words for the message.
 
-    Example: stage 1's backward makes a value stage 2's backward reads, though stage 2's
-    backward runs first::
+    Example: stage 1's backward makes a value stage 2's backward reads::
 
         >>> from mmnnx.mpmd.ir import Graph
         >>> from mmnnx.mpmd.plan.cut import Fragment
@@ -184,10 +156,7 @@ on task 't2') reads the result of `dot_general` at model.py:7 (...stage 1, on ta
 def forward_levels(
     graph: Graph, region: list[Op], op_tasks: Sequence[Task], raw: dict[int, int] | None = None
 ) -> tuple[dict[int, int], set[int]]:
-    """The forward depth of each op of ``region`` (``raw``: its cross-task depth, computed if
-    not given) once the ops read only by later stages join them (:func:`join_consumers`) and
-    each op runs at a depth where its task runs anyway (:func:`settle_on_visits`); and the ops
-    read by the backward pass only."""
+    """The forward depth of each op of ``region``, and the ops only the backward reads."""
     if raw is None:
         raw = levels(graph, region, op_tasks, inputs_movable=False)
     level, late = join_consumers(graph, region, op_tasks, raw)
@@ -199,25 +168,10 @@ def forward_levels(
 def join_consumers(
     graph: Graph, region: list[Op], op_tasks: Sequence[Task], levels_in: dict[int, int]
 ) -> tuple[dict[int, int], set[int]]:
-    """An op that reads only values from outside the region (parameters, the batch, labels) on its
-    task belongs to the stage of its consumers, not to depth 0: a later stage's parameter reshapes
-    and label slices run in that stage, and so does the loss's backward seed. A forward op with
-    forward readers follows those only (its backward readers are residual uses); one that no op
-    of the region reads runs in its task's first forward stage.
-
-    A forward op that only the backward pass reads runs there ("late": a parameter's transpose,
-    the loss's backward seed), unless it computes on the microbatch (:func:`_microbatch_values`),
-    directly or through the ops before it: a first stage's ops on its embedded tokens then stay
-    in its forward, as a middle stage's on the previous stage's output do (a norm's ``2 * x``,
-    its rsqrt's derivative, made by the forward and kept as residuals).
-
-    Returns the new levels (``levels_in`` is left as it was) and the late ops.
-
-    Example::
-
-        raw = levels(graph, region, op_tasks, inputs_movable=False)
-        level, late = join_consumers(graph, region, op_tasks, raw)
-    """
+    """New levels in which an op reading only values from outside the region joins the stage of
+    its (forward, if any) readers, and one nothing in the region reads its task's first forward
+    stage; and the "late" forward ops only the backward reads, which run there unless they
+    compute on the microbatch (:func:`_microbatch_values`)."""
     level = dict(levels_in)
     inside = {op.index for op in region}
     producer = {v: op for op in region for v in op.outs}
@@ -251,9 +205,6 @@ def join_consumers(
         bounds = [level[c.index] - (op_tasks[c.index] != task) for c in readers]
         if bounds:
             level[op.index] = max(level[op.index], min(bounds))
-    # A forward op no op of the region reads (the zero gradient of a parameter the loss does not
-    # use, read only by the microbatch sum) runs in its task's first forward stage: left after
-    # its task's backward pass, it would seem a forward stage of its own there.
     unread = {
         op.index
         for op in region
@@ -273,10 +224,7 @@ def join_consumers(
 
 
 def _microbatch_values(graph: Graph, region: AbstractSet[int]) -> set[int]:
-    """The values ops outside ``region`` (op indices) make from the microbatch index: the
-    batch's microbatch slices and what each stage recomputes from them (a mask of the batch,
-    the microbatch's random bits). A region op reading one computes on the stage's input, as a
-    middle stage's ops compute on the previous stage's output."""
+    """The values ops outside ``region`` (op indices) make from the microbatch index."""
     varying: set[int] = set()
     for op in graph.ops:
         outside = op.index not in region

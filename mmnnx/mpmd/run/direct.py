@@ -1,12 +1,9 @@
 """The runner's fast path: a step's emitted steps replayed as its last checked call ran them.
 
-A call whose inputs are laid out as on the last checked call lays out every value of the step
-as it was then (layouts follow from the inputs' alone). So what that call found out step by
-step holds again: which programs take their arguments as they expect (launched directly, see
-:class:`~mmnnx._jax.launch.DirectLaunch`), and which moves find their value laid out as planned
-(one runtime copy), already in place, or neither. :class:`DirectSteps` keeps those answers as a
-flat tuple of operations, each with its slots read by one C-level getter, and replays them
-without looking at a layout again.
+A call whose inputs are laid out as on the last checked call lays out every value as it was
+then, so what that call found holds again: which programs may be launched directly
+(:class:`~mmnnx._jax.launch.DirectLaunch`) and how each move went. :class:`DirectSteps` replays
+those answers without looking at a layout again.
 """
 
 from __future__ import annotations
@@ -38,16 +35,9 @@ def _getter(slots: Sequence[int]) -> Callable[[list], Sequence[Any]]:
 
 @dataclasses.dataclass(frozen=True)
 class DirectSteps:
-    """A step's steps as its last checked call ran them: ``ops``, per step, ``(kind, fn, ins,
-    outs, drop)`` (``kind`` one of :data:`LAUNCH`, :data:`CALL`, :data:`COPY`, :data:`KEEP`,
-    :data:`OTHER`; ``ins`` a getter of the arguments or the source slot, ``outs`` the result
-    slots or the target slot, ``drop`` the slots released after it).
-
-    Example::
-
-        fast = DirectSteps.of(steps, direct, ways, other)
-        fast.run(env)  # env: the step's slots, its inputs and constants written
-    """
+    """A step's steps as its last checked call ran them: ``ops``, per step, ``(kind, fn, ins, outs,
+    drop)``, ``kind`` one of :data:`LAUNCH`, :data:`CALL`, :data:`COPY`, :data:`KEEP`,
+    :data:`OTHER`."""
 
     ops: tuple[tuple, ...]
 
@@ -59,10 +49,9 @@ class DirectSteps:
         ways: dict[int, int],
         other: Callable[[Step, list], None],
     ) -> DirectSteps:
-        """The replay of ``steps`` as a checked call ran them: ``direct``, per step, its
-        :class:`~mmnnx._jax.launch.DirectLaunch` (``None``: JAX's checked call); ``ways``, per
-        :class:`~mmnnx.mpmd.run.emit.Move` by index, the way it went (:data:`COPY`,
-        :data:`KEEP` or :data:`OTHER`); ``other(step, env)`` runs any other step."""
+        """The replay of ``steps``: ``direct``, per step, its
+        :class:`~mmnnx._jax.launch.DirectLaunch` (``None``: JAX's checked call); ``ways``, per Move
+        by index, how it went; ``other(step, env)`` runs any other step."""
         ops = []
         for i, step in enumerate(steps):
             if type(step) is Launch:

@@ -1,17 +1,10 @@
 """Offering a value to another process as soon as it is made, not when its reader's turn comes.
 
-Every process walks one step's transfers in the same order (the order of the actions that read
-them), and a process that receives a value waits for it before it launches what reads it. Left
-at its reader's turn, a send therefore waits on everything the sending process waits for first:
-under 1F1B over two processes, stage 0 offers microbatch 1's activation only after it has
-received microbatch 0's cotangent, which stage 1 makes after its forward and backward of
-microbatch 0, so stage 1 sits idle in between (the ranks take turns instead of overlapping).
-
-Here each of this process's sends moves up to right after the step that makes its value (an
-offer returns at once and keeps the buffers alive until the peer pulls them). Messages between
-two processes are matched by order (the n-th send to a peer is its n-th receive), so a send
-never passes an earlier send to the same peer. The values the send released stay released where
-it was: a step between its new place and its old one may still read them.
+A process waits for a value it receives before launching its reader, so a send left at its
+reader's turn waits on everything its process waits for first (under 1F1B over two processes,
+the ranks would take turns instead of overlapping). Each send moves up to right after the step
+making its value, never past an earlier send to the same peer (messages are matched by order);
+its releases stay where they were.
 """
 
 from __future__ import annotations
@@ -21,15 +14,8 @@ from typing import Any
 
 
 def send_early(steps: Sequence[Any], cross: type, writes: Any) -> list[Any]:
-    """``steps`` with each step of kind ``cross`` that only sends (this process holds part of
-    its value's source and none of its target) moved up to right after the last earlier step
-    that writes its source slot (``writes(step)``: the slots a step writes) or sends to one of
-    the same peers, whichever comes later.
-
-    Example::
-
-        steps = send_early(steps, Cross, _writes)  # emit.py's Cross and the slots a step writes
-    """
+    """``steps`` with each ``cross`` step that only sends moved up to right after the last earlier
+    step writing its source slot (``writes(step)``) or sending to one of its peers."""
     out: list[Any] = []
     last_write: dict[int, int] = {}  # slot -> index in ``out`` of the step that wrote it last
     last_send: dict[int, int] = {}  # peer -> index in ``out`` of the last send to it

@@ -41,27 +41,20 @@ from mmnnx.sharding.arrays import placeholder, put
 
 
 def _rank(task: Any) -> str:
-    """The task whose devices run ``task``'s programs, one at a time: itself, or the task a
-    virtual stage belongs to (submeshes of distinct tasks do not overlap)."""
+    """The task whose devices run ``task``'s programs: itself, or a virtual stage's task."""
     return task.home.name
 
 
 def stage_outputs(pipeline: Any) -> dict[int, tuple[str, int]]:
     """Value id -> ``(kind, stage)`` of the pipeline stage fragment that makes it (``{}`` for
-    a step with no pipeline).
-
-    Example::
-
-        made_by = stage_outputs(plan.pipeline)  # {value: ("F", 0), ...}
-    """
+    a step with no pipeline)."""
     if pipeline is None:
         return {}
     return {v: key for key, frag in pipeline.stages.items() for op in frag.ops for v in op.outs}
 
 
 def _transfer(action: Recv | Route, made_by: dict[int, tuple[str, int]]) -> Transfer | None:
-    """What ``action`` carries, when a pipeline stage made its value and it crosses between two
-    ranks' devices."""
+    """What ``action`` carries, when a pipeline stage made its value and it crosses ranks."""
     made = made_by.get(action.value)
     if made is None or action.source is None or _rank(action.source) == _rank(action.target):
         return None
@@ -76,8 +69,7 @@ def _transfer(action: Recv | Route, made_by: dict[int, tuple[str, int]]) -> Tran
     )
 
 
-# The steps a compiled program is interpreted as: each holds what its action needs resolved, and
-# ``drop``, the slots released right after it.
+# The steps the runner interprets; ``drop``: the slots released right after each.
 
 
 @dataclasses.dataclass(slots=True)
@@ -96,9 +88,8 @@ class Launch:
 @dataclasses.dataclass(slots=True)
 class Move:
     """Moves the value in ``source`` into ``target``, laid out as ``sharding``: by ``mover``
-    (decided at compile) where it is laid out as ``source_layout``, else decided once per pair
-    of layouts. ``transfer``: what it carries, for timers, when a pipeline action made it and
-    it crosses between two ranks' devices."""
+    (decided at compile) where it is laid out as ``source_layout``. ``transfer``: what it carries,
+    for timers."""
 
     source: int
     target: int
@@ -160,16 +151,9 @@ def emit(
     mover: Callable[[Any, Any, int], Callable[[Any], Any] | None],
     pipeline: Any = None,
 ) -> Emitted:
-    """The steps of ``program`` (a step's, traced as ``graph``), its programs submitted to
-    ``compiler``; ``peers`` carry layouts between processes; ``mover(source, target, value)``
-    decides how a value moves between two layouts; ``pipeline``: the step's pipelined plan,
-    whose stages' results crossing between ranks are labelled for timers.
-
-    Example::
-
-        with Compiler(graph) as compiler:
-            emitted = emit(graph, plan.program, compiler, None, mover)
-    """
+    """The steps of ``program``, its programs submitted to ``compiler``; ``mover(source, target,
+    value)`` decides how a value moves between two layouts; ``pipeline``'s stages' results crossing
+    ranks are labelled for timers."""
     sharding_of = list(program.shardings)
     compiled_of: dict[tuple, Any] = {}
     constants: list[tuple[int, Any]] = []
@@ -211,15 +195,7 @@ def emit(
                 sharding_of[s] = sharding
             labels = tuple((run.label, run.microbatch) for run in runs)
             args = tuple(s for run in runs for s in run.args)
-            steps.append(
-                Launch(
-                    program=compiled,
-                    args=args,
-                    results=results,
-                    labels=labels,
-                    rank=_rank(action.task),
-                )
-            )
+            steps.append(Launch(compiled, args, results, labels=labels, rank=_rank(action.task)))
         elif isinstance(action, Recv | Route):
             source_layout = sharding_of[action.from_slot]
             sharding = action.sharding
@@ -252,26 +228,16 @@ def emit(
                         transfer=_transfer(action, made_by),
                     )
                 )
-        elif isinstance(action, Zeros):
-            zeros = compiler.submit(compiler.lower_zeros(action))
-            steps.append(
-                Launch(
-                    program=zeros, args=(), results=action.slots, labels=(), rank=_rank(action.task)
-                )
-            )
-        elif isinstance(action, PackWeights):
+        elif isinstance(action, Zeros | PackWeights):
             members = action.members
-            shardings = [sharding_of[m] for m in members]
-            packs = compiler.submit(compiler.lower_packing(action, shardings))
-            steps.append(
-                Launch(
-                    program=packs,
-                    args=members,
-                    results=action.made,
-                    labels=(),
-                    rank=_rank(action.task),
-                )
+            lowered = (
+                compiler.lower_zeros(action)
+                if isinstance(action, Zeros)
+                else compiler.lower_packing(action, [sharding_of[m] for m in members])
             )
+            submitted = compiler.submit(lowered)
+            rank = _rank(action.task)
+            steps.append(Launch(submitted, members, action.made, labels=(), rank=rank))
         elif isinstance(action, Constant):
             sharding_of[action.slot] = action.task.sharding()
             constants.append((action.slot, put(jnp.int32(action.value), action.task.sharding())))

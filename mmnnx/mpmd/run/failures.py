@@ -1,11 +1,8 @@
 """What a step does when it fails while running: nothing is written back, and the error says so.
 
-A step that calls back into Python is waited for, so that a failure in any of its programs
-raises before its results are handed back (pure XLA programs cannot fail while they run, so
-other steps return as soon as they are dispatched). A host callback's exception never reaches
-the running programs (:mod:`~mmnnx.mpmd.trace.callbacks`): it is recorded, the programs finish, and
-it raises here. An input whose array was deleted (``.delete()``, or donated to an earlier call)
-is named instead of JAX's error about it.
+A step that calls back into Python is waited for, so that a failure raises before its results
+are handed back; a host callback's exception is recorded (:mod:`~mmnnx.mpmd.trace.callbacks`)
+and raised here. An input whose array was deleted is named instead of JAX's error about it.
 """
 
 from __future__ import annotations
@@ -34,17 +31,10 @@ def run_step(
     look_first: bool = False,
     **modes: Any,
 ) -> list[Any]:
-    """Runs ``executable`` on the step's input ``leaves`` (stacked ones cut by ``expansion``)
-    and returns its results (stacked ones joined). A failure raises :class:`StepError` naming
-    the step (``name``) and whether ``donated`` inputs were lost; ``deleted()`` is the error
-    for an input deleted before the call, or ``None`` (looked for before running with
-    ``look_first``: a donating step must not run on one). ``modes``: the executable's.
-
-    Example::
-
-        results = run_step(executable, leaves, expansion=None, callback_failures=failures,
-                           name="train_step", donated=False, deleted=lambda: None)
-    """
+    """Runs ``executable`` on the step's input ``leaves`` (stacks split and joined by
+    ``expansion``). A failure raises :class:`StepError` naming the step and whether ``donated``
+    inputs were lost; ``deleted()``: the error for an input deleted before the call, or ``None``
+    (looked for first with ``look_first``: a donating step must not run on one)."""
     if look_first and (error := deleted()):
         raise error  # before any input is donated
     callback_failures.take()  # from a run that did not check them (a timeline, a tabulate)

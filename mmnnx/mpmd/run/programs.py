@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import os
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -32,8 +33,7 @@ from mmnnx.mpmd.trace.mesh_context import explicit_twin
 
 @dataclasses.dataclass
 class _Part:
-    """One fragment's share of a compiled program: what it computes from its arguments, and
-    their layouts, shapes and donations."""
+    """One fragment's share of a compiled program."""
 
     body: Callable[..., list]
     in_shardings: list[Any]
@@ -45,16 +45,9 @@ class _Part:
 
 def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
     """``run``'s share of a program, taking :attr:`Run.args` laid out as ``in_shardings`` and
-    returning :attr:`Run.results`.
-
-    A packed argument's members are sliced at offsets the program takes as arguments (after the
-    sums; :func:`~mmnnx.mpmd.lower.pack.slice_offsets`), not as constants: XLA then compiles one
-    kernel for the alike members of every block (a block's residuals, layer after layer) where
-    constant offsets would make each block's kernels distinct. A block's members are sliced at
-    its base, an argument, plus their distance from it, fixed in the program: blocks laid out
-    alike share the distances, so a stage takes one offset per block, not one per member (nor
-    per distance: each argument costs the host about a microsecond a launch). A ``fixed``
-    buffer's (a block's weights) are sliced at offsets fixed in the program."""
+    returning :attr:`Run.results`. Packed members not ``fixed`` are sliced at their block's base, an
+    argument (:func:`~mmnnx.mpmd.lower.pack.slice_offsets`), plus a distance fixed in the program:
+    constant offsets would make each block's kernels distinct."""
     frag = run.fragment
     packing = run.packing
     n = len(frag.in_ids) if packing is None else len(packing.args)
@@ -163,9 +156,8 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
 
 
 def _donated_args(run: Run) -> list[int]:
-    """The arguments ``run``'s program donates for its fragment's donated inputs: where inputs
-    are packed, the argument each unpacked one is passed as; a packed member is not donated
-    (its buffer holds other members too)."""
+    """The arguments ``run``'s program donates: a packed member is not donated (its buffer holds
+    other members too)."""
     if run.packing is None:
         return list(run.donate)
     reads = run.packing.reads
@@ -175,17 +167,10 @@ def _donated_args(run: Run) -> list[int]:
 def lower_fragments(
     graph: Graph, runs: Sequence[Run], in_shardings: Sequence[Sequence[Any]]
 ) -> Any:
-    """Lowers the fragments of ``runs`` (on one task; the ``in_shardings`` of each one's
-    :attr:`~Run.args`) as one program taking their arguments one run after the other and
-    returning their results in the same order: one fragment's program, or an overlapped pair
-    as one launch that the compiler may interleave. A run with ``sums`` also takes the running
-    sums of its summed outputs and returns them updated (donating the old ones)."""
+    """Lowers the fragments of ``runs`` (on one task) as one program taking their arguments and
+    returning their results run after run: one fragment, or an overlapped pair."""
     parts = [_part(graph, run, s) for run, s in zip(runs, in_shardings, strict=True)]
-    bounds = []
-    start = 0
-    for part in parts:
-        bounds.append((start, start + len(part.avals)))
-        start += len(part.avals)
+    bounds = list(itertools.pairwise([0, *itertools.accumulate(len(p.avals) for p in parts)]))
 
     def body(*args):
         return [
@@ -213,9 +198,8 @@ def lower_fragments(
 def lower_packing(
     buffers: Sequence[Buffer], shardings: Sequence[Any], task: Any, zeros: Zeros | None = None
 ) -> Any:
-    """One program concatenating step inputs (laid out as ``shardings``, one argument per
-    member, buffer after buffer) into each of ``buffers``, flat on ``task``, then making the
-    zero-filled running sums of ``zeros`` (if any), lowered."""
+    """One program concatenating step inputs into each of ``buffers``, flat on ``task``, then making
+    the running sums of ``zeros`` (if any), lowered."""
     layouts = iter(shardings)
     avals = [
         jax.ShapeDtypeStruct(m.shape, buffer.dtype, sharding=next(layouts))
@@ -237,8 +221,7 @@ def lower_packing(
 
 
 def lower_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Sequence) -> Any:
-    """One program making zero-filled running sums of ``shapes`` and ``dtypes`` in their layouts
-    (called each step: the sums are donated to the programs that add to them), lowered."""
+    """One program making zero-filled running sums in their layouts, lowered."""
 
     def zeros():
         return [jax.numpy.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
@@ -265,23 +248,11 @@ def clear_caches() -> None:
 
 
 class Compiler:
-    """Lowers and compiles a step's programs (``graph``'s). A program alike one already lowered
-    in this process (:class:`~mmnnx.mpmd.lower.alike.AlikeKeys`: the same computation, as
-    equal pipeline stages run, or an earlier step's program) reuses that lowering moved to its
-    own devices (:func:`~mmnnx._jax.retarget.retarget`) instead of being traced and lowered
-    again. Programs
-    compile on a pool of threads (XLA releases the GIL while it compiles), side by side; a
-    program whose output layouts the compiler chooses is waited for at once: the programs
-    reading its results are lowered for them. A program equal to one already compiled for other
-    devices loads that one's executable (equal pipeline stages compile once). ``moved``: the
-    ids of the ``Lowered`` programs moved from an alike one rather than lowered (kept alive
-    with the compiler, so that no other object takes one of their ids meanwhile).
-
-    Example::
-
-        with Compiler(graph) as compiler:
-            compiling = compiler.submit(compiler.lower_fragments(runs, in_shardings))
-    """
+    """Lowers and compiles a step's programs. A program alike one already lowered in this process
+    (:class:`~mmnnx.mpmd.lower.alike.AlikeKeys`) reuses that lowering moved to its own devices
+    (:func:`~mmnnx._jax.retarget.retarget`). Programs compile side by side on a pool of threads.
+    ``moved``: the ids of the ``Lowered`` programs moved rather than lowered (kept alive, so that no
+    other object takes their ids)."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -312,8 +283,7 @@ class Compiler:
         )
 
     def lower_packing(self, pack: PackWeights, shardings: Sequence[Any]) -> Any:
-        """:func:`lower_packing` for a :class:`PackWeights` action (its members laid out as
-        ``shardings``, its zeros folded in), or an alike one's lowering moved."""
+        """:func:`lower_packing` for a :class:`PackWeights` action, or an alike one's moved."""
         zeros = pack.zeros
         what = (
             "pack",
@@ -327,8 +297,8 @@ class Compiler:
         )
 
     def _lower(self, key: Hashable | None, task: Any, lower: Callable[[], Any]) -> Any:
-        """The program ``lower()`` lowers for ``task``, or the first of key ``key`` moved to
-        ``task``'s devices (``None``: alike no other)."""
+        """The program ``lower()`` lowers for ``task``, or the first of ``key`` moved to
+        ``task``."""
         if key is not None:
             key = (trace_context(), key)
         first = _LOWERED.get(key) if key is not None else None

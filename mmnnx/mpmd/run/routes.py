@@ -1,13 +1,10 @@
 """How one value moves between two tasks whose devices belong to different processes.
 
-A :class:`RoutePlan` is computed once per :class:`~mmnnx.mpmd.lower.program.Route` when a step is
-compiled: which source device sends which shard to which target device. Shards are matched by
-the slice of the array they hold, so a value keeps its layout on the way (the usual case: the
-same spec on both tasks). When no match exists, the source first gathers the value onto each of
-its devices (a program its task's processes run), every target device receives a whole copy,
-and the target reshards it locally. Shards whose two devices belong to one process are copied
-locally; the others go through the step's :class:`~mmnnx.mpmd.run.peers.Peers`
-(``mmnnx.distributed`` provides them).
+A :class:`RoutePlan`, made once per :class:`~mmnnx.mpmd.lower.program.Route` at compile, matches
+source and target shards by the slice they hold, so a value keeps its layout on the way; with
+no match, the value is gathered on the source, sent whole and resharded on the target. Shards
+within one process are copied locally, the others go through the step's
+:class:`~mmnnx.mpmd.run.peers.Peers`.
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ from mmnnx.sharding.arrays import processes_of, slice_key
 
 
 def _pairs(source: Any, target: Any, shape: tuple[int, ...]) -> list[tuple[Any, Any]] | None:
-    """(source device, target device) per target device holding the same slice, preferring a
-    source device of the target's own process; ``None`` if some slice has no source."""
+    """(source device, target device) per target device holding the same slice, a source of the
+    target's own process first; ``None`` if some slice has no source."""
     holders: dict[tuple, list[Any]] = {}
     for device, index in source.devices_indices_map(shape).items():
         holders.setdefault(slice_key(index), []).append(device)
@@ -85,8 +82,7 @@ class RoutePlan:
         )
 
     def __post_init__(self) -> None:
-        """This process's part, worked out once: which shards go to which peer, which come from
-        which peer (with their layouts), and which are copied between its own devices."""
+        """This process's part: which shards go to and come from which peer, which stay local."""
         me = self.me
         self._outgoing: dict[int, list[Any]] = {}
         self._incoming: dict[int, list[Any]] = {}
@@ -108,9 +104,8 @@ class RoutePlan:
         return tuple(self._outgoing)
 
     def __call__(self, value: Any, port: Peers) -> Any:
-        """Sends this process's shards of ``value`` (ignored where it holds none) through
-        ``port`` and returns the target array where this process holds part of it, else
-        ``None``."""
+        """Sends this process's shards of ``value`` through ``port``; returns the target array where
+        this process holds part of it, else ``None``."""
         shards: dict[Any, Any] = {}
         if self.sends:
             if value.sharding != self.source_wire:

@@ -1,10 +1,6 @@
 """The runner: interprets a step's emitted steps (:mod:`~mmnnx.mpmd.run.emit`), compiling them on
-first use.
-
-Per call, the host work is one loop over the flat list of typed steps: no tracing, no graph
-walks. Dispatch is asynchronous, so fragments on different submeshes overlap. The runner runs the
-program it is given, as ``plan()`` prints it: packing and cross-process routes are decided by
-the passes before it (``passes.py``), and it never writes into the plan.
+first use: per call, one loop over a flat list of typed steps, dispatched asynchronously. It
+runs the program as ``plan()`` prints it, and never writes into the plan.
 """
 
 from __future__ import annotations
@@ -36,16 +32,10 @@ def _unchanged(value: Any) -> Any:
 
 
 class Executable:
-    """A step's plan, compiled on first use: call it with the flat input leaves; it returns the
-    flat outputs. ``plan`` is available before anything is compiled; :attr:`compiled_plan`,
-    once it is, adds what only compiling tells (the layouts the compiler chose for transfers,
-    programs loaded rather than compiled).
-
-    With several processes, ``plan.program`` is this process's share (``localize``): it
-    compiles and runs only those actions, and ``peers`` (a function of no arguments returning
-    the step's :class:`~mmnnx.mpmd.run.peers.Peers`, called when it compiles) carries layouts and
-    arrays between processes. ``name``: the step's, for messages.
-    """
+    """A step's plan, compiled on first use: call it with the flat input leaves; it returns the flat
+    outputs. :attr:`compiled_plan` adds what only compiling tells. With several processes,
+    ``plan.program`` is this process's share, and ``peers()`` returns the
+    :class:`~mmnnx.mpmd.run.peers.Peers` that carry layouts and arrays between processes."""
 
     def __init__(
         self,
@@ -128,8 +118,7 @@ class Executable:
         )
 
     def _witnesses(self) -> dict[int, Callable]:
-        """Per program whose every result a later one may donate, its :func:`witness_for`
-        (compiled on first use, one per layout)."""
+        """Per program whose every result a later one may donate, its :func:`witness_for`."""
         if self._witness_of is None:
             by_layout: dict[Any, Callable] = {}
             self._witness_of = {}
@@ -175,9 +164,9 @@ class Executable:
         timer: Timer | None,
         memory: dict | None,
     ) -> None:
-        """Runs every step on ``env``, telling ``timer`` and filling ``memory``; programs are
-        launched directly where the inputs are ``laid_out`` as on the last checked call, else
-        this call is a checked one: what it finds is kept for :class:`DirectSteps`."""
+        """Runs every step on ``env``; programs are launched directly where the inputs are
+        ``laid_out`` as on the last checked call, else what this checked call finds is kept for
+        :class:`DirectSteps`."""
         witnesses = self._witnesses() if timer is not None and timer.wants_witnesses else {}
         direct = self._direct if laid_out else None
         checking = direct is None
@@ -228,22 +217,21 @@ class Executable:
             for s in step.drop:
                 env[s] = None
         if checking:
-            self._checked_layouts = self._input_layouts(leaves)
+            values = [leaves[i] for _, i in self._inputs]
+            plain = all(is_plain_array(v) for v in values)
+            self._checked_layouts = tuple(v.sharding for v in values) if plain else None
             self._replay = DirectSteps.of(self._steps, self._direct, ways, self._other)
 
     def _move_way(self, step: Move, value: Any) -> int:
-        """How ``step`` moves ``value``: by its runtime copy where it is laid out as planned
-        (``COPY``), as it is where it is laid out as the target wants already (``KEEP``), else
-        by :func:`~mmnnx._jax.arrays.move_to` (``OTHER``)."""
+        """How ``step`` moves ``value``: ``COPY`` (its runtime copy, laid out as planned), ``KEEP``
+        (laid out as wanted already) or ``OTHER`` (:func:`~mmnnx._jax.arrays.move_to`)."""
         if step.mover is not None and getattr(value, "sharding", None) == step.source_layout:
             return COPY
         return KEEP if self._laid_out_as(value, step.sharding) else OTHER
 
     def _other(self, step: Step, env: list[Any]) -> Any:
-        """Runs a step that neither launches a program nor copies by a move decided at compile:
-        a move by :func:`~mmnnx._jax.arrays.move_to`, a put onto a layout spanning processes,
-        this process's end of a cross-process route. Returns the value it wrote (``None``: this
-        process's end of a route receives nothing)."""
+        """Runs a step that neither launches a program nor copies by a move decided at compile;
+        returns the value it wrote (``None``: this process's end of a route receives nothing)."""
         kind = type(step)
         if kind is Move:
             value = env[step.target] = move_to(env[step.source], step.sharding)
@@ -260,22 +248,9 @@ class Executable:
                 env[step.target] = value
         return value
 
-    def _input_layouts(self, leaves: Sequence[Any]) -> tuple | None:
-        """The layout of each input, or ``None`` if one is not a plain ``jax.Array``."""
-        layouts = []
-        for _, i in self._inputs:
-            if not is_plain_array(leaves[i]):
-                return None
-            layouts.append(leaves[i].sharding)
-        return tuple(layouts)
-
     def _laid_out_as_checked(self, leaves: Sequence[Any]) -> bool:
-        """Whether this call may launch programs directly
-        (:class:`~mmnnx._jax.launch.DirectLaunch`): its inputs are live plain arrays laid out as
-        on the last checked call, so every value of the step is laid out as it was then (layouts
-        follow from the inputs' alone), when each directly launched program's arguments were
-        found as it expects. A deleted input is left to JAX's checked call, which refuses it
-        before the program runs."""
+        """Whether this call may launch programs directly: its inputs are live plain arrays laid out
+        as on the last checked call (every other layout follows from theirs)."""
         checked = self._checked_layouts
         if checked is None or checks_special_values():
             return False
@@ -289,16 +264,16 @@ class Executable:
         return True
 
     def _check_layouts(self, i: int, args: list) -> None:
-        """On a checked call: step ``i``'s program is launched directly from now on only if
-        each argument it reads is a plain array laid out as it expects."""
+        """Stops launching step ``i``'s program directly unless its arguments are laid out as it
+        expects."""
         direct = self._direct[i]
         kept = args if direct.kept is None else [args[k] for k in direct.kept]
         if not all(launchable_as(a, want) for a, want in zip(kept, direct.shardings, strict=True)):
             self._direct[i] = None
 
     def _mover(self, source: Any, target: Any, value: int) -> Callable[[Any], Any] | None:
-        """How a value laid out as ``source`` reaches ``target``: kept as it is (the same
-        devices and slices), one runtime copy, or ``None`` (``jax.device_put`` decides)."""
+        """How a value laid out as ``source`` reaches ``target``: kept, one runtime copy, or
+        ``None`` (``jax.device_put`` decides)."""
         if source is None or target is None:
             return None
         ndim = len(self.graph.shapes[value])
@@ -307,15 +282,14 @@ class Executable:
         return copier(source, target, ndim, self.graph.dtypes[value])
 
     def _laid_out_as(self, value: Any, sharding: Any) -> bool:
-        """Whether ``value`` is an array already laid out as ``sharding`` (the same devices and
-        slices under another name, e.g. a one-device array for a one-device task): moving it
-        would only copy it. Decided once per pair of layouts."""
+        """Whether ``value`` is an array already laid out as ``sharding``, perhaps under another
+        name."""
         have = getattr(value, "sharding", None)
         return have is not None and self._equivalent(have, sharding, value.ndim)
 
     def _equivalent(self, have: Any, want: Any, ndim: int) -> bool:
-        """Whether layouts ``have`` and ``want`` put the same slices on the same devices, decided
-        once per pair."""
+        """Whether layouts ``have`` and ``want`` put the same slices on the same devices
+        (memoised)."""
         if have == want:
             return True
         key = (have, want, ndim)

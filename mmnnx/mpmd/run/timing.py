@@ -1,34 +1,19 @@
 """Timing a step's actions: one at a time (``timeline``) or as they overlap
 (``overlapped_timeline``).
 
-The runner tells a timer of every program it launches (:meth:`Timer.launched`), every value it
-moves between tasks (:meth:`Timer.moved`) and every value it receives from another process
-(:meth:`Timer.received`); :meth:`Timer.events` returns one :class:`Event` per pipeline action,
-and one per transfer of a pipeline action's result between two ranks' devices (kind ``"T"``),
-once the step is over. An action's duration leaves out the transfers of its inputs: each is
-an event of its own.
+The runner tells a timer of every program it launches, value it moves between tasks and value
+it receives from another process; :meth:`Timer.events` returns one :class:`Event` per pipeline
+action, and one per transfer of an action's result between two ranks' devices (kind ``"T"``).
 
-- :class:`BlockingTimer` waits for each program's results before the next is launched, and for
-  each transfer's: every action and transfer runs alone, so its duration is its own work, with
-  no other task's programs competing for the machine; tasks never overlap.
-- :class:`OverlapTimer` waits for nothing: the step runs as a call runs it, and one watcher thread
-  per rank (a task's devices, which its virtual stages share) notes when each of its programs
-  has finished, in launch order. A device runs its programs one at a time in launch order, so
-  an action starts at the latest of: its launch, the end of the rank's previous program, and
-  the ends of the programs and transfers that made its inputs. A transfer between two ranks
-  starts when its value could leave (its producer had ended and the host had issued the copy)
-  and ends when the value is on the reader's devices, noted by a watcher thread of its own per
-  pair of ranks (a move the reader donated before the watcher saw it arrive is left untimed,
-  counted in the reader as before). Durations then include whatever slowed the action down in
-  the real step (tasks sharing cores or memory bandwidth). A watcher notes an end when it next
-  runs, which can be late on a busy machine; a program ended before any program that read its
-  results, or ran after it on its rank, ended, so its end is taken as the earliest of those.
-  With several processes, a value received from another process has no producer here, but the
-  runner waits for it before launching the program reading it: its transfer runs from when
-  the runner began receiving to its arrival (``mmnnx.distributed.timeline`` starts it no
-  earlier than its producer's end on the other process), and the reader starts once the value
-  is here. A timer's events count from its :attr:`Timer.started`; with several processes
-  ``mmnnx.distributed.timeline`` puts every process's on one clock.
+- :class:`BlockingTimer` waits for each program's and transfer's results before the next:
+  each runs alone, so its duration is its own work.
+- :class:`OverlapTimer` waits for nothing; one watcher thread per rank (and per pair of ranks,
+  for transfers) notes when each program has finished, in launch order. An action starts at the
+  latest of its launch, the end of its rank's previous program and the ends of what made its
+  inputs; a program ended no later than any program that read its results or ran after it on
+  its rank (a watcher can note an end late). A value received from another process is
+  transferred from when the runner began receiving it to its arrival. Events count from
+  :attr:`Timer.started`.
 """
 
 from __future__ import annotations
@@ -48,18 +33,11 @@ from mmnnx.mpmd.schedules import TRANSFER
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One executed action, timed: seconds since the step started. ``fused``: it ran in one
-    program with the other actions of its overlapped pair, which share its ``start`` and
-    ``end``. ``rank``: the task whose devices ran it (``task`` itself, or the task a virtual
-    stage such as ``"t0:1"`` belongs to). ``launched``: when the host launched its program (at
-    most ``start``; the action started later when its rank or its inputs were not ready; a
-    transfer's is its ``start``). An action run as several programs (a stage cut around a
-    core: ``mm.jit(share_cores=...)``) is one event, from its first program's start to its
-    last one's end.
-
-    A transfer (``kind`` ``"T"``) is the result of action ``carries`` (``F``, ``B`` or ``I``) of
-    ``stage`` on ``microbatch`` crossing from the devices of task ``source`` to those of
-    ``rank``, for task ``task``: from when it could leave to when it arrived."""
+    """One executed action, timed in seconds since the step started. ``fused``: it ran in one
+    program with the other actions of its overlapped pair. ``rank``: the task whose devices ran
+    it. ``launched``: when the host launched its program. A transfer (``kind`` ``"T"``) is the
+    result of action ``carries`` of ``stage`` crossing from task ``source``'s devices to
+    ``rank``'s."""
 
     task: str
     kind: str
@@ -75,9 +53,8 @@ class Event:
 
 
 class Transfer(NamedTuple):
-    """What a move between two ranks' devices carries, as the emitter labels it for timers: the
-    result of action ``(kind, stage)`` on ``microbatch``, from the devices of task ``source``
-    to those of ``rank``, for task ``task`` (``rank`` itself or one of its virtual stages)."""
+    """What a move between two ranks' devices carries: the result of action ``(kind, stage)`` on
+    ``microbatch``, from task ``source``'s devices to ``rank``'s, for task ``task``."""
 
     task: str
     rank: str
@@ -114,8 +91,7 @@ def _record(
     rank: str,
     launched: float,
 ) -> None:
-    """Adds to ``events`` those of a program launched at ``launched`` that ran from ``start``
-    to ``end``: one per pipeline action it runs, but a later part of an action (a stage cut
+    """Adds one event per pipeline action of a program; a later part of an action (a stage cut
     around a core) extends that action's event to ``end`` instead."""
     stages = _stages(labels)
     for (task, kind, stage, part), m in stages:
@@ -154,8 +130,7 @@ class Timer:
 
     @property
     def started(self) -> float:
-        """``time.perf_counter()`` when the step started (:meth:`begin`): the events' times
-        count from it."""
+        """``time.perf_counter()`` when the step started: the events' times count from it."""
         return self._start
 
     def begin(self) -> None:
@@ -171,11 +146,9 @@ class Timer:
         at: float,
         witness: Callable[[Any], Any] | None = None,
     ) -> None:
-        """A program was launched at ``at`` (``time.perf_counter``) on the devices of the task
-        named ``rank``, reading ``in_slots`` and making ``outs`` into ``out_slots``; ``labels``: the
-        pipeline actions it runs, ``(label or None, microbatch)`` each. ``witness``: given when
-        a later program may donate every one of its results (a running sum), a
-        :func:`witness_for` its first result."""
+        """A program was launched at ``at`` on ``rank``'s devices; ``labels``: the pipeline
+        actions it runs, ``(label or None, microbatch)`` each. ``witness``: a
+        :func:`witness_for` its first result, when a later program may donate all of them."""
 
     def moved(
         self,
@@ -185,13 +158,11 @@ class Timer:
         value: Any = None,
         at: float = 0.0,
     ) -> None:
-        """The value in ``from_slot`` was moved (or copied) into ``to_slot``. ``transfer``: what
-        it carries when it crossed between two ranks' devices, ``value`` the moved array (its
-        copy issued at ``at``, ``time.perf_counter``)."""
+        """The value in ``from_slot`` was moved into ``to_slot``; ``transfer``: what it carries
+        when it crossed between two ranks' devices (its copy issued at ``at``)."""
 
     def received(self, to_slot: int, transfer: Transfer | None, at: float, arrived: float) -> None:
-        """A value from another process is in ``to_slot``: the runner began receiving it at
-        ``at`` and had it at ``arrived``; ``transfer``: what it carries."""
+        """A value from another process, received from ``at`` to ``arrived``, is in ``to_slot``."""
 
     def stop(self) -> None:
         """The step is over, or failed: let go of anything still watching it."""
@@ -239,9 +210,8 @@ def _first_element(x: jax.Array) -> jax.Array:
 
 
 def witness_for(result: Any) -> Callable[[jax.Array], jax.Array]:
-    """A compiled program that reads a program's result of the layout ``result`` (a
-    ``jax.ShapeDtypeStruct`` with its sharding) and makes a one-element copy: launched right
-    after that program, it ends when the program has, and nothing later deletes its result."""
+    """A compiled one-element copy of a result laid out as ``result``: launched right after a
+    program, it ends when the program has, and nothing later deletes its result."""
     compiled = _first_element.lower(result).compile()
     # run once, so that the timed step does not pay for a program's first run
     sample = jax.device_put(jax.numpy.zeros(result.shape, result.dtype), result.sharding)
@@ -263,9 +233,8 @@ class _Launch:
 
 
 def _wait_for_any(outs: Sequence[Any]) -> None:
-    """Waits until a program has run: a program's results are ready together, so for the first
-    of them not yet donated to a later program (one donated was read by a program of the same
-    device, which ran after this one: then this one has ended too)."""
+    """Waits until a program has run: for the first of its results not yet donated (one donated
+    was read by a later program of the same device, so this one has ended too)."""
     for out in outs:
         if out.is_deleted():
             continue
@@ -294,13 +263,8 @@ def _arrived(value: Any) -> bool:
 class OverlapTimer(Timer):
     """Times the actions of a step that runs as a call runs it (see the module docstring).
 
-    A program whose every result a later one donates (adding to a running sum) leaves nothing
-    to wait for; the runner launches a one-element copy of its first result right after it
-    (:func:`witness_for`), which ends when it does.
-
-    Python hands the interpreter lock between threads every 5 ms by default; while a step runs,
-    watcher threads would note an end that late, so the switch interval is lowered to
-    ``switch_interval`` seconds until :meth:`events` returns.
+    Python hands the interpreter lock between threads every 5 ms by default, so watcher threads
+    would note an end that late: the switch interval is ``switch_interval`` while a step runs.
     """
 
     wants_witnesses = True
@@ -390,8 +354,7 @@ class OverlapTimer(Timer):
             launch.ended_at = time.perf_counter()
 
     def stop(self) -> None:
-        """Waits for the watchers to note every launched program and ends them; restores the
-        switch interval. Called by :meth:`events`; call it also when the step failed."""
+        """Ends the watchers once they noted every launch; restores the switch interval."""
         try:
             for waiting, _ in self._watchers.values():
                 waiting.put(None)
@@ -412,9 +375,8 @@ class OverlapTimer(Timer):
                 [p] if launches[p].seen else launches[p].made_from)}
             for launch in launches
         ]  # fmt: skip
-        # a watcher notes an end when it next runs, so late at times; a program ended before
-        # any program that read its results or ran after it on its rank did, a transfer
-        # before its reader did
+        # a watcher can note an end late: a program ended before its readers and the next
+        # program on its rank did, a transfer before its reader did
         ended = [launch.ended_at for launch in launches]
         next_on_rank: dict[str, int] = {}
         for k in range(len(launches) - 1, -1, -1):

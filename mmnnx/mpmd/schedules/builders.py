@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validate
 
@@ -27,8 +28,7 @@ def need_enough_microbatches(name: str, num_microbatches: int, depth: int, what:
 
 
 def need_whole_groups(name: str, num_microbatches: int, num_ranks: int) -> None:
-    """Raises a ValueError (naming schedule ``name``) unless ``num_ranks`` divides
-    ``num_microbatches``."""
+    """Raises a ValueError unless ``num_ranks`` divides ``num_microbatches``."""
     if num_microbatches % num_ranks:
         raise ValueError(
             f"{name} sends microbatches through in groups of num_ranks={num_ranks}: "
@@ -41,36 +41,27 @@ def _looped_stages(rank: int, num_ranks: int, virtual_stages: int) -> list[int]:
     return [rank + k * num_ranks for k in range(virtual_stages)]
 
 
-def _looped(
-    name: str, num_ranks: int, num_microbatches: int, virtual_stages: int, rows: list
+def validated(
+    name: str, num_microbatches: int, stage_to_rank: Sequence[int], rows: Sequence, overlapped=()
 ) -> Schedule:
-    """A validated schedule whose stage ``s`` runs on rank ``s % num_ranks``."""
-    num_stages = num_ranks * virtual_stages
-    stage_to_rank = tuple(stage % num_ranks for stage in range(num_stages))
+    """The validated schedule of ``rows`` (one per rank), stage ``s`` on ``stage_to_rank[s]``."""
+    stage_to_rank = tuple(stage_to_rank)
     return validate(
         Schedule(
             name=name,
-            num_stages=num_stages,
+            num_stages=len(stage_to_rank),
             num_microbatches=num_microbatches,
-            num_ranks=num_ranks,
+            num_ranks=len(rows),
             stage_to_rank=stage_to_rank,
             actions=rows,
+            overlapped=overlapped,
         )
     )
 
 
-def _plain(name: str, num_stages: int, num_microbatches: int, rows: list[list[Action]]) -> Schedule:
-    """A validated schedule where rank ``r`` runs exactly stage ``r``."""
-    return validate(
-        Schedule(
-            name=name,
-            num_stages=num_stages,
-            num_microbatches=num_microbatches,
-            num_ranks=num_stages,
-            stage_to_rank=tuple(range(num_stages)),
-            actions=rows,
-        )
-    )
+def _looped(num_ranks: int, virtual_stages: int) -> list[int]:
+    """The rank of each stage when ``virtual_stages`` loops go round ``num_ranks`` ranks."""
+    return [stage % num_ranks for stage in range(num_ranks * virtual_stages)]
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -89,7 +80,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
         + [Action("B", stage, m) for m in range(num_microbatches)]
         for stage in range(num_stages)
     ]
-    return _plain("gpipe", num_stages, num_microbatches, rows)
+    return validated("gpipe", num_microbatches, range(num_stages), rows)
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
@@ -114,7 +105,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
             row += [Action("F", stage, m), Action("B", stage, m - warmup)]
         row += [Action("B", stage, m) for m in range(num_microbatches - warmup, num_microbatches)]
         rows.append(row)
-    return _plain("1f1b", num_stages, num_microbatches, rows)
+    return validated("1f1b", num_microbatches, range(num_stages), rows)
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
@@ -168,7 +159,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int)
             row += [forwards[warmup + i], backwards[i]]
         row += backwards[total - warmup :]
         rows.append(row)
-    return _looped("interleaved-1f1b", num_ranks, num_microbatches, virtual_stages, rows)
+    return validated("interleaved-1f1b", num_microbatches, _looped(num_ranks, virtual_stages), rows)
 
 
 def interleaved_gpipe(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
@@ -196,7 +187,9 @@ def interleaved_gpipe(num_ranks: int, num_microbatches: int, virtual_stages: int
             [Action("F", stage, m) for stage in stages for m in microbatches]
             + [Action("B", stage, m) for stage in reversed(stages) for m in microbatches]
         )
-    return _looped("interleaved-gpipe", num_ranks, num_microbatches, virtual_stages, rows)
+    return validated(
+        "interleaved-gpipe", num_microbatches, _looped(num_ranks, virtual_stages), rows
+    )
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
@@ -231,4 +224,4 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
                 weights += 1
         row += [Action("W", stage, m) for m in range(weights, num_microbatches)]
         rows.append(row)
-    return _plain("zero-bubble-h1", num_stages, num_microbatches, rows)
+    return validated("zero-bubble-h1", num_microbatches, range(num_stages), rows)

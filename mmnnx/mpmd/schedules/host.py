@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mmnnx.mpmd.schedules.ir import Action, Schedule, Timed, _dependencies, _key, play
+from mmnnx.mpmd.schedules.ir import Action, Schedule, Timed, _dependencies, _key, play, run_program
 
 _UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}
 
@@ -51,16 +51,10 @@ def play_issued(
     launch_cost: float,
     processes: Sequence[int],
 ) -> list[Timed]:
-    """:func:`~mmnnx.mpmd.schedules.ir.play` with hosts: rank ``r``'s programs are launched by
-    the host of process ``processes[r]``, in :func:`dispatch_order`, each launch taking
-    ``launch_cost``; an action (an overlapped pair: one program) starts no earlier than its
-    launch. A value read on another rank of the same process leaves when its producer has
-    ended and the host has issued the copy (right before the reader's launch); one read in
-    another process leaves once its producer has ended (its host offered it on launching the
-    producer) and the reader's host has reached the reader's place in the order, where it
-    waits for the value to arrive before it goes on. Raises ValueError when the order runs an
-    action before one it reads (a schedule that deadlocks: :func:`validate` names it).
-    """
+    """:func:`~mmnnx.mpmd.schedules.ir.play` with hosts (see the module docstring): rank ``r``'s
+    programs are launched by process ``processes[r]``'s host in :func:`dispatch_order`, each
+    launch taking ``launch_cost``. Raises ValueError when the order runs an action before one
+    it reads."""
     rank_of = {a: r for r, row in enumerate(schedule.actions) for a in row}
     present = set(map(_key, rank_of))
     finish: dict[Action, float] = {}
@@ -85,15 +79,8 @@ def play_issued(
             arrivals.append(arrived)
         host[me] += launch_cost
         start = max([free[rank], host[me], *arrivals])
-        durations = [duration(a) for a in actions]
-        whole = pair_duration(*actions) if second is not None else None
-        if whole is not None:
-            total = sum(durations)
-            durations = [whole * d / total for d in durations] if total else [whole / 2] * 2
-        for action, took in zip(actions, durations, strict=True):
-            timed.append(Timed(rank=rank, action=action, start=start, end=start + took))
-            start += took
+        timed += run_program(rank, actions, start, duration, pair_duration)
         for action in actions:
-            finish[action] = start
-        free[rank] = start
+            finish[action] = timed[-1].end
+        free[rank] = timed[-1].end
     return sorted(timed, key=lambda t: (t.start, t.rank))

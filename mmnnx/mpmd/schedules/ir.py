@@ -1,11 +1,6 @@
-"""The schedule records: :class:`Action` and :class:`Schedule`, their validation (complete, and
-runs without deadlock), CSV, and :func:`custom` tables.
-
-An action is one pass of one stage over one microbatch: ``F`` (forward), ``B`` (full backward),
-or the two halves of a split backward used by zero-bubble schedules, ``I`` (gradient with
-respect to the stage's input, which the previous stage waits for) and ``W`` (gradient with
-respect to the stage's weights, which nobody waits for). :func:`play` runs a schedule's ranks in
-order under given durations; validation plays it in unit time, and ``simulation.py`` times it.
+"""The schedule records: :class:`Action` (its kinds: the package's docstring) and
+:class:`Schedule`, their validation (complete, and runs without deadlock), CSV, :func:`custom`
+tables, and :func:`play`, which runs a schedule's ranks in order under given durations.
 """
 
 from __future__ import annotations
@@ -293,8 +288,7 @@ class Timed(NamedTuple):
 
 
 def _dependencies(action: Action, num_stages: int, present: Container[tuple]) -> list[Action]:
-    """The actions whose results ``action`` consumes (its rank's earlier actions aside), among
-    those whose :func:`_key` is in ``present``."""
+    """The actions among ``present`` whose results ``action`` consumes."""
     return [Action(*need) for need in _needs(*_key(action), num_stages, present)]
 
 
@@ -324,19 +318,12 @@ def play(
     pair_duration: Callable[[Action, Action], float | None] = lambda first, second: None,
     transfer: Callable[[Action], float] = lambda producer: 0,
 ) -> list[Timed]:
-    """Run every rank's actions strictly in order, each as soon as its inputs are done.
-
-    Start times do not depend on the order in which ranks are visited: an action starts when
-    its rank's previous action and all of its dependencies have ended. An overlapped pair
-    starts when both actions' inputs are ready, runs one action after the other, and hands on
-    its results when both have ended (one program); ``pair_duration`` may give the pair's own
-    duration (``None``: the sum of its actions'), which its two actions then share in
-    proportion to their own. A result read on another rank than the one that made it arrives
-    ``transfer(producer)`` after its producer ended (on the same rank, at once). Raises
-    ValueError naming the blocked actions when no rank can make progress.
+    """Run every rank's actions strictly in order, each as soon as its rank's previous action
+    and its inputs are done (an overlapped pair: both actions' inputs, results handed on when
+    both end); a result read on another rank arrives ``transfer(producer)`` after its producer
+    ended. Raises ValueError naming the blocked actions when no rank can make progress.
     """
-    # The actions by number, each one's dependencies found once: a blocked rank asks again on
-    # every round, and numbers are looked up without hashing an Action
+    # The actions by number, each one's dependencies found once
     rows = schedule.actions
     rank_of = {a: r for r, row in enumerate(rows) for a in row}
     actions_by_number, owner, missing = list(rank_of), list(rank_of.values()), len(rank_of)
@@ -367,15 +354,8 @@ def play(
                     arrival = done[k] + (transfer(actions_by_number[k]) if owner[k] != rank else 0)
                     start = max(start, arrival)
                 actions = rows[rank][pc : pc + width]
-                durations = [duration(action) for action in actions]
-                whole = pair_duration(*actions) if width == 2 else None
-                if whole is not None:
-                    total = sum(durations)
-                    durations = [whole * d / total for d in durations] if total else [whole / 2] * 2
-                for action, took in zip(actions, durations, strict=True):
-                    end = start + took
-                    timed.append(Timed(rank=rank, action=action, start=start, end=end))
-                    start = end
+                timed += run_program(rank, actions, start, duration, pair_duration)
+                end = timed[-1].end
                 for k in ids:
                     done[k] = end
                 free[rank] = end
@@ -386,6 +366,26 @@ def play(
             finish = {a: done[i] for i, a in enumerate(actions_by_number) if done[i] is not None}
             raise ValueError(_deadlock_message(schedule, pcs, finish, number))
     return sorted(timed, key=lambda t: (t.start, t.rank))
+
+
+def run_program(
+    rank: int,
+    actions: Sequence[Action],
+    start: float,
+    duration: Callable[[Action], float],
+    pair_duration: Callable[[Action, Action], float | None],
+) -> list[Timed]:
+    """One program (an action, or an overlapped pair) run on ``rank`` from ``start``."""
+    durations = [duration(action) for action in actions]
+    whole = pair_duration(*actions) if len(actions) == 2 else None
+    if whole is not None:
+        total = sum(durations)
+        durations = [whole * d / total for d in durations] if total else [whole / 2] * 2
+    timed = []
+    for action, took in zip(actions, durations, strict=True):
+        timed.append(Timed(rank=rank, action=action, start=start, end=start + took))
+        start += took
+    return timed
 
 
 def _deadlock_message(
@@ -432,10 +432,7 @@ def _deadlock_message(
 
 def _check_structure(schedule: Schedule) -> None:
     """Counts, ownership, and exactly one F and one B (or one I and one W) per stage/microbatch."""
-    for field in ("num_stages", "num_microbatches", "num_ranks"):
-        value = getattr(schedule, field)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{field} must be a positive int, got {value!r}")
+    check_counts(schedule.num_stages, schedule.num_microbatches, schedule.num_ranks)
     num_stages, num_ranks = schedule.num_stages, schedule.num_ranks
     if len(schedule.stage_to_rank) != num_stages:
         raise ValueError(
@@ -500,8 +497,7 @@ def _check_structure(schedule: Schedule) -> None:
 
 
 def _check_pairs(schedule: Schedule) -> None:
-    """Each overlapped pair: two adjacent actions of one rank, of different microbatches (so
-    neither needs the other), in no other pair."""
+    """Each overlapped pair: adjacent actions of different microbatches, in no other pair."""
     if len(schedule.overlapped) != schedule.num_ranks:
         raise ValueError(
             f"overlapped has {len(schedule.overlapped)} rows for {schedule.num_ranks} ranks"
@@ -557,9 +553,10 @@ def validate(schedule: Schedule) -> Schedule:
     return schedule
 
 
-def check_counts(num_stages: int, num_microbatches: int) -> None:
-    """Raises a ValueError unless both counts are positive ints (bools refused)."""
-    for field, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+def check_counts(num_stages: int, num_microbatches: int, num_ranks: int = 1) -> None:
+    """Raises a ValueError unless the counts are positive ints (bools refused)."""
+    counts = {"num_stages": num_stages, "num_microbatches": num_microbatches}
+    for field, value in {**counts, "num_ranks": num_ranks}.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{field} must be a positive int, got {value!r}")
 

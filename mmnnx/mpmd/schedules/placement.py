@@ -60,8 +60,7 @@ class OnePerRank(Placement):
 
 
 class Interleaved(Placement):
-    """Rank ``r`` runs stages ``r, r + R, ...``: ``builder(num_stages / v, M, v)``; ``v >= 2``
-    dividing ``num_stages``."""
+    """Rank ``r`` runs stages ``r, r + R, ...``: ``builder(num_stages / v, M, v)``."""
 
     name, runs, needs = "several stages per rank, looped", "2 or more", "several stages per task"
 
@@ -89,8 +88,7 @@ class Interleaved(Placement):
 
 
 class VShaped(Placement):
-    """Rank ``r`` runs stages ``r`` and ``2R - 1 - r``: ``builder(num_stages / 2, M)``; ``v``
-    must be 2 and ``num_stages`` even."""
+    """Rank ``r`` runs stages ``r`` and ``2R - 1 - r``: ``builder(num_stages / 2, M)``."""
 
     name, runs, needs = "two stages per rank in a V", "2", "two stages per task, in a V"
 

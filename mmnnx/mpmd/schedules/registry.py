@@ -46,9 +46,7 @@ Builder = Callable[[int, int, int], Schedule]
 
 @dataclasses.dataclass(frozen=True)
 class RegisteredSchedule:
-    """One schedule name: its builder, how it places stages on ranks (which says what the
-    builder is given), and whether the builder orders its passes for given ``costs`` (then
-    called with ``costs=`` when :func:`get` is given some)."""
+    """One schedule name: its builder, its placement, whether it takes ``costs``."""
 
     name: str
     builder: Callable[..., Schedule]
@@ -62,9 +60,7 @@ class RegisteredSchedule:
         virtual_stages: int,
         costs: Mapping[Any, float] | None = None,
     ) -> Schedule:
-        """Calls the builder as :attr:`placement` says, after checking ``virtual_stages``
-        against it (a ValueError naming the schedule) and that it takes ``costs`` if given
-        (:class:`CostsNotUsed`); the result is not checked here (:func:`get` does)."""
+        """Calls the builder as :attr:`placement` says, ``virtual_stages`` and ``costs`` checked."""
         sizes = (num_stages, num_microbatches, virtual_stages)
         self.placement.check(self.name, *sizes)
         if self.placement.order(virtual_stages) is None:
@@ -82,8 +78,7 @@ class RegisteredSchedule:
         return self.builder(*self.placement.sizes(*sizes), **self._costs(costs))
 
     def _costs(self, costs: Mapping[Any, float] | None) -> dict[str, Any]:
-        """``costs`` as keyword arguments for the builder: none without costs; raises
-        :class:`CostsNotUsed` when the builder takes none."""
+        """``costs`` as keyword arguments for the builder."""
         if costs is None:
             return {}
         if not self.takes_costs:
@@ -99,20 +94,10 @@ _BUILT_IN = (
     RegisteredSchedule("interleaved-1f1b", interleaved_1f1b, Placement.INTERLEAVED),
     RegisteredSchedule("interleaved-gpipe", interleaved_gpipe, Placement.INTERLEAVED),
     RegisteredSchedule("zero-bubble-h1", zero_bubble_h1, Placement.ONE_PER_RANK),
+    RegisteredSchedule("zero-bubble-h2", zero_bubble_h2, Placement.ONE_PER_RANK, takes_costs=True),
+    RegisteredSchedule("zero-bubble-v", zero_bubble_v, Placement.V_SHAPED, takes_costs=True),
     RegisteredSchedule(
-        name="zero-bubble-h2",
-        builder=zero_bubble_h2,
-        placement=Placement.ONE_PER_RANK,
-        takes_costs=True,
-    ),
-    RegisteredSchedule(
-        name="zero-bubble-v", builder=zero_bubble_v, placement=Placement.V_SHAPED, takes_costs=True
-    ),
-    RegisteredSchedule(
-        name="interleaved-zero-bubble",
-        builder=interleaved_zero_bubble,
-        placement=Placement.INTERLEAVED,
-        takes_costs=True,
+        "interleaved-zero-bubble", interleaved_zero_bubble, Placement.INTERLEAVED, takes_costs=True
     ),
     RegisteredSchedule("dualpipev", dualpipe_v, Placement.V_SHAPED),
 )
@@ -128,8 +113,7 @@ def _takes_costs(builder: Callable[..., Schedule]) -> bool:
 
 
 def _check_signature(name: str, builder: Callable[..., Schedule]) -> None:
-    """Raises a TypeError naming the schedule when ``builder`` cannot be called as
-    ``builder(num_stages, num_microbatches, virtual_stages)`` (with ``costs=`` if it has one)."""
+    """Raises a TypeError unless ``builder`` can be called as a :data:`Builder`."""
     try:
         signature = inspect.signature(builder)
     except (TypeError, ValueError):  # a callable whose signature cannot be read: trust it

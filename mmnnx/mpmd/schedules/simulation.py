@@ -175,8 +175,7 @@ def simulate(
 def _player(
     schedule: Schedule, launch_cost: float, processes: Sequence[int] | None
 ) -> Callable[..., list]:
-    """``play``, or with ``launch_cost`` or ``processes`` (see :func:`simulate`) checked,
-    ``play_issued`` with them."""
+    """``play``, or ``play_issued`` with ``launch_cost`` and ``processes`` (checked)."""
     if not (isinstance(launch_cost, numbers.Real) and launch_cost >= 0):
         raise ValueError(
             f"simulate: launch_cost must be a number >= 0 seconds, got {launch_cost!r}"
@@ -285,8 +284,7 @@ def _average(caller: str, average: str) -> Callable[[list[float]], float]:
 
 
 def _rank_of(event: Any) -> Any:
-    """The rank a timed event ran on: its ``rank`` (a step's timeline: the task whose devices
-    ran it; a simulation: the rank number), else its ``task``."""
+    """The rank a timed event ran on: its ``rank``, else its ``task``."""
     rank = getattr(event, "rank", None)
     return rank if rank not in (None, "") else event.task
 

@@ -33,8 +33,9 @@ from mmnnx.mpmd.schedules.builders import (
     interleaved_1f1b,
     need_enough_microbatches,
     need_whole_groups,
+    validated,
 )
-from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validate
+from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts
 from mmnnx.mpmd.schedules.simulation import simulate
 
 Costs = Mapping[str | tuple[str, int], float]
@@ -43,10 +44,7 @@ Costs = Mapping[str | tuple[str, int], float]
 
 POLICIES = ("zero-bubble", "critical-path")
 """How :func:`list_schedule` picks among the passes a free rank could start: ``"zero-bubble"``
-takes an input gradient first, then a forward (memory allowing), then the oldest weight pass;
-``"critical-path"`` takes the pass with the most work after it on its microbatch's path to the
-last weight pass (its own duration included), so a long weight pass that ends the step (the first
-stage's, which has no input gradient to make) starts early enough."""
+(I, then F memory allowing, then the oldest W) or ``"critical-path"`` (the most work after it)."""
 
 
 def list_schedule(
@@ -57,13 +55,9 @@ def list_schedule(
     costs: Costs | None = None,
     policy: str = "zero-bubble",
 ) -> Schedule:
-    """Builds a split-backward schedule by playing it out (see the module docstring).
-
-    ``stage_to_rank[s]`` is the rank of stage ``s`` and ``limits[r]`` the most microbatches rank
-    ``r`` may hold at once, summed over its stages (at least 1). ``costs`` gives the passes'
-    durations (default: one unit each); a schedule built for the durations a step measured
-    (``timeline()``) orders the passes for that step, as the zero-bubble paper's scheduler does.
-    ``policy`` (one of :data:`POLICIES`) chooses among the passes ready to start.
+    """Builds a split-backward schedule by playing it out (see the module docstring);
+    ``limits[r]``: the most microbatches rank ``r`` may hold at once; ``costs``: the passes'
+    durations (default: one unit each).
 
     Example:
         >>> from mmnnx.mpmd.schedules.zero_bubble import list_schedule
@@ -80,7 +74,6 @@ def list_schedule(
     cost = _durations(name, costs)
     critical = _critical_paths(num_stages, cost) if policy == "critical-path" else None
     stages_of = [[s for s in range(num_stages) if stage_to_rank[s] == r] for r in range(num_ranks)]
-    # per stage, the end times of the F and I passes started so far (each in microbatch order)
     f_end: list[list[float]] = [[] for _ in range(num_stages)]
     i_end: list[list[float]] = [[] for _ in range(num_stages)]
     # per rank, deferred W passes ready from ``end``: (microbatch, -stage, end), oldest first
@@ -134,22 +127,12 @@ def list_schedule(
         free_at[rank] = end
         heapq.heappush(ends, end)
         left[rank] -= 1
-    return validate(
-        Schedule(
-            name=name,
-            num_stages=num_stages,
-            num_microbatches=num_microbatches,
-            num_ranks=num_ranks,
-            stage_to_rank=stage_to_rank,
-            actions=rows,
-        )
-    )
+    return validated(name, num_microbatches, stage_to_rank, rows)
 
 
 GRIDS = (0.05, 0.1, 0.2)
-"""Besides the exact costs, :func:`built_for` plays the pipeline with the costs rounded to
-these grids (fractions of the mean cost): the list scheduler is greedy, and its choices flip on
-differences far below what a timing resolves (benchmarks/HISTORY.md has a case on four ranks)."""
+"""The grids (fractions of the mean cost) :func:`built_for` also rounds the costs to: the greedy
+list scheduler's choices flip on differences far below what a timing resolves."""
 
 
 def built_for(
@@ -159,10 +142,8 @@ def built_for(
     limits: Sequence[int],
     costs: Costs | None = None,
 ) -> Schedule:
-    """The :func:`list_schedule` for ``costs``: of those each policy builds for them and for them
-    rounded to each of :data:`GRIDS`, and the one built for equal durations, the one
-    :func:`~mmnnx.mpmd.schedules.simulate` finds fastest under ``costs`` (the first built on a
-    tie: the first policy's for the exact costs). Without ``costs``, the first policy's.
+    """The fastest under ``costs`` (the first on a tie) of the :func:`list_schedule` each policy
+    builds for ``costs``, for them rounded to each of :data:`GRIDS`, and for equal durations.
 
     Example:
         >>> from mmnnx.mpmd.schedules import simulate
@@ -192,8 +173,7 @@ def built_for(
 
 
 def _rounded(costs: Costs, grid: float) -> dict:
-    """``costs`` rounded to multiples of ``grid`` times their mean; a cost that would round to
-    nothing keeps its own value."""
+    """``costs`` rounded to multiples of ``grid`` times their mean (never to nothing)."""
     step = grid * sum(costs.values()) / len(costs)
     return {key: step * round(value / step) or value for key, value in costs.items()}
 
@@ -216,9 +196,7 @@ def _durations(name: str, costs: Costs | None) -> Callable[[str, int], float]:
 
 
 def _critical_paths(num_stages: int, cost: Callable[[str, int], float]) -> dict[tuple, float]:
-    """Per ``(kind, stage)``: the pass's duration plus the longest chain of passes that wait
-    on it (a forward feeds the next stage's forward, the last stage's input gradient and its own
-    weight pass; an input gradient feeds the previous stage's and its own weight pass)."""
+    """Per ``(kind, stage)``: its duration plus the longest chain of passes waiting on it."""
     after: dict[tuple, float] = {}
     for s in range(num_stages):
         after["W", s] = cost("W", s)
@@ -241,14 +219,10 @@ def _pick(
     num_microbatches: int,
     critical: dict[tuple, float] | None = None,
 ) -> Action | None:
-    """Input gradients first, then forwards (memory allowing), then the oldest weight pass;
-    among equals the oldest microbatch, then the deepest stage (nearest the loss). With
-    ``critical`` (:func:`_critical_paths`), the ready pass with the longest path after it, then
-    as before. A pass is ready when the passes it reads have ended by ``now``."""
+    """The ready pass to run: I, then F (memory allowing), then W; or the most critical."""
     last = len(f_end) - 1
 
     def first_ready(kind: str) -> Action | None:
-        """The ready pass of ``kind`` to run first (oldest microbatch, then deepest stage)."""
         ready = []
         if kind == "I":
             for s in stages:
@@ -422,16 +396,9 @@ def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) 
         strict=True,
     )
     stage_to_rank = _v_stage_to_rank(num_ranks)
-    schedule = Schedule(
-        name="dualpipev",
-        num_stages=2 * num_ranks,
-        num_microbatches=num_microbatches,
-        num_ranks=num_ranks,
-        stage_to_rank=stage_to_rank,
-        actions=rows,
-        overlapped=pairs if fuse_pairs else (),
+    return validated(
+        "dualpipev", num_microbatches, stage_to_rank, rows, pairs if fuse_pairs else ()
     )
-    return validate(schedule)
 
 
 def _dualpipe_v_row(

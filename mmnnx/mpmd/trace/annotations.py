@@ -87,8 +87,8 @@ def resolve_scopes(resolver: ScopeResolver) -> None:
 
 
 def apply_resolvers(graph: Graph, trace: Trace) -> None:
-    """Gives each op outside an ``mm.task`` region the task a resolver of ``trace`` returns for
-    its scope (see :func:`resolve_scopes`); records those tasks as regions."""
+    """Gives each op outside an ``mm.task`` region the task a resolver of ``trace`` returns for its
+    scope; records those tasks as regions."""
     if not trace.resolvers:
         return
     for op in graph.ops:

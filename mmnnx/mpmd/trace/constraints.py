@@ -1,9 +1,7 @@
-"""``jax.lax.with_sharding_constraint(x, PartitionSpec(...))`` as Flax's guides write it, inside
-``mm.jit``: JAX wants a mesh in context for a bare ``PartitionSpec``, and a step spans several
-meshes. ``mm.jit`` traces such a step under an abstract mesh of its tasks' axes
-(:func:`abstract_mesh_of`), then turns each constraint on an abstract mesh into the
-constraint ``mm.with_sharding_constraint`` makes (:func:`on_tasks`), which is laid out on the
-mesh of the task whose program runs it, nested bodies included."""
+"""A bare ``jax.lax.with_sharding_constraint(x, PartitionSpec(...))`` inside ``mm.jit``: the step
+is traced under an abstract mesh of its tasks' axes (:func:`abstract_mesh_of`), then each such
+constraint becomes an ``mm.with_sharding_constraint`` (:func:`on_tasks`), laid out on the mesh
+of the task running it."""
 
 from __future__ import annotations
 

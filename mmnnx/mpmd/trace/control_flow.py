@@ -17,13 +17,10 @@ from mmnnx.mpmd.op_kinds import COSTLY
 
 
 def _split_cond(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
-    """A ``cond`` whose results fall into independent groups, as one cond per group (each with
-    the predicate and only the operands its group reads), or ``None`` if it does not split.
-
-    Results are independent when, in every branch, they share no computation but scalar
-    arithmetic (a step count, a flag), which each piece recomputes. An optimizer wrapper such as
-    ``optax.MultiSteps`` updates every parameter's state in one cond; split, each parameter's
-    piece can run on the task that holds it."""
+    """A ``cond`` as one cond per independent group of results (each with the predicate and the
+    operands its group reads), or ``None``. Results are independent when, in every branch, they
+    share no computation but scalar arithmetic, which each piece recomputes (as in
+    ``optax.MultiSteps``)."""
     branches = eqn.params["branches"]
     if eqn.effects or len(eqn.outvars) < 2:
         return None
@@ -65,13 +62,9 @@ def _split_cond(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
 
 
 def _split_while(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
-    """A ``while_loop`` whose carried values fall into independent groups, as one loop per group,
-    or ``None`` if it does not split.
-
-    Scalar carried values computed only from each other (a step counter) are carried by every
-    piece, and so is whatever the loop's predicate reads, which must be among them. The other
-    values are grouped as :func:`_split_cond` groups results: one piece per group, each reading
-    only the operands its group needs, so each can run on the task that holds its state."""
+    """A ``while_loop`` as one loop per independent group of carried values (grouped as by
+    :func:`_split_cond`), or ``None``. Scalars computed only from each other (a step counter), which
+    must hold all the predicate reads, are carried by every piece."""
     params = eqn.params
     cond_n, body_n = params["cond_nconsts"], params["body_nconsts"]
     cond, body = params["cond_jaxpr"], params["body_jaxpr"]
@@ -85,8 +78,7 @@ def _split_while(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
 
     def reads(out) -> tuple[set[int], set[int]]:
-        """The carried inputs an output reads, and the ids of the non-scalar equations on
-        the way."""
+        """The carried inputs an output reads, and the ids of non-scalar equations on the way."""
         found, shared, seen, stack = set(), set(), set(), [out]
         while stack:
             v = stack.pop()
@@ -190,8 +182,8 @@ def _vars(atoms: Any) -> set:
 
 @dataclasses.dataclass
 class _ScanCut:
-    """How a scan's body divides into the part computing the results needed now (``first``) and
-    the part that can wait (``later``, fed the values it reads from the first part, stacked)."""
+    """A scan's body divided into the part making the results needed now (``first``) and the part
+    that can wait (``later``, fed the values it reads from the first, stacked)."""
 
     first_outs: list[bool]  # per result of the scan: computed by the first part
     first_eqns: list[Any]
@@ -202,11 +194,10 @@ class _ScanCut:
 
 
 def _scan_cut(op: Op, wanted: Sequence[bool]) -> _ScanCut | None:
-    """The cut of scan ``op`` whose first part makes the ``wanted`` results (and the carries
-    they depend on); ``None`` when the op is no scan, has effects, the first part would be the
-    whole body, or the rest holds no contraction (weight gradients of a matmul or convolution):
-    cutting a scan of elementwise layers saves every layer's operands for the weight pass to read
-    back, which costs about as much as the weight pass saves (benchmarks/HISTORY.md)."""
+    """The cut of scan ``op`` whose first part makes the ``wanted`` results (and the carries they
+    depend on); ``None`` when there is none, the op has effects, or the rest holds no contraction
+    (cutting elementwise layers saves more operands than the weight pass saves:
+    benchmarks/HISTORY.md)."""
     if op.name != "scan" or op.effectful or op.mesh is not None:
         return None
     body = op.params["jaxpr"].jaxpr
@@ -255,8 +246,8 @@ def _scan_cut(op: Op, wanted: Sequence[bool]) -> _ScanCut | None:
     first_reads |= _vars(v for v, w in zip(body.outvars, first, strict=True) if w)
 
     def operands(reads: set, carries: Sequence[bool]) -> list[bool]:
-        """Per operand of the scan: whether a part reading ``reads`` and carrying ``carries``
-        takes it (every carry it updates; the constants and scanned operands it reads)."""
+        """Per operand of the scan: whether a part reading ``reads`` and carrying ``carries`` takes
+        it."""
         flags = [v in reads for v in body.invars]
         flags[num_consts : num_consts + num_carry] = carries
         return flags
@@ -312,67 +303,49 @@ def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | 
         return None
     closed = op.params["jaxpr"]
     body = closed.jaxpr
-    length = op.params["length"]
     num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
-    first_outs = cut.first_outs
-    carry_first = first_outs[:num_carry]
 
-    def scan(ins: list, eqns: list, invars: list, outvars: list, carries: int, consts: int) -> dict:
-        """The parameters of a scan running ``eqns`` of the body."""
+    def picked(items: Sequence, flags: Sequence[bool]) -> list:
+        return [x for x, f in zip(items, flags, strict=True) if f]
+
+    def scan(eqns: list, pick: list, invars: list, ins: list, made: list, extra: list) -> Op:
+        """A scan of ``eqns`` of the body making the results ``made`` flags, then ``extra``."""
         part = body.replace(
             invars=invars,
-            outvars=outvars,
+            outvars=picked(body.outvars, made) + (cut.saved if extra else []),
             eqns=eqns,
             effects=join_effects(*(e.effects for e in eqns)),
         )
         params = {
             **op.params,
             "jaxpr": jcore.ClosedJaxpr(part, closed.consts),
-            "num_consts": consts,
-            "num_carry": carries,
+            "num_consts": sum(pick[:num_consts]),
+            "num_carry": sum(made[:num_carry]),
         }
         if "linear" in params:  # older JAX versions
             params["linear"] = (False,) * len(ins)
-        return params
+        return op.derived(op.primitive, params, ins, picked(op.outs, made) + extra)
 
-    pick = cut.first_operands
-    first_invars = [v for v, p in zip(body.invars, pick, strict=True) if p]
-    first_ins = [a for a, p in zip(op.ins, pick, strict=True) if p]
-    first_outvars = [v for v, w in zip(body.outvars, first_outs, strict=True) if w] + cut.saved
+    length = op.params["length"]
     saved_ids = [
         graph.new_value(aval_info(ShapedArray((length, *v.aval.shape), v.aval.dtype)))
         for v in cut.saved
     ]
-    first_params = scan(
-        first_ins,
+    pick, keep = cut.first_operands, cut.later_operands
+    first = scan(
         cut.first_eqns,
-        first_invars,
-        first_outvars,
-        sum(carry_first),
-        sum(pick[:num_consts]),
+        pick,
+        picked(body.invars, pick),
+        picked(op.ins, pick),
+        cut.first_outs,
+        saved_ids,
     )
-    first = op.derived(
-        op.primitive,
-        first_params,
-        first_ins,
-        [v for v, w in zip(op.outs, first_outs, strict=True) if w] + saved_ids,
-    )
-
-    keep = cut.later_operands
-    later_invars = [v for v, k in zip(body.invars, keep, strict=True) if k] + cut.saved
-    later_ins = [a for a, k in zip(op.ins, keep, strict=True) if k] + saved_ids
-    later_params = scan(
-        later_ins,
+    later = scan(
         cut.later_eqns,
-        later_invars,
-        [v for v, w in zip(body.outvars, first_outs, strict=True) if not w],
-        num_carry - sum(carry_first),
-        sum(keep[:num_consts]),
-    )
-    later = op.derived(
-        op.primitive,
-        later_params,
-        later_ins,
-        [v for v, w in zip(op.outs, first_outs, strict=True) if not w],
+        keep,
+        picked(body.invars, keep) + cut.saved,
+        picked(op.ins, keep) + saved_ids,
+        [not w for w in cut.first_outs],
+        [],
     )
     return first, later

@@ -15,13 +15,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 
 def no_ambient_mesh():
-    """A context without the ambient mesh (``with MultiMesh(...)``): the engine traces against
-    abstract shapes and compiles and runs each fragment on its own task's mesh."""
+    """A context without the ambient mesh: each fragment runs on its own task's mesh."""
     return jax.set_mesh(None)
 
 
-# Messages JAX raises when a step uses explicit-axes APIs (``jax.sharding.reshard``,
-# ``out_sharding=P(...)``) with no mesh to give them meaning.
+# JAX's errors for explicit-axes APIs (``reshard``, ``out_sharding=P(...)``) used with no mesh
 _NEEDS_MESH = (
     "not under a mesh context",
     "Reshard should only be used",
@@ -36,18 +34,15 @@ def needs_explicit_axes(error: BaseException) -> bool:
 
 @functools.cache
 def explicit_twin(mesh: Mesh) -> Mesh:
-    """``mesh`` with every axis explicit (same devices and names): a task's programs compile
-    under it when its step was traced with sharding in types."""
+    """``mesh`` with every axis explicit, for programs of a step traced with sharding in types."""
     return Mesh(
         mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * len(mesh.axis_names)
     )
 
 
 def auto_twin(x: Any, like: Any = None) -> Any:
-    """``x`` on the same devices and spec with automatic axes, without a copy (values handed
-    back to the caller stay on their task's own mesh), as sharding ``like`` if that lays it out
-    alike (``P()`` for a type's ``P(None,)``: the caller's next call plans the same); other
-    values unchanged."""
+    """``x`` on the same devices and spec with automatic axes, without a copy (as ``like`` if that
+    lays it out alike); other values unchanged."""
     sharding = getattr(x, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     same_layout = isinstance(like, NamedSharding) and like.is_equivalent_to(sharding, x.ndim)
@@ -84,8 +79,7 @@ def typed_aval(shape: Sequence[int], dtype: Any, mesh: Mesh, spec: Any) -> Any:
 
 
 def traced_mesh(eqn: Any) -> Any:
-    """The abstract mesh ``eqn`` was traced under, if it has any explicit axes (``None``
-    otherwise: such ops re-trace in any context)."""
+    """The abstract mesh ``eqn`` was traced under, if it has explicit axes, else ``None``."""
     mesh = getattr(eqn.ctx, "cur_abstract_mesh", None)
     if mesh is None or mesh.empty:
         return None

@@ -15,7 +15,7 @@ Eqn = Any  # a jax.extend.core.JaxprEqn
 def holds(jaxpr: jcore.Jaxpr, wanted: Callable[[Eqn], bool]) -> bool:
     """Whether ``jaxpr`` or one nested in it has an equation ``wanted`` picks."""
     for eqn in jaxpr.eqns:
-        if wanted(eqn) or any(holds(inner, wanted) for inner in _inner_jaxprs(eqn.params)):
+        if wanted(eqn) or any(holds(j, wanted) for j in jcore.jaxprs_in_params(eqn.params)):
             return True
     return False
 
@@ -24,26 +24,10 @@ def rewrite(
     closed: jcore.ClosedJaxpr, wanted: Callable[[Eqn], bool], replace: Callable[[Eqn], Eqn]
 ) -> jcore.ClosedJaxpr:
     """``closed`` with every equation ``wanted`` picks, at any depth, replaced by
-    ``replace(eqn)``; ``closed`` itself when there is none.
-
-    Example::
-
-        closed = rewrite(closed, lambda e: e.primitive.name == "debug_callback", quiet)
-    """
+    ``replace(eqn)``; ``closed`` itself when there is none."""
     if not holds(closed.jaxpr, wanted):
         return closed
     return jcore.ClosedJaxpr(_rewrite(closed.jaxpr, wanted, replace), closed.consts)
-
-
-def _inner_jaxprs(params: dict) -> list[jcore.Jaxpr]:
-    found = []
-    for value in params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            if isinstance(item, jcore.ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, jcore.Jaxpr):
-                found.append(item)
-    return found
 
 
 def _rewrite(jaxpr: jcore.Jaxpr, wanted, replace) -> jcore.Jaxpr:
@@ -57,9 +41,7 @@ def _rewrite(jaxpr: jcore.Jaxpr, wanted, replace) -> jcore.Jaxpr:
 
 def _param(value: Any, wanted, replace) -> Any:
     if isinstance(value, jcore.ClosedJaxpr):
-        if not holds(value.jaxpr, wanted):
-            return value
-        return jcore.ClosedJaxpr(_rewrite(value.jaxpr, wanted, replace), value.consts)
+        return rewrite(value, wanted, replace)
     if isinstance(value, jcore.Jaxpr):
         return _rewrite(value, wanted, replace) if holds(value, wanted) else value
     jaxprs = jcore.Jaxpr | jcore.ClosedJaxpr

@@ -1,7 +1,5 @@
-"""What ``mm.jit`` records while it traces a step: the :class:`Trace` (``mm.task`` regions,
-``mm.microbatch`` groups, scope resolvers, why a microbatched call was unrolled), the context
-that marks a trace, and shape-only traces (``mm.tabulate``'s). The annotations
-(``annotations.py``) and ``mm.microbatch`` write it; ``mm.jit`` hands it to the planner."""
+"""What ``mm.jit`` records while it traces a step (:class:`Trace`), the context marking a trace,
+and shape-only traces (``mm.tabulate``'s)."""
 
 from __future__ import annotations
 

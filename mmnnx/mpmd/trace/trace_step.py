@@ -1,9 +1,6 @@
-"""A step traced to the engine's graph, with the mesh it needs: a step written with a bare
-``PartitionSpec`` constraint is traced again under an abstract mesh of its tasks' axes, and one
-written for explicit mesh axes (``reshard``, ``out_sharding=P(...)``) on the mesh shape all its
-tasks share, its inputs' placement in their types. Nothing here knows Flax NNX: the step comes
-as a pure function of its flat input leaves, each described by a
-:class:`~mmnnx.mpmd.step_io.StepInput`.
+"""A step traced to the engine's graph, with the mesh it needs: traced again under an abstract
+mesh of its tasks' axes for a bare ``PartitionSpec`` constraint, or on the mesh shape all its
+tasks share for explicit mesh axes. The step comes as a pure function of its flat input leaves.
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ PYTHON_SCALARS = (bool, int, float, complex)
 
 @dataclasses.dataclass(frozen=True)
 class TracedStep:
-    """A traced step: its graph (resolved scopes given their tasks), what its annotations
-    recorded, and the pytree of its results' shapes."""
+    """A traced step: its graph, what its annotations recorded, its results' shapes."""
 
     graph: Graph
     trace: Trace
@@ -49,9 +45,8 @@ def trace_step(
     callback_failures: CallbackFailures | None = None,
     located: Callable[[BaseException], BaseException] = lambda e: e,
 ) -> TracedStep:
-    """Traces ``pure(*leaves)``, one leaf per record of ``inputs`` (its shape and dtype), for
-    ``mm.jit``; JAX's errors name it as ``name_as``. A ``TypeError`` or ``ValueError`` the step
-    raises becomes ``located(error)`` (the error pointed at the user's code).
+    """Traces ``pure(*leaves)``, one leaf per record of ``inputs``; JAX's errors name it as
+    ``name_as``, and a ``TypeError`` or ``ValueError`` it raises becomes ``located(error)``.
 
     Example:
         >>> traced = trace_step(lambda x: x * 2, [StepInput(name="x", shape=(2,), dtype="f4")],
@@ -118,9 +113,8 @@ def _meshes(inputs: Sequence[StepInput]) -> list[Any]:
 def _typed_inputs(
     inputs: Sequence[StepInput], step: str, cause: BaseException
 ) -> tuple[Any, list[Any]]:
-    """For a step written for explicit mesh axes: the mesh whose shape every task shares, and
-    the inputs with their placement spec in their type (other inputs replicated). Raises,
-    naming the tasks, when no such mesh exists."""
+    """For a step written for explicit mesh axes: the mesh shape every task shares, and the inputs
+    with their placement in their type; raises, naming the tasks, when there is none."""
     tasks = list(dict.fromkeys(i.task for i in inputs if i.task is not None))
     shapes = {(t.jax_mesh.axis_names, t.jax_mesh.axis_sizes): t for t in tasks}
     stacked = any(i.stack is not None for i in inputs)

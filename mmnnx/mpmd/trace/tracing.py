@@ -21,23 +21,19 @@ from mmnnx.mpmd.trace.constraints import on_tasks
 from mmnnx.mpmd.trace.control_flow import split_eqn
 from mmnnx.mpmd.trace.mesh_context import traced_mesh
 
-# Call-like primitives whose bodies are spliced into the enclosing graph: they carry no semantics
-# beyond grouping, and splicing lets their pieces run on different tasks.
+# Call-like primitives whose bodies are spliced in, so that their pieces may run on other tasks
 _INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 # JAX names the transposed (backward) pass of a computation ``transpose(...)`` in name stacks.
 _BACKWARD_MARK = "transpose("
 _REGION = re.compile(re.escape(REGION_PREFIX) + r"([^/()]+)")
 _GROUP = re.compile(re.escape(GROUP_PREFIX) + r"(\d+)")
-
-
-# Primitives that call back into Python (and so may raise while a compiled program runs).
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "callback"})
 
 
 def _calls_back(eqn: jcore.JaxprEqn, known: dict[int, bool] | None = None) -> bool:
-    """Whether ``eqn`` is, or holds at any depth, a host callback; ``known`` caches the answer
-    for each nested jaxpr by id (the same body is often called many times)."""
+    """Whether ``eqn`` is, or holds at any depth, a host callback (``known``: by nested jaxpr
+    id)."""
     if eqn.primitive.name in _CALLBACKS:
         return True
     known = {} if known is None else known
@@ -92,15 +88,10 @@ def trace(
     arg_names: Sequence[str] | None = None,
     callback_failures: CallbackFailures | None = None,
 ) -> tuple[Graph, Any]:
-    """Traces ``fun(*avals)`` to a flat op graph; returns it and the output shapes' pytree.
-
-    With ``name_as``, JAX's tracing errors describe the trace as that function's (its name and
-    source line) for ``mm.jit``, with inputs named ``arg_names``: a traced value used where a
-    concrete one is needed (a shape, an ``if``) is reported "while tracing the function
-    train_step at model.py:12 for mm.jit ... the argument arg2", not as mm.jit's wrapper.
-    With ``callback_failures``, host callbacks record their exceptions there instead of
-    raising them into the running programs (:mod:`~mmnnx.mpmd.trace.callbacks`).
-    """
+    """Traces ``fun(*avals)`` to a flat op graph; returns it and the output shapes' pytree. With
+    ``name_as``, JAX's tracing errors name the trace as that function's, with inputs named
+    ``arg_names``; with ``callback_failures``, host callbacks record their exceptions there
+    (:mod:`~mmnnx.mpmd.trace.callbacks`)."""
     if name_as is not None:
         name_trace_as(fun, name_as, "mm.jit", arg_names)
     with fast_sharding_probes():
@@ -200,11 +191,8 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
 
 
 def drop_dead_ops(graph: Graph) -> None:
-    """Removes ops whose results nothing needs (and that have no effect); renumbers the rest.
-
-    An RNG count's ``rng_next`` marker is kept while unresolved, with the draws counting up to
-    it: its count may be read by nothing (an ``nnx.Rngs`` made by ``fork()`` inside the step),
-    yet it is how many draws one microbatch makes, which sets where the next one starts."""
+    """Removes ops whose results nothing needs (and that have no effect); renumbers the rest. An
+    unresolved ``rng_next`` marker is kept, with its draws: it counts one microbatch's draws."""
     needed = {a for a in graph.outputs if isinstance(a, int)}
     kept = []
     for op in reversed(graph.ops):

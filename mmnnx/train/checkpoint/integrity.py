@@ -124,12 +124,7 @@ def checksum(values: np.ndarray) -> int:
 def verify(
     step: int, folder: epath.Path, values: Mapping[str, Any], info: Mapping[str, Any]
 ) -> None:
-    """Compares each of ``values`` (by ``item/path`` name) with the checksum mmnnx's metadata
-    ``info`` holds for it (steps saved before checksums existed have none and are not checked).
-
-    Raises:
-        CheckpointCorruptError: naming the first array whose checksum differs.
-    """
+    """A :class:`CheckpointCorruptError` naming the first of ``values`` failing its checksum."""
     checked = {name: v for name, v in values.items() if "checksum" in info.get(name, {})}
     for name, value in checksums(checked).items():
         if value != info[name]["checksum"]:
@@ -137,15 +132,13 @@ def verify(
 
 
 def extra_checksum(extra: Mapping[str, Any]) -> str:
-    """The checksum of a step's ``extra`` (what a resume depends on: data position, step,
-    schedule horizon, seeds), over its canonical JSON."""
+    """The checksum of a step's ``extra``, over its canonical JSON."""
     canonical = json.dumps(extra, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def check_extra(step: int, folder: epath.Path, extra: Any, saved_checksum: str | None) -> None:
-    """Raises :class:`CheckpointCorruptError` when ``extra`` (``None``: missing) does not match
-    the checksum saved with the step (steps saved without one are not checked)."""
+    """A :class:`CheckpointCorruptError` when ``extra`` (``None``: missing) fails its checksum."""
     if saved_checksum is None:
         return
     where = os.fspath(folder)
@@ -159,9 +152,7 @@ def check_extra(step: int, folder: epath.Path, extra: Any, saved_checksum: str |
 
 
 def read_or_corrupt(step: int, folder: epath.Path, read: Callable[[], Any]) -> Any:
-    """``read()`` of step ``step`` (its directory ``folder``); a failure to read its files is a
-    :class:`CheckpointCorruptError` naming the step directory and, when it can be found, the file.
-    """
+    """``read()``; a failure is a :class:`CheckpointCorruptError` naming the file if found."""
     try:
         return read()
     except Exception as e:

@@ -64,35 +64,19 @@ def fsync(path: str, *, directory: bool) -> None:
 
 
 def fsync_tree(root: epath.Path, *, recursive: bool = True) -> None:
-    """fsyncs every file below ``root``, then each directory bottom-up (local paths only).
-
-    With ``recursive=False``, only the files directly in ``root``, then ``root`` itself.
-    """
+    """fsyncs the files below ``root`` (in it only, unless ``recursive``), then the folders."""
     if not is_local(root):
         return
     top = os.fspath(root)
-    if not recursive:
-        with os.scandir(top) as entries:
-            for entry in entries:
-                if entry.is_file(follow_symlinks=False):
-                    fsync(entry.path, directory=False)
-        fsync(top, directory=True)
-        return
-    for dirpath, _, filenames in os.walk(top, topdown=False):
+    for dirpath, _, filenames in os.walk(top, topdown=False) if recursive else [next(os.walk(top))]:
         for name in filenames:
             fsync(os.path.join(dirpath, name), directory=False)
         fsync(dirpath, directory=True)
 
 
 class SyncedAtomicRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
-    """Orbax's atomic rename, with the written data made durable before the rename commits it.
-
-    Orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>`` once every
-    item is written, but syncs neither its own JSON files nor the rename. Here every file and
-    directory of the step is fsynced before the rename; right after it, the files Orbax's commit
-    rewrote (``_CHECKPOINT_METADATA``, ``commit_success.txt``) and the parent directory, which
-    holds the rename. Items inside a step being written are left to the step's own finalize.
-    """
+    """Orbax's atomic rename, which syncs neither its JSON files nor the rename, made durable:
+    the step fsynced before the rename, the files its commit rewrote and the parent after."""
 
     async def finalize(self) -> None:
         """Syncs the step, commits it by the rename, then syncs the rename."""
@@ -116,8 +100,7 @@ def commit(tmp: epath.Path, final: epath.Path) -> None:
 
 
 def listing(read: Callable[[], Any]) -> Any:
-    """``read()``, again if a step it was listing vanished (the writer deleted a step older than
-    ``max_to_keep`` meanwhile): Orbax lists the step directories, then reads each one."""
+    """``read()``, again if a step it was listing vanished (deleted by the writer meanwhile)."""
     for attempt in range(1, _LIST_ATTEMPTS):
         try:
             return read()
@@ -144,15 +127,13 @@ def remove_abandoned_saves(directory: epath.Path) -> None:
 
 
 def remove_oldest(directory: epath.Path, steps: Sequence[int], keep: int | None) -> None:
-    """Deletes the step directories of all but the newest ``keep`` of ``steps`` (oldest first;
-    ``keep=None`` keeps all)."""
+    """Deletes the directories of all but the newest ``keep`` of ``steps`` (oldest first)."""
     for old in steps[: max(0, len(steps) - keep)] if keep is not None else ():
         shutil.rmtree(os.fspath(directory / str(old)), ignore_errors=True)
 
 
 def set_aside(directory: epath.Path, steps: Sequence[int]) -> list[str]:
-    """Renames the directories of ``steps`` to ``<step>.unreadable`` (or ``<step>.unreadable-N``
-    when that is taken); returns the new names."""
+    """Renames the directories of ``steps`` to ``<step>.unreadable[-N]``; the new names."""
     names: list[str] = []
     for step in steps:
         name, n = f"{step}{_SET_ASIDE}", 0

@@ -23,26 +23,16 @@ class CheckpointDirectoryBusyError(RuntimeError):
 
 
 class WriterLock:
-    """An ``flock`` on ``.mmnnx-writer.lock``, taken when a ``Checkpointer`` first writes (or
-    :meth:`Checkpointer.claim`) and held until it is closed, with the holder (host, process id,
-    since when) written in the file for the next one to name.
-
-    The lock ends with its holder's process, so the lock of a process that died is taken over
-    (saying so). While it is held, a temporary directory belongs to no save in progress: its
-    writer died or failed, and it may be removed. Readers never take it and never remove
-    anything. Remote (non-local) directories have no lock: there only one writer may use one.
-    """
+    """An ``flock`` on ``.mmnnx-writer.lock`` naming its holder in the file, held until the
+    ``Checkpointer`` closes; a dead holder's is taken over (saying so). While it is held, a
+    temporary directory belongs to no save in progress. Remote directories have none."""
 
     def __init__(self, directory: epath.Path):
         self._directory = directory
         self._fd: int | None = None
 
     def hold(self) -> None:
-        """Takes the lock unless this writer holds it already.
-
-        Raises:
-            CheckpointDirectoryBusyError: another writer holds it.
-        """
+        """Takes the lock unless held already (else ``CheckpointDirectoryBusyError``)."""
         if self._fd is not None or not is_local(self._directory):
             return
         self._directory.mkdir(parents=True, exist_ok=True)
@@ -81,7 +71,6 @@ class WriterLock:
 
 
 def _holder(fd: int) -> str:
-    """Who the lock file says holds it, in words (empty when it says nothing)."""
     try:
         said = json.loads(os.pread(fd, 4096, 0) or b"{}")
         return f"process {said['pid']} on host {said['host']}, since {said['since']}"

@@ -233,12 +233,8 @@ class Checkpointer:
         """
         if step is None:  # the newest step that reads back whole, saying what it passed over
             return self._restore_newest(model, opt, check_extra)
-        steps = self.all_steps()
         step = int(step)
-        if step not in steps:
-            raise FileNotFoundError(
-                f"no checkpoint for step {step} in {self._directory}; steps saved: {steps}"
-            )
+        self._check_saved(step)
         found = tree.entries(model, opt)
 
         def read() -> tuple[dict[str, Any], tree.Trees]:
@@ -273,19 +269,14 @@ class Checkpointer:
             ...     ckpt.read_extra(3)
             {'seed': 5}
         """
-        if step not in self.all_steps():
-            raise FileNotFoundError(
-                f"no checkpoint for step {step} in {self._directory}; steps saved: "
-                f"{self.all_steps()}"
-            )
+        self._check_saved(step)
         extra, _ = self._format_of(step).open(step).read({})
         return dict(extra or {})
 
     def _restore_newest(
         self, model: Any, opt: nnx.Optimizer | None, check_extra: CheckExtra | None
     ) -> dict[str, Any]:
-        """:meth:`restore` without a step: the newest that reads back whole (one step alone:
-        its own error), with a warning naming each newer one passed over and why."""
+        """:meth:`restore` without a step (one step alone: its own error)."""
         if len(self.all_steps()) == 1 and not self.incomplete_steps():
             only = self.all_steps()[0]  # its own error
             return self.restore(only, model=model, opt=opt, check_extra=check_extra)
@@ -420,6 +411,13 @@ class Checkpointer:
         """
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def _check_saved(self, step: int) -> None:
+        steps = self.all_steps()
+        if step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self._directory}; steps saved: {steps}"
+            )
 
     def _format_of(self, step: int) -> base.Format:
         """The format step ``step`` was written in (``formats/base.py`` says how it is found)."""

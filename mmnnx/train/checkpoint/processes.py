@@ -19,12 +19,9 @@ T = TypeVar("T")
 
 
 def read_together(what: str, read: Callable[[], T]) -> T:
-    """``read()``, this process's part of reading a step that every process reads (a
-    collective; with one process, just ``read()``). Each process reads the slices its own
-    devices hold, so a damaged file may fail the read on one process only: when it fails on
-    any, every process raises the error of the first that failed, a
-    :class:`CheckpointCorruptError` or :class:`CheckpointMismatchError` as such (so that every
-    process passes over the same steps), any other as a ``RuntimeError`` naming it."""
+    """``read()``, this process's part of reading a step (a collective). A damaged file may
+    fail one process only: every process then raises the first failure, a checkpoint's error as
+    such (so that all pass over the same steps), any other as a ``RuntimeError`` naming it."""
     if jax.process_count() == 1:
         return read()
     error: Exception | None = None
@@ -47,7 +44,6 @@ def read_together(what: str, read: Callable[[], T]) -> T:
 
 
 def _report(error: Exception | None) -> dict[str, Any] | None:
-    """``error`` as JSON, for the other processes to raise (``None``: no error)."""
     if error is None:
         return None
     if isinstance(error, CheckpointCorruptError):

@@ -39,11 +39,7 @@ def is_key(value: Any) -> bool:
 
 
 def entries(model: Any, opt: nnx.Optimizer | None) -> Entries:
-    """Every Variable of ``model`` and ``opt`` (if given), with its path and value, by item.
-
-    Raises:
-        TypeError: a Variable holds no array.
-    """
+    """Every Variable of ``model`` and ``opt`` with its path and value, by item."""
     found: Entries = {}
     for item, node in ((MODEL, model), (OPT, opt)):
         if node is not None:
@@ -52,8 +48,7 @@ def entries(model: Any, opt: nnx.Optimizer | None) -> Entries:
 
 
 def saved_trees(model: Any, opt: nnx.Optimizer | None) -> tuple[Trees, dict[str, dict[str, Any]]]:
-    """What a step saves of ``model`` and ``opt``: the arrays by item and path, and mmnnx's
-    description of each Variable by name (type, task, spec, RNG key implementation)."""
+    """What a step saves: the arrays by item and path, and each Variable's description."""
     found = entries(model, opt)
     variables = {
         show(item, path): _describe(var, value)
@@ -64,8 +59,7 @@ def saved_trees(model: Any, opt: nnx.Optimizer | None) -> tuple[Trees, dict[str,
 
 
 def stored(found: Entries) -> Trees:
-    """The values of the Variables ``found`` as they are saved (an RNG key as its key data), by
-    item and path: what a step saves, and the targets a restore reads into."""
+    """The values of ``found`` as saved (an RNG key as its key data), by item and path."""
     return {
         item: {p: jax.random.key_data(v) if is_key(v) else v for p, _, v in ents}
         for item, ents in found.items()
@@ -73,14 +67,7 @@ def stored(found: Entries) -> Trees:
 
 
 def check(step: int, saved: Mapping[str, Any], found: Entries, info: Mapping[str, Any]) -> None:
-    """Checks the Variables ``found`` against step ``step``'s saved arrays: ``saved`` holds, by
-    item, each array's shape and dtype by path (``None``: the item was not saved); ``info``
-    mmnnx's description of each Variable (its RNG key implementation).
-
-    Raises:
-        CheckpointMismatchError: naming the first mismatch, model first; when the optimizer's
-            state alone differs in its arrays, saying that the optimizer was changed.
-    """
+    """A :class:`CheckpointMismatchError` naming the first mismatch of ``found``, model first."""
     problems: list[str] = []
     state_mismatches = 0  # of the optimizer's arrays: its structure differs
     wanted = stored(found)
@@ -118,13 +105,7 @@ def _more(problems: list[str], where: str = "") -> str:
 
 
 def write_back(step: int, found: Entries, values: Mapping[str, Mapping[Path, Any]]) -> None:
-    """Writes the restored ``values`` (as stored, laid out as their Variables' values; ``None``
-    for one this process holds no part of) into the Variables ``found``, once all are checked.
-
-    Raises:
-        CheckpointMismatchError: a value came back with another shape or dtype; nothing is
-            written.
-    """
+    """Writes the restored ``values`` (``None``: none here) into ``found``, once all are checked."""
     updates: list[tuple[nnx.Variable, Any]] = []
     for item, item_entries in found.items():
         for path, var, current in item_entries:
@@ -187,7 +168,7 @@ def _compare(item: str, saved: Mapping[Path, Any], wanted: Mapping[Path, Any]) -
                 f"{where} has dtype {np.dtype(dtype)} in the checkpoint but "
                 f"{np.dtype(target.dtype)} in the model"
             )
-    for path in saved:
-        if path not in wanted:
-            problems.append(f"{show(item, path)!r} is in the checkpoint but not in the model")
-    return problems
+    extra = [path for path in saved if path not in wanted]
+    return problems + [
+        f"{show(item, p)!r} is in the checkpoint but not in the model" for p in extra
+    ]

@@ -27,10 +27,7 @@ FORMAT_VERSION = 1
 
 
 class OrbaxTree:
-    """Orbax's manager, saving synchronously: each step into ``<step>.orbax-checkpoint-tmp``,
-    fsynced and renamed (``layout.SyncedAtomicRename``); Orbax deletes the steps older than
-    ``max_to_keep``. With several processes (``process``: this one's index), the manager never
-    waits for the others: each process lists and reads steps on its own."""
+    """Orbax's manager, saving synchronously; each process lists and reads on its own."""
 
     marker: ClassVar[str | None] = None
     required: ClassVar[tuple[str, ...]] = (layout.STEP_METADATA, MODEL, META)
@@ -78,7 +75,6 @@ class OrbaxTree:
         return layout.listing(listed)
 
     def reload(self) -> None:
-        """Reads the listing afresh (another process changed the directory)."""
         self._manager.reload()
 
     def save(self, step: int, trees: Trees, extra: dict[str, Any], variables: Variables) -> None:
@@ -176,8 +172,7 @@ class _OrbaxStep:
 
 
 def _read(step: int, folder: epath.Path, read: Callable[[], Any]) -> Any:
-    """``read()`` of step ``step`` through Orbax, whose reads all end before it returns
-    (:class:`_FinishingLoop`); a failure is a ``CheckpointCorruptError``."""
+    """``read()`` through Orbax, all its reads ended on return (:class:`_FinishingLoop`)."""
 
     def finished() -> Any:
         previous = asyncio.get_event_loop_policy()
@@ -193,13 +188,9 @@ def _read(step: int, folder: epath.Path, read: Callable[[], Any]) -> Any:
 
 
 class _FinishingLoop(asyncio.SelectorEventLoop):
-    """An event loop that lets the tasks it still holds finish before it closes.
-
-    Orbax 0.12.8 runs each restore in an event loop of its own, closed on return; when one
-    array's read fails, ``asyncio.gather`` returns that error at once and the other reads go on
-    in TensorStore's threads, completing later into the closed loop (a ``RuntimeError: Event
-    loop is closed`` traceback for each, on stderr). Closing this loop waits for them first.
-    """
+    """An event loop that lets its tasks finish before it closes: when one read of an Orbax
+    0.12.8 restore fails, the others complete later, into the closed loop (an ``Event loop is
+    closed`` traceback each, on stderr)."""
 
     def close(self) -> None:
         pending = asyncio.all_tasks(self)
@@ -209,16 +200,13 @@ class _FinishingLoop(asyncio.SelectorEventLoop):
 
 
 class _FinishingLoops(asyncio.DefaultEventLoopPolicy):
-    """The default event loop policy, its new loops :class:`_FinishingLoop` (set only while
-    Orbax reads a step)."""
+    """The default policy, making :class:`_FinishingLoop` s (only while Orbax reads a step)."""
 
     _loop_factory = _FinishingLoop
 
 
 def _target(value: Any, process: int | None) -> Any:
-    """The restore target of a current value: its shape, dtype and current sharding; with
-    several processes (``process`` is this one's index), a host array, moved to its sharding
-    after reading (each process keeps its own part)."""
+    """The restore target of a value; with several processes a host array (put after)."""
     if isinstance(value, jax.Array) and process is None:
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
     return np.zeros(value.shape, value.dtype)  # numpy leaves restore as numpy arrays
@@ -252,13 +240,9 @@ def _flatten(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
 
 
 def _join_writers(running: set[threading.Thread], timeout: float = 120.0) -> None:
-    """Waits for the writer threads a failed save leaves behind.
-
-    When one item of a step fails, Orbax 0.12.8 raises at once while the other items' writes go
-    on in its background threads (``threading.Thread`` subclasses), into the step's temporary
-    directory; a retry of the step, or the clean-up of temporary directories, would race them.
-    Executor workers (plain ``threading.Thread``) are left alone: they idle rather than end.
-    """
+    """Waits for the writer threads (``threading.Thread`` subclasses; executor workers idle)
+    that go on writing after Orbax 0.12.8 raised for one item of a step: a retry, or the
+    clean-up of temporary directories, would race them."""
     deadline = time.monotonic() + timeout
     for thread in threading.enumerate():
         if thread in running or type(thread) is threading.Thread:

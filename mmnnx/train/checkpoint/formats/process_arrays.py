@@ -1,18 +1,12 @@
 """A step whose arrays every process writes, each the slices it holds: :class:`ProcessArrays`,
 the format of several processes.
 
-``Checkpointer.save`` writes each array of a step with TensorStore (the storage layer under
-Orbax; Orbax 0.12.8 itself writes an array held by one process only from process 0) as a zarr
-array under ``arrays/<item>/<path>/``, chunked as the array is laid out: each distinct slice is
-one chunk, written by the process of the first device holding it, from that device, in parallel
-with the others. Nothing crosses processes and no host holds more than its own slices. Process
-0 commits the step: the manifest (``mmnnx/metadata``), ``extra`` and one atomic rename. A
-restore reads, on each process, the chunks holding the slices its devices need, checks each
-against the checksum its writer recorded, and builds each array in the layout it has now.
-
-A value held by no task (:func:`own`: a NumPy array, or an array on one device of each
-process, such as an optimizer's step count made outside ``mm.jit``) is the same on every
-process: process 0 writes it whole.
+Each array is a zarr array under ``arrays/<item>/<path>/`` written with TensorStore (Orbax
+0.12.8 writes an array held by one process only from process 0), chunked as it is laid out:
+each distinct slice is one chunk, written by the process of its first holding device. Nothing
+crosses processes; process 0 commits the manifest, ``extra`` and the rename. A restore reads
+the chunks each process's devices need, checks each against its writer's checksum, and builds
+the array in the layout it has now. A value of no task (:func:`own`) is written by process 0.
 """
 
 from __future__ import annotations
@@ -54,18 +48,14 @@ def _slices(index: tuple, shape: Sequence[int]) -> Chunk:
 
 
 def own(value: Any) -> bool:
-    """Whether ``value`` is this process's own, as every process has one (no task holds it):
-    NumPy, or an array on one device of this process (with several processes, the values of
-    tasks are laid out on the task, even on one device: ``mm.jit`` hands them back so), which
-    every process tells alike."""
+    """Whether no task holds ``value``: NumPy, or an array on one device of this process."""
     return not isinstance(value, jax.Array) or (
         isinstance(value.sharding, jax.sharding.SingleDeviceSharding) and value.is_fully_addressable
     )
 
 
 def _written_here(value: Any, me: int) -> Iterator[tuple[Chunk, Any]]:
-    """The chunks of ``value`` this process writes, with their data (a device array or NumPy):
-    those whose first holding device is its own; a value of no task, whole, on process 0."""
+    """The chunks of ``value`` whose first holding device is this process's, with their data."""
     shape = tuple(np.shape(value))
     if own(value):
         if me == 0:
@@ -81,9 +71,7 @@ def _written_here(value: Any, me: int) -> Iterator[tuple[Chunk, Any]]:
 
 
 def create(root: epath.Path, items: Trees, me: int) -> None:
-    """Creates the zarr arrays of the values whose creator this process is, the lowest holding
-    it (0 for a value of no task); every process calls it, then waits for all before
-    :func:`write`."""
+    """Creates the zarr arrays of which this process is the lowest holder (0: of no task's)."""
     opening = []
     for item, flat in items.items():
         for path, value in flat.items():
@@ -107,9 +95,7 @@ def create(root: epath.Path, items: Trees, me: int) -> None:
 
 
 def write(root: epath.Path, items: Trees, me: int) -> dict[str, dict[str, list]]:
-    """Writes this process's chunks of every value (their zarr arrays created); returns, per
-    item and ``/``-joined path, the chunks written with their checksums and writer,
-    ``[[start, stop, checksum, process], ...]``."""
+    """Writes this process's chunks: by item and path, ``[[start, stop, checksum, process]]``."""
     written: dict[str, dict[str, list]] = {}
     pending = []
     for item, flat in items.items():
@@ -138,10 +124,7 @@ class DamagedChunk(ValueError):
 
 
 def read(root: epath.Path, item: str, path: Path, record: Mapping[str, Any], target: Any) -> Any:
-    """The saved array at ``path`` of ``item`` (``record``: its manifest entry, shape, dtype
-    and chunks) laid out as ``target``: a ``jax.sharding.Sharding``, read as the slices this
-    process's devices hold; ``None``, read whole as a NumPy array. Each chunk read is checked
-    against its checksum (:class:`DamagedChunk`)."""
+    """The saved array laid out as ``target`` (``None``: whole, NumPy), its chunks checked."""
     name = show(item, path)
     shape, dtype = tuple(record["shape"]), np.dtype(record["dtype"])
     chunks = [((tuple(a), tuple(b)), s) for a, b, s, *_ in record["chunks"]]
@@ -190,14 +173,9 @@ def read(root: epath.Path, item: str, path: Path, record: Mapping[str, Any], tar
 
 
 class ProcessArrays:
-    """Steps whose arrays every process writes (see the module's docstring); ``process`` is this
-    one's index (``None`` in a job of one process, which only reads such steps), ``steps`` lists
-    the complete steps, for the deletion of those older than ``max_to_keep`` after a commit.
-
-    Every part of a save is a collective step, taken by every process in the same order; a
-    process failing or dying on the way leaves the step uncommitted (and the previous one the
-    latest).
-    """
+    """Steps whose arrays every process writes (see the module's docstring); ``process``:
+    ``None`` in a job of one process, which only reads them. Each part of a save is collective;
+    a process failing on the way leaves the step uncommitted."""
 
     marker: ClassVar[str | None] = _ARRAYS
     required: ClassVar[tuple[str, ...]] = (STEP_METADATA, f"{META}/metadata", _ARRAYS)
@@ -214,9 +192,7 @@ class ProcessArrays:
         self._max_to_keep, self._steps = max_to_keep, steps
 
     def save(self, step: int, trees: Trees, extra: dict[str, Any], variables: Variables) -> None:
-        """See :meth:`Format.save`: each process writes its own slices of every array into the
-        step's temporary directory, in parallel; process 0 commits the step once every process
-        has written, and tells the others."""
+        """See :meth:`Format.save`: each process writes its slices; then process 0 commits."""
         me, what = self._process, f"saving checkpoint step {step}"
         tmp = self._directory / f"{step}{layout.TMP_SUFFIX}-processes"
         together(what, lambda: tmp.mkdir(parents=True) if me == 0 else None)
@@ -225,9 +201,6 @@ class ProcessArrays:
         reports = gather(written, what=what, timeout_s=3600.0)
 
         def commit() -> None:
-            """Process 0's part, once every process has written: the manifest (each array's
-            shape, dtype and chunks), ``extra``, the rename; then the steps past ``max_to_keep``
-            go."""
             arrays: dict[str, dict[str, Any]] = {}
             for item, flat in trees.items():
                 for path, value in flat.items():
@@ -276,16 +249,17 @@ class _ProcessArraysStep:
     def __init__(self, step: int, folder: epath.Path, manifest: Mapping[str, Any]) -> None:
         self._step, self._folder, self._manifest = step, folder, manifest
         self.variables, self._records = manifest.get("variables", {}), manifest["arrays"]
-        self.arrays: dict[str, dict[Path, Any] | None] = {}
-        for item in (MODEL, OPT):
-            saved = {
+        self.arrays: dict[str, dict[Path, Any] | None] = {
+            item: {
                 tuple(name.split("/")[1:]): jax.ShapeDtypeStruct(
                     tuple(record["shape"]), np.dtype(record["dtype"])
                 )
                 for name, record in self._records.items()
                 if name.split("/")[0] == item
             }
-            self.arrays[item] = saved or None
+            or None
+            for item in (MODEL, OPT)
+        }
 
     def read(self, targets: Trees) -> tuple[dict[str, Any] | None, Trees]:
         """See :meth:`SavedStep.read`: each process reads the slices its devices hold now."""
@@ -309,8 +283,7 @@ class _ProcessArraysStep:
 
 
 def _read_as(stored: Any, folder: epath.Path, item: str, path: Path, record: Any) -> Any:
-    """The saved array at ``path`` of ``item`` laid out as ``stored``, the value it is restored
-    into; ``None`` when another process holds all of it."""
+    """The saved array laid out as ``stored``; ``None`` when another process holds all of it."""
     if not own(stored):
         if not stored.sharding.addressable_devices:
             return None  # another process's: it reads it
