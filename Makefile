@@ -13,7 +13,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev,notebooks]"
+	$(PY) -m pip install --quiet -e ".[dev,notebooks,eval]"
 	touch $(STAMP)
 
 setup: $(STAMP)

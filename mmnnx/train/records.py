@@ -139,8 +139,8 @@ def encode_record(
             text, spans = template.render(_messages(where, record, fields.messages))
         except ChatTemplateError as e:
             raise DataError(f"{where}: {e}") from None
-        ids, offsets = tokenizer.encode_offsets(text)
-        targets = _in_spans(offsets, spans)
+        encoding = tokenizer.encoding(text)
+        ids, targets = encoding.ids, _in_spans(encoding.offsets, spans)
     else:
         raise DataError(f"unknown data format {data_format!r}; expected one of {FORMATS}")
     if train_on == "all":

@@ -229,14 +229,18 @@ class HFTokenizer:
             raise _not_utf8(text, self.name, e) from None
         return np.asarray(ids, dtype=np.int32)
 
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
         ids = np.asarray(ids, dtype=np.int64).tolist()
-        return self._model.decode(ids, skip_special_tokens=False)
+        return self._model.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def encode_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """:meth:`encode`'s ids and each token's ``(start, end)`` characters in ``text``."""
-        encoding = self._model.encode(text, add_special_tokens=False)
-        return np.asarray(encoding.ids, dtype=np.int32), encoding.offsets
+    def encoding(self, text: str, add_special_tokens: bool = False):
+        """The ``tokenizers.Encoding`` of ``text``: ``ids`` and each token's ``offsets`` (its
+        characters in ``text``); ``add_special_tokens``: what the post-processor adds too."""
+        return self._model.encode(text, add_special_tokens=add_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` (a special token's text), or None."""
+        return self._model.token_to_id(token)
 
     def to_str(self) -> str:
         """The whole tokenizer as one JSON string (``tokenizer.json``'s text)."""

@@ -1,0 +1,78 @@
+"""lm-eval through mmnnx's model (mmnnx.train.evaluation): the same metrics, log-likelihoods
+and generations as lm-eval's own ``hf`` model gives on the same checkpoint (fixture made by
+tests/transformers_fixtures/make_lm_eval_fixtures.py with transformers and lm-eval)."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")  # the optional extra: mmnnx[eval]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "transformers_fixtures"
+EXPECTED = json.loads((FIXTURES / "lm_eval.json").read_text())
+TASKS = ["mmnnx_qa", "mmnnx_gen", "mmnnx_text"]
+
+
+def evaluate(tasks=TASKS, **model_args):
+    from lm_eval.tasks import TaskManager
+
+    from mmnnx.train.evaluation import MmnnxLM
+
+    return lm_eval.simple_evaluate(
+        model=MmnnxLM(**model_args),
+        tasks=tasks,
+        task_manager=TaskManager(include_path=str(ROOT / "tests" / "lm_eval_tasks")),
+        log_samples=True,
+    )
+
+
+def test_equal_to_lm_evals_hf_model(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the tasks name their data relative to the repository
+    results = evaluate(pretrained=str(FIXTURES / "dpo" / "policy"))
+    for task in TASKS:
+        for metric, value in EXPECTED["results"][task].items():
+            if isinstance(value, float):
+                np.testing.assert_allclose(results["results"][task][metric], value, rtol=1e-5)
+        got = [s["filtered_resps"] for s in results["samples"][task]]
+        for ours, theirs in zip(got, EXPECTED["responses"][task], strict=True):
+            for a, b in zip(ours, theirs, strict=True):
+                if isinstance(b, list):  # (log-likelihood, greedy)
+                    np.testing.assert_allclose(a[0], b[0], rtol=1e-5)
+                    assert a[1] == b[1]
+                elif isinstance(b, str):
+                    assert a == b
+                else:
+                    np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_mmnnx_eval_of_a_run_equals_its_export(tmp_path, monkeypatch, capsys):
+    from mmnnx.cli import main
+
+    monkeypatch.chdir(ROOT)
+    run, out = tmp_path / "run", tmp_path / "exported"
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": "Two plus two? Four. " * 3}) + "\n" for _ in range(20))
+    )
+    flags = ["--init-from", str(FIXTURES / "dpo" / "policy"), "--data", str(data), "--steps", "2"]
+    flags += ["--stages", "2", "--data-axis", "1", "--model-axis", "1", "--devices", "2"]
+    flags += ["--seq-len", "32", "--batch-size", "2", "--microbatches", "2", "--lr", "1e-2"]
+    assert main(["train", *flags, "--output-dir", str(run), "--timeline-step", "0"]) == 0
+    assert main(["export", "--run", str(run), "--output", str(out)]) == 0
+    capsys.readouterr()
+    tasks = ["--tasks", "mmnnx_qa", "--include-path", str(ROOT / "tests" / "lm_eval_tasks")]
+    assert main(["eval", "--run", str(run), *tasks]) == 0
+    assert "mmnnx_qa" in capsys.readouterr().out
+    ours = evaluate(["mmnnx_qa"], run=str(run))["samples"]["mmnnx_qa"]
+    exported = evaluate(["mmnnx_qa"], pretrained=str(out))["samples"]["mmnnx_qa"]
+    for a, b in zip(ours, exported, strict=True):
+        for (ll, greedy), (ll_exported, greedy_exported) in zip(
+            a["filtered_resps"], b["filtered_resps"], strict=True
+        ):
+            np.testing.assert_allclose(ll, ll_exported, rtol=1e-5)
+            assert greedy == greedy_exported
+    assert main(["eval", "--run", str(run), "--tasks", "no_such_task"]) == 2
+    assert "no lm-eval task no_such_task" in capsys.readouterr().err
