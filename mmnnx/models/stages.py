@@ -4,6 +4,7 @@ modules) into balanced pipeline stages."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -34,8 +35,7 @@ def _num_params(node: Any) -> int:
 
 
 def _matmul_params(node: Any) -> int:
-    """Parameters that each cost 2 FLOPs per token: all but embedding tables (lookups), and of
-    a ``MoE``'s experts the share a token runs (``top_k`` of ``num_experts``)."""
+    """Parameters costing 2 FLOPs per token: no embedding table, a ``MoE``'s experts' share."""
     share = {}
     for _, m in nnx.iter_graph(node):
         if isinstance(m, Embed | nnx.Embed):
@@ -52,27 +52,19 @@ def _matmul_params(node: Any) -> int:
 
 
 def _attention_dims(node: Any) -> int:
-    """Sum of the query/key widths of the attention modules in ``node`` (``Attention`` and
-    ``nnx.MultiHeadAttention``): each costs ``4 * seq * width`` FLOPs per token."""
-    total = 0
-    for _, m in nnx.iter_graph(node):
-        if isinstance(m, Attention):
-            total += m.num_heads * m.head_dim
-        elif isinstance(m, nnx.MultiHeadAttention):
-            total += m.qkv_features
-    return total
+    """Sum of the query/key widths of ``node``'s attentions (``4 * seq * width`` FLOPs a token)."""
+    return sum(
+        m.num_heads * m.head_dim if isinstance(m, Attention) else m.qkv_features
+        for _, m in nnx.iter_graph(node)
+        if isinstance(m, Attention | nnx.MultiHeadAttention)
+    )
 
 
 def _split(costs: Sequence[int], k: int, first: int, last: int) -> list[int]:
-    """Stage sizes cutting ``costs`` into ``k`` contiguous non-empty stages.
-
-    Minimises the largest stage (``first`` is added to stage 0, ``last`` to stage ``k - 1``),
-    then, among those optimal splits, the sum of squared stage costs (the most even one).
-    """
+    """Stage sizes cutting ``costs`` into ``k`` contiguous non-empty stages, minimising the
+    largest (``first``, ``last`` added to the end stages), then the sum of squares."""
     n = len(costs)
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0, *itertools.accumulate(costs)]
 
     def cost(j: int, i: int, stage: int) -> int:  # blocks j..i-1 as stage `stage`
         extra = (first if stage == 0 else 0) + (last if stage == k - 1 else 0)
@@ -258,12 +250,10 @@ def stage_rules(
         return params, None if None in fl else sum(fl)
 
     if stacked:  # one module holds every layer's matmuls but one of each attention: count once
-        per_layer = _num_params(blocks) // n
-        whole = flops(blocks)
         attention = 4 * (seq or 0) * _attention_dims(blocks)
-        matmuls = _matmul_params(blocks) // n
-        one = None if whole is None else (2 * matmuls + attention) * tokens
-        block_params, block_flops = [per_layer] * n, [one] * n
+        one = None if flops(blocks) is None else 2 * (_matmul_params(blocks) // n) + attention
+        block_params = [_num_params(blocks) // n] * n
+        block_flops = [None if one is None else one * tokens] * n
     else:
         block_params = [_num_params(b) for b in blocks]
         block_flops = [flops(b) for b in blocks]
@@ -362,33 +352,20 @@ def find_layers(
         )
     outside = [p for p, _ in variables_of(model) if p[: len(path)] != path]
     firsts, lasts = _groups(model, outside, path, LAST if last is None else last)
-    return Layers(
-        path=path,
-        node=node,
-        count=n,
-        stacked=stacked,
-        firsts=firsts,
-        lasts=lasts,
-        variables=frozenset(outside),
-        where=where,
-    )
+    return Layers(path, node, n, stacked, firsts, lasts, frozenset(outside), where)
 
 
 def _check_depth(who: str, n: int, k: int, virtual_stages: int) -> None:
-    """Raises when ``n`` layers cannot give each of ``k`` stages one."""
     if n < k:
         raise ValueError(
             f"{who}: {n} block(s) cannot fill {k} "
             f"{'tasks' if virtual_stages == 1 else f'stages ({virtual_stages} per task)'}; "
-            "every stage needs at least one "
-            "block (use fewer tasks or a deeper model)"
+            "every stage needs at least one block (use fewer tasks or a deeper model)"
         )
 
 
 def _rules(found: Layers, tasks: Sequence[Task], sizes: Sequence[int]) -> list[tuple[str, Any]]:
-    """One rule per stage task: ``sizes[s]`` consecutive layers on ``tasks[s]``, the first
-    groups on the first stage and the last groups on the last (stacked layers: one rule more,
-    their layer axis split over ``tasks``)."""
+    """One rule per stage: ``sizes[s]`` layers on ``tasks[s]`` (stacked: one more, split)."""
     prefix = "/".join(re.escape(str(k)) for k in found.path)
     rules, start, k = [], 0, len(tasks)
     for s, (task, size) in enumerate(zip(tasks, sizes, strict=True)):
@@ -406,8 +383,7 @@ def _rules(found: Layers, tasks: Sequence[Task], sizes: Sequence[int]) -> list[t
 
 
 def _holds_layers(sizes: Sequence[int], ends: tuple[bool, bool]) -> bool:
-    """Whether every stage of ``sizes`` holds a layer, but the first or the last where ``ends``
-    lets it hold none (the model has an embedding, or a head, for it to hold alone).
+    """Whether every stage holds a layer, but an end stage that ``ends`` lets hold none.
 
     Example:
         >>> _holds_layers([4, 0], (True, True)), _holds_layers([4, 0], (True, False))
@@ -477,9 +453,7 @@ def split_rules(
 def _layers(
     model: Any, blocks: str | Callable[[Path, Any], bool] | None, who: str = "stage_rules"
 ) -> tuple[Path, Any]:
-    """The path and node of ``model``'s layers: the node ``blocks`` names (a path, or a filter
-    matching one module), else ``model.blocks``, else the shallowest ``nnx.List`` or
-    ``nnx.Sequential`` of modules; an ``nnx.Sequential`` gives its ``layers``."""
+    """The path and node of ``model``'s layers, found as :func:`stage_rules` says."""
     name = type(model).__name__
     if blocks is None and getattr(model, "blocks", None) is not None:
         blocks = "blocks"
@@ -523,7 +497,6 @@ def _layers(
 
 
 def _resolve(model: Any, spelled: str, who: str) -> tuple[Path, Any]:
-    """The path and node ``spelled`` (``"model.layers"`` or ``"model/layers"``) names."""
     path, node = (), model
     for key in re.split(r"[./]", spelled):
         if not hasattr(node, key):
@@ -538,7 +511,6 @@ def _resolve(model: Any, spelled: str, who: str) -> tuple[Path, Any]:
 
 
 def _modules(model: Any) -> list[tuple[Path, Any]]:
-    """Every module under ``model`` (lists included) with its path, in definition order."""
     found = [(p, n) for p, n in nnx.iter_graph(model) if p and isinstance(n, nnx.Module)]
     return sorted(found, key=lambda item: _definition_order(model, item[0]))
 
@@ -555,10 +527,9 @@ def _is_list_of_modules(node: Any) -> bool:
 def _groups(
     model: Any, paths: list[Path], layers: Path, last: Sequence[str]
 ) -> tuple[list[Path], list[Path]]:
-    """The Variables at ``paths`` (outside the layers at ``layers``) as prefixes that go on the
-    first stage and on the last, each list in definition order. A path goes last when one of its
-    components off the layers' own path is named in ``last``, its prefix up to that component;
-    a path going first gets its shortest prefix that holds neither the layers nor a last one."""
+    """Prefixes of the Variables at ``paths`` for the first and the last stage: a path goes
+    last up to its first component named in ``last`` (off the layers' path), else first up to
+    its shortest prefix holding neither the layers nor a last group."""
 
     def on_layers_path(prefix: Path) -> bool:
         return layers[: len(prefix)] == prefix
@@ -586,7 +557,6 @@ def _groups(
 
 
 def _definition_order(model: Any, path: Path) -> tuple[int, ...]:
-    """The position of each key of ``path`` among its parent's attributes, as defined."""
     key, node = [], model
     for k in path:
         names = list(vars(node)) if hasattr(node, "__dict__") else []
@@ -602,7 +572,6 @@ def _node_at(model: Any, path: Path) -> Any:
 
 
 def _anchored(path: Path, is_variable: bool) -> str:
-    """``^a/b/`` matching everything under ``path``, or ``^a/b$`` for a Variable itself."""
     return "^" + "/".join(re.escape(str(k)) for k in path) + ("$" if is_variable else "/")
 
 
@@ -620,9 +589,9 @@ def _stage_tasks(
 ) -> list[Task]:
     """The task of each stage: ``tasks`` repeated ``virtual_stages`` times, looped or in a V."""
     if (
-        not isinstance(virtual_stages, int)
-        or isinstance(virtual_stages, bool)
-        or (virtual_stages < 1)
+        isinstance(virtual_stages, bool)
+        or not isinstance(virtual_stages, int)
+        or virtual_stages < 1
     ):
         raise ValueError(f"{who}: virtual_stages must be an int >= 1, got {virtual_stages!r}")
     if order == "loop":
@@ -638,10 +607,8 @@ def _stage_tasks(
 
 
 def _print_report(rows: list, n: int, by: str, tokens: int | None) -> None:
-    params = [r[2] for r in rows]
-    fl = [r[3] for r in rows]
-    total_p = sum(params)
-    total_f = None if None in fl else sum(fl)
+    params, fl = [r[2] for r in rows], [r[3] for r in rows]
+    total_p, total_f = sum(params), None if None in fl else sum(fl)
     table = Table(
         title=f"stage_rules: {n} blocks over {len(rows)} stages, balanced by {by}",
         box=box.SIMPLE,
@@ -650,15 +617,8 @@ def _print_report(rows: list, n: int, by: str, tokens: int | None) -> None:
         table.add_column(name, justify="left" if name in ("task", "blocks") else "right")
     for task, label, p, f in rows:
         table.add_row(task, label, f"{p:,}", _share(p, total_p), _fmt_flops(f), _share(f, total_f))
-    table.add_row(
-        "imbalance",
-        "max stage / mean",
-        "",
-        _imbalance(params),
-        "",
-        _imbalance(fl),
-        style="bold",
-    )
+    imbalance = ("imbalance", "max stage / mean", "", _imbalance(params), "", _imbalance(fl))
+    table.add_row(*imbalance, style="bold")
     per = f"; FLOPs per step of {tokens} tokens" if tokens else ""
     table.caption = f"imbalance = largest stage / mean stage{per}"
     Console(width=120).print(table)

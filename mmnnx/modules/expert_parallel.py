@@ -29,8 +29,7 @@ from mmnnx.sharding.place import SPEC_KEY
 
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
-    """How a task's devices share a mixture of experts: the (abstract) mesh the exchange runs
-    on, and its axes that split the experts, the tokens and the experts' hidden dimension.
+    """How a task's devices share a mixture of experts.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh, logical_rules, place
@@ -51,8 +50,7 @@ class ExpertLayout:
     hidden_axes: tuple[str, ...]  # split each expert's hidden dimension (a psum after down)
 
     @property
-    def size(self) -> int:
-        """Devices in an expert-parallel group (EP)."""
+    def size(self) -> int:  # devices in an expert-parallel group (EP)
         return math.prod(self.mesh.shape[a] for a in self.expert_axes)
 
     @property
@@ -67,11 +65,8 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
-    """The expert-parallel layout of experts whose ``gate`` weight ``(E, D, H)`` (or a stack of
-    them, ``(L, E, D, H)``) was placed on a task: its expert dimension split over mesh axes, or
-    whole on every device (``expert_axes`` empty, EP 1) while the task's batch axes split the
-    tokens; ``None`` when it was not placed, or neither is split (the experts then run where
-    GSPMD puts them)."""
+    """The expert-parallel layout of experts whose ``gate`` ``(E, D, H)`` (or ``(L, E, D, H)``)
+    was placed on a task, ``None`` where neither the experts nor the tokens are split."""
     home = home_of(gate)
     if home is None:
         return None
@@ -105,14 +100,8 @@ def apply_expert_parallel(
     *,
     limit: int | None = None,
 ) -> jax.Array:
-    """``experts.apply_local``'s result, computed with the experts split over
-    ``layout.expert_axes``: tokens ``x`` ``(N, D)`` and their assignments (``indices``,
-    ``weights``, ``keep``, ``(N, k)``) split over ``layout.token_axes`` (``N`` a multiple of
-    ``layout.token_shards``), each device sends each assignment's row to the device holding
-    its expert, which runs its experts as grouped matmuls, and sends the rows back. ``limit``:
-    at most that many assignments per expert (a capacity), which bounds the exchange
-    buffers. With no expert axes (every device holds every expert), each device runs its own
-    tokens' assignments, nothing exchanged."""
+    """``experts.apply_local``'s result, the tokens split over ``layout.token_axes`` and the
+    experts over ``layout.expert_axes``; ``limit`` (a capacity) bounds the exchange buffers."""
     n, k = indices.shape
     if n % layout.token_shards:
         raise ValueError(
@@ -149,8 +138,7 @@ def _exchange(
     keep: jax.Array,
     experts: tuple[jax.Array, jax.Array, jax.Array],
 ) -> jax.Array:
-    """One device's share (inside ``shard_map``): its tokens' assignments sorted by expert (so
-    by destination), ``rows`` slots per destination, exchanged, run, and exchanged back."""
+    """One device's share (inside ``shard_map``): ``rows`` slots per destination."""
     n, k = indices.shape
     ep, local_experts = layout.size, experts[0].shape[0]
     num_experts = ep * local_experts

@@ -315,7 +315,6 @@ def save_adapter(
 def _origin(
     model: GPT, path: Any, architecture: str | None, dtype: Any
 ) -> tuple[Pretrained | None, Family, np.dtype]:
-    """Where ``model`` came from, its family, and the dtype to write it in."""
     pretrained: Pretrained | None = getattr(model, "pretrained", None)
     name = architecture or (pretrained.architecture if pretrained else None)
     if name is None:
@@ -341,9 +340,7 @@ def _origin(
 
 
 def _sizes(family: Family) -> set[str]:
-    """The keys of a loaded ``config.json`` written from the model where the model writes them
-    (its sizes, the family's own keys among them); the others are written back as they were
-    (token ids, names, a size the model has no layer of)."""
+    """The keys of a loaded ``config.json`` written from the model (the others are kept)."""
     return {
         "vocab_size",
         "hidden_size",

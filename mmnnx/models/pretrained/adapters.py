@@ -23,7 +23,6 @@ ADAPTER = Layout(config="adapter_config.json", single="adapter_model.safetensors
 
 
 def adapted(model: Any) -> list[tuple[str, Linear]]:
-    """The ``Linear`` layers of ``model`` that carry a LoRA adapter, by path."""
     return [
         (path_str(p), m)
         for p, m in nnx.iter_graph(model)
@@ -32,8 +31,8 @@ def adapted(model: Any) -> list[tuple[str, Linear]]:
 
 
 def merged_kernels(model: Any) -> dict[str, jax.Array]:
-    """``kernel + a @ b * alpha / rank`` of every adapted ``Linear``, by the kernel's path,
-    computed on the kernel's own devices (a placeholder where this process holds none)."""
+    """``kernel + a @ b * alpha / rank`` of every adapted ``Linear``, by the kernel's path (a
+    placeholder where this process holds none of it)."""
     out = {}
     for path, linear in adapted(model):
         kernel = linear.kernel[...]
@@ -48,16 +47,13 @@ def merged_kernels(model: Any) -> dict[str, jax.Array]:
 
 @functools.cache
 def _merger(sharding: Any) -> Any:
-    """The program merging an adapter into a kernel laid out as ``sharding`` (one per layout,
-    so equal layers share it)."""
     return jax.jit(
         lambda k, a, b, scale: (k + (a @ b) * scale).astype(k.dtype), out_shardings=sharding
     )
 
 
 def adapter_rules(rules: tuple[TensorRule, ...]) -> tuple[TensorRule, ...]:
-    """PEFT's names for the adapters of the kernels ``rules`` name: ``lora_A`` ``(rank, in)``
-    and ``lora_B`` ``(out, rank)`` beside each ``...proj.weight``, under ``base_model.model.``.
+    """PEFT's names for the adapters of the kernels ``rules`` name.
 
     Example:
         >>> rule = TensorRule("model.layers.{layer}.mlp.up_proj.weight",
@@ -138,13 +134,7 @@ def save_adapter(
     dtype: Any,
     overwrite: bool = False,
 ) -> pathlib.Path:
-    """Writes ``model``'s LoRA adapters in PEFT's layout: ``adapter_model.safetensors`` and
-    ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
-    ``base_model_name_or_path``).
-
-    Raises:
-        CheckpointError: a model without adapters, or adapters of several ranks or alphas.
-    """
+    """Writes ``model``'s LoRA adapters in PEFT's layout (see ``pretrained.save_adapter``)."""
     layers = adapted(model)
     if not layers:
         raise CheckpointError("the model has no LoRA adapters to write (add_lora adds them)")

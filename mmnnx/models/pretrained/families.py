@@ -66,13 +66,9 @@ FeedForward = MLPConfig | MoEConfig
 
 @dataclasses.dataclass(frozen=True)
 class DenseFeedForward:
-    """Llama's and Qwen3's feed-forward: every layer a SiLU-gated ``MLPConfig`` without biases
-    of ``intermediate_size`` features. A family's feed-forward names the ``config.json``
-    ``keys`` it reads (``read``) and writes (``write``), and its tensors (``rules``) beyond a
-    dense MLP's.
-
-    ``read`` takes the keys as :func:`~mmnnx.models.pretrained.hf_config.read_config` checked
-    them (transformers 5's names).
+    """Llama's and Qwen3's feed-forward: every layer a SiLU-gated ``MLPConfig`` without biases.
+    A family's feed-forward names the ``config.json`` ``keys`` it reads and writes, and its
+    tensors (``rules``) beyond a dense MLP's.
 
     Example:
         >>> DenseFeedForward().read({"intermediate_size": 64}, 2)[1]
@@ -84,12 +80,10 @@ class DenseFeedForward:
     experts: ClassVar[bool] = False
 
     def read(self, keys: dict[str, Any], depth: int) -> tuple[FeedForward, ...]:
-        """The ``depth`` layers' feed-forward configs of the checked ``config.json`` ``keys``."""
         return (_mlp(keys),) * depth
 
     def write(self, config: GPTConfig, loaded: dict[str, Any]) -> dict[str, Any]:
-        """The ``config.json`` keys of ``config``'s feed-forwards (``loaded``: the file it was
-        read from, whose equivalent spelling of them is kept)."""
+        """The ``config.json`` keys of ``config``'s feed-forwards (``loaded``'s spelling kept)."""
         dense = [b.feed_forward for b in config.block_configs]
         dense = [f for f in dense if isinstance(f, MLPConfig)]
         return {"intermediate_size": dense[0].hidden} if dense else {}
@@ -153,10 +147,7 @@ class Qwen3MoeFeedForward(DenseFeedForward):
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One architecture of ``config.json``'s ``architectures``: its ``model_type``, whether its
-    attention normalises queries and keys (Qwen3), and its ``feed_forward`` (the config keys
-    that make each layer's feed-forward config, and the tensors of its own in each layer: a MoE
-    layer's router and experts). The config keys no family honours are refused."""
+    """One architecture of ``config.json``'s ``architectures``."""
 
     architecture: str
     model_type: str
@@ -164,12 +155,7 @@ class Family:
     feed_forward: DenseFeedForward = DenseFeedForward()
 
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
-        """The ``GPTConfig`` of a ``config.json`` (in directory ``where``; ``overrides``:
-        ``param_dtype``, ``dtype``, ``scan_layers``, ``max_seq_len``, ...): its ``layers``
-        nested component configs.
-
-        Raises:
-            CheckpointError: a missing key or a setting this family's GPT cannot reproduce.
+        """The ``GPTConfig`` of a ``config.json`` in directory ``where``, with ``overrides``.
 
         Example:
             >>> hf = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -217,8 +203,7 @@ class Family:
     def hf_config(
         self, config: GPTConfig, torch_dtype: str, loaded: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """A ``config.json``'s keys for ``config`` (its attention: the first layer's), spelled
-        as in the ``loaded`` file where that is equivalent.
+        """A ``config.json``'s keys for ``config``, spelled as in ``loaded`` where equivalent.
 
         Example:
             >>> FAMILIES["LlamaForCausalLM"].hf_config(GPTConfig(), "float32")["hidden_size"]
@@ -320,10 +305,6 @@ FAMILIES: dict[str, Family] = {
 
 def family_of(hf: dict[str, Any] | None, where: Any) -> Family:
     """The family a ``config.json`` names in ``architectures``.
-
-    Raises:
-        CheckpointError: no config, or an architecture not in :data:`FAMILIES` (naming those
-            that are).
 
     Example:
         >>> family_of({"architectures": ["Qwen3ForCausalLM"]}, "ckpt").model_type

@@ -65,11 +65,7 @@ class TensorRule:
         return tuple(f for f in self.fields if f not in kept)
 
     def tensor_shape(self, variable_shape: Sequence[int]) -> tuple[int, ...]:
-        """The shape of one tensor filling a Variable of ``variable_shape`` (export's view).
-
-        Raises:
-            ValueError: the rule reshapes, which export cannot invert.
-        """
+        """The shape of one tensor filling a Variable of ``variable_shape`` (export's view)."""
         if self.reshape is not None:
             raise ValueError(
                 f"TensorRule {self.tensor!r}: cannot write a tensor back through a reshape; "
@@ -78,8 +74,7 @@ class TensorRule:
         inner = tuple(variable_shape[len(self.stacked) :])
         if self.transpose is None:
             return inner
-        inverse = np.argsort(self.transpose)
-        return tuple(inner[i] for i in inverse)
+        return tuple(inner[i] for i in np.argsort(self.transpose))
 
     def variable_shape(self, tensor_shape: Sequence[int]) -> tuple[int, ...]:
         """The shape one tensor of ``tensor_shape`` takes in the Variable (without stacked axes)."""
@@ -102,15 +97,11 @@ class TensorRule:
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """Where one Variable's value comes from: its rule and, per stacked slot, a tensor name.
-
-    ``tensors`` maps the stacked fields' values (``()`` for an unstacked Variable) to the
-    tensor name; ``stack_shape`` is the extent of each stacked axis.
-    """
+    """Where one Variable's value comes from: its rule and, per stacked slot, a tensor name."""
 
     path: str
     rule: TensorRule
-    tensors: dict[tuple[int, ...], str]
+    tensors: dict[tuple[int, ...], str]  # by the stacked fields' values, () when unstacked
 
     @property
     def stack_shape(self) -> tuple[int, ...]:
@@ -119,7 +110,7 @@ class Source:
         return tuple(max(k[i] for k in self.tensors) + 1 for i in range(len(self.rule.stacked)))
 
     def name(self, slot: tuple[int, ...]) -> str:
-        """The name of the tensor filling stacked ``slot``, whether the files hold it or not.
+        """The name of the tensor filling stacked ``slot``, held by the files or not.
 
         Example:
             >>> rule = TensorRule("layers.{layer}.experts.{expert}.w", "blocks/{layer}/w")
@@ -140,14 +131,8 @@ def _pattern(template: str) -> re.Pattern:
 
 
 def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, Source], list[str]]:
-    """Groups checkpoint tensor ``names`` by the Variable each fills (first matching rule).
-
-    Returns the sources by Variable path and the names no rule matches. Tensors of a rule with
-    ``variable=None`` are dropped.
-
-    Raises:
-        ValueError: two tensors fill one slot of a Variable. (Whether a stacked Variable's
-            slots are all filled depends on its shape: ``load`` checks that.)
+    """The sources of checkpoint tensor ``names`` by Variable path (first matching rule), and
+    the names no rule matches; ``ValueError`` where two tensors fill one slot.
 
     Example:
         >>> rules = [TensorRule("layers.{layer}.w", "blocks/w"), TensorRule("extra", None)]
@@ -189,7 +174,7 @@ def tensors_of(
     path: str, shape: Sequence[int], rules: Sequence[TensorRule]
 ) -> tuple[TensorRule, dict[tuple[int, ...], str]] | None:
     """The rule writing the Variable at ``path`` (of ``shape``) and its tensor name per stacked
-    slot, or ``None`` when no rule's Variable template matches ``path``.
+    slot, or ``None``.
 
     Example:
         >>> rules = [TensorRule("layers.{layer}.w", "blocks/w")]
@@ -203,9 +188,9 @@ def tensors_of(
         if found is None:
             continue
         values = {k: int(v) for k, v in found.groupdict().items()}
-        stack = tuple(shape[: len(rule.stacked)])
-        names = {}
-        for slot in itertools.product(*(range(n) for n in stack)):
-            names[slot] = rule.tensor.format(**values, **dict(zip(rule.stacked, slot, strict=True)))
-        return rule, names
+        slots = itertools.product(*(range(n) for n in shape[: len(rule.stacked)]))
+        return rule, {
+            slot: rule.tensor.format(**values, **dict(zip(rule.stacked, slot, strict=True)))
+            for slot in slots
+        }
     return None
