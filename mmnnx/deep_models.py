@@ -23,8 +23,7 @@ UNROLLED_BLOCKS_WARN_AT = 32
 
 
 def _signature(block: nnx.Module) -> Any:
-    """What equal blocks share: their type and each Variable's path, kind, shape and dtype (not
-    its metadata: blocks placed on different tasks are still equal)."""
+    """Type and each Variable's path, kind, shape and dtype (not metadata: placement)."""
     return type(block), tuple(
         (path, type(var), np.shape(var.get_value()), str(getattr(var.get_value(), "dtype", "")))
         for path, var in variables_of(block)
@@ -85,8 +84,7 @@ def warn_unrolled_blocks(fun: Callable, args: Sequence[Any], kwargs: dict, step:
 
 
 def _user_frame() -> int:
-    """The ``stacklevel`` of the innermost caller outside mmnnx (for ``warnings.warn`` called
-    from the function that calls this one)."""
+    """The ``stacklevel``, for its caller's ``warnings.warn``, of the first frame outside mmnnx."""
     package = os.path.dirname(os.path.abspath(__file__))
     frame, level = sys._getframe(2), 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
@@ -97,11 +95,8 @@ def _user_frame() -> int:
 def _parameter_names(fun: Callable, count: int) -> list[str]:
     """The names of ``fun``'s first ``count`` positional parameters (``arg<i>`` where unknown)."""
     try:
-        names = [
-            p.name
-            for p in inspect.signature(fun).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
+        params = inspect.signature(fun).parameters.values()
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         names = []
     return [names[i] if i < len(names) else f"arg{i}" for i in range(count)]

@@ -61,23 +61,12 @@ def _forward(model: Any, tokens: jax.Array, cache: Any, pos: jax.Array) -> tuple
     length = model.config.max_seq_len
     x = model.embed(tokens)
     if model.config.scan_layers:
-
-        def body(x, block, layer_cache):
-            return _block(block, x, layer_cache, pos, length)
-
-        if cache is None:
-            scan = nnx.scan(
-                lambda x, b: body(x, b, None),
-                in_axes=(nnx.Carry, 0),
-                out_axes=(
-                    nnx.Carry,
-                    0,
-                ),
-            )
-            x, cache = scan(x, model.blocks)
-        else:
-            scan = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-            x, cache = scan(x, model.blocks, cache)
+        scan = nnx.scan(
+            lambda x, block, layer_cache: _block(block, x, layer_cache, pos, length),
+            in_axes=(nnx.Carry, 0, None if cache is None else 0),
+            out_axes=(nnx.Carry, 0),
+        )
+        x, cache = scan(x, model.blocks, cache)
     else:
         caches = [None] * len(model.blocks) if cache is None else cache
         new = []
@@ -132,20 +121,10 @@ def generate(
     top_k: int | None = None,
     rng: jax.Array | None = None,
 ) -> jax.Array:
-    """The ``max_new_tokens`` tokens ``model`` (a ``GPT``) continues ``prompt`` with,
-    ``(batch, max_new_tokens)`` int32 (``prompt``: ``(seq,)`` or ``(batch, seq)`` token ids).
-
-    The prompt is run once (prefill), filling a key/value cache of ``max_seq_len`` positions
-    per block; each new token then costs one position. ``temperature`` 0 is greedy (argmax), as
-    is any below float32's smallest normal number (1.2e-38); above 0, the logits are divided by
-    it and sampled from, keeping the ``top_k`` most likely tokens when given, with keys drawn
-    from ``rng`` (default ``jax.random.key(0)``). A model placed on tasks (``mm.init``/
-    ``mm.place``) runs each step with ``mm.jit``: every block, and its cache, on its own task;
-    otherwise with ``nnx.jit``.
-
-    Raises:
-        ValueError: an empty prompt, ``max_new_tokens < 1``, a prompt plus new tokens longer
-            than ``max_seq_len``, a negative temperature or ``top_k < 1``.
+    """``GPT.generate``: the prompt run once (prefill) into a key/value cache of
+    ``max_seq_len`` positions per block, then one position per new token. ``temperature``
+    below float32's smallest normal number (1.2e-38) is greedy; ``rng`` defaults to
+    ``jax.random.key(0)``.
 
     Example:
         >>> from mmnnx.models import GPT, GPTConfig

@@ -242,9 +242,7 @@ class GPT(nnx.Module):
             x, stats = scan((x, stats), self.blocks)
         else:
             for block in self.blocks:
-                x, layer = block.forward(x)
-                if layer is not None:
-                    stats = stats.merge(layer)
+                x, stats = _apply_block((x, stats), block)
         x = self.norm(x)
         logits = self.embed.attend(x) if c.tie_embeddings else self.head(x)
         return logits, stats

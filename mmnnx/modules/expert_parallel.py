@@ -1,15 +1,11 @@
 """Expert parallelism inside a task: each device holds ``E / EP`` experts, and tokens travel to
 the devices holding their experts and back by ``jax.lax.all_to_all`` under ``jax.shard_map``.
-Experts held whole by every device of a task that splits the tokens (its batch axes, EP 1)
-run under ``shard_map`` too, each device its own tokens: left to GSPMD, the sort and grouped
-matmuls over split tokens were gathered and computed whole on every device.
+Experts held whole by every device of a task that splits the tokens run under ``shard_map``
+too, each device its own tokens (left to GSPMD, split tokens were gathered on every device).
 
-The layout comes from where the experts' weights were placed (``mm.place`` / ``mm.init`` keep a
-Variable's task and spec in its metadata, also while a step is traced): the mesh axes its expert
-dimension is split over are the expert-parallel group. XLA:CPU has no ``ragged_all_to_all``, so
-the exchange is a padded ``all_to_all``: each device sends every other one a buffer of the most
-rows it could send it (all its assignments when dropless; with a capacity, at most that many
-per expert).
+The expert-parallel group is the mesh axes the experts' weights were placed split over.
+XLA:CPU has no ``ragged_all_to_all``: the exchange is a padded ``all_to_all`` of the most rows
+a device could send another.
 """
 
 from __future__ import annotations

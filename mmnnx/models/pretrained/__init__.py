@@ -107,10 +107,7 @@ class Pretrained:
             raise CheckpointError(f"{directory}: no such checkpoint directory")
         file = directory / CONFIG
         hf = read_json(file) if file.exists() else None
-        family = family_of(hf, directory)
-        return cls(
-            architecture=family.architecture, config_json=json.dumps(hf), directory=str(directory)
-        )
+        return cls(family_of(hf, directory).architecture, json.dumps(hf), str(directory))
 
 
 def pretrained_config(
@@ -140,14 +137,16 @@ def pretrained_config(
         (3, 16, True)
     """
     origin = Pretrained.read(path)
-    return FAMILIES[origin.architecture].gpt_config(
-        origin.config,
-        origin.directory,
-        param_dtype=np.dtype(param_dtype).name,
-        dtype=np.dtype(dtype).name,
-        scan_layers=scan_layers,
-        max_seq_len=max_seq_len,
-    )
+    options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len)
+    family = FAMILIES[origin.architecture]
+    return _gpt_config(family, origin.config, origin.directory, param_dtype, dtype, **options)
+
+
+def _gpt_config(
+    family: Family, hf: Any, directory: Any, param_dtype: Any, dtype: Any, **options: Any
+) -> GPTConfig:
+    param_dtype, dtype = np.dtype(param_dtype).name, np.dtype(dtype).name
+    return family.gpt_config(hf, directory, param_dtype=param_dtype, dtype=dtype, **options)
 
 
 def from_pretrained(
@@ -193,14 +192,8 @@ def from_pretrained(
     """
     files = CheckpointFiles(path)
     family = family_of(files.config, files.directory)
-    config = family.gpt_config(
-        files.config,
-        files.directory,
-        param_dtype=np.dtype(param_dtype).name,
-        dtype=np.dtype(dtype).name,
-        scan_layers=scan_layers,
-        max_seq_len=max_seq_len,
-    )
+    options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len)
+    config = _gpt_config(family, files.config, files.directory, param_dtype, dtype, **options)
     check_tokenizer(files.directory, config.vocab_size)
     model = _abstract(lambda: GPT(config, rngs=nnx.Rngs(0)))
     placement = list(rules or [])
@@ -208,9 +201,7 @@ def from_pretrained(
         placement += stage_rules(model, tasks, report=False)
     load_into(model, files, family.tensor_rules(config), placement or None)
     model.pretrained = Pretrained(
-        architecture=family.architecture,
-        config_json=json.dumps(files.config),
-        directory=str(files.directory),
+        family.architecture, json.dumps(files.config), str(files.directory)
     )
     return model
 

@@ -91,10 +91,9 @@ class DenseFeedForward:
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeFeedForward(DenseFeedForward):
-    """Qwen3-MoE's: a ``MoEConfig`` (``num_local_experts``, ``num_experts_per_tok``,
-    ``moe_intermediate_size``, ``norm_topk_prob``) in layer ``i`` when
-    ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``, else the
-    dense MLP; written back with the step that leaves the fewest ``mlp_only_layers``.
+    """Qwen3-MoE's: a ``MoEConfig`` in layer ``i`` when ``(i + 1) % decoder_sparse_step == 0``
+    and ``i`` is not in ``mlp_only_layers``, else the dense MLP; written back with the step
+    that leaves the fewest ``mlp_only_layers``.
 
     Example:
         >>> keys = dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
