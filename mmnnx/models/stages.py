@@ -216,8 +216,8 @@ def stage_rules(
         if virtual_stages != 1:
             raise ValueError(
                 f"stage_rules: virtual_stages={virtual_stages} needs the blocks as a list of "
-                f"modules; {where} is one stacked module, whose layer axis "
-                "is split into one contiguous chunk per task"
+                f"modules; {where} is one stacked module, whose layer axis is split into one "
+                "contiguous chunk per task"
             )
         if n % len(tasks):
             raise ValueError(
@@ -232,7 +232,6 @@ def stage_rules(
     config = getattr(model, "config", None)
     seq = seq_len or getattr(config, "max_seq_len", None) or getattr(model, "max_seq_len", None)
     tokens = tokens_per_step or seq
-    tied = bool(getattr(config, "tie_embeddings", False))
 
     def flops(node: Any, *, head: bool = False) -> int | None:
         attention = _attention_dims(node)
@@ -257,6 +256,7 @@ def stage_rules(
     else:
         block_params = [_num_params(b) for b in blocks]
         block_flops = [flops(b) for b in blocks]
+    tied = bool(getattr(config, "tie_embeddings", False))
     first_params, first_flops = group_cost(firsts, tied_head=tied)
     last_params, last_flops = group_cost(lasts)
     if stacked:
@@ -308,8 +308,7 @@ class Layers(NamedTuple):
 
     @property
     def ends(self) -> tuple[bool, bool]:
-        """Whether the first and the last stage may hold no layer: the model has Variables
-        (an embedding, a head) for it to hold alone."""
+        """Whether the first and the last stage may hold no layer, but Variables of their own."""
         return bool(self.firsts), bool(self.lasts)
 
 
@@ -320,9 +319,8 @@ def find_layers(
     *,
     who: str = "stage_rules",
 ) -> Layers:
-    """The layers of ``model`` (``blocks=`` as :func:`stage_rules` takes it) and the groups of
-    Variables outside them going on the first and the last stage (``last``: the names that go
-    last, default :data:`LAST`); errors begin with ``who``.
+    """The layers of ``model`` and the Variables outside them going on the first and the last
+    stage (``blocks``, ``last`` as :func:`stage_rules` takes them); errors begin with ``who``.
 
     Example:
         >>> from mmnnx.models import GPT, GPTConfig
@@ -339,8 +337,8 @@ def find_layers(
         depths = {v.shape[0] for _, v in variables_of(node) if v.shape}
         if len(depths) != 1:
             raise ValueError(
-                f"{who}: the Variables of {where} (one stacked "
-                f"module) do not share one leading layer axis (sizes {sorted(depths)})"
+                f"{who}: the Variables of {where} (one stacked module) do not share one leading "
+                f"layer axis (sizes {sorted(depths)})"
             )
         (n,) = depths
     elif isinstance(node, nnx.List | list | tuple) and all(isinstance(b, nnx.Module) for b in node):
@@ -444,8 +442,7 @@ def split_rules(
         raise ValueError(
             f"split_rules: sizes {list(sizes)} must give each of the {len(tasks)} stages at "
             f"least one of the {found.count} layers of {found.where} (the first or the last "
-            "none, where it holds the embedding or the head), adding up to "
-            f"{found.count}"
+            f"none, where it holds the embedding or the head), adding up to {found.count}"
         )
     return _rules(found, tasks, sizes)
 
@@ -463,9 +460,9 @@ def _layers(
         hits = [(p, n) for p, n in _modules(model) if blocks(p, n)]
         if len(hits) != 1:
             raise ValueError(
-                f"{who}: the blocks= filter matches {len(hits)} modules of {name} "
-                f"({_joined([p for p, _ in hits]) or 'none'}); it must select the one holding "
-                "the layers"
+                f"{who}: the blocks= filter matches {len(hits)} modules of {name} ("
+                f"{_joined([p for p, _ in hits]) or 'none'}); it must select the one holding the "
+                "layers"
             )
         ((path, node),) = hits
     elif blocks is not None:

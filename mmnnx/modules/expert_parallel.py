@@ -67,10 +67,8 @@ def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
     if home is None:
         return None
     task = home.tasks[0] if isinstance(home, TaskStack) else home
-    spec = tuple(gate.get_metadata(SPEC_KEY, PartitionSpec()))
-    ndim = len(gate.shape)
-    if len(spec) > ndim:  # a stacked Variable's spec, seen inside the scan over its layers
-        spec = spec[len(spec) - ndim :]
+    # a stacked Variable's spec, seen inside the scan over its layers, has the layer axis more
+    spec = tuple(gate.get_metadata(SPEC_KEY, PartitionSpec()))[-len(gate.shape) :]
     spec = (*spec, None, None, None)[:3]
     expert_axes = _axes(spec[0])
     batch_axes = _axes(task.spec(("batch",))[0]) if isinstance(task, Task) else ()
@@ -78,12 +76,7 @@ def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
     if not token_axes:
         return None
     hidden_axes = tuple(a for a in _axes(spec[2]) if a not in token_axes)
-    return ExpertLayout(
-        mesh=task.jax_mesh.abstract_mesh,
-        expert_axes=expert_axes,
-        token_axes=token_axes,
-        hidden_axes=hidden_axes,
-    )
+    return ExpertLayout(task.jax_mesh.abstract_mesh, expert_axes, token_axes, hidden_axes)
 
 
 def apply_expert_parallel(

@@ -38,9 +38,7 @@ class Experts(nnx.Module):
         param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        self.num_experts = num_experts
-        self.dim = dim
-        self.hidden = hidden
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
 
         def param(names, shape):
             init = nnx.with_partitioning(kernel_init, names)

@@ -68,9 +68,7 @@ class LoRA(nnx.Module):
         self.b = nnx.LoRAParam(
             jnp.zeros((*lead, rank, out_features)), out_sharding=(*lead_axes, None, out_axis)
         )
-        self.rank = rank
-        self.alpha = float(alpha)
-        self.scale = self.alpha / rank
+        self.rank, self.alpha, self.scale = rank, float(alpha), float(alpha) / rank
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return (x @ self.a[...].astype(x.dtype)) @ self.b[...].astype(x.dtype) * self.scale
@@ -129,14 +127,13 @@ def add_lora(
         if linear.lora is not None:
             raise ValueError(f"add_lora: {path_str(path)} already has an adapter")
         kernel = linear.kernel
-        lead = tuple(kernel.shape[:-2])
         with nnx.use_eager_sharding(False):
             linear.lora = LoRA(
                 linear.in_features,
                 linear.out_features,
                 rank=rank,
                 alpha=rank if alpha is None else alpha,
-                lead=lead,
+                lead=tuple(kernel.shape[:-2]),
                 axes=_axes(kernel),
                 rngs=rngs,
             )

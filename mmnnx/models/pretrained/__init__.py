@@ -333,16 +333,10 @@ def _origin(
 def _sizes(family: Family) -> set[str]:
     """The keys of a loaded ``config.json`` written from the model (the others are kept)."""
     return {
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "tie_word_embeddings",
-        "layer_types",
-    } | set(family.feed_forward.keys)
+        *("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"),
+        *("num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings"),
+        *("layer_types", *family.feed_forward.keys),
+    }
 
 
 def load_tensors(

@@ -87,16 +87,12 @@ EXPERT_MLP = ("gate_proj", "up_proj", "down_proj")
 def peft_targets(
     adapted: set[str], modules: set[str], *, experts: bool = False
 ) -> dict[str, list[str]]:
-    """``adapter_config.json``'s targets for the modules ``adapted`` (transformers 4 names,
-    ``model.layers.0.mlp.up_proj``) among all the ``modules`` of the model: each module name
-    alone (``up_proj``, as PEFT configs usually say) where it adapts every module of that name,
-    else the full names, so PEFT builds adapters for those and no other module.
+    """``adapter_config.json``'s targets for the modules ``adapted`` among all the ``modules``:
+    a bare name where it adapts every module of that name, else the full names.
 
-    With ``experts`` (a Qwen3-MoE: its experts' projections share the dense MLP's names), the
-    dense layers' ``gate_proj`` / ``up_proj`` / ``down_proj`` go to ``target_parameters``
-    (``model.layers.0.mlp.up_proj.weight``): under transformers 5, whose experts are fused
-    parameters, PEFT maps every ``target_modules`` entry ending in those names (a bare name, a
-    full one, or what a regex matches) onto the experts, and drops the dense layers' adapters.
+    With ``experts``, the dense layers' :data:`EXPERT_MLP` go to ``target_parameters``: under
+    transformers 5, PEFT maps every ``target_modules`` entry ending in those names onto the
+    (fused) experts, and drops the dense layers' adapters.
 
     Example:
         >>> mods = {f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("up_proj", "gate")}

@@ -20,12 +20,8 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 CARRIED = (
-    TOKENIZER,
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-    "tokenizer.model",
+    *(TOKENIZER, "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"),
+    *("generation_config.json", "tokenizer.model"),
 )
 """The files beside the weights that a checkpoint written from a loaded one carries over."""
 
@@ -162,8 +158,7 @@ class CheckpointFiles:
         self, name: str, index: tuple[slice, ...] = (), transpose: Sequence[int] | None = None
     ) -> np.ndarray:
         """The part ``index`` (slices of step 1) of tensor ``name``, its axes permuted by
-        ``transpose``, C-contiguous; read in blocks of rows of at most :data:`BLOCK_BYTES`
-        straight into the array returned."""
+        ``transpose``, read in blocks of at most :data:`BLOCK_BYTES` into the array returned."""
         info = self.tensors[name]
         dtype = self.dtype(name)
         shape = info.shape

@@ -325,8 +325,7 @@ def written(
     fresh: Mapping[str, Any], loaded: Mapping[str, Any] | None, sizes: set[str]
 ) -> dict[str, Any]:
     """The ``config.json`` ``save_pretrained`` writes: ``fresh`` over the ``loaded`` file's
-    keys but its ``sizes`` and the older keys ``fresh`` replaces; the loaded
-    ``max_position_embeddings`` kept (a model loaded shorter keeps the checkpoint's context).
+    keys but ``sizes`` and older ones, the loaded ``max_position_embeddings`` kept.
 
     Example:
         >>> old = {"rope_theta": 1e4, "torch_dtype": "float32", "bos_token_id": 1,

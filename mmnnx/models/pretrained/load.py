@@ -103,8 +103,8 @@ def _check_slots(
         if slot not in source.tensors:
             raise CheckpointError(
                 f"{files.directory}: missing tensor {source.name(slot)!r} (for Variable "
-                f"{source.path!r} of {model_name}, {' x '.join(map(str, stack))} tensors, one per "
-                f"{per})"
+                f"{source.path!r} of {model_name}, {' x '.join(map(str, stack))} tensors, one "
+                f"per {per})"
             )
     if stack == source.stack_shape:
         return

@@ -1,10 +1,8 @@
 """``TensorRule``: how a checkpoint's tensor names map to a model's Variable paths, both ways.
 
-A rule pairs a tensor-name template with a Variable-path template; ``{name}`` fields stand for
-integers (``{layer}``, ``{expert}``). A field in the tensor name but not in the Variable path is
-a *stacked* axis: the tensors for every value of it fill the Variable's leading axes, in the
-order the fields appear in the tensor name (``nnx.vmap``/``scan_layers`` stacks). The same rules
-read a checkpoint (``match``) and write one (``tensors_of``).
+``{name}`` fields of the templates stand for integers (``{layer}``, ``{expert}``); a field in
+the tensor name but not in the Variable path is a *stacked* axis, in the order the fields
+appear in the tensor name (``nnx.vmap``/``scan_layers`` stacks).
 """
 
 from __future__ import annotations

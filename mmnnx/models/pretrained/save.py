@@ -64,10 +64,8 @@ def _covers(
     size = int(np.prod([b - a for a, b in region]))
     held: dict[int, set[tuple]] = {}
     for device, index in indices.items():
-        box = []
-        for s, (a, b), n in zip(index, region, shape, strict=True):
-            lo, hi, _ = s.indices(n)
-            box.append((max(a, lo), min(b, hi)))
+        bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+        box = [(max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(region, bounds, strict=True)]
         if all(lo < hi for lo, hi in box):
             held.setdefault(device.process_index, set()).add(tuple(box))
     return sorted(
@@ -169,13 +167,9 @@ def write_checkpoint(
     overwrite: bool = False,
     layout: Layout = CHECKPOINT,
 ) -> pathlib.Path:
-    """Writes ``values`` (Variable path -> array) as tensors named by ``rules``, in ``dtype``.
-
-    A collective: each tensor is written by the lowest process whose devices hold all of it,
-    into ``.<name>.partial`` beside ``directory``, which replaces ``directory`` once complete
-    (a failed save leaves an earlier checkpoint intact). With ``layout.single``, process 0
-    joins the shards into that one file.
-    """
+    """Writes ``values`` (Variable path -> array) as tensors named by ``rules``, in ``dtype``,
+    on every process (a collective), into ``.<name>.partial`` beside ``directory``, which
+    replaces ``directory`` once complete (a failed save leaves an earlier checkpoint intact)."""
     directory = pathlib.Path(directory)
     dtype = np.dtype(dtype)
     if dtype not in DTYPES.values():
