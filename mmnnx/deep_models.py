@@ -1,6 +1,5 @@
 """Steering deep models to stacked layers: a warning when a step's argument holds many equal
-blocks unrolled (a Python list of modules), since tracing, planning and compiling then grow
-with their number, while a stack of them run with ``nnx.scan`` is traced once."""
+blocks unrolled, whose tracing and compiling grow with their number."""
 
 from __future__ import annotations
 
@@ -31,8 +30,8 @@ def _signature(block: nnx.Module) -> Any:
 
 
 def equal_blocks(node: Any, at_least: int = UNROLLED_BLOCKS_WARN_AT + 1) -> list[tuple[str, int]]:
-    """Each list of modules in ``node`` holding at least ``at_least`` equal blocks (same type,
-    structure and shapes): its path (``/``-joined) and how many equal blocks it holds.
+    """The path of each list of modules in ``node`` holding at least ``at_least`` equal blocks,
+    and how many.
 
     Example:
         >>> from flax import nnx
@@ -56,9 +55,8 @@ def equal_blocks(node: Any, at_least: int = UNROLLED_BLOCKS_WARN_AT + 1) -> list
 
 
 def warn_unrolled_blocks(fun: Callable, args: Sequence[Any], kwargs: dict, step: str) -> None:
-    """Warns (:class:`~mmnnx.UnrolledLayersWarning`) once per list of more than
-    :data:`UNROLLED_BLOCKS_WARN_AT` equal blocks found in the arguments ``args`` and ``kwargs``
-    of ``fun`` (each named by its parameter), called ``step`` in the message.
+    """Warns once per list of more than :data:`UNROLLED_BLOCKS_WARN_AT` equal blocks in the
+    arguments of ``fun``, called ``step`` in the message.
 
     Example::
 

@@ -1,6 +1,5 @@
-"""Autoregressive decoding of a ``GPT`` with a key/value cache: a prefill of the prompt, then
-one token per step, each step a compiled program (``nnx.jit`` on one device; ``mm.jit`` for a
-model placed on tasks, each stage's blocks and their cache on their own task)."""
+"""Autoregressive decoding of a ``GPT`` with a key/value cache, each step a compiled program
+(``nnx.jit`` on one device; ``mm.jit`` for a model placed on tasks)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ from mmnnx.modules.transformer import TransformerBlock
 from mmnnx.sharding import home_of
 
 ACTIVATIONS = (None, "seq", "embed")
-"""The logical names of activations between blocks while decoding: as in training, but the
-batch (a few prompts, often one) is never split."""
+"""The logical names of activations between blocks while decoding: the batch is not split."""
 
 KV = tuple[jax.Array, jax.Array]
 """One block's cache: keys and values, each ``(batch, max_seq_len, num_kv_heads, head_dim)``

@@ -26,8 +26,7 @@ BY = ("params", "flops")
 
 LAST = ("norm", "head", "final_norm", "ln_f", "lm_head", "classifier")
 """The names ``stage_rules`` puts on the last task by default, wherever they occur on a
-Variable's path outside the layers: the final norm and the output head as the library's GPT,
-Flax's Gemma and ViT examples, GPT-2, Llama and Hugging Face's ``CausalLM`` name them."""
+Variable's path outside the layers: the final norm and the output head by their usual names."""
 
 
 def _num_params(node: Any) -> int:
@@ -117,10 +116,6 @@ def _imbalance(values: Sequence[float | None]) -> str:
     if any(v is None for v in values) or not sum(values):
         return "-"
     return f"{max(values) / (sum(values) / len(values)):.3f}"
-
-
-def _alternation(items: Sequence[str]) -> str:
-    return items[0] if len(items) == 1 else "(" + "|".join(items) + ")"
 
 
 def stage_rules(
@@ -371,7 +366,7 @@ def _rules(found: Layers, tasks: Sequence[Task], sizes: Sequence[int]) -> list[t
         start += size
         parts = [_anchored(g, g in found.variables) for g in found.firsts if s == 0]
         if not found.stacked and idx:
-            parts.append(f"^{prefix}/{_alternation(idx)}/")
+            parts.append(f"^{prefix}/{idx[0] if len(idx) == 1 else '(' + '|'.join(idx) + ')'}/")
         parts += [_anchored(g, g in found.variables) for g in found.lasts if s == k - 1]
         if parts:
             rules.append(("|".join(parts), task))
@@ -524,9 +519,8 @@ def _is_list_of_modules(node: Any) -> bool:
 def _groups(
     model: Any, paths: list[Path], layers: Path, last: Sequence[str]
 ) -> tuple[list[Path], list[Path]]:
-    """Prefixes of the Variables at ``paths`` for the first and the last stage: a path goes
-    last up to its first component named in ``last`` (off the layers' path), else first up to
-    its shortest prefix holding neither the layers nor a last group."""
+    """Prefixes of ``paths`` for the first and the last stage: up to the first component named
+    in ``last`` (off the layers' path), else the shortest holding no layers nor last group."""
 
     def on_layers_path(prefix: Path) -> bool:
         return layers[: len(prefix)] == prefix

@@ -1,5 +1,4 @@
-"""The value checks of the component configs (``AttentionConfig``, ``MoEConfig``, ...): each
-bad value raises ``ValueError`` naming the config's field."""
+"""The value checks of the component configs, raising ``ValueError`` naming the field."""
 
 from __future__ import annotations
 

@@ -20,15 +20,12 @@ from mmnnx.sharding.stack import TaskStack
 M = TypeVar("M")
 
 TARGETS = ("q", "k", "v", "out", "gate", "up", "down")
-"""The ``Linear`` names of ``GPT`` blocks that ``add_lora`` adapts by default: every projection
-of attention and the MLP (PEFT's ``target_modules="all-linear"`` less the output head), those
-a model has (a block whose feed-forward is a ``MoE`` has no ``gate``, ``up``, ``down``)."""
+"""The ``Linear`` names of ``GPT`` blocks that ``add_lora`` adapts by default, those a model has:
+PEFT's ``target_modules="all-linear"`` less the output head."""
 
 MOE_TARGETS = ("router",)
-"""``Linear`` names ``add_lora`` adapts only when named: a ``MoE``'s router (Qwen3-MoE's
-``mlp.gate``), which PEFT's usual Qwen3-MoE ``target_modules`` leave out (an update there moves
-tokens between experts and unbalances them). A ``MoE``'s experts are stacked weights, not
-``Linear`` layers: no adapter."""
+"""``Linear`` names ``add_lora`` adapts only when named: a ``MoE``'s router, which PEFT's usual
+Qwen3-MoE ``target_modules`` leave out (an update there unbalances the experts)."""
 
 
 class LoRA(nnx.Module):

@@ -1,6 +1,5 @@
-"""A mixture of experts' router, as Qwen3-MoE routes: softmax over every expert, top-k,
-renormalised; the capacity that drops late assignments; ``RouterStats``, the sums its
-load-balancing and z losses are made of."""
+"""A mixture of experts' router, as Qwen3-MoE routes; the capacity that drops late
+assignments; ``RouterStats``, the sums its losses are made of."""
 
 from __future__ import annotations
 

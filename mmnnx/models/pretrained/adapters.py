@@ -1,5 +1,4 @@
-"""LoRA adapters of a ``GPT`` from a pretrained family, out in PEFT's layout
-(``adapter_model.safetensors`` + ``adapter_config.json``) or merged into the kernels."""
+"""LoRA adapters of a pretrained ``GPT``, out in PEFT's layout or merged into the kernels."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """The model families ``from_pretrained`` knows: how a ``config.json`` becomes a ``GPTConfig``
-of nested component configs (``AttentionConfig``, ``MLPConfig`` or ``MoEConfig``, ... per
-layer) and back, and which checkpoint tensor fills which ``GPT`` Variable (torchtitan's
-state-dict adapters, as data)."""
+and back, and which checkpoint tensor fills which ``GPT`` Variable."""
 
 from __future__ import annotations
 
@@ -66,9 +64,8 @@ FeedForward = MLPConfig | MoEConfig
 
 @dataclasses.dataclass(frozen=True)
 class DenseFeedForward:
-    """Llama's and Qwen3's feed-forward: every layer a SiLU-gated ``MLPConfig`` without biases.
-    A family's feed-forward names the ``config.json`` ``keys`` it reads and writes, and its
-    tensors (``rules``) beyond a dense MLP's.
+    """Llama's and Qwen3's feed-forward, SiLU-gated without biases: the ``config.json`` ``keys``
+    it reads and writes, and its tensors (``rules``) beyond a dense MLP's.
 
     Example:
         >>> DenseFeedForward().read({"intermediate_size": 64}, 2)[1]

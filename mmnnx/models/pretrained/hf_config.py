@@ -117,9 +117,8 @@ STALE = {"torch_dtype": "dtype", "rope_theta": "rope_parameters", "rope_scaling"
 
 @dataclasses.dataclass(frozen=True)
 class HFConfig:
-    """A ``config.json`` read and checked (:func:`read_config`), absent keys at transformers'
-    defaults, ``head_dim`` and ``num_key_value_heads`` filled in; ``own``: the family's own
-    keys (``router_aux_loss_coef`` 0 where ``output_router_logits`` is false, as transformers).
+    """A ``config.json`` read and checked (:func:`read_config`); ``own``: the family's own keys
+    (``router_aux_loss_coef`` 0 where ``output_router_logits`` is false, as transformers).
 
     Example:
         >>> c = read_config({"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,

@@ -1,5 +1,4 @@
-"""Filling a model built abstractly from a checkpoint's tensors, each Variable's shards read
-straight onto its devices: no process ever holds more than one tensor's part it needs."""
+"""Filling a model built abstractly from a checkpoint's tensors, read straight onto devices."""
 
 from __future__ import annotations
 
@@ -154,9 +153,8 @@ def load_into(
     rules: Sequence[TensorRule],
     placement: Sequence[tuple] | Mapping | None = None,
 ) -> M:
-    """Fills every Variable of ``model`` (built abstractly) from ``files`` through ``rules``:
-    with ``placement`` (``mm.place``'s rules), each device's shard read on its own; without,
-    each Variable read whole onto the default device."""
+    """Fills every Variable of ``model`` (built abstractly) from ``files`` through ``rules``,
+    each device's shard read on its own where ``placement`` (``mm.place``'s rules) is given."""
     sources = plan_sources(model, files, rules)
 
     def make(path: str, variable: nnx.Variable, sharding: Any) -> jax.Array:

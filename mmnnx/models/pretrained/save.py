@@ -1,5 +1,4 @@
-"""Writing a model's Variables as a Hugging Face checkpoint directory, each process writing
-the tensors its own devices hold, into a staging directory renamed into place when complete."""
+"""Writing a model's Variables as a Hugging Face checkpoint directory, process by process."""
 
 from __future__ import annotations
 
