@@ -89,14 +89,10 @@ def apply_expert_parallel(
     *,
     limit: int | None = None,
 ) -> jax.Array:
-    """``experts.apply_local``'s result, the tokens split over ``layout.token_axes`` and the
-    experts over ``layout.expert_axes``; ``limit`` (a capacity) bounds the exchange buffers."""
+    """``experts.apply_local``'s result, the tokens (a multiple of ``layout.token_shards``: the
+    caller pads them) split over ``layout.token_axes`` and the experts over
+    ``layout.expert_axes``; ``limit`` (a capacity) bounds the exchange buffers."""
     n, k = indices.shape
-    if n % layout.token_shards:
-        raise ValueError(
-            f"apply_expert_parallel: {n} tokens do not split evenly over the mesh axes "
-            f"{layout.token_axes} ({layout.token_shards} shards); pad them"
-        )
     local_tokens = n // layout.token_shards
     local_experts = experts[0].shape[0] // layout.size
     rows = local_tokens * k  # a destination's worst case: every assignment of this device

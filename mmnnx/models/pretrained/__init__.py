@@ -247,8 +247,7 @@ def save_pretrained(
     """
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     hf = pretrained.config if pretrained else {}
-    torch_dtype = torch_dtype_of(dtype)
-    fresh = family.hf_config(model.config, torch_dtype, hf)
+    fresh = family.hf_config(model.config, torch_dtype_of(dtype), hf)
     config = written(fresh, hf, _sizes(family) & fresh.keys())
     origin = pathlib.Path(pretrained.directory) if pretrained else None
     extra = [origin / name for name in CARRIED if origin and (origin / name).is_file()]

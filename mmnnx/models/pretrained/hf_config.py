@@ -193,23 +193,16 @@ def read_config(hf: Any, file: str, model_type: str) -> HFConfig:
     if "output_router_logits" in own and not own["output_router_logits"]:
         own["router_aux_loss_coef"] = 0.0
     theta, scaling = _rope(hf, v, file)
-    return HFConfig(
-        vocab_size=v["vocab_size"],
-        hidden_size=v["hidden_size"],
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
+    v |= dict(
         num_key_value_heads=kv,
         head_dim=head_dim,
-        intermediate_size=v["intermediate_size"],
-        max_position_embeddings=v["max_position_embeddings"],
-        tie_word_embeddings=v["tie_word_embeddings"],
         rms_norm_eps=float(v["rms_norm_eps"]),
         rope_theta=theta,
         rope_scaling=scaling,
-        dtype=v["dtype"],
         layer_types=None if v["layer_types"] is None else tuple(v["layer_types"]),
         own={k: tuple(x) if isinstance(x, list) else x for k, x in own.items()},
     )
+    return HFConfig(**{f.name: v[f.name] for f in dataclasses.fields(HFConfig)})
 
 
 def _check_object(hf: Any, file: str) -> None:

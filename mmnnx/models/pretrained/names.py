@@ -103,8 +103,6 @@ class Source:
 
     @property
     def stack_shape(self) -> tuple[int, ...]:
-        if not self.rule.stacked:
-            return ()
         return tuple(max(k[i] for k in self.tensors) + 1 for i in range(len(self.rule.stacked)))
 
     def name(self, slot: tuple[int, ...]) -> str:
