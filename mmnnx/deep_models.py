@@ -30,8 +30,7 @@ def _signature(block: nnx.Module) -> Any:
 
 
 def equal_blocks(node: Any, at_least: int = UNROLLED_BLOCKS_WARN_AT + 1) -> list[tuple[str, int]]:
-    """The path of each list of modules in ``node`` holding at least ``at_least`` equal blocks,
-    and how many.
+    """The path of each list in ``node`` of at least ``at_least`` equal blocks, and how many.
 
     Example:
         >>> from flax import nnx
@@ -55,8 +54,7 @@ def equal_blocks(node: Any, at_least: int = UNROLLED_BLOCKS_WARN_AT + 1) -> list
 
 
 def warn_unrolled_blocks(fun: Callable, args: Sequence[Any], kwargs: dict, step: str) -> None:
-    """Warns once per list of more than :data:`UNROLLED_BLOCKS_WARN_AT` equal blocks in the
-    arguments of ``fun``, called ``step`` in the message.
+    """Warns per list of many equal blocks among the arguments of ``fun``.
 
     Example::
 

@@ -30,8 +30,7 @@ KV = tuple[jax.Array, jax.Array]
 def _attend(
     attn: Attention, x: jax.Array, cache: KV | None, pos: jax.Array, length: int
 ) -> tuple[jax.Array, KV]:
-    """``attn`` on ``x`` at positions ``pos .. pos + seq - 1``, reading the keys and values of
-    earlier positions from ``cache`` (a new one of ``length`` positions when ``None``)."""
+    """``attn`` on ``x`` at positions ``pos ..``, reading and filling ``cache``."""
     positions = pos + jnp.arange(x.shape[-2])
     q, k, v = attn.project(x, positions)
     if cache is None:

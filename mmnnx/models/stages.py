@@ -60,8 +60,7 @@ def _attention_dims(node: Any) -> int:
 
 
 def _split(costs: Sequence[int], k: int, first: int, last: int) -> list[int]:
-    """Stage sizes cutting ``costs`` into ``k`` contiguous non-empty stages, minimising the
-    largest (``first``, ``last`` added to the end stages), then the sum of squares."""
+    """Stage sizes of ``costs``: the least largest stage, then the least sum of squares."""
     n = len(costs)
     prefix = [0, *itertools.accumulate(costs)]
 
@@ -314,8 +313,7 @@ def find_layers(
     *,
     who: str = "stage_rules",
 ) -> Layers:
-    """The layers of ``model`` and the Variables outside them going on the first and the last
-    stage (``blocks``, ``last`` as :func:`stage_rules` takes them); errors begin with ``who``.
+    """The layers of ``model`` and the groups going on the first and the last stage.
 
     Example:
         >>> from mmnnx.models import GPT, GPTConfig

@@ -61,8 +61,7 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
-    """The expert-parallel layout of experts whose ``gate`` ``(E, D, H)`` (or ``(L, E, D, H)``)
-    was placed on a task, ``None`` where neither the experts nor the tokens are split."""
+    """The layout of experts placed split (or with the tokens split), else ``None``."""
     home = home_of(gate)
     if home is None:
         return None

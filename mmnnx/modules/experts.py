@@ -56,8 +56,7 @@ def grouped_swiglu(
     down: jax.Array,
     group_sizes: jax.Array,
 ) -> jax.Array:
-    """Rows ``(M, D)`` sorted by expert through its expert's SwiGLU; rows past
-    ``sum(group_sizes)`` give zeros.
+    """Rows sorted by expert, each through its SwiGLU; rows past the groups: 0.
 
     Example:
         >>> w = jnp.ones((2, 3, 4))
@@ -76,8 +75,7 @@ def combine(weights: jax.Array, outputs: jax.Array) -> jax.Array:
 
 
 def sort_by_expert(key: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The stable permutation sorting ``key``, its inverse, and the size of each group (ids
-    past ``num_groups`` count in none).
+    """The stable order sorting ``key``, its inverse, and each group's size.
 
     Example:
         >>> order, inverse, sizes = sort_by_expert(jnp.array([1, 3, 0, 1]), 2)
@@ -97,8 +95,7 @@ def apply_local(
     keep: jax.Array,
     experts: tuple[jax.Array, jax.Array, jax.Array],
 ) -> jax.Array:
-    """``sum_k weights * expert_{indices}(x)`` of tokens ``x`` over the assignments ``keep``
-    keeps, on devices holding every expert.
+    """``sum_k weights * expert_{indices}(x)`` over the assignments ``keep`` keeps.
 
     Example:
         >>> w = jnp.ones((2, 3, 4)), jnp.ones((2, 3, 4)), jnp.ones((2, 4, 3))

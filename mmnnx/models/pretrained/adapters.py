@@ -30,8 +30,7 @@ def adapted(model: Any) -> list[tuple[str, Linear]]:
 
 
 def merged_kernels(model: Any) -> dict[str, jax.Array]:
-    """``kernel + a @ b * alpha / rank`` of every adapted ``Linear``, by the kernel's path (a
-    placeholder where this process holds none of it)."""
+    """Each adapted kernel merged with its adapter (a placeholder where not held)."""
     out = {}
     for path, linear in adapted(model):
         kernel = linear.kernel[...]

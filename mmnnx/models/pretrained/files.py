@@ -78,8 +78,7 @@ class TensorInfo(NamedTuple):
 
 
 class CheckpointFiles:
-    """The tensors of a checkpoint directory, by name, read a slice at a time; opening reads
-    ``config.json`` and every shard's header, nothing else.
+    """A checkpoint's tensors by name, their headers read, their data by slices.
 
     Example:
         >>> import tempfile
@@ -156,8 +155,7 @@ class CheckpointFiles:
     def read(
         self, name: str, index: tuple[slice, ...] = (), transpose: Sequence[int] | None = None
     ) -> np.ndarray:
-        """The part ``index`` (slices of step 1) of tensor ``name``, its axes permuted by
-        ``transpose``, read in blocks of at most :data:`BLOCK_BYTES` into the array returned."""
+        """Part ``index`` (slices of step 1) of tensor ``name``, permuted by ``transpose``."""
         info = self.tensors[name]
         dtype = self.dtype(name)
         shape = info.shape
@@ -216,8 +214,7 @@ def write_shards(
     directory: str | os.PathLike,
     shards: Mapping[str, np.ndarray] | Mapping[str, Mapping[str, np.ndarray]],
 ) -> None:
-    """Writes tensors as safetensors files into ``directory``: ``shards`` maps tensor names to
-    arrays (one ``model.safetensors``) or file names to such maps.
+    """Writes tensor maps (or file name -> tensor map) as safetensors files.
 
     Example:
         >>> import tempfile

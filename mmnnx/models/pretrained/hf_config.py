@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from mmnnx.models.pretrained.files import TORCH_DTYPES, CheckpointError
+from mmnnx.modules.checks import is_positive
 from mmnnx.modules.rope import RopeScaling
 
 ROPE_TYPES = ("default", "llama3")
@@ -34,14 +33,6 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
 
 
 def _show(value: Any) -> str:
@@ -66,8 +57,11 @@ def _int(minimum: int) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: _is_int(v) and v >= minimum), f"an int >= {minimum}"
 
 
-_POSITIVE = (lambda v: _is_number(v) and v > 0), "a finite number > 0"
-_NONNEGATIVE = (lambda v: _is_number(v) and v >= 0), "a finite number >= 0"
+_POSITIVE = is_positive, "a finite number > 0"
+_NONNEGATIVE = (
+    (lambda v: is_positive(v) or (type(v) in (int, float) and v == 0)),
+    "a finite number >= 0",
+)
 _BOOL = (lambda v: isinstance(v, bool)), "true or false"
 _STR = (lambda v: isinstance(v, str)), "a string"
 _STRS = (
@@ -117,8 +111,7 @@ STALE = {"torch_dtype": "dtype", "rope_theta": "rope_parameters", "rope_scaling"
 
 @dataclasses.dataclass(frozen=True)
 class HFConfig:
-    """A ``config.json`` read and checked (:func:`read_config`); ``own``: the family's own keys
-    (``router_aux_loss_coef`` 0 where ``output_router_logits`` is false, as transformers).
+    """A ``config.json`` read and checked; ``own``: the family's own keys.
 
     Example:
         >>> c = read_config({"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
@@ -230,8 +223,7 @@ def _value(hf: dict[str, Any], key: _Key, file: str, defaults: Mapping[str, Any]
 
 
 def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, RopeScaling | None]:
-    """RoPE's base and scaling, resolved as transformers' ``standardize_rope_params``: a truthy
-    ``rope_scaling`` replaces ``rope_parameters``, whose values come before top-level ones."""
+    """RoPE's base and scaling, as transformers' ``standardize_rope_params`` resolves them."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = hf.get(key) or {}
     if not _OBJECT[0](params):
@@ -316,8 +308,7 @@ def architectures(hf: Any, where: Any) -> list[str]:
 def written(
     fresh: Mapping[str, Any], loaded: Mapping[str, Any] | None, sizes: set[str]
 ) -> dict[str, Any]:
-    """The ``config.json`` ``save_pretrained`` writes: ``fresh`` over the ``loaded`` file's
-    keys but ``sizes`` and older ones, the loaded ``max_position_embeddings`` kept.
+    """``fresh`` over ``loaded`` but ``sizes`` and older keys; its context length kept.
 
     Example:
         >>> old = {"rope_theta": 1e4, "torch_dtype": "float32", "bos_token_id": 1,

@@ -23,8 +23,7 @@ M = TypeVar("M")
 def plan_sources(
     model: Any, files: CheckpointFiles, rules: Sequence[TensorRule]
 ) -> dict[str, Source]:
-    """The source of every Variable of ``model``, checked against the files: each Variable has
-    its tensors, each tensor a Variable, and every shape fits. Reads no tensor data."""
+    """Every Variable's source, all tensors and shapes checked; no data read."""
     where = files.directory
     try:
         sources, unmatched = match(files.tensors, rules)
@@ -153,8 +152,7 @@ def load_into(
     rules: Sequence[TensorRule],
     placement: Sequence[tuple] | Mapping | None = None,
 ) -> M:
-    """Fills every Variable of ``model`` (built abstractly) from ``files`` through ``rules``,
-    each device's shard read on its own where ``placement`` (``mm.place``'s rules) is given."""
+    """Fills ``model``'s Variables from ``files``, each shard read where it is placed."""
     sources = plan_sources(model, files, rules)
 
     def make(path: str, variable: nnx.Variable, sharding: Any) -> jax.Array:

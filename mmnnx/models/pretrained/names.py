@@ -127,8 +127,7 @@ def _pattern(template: str) -> re.Pattern:
 
 
 def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, Source], list[str]]:
-    """The sources of checkpoint tensor ``names`` by Variable path (first matching rule), and
-    the names no rule matches; ``ValueError`` where two tensors fill one slot.
+    """The sources of tensor ``names`` by Variable path, and the names no rule matches.
 
     Example:
         >>> rules = [TensorRule("layers.{layer}.w", "blocks/w"), TensorRule("extra", None)]
@@ -169,8 +168,7 @@ def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, 
 def tensors_of(
     path: str, shape: Sequence[int], rules: Sequence[TensorRule]
 ) -> tuple[TensorRule, dict[tuple[int, ...], str]] | None:
-    """The rule writing the Variable at ``path`` (of ``shape``) and its tensor name per stacked
-    slot, or ``None``.
+    """The rule writing the Variable at ``path`` and its tensor name per slot, or None.
 
     Example:
         >>> rules = [TensorRule("layers.{layer}.w", "blocks/w")]

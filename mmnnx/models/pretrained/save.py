@@ -35,8 +35,7 @@ MAX_SHARD_BYTES = 5 * 2**30
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The files a checkpoint is written as: the config's name, and ``single`` (one
-    safetensors file of that name and no index, as PEFT's adapters) or shards plus an index."""
+    """A checkpoint's config file and ``single`` safetensors file (or shards and index)."""
 
     config: str = CONFIG
     single: str | None = None
@@ -107,8 +106,7 @@ def _replicated(sharding: jax.sharding.NamedSharding) -> Any:
 def _plan(
     values: Mapping[str, jax.Array], rules: Sequence[TensorRule]
 ) -> tuple[list[_Tensor], dict[str, jax.Array]]:
-    """Every tensor to write, with its writer, and the values replicated within their tasks
-    where no one process holds a whole tensor."""
+    """Every tensor to write and its writer; the values no one process holds replicated."""
     tensors, gathered = [], {}
     for path, value in values.items():
         found = tensors_of(path, value.shape, rules)
