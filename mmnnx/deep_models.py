@@ -54,12 +54,7 @@ def equal_blocks(node: Any, at_least: int = UNROLLED_BLOCKS_WARN_AT + 1) -> list
 
 
 def warn_unrolled_blocks(fun: Callable, args: Sequence[Any], kwargs: dict, step: str) -> None:
-    """Warns per list of many equal blocks among the arguments of ``fun``.
-
-    Example::
-
-        warn_unrolled_blocks(train_step, [model, opt], {}, "mm.jit(train_step)")
-    """
+    """Warns per list of many equal blocks among the arguments of ``fun``, naming ``step``."""
     names = [*_parameter_names(fun, len(args)), *kwargs]
     seen: set[int] = set()
     for arg, name in zip([*args, *kwargs.values()], names, strict=False):

@@ -118,10 +118,8 @@ def generate(
     top_k: int | None = None,
     rng: jax.Array | None = None,
 ) -> jax.Array:
-    """``GPT.generate``: the prompt run once (prefill) into a key/value cache of
-    ``max_seq_len`` positions per block, then one position per new token. ``temperature``
-    below float32's smallest normal number (1.2e-38) is greedy; ``rng`` defaults to
-    ``jax.random.key(0)``.
+    """``GPT.generate``, a key/value cache of ``max_seq_len`` positions per block filled by a
+    prefill; ``temperature`` below float32's smallest normal number (1.2e-38) is greedy.
 
     Example:
         >>> from mmnnx.models import GPT, GPTConfig

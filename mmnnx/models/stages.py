@@ -25,8 +25,7 @@ from mmnnx.sharding import Task
 BY = ("params", "flops")
 
 LAST = ("norm", "head", "final_norm", "ln_f", "lm_head", "classifier")
-"""The names ``stage_rules`` puts on the last task by default, wherever they occur on a
-Variable's path outside the layers: the final norm and the output head by their usual names."""
+"""The names ``stage_rules`` puts on the last task by default: the final norm's and the head's."""
 
 
 def _num_params(node: Any) -> int:

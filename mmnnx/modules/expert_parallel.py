@@ -55,9 +55,7 @@ class ExpertLayout:
 
 
 def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
@@ -88,9 +86,8 @@ def apply_expert_parallel(
     *,
     limit: int | None = None,
 ) -> jax.Array:
-    """``experts.apply_local``'s result, the tokens (a multiple of ``layout.token_shards``: the
-    caller pads them) split over ``layout.token_axes`` and the experts over
-    ``layout.expert_axes``; ``limit`` (a capacity) bounds the exchange buffers."""
+    """``experts.apply_local``'s result, the tokens (padded to ``layout.token_shards``) and the
+    experts split over the mesh; ``limit`` (a capacity) bounds the exchange buffers."""
     n, k = indices.shape
     local_tokens = n // layout.token_shards
     local_experts = experts[0].shape[0] // layout.size

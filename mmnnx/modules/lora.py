@@ -20,8 +20,7 @@ from mmnnx.sharding.stack import TaskStack
 M = TypeVar("M")
 
 TARGETS = ("q", "k", "v", "out", "gate", "up", "down")
-"""The ``Linear`` names of ``GPT`` blocks that ``add_lora`` adapts by default, those a model has:
-PEFT's ``target_modules="all-linear"`` less the output head."""
+"""``add_lora``'s default targets, those a model has: PEFT's ``"all-linear"`` less the head."""
 
 MOE_TARGETS = ("router",)
 """``Linear`` names ``add_lora`` adapts only when named: a ``MoE``'s router, which PEFT's usual

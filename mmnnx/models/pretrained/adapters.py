@@ -86,11 +86,9 @@ def peft_targets(
     adapted: set[str], modules: set[str], *, experts: bool = False
 ) -> dict[str, list[str]]:
     """``adapter_config.json``'s targets for the modules ``adapted`` among all the ``modules``:
-    a bare name where it adapts every module of that name, else the full names.
-
-    With ``experts``, the dense layers' :data:`EXPERT_MLP` go to ``target_parameters``: under
-    transformers 5, PEFT maps every ``target_modules`` entry ending in those names onto the
-    (fused) experts, and drops the dense layers' adapters.
+    a bare name where it adapts every module of that name, else the full names; with
+    ``experts``, :data:`EXPERT_MLP` as ``target_parameters`` (transformers 5's PEFT maps every
+    ``target_modules`` entry ending in those onto the fused experts).
 
     Example:
         >>> mods = {f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("up_proj", "gate")}

@@ -64,8 +64,7 @@ FeedForward = MLPConfig | MoEConfig
 
 @dataclasses.dataclass(frozen=True)
 class DenseFeedForward:
-    """Llama's and Qwen3's feed-forward, SiLU-gated without biases: the ``config.json`` ``keys``
-    it reads and writes, and its tensors (``rules``) beyond a dense MLP's.
+    """Llama's and Qwen3's feed-forward: its ``config.json`` ``keys`` and tensors (``rules``).
 
     Example:
         >>> DenseFeedForward().read({"intermediate_size": 64}, 2)[1]
@@ -89,8 +88,7 @@ class DenseFeedForward:
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeFeedForward(DenseFeedForward):
     """Qwen3-MoE's: a ``MoEConfig`` in layer ``i`` when ``(i + 1) % decoder_sparse_step == 0``
-    and ``i`` is not in ``mlp_only_layers``, else the dense MLP; written back with the step
-    that leaves the fewest ``mlp_only_layers``.
+    and ``i`` is not in ``mlp_only_layers``, else the dense MLP.
 
     Example:
         >>> keys = dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -275,9 +273,7 @@ class Family:
         layer = _LAYER + (_QK_NORM if qk_norm else ()) + self.feed_forward.rules
         if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
             layer = tuple(
-                dataclasses.replace(r, variable=r.variable.replace("/{layer}", ""))
-                if r.variable
-                else r
+                dataclasses.replace(r, variable=r.variable and r.variable.replace("/{layer}", ""))
                 for r in layer
             )
         return _OUTER + layer + ((_TIED_HEAD,) if config.tie_embeddings else (_HEAD,))

@@ -1,17 +1,13 @@
-"""``config.json`` as transformers 4 and 5 write it, read into one checked form and written as
-transformers 5 writes it.
-
-transformers 4 writes top-level ``rope_theta`` and ``rope_scaling``, ``torch_dtype`` and
-(Qwen3-MoE) ``num_experts``; transformers 5 writes ``rope_parameters: {rope_type, rope_theta,
-factor, ...}``, ``dtype``, ``num_local_experts`` and (Qwen3) ``layer_types``.
-"""
+"""``config.json`` as transformers 4 (top-level ``rope_theta``, ``rope_scaling``,
+``torch_dtype``, ``num_experts``) and 5 (``rope_parameters``, ``dtype``, ``num_local_experts``,
+``layer_types``) write it, read into one checked form and written as transformers 5 does."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from mmnnx.models.pretrained.files import TORCH_DTYPES, CheckpointError
 from mmnnx.modules.checks import is_positive
@@ -43,8 +39,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-@dataclasses.dataclass(frozen=True)
-class _Key:
+class _Key(NamedTuple):
     name: str
     check: Callable[[Any], bool]
     what: str

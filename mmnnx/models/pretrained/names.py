@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import re
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -93,8 +94,7 @@ class TensorRule:
         return shape
 
 
-@dataclasses.dataclass(frozen=True)
-class Source:
+class Source(NamedTuple):
     """Where one Variable's value comes from: its rule and, per stacked slot, a tensor name."""
 
     path: str
@@ -113,8 +113,7 @@ class Source:
             >>> Source("blocks/1/w", rule, {(0,): "layers.1.experts.0.w"}).name((5,))
             'layers.1.experts.5.w'
         """
-        example = next(iter(self.tensors.values()))
-        found = _pattern(self.rule.tensor).match(example).groupdict()
+        found = _pattern(self.rule.tensor).match(next(iter(self.tensors.values()))).groupdict()
         values = {k: int(v) for k, v in found.items()}
         values.update(zip(self.rule.stacked, slot, strict=True))
         return self.rule.tensor.format(**values)

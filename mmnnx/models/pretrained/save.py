@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
 import pathlib
 import shutil
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -33,8 +32,7 @@ MAX_SHARD_BYTES = 5 * 2**30
 """The largest shard file ``save_pretrained`` writes by default (as transformers: 5 GB)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """A checkpoint's config file and ``single`` safetensors file (or shards and index)."""
 
     config: str = CONFIG
@@ -44,8 +42,7 @@ class Layout:
 CHECKPOINT = Layout()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
+class _Tensor(NamedTuple):
     name: str
     path: str
     slot: tuple[int, ...]
@@ -164,9 +161,8 @@ def write_checkpoint(
     overwrite: bool = False,
     layout: Layout = CHECKPOINT,
 ) -> pathlib.Path:
-    """Writes ``values`` (Variable path -> array) as tensors named by ``rules``, in ``dtype``,
-    on every process (a collective), into ``.<name>.partial`` beside ``directory``, which
-    replaces ``directory`` once complete (a failed save leaves an earlier checkpoint intact)."""
+    """Writes ``values`` by ``rules`` on every process (a collective) into a staging directory
+    that replaces ``directory`` once complete (a failed save leaves an earlier one intact)."""
     directory = pathlib.Path(directory)
     dtype = np.dtype(dtype)
     if dtype not in DTYPES.values():
