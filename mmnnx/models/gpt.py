@@ -33,8 +33,7 @@ PER_LAYER = (
     *("dense_layers", "norm_topk_prob", "capacity_factor"),
 )
 """The knobs of ``GPTConfig`` from which ``block_configs`` derives every layer's
-``BlockConfig`` (with ``num_heads`` and ``num_kv_heads``), left out when ``layers`` gives them
-(and then ``None``: read ``block_configs[i]``)."""
+``BlockConfig``, left out (``None``) when ``layers`` gives them."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,13 +40,8 @@ def _matmul_params(node: Any) -> int:
             share.update((id(v), 0.0) for _, v in variables_of(m))
         elif isinstance(m, MoE):
             share.update((id(v), m.top_k / m.num_experts) for _, v in variables_of(m.experts))
-    return round(
-        sum(
-            math.prod(v.shape) * share.get(id(v), 1.0)
-            for _, v in variables_of(node)
-            if isinstance(v, nnx.Param)
-        )
-    )
+    params = [v for _, v in variables_of(node) if isinstance(v, nnx.Param)]
+    return round(sum(math.prod(v.shape) * share.get(id(v), 1.0) for v in params))
 
 
 def _attention_dims(node: Any) -> int:
@@ -342,7 +337,16 @@ def find_layers(
         )
     outside = [p for p, _ in variables_of(model) if p[: len(path)] != path]
     firsts, lasts = _groups(model, outside, path, LAST if last is None else last)
-    return Layers(path, node, n, stacked, firsts, lasts, frozenset(outside), where)
+    return Layers(
+        path=path,
+        node=node,
+        count=n,
+        stacked=stacked,
+        firsts=firsts,
+        lasts=lasts,
+        variables=frozenset(outside),
+        where=where,
+    )
 
 
 def _check_depth(who: str, n: int, k: int, virtual_stages: int) -> None:

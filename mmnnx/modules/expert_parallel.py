@@ -1,12 +1,7 @@
-"""Expert parallelism inside a task: each device holds ``E / EP`` experts, and tokens travel to
-the devices holding their experts and back by ``jax.lax.all_to_all`` under ``jax.shard_map``.
-Experts held whole by every device of a task that splits the tokens run under ``shard_map``
-too, each device its own tokens (left to GSPMD, split tokens were gathered on every device).
-
-The expert-parallel group is the mesh axes the experts' weights were placed split over.
-XLA:CPU has no ``ragged_all_to_all``: the exchange is a padded ``all_to_all`` of the most rows
-a device could send another.
-"""
+"""Expert parallelism inside a task, over the mesh axes the experts were placed split over:
+tokens travel to their experts' devices and back by a padded ``jax.lax.all_to_all`` (XLA:CPU
+has no ``ragged_all_to_all``). Experts held whole while the tokens are split run under
+``shard_map`` too (left to GSPMD, split tokens were gathered on every device)."""
 
 from __future__ import annotations
 
@@ -73,7 +68,12 @@ def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
     if not token_axes:
         return None
     hidden_axes = tuple(a for a in _axes(spec[2]) if a not in token_axes)
-    return ExpertLayout(task.jax_mesh.abstract_mesh, expert_axes, token_axes, hidden_axes)
+    return ExpertLayout(
+        mesh=task.jax_mesh.abstract_mesh,
+        expert_axes=expert_axes,
+        token_axes=token_axes,
+        hidden_axes=hidden_axes,
+    )
 
 
 def apply_expert_parallel(

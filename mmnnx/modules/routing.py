@@ -67,8 +67,15 @@ class RouterStats(NamedTuple):
     @staticmethod
     def zeros(num_experts: int) -> RouterStats:
         """The stats of no tokens (a sum's start)."""
-        scalar, counts = jnp.zeros((), jnp.float32), jnp.zeros(num_experts, jnp.int32)
-        return RouterStats(scalar, counts, jnp.zeros(num_experts, jnp.float32), scalar, counts)
+        f, i = jnp.float32, jnp.int32
+        e = (num_experts,)
+        return RouterStats(
+            tokens=jnp.zeros((), f),
+            selected=jnp.zeros(e, i),
+            probs=jnp.zeros(e, f),
+            logsumexp_sq=jnp.zeros((), f),
+            dropped=jnp.zeros(e, i),
+        )
 
 
 def route(

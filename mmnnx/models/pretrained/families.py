@@ -80,8 +80,7 @@ class DenseFeedForward:
 
     def write(self, config: GPTConfig, loaded: dict[str, Any]) -> dict[str, Any]:
         """The ``config.json`` keys of ``config``'s feed-forwards (``loaded``'s spelling kept)."""
-        dense = [b.feed_forward for b in config.block_configs]
-        dense = [f for f in dense if isinstance(f, MLPConfig)]
+        dense = [f for b in config.block_configs if isinstance(f := b.feed_forward, MLPConfig)]
         return {"intermediate_size": dense[0].hidden} if dense else {}
 
 
@@ -160,17 +159,20 @@ class Family:
         """
         file = f"{where}/config.json ({self.architecture})"
         c = read_config(hf, file, self.model_type)  # checked, both dialects, defaults filled
-        _refuse_unsupported(file, hf)
+        for key, refused, supported in _UNSUPPORTED:
+            if refused(hf.get(key)):
+                raise CheckpointError(
+                    f"{file}: {key}={hf[key]!r} is not supported; mmnnx's GPT has {supported}"
+                )
         keys = {"intermediate_size": c.intermediate_size, **c.own}
         try:
-            rope = RopeConfig(c.rope_theta, c.rope_scaling)
             attention = AttentionConfig(
                 c.num_attention_heads,
                 c.num_key_value_heads,
                 c.head_dim,
                 qk_norm=self.qk_norm,
                 qk_norm_eps=c.rms_norm_eps,
-                rope=rope,
+                rope=RopeConfig(c.rope_theta, c.rope_scaling),
             )
             norm = NormConfig("rms", c.rms_norm_eps)
             layers = self.feed_forward.read(keys, c.num_hidden_layers)
@@ -331,11 +333,3 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         "full attention in every layer",
     ),
 )
-
-
-def _refuse_unsupported(file: str, hf: dict[str, Any]) -> None:
-    for key, refused, supported in _UNSUPPORTED:
-        if refused(hf.get(key)):
-            raise CheckpointError(
-                f"{file}: {key}={hf[key]!r} is not supported; mmnnx's GPT has {supported}"
-            )

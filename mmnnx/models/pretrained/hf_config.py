@@ -316,8 +316,7 @@ def written(
     """
     loaded = dict(loaded or {})
     stale = set(STALE) | {a for keys in _OWN.values() for k in keys for a in k.aliases}
-    kept = {k: x for k, x in loaded.items() if k not in sizes and k not in stale}
-    out = {**kept, **fresh}
+    out = {k: x for k, x in loaded.items() if k not in sizes and k not in stale} | fresh
     if isinstance(loaded.get("max_position_embeddings"), int):
         out["max_position_embeddings"] = loaded["max_position_embeddings"]
     if "router_aux_loss_coef" in fresh:

@@ -55,19 +55,19 @@ def _covers(
     indices: Mapping[Any, tuple], shape: tuple[int, ...], slot: tuple[int, ...]
 ) -> list[int]:
     """The processes whose devices (holding ``indices``) together hold all of ``slot``."""
+
+    def volume(box: Sequence[tuple[int, int]]) -> int:
+        return int(np.prod([b - a for a, b in box]))
+
     region = [(i, i + 1) for i in slot] + [(0, n) for n in shape[len(slot) :]]
-    size = int(np.prod([b - a for a, b in region]))
+    size = volume(region)
     held: dict[int, set[tuple]] = {}
     for device, index in indices.items():
         bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
         box = [(max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(region, bounds, strict=True)]
         if all(lo < hi for lo, hi in box):
             held.setdefault(device.process_index, set()).add(tuple(box))
-    return sorted(
-        p
-        for p, boxes in held.items()
-        if sum(int(np.prod([b - a for a, b in x])) for x in boxes) == size
-    )
+    return sorted(p for p, boxes in held.items() if sum(map(volume, boxes)) == size)
 
 
 def _host_shards(value: jax.Array) -> list[tuple[tuple, np.ndarray]]:
