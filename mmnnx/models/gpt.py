@@ -33,8 +33,7 @@ PER_LAYER = (
     *("dense_layers", "norm_topk_prob", "capacity_factor"),
 )
 """The knobs of ``GPTConfig`` from which ``block_configs`` derives every layer's
-``BlockConfig`` (with ``num_heads`` and ``num_kv_heads``), left out when ``layers`` gives them
-(and then ``None``: read ``block_configs[i]``)."""
+``BlockConfig``, left out (``None``) when ``layers`` gives them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,12 +241,9 @@ class GPT(nnx.Module):
             x, stats = scan((x, stats), self.blocks)
         else:
             for block in self.blocks:
-                x, layer = block.forward(x)
-                if layer is not None:
-                    stats = stats.merge(layer)
+                x, stats = _apply_block((x, stats), block)
         x = self.norm(x)
-        logits = self.embed.attend(x) if c.tie_embeddings else self.head(x)
-        return logits, stats
+        return (self.embed.attend(x) if c.tie_embeddings else self.head(x)), stats
 
     def loss(self, batch: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy of ``batch`` ``(B, T + 1)`` over its ``B * T`` targets.
@@ -267,8 +263,7 @@ class GPT(nnx.Module):
         inputs, targets = batch[:, :-1], batch[:, 1:]
         logits, stats = self.forward(inputs)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-        loss = jnp.mean(nll)
+        loss = jnp.mean(-jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0])
         if stats is not None:
             c = self.config
             loss = loss + stats.loss(c.router_aux_loss_coef, c.router_z_loss_coef)

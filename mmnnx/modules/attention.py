@@ -108,8 +108,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         seq = x.shape[-2]
-        q, k, v = self.project(x)
-        return self.attend(q, k, v, jnp.tril(jnp.ones((seq, seq), dtype=bool)))
+        return self.attend(*self.project(x), jnp.tril(jnp.ones((seq, seq), dtype=bool)))
 
     def project(
         self, x: jax.Array, positions: jax.Array | None = None
