@@ -1,6 +1,5 @@
 """Steering deep models to stacked layers: a warning when a step's argument holds many equal
-blocks unrolled (a Python list of modules), since tracing, planning and compiling then grow
-with their number, while a stack of them run with ``nnx.scan`` is traced once."""
+blocks unrolled, whose tracing and compiling grow with their number."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ UNROLLED_BLOCKS_WARN_AT = 32
 
 
 def _signature(block: nnx.Module) -> Any:
-    """What equal blocks share: their type and each Variable's path, kind, shape and dtype (not
-    its metadata: blocks placed on different tasks are still equal)."""
+    """Type and each Variable's path, kind, shape and dtype (not metadata: placement)."""
     return type(block), tuple(
         (path, type(var), np.shape(var.get_value()), str(getattr(var.get_value(), "dtype", "")))
         for path, var in variables_of(block)
@@ -32,8 +30,7 @@ def _signature(block: nnx.Module) -> Any:
 
 
 def equal_blocks(node: Any, at_least: int = UNROLLED_BLOCKS_WARN_AT + 1) -> list[tuple[str, int]]:
-    """Each list of modules in ``node`` holding at least ``at_least`` equal blocks (same type,
-    structure and shapes): its path (``/``-joined) and how many equal blocks it holds.
+    """The path of each list in ``node`` of at least ``at_least`` equal blocks, and how many.
 
     Example:
         >>> from flax import nnx
@@ -57,14 +54,7 @@ def equal_blocks(node: Any, at_least: int = UNROLLED_BLOCKS_WARN_AT + 1) -> list
 
 
 def warn_unrolled_blocks(fun: Callable, args: Sequence[Any], kwargs: dict, step: str) -> None:
-    """Warns (:class:`~mmnnx.UnrolledLayersWarning`) once per list of more than
-    :data:`UNROLLED_BLOCKS_WARN_AT` equal blocks found in the arguments ``args`` and ``kwargs``
-    of ``fun`` (each named by its parameter), called ``step`` in the message.
-
-    Example::
-
-        warn_unrolled_blocks(train_step, [model, opt], {}, "mm.jit(train_step)")
-    """
+    """Warns per list of many equal blocks among the arguments of ``fun``, naming ``step``."""
     names = [*_parameter_names(fun, len(args)), *kwargs]
     seen: set[int] = set()
     for arg, name in zip([*args, *kwargs.values()], names, strict=False):
@@ -85,8 +75,7 @@ def warn_unrolled_blocks(fun: Callable, args: Sequence[Any], kwargs: dict, step:
 
 
 def _user_frame() -> int:
-    """The ``stacklevel`` of the innermost caller outside mmnnx (for ``warnings.warn`` called
-    from the function that calls this one)."""
+    """The ``stacklevel``, for its caller's ``warnings.warn``, of the first frame outside mmnnx."""
     package = os.path.dirname(os.path.abspath(__file__))
     frame, level = sys._getframe(2), 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
@@ -97,11 +86,8 @@ def _user_frame() -> int:
 def _parameter_names(fun: Callable, count: int) -> list[str]:
     """The names of ``fun``'s first ``count`` positional parameters (``arg<i>`` where unknown)."""
     try:
-        names = [
-            p.name
-            for p in inspect.signature(fun).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
+        params = inspect.signature(fun).parameters.values()
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         names = []
     return [names[i] if i < len(names) else f"arg{i}" for i in range(count)]

@@ -1,6 +1,5 @@
-"""Autoregressive decoding of a ``GPT`` with a key/value cache: a prefill of the prompt, then
-one token per step, each step a compiled program (``nnx.jit`` on one device; ``mm.jit`` for a
-model placed on tasks, each stage's blocks and their cache on their own task)."""
+"""Autoregressive decoding of a ``GPT`` with a key/value cache, each step a compiled program
+(``nnx.jit`` on one device; ``mm.jit`` for a model placed on tasks)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ from mmnnx.modules.transformer import TransformerBlock
 from mmnnx.sharding import home_of
 
 ACTIVATIONS = (None, "seq", "embed")
-"""The logical names of activations between blocks while decoding: as in training, but the
-batch (a few prompts, often one) is never split."""
+"""The logical names of activations between blocks while decoding: the batch is not split."""
 
 KV = tuple[jax.Array, jax.Array]
 """One block's cache: keys and values, each ``(batch, max_seq_len, num_kv_heads, head_dim)``
@@ -32,8 +30,7 @@ KV = tuple[jax.Array, jax.Array]
 def _attend(
     attn: Attention, x: jax.Array, cache: KV | None, pos: jax.Array, length: int
 ) -> tuple[jax.Array, KV]:
-    """``attn`` on ``x`` at positions ``pos .. pos + seq - 1``, reading the keys and values of
-    earlier positions from ``cache`` (a new one of ``length`` positions when ``None``)."""
+    """``attn`` on ``x`` at positions ``pos ..``, reading and filling ``cache``."""
     positions = pos + jnp.arange(x.shape[-2])
     q, k, v = attn.project(x, positions)
     if cache is None:
@@ -61,23 +58,12 @@ def _forward(model: Any, tokens: jax.Array, cache: Any, pos: jax.Array) -> tuple
     length = model.config.max_seq_len
     x = model.embed(tokens)
     if model.config.scan_layers:
-
-        def body(x, block, layer_cache):
-            return _block(block, x, layer_cache, pos, length)
-
-        if cache is None:
-            scan = nnx.scan(
-                lambda x, b: body(x, b, None),
-                in_axes=(nnx.Carry, 0),
-                out_axes=(
-                    nnx.Carry,
-                    0,
-                ),
-            )
-            x, cache = scan(x, model.blocks)
-        else:
-            scan = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-            x, cache = scan(x, model.blocks, cache)
+        scan = nnx.scan(
+            lambda x, block, layer_cache: _block(block, x, layer_cache, pos, length),
+            in_axes=(nnx.Carry, 0, None if cache is None else 0),
+            out_axes=(nnx.Carry, 0),
+        )
+        x, cache = scan(x, model.blocks, cache)
     else:
         caches = [None] * len(model.blocks) if cache is None else cache
         new = []
@@ -132,20 +118,8 @@ def generate(
     top_k: int | None = None,
     rng: jax.Array | None = None,
 ) -> jax.Array:
-    """The ``max_new_tokens`` tokens ``model`` (a ``GPT``) continues ``prompt`` with,
-    ``(batch, max_new_tokens)`` int32 (``prompt``: ``(seq,)`` or ``(batch, seq)`` token ids).
-
-    The prompt is run once (prefill), filling a key/value cache of ``max_seq_len`` positions
-    per block; each new token then costs one position. ``temperature`` 0 is greedy (argmax), as
-    is any below float32's smallest normal number (1.2e-38); above 0, the logits are divided by
-    it and sampled from, keeping the ``top_k`` most likely tokens when given, with keys drawn
-    from ``rng`` (default ``jax.random.key(0)``). A model placed on tasks (``mm.init``/
-    ``mm.place``) runs each step with ``mm.jit``: every block, and its cache, on its own task;
-    otherwise with ``nnx.jit``.
-
-    Raises:
-        ValueError: an empty prompt, ``max_new_tokens < 1``, a prompt plus new tokens longer
-            than ``max_seq_len``, a negative temperature or ``top_k < 1``.
+    """``GPT.generate``, a key/value cache of ``max_seq_len`` positions per block filled by a
+    prefill; ``temperature`` below float32's smallest normal number (1.2e-38) is greedy.
 
     Example:
         >>> from mmnnx.models import GPT, GPTConfig

@@ -35,8 +35,7 @@ PER_LAYER = (
     *("dense_layers", "norm_topk_prob", "capacity_factor"),
 )
 """The knobs of ``GPTConfig`` from which ``block_configs`` derives every layer's
-``BlockConfig`` (with ``num_heads`` and ``num_kv_heads``), left out when ``layers`` gives them
-(and then ``None``: read ``block_configs[i]``)."""
+``BlockConfig``, left out (``None``) when ``layers`` gives them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,12 +245,9 @@ class GPT(nnx.Module):
             x, stats = scan((x, stats), self.blocks, packing)
         else:
             for block in self.blocks:
-                x, layer = block.forward(x, packing)
-                if layer is not None:
-                    stats = stats.merge(layer)
+                x, stats = _apply_block((x, stats), block, packing)
         x = self.norm(x)
-        logits = self.embed.attend(x) if c.tie_embeddings else self.head(x)
-        return logits, stats
+        return (self.embed.attend(x) if c.tie_embeddings else self.head(x)), stats
 
     def loss(self, batch: jax.Array | Mapping[str, jax.Array]) -> jax.Array:
         """Mean next-token cross-entropy of ``batch`` ``(B, T + 1)`` over its ``B * T`` targets.
@@ -259,8 +255,8 @@ class GPT(nnx.Module):
         The inputs are ``batch[:, :-1]`` and the targets ``batch[:, 1:]``. ``batch`` may be a
         dict of ``tokens`` (that array) and ``weights`` ``(B, T)``: the loss is then the mean
         over rows of each row's weighted sum, so weights of ``mask * B / mask.sum()`` (as
-        ``mmnnx.train.Rows.batch`` makes them for the whole global batch) give the mean over
-        the masked targets, whatever the microbatches; with ``segments`` and ``positions``
+        ``mmnnx.train.examples.Rows.batch`` makes them for the whole global batch) give the
+        mean over the masked targets, whatever the microbatches; with ``segments`` and ``positions``
         (``(B, T + 1)``, :class:`mmnnx.modules.Packing`), rows of several examples. A model
         with experts adds its routers' losses (``config.router_aux_loss_coef`` and
         ``router_z_loss_coef`` times the ``aux_loss`` and ``z_loss`` of every MoE layer's

@@ -4,6 +4,7 @@ modules) into balanced pipeline stages."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -24,9 +25,7 @@ from mmnnx.sharding import Task
 BY = ("params", "flops")
 
 LAST = ("norm", "head", "final_norm", "ln_f", "lm_head", "classifier")
-"""The names ``stage_rules`` puts on the last task by default, wherever they occur on a
-Variable's path outside the layers: the final norm and the output head as the library's GPT,
-Flax's Gemma and ViT examples, GPT-2, Llama and Hugging Face's ``CausalLM`` name them."""
+"""The names ``stage_rules`` puts on the last task by default: the final norm's and the head's."""
 
 
 def _num_params(node: Any) -> int:
@@ -34,45 +33,30 @@ def _num_params(node: Any) -> int:
 
 
 def _matmul_params(node: Any) -> int:
-    """Parameters that each cost 2 FLOPs per token: all but embedding tables (lookups), and of
-    a ``MoE``'s experts the share a token runs (``top_k`` of ``num_experts``)."""
+    """Parameters costing 2 FLOPs per token: no embedding table, a ``MoE``'s experts' share."""
     share = {}
     for _, m in nnx.iter_graph(node):
         if isinstance(m, Embed | nnx.Embed):
             share.update((id(v), 0.0) for _, v in variables_of(m))
         elif isinstance(m, MoE):
             share.update((id(v), m.top_k / m.num_experts) for _, v in variables_of(m.experts))
-    return round(
-        sum(
-            math.prod(v.shape) * share.get(id(v), 1.0)
-            for _, v in variables_of(node)
-            if isinstance(v, nnx.Param)
-        )
-    )
+    params = [v for _, v in variables_of(node) if isinstance(v, nnx.Param)]
+    return round(sum(math.prod(v.shape) * share.get(id(v), 1.0) for v in params))
 
 
 def _attention_dims(node: Any) -> int:
-    """Sum of the query/key widths of the attention modules in ``node`` (``Attention`` and
-    ``nnx.MultiHeadAttention``): each costs ``4 * seq * width`` FLOPs per token."""
-    total = 0
-    for _, m in nnx.iter_graph(node):
-        if isinstance(m, Attention):
-            total += m.num_heads * m.head_dim
-        elif isinstance(m, nnx.MultiHeadAttention):
-            total += m.qkv_features
-    return total
+    """Sum of the query/key widths of ``node``'s attentions (``4 * seq * width`` FLOPs a token)."""
+    return sum(
+        m.num_heads * m.head_dim if isinstance(m, Attention) else m.qkv_features
+        for _, m in nnx.iter_graph(node)
+        if isinstance(m, Attention | nnx.MultiHeadAttention)
+    )
 
 
 def _split(costs: Sequence[int], k: int, first: int, last: int) -> list[int]:
-    """Stage sizes cutting ``costs`` into ``k`` contiguous non-empty stages.
-
-    Minimises the largest stage (``first`` is added to stage 0, ``last`` to stage ``k - 1``),
-    then, among those optimal splits, the sum of squared stage costs (the most even one).
-    """
+    """Stage sizes of ``costs``: the least largest stage, then the least sum of squares."""
     n = len(costs)
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0, *itertools.accumulate(costs)]
 
     def cost(j: int, i: int, stage: int) -> int:  # blocks j..i-1 as stage `stage`
         extra = (first if stage == 0 else 0) + (last if stage == k - 1 else 0)
@@ -125,10 +109,6 @@ def _imbalance(values: Sequence[float | None]) -> str:
     if any(v is None for v in values) or not sum(values):
         return "-"
     return f"{max(values) / (sum(values) / len(values)):.3f}"
-
-
-def _alternation(items: Sequence[str]) -> str:
-    return items[0] if len(items) == 1 else "(" + "|".join(items) + ")"
 
 
 def stage_rules(
@@ -224,8 +204,8 @@ def stage_rules(
         if virtual_stages != 1:
             raise ValueError(
                 f"stage_rules: virtual_stages={virtual_stages} needs the blocks as a list of "
-                f"modules; {where} is one stacked module, whose layer axis "
-                "is split into one contiguous chunk per task"
+                f"modules; {where} is one stacked module, whose layer axis is split into one "
+                "contiguous chunk per task"
             )
         if n % len(tasks):
             raise ValueError(
@@ -240,7 +220,6 @@ def stage_rules(
     config = getattr(model, "config", None)
     seq = seq_len or getattr(config, "max_seq_len", None) or getattr(model, "max_seq_len", None)
     tokens = tokens_per_step or seq
-    tied = bool(getattr(config, "tie_embeddings", False))
 
     def flops(node: Any, *, head: bool = False) -> int | None:
         attention = _attention_dims(node)
@@ -258,15 +237,14 @@ def stage_rules(
         return params, None if None in fl else sum(fl)
 
     if stacked:  # one module holds every layer's matmuls but one of each attention: count once
-        per_layer = _num_params(blocks) // n
-        whole = flops(blocks)
         attention = 4 * (seq or 0) * _attention_dims(blocks)
-        matmuls = _matmul_params(blocks) // n
-        one = None if whole is None else (2 * matmuls + attention) * tokens
-        block_params, block_flops = [per_layer] * n, [one] * n
+        one = None if flops(blocks) is None else 2 * (_matmul_params(blocks) // n) + attention
+        block_params = [_num_params(blocks) // n] * n
+        block_flops = [None if one is None else one * tokens] * n
     else:
         block_params = [_num_params(b) for b in blocks]
         block_flops = [flops(b) for b in blocks]
+    tied = bool(getattr(config, "tie_embeddings", False))
     first_params, first_flops = group_cost(firsts, tied_head=tied)
     last_params, last_flops = group_cost(lasts)
     if stacked:
@@ -318,8 +296,7 @@ class Layers(NamedTuple):
 
     @property
     def ends(self) -> tuple[bool, bool]:
-        """Whether the first and the last stage may hold no layer: the model has Variables
-        (an embedding, a head) for it to hold alone."""
+        """Whether the first and the last stage may hold no layer, but Variables of their own."""
         return bool(self.firsts), bool(self.lasts)
 
 
@@ -330,9 +307,7 @@ def find_layers(
     *,
     who: str = "stage_rules",
 ) -> Layers:
-    """The layers of ``model`` (``blocks=`` as :func:`stage_rules` takes it) and the groups of
-    Variables outside them going on the first and the last stage (``last``: the names that go
-    last, default :data:`LAST`); errors begin with ``who``.
+    """The layers of ``model`` and the groups going on the first and the last stage.
 
     Example:
         >>> from mmnnx.models import GPT, GPTConfig
@@ -349,8 +324,8 @@ def find_layers(
         depths = {v.shape[0] for _, v in variables_of(node) if v.shape}
         if len(depths) != 1:
             raise ValueError(
-                f"{who}: the Variables of {where} (one stacked "
-                f"module) do not share one leading layer axis (sizes {sorted(depths)})"
+                f"{who}: the Variables of {where} (one stacked module) do not share one leading "
+                f"layer axis (sizes {sorted(depths)})"
             )
         (n,) = depths
     elif isinstance(node, nnx.List | list | tuple) and all(isinstance(b, nnx.Module) for b in node):
@@ -375,20 +350,16 @@ def find_layers(
 
 
 def _check_depth(who: str, n: int, k: int, virtual_stages: int) -> None:
-    """Raises when ``n`` layers cannot give each of ``k`` stages one."""
     if n < k:
         raise ValueError(
             f"{who}: {n} block(s) cannot fill {k} "
             f"{'tasks' if virtual_stages == 1 else f'stages ({virtual_stages} per task)'}; "
-            "every stage needs at least one "
-            "block (use fewer tasks or a deeper model)"
+            "every stage needs at least one block (use fewer tasks or a deeper model)"
         )
 
 
 def _rules(found: Layers, tasks: Sequence[Task], sizes: Sequence[int]) -> list[tuple[str, Any]]:
-    """One rule per stage task: ``sizes[s]`` consecutive layers on ``tasks[s]``, the first
-    groups on the first stage and the last groups on the last (stacked layers: one rule more,
-    their layer axis split over ``tasks``)."""
+    """One rule per stage: ``sizes[s]`` layers on ``tasks[s]`` (stacked: one more, split)."""
     prefix = "/".join(re.escape(str(k)) for k in found.path)
     rules, start, k = [], 0, len(tasks)
     for s, (task, size) in enumerate(zip(tasks, sizes, strict=True)):
@@ -396,7 +367,7 @@ def _rules(found: Layers, tasks: Sequence[Task], sizes: Sequence[int]) -> list[t
         start += size
         parts = [_anchored(g, g in found.variables) for g in found.firsts if s == 0]
         if not found.stacked and idx:
-            parts.append(f"^{prefix}/{_alternation(idx)}/")
+            parts.append(f"^{prefix}/{idx[0] if len(idx) == 1 else '(' + '|'.join(idx) + ')'}/")
         parts += [_anchored(g, g in found.variables) for g in found.lasts if s == k - 1]
         if parts:
             rules.append(("|".join(parts), task))
@@ -406,8 +377,7 @@ def _rules(found: Layers, tasks: Sequence[Task], sizes: Sequence[int]) -> list[t
 
 
 def _holds_layers(sizes: Sequence[int], ends: tuple[bool, bool]) -> bool:
-    """Whether every stage of ``sizes`` holds a layer, but the first or the last where ``ends``
-    lets it hold none (the model has an embedding, or a head, for it to hold alone).
+    """Whether every stage holds a layer, but an end stage that ``ends`` lets hold none.
 
     Example:
         >>> _holds_layers([4, 0], (True, True)), _holds_layers([4, 0], (True, False))
@@ -468,8 +438,7 @@ def split_rules(
         raise ValueError(
             f"split_rules: sizes {list(sizes)} must give each of the {len(tasks)} stages at "
             f"least one of the {found.count} layers of {found.where} (the first or the last "
-            "none, where it holds the embedding or the head), adding up to "
-            f"{found.count}"
+            f"none, where it holds the embedding or the head), adding up to {found.count}"
         )
     return _rules(found, tasks, sizes)
 
@@ -477,9 +446,7 @@ def split_rules(
 def _layers(
     model: Any, blocks: str | Callable[[Path, Any], bool] | None, who: str = "stage_rules"
 ) -> tuple[Path, Any]:
-    """The path and node of ``model``'s layers: the node ``blocks`` names (a path, or a filter
-    matching one module), else ``model.blocks``, else the shallowest ``nnx.List`` or
-    ``nnx.Sequential`` of modules; an ``nnx.Sequential`` gives its ``layers``."""
+    """The path and node of ``model``'s layers, found as :func:`stage_rules` says."""
     name = type(model).__name__
     if blocks is None and getattr(model, "blocks", None) is not None:
         blocks = "blocks"
@@ -489,9 +456,9 @@ def _layers(
         hits = [(p, n) for p, n in _modules(model) if blocks(p, n)]
         if len(hits) != 1:
             raise ValueError(
-                f"{who}: the blocks= filter matches {len(hits)} modules of {name} "
-                f"({_joined([p for p, _ in hits]) or 'none'}); it must select the one holding "
-                "the layers"
+                f"{who}: the blocks= filter matches {len(hits)} modules of {name} ("
+                f"{_joined([p for p, _ in hits]) or 'none'}); it must select the one holding the "
+                "layers"
             )
         ((path, node),) = hits
     elif blocks is not None:
@@ -523,7 +490,6 @@ def _layers(
 
 
 def _resolve(model: Any, spelled: str, who: str) -> tuple[Path, Any]:
-    """The path and node ``spelled`` (``"model.layers"`` or ``"model/layers"``) names."""
     path, node = (), model
     for key in re.split(r"[./]", spelled):
         if not hasattr(node, key):
@@ -538,7 +504,6 @@ def _resolve(model: Any, spelled: str, who: str) -> tuple[Path, Any]:
 
 
 def _modules(model: Any) -> list[tuple[Path, Any]]:
-    """Every module under ``model`` (lists included) with its path, in definition order."""
     found = [(p, n) for p, n in nnx.iter_graph(model) if p and isinstance(n, nnx.Module)]
     return sorted(found, key=lambda item: _definition_order(model, item[0]))
 
@@ -555,10 +520,8 @@ def _is_list_of_modules(node: Any) -> bool:
 def _groups(
     model: Any, paths: list[Path], layers: Path, last: Sequence[str]
 ) -> tuple[list[Path], list[Path]]:
-    """The Variables at ``paths`` (outside the layers at ``layers``) as prefixes that go on the
-    first stage and on the last, each list in definition order. A path goes last when one of its
-    components off the layers' own path is named in ``last``, its prefix up to that component;
-    a path going first gets its shortest prefix that holds neither the layers nor a last one."""
+    """Prefixes of ``paths`` for the first and the last stage: up to the first component named
+    in ``last`` (off the layers' path), else the shortest holding no layers nor last group."""
 
     def on_layers_path(prefix: Path) -> bool:
         return layers[: len(prefix)] == prefix
@@ -586,7 +549,6 @@ def _groups(
 
 
 def _definition_order(model: Any, path: Path) -> tuple[int, ...]:
-    """The position of each key of ``path`` among its parent's attributes, as defined."""
     key, node = [], model
     for k in path:
         names = list(vars(node)) if hasattr(node, "__dict__") else []
@@ -602,7 +564,6 @@ def _node_at(model: Any, path: Path) -> Any:
 
 
 def _anchored(path: Path, is_variable: bool) -> str:
-    """``^a/b/`` matching everything under ``path``, or ``^a/b$`` for a Variable itself."""
     return "^" + "/".join(re.escape(str(k)) for k in path) + ("$" if is_variable else "/")
 
 
@@ -620,9 +581,9 @@ def _stage_tasks(
 ) -> list[Task]:
     """The task of each stage: ``tasks`` repeated ``virtual_stages`` times, looped or in a V."""
     if (
-        not isinstance(virtual_stages, int)
-        or isinstance(virtual_stages, bool)
-        or (virtual_stages < 1)
+        isinstance(virtual_stages, bool)
+        or not isinstance(virtual_stages, int)
+        or virtual_stages < 1
     ):
         raise ValueError(f"{who}: virtual_stages must be an int >= 1, got {virtual_stages!r}")
     if order == "loop":
@@ -638,10 +599,8 @@ def _stage_tasks(
 
 
 def _print_report(rows: list, n: int, by: str, tokens: int | None) -> None:
-    params = [r[2] for r in rows]
-    fl = [r[3] for r in rows]
-    total_p = sum(params)
-    total_f = None if None in fl else sum(fl)
+    params, fl = [r[2] for r in rows], [r[3] for r in rows]
+    total_p, total_f = sum(params), None if None in fl else sum(fl)
     table = Table(
         title=f"stage_rules: {n} blocks over {len(rows)} stages, balanced by {by}",
         box=box.SIMPLE,
@@ -650,15 +609,8 @@ def _print_report(rows: list, n: int, by: str, tokens: int | None) -> None:
         table.add_column(name, justify="left" if name in ("task", "blocks") else "right")
     for task, label, p, f in rows:
         table.add_row(task, label, f"{p:,}", _share(p, total_p), _fmt_flops(f), _share(f, total_f))
-    table.add_row(
-        "imbalance",
-        "max stage / mean",
-        "",
-        _imbalance(params),
-        "",
-        _imbalance(fl),
-        style="bold",
-    )
+    imbalance = ("imbalance", "max stage / mean", "", _imbalance(params), "", _imbalance(fl))
+    table.add_row(*imbalance, style="bold")
     per = f"; FLOPs per step of {tokens} tokens" if tokens else ""
     table.caption = f"imbalance = largest stage / mean stage{per}"
     Console(width=120).print(table)

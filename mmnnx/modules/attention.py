@@ -111,8 +111,7 @@ class Attention(nnx.Module):
         if packing is not None:
             return self.attend(*self.project(x, packing.positions), packing.visible())
         seq = x.shape[-2]
-        q, k, v = self.project(x)
-        return self.attend(q, k, v, jnp.tril(jnp.ones((seq, seq), dtype=bool)))
+        return self.attend(*self.project(x), jnp.tril(jnp.ones((seq, seq), dtype=bool)))
 
     def project(
         self, x: jax.Array, positions: jax.Array | None = None

@@ -1,5 +1,4 @@
-"""The value checks of the component configs (``AttentionConfig``, ``MoEConfig``, ...): each
-bad value raises ``ValueError`` naming the config's field."""
+"""The value checks of the component configs, raising ``ValueError`` naming the field."""
 
 from __future__ import annotations
 
@@ -8,12 +7,10 @@ import numbers
 
 
 def is_int(value: object, minimum: int = 0) -> bool:
-    """Whether ``value`` is an int (not a bool) ``>= minimum``: ``is_int(2.0)`` is False."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
 
 
 def is_positive(value: object) -> bool:
-    """Whether ``value`` is a finite number (not a bool) ``> 0``: ``is_positive(inf)`` is False."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < math.inf
 
 
@@ -21,10 +18,10 @@ def check(ok: bool, field: str, expected: str, value: object) -> None:
     """Raises ``ValueError("{field} must be {expected}, got {value!r}")`` unless ``ok``.
 
     Example:
-        >>> check(is_int(0, minimum=1), "MLPConfig.hidden", "an int >= 1", 0)
-        Traceback (most recent call last):
-        ...
-        ValueError: MLPConfig.hidden must be an int >= 1, got 0
+    >>> check(is_int(0, minimum=1), "MLPConfig.hidden", "an int >= 1", 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: MLPConfig.hidden must be an int >= 1, got 0
     """
     if not ok:
         raise ValueError(f"{field} must be {expected}, got {value!r}")

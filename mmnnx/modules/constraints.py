@@ -26,6 +26,4 @@ def constrain(x: T, names: Sequence[str | None]) -> T:
         >>> constrain(x, ("batch", "seq", "embed")) is x
         True
     """
-    if current_trace() is None:
-        return x
-    return with_sharding_constraint(x, tuple(names))
+    return x if current_trace() is None else with_sharding_constraint(x, tuple(names))

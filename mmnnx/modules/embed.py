@@ -35,8 +35,7 @@ class Embed(nnx.Module):
         param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        self.num_embeddings = num_embeddings
-        self.features = features
+        self.num_embeddings, self.features = num_embeddings, features
         init = nnx.with_partitioning(embedding_init, ("vocab", "embed"))
         self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
 

@@ -1,16 +1,7 @@
-"""Expert parallelism inside a task: each device holds ``E / EP`` experts, and tokens travel to
-the devices holding their experts and back by ``jax.lax.all_to_all`` under ``jax.shard_map``.
-Experts held whole by every device of a task that splits the tokens (its batch axes, EP 1)
-run under ``shard_map`` too, each device its own tokens: left to GSPMD, the sort and grouped
-matmuls over split tokens were gathered and computed whole on every device.
-
-The layout comes from where the experts' weights were placed (``mm.place`` / ``mm.init`` keep a
-Variable's task and spec in its metadata, also while a step is traced): the mesh axes its expert
-dimension is split over are the expert-parallel group. XLA:CPU has no ``ragged_all_to_all``, so
-the exchange is a padded ``all_to_all``: each device sends every other one a buffer of the most
-rows it could send it (all its assignments when dropless; with a capacity, at most that many
-per expert).
-"""
+"""Expert parallelism inside a task, over the mesh axes the experts were placed split over:
+tokens travel to their experts' devices and back by a padded ``jax.lax.all_to_all`` (XLA:CPU
+has no ``ragged_all_to_all``). Experts held whole while the tokens are split run under
+``shard_map`` too (left to GSPMD, split tokens were gathered on every device)."""
 
 from __future__ import annotations
 
@@ -29,8 +20,7 @@ from mmnnx.sharding.place import SPEC_KEY
 
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
-    """How a task's devices share a mixture of experts: the (abstract) mesh the exchange runs
-    on, and its axes that split the experts, the tokens and the experts' hidden dimension.
+    """How a task's devices share a mixture of experts.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh, logical_rules, place
@@ -51,8 +41,7 @@ class ExpertLayout:
     hidden_axes: tuple[str, ...]  # split each expert's hidden dimension (a psum after down)
 
     @property
-    def size(self) -> int:
-        """Devices in an expert-parallel group (EP)."""
+    def size(self) -> int:  # devices in an expert-parallel group (EP)
         return math.prod(self.mesh.shape[a] for a in self.expert_axes)
 
     @property
@@ -61,25 +50,17 @@ class ExpertLayout:
 
 
 def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
-    """The expert-parallel layout of experts whose ``gate`` weight ``(E, D, H)`` (or a stack of
-    them, ``(L, E, D, H)``) was placed on a task: its expert dimension split over mesh axes, or
-    whole on every device (``expert_axes`` empty, EP 1) while the task's batch axes split the
-    tokens; ``None`` when it was not placed, or neither is split (the experts then run where
-    GSPMD puts them)."""
+    """The layout of experts placed split (or with the tokens split), else ``None``."""
     home = home_of(gate)
     if home is None:
         return None
     task = home.tasks[0] if isinstance(home, TaskStack) else home
-    spec = tuple(gate.get_metadata(SPEC_KEY, PartitionSpec()))
-    ndim = len(gate.shape)
-    if len(spec) > ndim:  # a stacked Variable's spec, seen inside the scan over its layers
-        spec = spec[len(spec) - ndim :]
+    # a stacked Variable's spec, seen inside the scan over its layers, has the layer axis more
+    spec = tuple(gate.get_metadata(SPEC_KEY, PartitionSpec()))[-len(gate.shape) :]
     spec = (*spec, None, None, None)[:3]
     expert_axes = _axes(spec[0])
     batch_axes = _axes(task.spec(("batch",))[0]) if isinstance(task, Task) else ()
@@ -105,20 +86,9 @@ def apply_expert_parallel(
     *,
     limit: int | None = None,
 ) -> jax.Array:
-    """``experts.apply_local``'s result, computed with the experts split over
-    ``layout.expert_axes``: tokens ``x`` ``(N, D)`` and their assignments (``indices``,
-    ``weights``, ``keep``, ``(N, k)``) split over ``layout.token_axes`` (``N`` a multiple of
-    ``layout.token_shards``), each device sends each assignment's row to the device holding
-    its expert, which runs its experts as grouped matmuls, and sends the rows back. ``limit``:
-    at most that many assignments per expert (a capacity), which bounds the exchange
-    buffers. With no expert axes (every device holds every expert), each device runs its own
-    tokens' assignments, nothing exchanged."""
+    """``experts.apply_local``'s result, the tokens (padded to ``layout.token_shards``) and the
+    experts split over the mesh; ``limit`` (a capacity) bounds the exchange buffers."""
     n, k = indices.shape
-    if n % layout.token_shards:
-        raise ValueError(
-            f"apply_expert_parallel: {n} tokens do not split evenly over the mesh axes "
-            f"{layout.token_axes} ({layout.token_shards} shards); pad them"
-        )
     local_tokens = n // layout.token_shards
     local_experts = experts[0].shape[0] // layout.size
     rows = local_tokens * k  # a destination's worst case: every assignment of this device
@@ -149,8 +119,7 @@ def _exchange(
     keep: jax.Array,
     experts: tuple[jax.Array, jax.Array, jax.Array],
 ) -> jax.Array:
-    """One device's share (inside ``shard_map``): its tokens' assignments sorted by expert (so
-    by destination), ``rows`` slots per destination, exchanged, run, and exchanged back."""
+    """One device's share (inside ``shard_map``): ``rows`` slots per destination."""
     n, k = indices.shape
     ep, local_experts = layout.size, experts[0].shape[0]
     num_experts = ep * local_experts

@@ -38,9 +38,7 @@ class Experts(nnx.Module):
         param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        self.num_experts = num_experts
-        self.dim = dim
-        self.hidden = hidden
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
 
         def param(names, shape):
             init = nnx.with_partitioning(kernel_init, names)
@@ -58,9 +56,7 @@ def grouped_swiglu(
     down: jax.Array,
     group_sizes: jax.Array,
 ) -> jax.Array:
-    """Rows ``(M, D)`` sorted by expert, the first ``group_sizes[0]`` for expert 0 and so on,
-    each through its expert's SwiGLU (weights ``(E, D, H)``, ``(E, D, H)``, ``(E, H, D)``, cast
-    to the rows' dtype); rows past ``sum(group_sizes)`` give zeros.
+    """Rows sorted by expert, each through its SwiGLU; rows past the groups: 0.
 
     Example:
         >>> w = jnp.ones((2, 3, 4))
@@ -75,14 +71,11 @@ def grouped_swiglu(
 
 
 def combine(weights: jax.Array, outputs: jax.Array) -> jax.Array:
-    """Each token's ``sum_k weights[n, k] * outputs[n, k]``: ``(N, k)`` and ``(N, k, D)``."""
     return jnp.sum(weights[..., None] * outputs, axis=1)
 
 
 def sort_by_expert(key: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(order, inverse, sizes)`` of group ids ``key`` ``(A,)``: the stable permutation that
-    sorts them, its inverse, and the size of each group ``0 .. num_groups - 1`` (ids outside
-    that range sort last and count in none).
+    """The stable order sorting ``key``, its inverse, and each group's size.
 
     Example:
         >>> order, inverse, sizes = sort_by_expert(jnp.array([1, 3, 0, 1]), 2)
@@ -102,9 +95,7 @@ def apply_local(
     keep: jax.Array,
     experts: tuple[jax.Array, jax.Array, jax.Array],
 ) -> jax.Array:
-    """The experts' output for tokens ``x`` ``(N, D)`` on the devices that hold them all:
-    ``sum_k weights * expert_{indices}(x)`` over the assignments ``keep`` keeps, as one grouped
-    matmul per weight over the assignments sorted by expert.
+    """``sum_k weights * expert_{indices}(x)`` over the assignments ``keep`` keeps.
 
     Example:
         >>> w = jnp.ones((2, 3, 4)), jnp.ones((2, 3, 4)), jnp.ones((2, 4, 3))

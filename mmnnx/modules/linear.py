@@ -41,8 +41,7 @@ class Linear(nnx.Module):
     ):
         if len(axes) != 2:
             raise ValueError(f"Linear: axes must name the 2 kernel dimensions, got {axes!r}")
-        self.in_features = in_features
-        self.out_features = out_features
+        self.in_features, self.out_features = in_features, out_features
         self.axes = tuple(axes)
         init = nnx.with_partitioning(kernel_init, self.axes)
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))

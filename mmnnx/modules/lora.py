@@ -20,15 +20,11 @@ from mmnnx.sharding.stack import TaskStack
 M = TypeVar("M")
 
 TARGETS = ("q", "k", "v", "out", "gate", "up", "down")
-"""The ``Linear`` names of ``GPT`` blocks that ``add_lora`` adapts by default: every projection
-of attention and the MLP (PEFT's ``target_modules="all-linear"`` less the output head), those
-a model has (a block whose feed-forward is a ``MoE`` has no ``gate``, ``up``, ``down``)."""
+"""``add_lora``'s default targets, those a model has: PEFT's ``"all-linear"`` less the head."""
 
 MOE_TARGETS = ("router",)
-"""``Linear`` names ``add_lora`` adapts only when named: a ``MoE``'s router (Qwen3-MoE's
-``mlp.gate``), which PEFT's usual Qwen3-MoE ``target_modules`` leave out (an update there moves
-tokens between experts and unbalances them). A ``MoE``'s experts are stacked weights, not
-``Linear`` layers: no adapter."""
+"""``Linear`` names ``add_lora`` adapts only when named: a ``MoE``'s router, which PEFT's usual
+Qwen3-MoE ``target_modules`` leave out (an update there unbalances the experts)."""
 
 
 class LoRA(nnx.Module):
@@ -68,9 +64,7 @@ class LoRA(nnx.Module):
         self.b = nnx.LoRAParam(
             jnp.zeros((*lead, rank, out_features)), out_sharding=(*lead_axes, None, out_axis)
         )
-        self.rank = rank
-        self.alpha = float(alpha)
-        self.scale = self.alpha / rank
+        self.rank, self.alpha, self.scale = rank, float(alpha), float(alpha) / rank
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return (x @ self.a[...].astype(x.dtype)) @ self.b[...].astype(x.dtype) * self.scale
@@ -129,14 +123,13 @@ def add_lora(
         if linear.lora is not None:
             raise ValueError(f"add_lora: {path_str(path)} already has an adapter")
         kernel = linear.kernel
-        lead = tuple(kernel.shape[:-2])
         with nnx.use_eager_sharding(False):
             linear.lora = LoRA(
                 linear.in_features,
                 linear.out_features,
                 rank=rank,
                 alpha=rank if alpha is None else alpha,
-                lead=lead,
+                lead=tuple(kernel.shape[:-2]),
                 axes=_axes(kernel),
                 rngs=rngs,
             )

@@ -145,10 +145,7 @@ class MoE(nnx.Module):
         else:
             y = apply_expert_parallel(layout, tokens, indices, weights, keep, experts, limit=limit)
         if _nnx.capturing(self):
-            for name, value in zip(METRICS, _metrics(stats), strict=True):
+            values = (stats.aux_loss, stats.z_loss, stats.tokens_per_expert, stats.dropped.sum())
+            for name, value in zip(METRICS, values, strict=True):
                 self.sow(nnx.Intermediate, name, value)
         return y[:n].reshape(x.shape), stats
-
-
-def _metrics(stats: RouterStats) -> tuple[jax.Array, ...]:
-    return stats.aux_loss, stats.z_loss, stats.tokens_per_expert, stats.dropped.sum()

@@ -34,8 +34,7 @@ class RMSNorm(nnx.Module):
         param_dtype: jax.typing.DTypeLike = jnp.float32,
     ):
         check(is_positive(eps), "RMSNorm: eps", "a finite number > 0", eps)
-        self.dim = dim
-        self.eps = eps
+        self.dim, self.eps = dim, eps
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=(axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -61,8 +60,7 @@ class LayerNorm(nnx.Module):
         self, dim: int, *, eps: float = 1e-5, param_dtype: jax.typing.DTypeLike = jnp.float32
     ):
         check(is_positive(eps), "LayerNorm: eps", "a finite number > 0", eps)
-        self.dim = dim
-        self.eps = eps
+        self.dim, self.eps = dim, eps
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("embed",))
         self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), out_sharding=("embed",))
 

@@ -134,8 +134,7 @@ def apply_rope(
     if head_dim % 2:
         raise ValueError(f"apply_rope: head_dim must be even, got {head_dim}")
     half = head_dim // 2
-    if positions is None:
-        positions = jnp.arange(seq)
+    positions = jnp.arange(seq) if positions is None else positions
     inv_freq = rope_frequencies(head_dim, base, scaling)
     angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # (..., seq, half)
     cos = jnp.cos(angles)[..., None, :].astype(x.dtype)  # broadcast over heads

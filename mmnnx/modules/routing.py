@@ -1,6 +1,5 @@
-"""A mixture of experts' router, as Qwen3-MoE routes: softmax over every expert, top-k,
-renormalised; the capacity that drops late assignments; ``RouterStats``, the sums its
-load-balancing and z losses are made of."""
+"""A mixture of experts' router, as Qwen3-MoE routes; the capacity that drops late
+assignments; ``RouterStats``, the sums its losses are made of."""
 
 from __future__ import annotations
 
@@ -82,10 +81,7 @@ class RouterStats(NamedTuple):
 def route(
     logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(weights, indices, probs)`` of tokens' router ``logits`` ``(N, E)``: ``probs`` the
-    softmax over every expert in float32, ``indices`` ``(N, top_k)`` the most probable experts
-    (ties to the lower index) and ``weights`` their probabilities, divided by their sum when
-    ``norm_topk_prob`` (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``), in float32.
+    """``(weights, indices, probs)`` of router ``logits`` ``(N, E)``, as Qwen3-MoE routes.
 
     Example:
         >>> w, i, _ = route(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), 2)
@@ -100,19 +96,17 @@ def route(
 
 
 def capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
-    """Assignments one expert takes at most: ``ceil(capacity_factor * tokens * top_k / E)``.
+    """``ceil(capacity_factor * tokens * top_k / num_experts)``.
 
     Example:
-        >>> capacity(1.0, 10, 2, 8), capacity(1.25, 16, 2, 8)
-        (3, 5)
+    >>> capacity(1.0, 10, 2, 8), capacity(1.25, 16, 2, 8)
+    (3, 5)
     """
     return math.ceil(capacity_factor * tokens * top_k / num_experts)
 
 
 def capacity_keep(indices: jax.Array, num_experts: int, limit: int) -> jax.Array:
-    """Which assignments ``indices`` ``(N, k)`` keep when each expert takes at most ``limit``:
-    in token order (token 0's ``k`` choices, then token 1's, ...), an expert's assignments after
-    its first ``limit`` are dropped. A boolean ``(N, k)``.
+    """Which assignments ``indices`` keep when each expert takes its first ``limit``.
 
     Example:
         >>> capacity_keep(jnp.array([[0, 1], [0, 2], [0, 1]]), 3, 2).tolist()
@@ -133,9 +127,7 @@ def router_stats(
     keep: jax.Array,
     tokens: int | None = None,
 ) -> RouterStats:
-    """The ``RouterStats`` of one call: router ``logits`` and ``probs`` ``(N, E)``, the chosen
-    ``indices`` ``(N, k)`` and which of them the capacity ``keep``; with ``tokens``, only the
-    first ``tokens`` rows count (the rest pad the tokens to a multiple of a mesh axis)."""
+    """The ``RouterStats`` of one call; with ``tokens``, only the first ``tokens`` rows count."""
     counts = jnp.zeros(probs.shape[-1], jnp.int32)
     lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
     n = probs.shape[0] if tokens is None else tokens

@@ -107,10 +107,7 @@ class Pretrained:
             raise CheckpointError(f"{directory}: no such checkpoint directory")
         file = directory / CONFIG
         hf = read_json(file) if file.exists() else None
-        family = family_of(hf, directory)
-        return cls(
-            architecture=family.architecture, config_json=json.dumps(hf), directory=str(directory)
-        )
+        return cls(family_of(hf, directory).architecture, json.dumps(hf), str(directory))
 
 
 def pretrained_config(
@@ -140,14 +137,16 @@ def pretrained_config(
         (3, 16, True)
     """
     origin = Pretrained.read(path)
-    return FAMILIES[origin.architecture].gpt_config(
-        origin.config,
-        origin.directory,
-        param_dtype=np.dtype(param_dtype).name,
-        dtype=np.dtype(dtype).name,
-        scan_layers=scan_layers,
-        max_seq_len=max_seq_len,
-    )
+    options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len)
+    family = FAMILIES[origin.architecture]
+    return _gpt_config(family, origin.config, origin.directory, param_dtype, dtype, **options)
+
+
+def _gpt_config(
+    family: Family, hf: Any, directory: Any, param_dtype: Any, dtype: Any, **options: Any
+) -> GPTConfig:
+    param_dtype, dtype = np.dtype(param_dtype).name, np.dtype(dtype).name
+    return family.gpt_config(hf, directory, param_dtype=param_dtype, dtype=dtype, **options)
 
 
 def from_pretrained(
@@ -193,14 +192,8 @@ def from_pretrained(
     """
     files = CheckpointFiles(path)
     family = family_of(files.config, files.directory)
-    config = family.gpt_config(
-        files.config,
-        files.directory,
-        param_dtype=np.dtype(param_dtype).name,
-        dtype=np.dtype(dtype).name,
-        scan_layers=scan_layers,
-        max_seq_len=max_seq_len,
-    )
+    options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len)
+    config = _gpt_config(family, files.config, files.directory, param_dtype, dtype, **options)
     check_tokenizer(files.directory, config.vocab_size)
     model = _abstract(lambda: GPT(config, rngs=nnx.Rngs(0)))
     placement = list(rules or [])
@@ -208,9 +201,7 @@ def from_pretrained(
         placement += stage_rules(model, tasks, report=False)
     load_into(model, files, family.tensor_rules(config), placement or None)
     model.pretrained = Pretrained(
-        architecture=family.architecture,
-        config_json=json.dumps(files.config),
-        directory=str(files.directory),
+        family.architecture, json.dumps(files.config), str(files.directory)
     )
     return model
 
@@ -256,8 +247,7 @@ def save_pretrained(
     """
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     hf = pretrained.config if pretrained else {}
-    torch_dtype = torch_dtype_of(dtype)
-    fresh = family.hf_config(model.config, torch_dtype, hf)
+    fresh = family.hf_config(model.config, torch_dtype_of(dtype), hf)
     config = written(fresh, hf, _sizes(family) & fresh.keys())
     origin = pathlib.Path(pretrained.directory) if pretrained else None
     extra = [origin / name for name in CARRIED if origin and (origin / name).is_file()]
@@ -315,7 +305,6 @@ def save_adapter(
 def _origin(
     model: GPT, path: Any, architecture: str | None, dtype: Any
 ) -> tuple[Pretrained | None, Family, np.dtype]:
-    """Where ``model`` came from, its family, and the dtype to write it in."""
     pretrained: Pretrained | None = getattr(model, "pretrained", None)
     name = architecture or (pretrained.architecture if pretrained else None)
     if name is None:
@@ -341,20 +330,12 @@ def _origin(
 
 
 def _sizes(family: Family) -> set[str]:
-    """The keys of a loaded ``config.json`` written from the model where the model writes them
-    (its sizes, the family's own keys among them); the others are written back as they were
-    (token ids, names, a size the model has no layer of)."""
+    """The keys of a loaded ``config.json`` written from the model (the others are kept)."""
     return {
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "tie_word_embeddings",
-        "layer_types",
-    } | set(family.feed_forward.keys)
+        *("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"),
+        *("num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings"),
+        *("layer_types", *family.feed_forward.keys),
+    }
 
 
 def load_tensors(

@@ -1,5 +1,4 @@
-"""LoRA adapters of a ``GPT`` from a pretrained family, out in PEFT's layout
-(``adapter_model.safetensors`` + ``adapter_config.json``) or merged into the kernels."""
+"""LoRA adapters of a pretrained ``GPT``, out in PEFT's layout or merged into the kernels."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ ADAPTER = Layout(config="adapter_config.json", single="adapter_model.safetensors
 
 
 def adapted(model: Any) -> list[tuple[str, Linear]]:
-    """The ``Linear`` layers of ``model`` that carry a LoRA adapter, by path."""
     return [
         (path_str(p), m)
         for p, m in nnx.iter_graph(model)
@@ -32,8 +30,7 @@ def adapted(model: Any) -> list[tuple[str, Linear]]:
 
 
 def merged_kernels(model: Any) -> dict[str, jax.Array]:
-    """``kernel + a @ b * alpha / rank`` of every adapted ``Linear``, by the kernel's path,
-    computed on the kernel's own devices (a placeholder where this process holds none)."""
+    """Each adapted kernel merged with its adapter (a placeholder where not held)."""
     out = {}
     for path, linear in adapted(model):
         kernel = linear.kernel[...]
@@ -48,16 +45,13 @@ def merged_kernels(model: Any) -> dict[str, jax.Array]:
 
 @functools.cache
 def _merger(sharding: Any) -> Any:
-    """The program merging an adapter into a kernel laid out as ``sharding`` (one per layout,
-    so equal layers share it)."""
     return jax.jit(
         lambda k, a, b, scale: (k + (a @ b) * scale).astype(k.dtype), out_shardings=sharding
     )
 
 
 def adapter_rules(rules: tuple[TensorRule, ...]) -> tuple[TensorRule, ...]:
-    """PEFT's names for the adapters of the kernels ``rules`` name: ``lora_A`` ``(rank, in)``
-    and ``lora_B`` ``(out, rank)`` beside each ``...proj.weight``, under ``base_model.model.``.
+    """PEFT's names for the adapters of the kernels ``rules`` name.
 
     Example:
         >>> rule = TensorRule("model.layers.{layer}.mlp.up_proj.weight",
@@ -91,16 +85,10 @@ EXPERT_MLP = ("gate_proj", "up_proj", "down_proj")
 def peft_targets(
     adapted: set[str], modules: set[str], *, experts: bool = False
 ) -> dict[str, list[str]]:
-    """``adapter_config.json``'s targets for the modules ``adapted`` (transformers 4 names,
-    ``model.layers.0.mlp.up_proj``) among all the ``modules`` of the model: each module name
-    alone (``up_proj``, as PEFT configs usually say) where it adapts every module of that name,
-    else the full names, so PEFT builds adapters for those and no other module.
-
-    With ``experts`` (a Qwen3-MoE: its experts' projections share the dense MLP's names), the
-    dense layers' ``gate_proj`` / ``up_proj`` / ``down_proj`` go to ``target_parameters``
-    (``model.layers.0.mlp.up_proj.weight``): under transformers 5, whose experts are fused
-    parameters, PEFT maps every ``target_modules`` entry ending in those names (a bare name, a
-    full one, or what a regex matches) onto the experts, and drops the dense layers' adapters.
+    """``adapter_config.json``'s targets for the modules ``adapted`` among all the ``modules``:
+    a bare name where it adapts every module of that name, else the full names; with
+    ``experts``, :data:`EXPERT_MLP` as ``target_parameters`` (transformers 5's PEFT maps every
+    ``target_modules`` entry ending in those onto the fused experts).
 
     Example:
         >>> mods = {f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("up_proj", "gate")}
@@ -138,13 +126,7 @@ def save_adapter(
     dtype: Any,
     overwrite: bool = False,
 ) -> pathlib.Path:
-    """Writes ``model``'s LoRA adapters in PEFT's layout: ``adapter_model.safetensors`` and
-    ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
-    ``base_model_name_or_path``).
-
-    Raises:
-        CheckpointError: a model without adapters, or adapters of several ranks or alphas.
-    """
+    """Writes ``model``'s LoRA adapters in PEFT's layout (see ``pretrained.save_adapter``)."""
     layers = adapted(model)
     if not layers:
         raise CheckpointError("the model has no LoRA adapters to write (add_lora adds them)")

@@ -1,7 +1,5 @@
 """The model families ``from_pretrained`` knows: how a ``config.json`` becomes a ``GPTConfig``
-of nested component configs (``AttentionConfig``, ``MLPConfig`` or ``MoEConfig``, ... per
-layer) and back, and which checkpoint tensor fills which ``GPT`` Variable (torchtitan's
-state-dict adapters, as data)."""
+and back, and which checkpoint tensor fills which ``GPT`` Variable."""
 
 from __future__ import annotations
 
@@ -66,13 +64,7 @@ FeedForward = MLPConfig | MoEConfig
 
 @dataclasses.dataclass(frozen=True)
 class DenseFeedForward:
-    """Llama's and Qwen3's feed-forward: every layer a SiLU-gated ``MLPConfig`` without biases
-    of ``intermediate_size`` features. A family's feed-forward names the ``config.json``
-    ``keys`` it reads (``read``) and writes (``write``), and its tensors (``rules``) beyond a
-    dense MLP's.
-
-    ``read`` takes the keys as :func:`~mmnnx.models.pretrained.hf_config.read_config` checked
-    them (transformers 5's names).
+    """Llama's and Qwen3's feed-forward: its ``config.json`` ``keys`` and tensors (``rules``).
 
     Example:
         >>> DenseFeedForward().read({"intermediate_size": 64}, 2)[1]
@@ -84,23 +76,18 @@ class DenseFeedForward:
     experts: ClassVar[bool] = False
 
     def read(self, keys: dict[str, Any], depth: int) -> tuple[FeedForward, ...]:
-        """The ``depth`` layers' feed-forward configs of the checked ``config.json`` ``keys``."""
         return (_mlp(keys),) * depth
 
     def write(self, config: GPTConfig, loaded: dict[str, Any]) -> dict[str, Any]:
-        """The ``config.json`` keys of ``config``'s feed-forwards (``loaded``: the file it was
-        read from, whose equivalent spelling of them is kept)."""
-        dense = [b.feed_forward for b in config.block_configs]
-        dense = [f for f in dense if isinstance(f, MLPConfig)]
+        """The ``config.json`` keys of ``config``'s feed-forwards (``loaded``'s spelling kept)."""
+        dense = [f for b in config.block_configs if isinstance(f := b.feed_forward, MLPConfig)]
         return {"intermediate_size": dense[0].hidden} if dense else {}
 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeFeedForward(DenseFeedForward):
-    """Qwen3-MoE's: a ``MoEConfig`` (``num_local_experts``, ``num_experts_per_tok``,
-    ``moe_intermediate_size``, ``norm_topk_prob``) in layer ``i`` when
-    ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``, else the
-    dense MLP; written back with the step that leaves the fewest ``mlp_only_layers``.
+    """Qwen3-MoE's: a ``MoEConfig`` in layer ``i`` when ``(i + 1) % decoder_sparse_step == 0``
+    and ``i`` is not in ``mlp_only_layers``, else the dense MLP.
 
     Example:
         >>> keys = dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -153,10 +140,7 @@ class Qwen3MoeFeedForward(DenseFeedForward):
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One architecture of ``config.json``'s ``architectures``: its ``model_type``, whether its
-    attention normalises queries and keys (Qwen3), and its ``feed_forward`` (the config keys
-    that make each layer's feed-forward config, and the tensors of its own in each layer: a MoE
-    layer's router and experts). The config keys no family honours are refused."""
+    """One architecture of ``config.json``'s ``architectures``."""
 
     architecture: str
     model_type: str
@@ -164,12 +148,7 @@ class Family:
     feed_forward: DenseFeedForward = DenseFeedForward()
 
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
-        """The ``GPTConfig`` of a ``config.json`` (in directory ``where``; ``overrides``:
-        ``param_dtype``, ``dtype``, ``scan_layers``, ``max_seq_len``, ...): its ``layers``
-        nested component configs.
-
-        Raises:
-            CheckpointError: a missing key or a setting this family's GPT cannot reproduce.
+        """The ``GPTConfig`` of a ``config.json`` in directory ``where``, with ``overrides``.
 
         Example:
             >>> hf = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -180,17 +159,20 @@ class Family:
         """
         file = f"{where}/config.json ({self.architecture})"
         c = read_config(hf, file, self.model_type)  # checked, both dialects, defaults filled
-        _refuse_unsupported(file, hf)
+        for key, refused, supported in _UNSUPPORTED:
+            if refused(hf.get(key)):
+                raise CheckpointError(
+                    f"{file}: {key}={hf[key]!r} is not supported; mmnnx's GPT has {supported}"
+                )
         keys = {"intermediate_size": c.intermediate_size, **c.own}
         try:
-            rope = RopeConfig(c.rope_theta, c.rope_scaling)
             attention = AttentionConfig(
                 c.num_attention_heads,
                 c.num_key_value_heads,
                 c.head_dim,
                 qk_norm=self.qk_norm,
                 qk_norm_eps=c.rms_norm_eps,
-                rope=rope,
+                rope=RopeConfig(c.rope_theta, c.rope_scaling),
             )
             norm = NormConfig("rms", c.rms_norm_eps)
             layers = self.feed_forward.read(keys, c.num_hidden_layers)
@@ -217,8 +199,7 @@ class Family:
     def hf_config(
         self, config: GPTConfig, torch_dtype: str, loaded: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """A ``config.json``'s keys for ``config`` (its attention: the first layer's), spelled
-        as in the ``loaded`` file where that is equivalent.
+        """A ``config.json``'s keys for ``config``, spelled as in ``loaded`` where equivalent.
 
         Example:
             >>> FAMILIES["LlamaForCausalLM"].hf_config(GPTConfig(), "float32")["hidden_size"]
@@ -294,9 +275,7 @@ class Family:
         layer = _LAYER + (_QK_NORM if qk_norm else ()) + self.feed_forward.rules
         if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
             layer = tuple(
-                dataclasses.replace(r, variable=r.variable.replace("/{layer}", ""))
-                if r.variable
-                else r
+                dataclasses.replace(r, variable=r.variable and r.variable.replace("/{layer}", ""))
                 for r in layer
             )
         return _OUTER + layer + ((_TIED_HEAD,) if config.tie_embeddings else (_HEAD,))
@@ -320,10 +299,6 @@ FAMILIES: dict[str, Family] = {
 
 def family_of(hf: dict[str, Any] | None, where: Any) -> Family:
     """The family a ``config.json`` names in ``architectures``.
-
-    Raises:
-        CheckpointError: no config, or an architecture not in :data:`FAMILIES` (naming those
-            that are).
 
     Example:
         >>> family_of({"architectures": ["Qwen3ForCausalLM"]}, "ckpt").model_type
@@ -358,11 +333,3 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         "full attention in every layer",
     ),
 )
-
-
-def _refuse_unsupported(file: str, hf: dict[str, Any]) -> None:
-    for key, refused, supported in _UNSUPPORTED:
-        if refused(hf.get(key)):
-            raise CheckpointError(
-                f"{file}: {key}={hf[key]!r} is not supported; mmnnx's GPT has {supported}"
-            )

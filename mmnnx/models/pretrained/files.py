@@ -1,15 +1,13 @@
-"""A Hugging Face checkpoint directory on disk: ``config.json``, ``*.safetensors`` shards and
-their ``model.safetensors.index.json``, read lazily by slices and written shard by shard."""
+"""A Hugging Face checkpoint directory on disk, read lazily by slices, written by shards."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import mmap
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -21,15 +19,10 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 CARRIED = (
-    TOKENIZER,
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-    "tokenizer.model",
+    *(TOKENIZER, "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"),
+    *("generation_config.json", "tokenizer.model"),
 )
-"""The files beside the weights that a checkpoint written from a loaded one carries over: the
-tokenizer (its special tokens and chat template with it) and the generation defaults (eos)."""
+"""The files beside the weights that a checkpoint written from a loaded one carries over."""
 
 DTYPES = {
     "F64": np.dtype(np.float64),
@@ -45,8 +38,7 @@ DTYPES = {
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
 }
-"""Safetensors dtype codes and the numpy dtypes they read as (bfloat16 and float8 through
-``ml_dtypes``, as JAX has them)."""
+"""Safetensors dtype codes and the numpy dtypes they read as."""
 
 TORCH_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 """The dtypes ``config.json``'s ``torch_dtype`` names, as safetensors codes."""
@@ -57,10 +49,7 @@ class CheckpointError(ValueError):
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    """The JSON value in the file ``path``.
-
-    Raises:
-        CheckpointError: the file cannot be read or is not JSON, naming it.
+    """The JSON value in the file ``path``; ``CheckpointError`` naming it where it has none.
 
     Example:
         >>> import tempfile
@@ -82,25 +71,14 @@ def read_json(path: str | os.PathLike) -> Any:
         raise CheckpointError(f"{path}: not JSON: {e}") from None
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """One tensor's file (relative to the directory), shape and safetensors dtype code."""
-
-    file: str
+class TensorInfo(NamedTuple):
+    file: str  # relative to the directory
     shape: tuple[int, ...]
-    dtype: str
+    dtype: str  # a safetensors code
 
 
 class CheckpointFiles:
-    """The tensors of a checkpoint directory, by name, read a slice at a time.
-
-    Opening reads ``config.json`` (when present) and every shard's header, nothing else:
-    ``tensors`` maps each name to its :class:`TensorInfo`. ``read(name, index)`` reads only
-    ``index`` (a tuple of slices) of one tensor, through ``safetensors``' slices, in blocks.
-
-    Raises:
-        CheckpointError: a missing directory, no ``*.safetensors``, an index naming a file or
-            tensor that is not there, or a tensor stored twice.
+    """A checkpoint's tensors by name, their headers read, their data by slices.
 
     Example:
         >>> import tempfile
@@ -133,11 +111,7 @@ class CheckpointFiles:
                             f"{self.tensors[name].file} and {file}"
                         )
                     part = f.get_slice(name)
-                    self.tensors[name] = TensorInfo(
-                        file=file,
-                        shape=tuple(part.get_shape()),
-                        dtype=part.get_dtype(),
-                    )
+                    self.tensors[name] = TensorInfo(file, tuple(part.get_shape()), part.get_dtype())
 
     def _files(self) -> dict[str, list[str] | None]:
         """Each shard file and the tensor names the index puts in it (``None``: all of them)."""
@@ -170,7 +144,6 @@ class CheckpointFiles:
         return {name: None for name in found}
 
     def dtype(self, name: str) -> np.dtype:
-        """The numpy dtype tensor ``name`` is stored in."""
         code = self.tensors[name].dtype
         if code not in DTYPES:
             raise CheckpointError(
@@ -182,13 +155,7 @@ class CheckpointFiles:
     def read(
         self, name: str, index: tuple[slice, ...] = (), transpose: Sequence[int] | None = None
     ) -> np.ndarray:
-        """The part ``index`` (slices of step 1) of tensor ``name``, its axes permuted by
-        ``transpose`` (as ``np.transpose``), C-contiguous either way.
-
-        Read through ``safetensors``' slices in blocks of rows of at most
-        :data:`BLOCK_BYTES`, each block's file mapped only while it is read, and written
-        straight into the array returned (transposed on the way): besides that array, a read
-        holds at most one block."""
+        """Part ``index`` (slices of step 1) of tensor ``name``, permuted by ``transpose``."""
         info = self.tensors[name]
         dtype = self.dtype(name)
         shape = info.shape
@@ -227,15 +194,12 @@ class CheckpointFiles:
 
 
 BLOCK_BYTES = 16 * 2**20
-"""How much of a tensor ``CheckpointFiles.read`` holds at once, beyond the part it returns,
-when the part is a slice along inner axes or transposed (its rows are read in blocks of this
-size)."""
+"""How much of a tensor ``CheckpointFiles.read`` holds at once, beyond the part it returns."""
 
 
 PAGED_BYTES = 2**20
-"""Arrays ``read`` returns of at least this size get pages of their own (an anonymous memory
-mapping), given back to the system when they are freed. From ``np.empty`` (malloc), freed
-blocks below 32 MiB stay in the heap: measured, reading a 0.8 GiB model left 60 MiB there."""
+"""Arrays ``read`` returns of at least this size get pages of their own (anonymous mmap), given
+back when freed: reading a 0.8 GiB model left 60 MiB of ``np.empty``'s in malloc's heap."""
 
 
 def _empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
@@ -250,13 +214,7 @@ def write_shards(
     directory: str | os.PathLike,
     shards: Mapping[str, np.ndarray] | Mapping[str, Mapping[str, np.ndarray]],
 ) -> None:
-    """Writes tensors as safetensors files into ``directory`` (which must exist).
-
-    ``shards`` maps tensor names to arrays (one ``model.safetensors``) or file names to such
-    maps. Files carry ``{"format": "pt"}`` metadata, as transformers expects.
-
-    Raises:
-        CheckpointError: an array of a dtype safetensors cannot hold, naming the tensor.
+    """Writes tensor maps (or file name -> tensor map) as safetensors files.
 
     Example:
         >>> import tempfile

@@ -1,28 +1,16 @@
-"""``config.json`` as transformers 4 and 5 write it, read into one checked form and written as
-transformers 5 writes it.
-
-The two dialects on the Hub: transformers 4 writes top-level ``rope_theta`` and
-``rope_scaling``, ``torch_dtype`` and (Qwen3-MoE) ``num_experts``; transformers 5 writes
-``rope_parameters: {rope_type, rope_theta, factor, ...}``, ``dtype`` and
-``num_local_experts``, and (Qwen3) ``layer_types``. :func:`read_config` reads either into a
-:class:`HFConfig`: every value a family reads checked for type and range first, transformers'
-own defaults where a key is absent, RoPE resolved as transformers resolves it (the
-``rope_parameters`` dict first, a truthy ``rope_scaling`` before it, a top-level
-``rope_theta`` where the dict has none). :func:`written` makes the ``config.json`` that
-``save_pretrained`` writes: transformers 5's keys, the loaded file's other keys kept, no older
-key left beside its replacement.
-"""
+"""``config.json`` as transformers 4 (top-level ``rope_theta``, ``rope_scaling``,
+``torch_dtype``, ``num_experts``) and 5 (``rope_parameters``, ``dtype``, ``num_local_experts``,
+``layer_types``) write it, read into one checked form and written as transformers 5 does."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import numbers
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from mmnnx.models.pretrained.files import TORCH_DTYPES, CheckpointError
+from mmnnx.modules.checks import is_positive
 from mmnnx.modules.rope import RopeScaling
 
 ROPE_TYPES = ("default", "llama3")
@@ -43,14 +31,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
-
-
 def _show(value: Any) -> str:
     try:
         text = json.dumps(value)
@@ -59,10 +39,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-@dataclasses.dataclass(frozen=True)
-class _Key:
-    """One ``config.json`` key: its check (``what`` it must be), default and older names."""
-
+class _Key(NamedTuple):
     name: str
     check: Callable[[Any], bool]
     what: str
@@ -75,8 +52,11 @@ def _int(minimum: int) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: _is_int(v) and v >= minimum), f"an int >= {minimum}"
 
 
-_POSITIVE = (lambda v: _is_number(v) and v > 0), "a finite number > 0"
-_NONNEGATIVE = (lambda v: _is_number(v) and v >= 0), "a finite number >= 0"
+_POSITIVE = is_positive, "a finite number > 0"
+_NONNEGATIVE = (
+    (lambda v: is_positive(v) or (type(v) in (int, float) and v == 0)),
+    "a finite number >= 0",
+)
 _BOOL = (lambda v: isinstance(v, bool)), "true or false"
 _STR = (lambda v: isinstance(v, str)), "a string"
 _STRS = (
@@ -126,15 +106,7 @@ STALE = {"torch_dtype": "dtype", "rope_theta": "rope_parameters", "rope_scaling"
 
 @dataclasses.dataclass(frozen=True)
 class HFConfig:
-    """A ``config.json`` read and checked (:func:`read_config`): the values a family builds a
-    model from, absent keys at transformers' defaults, RoPE resolved.
-
-    ``head_dim`` and ``num_key_value_heads`` are filled in (``hidden_size //
-    num_attention_heads``, ``num_attention_heads``); ``rope_scaling`` is ``None`` for
-    ``rope_type`` ``"default"``; ``dtype`` is the checkpoint's dtype name (``None``: not
-    given); ``own`` holds the family's own keys (a Qwen3-MoE's, named as transformers 5 names
-    them; ``router_aux_loss_coef`` 0 where ``output_router_logits`` is false, as transformers'
-    loss adds the load-balancing loss only when router logits are output).
+    """A ``config.json`` read and checked; ``own``: the family's own keys.
 
     Example:
         >>> c = read_config({"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
@@ -163,14 +135,7 @@ class HFConfig:
 
 
 def read_config(hf: Any, file: str, model_type: str) -> HFConfig:
-    """Reads ``hf`` (a parsed ``config.json``, of transformers 4 or 5; ``file`` names it in
-    errors) for a family of ``model_type``; see :class:`HFConfig`.
-
-    Raises:
-        CheckpointError: naming ``file`` and the key: not a JSON object, a required key
-            missing, a value of the wrong type or out of range, a ``rope_type`` other than
-            :data:`ROPE_TYPES` (or a ``partial_rotary_factor`` below 1), ``layer_types`` not
-            one per layer, heads that are not a multiple of the key/value heads.
+    """Reads ``hf`` (a parsed ``config.json``; ``file`` names it in errors) for ``model_type``.
 
     Example:
         >>> try:
@@ -179,10 +144,7 @@ def read_config(hf: Any, file: str, model_type: str) -> HFConfig:
         ...     print(e)
         ckpt/config.json: hidden_size: "32" is not an int >= 1
     """
-    if not isinstance(hf, dict):
-        raise CheckpointError(
-            f"{file}: holds a JSON {type(hf).__name__}, not an object of config keys"
-        )
+    _check_object(hf, file)
     defaults = _DEFAULTS.get(model_type, {})
     v = {k.name: _value(hf, k, file, defaults) for k in _COMMON}
     own = {k.name: _value(hf, k, file, defaults) for k in _OWN.get(model_type, ())}
@@ -219,28 +181,27 @@ def read_config(hf: Any, file: str, model_type: str) -> HFConfig:
     if "output_router_logits" in own and not own["output_router_logits"]:
         own["router_aux_loss_coef"] = 0.0
     theta, scaling = _rope(hf, v, file)
-    return HFConfig(
-        vocab_size=v["vocab_size"],
-        hidden_size=v["hidden_size"],
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
+    v |= dict(
         num_key_value_heads=kv,
         head_dim=head_dim,
-        intermediate_size=v["intermediate_size"],
-        max_position_embeddings=v["max_position_embeddings"],
-        tie_word_embeddings=v["tie_word_embeddings"],
         rms_norm_eps=float(v["rms_norm_eps"]),
         rope_theta=theta,
         rope_scaling=scaling,
-        dtype=v["dtype"],
         layer_types=None if v["layer_types"] is None else tuple(v["layer_types"]),
         own={k: tuple(x) if isinstance(x, list) else x for k, x in own.items()},
     )
+    return HFConfig(**{f.name: v[f.name] for f in dataclasses.fields(HFConfig)})
+
+
+def _check_object(hf: Any, file: str) -> None:
+    if not isinstance(hf, dict):
+        raise CheckpointError(
+            f"{file}: holds a JSON {type(hf).__name__}, not an object of config keys"
+        )
 
 
 def _value(hf: dict[str, Any], key: _Key, file: str, defaults: Mapping[str, Any]) -> Any:
-    """``key``'s checked value in ``hf`` (its newest name first), or its default; ``null``
-    reads as absent."""
+    """``key``'s checked value in ``hf`` (newest name first), or its default."""
     for name in (key.name, *key.aliases):
         value = hf.get(name)
         if value is None and key.nullable and name in hf:
@@ -257,11 +218,7 @@ def _value(hf: dict[str, Any], key: _Key, file: str, defaults: Mapping[str, Any]
 
 
 def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, RopeScaling | None]:
-    """RoPE's base and scaling, as transformers' ``convert_rope_params_to_dict`` and
-    ``standardize_rope_params`` resolve them: a truthy ``rope_scaling`` replaces
-    ``rope_parameters``; the dict's ``rope_theta`` and ``partial_rotary_factor`` come before
-    the top-level ones; ``original_max_position_embeddings`` defaults to
-    ``max_position_embeddings`` (a top-level one wins, as transformers does for Phi-3)."""
+    """RoPE's base and scaling, as transformers' ``standardize_rope_params`` resolves them."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = hf.get(key) or {}
     if not _OBJECT[0](params):
@@ -336,10 +293,7 @@ def architectures(hf: Any, where: Any) -> list[str]:
         ['LlamaForCausalLM']
     """
     file = f"{where}/config.json"
-    if not isinstance(hf, dict):
-        raise CheckpointError(
-            f"{file}: holds a JSON {type(hf).__name__}, not an object of config keys"
-        )
+    _check_object(hf, file)
     names = hf.get("architectures") or []
     if not _STRS[0](names):
         raise CheckpointError(f"{file}: architectures: {_show(names)} is not {_STRS[1]}")
@@ -349,13 +303,7 @@ def architectures(hf: Any, where: Any) -> list[str]:
 def written(
     fresh: Mapping[str, Any], loaded: Mapping[str, Any] | None, sizes: set[str]
 ) -> dict[str, Any]:
-    """The ``config.json`` ``save_pretrained`` writes: ``fresh`` (the keys written from the
-    model, in transformers 5's names) over the ``loaded`` file's other keys, except its
-    ``sizes`` (written from the model) and the older keys that ``fresh`` replaces
-    (:data:`STALE`, ``num_experts``); ``max_position_embeddings`` stays the loaded file's
-    (a model loaded with a shorter ``max_seq_len`` still has the checkpoint's context). A
-    Qwen3-MoE's ``output_router_logits`` follows its ``router_aux_loss_coef`` (a coefficient of
-    0 keeps the loaded file's, unused). Keys sorted, as transformers writes them.
+    """``fresh`` over ``loaded`` but ``sizes`` and older keys; its context length kept.
 
     Example:
         >>> old = {"rope_theta": 1e4, "torch_dtype": "float32", "bos_token_id": 1,
@@ -368,8 +316,7 @@ def written(
     """
     loaded = dict(loaded or {})
     stale = set(STALE) | {a for keys in _OWN.values() for k in keys for a in k.aliases}
-    kept = {k: x for k, x in loaded.items() if k not in sizes and k not in stale}
-    out = {**kept, **fresh}
+    out = {k: x for k, x in loaded.items() if k not in sizes and k not in stale} | fresh
     if isinstance(loaded.get("max_position_embeddings"), int):
         out["max_position_embeddings"] = loaded["max_position_embeddings"]
     if "router_aux_loss_coef" in fresh:

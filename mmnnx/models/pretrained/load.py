@@ -1,5 +1,4 @@
-"""Filling a model built abstractly from a checkpoint's tensors, each Variable's shards read
-straight onto its devices: no process ever holds more than one tensor's part it needs."""
+"""Filling a model built abstractly from a checkpoint's tensors, read straight onto devices."""
 
 from __future__ import annotations
 
@@ -24,13 +23,7 @@ M = TypeVar("M")
 def plan_sources(
     model: Any, files: CheckpointFiles, rules: Sequence[TensorRule]
 ) -> dict[str, Source]:
-    """The source of every Variable of ``model``, checked against the files: each Variable has
-    its tensors, each tensor a Variable, and every shape fits. Reads no tensor data.
-
-    Raises:
-        CheckpointError: a tensor no rule or no Variable takes, a Variable with no tensor, or a
-            tensor whose shape does not fit its Variable; each naming the file and tensor.
-    """
+    """Every Variable's source, all tensors and shapes checked; no data read."""
     where = files.directory
     try:
         sources, unmatched = match(files.tensors, rules)
@@ -93,8 +86,6 @@ def _floating(dtype: Any) -> bool:
 
 
 def _stored_shape(rule: TensorRule, variable_shape: tuple[int, ...]) -> Any:
-    """The shape of one tensor that fills a Variable of ``variable_shape`` through ``rule``
-    (as stored: ``(out, in)`` for a kernel ``(in, out)``), or ``"?"`` through a reshape."""
     try:
         return rule.tensor_shape(variable_shape)
     except ValueError:
@@ -104,16 +95,14 @@ def _stored_shape(rule: TensorRule, variable_shape: tuple[int, ...]) -> Any:
 def _check_slots(
     files: CheckpointFiles, source: Source, stack: tuple[int, ...], model_name: str
 ) -> None:
-    """Raises ``CheckpointError`` unless the files hold one tensor for every slot of the stacked
-    axes ``stack`` of ``source``'s Variable, and none beyond them (an expert count, or with
-    ``scan_layers`` a layer count, that is not the config's)."""
+    """Raises unless the files hold one tensor for every slot of ``stack``, and none beyond."""
     per = "/".join(source.rule.stacked)
     for slot in itertools.product(*(range(n) for n in stack)):
         if slot not in source.tensors:
             raise CheckpointError(
                 f"{files.directory}: missing tensor {source.name(slot)!r} (for Variable "
-                f"{source.path!r} of {model_name}, {' x '.join(map(str, stack))} tensors, one per "
-                f"{per})"
+                f"{source.path!r} of {model_name}, {' x '.join(map(str, stack))} tensors, one "
+                f"per {per})"
             )
     if stack == source.stack_shape:
         return
@@ -128,8 +117,7 @@ def _check_slots(
 def read_part(
     files: CheckpointFiles, source: Source, index: tuple[slice, ...], dtype: Any
 ) -> np.ndarray:
-    """The part ``index`` of the Variable ``source`` fills, read from its tensors (each only
-    as far as ``index`` reaches, except through a reshape) and cast to ``dtype``."""
+    """The part ``index`` of the Variable ``source`` fills, read and cast to ``dtype``."""
     rule = source.rule
     stack, inner = index[: len(rule.stacked)], index[len(rule.stacked) :]
     ranges = [range(*s.indices(n)) for s, n in zip(stack, source.stack_shape, strict=True)]
@@ -164,13 +152,7 @@ def load_into(
     rules: Sequence[TensorRule],
     placement: Sequence[tuple] | Mapping | None = None,
 ) -> M:
-    """Fills every Variable of ``model`` (built abstractly) from ``files`` through ``rules``.
-
-    With ``placement`` (rules as ``mm.place`` takes them) each Variable is made on its task's
-    sharding, each device's shard read on its own (``jax.make_array_from_callback``; equal
-    shards read once), so a process reads only what its devices hold; without, each Variable
-    is read whole onto the default device. Everything is checked before any value is made.
-    """
+    """Fills ``model``'s Variables from ``files``, each shard read where it is placed."""
     sources = plan_sources(model, files, rules)
 
     def make(path: str, variable: nnx.Variable, sharding: Any) -> jax.Array:

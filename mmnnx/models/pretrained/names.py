@@ -1,10 +1,8 @@
 """``TensorRule``: how a checkpoint's tensor names map to a model's Variable paths, both ways.
 
-A rule pairs a tensor-name template with a Variable-path template; ``{name}`` fields stand for
-integers (``{layer}``, ``{expert}``). A field in the tensor name but not in the Variable path is
-a *stacked* axis: the tensors for every value of it fill the Variable's leading axes, in the
-order the fields appear in the tensor name (``nnx.vmap``/``scan_layers`` stacks). The same rules
-read a checkpoint (``match``) and write one (``tensors_of``).
+``{name}`` fields of the templates stand for integers (``{layer}``, ``{expert}``); a field in
+the tensor name but not in the Variable path is a *stacked* axis, in the order the fields
+appear in the tensor name (``nnx.vmap``/``scan_layers`` stacks).
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ import dataclasses
 import itertools
 import re
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,11 +64,7 @@ class TensorRule:
         return tuple(f for f in self.fields if f not in kept)
 
     def tensor_shape(self, variable_shape: Sequence[int]) -> tuple[int, ...]:
-        """The shape of one tensor filling a Variable of ``variable_shape`` (export's view).
-
-        Raises:
-            ValueError: the rule reshapes, which export cannot invert.
-        """
+        """The shape of one tensor filling a Variable of ``variable_shape`` (export's view)."""
         if self.reshape is not None:
             raise ValueError(
                 f"TensorRule {self.tensor!r}: cannot write a tensor back through a reshape; "
@@ -78,8 +73,7 @@ class TensorRule:
         inner = tuple(variable_shape[len(self.stacked) :])
         if self.transpose is None:
             return inner
-        inverse = np.argsort(self.transpose)
-        return tuple(inner[i] for i in inverse)
+        return tuple(inner[i] for i in np.argsort(self.transpose))
 
     def variable_shape(self, tensor_shape: Sequence[int]) -> tuple[int, ...]:
         """The shape one tensor of ``tensor_shape`` takes in the Variable (without stacked axes)."""
@@ -100,34 +94,26 @@ class TensorRule:
         return shape
 
 
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """Where one Variable's value comes from: its rule and, per stacked slot, a tensor name.
-
-    ``tensors`` maps the stacked fields' values (``()`` for an unstacked Variable) to the
-    tensor name; ``stack_shape`` is the extent of each stacked axis.
-    """
+class Source(NamedTuple):
+    """Where one Variable's value comes from: its rule and, per stacked slot, a tensor name."""
 
     path: str
     rule: TensorRule
-    tensors: dict[tuple[int, ...], str]
+    tensors: dict[tuple[int, ...], str]  # by the stacked fields' values, () when unstacked
 
     @property
     def stack_shape(self) -> tuple[int, ...]:
-        if not self.rule.stacked:
-            return ()
         return tuple(max(k[i] for k in self.tensors) + 1 for i in range(len(self.rule.stacked)))
 
     def name(self, slot: tuple[int, ...]) -> str:
-        """The name of the tensor filling stacked ``slot``, whether the files hold it or not.
+        """The name of the tensor filling stacked ``slot``, held by the files or not.
 
         Example:
             >>> rule = TensorRule("layers.{layer}.experts.{expert}.w", "blocks/{layer}/w")
             >>> Source("blocks/1/w", rule, {(0,): "layers.1.experts.0.w"}).name((5,))
             'layers.1.experts.5.w'
         """
-        example = next(iter(self.tensors.values()))
-        found = _pattern(self.rule.tensor).match(example).groupdict()
+        found = _pattern(self.rule.tensor).match(next(iter(self.tensors.values()))).groupdict()
         values = {k: int(v) for k, v in found.items()}
         values.update(zip(self.rule.stacked, slot, strict=True))
         return self.rule.tensor.format(**values)
@@ -140,14 +126,7 @@ def _pattern(template: str) -> re.Pattern:
 
 
 def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, Source], list[str]]:
-    """Groups checkpoint tensor ``names`` by the Variable each fills (first matching rule).
-
-    Returns the sources by Variable path and the names no rule matches. Tensors of a rule with
-    ``variable=None`` are dropped.
-
-    Raises:
-        ValueError: two tensors fill one slot of a Variable. (Whether a stacked Variable's
-            slots are all filled depends on its shape: ``load`` checks that.)
+    """The sources of tensor ``names`` by Variable path, and the names no rule matches.
 
     Example:
         >>> rules = [TensorRule("layers.{layer}.w", "blocks/w"), TensorRule("extra", None)]
@@ -188,8 +167,7 @@ def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, 
 def tensors_of(
     path: str, shape: Sequence[int], rules: Sequence[TensorRule]
 ) -> tuple[TensorRule, dict[tuple[int, ...], str]] | None:
-    """The rule writing the Variable at ``path`` (of ``shape``) and its tensor name per stacked
-    slot, or ``None`` when no rule's Variable template matches ``path``.
+    """The rule writing the Variable at ``path`` and its tensor name per slot, or None.
 
     Example:
         >>> rules = [TensorRule("layers.{layer}.w", "blocks/w")]
@@ -203,9 +181,9 @@ def tensors_of(
         if found is None:
             continue
         values = {k: int(v) for k, v in found.groupdict().items()}
-        stack = tuple(shape[: len(rule.stacked)])
-        names = {}
-        for slot in itertools.product(*(range(n) for n in stack)):
-            names[slot] = rule.tensor.format(**values, **dict(zip(rule.stacked, slot, strict=True)))
-        return rule, names
+        slots = itertools.product(*(range(n) for n in shape[: len(rule.stacked)]))
+        return rule, {
+            slot: rule.tensor.format(**values, **dict(zip(rule.stacked, slot, strict=True)))
+            for slot in slots
+        }
     return None

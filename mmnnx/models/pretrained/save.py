@@ -1,16 +1,14 @@
-"""Writing a model's Variables as a Hugging Face checkpoint directory, each process writing
-the tensors its own devices hold, into a staging directory renamed into place when complete."""
+"""Writing a model's Variables as a Hugging Face checkpoint directory, process by process."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
 import pathlib
 import shutil
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -34,24 +32,17 @@ MAX_SHARD_BYTES = 5 * 2**30
 """The largest shard file ``save_pretrained`` writes by default (as transformers: 5 GB)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """The files a checkpoint is written as: the config's name, and ``single`` (one
-    safetensors file of that name and no index, as PEFT's adapters) or shards plus an index."""
+class Layout(NamedTuple):
+    """A checkpoint's config file and ``single`` safetensors file (or shards and index)."""
 
     config: str = CONFIG
     single: str | None = None
 
 
 CHECKPOINT = Layout()
-"""A Hugging Face model: ``config.json``, ``model-0000i-of-0000N.safetensors`` and the index."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-    """One tensor to write: its name, the Variable and stacked slot it comes from, its rule,
-    shape, and the process that writes it."""
-
+class _Tensor(NamedTuple):
     name: str
     path: str
     slot: tuple[int, ...]
@@ -63,28 +54,24 @@ class _Tensor:
 def _covers(
     indices: Mapping[Any, tuple], shape: tuple[int, ...], slot: tuple[int, ...]
 ) -> list[int]:
-    """The processes whose devices together hold all of slot ``slot`` of an array of ``shape``
-    whose devices hold ``indices`` (``sharding.devices_indices_map(shape)``), lowest first."""
+    """The processes whose devices (holding ``indices``) together hold all of ``slot``."""
+
+    def volume(box: Sequence[tuple[int, int]]) -> int:
+        return int(np.prod([b - a for a, b in box]))
+
     region = [(i, i + 1) for i in slot] + [(0, n) for n in shape[len(slot) :]]
-    size = int(np.prod([b - a for a, b in region]))
+    size = volume(region)
     held: dict[int, set[tuple]] = {}
     for device, index in indices.items():
-        box = []
-        for s, (a, b), n in zip(index, region, shape, strict=True):
-            lo, hi, _ = s.indices(n)
-            box.append((max(a, lo), min(b, hi)))
+        bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+        box = [(max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(region, bounds, strict=True)]
         if all(lo < hi for lo, hi in box):
             held.setdefault(device.process_index, set()).add(tuple(box))
-    return sorted(
-        p
-        for p, boxes in held.items()
-        if sum(int(np.prod([b - a for a, b in x])) for x in boxes) == size
-    )
+    return sorted(p for p, boxes in held.items() if sum(map(volume, boxes)) == size)
 
 
 def _host_shards(value: jax.Array) -> list[tuple[tuple, np.ndarray]]:
-    """This process's distinct shards of ``value`` on the host, each with its index (copied
-    once per Variable, whatever the number of its stacked slots)."""
+    """This process's distinct shards of ``value`` on the host, each with its index."""
     shards = {}
     for shard in value.addressable_shards:
         key = tuple((s.start, s.stop) for s in shard.index)
@@ -96,8 +83,7 @@ def _host_shards(value: jax.Array) -> list[tuple[tuple, np.ndarray]]:
 def _local_slot(
     shards: list[tuple[tuple, np.ndarray]], shape: tuple[int, ...], slot: tuple[int, ...]
 ) -> np.ndarray:
-    """Slot ``slot`` of an array of ``shape`` assembled from this process's ``shards``
-    (:func:`_host_shards`, which cover it)."""
+    """Slot ``slot`` of an array of ``shape`` assembled from this process's ``shards``."""
     out = np.empty(shape[len(slot) :], dtype=shards[0][1].dtype)
     for index, data in shards:
         lead = [s.indices(n)[:2] for s, n in zip(index, shape, strict=False)][: len(slot)]
@@ -110,7 +96,6 @@ def _local_slot(
 
 @functools.cache
 def _replicated(sharding: jax.sharding.NamedSharding) -> Any:
-    """A program copying an array to every device of ``sharding``'s mesh (one per mesh)."""
     spread = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     return jax.jit(lambda x: x, out_shardings=spread)
 
@@ -118,8 +103,7 @@ def _replicated(sharding: jax.sharding.NamedSharding) -> Any:
 def _plan(
     values: Mapping[str, jax.Array], rules: Sequence[TensorRule]
 ) -> tuple[list[_Tensor], dict[str, jax.Array]]:
-    """Every tensor to write, with its writer (the same list on every process), and the values
-    replicated within their tasks where no one process holds a whole tensor."""
+    """Every tensor to write and its writer; the values no one process holds replicated."""
     tensors, gathered = [], {}
     for path, value in values.items():
         found = tensors_of(path, value.shape, rules)
@@ -151,8 +135,7 @@ def _plan(
 def _files(
     tensors: list[_Tensor], itemsize: int, max_bytes: int
 ) -> list[tuple[int, list[_Tensor]]]:
-    """Tensors grouped into shard files: each process's own, in order, each file at most
-    ``max_bytes`` (or one tensor larger than that)."""
+    """Tensors grouped into each process's shard files of at most ``max_bytes`` (or one)."""
     files: list[tuple[int, list[_Tensor]]] = []
     for process in sorted({t.writer for t in tensors}):
         size = 0
@@ -178,21 +161,8 @@ def write_checkpoint(
     overwrite: bool = False,
     layout: Layout = CHECKPOINT,
 ) -> pathlib.Path:
-    """Writes ``values`` (Variable path -> array) as tensors named by ``rules``, in ``dtype``.
-
-    Every process calls it (a collective). Each tensor is written by the lowest process whose
-    devices hold all of it; files go to ``.<name>.partial`` beside ``directory``, which
-    replaces ``directory`` once every file, the index and ``config.json`` are written, so a
-    failed save leaves an earlier checkpoint there intact: a step failing on any process
-    raises on every process (naming the process and its error), a process that died raises
-    ``PeerExitedError`` on the others (or, killed, ends them at the heartbeat timeout), and
-    process 0 then removes the staging directory. ``extra_files`` (a tokenizer) are
-    copied in. With ``layout.single``, process 0 joins the shards into that one file.
-
-    Raises:
-        CheckpointError: ``directory`` exists and ``overwrite`` is false, a Variable no rule
-            writes, or a dtype safetensors cannot hold; before anything is written.
-    """
+    """Writes ``values`` by ``rules`` on every process (a collective) into a staging directory
+    that replaces ``directory`` once complete (a failed save leaves an earlier one intact)."""
     directory = pathlib.Path(directory)
     dtype = np.dtype(dtype)
     if dtype not in DTYPES.values():
@@ -256,7 +226,10 @@ def write_checkpoint(
 
     try:
         for what, work in (("prepare", prepare), ("write", write_mine), ("finish", finish)):
-            _collectively(f"save_pretrained {directory} ({what})", work)
+            if jax.process_count() == 1:
+                work()
+            else:
+                together(f"save_pretrained {directory} ({what})", work)
     except BaseException:
         if me == 0:  # the files written so far are half a checkpoint: not left lying beside it
             shutil.rmtree(staging, ignore_errors=True)
@@ -264,15 +237,7 @@ def write_checkpoint(
     return directory
 
 
-def _collectively(what: str, work: Callable[[], None]) -> None:
-    if jax.process_count() == 1:
-        work()
-    else:
-        together(what, work)
-
-
 def model_values(model: Any) -> dict[str, jax.Array]:
-    """Every Variable of ``model`` by its ``/``-joined path."""
     return {path_str(p): v.get_value() for p, v in variables_of(model)}
 
 
