@@ -110,12 +110,6 @@ class Packing:
         made = (*self.by_run.values(), *self.by_zeros.values(), *self.weights.values())
         return [packed for buffers in made for packed in buffers]
 
-    def _buffer_of(self, run: Run, slot: int) -> Buffer | None:
-        packed = self.of_member.get(slot)
-        if packed is None and run.microbatch is not None:
-            packed = self.of_weight.get(slot)
-        return packed
-
     def zeros(self, index: int, action: Zeros) -> Zeros:
         """The :class:`Zeros` action at ``index``: its unpacked sums, then one buffer per packed
         group."""
@@ -154,15 +148,15 @@ class Packing:
         reads: list[InputRead] = []
         packed_args: dict[int, Buffer] = {}
         for s in run.ins:
-            packed = self._buffer_of(run, s)
+            packed = self.of_member.get(s)
+            if packed is None and run.microbatch is not None:
+                packed = self.of_weight.get(s)
             slot = s if packed is None else packed.slot
             if slot not in args:
                 args.append(slot)
             k = args.index(slot)
-            if packed is None:
-                reads.append(InputRead(arg=k))
-            else:
-                reads.append(InputRead(arg=k, member=packed.member(s)))
+            reads.append(InputRead(arg=k, member=packed and packed.member(s)))
+            if packed is not None:
                 packed_args[k] = packed
         return tuple(args), tuple(reads), packed_args
 
@@ -196,15 +190,20 @@ def pack(
     weight_bytes: int = 0,
     inputs: Sequence[StepInput] = (),
 ) -> StepProgram:
-    """The pass: ``program`` with the running sums, residuals of at most ``residual_bytes`` and
-    block weights of at most ``weight_bytes`` travelling as flat buffers (:func:`plan_packing`)."""
-    packing = plan_packing(
-        program,
-        graph,
-        residual_bytes=residual_bytes,
-        weight_bytes=weight_bytes,
-        inputs=inputs,
+    """The pass: ``program`` with the running sums (:func:`_sum_packing`), residuals of at most
+    ``residual_bytes`` (:func:`_residual_packing`) and block weights of at most ``weight_bytes``
+    (:func:`_weight_packing`, blocks found by the paths of the step's ``inputs``) travelling as
+    flat buffers."""
+    input_names = [i.name for i in inputs]
+    readers = _readers(program)
+    packing = (
+        _residual_packing(program, graph, residual_bytes, input_names, readers)
+        if residual_bytes
+        else Packing({}, {}, program.num_slots)
     )
+    packing = _sum_packing(program, packing, _gathered_sums(program, graph), readers)
+    if weight_bytes and input_names:
+        packing = _weight_packing(program, graph, packing, weight_bytes, input_names, readers)
     if not packing.buffers:
         return program
     shardings = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]
@@ -257,29 +256,6 @@ def pack(
     return program.replace(
         actions=tuple(actions), shardings=tuple(shardings), activations=activations
     )
-
-
-def plan_packing(
-    program: StepProgram,
-    graph: Graph,
-    *,
-    residual_bytes: int = _MAX_BYTES,
-    weight_bytes: int = 0,
-    inputs: Sequence[StepInput] = (),
-) -> Packing:
-    """What :func:`pack` packs: sums (:func:`_sum_packing`), residuals (:func:`_residual_packing`)
-    and weights (:func:`_weight_packing`, blocks found by the paths of the step's ``inputs``)."""
-    input_names = [i.name for i in inputs]
-    readers = _readers(program)
-    packing = (
-        _residual_packing(program, graph, residual_bytes, input_names, readers)
-        if residual_bytes
-        else Packing({}, {}, program.num_slots)
-    )
-    packing = _sum_packing(program, packing, _gathered_sums(program, graph), readers)
-    if weight_bytes and input_names:
-        packing = _weight_packing(program, graph, packing, weight_bytes, input_names, readers)
-    return packing
 
 
 def block_of(path: str) -> tuple[str, str] | None:
