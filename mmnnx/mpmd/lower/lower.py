@@ -54,14 +54,8 @@ def same_spec(a: PartitionSpec, b: PartitionSpec) -> bool:
         >>> same_spec(PartitionSpec("x", None), PartitionSpec("x"))
         True
     """
-
-    def trimmed(spec):
-        entries = list(spec)
-        while entries and entries[-1] is None:
-            entries.pop()
-        return entries
-
-    return trimmed(a) == trimmed(b)
+    n = max(len(a), len(b))
+    return (*a, *[None] * (n - len(a))) == (*b, *[None] * (n - len(b)))
 
 
 def constraint_layout(
@@ -94,14 +88,6 @@ def _donations(
         if item.donated and once and frag.task == item.task and v not in returned:
             out[v] = frag
     return out
-
-
-def _labels(pipeline: Pipeline | None) -> dict[int, tuple[str, str, int, int]]:
-    """Fragment id -> (task, kind, stage, part) of each pipeline stage fragment or part of one."""
-    if pipeline is None:
-        return {}
-    stages = {id(f): (f.task.name, kind, stage, 0) for (kind, stage), f in pipeline.stages.items()}
-    return {**stages, **pipeline.parts}
 
 
 class _Lowering:
@@ -294,7 +280,11 @@ def lower(
             home_of.setdefault(atom, output.sharding)
 
     donate_in = _donations(graph, order, inputs)
-    labels = _labels(pipeline)
+    labels = {}  # fragment id -> (task, kind, stage, part) of a pipeline stage or part of one
+    if pipeline is not None:
+        stages = pipeline.stages.items()
+        labels = {id(f): (f.task.name, kind, stage, 0) for (kind, stage), f in stages}
+        labels.update(pipeline.parts)
     typed = graph.specs or None
     whole = typed is None and whole_everywhere(graph, tasks, inputs, outputs, low.op_task)
     consumers = graph.consumers()

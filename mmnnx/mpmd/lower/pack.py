@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.lower.localize import processes_of
 from mmnnx.mpmd.lower.program import (
     Action,
     Buffer,
@@ -374,7 +375,7 @@ def _sum_packing(
 
     next_slot = packing.num_slots
     for i, action in enumerate(program.actions):
-        if not isinstance(action, Zeros) or not _in_one_process(action.task):
+        if not isinstance(action, Zeros) or len(processes_of(action.task)) != 1:
             continue
         groups: dict[tuple, list[int]] = {}
         for k, (slot, dtype) in enumerate(zip(action.slots, action.dtypes, strict=True)):
@@ -394,14 +395,9 @@ def _sum_packing(
     return packing
 
 
-def _in_one_process(task: Any) -> bool:
-    """Whether all of ``task``'s devices belong to one process."""
-    return len({d.process_index for d in task.jax_mesh.devices.flat}) == 1
-
-
 def _packs_on(task: Any, sharding: Any) -> bool:
     """Whether a value laid out as ``sharding`` may travel in a flat buffer of ``task``."""
-    return _whole(sharding, task) and _in_one_process(task)
+    return _whole(sharding, task) and len(processes_of(task)) == 1
 
 
 def _whole(sharding: Any, task: Any) -> bool:
@@ -451,7 +447,7 @@ def _residual_packing(
     runs = [
         (i, a)
         for i, a in enumerate(actions)
-        if isinstance(a, Run) and a.microbatch is not None and _in_one_process(a.task)
+        if isinstance(a, Run) and a.microbatch is not None and len(processes_of(a.task)) == 1
     ]
     positions: dict[int, set[int]] = {}  # fragment id -> output positions packable every time
     for _, run in runs:
