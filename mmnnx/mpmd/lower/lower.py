@@ -70,9 +70,7 @@ def constraint_layout(
 
 
 def _donations(
-    graph: Graph,
-    order: Sequence[tuple[Fragment, int | None]],
-    inputs: Sequence[StepInput],
+    graph: Graph, order: Sequence[tuple[Fragment, int | None]], inputs: Sequence[StepInput]
 ) -> dict[int, Fragment]:
     """Donated inputs -> their last reader, which may consume their buffer (never one run per
     microbatch)."""

@@ -30,8 +30,7 @@ def _meeting(
 
 
 def check_same_order(
-    shares: Sequence[StepProgram],
-    processes: Callable[[Task], frozenset[int]] = processes_of,
+    shares: Sequence[StepProgram], processes: Callable[[Task], frozenset[int]] = processes_of
 ) -> None:
     """Raises :class:`~mmnnx.errors.MPMDError` unless every two processes' shares meet at the
     actions they share in the same order, naming the first two they meet at in different orders.

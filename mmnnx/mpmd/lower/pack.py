@@ -350,10 +350,7 @@ def _gathered_sums(program: StepProgram, graph: Graph) -> set[int]:
 
 
 def _sum_packing(
-    program: StepProgram,
-    packing: Packing,
-    gathered: set[int],
-    readers: dict[int, list[Run | None]],
+    program: StepProgram, packing: Packing, gathered: set[int], readers: dict[int, list[Run | None]]
 ) -> Packing:
     """Adds to ``packing`` the running sums of each :class:`Zeros` action, whole on its task, that
     only Runs on its task read, without donating, other than ``gathered`` ones: one buffer per dtype

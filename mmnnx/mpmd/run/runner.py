@@ -37,21 +37,13 @@ class Executable:
     ``plan.program`` is this process's share, and ``peers()`` returns the
     :class:`~mmnnx.mpmd.run.peers.Peers` that carry layouts and arrays between processes."""
 
-    def __init__(
-        self,
-        graph: Graph,
-        plan: Plan,
-        *,
-        name: str = "the step",
-        peers: Callable[[], Peers] | None = None,
-    ):
+    def __init__(self, graph: Graph, plan: Plan, *, peers: Callable[[], Peers] | None = None):
         self.graph = graph
         self.plan = plan
         self.program: StepProgram = plan.program
         self.tasks = plan.tasks
         self.owned_devices = {d for t in self.tasks for d in t.jax_mesh.devices.flat}
         self.may_fail = any(op.may_fail for op in graph.ops)
-        self.name = name
         self.compiled_plan: Plan | None = None
         self._make_peers = peers
         self._peers: Peers | None = None

@@ -59,11 +59,7 @@ def trace_step(
     def traced(avals: Sequence[Any], context: Any = None) -> TracedStep:
         with trace_state.tracing() as recorded, context or contextlib.nullcontext():
             graph, out_shape = trace(
-                pure,
-                avals,
-                name_as=name_as,
-                arg_names=names,
-                callback_failures=callback_failures,
+                pure, avals, name_as=name_as, arg_names=names, callback_failures=callback_failures
             )
         return TracedStep(graph=graph, trace=recorded, out_shape=out_shape)
 
