@@ -202,7 +202,7 @@ def pack(
         if residual_bytes
         else Packing({}, {}, program.num_slots)
     )
-    packing = _sum_packing(program, packing, _gathered_sums(program, graph), readers)
+    packing = _sum_packing(program, graph, packing, readers)
     if weight_bytes and input_names:
         packing = _weight_packing(program, graph, packing, weight_bytes, input_names, readers)
     if not packing.buffers:
@@ -337,29 +337,21 @@ def _readers(program: StepProgram) -> dict[int, list[Run | None]]:
     return readers
 
 
-def _gathered_sums(program: StepProgram, graph: Graph) -> set[int]:
-    """The slots of running sums that gather an output (each microbatch writes its own rows)."""
-    gathered = {op.ins[0] for op in graph.ops if is_gathered(op)}
-    return {
-        slot
-        for a in program.actions
-        if isinstance(a, Run)
-        for slot, position in zip(a.sums, a.summed, strict=True)
-        if a.fragment.out_ids[position] in gathered
-    }
-
-
 def _sum_packing(
-    program: StepProgram, packing: Packing, gathered: set[int], readers: dict[int, list[Run | None]]
+    program: StepProgram, graph: Graph, packing: Packing, readers: dict[int, list[Run | None]]
 ) -> Packing:
     """Adds to ``packing`` the running sums of each :class:`Zeros` action, whole on its task, that
-    only Runs on its task read, without donating, other than ``gathered`` ones: one buffer per dtype
-    and set of Runs adding to them."""
+    only Runs on its task read, without donating, other than those gathering an output (each
+    microbatch writes its own rows): one buffer per dtype and set of Runs adding to them."""
+    gathered_values = {op.ins[0] for op in graph.ops if is_gathered(op)}
     adders: dict[int, list[int]] = {}
+    gathered: set[int] = set()
     for i, a in enumerate(program.actions):
         if isinstance(a, Run):
-            for s in a.sums:
+            for s, position in zip(a.sums, a.summed, strict=True):
                 adders.setdefault(s, []).append(i)
+                if a.fragment.out_ids[position] in gathered_values:
+                    gathered.add(s)
 
     def packable(slot: int, dtype: Any, task: Any) -> bool:
         reads = [r for r in readers.get(slot, []) if r is not None]

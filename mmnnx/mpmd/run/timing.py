@@ -176,7 +176,6 @@ class BlockingTimer(Timer):
     """Times each action alone: waits for its results before the runner goes on."""
 
     def __init__(self) -> None:
-        self._start = 0.0
         self._events: list[Event] = []
 
     def begin(self) -> None:
@@ -272,7 +271,6 @@ class OverlapTimer(Timer):
     def __init__(self, switch_interval: float = 1e-4) -> None:
         self._switch_interval = switch_interval
         self._saved_interval = sys.getswitchinterval()
-        self._start = 0.0
         self._launches: list[_Launch] = []
         self._made_by: dict[int, int] = {}
         self._watchers: dict[str, tuple[queue.SimpleQueue, threading.Thread]] = {}
