@@ -40,9 +40,14 @@ def checked_argnums(
         ...
         ValueError: mm.jit: step has donate_argnums=(7,), but only accepts 4 positional arguments
     """
-    params = _parameters(fun)
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        params = None
+    count = None  # how many arguments the step takes by position (None: any number, or unknown)
+    if params is not None and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        count = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
     given = {"static_argnums": static_argnums, "donate_argnums": donate_argnums}
-    count = _positional_count(params)
     resolved = {}
     for option, nums in given.items():
         if count is None:
@@ -72,17 +77,3 @@ def checked_argnums(
             "a static argument is not an array, so it cannot be donated"
         )
     return Argnums(static=resolved["static_argnums"], donate=resolved["donate_argnums"])
-
-
-def _parameters(fun: Callable) -> list[inspect.Parameter] | None:
-    try:
-        return list(inspect.signature(fun).parameters.values())
-    except (TypeError, ValueError):
-        return None
-
-
-def _positional_count(params: list[inspect.Parameter] | None) -> int | None:
-    """How many arguments the step takes by position (``None``: any number, or unknown)."""
-    if params is None or any(p.kind is p.VAR_POSITIONAL for p in params):
-        return None
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)

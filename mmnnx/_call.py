@@ -115,8 +115,14 @@ class Call:
         added: list[Added] = []
 
         def pure(*leaves):
-            dyn_args, dyn_kwargs, fresh, nodes = self.rebuild(leaves)
-            args, kwargs = self.full_args(dyn_args, dyn_kwargs)
+            fresh = [v.replace(x) for v, x in zip(self.variables, leaves, strict=False)]
+            arrays = leaves[self.num_variables :]
+            nodes = [fresh[s] if s >= 0 else arrays[-1 - s] for s in self.slots]
+            dyn_args, dyn_kwargs = jax.tree.unflatten(self.treedef, nodes)
+            args = list(dyn_args)
+            for i, v in self.statics:
+                args[i] = v
+            kwargs = {**dyn_kwargs, **dict(self.static_kwargs)}
             self._rebuilt = [*args, *kwargs.values()]
             out = fun(*args, **kwargs)
             check_outputs(out, self.step_name)
@@ -268,15 +274,6 @@ class Call:
         check_optimizer_placement(roots + list(dyn_kwargs.items()))
         return inputs
 
-    def rebuild(self, values: Sequence[Any]) -> tuple[tuple, dict, list[Any], list[Any]]:
-        """The arguments with fresh Variables holding ``values``; also those Variables and the flat
-        nodes (for :meth:`check_unchanged`)."""
-        fresh = [v.replace(x) for v, x in zip(self.variables, values, strict=False)]
-        arrays = values[self.num_variables :]
-        nodes = [fresh[s] if s >= 0 else arrays[-1 - s] for s in self.slots]
-        dyn_args, dyn_kwargs = jax.tree.unflatten(self.treedef, nodes)
-        return dyn_args, dyn_kwargs, fresh, nodes
-
     def check_unchanged(self, dyn_args: tuple, dyn_kwargs: dict, before: list[Any]) -> None:
         """Raises if the step changed its arguments' structure, or an array not in a Variable."""
         step = self.step_name
@@ -322,9 +319,3 @@ class Call:
                     "back. Give it a live array (Variable.set_value) or restore a checkpoint"
                 )
         return None
-
-    def full_args(self, dyn_args: tuple, dyn_kwargs: dict) -> tuple[tuple, dict]:
-        args = list(dyn_args)
-        for i, v in self.statics:
-            args[i] = v
-        return tuple(args), {**dyn_kwargs, **dict(self.static_kwargs)}

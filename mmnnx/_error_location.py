@@ -42,14 +42,6 @@ _LIBRARIES = tuple(
 )
 
 
-def _is_library(filename: str) -> bool:
-    try:
-        resolved = str(pathlib.Path(filename).resolve())
-    except (OSError, ValueError):
-        return True
-    return resolved.startswith(_LIBRARIES) or filename.startswith("<")
-
-
 def _path_in(root: Any, target: Any) -> str | None:
     try:
         for path, node in nnx.graph.iter_graph(root):
@@ -94,7 +86,11 @@ def where(error: BaseException, roots: Sequence[Any]) -> str | None:
                 lines.append(f"raised in module {full}{owner} ({_describe(inner)})")
     for frame in reversed(frames):
         filename = frame.f_code.co_filename
-        if not _is_library(filename):
+        try:
+            library = str(pathlib.Path(filename).resolve()).startswith(_LIBRARIES)
+        except (OSError, ValueError):
+            library = True
+        if not library and not filename.startswith("<"):
             code = linecache.getline(filename, frame.f_lineno).strip()
             lines.append(f"at {filename}:{frame.f_lineno}: {code}")
             break

@@ -42,13 +42,9 @@ def is_variable(x: Any) -> bool:
     known = _VARIABLE_TYPES.get(kind)
     if known is None:
         known = isinstance(x, nnx.Variable)
-        if not _is_tracer(x):  # a traced Variable's answer depends on its value
+        if not isinstance(x, jax.core.Tracer):  # a traced Variable's answer depends on its value
             _VARIABLE_TYPES[kind] = known
     return known
-
-
-def _is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
 
 
 def variables_of(node: Any) -> list[tuple[Path, nnx.Variable]]:
@@ -176,18 +172,16 @@ def holders_of(roots: Sequence[Any]) -> list[dict | list]:
     found: dict[int, dict | list] = {}
     for root in roots:
         for _, node in nnx.iter_graph(root):
-            holder = _holder(node)
-            if holder is not None:
-                found.setdefault(id(holder), holder)
+            if isinstance(node, nnx.Pytree):
+                holder = vars(node)
+            elif isinstance(node, nnx.State):
+                holder = node.raw_mapping
+            elif type(node) in (list, dict):
+                holder = node
+            else:
+                continue
+            found.setdefault(id(holder), holder)
     return list(found.values())
-
-
-def _holder(node: Any) -> dict | list | None:
-    if isinstance(node, nnx.Pytree):
-        return vars(node)
-    if isinstance(node, nnx.State):
-        return node.raw_mapping
-    return node if type(node) in (list, dict) else None
 
 
 def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:
@@ -202,14 +196,11 @@ def child_slot(parent: Any, key: Any) -> tuple[Any, Any] | None:
         >>> holder[k] is layer.kernel
         True
     """
-    if isinstance(key, jax.tree_util.GetAttrKey):
+    if isinstance(key, jax.tree_util.SequenceKey) and isinstance(parent, list | tuple):
+        return parent, key.idx
+    if isinstance(key, jax.tree_util.GetAttrKey | jax.tree_util.SequenceKey):
+        name = key.name if isinstance(key, jax.tree_util.GetAttrKey) else str(key.idx)
         attrs = getattr(parent, "__dict__", None)
-        return (attrs, key.name) if attrs is not None and key.name in attrs else None
-    if isinstance(key, jax.tree_util.SequenceKey):
-        if isinstance(parent, list | tuple):
-            return parent, key.idx
-        attrs = getattr(parent, "__dict__", None)
-        name = str(key.idx)
         return (attrs, name) if attrs is not None and name in attrs else None
     if isinstance(key, jax.tree_util.DictKey):
         holder = parent.raw_mapping if isinstance(parent, nnx.State) else parent

@@ -102,11 +102,7 @@ class JitFunction:
         functools.update_wrapper(self, fun)
         given = JitOptions(*options, **named_options)
         static, donate = checked_argnums(
-            fun,
-            _step_name(fun),
-            given.static_argnums,
-            given.static_argnames,
-            given.donate_argnums,
+            fun, _step_name(fun), given.static_argnums, given.static_argnames, given.donate_argnums
         )
         self.options = dataclasses.replace(given, static_argnums=static, donate_argnums=donate)
 

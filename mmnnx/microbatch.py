@@ -122,7 +122,6 @@ def microbatch(
         if r not in _REDUCTIONS:
             raise ValueError(f"mm.microbatch: reduce {r!r} is not one of {_REDUCTIONS}")
     split_args = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    options = (schedule, virtual_stages)
 
     @functools.wraps(fun)
     def run(*args, **kwargs):
@@ -164,7 +163,9 @@ def microbatch(
                 stacklevel=3,
             )
         if trace is not None and m > 1:
-            result = _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce)
+            result = _traced_once(
+                trace, fun, args, kwargs, split_args, dim, m, schedule, virtual_stages, reduce
+            )
             if result is not None:
                 return result
 
@@ -340,29 +341,13 @@ def _in_row(x: Any, index: Any, m: int) -> Any:
     return jax.lax.dynamic_update_index_in_dim(jnp.zeros((m, *jnp.shape(x)), x.dtype), x, index, 0)
 
 
-def _collector(index: Any, group: int, m: int) -> Callable:
-    """A function from one microbatch's appended values to every microbatch's, interleaved as the
-    unrolled loop appends them (``None`` if one is not an array)."""
-
-    def collect(items: tuple) -> tuple | None:
-        if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in items):
-            return None
-        with jax.named_scope(f"{GROUP_PREFIX}{group}"):
-            rows = [_in_row(x, index, m) for x in items]
-        every = [primitives.accumulate(r, group, gathered=True) for r in rows]
-        return tuple(e[k] for k in range(m) for e in every)
-
-    return collect
-
-
-def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) -> Any | None:
+def _traced_once(trace, fun, args, kwargs, split_args, dim, m, schedule, virtual_stages, reduce):
     """Traces ``fun`` once on microbatch ``index`` and returns its outputs combined as ``reduce``
     says. RNG counts start each microbatch at its own draws, other state chains from the previous
     microbatch, sown values are collected from every microbatch. ``None`` (the arguments left as
     they were) when ``fun`` updates a parameter or an RNG key, or sows with its own
     ``reduce_fn``."""
     group = len(trace.microbatches)
-    schedule, virtual_stages = options
     variables = _variables(args, kwargs)
     before = [_snapshot(v.get_raw_value()) for v in variables]
     kinds = [
@@ -393,7 +378,17 @@ def _traced_once(trace, fun, args, kwargs, split_args, dim, m, options, reduce) 
     after = [v.get_raw_value() for v in variables]
     known = {id(v) for v in variables}
     added = [v for v in _variables(args, kwargs) if id(v) not in known]
-    collect = _collector(index, group, m)
+
+    def collect(items: tuple) -> tuple | None:
+        """One microbatch's appended values -> every microbatch's, interleaved as the unrolled
+        loop appends them (``None`` if one is not an array)."""
+        if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in items):
+            return None
+        with jax.named_scope(f"{GROUP_PREFIX}{group}"):
+            rows = [_in_row(x, index, m) for x in items]
+        every = [primitives.accumulate(r, group, gathered=True) for r in rows]
+        return tuple(e[k] for k in range(m) for e in every)
+
     sown = {}
     for v, b, a, kind in zip(variables, before, after, kinds, strict=True):
         if kind == "sown":

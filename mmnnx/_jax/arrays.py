@@ -68,9 +68,7 @@ def copier(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], A
     return spread
 
 
-@functools.lru_cache(maxsize=1024)
-def _copier_of(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], Any] | None:
-    return copier(source, target, ndim, dtype)
+_copier_of = functools.lru_cache(maxsize=1024)(copier)
 
 
 def move_to(x: Any, target: Any) -> Any:

@@ -25,6 +25,8 @@ from jax._src import compiler
 from jax._src.interpreters import mlir, pxla
 from jax._src.lib import xla_client
 
+from mmnnx._jax.retarget import stage_args
+
 
 class Recent:
     """A thread-safe table of at most ``size`` entries, the least recently used dropped first.
@@ -171,19 +173,17 @@ class SharedCompiles:
             executable = compiled._executable.xla_executable
             serialized = functools.cache(lambda: program.backend.serialize_executable(executable))
             first.set_result((serialized, took) if fresh else None)
-            _COMPILED.put(where, compiled)
-            return compiled
-        try:
-            serialized, took = first.result() or (None, 0.0)
-            if serialized is None:
-                raise LookupError
-            compiled = program.load(serialized())
-        except Exception:  # the first failed, was read from the cache, or does not serialize here
-            compiled = lowered.compile()
-            _COMPILED.put(where, compiled)
-            return compiled
-        program.persist(serialized(), took)
-        self._note(self.loaded, lowered)
+        else:
+            try:
+                serialized, took = first.result() or (None, 0.0)
+                if serialized is None:
+                    raise LookupError
+                compiled = program.load(serialized())
+            except Exception:  # the first failed, was read from the cache, or does not serialize
+                compiled = lowered.compile()
+            else:
+                program.persist(serialized(), took)
+                self._note(self.loaded, lowered)
         _COMPILED.put(where, compiled)
         return compiled
 
@@ -330,15 +330,7 @@ class _Program:
             all_args_info=args.get("all_args_info"),
             pgle_profiler=args.get("pgle_profiler"),
         )
-        return jax.stages.Compiled(
-            unloaded.load(),
-            computation.const_args,
-            lowered.args_info,
-            lowered.out_tree,
-            lowered._no_kwargs,
-            lowered._in_types,
-            lowered._out_types,
-        )
+        return jax.stages.Compiled(unloaded.load(), computation.const_args, *stage_args(lowered))
 
     def persist(self, data: bytes, took: float) -> None:
         """Writes the program, loaded from ``data`` (its executable as compiled, in ``took``

@@ -83,14 +83,13 @@ def retarget(lowered: Any, devices: Mapping[Any, Any]) -> Any | None:
         device_list,
         **moved,
     )
-    return jax.stages.Lowered(
-        again,
-        lowered.args_info,
-        lowered.out_tree,
-        lowered._no_kwargs,
-        lowered._in_types,
-        lowered._out_types,
-    )
+    return jax.stages.Lowered(again, *stage_args(lowered))
+
+
+def stage_args(lowered: Any) -> tuple:
+    """What ``jax.stages.Lowered`` and ``Compiled`` take after the computation, from ``lowered``."""
+    names = ("args_info", "out_tree", "_no_kwargs", "_in_types", "_out_types")
+    return tuple(getattr(lowered, name) for name in names)
 
 
 class _CannotMove(Exception):

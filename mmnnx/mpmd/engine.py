@@ -132,12 +132,8 @@ def build_step(
             process=jax.process_index(),
             num_processes=jax.process_count(),
         )
-    executable = Executable(
-        planned.graph,
-        planned.plan,
-        name=repr(name),
-        peers=None if peers is None else peers(planned, inputs, name),
-    )
+    remote = None if peers is None else peers(planned, inputs, name)
+    executable = Executable(planned.graph, planned.plan, peers=remote)
     return BuiltStep(
         executable=executable,
         tree=jax.tree.structure(traced.out_shape[0]),
@@ -238,11 +234,7 @@ def plan_step(
         )
 
     return PlannedStep(
-        graph=graph,
-        plan=plan_for(process),
-        lowered=lowered,
-        expansion=expansion,
-        plan_for=plan_for,
+        graph=graph, plan=plan_for(process), lowered=lowered, expansion=expansion, plan_for=plan_for
     )
 
 

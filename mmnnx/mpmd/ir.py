@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,18 @@ class Graph:
                     if isinstance(a, int):
                         self._consumers.setdefault(a, []).append(op)
         return self._consumers
+
+
+def live_ops(ops: Sequence[Op], needed: Iterable[Any], keep: Callable = lambda op: False) -> list:
+    """The ops of ``ops`` with an effect, that ``keep`` accepts or that make a value ``needed`` or
+    read by another kept one, in order."""
+    needed = set(needed)
+    kept = []
+    for op in reversed(ops):
+        if op.effectful or keep(op) or any(v in needed for v in op.outs):
+            kept.append(op)
+            needed.update(a for a in op.ins if type(a) is int)
+    return kept[::-1]
 
 
 def aval_info(aval: Any) -> tuple[tuple[int, ...], Any, int]:

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from mmnnx._jax.retarget import lowers_without_devices
-from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.ir import Graph, Op, live_ops
 from mmnnx.mpmd.lower.program import Run
 from mmnnx.mpmd.plan.cut import Fragment
 from mmnnx.mpmd.primitives import is_constraint
@@ -108,16 +108,10 @@ def live_view(fragment: Fragment) -> tuple[list[Op], dict[int, int]]:
     (the others are dropped when it is lowered), but for ``mm.with_sharding_constraint`` on a
     one-device task (nothing to lay out), which reads as its operand: ``aliases`` maps such a
     constraint's result to the value it stands for."""
-    needed = set(fragment.out_ids)
-    live: list[Op] = []
-    for op in reversed(fragment.ops):
-        if op.effectful or any(v in needed for v in op.outs):
-            live.append(op)
-            needed.update(a for a in op.ins if type(a) is int)
     one_device = fragment.task.jax_mesh.size == 1
     aliases: dict[int, int] = {}
     ops = []
-    for op in reversed(live):
+    for op in live_ops(fragment.ops, fragment.out_ids):
         if one_device and is_constraint(op) and type(op.ins[0]) is int:
             aliases[op.outs[0]] = aliases.get(op.ins[0], op.ins[0])
         else:

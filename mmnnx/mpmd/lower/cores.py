@@ -21,7 +21,7 @@ import collections
 import dataclasses
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
-from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.ir import Graph, Op, live_ops
 from mmnnx.mpmd.lower.alike import AlikeKeys, live_view, op_key
 from mmnnx.mpmd.plan.cut import Fragment, after_backward, kinds_of
 from mmnnx.mpmd.plan.pipeline import Pipeline
@@ -36,7 +36,10 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     fused = {id(pipeline.order[i + k][0]) for i in pipeline.fused for k in (0, 1)}
     keys = _OpKeys(graph)
     alike = AlikeKeys(graph)
-    replicas = _replicas(pipeline)
+    seen = collections.Counter(
+        op.index for frag in {id(f): f for f, _ in pipeline.order}.values() for op in frag.ops
+    )
+    replicas = {index for index, count in seen.items() if count > 1}  # ops recomputed by several
     label_of = {id(f): (f.task.name, kind, stage) for (kind, stage), f in pipeline.stages.items()}
     groups: dict[Hashable, list[Fragment]] = {}
     for (kind, _), frag in pipeline.stages.items():
@@ -48,16 +51,8 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     for group in groups.values():
         references: list[Fragment] = []
         for frag in sorted(group, key=lambda f: len(keys.live(f)[0])):
-            parts = None
-            if id(frag) not in fused:
-                parts = next(
-                    (
-                        p
-                        for r in references
-                        if (p := _cut(graph, frag, r, keys, alike, replicas)) is not None
-                    ),
-                    None,
-                )
+            tries = (_cut(graph, frag, r, keys, alike, replicas) for r in references)
+            parts = None if id(frag) in fused else next((p for p in tries if p is not None), None)
             if parts is None:
                 references.append(frag)
                 continue
@@ -83,14 +78,6 @@ def share_cores(graph: Graph, pipeline: Pipeline) -> Pipeline:
     return dataclasses.replace(
         pipeline, order=order, fused=frozenset(new_fused), parts={**pipeline.parts, **parts}
     )
-
-
-def _replicas(pipeline: Pipeline) -> set[int]:
-    """The ops (by index) that several fragments recompute, each for itself."""
-    seen = collections.Counter(
-        op.index for frag in {id(f): f for f, _ in pipeline.order}.values() for op in frag.ops
-    )
-    return {index for index, count in seen.items() if count > 1}
 
 
 class _OpKeys:
@@ -218,7 +205,12 @@ def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op]
         return None
     match = _Match(set(reference.in_ids), stands_for)
     at = {id(op): k for k, op in enumerate(live)}
-    readers = _readers(candidates, stands_for)
+    readers: dict[tuple[Hashable, int, int], list[Op]] = {}  # by (key, position, value read)
+    for key, ops in candidates.items():
+        for op in ops:
+            for position, y in enumerate(op.ins):
+                if type(y) is int:
+                    readers.setdefault((key, position, stands_for.get(y, y)), []).append(op)
     ops: list[Op] = []
     where: list[int] = []  # the place in ``live`` of each op matched
     choices: list[tuple[int, list[Op], _Match]] = []  # (position, untried fits, match before)
@@ -249,20 +241,6 @@ def _match(frag: Fragment, reference: Fragment, keys: _OpKeys) -> tuple[list[Op]
     if any(v not in values for v in (*reference.in_ids, *reference.out_ids)):
         return None
     return ops, values
-
-
-def _readers(
-    candidates: dict[Hashable, list[Op]], stands_for: dict[int, int]
-) -> dict[tuple[Hashable, int, int], list[Op]]:
-    """The candidates by ``(key, position, value)``: those reading the value (as constraints
-    stand for) at that operand position."""
-    readers: dict[tuple[Hashable, int, int], list[Op]] = {}
-    for key, ops in candidates.items():
-        for op in ops:
-            for position, y in enumerate(op.ins):
-                if type(y) is int:
-                    readers.setdefault((key, position, stands_for.get(y, y)), []).append(op)
-    return readers
 
 
 def _pool(
@@ -349,15 +327,8 @@ def _around(
     core_indices = {op.index for op in core.ops}
     core_made = {v for op in core.ops for v in op.outs}
     core_out = set(core.out_ids)
-    needed = set(frag.out_ids) | set(core.in_ids)
-    rest: list[Op] = []
-    for op in reversed(frag.ops):
-        if id(op) in core_ids or op.index in core_indices:
-            continue
-        if op.effectful or any(v in needed for v in op.outs):
-            rest.append(op)
-            needed.update(a for a in op.ins if type(a) is int)
-    rest.reverse()
+    outside = [op for op in frag.ops if id(op) not in core_ids and op.index not in core_indices]
+    rest = live_ops(outside, [*frag.out_ids, *core.in_ids])
     made_by = {v: op for op in (*core.ops, *rest) for v in op.outs}
     for op in rest:
         for a in op.ins:
@@ -375,7 +346,16 @@ def _around(
         core,
         _part(graph, frag, f"{frag.name}.after", last, made_by, replicas),
     ]
-    parts = _with_outputs([p for p in parts if p.ops], frag)
+    parts = [p for p in parts if p.ops]
+    read_later: set[int] = set(frag.out_ids)
+    for k in range(len(parts) - 1, -1, -1):  # each but the core returns what later ones read
+        part = parts[k]
+        if part is not core:
+            recomputed = {v for p in parts if p is not part for op in p.ops for v in op.outs}
+            made = [v for op in part.ops for v in op.outs]
+            outs = [v for v in made if v in read_later and v not in recomputed]
+            part = parts[k] = dataclasses.replace(part, out_ids=outs)
+        read_later.update(part.in_ids)
     ready = set(frag.in_ids)
     for part in parts:  # each reads what the step has or an earlier part made
         if any(v not in ready for v in part.in_ids):
@@ -416,20 +396,3 @@ def _upstream(values: Iterable, made_by: dict[int, Op], keep: Callable[[Op], boo
                 made_by[a] for a in op.ins if type(a) is int and a in made_by and keep(made_by[a])
             ]
     return found
-
-
-def _with_outputs(parts: list[Fragment], frag: Fragment) -> list[Fragment]:
-    """``parts`` with the outputs of each but the core: what it makes, not recomputed, that is
-    read later."""
-    read_later: set[int] = set(frag.out_ids)
-    out = []
-    for part in reversed(parts):
-        if not part.name.endswith(".core"):
-            recomputed = {v for p in parts if p is not part for op in p.ops for v in op.outs}
-            made = [v for op in part.ops for v in op.outs]
-            part = dataclasses.replace(
-                part, out_ids=[v for v in made if v in read_later and v not in recomputed]
-            )
-        read_later.update(part.in_ids)
-        out.append(part)
-    return out[::-1]

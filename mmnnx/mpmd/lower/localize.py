@@ -10,6 +10,7 @@ published by its task's first process (:class:`PublishLayout`) and read by the o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from mmnnx.mpmd.lower.program import (
@@ -51,14 +52,7 @@ def localize(
     """The pass: the share of ``program`` that ``process`` (of ``num_processes``) runs.
 
     ``processes``: the processes of a task's devices (by default read off the devices)."""
-    cache: dict[Task, frozenset[int]] = {}
-
-    def procs(task: Task) -> frozenset[int]:
-        found = cache.get(task)
-        if found is None:
-            found = cache[task] = processes(task)
-        return found
-
+    procs = functools.cache(processes)
     layouts = program.shardings
     held = {slot for slot, _ in program.inputs}
     published: set[int] = set()

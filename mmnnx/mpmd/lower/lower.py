@@ -54,14 +54,8 @@ def same_spec(a: PartitionSpec, b: PartitionSpec) -> bool:
         >>> same_spec(PartitionSpec("x", None), PartitionSpec("x"))
         True
     """
-
-    def trimmed(spec):
-        entries = list(spec)
-        while entries and entries[-1] is None:
-            entries.pop()
-        return entries
-
-    return trimmed(a) == trimmed(b)
+    n = max(len(a), len(b))
+    return (*a, *[None] * (n - len(a))) == (*b, *[None] * (n - len(b)))
 
 
 def constraint_layout(
@@ -76,9 +70,7 @@ def constraint_layout(
 
 
 def _donations(
-    graph: Graph,
-    order: Sequence[tuple[Fragment, int | None]],
-    inputs: Sequence[StepInput],
+    graph: Graph, order: Sequence[tuple[Fragment, int | None]], inputs: Sequence[StepInput]
 ) -> dict[int, Fragment]:
     """Donated inputs -> their last reader, which may consume their buffer (never one run per
     microbatch)."""
@@ -94,14 +86,6 @@ def _donations(
         if item.donated and once and frag.task == item.task and v not in returned:
             out[v] = frag
     return out
-
-
-def _labels(pipeline: Pipeline | None) -> dict[int, tuple[str, str, int, int]]:
-    """Fragment id -> (task, kind, stage, part) of each pipeline stage fragment or part of one."""
-    if pipeline is None:
-        return {}
-    stages = {id(f): (f.task.name, kind, stage, 0) for (kind, stage), f in pipeline.stages.items()}
-    return {**stages, **pipeline.parts}
 
 
 class _Lowering:
@@ -146,19 +130,6 @@ class _Lowering:
             self.activations[slot] = (task.name, m)
         return slot
 
-    def read_before_made(self, v: int, task: Task, m: int | None) -> MPMDError:
-        """The error for a program on ``task`` reading value ``v`` before any program makes it."""
-        maker = self.graph.producers().get(v)
-        what = f"`{maker.name}` at {maker.source}" if maker is not None else f"value {v}"
-        made_on = self.op_task.get(maker.index) if maker is not None else None
-        where = f" on task {made_on.name!r}" if made_on is not None else ""
-        of = f" for microbatch {m}" if m is not None else ""
-        return MPMDError(
-            f"mm.jit: a program on task {task.name!r} reads the result of {what}{where}{of} "
-            "before the program that makes it runs; place the Variables that code reads on "
-            f"task {task.name!r}, or put it in an mm.task({task.name!r}) region"
-        )
-
     def zeros(
         self, frag: Fragment, positions: Sequence[int], sums: Sequence[int], shardings: Sequence
     ) -> tuple[int, ...]:
@@ -166,21 +137,18 @@ class _Lowering:
         output's pinned sharding, else replicated (known before its program compiles)."""
         task = frag.task
         layouts = [shardings[i] or task.sharding() for i in positions]
-        slots = []
-        for u, layout in zip(sums, layouts, strict=True):
-            slots.append(self.new_slot(u, task, layout, None))
-            self.where[(u, None)] = task
-        graph = self.graph
+        slots = tuple(self.new_slot(u, task, s, None) for u, s in zip(sums, layouts, strict=True))
+        self.where.update(dict.fromkeys([(u, None) for u in sums], task))
         self.actions.append(
             Zeros(
                 task=task,
-                slots=tuple(slots),
-                shapes=tuple(graph.shapes[u] for u in sums),
-                dtypes=tuple(graph.dtypes[u] for u in sums),
+                slots=slots,
+                shapes=tuple(self.graph.shapes[u] for u in sums),
+                dtypes=tuple(self.graph.dtypes[u] for u in sums),
                 shardings=tuple(layouts),
             )
         )
-        return tuple(slots)
+        return slots
 
     def chained(self, v: int, m: int | None) -> tuple[int, int | None]:
         """The value (and microbatch) a chain marker's result stands for: the Variable's value
@@ -220,8 +188,17 @@ class _Lowering:
             del self.activations[slot]  # a constant, not an activation
             self.actions.append(Constant(slot=slot, task=task, value=m))
             return slot
-        if (v, m) not in self.where:
-            raise self.read_before_made(v, task, m)
+        if (v, m) not in self.where:  # read before any program makes it
+            maker = graph.producers().get(v)
+            what = f"`{maker.name}` at {maker.source}" if maker is not None else f"value {v}"
+            made_on = self.op_task.get(maker.index) if maker is not None else None
+            where = f" on task {made_on.name!r}" if made_on is not None else ""
+            of = f" for microbatch {m}" if m is not None else ""
+            raise MPMDError(
+                f"mm.jit: a program on task {task.name!r} reads the result of {what}{where}{of} "
+                "before the program that makes it runs; place the Variables that code reads on "
+                f"task {task.name!r}, or put it in an mm.task({task.name!r}) region"
+            )
         source = self.where[(v, m)]
         src_slot = self.find(v, source, m)
         if want is None and graph.specs:  # sharding in types: the type's, on this task
@@ -294,7 +271,11 @@ def lower(
             home_of.setdefault(atom, output.sharding)
 
     donate_in = _donations(graph, order, inputs)
-    labels = _labels(pipeline)
+    labels = {}  # fragment id -> (task, kind, stage, part) of a pipeline stage or part of one
+    if pipeline is not None:
+        stages = pipeline.stages.items()
+        labels = {id(f): (f.task.name, kind, stage, 0) for (kind, stage), f in stages}
+        labels.update(pipeline.parts)
     typed = graph.specs or None
     whole = typed is None and whole_everywhere(graph, tasks, inputs, outputs, low.op_task)
     consumers = graph.consumers()

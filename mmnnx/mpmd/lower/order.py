@@ -8,6 +8,7 @@ breaks it fail at planning, naming the two actions, instead of hanging at run ti
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from mmnnx.errors import MPMDError
@@ -29,8 +30,7 @@ def _meeting(
 
 
 def check_same_order(
-    shares: Sequence[StepProgram],
-    processes: Callable[[Task], frozenset[int]] = processes_of,
+    shares: Sequence[StepProgram], processes: Callable[[Task], frozenset[int]] = processes_of
 ) -> None:
     """Raises :class:`~mmnnx.errors.MPMDError` unless every two processes' shares meet at the
     actions they share in the same order, naming the first two they meet at in different orders.
@@ -38,13 +38,7 @@ def check_same_order(
     Example:
         >>> check_same_order([])  # no process: nothing to check
     """
-    cache: dict[Task, frozenset[int]] = {}
-
-    def procs(task: Task) -> frozenset[int]:
-        if task not in cache:
-            cache[task] = processes(task)
-        return cache[task]
-
+    procs = functools.cache(processes)
     met: list[dict[int, list[tuple[tuple, Action]]]] = []
     for share in shares:
         with_peer: dict[int, list[tuple[tuple, Action]]] = {}

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from mmnnx.mpmd.ir import Graph
+from mmnnx.mpmd.lower.localize import processes_of
 from mmnnx.mpmd.lower.program import (
     Action,
     Buffer,
@@ -110,12 +111,6 @@ class Packing:
         made = (*self.by_run.values(), *self.by_zeros.values(), *self.weights.values())
         return [packed for buffers in made for packed in buffers]
 
-    def _buffer_of(self, run: Run, slot: int) -> Buffer | None:
-        packed = self.of_member.get(slot)
-        if packed is None and run.microbatch is not None:
-            packed = self.of_weight.get(slot)
-        return packed
-
     def zeros(self, index: int, action: Zeros) -> Zeros:
         """The :class:`Zeros` action at ``index``: its unpacked sums, then one buffer per packed
         group."""
@@ -154,15 +149,15 @@ class Packing:
         reads: list[InputRead] = []
         packed_args: dict[int, Buffer] = {}
         for s in run.ins:
-            packed = self._buffer_of(run, s)
+            packed = self.of_member.get(s)
+            if packed is None and run.microbatch is not None:
+                packed = self.of_weight.get(s)
             slot = s if packed is None else packed.slot
             if slot not in args:
                 args.append(slot)
             k = args.index(slot)
-            if packed is None:
-                reads.append(InputRead(arg=k))
-            else:
-                reads.append(InputRead(arg=k, member=packed.member(s)))
+            reads.append(InputRead(arg=k, member=packed and packed.member(s)))
+            if packed is not None:
                 packed_args[k] = packed
         return tuple(args), tuple(reads), packed_args
 
@@ -196,15 +191,20 @@ def pack(
     weight_bytes: int = 0,
     inputs: Sequence[StepInput] = (),
 ) -> StepProgram:
-    """The pass: ``program`` with the running sums, residuals of at most ``residual_bytes`` and
-    block weights of at most ``weight_bytes`` travelling as flat buffers (:func:`plan_packing`)."""
-    packing = plan_packing(
-        program,
-        graph,
-        residual_bytes=residual_bytes,
-        weight_bytes=weight_bytes,
-        inputs=inputs,
+    """The pass: ``program`` with the running sums (:func:`_sum_packing`), residuals of at most
+    ``residual_bytes`` (:func:`_residual_packing`) and block weights of at most ``weight_bytes``
+    (:func:`_weight_packing`, blocks found by the paths of the step's ``inputs``) travelling as
+    flat buffers."""
+    input_names = [i.name for i in inputs]
+    readers = _readers(program)
+    packing = (
+        _residual_packing(program, graph, residual_bytes, input_names, readers)
+        if residual_bytes
+        else Packing({}, {}, program.num_slots)
     )
+    packing = _sum_packing(program, graph, packing, readers)
+    if weight_bytes and input_names:
+        packing = _weight_packing(program, graph, packing, weight_bytes, input_names, readers)
     if not packing.buffers:
         return program
     shardings = [*program.shardings, *[None] * (packing.num_slots - program.num_slots)]
@@ -257,29 +257,6 @@ def pack(
     return program.replace(
         actions=tuple(actions), shardings=tuple(shardings), activations=activations
     )
-
-
-def plan_packing(
-    program: StepProgram,
-    graph: Graph,
-    *,
-    residual_bytes: int = _MAX_BYTES,
-    weight_bytes: int = 0,
-    inputs: Sequence[StepInput] = (),
-) -> Packing:
-    """What :func:`pack` packs: sums (:func:`_sum_packing`), residuals (:func:`_residual_packing`)
-    and weights (:func:`_weight_packing`, blocks found by the paths of the step's ``inputs``)."""
-    input_names = [i.name for i in inputs]
-    readers = _readers(program)
-    packing = (
-        _residual_packing(program, graph, residual_bytes, input_names, readers)
-        if residual_bytes
-        else Packing({}, {}, program.num_slots)
-    )
-    packing = _sum_packing(program, packing, _gathered_sums(program, graph), readers)
-    if weight_bytes and input_names:
-        packing = _weight_packing(program, graph, packing, weight_bytes, input_names, readers)
-    return packing
 
 
 def block_of(path: str) -> tuple[str, str] | None:
@@ -360,32 +337,21 @@ def _readers(program: StepProgram) -> dict[int, list[Run | None]]:
     return readers
 
 
-def _gathered_sums(program: StepProgram, graph: Graph) -> set[int]:
-    """The slots of running sums that gather an output (each microbatch writes its own rows)."""
-    gathered = {op.ins[0] for op in graph.ops if is_gathered(op)}
-    return {
-        slot
-        for a in program.actions
-        if isinstance(a, Run)
-        for slot, position in zip(a.sums, a.summed, strict=True)
-        if a.fragment.out_ids[position] in gathered
-    }
-
-
 def _sum_packing(
-    program: StepProgram,
-    packing: Packing,
-    gathered: set[int],
-    readers: dict[int, list[Run | None]],
+    program: StepProgram, graph: Graph, packing: Packing, readers: dict[int, list[Run | None]]
 ) -> Packing:
     """Adds to ``packing`` the running sums of each :class:`Zeros` action, whole on its task, that
-    only Runs on its task read, without donating, other than ``gathered`` ones: one buffer per dtype
-    and set of Runs adding to them."""
+    only Runs on its task read, without donating, other than those gathering an output (each
+    microbatch writes its own rows): one buffer per dtype and set of Runs adding to them."""
+    gathered_values = {op.ins[0] for op in graph.ops if is_gathered(op)}
     adders: dict[int, list[int]] = {}
+    gathered: set[int] = set()
     for i, a in enumerate(program.actions):
         if isinstance(a, Run):
-            for s in a.sums:
+            for s, position in zip(a.sums, a.summed, strict=True):
                 adders.setdefault(s, []).append(i)
+                if a.fragment.out_ids[position] in gathered_values:
+                    gathered.add(s)
 
     def packable(slot: int, dtype: Any, task: Any) -> bool:
         reads = [r for r in readers.get(slot, []) if r is not None]
@@ -398,7 +364,7 @@ def _sum_packing(
 
     next_slot = packing.num_slots
     for i, action in enumerate(program.actions):
-        if not isinstance(action, Zeros) or not _in_one_process(action.task):
+        if not isinstance(action, Zeros) or len(processes_of(action.task)) != 1:
             continue
         groups: dict[tuple, list[int]] = {}
         for k, (slot, dtype) in enumerate(zip(action.slots, action.dtypes, strict=True)):
@@ -418,14 +384,9 @@ def _sum_packing(
     return packing
 
 
-def _in_one_process(task: Any) -> bool:
-    """Whether all of ``task``'s devices belong to one process."""
-    return len({d.process_index for d in task.jax_mesh.devices.flat}) == 1
-
-
 def _packs_on(task: Any, sharding: Any) -> bool:
     """Whether a value laid out as ``sharding`` may travel in a flat buffer of ``task``."""
-    return _whole(sharding, task) and _in_one_process(task)
+    return _whole(sharding, task) and len(processes_of(task)) == 1
 
 
 def _whole(sharding: Any, task: Any) -> bool:
@@ -475,7 +436,7 @@ def _residual_packing(
     runs = [
         (i, a)
         for i, a in enumerate(actions)
-        if isinstance(a, Run) and a.microbatch is not None and _in_one_process(a.task)
+        if isinstance(a, Run) and a.microbatch is not None and len(processes_of(a.task)) == 1
     ]
     positions: dict[int, set[int]] = {}  # fragment id -> output positions packable every time
     for _, run in runs:

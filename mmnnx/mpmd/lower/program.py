@@ -330,11 +330,7 @@ class Zeros:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[np.dtype, ...]
     shardings: tuple[NamedSharding, ...]
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        """The slots it reads: none."""
-        return ()
+    members = ()  # the slots it reads: none (not a field)
 
     @property
     def made(self) -> tuple[int, ...]:

@@ -6,7 +6,6 @@ before their producers compile, and packing (:mod:`~mmnnx.mpmd.lower.pack`) may 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from jax.extend import core as jcore
 
@@ -45,10 +44,6 @@ def _sets_layout(name: str, params: dict, task: Task | None, known: dict) -> boo
     return False
 
 
-def _whole(sharding: Any) -> bool:
-    return sharding is None or sharding.is_fully_replicated
-
-
 def whole_everywhere(
     graph: Graph,
     tasks: Sequence[Task],
@@ -62,7 +57,7 @@ def whole_everywhere(
     if all(task.jax_mesh.devices.size == 1 for task in tasks):
         return False
     shardings = [i.task_sharding for i in inputs] + [o.sharding for o in outputs]
-    if not all(_whole(s) for s in shardings):
+    if not all(s is None or s.is_fully_replicated for s in shardings):
         return False
     known: dict[tuple, bool] = {}
     return not any(

@@ -71,11 +71,9 @@ def step_failed(name: str, donated: bool, cause: str) -> StepError:
         >>> str(step_failed("train_step", False, "ValueError: bad batch")).split(";")[0]
         'mm.jit: train_step failed while running (ValueError: bad batch)'
     """
-    kept = (
-        "its arguments keep the values they had before this call, except donated ones"
-        if donated
-        else "its arguments keep the values they had before this call"
-    )
+    kept = "its arguments keep the values they had before this call"
+    if donated:
+        kept += ", except donated ones"
     return StepError(
         f"mm.jit: {name} failed while running ({cause}); {kept}, and the next call runs normally"
     )

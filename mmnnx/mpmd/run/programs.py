@@ -54,9 +54,12 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
     if packing is None:
         sums: list[tuple[Buffer | None, tuple[int, ...]]] = [(None, (i,)) for i in run.summed]
         buffers: dict[int, Buffer] = {}
-    else:
+        donated = list(run.donate)
+    else:  # a packed member is not donated: its buffer holds other members too
         sums = [(s.buffer, s.positions) for s in packing.sums]
         buffers = dict(packing.buffers)
+        reads = packing.reads
+        donated = sorted({reads[p].arg for p in run.donate if reads[p].member is None})
     total_shardings = list(in_shardings[n : n + len(sums)])
     offsets = [] if packing is None else slice_offsets(packing.reads, buffers)
     offset_arg = {at: n + len(sums) + j for j, at in enumerate(offsets)}
@@ -114,37 +117,26 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
         in_shardings += [typed(frag.out_ids[i]) for i in run.summed]
         total_shardings = list(in_shardings[n:])
         out_shardings = [typed(frag.out_ids[i]) for i in returned] + total_shardings
+
+    def aval(v: int | Buffer, s: Any) -> jax.ShapeDtypeStruct:
+        if isinstance(v, Buffer):
+            return jax.ShapeDtypeStruct((v.size,), v.dtype, sharding=s)
+        return jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
+
     if packing is None:
-        avals = [
-            jax.ShapeDtypeStruct(graph.shapes[v], graph.dtypes[v], sharding=s)
-            for v, s in zip(frag.in_ids, in_shardings[:n], strict=True)
-        ]
-    else:
-        first = {}
-        for j, r in enumerate(packing.reads):
-            first.setdefault(r.arg, j)
-        avals = [
-            jax.ShapeDtypeStruct((buffer.size,), buffer.dtype, sharding=in_shardings[k])
-            if (buffer := buffers.get(k)) is not None
-            else jax.ShapeDtypeStruct(
-                graph.shapes[frag.in_ids[first[k]]],
-                graph.dtypes[frag.in_ids[first[k]]],
-                sharding=in_shardings[k],
-            )
-            for k in range(n)
-        ]
+        avals = [aval(v, s) for v, s in zip(frag.in_ids, in_shardings[:n], strict=True)]
+    else:  # each unpacked argument: the value its first read takes
+        first = list(zip(packing.reads, frag.in_ids, strict=True))[::-1]
+        value_of = {r.arg: v for r, v in first}
+        avals = [aval(buffers.get(k) or value_of[k], in_shardings[k]) for k in range(n)]
     avals += [
-        jax.ShapeDtypeStruct(
-            graph.shapes[frag.out_ids[at[0]]], graph.dtypes[frag.out_ids[at[0]]], sharding=s
-        )
-        if buffer is None
-        else jax.ShapeDtypeStruct((buffer.size,), buffer.dtype, sharding=s)
+        aval(frag.out_ids[at[0]] if buffer is None else buffer, s)
         for (buffer, at), s in zip(sums, total_shardings, strict=True)
     ]
     avals += [
         jax.ShapeDtypeStruct((), jnp.int32, sharding=in_shardings[i]) for i in offset_arg.values()
     ]
-    donate = (*_donated_args(run), *range(n, n + len(total_shardings)))
+    donate = (*donated, *range(n, n + len(total_shardings)))
     return _Part(
         body=body,
         in_shardings=list(in_shardings),
@@ -153,15 +145,6 @@ def _part(graph: Graph, run: Run, in_shardings: Sequence[Any]) -> _Part:
         avals=avals,
         explicit=explicit,
     )
-
-
-def _donated_args(run: Run) -> list[int]:
-    """The arguments ``run``'s program donates: a packed member is not donated (its buffer holds
-    other members too)."""
-    if run.packing is None:
-        return list(run.donate)
-    reads = run.packing.reads
-    return sorted({reads[p].arg for p in run.donate if reads[p].member is None})
 
 
 def lower_fragments(

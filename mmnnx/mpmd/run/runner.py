@@ -37,21 +37,13 @@ class Executable:
     ``plan.program`` is this process's share, and ``peers()`` returns the
     :class:`~mmnnx.mpmd.run.peers.Peers` that carry layouts and arrays between processes."""
 
-    def __init__(
-        self,
-        graph: Graph,
-        plan: Plan,
-        *,
-        name: str = "the step",
-        peers: Callable[[], Peers] | None = None,
-    ):
+    def __init__(self, graph: Graph, plan: Plan, *, peers: Callable[[], Peers] | None = None):
         self.graph = graph
         self.plan = plan
         self.program: StepProgram = plan.program
         self.tasks = plan.tasks
         self.owned_devices = {d for t in self.tasks for d in t.jax_mesh.devices.flat}
         self.may_fail = any(op.may_fail for op in graph.ops)
-        self.name = name
         self.compiled_plan: Plan | None = None
         self._make_peers = peers
         self._peers: Peers | None = None
@@ -73,12 +65,9 @@ class Executable:
     def _build(self, compiler: Compiler) -> None:
         program = self.program
         emitted = emit(self.graph, program, compiler, self._peers, self._mover, self.plan.pipeline)
-        steps, resolved = emitted.steps, emitted.resolved
-        self._constants = emitted.constants
-        self._outputs = emitted.outputs
-        self._rewrap = emitted.rewrap
-        self._num_slots = emitted.num_slots
-        fragment_programs = emitted.fragment_programs
+        steps, fragment_programs = emitted.steps, emitted.fragment_programs
+        self._constants, self._outputs = emitted.constants, emitted.outputs
+        self._rewrap, self._num_slots = emitted.rewrap, emitted.num_slots
         self._inputs = program.inputs
         for step in steps:
             if isinstance(step, Launch):
@@ -106,7 +95,9 @@ class Executable:
         transfers = [
             t
             if t.sharding is not None
-            else dataclasses.replace(t, sharding=resolved.get((t.value, t.source, t.target)))
+            else dataclasses.replace(
+                t, sharding=emitted.resolved.get((t.value, t.source, t.target))
+            )
             for t in self.plan.transfers
         ]
         self.compiled_plan = dataclasses.replace(
@@ -185,8 +176,13 @@ class Executable:
                     outs = launch.launch([env[s] for s in slots])
                 else:
                     args = [env[s] for s in step.args]
-                    if checking and self._direct[i] is not None:
-                        self._check_layouts(i, args)
+                    plan = self._direct[i]
+                    if checking and plan is not None:  # launched directly only if laid out so
+                        kept = args if plan.kept is None else [args[k] for k in plan.kept]
+                        if not all(
+                            launchable_as(a, w) for a, w in zip(kept, plan.shardings, strict=True)
+                        ):
+                            self._direct[i] = None
                     outs = step.program(*args)
                 if timer is not None:
                     witness = witnesses.get(i)
@@ -225,9 +221,12 @@ class Executable:
     def _move_way(self, step: Move, value: Any) -> int:
         """How ``step`` moves ``value``: ``COPY`` (its runtime copy, laid out as planned), ``KEEP``
         (laid out as wanted already) or ``OTHER`` (:func:`~mmnnx._jax.arrays.move_to`)."""
-        if step.mover is not None and getattr(value, "sharding", None) == step.source_layout:
+        have = getattr(value, "sharding", None)
+        if step.mover is not None and have == step.source_layout:
             return COPY
-        return KEEP if self._laid_out_as(value, step.sharding) else OTHER
+        if have is not None and self._equivalent(have, step.sharding, value.ndim):
+            return KEEP
+        return OTHER
 
     def _other(self, step: Step, env: list[Any]) -> Any:
         """Runs a step that neither launches a program nor copies by a move decided at compile;
@@ -263,14 +262,6 @@ class Executable:
                 return False
         return True
 
-    def _check_layouts(self, i: int, args: list) -> None:
-        """Stops launching step ``i``'s program directly unless its arguments are laid out as it
-        expects."""
-        direct = self._direct[i]
-        kept = args if direct.kept is None else [args[k] for k in direct.kept]
-        if not all(launchable_as(a, want) for a, want in zip(kept, direct.shardings, strict=True)):
-            self._direct[i] = None
-
     def _mover(self, source: Any, target: Any, value: int) -> Callable[[Any], Any] | None:
         """How a value laid out as ``source`` reaches ``target``: kept, one runtime copy, or
         ``None`` (``jax.device_put`` decides)."""
@@ -280,12 +271,6 @@ class Executable:
         if self._equivalent(source, target, ndim):
             return _unchanged
         return copier(source, target, ndim, self.graph.dtypes[value])
-
-    def _laid_out_as(self, value: Any, sharding: Any) -> bool:
-        """Whether ``value`` is an array already laid out as ``sharding``, perhaps under another
-        name."""
-        have = getattr(value, "sharding", None)
-        return have is not None and self._equivalent(have, sharding, value.ndim)
 
     def _equivalent(self, have: Any, want: Any, ndim: int) -> bool:
         """Whether layouts ``have`` and ``want`` put the same slices on the same devices

@@ -176,7 +176,6 @@ class BlockingTimer(Timer):
     """Times each action alone: waits for its results before the runner goes on."""
 
     def __init__(self) -> None:
-        self._start = 0.0
         self._events: list[Event] = []
 
     def begin(self) -> None:
@@ -272,7 +271,6 @@ class OverlapTimer(Timer):
     def __init__(self, switch_interval: float = 1e-4) -> None:
         self._switch_interval = switch_interval
         self._saved_interval = sys.getswitchinterval()
-        self._start = 0.0
         self._launches: list[_Launch] = []
         self._made_by: dict[int, int] = {}
         self._watchers: dict[str, tuple[queue.SimpleQueue, threading.Thread]] = {}
@@ -300,35 +298,21 @@ class OverlapTimer(Timer):
             if producer is not None:
                 self._made_by[to_slot] = producer
             return
-        index = len(self._launches)
         made_from = {producer} if producer is not None else set()
-        self._launches.append(
-            _Launch(
-                rank=transfer.rank,
-                labels=(),
-                launched_at=at,
-                made_from=made_from,
-                transfer=transfer,
-                seen=False,
-            )
-        )
-        self._made_by[to_slot] = index
+        index = self._transferred(to_slot, transfer, at, made_from, seen=False)
         # one watcher per pair of ranks: a copy ends whatever the reader's devices are running
         self._watcher(f"{transfer.source}->{transfer.rank}").put((index, value))
 
     def received(self, to_slot, transfer, at, arrived) -> None:
         if transfer is not None:
-            self._made_by[to_slot] = len(self._launches)
-            self._launches.append(
-                _Launch(
-                    rank=transfer.rank,
-                    labels=(),
-                    launched_at=at,
-                    made_from=set(),
-                    ended_at=arrived,
-                    transfer=transfer,
-                )
-            )
+            self._transferred(to_slot, transfer, at, set(), ended_at=arrived)
+
+    def _transferred(self, to_slot, transfer, at, made_from, **more: Any) -> int:
+        """Notes a transfer into ``to_slot``; returns its index among the launches."""
+        self._made_by[to_slot] = index = len(self._launches)
+        launch = _Launch(transfer.rank, (), at, made_from=made_from, transfer=transfer, **more)
+        self._launches.append(launch)
+        return index
 
     def _watcher(self, lane: str) -> queue.SimpleQueue:
         if lane not in self._watchers:

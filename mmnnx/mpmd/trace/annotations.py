@@ -44,11 +44,9 @@ def task(fn: Callable, task: Task) -> Callable:
         trace = current_trace()
         if trace is None:
             return fn(*args, **kwargs)
-        regions = trace.regions
         if task.name is None or task.mesh is None:
             raise MPMDError(f"mm.task: task {task!r} needs a name and a mesh inside mm.jit")
-        known = regions.setdefault(task.name, task)
-        if known != task:
+        if trace.regions.setdefault(task.name, task) != task:
             raise MPMDError(f"mm.task: two different tasks are named {task.name!r}")
         with jax.named_scope(f"{REGION_PREFIX}{task.name}"):
             return fn(*args, **kwargs)

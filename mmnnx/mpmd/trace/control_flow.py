@@ -308,10 +308,18 @@ def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | 
     def picked(items: Sequence, flags: Sequence[bool]) -> list:
         return [x for x, f in zip(items, flags, strict=True) if f]
 
-    def scan(eqns: list, pick: list, invars: list, ins: list, made: list, extra: list) -> Op:
-        """A scan of ``eqns`` of the body making the results ``made`` flags, then ``extra``."""
+    length = op.params["length"]
+    saved_ids = [
+        graph.new_value(aval_info(ShapedArray((length, *v.aval.shape), v.aval.dtype)))
+        for v in cut.saved
+    ]
+
+    def scan(eqns: list, pick: list, made: list, extra: list, saved: Sequence = ()) -> Op:
+        """A scan of ``eqns`` of the body reading the operands ``pick`` flags, then ``saved``, and
+        making the results ``made`` flags, then ``extra``."""
+        ins = picked(op.ins, pick) + (saved_ids if saved else [])
         part = body.replace(
-            invars=invars,
+            invars=picked(body.invars, pick) + list(saved),
             outvars=picked(body.outvars, made) + (cut.saved if extra else []),
             eqns=eqns,
             effects=join_effects(*(e.effects for e in eqns)),
@@ -326,26 +334,6 @@ def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | 
             params["linear"] = (False,) * len(ins)
         return op.derived(op.primitive, params, ins, picked(op.outs, made) + extra)
 
-    length = op.params["length"]
-    saved_ids = [
-        graph.new_value(aval_info(ShapedArray((length, *v.aval.shape), v.aval.dtype)))
-        for v in cut.saved
-    ]
-    pick, keep = cut.first_operands, cut.later_operands
-    first = scan(
-        cut.first_eqns,
-        pick,
-        picked(body.invars, pick),
-        picked(op.ins, pick),
-        cut.first_outs,
-        saved_ids,
-    )
-    later = scan(
-        cut.later_eqns,
-        keep,
-        picked(body.invars, keep) + cut.saved,
-        picked(op.ins, keep) + saved_ids,
-        [not w for w in cut.first_outs],
-        [],
-    )
-    return first, later
+    later_outs = [not w for w in cut.first_outs]
+    first = scan(cut.first_eqns, cut.first_operands, cut.first_outs, saved_ids)
+    return first, scan(cut.later_eqns, cut.later_operands, later_outs, [], cut.saved)

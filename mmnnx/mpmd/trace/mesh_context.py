@@ -20,11 +20,7 @@ def no_ambient_mesh():
 
 
 # JAX's errors for explicit-axes APIs (``reshard``, ``out_sharding=P(...)``) used with no mesh
-_NEEDS_MESH = (
-    "not under a mesh context",
-    "Reshard should only be used",
-    "have a non-empty mesh",
-)
+_NEEDS_MESH = ("not under a mesh context", "Reshard should only be used", "have a non-empty mesh")
 
 
 def needs_explicit_axes(error: BaseException) -> bool:

@@ -59,11 +59,7 @@ def trace_step(
     def traced(avals: Sequence[Any], context: Any = None) -> TracedStep:
         with trace_state.tracing() as recorded, context or contextlib.nullcontext():
             graph, out_shape = trace(
-                pure,
-                avals,
-                name_as=name_as,
-                arg_names=names,
-                callback_failures=callback_failures,
+                pure, avals, name_as=name_as, arg_names=names, callback_failures=callback_failures
             )
         return TracedStep(graph=graph, trace=recorded, out_shape=out_shape)
 
@@ -72,17 +68,16 @@ def trace_step(
         step = traced(avals)
     except Exception as e:
         if needs_a_mesh(e):  # a bare PartitionSpec constraint: traced on the tasks' axes
-            step = traced(avals, jax.sharding.use_abstract_mesh(abstract_mesh_of(_meshes(inputs))))
+            meshes = [i.task.jax_mesh for i in inputs if i.task is not None]
+            meshes += [i.sharding.mesh for i in inputs if isinstance(i.sharding, NamedSharding)]
+            step = traced(avals, jax.sharding.use_abstract_mesh(abstract_mesh_of(meshes)))
         elif needs_explicit_axes(e):
             mesh, avals = _typed_inputs(inputs, getattr(name_as, "__name__", "the step"), e)
             step = traced(avals, explicit_tracing(mesh))
-        elif isinstance(e, TypeError | ValueError):
-            error = located(e)
-            if error is e:
-                raise
-            raise error from e
-        else:
+        elif not isinstance(e, TypeError | ValueError) or (error := located(e)) is e:
             raise
+        else:
+            raise error from e
     annotations.apply_resolvers(step.graph, step.trace)
     return step
 
@@ -101,13 +96,6 @@ def check_outputs(out: Any, step: str) -> None:
                 "return arrays or pytrees of arrays (Python numbers count as arrays). Return "
                 "other values from a function that calls the step"
             )
-
-
-def _meshes(inputs: Sequence[StepInput]) -> list[Any]:
-    """The meshes the step's placed inputs live on (tasks' and stacks' meshes)."""
-    meshes = [i.task.jax_mesh for i in inputs if i.task is not None]
-    meshes += [i.sharding.mesh for i in inputs if isinstance(i.sharding, NamedSharding)]
-    return meshes
 
 
 def _typed_inputs(

@@ -14,7 +14,7 @@ from jax.sharding import AxisType
 
 from mmnnx._jax.tracing import fast_sharding_probes, name_trace_as, ordered_effects, source_line
 from mmnnx.errors import SideEffectError
-from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op, aval_info
+from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op, aval_info, live_ops
 from mmnnx.mpmd.primitives import marker_kind
 from mmnnx.mpmd.trace.callbacks import CallbackFailures, catch_callbacks
 from mmnnx.mpmd.trace.constraints import on_tasks
@@ -193,13 +193,8 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
 def drop_dead_ops(graph: Graph) -> None:
     """Removes ops whose results nothing needs (and that have no effect); renumbers the rest. An
     unresolved ``rng_next`` marker is kept, with its draws: it counts one microbatch's draws."""
-    needed = {a for a in graph.outputs if isinstance(a, int)}
-    kept = []
-    for op in reversed(graph.ops):
-        if op.effectful or marker_kind(op) == "rng_next" or any(v in needed for v in op.outs):
-            kept.append(op)
-            needed.update(a for a in op.ins if isinstance(a, int))
-    graph.ops = kept[::-1]
+    outputs = [a for a in graph.outputs if isinstance(a, int)]
+    graph.ops = live_ops(graph.ops, outputs, lambda op: marker_kind(op) == "rng_next")
     for i, op in enumerate(graph.ops):
         op.index = i
 
