@@ -329,9 +329,8 @@ def tune(
         }
         activations = _peak_held(result.events, held, stage_home)
         peak = max(int(task_state.get(home, 0) + a) for home, a in activations.items())
-        rejected = ""
-        if budget is not None and peak > budget:
-            rejected = f"over the budget of {budget:,} B"
+        over = budget is not None and peak > budget
+        rejected = f"over the budget of {budget:,} B" if over else ""
         results.append(
             Candidate(
                 schedule=name,

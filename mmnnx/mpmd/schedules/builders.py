@@ -97,15 +97,22 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """
     check_counts(num_stages, num_microbatches)
     need_enough_microbatches("1f1b", num_microbatches, num_stages, "stages")
-    rows = []
-    for stage in range(num_stages):
-        warmup = num_stages - stage - 1
-        row = [Action("F", stage, m) for m in range(warmup)]
-        for m in range(warmup, num_microbatches):
-            row += [Action("F", stage, m), Action("B", stage, m - warmup)]
-        row += [Action("B", stage, m) for m in range(num_microbatches - warmup, num_microbatches)]
-        rows.append(row)
+    rows = [
+        _warm_then_alternate(
+            [Action("F", stage, m) for m in range(num_microbatches)],
+            [Action("B", stage, m) for m in range(num_microbatches)],
+            num_stages - stage - 1,
+        )
+        for stage in range(num_stages)
+    ]
     return validated("1f1b", num_microbatches, range(num_stages), rows)
+
+
+def _warm_then_alternate(forwards: list, backwards: list, warmup: int) -> list:
+    """``warmup`` forwards (at most all), one forward / one backward, the remaining backwards."""
+    warmup = min(warmup, len(forwards))
+    steady = [a for pair in zip(forwards[warmup:], backwards, strict=False) for a in pair]
+    return forwards[:warmup] + steady + backwards[len(forwards) - warmup :]
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
@@ -152,13 +159,8 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int)
             for stage in reversed(stages)
             for j in range(num_ranks)
         ]
-        total = len(forwards)
-        warmup = min(2 * (num_ranks - rank - 1) + (virtual_stages - 1) * num_ranks, total)
-        row = forwards[:warmup]
-        for i in range(total - warmup):
-            row += [forwards[warmup + i], backwards[i]]
-        row += backwards[total - warmup :]
-        rows.append(row)
+        warmup = 2 * (num_ranks - rank - 1) + (virtual_stages - 1) * num_ranks
+        rows.append(_warm_then_alternate(forwards, backwards, warmup))
     return validated("interleaved-1f1b", num_microbatches, _looped(num_ranks, virtual_stages), rows)
 
 
