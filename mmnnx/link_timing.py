@@ -30,6 +30,7 @@ from mmnnx.mpmd.run.routes import RoutePlan
 from mmnnx.mpmd.schedules import Schedule, transfer_costs
 from mmnnx.mpmd.schedules.links import Link, _reader_stage
 from mmnnx.sharding import Task
+from mmnnx.sharding.arrays import put
 
 SIZES = (4 << 10, 4 << 20)
 """The value sizes (bytes) a link is measured at: a small one for the latency, a large one for
@@ -130,16 +131,10 @@ def _measure_across(src: Any, dst: Any, sizes: Sequence[int], repeats: int) -> L
     for shape in shapes:
         there = RoutePlan.plan(shape, np.float32, src, dst, me)
         back = RoutePlan.plan(shape, np.float32, dst, src, me)
-        value = _zeros(shape, src) if there.sends else None
+        value = put(np.zeros(shape, np.float32), src) if there.sends else None
         seconds.append(_median_seconds(repeats, _round_trip, there, back, value) / 2)
     timer = min(d.process_index for d in src.device_set)
     return _fit(shapes, seconds) if me == timer else None
-
-
-def _zeros(shape: tuple[int, ...], sharding: Any) -> jax.Array:
-    """A float32 array of zeros laid out as ``sharding``, this process's parts made here."""
-    zeros = np.zeros(shape, np.float32)
-    return jax.make_array_from_callback(shape, sharding, lambda index: zeros[index])
 
 
 def _round_trip(there: RoutePlan, back: RoutePlan, value: jax.Array | None) -> Any:

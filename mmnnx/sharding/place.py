@@ -168,17 +168,15 @@ def _plan(
                 f"Variable {path_str(path)!r} holds a {type(value).__name__}, not an array; "
                 "only array-valued Variables can be placed"
             )
-        if isinstance(rule.task, TaskStack):
-            spec = _stack_spec(rule, path, variable)
-        else:
-            spec = _task_spec(rule, rule.task, path, variable)
-        where = f"Variable {path_str(path)!r} on task {rule.task.name!r}"
         shape = tuple(value.shape)
         if isinstance(rule.task, TaskStack):
+            spec = _stack_spec(rule, path, variable)
             where = f"stacked Variable {path_str(path)!r} on tasks {rule.task.name!r}"
             (start, stop), *_ = rule.task.chunks(shape[0], where=where)
             check_spec(spec, (stop - start, *shape[1:]), rule.task.tasks[0].jax_mesh, where)
         else:
+            spec = _task_spec(rule, rule.task, path, variable)
+            where = f"Variable {path_str(path)!r} on task {rule.task.name!r}"
             check_spec(spec, shape, rule.task.jax_mesh, where)
         assignments.append(Assignment(path=path, variable=variable, rule=rule, spec=spec))
     if unmatched and strict:
