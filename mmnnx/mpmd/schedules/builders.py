@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
-from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validate
+from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validated
 
 
 def check_interleaved(num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
@@ -39,24 +38,6 @@ def need_whole_groups(name: str, num_microbatches: int, num_ranks: int) -> None:
 def _looped_stages(rank: int, num_ranks: int, virtual_stages: int) -> list[int]:
     """The stages rank ``rank`` holds when ``virtual_stages`` loops go round the ranks."""
     return [rank + k * num_ranks for k in range(virtual_stages)]
-
-
-def validated(
-    name: str, num_microbatches: int, stage_to_rank: Sequence[int], rows: Sequence, overlapped=()
-) -> Schedule:
-    """The validated schedule of ``rows`` (one per rank), stage ``s`` on ``stage_to_rank[s]``."""
-    stage_to_rank = tuple(stage_to_rank)
-    return validate(
-        Schedule(
-            name=name,
-            num_stages=len(stage_to_rank),
-            num_microbatches=num_microbatches,
-            num_ranks=len(rows),
-            stage_to_rank=stage_to_rank,
-            actions=rows,
-            overlapped=overlapped,
-        )
-    )
 
 
 def _looped(num_ranks: int, virtual_stages: int) -> list[int]:

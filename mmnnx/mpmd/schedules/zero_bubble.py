@@ -33,9 +33,8 @@ from mmnnx.mpmd.schedules.builders import (
     interleaved_1f1b,
     need_enough_microbatches,
     need_whole_groups,
-    validated,
 )
-from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts
+from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validated
 from mmnnx.mpmd.schedules.simulation import simulate
 
 Costs = Mapping[str | tuple[str, int], float]
