@@ -35,7 +35,7 @@ from mmnnx.mpmd.schedules.builders import (
     need_whole_groups,
 )
 from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validated
-from mmnnx.mpmd.schedules.simulation import simulate
+from mmnnx.mpmd.schedules.simulation import _held_peaks, simulate
 
 Costs = Mapping[str | tuple[str, int], float]
 """Durations of the passes: by kind (``{"F": 2, "I": 1, "W": 1}``) or by ``(kind, stage)``."""
@@ -341,20 +341,8 @@ def interleaved_zero_bubble(
     need_whole_groups("interleaved-zero-bubble", num_microbatches, num_ranks)
     num_stages = num_ranks * virtual_stages
     stage_to_rank = [s % num_ranks for s in range(num_stages)]
-    limits = _rank_peaks(interleaved_1f1b(num_ranks, num_microbatches, virtual_stages))
+    limits = list(_held_peaks(interleaved_1f1b(num_ranks, num_microbatches, virtual_stages), True))
     return built_for("interleaved-zero-bubble", stage_to_rank, num_microbatches, limits, costs)
-
-
-def _rank_peaks(schedule: Schedule) -> list[int]:
-    """The most stage-microbatches each rank of ``schedule`` holds at once."""
-    peaks = []
-    for row in schedule.actions:
-        held = peak = 0
-        for action in row:
-            held += {"F": 1, "B": -1, "I": 0, "W": -1}[action.kind]
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
 
 
 def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) -> Schedule:
