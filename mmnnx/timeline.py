@@ -310,10 +310,10 @@ def _draw_transfers(
 
 def _normalize(source: Any) -> tuple[list[TimelineEvent], str]:
     """The events of ``source`` as TimelineEvents, and what kind of input it was."""
-    if isinstance(source, Schedule):
-        return _from_ranked(simulate(source).events), "schedule"
-    if isinstance(source, SimulationResult):
-        return _from_ranked(source.events), "simulation"
+    if isinstance(source, Schedule | SimulationResult):
+        simulated = simulate(source) if isinstance(source, Schedule) else source
+        kind = "schedule" if isinstance(source, Schedule) else "simulation"
+        return [_event(index, event) for index, event in enumerate(simulated.events)], kind
     if (
         source is None
         or isinstance(source, str | bytes | Mapping)
@@ -339,10 +339,6 @@ def _normalize(source: Any) -> tuple[list[TimelineEvent], str]:
             events[index] = e._replace(start=e.start + k * width, end=e.start + (k + 1) * width)
     has_tasks = any(getattr(item, "task", None) is not None for item in items)
     return events, "tasks" if has_tasks else "ranks"
-
-
-def _from_ranked(events: Iterable[Any]) -> list[TimelineEvent]:
-    return [_event(index, event) for index, event in enumerate(events)]
 
 
 def _event(index: int, item: Any) -> TimelineEvent:
@@ -477,19 +473,13 @@ def _root_figure(ax: Axes) -> Figure:
 
 def _ordered_kinds(events: list[TimelineEvent]) -> list[str]:
     present = {event.kind for event in events}
-    known = [kind for kind in KIND_COLORS if kind in present]
-    others = sorted(present - set(KIND_COLORS))
-    return known + others
+    return [kind for kind in KIND_COLORS if kind in present] + sorted(present - set(KIND_COLORS))
 
 
 def _kind_colors(kinds: list[str]) -> dict[str, str]:
     others = [kind for kind in kinds if kind not in KIND_COLORS]
-    return {
-        kind: KIND_COLORS[kind]
-        if kind in KIND_COLORS
-        else _OTHER_COLORS[others.index(kind) % len(_OTHER_COLORS)]
-        for kind in kinds
-    }
+    grey = {kind: _OTHER_COLORS[i % len(_OTHER_COLORS)] for i, kind in enumerate(others)}
+    return {kind: KIND_COLORS[kind] if kind in KIND_COLORS else grey[kind] for kind in kinds}
 
 
 def _label(event: TimelineEvent, multi_stage: bool) -> str:
