@@ -221,9 +221,7 @@ def tune(
         NoCandidateError: no candidate can run or fits the budget (an ``MPMDError`` holding
             the candidates, drawn as a table in its message).
     """
-    budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    if budget is not None and budget <= 0:
-        raise ValueError(f"tune: memory_budget must be positive, got {memory_budget!r}")
+    budget = _budget("tune", memory_budget)
     pairs = _candidate_pairs(schedules, microbatches, candidates)
     partial = hasattr(step, "cached_args")  # an mm.cached_partial: its step, arguments bound
     bound = step.cached_args if partial else ()
@@ -413,3 +411,13 @@ def _candidate_pairs(
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"tune: a microbatch count must be an int >= 1, got {m!r}")
     return pairs
+
+
+def _budget(caller: str, memory_budget: int | str | None) -> int | None:
+    """``memory_budget`` in bytes (``None``: none); a ValueError naming ``caller`` unless > 0."""
+    if memory_budget is None:
+        return None
+    budget = parse_bytes(memory_budget)
+    if budget <= 0:
+        raise ValueError(f"{caller}: memory_budget must be positive, got {memory_budget!r}")
+    return budget
