@@ -141,16 +141,13 @@ def plan_placement(
         >>> [path_str(a.path) for a in plan_placement(model, [(".*", t)])]
         ['bias', 'kernel']
     """
-    return _plan(variables_of(model), rules, strict, warn_at=3)
+    return _plan(variables_of(model), rules, strict)
 
 
 def _plan(
-    variables: Sequence[tuple[Path, nnx.Variable]],
-    rules: Sequence[tuple] | Mapping,
-    strict: bool,
-    warn_at: int,
+    variables: Sequence[tuple[Path, nnx.Variable]], rules: Sequence[tuple] | Mapping, strict: bool
 ) -> list[Assignment]:
-    """:func:`plan_placement` of ``variables``, warning ``warn_at`` frames up."""
+    """:func:`plan_placement` of ``variables``; warnings point at the code calling place or init."""
     compiled = compile_rules(rules)
     _check_tasks(compiled)
     assignments: list[Assignment] = []
@@ -188,7 +185,7 @@ def _plan(
         )
     for rule in compiled:
         if rule.index not in used:
-            warnings.warn(f"placement {rule.describe()} placed no Variable", stacklevel=warn_at + 1)
+            warnings.warn(f"placement {rule.describe()} placed no Variable", stacklevel=4)
     return assignments
 
 
@@ -313,7 +310,7 @@ def init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, *, strict: 
 
 def _init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, strict: bool) -> M:
     traced = trace_factory(factory)
-    assignments = _plan(variables_of(traced.model), rules, strict, warn_at=3)
+    assignments = _plan(variables_of(traced.model), rules, strict)
     here = {a.path: a for a in assignments if jax.process_index() in processes_of(a.sharding)}
     elsewhere = [a for a in assignments if a.path not in here]  # each process makes its own
     _commit(elsewhere, [_placeholder_for(a) for a in elsewhere])

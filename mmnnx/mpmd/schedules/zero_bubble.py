@@ -196,9 +196,7 @@ def _durations(name: str, costs: Costs | None) -> Callable[[str, int], float]:
 
 def _critical_paths(num_stages: int, cost: Callable[[str, int], float]) -> dict[tuple, float]:
     """Per ``(kind, stage)``: its duration plus the longest chain of passes waiting on it."""
-    after: dict[tuple, float] = {}
-    for s in range(num_stages):
-        after["W", s] = cost("W", s)
+    after: dict[tuple, float] = {("W", s): cost("W", s) for s in range(num_stages)}
     for s in range(num_stages):
         below = after["I", s - 1] if s > 0 else 0.0
         after["I", s] = cost("I", s) + max(after["W", s], below)
