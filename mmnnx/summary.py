@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -39,12 +40,8 @@ class _Calls:
     """The first call of each module during one abstract trace: ``{path: (order, ins, outs)}``."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.order = itertools.count(1)
         self.first: dict[Path, tuple[int, str, str]] = {}
-
-    def next_order(self) -> int:
-        self.count += 1
-        return self.count
 
     def record(self, path: Path, order: int, args: tuple, kwargs: dict, out: Any) -> None:
         if path not in self.first or order < self.first[path][0]:
@@ -60,7 +57,7 @@ def _recording_class(cls: type) -> type:
         def __call__(self, *args, **kwargs):
             calls = _CALLS.get()
             path = getattr(self, _PATH_ATTR, None)
-            order = calls.next_order() if calls is not None else 0
+            order = next(calls.order) if calls is not None else 0
             out = super(sub, self).__call__(*args, **kwargs)
             if calls is not None and path is not None:
                 calls.record(path, order, args, kwargs, out)

@@ -130,16 +130,9 @@ def partition(
 
 def _equal_to(best: Split, candidates: Sequence[Split], n: int) -> Split | None:
     """The equal split under ``best``'s schedule, microbatch count and stages per task."""
-    same = (best.schedule, best.num_microbatches, best.virtual_stages)
-    return next(
-        (
-            c
-            for c in candidates
-            if c.sizes == equal_split(n, len(best.sizes))
-            and (c.schedule, c.num_microbatches, c.virtual_stages) == same
-        ),
-        None,
-    )
+    equal = (equal_split(n, len(best.sizes)), best.schedule, best.num_microbatches)
+    same = [c for c in candidates if (c.sizes, c.schedule, c.num_microbatches) == equal]
+    return next((c for c in same if c.virtual_stages == best.virtual_stages), None)
 
 
 def _checked_tasks(tasks: Sequence[Task]) -> list[Task]:
