@@ -236,11 +236,8 @@ def tune(
         )
     measured = pipeline.schedule
     m0 = pipeline.num_microbatches
-    variables = [
-        v
-        for v in jax.tree.leaves((bound, args, kwargs), is_leaf=_nnx.is_variable)
-        if _nnx.is_variable(v)
-    ]
+    leaves = jax.tree.leaves((bound, args, kwargs), is_leaf=_nnx.is_variable)
+    variables = [v for v in leaves if _nnx.is_variable(v)]
     before = [v.get_raw_value() for v in variables]
 
     def measure(run: Any) -> dict[tuple[str, int], float]:
@@ -329,17 +326,10 @@ def tune(
         peak = max(int(task_state.get(home, 0) + a) for home, a in activations.items())
         over = budget is not None and peak > budget
         rejected = f"over the budget of {budget:,} B" if over else ""
-        results.append(
-            Candidate(
-                schedule=name,
-                num_microbatches=m,
-                predicted_seconds=result.makespan,
-                bubble=float(result.bubble_fraction),
-                peak_bytes=peak,
-                rejected=rejected,
-                table=schedule,
-            )  # fmt: skip
-        )
+        results.append(Candidate(
+            schedule=name, num_microbatches=m, predicted_seconds=result.makespan, peak_bytes=peak,
+            bubble=float(result.bubble_fraction), rejected=rejected, table=schedule,
+        ))  # fmt: skip
     fitting = [c for c in results if not c.rejected]
     runnable = [c for c in results if c.peak_bytes is not None]
     results.sort(key=lambda c: (c.predicted_seconds is None, c.predicted_seconds or 0))
