@@ -21,11 +21,9 @@ def check_axes(axis_sizes: Sequence[int], axis_names: Sequence[str], device_coun
     for name in axis_names:
         if not isinstance(name, str):
             raise TypeError(f"{what}: axis name {name!r} is not a str")
-    seen = set()
-    for name in axis_names:
-        if name in seen:
-            raise ValueError(f"{what}: duplicate axis name {name!r} in {tuple(axis_names)}")
-        seen.add(name)
+    dupes = [name for i, name in enumerate(axis_names) if name in axis_names[:i]]
+    if dupes:
+        raise ValueError(f"{what}: duplicate axis name {dupes[0]!r} in {tuple(axis_names)}")
     for size in axis_sizes:
         if not isinstance(size, int | np.integer) or size < 1:
             raise ValueError(f"{what}: axis size {size!r} must be a positive int")
