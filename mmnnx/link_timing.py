@@ -11,7 +11,7 @@ import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -30,6 +30,7 @@ from mmnnx.mpmd.run.routes import RoutePlan
 from mmnnx.mpmd.schedules import Schedule, transfer_costs
 from mmnnx.mpmd.schedules.links import Link, _reader_stage
 from mmnnx.sharding import Task
+from mmnnx.sharding.arrays import put
 
 SIZES = (4 << 10, 4 << 20)
 """The value sizes (bytes) a link is measured at: a small one for the latency, a large one for
@@ -107,14 +108,20 @@ def _measure_here(src: Any, dst: Any, sizes: Sequence[int], repeats: int) -> Lin
     for shape in shapes:
         move = copier(src, dst, 1, np.float32) or (lambda x: jax.device_put(x, dst))
         value = jax.device_put(jnp.zeros(shape, jnp.float32), src)
-        jax.block_until_ready(move(value))  # the first copy sets up the route
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(move(value))
-            times.append(time.perf_counter() - start)
-        seconds.append(statistics.median(times))
+        seconds.append(_median_seconds(repeats, move, value))
     return _fit(shapes, seconds)
+
+
+def _median_seconds(repeats: int, once: Callable[..., Any], *args: Any) -> float:
+    """The median time of ``repeats`` calls of ``once(*args)``, each waited for, after one more
+    (which sets up the route or connects the processes)."""
+    jax.block_until_ready(once(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(once(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _measure_across(src: Any, dst: Any, sizes: Sequence[int], repeats: int) -> Link | None:
@@ -124,32 +131,16 @@ def _measure_across(src: Any, dst: Any, sizes: Sequence[int], repeats: int) -> L
     for shape in shapes:
         there = RoutePlan.plan(shape, np.float32, src, dst, me)
         back = RoutePlan.plan(shape, np.float32, dst, src, me)
-        value = _zeros(shape, src) if there.sends else None
-        _round_trip(there, back, value)  # the first transfer between two processes connects
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            _round_trip(there, back, value)
-            times.append((time.perf_counter() - start) / 2)
-        seconds.append(statistics.median(times))
+        value = put(np.zeros(shape, np.float32), src) if there.sends else None
+        seconds.append(_median_seconds(repeats, _round_trip, there, back, value) / 2)
     timer = min(d.process_index for d in src.device_set)
     return _fit(shapes, seconds) if me == timer else None
 
 
-def _zeros(shape: tuple[int, ...], sharding: Any) -> jax.Array:
-    """A float32 array of zeros laid out as ``sharding``, this process's parts made here."""
-    zeros = np.zeros(shape, np.float32)
-    return jax.make_array_from_callback(shape, sharding, lambda index: zeros[index])
-
-
-def _round_trip(there: RoutePlan, back: RoutePlan, value: jax.Array | None) -> None:
-    """``value`` sent along ``there`` and back along ``back``, each arrival waited for."""
-    arrived = there(value, transport())
-    if arrived is not None:
-        arrived.block_until_ready()
-    returned = back(arrived, transport())
-    if returned is not None:
-        returned.block_until_ready()
+def _round_trip(there: RoutePlan, back: RoutePlan, value: jax.Array | None) -> Any:
+    """``value`` sent along ``there`` (waited for) and back along ``back``: what returned here."""
+    arrived = jax.block_until_ready(there(value, transport()))
+    return back(arrived, transport())
 
 
 def boundary_bytes(plan: Any) -> dict[tuple[str, int], int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -39,12 +40,8 @@ class _Calls:
     """The first call of each module during one abstract trace: ``{path: (order, ins, outs)}``."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.order = itertools.count(1)
         self.first: dict[Path, tuple[int, str, str]] = {}
-
-    def next_order(self) -> int:
-        self.count += 1
-        return self.count
 
     def record(self, path: Path, order: int, args: tuple, kwargs: dict, out: Any) -> None:
         if path not in self.first or order < self.first[path][0]:
@@ -60,7 +57,7 @@ def _recording_class(cls: type) -> type:
         def __call__(self, *args, **kwargs):
             calls = _CALLS.get()
             path = getattr(self, _PATH_ATTR, None)
-            order = calls.next_order() if calls is not None else 0
+            order = next(calls.order) if calls is not None else 0
             out = super(sub, self).__call__(*args, **kwargs)
             if calls is not None and path is not None:
                 calls.record(path, order, args, kwargs, out)
@@ -174,10 +171,6 @@ def _fmt_bytes(n: int) -> str:
     return f"{n:,} B"
 
 
-def _devices_text(mesh) -> str:
-    return _device_list(mesh.devices.flat)
-
-
 def _device_list(devices, *, runs: bool = True) -> str:
     """``devices`` by their indices in ``jax.devices()``, then any processes holding them."""
     devices = list(devices)
@@ -204,15 +197,15 @@ def _variable_info(path: Path, variable: nnx.Variable) -> dict:
     if task is not None:
         spec = variable.get_metadata().get(SPEC_KEY, PartitionSpec())
         per_device = bytes_per_device(shape, dtype, spec, task.jax_mesh)
-        where, spec_text, devices = task.name, str(spec), _devices_text(task.jax_mesh)
+        where, spec_text, devices = task.name, str(spec), _device_list(task.jax_mesh.devices.flat)
     elif stack is not None:  # each task holds an equal chunk of the layers
         spec = variable.get_metadata().get(SPEC_KEY, PartitionSpec())
         k = len(stack.tasks)
         chunk = (shape[0] // k, *shape[1:])
         per_device = bytes_per_device(chunk, dtype, spec, stack.tasks[0].jax_mesh)
-        where, spec_text, devices = stack.name, str(spec), _devices_text(stack.jax_mesh)
+        where, spec_text, devices = stack.name, str(spec), _device_list(stack.jax_mesh.devices.flat)
         shares = [
-            (t.name, _devices_text(t.jax_mesh), elements // k, nbytes // k, per_device)
+            (t.name, _device_list(t.jax_mesh.devices.flat), elements // k, nbytes // k, per_device)
             for t in stack.tasks
         ]
     else:
@@ -264,18 +257,13 @@ def _expert_split(variable: nnx.Variable, shape: tuple, sharding: Any) -> tuple 
 
 def _experts_table(infos: list[dict]) -> Table | None:
     """Per task, its mixtures' expert weights; ``None`` when the model has none."""
-    by_task: dict[str, list[tuple[dict, tuple]]] = {}
-    for info in infos:
-        if info["experts"] is not None:
-            for share in info["shares"]:
-                by_task.setdefault(share[0], []).append((info, share))
+    by_task = _by_task([i for i in infos if i["experts"] is not None])
     if not by_task:
         return None
     table = Table(title="Experts per device", box=box.SQUARE)
     for name in ["task", "Variables", "experts", "split over", "experts/device", "bytes/device"]:
         table.add_column(name, justify="left" if name in ("task", "split over") else "right")
-    for name in sorted(by_task, key=lambda n: (n == "(unplaced)", n)):
-        group = by_task[name]
+    for name, group in by_task:
         splits = {info["experts"] for info, _ in group}
         over = {f"{', '.join(axes)} (EP {n})" if axes else "none (EP 1)" for _, axes, n in splits}
         table.add_row(
@@ -287,6 +275,15 @@ def _experts_table(infos: list[dict]) -> Table | None:
             _fmt_bytes(sum(share[4] for _, share in group)),
         )
     return table
+
+
+def _by_task(infos: list[dict]) -> list[tuple[str, list[tuple[dict, tuple]]]]:
+    """Per task, unplaced last, its ``(info, share)``: a stacked Variable has one on each task."""
+    by_task: dict[str, list[tuple[dict, tuple]]] = {}
+    for info in infos:
+        for share in info["shares"]:
+            by_task.setdefault(share[0], []).append((info, share))
+    return sorted(by_task.items(), key=lambda item: (item[0] == "(unplaced)", item[0]))
 
 
 def _listed(values: set[int]) -> str:
@@ -371,16 +368,8 @@ def tabulate(
         _, ins, outs = calls.get(mpath, (0, "-", "-"))
         table.add_row(path_str(mpath) or "(root)", type(modules[mpath]).__name__, ins, outs)
         for info in sorted(rows[mpath], key=lambda i: _path_key(i["path"])):
-            table.add_row(
-                path_str(info["path"]),
-                info["type"],
-                "",
-                "",
-                info["shape"],
-                info["task"],
-                info["spec"],
-                _fmt_bytes(info["per_device"]),
-            )
+            table.add_row(path_str(info["path"]), info["type"], "", "", info["shape"], info["task"],
+                          info["spec"], _fmt_bytes(info["per_device"]))  # fmt: skip
         if rolled[mpath]:
             per_task: dict[str, int] = {}
             for i in rolled[mpath]:
@@ -399,12 +388,8 @@ def tabulate(
     totals = Table(title="Totals per task", box=box.SQUARE)
     for name in ["task", "devices", "Variables", "elements", "bytes", "bytes/device"]:
         totals.add_column(name, justify="left" if name in ("task", "devices") else "right")
-    by_task: dict[str, list[tuple]] = {}  # a stacked Variable counts its chunk on each task
-    for info in infos:
-        for share in info["shares"]:
-            by_task.setdefault(share[0], []).append(share)
-    for name in sorted(by_task, key=lambda n: (n == "(unplaced)", n)):
-        group = by_task[name]
+    for name, pairs in _by_task(infos):
+        group = [share for _, share in pairs]
         devices = sorted({share[1] for share in group})
         totals.add_row(
             name,

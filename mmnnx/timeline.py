@@ -229,22 +229,9 @@ def plot_timeline(
     kinds = _ordered_kinds(actions)
     colors = _kind_colors(kinds)
     for kind in kinds:
-        placed = [
-            (y, event)
-            for y, name in enumerate(names)
-            for event in grouped[name]
-            if event.kind == kind
-        ]
-        bars = ax.barh(
-            [y for y, _ in placed],
-            [(event.end - event.start) * scale for _, event in placed],
-            left=[(event.start - origin) * scale for _, event in placed],
-            height=0.8,
-            color=colors[kind],
-            edgecolor=_EDGE,
-            linewidth=0.6,
-            label=KIND_NAMES.get(kind, kind),
-        )
+        placed, bars = _bars(ax, grouped, kind, origin, scale, 0.0, height=0.8,
+                             color=colors[kind], edgecolor=_EDGE, linewidth=0.6,
+                             label=KIND_NAMES.get(kind, kind))  # fmt: skip
         for rect, (y, event) in zip(bars.patches, placed, strict=True):
             rect.set_clip_on(False)  # the edges of the first and last boxes lie on the axes' ends
             rect.set_gid(f"{event.kind}{event.stage}.{event.microbatch}@{event.row}")
@@ -262,7 +249,7 @@ def plot_timeline(
                     clip_on=True,
                 )
 
-    below = _draw_transfers(ax, grouped, names, origin, scale)
+    below = _draw_transfers(ax, grouped, origin, scale)
     ax.set_yticks(range(len(names)), labels=names)
     ax.set_ylim(len(names) - 0.5 + below, -0.5)  # first row on top
     ax.set_xlim(0, span * scale if span > 0 else 1)
@@ -291,28 +278,31 @@ def plot_timeline(
     return fig
 
 
-def _draw_transfers(
-    ax: Axes, grouped: dict[str, list[TimelineEvent]], names: list[str], origin: float, scale: float
-) -> float:
-    """Draws the transfers under their rows; returns how far below the last row they reach."""
-    placed = [
-        (y, event)
-        for y, name in enumerate(names)
-        for event in grouped[name]
-        if event.kind == TRANSFER
-    ]
+def _bars(ax: Axes, grouped: dict[str, list[TimelineEvent]], kind: str, origin: float,
+          scale: float, offset: float, **style: Any) -> tuple[list, Any]:  # fmt: skip
+    """Draws the events of ``kind``, ``offset`` below their rows' centres: ``(row, event)`` each,
+    and the bars (none when there is nothing to draw)."""
+    placed = [(y, e) for y, name in enumerate(grouped) for e in grouped[name] if e.kind == kind]
     if not placed:
-        return 0.0
-    offset, height = _TRANSFER_BAR
+        return placed, None
     bars = ax.barh(
         [y + offset for y, _ in placed],
         [(event.end - event.start) * scale for _, event in placed],
         left=[(event.start - origin) * scale for _, event in placed],
-        height=height,
-        color=TRANSFER_COLOR,
-        linewidth=0,
-        label=KIND_NAMES[TRANSFER],
+        **style,
     )
+    return placed, bars
+
+
+def _draw_transfers(
+    ax: Axes, grouped: dict[str, list[TimelineEvent]], origin: float, scale: float
+) -> float:
+    """Draws the transfers under their rows; returns how far below the last row they reach."""
+    offset, height = _TRANSFER_BAR
+    placed, bars = _bars(ax, grouped, TRANSFER, origin, scale, offset, height=height,
+                         color=TRANSFER_COLOR, linewidth=0, label=KIND_NAMES[TRANSFER])  # fmt: skip
+    if not placed:
+        return 0.0
     for rect, (_, event) in zip(bars.patches, placed, strict=True):
         rect.set_gid(f"{TRANSFER}{event.stage}.{event.microbatch}@{event.row}")
     return offset + height / 2 - 0.5 + 0.02
@@ -320,10 +310,10 @@ def _draw_transfers(
 
 def _normalize(source: Any) -> tuple[list[TimelineEvent], str]:
     """The events of ``source`` as TimelineEvents, and what kind of input it was."""
-    if isinstance(source, Schedule):
-        return _from_ranked(simulate(source).events), "schedule"
-    if isinstance(source, SimulationResult):
-        return _from_ranked(source.events), "simulation"
+    if isinstance(source, Schedule | SimulationResult):
+        simulated = simulate(source) if isinstance(source, Schedule) else source
+        kind = "schedule" if isinstance(source, Schedule) else "simulation"
+        return [_event(index, event) for index, event in enumerate(simulated.events)], kind
     if (
         source is None
         or isinstance(source, str | bytes | Mapping)
@@ -349,10 +339,6 @@ def _normalize(source: Any) -> tuple[list[TimelineEvent], str]:
             events[index] = e._replace(start=e.start + k * width, end=e.start + (k + 1) * width)
     has_tasks = any(getattr(item, "task", None) is not None for item in items)
     return events, "tasks" if has_tasks else "ranks"
-
-
-def _from_ranked(events: Iterable[Any]) -> list[TimelineEvent]:
-    return [_event(index, event) for index, event in enumerate(events)]
 
 
 def _event(index: int, item: Any) -> TimelineEvent:
@@ -487,19 +473,13 @@ def _root_figure(ax: Axes) -> Figure:
 
 def _ordered_kinds(events: list[TimelineEvent]) -> list[str]:
     present = {event.kind for event in events}
-    known = [kind for kind in KIND_COLORS if kind in present]
-    others = sorted(present - set(KIND_COLORS))
-    return known + others
+    return [kind for kind in KIND_COLORS if kind in present] + sorted(present - set(KIND_COLORS))
 
 
 def _kind_colors(kinds: list[str]) -> dict[str, str]:
     others = [kind for kind in kinds if kind not in KIND_COLORS]
-    return {
-        kind: KIND_COLORS[kind]
-        if kind in KIND_COLORS
-        else _OTHER_COLORS[others.index(kind) % len(_OTHER_COLORS)]
-        for kind in kinds
-    }
+    grey = {kind: _OTHER_COLORS[i % len(_OTHER_COLORS)] for i, kind in enumerate(others)}
+    return {kind: KIND_COLORS[kind] if kind in KIND_COLORS else grey[kind] for kind in kinds}
 
 
 def _label(event: TimelineEvent, multi_stage: bool) -> str:

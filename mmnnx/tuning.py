@@ -221,9 +221,7 @@ def tune(
         NoCandidateError: no candidate can run or fits the budget (an ``MPMDError`` holding
             the candidates, drawn as a table in its message).
     """
-    budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    if budget is not None and budget <= 0:
-        raise ValueError(f"tune: memory_budget must be positive, got {memory_budget!r}")
+    budget = _budget("tune", memory_budget)
     pairs = _candidate_pairs(schedules, microbatches, candidates)
     partial = hasattr(step, "cached_args")  # an mm.cached_partial: its step, arguments bound
     bound = step.cached_args if partial else ()
@@ -238,11 +236,8 @@ def tune(
         )
     measured = pipeline.schedule
     m0 = pipeline.num_microbatches
-    variables = [
-        v
-        for v in jax.tree.leaves((bound, args, kwargs), is_leaf=_nnx.is_variable)
-        if _nnx.is_variable(v)
-    ]
+    leaves = jax.tree.leaves((bound, args, kwargs), is_leaf=_nnx.is_variable)
+    variables = [v for v in leaves if _nnx.is_variable(v)]
     before = [v.get_raw_value() for v in variables]
 
     def measure(run: Any) -> dict[tuple[str, int], float]:
@@ -329,20 +324,12 @@ def tune(
         }
         activations = _peak_held(result.events, held, stage_home)
         peak = max(int(task_state.get(home, 0) + a) for home, a in activations.items())
-        rejected = ""
-        if budget is not None and peak > budget:
-            rejected = f"over the budget of {budget:,} B"
-        results.append(
-            Candidate(
-                schedule=name,
-                num_microbatches=m,
-                predicted_seconds=result.makespan,
-                bubble=float(result.bubble_fraction),
-                peak_bytes=peak,
-                rejected=rejected,
-                table=schedule,
-            )  # fmt: skip
-        )
+        over = budget is not None and peak > budget
+        rejected = f"over the budget of {budget:,} B" if over else ""
+        results.append(Candidate(
+            schedule=name, num_microbatches=m, predicted_seconds=result.makespan, peak_bytes=peak,
+            bubble=float(result.bubble_fraction), rejected=rejected, table=schedule,
+        ))  # fmt: skip
     fitting = [c for c in results if not c.rejected]
     runnable = [c for c in results if c.peak_bytes is not None]
     results.sort(key=lambda c: (c.predicted_seconds is None, c.predicted_seconds or 0))
@@ -414,3 +401,13 @@ def _candidate_pairs(
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"tune: a microbatch count must be an int >= 1, got {m!r}")
     return pairs
+
+
+def _budget(caller: str, memory_budget: int | str | None) -> int | None:
+    """``memory_budget`` in bytes (``None``: none); a ValueError naming ``caller`` unless > 0."""
+    if memory_budget is None:
+        return None
+    budget = parse_bytes(memory_budget)
+    if budget <= 0:
+        raise ValueError(f"{caller}: memory_budget must be positive, got {memory_budget!r}")
+    return budget

@@ -19,9 +19,9 @@ from mmnnx.mpmd.schedules import (
     zero_bubble_h2,
     zero_bubble_v,
 )
+from mmnnx.mpmd.schedules.simulation import _held_peaks
 from mmnnx.mpmd.schedules.zero_bubble import (
     POLICIES,
-    _rank_peaks,
     _rounded,
     list_schedule,
     v_stages,
@@ -119,7 +119,7 @@ def test_interleaved_zero_bubble_beats_interleaved_1f1b_in_its_memory(
 
 
 def _rank_peak(schedule, rank):
-    return _rank_peaks(schedule)[rank]
+    return _held_peaks(schedule, by_rank=True)[rank]
 
 
 @pytest.mark.parametrize(
@@ -415,7 +415,9 @@ def test_zero_bubble_v_built_for_costs_where_the_first_stage_ends_the_step():
     assert _time(built, v_costs) < _time(greedy, v_costs)
     assert _time(built, v_costs) < _time(zero_bubble_v(2, 8), v_costs)
     assert _time(built, v_costs) < _time(zero_bubble_h1(2, 8), h1_costs)
-    assert max(_rank_peaks(built)) <= max(_rank_peaks(zero_bubble_v(2, 8)))  # 1F1B's memory
+    assert max(_held_peaks(built, by_rank=True)) <= max(
+        _held_peaks(zero_bubble_v(2, 8), by_rank=True)
+    )  # 1F1B's memory
 
 
 @pytest.mark.parametrize("policy", ["zero-bubble", "critical-path"])
@@ -459,7 +461,9 @@ def test_built_for_costs_rounds_them_too():
     assert _time(list_schedule("zb", stage_to_rank, 8, limits, rounded), v_costs) < exact / 1.1
     built = zero_bubble_v(4, 8, v_costs)
     assert _time(built, v_costs) < _time(zero_bubble_h1(4, 8), h1_costs) < exact
-    assert max(_rank_peaks(built)) <= max(_rank_peaks(zero_bubble_v(4, 8)))  # 1F1B's memory
+    assert max(_held_peaks(built, by_rank=True)) <= max(
+        _held_peaks(zero_bubble_v(4, 8), by_rank=True)
+    )  # 1F1B's memory
 
 
 def test_simulate_delays_a_reader_on_another_rank_by_its_transfer():

@@ -80,11 +80,6 @@ def measure(
     fwd = jax.jit(forward)
     out, vjp = fwd(params, other, inputs)
     cotangent = jax.jit(lambda o: jax.tree.map(jnp.ones_like, o))(out)
-    with_inputs = any(grads)
-    with_weights = bool(jax.tree.leaves(params))
-    both = jax.jit(lambda v, c: v(c))
-    only_inputs = jax.jit(lambda v, c: v(c)[1])
-    only_weights = jax.jit(lambda v, c: v(c)[0])
     args = (vjp, cotangent)
 
     def work(fn: Callable, args: tuple) -> float:
@@ -92,9 +87,9 @@ def measure(
 
     return Timing(
         forward=work(fwd, (params, other, inputs)),
-        backward=work(both, args),
-        input_grad=work(only_inputs, args) if with_inputs else 0.0,
-        weight_grad=work(only_weights, args) if with_weights else 0.0,
+        backward=work(jax.jit(lambda v, c: v(c)), args),
+        input_grad=work(jax.jit(lambda v, c: v(c)[1]), args) if any(grads) else 0.0,
+        weight_grad=work(jax.jit(lambda v, c: v(c)[0]), args) if jax.tree.leaves(params) else 0.0,
         held_bytes=_held_bytes(forward, (params, other, inputs), vjp, len(jax.tree.leaves(out))),
         output_bytes=sum(_device_bytes(x) for x in jax.tree.leaves(out)),
         state_bytes=sum(_device_bytes(x) for x in jax.tree.leaves((params, other))),

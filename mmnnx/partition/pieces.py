@@ -174,9 +174,12 @@ class Model:
             )
         return [call for _, call in calls]
 
-    def _state(self, index: int) -> tuple[Any, Any]:
-        """The differentiated Variables and the rest of group ``index``'s state."""
-        return nnx.split_state(self.states[index], self.wrt, ...)
+    def _piece(self, group: int, name: str, fn: Callable, inputs: Sequence, grads: Sequence,
+               key: Any = None) -> Piece:  # fmt: skip
+        """A piece of state group ``group``, its differentiated Variables its ``params``."""
+        params, other = nnx.split_state(self.states[group], self.wrt, ...)
+        return Piece(name=name, fn=fn, params=params, other=other, inputs=tuple(inputs),
+                     grads=tuple(grads), key=key)  # fmt: skip
 
     def layer(self, i: int, call: Call) -> Piece:
         """Layer ``i`` as its ``call`` calls it."""
@@ -191,17 +194,9 @@ class Model:
             leaves, _ = _arrays(out)
             return tuple(leaves[j] for j in keep)
 
-        params, other = self._state(2 + i)
         skip = len(self.found.path) + 1  # the layer's own paths: alike layers, one key
-        return Piece(
-            name=f"layer {i}",
-            fn=fn,
-            params=params,
-            other=other,
-            inputs=tuple(arrays),
-            grads=tuple(map(_differentiable, arrays)),
-            key=(self.layer_graphdefs[i], _shapes(self.abstract[2 + i], skip), repr(call)),
-        )
+        key = (self.layer_graphdefs[i], _shapes(self.abstract[2 + i], skip), repr(call))
+        return self._piece(2 + i, f"layer {i}", fn, arrays, map(_differentiable, arrays), key)
 
     def embedding(self, loss_fn: Callable, batch: Any) -> Piece:
         """Everything ``loss_fn`` runs before layer 0, on ``batch`` (one microbatch)."""
@@ -221,16 +216,7 @@ class Model:
                 f"partition: the loss function never calls layer 0 of {self.found.where}"
             )
 
-        params, other = self._state(0)
-        return Piece(
-            name=EMBEDDING,
-            fn=fn,
-            params=params,
-            other=other,
-            inputs=tuple(batch_arrays),
-            grads=(False,) * len(batch_arrays),
-            key=None,
-        )
+        return self._piece(0, EMBEDDING, fn, batch_arrays, (False,) * len(batch_arrays))
 
     def head(self, loss_fn: Callable, batch: Any, calls: Sequence[Call]) -> Piece:
         """Everything ``loss_fn`` runs after the last layer, from its output, to the loss."""
@@ -248,17 +234,8 @@ class Model:
             model = self._stubbed(self._merged({1: nnx.merge_state(params, other)}), hook)
             return (loss_fn(model, rebuild_batch(inputs[split:])),)
 
-        params, other = self._state(1)
         grads = tuple(map(_differentiable, out_arrays)) + (False,) * len(batch_arrays)
-        return Piece(
-            name=HEAD,
-            fn=fn,
-            params=params,
-            other=other,
-            inputs=tuple(out_arrays) + tuple(batch_arrays),
-            grads=grads,
-            key=None,
-        )
+        return self._piece(1, HEAD, fn, [*out_arrays, *batch_arrays], grads)
 
 
 def _shapes(state: Any, skip: int) -> tuple:

@@ -20,7 +20,7 @@ from mmnnx.partition.pieces import Model, Piece
 from mmnnx.partition.result import PartitionResult, Split
 from mmnnx.partition.search import Option, Profile, equal_split, search
 from mmnnx.sharding import Task
-from mmnnx.tuning import parse_bytes
+from mmnnx.tuning import _budget
 
 
 def partition(
@@ -87,7 +87,7 @@ def partition(
             smallest budget that would fit) or none can run.
     """
     tasks = _checked_tasks(tasks)
-    budget = _budget(memory_budget)
+    budget = _budget("partition", memory_budget)
     found = find_layers(model, blocks, last, who="partition")
     _check_model(model, found)
     rows = _rows(batch)
@@ -130,16 +130,9 @@ def partition(
 
 def _equal_to(best: Split, candidates: Sequence[Split], n: int) -> Split | None:
     """The equal split under ``best``'s schedule, microbatch count and stages per task."""
-    same = (best.schedule, best.num_microbatches, best.virtual_stages)
-    return next(
-        (
-            c
-            for c in candidates
-            if c.sizes == equal_split(n, len(best.sizes))
-            and (c.schedule, c.num_microbatches, c.virtual_stages) == same
-        ),
-        None,
-    )
+    equal = (equal_split(n, len(best.sizes)), best.schedule, best.num_microbatches)
+    same = [c for c in candidates if (c.sizes, c.schedule, c.num_microbatches) == equal]
+    return next((c for c in same if c.virtual_stages == best.virtual_stages), None)
 
 
 def _checked_tasks(tasks: Sequence[Task]) -> list[Task]:
@@ -158,15 +151,6 @@ def _checked_tasks(tasks: Sequence[Task]) -> list[Task]:
     if len(set(names)) < len(names):
         raise ValueError(f"partition: task names must differ, got {names}")
     return tasks
-
-
-def _budget(memory_budget: int | str | None) -> int | None:
-    if memory_budget is None:
-        return None
-    budget = parse_bytes(memory_budget)
-    if budget <= 0:
-        raise ValueError(f"partition: memory_budget must be positive, got {memory_budget!r}")
-    return budget
 
 
 def _check_model(model: Any, found: Any) -> None:

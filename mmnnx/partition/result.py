@@ -179,10 +179,8 @@ def _stages_table(best: Split, layers: str) -> Table:
             stage.layers,
             *map(_ms, (stage.forward, stage.backward, stage.input_grad, stage.weight_grad)),
             _ms(stage.transfer) if s < len(best.stages) - 1 else "-",
-            _bytes(stage.state_bytes),
-            _bytes(stage.optimizer_bytes),
-            _bytes(stage.activation_bytes),
-            _bytes(stage.total_bytes),
+            *map(_bytes, (stage.state_bytes, stage.optimizer_bytes)),
+            *map(_bytes, (stage.activation_bytes, stage.total_bytes)),
         )
     return table
 

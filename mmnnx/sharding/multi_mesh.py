@@ -71,18 +71,10 @@ class MultiMesh:
         return self._mesh
 
     def __getattr__(self, name):
-        # Forwards the rest of the Mesh API (axis_types, local_devices, empty, ...).
+        # Forwards the rest of the Mesh API (devices, shape, size, axis_types, ...).
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._mesh, name)
-
-    @property
-    def devices(self) -> np.ndarray:
-        return self._mesh.devices
-
-    @property
-    def shape(self):
-        return self._mesh.shape
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -91,10 +83,6 @@ class MultiMesh:
     @property
     def axis_sizes(self) -> tuple[int, ...]:
         return tuple(self._mesh.axis_sizes)
-
-    @property
-    def size(self) -> int:
-        return self._mesh.size
 
     def _index(self, slices: dict[str, int], keep_dims: bool):
         if not slices:

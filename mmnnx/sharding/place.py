@@ -141,16 +141,13 @@ def plan_placement(
         >>> [path_str(a.path) for a in plan_placement(model, [(".*", t)])]
         ['bias', 'kernel']
     """
-    return _plan(variables_of(model), rules, strict, warn_at=3)
+    return _plan(variables_of(model), rules, strict)
 
 
 def _plan(
-    variables: Sequence[tuple[Path, nnx.Variable]],
-    rules: Sequence[tuple] | Mapping,
-    strict: bool,
-    warn_at: int,
+    variables: Sequence[tuple[Path, nnx.Variable]], rules: Sequence[tuple] | Mapping, strict: bool
 ) -> list[Assignment]:
-    """:func:`plan_placement` of ``variables``, warning ``warn_at`` frames up."""
+    """:func:`plan_placement` of ``variables``; warnings point at the code calling place or init."""
     compiled = compile_rules(rules)
     _check_tasks(compiled)
     assignments: list[Assignment] = []
@@ -168,17 +165,15 @@ def _plan(
                 f"Variable {path_str(path)!r} holds a {type(value).__name__}, not an array; "
                 "only array-valued Variables can be placed"
             )
-        if isinstance(rule.task, TaskStack):
-            spec = _stack_spec(rule, path, variable)
-        else:
-            spec = _task_spec(rule, rule.task, path, variable)
-        where = f"Variable {path_str(path)!r} on task {rule.task.name!r}"
         shape = tuple(value.shape)
         if isinstance(rule.task, TaskStack):
+            spec = _stack_spec(rule, path, variable)
             where = f"stacked Variable {path_str(path)!r} on tasks {rule.task.name!r}"
             (start, stop), *_ = rule.task.chunks(shape[0], where=where)
             check_spec(spec, (stop - start, *shape[1:]), rule.task.tasks[0].jax_mesh, where)
         else:
+            spec = _task_spec(rule, rule.task, path, variable)
+            where = f"Variable {path_str(path)!r} on task {rule.task.name!r}"
             check_spec(spec, shape, rule.task.jax_mesh, where)
         assignments.append(Assignment(path=path, variable=variable, rule=rule, spec=spec))
     if unmatched and strict:
@@ -190,7 +185,7 @@ def _plan(
         )
     for rule in compiled:
         if rule.index not in used:
-            warnings.warn(f"placement {rule.describe()} placed no Variable", stacklevel=warn_at + 1)
+            warnings.warn(f"placement {rule.describe()} placed no Variable", stacklevel=4)
     return assignments
 
 
@@ -315,7 +310,7 @@ def init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, *, strict: 
 
 def _init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, strict: bool) -> M:
     traced = trace_factory(factory)
-    assignments = _plan(variables_of(traced.model), rules, strict, warn_at=3)
+    assignments = _plan(variables_of(traced.model), rules, strict)
     here = {a.path: a for a in assignments if jax.process_index() in processes_of(a.sharding)}
     elsewhere = [a for a in assignments if a.path not in here]  # each process makes its own
     _commit(elsewhere, [_placeholder_for(a) for a in elsewhere])

@@ -42,17 +42,14 @@ def normalize_rules(rules: Any, what: str) -> LogicalRules:
             raise TypeError(f"{what}: logical name {name!r} in rule {tuple(rule)!r} is not a str")
         if isinstance(axes, list):
             axes = tuple(axes)
-        if not (axes is None or isinstance(axes, str) or _all_str(axes)):
+        all_str = isinstance(axes, tuple) and all(isinstance(a, str) for a in axes)
+        if not (axes is None or isinstance(axes, str) or all_str):
             raise TypeError(
                 f"{what}: device axis {axes!r} for logical name {name!r} must be a str, "
                 "a tuple of str, or None"
             )
         out.append((name, axes))
     return tuple(out)
-
-
-def _all_str(axes) -> bool:
-    return isinstance(axes, tuple) and all(isinstance(a, str) for a in axes)
 
 
 def _axes_tuple(axes: DeviceAxes) -> tuple[str, ...]:

@@ -21,11 +21,9 @@ def check_axes(axis_sizes: Sequence[int], axis_names: Sequence[str], device_coun
     for name in axis_names:
         if not isinstance(name, str):
             raise TypeError(f"{what}: axis name {name!r} is not a str")
-    seen = set()
-    for name in axis_names:
-        if name in seen:
-            raise ValueError(f"{what}: duplicate axis name {name!r} in {tuple(axis_names)}")
-        seen.add(name)
+    dupes = [name for i, name in enumerate(axis_names) if name in axis_names[:i]]
+    if dupes:
+        raise ValueError(f"{what}: duplicate axis name {dupes[0]!r} in {tuple(axis_names)}")
     for size in axis_sizes:
         if not isinstance(size, int | np.integer) or size < 1:
             raise ValueError(f"{what}: axis size {size!r} must be a positive int")
@@ -110,16 +108,13 @@ class TaskMesh:
     ):
         ids = device_ids(devices, "TaskMesh")
         if abstract is not None:
-            if axis_sizes is not None and tuple(axis_sizes) != tuple(abstract.axis_sizes):
-                raise ValueError(
-                    f"TaskMesh: axis_sizes {tuple(axis_sizes)} disagree with the abstract mesh's "
-                    f"{tuple(abstract.axis_sizes)}"
-                )
-            if axis_names is not None and tuple(axis_names) != tuple(abstract.axis_names):
-                raise ValueError(
-                    f"TaskMesh: axis_names {tuple(axis_names)} disagree with the abstract mesh's "
-                    f"{tuple(abstract.axis_names)}"
-                )
+            for field, given in (("axis_sizes", axis_sizes), ("axis_names", axis_names)):
+                theirs = tuple(getattr(abstract, field))
+                if given is not None and tuple(given) != theirs:
+                    raise ValueError(
+                        f"TaskMesh: {field} {tuple(given)} disagree with the abstract mesh's "
+                        f"{theirs}"
+                    )
             axis_sizes, axis_names = abstract.axis_sizes, abstract.axis_names
         axis_sizes, axis_names = resolve_axes(axis_sizes, axis_names, ids.size, "TaskMesh")
         self._ids = ids.reshape(axis_sizes)

@@ -77,20 +77,15 @@ def resolve_rng_counts(graph: Graph, num_microbatches: dict[int, int]) -> None:
                 "microbatch"
             )
         (start,) = reached
-        base = bases[start]
         zero = np.zeros(graph.shapes[start], graph.dtypes[start])
         (after,) = run_ops(advance, [start], [op.ins[0]], [zero])
-        d = np.asarray(after)
-        stride[start] = d
+        stride[start] = d = np.asarray(after)
         total = d * num_microbatches[op.params["group"]]
-        replace[op.index] = [offset_op(op, base.ins[0], total, graph)]
+        replace[op.index] = [offset_op(op, bases[start].ins[0], total, graph)]
     for start, base in bases.items():
         d = stride.get(start, np.zeros(graph.shapes[start], graph.dtypes[start]))
         replace[base.index] = count_ops(base, base.ins[1], d, graph)
-    ops: list[Op] = []
-    for op in graph.ops:
-        ops.extend(replace.get(op.index, [op]))
-    graph.ops = ops
+    graph.ops = [new for op in graph.ops for new in replace.get(op.index, [op])]
     drop_dead_ops(graph)  # a count nothing reads after the step (a forked nnx.Rngs)
     graph._producers = graph._consumers = None
 

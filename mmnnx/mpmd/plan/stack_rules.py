@@ -21,7 +21,7 @@ _ELEMENTWISE_NAMES = """
     mm_rng_next
 """
 _ELEMENTWISE = frozenset(_ELEMENTWISE_NAMES.split())
-_COMBINE = {
+COMBINE = {  # the binary primitive that combines a reduction's partial results
     "reduce_sum": jax.lax.add_p,
     "reduce_max": jax.lax.max_p,
     "reduce_min": jax.lax.min_p,
@@ -43,7 +43,7 @@ def stack_rule(op: Op, split: Sequence[bool], in_shapes: Sequence[tuple]) -> str
         if any(split[:first_x]) or not any(split[first_x:]):
             return None
         return "scan"
-    if name in _COMBINE:
+    if name in COMBINE:
         return "reduce" if 0 in p["axes"] else "map"
     if name in ("argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"):
         axes = p["axes"] if "axes" in p else (p["axis"],)
@@ -81,16 +81,6 @@ def chunk_params(op: Op, size: int) -> dict:
     elif op.name == "scan":
         params["length"] = size
     return params
-
-
-def scan_layout(op: Op) -> tuple[int, int, bool]:
-    """A scan op's number of constant and carried operands, and whether it runs in reverse."""
-    return op.params["num_consts"], op.params["num_carry"], bool(op.params["reverse"])
-
-
-def combiner(op: Op) -> Any:
-    """The binary primitive that combines partial results of a reduction op."""
-    return _COMBINE[op.name]
 
 
 def slice_leading(shape: Sequence[int], start: int, stop: int) -> tuple[Any, dict]:

@@ -241,7 +241,7 @@ class _Rewriter:
         if rule == "map":
             self.mark(op, op.outs, layout, per_chunk)
             return
-        combine = stack_rules.combiner(op)
+        combine = stack_rules.COMBINE[op.name]
         for k, v in enumerate(op.outs):
             total = per_chunk[0][k]
             info = self.info(v)
@@ -250,14 +250,14 @@ class _Rewriter:
             self.whole[v] = total
 
     def rewrite_scan(self, op: Op, layout: _Layout) -> None:
-        num_consts, num_carry, reverse = stack_rules.scan_layout(op)
+        num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
         consts = [self.read(a, op) for a in op.ins[:num_consts]]
         carry = [self.read(a, op) for a in op.ins[num_consts : num_consts + num_carry]]
         xs = op.ins[num_consts + num_carry :]
         carry_infos = [self.info(v) for v in op.outs[:num_carry]]
         order = range(len(layout.bounds))
         ys: list[list[Atom]] = [[] for _ in order]
-        for j in reversed(order) if reverse else order:
+        for j in reversed(order) if op.params["reverse"] else order:
             start, stop = layout.bounds[j]
             infos = carry_infos + [self.info(v, stop - start) for v in op.outs[num_carry:]]
             ins = [*consts, *carry, *self.chunk_ins(op, layout, j, xs)]

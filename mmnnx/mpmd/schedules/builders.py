@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
-from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validate
+from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validated
 
 
 def check_interleaved(num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
@@ -39,24 +38,6 @@ def need_whole_groups(name: str, num_microbatches: int, num_ranks: int) -> None:
 def _looped_stages(rank: int, num_ranks: int, virtual_stages: int) -> list[int]:
     """The stages rank ``rank`` holds when ``virtual_stages`` loops go round the ranks."""
     return [rank + k * num_ranks for k in range(virtual_stages)]
-
-
-def validated(
-    name: str, num_microbatches: int, stage_to_rank: Sequence[int], rows: Sequence, overlapped=()
-) -> Schedule:
-    """The validated schedule of ``rows`` (one per rank), stage ``s`` on ``stage_to_rank[s]``."""
-    stage_to_rank = tuple(stage_to_rank)
-    return validate(
-        Schedule(
-            name=name,
-            num_stages=len(stage_to_rank),
-            num_microbatches=num_microbatches,
-            num_ranks=len(rows),
-            stage_to_rank=stage_to_rank,
-            actions=rows,
-            overlapped=overlapped,
-        )
-    )
 
 
 def _looped(num_ranks: int, virtual_stages: int) -> list[int]:
@@ -97,15 +78,22 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """
     check_counts(num_stages, num_microbatches)
     need_enough_microbatches("1f1b", num_microbatches, num_stages, "stages")
-    rows = []
-    for stage in range(num_stages):
-        warmup = num_stages - stage - 1
-        row = [Action("F", stage, m) for m in range(warmup)]
-        for m in range(warmup, num_microbatches):
-            row += [Action("F", stage, m), Action("B", stage, m - warmup)]
-        row += [Action("B", stage, m) for m in range(num_microbatches - warmup, num_microbatches)]
-        rows.append(row)
+    rows = [
+        _warm_then_alternate(
+            [Action("F", stage, m) for m in range(num_microbatches)],
+            [Action("B", stage, m) for m in range(num_microbatches)],
+            num_stages - stage - 1,
+        )
+        for stage in range(num_stages)
+    ]
     return validated("1f1b", num_microbatches, range(num_stages), rows)
+
+
+def _warm_then_alternate(forwards: list, backwards: list, warmup: int) -> list:
+    """``warmup`` forwards (at most all), one forward / one backward, the remaining backwards."""
+    warmup = min(warmup, len(forwards))
+    steady = [a for pair in zip(forwards[warmup:], backwards, strict=False) for a in pair]
+    return forwards[:warmup] + steady + backwards[len(forwards) - warmup :]
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
@@ -152,13 +140,8 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int)
             for stage in reversed(stages)
             for j in range(num_ranks)
         ]
-        total = len(forwards)
-        warmup = min(2 * (num_ranks - rank - 1) + (virtual_stages - 1) * num_ranks, total)
-        row = forwards[:warmup]
-        for i in range(total - warmup):
-            row += [forwards[warmup + i], backwards[i]]
-        row += backwards[total - warmup :]
-        rows.append(row)
+        warmup = 2 * (num_ranks - rank - 1) + (virtual_stages - 1) * num_ranks
+        rows.append(_warm_then_alternate(forwards, backwards, warmup))
     return validated("interleaved-1f1b", num_microbatches, _looped(num_ranks, virtual_stages), rows)
 
 

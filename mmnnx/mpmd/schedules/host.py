@@ -34,11 +34,7 @@ def dispatch_order(schedule: Schedule) -> list[tuple[Action, Action | None]]:
         ['F0.0', 'F0.1', 'F1.0', 'B1.0', 'B0.0', 'F1.1', 'B1.1', 'B0.1']
     """
     timed = sorted(play(schedule, lambda a: _UNIT[a.kind]), key=lambda t: (t.start, t.rank))
-    second_of = {
-        first: second
-        for rank in range(schedule.num_ranks)
-        for first, second in schedule.pairs_of(rank)
-    }
+    second_of = dict(pair for rank in range(schedule.num_ranks) for pair in schedule.pairs_of(rank))
     seconds = set(second_of.values())
     return [(t.action, second_of.get(t.action)) for t in timed if t.action not in seconds]
 

@@ -553,6 +553,24 @@ def validate(schedule: Schedule) -> Schedule:
     return schedule
 
 
+def validated(
+    name: str, num_microbatches: int, stage_to_rank: Sequence[int], rows: Sequence, overlapped=()
+) -> Schedule:
+    """The validated schedule of ``rows`` (one per rank), stage ``s`` on ``stage_to_rank[s]``."""
+    stage_to_rank = tuple(stage_to_rank)
+    return validate(
+        Schedule(
+            name=name,
+            num_stages=len(stage_to_rank),
+            num_microbatches=num_microbatches,
+            num_ranks=len(rows),
+            stage_to_rank=stage_to_rank,
+            actions=rows,
+            overlapped=overlapped,
+        )
+    )
+
+
 def check_counts(num_stages: int, num_microbatches: int, num_ranks: int = 1) -> None:
     """Raises a ValueError unless the counts are positive ints (bools refused)."""
     counts = {"num_stages": num_stages, "num_microbatches": num_microbatches}
@@ -652,15 +670,5 @@ def custom(
     for stage in range(num_stages):
         if stage not in owners:
             raise ValueError(f"missing action F{stage}.0: stage {stage} has no actions on any rank")
-    stage_to_rank = tuple(owners[stage][0] for stage in range(num_stages))
-    return validate(
-        Schedule(
-            name=name,
-            num_stages=num_stages,
-            num_microbatches=num_microbatches,
-            num_ranks=len(rows),
-            stage_to_rank=stage_to_rank,
-            actions=rows,
-            overlapped=overlapped,
-        )
-    )
+    stage_to_rank = [owners[stage][0] for stage in range(num_stages)]
+    return validated(name, num_microbatches, stage_to_rank, rows, overlapped)

@@ -75,17 +75,13 @@ class RegisteredSchedule:
                 f"stages per rank ({', '.join(map(repr, runs))}); {self.name!r} runs "
                 f"{self.placement.name}"
             )
-        return self.builder(*self.placement.sizes(*sizes), **self._costs(costs))
-
-    def _costs(self, costs: Mapping[Any, float] | None) -> dict[str, Any]:
-        """``costs`` as keyword arguments for the builder."""
         if costs is None:
-            return {}
+            return self.builder(*self.placement.sizes(*sizes))
         if not self.takes_costs:
             raise CostsNotUsed(
                 f"schedule {self.name!r} is built the same whatever the passes cost; pass no costs"
             )
-        return {"costs": costs}
+        return self.builder(*self.placement.sizes(*sizes), costs=costs)
 
 
 _BUILT_IN = (
@@ -105,19 +101,13 @@ _BUILT_IN = (
 _REGISTRY: dict[str, RegisteredSchedule] = {entry.name: entry for entry in _BUILT_IN}
 
 
-def _takes_costs(builder: Callable[..., Schedule]) -> bool:
-    try:
-        return "costs" in inspect.signature(builder).parameters
-    except (TypeError, ValueError):  # a callable whose signature cannot be read
-        return False
-
-
-def _check_signature(name: str, builder: Callable[..., Schedule]) -> None:
-    """Raises a TypeError unless ``builder`` can be called as a :data:`Builder`."""
+def _takes_costs(name: str, builder: Callable[..., Schedule]) -> bool:
+    """Whether ``builder`` takes ``costs``; a TypeError unless it can be called as a
+    :data:`Builder`."""
     try:
         signature = inspect.signature(builder)
     except (TypeError, ValueError):  # a callable whose signature cannot be read: trust it
-        return
+        return False
     extra = {"costs": None} if "costs" in signature.parameters else {}
     try:
         signature.bind(1, 1, 1, **extra)
@@ -128,6 +118,7 @@ def _check_signature(name: str, builder: Callable[..., Schedule]) -> None:
             f"virtual_stages) positionally, and optionally costs=; {shown}{signature} cannot "
             f"({e})"
         ) from None
+    return bool(extra)
 
 
 def register(name: str, builder: Builder, *, replace: bool = False) -> None:
@@ -161,12 +152,11 @@ def register(name: str, builder: Builder, *, replace: bool = False) -> None:
         raise ValueError(
             f"schedule {name!r} is already registered; pass replace=True to replace it"
         )
-    _check_signature(name, builder)
     _REGISTRY[name] = RegisteredSchedule(
         name=name,
         builder=builder,
         placement=Placement.BUILDER_DECIDES,
-        takes_costs=_takes_costs(builder),
+        takes_costs=_takes_costs(name, builder),
     )
 
 

@@ -67,16 +67,15 @@ class SimulationResult:
     rank_idle: tuple[float, ...] = ()
 
 
-def _peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
-    held = [0] * schedule.num_stages
-    peak = [0] * schedule.num_stages
-    for row in schedule.actions:
+def _held_peaks(schedule: Schedule, by_rank: bool = False) -> tuple[int, ...]:
+    """The most microbatches each stage (or rank) holds at once, from an F to its B or W."""
+    held = [0] * (schedule.num_ranks if by_rank else schedule.num_stages)
+    peak = list(held)
+    for rank, row in enumerate(schedule.actions):
         for action in row:
-            if action.kind == "F":
-                held[action.stage] += 1
-                peak[action.stage] = max(peak[action.stage], held[action.stage])
-            elif action.kind in "BW":
-                held[action.stage] -= 1
+            at = rank if by_rank else action.stage
+            held[at] += {"F": 1, "B": -1, "I": 0, "W": -1}[action.kind]
+            peak[at] = max(peak[at], held[at])
     return tuple(peak)
 
 
@@ -264,7 +263,7 @@ def _result(schedule: Schedule, timed: list) -> SimulationResult:
     return SimulationResult(
         makespan=makespan,
         bubble_fraction=(capacity - busy) / capacity,
-        peak_in_flight=_peak_in_flight(schedule),
+        peak_in_flight=_held_peaks(schedule),
         events=events,
         rank_idle=idle,
     )

@@ -33,10 +33,9 @@ from mmnnx.mpmd.schedules.builders import (
     interleaved_1f1b,
     need_enough_microbatches,
     need_whole_groups,
-    validated,
 )
-from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts
-from mmnnx.mpmd.schedules.simulation import simulate
+from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validated
+from mmnnx.mpmd.schedules.simulation import _held_peaks, simulate
 
 Costs = Mapping[str | tuple[str, int], float]
 """Durations of the passes: by kind (``{"F": 2, "I": 1, "W": 1}``) or by ``(kind, stage)``."""
@@ -197,9 +196,7 @@ def _durations(name: str, costs: Costs | None) -> Callable[[str, int], float]:
 
 def _critical_paths(num_stages: int, cost: Callable[[str, int], float]) -> dict[tuple, float]:
     """Per ``(kind, stage)``: its duration plus the longest chain of passes waiting on it."""
-    after: dict[tuple, float] = {}
-    for s in range(num_stages):
-        after["W", s] = cost("W", s)
+    after: dict[tuple, float] = {("W", s): cost("W", s) for s in range(num_stages)}
     for s in range(num_stages):
         below = after["I", s - 1] if s > 0 else 0.0
         after["I", s] = cost("I", s) + max(after["W", s], below)
@@ -342,20 +339,8 @@ def interleaved_zero_bubble(
     need_whole_groups("interleaved-zero-bubble", num_microbatches, num_ranks)
     num_stages = num_ranks * virtual_stages
     stage_to_rank = [s % num_ranks for s in range(num_stages)]
-    limits = _rank_peaks(interleaved_1f1b(num_ranks, num_microbatches, virtual_stages))
+    limits = list(_held_peaks(interleaved_1f1b(num_ranks, num_microbatches, virtual_stages), True))
     return built_for("interleaved-zero-bubble", stage_to_rank, num_microbatches, limits, costs)
-
-
-def _rank_peaks(schedule: Schedule) -> list[int]:
-    """The most stage-microbatches each rank of ``schedule`` holds at once."""
-    peaks = []
-    for row in schedule.actions:
-        held = peak = 0
-        for action in row:
-            held += {"F": 1, "B": -1, "I": 0, "W": -1}[action.kind]
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
 
 
 def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) -> Schedule:
