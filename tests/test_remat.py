@@ -102,3 +102,48 @@ def test_a_residual_sent_on_is_read_not_recomputed():
 def test_recompute_residuals_must_be_a_bool():
     with pytest.raises(TypeError, match="recompute_residuals must be True or False"):
         mm.jit(gpt_step("1f1b"), recompute_residuals="yes")
+
+
+def remat_gpt(remat):
+    import dataclasses
+
+    from mmnnx.models import GPT
+
+    with nnx.use_eager_sharding(False):
+        return GPT(dataclasses.replace(SMALL_GPT, remat=remat), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+def test_gpt_remat_policies_train_like_one_device_holding_less(schedule):
+    tokens = jax.random.randint(jax.random.key(3), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
+    held = {}
+    for remat in ("none", "full", "dots", "offload"):
+        model = remat_gpt(remat)
+        mm.place(model, stage_rules(model, one_device_tasks(4), report=False))
+        opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+        step = mm.jit(gpt_step(schedule))
+        held[remat] = step.memory_profile(model, opt, tokens)
+        ref_loss, _ = reference_loss_and_grads(small_gpt(), tokens)
+        close(step(model, opt, tokens), ref_loss)
+    for task, (peak, _) in held["none"].items():  # each task holds fewer bytes at its peak
+        assert held["full"][task][0] < 0.7 * peak, (task, held)
+        assert held["dots"][task][0] < peak, (task, held)
+
+
+def test_unknown_remat_policy_is_named():
+    from mmnnx.models import GPTConfig
+
+    with pytest.raises(ValueError, match="GPTConfig.remat must be one of none, full, dots"):
+        GPTConfig(remat="some")
+
+
+def test_remat_flag_reaches_scratch_and_pretrained_models():
+    import pathlib
+
+    from mmnnx.train.config import RunConfig
+    from mmnnx.train.run_model import model_config
+
+    policy = pathlib.Path(__file__).parent / "transformers_fixtures" / "dpo" / "policy"
+    assert model_config(RunConfig.of({"remat": "full", "model_axis": 1}), 256).remat == "full"
+    pretrained = model_config(RunConfig.of({"remat": "dots", "init_from": str(policy)}), 300)
+    assert pretrained.remat == "dots" and pretrained.depth == 2

@@ -28,6 +28,15 @@ from mmnnx.modules import (
 )
 from mmnnx.modules.checks import check, is_int, is_positive
 
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+"""``GPTConfig.remat``'s policies: what each block's forward keeps for its backward (``nnx.remat``
+recomputes the rest there): everything, only the block's input, its matmuls' outputs, or those
+in host memory."""
 DTYPES = ("float32", "bfloat16")  # of the computation (dtype) and of the Variables
 PER_LAYER = (
     *("mlp_ratio", "gated_mlp", "dropout", "head_dim", "qk_norm", "rope_theta", "rope_scaling"),
@@ -60,7 +69,9 @@ class GPTConfig:
     table); ``max_seq_len`` (bounds the input length); ``scan_layers`` (the layers, all alike,
     stacked with ``nnx.vmap`` and run with ``nnx.scan``: tracing and compiling cost one block,
     not ``depth``); ``dtype`` (of activations and matmuls; norms, softmax and the loss are
-    float32) and ``param_dtype`` (of every Variable), ``"float32"`` or ``"bfloat16"``;
+    float32) and ``param_dtype`` (of every Variable), ``"float32"`` or ``"bfloat16"``; ``remat``
+    (a key of :data:`REMAT`: ``"full"`` recomputes each block's forward in its backward, keeping
+    only its input; the same numbers with less memory);
     ``GPT.loss`` adds ``router_aux_loss_coef`` times the load-balancing loss of every MoE
     layer's router pooled (Hugging Face's ``load_balancing_loss_func``) and
     ``router_z_loss_coef`` times their mean z-loss.
@@ -107,8 +118,10 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
     router_aux_loss_coef: float = 0.001
     router_z_loss_coef: float = 0.0
     layers: tuple[BlockConfig, ...] | None = None
+    remat: str = "none"
 
     def __post_init__(self):
+        check(self.remat in REMAT, "GPTConfig.remat", f"one of {', '.join(REMAT)}", self.remat)
         for name in ("vocab_size", "dim", "depth", "max_seq_len"):
             value = getattr(self, name)
             check(is_int(value, 1), f"GPTConfig.{name}", "an int >= 1", value)
@@ -240,12 +253,15 @@ class GPT(nnx.Module):
         x = self.embed(constrain(tokens, ("batch", "seq"))).astype(c.dtype)
         moe = [b.feed_forward for b in c.block_configs if isinstance(b.feed_forward, MoEConfig)]
         stats = RouterStats.zeros(moe[0].num_experts) if moe else None
+        apply = (
+            _apply_block if c.remat == "none" else nnx.remat(_apply_block, policy=REMAT[c.remat])
+        )
         if c.scan_layers:
-            scan = nnx.scan(_apply_block, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+            scan = nnx.scan(apply, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
             x, stats = scan((x, stats), self.blocks, packing)
         else:
             for block in self.blocks:
-                x, stats = _apply_block((x, stats), block, packing)
+                x, stats = apply((x, stats), block, packing)
         x = self.norm(x)
         return (self.embed.attend(x) if c.tie_embeddings else self.head(x)), stats
 

@@ -9,7 +9,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.gpt import REMAT, GPTConfig
 from mmnnx.modules.lora import MOE_TARGETS, TARGETS
 from mmnnx.mpmd.lower.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.mpmd.schedules import names as schedule_names
@@ -70,6 +70,15 @@ class Model:
         "deep models (more than 32 blocks unrolled warn)",
     )
     seq_len: int = count(64, "tokens per sequence", api="max_seq_len")
+    remat: str = option(
+        "none",
+        "recompute each block's forward in its backward (nnx.remat), keeping of it: none "
+        "recomputed (none), only its input (full), its matmuls' outputs (dots), those in host "
+        "memory (offload); the same numbers, less memory, more compute (%(default)s)",
+        choices=tuple(REMAT),
+        omit=("none",),
+        may_change=True,
+    )
     gated_mlp: bool = switch(
         "--gated-mlp",
         "a SiLU-gated MLP without biases (Llama's and Qwen3's) instead of GELU with biases: a "

@@ -37,6 +37,7 @@ def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
         dtype=run.precision.dtype,
         scan_layers=run.model.scan_layers,
         max_seq_len=run.model.seq_len,
+        remat=run.model.remat,
     )
 
 
@@ -122,6 +123,7 @@ def build_model(
             param_dtype=config.param_dtype,
             scan_layers=config.scan_layers,
             max_seq_len=config.max_seq_len,
+            remat=config.remat,
         )
     else:
 

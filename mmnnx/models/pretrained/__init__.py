@@ -117,6 +117,7 @@ def pretrained_config(
     dtype: Any = jnp.float32,
     scan_layers: bool = False,
     max_seq_len: int | None = None,
+    remat: str = "none",
 ) -> GPTConfig:
     """The ``GPTConfig`` :func:`from_pretrained` builds for the checkpoint at ``path`` (its
     arguments as there), read from ``config.json`` alone: no tensor is opened.
@@ -137,7 +138,7 @@ def pretrained_config(
         (3, 16, True)
     """
     origin = Pretrained.read(path)
-    options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len)
+    options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len, remat=remat)
     family = FAMILIES[origin.architecture]
     return _gpt_config(family, origin.config, origin.directory, param_dtype, dtype, **options)
 
@@ -158,6 +159,7 @@ def from_pretrained(
     dtype: Any = jnp.float32,
     scan_layers: bool = False,
     max_seq_len: int | None = None,
+    remat: str = "none",
 ) -> GPT:
     """The ``GPT`` of the Hugging Face checkpoint at ``path``, its Variables read from the
     safetensors files straight onto their devices.
@@ -171,7 +173,8 @@ def from_pretrained(
     what its devices hold; a Qwen3-MoE's experts, stacked over the expert axis, are read per
     expert, so a device of an expert-parallel task (rules mapping ``expert`` to a mesh axis)
     reads only its own experts' tensors. Parameters are stored in ``param_dtype`` (float32 by
-    default, as transformers loads), activations computed in ``dtype``; ``max_seq_len`` bounds
+    default, as transformers loads), activations computed in ``dtype`` (``remat``: as
+    ``GPTConfig.remat``); ``max_seq_len`` bounds
     the sequence (default the config's ``max_position_embeddings``; ``generate`` allocates a
     key/value cache of that length). The model keeps its origin in ``model.pretrained``.
 
@@ -192,7 +195,7 @@ def from_pretrained(
     """
     files = CheckpointFiles(path)
     family = family_of(files.config, files.directory)
-    options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len)
+    options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len, remat=remat)
     config = _gpt_config(family, files.config, files.directory, param_dtype, dtype, **options)
     check_tokenizer(files.directory, config.vocab_size)
     model = _abstract(lambda: GPT(config, rngs=nnx.Rngs(0)))
