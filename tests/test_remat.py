@@ -147,3 +147,14 @@ def test_remat_flag_reaches_scratch_and_pretrained_models():
     assert model_config(RunConfig.of({"remat": "full", "model_axis": 1}), 256).remat == "full"
     pretrained = model_config(RunConfig.of({"remat": "dots", "init_from": str(policy)}), 300)
     assert pretrained.remat == "dots" and pretrained.depth == 2
+
+
+def test_a_block_under_remat_steps_with_residuals_kept_too():
+    # its core shared with the other stages' would have returned the block's input, which it
+    # reads through the input's constraint: it is not shared (it raised KeyError before)
+    tokens = jax.random.randint(jax.random.key(4), (8, SMALL_GPT.max_seq_len + 1), 0, 64)
+    model = remat_gpt("full")
+    mm.place(model, stage_rules(model, one_device_tasks(4), report=False))
+    opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+    loss = mm.jit(gpt_step("1f1b"), recompute_residuals=False)(model, opt, tokens)
+    close(loss, reference_loss_and_grads(small_gpt(), tokens)[0])

@@ -128,6 +128,9 @@ def _cut(
         kinds=reference.kinds,
     )
     core = _with_constraints(frag, _reading_constraints(frag, core))
+    made = {v for op in core.ops for v in op.outs} | set(core.in_ids)
+    if not made.issuperset(core.out_ids):  # returns an input it now reads through a constraint
+        return None
     return _around(graph, frag, core, replicas)
 
 
