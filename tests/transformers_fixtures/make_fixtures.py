@@ -78,7 +78,48 @@ FIXTURES = {
             mlp_only_layers=[0],  # layer 0 dense, layer 1 a mixture of experts
         ),
     ),
+    # YaRN as Qwen3's long-context configs set it, on a short original context: at 16 positions
+    # the ramp between extrapolated and interpolated frequencies and the attention factor matter
+    "qwen3-yarn": (
+        Qwen3ForCausalLM,
+        Qwen3Config(
+            **SMALL,
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=1000000.0, factor=4.0,
+                original_max_position_embeddings=8,
+            ),
+        ),  # fmt: skip
+    ),
 }
+YARN = {  # transformers' own inv_freq and attention factor for these rope_parameters
+    "truncated": dict(factor=4.0, original_max_position_embeddings=8),
+    "not truncated": dict(factor=4.0, original_max_position_embeddings=8, truncate=False),
+    "deepseek mscale": dict(
+        factor=40.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0,
+        beta_fast=32, beta_slow=1,
+    ),  # fmt: skip
+    "mscale ratio": dict(factor=8.0, original_max_position_embeddings=16, mscale=0.707,
+                         mscale_all_dim=1.0),  # fmt: skip
+    "attention factor given": dict(
+        factor=2.0, original_max_position_embeddings=32, attention_factor=1.5, beta_fast=16,
+        beta_slow=2,
+    ),  # fmt: skip
+}
+
+
+def yarn_parameters() -> dict:
+    """inv_freq and attention factor of ``ROPE_INIT_FUNCTIONS["yarn"]`` for :data:`YARN`."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    out = {}
+    for name, params in YARN.items():
+        config = LlamaConfig(
+            hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=256,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, **params),
+        )  # fmt: skip
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+        out[name] = {"params": params, "inv_freq": inv_freq.tolist(), "attention_factor": factor}
+    return out
 
 
 def moe_loss(model) -> dict:
@@ -121,6 +162,7 @@ def main() -> None:
         again = cls.from_pretrained(out)
         print(name, "rope_parameters:", again.config.rope_parameters, "dtype:", again.config.dtype)
         print("  files:", sorted(p.name for p in out.iterdir()))
+    (HERE / "yarn.json").write_text(json.dumps(yarn_parameters(), indent=1) + "\n")
     (HERE / "versions.json").write_text(
         json.dumps(
             {
