@@ -179,8 +179,8 @@ def _edit(source, tmp_path, *, config=None, drop=None, add=None, change=None):
         (dict(config={"hidden_act": "gelu"}), "hidden_act='gelu' is not supported"),
         (dict(config={"mlp_bias": True}), "mlp_bias=True is not supported"),
         (
-            dict(config={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
-            """rope_scaling: rope_type "yarn" is not supported""",
+            dict(config={"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}),
+            """rope_scaling: rope_type "longrope" is not supported""",
         ),
         (
             dict(drop="model.layers.2.mlp.up_proj.weight"),

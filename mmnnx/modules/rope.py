@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE), half-split layout, with Llama 3's frequency scaling."""
+"""Rotary position embeddings (RoPE), half-split layout, with Llama 3's or YaRN's scaling."""
 
 from __future__ import annotations
 
@@ -50,9 +50,73 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's RoPE scaling (Hugging Face ``rope_type: "yarn"``: Qwen3's long contexts, gpt-oss,
+    DeepSeek-V3), as transformers' ``_compute_yarn_parameters`` computes it: each frequency
+    between its extrapolated (``inv_freq``) and interpolated (``inv_freq / factor``) value by a
+    linear ramp over the dimensions that ``beta_fast`` and ``beta_slow`` rotations of the
+    ``original_max_position_embeddings`` bound (rounded out unless ``truncate`` is false), and
+    cosines and sines scaled by :attr:`attention_scale`.
+
+    Example:
+        >>> YarnScaling(factor=4.0, original_max_position_embeddings=8).attention_scale
+        1.138629436111989
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float | None = None  # None: 32, as absent from a config.json
+    beta_slow: float | None = None  # None: 1
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool | None = None  # None: True
+
+    def __post_init__(self):
+        check(is_positive(self.factor), "YarnScaling.factor", "a finite number > 0", self.factor)
+        original = self.original_max_position_embeddings
+        where = "YarnScaling.original_max_position_embeddings"
+        check(is_int(original, minimum=1), where, "an int >= 1", original)
+
+    @property
+    def attention_scale(self) -> float:
+        """``attention_factor``, else ``0.1 ln(factor) + 1`` (with ``mscale`` and
+        ``mscale_all_dim``, the ratio of that with each as its coefficient)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+
+        def scale(m: float = 1.0) -> float:
+            return 1.0 if self.factor <= 1 else 0.1 * m * math.log(self.factor) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return scale(self.mscale) / scale(self.mscale_all_dim)
+        return scale()
+
+    def frequencies(self, head_dim: int, base: float) -> np.ndarray:
+        """The ``head_dim // 2`` inverse frequencies, float32."""
+        exponents = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
+        extrapolated = np.float32(1.0) / np.float32(base) ** exponents
+        original = self.original_max_position_embeddings
+
+        def dim(rotations: float) -> float:
+            turns = original / (rotations * 2 * math.pi)
+            return head_dim * math.log(turns) / (2 * math.log(base))
+
+        low, high = dim(self.beta_fast or 32.0), dim(self.beta_slow or 1.0)
+        if self.truncate is not False:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        high = high + 0.001 if low == high else high
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        kept = 1 - ramp  # the share of the extrapolated frequency
+        return (extrapolated / self.factor * (1 - kept) + extrapolated * kept).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary position embeddings as an ``Attention`` applies them: base ``theta`` (Hugging
-    Face's ``rope_theta``) and Llama 3.1's optional frequency ``scaling``.
+    Face's ``rope_theta``) and an optional frequency ``scaling`` (Llama 3.1's ``RopeScaling``
+    or ``YarnScaling``).
 
     Example:
         >>> RopeConfig(theta=0)
@@ -62,16 +126,17 @@ class RopeConfig:
     """
 
     theta: float = 10000.0
-    scaling: RopeScaling | None = None
+    scaling: RopeScaling | YarnScaling | None = None
 
     def __post_init__(self):
         check(is_positive(self.theta), "RopeConfig.theta", "a finite number > 0", self.theta)
-        ok = self.scaling is None or isinstance(self.scaling, RopeScaling)
-        check(ok, "RopeConfig.scaling", "None or a mmnnx.modules.RopeScaling", self.scaling)
+        ok = self.scaling is None or isinstance(self.scaling, RopeScaling | YarnScaling)
+        where = "None, a mmnnx.modules.RopeScaling or YarnScaling"
+        check(ok, "RopeConfig.scaling", where, self.scaling)
 
 
 def rope_frequencies(
-    head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None
+    head_dim: int, base: float = 10000.0, scaling: RopeScaling | YarnScaling | None = None
 ) -> np.ndarray:
     """The ``head_dim // 2`` inverse frequencies of RoPE, float32, computed as Hugging Face does.
 
@@ -92,6 +157,8 @@ def rope_frequencies(
         raise ValueError(f"rope_frequencies: head_dim must be even and >= 2, got {head_dim}")
     if not 0 < base < inf:
         raise ValueError(f"rope_frequencies: base must be a finite number > 0, got {base}")
+    if isinstance(scaling, YarnScaling):
+        return scaling.frequencies(head_dim, base)
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = np.float32(1.0) / (np.float32(base) ** exponents)
     if scaling is None:
@@ -113,7 +180,7 @@ def apply_rope(
     positions: jax.Array | None = None,
     *,
     base: float = 10000.0,
-    scaling: RopeScaling | None = None,
+    scaling: RopeScaling | YarnScaling | None = None,
 ) -> jax.Array:
     """Rotates ``x`` of shape ``(..., seq, heads, head_dim)`` by its positions (RoPE).
 
@@ -137,7 +204,8 @@ def apply_rope(
     positions = jnp.arange(seq) if positions is None else positions
     inv_freq = rope_frequencies(head_dim, base, scaling)
     angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # (..., seq, half)
-    cos = jnp.cos(angles)[..., None, :].astype(x.dtype)  # broadcast over heads
-    sin = jnp.sin(angles)[..., None, :].astype(x.dtype)
+    scale = np.float32(getattr(scaling, "attention_scale", 1.0))  # YaRN's
+    cos = (jnp.cos(angles) * scale)[..., None, :].astype(x.dtype)  # broadcast over heads
+    sin = (jnp.sin(angles) * scale)[..., None, :].astype(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)

@@ -11,9 +11,9 @@ from typing import Any, NamedTuple
 
 from mmnnx.models.pretrained.files import TORCH_DTYPES, CheckpointError
 from mmnnx.modules.checks import is_positive
-from mmnnx.modules.rope import RopeScaling
+from mmnnx.modules.rope import RopeScaling, YarnScaling
 
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")
 """The ``rope_type`` values mmnnx computes (as transformers' ``ROPE_INIT_FUNCTIONS`` do)."""
 
 REQUIRED = object()
@@ -217,7 +217,7 @@ def _value(hf: dict[str, Any], key: _Key, file: str, defaults: Mapping[str, Any]
     return default
 
 
-def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, RopeScaling | None]:
+def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, Any]:
     """RoPE's base and scaling, as transformers' ``standardize_rope_params`` resolves them."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = hf.get(key) or {}
@@ -232,7 +232,7 @@ def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, Rope
     if kind not in ROPE_TYPES:
         raise CheckpointError(
             f"{file}: {key}: rope_type {_show(kind)} is not supported; mmnnx computes "
-            f"{' and '.join(map(repr, ROPE_TYPES))} RoPE"
+            f"{', '.join(map(repr, ROPE_TYPES))} RoPE"
         )
 
     def number(name: str, check: tuple[Callable[[Any], bool], str], default: Any) -> Any:
@@ -257,6 +257,14 @@ def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, Rope
     original = v["original_max_position_embeddings"] or number(
         "original_max_position_embeddings", _int(1), v["max_position_embeddings"]
     )
+    if kind == "yarn":
+        optional = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+        given = {k: float(number(k, _POSITIVE, None)) for k in optional if params.get(k)}
+        factor = float(number("factor", _POSITIVE, v["max_position_embeddings"] / original))
+        truncate = params.get("truncate")
+        if truncate is not None and not isinstance(truncate, bool):
+            raise CheckpointError(f"{file}: {key}.truncate: {_show(truncate)} is not a bool")
+        return theta, YarnScaling(factor, original, truncate=truncate, **given)
     low = float(number("low_freq_factor", _POSITIVE, REQUIRED))
     high = float(number("high_freq_factor", _POSITIVE, REQUIRED))
     if high <= low:
@@ -281,7 +289,9 @@ def rope_parameters(theta: float, scaling: RopeScaling | None) -> dict[str, Any]
     """
     out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": "default"}
     if scaling is not None:
-        out.update(rope_type="llama3", **dataclasses.asdict(scaling))
+        kind = "yarn" if isinstance(scaling, YarnScaling) else "llama3"
+        fields = {k: v for k, v in dataclasses.asdict(scaling).items() if v is not None}
+        out.update(rope_type=kind, **fields)
     return dict(sorted(out.items()))
 
 
