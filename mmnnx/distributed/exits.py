@@ -178,11 +178,6 @@ def _watch() -> None:
                     _fail_after_peer(leaving=True)
 
 
-def _stop_watching() -> None:
-    with _watch_turn:
-        _watching.clear()
-
-
 _failure: list[BaseException] = []  # a failing status given to sys.exit
 _together: list[int] = []  # the status every process ends with after a step they agreed on
 _before: list[BaseException | None] = [None]  # sys.last_value at install: an earlier error
@@ -224,12 +219,6 @@ def fail(status: int = 1) -> NoReturn:
     _end(status)
 
 
-def _uncaught() -> BaseException | None:
-    """The exception that ended the main thread: ``sys.last_value``, set before exit handlers."""
-    last = getattr(sys, "last_value", None)
-    return None if last is _before[0] else last
-
-
 def ending_together(status: int) -> None:
     """Notes that every process ends now after a step they agreed on (``Preemption``): ending
     with ``status`` is then a normal end, waiting for the others (a failure would leave at
@@ -238,8 +227,11 @@ def ending_together(status: int) -> None:
 
 
 def _at_exit() -> None:
-    _stop_watching()
-    failure = _failure[0] if _failure else _uncaught()
+    with _watch_turn:
+        _watching.clear()
+    # sys.last_value, set before exit handlers: the exception that ended the main thread
+    last = getattr(sys, "last_value", None)
+    failure = _failure[0] if _failure else (None if last is _before[0] else last)
     if isinstance(failure, SystemExit) and _status_of(failure) in _together:
         failure = None  # its status stays the one given to sys.exit
     if failure is None:  # the script ended, or called sys.exit(0)

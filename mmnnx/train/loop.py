@@ -35,7 +35,7 @@ from mmnnx.mpmd.lower.pack import (
 )
 from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
-from mmnnx.train.checkpoint import Checkpointer, Resumed
+from mmnnx.train.checkpoint import Checkpointer
 from mmnnx.train.data import DataStateError, TextDataset
 from mmnnx.train.router_metrics import has_router_metrics, router_metrics
 from mmnnx.train.run_log import RunLog
@@ -96,7 +96,8 @@ class TrainConfig:
     wandb_name: str | None = None
 
     def __post_init__(self):
-        for name in ("steps", "microbatches", "eval_every", "eval_batches", "log_every"):
+        counts = ("steps", "microbatches", "eval_every", "eval_batches", "log_every")
+        for name in (*counts, "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.schedule_steps is not None and self.schedule_steps < 1:
@@ -111,8 +112,6 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}"
             )
-        if self.virtual_stages < 1:
-            raise ValueError(f"TrainConfig.virtual_stages must be >= 1, got {self.virtual_stages}")
         if self.virtual_stages > 1 and self.schedule == "auto":
             raise ValueError(
                 "TrainConfig.schedule='auto' picks among schedules of one stage per task; "
@@ -460,7 +459,9 @@ class _Loop:
             path = self.out / "timeline.png"
             if self.leader:
                 plot_timeline(events, path, title=f"measured pipeline, step {step}")
-                _write_events(self.out / "timeline.json", step, self.bubble[1], events)
+                rows = [dataclasses.asdict(e) for e in events]
+                record = {"step": step, "bubble": self.bubble[1], "events": rows}
+                (self.out / "timeline.json").write_text(json.dumps(record, indent=1) + "\n")
             self.files["timeline"] = str(path)
             self.files["timeline_events"] = str(self.out / "timeline.json")
         return loss, router
@@ -510,7 +511,13 @@ def _resume(loop: _Loop, checkpoints: Checkpointer, *, own_optimizer: bool) -> t
     resumed = checkpoints.restore_newest_readable(
         model=loop.model, opt=loop.opt, check_extra=_saved_as
     )
-    _restore_data(loop.dataset, resumed, ckpt_dir)
+    try:
+        loop.dataset.restore(resumed.extra.get("data"))
+    except DataStateError as e:
+        raise DataStateError(
+            f"checkpoint step {resumed.step} in {ckpt_dir}: {e}; move "
+            f"{ckpt_dir / str(resumed.step)} aside to resume from an older step"
+        ) from None
     set_aside = checkpoints.set_aside([s.step for s in resumed.skipped])
     skipped = zip(resumed.skipped, set_aside, strict=True)
     line = "".join(f"; {s}, set aside as {name}" for s, name in skipped)
@@ -601,18 +608,6 @@ def _print_line(console: Console, line: str) -> None:
     console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
-def _restore_data(dataset: TextDataset, resumed: Resumed, directory: pathlib.Path) -> None:
-    """``dataset`` continued from the step resumed; a :class:`DataStateError` naming the step."""
-    try:
-        dataset.restore(resumed.extra.get("data"))
-    except DataStateError as e:
-        step = resumed.step
-        raise DataStateError(
-            f"checkpoint step {step} in {directory}: {e}; move {directory / str(step)} aside to "
-            "resume from an older step"
-        ) from None
-
-
 def _saved_as(step: int, extra: dict[str, Any]) -> str | None:
     """Why checkpoint ``step`` cannot resume the run: its ``extra`` says another step."""
     saved = extra.get("step")
@@ -689,12 +684,6 @@ def _keep_metrics_up_to(path: pathlib.Path, step: int) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text("".join(kept))
     os.replace(temporary, path)
-
-
-def _write_events(path: pathlib.Path, step: int, bubble: float, events: list) -> None:
-    """The timeline drawn, as JSON: the step, its measured bubble and its events' fields."""
-    rows = [dataclasses.asdict(e) for e in events]
-    path.write_text(json.dumps({"step": step, "bubble": bubble, "events": rows}, indent=1) + "\n")
 
 
 def _plot_losses(metrics_path: pathlib.Path, path: pathlib.Path) -> pathlib.Path:
