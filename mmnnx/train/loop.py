@@ -38,7 +38,7 @@ from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer
 from mmnnx.train.data import DataStateError, TextDataset
 from mmnnx.train.router_metrics import has_router_metrics, router_metrics
-from mmnnx.train.run_log import RunLog
+from mmnnx.train.run_log import RunLog, print_line
 from mmnnx.train.wandb_writer import WandbWriter
 from mmnnx.tuning import tune
 
@@ -427,7 +427,7 @@ class _Loop:
             if step % config.checkpoint_every == 0 or step == config.steps or preempted:
                 self.save(step)
             if preempted:
-                _print_line(
+                print_line(
                     self.console,
                     f"preemption notice (SIGTERM): stopped after step {step}, saved in "
                     f"{self.ckpt_dir}; continue with --resume (TrainConfig.resume)",
@@ -473,13 +473,8 @@ class _Loop:
         if self.rates is not None:
             record["learning_rate"] = float(self.rates(step - 1))  # this step's update's
         if router is not None:
-            record.update(
-                router_aux_loss=router.aux_loss,
-                router_z_loss=router.z_loss,
-                dropped_tokens=router.dropped_tokens,
-                expert_load_imbalance=router.load_imbalance,
-                tokens_per_expert=list(router.tokens_per_expert),
-            )
+            scalars = {k: v for k, v in router.scalars().items() if "/" not in k}
+            record.update(scalars, tokens_per_expert=list(router.tokens_per_expert))
         if logged:
             rate = record.get("learning_rate")
             log.train(step, loss=loss, tokens_per_s=tps, learning_rate=rate, router=router)
@@ -521,7 +516,7 @@ def _resume(loop: _Loop, checkpoints: Checkpointer, *, own_optimizer: bool) -> t
     set_aside = checkpoints.set_aside([s.step for s in resumed.skipped])
     skipped = zip(resumed.skipped, set_aside, strict=True)
     line = "".join(f"; {s}, set aside as {name}" for s, name in skipped)
-    _print_line(loop.console, f"resumed from step {resumed.step} ({ckpt_dir}){line}")
+    print_line(loop.console, f"resumed from step {resumed.step} ({ckpt_dir}){line}")
     horizon = _resumed_horizon(config, resumed.extra.get("schedule_steps"), loop.console)
     if own_optimizer:  # the schedule is the saved run's unless given
         loop.opt.tx = make_optimizer(dataclasses.replace(config, schedule_steps=horizon))
@@ -603,11 +598,6 @@ def _finish(loop: _Loop, log: RunLog, start: int, stopped: int | None) -> FitRes
     return result
 
 
-def _print_line(console: Console, line: str) -> None:
-    """``line`` as it is: one line however wide (no wrapping), paths not read as markup."""
-    console.print(line, soft_wrap=True, markup=False, highlight=False)
-
-
 def _saved_as(step: int, extra: dict[str, Any]) -> str | None:
     """Why checkpoint ``step`` cannot resume the run: its ``extra`` says another step."""
     saved = extra.get("step")
@@ -638,8 +628,8 @@ def _tuned(
     name_and_table = from_process_zero("--schedule auto", f"{best.schedule}\n{best.table.to_csv()}")
     choice, table = name_and_table.split("\n", 1)
     if jax.process_index() == 0:
-        _print_line(console, str(result).rstrip())
-        _print_line(
+        print_line(console, str(result).rstrip())
+        print_line(
             console,
             f"schedule auto: {choice} with {config.microbatches} microbatches (predicted "
             f"{result.best.predicted_seconds * 1e3:.1f} ms per step)",
@@ -651,7 +641,7 @@ def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -
     """A resumed run's learning-rate horizon: the ``saved`` one, unless ``config`` says (said)."""
     if config.schedule_steps is None:
         if saved is not None and config.steps > saved:
-            _print_line(
+            print_line(
                 console,
                 f"learning-rate schedule extended from the checkpoint's {saved} steps to "
                 f"{config.steps} (TrainConfig.steps / --steps): the cosine decay now ends at step "
@@ -660,7 +650,7 @@ def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -
             return config.steps
         return saved or config.steps
     if saved is not None and saved != config.schedule_steps:
-        _print_line(
+        print_line(
             console,
             f"learning-rate schedule over {config.schedule_steps} steps as given "
             "(TrainConfig.schedule_steps / --schedule-steps), "
