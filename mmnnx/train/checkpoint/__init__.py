@@ -9,7 +9,8 @@ four tasks, or on one device, and the reverse.
 
 The modules, as Orbax splits its own (a manager over handlers per format, path utilities):
 
-    manager.py     Checkpointer: save / restore / list steps over a format
+    manager.py     Checkpointer: save / restore / list steps over a format, every process
+                   reading a step together
     formats/       one module per storage format behind one interface (base.py): Orbax's tree
                    (orbax_tree.py, one process), every process's own arrays (process_arrays.py)
     tree.py        Variables <-> saved arrays, the check before a restore (mismatches)
@@ -18,7 +19,6 @@ The modules, as Orbax splits its own (a manager over handlers per format, path u
     integrity.py   checksums, damaged files
     lock.py        one writer per directory
     resume.py      what a resume from the newest step that reads back whole reports
-    processes.py   work every process does together
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from mmnnx.distributed.gather import gather
-from mmnnx.train.checkpoint import integrity, layout, lock, processes, resume, tree
+from mmnnx.distributed.gather import gather, together
+from mmnnx.train.checkpoint import integrity, layout, lock, resume, tree
 from mmnnx.train.checkpoint.formats import base, orbax_tree, process_arrays
 
 CheckExtra = Callable[[int, dict[str, Any]], str | None]
@@ -116,7 +116,7 @@ class Checkpointer:
         if self._me is None:
             self._lock.hold()
         else:  # process 0 writes the directory; every process learns whether it could
-            processes.together(
+            together(
                 f"claiming checkpoint directory {self._directory}",
                 lambda: self._lock.hold() if self._me == 0 else None,
             )
@@ -258,7 +258,7 @@ class Checkpointer:
                 raise integrity.CheckpointCorruptError(step, folder, reason=reason)
             return extra, values
 
-        extra, values = processes.read_together(f"restoring checkpoint step {step}", read)
+        extra, values = _read_together(f"restoring checkpoint step {step}", read)
         tree.write_back(step, found, values)
         return extra
 
@@ -361,7 +361,7 @@ class Checkpointer:
         if self._me is None:
             return rename()
         what = "setting aside unreadable checkpoints"
-        names = processes.together(what, lambda: rename() if self._me == 0 else None)
+        names = together(what, lambda: rename() if self._me == 0 else None)
         names = gather(names, what=what)[0]  # process 0's, once it renamed them
         self._orbax.reload()
         return names
@@ -436,3 +436,38 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({os.fspath(self._directory)!r}, steps={self.all_steps()})"
+
+
+def _read_together(what: str, read: Callable[[], Any]) -> Any:
+    """``read()``, this process's part of reading a step (a collective). A damaged file may
+    fail one process only: every process then raises the first failure, a checkpoint's error as
+    such (so that all pass over the same steps), any other as a ``RuntimeError`` naming it."""
+    if jax.process_count() == 1:
+        return read()
+    error: Exception | None = None
+    try:
+        result = read()
+    except Exception as e:
+        error, result = e, None
+    reports = gather(_report(error), what=what, timeout_s=3600.0)
+    first = next((p for p, report in enumerate(reports) if report), None)
+    if first is None:
+        return result
+    if first == jax.process_index():
+        raise error  # type: ignore[misc]
+    report = reports[first]
+    if report["kind"] == "corrupt":
+        raise integrity.CheckpointCorruptError.reported(report["error"]) from error
+    if report["kind"] == "mismatch":
+        raise tree.CheckpointMismatchError(report["error"]) from error
+    raise RuntimeError(f"{what} failed on process {first}: {report['error']}") from error
+
+
+def _report(error: Exception | None) -> dict[str, Any] | None:
+    if error is None:
+        return None
+    if isinstance(error, integrity.CheckpointCorruptError):
+        return {"kind": "corrupt", "error": error.report()}
+    if isinstance(error, tree.CheckpointMismatchError):
+        return {"kind": "mismatch", "error": str(error)}
+    return {"kind": "other", "error": f"{type(error).__name__}: {error}"}
