@@ -231,18 +231,8 @@ class Checkpointer:
             ...
             mmnnx.train.checkpoint.CheckpointCorruptError: checkpoint step 1 in ...: too late; ...
         """
-        if step is None and (len(self.all_steps()) != 1 or self.incomplete_steps()):
-            # the newest step that reads back whole, saying what it passed over
-            resumed = self.restore_newest_readable(model=model, opt=opt, check_extra=check_extra)
-            if resumed.skipped:
-                warnings.warn(
-                    f"restored checkpoint step {resumed.step} of {self._directory}, the newest "
-                    f"that reads back whole; {'; '.join(str(s) for s in resumed.skipped)}",
-                    stacklevel=2,
-                )
-            return resumed.extra
-        if step is None:  # one step alone: its own error
-            step = self.all_steps()[0]
+        if step is None:  # the newest step that reads back whole, saying what it passed over
+            return self._restore_newest(model, opt, check_extra)
         step = int(step)
         self._check_saved(step)
         found = tree.entries(model, opt)
@@ -282,6 +272,21 @@ class Checkpointer:
         self._check_saved(step)
         extra, _ = self._format_of(step).open(step).read({})
         return dict(extra or {})
+
+    def _restore_newest(
+        self, model: Any, opt: nnx.Optimizer | None, check_extra: CheckExtra | None
+    ) -> dict[str, Any]:
+        """:meth:`restore` without a step (one step alone: its own error)."""
+        if len(self.all_steps()) == 1 and not self.incomplete_steps():
+            return self.restore(self.all_steps()[0], model=model, opt=opt, check_extra=check_extra)
+        resumed = self.restore_newest_readable(model=model, opt=opt, check_extra=check_extra)
+        if resumed.skipped:
+            warnings.warn(
+                f"restored checkpoint step {resumed.step} of {self._directory}, the newest "
+                f"that reads back whole; {'; '.join(str(s) for s in resumed.skipped)}",
+                stacklevel=3,
+            )
+        return resumed.extra
 
     def restore_newest_readable(
         self,
