@@ -262,8 +262,10 @@ def _status_of(failure: BaseException) -> int:
 
 def _fail_after_peer(leaving: bool) -> NoReturn:
     _announce(FAILED)
-    if leaving:
-        _join_shutdown()
+    if leaving:  # joins JAX's shutdown barrier, where a process that left waits for this one
+        done = threading.Thread(target=_shutdown, daemon=True)
+        done.start()
+        done.join(_SHUTDOWN_WAIT_S)
     time.sleep(_AFTER_S)
     _end(1)
 
@@ -288,13 +290,6 @@ def _wait_for_everyone() -> None:
         except jax.errors.JaxRuntimeError as e:
             if not runtime.is_timeout(e):  # the coordination service is gone
                 return
-
-
-def _join_shutdown() -> None:
-    """Joins JAX's shutdown barrier, where a process that left waits for this one."""
-    done = threading.Thread(target=_shutdown, daemon=True)
-    done.start()
-    done.join(_SHUTDOWN_WAIT_S)
 
 
 def _shutdown() -> None:

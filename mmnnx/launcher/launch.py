@@ -175,7 +175,11 @@ def launch(
             else:
                 _check_port(now := port)
             count = job.count
-            watchdog = _watchdog(progress, attempt, count, step_timeout_s)
+            watchdog = None
+            if progress is not None:  # a fresh folder each attempt
+                directory = os.path.join(progress, f"attempt-{attempt}")
+                os.mkdir(directory)
+                watchdog = Watchdog(directory, count, step_timeout_s)
             envs = [
                 process_env(base, rank, count, now, devices_per_process, collectives)
                 | {ENV_RESTART_COUNT: str(attempt)}
@@ -235,17 +239,6 @@ def _job_status(
         )
         return outcome.status
     return None
-
-
-def _watchdog(
-    progress: str | None, attempt: int, count: int, timeout_s: int | None
-) -> Watchdog | None:
-    """The watchdog of an attempt, over a fresh folder of ``progress`` (``None``: none)."""
-    if progress is None or timeout_s is None:
-        return None
-    directory = os.path.join(progress, f"attempt-{attempt}")
-    os.mkdir(directory)
-    return Watchdog(directory, count, timeout_s)
 
 
 def _attempt(
