@@ -187,7 +187,16 @@ def launch(
                 | ({ENV_PROGRESS_DIR: watchdog.directory} if watchdog else {})
                 for rank in range(count)
             ]
-            outcome = _attempt(command, envs, heartbeat, interrupts, verbose, watchdog)
+            leave_out = None if verbose else is_chatter
+            try:
+                ranks = Ranks(through_runner(command), envs, leave_out=leave_out)
+            except OSError as e:
+                error = f"mmnnx launch: cannot run {command[0]!r}: {e.strerror}"
+                raise LaunchError(error) from None
+            try:
+                outcome = ranks.watch(heartbeat, interrupts.stop, interrupts.notice, watchdog)
+            finally:
+                ranks.stop()
             status = _job_status(outcome, interrupts, count, attempt == max_restarts)
             if status is not None:
                 return status
@@ -239,22 +248,3 @@ def _job_status(
         )
         return outcome.status
     return None
-
-
-def _attempt(
-    command: Sequence[str],
-    envs: list[dict[str, str]],
-    heartbeat: int,
-    interrupts: Interrupts,
-    verbose: bool,
-    watchdog: Watchdog | None = None,
-) -> Outcome | None:
-    """One attempt: a process per environment, watched until it ends (``None``: interrupted)."""
-    try:
-        ranks = Ranks(through_runner(command), envs, leave_out=None if verbose else is_chatter)
-    except OSError as e:
-        raise LaunchError(f"mmnnx launch: cannot run {command[0]!r}: {e.strerror}") from None
-    try:
-        return ranks.watch(heartbeat, interrupts.stop, interrupts.notice, watchdog)
-    finally:
-        ranks.stop()
