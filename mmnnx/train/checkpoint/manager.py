@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -14,12 +15,45 @@ from etils import epath
 from flax import nnx
 
 from mmnnx.distributed.gather import gather, together
-from mmnnx.train.checkpoint import integrity, layout, lock, resume, tree
+from mmnnx.train.checkpoint import integrity, layout, lock, tree
 from mmnnx.train.checkpoint.formats import base, orbax_tree, process_arrays
 
 CheckExtra = Callable[[int, dict[str, Any]], str | None]
 """Why a step's ``extra`` dict cannot be used (the step counts as damaged), or ``None``: called
 with the step and its ``extra`` before anything is written (``restore``'s ``check_extra``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A step passed over by :meth:`Checkpointer.restore_newest_readable`, and why: ``damaged
+    (FILE cannot be read)``, ``damaged (array 'P' fails its checksum)``, ``incomplete (no
+    metadata)`` or ``incomplete (no ITEM item)``."""
+
+    step: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"skipped step {self.step}: {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """What :meth:`Checkpointer.restore_newest_readable` restored: the ``step``, its ``extra``
+    dict, and the newer steps it ``skipped`` (newest first)."""
+
+    step: int
+    extra: dict[str, Any]
+    skipped: list[Skipped]
+
+
+class NoReadableCheckpointError(RuntimeError):
+    """No step of a checkpoint directory can be restored: each is damaged or incomplete.
+    ``directory`` names the directory and ``skipped`` lists every step and why (newest first).
+    Nothing was written into the model."""
+
+    def __init__(self, directory: str, skipped: list[Skipped]):
+        self.directory, self.skipped = directory, skipped
+        super().__init__(f"no readable checkpoint in {directory}: " + "; ".join(map(str, skipped)))
 
 
 class Checkpointer:
@@ -294,7 +328,7 @@ class Checkpointer:
         model: Any,
         opt: nnx.Optimizer | None = None,
         check_extra: CheckExtra | None = None,
-    ) -> resume.Resumed:
+    ) -> Resumed:
         """Restores the newest step that reads back whole, like :meth:`restore`, passing over
         newer steps that are damaged (:class:`CheckpointCorruptError`, ``check_extra``'s
         refusals included) or incomplete. With several processes, all pass over the same steps.
@@ -331,17 +365,17 @@ class Checkpointer:
         complete, incomplete = self.all_steps(), self.incomplete_steps()
         if not complete and not incomplete:
             raise FileNotFoundError(f"no checkpoint in {os.fspath(self._directory)}")
-        skipped = [resume.Skipped(s, layout.incomplete(self._missing(s) or "")) for s in incomplete]
+        skipped = [Skipped(s, layout.incomplete(self._missing(s) or "")) for s in incomplete]
         for step in reversed(complete):
             try:
                 extra = self.restore(step, model=model, opt=opt, check_extra=check_extra)
             except integrity.CheckpointCorruptError as e:
-                skipped.append(resume.Skipped(step, f"damaged ({e.summary})"))
+                skipped.append(Skipped(step, f"damaged ({e.summary})"))
                 continue
             newer = sorted((k for k in skipped if k.step > step), key=lambda k: -k.step)
-            return resume.Resumed(step, extra, newer)
+            return Resumed(step, extra, newer)
         skipped.sort(key=lambda k: -k.step)
-        raise resume.NoReadableCheckpointError(os.fspath(self._directory), skipped)
+        raise NoReadableCheckpointError(os.fspath(self._directory), skipped)
 
     def set_aside(self, steps: Sequence[int]) -> list[str]:
         """Renames the directories of ``steps`` (damaged or incomplete ones) to
