@@ -383,8 +383,8 @@ def damaged_newest(directory) -> dict:
     """Saves steps 1 to 4 (3 kept), truncates the chunks of step 4's array that process 1
     alone reads, then restores the newest readable step on every process: the steps kept, the
     step each restored and the steps it passed over."""
+    from mmnnx.distributed.gather import together
     from mmnnx.train import Checkpointer
-    from mmnnx.train.checkpoint.processes import together
 
     model = gpt_model(gpt_tasks(2))
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)

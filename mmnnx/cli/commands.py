@@ -11,8 +11,8 @@ from mmnnx.cli import eval as evaluate
 from mmnnx.cli import export, generate, launch, train
 from mmnnx.cli.flags import GIVEN, Parser, given
 from mmnnx.train import validate
-from mmnnx.train.config import RunConfig
-from mmnnx.train.options import spec, tables
+from mmnnx.train.config import FIELDS, RunConfig
+from mmnnx.train.options import spec
 from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config
 
 
@@ -47,8 +47,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if args.resume and saved_file.is_file():
         saved = read_config(saved_file)
-        for field in (f for fs in tables(RunConfig).values() for f in fs if not spec(f).from_run):
-            saved.pop(field.name, None)
+        for name in (name for name, f in FIELDS.items() if not spec(f).from_run):
+            saved.pop(name, None)
         train_parser.set_defaults(**{**saved, **given_in_file})
         args = parser.parse_args(argv)
         print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")

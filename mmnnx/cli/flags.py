@@ -60,27 +60,13 @@ class Parser(argparse.ArgumentParser):
         return None
 
 
-def _note(namespace: argparse.Namespace, dest: str) -> None:
-    setattr(namespace, GIVEN, given(namespace) | {dest})
-
-
 class _Store(argparse.Action):
-    """argparse's ``store``, noting the option as given."""
+    """argparse's ``store`` (with ``nargs=0``, ``store_const``: a switch), noting the option as
+    given."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        _note(namespace, self.dest)
-
-
-class _StoreConst(argparse.Action):
-    """argparse's ``store_const`` (a switch), noting the option as given."""
-
-    def __init__(self, option_strings, dest, const=None, default=None, help=None):
-        super().__init__(option_strings, dest, nargs=0, const=const, default=default, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, self.const)
-        _note(namespace, self.dest)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        setattr(namespace, GIVEN, given(namespace) | {self.dest})
 
 
 def given(args: argparse.Namespace) -> frozenset[str]:
@@ -101,7 +87,9 @@ def add_fields(group: argparse._ActionsContainer, fields: Iterable[dataclasses.F
     for field in fields:
         option = spec(field)
         for flag, (value, help) in option.switches.items():
-            group.add_argument(flag, dest=field.name, action=_StoreConst, const=value, help=help)
+            group.add_argument(
+                flag, dest=field.name, action=_Store, nargs=0, const=value, help=help
+            )
         if option.switches:
             group.set_defaults(**{field.name: field.default})
             continue

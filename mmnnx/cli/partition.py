@@ -4,7 +4,6 @@ and ``--resume`` with ``auto`` places the blocks as the run was planned."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -125,13 +124,3 @@ def _microbatches(run: RunConfig, data_axis: int) -> list[int]:
         m for m in range(stages, 4 * stages + 1) if batch % m == 0 and (batch // m) % shards == 0
     ]
     return sorted({run.training.microbatches, *counts})
-
-
-def latest_extra(checkpointer: Any) -> dict[str, Any] | None:
-    """The ``extra`` of the newest checkpoint whose ``extra`` reads back, or None."""
-    from mmnnx.train.checkpoint import CheckpointCorruptError  # noqa: PLC0415
-
-    for step in reversed(checkpointer.all_steps()):
-        with contextlib.suppress(CheckpointCorruptError, FileNotFoundError):
-            return checkpointer.read_extra(step)
-    return None

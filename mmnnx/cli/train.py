@@ -146,7 +146,7 @@ def _train(
     import jax  # noqa: PLC0415
 
     import mmnnx as mm  # noqa: PLC0415
-    from mmnnx.cli.partition import latest_extra, stages  # noqa: PLC0415
+    from mmnnx.cli.partition import stages  # noqa: PLC0415
     from mmnnx.errors import NoCandidateError  # noqa: PLC0415
     from mmnnx.models import CheckpointError  # noqa: PLC0415
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
@@ -156,7 +156,7 @@ def _train(
     from mmnnx.train.loop import fit  # noqa: PLC0415
     from mmnnx.train.run_data import run_dataset  # noqa: PLC0415
     from mmnnx.train.run_model import build_model, model_config, trainable  # noqa: PLC0415
-    from mmnnx.train.run_record import RunRecord  # noqa: PLC0415
+    from mmnnx.train.run_record import RunRecord, saved_record  # noqa: PLC0415
     from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
 
     out = pathlib.Path(run.outputs.output_dir)
@@ -168,7 +168,8 @@ def _train(
         print(dataset.summary())
     tasks = run_tasks(run.layout.stages, data_axis, run.layout.model_axis, run.layout.expert_axis)
     config = pretrained or model_config(run, tokenizer.vocab_size)
-    extra = latest_extra(checkpointer) if run.outputs.resume else None
+    saved = saved_record(checkpointer) if run.outputs.resume else None
+    extra = saved and saved.extra
     try:
         placed = stages(run, config, tasks, dataset.eval_batches(1)[0], extra, data_axis=data_axis)
     except (ValueError, NoCandidateError) as e:

@@ -178,11 +178,6 @@ def _watch() -> None:
                     _fail_after_peer(leaving=True)
 
 
-def _stop_watching() -> None:
-    with _watch_turn:
-        _watching.clear()
-
-
 _failure: list[BaseException] = []  # a failing status given to sys.exit
 _together: list[int] = []  # the status every process ends with after a step they agreed on
 _before: list[BaseException | None] = [None]  # sys.last_value at install: an earlier error
@@ -224,12 +219,6 @@ def fail(status: int = 1) -> NoReturn:
     _end(status)
 
 
-def _uncaught() -> BaseException | None:
-    """The exception that ended the main thread: ``sys.last_value``, set before exit handlers."""
-    last = getattr(sys, "last_value", None)
-    return None if last is _before[0] else last
-
-
 def ending_together(status: int) -> None:
     """Notes that every process ends now after a step they agreed on (``Preemption``): ending
     with ``status`` is then a normal end, waiting for the others (a failure would leave at
@@ -238,8 +227,11 @@ def ending_together(status: int) -> None:
 
 
 def _at_exit() -> None:
-    _stop_watching()
-    failure = _failure[0] if _failure else _uncaught()
+    with _watch_turn:
+        _watching.clear()
+    # sys.last_value, set before exit handlers: the exception that ended the main thread
+    last = getattr(sys, "last_value", None)
+    failure = _failure[0] if _failure else (None if last is _before[0] else last)
     if isinstance(failure, SystemExit) and _status_of(failure) in _together:
         failure = None  # its status stays the one given to sys.exit
     if failure is None:  # the script ended, or called sys.exit(0)
@@ -270,8 +262,10 @@ def _status_of(failure: BaseException) -> int:
 
 def _fail_after_peer(leaving: bool) -> NoReturn:
     _announce(FAILED)
-    if leaving:
-        _join_shutdown()
+    if leaving:  # joins JAX's shutdown barrier, where a process that left waits for this one
+        done = threading.Thread(target=_shutdown, daemon=True)
+        done.start()
+        done.join(_SHUTDOWN_WAIT_S)
     time.sleep(_AFTER_S)
     _end(1)
 
@@ -296,13 +290,6 @@ def _wait_for_everyone() -> None:
         except jax.errors.JaxRuntimeError as e:
             if not runtime.is_timeout(e):  # the coordination service is gone
                 return
-
-
-def _join_shutdown() -> None:
-    """Joins JAX's shutdown barrier, where a process that left waits for this one."""
-    done = threading.Thread(target=_shutdown, daemon=True)
-    done.start()
-    done.join(_SHUTDOWN_WAIT_S)
 
 
 def _shutdown() -> None:

@@ -13,21 +13,16 @@ from mmnnx.distributed.transport import transport
 from mmnnx.sharding.arrays import processes_of, slice_key
 
 
-def _owners(array: jax.Array) -> list[tuple[Any, tuple]]:
-    """One (device, index) per distinct slice of ``array``: the first device holding it."""
-    seen: dict[tuple, tuple[Any, tuple]] = {}
-    for device, index in array.sharding.devices_indices_map(array.shape).items():
-        seen.setdefault(slice_key(index), (device, index))
-    return list(seen.values())
-
-
 def _fetch_array(array: jax.Array, to: int | None) -> np.ndarray | None:
     if isinstance(array.sharding, SingleDeviceSharding) and array.is_fully_addressable:
         return np.asarray(array)  # a process's own value (each process has one)
     holders = processes_of(array.sharding)
     me, port = jax.process_index(), transport()
+    owners: dict[tuple, tuple[Any, tuple]] = {}  # the first device holding each distinct slice
+    for device, index in array.sharding.devices_indices_map(array.shape).items():
+        owners.setdefault(slice_key(index), (device, index))
     by_process: dict[int, list[tuple[Any, tuple]]] = {}
-    for device, index in _owners(array):
+    for device, index in owners.values():
         by_process.setdefault(device.process_index, []).append((device, index))
     mine = shards_by_device(array)
     wanted = range(jax.process_count()) if to is None else (to,)

@@ -24,21 +24,12 @@ from mmnnx._jax import runtime
 from mmnnx.distributed import exits
 from mmnnx.errors import MPMDError
 
-_CLUSTER_VARIABLES = {
-    "SLURM_NTASKS": "SLURM",
-    "OMPI_COMM_WORLD_SIZE": "Open MPI",
-    "JAX_COORDINATOR_ADDRESS": "JAX_COORDINATOR_ADDRESS",
-}
+_CLUSTER_SIZES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")  # SLURM's and Open MPI's
 
 
-def _cluster() -> str | None:
-    for variable, name in _CLUSTER_VARIABLES.items():
-        value = os.environ.get(variable)
-        if value is not None and (
-            variable == "JAX_COORDINATOR_ADDRESS" or (value.isdigit() and int(value) > 1)
-        ):
-            return name
-    return None
+def _in_cluster() -> bool:
+    sizes = [os.environ.get(variable, "") for variable in _CLUSTER_SIZES]
+    return "JAX_COORDINATOR_ADDRESS" in os.environ or any(s.isdigit() and int(s) > 1 for s in sizes)
 
 
 def _env_int(name: str) -> int:
@@ -117,7 +108,7 @@ def initialize(
         )
         if coordinator_address.split(":")[0] in ("127.0.0.1", "localhost"):
             kwargs.setdefault("coordinator_bind_address", coordinator_address)
-    elif _cluster() is None:
+    elif not _in_cluster():
         return False
     jax.config.update(
         "jax_cpu_collectives_implementation", None if collectives == "none" else collectives

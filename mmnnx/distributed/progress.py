@@ -16,7 +16,7 @@ import sys
 from mmnnx._env import ENV_PROCESS_ID, ENV_PROGRESS_DIR
 from mmnnx.launcher.progress import DUMP_SIGNAL, Record, write
 
-_dumps: list[bool] = []  # whether this process dumps its stacks on DUMP_SIGNAL (set once)
+_dumps: list[bool] = []  # whether this process set DUMP_SIGNAL up (once)
 
 
 def progress(phase: str, step: int | None = None, *, finished: bool = False) -> None:
@@ -41,14 +41,8 @@ def progress(phase: str, step: int | None = None, *, finished: bool = False) -> 
     directory = os.environ.get(ENV_PROGRESS_DIR)
     if not directory:
         return
-    if not _dumps:
-        _dumps.append(_dump_stacks_on_signal())
+    if not _dumps:  # DUMP_SIGNAL prints every thread's Python stack on standard error
+        with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+            faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+        _dumps.append(True)
     write(directory, int(os.environ.get(ENV_PROCESS_ID, "0")), Record(phase, step, finished))
-
-
-def _dump_stacks_on_signal() -> bool:
-    """Makes ``DUMP_SIGNAL`` print every thread's Python stack on standard error."""
-    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
-        faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
-        return True
-    return False

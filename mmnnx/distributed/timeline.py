@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Sequence
-from types import TracebackType
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,91 +27,6 @@ _BARRIER = "mmnnx/timeline/{}"
 _WAIT_S = 300.0
 _rounds = itertools.count()
 _FAILED = "failed"
-
-
-class JobTimeline:
-    """Times one step on every process on a common clock; with one process it changes nothing.
-
-    A collective around the same timed step. Leaving with an exception before :meth:`events`
-    tells the others, whose :meth:`events` then raise :class:`MPMDError` naming this process.
-    """
-
-    def __init__(self) -> None:
-        self._several = jax.process_count() > 1
-        self._round = next(_rounds) if self._several else 0
-        self._timer: _StartTogether | None = None
-        self._gathered = False
-
-    def __enter__(self) -> JobTimeline:
-        return self
-
-    def timer(self, timer: Timer) -> Timer:
-        """``timer``, starting the step on every process at once (with one process, itself)."""
-        if not self._several:
-            return timer
-        self._timer = _StartTogether(timer, _BARRIER.format(self._round))
-        return self._timer
-
-    def events(self, mine: Sequence[Event]) -> list[Event]:
-        """Every process's events (``mine``: this one's) since the step's earliest start."""
-        if not self._several:
-            return list(mine)
-        if self._timer is None or self._timer.zero is None:
-            raise MPMDError("timeline: the step's timer was not made by JobTimeline.timer")
-        self._gathered = True
-        offset = self._timer.started - self._timer.zero  # the step's start on the common clock
-        parts = gather(
-            {"offset": offset, "events": [dataclasses.astuple(e) for e in mine]},
-            what="timeline: the events of each process",
-        )
-        return _merged(parts)
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if self._several and error is not None and not self._gathered:
-            self._gathered = True
-            # only written (``to`` another process): the others' gather raises, naming this
-            # process, and this one does not wait for theirs; its own error goes on
-            other = 1 if jax.process_index() == 0 else 0
-            gather(_FAILED, to=other, what="timeline")
-
-
-class _StartTogether(Timer):
-    """``inner``, its step begun once every process reached the barrier ``name``."""
-
-    def __init__(self, inner: Timer, name: str) -> None:
-        self.inner = inner
-        self.name = name
-        self.zero: float | None = None
-        self.wants_witnesses = inner.wants_witnesses
-
-    @property
-    def started(self) -> float:
-        return self.inner.started
-
-    def begin(self) -> None:
-        runtime.barrier(self.name, _WAIT_S)
-        self.zero = time.perf_counter()
-        self.inner.begin()
-
-    def launched(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.launched(*args, **kwargs)
-
-    def moved(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.moved(*args, **kwargs)
-
-    def received(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.received(*args, **kwargs)
-
-    def stop(self) -> None:
-        self.inner.stop()
-
-    def events(self) -> list[Event]:
-        return self.inner.events()
 
 
 def _merged(parts: list) -> list[Event]:
@@ -148,12 +62,39 @@ def _after_producers(events: list[Event]) -> list[Event]:
 def timed(run: Callable[[Timer], Any], *, overlapped: bool) -> list[Event]:
     """Runs ``run(timer)`` once, timed by a :class:`~mmnnx.mpmd.run.timing.BlockingTimer` (each
     action alone) or, ``overlapped``, an :class:`~mmnnx.mpmd.run.timing.OverlapTimer` (as a
-    call runs), and returns every process's events on one clock (:class:`JobTimeline`).
+    call runs), and returns every process's events on one clock.
+
+    A collective around the same timed step: with several processes the step begins once every
+    process reached a barrier; a process failing before its events are gathered tells the
+    others, whose gather then raises :class:`MPMDError` naming it.
     """
-    with JobTimeline() as job:
-        timer = job.timer(OverlapTimer() if overlapped else BlockingTimer())
+    timer = OverlapTimer() if overlapped else BlockingTimer()
+    several, zero = jax.process_count() > 1, []
+    if several:
+        barrier, begin = _BARRIER.format(next(_rounds)), timer.begin
+
+        def begin_together() -> None:
+            runtime.barrier(barrier, _WAIT_S)
+            zero.append(time.perf_counter())
+            begin()
+
+        timer.begin = begin_together
+    try:
         try:
             run(timer)
         finally:
             timer.stop()
-        return job.events(timer.events())
+    except BaseException:
+        if several:  # only written (``to`` another process): its gather raises, naming this
+            gather(_FAILED, to=1 if jax.process_index() == 0 else 0, what="timeline")
+        raise
+    if not several:
+        return list(timer.events())
+    if not zero:
+        raise MPMDError("timeline: the step's timer never began (the step launched nothing)")
+    mine = timer.events()
+    parts = gather(
+        {"offset": timer.started - zero[0], "events": [dataclasses.astuple(e) for e in mine]},
+        what="timeline: the events of each process",
+    )
+    return _merged(parts)

@@ -98,54 +98,6 @@ STEP_TIMEOUT_S = 3600
 any one phase of a step (a first compile, an evaluation, a checkpoint save) is expected to take."""
 
 
-def _check(
-    command: Sequence[str],
-    num_processes: int,
-    devices_per_process: int | None,
-    port: int | None,
-    collectives: str | None,
-    max_restarts: int,
-    min_processes: int | None,
-    heartbeat_timeout_s: int | None,
-    step_timeout_s: int | None,
-) -> None:
-    """Raises :class:`LaunchError` with one line for the first bad argument.
-
-    Example:
-        >>> _check(["true"], 2, None, None, None, 2, 3, None, None)
-        Traceback (most recent call last):
-        ...
-        mmnnx.launcher.launch.LaunchError: mmnnx launch: --min-processes must be in 1..2 (-n), got 3
-    """
-    devices, heartbeat, step = devices_per_process, heartbeat_timeout_s, step_timeout_s
-    n, least = num_processes, num_processes if min_processes is None else min_processes
-    program = command[0] if command else ""
-    why = "not an executable file" if os.sep in program else "no such command"
-    problems = (
-        (n < 1, f"-n must be at least 1, got {n}"),
-        (devices is not None and devices < 1, f"--devices-per-process {_least(1, devices)}"),
-        (port is not None and not 1 <= port <= 65535, f"--port must be in 1..65535, got {port}"),
-        (max_restarts < 0, f"--max-restarts {_least(0, max_restarts)}"),
-        (heartbeat is not None and heartbeat < 1, f"--heartbeat-timeout {_least(1, heartbeat)}"),
-        (step is not None and step < 0, f"--step-timeout {_least('0 (0: not watched)', step)}"),
-        (
-            collectives is not None and collectives not in COLLECTIVES,
-            f"--collectives must be one of {', '.join(COLLECTIVES)}, got {collectives!r}",
-        ),
-        (not command, "give the command to run after --"),
-        (shutil.which(program) is None, f"cannot run {program!r}: {why}"),
-        (not 1 <= least <= n, f"--min-processes must be in 1..{n} (-n), got {min_processes}"),
-        (
-            least < n and max_restarts < 2,
-            f"--min-processes {min_processes} drops a rank that fails first in two attempts in "
-            f"a row, then restarts: it needs --max-restarts 2 or more, got {max_restarts}",
-        ),
-    )
-    for bad, problem in problems:
-        if bad:
-            raise LaunchError(f"mmnnx launch: {problem}")
-
-
 def _least(bound: object, value: object) -> str:
     return f"must be at least {bound}, got {value}"
 
@@ -176,19 +128,39 @@ def launch(
         >>> import sys
         >>> launch([sys.executable, "-c", "pass"], 2)
         0
+        >>> launch(["true"], 2, max_restarts=2, min_processes=3)
+        Traceback (most recent call last):
+        ...
+        mmnnx.launcher.launch.LaunchError: mmnnx launch: --min-processes must be in 1..2 (-n), got 3
     """
-    _check(
-        command,
-        num_processes,
-        devices_per_process,
-        port,
-        collectives,
-        max_restarts,
-        min_processes,
-        heartbeat_timeout_s,
-        step_timeout_s,
+    devices, beat, step = devices_per_process, heartbeat_timeout_s, step_timeout_s
+    n, least = num_processes, num_processes if min_processes is None else min_processes
+    program = command[0] if command else ""
+    why = "not an executable file" if os.sep in program else "no such command"
+    problems = (
+        (n < 1, f"-n must be at least 1, got {n}"),
+        (devices is not None and devices < 1, f"--devices-per-process {_least(1, devices)}"),
+        (port is not None and not 1 <= port <= 65535, f"--port must be in 1..65535, got {port}"),
+        (max_restarts < 0, f"--max-restarts {_least(0, max_restarts)}"),
+        (beat is not None and beat < 1, f"--heartbeat-timeout {_least(1, beat)}"),
+        (step is not None and step < 0, f"--step-timeout {_least('0 (0: not watched)', step)}"),
+        (
+            collectives is not None and collectives not in COLLECTIVES,
+            f"--collectives must be one of {', '.join(COLLECTIVES)}, got {collectives!r}",
+        ),
+        (not command, "give the command to run after --"),
+        (shutil.which(program) is None, f"cannot run {program!r}: {why}"),
+        (not 1 <= least <= n, f"--min-processes must be in 1..{n} (-n), got {min_processes}"),
+        (
+            least < n and max_restarts < 2,
+            f"--min-processes {min_processes} drops a rank that fails first in two attempts in "
+            f"a row, then restarts: it needs --max-restarts 2 or more, got {max_restarts}",
+        ),
     )
-    job = Membership(num_processes, num_processes if min_processes is None else min_processes)
+    for bad, problem in problems:  # the first bad argument, in one line
+        if bad:
+            raise LaunchError(f"mmnnx launch: {problem}")
+    job = Membership(n, least)
     interrupts = Interrupts()
     base = dict(os.environ)
     if heartbeat_timeout_s is not None:
@@ -203,7 +175,11 @@ def launch(
             else:
                 _check_port(now := port)
             count = job.count
-            watchdog = _watchdog(progress, attempt, count, step_timeout_s)
+            watchdog = None
+            if progress is not None:  # a fresh folder each attempt
+                directory = os.path.join(progress, f"attempt-{attempt}")
+                os.mkdir(directory)
+                watchdog = Watchdog(directory, count, step_timeout_s)
             envs = [
                 process_env(base, rank, count, now, devices_per_process, collectives)
                 | {ENV_RESTART_COUNT: str(attempt)}
@@ -211,7 +187,16 @@ def launch(
                 | ({ENV_PROGRESS_DIR: watchdog.directory} if watchdog else {})
                 for rank in range(count)
             ]
-            outcome = _attempt(command, envs, heartbeat, interrupts, verbose, watchdog)
+            leave_out = None if verbose else is_chatter
+            try:
+                ranks = Ranks(through_runner(command), envs, leave_out=leave_out)
+            except OSError as e:
+                error = f"mmnnx launch: cannot run {command[0]!r}: {e.strerror}"
+                raise LaunchError(error) from None
+            try:
+                outcome = ranks.watch(heartbeat, interrupts.stop, interrupts.notice, watchdog)
+            finally:
+                ranks.stop()
             status = _job_status(outcome, interrupts, count, attempt == max_restarts)
             if status is not None:
                 return status
@@ -263,33 +248,3 @@ def _job_status(
         )
         return outcome.status
     return None
-
-
-def _watchdog(
-    progress: str | None, attempt: int, count: int, timeout_s: int | None
-) -> Watchdog | None:
-    """The watchdog of an attempt, over a fresh folder of ``progress`` (``None``: none)."""
-    if progress is None or timeout_s is None:
-        return None
-    directory = os.path.join(progress, f"attempt-{attempt}")
-    os.mkdir(directory)
-    return Watchdog(directory, count, timeout_s)
-
-
-def _attempt(
-    command: Sequence[str],
-    envs: list[dict[str, str]],
-    heartbeat: int,
-    interrupts: Interrupts,
-    verbose: bool,
-    watchdog: Watchdog | None = None,
-) -> Outcome | None:
-    """One attempt: a process per environment, watched until it ends (``None``: interrupted)."""
-    try:
-        ranks = Ranks(through_runner(command), envs, leave_out=None if verbose else is_chatter)
-    except OSError as e:
-        raise LaunchError(f"mmnnx launch: cannot run {command[0]!r}: {e.strerror}") from None
-    try:
-        return ranks.watch(heartbeat, interrupts.stop, interrupts.notice, watchdog)
-    finally:
-        ranks.stop()

@@ -56,11 +56,6 @@ def _status(code: int) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _failed(code: int, forwarded: bool) -> bool:
-    """Whether ``code`` is a failure: ending on a forwarded ``SIGTERM`` is not."""
-    return code != 0 and not (forwarded and code in _ON_NOTICE)
-
-
 def _die_with_parent() -> None:  # runs in the child before exec
     os.setsid()
     try:
@@ -177,9 +172,9 @@ class Ranks:
                     stopped_since.setdefault(rank, now)
                 else:
                     stopped_since.pop(rank, None)
-            failed = next(
-                ((rank, code) for _, rank, code in exits if _failed(code, forwarded)), None
-            )
+            # ending on a forwarded SIGTERM is no failure
+            noticed = _ON_NOTICE if forwarded else ()
+            failed = next(((r, code) for _, r, code in exits if code not in (0, *noticed)), None)
             silent = min(stopped_since, key=stopped_since.get, default=None)
             outcome = None
             if silent is not None and (

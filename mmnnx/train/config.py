@@ -488,16 +488,16 @@ and outputs. Every other option is recorded with each checkpoint and must match 
 ``may_change``."""
 
 
-_FIELDS = {f.name: f for fields in tables(RunConfig).values() for f in fields}
+FIELDS = {f.name: f for fields in tables(RunConfig).values() for f in fields}
+"""Every option's field, by name."""
 
 
 def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
     """The fields of ``target`` that options in ``values`` set, by their names there."""
     names = {f.name for f in dataclasses.fields(target)}
-    options = [(spec(f).api or f.name, f) for fields in tables(RunConfig).values() for f in fields]
     return {
         name: values[f.name]
-        for name, f in options
+        for name, f in ((spec(f).api or f.name, f) for f in FIELDS.values())
         if name in names and f.name in values and values[f.name] not in spec(f).omit
     }
 
@@ -546,7 +546,7 @@ def flag(name: str, value: Any = None) -> str:
         >>> flag("seq_len", 64), flag("pack_weights")
         ('--seq-len 64', '--no-pack-weights')
     """
-    option = spec(_FIELDS[name])
+    option = spec(FIELDS[name])
     shown = next(iter(option.switches), None) or option.flag(name)
     return shown if value is None else f"{shown} {value}"
 

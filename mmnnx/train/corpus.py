@@ -170,8 +170,11 @@ def _cached_count(data: pathlib.Path, meta: pathlib.Path, key: str, dtype: np.dt
     count, checksum = saved.get("count"), saved.get("crc32")
     if not isinstance(count, int) or size != count * dtype.itemsize or checksum is None:
         return None
+    found = 0
     try:
-        found = _crc32(data)
+        with data.open("rb") as f:
+            while block := f.read(1 << 24):
+                found = zlib.crc32(block, found)
     except OSError:
         return None
     if found != checksum:
@@ -182,11 +185,3 @@ def _cached_count(data: pathlib.Path, meta: pathlib.Path, key: str, dtype: np.dt
         )
         return None
     return count
-
-
-def _crc32(path: pathlib.Path, block: int = 1 << 24) -> int:
-    checksum = 0
-    with path.open("rb") as f:
-        while chunk := f.read(block):
-            checksum = zlib.crc32(chunk, checksum)
-    return checksum

@@ -35,10 +35,10 @@ from mmnnx.mpmd.lower.pack import (
 )
 from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
-from mmnnx.train.checkpoint import Checkpointer, Resumed
+from mmnnx.train.checkpoint import Checkpointer
 from mmnnx.train.data import DataStateError, TextDataset
 from mmnnx.train.router_metrics import has_router_metrics, router_metrics
-from mmnnx.train.run_log import RunLog
+from mmnnx.train.run_log import RunLog, print_line
 from mmnnx.train.wandb_writer import WandbWriter
 from mmnnx.tuning import tune
 
@@ -96,7 +96,8 @@ class TrainConfig:
     wandb_name: str | None = None
 
     def __post_init__(self):
-        for name in ("steps", "microbatches", "eval_every", "eval_batches", "log_every"):
+        counts = ("steps", "microbatches", "eval_every", "eval_batches", "log_every")
+        for name in (*counts, "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.schedule_steps is not None and self.schedule_steps < 1:
@@ -111,8 +112,6 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}"
             )
-        if self.virtual_stages < 1:
-            raise ValueError(f"TrainConfig.virtual_stages must be >= 1, got {self.virtual_stages}")
         if self.virtual_stages > 1 and self.schedule == "auto":
             raise ValueError(
                 "TrainConfig.schedule='auto' picks among schedules of one stage per task; "
@@ -428,7 +427,7 @@ class _Loop:
             if step % config.checkpoint_every == 0 or step == config.steps or preempted:
                 self.save(step)
             if preempted:
-                _print_line(
+                print_line(
                     self.console,
                     f"preemption notice (SIGTERM): stopped after step {step}, saved in "
                     f"{self.ckpt_dir}; continue with --resume (TrainConfig.resume)",
@@ -460,7 +459,9 @@ class _Loop:
             path = self.out / "timeline.png"
             if self.leader:
                 plot_timeline(events, path, title=f"measured pipeline, step {step}")
-                _write_events(self.out / "timeline.json", step, self.bubble[1], events)
+                rows = [dataclasses.asdict(e) for e in events]
+                record = {"step": step, "bubble": self.bubble[1], "events": rows}
+                (self.out / "timeline.json").write_text(json.dumps(record, indent=1) + "\n")
             self.files["timeline"] = str(path)
             self.files["timeline_events"] = str(self.out / "timeline.json")
         return loss, router
@@ -472,13 +473,8 @@ class _Loop:
         if self.rates is not None:
             record["learning_rate"] = float(self.rates(step - 1))  # this step's update's
         if router is not None:
-            record.update(
-                router_aux_loss=router.aux_loss,
-                router_z_loss=router.z_loss,
-                dropped_tokens=router.dropped_tokens,
-                expert_load_imbalance=router.load_imbalance,
-                tokens_per_expert=list(router.tokens_per_expert),
-            )
+            scalars = {k: v for k, v in router.scalars().items() if "/" not in k}
+            record.update(scalars, tokens_per_expert=list(router.tokens_per_expert))
         if logged:
             rate = record.get("learning_rate")
             log.train(step, loss=loss, tokens_per_s=tps, learning_rate=rate, router=router)
@@ -510,11 +506,17 @@ def _resume(loop: _Loop, checkpoints: Checkpointer, *, own_optimizer: bool) -> t
     resumed = checkpoints.restore_newest_readable(
         model=loop.model, opt=loop.opt, check_extra=_saved_as
     )
-    _restore_data(loop.dataset, resumed, ckpt_dir)
+    try:
+        loop.dataset.restore(resumed.extra.get("data"))
+    except DataStateError as e:
+        raise DataStateError(
+            f"checkpoint step {resumed.step} in {ckpt_dir}: {e}; move "
+            f"{ckpt_dir / str(resumed.step)} aside to resume from an older step"
+        ) from None
     set_aside = checkpoints.set_aside([s.step for s in resumed.skipped])
     skipped = zip(resumed.skipped, set_aside, strict=True)
     line = "".join(f"; {s}, set aside as {name}" for s, name in skipped)
-    _print_line(loop.console, f"resumed from step {resumed.step} ({ckpt_dir}){line}")
+    print_line(loop.console, f"resumed from step {resumed.step} ({ckpt_dir}){line}")
     horizon = _resumed_horizon(config, resumed.extra.get("schedule_steps"), loop.console)
     if own_optimizer:  # the schedule is the saved run's unless given
         loop.opt.tx = make_optimizer(dataclasses.replace(config, schedule_steps=horizon))
@@ -596,23 +598,6 @@ def _finish(loop: _Loop, log: RunLog, start: int, stopped: int | None) -> FitRes
     return result
 
 
-def _print_line(console: Console, line: str) -> None:
-    """``line`` as it is: one line however wide (no wrapping), paths not read as markup."""
-    console.print(line, soft_wrap=True, markup=False, highlight=False)
-
-
-def _restore_data(dataset: TextDataset, resumed: Resumed, directory: pathlib.Path) -> None:
-    """``dataset`` continued from the step resumed; a :class:`DataStateError` naming the step."""
-    try:
-        dataset.restore(resumed.extra.get("data"))
-    except DataStateError as e:
-        step = resumed.step
-        raise DataStateError(
-            f"checkpoint step {step} in {directory}: {e}; move {directory / str(step)} aside to "
-            "resume from an older step"
-        ) from None
-
-
 def _saved_as(step: int, extra: dict[str, Any]) -> str | None:
     """Why checkpoint ``step`` cannot resume the run: its ``extra`` says another step."""
     saved = extra.get("step")
@@ -643,8 +628,8 @@ def _tuned(
     name_and_table = from_process_zero("--schedule auto", f"{best.schedule}\n{best.table.to_csv()}")
     choice, table = name_and_table.split("\n", 1)
     if jax.process_index() == 0:
-        _print_line(console, str(result).rstrip())
-        _print_line(
+        print_line(console, str(result).rstrip())
+        print_line(
             console,
             f"schedule auto: {choice} with {config.microbatches} microbatches (predicted "
             f"{result.best.predicted_seconds * 1e3:.1f} ms per step)",
@@ -656,7 +641,7 @@ def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -
     """A resumed run's learning-rate horizon: the ``saved`` one, unless ``config`` says (said)."""
     if config.schedule_steps is None:
         if saved is not None and config.steps > saved:
-            _print_line(
+            print_line(
                 console,
                 f"learning-rate schedule extended from the checkpoint's {saved} steps to "
                 f"{config.steps} (TrainConfig.steps / --steps): the cosine decay now ends at step "
@@ -665,7 +650,7 @@ def _resumed_horizon(config: TrainConfig, saved: int | None, console: Console) -
             return config.steps
         return saved or config.steps
     if saved is not None and saved != config.schedule_steps:
-        _print_line(
+        print_line(
             console,
             f"learning-rate schedule over {config.schedule_steps} steps as given "
             "(TrainConfig.schedule_steps / --schedule-steps), "
@@ -689,12 +674,6 @@ def _keep_metrics_up_to(path: pathlib.Path, step: int) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text("".join(kept))
     os.replace(temporary, path)
-
-
-def _write_events(path: pathlib.Path, step: int, bubble: float, events: list) -> None:
-    """The timeline drawn, as JSON: the step, its measured bubble and its events' fields."""
-    rows = [dataclasses.asdict(e) for e in events]
-    path.write_text(json.dumps({"step": step, "bubble": bubble, "events": rows}, indent=1) + "\n")
 
 
 def _plot_losses(metrics_path: pathlib.Path, path: pathlib.Path) -> pathlib.Path:

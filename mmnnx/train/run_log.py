@@ -16,6 +16,11 @@ from rich.console import Console
 from mmnnx.train.router_metrics import RouterMetrics
 
 
+def print_line(console: Console, line: str) -> None:
+    """``line`` as it is: one line however wide (no wrapping), paths not read as markup."""
+    console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
 class ScalarWriter(Protocol):
     """Where ``RunLog`` writes its scalars: a tensorboardX ``SummaryWriter``, a ``WandbWriter``."""
 
@@ -102,7 +107,7 @@ class RunLog:
                 line += f" lr {learning_rate:.2e}"
             if router is not None:
                 line += f" aux_loss {router.aux_loss:.4f} load max/mean {router.load_imbalance:.2f}"
-            self._print(line)
+            print_line(self.console, line)
 
     def evaluation(self, step: int, loss: float) -> None:
         """An evaluation's loss: printed, and a scalar (but a resumed run's first, written)."""
@@ -110,7 +115,7 @@ class RunLog:
             self._scalar("eval_loss", loss, step)
             for writer in self._writers:
                 writer.flush()
-        self._print(f"step {step}/{self.total_steps} eval_loss {loss:.4f}")
+        print_line(self.console, f"step {step}/{self.total_steps} eval_loss {loss:.4f}")
 
     def step_begins(self, step: int) -> None:
         """Starts the profiler trace at the first profiled step."""
@@ -142,9 +147,6 @@ class RunLog:
     def _stop_trace(self) -> None:
         jax.profiler.stop_trace()
         self._tracing = False
-
-    def _print(self, line: str) -> None:
-        self.console.print(line, soft_wrap=True, markup=False, highlight=False)
 
     def __enter__(self) -> RunLog:
         return self

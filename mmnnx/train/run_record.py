@@ -14,19 +14,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from mmnnx.train.checkpoint import CheckpointCorruptError, Checkpointer
-from mmnnx.train.config import MAY_CHANGE_ON_RESUME, RunConfig
+from mmnnx.train.config import FIELDS, MAY_CHANGE_ON_RESUME, RunConfig
 from mmnnx.train.options import spec, tables
 from mmnnx.train.tokenizers import Tokenizer, fingerprint
 
 KEY = "run"
 """The entry of a checkpoint's ``extra`` holding the record."""
 
-_FIELDS = {f.name: f for fields in tables(RunConfig).values() for f in fields}
-
 
 def _recorded(name: str, value: Any) -> Any:
     """``value`` of option ``name`` as ``config.toml`` writes it, as JSON gives it back."""
-    text = spec(_FIELDS[name]).text
+    text = spec(FIELDS[name]).text
     return json.loads(json.dumps(text(value) if text and value is not None else value))
 
 
@@ -40,7 +38,7 @@ class Mismatch:
 
     def as_flags(self) -> tuple[str, str]:
         """Both as flags: ``--heads 4``, ``--scan-layers``, ``no --clip-grad-norm``."""
-        option = spec(_FIELDS[self.name])
+        option = spec(FIELDS[self.name])
 
         def flag(value: Any) -> str:
             on = [f for f, (constant, _) in option.switches.items() if constant == value]
@@ -88,7 +86,7 @@ class RunRecord:
         """The record of a run of option ``values`` (by name, as parsed) and ``tokenizer``."""
         options = {
             name: _recorded(name, values.get(name))
-            for name in _FIELDS
+            for name in FIELDS
             if name not in MAY_CHANGE_ON_RESUME
         }
         init_from = values.get("init_from")
@@ -145,17 +143,18 @@ class RunRecord:
         mismatches = (
             Mismatch(name, _recorded(name, values.get(name)), recorded)
             for name, recorded in self.options.items()
-            if name in _FIELDS
+            if name in FIELDS
         )
         return next((m for m in mismatches if m.value != m.recorded), None)
 
 
 @dataclasses.dataclass(frozen=True)
 class Saved:
-    """The record of checkpoint ``step``."""
+    """The record of checkpoint ``step`` (and its whole ``extra``)."""
 
     step: int
     record: RunRecord | None  # None: saved without one
+    extra: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def saved_record(checkpointer: Checkpointer, step: int | None = None) -> Saved | None:
@@ -178,7 +177,7 @@ def saved_record(checkpointer: Checkpointer, step: int | None = None) -> Saved |
             extra = checkpointer.read_extra(candidate)
         except (CheckpointCorruptError, FileNotFoundError):
             continue
-        return Saved(candidate, RunRecord.from_extra(extra))
+        return Saved(candidate, RunRecord.from_extra(extra), extra)
     return None
 
 

@@ -111,14 +111,13 @@ def run_tokenizer(run: RunConfig, sources: list) -> Any:
     saved = pathlib.Path(output_dir, "tokenizer")
     if run.outputs.resume and saved.is_dir():
         tokenizer = load_tokenizer(saved)
-        if init_from is not None and tokenizer.name != HFTokenizer.name:
-            raise ValueError(
-                f"{flag('init_from')}: the run in {output_dir} was trained from scratch with "
-                f"{flag('tokenizer', tokenizer.name)} (saved in {saved})"
+        scratch = init_from is None
+        if tokenizer.name != (kind if scratch else HFTokenizer.name):
+            given, how = (
+                (flag("tokenizer", kind), "") if scratch else (flag("init_from"), " from scratch")
             )
-        if init_from is None and tokenizer.name != kind:
             raise ValueError(
-                f"{flag('tokenizer', kind)}: the run in {output_dir} was trained with "
+                f"{given}: the run in {output_dir} was trained{how} with "
                 f"{flag('tokenizer', tokenizer.name)} (saved in {saved})"
             )
         return tokenizer

@@ -81,10 +81,75 @@ class ByteTokenizer:
         return cls()
 
 
-_BPE_FILE = "bpe.json"
+class _Library:
+    """A ``tokenizers.Tokenizer`` saved as ``_FILE`` beside ``tokenizer.json``; ``_SPECIAL``:
+    whether special tokens are added on encoding and skipped on decoding."""
+
+    name: str
+    _FILE: str
+    _FOLDER: str  # the kind, in the message of a folder without ``_FILE``
+    _SPECIAL = True
+
+    def __init__(self, model: object):
+        self._model = model  # a tokenizers.Tokenizer
+        self.vocab_size: int = model.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> np.ndarray:
+        try:
+            ids = self._model.encode(text, add_special_tokens=self._SPECIAL).ids
+        except TypeError as e:  # the library takes no lone surrogate (a non-UTF-8 byte of argv)
+            raise _not_utf8(text, self.name, e) from None
+        return np.asarray(ids, dtype=np.int32)
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool | None = None):
+        ids = np.asarray(ids, dtype=np.int64).tolist()
+        skip = self._SPECIAL if skip_special_tokens is None else skip_special_tokens
+        return self._model.decode(ids, skip_special_tokens=skip)
+
+    def encoding(self, text: str, add_special_tokens: bool = False):
+        """The ``tokenizers.Encoding`` of ``text``: ``ids`` and each token's ``offsets`` (its
+        characters in ``text``); ``add_special_tokens``: what the post-processor adds too."""
+        return self._model.encode(text, add_special_tokens=add_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` (a special token's text), or None."""
+        return self._model.token_to_id(token)
+
+    def to_str(self) -> str:
+        """The whole tokenizer as one JSON string (``tokenizer.json``'s text, what
+        :meth:`from_str` reads)."""
+        return self._model.to_str()
+
+    @classmethod
+    def from_str(cls, serialized: str) -> _Library:
+        from tokenizers import Tokenizer as Model  # noqa: PLC0415  (a Rust extension)
+
+        return cls(Model.from_str(serialized))
+
+    def save(self, directory: str | pathlib.Path) -> None:
+        folder = write_meta(directory, self.name, vocab_size=self.vocab_size)
+        (folder / self._FILE).write_text(self.to_str())
+
+    @classmethod
+    def load(cls, directory: str | pathlib.Path) -> _Library:
+        """The tokenizer :meth:`save` wrote into ``directory``.
+
+        Raises:
+            FileNotFoundError: no ``_FILE`` there.
+            ValueError: a file the ``tokenizers`` library cannot read, naming it.
+        """
+        path = pathlib.Path(directory) / cls._FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{cls._FOLDER} folder {directory} has no {cls._FILE}")
+        try:
+            return cls.from_str(path.read_text())
+        except Exception as e:  # the library raises its own exception type
+            raise ValueError(
+                f"{path}: not a tokenizer file the tokenizers library reads: {e}"
+            ) from None
 
 
-class BPETokenizer:
+class BPETokenizer(_Library):
     """A byte-level BPE (Hugging Face ``tokenizers``) trained on your text: lossless on any
     UTF-8 text, with ``vocab_size`` tokens (the 256 bytes and the merges learnt on top).
 
@@ -98,11 +163,7 @@ class BPETokenizer:
         (260, 'the mat', True)
     """
 
-    name = "bpe"
-
-    def __init__(self, model: object):
-        self._model = model  # a tokenizers.Tokenizer
-        self.vocab_size: int = model.get_vocab_size()
+    name, _FILE, _FOLDER = "bpe", "bpe.json", "BPE tokenizer"
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 1024) -> BPETokenizer:
@@ -129,53 +190,8 @@ class BPETokenizer:
         model.train_from_iterator(texts, trainer)
         return cls(model)
 
-    def encode(self, text: str) -> np.ndarray:
-        try:
-            ids = self._model.encode(text).ids
-        except TypeError as e:  # the library takes no lone surrogate (a non-UTF-8 byte of argv)
-            raise _not_utf8(text, self.name, e) from None
-        return np.asarray(ids, dtype=np.int32)
 
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        return self._model.decode(np.asarray(ids, dtype=np.int64).tolist())
-
-    def to_str(self) -> str:
-        """The whole tokenizer as one JSON string (what :meth:`from_str` reads)."""
-        return self._model.to_str()
-
-    @classmethod
-    def from_str(cls, serialized: str) -> BPETokenizer:
-        from tokenizers import Tokenizer as Model  # noqa: PLC0415
-
-        return cls(Model.from_str(serialized))
-
-    def save(self, directory: str | pathlib.Path) -> None:
-        folder = write_meta(directory, self.name, vocab_size=self.vocab_size)
-        (folder / _BPE_FILE).write_text(self.to_str())
-
-    @classmethod
-    def load(cls, directory: str | pathlib.Path) -> BPETokenizer:
-        """The BPE :meth:`save` wrote into ``directory``.
-
-        Raises:
-            FileNotFoundError: no ``bpe.json`` there.
-            ValueError: a ``bpe.json`` the ``tokenizers`` library cannot read, naming it.
-        """
-        path = pathlib.Path(directory) / _BPE_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"BPE tokenizer folder {directory} has no {_BPE_FILE}")
-        try:
-            return cls.from_str(path.read_text())
-        except Exception as e:  # the library raises its own exception type
-            raise ValueError(
-                f"{path}: not a tokenizer file the tokenizers library reads: {e}"
-            ) from None
-
-
-_HF_FILE = "hf_tokenizer.json"
-
-
-class HFTokenizer:
+class HFTokenizer(_Library):
     """A Hugging Face checkpoint's own tokenizer (its ``tokenizer.json``, read with the
     ``tokenizers`` library): what ``mmnnx train --init-from`` reads the text with.
 
@@ -196,11 +212,7 @@ class HFTokenizer:
         ('hf', 260, 'the mat')
     """
 
-    name = "hf"
-
-    def __init__(self, model: object):
-        self._model = model  # a tokenizers.Tokenizer
-        self.vocab_size: int = model.get_vocab_size(with_added_tokens=True)
+    name, _FILE, _FOLDER, _SPECIAL = "hf", "hf_tokenizer.json", "Hugging Face tokenizer", False
 
     @classmethod
     def from_file(cls, path: str | pathlib.Path) -> HFTokenizer:
@@ -221,41 +233,6 @@ class HFTokenizer:
             raise ValueError(
                 f"{path}: not a tokenizer file the tokenizers library reads: {e}"
             ) from None
-
-    def encode(self, text: str) -> np.ndarray:
-        try:
-            ids = self._model.encode(text, add_special_tokens=False).ids
-        except TypeError as e:  # the library takes no lone surrogate (a non-UTF-8 byte of argv)
-            raise _not_utf8(text, self.name, e) from None
-        return np.asarray(ids, dtype=np.int32)
-
-    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
-        ids = np.asarray(ids, dtype=np.int64).tolist()
-        return self._model.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def encoding(self, text: str, add_special_tokens: bool = False):
-        """The ``tokenizers.Encoding`` of ``text``: ``ids`` and each token's ``offsets`` (its
-        characters in ``text``); ``add_special_tokens``: what the post-processor adds too."""
-        return self._model.encode(text, add_special_tokens=add_special_tokens)
-
-    def token_id(self, token: str) -> int | None:
-        """The id of ``token`` (a special token's text), or None."""
-        return self._model.token_to_id(token)
-
-    def to_str(self) -> str:
-        """The whole tokenizer as one JSON string (``tokenizer.json``'s text)."""
-        return self._model.to_str()
-
-    def save(self, directory: str | pathlib.Path) -> None:
-        folder = write_meta(directory, self.name, vocab_size=self.vocab_size)
-        (folder / _HF_FILE).write_text(self.to_str())
-
-    @classmethod
-    def load(cls, directory: str | pathlib.Path) -> HFTokenizer:
-        path = pathlib.Path(directory) / _HF_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"Hugging Face tokenizer folder {directory} has no {_HF_FILE}")
-        return cls.from_file(path)
 
 
 _LOADERS: dict[str, Callable[[pathlib.Path], Tokenizer]] = {

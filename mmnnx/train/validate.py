@@ -17,25 +17,21 @@ from mmnnx.tuning import parse_bytes
 
 
 class Checked(NamedTuple):
-    """:func:`check`'s first problem, and ``--init-from``'s ``GPTConfig`` (read once)."""
+    """The first problem of the options, and ``--init-from``'s ``GPTConfig`` (read once)."""
 
     problem: str | None
     pretrained: Any = None
 
 
-def problem(run: RunConfig, given: Set[str] = frozenset()) -> str | None:
-    """The first inconsistency among the options of ``run`` taken together, or None; ``given``
-    names the options the user set (``--init-from`` refuses architecture options given).
+def check(run: RunConfig, given: Set[str] = frozenset()) -> Checked:
+    """The first inconsistency among the options of ``run`` taken together (or None), and the
+    ``--init-from`` checkpoint's ``GPTConfig`` read for it; ``given`` names the options the user
+    set (``--init-from`` refuses architecture options given).
 
     Example:
-        >>> problem(RunConfig.of({"depth": 1}))
+        >>> check(RunConfig.of({"depth": 1})).problem
         '--depth 1 gives fewer blocks than --stages 2'
     """
-    return check(run, given).problem
-
-
-def check(run: RunConfig, given: Set[str] = frozenset()) -> Checked:
-    """:func:`problem`, with the ``--init-from`` checkpoint's ``GPTConfig`` read for it."""
     found = _experts_problem(run) or _devices_problem(run) or _lora_problem(run)
     if found:
         return Checked(found)

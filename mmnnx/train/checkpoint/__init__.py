@@ -9,7 +9,8 @@ four tasks, or on one device, and the reverse.
 
 The modules, as Orbax splits its own (a manager over handlers per format, path utilities):
 
-    manager.py     Checkpointer: save / restore / list steps over a format
+    manager.py     Checkpointer: save / restore / list steps over a format, every process
+                   reading a step together; what a resume from the newest readable step reports
     formats/       one module per storage format behind one interface (base.py): Orbax's tree
                    (orbax_tree.py, one process), every process's own arrays (process_arrays.py)
     tree.py        Variables <-> saved arrays, the check before a restore (mismatches)
@@ -17,16 +18,13 @@ The modules, as Orbax splits its own (a manager over handlers per format, path u
                    layout is described there)
     integrity.py   checksums, damaged files
     lock.py        one writer per directory
-    resume.py      what a resume from the newest step that reads back whole reports
-    processes.py   work every process does together
 """
 
 from __future__ import annotations
 
 from mmnnx.train.checkpoint.integrity import CheckpointCorruptError
 from mmnnx.train.checkpoint.lock import CheckpointDirectoryBusyError
-from mmnnx.train.checkpoint.manager import Checkpointer
-from mmnnx.train.checkpoint.resume import NoReadableCheckpointError, Resumed, Skipped
+from mmnnx.train.checkpoint.manager import Checkpointer, NoReadableCheckpointError, Resumed, Skipped
 from mmnnx.train.checkpoint.tree import CheckpointMismatchError
 
 __all__ = [

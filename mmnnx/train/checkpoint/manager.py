@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -13,13 +14,46 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from mmnnx.distributed.gather import gather
-from mmnnx.train.checkpoint import integrity, layout, lock, processes, resume, tree
+from mmnnx.distributed.gather import gather, together
+from mmnnx.train.checkpoint import integrity, layout, lock, tree
 from mmnnx.train.checkpoint.formats import base, orbax_tree, process_arrays
 
 CheckExtra = Callable[[int, dict[str, Any]], str | None]
 """Why a step's ``extra`` dict cannot be used (the step counts as damaged), or ``None``: called
 with the step and its ``extra`` before anything is written (``restore``'s ``check_extra``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A step passed over by :meth:`Checkpointer.restore_newest_readable`, and why: ``damaged
+    (FILE cannot be read)``, ``damaged (array 'P' fails its checksum)``, ``incomplete (no
+    metadata)`` or ``incomplete (no ITEM item)``."""
+
+    step: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"skipped step {self.step}: {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """What :meth:`Checkpointer.restore_newest_readable` restored: the ``step``, its ``extra``
+    dict, and the newer steps it ``skipped`` (newest first)."""
+
+    step: int
+    extra: dict[str, Any]
+    skipped: list[Skipped]
+
+
+class NoReadableCheckpointError(RuntimeError):
+    """No step of a checkpoint directory can be restored: each is damaged or incomplete.
+    ``directory`` names the directory and ``skipped`` lists every step and why (newest first).
+    Nothing was written into the model."""
+
+    def __init__(self, directory: str, skipped: list[Skipped]):
+        self.directory, self.skipped = directory, skipped
+        super().__init__(f"no readable checkpoint in {directory}: " + "; ".join(map(str, skipped)))
 
 
 class Checkpointer:
@@ -116,7 +150,7 @@ class Checkpointer:
         if self._me is None:
             self._lock.hold()
         else:  # process 0 writes the directory; every process learns whether it could
-            processes.together(
+            together(
                 f"claiming checkpoint directory {self._directory}",
                 lambda: self._lock.hold() if self._me == 0 else None,
             )
@@ -248,7 +282,7 @@ class Checkpointer:
                 raise integrity.CheckpointCorruptError(step, folder, reason=reason)
             return extra, values
 
-        extra, values = processes.read_together(f"restoring checkpoint step {step}", read)
+        extra, values = _read_together(f"restoring checkpoint step {step}", read)
         tree.write_back(step, found, values)
         return extra
 
@@ -278,8 +312,7 @@ class Checkpointer:
     ) -> dict[str, Any]:
         """:meth:`restore` without a step (one step alone: its own error)."""
         if len(self.all_steps()) == 1 and not self.incomplete_steps():
-            only = self.all_steps()[0]  # its own error
-            return self.restore(only, model=model, opt=opt, check_extra=check_extra)
+            return self.restore(self.all_steps()[0], model=model, opt=opt, check_extra=check_extra)
         resumed = self.restore_newest_readable(model=model, opt=opt, check_extra=check_extra)
         if resumed.skipped:
             warnings.warn(
@@ -295,7 +328,7 @@ class Checkpointer:
         model: Any,
         opt: nnx.Optimizer | None = None,
         check_extra: CheckExtra | None = None,
-    ) -> resume.Resumed:
+    ) -> Resumed:
         """Restores the newest step that reads back whole, like :meth:`restore`, passing over
         newer steps that are damaged (:class:`CheckpointCorruptError`, ``check_extra``'s
         refusals included) or incomplete. With several processes, all pass over the same steps.
@@ -332,17 +365,17 @@ class Checkpointer:
         complete, incomplete = self.all_steps(), self.incomplete_steps()
         if not complete and not incomplete:
             raise FileNotFoundError(f"no checkpoint in {os.fspath(self._directory)}")
-        skipped = [resume.Skipped(s, layout.incomplete(self._missing(s) or "")) for s in incomplete]
+        skipped = [Skipped(s, layout.incomplete(self._missing(s) or "")) for s in incomplete]
         for step in reversed(complete):
             try:
                 extra = self.restore(step, model=model, opt=opt, check_extra=check_extra)
             except integrity.CheckpointCorruptError as e:
-                skipped.append(resume.Skipped(step, f"damaged ({e.summary})"))
+                skipped.append(Skipped(step, f"damaged ({e.summary})"))
                 continue
             newer = sorted((k for k in skipped if k.step > step), key=lambda k: -k.step)
-            return resume.Resumed(step, extra, newer)
+            return Resumed(step, extra, newer)
         skipped.sort(key=lambda k: -k.step)
-        raise resume.NoReadableCheckpointError(os.fspath(self._directory), skipped)
+        raise NoReadableCheckpointError(os.fspath(self._directory), skipped)
 
     def set_aside(self, steps: Sequence[int]) -> list[str]:
         """Renames the directories of ``steps`` (damaged or incomplete ones) to
@@ -367,7 +400,7 @@ class Checkpointer:
         if self._me is None:
             return rename()
         what = "setting aside unreadable checkpoints"
-        names = processes.together(what, lambda: rename() if self._me == 0 else None)
+        names = together(what, lambda: rename() if self._me == 0 else None)
         names = gather(names, what=what)[0]  # process 0's, once it renamed them
         self._orbax.reload()
         return names
@@ -442,3 +475,38 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({os.fspath(self._directory)!r}, steps={self.all_steps()})"
+
+
+def _read_together(what: str, read: Callable[[], Any]) -> Any:
+    """``read()``, this process's part of reading a step (a collective). A damaged file may
+    fail one process only: every process then raises the first failure, a checkpoint's error as
+    such (so that all pass over the same steps), any other as a ``RuntimeError`` naming it."""
+    if jax.process_count() == 1:
+        return read()
+    error: Exception | None = None
+    try:
+        result = read()
+    except Exception as e:
+        error, result = e, None
+    reports = gather(_report(error), what=what, timeout_s=3600.0)
+    first = next((p for p, report in enumerate(reports) if report), None)
+    if first is None:
+        return result
+    if first == jax.process_index():
+        raise error  # type: ignore[misc]
+    report = reports[first]
+    if report["kind"] == "corrupt":
+        raise integrity.CheckpointCorruptError.reported(report["error"]) from error
+    if report["kind"] == "mismatch":
+        raise tree.CheckpointMismatchError(report["error"]) from error
+    raise RuntimeError(f"{what} failed on process {first}: {report['error']}") from error
+
+
+def _report(error: Exception | None) -> dict[str, Any] | None:
+    if error is None:
+        return None
+    if isinstance(error, integrity.CheckpointCorruptError):
+        return {"kind": "corrupt", "error": error.report()}
+    if isinstance(error, tree.CheckpointMismatchError):
+        return {"kind": "mismatch", "error": str(error)}
+    return {"kind": "other", "error": f"{type(error).__name__}: {error}"}

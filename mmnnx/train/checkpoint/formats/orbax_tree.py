@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from flax.traverse_util import unflatten_dict
 
 from mmnnx.sharding.arrays import put
 from mmnnx.train.checkpoint import integrity, layout
@@ -85,7 +86,7 @@ class OrbaxTree:
             sums = integrity.checksums({show(item, path): value for path, value in flat.items()})
             for name, checksum in sums.items():
                 described[name]["checksum"] = checksum
-            args[item] = ocp.args.StandardSave(_nest(flat))
+            args[item] = ocp.args.StandardSave(unflatten_dict(flat))
         args[EXTRA] = ocp.args.JsonSave(extra)
         args[META] = ocp.args.JsonSave(
             {
@@ -148,7 +149,9 @@ class _OrbaxStep:
         """See :meth:`SavedStep.read`."""
         step, folder, manager, process = self._step, self._folder, self._manager, self._process
         args: dict[str, Any] = {
-            item: ocp.args.StandardRestore(_nest({p: _target(v, process) for p, v in flat.items()}))
+            item: ocp.args.StandardRestore(
+                unflatten_dict({p: _target(v, process) for p, v in flat.items()})
+            )
             for item, flat in targets.items()
         }
         if self._has_extra:
@@ -219,16 +222,6 @@ def _laid_out(value: Any, target: Any, process: int | None) -> Any:
     if isinstance(target, jax.Array) and not target.committed:
         value = jnp.asarray(np.asarray(value))  # state on no task stays uncommitted
     return value
-
-
-def _nest(flat: Mapping[Path, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return tree
 
 
 def _flatten(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:

@@ -24,11 +24,10 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from mmnnx.distributed.gather import gather
+from mmnnx.distributed.gather import gather, together
 from mmnnx.train.checkpoint import integrity, layout
 from mmnnx.train.checkpoint.formats.base import Variables
 from mmnnx.train.checkpoint.layout import EXTRA, META, MODEL, OPT, STEP_METADATA
-from mmnnx.train.checkpoint.processes import together
 from mmnnx.train.checkpoint.tree import Path, Trees, show
 
 FORMAT_VERSION = 2
