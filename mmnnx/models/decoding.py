@@ -76,16 +76,8 @@ def _forward(model: Any, tokens: jax.Array, cache: Any, pos: jax.Array) -> tuple
     return logits[:, -1].astype(jnp.float32), cache
 
 
-def _prefill(model: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
-    return _forward(model, tokens, None, jnp.zeros((), jnp.int32))
-
-
-def _decode(model: Any, cache: Any, token: jax.Array, pos: jax.Array) -> tuple[jax.Array, Any]:
-    return _forward(model, token, cache, pos)
-
-
-_ONE_DEVICE = (nnx.jit(_prefill), nnx.jit(_decode))
-_ON_TASKS = (mm_jit(_prefill), mm_jit(_decode))
+_ONE_DEVICE = nnx.jit(_forward)
+_ON_TASKS = mm_jit(_forward)
 
 
 def is_placed(model: Any) -> bool:
@@ -145,10 +137,10 @@ def generate(
         raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"generate: top_k must be >= 1, got {top_k}")
-    prefill, decode = _ON_TASKS if is_placed(model) else _ONE_DEVICE
+    forward = _ON_TASKS if is_placed(model) else _ONE_DEVICE
     key = jax.random.key(0) if rng is None else rng
     greedy = temperature < np.finfo(np.float32).tiny  # 0 in float32, or flushed to 0 on device
-    logits, cache = prefill(model, prompt)
+    logits, cache = forward(model, prompt, None, jnp.zeros((), jnp.int32))
     tokens = []
     for i in range(max_new_tokens):
         if greedy:
@@ -159,5 +151,5 @@ def generate(
         tokens.append(token)
         if i + 1 < max_new_tokens:
             pos = jnp.asarray(prompt.shape[1] + i, jnp.int32)
-            logits, cache = decode(model, cache, token[:, None], pos)
+            logits, cache = forward(model, token[:, None], cache, pos)
     return jnp.stack([jax.device_get(t) for t in tokens], axis=1)
