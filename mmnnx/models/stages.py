@@ -260,20 +260,18 @@ def stage_rules(
         sizes = _split(block_params, k, first_params, last_params)
 
     rules, rows, start = _rules(found, tasks, sizes), [], 0
+    ends = ((0, first_params, first_flops, firsts), (k - 1, last_params, last_flops, lasts))
     for s, (task, size) in enumerate(zip(tasks, sizes, strict=True)):
         idx = list(range(start, start + size))
         start += size
         params = sum(block_params[i] for i in idx)
         fl = None if None in block_flops else sum(block_flops[i] for i in idx)
         names = []
-        if s == 0:
-            params += first_params
-            fl = None if fl is None or first_flops is None else fl + first_flops
-            names += ["/".join(map(str, g)) for g in firsts]
-        if s == k - 1:
-            params += last_params
-            fl = None if fl is None or last_flops is None else fl + last_flops
-            names += ["/".join(map(str, g)) for g in lasts]
+        for end, end_params, end_flops, groups in ends:
+            if s == end:
+                params += end_params
+                fl = None if fl is None or end_flops is None else fl + end_flops
+                names += ["/".join(map(str, g)) for g in groups]
         label = f"{idx[0]}-{idx[-1]}" if size > 1 else str(idx[0])
         rows.append((task.name, label + (f" + {', '.join(names)}" if names else ""), params, fl))
 
@@ -377,12 +375,7 @@ def _rules(found: Layers, tasks: Sequence[Task], sizes: Sequence[int]) -> list[t
 
 
 def _holds_layers(sizes: Sequence[int], ends: tuple[bool, bool]) -> bool:
-    """Whether every stage holds a layer, but an end stage that ``ends`` lets hold none.
-
-    Example:
-        >>> _holds_layers([4, 0], (True, True)), _holds_layers([4, 0], (True, False))
-        (True, False)
-    """
+    """Whether every stage holds a layer, but an end stage that ``ends`` lets hold none."""
     lowest = [1] * len(sizes)
     lowest[0] -= ends[0]
     lowest[-1] -= ends[1] if len(sizes) > 1 else 0
@@ -533,17 +526,15 @@ def _groups(
         return None
 
     lasts = {g for p in paths if (g := last_prefix(p)) is not None}
-    firsts = set()
-    for p in paths:
-        if last_prefix(p) is None:
-            firsts.add(
-                next(
-                    p[: i + 1]
-                    for i in range(len(p))
-                    if not on_layers_path(p[: i + 1])
-                    and not any(g[: i + 1] == p[: i + 1] for g in lasts)
-                )
-            )
+    firsts = {
+        next(
+            p[: i + 1]
+            for i in range(len(p))
+            if not on_layers_path(p[: i + 1]) and not any(g[: i + 1] == p[: i + 1] for g in lasts)
+        )
+        for p in paths
+        if last_prefix(p) is None
+    }
     order = functools.partial(_definition_order, model)
     return sorted(firsts, key=order), sorted(lasts, key=order)
 
@@ -558,9 +549,7 @@ def _definition_order(model: Any, path: Path) -> tuple[int, ...]:
 
 
 def _node_at(model: Any, path: Path) -> Any:
-    for key in path:
-        model = getattr(model, str(key))
-    return model
+    return functools.reduce(lambda node, key: getattr(node, str(key)), path, model)
 
 
 def _anchored(path: Path, is_variable: bool) -> str:
@@ -580,11 +569,7 @@ def _stage_tasks(
     tasks: list[Task], virtual_stages: int, order: str, who: str = "stage_rules"
 ) -> list[Task]:
     """The task of each stage: ``tasks`` repeated ``virtual_stages`` times, looped or in a V."""
-    if (
-        isinstance(virtual_stages, bool)
-        or not isinstance(virtual_stages, int)
-        or virtual_stages < 1
-    ):
+    if type(virtual_stages) is not int or virtual_stages < 1:
         raise ValueError(f"{who}: virtual_stages must be an int >= 1, got {virtual_stages!r}")
     if order == "loop":
         return tasks * virtual_stages
