@@ -191,8 +191,6 @@ class Family:
             )
             fields.update({k: v for k, v in overrides.items() if v is not None})
             return GPTConfig(**fields)
-        except CheckpointError:
-            raise
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: {e}") from None
 
