@@ -15,7 +15,6 @@ from flax import nnx
 from mmnnx._nnx import variables_of
 from mmnnx.jit import jit as mm_jit
 from mmnnx.modules import constrain
-from mmnnx.modules.attention import Attention
 from mmnnx.modules.transformer import TransformerBlock
 from mmnnx.sharding import home_of
 
@@ -27,30 +26,23 @@ KV = tuple[jax.Array, jax.Array]
 (with a leading ``depth`` axis for stacked blocks)."""
 
 
-def _attend(
-    attn: Attention, x: jax.Array, cache: KV | None, pos: jax.Array, length: int
+def _block(
+    block: TransformerBlock, x: jax.Array, cache: KV | None, pos: jax.Array, length: int
 ) -> tuple[jax.Array, KV]:
-    """``attn`` on ``x`` at positions ``pos ..``, reading and filling ``cache``."""
+    """``block(x)`` (without dropout, as in evaluation) at positions ``pos ..``, its attention
+    reading and filling ``cache``."""
+    x = constrain(x, ACTIVATIONS)
     positions = pos + jnp.arange(x.shape[-2])
-    q, k, v = attn.project(x, positions)
+    q, k, v = block.attn.project(block.norm1(x), positions)
     if cache is None:
         shape = (*k.shape[:-3], length, *k.shape[-2:])
         cache = (jnp.zeros(shape, k.dtype), jnp.zeros(shape, v.dtype))
     keys = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=-3)
     values = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=-3)
     visible = positions[:, None] >= jnp.arange(keys.shape[-3])[None, :]
-    return attn.attend(q, keys, values, visible), (keys, values)
-
-
-def _block(
-    block: TransformerBlock, x: jax.Array, cache: KV | None, pos: jax.Array, length: int
-) -> tuple[jax.Array, KV]:
-    """``block(x)`` (without dropout, as in evaluation) with its attention reading ``cache``."""
-    x = constrain(x, ACTIVATIONS)
-    attended, cache = _attend(block.attn, block.norm1(x), cache, pos, length)
-    x = x + attended
+    x = x + block.attn.attend(q, keys, values, visible)
     x = x + block.mlp(block.norm2(x))
-    return constrain(x, ACTIVATIONS), cache
+    return constrain(x, ACTIVATIONS), (keys, values)
 
 
 def _forward(model: Any, tokens: jax.Array, cache: Any, pos: jax.Array) -> tuple[jax.Array, Any]:
