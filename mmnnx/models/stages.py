@@ -231,7 +231,7 @@ def stage_rules(
         return out
 
     def group_cost(groups: Sequence[Path], *, tied_head: bool = False) -> tuple[int, int | None]:
-        nodes = [_node_at(model, g) for g in groups]
+        nodes = [functools.reduce(lambda n, k: getattr(n, str(k)), g, model) for g in groups]
         params = sum(_num_params(node) for node in nodes)
         fl = [flops(node, head=tied_head and isinstance(node, Embed | nnx.Embed)) for node in nodes]
         return params, None if None in fl else sum(fl)
@@ -546,10 +546,6 @@ def _definition_order(model: Any, path: Path) -> tuple[int, ...]:
         key.append(names.index(str(k)) if str(k) in names else len(names))
         node = getattr(node, str(k), None)
     return tuple(key)
-
-
-def _node_at(model: Any, path: Path) -> Any:
-    return functools.reduce(lambda node, key: getattr(node, str(key)), path, model)
 
 
 def _anchored(path: Path, is_variable: bool) -> str:

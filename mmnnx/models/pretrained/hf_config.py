@@ -135,8 +135,6 @@ class HFConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None
-    dtype: str | None
-    layer_types: tuple[str, ...] | None
     own: Mapping[str, Any]
 
 
@@ -193,7 +191,6 @@ def read_config(hf: Any, file: str, model_type: str) -> HFConfig:
         rms_norm_eps=float(v["rms_norm_eps"]),
         rope_theta=theta,
         rope_scaling=scaling,
-        layer_types=None if v["layer_types"] is None else tuple(v["layer_types"]),
         own={k: tuple(x) if isinstance(x, list) else x for k, x in own.items()},
     )
     return HFConfig(**{f.name: v[f.name] for f in dataclasses.fields(HFConfig)})
