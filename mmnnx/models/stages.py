@@ -460,8 +460,7 @@ def _layers(
             f"(path, node) -> bool, got {type(blocks).__name__}"
         )
     else:
-        lists = [(p, n) for p, n in _modules(model) if _is_list_of_modules(n)]
-        if not lists:
+        if not (lists := [(p, n) for p, n in _modules(model) if _is_list_of_modules(n)]):
             raise ValueError(
                 f"{who}: {name} has no attribute 'blocks' holding its layers and no "
                 "nnx.List of modules; expected model.blocks to be an nnx.List of modules (as "

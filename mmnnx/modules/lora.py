@@ -109,8 +109,7 @@ def add_lora(
     names = sorted({str(p[-1]) for p, _ in linears})
     if targets is None:
         targets = [t for t in TARGETS if t in names]
-    unknown = [t for t in targets if t not in names]
-    if unknown:
+    if unknown := [t for t in targets if t not in names]:
         raise ValueError(
             f"add_lora: {', '.join(map(repr, unknown))} names no Linear of "
             f"{type(model).__name__}; its Linear layers are named {', '.join(names)}"

@@ -320,8 +320,7 @@ def _origin(
             f"{', '.join(FAMILIES)}); it was not loaded by from_pretrained"
         )
     family = family_of({"architectures": [name]}, path)
-    blockers = family.cannot_hold(model.config)
-    if blockers:
+    if blockers := family.cannot_hold(model.config):
         raise CheckpointError(f"{path}: a {name} checkpoint cannot hold {' and '.join(blockers)}")
     if dtype is None:
         hf = pretrained.config if pretrained else {}

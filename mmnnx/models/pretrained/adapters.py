@@ -123,8 +123,7 @@ def save_adapter(
     overwrite: bool = False,
 ) -> pathlib.Path:
     """Writes ``model``'s LoRA adapters in PEFT's layout (see ``pretrained.save_adapter``)."""
-    layers = adapted(model)
-    if not layers:
+    if not (layers := adapted(model)):
         raise CheckpointError("the model has no LoRA adapters to write (add_lora adds them)")
     shapes = {(m.lora.rank, m.lora.alpha) for _, m in layers}
     if len(shapes) > 1:
