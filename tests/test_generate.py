@@ -15,7 +15,7 @@ from flax import nnx
 import mmnnx as mm
 from mmnnx.cli import main
 from mmnnx.models import GPT, GPTConfig
-from mmnnx.models.decoding import _decode, _prefill, generate
+from mmnnx.models.decoding import _forward, generate
 from mmnnx.models.stages import stage_rules
 from mmnnx.modules import RopeScaling
 from mmnnx.train.generation import run_tasks
@@ -34,10 +34,10 @@ def test_the_cache_gives_the_logits_of_the_whole_sequence(scan_layers):
     model = one_device(GPTConfig(**SMALL, num_kv_heads=1, scan_layers=scan_layers))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
     whole = model(tokens)  # (2, 12, 64): no cache, every position recomputed
-    logits, cache = _prefill(model, tokens[:, :5])
+    logits, cache = _forward(model, tokens[:, :5], None, jnp.int32(0))
     np.testing.assert_allclose(logits, whole[:, 4], rtol=1e-5, atol=1e-5)
     for pos in range(5, 12):
-        logits, cache = _decode(model, cache, tokens[:, pos : pos + 1], jnp.int32(pos))
+        logits, cache = _forward(model, tokens[:, pos : pos + 1], cache, jnp.int32(pos))
         np.testing.assert_allclose(logits, whole[:, pos], rtol=1e-5, atol=1e-5)
     # greedy: each token is the argmax of recomputing the prompt and the tokens so far
     new = generate(model, tokens[:, :4], 8)
@@ -68,10 +68,10 @@ def test_the_cache_reads_the_llama_qwen3_knobs(scan_layers):
             v.set_value(1 + 0.5 * jax.random.normal(jax.random.key(len(path)), v.shape))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
     whole = model(tokens)
-    logits, cache = _prefill(model, tokens[:, :5])
+    logits, cache = _forward(model, tokens[:, :5], None, jnp.int32(0))
     np.testing.assert_allclose(logits, whole[:, 4], rtol=1e-5, atol=1e-5)
     for pos in range(5, 12):
-        logits, cache = _decode(model, cache, tokens[:, pos : pos + 1], jnp.int32(pos))
+        logits, cache = _forward(model, tokens[:, pos : pos + 1], cache, jnp.int32(pos))
         np.testing.assert_allclose(logits, whole[:, pos], rtol=1e-5, atol=1e-5)
     # greedy: each new token is the argmax of the whole sequence so far, recomputed each step
     new = generate(model, tokens[:, :4], 10)
@@ -103,7 +103,7 @@ def test_generating_on_the_run_layout_equals_one_device(scan_layers):
         single.generate(prompt, 8, temperature=0.9, top_k=8, rng=key),
     )
     if not scan_layers:  # each block's cache lives on its block's task
-        _, cache = mm.jit(_prefill)(placed, prompt[None])
+        _, cache = mm.jit(_forward)(placed, prompt[None], None, jnp.int32(0))
         for (keys, values), task in zip(cache, tasks, strict=True):
             devices = {int(d) for d in task.mesh.devices.flat}
             assert {d.id for d in keys.sharding.device_set} == devices

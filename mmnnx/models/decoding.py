@@ -15,7 +15,6 @@ from flax import nnx
 from mmnnx._nnx import variables_of
 from mmnnx.jit import jit as mm_jit
 from mmnnx.modules import constrain
-from mmnnx.modules.attention import Attention
 from mmnnx.modules.transformer import TransformerBlock
 from mmnnx.sharding import home_of
 
@@ -27,30 +26,23 @@ KV = tuple[jax.Array, jax.Array]
 (with a leading ``depth`` axis for stacked blocks)."""
 
 
-def _attend(
-    attn: Attention, x: jax.Array, cache: KV | None, pos: jax.Array, length: int
+def _block(
+    block: TransformerBlock, x: jax.Array, cache: KV | None, pos: jax.Array, length: int
 ) -> tuple[jax.Array, KV]:
-    """``attn`` on ``x`` at positions ``pos ..``, reading and filling ``cache``."""
+    """``block(x)`` (without dropout, as in evaluation) at positions ``pos ..``, its attention
+    reading and filling ``cache``."""
+    x = constrain(x, ACTIVATIONS)
     positions = pos + jnp.arange(x.shape[-2])
-    q, k, v = attn.project(x, positions)
+    q, k, v = block.attn.project(block.norm1(x), positions)
     if cache is None:
         shape = (*k.shape[:-3], length, *k.shape[-2:])
         cache = (jnp.zeros(shape, k.dtype), jnp.zeros(shape, v.dtype))
     keys = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=-3)
     values = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=-3)
     visible = positions[:, None] >= jnp.arange(keys.shape[-3])[None, :]
-    return attn.attend(q, keys, values, visible), (keys, values)
-
-
-def _block(
-    block: TransformerBlock, x: jax.Array, cache: KV | None, pos: jax.Array, length: int
-) -> tuple[jax.Array, KV]:
-    """``block(x)`` (without dropout, as in evaluation) with its attention reading ``cache``."""
-    x = constrain(x, ACTIVATIONS)
-    attended, cache = _attend(block.attn, block.norm1(x), cache, pos, length)
-    x = x + attended
+    x = x + block.attn.attend(q, keys, values, visible)
     x = x + block.mlp(block.norm2(x))
-    return constrain(x, ACTIVATIONS), cache
+    return constrain(x, ACTIVATIONS), (keys, values)
 
 
 def _forward(model: Any, tokens: jax.Array, cache: Any, pos: jax.Array) -> tuple[jax.Array, Any]:
@@ -76,16 +68,8 @@ def _forward(model: Any, tokens: jax.Array, cache: Any, pos: jax.Array) -> tuple
     return logits[:, -1].astype(jnp.float32), cache
 
 
-def _prefill(model: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
-    return _forward(model, tokens, None, jnp.zeros((), jnp.int32))
-
-
-def _decode(model: Any, cache: Any, token: jax.Array, pos: jax.Array) -> tuple[jax.Array, Any]:
-    return _forward(model, token, cache, pos)
-
-
-_ONE_DEVICE = (nnx.jit(_prefill), nnx.jit(_decode))
-_ON_TASKS = (mm_jit(_prefill), mm_jit(_decode))
+_ONE_DEVICE = nnx.jit(_forward)
+_ON_TASKS = mm_jit(_forward)
 
 
 def is_placed(model: Any) -> bool:
@@ -145,10 +129,10 @@ def generate(
         raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"generate: top_k must be >= 1, got {top_k}")
-    prefill, decode = _ON_TASKS if is_placed(model) else _ONE_DEVICE
+    forward = _ON_TASKS if is_placed(model) else _ONE_DEVICE
     key = jax.random.key(0) if rng is None else rng
     greedy = temperature < np.finfo(np.float32).tiny  # 0 in float32, or flushed to 0 on device
-    logits, cache = prefill(model, prompt)
+    logits, cache = forward(model, prompt, None, jnp.zeros((), jnp.int32))
     tokens = []
     for i in range(max_new_tokens):
         if greedy:
@@ -159,5 +143,5 @@ def generate(
         tokens.append(token)
         if i + 1 < max_new_tokens:
             pos = jnp.asarray(prompt.shape[1] + i, jnp.int32)
-            logits, cache = decode(model, cache, token[:, None], pos)
+            logits, cache = forward(model, token[:, None], cache, pos)
     return jnp.stack([jax.device_get(t) for t in tokens], axis=1)

@@ -231,7 +231,7 @@ def stage_rules(
         return out
 
     def group_cost(groups: Sequence[Path], *, tied_head: bool = False) -> tuple[int, int | None]:
-        nodes = [_node_at(model, g) for g in groups]
+        nodes = [functools.reduce(lambda n, k: getattr(n, str(k)), g, model) for g in groups]
         params = sum(_num_params(node) for node in nodes)
         fl = [flops(node, head=tied_head and isinstance(node, Embed | nnx.Embed)) for node in nodes]
         return params, None if None in fl else sum(fl)
@@ -260,20 +260,18 @@ def stage_rules(
         sizes = _split(block_params, k, first_params, last_params)
 
     rules, rows, start = _rules(found, tasks, sizes), [], 0
+    ends = ((0, first_params, first_flops, firsts), (k - 1, last_params, last_flops, lasts))
     for s, (task, size) in enumerate(zip(tasks, sizes, strict=True)):
         idx = list(range(start, start + size))
         start += size
         params = sum(block_params[i] for i in idx)
         fl = None if None in block_flops else sum(block_flops[i] for i in idx)
         names = []
-        if s == 0:
-            params += first_params
-            fl = None if fl is None or first_flops is None else fl + first_flops
-            names += ["/".join(map(str, g)) for g in firsts]
-        if s == k - 1:
-            params += last_params
-            fl = None if fl is None or last_flops is None else fl + last_flops
-            names += ["/".join(map(str, g)) for g in lasts]
+        for end, end_params, end_flops, groups in ends:
+            if s == end:
+                params += end_params
+                fl = None if fl is None or end_flops is None else fl + end_flops
+                names += ["/".join(map(str, g)) for g in groups]
         label = f"{idx[0]}-{idx[-1]}" if size > 1 else str(idx[0])
         rows.append((task.name, label + (f" + {', '.join(names)}" if names else ""), params, fl))
 
@@ -377,12 +375,7 @@ def _rules(found: Layers, tasks: Sequence[Task], sizes: Sequence[int]) -> list[t
 
 
 def _holds_layers(sizes: Sequence[int], ends: tuple[bool, bool]) -> bool:
-    """Whether every stage holds a layer, but an end stage that ``ends`` lets hold none.
-
-    Example:
-        >>> _holds_layers([4, 0], (True, True)), _holds_layers([4, 0], (True, False))
-        (True, False)
-    """
+    """Whether every stage holds a layer, but an end stage that ``ends`` lets hold none."""
     lowest = [1] * len(sizes)
     lowest[0] -= ends[0]
     lowest[-1] -= ends[1] if len(sizes) > 1 else 0
@@ -467,8 +460,7 @@ def _layers(
             f"(path, node) -> bool, got {type(blocks).__name__}"
         )
     else:
-        lists = [(p, n) for p, n in _modules(model) if _is_list_of_modules(n)]
-        if not lists:
+        if not (lists := [(p, n) for p, n in _modules(model) if _is_list_of_modules(n)]):
             raise ValueError(
                 f"{who}: {name} has no attribute 'blocks' holding its layers and no "
                 "nnx.List of modules; expected model.blocks to be an nnx.List of modules (as "
@@ -533,17 +525,15 @@ def _groups(
         return None
 
     lasts = {g for p in paths if (g := last_prefix(p)) is not None}
-    firsts = set()
-    for p in paths:
-        if last_prefix(p) is None:
-            firsts.add(
-                next(
-                    p[: i + 1]
-                    for i in range(len(p))
-                    if not on_layers_path(p[: i + 1])
-                    and not any(g[: i + 1] == p[: i + 1] for g in lasts)
-                )
-            )
+    firsts = {
+        next(
+            p[: i + 1]
+            for i in range(len(p))
+            if not on_layers_path(p[: i + 1]) and not any(g[: i + 1] == p[: i + 1] for g in lasts)
+        )
+        for p in paths
+        if last_prefix(p) is None
+    }
     order = functools.partial(_definition_order, model)
     return sorted(firsts, key=order), sorted(lasts, key=order)
 
@@ -555,12 +545,6 @@ def _definition_order(model: Any, path: Path) -> tuple[int, ...]:
         key.append(names.index(str(k)) if str(k) in names else len(names))
         node = getattr(node, str(k), None)
     return tuple(key)
-
-
-def _node_at(model: Any, path: Path) -> Any:
-    for key in path:
-        model = getattr(model, str(key))
-    return model
 
 
 def _anchored(path: Path, is_variable: bool) -> str:
@@ -580,11 +564,7 @@ def _stage_tasks(
     tasks: list[Task], virtual_stages: int, order: str, who: str = "stage_rules"
 ) -> list[Task]:
     """The task of each stage: ``tasks`` repeated ``virtual_stages`` times, looped or in a V."""
-    if (
-        isinstance(virtual_stages, bool)
-        or not isinstance(virtual_stages, int)
-        or virtual_stages < 1
-    ):
+    if type(virtual_stages) is not int or virtual_stages < 1:
         raise ValueError(f"{who}: virtual_stages must be an int >= 1, got {virtual_stages!r}")
     if order == "loop":
         return tasks * virtual_stages

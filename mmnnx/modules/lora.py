@@ -70,12 +70,6 @@ class LoRA(nnx.Module):
         return (x @ self.a[...].astype(x.dtype)) @ self.b[...].astype(x.dtype) * self.scale
 
 
-def _axes(kernel: nnx.Variable) -> tuple[Any, ...]:
-    """The kernel's logical names, one per dimension (a stacked kernel's layer axis unnamed)."""
-    names = tuple(logical_names(kernel) or (None, None))
-    return (None,) * (kernel.ndim - len(names)) + names[-kernel.ndim :]
-
-
 def add_lora(
     model: M,
     *,
@@ -109,8 +103,7 @@ def add_lora(
     names = sorted({str(p[-1]) for p, _ in linears})
     if targets is None:
         targets = [t for t in TARGETS if t in names]
-    unknown = [t for t in targets if t not in names]
-    if unknown:
+    if unknown := [t for t in targets if t not in names]:
         raise ValueError(
             f"add_lora: {', '.join(map(repr, unknown))} names no Linear of "
             f"{type(model).__name__}; its Linear layers are named {', '.join(names)}"
@@ -123,6 +116,7 @@ def add_lora(
         if linear.lora is not None:
             raise ValueError(f"add_lora: {path_str(path)} already has an adapter")
         kernel = linear.kernel
+        names = tuple(logical_names(kernel) or (None, None))  # a stacked kernel's layer axis: None
         with nnx.use_eager_sharding(False):
             linear.lora = LoRA(
                 linear.in_features,
@@ -130,7 +124,7 @@ def add_lora(
                 rank=rank,
                 alpha=rank if alpha is None else alpha,
                 lead=tuple(kernel.shape[:-2]),
-                axes=_axes(kernel),
+                axes=(None,) * (kernel.ndim - len(names)) + names[-kernel.ndim :],
                 rngs=rngs,
             )
         home = home_of(kernel)

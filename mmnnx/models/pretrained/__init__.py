@@ -56,6 +56,13 @@ from mmnnx.sharding.task import Task
 
 M = TypeVar("M")
 
+_SIZES = (
+    *("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"),
+    *("num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings", "layer_types"),
+)
+"""With the family's feed-forward keys, those of a loaded ``config.json`` written from the model
+(the others are kept)."""
+
 __all__ = [
     "FAMILIES",
     "CheckpointError",
@@ -251,7 +258,7 @@ def save_pretrained(
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     hf = pretrained.config if pretrained else {}
     fresh = family.hf_config(model.config, torch_dtype_of(dtype), hf)
-    config = written(fresh, hf, _sizes(family) & fresh.keys())
+    config = written(fresh, hf, {*_SIZES, *family.feed_forward.keys} & fresh.keys())
     origin = pathlib.Path(pretrained.directory) if pretrained else None
     extra = [origin / name for name in CARRIED if origin and (origin / name).is_file()]
     values = {**model_values(model), **merged_kernels(model), **(values or {})}
@@ -316,8 +323,7 @@ def _origin(
             f"{', '.join(FAMILIES)}); it was not loaded by from_pretrained"
         )
     family = family_of({"architectures": [name]}, path)
-    blockers = family.cannot_hold(model.config)
-    if blockers:
+    if blockers := family.cannot_hold(model.config):
         raise CheckpointError(f"{path}: a {name} checkpoint cannot hold {' and '.join(blockers)}")
     if dtype is None:
         hf = pretrained.config if pretrained else {}
@@ -330,15 +336,6 @@ def _origin(
             f"{path}: dtype {dtype!r} is not a dtype; Hugging Face checkpoints are written "
             f"in {', '.join(TORCH_DTYPES)}"
         ) from None
-
-
-def _sizes(family: Family) -> set[str]:
-    """The keys of a loaded ``config.json`` written from the model (the others are kept)."""
-    return {
-        *("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"),
-        *("num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings"),
-        *("layer_types", *family.feed_forward.keys),
-    }
 
 
 def load_tensors(

@@ -62,20 +62,16 @@ def adapter_rules(rules: tuple[TensorRule, ...]) -> tuple[TensorRule, ...]:
         >>> a.variable, b.variable
         ('blocks/{layer}/mlp/up/lora/a', 'blocks/{layer}/mlp/up/lora/b')
     """
-    out = []
-    for rule in rules:
-        if rule.variable is None or not rule.variable.endswith("/kernel"):
-            continue
-        module, stem = rule.variable[: -len("/kernel")], rule.tensor[: -len(".weight")]
-        for factor, name in (("a", "lora_A"), ("b", "lora_B")):
-            out.append(
-                TensorRule(
-                    f"base_model.model.{stem}.{name}.weight",
-                    f"{module}/lora/{factor}",
-                    transpose=rule.transpose,
-                )
-            )
-    return tuple(out)
+    return tuple(
+        TensorRule(
+            f"base_model.model.{rule.tensor[: -len('.weight')]}.{name}.weight",
+            f"{rule.variable.removesuffix('/kernel')}/lora/{factor}",
+            transpose=rule.transpose,
+        )
+        for rule in rules
+        if rule.variable is not None and rule.variable.endswith("/kernel")
+        for factor, name in (("a", "lora_A"), ("b", "lora_B"))
+    )
 
 
 EXPERT_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -127,8 +123,7 @@ def save_adapter(
     overwrite: bool = False,
 ) -> pathlib.Path:
     """Writes ``model``'s LoRA adapters in PEFT's layout (see ``pretrained.save_adapter``)."""
-    layers = adapted(model)
-    if not layers:
+    if not (layers := adapted(model)):
         raise CheckpointError("the model has no LoRA adapters to write (add_lora adds them)")
     shapes = {(m.lora.rank, m.lora.alpha) for _, m in layers}
     if len(shapes) > 1:

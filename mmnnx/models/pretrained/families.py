@@ -189,10 +189,7 @@ class Family:
                 router_aux_loss_coef=c.own.get("router_aux_loss_coef", 0.001),
                 layers=tuple(BlockConfig(attention, ff, norm) for ff in layers),
             )
-            fields.update({k: v for k, v in overrides.items() if v is not None})
-            return GPTConfig(**fields)
-        except CheckpointError:
-            raise
+            return GPTConfig(**fields | {k: v for k, v in overrides.items() if v is not None})
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: {e}") from None
 

@@ -135,8 +135,7 @@ class CheckpointFiles:
                         f"{index}: names {file}, which is not in {self.directory}"
                     )
             return dict(files)
-        found = sorted(p.name for p in self.directory.glob("*.safetensors"))
-        if not found:
+        if not (found := sorted(p.name for p in self.directory.glob("*.safetensors"))):
             raise CheckpointError(
                 f"{self.directory}: no *.safetensors files (a Hugging Face checkpoint holds "
                 f"{SINGLE} or shards listed in {INDEX})"

@@ -39,6 +39,12 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _checked(value: Any, check: tuple[Callable[[Any], bool], str], where: str) -> Any:
+    if not check[0](value):
+        raise CheckpointError(f"{where}: {_show(value)} is not {check[1]}")
+    return value
+
+
 class _Key(NamedTuple):
     name: str
     check: Callable[[Any], bool]
@@ -129,8 +135,6 @@ class HFConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None
-    dtype: str | None
-    layer_types: tuple[str, ...] | None
     own: Mapping[str, Any]
 
 
@@ -187,7 +191,6 @@ def read_config(hf: Any, file: str, model_type: str) -> HFConfig:
         rms_norm_eps=float(v["rms_norm_eps"]),
         rope_theta=theta,
         rope_scaling=scaling,
-        layer_types=None if v["layer_types"] is None else tuple(v["layer_types"]),
         own={k: tuple(x) if isinstance(x, list) else x for k, x in own.items()},
     )
     return HFConfig(**{f.name: v[f.name] for f in dataclasses.fields(HFConfig)})
@@ -207,9 +210,7 @@ def _value(hf: dict[str, Any], key: _Key, file: str, defaults: Mapping[str, Any]
         if value is None and key.nullable and name in hf:
             return None
         if value is not None:
-            if not key.check(value):
-                raise CheckpointError(f"{file}: {name}: {_show(value)} is not {key.what}")
-            return value
+            return _checked(value, (key.check, key.what), f"{file}: {name}")
     default = defaults.get(key.name, key.default)
     if default is REQUIRED:
         also = "".join(f" (or {a!r})" for a in key.aliases)
@@ -220,14 +221,11 @@ def _value(hf: dict[str, Any], key: _Key, file: str, defaults: Mapping[str, Any]
 def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, Any]:
     """RoPE's base and scaling, as transformers' ``standardize_rope_params`` resolves them."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    params = hf.get(key) or {}
-    if not _OBJECT[0](params):
-        raise CheckpointError(f"{file}: {key}: {_show(params)} is not {_OBJECT[1]}")
+    params = _checked(hf.get(key) or {}, _OBJECT, f"{file}: {key}")
     nested = [t for t in params if t in (v["layer_types"] or ())]
     if nested:  # one set of parameters per layer type: every layer here is full attention
-        key, params = f"{key}.{nested[0]}", params[nested[0]] or {}
-        if not _OBJECT[0](params):
-            raise CheckpointError(f"{file}: {key}: {_show(params)} is not {_OBJECT[1]}")
+        key = f"{key}.{nested[0]}"
+        params = _checked(params[nested[0]] or {}, _OBJECT, f"{file}: {key}")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise CheckpointError(
@@ -241,9 +239,7 @@ def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, Any]
             if default is REQUIRED:
                 raise CheckpointError(f"{file}: {key}: no {name!r} (rope_type {kind!r} needs it)")
             return default
-        if not check[0](value):
-            raise CheckpointError(f"{file}: {key}.{name}: {_show(value)} is not {check[1]}")
-        return value
+        return _checked(value, check, f"{file}: {key}.{name}")
 
     theta = float(number("rope_theta", _POSITIVE, v["rope_theta"]))
     partial = number("partial_rotary_factor", _POSITIVE, v["partial_rotary_factor"])
@@ -304,10 +300,7 @@ def architectures(hf: Any, where: Any) -> list[str]:
     """
     file = f"{where}/config.json"
     _check_object(hf, file)
-    names = hf.get("architectures") or []
-    if not _STRS[0](names):
-        raise CheckpointError(f"{file}: architectures: {_show(names)} is not {_STRS[1]}")
-    return names
+    return _checked(hf.get("architectures") or [], _STRS, f"{file}: architectures")
 
 
 def written(

@@ -43,13 +43,12 @@ class TensorRule:
     reshape: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.variable is not None:
-            missing = set(_FIELD.findall(self.variable)) - set(self.fields)
-            if missing:
-                raise ValueError(
-                    f"TensorRule {self.tensor!r} -> {self.variable!r}: the Variable path uses "
-                    f"{sorted(missing)}, which the tensor name does not have"
-                )
+        missing = set(_FIELD.findall(self.variable or "")) - set(self.fields)
+        if missing:
+            raise ValueError(
+                f"TensorRule {self.tensor!r} -> {self.variable!r}: the Variable path uses "
+                f"{sorted(missing)}, which the tensor name does not have"
+            )
 
     @property
     def fields(self) -> tuple[str, ...]:
