@@ -85,7 +85,9 @@ FIXTURES = {
         Qwen3Config(
             **SMALL,
             rope_parameters=dict(
-                rope_type="yarn", rope_theta=1000000.0, factor=4.0,
+                rope_type="yarn",
+                rope_theta=1000000.0,
+                factor=4.0,
                 original_max_position_embeddings=8,
             ),
         ),  # fmt: skip
@@ -95,13 +97,21 @@ YARN = {  # transformers' own inv_freq and attention factor for these rope_param
     "truncated": dict(factor=4.0, original_max_position_embeddings=8),
     "not truncated": dict(factor=4.0, original_max_position_embeddings=8, truncate=False),
     "deepseek mscale": dict(
-        factor=40.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0,
-        beta_fast=32, beta_slow=1,
+        factor=40.0,
+        original_max_position_embeddings=64,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        beta_fast=32,
+        beta_slow=1,
     ),  # fmt: skip
-    "mscale ratio": dict(factor=8.0, original_max_position_embeddings=16, mscale=0.707,
-                         mscale_all_dim=1.0),  # fmt: skip
+    "mscale ratio": dict(
+        factor=8.0, original_max_position_embeddings=16, mscale=0.707, mscale_all_dim=1.0
+    ),  # fmt: skip
     "attention factor given": dict(
-        factor=2.0, original_max_position_embeddings=32, attention_factor=1.5, beta_fast=16,
+        factor=2.0,
+        original_max_position_embeddings=32,
+        attention_factor=1.5,
+        beta_fast=16,
         beta_slow=2,
     ),  # fmt: skip
 }
