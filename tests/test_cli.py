@@ -128,7 +128,10 @@ def test_inconsistent_flags_exit_2_with_one_line(argv, reason, capsys):
         (["--output-dir", "-run"], "--output-dir -run: a value starting with '-' reads as a flag"),
         (["--wandb", ""], "--wandb must not be empty, got ''"),  # issue 69 (d)
         (["--wandb", "p", "--wandb-name", " "], "--wandb-name must not be empty"),
-        (["--data", "1"], "unrecognized arguments: --data 1"),  # issue 69 (b): no abbreviation
+        (
+            ["--data-ax", "1"],
+            "unrecognized arguments: --data-ax 1",
+        ),  # issue 69 (b): no abbreviation
         (["--exp", "4"], "unrecognized arguments: --exp 4"),
     ],
 )

@@ -46,7 +46,8 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
         ("[model]\ndimm = 64\n", "[model] dimm: unknown key (known: dim, depth, heads,"),
         (
             "[modle]\ndim = 64\n",
-            "[modle]: unknown table (known: model, layout, training, precision, logging, outputs)",
+            "[modle]: unknown table (known: model, layout, training, dataset, precision, logging, "
+            "outputs)",
         ),
         ("dim = 64\n", "dim: a key outside any table (put it under [model])"),
         ("[training]\ndim = 64\n", "[training] dim: belongs in [model], not [training]"),
@@ -118,9 +119,10 @@ def test_a_run_writes_its_config_and_resume_reads_it(tmp_path, capsys):
     )
     assert main(["train", "--config", str(config), "--output-dir", str(run), "--lr", "0.01"]) == 0
     saved = tomllib.loads((run / "config.toml").read_text())
-    assert set(saved) == {"model", "layout", "training", "precision", "logging", "outputs"}
+    tables = {"model", "layout", "training", "dataset", "precision", "logging", "outputs"}
+    assert set(saved) == tables
     model = {"dim": 32, "depth": 2, "heads": 2, "seq_len": 16, "scan_layers": False}
-    model["gated_mlp"] = False
+    model |= {"gated_mlp": False, "remat": "none"}
     assert saved["model"] == model
     assert saved["training"]["lr"] == 0.01 and saved["training"]["weight_decay"] == 0.05
     assert saved["training"]["text"] == [str(text)] and saved["outputs"]["output_dir"] == str(run)

@@ -426,7 +426,7 @@ SCALING = dict(
         (lambda: GPTConfig(qk_norm=1), "GPTConfig: AttentionConfig.qk_norm must be a bool"),
         (
             lambda: GPTConfig(rope_scaling={"rope_type": "llama3", **SCALING}),
-            r"GPTConfig: RopeConfig.scaling must be None or a mmnnx.modules.RopeScaling",
+            r"GPTConfig: RopeConfig.scaling must be None, a mmnnx.modules.RopeScaling or Yarn",
         ),
         (
             lambda: RopeScaling(**{**SCALING, "high_freq_factor": 1.0}),

@@ -498,7 +498,10 @@ def test_knobs_reach_every_module():
             lambda: RopeConfig(float("inf")),
             r"RopeConfig.theta must be a finite number > 0, got inf",
         ),
-        (lambda: RopeConfig(scaling={"factor": 8}), r"RopeConfig.scaling must be None or a mmnnx"),
+        (
+            lambda: RopeConfig(scaling={"factor": 8}),
+            r"RopeConfig.scaling must be None, a mmnnx.modules.RopeScaling or YarnScaling",
+        ),
         (lambda: NormConfig("batch"), r"NormConfig.kind must be 'rms' or 'layer', got 'batch'"),
         (lambda: NormConfig(eps=-1.0), r"NormConfig.eps must be None or a finite number > 0"),
         (lambda: MLPConfig(2.5), r"MLPConfig.hidden must be an int >= 1, got 2.5"),

@@ -77,7 +77,14 @@ class Rows:
                 tokens[r, span], targets[r, span], segments[r, span] = ids, marks, s
                 positions[r, span] = np.arange(len(ids))
                 at += len(ids)
-        return cls(tokens, targets, segments, positions, truncated, pack)
+        return cls(
+            tokens=tokens,
+            targets=targets,
+            segments=segments,
+            positions=positions,
+            truncated=truncated,
+            packed=pack,
+        )
 
     @property
     def padding_fraction(self) -> float:

@@ -27,7 +27,12 @@ def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
         return TextDataset.from_files(sources, tokenizer, cache, seed=run.training.seed, **shape)
     folder = run.model.init_from
     tokens = special_tokens(folder) if folder else {}
-    fields = Fields(data.text_field, data.prompt_field, data.completion_field, data.messages_field)
+    fields = Fields(
+        text=data.text_field,
+        prompt=data.prompt_field,
+        completion=data.completion_field,
+        messages=data.messages_field,
+    )
     read = functools.partial(read_records, cache_dir=str(cache / "datasets"))
     records = list(read(data.data))
     if not records:
