@@ -16,7 +16,7 @@ EXPECTED = json.loads((FIXTURES / "lm_eval.json").read_text())
 TASKS = ["mmnnx_qa", "mmnnx_gen", "mmnnx_text"]
 
 
-def evaluate(tasks=TASKS, **model_args):
+def evaluate(tasks=TASKS, limit=None, **model_args):
     from lm_eval.tasks import TaskManager
 
     from mmnnx.train.evaluation import MmnnxLM
@@ -26,6 +26,7 @@ def evaluate(tasks=TASKS, **model_args):
         tasks=tasks,
         task_manager=TaskManager(include_path=str(ROOT / "tests" / "lm_eval_tasks")),
         log_samples=True,
+        limit=limit,
     )
 
 
@@ -58,16 +59,16 @@ def test_mmnnx_eval_of_a_run_equals_its_export(tmp_path, monkeypatch, capsys):
         "".join(json.dumps({"text": "Two plus two? Four. " * 3}) + "\n" for _ in range(20))
     )
     flags = ["--init-from", str(FIXTURES / "dpo" / "policy"), "--data", str(data), "--steps", "2"]
-    flags += ["--stages", "2", "--data-axis", "1", "--model-axis", "1", "--devices", "2"]
+    flags += ["--stages", "1", "--data-axis", "1", "--model-axis", "1", "--devices", "1"]
     flags += ["--seq-len", "32", "--batch-size", "2", "--microbatches", "2", "--lr", "1e-2"]
     assert main(["train", *flags, "--output-dir", str(run), "--timeline-step", "0"]) == 0
     assert main(["export", "--run", str(run), "--output", str(out)]) == 0
     capsys.readouterr()
     tasks = ["--tasks", "mmnnx_qa", "--include-path", str(ROOT / "tests" / "lm_eval_tasks")]
-    assert main(["eval", "--run", str(run), *tasks]) == 0
+    assert main(["eval", "--run", str(run), *tasks, "--limit", "2"]) == 0
     assert "mmnnx_qa" in capsys.readouterr().out
-    ours = evaluate(["mmnnx_qa"], run=str(run))["samples"]["mmnnx_qa"]
-    exported = evaluate(["mmnnx_qa"], pretrained=str(out))["samples"]["mmnnx_qa"]
+    ours = evaluate(["mmnnx_qa"], 2, run=str(run))["samples"]["mmnnx_qa"]
+    exported = evaluate(["mmnnx_qa"], 2, pretrained=str(out))["samples"]["mmnnx_qa"]
     for a, b in zip(ours, exported, strict=True):
         for (ll, greedy), (ll_exported, greedy_exported) in zip(
             a["filtered_resps"], b["filtered_resps"], strict=True

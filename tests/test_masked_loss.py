@@ -5,6 +5,7 @@ packed batch equals each example run on its own."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -96,15 +97,17 @@ def test_packed_batch_equals_each_example_alone():
     packed = rows.batch(np.arange(len(rows.tokens)))
     count = sum(e.targets[1:].sum() for e in examples)
 
-    def alone(model):
-        total = 0.0
-        for e in examples:
-            one = Rows.of([e], len(e.ids)).batch([0])
-            weights = (one["weights"] > 0).astype(np.float32)  # each target counted once
-            total += model.loss({"tokens": one["tokens"], "weights": weights})
-        return total / count
+    @nnx.jit
+    def one(model, tokens, weights):  # an example alone, padded at its end: causal, unchanged
+        return nnx.value_and_grad(lambda m: m.loss({"tokens": tokens, "weights": weights}))(model)
 
-    ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(alone))(gpt())
+    model, ref_loss, ref_grads = gpt(), 0.0, None
+    for e in examples:
+        row = Rows.of([e], 16).batch([0])
+        weights = (row["weights"] > 0).astype(np.float32) / count  # each target counted once
+        loss, grads = one(model, row["tokens"], weights)
+        ref_loss += loss
+        ref_grads = grads if ref_grads is None else jax.tree.map(jnp.add, ref_grads, grads)
     loss, grads = reference_loss_and_grads(gpt(), packed)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_close(grads, ref_grads)
