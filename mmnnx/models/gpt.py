@@ -286,20 +286,32 @@ class GPT(nnx.Module):
             True
         """
         fields = batch if isinstance(batch, Mapping) else {"tokens": batch}
-        tokens = constrain(fields["tokens"], ("batch", "seq"))
-        packing = None
-        if "segments" in fields:
-            packing = Packing(fields["segments"][:, :-1], fields["positions"][:, :-1])
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        logits, stats = self.forward(inputs, packing)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        logp, stats = self.next_token_log_probs(fields["tokens"], Packing.of(fields))
+        nll = -logp
         weights = fields.get("weights")
         loss = jnp.mean(nll) if weights is None else jnp.mean(jnp.sum(weights * nll, axis=-1))
         if stats is not None:
             c = self.config
             loss = loss + stats.loss(c.router_aux_loss_coef, c.router_z_loss_coef)
         return loss
+
+    def next_token_log_probs(
+        self, tokens: jax.Array, packing: Packing | None = None
+    ) -> tuple[jax.Array, RouterStats | None]:
+        """The log-probability the model gives each next token of ``tokens`` ``(B, T + 1)``,
+        float32 ``(B, T)`` (``tokens[:, :-1]`` the inputs), and the ``RouterStats`` of
+        :meth:`forward`.
+
+        Example:
+            >>> with nnx.use_eager_sharding(False):
+            ...     model = GPT(GPTConfig(dim=32, depth=1, vocab_size=64), rngs=nnx.Rngs(0))
+            >>> model.next_token_log_probs(jnp.ones((2, 5), dtype=jnp.int32))[0].shape
+            (2, 4)
+        """
+        tokens = constrain(tokens, ("batch", "seq"))
+        logits, stats = self.forward(tokens[:, :-1], packing)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0], stats
 
     def generate(
         self,

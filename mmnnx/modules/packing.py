@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -22,6 +24,19 @@ class Packing:
 
     segments: jax.Array
     positions: jax.Array
+
+    @classmethod
+    def of(cls, batch: Mapping[str, jax.Array]) -> Packing | None:
+        """The packing of the inputs of a batch dict with ``segments`` and ``positions`` of
+        its ``(B, T + 1)`` tokens (``None`` without them): their first ``T`` columns.
+
+        Example:
+            >>> Packing.of({"tokens": jnp.zeros((1, 3))}) is None
+            True
+        """
+        if "segments" not in batch:
+            return None
+        return cls(batch["segments"][:, :-1], batch["positions"][:, :-1])
 
     def visible(self) -> jax.Array:
         """Causal and same-example: ``(batch, 1, seq, seq)``, broadcast over heads."""

@@ -4,7 +4,6 @@ computes it, each pair in one row so that any microbatching keeps it whole."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mmnnx.modules import Packing
@@ -42,11 +41,7 @@ def pair_rows(pairs: list[tuple], length: int, pad_id: int = 0) -> dict[str, np.
 
 def sequence_logps(model, rows: dict) -> tuple[jax.Array, jax.Array]:
     """Each row's summed log-probabilities of its chosen and of its rejected completion."""
-    tokens = rows["tokens"]
-    packing = Packing(rows["segments"][:, :-1], rows["positions"][:, :-1])
-    logits, _ = model.forward(tokens[:, :-1], packing)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    per_token = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    per_token, _ = model.next_token_log_probs(rows["tokens"], Packing.of(rows))
     return (per_token * rows["chosen"]).sum(-1), (per_token * rows["rejected"]).sum(-1)
 
 
