@@ -103,8 +103,8 @@ class ChatTemplate:
         """
         folder = pathlib.Path(folder)
         config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        tokens = special_tokens(folder)
+        config = _tokenizer_config(folder)
+        tokens = _special_tokens(config)
         jinja = folder / "chat_template.jinja"
         if jinja.is_file():
             return cls(jinja.read_text(encoding="utf-8"), tokens, str(jinja))
@@ -173,7 +173,14 @@ def special_tokens(folder: str | pathlib.Path) -> dict[str, str]:
         >>> special_tokens("/nonexistent")
         {}
     """
+    return _special_tokens(_tokenizer_config(folder))
+
+
+def _tokenizer_config(folder: str | pathlib.Path) -> dict:
     path = pathlib.Path(folder) / "tokenizer_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _special_tokens(config: dict) -> dict[str, str]:
     tokens = {k: config[k] for k in SPECIAL_TOKENS if config.get(k) is not None}
     return {k: t["content"] if isinstance(t, dict) else str(t) for k, t in tokens.items()}

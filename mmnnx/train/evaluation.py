@@ -43,8 +43,8 @@ class MmnnxLM(TemplateLM):
 
             spec = read_run(run)
             loaded = load_run(spec, layout=layout)
-            self.model, self.tokenizer, base = loaded.model, loaded.tokenizer, spec.run
-            folder = base.model.init_from
+            self.model, self.tokenizer = loaded.model, loaded.tokenizer
+            folder = spec.run.model.init_from
         else:
             from mmnnx.models import from_pretrained  # noqa: PLC0415
             from mmnnx.train.tokenizers import HFTokenizer  # noqa: PLC0415
@@ -56,6 +56,7 @@ class MmnnxLM(TemplateLM):
         ids = {k: self.tokenizer.token_id(t) for k, t in tokens.items()}
         self._eot = ids.get("eos_token")
         self._prefix = ids.get("bos_token", self._eot)
+        self._prefix_text = None if self._prefix is None else self.tokenizer.decode([self._prefix])
         self.max_length = int(max_length or self.model.config.max_seq_len)
         self._logits = nnx.jit(lambda model, tokens: model(tokens))
 
@@ -69,8 +70,7 @@ class MmnnxLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
         if add_special_tokens is None:  # the post-processor's, unless the text has its bos
-            bos = self.tokenizer.decode([self._prefix])
-            add_special_tokens = not string.startswith(bos)
+            add_special_tokens = not (self._prefix_text and string.startswith(self._prefix_text))
         return self.tokenizer.encoding(string, add_special_tokens).ids
 
     def _log_probs(self, tokens: list[int]) -> np.ndarray:

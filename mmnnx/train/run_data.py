@@ -26,7 +26,6 @@ def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
     if data.data is None:
         return TextDataset.from_files(sources, tokenizer, cache, seed=run.training.seed, **shape)
     folder = run.model.init_from
-    tokens = special_tokens(folder) if folder else {}
     fields = Fields(
         text=data.text_field,
         prompt=data.prompt_field,
@@ -45,6 +44,7 @@ def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
         if folder is None:
             raise DataError("--data-format chat needs --init-from: its tokenizer's chat template")
         template = ChatTemplate.from_checkpoint(folder)
+    tokens = template.tokens if template else special_tokens(folder) if folder else {}
     encode = functools.partial(
         encode_records,
         data_format=data_format,
