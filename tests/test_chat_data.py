@@ -227,3 +227,11 @@ def test_dpo_loss_and_rewards_equal_trl():
     np.testing.assert_allclose(loss, expected["loss"], rtol=1e-5)
     for name, value in metrics.items():  # rewards: differences of ~70-nat float32 sums
         np.testing.assert_allclose(value, expected["metrics"][name], rtol=1e-5, atol=2e-5)
+
+
+def test_an_eval_fraction_outside_0_1_is_refused():
+    from mmnnx.train.examples import ExampleDataset
+
+    ex = [Example(np.arange(1, 6, dtype=np.int32), np.ones(5, bool)) for _ in range(20)]
+    with pytest.raises(DataError, match=r"--eval-fraction must be in \(0, 1\), got 1.5"):
+        ExampleDataset(ex, seq_len=7, batch_size=4, eval_fraction=1.5)

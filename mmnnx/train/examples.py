@@ -151,6 +151,8 @@ class ExampleDataset(GrainBatches):
         pad_id: int = 0,
     ):
         if eval_examples is None:
+            if not 0 < eval_fraction < 1:
+                raise DataError(f"--eval-fraction must be in (0, 1), got {eval_fraction}")
             split = len(examples) - max(1, int(len(examples) * eval_fraction))
             examples, eval_examples = examples[:split], examples[split:]
         layout = dict(length=seq_len + 1, pack=pack, truncate=truncate, pad_id=pad_id)
