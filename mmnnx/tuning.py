@@ -29,6 +29,7 @@ from mmnnx.link_timing import StepTransfers, measure_launch_cost, measure_transf
 from mmnnx.mpmd import schedules as sched
 
 _UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+_TIMED_RUNS = 3  # timelines pooled per measurement
 
 
 def parse_bytes(size: int | str) -> int:
@@ -241,10 +242,12 @@ def tune(
     before = [v.get_raw_value() for v in variables]
 
     def measure(run: Any) -> dict[tuple[str, int], float]:
+        events = []
         try:
             run.timeline(*args, **kwargs)  # compiles
-            _nnx.set_values(variables, before)
-            events = run.timeline(*args, **kwargs)
+            for _ in range(_TIMED_RUNS):  # pooled: one stall on a busy host is not the median
+                _nnx.set_values(variables, before)
+                events += run.timeline(*args, **kwargs)
         finally:
             _nnx.set_values(variables, before)
         return sched.measured_costs(events)
