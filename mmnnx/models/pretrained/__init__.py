@@ -32,7 +32,7 @@ from flax import nnx
 from mmnnx.models.gpt import GPT, GPTConfig
 from mmnnx.models.pretrained.adapters import merged_kernels
 from mmnnx.models.pretrained.adapters import save_adapter as _save_adapter
-from mmnnx.models.pretrained.families import FAMILIES, Family, family_of
+from mmnnx.models.pretrained.families import FAMILIES, PretrainedFamily, family_of
 from mmnnx.models.pretrained.files import (
     CARRIED,
     CONFIG,
@@ -151,7 +151,7 @@ def pretrained_config(
 
 
 def _gpt_config(
-    family: Family, hf: Any, directory: Any, param_dtype: Any, dtype: Any, **options: Any
+    family: PretrainedFamily, hf: Any, directory: Any, param_dtype: Any, dtype: Any, **options: Any
 ) -> GPTConfig:
     param_dtype, dtype = np.dtype(param_dtype).name, np.dtype(dtype).name
     return family.gpt_config(hf, directory, param_dtype=param_dtype, dtype=dtype, **options)
@@ -242,8 +242,8 @@ def save_pretrained(
     Variables' values by path.
 
     Returns the directory. Raises ``CheckpointError`` before writing anything on a bad
-    ``dtype``, an existing ``path``, or a model the family cannot hold (``Family.cannot_hold``:
-    an ungated or biased MLP for Qwen3, LayerNorm, mixture-of-experts blocks for a dense family).
+    ``dtype``, an existing ``path``, or a model the family cannot hold (its ``cannot_hold``: an
+    ungated or biased MLP for Qwen3, LayerNorm, mixture-of-experts blocks for a dense family).
 
     Example:
         >>> import tempfile
@@ -258,7 +258,7 @@ def save_pretrained(
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     hf = pretrained.config if pretrained else {}
     fresh = family.hf_config(model.config, torch_dtype_of(dtype), hf)
-    config = written(fresh, hf, {*_SIZES, *family.feed_forward.keys} & fresh.keys())
+    config = written(fresh, hf, {*_SIZES, *family.size_keys} & fresh.keys())
     origin = pathlib.Path(pretrained.directory) if pretrained else None
     extra = [origin / name for name in CARRIED if origin and (origin / name).is_file()]
     values = {**model_values(model), **merged_kernels(model), **(values or {})}
@@ -314,7 +314,7 @@ def save_adapter(
 
 def _origin(
     model: GPT, path: Any, architecture: str | None, dtype: Any
-) -> tuple[Pretrained | None, Family, np.dtype]:
+) -> tuple[Pretrained | None, PretrainedFamily, np.dtype]:
     pretrained: Pretrained | None = getattr(model, "pretrained", None)
     name = architecture or (pretrained.architecture if pretrained else None)
     if name is None:

@@ -1,5 +1,6 @@
-"""The model families ``from_pretrained`` knows: how a ``config.json`` becomes a ``GPTConfig``
-and back, and which checkpoint tensor fills which ``GPT`` Variable."""
+"""Llama, Qwen3 and Qwen3-MoE: one attention in every layer, a SiLU-gated MLP or Qwen3-MoE's
+experts, RMSNorm; how their ``config.json`` becomes a ``GPTConfig`` and back, and which
+checkpoint tensor fills which ``GPT`` Variable."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any, ClassVar
 
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.files import CheckpointError
-from mmnnx.models.pretrained.hf_config import architectures, read_config, rope_parameters
+from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
 from mmnnx.modules import (
     AttentionConfig,
@@ -147,13 +148,18 @@ class Family:
     qk_norm: bool
     feed_forward: DenseFeedForward = DenseFeedForward()
 
+    @property
+    def size_keys(self) -> tuple[str, ...]:
+        """The ``config.json`` keys of sizes ``save_pretrained`` rewrites from the model."""
+        return self.feed_forward.keys
+
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
         """The ``GPTConfig`` of a ``config.json`` in directory ``where``, with ``overrides``.
 
         Example:
             >>> hf = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             ...           num_key_value_heads=4, head_dim=8, intermediate_size=64, rope_theta=1e6)
-            >>> config = FAMILIES["Qwen3ForCausalLM"].gpt_config(hf)
+            >>> config = QWEN3.gpt_config(hf)
             >>> config.block_configs[0].attention.rope, config.block_configs[0].attention.qk_norm
             (RopeConfig(theta=1000000.0, scaling=None), True)
         """
@@ -199,7 +205,7 @@ class Family:
         """A ``config.json``'s keys for ``config``, spelled as in ``loaded`` where equivalent.
 
         Example:
-            >>> FAMILIES["LlamaForCausalLM"].hf_config(GPTConfig(), "float32")["hidden_size"]
+            >>> LLAMA.hf_config(GPTConfig(), "float32")["hidden_size"]
             128
         """
         attention = config.block_configs[0].attention
@@ -229,9 +235,9 @@ class Family:
         """What of ``config`` this family's checkpoints cannot hold (nothing: ``[]``).
 
         Example:
-            >>> FAMILIES["LlamaForCausalLM"].cannot_hold(GPTConfig())
+            >>> LLAMA.cannot_hold(GPTConfig())
             ['an ungated GELU MLP (LlamaForCausalLM: SiLU-gated)', 'MLP biases']
-            >>> FAMILIES["Qwen3ForCausalLM"].cannot_hold(GPTConfig(gated_mlp=True))
+            >>> QWEN3.cannot_hold(GPTConfig(gated_mlp=True))
             ['MLP biases', 'no query/key norms (Qwen3ForCausalLM: RMSNorm on both)']
         """
         name, blocks = self.architecture, config.block_configs
@@ -260,11 +266,11 @@ class Family:
         """Which checkpoint tensor fills which Variable of ``GPT(config)``.
 
         Example:
-            >>> rules = FAMILIES["Qwen3ForCausalLM"].tensor_rules(GPTConfig(qk_norm=True))
+            >>> rules = QWEN3.tensor_rules(GPTConfig(qk_norm=True))
             >>> [r.variable for r in rules if "q_norm" in r.tensor]
             ['blocks/{layer}/attn/q_norm/scale']
             >>> moe = GPTConfig(qk_norm=True, experts=8, scan_layers=True)
-            >>> rule = FAMILIES["Qwen3MoeForCausalLM"].tensor_rules(moe)[-2]
+            >>> rule = QWEN3_MOE.tensor_rules(moe)[-2]
             >>> rule.variable, rule.stacked  # every layer's experts in one Variable
             ('blocks/mlp/experts/down', ('layer', 'expert'))
         """
@@ -278,39 +284,14 @@ class Family:
         return _OUTER + layer + ((_TIED_HEAD,) if config.tie_embeddings else (_HEAD,))
 
 
-FAMILIES: dict[str, Family] = {
-    f.architecture: f
-    for f in (
-        Family(architecture="LlamaForCausalLM", model_type="llama", qk_norm=False),
-        Family(architecture="Qwen3ForCausalLM", model_type="qwen3", qk_norm=True),
-        Family(
-            architecture="Qwen3MoeForCausalLM",
-            model_type="qwen3_moe",
-            qk_norm=True,
-            feed_forward=Qwen3MoeFeedForward(),
-        ),
-    )
-}
-"""The architectures ``from_pretrained`` builds, by their ``config.json`` name."""
-
-
-def family_of(hf: dict[str, Any] | None, where: Any) -> Family:
-    """The family a ``config.json`` names in ``architectures``.
-
-    Example:
-        >>> family_of({"architectures": ["Qwen3ForCausalLM"]}, "ckpt").model_type
-        'qwen3'
-    """
-    if hf is None:
-        raise CheckpointError(f"{where}: no config.json (it names the model's architecture)")
-    names = architectures(hf, where)
-    for name in names:
-        if name in FAMILIES:
-            return FAMILIES[name]
-    raise CheckpointError(
-        f"{where}/config.json: architecture {', '.join(names) or '(none given)'} is not "
-        f"supported; mmnnx builds {', '.join(FAMILIES)}"
-    )
+LLAMA = Family(architecture="LlamaForCausalLM", model_type="llama", qk_norm=False)
+QWEN3 = Family(architecture="Qwen3ForCausalLM", model_type="qwen3", qk_norm=True)
+QWEN3_MOE = Family(
+    architecture="Qwen3MoeForCausalLM",
+    model_type="qwen3_moe",
+    qk_norm=True,
+    feed_forward=Qwen3MoeFeedForward(),
+)
 
 
 def _mlp(keys: dict[str, Any]) -> MLPConfig:

@@ -1,0 +1,56 @@
+"""The model families ``from_pretrained`` knows, one module each: how a ``config.json``
+becomes a ``GPTConfig`` and back, and which checkpoint tensor fills which ``GPT`` Variable.
+
+A family is any value with the interface of :class:`PretrainedFamily`; a new one is a module
+here with its own ``Family`` (or its own class) and one entry in :data:`FAMILIES`."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.pretrained.families.llama import LLAMA, QWEN3, QWEN3_MOE, Family
+from mmnnx.models.pretrained.files import CheckpointError
+from mmnnx.models.pretrained.hf_config import architectures
+from mmnnx.models.pretrained.names import TensorRule
+
+__all__ = ["FAMILIES", "Family", "PretrainedFamily", "family_of"]
+
+
+class PretrainedFamily(Protocol):
+    """What ``from_pretrained``, ``save_pretrained`` and ``mmnnx export`` ask of a family."""
+
+    architecture: str  # config.json's ``architectures`` entry
+    model_type: str
+
+    @property
+    def size_keys(self) -> tuple[str, ...]: ...
+    def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig: ...
+    def hf_config(
+        self, config: GPTConfig, torch_dtype: str, loaded: dict[str, Any] | None = None
+    ) -> dict[str, Any]: ...
+    def cannot_hold(self, config: GPTConfig) -> list[str]: ...
+    def tensor_rules(self, config: GPTConfig) -> tuple[TensorRule, ...]: ...
+
+
+FAMILIES: dict[str, PretrainedFamily] = {f.architecture: f for f in (LLAMA, QWEN3, QWEN3_MOE)}
+"""The architectures ``from_pretrained`` builds, by their ``config.json`` name."""
+
+
+def family_of(hf: dict[str, Any] | None, where: Any) -> PretrainedFamily:
+    """The family a ``config.json`` names in ``architectures``.
+
+    Example:
+        >>> family_of({"architectures": ["Qwen3ForCausalLM"]}, "ckpt").model_type
+        'qwen3'
+    """
+    if hf is None:
+        raise CheckpointError(f"{where}: no config.json (it names the model's architecture)")
+    names = architectures(hf, where)
+    for name in names:
+        if name in FAMILIES:
+            return FAMILIES[name]
+    raise CheckpointError(
+        f"{where}/config.json: architecture {', '.join(names) or '(none given)'} is not "
+        f"supported; mmnnx builds {', '.join(FAMILIES)}"
+    )
