@@ -155,7 +155,12 @@ def _train(
     from mmnnx.train.generation import run_tasks  # noqa: PLC0415
     from mmnnx.train.loop import fit  # noqa: PLC0415
     from mmnnx.train.run_data import run_dataset  # noqa: PLC0415
-    from mmnnx.train.run_model import build_model, model_config, trainable  # noqa: PLC0415
+    from mmnnx.train.run_model import (  # noqa: PLC0415
+        build_model,
+        model_config,
+        objective,
+        trainable,
+    )
     from mmnnx.train.run_record import RunRecord, saved_record  # noqa: PLC0415
     from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
 
@@ -189,7 +194,7 @@ def _train(
         print(table)
     try:
         result = fit(
-            model,
+            objective(run, model),
             dataset,
             placed.train_config(train_config(run)),
             trainable=trainable(run),

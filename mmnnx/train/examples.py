@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from mmnnx.train.data import GrainBatches, grain_batches
-from mmnnx.train.records import DataError, Example
+from mmnnx.train.records import DataError, Example, held_out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,11 +150,7 @@ class ExampleDataset(GrainBatches):
         shard_count: int = 1,
         pad_id: int = 0,
     ):
-        if eval_examples is None:
-            if not 0 < eval_fraction < 1:
-                raise DataError(f"--eval-fraction must be in (0, 1), got {eval_fraction}")
-            split = len(examples) - max(1, int(len(examples) * eval_fraction))
-            examples, eval_examples = examples[:split], examples[split:]
+        examples, eval_examples = held_out(examples, eval_examples, eval_fraction)
         layout = dict(length=seq_len + 1, pack=pack, truncate=truncate, pad_id=pad_id)
         self.rows, self.eval_rows = Rows.of(examples, **layout), Rows.of(eval_examples, **layout)
         if len(self.rows.tokens) < batch_size:

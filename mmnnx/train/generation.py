@@ -16,7 +16,7 @@ from mmnnx.sharding import MultiMesh, Task, logical_rules
 from mmnnx.train.checkpoint import Checkpointer, Skipped
 from mmnnx.train.config import RunConfig
 from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config
-from mmnnx.train.run_model import build_model, model_config, run_placement
+from mmnnx.train.run_model import build_model, model_config, objective, run_placement
 from mmnnx.train.run_record import Saved, saved_record
 from mmnnx.train.tokenizers import Tokenizer, fingerprint, load_tokenizer
 
@@ -176,12 +176,13 @@ def load_run(
             )
         _check_record(spec, saved_record(ckpt, step))
         model = build_model(spec.run, spec.config, placement, weights=False)
+        saved = objective(spec.run, model)  # with --dpo, the policy beside its reference
         skipped: list[Skipped] = []
         if step is not None:
-            ckpt.restore(step, model=model)
+            ckpt.restore(step, model=saved)
         else:
             try:
-                resumed = ckpt.restore_newest_readable(model=model)
+                resumed = ckpt.restore_newest_readable(model=saved)
             except FileNotFoundError:
                 raise RunError(f"no checkpoint in {spec.checkpoints}") from None
             step, skipped = resumed.step, resumed.skipped

@@ -18,6 +18,7 @@ from mmnnx.modules.lora import MOE_TARGETS, TARGETS, add_lora
 from mmnnx.mpmd.schedules.registry import registered
 from mmnnx.sharding import Task, init
 from mmnnx.train.config import RunConfig, gpt_config
+from mmnnx.train.preference import TRAINED, PreferenceModel, frozen_copy
 
 
 def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
@@ -144,13 +145,31 @@ def build_model(
 
 
 def trainable(run: RunConfig) -> Any:
-    """The Variables a run trains: the adapters with ``--lora-rank``, else every ``nnx.Param``.
+    """The Variables a run trains: the adapters with ``--lora-rank``, else every ``nnx.Param``;
+    with ``--dpo``, the policy's of those (:func:`objective`).
 
     Example:
         >>> trainable(RunConfig.of({"lora_rank": 8})).__name__, trainable(RunConfig()).__name__
         ('LoRAParam', 'Param')
     """
-    return nnx.LoRAParam if run.model.lora_rank else nnx.Param
+    kind = nnx.LoRAParam if run.model.lora_rank else nnx.Param
+    return nnx.All(kind, TRAINED) if run.preference.dpo else kind
+
+
+def objective(run: RunConfig, model: GPT) -> nnx.Module:
+    """What a run trains, checkpoints and restores: ``model``, or with ``--dpo`` its
+    ``PreferenceModel`` against the frozen initial weights (a copy) or, with
+    ``--lora-rank``, against the base model (the adapters off: nothing copied).
+
+    Example:
+        >>> run = RunConfig.of({**_LORA, "dpo": True, "data": "pairs.jsonl"})
+        >>> type(objective(run, build_model(run, model_config(run, 64)))).__name__
+        'PreferenceModel'
+    """
+    if not run.preference.dpo:
+        return model
+    reference = None if run.model.lora_rank else frozen_copy(model)
+    return PreferenceModel(model, beta=run.preference.dpo_beta, reference=reference)
 
 
 _LORA = {"dim": 32, "depth": 1, "heads": 2, "lora_rank": 2, "lora_targets": ("q",)}  # examples

@@ -281,7 +281,13 @@ def _outputs_problem(run: RunConfig) -> str | None:
 
 def _other_problem(run: RunConfig) -> str | None:
     """An option that needs another, or a value another rules out."""
-    training, logging = run.training, run.logging
+    training, logging, data = run.training, run.logging, run.dataset
+    if run.preference.dpo:  # a pair's two completions are its row's segments, and its targets
+        if data.data is None:
+            return f"{flag('dpo')} needs {flag('data', 'PAIRS')}"
+        if data.pack or data.train_on != "completions":
+            wrong = flag("pack") if data.pack else flag("train_on", data.train_on)
+            return f"{flag('dpo')} rules out {wrong}"
     budget = training.memory_budget
     if budget is not None:
         if training.schedule != "auto" and run.layout.partition != "auto":
