@@ -30,8 +30,7 @@ from mmnnx.train.options import (
     table,
     tables,
 )
-from mmnnx.train.pairs import PairFields
-from mmnnx.train.records import FORMATS, TRAIN_ON, Fields
+from mmnnx.train.records import FORMATS, TRAIN_ON, Fields, PairFields
 
 T, G = TrainConfig, GPTConfig  # whose defaults the options feeding them take
 

@@ -11,16 +11,7 @@ import numpy as np
 from mmnnx.train.chat_template import ChatTemplate, ChatTemplateError
 from mmnnx.train.data import GrainBatches, grain_batches
 from mmnnx.train.preference import pair_rows
-from mmnnx.train.records import DataError, _field, _messages, held_out
-
-
-@dataclasses.dataclass(frozen=True)
-class PairFields:
-    """Which field of a record holds what, for ``mmnnx train --dpo``."""
-
-    prompt: str = "prompt"
-    chosen: str = "chosen"
-    rejected: str = "rejected"
+from mmnnx.train.records import DataError, PairFields, _field, _messages, held_out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +29,7 @@ def encode_pair(
     record: dict,
     tokenizer,
     template: ChatTemplate | None = None,
-    fields: PairFields = PairFields(),
+    fields: PairFields | None = None,
     eos: str | None = None,
 ) -> Pair:
     """A record's :class:`Pair`, as TRL 1.16 tokenizes it: text fields with ``eos`` appended
@@ -58,6 +49,7 @@ def encode_pair(
         >>> pair.prompt, pair.chosen, pair.rejected
         ([49, 43, 49, 61], [50], [51])
     """
+    fields = fields or PairFields()
     if isinstance(record.get(fields.prompt), list):
         if template is None:
             raise DataError(f"{where}: chat pairs need the tokenizer's chat template; none given")

@@ -32,6 +32,15 @@ class Fields:
 
 
 @dataclasses.dataclass(frozen=True)
+class PairFields:
+    """Which field of a preference record holds what, for ``mmnnx train --dpo``."""
+
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+
+
+@dataclasses.dataclass(frozen=True)
 class Example:
     """One record's token ids and, per token, whether the loss counts it as a target (the
     model predicting it from the tokens before it)."""

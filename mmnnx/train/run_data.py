@@ -10,8 +10,8 @@ from typing import Any
 from mmnnx.train.chat_template import ChatTemplate, special_tokens
 from mmnnx.train.data import TextDataset
 from mmnnx.train.examples import ExampleDataset
-from mmnnx.train.pairs import PairDataset, PairFields, encode_pair
-from mmnnx.train.records import DataError, Fields, encode_records, read_records
+from mmnnx.train.pairs import PairDataset, encode_pair
+from mmnnx.train.records import DataError, Fields, PairFields, encode_records, read_records
 
 
 def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
