@@ -37,6 +37,7 @@ from tests.test_transformers_fixtures import (
 )
 
 NAMES = ("mistral", "mixtral")
+_logits = nnx.jit(lambda model, tokens: model(tokens))
 
 
 def _config(name: str) -> dict:
@@ -56,25 +57,34 @@ def test_mistral_attends_within_its_window_as_transformers(tmp_path):
     theirs = np.load(FIXTURES / "mistral" / "logits.npy")
     model = from_pretrained(FIXTURES / "mistral", max_seq_len=32)
     assert {b.attention.sliding_window for b in model.config.block_configs} == {4}
-    assert relative_error(model(jnp.asarray(TOKENS)), theirs) < F32
+    assert relative_error(_logits(model, TOKENS), theirs) < F32
     greedy = json.loads((FIXTURES / "mistral" / "greedy.json").read_text())
     ours = model.generate(jnp.asarray(greedy["prompt"]), len(greedy["continuation"][0]))
     np.testing.assert_array_equal(ours, greedy["continuation"])
     unwindowed = from_pretrained(_edited(tmp_path, "mistral", sliding_window=None))
     assert unwindowed.config.block_configs[0].attention.sliding_window is None
-    assert relative_error(unwindowed(jnp.asarray(TOKENS)), theirs) > 100 * F32
+    assert relative_error(_logits(unwindowed, TOKENS), theirs) > 100 * F32
 
 
-def test_mixtral_equals_transformers_on_one_device_and_expert_parallel_stages():
+def test_mixtral_equals_transformers_on_one_device_and_expert_parallel_stages(tmp_path):
+    """Logits, the loss (no load-balancing term unless ``output_router_logits``, as
+    transformers adds it) and the load-balancing loss itself equal transformers'."""
     theirs = np.load(FIXTURES / "mixtral" / "logits.npy")
+    losses = json.loads((FIXTURES / "mixtral" / "loss.json").read_text())
     config = pretrained_config(FIXTURES / "mixtral")
     moe = {b.feed_forward for b in config.block_configs}
     assert moe == {MoEConfig(8, num_experts=8, top_k=2, norm_topk_prob=True)}
     assert {b.attention.sliding_window for b in config.block_configs} == {None}
-    assert config.router_aux_loss_coef == 0  # output_router_logits false, as transformers
     assert config.block_configs[0].attention.rope.theta == 1e6
+    assert config.router_aux_loss_coef == 0 and not losses["loss_by_default_has_aux"]
+    edited = _edited(tmp_path, "mixtral", output_router_logits=True)
+    assert pretrained_config(edited).router_aux_loss_coef == losses["router_aux_loss_coef"]
     one = from_pretrained(FIXTURES / "mixtral", max_seq_len=32)
-    assert relative_error(one(jnp.asarray(TOKENS)), theirs) < F32
+    forward = nnx.jit(lambda m, t: (*m.forward(t[:, :-1]), m.loss(t)))  # inputs, then targets
+    logits, stats, loss = forward(one, jnp.asarray(TOKENS))
+    assert relative_error(logits, theirs[:, :-1]) < F32
+    np.testing.assert_allclose(stats.aux_loss, losses["aux_loss"], rtol=F32)
+    np.testing.assert_allclose(loss, losses["cross_entropy"], rtol=F32)
     staged = from_pretrained(FIXTURES / "mixtral", tasks=ep_stages())
     down = staged.blocks[1].mlp.experts.down
     assert mm.task_of(down).name == "s1"

@@ -8,7 +8,9 @@ rewrites ``tests/transformers_fixtures/{mistral,mixtral}/``: a tiny random check
 transformers' own ``save_pretrained`` (``config.json``, ``model.safetensors``,
 ``generation_config.json``), its float32 ``logits.npy`` for make_fixtures.py's ``TOKENS``
 (``(2, 16, vocab)``) and ``greedy.json``, transformers' greedy continuation (``generate``
-with its key/value cache) of the first :data:`PROMPT` tokens of each row. The Mistral attends
+with its key/value cache) of the first :data:`PROMPT` tokens of each row, and for the Mixtral
+``loss.json`` (make_fixtures.py's ``moe_loss``: its cross-entropy and load-balancing loss, and
+whether its loss adds that by default). The Mistral attends
 within a sliding window of 4 positions (shorter than the 16 tokens); the Mixtral has none
 (``null``) and routes each token to 2 of 8 experts.
 
@@ -33,7 +35,7 @@ import sys
 import numpy as np
 import torch
 import transformers
-from make_fixtures import SMALL, TOKENS
+from make_fixtures import SMALL, TOKENS, moe_loss
 from transformers import (
     AutoModelForCausalLM,
     MistralConfig,
@@ -86,6 +88,8 @@ def write_fixtures() -> None:
         np.save(out / "logits.npy", logits)
         greedy = {"prompt": prompt.tolist(), "continuation": generated[:, PROMPT:].tolist()}
         (out / "greedy.json").write_text(json.dumps(greedy) + "\n")
+        if config.model_type == "mixtral":
+            (out / "loss.json").write_text(json.dumps(moe_loss(model), indent=2) + "\n")
         again = cls.from_pretrained(out)
         print(name, "sliding_window:", again.config.sliding_window, "greedy:", greedy)
         print("  files:", sorted(p.name for p in out.iterdir()))
