@@ -155,6 +155,22 @@ def test_a_sliding_window_not_a_positive_int_or_null_is_refused(tmp_path, name, 
     assert f"{path}/config.json" in str(error.value) and "sliding_window" in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"num_local_experts": 0}, "num_local_experts: 0 is not an int >= 1"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok: 9 is more than num_local_experts 8"),
+        ({"intermediate_size": None}, "no 'intermediate_size' \\(the hidden size of every expert"),
+        ({"output_router_logits": "no"}, 'output_router_logits: "no" is not true or false'),
+    ],
+)
+def test_a_mixtrals_own_keys_are_checked(tmp_path, edit, message):
+    path = _edited(tmp_path, "mixtral", **edit)
+    with pytest.raises(CheckpointError, match=message) as error:
+        pretrained_config(path)
+    assert f"{path}/config.json" in str(error.value)
+
+
 def test_models_mixtral_cannot_hold_are_refused(tmp_path):
     mixtral = pretrained_config(FIXTURES / "mixtral")
     assert MIXTRAL.cannot_hold(mixtral) == []

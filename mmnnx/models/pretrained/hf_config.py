@@ -111,13 +111,12 @@ _MOE = (  # Qwen3-MoE's own keys, named as transformers 5 writes them
 _SLIDING = (  # Mistral's and Mixtral's: every layer's window, null for none
     _Key("sliding_window", _int(1)[0], "an int >= 1 or null", default=None, nullable=True),
 )
-_MIXTRAL = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef")
-_MIXTRAL += ("output_router_logits",)
-_OWN: dict[str, tuple[_Key, ...]] = {
-    "qwen3_moe": _MOE,
-    "mistral": _SLIDING,
-    "mixtral": (*_SLIDING, *(k for k in _MOE if k.name in _MIXTRAL)),
-}
+_MIXTRAL = (  # Qwen3-MoE's keys that Mixtral has too: its experts' size is intermediate_size
+    *_SLIDING,
+    *(k for k in _MOE if k.name in {"num_local_experts", "num_experts_per_tok"}),
+    *(k for k in _MOE if k.name in {"router_aux_loss_coef", "output_router_logits"}),
+)
+_OWN: dict[str, tuple[_Key, ...]] = {"qwen3_moe": _MOE, "mistral": _SLIDING, "mixtral": _MIXTRAL}
 
 STALE = {"torch_dtype": "dtype", "rope_theta": "rope_parameters", "rope_scaling": "rope_parameters"}
 """Older keys and the transformers 5 key that replaces them (``save_pretrained`` drops them)."""
