@@ -345,14 +345,14 @@ def test_bad_fine_tuning_flags_exit_2_in_one_line(root, capsys, argv, reason):
 
 
 def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
-    mistral = _edit_config(root, "mistral", architectures=["MistralForCausalLM"])
+    falcon = _edit_config(root, "falcon", architectures=["FalconForCausalLM"])
     no_tokenizer = _edit_config(root, "no-tokenizer")
     (no_tokenizer / "tokenizer.json").unlink(missing_ok=True)
     small = _edit_config(root, "small-vocabulary", vocab_size=300)
     config = tmp_path / "sizes.toml"
     config.write_text("[model]\ndepth = 2\n")
     for argv, reason in [
-        (["--init-from", str(mistral)], "MistralForCausalLM is not supported; mmnnx builds"),
+        (["--init-from", str(falcon)], "FalconForCausalLM is not supported; mmnnx builds"),
         (["--init-from", str(root / "none")], "no such checkpoint directory"),
         (["--init-from", str(no_tokenizer)], "tokenizer.json does not exist"),
         (["--init-from", str(small)], "has 376 tokens, more than the model's vocab_size 300"),

@@ -25,6 +25,7 @@ from mmnnx.modules.embed import Embed
 from mmnnx.modules.experts import Experts
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.lora import LoRA, add_lora
+from mmnnx.modules.masks import causal_mask
 from mmnnx.modules.mlp import MLP, MLPConfig
 from mmnnx.modules.moe import MoE, MoEConfig
 from mmnnx.modules.norms import LayerNorm, NormConfig, RMSNorm
@@ -56,6 +57,7 @@ __all__ = [
     "YarnScaling",
     "add_lora",
     "apply_rope",
+    "causal_mask",
     "constrain",
     "rope_frequencies",
 ]

@@ -24,6 +24,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "head_dim": None, "num_key_value_heads": None},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32},
     "qwen3_moe": {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 4},
+    "mistral": dict(max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096),
+    "mixtral": dict(
+        max_position_embeddings=131072, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6
+    ),
 }
 
 
@@ -104,7 +108,15 @@ _MOE = (  # Qwen3-MoE's own keys, named as transformers 5 writes them
     _Key("router_aux_loss_coef", *_NONNEGATIVE, default=0.001),
     _Key("output_router_logits", *_BOOL, default=False),
 )
-_OWN: dict[str, tuple[_Key, ...]] = {"qwen3_moe": _MOE}
+_SLIDING = (  # Mistral's and Mixtral's: every layer's window, null for none
+    _Key("sliding_window", _int(1)[0], "an int >= 1 or null", default=None, nullable=True),
+)
+_MIXTRAL = (  # Qwen3-MoE's keys that Mixtral has too: its experts' size is intermediate_size
+    *_SLIDING,
+    *(k for k in _MOE if k.name in {"num_local_experts", "num_experts_per_tok"}),
+    *(k for k in _MOE if k.name in {"router_aux_loss_coef", "output_router_logits"}),
+)
+_OWN: dict[str, tuple[_Key, ...]] = {"qwen3_moe": _MOE, "mistral": _SLIDING, "mixtral": _MIXTRAL}
 
 STALE = {"torch_dtype": "dtype", "rope_theta": "rope_parameters", "rope_scaling": "rope_parameters"}
 """Older keys and the transformers 5 key that replaces them (``save_pretrained`` drops them)."""
