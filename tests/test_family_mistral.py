@@ -22,6 +22,7 @@ import mmnnx as mm
 from mmnnx.cli import main
 from mmnnx.models import GPT, GPTConfig, from_pretrained, pretrained_config, save_pretrained
 from mmnnx.models.pretrained import CheckpointError
+from mmnnx.models.pretrained.families.llama import LLAMA
 from mmnnx.models.pretrained.families.mistral import MISTRAL, MIXTRAL
 from mmnnx.models.pretrained.files import CheckpointFiles
 from mmnnx.modules import AttentionConfig, BlockConfig, MoEConfig, NormConfig, RopeConfig
@@ -187,6 +188,8 @@ def test_models_mixtral_cannot_hold_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"no mixture-of-experts blocks \(MixtralForCausalLM\)"):
         save_pretrained(model, tmp_path / "d", architecture="MixtralForCausalLM")
     assert not (tmp_path / "d").exists()
+    mistral = pretrained_config(FIXTURES / "mistral")  # a window Llama's config.json cannot say
+    assert LLAMA.cannot_hold(mistral) == ["a sliding window (LlamaForCausalLM: full attention)"]
 
 
 def test_train_init_from_mistral_two_steps(tmp_path):

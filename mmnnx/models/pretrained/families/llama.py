@@ -147,6 +147,7 @@ class Family:
     model_type: str
     qk_norm: bool
     feed_forward: DenseFeedForward = DenseFeedForward()
+    sliding_window: bool = False  # its config.json can give the attention a window
 
     @property
     def size_keys(self) -> tuple[str, ...]:
@@ -248,6 +249,7 @@ class Family:
         own = self.feed_forward.experts
         moes = {b.feed_forward for b in blocks if isinstance(b.feed_forward, MoEConfig)}
         no_rope = any(getattr(b.attention, "rope", 0) is None for b in blocks)
+        windowed = any(getattr(b.attention, "sliding_window", None) for b in blocks)
         checks = (  # config.json holds one attention, one dense MLP and one mixture for every layer
             (any(not f.gated for f in dense), f"an ungated GELU MLP ({name}: SiLU-gated)"),
             (any(f.bias for f in dense), "MLP biases"),
@@ -258,6 +260,7 @@ class Family:
             (not experts and own, f"no mixture-of-experts blocks ({name})"),
             (len({b.attention for b in blocks}) > 1, "layers of different attention"),
             (no_rope, f"attention without RoPE ({name}: RoPE)"),
+            (windowed and not self.sliding_window, f"a sliding window ({name}: full attention)"),
             (len(set(dense)) > 1 or len(moes) > 1, "feed-forwards of different sizes"),
         )
         return [what for failed, what in checks if failed]

@@ -135,5 +135,9 @@ class MixtralFamily(MistralFamily):
         return super().cannot_hold(config) + [what for failed, what in checks if failed]
 
 
-MISTRAL = MistralFamily(architecture="MistralForCausalLM", model_type="mistral", qk_norm=False)
-MIXTRAL = MixtralFamily(architecture="MixtralForCausalLM", model_type="mixtral", qk_norm=False)
+MISTRAL = MistralFamily(
+    architecture="MistralForCausalLM", model_type="mistral", qk_norm=False, sliding_window=True
+)
+MIXTRAL = MixtralFamily(
+    architecture="MixtralForCausalLM", model_type="mixtral", qk_norm=False, sliding_window=True
+)
