@@ -65,8 +65,10 @@ class GPTConfig:
     ``AttentionConfig``s).
 
     The rest is the model's: the output's ``norm`` (``"rms"`` or ``"layer"``, epsilon
-    ``norm_eps``; default the norm's own); ``tie_embeddings`` (the head reuses the embedding
-    table); ``max_seq_len`` (bounds the input length); ``scan_layers`` (the layers, all alike,
+    ``norm_eps``; default the norm's own; or ``final_norm``, a ``NormConfig``, e.g. Gemma's
+    ``(1 + weight)`` RMSNorm); ``embed_scale`` (the embeddings multiplied by it, in the
+    table's dtype: Gemma's ``sqrt(dim)``; ``None``: not scaled); ``tie_embeddings`` (the head
+    reuses the embedding table); ``max_seq_len`` (bounds the input length); ``scan_layers`` (the layers, all alike,
     stacked with ``nnx.vmap`` and run with ``nnx.scan``: tracing and compiling cost one block,
     not ``depth``); ``dtype`` (of activations and matmuls; norms, softmax and the loss are
     float32) and ``param_dtype`` (of every Variable), ``"float32"`` or ``"bfloat16"``; ``remat``
@@ -119,9 +121,16 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
     router_z_loss_coef: float = 0.0
     layers: tuple[BlockConfig, ...] | None = None
     remat: str = "none"
+    final_norm: NormConfig | None = None
+    embed_scale: float | None = None
 
     def __post_init__(self):
         check(self.remat in REMAT, "GPTConfig.remat", f"one of {', '.join(REMAT)}", self.remat)
+        final = self.final_norm
+        ok = final is None or isinstance(final, NormConfig)
+        check(ok, "GPTConfig.final_norm", "None or a NormConfig", final)
+        scale = self.embed_scale
+        check(scale is None or is_positive(scale), "GPTConfig.embed_scale", "None or > 0", scale)
         for name in ("vocab_size", "dim", "depth", "max_seq_len"):
             value = getattr(self, name)
             check(is_int(value, 1), f"GPTConfig.{name}", "an int >= 1", value)
@@ -225,14 +234,15 @@ class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         self.config = c = config
         kw = dict(param_dtype=c.param_dtype, rngs=rngs)
-        self.embed = Embed(c.vocab_size, c.dim, **kw)
+        self.embed = Embed(c.vocab_size, c.dim, scale=c.embed_scale, **kw)
         if c.scan_layers:  # every layer alike: one block, its Variables stacked
             build = functools.partial(c.block_configs[0].build, c.dim, param_dtype=c.param_dtype)
             stacked = nnx.vmap(lambda rngs: build(rngs=rngs), in_axes=0)
             self.blocks = nnx.split_rngs(splits=c.depth)(stacked)(rngs)
         else:
             self.blocks = nnx.List([b.build(c.dim, **kw) for b in c.block_configs])
-        self.norm = NormConfig(c.norm, c.norm_eps).build(c.dim, param_dtype=c.param_dtype)
+        final = c.final_norm or NormConfig(c.norm, c.norm_eps)
+        self.norm = final.build(c.dim, param_dtype=c.param_dtype)
         if not c.tie_embeddings:
             self.head = Linear(c.dim, c.vocab_size, axes=("embed", "vocab"), use_bias=False, **kw)
 
