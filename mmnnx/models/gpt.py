@@ -81,7 +81,7 @@ class GPTConfig:
     Example:
         >>> GPTConfig(dim=32, num_heads=4, head_dim=16, qk_norm=True).block_configs[0].attention
         AttentionConfig(num_heads=4, num_kv_heads=None, head_dim=16, qk_norm=True, \
-qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
+qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None), sliding_window=None)
         >>> [type(b.feed_forward).__name__ for b in GPTConfig(experts=8, moe_every=2).block_configs]
         ['MLPConfig', 'MoEConfig', 'MLPConfig', 'MoEConfig']
         >>> layer = BlockConfig(AttentionConfig(num_heads=2), MLPConfig(64, gated=True))

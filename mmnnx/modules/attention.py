@@ -10,6 +10,7 @@ from flax import nnx
 
 from mmnnx.modules.checks import check, is_int, is_positive
 from mmnnx.modules.linear import Linear
+from mmnnx.modules.masks import causal_mask
 from mmnnx.modules.norms import RMSNorm
 from mmnnx.modules.packing import Packing
 from mmnnx.modules.rope import RopeConfig, apply_rope
@@ -19,8 +20,10 @@ from mmnnx.modules.rope import RopeConfig, apply_rope
 class AttentionConfig:
     """An ``Attention``, whatever the model's width: ``num_heads`` query heads of ``head_dim``
     features (``None``: ``dim // num_heads``), ``num_kv_heads`` key/value heads (``None``:
-    ``num_heads``), ``qk_norm`` (per-head norms of epsilon ``qk_norm_eps``) and ``rope`` (a
-    ``RopeConfig``; ``None``: no positions). ``config.build(dim, ...)`` makes the module.
+    ``num_heads``), ``qk_norm`` (per-head norms of epsilon ``qk_norm_eps``), ``rope`` (a
+    ``RopeConfig``; ``None``: no positions) and ``sliding_window`` (``None``: every earlier
+    key; ``w``: a query at position ``i`` sees keys ``j`` with ``i - w < j <= i``, as Mistral's
+    and transformers' ``sliding_window``). ``config.build(dim, ...)`` makes the module.
 
     Example:
         >>> AttentionConfig(num_heads=4, num_kv_heads=3)
@@ -35,6 +38,7 @@ class AttentionConfig:
     qk_norm: bool = False
     qk_norm_eps: float = 1e-6
     rope: RopeConfig | None = RopeConfig()
+    sliding_window: int | None = None
 
     def __post_init__(self):
         heads, kv, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -50,6 +54,9 @@ class AttentionConfig:
         check(is_positive(eps), "AttentionConfig.qk_norm_eps", "a finite number > 0", eps)
         ok = self.rope is None or isinstance(self.rope, RopeConfig)
         check(ok, "AttentionConfig.rope", "None or a RopeConfig", self.rope)
+        window = self.sliding_window
+        ok = window is None or is_int(window, minimum=1)
+        check(ok, "AttentionConfig.sliding_window", "None or an int >= 1", window)
 
     def build(
         self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
@@ -96,6 +103,7 @@ class Attention(nnx.Module):
         if config.rope and head_dim % 2:
             raise ValueError(f"Attention: RoPE needs an even head_dim, got {head_dim}")
         self.dim, self.num_heads, self.head_dim, self.rope = dim, heads, head_dim, config.rope
+        self.sliding_window = config.sliding_window
         self.num_kv_heads = config.num_kv_heads or heads
         inner, kv_features = heads * head_dim, self.num_kv_heads * head_dim
         linear = dict(use_bias=False, param_dtype=param_dtype, rngs=rngs)
@@ -109,9 +117,23 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, packing: Packing | None = None) -> jax.Array:
         if packing is not None:
-            return self.attend(*self.project(x, packing.positions), packing.visible())
-        seq = x.shape[-2]
-        return self.attend(*self.project(x), jnp.tril(jnp.ones((seq, seq), dtype=bool)))
+            visible = packing.visible(self.sliding_window)
+            return self.attend(*self.project(x, packing.positions), visible)
+        positions = jnp.arange(x.shape[-2])
+        return self.attend(*self.project(x), self.visible(positions, positions))
+
+    def visible(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
+        """Which keys each query sees, bool ``(..., q, k)``: the earlier ones, within the
+        ``sliding_window`` when the config sets one (``causal_mask``).
+
+        Example:
+            >>> with nnx.use_eager_sharding(False):
+            ...     config = AttentionConfig(4, sliding_window=2)
+            ...     attn = Attention(16, config, rngs=nnx.Rngs(0))
+            >>> attn.visible(jnp.arange(2, 4), jnp.arange(4)).astype(int).tolist()
+            [[0, 1, 1, 0], [0, 0, 1, 1]]
+        """
+        return causal_mask(query_positions, key_positions, self.sliding_window)
 
     def project(
         self, x: jax.Array, positions: jax.Array | None = None
