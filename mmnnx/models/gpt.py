@@ -65,10 +65,8 @@ class GPTConfig:
     ``AttentionConfig``s).
 
     The rest is the model's: the output's ``norm`` (``"rms"`` or ``"layer"``, epsilon
-    ``norm_eps``; default the norm's own; or ``final_norm``, a ``NormConfig``, e.g. Gemma's
-    ``(1 + weight)`` RMSNorm); ``embed_scale`` (the embeddings multiplied by it, in the
-    table's dtype: Gemma's ``sqrt(dim)``; ``None``: not scaled); ``tie_embeddings`` (the head
-    reuses the embedding table); ``max_seq_len`` (bounds the input length); ``scan_layers`` (the layers, all alike,
+    ``norm_eps``; default the norm's own); ``tie_embeddings`` (the head reuses the embedding
+    table); ``max_seq_len`` (bounds the input length); ``scan_layers`` (the layers, all alike,
     stacked with ``nnx.vmap`` and run with ``nnx.scan``: tracing and compiling cost one block,
     not ``depth``); ``dtype`` (of activations and matmuls; norms, softmax and the loss are
     float32) and ``param_dtype`` (of every Variable), ``"float32"`` or ``"bfloat16"``; ``remat``
@@ -78,10 +76,15 @@ class GPTConfig:
     layer's router pooled (Hugging Face's ``load_balancing_loss_func``) and
     ``router_z_loss_coef`` times their mean z-loss.
 
+    ``final_norm`` (a ``NormConfig``; ``None``: that of ``norm`` and ``norm_eps``) builds the
+    output's norm, e.g. Gemma's ``(1 + weight)`` RMSNorm; ``embed_scale`` multiplies the
+    embeddings, in the table's dtype (Gemma's ``sqrt(dim)``; ``None``: not scaled).
+
     Example:
         >>> GPTConfig(dim=32, num_heads=4, head_dim=16, qk_norm=True).block_configs[0].attention
         AttentionConfig(num_heads=4, num_kv_heads=None, head_dim=16, qk_norm=True, \
-qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None), sliding_window=None)
+qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None), sliding_window=None, \
+qk_norm_offset=0.0, query_pre_attn_scalar=None)
         >>> [type(b.feed_forward).__name__ for b in GPTConfig(experts=8, moe_every=2).block_configs]
         ['MLPConfig', 'MoEConfig', 'MLPConfig', 'MoEConfig']
         >>> layer = BlockConfig(AttentionConfig(num_heads=2), MLPConfig(64, gated=True))

@@ -164,8 +164,9 @@ def rope_frequencies(
 
     ``1 / base ** (arange(0, head_dim, 2) / head_dim)`` in float32 (transformers'
     ``_compute_default_rope_parameters``), then, with ``scaling``, divided by its factor
-    (``LinearScaling``), or transformers' ``_compute_llama3_parameters``: with ``wavelen = 2 pi / inv_freq``, ``inv_freq / factor``
-    where ``wavelen > original_max / low_freq_factor``, unchanged where
+    (``LinearScaling``), or transformers' ``_compute_llama3_parameters``: with
+    ``wavelen = 2 pi / inv_freq``, ``inv_freq / factor`` where
+    ``wavelen > original_max / low_freq_factor``, unchanged where
     ``wavelen < original_max / high_freq_factor``, and in between
     ``(1 - s) * inv_freq / factor + s * inv_freq`` with
     ``s = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)``.

@@ -111,8 +111,10 @@ _MOE = (  # Qwen3-MoE's own keys, named as transformers 5 writes them
     _Key("router_aux_loss_coef", *_NONNEGATIVE, default=0.001),
     _Key("output_router_logits", *_BOOL, default=False),
 )
-_GEMMA3 = (  # Gemma 3's own keys (its older RoPE and layer keys are read by its family)
+_GEMMA3 = (  # Gemma 3's own keys (its family reads its older RoPE and layer keys)
     _Key("query_pre_attn_scalar", *_POSITIVE, default=256),
+    _Key("rope_local_base_freq", *_POSITIVE, default=10000.0),
+    _Key("sliding_window_pattern", *_int(1), default=6),
     _Key("sliding_window", *_int(1), default=4096, nullable=True),
     _Key("hidden_activation", *_STR, default="gelu_pytorch_tanh"),
     _Key("use_bidirectional_attention", *_BOOL, default=False, nullable=True),

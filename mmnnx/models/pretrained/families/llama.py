@@ -69,7 +69,7 @@ class DenseFeedForward:
 
     Example:
         >>> DenseFeedForward().read({"intermediate_size": 64}, 2)[1]
-        MLPConfig(hidden=64, gated=True, bias=False)
+        MLPConfig(hidden=64, gated=True, bias=False, activation=None)
     """
 
     keys: ClassVar[tuple[str, ...]] = ("intermediate_size",)
