@@ -153,7 +153,7 @@ class RopeConfig:
     def __post_init__(self):
         check(is_positive(self.theta), "RopeConfig.theta", "a finite number > 0", self.theta)
         ok = self.scaling is None or isinstance(self.scaling, Scaling)
-        where = "None, a mmnnx.modules.LinearScaling, RopeScaling or YarnScaling"
+        where = "None, a mmnnx.modules.RopeScaling or YarnScaling, or a LinearScaling"
         check(ok, "RopeConfig.scaling", where, self.scaling)
 
 
