@@ -6,6 +6,7 @@ two pipeline stages, its KV-cache decoder gives transformers' greedy continuatio
 ``save_pretrained`` writes is what transformers wrote and what transformers reads back (its
 verdict, kept by the fixture script)."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -16,7 +17,7 @@ import pytest
 
 import mmnnx as mm
 from mmnnx.models import from_pretrained, pretrained_config, save_pretrained
-from mmnnx.models.pretrained import CheckpointError
+from mmnnx.models.pretrained import FAMILIES, CheckpointError
 from mmnnx.modules import LinearScaling, RopeConfig
 from tests.test_transformers_fixtures import F32, _tasks, relative_error
 
@@ -77,6 +78,20 @@ def test_what_was_read():
     assert block.post_norms and block.norm.scale_offset == config.final_norm.scale_offset == 1
     assert block.feed_forward.activation == "gelu_pytorch_tanh" and block.feed_forward.gated
     assert config.embed_scale == 32**0.5 and config.tie_embeddings
+    assert FAMILIES["Gemma3ForCausalLM"].cannot_hold(config) == []
+    assert FAMILIES["LlamaForCausalLM"].cannot_hold(config) == [
+        "query/key norms (LlamaForCausalLM: none)",
+        "layers of different attention",
+        "a non-SiLU MLP (LlamaForCausalLM)",
+        "norms after attention and MLP (LlamaForCausalLM: none)",
+        "Gemma's norms or score scale (LlamaForCausalLM: none)",
+        "scaled embeddings (LlamaForCausalLM: unscaled)",
+    ]
+    plain = dataclasses.replace(config, embed_scale=None, final_norm=None)
+    assert FAMILIES["Gemma3ForCausalLM"].cannot_hold(plain) == [
+        "RMSNorms without the (1 + weight) scale (Gemma3ForCausalLM: 1 + weight)",
+        "embeddings not scaled by sqrt(dim) (Gemma3ForCausalLM: 5.65685)",
+    ]
 
 
 def test_transformers_4_keys_read_the_same(tmp_path):
