@@ -153,6 +153,10 @@ def test_a_loaded_model_is_written_back_as_transformers_wrote_it(tmp_path):
         ),
         ({"rope_local_base_freq": "1e4"}, 'rope_local_base_freq: "1e4" is not a finite number'),
         ({"sliding_window_pattern": 0}, "sliding_window_pattern: 0 is not an int >= 1"),
+        (
+            {"rope_parameters": {"full_attention": {}, "sliding_attention": 1e4}},
+            "rope_parameters.sliding_attention: 10000.0 is not an object",
+        ),
     ],
 )
 def test_what_mmnnx_does_not_compute_is_refused_naming_the_key_and_file(tmp_path, edit, message):
@@ -212,3 +216,22 @@ def test_transformers_reads_what_save_pretrained_writes(tmp_path):
         assert seen["layer_types"] == config["layer_types"], case
     merged = np.load(tmp_path / "lora-merged.npy")  # the adapters change the logits
     assert relative_error(merged, EXPECTED["logits"]) > 100 * F32
+
+
+def test_the_embedding_scale_is_rounded_to_the_tables_dtype():
+    """As transformers' ``Gemma3TextScaledWordEmbedding``: ``sqrt(3072)`` (Gemma 3 4B's width)
+    is 55.4256 in float32 and 55.5 in bfloat16 (its comment), multiplied in the table's dtype."""
+    from flax import nnx
+
+    from mmnnx.modules import Embed
+
+    scaled = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        with nnx.use_eager_sharding(False):
+            embed = Embed(2, 4, scale=3072**0.5, param_dtype=dtype, rngs=nnx.Rngs(0))
+        embed.embedding[...] = jnp.ones((2, 4), dtype)
+        out = embed(jnp.array([1]))
+        assert out.dtype == dtype
+        scaled[dtype] = float(out[0, 0])
+    assert scaled[jnp.bfloat16] == 55.5
+    assert scaled[jnp.float32] == float(np.float32(3072**0.5))

@@ -255,11 +255,12 @@ def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[Rope, dict[
     nested = [t for t in params if t in (v["layer_types"] or ())]
     if not nested:
         return _rope_of(params, key, v, file), {}
-    ropes = {
-        kind: _rope_of(_checked(params[kind] or {}, _OBJECT, where), where, v, file)
-        for kind in nested
-        for where in [f"{key}.{kind}"]
-    }
+    ropes = {}
+    for kind in nested:
+        where = f"{key}.{kind}"
+        ropes[kind] = _rope_of(
+            _checked(params[kind] or {}, _OBJECT, f"{file}: {where}"), where, v, file
+        )
     return ropes.get("full_attention", ropes[nested[0]]), ropes
 
 
