@@ -30,7 +30,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "tie_word_embeddings": True,
         "intermediate_size": 9216,
-    },  # fmt: skip
+    },
 }
 
 
