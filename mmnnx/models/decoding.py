@@ -41,8 +41,8 @@ def _block(
     keys = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=-3)
     values = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=-3)
     visible = block.attn.visible(positions, jnp.arange(keys.shape[-3]))
-    x = x + block.attn.attend(q, keys, values, visible)
-    x = x + block.mlp(block.norm2(x))
+    x = x + block.attention_out(block.attn.attend(q, keys, values, visible))
+    x = x + block.feed_forward(x)[0]
     return constrain(x, ACTIVATIONS), (keys, values)
 
 

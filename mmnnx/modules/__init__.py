@@ -30,7 +30,14 @@ from mmnnx.modules.mlp import MLP, MLPConfig
 from mmnnx.modules.moe import MoE, MoEConfig
 from mmnnx.modules.norms import LayerNorm, NormConfig, RMSNorm
 from mmnnx.modules.packing import Packing
-from mmnnx.modules.rope import RopeConfig, RopeScaling, YarnScaling, apply_rope, rope_frequencies
+from mmnnx.modules.rope import (
+    LinearScaling,
+    RopeConfig,
+    RopeScaling,
+    YarnScaling,
+    apply_rope,
+    rope_frequencies,
+)
 from mmnnx.modules.routing import RouterStats
 from mmnnx.modules.transformer import BlockConfig, TransformerBlock
 
@@ -43,6 +50,7 @@ __all__ = [
     "Experts",
     "LayerNorm",
     "Linear",
+    "LinearScaling",
     "LoRA",
     "MLPConfig",
     "MoE",

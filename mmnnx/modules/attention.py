@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,10 @@ class AttentionConfig:
     ``num_heads``), ``qk_norm`` (per-head norms of epsilon ``qk_norm_eps``), ``rope`` (a
     ``RopeConfig``; ``None``: no positions) and ``sliding_window`` (``None``: every earlier
     key; ``w``: a query at position ``i`` sees keys ``j`` with ``i - w < j <= i``, as Mistral's
-    and transformers' ``sliding_window``). ``config.build(dim, ...)`` makes the module.
+    and transformers' ``sliding_window``). Gemma's: ``qk_norm_offset`` (``1.0``: the per-head
+    norms scale by ``1 + weight``, see ``RMSNorm``) and ``query_pre_attn_scalar`` (scores
+    scaled by its ``** -0.5``; ``None``: ``head_dim``'s). ``config.build(dim, ...)`` makes the
+    module.
 
     Example:
         >>> AttentionConfig(num_heads=4, num_kv_heads=3)
@@ -39,6 +44,8 @@ class AttentionConfig:
     qk_norm_eps: float = 1e-6
     rope: RopeConfig | None = RopeConfig()
     sliding_window: int | None = None
+    qk_norm_offset: float = 0.0
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self):
         heads, kv, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -57,6 +64,12 @@ class AttentionConfig:
         window = self.sliding_window
         ok = window is None or is_int(window, minimum=1)
         check(ok, "AttentionConfig.sliding_window", "None or an int >= 1", window)
+        offset = self.qk_norm_offset
+        ok = isinstance(offset, numbers.Real) and math.isfinite(offset)
+        check(ok, "AttentionConfig.qk_norm_offset", "a finite number", offset)
+        scalar = self.query_pre_attn_scalar
+        ok = scalar is None or is_positive(scalar)
+        check(ok, "AttentionConfig.query_pre_attn_scalar", "None or a number > 0", scalar)
 
     def build(
         self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
@@ -67,7 +80,7 @@ class AttentionConfig:
 
 class Attention(nnx.Module):
     """Causal self-attention: ``out(softmax(q k^T / sqrt(head_dim) + causal mask) v)``, as
-    ``config`` (an ``AttentionConfig``) says.
+    ``config`` (an ``AttentionConfig``) says (``sqrt(query_pre_attn_scalar)`` where given).
 
     ``q`` has ``num_heads`` heads of ``head_dim`` features (default ``dim // num_heads``; any
     size, as Qwen3's, where ``num_heads * head_dim != dim``); ``k`` and ``v`` have
@@ -104,6 +117,7 @@ class Attention(nnx.Module):
             raise ValueError(f"Attention: RoPE needs an even head_dim, got {head_dim}")
         self.dim, self.num_heads, self.head_dim, self.rope = dim, heads, head_dim, config.rope
         self.sliding_window = config.sliding_window
+        self.score_scale = (config.query_pre_attn_scalar or head_dim) ** -0.5
         self.num_kv_heads = config.num_kv_heads or heads
         inner, kv_features = heads * head_dim, self.num_kv_heads * head_dim
         linear = dict(use_bias=False, param_dtype=param_dtype, rngs=rngs)
@@ -111,7 +125,12 @@ class Attention(nnx.Module):
         self.k = Linear(dim, kv_features, axes=("embed", "heads"), **linear)
         self.v = Linear(dim, kv_features, axes=("embed", "heads"), **linear)
         self.out = Linear(inner, dim, axes=("heads", "embed"), **linear)
-        norm = dict(eps=config.qk_norm_eps, axis=None, param_dtype=param_dtype)
+        norm = dict(
+            eps=config.qk_norm_eps,
+            axis=None,
+            param_dtype=param_dtype,
+            scale_offset=config.qk_norm_offset,
+        )
         self.q_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
 
@@ -162,7 +181,7 @@ class Attention(nnx.Module):
         return q, k, v
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
-        """``out`` of the values ``v`` mixed by ``softmax(q k^T * head_dim ** -0.5)`` over the
+        """``out`` of the values ``v`` mixed by ``softmax(q k^T * score_scale)`` over the
         keys that ``visible`` (bool, ``(q_seq, k_seq)``, or broadcastable to the scores
         ``(..., heads, q_seq, k_seq)``) allows; ``(..., q_seq, dim)``. The softmax is float32.
 
@@ -178,7 +197,7 @@ class Attention(nnx.Module):
         if groups > 1:  # query head h reads key/value head h // groups
             k = jnp.repeat(k, groups, axis=-2)
             v = jnp.repeat(v, groups, axis=-2)
-        scores = jnp.einsum("...qhd,...khd->...hqk", q, k) * self.head_dim**-0.5
+        scores = jnp.einsum("...qhd,...khd->...hqk", q, k) * self.score_scale
         scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
         y = jnp.einsum("...hqk,...khd->...qhd", weights, v)
