@@ -82,6 +82,7 @@ def test_what_was_read():
     assert FAMILIES["LlamaForCausalLM"].cannot_hold(config) == [
         "query/key norms (LlamaForCausalLM: none)",
         "layers of different attention",
+        "a sliding window (LlamaForCausalLM: full attention)",
         "a non-SiLU MLP (LlamaForCausalLM)",
         "norms after attention and MLP (LlamaForCausalLM: none)",
         "Gemma's norms or score scale (LlamaForCausalLM: none)",

@@ -123,7 +123,6 @@ _MIXTRAL = (  # Qwen3-MoE's keys that Mixtral has too: its experts' size is inte
     *(k for k in _MOE if k.name in {"num_local_experts", "num_experts_per_tok"}),
     *(k for k in _MOE if k.name in {"router_aux_loss_coef", "output_router_logits"}),
 )
-_OWN: dict[str, tuple[_Key, ...]] = {"qwen3_moe": _MOE, "mistral": _SLIDING, "mixtral": _MIXTRAL}
 _GEMMA3 = (  # Gemma 3's own keys (its family reads its older RoPE and layer keys)
     _Key("query_pre_attn_scalar", *_POSITIVE, default=256),
     _Key("rope_local_base_freq", *_POSITIVE, default=10000.0),
@@ -132,7 +131,12 @@ _GEMMA3 = (  # Gemma 3's own keys (its family reads its older RoPE and layer key
     _Key("hidden_activation", *_STR, default="gelu_pytorch_tanh"),
     _Key("use_bidirectional_attention", *_BOOL, default=False, nullable=True),
 )
-_OWN: dict[str, tuple[_Key, ...]] = {"qwen3_moe": _MOE, "gemma3_text": _GEMMA3}
+_OWN: dict[str, tuple[_Key, ...]] = {
+    "qwen3_moe": _MOE,
+    "mistral": _SLIDING,
+    "mixtral": _MIXTRAL,
+    "gemma3_text": _GEMMA3,
+}
 
 STALE = {
     "torch_dtype": "dtype",
