@@ -134,22 +134,35 @@ def test_a_pipelined_fsdp_step_equals_one_device_with_half_the_bytes(fsdp_run):
     assert gathers == [sharded] * 4, (gathers, sharded)
 
 
-def test_an_fsdp_checkpoint_restores_bit_exact_without_fsdp(fsdp_run, tmp_path):
-    _, _, model, opt, _, _ = fsdp_run
-    with Checkpointer(tmp_path) as ckpt:
+def _restored(directory, placement):
+    """SMALL_GPT and its AdamW state placed by ``placement``, restored from ``directory``."""
+    model = small_gpt()
+    mm.place(model, placement)
+    opt = nnx.Optimizer(model, optax.adamw(LR), wrt=nnx.Param)
+    with Checkpointer(directory) as ckpt:
+        ckpt.restore(model=model, opt=opt)
+    return model, opt
+
+
+def _assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_checkpoint_moves_bit_exact_between_fsdp_and_no_fsdp(fsdp_run, tmp_path):
+    _, tasks, model, opt, _, _ = fsdp_run
+    with Checkpointer(tmp_path / "fsdp") as ckpt:
         ckpt.save(STEPS, model=model, opt=opt)
-    fresh = small_gpt()
-    mm.place(fresh, run_placement(SMALL_GPT, run_tasks(2, 2, 2)))  # tensor-parallel only
-    fresh_opt = nnx.Optimizer(fresh, optax.adamw(LR), wrt=nnx.Param)
-    with Checkpointer(tmp_path) as ckpt:
-        ckpt.restore(model=fresh, opt=fresh_opt)
+    plain = run_placement(SMALL_GPT, run_tasks(2, 2, 2))  # tensor-parallel only
+    fresh, fresh_opt = _restored(tmp_path / "fsdp", plain)
     assert "fsdp" not in str(mm.placement(fresh))
-    for a, b in zip(
-        jax.tree.leaves(nnx.state((model, opt))),
-        jax.tree.leaves(nnx.state((fresh, fresh_opt))),
-        strict=True,
-    ):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_same((model, opt), (fresh, fresh_opt))
+
+    with Checkpointer(tmp_path / "plain") as ckpt:
+        ckpt.save(STEPS, model=fresh, opt=fresh_opt)
+    back, back_opt = _restored(tmp_path / "plain", fsdp_placement(run_placement(SMALL_GPT, tasks)))
+    assert mm.placement(back) == mm.placement(model)
+    _assert_same((model, opt), (back, back_opt))
 
 
 TINY = "--dim 32 --depth 2 --heads 2 --seq-len 16 --batch-size 8 --microbatches 2 --stages 2"
