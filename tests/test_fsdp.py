@@ -169,16 +169,17 @@ TINY = "--dim 32 --depth 2 --heads 2 --seq-len 16 --batch-size 8 --microbatches 
 TINY += " --model-axis 1 --steps 2 --log-every 1 --eval-every 2 --eval-batches 1"
 
 
-def test_the_cli_trains_two_steps_with_fsdp_and_refuses_an_axis_that_does_not_divide(
+def test_the_cli_trains_two_steps_with_fsdp_experts_and_lora_and_refuses_a_bad_axis(
     tmp_path, capsys
 ):
     text, out = tmp_path / "text.txt", tmp_path / "run"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     argv = ["train", *TINY.split(), "--data-axis", "2", "--fsdp-axis", "2"]
+    argv += ["--experts", "4", "--expert-axis", "2", "--lora-rank", "2"]  # they compose
     assert main([*argv, "--text", str(text), "--output-dir", str(out)]) == 0
     stdout = capsys.readouterr().out
+    assert re.search(r"^step 2/2 loss \S+ .* aux_loss ", stdout, re.MULTILINE)
     assert re.search(r"│ embed/embedding +│ Param .*P\('model', 'fsdp'\) +│ +16,384 B", stdout)
-    assert re.search(r"^step 2/2 loss \S+", stdout, re.MULTILINE)
     assert "fsdp_axis = 2" in (out / "config.toml").read_text()
 
     assert main(["train", *TINY.split(), "--data-axis", "2", "--fsdp-axis", "4"]) == 2
