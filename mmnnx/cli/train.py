@@ -171,7 +171,9 @@ def _train(
         return error(str(e))
     if hasattr(dataset, "summary") and jax.process_index() == 0:
         print(dataset.summary())
-    tasks = run_tasks(run.layout.stages, data_axis, run.layout.model_axis, run.layout.expert_axis)
+    lay = run.layout  # a --resume narrowing the data axis narrows FSDP within it
+    fsdp_axis = math.gcd(lay.fsdp_axis, data_axis)
+    tasks = run_tasks(lay.stages, data_axis, lay.model_axis, lay.expert_axis, fsdp_axis=fsdp_axis)
     config = pretrained or model_config(run, tokenizer.vocab_size)
     saved = saved_record(checkpointer) if run.outputs.resume else None
     extra = saved and saved.extra

@@ -172,6 +172,13 @@ class Layout:
         "their experts by all_to_all",
         metavar="N",
     )
+    fsdp_axis: int = count(
+        1,
+        "FSDP (ZeRO-3) inside each stage: parameters, gradients and optimizer state sharded over "
+        "N of the --data-axis devices (an 'fsdp' mesh axis that splits the batch too; N must "
+        "divide --data-axis), gathered where each stage's program uses them",
+        metavar="N",
+    )
     virtual_stages: int = option(
         T.virtual_stages,
         "model stages per task (%(default)s): the blocks are cut into --stages x V stages, "

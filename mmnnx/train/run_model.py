@@ -16,7 +16,7 @@ from mmnnx.models.stages import split_rules, stage_rules
 from mmnnx.modules import MLPConfig
 from mmnnx.modules.lora import MOE_TARGETS, TARGETS, add_lora
 from mmnnx.mpmd.schedules.registry import registered
-from mmnnx.sharding import Task, init
+from mmnnx.sharding import Task, fsdp_rules, init
 from mmnnx.train.config import RunConfig, gpt_config
 from mmnnx.train.preference import TRAINED, PreferenceModel, frozen_copy
 
@@ -85,6 +85,30 @@ def run_placement(
         )
 
 
+def fsdp_placement(placement: Sequence[tuple]) -> list[tuple]:
+    """``placement`` with :func:`~mmnnx.sharding.fsdp_rules` over the ``fsdp`` mesh axis when its
+    tasks have one (``run_tasks(..., fsdp_axis=N)``, N > 1), else as it is.
+
+    Example:
+        >>> from mmnnx.train.generation import run_tasks
+        >>> tasks = run_tasks(2, 2, 1, fsdp_axis=2)
+        >>> [type(r[-1]).__name__ for r in fsdp_placement(run_placement(GPTConfig(depth=2), tasks))]
+        ['ShardLargest', 'ShardLargest']
+    """
+    tasks = [t for rule in placement for t in _tasks_of(rule[1])]
+    if not any(FSDP_AXIS in t.axis_names for t in tasks):
+        return list(placement)
+    return fsdp_rules(placement, FSDP_AXIS)
+
+
+def _tasks_of(task: Any) -> tuple[Task, ...]:
+    return tuple(task) if isinstance(task, list | tuple) else (task,)
+
+
+FSDP_AXIS = "fsdp"
+"""The mesh axis ``run_tasks`` carves out of the data axis for ``--fsdp-axis``."""
+
+
 def abstract_model(run: RunConfig, config: GPTConfig) -> GPT:
     """The model :func:`build_model` makes, every Variable abstract: nothing allocated.
 
@@ -116,6 +140,7 @@ def build_model(
         (32, 2)
     """
     init_from, seed, lora = run.model.init_from, run.training.seed, run.model
+    placement = None if placement is None else fsdp_placement(placement)
     if init_from is not None and weights:
         model = from_pretrained(
             init_from,

@@ -32,7 +32,9 @@ def check(run: RunConfig, given: Set[str] = frozenset()) -> Checked:
         >>> check(RunConfig.of({"depth": 1})).problem
         '--depth 1 gives fewer blocks than --stages 2'
     """
-    found = _experts_problem(run) or _devices_problem(run) or _lora_problem(run)
+    found = (
+        _experts_problem(run) or _devices_problem(run) or _fsdp_problem(run) or _lora_problem(run)
+    )
     if found:
         return Checked(found)
     found, (blocks, depth), pretrained = _model_problem(run, given)
@@ -70,6 +72,17 @@ def _devices_problem(run: RunConfig) -> str | None:
     used, devices = devices_needed(run), run.layout.devices
     if used > devices:
         return f"{layout(run)} needs {used} devices, but {flag('devices')} is {devices}"
+    return None
+
+
+def _fsdp_problem(run: RunConfig) -> str | None:
+    """An FSDP axis that is not a divisor of the data axis it is carved from."""
+    lay = run.layout
+    if lay.data_axis % lay.fsdp_axis:
+        return (
+            f"{flag('fsdp_axis', lay.fsdp_axis)} does not divide {flag('data_axis', lay.data_axis)}"
+            " (parameters are sharded over N of each stage's data-parallel devices)"
+        )
     return None
 
 
