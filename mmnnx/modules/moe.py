@@ -130,8 +130,7 @@ class MoE(nnx.Module):
         # unevenly split tokens): padding rows at the end, routed but kept by no expert
         pad = 0 if layout is None else -n % layout.token_shards
         tokens = jnp.pad(tokens, ((0, pad), (0, 0)))
-        logits = self.router(tokens)
-        weights, indices, probs = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
+        logits, (weights, indices, probs) = self.route(tokens)
         weights = weights.astype(x.dtype)
         limit = None
         keep = jnp.broadcast_to((jnp.arange(n + pad) < n)[:, None], indices.shape)
@@ -149,3 +148,9 @@ class MoE(nnx.Module):
             for name, value in zip(METRICS, values, strict=True):
                 self.sow(nnx.Intermediate, name, value)
         return y[:n].reshape(x.shape), stats
+
+    def route(self, tokens: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+        """The router's logits of ``tokens`` ``(N, dim)`` and their ``(weights, indices,
+        probs)`` (:func:`~mmnnx.modules.routing.route`); a subclass routes otherwise here."""
+        logits = self.router(tokens)
+        return logits, route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
