@@ -216,7 +216,8 @@ class LatentAttention(nnx.Module):
         kv = self.kv_b(latent[..., 0, :])
         kv = kv.reshape(*kv.shape[:-1], self.num_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim :]
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], c.qk_rope_head_dim))], -1)
+        shared = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], c.qk_rope_head_dim))
+        k = jnp.concatenate([k_nope, shared], axis=-1)
         scores = jnp.einsum("...qhd,...khd->...hqk", q, k) * c.softmax_scale
         scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
