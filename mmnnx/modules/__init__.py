@@ -4,7 +4,8 @@ Plain ``nnx.Module`` classes, small enough to read and subclass: ``Linear``, ``E
 ``Attention`` (causal, RoPE with Llama 3's optional ``RopeScaling``, grouped KV heads, optional
 per-head q/k norms), ``LatentAttention`` (DeepSeek's multi-head latent attention),
 ``RMSNorm``, ``LayerNorm``, ``MoE`` (a mixture of SwiGLU ``Experts``, routed as Qwen3-MoE
-routes, expert-parallel where placed so; its ``RouterStats``), ``DeepSeekMoE`` (routed by groups of sigmoid scores, with shared experts and a ``RouterBias``) and
+routes, expert-parallel where placed so; its ``RouterStats``), ``DeepSeekMoE`` (routed by
+groups of sigmoid scores, with shared experts and a ``RouterBias``) and
 ``TransformerBlock``, each built from its frozen config (``AttentionConfig``, ``RopeConfig``,
 ``NormConfig``, ``MLPConfig``, ``MoEConfig``, ``BlockConfig``) by ``config.build(dim, ...)``.
 ``constrain`` adds a logical sharding constraint inside ``mm.jit`` only.
