@@ -24,6 +24,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "head_dim": None, "num_key_value_heads": None},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32},
     "qwen3_moe": {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 4},
+    "deepseek_v3": {
+        "max_position_embeddings": 4096,
+        "head_dim": None,  # transformers writes qk_rope_head_dim here; the family reads its own
+        "num_key_value_heads": None,
+        "intermediate_size": 18432,
+    },
 }
 
 
@@ -104,9 +110,33 @@ _MOE = (  # Qwen3-MoE's own keys, named as transformers 5 writes them
     _Key("router_aux_loss_coef", *_NONNEGATIVE, default=0.001),
     _Key("output_router_logits", *_BOOL, default=False),
 )
-_OWN: dict[str, tuple[_Key, ...]] = {"qwen3_moe": _MOE}
+_DEEPSEEK = (  # DeepSeek-V3's own keys, their defaults DeepseekV3Config's
+    _Key("moe_intermediate_size", *_int(1), default=2048),
+    _Key("n_shared_experts", *_int(0), default=1, nullable=True),
+    _Key("n_routed_experts", *_int(1), default=256),
+    _Key("routed_scaling_factor", *_POSITIVE, default=2.5),
+    _Key("kv_lora_rank", *_int(1), default=512),
+    _Key("q_lora_rank", *_int(1), default=1536, nullable=True),
+    _Key("qk_rope_head_dim", *_int(2), default=64),
+    _Key("v_head_dim", *_int(1), default=128),
+    _Key("qk_nope_head_dim", *_int(1), default=128),
+    _Key("n_group", *_int(1), default=8),
+    _Key("topk_group", *_int(1), default=4),
+    _Key("num_experts_per_tok", *_int(1), default=8),
+    _Key("first_k_dense_replace", *_int(0), default=3),
+    _Key("norm_topk_prob", *_BOOL, default=True),
+    _Key("rope_interleave", *_BOOL, default=True),
+    _Key("num_nextn_predict_layers", *_int(0), default=1),
+    _Key("quantization_config", *_OBJECT, default=None),
+)
+_OWN: dict[str, tuple[_Key, ...]] = {"qwen3_moe": _MOE, "deepseek_v3": _DEEPSEEK}
 
-STALE = {"torch_dtype": "dtype", "rope_theta": "rope_parameters", "rope_scaling": "rope_parameters"}
+STALE = {
+    "torch_dtype": "dtype",
+    "rope_theta": "rope_parameters",
+    "rope_scaling": "rope_parameters",
+    "quantization_config": "dtype",  # read quantized, written in dtype
+}
 """Older keys and the transformers 5 key that replaces them (``save_pretrained`` drops them)."""
 
 

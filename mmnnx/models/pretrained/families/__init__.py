@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.pretrained.families.deepseek import DEEPSEEK_V3
 from mmnnx.models.pretrained.families.llama import LLAMA, QWEN3, QWEN3_MOE, Family
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import architectures
@@ -33,7 +34,9 @@ class PretrainedFamily(Protocol):
     def tensor_rules(self, config: GPTConfig) -> tuple[TensorRule, ...]: ...
 
 
-FAMILIES: dict[str, PretrainedFamily] = {f.architecture: f for f in (LLAMA, QWEN3, QWEN3_MOE)}
+FAMILIES: dict[str, PretrainedFamily] = {
+    f.architecture: f for f in (LLAMA, QWEN3, QWEN3_MOE, DEEPSEEK_V3)
+}
 """The architectures ``from_pretrained`` builds, by their ``config.json`` name."""
 
 
