@@ -238,7 +238,7 @@ class HFTokenizer(_Library):
 
 
 TIKTOKEN = "tiktoken.model"
-"""The tokenizer file of checkpoints with a tiktoken tokenizer and no ``tokenizer.json`` (Kimi K2)."""
+"""The tokenizer file of checkpoints with tiktoken's tokenizer and no ``tokenizer.json`` (Kimi)."""
 
 
 def tiktoken_refusal(directory: pathlib.Path) -> str:
