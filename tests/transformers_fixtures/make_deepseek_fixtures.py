@@ -5,6 +5,13 @@ oracle venv (CPU torch, transformers 5; never a dependency of mmnnx or its tests
 
     /work/oracle/bin/python tests/transformers_fixtures/make_deepseek_fixtures.py
 
+and, to keep transformers' verdict on what mmnnx's ``save_pretrained`` writes:
+
+    /work/main/.venv/bin/python -c "import pathlib, tests.test_family_deepseek as t; \\
+        t.save_saves(pathlib.Path('/tmp/mmnnx-deepseek-saves'))"
+    /work/oracle/bin/python tests/transformers_fixtures/make_deepseek_fixtures.py \\
+        --check /tmp/mmnnx-deepseek-saves
+
 It rewrites ``tests/transformers_fixtures/deepseek_v3/`` (``config.json``,
 ``model.safetensors``, ``generation_config.json`` as transformers writes them; ``logits.npy``,
 float32 ``(2, 16, vocab)`` for :data:`TOKENS`; ``greedy.json``, the prompt and transformers'
@@ -19,9 +26,11 @@ import json
 import math
 import pathlib
 import shutil
+import sys
 
 import numpy as np
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -192,5 +201,32 @@ def main() -> None:
     write_fp8(out, model)
 
 
+def check_saves(root: pathlib.Path) -> None:
+    """Loads what mmnnx's ``save_pretrained`` wrote (tests/test_family_deepseek.py's
+    ``save_saves``) in transformers and keeps the verdict as ``deepseek_v3/saves_verdict.json``:
+    the config mmnnx wrote, the dtype transformers loads it in, and the largest difference
+    between transformers' float32 logits from those files and mmnnx's, relative to the largest
+    logit."""
+    cases = {}
+    for case in sorted(p for p in root.iterdir() if p.is_dir() and p.with_suffix(".npy").exists()):
+        auto = DeepseekV3ForCausalLM.from_pretrained(case, dtype="auto")
+        wide = DeepseekV3ForCausalLM.from_pretrained(case, dtype=torch.float32).eval()
+        with torch.no_grad():
+            theirs = wide(torch.tensor(TOKENS)).logits.numpy().astype(np.float64)
+        ours = np.load(case.with_suffix(".npy")).astype(np.float64)
+        error = float(np.abs(theirs - ours).max() / np.abs(theirs).max())
+        cases[case.name] = {
+            "config": json.loads((case / "config.json").read_text()),
+            "dtype": str(auto.dtype).removeprefix("torch."),
+            "logits_error": error,
+        }
+        print(case.name, cases[case.name]["dtype"], f"{error:.2e}")
+    verdict = {"transformers": transformers.__version__, "torch": torch.__version__, "cases": cases}
+    (HERE / "deepseek_v3" / "saves_verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--check"]:
+        check_saves(pathlib.Path(sys.argv[2]))
+    else:
+        main()
