@@ -187,3 +187,27 @@ def test_kimi_k2_reads_as_deepseek_v3_and_its_tiktoken_tokenizer_is_refused(tmp_
     (kimi / "config.json").write_text(json.dumps(config | {"model_type": "deepseek_v2"}))
     with pytest.raises(CheckpointError, match="model_type 'deepseek_v2' is not one mmnnx reads"):
         pretrained_config(kimi)
+
+
+def test_a_checkpoint_as_deepseek_publishes_it_reads_the_same(tmp_path, model):
+    """transformers 4 keys (``rope_scaling`` of ``type: yarn``, top-level ``rope_theta``,
+    ``torch_dtype``) and the multi-token prediction layer after the last (``model.layers.3``
+    here, 61 in DeepSeek-V3), whose tensors fill nothing, as transformers ignores them."""
+    published = tmp_path / "published"
+    published.mkdir()
+    files = CheckpointFiles(FLOAT)
+    tensors = {name: files.read(name) for name in files.tensors}
+    for name in ("enorm.weight", "eh_proj.weight", "self_attn.kv_b_proj.weight",
+                 "mlp.experts.7.down_proj.weight", "mlp.gate.e_score_correction_bias"):  # fmt: skip
+        tensors[f"model.layers.3.{name}"] = np.ones(2, np.float32)
+    write_shards(published, tensors)
+    config = json.loads((FLOAT / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config |= {"rope_theta": rope.pop("rope_theta"), "torch_dtype": config.pop("dtype")}
+    config |= {"rope_scaling": {"type": rope.pop("rope_type"), **rope}, "topk_method": "noaux_tc"}
+    (published / "config.json").write_text(json.dumps(config))
+    assert pretrained_config(published) == pretrained_config(FLOAT)
+    loaded = from_pretrained(published, max_seq_len=32)
+    for layer in (0, 2):
+        ours, theirs = loaded.blocks[layer].attn.kv_b.kernel, model.blocks[layer].attn.kv_b.kernel
+        np.testing.assert_array_equal(ours[...], theirs[...])

@@ -292,6 +292,11 @@ class DeepSeekFamily:
         moe = any(isinstance(b.feed_forward, DeepSeekMoEConfig) for b in blocks)
         shared = any(getattr(b.feed_forward, "shared_hidden", None) for b in blocks)
         layer = _ATTENTION + query + _DENSE + (_MOE if moe else ()) + (_SHARED if shared else ())
+        if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
+            layer = tuple(
+                dataclasses.replace(r, variable=r.variable and r.variable.replace("/{layer}", ""))
+                for r in layer
+            )
         every = _ATTENTION + _LOW_RANK_QUERY + _QUERY + _DENSE + _MOE + _SHARED
         mtp = tuple(  # published checkpoints' next-token prediction layer after the last
             TensorRule(r.tensor.replace("{layer}", str(config.depth)), None)
