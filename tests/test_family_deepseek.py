@@ -211,3 +211,33 @@ def test_a_checkpoint_as_deepseek_publishes_it_reads_the_same(tmp_path, model):
     for layer in (0, 2):
         ours, theirs = loaded.blocks[layer].attn.kv_b.kernel, model.blocks[layer].attn.kv_b.kernel
         np.testing.assert_array_equal(ours[...], theirs[...])
+
+
+def test_router_bias_rate_moves_each_correction_bias_against_its_load_after_a_step():
+    """DeepSeek-V3's auxiliary-loss-free balancing in ``make_steps``' train step (``mm.jit``, 2
+    microbatches): each layer's bias moves by rate * sign(mean load - load), the loads those of
+    the step's routing (each layer's ``RouterStats`` before the step, lr 0)."""
+    import optax
+
+    from mmnnx.train.loop import TrainConfig, make_steps
+
+    task = mm.Task("t", mesh=mm.TaskMesh(devices=[0]))
+    model = from_pretrained(FLOAT, tasks=[task], max_seq_len=16, router_bias_rate=0.01)
+    before = {i: model.blocks[i].mlp.correction_bias[...] for i in (1, 2)}
+    x = model.embed(TOKENS[:, :-1])
+    loads = {}
+    for i, block in enumerate(model.blocks):
+        h = x + block.attn(block.norm1(x))
+        if i in before:
+            loads[i] = block.mlp.forward(block.norm2(h))[1].tokens_per_expert
+        x = block(x)
+    opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+    train, _ = make_steps(TrainConfig(microbatches=2))
+    assert np.isfinite(float(train(model, opt, TOKENS)))
+    for i, load in loads.items():
+        moved = model.blocks[i].mlp.correction_bias[...] - before[i]
+        expected = 0.01 * np.sign(np.mean(load) - np.asarray(load, np.float32))
+        np.testing.assert_allclose(moved, expected, atol=1e-7)
+        assert np.any(expected != 0)
+    with pytest.raises(CheckpointError, match="router_bias_rate moves the correction biases"):
+        pretrained_config(FIXTURES / "llama", router_bias_rate=0.01)

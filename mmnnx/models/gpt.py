@@ -14,6 +14,7 @@ from flax import nnx
 from mmnnx.modules import (
     AttentionConfig,
     BlockConfig,
+    DeepSeekMoEConfig,
     Embed,
     Linear,
     MLPConfig,
@@ -74,7 +75,10 @@ class GPTConfig:
     only its input; the same numbers with less memory);
     ``GPT.loss`` adds ``router_aux_loss_coef`` times the load-balancing loss of every MoE
     layer's router pooled (Hugging Face's ``load_balancing_loss_func``) and
-    ``router_z_loss_coef`` times their mean z-loss.
+    ``router_z_loss_coef`` times their mean z-loss; ``router_bias_rate`` (DeepSeek-V3's
+    auxiliary-loss-free balancing, for ``DeepSeekMoE`` layers) is how far a train step
+    (``mmnnx.train.make_steps``) moves each router's correction bias per expert, towards the
+    experts that got fewer than the mean assignments (``balance_router_biases``).
 
     Example:
         >>> GPTConfig(dim=32, num_heads=4, head_dim=16, qk_norm=True).block_configs[0].attention
@@ -119,6 +123,7 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
     router_z_loss_coef: float = 0.0
     layers: tuple[BlockConfig, ...] | None = None
     remat: str = "none"
+    router_bias_rate: float = 0.0
 
     def __post_init__(self):
         check(self.remat in REMAT, "GPTConfig.remat", f"one of {', '.join(REMAT)}", self.remat)
@@ -128,7 +133,7 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             check(value in DTYPES, f"GPTConfig.{name}", "'float32' or 'bfloat16'", value)
-        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_rate"):
             value = getattr(self, name)
             ok = is_positive(value) or (isinstance(value, numbers.Real) and value == 0)
             check(ok, f"GPTConfig.{name}", "a finite number >= 0", value)
@@ -161,6 +166,13 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
             blocks = self.block_configs
         except ValueError as e:
             raise ValueError(f"GPTConfig: {e}") from None
+        if self.router_bias_rate and not any(
+            isinstance(b.feed_forward, DeepSeekMoEConfig) for b in blocks
+        ):
+            raise ValueError(
+                "GPTConfig: router_bias_rate moves the correction biases of DeepSeekMoE layers "
+                "(DeepSeekMoEConfig), and this model has none"
+            )
         if self.scan_layers and len(set(blocks)) > 1:
             moe = {isinstance(b.feed_forward, MoEConfig) for b in blocks}
             differ = "some layers are MoE and some dense" if len(moe) > 1 else "layers differ"

@@ -23,7 +23,12 @@ Example:
 
 from mmnnx.modules.attention import Attention, AttentionConfig
 from mmnnx.modules.constraints import constrain
-from mmnnx.modules.deepseek_moe import DeepSeekMoE, DeepSeekMoEConfig, RouterBias
+from mmnnx.modules.deepseek_moe import (
+    DeepSeekMoE,
+    DeepSeekMoEConfig,
+    RouterBias,
+    balance_router_biases,
+)
 from mmnnx.modules.embed import Embed
 from mmnnx.modules.experts import Experts
 from mmnnx.modules.latent_attention import LatentAttention, LatentAttentionConfig
@@ -65,6 +70,7 @@ __all__ = [
     "YarnScaling",
     "add_lora",
     "apply_rope",
+    "balance_router_biases",
     "constrain",
     "rope_frequencies",
 ]

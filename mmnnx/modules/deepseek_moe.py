@@ -124,3 +124,37 @@ class DeepSeekMoE(MoE):
             scaling=self.routed_scaling_factor,
         )
         return logits, routed
+
+
+def balance_router_biases(model: nnx.Module, captured: nnx.State, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after a train step: every ``DeepSeekMoE``
+    in ``model`` moves its ``correction_bias`` by ``rate * sign(mean load - load)`` per expert,
+    ``load`` the assignments each expert computed in the step (the ``tokens_per_expert`` it
+    sowed into ``captured``, an ``nnx.capture(..., nnx.Intermediate)`` state, summed over its
+    calls and microbatches): overloaded experts become less likely to be chosen.
+
+    Example:
+        >>> config = DeepSeekMoEConfig(16, num_experts=4, top_k=1)
+        >>> with nnx.use_eager_sharding(False):
+        ...     moe = config.build(8, rngs=nnx.Rngs(0))
+        >>> _, captured = nnx.capture(moe, nnx.Intermediate)(jnp.ones((3, 8)))
+        >>> balance_router_biases(moe, captured, 0.01)
+        >>> [round(b, 3) for b in moe.correction_bias[...].tolist()]  # 3 tokens, all to expert 3
+        [0.01, 0.01, 0.01, -0.01]
+    """
+    flat = dict(nnx.to_flat_state(captured))
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, DeepSeekMoE):
+            continue
+        key = (*path, "tokens_per_expert")
+        if key not in flat:
+            raise ValueError(
+                f"balance_router_biases: the step captured no tokens_per_expert of the "
+                f"DeepSeekMoE at {'/'.join(map(str, path))} (run it under nnx.capture)"
+            )
+        calls = flat[key].get_value()
+        calls = calls if isinstance(calls, tuple) else (calls,)
+        bias = node.correction_bias
+        load = sum(jnp.asarray(c, jnp.float32).reshape(-1, *bias.shape).sum(0) for c in calls)
+        mean = load.mean(axis=-1, keepdims=True)
+        bias[...] = bias[...] + rate * jnp.sign(mean - load)
