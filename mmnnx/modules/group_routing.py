@@ -28,8 +28,12 @@ def group_limited_route(
     (``routed_scaling_factor``). ``probs``: ``s`` divided by its sum over the experts (the
     normalised affinities DeepSeek-V3's balance loss reads).
 
-    DeepSeek's own inference code (``model.py``'s ``Gate``) divides by the sum alone, and the
-    paper describes the same steps; the ``1e-20`` is transformers'.
+    Where transformers (matched here) differs from DeepSeek's own inference code
+    (``inference/model.py``'s ``Gate``) and the paper: it adds ``1e-20`` to the sum it divides
+    by; it normalises only when ``norm_topk_prob`` (DeepSeek's code always normalises sigmoid
+    weights, as the paper's gating values); its logits are float32 (DeepSeek's code takes them
+    in the weights' dtype, bfloat16). The paper's node-limited routing appears, in both codes,
+    as groups scored by their two best biased scores.
 
     Example:
         >>> logits = jnp.array([[1.5, 1.0, -3.0, 2.0]])  # expert 3 best, its group (2, 3) not
