@@ -38,6 +38,7 @@ def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
         scan_layers=run.model.scan_layers,
         max_seq_len=run.model.seq_len,
         remat=run.model.remat,
+        router_bias_rate=run.model.router_bias_rate,
     )
 
 
@@ -124,6 +125,7 @@ def build_model(
             scan_layers=config.scan_layers,
             max_seq_len=config.max_seq_len,
             remat=config.remat,
+            router_bias_rate=config.router_bias_rate,
         )
     else:
 
