@@ -21,6 +21,8 @@ from mmnnx.models.pretrained import CheckpointError
 from mmnnx.models.pretrained.files import CheckpointFiles, write_shards
 from mmnnx.models.pretrained.fp8 import Fp8Files
 from mmnnx.modules import DeepSeekMoE, LatentAttention, RouterBias
+from mmnnx.train.config import RunConfig
+from mmnnx.train.run_model import model_config
 from mmnnx.train.tokenizers import HFTokenizer
 
 FIXTURES = pathlib.Path(__file__).parent / "transformers_fixtures"
@@ -241,3 +243,5 @@ def test_router_bias_rate_moves_each_correction_bias_against_its_load_after_a_st
         assert np.any(expected != 0)
     with pytest.raises(CheckpointError, match="router_bias_rate moves the correction biases"):
         pretrained_config(FIXTURES / "llama", router_bias_rate=0.01)
+    run = RunConfig.of({"init_from": str(FLOAT), "router_bias_rate": 0.01, "seq_len": 16})
+    assert model_config(run, 128).router_bias_rate == 0.01  # mmnnx train --router-bias-rate

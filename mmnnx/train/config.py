@@ -79,16 +79,6 @@ class Model:
         omit=("none",),
         may_change=True,
     )
-    router_bias_rate: float = option(
-        0.0,
-        "DeepSeek-V3's auxiliary-loss-free balancing (a DeepseekV3ForCausalLM --init-from): "
-        "after each step every router's correction bias moves by R per expert, up for the "
-        "experts below the mean load, down above it (DeepSeek-V3: 0.001; default: off)",
-        finite(positive=False),
-        metavar="R",
-        omit=(0.0,),
-        may_change=True,
-    )
     gated_mlp: bool = switch(
         "--gated-mlp",
         "a SiLU-gated MLP without biases (Llama's and Qwen3's) instead of GELU with biases: a "
@@ -260,6 +250,16 @@ class Training:
     )
     weight_decay: float = option(
         T.weight_decay, "AdamW's decoupled weight decay (%(default)s)", finite(positive=False)
+    )
+    router_bias_rate: float = option(
+        0.0,
+        "DeepSeek-V3's auxiliary-loss-free balancing (a DeepseekV3ForCausalLM --init-from): "
+        "after each step every router's correction bias moves by R per expert, up for the "
+        "experts below the mean load, down above it (DeepSeek-V3: 0.001; default: off)",
+        finite(positive=False),
+        metavar="R",
+        omit=(0.0,),
+        may_change=True,
     )
     eval_every: int = count(T.eval_every, "steps between evaluations", may_change=True)
     eval_batches: int = count(

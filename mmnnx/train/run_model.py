@@ -38,7 +38,7 @@ def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
         scan_layers=run.model.scan_layers,
         max_seq_len=run.model.seq_len,
         remat=run.model.remat,
-        router_bias_rate=run.model.router_bias_rate,
+        router_bias_rate=run.training.router_bias_rate,
     )
 
 
