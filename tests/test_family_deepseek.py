@@ -250,3 +250,30 @@ def test_router_bias_rate_moves_each_correction_bias_against_its_load_after_a_st
         pretrained_config(FIXTURES / "llama", router_bias_rate=0.01)
     run = RunConfig.of({"init_from": str(FLOAT), "router_bias_rate": 0.01, "seq_len": 16})
     assert model_config(run, 128).router_bias_rate == 0.01  # mmnnx train --router-bias-rate
+
+
+def test_the_sequence_wise_balance_loss_is_deepseeks_and_gpt_adds_it(model):
+    """``RouterStats.seq_balance`` of a layer against DeepSeek-V3's formula from the layer's own
+    routing (``f_i = E / (K T)`` times a row's choices of expert ``i``, ``P_i`` the row's mean
+    normalised score), and ``GPT.loss`` adding ``router_seq_aux_loss_coef`` times it (shapes of
+    the first test's: its compiled ops reused)."""
+    import dataclasses
+
+    moe = model.blocks[1].mlp
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 16, 32)), jnp.float32)
+    _, stats = moe.forward(x)
+    _, (_, indices, probs) = moe.route(x.reshape(-1, 32))
+    indices, probs = np.asarray(indices).reshape(2, 16, 2), np.asarray(probs).reshape(2, 16, 8)
+    expected = 0.0
+    for row in range(2):
+        chosen = np.bincount(indices[row].reshape(-1), minlength=8)
+        expected += np.sum(chosen * 8 / (2 * 16) * probs[row].mean(axis=0)) / 2
+    np.testing.assert_allclose(float(stats.seq_balance), expected, rtol=1e-6)
+    tuned = from_pretrained(FLOAT, max_seq_len=32)
+    tuned.config = dataclasses.replace(tuned.config, router_seq_aux_loss_coef=0.1)
+    tokens = jnp.concatenate([TOKENS, TOKENS[:, :1]], axis=1)  # inputs of 16, as before
+    logp, stats = tuned.next_token_log_probs(tokens)
+    np.testing.assert_allclose(
+        float(tuned.loss(tokens)), float(-logp.mean() + 0.1 * stats.seq_balance), rtol=1e-6
+    )
+    assert float(stats.seq_balance) > 0

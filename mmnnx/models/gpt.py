@@ -75,7 +75,9 @@ class GPTConfig:
     only its input; the same numbers with less memory);
     ``GPT.loss`` adds ``router_aux_loss_coef`` times the load-balancing loss of every MoE
     layer's router pooled (Hugging Face's ``load_balancing_loss_func``) and
-    ``router_z_loss_coef`` times their mean z-loss; ``router_bias_rate`` (DeepSeek-V3's
+    ``router_z_loss_coef`` times their mean z-loss, and ``router_seq_aux_loss_coef`` times
+    DeepSeek-V3's sequence-wise balance loss of each layer (``RouterStats.seq_balance``, summed
+    over the layers, each a mean over the batch's rows); ``router_bias_rate`` (DeepSeek-V3's
     auxiliary-loss-free balancing, for ``DeepSeekMoE`` layers) is how far a train step
     (``mmnnx.train.make_steps``) moves each router's correction bias per expert, towards the
     experts that got fewer than the mean assignments (``balance_router_biases``).
@@ -124,6 +126,7 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
     layers: tuple[BlockConfig, ...] | None = None
     remat: str = "none"
     router_bias_rate: float = 0.0
+    router_seq_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         check(self.remat in REMAT, "GPTConfig.remat", f"one of {', '.join(REMAT)}", self.remat)
@@ -133,7 +136,8 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             check(value in DTYPES, f"GPTConfig.{name}", "'float32' or 'bfloat16'", value)
-        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_rate"):
+        coefs = ("router_aux_loss_coef", "router_z_loss_coef", "router_seq_aux_loss_coef")
+        for name in (*coefs, "router_bias_rate"):
             value = getattr(self, name)
             ok = is_positive(value) or (isinstance(value, numbers.Real) and value == 0)
             check(ok, f"GPTConfig.{name}", "a finite number >= 0", value)
@@ -304,7 +308,8 @@ class GPT(nnx.Module):
         loss = jnp.mean(nll) if weights is None else jnp.mean(jnp.sum(weights * nll, axis=-1))
         if stats is not None:
             c = self.config
-            loss = loss + stats.loss(c.router_aux_loss_coef, c.router_z_loss_coef)
+            coefs = (c.router_aux_loss_coef, c.router_z_loss_coef, c.router_seq_aux_loss_coef)
+            loss = loss + stats.loss(*coefs)
         return loss
 
     def next_token_log_probs(

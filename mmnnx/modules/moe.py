@@ -4,6 +4,7 @@ default, expert-parallel where its experts are placed split over a mesh axis."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -137,7 +138,8 @@ class MoE(nnx.Module):
         if self.capacity_factor is not None:
             limit = capacity(self.capacity_factor, n, self.top_k, self.num_experts)
             keep = keep & capacity_keep(indices, self.num_experts, limit)
-        stats = router_stats(logits, probs, indices, keep, tokens=n)
+        rows = math.prod(x.shape[:-2]) if x.ndim > 2 else 1  # sequences, for seq_balance
+        stats = router_stats(logits, probs, indices, keep, tokens=n, rows=rows)
         experts = (self.experts.gate[...], self.experts.up[...], self.experts.down[...])
         if layout is None:
             y = apply_local(tokens, indices, weights, keep, experts)
