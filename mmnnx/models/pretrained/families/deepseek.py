@@ -103,13 +103,13 @@ class DeepSeekFamily:
             ('MLPConfig', 16)
         """
         file = f"{where}/config.json ({self.architecture})"
-        kind = hf.get("model_type", self.model_type) if isinstance(hf, dict) else None
+        c = read_config(hf, file, self.model_type)  # checked, both dialects, defaults filled
+        kind = hf.get("model_type", self.model_type)
         if kind not in MODEL_TYPES:
             raise CheckpointError(
                 f"{file}: model_type {kind!r} is not one mmnnx reads as DeepSeek-V3 "
                 f"({', '.join(MODEL_TYPES)})"
             )
-        c = read_config(hf, file, self.model_type)
         o = c.own
         if hf.get("attention_bias"):
             raise CheckpointError(
