@@ -1,0 +1,396 @@
+"""``mm.predict_memory``: each device's peak bytes for a GPT on a pipelined layout, from the
+config's shapes and a simulation of the schedule alone (nothing built, traced or compiled), so
+a layout that cannot fit is refused before anything compiles and a 70B config can be sized on a
+laptop.
+
+The model (docs/memory.md works one example through): a stage's devices hold its parameters,
+its gradient sums, its optimizer state and the block weights the runner packs into one buffer
+(a second copy); each microbatch in flight keeps its blocks' residuals (what each block's
+forward keeps for its backward under the remat policy) from its forward until its backward,
+plus a buffer each way at every stage boundary; the largest program, a backward, works on one
+microbatch's weight gradients and the stage's activations as cotangents, recomputed once more
+under remat. At the end of the step the new parameters and optimizer state are written beside
+the old ones. Each term is per device: tensor-parallel weights and heads divide by ``tensor``,
+experts by ``expert``, parameters, gradients and optimizer state by ``fsdp``, the batch by
+``data`` x ``expert``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from mmnnx.models.gpt import REMAT, GPTConfig
+from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig
+from mmnnx.mpmd import schedules as sched
+from mmnnx.mpmd.lower.pack import PACK_WEIGHT_BYTES, weight_bound
+from mmnnx.tuning import _peak_held
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+OPTIMIZER_COPIES = {"adamw": 2, "adam": 2, "sgd": 0, "momentum": 1, "lion": 1, "adafactor": 0}
+"""Optimizer state per trained parameter, in parameter-sized copies (AdamW: two moments)."""
+_F32 = 4  # norms, softmax and the loss are float32 whatever the compute dtype
+_STATS_PER_TOKEN = 2  # a block's two norms' rsqrt, kept per token
+_HEAD_STATS_PER_TOKEN = 3  # the final norm's rsqrt, the loss's log-sum-exp and target
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryLayout:
+    """How a model is laid out over devices, as :func:`predict_memory` charges it.
+
+    ``stages`` tasks, each of ``data`` x ``expert`` x ``tensor`` devices (the batch split over
+    ``data`` x ``expert``, attention heads and MLP features over ``tensor``, experts over
+    ``expert``); ``fsdp`` divides each stage's parameters, gradients and optimizer state
+    (sharded over that many of its devices; an FSDP axis that splits the batch too is counted
+    in ``data`` as well); ``virtual_stages`` model stages per task; ``blocks``: the blocks of
+    each model stage (default: as ``stage_rules`` balances parameter counts).
+
+    Example:
+        >>> MemoryLayout(stages=2, tensor=2).devices
+        4
+    """
+
+    stages: int = 1
+    data: int = 1
+    tensor: int = 1
+    expert: int = 1
+    fsdp: int = 1
+    virtual_stages: int = 1
+    blocks: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("stages", "data", "tensor", "expert", "fsdp", "virtual_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MemoryLayout.{name} must be an int >= 1, got {value!r}")
+        if self.blocks is not None:
+            count = self.stages * self.virtual_stages
+            if len(self.blocks) != count or min(self.blocks, default=0) < 1:
+                raise ValueError(
+                    f"MemoryLayout.blocks {self.blocks!r}: expected {count} (stages x "
+                    "virtual_stages) counts of blocks >= 1"
+                )
+
+    @property
+    def devices(self) -> int:
+        """The devices the layout spans (``fsdp`` shards within them)."""
+        return self.stages * self.data * self.tensor * self.expert
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """One task's predicted bytes per device (its model stages summed), by what holds them.
+
+    ``peak`` is the larger of the pipelined phase (``parameters + gradients + optimizer +
+    packed_weights + activations + transfers + workspace``) and the update at the step's end
+    (``update``: old and new parameters and optimizer state, and the gradients).
+    """
+
+    task: int
+    blocks: tuple[int, ...]  # first and last block of each of its model stages, flattened
+    parameters: int
+    gradients: int
+    optimizer: int
+    packed_weights: int
+    activations: int  # residuals of the microbatches in flight at the worst moment
+    in_flight: int  # those microbatches
+    transfers: int
+    workspace: int  # the largest program's own buffers (a backward)
+    update: int
+
+    @property
+    def pipelined(self) -> int:
+        """Bytes held while the microbatches run."""
+        return (
+            self.parameters + self.gradients + self.optimizer + self.packed_weights
+            + self.activations + self.transfers + self.workspace
+        )  # fmt: skip
+
+    @property
+    def peak(self) -> int:
+        """The most bytes any device of this task holds during the step."""
+        return max(self.pipelined, self.update)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPrediction:
+    """:func:`predict_memory`'s answer: one :class:`StageMemory` per task; ``peak`` the
+    largest, ``worst`` its task. ``str`` draws the table."""
+
+    tasks: tuple[StageMemory, ...]
+    schedule: str
+    microbatches: int
+    remat: str
+
+    @property
+    def peak(self) -> int:
+        """The most bytes one device holds."""
+        return max(t.peak for t in self.tasks)
+
+    @property
+    def worst(self) -> StageMemory:
+        """The task whose devices hold the most."""
+        return max(self.tasks, key=lambda t: t.peak)
+
+    def __str__(self) -> str:
+        columns = ("task", "params", "grads", "optimizer", "packed", "activations", "transfers",
+                   "workspace", "update", "peak")  # fmt: skip
+        rows = [columns]
+        for t in self.tasks:
+            values = (t.parameters, t.gradients, t.optimizer, t.packed_weights, t.activations,
+                      t.transfers, t.workspace, t.update, t.peak)  # fmt: skip
+            rows.append((str(t.task), *(format_bytes(v) for v in values)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        head = f"predicted bytes per device ({self.schedule}, M={self.microbatches}, remat "
+        return "\n".join([head + f"{self.remat})", *lines])
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit under it.
+
+    Example:
+        >>> format_bytes(3 * 2**30), format_bytes(1536)
+        ('3.0 GiB', '1.5 KiB')
+    """
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weights:
+    """A module's parameter elements per device: all, the replicated ones a stage packs (of
+    at most the pack bound each), and the trained ones."""
+
+    total: float = 0
+    packed: float = 0
+
+    def __add__(self, other: _Weights) -> _Weights:
+        return _Weights(self.total + other.total, self.packed + other.packed)
+
+
+def _weight(shape: Sequence[int], shards: int, pack_limit: float, itemsize: int) -> _Weights:
+    """One Variable of ``shape`` split ``shards`` ways (1: replicated, then maybe packed)."""
+    size = math.prod(shape) / shards
+    packed = size if shards == 1 and size * itemsize <= pack_limit else 0
+    return _Weights(size, packed)
+
+
+def _block_weights(
+    block: BlockConfig, dim: int, lay: MemoryLayout, pack_limit: float, itemsize: int
+) -> _Weights:
+    """A block's parameters per device (before ``fsdp``)."""
+    tp, ep = lay.tensor, lay.expert
+
+    def w(shape: Sequence[int], shards: int = 1) -> _Weights:
+        return _weight(shape, shards, pack_limit, itemsize)
+
+    norm = 2 if block.norm.kind == "layer" else 1
+    total = w((norm * dim,)) + w((norm * dim,))
+    att = block.attention
+    if isinstance(att, AttentionConfig):
+        hd = att.head_dim or dim // att.num_heads
+        q, kv = att.num_heads * hd, (att.num_kv_heads or att.num_heads) * hd
+        total += w((dim, q), tp) + w((dim, kv), tp) + w((dim, kv), tp) + w((q, dim), tp)
+        if att.qk_norm:
+            total += w((hd,)) + w((hd,))
+    ff = block.feed_forward
+    if isinstance(ff, MoEConfig):
+        total += w((dim, ff.num_experts))
+        total += w((ff.num_experts, 3 * dim * ff.hidden), ep * tp)
+    elif isinstance(ff, MLPConfig):
+        total += w((dim, ff.hidden), tp) + w((ff.hidden, dim), tp)
+        if ff.gated:
+            total += w((dim, ff.hidden), tp)
+        if ff.bias:
+            total += w((ff.hidden,), tp) + w((dim,))
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class _Residuals:
+    """Bytes one block keeps per microbatch per device: all it would keep without remat, and
+    those the remat policy keeps."""
+
+    full: float
+    kept: float
+
+
+def _block_residuals(
+    block: BlockConfig, dim: int, tokens: float, seq: int, lay: MemoryLayout, dtype: int,
+    remat: str,
+) -> _Residuals:  # fmt: skip
+    """What one block's forward keeps for its backward, in bytes per device per microbatch of
+    ``tokens`` tokens per device (the backward recomputes arithmetic and layout ops from them,
+    so these are the block's input, its matmuls' and softmax's outputs, and norm statistics)."""
+    tp = lay.tensor
+    att = block.attention
+    hd = att.head_dim or dim // att.num_heads
+    heads, kv = att.num_heads / tp, (att.num_kv_heads or att.num_heads) / tp
+    projections = tokens * hd * (2 * heads + 2 * kv) * dtype  # q, k, v and the heads' output
+    scores = tokens * heads * seq * _F32  # the softmax's probabilities
+    stats = tokens * (_STATS_PER_TOKEN + 2 * heads) * _F32  # norms' rsqrt; softmax max, sum
+    residual = 2 * tokens * dim * dtype  # the block's input and its sum after attention
+    ff = block.feed_forward
+    if isinstance(ff, MoEConfig):
+        rows = tokens * ff.top_k  # each token's copies, one per expert it is routed to
+        if ff.capacity_factor is not None:
+            rows = min(rows, math.ceil(ff.capacity_factor * rows / ff.num_experts)
+                       * ff.num_experts)  # fmt: skip
+        hidden = ff.hidden / tp
+        feed = rows * (dim + 3 * hidden + dim) * dtype + 2 * tokens * ff.num_experts * _F32
+        saved_dots = rows * (2 * hidden + dim) * dtype
+    else:
+        hidden = ff.hidden / tp
+        feed = tokens * hidden * (3 if ff.gated else 2) * dtype  # up (gate), its activation
+        saved_dots = tokens * (hidden * (2 if ff.gated else 1) + dim) * dtype
+    full = residual + projections + scores + stats + feed
+    kept = {
+        "none": full,
+        "full": tokens * dim * dtype,  # its input
+        "dots": projections + saved_dots,  # its input is the last block's outputs summed
+        "offload": tokens * dim * dtype,  # the matmuls' outputs wait in host memory
+    }[remat]
+    return _Residuals(full, kept)
+
+
+def default_blocks(config: GPTConfig, stages: int, layout: MemoryLayout | None = None) -> tuple:
+    """Blocks per model stage as ``stage_rules`` (by parameter counts) cuts them.
+
+    Example:
+        >>> default_blocks(GPTConfig(depth=4), 2)
+        (2, 2)
+    """
+    from mmnnx.models.stages import _split  # noqa: PLC0415
+
+    lay = layout or MemoryLayout()
+    costs = [
+        int(_block_weights(b, config.dim, lay, 0, 1).total * lay.tensor)
+        for b in config.block_configs
+    ]
+    first = config.vocab_size * config.dim
+    last = config.dim * (0 if config.tie_embeddings else config.vocab_size) + config.dim
+    return tuple(_split(costs, stages, first, last))
+
+
+def predict_memory(
+    config: GPTConfig,
+    layout: MemoryLayout,
+    *,
+    batch: int,
+    seq_len: int | None = None,
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    remat: str | None = None,
+    optimizer: str = "adamw",
+    trainable: float = 1.0,
+    pack_weights: bool | int = PACK_WEIGHT_BYTES,
+) -> MemoryPrediction:
+    """Each task's peak bytes per device for training ``GPT(config)`` on ``layout`` with
+    ``batch`` sequences of ``seq_len`` tokens (default ``config.max_seq_len``) per step, cut
+    into ``microbatches`` run by ``schedule``; from shapes and the schedule's simulation only.
+
+    ``remat`` (default ``config.remat``) is a :data:`~mmnnx.models.gpt.REMAT` policy;
+    ``optimizer`` names the optimizer state per parameter (:data:`OPTIMIZER_COPIES`);
+    ``trainable`` is the share of parameters trained (gradients and optimizer state);
+    ``pack_weights`` is ``mm.jit``'s (a block's replicated weights of at most that many bytes
+    are packed into a second copy). The terms are described in this module's docstring and
+    docs/memory.md.
+
+    Example:
+        >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
+        >>> p = predict_memory(config, MemoryLayout(stages=2), batch=4, microbatches=2)
+        >>> [t.parameters for t in p.tasks], [t.in_flight for t in p.tasks]
+        ([54016, 54144], [2, 1])
+
+    Raises:
+        ValueError: a remat policy, optimizer or schedule not known, a batch the microbatches
+            and the data (expert) axis do not split, or fewer blocks than model stages.
+    """
+    remat = config.remat if remat is None else remat
+    if remat not in REMAT:
+        raise ValueError(f"predict_memory: remat {remat!r}: expected one of {', '.join(REMAT)}")
+    if optimizer not in OPTIMIZER_COPIES:
+        known = ", ".join(OPTIMIZER_COPIES)
+        raise ValueError(f"predict_memory: optimizer {optimizer!r}: expected one of {known}")
+    lay, seq = layout, seq_len or config.max_seq_len
+    shards = lay.data * lay.expert
+    if batch % microbatches or (batch // microbatches) % shards:
+        raise ValueError(
+            f"predict_memory: a batch of {batch} in {microbatches} microbatches over data x "
+            f"expert = {shards} devices does not split evenly"
+        )
+    count = lay.stages * lay.virtual_stages
+    if config.depth < count:
+        raise ValueError(f"predict_memory: {config.depth} blocks for {count} model stages")
+    sizes = lay.blocks or default_blocks(config, count, lay)
+    if sum(sizes) != config.depth:
+        raise ValueError(f"predict_memory: blocks {sizes} do not add up to depth {config.depth}")
+    table = sched.get(schedule, count, microbatches, lay.virtual_stages)
+
+    param_bytes = DTYPE_BYTES[config.param_dtype]
+    dtype = DTYPE_BYTES[config.dtype]
+    limit = weight_bound(pack_weights)
+    tokens = batch // microbatches // shards * seq  # per device, per microbatch
+    dim, vocab = config.dim, config.vocab_size
+    starts = [sum(sizes[:s]) for s in range(count)]
+    stage_weights, residuals, full_residuals = [], [], []
+    for s in range(count):
+        blocks = config.block_configs[starts[s] : starts[s] + sizes[s]]
+        weights = sum((_block_weights(b, dim, lay, limit, param_bytes) for b in blocks),
+                      _Weights())  # fmt: skip
+        res = [_block_residuals(b, dim, tokens, seq, lay, dtype, remat) for b in blocks]
+        kept = sum(r.kept for r in res)
+        full = sum(r.full for r in res)
+        if s == 0:
+            weights += _weight((vocab, dim), lay.tensor, 0, param_bytes)
+            kept += tokens * 4  # the token ids the embedding's gradient scatters by
+        if s == count - 1:
+            head = 0 if config.tie_embeddings else vocab * dim
+            weights += _weight((head,), lay.tensor, 0, param_bytes) + _Weights(dim)
+            logits = tokens * vocab / lay.tensor * _F32 + tokens * dim * dtype
+            logits += tokens * _HEAD_STATS_PER_TOKEN * _F32
+            kept, full = kept + logits, full + logits
+        if remat == "dots":
+            kept += tokens * dim * dtype  # the first block's input
+        stage_weights.append(weights)
+        residuals.append(kept)
+        full_residuals.append(full)
+
+    simulated = sched.simulate(table, forward_cost=1, backward_cost=2)
+    homes = [str(r) for r in table.stage_to_rank]
+    held = dict(enumerate(residuals))
+    activations = _peak_held(simulated.events, held, homes)
+    boundary = tokens * dim * dtype
+    tasks = []
+    for rank in range(table.num_ranks):
+        mine = [s for s in range(count) if table.stage_to_rank[s] == rank]
+        weights = sum((stage_weights[s] for s in mine), _Weights())
+        params = weights.total * param_bytes / lay.fsdp
+        grads = params * trainable
+        state = grads * OPTIMIZER_COPIES[optimizer]
+        packed = weights.packed * param_bytes if lay.fsdp == 1 else 0.0
+        # downstream, an activation sent and its cotangent received; upstream, a cotangent sent
+        buffers = sum(2 * (s < count - 1) + (s > 0) for s in mine)
+        gathered = max(stage_weights[s].total for s in mine) * param_bytes * (1 - 1 / lay.fsdp)
+        workspace = max(
+            stage_weights[s].total * param_bytes * trainable  # one microbatch's gradients
+            + full_residuals[s]  # cotangents of its activations
+            + (full_residuals[s] - residuals[s])  # the activations remat recomputes
+            for s in mine
+        ) + gathered  # fmt: skip
+        in_flight = max(simulated.peak_in_flight[s] for s in mine)
+        tasks.append(StageMemory(
+            task=rank,
+            blocks=tuple(b for s in mine for b in (starts[s], starts[s] + sizes[s] - 1)),
+            parameters=round(params), gradients=round(grads), optimizer=round(state),
+            packed_weights=round(packed), activations=round(activations[str(rank)]),
+            in_flight=in_flight, transfers=round(buffers * boundary),
+            workspace=round(workspace), update=round(2 * (params + state) + grads),
+        ))  # fmt: skip
+    return MemoryPrediction(
+        tasks=tuple(tasks), schedule=schedule, microbatches=microbatches, remat=remat
+    )
