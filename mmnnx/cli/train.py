@@ -157,6 +157,7 @@ def _train(
     from mmnnx.train.run_data import run_dataset  # noqa: PLC0415
     from mmnnx.train.run_model import build_model, model_config, trainable  # noqa: PLC0415
     from mmnnx.train.run_record import RunRecord, saved_record  # noqa: PLC0415
+    from mmnnx.train.validate import memory_problem  # noqa: PLC0415
     from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
 
     out = pathlib.Path(run.outputs.output_dir)
@@ -168,6 +169,9 @@ def _train(
         print(dataset.summary())
     tasks = run_tasks(run.layout.stages, data_axis, run.layout.model_axis, run.layout.expert_axis)
     config = pretrained or model_config(run, tokenizer.vocab_size)
+    problem = memory_problem(run, config, data_axis)  # predicted, before anything compiles
+    if problem:
+        return error(problem)
     saved = saved_record(checkpointer) if run.outputs.resume else None
     extra = saved and saved.extra
     try:

@@ -304,7 +304,7 @@ def predict_memory(
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
         >>> p = predict_memory(config, MemoryLayout(stages=2), batch=4, microbatches=2)
         >>> [t.parameters for t in p.tasks], [t.in_flight for t in p.tasks]
-        ([54016, 54144], [2, 1])
+        ([58240, 58368], [2, 1])
 
     Raises:
         ValueError: a remat policy, optimizer or schedule not known, a batch the microbatches
@@ -394,3 +394,55 @@ def predict_memory(
     return MemoryPrediction(
         tasks=tuple(tasks), schedule=schedule, microbatches=microbatches, remat=remat
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One change to a layout or its options (``option`` set to ``value``) and what it
+    predicts."""
+
+    option: str  # "schedule", "microbatches", "remat", "fsdp" or "stages"
+    value: object
+    prediction: MemoryPrediction
+
+
+def fitting_change(
+    config: GPTConfig, layout: MemoryLayout, budget: int, **options
+) -> Change | None:
+    """The first single change that brings :func:`predict_memory`'s peak (same ``options``)
+    under ``budget``, tried in this order: a schedule with fewer microbatches in flight
+    (1F1B), twice the microbatches (smaller ones), a remat policy (``dots``, then ``full``),
+    a larger FSDP axis (2, 4, 8), more stages (up to the depth); ``None`` when none does.
+
+    Example:
+        >>> config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16)
+        >>> lay, kw = MemoryLayout(stages=2), dict(batch=64, microbatches=8, schedule="gpipe")
+        >>> change = fitting_change(config, lay, 3_000_000, **kw)
+        >>> change.option, change.value, change.prediction.peak < 3_000_000
+        ('schedule', '1f1b', True)
+    """
+    tries: list[tuple[str, object, MemoryLayout, dict]] = []
+    schedule, m = options.get("schedule", "1f1b"), options.get("microbatches", 1)
+    if schedule != "1f1b":
+        tries.append(("schedule", "1f1b", layout, {"schedule": "1f1b"}))
+    if options["batch"] % (2 * m) == 0:
+        tries.append(("microbatches", 2 * m, layout, {"microbatches": 2 * m}))
+    current = options.get("remat") or config.remat
+    for policy in ("dots", "full"):
+        if policy != current and current != "full":
+            tries.append(("remat", policy, layout, {"remat": policy}))
+    for fsdp in (2, 4, 8):
+        if fsdp > layout.fsdp:
+            tries.append(("fsdp", fsdp, dataclasses.replace(layout, fsdp=fsdp), {}))
+    per_task = layout.virtual_stages
+    for stages in range(layout.stages + 1, config.depth // per_task + 1):
+        more = dataclasses.replace(layout, stages=stages, blocks=None)
+        tries.append(("stages", stages, more, {}))
+    for option, value, lay, changed in tries:
+        try:
+            prediction = predict_memory(config, lay, **{**options, **changed})
+        except ValueError:  # a schedule or split this layout cannot run
+            continue
+        if prediction.peak <= budget:
+            return Change(option=option, value=value, prediction=prediction)
+    return None
