@@ -4,7 +4,7 @@ a layout that cannot fit is refused before anything compiles and a 70B config ca
 laptop.
 
 The model (docs/memory.md works one example through): a stage's devices hold its parameters,
-its gradient sums, its optimizer state and the block weights the runner packs into one buffer
+its gradient sums (one flat buffer of the stage's, whole on each device), its optimizer state and the block weights the runner packs into one buffer
 (a second copy); each microbatch in flight keeps its blocks' residuals (what each block's
 forward keeps for its backward under the remat policy) from its forward until its backward,
 plus a buffer each way at every stage boundary; the largest program, a backward, works on one
@@ -162,21 +162,24 @@ def format_bytes(n: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class _Weights:
-    """A module's parameter elements per device: all, the replicated ones a stage packs (of
-    at most the pack bound each), and the trained ones."""
+    """A module's parameter elements per device (``total``), the replicated ones a stage
+    packs (of at most the pack bound each), and all of them unsplit (``whole``)."""
 
     total: float = 0
     packed: float = 0
+    whole: float = 0
 
     def __add__(self, other: _Weights) -> _Weights:
-        return _Weights(self.total + other.total, self.packed + other.packed)
+        return _Weights(
+            self.total + other.total, self.packed + other.packed, self.whole + other.whole
+        )
 
 
 def _weight(shape: Sequence[int], shards: int, pack_limit: float, itemsize: int) -> _Weights:
     """One Variable of ``shape`` split ``shards`` ways (1: replicated, then maybe packed)."""
     size = math.prod(shape) / shards
     packed = size if shards == 1 and size * itemsize <= pack_limit else 0
-    return _Weights(size, packed)
+    return _Weights(size, packed, size * shards)
 
 
 def _block_weights(
@@ -240,9 +243,17 @@ def _block_residuals(
         if ff.capacity_factor is not None:
             rows = min(rows, math.ceil(ff.capacity_factor * rows / ff.num_experts)
                        * ff.num_experts)  # fmt: skip
-        hidden = ff.hidden / tp
-        feed = rows * (dim + 3 * hidden + dim) * dtype + 2 * tokens * ff.num_experts * _F32
-        saved_dots = rows * (2 * hidden + dim) * dtype
+        hidden, local = ff.hidden / tp, ff.num_experts / lay.expert
+        # with an expert axis, a padded slot for every assignment at each of its devices
+        slots = rows * lay.expert if lay.expert > 1 else rows
+        feed = (
+            tokens * ff.num_experts * _F32  # the router's probabilities
+            + slots * dim * dtype * 4.25  # sent (and its mask), received, sorted, returned
+            + slots * hidden * dtype * 6  # the grouped SwiGLU's gate, up, SiLU and product
+            + rows * dim * dtype * 2.25  # each assignment's output, weighted, and its mask
+            + 2 * local * dim * hidden * dtype  # the gate and up weights, as the experts ran
+        )
+        saved_dots = tokens * ff.num_experts * _F32  # the router's logits (grouped: not dots)
     else:
         hidden = ff.hidden / tp
         feed = tokens * hidden * (3 if ff.gated else 2) * dtype  # up (gate), its activation
@@ -350,7 +361,7 @@ def predict_memory(
             kept += tokens * 4  # the token ids the embedding's gradient scatters by
         if s == count - 1:
             head = 0 if config.tie_embeddings else vocab * dim
-            weights += _weight((head,), lay.tensor, 0, param_bytes) + _Weights(dim)
+            weights += _weight((head,), lay.tensor, 0, param_bytes) + _Weights(dim, 0, dim)
             logits = tokens * vocab / lay.tensor * _F32 + tokens * dim * dtype
             logits += tokens * _HEAD_STATS_PER_TOKEN * _F32
             kept, full = kept + logits, full + logits
@@ -370,8 +381,9 @@ def predict_memory(
         mine = [s for s in range(count) if table.stage_to_rank[s] == rank]
         weights = sum((stage_weights[s] for s in mine), _Weights())
         params = weights.total * param_bytes / lay.fsdp
-        grads = params * trainable
-        state = grads * OPTIMIZER_COPIES[optimizer]
+        # the gradient sums travel as one flat buffer per stage, whole on each of its devices
+        grads = weights.whole * param_bytes / lay.fsdp * trainable
+        state = params * trainable * OPTIMIZER_COPIES[optimizer]
         packed = weights.packed * param_bytes if lay.fsdp == 1 else 0.0
         # downstream, an activation sent and its cotangent received; upstream, a cotangent sent
         buffers = sum(2 * (s < count - 1) + (s > 0) for s in mine)
