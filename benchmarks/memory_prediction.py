@@ -100,7 +100,9 @@ def measure(config: GPTConfig, layout: dict, schedule: str, m: int, batch: int) 
     tasks = run_tasks(layout["stages"], 1, layout.get("tensor", 1), layout.get("expert", 1))
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-    model = mm.init(lambda: GPT(config, rngs=nnx.Rngs(0)), stage_rules(abstract, tasks, report=False))
+    model = mm.init(
+        lambda: GPT(config, rngs=nnx.Rngs(0)), stage_rules(abstract, tasks, report=False)
+    )
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     step, _ = make_steps(TrainConfig(microbatches=m, schedule=schedule))
     shape = (batch, config.max_seq_len + 1)
@@ -108,9 +110,7 @@ def measure(config: GPTConfig, layout: dict, schedule: str, m: int, batch: int) 
     step(model, opt, tokens)  # compiles
     with PeakRecorder() as recorder:
         step.memory_profile(model, opt, tokens)
-    return [
-        max(recorder.peak.get(d.id, 0) for d in task.jax_mesh.devices.flat) for task in tasks
-    ]
+    return [max(recorder.peak.get(d.id, 0) for d in task.jax_mesh.devices.flat) for task in tasks]
 
 
 def main():

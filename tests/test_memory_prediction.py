@@ -74,12 +74,12 @@ def test_train_refuses_a_layout_over_the_budget_before_compiling(tmp_path, capsy
     monkeypatch.setattr(runner.Executable, "compile", no_compile)
     argv = ["train", "--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "16"]
     argv += ["--batch-size", "8", "--microbatches", "2", "--steps", "1", "--model-axis", "1"]
-    argv += ["--output-dir", str(tmp_path), "--memory-budget", "1MiB"]
+    argv += ["--output-dir", str(tmp_path), "--memory-budget", "600KiB"]
     start = time.perf_counter()
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert time.perf_counter() - start < 30
-    assert err.startswith("mmnnx train: error: --memory-budget 1MiB: stage 0 needs ")
+    assert err.startswith("mmnnx train: error: --memory-budget 600KiB: stage 1 needs ")
     assert "--microbatches 4 fits" in err and "Traceback" not in err
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -124,3 +124,20 @@ def test_prediction_within_10_percent_of_the_measured_peak():
     for task, t in zip(tasks, predicted.tasks, strict=True):
         measured = peak[task.jax_mesh.devices.flat[0].id]
         assert abs(t.peak / measured - 1) <= 0.10, (task.name, t.peak, measured)
+
+
+def test_partition_auto_skips_the_candidates_over_the_budget(capsys):
+    from mmnnx.cli.partition import _within_budget
+    from mmnnx.train.config import RunConfig
+    from mmnnx.train.run_model import model_config
+
+    options = dict(dim=32, depth=2, heads=2, seq_len=16, batch_size=8, model_axis=1)
+    options.update(partition="auto", schedule="auto", memory_budget="700KiB")
+    run = RunConfig.of(options)
+    config = model_config(run, 256)
+    schedules, counts = _within_budget(run, config, 2, None, [2, 4])
+    printed = capsys.readouterr().out
+    assert "skipped, predicted over --memory-budget 700KiB: gpipe M=2 (task 1: " in printed
+    assert "1f1b" in schedules and "interleaved-1f1b" not in schedules and counts == [4, 2]
+    with pytest.raises(ValueError, match="no candidate fits --memory-budget 100KiB: the smallest"):
+        _within_budget(RunConfig.of({**options, "memory_budget": "100KiB"}), config, 2, None, [2])

@@ -4,15 +4,15 @@ a layout that cannot fit is refused before anything compiles and a 70B config ca
 laptop.
 
 The model (docs/memory.md works one example through): a stage's devices hold its parameters,
-its gradient sums (one flat buffer of the stage's, whole on each device), its optimizer state and the block weights the runner packs into one buffer
-(a second copy); each microbatch in flight keeps its blocks' residuals (what each block's
-forward keeps for its backward under the remat policy) from its forward until its backward,
-plus a buffer each way at every stage boundary; the largest program, a backward, works on one
-microbatch's weight gradients and the stage's activations as cotangents, recomputed once more
-under remat. At the end of the step the new parameters and optimizer state are written beside
-the old ones. Each term is per device: tensor-parallel weights and heads divide by ``tensor``,
-experts by ``expert``, parameters, gradients and optimizer state by ``fsdp``, the batch by
-``data`` x ``expert``.
+its gradient sums (one flat buffer of the stage's, whole on each device), its optimizer state
+and the block weights the runner packs into one buffer (a second copy); each microbatch in
+flight keeps its blocks' residuals (what each block's forward keeps for its backward under the
+remat policy) from its forward until its backward, plus buffers at its stage boundaries; the
+largest program, a backward, works on one microbatch's weight gradients and the stage's
+activations as cotangents, recomputed once more under remat. At the end of the step the new
+parameters and optimizer state are written beside the old ones. Each term is per device:
+tensor-parallel weights and heads divide by ``tensor``, experts by ``expert``, parameters,
+gradients and optimizer state by ``fsdp``, the batch by ``data`` x ``expert``.
 """
 
 from __future__ import annotations
@@ -418,13 +418,23 @@ class Change:
     prediction: MemoryPrediction
 
 
+CHANGES = ("schedule", "microbatches", "remat", "fsdp", "stages")
+"""The changes :func:`fitting_change` tries, in its order."""
+
+
 def fitting_change(
-    config: GPTConfig, layout: MemoryLayout, budget: int, **options
+    config: GPTConfig,
+    layout: MemoryLayout,
+    budget: int,
+    *,
+    changes: Sequence[str] = CHANGES,
+    **options: object,
 ) -> Change | None:
     """The first single change that brings :func:`predict_memory`'s peak (same ``options``)
     under ``budget``, tried in this order: a schedule with fewer microbatches in flight
     (1F1B), twice the microbatches (smaller ones), a remat policy (``dots``, then ``full``),
     a larger FSDP axis (2, 4, 8), more stages (up to the depth); ``None`` when none does.
+    ``changes``: those of :data:`CHANGES` to try.
 
     Example:
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16)
@@ -451,6 +461,8 @@ def fitting_change(
         more = dataclasses.replace(layout, stages=stages, blocks=None)
         tries.append(("stages", stages, more, {}))
     for option, value, lay, changed in tries:
+        if option not in changes:
+            continue
         try:
             prediction = predict_memory(config, lay, **{**options, **changed})
         except ValueError:  # a schedule or split this layout cannot run
@@ -458,3 +470,37 @@ def fitting_change(
         if prediction.peak <= budget:
             return Change(option=option, value=value, prediction=prediction)
     return None
+
+
+def fitting_candidates(
+    config: GPTConfig,
+    layout: MemoryLayout,
+    budget: int,
+    candidates: Sequence[tuple[str, int]],
+    **options: object,
+) -> tuple[list[tuple[str, int]], dict[tuple[str, int], MemoryPrediction]]:
+    """Which ``(schedule, microbatches)`` candidates :func:`predict_memory` (same ``options``)
+    fits under ``budget``, and the predictions of those it does not (a candidate the layout
+    cannot run, e.g. an interleaved schedule on one stage per task, is in neither).
+
+    Example:
+        >>> config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=2, max_seq_len=16)
+        >>> pairs = [("gpipe", 8), ("1f1b", 8), ("interleaved-1f1b", 8)]
+        >>> fits, over = fitting_candidates(config, MemoryLayout(stages=2), 3_000_000, pairs,
+        ...                                 batch=64)
+        >>> fits, list(over)
+        ([('1f1b', 8)], [('gpipe', 8)])
+    """
+    fits, over = [], {}
+    for schedule, m in candidates:
+        try:
+            prediction = predict_memory(
+                config, layout, **{**options, "schedule": schedule, "microbatches": m}
+            )
+        except ValueError:
+            continue
+        if prediction.peak <= budget:
+            fits.append((schedule, m))
+        else:
+            over[(schedule, m)] = prediction
+    return fits, over
