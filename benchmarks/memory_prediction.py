@@ -10,8 +10,10 @@ over the step. Predicted: ``predict_memory`` from the config and layout alone. T
 task's predicted peak within 10% of its devices' measured one.
 
 This is XLA:CPU's buffer assignment (temporaries, no donation of the step's state): the
-workspace term is the one its numbers least bind on another backend. Byte counts do not vary
-from run to run: one round.
+workspace term is the one its numbers least bind on another backend; with bfloat16 compute
+XLA:CPU's temporaries grow rather than halve (its bfloat16 arithmetic goes through float32),
+so that held-out row is not expected to meet the target here. Byte counts do not vary from run
+to run: one round.
 
 Run: python benchmarks/memory_prediction.py  (writes benchmarks/results/memory_prediction.json)
 """
@@ -51,6 +53,15 @@ CONFIGS = {  # name: (GPTConfig changes, layout, schedule, microbatches, batch)
     "2 stages x tensor 2, 1F1B, remat none": ({}, dict(stages=2, tensor=2), "1f1b", 4, 16),
     "2 stages x expert 2, 4 experts, 1F1B, remat none": (
         dict(experts=4, expert_hidden=128), dict(stages=2, expert=2), "1f1b", 4, 16),
+    # held out: checked only after the terms were written from the eight above
+    "held out: gated MLP, 2 KV heads, 64 tokens, 2 stages, 1F1B, remat none": (
+        dict(gated_mlp=True, mlp_bias=False, num_kv_heads=2, max_seq_len=64),
+        dict(stages=2), "1f1b", 4, 16),
+    "held out: 6 blocks of dim 96, 2 stages x data 2, 1F1B, remat full": (
+        dict(remat="full", depth=6, dim=96, num_heads=6, mlp_hidden=384),
+        dict(stages=2, data=2), "1f1b", 4, 16),
+    "held out: bfloat16 compute, 2 stages, 1F1B, remat dots": (
+        dict(remat="dots", dtype="bfloat16"), dict(stages=2), "1f1b", 4, 16),
 }  # fmt: skip
 
 
@@ -97,7 +108,8 @@ class PeakRecorder:
 
 def measure(config: GPTConfig, layout: dict, schedule: str, m: int, batch: int) -> list[int]:
     """Each task's measured peak bytes on its most loaded device."""
-    tasks = run_tasks(layout["stages"], 1, layout.get("tensor", 1), layout.get("expert", 1))
+    sizes = (layout.get(k, 1) for k in ("data", "tensor", "expert"))
+    tasks = run_tasks(layout["stages"], *sizes)
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     model = mm.init(

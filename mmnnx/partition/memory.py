@@ -388,6 +388,8 @@ def predict_memory(
         # downstream, an activation sent and its cotangent received; upstream, a cotangent sent
         buffers = sum(2 * (s < count - 1) + (s > 0) for s in mine)
         gathered = max(stage_weights[s].total for s in mine) * param_bytes * (1 - 1 / lay.fsdp)
+        if dtype != param_bytes:  # the weights cast to the compute dtype for the matmuls
+            gathered += max(stage_weights[s].total for s in mine) * dtype
         workspace = max(
             stage_weights[s].total * param_bytes * trainable  # one microbatch's gradients
             + full_residuals[s]  # cotangents of its activations
