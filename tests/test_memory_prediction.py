@@ -141,3 +141,18 @@ def test_partition_auto_skips_the_candidates_over_the_budget(capsys):
     assert "1f1b" in schedules and "interleaved-1f1b" not in schedules and counts == [4, 2]
     with pytest.raises(ValueError, match="no candidate fits --memory-budget 100KiB: the smallest"):
         _within_budget(RunConfig.of({**options, "memory_budget": "100KiB"}), config, 2, None, [2])
+
+
+def test_the_docs_worked_example_is_what_the_code_computes(capsys):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "memory.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
+    scope: dict = {}
+    exec(compile(block, "docs/memory.md", "exec"), scope)
+    first = scope["p"].tasks[0]
+    stated = re.search(r"The pipelined phase sums to \*\*([0-9,]+) B\*\*", text).group(1)
+    assert first.pipelined == first.peak == int(stated.replace(",", ""))
+    for value in (first.parameters, first.optimizer, first.activations, first.workspace):
+        assert f"**{value:,} B**" in text
