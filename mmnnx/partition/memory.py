@@ -35,7 +35,7 @@ _STATS_PER_TOKEN = 2  # a block's two norms' rsqrt, kept per token
 _HEAD_STATS_PER_TOKEN = 3  # the final norm's rsqrt, the loss's log-sum-exp and target
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryLayout:
     """How a model is laid out over devices, as :func:`predict_memory` charges it.
 
@@ -78,7 +78,7 @@ class MemoryLayout:
         return self.stages * self.data * self.tensor * self.expert
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StageMemory:
     """One task's predicted bytes per device (its model stages summed), by what holds them.
 
@@ -113,7 +113,7 @@ class StageMemory:
         return max(self.pipelined, self.update)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryPrediction:
     """:func:`predict_memory`'s answer: one :class:`StageMemory` per task; ``peak`` the
     largest, ``worst`` its task. ``str`` draws the table."""
@@ -410,7 +410,7 @@ def predict_memory(
     )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Change:
     """One change to a layout or its options (``option`` set to ``value``) and what it
     predicts."""
