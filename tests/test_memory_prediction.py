@@ -49,6 +49,9 @@ def test_the_arithmetic_by_hand():
     assert [t.in_flight for t in gpipe.tasks] == [2, 2]
     none = mm.predict_memory(SMALL, lay, batch=4, microbatches=2, remat="none")
     assert none.tasks[0].activations > first.activations  # everything kept without remat
+    split = mm.predict_memory(SMALL, lay, batch=4, microbatches=2, schedule="zero-bubble-h1")
+    # the matmuls' output cotangents wait from the input-gradient pass to the weight-gradient one
+    assert split.tasks[1].activations > none.tasks[1].activations
     tensor = mm.predict_memory(SMALL, mm.MemoryLayout(stages=2, tensor=2), batch=4, microbatches=2)
     # q, k, v, out, up, down and the vocabulary are split; norms and the down bias are not
     assert tensor.tasks[0].parameters == 4 * ((BLOCK - 64 - 32) / 2 + 64 + 32 + 64 * 32 / 2)

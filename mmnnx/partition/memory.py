@@ -25,7 +25,6 @@ from mmnnx.models.gpt import REMAT, GPTConfig
 from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.lower.pack import PACK_WEIGHT_BYTES, weight_bound
-from mmnnx.tuning import _peak_held
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OPTIMIZER_COPIES = {"adamw": 2, "adam": 2, "sgd": 0, "momentum": 1, "lion": 1, "adafactor": 0}
@@ -215,11 +214,13 @@ def _block_weights(
 
 @dataclasses.dataclass(frozen=True)
 class _Residuals:
-    """Bytes one block keeps per microbatch per device: all it would keep without remat, and
-    those the remat policy keeps."""
+    """Bytes one block keeps per microbatch per device: all it would keep without remat, those
+    the remat policy keeps, and its matmuls' outputs (whose cotangents a split backward's
+    input-gradient pass leaves for its weight-gradient pass)."""
 
     full: float
     kept: float
+    outputs: float
 
 
 def _block_residuals(
@@ -254,10 +255,12 @@ def _block_residuals(
             + 2 * local * dim * hidden * dtype  # the gate and up weights, as the experts ran
         )
         saved_dots = tokens * ff.num_experts * _F32  # the router's logits (grouped: not dots)
+        outputs = saved_dots + slots * (2 * hidden + dim) * dtype
     else:
         hidden = ff.hidden / tp
         feed = tokens * hidden * (3 if ff.gated else 2) * dtype  # up (gate), its activation
         saved_dots = tokens * (hidden * (2 if ff.gated else 1) + dim) * dtype
+        outputs = saved_dots
     full = residual + projections + scores + stats + feed
     kept = {
         "none": full,
@@ -265,7 +268,45 @@ def _block_residuals(
         "dots": projections + saved_dots,  # its input is the last block's outputs summed
         "offload": tokens * dim * dtype,  # the matmuls' outputs wait in host memory
     }[remat]
-    return _Residuals(full, kept)
+    return _Residuals(full, kept, projections + outputs)
+
+
+def _workspace(gradients: float, full: float, kept: float, *, split: bool) -> float:
+    """A stage's largest backward program's own buffers: one microbatch's weight
+    ``gradients``, the stage's activations (``full``: all it would keep) as cotangents, and
+    those remat recomputes (``full - kept``). Under remat a ``split`` backward's input-gradient
+    pass recomputes and holds the cotangents, its weight-gradient pass the gradients: the
+    larger of the two (the first stage, with no input gradient, runs one pass)."""
+    cotangents = full + (full - kept)
+    return max(cotangents, gradients) if split and full > kept else gradients + cotangents
+
+
+def _held_peaks(
+    events: Sequence[sched.Event],
+    kept: Sequence[float],
+    waiting: Sequence[float],
+    homes: Sequence[int],
+) -> dict[int, float]:
+    """Most bytes each rank holds at once for its microbatches in flight: a stage's ``kept``
+    from its F until its B (or W), and with a split backward its ``waiting`` cotangents from
+    its I until its W."""
+    changes = []
+    for e in events:
+        home = homes[e.stage]
+        if e.kind == "F":
+            changes.append((e.start, 1, home, kept[e.stage]))
+        elif e.kind == "I":
+            changes.append((e.end, 1, home, waiting[e.stage]))
+        elif e.kind == "B":
+            changes.append((e.end, 0, home, -kept[e.stage]))
+        elif e.kind == "W":
+            changes.append((e.end, 0, home, -kept[e.stage] - waiting[e.stage]))
+    now = dict.fromkeys(homes, 0.0)
+    peak = dict(now)
+    for _, _, home, delta in sorted(changes):  # at one instant, releases before new holds
+        now[home] += delta
+        peak[home] = max(peak[home], now[home])
+    return peak
 
 
 def default_blocks(config: GPTConfig, stages: int, layout: MemoryLayout | None = None) -> tuple:
@@ -348,7 +389,7 @@ def predict_memory(
     tokens = batch // microbatches // shards * seq  # per device, per microbatch
     dim, vocab = config.dim, config.vocab_size
     starts = [sum(sizes[:s]) for s in range(count)]
-    stage_weights, residuals, full_residuals = [], [], []
+    stage_weights, residuals, full_residuals, waiting = [], [], [], []
     for s in range(count):
         blocks = config.block_configs[starts[s] : starts[s] + sizes[s]]
         weights = sum((_block_weights(b, dim, lay, limit, param_bytes) for b in blocks),
@@ -356,6 +397,7 @@ def predict_memory(
         res = [_block_residuals(b, dim, tokens, seq, lay, dtype, remat) for b in blocks]
         kept = sum(r.kept for r in res)
         full = sum(r.full for r in res)
+        outputs = sum(r.outputs for r in res)
         if s == 0:
             weights += _weight((vocab, dim), lay.tensor, 0, param_bytes)
             kept += tokens * 4  # the token ids the embedding's gradient scatters by
@@ -365,16 +407,18 @@ def predict_memory(
             logits = tokens * vocab / lay.tensor * _F32 + tokens * dim * dtype
             logits += tokens * _HEAD_STATS_PER_TOKEN * _F32
             kept, full = kept + logits, full + logits
+            outputs += tokens * vocab / lay.tensor * dtype
         if remat == "dots":
             kept += tokens * dim * dtype  # the first block's input
         stage_weights.append(weights)
         residuals.append(kept)
         full_residuals.append(full)
+        # a split backward's weight-gradient pass reads its matmuls' output cotangents; under
+        # remat it recomputes them from the cotangent at each block's output
+        waiting.append(outputs if remat == "none" else sizes[s] * tokens * dim * dtype)
 
     simulated = sched.simulate(table, forward_cost=1, backward_cost=2)
-    homes = [str(r) for r in table.stage_to_rank]
-    held = dict(enumerate(residuals))
-    activations = _peak_held(simulated.events, held, homes)
+    activations = _held_peaks(simulated.events, residuals, waiting, table.stage_to_rank)
     boundary = tokens * dim * dtype
     tasks = []
     for rank in range(table.num_ranks):
@@ -390,18 +434,16 @@ def predict_memory(
         gathered = max(stage_weights[s].total for s in mine) * param_bytes * (1 - 1 / lay.fsdp)
         if dtype != param_bytes:  # the weights cast to the compute dtype for the matmuls
             gathered += max(stage_weights[s].total for s in mine) * dtype
-        workspace = max(
-            stage_weights[s].total * param_bytes * trainable  # one microbatch's gradients
-            + full_residuals[s]  # cotangents of its activations
-            + (full_residuals[s] - residuals[s])  # the activations remat recomputes
-            for s in mine
-        ) + gathered  # fmt: skip
+        workspace = max(_workspace(
+            stage_weights[s].total * param_bytes * trainable, full_residuals[s], residuals[s],
+            split=table.splits_backward and s > 0,
+        ) for s in mine) + gathered  # fmt: skip
         in_flight = max(simulated.peak_in_flight[s] for s in mine)
         tasks.append(StageMemory(
             task=rank,
             blocks=tuple(b for s in mine for b in (starts[s], starts[s] + sizes[s] - 1)),
             parameters=round(params), gradients=round(grads), optimizer=round(state),
-            packed_weights=round(packed), activations=round(activations[str(rank)]),
+            packed_weights=round(packed), activations=round(activations[rank]),
             in_flight=in_flight, transfers=round(buffers * boundary),
             workspace=round(workspace), update=round(2 * (params + state) + grads),
         ))  # fmt: skip
