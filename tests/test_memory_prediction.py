@@ -55,8 +55,12 @@ def test_the_arithmetic_by_hand():
     tensor = mm.predict_memory(SMALL, mm.MemoryLayout(stages=2, tensor=2), batch=4, microbatches=2)
     # q, k, v, out, up, down and the vocabulary are split; norms and the down bias are not
     assert tensor.tasks[0].parameters == 4 * ((BLOCK - 64 - 32) / 2 + 64 + 32 + 64 * 32 / 2)
-    fsdp = mm.predict_memory(SMALL, mm.MemoryLayout(stages=2, fsdp=2), batch=4, microbatches=2)
-    assert fsdp.tasks[0].optimizer == none.tasks[0].optimizer / 2
+    fsdp = mm.MemoryLayout(stages=2, data=2, fsdp=2)
+    sharded = mm.predict_memory(SMALL, fsdp, batch=4, microbatches=2).tasks[0]
+    assert sharded.optimizer == none.tasks[0].optimizer / 2  # the gradient sums stay whole
+    assert sharded.parameters == first.parameters / 2 and sharded.gradients == first.gradients
+    with pytest.raises(ValueError, match="MemoryLayout.fsdp 2 must divide data 1"):
+        mm.MemoryLayout(stages=2, fsdp=2)
     assert "predicted bytes per device" in str(p)
 
     change = fitting_change(SMALL, lay, p.peak - 1, batch=4, microbatches=2, remat="none")

@@ -11,8 +11,8 @@ remat policy) from its forward until its backward, plus buffers at its stage bou
 largest program, a backward, works on one microbatch's weight gradients and the stage's
 activations as cotangents, recomputed once more under remat. At the end of the step the new
 parameters and optimizer state are written beside the old ones. Each term is per device:
-tensor-parallel weights and heads divide by ``tensor``, experts by ``expert``, parameters,
-gradients and optimizer state by ``fsdp``, the batch by ``data`` x ``expert``.
+tensor-parallel weights and heads divide by ``tensor``, experts by ``expert``, parameters and
+optimizer state by ``fsdp``, the batch by ``data`` x ``expert``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from mmnnx.mpmd.lower.pack import PACK_WEIGHT_BYTES, weight_bound
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OPTIMIZER_COPIES = {"adamw": 2, "adam": 2, "sgd": 0, "momentum": 1, "lion": 1, "adafactor": 0}
 """Optimizer state per trained parameter, in parameter-sized copies (AdamW: two moments)."""
+_FEED_FORWARD = (MLPConfig, MoEConfig)
 _F32 = 4  # norms, softmax and the loss are float32 whatever the compute dtype
 _STATS_PER_TOKEN = 2  # a block's two norms' rsqrt, kept per token
 _HEAD_STATS_PER_TOKEN = 3  # the final norm's rsqrt, the loss's log-sum-exp and target
@@ -40,9 +41,9 @@ class MemoryLayout:
 
     ``stages`` tasks, each of ``data`` x ``expert`` x ``tensor`` devices (the batch split over
     ``data`` x ``expert``, attention heads and MLP features over ``tensor``, experts over
-    ``expert``); ``fsdp`` divides each stage's parameters, gradients and optimizer state
-    (sharded over that many of its devices; an FSDP axis that splits the batch too is counted
-    in ``data`` as well); ``virtual_stages`` model stages per task; ``blocks``: the blocks of
+    ``expert``); ``fsdp`` divides each stage's parameters and optimizer state (sharded over
+    that many of its ``data`` devices, as ``mmnnx train --fsdp-axis`` carves it; the
+    gradient sums stay whole); ``virtual_stages`` model stages per task; ``blocks``: the blocks of
     each model stage (default: as ``stage_rules`` balances parameter counts).
 
     Example:
@@ -63,6 +64,10 @@ class MemoryLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MemoryLayout.{name} must be an int >= 1, got {value!r}")
+        if self.data % self.fsdp:
+            raise ValueError(
+                f"MemoryLayout.fsdp {self.fsdp} must divide data {self.data} (its devices)"
+            )
         if self.blocks is not None:
             count = self.stages * self.virtual_stages
             if len(self.blocks) != count or min(self.blocks, default=0) < 1:
@@ -359,8 +364,9 @@ def predict_memory(
         ([58240, 58368], [2, 1])
 
     Raises:
-        ValueError: a remat policy, optimizer or schedule not known, a batch the microbatches
-            and the data (expert) axis do not split, or fewer blocks than model stages.
+        ValueError: a remat policy, optimizer or schedule not known, a layer of a kind the
+            model does not know, a batch the microbatches and the data (expert) axis do not
+            split, or fewer blocks than model stages.
     """
     remat = config.remat if remat is None else remat
     if remat not in REMAT:
@@ -375,6 +381,14 @@ def predict_memory(
             f"predict_memory: a batch of {batch} in {microbatches} microbatches over data x "
             f"expert = {shards} devices does not split evenly"
         )
+    for i, block in enumerate(config.block_configs):
+        parts = (block.attention, block.feed_forward)
+        if not isinstance(parts[0], AttentionConfig) or not isinstance(parts[1], _FEED_FORWARD):
+            kinds = " and ".join(type(part).__name__ for part in parts)
+            raise ValueError(
+                f"predict_memory: layer {i} is {kinds}; the model knows AttentionConfig with "
+                "MLPConfig or MoEConfig"
+            )
     count = lay.stages * lay.virtual_stages
     if config.depth < count:
         raise ValueError(f"predict_memory: {config.depth} blocks for {count} model stages")
@@ -425,8 +439,9 @@ def predict_memory(
         mine = [s for s in range(count) if table.stage_to_rank[s] == rank]
         weights = sum((stage_weights[s] for s in mine), _Weights())
         params = weights.total * param_bytes / lay.fsdp
-        # the gradient sums travel as one flat buffer per stage, whole on each of its devices
-        grads = weights.whole * param_bytes / lay.fsdp * trainable
+        # the gradient sums: one flat buffer per stage, whole on each of its devices (not
+        # split over tensor, expert or fsdp; docs/pipelining.md, FSDP)
+        grads = weights.whole * param_bytes * trainable
         state = params * trainable * OPTIMIZER_COPIES[optimizer]
         packed = weights.packed * param_bytes if lay.fsdp == 1 else 0.0
         # downstream, an activation sent and its cotangent received; upstream, a cotangent sent
@@ -477,7 +492,7 @@ def fitting_change(
     """The first single change that brings :func:`predict_memory`'s peak (same ``options``)
     under ``budget``, tried in this order: a schedule with fewer microbatches in flight
     (1F1B), twice the microbatches (smaller ones), a remat policy (``dots``, then ``full``),
-    a larger FSDP axis (2, 4, 8), more stages (up to the depth); ``None`` when none does.
+    a larger FSDP axis (2, 4 or 8 dividing ``data``), more stages (up to the depth); ``None`` when none does.
     ``changes``: those of :data:`CHANGES` to try.
 
     Example:
@@ -498,7 +513,7 @@ def fitting_change(
         if policy != current and current != "full":
             tries.append(("remat", policy, layout, {"remat": policy}))
     for fsdp in (2, 4, 8):
-        if fsdp > layout.fsdp:
+        if fsdp > layout.fsdp and layout.data % fsdp == 0:
             tries.append(("fsdp", fsdp, dataclasses.replace(layout, fsdp=fsdp), {}))
     per_task = layout.virtual_stages
     for stages in range(layout.stages + 1, config.depth // per_task + 1):

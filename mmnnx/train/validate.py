@@ -353,7 +353,10 @@ fits (4.3 MiB)
         return None
     size = parse_bytes(budget)
     layout, options = memory_inputs(run, data_axis)
-    predicted = predict_memory(config, layout, **options)
+    try:
+        predicted = predict_memory(config, layout, **options)
+    except ValueError as e:
+        return f"{flag('memory_budget')}: {e}"
     if predicted.peak <= size:
         return None
     worst = predicted.worst
