@@ -34,6 +34,7 @@ from .sharding import TaskMesh as TaskMesh
 from .sharding import TaskStack as TaskStack
 from .sharding import bytes_per_device as bytes_per_device
 from .sharding import current_multimesh as current_multimesh
+from .sharding import fsdp_rules as fsdp_rules
 from .sharding import init as init
 from .sharding import logical_rules as logical_rules
 from .sharding import place as place

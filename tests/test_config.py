@@ -46,8 +46,8 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
         ("[model]\ndimm = 64\n", "[model] dimm: unknown key (known: dim, depth, heads,"),
         (
             "[modle]\ndim = 64\n",
-            "[modle]: unknown table (known: model, layout, training, dataset, precision, logging, "
-            "outputs)",
+            "[modle]: unknown table (known: model, layout, training, dataset, preference, "
+            "precision, logging, outputs)",
         ),
         ("dim = 64\n", "dim: a key outside any table (put it under [model])"),
         ("[training]\ndim = 64\n", "[training] dim: belongs in [model], not [training]"),
@@ -119,7 +119,16 @@ def test_a_run_writes_its_config_and_resume_reads_it(tmp_path, capsys):
     )
     assert main(["train", "--config", str(config), "--output-dir", str(run), "--lr", "0.01"]) == 0
     saved = tomllib.loads((run / "config.toml").read_text())
-    tables = {"model", "layout", "training", "dataset", "precision", "logging", "outputs"}
+    tables = {
+        "model",
+        "layout",
+        "training",
+        "dataset",
+        "preference",
+        "precision",
+        "logging",
+        "outputs",
+    }
     assert set(saved) == tables
     model = {"dim": 32, "depth": 2, "heads": 2, "seq_len": 16, "scan_layers": False}
     model |= {"gated_mlp": False, "remat": "none"}

@@ -96,12 +96,13 @@ def test_the_fine_tuning_walkthrough_runs_as_written(tmp_path, monkeypatch, caps
     assert (tmp_path / "tiny-llama-merged" / "tokenizer.json").is_file()
 
 
-def test_the_chat_data_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
-    """docs/training.md's "Instruction and chat data": its Python block and its commands."""
+def test_the_sft_dpo_eval_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
+    """docs/training.md's walkthrough of SFT, DPO and evaluation: its Python block and its
+    commands."""
     from mmnnx.cli import main
 
     text = (ROOT / "docs/training.md").read_text()
-    section = text.split("## Instruction and chat data", 1)[1].split("\n## ")[0]
+    section = text.split("### A walkthrough: SFT, DPO and evaluation", 1)[1].split("\n## ")[0]
     blocks = re.findall(r"```(python|bash)\n(.*?)```", section, flags=re.S)
     assert [language for language, _ in blocks] == ["python", "bash"]
     monkeypatch.chdir(tmp_path)
@@ -113,3 +114,17 @@ def test_the_chat_data_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys
     assert "data: 38 examples in" in out and "packed" in out
     saved = tomllib.loads((tmp_path / "runs/tiny-sft/config.toml").read_text())
     assert saved["dataset"]["data"] == "chat.jsonl" and saved["dataset"]["pack"] is True
+    logged = (tmp_path / "runs/tiny-dpo/metrics.jsonl").read_text().splitlines()
+    last = json.loads(logged[-1])
+    assert last["rewards/margins"] > 0 and "rewards/accuracies" in last
+    assert "preference pairs" in out and re.search(r"\|sums\s*\|.*\|acc\s*\|", out)
+
+
+def test_sft_of_a_model_of_ones_own_runs_as_written(tmp_path, monkeypatch, capsys):
+    """docs/training.md's "SFT of a model of your own": a model read with load_tensors."""
+    text = (ROOT / "docs/training.md").read_text()
+    section = text.split("### SFT of a model of your own", 1)[1].split("\n### ")[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "docs/training.md", "exec"), {"__name__": "docs"})
+    assert capsys.readouterr().out.endswith("True\n")

@@ -173,8 +173,8 @@ def _edit(source, tmp_path, *, config=None, drop=None, add=None, change=None):
     "edit, message",
     [
         (
-            dict(config={"architectures": ["MistralForCausalLM"]}),
-            "MistralForCausalLM is not supported; mmnnx builds LlamaForCausalLM, Qwen3ForCausalLM",
+            dict(config={"architectures": ["FalconForCausalLM"]}),
+            "FalconForCausalLM is not supported; mmnnx builds LlamaForCausalLM, Qwen3ForCausalLM",
         ),
         (dict(config={"hidden_act": "gelu"}), "hidden_act='gelu' is not supported"),
         (dict(config={"mlp_bias": True}), "mlp_bias=True is not supported"),

@@ -160,7 +160,7 @@ def save_saves(root: pathlib.Path) -> dict[str, pathlib.Path]:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, 'rope_type "linear"'),
+        ({"rope_parameters": {"rope_type": "linear"}}, "no 'factor' \\(rope_type 'linear' needs"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 'rope_type "dynamic"'),
         ({"rope_parameters": {"type": "longrope"}}, 'rope_type "longrope"'),
     ],

@@ -155,7 +155,12 @@ def _train(
     from mmnnx.train.generation import run_tasks  # noqa: PLC0415
     from mmnnx.train.loop import fit  # noqa: PLC0415
     from mmnnx.train.run_data import run_dataset  # noqa: PLC0415
-    from mmnnx.train.run_model import build_model, model_config, trainable  # noqa: PLC0415
+    from mmnnx.train.run_model import (  # noqa: PLC0415
+        build_model,
+        model_config,
+        objective,
+        trainable,
+    )
     from mmnnx.train.run_record import RunRecord, saved_record  # noqa: PLC0415
     from mmnnx.train.validate import memory_problem  # noqa: PLC0415
     from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
@@ -167,7 +172,9 @@ def _train(
         return error(str(e))
     if hasattr(dataset, "summary") and jax.process_index() == 0:
         print(dataset.summary())
-    tasks = run_tasks(run.layout.stages, data_axis, run.layout.model_axis, run.layout.expert_axis)
+    lay = run.layout  # a --resume narrowing the data axis narrows FSDP within it
+    fsdp_axis = math.gcd(lay.fsdp_axis, data_axis)
+    tasks = run_tasks(lay.stages, data_axis, lay.model_axis, lay.expert_axis, fsdp_axis=fsdp_axis)
     config = pretrained or model_config(run, tokenizer.vocab_size)
     problem = memory_problem(run, config, data_axis)  # predicted, before anything compiles
     if problem:
@@ -193,7 +200,7 @@ def _train(
         print(table)
     try:
         result = fit(
-            model,
+            objective(run, model),
             dataset,
             placed.train_config(train_config(run)),
             trainable=trainable(run),

@@ -23,7 +23,8 @@ ACTIVATIONS = (None, "seq", "embed")
 
 KV = tuple[jax.Array, jax.Array]
 """One block's cache: keys and values, each ``(batch, max_seq_len, num_kv_heads, head_dim)``
-(with a leading ``depth`` axis for stacked blocks)."""
+(with a leading ``depth`` axis for stacked blocks). A sliding-window layer keeps every position
+too; its mask (``Attention.visible``) hides those outside its window."""
 
 
 def _block(
@@ -39,9 +40,9 @@ def _block(
         cache = (jnp.zeros(shape, k.dtype), jnp.zeros(shape, v.dtype))
     keys = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=-3)
     values = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=-3)
-    visible = positions[:, None] >= jnp.arange(keys.shape[-3])[None, :]
-    x = x + block.attn.attend(q, keys, values, visible)
-    x = x + block.mlp(block.norm2(x))
+    visible = block.attn.visible(positions, jnp.arange(keys.shape[-3]))
+    x = x + block.attention_out(block.attn.attend(q, keys, values, visible))
+    x = x + block.feed_forward(x)[0]
     return constrain(x, ACTIVATIONS), (keys, values)
 
 

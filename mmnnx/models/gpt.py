@@ -76,10 +76,15 @@ class GPTConfig:
     layer's router pooled (Hugging Face's ``load_balancing_loss_func``) and
     ``router_z_loss_coef`` times their mean z-loss.
 
+    ``final_norm`` (a ``NormConfig``; ``None``: that of ``norm`` and ``norm_eps``) builds the
+    output's norm, e.g. Gemma's ``(1 + weight)`` RMSNorm; ``embed_scale`` multiplies the
+    embeddings, in the table's dtype (Gemma's ``sqrt(dim)``; ``None``: not scaled).
+
     Example:
         >>> GPTConfig(dim=32, num_heads=4, head_dim=16, qk_norm=True).block_configs[0].attention
         AttentionConfig(num_heads=4, num_kv_heads=None, head_dim=16, qk_norm=True, \
-qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
+qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None), sliding_window=None, \
+qk_norm_offset=0.0, query_pre_attn_scalar=None)
         >>> [type(b.feed_forward).__name__ for b in GPTConfig(experts=8, moe_every=2).block_configs]
         ['MLPConfig', 'MoEConfig', 'MLPConfig', 'MoEConfig']
         >>> layer = BlockConfig(AttentionConfig(num_heads=2), MLPConfig(64, gated=True))
@@ -119,9 +124,16 @@ qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None))
     router_z_loss_coef: float = 0.0
     layers: tuple[BlockConfig, ...] | None = None
     remat: str = "none"
+    final_norm: NormConfig | None = None
+    embed_scale: float | None = None
 
     def __post_init__(self):
         check(self.remat in REMAT, "GPTConfig.remat", f"one of {', '.join(REMAT)}", self.remat)
+        final = self.final_norm
+        ok = final is None or isinstance(final, NormConfig)
+        check(ok, "GPTConfig.final_norm", "None or a NormConfig", final)
+        scale = self.embed_scale
+        check(scale is None or is_positive(scale), "GPTConfig.embed_scale", "None or > 0", scale)
         for name in ("vocab_size", "dim", "depth", "max_seq_len"):
             value = getattr(self, name)
             check(is_int(value, 1), f"GPTConfig.{name}", "an int >= 1", value)
@@ -225,14 +237,15 @@ class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         self.config = c = config
         kw = dict(param_dtype=c.param_dtype, rngs=rngs)
-        self.embed = Embed(c.vocab_size, c.dim, **kw)
+        self.embed = Embed(c.vocab_size, c.dim, scale=c.embed_scale, **kw)
         if c.scan_layers:  # every layer alike: one block, its Variables stacked
             build = functools.partial(c.block_configs[0].build, c.dim, param_dtype=c.param_dtype)
             stacked = nnx.vmap(lambda rngs: build(rngs=rngs), in_axes=0)
             self.blocks = nnx.split_rngs(splits=c.depth)(stacked)(rngs)
         else:
             self.blocks = nnx.List([b.build(c.dim, **kw) for b in c.block_configs])
-        self.norm = NormConfig(c.norm, c.norm_eps).build(c.dim, param_dtype=c.param_dtype)
+        final = c.final_norm or NormConfig(c.norm, c.norm_eps)
+        self.norm = final.build(c.dim, param_dtype=c.param_dtype)
         if not c.tie_embeddings:
             self.head = Linear(c.dim, c.vocab_size, axes=("embed", "vocab"), use_bias=False, **kw)
 

@@ -25,11 +25,19 @@ from mmnnx.modules.embed import Embed
 from mmnnx.modules.experts import Experts
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.lora import LoRA, add_lora
+from mmnnx.modules.masks import causal_mask
 from mmnnx.modules.mlp import MLP, MLPConfig
 from mmnnx.modules.moe import MoE, MoEConfig
 from mmnnx.modules.norms import LayerNorm, NormConfig, RMSNorm
 from mmnnx.modules.packing import Packing
-from mmnnx.modules.rope import RopeConfig, RopeScaling, YarnScaling, apply_rope, rope_frequencies
+from mmnnx.modules.rope import (
+    LinearScaling,
+    RopeConfig,
+    RopeScaling,
+    YarnScaling,
+    apply_rope,
+    rope_frequencies,
+)
 from mmnnx.modules.routing import RouterStats
 from mmnnx.modules.transformer import BlockConfig, TransformerBlock
 
@@ -42,6 +50,7 @@ __all__ = [
     "Experts",
     "LayerNorm",
     "Linear",
+    "LinearScaling",
     "LoRA",
     "MLPConfig",
     "MoE",
@@ -56,6 +65,7 @@ __all__ = [
     "YarnScaling",
     "add_lora",
     "apply_rope",
+    "causal_mask",
     "constrain",
     "rope_frequencies",
 ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,7 @@ from flax import nnx
 
 from mmnnx.modules.checks import check, is_int, is_positive
 from mmnnx.modules.linear import Linear
+from mmnnx.modules.masks import causal_mask
 from mmnnx.modules.norms import RMSNorm
 from mmnnx.modules.packing import Packing
 from mmnnx.modules.rope import RopeConfig, apply_rope
@@ -19,8 +22,13 @@ from mmnnx.modules.rope import RopeConfig, apply_rope
 class AttentionConfig:
     """An ``Attention``, whatever the model's width: ``num_heads`` query heads of ``head_dim``
     features (``None``: ``dim // num_heads``), ``num_kv_heads`` key/value heads (``None``:
-    ``num_heads``), ``qk_norm`` (per-head norms of epsilon ``qk_norm_eps``) and ``rope`` (a
-    ``RopeConfig``; ``None``: no positions). ``config.build(dim, ...)`` makes the module.
+    ``num_heads``), ``qk_norm`` (per-head norms of epsilon ``qk_norm_eps``), ``rope`` (a
+    ``RopeConfig``; ``None``: no positions) and ``sliding_window`` (``None``: every earlier
+    key; ``w``: a query at position ``i`` sees keys ``j`` with ``i - w < j <= i``, as Mistral's
+    and transformers' ``sliding_window``). Gemma's: ``qk_norm_offset`` (``1.0``: the per-head
+    norms scale by ``1 + weight``, see ``RMSNorm``) and ``query_pre_attn_scalar`` (scores
+    scaled by its ``** -0.5``; ``None``: ``head_dim``'s). ``config.build(dim, ...)`` makes the
+    module.
 
     Example:
         >>> AttentionConfig(num_heads=4, num_kv_heads=3)
@@ -35,6 +43,9 @@ class AttentionConfig:
     qk_norm: bool = False
     qk_norm_eps: float = 1e-6
     rope: RopeConfig | None = RopeConfig()
+    sliding_window: int | None = None
+    qk_norm_offset: float = 0.0
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self):
         heads, kv, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -50,6 +61,15 @@ class AttentionConfig:
         check(is_positive(eps), "AttentionConfig.qk_norm_eps", "a finite number > 0", eps)
         ok = self.rope is None or isinstance(self.rope, RopeConfig)
         check(ok, "AttentionConfig.rope", "None or a RopeConfig", self.rope)
+        window = self.sliding_window
+        ok = window is None or is_int(window, minimum=1)
+        check(ok, "AttentionConfig.sliding_window", "None or an int >= 1", window)
+        offset = self.qk_norm_offset
+        ok = isinstance(offset, numbers.Real) and math.isfinite(offset)
+        check(ok, "AttentionConfig.qk_norm_offset", "a finite number", offset)
+        scalar = self.query_pre_attn_scalar
+        ok = scalar is None or is_positive(scalar)
+        check(ok, "AttentionConfig.query_pre_attn_scalar", "None or a number > 0", scalar)
 
     def build(
         self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
@@ -60,7 +80,7 @@ class AttentionConfig:
 
 class Attention(nnx.Module):
     """Causal self-attention: ``out(softmax(q k^T / sqrt(head_dim) + causal mask) v)``, as
-    ``config`` (an ``AttentionConfig``) says.
+    ``config`` (an ``AttentionConfig``) says (``sqrt(query_pre_attn_scalar)`` where given).
 
     ``q`` has ``num_heads`` heads of ``head_dim`` features (default ``dim // num_heads``; any
     size, as Qwen3's, where ``num_heads * head_dim != dim``); ``k`` and ``v`` have
@@ -96,6 +116,8 @@ class Attention(nnx.Module):
         if config.rope and head_dim % 2:
             raise ValueError(f"Attention: RoPE needs an even head_dim, got {head_dim}")
         self.dim, self.num_heads, self.head_dim, self.rope = dim, heads, head_dim, config.rope
+        self.sliding_window = config.sliding_window
+        self.score_scale = (config.query_pre_attn_scalar or head_dim) ** -0.5
         self.num_kv_heads = config.num_kv_heads or heads
         inner, kv_features = heads * head_dim, self.num_kv_heads * head_dim
         linear = dict(use_bias=False, param_dtype=param_dtype, rngs=rngs)
@@ -103,15 +125,34 @@ class Attention(nnx.Module):
         self.k = Linear(dim, kv_features, axes=("embed", "heads"), **linear)
         self.v = Linear(dim, kv_features, axes=("embed", "heads"), **linear)
         self.out = Linear(inner, dim, axes=("heads", "embed"), **linear)
-        norm = dict(eps=config.qk_norm_eps, axis=None, param_dtype=param_dtype)
+        norm = dict(
+            eps=config.qk_norm_eps,
+            axis=None,
+            param_dtype=param_dtype,
+            scale_offset=config.qk_norm_offset,
+        )
         self.q_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
 
     def __call__(self, x: jax.Array, packing: Packing | None = None) -> jax.Array:
         if packing is not None:
-            return self.attend(*self.project(x, packing.positions), packing.visible())
-        seq = x.shape[-2]
-        return self.attend(*self.project(x), jnp.tril(jnp.ones((seq, seq), dtype=bool)))
+            visible = packing.visible(self.sliding_window)
+            return self.attend(*self.project(x, packing.positions), visible)
+        positions = jnp.arange(x.shape[-2])
+        return self.attend(*self.project(x), self.visible(positions, positions))
+
+    def visible(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
+        """Which keys each query sees, bool ``(..., q, k)``: the earlier ones, within the
+        ``sliding_window`` when the config sets one (``causal_mask``).
+
+        Example:
+            >>> with nnx.use_eager_sharding(False):
+            ...     config = AttentionConfig(4, sliding_window=2)
+            ...     attn = Attention(16, config, rngs=nnx.Rngs(0))
+            >>> attn.visible(jnp.arange(2, 4), jnp.arange(4)).astype(int).tolist()
+            [[0, 1, 1, 0], [0, 0, 1, 1]]
+        """
+        return causal_mask(query_positions, key_positions, self.sliding_window)
 
     def project(
         self, x: jax.Array, positions: jax.Array | None = None
@@ -140,7 +181,7 @@ class Attention(nnx.Module):
         return q, k, v
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
-        """``out`` of the values ``v`` mixed by ``softmax(q k^T * head_dim ** -0.5)`` over the
+        """``out`` of the values ``v`` mixed by ``softmax(q k^T * score_scale)`` over the
         keys that ``visible`` (bool, ``(q_seq, k_seq)``, or broadcastable to the scores
         ``(..., heads, q_seq, k_seq)``) allows; ``(..., q_seq, dim)``. The softmax is float32.
 
@@ -156,7 +197,7 @@ class Attention(nnx.Module):
         if groups > 1:  # query head h reads key/value head h // groups
             k = jnp.repeat(k, groups, axis=-2)
             v = jnp.repeat(v, groups, axis=-2)
-        scores = jnp.einsum("...qhd,...khd->...hqk", q, k) * self.head_dim**-0.5
+        scores = jnp.einsum("...qhd,...khd->...hqk", q, k) * self.score_scale
         scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
         y = jnp.einsum("...hqk,...khd->...qhd", weights, v)

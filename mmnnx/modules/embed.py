@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+from mmnnx.modules.checks import check, is_positive
 
 default_embed_init = nnx.initializers.normal(stddev=0.02)
 
@@ -12,9 +15,11 @@ default_embed_init = nnx.initializers.normal(stddev=0.02)
 class Embed(nnx.Module):
     """Looks up rows of ``embedding`` (``num_embeddings x features``); ``attend`` reuses it.
 
-    ``embed(tokens)`` maps integer ids of any shape to vectors (``tokens.shape + (features,)``);
-    ``embed.attend(x)`` is ``x @ embedding.T``, the logits of an output head tied to the table.
-    The table is created in ``param_dtype``.
+    ``embed(tokens)`` maps integer ids of any shape to vectors (``tokens.shape + (features,)``),
+    multiplied by ``scale`` when given (Gemma's ``sqrt(hidden_size)``; rounded to float32,
+    then to the table's dtype, and multiplied in that dtype, as transformers'
+    ``Gemma3TextScaledWordEmbedding``); ``embed.attend(x)`` is ``x @ embedding.T``, the logits
+    of an output head tied to the table (never scaled). The table is created in ``param_dtype``.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -24,6 +29,10 @@ class Embed(nnx.Module):
         ((1, 3, 8), (1, 3, 16))
         >>> embed.embedding.get_metadata()["out_sharding"]
         ('vocab', 'embed')
+        >>> with nnx.use_eager_sharding(False):
+        ...     scaled = Embed(16, 8, scale=2.0, rngs=nnx.Rngs(0))
+        >>> bool((scaled(jnp.array([3])) == 2 * embed(jnp.array([3]))).all())
+        True
     """
 
     def __init__(
@@ -33,14 +42,19 @@ class Embed(nnx.Module):
         *,
         embedding_init: nnx.Initializer = default_embed_init,
         param_dtype: jax.typing.DTypeLike = jnp.float32,
+        scale: float | None = None,
         rngs: nnx.Rngs,
     ):
-        self.num_embeddings, self.features = num_embeddings, features
+        check(scale is None or is_positive(scale), "Embed: scale", "None or a number > 0", scale)
+        self.num_embeddings, self.features, self.scale = num_embeddings, features, scale
         init = nnx.with_partitioning(embedding_init, ("vocab", "embed"))
         self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], tokens, axis=0)
+        x = jnp.take(self.embedding[...], tokens, axis=0)
+        if self.scale is None:
+            return x
+        return x * jnp.asarray(np.float32(self.scale)).astype(x.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits ``x @ embedding.T`` over the vocabulary (a head tied to the embedding).

@@ -49,11 +49,26 @@ class Linear(nnx.Module):
         bias = zeros(rngs.params(), (out_features,), param_dtype) if use_bias else None
         self.bias = None if bias is None else nnx.Param(bias)
         self.lora = nnx.data(None)  # a LoRA adapter (mmnnx.modules.add_lora), added to the output
+        self.adapters = True  # whether ``lora`` is added: ``nnx.view(model, adapters=False)``
+
+    def set_view(self, adapters: bool | None = None) -> None:
+        """``nnx.view(model, adapters=False)``: a model of the same Variables computing without
+        its LoRA adapters (the base model, e.g. DPO's reference), nothing copied.
+
+        Example:
+            >>> with nnx.use_eager_sharding(False):
+            ...     layer = Linear(4, 8, rngs=nnx.Rngs(0))
+            >>> base = nnx.view(layer, adapters=False)
+            >>> base.kernel is layer.kernel, base.adapters, layer.adapters
+            (True, False, True)
+        """
+        if adapters is not None:
+            self.adapters = adapters
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...].astype(x.dtype)  # computed in the input's dtype
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
-        if self.lora is not None:
+        if self.lora is not None and self.adapters:
             y = y + self.lora(x)
         return y

@@ -1,4 +1,4 @@
-"""``MLP``: the transformer feed-forward block, plain or gated (SwiGLU-style)."""
+"""``MLP``: the transformer feed-forward block, plain or gated (SwiGLU-style, or GeGLU)."""
 
 from __future__ import annotations
 
@@ -13,28 +13,67 @@ from mmnnx.modules.checks import check, is_int
 from mmnnx.modules.linear import Linear
 
 
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU by its tanh approximation (Hugging Face's ``gelu_pytorch_tanh``, Gemma's GeGLU).
+
+    Example:
+        >>> round(float(gelu_tanh(jnp.array(1.0))), 4)
+        0.8412
+    """
+    return jax.nn.gelu(x, approximate=True)
+
+
+def gelu_exact(x: jax.Array) -> jax.Array:
+    """GELU by the error function (Hugging Face's ``gelu``).
+
+    Example:
+        >>> round(float(gelu_exact(jnp.array(1.0))), 4)
+        0.8413
+    """
+    return jax.nn.gelu(x, approximate=False)
+
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu": gelu_exact,
+}
+"""``MLPConfig.activation``'s choices, by the names of Hugging Face's ``hidden_act``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
     """A dense feed-forward ``MLP`` of ``hidden`` features (Hugging Face's
     ``intermediate_size``), SiLU-gated when ``gated`` (Llama, Qwen3), with biases when
-    ``bias``. ``config.build(dim, ...)`` makes the module.
+    ``bias``; ``activation`` a key of :data:`ACTIVATIONS` (``None``: SiLU when gated, else
+    tanh-approximated GELU), e.g. ``"gelu_pytorch_tanh"`` gated for Gemma's GeGLU.
+    ``config.build(dim, ...)`` makes the module.
 
     Example:
         >>> MLPConfig(0)
         Traceback (most recent call last):
         ...
         ValueError: MLPConfig.hidden must be an int >= 1, got 0
+        >>> MLPConfig(8, activation="relu")
+        Traceback (most recent call last):
+        ...
+        ValueError: MLPConfig.activation must be None or one of silu, gelu_pytorch_tanh, gelu, \
+got 'relu'
     """
 
     hidden: int
     gated: bool = False
     bias: bool = True
+    activation: str | None = None
 
     def __post_init__(self):
         check(is_int(self.hidden, minimum=1), "MLPConfig.hidden", "an int >= 1", self.hidden)
         for name in ("gated", "bias"):
             value = getattr(self, name)
             check(isinstance(value, bool), f"MLPConfig.{name}", "a bool", value)
+        ok = self.activation is None or self.activation in ACTIVATIONS
+        where = f"None or one of {', '.join(ACTIVATIONS)}"
+        check(ok, "MLPConfig.activation", where, self.activation)
 
     def build(
         self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
@@ -48,9 +87,9 @@ class MLP(nnx.Module):
 
     ``up`` and ``gate`` are ``dim -> hidden`` kernels named ``("embed", "mlp")``; ``down`` is
     ``hidden -> dim`` named ``("mlp", "embed")``: mapping ``mlp`` to a mesh axis gives Megatron
-    tensor parallelism (one reduction, after ``down``). ``activation`` defaults to GELU, or SiLU
-    when gated. ``config.bias=False`` (Llama, Qwen3) drops the three biases; Variables are
-    created in ``param_dtype``.
+    tensor parallelism (one reduction, after ``down``). ``activation`` defaults to
+    ``config.activation``'s, else GELU, or SiLU when gated. ``config.bias=False`` (Llama,
+    Qwen3) drops the three biases; Variables are created in ``param_dtype``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -70,7 +109,8 @@ class MLP(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.dim, self.hidden, self.gated = dim, config.hidden, config.gated
-        self.activation = activation or (jax.nn.silu if config.gated else jax.nn.gelu)
+        default = jax.nn.silu if config.gated else jax.nn.gelu
+        self.activation = activation or ACTIVATIONS.get(config.activation, default)
         kw = dict(use_bias=config.bias, param_dtype=param_dtype, rngs=rngs)
         self.up = Linear(dim, self.hidden, axes=("embed", "mlp"), **kw)
         self.gate = Linear(dim, self.hidden, axes=("embed", "mlp"), **kw) if self.gated else None

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from mmnnx.modules.masks import causal_mask
+
 
 @struct.dataclass
 class Packing:
@@ -38,8 +40,19 @@ class Packing:
             return None
         return cls(batch["segments"][:, :-1], batch["positions"][:, :-1])
 
-    def visible(self) -> jax.Array:
-        """Causal and same-example: ``(batch, 1, seq, seq)``, broadcast over heads."""
+    def visible(self, sliding_window: int | None = None) -> jax.Array:
+        """Causal and same-example: ``(batch, 1, seq, seq)``, broadcast over heads; with a
+        ``sliding_window`` ``w``, a query sees only the keys less than ``w`` positions before
+        its own within its example (``causal_mask``).
+
+        Example:
+            >>> p = Packing(jnp.array([[1, 1, 1, 2, 2]]), jnp.array([[0, 1, 2, 0, 1]]))
+            >>> p.visible(sliding_window=2).astype(int)[0, 0].tolist()
+            [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
+        """
         seq = self.segments.shape[-1]
         same = self.segments[:, None, :, None] == self.segments[:, None, None, :]
-        return same & jnp.tril(jnp.ones((seq, seq), bool))
+        visible = same & jnp.tril(jnp.ones((seq, seq), bool))
+        if sliding_window is None:
+            return visible
+        return visible & causal_mask(self.positions, self.positions, sliding_window)[:, None]

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE), half-split layout, with Llama 3's or YaRN's scaling."""
+"""Rotary position embeddings (RoPE), half-split layout, with linear, Llama 3's or YaRN's
+scaling."""
 
 from __future__ import annotations
 
@@ -47,6 +48,23 @@ class RopeScaling:
         original = self.original_max_position_embeddings
         where = "RopeScaling.original_max_position_embeddings"
         check(is_int(original, minimum=1), where, "an int >= 1", original)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearScaling:
+    """Linear RoPE scaling (position interpolation; Hugging Face ``rope_type: "linear"``, e.g.
+    Gemma 3's global layers, ``factor`` 8): every inverse frequency divided by ``factor``, as
+    transformers' ``_compute_linear_scaling_rope_parameters``.
+
+    Example:
+        >>> rope_frequencies(4, base=100.0, scaling=LinearScaling(factor=2.0))
+        array([0.5 , 0.05], dtype=float32)
+    """
+
+    factor: float
+
+    def __post_init__(self):
+        check(is_positive(self.factor), "LinearScaling.factor", "a finite number > 0", self.factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +130,15 @@ class YarnScaling:
         return (extrapolated / self.factor * (1 - kept) + extrapolated * kept).astype(np.float32)
 
 
+Scaling = LinearScaling | RopeScaling | YarnScaling
+"""The RoPE frequency scalings mmnnx computes."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary position embeddings as an ``Attention`` applies them: base ``theta`` (Hugging
-    Face's ``rope_theta``) and an optional frequency ``scaling`` (Llama 3.1's ``RopeScaling``
-    or ``YarnScaling``).
+    Face's ``rope_theta``) and an optional frequency ``scaling`` (``LinearScaling``, Llama
+    3.1's ``RopeScaling`` or ``YarnScaling``).
 
     Example:
         >>> RopeConfig(theta=0)
@@ -126,24 +148,25 @@ class RopeConfig:
     """
 
     theta: float = 10000.0
-    scaling: RopeScaling | YarnScaling | None = None
+    scaling: Scaling | None = None
 
     def __post_init__(self):
         check(is_positive(self.theta), "RopeConfig.theta", "a finite number > 0", self.theta)
-        ok = self.scaling is None or isinstance(self.scaling, RopeScaling | YarnScaling)
-        where = "None, a mmnnx.modules.RopeScaling or YarnScaling"
+        ok = self.scaling is None or isinstance(self.scaling, Scaling)
+        where = "None, a mmnnx.modules.RopeScaling or YarnScaling, or a LinearScaling"
         check(ok, "RopeConfig.scaling", where, self.scaling)
 
 
 def rope_frequencies(
-    head_dim: int, base: float = 10000.0, scaling: RopeScaling | YarnScaling | None = None
+    head_dim: int, base: float = 10000.0, scaling: Scaling | None = None
 ) -> np.ndarray:
     """The ``head_dim // 2`` inverse frequencies of RoPE, float32, computed as Hugging Face does.
 
     ``1 / base ** (arange(0, head_dim, 2) / head_dim)`` in float32 (transformers'
-    ``_compute_default_rope_parameters``), then, with ``scaling``, transformers'
-    ``_compute_llama3_parameters``: with ``wavelen = 2 pi / inv_freq``, ``inv_freq / factor``
-    where ``wavelen > original_max / low_freq_factor``, unchanged where
+    ``_compute_default_rope_parameters``), then, with ``scaling``, divided by its factor
+    (``LinearScaling``), or transformers' ``_compute_llama3_parameters``: with
+    ``wavelen = 2 pi / inv_freq``, ``inv_freq / factor`` where
+    ``wavelen > original_max / low_freq_factor``, unchanged where
     ``wavelen < original_max / high_freq_factor``, and in between
     ``(1 - s) * inv_freq / factor + s * inv_freq`` with
     ``s = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
@@ -163,6 +186,8 @@ def rope_frequencies(
     inv_freq = np.float32(1.0) / (np.float32(base) ** exponents)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearScaling):  # a Python float: the division stays float32
+        return (inv_freq / scaling.factor).astype(np.float32)
     # Python scalars, as in transformers: NumPy keeps them weak, so every operation is float32
     factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
     original = scaling.original_max_position_embeddings
@@ -180,7 +205,7 @@ def apply_rope(
     positions: jax.Array | None = None,
     *,
     base: float = 10000.0,
-    scaling: RopeScaling | YarnScaling | None = None,
+    scaling: Scaling | None = None,
 ) -> jax.Array:
     """Rotates ``x`` of shape ``(..., seq, heads, head_dim)`` by its positions (RoPE).
 

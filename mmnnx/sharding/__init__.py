@@ -1,5 +1,6 @@
 """mmnnx.sharding: meshes, tasks and placement rules. Pure data: nothing here runs a model."""
 
+from mmnnx.sharding.fsdp import FSDPReplicatedWarning, fsdp_rules
 from mmnnx.sharding.multi_mesh import MultiMesh, current_multimesh
 from mmnnx.sharding.place import (
     home_of,
@@ -17,12 +18,14 @@ from mmnnx.sharding.task import Task, logical_rules
 from mmnnx.sharding.task_mesh import TaskMesh
 
 __all__ = [
+    "FSDPReplicatedWarning",
     "MultiMesh",
     "Task",
     "TaskStack",
     "TaskMesh",
     "bytes_per_device",
     "current_multimesh",
+    "fsdp_rules",
     "home_of",
     "init",
     "logical_rules",

@@ -93,6 +93,24 @@ def _task_spec(
                 "not a PartitionSpec"
             )
         return spec
+    return declared_spec(task, variable, where)
+
+
+def declared_spec(task: Task, variable: nnx.Variable, where: str) -> PartitionSpec:
+    """The spec a Variable declares for itself on ``task``: its annotated spec or logical names
+    through the task's rules; replicated when it declares none. ``where`` names it in errors.
+
+    Example:
+        >>> from mmnnx.sharding import TaskMesh
+        >>> from mmnnx.sharding.task import logical_rules
+        >>> t = Task("t", mesh=TaskMesh(devices=range(2), axis_names=("model",)),
+        ...          logical_axes=logical_rules(mlp="model"))
+        >>> init = nnx.with_partitioning(nnx.initializers.ones_init(), ("embed", "mlp"))
+        >>> with nnx.use_eager_sharding(False):
+        ...     layer = nnx.Linear(2, 4, kernel_init=init, rngs=nnx.Rngs(0))
+        >>> declared_spec(t, layer.kernel, "kernel"), declared_spec(t, layer.bias, "bias")
+        (P(None, 'model'), P())
+    """
     annotated = annotated_spec(variable)
     if annotated is not None:  # Flax's explicit form: device axes, or logical names
         return task.resolve(annotated, where=where)

@@ -1,6 +1,7 @@
 """The names ``mmnnx.train`` exports, for type checkers and editors; ``__init__.py`` imports each
 on first use (``lazy_loader.attach_stub`` reads this file)."""
 
+from .chat_template import ChatTemplate as ChatTemplate
 from .checkpoint import CheckpointCorruptError as CheckpointCorruptError
 from .checkpoint import CheckpointDirectoryBusyError as CheckpointDirectoryBusyError
 from .checkpoint import Checkpointer as Checkpointer
@@ -17,6 +18,9 @@ from .data import DataStateError as DataStateError
 from .data import TextDataset as TextDataset
 from .data import embedded_text as embedded_text
 from .data import load_text as load_text
+from .examples import ExampleDataset as ExampleDataset
+from .examples import Rows as Rows
+from .examples import weighted_loss as weighted_loss
 from .generation import LoadedRun as LoadedRun
 from .generation import RunError as RunError
 from .generation import continue_text as continue_text
@@ -25,6 +29,16 @@ from .loop import FitResult as FitResult
 from .loop import TrainConfig as TrainConfig
 from .loop import fit as fit
 from .loop import make_optimizer as make_optimizer
+from .pairs import PairDataset as PairDataset
+from .pairs import encode_pair as encode_pair
+from .preference import PreferenceModel as PreferenceModel
+from .preference import dpo_loss as dpo_loss
+from .preference import pair_rows as pair_rows
+from .records import DataError as DataError
+from .records import Example as Example
+from .records import Fields as Fields
+from .records import encode_records as encode_records
+from .records import read_records as read_records
 from .router_metrics import RouterMetrics as RouterMetrics
 from .router_metrics import router_metrics as router_metrics
 from .run_config import ConfigError as ConfigError

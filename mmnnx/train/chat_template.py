@@ -149,6 +149,10 @@ class ChatTemplate:
             spans.append((len(before), len(upto)))
         return text, spans
 
+    def text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation's text alone (:meth:`render` without the assistant's spans)."""
+        return self._render(messages, add_generation_prompt)[0]
+
     def _render(self, messages: list[dict], add_generation_prompt: bool):
         import jinja2  # noqa: PLC0415
 

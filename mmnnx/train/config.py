@@ -30,7 +30,7 @@ from mmnnx.train.options import (
     table,
     tables,
 )
-from mmnnx.train.records import FORMATS, TRAIN_ON, Fields
+from mmnnx.train.records import FORMATS, TRAIN_ON, Fields, PairFields
 
 T, G = TrainConfig, GPTConfig  # whose defaults the options feeding them take
 
@@ -170,6 +170,13 @@ class Layout:
         "with --experts: expert-parallel size inside each stage, an 'expert' mesh axis the "
         "experts are split over (E / N per device) and the batch too, tokens travelling to "
         "their experts by all_to_all",
+        metavar="N",
+    )
+    fsdp_axis: int = count(
+        1,
+        "FSDP (ZeRO-3) inside each stage: parameters, gradients and optimizer state sharded over "
+        "N of the --data-axis devices (an 'fsdp' mesh axis that splits the batch too; N must "
+        "divide --data-axis), gathered where each stage's program uses them",
         metavar="N",
     )
     virtual_stages: int = option(
@@ -348,6 +355,27 @@ class Data:
 
 
 @dataclasses.dataclass
+class Preference:
+    dpo: bool = switch(
+        "--dpo",
+        "preference-tune by DPO on --data of prompt, chosen and rejected records (text, or chat "
+        "messages rendered with --init-from's template) against the frozen initial model, "
+        "computed in the same pipelined step (with --lora-rank: the base model, adapters off, "
+        "no second copy held)",
+    )
+    dpo_beta: float = option(
+        0.1, "with --dpo: how far the policy may move from the reference (%(default)s)",
+        finite(positive=True), omit=(0.1,),
+    )  # fmt: skip
+    chosen_field: str = option(
+        PairFields.chosen, "with --dpo: the preferred completion's field (%(default)s)", nonempty
+    )
+    rejected_field: str = option(
+        PairFields.rejected, "with --dpo: the other completion's field (%(default)s)", nonempty
+    )
+
+
+@dataclasses.dataclass
 class Precision:
     dtype: str = option(
         G.dtype,
@@ -432,6 +460,7 @@ class RunConfig:
     layout: Layout = table(Layout, may_change=True)
     training: Training = table(Training)
     dataset: Data = table(Data)
+    preference: Preference = table(Preference)
     precision: Precision = table(Precision)
     logging: Logging = table(Logging, may_change=True)
     outputs: Outputs = table(Outputs, may_change=True)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mmnnx.train.data import GrainBatches, grain_batches
-from mmnnx.train.records import DataError, Example
+from mmnnx.train.records import DataError, Example, held_out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,11 +152,7 @@ class ExampleDataset(GrainBatches):
         shard_count: int = 1,
         pad_id: int = 0,
     ):
-        if eval_examples is None:
-            if not 0 < eval_fraction < 1:
-                raise DataError(f"--eval-fraction must be in (0, 1), got {eval_fraction}")
-            split = len(examples) - max(1, int(len(examples) * eval_fraction))
-            examples, eval_examples = examples[:split], examples[split:]
+        examples, eval_examples = held_out(examples, eval_examples, eval_fraction)
         layout = dict(length=seq_len + 1, pack=pack, truncate=truncate, pad_id=pad_id)
         self.rows, self.eval_rows = Rows.of(examples, **layout), Rows.of(eval_examples, **layout)
         if len(self.rows.tokens) < batch_size:
@@ -204,6 +202,22 @@ class ExampleDataset(GrainBatches):
             np.arange(b * self.batch_size, (b + 1) * self.batch_size) % n for b in range(count)
         ]
         return [{k: v[self._mine] for k, v in self.eval_rows.batch(p).items()} for p in picks]
+
+
+def weighted_loss(logits: jax.Array, batch: dict) -> jax.Array:
+    """A model's loss on a :meth:`Rows.batch` of one example a row, ``GPT.loss``'s for a
+    model of one's own: ``logits`` ``(B, T, V)`` of ``batch["tokens"][:, :-1]``; the mean over
+    rows of each row's ``weights``-weighted sum of next-token negative log-likelihoods (the
+    mean over the whole global batch's trained tokens, whatever the microbatches).
+
+    Example:
+        >>> r = Rows.of([Example(np.arange(1, 4), np.array([0, 1, 1], bool))], 4)
+        >>> float(weighted_loss(jnp.zeros((1, 3, 8)), r.batch([0])))  # uniform over 8: log 8
+        2.079441547393799
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
+    return jnp.mean(jnp.sum(batch["weights"] * nll, axis=-1))
 
 
 def _best_fit(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -16,7 +16,7 @@ from mmnnx.sharding import MultiMesh, Task, logical_rules
 from mmnnx.train.checkpoint import Checkpointer, Skipped
 from mmnnx.train.config import RunConfig
 from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config
-from mmnnx.train.run_model import build_model, model_config, run_placement
+from mmnnx.train.run_model import build_model, model_config, objective, run_placement
 from mmnnx.train.run_record import Saved, saved_record
 from mmnnx.train.tokenizers import Tokenizer, fingerprint, load_tokenizer
 
@@ -63,9 +63,13 @@ def read_run_config(run_dir: str | pathlib.Path) -> RunConfig:
         raise RunError(str(e)) from None
 
 
-def run_tasks(stages: int, data_axis: int, model_axis: int, expert_axis: int = 1) -> list[Task]:
+def run_tasks(
+    stages: int, data_axis: int, model_axis: int, expert_axis: int = 1, *, fsdp_axis: int = 1
+) -> list[Task]:
     """One task per stage over ``stages x data_axis x expert_axis x model_axis`` devices, with
-    the logical axis rules of ``mmnnx train``.
+    the logical axis rules of ``mmnnx train``. With ``fsdp_axis`` N > 1 the data axis is cut
+    into ``data`` (``data_axis / N``) and ``fsdp`` (N) axes, the batch split over both
+    (``mm.fsdp_rules`` then shards the parameters over ``fsdp``).
 
     Example:
         >>> [t.name for t in run_tasks(2, 1, 1)]
@@ -73,18 +77,32 @@ def run_tasks(stages: int, data_axis: int, model_axis: int, expert_axis: int = 1
         >>> task = run_tasks(2, 2, 1, expert_axis=2)[1]
         >>> dict(task.jax_mesh.shape), task.spec(("batch",)), task.spec(("expert", "embed", "mlp"))
         ({'data': 2, 'expert': 2, 'model': 1}, P(('data', 'expert'),), P('expert', None, 'model'))
+        >>> task = run_tasks(2, 4, 1, fsdp_axis=2)[0]
+        >>> dict(task.jax_mesh.shape), task.spec(("batch",))
+        ({'data': 2, 'fsdp': 2, 'model': 1}, P(('data', 'fsdp'),))
     """
-    sizes = {"stage": stages, "data": data_axis, "expert": expert_axis, "model": model_axis}
-    if expert_axis == 1:
-        del sizes["expert"]
+    if fsdp_axis < 1 or data_axis % fsdp_axis:
+        raise ValueError(f"--fsdp-axis {fsdp_axis} does not divide --data-axis {data_axis}")
+    sizes = {
+        "stage": stages,
+        "data": data_axis // fsdp_axis,
+        "fsdp": fsdp_axis,
+        "expert": expert_axis,
+        "model": model_axis,
+    }
+    batch = tuple(a for a in ("data", "fsdp", "expert") if sizes[a] > 1 or a == "data")
+    for axis in ("fsdp", "expert"):
+        if sizes[axis] == 1:
+            del sizes[axis]
     mesh = MultiMesh(
         axis_sizes=tuple(sizes.values()),
         axis_names=tuple(sizes),
         devices=range(math.prod(sizes.values())),
     )
-    experts = {"batch": ("data", "expert"), "expert": "expert"} if expert_axis > 1 else {}
+    experts = {"expert": "expert"} if expert_axis > 1 else {}
     rules = logical_rules(
-        **{"batch": "data", **experts},
+        batch=batch if len(batch) > 1 else "data",
+        **experts,
         mlp="model",
         heads="model",
         vocab="model",
@@ -167,7 +185,8 @@ def load_run(
                 f"the run's layout ({stages} stages x {sizes}) needs {needed} devices; "
                 f"{len(jax.devices())} are available"
             )
-        placement = run_placement(spec.config, run_tasks(stages, data, model_axis, expert))
+        tasks = run_tasks(stages, data, model_axis, expert, fsdp_axis=lay.fsdp_axis)
+        placement = run_placement(spec.config, tasks)
     with Checkpointer(spec.checkpoints) as ckpt:
         if step is not None and step not in ckpt.all_steps():
             raise RunError(
@@ -176,12 +195,13 @@ def load_run(
             )
         _check_record(spec, saved_record(ckpt, step))
         model = build_model(spec.run, spec.config, placement, weights=False)
+        saved = objective(spec.run, model)  # with --dpo, the policy beside its reference
         skipped: list[Skipped] = []
         if step is not None:
-            ckpt.restore(step, model=model)
+            ckpt.restore(step, model=saved)
         else:
             try:
-                resumed = ckpt.restore_newest_readable(model=model)
+                resumed = ckpt.restore_newest_readable(model=saved)
             except FileNotFoundError:
                 raise RunError(f"no checkpoint in {spec.checkpoints}") from None
             step, skipped = resumed.step, resumed.skipped

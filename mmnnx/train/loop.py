@@ -37,6 +37,7 @@ from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer
 from mmnnx.train.data import DataStateError, TextDataset
+from mmnnx.train.preference import PreferenceModel, preference_metrics
 from mmnnx.train.router_metrics import has_router_metrics, router_metrics
 from mmnnx.train.run_log import RunLog, print_line
 from mmnnx.train.wandb_writer import WandbWriter
@@ -136,6 +137,8 @@ class FitResult:
     last_step: int
     tokens_per_second: float
     files: dict[str, str]
+    skipped_batches: int = 0
+    """Batches passed over because no token of them is trained on (``ExampleDataset``)."""
     bubble: tuple[int, float] | None = None
     """``(step, fraction)``: the idle share of every task's time in the step whose timeline
     was drawn (``mm.schedules.measured_bubble``; with several processes, over every process's
@@ -334,7 +337,7 @@ class _Loop:
     out: pathlib.Path
     ckpt_dir: pathlib.Path
     leader: bool  # process 0 (with several processes): reports and writes
-    routed: bool  # a mixture of experts: its routers' metrics logged
+    sows: bool  # a mixture of experts or DPO: what the model sows is logged
     eval_data: list
     train_step: Any = None  # make_steps's, microbatched with the config's schedule
     eval_step: Any = None
@@ -366,10 +369,10 @@ class _Loop:
         ckpt_dir = pathlib.Path(config.checkpoint_dir or out / "checkpoints")
         opt = optimizer or nnx.Optimizer(model, make_optimizer(config), wrt=trainable)
         eval_data = dataset.eval_batches(config.eval_batches)
-        routed = has_router_metrics(model)  # a mixture of experts: its routers' metrics logged
+        sows = has_router_metrics(model) or isinstance(model, PreferenceModel)
         if config.schedule == "auto":
-            config = _tuned(config, model, opt, eval_data[0], console, trainable, metrics=routed)
-        train_step, eval_step = make_steps(config, trainable, metrics=routed)
+            config = _tuned(config, model, opt, eval_data[0], console, trainable, metrics=sows)
+        train_step, eval_step = make_steps(config, trainable, metrics=sows)
         return cls(
             model=model,
             opt=opt,
@@ -379,7 +382,7 @@ class _Loop:
             out=out,
             ckpt_dir=ckpt_dir,
             leader=leader,
-            routed=routed,
+            sows=sows,
             eval_data=eval_data,
             train_step=train_step,
             eval_step=eval_step,
@@ -416,13 +419,13 @@ class _Loop:
             log.step_begins(step)
             began = time.perf_counter()
             logged = step % config.log_every == 0 or step == config.steps
-            loss, router = self.step(step, batch, logged)
+            loss, sown = self.step(step, batch, logged)
             elapsed = time.perf_counter() - began
             log.step_ends(step)
             if step > start + 1:  # the first step compiles
                 self.timed = [self.timed[0] + tokens_per_step, self.timed[1] + elapsed]
             progress.update(bar, completed=step, loss=loss, tps=self.tokens_per_second())
-            self.record(step, loss, router, log, logged)
+            self.record(step, loss, sown, log, logged)
             preempted = step < config.steps and preemption.reached(step)
             if step % config.checkpoint_every == 0 or step == config.steps or preempted:
                 self.save(step)
@@ -435,20 +438,22 @@ class _Loop:
                 return step
         return None
 
-    def step(self, step: int, batch: Any, logged: bool) -> tuple[float, Any]:
-        """Trains step ``step``: its loss and routers' metrics; the timeline step is drawn."""
-        config, model, router, run_step = self.config, self.model, None, self.run_step
+    def step(self, step: int, batch: Any, logged: bool) -> tuple[float, list]:
+        """Trains step ``step``: its loss and what the model sowed (``_sown``); the timeline
+        step is drawn."""
+        config, model, sown, run_step = self.config, self.model, [], self.run_step
+        microbatched = config.microbatches > 1
         if step != config.timeline_step:
-            if not self.routed:
-                return float(fetch(run_step(batch))), None
+            if not self.sows:
+                return float(fetch(run_step(batch))), []
             loss, captured = run_step(batch)
             loss = float(fetch(loss))
             if logged:
-                router = router_metrics(fetch(captured), microbatched=config.microbatches > 1)
-            return loss, router
-        if self.routed and logged:  # the batch's routing, before the step's update
+                sown = _sown(fetch(captured), microbatched=microbatched)
+            return loss, sown
+        if self.sows and logged:  # the batch's metrics, before the step's update
             loss, captured = fetch(self.captured_step(model, batch))
-            router = router_metrics(captured, microbatched=False)
+            sown = _sown(captured, microbatched=False)
         else:
             loss = fetch(self.eval_step(model, batch))  # before the step's update
         loss = float(loss)
@@ -464,20 +469,21 @@ class _Loop:
                 (self.out / "timeline.json").write_text(json.dumps(record, indent=1) + "\n")
             self.files["timeline"] = str(path)
             self.files["timeline_events"] = str(self.out / "timeline.json")
-        return loss, router
+        return loss, sown
 
-    def record(self, step: int, loss: float, router: Any, log: RunLog, logged: bool) -> None:
+    def record(self, step: int, loss: float, sown: list, log: RunLog, logged: bool) -> None:
         """Logs step ``step``, evaluates when it is time, and appends a row to ``metrics.jsonl``."""
         config, tps = self.config, self.tokens_per_second()
         record: dict[str, Any] = {"step": step, "loss": loss, "tokens_per_s": tps}
         if self.rates is not None:
             record["learning_rate"] = float(self.rates(step - 1))  # this step's update's
-        if router is not None:
-            scalars = {k: v for k, v in router.scalars().items() if "/" not in k}
-            record.update(scalars, tokens_per_expert=list(router.tokens_per_expert))
+        for metrics in sown:
+            record.update(metrics.record())
+        if skipped := getattr(self.dataset, "skipped", 0):  # batches with nothing to train on
+            record["skipped_batches"] = skipped
         if logged:
             rate = record.get("learning_rate")
-            log.train(step, loss=loss, tokens_per_s=tps, learning_rate=rate, router=router)
+            log.train(step, loss=loss, tokens_per_s=tps, learning_rate=rate, sown=sown)
         if step % config.eval_every == 0 or step == config.steps:
             report("evaluating", step)
             record["eval_loss"] = self.evaluate()
@@ -488,6 +494,12 @@ class _Loop:
             if self.leader:
                 with (self.out / "metrics.jsonl").open("a") as f:
                     f.write(json.dumps(record) + "\n")
+
+
+def _sown(captured: Any, *, microbatched: bool) -> list:
+    """The metrics of what a step's model sowed: its routers' and its preference pairs'."""
+    found = (f(captured, microbatched=microbatched) for f in (router_metrics, preference_metrics))
+    return [metrics for metrics in found if metrics is not None]
 
 
 def _resume(loop: _Loop, checkpoints: Checkpointer, *, own_optimizer: bool) -> tuple[int, int]:
@@ -591,6 +603,7 @@ def _finish(loop: _Loop, log: RunLog, start: int, stopped: int | None) -> FitRes
         last_step=loop.config.steps if stopped is None else stopped,
         tokens_per_second=loop.tokens_per_second(),
         files=loop.files,
+        skipped_batches=getattr(loop.dataset, "skipped", 0),
         bubble=loop.bubble,
         preempted=stopped is not None,
     )
@@ -703,6 +716,8 @@ def _report(console: Console, result: FitResult) -> None:
     table.add_row("final eval loss", f"{result.final_eval:.3f}")
     table.add_row("final / first", f"{result.final_eval / result.first_eval:.2f}")
     table.add_row("tokens/s", f"{result.tokens_per_second:,.0f}")
+    if result.skipped_batches:
+        table.add_row("batches skipped (no token trained on)", str(result.skipped_batches))
     if result.bubble is not None:
         step, fraction = result.bubble
         table.add_row(f"pipeline bubble (step {step}, measured)", f"{fraction:.0%}")

@@ -32,6 +32,15 @@ class Fields:
 
 
 @dataclasses.dataclass(frozen=True)
+class PairFields:
+    """Which field of a preference record holds what, for ``mmnnx train --dpo``."""
+
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+
+
+@dataclasses.dataclass(frozen=True)
 class Example:
     """One record's token ids and, per token, whether the loss counts it as a target (the
     model predicting it from the tokens before it)."""
@@ -158,7 +167,7 @@ def _field(where: str, record: dict, field: str, kind: type = str):
     return value
 
 
-def _messages(where: str, record: dict, field: str) -> list[dict]:
+def _messages(where: str, record: dict, field: str, assistant: bool = True) -> list[dict]:
     messages = _field(where, record, field, list)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
@@ -168,7 +177,7 @@ def _messages(where: str, record: dict, field: str) -> list[dict]:
             )
         if not isinstance(m.get("content"), str):
             raise DataError(f"{where}: {field}[{i}].content is not text")
-    if not any(m["role"] == "assistant" for m in messages):
+    if assistant and not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: {field} has no assistant message to train on")
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
@@ -184,6 +193,22 @@ def _in_spans(offsets, spans) -> np.ndarray:
             break
         mask[t] = end > spans[s][0]
     return mask
+
+
+def held_out(items: list, eval_items: list | None, eval_fraction: float) -> tuple[list, list]:
+    """``(train, eval)``: ``items`` and ``eval_items``, or without these, ``items`` split with
+    the last ``eval_fraction`` of them (at least one) held out.
+
+    Example:
+        >>> held_out(list(range(10)), None, 0.2)
+        ([0, 1, 2, 3, 4, 5, 6, 7], [8, 9])
+    """
+    if eval_items is not None:
+        return items, eval_items
+    if not 0 < eval_fraction < 1:
+        raise DataError(f"--eval-fraction must be in (0, 1), got {eval_fraction}")
+    split = len(items) - max(1, int(len(items) * eval_fraction))
+    return items[:split], items[split:]
 
 
 def encode_records(records, *args, **kwargs) -> list[Example]:

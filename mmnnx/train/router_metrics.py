@@ -44,6 +44,15 @@ class RouterMetrics:
             "expert_load_imbalance": self.load_imbalance,
         } | {f"tokens_per_expert/{e}": count for e, count in enumerate(self.tokens_per_expert)}
 
+    def record(self) -> dict[str, Any]:
+        """The fields of a ``metrics.jsonl`` row: the scalars, the tokens per expert a list."""
+        scalars = {k: v for k, v in self.scalars().items() if "/" not in k}
+        return scalars | {"tokens_per_expert": list(self.tokens_per_expert)}
+
+    def line(self) -> str:
+        """The metrics of a plain log line."""
+        return f"aux_loss {self.aux_loss:.4f} load max/mean {self.load_imbalance:.2f}"
+
 
 def has_router_metrics(model: Any) -> bool:
     """Whether ``model`` holds a ``MoE`` layer, whose metrics a train step can capture.

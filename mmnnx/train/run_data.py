@@ -10,7 +10,8 @@ from typing import Any
 from mmnnx.train.chat_template import ChatTemplate, special_tokens
 from mmnnx.train.data import TextDataset
 from mmnnx.train.examples import ExampleDataset
-from mmnnx.train.records import DataError, Fields, encode_records, read_records
+from mmnnx.train.pairs import PairDataset, encode_pair
+from mmnnx.train.records import DataError, Fields, PairFields, encode_records, read_records
 
 
 def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
@@ -36,6 +37,8 @@ def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
     records = list(read(data.data))
     if not records:
         raise DataError(f"--data {data.data}: no records")
+    if run.preference.dpo:
+        return _pairs(run, tokenizer, records, read)
     data_format = data.data_format
     if data_format == "auto":
         data_format = _format(*records[0], fields)
@@ -63,6 +66,29 @@ def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
         eval_examples=held_out,
         eval_fraction=data.eval_fraction,
         **shape,
+    )
+
+
+def _pairs(run: Any, tokenizer: Any, records: list, read: Any) -> PairDataset:
+    data, folder, preference = run.dataset, run.model.init_from, run.preference
+    fields = PairFields(data.prompt_field, preference.chosen_field, preference.rejected_field)
+    chat = isinstance(records[0][1].get(fields.prompt), list)
+    if chat and folder is None:
+        raise DataError(f"{records[0][0]}: chat pairs need --init-from: its chat template")
+    template = ChatTemplate.from_checkpoint(folder) if chat else None
+    eos = (special_tokens(folder) if folder else {}).get("eos_token")
+
+    def encode(pairs):
+        return [encode_pair(w, r, tokenizer, template, fields, eos=eos) for w, r in pairs]
+
+    return PairDataset(
+        encode(records),
+        seq_len=run.model.seq_len,
+        batch_size=run.training.batch_size,
+        seed=run.training.seed,
+        truncate=data.truncate,
+        eval_pairs=encode(read(data.eval_data)) if data.eval_data else None,
+        eval_fraction=data.eval_fraction,
     )
 
 

@@ -13,6 +13,7 @@ from typing import Protocol
 import jax
 from rich.console import Console
 
+from mmnnx.train.preference import PreferenceMetrics
 from mmnnx.train.router_metrics import RouterMetrics
 
 
@@ -90,7 +91,7 @@ class RunLog:
         loss: float,
         tokens_per_s: float,
         learning_rate: float | None,
-        router: RouterMetrics | None = None,
+        sown: Sequence[RouterMetrics | PreferenceMetrics] = (),
     ) -> None:
         """A logged training step: scalars, and a plain line when no terminal shows the bar."""
         self._scalar("loss", loss, step)
@@ -98,15 +99,14 @@ class RunLog:
             self._scalar("tokens_per_sec", tokens_per_s, step)
         if learning_rate is not None:
             self._scalar("learning_rate", learning_rate, step)
-        if router is not None:
-            for tag, value in router.scalars().items():
+        for metrics in sown:
+            for tag, value in metrics.scalars().items():
                 self._scalar(tag, value, step)
         if self.plain:
             line = f"step {step}/{self.total_steps} loss {loss:.4f} tokens/s {tokens_per_s:,.0f}"
             if learning_rate is not None:
                 line += f" lr {learning_rate:.2e}"
-            if router is not None:
-                line += f" aux_loss {router.aux_loss:.4f} load max/mean {router.load_imbalance:.2f}"
+            line += "".join(f" {metrics.line()}" for metrics in sown)
             print_line(self.console, line)
 
     def evaluation(self, step: int, loss: float) -> None:

@@ -16,8 +16,9 @@ from mmnnx.models.stages import split_rules, stage_rules
 from mmnnx.modules import MLPConfig
 from mmnnx.modules.lora import MOE_TARGETS, TARGETS, add_lora
 from mmnnx.mpmd.schedules.registry import registered
-from mmnnx.sharding import Task, init
+from mmnnx.sharding import Task, fsdp_rules, init
 from mmnnx.train.config import RunConfig, gpt_config
+from mmnnx.train.preference import TRAINED, PreferenceModel, frozen_copy
 
 
 def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
@@ -84,6 +85,30 @@ def run_placement(
         )
 
 
+def fsdp_placement(placement: Sequence[tuple]) -> list[tuple]:
+    """``placement`` with :func:`~mmnnx.sharding.fsdp_rules` over the ``fsdp`` mesh axis when its
+    tasks have one (``run_tasks(..., fsdp_axis=N)``, N > 1), else as it is.
+
+    Example:
+        >>> from mmnnx.train.generation import run_tasks
+        >>> tasks = run_tasks(2, 2, 1, fsdp_axis=2)
+        >>> [type(r[-1]).__name__ for r in fsdp_placement(run_placement(GPTConfig(depth=2), tasks))]
+        ['ShardLargest', 'ShardLargest']
+    """
+    tasks = [t for rule in placement for t in _tasks_of(rule[1])]
+    if not any(FSDP_AXIS in t.axis_names for t in tasks):
+        return list(placement)
+    return fsdp_rules(placement, FSDP_AXIS)
+
+
+def _tasks_of(task: Any) -> tuple[Task, ...]:
+    return tuple(task) if isinstance(task, list | tuple) else (task,)
+
+
+FSDP_AXIS = "fsdp"
+"""The mesh axis ``run_tasks`` carves out of the data axis for ``--fsdp-axis``."""
+
+
 def abstract_model(run: RunConfig, config: GPTConfig) -> GPT:
     """The model :func:`build_model` makes, every Variable abstract: nothing allocated.
 
@@ -115,6 +140,7 @@ def build_model(
         (32, 2)
     """
     init_from, seed, lora = run.model.init_from, run.training.seed, run.model
+    placement = None if placement is None else fsdp_placement(placement)
     if init_from is not None and weights:
         model = from_pretrained(
             init_from,
@@ -144,13 +170,31 @@ def build_model(
 
 
 def trainable(run: RunConfig) -> Any:
-    """The Variables a run trains: the adapters with ``--lora-rank``, else every ``nnx.Param``.
+    """The Variables a run trains: the adapters with ``--lora-rank``, else every ``nnx.Param``;
+    with ``--dpo``, the policy's of those (:func:`objective`).
 
     Example:
         >>> trainable(RunConfig.of({"lora_rank": 8})).__name__, trainable(RunConfig()).__name__
         ('LoRAParam', 'Param')
     """
-    return nnx.LoRAParam if run.model.lora_rank else nnx.Param
+    kind = nnx.LoRAParam if run.model.lora_rank else nnx.Param
+    return nnx.All(kind, TRAINED) if run.preference.dpo else kind
+
+
+def objective(run: RunConfig, model: GPT) -> nnx.Module:
+    """What a run trains, checkpoints and restores: ``model``, or with ``--dpo`` its
+    ``PreferenceModel`` against the frozen initial weights (a copy) or, with
+    ``--lora-rank``, against the base model (the adapters off: nothing copied).
+
+    Example:
+        >>> run = RunConfig.of({**_LORA, "dpo": True, "data": "pairs.jsonl"})
+        >>> type(objective(run, build_model(run, model_config(run, 64)))).__name__
+        'PreferenceModel'
+    """
+    if not run.preference.dpo:
+        return model
+    reference = None if run.model.lora_rank else frozen_copy(model)
+    return PreferenceModel(model, beta=run.preference.dpo_beta, reference=reference)
 
 
 _LORA = {"dim": 32, "depth": 1, "heads": 2, "lora_rank": 2, "lora_targets": ("q",)}  # examples

@@ -32,7 +32,9 @@ def check(run: RunConfig, given: Set[str] = frozenset()) -> Checked:
         >>> check(RunConfig.of({"depth": 1})).problem
         '--depth 1 gives fewer blocks than --stages 2'
     """
-    found = _experts_problem(run) or _devices_problem(run) or _lora_problem(run)
+    found = (
+        _experts_problem(run) or _devices_problem(run) or _fsdp_problem(run) or _lora_problem(run)
+    )
     if found:
         return Checked(found)
     found, (blocks, depth), pretrained = _model_problem(run, given)
@@ -70,6 +72,17 @@ def _devices_problem(run: RunConfig) -> str | None:
     used, devices = devices_needed(run), run.layout.devices
     if used > devices:
         return f"{layout(run)} needs {used} devices, but {flag('devices')} is {devices}"
+    return None
+
+
+def _fsdp_problem(run: RunConfig) -> str | None:
+    """An FSDP axis that is not a divisor of the data axis it is carved from."""
+    lay = run.layout
+    if lay.data_axis % lay.fsdp_axis:
+        return (
+            f"{flag('fsdp_axis', lay.fsdp_axis)} does not divide {flag('data_axis', lay.data_axis)}"
+            " (parameters are sharded over N of each stage's data-parallel devices)"
+        )
     return None
 
 
@@ -281,7 +294,13 @@ def _outputs_problem(run: RunConfig) -> str | None:
 
 def _other_problem(run: RunConfig) -> str | None:
     """An option that needs another, or a value another rules out."""
-    training, logging = run.training, run.logging
+    training, logging, data = run.training, run.logging, run.dataset
+    if run.preference.dpo:  # a pair's two completions are its row's segments, and its targets
+        if data.data is None:
+            return f"{flag('dpo')} needs {flag('data', 'PAIRS')}"
+        if data.pack or data.train_on != "completions":
+            wrong = flag("pack") if data.pack else flag("train_on", data.train_on)
+            return f"{flag('dpo')} rules out {wrong}"
     budget = training.memory_budget
     if budget is not None:
         try:

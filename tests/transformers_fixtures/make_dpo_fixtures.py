@@ -7,9 +7,9 @@ its tests):
 
 It rewrites ``tests/transformers_fixtures/dpo/``: ``policy/`` and ``reference/`` (tiny
 ``LlamaForCausalLM`` checkpoints saved by transformers, with the ``chat/chatml`` tokenizer),
-``pairs.jsonl`` (prompt, chosen, rejected) and ``expected.json``: the ids TRL tokenized each
-pair into, TRL's per-pair log-probabilities, loss, rewards, margins and accuracy at
-``beta`` 0.5. tests/test_dpo.py reads them.
+``pairs.jsonl`` (prompt, chosen, rejected), ``chat_pairs.jsonl`` (the same as messages) and
+``expected.json``: the ids TRL tokenized each pair into (``pairs``, ``chat_pairs``), TRL's
+loss, rewards, margins and accuracy at ``beta`` 0.5. tests/test_dpo.py reads them.
 """
 
 import json
@@ -30,6 +30,17 @@ PAIRS = [
     {"prompt": "Two plus two?", "chosen": " Four.", "rejected": " Four. Or five, maybe."},
     {"prompt": "Answer briefly.", "chosen": " Yes.", "rejected": " No"},
     {"prompt": "And times three?", "chosen": " Twelve.", "rejected": " Twelve, you are a help."},
+]
+CHAT_PAIRS = [  # conversational: rendered with the ChatML template
+    {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}],
+        "chosen": [{"role": "assistant", "content": good}],
+        "rejected": [{"role": "assistant", "content": bad}],
+    }
+    for q, good, bad in (
+        ("What is the capital of France?", "Paris.", "Rome."),
+        ("Two plus two?", "Four.", "Five, maybe."),
+    )
 ]
 
 
@@ -88,6 +99,18 @@ def main() -> None:
         "loss": float(loss),
         "metrics": metrics,
     }
+    chat = trl.DPOTrainer(
+        model=policy,
+        ref_model=reference,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(CHAT_PAIRS),
+        processing_class=tokenizer,
+    ).train_dataset
+    expected["chat_pairs"] = [
+        {k: chat[i][k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+        for i in range(len(chat))
+    ]
+    (OUT / "chat_pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in CHAT_PAIRS))
     shutil.rmtree(OUT / "trl", ignore_errors=True)
     (OUT / "expected.json").write_text(json.dumps(expected, indent=1))
 

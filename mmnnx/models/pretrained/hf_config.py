@@ -11,9 +11,9 @@ from typing import Any, NamedTuple
 
 from mmnnx.models.pretrained.files import TORCH_DTYPES, CheckpointError
 from mmnnx.modules.checks import is_positive
-from mmnnx.modules.rope import RopeScaling, YarnScaling
+from mmnnx.modules.rope import LinearScaling, RopeScaling, Scaling, YarnScaling
 
-ROPE_TYPES = ("default", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """The ``rope_type`` values mmnnx computes (as transformers' ``ROPE_INIT_FUNCTIONS`` do)."""
 
 REQUIRED = object()
@@ -24,6 +24,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "head_dim": None, "num_key_value_heads": None},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32},
     "qwen3_moe": {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 4},
+    "mistral": dict(max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096),
+    "mixtral": dict(
+        max_position_embeddings=131072, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6
+    ),
+    "gemma3_text": {
+        "max_position_embeddings": 131072,
+        "head_dim": 256,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": True,
+        "intermediate_size": 9216,
+    },
 }
 
 
@@ -104,15 +115,44 @@ _MOE = (  # Qwen3-MoE's own keys, named as transformers 5 writes them
     _Key("router_aux_loss_coef", *_NONNEGATIVE, default=0.001),
     _Key("output_router_logits", *_BOOL, default=False),
 )
-_OWN: dict[str, tuple[_Key, ...]] = {"qwen3_moe": _MOE}
+_SLIDING = (  # Mistral's and Mixtral's: every layer's window, null for none
+    _Key("sliding_window", _int(1)[0], "an int >= 1 or null", default=None, nullable=True),
+)
+_MIXTRAL = (  # Qwen3-MoE's keys that Mixtral has too: its experts' size is intermediate_size
+    *_SLIDING,
+    *(k for k in _MOE if k.name in {"num_local_experts", "num_experts_per_tok"}),
+    *(k for k in _MOE if k.name in {"router_aux_loss_coef", "output_router_logits"}),
+)
+_GEMMA3 = (  # Gemma 3's own keys (its family reads its older RoPE and layer keys)
+    _Key("query_pre_attn_scalar", *_POSITIVE, default=256),
+    _Key("rope_local_base_freq", *_POSITIVE, default=10000.0),
+    _Key("sliding_window_pattern", *_int(1), default=6),
+    _Key("sliding_window", *_int(1), default=4096, nullable=True),
+    _Key("hidden_activation", *_STR, default="gelu_pytorch_tanh"),
+    _Key("use_bidirectional_attention", *_BOOL, default=False, nullable=True),
+)
+_OWN: dict[str, tuple[_Key, ...]] = {
+    "qwen3_moe": _MOE,
+    "mistral": _SLIDING,
+    "mixtral": _MIXTRAL,
+    "gemma3_text": _GEMMA3,
+}
 
-STALE = {"torch_dtype": "dtype", "rope_theta": "rope_parameters", "rope_scaling": "rope_parameters"}
+STALE = {
+    "torch_dtype": "dtype",
+    "rope_theta": "rope_parameters",
+    "rope_scaling": "rope_parameters",
+    "rope_local_base_freq": "rope_parameters",  # Gemma 3's sliding layers' theta
+    "sliding_window_pattern": "layer_types",  # Gemma 3's every n-th layer global
+}
 """Older keys and the transformers 5 key that replaces them (``save_pretrained`` drops them)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class HFConfig:
-    """A ``config.json`` read and checked; ``own``: the family's own keys.
+    """A ``config.json`` read and checked; ``own``: the family's own keys; ``rope_theta`` and
+    ``rope_scaling``: RoPE's (the ``full_attention`` layers' where ``rope_parameters`` is given
+    per layer type, and then ``ropes``: each layer type's ``(theta, scaling)``).
 
     Example:
         >>> c = read_config({"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
@@ -134,8 +174,9 @@ class HFConfig:
     tie_word_embeddings: bool
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope_scaling: Scaling | None
     own: Mapping[str, Any]
+    ropes: Mapping[str, tuple[float, Scaling | None]] = dataclasses.field(default_factory=dict)
 
 
 def read_config(hf: Any, file: str, model_type: str) -> HFConfig:
@@ -184,7 +225,7 @@ def read_config(hf: Any, file: str, model_type: str) -> HFConfig:
         )
     if "output_router_logits" in own and not own["output_router_logits"]:
         own["router_aux_loss_coef"] = 0.0
-    theta, scaling = _rope(hf, v, file)
+    (theta, scaling), ropes = _rope(hf, v, file)
     v |= dict(
         num_key_value_heads=kv,
         head_dim=head_dim,
@@ -192,6 +233,7 @@ def read_config(hf: Any, file: str, model_type: str) -> HFConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         own={k: tuple(x) if isinstance(x, list) else x for k, x in own.items()},
+        ropes=ropes,
     )
     return HFConfig(**{f.name: v[f.name] for f in dataclasses.fields(HFConfig)})
 
@@ -218,14 +260,29 @@ def _value(hf: dict[str, Any], key: _Key, file: str, defaults: Mapping[str, Any]
     return default
 
 
-def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, Any]:
-    """RoPE's base and scaling, as transformers' ``standardize_rope_params`` resolves them."""
+Rope = tuple[float, Scaling | None]
+
+
+def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[Rope, dict[str, Rope]]:
+    """RoPE's base and scaling, as transformers' ``standardize_rope_params`` resolves them, and
+    where ``rope_parameters`` holds one set per layer type (``layer_types``' names), each
+    type's (the first one: ``full_attention``'s, else the first type's)."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = _checked(hf.get(key) or {}, _OBJECT, f"{file}: {key}")
     nested = [t for t in params if t in (v["layer_types"] or ())]
-    if nested:  # one set of parameters per layer type: every layer here is full attention
-        key = f"{key}.{nested[0]}"
-        params = _checked(params[nested[0]] or {}, _OBJECT, f"{file}: {key}")
+    if not nested:
+        return _rope_of(params, key, v, file), {}
+    ropes = {}
+    for kind in nested:
+        where = f"{key}.{kind}"
+        ropes[kind] = _rope_of(
+            _checked(params[kind] or {}, _OBJECT, f"{file}: {where}"), where, v, file
+        )
+    return ropes.get("full_attention", ropes[nested[0]]), ropes
+
+
+def _rope_of(params: dict[str, Any], key: str, v: dict[str, Any], file: str) -> Rope:
+    """The base and scaling of one set of RoPE parameters, ``params`` (``key`` in ``file``)."""
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise CheckpointError(
@@ -250,6 +307,8 @@ def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, Any]
         )
     if kind == "default":
         return theta, None
+    if kind == "linear":
+        return theta, LinearScaling(float(number("factor", _POSITIVE, REQUIRED)))
     original = v["original_max_position_embeddings"] or number(
         "original_max_position_embeddings", _int(1), v["max_position_embeddings"]
     )
@@ -276,16 +335,20 @@ def _rope(hf: dict[str, Any], v: dict[str, Any], file: str) -> tuple[float, Any]
     )
 
 
-def rope_parameters(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
-    """``rope_parameters`` as transformers 5 writes it.
+def rope_parameters(theta: float, scaling: Scaling | None) -> dict[str, Any]:
+    """``rope_parameters`` as transformers 5 writes it (one set; a model with one per layer
+    type writes ``{type: rope_parameters(...), ...}``).
 
     Example:
         >>> rope_parameters(1e6, None)
         {'rope_theta': 1000000.0, 'rope_type': 'default'}
+        >>> rope_parameters(1e6, LinearScaling(8.0))
+        {'factor': 8.0, 'rope_theta': 1000000.0, 'rope_type': 'linear'}
     """
     out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": "default"}
     if scaling is not None:
-        kind = "yarn" if isinstance(scaling, YarnScaling) else "llama3"
+        kinds = {YarnScaling: "yarn", RopeScaling: "llama3", LinearScaling: "linear"}
+        kind = kinds[type(scaling)]
         fields = {k: v for k, v in dataclasses.asdict(scaling).items() if v is not None}
         out.update(rope_type=kind, **fields)
     return dict(sorted(out.items()))

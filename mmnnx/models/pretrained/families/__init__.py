@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.pretrained.families.gemma3 import GEMMA3
 from mmnnx.models.pretrained.families.llama import LLAMA, QWEN3, QWEN3_MOE, Family
+from mmnnx.models.pretrained.families.mistral import MISTRAL, MIXTRAL
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import architectures
 from mmnnx.models.pretrained.names import TensorRule
@@ -33,7 +35,9 @@ class PretrainedFamily(Protocol):
     def tensor_rules(self, config: GPTConfig) -> tuple[TensorRule, ...]: ...
 
 
-FAMILIES: dict[str, PretrainedFamily] = {f.architecture: f for f in (LLAMA, QWEN3, QWEN3_MOE)}
+FAMILIES: dict[str, PretrainedFamily] = {
+    f.architecture: f for f in (LLAMA, QWEN3, QWEN3_MOE, MISTRAL, MIXTRAL, GEMMA3)
+}
 """The architectures ``from_pretrained`` builds, by their ``config.json`` name."""
 
 

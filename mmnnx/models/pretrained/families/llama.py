@@ -69,7 +69,7 @@ class DenseFeedForward:
 
     Example:
         >>> DenseFeedForward().read({"intermediate_size": 64}, 2)[1]
-        MLPConfig(hidden=64, gated=True, bias=False)
+        MLPConfig(hidden=64, gated=True, bias=False, activation=None)
     """
 
     keys: ClassVar[tuple[str, ...]] = ("intermediate_size",)
@@ -147,6 +147,7 @@ class Family:
     model_type: str
     qk_norm: bool
     feed_forward: DenseFeedForward = DenseFeedForward()
+    sliding_window: bool = False  # its config.json can give the attention a window
 
     @property
     def size_keys(self) -> tuple[str, ...]:
@@ -248,6 +249,15 @@ class Family:
         own = self.feed_forward.experts
         moes = {b.feed_forward for b in blocks if isinstance(b.feed_forward, MoEConfig)}
         no_rope = any(getattr(b.attention, "rope", 0) is None for b in blocks)
+        windowed = any(getattr(b.attention, "sliding_window", None) for b in blocks)
+        offsets = {b.norm.scale_offset for b in blocks} | {
+            getattr(config.final_norm, "scale_offset", 0)
+        }
+        gemma_attention = any(
+            getattr(b.attention, "qk_norm_offset", 0)
+            or getattr(b.attention, "query_pre_attn_scalar", None)
+            for b in blocks
+        )
         checks = (  # config.json holds one attention, one dense MLP and one mixture for every layer
             (any(not f.gated for f in dense), f"an ungated GELU MLP ({name}: SiLU-gated)"),
             (any(f.bias for f in dense), "MLP biases"),
@@ -258,7 +268,12 @@ class Family:
             (not experts and own, f"no mixture-of-experts blocks ({name})"),
             (len({b.attention for b in blocks}) > 1, "layers of different attention"),
             (no_rope, f"attention without RoPE ({name}: RoPE)"),
+            (windowed and not self.sliding_window, f"a sliding window ({name}: full attention)"),
             (len(set(dense)) > 1 or len(moes) > 1, "feed-forwards of different sizes"),
+            (any(f.activation not in (None, "silu") for f in dense), f"a non-SiLU MLP ({name})"),
+            (any(b.post_norms for b in blocks), f"norms after attention and MLP ({name}: none)"),
+            (offsets != {0} or gemma_attention, f"Gemma's norms or score scale ({name}: none)"),
+            (config.embed_scale is not None, f"scaled embeddings ({name}: unscaled)"),
         )
         return [what for failed, what in checks if failed]
 
