@@ -1,6 +1,6 @@
 """Predicted vs measured peak bytes per device (``mm.predict_memory``), one pipelined GPT
 train step per configuration: stages 2 / 4, a tensor axis of 2, an expert axis of 2 with
-experts, GPipe vs 1F1B vs the split-backward ZB-H1 and ZB-V (two stages per task), remat
+experts, FSDP 2, GPipe vs 1F1B vs the split-backward ZB-H1 and ZB-V (two stages per task), remat
 none / dots / full; and held-out ones checked after the terms were written.
 
 Measured: the step runs once in ``memory_profile`` mode, which interprets its actions one by
@@ -39,7 +39,7 @@ from mmnnx.mpmd.run import runner  # noqa: E402
 from mmnnx.mpmd.run.emit import Launch  # noqa: E402
 from mmnnx.train.generation import run_tasks  # noqa: E402
 from mmnnx.train.loop import TrainConfig, make_steps  # noqa: E402
-from mmnnx.train.run_model import run_placement  # noqa: E402
+from mmnnx.train.run_model import fsdp_placement, run_placement  # noqa: E402
 
 RESULTS = results_path("memory_prediction.json")
 BASE = dict(vocab_size=128, dim=64, depth=4, num_heads=4, max_seq_len=32, mlp_hidden=256)
@@ -61,6 +61,8 @@ CONFIGS = {  # name: (GPTConfig changes, layout, schedule, microbatches, batch)
     "2 stages x 2 virtual (8 blocks), ZB-V, remat full": (
         dict(depth=8, remat="full"), dict(stages=2, virtual_stages=2), "zero-bubble-v", 4, 16),
     # held out: checked only after the terms were written from the configurations above
+    "held out: 2 stages x data 2 (FSDP 2), 1F1B, remat none": (
+        {}, dict(stages=2, data=2, fsdp=2), "1f1b", 4, 16),
     "held out: 2 stages x 2 virtual (8 blocks), interleaved 1F1B, remat none": (
         dict(depth=8), dict(stages=2, virtual_stages=2), "interleaved-1f1b", 4, 16),
     "held out: gated MLP, 2 KV heads, 64 tokens, 2 stages, 1F1B, remat none": (
@@ -118,9 +120,9 @@ class PeakRecorder:
 def measure(config: GPTConfig, layout: dict, schedule: str, m: int, batch: int) -> list[int]:
     """Each task's measured peak bytes on its most loaded device."""
     sizes = (layout.get(k, 1) for k in ("data", "tensor", "expert"))
-    tasks = run_tasks(layout["stages"], *sizes)
+    tasks = run_tasks(layout["stages"], *sizes, fsdp_axis=layout.get("fsdp", 1))
     v = layout.get("virtual_stages", 1)
-    rules = run_placement(config, tasks, virtual_stages=v, schedule=schedule)
+    rules = fsdp_placement(run_placement(config, tasks, virtual_stages=v, schedule=schedule))
     model = mm.init(lambda: GPT(config, rngs=nnx.Rngs(0)), rules)
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     step, _ = make_steps(TrainConfig(microbatches=m, schedule=schedule, virtual_stages=v))

@@ -492,7 +492,8 @@ def fitting_change(
     """The first single change that brings :func:`predict_memory`'s peak (same ``options``)
     under ``budget``, tried in this order: a schedule with fewer microbatches in flight
     (1F1B), twice the microbatches (smaller ones), a remat policy (``dots``, then ``full``),
-    a larger FSDP axis (2, 4 or 8 dividing ``data``), more stages (up to the depth); ``None`` when none does.
+    a larger FSDP axis (2, 4 or 8 dividing ``data``), more stages (up to the depth);
+    ``None`` when none does.
     ``changes``: those of :data:`CHANGES` to try.
 
     Example:
