@@ -13,6 +13,7 @@ import mmnnx as mm
 from mmnnx.cli import main
 from mmnnx.models import GPT, GPTConfig
 from mmnnx.models.stages import stage_rules
+from mmnnx.modules import BlockConfig, LatentAttentionConfig, MLPConfig
 from mmnnx.mpmd.run import runner
 from mmnnx.mpmd.run.emit import Launch
 from mmnnx.partition.memory import fitting_change
@@ -69,6 +70,12 @@ def test_the_arithmetic_by_hand():
         mm.predict_memory(SMALL, lay, batch=4, remat="some")
     with pytest.raises(ValueError, match="does not split evenly"):
         mm.predict_memory(SMALL, mm.MemoryLayout(stages=2, data=4), batch=4, microbatches=2)
+    latent = LatentAttentionConfig(2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                   v_head_dim=8)  # fmt: skip
+    layer = BlockConfig(latent, MLPConfig(64))
+    mla = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, layers=(layer, layer))
+    with pytest.raises(ValueError, match="layer 0 is LatentAttentionConfig and MLPConfig"):
+        mm.predict_memory(mla, lay, batch=4)
     with pytest.raises(ValueError, match=r"MemoryLayout.blocks \(1,\)"):
         mm.MemoryLayout(stages=2, blocks=(1,))
 

@@ -383,11 +383,11 @@ def predict_memory(
         )
     for i, block in enumerate(config.block_configs):
         parts = (block.attention, block.feed_forward)
-        if not isinstance(parts[0], AttentionConfig) or not isinstance(parts[1], _FEED_FORWARD):
+        if type(parts[0]) is not AttentionConfig or type(parts[1]) not in _FEED_FORWARD:
             kinds = " and ".join(type(part).__name__ for part in parts)
             raise ValueError(
                 f"predict_memory: layer {i} is {kinds}; the model knows AttentionConfig with "
-                "MLPConfig or MoEConfig"
+                "MLPConfig or MoEConfig (not their variants, e.g. shared experts)"
             )
     count = lay.stages * lay.virtual_stages
     if config.depth < count:
