@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from mmnnx.models.gpt import REMAT, GPTConfig
 from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig
@@ -333,6 +334,58 @@ def default_blocks(config: GPTConfig, stages: int, layout: MemoryLayout | None =
     return tuple(_split(costs, stages, first, last))
 
 
+class _Shapes(NamedTuple):
+    """What every stage's terms are computed from."""
+
+    config: GPTConfig
+    layout: MemoryLayout
+    seq: int
+    remat: str
+    dtype: int  # bytes of the compute dtype
+    param_bytes: int
+    pack_limit: float  # the largest weight mm.jit packs
+    tokens: float  # of one microbatch, on one device
+
+
+class _Stage(NamedTuple):
+    """One model stage's weights and what one microbatch of it keeps, in bytes per device."""
+
+    weights: _Weights
+    kept: float  # from its forward to its backward, under the remat policy
+    full: float  # the same without remat
+    waiting: float  # with a split backward, from its input- to its weight-gradient pass
+
+
+def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool) -> _Stage:
+    """The terms of the model stage holding ``blocks`` (and the embedding when ``first``, the
+    final norm, head and loss when ``last``)."""
+    config, lay, dtype, tokens = shapes.config, shapes.layout, shapes.dtype, shapes.tokens
+    dim, vocab, param_bytes = config.dim, config.vocab_size, shapes.param_bytes
+    layers = [config.block_configs[i] for i in blocks]
+    weights = sum((_block_weights(b, dim, lay, shapes.pack_limit, param_bytes) for b in layers),
+                  _Weights())  # fmt: skip
+    res = [_block_residuals(b, dim, tokens, shapes.seq, lay, dtype, shapes.remat) for b in layers]
+    kept = sum(r.kept for r in res)
+    full = sum(r.full for r in res)
+    outputs = sum(r.outputs for r in res)
+    if first:
+        weights += _weight((vocab, dim), lay.tensor, 0, param_bytes)
+        kept += tokens * 4  # the token ids the embedding's gradient scatters by
+    if last:
+        head = 0 if config.tie_embeddings else vocab * dim
+        weights += _weight((head,), lay.tensor, 0, param_bytes) + _Weights(dim, 0, dim)
+        logits = tokens * vocab / lay.tensor * _F32 + tokens * dim * dtype
+        logits += tokens * _HEAD_STATS_PER_TOKEN * _F32
+        kept, full = kept + logits, full + logits
+        outputs += tokens * vocab / lay.tensor * dtype
+    if shapes.remat == "dots":
+        kept += tokens * dim * dtype  # the first block's input
+    # a split backward's weight-gradient pass reads its matmuls' output cotangents; under
+    # remat it recomputes them from the cotangent at each block's output
+    waiting = outputs if shapes.remat == "none" else len(layers) * tokens * dim * dtype
+    return _Stage(weights=weights, kept=kept, full=full, waiting=waiting)
+
+
 def predict_memory(
     config: GPTConfig,
     layout: MemoryLayout,
@@ -397,39 +450,21 @@ def predict_memory(
         raise ValueError(f"predict_memory: blocks {sizes} do not add up to depth {config.depth}")
     table = sched.get(schedule, count, microbatches, lay.virtual_stages)
 
-    param_bytes = DTYPE_BYTES[config.param_dtype]
-    dtype = DTYPE_BYTES[config.dtype]
-    limit = weight_bound(pack_weights)
-    tokens = batch // microbatches // shards * seq  # per device, per microbatch
-    dim, vocab = config.dim, config.vocab_size
+    shapes = _Shapes(
+        config=config, layout=lay, seq=seq, remat=remat, dtype=DTYPE_BYTES[config.dtype],
+        param_bytes=DTYPE_BYTES[config.param_dtype], pack_limit=weight_bound(pack_weights),
+        tokens=batch // microbatches // shards * seq,
+    )  # fmt: skip
+    param_bytes, dtype, tokens, dim = shapes.param_bytes, shapes.dtype, shapes.tokens, config.dim
     starts = [sum(sizes[:s]) for s in range(count)]
-    stage_weights, residuals, full_residuals, waiting = [], [], [], []
-    for s in range(count):
-        blocks = config.block_configs[starts[s] : starts[s] + sizes[s]]
-        weights = sum((_block_weights(b, dim, lay, limit, param_bytes) for b in blocks),
-                      _Weights())  # fmt: skip
-        res = [_block_residuals(b, dim, tokens, seq, lay, dtype, remat) for b in blocks]
-        kept = sum(r.kept for r in res)
-        full = sum(r.full for r in res)
-        outputs = sum(r.outputs for r in res)
-        if s == 0:
-            weights += _weight((vocab, dim), lay.tensor, 0, param_bytes)
-            kept += tokens * 4  # the token ids the embedding's gradient scatters by
-        if s == count - 1:
-            head = 0 if config.tie_embeddings else vocab * dim
-            weights += _weight((head,), lay.tensor, 0, param_bytes) + _Weights(dim, 0, dim)
-            logits = tokens * vocab / lay.tensor * _F32 + tokens * dim * dtype
-            logits += tokens * _HEAD_STATS_PER_TOKEN * _F32
-            kept, full = kept + logits, full + logits
-            outputs += tokens * vocab / lay.tensor * dtype
-        if remat == "dots":
-            kept += tokens * dim * dtype  # the first block's input
-        stage_weights.append(weights)
-        residuals.append(kept)
-        full_residuals.append(full)
-        # a split backward's weight-gradient pass reads its matmuls' output cotangents; under
-        # remat it recomputes them from the cotangent at each block's output
-        waiting.append(outputs if remat == "none" else sizes[s] * tokens * dim * dtype)
+    stages = [
+        _stage(shapes, range(starts[s], starts[s] + sizes[s]), first=s == 0, last=s == count - 1)
+        for s in range(count)
+    ]
+    stage_weights = [st.weights for st in stages]
+    residuals = [st.kept for st in stages]
+    full_residuals = [st.full for st in stages]
+    waiting = [st.waiting for st in stages]
 
     simulated = sched.simulate(table, forward_cost=1, backward_cost=2)
     activations = _held_peaks(simulated.events, residuals, waiting, table.stage_to_rank)
