@@ -68,7 +68,7 @@ def plan_sources(
                     f"of {model_name} ({np.dtype(wanted).name})"
                 )
             try:
-                got = source.stack_shape + source.rule.variable_shape(info.shape)
+                got = source.stack_shape + source.rule.variable_shape(info.shape, name)
             except ValueError as e:
                 raise CheckpointError(f"{where / info.file}: {e}") from None
             if got != want:

@@ -101,29 +101,28 @@ class TensorRule:
             return inner
         return tuple(inner[i] for i in np.argsort(self.transpose))
 
-    def variable_shape(self, tensor_shape: Sequence[int]) -> tuple[int, ...]:
-        """The shape one tensor of ``tensor_shape`` takes in the Variable (without stacked axes)."""
-        shape = tuple(tensor_shape)
+    def variable_shape(self, tensor_shape: Sequence[int], name: str = "") -> tuple[int, ...]:
+        """The shape one tensor of ``tensor_shape`` (named ``name`` in errors; by default the
+        rule's template) takes in the Variable (without stacked axes)."""
+        shape, name = tuple(tensor_shape), name or self.tensor
         if self.part is not None:
             axis, _, count = self.part
             if not -len(shape) <= axis < len(shape) or shape[axis] % count:
                 raise ValueError(
-                    f"tensor {self.tensor!r}: shape {shape} does not split into {count} equal "
+                    f"tensor {name!r}: shape {shape} does not split into {count} equal "
                     f"parts along axis {axis}"
                 )
             shape = tuple(n // count if i == axis % len(shape) else n for i, n in enumerate(shape))
         if self.transpose is not None:
             if sorted(self.transpose) != list(range(len(shape))):
                 raise ValueError(
-                    f"tensor {self.tensor!r}: transpose {self.transpose} does not fit its "
+                    f"tensor {name!r}: transpose {self.transpose} does not fit its "
                     f"{len(shape)} dimensions {shape}"
                 )
             shape = tuple(shape[i] for i in self.transpose)
         if self.reshape is not None:
             if int(np.prod(self.reshape)) != int(np.prod(shape)):
-                raise ValueError(
-                    f"tensor {self.tensor!r}: cannot reshape {shape} to {self.reshape}"
-                )
+                raise ValueError(f"tensor {name!r}: cannot reshape {shape} to {self.reshape}")
             shape = tuple(self.reshape)
         return shape
 
