@@ -29,8 +29,8 @@ leading ``depth`` axis for stacked blocks), position ``p`` in slot ``p % slots``
 State per sequence and layer: ``2 * slots * num_kv_heads * head_dim * itemsize`` bytes, i.e.
 ``2 * num_kv_heads * head_dim * itemsize`` per position held. Before the ring every layer held
 ``max_seq_len`` positions; a sliding layer of window ``w`` now holds ``w - 1`` (the most that
-any query sees of earlier steps). The Mistral fixture (2 KV heads of 8, float32: 64 bytes per
-position and layer) at ``max_seq_len`` 32 and window 4: 2,048 bytes per layer before, 192
+any query sees of earlier steps). The Mistral fixture (2 KV heads of 8, float32: 128 bytes per
+position and layer) at ``max_seq_len`` 32 and window 4: 4,096 bytes per layer before, 384
 after; Gemma 3 27B's sliding layers (16 KV heads of 128, bfloat16, window 1,024) at 131,072
 positions: 1 GiB per layer before, 8 MiB after."""
 
