@@ -4,7 +4,8 @@ float32 logits to 1e-5 of the largest on one device and on pipeline stages (2 st
 the depth allows: Gemma 3's 4 layers), with ``scan_layers`` where every layer is alike (not
 Qwen3-MoE's dense-then-sparse layers nor Gemma 3's sliding-then-global ones), the experts split
 over an expert axis for the mixtures of experts; the greedy continuation of mmnnx's key/value
-cache equal to transformers' ``generate``; and each family's train step, pipelined over two
+cache equal to transformers' ``generate`` (for the sliding-window families on two stages too,
+their sliding layers' caches rings of the window); and each family's train step, pipelined over two
 stages under 1F1B and under ZB-H1, equal to its step on one device (loss and gradients)."""
 
 import dataclasses
@@ -34,6 +35,7 @@ class Family:
     experts: bool = False
     stages: tuple[int, ...] = (2,)
     greedy: bool = True
+    window: bool = False  # sliding-window layers: decoded on the stages too (their ring caches)
 
 
 FAMILIES = {
@@ -42,10 +44,10 @@ FAMILIES = {
     "qwen3": Family(fixture="qwen3", scan=True),
     "qwen3-yarn": Family(fixture="qwen3-yarn", scan=False, greedy=False),
     "qwen3-moe": Family(fixture="qwen3-moe", scan=False, experts=True),
-    "mistral": Family(fixture="mistral", scan=True),
+    "mistral": Family(fixture="mistral", scan=True, window=True),
     "mixtral": Family(fixture="mixtral", scan=True, experts=True),
     "mixtral-fused": Family(fixture="mixtral-fused", scan=True, experts=True, greedy=False),
-    "gemma3": Family(fixture="gemma3", scan=False, stages=(2, 4)),
+    "gemma3": Family(fixture="gemma3", scan=False, stages=(2, 4), window=True),
 }
 """The conformance cases: each family's fixture, and Llama 3 scaling, YaRN and the Mixtral in
 transformers 5's fused expert layout as more."""
@@ -90,10 +92,15 @@ def test_logits_and_greedy_decoding_equal_transformers(name):
         np.testing.assert_array_equal(np.asarray(greedy), continuation)
     for stages in family.stages:
         tasks = stage_tasks(family, stages)
-        staged = from_pretrained(FIXTURES / family.fixture, tasks=tasks, scan_layers=family.scan)
+        staged = from_pretrained(
+            FIXTURES / family.fixture, tasks=tasks, scan_layers=family.scan, max_seq_len=16
+        )
         homes = {mm.task_of(staged.embed.embedding).name, mm.task_of(staged.norm.scale).name}
         assert homes == {tasks[0].name, tasks[-1].name} and staged.config.scan_layers == family.scan
         assert relative_error(_staged_forward(staged, tokens), want["logits"]) < F32, stages
+        if family.window and stages == 2:
+            greedy = staged.generate(jnp.asarray(want["prompt"]), continuation.shape[1])
+            np.testing.assert_array_equal(np.asarray(greedy), continuation)
         if family.experts:  # 2 ways of the experts (an expert axis of 2 in each stage)
             experts = (staged.blocks if family.scan else staged.blocks[-1]).mlp.experts
             down, axis = experts.down[...], int(family.scan)
