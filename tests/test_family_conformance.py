@@ -141,19 +141,34 @@ def test_a_pipelined_train_step_equals_one_device_under_1f1b_and_zb_h1(name):
 
 
 def test_a_fused_mixtral_tensor_that_does_not_split_or_fills_a_variable_twice_is_refused(tmp_path):
-    """The fused fixture is what transformers 5 loads (its verdict); an edited copy whose
+    """The fused fixture is what transformers 5 loads (its verdict); ``experts/up`` is read
+    from ``gate_up_proj``'s second half, a slice of it (a device's shard) as that slice; an
+    edited copy whose
     ``gate_up_proj`` has an odd row, or with a Variable's tensors in both layouts, is refused
     naming the file and tensor."""
     from safetensors.numpy import load_file, save_file
 
+    from mmnnx.models import pretrained_config
     from mmnnx.models.pretrained import CheckpointError
+    from mmnnx.models.pretrained.families.mistral import MIXTRAL
+    from mmnnx.models.pretrained.files import CheckpointFiles
+    from mmnnx.models.pretrained.load import read_part
+    from mmnnx.models.pretrained.names import match
 
     source = FIXTURES / "mixtral-fused"
     verdict = json.loads((source / "fused_verdict.json").read_text())  # transformers 5 loads it
     assert verdict["missing"] == verdict["unexpected"] == [] and verdict["logits_error"] < F32
     tensors = load_file(source / "model.safetensors")
     assert sorted(tensors) == verdict["tensors"] and "lm_head.weight" in tensors
-    gate_up, down = (f"model.layers.1.mlp.experts.{n}" for n in ("gate_up_proj", "down_proj"))
+    files = CheckpointFiles(source)  # up is gate_up's second half; a slice of it, its slice
+    rules = MIXTRAL.tensor_rules(pretrained_config(source))
+    up = match(files.tensors, rules)[0]["blocks/1/mlp/experts/up"]
+    whole = read_part(files, up, (slice(None),) * 3, np.float32)
+    gate_up = "model.layers.1.mlp.experts.gate_up_proj"
+    np.testing.assert_array_equal(whole, tensors[gate_up][:, 8:].transpose(0, 2, 1))
+    part = read_part(files, up, (slice(2, 6), slice(None), slice(3, 7)), np.float32)
+    np.testing.assert_array_equal(part, whole[2:6, :, 3:7])
+    down = "model.layers.1.mlp.experts.down_proj"
     per_expert = {  # layer 1's down projections in the per-expert layout as well
         f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight": tensors[down][e] for e in range(8)
     }
