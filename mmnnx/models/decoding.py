@@ -23,8 +23,10 @@ ACTIVATIONS = (None, "seq", "embed")
 
 KV = tuple[jax.Array, jax.Array]
 """One block's cache: keys and values, each ``(batch, slots, num_kv_heads, head_dim)`` (with a
-leading ``depth`` axis for stacked blocks), position ``p`` in slot ``p % slots``
-(:func:`cache_slots`): a ring that a sliding-window layer keeps at its window.
+leading ``depth`` axis for stacked blocks; a ``LatentAttention``'s latent
+``(batch, slots, 1, kv_lora_rank)`` and shared rotated key ``(..., 1, qk_rope_head_dim)``),
+position ``p`` in slot ``p % slots`` (:func:`cache_slots`): a ring that a sliding-window layer
+keeps at its window.
 
 State per sequence and layer: ``2 * slots * num_kv_heads * head_dim * itemsize`` bytes, i.e.
 ``2 * num_kv_heads * head_dim * itemsize`` per position held. Before the ring every layer held
@@ -47,7 +49,7 @@ def cache_slots(block: TransformerBlock, length: int) -> int:
         >>> cache_slots(block, 32), cache_slots(block, 2)
         (3, 2)
     """
-    window = block.attn.sliding_window
+    window = getattr(block.attn, "sliding_window", None)  # a LatentAttention has none
     return length if window is None else min(max(window - 1, 1), length)
 
 
@@ -75,9 +77,9 @@ def _block(
     x = constrain(x, ACTIVATIONS)
     positions = pos + jnp.arange(x.shape[-2])
     q, k, v = block.attn.project(block.norm1(x), positions)
-    if cache is None:
-        shape = (*k.shape[:-3], cache_slots(block, length), *k.shape[-2:])
-        cache = (jnp.zeros(shape, k.dtype), jnp.zeros(shape, v.dtype))
+    if cache is None:  # each its own shape: a LatentAttention's are its latent and shared key
+        slots = cache_slots(block, length)
+        cache = tuple(jnp.zeros((*a.shape[:-3], slots, *a.shape[-2:]), a.dtype) for a in (k, v))
     held = _held(pos, cache[0].shape[-3])
     keys = jnp.concatenate([cache[0], k.astype(cache[0].dtype)], axis=-3)
     values = jnp.concatenate([cache[1], v.astype(cache[1].dtype)], axis=-3)

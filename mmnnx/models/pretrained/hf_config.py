@@ -35,6 +35,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "intermediate_size": 9216,
     },
+    "deepseek_v3": {
+        "max_position_embeddings": 4096,
+        "head_dim": None,  # transformers writes qk_rope_head_dim here; the family reads its own
+        "num_key_value_heads": None,
+        "intermediate_size": 18432,
+    },
 }
 
 
@@ -131,11 +137,31 @@ _GEMMA3 = (  # Gemma 3's own keys (its family reads its older RoPE and layer key
     _Key("hidden_activation", *_STR, default="gelu_pytorch_tanh"),
     _Key("use_bidirectional_attention", *_BOOL, default=False, nullable=True),
 )
+_DEEPSEEK = (  # DeepSeek-V3's own keys, their defaults DeepseekV3Config's
+    _Key("moe_intermediate_size", *_int(1), default=2048),
+    _Key("n_shared_experts", *_int(0), default=1, nullable=True),
+    _Key("n_routed_experts", *_int(1), default=256),
+    _Key("routed_scaling_factor", *_POSITIVE, default=2.5),
+    _Key("kv_lora_rank", *_int(1), default=512),
+    _Key("q_lora_rank", *_int(1), default=1536, nullable=True),
+    _Key("qk_rope_head_dim", *_int(2), default=64),
+    _Key("v_head_dim", *_int(1), default=128),
+    _Key("qk_nope_head_dim", *_int(1), default=128),
+    _Key("n_group", *_int(1), default=8),
+    _Key("topk_group", *_int(1), default=4),
+    _Key("num_experts_per_tok", *_int(1), default=8),
+    _Key("first_k_dense_replace", *_int(0), default=3),
+    _Key("norm_topk_prob", *_BOOL, default=True),
+    _Key("rope_interleave", *_BOOL, default=True),
+    _Key("num_nextn_predict_layers", *_int(0), default=1),
+    _Key("quantization_config", *_OBJECT, default=None),
+)
 _OWN: dict[str, tuple[_Key, ...]] = {
     "qwen3_moe": _MOE,
     "mistral": _SLIDING,
     "mixtral": _MIXTRAL,
     "gemma3_text": _GEMMA3,
+    "deepseek_v3": _DEEPSEEK,
 }
 
 STALE = {
@@ -144,6 +170,7 @@ STALE = {
     "rope_scaling": "rope_parameters",
     "rope_local_base_freq": "rope_parameters",  # Gemma 3's sliding layers' theta
     "sliding_window_pattern": "layer_types",  # Gemma 3's every n-th layer global
+    "quantization_config": "dtype",  # read quantized, written in dtype
 }
 """Older keys and the transformers 5 key that replaces them (``save_pretrained`` drops them)."""
 

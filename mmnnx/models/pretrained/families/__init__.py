@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.pretrained.families.deepseek import DEEPSEEK_V3
 from mmnnx.models.pretrained.families.gemma3 import GEMMA3
 from mmnnx.models.pretrained.families.llama import LLAMA, QWEN3, QWEN3_MOE, Family
 from mmnnx.models.pretrained.families.mistral import MISTRAL, MIXTRAL
@@ -36,7 +37,7 @@ class PretrainedFamily(Protocol):
 
 
 FAMILIES: dict[str, PretrainedFamily] = {
-    f.architecture: f for f in (LLAMA, QWEN3, QWEN3_MOE, MISTRAL, MIXTRAL, GEMMA3)
+    f.architecture: f for f in (LLAMA, QWEN3, QWEN3_MOE, MISTRAL, MIXTRAL, GEMMA3, DEEPSEEK_V3)
 }
 """The architectures ``from_pretrained`` builds, by their ``config.json`` name."""
 
