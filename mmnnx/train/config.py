@@ -9,7 +9,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from mmnnx.models.gpt import REMAT, GPTConfig
+from mmnnx.models.gpt import DTYPES, REMAT, GPTConfig
 from mmnnx.modules.lora import MOE_TARGETS, TARGETS
 from mmnnx.mpmd.lower.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.mpmd.schedules import names as schedule_names
@@ -30,6 +30,7 @@ from mmnnx.train.options import (
     table,
     tables,
 )
+from mmnnx.train.precision import OPTIMIZER_DTYPES
 from mmnnx.train.records import FORMATS, TRAIN_ON, Fields
 
 T, G = TrainConfig, GPTConfig  # whose defaults the options feeding them take
@@ -349,9 +350,22 @@ class Data:
 class Precision:
     dtype: str = option(
         G.dtype,
-        "compute dtype of activations and matmuls; parameters and optimizer state stay "
-        "float32 (%(default)s)",
-        choices=("float32", "bfloat16"),
+        "compute dtype of activations and matmuls; the parameters' and optimizer state's: "
+        "--param-dtype and --optimizer-dtype (%(default)s)",
+        choices=DTYPES,
+    )
+    param_dtype: str = option(
+        G.param_dtype,
+        "dtype the model's parameters are stored in, read by the forward and backward: with "
+        "bfloat16 the optimizer updates float32 master copies of them (saved in the "
+        "checkpoints), each rounded to bfloat16 after its update; with --lora-rank, the "
+        "frozen base's dtype (the adapters train in float32) (%(default)s)",
+        choices=DTYPES,
+    )
+    optimizer_dtype: str = option(
+        T.optimizer_dtype,
+        "dtype AdamW's moments are stored in between steps (computed in float32) (%(default)s)",
+        choices=OPTIMIZER_DTYPES,
     )
     clip_grad_norm: float | None = option(
         T.clip_grad_norm,
@@ -503,13 +517,17 @@ def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
 
 
 def train_config(run: RunConfig) -> TrainConfig:
-    """The ``TrainConfig`` of a run's options.
+    """The ``TrainConfig`` of a run's options: with ``--param-dtype bfloat16``, float32 master
+    weights (not with ``--lora-rank``: its adapters are float32 already).
 
     Example:
         >>> train_config(RunConfig.of({"pack_weights": False})).pack_weights
         False
+        >>> train_config(RunConfig.of({"param_dtype": "bfloat16"})).master_weights
+        True
     """
-    return TrainConfig(**_arguments(run.options(), TrainConfig))
+    master = run.precision.param_dtype != "float32" and not run.model.lora_rank
+    return TrainConfig(**_arguments(run.options(), TrainConfig), master_weights=master)
 
 
 def gpt_config(run: RunConfig, vocab_size: int) -> GPTConfig:

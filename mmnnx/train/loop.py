@@ -37,6 +37,7 @@ from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer
 from mmnnx.train.data import DataStateError, TextDataset
+from mmnnx.train.precision import OPTIMIZER_DTYPES, cast_state, master_weights
 from mmnnx.train.router_metrics import has_router_metrics, router_metrics
 from mmnnx.train.run_log import RunLog, print_line
 from mmnnx.train.wandb_writer import WandbWriter
@@ -60,7 +61,11 @@ class TrainConfig:
     weights (default ``mm.PACK_WEIGHT_BYTES``).
 
     ``clip_grad_norm``: gradients are scaled down to this global norm (over every task's
-    gradients) before AdamW (``None``: no clipping). ``virtual_stages``: model stages per task
+    gradients) before AdamW (``None``: no clipping). ``master_weights``: the optimizer updates
+    float32 master copies of the trained parameters, each rounded to the parameter's dtype
+    after its update (for bfloat16 parameters: ``mmnnx.train.precision.master_weights``);
+    ``optimizer_dtype``: AdamW's moments stored in ``"float32"`` or ``"bfloat16"``
+    (``precision.cast_state``). ``virtual_stages``: model stages per task
     for the schedules that run several (``mm.microbatch(virtual_stages=...)``; the model must
     be placed so, e.g. ``stage_rules(..., virtual_stages=2, order="v")``). ``tensorboard``:
     TensorBoard event files under ``output_dir/tensorboard``. ``profile_steps``: ``(a, b)``
@@ -89,6 +94,8 @@ class TrainConfig:
     pack_residuals: bool | int = PACK_RESIDUAL_BYTES
     pack_weights: bool | int = PACK_WEIGHT_BYTES
     clip_grad_norm: float | None = None
+    master_weights: bool = False
+    optimizer_dtype: str = "float32"
     virtual_stages: int = 1
     tensorboard: bool = True
     profile_steps: tuple[int, int] | None = None
@@ -111,6 +118,11 @@ class TrainConfig:
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(
                 f"TrainConfig.clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}"
+            )
+        if self.optimizer_dtype not in OPTIMIZER_DTYPES:
+            raise ValueError(
+                f"TrainConfig.optimizer_dtype must be one of {', '.join(OPTIMIZER_DTYPES)}, got "
+                f"{self.optimizer_dtype!r}"
             )
         if self.virtual_stages > 1 and self.schedule == "auto":
             raise ValueError(
@@ -174,7 +186,9 @@ def learning_rates(config: TrainConfig) -> optax.Schedule:
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """AdamW following :func:`learning_rates`, after clipping the gradients to the global norm
-    ``config.clip_grad_norm`` (over every parameter, whatever task holds it) when it is set.
+    ``config.clip_grad_norm`` (over every parameter, whatever task holds it) when it is set;
+    its moments stored in ``config.optimizer_dtype``, run on float32 master copies of the
+    parameters with ``config.master_weights`` (``mmnnx.train.precision``).
 
     Example:
         >>> params = {"w": jax.numpy.zeros(3)}
@@ -186,6 +200,10 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     tx = optax.adamw(learning_rates(config), weight_decay=config.weight_decay)
     if config.clip_grad_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(config.clip_grad_norm), tx)
+    if config.optimizer_dtype != "float32":
+        tx = cast_state(tx, config.optimizer_dtype)
+    if config.master_weights:
+        tx = master_weights(tx)
     return tx
 
 
