@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -147,3 +148,40 @@ def test_pipelined_master_weights_train_as_one_device_and_checkpoint_bit_exact(t
         other_opt = nnx.Optimizer(other, make_optimizer(CONFIG), wrt=nnx.Param)
         with pytest.raises(mm.train.CheckpointMismatchError):
             checkpoints.restore(model=other, opt=other_opt)
+
+
+def test_the_flags_reach_the_model_and_optimizer_and_a_resumed_run_may_not_change_them():
+    from mmnnx.train.config import MAY_CHANGE_ON_RESUME, RunConfig, train_config
+    from mmnnx.train.run_model import build_model, model_config, trainable
+    from mmnnx.train.run_record import RunRecord
+    from mmnnx.train.tokenizers import ByteTokenizer
+
+    flags = {"dim": 32, "depth": 1, "heads": 2, "model_axis": 1, "param_dtype": "bfloat16"}
+    run = RunConfig.of({**flags, "optimizer_dtype": "bfloat16"})
+    config = train_config(run)
+    assert (config.master_weights, config.optimizer_dtype) == (True, "bfloat16")
+    model = build_model(run, model_config(run, 64))
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {
+        jnp.dtype(jnp.bfloat16)
+    }
+    # LoRA: the frozen base in bfloat16, the adapters float32, trained without masters
+    lora = RunConfig.of({**flags, "lora_rank": 2, "lora_targets": ("q",)})
+    assert not train_config(lora).master_weights
+    model = build_model(lora, model_config(lora, 64))
+    base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    adapters = nnx.state(model, trainable(lora))
+    assert {x.dtype for x in jax.tree.leaves(base)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
+
+    # recorded with each checkpoint; a resumed run giving another is refused, naming both
+    assert not {"param_dtype", "optimizer_dtype"} & set(MAY_CHANGE_ON_RESUME)
+    record = RunRecord.of(run.options(), ByteTokenizer())
+    changed = record.mismatch({**run.options(), "param_dtype": "float32"})
+    assert changed.as_flags() == ("--param-dtype float32", "--param-dtype bfloat16")
+    changed = record.mismatch({**run.options(), "optimizer_dtype": "float32"})
+    assert changed.as_flags() == ("--optimizer-dtype float32", "--optimizer-dtype bfloat16")
+
+    with pytest.raises(ValueError, match="optimizer_dtype must be one of float32, bfloat16"):
+        TrainConfig(optimizer_dtype="float16")
+    with pytest.raises(ValueError, match="master_weights: update needs the parameters"):
+        mm.train.master_weights(optax.sgd(0.1)).update({"w": jnp.ones(1)}, None)

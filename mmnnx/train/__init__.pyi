@@ -25,6 +25,9 @@ from .loop import FitResult as FitResult
 from .loop import TrainConfig as TrainConfig
 from .loop import fit as fit
 from .loop import make_optimizer as make_optimizer
+from .precision import MasterState as MasterState
+from .precision import cast_state as cast_state
+from .precision import master_weights as master_weights
 from .router_metrics import RouterMetrics as RouterMetrics
 from .router_metrics import router_metrics as router_metrics
 from .run_config import ConfigError as ConfigError
