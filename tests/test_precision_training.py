@@ -13,6 +13,7 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx.models import GPT, stage_rules
+from mmnnx.mpmd.plan.residuals import saved_residuals
 from mmnnx.train import Checkpointer, TrainConfig
 from mmnnx.train.loop import make_optimizer, make_steps
 from tests.models import SMALL_GPT, gpt_step, one_device_tasks, reference_loss_and_grads
@@ -187,56 +188,12 @@ def test_the_flags_reach_the_model_and_optimizer_and_a_resumed_run_may_not_chang
         mm.train.master_weights(optax.sgd(0.1)).update({"w": jnp.ones(1)}, None)
 
 
-def per_microbatch(graph, seeds: set[int]) -> set[int]:
-    """The values of ``graph`` that depend on ``seeds`` (the microbatch index), looking into
-    scans (a result of one depends on what its body computes it from, carries to a fixpoint);
-    any other op's results depend on all its operands."""
-    found = set(seeds)
-    for op in graph.ops:
-        reads = [isinstance(a, int) and a in found for a in op.ins]
-        if op.name == "scan":
-            flags = _scan_depends(op.params, reads)
-            found.update(v for v, d in zip(op.outs, flags, strict=True) if d)
-        elif any(reads):
-            found.update(op.outs)
-    return found
-
-
-def _scan_depends(params, reads: list[bool]) -> list[bool]:
-    body, consts, carry = params["jaxpr"].jaxpr, params["num_consts"], params["num_carry"]
-    while True:
-        marked = {v for v, d in zip(body.invars, reads, strict=True) if d}
-        for eqn in body.eqns:
-            ins = [not isinstance(a, jax.extend.core.Literal) and a in marked for a in eqn.invars]
-            if eqn.primitive.name == "scan":
-                flags = _scan_depends(eqn.params, ins)
-                marked.update(v for v, d in zip(eqn.outvars, flags, strict=True) if d)
-            elif any(ins):
-                marked.update(eqn.outvars)
-        outs = [not isinstance(v, jax.extend.core.Literal) and v in marked for v in body.outvars]
-        was = reads[consts : consts + carry]
-        carried = [a or b for a, b in zip(was, outs[:carry], strict=True)]
-        if carried == was:
-            return outs
-        reads = [*reads[:consts], *carried, *reads[consts + carry :]]
-
-
-def residuals(step, *args) -> dict[int, tuple[int, list[tuple]]]:
-    """Per stage of ``step``'s plan (traced and lowered, nothing compiled): the bytes of the
-    values its forward saves for its backward (one set per microbatch), and the shape and dtype
-    of those among them that do not depend on the microbatch: weights or values of weights."""
+def residuals(step, *args) -> dict:
+    """Per stage of ``step``'s plan for ``args`` (traced and lowered, nothing compiled): the
+    residuals its forward saves per microbatch (``SavedResiduals``)."""
     step.plan(*args)
     ((executable, _),) = step._cache.values()
-    graph, pipeline = executable.graph, executable.plan.pipeline
-    varying = per_microbatch(graph, {pipeline.index_value})
-    out = {}
-    for (kind, stage), forward in pipeline.stages.items():
-        if kind == "F":
-            back = [f for (k, s), f in pipeline.stages.items() if s == stage and k in "BIW"]
-            saved = [v for v in forward.out_ids if any(v in b.in_ids for b in back)]
-            weights = [(graph.shapes[v], str(graph.dtypes[v])) for v in saved if v not in varying]
-            out[stage] = (sum(graph.nbytes[v] for v in saved), weights)
-    return out
+    return saved_residuals(executable.graph, executable.plan.pipeline)
 
 
 def test_no_forward_saves_a_weight_or_its_cast_for_each_microbatch():
@@ -246,7 +203,7 @@ def test_no_forward_saves_a_weight_or_its_cast_for_each_microbatch():
     weights in the backward instead: the unrolled blocks' by its residual recomputation, the
     casts of weights stacked for ``nnx.scan`` by a scan of the casts alone."""
     tokens = jax.random.randint(jax.random.key(1), (8, TINY.max_seq_len + 1), 0, 64)
-    held = {}
+    held, stepped = {}, {}
     for name, scan, recompute in (
         ("unrolled", False, True),
         ("scanned", True, True),
@@ -256,20 +213,24 @@ def test_no_forward_saves_a_weight_or_its_cast_for_each_microbatch():
             model = GPT(dataclasses.replace(TINY, scan_layers=scan), rngs=nnx.Rngs(0))
             ref = GPT(dataclasses.replace(TINY, scan_layers=scan), rngs=nnx.Rngs(0))
         mm.place(model, stage_rules(model, one_device_tasks(2), report=False))
-        opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+        opt = nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.Param)  # a step subtracts the grads
         step = mm.jit(gpt_step("1f1b"), recompute_residuals=recompute)
         held[name] = residuals(step, model, opt, tokens)
-        if name == "scanned":
+        if scan:  # one step each: the backward remaking the casts computes the same gradients
             ref_loss, _ = reference_loss_and_grads(ref, tokens)
-            np.testing.assert_allclose(float(step(model, opt, tokens)), float(ref_loss), rtol=2**-8)
+            np.testing.assert_allclose(float(step(model, opt, tokens)), ref_loss, rtol=2**-8)
+            stepped[name] = params(model)
+    for a, b in zip(*stepped.values(), strict=True):
+        np.testing.assert_array_equal(a, b)  # bit for bit
     for name in ("unrolled", "scanned"):
-        assert all(not weights for _, weights in held[name].values()), (name, held[name])
+        assert all(not r.invariant for r in held[name].values()), (name, held[name])
     # the same test finds them when they are kept: the bfloat16 casts of every layer's
     # matrices, stacked (one layer a stage), and the norms' float32 scales broadcast
-    for saved, weights in held["scanned, every residual kept"].values():
+    for saved in held["scanned, every residual kept"].values():
+        weights = saved.invariant
         stacked = [s for s, d in weights if d == "bfloat16" and s[:1] == (TINY.depth // 2,)]
         assert len(stacked) == 6, weights  # q, k, v, out, up, down (and the head's on stage 1)
-        # a fifth of what each microbatch's forward saves (the batch of 2 x 16 tokens is small
-        # beside 2 layers' weights): measured in benchmarks/residual_weights.py
+        # a fifth of what each microbatch's forward saves (its 2 x 16 tokens are few beside a
+        # layer's weights): measured in benchmarks/residual_weights.py
         total = sum(np.prod(s) * jnp.dtype(d).itemsize for s, d in weights)
-        assert total > 0.15 * saved
+        assert total > 0.15 * saved.nbytes
