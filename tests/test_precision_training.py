@@ -1,5 +1,5 @@
 """bfloat16 parameters trained through float32 master weights (``mmnnx.train.precision``,
-``TrainConfig.master_weights`` / ``optimizer_dtype``, ``--param-dtype`` / ``--optimizer-dtype``),
+``TrainConfig.param_dtype`` / ``optimizer_dtype``, ``--param-dtype`` / ``--optimizer-dtype``),
 against all-float32 training, pure bfloat16 training, and the same training pipelined."""
 
 import dataclasses
@@ -18,6 +18,7 @@ from mmnnx.train import Checkpointer, TrainConfig
 from mmnnx.train.loop import make_optimizer, make_steps
 from tests.models import SMALL_GPT, gpt_step, one_device_tasks, reference_loss_and_grads
 
+BF16, FP32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 TINY = dataclasses.replace(SMALL_GPT, depth=2, dtype="bfloat16")
 STEPS = 20
 # a learning rate whose AdamW steps (about 3e-4 each) are below half of bfloat16's spacing for
@@ -45,11 +46,14 @@ def one_device_step(model, opt, tokens):
 
 
 def trained(
-    param_dtype: str, dtype: str = "bfloat16", **config
+    param_dtype: str, dtype: str = "bfloat16", *, masters: bool = False, **config
 ) -> tuple[list[float], GPT, nnx.Optimizer]:
-    """``STEPS`` one-device steps from :func:`start`: the losses, the model and its optimizer."""
+    """``STEPS`` one-device steps from :func:`start`, through float32 ``masters`` or not (pure
+    bfloat16: the optimizer of float32 Params): the losses, the model and its optimizer."""
     model = start(param_dtype, dtype)
-    opt = nnx.Optimizer(model, make_optimizer(dataclasses.replace(CONFIG, **config)), wrt=nnx.Param)
+    trained_as = param_dtype if masters else "float32"
+    config = dataclasses.replace(CONFIG, param_dtype=trained_as, **config)
+    opt = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
     return [float(one_device_step(model, opt, b)) for b in BATCHES], model, opt
 
 
@@ -74,17 +78,16 @@ def masters(opt) -> list[np.ndarray]:
 
 def test_bfloat16_params_with_float32_masters_track_float32_where_pure_bfloat16_loses_updates():
     fp32_losses, fp32, _ = trained("float32")
-    losses, model, opt = trained("bfloat16", master_weights=True)
+    losses, model, opt = trained("bfloat16", masters=True)
     pure_losses, pure, _ = trained("bfloat16")
     moved = distance(params(fp32), params(start("float32")))  # how far float32 training went
 
     # the Params are bfloat16, the masters and AdamW's moments float32, each Param its master
     # rounded (bit for bit)
     state = nnx.state(opt, nnx.OptState)["opt_state"]
-    bf16, fp32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
-    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {bf16}
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {BF16}
     floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
-    assert {x.dtype for x in floats} == {fp32}
+    assert {x.dtype for x in floats} == {FP32}
     for param, master in zip(params(model), masters(opt), strict=True):
         np.testing.assert_array_equal(param, master.astype(jnp.bfloat16).astype(np.float32))
 
@@ -100,18 +103,17 @@ def test_bfloat16_params_with_float32_masters_track_float32_where_pure_bfloat16_
     assert distance(params(pure), params(start("float32"))) < 0.8 * moved
 
     # AdamW's moments stored in bfloat16 (computed in float32) track as closely (measured 0.002)
-    narrow = {"master_weights": True, "optimizer_dtype": "bfloat16"}
-    narrow_losses, _, narrow_opt = trained("bfloat16", **narrow)
+    narrow_losses, _, narrow_opt = trained("bfloat16", masters=True, optimizer_dtype="bfloat16")
     inner = nnx.state(narrow_opt, nnx.OptState)["opt_state"]["inner"]
     moments = [x for x in jax.tree.leaves(inner) if jnp.issubdtype(x.dtype, jnp.floating)]
-    assert moments and {x.dtype for x in moments} == {bf16}
+    assert moments and {x.dtype for x in moments} == {BF16}
     np.testing.assert_allclose(narrow_losses, fp32_losses, atol=0.005)
 
 
 def test_pipelined_master_weights_train_as_one_device_and_checkpoint_bit_exact(tmp_path):
-    config = dataclasses.replace(CONFIG, master_weights=True)
+    config = dataclasses.replace(CONFIG, param_dtype="bfloat16")
     # computing in float32, the runs differ only in how the gradients are summed (below)
-    ref_losses, _, ref_opt = trained("bfloat16", "float32", master_weights=True)
+    ref_losses, _, ref_opt = trained("bfloat16", "float32", masters=True)
     model = start("bfloat16", "float32")
     mm.place(model, stage_rules(model, one_device_tasks(2), report=False))
     opt = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
@@ -160,14 +162,14 @@ def test_the_flags_reach_the_model_and_optimizer_and_a_resumed_run_may_not_chang
     flags = {"dim": 32, "depth": 1, "heads": 2, "model_axis": 1, "param_dtype": "bfloat16"}
     run = RunConfig.of({**flags, "optimizer_dtype": "bfloat16"})
     config = train_config(run)
-    assert (config.master_weights, config.optimizer_dtype) == (True, "bfloat16")
+    assert (config.param_dtype, config.optimizer_dtype) == ("bfloat16", "bfloat16")
     model = build_model(run, model_config(run, 64))
     assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {
         jnp.dtype(jnp.bfloat16)
     }
     # LoRA: the frozen base in bfloat16, the adapters float32, trained without masters
     lora = RunConfig.of({**flags, "lora_rank": 2, "lora_targets": ("q",)})
-    assert not train_config(lora).master_weights
+    assert train_config(lora).param_dtype == "float32"
     model = build_model(lora, model_config(lora, 64))
     base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
     adapters = nnx.state(model, trainable(lora))
@@ -182,6 +184,10 @@ def test_the_flags_reach_the_model_and_optimizer_and_a_resumed_run_may_not_chang
     changed = record.mismatch({**run.options(), "optimizer_dtype": "float32"})
     assert changed.as_flags() == ("--optimizer-dtype float32", "--optimizer-dtype bfloat16")
 
+    # fit refuses bfloat16 Params trained as float32 (their updates would round away)
+    refused = r"trained Variable blocks/0/attn/k/kernel is bfloat16, not TrainConfig.param_dtype"
+    with pytest.raises(ValueError, match=refused):
+        mm.train.fit(build_model(run, model_config(run, 64)), None, TrainConfig())
     with pytest.raises(ValueError, match="optimizer_dtype must be one of float32, bfloat16"):
         TrainConfig(optimizer_dtype="float16")
     with pytest.raises(ValueError, match="master_weights: update needs the parameters"):

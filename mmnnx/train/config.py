@@ -30,7 +30,6 @@ from mmnnx.train.options import (
     table,
     tables,
 )
-from mmnnx.train.precision import OPTIMIZER_DTYPES
 from mmnnx.train.records import FORMATS, TRAIN_ON, Fields
 
 T, G = TrainConfig, GPTConfig  # whose defaults the options feeding them take
@@ -365,7 +364,7 @@ class Precision:
     optimizer_dtype: str = option(
         T.optimizer_dtype,
         "dtype AdamW's moments are stored in between steps (computed in float32) (%(default)s)",
-        choices=OPTIMIZER_DTYPES,
+        choices=DTYPES,
     )
     clip_grad_norm: float | None = option(
         T.clip_grad_norm,
@@ -517,17 +516,20 @@ def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
 
 
 def train_config(run: RunConfig) -> TrainConfig:
-    """The ``TrainConfig`` of a run's options: with ``--param-dtype bfloat16``, float32 master
-    weights (not with ``--lora-rank``: its adapters are float32 already).
+    """The ``TrainConfig`` of a run's options; its ``param_dtype``, of the trained parameters,
+    is float32 with ``--lora-rank`` (the adapters', whatever the frozen base's).
 
     Example:
         >>> train_config(RunConfig.of({"pack_weights": False})).pack_weights
         False
-        >>> train_config(RunConfig.of({"param_dtype": "bfloat16"})).master_weights
-        True
+        >>> lora = {"param_dtype": "bfloat16", "lora_rank": 8}
+        >>> train_config(RunConfig.of(lora)).param_dtype
+        'float32'
     """
-    master = run.precision.param_dtype != "float32" and not run.model.lora_rank
-    return TrainConfig(**_arguments(run.options(), TrainConfig), master_weights=master)
+    options = _arguments(run.options(), TrainConfig)
+    if run.model.lora_rank:
+        options["param_dtype"] = "float32"
+    return TrainConfig(**options)
 
 
 def gpt_config(run: RunConfig, vocab_size: int) -> GPTConfig:

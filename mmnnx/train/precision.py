@@ -2,7 +2,7 @@
 :func:`master_weights` keeps float32 copies of bfloat16 parameters for the updates to land on;
 :func:`cast_state` stores an optimizer's state (Adam's moments) in bfloat16 between steps.
 Both work with any model and ``nnx.Optimizer``; ``make_optimizer`` composes them from a
-``TrainConfig`` (``master_weights``, ``optimizer_dtype``)."""
+``TrainConfig`` (``param_dtype``, ``optimizer_dtype``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-OPTIMIZER_DTYPES = ("float32", "bfloat16")
-"""The dtypes ``TrainConfig.optimizer_dtype`` (``--optimizer-dtype``) takes."""
+DTYPES = ("float32", "bfloat16")
+"""The dtypes ``TrainConfig.param_dtype`` and ``optimizer_dtype`` take."""
 
 
 class MasterState(NamedTuple):
