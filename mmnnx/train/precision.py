@@ -40,9 +40,9 @@ def master_weights(
     in a narrower dtype (bfloat16): the forward and backward read the narrow parameters, the
     gradients are widened, ``tx`` updates the master copies (its state, e.g. Adam's moments,
     made for them: float32 unless :func:`cast_state` says otherwise), and each parameter
-    becomes its master rounded to its own dtype. An update far smaller than a bfloat16
-    parameter's precision (a learning rate of 1e-3 on a weight of 1 is below half of bfloat16's
-    2**-8 spacing) is lost when added to the parameter itself; the master accumulates it.
+    becomes its master rounded to its own dtype. An update below half of a bfloat16
+    parameter's spacing (1e-3 on a weight of 1, where bfloat16's spacing is 2**-7) is lost when
+    added to the parameter itself; the master accumulates it.
 
     The returned updates are ``round(master) - param``, in ``dtype``, so that
     ``optax.apply_updates`` (as ``nnx.Optimizer.update`` calls it) makes each parameter exactly
