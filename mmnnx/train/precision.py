@@ -18,7 +18,13 @@ DTYPES = ("float32", "bfloat16")
 
 class MasterState(NamedTuple):
     """The state of :func:`master_weights`: the parameters' wide copies, and the state of the
-    optimizer that updates them."""
+    optimizer that updates them.
+
+    Example:
+        >>> state = master_weights(optax.sgd(0.1)).init({"w": jnp.ones(2, jnp.bfloat16)})
+        >>> state.master["w"].dtype
+        dtype('float32')
+    """
 
     master: Any  # the parameters in the master dtype (float32), what the updates land on
     inner: Any  # the wrapped optimizer's state, for the master copies

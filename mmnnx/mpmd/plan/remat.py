@@ -46,6 +46,7 @@ def recompute_residuals(
     replicated = set(replicated)
     excluded = set(excluded)
     outside = _read_outside(graph, stages)
+    bodies: dict = {}  # the scans' remade bodies, shared by alike stages
     out = dict(stages)
     for (kind, stage), forward in stages.items():
         if kind != "F":
@@ -61,7 +62,7 @@ def recompute_residuals(
             graph, forward, [stages[k] for k in backward], replicated, excluded, elsewhere
         )
         read_back = {v for key in backward for v in stages[key].in_ids}
-        scans = _weight_scans(graph, forward, read_back - elsewhere, len(graph.ops))
+        scans = _weight_scans(graph, forward, read_back - elsewhere, bodies)
         if not remade and not scans:
             continue
         kept -= set(scans)
@@ -75,20 +76,22 @@ def recompute_residuals(
     return out
 
 
-def _weight_scans(graph: Graph, forward: Fragment, residuals: set[int], first: int) -> dict:
+def _weight_scans(graph: Graph, forward: Fragment, residuals: set[int], bodies: dict) -> dict:
     """The scans remaking the ``residuals`` each scan of ``forward`` computes per iteration from
     the step's inputs alone (weights, not the microbatch) by :data:`RECOMPUTED` ops, by value
-    made; each numbered from ``first`` on (past the graph's ops) by its scan's index."""
+    made; numbered past the graph's ops (and split_backward's scans) by their scan's index.
+    ``bodies``: their bodies made so far (``control_flow.scan_remake``'s ``made``)."""
     inputs = set(graph.inputs)
+    cheap = RECOMPUTED.__contains__
     scans: dict[int, Op] = {}
     for op in forward.ops:
-        if op.name != "scan":
-            continue
         wanted = [v in residuals for v in op.outs]
+        if op.name != "scan" or not any(wanted):
+            continue
         readable = [isinstance(a, int) and a in inputs for a in op.ins]
-        remake = scan_remake(op, wanted, readable, RECOMPUTED.__contains__) if any(wanted) else None
+        remake = scan_remake(op, wanted, readable, cheap, bodies)
         if remake is not None:
-            remake.index = 3 * first + op.index  # split_backward's scans are below 3 * first
+            remake.index = 3 * len(graph.ops) + op.index  # split_backward's are below
             scans.update(dict.fromkeys(remake.outs, remake))
     return scans
 

@@ -18,7 +18,12 @@ from mmnnx.mpmd.plan.pipeline import Pipeline
 @dataclasses.dataclass(frozen=True)
 class SavedResiduals:
     """A stage's residuals: ``nbytes`` of all the values its forward returns for its backward,
-    and the shape and dtype of each one that does not depend on the microbatch."""
+    and the shape and dtype of each one that does not depend on the microbatch.
+
+    Example:
+        >>> SavedResiduals(nbytes=4096, invariant=(((32, 32), "bfloat16"),)).invariant[0][1]
+        'bfloat16'
+    """
 
     nbytes: int
     invariant: tuple[tuple[tuple[int, ...], str], ...]

@@ -340,13 +340,19 @@ def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | 
 
 
 def scan_remake(
-    op: Op, wanted: Sequence[bool], readable: Sequence[bool], cheap: Callable[[str], bool]
+    op: Op,
+    wanted: Sequence[bool],
+    readable: Sequence[bool],
+    cheap: Callable[[str], bool],
+    made: dict | None = None,
 ) -> Op | None:
     """A scan remaking those of ``op``'s per-iteration results flagged in ``wanted`` that its
     body computes from the operands flagged in ``readable`` alone (no carry), by primitives
     ``cheap`` accepts, e.g. the casts of stacked weights a forward over ``nnx.scan`` layers
     saves for its backward; it makes only those results (``None``: none qualifies). A
     backward that runs it reads the operands instead of one saved copy per microbatch.
+    ``made``: the bodies made so far, by the body and results they came from, shared so that
+    scans of one body (each stage's) stay alike (compiled once).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -394,16 +400,20 @@ def scan_remake(
     kept = [e for i, e in enumerate(body.eqns) if i in eqns]
     reads = _vars(a for e in kept for a in e.invars) | _vars(body.outvars[k] for k in picked)
     pick = [v in reads for v in body.invars]
-    part = body.replace(
-        invars=[v for v, p in zip(body.invars, pick, strict=True) if p],
-        outvars=[body.outvars[k] for k in picked],
-        eqns=kept,
-        effects=join_effects(*(e.effects for e in kept)),
-    )
+    made = {} if made is None else made
+    key = (id(closed), tuple(picked), tuple(pick))
+    if key not in made:  # the source kept with it, so that no other body takes its id
+        part = body.replace(
+            invars=[v for v, p in zip(body.invars, pick, strict=True) if p],
+            outvars=[body.outvars[k] for k in picked],
+            eqns=kept,
+            effects=join_effects(*(e.effects for e in kept)),
+        )
+        made[key] = (jcore.ClosedJaxpr(part, closed.consts), closed)
     ins = [a for a, p in zip(op.ins, pick, strict=True) if p]
     params = {
         **op.params,
-        "jaxpr": jcore.ClosedJaxpr(part, closed.consts),
+        "jaxpr": made[key][0],
         "num_consts": sum(pick[:num_consts]),
         "num_carry": 0,
     }
