@@ -6,7 +6,8 @@ a step makes a gradient of each. LoRA (``mm.modules.add_lora``, optimizer and gr
 ``nnx.LoRAParam``, as ``mmnnx train --lora-rank``) keeps the frozen weights, adds the adapters,
 and has moments and gradients of the adapters only. With bfloat16 parameters
 (``--param-dtype bfloat16``), full fine-tuning keeps float32 master copies in the optimizer
-state and makes bfloat16 gradients; LoRA's frozen base is bfloat16, its adapters float32.
+state and makes bfloat16 gradients (``--optimizer-dtype bfloat16``: AdamW's moments in
+bfloat16); LoRA's frozen base is bfloat16, its adapters float32.
 Bytes are read from the arrays' own shards
 on each device: the model's Variables, the optimizer's state, and the gradients one pipelined
 step (1F1B, 4 microbatches, ``mmnnx.train.loop.loss_and_grads``) returns. Each row reports the
@@ -52,13 +53,14 @@ CONFIG = GPTConfig(
     mlp_bias=False,
     max_seq_len=64,
 )
-MODES = {  # name: (LoRA, the parameters' dtype)
-    "full fine-tuning": (None, "float32"),
-    "full, bf16 params + fp32 masters": (None, "bfloat16"),
-    "LoRA r=8, all projections": (dict(rank=8), "float32"),
-    "LoRA r=8, all projections, bf16 base": (dict(rank=8), "bfloat16"),
-    "LoRA r=8, q and v": (dict(rank=8, targets=("q", "v")), "float32"),
-    "LoRA r=64, all projections": (dict(rank=64), "float32"),
+MODES = {  # name: (LoRA, the parameters' dtype, AdamW's moments' dtype)
+    "full fine-tuning": (None, "float32", "float32"),
+    "full, bf16 params + fp32 masters": (None, "bfloat16", "float32"),
+    "full, bf16 params + fp32 masters, bf16 moments": (None, "bfloat16", "bfloat16"),
+    "LoRA r=8, all projections": (dict(rank=8), "float32", "float32"),
+    "LoRA r=8, all projections, bf16 base": (dict(rank=8), "bfloat16", "float32"),
+    "LoRA r=8, q and v": (dict(rank=8, targets=("q", "v")), "float32", "float32"),
+    "LoRA r=64, all projections": (dict(rank=64), "float32", "float32"),
 }
 STEP = TrainConfig(microbatches=4, schedule="1f1b")
 
@@ -72,11 +74,12 @@ def bytes_per_device(*trees) -> dict[int, int]:
     return out
 
 
-def measure(lora: dict | None, param_dtype: str) -> dict:
+def measure(lora: dict | None, param_dtype: str, optimizer_dtype: str) -> dict:
     tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
     config = dataclasses.replace(CONFIG, param_dtype=param_dtype)
     # bfloat16 Params are trained through float32 masters; LoRA's adapters are float32
-    step = dataclasses.replace(STEP, param_dtype=param_dtype if lora is None else "float32")
+    trained_dtype = param_dtype if lora is None else "float32"
+    step = dataclasses.replace(STEP, param_dtype=trained_dtype, optimizer_dtype=optimizer_dtype)
 
     def factory():
         return GPT(config, rngs=nnx.Rngs(0))
