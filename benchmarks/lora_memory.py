@@ -4,7 +4,11 @@ gradients, for a Llama-shaped GPT over 2 stages of one device each.
 Full fine-tuning (the baseline) trains every ``nnx.Param``: AdamW keeps two moments of each and
 a step makes a gradient of each. LoRA (``mm.modules.add_lora``, optimizer and gradients over
 ``nnx.LoRAParam``, as ``mmnnx train --lora-rank``) keeps the frozen weights, adds the adapters,
-and has moments and gradients of the adapters only. Bytes are read from the arrays' own shards
+and has moments and gradients of the adapters only. With bfloat16 parameters
+(``--param-dtype bfloat16``), full fine-tuning keeps float32 master copies in the optimizer
+state and makes bfloat16 gradients (``--optimizer-dtype bfloat16``: AdamW's moments in
+bfloat16); LoRA's frozen base is bfloat16, its adapters float32.
+Bytes are read from the arrays' own shards
 on each device: the model's Variables, the optimizer's state, and the gradients one pipelined
 step (1F1B, 4 microbatches, ``mmnnx.train.loop.loss_and_grads``) returns. Each row reports the
 device holding the most, and its ratio to the baseline's in the same run.
@@ -19,6 +23,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 
 import jax  # noqa: E402
@@ -48,11 +53,14 @@ CONFIG = GPTConfig(
     mlp_bias=False,
     max_seq_len=64,
 )
-MODES = {
-    "full fine-tuning": None,
-    "LoRA r=8, all projections": dict(rank=8),
-    "LoRA r=8, q and v": dict(rank=8, targets=("q", "v")),
-    "LoRA r=64, all projections": dict(rank=64),
+MODES = {  # name: (LoRA, the parameters' dtype, AdamW's moments' dtype)
+    "full fine-tuning": (None, "float32", "float32"),
+    "full, bf16 params + fp32 masters": (None, "bfloat16", "float32"),
+    "full, bf16 params + fp32 masters, bf16 moments": (None, "bfloat16", "bfloat16"),
+    "LoRA r=8, all projections": (dict(rank=8), "float32", "float32"),
+    "LoRA r=8, all projections, bf16 base": (dict(rank=8), "bfloat16", "float32"),
+    "LoRA r=8, q and v": (dict(rank=8, targets=("q", "v")), "float32", "float32"),
+    "LoRA r=64, all projections": (dict(rank=64), "float32", "float32"),
 }
 STEP = TrainConfig(microbatches=4, schedule="1f1b")
 
@@ -66,11 +74,15 @@ def bytes_per_device(*trees) -> dict[int, int]:
     return out
 
 
-def measure(lora: dict | None) -> dict:
+def measure(lora: dict | None, param_dtype: str, optimizer_dtype: str) -> dict:
     tasks = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=[i])) for i in range(2)]
+    config = dataclasses.replace(CONFIG, param_dtype=param_dtype)
+    # bfloat16 Params are trained through float32 masters; LoRA's adapters are float32
+    trained_dtype = param_dtype if lora is None else "float32"
+    step = dataclasses.replace(STEP, param_dtype=trained_dtype, optimizer_dtype=optimizer_dtype)
 
     def factory():
-        return GPT(CONFIG, rngs=nnx.Rngs(0))
+        return GPT(config, rngs=nnx.Rngs(0))
 
     with nnx.use_eager_sharding(False):
         rules = stage_rules(nnx.eval_shape(factory), tasks, report=False)
@@ -79,9 +91,9 @@ def measure(lora: dict | None) -> dict:
     if lora is not None:
         add_lora(model, **lora)
         trainable = nnx.LoRAParam
-    opt = nnx.Optimizer(model, make_optimizer(STEP), wrt=trainable)
+    opt = nnx.Optimizer(model, make_optimizer(step), wrt=trainable)
     batch = jax.random.randint(jax.random.key(0), (8, CONFIG.max_seq_len + 1), 0, 2048)
-    _, grads = mm.jit(loss_and_grads(STEP, trainable))(model, batch)
+    _, grads = mm.jit(loss_and_grads(step, trainable))(model, batch)
     parts = {
         "parameters": bytes_per_device(nnx.state(model)),
         "optimizer state": bytes_per_device(nnx.state(opt, nnx.OptState)),
@@ -100,11 +112,12 @@ def measure(lora: dict | None) -> dict:
 
 
 def main():
-    runs = {mode: measure(lora) for mode, lora in MODES.items()}
+    runs = {mode: measure(*how) for mode, how in MODES.items()}
     base = runs["full fine-tuning"]
     for row in runs.values():
         row["total / full fine-tuning"] = round(row["total"] / base["total"], 4)
-    results = {"config": CONFIG.__dict__, "runs": runs}
+    config = {f.name: getattr(CONFIG, f.name) for f in dataclasses.fields(CONFIG)}
+    results = {"config": {k: v for k, v in config.items() if k != "layers"}, "runs": runs}
     record_run(results, ("runs",), "one run: byte counts, the same in every run")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")

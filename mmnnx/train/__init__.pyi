@@ -31,6 +31,9 @@ from .loop import fit as fit
 from .loop import make_optimizer as make_optimizer
 from .pairs import PairDataset as PairDataset
 from .pairs import encode_pair as encode_pair
+from .precision import MasterState as MasterState
+from .precision import cast_state as cast_state
+from .precision import master_weights as master_weights
 from .preference import PreferenceModel as PreferenceModel
 from .preference import dpo_loss as dpo_loss
 from .preference import pair_rows as pair_rows

@@ -9,7 +9,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from mmnnx.models.gpt import REMAT, GPTConfig
+from mmnnx.models.gpt import DTYPES, REMAT, GPTConfig
 from mmnnx.modules.lora import MOE_TARGETS, TARGETS
 from mmnnx.mpmd.lower.pack import PACK_RESIDUAL_BYTES, PACK_WEIGHT_BYTES
 from mmnnx.mpmd.schedules import names as schedule_names
@@ -389,9 +389,22 @@ class Preference:
 class Precision:
     dtype: str = option(
         G.dtype,
-        "compute dtype of activations and matmuls; parameters and optimizer state stay "
-        "float32 (%(default)s)",
-        choices=("float32", "bfloat16"),
+        "compute dtype of activations and matmuls; the parameters' and optimizer state's: "
+        "--param-dtype and --optimizer-dtype (%(default)s)",
+        choices=DTYPES,
+    )
+    param_dtype: str = option(
+        G.param_dtype,
+        "dtype the model's parameters are stored in, read by the forward and backward: with "
+        "bfloat16 the optimizer updates float32 master copies of them (saved in the "
+        "checkpoints), each rounded to bfloat16 after its update; with --lora-rank, the "
+        "frozen base's dtype (the adapters train in float32) (%(default)s)",
+        choices=DTYPES,
+    )
+    optimizer_dtype: str = option(
+        T.optimizer_dtype,
+        "dtype AdamW's moments are stored in between steps (computed in float32) (%(default)s)",
+        choices=DTYPES,
     )
     clip_grad_norm: float | None = option(
         T.clip_grad_norm,
@@ -544,13 +557,20 @@ def _arguments(values: Mapping[str, Any], target: type) -> dict[str, Any]:
 
 
 def train_config(run: RunConfig) -> TrainConfig:
-    """The ``TrainConfig`` of a run's options.
+    """The ``TrainConfig`` of a run's options; its ``param_dtype``, of the trained parameters,
+    is float32 with ``--lora-rank`` (the adapters', whatever the frozen base's).
 
     Example:
         >>> train_config(RunConfig.of({"pack_weights": False})).pack_weights
         False
+        >>> lora = {"param_dtype": "bfloat16", "lora_rank": 8}
+        >>> train_config(RunConfig.of(lora)).param_dtype
+        'float32'
     """
-    return TrainConfig(**_arguments(run.options(), TrainConfig))
+    options = _arguments(run.options(), TrainConfig)
+    if run.model.lora_rank:
+        options["param_dtype"] = "float32"
+    return TrainConfig(**options)
 
 
 def gpt_config(run: RunConfig, vocab_size: int) -> GPTConfig:

@@ -38,6 +38,7 @@ from mmnnx.mpmd.schedules import Schedule, measured_bubble
 from mmnnx.timeline import plot_timeline
 from mmnnx.train.checkpoint import Checkpointer
 from mmnnx.train.data import DataStateError, TextDataset
+from mmnnx.train.precision import DTYPES, cast_state, master_weights
 from mmnnx.train.preference import PreferenceModel, preference_metrics
 from mmnnx.train.router_metrics import has_router_metrics, router_metrics
 from mmnnx.train.run_log import RunLog, print_line
@@ -62,7 +63,12 @@ class TrainConfig:
     weights (default ``mm.PACK_WEIGHT_BYTES``).
 
     ``clip_grad_norm``: gradients are scaled down to this global norm (over every task's
-    gradients) before AdamW (``None``: no clipping). ``virtual_stages``: model stages per task
+    gradients) before AdamW (``None``: no clipping). ``param_dtype``: the dtype of the trained
+    parameters, ``"float32"`` or ``"bfloat16"``; with bfloat16 the optimizer updates float32
+    master copies of them, each parameter its master rounded after the update
+    (``mmnnx.train.precision.master_weights``; ``fit`` refuses a model whose trained Variables
+    are of another dtype). ``optimizer_dtype``: AdamW's moments stored in ``"float32"`` or
+    ``"bfloat16"`` (``precision.cast_state``). ``virtual_stages``: model stages per task
     for the schedules that run several (``mm.microbatch(virtual_stages=...)``; the model must
     be placed so, e.g. ``stage_rules(..., virtual_stages=2, order="v")``). ``tensorboard``:
     TensorBoard event files under ``output_dir/tensorboard``. ``profile_steps``: ``(a, b)``
@@ -91,6 +97,8 @@ class TrainConfig:
     pack_residuals: bool | int = PACK_RESIDUAL_BYTES
     pack_weights: bool | int = PACK_WEIGHT_BYTES
     clip_grad_norm: float | None = None
+    param_dtype: str = "float32"
+    optimizer_dtype: str = "float32"
     virtual_stages: int = 1
     tensorboard: bool = True
     profile_steps: tuple[int, int] | None = None
@@ -114,6 +122,12 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}"
             )
+        for name in ("param_dtype", "optimizer_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(
+                    f"TrainConfig.{name} must be one of {', '.join(DTYPES)}, got "
+                    f"{getattr(self, name)!r}"
+                )
         if self.virtual_stages > 1 and self.schedule == "auto":
             raise ValueError(
                 "TrainConfig.schedule='auto' picks among schedules of one stage per task; "
@@ -178,7 +192,9 @@ def learning_rates(config: TrainConfig) -> optax.Schedule:
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """AdamW following :func:`learning_rates`, after clipping the gradients to the global norm
-    ``config.clip_grad_norm`` (over every parameter, whatever task holds it) when it is set.
+    ``config.clip_grad_norm`` (over every parameter, whatever task holds it) when it is set;
+    its moments stored in ``config.optimizer_dtype``, run on float32 master copies of
+    ``config.param_dtype`` bfloat16 parameters (``mmnnx.train.precision``).
 
     Example:
         >>> params = {"w": jax.numpy.zeros(3)}
@@ -190,6 +206,10 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     tx = optax.adamw(learning_rates(config), weight_decay=config.weight_decay)
     if config.clip_grad_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(config.clip_grad_norm), tx)
+    if config.optimizer_dtype != "float32":
+        tx = cast_state(tx, config.optimizer_dtype)
+    if config.param_dtype != "float32":
+        tx = master_weights(tx)
     return tx
 
 
@@ -370,6 +390,8 @@ class _Loop:
         console: Console | None,
     ) -> _Loop:
         """What :func:`fit` trains with, before its checkpoints are opened."""
+        if optimizer is None:
+            _check_param_dtype(model, trainable, config.param_dtype)
         leader = jax.process_index() == 0  # with several processes, process 0 reports and writes
         console = console or Console(quiet=not leader)
         out = pathlib.Path(config.output_dir)
@@ -617,6 +639,19 @@ def _finish(loop: _Loop, log: RunLog, start: int, stopped: int | None) -> FitRes
     )
     _report(loop.console, result)
     return result
+
+
+def _check_param_dtype(model: nnx.Module, trainable: Filter, param_dtype: str) -> None:
+    """Raises a ``ValueError`` naming the first trained Variable not of ``param_dtype``."""
+    state = nnx.to_pure_dict(nnx.state(model, trainable))
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) and x.dtype != param_dtype:
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            raise ValueError(
+                f"fit: the trained Variable {name} is {x.dtype}, not TrainConfig.param_dtype "
+                f"{param_dtype!r}: give param_dtype={x.dtype.name!r} (bfloat16 parameters are "
+                "updated through float32 master weights), or build the model in that dtype"
+            )
 
 
 def _saved_as(step: int, extra: dict[str, Any]) -> str | None:

@@ -23,8 +23,8 @@ from mmnnx.train.preference import TRAINED, PreferenceModel, frozen_copy
 
 def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
     """The ``GPTConfig`` of a run: ``gpt_config``'s, or ``--init-from``'s with the run's
-    ``dtype``, ``scan_layers`` and ``seq_len`` as ``max_seq_len`` (a ``generate`` cache's
-    length); a ``CheckpointError`` for a checkpoint mmnnx cannot build.
+    ``dtype``, ``param_dtype``, ``scan_layers`` and ``seq_len`` as ``max_seq_len`` (a
+    ``generate`` cache's length); a ``CheckpointError`` for a checkpoint mmnnx cannot build.
 
     Example:
         >>> model_config(RunConfig.of({"dim": 64, "depth": 2, "model_axis": 1}), 256).depth
@@ -36,6 +36,7 @@ def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
     return pretrained_config(
         init_from,
         dtype=run.precision.dtype,
+        param_dtype=run.precision.param_dtype,
         scan_layers=run.model.scan_layers,
         max_seq_len=run.model.seq_len,
         remat=run.model.remat,

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 from mmnnx.mpmd.ir import Graph, Op
 from mmnnx.mpmd.plan.cut import Fragment, inputs_of, makers_of
+from mmnnx.mpmd.trace.control_flow import scan_remake
 
 _ARITHMETIC = ("add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "square")
 _MORE_ARITHMETIC = ("integer_pow", "select_n", "copy", "copy_p", "iota")
@@ -33,7 +34,10 @@ def recompute_residuals(
     """The stage fragments with each forward's cheap residuals (ops in :data:`RECOMPUTED`,
     within :data:`MAX_DEPTH` of available values, read only by that stage's passes) recomputed
     by the backward fragments of its stage that read them. ``replicated``: ops every fragment
-    may remake, at any depth; ``excluded``: values never recomputed from nor dropped.
+    may remake, at any depth; ``excluded``: values never recomputed from nor dropped. So are
+    the residuals a forward's scan makes from the step's inputs alone (:func:`_weight_scans`):
+    the casts of weights stacked for ``nnx.scan``, which would otherwise wait between the passes
+    once per microbatch.
 
     Example:
         >>> recompute_residuals(Graph(), {})
@@ -42,6 +46,7 @@ def recompute_residuals(
     replicated = set(replicated)
     excluded = set(excluded)
     outside = _read_outside(graph, stages)
+    bodies: dict = {}  # the scans' remade bodies, shared by alike stages
     out = dict(stages)
     for (kind, stage), forward in stages.items():
         if kind != "F":
@@ -56,16 +61,51 @@ def recompute_residuals(
         remade, kept = _recomputable(
             graph, forward, [stages[k] for k in backward], replicated, excluded, elsewhere
         )
-        if not remade:
+        read_back = {v for key in backward for v in stages[key].in_ids}
+        scans = _weight_scans(graph, forward, read_back - elsewhere, bodies)
+        if not remade and not scans:
             continue
+        kept -= set(scans)
         producer = {v: op for op in forward.ops for v in op.outs}
         for key in backward:
-            out[key] = _recomputing(stages[key], remade, producer)
+            out[key] = _with_scans(_recomputing(stages[key], remade, producer), scans)
         still_read = {v for key in backward for v in out[key].in_ids} | elsewhere | kept
         held = [v for op in forward.ops for v in op.outs if v in kept]  # in their order
         out_ids = [v for v in (*forward.out_ids, *held) if v in still_read]
         out[(kind, stage)] = dataclasses.replace(forward, out_ids=list(dict.fromkeys(out_ids)))
     return out
+
+
+def _weight_scans(graph: Graph, forward: Fragment, residuals: set[int], bodies: dict) -> dict:
+    """The scans remaking the ``residuals`` each scan of ``forward`` computes per iteration from
+    the step's inputs alone (weights, not the microbatch) by :data:`RECOMPUTED` ops, by value
+    made; numbered past the graph's ops (and split_backward's scans) by their scan's index.
+    ``bodies``: their bodies made so far (``control_flow.scan_remake``'s ``made``)."""
+    inputs = set(graph.inputs)
+    cheap = RECOMPUTED.__contains__
+    scans: dict[int, Op] = {}
+    for op in forward.ops:
+        wanted = [v in residuals for v in op.outs]
+        if op.name != "scan" or not any(wanted):
+            continue
+        readable = [isinstance(a, int) and a in inputs for a in op.ins]
+        remake = scan_remake(op, wanted, readable, cheap, bodies)
+        if remake is not None:
+            remake.index = 3 * len(graph.ops) + op.index  # split_backward's are below
+            scans.update(dict.fromkeys(remake.outs, remake))
+    return scans
+
+
+def _with_scans(frag: Fragment, scans: dict[int, Op]) -> Fragment:
+    """``frag`` with the scans of ``scans`` that make values it reads run first."""
+    needed = list({id(scans[v]): scans[v] for v in frag.in_ids if v in scans}.values())
+    if not needed:
+        return frag
+    ops = [*needed, *frag.ops]
+    made = {v for op in needed for v in op.outs}
+    return dataclasses.replace(
+        frag, ops=ops, in_ids=inputs_of(ops), out_ids=[v for v in frag.out_ids if v not in made]
+    )
 
 
 def _read_outside(graph: Graph, stages: dict[tuple[str, int], Fragment]) -> set[int]:

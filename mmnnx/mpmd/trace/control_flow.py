@@ -6,7 +6,7 @@ pass: the input gradient first, the weight gradients later)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.extend import core as jcore
@@ -337,3 +337,86 @@ def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | 
     later_outs = [not w for w in cut.first_outs]
     first = scan(cut.first_eqns, cut.first_operands, cut.first_outs, saved_ids)
     return first, scan(cut.later_eqns, cut.later_operands, later_outs, [], cut.saved)
+
+
+def scan_remake(
+    op: Op,
+    wanted: Sequence[bool],
+    readable: Sequence[bool],
+    cheap: Callable[[str], bool],
+    made: dict | None = None,
+) -> Op | None:
+    """A scan remaking those of ``op``'s per-iteration results flagged in ``wanted`` that its
+    body computes from the operands flagged in ``readable`` alone (no carry), by primitives
+    ``cheap`` accepts, e.g. the casts of stacked weights a forward over ``nnx.scan`` layers
+    saves for its backward; it makes only those results (``None``: none qualifies). A
+    backward that runs it reads the operands instead of one saved copy per microbatch.
+    ``made``: the bodies made so far, by the body and results they came from, shared so that
+    scans of one body (each stage's) stay alike (compiled once).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from mmnnx.mpmd.trace.tracing import to_graph
+        >>> def f(ws, c):  # per layer: the weight cast (from ws alone) and the carry's update
+        ...     return jax.lax.scan(lambda c, w: (c @ w, w.astype(jnp.bfloat16)), c, ws)
+        >>> graph = to_graph(jax.make_jaxpr(f)(jnp.ones((3, 2, 2)), jnp.ones(2)))
+        >>> scan = graph.ops[-1]
+        >>> remake = scan_remake(scan, [False, True], [False, True], lambda name: True)
+        >>> remake.outs == scan.outs[1:], remake.ins == scan.ins[1:]  # (carry, ws): ws
+        (True, True)
+    """
+    if op.name != "scan" or op.effectful or op.may_fail or op.mesh is not None:
+        return None
+    closed = op.params["jaxpr"]
+    body = closed.jaxpr
+    num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
+    made_by = {v: i for i, eqn in enumerate(body.eqns) for v in eqn.outvars}
+    allowed = {v for v, ok in zip(body.invars, readable, strict=True) if ok}
+    allowed -= set(body.invars[num_consts : num_consts + num_carry])
+    allowed |= set(body.constvars)
+    picked: list[int] = []
+    eqns: set[int] = set()
+    for k in range(num_carry, len(op.outs)):
+        out = body.outvars[k]
+        if not wanted[k] or not isinstance(out, jcore.Var):
+            continue
+        mine: set[int] = set()
+        stack, ok = [out], True
+        while stack and ok:
+            v = stack.pop()
+            i = made_by.get(v)
+            if i is None:
+                ok = v in allowed
+            elif i not in mine:
+                eqn = body.eqns[i]
+                ok = not eqn.effects and cheap(eqn.primitive.name)
+                mine.add(i)
+                stack += _vars(eqn.invars)
+        if ok:
+            picked.append(k)
+            eqns |= mine
+    if not picked:
+        return None
+    kept = [e for i, e in enumerate(body.eqns) if i in eqns]
+    reads = _vars(a for e in kept for a in e.invars) | _vars(body.outvars[k] for k in picked)
+    pick = [v in reads for v in body.invars]
+    made = {} if made is None else made
+    key = (id(closed), tuple(picked), tuple(pick))
+    if key not in made:  # the source kept with it, so that no other body takes its id
+        part = body.replace(
+            invars=[v for v, p in zip(body.invars, pick, strict=True) if p],
+            outvars=[body.outvars[k] for k in picked],
+            eqns=kept,
+            effects=join_effects(*(e.effects for e in kept)),
+        )
+        made[key] = (jcore.ClosedJaxpr(part, closed.consts), closed)
+    ins = [a for a, p in zip(op.ins, pick, strict=True) if p]
+    params = {
+        **op.params,
+        "jaxpr": made[key][0],
+        "num_consts": sum(pick[:num_consts]),
+        "num_carry": 0,
+    }
+    if "linear" in params:  # older JAX versions
+        params["linear"] = (False,) * len(ins)
+    return op.derived(op.primitive, params, ins, [op.outs[k] for k in picked])
