@@ -4,7 +4,8 @@ Plain ``nnx.Module`` classes, small enough to read and subclass: ``Linear``, ``E
 ``Attention`` (causal, RoPE with Llama 3's optional ``RopeScaling``, grouped KV heads, optional
 per-head q/k norms), ``RMSNorm``, ``LayerNorm``, ``MoE`` (a mixture of SwiGLU ``Experts``, routed
 as Qwen3-MoE routes, expert-parallel where placed so; its ``RouterStats``) and
-``TransformerBlock``, each built from its frozen config (``AttentionConfig``, ``RopeConfig``,
+``TransformerBlock`` (gpt-oss's ``ClampedMoEConfig`` / ``ClampedExperts`` too), each built
+from its frozen config (``AttentionConfig``, ``RopeConfig``,
 ``NormConfig``, ``MLPConfig``, ``MoEConfig``, ``BlockConfig``) by ``config.build(dim, ...)``.
 ``constrain`` adds a logical sharding constraint inside ``mm.jit`` only.
 
@@ -22,12 +23,12 @@ Example:
 from mmnnx.modules.attention import Attention, AttentionConfig
 from mmnnx.modules.constraints import constrain
 from mmnnx.modules.embed import Embed
-from mmnnx.modules.experts import Experts
+from mmnnx.modules.experts import ClampedExperts, Experts
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.lora import LoRA, add_lora
 from mmnnx.modules.masks import causal_mask
 from mmnnx.modules.mlp import MLP, MLPConfig
-from mmnnx.modules.moe import MoE, MoEConfig
+from mmnnx.modules.moe import ClampedMoEConfig, MoE, MoEConfig
 from mmnnx.modules.norms import LayerNorm, NormConfig, RMSNorm
 from mmnnx.modules.packing import Packing
 from mmnnx.modules.rope import (
@@ -46,6 +47,8 @@ __all__ = [
     "Attention",
     "AttentionConfig",
     "BlockConfig",
+    "ClampedExperts",
+    "ClampedMoEConfig",
     "Embed",
     "Experts",
     "LayerNorm",
