@@ -143,9 +143,9 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
         sinks = nnx.with_partitioning(nnx.initializers.zeros_init(), ("heads",))
-        self.sinks = None
-        if config.sinks:
-            self.sinks = nnx.Param(sinks(rngs.params(), (heads,), param_dtype))
+        self.sinks = (
+            nnx.Param(sinks(rngs.params(), (heads,), param_dtype)) if config.sinks else None
+        )
 
     def __call__(self, x: jax.Array, packing: Packing | None = None) -> jax.Array:
         if packing is not None:

@@ -128,8 +128,10 @@ def write_fixtures() -> None:
         theirs = again(tokens).logits.float().numpy()
         w = again.model.layers[0].mlp.experts.gate_up_proj.float()
         print("mxfp4 gate_up dtype", again.model.layers[0].mlp.experts.gate_up_proj.dtype)
-        print("mxfp4: largest weight change", float((w - model.model.layers[0].mlp.experts
-                                                    .gate_up_proj).abs().max()))
+        print(
+            "mxfp4: largest weight change",
+            float((w - model.model.layers[0].mlp.experts.gate_up_proj).abs().max()),
+        )
     np.save(quantized / "logits.npy", theirs)
     print("mxfp4: logits differ from float by", float(np.abs(theirs - logits).max()))
 

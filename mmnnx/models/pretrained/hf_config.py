@@ -35,6 +35,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "intermediate_size": 9216,
     },
+    "gpt_oss": {
+        "max_position_embeddings": 131072,
+        "head_dim": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 2880,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+    },
 }
 
 
@@ -131,11 +139,21 @@ _GEMMA3 = (  # Gemma 3's own keys (its family reads its older RoPE and layer key
     _Key("hidden_activation", *_STR, default="gelu_pytorch_tanh"),
     _Key("use_bidirectional_attention", *_BOOL, default=False, nullable=True),
 )
+_GPT_OSS = (  # gpt-oss's own keys: its experts' size is intermediate_size
+    _Key("sliding_window", *_int(1), default=128, nullable=True),
+    _Key("attention_bias", *_BOOL, default=True),
+    _Key("num_local_experts", *_int(1), default=128, aliases=("num_experts",)),
+    _Key("num_experts_per_tok", *_int(1), default=4, aliases=("experts_per_token",)),
+    _Key("swiglu_alpha", *_POSITIVE, default=1.702),
+    _Key("swiglu_limit", *_POSITIVE, default=7.0),
+    *(k for k in _MOE if k.name in {"router_aux_loss_coef", "output_router_logits"}),
+)
 _OWN: dict[str, tuple[_Key, ...]] = {
     "qwen3_moe": _MOE,
     "mistral": _SLIDING,
     "mixtral": _MIXTRAL,
     "gemma3_text": _GEMMA3,
+    "gpt_oss": _GPT_OSS,
 }
 
 STALE = {
@@ -144,6 +162,7 @@ STALE = {
     "rope_scaling": "rope_parameters",
     "rope_local_base_freq": "rope_parameters",  # Gemma 3's sliding layers' theta
     "sliding_window_pattern": "layer_types",  # Gemma 3's every n-th layer global
+    "quantization_config": "dtype",  # read quantized, written in dtype
 }
 """Older keys and the transformers 5 key that replaces them (``save_pretrained`` drops them)."""
 

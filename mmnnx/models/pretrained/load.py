@@ -12,6 +12,7 @@ from flax import nnx
 
 from mmnnx._nnx import variables_of
 from mmnnx.models.pretrained.files import CheckpointError, CheckpointFiles
+from mmnnx.models.pretrained.mxfp4 import dequantizing
 from mmnnx.models.pretrained.names import Source, TensorRule, match, tensors_of
 from mmnnx.sharding.arrays import slice_key
 from mmnnx.sharding.place import place_made
@@ -152,7 +153,9 @@ def load_into(
     rules: Sequence[TensorRule],
     placement: Sequence[tuple] | Mapping | None = None,
 ) -> M:
-    """Fills ``model``'s Variables from ``files``, each shard read where it is placed."""
+    """Fills ``model``'s Variables from ``files``, each shard read where it is placed (MXFP4
+    weights dequantized as read: :mod:`~mmnnx.models.pretrained.mxfp4`)."""
+    files = dequantizing(files)
     sources = plan_sources(model, files, rules)
 
     def make(path: str, variable: nnx.Variable, sharding: Any) -> jax.Array:
