@@ -114,7 +114,7 @@ capacity_factor=None, alpha=1.702, limit=7.0)
 
         Example:
             >>> hf = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-            ...           num_attention_heads=4, attention_bias=False)
+            ...           num_attention_heads=4, num_key_value_heads=4, attention_bias=False)
             >>> GPT_OSS.gpt_config(hf, "ckpt")
             Traceback (most recent call last):
             ...
@@ -190,8 +190,8 @@ capacity_factor=None, alpha=1.702, limit=7.0)
 
         Example:
             >>> hf = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-            ...           num_attention_heads=4, intermediate_size=32, num_local_experts=4,
-            ...           num_experts_per_tok=2, sliding_window=4, head_dim=8)
+            ...           num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+            ...           num_local_experts=4, num_experts_per_tok=2, sliding_window=4, head_dim=8)
             >>> out = GPT_OSS.hf_config(GPT_OSS.gpt_config(hf), "bfloat16")
             >>> out["layer_types"], out["rope_parameters"]["rope_type"], out["swiglu_limit"]
             (['sliding_attention', 'full_attention'], 'yarn', 7.0)
