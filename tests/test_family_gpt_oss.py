@@ -27,6 +27,14 @@ _logits = nnx.jit(lambda model, tokens: model(tokens))
 _packed = nnx.jit(lambda model, tokens, packing: model(tokens, packing))
 
 
+def _ep_tp_stages() -> list[mm.Task]:
+    """Two pipeline stages, each a 2 x 2 ``expert x model`` mesh: 2 experts a device, each
+    expert's hidden features and the attention heads (and their sinks) split over ``model``."""
+    mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "expert", "model"))
+    rules = mm.logical_rules(expert="expert", mlp="model", heads="model")
+    return [mm.Task(f"s{i}", mesh=mesh.slice(stage=i), logical_axes=rules) for i in range(2)]
+
+
 def _config(path: pathlib.Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
@@ -34,8 +42,8 @@ def _config(path: pathlib.Path) -> dict:
 def test_gpt_oss_equals_transformers_on_one_device_packed_cached_and_on_stages():
     """Logits equal transformers' (sinks, biases, sliding then full layers, YaRN, the clamped
     SwiGLU of biased experts); two examples packed in a row give each one's logits; greedy
-    decoding from the cache equals transformers' ``generate``; two expert-parallel pipeline
-    stages give the same logits."""
+    decoding from the cache equals transformers' ``generate``; two pipeline stages whose
+    experts and their hidden features and attention heads are split give the same logits."""
     theirs = np.load(FLOAT / "logits.npy")
     model = from_pretrained(FLOAT, max_seq_len=32)
     blocks = model.config.block_configs
@@ -60,10 +68,11 @@ def test_gpt_oss_equals_transformers_on_one_device_packed_cached_and_on_stages()
     ours = model.generate(jnp.asarray(greedy["prompt"]), len(greedy["continuation"][0]))
     np.testing.assert_array_equal(ours, greedy["continuation"])
 
-    staged = from_pretrained(FLOAT, tasks=ep_stages(), max_seq_len=32)
+    staged = from_pretrained(FLOAT, tasks=_ep_tp_stages(), max_seq_len=32)
     gate_up = staged.blocks[1].mlp.experts.gate_up
     assert mm.task_of(gate_up).name == "s1"
-    assert {s.data.shape[0] for s in gate_up[...].addressable_shards} == {2}  # 2 ways of 4
+    assert {s.data.shape for s in gate_up[...].addressable_shards} == {(2, 32, 32)}
+    assert {s.data.shape for s in staged.blocks[1].attn.sinks[...].addressable_shards} == {(2,)}
     logits = mm.jit(lambda m, t: m(t))(staged, tokens)
     assert relative_error(logits, theirs) < F32
 

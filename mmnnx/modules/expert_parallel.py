@@ -6,6 +6,7 @@ has no ``ragged_all_to_all``). Experts held whole while the tokens are split run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -110,6 +111,9 @@ def apply_expert_parallel(
     tokens = PartitionSpec(layout.token_axes)
     e, h = layout.expert_axes or None, layout.hidden_axes or None
     in_specs = (tokens, tokens, tokens, tokens, *specs(e, h))
+
+    if layout.hidden_axes:  # each device's share of the hidden features: a psum follows
+        ffn = functools.partial(ffn, hidden_axes=layout.hidden_axes)
 
     def body(x, indices, weights, keep, *arrays):
         if layout.expert_axes:

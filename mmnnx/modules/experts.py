@@ -13,8 +13,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 ExpertFn = Callable[..., jax.Array]
-"""``fn(rows, *arrays, group_sizes)``: rows sorted by expert through each one's network (rows
-past the groups: 0), the experts' ``arrays`` as a module's ``arrays()`` gives them."""
+"""``fn(rows, *arrays, group_sizes, hidden_axes=())``: rows sorted by expert through each
+one's network (rows past the groups: 0), the experts' ``arrays`` as a module's ``arrays()``
+gives them; ``hidden_axes``: the mesh axes (inside ``shard_map``) splitting each expert's
+hidden features, whose ``psum`` follows."""
 
 # fan-in over each expert's own input dimension, not over the stack of experts
 default_expert_init = nnx.initializers.lecun_normal(batch_axis=(0,))
@@ -72,7 +74,9 @@ class Experts(nnx.Module):
         hidden features over ``hidden`` (mesh axes or ``None``)."""
         return (PartitionSpec(expert, None, hidden),) * 2 + (PartitionSpec(expert, hidden, None),)
 
-    def apply(self, rows: jax.Array, *arrays_and_sizes: jax.Array) -> jax.Array:
+    def apply(
+        self, rows: jax.Array, *arrays_and_sizes: jax.Array, hidden_axes: tuple[str, ...] = ()
+    ) -> jax.Array:
         """``grouped_swiglu``: an :data:`ExpertFn`."""
         return grouped_swiglu(rows, *arrays_and_sizes)
 
@@ -128,20 +132,25 @@ class ClampedExperts(nnx.Module):
 
     @staticmethod
     def specs(expert: Any, hidden: Any) -> tuple[PartitionSpec, ...]:
-        """Each of :meth:`arrays`' specs, the experts split over ``expert``; each expert's
-        hidden features are not split (``down_bias`` would be added once per split)."""
-        if hidden is not None:
-            raise ValueError(
-                f"ClampedExperts: each expert's hidden features cannot be split (over {hidden}); "
-                "map the logical axis 'mlp' of the experts' task to None"
-            )
-        e = expert
-        return (PartitionSpec(e, None, None), PartitionSpec(e, None),
-                PartitionSpec(e, None, None), PartitionSpec(e, None))  # fmt: skip
+        """Each of :meth:`arrays`' specs, the experts split over ``expert`` and each one's
+        hidden features over ``hidden`` (mesh axes or ``None``; a gate and its up feature
+        stay together where each device holds an even number of ``gate_up``'s features)."""
+        e, h = expert, hidden
+        return (PartitionSpec(e, None, h), PartitionSpec(e, h),
+                PartitionSpec(e, h, None), PartitionSpec(e, None))  # fmt: skip
 
-    def apply(self, rows: jax.Array, *arrays_and_sizes: jax.Array) -> jax.Array:
-        """``grouped_clamped_swiglu`` with this module's ``alpha`` and ``limit``."""
-        return grouped_clamped_swiglu(rows, *arrays_and_sizes, alpha=self.alpha, limit=self.limit)
+    def apply(
+        self, rows: jax.Array, *arrays_and_sizes: jax.Array, hidden_axes: tuple[str, ...] = ()
+    ) -> jax.Array:
+        """``grouped_clamped_swiglu`` with this module's ``alpha`` and ``limit``; with
+        ``hidden_axes``, ``down_bias`` added by their first device only (the ``psum`` that
+        follows adds it once)."""
+        *arrays, down_bias, sizes = arrays_and_sizes
+        if hidden_axes:
+            down_bias = jnp.where(jax.lax.axis_index(hidden_axes) == 0, down_bias, 0)
+        return grouped_clamped_swiglu(
+            rows, *arrays, down_bias, sizes, alpha=self.alpha, limit=self.limit
+        )
 
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
