@@ -235,3 +235,14 @@ def test_an_eval_fraction_outside_0_1_is_refused():
     ex = [Example(np.arange(1, 6, dtype=np.int32), np.ones(5, bool)) for _ in range(20)]
     with pytest.raises(DataError, match=r"--eval-fraction must be in \(0, 1\), got 1.5"):
         ExampleDataset(ex, seq_len=7, batch_size=4, eval_fraction=1.5)
+
+
+def test_a_batch_with_no_trained_token_is_skipped_and_counted():
+    from mmnnx.train.examples import ExampleDataset
+
+    none = [Example(np.arange(1, 6, dtype=np.int32), np.zeros(5, bool)) for _ in range(30)]
+    some = [Example(np.arange(1, 6, dtype=np.int32), np.ones(5, bool)) for _ in range(2)]
+    data = ExampleDataset(none + some, seq_len=7, batch_size=2, eval_examples=some)
+    batches = [next(data) for _ in range(3)]
+    assert all(b["weights"].sum() > 0 for b in batches)  # never a NaN of 0 / 0
+    assert data.skipped > 0  # 15 batches an epoch, at most 2 with a trained token

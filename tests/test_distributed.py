@@ -570,7 +570,12 @@ def test_state_on_no_task_is_on_every_process_after_a_step(tmp_path):
     # (state on no task) were computed on stage 1 and handed to process 0 as a placeholder on
     # process 1's device, which process 0's stage read at step 2 ("does not support cross-host
     # device transfers"). Each process now keeps its own copy, and the run equals one process.
-    flags = ["--stages", "2", "--data-axis", "1", "--model-axis", "1", "--warmup-steps", "0",
+    # It trains on packed completion records (issue 71: --data under mmnnx launch).
+    data = tmp_path / "records.jsonl"
+    records = [{"prompt": f"{i} plus {i} is ", "completion": f"{2 * i}."} for i in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    flags = ["--data", str(data), "--pack", "--stages", "2", "--data-axis", "1", "--model-axis",
+             "1", "--warmup-steps", "0",
              "--steps", "3", "--eval-every", "3", "--checkpoint-every", "3", "--timeline-step",
              "0", "--dim", "16", "--depth", "2", "--heads", "2", "--seq-len", "16",
              "--batch-size", "4", "--microbatches", "2", "--log-every", "1",

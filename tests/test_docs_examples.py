@@ -118,3 +118,13 @@ def test_the_sft_dpo_eval_walkthrough_runs_as_written(tmp_path, monkeypatch, cap
     last = json.loads(logged[-1])
     assert last["rewards/margins"] > 0 and "rewards/accuracies" in last
     assert "preference pairs" in out and re.search(r"\|sums\s*\|.*\|acc\s*\|", out)
+
+
+def test_sft_of_a_model_of_ones_own_runs_as_written(tmp_path, monkeypatch, capsys):
+    """docs/training.md's "SFT of a model of your own": a model read with load_tensors."""
+    text = (ROOT / "docs/training.md").read_text()
+    section = text.split("### SFT of a model of your own", 1)[1].split("\n### ")[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "docs/training.md", "exec"), {"__name__": "docs"})
+    assert capsys.readouterr().out.endswith("True\n")

@@ -77,3 +77,10 @@ def test_mmnnx_eval_of_a_run_equals_its_export(tmp_path, monkeypatch, capsys):
             assert greedy == greedy_exported
     assert main(["eval", "--run", str(run), "--tasks", "no_such_task"]) == 2
     assert "no lm-eval task no_such_task" in capsys.readouterr().err
+    broken = tmp_path / "tasks"
+    broken.mkdir()
+    (broken / "broken.yaml").write_text("task: broken\ndataset_path: json\n  bad: [x\n")
+    flags = ["--tasks", "broken", "--include-path", str(broken)]
+    assert main(["eval", "--run", str(run), *flags]) == 2
+    said = capsys.readouterr().err
+    assert f"--include-path: {broken / 'broken.yaml'}: line 3, column 6: mapping values" in said

@@ -132,7 +132,7 @@ _E = "model.layers.1.mlp.experts"
         ),
         (
             lambda t, c: c.update(quantization_config={"quant_method": "gptq"}),
-            'quantization_config.quant_method "gptq" is not supported \\(only "mxfp4"\\)',
+            'quantization_config.quant_method "gptq" is not supported \\(only "fp8", "mxfp4"\\)',
         ),
     ],
     ids=["no-scales", "scales-shape", "blocks-shape", "no-blocks", "quant-method"],

@@ -428,12 +428,17 @@ def test_a_run_from_scratch_exports_as_llama_when_its_gpt_is_one(tmp_path, capsy
     assert "train with --gated-mlp" in err and not (tmp_path / "no").exists()
     # issue 69: a gated MoE run was told to use --gated-mlp, which it had, and not which
     # family stops at what
-    moe, _ = _scratch_run(tmp_path, "moe-gated", gated_mlp=True, experts=4)
+    moe, _ = _scratch_run(tmp_path, "moe-gated", gated_mlp=True, experts=4, moe_every=2)
     assert main(["export", "--run", str(moe), "--output", str(tmp_path / "no")]) == 2
     err = capsys.readouterr().err
     assert "LlamaForCausalLM cannot hold mixture-of-experts blocks" in err, err
     assert "Qwen3MoeForCausalLM cannot hold no query/key norms" in err, err
+    assert "MixtralForCausalLM cannot hold dense feed-forward layers" in err, err
     assert "--gated-mlp" not in err and not (tmp_path / "no").exists()
+    every, _ = _scratch_run(tmp_path, "moe-every", gated_mlp=True, experts=4)  # Mixtral's shape
+    assert main(["export", "--run", str(every), "--output", str(tmp_path / "mixtral")]) == 0
+    config = json.loads((tmp_path / "mixtral" / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"]
 
 
 def test_a_bpe_run_from_scratch_exports_what_transformers_reads_its_tokenizer_with(tmp_path):

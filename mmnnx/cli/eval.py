@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     prologue.start(spec.run.layout.devices, distributed=False)
     from mmnnx.train.evaluation import MmnnxLM  # noqa: PLC0415
 
+    if options.include_path and (problem := task_file_problem(options.include_path)):
+        return error(f"--include-path: {problem}")
     manager = TaskManager(include_path=options.include_path)
     names = options.tasks.split(",")
     unknown = [n for n in names if n not in manager.all_tasks]
@@ -70,3 +72,40 @@ def run(args: argparse.Namespace) -> int:
     )
     print(lm_eval.utils.make_table(results))
     return 0
+
+
+def task_file_problem(folder: str) -> str | None:
+    """The first task file under ``folder`` that does not parse as a YAML mapping, in a line
+    naming it (lm-eval itself passes such a file over, and its task is then "unknown").
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (folder / "t.yaml").write_text("task: t\\ndoc_to_text: !function utils.text\\n")
+        >>> task_file_problem(str(folder)) is None
+        True
+        >>> _ = (folder / "u.yaml").write_text("task: [u\\n")
+        >>> print(task_file_problem(str(folder)).split(folder.name)[-1])  # doctest: +ELLIPSIS
+        /u.yaml: line 2, column 1: expected ',' or ']', but got '<stream end>'
+    """
+    import pathlib  # noqa: PLC0415
+
+    import yaml  # noqa: PLC0415  (lm-eval's own YAML reader)
+
+    class Loader(yaml.SafeLoader):  # lm-eval's tags (!function) read as anything
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    root = pathlib.Path(folder)
+    if not root.is_dir():
+        return f"{folder}: no such directory"
+    for path in sorted(root.rglob("*.yaml")):
+        try:
+            parsed = yaml.load(path.read_text(), Loader=Loader)  # noqa: S506
+        except yaml.YAMLError as e:
+            mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+            where = f": line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            return f"{path}{where}: {problem or ' '.join(str(e).split())}"
+        if not isinstance(parsed, dict):
+            return f"{path}: a task file is a YAML mapping (task:, dataset_path:, ...)"
+    return None

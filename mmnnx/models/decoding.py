@@ -23,8 +23,10 @@ ACTIVATIONS = (None, "seq", "embed")
 
 KV = tuple[jax.Array, jax.Array]
 """One block's cache: keys and values, each ``(batch, max_seq_len, num_kv_heads, head_dim)``
-(with a leading ``depth`` axis for stacked blocks). A sliding-window layer keeps every position
-too; its mask (``Attention.visible``) hides those outside its window."""
+(with a leading ``depth`` axis for stacked blocks); a ``LatentAttention``'s latent
+``(batch, max_seq_len, 1, kv_lora_rank)`` and shared rotated key ``(..., 1, qk_rope_head_dim)``.
+A sliding-window layer keeps every position too; its mask (``Attention.visible``) hides those
+outside its window."""
 
 
 def _block(
@@ -35,9 +37,8 @@ def _block(
     x = constrain(x, ACTIVATIONS)
     positions = pos + jnp.arange(x.shape[-2])
     q, k, v = block.attn.project(block.norm1(x), positions)
-    if cache is None:
-        shape = (*k.shape[:-3], length, *k.shape[-2:])
-        cache = (jnp.zeros(shape, k.dtype), jnp.zeros(shape, v.dtype))
+    if cache is None:  # each its own shape: a LatentAttention's are its latent and shared key
+        cache = tuple(jnp.zeros((*a.shape[:-3], length, *a.shape[-2:]), a.dtype) for a in (k, v))
     keys = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=-3)
     values = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=-3)
     visible = block.attn.visible(positions, jnp.arange(keys.shape[-3]))

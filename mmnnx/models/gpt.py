@@ -14,6 +14,7 @@ from flax import nnx
 from mmnnx.modules import (
     AttentionConfig,
     BlockConfig,
+    DeepSeekMoEConfig,
     Embed,
     Linear,
     MLPConfig,
@@ -74,7 +75,12 @@ class GPTConfig:
     only its input; the same numbers with less memory);
     ``GPT.loss`` adds ``router_aux_loss_coef`` times the load-balancing loss of every MoE
     layer's router pooled (Hugging Face's ``load_balancing_loss_func``) and
-    ``router_z_loss_coef`` times their mean z-loss.
+    ``router_z_loss_coef`` times their mean z-loss, and ``router_seq_aux_loss_coef`` times
+    DeepSeek-V3's sequence-wise balance loss of each layer (``RouterStats.seq_balance``, summed
+    over the layers, each a mean over the batch's rows); ``router_bias_rate`` (DeepSeek-V3's
+    auxiliary-loss-free balancing, for ``DeepSeekMoE`` layers) is how far a train step
+    (``mmnnx.train.make_steps``) moves each router's correction bias per expert, towards the
+    experts that got fewer than the mean assignments (``balance_router_biases``).
 
     ``final_norm`` (a ``NormConfig``; ``None``: that of ``norm`` and ``norm_eps``) builds the
     output's norm, e.g. Gemma's ``(1 + weight)`` RMSNorm; ``embed_scale`` multiplies the
@@ -126,6 +132,8 @@ qk_norm_offset=0.0, query_pre_attn_scalar=None)
     remat: str = "none"
     final_norm: NormConfig | None = None
     embed_scale: float | None = None
+    router_bias_rate: float = 0.0
+    router_seq_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         check(self.remat in REMAT, "GPTConfig.remat", f"one of {', '.join(REMAT)}", self.remat)
@@ -140,7 +148,8 @@ qk_norm_offset=0.0, query_pre_attn_scalar=None)
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             check(value in DTYPES, f"GPTConfig.{name}", "'float32' or 'bfloat16'", value)
-        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+        coefs = ("router_aux_loss_coef", "router_z_loss_coef", "router_seq_aux_loss_coef")
+        for name in (*coefs, "router_bias_rate"):
             value = getattr(self, name)
             ok = is_positive(value) or (isinstance(value, numbers.Real) and value == 0)
             check(ok, f"GPTConfig.{name}", "a finite number >= 0", value)
@@ -173,6 +182,13 @@ qk_norm_offset=0.0, query_pre_attn_scalar=None)
             blocks = self.block_configs
         except ValueError as e:
             raise ValueError(f"GPTConfig: {e}") from None
+        if self.router_bias_rate and not any(
+            isinstance(b.feed_forward, DeepSeekMoEConfig) for b in blocks
+        ):
+            raise ValueError(
+                "GPTConfig: router_bias_rate moves the correction biases of DeepSeekMoE layers "
+                "(DeepSeekMoEConfig), and this model has none"
+            )
         if self.scan_layers and len(set(blocks)) > 1:
             moe = {isinstance(b.feed_forward, MoEConfig) for b in blocks}
             differ = "some layers are MoE and some dense" if len(moe) > 1 else "layers differ"
@@ -305,7 +321,8 @@ class GPT(nnx.Module):
         loss = jnp.mean(nll) if weights is None else jnp.mean(jnp.sum(weights * nll, axis=-1))
         if stats is not None:
             c = self.config
-            loss = loss + stats.loss(c.router_aux_loss_coef, c.router_z_loss_coef)
+            coefs = (c.router_aux_loss_coef, c.router_z_loss_coef, c.router_seq_aux_loss_coef)
+            loss = loss + stats.loss(*coefs)
         return loss
 
     def next_token_log_probs(

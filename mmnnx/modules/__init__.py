@@ -2,10 +2,12 @@
 
 Plain ``nnx.Module`` classes, small enough to read and subclass: ``Linear``, ``Embed``, ``MLP``,
 ``Attention`` (causal, RoPE with Llama 3's optional ``RopeScaling``, grouped KV heads, optional
-per-head q/k norms), ``RMSNorm``, ``LayerNorm``, ``MoE`` (a mixture of SwiGLU ``Experts``, routed
-as Qwen3-MoE routes, expert-parallel where placed so; its ``RouterStats``) and
-``TransformerBlock`` (gpt-oss's ``ClampedMoEConfig`` / ``ClampedExperts`` too), each built
-from its frozen config (``AttentionConfig``, ``RopeConfig``,
+per-head q/k norms), ``LatentAttention`` (DeepSeek's multi-head latent attention),
+``RMSNorm``, ``LayerNorm``, ``MoE`` (a mixture of SwiGLU ``Experts``, routed as Qwen3-MoE
+routes, expert-parallel where placed so; its ``RouterStats``), ``DeepSeekMoE`` (routed by
+groups of sigmoid scores, with shared experts and a ``RouterBias``), gpt-oss's
+``ClampedMoEConfig`` (a biased router, ``ClampedExperts``) and
+``TransformerBlock``, each built from its frozen config (``AttentionConfig``, ``RopeConfig``,
 ``NormConfig``, ``MLPConfig``, ``MoEConfig``, ``BlockConfig``) by ``config.build(dim, ...)``.
 ``constrain`` adds a logical sharding constraint inside ``mm.jit`` only.
 
@@ -22,8 +24,15 @@ Example:
 
 from mmnnx.modules.attention import Attention, AttentionConfig
 from mmnnx.modules.constraints import constrain
+from mmnnx.modules.deepseek_moe import (
+    DeepSeekMoE,
+    DeepSeekMoEConfig,
+    RouterBias,
+    balance_router_biases,
+)
 from mmnnx.modules.embed import Embed
 from mmnnx.modules.experts import ClampedExperts, Experts
+from mmnnx.modules.latent_attention import LatentAttention, LatentAttentionConfig
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.lora import LoRA, add_lora
 from mmnnx.modules.masks import causal_mask
@@ -49,8 +58,12 @@ __all__ = [
     "BlockConfig",
     "ClampedExperts",
     "ClampedMoEConfig",
+    "DeepSeekMoE",
+    "DeepSeekMoEConfig",
     "Embed",
     "Experts",
+    "LatentAttention",
+    "LatentAttentionConfig",
     "LayerNorm",
     "Linear",
     "LinearScaling",
@@ -63,11 +76,13 @@ __all__ = [
     "RMSNorm",
     "RopeConfig",
     "RopeScaling",
+    "RouterBias",
     "RouterStats",
     "TransformerBlock",
     "YarnScaling",
     "add_lora",
     "apply_rope",
+    "balance_router_biases",
     "causal_mask",
     "constrain",
     "rope_frequencies",

@@ -5,6 +5,7 @@ default, expert-parallel where its experts are placed split over a mesh axis;
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar
 
 import jax
@@ -173,15 +174,15 @@ class MoE(nnx.Module):
         # unevenly split tokens): padding rows at the end, routed but kept by no expert
         pad = 0 if layout is None else -n % layout.token_shards
         tokens = jnp.pad(tokens, ((0, pad), (0, 0)))
-        logits = self.router(tokens)
-        weights, indices, probs = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
+        logits, (weights, indices, probs) = self.route(tokens)
         weights = weights.astype(x.dtype)
         limit = None
         keep = jnp.broadcast_to((jnp.arange(n + pad) < n)[:, None], indices.shape)
         if self.capacity_factor is not None:
             limit = capacity(self.capacity_factor, n, self.top_k, self.num_experts)
             keep = keep & capacity_keep(indices, self.num_experts, limit)
-        stats = router_stats(logits, probs, indices, keep, tokens=n)
+        rows = math.prod(x.shape[:-2]) if x.ndim > 2 else 1  # sequences, for seq_balance
+        stats = router_stats(logits, probs, indices, keep, tokens=n, rows=rows)
         experts, ffn = self.experts.arrays(), self.experts.apply
         if layout is None:
             y = apply_local(tokens, indices, weights, keep, experts, ffn)
@@ -195,3 +196,9 @@ class MoE(nnx.Module):
             for name, value in zip(METRICS, values, strict=True):
                 self.sow(nnx.Intermediate, name, value)
         return y[:n].reshape(x.shape), stats
+
+    def route(self, tokens: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+        """The router's logits of ``tokens`` ``(N, dim)`` and their ``(weights, indices,
+        probs)`` (:func:`~mmnnx.modules.routing.route`); a subclass routes otherwise here."""
+        logits = self.router(tokens)
+        return logits, route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)

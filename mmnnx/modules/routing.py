@@ -31,6 +31,7 @@ class RouterStats(NamedTuple):
     probs: jax.Array  # (E,) float32: each expert's router probability summed over the tokens
     logsumexp_sq: jax.Array  # () float32: logsumexp(logits) ** 2 summed over the tokens
     dropped: jax.Array  # (E,) int32: assignments the capacity dropped, per expert
+    seq_balance: jax.Array  # () float32: a call's mean over its rows of seq_balance_loss, summed
 
     @property
     def aux_loss(self) -> jax.Array:
@@ -54,14 +55,16 @@ class RouterStats(NamedTuple):
         """The stats of both calls' tokens together (sums added)."""
         return jax.tree.map(operator.add, self, other)
 
-    def loss(self, aux_coef: float, z_coef: float = 0.0) -> jax.Array:
-        """``aux_coef * aux_loss + z_coef * z_loss``, a term a model adds to its loss (a zero
-        coefficient leaves its loss out of the program)."""
+    def loss(self, aux_coef: float, z_coef: float = 0.0, seq_coef: float = 0.0) -> jax.Array:
+        """``aux_coef * aux_loss + z_coef * z_loss + seq_coef * seq_balance``, a term a model
+        adds to its loss (a zero coefficient leaves its loss out of the program)."""
         total = jnp.zeros((), jnp.float32)
         if aux_coef:
             total = total + aux_coef * self.aux_loss
         if z_coef:
             total = total + z_coef * self.z_loss
+        if seq_coef:
+            total = total + seq_coef * self.seq_balance
         return total
 
     @staticmethod
@@ -75,6 +78,7 @@ class RouterStats(NamedTuple):
             probs=jnp.zeros(e, f),
             logsumexp_sq=jnp.zeros((), f),
             dropped=jnp.zeros(e, i),
+            seq_balance=jnp.zeros((), f),
         )
 
 
@@ -126,8 +130,10 @@ def router_stats(
     indices: jax.Array,
     keep: jax.Array,
     tokens: int | None = None,
+    rows: int = 1,
 ) -> RouterStats:
-    """The ``RouterStats`` of one call; with ``tokens``, only the first ``tokens`` rows count."""
+    """The ``RouterStats`` of one call; with ``tokens``, only the first ``tokens`` rows count;
+    ``rows``: the sequences those tokens are, in order (for ``seq_balance``)."""
     counts = jnp.zeros(probs.shape[-1], jnp.int32)
     lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
     n = probs.shape[0] if tokens is None else tokens
@@ -139,4 +145,26 @@ def router_stats(
         probs=jnp.where(real[:, None], probs, 0).sum(0),
         logsumexp_sq=jnp.sum(jnp.where(real, lse * lse, 0)),
         dropped=counts.at[indices].add(chosen * ~keep),
+        seq_balance=seq_balance_loss(probs[:n], indices[:n], rows),
     )
+
+
+def seq_balance_loss(probs: jax.Array, indices: jax.Array, rows: int = 1) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss, the mean over ``rows`` sequences (the tokens
+    of ``probs`` ``(N, E)`` and ``indices`` ``(N, K)`` in order, ``T = N / rows`` each) of
+    ``sum_i f_i P_i``: ``f_i = E / (K T) *`` the sequence's tokens that chose expert ``i``,
+    ``P_i`` the mean of its router probabilities (DeepSeek: the normalised affinities).
+
+    Example:
+        >>> balanced = seq_balance_loss(jnp.array([[0.9, 0.1], [0.1, 0.9]]), jnp.array([[0], [1]]))
+        >>> skewed = seq_balance_loss(jnp.array([[0.9, 0.1], [0.9, 0.1]]), jnp.array([[0], [0]]))
+        >>> round(float(balanced), 4), round(float(skewed), 4)
+        (1.0, 1.8)
+    """
+    n, k = indices.shape
+    num_experts, length = probs.shape[-1], n // rows
+    row = jnp.repeat(jnp.arange(rows), length * k)
+    counts = jnp.zeros((rows, num_experts), jnp.float32).at[row, indices.reshape(-1)].add(1.0)
+    f = counts * num_experts / (k * length)
+    p = probs.astype(jnp.float32).reshape(rows, length, num_experts).mean(axis=1)
+    return jnp.mean(jnp.sum(f * p, axis=-1))

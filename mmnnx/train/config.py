@@ -87,8 +87,8 @@ class Model:
     )
     init_from: str | None = option(
         None,
-        "fine-tune a Hugging Face checkpoint directory (LlamaForCausalLM, Qwen3ForCausalLM or "
-        "Qwen3MoeForCausalLM): "
+        "fine-tune a Hugging Face checkpoint directory (LlamaForCausalLM, Qwen3ForCausalLM, "
+        "Qwen3MoeForCausalLM or DeepseekV3ForCausalLM): "
         "its config.json gives the architecture (no --dim, --depth, --heads, --gated-mlp, "
         "--tokenizer, --vocab-size with it), its safetensors the weights, read straight onto "
         "the stages, its tokenizer.json the tokenizer",
@@ -257,6 +257,16 @@ class Training:
     )
     weight_decay: float = option(
         T.weight_decay, "AdamW's decoupled weight decay (%(default)s)", finite(positive=False)
+    )
+    router_bias_rate: float = option(
+        0.0,
+        "DeepSeek-V3's auxiliary-loss-free balancing (a DeepseekV3ForCausalLM --init-from): "
+        "after each step every router's correction bias moves by R per expert, up for the "
+        "experts below the mean load, down above it (DeepSeek-V3: 0.001; default: off)",
+        finite(positive=False),
+        metavar="R",
+        omit=(0.0,),
+        may_change=True,
     )
     eval_every: int = count(T.eval_every, "steps between evaluations", may_change=True)
     eval_batches: int = count(

@@ -27,6 +27,7 @@ from mmnnx.distributed.preemption import Preemption
 from mmnnx.distributed.progress import progress as report
 from mmnnx.jit import jit
 from mmnnx.microbatch import microbatch
+from mmnnx.modules.deepseek_moe import balance_router_biases
 from mmnnx.mpmd.lower.pack import (
     PACK_RESIDUAL_BYTES,
     PACK_WEIGHT_BYTES,
@@ -242,12 +243,19 @@ def loss_and_grads(
 def make_steps(config: TrainConfig, trainable: Filter = nnx.Param, *, metrics: bool = False):
     """The jitted train step (microbatched with ``config.schedule``, updating the Variables
     ``trainable`` selects: :func:`loss_and_grads`) and eval step. With ``metrics`` the train
-    step returns ``(loss, intermediates)``: what the model sowed (:func:`loss_and_grads`)."""
+    step returns ``(loss, intermediates)``: what the model sowed (:func:`loss_and_grads`). A
+    model whose ``config.router_bias_rate`` is set has its routers' correction biases moved
+    after each update (``mmnnx.modules.balance_router_biases``)."""
     grad_fn = loss_and_grads(config, trainable, metrics=metrics)
+    captured_fn = grad_fn if metrics else loss_and_grads(config, trainable, metrics=True)
 
     def train_step(model, opt, batch):
-        loss, grads = grad_fn(model, batch)
+        rate = getattr(getattr(model, "config", None), "router_bias_rate", 0.0)
+        loss, grads = (captured_fn if rate else grad_fn)(model, batch)
         opt.update(model, grads)
+        if rate:  # DeepSeek-V3's auxiliary-loss-free balancing, from the step's routing
+            balance_router_biases(model, loss[1], rate)
+            return loss if metrics else loss[0]
         return loss
 
     train = jit(train_step, pack_residuals=config.pack_residuals, pack_weights=config.pack_weights)

@@ -39,6 +39,7 @@ def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
         scan_layers=run.model.scan_layers,
         max_seq_len=run.model.seq_len,
         remat=run.model.remat,
+        router_bias_rate=run.training.router_bias_rate,
     )
 
 
@@ -150,6 +151,7 @@ def build_model(
             scan_layers=config.scan_layers,
             max_seq_len=config.max_seq_len,
             remat=config.remat,
+            router_bias_rate=config.router_bias_rate,
         )
     else:
 

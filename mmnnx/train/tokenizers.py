@@ -225,6 +225,8 @@ class HFTokenizer(_Library):
         from tokenizers import Tokenizer as Model  # noqa: PLC0415  (a Rust extension)
 
         path = pathlib.Path(path)
+        if not path.is_file() and (path.parent / TIKTOKEN).is_file():
+            raise ValueError(tiktoken_refusal(path.parent))
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such tokenizer file")
         try:
@@ -233,6 +235,28 @@ class HFTokenizer(_Library):
             raise ValueError(
                 f"{path}: not a tokenizer file the tokenizers library reads: {e}"
             ) from None
+
+
+TIKTOKEN = "tiktoken.model"
+"""The tokenizer file of checkpoints with tiktoken's tokenizer and no ``tokenizer.json`` (Kimi)."""
+
+
+def tiktoken_refusal(directory: pathlib.Path) -> str:
+    """Why a checkpoint whose tokenizer is only ``tiktoken.model`` is not read, and how to
+    convert it (its split pattern lives in the checkpoint's own Python tokenizer class).
+
+    Example:
+        >>> tiktoken_refusal(pathlib.Path("kimi")).split(", which")[0]
+        'kimi: its tokenizer is tiktoken.model, without a tokenizer.json'
+    """
+    return (
+        f"{directory}: its tokenizer is {TIKTOKEN}, without a tokenizer.json, which mmnnx "
+        "reads; write one once (with tiktoken and transformers installed): slow = "
+        f"AutoTokenizer.from_pretrained('{directory}', trust_remote_code=True); "
+        "transformers.convert_slow_tokenizer.TikTokenConverter(vocab_file="
+        f"'{directory / TIKTOKEN}', pattern=slow.pat_str, extra_special_tokens="
+        f"slow.special_tokens).converted().save('{directory / 'tokenizer.json'}')"
+    )
 
 
 _LOADERS: dict[str, Callable[[pathlib.Path], Tokenizer]] = {

@@ -125,6 +125,7 @@ def pretrained_config(
     scan_layers: bool = False,
     max_seq_len: int | None = None,
     remat: str = "none",
+    router_bias_rate: float = 0.0,
 ) -> GPTConfig:
     """The ``GPTConfig`` :func:`from_pretrained` builds for the checkpoint at ``path`` (its
     arguments as there), read from ``config.json`` alone: no tensor is opened.
@@ -146,6 +147,7 @@ def pretrained_config(
     """
     origin = Pretrained.read(path)
     options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len, remat=remat)
+    options["router_bias_rate"] = router_bias_rate
     family = FAMILIES[origin.architecture]
     return _gpt_config(family, origin.config, origin.directory, param_dtype, dtype, **options)
 
@@ -167,23 +169,26 @@ def from_pretrained(
     scan_layers: bool = False,
     max_seq_len: int | None = None,
     remat: str = "none",
+    router_bias_rate: float = 0.0,
 ) -> GPT:
     """The ``GPT`` of the Hugging Face checkpoint at ``path``, its Variables read from the
     safetensors files straight onto their devices.
 
-    ``config.json``'s ``architectures`` picks the family (:data:`FAMILIES`: Llama 3.x, Qwen3
-    and Qwen3-MoE causal LMs) and its sizes the ``GPTConfig``. The model is built abstractly and
-    placed first: ``tasks`` cuts its layers into pipeline stages as ``mm.stage_rules`` does,
-    ``rules`` (``mm.place``'s rules, matched before the stage rules) places by path; with
-    neither, it lands on one device. Each Variable's shards are then read from the files
-    (slices only, through ``safetensors``), so under ``mmnnx launch`` each process reads only
-    what its devices hold; a Qwen3-MoE's experts, stacked over the expert axis, are read per
-    expert, so a device of an expert-parallel task (rules mapping ``expert`` to a mesh axis)
-    reads only its own experts' tensors. Parameters are stored in ``param_dtype`` (float32 by
-    default, as transformers loads), activations computed in ``dtype`` (``remat``: as
-    ``GPTConfig.remat``); ``max_seq_len`` bounds
-    the sequence (default the config's ``max_position_embeddings``; ``generate`` allocates a
-    key/value cache of that length). The model keeps its origin in ``model.pretrained``.
+    ``config.json``'s ``architectures`` picks the family (:data:`FAMILIES`: Llama 3.x, Qwen3,
+    Qwen3-MoE and DeepSeek-V3 / Kimi K2 causal LMs) and its sizes the ``GPTConfig``; FP8 weights
+    (DeepSeek's ``quant_method: "fp8"``) are dequantized as they are read. The model is built
+    abstractly and placed first: ``tasks`` cuts its layers into pipeline stages as
+    ``mm.stage_rules`` does, ``rules`` (``mm.place``'s rules, matched before the stage rules)
+    places by path; with neither, it lands on one device. Each Variable's shards are then read
+    from the files (slices only, through ``safetensors``), so under ``mmnnx launch`` each
+    process reads only what its devices hold; a Qwen3-MoE's experts, stacked over the expert
+    axis, are read per expert, so a device of an expert-parallel task (rules mapping ``expert``
+    to a mesh axis) reads only its own experts' tensors. Parameters are stored in
+    ``param_dtype`` (float32 by default, as transformers loads), activations computed in
+    ``dtype`` (``remat``: as ``GPTConfig.remat``); ``max_seq_len`` bounds the sequence (default
+    the config's ``max_position_embeddings``; ``generate`` allocates a key/value cache of that
+    length); ``router_bias_rate``: as ``GPTConfig.router_bias_rate`` (DeepSeek-V3's balancing
+    while training). The model keeps its origin in ``model.pretrained``.
 
     Raises:
         CheckpointError: an unsupported architecture (naming those that are), a missing or
@@ -203,6 +208,7 @@ def from_pretrained(
     files = CheckpointFiles(path)
     family = family_of(files.config, files.directory)
     options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len, remat=remat)
+    options["router_bias_rate"] = router_bias_rate
     config = _gpt_config(family, files.config, files.directory, param_dtype, dtype, **options)
     check_tokenizer(files.directory, config.vocab_size)
     model = _abstract(lambda: GPT(config, rngs=nnx.Rngs(0)))

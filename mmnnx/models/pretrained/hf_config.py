@@ -43,6 +43,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "rope_theta": 150000.0,
     },
+    "deepseek_v3": {
+        "max_position_embeddings": 4096,
+        "head_dim": None,  # transformers writes qk_rope_head_dim here; the family reads its own
+        "num_key_value_heads": None,
+        "intermediate_size": 18432,
+    },
 }
 
 
@@ -146,7 +152,27 @@ _GPT_OSS = (  # gpt-oss's own keys: its experts' size is intermediate_size
     _Key("num_experts_per_tok", *_int(1), default=4, aliases=("experts_per_token",)),
     _Key("swiglu_alpha", *_POSITIVE, default=1.702),
     _Key("swiglu_limit", *_POSITIVE, default=7.0),
+    _Key("quantization_config", *_OBJECT, default=None),
     *(k for k in _MOE if k.name in {"router_aux_loss_coef", "output_router_logits"}),
+)
+_DEEPSEEK = (  # DeepSeek-V3's own keys, their defaults DeepseekV3Config's
+    _Key("moe_intermediate_size", *_int(1), default=2048),
+    _Key("n_shared_experts", *_int(0), default=1, nullable=True),
+    _Key("n_routed_experts", *_int(1), default=256),
+    _Key("routed_scaling_factor", *_POSITIVE, default=2.5),
+    _Key("kv_lora_rank", *_int(1), default=512),
+    _Key("q_lora_rank", *_int(1), default=1536, nullable=True),
+    _Key("qk_rope_head_dim", *_int(2), default=64),
+    _Key("v_head_dim", *_int(1), default=128),
+    _Key("qk_nope_head_dim", *_int(1), default=128),
+    _Key("n_group", *_int(1), default=8),
+    _Key("topk_group", *_int(1), default=4),
+    _Key("num_experts_per_tok", *_int(1), default=8),
+    _Key("first_k_dense_replace", *_int(0), default=3),
+    _Key("norm_topk_prob", *_BOOL, default=True),
+    _Key("rope_interleave", *_BOOL, default=True),
+    _Key("num_nextn_predict_layers", *_int(0), default=1),
+    _Key("quantization_config", *_OBJECT, default=None),
 )
 _OWN: dict[str, tuple[_Key, ...]] = {
     "qwen3_moe": _MOE,
@@ -154,6 +180,7 @@ _OWN: dict[str, tuple[_Key, ...]] = {
     "mixtral": _MIXTRAL,
     "gemma3_text": _GEMMA3,
     "gpt_oss": _GPT_OSS,
+    "deepseek_v3": _DEEPSEEK,
 }
 
 STALE = {
