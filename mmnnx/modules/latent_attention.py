@@ -12,6 +12,7 @@ from flax import nnx
 
 from mmnnx.modules.checks import check, is_int, is_positive
 from mmnnx.modules.linear import Linear
+from mmnnx.modules.masks import causal_mask
 from mmnnx.modules.norms import RMSNorm
 from mmnnx.modules.packing import Packing
 from mmnnx.modules.rope import RopeConfig, YarnScaling, apply_rope
@@ -159,8 +160,13 @@ class LatentAttention(nnx.Module):
     def __call__(self, x: jax.Array, packing: Packing | None = None) -> jax.Array:
         if packing is not None:
             return self.attend(*self.project(x, packing.positions), packing.visible())
-        seq = x.shape[-2]
-        return self.attend(*self.project(x), jnp.tril(jnp.ones((seq, seq), dtype=bool)))
+        positions = jnp.arange(x.shape[-2])
+        return self.attend(*self.project(x), self.visible(positions, positions))
+
+    def visible(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
+        """Which keys each query sees, bool ``(..., q, k)``: the earlier ones (``causal_mask``),
+        as the KV-cache decoder asks every attention."""
+        return causal_mask(query_positions, key_positions, None)
 
     def project(
         self, x: jax.Array, positions: jax.Array | None = None
