@@ -25,6 +25,9 @@ from .mpmd.lower.pack import PACK_WEIGHT_BYTES as PACK_WEIGHT_BYTES
 from .mpmd.run.programs import clear_caches as clear_caches
 from .mpmd.trace.annotations import task as task
 from .mpmd.trace.annotations import with_sharding_constraint as with_sharding_constraint
+from .partition.memory import MemoryLayout as MemoryLayout
+from .partition.memory import MemoryPrediction as MemoryPrediction
+from .partition.memory import predict_memory as predict_memory
 from .sharding import MultiMesh as MultiMesh
 from .sharding import Task as Task
 from .sharding import TaskMesh as TaskMesh

@@ -30,7 +30,7 @@ from tests.flags import without_device_count
         (["--stages", "3"], "needs 12 devices, but --devices is 8"),
         (["--depth", "1"], "--depth 1 gives fewer blocks than --stages 2"),
         (["--depth", "5", "--scan-layers"], "--stages 2 does not divide it"),
-        (["--memory-budget", "1GiB"], "--memory-budget needs --schedule auto or --partition auto"),
+        (["--memory-budget", "-1"], "--memory-budget"),
         (["--partition", "3,2"], "--partition 3,2 gives 5 blocks, but the model has 4 (--depth 4)"),
         (["--partition", "1,1,2"], "gives 3 stages, but --stages 2 x --virtual-stages 1 makes 2"),
         (["--partition", "auto", "--scan-layers"], "--partition auto needs the blocks as a list"),

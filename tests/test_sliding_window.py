@@ -72,7 +72,9 @@ def test_decoding_token_by_token_equals_the_full_forward(scan_layers):
     full = model(tokens)
     logits, cache = _ONE_DEVICE(model, tokens[:, :2], None, jnp.zeros((), jnp.int32))
     np.testing.assert_allclose(logits, full[:, 1], rtol=1e-5, atol=1e-5)
-    for t in range(2, tokens.shape[1]):  # past the window: the cache's early keys are hidden
+    keys = jax.tree.leaves(cache)[0]  # a ring of the window's w - 1 earlier positions
+    assert keys.shape[-3] == WINDOW - 1 and len(jax.tree.leaves(cache)) == 4 - 2 * scan_layers
+    for t in range(2, tokens.shape[1]):  # past the window: the ring's slots are overwritten
         logits, cache = _ONE_DEVICE(model, tokens[:, t : t + 1], cache, jnp.asarray(t, jnp.int32))
         np.testing.assert_allclose(logits, full[:, t], rtol=1e-5, atol=1e-5)
     generated = model.generate(tokens[:, :4], 6)  # greedy: each token the argmax after its past

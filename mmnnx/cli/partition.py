@@ -90,6 +90,10 @@ def _planned(run: RunConfig, config: Any, tasks: Sequence[Any], batch: Any, data
         )
     training = run.training
     auto = training.schedule == "auto"
+    schedules = None if auto else training.schedule
+    counts = _microbatches(run, data_axis) if auto else training.microbatches
+    if training.memory_budget is not None:
+        schedules, counts = _within_budget(run, config, data_axis, schedules, counts)
     result = partition(
         abstract_model(run, config),
         lambda model, b: model.loss(b),
@@ -98,8 +102,8 @@ def _planned(run: RunConfig, config: Any, tasks: Sequence[Any], batch: Any, data
         optimizer=make_optimizer(train_config(run)),
         wrt=trainable(run),
         memory_budget=training.memory_budget,
-        schedules=None if auto else training.schedule,
-        microbatches=_microbatches(run, data_axis) if auto else training.microbatches,
+        schedules=schedules,
+        microbatches=counts,
         virtual_stages=run.layout.virtual_stages,
         report=True,
     )
@@ -124,3 +128,34 @@ def _microbatches(run: RunConfig, data_axis: int) -> list[int]:
         m for m in range(stages, 4 * stages + 1) if batch % m == 0 and (batch // m) % shards == 0
     ]
     return sorted({run.training.microbatches, *counts})
+
+
+def _within_budget(
+    run: RunConfig, config: Any, data_axis: int, schedules: Any, counts: Any
+) -> tuple[list[str], list[int]]:
+    """The schedules and microbatch counts left to plan once the candidates whose predicted
+    peak (``mm.predict_memory``, blocks split by parameters) exceeds ``--memory-budget`` are
+    skipped, printing which; a ``ValueError`` naming the stage when none is left."""
+    from mmnnx.mpmd.schedules import names  # noqa: PLC0415
+    from mmnnx.partition.memory import fitting_candidates, format_bytes  # noqa: PLC0415
+    from mmnnx.train.validate import memory_inputs  # noqa: PLC0415
+    from mmnnx.tuning import parse_bytes  # noqa: PLC0415
+
+    layout, options = memory_inputs(run, data_axis)
+    budget = run.training.memory_budget
+    named = [schedules] if isinstance(schedules, str) else list(schedules or names())
+    many = [counts] if isinstance(counts, int) else list(counts)
+    pairs = [(s, m) for s in named for m in many]
+    fits, over = fitting_candidates(config, layout, parse_bytes(budget), pairs, **options)
+    if over:
+        skipped = ", ".join(
+            f"{s} M={m} (task {p.worst.task}: {format_bytes(p.peak)})" for (s, m), p in over.items()
+        )
+        print(f"partition auto: skipped, predicted over --memory-budget {budget}: {skipped}")
+    if not fits:
+        (s, m), p = min(over.items(), key=lambda item: item[1].peak)
+        raise ValueError(
+            f"no candidate fits --memory-budget {budget}: the smallest, {s} with {m} "
+            f"microbatches, needs {format_bytes(p.peak)} per device on task {p.worst.task}"
+        )
+    return list(dict.fromkeys(s for s, _ in fits)), list(dict.fromkeys(m for _, m in fits))

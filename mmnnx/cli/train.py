@@ -162,6 +162,7 @@ def _train(
         trainable,
     )
     from mmnnx.train.run_record import RunRecord, saved_record  # noqa: PLC0415
+    from mmnnx.train.validate import memory_problem  # noqa: PLC0415
     from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
 
     out = pathlib.Path(run.outputs.output_dir)
@@ -175,6 +176,9 @@ def _train(
     fsdp_axis = math.gcd(lay.fsdp_axis, data_axis)
     tasks = run_tasks(lay.stages, data_axis, lay.model_axis, lay.expert_axis, fsdp_axis=fsdp_axis)
     config = pretrained or model_config(run, tokenizer.vocab_size)
+    problem = memory_problem(run, config, data_axis)  # predicted, before anything compiles
+    if problem:
+        return error(problem)
     saved = saved_record(checkpointer) if run.outputs.resume else None
     extra = saved and saved.extra
     try:

@@ -22,29 +22,72 @@ ACTIVATIONS = (None, "seq", "embed")
 """The logical names of activations between blocks while decoding: the batch is not split."""
 
 KV = tuple[jax.Array, jax.Array]
-"""One block's cache: keys and values, each ``(batch, max_seq_len, num_kv_heads, head_dim)``
-(with a leading ``depth`` axis for stacked blocks); a ``LatentAttention``'s latent
-``(batch, max_seq_len, 1, kv_lora_rank)`` and shared rotated key ``(..., 1, qk_rope_head_dim)``.
-A sliding-window layer keeps every position too; its mask (``Attention.visible``) hides those
-outside its window."""
+"""One block's cache: keys and values, each ``(batch, slots, num_kv_heads, head_dim)`` (with a
+leading ``depth`` axis for stacked blocks; a ``LatentAttention``'s latent
+``(batch, slots, 1, kv_lora_rank)`` and shared rotated key ``(..., 1, qk_rope_head_dim)``),
+position ``p`` in slot ``p % slots`` (:func:`cache_slots`): a ring that a sliding-window layer
+keeps at its window.
+
+State per sequence and layer: ``2 * slots * num_kv_heads * head_dim * itemsize`` bytes, i.e.
+``2 * num_kv_heads * head_dim * itemsize`` per position held. Before the ring every layer held
+``max_seq_len`` positions; a sliding layer of window ``w`` now holds ``w - 1`` (the most that
+any query sees of earlier steps). The Mistral fixture (2 KV heads of 8, float32: 128 bytes per
+position and layer) at ``max_seq_len`` 32 and window 4: 4,096 bytes per layer before, 384
+after; Gemma 3 27B's sliding layers (16 KV heads of 128, bfloat16, window 1,024) at 131,072
+positions: 1 GiB per layer before, 8 MiB after."""
+
+
+def cache_slots(block: TransformerBlock, length: int) -> int:
+    """The positions ``block``'s cache holds: ``length`` (``max_seq_len``), or a sliding
+    window ``w``'s ``w - 1`` (at least 1) where that is fewer.
+
+    Example:
+        >>> from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig
+        >>> layer = BlockConfig(AttentionConfig(2, sliding_window=4), MLPConfig(16))
+        >>> with nnx.use_eager_sharding(False):
+        ...     block = TransformerBlock(8, layer, rngs=nnx.Rngs(0))
+        >>> cache_slots(block, 32), cache_slots(block, 2)
+        (3, 2)
+    """
+    window = getattr(block.attn, "sliding_window", None)  # a LatentAttention has none
+    return length if window is None else min(max(window - 1, 1), length)
+
+
+def _held(pos: jax.Array, slots: int) -> jax.Array:
+    """The position in each slot before a step at ``pos``: the latest ``p < pos`` with
+    ``p % slots == slot``; negative where no position was written there yet."""
+    slot = jnp.arange(slots)
+    return pos - 1 - jnp.mod(pos - 1 - slot, slots)
+
+
+def _written(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
+    """``cache`` with ``new`` (positions ``pos ..``) in their slots; only the last ``slots``
+    of them where more come at once."""
+    slots, count = cache.shape[-3], new.shape[-3]
+    kept = min(count, slots)
+    where = jnp.mod(pos + count - kept + jnp.arange(kept), slots)
+    return cache.at[..., where, :, :].set(new[..., count - kept :, :, :].astype(cache.dtype))
 
 
 def _block(
     block: TransformerBlock, x: jax.Array, cache: KV | None, pos: jax.Array, length: int
 ) -> tuple[jax.Array, KV]:
     """``block(x)`` (without dropout, as in evaluation) at positions ``pos ..``, its attention
-    reading and filling ``cache``."""
+    reading the earlier positions from ``cache`` and writing these into it."""
     x = constrain(x, ACTIVATIONS)
     positions = pos + jnp.arange(x.shape[-2])
     q, k, v = block.attn.project(block.norm1(x), positions)
     if cache is None:  # each its own shape: a LatentAttention's are its latent and shared key
-        cache = tuple(jnp.zeros((*a.shape[:-3], length, *a.shape[-2:]), a.dtype) for a in (k, v))
-    keys = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=-3)
-    values = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=-3)
-    visible = block.attn.visible(positions, jnp.arange(keys.shape[-3]))
+        slots = cache_slots(block, length)
+        cache = tuple(jnp.zeros((*a.shape[:-3], slots, *a.shape[-2:]), a.dtype) for a in (k, v))
+    held = _held(pos, cache[0].shape[-3])
+    keys = jnp.concatenate([cache[0], k.astype(cache[0].dtype)], axis=-3)
+    values = jnp.concatenate([cache[1], v.astype(cache[1].dtype)], axis=-3)
+    key_positions = jnp.concatenate([held, positions])
+    visible = block.attn.visible(positions, key_positions) & (key_positions >= 0)
     x = x + block.attention_out(block.attn.attend(q, keys, values, visible))
     x = x + block.feed_forward(x)[0]
-    return constrain(x, ACTIVATIONS), (keys, values)
+    return constrain(x, ACTIVATIONS), (_written(cache[0], k, pos), _written(cache[1], v, pos))
 
 
 def _forward(model: Any, tokens: jax.Array, cache: Any, pos: jax.Array) -> tuple[jax.Array, Any]:
@@ -104,8 +147,9 @@ def generate(
     top_k: int | None = None,
     rng: jax.Array | None = None,
 ) -> jax.Array:
-    """``GPT.generate``, a key/value cache of ``max_seq_len`` positions per block filled by a
-    prefill; ``temperature`` below float32's smallest normal number (1.2e-38) is greedy.
+    """``GPT.generate``, a key/value cache per block (``max_seq_len`` positions, a sliding
+    layer's window: :data:`KV`) filled by a prefill; ``temperature`` below float32's smallest
+    normal number (1.2e-38) is greedy.
 
     Example:
         >>> from mmnnx.models import GPT, GPTConfig

@@ -19,8 +19,9 @@ from mmnnx.sharding.stack import TaskStack
 
 M = TypeVar("M")
 
-TARGETS = ("q", "k", "v", "out", "gate", "up", "down")
-"""``add_lora``'s default targets, those a model has: PEFT's ``"all-linear"`` less the head."""
+TARGETS = ("q", "q_a", "q_b", "k", "v", "kv_a", "kv_b", "out", "gate", "up", "down")
+"""``add_lora``'s default targets, those a model has: PEFT's ``"all-linear"`` less the head
+(``q_a``, ``q_b``, ``kv_a``, ``kv_b``: a ``LatentAttention``'s projections)."""
 
 MOE_TARGETS = ("router",)
 """``Linear`` names ``add_lora`` adapts only when named: a ``MoE``'s router, which PEFT's usual

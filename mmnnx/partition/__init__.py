@@ -4,10 +4,21 @@ input- and weight-gradient times, each boundary's transfer time and each task's 
 
 Modules: ``pieces`` (the model cut into the parts timed: the embedding, each layer, the head
 and the loss), ``measure`` (timing a part on a task), ``search`` (the splits simulated),
-``result`` (the records and the table) and ``plan`` (``partition`` itself).
+``result`` (the records and the table) and ``plan`` (``partition`` itself); ``memory``
+(``predict_memory``: each device's peak bytes predicted from shapes alone).
 """
 
+from mmnnx.partition.memory import MemoryLayout, MemoryPrediction, StageMemory, predict_memory
 from mmnnx.partition.plan import partition
 from mmnnx.partition.result import PartitionResult, Split, StagePlan
 
-__all__ = ["PartitionResult", "Split", "StagePlan", "partition"]
+__all__ = [
+    "MemoryLayout",
+    "MemoryPrediction",
+    "PartitionResult",
+    "Split",
+    "StageMemory",
+    "StagePlan",
+    "partition",
+    "predict_memory",
+]

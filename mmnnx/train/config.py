@@ -212,8 +212,10 @@ class Training:
     )
     memory_budget: str | None = option(
         None,
-        "with --schedule auto or --partition auto: bytes per device the schedule and the split "
-        "may use (e.g. 2GiB)",
+        "bytes per device the run may use (e.g. 24GiB): a layout whose peak, predicted from "
+        "the shapes (mm.predict_memory), exceeds it is refused before anything compiles, "
+        "naming the stage and the smallest change that fits; with --schedule auto or "
+        "--partition auto, what the schedule and the split may use",
         may_change=True,
     )
     pack_residuals: bool | int = option(

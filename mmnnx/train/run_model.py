@@ -13,7 +13,7 @@ from flax import nnx
 from mmnnx.models import GPT, GPTConfig, from_pretrained, pretrained_config
 from mmnnx.models.pretrained import Pretrained
 from mmnnx.models.stages import split_rules, stage_rules
-from mmnnx.modules import MLPConfig
+from mmnnx.modules import Linear
 from mmnnx.modules.lora import MOE_TARGETS, TARGETS, add_lora
 from mmnnx.mpmd.schedules.registry import registered
 from mmnnx.sharding import Task, fsdp_rules, init
@@ -50,10 +50,9 @@ def linear_names(config: GPTConfig) -> tuple[str, ...]:
         >>> linear_names(GPTConfig()), linear_names(GPTConfig(gated_mlp=True, experts=4))
         (('q', 'k', 'v', 'out', 'up', 'down'), ('q', 'k', 'v', 'out', 'router'))
     """
-    blocks = config.block_configs
-    dense = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MLPConfig)]
-    mlp = (*(("gate",) if any(f.gated for f in dense) else ()), "up", "down") if dense else ()
-    have = {"q", "k", "v", "out", *mlp, *(("router",) if len(dense) < len(blocks) else ())}
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    have = {str(path[-1]) for path, node in nnx.iter_graph(abstract) if isinstance(node, Linear)}
     return tuple(t for t in (*TARGETS, *MOE_TARGETS) if t in have)
 
 

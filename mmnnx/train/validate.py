@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from mmnnx.mpmd.schedules import get
 from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.mpmd.schedules.registry import Placement, registered
-from mmnnx.train.config import MOE, RunConfig, flag, gpt_config
+from mmnnx.train.config import FIELDS, MOE, RunConfig, flag, gpt_config
 from mmnnx.train.run_outputs import output_problem, run_outputs
 from mmnnx.tuning import parse_bytes
 
@@ -303,11 +303,6 @@ def _other_problem(run: RunConfig) -> str | None:
             return f"{flag('dpo')} rules out {wrong}"
     budget = training.memory_budget
     if budget is not None:
-        if training.schedule != "auto" and run.layout.partition != "auto":
-            return (
-                f"{flag('memory_budget')} needs {flag('schedule', 'auto')} or "
-                f"{flag('partition', 'auto')}"
-            )
         try:
             size = parse_bytes(budget)
         except ValueError as e:
@@ -343,3 +338,87 @@ def _steps_problem(run: RunConfig) -> str | None:
             f"{flag('microbatches', micro)}: {e}"
         )
     return None
+
+
+_CHANGED_FLAG = {"fsdp": "fsdp_axis", "remat": "remat", "schedule": "schedule",
+                 "microbatches": "microbatches", "stages": "stages"}  # fmt: skip
+
+
+def memory_problem(run: RunConfig, config: Any, data_axis: int) -> str | None:
+    """With ``--memory-budget``, a layout whose predicted peak bytes per device
+    (:func:`mmnnx.partition.memory.predict_memory` of ``config``, the run's ``GPTConfig``)
+    exceed it, in one line naming the stage and the smallest change that fits; else None.
+    Nothing is built or compiled. ``--schedule auto`` and ``--partition auto`` choose under
+    the budget themselves (None).
+
+    Example:
+        >>> from mmnnx.models import GPTConfig
+        >>> run = RunConfig.of({"memory_budget": "5MiB", "microbatches": 4, "model_axis": 1})
+        >>> print(memory_problem(run, GPTConfig(dim=64, depth=4, max_seq_len=64), 2))
+        --memory-budget 5MiB: stage 0 needs 6.1 MiB per device (parameters 451.5 KiB, \
+optimizer state 903.0 KiB, activations 2.3 MiB of 2 microbatch(es) in flight); --microbatches 8 \
+fits (4.3 MiB)
+    """
+    from mmnnx.partition.memory import (  # noqa: PLC0415
+        CHANGES,
+        fitting_change,
+        format_bytes,
+        predict_memory,
+    )
+
+    training, lay = run.training, run.layout
+    budget = training.memory_budget
+    if budget is None or training.schedule == "auto" or lay.partition == "auto":
+        return None
+    size = parse_bytes(budget)
+    layout, options = memory_inputs(run, data_axis)
+    try:
+        predicted = predict_memory(config, layout, **options)
+    except ValueError as e:
+        return f"{flag('memory_budget')}: {e}"
+    if predicted.peak <= size:
+        return None
+    worst = predicted.worst
+    needs = (
+        f"{flag('memory_budget')} {budget}: stage {worst.task} needs "
+        f"{format_bytes(worst.peak)} per device (parameters {format_bytes(worst.parameters)}, "
+        f"optimizer state {format_bytes(worst.optimizer)}, activations "
+        f"{format_bytes(worst.activations)} of {worst.in_flight} microbatch(es) in flight)"
+    )
+    fsdp = hasattr(lay, "fsdp_axis")  # an option only where the run has one
+    changes = [c for c in CHANGES if c != "fsdp" or fsdp]
+    change = fitting_change(config, layout, size, changes=changes, **options)
+    if change is None:
+        return (
+            f"{needs}; no single change fits: not 1F1B, twice {flag('microbatches')}, "
+            f"{flag('remat')} dots or full, {'--fsdp-axis up to 8, ' * fsdp}nor more "
+            f"{flag('stages')}"
+        )
+    name = _CHANGED_FLAG[change.option]
+    shown = flag(name, change.value) if name in FIELDS else f"--fsdp-axis {change.value}"
+    return f"{needs}; {shown} fits ({format_bytes(change.prediction.peak)})"
+
+
+def memory_inputs(run: RunConfig, data_axis: int) -> tuple[Any, dict[str, Any]]:
+    """The ``MemoryLayout`` of a run (``data_axis`` as fitted to the devices) and the options
+    :func:`~mmnnx.partition.memory.predict_memory` takes from it.
+
+    Example:
+        >>> layout, options = memory_inputs(RunConfig.of({"stages": 4}), 2)
+        >>> layout.stages, layout.data, options["batch"], options["microbatches"]
+        (4, 2, 16, 4)
+    """
+    from mmnnx.partition.memory import MemoryLayout  # noqa: PLC0415
+
+    training, lay = run.training, run.layout
+    layout = MemoryLayout(
+        stages=lay.stages, data=data_axis, tensor=lay.model_axis, expert=lay.expert_axis,
+        fsdp=getattr(lay, "fsdp_axis", 1), virtual_stages=lay.virtual_stages,
+        blocks=given_sizes(lay.partition),
+    )  # fmt: skip
+    options = dict(
+        batch=training.batch_size, seq_len=run.model.seq_len, schedule=training.schedule,
+        microbatches=training.microbatches, trainable=0.0 if run.model.lora_rank else 1.0,
+        pack_weights=training.pack_weights,
+    )  # fmt: skip
+    return layout, options

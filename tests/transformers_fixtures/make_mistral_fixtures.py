@@ -14,6 +14,9 @@ whether its loss adds that by default). The Mistral attends
 within a sliding window of 4 positions (shorter than the 16 tokens); the Mixtral has none
 (``null``) and routes each token to 2 of 8 experts.
 
+``--fused`` writes ``mixtral-fused/`` (see :func:`write_fused`): the Mixtral's weights in the
+fused layout transformers 5 also loads.
+
 The second step checks what mmnnx's ``save_pretrained`` writes:
 
     /work/main/.venv/bin/python -c "import pathlib, tests.test_family_mistral as t; \\
@@ -122,8 +125,42 @@ def check(root: pathlib.Path) -> None:
     (HERE / "mistral_verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
 
 
+def write_fused() -> None:
+    """``mixtral-fused/``: the Mixtral fixture's weights under the names transformers 5 holds
+    in memory (``mlp.gate``, ``mlp.experts.gate_up_proj`` and ``down_proj``, every expert in one
+    3-D tensor), written with safetensors beside its ``config.json``; ``fused_verdict.json``:
+    what transformers 5 loads from it (missing and unexpected tensors) and the largest difference
+    of its logits from the fixture's ``logits.npy``, relative to the largest logit."""
+    from safetensors.torch import save_file
+
+    model = MixtralForCausalLM.from_pretrained(HERE / "mixtral", dtype=torch.float32).eval()
+    out = HERE / "mixtral-fused"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(HERE / "mixtral" / "config.json", out / "config.json")
+    again, info = MixtralForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True
+    )
+    with torch.no_grad():
+        theirs = again.eval()(torch.tensor(TOKENS)).logits.numpy().astype(np.float64)
+    expected = np.load(HERE / "mixtral" / "logits.npy").astype(np.float64)
+    verdict = {
+        "transformers": transformers.__version__,
+        "tensors": sorted(state),
+        "missing": sorted(info["missing_keys"]),
+        "unexpected": sorted(info["unexpected_keys"]),
+        "logits_error": float(np.abs(theirs - expected).max() / np.abs(expected).max()),
+    }
+    (out / "fused_verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+    print(verdict)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--check"]:
+    if sys.argv[1:2] == ["--fused"]:
+        write_fused()
+    elif sys.argv[1:2] == ["--check"]:
         check(pathlib.Path(sys.argv[2]))
     else:
         write_fixtures()

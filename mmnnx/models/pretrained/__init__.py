@@ -44,7 +44,7 @@ from mmnnx.models.pretrained.files import (
 )
 from mmnnx.models.pretrained.hf_config import written
 from mmnnx.models.pretrained.load import load_into
-from mmnnx.models.pretrained.names import TensorRule
+from mmnnx.models.pretrained.names import Part, TensorRule
 from mmnnx.models.pretrained.save import (
     MAX_SHARD_BYTES,
     model_values,
@@ -67,6 +67,7 @@ __all__ = [
     "FAMILIES",
     "CheckpointError",
     "Pretrained",
+    "Part",
     "TensorRule",
     "check_tokenizer",
     "from_pretrained",

@@ -69,7 +69,7 @@ def plan_sources(
                     f"of {model_name} ({np.dtype(wanted).name})"
                 )
             try:
-                got = source.stack_shape + source.rule.variable_shape(info.shape)
+                got = source.stack_shape + source.rule.variable_shape(info.shape, name)
             except ValueError as e:
                 raise CheckpointError(f"{where / info.file}: {e}") from None
             if got != want:
@@ -139,11 +139,14 @@ def _read_one(
 ) -> np.ndarray:
     if rule.reshape is not None:  # slices of a reshaped tensor are not slices of the file
         return files.read(name, transpose=rule.transpose).reshape(rule.reshape)[inner]
-    if rule.transpose is None:
-        return files.read(name, tuple(inner))
-    wanted = [slice(None)] * len(rule.transpose)
-    for axis, part in zip(rule.transpose, inner, strict=False):
-        wanted[axis] = part
+    shape = files.tensors[name].shape
+    order = rule.transpose or tuple(range(len(shape)))
+    wanted = list(rule.part.of(shape) if rule.part else (slice(None),) * len(shape))
+    for axis, part in zip(order, inner, strict=False):  # a slice of the part, in file offsets
+        whole = wanted[axis]
+        start, stop, _ = whole.indices(shape[axis])
+        lo, hi, step = part.indices(stop - start)
+        wanted[axis] = slice(start + lo, start + hi, step)
     return files.read(name, tuple(wanted), transpose=rule.transpose)
 
 

@@ -18,12 +18,35 @@ import numpy as np
 _FIELD = re.compile(r"\{(\w+)\}")
 
 
+class Part(NamedTuple):
+    """Piece ``index`` of ``count`` equal pieces along the tensor's axis ``axis`` (its own axes,
+    before any transpose): one fused tensor filling several Variables.
+
+    Example:
+        >>> Part(axis=1, index=1, count=2).of((8, 6, 4))  # the second half of axis 1
+        (slice(None, None, None), slice(3, 6, None), slice(None, None, None))
+    """
+
+    axis: int
+    index: int
+    count: int
+
+    def of(self, shape: Sequence[int]) -> tuple[slice, ...]:
+        """The index of this piece in a tensor of ``shape``."""
+        size = shape[self.axis] // self.count
+        out = [slice(None)] * len(shape)
+        out[self.axis] = slice(self.index * size, (self.index + 1) * size)
+        return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorRule:
     """Checkpoint tensors named like ``tensor`` fill the Variable at path ``variable``.
 
     The Variable's value (or, for stacked axes, each slot of it) is
-    ``tensor.transpose(transpose).reshape(reshape)``, either step skipped when ``None``.
+    ``tensor[part].transpose(transpose).reshape(reshape)``, each step skipped when ``None``
+    (a :class:`Part` lets one fused tensor, e.g. ``gate_up_proj``, fill two Variables; such a
+    rule only reads: writing uses the first rule that names the Variable).
     Linear weights are stored ``(out, in)`` in Hugging Face checkpoints and ``(in, out)`` as NNX
     kernels, hence ``transpose=(1, 0)``. ``variable=None`` marks tensors that are read by no
     Variable (a tied ``lm_head.weight``, old ``rotary_emb.inv_freq`` buffers).
@@ -41,8 +64,11 @@ class TensorRule:
     variable: str | None
     transpose: tuple[int, ...] | None = None
     reshape: tuple[int, ...] | None = None
+    part: Part | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
+        if self.part is not None and self.reshape is not None:
+            raise ValueError(f"TensorRule {self.tensor!r}: a part and a reshape together")
         missing = set(_FIELD.findall(self.variable or "")) - set(self.fields)
         if missing:
             raise ValueError(
@@ -64,9 +90,10 @@ class TensorRule:
 
     def tensor_shape(self, variable_shape: Sequence[int]) -> tuple[int, ...]:
         """The shape of one tensor filling a Variable of ``variable_shape`` (export's view)."""
-        if self.reshape is not None:
+        if self.reshape is not None or self.part is not None:
             raise ValueError(
-                f"TensorRule {self.tensor!r}: cannot write a tensor back through a reshape; "
+                f"TensorRule {self.tensor!r}: cannot write a tensor back through a "
+                f"{'reshape' if self.part is None else 'part'}; "
                 "give the rule no reshape, or write this tensor yourself"
             )
         inner = tuple(variable_shape[len(self.stacked) :])
@@ -74,21 +101,28 @@ class TensorRule:
             return inner
         return tuple(inner[i] for i in np.argsort(self.transpose))
 
-    def variable_shape(self, tensor_shape: Sequence[int]) -> tuple[int, ...]:
-        """The shape one tensor of ``tensor_shape`` takes in the Variable (without stacked axes)."""
-        shape = tuple(tensor_shape)
+    def variable_shape(self, tensor_shape: Sequence[int], name: str = "") -> tuple[int, ...]:
+        """The shape one tensor of ``tensor_shape`` (named ``name`` in errors; by default the
+        rule's template) takes in the Variable (without stacked axes)."""
+        shape, name = tuple(tensor_shape), name or self.tensor
+        if self.part is not None:
+            axis, _, count = self.part
+            if not -len(shape) <= axis < len(shape) or shape[axis] % count:
+                raise ValueError(
+                    f"tensor {name!r}: shape {shape} does not split into {count} equal "
+                    f"parts along axis {axis}"
+                )
+            shape = tuple(n // count if i == axis % len(shape) else n for i, n in enumerate(shape))
         if self.transpose is not None:
             if sorted(self.transpose) != list(range(len(shape))):
                 raise ValueError(
-                    f"tensor {self.tensor!r}: transpose {self.transpose} does not fit its "
+                    f"tensor {name!r}: transpose {self.transpose} does not fit its "
                     f"{len(shape)} dimensions {shape}"
                 )
             shape = tuple(shape[i] for i in self.transpose)
         if self.reshape is not None:
             if int(np.prod(self.reshape)) != int(np.prod(shape)):
-                raise ValueError(
-                    f"tensor {self.tensor!r}: cannot reshape {shape} to {self.reshape}"
-                )
+                raise ValueError(f"tensor {name!r}: cannot reshape {shape} to {self.reshape}")
             shape = tuple(self.reshape)
         return shape
 
@@ -132,14 +166,18 @@ def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, 
         >>> sources, unmatched = match(["layers.1.w", "layers.0.w", "extra", "odd"], rules)
         >>> sources["blocks/w"].tensors, sources["blocks/w"].stack_shape, unmatched
         ({(1,): 'layers.1.w', (0,): 'layers.0.w'}, (2,), ['odd'])
+        >>> halves = [TensorRule("gu", v, part=Part(0, i, 2)) for i, v in enumerate("ab")]
+        >>> sorted(match(["gu"], halves)[0])  # one fused tensor, two Variables
+        ['a', 'b']
     """
     patterns = [_pattern(r.tensor) for r in rules]
     sources: dict[str, Source] = {}
     unmatched: list[str] = []
     for name in names:
+        parts = 0  # a fused tensor fills one Variable per part rule it matches
         for rule, pattern in zip(rules, patterns, strict=True):
             found = pattern.match(name)
-            if found is None:
+            if found is None or (parts and rule.part is None):
                 continue
             if rule.variable is None:
                 break
@@ -157,9 +195,12 @@ def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, 
                     f"tensors {source.tensors[slot]!r} and {name!r} both fill Variable {path!r}"
                 )
             source.tensors[slot] = name
-            break
+            if rule.part is None:
+                break
+            parts += 1
         else:
-            unmatched.append(name)
+            if not parts:
+                unmatched.append(name)
     return sources, unmatched
 
 

@@ -1,7 +1,10 @@
 """Mistral and Mixtral: Llama's layers with every attention within ``config.json``'s
 ``sliding_window`` (``null``: none); Mixtral's feed-forward a mixture of experts in every layer,
 its tensors in the published per-expert layout (``block_sparse_moe.experts.{e}.w1/w2/w3``, the
-names transformers 5's ``save_pretrained`` writes)."""
+names transformers 5's ``save_pretrained`` writes, and the names mmnnx writes) or in the fused
+layout transformers 5 holds in memory and also loads (``mlp.gate``,
+``mlp.experts.gate_up_proj`` ``(experts, 2 * intermediate, hidden)``: gate's rows then up's,
+``mlp.experts.down_proj`` ``(experts, hidden, intermediate)``)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Any, ClassVar
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.families.llama import DenseFeedForward, Family, FeedForward, T
 from mmnnx.models.pretrained.hf_config import read_config
-from mmnnx.models.pretrained.names import TensorRule
+from mmnnx.models.pretrained.names import Part, TensorRule
 from mmnnx.modules import MLPConfig, MoEConfig
 
 _MIXTRAL_LAYER = (  # the router and the experts, stacked over the experts
@@ -25,6 +28,22 @@ _MIXTRAL_LAYER = (  # the router and the experts, stacked over the experts
             T,
         )
         for w, name in (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+    ),
+)
+_FUSED = (0, 2, 1)  # (experts, out, in) on disk, (experts, in, out) as the stacked kernels
+_MIXTRAL_FUSED_LAYER = (  # read only: transformers 5's in-memory layout, every expert in one
+    TensorRule("model.layers.{layer}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
+    *(
+        TensorRule(
+            "model.layers.{layer}.mlp.experts.gate_up_proj",
+            f"blocks/{{layer}}/mlp/experts/{name}",
+            _FUSED,
+            part=Part(axis=1, index=i, count=2),  # gate's rows, then up's
+        )
+        for i, name in enumerate(("gate", "up"))
+    ),
+    TensorRule(
+        "model.layers.{layer}.mlp.experts.down_proj", "blocks/{layer}/mlp/experts/down", _FUSED
     ),
 )
 
@@ -45,7 +64,7 @@ class MixtralFeedForward(DenseFeedForward):
         *("intermediate_size", "num_local_experts", "num_experts_per_tok"),
         "router_aux_loss_coef",
     )
-    rules: ClassVar[tuple[TensorRule, ...]] = _MIXTRAL_LAYER
+    rules: ClassVar[tuple[TensorRule, ...]] = _MIXTRAL_LAYER + _MIXTRAL_FUSED_LAYER
     experts: ClassVar[bool] = True
 
     def read(self, keys: dict[str, Any], depth: int) -> tuple[FeedForward, ...]:

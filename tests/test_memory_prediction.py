@@ -1,0 +1,172 @@
+"""``mm.predict_memory``: its arithmetic on a config small enough to check by hand, the
+``mmnnx train --memory-budget`` refusal before anything compiles, and one prediction against
+the peak a pipelined step measures (arrays held plus the running program's temporaries)."""
+
+import time
+
+import jax
+import optax
+import pytest
+from flax import nnx
+
+import mmnnx as mm
+from mmnnx.cli import main
+from mmnnx.models import GPT, GPTConfig
+from mmnnx.models.stages import stage_rules
+from mmnnx.modules import BlockConfig, LatentAttentionConfig, MLPConfig
+from mmnnx.mpmd.run import runner
+from mmnnx.mpmd.run.emit import Launch
+from mmnnx.partition.memory import fitting_change
+from mmnnx.train.generation import run_tasks
+from mmnnx.train.loop import TrainConfig, make_steps
+
+# D=32, V=64, H=128, one block a stage: a block is 2 norms (64) + q, k, v, out (4 x 32 x 32)
+# + up and down with biases (2 x 32 x 128 + 128 + 32): 12,512 parameters
+SMALL = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
+BLOCK = 64 + 4 * 32 * 32 + 2 * 32 * 128 + 128 + 32
+
+
+def test_the_arithmetic_by_hand():
+    lay = mm.MemoryLayout(stages=2)
+    p = mm.predict_memory(SMALL, lay, batch=4, microbatches=2, schedule="1f1b", remat="full")
+    first, last = p.tasks
+    assert first.parameters == 4 * (BLOCK + 64 * 32)  # float32; the embedding on the first
+    assert last.parameters == 4 * (BLOCK + 32 * 64 + 32)  # the head and final norm on the last
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: GPT(SMALL, rngs=nnx.Rngs(0)))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert first.parameters + last.parameters == 4 * params
+    assert first.gradients == first.parameters and first.optimizer == 2 * first.parameters
+    assert (first.in_flight, last.in_flight) == (2, 1)  # 1F1B: stage 0 holds two
+    tokens = 2 * 8  # a microbatch: 2 rows of 8 tokens
+    # remat full keeps each block's input, the first stage the token ids too
+    assert first.activations == 2 * (tokens * 32 * 4 + tokens * 4)
+    # an activation sent and its cotangent received (first); a cotangent sent back (last)
+    assert (first.transfers, last.transfers) == (2 * tokens * 32 * 4, tokens * 32 * 4)
+    assert first.update == 2 * (first.parameters + first.optimizer) + first.gradients
+    assert p.peak == max(first.peak, last.peak) and p.worst in p.tasks
+
+    gpipe = mm.predict_memory(SMALL, lay, batch=4, microbatches=2, schedule="gpipe", remat="full")
+    assert [t.in_flight for t in gpipe.tasks] == [2, 2]
+    none = mm.predict_memory(SMALL, lay, batch=4, microbatches=2, remat="none")
+    assert none.tasks[0].activations > first.activations  # everything kept without remat
+    split = mm.predict_memory(SMALL, lay, batch=4, microbatches=2, schedule="zero-bubble-h1")
+    # the matmuls' output cotangents wait from the input-gradient pass to the weight-gradient one
+    assert split.tasks[1].activations > none.tasks[1].activations
+    tensor = mm.predict_memory(SMALL, mm.MemoryLayout(stages=2, tensor=2), batch=4, microbatches=2)
+    # q, k, v, out, up, down and the vocabulary are split; norms and the down bias are not
+    assert tensor.tasks[0].parameters == 4 * ((BLOCK - 64 - 32) / 2 + 64 + 32 + 64 * 32 / 2)
+    fsdp = mm.MemoryLayout(stages=2, data=2, fsdp=2)
+    sharded = mm.predict_memory(SMALL, fsdp, batch=4, microbatches=2).tasks[0]
+    assert sharded.optimizer == none.tasks[0].optimizer / 2  # the gradient sums stay whole
+    assert sharded.parameters == first.parameters / 2 and sharded.gradients == first.gradients
+    with pytest.raises(ValueError, match="MemoryLayout.fsdp 2 must divide data 1"):
+        mm.MemoryLayout(stages=2, fsdp=2)
+    assert "predicted bytes per device" in str(p)
+
+    change = fitting_change(SMALL, lay, p.peak - 1, batch=4, microbatches=2, remat="none")
+    assert change.prediction.peak <= p.peak - 1
+    with pytest.raises(ValueError, match="remat 'some'"):
+        mm.predict_memory(SMALL, lay, batch=4, remat="some")
+    with pytest.raises(ValueError, match="does not split evenly"):
+        mm.predict_memory(SMALL, mm.MemoryLayout(stages=2, data=4), batch=4, microbatches=2)
+    latent = LatentAttentionConfig(2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                   v_head_dim=8)  # fmt: skip
+    layer = BlockConfig(latent, MLPConfig(64))
+    mla = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, layers=(layer, layer))
+    with pytest.raises(ValueError, match="layer 0 is LatentAttentionConfig and MLPConfig"):
+        mm.predict_memory(mla, lay, batch=4)
+    with pytest.raises(ValueError, match=r"MemoryLayout.blocks \(1,\)"):
+        mm.MemoryLayout(stages=2, blocks=(1,))
+
+
+def test_train_refuses_a_layout_over_the_budget_before_compiling(tmp_path, capsys, monkeypatch):
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled before refusing")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", no_compile)
+    monkeypatch.setattr(runner.Executable, "compile", no_compile)
+    argv = ["train", "--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "16"]
+    argv += ["--batch-size", "8", "--microbatches", "2", "--steps", "1", "--model-axis", "1"]
+    argv += ["--output-dir", str(tmp_path), "--memory-budget", "600KiB"]
+    start = time.perf_counter()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert time.perf_counter() - start < 30
+    assert err.startswith("mmnnx train: error: --memory-budget 600KiB: stage 1 needs ")
+    assert "--microbatches 4 fits" in err and "Traceback" not in err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_prediction_within_10_percent_of_the_measured_peak():
+    config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=16)
+    tasks = run_tasks(2, 1, 1)
+    with nnx.use_eager_sharding(False):
+        rules = stage_rules(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))), tasks,
+                            report=False)  # fmt: skip
+    model = mm.init(lambda: GPT(config, rngs=nnx.Rngs(0)), rules)
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    step, _ = make_steps(TrainConfig(microbatches=4, schedule="1f1b"))
+    tokens = jax.random.randint(jax.random.key(0), (16, 17), 0, 64)
+    step(model, opt, tokens)
+    peak: dict[int, int] = {}
+    original, index = runner.Executable._record, [0]
+
+    def record(executable, env, memory):  # after each action: arrays held + its temporaries
+        original(executable, env, memory)
+        action = executable._steps[index[0]]
+        index[0] += 1
+        held: dict[int, int] = {}
+        for value in {id(v): v for v in env if isinstance(v, jax.Array)}.values():
+            for shard in value.addressable_shards:
+                held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+        if isinstance(action, Launch):
+            temp = action.program.memory_analysis().temp_size_in_bytes
+            for device in jax.tree.leaves(action.program.output_shardings)[0].device_set:
+                held[device.id] += temp
+        for device, nbytes in held.items():
+            peak[device] = max(peak.get(device, 0), nbytes)
+
+    runner.Executable._record = record
+    try:
+        step.memory_profile(model, opt, tokens)
+    finally:
+        runner.Executable._record = original
+    predicted = mm.predict_memory(
+        config, mm.MemoryLayout(stages=2), batch=16, microbatches=4, schedule="1f1b"
+    )
+    for task, t in zip(tasks, predicted.tasks, strict=True):
+        measured = peak[task.jax_mesh.devices.flat[0].id]
+        assert abs(t.peak / measured - 1) <= 0.10, (task.name, t.peak, measured)
+
+
+def test_partition_auto_skips_the_candidates_over_the_budget(capsys):
+    from mmnnx.cli.partition import _within_budget
+    from mmnnx.train.config import RunConfig
+    from mmnnx.train.run_model import model_config
+
+    options = dict(dim=32, depth=2, heads=2, seq_len=16, batch_size=8, model_axis=1)
+    options.update(partition="auto", schedule="auto", memory_budget="700KiB")
+    run = RunConfig.of(options)
+    config = model_config(run, 256)
+    schedules, counts = _within_budget(run, config, 2, None, [2, 4])
+    printed = capsys.readouterr().out
+    assert "skipped, predicted over --memory-budget 700KiB: gpipe M=2 (task 1: " in printed
+    assert "1f1b" in schedules and "interleaved-1f1b" not in schedules and counts == [4, 2]
+    with pytest.raises(ValueError, match="no candidate fits --memory-budget 100KiB: the smallest"):
+        _within_budget(RunConfig.of({**options, "memory_budget": "100KiB"}), config, 2, None, [2])
+
+
+def test_the_docs_worked_example_is_what_the_code_computes(capsys):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "memory.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
+    scope: dict = {}
+    exec(compile(block, "docs/memory.md", "exec"), scope)
+    first = scope["p"].tasks[0]
+    stated = re.search(r"The pipelined phase sums to \*\*([0-9,]+) B\*\*", text).group(1)
+    assert first.pipelined == first.peak == int(stated.replace(",", ""))
+    for value in (first.parameters, first.optimizer, first.activations, first.workspace):
+        assert f"**{value:,} B**" in text
