@@ -5,7 +5,8 @@ Plain ``nnx.Module`` classes, small enough to read and subclass: ``Linear``, ``E
 per-head q/k norms), ``LatentAttention`` (DeepSeek's multi-head latent attention),
 ``RMSNorm``, ``LayerNorm``, ``MoE`` (a mixture of SwiGLU ``Experts``, routed as Qwen3-MoE
 routes, expert-parallel where placed so; its ``RouterStats``), ``DeepSeekMoE`` (routed by
-groups of sigmoid scores, with shared experts and a ``RouterBias``) and
+groups of sigmoid scores, with shared experts and a ``RouterBias``), gpt-oss's
+``ClampedMoEConfig`` (a biased router, ``ClampedExperts``) and
 ``TransformerBlock``, each built from its frozen config (``AttentionConfig``, ``RopeConfig``,
 ``NormConfig``, ``MLPConfig``, ``MoEConfig``, ``BlockConfig``) by ``config.build(dim, ...)``.
 ``constrain`` adds a logical sharding constraint inside ``mm.jit`` only.
@@ -30,13 +31,13 @@ from mmnnx.modules.deepseek_moe import (
     balance_router_biases,
 )
 from mmnnx.modules.embed import Embed
-from mmnnx.modules.experts import Experts
+from mmnnx.modules.experts import ClampedExperts, Experts
 from mmnnx.modules.latent_attention import LatentAttention, LatentAttentionConfig
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.lora import LoRA, add_lora
 from mmnnx.modules.masks import causal_mask
 from mmnnx.modules.mlp import MLP, MLPConfig
-from mmnnx.modules.moe import MoE, MoEConfig
+from mmnnx.modules.moe import ClampedMoEConfig, MoE, MoEConfig
 from mmnnx.modules.norms import LayerNorm, NormConfig, RMSNorm
 from mmnnx.modules.packing import Packing
 from mmnnx.modules.rope import (
@@ -55,6 +56,8 @@ __all__ = [
     "Attention",
     "AttentionConfig",
     "BlockConfig",
+    "ClampedExperts",
+    "ClampedMoEConfig",
     "DeepSeekMoE",
     "DeepSeekMoEConfig",
     "Embed",

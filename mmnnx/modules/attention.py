@@ -27,8 +27,10 @@ class AttentionConfig:
     key; ``w``: a query at position ``i`` sees keys ``j`` with ``i - w < j <= i``, as Mistral's
     and transformers' ``sliding_window``). Gemma's: ``qk_norm_offset`` (``1.0``: the per-head
     norms scale by ``1 + weight``, see ``RMSNorm``) and ``query_pre_attn_scalar`` (scores
-    scaled by its ``** -0.5``; ``None``: ``head_dim``'s). ``config.build(dim, ...)`` makes the
-    module.
+    scaled by its ``** -0.5``; ``None``: ``head_dim``'s). gpt-oss's: ``bias`` (biases on the
+    ``q``, ``k``, ``v`` and ``out`` projections) and ``sinks`` (a learned logit per query head
+    that joins each softmax's denominator and mixes no value). ``config.build(dim, ...)``
+    makes the module.
 
     Example:
         >>> AttentionConfig(num_heads=4, num_kv_heads=3)
@@ -46,6 +48,8 @@ class AttentionConfig:
     sliding_window: int | None = None
     qk_norm_offset: float = 0.0
     query_pre_attn_scalar: float | None = None
+    bias: bool = False
+    sinks: bool = False
 
     def __post_init__(self):
         heads, kv, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -70,6 +74,8 @@ class AttentionConfig:
         scalar = self.query_pre_attn_scalar
         ok = scalar is None or is_positive(scalar)
         check(ok, "AttentionConfig.query_pre_attn_scalar", "None or a number > 0", scalar)
+        check(isinstance(self.bias, bool), "AttentionConfig.bias", "a bool", self.bias)
+        check(isinstance(self.sinks, bool), "AttentionConfig.sinks", "a bool", self.sinks)
 
     def build(
         self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
@@ -89,7 +95,10 @@ class Attention(nnx.Module):
     ``("embed", "heads")`` and ``out`` ``("heads", "embed")``: mapping ``heads`` to a mesh axis
     splits the heads across it. With ``qk_norm``, each head of ``q`` and ``k`` goes through an
     ``RMSNorm`` over ``head_dim`` (``q_norm``, ``k_norm``) before RoPE (Qwen3). With ``rope``,
-    queries and keys are rotated by ``apply_rope`` (its base and Llama 3's scaling).
+    queries and keys are rotated by ``apply_rope`` (its base and Llama 3's scaling). With
+    ``bias``, the four projections have biases; with ``sinks``, ``sinks`` ``(num_heads,)``
+    (named ``("heads",)``) holds each head's sink logit: the softmax over a query's visible
+    keys and that logit, the sink's share dropped (gpt-oss's attention sinks).
 
     ``__call__`` is ``attend(*project(x), causal mask)``: ``project`` makes the rotated queries,
     keys and values of given positions, ``attend`` mixes values by a visibility mask, so a
@@ -120,7 +129,7 @@ class Attention(nnx.Module):
         self.score_scale = (config.query_pre_attn_scalar or head_dim) ** -0.5
         self.num_kv_heads = config.num_kv_heads or heads
         inner, kv_features = heads * head_dim, self.num_kv_heads * head_dim
-        linear = dict(use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        linear = dict(use_bias=config.bias, param_dtype=param_dtype, rngs=rngs)
         self.q = Linear(dim, inner, axes=("embed", "heads"), **linear)
         self.k = Linear(dim, kv_features, axes=("embed", "heads"), **linear)
         self.v = Linear(dim, kv_features, axes=("embed", "heads"), **linear)
@@ -133,6 +142,10 @@ class Attention(nnx.Module):
         )
         self.q_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, **norm) if config.qk_norm else None
+        sinks = nnx.with_partitioning(nnx.initializers.zeros_init(), ("heads",))
+        self.sinks = (
+            nnx.Param(sinks(rngs.params(), (heads,), param_dtype)) if config.sinks else None
+        )
 
     def __call__(self, x: jax.Array, packing: Packing | None = None) -> jax.Array:
         if packing is not None:
@@ -183,7 +196,8 @@ class Attention(nnx.Module):
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
         """``out`` of the values ``v`` mixed by ``softmax(q k^T * score_scale)`` over the
         keys that ``visible`` (bool, ``(q_seq, k_seq)``, or broadcastable to the scores
-        ``(..., heads, q_seq, k_seq)``) allows; ``(..., q_seq, dim)``. The softmax is float32.
+        ``(..., heads, q_seq, k_seq)``) allows; ``(..., q_seq, dim)``. The softmax is float32;
+        with ``sinks``, each head's sink logit joins its denominator.
 
         Example:
             >>> with nnx.use_eager_sharding(False):
@@ -199,6 +213,15 @@ class Attention(nnx.Module):
             v = jnp.repeat(v, groups, axis=-2)
         scores = jnp.einsum("...qhd,...khd->...hqk", q, k) * self.score_scale
         scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+        weights = self._softmax(scores.astype(jnp.float32)).astype(v.dtype)
         y = jnp.einsum("...hqk,...khd->...qhd", weights, v)
         return self.out(y.reshape(*lead, seq, self.num_heads * self.head_dim))
+
+    def _softmax(self, scores: jax.Array) -> jax.Array:
+        """Softmax over the keys (last axis) of ``scores`` ``(..., heads, q, k)``; with
+        ``sinks``, over the keys and the head's sink, the sink's share dropped."""
+        if self.sinks is None:
+            return jax.nn.softmax(scores, axis=-1)
+        sink = self.sinks[...].astype(scores.dtype)[:, None, None]
+        sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+        return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]

@@ -6,14 +6,24 @@ has no ``ragged_all_to_all``). Experts held whole while the tokens are split run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from mmnnx.modules.experts import apply_local, combine, grouped_swiglu, sort_by_expert
+from mmnnx.modules.experts import (
+    ExpertFn,
+    Experts,
+    apply_local,
+    combine,
+    grouped_swiglu,
+    sort_by_expert,
+)
 from mmnnx.sharding import Task, TaskStack, home_of
 from mmnnx.sharding.place import SPEC_KEY
 
@@ -82,12 +92,16 @@ def apply_expert_parallel(
     indices: jax.Array,
     weights: jax.Array,
     keep: jax.Array,
-    experts: tuple[jax.Array, jax.Array, jax.Array],
+    experts: tuple[jax.Array, ...],
     *,
     limit: int | None = None,
+    ffn: ExpertFn = grouped_swiglu,
+    specs: Callable[[Any, Any], tuple[PartitionSpec, ...]] = Experts.specs,
 ) -> jax.Array:
     """``experts.apply_local``'s result, the tokens (padded to ``layout.token_shards``) and the
-    experts split over the mesh; ``limit`` (a capacity) bounds the exchange buffers."""
+    experts split over the mesh; ``limit`` (a capacity) bounds the exchange buffers; ``ffn``
+    and ``specs`` (an experts module's ``apply`` and ``specs``): each expert's network and
+    its arrays' specs given the expert and hidden mesh axes."""
     n, k = indices.shape
     local_tokens = n // layout.token_shards
     local_experts = experts[0].shape[0] // layout.size
@@ -96,13 +110,15 @@ def apply_expert_parallel(
         rows = min(rows, limit * local_experts)
     tokens = PartitionSpec(layout.token_axes)
     e, h = layout.expert_axes or None, layout.hidden_axes or None
-    in_specs = (tokens, tokens, tokens, tokens, PartitionSpec(e, None, h),
-                PartitionSpec(e, None, h), PartitionSpec(e, h, None))  # fmt: skip
+    in_specs = (tokens, tokens, tokens, tokens, *specs(e, h))
 
-    def body(x, indices, weights, keep, gate, up, down):
+    if layout.hidden_axes:  # each device's share of the hidden features: a psum follows
+        ffn = functools.partial(ffn, hidden_axes=layout.hidden_axes)
+
+    def body(x, indices, weights, keep, *arrays):
         if layout.expert_axes:
-            return _exchange(layout, rows, x, indices, weights, keep, (gate, up, down))
-        out = apply_local(x, indices, weights, keep, (gate, up, down))
+            return _exchange(layout, rows, x, indices, weights, keep, arrays, ffn)
+        out = apply_local(x, indices, weights, keep, arrays, ffn)
         return jax.lax.psum(out, layout.hidden_axes) if layout.hidden_axes else out
 
     return jax.shard_map(
@@ -117,7 +133,8 @@ def _exchange(
     indices: jax.Array,
     weights: jax.Array,
     keep: jax.Array,
-    experts: tuple[jax.Array, jax.Array, jax.Array],
+    experts: tuple[jax.Array, ...],
+    ffn: ExpertFn,
 ) -> jax.Array:
     """One device's share (inside ``shard_map``): ``rows`` slots per destination."""
     n, k = indices.shape
@@ -141,7 +158,7 @@ def _exchange(
 
     received, received_expert = swap(send), swap(send_expert)
     by_expert, back_order, sizes = sort_by_expert(received_expert.reshape(-1), local_experts)
-    out = grouped_swiglu(received.reshape(ep * rows, -1)[by_expert], *experts, sizes)
+    out = ffn(received.reshape(ep * rows, -1)[by_expert], *experts, sizes)
     if layout.hidden_axes:
         out = jax.lax.psum(out, layout.hidden_axes)
     returned = swap(out[back_order].reshape(ep, rows, -1)).reshape(ep * rows, -1)

@@ -1,11 +1,22 @@
 """``Experts``: a mixture of experts' SwiGLU feed-forward networks as stacked weights, run as
-grouped matmuls (``jax.lax.ragged_dot``) over the token assignments sorted by expert."""
+grouped matmuls (``jax.lax.ragged_dot``) over the token assignments sorted by expert;
+``ClampedExperts``: gpt-oss's, with biases and a clamped SwiGLU."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+ExpertFn = Callable[..., jax.Array]
+"""``fn(rows, *arrays, group_sizes, hidden_axes=())``: rows sorted by expert through each
+one's network (rows past the groups: 0), the experts' ``arrays`` as a module's ``arrays()``
+gives them; ``hidden_axes``: the mesh axes (inside ``shard_map``) splitting each expert's
+hidden features, whose ``psum`` follows."""
 
 # fan-in over each expert's own input dimension, not over the stack of experts
 default_expert_init = nnx.initializers.lecun_normal(batch_axis=(0,))
@@ -47,6 +58,148 @@ class Experts(nnx.Module):
         self.gate = param(IN_NAMES, (num_experts, dim, hidden))
         self.up = param(IN_NAMES, (num_experts, dim, hidden))
         self.down = param(OUT_NAMES, (num_experts, hidden, dim))
+
+    @property
+    def placed(self) -> nnx.Variable:
+        """The ``(E, dim, hidden)`` Variable whose placement is the experts' layout."""
+        return self.gate
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """The weights :meth:`apply` takes: ``gate``, ``up``, ``down``."""
+        return self.gate[...], self.up[...], self.down[...]
+
+    @staticmethod
+    def specs(expert: Any, hidden: Any) -> tuple[PartitionSpec, ...]:
+        """Each of :meth:`arrays`' specs, the experts split over ``expert`` and each one's
+        hidden features over ``hidden`` (mesh axes or ``None``)."""
+        return (PartitionSpec(expert, None, hidden),) * 2 + (PartitionSpec(expert, hidden, None),)
+
+    def apply(
+        self, rows: jax.Array, *arrays_and_sizes: jax.Array, hidden_axes: tuple[str, ...] = ()
+    ) -> jax.Array:
+        """``grouped_swiglu``: an :data:`ExpertFn`."""
+        return grouped_swiglu(rows, *arrays_and_sizes)
+
+
+class ClampedExperts(nnx.Module):
+    """gpt-oss's experts: ``down_e(clamped_swiglu(x @ gate_up_e + gate_up_bias_e)) +
+    down_bias_e``, where the fused ``gate_up`` ``(E, dim, 2 * hidden)`` interleaves the gate's
+    (even) and the up projection's (odd) features, as transformers' ``GptOssExperts`` stores
+    them, and :func:`clamped_swiglu` clamps both at ``limit`` (the gate from above only) and
+    gates by ``sigmoid(alpha * gate)``. Names: ``gate_up`` ``("expert", "embed", "mlp")``,
+    ``gate_up_bias`` ``("expert", "mlp")``, ``down`` ``("expert", "mlp", "embed")``,
+    ``down_bias`` ``("expert", "embed")``.
+
+    Example:
+        >>> with nnx.use_eager_sharding(False):
+        ...     experts = ClampedExperts(4, 8, 16, rngs=nnx.Rngs(0))
+        >>> experts.gate_up.shape, experts.down_bias.shape
+        ((4, 8, 32), (4, 8))
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden: int,
+        *,
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        kernel_init: nnx.Initializer = default_expert_init,
+        param_dtype: jax.typing.DTypeLike = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        self.alpha, self.limit = alpha, limit
+
+        def param(names, shape, init=kernel_init):
+            return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, param_dtype))
+
+        zeros = nnx.initializers.zeros_init()
+        self.gate_up = param(IN_NAMES, (num_experts, dim, 2 * hidden))
+        self.gate_up_bias = param(("expert", "mlp"), (num_experts, 2 * hidden), zeros)
+        self.down = param(OUT_NAMES, (num_experts, hidden, dim))
+        self.down_bias = param(("expert", "embed"), (num_experts, dim), zeros)
+
+    @property
+    def placed(self) -> nnx.Variable:
+        """The ``(E, dim, 2 * hidden)`` Variable whose placement is the experts' layout."""
+        return self.gate_up
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """The weights :meth:`apply` takes: ``gate_up``, its bias, ``down``, its bias."""
+        return self.gate_up[...], self.gate_up_bias[...], self.down[...], self.down_bias[...]
+
+    @staticmethod
+    def specs(expert: Any, hidden: Any) -> tuple[PartitionSpec, ...]:
+        """Each of :meth:`arrays`' specs, the experts split over ``expert`` and each one's
+        hidden features over ``hidden`` (mesh axes or ``None``; a gate and its up feature
+        stay together where each device holds an even number of ``gate_up``'s features)."""
+        e, h = expert, hidden
+        return (PartitionSpec(e, None, h), PartitionSpec(e, h),
+                PartitionSpec(e, h, None), PartitionSpec(e, None))  # fmt: skip
+
+    def apply(
+        self, rows: jax.Array, *arrays_and_sizes: jax.Array, hidden_axes: tuple[str, ...] = ()
+    ) -> jax.Array:
+        """``grouped_clamped_swiglu`` with this module's ``alpha`` and ``limit``; with
+        ``hidden_axes``, ``down_bias`` added by their first device only (the ``psum`` that
+        follows adds it once)."""
+        *arrays, down_bias, sizes = arrays_and_sizes
+        if hidden_axes:
+            down_bias = jnp.where(jax.lax.axis_index(hidden_axes) == 0, down_bias, 0)
+        return grouped_clamped_swiglu(
+            rows, *arrays, down_bias, sizes, alpha=self.alpha, limit=self.limit
+        )
+
+
+def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """gpt-oss's activation of interleaved gate (even) and up (odd) features:
+    ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``.
+
+    Example:
+        >>> y = clamped_swiglu(jnp.array([9.0, 9.0, 1.0, -9.0]), 1.702, 7.0)
+        >>> [round(v, 3) for v in y.tolist()]  # 8 * 7 * sigmoid(11.9), -6 * 1 * sigmoid(1.7)
+        [56.0, -5.075]
+    """
+    gate = jnp.minimum(gate_up[..., 0::2], limit)
+    up = jnp.clip(gate_up[..., 1::2], -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def grouped_clamped_swiglu(
+    rows: jax.Array,
+    gate_up: jax.Array,
+    gate_up_bias: jax.Array,
+    down: jax.Array,
+    down_bias: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    alpha: float,
+    limit: float,
+) -> jax.Array:
+    """Rows sorted by expert, each through its :class:`ClampedExperts` network; rows past the
+    groups: 0.
+
+    Example:
+        >>> w, b = jnp.ones((2, 3, 4)), jnp.ones((2, 4))
+        >>> out = grouped_clamped_swiglu(jnp.ones((3, 3)), w, b, jnp.ones((2, 2, 3)),
+        ...                              jnp.ones((2, 3)), jnp.array([1, 1]), alpha=1.0, limit=2.0)
+        >>> [round(v, 2) for v in out[:, 0].tolist()]  # 2 * (2 + 1) * 2 * sigmoid(2) + 1
+        [11.57, 11.57, 0.0]
+    """
+    dtype = rows.dtype
+    num_experts = gate_up.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    expert = jnp.searchsorted(ends, jnp.arange(rows.shape[0]), side="right")  # E past them
+
+    def bias(b: jax.Array) -> jax.Array:
+        padded = jnp.concatenate([b.astype(dtype), jnp.zeros((1, b.shape[-1]), dtype)])
+        return padded[jnp.minimum(expert, num_experts)]
+
+    h = jax.lax.ragged_dot(rows, gate_up.astype(dtype), group_sizes) + bias(gate_up_bias)
+    h = clamped_swiglu(h, alpha, limit)
+    return jax.lax.ragged_dot(h, down.astype(dtype), group_sizes) + bias(down_bias)
 
 
 def grouped_swiglu(
@@ -93,9 +246,11 @@ def apply_local(
     indices: jax.Array,
     weights: jax.Array,
     keep: jax.Array,
-    experts: tuple[jax.Array, jax.Array, jax.Array],
+    experts: tuple[jax.Array, ...],
+    ffn: ExpertFn = grouped_swiglu,
 ) -> jax.Array:
-    """``sum_k weights * expert_{indices}(x)`` over the assignments ``keep`` keeps.
+    """``sum_k weights * expert_{indices}(x)`` over the assignments ``keep`` keeps, each
+    expert's network ``ffn`` of the ``experts`` arrays (default SwiGLU: gate, up, down).
 
     Example:
         >>> w = jnp.ones((2, 3, 4)), jnp.ones((2, 3, 4)), jnp.ones((2, 4, 3))
@@ -108,5 +263,5 @@ def apply_local(
     num_experts = experts[0].shape[0]
     key = jnp.where(keep, indices, num_experts).reshape(-1)
     order, inverse, sizes = sort_by_expert(key, num_experts)
-    out = grouped_swiglu(x[order // k], *experts, sizes)[inverse].reshape(n, k, -1)
+    out = ffn(x[order // k], *experts, sizes)[inverse].reshape(n, k, -1)
     return combine(weights, jnp.where(keep[..., None], out, 0))

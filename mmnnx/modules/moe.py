@@ -1,10 +1,12 @@
 """``MoE``: a mixture-of-experts feed-forward layer, routed as Qwen3-MoE routes, dropless by
-default, expert-parallel where its experts are placed split over a mesh axis."""
+default, expert-parallel where its experts are placed split over a mesh axis;
+``ClampedMoEConfig``: gpt-oss's (a biased router, ``ClampedExperts``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ from flax import nnx
 from mmnnx import _nnx
 from mmnnx.modules.checks import check, is_int, is_positive
 from mmnnx.modules.expert_parallel import apply_expert_parallel, expert_layout
-from mmnnx.modules.experts import Experts, apply_local, default_expert_init
+from mmnnx.modules.experts import ClampedExperts, Experts, apply_local, default_expert_init
 from mmnnx.modules.linear import Linear
 from mmnnx.modules.routing import RouterStats, capacity, capacity_keep, route, router_stats
 
@@ -50,11 +52,51 @@ class MoEConfig:
         ok = factor is None or is_positive(factor)
         check(ok, "MoEConfig.capacity_factor", "None (dropless) or a finite number > 0", factor)
 
+    router_bias: ClassVar[bool] = False  # whether the router's Linear has a bias
+
     def build(
         self, dim: int, *, param_dtype: jax.typing.DTypeLike = jnp.float32, rngs: nnx.Rngs
     ) -> MoE:
         """The ``MoE`` of width ``dim``, its Variables in ``param_dtype``."""
         return MoE(dim, self, param_dtype=param_dtype, rngs=rngs)
+
+    def experts(self, dim: int, **kwargs: Any) -> Experts:
+        """The ``MoE``'s experts module of width ``dim`` (``kwargs``: ``kernel_init``,
+        ``param_dtype``, ``rngs``)."""
+        return Experts(self.num_experts, dim, self.hidden, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedMoEConfig(MoEConfig):
+    """gpt-oss's mixture of experts: a router with a bias, the ``top_k`` largest logits'
+    softmax as weights (softmax over every expert, top-k, renormalised: the same numbers) and
+    :class:`~mmnnx.modules.experts.ClampedExperts` (biases, SwiGLU clamped at ``limit``, gated
+    by ``sigmoid(alpha * gate)``; transformers' ``swiglu_limit`` and ``swiglu_alpha``).
+
+    Example:
+        >>> with nnx.use_eager_sharding(False):
+        ...     moe = ClampedMoEConfig(16, num_experts=4, limit=5.0).build(8, rngs=nnx.Rngs(0))
+        >>> type(moe.experts).__name__, moe.experts.limit, moe.router.bias.shape
+        ('ClampedExperts', 5.0, (4,))
+    """
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    router_bias: ClassVar[bool] = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("alpha", "limit"):
+            value = getattr(self, name)
+            check(is_positive(value), f"ClampedMoEConfig.{name}", "a finite number > 0", value)
+        ok = self.norm_topk_prob
+        check(ok, "ClampedMoEConfig.norm_topk_prob", "True (the chosen logits' softmax)", ok)
+
+    def experts(self, dim: int, **kwargs: Any) -> ClampedExperts:
+        return ClampedExperts(
+            self.num_experts, dim, self.hidden, alpha=self.alpha, limit=self.limit, **kwargs
+        )
 
 
 METRICS = ("router_aux_loss", "router_z_loss", "tokens_per_expert", "dropped_tokens")
@@ -114,8 +156,9 @@ class MoE(nnx.Module):
         self.num_experts, self.norm_topk_prob = config.num_experts, config.norm_topk_prob
         self.capacity_factor = config.capacity_factor
         kw = dict(param_dtype=param_dtype, rngs=rngs)
-        self.router = Linear(dim, self.num_experts, axes=("embed", None), use_bias=False, **kw)
-        self.experts = Experts(self.num_experts, dim, self.hidden, kernel_init=kernel_init, **kw)
+        bias = config.router_bias
+        self.router = Linear(dim, self.num_experts, axes=("embed", None), use_bias=bias, **kw)
+        self.experts = config.experts(dim, kernel_init=kernel_init, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.forward(x)[0]
@@ -126,7 +169,7 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: input of shape {x.shape} does not end in dim {self.dim}")
         tokens = x.reshape(-1, self.dim)
         n = tokens.shape[0]
-        layout = expert_layout(self.experts.gate)
+        layout = expert_layout(self.experts.placed)
         # split evenly over the mesh axes (XLA:CPU's partitioner miscounts a scatter over
         # unevenly split tokens): padding rows at the end, routed but kept by no expert
         pad = 0 if layout is None else -n % layout.token_shards
@@ -140,11 +183,14 @@ class MoE(nnx.Module):
             keep = keep & capacity_keep(indices, self.num_experts, limit)
         rows = math.prod(x.shape[:-2]) if x.ndim > 2 else 1  # sequences, for seq_balance
         stats = router_stats(logits, probs, indices, keep, tokens=n, rows=rows)
-        experts = (self.experts.gate[...], self.experts.up[...], self.experts.down[...])
+        experts, ffn = self.experts.arrays(), self.experts.apply
         if layout is None:
-            y = apply_local(tokens, indices, weights, keep, experts)
+            y = apply_local(tokens, indices, weights, keep, experts, ffn)
         else:
-            y = apply_expert_parallel(layout, tokens, indices, weights, keep, experts, limit=limit)
+            y = apply_expert_parallel(
+                layout, tokens, indices, weights, keep, experts,
+                limit=limit, ffn=ffn, specs=self.experts.specs,
+            )  # fmt: skip
         if _nnx.capturing(self):
             values = (stats.aux_loss, stats.z_loss, stats.tokens_per_expert, stats.dropped.sum())
             for name, value in zip(METRICS, values, strict=True):

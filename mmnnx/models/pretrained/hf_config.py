@@ -35,6 +35,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "intermediate_size": 9216,
     },
+    "gpt_oss": {
+        "max_position_embeddings": 131072,
+        "head_dim": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 2880,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+    },
     "deepseek_v3": {
         "max_position_embeddings": 4096,
         "head_dim": None,  # transformers writes qk_rope_head_dim here; the family reads its own
@@ -137,6 +145,16 @@ _GEMMA3 = (  # Gemma 3's own keys (its family reads its older RoPE and layer key
     _Key("hidden_activation", *_STR, default="gelu_pytorch_tanh"),
     _Key("use_bidirectional_attention", *_BOOL, default=False, nullable=True),
 )
+_GPT_OSS = (  # gpt-oss's own keys: its experts' size is intermediate_size
+    _Key("sliding_window", *_int(1), default=128, nullable=True),
+    _Key("attention_bias", *_BOOL, default=True),
+    _Key("num_local_experts", *_int(1), default=128, aliases=("num_experts",)),
+    _Key("num_experts_per_tok", *_int(1), default=4, aliases=("experts_per_token",)),
+    _Key("swiglu_alpha", *_POSITIVE, default=1.702),
+    _Key("swiglu_limit", *_POSITIVE, default=7.0),
+    _Key("quantization_config", *_OBJECT, default=None),
+    *(k for k in _MOE if k.name in {"router_aux_loss_coef", "output_router_logits"}),
+)
 _DEEPSEEK = (  # DeepSeek-V3's own keys, their defaults DeepseekV3Config's
     _Key("moe_intermediate_size", *_int(1), default=2048),
     _Key("n_shared_experts", *_int(0), default=1, nullable=True),
@@ -161,6 +179,7 @@ _OWN: dict[str, tuple[_Key, ...]] = {
     "mistral": _SLIDING,
     "mixtral": _MIXTRAL,
     "gemma3_text": _GEMMA3,
+    "gpt_oss": _GPT_OSS,
     "deepseek_v3": _DEEPSEEK,
 }
 

@@ -12,8 +12,8 @@ from flax import nnx
 
 from mmnnx._nnx import variables_of
 from mmnnx.models.pretrained.files import CheckpointError, CheckpointFiles
-from mmnnx.models.pretrained.fp8 import dequantizing
 from mmnnx.models.pretrained.names import Source, TensorRule, match, tensors_of
+from mmnnx.models.pretrained.quantized import dequantizing
 from mmnnx.sharding.arrays import slice_key
 from mmnnx.sharding.place import place_made
 from mmnnx.sharding.rules import path_str
@@ -156,8 +156,8 @@ def load_into(
     rules: Sequence[TensorRule],
     placement: Sequence[tuple] | Mapping | None = None,
 ) -> M:
-    """Fills ``model``'s Variables from ``files``, each shard read where it is placed (FP8
-    weights dequantized as read: :mod:`~mmnnx.models.pretrained.fp8`)."""
+    """Fills ``model``'s Variables from ``files``, each shard read where it is placed
+    (quantized weights dequantized as read: :mod:`~mmnnx.models.pretrained.quantized`)."""
     files = dequantizing(files)
     sources = plan_sources(model, files, rules)
 

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.families.deepseek import DEEPSEEK_V3
 from mmnnx.models.pretrained.families.gemma3 import GEMMA3
+from mmnnx.models.pretrained.families.gpt_oss import GPT_OSS
 from mmnnx.models.pretrained.families.llama import LLAMA, QWEN3, QWEN3_MOE, Family
 from mmnnx.models.pretrained.families.mistral import MISTRAL, MIXTRAL
 from mmnnx.models.pretrained.files import CheckpointError
@@ -37,7 +38,8 @@ class PretrainedFamily(Protocol):
 
 
 FAMILIES: dict[str, PretrainedFamily] = {
-    f.architecture: f for f in (LLAMA, QWEN3, QWEN3_MOE, MISTRAL, MIXTRAL, GEMMA3, DEEPSEEK_V3)
+    f.architecture: f
+    for f in (LLAMA, QWEN3, QWEN3_MOE, MISTRAL, MIXTRAL, GEMMA3, DEEPSEEK_V3, GPT_OSS)
 }
 """The architectures ``from_pretrained`` builds, by their ``config.json`` name."""
 

@@ -1,0 +1,49 @@
+"""Quantized checkpoints read as float tensors: ``config.json``'s
+``quantization_config.quant_method`` picks the reader (:data:`QUANT_METHODS`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mmnnx.models.pretrained import fp8, mxfp4
+from mmnnx.models.pretrained.files import CheckpointError, CheckpointFiles
+
+QUANT_METHODS: dict[str, Callable[[CheckpointFiles], Any]] = {
+    "fp8": fp8.dequantizing,  # DeepSeek-V3, Kimi K2: float8 e4m3 with block scales
+    "mxfp4": mxfp4.dequantizing,  # gpt-oss: 4-bit experts with a power of two per 32 inputs
+}
+"""Each ``quant_method`` mmnnx reads and its reader."""
+
+
+def dequantizing(files: CheckpointFiles) -> Any:
+    """``files`` itself, or its quantization's reader over it (as ``CheckpointFiles``: the same
+    ``directory``, ``config``, ``tensors``, ``dtype`` and ``read``, dequantized); another
+    ``quant_method`` is refused naming it and those read.
+
+    Example:
+        >>> import tempfile, json, pathlib
+        >>> import numpy as np
+        >>> from mmnnx.models.pretrained.files import write_shards
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> write_shards(d, {"w": np.zeros(2, np.float32)})
+        >>> _ = (d / "config.json").write_text(json.dumps({"quantization_config":
+        ...                                               {"quant_method": "awq"}}))
+        >>> try:
+        ...     dequantizing(CheckpointFiles(d))
+        ... except CheckpointError as e:
+        ...     print(str(e).replace(str(d), "ckpt"))
+        ckpt/config.json: quantization_config.quant_method "awq" is not supported (only "fp8", \
+"mxfp4")
+    """
+    quant = (files.config or {}).get("quantization_config")
+    if quant is None:
+        return files
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method not in QUANT_METHODS:
+        read = ", ".join(f'"{m}"' for m in QUANT_METHODS)
+        raise CheckpointError(
+            f'{files.directory / "config.json"}: quantization_config.quant_method "{method}" '
+            f"is not supported (only {read})"
+        )
+    return QUANT_METHODS[method](files)
