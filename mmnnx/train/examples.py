@@ -93,7 +93,7 @@ class Rows:
     def arrays(self, rows=slice(None)) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens, targets, segments, positions)`` of rows ``rows``, each ``(rows,
         length)``, read from the examples."""
-        picked = np.arange(len(self))[rows]
+        picked = range(len(self))[rows] if isinstance(rows, slice) else np.asarray(rows)
         shape = (len(picked), self.length)
         tokens = np.full(shape, self.pad_id, np.int32)
         targets = np.zeros(shape, bool)
