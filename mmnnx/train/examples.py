@@ -163,7 +163,7 @@ class Rows:
             batch.update(segments=seg, positions=positions)
         return batch
 
-    def trains(self) -> bool:
+    def has_targets(self) -> bool:
         """Whether any row has a prediction the loss counts (from the examples' first
         targets, reading no row)."""
         cut = np.minimum(self.examples.lengths, self.length)
@@ -178,9 +178,10 @@ class ExampleDataset(GrainBatches):
     """Batches of ``batch_size`` rows of :class:`Rows` of ``seq_len + 1`` tokens, from a
     seeded shuffle (a fresh one per epoch) by Grain, its state part of a checkpoint as
     :class:`mmnnx.train.data.TextDataset`'s; :meth:`Rows.batch` dicts, this shard's rows of
-    each global batch (weighted over the whole of it). A batch with no target is skipped
-    and counted (``skipped``). ``eval_rows`` (else the last ``eval_fraction`` of the
-    examples) give :meth:`eval_batches`.
+    each global batch (weighted over the whole of it), each batch reading only its rows of
+    ``examples`` (a list, or an :class:`~mmnnx.train.example_store.ExampleStore` on disk). A
+    batch with no target is skipped and counted (``skipped``). ``eval_rows`` (else the last
+    ``eval_fraction`` of the examples) give :meth:`eval_batches`.
 
     Example:
         >>> ex = [Example(np.arange(1, 6), np.ones(5, bool)) for _ in range(40)]
@@ -213,7 +214,7 @@ class ExampleDataset(GrainBatches):
                 f"the data gives {len(self.rows)} training rows, fewer than one batch of "
                 f"{batch_size}; use more data or a smaller --batch-size"
             )
-        if not self.rows.trains():
+        if not self.rows.has_targets():
             raise DataError(
                 f"no training example keeps a token to train on within {seq_len + 1} tokens "
                 "(--seq-len + 1): the completions or assistant turns are cut off; use a larger "

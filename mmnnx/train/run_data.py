@@ -17,10 +17,10 @@ from mmnnx.train.example_store import write_examples
 from mmnnx.train.examples import ExampleDataset
 from mmnnx.train.pairs import PairDataset, encode_pair
 from mmnnx.train.records import (
-    READERS,
     DataError,
     Fields,
     PairFields,
+    data_files,
     encode_record,
     read_records,
 )
@@ -111,12 +111,8 @@ def examples_key(path: str | pathlib.Path, options: dict) -> str | None:
         >>> examples_key(p, opts) == examples_key(p, opts | dict(data_format="chat"))
         False
     """
-    path = pathlib.Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in READERS and p.is_file())
-    elif path.is_file():
-        files = [path]
-    else:
+    files = data_files(path)
+    if files is None:
         return None
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     described = {k: v for k, v in options.items() if k not in ("tokenizer", "template")}
