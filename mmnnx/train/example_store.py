@@ -59,10 +59,13 @@ class ExampleStore:
     def of(cls, examples: Sequence[Example]) -> ExampleStore:
         """``examples`` in memory (what tests and small datasets use)."""
         lengths = [len(e.ids) for e in examples]
-        join = np.concatenate if examples else lambda _, dtype: np.zeros(0, dtype)
+
+        def joined(arrays, dtype):
+            return np.concatenate([np.zeros(0, dtype), *arrays], dtype=dtype, casting="unsafe")
+
         return cls(
-            ids=join([np.asarray(e.ids, np.int32) for e in examples], dtype=np.int32),
-            targets=join([np.asarray(e.targets, bool) for e in examples], dtype=bool),
+            ids=joined((e.ids for e in examples), np.int32),
+            targets=joined((e.targets for e in examples), bool),
             offsets=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
             firsts=np.array([_first(e.targets) for e in examples], np.int64),
             wheres=[e.where for e in examples],
