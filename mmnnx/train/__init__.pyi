@@ -18,6 +18,8 @@ from .data import DataStateError as DataStateError
 from .data import TextDataset as TextDataset
 from .data import embedded_text as embedded_text
 from .data import load_text as load_text
+from .example_store import ExampleStore as ExampleStore
+from .example_store import write_examples as write_examples
 from .examples import ExampleDataset as ExampleDataset
 from .examples import Rows as Rows
 from .examples import weighted_loss as weighted_loss

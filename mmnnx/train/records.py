@@ -68,21 +68,11 @@ def read_records(path: str | pathlib.Path, cache_dir: str | None = None) -> Iter
     import datasets  # noqa: PLC0415  (heavy: pandas and pyarrow)
 
     datasets.disable_progress_bars()
-    path = pathlib.Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in READERS and p.is_file())
-        if not files:
-            raise DataError(f"{path}: no data files ({', '.join(READERS)}) in this directory")
-    elif path.is_file():
-        if path.suffix not in READERS:
-            raise DataError(f"{path}: unknown data file type; expected one of {', '.join(READERS)}")
-        files = [path]
-    elif re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+    files = data_files(path)
+    if files is None:
         for i, record in enumerate(_hub(str(path), cache_dir)):
             yield f"{path}:row {i + 1}", record
         return
-    else:
-        raise DataError(f"{path}: no such data file or directory")
     for file in files:
         unit = "line" if file.suffix == ".jsonl" else "row"
         try:
@@ -93,6 +83,33 @@ def read_records(path: str | pathlib.Path, cache_dir: str | None = None) -> Iter
             raise DataError(f"{file}: not a readable {READERS[file.suffix]} file: {e}") from None
         for i, record in enumerate(rows):
             yield f"{file}:{unit} {i + 1}", record
+
+
+def data_files(path: str | pathlib.Path) -> list[pathlib.Path] | None:
+    """The data files :func:`read_records` reads for ``path``: the file, or a directory's data
+    files in name order; None for a Hugging Face Hub dataset id.
+
+    Raises:
+        DataError: no such path (and not a dataset id), a file of an unknown type, or a
+            directory with no data file.
+
+    Example:
+        >>> data_files("someone/some-dataset") is None
+        True
+    """
+    path = pathlib.Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in READERS and p.is_file())
+        if not files:
+            raise DataError(f"{path}: no data files ({', '.join(READERS)}) in this directory")
+        return files
+    if path.is_file():
+        if path.suffix not in READERS:
+            raise DataError(f"{path}: unknown data file type; expected one of {', '.join(READERS)}")
+        return [path]
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+        return None
+    raise DataError(f"{path}: no such data file or directory")
 
 
 def _hub(name: str, cache_dir: str | None):

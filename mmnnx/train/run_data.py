@@ -3,21 +3,39 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
+import itertools
+import json
 import pathlib
 from typing import Any
 
 from mmnnx.train.chat_template import ChatTemplate, special_tokens
 from mmnnx.train.data import TextDataset
+from mmnnx.train.example_store import write_examples
 from mmnnx.train.examples import ExampleDataset
 from mmnnx.train.pairs import PairDataset, encode_pair
-from mmnnx.train.records import DataError, Fields, PairFields, encode_records, read_records
+from mmnnx.train.records import (
+    DataError,
+    Fields,
+    PairFields,
+    data_files,
+    encode_record,
+    read_records,
+)
+from mmnnx.train.tokenizers import fingerprint
+
+STORE_VERSION = 1
+"""Bumped when the examples' files change form, so older caches are made again."""
 
 
 def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
     """The dataset of a run's options (a ``RunConfig``): a :class:`TextDataset` of ``sources``
     tokenized into ``cache``, or with ``--data`` an :class:`ExampleDataset` of its records
-    (Hugging Face ``datasets``' own cache under ``cache/datasets``).
+    (Hugging Face ``datasets``' own cache under ``cache/datasets``), tokenized as they stream
+    into ``cache/examples`` (and ``cache/eval_examples``), reused while the data files and
+    options are the same (:func:`examples_key`).
 
     Raises:
         DataError: a record, file or option that cannot be trained on, naming it.
@@ -34,22 +52,23 @@ def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
         messages=data.messages_field,
     )
     read = functools.partial(read_records, cache_dir=str(cache / "datasets"))
-    records = list(read(data.data))
-    if not records:
+    records = read(data.data)
+    first = next(records, None)
+    if first is None:
         raise DataError(f"--data {data.data}: no records")
+    records = itertools.chain([first], records)
     if run.preference.dpo:
-        return _pairs(run, tokenizer, records, read)
+        return _pairs(run, tokenizer, first, records, read)
     data_format = data.data_format
     if data_format == "auto":
-        data_format = _format(*records[0], fields)
+        data_format = _format(*first, fields)
     template = None
     if data_format == "chat":
         if folder is None:
             raise DataError("--data-format chat needs --init-from: its tokenizer's chat template")
         template = ChatTemplate.from_checkpoint(folder)
     tokens = template.tokens if template else special_tokens(folder) if folder else {}
-    encode = functools.partial(
-        encode_records,
+    options = dict(
         data_format=data_format,
         tokenizer=tokenizer,
         template=template,
@@ -57,9 +76,18 @@ def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
         train_on=data.train_on,
         eos=tokens.get("eos_token"),
     )
-    held_out = encode(read(data.eval_data)) if data.eval_data else None
+
+    def stored(path, records, name):
+        """The examples of ``records`` (of ``path``), tokenized into ``cache/name`` as they
+        stream, or read from there when made from the same file with the same options."""
+        examples = (encode_record(where, record, **options) for where, record in records)
+        return write_examples(examples, cache / name, examples_key(path, options))
+
+    held_out = None
+    if data.eval_data:
+        held_out = stored(data.eval_data, read(data.eval_data), "eval_examples")
     return ExampleDataset(
-        encode(records),
+        stored(data.data, records, "examples"),
         seed=run.training.seed,
         pack=data.pack,
         truncate=data.truncate,
@@ -69,12 +97,43 @@ def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
     )
 
 
-def _pairs(run: Any, tokenizer: Any, records: list, read: Any) -> PairDataset:
+def examples_key(path: str | pathlib.Path, options: dict) -> str | None:
+    """What the examples of ``path`` tokenized with ``options`` (those of
+    :func:`encode_record`) depend on, hashed: each data file's path, size and modification
+    time, the tokenizer, chat template and the other options; None for a Hub dataset id (no
+    file to tell a change by).
+
+    Example:
+        >>> import tempfile
+        >>> from mmnnx.train.tokenizers import ByteTokenizer
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "d.jsonl"); _ = p.write_text("{}")
+        >>> opts = dict(data_format="text", tokenizer=ByteTokenizer(), template=None)
+        >>> examples_key(p, opts) == examples_key(p, opts | dict(data_format="chat"))
+        False
+    """
+    files = data_files(path)
+    if files is None:
+        return None
+    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    described = {k: v for k, v in options.items() if k not in ("tokenizer", "template")}
+    described = dict(described, fields=dataclasses.asdict(described.get("fields", Fields())))
+    template = options.get("template")
+    meaning = [
+        STORE_VERSION,
+        stats,
+        fingerprint(options["tokenizer"]),
+        template.source if template else None,
+        described,
+    ]
+    return hashlib.sha256(json.dumps(meaning, sort_keys=True).encode()).hexdigest()
+
+
+def _pairs(run: Any, tokenizer: Any, first: tuple, records: Any, read: Any) -> PairDataset:
     data, folder, preference = run.dataset, run.model.init_from, run.preference
     fields = PairFields(data.prompt_field, preference.chosen_field, preference.rejected_field)
-    chat = isinstance(records[0][1].get(fields.prompt), list)
+    chat = isinstance(first[1].get(fields.prompt), list)
     if chat and folder is None:
-        raise DataError(f"{records[0][0]}: chat pairs need --init-from: its chat template")
+        raise DataError(f"{first[0]}: chat pairs need --init-from: its chat template")
     template = ChatTemplate.from_checkpoint(folder) if chat else None
     eos = (special_tokens(folder) if folder else {}).get("eos_token")
 
