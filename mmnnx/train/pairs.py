@@ -85,7 +85,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PairDataset(GrainBatches):
-    """Batches of ``batch_size`` :func:`pair_rows` rows of ``seq_len + 1`` tokens, each row a
+    """Batches of ``batch_size`` :func:`pair_rows` rows of ``seq_len + 1`` tokens (laid out
+    batch by batch: the pairs are held as token ids, never as rows of padding), each row a
     pair's ``prompt + chosen`` then ``prompt + rejected``, from a seeded shuffle (a fresh one
     per epoch) by Grain, its state part of a checkpoint. A pair longer than a row keeps the
     first ``(seq_len + 1) // 2`` tokens of each of its two sequences (TRL's ``max_length``
@@ -124,10 +125,7 @@ class PairDataset(GrainBatches):
                 f"--seq-len + 1 = {length} tokens, fewer than one batch of {batch_size} or none "
                 "to evaluate on; use more data, a larger --seq-len or a smaller --batch-size"
             )
-        self.rows = pair_rows([(p.prompt, p.chosen, p.rejected) for p in kept], length, pad_id)
-        self.eval_rows = pair_rows(
-            [(p.prompt, p.chosen, p.rejected) for p in evaluated], length, pad_id
-        )
+        self._kept, self._evaluated, self._row = kept, evaluated, (length, pad_id)
         self.batch_size, self.seq_len, self.pairs, self.skipped = batch_size, seq_len, len(kept), 0
         self._iterator, self._batches = grain_batches(np.arange(len(kept)), batch_size, seed)
 
@@ -152,8 +150,12 @@ class PairDataset(GrainBatches):
         return kept
 
     def __next__(self) -> dict[str, np.ndarray]:
-        picks = next(self._iterator)
-        return {k: v[picks] for k, v in self.rows.items()}
+        return self._rows(self._kept, next(self._iterator))
+
+    def _rows(self, pairs: list[Pair], picks) -> dict[str, np.ndarray]:
+        """The rows of ``pairs[picks]``, laid out when asked: a batch's, not the dataset's."""
+        chosen = [(pairs[i].prompt, pairs[i].chosen, pairs[i].rejected) for i in picks]
+        return pair_rows(chosen, *self._row)
 
     def summary(self) -> str:
         """One line: the pairs, those cut to length and those dropped."""
@@ -164,8 +166,8 @@ class PairDataset(GrainBatches):
 
     def eval_batches(self, count: int) -> list[dict[str, np.ndarray]]:
         """``count`` fixed batches of the held-out pairs (the same every time)."""
-        n = len(self.eval_rows["tokens"])
+        n = len(self._evaluated)
         picks = [
             np.arange(b * self.batch_size, (b + 1) * self.batch_size) % n for b in range(count)
         ]
-        return [{k: v[p] for k, v in self.eval_rows.items()} for p in picks]
+        return [self._rows(self._evaluated, p) for p in picks]
