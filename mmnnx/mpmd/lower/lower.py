@@ -25,6 +25,7 @@ from mmnnx.mpmd.lower.program import (
     StepProgram,
     Zeros,
 )
+from mmnnx.mpmd.lower.sum_layouts import layout_on, sum_layouts
 from mmnnx.mpmd.lower.whole import whole_everywhere
 from mmnnx.mpmd.plan.cut import Fragment, Transfer
 from mmnnx.mpmd.plan.pipeline import Pipeline
@@ -131,12 +132,22 @@ class _Lowering:
         return slot
 
     def zeros(
-        self, frag: Fragment, positions: Sequence[int], sums: Sequence[int], shardings: Sequence
+        self,
+        frag: Fragment,
+        positions: Sequence[int],
+        sums: Sequence[int],
+        shardings: Sequence,
+        met: dict[int, tuple[NamedSharding, ...]],
     ) -> tuple[int, ...]:
         """Slots of zero-filled running sums ``sums`` of ``frag``'s outputs at ``positions``: on the
-        output's pinned sharding, else replicated (known before its program compiles)."""
+        output's pinned sharding, else the one layout on the task that the sum ``met`` after the
+        loop (its parameter's: :mod:`~.sum_layouts`), else replicated (known before its program
+        compiles)."""
         task = frag.task
-        layouts = [shardings[i] or task.sharding() for i in positions]
+        layouts = [
+            shardings[i] or layout_on(task, met.get(u, ())) or task.sharding()
+            for i, u in zip(positions, sums, strict=True)
+        ]
         slots = tuple(self.new_slot(u, task, s, None) for u, s in zip(sums, layouts, strict=True))
         self.where.update(dict.fromkeys([(u, None) for u in sums], task))
         self.actions.append(
@@ -259,6 +270,8 @@ def lower(
     low.op_task = {op.index: f.task for f, _ in order for op in f.ops}
     accumulated = pipeline.accumulated if pipeline else {}
     sum_of = {v: u for u, v in accumulated.items()}
+    after = [op for f in pipeline.post for op in f.ops] if pipeline else []
+    met = sum_layouts(graph, accumulated, after, inputs, outputs) if not graph.specs else {}
 
     input_slots = []
     for i, (v, item) in enumerate(zip(graph.inputs, inputs, strict=True)):
@@ -303,7 +316,7 @@ def lower(
         summed = [frag.out_ids[i] for i in positions]
         totals = tuple(low.find(sum_of[v], frag.task, None) for v in summed)
         if summed and totals[0] is None:  # the first microbatch adds to zeros
-            totals = low.zeros(frag, positions, [sum_of[v] for v in summed], shardings)
+            totals = low.zeros(frag, positions, [sum_of[v] for v in summed], shardings, met)
         return in_slots, totals
 
     def emit(
