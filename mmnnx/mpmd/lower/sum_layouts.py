@@ -68,7 +68,7 @@ def sum_layouts(
         >>> op = Op(0, lax.sub_p, {}, [0, 1], [2], False, "", "sub")
         >>> p = StepInput(name="p", task=t, spec=P("fsdp"), sharding=t.sharding(P("fsdp")))
         >>> layout_on(t, sum_layouts(g, [1], [op], [p], [])[1]).spec
-        PartitionSpec('fsdp',)
+        P('fsdp',)
     """
     classes = _Classes()
     for op in after:
