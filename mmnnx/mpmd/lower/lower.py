@@ -303,7 +303,7 @@ def lower(
             )
         gathered = gathered_layouts(graph, inputs, tasks, gather_weights)
 
-    def home(v: int, frag: Fragment) -> bool:
+    def placed_on(v: int, frag: Fragment) -> bool:
         """Whether step input ``v`` is placed on ``frag``'s task."""
         return low.where.get((v, None)) is frag.task
 
@@ -325,7 +325,7 @@ def lower(
         its running sums (started at zero for the first microbatch)."""
         staged = id(frag) in labels
         in_slots = tuple(
-            low.ensure(v, frag.task, m, gathered.get(v) if staged and home(v, frag) else None)
+            low.ensure(v, frag.task, m, gathered.get(v) if staged and placed_on(v, frag) else None)
             for v in frag.in_ids
         )
         if id(frag) not in layout_of:  # the same for every microbatch
