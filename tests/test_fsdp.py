@@ -2,7 +2,8 @@
 equals one device, parameters and optimizer state take 1/N of their bytes per device, each
 stage's forward program gathers each sharded weight once per microbatch (what GSPMD compiles)
 unless ``mm.jit(gather_weights=...)`` gathers it once per step, gradient sums are sharded as their
-parameters, a sharded checkpoint restores bit-exact onto a layout without FSDP, and bad input is named."""
+parameters, a sharded checkpoint restores bit-exact onto a layout without FSDP, and bad input
+is named."""
 
 import re
 import warnings
