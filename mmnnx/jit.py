@@ -300,7 +300,8 @@ def jit(
     of one array each; ``True`` packs every residual, ``False`` none. The host pays for each
     array a program returns, more than the copy into the buffer costs, so host-bound steps
     launch faster (``benchmarks/dispatch.py``); large residuals travel alone (packing would hold
-    each twice). A stage's gradient sums travel as one buffer either way.
+    each twice). A stage's whole gradient sums travel as one buffer either way (a sum
+    laid out split as its parameter travels alone).
 
     ``pack_weights``: in a pipelined step, each block's weights of at most this many bytes
     (default 64 KiB) on a one-device stage, or replicated over a stage's devices (the Variables
