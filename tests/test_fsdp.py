@@ -123,6 +123,9 @@ def test_a_pipelined_fsdp_step_equals_one_device_with_half_the_bytes(fsdp_run):
     mu = opt.opt_state[0].mu
     assert mu["head"]["kernel"].get_value().sharding == model.head.kernel.get_value().sharding
     assert _stage_bytes(opt) == 2 * _stage_bytes(model)  # Adam's two moments, as sharded
+    # and each gradient's running sum, laid out as its parameter (mpmd/lower/sum_layouts.py)
+    sums = sorted(str(s) for s in _sum_layouts(executable) if s != P())  # P(): the loss's
+    assert sums == sorted(str(s) for _, s in mm.placement(model).values())
 
     # GSPMD gathers each sharded weight a stage's forward reads, in every microbatch's program
     sharded = sum(task == "stage1" and "fsdp" in str(s) for task, s in mm.placement(model).values())
