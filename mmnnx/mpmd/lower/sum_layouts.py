@@ -38,9 +38,23 @@ class _Classes:
         self.parent[self.find(a)] = self.find(b)
 
 
+# Primitives computing each element from the same element of their operands (and scalars): an
+# optimizer update's arithmetic. A transpose or a square matmul keeps a shape, not a layout.
+# fmt: off
+_ELEMENTWISE = frozenset({
+    "abs", "add", "add_any", "and", "atan2", "cbrt", "ceil", "clamp", "convert_element_type",
+    "copy", "cos", "div", "eq", "erf", "exp", "exp2", "expm1", "floor", "ge", "gt",
+    "integer_pow", "is_finite", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul",
+    "ne", "neg", "nextafter", "not", "or", "pow", "rem", "round", "rsqrt", "select_n", "sign",
+    "sin", "sqrt", "square", "sub", "tanh", "xor",
+})
+# fmt: on
+
+
 def _elementwise(graph: Graph, op: Op) -> bool:
-    """Whether ``op`` makes one value of the shape of each of its non-scalar operands."""
-    if len(op.outs) != 1:
+    """Whether ``op`` computes each element of its one result from the same element of each of
+    its non-scalar operands."""
+    if getattr(op.primitive, "name", None) not in _ELEMENTWISE or len(op.outs) != 1:
         return False
     shape = graph.shapes[op.outs[0]]
     operands = [a for a in op.ins if isinstance(a, int) and graph.shapes[a] != ()]
