@@ -288,7 +288,7 @@ def test_gradient_sums_are_sharded_and_gather_weights_gathers_once_per_step():
         and s.source_layout.device_set == s.sharding.device_set
     ]
     assert sorted(str(s.sharding.spec) for s in on_task) == ["P(None, None)"] * 2 + ["P(None,)"] * 2
-    assert all(t.source != t.target for t in runs["fsdp"].plan.transfers)  # none between tasks
+    assert all(t.source != t.target for t in runs["fsdp"].plan.transfers)  # not a transfer
 
     with pytest.raises(TypeError, match=r"gather_weights 3 is not a mesh axis name"):
         mm.jit(_mlp_step, gather_weights=3)
