@@ -44,6 +44,7 @@ class JitOptions:
     pack_weights: int = engine.PACK_WEIGHT_BYTES  # bytes (True / False given: every / none)
     schedule: str | engine.Schedule | None = None  # replaces each mm.microbatch's, when planned
     share_cores: bool = True  # edge stages reuse a middle stage's program
+    gather_weights: str | None = None  # the mesh axis stages' weights are gathered over once
 
     def __post_init__(self) -> None:
         planning = self.planning()  # checks the planning options and normalises the bounds
@@ -70,6 +71,7 @@ class JitOptions:
             recompute_residuals=self.recompute_residuals,
             schedule=self.schedule,
             share_cores=self.share_cores,
+            gather_weights=self.gather_weights,
         )
 
 
@@ -113,6 +115,7 @@ class JitFunction:
     recompute_residuals = property(lambda self: self.options.recompute_residuals)
     pack_weights = property(lambda self: self.options.pack_weights)
     share_cores = property(lambda self: self.options.share_cores)
+    gather_weights = property(lambda self: self.options.gather_weights)
 
     def with_options(self, **changes: Any) -> JitFunction:
         """A new step of the same function with the same options except ``changes`` (any field
@@ -282,6 +285,7 @@ def jit(
     recompute_residuals: bool = True,
     pack_weights: bool | int = engine.PACK_WEIGHT_BYTES,
     share_cores: bool = True,
+    gather_weights: str | None = None,
 ) -> JitFunction:
     """Lifts an NNX step over several tasks: one compiled program per task, run asynchronously.
 
@@ -296,7 +300,8 @@ def jit(
     of one array each; ``True`` packs every residual, ``False`` none. The host pays for each
     array a program returns, more than the copy into the buffer costs, so host-bound steps
     launch faster (``benchmarks/dispatch.py``); large residuals travel alone (packing would hold
-    each twice). A stage's gradient sums travel as one buffer either way.
+    each twice). A stage's whole gradient sums travel as one buffer either way (a sum
+    laid out split as its parameter travels alone).
 
     ``pack_weights``: in a pipelined step, each block's weights of at most this many bytes
     (default 64 KiB) on a one-device stage, or replicated over a stage's devices (the Variables
@@ -318,6 +323,15 @@ def jit(
     the rest as programs of their own before and after it: XLA compiles the blocks' kernels
     once for all the stages instead of once more for each edge stage, at the cost of a launch
     or two more per microbatch on those stages. ``False`` runs each as one program.
+
+    ``gather_weights``: a mesh axis (FSDP's, ``mm.fsdp_rules``), or ``None``. In a pipelined
+    step, each stage's weights sharded over that axis are gathered over it once per step, before
+    the first program on their task reads them, and every microbatch's forward and backward
+    reads that gathered copy, released after the last: no gather inside each program (``None``,
+    the default, gathers in every program that reads a weight, about ``2M`` times a step). The
+    gathered copies are held through the stage's busy span, so the parameters' FSDP saving is
+    spent during the step; the optimizer state and the gradient sums stay sharded. One process
+    only (docs/pipelining.md, "FSDP inside a stage").
 
     ``static_argnums`` / ``donate_argnums`` count positional arguments, negative ones from the
     end of ``fun``'s signature. As with ``jax.jit``, a position ``fun`` does not have, a
@@ -347,6 +361,7 @@ def jit(
         "recompute_residuals": recompute_residuals,
         "pack_weights": pack_weights,
         "share_cores": share_cores,
+        "gather_weights": gather_weights,
     }
     if fun is None:
         JitOptions(**options)  # a bad option raises here, before a function is given

@@ -1,7 +1,9 @@
 """FSDP inside each stage (``mm.fsdp_rules``, ``mmnnx train --fsdp-axis N``): the pipelined step
 equals one device, parameters and optimizer state take 1/N of their bytes per device, each
-stage's forward program gathers each sharded weight once per microbatch (what GSPMD compiles),
-a sharded checkpoint restores bit-exact onto a layout without FSDP, and bad input is named."""
+stage's forward program gathers each sharded weight once per microbatch (what GSPMD compiles)
+unless ``mm.jit(gather_weights=...)`` gathers it once per step, gradient sums are sharded as their
+parameters, a sharded checkpoint restores bit-exact onto a layout without FSDP, and bad input
+is named."""
 
 import re
 import warnings
@@ -17,7 +19,8 @@ import mmnnx as mm
 from mmnnx._nnx import variables_of
 from mmnnx.cli import main
 from mmnnx.models import GPT, GPTConfig
-from mmnnx.mpmd.run.emit import Launch
+from mmnnx.mpmd.lower.program import PackWeights, Zeros
+from mmnnx.mpmd.run.emit import Launch, Move
 from mmnnx.sharding import FSDPReplicatedWarning, TaskMesh, bytes_per_device, path_str
 from mmnnx.sharding.fsdp import shard_largest
 from mmnnx.sharding.place import plan_placement
@@ -120,6 +123,9 @@ def test_a_pipelined_fsdp_step_equals_one_device_with_half_the_bytes(fsdp_run):
     mu = opt.opt_state[0].mu
     assert mu["head"]["kernel"].get_value().sharding == model.head.kernel.get_value().sharding
     assert _stage_bytes(opt) == 2 * _stage_bytes(model)  # Adam's two moments, as sharded
+    # and each gradient's running sum, laid out as its parameter (mpmd/lower/sum_layouts.py)
+    sums = sorted(str(s) for s in _sum_layouts(executable) if s != P())  # P(): the loss's
+    assert sums == sorted(str(s) for _, s in mm.placement(model).values())
 
     # GSPMD gathers each sharded weight a stage's forward reads, in every microbatch's program
     sharded = sum(task == "stage1" and "fsdp" in str(s) for task, s in mm.placement(model).values())
@@ -186,3 +192,109 @@ def test_the_cli_trains_two_steps_with_fsdp_experts_and_lora_and_refuses_a_bad_a
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "--fsdp-axis 4 does not divide --data-axis 2" in err
+
+
+def _fsdp_mlp(tasks):
+    """Two Linear layers, one per task, each sharded over its task's ``fsdp`` axis."""
+    model = nnx.Sequential(
+        nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.tanh, nnx.Linear(32, 16, rngs=nnx.Rngs(1))
+    )
+    if tasks is not None:
+        mm.place(model, mm.fsdp_rules([("layers/0", tasks[0]), ("layers/2", tasks[1])]))
+    return model
+
+
+def _mlp_step(model, opt, x, y):
+    def loss_fn(m, x, y):  # data parallel over the fsdp axis
+        rows = mm.with_sharding_constraint(x, ("fsdp", None))
+        return ((m(rows) - y) ** 2).mean()
+
+    grad_fn = mm.microbatch(
+        nnx.value_and_grad(loss_fn), num=4, reduce="mean", schedule="gpipe", argnums=(1, 2)
+    )
+    loss, grads = grad_fn(model, x, y)
+    opt.update(model, grads)
+    return loss
+
+
+def _programs(executable, kind: str) -> list[str]:
+    """The HLO of every ``kind`` (F or B) program the step launches."""
+    return [
+        s.program.as_text()
+        for s in executable._steps
+        if isinstance(s, Launch) and s.labels and s.labels[0][0] and s.labels[0][0][1] == kind
+    ]
+
+
+def _sum_layouts(executable) -> list:
+    """The layouts of the running sums the step starts at zero, in order."""
+    zeros = []
+    for action in executable.plan.program.actions:
+        made = getattr(action, "zeros", action) if isinstance(action, PackWeights) else action
+        if isinstance(made, Zeros):
+            zeros += [s.spec for s in made.shardings]
+    return zeros
+
+
+def test_gradient_sums_are_sharded_and_gather_weights_gathers_once_per_step():
+    tasks = [
+        mm.Task(f"s{i}", mesh=TaskMesh(devices=(2 * i, 2 * i + 1), axis_names=("fsdp",)))
+        for i in range(2)
+    ]
+    x, y = jax.random.normal(jax.random.key(0), (2, 8, 16))
+    ref = _fsdp_mlp(None)
+    ref_opt = nnx.Optimizer(ref, optax.adamw(LR), wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(model)
+        opt.update(model, grads)
+        return loss
+
+    ref_losses = [ref_step(ref, ref_opt, x, y) for _ in range(STEPS)]
+    runs = {}
+    for gather in (None, "fsdp"):
+        model = _fsdp_mlp(tasks)
+        opt = nnx.Optimizer(model, optax.adamw(LR), wrt=nnx.Param)
+        step = mm.jit(_mlp_step, gather_weights=gather)
+        for ref_loss in ref_losses:
+            close(step(model, opt, x, y), ref_loss)
+        for (_, a), (_, b) in zip(variables_of(model), variables_of(ref), strict=True):
+            close(a.get_value(), b.get_value())
+        (executable, _), *_ = step._cache.values()
+        runs[gather] = executable
+
+    # Each gradient's running sum takes its parameter's layout (1/2 per device), not a whole copy
+    specs = [s for _, (_, s) in sorted(mm.placement(model).items())]
+    assert sorted(map(str, specs)) == sorted(
+        ["P('fsdp',)"] * 2 + ["P(None, 'fsdp')", "P('fsdp', None)"]
+    )
+    for executable in runs.values():
+        sums = [s for s in _sum_layouts(executable) if s != P()]  # P(): the loss's sum
+        assert sorted(map(str, sums)) == sorted(map(str, specs))
+
+    # Per microbatch, the forwards and backwards gather what GSPMD chooses to; once per step,
+    # none of them gathers: the step gathers each sharded weight once, on its own task
+    gathers = re.compile(r"\ball-gather(?:-start)?\(")
+    per_microbatch = [len(gathers.findall(h)) for k in "FB" for h in _programs(runs[None], k)]
+    once = [len(gathers.findall(h)) for k in "FB" for h in _programs(runs["fsdp"], k)]
+    assert len(once) == len(per_microbatch) == 16 and sum(per_microbatch) > 0, per_microbatch
+    assert once == [0] * 16
+    on_task = [
+        s
+        for s in runs["fsdp"]._steps
+        if isinstance(s, Move)
+        and s.source_layout is not None
+        and s.source_layout.device_set == s.sharding.device_set
+    ]
+    assert sorted(str(s.sharding.spec) for s in on_task) == ["P(None, None)"] * 2 + ["P(None,)"] * 2
+    assert all(t.source != t.target for t in runs["fsdp"].plan.transfers)  # not a transfer
+
+    with pytest.raises(TypeError, match=r"gather_weights 3 is not a mesh axis name"):
+        mm.jit(_mlp_step, gather_weights=3)
+    before = np.asarray(model.layers[0].kernel.get_value())
+    with pytest.raises(
+        ValueError, match=r"gather_weights='data' names no mesh axis .*'s0': \('fsdp',\)"
+    ):
+        mm.jit(_mlp_step, gather_weights="data")(model, opt, x, y)
+    np.testing.assert_array_equal(np.asarray(model.layers[0].kernel.get_value()), before)

@@ -258,6 +258,7 @@ def test_with_options_keeps_every_option_and_changes_the_given_ones(tasks, batch
         recompute_residuals=False,
         pack_weights=1024,
         share_cores=False,
+        gather_weights="data",
     )
     defaults = JitOptions()
     given = [f.name for f in dataclasses.fields(JitOptions) if f.name != "schedule"]

@@ -287,8 +287,9 @@ def test_results_are_pinned_whole_only_where_the_step_splits_nothing(kernel, con
 
 
 def test_tensor_parallel_stages_pack_their_whole_running_sums_and_train_like_one_device():
-    # the kernels are split over each stage's two devices; their gradients' running sums are
-    # whole (a sum's layout is the output's pinned one, else replicated) and travel packed
+    # the kernels are split over each stage's two devices, and so are their gradients' running
+    # sums (a sum takes its parameter's layout: mpmd/lower/sum_layouts.py), which travel alone;
+    # the biases' sums are whole and travel packed
     rules = mm.logical_rules(embed=None, mlp="model")
     tasks = [
         mm.Task(f"t{i}", mesh=mm.TaskMesh(devices=[2 * i, 2 * i + 1], axis_names=("model",)),
@@ -317,11 +318,14 @@ def test_tensor_parallel_stages_pack_their_whole_running_sums_and_train_like_one
     buffers = {b.slot for made in packing.by_zeros.values() for b in made}
     sums = [a for a in program.actions if isinstance(a, Zeros)]
     assert sums and buffers
-    # every running sum packed, but a lone one: no other sum of its dtype has the same adders
+    split = [s.spec for zeros in sums for s in zeros.shardings if not s.is_fully_replicated]
+    assert sorted(map(str, split)) == sorted(map(str, [P(None, "model"), P("model", None)] * 2))
+    # every whole running sum packed, but a lone one: no other of its dtype has the same adders
     groups = [
         (zeros.dtypes[k], tuple(i for i, r in enumerate(program.actions) if slot in _sums_of(r)))
         for zeros in sums
         for k, slot in enumerate(zeros.slots)
+        if zeros.shardings[k].is_fully_replicated
     ]
     assert len(set(groups)) == len(groups)
 

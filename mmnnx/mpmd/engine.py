@@ -59,6 +59,7 @@ class PlanningOptions:
     recompute_residuals: bool = True  # backwards recompute cheap residuals
     schedule: str | Schedule | None = None  # replaces each mm.microbatch's schedule
     share_cores: bool = True  # edge stages cut around a middle stage's program
+    gather_weights: str | None = None  # the axis stages' weights are gathered over once a step
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "residual_bytes", residual_bound(self.residual_bytes))
@@ -70,6 +71,10 @@ class PlanningOptions:
             raise ValueError(
                 f"mm.jit: unknown schedule {self.schedule!r}; valid schedules are "
                 f"{', '.join(schedule_names())} (or a Schedule object)"
+            )
+        if not isinstance(self.gather_weights, str | None):
+            raise TypeError(
+                f"mm.jit: gather_weights {self.gather_weights!r} is not a mesh axis name or None"
             )
         if not isinstance(self.schedule, str | Schedule | None):
             raise TypeError(f"mm.jit: schedule {self.schedule!r} is not a name or a Schedule")
@@ -210,7 +215,14 @@ def plan_step(
             f"other shapes ({', '.join(repr(t.name) for t in tasks)}); give every task the same "
             "axis names and sizes"
         )
-    lowered, transfers = lower(graph, tasks, inputs, outputs, order, pipeline)
+    if options.gather_weights is not None and num_processes > 1:
+        raise MPMDError(
+            f"mm.jit: gather_weights={options.gather_weights!r} runs in one process only; "
+            "with several, leave it None (each program gathers the weights it reads)"
+        )
+    lowered, transfers = lower(
+        graph, tasks, inputs, outputs, order, pipeline, options.gather_weights
+    )
     fragments = list({id(f): f for f, _ in order}.values())
     passes = Passes.of(
         lowered,

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd.ir import Const, Graph, Op
+from mmnnx.mpmd.lower.gather_once import gathered_layouts
 from mmnnx.mpmd.lower.program import (
     Action,
     Constant,
@@ -25,6 +26,7 @@ from mmnnx.mpmd.lower.program import (
     StepProgram,
     Zeros,
 )
+from mmnnx.mpmd.lower.sum_layouts import layout_on, sum_layouts
 from mmnnx.mpmd.lower.whole import whole_everywhere
 from mmnnx.mpmd.plan.cut import Fragment, Transfer
 from mmnnx.mpmd.plan.pipeline import Pipeline
@@ -131,12 +133,22 @@ class _Lowering:
         return slot
 
     def zeros(
-        self, frag: Fragment, positions: Sequence[int], sums: Sequence[int], shardings: Sequence
+        self,
+        frag: Fragment,
+        positions: Sequence[int],
+        sums: Sequence[int],
+        shardings: Sequence,
+        met: dict[int, tuple[NamedSharding, ...]],
     ) -> tuple[int, ...]:
         """Slots of zero-filled running sums ``sums`` of ``frag``'s outputs at ``positions``: on the
-        output's pinned sharding, else replicated (known before its program compiles)."""
+        output's pinned sharding, else the one layout on the task that the sum ``met`` after the
+        loop (its parameter's: :mod:`~.sum_layouts`), else replicated (known before its program
+        compiles)."""
         task = frag.task
-        layouts = [shardings[i] or task.sharding() for i in positions]
+        layouts = [
+            shardings[i] or layout_on(task, met.get(u, ())) or task.sharding()
+            for i, u in zip(positions, sums, strict=True)
+        ]
         slots = tuple(self.new_slot(u, task, s, None) for u, s in zip(sums, layouts, strict=True))
         self.where.update(dict.fromkeys([(u, None) for u in sums], task))
         self.actions.append(
@@ -230,7 +242,7 @@ class _Lowering:
                 microbatch=m,
             )
         )
-        if m in (None, 0):
+        if m in (None, 0) and source != task:  # not a gather on its own task (gather_once)
             self.transfers.append(
                 Transfer(
                     value=v,
@@ -252,13 +264,18 @@ def lower(
     outputs: Sequence[StepOutput],
     order: Sequence[tuple[Fragment, int | None]],
     pipeline: Pipeline | None = None,
+    gather_weights: str | None = None,
 ) -> tuple[StepProgram, list[Transfer]]:
     """Lowers fragments in dispatch ``order`` (each with its microbatch, ``None`` outside the loop)
-    to a :class:`StepProgram`; returns it and the first microbatch's transfers between tasks."""
+    to a :class:`StepProgram`; returns it and the first microbatch's transfers between tasks.
+    ``gather_weights``: a mesh axis over which pipeline stages read the weights sharded over it
+    gathered, once per step (:mod:`~.gather_once`)."""
     low = _Lowering(graph, pipeline)
     low.op_task = {op.index: f.task for f, _ in order for op in f.ops}
     accumulated = pipeline.accumulated if pipeline else {}
     sum_of = {v: u for u, v in accumulated.items()}
+    after = [op for f in pipeline.post for op in f.ops] if pipeline else []
+    met = sum_layouts(graph, accumulated, after, inputs, outputs) if not graph.specs else {}
 
     input_slots = []
     for i, (v, item) in enumerate(zip(graph.inputs, inputs, strict=True)):
@@ -277,6 +294,19 @@ def lower(
         labels = {id(f): (f.task.name, kind, stage, 0) for (kind, stage), f in stages}
         labels.update(pipeline.parts)
     typed = graph.specs or None
+    gathered = {}
+    if gather_weights is not None and pipeline is not None:
+        if typed:
+            raise MPMDError(
+                f"mm.jit: gather_weights={gather_weights!r} needs a step traced without explicit "
+                "mesh axes (with them every program keeps the types' layouts)"
+            )
+        gathered = gathered_layouts(graph, inputs, tasks, gather_weights)
+
+    def placed_on(v: int, frag: Fragment) -> bool:
+        """Whether step input ``v`` is placed on ``frag``'s task."""
+        return low.where.get((v, None)) is frag.task
+
     whole = typed is None and whole_everywhere(graph, tasks, inputs, outputs, low.op_task)
     consumers = graph.consumers()
     fragment_of = {op.index: id(f) for f, _ in order for op in f.ops}
@@ -293,7 +323,11 @@ def lower(
     def prepare(frag: Fragment, m: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The slots of ``frag``'s inputs on its task (received first where needed) and of
         its running sums (started at zero for the first microbatch)."""
-        in_slots = tuple(low.ensure(v, frag.task, m) for v in frag.in_ids)
+        staged = id(frag) in labels
+        in_slots = tuple(
+            low.ensure(v, frag.task, m, gathered.get(v) if staged and placed_on(v, frag) else None)
+            for v in frag.in_ids
+        )
         if id(frag) not in layout_of:  # the same for every microbatch
             positions = tuple(i for i, v in enumerate(frag.out_ids) if v in sum_of)
             dropped = frozenset(i for i in positions if only_summed(frag.out_ids[i], frag))
@@ -303,7 +337,7 @@ def lower(
         summed = [frag.out_ids[i] for i in positions]
         totals = tuple(low.find(sum_of[v], frag.task, None) for v in summed)
         if summed and totals[0] is None:  # the first microbatch adds to zeros
-            totals = low.zeros(frag, positions, [sum_of[v] for v in summed], shardings)
+            totals = low.zeros(frag, positions, [sum_of[v] for v in summed], shardings, met)
         return in_slots, totals
 
     def emit(
