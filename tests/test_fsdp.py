@@ -182,11 +182,15 @@ def test_the_cli_trains_two_steps_with_fsdp_experts_and_lora_and_refuses_a_bad_a
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     argv = ["train", *TINY.split(), "--data-axis", "2", "--fsdp-axis", "2"]
     argv += ["--experts", "4", "--expert-axis", "2", "--lora-rank", "2"]  # they compose
+    argv += ["--fsdp-gather", "step"]
     assert main([*argv, "--text", str(text), "--output-dir", str(out)]) == 0
     stdout = capsys.readouterr().out
     assert re.search(r"^step 2/2 loss \S+ .* aux_loss ", stdout, re.MULTILINE)
     assert re.search(r"│ embed/embedding +│ Param .*P\('model', 'fsdp'\) +│ +16,384 B", stdout)
     assert "fsdp_axis = 2" in (out / "config.toml").read_text()
+    assert 'fsdp_gather = "step"' in (out / "config.toml").read_text()
+    assert main(["train", *TINY.split(), "--fsdp-gather", "step"]) == 2
+    assert "--fsdp-gather step needs --fsdp-axis N" in capsys.readouterr().err
 
     assert main(["train", *TINY.split(), "--data-axis", "2", "--fsdp-axis", "4"]) == 2
     err = capsys.readouterr().err

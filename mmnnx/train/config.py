@@ -179,6 +179,16 @@ class Layout:
         "divide --data-axis), gathered where each stage's program uses them",
         metavar="N",
     )
+    fsdp_gather: str = option(
+        T.fsdp_gather,
+        "with --fsdp-axis: when each stage's weights are gathered: in every microbatch's "
+        "forward and backward (least memory), or once per step, kept until the stage's last "
+        "microbatch (mm.jit(gather_weights='fsdp'): fewer collectives, the weights held "
+        "whole meanwhile) (%(default)s)",
+        choices=("microbatch", "step"),
+        omit=(T.fsdp_gather,),
+        may_change=True,
+    )
     virtual_stages: int = option(
         T.virtual_stages,
         "model stages per task (%(default)s): the blocks are cut into --stages x V stages, "

@@ -59,6 +59,8 @@ class TrainConfig:
     ordered for the measured durations). ``pack_residuals``: the train step's
     ``mm.jit(pack_residuals=...)``: ``True`` packs every residual, ``False`` none, a number
     those of at most that many bytes (the default, ``mm.PACK_RESIDUAL_BYTES``).
+    ``fsdp_gather``: ``"step"`` gathers each FSDP-sharded weight once per step
+    (``mm.jit(gather_weights="fsdp")``), ``"microbatch"`` where each program reads it.
     ``pack_weights``: the train step's ``mm.jit(pack_weights=...)``, likewise for each block's
     weights (default ``mm.PACK_WEIGHT_BYTES``).
 
@@ -96,6 +98,7 @@ class TrainConfig:
     memory_budget: int | str | None = None
     pack_residuals: bool | int = PACK_RESIDUAL_BYTES
     pack_weights: bool | int = PACK_WEIGHT_BYTES
+    fsdp_gather: str = "microbatch"
     clip_grad_norm: float | None = None
     param_dtype: str = "float32"
     optimizer_dtype: str = "float32"
@@ -278,7 +281,13 @@ def make_steps(config: TrainConfig, trainable: Filter = nnx.Param, *, metrics: b
             return loss if metrics else loss[0]
         return loss
 
-    train = jit(train_step, pack_residuals=config.pack_residuals, pack_weights=config.pack_weights)
+    gather = "fsdp" if config.fsdp_gather == "step" else None  # mm.fsdp_rules' axis
+    train = jit(
+        train_step,
+        pack_residuals=config.pack_residuals,
+        pack_weights=config.pack_weights,
+        gather_weights=gather,
+    )
     return train, jit(_loss)
 
 
