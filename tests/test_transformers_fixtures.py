@@ -179,58 +179,90 @@ def test_the_moe_loss_follows_output_router_logits_as_transformers(tmp_path):
     np.testing.assert_allclose(aux, theirs["aux_loss"], rtol=1e-3)  # float32 cancellation
 
 
+ADAPTED = (*NAMES, "mistral", "mixtral", "gemma3", "deepseek_v3")
+"""Every family's fixture: those check_adapters.py gave PEFT."""
+
+
 def test_peft_loads_every_adapter_and_gives_the_merged_logits(tmp_path):
     """check_adapters.py loaded these adapters (written by ``save_adapters``) with PEFT onto
-    transformers 5: every tensor of the file in the model, none made up, logits equal to
-    mmnnx's merged export; a Qwen3-MoE's dense layer's MLP through ``target_parameters``."""
+    transformers 5, one per family: every tensor of the file in the model, none made up, the
+    logits moved and equal to mmnnx's merged export, which transformers loads with no missing
+    or unexpected tensor. A dense MLP beside experts (Qwen3-MoE's ``mlp_only_layers``,
+    DeepSeek-V3's first layer and shared experts) goes through ``target_parameters``: as
+    ``target_modules`` PEFT puts it onto the fused experts. Mixtral's router (``block_sparse_moe``,
+    transformers 4's name) is read by PEFT under transformers 5's ``mlp``."""
+    from safetensors import safe_open
+
     verdict = json.loads((FIXTURES / "adapters_verdict.json").read_text())
-    written = save_adapters(tmp_path)
-    assert sorted(verdict["cases"]) == sorted(NAMES)
+    written = save_adapters(tmp_path, merged=False)
+    assert sorted(verdict["cases"]) == sorted(ADAPTED)
     for name, seen in verdict["cases"].items():
-        config = json.loads((written[f"{name}-adapter"] / "adapter_config.json").read_text())
+        adapter = written[f"{name}-adapter"]
+        config = json.loads((adapter / "adapter_config.json").read_text())
         assert config["target_modules"] == seen["target_modules"], name
         assert config.get("target_parameters") == seen.get("target_parameters"), name
+        with safe_open(adapter / "adapter_model.safetensors", "np") as file:
+            assert len(list(file.keys())) == seen["adapter_tensors"], name
         assert seen["loaded"] == seen["adapter_tensors"] > 0, name
         assert seen["not_loaded"] == seen["lora_tensors_not_in_file"] == [], name
+        assert seen["merged_missing_keys"] == seen["merged_unexpected_keys"] == [], name
         assert seen["peft_logits_error"] < F32 and seen["merged_logits_error"] < F32, name
-        merged = np.load(tmp_path / f"{name}-merged.npy")  # the adapters change the logits
-        assert relative_error(merged, np.load(FIXTURES / name / "logits.npy")) > 100 * F32
-    moe = verdict["cases"]["qwen3-moe"]
-    assert moe["target_parameters"] == [
-        f"model.layers.0.mlp.{p}_proj.weight" for p in ("down", "gate", "up")
+        assert seen["adapter_moves_logits"] > 100 * F32, name
+        assert seen["renamed"] == (4 if name == "mixtral" else 0), name
+    cases = verdict["cases"]
+    dense = ("down", "gate", "up")
+    assert cases["qwen3-moe"]["target_parameters"] == [
+        f"model.layers.0.mlp.{p}_proj.weight" for p in dense
     ]
+    moe = cases["qwen3-moe"]
     assert moe["adapter_tensors"] == 2 * (2 * 4 + 1) + 2 * 3  # attention, router, dense MLP
+    deepseek = cases["deepseek_v3"]
+    assert deepseek["target_modules"] == [
+        "gate", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"
+    ]  # fmt: skip
+    assert deepseek["target_parameters"] == [
+        f"model.layers.{i}.mlp.{shared}{p}_proj.weight"
+        for i, shared in ((0, ""), (1, "shared_experts."), (2, "shared_experts."))
+        for p in dense
+    ]
+    assert "gate" in cases["mixtral"]["target_modules"]
 
 
-def save_adapters(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    """The adapters check_adapters.py gives PEFT: each fixture with LoRA on every ``Linear``
-    ``add_lora`` adapts by default (plus the router for the Qwen3-MoE), its ``b`` factors
-    random (trained adapters, not zeros), written as PEFT's adapter (``<case>-adapter``,
-    ``base_model_name_or_path`` the fixture) and merged (``<case>-merged``), with mmnnx's
-    logits of the merged model as ``<case>-merged.npy``."""
+def lora_fixture(name: str):
+    """The fixture ``name`` with LoRA (rank 2, alpha 4) on every ``Linear`` ``add_lora`` adapts
+    by default plus a mixture's router, its ``b`` factors random (a trained adapter, not zeros)."""
     import jax
     from flax import nnx
 
+    from mmnnx.modules import Linear, add_lora
+    from mmnnx.modules.lora import MOE_TARGETS, TARGETS
+
+    model = from_pretrained(FIXTURES / name)
+    names = {str(p[-1]) for p, m in nnx.iter_graph(model) if isinstance(m, Linear)}
+    targets = tuple(t for t in TARGETS + MOE_TARGETS if t in names)
+    model = add_lora(model, rank=2, alpha=4, targets=targets)
+    keys = iter(jax.random.split(jax.random.key(1), 1000))
+    for _, lora in nnx.iter_graph(model):
+        if hasattr(lora, "b") and hasattr(lora, "a") and hasattr(lora, "rank"):
+            lora.b[...] = 0.1 * jax.random.normal(next(keys), lora.b[...].shape)
+    return model
+
+
+def save_adapters(root: pathlib.Path, *, merged: bool = True) -> dict[str, pathlib.Path]:
+    """The adapters check_adapters.py gives PEFT: each of :data:`ADAPTED` as
+    :func:`lora_fixture`, written as PEFT's adapter (``<case>-adapter``,
+    ``base_model_name_or_path`` the fixture) and with ``merged`` merged (``<case>-merged``),
+    with mmnnx's logits of the merged model as ``<case>-merged.npy``."""
     from mmnnx.models import save_adapter
-    from mmnnx.modules import add_lora
 
     out = {}
-    for name in NAMES:
-        model = from_pretrained(FIXTURES / name)
-        targets = ("q", "k", "v", "out", "gate", "up", "down")
-        model = add_lora(
-            model, rank=2, alpha=4, targets=targets + (("router",) if "moe" in name else ())
-        )
-        keys = iter(jax.random.split(jax.random.key(1), 1000))
-        for _, lora in nnx.iter_graph(model):
-            if hasattr(lora, "b") and hasattr(lora, "a") and hasattr(lora, "rank"):
-                lora.b[...] = 0.1 * jax.random.normal(next(keys), lora.b[...].shape)
+    for name in ADAPTED:
+        model = lora_fixture(name)
         out[f"{name}-adapter"] = save_adapter(model, root / f"{name}-adapter")
-        merged = save_pretrained(model, root / f"{name}-merged")
-        out[f"{name}-merged"] = merged
-        np.save(
-            root / f"{name}-merged.npy", np.asarray(from_pretrained(merged)(jnp.asarray(TOKENS)))
-        )
+        if merged:
+            out[f"{name}-merged"] = path = save_pretrained(model, root / f"{name}-merged")
+            logits = from_pretrained(path)(jnp.asarray(TOKENS))
+            np.save(root / f"{name}-merged.npy", np.asarray(logits))
     return out
 
 
