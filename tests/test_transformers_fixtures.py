@@ -442,3 +442,28 @@ def test_a_yarn_qwen3s_settings_matter_and_are_written_back_as_they_were(tmp_pat
     assert relative_error(from_pretrained(plain)(jnp.asarray(TOKENS)), theirs) > 1e-3
     written = save_pretrained(from_pretrained(path), tmp_path / "again")
     assert json.loads((written / "config.json").read_text()) == _config("qwen3-yarn")
+
+
+def test_a_qwen3_moe_in_transformers_5s_fused_layout_reads_as_the_per_expert_one():
+    """``qwen3-moe-fused`` (make_fixtures.py ``--fused``: transformers 5's in-memory tensors,
+    ``mlp.experts.gate_up_proj`` and ``down_proj``, which it loads back: its verdict) fills every
+    Variable as the per-expert fixture does, so gives transformers' logits."""
+    from flax import nnx
+
+    source = FIXTURES / "qwen3-moe-fused"
+    verdict = json.loads((source / "fused_verdict.json").read_text())
+    assert verdict["missing"] == verdict["unexpected"] == [] and verdict["logits_error"] < F32
+    assert verdict["tensors"]["model.layers.1.mlp.experts.gate_up_proj"] == [4, 2 * 16, 32]
+    assert not any(".experts.0." in name for name in verdict["tensors"])
+    fused, per_expert = from_pretrained(source), from_pretrained(FIXTURES / "qwen3-moe")
+    ours, theirs = nnx.state(fused, nnx.Param), nnx.state(per_expert, nnx.Param)
+    assert jax_tree_equal(ours, theirs)
+    logits = np.load(FIXTURES / "qwen3-moe" / "logits.npy")
+    assert relative_error(fused(jnp.asarray(TOKENS)), logits) < F32
+
+
+def jax_tree_equal(a, b) -> bool:
+    import jax
+
+    same = jax.tree.map(lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y))), a, b)
+    return all(jax.tree.leaves(same))
