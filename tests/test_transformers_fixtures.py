@@ -338,14 +338,16 @@ def test_transformers_loads_what_export_writes(tmp_path):
     assert {n: scratch["files"][n] for n in no_special} == no_special
 
 
-def base_with_tokenizer(path: pathlib.Path) -> pathlib.Path:
-    """The Llama fixture (written by transformers) with what a released checkpoint has beside
+def base_with_tokenizer(path: pathlib.Path, fixture: str = "llama") -> pathlib.Path:
+    """The ``fixture`` (written by transformers) with what a released checkpoint has beside
     its weights: a ``tokenizer.json`` of at most its 128 tokens (``<unk>``, ``<s>``, ``</s>`` at
-    0, 1, 2, as its config's bos and eos; ``<s>`` before each text), ``tokenizer_config.json``,
-    ``chat_template.jinja`` and a ``generation_config.json`` of its own (sampling defaults)."""
+    0, 1, 2, as the Llama's config's bos and eos; ``<s>`` before each text),
+    ``tokenizer_config.json``, ``chat_template.jinja`` and a ``generation_config.json`` of its
+    own (sampling defaults)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    shutil.copytree(FIXTURES / "llama", path, ignore=shutil.ignore_patterns("*.npy"))
+    weights = {"config.json", "model.safetensors"}
+    shutil.copytree(FIXTURES / fixture, path, ignore=lambda _, names: set(names) - weights)
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
@@ -379,7 +381,6 @@ def save_exports(root: pathlib.Path) -> dict[str, pathlib.Path]:
     import io
 
     from mmnnx.cli import main
-    from mmnnx.train import load_tokenizer
 
     root.mkdir(parents=True, exist_ok=True)
     base = base_with_tokenizer(root / "base")
@@ -400,14 +401,67 @@ def save_exports(root: pathlib.Path) -> dict[str, pathlib.Path]:
         out[case] = root / case
         logits = from_pretrained(out[case])(jnp.asarray(TOKENS))
         np.save(root / f"{case}.npy", np.asarray(logits))
-        ids = load_tokenizer(run / "tokenizer").encode(SAMPLE).tolist()
-        expected = {"text": SAMPLE, "ids": ids, "bos_token": None, "eos_token": None,
-                    "eos_token_id": None, "chat_template": None}  # fmt: skip
-        if case == "finetune":
-            expected |= {"bos_token": "<s>", "eos_token": "</s>", "eos_token_id": 2,
-                         "chat_template": CHAT_TEMPLATE}  # fmt: skip
-        (root / f"{case}.json").write_text(json.dumps(expected, indent=2))
+        _write_expected(root / f"{case}.json", run, finetuned=case == "finetune")
     return out
+
+
+def _write_expected(path: pathlib.Path, run: pathlib.Path, *, finetuned: bool) -> None:
+    """check_exports.py's expectations of an export of ``run``: :data:`SAMPLE`, the ids the
+    run's tokenizer gives it and, ``finetuned`` (from :func:`base_with_tokenizer`), the base's
+    special tokens, chat template and eos."""
+    from mmnnx.train import load_tokenizer
+
+    ids = load_tokenizer(run / "tokenizer").encode(SAMPLE).tolist()
+    expected = {"text": SAMPLE, "ids": ids, "bos_token": None, "eos_token": None,
+                "eos_token_id": None, "chat_template": None}  # fmt: skip
+    if finetuned:
+        expected |= {"bos_token": "<s>", "eos_token": "</s>", "eos_token_id": 2,
+                     "chat_template": CHAT_TEMPLATE}  # fmt: skip
+    path.write_text(json.dumps(expected, indent=2))
+
+
+EXPORTED = ("llama", "qwen3", "qwen3-moe", "mistral", "mixtral", "gemma3", "deepseek_v3")
+"""One fixture per family: the bases of check_exports.py's and check_adapters.py's runs."""
+
+
+def save_family_exports(root: pathlib.Path) -> None:
+    """What ``mmnnx export`` writes of each family, for check_exports.py (``root``) and
+    check_adapters.py (``root/adapters``): 2 steps of ``mmnnx train --init-from``
+    :func:`base_with_tokenizer` of each of :data:`EXPORTED` over two stages, whole (exported
+    as ``<family>``) and with ``--lora-rank 2`` (exported merged as ``<family>-lora`` and, with
+    ``--adapter``, as ``adapters/<family>-adapter``, beside ``adapters/<family>-merged``, a
+    link to the merged export, and its logits); beside each export, mmnnx's logits from it
+    (``.npy``) and check_exports.py's expectations (``.json``)."""
+    import contextlib
+    import io
+
+    from mmnnx.cli import main
+
+    (root / "adapters").mkdir(parents=True, exist_ok=True)
+    (root / "text.txt").write_text(TEXT)
+    common = ["--stages", "2", "--data-axis", "1", "--model-axis", "1", "--seq-len", "16"]
+    common += ["--batch-size", "4", "--microbatches", "4", "--eval-every", "2", "--steps", "2"]
+    common += ["--eval-batches", "1", "--log-every", "1", "--timeline-step", "0", "--lr", "1e-2"]
+    common += ["--warmup-steps", "0", "--no-tensorboard", "--text", str(root / "text.txt")]
+    for family in EXPORTED:
+        base = base_with_tokenizer(root / "bases" / family, family)
+        for case, lora in ((family, []), (f"{family}-lora", ["--lora-rank", "2"])):
+            run, out = root / "runs" / case, root / case
+            with contextlib.redirect_stdout(io.StringIO()):
+                argv = ["train", *common, "--init-from", str(base), *lora, "--output-dir"]
+                assert main([*argv, str(run)]) == 0, case
+                assert main(["export", "--run", str(run), "--output", str(out)]) == 0, case
+                if lora:
+                    adapter = [
+                        "--adapter",
+                        "--output",
+                        str(root / "adapters" / f"{family}-adapter"),
+                    ]
+                    assert main(["export", "--run", str(run), *adapter]) == 0, case
+            np.save(root / f"{case}.npy", np.asarray(from_pretrained(out)(jnp.asarray(TOKENS))))
+            _write_expected(root / f"{case}.json", run, finetuned=True)
+        (root / "adapters" / f"{family}-merged").symlink_to(root / f"{family}-lora")
+        shutil.copy(root / f"{family}-lora.npy", root / "adapters" / f"{family}-merged.npy")
 
 
 def test_a_loaded_config_has_no_flat_knob_to_misread():
@@ -467,3 +521,29 @@ def jax_tree_equal(a, b) -> bool:
 
     same = jax.tree.map(lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y))), a, b)
     return all(jax.tree.leaves(same))
+
+
+def test_mmnnx_export_of_every_family_loads_in_transformers_and_peft():
+    """check_exports.py and check_adapters.py loaded what ``mmnnx export`` wrote of 2 steps of
+    ``mmnnx train --init-from`` each family (:func:`save_family_exports`, kept as
+    ``family_exports_verdict.json`` and ``family_adapters_verdict.json``): the whole run and the
+    LoRA run merged load in transformers as the family's architecture with no missing or
+    unexpected tensor, logits equal to mmnnx's, the base's tokenizer, chat template and eos;
+    the LoRA run's ``--adapter`` export loads in PEFT onto the fixture, every tensor, giving
+    the merged export's logits."""
+    exports = json.loads((FIXTURES / "family_exports_verdict.json").read_text())["cases"]
+    adapters = json.loads((FIXTURES / "family_adapters_verdict.json").read_text())["cases"]
+    assert sorted(exports) == sorted(f"{f}{lora}" for f in EXPORTED for lora in ("", "-lora"))
+    assert sorted(adapters) == sorted(EXPORTED)
+    for case, seen in exports.items():
+        failed = [check for check, passed in seen["checks"].items() if not passed]
+        assert failed == [] and seen["logits_error"] < F32, (case, failed)
+        architectures = _config(case.removesuffix("-lora"))["architectures"]
+        assert [seen["architecture"]] == seen["files"]["config.json"]["architectures"]
+        assert [seen["architecture"]] == architectures, case
+    for family, seen in adapters.items():
+        assert seen["loaded"] == seen["adapter_tensors"] > 0, family
+        assert seen["not_loaded"] == seen["lora_tensors_not_in_file"] == [], family
+        assert seen["merged_missing_keys"] == seen["merged_unexpected_keys"] == [], family
+        assert seen["peft_logits_error"] < F32 and seen["merged_logits_error"] < F32, family
+        assert seen["adapter_moves_logits"] > 100 * F32, family

@@ -7,6 +7,12 @@ transformers 5 and peft:
         t.save_adapters(pathlib.Path('/tmp/mmnnx-adapters'))"
     /work/oracle/bin/python tests/transformers_fixtures/check_adapters.py /tmp/mmnnx-adapters
 
+and ``mmnnx export --adapter`` of every family (written by ``save_family_exports``, see
+check_exports.py) into ``family_adapters_verdict.json``:
+
+    /work/oracle/bin/python tests/transformers_fixtures/check_adapters.py /tmp/fam/adapters \\
+        family_adapters_verdict.json
+
 For each fixture ``<name>`` it records the adapter's ``target_modules``, how many of its
 tensors PEFT put into the model (equal to the file's, read back from the PEFT model's state by
 value: ``renamed`` counts those PEFT keeps under another name, as transformers 5 renames
@@ -48,7 +54,7 @@ def _holder(tensor: np.ndarray, name: str, lora: dict) -> str | None:
     return next((k for k, v in lora.items() if np.array_equal(v, tensor)), None)
 
 
-def main(root: pathlib.Path) -> None:
+def main(root: pathlib.Path, verdict_name: str = "adapters_verdict.json") -> None:
     tokens = torch.tensor(json.loads((HERE / "versions.json").read_text())["tokens"])
     cases = {}
     for adapter in sorted(root.glob("*-adapter")):
@@ -92,8 +98,8 @@ def main(root: pathlib.Path) -> None:
         "torch": torch.__version__,
         "cases": cases,
     }
-    (HERE / "adapters_verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+    (HERE / verdict_name).write_text(json.dumps(verdict, indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    main(pathlib.Path(sys.argv[1]), *sys.argv[2:3])
