@@ -498,11 +498,13 @@ def test_a_yarn_qwen3s_settings_matter_and_are_written_back_as_they_were(tmp_pat
     assert json.loads((written / "config.json").read_text()) == _config("qwen3-yarn")
 
 
-def test_a_qwen3_moe_in_transformers_5s_fused_layout_reads_as_the_per_expert_one():
+def test_a_qwen3_moe_in_transformers_5s_fused_layout_reads_as_the_per_expert_one(tmp_path):
     """``qwen3-moe-fused`` (make_fixtures.py ``--fused``: transformers 5's in-memory tensors,
     ``mlp.experts.gate_up_proj`` and ``down_proj``, which it loads back: its verdict) fills every
-    Variable as the per-expert fixture does, so gives transformers' logits."""
+    Variable as the per-expert fixture does, so gives transformers' logits, and is written back
+    in the per-expert layout, the fixture's tensors."""
     from flax import nnx
+    from safetensors.numpy import load_file
 
     source = FIXTURES / "qwen3-moe-fused"
     verdict = json.loads((source / "fused_verdict.json").read_text())
@@ -514,6 +516,10 @@ def test_a_qwen3_moe_in_transformers_5s_fused_layout_reads_as_the_per_expert_one
     assert jax_tree_equal(ours, theirs)
     logits = np.load(FIXTURES / "qwen3-moe" / "logits.npy")
     assert relative_error(nnx.jit(lambda m, t: m(t))(fused, jnp.asarray(TOKENS)), logits) < F32
+    written = load_file(save_pretrained(fused, tmp_path / "m") / "model.safetensors")
+    original = load_file(FIXTURES / "qwen3-moe" / "model.safetensors")
+    assert sorted(written) == sorted(original)
+    assert all(np.array_equal(written[k], original[k]) for k in original)
 
 
 def jax_tree_equal(a, b) -> bool:
