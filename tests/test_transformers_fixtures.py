@@ -179,58 +179,90 @@ def test_the_moe_loss_follows_output_router_logits_as_transformers(tmp_path):
     np.testing.assert_allclose(aux, theirs["aux_loss"], rtol=1e-3)  # float32 cancellation
 
 
+ADAPTED = (*NAMES, "mistral", "mixtral", "gemma3", "deepseek_v3")
+"""Every family's fixture: those check_adapters.py gave PEFT."""
+
+
 def test_peft_loads_every_adapter_and_gives_the_merged_logits(tmp_path):
     """check_adapters.py loaded these adapters (written by ``save_adapters``) with PEFT onto
-    transformers 5: every tensor of the file in the model, none made up, logits equal to
-    mmnnx's merged export; a Qwen3-MoE's dense layer's MLP through ``target_parameters``."""
+    transformers 5, one per family: every tensor of the file in the model, none made up, the
+    logits moved and equal to mmnnx's merged export, which transformers loads with no missing
+    or unexpected tensor. A dense MLP beside experts (Qwen3-MoE's ``mlp_only_layers``,
+    DeepSeek-V3's first layer and shared experts) goes through ``target_parameters``: as
+    ``target_modules`` PEFT puts it onto the fused experts. Mixtral's router (``block_sparse_moe``,
+    transformers 4's name) is read by PEFT under transformers 5's ``mlp``."""
+    from safetensors import safe_open
+
     verdict = json.loads((FIXTURES / "adapters_verdict.json").read_text())
-    written = save_adapters(tmp_path)
-    assert sorted(verdict["cases"]) == sorted(NAMES)
+    written = save_adapters(tmp_path, merged=False)
+    assert sorted(verdict["cases"]) == sorted(ADAPTED)
     for name, seen in verdict["cases"].items():
-        config = json.loads((written[f"{name}-adapter"] / "adapter_config.json").read_text())
+        adapter = written[f"{name}-adapter"]
+        config = json.loads((adapter / "adapter_config.json").read_text())
         assert config["target_modules"] == seen["target_modules"], name
         assert config.get("target_parameters") == seen.get("target_parameters"), name
+        with safe_open(adapter / "adapter_model.safetensors", "np") as file:
+            assert len(list(file.keys())) == seen["adapter_tensors"], name
         assert seen["loaded"] == seen["adapter_tensors"] > 0, name
         assert seen["not_loaded"] == seen["lora_tensors_not_in_file"] == [], name
+        assert seen["merged_missing_keys"] == seen["merged_unexpected_keys"] == [], name
         assert seen["peft_logits_error"] < F32 and seen["merged_logits_error"] < F32, name
-        merged = np.load(tmp_path / f"{name}-merged.npy")  # the adapters change the logits
-        assert relative_error(merged, np.load(FIXTURES / name / "logits.npy")) > 100 * F32
-    moe = verdict["cases"]["qwen3-moe"]
-    assert moe["target_parameters"] == [
-        f"model.layers.0.mlp.{p}_proj.weight" for p in ("down", "gate", "up")
+        assert seen["adapter_moves_logits"] > 100 * F32, name
+        assert seen["renamed"] == (4 if name == "mixtral" else 0), name
+    cases = verdict["cases"]
+    dense = ("down", "gate", "up")
+    assert cases["qwen3-moe"]["target_parameters"] == [
+        f"model.layers.0.mlp.{p}_proj.weight" for p in dense
     ]
+    moe = cases["qwen3-moe"]
     assert moe["adapter_tensors"] == 2 * (2 * 4 + 1) + 2 * 3  # attention, router, dense MLP
+    deepseek = cases["deepseek_v3"]
+    assert deepseek["target_modules"] == [
+        "gate", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"
+    ]  # fmt: skip
+    assert deepseek["target_parameters"] == [
+        f"model.layers.{i}.mlp.{shared}{p}_proj.weight"
+        for i, shared in ((0, ""), (1, "shared_experts."), (2, "shared_experts."))
+        for p in dense
+    ]
+    assert "gate" in cases["mixtral"]["target_modules"]
 
 
-def save_adapters(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    """The adapters check_adapters.py gives PEFT: each fixture with LoRA on every ``Linear``
-    ``add_lora`` adapts by default (plus the router for the Qwen3-MoE), its ``b`` factors
-    random (trained adapters, not zeros), written as PEFT's adapter (``<case>-adapter``,
-    ``base_model_name_or_path`` the fixture) and merged (``<case>-merged``), with mmnnx's
-    logits of the merged model as ``<case>-merged.npy``."""
+def lora_fixture(name: str):
+    """The fixture ``name`` with LoRA (rank 2, alpha 4) on every ``Linear`` ``add_lora`` adapts
+    by default plus a mixture's router, its ``b`` factors random (a trained adapter, not zeros)."""
     import jax
     from flax import nnx
 
+    from mmnnx.modules import Linear, add_lora
+    from mmnnx.modules.lora import MOE_TARGETS, TARGETS
+
+    model = from_pretrained(FIXTURES / name)
+    names = {str(p[-1]) for p, m in nnx.iter_graph(model) if isinstance(m, Linear)}
+    targets = tuple(t for t in TARGETS + MOE_TARGETS if t in names)
+    model = add_lora(model, rank=2, alpha=4, targets=targets)
+    keys = iter(jax.random.split(jax.random.key(1), 1000))
+    for _, lora in nnx.iter_graph(model):
+        if hasattr(lora, "b") and hasattr(lora, "a") and hasattr(lora, "rank"):
+            lora.b[...] = 0.1 * jax.random.normal(next(keys), lora.b[...].shape)
+    return model
+
+
+def save_adapters(root: pathlib.Path, *, merged: bool = True) -> dict[str, pathlib.Path]:
+    """The adapters check_adapters.py gives PEFT: each of :data:`ADAPTED` as
+    :func:`lora_fixture`, written as PEFT's adapter (``<case>-adapter``,
+    ``base_model_name_or_path`` the fixture) and with ``merged`` merged (``<case>-merged``),
+    with mmnnx's logits of the merged model as ``<case>-merged.npy``."""
     from mmnnx.models import save_adapter
-    from mmnnx.modules import add_lora
 
     out = {}
-    for name in NAMES:
-        model = from_pretrained(FIXTURES / name)
-        targets = ("q", "k", "v", "out", "gate", "up", "down")
-        model = add_lora(
-            model, rank=2, alpha=4, targets=targets + (("router",) if "moe" in name else ())
-        )
-        keys = iter(jax.random.split(jax.random.key(1), 1000))
-        for _, lora in nnx.iter_graph(model):
-            if hasattr(lora, "b") and hasattr(lora, "a") and hasattr(lora, "rank"):
-                lora.b[...] = 0.1 * jax.random.normal(next(keys), lora.b[...].shape)
+    for name in ADAPTED:
+        model = lora_fixture(name)
         out[f"{name}-adapter"] = save_adapter(model, root / f"{name}-adapter")
-        merged = save_pretrained(model, root / f"{name}-merged")
-        out[f"{name}-merged"] = merged
-        np.save(
-            root / f"{name}-merged.npy", np.asarray(from_pretrained(merged)(jnp.asarray(TOKENS)))
-        )
+        if merged:
+            out[f"{name}-merged"] = path = save_pretrained(model, root / f"{name}-merged")
+            logits = from_pretrained(path)(jnp.asarray(TOKENS))
+            np.save(root / f"{name}-merged.npy", np.asarray(logits))
     return out
 
 
@@ -306,14 +338,16 @@ def test_transformers_loads_what_export_writes(tmp_path):
     assert {n: scratch["files"][n] for n in no_special} == no_special
 
 
-def base_with_tokenizer(path: pathlib.Path) -> pathlib.Path:
-    """The Llama fixture (written by transformers) with what a released checkpoint has beside
+def base_with_tokenizer(path: pathlib.Path, fixture: str = "llama") -> pathlib.Path:
+    """The ``fixture`` (written by transformers) with what a released checkpoint has beside
     its weights: a ``tokenizer.json`` of at most its 128 tokens (``<unk>``, ``<s>``, ``</s>`` at
-    0, 1, 2, as its config's bos and eos; ``<s>`` before each text), ``tokenizer_config.json``,
-    ``chat_template.jinja`` and a ``generation_config.json`` of its own (sampling defaults)."""
+    0, 1, 2, as the Llama's config's bos and eos; ``<s>`` before each text),
+    ``tokenizer_config.json``, ``chat_template.jinja`` and a ``generation_config.json`` of its
+    own (sampling defaults)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    shutil.copytree(FIXTURES / "llama", path, ignore=shutil.ignore_patterns("*.npy"))
+    weights = {"config.json", "model.safetensors"}
+    shutil.copytree(FIXTURES / fixture, path, ignore=lambda _, names: set(names) - weights)
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
@@ -347,7 +381,6 @@ def save_exports(root: pathlib.Path) -> dict[str, pathlib.Path]:
     import io
 
     from mmnnx.cli import main
-    from mmnnx.train import load_tokenizer
 
     root.mkdir(parents=True, exist_ok=True)
     base = base_with_tokenizer(root / "base")
@@ -368,14 +401,67 @@ def save_exports(root: pathlib.Path) -> dict[str, pathlib.Path]:
         out[case] = root / case
         logits = from_pretrained(out[case])(jnp.asarray(TOKENS))
         np.save(root / f"{case}.npy", np.asarray(logits))
-        ids = load_tokenizer(run / "tokenizer").encode(SAMPLE).tolist()
-        expected = {"text": SAMPLE, "ids": ids, "bos_token": None, "eos_token": None,
-                    "eos_token_id": None, "chat_template": None}  # fmt: skip
-        if case == "finetune":
-            expected |= {"bos_token": "<s>", "eos_token": "</s>", "eos_token_id": 2,
-                         "chat_template": CHAT_TEMPLATE}  # fmt: skip
-        (root / f"{case}.json").write_text(json.dumps(expected, indent=2))
+        _write_expected(root / f"{case}.json", run, finetuned=case == "finetune")
     return out
+
+
+def _write_expected(path: pathlib.Path, run: pathlib.Path, *, finetuned: bool) -> None:
+    """check_exports.py's expectations of an export of ``run``: :data:`SAMPLE`, the ids the
+    run's tokenizer gives it and, ``finetuned`` (from :func:`base_with_tokenizer`), the base's
+    special tokens, chat template and eos."""
+    from mmnnx.train import load_tokenizer
+
+    ids = load_tokenizer(run / "tokenizer").encode(SAMPLE).tolist()
+    expected = {"text": SAMPLE, "ids": ids, "bos_token": None, "eos_token": None,
+                "eos_token_id": None, "chat_template": None}  # fmt: skip
+    if finetuned:
+        expected |= {"bos_token": "<s>", "eos_token": "</s>", "eos_token_id": 2,
+                     "chat_template": CHAT_TEMPLATE}  # fmt: skip
+    path.write_text(json.dumps(expected, indent=2))
+
+
+EXPORTED = ("llama", "qwen3", "qwen3-moe", "mistral", "mixtral", "gemma3", "deepseek_v3")
+"""One fixture per family: the bases of check_exports.py's and check_adapters.py's runs."""
+
+
+def save_family_exports(root: pathlib.Path) -> None:
+    """What ``mmnnx export`` writes of each family, for check_exports.py (``root``) and
+    check_adapters.py (``root/adapters``): 2 steps of ``mmnnx train --init-from``
+    :func:`base_with_tokenizer` of each of :data:`EXPORTED` over two stages, whole (exported
+    as ``<family>``) and with ``--lora-rank 2`` (exported merged as ``<family>-lora`` and, with
+    ``--adapter``, as ``adapters/<family>-adapter``, beside ``adapters/<family>-merged``, a
+    link to the merged export, and its logits); beside each export, mmnnx's logits from it
+    (``.npy``) and check_exports.py's expectations (``.json``)."""
+    import contextlib
+    import io
+
+    from mmnnx.cli import main
+
+    (root / "adapters").mkdir(parents=True, exist_ok=True)
+    (root / "text.txt").write_text(TEXT)
+    common = ["--stages", "2", "--data-axis", "1", "--model-axis", "1", "--seq-len", "16"]
+    common += ["--batch-size", "4", "--microbatches", "4", "--eval-every", "2", "--steps", "2"]
+    common += ["--eval-batches", "1", "--log-every", "1", "--timeline-step", "0", "--lr", "1e-2"]
+    common += ["--warmup-steps", "0", "--no-tensorboard", "--text", str(root / "text.txt")]
+    for family in EXPORTED:
+        base = base_with_tokenizer(root / "bases" / family, family)
+        for case, lora in ((family, []), (f"{family}-lora", ["--lora-rank", "2"])):
+            run, out = root / "runs" / case, root / case
+            with contextlib.redirect_stdout(io.StringIO()):
+                argv = ["train", *common, "--init-from", str(base), *lora, "--output-dir"]
+                assert main([*argv, str(run)]) == 0, case
+                assert main(["export", "--run", str(run), "--output", str(out)]) == 0, case
+                if lora:
+                    adapter = [
+                        "--adapter",
+                        "--output",
+                        str(root / "adapters" / f"{family}-adapter"),
+                    ]
+                    assert main(["export", "--run", str(run), *adapter]) == 0, case
+            np.save(root / f"{case}.npy", np.asarray(from_pretrained(out)(jnp.asarray(TOKENS))))
+            _write_expected(root / f"{case}.json", run, finetuned=True)
+        (root / "adapters" / f"{family}-merged").symlink_to(root / f"{family}-lora")
+        shutil.copy(root / f"{family}-lora.npy", root / "adapters" / f"{family}-merged.npy")
 
 
 def test_a_loaded_config_has_no_flat_knob_to_misread():
@@ -410,3 +496,60 @@ def test_a_yarn_qwen3s_settings_matter_and_are_written_back_as_they_were(tmp_pat
     assert relative_error(from_pretrained(plain)(jnp.asarray(TOKENS)), theirs) > 1e-3
     written = save_pretrained(from_pretrained(path), tmp_path / "again")
     assert json.loads((written / "config.json").read_text()) == _config("qwen3-yarn")
+
+
+def test_a_qwen3_moe_in_transformers_5s_fused_layout_reads_as_the_per_expert_one(tmp_path):
+    """``qwen3-moe-fused`` (make_fixtures.py ``--fused``: transformers 5's in-memory tensors,
+    ``mlp.experts.gate_up_proj`` and ``down_proj``, which it loads back: its verdict) fills every
+    Variable as the per-expert fixture does, so gives transformers' logits, and is written back
+    in the per-expert layout, the fixture's tensors."""
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    source = FIXTURES / "qwen3-moe-fused"
+    verdict = json.loads((source / "fused_verdict.json").read_text())
+    assert verdict["missing"] == verdict["unexpected"] == [] and verdict["logits_error"] < F32
+    assert verdict["tensors"]["model.layers.1.mlp.experts.gate_up_proj"] == [4, 2 * 16, 32]
+    assert not any(".experts.0." in name for name in verdict["tensors"])
+    fused, per_expert = from_pretrained(source), from_pretrained(FIXTURES / "qwen3-moe")
+    ours, theirs = nnx.state(fused, nnx.Param), nnx.state(per_expert, nnx.Param)
+    assert jax_tree_equal(ours, theirs)
+    logits = np.load(FIXTURES / "qwen3-moe" / "logits.npy")
+    assert relative_error(nnx.jit(lambda m, t: m(t))(fused, jnp.asarray(TOKENS)), logits) < F32
+    written = load_file(save_pretrained(fused, tmp_path / "m") / "model.safetensors")
+    original = load_file(FIXTURES / "qwen3-moe" / "model.safetensors")
+    assert sorted(written) == sorted(original)
+    assert all(np.array_equal(written[k], original[k]) for k in original)
+
+
+def jax_tree_equal(a, b) -> bool:
+    import jax
+
+    same = jax.tree.map(lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y))), a, b)
+    return all(jax.tree.leaves(same))
+
+
+def test_mmnnx_export_of_every_family_loads_in_transformers_and_peft():
+    """check_exports.py and check_adapters.py loaded what ``mmnnx export`` wrote of 2 steps of
+    ``mmnnx train --init-from`` each family (:func:`save_family_exports`, kept as
+    ``family_exports_verdict.json`` and ``family_adapters_verdict.json``): the whole run and the
+    LoRA run merged load in transformers as the family's architecture with no missing or
+    unexpected tensor, logits equal to mmnnx's, the base's tokenizer, chat template and eos;
+    the LoRA run's ``--adapter`` export loads in PEFT onto the fixture, every tensor, giving
+    the merged export's logits."""
+    exports = json.loads((FIXTURES / "family_exports_verdict.json").read_text())["cases"]
+    adapters = json.loads((FIXTURES / "family_adapters_verdict.json").read_text())["cases"]
+    assert sorted(exports) == sorted(f"{f}{lora}" for f in EXPORTED for lora in ("", "-lora"))
+    assert sorted(adapters) == sorted(EXPORTED)
+    for case, seen in exports.items():
+        failed = [check for check, passed in seen["checks"].items() if not passed]
+        assert failed == [] and seen["logits_error"] < F32, (case, failed)
+        architectures = _config(case.removesuffix("-lora"))["architectures"]
+        assert [seen["architecture"]] == seen["files"]["config.json"]["architectures"]
+        assert [seen["architecture"]] == architectures, case
+    for family, seen in adapters.items():
+        assert seen["loaded"] == seen["adapter_tensors"] > 0, family
+        assert seen["not_loaded"] == seen["lora_tensors_not_in_file"] == [], family
+        assert seen["merged_missing_keys"] == seen["merged_unexpected_keys"] == [], family
+        assert seen["peft_logits_error"] < F32 and seen["merged_logits_error"] < F32, family
+        assert seen["adapter_moves_logits"] > 100 * F32, family

@@ -7,11 +7,20 @@ transformers 5 and peft:
         t.save_adapters(pathlib.Path('/tmp/mmnnx-adapters'))"
     /work/oracle/bin/python tests/transformers_fixtures/check_adapters.py /tmp/mmnnx-adapters
 
+and ``mmnnx export --adapter`` of every family (written by ``save_family_exports``, see
+check_exports.py) into ``family_adapters_verdict.json``:
+
+    /work/oracle/bin/python tests/transformers_fixtures/check_adapters.py /tmp/fam/adapters \\
+        family_adapters_verdict.json
+
 For each fixture ``<name>`` it records the adapter's ``target_modules``, how many of its
-tensors PEFT put into the model (equal to the file's, read back from the PEFT model's state),
-the tensors it did not, and the largest difference between the logits of the fixture with the
+tensors PEFT put into the model (equal to the file's, read back from the PEFT model's state by
+value: ``renamed`` counts those PEFT keeps under another name, as transformers 5 renames
+Mixtral's ``block_sparse_moe`` to ``mlp``), the tensors it did not, how much the adapter moves
+the fixture's logits, and the largest difference between the logits of the fixture with the
 adapter applied by PEFT and mmnnx's logits of its merged export (``<name>-merged.npy``),
-relative to the largest logit; also those of the merged export loaded in transformers.
+relative to the largest logit; also those of the merged export loaded in transformers, with the
+tensors transformers missed or did not expect there.
 """
 
 import json
@@ -31,36 +40,56 @@ HERE = pathlib.Path(__file__).parent
 
 def _error(model, tokens, ours) -> float:
     with torch.no_grad():
-        theirs = model(tokens).logits.numpy().astype(np.float64)
+        return _relative(ours, model(tokens).logits.numpy().astype(np.float64))
+
+
+def _relative(ours: np.ndarray, theirs: np.ndarray) -> float:
     return float(np.abs(theirs - ours).max() / np.abs(theirs).max())
 
 
-def main(root: pathlib.Path) -> None:
+def _holder(tensor: np.ndarray, name: str, lora: dict) -> str | None:
+    """The name of the PEFT model's tensor holding ``tensor`` (``name`` first, else by value)."""
+    if name in lora and np.array_equal(lora[name], tensor):
+        return name
+    return next((k for k, v in lora.items() if np.array_equal(v, tensor)), None)
+
+
+def main(root: pathlib.Path, verdict_name: str = "adapters_verdict.json") -> None:
     tokens = torch.tensor(json.loads((HERE / "versions.json").read_text())["tokens"])
     cases = {}
     for adapter in sorted(root.glob("*-adapter")):
         name = adapter.name.removesuffix("-adapter")
         ours = np.load(root / f"{name}-merged.npy").astype(np.float64)
+        base_model = AutoModelForCausalLM.from_pretrained(HERE / name, dtype=torch.float32).eval()
+        with torch.no_grad():
+            before = base_model(tokens).logits.numpy().astype(np.float64)
         base = AutoModelForCausalLM.from_pretrained(HERE / name, dtype=torch.float32)
         model = PeftModel.from_pretrained(base, adapter).eval()
+        with torch.no_grad():
+            peft_logits = model(tokens).logits.numpy().astype(np.float64)
         state = {k.replace(".default", ""): v for k, v in model.state_dict().items()}
         stored = load_file(adapter / "adapter_model.safetensors")
-        loaded = [
-            n for n, t in stored.items() if n in state and np.array_equal(state[n].numpy(), t)
-        ]
-        missing = sorted(set(stored) - set(loaded))
-        extra = sorted(k for k in state if "lora_" in k and k not in stored)
-        merged = AutoModelForCausalLM.from_pretrained(root / f"{name}-merged", dtype=torch.float32)
+        lora = {k: v.numpy() for k, v in state.items() if "lora_" in k}
+        placed = {n: _holder(t, n, lora) for n, t in stored.items()}
+        missing = sorted(n for n, k in placed.items() if k is None)
+        extra = sorted(set(lora) - set(placed.values()))
+        merged, info = AutoModelForCausalLM.from_pretrained(
+            root / f"{name}-merged", dtype=torch.float32, output_loading_info=True
+        )
         config = json.loads((adapter / "adapter_config.json").read_text())
         cases[name] = {
             "target_modules": config["target_modules"],
             "target_parameters": config.get("target_parameters"),
             "adapter_tensors": len(stored),
-            "loaded": len(loaded),
+            "loaded": len(stored) - len(missing),
+            "renamed": sum(k is not None and k != n for n, k in placed.items()),
             "not_loaded": missing[:8],
             "lora_tensors_not_in_file": extra[:8],
+            "adapter_moves_logits": _relative(peft_logits, before),
             "peft_logits_error": _error(model, tokens, ours),
             "merged_logits_error": _error(merged.eval(), tokens, ours),
+            "merged_missing_keys": sorted(info["missing_keys"])[:8],
+            "merged_unexpected_keys": sorted(info["unexpected_keys"])[:8],
         }
         print(name, {k: v for k, v in cases[name].items() if not k.startswith("target_")})
     verdict = {
@@ -69,8 +98,8 @@ def main(root: pathlib.Path) -> None:
         "torch": torch.__version__,
         "cases": cases,
     }
-    (HERE / "adapters_verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+    (HERE / verdict_name).write_text(json.dumps(verdict, indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    main(pathlib.Path(sys.argv[1]), *sys.argv[2:3])

@@ -7,6 +7,14 @@ torch and transformers 5:
         tests.test_transformers_fixtures as t; t.save_exports(pathlib.Path('/tmp/mmnnx-exports'))"
     /work/oracle/bin/python tests/transformers_fixtures/check_exports.py /tmp/mmnnx-exports
 
+and, for ``mmnnx export`` of every family (the whole run and the LoRA run merged; their
+adapters: check_adapters.py), into ``family_exports_verdict.json``:
+
+    /work/main/.venv/bin/python -c "import conftest, pathlib, \\
+        tests.test_transformers_fixtures as t; t.save_family_exports(pathlib.Path('/tmp/fam'))"
+    /work/oracle/bin/python tests/transformers_fixtures/check_exports.py /tmp/fam \\
+        family_exports_verdict.json
+
 For each export ``<case>`` (beside it ``<case>.npy``, mmnnx's logits from it, and ``<case>.json``,
 a sample text, the ids the run's tokenizer gives it and what should be read) it records the
 tensors ``AutoModelForCausalLM.from_pretrained`` missed or did not expect, the largest
@@ -29,7 +37,7 @@ HERE = pathlib.Path(__file__).parent
 SMALL = ("config.json", "generation_config.json", "tokenizer_config.json")
 
 
-def main(root: pathlib.Path) -> None:
+def main(root: pathlib.Path, verdict_name: str = "exports_verdict.json") -> None:
     tokens = torch.tensor(json.loads((HERE / "versions.json").read_text())["tokens"])
     cases = {}
     for case in sorted(p for p in root.iterdir() if p.is_dir() and p.with_suffix(".npy").exists()):
@@ -98,8 +106,8 @@ def main(root: pathlib.Path) -> None:
         cases[case.name] = seen
         print(case.name, seen["checks"], f"{seen['logits_error']:.2e}")
     verdict = {"transformers": transformers.__version__, "torch": torch.__version__, "cases": cases}
-    (HERE / "exports_verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+    (HERE / verdict_name).write_text(json.dumps(verdict, indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    main(pathlib.Path(sys.argv[1]), *sys.argv[2:3])

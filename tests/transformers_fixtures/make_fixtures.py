@@ -9,11 +9,15 @@ It rewrites ``tests/transformers_fixtures/<name>/`` (``config.json``, ``model.sa
 ``generation_config.json`` as transformers writes them) and ``<name>/logits.npy``
 (float32, ``(2, 16, vocab)``, for :data:`TOKENS`), plus ``versions.json``. The tests read
 them (tests/test_transformers_fixtures.py).
+
+``--fused`` writes ``qwen3-moe-fused/`` (see :func:`write_fused`): the Qwen3-MoE's weights in
+the fused layout transformers 5 also loads.
 """
 
 import json
 import pathlib
 import shutil
+import sys
 
 import numpy as np
 import torch
@@ -186,5 +190,41 @@ def main() -> None:
     )
 
 
+def write_fused() -> None:
+    """``qwen3-moe-fused/``: the Qwen3-MoE fixture's weights under the names transformers 5
+    holds in memory (each MoE layer's ``mlp.experts.gate_up_proj`` and ``down_proj``, every
+    expert in one 3-D tensor; the dense layer's ``mlp.gate_proj``...), written with safetensors
+    beside its ``config.json``; ``fused_verdict.json``: the tensors, what transformers 5 loads
+    from it (missing and unexpected tensors) and the largest difference of its logits from the
+    fixture's ``logits.npy``, relative to the largest logit."""
+    from safetensors.torch import save_file
+
+    model = Qwen3MoeForCausalLM.from_pretrained(HERE / "qwen3-moe", dtype=torch.float32).eval()
+    out = HERE / "qwen3-moe-fused"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(HERE / "qwen3-moe" / "config.json", out / "config.json")
+    again, info = Qwen3MoeForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True
+    )
+    with torch.no_grad():
+        theirs = again.eval()(torch.tensor(TOKENS)).logits.numpy().astype(np.float64)
+    expected = np.load(HERE / "qwen3-moe" / "logits.npy").astype(np.float64)
+    verdict = {
+        "transformers": transformers.__version__,
+        "tensors": {k: list(v.shape) for k, v in sorted(state.items())},
+        "missing": sorted(info["missing_keys"]),
+        "unexpected": sorted(info["unexpected_keys"]),
+        "logits_error": float(np.abs(theirs - expected).max() / np.abs(expected).max()),
+    }
+    (out / "fused_verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+    print(verdict)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--fused"]:
+        write_fused()
+    else:
+        main()

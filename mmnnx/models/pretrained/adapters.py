@@ -84,7 +84,10 @@ def peft_targets(
     """``adapter_config.json``'s targets for the modules ``adapted`` among all the ``modules``:
     a bare name where it adapts every module of that name, else the full names; with
     ``experts``, :data:`EXPERT_MLP` as ``target_parameters`` (transformers 5's PEFT maps every
-    ``target_modules`` entry ending in those onto the fused experts).
+    ``target_modules`` entry ending in those onto the fused experts, even the full name of a
+    dense layer's or a shared expert's; as ``target_parameters`` it adapts that ``Linear``'s
+    weight alone: Qwen3-MoE's ``mlp_only_layers``, DeepSeek-V3's first dense layers and shared
+    experts, checked by tests/transformers_fixtures/check_adapters.py).
 
     Example:
         >>> mods = {f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("up_proj", "gate")}

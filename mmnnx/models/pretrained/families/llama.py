@@ -1,6 +1,10 @@
 """Llama, Qwen3 and Qwen3-MoE: one attention in every layer, a SiLU-gated MLP or Qwen3-MoE's
 experts, RMSNorm; how their ``config.json`` becomes a ``GPTConfig`` and back, and which
-checkpoint tensor fills which ``GPT`` Variable."""
+checkpoint tensor fills which ``GPT`` Variable. Qwen3-MoE's experts are read in the published
+per-expert layout (``mlp.experts.{e}.gate_proj``..., the names mmnnx writes) or in the fused
+layout transformers 5 holds in memory and also loads (``mlp.experts.gate_up_proj``
+``(experts, 2 * moe_intermediate, hidden)``: gate's rows then up's, ``mlp.experts.down_proj``
+``(experts, hidden, moe_intermediate)``)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from typing import Any, ClassVar
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
-from mmnnx.models.pretrained.names import TensorRule
+from mmnnx.models.pretrained.names import Part, TensorRule
 from mmnnx.modules import (
     AttentionConfig,
     BlockConfig,
@@ -54,6 +58,21 @@ _MOE_LAYER = (  # a MoE layer's router and experts (Qwen3-MoE), stacked over the
             T,
         )
         for name in ("gate", "up", "down")
+    ),
+)
+_FUSED = (0, 2, 1)  # (experts, out, in) on disk, (experts, in, out) as the stacked kernels
+_MOE_FUSED_LAYER = (  # read only: transformers 5's in-memory layout, every expert in one
+    *(
+        TensorRule(
+            "model.layers.{layer}.mlp.experts.gate_up_proj",
+            f"blocks/{{layer}}/mlp/experts/{name}",
+            _FUSED,
+            part=Part(axis=1, index=i, count=2),  # gate's rows, then up's
+        )
+        for i, name in enumerate(("gate", "up"))
+    ),
+    TensorRule(
+        "model.layers.{layer}.mlp.experts.down_proj", "blocks/{layer}/mlp/experts/down", _FUSED
     ),
 )
 _HEAD = TensorRule("lm_head.weight", "head/kernel", T)
@@ -103,7 +122,7 @@ class Qwen3MoeFeedForward(DenseFeedForward):
         *("num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"),
         *("decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"),
     )
-    rules: ClassVar[tuple[TensorRule, ...]] = _MOE_LAYER
+    rules: ClassVar[tuple[TensorRule, ...]] = _MOE_LAYER + _MOE_FUSED_LAYER
     experts: ClassVar[bool] = True
 
     def read(self, keys: dict[str, Any], depth: int) -> tuple[FeedForward, ...]:
@@ -285,9 +304,9 @@ class Family:
             >>> [r.variable for r in rules if "q_norm" in r.tensor]
             ['blocks/{layer}/attn/q_norm/scale']
             >>> moe = GPTConfig(qk_norm=True, experts=8, scan_layers=True)
-            >>> rule = QWEN3_MOE.tensor_rules(moe)[-2]
-            >>> rule.variable, rule.stacked  # every layer's experts in one Variable
-            ('blocks/mlp/experts/down', ('layer', 'expert'))
+            >>> down = [r for r in QWEN3_MOE.tensor_rules(moe) if "experts/down" in str(r.variable)]
+            >>> [r.stacked for r in down]  # every layer's experts in one: per expert, or fused
+            [('layer', 'expert'), ('layer',)]
         """
         qk_norm = any(getattr(b.attention, "qk_norm", False) for b in config.block_configs)
         layer = _LAYER + (_QK_NORM if qk_norm else ()) + self.feed_forward.rules
