@@ -87,8 +87,8 @@ class Model:
     )
     init_from: str | None = option(
         None,
-        "fine-tune a Hugging Face checkpoint directory (LlamaForCausalLM, Qwen3ForCausalLM, "
-        "Qwen3MoeForCausalLM or DeepseekV3ForCausalLM): "
+        "fine-tune a Hugging Face checkpoint directory of a family docs/pretrained.md lists "
+        "(Llama, Qwen3, Qwen3-MoE, Mistral, Mixtral, Gemma 3, gpt-oss, DeepSeek-V3 / Kimi K2): "
         "its config.json gives the architecture (no --dim, --depth, --heads, --gated-mlp, "
         "--tokenizer, --vocab-size with it), its safetensors the weights, read straight onto "
         "the stages, its tokenizer.json the tokenizer",
