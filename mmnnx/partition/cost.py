@@ -16,6 +16,7 @@ assumption.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 from mmnnx.models.gpt import GPTConfig
@@ -67,24 +68,54 @@ DEVICES = {
     # H100 SXM5: 989.4 TFLOP/s dense BF16, 80 GB HBM3, NVLink 4 900 GB/s per GPU both ways
     # (nvidia.com/en-us/data-center/h100, datasheet); 8 per HGX node, one 400 Gb/s
     # ConnectX-7 NIC per GPU (DGX H100 user guide): 50 GB/s one way.
-    "h100": DeviceSpec(name="h100", flops=989e12, memory=80 * 10**9, intra_bandwidth=450e9,
-                       inter_bandwidth=50e9, node_size=8),  # fmt: skip
+    "h100": DeviceSpec(
+        name="h100",
+        flops=989e12,
+        memory=80 * 10**9,
+        intra_bandwidth=450e9,
+        inter_bandwidth=50e9,
+        node_size=8,
+    ),  # fmt: skip
     # H200 SXM: H100's compute, 141 GB HBM3e (nvidia.com/en-us/data-center/h200).
-    "h200": DeviceSpec(name="h200", flops=989e12, memory=141 * 10**9, intra_bandwidth=450e9,
-                       inter_bandwidth=50e9, node_size=8),  # fmt: skip
+    "h200": DeviceSpec(
+        name="h200",
+        flops=989e12,
+        memory=141 * 10**9,
+        intra_bandwidth=450e9,
+        inter_bandwidth=50e9,
+        node_size=8,
+    ),  # fmt: skip
     # H800 SXM: H100's compute, NVLink cut to 400 GB/s both ways; DeepSeek-V3's cluster: 8 per
     # node, 400 Gb/s InfiniBand per GPU (DeepSeek-V3 technical report, arXiv:2412.19437, 3.1).
-    "h800": DeviceSpec(name="h800", flops=989e12, memory=80 * 10**9, intra_bandwidth=200e9,
-                       inter_bandwidth=50e9, node_size=8),  # fmt: skip
+    "h800": DeviceSpec(
+        name="h800",
+        flops=989e12,
+        memory=80 * 10**9,
+        intra_bandwidth=200e9,
+        inter_bandwidth=50e9,
+        node_size=8,
+    ),  # fmt: skip
     # A100 SXM 80GB: 312 TFLOP/s dense BF16, NVLink 3 600 GB/s both ways, 200 Gb/s HDR per GPU
     # (nvidia.com/en-us/data-center/a100, DGX A100 user guide).
-    "a100": DeviceSpec(name="a100", flops=312e12, memory=80 * 10**9, intra_bandwidth=300e9,
-                       inter_bandwidth=25e9, node_size=8),  # fmt: skip
+    "a100": DeviceSpec(
+        name="a100",
+        flops=312e12,
+        memory=80 * 10**9,
+        intra_bandwidth=300e9,
+        inter_bandwidth=25e9,
+        node_size=8,
+    ),  # fmt: skip
     # TPU v5p: 459 TFLOP/s BF16, 95 GB HBM, ICI 4,800 Gb/s per chip over 6 links (a ring along
     # one axis uses 2: 200 GB/s one way); a pod of 8,960 chips is one ICI domain
     # (cloud.google.com/tpu/docs/v5p).
-    "tpu-v5p": DeviceSpec(name="tpu-v5p", flops=459e12, memory=95 * 10**9,
-                          intra_bandwidth=200e9, inter_bandwidth=25e9, node_size=8960),  # fmt: skip
+    "tpu-v5p": DeviceSpec(
+        name="tpu-v5p",
+        flops=459e12,
+        memory=95 * 10**9,
+        intra_bandwidth=200e9,
+        inter_bandwidth=25e9,
+        node_size=8960,
+    ),  # fmt: skip
 }
 """The devices ``mmnnx plan --device`` knows, with their sources."""
 
@@ -146,11 +177,15 @@ class Layout:
         """The devices the layout spans."""
         return self.stages * self.data * self.tensor * self.expert
 
-    def memory_layout(self) -> MemoryLayout:
-        """The :class:`~mmnnx.partition.MemoryLayout` of its axes."""
+    def memory_layout(self, config: GPTConfig | None = None) -> MemoryLayout:
+        """The :class:`~mmnnx.partition.MemoryLayout` of its axes (with ``config``, its blocks
+        split as :func:`stage_blocks` splits them)."""
+        blocks = None
+        if config is not None:
+            blocks = stage_blocks(config, self.stages * self.virtual_stages)
         return MemoryLayout(stages=self.stages, data=self.data, tensor=self.tensor,
                             expert=self.expert, fsdp=self.fsdp,
-                            virtual_stages=self.virtual_stages)  # fmt: skip
+                            virtual_stages=self.virtual_stages, blocks=blocks)  # fmt: skip
 
     def text(self) -> str:
         """The layout as ``--layout`` reads it.
@@ -162,6 +197,18 @@ class Layout:
         return (f"pp={self.stages},dp={self.data},tp={self.tensor},ep={self.expert},"
                 f"fsdp={self.fsdp},v={self.virtual_stages},schedule={self.schedule},"
                 f"microbatches={self.microbatches},remat={self.remat}")  # fmt: skip
+
+
+@functools.cache
+def stage_blocks(config: GPTConfig, count: int) -> tuple[int, ...]:
+    """The blocks of each of ``count`` model stages, balanced by parameters as
+    ``stage_rules`` balances them (the tensor axis divides every block alike), computed once.
+
+    Example:
+        >>> stage_blocks(GPTConfig(depth=4), 2)
+        (2, 2)
+    """
+    return tuple(default_blocks(config, count))
 
 
 def attention_flops(att, dim: int, seq: int) -> float:
@@ -285,7 +332,7 @@ def stage_action_costs(
     act, param = DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.param_dtype]
     tokens = batch / lay.microbatches / (d * e) * seq  # of one microbatch, on one device
     speed = device.flops * device.efficiency
-    sizes = default_blocks(config, count, lay.memory_layout())
+    sizes = stage_blocks(config, count)
     starts = [sum(sizes[:s]) for s in range(count)]
     tp_bw, ep_bw = device.bandwidth(t), device.bandwidth(t * e)
     data_bw = device.bandwidth(t * e * d)
