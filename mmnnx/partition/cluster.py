@@ -160,8 +160,8 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
 
     Example:
         >>> from mmnnx.partition.cost import DEVICES
-        >>> assumptions(DEVICES["h100"], ENGINE)[0]
-        'h100: 989 TFLOP/s peak dense bf16, 70% reached on the model FLOPs (one number for every device and model)'
+        >>> assumptions(DEVICES["h100"], ENGINE)[0][:60]
+        'h100: 989 TFLOP/s peak dense bf16, 70% reached on the model '
     """
     per = {"microbatch": "in every backward (mmnnx's engine)", "step": "once per step"}
     return [

@@ -265,15 +265,16 @@ class _Residuals:
 
 def _block_residuals(
     block: BlockConfig, dim: int, tokens: float, seq: int, lay: MemoryLayout, dtype: int,
-    remat: str, *, fused: bool = False,
+    remat: str, *, reference: bool = False,
 ) -> _Residuals:  # fmt: skip
     """What one block's forward keeps for its backward, in bytes per device per microbatch of
     ``tokens`` tokens per device (the backward recomputes arithmetic and layout ops from them,
     so these are the block's input, its matmuls' and softmax's outputs, and norm statistics;
-    a ``fused`` attention keeps no probabilities, only their statistics)."""
+    as a ``reference`` framework runs it, a fused attention keeps no probabilities and an
+    expert axis pads no slots)."""
     tp = lay.tensor
     projections, heads = _attention_residuals(block.attention, dim, tokens, tp, dtype)
-    scores = 0 if fused else tokens * heads * seq * _F32  # the softmax's probabilities
+    scores = 0 if reference else tokens * heads * seq * _F32  # the softmax's probabilities
     stats = tokens * (_STATS_PER_TOKEN + 2 * heads) * _F32  # norms' rsqrt; softmax max, sum
     residual = 2 * tokens * dim * dtype  # the block's input and its sum after attention
     ff = block.feed_forward
@@ -284,7 +285,7 @@ def _block_residuals(
                        * ff.num_experts)  # fmt: skip
         hidden, local = ff.hidden / tp, ff.num_experts / lay.expert
         # with an expert axis, a padded slot for every assignment at each of its devices
-        slots = rows * lay.expert if lay.expert > 1 else rows
+        slots = rows * lay.expert if lay.expert > 1 and not reference else rows
         feed = (
             tokens * ff.num_experts * _F32  # the router's probabilities
             + slots * dim * dtype * 4.25  # sent (and its mask), received, sorted, returned
@@ -405,7 +406,7 @@ def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool) -> _Stage
     weights = sum((_block_weights(b, dim, lay, shapes.pack_limit, param_bytes) for b in layers),
                   _Weights())  # fmt: skip
     res = [_block_residuals(b, dim, tokens, shapes.seq, lay, dtype, shapes.remat,
-                            fused=shapes.reference) for b in layers]  # fmt: skip
+                            reference=shapes.reference) for b in layers]  # fmt: skip
     block_full, block_kept = max(r.full for r in res), max(r.kept for r in res)
     kept = sum(r.kept for r in res)
     full = sum(r.full for r in res)
@@ -456,7 +457,8 @@ def predict_memory(
     docs/memory.md. ``reference``: charge what a reference framework (Megatron, torchtitan:
     the published runs) holds instead of this engine: gradients split as the parameters are
     (over ``tensor``, ``expert`` and, reduce-scattered, ``fsdp``), a fused attention that
-    keeps no probabilities, a backward's workspace of one block at a time, each microbatch's
+    keeps no probabilities, experts exchanging only the tokens routed to them (no padded
+    slots), a backward's workspace of one block at a time, each microbatch's
     gradients accumulated in place, nothing packed.
 
     Example:
