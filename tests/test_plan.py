@@ -17,7 +17,7 @@ from mmnnx.partition.cost import (
     DEVICES,
     ENGINE,
     PUBLISHED,
-    Layout,
+    ClusterLayout,
     model_flops_per_token,
 )
 from mmnnx.partition.memory import MemoryLayout, predict_memory
@@ -76,7 +76,7 @@ def test_deepseek_v3_published_setup_evaluated():
     fixture = json.loads((FIXTURES / "deepseek-v3.json").read_text())
     run = fixture["run"]
     config = _config("deepseek-v3", run["seq_len"])
-    step = evaluate(config, Layout(**parse_layout(run["layout"])), DEVICES["h800"],
+    step = evaluate(config, ClusterLayout(**parse_layout(run["layout"])), DEVICES["h800"],
                     batch=run["batch"], seq=run["seq_len"], collectives=PUBLISHED)  # fmt: skip
     assert step.fits and step.layout.devices == run["gpus"]
     per_gpu = step.tokens_per_second / run["gpus"]
@@ -102,7 +102,7 @@ def test_small_search_engine_costs_and_errors():
     h100 = DEVICES["h100"]
     best = plan_cluster(config, 8, h100, batch=16, seq=8)
     assert best.fits and best.layout.devices == 8
-    lay = Layout(stages=2, data=4, microbatches=2)
+    lay = ClusterLayout(stages=2, data=4, microbatches=2)
     engine = evaluate(config, lay, h100, batch=16, seq=8)
     once = evaluate(config, lay, h100, batch=16, seq=8, collectives=PUBLISHED)
     assert engine.step_seconds > once.step_seconds  # a gradient all-reduce per microbatch

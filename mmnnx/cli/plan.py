@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from mmnnx.errors import NoCandidateError  # noqa: PLC0415
     from mmnnx.models.pretrained import CheckpointError, pretrained_config  # noqa: PLC0415
     from mmnnx.partition.cluster import evaluate, parse_layout, plan_cluster  # noqa: PLC0415
-    from mmnnx.partition.cost import DEVICES, ENGINE, PUBLISHED, Layout  # noqa: PLC0415
+    from mmnnx.partition.cost import DEVICES, ENGINE, PUBLISHED, ClusterLayout  # noqa: PLC0415
     from mmnnx.tuning import parse_bytes  # noqa: PLC0415
 
     try:
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     collectives = PUBLISHED if options.collectives == "published" else ENGINE
     try:
         if _complete(fixed, options.devices):
-            step = evaluate(config, Layout(**fixed), device, batch=batch, seq=seq,
+            step = evaluate(config, ClusterLayout(**fixed), device, batch=batch, seq=seq,
                             collectives=collectives)  # fmt: skip
         else:
             step = plan_cluster(config, options.devices, device, batch=batch, seq=seq,
@@ -144,9 +144,9 @@ def run(args: argparse.Namespace) -> int:
 def _complete(fixed: dict, devices: int) -> bool:
     """Whether ``--layout`` gives every field (and its axes span ``devices``): evaluated as
     given, nothing searched."""
-    from mmnnx.partition.cost import Layout  # noqa: PLC0415
+    from mmnnx.partition.cost import ClusterLayout  # noqa: PLC0415
 
-    every = {f.name for f in dataclasses.fields(Layout)}
+    every = {f.name for f in dataclasses.fields(ClusterLayout)}
     if set(fixed) != every:
         return False
     span = fixed["stages"] * fixed["data"] * fixed["tensor"] * fixed["expert"]

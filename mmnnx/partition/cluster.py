@@ -17,9 +17,9 @@ from mmnnx.modules import MoEConfig
 from mmnnx.mpmd import schedules as sched
 from mmnnx.partition.cost import (
     ENGINE,
+    ClusterLayout,
     Collectives,
     DeviceSpec,
-    Layout,
     StepCost,
     stage_action_costs,
     step_cost,
@@ -30,7 +30,7 @@ SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble-h1", "gpipe")
 """The schedules the search tries (interleaved with 2 and 4 model stages per task)."""
 _KEYS = {"pp": "stages", "dp": "data", "tp": "tensor", "ep": "expert", "v": "virtual_stages",
          "m": "microbatches"}  # fmt: skip
-_FIELDS = {f.name: f.type for f in dataclasses.fields(Layout)}
+_FIELDS = {f.name: f.type for f in dataclasses.fields(ClusterLayout)}
 _ACTIONS = 4096  # most microbatches x stages simulated (the simulator's time grows with it)
 _CHECKED = 48  # candidates whose memory is predicted, fastest first, before giving up
 
@@ -77,7 +77,7 @@ class PlannedStep:
     ``device``s training on ``batch`` sequences of ``seq`` tokens; ``str`` prints the
     report, :meth:`to_json` the record ``mmnnx plan --json`` prints."""
 
-    layout: Layout
+    layout: ClusterLayout
     memory: MemoryPrediction
     cost: StepCost
     device: DeviceSpec
@@ -182,7 +182,7 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
 
 
 def evaluate(
-    config: GPTConfig, layout: Layout, device: DeviceSpec, *, batch: int, seq: int,
+    config: GPTConfig, layout: ClusterLayout, device: DeviceSpec, *, batch: int, seq: int,
     collectives: Collectives = ENGINE,
 ) -> PlannedStep:  # fmt: skip
     """``layout`` evaluated: its memory per task and its predicted step. With
@@ -192,7 +192,7 @@ def evaluate(
     Example:
         >>> from mmnnx.partition.cost import DEVICES
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
-        >>> step = evaluate(config, Layout(stages=2, microbatches=2), DEVICES["h100"],
+        >>> step = evaluate(config, ClusterLayout(stages=2, microbatches=2), DEVICES["h100"],
         ...                 batch=4, seq=8)
         >>> step.fits, len(step.to_json()["stages"]), 0 < step.mfu < 1
         (True, 2, True)
@@ -214,7 +214,7 @@ def _divisors(n: int) -> list[int]:
 def candidates(
     config: GPTConfig, devices: int, device: DeviceSpec, *, batch: int,
     fixed: Mapping[str, Any] | None = None,
-) -> list[Layout]:  # fmt: skip
+) -> list[ClusterLayout]:  # fmt: skip
     """Every layout of ``devices`` the search considers, ``fixed``'s fields as given.
 
     Example:
@@ -254,7 +254,7 @@ def candidates(
             if d % f:
                 continue
             for schedule, v in _schedules(p, config.depth, fixed):
-                out.append(Layout(stages=p, data=d, tensor=t, expert=e, fsdp=f,
+                out.append(ClusterLayout(stages=p, data=d, tensor=t, expert=e, fsdp=f,
                                   virtual_stages=v, schedule=schedule, microbatches=m,
                                   remat=remat))  # fmt: skip
     return out
@@ -291,7 +291,7 @@ def _estimate(config, layout, device, batch, seq, collectives) -> float:
     return span + 2 * (p - 1) * transfer + sum(per_stage) * v / (p * v)
 
 
-def _held(layout: Layout, rank: int) -> float:
+def _held(layout: ClusterLayout, rank: int) -> float:
     """The microbatches a task holds at its worst moment, in units of all its model stages'
     activations of one microbatch (the schedules' textbook counts: GPipe all, 1F1B and ZB-H1
     one per later stage, interleaved 1F1B Megatron's warm-up plus one)."""
@@ -304,7 +304,7 @@ def _held(layout: Layout, rank: int) -> float:
 
 
 @functools.lru_cache(maxsize=1024)
-def _affine_memory(config, layout: Layout, seq: int, reference: bool) -> tuple:
+def _affine_memory(config, layout: ClusterLayout, seq: int, reference: bool) -> tuple:
     """Per task, the bytes held while microbatches run with one microbatch in flight and its
     activations, each as ``(at one sequence per device, per more sequence)``, and the update's
     bytes: ``predict_memory`` of one and of two sequences per device (its terms are affine in
@@ -324,7 +324,7 @@ def _affine_memory(config, layout: Layout, seq: int, reference: bool) -> tuple:
     return tuple(out)
 
 
-def _memory_estimate(config, layout: Layout, batch: int, seq: int, reference: bool) -> float:
+def _memory_estimate(config, layout: ClusterLayout, batch: int, seq: int, reference: bool) -> float:
     """A layout's peak bytes per device, fast: every term but the activations as
     ``predict_memory`` charges them, the activations times the microbatches the schedule
     holds (:func:`_held`; ``predict_memory`` simulates it)."""

@@ -151,14 +151,14 @@ PUBLISHED = Collectives(gradients="step", gathers="step")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Layout:
+class ClusterLayout:
     """A parallel layout and how the step runs on it: ``stages`` pipeline tasks, each
     ``data`` x ``expert`` x ``tensor`` devices (``fsdp`` of the data devices sharding
     parameters), ``virtual_stages`` model stages per task, ``schedule``, ``microbatches``
     and the ``remat`` policy.
 
     Example:
-        >>> Layout(stages=2, tensor=4, data=8).devices
+        >>> ClusterLayout(stages=2, tensor=4, data=8).devices
         64
     """
 
@@ -191,7 +191,7 @@ class Layout:
         """The layout as ``--layout`` reads it.
 
         Example:
-            >>> Layout(stages=2, microbatches=4).text()
+            >>> ClusterLayout(stages=2, microbatches=4).text()
             'pp=2,dp=1,tp=1,ep=1,fsdp=1,v=1,schedule=1f1b,microbatches=4,remat=none'
         """
         return (f"pp={self.stages},dp={self.data},tp={self.tensor},ep={self.expert},"
@@ -313,7 +313,7 @@ class StepCost:
 
 
 def stage_action_costs(
-    config: GPTConfig, layout: Layout, device: DeviceSpec, *, batch: int, seq: int,
+    config: GPTConfig, layout: ClusterLayout, device: DeviceSpec, *, batch: int, seq: int,
     collectives: Collectives = ENGINE,
 ) -> tuple[dict, float, list[float], float]:  # fmt: skip
     """Each model stage's per-microbatch action costs in seconds ``{(kind, stage): s}``,
@@ -322,7 +322,7 @@ def stage_action_costs(
 
     Example:
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
-        >>> costs, *_ = stage_action_costs(config, Layout(stages=2, microbatches=2),
+        >>> costs, *_ = stage_action_costs(config, ClusterLayout(stages=2, microbatches=2),
         ...                                DEVICES["h100"], batch=4, seq=8)
         >>> sorted(costs)[:2], costs[("B", 0)] > costs[("F", 0)]
         ([('B', 0), ('B', 1)], True)
@@ -372,7 +372,7 @@ def stage_action_costs(
     return costs, transfer, per_step, share
 
 
-def _stage_weights(config: GPTConfig, lay: Layout, sizes: Sequence[int]) -> list[float]:
+def _stage_weights(config: GPTConfig, lay: ClusterLayout, sizes: Sequence[int]) -> list[float]:
     """Each model stage's parameter elements per device before ``fsdp``."""
     from mmnnx.partition.memory import _block_weights, _weight  # noqa: PLC0415
 
@@ -391,7 +391,7 @@ def _stage_weights(config: GPTConfig, lay: Layout, sizes: Sequence[int]) -> list
 
 
 def step_cost(
-    config: GPTConfig, layout: Layout, device: DeviceSpec, *, batch: int, seq: int,
+    config: GPTConfig, layout: ClusterLayout, device: DeviceSpec, *, batch: int, seq: int,
     collectives: Collectives = ENGINE,
 ) -> StepCost:  # fmt: skip
     """The predicted step of training ``GPT(config)`` on ``layout`` over ``device``s with
@@ -400,7 +400,7 @@ def step_cost(
 
     Example:
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
-        >>> cost = step_cost(config, Layout(stages=2, microbatches=2), DEVICES["h100"],
+        >>> cost = step_cost(config, ClusterLayout(stages=2, microbatches=2), DEVICES["h100"],
         ...                  batch=4, seq=8)
         >>> cost.step_seconds == cost.makespan > 0, 0 < cost.bubble < 1
         (True, True)
