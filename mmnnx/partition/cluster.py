@@ -163,7 +163,9 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
         >>> assumptions(DEVICES["h100"], ENGINE)[0][:60]
         'h100: 989 TFLOP/s peak dense bf16, 70% reached on the model '
     """
-    per = {"microbatch": "in every backward (mmnnx's engine)", "step": "once per step"}
+    grads = {"microbatch": "in every backward (mmnnx's engine)", "step": "once per step"}
+    gathers = {"microbatch": "in every forward and backward (mmnnx's engine)",
+               "step": "once per model stage per step"}  # fmt: skip
     return [
         f"{device.name}: {device.flops / 1e12:.0f} TFLOP/s peak dense bf16, "
         f"{device.efficiency:.0%} reached on the model FLOPs (one number for every device "
@@ -173,8 +175,8 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
         "collectives, none overlapped with compute",
         "per block: 2 tensor-parallel all-reduces forward, 2 backward; per MoE block 2 "
         "all-to-alls each way, experts balanced",
-        f"gradient all-reduce over data x expert {per[collectives.gradients]}; FSDP "
-        f"all-gathers {per[collectives.gathers]}",
+        f"gradient all-reduce over data x expert {grads[collectives.gradients]}; FSDP "
+        f"all-gathers {gathers[collectives.gathers]}",
         "FLOPs: 2 per weight per token forward, causal attention scores, backward 2 x "
         "forward, remat full recomputes the forward; MFU counts 3 x forward (no recompute)",
         "not charged: optimizer update, data loading, kernel launches, stragglers",
