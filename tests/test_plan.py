@@ -136,5 +136,7 @@ def test_cli_plan_json_and_layout(tmp_path, capsys):
     assert f"layout: {given}" in report and "assumptions:" in report
     assert main([*argv, "--layout", "pp=3"]) == 2
     assert "mmnnx plan: error: no layout of 8 devices" in capsys.readouterr().err
+    assert main([*argv, "--memory", "1000", "--flops", "1e12"]) == 2  # overrides
+    assert "fits 1000 B per h100" in capsys.readouterr().err
     assert main(["plan", "--init-from", str(tmp_path / "none"), "--devices", "8"]) == 2
     assert "--init-from" in capsys.readouterr().err
