@@ -83,9 +83,11 @@ def main():
     median = statistics.median(measured)
     ratios = sorted(predicted / t for t in measured)
     print(f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
-    print(f"measured CPU: {cpu.flops / 1e9:.2f} GFLOP/s (stages {[f'{s / 1e9:.2f}' for s in speeds]}), "
+    per_stage = [f"{s / 1e9:.2f}" for s in speeds]
+    print(f"measured CPU: {cpu.flops / 1e9:.2f} GFLOP/s (stages {per_stage}), "
           f"link {bandwidth / 1e9:.2f} GB/s")  # fmt: skip
-    print(f"measured B / F per stage: {[round(forward[('B', s)] / forward[('F', s)], 2) for s in range(2)]} (the model assumes 2)")  # fmt: skip
+    ratio = [round(forward[("B", s)] / forward[("F", s)], 2) for s in range(2)]
+    print(f"measured B / F per stage: {ratio} (the model assumes 2)")
     print(f"step: predicted {predicted * 1e3:.1f} ms, measured {median * 1e3:.1f} ms "
           f"[{min(measured) * 1e3:.1f}-{max(measured) * 1e3:.1f}]: predicted / measured "
           f"{predicted / median:.3f} [{ratios[0]:.3f}-{ratios[-1]:.3f}]; within 10%: "
