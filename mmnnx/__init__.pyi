@@ -25,6 +25,10 @@ from .mpmd.lower.pack import PACK_WEIGHT_BYTES as PACK_WEIGHT_BYTES
 from .mpmd.run.programs import clear_caches as clear_caches
 from .mpmd.trace.annotations import task as task
 from .mpmd.trace.annotations import with_sharding_constraint as with_sharding_constraint
+from .partition.cluster import PlannedStep as PlannedStep
+from .partition.cluster import plan_cluster as plan_cluster
+from .partition.cost import ClusterLayout as ClusterLayout
+from .partition.cost import DeviceSpec as DeviceSpec
 from .partition.memory import MemoryLayout as MemoryLayout
 from .partition.memory import MemoryPrediction as MemoryPrediction
 from .partition.memory import predict_memory as predict_memory

@@ -74,8 +74,11 @@ def test_the_arithmetic_by_hand():
                                    v_head_dim=8)  # fmt: skip
     layer = BlockConfig(latent, MLPConfig(64))
     mla = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, layers=(layer, layer))
-    with pytest.raises(ValueError, match="layer 0 is LatentAttentionConfig and MLPConfig"):
-        mm.predict_memory(mla, lay, batch=4)
+    with nnx.use_eager_sharding(False):
+        shapes = nnx.eval_shape(lambda: mm.models.GPT(mla, rngs=nnx.Rngs(0)))
+    count = sum(v.size for v in jax.tree.leaves(nnx.state(shapes, nnx.Param)))
+    latent_tasks = mm.predict_memory(mla, lay, batch=4, microbatches=2).tasks  # float32: 4 B each
+    assert sum(t.parameters for t in latent_tasks) == 4 * count
     with pytest.raises(ValueError, match=r"MemoryLayout.blocks \(1,\)"):
         mm.MemoryLayout(stages=2, blocks=(1,))
 

@@ -8,7 +8,7 @@ import pathlib
 from collections.abc import Sequence
 
 from mmnnx.cli import eval as evaluate
-from mmnnx.cli import export, generate, launch, train
+from mmnnx.cli import export, generate, launch, plan, train
 from mmnnx.cli.flags import GIVEN, Parser, given
 from mmnnx.train import validate
 from mmnnx.train.config import FIELDS, RunConfig
@@ -29,7 +29,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = Parser(prog="mmnnx", description="mmnnx: MPMD training for Flax NNX")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     train_parser = train.add_parser(commands)
-    for command in (launch, generate, export, evaluate):
+    for command in (launch, generate, export, evaluate, plan):
         command.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command != "train":
@@ -69,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return train.error(str(e))
     others = {"launch": launch.run, "generate": generate.run, "export": export.run}
     others["eval"] = evaluate.run
+    others["plan"] = plan.run
     if args.command in others:
         return others[args.command](args)
     config, given_options = RunConfig.of(vars(args)), given(args)

@@ -24,13 +24,16 @@ from typing import NamedTuple
 
 from mmnnx.models.gpt import REMAT, GPTConfig
 from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig
+from mmnnx.modules.deepseek_moe import DeepSeekMoEConfig
+from mmnnx.modules.latent_attention import LatentAttentionConfig
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.lower.pack import PACK_WEIGHT_BYTES, weight_bound
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OPTIMIZER_COPIES = {"adamw": 2, "adam": 2, "sgd": 0, "momentum": 1, "lion": 1, "adafactor": 0}
 """Optimizer state per trained parameter, in parameter-sized copies (AdamW: two moments)."""
-_FEED_FORWARD = (MLPConfig, MoEConfig)
+_FEED_FORWARD = (MLPConfig, MoEConfig, DeepSeekMoEConfig)
+_ATTENTION = (AttentionConfig, LatentAttentionConfig)
 _F32 = 4  # norms, softmax and the loss are float32 whatever the compute dtype
 _STATS_PER_TOKEN = 2  # a block's two norms' rsqrt, kept per token
 _HEAD_STATS_PER_TOKEN = 3  # the final norm's rsqrt, the loss's log-sum-exp and target
@@ -205,10 +208,14 @@ def _block_weights(
         total += w((dim, q), tp) + w((dim, kv), tp) + w((dim, kv), tp) + w((q, dim), tp)
         if att.qk_norm:
             total += w((hd,)) + w((hd,))
+    elif isinstance(att, LatentAttentionConfig):
+        total += _latent_weights(att, dim, w, tp)
     ff = block.feed_forward
     if isinstance(ff, MoEConfig):
         total += w((dim, ff.num_experts))
         total += w((ff.num_experts, 3 * dim * ff.hidden), ep * tp)
+        if getattr(ff, "shared_hidden", None):  # DeepSeek's shared expert: a gated MLP
+            total += w((3 * dim, ff.shared_hidden), tp)
     elif isinstance(ff, MLPConfig):
         total += w((dim, ff.hidden), tp) + w((ff.hidden, dim), tp)
         if ff.gated:
@@ -216,6 +223,33 @@ def _block_weights(
         if ff.bias:
             total += w((ff.hidden,), tp) + w((dim,))
     return total
+
+
+def _latent_weights(att: LatentAttentionConfig, dim: int, w, tp: int) -> _Weights:
+    """A ``LatentAttention``'s parameters: the query and key-value down-projections and their
+    latents' norms whole, the up-projections and the output split over ``tensor`` by head."""
+    heads, qk = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim
+    total = w((dim, att.kv_lora_rank + att.qk_rope_head_dim)) + w((att.kv_lora_rank,))
+    total += w((att.kv_lora_rank, heads * (att.qk_nope_head_dim + att.v_head_dim)), tp)
+    total += w((heads * att.v_head_dim, dim), tp)
+    if att.q_lora_rank:
+        total += w((dim, att.q_lora_rank)) + w((att.q_lora_rank,))
+        return total + w((att.q_lora_rank, heads * qk), tp)
+    return total + w((dim, heads * qk), tp)
+
+
+def _attention_residuals(att, dim: int, tokens: float, tp: int, dtype: int) -> tuple:
+    """An attention's kept projections (bytes) and heads per device: q, k, v and the heads'
+    output; a latent attention also its two latents (whole on each device)."""
+    if isinstance(att, LatentAttentionConfig):
+        heads = att.num_heads / tp
+        qk = att.qk_nope_head_dim + att.qk_rope_head_dim
+        latents = att.kv_lora_rank + att.qk_rope_head_dim + (att.q_lora_rank or 0)
+        per_token = heads * (2 * qk + 2 * att.v_head_dim) + latents
+        return tokens * per_token * dtype, heads
+    hd = att.head_dim or dim // att.num_heads
+    heads, kv = att.num_heads / tp, (att.num_kv_heads or att.num_heads) / tp
+    return tokens * hd * (2 * heads + 2 * kv) * dtype, heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,17 +265,16 @@ class _Residuals:
 
 def _block_residuals(
     block: BlockConfig, dim: int, tokens: float, seq: int, lay: MemoryLayout, dtype: int,
-    remat: str,
+    remat: str, *, reference: bool = False,
 ) -> _Residuals:  # fmt: skip
     """What one block's forward keeps for its backward, in bytes per device per microbatch of
     ``tokens`` tokens per device (the backward recomputes arithmetic and layout ops from them,
-    so these are the block's input, its matmuls' and softmax's outputs, and norm statistics)."""
+    so these are the block's input, its matmuls' and softmax's outputs, and norm statistics;
+    as a ``reference`` framework runs it, a fused attention keeps no probabilities and an
+    expert axis pads no slots)."""
     tp = lay.tensor
-    att = block.attention
-    hd = att.head_dim or dim // att.num_heads
-    heads, kv = att.num_heads / tp, (att.num_kv_heads or att.num_heads) / tp
-    projections = tokens * hd * (2 * heads + 2 * kv) * dtype  # q, k, v and the heads' output
-    scores = tokens * heads * seq * _F32  # the softmax's probabilities
+    projections, heads = _attention_residuals(block.attention, dim, tokens, tp, dtype)
+    scores = 0 if reference else tokens * heads * seq * _F32  # the softmax's probabilities
     stats = tokens * (_STATS_PER_TOKEN + 2 * heads) * _F32  # norms' rsqrt; softmax max, sum
     residual = 2 * tokens * dim * dtype  # the block's input and its sum after attention
     ff = block.feed_forward
@@ -252,7 +285,7 @@ def _block_residuals(
                        * ff.num_experts)  # fmt: skip
         hidden, local = ff.hidden / tp, ff.num_experts / lay.expert
         # with an expert axis, a padded slot for every assignment at each of its devices
-        slots = rows * lay.expert if lay.expert > 1 else rows
+        slots = rows * lay.expert if lay.expert > 1 and not reference else rows
         feed = (
             tokens * ff.num_experts * _F32  # the router's probabilities
             + slots * dim * dtype * 4.25  # sent (and its mask), received, sorted, returned
@@ -262,6 +295,11 @@ def _block_residuals(
         )
         saved_dots = tokens * ff.num_experts * _F32  # the router's logits (grouped: not dots)
         outputs = saved_dots + slots * (2 * hidden + dim) * dtype
+        if getattr(ff, "shared_hidden", None):  # the shared expert, a gated MLP
+            shared = ff.shared_hidden / tp
+            feed += tokens * shared * 3 * dtype
+            saved_dots += tokens * (2 * shared + dim) * dtype
+            outputs += tokens * (2 * shared + dim) * dtype
     else:
         hidden = ff.hidden / tp
         feed = tokens * hidden * (3 if ff.gated else 2) * dtype  # up (gate), its activation
@@ -345,6 +383,7 @@ class _Shapes(NamedTuple):
     param_bytes: int
     pack_limit: float  # the largest weight mm.jit packs
     tokens: float  # of one microbatch, on one device
+    reference: bool  # charged as a reference framework holds it (predict_memory's argument)
 
 
 class _Stage(NamedTuple):
@@ -354,6 +393,8 @@ class _Stage(NamedTuple):
     kept: float  # from its forward to its backward, under the remat policy
     full: float  # the same without remat
     waiting: float  # with a split backward, from its input- to its weight-gradient pass
+    block_full: float  # the largest block's full, and below kept, residuals (with the head's)
+    block_kept: float
 
 
 def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool) -> _Stage:
@@ -364,7 +405,9 @@ def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool) -> _Stage
     layers = [config.block_configs[i] for i in blocks]
     weights = sum((_block_weights(b, dim, lay, shapes.pack_limit, param_bytes) for b in layers),
                   _Weights())  # fmt: skip
-    res = [_block_residuals(b, dim, tokens, shapes.seq, lay, dtype, shapes.remat) for b in layers]
+    res = [_block_residuals(b, dim, tokens, shapes.seq, lay, dtype, shapes.remat,
+                            reference=shapes.reference) for b in layers]  # fmt: skip
+    block_full, block_kept = max(r.full for r in res), max(r.kept for r in res)
     kept = sum(r.kept for r in res)
     full = sum(r.full for r in res)
     outputs = sum(r.outputs for r in res)
@@ -377,13 +420,15 @@ def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool) -> _Stage
         logits = tokens * vocab / lay.tensor * _F32 + tokens * dim * dtype
         logits += tokens * _HEAD_STATS_PER_TOKEN * _F32
         kept, full = kept + logits, full + logits
+        block_full, block_kept = block_full + logits, block_kept + logits
         outputs += tokens * vocab / lay.tensor * dtype
     if shapes.remat == "dots":
         kept += tokens * dim * dtype  # the first block's input
     # a split backward's weight-gradient pass reads its matmuls' output cotangents; under
     # remat it recomputes them from the cotangent at each block's output
     waiting = outputs if shapes.remat == "none" else len(layers) * tokens * dim * dtype
-    return _Stage(weights=weights, kept=kept, full=full, waiting=waiting)
+    return _Stage(weights=weights, kept=kept, full=full, waiting=waiting,
+                  block_full=block_full, block_kept=block_kept)  # fmt: skip
 
 
 def predict_memory(
@@ -398,6 +443,7 @@ def predict_memory(
     optimizer: str = "adamw",
     trainable: float = 1.0,
     pack_weights: bool | int = PACK_WEIGHT_BYTES,
+    reference: bool = False,
 ) -> MemoryPrediction:
     """Each task's peak bytes per device for training ``GPT(config)`` on ``layout`` with
     ``batch`` sequences of ``seq_len`` tokens (default ``config.max_seq_len``) per step, cut
@@ -408,7 +454,12 @@ def predict_memory(
     ``trainable`` is the share of parameters trained (gradients and optimizer state);
     ``pack_weights`` is ``mm.jit``'s (a block's replicated weights of at most that many bytes
     are packed into a second copy). The terms are described in this module's docstring and
-    docs/memory.md.
+    docs/memory.md. ``reference``: charge what a reference framework (Megatron, torchtitan:
+    the published runs) holds instead of this engine: gradients split as the parameters are
+    (over ``tensor``, ``expert`` and, reduce-scattered, ``fsdp``), a fused attention that
+    keeps no probabilities, experts exchanging only the tokens routed to them (no padded
+    slots), a backward's workspace of one block at a time, each microbatch's
+    gradients accumulated in place, nothing packed.
 
     Example:
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
@@ -436,11 +487,11 @@ def predict_memory(
         )
     for i, block in enumerate(config.block_configs):
         parts = (block.attention, block.feed_forward)
-        if type(parts[0]) is not AttentionConfig or type(parts[1]) not in _FEED_FORWARD:
+        if type(parts[0]) not in _ATTENTION or type(parts[1]) not in _FEED_FORWARD:
             kinds = " and ".join(type(part).__name__ for part in parts)
             raise ValueError(
-                f"predict_memory: layer {i} is {kinds}; the model knows AttentionConfig with "
-                "MLPConfig or MoEConfig (not their variants, e.g. shared experts)"
+                f"predict_memory: layer {i} is {kinds}; the model knows AttentionConfig or "
+                "LatentAttentionConfig with MLPConfig, MoEConfig or DeepSeekMoEConfig"
             )
     count = lay.stages * lay.virtual_stages
     if config.depth < count:
@@ -453,7 +504,7 @@ def predict_memory(
     shapes = _Shapes(
         config=config, layout=lay, seq=seq, remat=remat, dtype=DTYPE_BYTES[config.dtype],
         param_bytes=DTYPE_BYTES[config.param_dtype], pack_limit=weight_bound(pack_weights),
-        tokens=batch // microbatches // shards * seq,
+        tokens=batch // microbatches // shards * seq, reference=reference,
     )  # fmt: skip
     param_bytes, dtype, tokens, dim = shapes.param_bytes, shapes.dtype, shapes.tokens, config.dim
     starts = [sum(sizes[:s]) for s in range(count)]
@@ -463,7 +514,8 @@ def predict_memory(
     ]
     stage_weights = [st.weights for st in stages]
     residuals = [st.kept for st in stages]
-    full_residuals = [st.full for st in stages]
+    full_residuals = [st.block_full if reference else st.full for st in stages]
+    worked = [st.block_kept if reference else st.kept for st in stages]
     waiting = [st.waiting for st in stages]
 
     simulated = sched.simulate(table, forward_cost=1, backward_cost=2)
@@ -477,15 +529,19 @@ def predict_memory(
         # the gradient sums: one flat buffer per stage, whole on each of its devices (not
         # split over tensor, expert or fsdp; docs/pipelining.md, FSDP)
         grads = weights.whole * param_bytes * trainable
+        if reference:
+            grads = weights.total * param_bytes * trainable / lay.fsdp
         state = params * trainable * OPTIMIZER_COPIES[optimizer]
-        packed = weights.packed * param_bytes if lay.fsdp == 1 else 0.0
+        packed = weights.packed * param_bytes if lay.fsdp == 1 and not reference else 0.0
         # downstream, an activation sent and its cotangent received; upstream, a cotangent sent
         buffers = sum(2 * (s < count - 1) + (s > 0) for s in mine)
         gathered = max(stage_weights[s].total for s in mine) * param_bytes * (1 - 1 / lay.fsdp)
         if dtype != param_bytes:  # the weights cast to the compute dtype for the matmuls
             gathered += max(stage_weights[s].total for s in mine) * dtype
         workspace = max(_workspace(
-            stage_weights[s].total * param_bytes * trainable, full_residuals[s], residuals[s],
+            # a reference framework accumulates each microbatch's gradients in place
+            0 if reference else stage_weights[s].total * param_bytes * trainable,
+            full_residuals[s], worked[s],
             split=table.splits_backward and s > 0,
         ) for s in mine) + gathered  # fmt: skip
         in_flight = max(simulated.peak_in_flight[s] for s in mine)

@@ -1,0 +1,413 @@
+"""``mm.plan_cluster``: the layout (stages, data, FSDP, tensor and expert axes, schedule,
+microbatches, remat) that trains a GPT fastest on a cluster, on paper: each candidate's
+memory from :func:`~mmnnx.partition.predict_memory` and its step from the cost model
+(:mod:`mmnnx.partition.cost`); nothing is built, traced or compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+from mmnnx.errors import NoCandidateError
+from mmnnx.models.gpt import REMAT, GPTConfig
+from mmnnx.modules import MoEConfig
+from mmnnx.mpmd import schedules as sched
+from mmnnx.partition.cost import (
+    ENGINE,
+    ClusterLayout,
+    Collectives,
+    DeviceSpec,
+    StepCost,
+    stage_action_costs,
+    step_cost,
+)
+from mmnnx.partition.memory import MemoryPrediction, format_bytes, predict_memory
+
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble-h1", "gpipe")
+"""The schedules the search tries (interleaved with 2 and 4 model stages per task)."""
+_KEYS = {"pp": "stages", "dp": "data", "tp": "tensor", "ep": "expert", "v": "virtual_stages",
+         "m": "microbatches"}  # fmt: skip
+_FIELDS = {f.name: f.type for f in dataclasses.fields(ClusterLayout)}
+_ACTIONS = 4096  # most microbatches x stages simulated (the simulator's time grows with it)
+_CHECKED = 48  # candidates whose memory is predicted, fastest first, before giving up
+
+
+def parse_layout(text: str) -> dict[str, Any]:
+    """The fields a ``--layout`` text fixes, e.g. ``pp=16,tp=8,dp=64,schedule=1f1b``
+    (``pp``/``stages``, ``dp``/``data``, ``tp``/``tensor``, ``ep``/``expert``, ``fsdp``,
+    ``v``/``virtual_stages``, ``schedule``, ``m``/``microbatches``, ``remat``).
+
+    Example:
+        >>> parse_layout("pp=4,tp=8,schedule=1f1b")
+        {'stages': 4, 'tensor': 8, 'schedule': '1f1b'}
+
+    Raises:
+        ValueError: an entry not ``key=value``, a key not known, a count not an int >= 1, a
+            schedule or remat policy not known.
+    """
+    fixed: dict[str, Any] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        key, eq, value = entry.partition("=")
+        name = _KEYS.get(key.strip(), key.strip())
+        if not eq or name not in _FIELDS:
+            known = ", ".join([*_KEYS, *(f for f in _FIELDS if f not in _KEYS.values())])
+            raise ValueError(f"layout entry {entry!r}: expected key=value with a key of {known}")
+        value = value.strip()
+        if name == "schedule":
+            if value not in sched.names():
+                raise ValueError(f"layout schedule={value}: expected one of {sched.names()}")
+            fixed[name] = value
+        elif name == "remat":
+            if value not in REMAT:
+                raise ValueError(f"layout remat={value}: expected one of {', '.join(REMAT)}")
+            fixed[name] = value
+        else:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"layout {key}={value}: expected an int >= 1")
+            fixed[name] = int(value)
+    return fixed
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlannedStep:
+    """One layout evaluated: its ``memory`` (per task) and ``cost`` (the step), on
+    ``device``s training on ``batch`` sequences of ``seq`` tokens; ``str`` prints the
+    report, :meth:`to_json` the record ``mmnnx plan --json`` prints."""
+
+    layout: ClusterLayout
+    memory: MemoryPrediction
+    cost: StepCost
+    device: DeviceSpec
+    batch: int
+    seq: int
+    collectives: Collectives
+    searched: int = 1  # layouts the search ranked
+
+    @property
+    def fits(self) -> bool:
+        """Whether every device's predicted peak is within the device's memory."""
+        return self.memory.peak <= self.device.memory
+
+    @property
+    def step_seconds(self) -> float:
+        """The predicted step."""
+        return self.cost.step_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens trained per second."""
+        return self.batch * self.seq / self.cost.step_seconds
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (no recomputation) per second over the devices' peak, a fraction."""
+        peak = self.layout.devices * self.device.flops
+        return self.cost.model_flops / (peak * self.cost.step_seconds)
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as one JSON-able dict."""
+        return {
+            "layout": dataclasses.asdict(self.layout) | {"devices": self.layout.devices},
+            "device": dataclasses.asdict(self.device),
+            "batch": self.batch,
+            "seq_len": self.seq,
+            "stages": [
+                {
+                    "task": t.task,
+                    "blocks": list(t.blocks),
+                    "peak_bytes": t.peak,
+                    "parameters": t.parameters,
+                    "gradients": t.gradients,
+                    "optimizer": t.optimizer,
+                    "activations": t.activations,
+                    "workspace": t.workspace,
+                }  # fmt: skip
+                for t in self.memory.tasks
+            ],
+            "step_seconds": self.step_seconds,
+            "bubble": self.cost.bubble,
+            "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu,
+            "fits": self.fits,
+            "collectives": dataclasses.asdict(self.collectives),
+            "layouts_searched": self.searched,
+            "assumptions": assumptions(self.device, self.collectives),
+        }
+
+    def __str__(self) -> str:
+        lay = self.layout
+        lines = [
+            f"layout: {lay.text()}  ({lay.devices} x {self.device.name})",
+            f"step: {self.step_seconds:.3f} s predicted, bubble {self.cost.bubble:.1%}, "
+            f"{self.tokens_per_second:,.0f} tokens/s, MFU {self.mfu:.1%}",
+            f"memory: peak {format_bytes(self.memory.peak)} of "
+            f"{format_bytes(self.device.memory)} per device: "
+            + ("fits" if self.fits else "does NOT fit"),
+            "",
+            str(self.memory),
+            "",
+            "assumptions:",
+            *(f"  - {a}" for a in assumptions(self.device, self.collectives)),
+        ]
+        return "\n".join(lines)
+
+
+def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
+    """The cost model's assumptions, in words, for a plan on ``device``.
+
+    Example:
+        >>> from mmnnx.partition.cost import DEVICES
+        >>> assumptions(DEVICES["h100"], ENGINE)[0][:60]
+        'h100: 989 TFLOP/s peak dense bf16, 70% reached on the model '
+    """
+    grads = {"microbatch": "in every backward (mmnnx's engine)", "step": "once per step"}
+    gathers = {"microbatch": "in every forward and backward (mmnnx's engine)",
+               "step": "once per model stage per step"}  # fmt: skip
+    return [
+        f"{device.name}: {device.flops / 1e12:.0f} TFLOP/s peak dense bf16, "
+        f"{device.efficiency:.0%} reached on the model FLOPs (one number for every device "
+        "and model)",
+        f"links: {device.intra_bandwidth / 1e9:.0f} GB/s per device one way inside a node of "
+        f"{device.node_size}, {device.inter_bandwidth / 1e9:.0f} GB/s across nodes; ring "
+        "collectives, none overlapped with compute",
+        "per block: 2 tensor-parallel all-reduces forward, 2 backward; per MoE block 2 "
+        "all-to-alls each way, experts balanced",
+        f"gradient all-reduce over data x expert {grads[collectives.gradients]}; FSDP "
+        f"all-gathers {gathers[collectives.gathers]}",
+        "FLOPs: 2 per weight per token forward, causal attention scores, backward 2 x "
+        "forward, remat full recomputes the forward; MFU counts 3 x forward (no recompute)",
+        "not charged: optimizer update, data loading, kernel launches, stragglers",
+    ]
+
+
+def evaluate(
+    config: GPTConfig, layout: ClusterLayout, device: DeviceSpec, *, batch: int, seq: int,
+    collectives: Collectives = ENGINE,
+) -> PlannedStep:  # fmt: skip
+    """``layout`` evaluated: its memory per task and its predicted step. With
+    ``collectives`` other than mmnnx's engine, memory is charged as a reference framework
+    holds it (``predict_memory(reference=True)``).
+
+    Example:
+        >>> from mmnnx.partition.cost import DEVICES
+        >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
+        >>> step = evaluate(config, ClusterLayout(stages=2, microbatches=2), DEVICES["h100"],
+        ...                 batch=4, seq=8)
+        >>> step.fits, len(step.to_json()["stages"]), 0 < step.mfu < 1
+        (True, 2, True)
+    """
+    memory = predict_memory(
+        config, layout.memory_layout(config), batch=batch, seq_len=seq, schedule=layout.schedule,
+        microbatches=layout.microbatches, remat=layout.remat,
+        reference=collectives != ENGINE,
+    )  # fmt: skip
+    cost = step_cost(config, layout, device, batch=batch, seq=seq, collectives=collectives)
+    return PlannedStep(layout=layout, memory=memory, cost=cost, device=device, batch=batch,
+                       seq=seq, collectives=collectives)  # fmt: skip
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(
+    config: GPTConfig, devices: int, device: DeviceSpec, *, batch: int,
+    fixed: Mapping[str, Any] | None = None,
+) -> list[ClusterLayout]:  # fmt: skip
+    """Every layout of ``devices`` the search considers, ``fixed``'s fields as given.
+
+    Example:
+        >>> from mmnnx.partition.cost import DEVICES
+        >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
+        >>> lays = candidates(config, 2, DEVICES["h100"], batch=4, fixed={"remat": "none"})
+        >>> sorted({(lay.stages, lay.data, lay.tensor) for lay in lays})
+        [(1, 1, 2), (1, 2, 1), (2, 1, 1)]
+    """
+    fixed = dict(fixed or {})
+    heads = config.block_configs[0].attention.num_heads
+    experts = [b.feed_forward.num_experts for b in config.block_configs
+               if isinstance(b.feed_forward, MoEConfig)]  # fmt: skip
+
+    def options(name: str, values):
+        return [fixed[name]] if name in fixed else list(values)
+
+    out = []
+    divisors = _divisors(devices)
+    tensors = options("tensor", (t for t in divisors if t <= device.node_size and heads % t == 0))
+    expert_axes = options("expert", (e for e in divisors if experts and experts[0] % e == 0)
+                          if experts else [1])  # fmt: skip
+    for t, e, p in itertools.product(tensors, expert_axes, options("stages", divisors)):
+        if devices % (t * e * p) or p > config.depth:
+            continue
+        d = devices // (t * e * p)
+        if "data" in fixed and fixed["data"] != d or batch % (d * e):
+            continue
+        local = batch // (d * e)
+        fsdps = options("fsdp", sorted({1, min(8, d), d}))
+        counts = {p, 2 * p, 4 * p, local}
+        counts = options("microbatches", sorted(m for m in counts if m <= local and local % m == 0
+                                                and m * p <= _ACTIONS))  # fmt: skip
+        for f, m, remat in itertools.product(
+            fsdps, counts, options("remat", ("none", "dots", "full"))
+        ):
+            if d % f:
+                continue
+            for schedule, v in _schedules(p, config.depth, fixed):
+                out.append(ClusterLayout(stages=p, data=d, tensor=t, expert=e, fsdp=f,
+                                  virtual_stages=v, schedule=schedule, microbatches=m,
+                                  remat=remat))  # fmt: skip
+    return out
+
+
+def _schedules(stages: int, depth: int, fixed: Mapping[str, Any]) -> list[tuple[str, int]]:
+    names = [fixed["schedule"]] if "schedule" in fixed else list(SCHEDULES)
+    if stages == 1:
+        names = [n for n in names if n in ("gpipe", "1f1b")][:1] or names
+    out = []
+    for name in names:
+        interleaved = name.startswith("interleaved") or name in ("zero-bubble-v", "dualpipev")
+        virtual = [2, 4] if interleaved else [1]
+        if "virtual_stages" in fixed:
+            virtual = [fixed["virtual_stages"]]
+        out += [(name, v) for v in virtual if stages * v <= depth]
+    return out
+
+
+def _estimate(config, layout, device, batch, seq, collectives) -> float:
+    """A step's seconds without simulating: the schedule's textbook bubble on the slowest
+    stage's costs (ranks the candidates; the chosen ones are simulated)."""
+    costs, transfer, per_stage, _ = stage_action_costs(
+        config, layout, device, batch=batch, seq=seq, collectives=collectives
+    )
+    p, v, m = layout.stages, layout.virtual_stages, layout.microbatches
+    f = max(c for (k, _), c in costs.items() if k == "F") * v
+    b = max(c for (k, _), c in costs.items() if k == "B") * v
+    w = max(c for (k, _), c in costs.items() if k == "W") * v
+    if layout.schedule.startswith("zero-bubble"):
+        span = m * (f + b) + (p - 1) * max(f + b - 2 * w, f / 3)
+    else:
+        span = (m + (p - 1) / v) * (f + b)
+    return span + 2 * (p - 1) * transfer + sum(per_stage) * v / (p * v)
+
+
+def _held(layout: ClusterLayout, rank: int) -> float:
+    """The microbatches a task holds at its worst moment, in units of all its model stages'
+    activations of one microbatch (the schedules' textbook counts: GPipe all, 1F1B and ZB-H1
+    one per later stage, interleaved 1F1B Megatron's warm-up plus one)."""
+    p, v, m = layout.stages, layout.virtual_stages, layout.microbatches
+    if layout.schedule == "gpipe":
+        return m
+    if v > 1:
+        return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v
+    return min(m, p - rank)
+
+
+@functools.lru_cache(maxsize=1024)
+def _affine_memory(config, layout: ClusterLayout, seq: int, reference: bool) -> tuple:
+    """Per task, the bytes held while microbatches run with one microbatch in flight and its
+    activations, each as ``(at one sequence per device, per more sequence)``, and the update's
+    bytes: ``predict_memory`` of one and of two sequences per device (its terms are affine in
+    the tokens of a microbatch)."""
+    shards = layout.data * layout.expert
+
+    def predicted(sequences: int):
+        return predict_memory(
+            config, layout.memory_layout(config), batch=sequences * shards, seq_len=seq,
+            schedule=layout.schedule, remat=layout.remat, reference=reference,
+        ).tasks  # fmt: skip
+
+    out = []
+    for one, two in zip(predicted(1), predicted(2), strict=True):
+        out.append(((one.pipelined, two.pipelined - one.pipelined),
+                    (one.activations, two.activations - one.activations), one.update))  # fmt: skip
+    return tuple(out)
+
+
+def _memory_estimate(config, layout: ClusterLayout, batch: int, seq: int, reference: bool) -> float:
+    """A layout's peak bytes per device, fast: every term but the activations as
+    ``predict_memory`` charges them, the activations times the microbatches the schedule
+    holds (:func:`_held`; ``predict_memory`` simulates it)."""
+    gpipe = "interleaved-gpipe" if layout.virtual_stages > 1 else "gpipe"
+    axes = dataclasses.replace(layout, schedule=gpipe, microbatches=1)
+    sequences = batch / layout.microbatches / (layout.data * layout.expert)
+    worst = 0.0
+    for rank, (held, act, update) in enumerate(_affine_memory(config, axes, seq, reference)):
+        pipelined = held[0] + held[1] * (sequences - 1)
+        activations = act[0] + act[1] * (sequences - 1)
+        worst = max(worst, pipelined + activations * (_held(layout, rank) - 1), update)
+    return worst
+
+
+def plan_cluster(
+    config: GPTConfig, devices: int, device: DeviceSpec, *, batch: int, seq: int,
+    fixed: Mapping[str, Any] | None = None, collectives: Collectives = ENGINE,
+    keep: int = 3,
+) -> PlannedStep:  # fmt: skip
+    """The fastest layout of ``devices`` x ``device`` that fits, training ``GPT(config)`` on
+    ``batch`` sequences of ``seq`` tokens: every candidate (:func:`candidates`, ``fixed``'s
+    fields as given) ranked by an estimate of its step, the fastest ones whose memory fits
+    (at most 48 predicted) simulated, the best of ``keep`` fitting ones returned.
+
+    Example:
+        >>> from mmnnx.partition.cost import DEVICES
+        >>> config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=4, max_seq_len=8)
+        >>> best = plan_cluster(config, 4, DEVICES["h100"], batch=8, seq=8)
+        >>> best.fits, best.layout.devices
+        (True, 4)
+
+    Raises:
+        NoCandidateError: no candidate, or none of the fastest fits the device's memory.
+    """
+    lays = candidates(config, devices, device, batch=batch, fixed=fixed)
+    if not lays:
+        raise NoCandidateError(
+            f"no layout of {devices} devices with {dict(fixed or {})} divides the batch of "
+            f"{batch} and the model's {config.depth} blocks and heads",
+            [],
+        )
+    reference = collectives != ENGINE
+    small, least = [], (float("inf"), None)
+    for lay in lays:
+        try:
+            estimate = _memory_estimate(config, lay, batch, seq, reference)
+        except ValueError:  # a schedule this layout cannot run
+            continue
+        least = min(least, (estimate, lay), key=lambda pair: pair[0])
+        if estimate <= device.memory:
+            small.append(lay)
+    if not small:
+        where = (
+            f": the smallest, {least[1].text()}, about {format_bytes(least[0])}" if least[1] else ""
+        )
+        raise NoCandidateError(
+            f"none of the {len(lays)} layouts of {devices} devices fits "
+            f"{format_bytes(device.memory)} per {device.name}{where}",
+            [],
+        )
+    ranked = sorted(small, key=lambda lay: _estimate(config, lay, device, batch, seq, collectives))
+    fitting, checked, smallest = [], [], None
+    for lay in ranked[:_CHECKED]:
+        try:
+            step = evaluate(config, lay, device, batch=batch, seq=seq, collectives=collectives)
+        except ValueError:  # a schedule this layout cannot run
+            continue
+        checked.append(step)
+        if step.fits:
+            fitting.append(step)
+            if len(fitting) == keep:
+                break
+        elif smallest is None or step.memory.peak < smallest.memory.peak:
+            smallest = step
+    if not fitting:
+        detail = (f"; the smallest of the {_CHECKED} fastest, {smallest.layout.text()}, "
+                  f"needs {format_bytes(smallest.memory.peak)}") if smallest else ""  # fmt: skip
+        raise NoCandidateError(
+            f"none of the {min(len(ranked), _CHECKED)} fastest layouts fits "
+            f"{format_bytes(device.memory)} per {device.name}{detail}",
+            checked,
+        )
+    best = min(fitting, key=lambda s: s.step_seconds)
+    return dataclasses.replace(best, searched=len(lays))

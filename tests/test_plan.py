@@ -1,0 +1,142 @@
+"""``mmnnx plan`` and ``mm.plan_cluster``: the cost model, the search, the CLI, and the
+published runs of tests/plan_fixtures (sources in each file)."""
+
+import dataclasses
+import json
+import pathlib
+import time
+
+import pytest
+
+from mmnnx.cli import main
+from mmnnx.errors import NoCandidateError
+from mmnnx.models import GPTConfig
+from mmnnx.models.pretrained import pretrained_config
+from mmnnx.partition.cluster import evaluate, parse_layout, plan_cluster
+from mmnnx.partition.cost import (
+    DEVICES,
+    ENGINE,
+    PUBLISHED,
+    ClusterLayout,
+    model_flops_per_token,
+)
+from mmnnx.partition.memory import MemoryLayout, predict_memory
+
+FIXTURES = pathlib.Path(__file__).parent / "plan_fixtures"
+BF16 = dict(param_dtype="float32", dtype="bfloat16")
+
+
+def _config(name, seq):
+    return pretrained_config(FIXTURES / "configs" / name, max_seq_len=seq, **BF16)
+
+
+def test_published_configs_alone_give_their_models_sizes():
+    """config.json alone (no weights) gives each published model's GPTConfig, and the
+    FLOPs per token follow its parameter count (2 per weight forward)."""
+    published = {
+        "llama3-70b": 70.6e9,
+        "llama3-405b": 405.9e9,
+        "qwen3-235b-a22b": 235.1e9,
+        "deepseek-v3": 671e9,
+    }  # fmt: skip  (V3's main model, without its MTP module)
+    for name, params in published.items():
+        config = _config(name, 4096)
+        counted = predict_memory(config, MemoryLayout(), batch=1, seq_len=16).tasks[0].parameters
+        assert counted / 4 == pytest.approx(params, rel=0.02), name
+    dense = _config("llama3-70b", 4096)
+    no_attention = model_flops_per_token(dense, 0) / 3
+    embedding = dense.vocab_size * dense.dim
+    assert no_attention == pytest.approx(2 * (70.6e9 - embedding), rel=0.01)
+
+
+def test_llama3_405b_published_layouts_fit_and_predict_the_published_mfu():
+    """Table 4 of the Llama 3 paper: each published layout fits and its predicted MFU is
+    within 20% of the published at 8K GPUs; at 16K GPUs the model predicts 25% under
+    (docs/planning.md: one efficiency for all, the 16K row's smaller batch per DP rank
+    leaves a larger bubble than the paper's tuned schedule has)."""
+    fixture = json.loads((FIXTURES / "llama3-405b.json").read_text())
+    config = _config("llama3-405b", 8192)
+    ratios = []
+    for run in fixture["runs"]:
+        fixed = parse_layout(run["layout"])
+        step = plan_cluster(config, run["gpus"], DEVICES["h100"], batch=run["batch"],
+                            seq=run["seq_len"], fixed=fixed, collectives=PUBLISHED)  # fmt: skip
+        assert step.fits and step.layout.devices == run["gpus"]
+        assert {k: getattr(step.layout, k) for k in fixed} == fixed
+        ratios.append(step.mfu / run["published"]["mfu"])
+    assert 0.8 <= ratios[0] <= 1.2, ratios
+    assert 0.7 <= ratios[1] < 0.8, ratios  # outside the 20%: reported, not fitted
+
+
+def test_deepseek_v3_published_setup_evaluated():
+    """DeepSeek-V3's 2,048 H800 layout (PP16, EP64, ZeRO-1 as fsdp 2) evaluated as given:
+    it fits; the predicted throughput is under half the published (the savings the model
+    leaves out are listed in the fixture: FP8, overlapped all-to-alls, node-limited
+    routing)."""
+    fixture = json.loads((FIXTURES / "deepseek-v3.json").read_text())
+    run = fixture["run"]
+    config = _config("deepseek-v3", run["seq_len"])
+    step = evaluate(config, ClusterLayout(**parse_layout(run["layout"])), DEVICES["h800"],
+                    batch=run["batch"], seq=run["seq_len"], collectives=PUBLISHED)  # fmt: skip
+    assert step.fits and step.layout.devices == run["gpus"]
+    per_gpu = step.tokens_per_second / run["gpus"]
+    published = run["published"]["tokens_per_second_per_gpu"]
+    assert 0.3 < per_gpu / published < 0.6
+    engine = evaluate(config, step.layout, DEVICES["h800"], batch=run["batch"],
+                      seq=run["seq_len"], collectives=ENGINE)  # fmt: skip
+    assert not engine.fits  # padded expert slots and gradient sums whole: over 80 GB
+
+
+def test_search_plans_405b_on_16k_gpus_in_seconds():
+    config = _config("llama3-405b", 8192)
+    start = time.perf_counter()
+    step = plan_cluster(config, 16384, DEVICES["h100"], batch=2048, seq=8192,
+                        collectives=PUBLISHED)  # fmt: skip
+    assert time.perf_counter() - start < 20  # a few seconds on an idle core
+    assert step.fits and step.layout.devices == 16384 and step.searched > 100
+    assert 0 < step.mfu < DEVICES["h100"].efficiency
+
+
+def test_small_search_engine_costs_and_errors():
+    config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=4, max_seq_len=8, **BF16)
+    h100 = DEVICES["h100"]
+    best = plan_cluster(config, 8, h100, batch=16, seq=8)
+    assert best.fits and best.layout.devices == 8
+    lay = ClusterLayout(stages=2, data=4, microbatches=2)
+    engine = evaluate(config, lay, h100, batch=16, seq=8)
+    once = evaluate(config, lay, h100, batch=16, seq=8, collectives=PUBLISHED)
+    assert engine.step_seconds > once.step_seconds  # a gradient all-reduce per microbatch
+    assert engine.memory.peak > once.memory.peak  # gradient sums whole
+    tiny = dataclasses.replace(h100, memory=1000)
+    with pytest.raises(NoCandidateError, match="fits 1000 B per h100: the smallest"):
+        plan_cluster(config, 8, tiny, batch=16, seq=8)
+    with pytest.raises(ValueError, match="layout entry 'xx=2'"):
+        parse_layout("pp=2,xx=2")
+    with pytest.raises(ValueError, match="layout tp=0"):
+        parse_layout("tp=0")
+
+
+def test_cli_plan_json_and_layout(tmp_path, capsys):
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    llama = json.loads((FIXTURES / "configs/llama3-70b/config.json").read_text())
+    llama.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                 max_position_embeddings=16)  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(llama))
+    argv = ["plan", "--init-from", str(folder / "config.json"), "--devices", "8", "--batch", "16"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"layout", "stages", "step_seconds", "tokens_per_second", "mfu", "fits"} <= set(out)
+    assert out["fits"] and 0 < out["mfu"] < 1 and out["layout"]["devices"] == 8
+    assert all(stage["peak_bytes"] > 0 for stage in out["stages"])
+    given = "pp=2,dp=4,tp=1,ep=1,fsdp=1,v=1,schedule=gpipe,microbatches=2,remat=none"
+    assert main([*argv, "--layout", given]) == 0
+    report = capsys.readouterr().out
+    assert f"layout: {given}" in report and "assumptions:" in report
+    assert main([*argv, "--layout", "pp=3"]) == 2
+    assert "mmnnx plan: error: no layout of 8 devices" in capsys.readouterr().err
+    assert main([*argv, "--memory", "1000", "--flops", "1e12"]) == 2  # overrides
+    assert "fits 1000 B per h100" in capsys.readouterr().err
+    assert main(["plan", "--init-from", str(tmp_path / "none"), "--devices", "8"]) == 2
+    assert "--init-from" in capsys.readouterr().err
