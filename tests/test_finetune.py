@@ -382,7 +382,7 @@ def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
         )
     assert info.value.code == 2
     assert (
-        "--lora-targets: 'o' is not one of q, k, v, out, gate, up, down" in capsys.readouterr().err
+        "--lora-targets: 'o' is not one of q, q_a, q_b, k, v, kv_a, kv_b, out, gate, up, down, router" in capsys.readouterr().err
     )
 
 
