@@ -381,9 +381,8 @@ def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
             ]
         )
     assert info.value.code == 2
-    assert (
-        "--lora-targets: 'o' is not one of q, q_a, q_b, k, v, kv_a, kv_b, out, gate, up, down, router" in capsys.readouterr().err
-    )
+    choices = "q, q_a, q_b, k, v, kv_a, kv_b, out, gate, up, down, router"
+    assert f"--lora-targets: 'o' is not one of {choices}" in capsys.readouterr().err
 
 
 def _scratch_run(tmp_path, name, tokenizer=None, **flags):
