@@ -318,12 +318,22 @@ def test_tiny_run_trains_and_resumes(tmp_path, capsys):
 def test_a_planned_partition_trains_and_resumes_with_its_split(tmp_path, capsys):
     """``--partition auto``: the blocks' split measured and planned with the schedule and the
     microbatch count (``--schedule auto``), the table printed, the split recorded with the
-    checkpoints; ``--resume`` places the blocks as planned, without planning again."""
+    checkpoints; ``--resume`` places the blocks as planned, without planning again. The model
+    is a mixture of experts trained on packed records (issue 71: ``--data`` works with both),
+    its routers' metrics in TensorBoard."""
+    from tests.test_run_log import read_scalars
+
+    data = tmp_path / "records.jsonl"
+    records = [{"prompt": f"{i} plus {i} is ", "completion": f"{2 * i}."} for i in range(60)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
     argv = ["--depth", "3", "--steps", "2", "--eval-every", "2", "--eval-batches", "1"]
-    argv += ["--timeline-step", "0", "--no-tensorboard", "--partition", "auto"]
-    argv += ["--schedule", "auto"]
-    assert tiny_run(tmp_path, "run", *argv) == 0
+    argv += ["--timeline-step", "0", "--partition", "auto", "--schedule", "auto"]
+    argv += ["--data", str(data), "--pack", "--experts", "4"]
+    base = ["train", *TINY, "--microbatches", "2", "--output-dir", str(tmp_path / "run")]
+    assert main([*base, *argv]) == 0
     out = capsys.readouterr().out
+    scalars = read_scalars(tmp_path / "run" / "tensorboard")
+    assert [s for s, _ in scalars["router_aux_loss"]] == [2] and "eval_loss" in scalars
     assert "mm.schedules.partition: GPT.blocks as " in out and "runners-up" in out
     line = next(x for x in out.splitlines() if x.startswith("partition auto: "))
     sizes = line.split()[2]  # "2/1"
@@ -331,10 +341,12 @@ def test_a_planned_partition_trains_and_resumes_with_its_split(tmp_path, capsys)
     recorded = saved_extra(tmp_path / "run" / "checkpoints" / "2")["partition"]["sizes"]
     assert "/".join(map(str, recorded)) == sizes
     resume = ["--depth", "3", "--steps", "3", "--resume", "--schedule", "1f1b"]  # may change
-    assert tiny_run(tmp_path, "run", *resume) == 0
+    assert main([*base, *resume]) == 0
     out = capsys.readouterr().out
     assert f"the split the run was planned with, {sizes} blocks per stage" in out
     assert "mm.schedules.partition" not in out
+    assert main([*base, *argv, "--text", str(data), "--output-dir", str(tmp_path / "t")]) == 2
+    assert "--data rules out --text (train on one or the other)" in capsys.readouterr().err
 
 
 def test_one_stage_run_has_no_timeline_to_draw(tmp_path, capsys):

@@ -87,10 +87,9 @@ class GPTConfig:
     embeddings, in the table's dtype (Gemma's ``sqrt(dim)``; ``None``: not scaled).
 
     Example:
-        >>> GPTConfig(dim=32, num_heads=4, head_dim=16, qk_norm=True).block_configs[0].attention
-        AttentionConfig(num_heads=4, num_kv_heads=None, head_dim=16, qk_norm=True, \
-qk_norm_eps=1e-06, rope=RopeConfig(theta=10000.0, scaling=None), sliding_window=None, \
-qk_norm_offset=0.0, query_pre_attn_scalar=None)
+        >>> block = GPTConfig(dim=32, num_heads=4, head_dim=16, qk_norm=True).block_configs[0]
+        >>> block.attention.head_dim, block.attention.qk_norm, block.attention.rope
+        (16, True, RopeConfig(theta=10000.0, scaling=None))
         >>> [type(b.feed_forward).__name__ for b in GPTConfig(experts=8, moe_every=2).block_configs]
         ['MLPConfig', 'MoEConfig', 'MLPConfig', 'MoEConfig']
         >>> layer = BlockConfig(AttentionConfig(num_heads=2), MLPConfig(64, gated=True))

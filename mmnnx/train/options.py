@@ -223,6 +223,6 @@ def tables(schema: type) -> dict[str, tuple[dataclasses.Field, ...]]:
     Example:
         >>> from mmnnx.train.config import RunConfig
         >>> [f.name for f in tables(RunConfig)["precision"]]
-        ['dtype', 'clip_grad_norm']
+        ['dtype', 'param_dtype', 'optimizer_dtype', 'clip_grad_norm']
     """
     return {t.name: dataclasses.fields(t.default_factory) for t in dataclasses.fields(schema)}

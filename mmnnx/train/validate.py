@@ -297,6 +297,8 @@ def _other_problem(run: RunConfig) -> str | None:
     training, logging, data = run.training, run.logging, run.dataset
     if run.layout.fsdp_gather != "microbatch" and run.layout.fsdp_axis == 1:
         return f"{flag('fsdp_gather', run.layout.fsdp_gather)} needs {flag('fsdp_axis', 'N')}"
+    if data.data is not None and training.text:
+        return f"{flag('data')} rules out {flag('text')} (train on one or the other)"
     if run.preference.dpo:  # a pair's two completions are its row's segments, and its targets
         if data.data is None:
             return f"{flag('dpo')} needs {flag('data', 'PAIRS')}"
