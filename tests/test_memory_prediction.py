@@ -2,8 +2,6 @@
 ``mmnnx train --memory-budget`` refusal before anything compiles, and one prediction against
 the peak a pipelined step measures (arrays held plus the running program's temporaries)."""
 
-import time
-
 import jax
 import optax
 import pytest
@@ -92,10 +90,8 @@ def test_train_refuses_a_layout_over_the_budget_before_compiling(tmp_path, capsy
     argv = ["train", "--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "16"]
     argv += ["--batch-size", "8", "--microbatches", "2", "--steps", "1", "--model-axis", "1"]
     argv += ["--output-dir", str(tmp_path), "--memory-budget", "600KiB"]
-    start = time.perf_counter()
-    assert main(argv) == 2
+    assert main(argv) == 2  # the compilers above raise if called
     err = capsys.readouterr().err
-    assert time.perf_counter() - start < 30
     assert err.startswith("mmnnx train: error: --memory-budget 600KiB: stage 1 needs ")
     assert "--microbatches 4 fits" in err and "Traceback" not in err
     assert not (tmp_path / "metrics.jsonl").exists()

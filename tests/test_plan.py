@@ -4,7 +4,6 @@ published runs of tests/plan_fixtures (sources in each file)."""
 import dataclasses
 import json
 import pathlib
-import time
 
 import pytest
 
@@ -87,12 +86,11 @@ def test_deepseek_v3_published_setup_evaluated():
     assert not engine.fits  # padded expert slots and gradient sums whole: over 80 GB
 
 
-def test_search_plans_405b_on_16k_gpus_in_seconds():
+def test_search_plans_405b_on_16k_gpus():
+    # pruned to a few seconds (5.7 s on a loaded 2-core machine): timed in benchmarks, not here
     config = _config("llama3-405b", 8192)
-    start = time.perf_counter()
     step = plan_cluster(config, 16384, DEVICES["h100"], batch=2048, seq=8192,
                         collectives=PUBLISHED)  # fmt: skip
-    assert time.perf_counter() - start < 20  # a few seconds on an idle core
     assert step.fits and step.layout.devices == 16384 and step.searched > 100
     assert 0 < step.mfu < DEVICES["h100"].efficiency
 
