@@ -116,31 +116,22 @@ class Fp8Files:
         return np.array(data[rows, cols]).view(DTYPES[info.dtype])
 
 
-def dequantizing(files: CheckpointFiles) -> CheckpointFiles | Fp8Files:
-    """``files`` itself, or as :class:`Fp8Files` where ``config.json`` has a
-    ``quantization_config`` of ``quant_method: "fp8"`` (its ``weight_block_size``, else whole
-    tensors); any other ``quant_method`` is refused naming it.
+def fp8_files(files: CheckpointFiles, quant: dict) -> Fp8Files:
+    """``files`` as :class:`Fp8Files`, blocks of ``quant``'s (``quantization_config``'s)
+    ``weight_block_size``, else whole tensors (``quantized.dequantizing`` picks this reader).
 
     Example:
         >>> import tempfile, json, pathlib
         >>> from mmnnx.models.pretrained.files import write_shards
         >>> d = pathlib.Path(tempfile.mkdtemp())
         >>> write_shards(d, {"w": np.zeros(2, np.float32)})
-        >>> _ = (d / "config.json").write_text(json.dumps({"quantization_config":
-        ...                                               {"quant_method": "awq"}}))
         >>> try:
-        ...     dequantizing(CheckpointFiles(d))
+        ...     fp8_files(CheckpointFiles(d), {"weight_block_size": [128]})
         ... except CheckpointError as e:
         ...     print(str(e).replace(str(d), "ckpt"))
-        ckpt/config.json: quantization_config.quant_method "awq" is not supported (only "fp8")
+        ckpt/config.json: quantization_config.weight_block_size: [128] is not two ints >= 1
     """
-    quant = (files.config or {}).get("quantization_config")
-    if quant is None:
-        return files
     where = f"{files.directory / 'config.json'}: quantization_config"
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if method != "fp8":
-        raise CheckpointError(f'{where}.quant_method "{method}" is not supported (only "fp8")')
     block = quant.get("weight_block_size")
     if block is None:
         return Fp8Files(files, (1 << 62, 1 << 62))  # one scale per tensor

@@ -113,29 +113,16 @@ class Mxfp4Files:
         return part if transpose is None else part.transpose(transpose)
 
 
-def dequantizing(files: CheckpointFiles) -> CheckpointFiles | Mxfp4Files:
-    """``files`` itself, or as :class:`Mxfp4Files` where ``config.json`` has a
-    ``quantization_config`` of ``quant_method: "mxfp4"``; any other ``quant_method`` is
-    refused naming it.
+def mxfp4_files(files: CheckpointFiles, quant: dict) -> Mxfp4Files:
+    """``files`` as :class:`Mxfp4Files` (``quantized.dequantizing`` picks this reader; MXFP4
+    has no options in ``quant``).
 
     Example:
-        >>> import tempfile, json, pathlib
+        >>> import tempfile, pathlib
         >>> from mmnnx.models.pretrained.files import write_shards
         >>> d = pathlib.Path(tempfile.mkdtemp())
         >>> write_shards(d, {"w": np.zeros(2, np.float32)})
-        >>> _ = (d / "config.json").write_text(json.dumps({"quantization_config":
-        ...                                               {"quant_method": "awq"}}))
-        >>> try:
-        ...     dequantizing(CheckpointFiles(d))
-        ... except CheckpointError as e:
-        ...     print(str(e).replace(str(d), "ckpt"))
-        ckpt/config.json: quantization_config.quant_method "awq" is not supported (only "mxfp4")
+        >>> type(mxfp4_files(CheckpointFiles(d), {"quant_method": "mxfp4"})).__name__
+        'Mxfp4Files'
     """
-    quant = (files.config or {}).get("quantization_config")
-    if quant is None:
-        return files
-    where = f"{files.directory / 'config.json'}: quantization_config"
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if method != "mxfp4":
-        raise CheckpointError(f'{where}.quant_method "{method}" is not supported (only "mxfp4")')
     return Mxfp4Files(files)

@@ -9,11 +9,12 @@ from typing import Any
 from mmnnx.models.pretrained import fp8, mxfp4
 from mmnnx.models.pretrained.files import CheckpointError, CheckpointFiles
 
-QUANT_METHODS: dict[str, Callable[[CheckpointFiles], Any]] = {
-    "fp8": fp8.dequantizing,  # DeepSeek-V3, Kimi K2: float8 e4m3 with block scales
-    "mxfp4": mxfp4.dequantizing,  # gpt-oss: 4-bit experts with a power of two per 32 inputs
+QUANT_METHODS: dict[str, Callable[[CheckpointFiles, dict], Any]] = {
+    "fp8": fp8.fp8_files,  # DeepSeek-V3, Kimi K2: float8 e4m3 with block scales
+    "mxfp4": mxfp4.mxfp4_files,  # gpt-oss: 4-bit experts with a power of two per 32 inputs
 }
-"""Each ``quant_method`` mmnnx reads and its reader."""
+"""Each ``quant_method`` mmnnx reads and its reader, given the files and the
+``quantization_config``."""
 
 
 def dequantizing(files: CheckpointFiles) -> Any:
@@ -46,4 +47,4 @@ def dequantizing(files: CheckpointFiles) -> Any:
             f'{files.directory / "config.json"}: quantization_config.quant_method "{method}" '
             f"is not supported (only {read})"
         )
-    return QUANT_METHODS[method](files)
+    return QUANT_METHODS[method](files, quant)
