@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.files import TORCH_DTYPES, CheckpointError
 from mmnnx.modules.checks import is_positive
 from mmnnx.modules.rope import LinearScaling, RopeScaling, Scaling, YarnScaling
@@ -223,6 +224,35 @@ class HFConfig:
     rope_scaling: Scaling | None
     own: Mapping[str, Any]
     ropes: Mapping[str, tuple[float, Scaling | None]] = dataclasses.field(default_factory=dict)
+
+    def gpt_config(self, layers: tuple, overrides: Mapping[str, Any], **fields: Any) -> GPTConfig:
+        """The ``GPTConfig`` every family builds: these sizes with RMSNorm of ``rms_norm_eps``,
+        the family's ``layers`` (``BlockConfig``s) and ``fields``, then the ``overrides`` given
+        (not ``None``).
+
+        Example:
+            >>> c = read_config({"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+            ...                  "num_attention_heads": 4, "intermediate_size": 64}, "c", "llama")
+            >>> from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig
+            >>> layers = (BlockConfig(AttentionConfig(4), MLPConfig(64)),)
+            >>> config = c.gpt_config(layers, {"max_seq_len": 16, "dtype": None}, norm_eps=1e-5)
+            >>> config.max_seq_len, config.norm_eps, config.dim
+            (16, 1e-05, 32)
+        """
+        base = dict(
+            vocab_size=self.vocab_size,
+            dim=self.hidden_size,
+            depth=self.num_hidden_layers,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads,
+            max_seq_len=self.max_position_embeddings,
+            tie_embeddings=self.tie_word_embeddings,
+            norm="rms",
+            norm_eps=self.rms_norm_eps,
+            layers=layers,
+        )
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return GPTConfig(**base | fields | given)
 
 
 def read_config(hf: Any, file: str, model_type: str) -> HFConfig:

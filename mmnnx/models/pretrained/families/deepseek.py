@@ -156,19 +156,12 @@ class DeepSeekFamily:
                 BlockConfig(attention, dense if i < first else moe, norm)
                 for i in range(c.num_hidden_layers)
             )
-            fields = dict(
-                vocab_size=c.vocab_size,
-                dim=c.hidden_size,
-                depth=c.num_hidden_layers,
-                num_heads=c.num_attention_heads,
-                max_seq_len=c.max_position_embeddings,
-                tie_embeddings=c.tie_word_embeddings,
-                norm="rms",
-                norm_eps=c.rms_norm_eps,
-                router_aux_loss_coef=0.0,  # transformers' DeepseekV3ForCausalLM adds none
-                layers=layers,
+            return c.gpt_config(  # latent attention: no key/value heads; transformers adds no
+                layers,
+                overrides,
+                num_kv_heads=None,
+                router_aux_loss_coef=0.0,  # router loss
             )
-            return GPTConfig(**fields | {k: v for k, v in overrides.items() if v is not None})
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: {e}") from None
 

@@ -184,21 +184,8 @@ logit soft-capping (null)
                 )
                 return BlockConfig(attention, mlp, norm, post_norms=True)
 
-            fields = dict(
-                vocab_size=c.vocab_size,
-                dim=c.hidden_size,
-                depth=c.num_hidden_layers,
-                num_heads=c.num_attention_heads,
-                num_kv_heads=c.num_key_value_heads,
-                max_seq_len=c.max_position_embeddings,
-                tie_embeddings=c.tie_word_embeddings,
-                norm="rms",
-                norm_eps=c.rms_norm_eps,
-                final_norm=norm,
-                embed_scale=c.hidden_size**0.5,
-                layers=tuple(block(kind) for kind in kinds),
-            )
-            return GPTConfig(**fields | {k: v for k, v in overrides.items() if v is not None})
+            layers = tuple(block(kind) for kind in kinds)
+            return c.gpt_config(layers, overrides, final_norm=norm, embed_scale=c.hidden_size**0.5)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: {e}") from None
 

@@ -164,20 +164,10 @@ capacity_factor=None, alpha=1.702, limit=7.0)
                 )
                 return BlockConfig(attention, moe, norm)
 
-            fields = dict(
-                vocab_size=c.vocab_size,
-                dim=c.hidden_size,
-                depth=c.num_hidden_layers,
-                num_heads=c.num_attention_heads,
-                num_kv_heads=c.num_key_value_heads,
-                max_seq_len=c.max_position_embeddings,
-                tie_embeddings=c.tie_word_embeddings,
-                norm="rms",
-                norm_eps=c.rms_norm_eps,
-                router_aux_loss_coef=c.own["router_aux_loss_coef"],
-                layers=tuple(block(kind) for kind in kinds),
+            layers = tuple(block(kind) for kind in kinds)
+            return c.gpt_config(
+                layers, overrides, router_aux_loss_coef=c.own["router_aux_loss_coef"]
             )
-            return GPTConfig(**fields | {k: v for k, v in overrides.items() if v is not None})
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: {e}") from None
 

@@ -202,20 +202,9 @@ class Family:
             )
             norm = NormConfig("rms", c.rms_norm_eps)
             layers = self.feed_forward.read(keys, c.num_hidden_layers)
-            fields = dict(
-                vocab_size=c.vocab_size,
-                dim=c.hidden_size,
-                depth=c.num_hidden_layers,
-                num_heads=attention.num_heads,
-                num_kv_heads=attention.num_kv_heads,
-                max_seq_len=c.max_position_embeddings,
-                tie_embeddings=c.tie_word_embeddings,
-                norm="rms",
-                norm_eps=c.rms_norm_eps,
-                router_aux_loss_coef=c.own.get("router_aux_loss_coef", 0.001),
-                layers=tuple(BlockConfig(attention, ff, norm) for ff in layers),
-            )
-            return GPTConfig(**fields | {k: v for k, v in overrides.items() if v is not None})
+            layers = tuple(BlockConfig(attention, ff, norm) for ff in layers)
+            own_coef = c.own.get("router_aux_loss_coef", 0.001)
+            return c.gpt_config(layers, overrides, router_aux_loss_coef=own_coef)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: {e}") from None
 
