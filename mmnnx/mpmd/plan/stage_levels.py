@@ -1,8 +1,5 @@
-"""Which forward stage each op of a pipelined region runs in: a value several later stages read
-(an encoder's output under cross-attention) is a side input of each, not a stage of its own.
-:func:`forward_levels` joins ops to their readers' stages (:func:`join_consumers`), then moves
-each to a depth where its task runs anyway (:func:`settle_on_visits`), so the stage chain
-follows the placement."""
+"""Which forward stage each op of a pipelined region runs in (a value several later stages read
+is a side input of each, not a stage of its own)."""
 
 from __future__ import annotations
 
@@ -24,38 +21,8 @@ def settle_on_visits(
     raw: dict[int, int] | None = None,
 ) -> dict[int, int]:
     """``level`` (a new dict) with each op of ``forward`` moved to the latest depth at which its
-    task runs other forward ops and that its readers allow. ``raw``: depths before
-    :func:`join_consumers`; an op it moved marks no visit of its task.
-
-    Example: the second decoder layer's key projection (op 2) moves to its task's depth 2::
-
-        >>> from mmnnx.mpmd.ir import Graph
-        >>> enc = Op(0, None, {}, [9], [10], False, "", "tanh")
-        >>> layer0 = Op(1, None, {}, [10], [11], False, "", "dot_general")
-        >>> key1 = Op(2, None, {}, [10], [12], False, "", "dot_general")
-        >>> layer1 = Op(3, None, {}, [11, 12], [13], False, "", "dot_general")
-        >>> ops = [enc, layer0, key1, layer1]
-        >>> graph = Graph(ops=ops, inputs=[9], outputs=[13])
-        >>> settle_on_visits(graph, ops, ["t0", "t1", "t2", "t2"], {0: 0, 1: 1, 2: 1, 3: 2})
-        {0: 0, 1: 1, 2: 2, 3: 2}
-
-    An op no forward op reads, at a depth another task runs, goes to its task's next visit::
-
-        >>> metric = Op(4, None, {}, [10], [14], False, "", "mul")
-        >>> graph = Graph(ops=[*ops, metric], inputs=[9], outputs=[13, 14])
-        >>> settle_on_visits(graph, graph.ops, ["t0", "t1", "t2", "t2", "t2"],
-        ...                  {0: 0, 1: 1, 2: 1, 3: 2, 4: 1})[4]
-        2
-
-    A view made on ``t0`` that was moved to its reader's depth 1 goes back to ``t0``'s depth 0::
-
-        >>> view = Op(2, None, {}, [10], [12], False, "", "reshape")
-        >>> ops = [enc, layer0, view, layer1]
-        >>> graph = Graph(ops=ops, inputs=[9], outputs=[13])
-        >>> raw = {0: 0, 1: 1, 2: 0, 3: 2}
-        >>> settle_on_visits(graph, ops, ["t0", "t1", "t0", "t2"], {**raw, 2: 1}, raw)[2]
-        0
-    """
+    task runs other forward ops and that its readers allow; ``raw`` (depths before
+    :func:`join_consumers`): an op it moved marks no visit of its task."""
     level = dict(level)
     inside = {op.index for op in forward}
     consumers = graph.consumers()
@@ -105,26 +72,7 @@ def check_stage_order(
     chain: str | None = None,
 ) -> None:
     """Raises an ``MPMDError`` unless each stage's fragment reads only what runs before it for
-    the same microbatch. ``chain``: the stage chain in words for the message.
-
-    Example: stage 1's backward makes a value stage 2's backward reads::
-
-        >>> from mmnnx.mpmd.ir import Graph
-        >>> from mmnnx.mpmd.plan.cut import Fragment
-        >>> from mmnnx.sharding import Task, TaskMesh
-        >>> t1, t2 = Task("t1", mesh=TaskMesh(devices=[0])), Task("t2", mesh=TaskMesh(devices=[1]))
-        >>> dq = Op(0, None, {}, [5], [6], False, "model.py:7", "dot_general", backward=True)
-        >>> grad = Op(1, None, {}, [6], [7], False, "model.py:9", "transpose", backward=True)
-        >>> b1 = Fragment("t1/B1", t1, [dq], [5], [6], ("backward",))
-        >>> b2 = Fragment("t2/B2", t2, [grad], [6], [7], ("backward",))
-        >>> check_stage_order(  # doctest: +ELLIPSIS
-        ...     Graph(ops=[dq, grad]), {("B", 1): b1, ("B", 2): b2}, [t1, t1, t2]
-        ... )
-        Traceback (most recent call last):
-        ...
-        mmnnx.errors.MPMDError: mm.jit: `transpose` at model.py:9 (the backward pass of stage 2, \
-on task 't2') reads the result of `dot_general` at model.py:7 (...stage 1, on task 't1'), ...
-    """
+    the same microbatch; ``chain``: the stage chain in words for the message."""
     made_by = {v: key for key, frag in fragments.items() for v in frag.out_ids}
     producer = graph.producers()
     passes = {"F": "the forward pass", "B": "the backward pass"}

@@ -1,7 +1,5 @@
-"""Control flow cut into independent pieces, so each piece can run on the task that holds its
-state: a ``cond`` or ``while_loop`` whose results fall into independent groups (split while
-tracing, one piece per group), and a ``scan`` cut in two (zero-bubble's split of a backward
-pass: the input gradient first, the weight gradients later)."""
+"""Control flow cut into independent pieces, each to run on the task holding its state: a
+``cond`` or ``while_loop`` by independent groups of results, a ``scan`` in two (zero-bubble)."""
 
 from __future__ import annotations
 
@@ -142,13 +140,7 @@ def _split_while(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
 
 
 def _groups(items: Sequence[int], links: Sequence[tuple[int, int]]) -> list[list[int]]:
-    """``items`` grouped by ``links`` (pairs that belong together, transitively), each group in
-    the order of ``items``; groups ordered by their first item.
-
-    Example:
-        >>> _groups(range(5), [(0, 3), (3, 4)])
-        [[0, 3, 4], [1], [2]]
-    """
+    """``items`` grouped by ``links`` (pairs that belong together, transitively), in order."""
     parent = {i: i for i in items}
 
     def root(i: int) -> int:
@@ -165,13 +157,10 @@ def _groups(items: Sequence[int], links: Sequence[tuple[int, int]]) -> list[list
     return list(groups.values())
 
 
-_SPLITTERS = {"cond": _split_cond, "while": _split_while}
-
-
 def split_eqn(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
     """A ``cond`` or ``while_loop`` equation as independent pieces, each ``(params, invars,
     outvars)`` of one equation of the same primitive; ``None`` if it does not split."""
-    split = _SPLITTERS.get(eqn.primitive.name)
+    split = {"cond": _split_cond, "while": _split_while}.get(eqn.primitive.name)
     return split(eqn) if split is not None else None
 
 
@@ -263,50 +252,21 @@ def _scan_cut(op: Op, wanted: Sequence[bool]) -> _ScanCut | None:
 
 
 def scan_first_part(op: Op, wanted: Sequence[bool]) -> tuple[list[bool], list[bool]] | None:
-    """For a scan ``op`` of whose results only those flagged in ``wanted`` are needed soon (an
-    input gradient), the results its first part makes (``wanted`` and the carries they depend
-    on) and the operands that part reads; ``None`` when the scan does not split
-    (:func:`split_scan`).
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from mmnnx.mpmd.trace.tracing import to_graph
-        >>> def f(w, xs):  # the carry needs only xs; the second result also reads w
-        ...     return jax.lax.scan(lambda c, x: (c + x, jnp.tanh(c) @ w), jnp.zeros(2), xs)
-        >>> graph = to_graph(jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((3, 2))))
-        >>> scan_first_part(graph.ops[-1], [True, False])
-        ([True, False], [False, True, True])
-    """
+    """The results and operands of scan ``op``'s first part (:func:`split_scan`), or ``None``."""
     cut = _scan_cut(op, wanted)
     return None if cut is None else (cut.first_outs, cut.first_operands)
 
 
 def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | None:
-    """Scan ``op`` as two scans (zero-bubble's split of a backward pass run as a scan, e.g. over
-    ``nnx.scan`` layers or chunks): the first makes the ``wanted`` results (and the carries they
-    depend on) and saves, per iteration, the values the rest reads from it; the second makes
-    the other results (weight gradients) from those. The first's extra results are new values
-    of ``graph``. ``None`` when the scan does not split.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from mmnnx.mpmd.trace.tracing import to_graph
-        >>> def f(w, xs):  # the carry first; then the matmul, from the carries it saved
-        ...     return jax.lax.scan(lambda c, x: (c + x, jnp.tanh(c) @ w), jnp.zeros(2), xs)
-        >>> graph = to_graph(jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((3, 2))))
-        >>> first, later = split_scan(graph.ops[-1], [True, False], graph)
-        >>> [graph.shapes[v] for v in first.outs], [graph.shapes[v] for v in later.outs]
-        ([(2,), (3, 2)], [(3, 2)])
-    """
+    """Scan ``op`` as two scans (zero-bubble's split of a backward pass): the first makes the
+    ``wanted`` results and saves, per iteration, what the second (weight gradients) reads from it;
+    its extra results are new values of ``graph``. ``None`` when the scan does not split."""
     cut = _scan_cut(op, wanted)
     if cut is None:
         return None
     closed = op.params["jaxpr"]
     body = closed.jaxpr
     num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
-
-    def picked(items: Sequence, flags: Sequence[bool]) -> list:
-        return [x for x, f in zip(items, flags, strict=True) if f]
 
     length = op.params["length"]
     saved_ids = [
@@ -315,24 +275,14 @@ def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | 
     ]
 
     def scan(eqns: list, pick: list, made: list, extra: list, saved: Sequence = ()) -> Op:
-        """A scan of ``eqns`` of the body reading the operands ``pick`` flags, then ``saved``, and
-        making the results ``made`` flags, then ``extra``."""
-        ins = picked(op.ins, pick) + (saved_ids if saved else [])
-        part = body.replace(
-            invars=picked(body.invars, pick) + list(saved),
-            outvars=picked(body.outvars, made) + (cut.saved if extra else []),
-            eqns=eqns,
-            effects=join_effects(*(e.effects for e in eqns)),
-        )
-        params = {
-            **op.params,
-            "jaxpr": jcore.ClosedJaxpr(part, closed.consts),
-            "num_consts": sum(pick[:num_consts]),
-            "num_carry": sum(made[:num_carry]),
-        }
-        if "linear" in params:  # older JAX versions
-            params["linear"] = (False,) * len(ins)
-        return op.derived(op.primitive, params, ins, picked(op.outs, made) + extra)
+        """The scan of ``eqns`` reading the operands ``pick`` flags, then ``saved``, and making
+        the results ``made`` flags, then ``extra``."""
+        invars = _picked(body.invars, pick) + list(saved)
+        outvars = _picked(body.outvars, made) + (cut.saved if extra else [])
+        jaxpr = jcore.ClosedJaxpr(_body(body, invars, outvars, eqns), closed.consts)
+        ins = _picked(op.ins, pick) + (saved_ids if saved else [])
+        outs = _picked(op.outs, made) + extra
+        return _rescan(op, jaxpr, ins, outs, sum(pick[:num_consts]), sum(made[:num_carry]))
 
     later_outs = [not w for w in cut.first_outs]
     first = scan(cut.first_eqns, cut.first_operands, cut.first_outs, saved_ids)
@@ -347,24 +297,9 @@ def scan_remake(
     made: dict | None = None,
 ) -> Op | None:
     """A scan remaking those of ``op``'s per-iteration results flagged in ``wanted`` that its
-    body computes from the operands flagged in ``readable`` alone (no carry), by primitives
-    ``cheap`` accepts, e.g. the casts of stacked weights a forward over ``nnx.scan`` layers
-    saves for its backward; it makes only those results (``None``: none qualifies). A
-    backward that runs it reads the operands instead of one saved copy per microbatch.
-    ``made``: the bodies made so far, by the body and results they came from, shared so that
-    scans of one body (each stage's) stay alike (compiled once).
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from mmnnx.mpmd.trace.tracing import to_graph
-        >>> def f(ws, c):  # per layer: the weight cast (from ws alone) and the carry's update
-        ...     return jax.lax.scan(lambda c, w: (c @ w, w.astype(jnp.bfloat16)), c, ws)
-        >>> graph = to_graph(jax.make_jaxpr(f)(jnp.ones((3, 2, 2)), jnp.ones(2)))
-        >>> scan = graph.ops[-1]
-        >>> remake = scan_remake(scan, [False, True], [False, True], lambda name: True)
-        >>> remake.outs == scan.outs[1:], remake.ins == scan.ins[1:]  # (carry, ws): ws
-        (True, True)
-    """
+    body computes by ``cheap`` primitives from the operands flagged in ``readable`` alone (no
+    carry), e.g. the casts of stacked weights; ``None``: none qualifies. ``made``: the bodies made
+    so far, shared so that scans of one body stay alike (compiled once)."""
     if op.name != "scan" or op.effectful or op.may_fail or op.mesh is not None:
         return None
     closed = op.params["jaxpr"]
@@ -403,20 +338,25 @@ def scan_remake(
     made = {} if made is None else made
     key = (id(closed), tuple(picked), tuple(pick))
     if key not in made:  # the source kept with it, so that no other body takes its id
-        part = body.replace(
-            invars=[v for v, p in zip(body.invars, pick, strict=True) if p],
-            outvars=[body.outvars[k] for k in picked],
-            eqns=kept,
-            effects=join_effects(*(e.effects for e in kept)),
-        )
+        part = _body(body, _picked(body.invars, pick), [body.outvars[k] for k in picked], kept)
         made[key] = (jcore.ClosedJaxpr(part, closed.consts), closed)
-    ins = [a for a, p in zip(op.ins, pick, strict=True) if p]
-    params = {
-        **op.params,
-        "jaxpr": made[key][0],
-        "num_consts": sum(pick[:num_consts]),
-        "num_carry": 0,
-    }
+    outs = [op.outs[k] for k in picked]
+    return _rescan(op, made[key][0], _picked(op.ins, pick), outs, sum(pick[:num_consts]), 0)
+
+
+def _picked(items: Sequence, flags: Sequence[bool]) -> list:
+    return [x for x, f in zip(items, flags, strict=True) if f]
+
+
+def _body(body: Any, invars: list, outvars: list, eqns: list) -> Any:
+    """``body`` with these variables and equations (and their effects)."""
+    effects = join_effects(*(e.effects for e in eqns))
+    return body.replace(invars=invars, outvars=outvars, eqns=eqns, effects=effects)
+
+
+def _rescan(op: Op, jaxpr: Any, ins: list, outs: list, num_consts: int, num_carry: int) -> Op:
+    """A scan like ``op`` of ``jaxpr`` over ``ins``, making ``outs``."""
+    params = {**op.params, "jaxpr": jaxpr, "num_consts": num_consts, "num_carry": num_carry}
     if "linear" in params:  # older JAX versions
         params["linear"] = (False,) * len(ins)
-    return op.derived(op.primitive, params, ins, [op.outs[k] for k in picked])
+    return op.derived(op.primitive, params, ins, outs)
