@@ -103,3 +103,65 @@ def test_scan_remake_remakes_the_weight_cast_from_the_weights():
     scan = _scan_graph(f, jnp.ones((3, 2, 2)), jnp.ones(2)).ops[-1]
     remake = scan_remake(scan, [False, True], [False, True], lambda name: True)
     assert remake.outs == scan.outs[1:] and remake.ins == scan.ins[1:]
+
+
+def test_per_microbatch_follows_the_carry_but_not_the_weight_cast():
+    import jax
+    import jax.numpy as jnp
+
+    from mmnnx.mpmd.plan.residuals import per_microbatch
+
+    def f(ws, c):
+        return jax.lax.scan(lambda c, w: (c @ w, w.astype(jnp.bfloat16)), c, ws)
+
+    graph = _scan_graph(f, jnp.ones((3, 2, 2)), jnp.ones(2))
+    varying = per_microbatch(graph, {graph.inputs[1]})
+    assert [v in varying for v in graph.ops[-1].outs] == [True, False]
+
+
+def test_culprit_names_the_first_op_when_no_variable_is_read():
+    from mmnnx.mpmd.plan.chain import culprit
+
+    scale = Op(0, None, {}, [5], [6], False, "m.py:8 (Net.__call__)", "mul")
+    assert culprit([scale], {}, {9: "arg0/head/kernel"}) == "`mul` at m.py:8 (Net.__call__)"
+
+
+def test_batch_derived_stops_at_a_weight():
+    from mmnnx.mpmd.ir import Const
+    from mmnnx.mpmd.plan.pipeline import _batch_derived
+
+    mask = Op(0, None, {}, [7, Const(0)], [8], False, "", "gt")
+    scaled = Op(1, None, {}, [8, 3], [9], False, "", "mul")
+    assert _batch_derived([mask, scaled], {7}) == {8}
+
+
+def test_pinned_depths_moves_a_query_projection_beside_what_it_feeds():
+    from mmnnx.mpmd.plan.flow import pinned_depths
+
+    enc = Op(0, None, {}, [9, 20], [10], False, "", "dot_general")
+    query = Op(1, None, {}, [8, 21], [11], False, "", "dot_general")
+    attend = Op(2, None, {}, [11, 10], [12], False, "", "dot_general")
+    out = Op(3, None, {}, [12, 22], [13], False, "", "dot_general")
+    ops = [enc, query, attend, out]
+    depths = pinned_depths(Graph(ops=ops), ops, ["t0", "t1", "t0", "t1"], {0, 1, 3})
+    assert depths.sources_of(attend) == {"t1": 1, "t0": 0}
+    assert depths.first == {"t0": 0, "t1": 1}
+
+
+def test_recompute_residuals_of_no_fragments_is_empty():
+    from mmnnx.mpmd.plan.remat import recompute_residuals
+
+    assert recompute_residuals(Graph(), {}) == {}
+
+
+def test_net_cut_moving_an_op_beside_its_readers_stops_its_bytes_crossing():
+    from mmnnx.mpmd.plan.net_cut import Net, NetCut
+
+    assert Net(source=0, readers=(1, 2), nbytes=64).readers == (1, 2)
+    cut = NetCut.of(["A", "B"], [Net(0, (1, 2), 8)], ["A", "B", "A"], {0})
+    assert (cut.crossing(), cut.expand(0), cut.crossing(), cut.tasks_of_ops()) == (
+        8,
+        True,
+        0,
+        ("A", "A", "A"),
+    )

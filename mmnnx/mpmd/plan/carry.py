@@ -52,11 +52,8 @@ def _upstream(
 
 def resolve_rng_counts(graph: Graph, num_microbatches: dict[int, int]) -> None:
     """Replaces the RNG count markers of ``graph`` (in place) by ``count + index * d`` at each
-    microbatch's start and ``count + M * d`` as the step's result.
-
-    Raises:
-        MPMDError: a count advances by something other than constants (naming the source line).
-    """
+    microbatch's start and ``count + M * d`` as the step's result; an ``MPMDError`` names the source
+    line of a count advancing by something other than constants."""
     bases = {op.outs[0]: op for op in graph.ops if marker_kind(op) == "rng_base"}
     if not bases:
         return

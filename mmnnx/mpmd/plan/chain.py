@@ -46,15 +46,8 @@ def read_variable(op: Op, producer: Mapping[int, Op], names: Mapping[int, str]) 
 
 
 def culprit(ops: Sequence[Op], producer: Mapping[int, Op], names: Mapping[int, str]) -> str:
-    """What ``ops`` run there for: the first Variable they read (and the op reading it), else
-    their first op, with its source line.
-
-    Example: an op in an ``mm.task`` region that reads no Variable::
-
-        >>> scale = Op(0, None, {}, [5], [6], False, "m.py:8 (Net.__call__)", "mul")
-        >>> culprit([scale], {}, {9: "arg0/head/kernel"})
-        '`mul` at m.py:8 (Net.__call__)'
-    """
+    """What ``ops`` run there for: the first Variable they read (and the op reading it), else their
+    first op, with its source line."""
     for op in ops:
         name = read_variable(op, producer, names)
         if name is not None:

@@ -123,21 +123,8 @@ def _merged(maps: Iterable[dict[Task, int]], pick=max) -> dict[Task, int]:
 def pinned_depths(
     graph: Graph, forward: Sequence[Op], op_tasks: Sequence[Task], pinned: AbstractSet[int]
 ) -> PinnedDepths:
-    """The :class:`PinnedDepths` of ``forward``. A pinned op with no source on another task
-    moves as deep as the pinned ops its result reaches allow (reaching none, it marks no visit).
-
-    Example: the query projection (op 1) goes to depth 1, beside the projection it feeds::
-
-        >>> from mmnnx.mpmd.ir import Graph
-        >>> enc = Op(0, None, {}, [9, 20], [10], False, "", "dot_general")
-        >>> query = Op(1, None, {}, [8, 21], [11], False, "", "dot_general")
-        >>> attend = Op(2, None, {}, [11, 10], [12], False, "", "dot_general")
-        >>> out = Op(3, None, {}, [12, 22], [13], False, "", "dot_general")
-        >>> ops = [enc, query, attend, out]
-        >>> depths = pinned_depths(Graph(ops=ops), ops, ["t0", "t1", "t0", "t1"], {0, 1, 3})
-        >>> depths.sources_of(attend), depths.first
-        ({'t1': 1, 't0': 0}, {'t0': 0, 't1': 1})
-    """
+    """The :class:`PinnedDepths` of ``forward``. A pinned op with no source on another task moves as
+    deep as the pinned ops its result reaches allow (reaching none, it marks no visit)."""
     inside = {op.index for op in forward}
     depth: dict[int, int] = {}
     crossed: set[int] = set()  # pinned ops with a source on another task

@@ -19,14 +19,8 @@ _MAX_FLOW = 2**30  # the total capacity out of the source once scaled (the flow 
 
 @dataclasses.dataclass(frozen=True)
 class Net:
-    """A value that crosses to each task its readers are on, but not its source's, once.
-    ``source`` and ``readers`` are op indices or tasks (an input's or output's home).
-
-    Example: a value of 64 bytes that op 0 makes and ops 1 and 2 read::
-
-        >>> Net(source=0, readers=(1, 2), nbytes=64).readers
-        (1, 2)
-    """
+    """A value that crosses to each task its readers are on, but not its source's, once. ``source``
+    and ``readers`` are op indices or tasks (an input's or output's home)."""
 
     source: int | Task
     readers: tuple[int | Task, ...]
@@ -35,14 +29,7 @@ class Net:
 
 @dataclasses.dataclass
 class NetCut:
-    """Nets as arrays over nodes: ops ``0..num_ops-1``, then one node per task (a fixed end).
-
-    Example: moving op 1 from ``B`` to ``A`` (task 0) stops 8 bytes crossing::
-
-        >>> cut = NetCut.of(["A", "B"], [Net(0, (1, 2), 8)], ["A", "B", "A"], {0})
-        >>> cut.crossing(), cut.expand(0), cut.crossing(), cut.tasks_of_ops()
-        (8, True, 0, ('A', 'A', 'A'))
-    """
+    """Nets as arrays over nodes: ops ``0..num_ops-1``, then one node per task (a fixed end)."""
 
     tasks: list[Task]
     labels: np.ndarray  # int64, ops then task nodes (whose labels never change)

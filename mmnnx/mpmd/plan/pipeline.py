@@ -223,15 +223,7 @@ def _sink_to_post(
 
 
 def _batch_derived(pre_ops: list[Op], sources: AbstractSet[int]) -> set[int]:
-    """The values that ``pre_ops`` compute from ``sources`` and constants only.
-
-    Example:
-        >>> from mmnnx.mpmd.ir import Const
-        >>> mask = Op(0, None, {}, [7, Const(0)], [8], False, "", "gt")
-        >>> scaled = Op(1, None, {}, [8, 3], [9], False, "", "mul")  # reads value 3: a weight
-        >>> _batch_derived([mask, scaled], {7})
-        {8}
-    """
+    """The values that ``pre_ops`` compute from ``sources`` and constants only."""
     derived = set(sources)
     for op in sorted(pre_ops, key=lambda op: op.index):
         pure = not op.effectful and not op.may_fail

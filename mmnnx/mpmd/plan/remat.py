@@ -31,18 +31,11 @@ def recompute_residuals(
     replicated: Iterable[int] = (),
     excluded: Iterable[int] = (),
 ) -> dict[tuple[str, int], Fragment]:
-    """The stage fragments with each forward's cheap residuals (ops in :data:`RECOMPUTED`,
-    within :data:`MAX_DEPTH` of available values, read only by that stage's passes) recomputed
-    by the backward fragments of its stage that read them. ``replicated``: ops every fragment
-    may remake, at any depth; ``excluded``: values never recomputed from nor dropped. So are
-    the residuals a forward's scan makes from the step's inputs alone (:func:`_weight_scans`):
-    the casts of weights stacked for ``nnx.scan``, which would otherwise wait between the passes
-    once per microbatch.
-
-    Example:
-        >>> recompute_residuals(Graph(), {})
-        {}
-    """
+    """The stage fragments with each forward's cheap residuals (ops in :data:`RECOMPUTED`, within
+    :data:`MAX_DEPTH` of available values, read only by that stage's passes) recomputed by the
+    backward fragments of its stage that read them, and so the residuals a forward's scan makes from
+    the step's inputs alone (:func:`_weight_scans`). ``replicated``: ops every fragment may remake,
+    at any depth; ``excluded``: values never recomputed from nor dropped."""
     replicated = set(replicated)
     excluded = set(excluded)
     outside = _read_outside(graph, stages)

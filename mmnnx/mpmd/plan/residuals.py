@@ -17,13 +17,8 @@ from mmnnx.mpmd.plan.pipeline import Pipeline
 
 @dataclasses.dataclass(frozen=True)
 class SavedResiduals:
-    """A stage's residuals: ``nbytes`` of all the values its forward returns for its backward,
-    and the shape and dtype of each one that does not depend on the microbatch.
-
-    Example:
-        >>> SavedResiduals(nbytes=4096, invariant=(((32, 32), "bfloat16"),)).invariant[0][1]
-        'bfloat16'
-    """
+    """A stage's residuals: ``nbytes`` of all the values its forward returns for its backward, and
+    the shape and dtype of each one that does not depend on the microbatch."""
 
     nbytes: int
     invariant: tuple[tuple[tuple[int, ...], str], ...]
@@ -55,18 +50,8 @@ def saved_residuals(graph: Graph, pipeline: Pipeline) -> dict[int, SavedResidual
 
 def per_microbatch(graph: Graph, seeds: set[Any]) -> set[int]:
     """The values of ``graph`` that depend on ``seeds`` (e.g. the microbatch index), looking into
-    scans (each result depends on what the body computes it from, carries to a fixpoint); any
-    other op's results depend on all its operands.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from mmnnx.mpmd.trace.tracing import to_graph
-        >>> def f(ws, c):  # the carry reads c; the second result ws alone
-        ...     return jax.lax.scan(lambda c, w: (c @ w, w.astype(jnp.bfloat16)), c, ws)
-        >>> graph = to_graph(jax.make_jaxpr(f)(jnp.ones((3, 2, 2)), jnp.ones(2)))
-        >>> [v in per_microbatch(graph, {graph.inputs[1]}) for v in graph.ops[-1].outs]
-        [True, False]
-    """
+    scans (each result depends on what the body computes it from, carries to a fixpoint); any other
+    op's results depend on all its operands."""
     found = set(seeds)
     for op in graph.ops:
         reads = [isinstance(a, int) and a in found for a in op.ins]

@@ -54,16 +54,9 @@ def list_schedule(
     costs: Costs | None = None,
     policy: str = "zero-bubble",
 ) -> Schedule:
-    """Builds a split-backward schedule by playing it out (see the module docstring);
-    ``limits[r]``: the most microbatches rank ``r`` may hold at once; ``costs``: the passes'
-    durations (default: one unit each).
-
-    Example:
-        >>> from mmnnx.mpmd.schedules.zero_bubble import list_schedule
-        >>> schedule = list_schedule("zb", (0, 1), 2, limits=(2, 1))
-        >>> " ".join(map(str, schedule.actions_of(1)))
-        'F1.0 I1.0 W1.0 F1.1 I1.1 W1.1'
-    """
+    """Builds a split-backward schedule by playing it out (see the module docstring); ``limits[r]``:
+    the most microbatches rank ``r`` may hold at once; ``costs``: the passes' durations (default:
+    one unit each)."""
     stage_to_rank = tuple(stage_to_rank)
     num_stages, num_ranks, m_count = len(stage_to_rank), len(limits), num_microbatches
     if any(limit < 1 for limit in limits):
@@ -142,18 +135,7 @@ def built_for(
     costs: Costs | None = None,
 ) -> Schedule:
     """The fastest under ``costs`` (the first on a tie) of the :func:`list_schedule` each policy
-    builds for ``costs``, for them rounded to each of :data:`GRIDS`, and for equal durations.
-
-    Example:
-        >>> from mmnnx.mpmd.schedules import simulate
-        >>> from mmnnx.mpmd.schedules.zero_bubble import built_for, list_schedule
-        >>> costs = {"F": 1, "I": 2, "W": 1, ("I", 0): 0.01, ("W", 0): 3}  # stage 0: all in W
-        >>> def time(s):
-        ...     return simulate(s, action_costs=costs).makespan
-        >>> greedy = list_schedule("zb", (0, 1, 1, 0), 8, (4, 4), costs)
-        >>> time(built_for("zb", (0, 1, 1, 0), 8, (4, 4), costs)) <= time(greedy)
-        True
-    """
+    builds for ``costs``, for them rounded to each of :data:`GRIDS`, and for equal durations."""
     if costs is None:
         return list_schedule(name, stage_to_rank, num_microbatches, limits)
     cost = _durations(name, costs)
