@@ -165,3 +165,96 @@ def test_net_cut_moving_an_op_beside_its_readers_stops_its_bytes_crossing():
         0,
         ("A", "A", "A"),
     )
+
+
+def test_planning_options_read_false_packing_as_no_bytes():
+    from mmnnx.mpmd.engine import PlanningOptions
+
+    assert PlanningOptions(residual_bytes=False, schedule="gpipe").residual_bytes == 0
+
+
+def test_build_step_plans_a_one_task_step_without_compiling():
+    from mmnnx.mpmd.engine import PlanningOptions, build_step
+    from mmnnx.mpmd.step_io import StepInput, StepOutput
+
+    s0 = Task("s0", mesh=TaskMesh(devices=[0]))
+    w = StepInput(name="w", task=s0, shape=(2,), dtype="f4", sharding=s0.sharding())
+    built = build_step(
+        lambda w: (w * 2, ()), [w], lambda shape: [StepOutput()], PlanningOptions(), name_as=f
+    )
+    assert built.num_outputs == 1
+    assert [t.name for t in built.executable.plan.tasks] == ["s0"]
+
+
+def f():
+    """The name a traced step is given in errors."""
+
+
+def test_inside_step_is_false_outside_a_trace():
+    from mmnnx.mpmd.engine import inside_step
+
+    assert inside_step() is False
+
+
+def test_trace_step_and_check_outputs():
+    import numpy as np
+
+    from mmnnx.mpmd.step_io import StepInput
+    from mmnnx.mpmd.trace.trace_step import check_outputs, trace_step
+
+    traced = trace_step(lambda x: x * 2, [StepInput(name="x", shape=(2,), dtype="f4")], name_as=f)
+    assert [op.primitive.name for op in traced.graph.ops] == ["mul"]
+    assert traced.out_shape.shape == (2,)
+    check_outputs({"loss": np.float32(1.0), "n": 3}, "step")
+    with pytest.raises(Exception, match="step"):
+        check_outputs({"name": "a string"}, "step")
+
+
+def test_check_homes_of_unplaced_inputs_is_no_devices():
+    from mmnnx.mpmd.step_io import StepInput, check_homes
+
+    assert check_homes([StepInput(name="x", shape=(2,), dtype="float32")]) == set()
+
+
+def test_callback_failures_are_taken_once():
+    from mmnnx.mpmd.trace.callbacks import CallbackFailures
+
+    failures = CallbackFailures()
+    failures.record(ValueError("bad batch"))
+    assert [str(e) for e in failures.take()] == ["bad batch"]
+    assert failures.take() == []
+
+
+def test_abstract_mesh_of_a_task_keeps_its_axes():
+    from mmnnx.mpmd.trace.constraints import abstract_mesh_of
+
+    mesh = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("data", "model"))
+    assert dict(abstract_mesh_of([Task("t", mesh=mesh).jax_mesh]).shape) == {"data": 2, "model": 2}
+
+
+def test_shapes_only_lets_a_sharding_constraint_pass_without_a_mesh():
+    import jax
+    import jax.numpy as jnp
+
+    from mmnnx.mpmd.trace.annotations import with_sharding_constraint
+    from mmnnx.mpmd.trace.trace_state import shapes_only
+
+    with shapes_only():
+        out = jax.eval_shape(lambda x: with_sharding_constraint(x, ("batch",)), jnp.ones(4))
+    assert out.shape == (4,)
+
+
+def test_registered_placement_and_costs_and_action_keys():
+    from mmnnx.mpmd.schedules import gpipe
+    from mmnnx.mpmd.schedules.ir import check_action_key
+    from mmnnx.mpmd.schedules.placement import Placement
+    from mmnnx.mpmd.schedules.registry import registered
+
+    entry = registered("zero-bubble-v")
+    assert (entry.placement, entry.takes_costs) == (Placement.V_SHAPED, True)
+    assert repr(entry.placement) == "<Placement two stages per rank in a V>"
+    assert (Placement.V_SHAPED.order(2), Placement.V_SHAPED.order(3)) == ("v", None)
+    assert Placement.V_SHAPED.runs == "2"
+    check_action_key(gpipe(2, 2), ("B", 1), "action_costs")
+    with pytest.raises(ValueError, match="action_costs key"):
+        check_action_key(gpipe(2, 2), ("B", 2), "action_costs")

@@ -47,12 +47,7 @@ __all__ = ["PACK_RESIDUAL_BYTES", "PACK_WEIGHT_BYTES", "Plan"]
 
 @dataclasses.dataclass(frozen=True)
 class PlanningOptions:
-    """How to plan a step (``mm.jit``'s options), checked; the packing bounds as bytes.
-
-    Example:
-        >>> PlanningOptions(residual_bytes=False, schedule="gpipe").residual_bytes
-        0
-    """
+    """How to plan a step (``mm.jit``'s options), checked; the packing bounds as bytes."""
 
     residual_bytes: int = 0  # the largest residual packed (mm.jit(pack_residuals=...))
     weight_bytes: int = 0  # the largest block weight packed (mm.jit(pack_weights=...))
@@ -110,17 +105,7 @@ def build_step(
     """Traces ``pure(*leaves)`` (JAX's errors name it ``name_as``; a ``TypeError``/``ValueError``
     becomes ``located(error)``), describes its results with ``outputs_of(out_shape)``, plans it for
     this process and wraps the plan in an ``Executable`` (``peers(planned, inputs, name)``: the
-    other processes). Compiles nothing.
-
-    Example:
-        >>> from mmnnx.sharding import TaskMesh
-        >>> s0 = Task("s0", mesh=TaskMesh(devices=[0]))
-        >>> w = StepInput(name="w", task=s0, shape=(2,), dtype="f4", sharding=s0.sharding())
-        >>> built = build_step(lambda w: (w * 2, ()), [w], lambda shape: [StepOutput()],
-        ...                    PlanningOptions(), name_as=build_step)
-        >>> built.num_outputs, [t.name for t in built.executable.plan.tasks]
-        (1, ['s0'])
-    """
+    other processes). Compiles nothing."""
     name = getattr(name_as, "__name__", "the step")
     callback_failures = CallbackFailures()
     with no_ambient_mesh(), cyclic_gc_paused():
@@ -150,12 +135,7 @@ def build_step(
 
 
 def inside_step() -> bool:
-    """Whether an ``mm.jit`` step (or ``mm.microbatch``'s own trace) is being traced now.
-
-    Example:
-        >>> inside_step()
-        False
-    """
+    """Whether an ``mm.jit`` step (or ``mm.microbatch``'s own trace) is being traced now."""
     return trace_state.current_trace() is not None
 
 

@@ -62,12 +62,7 @@ class StepOutput:
 
 def check_homes(inputs: Sequence[StepInput]) -> set:
     """Raises if a placed input's array lives elsewhere than its task (or stack) says; returns the
-    devices the placed inputs' tasks own.
-
-    Example:
-        >>> check_homes([StepInput(name="x", shape=(2,), dtype="float32")])
-        set()
-    """
+    devices the placed inputs' tasks own."""
     for item in inputs:
         devices = item.sharding.device_set if item.sharding is not None else None
         home = item.task or item.stack

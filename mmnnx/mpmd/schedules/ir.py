@@ -580,13 +580,8 @@ def check_counts(num_stages: int, num_microbatches: int, num_ranks: int = 1) -> 
 
 
 def check_action_key(schedule: Schedule, key: object, name: str) -> None:
-    """Raises a ValueError unless ``key`` of the mapping ``name`` names actions of
-    ``schedule``: a kind (``"F"``) or a ``(kind, stage)`` pair with the stage in range.
-
-    Example:
-        >>> from mmnnx.mpmd.schedules import gpipe
-        >>> check_action_key(gpipe(2, 2), ("B", 1), "action_costs")  # fine: no error
-    """
+    """Raises a ValueError unless ``key`` of the mapping ``name`` names actions of ``schedule``: a
+    kind (``"F"``) or a ``(kind, stage)`` pair with the stage in range."""
     kind, stage = key if isinstance(key, tuple) and len(key) == 2 else (key, None)
     if kind not in KINDS or not (
         stage is None or (isinstance(stage, numbers.Integral) and 0 <= stage < schedule.num_stages)

@@ -11,13 +11,8 @@ from mmnnx.mpmd.schedules.ir import check_counts
 
 
 class Placement:
-    """One way of placing stages on ranks. ``runs`` says which ``virtual_stages`` it runs
-    (``"2 or more"``) and ``needs`` the placement in words; :meth:`order` is ``None`` for any
-    other number.
-
-    Example:
-        >>> Placement.V_SHAPED.order(2), Placement.V_SHAPED.order(3), Placement.V_SHAPED.runs
-        ('v', None, '2')
+    """One way of placing stages on ranks. ``runs`` says which ``virtual_stages`` it runs (``"2 or
+    more"``) and ``needs`` the placement in words; :meth:`order` is ``None`` for any other number.
     """
 
     name = "placement"

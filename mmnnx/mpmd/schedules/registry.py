@@ -186,13 +186,7 @@ def names() -> tuple[str, ...]:
 
 
 def registered(name: str) -> RegisteredSchedule:
-    """The record of schedule ``name``; a ValueError listing the valid names if none.
-
-    Example:
-        >>> from mmnnx.mpmd.schedules.registry import registered
-        >>> registered("zero-bubble-v").placement, registered("zero-bubble-v").takes_costs
-        (<Placement two stages per rank in a V>, True)
-    """
+    """The record of schedule ``name``; a ValueError listing the valid names if none."""
     if name not in _REGISTRY:
         valid = ", ".join(repr(n) for n in _REGISTRY)
         raise ValueError(f"unknown schedule {name!r}; valid names: {valid}")

@@ -20,14 +20,7 @@ CALLBACK_PRIMITIVES = frozenset({"debug_callback", "pure_callback", "io_callback
 
 
 class CallbackFailures:
-    """The exceptions a step's host callbacks raised since they were last taken (thread-safe).
-
-    Example:
-        >>> failures = CallbackFailures()
-        >>> failures.record(ValueError("bad batch"))
-        >>> [str(e) for e in failures.take()], failures.take()
-        (['bad batch'], [])
-    """
+    """The exceptions a step's host callbacks raised since they were last taken (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -27,15 +27,8 @@ def needs_a_mesh(error: BaseException) -> bool:
 
 
 def abstract_mesh_of(meshes: Iterable[Any]) -> AbstractMesh:
-    """An abstract mesh holding every axis of ``meshes`` (a task's, or a placed array's; its
-    size on the first that has it), automatic axes.
-
-    Example:
-        >>> from mmnnx.sharding import Task, TaskMesh
-        >>> mesh = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("data", "model"))
-        >>> abstract_mesh_of([Task("t", mesh=mesh).jax_mesh]).shape
-        OrderedDict([('data', 2), ('model', 2)])
-    """
+    """An abstract mesh holding every axis of ``meshes`` (a task's, or a placed array's; its size on
+    the first that has it), automatic axes."""
     sizes: dict[str, int] = {}
     for mesh in meshes:
         for name, size in mesh.shape.items():

@@ -55,16 +55,8 @@ def current_trace() -> Trace | None:
 
 @contextlib.contextmanager
 def shapes_only() -> Iterator[None]:
-    """Marks a trace that only computes shapes (``mm.tabulate``'s): inside it, unless ``mm.jit``
-    is tracing, ``mm.with_sharding_constraint`` returns its input, so no mesh need be in context.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from mmnnx.mpmd.trace.annotations import with_sharding_constraint
-        >>> with shapes_only():
-        ...     jax.eval_shape(lambda x: with_sharding_constraint(x, ("batch",)), jnp.ones(4)).shape
-        (4,)
-    """
+    """Marks a trace that only computes shapes (``mm.tabulate``'s): inside it, unless ``mm.jit`` is
+    tracing, ``mm.with_sharding_constraint`` returns its input, so no mesh need be in context."""
     token = _SHAPES_ONLY.set(True)
     try:
         yield

@@ -46,14 +46,7 @@ def trace_step(
     located: Callable[[BaseException], BaseException] = lambda e: e,
 ) -> TracedStep:
     """Traces ``pure(*leaves)``, one leaf per record of ``inputs``; JAX's errors name it as
-    ``name_as``, and a ``TypeError`` or ``ValueError`` it raises becomes ``located(error)``.
-
-    Example:
-        >>> traced = trace_step(lambda x: x * 2, [StepInput(name="x", shape=(2,), dtype="f4")],
-        ...                     name_as=trace_step)
-        >>> [op.primitive.name for op in traced.graph.ops], traced.out_shape.shape
-        (['mul'], (2,))
-    """
+    ``name_as``, and a ``TypeError`` or ``ValueError`` it raises becomes ``located(error)``."""
     names = [i.name for i in inputs]
 
     def traced(avals: Sequence[Any], context: Any = None) -> TracedStep:
@@ -83,11 +76,7 @@ def trace_step(
 
 
 def check_outputs(out: Any, step: str) -> None:
-    """Raises if a step returned a leaf that is not an array (a string, an object).
-
-    Example:
-        >>> check_outputs({"loss": np.float32(1.0), "n": 3}, "step")
-    """
+    """Raises if a step returned a leaf that is not an array (a string, an object)."""
     for path, leaf in jax.tree.flatten_with_path(out)[0]:
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, *PYTHON_SCALARS)):
             where = "output" + jax.tree_util.keystr(path)
