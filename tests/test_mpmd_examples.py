@@ -258,3 +258,59 @@ def test_registered_placement_and_costs_and_action_keys():
     check_action_key(gpipe(2, 2), ("B", 1), "action_costs")
     with pytest.raises(ValueError, match="action_costs key"):
         check_action_key(gpipe(2, 2), ("B", 2), "action_costs")
+
+
+def test_simulate_zero_bubble_transfers_and_launches():
+    from mmnnx.mpmd.schedules import Event, gpipe, one_f_one_b, simulate, zero_bubble_h1
+
+    assert simulate(gpipe(2, 4)).events[0] == Event(
+        rank=0, kind="F", stage=0, microbatch=0, start=0, end=1
+    )
+    assert simulate(zero_bubble_h1(4, 8)).makespan == 27.0
+    assert simulate(one_f_one_b(2, 2), transfer_costs={"F": 0.5, "B": 0.5}).makespan == 10.0
+    assert simulate(one_f_one_b(2, 2), launch_cost=0.5).makespan == 9.5  # F0.0's launch
+
+
+def test_measured_costs_mean():
+    from mmnnx.mpmd.schedules import Event, measured_costs
+
+    events = [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "F", 0, 1, 1.0, 4.0)]
+    assert measured_costs([*events, Event(0, "F", 0, 2, 4.0, 6.0)], average="mean") == {
+        ("F", 0): 2.0
+    }
+
+
+def test_schedule_records_csv_and_custom_tables():
+    from mmnnx.mpmd.schedules import Action, Schedule, custom, gpipe
+
+    assert Action.parse(" I3.12 ") == Action("I", 3, 12)
+    schedule = gpipe(2, 2)
+    assert schedule.stage_to_rank == (0, 1)
+    assert [str(a) for a in schedule.actions_of(1)] == ["F1.0", "F1.1", "B1.0", "B1.1"]
+    read = Schedule.from_csv("rank,0,1\n0,F0.0,B0.0\n")
+    assert (read.num_stages, read.num_microbatches, read.num_ranks) == (1, 1, 1)
+    assert custom([["F0.0", "F0.1+B0.0", "B0.1"]]).overlapped == ((1,),)
+    with pytest.raises(ValueError, match="missing action W0.0: I0.0 is present"):
+        custom([["F0.0", "I0.0"]])
+
+
+def test_links_transfer_costs_and_registry_examples():
+    from mmnnx.mpmd.schedules import (
+        Link,
+        get,
+        interleaved_1f1b,
+        interleaved_zero_bubble,
+        one_f_one_b,
+        simulate,
+        transfer_costs,
+    )
+
+    assert round(Link(latency=20e-6, bandwidth=1e9).seconds(1_000_000), 6) == 0.00102
+    schedule = one_f_one_b(2, 4)
+    costs = transfer_costs(schedule, {(0, 1): Link(0.25, 4.0)}, {"F": 1, "B": 3})
+    assert simulate(schedule, transfer_costs=costs).makespan == 18.0
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'; valid names: 'gpipe'"):
+        get("pipedream", 4, 8)
+    zb = simulate(interleaved_zero_bubble(4, 8, 2), 0.5, 1)
+    plain = simulate(interleaved_1f1b(4, 8, 2), 0.5, 1)
+    assert max(zb.peak_in_flight) <= max(plain.peak_in_flight)

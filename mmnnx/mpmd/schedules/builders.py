@@ -65,11 +65,9 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
-    """Classic 1F1B (PipeDream-Flush): warm-up forwards, then one forward / one backward.
-
-    Rank ``r`` runs stage ``r``: ``S - r - 1`` warm-up forwards, then alternates one forward
-    and one backward until the forwards run out, then the remaining backwards (cool-down), so
-    stage ``r`` holds at most ``S - r`` microbatches' activations. Needs ``M >= S``.
+    """Classic 1F1B (PipeDream-Flush): rank ``r`` runs stage ``r``, ``S - r - 1`` warm-up forwards,
+    then one forward / one backward, then the remaining backwards; stage ``r`` holds at most ``S -
+    r`` microbatches. Needs ``M >= S``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b
@@ -97,18 +95,14 @@ def _warm_then_alternate(forwards: list, backwards: list, warmup: int) -> list:
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
-    """Megatron-style interleaved 1F1B: each rank holds ``virtual_stages`` non-adjacent stages.
+    """Megatron-style interleaved 1F1B: rank ``r`` holds the ``virtual_stages`` stages ``r``, ``r +
+    R``, ``r + 2R``, ... of ``S = R * virtual_stages``.
 
-    There are ``S = num_ranks * virtual_stages`` stages; rank ``r`` holds stages ``r``,
-    ``r + num_ranks``, ``r + 2 * num_ranks``, ... Microbatches go through in groups of
-    ``num_ranks``: a rank's forwards run group by group, within a group its stages in
-    increasing order, and within a stage the group's microbatches in order; its backwards run
-    in the same group order with its stages in decreasing order. Rank ``r`` runs
-    ``2 * (num_ranks - r - 1) + (virtual_stages - 1) * num_ranks`` warm-up forwards (all of them
-    if fewer), then alternates one forward / one backward, then the remaining backwards. With
-    ``virtual_stages=1`` this is exactly :func:`one_f_one_b`. ``num_microbatches`` must be a
-    multiple of ``num_ranks``. To compare timings with a plain schedule of the same model, pass
-    per-stage costs divided by ``virtual_stages`` to :func:`simulate`.
+    Microbatches go through in groups of ``R``: forwards group by group, stages increasing, and
+    backwards in the same group order, stages decreasing. Rank ``r`` runs ``2(R - r - 1) +
+    (virtual_stages - 1)R`` warm-up forwards, then one forward / one backward, then the remaining
+    backwards; ``virtual_stages=1`` is :func:`one_f_one_b`. Needs ``M`` a multiple of ``R``. Compare
+    with a plain schedule by dividing per-stage costs by ``virtual_stages`` in :func:`simulate`.
 
     Example:
         >>> from mmnnx.mpmd.schedules import interleaved_1f1b
@@ -146,14 +140,10 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int)
 
 
 def interleaved_gpipe(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
-    """Interleaved GPipe (PyTorch's "looped BFS"): each rank holds ``virtual_stages``
-    non-adjacent stages (rank ``r``: ``r``, ``r + num_ranks``, ...) and runs them breadth-first:
-    all microbatches' forwards of its first stage, then of its next, ..., then the backwards
-    stage by stage in reverse.
-
-    With unit costs per stage (a rank's work split over ``v`` stages) the bubble is
-    ``(R - 1) / (v * M + R - 1)`` of the run, GPipe's divided by about ``v``, for ``M >= R``;
-    like GPipe, each stage holds all ``M`` microbatches' activations until its backwards.
+    """Interleaved GPipe (PyTorch's "looped BFS"): rank ``r`` holds stages ``r``, ``r + R``, ... and
+    runs all microbatches' forwards of each stage in turn, then the backwards stage by stage in
+    reverse. With unit costs the bubble is ``(R - 1) / (v * M + R - 1)``, GPipe's divided by about
+    ``v``; each stage holds all ``M`` microbatches' activations.
 
     Example:
         >>> from mmnnx.mpmd.schedules import interleaved_gpipe
@@ -176,15 +166,13 @@ def interleaved_gpipe(num_ranks: int, num_microbatches: int, virtual_stages: int
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
-    """ZB-H1 from "Zero Bubble Pipeline Parallelism" (Qi et al., 2023).
+    """ZB-H1 from "Zero Bubble Pipeline Parallelism" (Qi et al., 2023): the backward split into I
+    (input gradient, on the critical path) and W (weight gradient, which nothing waits for).
 
-    The backward is split into I (input gradient, on the critical path) and W (weight
-    gradient, which nothing waits for). Rank ``r`` runs stage ``r`` in the 1F1B pattern with
-    I in place of B (``S - r - 1`` warm-up forwards, then F and I alternating), and runs
-    ``W(m)`` right after ``I(m + r)``: the ``r`` deferred weight passes fill the bubbles of
-    the cool-down and are flushed at the end. Every stage therefore holds at most ``S``
-    microbatches (counting until W), the peak of 1F1B's first stage, while the bubble shrinks
-    from 1F1B's ``(S-1) * (F + B)`` to ``(S-1) * (F + I - W)``. Needs ``M >= S``.
+    Rank ``r`` runs stage ``r`` in the 1F1B pattern with I in place of B and ``W(m)`` right after
+    ``I(m + r)``, the deferred weight passes filling the cool-down's bubbles. Every stage holds at
+    most ``S`` microbatches, and the bubble shrinks from 1F1B's ``(S-1)(F + B)`` to ``(S-1)(F + I -
+    W)``. Needs ``M >= S``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import zero_bubble_h1

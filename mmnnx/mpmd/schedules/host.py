@@ -1,13 +1,10 @@
-"""The host that issues a schedule's programs: the order it launches them in, and a schedule
-played with the time each launch takes and the waits of a host receiving from another process.
+"""The host that issues a schedule's programs: the order it launches them in, and a schedule played
+with launch times and the waits of a host receiving from another process.
 
-A process's host thread launches its ranks' programs one after the other, in one order shared
-by every process (:func:`dispatch_order`); the devices run them asynchronously, but none starts
-before the host has launched it. A value moved between two ranks of one process is a copy the
-host issues right before the reader's launch; a value from another process is a receive at
-the same place, and the receiving host waits until it has arrived before it goes on (the
-runner does: ``mmnnx/mpmd/run/runner.py``), while the sending host offers it as soon as it has
-launched the program making it (``mmnnx/mpmd/run/early_sends.py``).
+Each process's host launches its ranks' programs one after the other, in one order shared by every
+process (:func:`dispatch_order`); no program starts before its launch. A value from another process
+is received right before its reader's launch, the receiving host waiting for it (``run/runner.py``),
+while the sender offers it once it has launched its producer (``run/early_sends.py``).
 """
 
 from __future__ import annotations
@@ -20,13 +17,10 @@ _UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 
 def dispatch_order(schedule: Schedule) -> list[tuple[Action, Action | None]]:
-    """The schedule's actions in the order the runner launches them: by start time when every
-    action takes unit time (a backward two), ties by rank; an overlapped pair as one entry
-    ``(first, second)``, else ``(action, None)``.
-
-    A pair starts once both its actions' inputs are ready and hands on its results when both
-    end, so any action dispatched between its two simulated starts neither feeds it nor reads
-    it: the pair's second action can move up next to its first.
+    """The schedule's actions in the order the runner launches them: by start time when every action
+    takes unit time (a backward two), ties by rank; an overlapped pair as one entry ``(first,
+    second)`` (no action dispatched between its two starts feeds or reads it), else ``(action,
+    None)``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import dispatch_order, one_f_one_b

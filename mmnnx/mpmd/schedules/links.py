@@ -14,12 +14,9 @@ from mmnnx.mpmd.schedules.ir import KINDS, Schedule, check_action_key
 @dataclasses.dataclass(frozen=True)
 class Link:
     """A one-way connection between two ranks: ``latency`` seconds per value plus ``bandwidth``
-    bytes per second.
+    bytes per second; :meth:`fit` fits one to measured copies.
 
     Example:
-        >>> link = Link(latency=20e-6, bandwidth=1e9)
-        >>> round(link.seconds(1_000_000), 6)
-        0.00102
         >>> Link.fit([1_000, 1_001_000], [21e-6, 1021e-6])
         Link(latency=2e-05, bandwidth=1000000000.0)
     """
@@ -73,26 +70,17 @@ def transfer_costs(
     """The seconds each action's result takes to reach the stage that reads it, as
     :func:`~mmnnx.mpmd.schedules.simulate`'s ``transfer_costs`` takes them.
 
-    ``links[(a, b)]``: the :class:`Link` from rank ``a`` to rank ``b`` (a pair given one way
-    only serves both). ``nbytes`` maps ``(kind, stage)``, or a kind alone, to the bytes that
-    action sends to the stage reading it, per microbatch: ``("F", s)`` stage ``s``'s
-    activations to stage ``s + 1``, ``("B", s)`` or ``("I", s)`` its input gradient to stage
-    ``s - 1`` (``mm.schedules.boundary_bytes`` reads them off a step's plan). An action whose
-    reader sits on its own rank costs nothing and needs neither.
+    ``links[(a, b)]``: the :class:`Link` from rank ``a`` to rank ``b`` (one way serves both).
+    ``nbytes`` maps ``(kind, stage)``, or a kind, to the bytes that action sends per microbatch:
+    ``("F", s)`` to stage ``s + 1``, ``("B", s)`` or ``("I", s)`` to stage ``s - 1``
+    (``mm.schedules.boundary_bytes`` reads them off a step's plan). A reader on the producer's rank
+    costs nothing; a key naming no rank pair or action, a bad value, or a missing link or size
+    raises a ValueError.
 
     Example:
-        >>> from mmnnx.mpmd.schedules import Link, one_f_one_b, simulate, transfer_costs
-        >>> schedule = one_f_one_b(2, 4)
-        >>> costs = transfer_costs(schedule, {(0, 1): Link(0.25, 4.0)}, {"F": 1, "B": 3})
-        >>> costs
+        >>> from mmnnx.mpmd.schedules import Link, one_f_one_b, transfer_costs
+        >>> transfer_costs(one_f_one_b(2, 4), {(0, 1): Link(0.25, 4.0)}, {"F": 1, "B": 3})
         {('F', 0): 0.5, ('B', 1): 1.0}
-        >>> simulate(schedule, transfer_costs=costs).makespan
-        18.0
-
-    Raises:
-        ValueError: a key of ``links`` or ``nbytes`` names no rank pair or action of
-            ``schedule``, a value is not a :class:`Link` or a number of bytes >= 0, or an
-            action sends to another rank with no link or no bytes given.
     """
     ranks = schedule.num_ranks
     for key, link in links.items():

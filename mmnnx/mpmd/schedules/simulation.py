@@ -1,5 +1,5 @@
-"""Simulating a schedule's timing (fixed or measured costs per action, overlapped pairs as one
-program), and the costs, pair costs and bubble a step's timed events measured."""
+"""Simulating a schedule's timing, and the costs, pair costs and bubble a step's timed events
+measured."""
 
 from __future__ import annotations
 
@@ -43,21 +43,16 @@ class Event(NamedTuple):
 class SimulationResult:
     """What :func:`simulate` measured.
 
-    ``makespan`` is the time the last action ends; ``bubble_fraction`` the idle share of all
-    rank-time, ``1 - busy / (num_ranks * makespan)``; ``peak_in_flight[s]`` the largest number
-    of microbatches whose activations stage ``s`` holds at once (from its F until its B, or
-    until its W when the backward is split); ``rank_idle[r]`` the time rank ``r`` waits between
-    its first action's start and its last action's end (the zero-bubble paper's bubble: a rank's
-    own span, which steps without a global synchronisation overlap); ``events`` every action
-    with its start and end, sorted by start time then rank.
+    ``makespan``: when the last action ends; ``bubble_fraction``: the idle share of all rank-time;
+    ``peak_in_flight[s]``: the most microbatches whose activations stage ``s`` holds at once (from
+    its F until its B or W); ``rank_idle[r]``: the time rank ``r`` waits between its first start and
+    its last end (the zero-bubble paper's bubble); ``events``: every action, by start then rank.
 
     Example:
         >>> from mmnnx.mpmd.schedules import gpipe, simulate
         >>> result = simulate(gpipe(2, 4))
         >>> result.makespan, result.bubble_fraction, result.peak_in_flight, result.rank_idle
         (15, 0.2, (4, 4), (3, 0))
-        >>> result.events[0]
-        Event(rank=0, kind='F', stage=0, microbatch=0, start=0, end=1)
     """
 
     makespan: float
@@ -93,56 +88,29 @@ def simulate(
 ) -> SimulationResult:
     """Simulate ``schedule`` with fixed per-action costs and, by default, no communication time.
 
-    Each rank runs its actions in order; an action starts at the later of the time its rank is
-    free and the time its inputs (see :func:`validate`) have ended. Every action of a kind costs
-    the same on every stage: F costs ``forward_cost`` and B ``backward_cost``; a split
-    backward costs ``backward_cost`` in all, W taking ``weight_cost`` and I the rest, with
-    ``weight_cost=None`` meaning half each. Costs are per stage, so an interleaved schedule
-    whose ranks hold ``v`` stages each models the same per-rank work as a plain one when its
-    costs are divided by ``v``. Ints or ``fractions.Fraction`` costs give exact results.
+    Each rank runs its actions in order; an action starts once its rank is free and its inputs (see
+    :func:`validate`) have ended. F costs ``forward_cost`` and B ``backward_cost`` on every stage; a
+    split backward's W takes ``weight_cost`` (``None``: half of ``backward_cost``) and its I the
+    rest. Ints or ``fractions.Fraction`` costs give exact results.
 
-    ``action_costs`` maps ``(kind, stage)``, or a kind alone for every stage, to a cost (a
-    ``(kind, stage)`` entry wins over its kind's) and replaces the three per-kind costs: feed
-    it the durations a step's ``timeline()`` measured (:func:`measured_costs`) to predict that
-    step's time under this or another schedule (``benchmarks/pipeline.py`` compares the two).
-
-    ``pair_costs`` maps an overlapped pair, its two actions' ``(kind, stage)`` in the order it
-    runs them, to the duration of the pair as a whole: a pair run as one program may take less
-    than its two actions apart (``fuse_pairs=True``; :func:`measured_pair_costs` measures
-    them). Its two actions share it in proportion to their own costs. Pairs it does not name
-    take the sum of their actions' costs.
-
-    ``transfer_costs`` maps ``(kind, stage)``, or a kind alone, to the time the result of that
-    action takes to reach an action on another rank that reads it: ``("F", s)`` stage ``s``'s
-    activations on their way to stage ``s + 1``, ``("B", s)`` or ``("I", s)`` its input
-    gradient on its way to stage ``s - 1``. The reader starts no earlier than its producer's
-    end plus that time; a result read on the rank that made it costs nothing, and actions not
-    named send for free. :func:`transfer_costs` makes them from a :class:`Link` per pair of
-    ranks and the bytes each action sends.
-
-    ``launch_cost``: the seconds a host takes to launch one program (an action, or an
-    overlapped pair run as one). Each process's host launches its ranks' programs one after
-    the other in the order the runner does (:func:`dispatch_order`), and an action starts no
-    earlier than its launch. ``processes[r]``: the process whose host launches rank ``r``'s
-    programs (default: one process for all). A value crossing processes leaves when its
-    producer has ended and the receiving host has reached its reader in that order (the sender
-    offers it on launching its producer), and the receiving host waits for it before it
-    launches anything else, as the runner does; within a process the copy is issued right
-    before the reader's launch. With neither, every action may start as soon as its rank and
-    inputs are ready.
+    ``action_costs`` maps ``(kind, stage)``, or a kind for every stage, to a cost (the former wins)
+    and replaces the per-kind costs: :func:`measured_costs` reads them off a step's ``timeline()``.
+    ``pair_costs`` maps an overlapped pair, its two actions' ``(kind, stage)`` in order, to the
+    pair's duration, shared in proportion to its actions' costs (:func:`measured_pair_costs`); a
+    pair it does not name takes the sum of its actions' costs. ``transfer_costs`` maps ``(kind,
+    stage)``, or a kind, to the time that action's result takes to reach a reader on another rank
+    (:func:`transfer_costs` makes them from links). ``launch_cost``: the seconds a host takes to
+    launch one program, each process's host launching its ranks' programs in :func:`dispatch_order`;
+    ``processes[r]``: the process launching rank ``r``'s programs (default: one for all); a host
+    receiving from another process waits for the value before it launches anything else, as the
+    runner does.
 
     Example:
-        >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate, zero_bubble_h1
+        >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate
         >>> simulate(one_f_one_b(4, 8)).makespan
         33
-        >>> simulate(zero_bubble_h1(4, 8)).makespan
-        27.0
         >>> simulate(one_f_one_b(4, 8), action_costs={"F": 1, "B": 2, ("B", 3): 4}).makespan
         49
-        >>> simulate(one_f_one_b(2, 2), transfer_costs={"F": 0.5, "B": 0.5}).makespan
-        10.0
-        >>> simulate(one_f_one_b(2, 2), launch_cost=0.5).makespan  # rank 0 waits for F0.0's launch
-        9.5
     """
     pair_duration = _pair_duration(schedule, pair_costs)
     transfer = _transfer(schedule, transfer_costs)
@@ -312,33 +280,22 @@ def _costs_per_action(
 
 
 def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple[str, int], float]:
-    """The ``average`` duration of each ``(kind, stage)`` among timed events (a step's
-    ``timeline()`` or ``overlapped_timeline()``), as :func:`simulate`'s ``action_costs`` takes
-    them.
+    """The ``average`` (``"median"`` or ``"mean"``) duration of each ``(kind, stage)`` among timed
+    events (a step's ``timeline()`` or ``overlapped_timeline()``), as :func:`simulate`'s
+    ``action_costs`` takes them.
 
-    ``average``: ``"median"`` (default) suits ``timeline()``, where each action runs alone and a
-    slow one is noise; ``"mean"`` suits ``overlapped_timeline()``, where durations vary because
-    tasks slow each other down: a step's time adds them up, so their mean is what counts.
-
-    The two actions of an overlapped pair run as one program, so a timeline times them together
-    (events with ``fused=True`` share one span): each takes its duration measured apart where
-    the events have some, else half the pair's span.
-
-    A split backward's half with nothing to compute runs no program, so it has no events: the
-    first stage's input gradient (nothing before it reads one), or the weight gradient of a
-    stage without parameters. A stage timed for one of ``I`` and ``W`` but not the other gets
-    0 for the other, so a zero-bubble schedule's costs are complete for :func:`simulate`.
-
-    Transfers (events of kind ``"T"``: a value crossing between ranks, timed apart from the
-    action reading it) are left out; :func:`measured_transfer_costs` averages them.
+    The median suits ``timeline()``, where a slow action is noise; the mean suits
+    ``overlapped_timeline()``, where tasks slow each other down. An action of a fused pair
+    (``fused=True``) takes its duration measured apart where there is one, else half the pair's
+    span. A stage timed for one of ``I`` and ``W`` gets 0 for the other (a half with nothing to
+    compute runs no program). Transfers (kind ``"T"``) are left out: see
+    :func:`measured_transfer_costs`.
 
     Example:
         >>> from mmnnx.mpmd.schedules import Event, measured_costs
         >>> events = [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "F", 0, 1, 1.0, 4.0),
         ...           Event(0, "F", 0, 2, 4.0, 6.0)]
         >>> measured_costs(events)
-        {('F', 0): 2.0}
-        >>> measured_costs(events, average="mean")
         {('F', 0): 2.0}
     """
     of = _average("measured_costs", average)
@@ -361,11 +318,9 @@ def measured_costs(events: Iterable[Any], average: str = "median") -> dict[tuple
 def measured_pair_costs(
     events: Iterable[Any], average: str = "median"
 ) -> dict[tuple[tuple[str, int], tuple[str, int]], float]:
-    """The ``average`` span of each overlapped pair run as one program among timed events (a
-    step's ``timeline()`` or ``overlapped_timeline()``: a fused pair's two events share one
-    span, ``fused=True``), keyed by its two actions' ``(kind, stage)`` in the order it runs
-    them, as :func:`simulate`'s ``pair_costs`` takes them. With :func:`measured_costs` for the
-    actions, a prediction then costs a pair what it took, not what its halves take apart.
+    """The ``average`` span of each overlapped pair run as one program (its two events share one
+    span, ``fused=True``) among timed events, keyed by its two actions' ``(kind, stage)`` in order,
+    as :func:`simulate`'s ``pair_costs`` takes them.
 
     Example:
         >>> from mmnnx.mpmd.schedules import measured_pair_costs
@@ -389,16 +344,12 @@ def measured_pair_costs(
 
 
 def measured_bubble(events: Iterable[Any]) -> float:
-    """The idle share of the ranks' time over a step's span, from its timed events: the
-    measured counterpart of :attr:`SimulationResult.bubble_fraction`.
+    """The idle share of the ranks' time over a step's span, from its timed events: the measured
+    :attr:`SimulationResult.bubble_fraction`.
 
-    Each rank's busy time is the union of its events' spans (the two actions of a fused pair
-    share one span; a task's virtual stages share its devices): events are grouped by
-    ``rank`` (a step's timeline gives the task whose devices ran the action; a simulation's
-    events, the rank number), else by ``task``; transfers (kind ``"T"``) are not busy time.
-    The span runs from the earliest start to the latest end of the actions. On an
-    ``overlapped_timeline()`` this is the bubble as the step ran; on a ``timeline()``, where
-    actions run one at a time, it is not a bubble at all.
+    A rank's busy time is the union of its events' spans, events grouped by ``rank``, else by
+    ``task``; transfers (kind ``"T"``) are not busy time. On an ``overlapped_timeline()`` this is
+    the bubble as the step ran; on a ``timeline()``, where actions run one at a time, it is none.
 
     Example:
         >>> from mmnnx.mpmd.schedules import gpipe, measured_bubble, simulate
@@ -430,15 +381,11 @@ def measured_bubble(events: Iterable[Any]) -> float:
 def measured_transfer_costs(
     events: Iterable[Any], average: str = "median"
 ) -> dict[tuple[str, int], float]:
-    """The ``average`` duration of the transfers among a step's timed events (kind ``"T"``),
-    keyed by the ``(kind, stage)`` of the action whose result each carried (``carries``,
-    ``stage``), as :func:`simulate`'s ``transfer_costs`` takes them.
-
-    A transfer's span runs from when its value could leave (its producer had ended and the
-    host had issued the copy or begun the receive) to when it arrived. With several
-    processes a received value may also have waited for the sending host, which
-    :func:`simulate` models apart (``processes``): a link measured on its own
-    (``mm.schedules.measure_transfers``) is the cleaner cost there.
+    """The ``average`` duration of the transfers (kind ``"T"``) among a step's timed events, keyed
+    by the ``(kind, stage)`` of the action whose result each carried, as :func:`simulate`'s
+    ``transfer_costs`` takes them. A transfer spans from when its value could leave to when it
+    arrived; across processes a link measured on its own (``mm.schedules.measure_transfers``) is the
+    cleaner cost.
 
     Example:
         >>> from mmnnx.mpmd.run.timing import Event
