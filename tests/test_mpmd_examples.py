@@ -314,3 +314,31 @@ def test_links_transfer_costs_and_registry_examples():
     zb = simulate(interleaved_zero_bubble(4, 8, 2), 0.5, 1)
     plain = simulate(interleaved_1f1b(4, 8, 2), 0.5, 1)
     assert max(zb.peak_in_flight) <= max(plain.peak_in_flight)
+
+
+def test_describe_names_the_variable_that_brings_the_chain_back():
+    import types
+
+    from mmnnx.mpmd.plan.chain import describe
+
+    t0, t1 = types.SimpleNamespace(name="t0"), types.SimpleNamespace(name="t1")
+    embed = Op(0, None, {}, [5, 9], [6], False, "m.py:3", "gather")
+    layer = Op(1, None, {}, [6, 8], [7], False, "m.py:4", "dot_general")
+    table = Op(2, None, {}, [9], [10], False, "m.py:5", "transpose")
+    head = Op(3, None, {}, [7, 10], [11], False, "m.py:5", "dot_general")
+    producer = {6: embed, 7: layer, 10: table, 11: head}
+    names = {9: "arg0/embed/embedding", 8: "arg0/layer/kernel"}
+    assert describe([t0, t1, t0], [[embed], [layer], [table, head]], producer, names) == (
+        "the forward pass runs on t0 -> t1 -> t0: stage 2 comes back to t0 for "
+        "'arg0/embed/embedding' (read by `transpose` at m.py:5)"
+    )
+
+
+def test_step_records_unplaced_inputs_and_homed_outputs():
+    from mmnnx.mpmd.step_io import StepInput, StepOutput
+
+    s0 = Task("s0", mesh=TaskMesh(devices=[0]))
+    x = StepInput(name="x", shape=(8, 2), dtype="float32")
+    w = StepInput(name="w", task=s0, shape=(2, 4), dtype="float32")
+    assert [i.name for i in (x, w) if i.task is None] == ["x"]
+    assert StepOutput(home=s0).task.name == "s0"

@@ -1,8 +1,5 @@
-"""The engine's entry: a pure function of array leaves, with what is known of its inputs and
-outputs (:mod:`~mmnnx.mpmd.step_io`), traced (:func:`build_step`), planned (:func:`plan_step`:
-stacks split, ops coloured, the graph cut and pipelined, lowered, the passes run) and wrapped
-in the runner's :class:`~mmnnx.mpmd.run.runner.Executable`. Nothing here knows Flax NNX.
-"""
+"""The engine's entry: a pure function of array leaves traced (:func:`build_step`), planned
+(:func:`plan_step`) and wrapped in the runner's :class:`~mmnnx.mpmd.run.runner.Executable`."""
 
 from __future__ import annotations
 

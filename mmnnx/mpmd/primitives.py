@@ -1,7 +1,5 @@
-"""The engine's own primitives, recorded while mm.jit traces a step: the logical sharding
-constraint, the markers of an ``mm.microbatch`` call traced once (its index, summed outputs, RNG
-counts, chained Variables), the tests that find them, and the ops replacing a resolved count.
-"""
+"""The engine's own primitives, recorded while mm.jit traces a step: the logical sharding constraint
+and the markers of an ``mm.microbatch`` call traced once, with their tests."""
 
 from __future__ import annotations
 

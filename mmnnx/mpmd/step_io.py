@@ -1,15 +1,5 @@
-"""The engine's records of a step's leaves: :class:`StepInput` for each input leaf and
-:class:`StepOutput` for each output leaf, in order. ``mm.jit`` makes them; tracing, stack
-splitting, colouring and lowering read them. Nothing here knows Flax NNX.
-
-Example:
-    >>> from mmnnx.sharding import Task, TaskMesh
-    >>> s0 = Task("s0", mesh=TaskMesh(devices=[0]))
-    >>> x = StepInput(name="x", shape=(8, 2), dtype="float32")
-    >>> w = StepInput(name="w", task=s0, shape=(2, 4), dtype="float32")
-    >>> [i.name for i in (x, w) if i.task is None], StepOutput(home=s0).task.name
-    (['x'], 's0')
-"""
+"""The engine's records of a step's leaves: :class:`StepInput` per input leaf and
+:class:`StepOutput` per output leaf, in order. Nothing here knows Flax NNX."""
 
 from __future__ import annotations
 

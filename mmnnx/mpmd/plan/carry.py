@@ -1,9 +1,6 @@
-"""The microbatch carry: state that a pipelined ``mm.microbatch`` function updates (RNG counts,
-batch statistics), traced once and carried from microbatch to microbatch.
-
-An RNG count starts microbatch ``index`` at ``count + index * d`` (:func:`resolve_rng_counts`);
-other state is chained, microbatch ``k`` starting from what ``k - 1`` left (:func:`carry_of`).
-"""
+"""The microbatch carry: state a pipelined ``mm.microbatch`` function updates, traced once. An RNG
+count starts microbatch ``index`` at ``count + index * d`` (:func:`resolve_rng_counts`); other state
+is chained, microbatch ``k`` starting from what ``k - 1`` left (:func:`carry_of`)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
-"""A pipeline's stage chain in words, for its messages: the tasks its forward pass visits, and
-what brings it back to a task it ran on before (the Variable an op there reads, else the op).
-
-Example (tasks are stand-ins with a ``name``): a head tied to the embedding brings the forward
-pass back to ``t0``::
-
-    >>> import types
-    >>> from mmnnx.mpmd.ir import Op
-    >>> t0, t1 = types.SimpleNamespace(name="t0"), types.SimpleNamespace(name="t1")
-    >>> embed = Op(0, None, {}, [5, 9], [6], False, "m.py:3", "gather")
-    >>> layer = Op(1, None, {}, [6, 8], [7], False, "m.py:4", "dot_general")
-    >>> table = Op(2, None, {}, [9], [10], False, "m.py:5", "transpose")
-    >>> head = Op(3, None, {}, [7, 10], [11], False, "m.py:5", "dot_general")
-    >>> producer = {6: embed, 7: layer, 10: table, 11: head}
-    >>> names = {9: "arg0/embed/embedding", 8: "arg0/layer/kernel"}
-    >>> describe([t0, t1, t0], [[embed], [layer], [table, head]], producer, names)
-    "the forward pass runs on t0 -> t1 -> t0: stage 2 comes back to t0 for \
-'arg0/embed/embedding' (read by `transpose` at m.py:5)"
-"""
+"""A pipeline's stage chain in words, for its messages: the tasks its forward pass visits, and what
+brings it back to a task it ran on before (the Variable an op there reads, else the op)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Colouring: which task runs each op. An op that reads state placed on task T runs on T, one in
-an ``mm.task`` region on its task; every other op goes where the fewest bytes cross tasks
-(alpha-expansion, ``net_cut.py``), from a start at its heaviest operand's task.
-"""
+"""Colouring: which task runs each op: the task of the placed state it reads or of its ``mm.task``
+region, else where the fewest bytes cross tasks (``net_cut.py``)."""
 
 from __future__ import annotations
 

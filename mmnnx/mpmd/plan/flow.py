@@ -1,7 +1,5 @@
-"""Which task runs each op of a pipelined region that reads no placed state, so that the stages
-form a chain: the colouring counts bytes only, so each such op moves to the task its latest
-operand comes from, depths counted over the ops whose task is fixed (:func:`pinned_depths`).
-"""
+"""Which task runs each op of a pipelined region that reads no placed state: the task its latest
+operand comes from, depths counted over the ops whose task is fixed, so the stages form a chain."""
 
 from __future__ import annotations
 

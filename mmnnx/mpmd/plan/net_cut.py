@@ -1,8 +1,6 @@
-"""Alpha-expansion over nets: the task of each free op such that the fewest bytes cross tasks,
-a value counting once per task that receives it, not once per op that reads it there. Each
-move is one min cut (scipy's maximum_flow), a net with several readers joined to them through
-one extra node per task (Boykov, Veksler & Zabih's moves, with Lawler's hypergraph gadget).
-"""
+"""Alpha-expansion over nets: the task of each free op such that the fewest bytes cross tasks, a
+value counting once per task receiving it. Each move is one min cut (scipy's maximum_flow), a net
+with several readers joined through one extra node per task (Lawler's hypergraph gadget)."""
 
 from __future__ import annotations
 

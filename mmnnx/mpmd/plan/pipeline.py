@@ -1,7 +1,5 @@
-"""Pipelining a traced step: ``pre`` (ops that need no microbatch result), an ``mm.microbatch``
-region, traced once, cut into per-stage F/B (or I/W) fragments run once per microbatch in the
-order a schedule gives, and ``post`` (ops that read the accumulated results).
-"""
+"""Pipelining a traced step: ``pre`` ops, an ``mm.microbatch`` region cut into per-stage F/B (or
+I/W) fragments run per microbatch in a schedule's order, and ``post`` ops."""
 
 from __future__ import annotations
 

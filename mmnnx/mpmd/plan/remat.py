@@ -1,7 +1,5 @@
-"""Rematerialisation: which residuals a stage's backward recomputes instead of reading, so the
-forward returns fewer arrays (each costs the host microseconds per launch) and fewer bytes wait
-between the passes. A pure pass over fragments.
-"""
+"""Rematerialisation: which residuals a stage's backward recomputes instead of reading, so that the
+forward returns fewer arrays and fewer bytes wait between the passes."""
 
 from __future__ import annotations
 

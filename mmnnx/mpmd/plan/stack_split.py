@@ -1,8 +1,6 @@
-"""Stacked layers split over tasks: a traced step rewritten, before colouring, so that each task
-runs its chunk of a :class:`~mmnnx.sharding.TaskStack` Variable: a scan over the layers becomes
-one scan per chunk (the carry passed from task to task), elementwise ops and views run chunk by
-chunk, and a reduction over the layers combines per-chunk partials.
-"""
+"""Stacked layers split over tasks: a traced step rewritten so that each task runs its chunk of a
+:class:`~mmnnx.sharding.TaskStack` Variable (a scan becomes one scan per chunk, elementwise ops and
+views run chunk by chunk, a reduction combines per-chunk partials)."""
 
 from __future__ import annotations
 

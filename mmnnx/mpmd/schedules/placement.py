@@ -1,9 +1,6 @@
-"""How a schedule places its model stages on ranks, as a property of the schedule (as in
-``torch.distributed.pipelining``, where it is the schedule class's): which ``virtual_stages``
-(stages per rank) it runs, in which order its stages go over the ranks (``stage_rules``'
-``order``), and what its builder is given. Everything outside ``mpmd/schedules/`` asks a
-schedule's :class:`Placement`; none branches on its kind. A new kind is a subclass (in a file of
-its own, or here) and the registry entries of the schedules that use it."""
+"""How a schedule places its stages on ranks: which ``virtual_stages`` it runs, in which order its
+stages go over the ranks (``stage_rules``' ``order``), and what its builder is given. Code outside
+``mpmd/schedules/`` asks a schedule's :class:`Placement` and never branches on its kind."""
 
 from __future__ import annotations
 

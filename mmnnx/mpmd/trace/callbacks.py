@@ -1,9 +1,6 @@
-"""Host callbacks that never raise into XLA: a step's callbacks (nested ones too) are rewritten to
-record their exceptions in the step's :class:`CallbackFailures` and return zeros, so that the
-programs finish and ``mm.jit`` raises ``StepError`` before anything is written back. (A callback
-raising inside a program spanning several devices leaves the others waiting in a collective,
-and XLA:CPU aborts the process after 40 s.)
-"""
+"""Host callbacks that never raise into XLA: each records its exception in the step's
+:class:`CallbackFailures` and returns zeros, so that every device's program finishes (XLA:CPU aborts
+a process left waiting in a collective) and ``mm.jit`` raises ``StepError``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A bare ``jax.lax.with_sharding_constraint(x, PartitionSpec(...))`` inside ``mm.jit``: the step
-is traced under an abstract mesh of its tasks' axes (:func:`abstract_mesh_of`), then each such
-constraint becomes an ``mm.with_sharding_constraint`` (:func:`on_tasks`), laid out on the mesh
-of the task running it."""
+"""A bare ``jax.lax.with_sharding_constraint(x, PartitionSpec(...))`` inside ``mm.jit``, traced
+under an abstract mesh of the tasks' axes and made an ``mm.with_sharding_constraint``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A step traced to the engine's graph, with the mesh it needs: traced again under an abstract
-mesh of its tasks' axes for a bare ``PartitionSpec`` constraint, or on the mesh shape all its
-tasks share for explicit mesh axes. The step comes as a pure function of its flat input leaves.
-"""
+"""A step (a pure function of its flat input leaves) traced to the engine's graph, under the mesh it
+needs: an abstract mesh of its tasks' axes, or their shared mesh shape for explicit axes."""
 
 from __future__ import annotations
 
