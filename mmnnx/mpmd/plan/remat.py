@@ -59,7 +59,10 @@ def recompute_residuals(
         kept -= set(scans)
         producer = {v: op for op in forward.ops for v in op.outs}
         for key in backward:
-            out[key] = _with_scans(_recomputing(stages[key], remade, producer), scans)
+            remakers = makers_of(stages[key].ops, producer, remade).values()
+            frag = _run_first(stages[key], sorted(remakers, key=lambda op: op.index))
+            needed = {id(scans[v]): scans[v] for v in frag.in_ids if v in scans}
+            out[key] = _run_first(frag, list(needed.values()))
         still_read = {v for key in backward for v in out[key].in_ids} | elsewhere | kept
         held = [v for op in forward.ops for v in op.outs if v in kept]  # in their order
         out_ids = [v for v in (*forward.out_ids, *held) if v in still_read]
@@ -87,12 +90,12 @@ def _weight_scans(graph: Graph, forward: Fragment, residuals: set[int], bodies: 
     return scans
 
 
-def _with_scans(frag: Fragment, scans: dict[int, Op]) -> Fragment:
-    """``frag`` with the scans of ``scans`` that make values it reads run first."""
-    needed = list({id(scans[v]): scans[v] for v in frag.in_ids if v in scans}.values())
+def _run_first(frag: Fragment, needed: list[Op]) -> Fragment:
+    """``frag`` running ``needed`` first, their results no longer read from elsewhere."""
     if not needed:
         return frag
-    ops = [*needed, *frag.ops]
+    first = {op.index for op in needed}
+    ops = [*needed, *(op for op in frag.ops if op.index not in first)]
     made = {v for op in needed for v in op.outs}
     return dataclasses.replace(
         frag, ops=ops, in_ids=inputs_of(ops), out_ids=[v for v in frag.out_ids if v not in made]
@@ -193,18 +196,3 @@ def _operands_to_hold(
         for v, residuals in saves.items()
         if len(residuals) >= 2 and graph.nbytes[v] <= sum(graph.nbytes[r] for r in residuals)
     }
-
-
-def _recomputing(frag: Fragment, remade: set[int], producer: dict[int, Op]) -> Fragment:
-    """``frag`` with the forward ops that remake the ``remade`` values it reads put first."""
-    needed = makers_of(frag.ops, producer, remade)
-    if not needed:
-        return frag
-    ops = [
-        *sorted(needed.values(), key=lambda op: op.index),
-        *(op for op in frag.ops if op.index not in needed),
-    ]
-    made = {v for op in needed.values() for v in op.outs}
-    return dataclasses.replace(
-        frag, ops=ops, in_ids=inputs_of(ops), out_ids=[v for v in frag.out_ids if v not in made]
-    )

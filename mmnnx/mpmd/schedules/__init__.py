@@ -1,21 +1,11 @@
 """Pipeline schedules as pure data: build them, check that they run, and simulate their timing.
 
-A schedule says, for every rank (a group of devices that runs one or more model stages), the
-order in which that rank runs its actions. An action is one pass of one stage over one
-microbatch: ``F`` (forward), ``B`` (full backward), or the two halves of a split backward used
-by zero-bubble schedules, ``I`` (gradient with respect to the stage's input, which the previous
-stage waits for) and ``W`` (gradient with respect to the stage's weights, which nobody waits
-for). Two adjacent actions of one rank may form an *overlapped pair* (DualPipe's
-forward-and-backward chunk): the runtime runs the pair as one program. A separate runtime
-executes the table; this package only builds, checks, prints, stores (CSV) and simulates it,
-and imports nothing beyond the standard library.
-
-Modules: ``ir`` (the records, validation, CSV), ``simulation`` (timing, measured costs),
-``host`` (the order the runner launches actions in, and hosts' launches and waits simulated),
-``links`` (a transfer's latency and bandwidth, a schedule's transfer costs over links),
-``builders`` (GPipe, 1F1B, interleaved, ZB-H1), ``zero_bubble`` (ZB-H2, ZB-V, interleaved zero
-bubble, DualPipeV and the list scheduler) and ``registry`` (the names). ``mm.schedules`` holds
-these names and ``tune``, which runs steps (``mmnnx.tuning``).
+A schedule says, for every rank (the devices running one or more model stages), the order of its
+actions: one pass of one stage over one microbatch, ``F`` (forward), ``B`` (full backward), or a
+split backward's ``I`` (input gradient, which the previous stage waits for) and ``W`` (weight
+gradient, which nobody waits for). Two adjacent actions of a rank may form an *overlapped pair*, run
+as one program (DualPipe). This package imports only the standard library; ``mm.schedules`` adds
+``tune``, which runs steps (``mmnnx.tuning``).
 
 Example:
     >>> from mmnnx.mpmd.schedules import get, simulate

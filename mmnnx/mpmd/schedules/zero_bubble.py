@@ -1,24 +1,17 @@
-"""The zero-bubble schedules beyond ZB-H1: ZB-H2, ZB-V and interleaved zero bubble, the list
-scheduler that builds them, and DualPipeV.
+"""The zero-bubble schedules beyond ZB-H1 (ZB-H2, ZB-V, interleaved zero bubble), the list scheduler
+that builds them, and DualPipeV.
 
-The first three are built the way the zero-bubble paper (Qi et al., arXiv 2401.10241) builds
-its schedules: a list scheduler plays the pipeline in unit time (F = I = W = 1 per stage), and
-at each step every free rank runs, among the actions whose inputs are ready, an ``I`` first (the
-previous stage waits for it), else an ``F`` while the rank holds fewer microbatches than its
-memory limit allows (counting from a stage's ``F`` to its ``W``), else the oldest deferred
-``W``. The limit is what tells the schedules apart: ZB-H2 lets every rank hold ``2S - 1``
-microbatches so that its warm-up forwards fill the time before the first input gradient comes
-back (about twice 1F1B's memory); ZB-V and interleaved zero bubble keep the memory of 1F1B and
-interleaved 1F1B. The result is an ordinary :class:`~mmnnx.mpmd.schedules.Schedule`: the
-order is data, validated, and runs under any action costs. DualPipeV is built by its own
+As in the zero-bubble paper (Qi et al., arXiv 2401.10241), a list scheduler plays the pipeline in
+unit time, and at each step every free rank runs, among the passes whose inputs are ready, an ``I``
+first (the previous stage waits for it), else an ``F`` while the rank holds fewer microbatches than
+its memory limit (counting from a stage's ``F`` to its ``W``), else the oldest deferred ``W``. The
+limit tells the schedules apart: ZB-H2 lets every rank hold ``2S - 1`` microbatches; ZB-V and
+interleaved zero bubble keep the memory of 1F1B and interleaved 1F1B. DualPipeV is built by its own
 phases (:func:`dualpipe_v`).
 
 Example:
     >>> from mmnnx.mpmd.schedules import simulate, zero_bubble_v
-    >>> schedule = zero_bubble_v(num_ranks=2, num_microbatches=4)
-    >>> schedule.stage_to_rank
-    (0, 1, 1, 0)
-    >>> simulate(schedule, 1, 2).makespan  # 4 microbatches x 6 units of work, plus the fill
+    >>> simulate(zero_bubble_v(num_ranks=2, num_microbatches=4), 1, 2).makespan
     25.0
 """
 
