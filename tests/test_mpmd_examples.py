@@ -1,11 +1,50 @@
 """The engine's private helpers on small hand-made inputs (the examples their docstrings held)."""
 
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd.ir import Graph, Op
+from mmnnx.mpmd.engine import PlanningOptions, build_step, inside_step
+from mmnnx.mpmd.ir import Const, Graph, Op
+from mmnnx.mpmd.plan.chain import culprit, describe
 from mmnnx.mpmd.plan.cut import Fragment
+from mmnnx.mpmd.plan.flow import pinned_depths
+from mmnnx.mpmd.plan.net_cut import Net, NetCut
+from mmnnx.mpmd.plan.pipeline import _batch_derived
+from mmnnx.mpmd.plan.remat import recompute_residuals
+from mmnnx.mpmd.plan.residuals import per_microbatch
 from mmnnx.mpmd.plan.stage_levels import check_stage_order, settle_on_visits
+from mmnnx.mpmd.schedules import (
+    Action,
+    Event,
+    Link,
+    Schedule,
+    custom,
+    get,
+    gpipe,
+    interleaved_1f1b,
+    interleaved_zero_bubble,
+    measured_costs,
+    one_f_one_b,
+    simulate,
+    transfer_costs,
+    zero_bubble_h1,
+)
+from mmnnx.mpmd.schedules.ir import check_action_key
+from mmnnx.mpmd.schedules.placement import Placement
+from mmnnx.mpmd.schedules.registry import registered
+from mmnnx.mpmd.step_io import StepInput, StepOutput, check_homes
+from mmnnx.mpmd.trace.annotations import with_sharding_constraint
+from mmnnx.mpmd.trace.callbacks import CallbackFailures
+from mmnnx.mpmd.trace.constraints import abstract_mesh_of
+from mmnnx.mpmd.trace.control_flow import _groups, scan_first_part, scan_remake, split_scan
+from mmnnx.mpmd.trace.trace_state import shapes_only
+from mmnnx.mpmd.trace.trace_step import check_outputs, trace_step
+from mmnnx.mpmd.trace.tracing import to_graph
 from mmnnx.sharding import Task, TaskMesh
 
 ENC = Op(0, None, {}, [9], [10], False, "", "tanh")
@@ -51,40 +90,23 @@ def test_check_stage_order_refuses_a_backward_reading_a_later_backward():
 
 
 def _scan_graph(f, *args):
-    import jax
-
-    from mmnnx.mpmd.trace.tracing import to_graph
-
     return to_graph(jax.make_jaxpr(f)(*args))
 
 
 def _carry_then_matmul(w, xs):
-    import jax
-    import jax.numpy as jnp
-
     return jax.lax.scan(lambda c, x: (c + x, jnp.tanh(c) @ w), jnp.zeros(2), xs)
 
 
 def test_groups_joins_linked_items_transitively():
-    from mmnnx.mpmd.trace.control_flow import _groups
-
     assert _groups(range(5), [(0, 3), (3, 4)]) == [[0, 3, 4], [1], [2]]
 
 
 def test_scan_first_part_makes_the_carry_from_xs_alone():
-    import jax.numpy as jnp
-
-    from mmnnx.mpmd.trace.control_flow import scan_first_part
-
     graph = _scan_graph(_carry_then_matmul, jnp.ones((2, 2)), jnp.ones((3, 2)))
     assert scan_first_part(graph.ops[-1], [True, False]) == ([True, False], [False, True, True])
 
 
 def test_split_scan_saves_the_carries_the_matmul_reads():
-    import jax.numpy as jnp
-
-    from mmnnx.mpmd.trace.control_flow import split_scan
-
     graph = _scan_graph(_carry_then_matmul, jnp.ones((2, 2)), jnp.ones((3, 2)))
     first, later = split_scan(graph.ops[-1], [True, False], graph)
     assert [graph.shapes[v] for v in first.outs] == [(2,), (3, 2)]
@@ -92,11 +114,6 @@ def test_split_scan_saves_the_carries_the_matmul_reads():
 
 
 def test_scan_remake_remakes_the_weight_cast_from_the_weights():
-    import jax
-    import jax.numpy as jnp
-
-    from mmnnx.mpmd.trace.control_flow import scan_remake
-
     def f(ws, c):
         return jax.lax.scan(lambda c, w: (c @ w, w.astype(jnp.bfloat16)), c, ws)
 
@@ -106,11 +123,6 @@ def test_scan_remake_remakes_the_weight_cast_from_the_weights():
 
 
 def test_per_microbatch_follows_the_carry_but_not_the_weight_cast():
-    import jax
-    import jax.numpy as jnp
-
-    from mmnnx.mpmd.plan.residuals import per_microbatch
-
     def f(ws, c):
         return jax.lax.scan(lambda c, w: (c @ w, w.astype(jnp.bfloat16)), c, ws)
 
@@ -120,24 +132,17 @@ def test_per_microbatch_follows_the_carry_but_not_the_weight_cast():
 
 
 def test_culprit_names_the_first_op_when_no_variable_is_read():
-    from mmnnx.mpmd.plan.chain import culprit
-
     scale = Op(0, None, {}, [5], [6], False, "m.py:8 (Net.__call__)", "mul")
     assert culprit([scale], {}, {9: "arg0/head/kernel"}) == "`mul` at m.py:8 (Net.__call__)"
 
 
 def test_batch_derived_stops_at_a_weight():
-    from mmnnx.mpmd.ir import Const
-    from mmnnx.mpmd.plan.pipeline import _batch_derived
-
     mask = Op(0, None, {}, [7, Const(0)], [8], False, "", "gt")
     scaled = Op(1, None, {}, [8, 3], [9], False, "", "mul")
     assert _batch_derived([mask, scaled], {7}) == {8}
 
 
 def test_pinned_depths_moves_a_query_projection_beside_what_it_feeds():
-    from mmnnx.mpmd.plan.flow import pinned_depths
-
     enc = Op(0, None, {}, [9, 20], [10], False, "", "dot_general")
     query = Op(1, None, {}, [8, 21], [11], False, "", "dot_general")
     attend = Op(2, None, {}, [11, 10], [12], False, "", "dot_general")
@@ -149,14 +154,10 @@ def test_pinned_depths_moves_a_query_projection_beside_what_it_feeds():
 
 
 def test_recompute_residuals_of_no_fragments_is_empty():
-    from mmnnx.mpmd.plan.remat import recompute_residuals
-
     assert recompute_residuals(Graph(), {}) == {}
 
 
 def test_net_cut_moving_an_op_beside_its_readers_stops_its_bytes_crossing():
-    from mmnnx.mpmd.plan.net_cut import Net, NetCut
-
     assert Net(source=0, readers=(1, 2), nbytes=64).readers == (1, 2)
     cut = NetCut.of(["A", "B"], [Net(0, (1, 2), 8)], ["A", "B", "A"], {0})
     assert (cut.crossing(), cut.expand(0), cut.crossing(), cut.tasks_of_ops()) == (
@@ -168,41 +169,31 @@ def test_net_cut_moving_an_op_beside_its_readers_stops_its_bytes_crossing():
 
 
 def test_planning_options_read_false_packing_as_no_bytes():
-    from mmnnx.mpmd.engine import PlanningOptions
-
     assert PlanningOptions(residual_bytes=False, schedule="gpipe").residual_bytes == 0
 
 
 def test_build_step_plans_a_one_task_step_without_compiling():
-    from mmnnx.mpmd.engine import PlanningOptions, build_step
-    from mmnnx.mpmd.step_io import StepInput, StepOutput
-
     s0 = Task("s0", mesh=TaskMesh(devices=[0]))
     w = StepInput(name="w", task=s0, shape=(2,), dtype="f4", sharding=s0.sharding())
     built = build_step(
-        lambda w: (w * 2, ()), [w], lambda shape: [StepOutput()], PlanningOptions(), name_as=f
+        lambda w: (w * 2, ()), [w], lambda shape: [StepOutput()], PlanningOptions(), name_as=_step
     )
     assert built.num_outputs == 1
     assert [t.name for t in built.executable.plan.tasks] == ["s0"]
 
 
-def f():
+def _step():
     """The name a traced step is given in errors."""
 
 
 def test_inside_step_is_false_outside_a_trace():
-    from mmnnx.mpmd.engine import inside_step
-
     assert inside_step() is False
 
 
 def test_trace_step_and_check_outputs():
-    import numpy as np
-
-    from mmnnx.mpmd.step_io import StepInput
-    from mmnnx.mpmd.trace.trace_step import check_outputs, trace_step
-
-    traced = trace_step(lambda x: x * 2, [StepInput(name="x", shape=(2,), dtype="f4")], name_as=f)
+    traced = trace_step(
+        lambda x: x * 2, [StepInput(name="x", shape=(2,), dtype="f4")], name_as=_step
+    )
     assert [op.primitive.name for op in traced.graph.ops] == ["mul"]
     assert traced.out_shape.shape == (2,)
     check_outputs({"loss": np.float32(1.0), "n": 3}, "step")
@@ -211,14 +202,10 @@ def test_trace_step_and_check_outputs():
 
 
 def test_check_homes_of_unplaced_inputs_is_no_devices():
-    from mmnnx.mpmd.step_io import StepInput, check_homes
-
     assert check_homes([StepInput(name="x", shape=(2,), dtype="float32")]) == set()
 
 
 def test_callback_failures_are_taken_once():
-    from mmnnx.mpmd.trace.callbacks import CallbackFailures
-
     failures = CallbackFailures()
     failures.record(ValueError("bad batch"))
     assert [str(e) for e in failures.take()] == ["bad batch"]
@@ -226,30 +213,17 @@ def test_callback_failures_are_taken_once():
 
 
 def test_abstract_mesh_of_a_task_keeps_its_axes():
-    from mmnnx.mpmd.trace.constraints import abstract_mesh_of
-
     mesh = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("data", "model"))
     assert dict(abstract_mesh_of([Task("t", mesh=mesh).jax_mesh]).shape) == {"data": 2, "model": 2}
 
 
 def test_shapes_only_lets_a_sharding_constraint_pass_without_a_mesh():
-    import jax
-    import jax.numpy as jnp
-
-    from mmnnx.mpmd.trace.annotations import with_sharding_constraint
-    from mmnnx.mpmd.trace.trace_state import shapes_only
-
     with shapes_only():
         out = jax.eval_shape(lambda x: with_sharding_constraint(x, ("batch",)), jnp.ones(4))
     assert out.shape == (4,)
 
 
 def test_registered_placement_and_costs_and_action_keys():
-    from mmnnx.mpmd.schedules import gpipe
-    from mmnnx.mpmd.schedules.ir import check_action_key
-    from mmnnx.mpmd.schedules.placement import Placement
-    from mmnnx.mpmd.schedules.registry import registered
-
     entry = registered("zero-bubble-v")
     assert (entry.placement, entry.takes_costs) == (Placement.V_SHAPED, True)
     assert repr(entry.placement) == "<Placement two stages per rank in a V>"
@@ -261,8 +235,6 @@ def test_registered_placement_and_costs_and_action_keys():
 
 
 def test_simulate_zero_bubble_transfers_and_launches():
-    from mmnnx.mpmd.schedules import Event, gpipe, one_f_one_b, simulate, zero_bubble_h1
-
     assert simulate(gpipe(2, 4)).events[0] == Event(
         rank=0, kind="F", stage=0, microbatch=0, start=0, end=1
     )
@@ -272,8 +244,6 @@ def test_simulate_zero_bubble_transfers_and_launches():
 
 
 def test_measured_costs_mean():
-    from mmnnx.mpmd.schedules import Event, measured_costs
-
     events = [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "F", 0, 1, 1.0, 4.0)]
     assert measured_costs([*events, Event(0, "F", 0, 2, 4.0, 6.0)], average="mean") == {
         ("F", 0): 2.0
@@ -281,8 +251,6 @@ def test_measured_costs_mean():
 
 
 def test_schedule_records_csv_and_custom_tables():
-    from mmnnx.mpmd.schedules import Action, Schedule, custom, gpipe
-
     assert Action.parse(" I3.12 ") == Action("I", 3, 12)
     schedule = gpipe(2, 2)
     assert schedule.stage_to_rank == (0, 1)
@@ -295,16 +263,6 @@ def test_schedule_records_csv_and_custom_tables():
 
 
 def test_links_transfer_costs_and_registry_examples():
-    from mmnnx.mpmd.schedules import (
-        Link,
-        get,
-        interleaved_1f1b,
-        interleaved_zero_bubble,
-        one_f_one_b,
-        simulate,
-        transfer_costs,
-    )
-
     assert round(Link(latency=20e-6, bandwidth=1e9).seconds(1_000_000), 6) == 0.00102
     schedule = one_f_one_b(2, 4)
     costs = transfer_costs(schedule, {(0, 1): Link(0.25, 4.0)}, {"F": 1, "B": 3})
@@ -317,10 +275,6 @@ def test_links_transfer_costs_and_registry_examples():
 
 
 def test_describe_names_the_variable_that_brings_the_chain_back():
-    import types
-
-    from mmnnx.mpmd.plan.chain import describe
-
     t0, t1 = types.SimpleNamespace(name="t0"), types.SimpleNamespace(name="t1")
     embed = Op(0, None, {}, [5, 9], [6], False, "m.py:3", "gather")
     layer = Op(1, None, {}, [6, 8], [7], False, "m.py:4", "dot_general")
@@ -335,8 +289,6 @@ def test_describe_names_the_variable_that_brings_the_chain_back():
 
 
 def test_step_records_unplaced_inputs_and_homed_outputs():
-    from mmnnx.mpmd.step_io import StepInput, StepOutput
-
     s0 = Task("s0", mesh=TaskMesh(devices=[0]))
     x = StepInput(name="x", shape=(8, 2), dtype="float32")
     w = StepInput(name="w", task=s0, shape=(2, 4), dtype="float32")
