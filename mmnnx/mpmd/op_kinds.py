@@ -9,10 +9,11 @@ from mmnnx.mpmd.ir import Op
 
 # Ops that only re-present one value (reshaped, broadcast, transposed, cast): a view of placed
 # state still is that state, so an op reading it runs where the state lives.
-_VIEWS = frozenset(
-    "reshape broadcast_in_dim transpose squeeze expand_dims convert_element_type copy "
-    "reduce_precision mm_chain_in".split()
-)
+_VIEW_NAMES = """
+    reshape broadcast_in_dim transpose squeeze expand_dims convert_element_type copy
+    reduce_precision mm_chain_in
+"""
+_VIEWS = frozenset(_VIEW_NAMES.split())
 
 # Data movement (slicing a batch into inputs and labels): cheap enough to recompute in every
 # fragment that reads it instead of sending it.

@@ -66,8 +66,8 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """Classic 1F1B (PipeDream-Flush): rank ``r`` runs stage ``r``, ``S - r - 1`` warm-up forwards,
-    then one forward / one backward, then the remaining backwards; stage ``r`` holds at most ``S -
-    r`` microbatches. Needs ``M >= S``.
+    then one forward / one backward, then the remaining backwards; stage ``r`` holds at most
+    ``S - r`` microbatches. Needs ``M >= S``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b
@@ -95,14 +95,15 @@ def _warm_then_alternate(forwards: list, backwards: list, warmup: int) -> list:
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
-    """Megatron-style interleaved 1F1B: rank ``r`` holds the ``virtual_stages`` stages ``r``, ``r +
-    R``, ``r + 2R``, ... of ``S = R * virtual_stages``.
+    """Megatron-style interleaved 1F1B: rank ``r`` holds the ``virtual_stages`` stages ``r``,
+    ``r + R``, ``r + 2R``, ... of ``S = R * virtual_stages``.
 
     Microbatches go through in groups of ``R``: forwards group by group, stages increasing, and
-    backwards in the same group order, stages decreasing. Rank ``r`` runs ``2(R - r - 1) +
-    (virtual_stages - 1)R`` warm-up forwards, then one forward / one backward, then the remaining
-    backwards; ``virtual_stages=1`` is :func:`one_f_one_b`. Needs ``M`` a multiple of ``R``. Compare
-    with a plain schedule by dividing per-stage costs by ``virtual_stages`` in :func:`simulate`.
+    backwards in the same group order, stages decreasing. Rank ``r`` runs
+    ``2(R - r - 1) + (virtual_stages - 1)R`` warm-up forwards, then one forward / one backward, then
+    the remaining backwards; ``virtual_stages=1`` is :func:`one_f_one_b`. Needs ``M`` a multiple of
+    ``R``. Compare with a plain schedule by dividing per-stage costs by ``virtual_stages`` in
+    :func:`simulate`.
 
     Example:
         >>> from mmnnx.mpmd.schedules import interleaved_1f1b
@@ -171,8 +172,8 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
 
     Rank ``r`` runs stage ``r`` in the 1F1B pattern with I in place of B and ``W(m)`` right after
     ``I(m + r)``, the deferred weight passes filling the cool-down's bubbles. Every stage holds at
-    most ``S`` microbatches, and the bubble shrinks from 1F1B's ``(S-1)(F + B)`` to ``(S-1)(F + I -
-    W)``. Needs ``M >= S``.
+    most ``S`` microbatches, and the bubble shrinks from 1F1B's ``(S-1)(F + B)`` to
+    ``(S-1)(F + I - W)``. Needs ``M >= S``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import zero_bubble_h1

@@ -18,9 +18,9 @@ _UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 def dispatch_order(schedule: Schedule) -> list[tuple[Action, Action | None]]:
     """The schedule's actions in the order the runner launches them: by start time when every action
-    takes unit time (a backward two), ties by rank; an overlapped pair as one entry ``(first,
-    second)`` (no action dispatched between its two starts feeds or reads it), else ``(action,
-    None)``.
+    takes unit time (a backward two), ties by rank; an overlapped pair as one entry
+    ``(first, second)`` (no action dispatched between its two starts feeds or reads it), else
+    ``(action, None)``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import dispatch_order, one_f_one_b

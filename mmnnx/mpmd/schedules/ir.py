@@ -573,9 +573,10 @@ def custom(
 ) -> Schedule:
     """Build and validate a schedule from one list of actions per rank.
 
-    Actions may be :class:`Action` objects, short strings (``"F0.1"``) or ``(kind, stage,
-    microbatch)`` tuples; an overlapped pair is one entry ``"F0.2+B3.0"``. A stage is owned by the
-    rank whose row holds its actions; the counts default to one more than the largest index used.
+    Actions may be :class:`Action` objects, short strings (``"F0.1"``) or
+    ``(kind, stage, microbatch)`` tuples; an overlapped pair is one entry ``"F0.2+B3.0"``. A stage
+    is owned by the rank whose row holds its actions; the counts default to one more than the
+    largest index used.
 
     Example:
         >>> from mmnnx.mpmd.schedules import custom

@@ -8,9 +8,9 @@ from mmnnx.mpmd.schedules.ir import check_counts
 
 
 class Placement:
-    """One way of placing stages on ranks. ``runs`` says which ``virtual_stages`` it runs (``"2 or
-    more"``) and ``needs`` the placement in words; :meth:`order` is ``None`` for any other number.
-    """
+    """One way of placing stages on ranks. ``runs`` says which ``virtual_stages`` it runs
+    (``"2 or more"``) and ``needs`` the placement in words; :meth:`order` is ``None`` for any other
+    number."""
 
     name = "placement"
     runs = "any"  # the virtual_stages it runs, in words

@@ -199,10 +199,10 @@ def get(
     """Build the registered schedule called ``name`` (see :func:`names`).
 
     ``num_stages`` counts model stages: an interleaved schedule puts ``virtual_stages`` of them on
-    each of ``num_stages / virtual_stages`` ranks. ``costs`` (durations by kind, ``{"F": 2, "I": 1,
-    "W": 1}``, or by ``(kind, stage)``) asks a schedule that orders its passes by their durations
-    (``zero-bubble-h2``, ``zero-bubble-v``, ``interleaved-zero-bubble``) to order them for these;
-    another schedule raises :class:`CostsNotUsed`.
+    each of ``num_stages / virtual_stages`` ranks. ``costs`` (durations by kind,
+    ``{"F": 2, "I": 1, "W": 1}``, or by ``(kind, stage)``) asks a schedule that orders its passes by
+    their durations (``zero-bubble-h2``, ``zero-bubble-v``, ``interleaved-zero-bubble``) to order
+    them for these; another schedule raises :class:`CostsNotUsed`.
 
     Example:
         >>> from mmnnx.mpmd.schedules import get

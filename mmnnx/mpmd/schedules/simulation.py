@@ -97,13 +97,13 @@ def simulate(
     and replaces the per-kind costs: :func:`measured_costs` reads them off a step's ``timeline()``.
     ``pair_costs`` maps an overlapped pair, its two actions' ``(kind, stage)`` in order, to the
     pair's duration, shared in proportion to its actions' costs (:func:`measured_pair_costs`); a
-    pair it does not name takes the sum of its actions' costs. ``transfer_costs`` maps ``(kind,
-    stage)``, or a kind, to the time that action's result takes to reach a reader on another rank
-    (:func:`transfer_costs` makes them from links). ``launch_cost``: the seconds a host takes to
-    launch one program, each process's host launching its ranks' programs in :func:`dispatch_order`;
-    ``processes[r]``: the process launching rank ``r``'s programs (default: one for all); a host
-    receiving from another process waits for the value before it launches anything else, as the
-    runner does.
+    pair it does not name takes the sum of its actions' costs. ``transfer_costs`` maps
+    ``(kind, stage)``, or a kind, to the time that action's result takes to reach a reader on
+    another rank (:func:`transfer_costs` makes them from links). ``launch_cost``: the seconds a host
+    takes to launch one program, each process's host launching its ranks' programs in
+    :func:`dispatch_order`; ``processes[r]``: the process launching rank ``r``'s programs (default:
+    one for all); a host receiving from another process waits for the value before it launches
+    anything else, as the runner does.
 
     Example:
         >>> from mmnnx.mpmd.schedules import one_f_one_b, simulate

@@ -227,10 +227,10 @@ def zero_bubble_h2(num_stages: int, num_microbatches: int, costs: Costs | None =
 
     Rank ``r`` runs stage ``r`` and may hold ``2S - 1`` microbatches (ZB-H1: ``S``), so its forwards
     fill the wait for the first input gradient and the deferred weight passes fill the end: rank 0
-    waits ``(S - 1)(F + I - 2W)`` (for ``M >= 2S - 1`` and ``2W <= F + I``), against ZB-H1's ``(S -
-    1)(F + I - W)`` (``SimulationResult.rank_idle``). ``costs`` (durations by kind or ``(kind,
-    stage)``, e.g. measured with ``timeline()``) orders the passes for those durations instead of
-    equal ones. Needs ``M >= S``.
+    waits ``(S - 1)(F + I - 2W)`` (for ``M >= 2S - 1`` and ``2W <= F + I``), against ZB-H1's
+    ``(S - 1)(F + I - W)`` (``SimulationResult.rank_idle``). ``costs`` (durations by kind or
+    ``(kind, stage)``, e.g. measured with ``timeline()``) orders the passes for those durations
+    instead of equal ones. Needs ``M >= S``.
 
     Example:
         >>> from mmnnx.mpmd.schedules import simulate, zero_bubble_h2
