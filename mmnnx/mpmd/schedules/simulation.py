@@ -115,28 +115,26 @@ def simulate(
     pair_duration = _pair_duration(schedule, pair_costs)
     transfer = _transfer(schedule, transfer_costs)
     run = _player(schedule, launch_cost, processes)
-    if action_costs is not None:
-        validate(schedule)
-        costs = _costs_per_action(schedule, action_costs)
-        timed = run(schedule, lambda a: costs[(a.kind, a.stage)], pair_duration, transfer)
-        return _result(schedule, timed)
-    if weight_cost is None:
-        weight_cost = backward_cost / 2
-    if not forward_cost > 0 or not backward_cost > 0:
-        raise ValueError(
-            f"forward_cost and backward_cost must be positive, got {forward_cost} and "
-            f"{backward_cost}"
-        )
-    if not 0 <= weight_cost <= backward_cost:
-        raise ValueError(f"weight_cost must be in [0, backward_cost], got {weight_cost}")
+    if action_costs is None:
+        if weight_cost is None:
+            weight_cost = backward_cost / 2
+        if not forward_cost > 0 or not backward_cost > 0:
+            raise ValueError(
+                f"forward_cost and backward_cost must be positive, got {forward_cost} and "
+                f"{backward_cost}"
+            )
+        if not 0 <= weight_cost <= backward_cost:
+            raise ValueError(f"weight_cost must be in [0, backward_cost], got {weight_cost}")
+        action_costs = {
+            "F": forward_cost,
+            "B": backward_cost,
+            "I": backward_cost - weight_cost,
+            "W": weight_cost,
+        }
     validate(schedule)
-    costs = {
-        "F": forward_cost,
-        "B": backward_cost,
-        "I": backward_cost - weight_cost,
-        "W": weight_cost,
-    }
-    return _result(schedule, run(schedule, lambda a: costs[a.kind], pair_duration, transfer))
+    costs = _costs_per_action(schedule, action_costs)
+    timed = run(schedule, lambda a: costs[(a.kind, a.stage)], pair_duration, transfer)
+    return _result(schedule, timed)
 
 
 def _player(

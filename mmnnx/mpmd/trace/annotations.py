@@ -1,6 +1,5 @@
-"""User annotations that steer the engine: ``mm.task`` regions, logical sharding constraints
-(``mm.with_sharding_constraint``) and scope resolvers (:func:`resolve_scopes`). What they record
-while ``mm.jit`` traces a step lives in the trace state (``trace_state.py``)."""
+"""User annotations that steer the engine: ``mm.task`` regions, logical sharding constraints and
+scope resolvers; what they record while ``mm.jit`` traces lives in ``trace_state.py``."""
 
 from __future__ import annotations
 
@@ -57,12 +56,11 @@ def task(fn: Callable, task: Task) -> Callable:
 def resolve_scopes(resolver: ScopeResolver) -> None:
     """Assigns ops of the step being traced to tasks by their name scope.
 
-    Called while ``mm.jit`` traces a step (from the step or code it calls). After tracing, every
-    op outside an ``mm.task`` region is offered to ``resolver(scope, backward)``: ``scope`` is
-    its name scope (``jax.named_scope`` and Flax module names, joined by ``/``; see
-    :func:`scope_components`), ``backward`` whether it belongs to a backward pass. A returned
-    task runs the op, as if the op were in an ``mm.task`` region of that task; ``None`` leaves
-    the op to colouring. This is how ``multimesh_compat`` maps ``register_task`` patterns.
+    Called while ``mm.jit`` traces a step. After tracing, every op outside an ``mm.task`` region is
+    offered to ``resolver(scope, backward)``: ``scope`` its name scope (see
+    :func:`scope_components`), ``backward`` whether it is in a backward pass. A returned task runs
+    the op as if it were in an ``mm.task`` region; ``None`` leaves it to colouring
+    (``multimesh_compat`` maps ``register_task`` patterns so).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -111,11 +109,10 @@ def with_sharding_constraint(x: Any, spec: PartitionSpec | Sequence[str | None])
     """Constrains the sharding of ``x``; inside a task, logical names use the task's rules.
 
     Inside ``mm.jit`` each entry of ``spec`` is a logical name (translated by the ``logical_axes``
-    of the task that runs the op) or a device axis of that task's mesh; an input array constrained
-    before anything else uses it is sent to its task with that sharding. It may sit inside the
-    body of a scan, cond, while loop or checkpoint. Outside ``mm.jit`` it is
-    ``jax.lax.with_sharding_constraint`` with physical axis names, except while ``mm.tabulate``
-    traces a model for its shapes, where it returns ``x`` unchanged.
+    of the task running the op) or a device axis of that task's mesh, also inside a scan, cond,
+    while loop or checkpoint; an input constrained before anything else uses it is sent to its
+    task with that sharding. Outside ``mm.jit`` it is ``jax.lax.with_sharding_constraint``, except
+    while ``mm.tabulate`` computes shapes, where it returns ``x``.
 
     Example:
         >>> import jax.numpy as jnp
