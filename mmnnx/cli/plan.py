@@ -9,8 +9,10 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import pathlib
 import shutil
+import sys
 import tempfile
 from typing import Any
 
@@ -18,18 +20,27 @@ from mmnnx.cli import prologue
 from mmnnx.cli.flags import add_fields, typed
 from mmnnx.train.options import finite, option, positive, switch
 
-_DEVICES = ("h100", "h200", "h800", "a100", "tpu-v5p")
+_DEVICES = ("h100", "h200", "h800", "a100", "tpu-v5p", "cpu")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Options:
-    init_from: str = option(
-        dataclasses.MISSING, "a Hugging Face checkpoint directory or its config.json alone",
+    init_from: str | None = option(
+        None, "a Hugging Face checkpoint directory or its config.json alone",
         metavar="CONFIG_OR_DIR",
+    )  # fmt: skip
+    run: str | None = option(
+        None, "instead of --init-from: the model of an mmnnx train run (its config.toml and "
+        "tokenizer), its --batch-size, --seq-len and precision the defaults; the plan's "
+        "layout resumes it: mmnnx train --resume --layout-from PLAN", metavar="OUTPUT_DIR",
     )  # fmt: skip
     devices: int = option(dataclasses.MISSING, "accelerators in the cluster", positive,
                           metavar="N")  # fmt: skip
-    device: str = option("h100", "the accelerator (%(default)s)", choices=_DEVICES)
+    device: str = option(
+        "h100", "the accelerator (%(default)s); cpu: this host's CPU as N simulated devices, "
+        "with no published numbers: --flops and --bandwidth required (benchmarks/plan_cpu.py "
+        "measures them), --memory by default the host's RAM over N", choices=_DEVICES,
+    )  # fmt: skip
     memory: str | None = option(None, "override: bytes of memory per device (80GB, 96GiB)",
                                 metavar="BYTES")  # fmt: skip
     flops: float | None = option(None, "override: peak dense bf16 FLOP/s per device",
@@ -107,22 +118,37 @@ def run(args: argparse.Namespace) -> int:
     from mmnnx.partition.cost import DEVICES, ENGINE, PUBLISHED, ClusterLayout  # noqa: PLC0415
     from mmnnx.tuning import parse_bytes  # noqa: PLC0415
 
+    if (options.init_from is None) == (options.run is None):
+        return error("give the model: --init-from CONFIG_OR_DIR or --run OUTPUT_DIR (one)")
+    planned_run = None
     try:
-        folder = config_directory(options.init_from)
-        config = pretrained_config(folder, param_dtype=options.param_dtype,
-                                   dtype=options.dtype, max_seq_len=options.seq_len)  # fmt: skip
+        if options.run is not None:
+            planned_run = PlannedRun.read(options.run)
+            config = planned_run.config(max_seq_len=options.seq_len)
+        else:
+            folder = config_directory(options.init_from)
+            config = pretrained_config(folder, param_dtype=options.param_dtype,
+                                       dtype=options.dtype, max_seq_len=options.seq_len)  # fmt: skip
     except (FileNotFoundError, CheckpointError, ValueError) as e:
-        return error(f"--init-from: {e}")
-    device = DEVICES[options.device]
+        return error(f"--{'run' if planned_run or options.run else 'init-from'}: {e}")
     overrides = {"flops": options.flops, "inter_bandwidth": options.bandwidth}
     try:
         if options.memory is not None:
             overrides["memory"] = parse_bytes(options.memory)
     except ValueError as e:
         return error(f"--memory: {e}")
-    device = dataclasses.replace(device, **{k: v for k, v in overrides.items() if v})
+    if options.device == "cpu":
+        try:
+            device = cpu_device(options.devices, options.flops, options.bandwidth,
+                                overrides.get("memory"))  # fmt: skip
+        except ValueError as e:
+            return error(str(e))
+    else:
+        device = DEVICES[options.device]
+        device = dataclasses.replace(device, **{k: v for k, v in overrides.items() if v})
     seq = config.max_seq_len
-    batch = options.batch or max(1, 2**22 // seq)
+    default_batch = planned_run.run.training.batch_size if planned_run else max(1, 2**22 // seq)
+    batch = options.batch or default_batch
     try:
         fixed = parse_layout(options.layout) if options.layout else {}
     except ValueError as e:
@@ -135,10 +161,85 @@ def run(args: argparse.Namespace) -> int:
         else:
             step = plan_cluster(config, options.devices, device, batch=batch, seq=seq,
                                 fixed=fixed, collectives=collectives)  # fmt: skip
+            if planned_run and not planned_run.keeps_model(step.layout.tensor, config):
+                tensor = planned_run.run.layout.model_axis  # the vocabulary is padded to it
+                print(f"mmnnx plan: --run: --model-axis {step.layout.tensor} would pad the "
+                      f"vocabulary otherwise than the run's --model-axis {tensor}: planned "
+                      f"with tensor={tensor}", file=sys.stderr)  # fmt: skip
+                step = plan_cluster(config, options.devices, device, batch=batch, seq=seq,
+                                    fixed={**fixed, "tensor": tensor},
+                                    collectives=collectives)  # fmt: skip
     except (NoCandidateError, ValueError) as e:
         return error(str(e))
     print(json.dumps(step.to_json()) if options.json else step)
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+    """An ``mmnnx train`` run planned for (``mmnnx plan --run``): its options and its
+    tokenizer's vocabulary size."""
+
+    run: Any  # RunConfig
+    vocab_size: int
+
+    @classmethod
+    def read(cls, output_dir: str) -> PlannedRun:
+        """The run in ``output_dir``, from its ``config.toml`` and ``tokenizer/``; a
+        ``FileNotFoundError`` or ``ValueError`` naming the file for a directory that holds no
+        run."""
+        from mmnnx.train.config import RunConfig  # noqa: PLC0415
+        from mmnnx.train.run_config import CONFIG_FILE, read_config  # noqa: PLC0415
+        from mmnnx.train.tokenizers import load_tokenizer  # noqa: PLC0415
+
+        folder = pathlib.Path(output_dir)
+        for needed in (CONFIG_FILE, "tokenizer"):
+            if not (folder / needed).exists():
+                raise FileNotFoundError(f"{folder / needed} is missing: not an mmnnx train run")
+        run = RunConfig.of(read_config(folder / CONFIG_FILE))
+        return cls(run, load_tokenizer(folder / "tokenizer").vocab_size)
+
+    def config(self, *, max_seq_len: int | None = None, model_axis: int | None = None) -> Any:
+        """The run's ``GPTConfig`` (with another ``max_seq_len`` or ``--model-axis``)."""
+        from mmnnx.train.run_model import model_config  # noqa: PLC0415
+
+        lay, model = self.run.layout, self.run.model
+        lay = dataclasses.replace(lay, model_axis=model_axis or lay.model_axis)
+        model = dataclasses.replace(model, seq_len=max_seq_len or model.seq_len)
+        return model_config(dataclasses.replace(self.run, layout=lay, model=model), self.vocab_size)
+
+    def keeps_model(self, model_axis: int, config: Any) -> bool:
+        """Whether ``--model-axis model_axis`` builds ``config``, the run's model (a model
+        trained from scratch pads its vocabulary to a multiple of the axis)."""
+        return self.config(max_seq_len=config.max_seq_len, model_axis=model_axis) == config
+
+
+def cpu_device(devices: int, flops: float | None, bandwidth: float | None,
+               memory: int | None) -> Any:  # fmt: skip
+    """This host's CPU as ``devices`` simulated devices for the cost model: ``flops`` (FLOP/s
+    each device reaches on the model, so efficiency 1) and ``bandwidth`` (bytes/s between two
+    of them) measured by the user, ``memory`` by default the host's RAM shared by the devices,
+    all in one node.
+
+    Example:
+        >>> cpu_device(8, 2e9, 1e9, None).node_size
+        8
+        >>> cpu_device(8, None, 1e9, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: --device cpu has no published numbers: give --flops and --bandwidth (benchmarks/plan_cpu.py measures them)
+    """
+    from mmnnx.partition.cost import DeviceSpec  # noqa: PLC0415
+
+    if flops is None or bandwidth is None:
+        raise ValueError(
+            "--device cpu has no published numbers: give --flops and --bandwidth "
+            "(benchmarks/plan_cpu.py measures them)"
+        )
+    if memory is None:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
+    return DeviceSpec(name="cpu", flops=flops, memory=memory, intra_bandwidth=bandwidth,
+                      inter_bandwidth=bandwidth, node_size=devices, efficiency=1.0)  # fmt: skip
 
 
 def _complete(fixed: dict, devices: int) -> bool:
