@@ -607,7 +607,9 @@ def fsdp_spanning(steps: int = 2) -> dict:
     return {
         "losses": losses,
         "params": {k: v.tolist() for k, v in _flat(params).items()},
-        "task_processes": [sorted({d.process_index for d in t.jax_mesh.devices.flat}) for t in tasks],
+        "task_processes": [
+            sorted({d.process_index for d in t.jax_mesh.devices.flat}) for t in tasks
+        ],
         "held": held,
     }
 

@@ -99,9 +99,12 @@ def read_plan(path: str) -> PlannedLayout:
         raise ConfigError(f"--layout-from {path}: not JSON ({e})") from None
     layout = plan.get("layout") if isinstance(plan, dict) else None
     if not isinstance(layout, dict):
-        raise ConfigError(f"--layout-from {path}: no 'layout' object (write it with mmnnx plan --json)")
+        raise ConfigError(
+            f"--layout-from {path}: no 'layout' object (write it with mmnnx plan --json)"
+        )
     try:
-        options = ClusterLayout.of_json(layout, where=f"--layout-from {path}: layout").train_options()
+        where = f"--layout-from {path}: layout"
+        options = ClusterLayout.of_json(layout, where=where).train_options()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return PlannedLayout(

@@ -126,9 +126,10 @@ def run(args: argparse.Namespace) -> int:
             planned_run = PlannedRun.read(options.run)
             config = planned_run.config(max_seq_len=options.seq_len)
         else:
-            folder = config_directory(options.init_from)
-            config = pretrained_config(folder, param_dtype=options.param_dtype,
-                                       dtype=options.dtype, max_seq_len=options.seq_len)  # fmt: skip
+            config = pretrained_config(
+                config_directory(options.init_from), param_dtype=options.param_dtype,
+                dtype=options.dtype, max_seq_len=options.seq_len,
+            )  # fmt: skip
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         return error(f"--{'run' if planned_run or options.run else 'init-from'}: {e}")
     overrides = {"flops": options.flops, "inter_bandwidth": options.bandwidth}
@@ -224,10 +225,10 @@ def cpu_device(devices: int, flops: float | None, bandwidth: float | None,
     Example:
         >>> cpu_device(8, 2e9, 1e9, None).node_size
         8
-        >>> cpu_device(8, None, 1e9, None)
+        >>> cpu_device(8, None, 1e9, None)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: --device cpu has no published numbers: give --flops and --bandwidth (benchmarks/plan_cpu.py measures them)
+        ValueError: --device cpu has no published numbers: give --flops and --bandwidth ...
     """
     from mmnnx.partition.cost import DeviceSpec  # noqa: PLC0415
 
