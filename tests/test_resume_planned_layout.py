@@ -23,7 +23,9 @@ from mmnnx.partition.cost import ClusterLayout
 from mmnnx.train import Checkpointer
 from mmnnx.train.config import MAY_CHANGE_ON_RESUME, RunConfig
 from mmnnx.train.generation import run_tasks
+from mmnnx.train.run_config import resolved_config, write_config
 from mmnnx.train.run_model import fsdp_placement, run_placement
+from mmnnx.train.tokenizers import BPETokenizer
 
 TINY = ["--dim", "32", "--depth", "4", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
         "--microbatches", "2", "--eval-every", "2", "--eval-batches", "1", "--checkpoint-every",
@@ -131,6 +133,18 @@ def test_layout_from_refuses_a_contradicting_flag_another_batch_and_a_bad_file(t
     assert "none.json: No such file or directory" in capsys.readouterr().err
     assert main(["plan", "--run", str(tmp_path / "none"), *CPU]) == 2
     assert "config.toml is missing: not an mmnnx train run" in capsys.readouterr().err
+    # a run's vocabulary of 258 tokens, padded to 258 by --model-axis 2, to 260 by 4
+    run = tmp_path / "bpe"
+    tokenizer = BPETokenizer.train(["ab ab cd cd " * 20], 258)
+    tokenizer.save(run / "tokenizer")
+    options = {"dim": 32, "heads": 4, "tokenizer": "bpe", "vocab_size": 258}
+    write_config(run / "config.toml", resolved_config(RunConfig.of(options).options()))
+    assert tokenizer.vocab_size == 258
+    assert main(["plan", "--run", str(run), *CPU, "--layout", "tp=4"]) == 2
+    assert (
+        "--layout tp=4: --model-axis 4 pads the vocabulary of the run's tokenizer (258) otherwise "
+        "than its --model-axis 2: another model"
+    ) in capsys.readouterr().err
     llama = str(pathlib.Path(__file__).parent / "plan_fixtures" / "configs" / "llama3-70b")
     assert main(["plan", "--init-from", llama, "--devices", "8", "--device", "cpu"]) == 2
     assert "--device cpu has no published numbers: give --flops and --bandwidth" in (

@@ -155,6 +155,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return error(f"--layout: {e}")
     collectives = PUBLISHED if options.collectives == "published" else ENGINE
+    if planned_run and "tensor" in fixed and not planned_run.keeps_model(fixed["tensor"], config):
+        return error(
+            f"--layout tp={fixed['tensor']}: --model-axis {fixed['tensor']} pads the vocabulary "
+            f"of the run's tokenizer ({planned_run.vocab_size}) otherwise than its --model-axis "
+            f"{planned_run.run.layout.model_axis}: another model"
+        )
     try:
         if _complete(fixed, options.devices):
             step = evaluate(config, ClusterLayout(**fixed), device, batch=batch, seq=seq,
@@ -211,7 +217,15 @@ class PlannedRun:
 
     def keeps_model(self, model_axis: int, config: Any) -> bool:
         """Whether ``--model-axis model_axis`` builds ``config``, the run's model (a model
-        trained from scratch pads its vocabulary to a multiple of the axis)."""
+        trained from scratch pads its vocabulary to a multiple of the axis).
+
+        Example:
+            >>> from mmnnx.train.config import RunConfig
+            >>> run = PlannedRun(RunConfig.of({"dim": 32, "heads": 4, "model_axis": 2}), 257)
+            >>> config = run.config()
+            >>> config.vocab_size, run.keeps_model(2, config), run.keeps_model(4, config)
+            (258, True, False)
+        """
         return self.config(max_seq_len=config.max_seq_len, model_axis=model_axis) == config
 
 
