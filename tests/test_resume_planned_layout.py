@@ -17,7 +17,7 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx.cli import main
-from mmnnx.cli.plan import PlannedRun
+from mmnnx.cli.plan_run import PlannedRun
 from mmnnx.models import GPT
 from mmnnx.partition.cost import ClusterLayout
 from mmnnx.train import Checkpointer

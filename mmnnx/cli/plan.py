@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import pathlib
 import shutil
 import sys
@@ -65,9 +64,9 @@ class Options:
         "as mmnnx runs; published: once per step, memory as Megatron/torchtitan hold it",
         choices=("engine", "published"),
     )  # fmt: skip
-    param_dtype: str = option("float32", "parameters' dtype (%(default)s)",
+    param_dtype: str = option("float32", "parameters' dtype (%(default)s; --run: the run's)",
                               choices=("float32", "bfloat16"))  # fmt: skip
-    dtype: str = option("bfloat16", "compute dtype (%(default)s)",
+    dtype: str = option("bfloat16", "compute dtype (%(default)s; --run: the run's)",
                         choices=("float32", "bfloat16"))  # fmt: skip
     json: bool = switch("--json", "print one JSON object instead of the report")
 
@@ -112,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     nothing fits exits 2 in one line."""
     options = typed(Options, args)
     error = functools.partial(prologue.error, "plan")
+    from mmnnx.cli.plan_run import PlannedRun, cpu_device  # noqa: PLC0415
     from mmnnx.errors import NoCandidateError  # noqa: PLC0415
     from mmnnx.models.pretrained import CheckpointError, pretrained_config  # noqa: PLC0415
     from mmnnx.partition.cluster import evaluate, parse_layout, plan_cluster  # noqa: PLC0415
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                 dtype=options.dtype, max_seq_len=options.seq_len,
             )  # fmt: skip
     except (FileNotFoundError, CheckpointError, ValueError) as e:
-        return error(f"--{'run' if planned_run or options.run else 'init-from'}: {e}")
+        return error(f"--{'run' if options.run else 'init-from'}: {e}")
     overrides = {"flops": options.flops, "inter_bandwidth": options.bandwidth}
     try:
         if options.memory is not None:
@@ -180,81 +180,6 @@ def run(args: argparse.Namespace) -> int:
         return error(str(e))
     print(json.dumps(step.to_json()) if options.json else step)
     return 0
-
-
-@dataclasses.dataclass(frozen=True)
-class PlannedRun:
-    """An ``mmnnx train`` run planned for (``mmnnx plan --run``): its options and its
-    tokenizer's vocabulary size."""
-
-    run: Any  # RunConfig
-    vocab_size: int
-
-    @classmethod
-    def read(cls, output_dir: str) -> PlannedRun:
-        """The run in ``output_dir``, from its ``config.toml`` and ``tokenizer/``; a
-        ``FileNotFoundError`` or ``ValueError`` naming the file for a directory that holds no
-        run."""
-        from mmnnx.train.config import RunConfig  # noqa: PLC0415
-        from mmnnx.train.run_config import CONFIG_FILE, read_config  # noqa: PLC0415
-        from mmnnx.train.tokenizers import load_tokenizer  # noqa: PLC0415
-
-        folder = pathlib.Path(output_dir)
-        for needed in (CONFIG_FILE, "tokenizer"):
-            if not (folder / needed).exists():
-                raise FileNotFoundError(f"{folder / needed} is missing: not an mmnnx train run")
-        run = RunConfig.of(read_config(folder / CONFIG_FILE))
-        return cls(run, load_tokenizer(folder / "tokenizer").vocab_size)
-
-    def config(self, *, max_seq_len: int | None = None, model_axis: int | None = None) -> Any:
-        """The run's ``GPTConfig`` (with another ``max_seq_len`` or ``--model-axis``)."""
-        from mmnnx.train.run_model import model_config  # noqa: PLC0415
-
-        lay, model = self.run.layout, self.run.model
-        lay = dataclasses.replace(lay, model_axis=model_axis or lay.model_axis)
-        model = dataclasses.replace(model, seq_len=max_seq_len or model.seq_len)
-        return model_config(dataclasses.replace(self.run, layout=lay, model=model), self.vocab_size)
-
-    def keeps_model(self, model_axis: int, config: Any) -> bool:
-        """Whether ``--model-axis model_axis`` builds ``config``, the run's model (a model
-        trained from scratch pads its vocabulary to a multiple of the axis).
-
-        Example:
-            >>> from mmnnx.train.config import RunConfig
-            >>> run = PlannedRun(RunConfig.of({"dim": 32, "heads": 4, "model_axis": 2}), 257)
-            >>> config = run.config()
-            >>> config.vocab_size, run.keeps_model(2, config), run.keeps_model(4, config)
-            (258, True, False)
-        """
-        return self.config(max_seq_len=config.max_seq_len, model_axis=model_axis) == config
-
-
-def cpu_device(devices: int, flops: float | None, bandwidth: float | None,
-               memory: int | None) -> Any:  # fmt: skip
-    """This host's CPU as ``devices`` simulated devices for the cost model: ``flops`` (FLOP/s
-    each device reaches on the model, so efficiency 1) and ``bandwidth`` (bytes/s between two
-    of them) measured by the user, ``memory`` by default the host's RAM shared by the devices,
-    all in one node.
-
-    Example:
-        >>> cpu_device(8, 2e9, 1e9, None).node_size
-        8
-        >>> cpu_device(8, None, 1e9, None)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: --device cpu has no published numbers: give --flops and --bandwidth ...
-    """
-    from mmnnx.partition.cost import DeviceSpec  # noqa: PLC0415
-
-    if flops is None or bandwidth is None:
-        raise ValueError(
-            "--device cpu has no published numbers: give --flops and --bandwidth "
-            "(benchmarks/plan_cpu.py measures them)"
-        )
-    if memory is None:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
-    return DeviceSpec(name="cpu", flops=flops, memory=memory, intra_bandwidth=bandwidth,
-                      inter_bandwidth=bandwidth, node_size=devices, efficiency=1.0)  # fmt: skip
 
 
 def _complete(fixed: dict, devices: int) -> bool:
