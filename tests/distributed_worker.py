@@ -581,6 +581,46 @@ def spanning_without_collectives():
     return {"error": None}
 
 
+@scenario
+def fsdp_spanning(steps: int = 2) -> dict:
+    """``tests.models.SMALL_GPT`` over 2 stages of 4 devices, every parameter and moment sharded
+    over a 4-device ``fsdp`` axis (``mmnnx train --data-axis 4 --fsdp-axis 4``; under 4
+    processes of 2 devices each task's axis spans two processes); ``steps`` 1F1B steps: the
+    losses, the parameters, the processes of each task and, of each parameter this process
+    holds, the bytes one of its devices holds against the whole."""
+    from mmnnx.train.generation import run_tasks
+    from mmnnx.train.run_model import fsdp_placement, run_placement
+    from tests.models import SMALL_GPT, small_gpt
+
+    tasks = run_tasks(2, 4, 1, fsdp_axis=4)
+    model = small_gpt()
+    mm.place(model, fsdp_placement(run_placement(SMALL_GPT, tasks)))
+    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    step = _fsdp_step()
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, size=(16, 17)), jnp.int32)
+    losses = [float(mm.distributed.fetch(step(model, opt, tokens))) for _ in range(int(steps))]
+    params, held = mm.distributed.fetch(nnx.state(model, nnx.Param)), {}
+    for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        array, name = value.get_value(), "/".join(map(str, path))
+        if array.addressable_shards:  # a parameter of this process's task
+            held[name] = [array.addressable_shards[0].data.nbytes, array.nbytes]
+    return {
+        "losses": losses,
+        "params": {k: v.tolist() for k, v in _flat(params).items()},
+        "task_processes": [
+            sorted({d.process_index for d in t.jax_mesh.devices.flat}) for t in tasks
+        ],
+        "held": held,
+    }
+
+
+@functools.cache
+def _fsdp_step():
+    from tests.models import gpt_step
+
+    return mm.jit(gpt_step("1f1b"))
+
+
 def _flat(state) -> dict[str, np.ndarray]:
     return {
         "/".join(str(k) for k in path): np.asarray(v.get_value() if hasattr(v, "get_value") else v)

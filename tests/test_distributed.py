@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,7 +116,7 @@ def four_processes(tmp_path_factory) -> Launched:
     4-device task spans two processes. Launched with ``--verbose``: gloo's connection lines
     and JAX's information logs show (tests/test_launch_report.py: not without it)."""
     out = tmp_path_factory.mktemp("four-processes")
-    names = ["two_task", "back_to_back:1f1b:4", "error_on_stderr"]
+    names = ["two_task", "back_to_back:1f1b:4", "fsdp_spanning", "error_on_stderr"]
     return Launched(out, *run_scenarios(names, 4, 2, out, collectives="gloo", verbose=True))
 
 
@@ -181,6 +182,20 @@ def test_steps_back_to_back_on_tasks_spanning_processes_match_one_process(
     # gloo sums a gradient's parts in another order than one process: AdamW's steps on a
     # near-zero second moment turn that last bit into a few 1e-6
     assert_same_run(results, back_to_back_reference("1f1b", 4), atol=1e-5)
+
+
+def test_an_fsdp_axis_spanning_processes_trains_as_one_process(four_processes):
+    # each stage's 4 devices, its fsdp axis, are 2 devices of each of two processes: every
+    # device holds a quarter of each of its stage's parameters, the steps equal one process's
+    reference = worker.fsdp_spanning()
+    results = four_processes.results["fsdp_spanning"]
+    assert_same_run(results, reference, atol=1e-5)  # gloo's order of sums, as above
+    for rank, r in enumerate(results):
+        assert r["task_processes"] == [[0, 1], [2, 3]]
+        stage = "blocks/0/" if rank < 2 else "blocks/3/"
+        assert any(name.startswith(stage) for name in r["held"]), r["held"]
+        assert all(4 * one == whole for one, whole in r["held"].values()), r["held"]
+    assert reference["held"] == {k: v for r in results for k, v in r["held"].items()}
 
 
 def test_with_verbose_gloo_s_connection_lines_and_jax_s_logs_show(four_processes):
@@ -435,11 +450,12 @@ def test_pipelined_gpt_and_checkpoints_across_process_counts(two_processes):
 
 
 # the main job's flags, launched and in one process: 2 stages of 2 (data) x 2 (model) devices,
-# 1F1B over 4 microbatches; step 3 is timed (the default --timeline-step)
+# the parameters and optimizer state sharded over the data devices (FSDP), 1F1B over 4
+# microbatches; step 3 is timed (the default --timeline-step)
 TRAIN_FLAGS = ["--tokenizer", "bpe", "--vocab-size", "300", "--steps", "4", "--eval-every", "2",
                "--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "16",
                "--batch-size", "8", "--microbatches", "4", "--schedule", "1f1b",
-               "--checkpoint-every", "1"]  # fmt: skip
+               "--fsdp-axis", "2", "--checkpoint-every", "1"]  # fmt: skip
 TRAIN_LAUNCH = ["-n", "2", "--devices-per-process", "4", "--", sys.executable, "-m", "mmnnx",
                 "train"]  # fmt: skip
 
@@ -520,9 +536,11 @@ def test_rank_zero_reports_every_stage_with_user_device_indices(train_launched):
     assert re.search(r"\n│ stage1 │ 4-7 +│", single) and "(process" not in single
 
 
-def test_mmnnx_train_under_launch_matches_one_process_and_resumes_past_damage(train_launched):
-    # the main job: each pipeline stage in its own process; rank 0 reports and writes; each
-    # process trains the BPE (the same one), and both make the token file at once
+def test_mmnnx_train_under_launch_matches_one_process_and_resumes_past_damage(
+    train_launched, tmp_path
+):
+    # the main job: each pipeline stage in its own process, FSDP inside it; rank 0 reports and
+    # writes; each process trains the BPE (the same one), and both make the token file at once
     proc, out, alone = train_launched.proc, train_launched.out, train_launched.alone
     assert "[rank 0] step 4/4 loss " in proc.stdout  # a plain line: no terminal under launch
     assert "[rank 0] step 4/4 eval_loss " in proc.stdout and "[rank 1] step" not in proc.stdout
@@ -541,6 +559,22 @@ def test_mmnnx_train_under_launch_matches_one_process_and_resumes_past_damage(tr
     assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2", "3", "4"]
     saved = (out / "tokenizer" / "bpe.json").read_text()
     assert saved == (alone / "tokenizer" / "bpe.json").read_text() and '"merges"' in saved
+    # each process wrote only its stage's arrays, each in its fsdp x model shards (a 32 x 32
+    # kernel: 4 chunks of 16 x 16; 2 without FSDP), its Adam moments alike
+    arrays = json.loads((ckpt / "4" / "mmnnx" / "metadata").read_text())["arrays"]
+    for block, rank in ((0, 0), (1, 1)):
+        for name in (f"model/blocks/{block}/attn/q/kernel",
+                     f"opt/opt_state/0/mu/blocks/{block}/attn/q/kernel"):  # fmt: skip
+            chunks = arrays[name]["chunks"]
+            assert {c[3] for c in chunks} == {rank}, name
+            assert sorted(c[:2] for c in chunks) == [
+                [[i, j], [i + 16, j + 16]] for i in (0, 16) for j in (0, 16)
+            ], name
+    # the launched run's step 3 continued in this one process without FSDP (--fsdp-axis 1), as
+    # the launch continues it below
+    here = tmp_path / "here"
+    shutil.copytree(out, here)
+    shutil.rmtree(here / "checkpoints" / "4")
     # the newest step damaged where process 1 alone reads (a layer of its stage): both
     # processes resume from the step before, and rank 0 says which step it passed over
     kernel = ckpt / "4" / "arrays" / "model" / "blocks" / "1" / "attn" / "q" / "kernel"
@@ -563,6 +597,14 @@ def test_mmnnx_train_under_launch_matches_one_process_and_resumes_past_damage(tr
     ]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 2, 4, 5]  # step 4 once: trained again
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--output-dir", str(here), *flags, "--fsdp-axis", "1",
+                     "--resume"]) == 0  # fmt: skip
+    continued = [json.loads(line) for line in (here / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in continued] == [0, 2, 4, 5]
+    for a, b in zip(continued[2:], rows[2:], strict=True):
+        for key in ("loss", "eval_loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a, b)
 
 
 def test_state_on_no_task_is_on_every_process_after_a_step(tmp_path):

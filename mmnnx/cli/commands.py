@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from mmnnx.cli import eval as evaluate
 from mmnnx.cli import export, generate, launch, plan, train
 from mmnnx.cli.flags import GIVEN, Parser, given
+from mmnnx.cli.layout_from import read_plan
 from mmnnx.train import validate
 from mmnnx.train.config import FIELDS, RunConfig
 from mmnnx.train.options import spec
@@ -34,7 +35,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.command != "train":
         return args
+    planned = read_plan(args.layout_from) if args.layout_from else None
+    if planned:
+        conflict = planned.conflict(vars(args), given(args))  # only the command line's yet
+        if conflict:
+            raise ConfigError(f"--layout-from: {conflict}")
     given_in_file = read_config(args.config) if args.config else {}
+    given_in_file |= planned.options if planned else {}
     if given_in_file:
         train_parser.set_defaults(**given_in_file)
         args = parser.parse_args(argv)
@@ -53,6 +60,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args = parser.parse_args(argv)
         print(f"mmnnx train: --resume: flags not given default to the run's {saved_file}")
     setattr(args, GIVEN, given(args) | set(given_in_file))
+    problem = planned and planned.workload_problem(args.batch_size, args.seq_len)
+    if problem:
+        raise ConfigError(problem)
+    if planned:
+        print(f"mmnnx train: --layout-from {planned.path}: {planned.flags()}")
     return args
 
 

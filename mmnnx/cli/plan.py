@@ -11,6 +11,7 @@ import functools
 import json
 import pathlib
 import shutil
+import sys
 import tempfile
 from typing import Any
 
@@ -18,18 +19,27 @@ from mmnnx.cli import prologue
 from mmnnx.cli.flags import add_fields, typed
 from mmnnx.train.options import finite, option, positive, switch
 
-_DEVICES = ("h100", "h200", "h800", "a100", "tpu-v5p")
+_DEVICES = ("h100", "h200", "h800", "a100", "tpu-v5p", "cpu")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Options:
-    init_from: str = option(
-        dataclasses.MISSING, "a Hugging Face checkpoint directory or its config.json alone",
+    init_from: str | None = option(
+        None, "a Hugging Face checkpoint directory or its config.json alone",
         metavar="CONFIG_OR_DIR",
+    )  # fmt: skip
+    run: str | None = option(
+        None, "instead of --init-from: the model of an mmnnx train run (its config.toml and "
+        "tokenizer), its --batch-size, --seq-len and precision the defaults; the plan's "
+        "layout resumes it: mmnnx train --resume --layout-from PLAN", metavar="OUTPUT_DIR",
     )  # fmt: skip
     devices: int = option(dataclasses.MISSING, "accelerators in the cluster", positive,
                           metavar="N")  # fmt: skip
-    device: str = option("h100", "the accelerator (%(default)s)", choices=_DEVICES)
+    device: str = option(
+        "h100", "the accelerator (%(default)s); cpu: this host's CPU as N simulated devices, "
+        "with no published numbers: --flops and --bandwidth required (benchmarks/plan_cpu.py "
+        "measures them), --memory by default the host's RAM over N", choices=_DEVICES,
+    )  # fmt: skip
     memory: str | None = option(None, "override: bytes of memory per device (80GB, 96GiB)",
                                 metavar="BYTES")  # fmt: skip
     flops: float | None = option(None, "override: peak dense bf16 FLOP/s per device",
@@ -54,9 +64,9 @@ class Options:
         "as mmnnx runs; published: once per step, memory as Megatron/torchtitan hold it",
         choices=("engine", "published"),
     )  # fmt: skip
-    param_dtype: str = option("float32", "parameters' dtype (%(default)s)",
+    param_dtype: str = option("float32", "parameters' dtype (%(default)s; --run: the run's)",
                               choices=("float32", "bfloat16"))  # fmt: skip
-    dtype: str = option("bfloat16", "compute dtype (%(default)s)",
+    dtype: str = option("bfloat16", "compute dtype (%(default)s; --run: the run's)",
                         choices=("float32", "bfloat16"))  # fmt: skip
     json: bool = switch("--json", "print one JSON object instead of the report")
 
@@ -101,33 +111,56 @@ def run(args: argparse.Namespace) -> int:
     nothing fits exits 2 in one line."""
     options = typed(Options, args)
     error = functools.partial(prologue.error, "plan")
+    from mmnnx.cli.plan_run import PlannedRun, cpu_device  # noqa: PLC0415
     from mmnnx.errors import NoCandidateError  # noqa: PLC0415
     from mmnnx.models.pretrained import CheckpointError, pretrained_config  # noqa: PLC0415
     from mmnnx.partition.cluster import evaluate, parse_layout, plan_cluster  # noqa: PLC0415
     from mmnnx.partition.cost import DEVICES, ENGINE, PUBLISHED, ClusterLayout  # noqa: PLC0415
     from mmnnx.tuning import parse_bytes  # noqa: PLC0415
 
+    if (options.init_from is None) == (options.run is None):
+        return error("give the model: --init-from CONFIG_OR_DIR or --run OUTPUT_DIR (one)")
+    planned_run = None
     try:
-        folder = config_directory(options.init_from)
-        config = pretrained_config(folder, param_dtype=options.param_dtype,
-                                   dtype=options.dtype, max_seq_len=options.seq_len)  # fmt: skip
+        if options.run is not None:
+            planned_run = PlannedRun.read(options.run)
+            config = planned_run.config(max_seq_len=options.seq_len)
+        else:
+            config = pretrained_config(
+                config_directory(options.init_from), param_dtype=options.param_dtype,
+                dtype=options.dtype, max_seq_len=options.seq_len,
+            )  # fmt: skip
     except (FileNotFoundError, CheckpointError, ValueError) as e:
-        return error(f"--init-from: {e}")
-    device = DEVICES[options.device]
+        return error(f"--{'run' if options.run else 'init-from'}: {e}")
     overrides = {"flops": options.flops, "inter_bandwidth": options.bandwidth}
     try:
         if options.memory is not None:
             overrides["memory"] = parse_bytes(options.memory)
     except ValueError as e:
         return error(f"--memory: {e}")
-    device = dataclasses.replace(device, **{k: v for k, v in overrides.items() if v})
+    if options.device == "cpu":
+        try:
+            device = cpu_device(options.devices, options.flops, options.bandwidth,
+                                overrides.get("memory"))  # fmt: skip
+        except ValueError as e:
+            return error(str(e))
+    else:
+        device = DEVICES[options.device]
+        device = dataclasses.replace(device, **{k: v for k, v in overrides.items() if v})
     seq = config.max_seq_len
-    batch = options.batch or max(1, 2**22 // seq)
+    default_batch = planned_run.run.training.batch_size if planned_run else max(1, 2**22 // seq)
+    batch = options.batch or default_batch
     try:
         fixed = parse_layout(options.layout) if options.layout else {}
     except ValueError as e:
         return error(f"--layout: {e}")
     collectives = PUBLISHED if options.collectives == "published" else ENGINE
+    if planned_run and "tensor" in fixed and not planned_run.keeps_model(fixed["tensor"], config):
+        return error(
+            f"--layout tp={fixed['tensor']}: --model-axis {fixed['tensor']} pads the vocabulary "
+            f"of the run's tokenizer ({planned_run.vocab_size}) otherwise than its --model-axis "
+            f"{planned_run.run.layout.model_axis}: another model"
+        )
     try:
         if _complete(fixed, options.devices):
             step = evaluate(config, ClusterLayout(**fixed), device, batch=batch, seq=seq,
@@ -135,6 +168,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             step = plan_cluster(config, options.devices, device, batch=batch, seq=seq,
                                 fixed=fixed, collectives=collectives)  # fmt: skip
+            if planned_run and not planned_run.keeps_model(step.layout.tensor, config):
+                tensor = planned_run.run.layout.model_axis  # the vocabulary is padded to it
+                print(f"mmnnx plan: --run: --model-axis {step.layout.tensor} would pad the "
+                      f"vocabulary otherwise than the run's --model-axis {tensor}: planned "
+                      f"with tensor={tensor}", file=sys.stderr)  # fmt: skip
+                step = plan_cluster(config, options.devices, device, batch=batch, seq=seq,
+                                    fixed={**fixed, "tensor": tensor},
+                                    collectives=collectives)  # fmt: skip
     except (NoCandidateError, ValueError) as e:
         return error(str(e))
     print(json.dumps(step.to_json()) if options.json else step)

@@ -36,6 +36,15 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "[training], [outputs]; keys as the flags: seq_len = 64); flags given here override it. "
         "Every run writes its resolved flags to OUTPUT_DIR/config.toml, which --resume reads",
     )
+    train.add_argument(
+        "--layout-from",
+        default=None,
+        metavar="PLAN",
+        help="run the layout of PLAN, a file of mmnnx plan --json (e.g. mmnnx plan --run "
+        "OUTPUT_DIR --json > plan.json): its stages, axes, schedule, microbatches and remat set "
+        "those flags (over --config and the run's config.toml); with --resume, a run continues "
+        "under the plan's layout",
+    )
     add_options(train, RunConfig)
     return train
 

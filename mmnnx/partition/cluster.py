@@ -167,7 +167,7 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
     gathers = {"microbatch": "in every forward and backward (mmnnx's engine)",
                "step": "once per model stage per step"}  # fmt: skip
     return [
-        f"{device.name}: {device.flops / 1e12:.0f} TFLOP/s peak dense bf16, "
+        f"{device.name}: {_rate(device.flops)} peak dense bf16, "
         f"{device.efficiency:.0%} reached on the model FLOPs (one number for every device "
         "and model)",
         f"links: {device.intra_bandwidth / 1e9:.0f} GB/s per device one way inside a node of "
@@ -181,6 +181,10 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
         "forward, remat full recomputes the forward; MFU counts 3 x forward (no recompute)",
         "not charged: optimizer update, data loading, kernel launches, stragglers",
     ]
+
+
+def _rate(flops: float) -> str:
+    return f"{flops / 1e12:.0f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
 
 
 def evaluate(

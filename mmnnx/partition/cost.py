@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.modules import MoEConfig
@@ -150,6 +151,15 @@ PUBLISHED = Collectives(gradients="step", gathers="step")
 """Once per step, as the frameworks of the published runs do."""
 
 
+TRAIN_OPTION = "train_option"
+"""The metadata key of a :class:`ClusterLayout` field naming the ``mmnnx train`` option
+(``mmnnx.train.config``) that sets it: the plan's layout and the train flags are one record."""
+
+
+def _field(default: Any, option: str) -> Any:
+    return dataclasses.field(default=default, metadata={TRAIN_OPTION: option})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterLayout:
     """A parallel layout and how the step runs on it: ``stages`` pipeline tasks, each
@@ -162,20 +172,57 @@ class ClusterLayout:
         64
     """
 
-    stages: int = 1
-    data: int = 1
-    tensor: int = 1
-    expert: int = 1
-    fsdp: int = 1
-    virtual_stages: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    remat: str = "none"
+    stages: int = _field(1, "stages")
+    data: int = _field(1, "data_axis")
+    tensor: int = _field(1, "model_axis")
+    expert: int = _field(1, "expert_axis")
+    fsdp: int = _field(1, "fsdp_axis")
+    virtual_stages: int = _field(1, "virtual_stages")
+    schedule: str = _field("1f1b", "schedule")
+    microbatches: int = _field(1, "microbatches")
+    remat: str = _field("none", "remat")
 
     @property
     def devices(self) -> int:
         """The devices the layout spans."""
         return self.stages * self.data * self.tensor * self.expert
+
+    def train_options(self) -> dict[str, Any]:
+        """The ``mmnnx train`` options that run this layout, by option name (``mmnnx train
+        --layout-from`` sets them from a plan).
+
+        Example:
+            >>> options = ClusterLayout(stages=2, data=4, fsdp=2, remat="dots").train_options()
+            >>> options["data_axis"], options["fsdp_axis"], options["remat"]
+            (4, 2, 'dots')
+        """
+        return {f.metadata[TRAIN_OPTION]: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def of_json(cls, fields: Mapping[str, Any], where: str = "layout") -> ClusterLayout:
+        """The layout of ``fields`` (a plan's ``layout`` object, ``mmnnx plan --json``), its
+        other keys (``devices``) ignored; ``ValueError`` naming ``where`` and the field for one
+        missing or of the wrong type.
+
+        Example:
+            >>> plan = ClusterLayout(stages=2, microbatches=4)
+            >>> ClusterLayout.of_json(dataclasses.asdict(plan) | {"devices": 2}) == plan
+            True
+            >>> ClusterLayout.of_json({"stages": 2})
+            Traceback (most recent call last):
+            ...
+            ValueError: layout: no 'data' (a plan names every field of its layout)
+        """
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in fields:
+                raise ValueError(f"{where}: no {f.name!r} (a plan names every field of its layout)")
+            value, kind = fields[f.name], int if f.type == "int" else str
+            if type(value) is not kind or (kind is int and value < 1):
+                expected = "an int >= 1" if kind is int else "a string"
+                raise ValueError(f"{where}: {f.name} is {value!r}, expected {expected}")
+            values[f.name] = value
+        return cls(**values)
 
     def memory_layout(self, config: GPTConfig | None = None) -> MemoryLayout:
         """The :class:`~mmnnx.partition.MemoryLayout` of its axes (with ``config``, its blocks
