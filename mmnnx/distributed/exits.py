@@ -68,11 +68,9 @@ def _left(process: int) -> tuple[bytes, dict[int, int]] | None:
 
 
 def wait_for(key: str, peer: int, timeout_s: float, what: str) -> bytes:
-    """The value of ``key``, which process ``peer`` sets, as soon as it is set.
-
-    Raises :class:`PeerExitedError` within a second of ``peer`` leaving without setting it, and
-    ``TimeoutError`` after ``timeout_s``.
-    """
+    """The value of ``key``, which process ``peer`` sets, as soon as it is set; raises
+    :class:`PeerExitedError` once ``peer`` left without setting it, ``TimeoutError`` after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         slice_s = max(min(_SLICE_S, deadline - time.monotonic()), 0.001)
@@ -157,9 +155,8 @@ _watching = threading.Event()
 
 
 def _watch() -> None:
-    """Ends this process when it waits, inside the runtime, for a message a process that left
-    never offered. Stops once this process leaves (a look at the key-value store after process
-    0's coordination service has gone aborts the process)."""
+    """Ends this process when it waits, inside the runtime, for a message a process that left never
+    offered."""
     while True:
         time.sleep(_SLICE_S)
         with _watch_turn:

@@ -128,14 +128,9 @@ def initialize(
 
 
 def check_collectives_for(tasks: Sequence[Any]) -> None:
-    """Raises, naming the first task whose devices belong to several processes, when this job
-    runs on CPU without collectives between processes (``initialize(collectives=...)``): the
-    programs of such a task run as one program over all its processes.
-
-    Example:
-        >>> import mmnnx as mm
-        >>> check_collectives_for([mm.Task("t", mesh=mm.TaskMesh(devices=[0, 1]))])  # one process
-    """
+    """Raises, naming the first task whose devices belong to several processes, when this job runs
+    on CPU without collectives between processes (``initialize(collectives=...)``): the programs of
+    such a task run as one program over all its processes."""
     if jax.config.jax_cpu_collectives_implementation is not None:
         return
     for task in tasks:

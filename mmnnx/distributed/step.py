@@ -20,9 +20,8 @@ def peers_for(
     planned: PlannedStep, inputs: Sequence[StepInput], name: str
 ) -> Callable[[], Peers] | None:
     """What the runner calls, when the step first compiles, for its
-    :class:`~mmnnx.distributed.peers.StepPeers` (``None`` with one process); the collectives
-    its tasks need are checked now.
-    """
+    :class:`~mmnnx.distributed.peers.StepPeers` (``None`` with one process); the collectives its
+    tasks need are checked now."""
     if jax.process_count() == 1:
         return None
     check_collectives_for(planned.plan.tasks)

@@ -30,20 +30,7 @@ from mmnnx.sharding.place import SPEC_KEY
 
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
-    """How a task's devices share a mixture of experts.
-
-    Example:
-        >>> from mmnnx.sharding import TaskMesh, logical_rules, place
-        >>> from mmnnx.modules.experts import Experts
-        >>> rules = logical_rules(batch="data", expert="expert")
-        >>> mesh = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("expert", "data"))
-        >>> with nnx.use_eager_sharding(False):
-        ...     experts = place(Experts(4, 8, 16, rngs=nnx.Rngs(0)), [(".*", Task("t", mesh=mesh,
-        ...                     logical_axes=rules))])
-        >>> layout = expert_layout(experts.gate)
-        >>> layout.expert_axes, layout.token_axes, layout.size
-        (('expert',), ('data', 'expert'), 2)
-    """
+    """How a task's devices share a mixture of experts."""
 
     mesh: AbstractMesh  # the task's mesh, abstract: one program serves every task of a stack
     expert_axes: tuple[str, ...]  # split the experts: the all_to_all's group

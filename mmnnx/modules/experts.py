@@ -154,14 +154,8 @@ class ClampedExperts(nnx.Module):
 
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
-    """gpt-oss's activation of interleaved gate (even) and up (odd) features:
-    ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``.
-
-    Example:
-        >>> y = clamped_swiglu(jnp.array([9.0, 9.0, 1.0, -9.0]), 1.702, 7.0)
-        >>> [round(v, 3) for v in y.tolist()]  # 8 * 7 * sigmoid(11.9), -6 * 1 * sigmoid(1.7)
-        [56.0, -5.075]
-    """
+    """gpt-oss's activation of interleaved gate (even) and up (odd) features: ``(clip(up, -limit,
+    limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``."""
     gate = jnp.minimum(gate_up[..., 0::2], limit)
     up = jnp.clip(gate_up[..., 1::2], -limit, limit)
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
@@ -179,15 +173,7 @@ def grouped_clamped_swiglu(
     limit: float,
 ) -> jax.Array:
     """Rows sorted by expert, each through its :class:`ClampedExperts` network; rows past the
-    groups: 0.
-
-    Example:
-        >>> w, b = jnp.ones((2, 3, 4)), jnp.ones((2, 4))
-        >>> out = grouped_clamped_swiglu(jnp.ones((3, 3)), w, b, jnp.ones((2, 2, 3)),
-        ...                              jnp.ones((2, 3)), jnp.array([1, 1]), alpha=1.0, limit=2.0)
-        >>> [round(v, 2) for v in out[:, 0].tolist()]  # 2 * (2 + 1) * 2 * sigmoid(2) + 1
-        [11.57, 11.57, 0.0]
-    """
+    groups: 0."""
     dtype = rows.dtype
     num_experts = gate_up.shape[0]
     ends = jnp.cumsum(group_sizes)
@@ -209,14 +195,7 @@ def grouped_swiglu(
     down: jax.Array,
     group_sizes: jax.Array,
 ) -> jax.Array:
-    """Rows sorted by expert, each through its SwiGLU; rows past the groups: 0.
-
-    Example:
-        >>> w = jnp.ones((2, 3, 4))
-        >>> out = grouped_swiglu(jnp.ones((3, 3)), w, w, jnp.ones((2, 4, 3)), jnp.array([1, 1]))
-        >>> [round(v, 2) for v in out[:, 0].tolist()]  # 4 * silu(3) * 3, twice, then nothing
-        [34.29, 34.29, 0.0]
-    """
+    """Rows sorted by expert, each through its SwiGLU; rows past the groups: 0."""
     dtype = rows.dtype
     h = jax.nn.silu(jax.lax.ragged_dot(rows, gate.astype(dtype), group_sizes))
     h = h * jax.lax.ragged_dot(rows, up.astype(dtype), group_sizes)
@@ -228,13 +207,7 @@ def combine(weights: jax.Array, outputs: jax.Array) -> jax.Array:
 
 
 def sort_by_expert(key: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The stable order sorting ``key``, its inverse, and each group's size.
-
-    Example:
-        >>> order, inverse, sizes = sort_by_expert(jnp.array([1, 3, 0, 1]), 2)
-        >>> order.tolist(), inverse.tolist(), sizes.tolist()
-        ([2, 0, 3, 1], [1, 3, 0, 2], [1, 2])
-    """
+    """The stable order sorting ``key``, its inverse, and each group's size."""
     order = jnp.argsort(key, stable=True)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     sizes = jnp.zeros(num_groups, jnp.int32).at[key].add(1, mode="drop")
@@ -249,16 +222,8 @@ def apply_local(
     experts: tuple[jax.Array, ...],
     ffn: ExpertFn = grouped_swiglu,
 ) -> jax.Array:
-    """``sum_k weights * expert_{indices}(x)`` over the assignments ``keep`` keeps, each
-    expert's network ``ffn`` of the ``experts`` arrays (default SwiGLU: gate, up, down).
-
-    Example:
-        >>> w = jnp.ones((2, 3, 4)), jnp.ones((2, 3, 4)), jnp.ones((2, 4, 3))
-        >>> idx, keep = jnp.array([[1], [0]]), jnp.array([[True], [False]])
-        >>> y = apply_local(jnp.ones((2, 3)), idx, jnp.ones((2, 1)), keep, w)
-        >>> [round(v, 2) for v in y[:, 0].tolist()]  # the second token's assignment dropped
-        [34.29, 0.0]
-    """
+    """``sum_k weights * expert_{indices}(x)`` over the assignments ``keep`` keeps, each expert's
+    network ``ffn`` of the ``experts`` arrays (default SwiGLU: gate, up, down)."""
     n, k = indices.shape
     num_experts = experts[0].shape[0]
     key = jnp.where(keep, indices, num_experts).reshape(-1)

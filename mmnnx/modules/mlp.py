@@ -14,22 +14,12 @@ from mmnnx.modules.linear import Linear
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
-    """GELU by its tanh approximation (Hugging Face's ``gelu_pytorch_tanh``, Gemma's GeGLU).
-
-    Example:
-        >>> round(float(gelu_tanh(jnp.array(1.0))), 4)
-        0.8412
-    """
+    """GELU by its tanh approximation (Hugging Face's ``gelu_pytorch_tanh``, Gemma's GeGLU)."""
     return jax.nn.gelu(x, approximate=True)
 
 
 def gelu_exact(x: jax.Array) -> jax.Array:
-    """GELU by the error function (Hugging Face's ``gelu``).
-
-    Example:
-        >>> round(float(gelu_exact(jnp.array(1.0))), 4)
-        0.8413
-    """
+    """GELU by the error function (Hugging Face's ``gelu``)."""
     return jax.nn.gelu(x, approximate=False)
 
 

@@ -85,13 +85,7 @@ class RouterStats(NamedTuple):
 def route(
     logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(weights, indices, probs)`` of router ``logits`` ``(N, E)``, as Qwen3-MoE routes.
-
-    Example:
-        >>> w, i, _ = route(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), 2)
-        >>> i.tolist(), [round(v, 3) for v in w[0].tolist()]
-        ([[0, 1]], [0.625, 0.375])
-    """
+    """``(weights, indices, probs)`` of router ``logits`` ``(N, E)``, as Qwen3-MoE routes."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, indices = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
@@ -100,22 +94,12 @@ def route(
 
 
 def capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
-    """``ceil(capacity_factor * tokens * top_k / num_experts)``.
-
-    Example:
-    >>> capacity(1.0, 10, 2, 8), capacity(1.25, 16, 2, 8)
-    (3, 5)
-    """
+    """``ceil(capacity_factor * tokens * top_k / num_experts)``."""
     return math.ceil(capacity_factor * tokens * top_k / num_experts)
 
 
 def capacity_keep(indices: jax.Array, num_experts: int, limit: int) -> jax.Array:
-    """Which assignments ``indices`` keep when each expert takes its first ``limit``.
-
-    Example:
-        >>> capacity_keep(jnp.array([[0, 1], [0, 2], [0, 1]]), 3, 2).tolist()
-        [[True, True], [True, True], [False, True]]
-    """
+    """Which assignments ``indices`` keep when each expert takes its first ``limit``."""
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     first = jnp.searchsorted(flat[order], jnp.arange(num_experts, dtype=flat.dtype))
@@ -150,17 +134,10 @@ def router_stats(
 
 
 def seq_balance_loss(probs: jax.Array, indices: jax.Array, rows: int = 1) -> jax.Array:
-    """DeepSeek-V3's sequence-wise balance loss, the mean over ``rows`` sequences (the tokens
-    of ``probs`` ``(N, E)`` and ``indices`` ``(N, K)`` in order, ``T = N / rows`` each) of
-    ``sum_i f_i P_i``: ``f_i = E / (K T) *`` the sequence's tokens that chose expert ``i``,
-    ``P_i`` the mean of its router probabilities (DeepSeek: the normalised affinities).
-
-    Example:
-        >>> balanced = seq_balance_loss(jnp.array([[0.9, 0.1], [0.1, 0.9]]), jnp.array([[0], [1]]))
-        >>> skewed = seq_balance_loss(jnp.array([[0.9, 0.1], [0.9, 0.1]]), jnp.array([[0], [0]]))
-        >>> round(float(balanced), 4), round(float(skewed), 4)
-        (1.0, 1.8)
-    """
+    """DeepSeek-V3's sequence-wise balance loss, the mean over ``rows`` sequences (the tokens of
+    ``probs`` ``(N, E)`` and ``indices`` ``(N, K)`` in order, ``T = N / rows`` each) of ``sum_i f_i
+    P_i``: ``f_i = E / (K T) *`` the sequence's tokens that chose expert ``i``, ``P_i`` the mean of
+    its router probabilities (DeepSeek: the normalised affinities)."""
     n, k = indices.shape
     num_experts, length = probs.shape[-1], n // rows
     row = jnp.repeat(jnp.arange(rows), length * k)

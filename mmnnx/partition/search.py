@@ -52,15 +52,8 @@ class Profile:
 def splits(
     n: int, stages: int, ends: tuple[bool, bool] = (False, False)
 ) -> Iterator[tuple[int, ...]]:
-    """Every way of cutting ``n`` layers into ``stages`` consecutive runs, each non-empty but
-    the first and the last where ``ends`` allows.
-
-    Example:
-        >>> list(splits(4, 2))
-        [(1, 3), (2, 2), (3, 1)]
-        >>> list(splits(3, 2, ends=(False, True)))
-        [(1, 2), (2, 1), (3, 0)]
-    """
+    """Every way of cutting ``n`` layers into ``stages`` consecutive runs, each non-empty but the
+    first and the last where ``ends`` allows."""
     for cuts in itertools.combinations(_cut_points(n, ends), stages - 1):
         bounds = (0, *cuts, n)
         yield tuple(b - a for a, b in itertools.pairwise(bounds))
@@ -71,12 +64,7 @@ def _cut_points(n: int, ends: tuple[bool, bool]) -> range:
 
 
 def equal_split(n: int, stages: int) -> tuple[int, ...]:
-    """The same number of layers on every stage (the first ones one more where needed).
-
-    Example:
-        >>> equal_split(10, 4)
-        (3, 3, 2, 2)
-    """
+    """The same number of layers on every stage (the first ones one more where needed)."""
     return tuple(n // stages + (1 if j < n % stages else 0) for j in range(stages))
 
 

@@ -46,23 +46,10 @@ def shard_largest(
     *,
     skip: int = 0,
 ) -> PartitionSpec | None:
-    """``spec`` with ``axis`` added on the largest dimension of ``shape`` (from dimension
-    ``skip`` on) that ``spec`` leaves whole and the axis size divides (the first of equal ones);
-    failing one, on the largest already sharded dimension that the axes on it together with
-    ``axis`` divide (``('model', 'fsdp')``). ``spec`` itself if it already uses ``axis``;
-    ``None`` if no dimension fits. ``sizes``: the mesh's axis sizes.
-
-    Example:
-        >>> sizes = {"fsdp": 2, "model": 2}
-        >>> shard_largest(PartitionSpec(None, "model"), (16, 64), "fsdp", sizes)
-        P('fsdp', 'model')
-        >>> shard_largest(PartitionSpec("model"), (64,), "fsdp", sizes)
-        P(('model', 'fsdp'),)
-        >>> shard_largest(PartitionSpec(), (3, 8, 5), "fsdp", sizes, skip=1)
-        P(None, 'fsdp', None)
-        >>> shard_largest(PartitionSpec(), (), "fsdp", sizes) is None
-        True
-    """
+    """``spec`` with ``axis`` added on the largest dimension of ``shape`` (from dimension ``skip``
+    on) that ``spec`` leaves whole and the axis size divides (the first of equal ones); failing one,
+    on the largest already sharded dimension that the axes on it together with ``axis`` divide
+    (``('model', 'fsdp')``)."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
     if any(axis in _axes(e) for e in entries):
         return spec
@@ -82,18 +69,8 @@ def shard_largest(
 @dataclasses.dataclass(frozen=True)
 class ShardLargest:
     """A placement rule's spec function: the spec the rule gave (``base``: a PartitionSpec, a
-    function, or ``None`` for the Variable's own logical names on ``task``) with ``axis`` added
-    on its largest free dimension (:func:`shard_largest`). A stacked Variable's layer axis, split
-    over the stack's tasks, is never chosen.
-
-    Example:
-        >>> from mmnnx.sharding import TaskMesh
-        >>> t = Task("t", mesh=TaskMesh(devices=range(2), axis_names=("fsdp",)))
-        >>> with nnx.use_eager_sharding(False):
-        ...     layer = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
-        >>> ShardLargest(t, "fsdp")("kernel", layer.kernel)
-        P(None, 'fsdp')
-    """
+    function, or ``None`` for the Variable's own logical names on ``task``) with ``axis`` added on
+    its largest free dimension (:func:`shard_largest`)."""
 
     task: Task | TaskStack
     axis: str

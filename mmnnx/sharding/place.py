@@ -98,19 +98,7 @@ def _task_spec(
 
 def declared_spec(task: Task, variable: nnx.Variable, where: str) -> PartitionSpec:
     """The spec a Variable declares for itself on ``task``: its annotated spec or logical names
-    through the task's rules; replicated when it declares none. ``where`` names it in errors.
-
-    Example:
-        >>> from mmnnx.sharding import TaskMesh
-        >>> from mmnnx.sharding.task import logical_rules
-        >>> t = Task("t", mesh=TaskMesh(devices=range(2), axis_names=("model",)),
-        ...          logical_axes=logical_rules(mlp="model"))
-        >>> init = nnx.with_partitioning(nnx.initializers.ones_init(), ("embed", "mlp"))
-        >>> with nnx.use_eager_sharding(False):
-        ...     layer = nnx.Linear(2, 4, kernel_init=init, rngs=nnx.Rngs(0))
-        >>> declared_spec(t, layer.kernel, "kernel"), declared_spec(t, layer.bias, "bias")
-        (P(None, 'model'), P())
-    """
+    through the task's rules; replicated when it declares none."""
     annotated = annotated_spec(variable)
     if annotated is not None:  # Flax's explicit form: device axes, or logical names
         return task.resolve(annotated, where=where)
@@ -150,15 +138,7 @@ def _check_tasks(rules: list[PlacementRule]) -> None:
 def plan_placement(
     model: Any, rules: Sequence[tuple] | Mapping, *, strict: bool = True
 ) -> list[Assignment]:
-    """Matches every Variable of ``model`` to a rule and checks its spec; moves nothing.
-
-    Example:
-        >>> from mmnnx.sharding import TaskMesh
-        >>> t = Task("t", mesh=TaskMesh(devices=[0]))
-        >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-        >>> [path_str(a.path) for a in plan_placement(model, [(".*", t)])]
-        ['bias', 'kernel']
-    """
+    """Matches every Variable of ``model`` to a rule and checks its spec; moves nothing."""
     return _plan(variables_of(model), rules, strict)
 
 
@@ -271,18 +251,8 @@ def place_made(
     strict: bool = True,
 ) -> M:
     """Places ``model`` (built abstractly) as :func:`place` would, each Variable's value made by
-    ``make(path, variable, sharding)`` on its sharding, or a placeholder where this process
-    holds none of it.
-
-    Example:
-        >>> from mmnnx.sharding import TaskMesh
-        >>> t = Task("t", mesh=TaskMesh(devices=[0]))
-        >>> model = nnx.eval_shape(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
-        >>> model = place_made(model, [(".*", t)],
-        ...                    lambda path, v, s: jax.device_put(jax.numpy.ones(v.shape), s))
-        >>> float(model.kernel[...].sum())
-        6.0
-    """
+    ``make(path, variable, sharding)`` on its sharding, or a placeholder where this process holds
+    none of it."""
     assignments = plan_placement(model, rules, strict=strict)
     values = [
         make(path_str(a.path), a.variable, a.sharding)
@@ -404,15 +374,7 @@ class Mirror(NamedTuple):
 
 def optimizer_mirrors(opt: Any, model: Any) -> list[Mirror]:
     """Each optimizer-state Variable of ``opt`` whose path ends with (the longest such) path of a
-    Variable of ``model`` of its shape.
-
-    Example:
-        >>> import optax
-        >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-        >>> opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
-        >>> [(path_str(m.path), path_str(m.param_path)) for m in optimizer_mirrors(opt, model)][:2]
-        [('opt_state/0/mu/bias', 'bias'), ('opt_state/0/mu/kernel', 'kernel')]
-    """
+    Variable of ``model`` of its shape."""
     params = {path: v for path, v in variables_of(model) if not mirrors_a_variable(v)}
     mirrors = []
     for path, state in variables_of(opt):
@@ -440,11 +402,7 @@ class Misplaced(NamedTuple):
 
 
 def check_optimizer_placement(roots: Sequence[tuple[str, Any]]) -> None:
-    """Raises :class:`~mmnnx.MPMDError` if :func:`misplaced_optimizer_state` finds any.
-
-    Example:
-        >>> check_optimizer_placement([("x", 1.0)])
-    """
+    """Raises :class:`~mmnnx.MPMDError` if :func:`misplaced_optimizer_state` finds any."""
     misplaced = misplaced_optimizer_state(roots)
     if misplaced:
         first = misplaced[0]
@@ -459,20 +417,8 @@ def check_optimizer_placement(roots: Sequence[tuple[str, Any]]) -> None:
 
 
 def misplaced_optimizer_state(roots: Sequence[tuple[str, Any]]) -> list[Misplaced]:
-    """Among named roots (a step's arguments), the optimizer state that is not on the task of
-    the placed model Variable it is kept for.
-
-    Example:
-        >>> import optax
-        >>> from mmnnx.sharding import TaskMesh
-        >>> s0, s1 = Task("s0", mesh=TaskMesh(devices=[0])), Task("s1", mesh=TaskMesh(devices=[1]))
-        >>> model = place(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), [(".*", s0)])
-        >>> opt = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
-        >>> model = place(model, [(".*", s1)])
-        >>> [(m.path, m.task.name, m.param_task.name)
-        ...  for m in misplaced_optimizer_state([("model", model), ("opt", opt)])][:1]
-        [('opt/opt_state/0/trace/bias', 's0', 's1')]
-    """
+    """Among named roots (a step's arguments), the optimizer state that is not on the task of the
+    placed model Variable it is kept for."""
     found = []
     for opt_name, opt in roots:
         if not any(mirrors_a_variable(v) for _, v in variables_of(opt)):

@@ -22,14 +22,7 @@ def _entry_axes(entry) -> tuple[str, ...]:
 
 
 def check_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str) -> PartitionSpec:
-    """Checks that ``spec`` can shard an array of ``shape`` on ``mesh``; returns it.
-
-    Example:
-        >>> import jax, numpy as np
-        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
-        >>> check_spec(PartitionSpec("x"), (4,), mesh, "w")
-        P('x',)
-    """
+    """Checks that ``spec`` can shard an array of ``shape`` on ``mesh``; returns it."""
     if not isinstance(spec, PartitionSpec):
         raise TypeError(f"{where}: spec {spec!r} is not a jax.sharding.PartitionSpec")
     if len(spec) > len(shape):
