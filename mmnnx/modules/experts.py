@@ -26,11 +26,8 @@ OUT_NAMES = ("expert", "mlp", "embed")  # down, (E, H, D)
 
 
 class Experts(nnx.Module):
-    """``num_experts`` SwiGLU networks ``down_e(silu(gate_e(x)) * up_e(x))``, their weights
-    stacked: ``gate`` and ``up`` ``(E, dim, hidden)`` named ``("expert", "embed", "mlp")``,
-    ``down`` ``(E, hidden, dim)`` named ``("expert", "mlp", "embed")`` (no biases, as
-    Qwen3-MoE's experts). Mapping ``expert`` to a mesh axis gives expert parallelism
-    (``mmnnx.modules.MoE``).
+    """``num_experts`` SwiGLU networks ``down_e(silu(gate_e(x)) * up_e(x))``, stacked: ``gate``,
+    ``up`` ``(E, dim, hidden)`` named ``("expert", "embed", "mlp")``, ``down`` ``(E, hidden, dim)``.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -70,8 +67,8 @@ class Experts(nnx.Module):
 
     @staticmethod
     def specs(expert: Any, hidden: Any) -> tuple[PartitionSpec, ...]:
-        """Each of :meth:`arrays`' specs, the experts split over ``expert`` and each one's
-        hidden features over ``hidden`` (mesh axes or ``None``)."""
+        """Each of :meth:`arrays`' specs, the experts split over ``expert``, hidden features over
+        ``hidden``."""
         return (PartitionSpec(expert, None, hidden),) * 2 + (PartitionSpec(expert, hidden, None),)
 
     def apply(
@@ -82,13 +79,9 @@ class Experts(nnx.Module):
 
 
 class ClampedExperts(nnx.Module):
-    """gpt-oss's experts: ``down_e(clamped_swiglu(x @ gate_up_e + gate_up_bias_e)) +
-    down_bias_e``, where the fused ``gate_up`` ``(E, dim, 2 * hidden)`` interleaves the gate's
-    (even) and the up projection's (odd) features, as transformers' ``GptOssExperts`` stores
-    them, and :func:`clamped_swiglu` clamps both at ``limit`` (the gate from above only) and
-    gates by ``sigmoid(alpha * gate)``. Names: ``gate_up`` ``("expert", "embed", "mlp")``,
-    ``gate_up_bias`` ``("expert", "mlp")``, ``down`` ``("expert", "mlp", "embed")``,
-    ``down_bias`` ``("expert", "embed")``.
+    """gpt-oss's experts: ``down_e(clamped_swiglu(x @ gate_up_e + gate_up_bias_e)) + down_bias_e``,
+    ``gate_up`` ``(E, dim, 2 * hidden)`` interleaving gate (even) and up (odd) features as
+    transformers' ``GptOssExperts`` stores them.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -132,9 +125,8 @@ class ClampedExperts(nnx.Module):
 
     @staticmethod
     def specs(expert: Any, hidden: Any) -> tuple[PartitionSpec, ...]:
-        """Each of :meth:`arrays`' specs, the experts split over ``expert`` and each one's
-        hidden features over ``hidden`` (mesh axes or ``None``; a gate and its up feature
-        stay together where each device holds an even number of ``gate_up``'s features)."""
+        """Each of :meth:`arrays`' specs, the experts split over ``expert``, hidden features over
+        ``hidden``."""
         e, h = expert, hidden
         return (PartitionSpec(e, None, h), PartitionSpec(e, h),
                 PartitionSpec(e, h, None), PartitionSpec(e, None))  # fmt: skip
@@ -142,9 +134,8 @@ class ClampedExperts(nnx.Module):
     def apply(
         self, rows: jax.Array, *arrays_and_sizes: jax.Array, hidden_axes: tuple[str, ...] = ()
     ) -> jax.Array:
-        """``grouped_clamped_swiglu`` with this module's ``alpha`` and ``limit``; with
-        ``hidden_axes``, ``down_bias`` added by their first device only (the ``psum`` that
-        follows adds it once)."""
+        """``grouped_clamped_swiglu``; with ``hidden_axes``, ``down_bias`` added on their first
+        device only."""
         *arrays, down_bias, sizes = arrays_and_sizes
         if hidden_axes:
             down_bias = jnp.where(jax.lax.axis_index(hidden_axes) == 0, down_bias, 0)

@@ -12,11 +12,8 @@ import jax.numpy as jnp
 
 
 class RouterStats(NamedTuple):
-    """Sums over the tokens one or more router calls routed; the losses are made of them.
-
-    Sums, not means, so that the stats of several layers (or calls) add up with ``merge`` into
-    the stats of all their tokens together, as Hugging Face's ``load_balancing_loss_func`` pools
-    every layer's router logits before taking its means.
+    """Sums (not means, so that layers and calls ``merge``) over the tokens routed, the losses'
+    parts.
 
     Example:
         >>> logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 2.0, 0.0]])
@@ -35,9 +32,8 @@ class RouterStats(NamedTuple):
 
     @property
     def aux_loss(self) -> jax.Array:
-        """``E * sum_e f_e * P_e``: ``f_e`` the assignments to expert ``e`` per token (top-k:
-        they sum to ``k``), ``P_e`` its mean router probability; Hugging Face's
-        ``load_balancing_loss_func`` (Switch, Mixtral, Qwen3-MoE) over the tokens summed here."""
+        """``E * sum_e f_e * P_e``, Hugging Face's ``load_balancing_loss_func`` over these
+        tokens."""
         n = self.tokens
         return self.probs.shape[-1] * jnp.sum(self.selected / n * (self.probs / n))
 
@@ -56,8 +52,8 @@ class RouterStats(NamedTuple):
         return jax.tree.map(operator.add, self, other)
 
     def loss(self, aux_coef: float, z_coef: float = 0.0, seq_coef: float = 0.0) -> jax.Array:
-        """``aux_coef * aux_loss + z_coef * z_loss + seq_coef * seq_balance``, a term a model
-        adds to its loss (a zero coefficient leaves its loss out of the program)."""
+        """``aux_coef * aux_loss + z_coef * z_loss + seq_coef * seq_balance`` (zero terms left
+        out)."""
         total = jnp.zeros((), jnp.float32)
         if aux_coef:
             total = total + aux_coef * self.aux_loss
