@@ -197,18 +197,14 @@ def install() -> None:
 
 
 def fail(status: int = 1) -> NoReturn:
-    """Ends this process now with exit ``status``, telling the other processes it failed
-    rather than waiting for them, from any thread (``sys.exit(status)`` does the same from the
-    main thread, and ``raise SystemExit(status)``, which mmnnx cannot see, ends it as a normal
-    end that waits for the others). Standard output and error are flushed; other exit handlers
-    do not run. When its failure may follow another process's (a transfer from one failed, or
-    one said it failed), it waits 2 s first, so that ``mmnnx launch`` names that one. With one
-    process it is ``os._exit(status)`` after the flush.
+    """Ends this process now with exit ``status``, telling the others it failed rather than waiting
+    for them, from any thread (as ``sys.exit(status)`` from the main thread); output is flushed,
+    other exit handlers do not run. Where its failure may follow another's, it waits 2 s first so
+    that ``mmnnx launch`` names that one.
 
     Example::
 
         if not ok:
-            print("bad data on this process", file=sys.stderr)
             mm.distributed.fail(3)
     """
     if runtime.is_initialized():
@@ -217,9 +213,8 @@ def fail(status: int = 1) -> NoReturn:
 
 
 def ending_together(status: int) -> None:
-    """Notes that every process ends now after a step they agreed on (``Preemption``): ending
-    with ``status`` is then a normal end, waiting for the others (a failure would leave at
-    once, the coordination service's process first, aborting the others)."""
+    """Notes that every process ends now, at an agreed step: ending with ``status`` is a normal
+    end."""
     _together.append(status)
 
 
