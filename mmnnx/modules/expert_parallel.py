@@ -26,6 +26,7 @@ from mmnnx.modules.experts import (
 )
 from mmnnx.sharding import Task, TaskStack, home_of
 from mmnnx.sharding.place import SPEC_KEY
+from mmnnx.sharding.task import axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +47,6 @@ class ExpertLayout:
         return math.prod(self.mesh.shape[a] for a in self.token_axes)
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
     """The layout of experts placed split (or with the tokens split), else ``None``."""
     home = home_of(gate)
@@ -59,12 +56,12 @@ def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
     # a stacked Variable's spec, seen inside the scan over its layers, has the layer axis more
     spec = tuple(gate.get_metadata(SPEC_KEY, PartitionSpec()))[-len(gate.shape) :]
     spec = (*spec, None, None, None)[:3]
-    expert_axes = _axes(spec[0])
-    batch_axes = _axes(task.spec(("batch",))[0]) if isinstance(task, Task) else ()
+    expert_axes = axes_of(spec[0])
+    batch_axes = axes_of(task.spec(("batch",))[0]) if isinstance(task, Task) else ()
     token_axes = batch_axes + tuple(a for a in expert_axes if a not in batch_axes)
     if not token_axes:
         return None
-    hidden_axes = tuple(a for a in _axes(spec[2]) if a not in token_axes)
+    hidden_axes = tuple(a for a in axes_of(spec[2]) if a not in token_axes)
     return ExpertLayout(
         mesh=task.jax_mesh.abstract_mesh,
         expert_axes=expert_axes,

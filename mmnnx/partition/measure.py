@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mmnnx.partition.pieces import Piece
 from mmnnx.sharding import Task
 from mmnnx.sharding.place import plan_placement
+from mmnnx.sharding.task import axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,9 +162,7 @@ def _input(aval: Any, task: Task, rows: int, rng: np.random.Generator) -> jax.Ar
     spec = PartitionSpec()
     if aval.ndim and aval.shape[0] == rows:
         batch = task.spec(("batch",) + (None,) * (aval.ndim - 1))
-        axes = batch[0] if batch else None
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        shards = math.prod(task.jax_mesh.shape[a] for a in names)
+        shards = math.prod(task.jax_mesh.shape[a] for a in axes_of(batch[0] if batch else None))
         if rows % shards == 0:
             spec = batch
     return jax.device_put(value, task.sharding(spec))

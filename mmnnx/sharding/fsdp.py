@@ -15,7 +15,6 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from flax import nnx
 from jax.sharding import PartitionSpec
@@ -24,18 +23,12 @@ from mmnnx._nnx import logical_names
 from mmnnx.sharding.place import declared_spec
 from mmnnx.sharding.rules import SpecOrFn, compile_rules
 from mmnnx.sharding.stack import TaskStack
-from mmnnx.sharding.task import Task
+from mmnnx.sharding.task import Task, axes_of
 
 
 class FSDPReplicatedWarning(UserWarning):
     """A Variable :func:`fsdp_rules` could not shard: none of its free dimensions is divisible
     by the axis size, so each device of the axis keeps all of it."""
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def shard_largest(
@@ -51,18 +44,18 @@ def shard_largest(
     on the largest already sharded dimension that the axes on it together with ``axis`` divide
     (``('model', 'fsdp')``)."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    if any(axis in _axes(e) for e in entries):
+    if any(axis in axes_of(e) for e in entries):
         return spec
 
     def split(d: int) -> int:
-        return math.prod(sizes[a] for a in _axes(entries[d])) * sizes[axis]
+        return math.prod(sizes[a] for a in axes_of(entries[d])) * sizes[axis]
 
     fits = [d for d in range(skip, len(shape)) if shape[d] % split(d) == 0]
     free = [d for d in fits if entries[d] is None]
     if not fits:
         return None
     best = max(free or fits, key=lambda d: (shape[d], -d))
-    entries[best] = axis if entries[best] is None else (*_axes(entries[best]), axis)
+    entries[best] = axis if entries[best] is None else (*axes_of(entries[best]), axis)
     return PartitionSpec(*entries)
 
 

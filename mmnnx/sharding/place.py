@@ -217,15 +217,15 @@ def _commit(assignments: list[Assignment], values: list[Any]) -> None:
 
 
 def place(model: M, rules: Sequence[tuple] | Mapping, *, strict: bool = True) -> M:
-    """Moves every Variable of ``model`` to the task its first matching rule names.
+    """Moves every Variable of ``model`` to the task its first matching rule names; returns
+    ``model``.
 
-    ``rules`` is a sequence of ``(filter, task)`` or ``(filter, task, spec)`` (or a dict
-    ``{filter: task}``). A ``str`` filter is a
-    regular expression searched in the Variable's ``/``-joined path; any NNX filter works too.
-    ``spec`` is a PartitionSpec or a callable ``(path, variable) -> PartitionSpec``; without it,
-    the Variable's logical names (``nnx.with_partitioning``) are translated by the task's rules,
-    else it is replicated. The task and spec are kept in the Variable's metadata (keys
-    ``mm_task`` and ``mm_spec``). With ``strict=True`` a Variable that no rule matches is an error.
+    ``rules``: ``(filter, task)`` or ``(filter, task, spec)`` items (or ``{filter: task}``); a
+    ``str`` filter is a regular expression searched in the ``/``-joined path, any NNX filter works
+    too. ``spec`` is a PartitionSpec or ``(path, variable) -> PartitionSpec``; without it the
+    Variable's logical names go through the task's rules, else it is replicated. Task and spec are
+    kept in the Variable's metadata (``mm_task``, ``mm_spec``). ``strict``: an unmatched Variable is
+    an error.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh
@@ -267,20 +267,12 @@ def place_made(
 def init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, *, strict: bool = True) -> M:
     """Builds ``factory()`` with each task's Variables created directly on that task's submesh.
 
-    The factory is traced once (which also gives the model's structure); then the Variables
-    are computed on one device, each Variable's own ops as one compiled program that equal
-    layers share whatever the number of tasks, and moved to their tasks' shardings in batches
-    of at most 64 MiB, so no full copy of the model ever exists on one device. A task spanning
-    processes runs one jitted init instead, sharded as the rules say; each process computes
-    only the tasks it takes part in. The values equal ``place(factory(), rules)`` for the same
-    RNG seed. ``factory`` must create its own ``nnx.Rngs``. What else the model holds is
-    built as ``factory()`` builds it: arrays kept as ``nnx.data`` (or plain attributes) on this
-    process's first device, numpy arrays and Python values as the factory made them.
-
-    Raises:
-        ValueError: a rule problem (as :func:`place`), or a factory that changes state created
-            outside it (an ``nnx.Rngs`` it closes over), before anything is built.
-        TypeError: a Variable holds traced arrays inside another value (a tuple), naming it.
+    The factory is traced once; each Variable is then computed on one device (equal layers share one
+    compiled program) and moved to its task in batches of at most 64 MiB, so no full copy of the
+    model is ever on one device (a task spanning processes runs one jitted init instead). The values
+    equal ``place(factory(), rules)``'s for the same seed; ``factory`` must create its own
+    ``nnx.Rngs``. Raises as :func:`place` does, before anything is built, and for a factory that
+    changes state made outside it.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh
@@ -441,18 +433,10 @@ def misplaced_optimizer_state(roots: Sequence[tuple[str, Any]]) -> list[Misplace
 
 
 def place_optimizer(opt: Opt, model: Any) -> Opt:
-    """Places the optimizer state kept for each placed Variable of ``model`` (Adam's moments,
-    say) on that Variable's task and PartitionSpec; returns ``opt``.
-
-    ``nnx.Optimizer`` copies each parameter's placement into its state when it is created. After
-    ``model`` is placed again with :func:`place`, call this so that the state follows its
-    parameters; ``mm.jit`` refuses a step whose optimizer state was left on another task. State
-    that is not kept per Variable (the step count) stays where it is, so an optimizer that keeps
-    none (``optax.sgd`` without momentum) has nothing to move.
-
-    Raises:
-        ValueError: ``opt`` keeps state per Variable, but none for a Variable of ``model`` (it
-            was created for another model).
+    """Places the optimizer state kept for each placed Variable of ``model`` (Adam's moments) on
+    that Variable's task and spec; returns ``opt``. Call it after placing a model again whose
+    optimizer exists (``mm.jit`` refuses state left on another task). Raises ``ValueError`` when
+    ``opt`` keeps per-Variable state but none for ``model``'s.
 
     Example:
         >>> import optax
@@ -504,15 +488,15 @@ def placement(model: Any) -> dict[str, tuple[str, PartitionSpec]]:
 
 
 def task_of(variable: nnx.Variable) -> Task | None:
-    """The task a Variable was placed on by ``place``/``init``, or ``None`` (also for stacked
-    layers split over several tasks: see :func:`stack_of`)."""
+    """The task ``place``/``init`` put a Variable on, or ``None`` (also for a stack:
+    :func:`stack_of`)."""
     task = variable.get_metadata(TASK_KEY, None)
     return task if isinstance(task, Task) else None
 
 
 def stack_of(variable: nnx.Variable) -> TaskStack | None:
-    """The tasks a stacked Variable's leading axis is split over (a rule naming a list of
-    tasks), or ``None``.
+    """The tasks a stacked Variable's leading axis is split over (a rule naming a list), or
+    ``None``.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh

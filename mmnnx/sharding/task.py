@@ -52,7 +52,8 @@ def normalize_rules(rules: Any, what: str) -> LogicalRules:
     return tuple(out)
 
 
-def _axes_tuple(axes: DeviceAxes) -> tuple[str, ...]:
+def axes_of(axes: DeviceAxes) -> tuple[str, ...]:
+    """The device axes of a spec entry as a tuple (``None``: none)."""
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -91,7 +92,7 @@ class Task:
         if self.mesh is not None:
             names = self.axis_names
             for logical, axes in self.logical_axes + self.extra_axes:
-                for axis in _axes_tuple(axes):
+                for axis in axes_of(axes):
                     if axis not in names:
                         raise ValueError(
                             f"{what}: logical rule {logical!r} -> {axis!r} names a device axis "
@@ -201,7 +202,7 @@ class Task:
         result: list[Any] = [unassigned] * len(names)
         used: set[str] = set()
         for logical, axes in self.rules:
-            wanted = _axes_tuple(axes)
+            wanted = axes_of(axes)
             for dim, n in enumerate(names):
                 if n != logical or result[dim] is not unassigned or used.intersection(wanted):
                     continue
@@ -229,7 +230,7 @@ class Task:
         out: list[Any] = []
         for n, t in zip(names, translated, strict=True):
             unknown = [
-                a for a in (_axes_tuple(n) if isinstance(n, str | tuple) else ()) if a not in axes
+                a for a in (axes_of(n) if isinstance(n, str | tuple) else ()) if a not in axes
             ]
             if n is None or (isinstance(n, str) and n in logical):
                 out.append(t)
