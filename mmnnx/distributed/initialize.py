@@ -156,19 +156,6 @@ def _check_coordinator_port(address: str) -> None:
             raise
 
 
-def backends_started() -> bool:
-    """Whether JAX's backends have started, after which ``XLA_FLAGS`` and ``jax_platforms`` no
-    longer take effect.
-
-    Example:
-        >>> import jax, mmnnx as mm
-        >>> _ = jax.devices()
-        >>> mm.distributed.backends_started()
-        True
-    """
-    return runtime.backends_started()
-
-
 def is_distributed() -> bool:
     """Whether this process is one of several (``jax.process_count() > 1``).
 
