@@ -98,15 +98,9 @@ class ShardLargest:
 
 
 def fsdp_rules(rules: Sequence[tuple] | Mapping, axis: str = "fsdp") -> list[tuple]:
-    """Placement rules that place as ``rules`` do and also shard each Variable's largest free
-    dimension over the mesh axis ``axis`` of its task (:class:`ShardLargest`): FSDP (ZeRO-3)
-    inside each task, for any model. Parameters and their optimizer state take ``1/N`` of their
-    bytes per device (``N`` the axis size); split the batch over ``axis`` too (a logical rule
-    ``batch=("data", axis)``) so that the axis also runs data parallel. Moves nothing.
-
-    Raises:
-        ValueError: a rule's task (or a task of its stack) has no mesh axis ``axis``, naming
-            the rule and the task's axes; any problem ``mm.place`` finds in ``rules``.
+    """Rules placing as ``rules`` do, each Variable's largest free dimension also sharded over its
+    task's mesh axis ``axis`` (FSDP, ZeRO-3, inside each task: :class:`ShardLargest`). Raises
+    ``ValueError`` for a task without ``axis``, and what ``mm.place`` raises for ``rules``.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh, place
