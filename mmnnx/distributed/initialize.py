@@ -120,9 +120,7 @@ def initialize(
 
 
 def check_collectives_for(tasks: Sequence[Any]) -> None:
-    """Raises, naming the first task whose devices belong to several processes, when this job runs
-    on CPU without collectives between processes (``initialize(collectives=...)``): the programs of
-    such a task run as one program over all its processes."""
+    """Raises for the first task spanning processes on CPU when collectives between them are off."""
     if jax.config.jax_cpu_collectives_implementation is not None:
         return
     for task in tasks:

@@ -82,10 +82,8 @@ def apply_expert_parallel(
     ffn: ExpertFn = grouped_swiglu,
     specs: Callable[[Any, Any], tuple[PartitionSpec, ...]] = Experts.specs,
 ) -> jax.Array:
-    """``experts.apply_local``'s result, the tokens (padded to ``layout.token_shards``) and the
-    experts split over the mesh; ``limit`` (a capacity) bounds the exchange buffers; ``ffn``
-    and ``specs`` (an experts module's ``apply`` and ``specs``): each expert's network and
-    its arrays' specs given the expert and hidden mesh axes."""
+    """``apply_local``'s result with tokens and experts split over the mesh (``limit``: a
+    capacity)."""
     n, k = indices.shape
     local_tokens = n // layout.token_shards
     local_experts = experts[0].shape[0] // layout.size

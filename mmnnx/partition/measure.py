@@ -53,9 +53,8 @@ def measure(
     repeats: int = 5,
     launch: float = 0.0,
 ) -> Timing:
-    """``piece`` timed on ``task`` (seconds per call over ``repeats`` calls, less ``launch``), its
-    Variables where ``shardings`` (by path) put them, its inputs of leading axis ``rows`` split over
-    ``task``'s ``batch`` axis; ``optimizer`` (an optax transform) gives its state's bytes."""
+    """``piece``'s :class:`Timing` on ``task`` (per call over ``repeats`` calls, less
+    ``launch``)."""
     rng = np.random.default_rng(0)
     params = _placed(piece.params, shardings, rng)
     other = _placed(piece.other, shardings, rng)

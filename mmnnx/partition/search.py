@@ -33,9 +33,8 @@ class Option:
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """What the search reads: per (home task name, microbatch rows) the timings of the
-    embedding, each layer and the head with the loss; per (task, task) the link; per task a
-    program's launch; ``ends``: whether the first and the last stage may hold no layer."""
+    """What the search reads: timings per (task, rows), links, launches; ``ends``: empty end
+    stages."""
 
     tasks: tuple[Task, ...]
     rows: int  # of the whole batch

@@ -250,9 +250,8 @@ def place_made(
     *,
     strict: bool = True,
 ) -> M:
-    """Places ``model`` (built abstractly) as :func:`place` would, each Variable's value made by
-    ``make(path, variable, sharding)`` on its sharding, or a placeholder where this process holds
-    none of it."""
+    """Places abstract ``model`` as :func:`place` would, values by ``make(path, variable,
+    sharding)``."""
     assignments = plan_placement(model, rules, strict=strict)
     values = [
         make(path_str(a.path), a.variable, a.sharding)
