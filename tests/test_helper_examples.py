@@ -257,6 +257,12 @@ EXAMPLES = {
     >>> [a.shape for a in attn.project(jnp.ones((3, 16)), jnp.arange(5, 8))]
     [(3, 2, 6), (3, 1, 8), (3, 1, 2)]
     """,
+    "mmnnx.modules.mlp:MLPConfig": """
+    >>> MLPConfig(0)
+    Traceback (most recent call last):
+    ...
+    ValueError: MLPConfig.hidden must be an int >= 1, got 0
+    """,
     "mmnnx.modules.mlp:gelu_tanh": """
     >>> round(float(gelu_tanh(jnp.array(1.0))), 4)
     0.8412
