@@ -22,17 +22,7 @@ from jax.sharding import SingleDeviceSharding
 def copier(source: Any, target: Any, ndim: int, dtype: Any) -> Callable[[Any], Any] | None:
     """A function moving an array laid out as ``source`` to ``target`` with one runtime call,
     skipping ``jax.device_put``'s Python layers: the same slicing on other devices of this process,
-    or a replicated value onto more devices. ``None`` for a reshard, a move leaving this process or
-    an extended dtype.
-
-    Example:
-        >>> import numpy as np
-        >>> from jax.sharding import SingleDeviceSharding
-        >>> a, b = (SingleDeviceSharding(d) for d in jax.devices()[:2])
-        >>> move = copier(a, b, 1, np.float32)
-        >>> move(jax.device_put(np.ones(3), a)).devices() == {jax.devices()[1]}
-        True
-    """
+    or a replicated value onto more devices."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return None
     if not target.is_fully_addressable or not source.is_fully_addressable:
@@ -73,15 +63,7 @@ _copier_of = functools.lru_cache(maxsize=1024)(copier)
 
 def move_to(x: Any, target: Any) -> Any:
     """``x`` moved to ``target``: by :func:`copier` (decided once per pair of layouts), else by
-    ``jax.device_put``.
-
-    Example:
-        >>> import numpy as np
-        >>> from jax.sharding import SingleDeviceSharding
-        >>> a, b = (SingleDeviceSharding(d) for d in jax.devices()[:2])
-        >>> move_to(jax.device_put(np.ones(3), a), b).devices() == {jax.devices()[1]}
-        True
-    """
+    ``jax.device_put``."""
     source = getattr(x, "sharding", None)
     if source is not None:
         move = _copier_of(source, target, x.ndim, x.dtype)
@@ -92,16 +74,7 @@ def move_to(x: Any, target: Any) -> Any:
 
 def array_from_shards(shape: Sequence[int], sharding: Any, by_device: dict[Any, Any]) -> Any:
     """``jax.make_array_from_single_device_arrays`` without its per-shard checks of dtype, device
-    and order (several times the array's creation, every step for a stacked Variable's chunks).
-
-    Example:
-        >>> import numpy as np
-        >>> from jax.sharding import SingleDeviceSharding
-        >>> d = jax.devices()[0]
-        >>> x = jax.device_put(np.ones(3, np.float32), d)
-        >>> array_from_shards((3,), SingleDeviceSharding(d), {d: x}).shape
-        (3,)
-    """
+    and order (several times the array's creation, every step for a stacked Variable's chunks)."""
     arrays = [by_device[d] for d in sharding._addressable_device_assignment]
     if not arrays or jax.dtypes.issubdtype(arrays[0].dtype, jax.dtypes.extended):
         return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
@@ -111,14 +84,7 @@ def array_from_shards(shape: Sequence[int], sharding: Any, by_device: dict[Any, 
 
 def shards_by_device(array: Any) -> dict[Any, Any]:
     """``{s.device: s.data for s in array.addressable_shards}`` without making a ``Shard`` per
-    device (tens of microseconds each new array).
-
-    Example:
-        >>> import numpy as np
-        >>> x = jax.device_put(np.ones(3, np.float32), jax.devices()[0])
-        >>> list(shards_by_device(x)) == [jax.devices()[0]]
-        True
-    """
+    device (tens of microseconds each new array)."""
     arrays = getattr(array, "_arrays", None)
     if arrays is None:
         return {s.device: s.data for s in array.addressable_shards}
@@ -134,17 +100,7 @@ def _sharded_aval(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:
 
 def launchable_as(x: Any, sharding: Any) -> bool:
     """Whether ``x`` is a plain ``jax.Array`` a program expecting ``sharding`` reads as it is: the
-    same slices on the same devices, listed in the same order.
-
-    Example:
-        >>> import numpy as np
-        >>> from jax.sharding import NamedSharding
-        >>> one = jax.devices()[:1]
-        >>> mesh = jax.sharding.Mesh(np.array(one), ("x",))
-        >>> x = jax.device_put(np.ones(2), one[0])
-        >>> launchable_as(x, NamedSharding(mesh, jax.P())), launchable_as(np.ones(2), x.sharding)
-        (True, False)
-    """
+    same slices on the same devices, listed in the same order."""
     if type(x) is not ArrayImpl:
         return False
     have = x.sharding
@@ -155,32 +111,16 @@ def launchable_as(x: Any, sharding: Any) -> bool:
 
 
 def is_plain_array(x: Any) -> bool:
-    """Whether ``x`` is JAX's own array type (not a tracer, NumPy array or subclass).
-
-    Example:
-        >>> import numpy as np
-        >>> is_plain_array(jax.numpy.ones(2)), is_plain_array(np.ones(2))
-        (True, False)
-    """
+    """Whether ``x`` is JAX's own array type (not a tracer, NumPy array or subclass)."""
     return type(x) is ArrayImpl
 
 
 def all_plain_arrays(values: Sequence[Any]) -> bool:
     """Whether every one of ``values`` is JAX's own array type, ten times as fast as ``isinstance(x,
-    jax.Array)``.
-
-    Example:
-        >>> all_plain_arrays([jax.numpy.ones(2), jax.numpy.zeros(1)]), all_plain_arrays([1.0])
-        (True, False)
-    """
+    jax.Array)``."""
     return all(type(x) is ArrayImpl for x in values)
 
 
 def checks_special_values() -> bool:
-    """Whether JAX checks results for NaN or infinity, which only its own call does.
-
-    Example:
-        >>> checks_special_values()
-        False
-    """
+    """Whether JAX checks results for NaN or infinity, which only its own call does."""
     return dispatch.needs_check_special()

@@ -29,15 +29,7 @@ from mmnnx._jax.retarget import stage_args
 
 
 class Recent:
-    """A thread-safe table of at most ``size`` entries, the least recently used dropped first.
-
-    Example:
-        >>> recent = Recent(2)
-        >>> recent.put("a", 1); recent.put("b", 2); recent.get("a"); recent.put("c", 3)
-        1
-        >>> recent.get("b") is None, recent.get("a"), len(recent)
-        (True, 1, 2)
-    """
+    """A thread-safe table of at most ``size`` entries, the least recently used dropped first."""
 
     def __init__(self, size: int):
         self.size = size
@@ -83,24 +75,7 @@ def clear() -> None:
 
 
 class SharedCompiles:
-    """Compiles a step's programs through the process's table of executables. ``loaded``: the ids of
-    the ``Lowered`` programs loaded from an equal one; ``reused``: those an earlier step compiled
-    for the same devices (each kept alive, so that no other object takes its id).
-
-    Example:
-        >>> import jax, numpy as np
-        >>> clear(); shared = SharedCompiles()
-        >>> on = lambda d: jax.sharding.SingleDeviceSharding(d)
-        >>> one, two = (jax.jit(lambda x: x + 1, in_shardings=on(d)).lower(np.float32(0))
-        ...             for d in jax.devices()[:2])
-        >>> shared.compile(one)(jax.device_put(1.0, on(jax.devices()[0]))), len(shared.loaded)
-        (Array(2., dtype=float32), 0)
-        >>> out = shared.compile(two)(jax.device_put(1.0, on(jax.devices()[1])))
-        >>> float(out), out.devices() == {jax.devices()[1]}, len(shared.loaded)
-        (2.0, True, 1)
-        >>> later = SharedCompiles(); _ = later.compile(one); len(later.reused)
-        1
-    """
+    """Compiles a step's programs through the process's table of executables."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -113,8 +88,7 @@ class SharedCompiles:
         return self._compile(lowered, _Program.of(lowered))
 
     def submit(self, lowered: Any, pool: concurrent.futures.Executor) -> concurrent.futures.Future:
-        """Compiles ``lowered`` (as :meth:`compile`) on ``pool``. A program equal to one still
-        compiling takes no worker while it waits: it is queued again once that one is done."""
+        """Compiles ``lowered`` (as :meth:`compile`) on ``pool``."""
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def settle(program: _Program | None) -> None:

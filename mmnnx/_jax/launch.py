@@ -16,18 +16,7 @@ from jax._src.interpreters import pxla
 @dataclasses.dataclass(frozen=True)
 class DirectLaunch:
     """``compiled`` run straight on the runtime: ``launch(args)`` takes the arguments at ``kept``
-    (``None``: all), laid out as ``shardings``, and returns the results as a list.
-
-    Example:
-        >>> import jax, numpy as np
-        >>> on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        >>> x = jax.device_put(np.float32(1), on)
-        >>> direct = DirectLaunch.of(jax.jit(lambda x, y: [y + 1]).lower(x, x).compile())
-        >>> direct.kept, direct.shardings == (on,)
-        ((1,), True)
-        >>> direct.launch([x])
-        [Array(2., dtype=float32)]
-    """
+    (``None``: all), laid out as ``shardings``, and returns the results as a list."""
 
     launch: Callable[[list], list]
     kept: tuple[int, ...] | None

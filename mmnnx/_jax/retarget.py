@@ -19,12 +19,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 
 def lowers_without_devices(primitive: Any) -> bool:
-    """Whether ``primitive`` lowers without reading the program's devices.
-
-    Example:
-        >>> lowers_without_devices(jax.lax.add_p)
-        True
-    """
+    """Whether ``primitive`` lowers without reading the program's devices."""
     return primitive not in dispatch.prim_requires_devices_during_lowering
 
 

@@ -15,11 +15,13 @@ from jax._src import distributed, xla_bridge
 
 
 def backends_started() -> bool:
-    """Whether JAX's backends exist already: flags that configure them are ignored from then on.
+    """Whether JAX's backends have started, after which ``XLA_FLAGS`` and ``jax_platforms``
+    no longer take effect (``mm.distributed.backends_started``).
 
     Example:
+        >>> import mmnnx as mm
         >>> _ = jax.devices()
-        >>> backends_started()
+        >>> mm.distributed.backends_started()
         True
     """
     return xla_bridge.backends_are_initialized()

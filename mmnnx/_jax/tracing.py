@@ -28,26 +28,12 @@ JaxprTracer = pe.DynamicJaxprTracer
 
 
 def trace_context() -> Any:
-    """The configuration a trace and its lowering depend on, as JAX keys its own caches.
-
-    Example:
-        >>> import jax
-        >>> with jax.default_matmul_precision("highest"):
-        ...     inside = trace_context()
-        >>> inside == trace_context()
-        False
-    """
+    """The configuration a trace and its lowering depend on, as JAX keys its own caches."""
     return config.trace_context()
 
 
 def tracing() -> bool:
-    """Whether a JAX trace (``jit``, ``grad``, ``vmap``, ``make_jaxpr``, ...) is in progress.
-
-    Example:
-        >>> import jax
-        >>> tracing(), jax.make_jaxpr(lambda: tracing() or 0)().eqns
-        (False, [])
-    """
+    """Whether a JAX trace (``jit``, ``grad``, ``vmap``, ``make_jaxpr``, ...) is in progress."""
     return not jax_core.trace_state_clean()
 
 
@@ -95,15 +81,8 @@ def ordered_effects(eqn: Any) -> list:
 def dce_jaxpr(
     jaxpr: Any, used_outputs: Sequence[bool], instantiate: bool | Sequence[bool] = False
 ) -> tuple[Any, list[bool]]:
-    """JAX's ``dce_jaxpr``: ``jaxpr`` with only what ``used_outputs`` need, and the inputs it reads.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> closed = jax.make_jaxpr(lambda x, y: (jnp.sin(x), y * 2))(1.0, 2.0)
-        >>> kept, reads = dce_jaxpr(closed.jaxpr, [False, True])
-        >>> len(kept.eqns), reads
-        (1, [False, True])
-    """
+    """JAX's ``dce_jaxpr``: ``jaxpr`` with only what ``used_outputs`` need, and the inputs it
+    reads."""
     return pe.dce_jaxpr(jaxpr, used_outputs, instantiate=instantiate)
 
 

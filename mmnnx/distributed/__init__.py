@@ -5,10 +5,11 @@ Start processes with ``mmnnx launch -n N -- python train.py`` (or a cluster's la
 process's devices; every process plans every step and runs its own tasks' parts of it.
 """
 
+from mmnnx._jax.runtime import backends_started
 from mmnnx.distributed.exits import PeerExitedError, fail
 from mmnnx.distributed.fetch import fetch
 from mmnnx.distributed.gather import gather
-from mmnnx.distributed.initialize import backends_started, initialize, is_distributed
+from mmnnx.distributed.initialize import initialize, is_distributed
 from mmnnx.distributed.preemption import Preemption
 from mmnnx.distributed.progress import progress
 

@@ -68,11 +68,9 @@ def _left(process: int) -> tuple[bytes, dict[int, int]] | None:
 
 
 def wait_for(key: str, peer: int, timeout_s: float, what: str) -> bytes:
-    """The value of ``key``, which process ``peer`` sets, as soon as it is set.
-
-    Raises :class:`PeerExitedError` within a second of ``peer`` leaving without setting it, and
-    ``TimeoutError`` after ``timeout_s``.
-    """
+    """The value of ``key``, which process ``peer`` sets, as soon as it is set; raises
+    :class:`PeerExitedError` once ``peer`` left without setting it, ``TimeoutError`` after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         slice_s = max(min(_SLICE_S, deadline - time.monotonic()), 0.001)
@@ -157,9 +155,8 @@ _watching = threading.Event()
 
 
 def _watch() -> None:
-    """Ends this process when it waits, inside the runtime, for a message a process that left
-    never offered. Stops once this process leaves (a look at the key-value store after process
-    0's coordination service has gone aborts the process)."""
+    """Ends this process when it waits, inside the runtime, for a message a process that left never
+    offered."""
     while True:
         time.sleep(_SLICE_S)
         with _watch_turn:
@@ -200,18 +197,14 @@ def install() -> None:
 
 
 def fail(status: int = 1) -> NoReturn:
-    """Ends this process now with exit ``status``, telling the other processes it failed
-    rather than waiting for them, from any thread (``sys.exit(status)`` does the same from the
-    main thread, and ``raise SystemExit(status)``, which mmnnx cannot see, ends it as a normal
-    end that waits for the others). Standard output and error are flushed; other exit handlers
-    do not run. When its failure may follow another process's (a transfer from one failed, or
-    one said it failed), it waits 2 s first, so that ``mmnnx launch`` names that one. With one
-    process it is ``os._exit(status)`` after the flush.
+    """Ends this process now with exit ``status``, telling the others it failed rather than waiting
+    for them, from any thread (as ``sys.exit(status)`` from the main thread); output is flushed,
+    other exit handlers do not run. Where its failure may follow another's, it waits 2 s first so
+    that ``mmnnx launch`` names that one.
 
     Example::
 
         if not ok:
-            print("bad data on this process", file=sys.stderr)
             mm.distributed.fail(3)
     """
     if runtime.is_initialized():
@@ -220,9 +213,8 @@ def fail(status: int = 1) -> NoReturn:
 
 
 def ending_together(status: int) -> None:
-    """Notes that every process ends now after a step they agreed on (``Preemption``): ending
-    with ``status`` is then a normal end, waiting for the others (a failure would leave at
-    once, the coordination service's process first, aborting the others)."""
+    """Notes that every process ends now, at an agreed step: ending with ``status`` is a normal
+    end."""
     _together.append(status)
 
 

@@ -48,15 +48,10 @@ def _fetch_array(array: jax.Array, to: int | None) -> np.ndarray | None:
 
 
 def fetch(tree: Any, *, to: int | None = None) -> Any:
-    """Every array leaf of ``tree`` as a numpy array on every process: the usual way to read a
-    step's loss or metrics when the task that computed them belongs to another process.
-
-    A collective: every process calls it with the same structure (the values this process does
-    not hold are placeholders, as ``mm.jit`` returns them). An array on one device of this
-    process that is not laid out on a task (``SingleDeviceSharding``, e.g. an optimizer's step
-    count made outside ``mm.jit``) is this process's own value and is returned as it is.
-    ``to``: only that process receives the values (the others get ``None`` leaves). In one
-    process it is ``jax.device_get``. Non-array leaves pass through.
+    """Every array leaf of ``tree`` as a numpy array on every process (only on process ``to`` when
+    given, the others getting ``None`` leaves): a collective, for a step's loss or metrics held by
+    another process. A value on one device of this process outside any task is its own and comes
+    back as it is; in one process this is ``jax.device_get``.
 
     Example:
         >>> import jax.numpy as jnp, mmnnx as mm

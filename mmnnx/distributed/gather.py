@@ -23,13 +23,9 @@ _rounds = itertools.count()
 def gather(
     value: Any, *, to: int | None = None, what: str = "gather", timeout_s: float = _WAIT_S
 ) -> list[Any] | None:
-    """Every process's ``value`` as a list in process order, on process ``to`` (``None``: on
-    every process); the other processes get ``None``.
-
-    A collective: every process calls it, in the same order as its other collectives. ``value``
-    must be JSON-serialisable (tuples come back as lists) and small (it travels through the
-    coordination service). ``what`` names it in the error raised when a process does not send
-    its value within ``timeout_s`` (300 s unless given). In one process: ``[value]``.
+    """Every process's ``value`` (small, JSON-serialisable) as a list in process order, on process
+    ``to`` (``None``: on every process), ``None`` on the others; a collective. ``what`` names it in
+    the error when a process sends nothing within ``timeout_s``. In one process: ``[value]``.
 
     Example:
         >>> from mmnnx.distributed.gather import gather

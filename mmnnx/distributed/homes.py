@@ -14,19 +14,10 @@ from mmnnx.sharding import Task
 
 
 def homes_of(values: Sequence[Any], which: Iterable[int], tasks: Iterable[Task]) -> dict[int, Task]:
-    """For each index ``i`` in ``which``: the task among ``tasks`` whose mesh ``values[i]`` is
-    laid out on whole (a step's result handed back on its task, or a placeholder of it), the
-    first in ``tasks``' order of those on that mesh (virtual stages share one: every process
-    must name the same); a value on one device of its own process (its own copy) has none.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from mmnnx.sharding import TaskMesh
-        >>> t = Task("t", mesh=TaskMesh(devices=[0, 1]))
-        >>> on_t = jax.device_put(jnp.zeros(()), t.sharding())
-        >>> [(i, task.name) for i, task in homes_of([on_t, jnp.zeros(())], [0, 1], [t]).items()]
-        [(0, 't')]
-    """
+    """For each index ``i`` in ``which``: the task among ``tasks`` whose mesh ``values[i]`` is laid
+    out on whole (a step's result handed back on its task, or a placeholder of it), the first in
+    ``tasks``' order of those on that mesh (virtual stages share one: every process must name the
+    same); a value on one device of its own process (its own copy) has none."""
     by_mesh: dict[Any, Task] = {}
     for task in tasks:
         by_mesh.setdefault(task.jax_mesh, task)

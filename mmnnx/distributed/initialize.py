@@ -51,22 +51,14 @@ def initialize(
 ) -> bool:
     """Joins this process to a multi-process run; returns whether there is more than one process.
 
-    Sources, in order: the arguments; the environment ``mmnnx launch`` sets
-    (``MMNNX_COORDINATOR``, ``MMNNX_NUM_PROCESSES``, ``MMNNX_PROCESS_ID``); a cluster's
-    environment that ``jax.distributed.initialize`` detects itself (SLURM, Open MPI,
-    ``JAX_COORDINATOR_ADDRESS``). With none of them this is a no-op, so the same script runs
-    unchanged in one process. A local coordinator is bound to the address it is given (loopback
-    stays loopback). ``heartbeat_timeout_s`` (default 20, or ``MMNNX_HEARTBEAT_TIMEOUT``): how
-    soon the others stop after a process dies. Other keyword arguments go to
-    ``jax.distributed.initialize``. Call it before anything touches a device.
-
-    ``collectives`` (default ``"none"``, or ``MMNNX_COLLECTIVES``; ``mmnnx launch
-    --collectives``): on CPU, the implementation of collectives between processes, ``"gloo"`` or
-    ``"mpi"``, which only a task whose devices belong to several processes needs. JAX's CPU
-    client runs every collective through it once it is on, those among one process's devices
-    too, over TCP (several times slower for data-parallel stages;
-    ``benchmarks/multiprocess.py``), so it is off unless asked for; a step on a task spanning
-    processes then says so before it runs.
+    Sources, in order: the arguments; ``mmnnx launch``'s environment (``MMNNX_COORDINATOR``,
+    ``MMNNX_NUM_PROCESSES``, ``MMNNX_PROCESS_ID``); a cluster's that ``jax.distributed.initialize``
+    detects (SLURM, Open MPI, ``JAX_COORDINATOR_ADDRESS``); with none, a no-op. Call it before
+    anything touches a device. ``heartbeat_timeout_s`` (default 20, or ``MMNNX_HEARTBEAT_TIMEOUT``):
+    how soon the others stop after a process dies. ``collectives`` (default ``"none"``, or
+    ``MMNNX_COLLECTIVES``): on CPU, ``"gloo"`` or ``"mpi"`` collectives between processes, which
+    only a task spanning processes needs (they slow every collective on CPU, so they are off unless
+    asked for). Other keyword arguments go to ``jax.distributed.initialize``.
 
     Example:
         >>> import mmnnx as mm
@@ -128,14 +120,7 @@ def initialize(
 
 
 def check_collectives_for(tasks: Sequence[Any]) -> None:
-    """Raises, naming the first task whose devices belong to several processes, when this job
-    runs on CPU without collectives between processes (``initialize(collectives=...)``): the
-    programs of such a task run as one program over all its processes.
-
-    Example:
-        >>> import mmnnx as mm
-        >>> check_collectives_for([mm.Task("t", mesh=mm.TaskMesh(devices=[0, 1]))])  # one process
-    """
+    """Raises for the first task spanning processes on CPU when collectives between them are off."""
     if jax.config.jax_cpu_collectives_implementation is not None:
         return
     for task in tasks:
@@ -167,20 +152,6 @@ def _check_coordinator_port(address: str) -> None:
             if e.errno == errno.EADDRINUSE:
                 raise _port_in_use(address) from None
             raise
-
-
-def backends_started() -> bool:
-    """Whether JAX's backends, and so its devices, have started (something asked for devices or
-    made an array): from then on the settings JAX reads as they start (``XLA_FLAGS``, such as
-    the CPU device count, and ``jax_platforms``) no longer take effect.
-
-    Example:
-        >>> import jax, mmnnx as mm
-        >>> _ = jax.devices()
-        >>> mm.distributed.backends_started()
-        True
-    """
-    return runtime.backends_started()
 
 
 def is_distributed() -> bool:

@@ -37,9 +37,8 @@ def _spec_of(sharding: Any, task: Task) -> PartitionSpec:
 
 
 class StepPeers:
-    """The other processes of the step described by ``lines`` (named ``name`` in messages):
-    made on every process at once, after checking they all planned the same step.
-    """
+    """The other processes of the step described by ``lines`` (named ``name`` in messages): made on
+    every process at once, after checking they all planned the same step."""
 
     def __init__(self, name: str, lines: list[str]):
         self.round = check_same_everywhere(f"mm.jit: the plan of {name}", lines)

@@ -22,13 +22,9 @@ from mmnnx.distributed.initialize import is_distributed
 
 class Preemption:
     """Whether a preemption notice (``SIGTERM``) asks this job to stop, and at which step: every
-    process calls :meth:`reached` after every step, from the same first step; all get ``True``
-    at the same step, then save it and end with :attr:`STATUS` (143, 128 + ``SIGTERM``), as
-    ``mmnnx train`` does: with several processes, ending so is a normal end, which waits for the
-    others (``mm.distributed`` takes other failing statuses for failures, which leave at once).
-
-    In one process, entering installs a ``SIGTERM`` handler (from the main thread only; leaving
-    puts back the one before); after the first notice, a second ``SIGTERM`` acts as before it.
+    process calls :meth:`reached` after every step; all get ``True`` at the same step, then save it
+    and end with :attr:`STATUS` (143), a normal end that waits for the others. In one process,
+    entering installs a ``SIGTERM`` handler (main thread only) that leaving puts back.
 
     Example:
         >>> import mmnnx as mm
@@ -69,8 +65,7 @@ class Preemption:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if self._before is None else self._before)
 
     def reached(self, step: int) -> bool:
-        """Whether every process stops after ``step`` (just finished) because of a preemption
-        notice; every process calls it after every step."""
+        """Whether every process stops after ``step`` (just finished) for a preemption notice."""
         if not is_distributed():
             return self._received
         if not runtime.reached_preemption_sync_point(step):

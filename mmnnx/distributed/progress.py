@@ -20,17 +20,10 @@ _dumps: list[bool] = []  # whether this process set DUMP_SIGNAL up (once)
 
 
 def progress(phase: str, step: int | None = None, *, finished: bool = False) -> None:
-    """Reports that this process now does ``phase`` (of ``step``), e.g. ``progress("loading
-    batch", 7)``: under ``mmnnx launch --step-timeout S``, a process that reports nothing new for
-    S seconds ends the job, named with its last report (``rank 1 made no progress for 5 s; last:
-    loading batch (step 7)``) and its Python stacks. ``mmnnx train`` reports every phase of
-    every step (loading the batch, running the step, evaluating, saving a checkpoint); a script
-    with its own loop reports as it goes. ``finished=True``: this process makes no more steps
-    (it waits for the others), so it is no longer watched; a process ending normally under
-    ``mm.distributed`` says so itself. Outside ``--step-timeout``, it does nothing.
-
-    Raises:
-        OSError: the launcher's directory cannot be written.
+    """Reports that this process now does ``phase`` (of ``step``): under ``mmnnx launch
+    --step-timeout S``, a process reporting nothing new for S seconds ends the job, named with its
+    last report and its Python stacks. ``finished=True``: no more steps, no longer watched. Without
+    ``--step-timeout``, nothing; raises ``OSError`` where the launcher's directory is unwritable.
 
     Example:
         >>> import mmnnx as mm

@@ -19,10 +19,8 @@ from mmnnx.mpmd.step_io import StepInput
 def peers_for(
     planned: PlannedStep, inputs: Sequence[StepInput], name: str
 ) -> Callable[[], Peers] | None:
-    """What the runner calls, when the step first compiles, for its
-    :class:`~mmnnx.distributed.peers.StepPeers` (``None`` with one process); the collectives
-    its tasks need are checked now.
-    """
+    """The step's :class:`~mmnnx.distributed.peers.StepPeers` (``None`` alone), collectives
+    checked."""
     if jax.process_count() == 1:
         return None
     check_collectives_for(planned.plan.tasks)

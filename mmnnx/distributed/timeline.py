@@ -60,14 +60,7 @@ def _after_producers(events: list[Event]) -> list[Event]:
 
 
 def timed(run: Callable[[Timer], Any], *, overlapped: bool) -> list[Event]:
-    """Runs ``run(timer)`` once, timed by a :class:`~mmnnx.mpmd.run.timing.BlockingTimer` (each
-    action alone) or, ``overlapped``, an :class:`~mmnnx.mpmd.run.timing.OverlapTimer` (as a
-    call runs), and returns every process's events on one clock.
-
-    A collective around the same timed step: with several processes the step begins once every
-    process reached a barrier; a process failing before its events are gathered tells the
-    others, whose gather then raises :class:`MPMDError` naming it.
-    """
+    """Runs ``run(timer)`` once, timed (``overlapped``: as a call runs); every process's events."""
     timer = OverlapTimer() if overlapped else BlockingTimer()
     several, zero = jax.process_count() > 1, []
     if several:

@@ -20,15 +20,7 @@ _WORDS = re.compile(r"\[Gloo\] Rank | is connected to |Expected number of connec
 
 
 def is_chatter(line: str) -> bool:
-    """Whether ``line`` (without its newline) is gloo's "connected" message, or pieces of
-    several printed in between each other.
-
-    Example:
-        >>> is_chatter("[Gloo] Rank 1 is connected to 1 peer ranks. "
-        ...            "Expected number of connected peer ranks is : 1")
-        True
-        >>> is_chatter("[Gloo] Rank 0 is NOT connected to: [1]"), is_chatter("42")
-        (False, False)
-    """
+    """Whether ``line`` (without its newline) is gloo's "connected" message, or pieces of several
+    printed in between each other."""
     text = line.rstrip()
     return bool(_GLOO_CONNECTED.fullmatch(text)) and bool(_WORDS.search(text))

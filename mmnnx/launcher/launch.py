@@ -69,15 +69,8 @@ def process_env(
     devices_per_process: int | None,
     collectives: str | None = None,
 ) -> dict[str, str]:
-    """The environment of process ``rank``: where the coordinator is, who it is, (unless
-    ``JAX_PLATFORMS`` names an accelerator) ``devices_per_process`` simulated CPU devices, and
-    the ``collectives`` between processes (``mm.distributed.initialize``).
-
-    Example:
-        >>> env = process_env({}, 1, 2, 1234, 4)
-        >>> env["MMNNX_PROCESS_ID"], env["XLA_FLAGS"], env["JAX_PLATFORMS"]
-        ('1', '--xla_force_host_platform_device_count=4', 'cpu')
-    """
+    """The environment of process ``rank``: coordinator, rank, simulated CPU devices,
+    collectives."""
     env = dict(base)
     env[ENV_COORDINATOR] = f"127.0.0.1:{port}"
     env[ENV_NUM_PROCESSES] = str(count)

@@ -12,30 +12,15 @@ import dataclasses
 
 @dataclasses.dataclass
 class Membership:
-    """``count`` processes, never fewer than ``minimum``.
-
-    Example:
-        >>> job = Membership(3, minimum=2)
-        >>> job.failed(2), job.failed(2), job.count  # rank 2 fails twice in a row: dropped
-        (False, True, 2)
-        >>> job.failed(1), job.failed(1), job.count  # at the minimum: kept
-        (False, False, 2)
-    """
+    """``count`` processes, never fewer than ``minimum``."""
 
     count: int
     minimum: int
     last_failed: int | None = None
 
     def failed(self, rank: int | None) -> bool:
-        """Records that ``rank`` (``None``: unknown) failed first in the attempt just ended;
-        whether it is dropped (it did in the attempt before too, and more than ``minimum`` are
-        left). A drop starts the count afresh.
-
-        Example:
-            >>> job = Membership(2, minimum=1)
-            >>> job.failed(1), job.failed(0), job.failed(0), job.count
-            (False, False, True, 1)
-        """
+        """Records that ``rank`` (``None``: unknown) failed first in the attempt just ended; whether
+        it is dropped (it did in the attempt before too, and more than ``minimum`` are left)."""
         again = rank is not None and rank == self.last_failed
         self.last_failed = rank
         if not again or self.count <= self.minimum:

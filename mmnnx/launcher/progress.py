@@ -34,25 +34,12 @@ class Record:
 
 
 def path(directory: str, rank: int) -> str:
-    """The file of process ``rank``'s record.
-
-    Example:
-        >>> path("/tmp/progress", 1)
-        '/tmp/progress/rank-1'
-    """
+    """The file of process ``rank``'s record."""
     return os.path.join(directory, f"rank-{rank}")
 
 
 def write(directory: str, rank: int, record: Record) -> None:
-    """Replaces process ``rank``'s record in ``directory`` by ``record`` (from any thread).
-
-    Example:
-        >>> import tempfile
-        >>> where = tempfile.mkdtemp()
-        >>> write(where, 0, Record("loading batch", 7))
-        >>> print(read(where, 0))
-        loading batch (step 7)
-    """
+    """Replaces process ``rank``'s record in ``directory`` by ``record`` (from any thread)."""
     target = path(directory, rank)
     temporary = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(temporary, "w") as f:
@@ -84,15 +71,8 @@ class Stale:
 
 
 class Watchdog:
-    """Finds the process whose last report in ``directory`` is the oldest, once ``timeout_s`` old.
-
-    Example:
-        >>> import tempfile
-        >>> where = tempfile.mkdtemp()
-        >>> write(where, 1, Record("loading batch", 7))
-        >>> print(Watchdog(where, 2, timeout_s=0).stale())
-        rank 1 made no progress for 0 s; last: loading batch (step 7)
-    """
+    """Finds the process whose last report in ``directory`` is the oldest, once ``timeout_s``
+    old."""
 
     def __init__(self, directory: str, count: int, timeout_s: float):
         self.directory, self.count, self.timeout_s = directory, count, timeout_s

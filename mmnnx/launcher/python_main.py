@@ -18,15 +18,8 @@ _PLAIN_OPTIONS = frozenset("bBdEIOPqsSuvR")  # options of python that take no va
 
 
 def through_runner(command: Sequence[str]) -> list[str]:
-    """``command`` with its program run by :mod:`~mmnnx.launcher.run_main`, when it is a
-    plain Python command; else ``command`` as it is.
-
-    Example:
-        >>> through_runner(["python", "-u", "-m", "pkg", "-n", "9"])[2:]  # doctest: +ELLIPSIS
-        ['.../run_main.py', '-m', 'pkg', '-n', '9']
-        >>> through_runner(["python3", "-i", "-c", "pass"]), through_runner(["mmnnx", "train"])
-        (['python3', '-i', '-c', 'pass'], ['mmnnx', 'train'])
-    """
+    """``command`` with its program run by :mod:`~mmnnx.launcher.run_main`, when it is a plain
+    Python command; else ``command`` as it is."""
     command = list(command)
     if not command or not _PYTHON.fullmatch(os.path.basename(command[0])):
         return command

@@ -38,12 +38,7 @@ class Outcome:
 
 
 def describe(code: int) -> str:
-    """A process's exit status in words.
-
-    Example:
-        >>> describe(-9), describe(3)
-        ('killed by SIGKILL', 'exit code 3')
-    """
+    """A process's exit status in words."""
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -66,13 +61,8 @@ def _die_with_parent() -> None:  # runs in the child before exec
 
 
 def stopped_groups(groups: Sequence[int]) -> set[int]:
-    """Those of the process groups ``groups`` with a process stopped by a signal (state ``T``
-    or ``t`` in ``/proc/<pid>/stat``); empty where there is no ``/proc``.
-
-    Example:
-        >>> stopped_groups([os.getpgrp()])
-        set()
-    """
+    """Those of the process groups ``groups`` with a process stopped by a signal (state ``T`` or
+    ``t`` in ``/proc/<pid>/stat``); empty where there is no ``/proc``."""
     wanted, found = set(groups), set()
     try:
         pids = [name for name in os.listdir("/proc") if name.isdigit()]
@@ -91,10 +81,9 @@ def stopped_groups(groups: Sequence[int]) -> set[int]:
 
 
 class Ranks:
-    """The processes of one attempt, rank ``i`` run with environment ``envs[i]``; each output
-    line is prefixed ``[rank i]``. Raises ``OSError`` (after stopping those already started)
-    when ``command`` cannot be started. Lines for which ``leave_out`` is true are not printed.
-    """
+    """The processes of one attempt, rank ``i`` run with environment ``envs[i]``; each output line
+    is prefixed ``[rank i]`` unless ``leave_out`` is true of it. Raises ``OSError`` (after
+    stopping those already started) when ``command`` cannot be started."""
 
     def __init__(
         self,
@@ -149,8 +138,8 @@ class Ranks:
         notice: threading.Event | None = None,
         watchdog: Watchdog | None = None,
     ) -> Outcome | None:
-        """Waits until every process succeeds, one fails, stops responding or makes no progress,
-        or ``interrupted`` is set (``None``); then stops the others. Once ``notice`` is set,
+        """Waits until every process succeeds, one fails, stops responding or makes no progress, or
+        ``interrupted`` is set (``None``); then stops the others. Once ``notice`` is set,
         ``SIGTERM`` is forwarded to every process, and ending on it is no failure."""
         stopped_since: dict[int, float] = {}
         forwarded = False

@@ -13,17 +13,7 @@ from types import FrameType
 
 
 class Interrupts:
-    """The signals received so far, as two events the launcher's watch looks at.
-
-    Example:
-        >>> interrupts = Interrupts()
-        >>> interrupts.on_signal(signal.SIGTERM, None)
-        >>> interrupts.notice.is_set(), interrupts.stop.is_set()
-        (True, False)
-        >>> interrupts.on_signal(signal.SIGTERM, None)
-        >>> interrupts.stop.is_set()
-        True
-    """
+    """The signals received so far, as two events the launcher's watch looks at."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

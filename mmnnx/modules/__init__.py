@@ -1,15 +1,8 @@
 """Transformer layers whose parameters carry logical axis names for ``mm.place``.
 
-Plain ``nnx.Module`` classes, small enough to read and subclass: ``Linear``, ``Embed``, ``MLP``,
-``Attention`` (causal, RoPE with Llama 3's optional ``RopeScaling``, grouped KV heads, optional
-per-head q/k norms), ``LatentAttention`` (DeepSeek's multi-head latent attention),
-``RMSNorm``, ``LayerNorm``, ``MoE`` (a mixture of SwiGLU ``Experts``, routed as Qwen3-MoE
-routes, expert-parallel where placed so; its ``RouterStats``), ``DeepSeekMoE`` (routed by
-groups of sigmoid scores, with shared experts and a ``RouterBias``), gpt-oss's
-``ClampedMoEConfig`` (a biased router, ``ClampedExperts``) and
-``TransformerBlock``, each built from its frozen config (``AttentionConfig``, ``RopeConfig``,
-``NormConfig``, ``MLPConfig``, ``MoEConfig``, ``BlockConfig``) by ``config.build(dim, ...)``.
-``constrain`` adds a logical sharding constraint inside ``mm.jit`` only.
+Plain ``nnx.Module`` classes, small enough to read and subclass (attention, latent attention,
+MLP, norms, mixtures of experts, the transformer block), each built from its frozen config by
+``config.build(dim, ...)``; ``constrain`` adds a logical sharding constraint inside ``mm.jit``.
 
 Example:
     >>> import jax.numpy as jnp

@@ -20,17 +20,11 @@ from mmnnx.modules.rope import RopeConfig, apply_rope
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """An ``Attention``, whatever the model's width: ``num_heads`` query heads of ``head_dim``
-    features (``None``: ``dim // num_heads``), ``num_kv_heads`` key/value heads (``None``:
-    ``num_heads``), ``qk_norm`` (per-head norms of epsilon ``qk_norm_eps``), ``rope`` (a
-    ``RopeConfig``; ``None``: no positions) and ``sliding_window`` (``None``: every earlier
-    key; ``w``: a query at position ``i`` sees keys ``j`` with ``i - w < j <= i``, as Mistral's
-    and transformers' ``sliding_window``). Gemma's: ``qk_norm_offset`` (``1.0``: the per-head
-    norms scale by ``1 + weight``, see ``RMSNorm``) and ``query_pre_attn_scalar`` (scores
-    scaled by its ``** -0.5``; ``None``: ``head_dim``'s). gpt-oss's: ``bias`` (biases on the
-    ``q``, ``k``, ``v`` and ``out`` projections) and ``sinks`` (a learned logit per query head
-    that joins each softmax's denominator and mixes no value). ``config.build(dim, ...)``
-    makes the module.
+    """An ``Attention``: ``num_heads`` query heads of ``head_dim`` (``None``: ``dim // num_heads``),
+    ``num_kv_heads`` key/value heads (``None``: ``num_heads``), per-head ``qk_norm`` (Gemma's
+    ``qk_norm_offset``), ``rope`` (``None``: no positions), ``sliding_window`` (a query at ``i``
+    sees keys ``i - w < j <= i``), ``query_pre_attn_scalar`` (scores times its ``** -0.5``), and
+    gpt-oss's ``bias`` on the projections and ``sinks`` (a learned logit per head in each softmax).
 
     Example:
         >>> AttentionConfig(num_heads=4, num_kv_heads=3)
@@ -85,24 +79,10 @@ class AttentionConfig:
 
 
 class Attention(nnx.Module):
-    """Causal self-attention: ``out(softmax(q k^T / sqrt(head_dim) + causal mask) v)``, as
-    ``config`` (an ``AttentionConfig``) says (``sqrt(query_pre_attn_scalar)`` where given).
-
-    ``q`` has ``num_heads`` heads of ``head_dim`` features (default ``dim // num_heads``; any
-    size, as Qwen3's, where ``num_heads * head_dim != dim``); ``k`` and ``v`` have
-    ``num_kv_heads`` (default ``num_heads``), each shared by ``num_heads // num_kv_heads`` query
-    heads (grouped-query attention; 1 is multi-query). ``q``, ``k`` and ``v`` kernels are named
-    ``("embed", "heads")`` and ``out`` ``("heads", "embed")``: mapping ``heads`` to a mesh axis
-    splits the heads across it. With ``qk_norm``, each head of ``q`` and ``k`` goes through an
-    ``RMSNorm`` over ``head_dim`` (``q_norm``, ``k_norm``) before RoPE (Qwen3). With ``rope``,
-    queries and keys are rotated by ``apply_rope`` (its base and Llama 3's scaling). With
-    ``bias``, the four projections have biases; with ``sinks``, ``sinks`` ``(num_heads,)``
-    (named ``("heads",)``) holds each head's sink logit: the softmax over a query's visible
-    keys and that logit, the sink's share dropped (gpt-oss's attention sinks).
-
-    ``__call__`` is ``attend(*project(x), causal mask)``: ``project`` makes the rotated queries,
-    keys and values of given positions, ``attend`` mixes values by a visibility mask, so a
-    decoder with a key/value cache (``mmnnx.models.decoding``) reuses both.
+    """Causal self-attention ``out(softmax(q k^T * score_scale + mask) v)`` as ``config`` says, with
+    grouped key/value heads; kernels named ``("embed", "heads")`` (``out``: ``("heads", "embed")``),
+    so mapping ``heads`` to a mesh axis splits the heads. ``__call__`` is ``attend(*project(x),
+    mask)``, which a decoder with a key/value cache reuses.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -155,13 +135,12 @@ class Attention(nnx.Module):
         return self.attend(*self.project(x), self.visible(positions, positions))
 
     def visible(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
-        """Which keys each query sees, bool ``(..., q, k)``: the earlier ones, within the
-        ``sliding_window`` when the config sets one (``causal_mask``).
+        """Which keys each query sees, bool ``(..., q, k)`` (``causal_mask`` with
+        ``sliding_window``).
 
         Example:
             >>> with nnx.use_eager_sharding(False):
-            ...     config = AttentionConfig(4, sliding_window=2)
-            ...     attn = Attention(16, config, rngs=nnx.Rngs(0))
+            ...     attn = Attention(16, AttentionConfig(4, sliding_window=2), rngs=nnx.Rngs(0))
             >>> attn.visible(jnp.arange(2, 4), jnp.arange(4)).astype(int).tolist()
             [[0, 1, 1, 0], [0, 0, 1, 1]]
         """
@@ -170,10 +149,9 @@ class Attention(nnx.Module):
     def project(
         self, x: jax.Array, positions: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries ``(..., seq, num_heads, head_dim)``, keys and values
-        ``(..., seq, num_kv_heads, head_dim)`` of ``x`` ``(..., seq, dim)``: projected, split
-        into heads, normalised per head (``qk_norm``) and rotated (``rope``) by ``positions``
-        (default ``0 .. seq - 1``).
+        """Queries ``(..., seq, num_heads, head_dim)``, keys and values ``(..., seq, num_kv_heads,
+        head_dim)`` of ``x``, normalised per head and rotated by ``positions`` (default ``0 ..
+        seq-1``).
 
         Example:
             >>> with nnx.use_eager_sharding(False):
@@ -194,10 +172,8 @@ class Attention(nnx.Module):
         return q, k, v
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
-        """``out`` of the values ``v`` mixed by ``softmax(q k^T * score_scale)`` over the
-        keys that ``visible`` (bool, ``(q_seq, k_seq)``, or broadcastable to the scores
-        ``(..., heads, q_seq, k_seq)``) allows; ``(..., q_seq, dim)``. The softmax is float32;
-        with ``sinks``, each head's sink logit joins its denominator.
+        """``out`` of the values mixed by a float32 softmax of the scores over the keys ``visible``
+        allows (bool, broadcastable to ``(..., heads, q_seq, k_seq)``); ``(..., q_seq, dim)``.
 
         Example:
             >>> with nnx.use_eager_sharding(False):
@@ -218,8 +194,8 @@ class Attention(nnx.Module):
         return self.out(y.reshape(*lead, seq, self.num_heads * self.head_dim))
 
     def _softmax(self, scores: jax.Array) -> jax.Array:
-        """Softmax over the keys (last axis) of ``scores`` ``(..., heads, q, k)``; with
-        ``sinks``, over the keys and the head's sink, the sink's share dropped."""
+        """Softmax over the keys; with ``sinks``, over the keys and the head's sink, whose share
+        is dropped."""
         if self.sinks is None:
             return jax.nn.softmax(scores, axis=-1)
         sink = self.sinks[...].astype(scores.dtype)[:, None, None]

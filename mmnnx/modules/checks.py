@@ -15,13 +15,6 @@ def is_positive(value: object) -> bool:
 
 
 def check(ok: bool, field: str, expected: str, value: object) -> None:
-    """Raises ``ValueError("{field} must be {expected}, got {value!r}")`` unless ``ok``.
-
-    Example:
-    >>> check(is_int(0, minimum=1), "MLPConfig.hidden", "an int >= 1", 0)
-    Traceback (most recent call last):
-    ...
-    ValueError: MLPConfig.hidden must be an int >= 1, got 0
-    """
+    """Raises ``ValueError("{field} must be {expected}, got {value!r}")`` unless ``ok``."""
     if not ok:
         raise ValueError(f"{field} must be {expected}, got {value!r}")

@@ -12,13 +12,8 @@ T = TypeVar("T")
 
 
 def constrain(x: T, names: Sequence[str | None]) -> T:
-    """Constrains ``x`` to logical axis ``names`` inside ``mm.jit``; returns it unchanged elsewhere.
-
-    Inside an ``mm.jit`` trace this is ``mm.with_sharding_constraint(x, names)``: each name is
-    translated by the ``logical_axes`` of the task that runs the op (``"batch"`` -> ``"data"``, a
-    name no rule maps is replicated). Outside ``mm.jit`` (eagerly, under ``nnx.jit`` or
-    ``jax.jit``, on one device) there are no tasks to translate the names, so ``x`` is returned
-    as is; modules that call it run anywhere.
+    """``mm.with_sharding_constraint(x, names)`` inside ``mm.jit`` (the names translated by the
+    running task's rules); ``x`` unchanged elsewhere, so modules calling it run anywhere.
 
     Example:
         >>> import jax.numpy as jnp

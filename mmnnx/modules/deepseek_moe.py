@@ -19,17 +19,15 @@ from mmnnx.modules.routing import RouterStats
 
 
 class RouterBias(nnx.Variable):
-    """A router's per-expert correction bias (DeepSeek-V3's ``e_score_correction_bias``): it
-    steers which experts are chosen, is not trained by gradients (not an ``nnx.Param``), and
-    is moved by the auxiliary-loss-free balancing rule instead."""
+    """A router's per-expert correction bias (``e_score_correction_bias``), moved by the
+    balancing rule, not by gradients."""
 
 
 @dataclasses.dataclass(frozen=True)
 class DeepSeekMoEConfig(MoEConfig):
-    """A ``DeepSeekMoE``: a ``MoEConfig`` (``hidden`` is ``moe_intermediate_size``, ``top_k``
-    ``num_experts_per_tok``) routed in ``n_group`` groups of which ``topk_group`` compete,
-    weights times ``routed_scaling_factor``, and a shared SwiGLU expert of ``shared_hidden``
-    features (``n_shared_experts * moe_intermediate_size``; ``None``: none).
+    """A ``DeepSeekMoE``: a ``MoEConfig`` routed in ``n_group`` groups of which ``topk_group``
+    compete, weights times ``routed_scaling_factor``, and a shared SwiGLU expert of
+    ``shared_hidden`` features (``None``: none).
 
     Example:
         >>> DeepSeekMoEConfig(16, num_experts=8, n_group=3)
@@ -69,13 +67,8 @@ class DeepSeekMoEConfig(MoEConfig):
 
 
 class DeepSeekMoE(MoE):
-    """A ``MoE`` routed as DeepSeek-V3 routes, plus ``shared`` (an ``MLP``, SiLU-gated).
-
-    ``router`` (DeepSeek's ``mlp.gate``) is float32 whatever ``param_dtype`` and computes its
-    logits in float32 (transformers keeps ``gate.weight`` and the bias in float32);
-    ``correction_bias`` (a :class:`RouterBias`, zeros) shifts the scores that choose the
-    experts. The output is the routed experts' weighted sum plus ``shared(x)``; the
-    ``RouterStats``' probabilities are the normalised sigmoid scores.
+    """A ``MoE`` routed as DeepSeek-V3 routes (a float32 ``router``, its choice shifted by
+    ``correction_bias``), plus ``shared(x)``, a SiLU-gated ``MLP``.
 
     Example:
         >>> config = DeepSeekMoEConfig(16, num_experts=8, top_k=2, n_group=2, topk_group=1,
@@ -127,11 +120,9 @@ class DeepSeekMoE(MoE):
 
 
 def balance_router_biases(model: nnx.Module, captured: nnx.State, rate: float) -> None:
-    """DeepSeek-V3's auxiliary-loss-free balancing, after a train step: every ``DeepSeekMoE``
-    in ``model`` moves its ``correction_bias`` by ``rate * sign(mean load - load)`` per expert,
-    ``load`` the assignments each expert computed in the step (the ``tokens_per_expert`` it
-    sowed into ``captured``, an ``nnx.capture(..., nnx.Intermediate)`` state, summed over its
-    calls and microbatches): overloaded experts become less likely to be chosen.
+    """DeepSeek-V3's auxiliary-loss-free balancing, after a step: every ``DeepSeekMoE`` of ``model``
+    moves its ``correction_bias`` by ``rate * sign(mean load - load)``, ``load`` the
+    ``tokens_per_expert`` it sowed into ``captured`` (``nnx.capture(..., nnx.Intermediate)``).
 
     Example:
         >>> config = DeepSeekMoEConfig(16, num_experts=4, top_k=1)

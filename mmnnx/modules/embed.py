@@ -13,24 +13,17 @@ default_embed_init = nnx.initializers.normal(stddev=0.02)
 
 
 class Embed(nnx.Module):
-    """Looks up rows of ``embedding`` (``num_embeddings x features``); ``attend`` reuses it.
-
-    ``embed(tokens)`` maps integer ids of any shape to vectors (``tokens.shape + (features,)``),
-    multiplied by ``scale`` when given (Gemma's ``sqrt(hidden_size)``; rounded to float32,
-    then to the table's dtype, and multiplied in that dtype, as transformers'
-    ``Gemma3TextScaledWordEmbedding``); ``embed.attend(x)`` is ``x @ embedding.T``, the logits
-    of an output head tied to the table (never scaled). The table is created in ``param_dtype``.
+    """Looks up rows of ``embedding`` (``num_embeddings x features``, named ``("vocab", "embed")``)
+    for integer ids of any shape, times ``scale`` when given (Gemma's, in the table's dtype as
+    transformers does); ``attend`` is the output head tied to the table.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
         ...     embed = Embed(16, 8, rngs=nnx.Rngs(0))
+        ...     scaled = Embed(16, 8, scale=2.0, rngs=nnx.Rngs(0))
         >>> x = embed(jnp.array([[1, 2, 3]]))
         >>> x.shape, embed.attend(x).shape
         ((1, 3, 8), (1, 3, 16))
-        >>> embed.embedding.get_metadata()["out_sharding"]
-        ('vocab', 'embed')
-        >>> with nnx.use_eager_sharding(False):
-        ...     scaled = Embed(16, 8, scale=2.0, rngs=nnx.Rngs(0))
         >>> bool((scaled(jnp.array([3])) == 2 * embed(jnp.array([3]))).all())
         True
     """
@@ -57,12 +50,5 @@ class Embed(nnx.Module):
         return x * jnp.asarray(np.float32(self.scale)).astype(x.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Logits ``x @ embedding.T`` over the vocabulary (a head tied to the embedding).
-
-        Example:
-            >>> with nnx.use_eager_sharding(False):
-            ...     embed = Embed(16, 8, rngs=nnx.Rngs(0))
-            >>> embed.attend(jnp.ones((2, 8))).shape
-            (2, 16)
-        """
+        """Logits ``x @ embedding.T`` over the vocabulary (a head tied to the embedding)."""
         return x @ self.embedding[...].T.astype(x.dtype)

@@ -26,24 +26,12 @@ from mmnnx.modules.experts import (
 )
 from mmnnx.sharding import Task, TaskStack, home_of
 from mmnnx.sharding.place import SPEC_KEY
+from mmnnx.sharding.task import axes_of
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
-    """How a task's devices share a mixture of experts.
-
-    Example:
-        >>> from mmnnx.sharding import TaskMesh, logical_rules, place
-        >>> from mmnnx.modules.experts import Experts
-        >>> rules = logical_rules(batch="data", expert="expert")
-        >>> mesh = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("expert", "data"))
-        >>> with nnx.use_eager_sharding(False):
-        ...     experts = place(Experts(4, 8, 16, rngs=nnx.Rngs(0)), [(".*", Task("t", mesh=mesh,
-        ...                     logical_axes=rules))])
-        >>> layout = expert_layout(experts.gate)
-        >>> layout.expert_axes, layout.token_axes, layout.size
-        (('expert',), ('data', 'expert'), 2)
-    """
+    """How a task's devices share a mixture of experts."""
 
     mesh: AbstractMesh  # the task's mesh, abstract: one program serves every task of a stack
     expert_axes: tuple[str, ...]  # split the experts: the all_to_all's group
@@ -59,10 +47,6 @@ class ExpertLayout:
         return math.prod(self.mesh.shape[a] for a in self.token_axes)
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
     """The layout of experts placed split (or with the tokens split), else ``None``."""
     home = home_of(gate)
@@ -72,12 +56,12 @@ def expert_layout(gate: nnx.Variable) -> ExpertLayout | None:
     # a stacked Variable's spec, seen inside the scan over its layers, has the layer axis more
     spec = tuple(gate.get_metadata(SPEC_KEY, PartitionSpec()))[-len(gate.shape) :]
     spec = (*spec, None, None, None)[:3]
-    expert_axes = _axes(spec[0])
-    batch_axes = _axes(task.spec(("batch",))[0]) if isinstance(task, Task) else ()
+    expert_axes = axes_of(spec[0])
+    batch_axes = axes_of(task.spec(("batch",))[0]) if isinstance(task, Task) else ()
     token_axes = batch_axes + tuple(a for a in expert_axes if a not in batch_axes)
     if not token_axes:
         return None
-    hidden_axes = tuple(a for a in _axes(spec[2]) if a not in token_axes)
+    hidden_axes = tuple(a for a in axes_of(spec[2]) if a not in token_axes)
     return ExpertLayout(
         mesh=task.jax_mesh.abstract_mesh,
         expert_axes=expert_axes,
@@ -98,10 +82,8 @@ def apply_expert_parallel(
     ffn: ExpertFn = grouped_swiglu,
     specs: Callable[[Any, Any], tuple[PartitionSpec, ...]] = Experts.specs,
 ) -> jax.Array:
-    """``experts.apply_local``'s result, the tokens (padded to ``layout.token_shards``) and the
-    experts split over the mesh; ``limit`` (a capacity) bounds the exchange buffers; ``ffn``
-    and ``specs`` (an experts module's ``apply`` and ``specs``): each expert's network and
-    its arrays' specs given the expert and hidden mesh axes."""
+    """``apply_local``'s result with tokens and experts split over the mesh (``limit``: a
+    capacity)."""
     n, k = indices.shape
     local_tokens = n // layout.token_shards
     local_experts = experts[0].shape[0] // layout.size

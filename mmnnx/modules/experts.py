@@ -26,11 +26,8 @@ OUT_NAMES = ("expert", "mlp", "embed")  # down, (E, H, D)
 
 
 class Experts(nnx.Module):
-    """``num_experts`` SwiGLU networks ``down_e(silu(gate_e(x)) * up_e(x))``, their weights
-    stacked: ``gate`` and ``up`` ``(E, dim, hidden)`` named ``("expert", "embed", "mlp")``,
-    ``down`` ``(E, hidden, dim)`` named ``("expert", "mlp", "embed")`` (no biases, as
-    Qwen3-MoE's experts). Mapping ``expert`` to a mesh axis gives expert parallelism
-    (``mmnnx.modules.MoE``).
+    """``num_experts`` SwiGLU networks ``down_e(silu(gate_e(x)) * up_e(x))``, stacked: ``gate``,
+    ``up`` ``(E, dim, hidden)`` named ``("expert", "embed", "mlp")``, ``down`` ``(E, hidden, dim)``.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -70,8 +67,8 @@ class Experts(nnx.Module):
 
     @staticmethod
     def specs(expert: Any, hidden: Any) -> tuple[PartitionSpec, ...]:
-        """Each of :meth:`arrays`' specs, the experts split over ``expert`` and each one's
-        hidden features over ``hidden`` (mesh axes or ``None``)."""
+        """Each of :meth:`arrays`' specs, the experts split over ``expert``, hidden features over
+        ``hidden``."""
         return (PartitionSpec(expert, None, hidden),) * 2 + (PartitionSpec(expert, hidden, None),)
 
     def apply(
@@ -82,13 +79,9 @@ class Experts(nnx.Module):
 
 
 class ClampedExperts(nnx.Module):
-    """gpt-oss's experts: ``down_e(clamped_swiglu(x @ gate_up_e + gate_up_bias_e)) +
-    down_bias_e``, where the fused ``gate_up`` ``(E, dim, 2 * hidden)`` interleaves the gate's
-    (even) and the up projection's (odd) features, as transformers' ``GptOssExperts`` stores
-    them, and :func:`clamped_swiglu` clamps both at ``limit`` (the gate from above only) and
-    gates by ``sigmoid(alpha * gate)``. Names: ``gate_up`` ``("expert", "embed", "mlp")``,
-    ``gate_up_bias`` ``("expert", "mlp")``, ``down`` ``("expert", "mlp", "embed")``,
-    ``down_bias`` ``("expert", "embed")``.
+    """gpt-oss's experts: ``down_e(clamped_swiglu(x @ gate_up_e + gate_up_bias_e)) + down_bias_e``,
+    ``gate_up`` ``(E, dim, 2 * hidden)`` interleaving gate (even) and up (odd) features as
+    transformers' ``GptOssExperts`` stores them.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -132,9 +125,8 @@ class ClampedExperts(nnx.Module):
 
     @staticmethod
     def specs(expert: Any, hidden: Any) -> tuple[PartitionSpec, ...]:
-        """Each of :meth:`arrays`' specs, the experts split over ``expert`` and each one's
-        hidden features over ``hidden`` (mesh axes or ``None``; a gate and its up feature
-        stay together where each device holds an even number of ``gate_up``'s features)."""
+        """Each of :meth:`arrays`' specs, the experts split over ``expert``, hidden features over
+        ``hidden``."""
         e, h = expert, hidden
         return (PartitionSpec(e, None, h), PartitionSpec(e, h),
                 PartitionSpec(e, h, None), PartitionSpec(e, None))  # fmt: skip
@@ -142,9 +134,8 @@ class ClampedExperts(nnx.Module):
     def apply(
         self, rows: jax.Array, *arrays_and_sizes: jax.Array, hidden_axes: tuple[str, ...] = ()
     ) -> jax.Array:
-        """``grouped_clamped_swiglu`` with this module's ``alpha`` and ``limit``; with
-        ``hidden_axes``, ``down_bias`` added by their first device only (the ``psum`` that
-        follows adds it once)."""
+        """``grouped_clamped_swiglu``; with ``hidden_axes``, ``down_bias`` added on their first
+        device only."""
         *arrays, down_bias, sizes = arrays_and_sizes
         if hidden_axes:
             down_bias = jnp.where(jax.lax.axis_index(hidden_axes) == 0, down_bias, 0)
@@ -154,14 +145,8 @@ class ClampedExperts(nnx.Module):
 
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
-    """gpt-oss's activation of interleaved gate (even) and up (odd) features:
-    ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``.
-
-    Example:
-        >>> y = clamped_swiglu(jnp.array([9.0, 9.0, 1.0, -9.0]), 1.702, 7.0)
-        >>> [round(v, 3) for v in y.tolist()]  # 8 * 7 * sigmoid(11.9), -6 * 1 * sigmoid(1.7)
-        [56.0, -5.075]
-    """
+    """gpt-oss's activation of interleaved gate (even) and up (odd) features: ``(clip(up, -limit,
+    limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``."""
     gate = jnp.minimum(gate_up[..., 0::2], limit)
     up = jnp.clip(gate_up[..., 1::2], -limit, limit)
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
@@ -179,15 +164,7 @@ def grouped_clamped_swiglu(
     limit: float,
 ) -> jax.Array:
     """Rows sorted by expert, each through its :class:`ClampedExperts` network; rows past the
-    groups: 0.
-
-    Example:
-        >>> w, b = jnp.ones((2, 3, 4)), jnp.ones((2, 4))
-        >>> out = grouped_clamped_swiglu(jnp.ones((3, 3)), w, b, jnp.ones((2, 2, 3)),
-        ...                              jnp.ones((2, 3)), jnp.array([1, 1]), alpha=1.0, limit=2.0)
-        >>> [round(v, 2) for v in out[:, 0].tolist()]  # 2 * (2 + 1) * 2 * sigmoid(2) + 1
-        [11.57, 11.57, 0.0]
-    """
+    groups: 0."""
     dtype = rows.dtype
     num_experts = gate_up.shape[0]
     ends = jnp.cumsum(group_sizes)
@@ -209,14 +186,7 @@ def grouped_swiglu(
     down: jax.Array,
     group_sizes: jax.Array,
 ) -> jax.Array:
-    """Rows sorted by expert, each through its SwiGLU; rows past the groups: 0.
-
-    Example:
-        >>> w = jnp.ones((2, 3, 4))
-        >>> out = grouped_swiglu(jnp.ones((3, 3)), w, w, jnp.ones((2, 4, 3)), jnp.array([1, 1]))
-        >>> [round(v, 2) for v in out[:, 0].tolist()]  # 4 * silu(3) * 3, twice, then nothing
-        [34.29, 34.29, 0.0]
-    """
+    """Rows sorted by expert, each through its SwiGLU; rows past the groups: 0."""
     dtype = rows.dtype
     h = jax.nn.silu(jax.lax.ragged_dot(rows, gate.astype(dtype), group_sizes))
     h = h * jax.lax.ragged_dot(rows, up.astype(dtype), group_sizes)
@@ -228,13 +198,7 @@ def combine(weights: jax.Array, outputs: jax.Array) -> jax.Array:
 
 
 def sort_by_expert(key: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The stable order sorting ``key``, its inverse, and each group's size.
-
-    Example:
-        >>> order, inverse, sizes = sort_by_expert(jnp.array([1, 3, 0, 1]), 2)
-        >>> order.tolist(), inverse.tolist(), sizes.tolist()
-        ([2, 0, 3, 1], [1, 3, 0, 2], [1, 2])
-    """
+    """The stable order sorting ``key``, its inverse, and each group's size."""
     order = jnp.argsort(key, stable=True)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     sizes = jnp.zeros(num_groups, jnp.int32).at[key].add(1, mode="drop")
@@ -249,16 +213,8 @@ def apply_local(
     experts: tuple[jax.Array, ...],
     ffn: ExpertFn = grouped_swiglu,
 ) -> jax.Array:
-    """``sum_k weights * expert_{indices}(x)`` over the assignments ``keep`` keeps, each
-    expert's network ``ffn`` of the ``experts`` arrays (default SwiGLU: gate, up, down).
-
-    Example:
-        >>> w = jnp.ones((2, 3, 4)), jnp.ones((2, 3, 4)), jnp.ones((2, 4, 3))
-        >>> idx, keep = jnp.array([[1], [0]]), jnp.array([[True], [False]])
-        >>> y = apply_local(jnp.ones((2, 3)), idx, jnp.ones((2, 1)), keep, w)
-        >>> [round(v, 2) for v in y[:, 0].tolist()]  # the second token's assignment dropped
-        [34.29, 0.0]
-    """
+    """``sum_k weights * expert_{indices}(x)`` over the assignments ``keep`` keeps, each expert's
+    network ``ffn`` of the ``experts`` arrays (default SwiGLU: gate, up, down)."""
     n, k = indices.shape
     num_experts = experts[0].shape[0]
     key = jnp.where(keep, indices, num_experts).reshape(-1)

@@ -17,23 +17,12 @@ def group_limited_route(
     norm_topk_prob: bool = True,
     scaling: float = 1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(weights, indices, probs)`` of router ``logits`` ``(N, E)``, float32.
-
-    As transformers' ``DeepseekV3TopkRouter``: scores ``s = sigmoid(logits)``; the choice reads
-    ``s + bias`` (``e_score_correction_bias``, ``(E,)``): the ``E`` experts form ``n_group``
-    groups of consecutive experts, each group scored by the sum of its two best biased scores,
-    only the experts of the ``topk_group`` best groups compete, and the ``top_k`` best biased
-    scores among them are chosen. The weights are the chosen experts' unbiased ``s``, divided
-    by their sum plus ``1e-20`` when ``norm_topk_prob``, times ``scaling``
-    (``routed_scaling_factor``). ``probs``: ``s`` divided by its sum over the experts (the
-    normalised affinities DeepSeek-V3's balance loss reads).
-
-    Where transformers (matched here) differs from DeepSeek's own inference code
-    (``inference/model.py``'s ``Gate``) and the paper: it adds ``1e-20`` to the sum it divides
-    by; it normalises only when ``norm_topk_prob`` (DeepSeek's code always normalises sigmoid
-    weights, as the paper's gating values); its logits are float32 (DeepSeek's code takes them
-    in the weights' dtype, bfloat16). The paper's node-limited routing appears, in both codes,
-    as groups scored by their two best biased scores.
+    """``(weights, indices, probs)`` of router ``logits`` ``(N, E)``, float32, as transformers'
+    ``DeepseekV3TopkRouter``: scores ``s = sigmoid(logits)``; the choice reads ``s + bias``, among
+    the experts of the ``topk_group`` best of ``n_group`` groups (each scored by its two best biased
+    scores); weights are the chosen unbiased ``s``, over their sum plus ``1e-20`` when
+    ``norm_topk_prob``, times ``scaling``; ``probs``: ``s`` over its sum. (DeepSeek's own code
+    always normalises, adds no ``1e-20`` and takes bfloat16 logits.)
 
     Example:
         >>> logits = jnp.array([[1.5, 1.0, -3.0, 2.0]])  # expert 3 best, its group (2, 3) not

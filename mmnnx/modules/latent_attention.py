@@ -20,14 +20,10 @@ from mmnnx.modules.rope import RopeConfig, YarnScaling, apply_rope
 
 @dataclasses.dataclass(frozen=True)
 class LatentAttentionConfig:
-    """A ``LatentAttention`` (DeepSeek-V2/V3's, as transformers' ``DeepseekV3Attention``):
-    ``num_heads`` heads whose queries and keys have ``qk_nope_head_dim`` features without
-    positions and ``qk_rope_head_dim`` rotated ones, and whose values have ``v_head_dim``.
-    Queries come through a rank-``q_lora_rank`` bottleneck (``None``: one plain projection),
-    keys and values from a ``kv_lora_rank`` latent per token plus one rotated key shared by
-    every head. ``rope_interleave``: the checkpoint's rotated features are interleaved pairs
-    (DeepSeek's layout) rather than halves; ``latent_norm_eps``: the two latents' RMSNorms.
-    ``config.build(dim, ...)`` makes the module.
+    """A ``LatentAttention`` (as transformers' ``DeepseekV3Attention``): ``num_heads`` heads with
+    ``qk_nope_head_dim`` position-free and ``qk_rope_head_dim`` rotated query/key features and
+    ``v_head_dim`` value ones; queries through a ``q_lora_rank`` bottleneck (``None``: none), keys
+    and values from a ``kv_lora_rank`` latent; ``rope_interleave``: DeepSeek's pair layout.
 
     Example:
         >>> LatentAttentionConfig(4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=3,
@@ -66,9 +62,8 @@ class LatentAttentionConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times YaRN's
-        ``(0.1 * mscale_all_dim * ln(factor) + 1) ** 2`` where the rope's scaling sets
-        ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``).
+        """``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times YaRN's ``mscale_all_dim`` factor
+        squared where set.
 
         Example:
             >>> LatentAttentionConfig(2, kv_lora_rank=8, qk_nope_head_dim=12, qk_rope_head_dim=4,
@@ -83,10 +78,8 @@ class LatentAttentionConfig:
         return scale
 
     def cache_bytes_per_token(self, itemsize: int = 2) -> tuple[int, int]:
-        """Bytes a decoder's cache holds per token and layer: this attention's latent
-        (``kv_lora_rank + qk_rope_head_dim`` numbers), and the full keys and values it
-        expands to (``num_heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)``),
-        ``itemsize`` bytes a number. DeepSeek-V3's sizes in bfloat16: 1,152 against 81,920.
+        """Bytes a decoder caches per token and layer: the latent's, and the expanded keys and
+        values'.
 
         Example:
             >>> LatentAttentionConfig(128, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -105,22 +98,10 @@ class LatentAttentionConfig:
 
 
 class LatentAttention(nnx.Module):
-    """Causal multi-head latent attention, as ``config`` (a ``LatentAttentionConfig``) says.
-
-    Queries: ``q`` (``dim -> heads * (nope + rope)``), or with ``q_lora_rank``
-    ``q_b(q_norm(q_a(x)))``. Keys and values: ``kv_a`` projects each token to a latent of
-    ``kv_lora_rank`` features (normalised by ``kv_norm``) and one key of ``qk_rope_head_dim``
-    features shared by every head; ``kv_b`` expands the latent into each head's position-free
-    key part and its value. The rotated parts of queries and keys are turned by RoPE (YaRN's
-    scaling included), the scores scaled by :attr:`LatentAttentionConfig.softmax_scale`, and
-    ``out`` maps ``heads * v_head_dim`` back to ``dim``. Kernels are named ``("embed", None)``
-    into a latent, ``(None, "heads")`` out of it and ``("heads", "embed")`` for ``out``.
-
-    ``__call__`` is ``attend(*project(x), causal mask)``, as ``Attention``'s: ``project`` returns
-    the queries, the latent and the rotated shared key, which is all a decoder's cache
-    (``mmnnx.models.decoding``) keeps: ``kv_lora_rank + qk_rope_head_dim`` numbers a token and
-    layer (DeepSeek-V3: 576, 1,152 bytes in bfloat16) instead of the ``num_heads * (nope + rope
-    + v)`` of expanded keys and values (40,960, 81,920 bytes); ``attend`` expands them.
+    """Causal multi-head latent attention: queries ``q`` (or ``q_b(q_norm(q_a(x)))``); ``kv_a``
+    projects each token to a latent (``kv_norm``) and one rotated key shared by every head, which
+    ``kv_b`` expands into each head's key part and value. ``project`` returns what a decoder caches
+    (queries, latent, shared key); ``attend`` expands them.
 
     Example:
         >>> config = LatentAttentionConfig(4, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -164,25 +145,15 @@ class LatentAttention(nnx.Module):
         return self.attend(*self.project(x), self.visible(positions, positions))
 
     def visible(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
-        """Which keys each query sees, bool ``(..., q, k)``: the earlier ones (``causal_mask``),
-        as the KV-cache decoder asks every attention."""
+        """Which keys each query sees, bool ``(..., q, k)``: the earlier ones."""
         return causal_mask(query_positions, key_positions, None)
 
     def project(
         self, x: jax.Array, positions: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries ``(..., seq, num_heads, nope + rope)``, the normalised latent
-        ``(..., seq, 1, kv_lora_rank)`` and the shared key ``(..., seq, 1, rope)`` of ``x``
-        ``(..., seq, dim)``, rotated by ``positions`` (default ``0 .. seq - 1``).
-
-        Example:
-            >>> config = LatentAttentionConfig(2, kv_lora_rank=8, qk_nope_head_dim=4,
-            ...                                qk_rope_head_dim=2, v_head_dim=4)
-            >>> with nnx.use_eager_sharding(False):
-            ...     attn = config.build(16, rngs=nnx.Rngs(0))
-            >>> [a.shape for a in attn.project(jnp.ones((3, 16)), jnp.arange(5, 8))]
-            [(3, 2, 6), (3, 1, 8), (3, 1, 2)]
-        """
+        """Queries ``(..., seq, heads, nope + rope)``, the latent ``(..., seq, 1, kv_lora_rank)``
+        and the shared key ``(..., seq, 1, rope)`` of ``x``, rotated by ``positions`` (default
+        ``0 .. seq-1``)."""
         c = self.config
         *lead, seq, _ = x.shape
         q = self.q(x) if c.q_lora_rank is None else self.q_b(self.q_norm(self.q_a(x)))
@@ -203,10 +174,8 @@ class LatentAttention(nnx.Module):
     def attend(
         self, q: jax.Array, latent: jax.Array, k_rope: jax.Array, visible: jax.Array
     ) -> jax.Array:
-        """``out`` of the values expanded from ``latent`` mixed by
-        ``softmax(q k^T * softmax_scale)`` over the keys (``kv_b(latent)``'s position-free part
-        and ``k_rope``) that ``visible`` (bool, ``(q_seq, k_seq)`` or broadcastable to the
-        scores ``(..., heads, q_seq, k_seq)``) allows; ``(..., q_seq, dim)``, softmax float32.
+        """``out`` of the values expanded from ``latent`` mixed by a float32 softmax over the keys
+        ``visible`` allows; ``(..., q_seq, dim)``.
 
         Example:
             >>> config = LatentAttentionConfig(2, kv_lora_rank=8, qk_nope_head_dim=4,

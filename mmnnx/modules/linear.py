@@ -10,16 +10,10 @@ default_kernel_init = nnx.initializers.lecun_normal()
 
 
 class Linear(nnx.Module):
-    """``y = x @ kernel + bias``, with ``kernel`` named ``axes`` and ``bias`` named ``axes[1:]``.
-
-    The names are logical (``nnx.with_partitioning``): ``mm.place`` translates them by each
-    task's ``logical_axes``, so the same layer is replicated on one task and tensor-parallel on
-    another. Build it inside a mesh context or under ``nnx.use_eager_sharding(False)``. Its
-    Variables are created in ``param_dtype``; it computes in its input's dtype (bfloat16 inputs:
-    a bfloat16 product of float32 parameters).
+    """``y = x @ kernel + bias``, ``kernel`` named ``axes`` and ``bias`` ``axes[1:]`` (logical names
+    ``mm.place`` translates by each task's rules); computed in the input's dtype.
 
     Example:
-        >>> import jax.numpy as jnp
         >>> with nnx.use_eager_sharding(False):
         ...     layer = Linear(4, 8, axes=("embed", "mlp"), rngs=nnx.Rngs(0))
         >>> layer(jnp.ones((2, 4))).shape
@@ -52,8 +46,7 @@ class Linear(nnx.Module):
         self.adapters = True  # whether ``lora`` is added: ``nnx.view(model, adapters=False)``
 
     def set_view(self, adapters: bool | None = None) -> None:
-        """``nnx.view(model, adapters=False)``: a model of the same Variables computing without
-        its LoRA adapters (the base model, e.g. DPO's reference), nothing copied.
+        """``nnx.view(model, adapters=False)``: the same Variables computing without LoRA adapters.
 
         Example:
             >>> with nnx.use_eager_sharding(False):

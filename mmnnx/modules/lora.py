@@ -29,11 +29,9 @@ Qwen3-MoE ``target_modules`` leave out (an update there unbalances the experts).
 
 
 class LoRA(nnx.Module):
-    """``(x @ a @ b) * alpha / rank``: the update of a ``Linear`` of ``in_features`` ->
-    ``out_features`` (Hu et al., 2021), its factors ``nnx.LoRAParam``s: ``a`` ``(in, rank)``
-    drawn as PEFT does (Kaiming-uniform), ``b`` ``(rank, out)`` zeros, so a fresh adapter
-    changes nothing. ``lead`` prepends axes to both (a stacked kernel's layer axis), ``axes``
-    names the kernel's logical axes so the factors shard like it.
+    """``(x @ a @ b) * alpha / rank``, the update of a ``Linear`` (Hu et al., 2021): ``a`` drawn as
+    PEFT does, ``b`` zeros; ``lead`` prepends axes (a stacked kernel's), ``axes`` names the
+    kernel's.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -79,18 +77,10 @@ def add_lora(
     targets: Sequence[str] | None = None,
     seed: int = 0,
 ) -> M:
-    """Gives every ``Linear`` of ``model`` named in ``targets`` a :class:`LoRA` (``linear.lora``),
-    on its kernel's task and sharded like it when the model is placed; returns ``model``.
-    ``targets`` defaults to those of :data:`TARGETS` the model has.
-
-    ``alpha`` defaults to ``rank`` (scale 1). Train only the adapters with
-    ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` and gradients of
-    ``nnx.DiffState(0, nnx.LoRAParam)``: the frozen kernels then get neither gradients nor
-    optimizer state.
-
-    Raises:
-        ValueError: a target that names no ``Linear`` of the model (listing those it has), or
-            a model that already has adapters.
+    """Gives every ``Linear`` of ``model`` named in ``targets`` (default: those of :data:`TARGETS`
+    it has) a :class:`LoRA` of scale ``alpha / rank`` on its kernel's task; returns ``model``. Train
+    the adapters alone with ``wrt=nnx.LoRAParam``. Raises ``ValueError`` for a target naming no
+    ``Linear`` or a model that has adapters already.
 
     Example:
         >>> from mmnnx.models import GPT, GPTConfig

@@ -9,9 +9,7 @@ def causal_mask(
     query_positions: jax.Array, key_positions: jax.Array, sliding_window: int | None = None
 ) -> jax.Array:
     """Bool ``(..., q, k)``: query ``i`` sees key ``j`` when ``j <= i`` and, with a
-    ``sliding_window`` ``w``, ``i - w < j`` (the ``w`` latest positions, itself included:
-    transformers' ``sliding_window_causal_mask_function``). Positions ``(..., q)`` and
-    ``(..., k)`` broadcast over their leading axes.
+    ``sliding_window`` ``w``, ``i - w < j`` (as transformers); positions broadcast.
 
     Example:
         >>> import jax.numpy as jnp

@@ -22,11 +22,9 @@ from mmnnx.modules.routing import RouterStats, capacity, capacity_keep, route, r
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """A mixture-of-experts feed-forward (``MoE``): ``num_experts`` SwiGLU experts of
-    ``hidden`` features (Qwen3-MoE's ``moe_intermediate_size``), each token routed to ``top_k``
-    of them (``num_experts_per_tok``), their weights renormalised when ``norm_topk_prob``;
-    ``capacity_factor`` bounds each expert's assignments (``None``: dropless).
-    ``config.build(dim, ...)`` makes the module.
+    """A mixture-of-experts feed-forward (``MoE``): ``num_experts`` SwiGLU experts of ``hidden``
+    features, each token routed to ``top_k`` of them, their weights renormalised when
+    ``norm_topk_prob``; ``capacity_factor`` bounds each expert's assignments (``None``: dropless).
 
     Example:
         >>> MoEConfig(16, num_experts=8, top_k=9)
@@ -61,17 +59,15 @@ class MoEConfig:
         return MoE(dim, self, param_dtype=param_dtype, rngs=rngs)
 
     def experts(self, dim: int, **kwargs: Any) -> Experts:
-        """The ``MoE``'s experts module of width ``dim`` (``kwargs``: ``kernel_init``,
-        ``param_dtype``, ``rngs``)."""
+        """The ``MoE``'s experts module of width ``dim`` (``kernel_init``, ``param_dtype``,
+        ``rngs``)."""
         return Experts(self.num_experts, dim, self.hidden, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
 class ClampedMoEConfig(MoEConfig):
-    """gpt-oss's mixture of experts: a router with a bias, the ``top_k`` largest logits'
-    softmax as weights (softmax over every expert, top-k, renormalised: the same numbers) and
-    :class:`~mmnnx.modules.experts.ClampedExperts` (biases, SwiGLU clamped at ``limit``, gated
-    by ``sigmoid(alpha * gate)``; transformers' ``swiglu_limit`` and ``swiglu_alpha``).
+    """gpt-oss's mixture of experts: a router with a bias, the ``top_k`` largest logits' softmax as
+    weights, and :class:`~mmnnx.modules.experts.ClampedExperts` (``limit``, ``alpha``).
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -104,36 +100,17 @@ METRICS = ("router_aux_loss", "router_z_loss", "tokens_per_expert", "dropped_tok
 
 
 class MoE(nnx.Module):
-    """A mixture of ``num_experts`` SwiGLU experts, each token sent to ``top_k`` of them.
+    """A mixture of ``num_experts`` SwiGLU experts, each token sent to ``top_k`` of them, as
+    Qwen3-MoE: ``router`` (``Linear(dim, E)`` named ``("embed", None)``) logits, a float32
+    softmax over every expert, the ``top_k`` most probable chosen (renormalised when
+    ``norm_topk_prob``), output ``sum_k w_k * expert_k(x)`` by grouped matmuls over the
+    assignments sorted by expert. Dropless unless ``capacity_factor`` caps each expert at
+    ``ceil(capacity_factor * tokens * top_k / E)`` assignments, the first in token order.
 
-    ``router`` is a ``Linear(dim, num_experts)`` without bias named ``("embed", None)``
-    (Qwen3-MoE's ``mlp.gate``); ``experts`` an :class:`~mmnnx.modules.experts.Experts` (stacked
-    ``gate``, ``up`` ``(E, dim, hidden)`` and ``down`` ``(E, hidden, dim)``, named
-    ``("expert", "embed", "mlp")`` / ``("expert", "mlp", "embed")``). As Qwen3-MoE: the router's
-    logits (in the input's dtype) go through a softmax over every expert in float32, the
-    ``top_k`` most probable experts are chosen, their probabilities divided by their sum when
-    ``norm_topk_prob``, and the output is ``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))``, the
-    weights cast to the input's dtype.
-
-    Dropless by default: every token reaches its ``top_k`` experts, computed as grouped matmuls
-    (``jax.lax.ragged_dot``) over the assignments sorted by expert. With ``capacity_factor``,
-    an expert takes at most ``ceil(capacity_factor * tokens * top_k / num_experts)``
-    assignments of a call, the first in token order; the rest contribute nothing.
-
-    Placed on a task whose rules map ``expert`` to mesh axes (``mm.logical_rules(batch="data",
-    expert="expert")``), each device of an expert-parallel group holds ``E / EP`` experts and
-    the tokens, split over the task's batch axes and the expert axes, travel to their experts
-    and back by ``all_to_all`` (:mod:`~mmnnx.modules.expert_parallel`): the same numbers. Held
-    whole by every device of a task whose batch axes split the tokens, each device runs its
-    own tokens' assignments (under ``shard_map`` too, nothing exchanged).
-
-    ``moe(x)`` returns the output, of ``x``'s shape ``(..., dim)``; ``moe.forward(x)`` returns it
-    with the call's :class:`~mmnnx.modules.routing.RouterStats`, whose ``aux_loss`` (Hugging
-    Face's ``load_balancing_loss_func``) and ``z_loss`` a model adds to its loss
-    (``GPT.loss`` does). Under ``nnx.capture(fn, nnx.Intermediate)`` each call also sows
-    :data:`METRICS`: ``router_aux_loss``, ``router_z_loss``, ``tokens_per_expert`` ``(E,)`` and
-    ``dropped_tokens``; outside a capture it sows nothing, so a step can run again without
-    popping them.
+    Where the task's rules map ``expert`` to mesh axes, tokens travel to their experts and back by
+    ``all_to_all`` (:mod:`~mmnnx.modules.expert_parallel`), with the same numbers.
+    ``moe.forward(x)`` also returns the call's :class:`~mmnnx.modules.routing.RouterStats`; under
+    ``nnx.capture(fn, nnx.Intermediate)`` each call sows :data:`METRICS`.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -199,6 +176,6 @@ class MoE(nnx.Module):
 
     def route(self, tokens: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
         """The router's logits of ``tokens`` ``(N, dim)`` and their ``(weights, indices,
-        probs)`` (:func:`~mmnnx.modules.routing.route`); a subclass routes otherwise here."""
+        probs)``."""
         logits = self.router(tokens)
         return logits, route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)

@@ -14,15 +14,10 @@ from mmnnx.modules.checks import check, is_positive
 
 
 class RMSNorm(nnx.Module):
-    """``x / sqrt(mean(x**2) + eps) * (scale_offset + scale)`` over the last axis; the factor
-    starts at ones (``scale`` at ``1 - scale_offset``).
-
-    Computed in float32 whatever ``x``'s dtype (Hugging Face's ``LlamaRMSNorm``), the result cast
-    back to ``x``'s. ``scale`` is created in ``param_dtype`` and named ``(axis,)`` (``"embed"``;
-    ``None`` for a norm over another axis, e.g. one attention head's features).
-    ``scale_offset=1.0`` is Gemma's ``(1 + weight)`` norm: ``scale`` holds the checkpoint's
-    weight as stored (no conversion on load or save, none lost in bfloat16), starts at zeros,
-    and weight decay pulls the factor towards 1, as in Gemma's training.
+    """``x / sqrt(mean(x**2) + eps) * (scale_offset + scale)`` over the last axis, in float32 (as
+    ``LlamaRMSNorm``), cast back to ``x``'s dtype; ``scale`` is named ``(axis,)`` and starts so that
+    the factor is one. ``scale_offset=1.0`` is Gemma's ``(1 + weight)`` norm, ``scale`` holding the
+    checkpoint's weight as stored.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -60,10 +55,7 @@ class RMSNorm(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis.
-
-    Computed in float32 whatever ``x``'s dtype; ``scale`` and ``bias`` are created in
-    ``param_dtype``.
+    """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis, in float32.
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -90,9 +82,8 @@ class LayerNorm(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class NormConfig:
-    """A norm over the model width: ``kind`` ``"rms"`` (``RMSNorm``) or ``"layer"``
-    (``LayerNorm``), with epsilon ``eps`` (``None``: the norm's own, 1e-6 and 1e-5); an RMS
-    norm's ``scale_offset`` (``1.0``: Gemma's ``(1 + weight)``, see ``RMSNorm``).
+    """A norm over the model width: ``kind`` ``"rms"`` or ``"layer"``, ``eps`` (``None``: the norm's
+    own) and an RMS norm's ``scale_offset``.
 
     Example:
         >>> with nnx.use_eager_sharding(False):

@@ -13,10 +13,8 @@ from mmnnx.modules.masks import causal_mask
 
 @struct.dataclass
 class Packing:
-    """Several examples in one row: ``segments`` ``(batch, seq)`` numbers them (1, 2, ...; 0
-    is padding) and ``positions`` restarts at 0 in each. Attention sees only the keys of its
-    own example (:meth:`visible`) and RoPE rotates by ``positions``: each example is computed
-    as if it were alone in its row.
+    """Several examples in one row: ``segments`` ``(batch, seq)`` numbers them (0: padding) and
+    ``positions`` restarts at 0 in each, so each example is computed as if alone in its row.
 
     Example:
         >>> p = Packing(jnp.array([[1, 1, 2]]), jnp.array([[0, 1, 0]]))
@@ -29,8 +27,8 @@ class Packing:
 
     @classmethod
     def of(cls, batch: Mapping[str, jax.Array]) -> Packing | None:
-        """The packing of the inputs of a batch dict with ``segments`` and ``positions`` of
-        its ``(B, T + 1)`` tokens (``None`` without them): their first ``T`` columns.
+        """The packing of a batch dict's inputs (the first ``T`` of ``T + 1`` columns of its
+        ``segments`` and ``positions``; ``None`` without them).
 
         Example:
             >>> Packing.of({"tokens": jnp.zeros((1, 3))}) is None
@@ -41,9 +39,7 @@ class Packing:
         return cls(batch["segments"][:, :-1], batch["positions"][:, :-1])
 
     def visible(self, sliding_window: int | None = None) -> jax.Array:
-        """Causal and same-example: ``(batch, 1, seq, seq)``, broadcast over heads; with a
-        ``sliding_window`` ``w``, a query sees only the keys less than ``w`` positions before
-        its own within its example (``causal_mask``).
+        """Causal and same-example, ``(batch, 1, seq, seq)``, within ``sliding_window`` when given.
 
         Example:
             >>> p = Packing(jnp.array([[1, 1, 1, 2, 2]]), jnp.array([[0, 1, 2, 0, 1]]))

@@ -16,18 +16,11 @@ from mmnnx.modules.checks import check, is_int, is_positive
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1+'s RoPE frequency scaling (Hugging Face ``rope_type: "llama3"``).
-
-    Frequencies whose wavelength ``2 pi / inv_freq`` is above
-    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, those below
-    ``original_max_position_embeddings / high_freq_factor`` are kept, and those in between are
-    interpolated smoothly (see ``rope_frequencies``).
+    """Llama 3.1+'s RoPE frequency scaling (``rope_type: "llama3"``; see ``rope_frequencies``).
 
     Example:
-        >>> RopeScaling(
-        ...     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        ...     original_max_position_embeddings=8192,
-        ... ).factor
+        >>> RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        ...             original_max_position_embeddings=8192).factor
         8.0
     """
 
@@ -52,9 +45,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class LinearScaling:
-    """Linear RoPE scaling (position interpolation; Hugging Face ``rope_type: "linear"``, e.g.
-    Gemma 3's global layers, ``factor`` 8): every inverse frequency divided by ``factor``, as
-    transformers' ``_compute_linear_scaling_rope_parameters``.
+    """Linear RoPE scaling (``rope_type: "linear"``): every inverse frequency divided by ``factor``.
 
     Example:
         >>> rope_frequencies(4, base=100.0, scaling=LinearScaling(factor=2.0))
@@ -69,12 +60,9 @@ class LinearScaling:
 
 @dataclasses.dataclass(frozen=True)
 class YarnScaling:
-    """YaRN's RoPE scaling (Hugging Face ``rope_type: "yarn"``: Qwen3's long contexts, gpt-oss,
-    DeepSeek-V3), as transformers' ``_compute_yarn_parameters`` computes it: each frequency
-    between its extrapolated (``inv_freq``) and interpolated (``inv_freq / factor``) value by a
-    linear ramp over the dimensions that ``beta_fast`` and ``beta_slow`` rotations of the
-    ``original_max_position_embeddings`` bound (rounded out unless ``truncate`` is false), and
-    cosines and sines scaled by :attr:`attention_scale`.
+    """YaRN's RoPE scaling (``rope_type: "yarn"``), as transformers' ``_compute_yarn_parameters``:
+    frequencies ramped between ``inv_freq`` and ``inv_freq / factor``, cosines and sines scaled by
+    :attr:`attention_scale`.
 
     Example:
         >>> YarnScaling(factor=4.0, original_max_position_embeddings=8).attention_scale
@@ -98,8 +86,7 @@ class YarnScaling:
 
     @property
     def attention_scale(self) -> float:
-        """``attention_factor``, else ``0.1 ln(factor) + 1`` (with ``mscale`` and
-        ``mscale_all_dim``, the ratio of that with each as its coefficient)."""
+        """``attention_factor``, else ``0.1 ln(factor) + 1`` (a ratio of two with ``mscale``)."""
         if self.attention_factor is not None:
             return self.attention_factor
 
@@ -136,9 +123,7 @@ Scaling = LinearScaling | RopeScaling | YarnScaling
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary position embeddings as an ``Attention`` applies them: base ``theta`` (Hugging
-    Face's ``rope_theta``) and an optional frequency ``scaling`` (``LinearScaling``, Llama
-    3.1's ``RopeScaling`` or ``YarnScaling``).
+    """RoPE as an ``Attention`` applies it: base ``theta`` and an optional frequency ``scaling``.
 
     Example:
         >>> RopeConfig(theta=0)
@@ -160,17 +145,8 @@ class RopeConfig:
 def rope_frequencies(
     head_dim: int, base: float = 10000.0, scaling: Scaling | None = None
 ) -> np.ndarray:
-    """The ``head_dim // 2`` inverse frequencies of RoPE, float32, computed as Hugging Face does.
-
-    ``1 / base ** (arange(0, head_dim, 2) / head_dim)`` in float32 (transformers'
-    ``_compute_default_rope_parameters``), then, with ``scaling``, divided by its factor
-    (``LinearScaling``), or transformers' ``_compute_llama3_parameters``: with
-    ``wavelen = 2 pi / inv_freq``, ``inv_freq / factor`` where
-    ``wavelen > original_max / low_freq_factor``, unchanged where
-    ``wavelen < original_max / high_freq_factor``, and in between
-    ``(1 - s) * inv_freq / factor + s * inv_freq`` with
-    ``s = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
-    A NumPy array: a constant of any program that uses it.
+    """The ``head_dim // 2`` inverse frequencies of RoPE, float32, as transformers computes them
+    (``_compute_default_rope_parameters``, then ``scaling``'s), as a NumPy constant.
 
     Example:
         >>> rope_frequencies(4, base=100.0)
@@ -207,14 +183,9 @@ def apply_rope(
     base: float = 10000.0,
     scaling: Scaling | None = None,
 ) -> jax.Array:
-    """Rotates ``x`` of shape ``(..., seq, heads, head_dim)`` by its positions (RoPE).
-
-    Feature ``i`` and feature ``i + head_dim // 2`` form a pair that is rotated by the angle
-    ``position * inv_freq[i]``, ``inv_freq = rope_frequencies(head_dim, base, scaling)``
-    (``base ** (-2 * i / head_dim)`` without ``scaling``): Hugging Face's rotate-half layout.
-    The dot product of a rotated query and key then depends only on their position difference.
-    ``positions`` (shape ``(seq,)`` or broadcastable to ``x.shape[:-2]``) defaults to
-    ``0 .. seq - 1``. Angles, cosines and sines are float32, then cast to ``x``'s dtype.
+    """Rotates ``x`` ``(..., seq, heads, head_dim)`` by ``positions`` (default ``0 .. seq - 1``):
+    features ``i`` and ``i + head_dim // 2`` turned by ``position * rope_frequencies(...)[i]``
+    (Hugging Face's rotate-half layout), in float32, cast back to ``x``'s dtype.
 
     Example:
         >>> x = jnp.ones((1, 3, 2, 4))  # batch, seq, heads, head_dim

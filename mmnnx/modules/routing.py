@@ -12,11 +12,8 @@ import jax.numpy as jnp
 
 
 class RouterStats(NamedTuple):
-    """Sums over the tokens one or more router calls routed; the losses are made of them.
-
-    Sums, not means, so that the stats of several layers (or calls) add up with ``merge`` into
-    the stats of all their tokens together, as Hugging Face's ``load_balancing_loss_func`` pools
-    every layer's router logits before taking its means.
+    """Sums (not means, so that layers and calls ``merge``) over the tokens routed, the losses'
+    parts.
 
     Example:
         >>> logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 2.0, 0.0]])
@@ -35,9 +32,8 @@ class RouterStats(NamedTuple):
 
     @property
     def aux_loss(self) -> jax.Array:
-        """``E * sum_e f_e * P_e``: ``f_e`` the assignments to expert ``e`` per token (top-k:
-        they sum to ``k``), ``P_e`` its mean router probability; Hugging Face's
-        ``load_balancing_loss_func`` (Switch, Mixtral, Qwen3-MoE) over the tokens summed here."""
+        """``E * sum_e f_e * P_e``, Hugging Face's ``load_balancing_loss_func`` over these
+        tokens."""
         n = self.tokens
         return self.probs.shape[-1] * jnp.sum(self.selected / n * (self.probs / n))
 
@@ -56,8 +52,8 @@ class RouterStats(NamedTuple):
         return jax.tree.map(operator.add, self, other)
 
     def loss(self, aux_coef: float, z_coef: float = 0.0, seq_coef: float = 0.0) -> jax.Array:
-        """``aux_coef * aux_loss + z_coef * z_loss + seq_coef * seq_balance``, a term a model
-        adds to its loss (a zero coefficient leaves its loss out of the program)."""
+        """``aux_coef * aux_loss + z_coef * z_loss + seq_coef * seq_balance`` (zero terms left
+        out)."""
         total = jnp.zeros((), jnp.float32)
         if aux_coef:
             total = total + aux_coef * self.aux_loss
@@ -85,13 +81,7 @@ class RouterStats(NamedTuple):
 def route(
     logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(weights, indices, probs)`` of router ``logits`` ``(N, E)``, as Qwen3-MoE routes.
-
-    Example:
-        >>> w, i, _ = route(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), 2)
-        >>> i.tolist(), [round(v, 3) for v in w[0].tolist()]
-        ([[0, 1]], [0.625, 0.375])
-    """
+    """``(weights, indices, probs)`` of router ``logits`` ``(N, E)``, as Qwen3-MoE routes."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, indices = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
@@ -100,22 +90,12 @@ def route(
 
 
 def capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
-    """``ceil(capacity_factor * tokens * top_k / num_experts)``.
-
-    Example:
-    >>> capacity(1.0, 10, 2, 8), capacity(1.25, 16, 2, 8)
-    (3, 5)
-    """
+    """``ceil(capacity_factor * tokens * top_k / num_experts)``."""
     return math.ceil(capacity_factor * tokens * top_k / num_experts)
 
 
 def capacity_keep(indices: jax.Array, num_experts: int, limit: int) -> jax.Array:
-    """Which assignments ``indices`` keep when each expert takes its first ``limit``.
-
-    Example:
-        >>> capacity_keep(jnp.array([[0, 1], [0, 2], [0, 1]]), 3, 2).tolist()
-        [[True, True], [True, True], [False, True]]
-    """
+    """Which assignments ``indices`` keep when each expert takes its first ``limit``."""
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     first = jnp.searchsorted(flat[order], jnp.arange(num_experts, dtype=flat.dtype))
@@ -150,17 +130,10 @@ def router_stats(
 
 
 def seq_balance_loss(probs: jax.Array, indices: jax.Array, rows: int = 1) -> jax.Array:
-    """DeepSeek-V3's sequence-wise balance loss, the mean over ``rows`` sequences (the tokens
-    of ``probs`` ``(N, E)`` and ``indices`` ``(N, K)`` in order, ``T = N / rows`` each) of
-    ``sum_i f_i P_i``: ``f_i = E / (K T) *`` the sequence's tokens that chose expert ``i``,
-    ``P_i`` the mean of its router probabilities (DeepSeek: the normalised affinities).
-
-    Example:
-        >>> balanced = seq_balance_loss(jnp.array([[0.9, 0.1], [0.1, 0.9]]), jnp.array([[0], [1]]))
-        >>> skewed = seq_balance_loss(jnp.array([[0.9, 0.1], [0.9, 0.1]]), jnp.array([[0], [0]]))
-        >>> round(float(balanced), 4), round(float(skewed), 4)
-        (1.0, 1.8)
-    """
+    """DeepSeek-V3's sequence-wise balance loss, the mean over ``rows`` sequences (the tokens of
+    ``probs`` ``(N, E)`` and ``indices`` ``(N, K)`` in order, ``T = N / rows`` each) of ``sum_i f_i
+    P_i``: ``f_i = E / (K T) *`` the sequence's tokens that chose expert ``i``, ``P_i`` the mean of
+    its router probabilities (DeepSeek: the normalised affinities)."""
     n, k = indices.shape
     num_experts, length = probs.shape[-1], n // rows
     row = jnp.repeat(jnp.arange(rows), length * k)

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mmnnx.partition.pieces import Piece
 from mmnnx.sharding import Task
 from mmnnx.sharding.place import plan_placement
+from mmnnx.sharding.task import axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +39,7 @@ class Timing:
 
 
 def shardings_on(model: Any, task: Task) -> dict[tuple, NamedSharding]:
-    """Where ``mm.place(model, [(".*", task)])`` would put each Variable (moves nothing).
-
-    Example:
-        >>> import mmnnx as mm
-        >>> t = mm.Task("t", mesh=mm.TaskMesh(devices=[0]))
-        >>> list(shardings_on(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), t))
-        [('bias',), ('kernel',)]
-    """
+    """Where ``mm.place(model, [(".*", task)])`` would put each Variable (moves nothing)."""
     return {a.path: a.sharding for a in plan_placement(model, [(".*", task)])}
 
 
@@ -59,10 +53,8 @@ def measure(
     repeats: int = 5,
     launch: float = 0.0,
 ) -> Timing:
-    """``piece`` timed on ``task`` (seconds per call over ``repeats`` calls, less ``launch``),
-    its Variables where ``shardings`` (by path) put them, its inputs of leading axis ``rows``
-    split over ``task``'s ``batch`` axis; ``optimizer`` (an optax transform) gives its state's
-    bytes. Abstract values are drawn at random."""
+    """``piece``'s :class:`Timing` on ``task`` (per call over ``repeats`` calls, less
+    ``launch``)."""
     rng = np.random.default_rng(0)
     params = _placed(piece.params, shardings, rng)
     other = _placed(piece.other, shardings, rng)
@@ -98,13 +90,7 @@ def measure(
 
 
 def launch_seconds(task: Task, repeats: int = 5) -> float:
-    """The time a program doing next to nothing takes on ``task`` as :func:`measure` times one.
-
-    Example:
-        >>> import mmnnx as mm
-        >>> launch_seconds(mm.Task("t", mesh=mm.TaskMesh(devices=[0]))) >= 0
-        True
-    """
+    """The time a program doing next to nothing takes on ``task`` as :func:`measure` times one."""
     x = jax.device_put(jnp.zeros((8,), jnp.float32), task.sharding())
     return _seconds(jax.jit(lambda x: x + 1), (x,), repeats)
 
@@ -175,9 +161,7 @@ def _input(aval: Any, task: Task, rows: int, rng: np.random.Generator) -> jax.Ar
     spec = PartitionSpec()
     if aval.ndim and aval.shape[0] == rows:
         batch = task.spec(("batch",) + (None,) * (aval.ndim - 1))
-        axes = batch[0] if batch else None
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        shards = math.prod(task.jax_mesh.shape[a] for a in names)
+        shards = math.prod(task.jax_mesh.shape[a] for a in axes_of(batch[0] if batch else None))
         if rows % shards == 0:
             spec = batch
     return jax.device_put(value, task.sharding(spec))

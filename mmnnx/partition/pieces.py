@@ -33,9 +33,7 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One timed part of the model: ``fn(params, other, inputs)`` returns its floating outputs;
-    ``grads``: which inputs take a gradient; ``key``: equal for pieces timed once (``None``:
-    a piece of its own)."""
+    """One timed part: ``fn(params, other, inputs)``; ``key`` equal for pieces timed once."""
 
     name: str
     fn: Callable[..., tuple]

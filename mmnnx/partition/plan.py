@@ -40,51 +40,28 @@ def partition(
     repeats: int = 5,
     report: bool = True,
 ) -> PartitionResult:
-    """Plans which of ``model``'s layers go on which of ``tasks`` (one per rank, in pipeline
-    order), with the schedule, microbatch count and stages per task, from measurements: the
-    fastest candidate whose predicted memory per device fits ``memory_budget``.
+    """Plans which of ``model``'s layers go on which of ``tasks`` (one per rank, in pipeline order),
+    with the schedule, microbatch count and stages per task: the fastest simulated candidate whose
+    predicted memory per device fits ``memory_budget`` (docs/pipelining.md says how).
 
-    ``loss_fn(model, batch)`` is the loss as the pipelined step computes it (what
-    ``mm.microbatch(nnx.value_and_grad(loss_fn), ...)`` runs), ``batch`` one step's batch (its
-    arrays' leading axis is cut into microbatches). The layers are those ``stage_rules`` cuts
-    (``blocks``, ``last`` as it takes them): each, the part before them (the embedding: on the
-    first stage) and the part after them (the head and the loss: on the last stage) is
-    compiled alone and timed on its stage's devices at each candidate microbatch size: its
-    forward, backward, input gradient (I) and weight gradient (W), with the bytes it keeps for
-    its backward and sends on; alike layers (same structure and shapes) are timed once, and
-    tasks of alike meshes share their times. ``model`` may be placed, on one device or
-    abstract (``nnx.eval_shape``: its values are then drawn); it is not changed.
-
-    Each boundary's transfer is ``mmnnx.link_timing.measure_link`` between its two tasks
-    applied to the bytes crossing it. Candidates are the contiguous splits of the layers into
-    ``len(tasks) * v`` stages, the first or the last stage holding none where the model has an
-    embedding or a head for it to hold alone (a large vocabulary's head and loss may weigh as
-    much as the layers of a stage) (all of them when there are at most ``search.EXHAUSTIVE``;
-    otherwise the split minimising the slowest stage, improved one boundary at a time) times
-    ``schedules`` (default: every registered one that places stages as the tasks allow) times
-    ``microbatches`` (default: the counts dividing the batch from ``len(tasks)`` to
-    ``4 * len(tasks)``) times ``virtual_stages``; each is simulated
-    (``mm.schedules.simulate`` with the measured times and transfers). A task's memory is its
-    stages' Variables, their ``optimizer`` state (an optax transform, as the step's
-    ``nnx.Optimizer`` holds it, for the ``wrt`` Variables) and the most activations its
-    stages hold at once in the simulated run. With ``report`` the table saying why is printed.
+    ``loss_fn(model, batch)`` is the loss as the pipelined step computes it, ``batch`` one step's
+    batch. The embedding, each layer (``stage_rules``'s, ``blocks`` and ``last`` as it takes them)
+    and the head with the loss are timed alone on their tasks (F, B, I, W) at each microbatch size;
+    candidates are the contiguous splits times ``schedules`` times ``microbatches`` (default: the
+    counts dividing the batch from ``len(tasks)`` to ``4 * len(tasks)``) times ``virtual_stages``.
+    ``model`` is not changed. With ``report`` the table is printed.
 
     Example:
         >>> # result = mm.schedules.partition(model, lambda m, b: m.loss(b), batch, tasks,
         >>> #                                 optimizer=optax.adamw(3e-4), microbatches=8)
-        >>> # print(result)            # per stage: layers, F/B/I/W, send, memory; runners-up
         >>> # model = mm.place(model, result.rules)
-        >>> # grad_fn = mm.microbatch(nnx.value_and_grad(loss_fn), num=result.num_microbatches,
-        >>> #                         schedule=result.best.table)
 
     Raises:
-        ValueError: bad input, before anything is measured: no tasks, a task not of this
-            process, no layers found or stacked ones, a head tied to the embedding, fewer
-            layers than stages, a microbatch count not dividing the batch, an unknown
-            schedule or one no ``virtual_stages`` allows, a malformed budget, a layer the loss
-            does not call once in order, a Variable's annotation naming an axis a task lacks.
-        NoCandidateError: no candidate fits ``memory_budget`` (the message names the
-            smallest budget that would fit) or none can run.
+        ValueError: bad input, before anything is measured (no tasks, a task of another process,
+            no layers or stacked ones, a tied head, too few layers, a count not dividing the
+            batch, an unknown schedule, a malformed budget, ...).
+        NoCandidateError: no candidate fits ``memory_budget`` (naming the smallest budget that
+            would) or none can run.
     """
     tasks = _checked_tasks(tasks)
     budget = _budget("partition", memory_budget)

@@ -13,15 +13,14 @@ from rich.table import Table
 
 from mmnnx._tables import Tabulation, render
 from mmnnx.mpmd import schedules as sched
+from mmnnx.partition.memory import format_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
-    """One stage of a split as the planner predicts it: per microbatch, the seconds of its
-    forward (F), backward (B) and split backward (I: input gradient, W: weight gradient), and
-    of sending its activations to the next stage; per device, the bytes of its Variables, of
-    their optimizer state, and of the activations it holds at most at once under the
-    schedule."""
+    """One stage as predicted: per microbatch, the seconds of its F, B, I, W and send; per
+    device, the bytes of its Variables, their optimizer state and the activations it holds at
+    most."""
 
     task: str
     first: int  # the first layer it holds
@@ -43,20 +42,16 @@ class StagePlan:
 
     @property
     def layers(self) -> str:
-        """``"0-3 + embedding"``: the layers it holds and the groups with them (``"head +
-        loss"`` alone for a last stage holding no layer)."""
+        """``"0-3 + embedding"``: the layers it holds and the groups with them."""
         span = str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
         return " + ".join([span] * (self.last >= self.first) + list(self.groups))
 
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """One simulated candidate: ``sizes[j]`` consecutive layers on stage ``j``, run with
-    ``schedule`` over ``num_microbatches`` microbatches and ``virtual_stages`` stages per
-    task; its predicted step time (seconds), the largest task's predicted memory per device
-    (bytes), why it was rejected (``""`` when it fits), each stage's numbers, and ``table``,
-    the schedule simulated (``mm.microbatch(schedule=split.table)`` runs it; the zero-bubble
-    schedules built by list scheduling are ordered for the predicted durations)."""
+    """One simulated candidate: ``sizes[j]`` layers on stage ``j`` under ``schedule``, with its
+    predicted step time, peak bytes per device, why it was rejected (``""``: not) and ``table``,
+    the schedule simulated (``mm.microbatch(schedule=split.table)`` runs it)."""
 
     sizes: tuple[int, ...]
     schedule: str
@@ -71,20 +66,14 @@ class Split:
 
 @dataclasses.dataclass
 class PartitionResult:
-    """The planned partition: ``rules`` for ``mm.init`` / ``mm.place`` (as ``stage_rules``
-    gives them), ``best`` (the fastest :class:`Split` that fits: its sizes, schedule,
-    microbatch count, virtual stages, predicted step time and stages), ``equal`` (the split
-    with the same number of layers on every stage, under the same schedule, for comparison;
-    ``None`` when that is ``best``), and ``candidates``: every split simulated, fastest first.
-    ``str`` draws the table saying why.
+    """The planned partition: ``rules`` for ``mm.init`` / ``mm.place``, ``best`` (the fastest
+    :class:`Split` that fits), ``equal`` (the equal split under the same schedule; ``None`` when
+    that is ``best``) and every ``candidates``, fastest first; ``str`` draws the table.
 
     Example (needs tasks on devices; see :func:`mmnnx.partition.partition`)::
 
         result = mm.schedules.partition(model, loss_fn, batch, tasks, optimizer=tx)
         model = mm.place(model, result.rules)
-        grad_fn = mm.microbatch(nnx.value_and_grad(loss_fn), num=result.num_microbatches,
-                                schedule=result.best.table,
-                                virtual_stages=result.virtual_stages)
     """
 
     rules: list[tuple[str, Any]]
@@ -124,8 +113,7 @@ class PartitionResult:
         return self.best.stages
 
     def table(self, runners_up: int = 5) -> Tabulation:
-        """The chosen split's stages, then the fastest ``runners_up`` other candidates and
-        the equal split (text, and HTML in Jupyter)."""
+        """The chosen split's stages, then ``runners_up`` other candidates and the equal split."""
         others = [c for c in self.candidates if c is not self.best][:runners_up]
         if self.equal is not None and self.equal not in others:
             others.append(self.equal)
@@ -154,12 +142,7 @@ def _ms(seconds: float | None) -> str:
 
 
 def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    return "-" if n is None else format_bytes(n)
 
 
 def _stages_table(best: Split, layers: str) -> Table:

@@ -33,9 +33,8 @@ class Option:
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """What the search reads: per (home task name, microbatch rows) the timings of the
-    embedding, each layer and the head with the loss; per (task, task) the link; per task a
-    program's launch; ``ends``: whether the first and the last stage may hold no layer."""
+    """What the search reads: timings per (task, rows), links, launches; ``ends``: empty end
+    stages."""
 
     tasks: tuple[Task, ...]
     rows: int  # of the whole batch
@@ -52,15 +51,8 @@ class Profile:
 def splits(
     n: int, stages: int, ends: tuple[bool, bool] = (False, False)
 ) -> Iterator[tuple[int, ...]]:
-    """Every way of cutting ``n`` layers into ``stages`` consecutive runs, each non-empty but
-    the first and the last where ``ends`` allows.
-
-    Example:
-        >>> list(splits(4, 2))
-        [(1, 3), (2, 2), (3, 1)]
-        >>> list(splits(3, 2, ends=(False, True)))
-        [(1, 2), (2, 1), (3, 0)]
-    """
+    """Every way of cutting ``n`` layers into ``stages`` consecutive runs, each non-empty but the
+    first and the last where ``ends`` allows."""
     for cuts in itertools.combinations(_cut_points(n, ends), stages - 1):
         bounds = (0, *cuts, n)
         yield tuple(b - a for a, b in itertools.pairwise(bounds))
@@ -71,12 +63,7 @@ def _cut_points(n: int, ends: tuple[bool, bool]) -> range:
 
 
 def equal_split(n: int, stages: int) -> tuple[int, ...]:
-    """The same number of layers on every stage (the first ones one more where needed).
-
-    Example:
-        >>> equal_split(10, 4)
-        (3, 3, 2, 2)
-    """
+    """The same number of layers on every stage (the first ones one more where needed)."""
     return tuple(n // stages + (1 if j < n % stages else 0) for j in range(stages))
 
 

@@ -26,19 +26,7 @@ class TracedFactory(NamedTuple):
 
 def trace_factory(factory: Callable[[], Any]) -> TracedFactory:
     """``factory()`` traced once: the arrays it makes are computed later from the trace, the rest
-    kept as made. Raises a ValueError where it changes state created outside it, a TypeError
-    where a Variable holds traced arrays inside another value.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> class Cached(nnx.Module):
-        ...     def __init__(self):
-        ...         self.w = nnx.Param(jnp.zeros(2))
-        ...         self.cache = nnx.data(jnp.ones(3))
-        >>> traced = trace_factory(Cached)
-        >>> traced.outputs, traced.model.cache.shape
-        ([('cache',), ('w',)], (3,))
-    """
+    kept as made."""
     made = []
 
     def build():

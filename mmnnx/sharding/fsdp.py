@@ -15,7 +15,6 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from flax import nnx
 from jax.sharding import PartitionSpec
@@ -24,18 +23,12 @@ from mmnnx._nnx import logical_names
 from mmnnx.sharding.place import declared_spec
 from mmnnx.sharding.rules import SpecOrFn, compile_rules
 from mmnnx.sharding.stack import TaskStack
-from mmnnx.sharding.task import Task
+from mmnnx.sharding.task import Task, axes_of
 
 
 class FSDPReplicatedWarning(UserWarning):
     """A Variable :func:`fsdp_rules` could not shard: none of its free dimensions is divisible
     by the axis size, so each device of the axis keeps all of it."""
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def shard_largest(
@@ -46,54 +39,31 @@ def shard_largest(
     *,
     skip: int = 0,
 ) -> PartitionSpec | None:
-    """``spec`` with ``axis`` added on the largest dimension of ``shape`` (from dimension
-    ``skip`` on) that ``spec`` leaves whole and the axis size divides (the first of equal ones);
-    failing one, on the largest already sharded dimension that the axes on it together with
-    ``axis`` divide (``('model', 'fsdp')``). ``spec`` itself if it already uses ``axis``;
-    ``None`` if no dimension fits. ``sizes``: the mesh's axis sizes.
-
-    Example:
-        >>> sizes = {"fsdp": 2, "model": 2}
-        >>> shard_largest(PartitionSpec(None, "model"), (16, 64), "fsdp", sizes)
-        P('fsdp', 'model')
-        >>> shard_largest(PartitionSpec("model"), (64,), "fsdp", sizes)
-        P(('model', 'fsdp'),)
-        >>> shard_largest(PartitionSpec(), (3, 8, 5), "fsdp", sizes, skip=1)
-        P(None, 'fsdp', None)
-        >>> shard_largest(PartitionSpec(), (), "fsdp", sizes) is None
-        True
-    """
+    """``spec`` with ``axis`` added on the largest dimension of ``shape`` (from dimension ``skip``
+    on) that ``spec`` leaves whole and the axis size divides (the first of equal ones); failing one,
+    on the largest already sharded dimension that the axes on it together with ``axis`` divide
+    (``('model', 'fsdp')``)."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    if any(axis in _axes(e) for e in entries):
+    if any(axis in axes_of(e) for e in entries):
         return spec
 
     def split(d: int) -> int:
-        return math.prod(sizes[a] for a in _axes(entries[d])) * sizes[axis]
+        return math.prod(sizes[a] for a in axes_of(entries[d])) * sizes[axis]
 
     fits = [d for d in range(skip, len(shape)) if shape[d] % split(d) == 0]
     free = [d for d in fits if entries[d] is None]
     if not fits:
         return None
     best = max(free or fits, key=lambda d: (shape[d], -d))
-    entries[best] = axis if entries[best] is None else (*_axes(entries[best]), axis)
+    entries[best] = axis if entries[best] is None else (*axes_of(entries[best]), axis)
     return PartitionSpec(*entries)
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardLargest:
     """A placement rule's spec function: the spec the rule gave (``base``: a PartitionSpec, a
-    function, or ``None`` for the Variable's own logical names on ``task``) with ``axis`` added
-    on its largest free dimension (:func:`shard_largest`). A stacked Variable's layer axis, split
-    over the stack's tasks, is never chosen.
-
-    Example:
-        >>> from mmnnx.sharding import TaskMesh
-        >>> t = Task("t", mesh=TaskMesh(devices=range(2), axis_names=("fsdp",)))
-        >>> with nnx.use_eager_sharding(False):
-        ...     layer = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
-        >>> ShardLargest(t, "fsdp")("kernel", layer.kernel)
-        P(None, 'fsdp')
-    """
+    function, or ``None`` for the Variable's own logical names on ``task``) with ``axis`` added on
+    its largest free dimension (:func:`shard_largest`)."""
 
     task: Task | TaskStack
     axis: str
@@ -128,15 +98,9 @@ class ShardLargest:
 
 
 def fsdp_rules(rules: Sequence[tuple] | Mapping, axis: str = "fsdp") -> list[tuple]:
-    """Placement rules that place as ``rules`` do and also shard each Variable's largest free
-    dimension over the mesh axis ``axis`` of its task (:class:`ShardLargest`): FSDP (ZeRO-3)
-    inside each task, for any model. Parameters and their optimizer state take ``1/N`` of their
-    bytes per device (``N`` the axis size); split the batch over ``axis`` too (a logical rule
-    ``batch=("data", axis)``) so that the axis also runs data parallel. Moves nothing.
-
-    Raises:
-        ValueError: a rule's task (or a task of its stack) has no mesh axis ``axis``, naming
-            the rule and the task's axes; any problem ``mm.place`` finds in ``rules``.
+    """Rules placing as ``rules`` do, each Variable's largest free dimension also sharded over its
+    task's mesh axis ``axis`` (FSDP, ZeRO-3, inside each task: :class:`ShardLargest`). Raises
+    ``ValueError`` for a task without ``axis``, and what ``mm.place`` raises for ``rules``.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh, place

@@ -26,11 +26,9 @@ def current_multimesh() -> MultiMesh | None:
 
 
 class MultiMesh:
-    """The global mesh, sliced by named axes into the submeshes that tasks run on.
-
-    Entering it as a context manager makes the global mesh ambient (``jax.set_mesh``) and turns off
-    Flax's eager sharding, so that ``nnx.with_partitioning`` names stay logical until ``mm.place``
-    translates them per task.
+    """The global mesh, sliced by named axes into task submeshes. Entering it sets the global mesh
+    (``jax.set_mesh``) and turns Flax's eager sharding off, so logical names stay logical until
+    ``mm.place``.
 
     Example:
         >>> mesh = MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"))

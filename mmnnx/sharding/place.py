@@ -98,19 +98,7 @@ def _task_spec(
 
 def declared_spec(task: Task, variable: nnx.Variable, where: str) -> PartitionSpec:
     """The spec a Variable declares for itself on ``task``: its annotated spec or logical names
-    through the task's rules; replicated when it declares none. ``where`` names it in errors.
-
-    Example:
-        >>> from mmnnx.sharding import TaskMesh
-        >>> from mmnnx.sharding.task import logical_rules
-        >>> t = Task("t", mesh=TaskMesh(devices=range(2), axis_names=("model",)),
-        ...          logical_axes=logical_rules(mlp="model"))
-        >>> init = nnx.with_partitioning(nnx.initializers.ones_init(), ("embed", "mlp"))
-        >>> with nnx.use_eager_sharding(False):
-        ...     layer = nnx.Linear(2, 4, kernel_init=init, rngs=nnx.Rngs(0))
-        >>> declared_spec(t, layer.kernel, "kernel"), declared_spec(t, layer.bias, "bias")
-        (P(None, 'model'), P())
-    """
+    through the task's rules; replicated when it declares none."""
     annotated = annotated_spec(variable)
     if annotated is not None:  # Flax's explicit form: device axes, or logical names
         return task.resolve(annotated, where=where)
@@ -150,15 +138,7 @@ def _check_tasks(rules: list[PlacementRule]) -> None:
 def plan_placement(
     model: Any, rules: Sequence[tuple] | Mapping, *, strict: bool = True
 ) -> list[Assignment]:
-    """Matches every Variable of ``model`` to a rule and checks its spec; moves nothing.
-
-    Example:
-        >>> from mmnnx.sharding import TaskMesh
-        >>> t = Task("t", mesh=TaskMesh(devices=[0]))
-        >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-        >>> [path_str(a.path) for a in plan_placement(model, [(".*", t)])]
-        ['bias', 'kernel']
-    """
+    """Matches every Variable of ``model`` to a rule and checks its spec; moves nothing."""
     return _plan(variables_of(model), rules, strict)
 
 
@@ -237,15 +217,15 @@ def _commit(assignments: list[Assignment], values: list[Any]) -> None:
 
 
 def place(model: M, rules: Sequence[tuple] | Mapping, *, strict: bool = True) -> M:
-    """Moves every Variable of ``model`` to the task its first matching rule names.
+    """Moves every Variable of ``model`` to the task its first matching rule names; returns
+    ``model``.
 
-    ``rules`` is a sequence of ``(filter, task)`` or ``(filter, task, spec)`` (or a dict
-    ``{filter: task}``). A ``str`` filter is a
-    regular expression searched in the Variable's ``/``-joined path; any NNX filter works too.
-    ``spec`` is a PartitionSpec or a callable ``(path, variable) -> PartitionSpec``; without it,
-    the Variable's logical names (``nnx.with_partitioning``) are translated by the task's rules,
-    else it is replicated. The task and spec are kept in the Variable's metadata (keys
-    ``mm_task`` and ``mm_spec``). With ``strict=True`` a Variable that no rule matches is an error.
+    ``rules``: ``(filter, task)`` or ``(filter, task, spec)`` items (or ``{filter: task}``); a
+    ``str`` filter is a regular expression searched in the ``/``-joined path, any NNX filter works
+    too. ``spec`` is a PartitionSpec or ``(path, variable) -> PartitionSpec``; without it the
+    Variable's logical names go through the task's rules, else it is replicated. Task and spec are
+    kept in the Variable's metadata (``mm_task``, ``mm_spec``). ``strict``: an unmatched Variable is
+    an error.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh
@@ -270,19 +250,8 @@ def place_made(
     *,
     strict: bool = True,
 ) -> M:
-    """Places ``model`` (built abstractly) as :func:`place` would, each Variable's value made by
-    ``make(path, variable, sharding)`` on its sharding, or a placeholder where this process
-    holds none of it.
-
-    Example:
-        >>> from mmnnx.sharding import TaskMesh
-        >>> t = Task("t", mesh=TaskMesh(devices=[0]))
-        >>> model = nnx.eval_shape(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
-        >>> model = place_made(model, [(".*", t)],
-        ...                    lambda path, v, s: jax.device_put(jax.numpy.ones(v.shape), s))
-        >>> float(model.kernel[...].sum())
-        6.0
-    """
+    """Places abstract ``model`` as :func:`place` would, values by ``make(path, variable,
+    sharding)``."""
     assignments = plan_placement(model, rules, strict=strict)
     values = [
         make(path_str(a.path), a.variable, a.sharding)
@@ -297,20 +266,12 @@ def place_made(
 def init(factory: Callable[[], M], rules: Sequence[tuple] | Mapping, *, strict: bool = True) -> M:
     """Builds ``factory()`` with each task's Variables created directly on that task's submesh.
 
-    The factory is traced once (which also gives the model's structure); then the Variables
-    are computed on one device, each Variable's own ops as one compiled program that equal
-    layers share whatever the number of tasks, and moved to their tasks' shardings in batches
-    of at most 64 MiB, so no full copy of the model ever exists on one device. A task spanning
-    processes runs one jitted init instead, sharded as the rules say; each process computes
-    only the tasks it takes part in. The values equal ``place(factory(), rules)`` for the same
-    RNG seed. ``factory`` must create its own ``nnx.Rngs``. What else the model holds is
-    built as ``factory()`` builds it: arrays kept as ``nnx.data`` (or plain attributes) on this
-    process's first device, numpy arrays and Python values as the factory made them.
-
-    Raises:
-        ValueError: a rule problem (as :func:`place`), or a factory that changes state created
-            outside it (an ``nnx.Rngs`` it closes over), before anything is built.
-        TypeError: a Variable holds traced arrays inside another value (a tuple), naming it.
+    The factory is traced once; each Variable is then computed on one device (equal layers share one
+    compiled program) and moved to its task in batches of at most 64 MiB, so no full copy of the
+    model is ever on one device (a task spanning processes runs one jitted init instead). The values
+    equal ``place(factory(), rules)``'s for the same seed; ``factory`` must create its own
+    ``nnx.Rngs``. Raises as :func:`place` does, before anything is built, and for a factory that
+    changes state made outside it.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh
@@ -404,15 +365,7 @@ class Mirror(NamedTuple):
 
 def optimizer_mirrors(opt: Any, model: Any) -> list[Mirror]:
     """Each optimizer-state Variable of ``opt`` whose path ends with (the longest such) path of a
-    Variable of ``model`` of its shape.
-
-    Example:
-        >>> import optax
-        >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-        >>> opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
-        >>> [(path_str(m.path), path_str(m.param_path)) for m in optimizer_mirrors(opt, model)][:2]
-        [('opt_state/0/mu/bias', 'bias'), ('opt_state/0/mu/kernel', 'kernel')]
-    """
+    Variable of ``model`` of its shape."""
     params = {path: v for path, v in variables_of(model) if not mirrors_a_variable(v)}
     mirrors = []
     for path, state in variables_of(opt):
@@ -440,11 +393,7 @@ class Misplaced(NamedTuple):
 
 
 def check_optimizer_placement(roots: Sequence[tuple[str, Any]]) -> None:
-    """Raises :class:`~mmnnx.MPMDError` if :func:`misplaced_optimizer_state` finds any.
-
-    Example:
-        >>> check_optimizer_placement([("x", 1.0)])
-    """
+    """Raises :class:`~mmnnx.MPMDError` if :func:`misplaced_optimizer_state` finds any."""
     misplaced = misplaced_optimizer_state(roots)
     if misplaced:
         first = misplaced[0]
@@ -459,20 +408,8 @@ def check_optimizer_placement(roots: Sequence[tuple[str, Any]]) -> None:
 
 
 def misplaced_optimizer_state(roots: Sequence[tuple[str, Any]]) -> list[Misplaced]:
-    """Among named roots (a step's arguments), the optimizer state that is not on the task of
-    the placed model Variable it is kept for.
-
-    Example:
-        >>> import optax
-        >>> from mmnnx.sharding import TaskMesh
-        >>> s0, s1 = Task("s0", mesh=TaskMesh(devices=[0])), Task("s1", mesh=TaskMesh(devices=[1]))
-        >>> model = place(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), [(".*", s0)])
-        >>> opt = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
-        >>> model = place(model, [(".*", s1)])
-        >>> [(m.path, m.task.name, m.param_task.name)
-        ...  for m in misplaced_optimizer_state([("model", model), ("opt", opt)])][:1]
-        [('opt/opt_state/0/trace/bias', 's0', 's1')]
-    """
+    """Among named roots (a step's arguments), the optimizer state that is not on the task of the
+    placed model Variable it is kept for."""
     found = []
     for opt_name, opt in roots:
         if not any(mirrors_a_variable(v) for _, v in variables_of(opt)):
@@ -495,18 +432,10 @@ def misplaced_optimizer_state(roots: Sequence[tuple[str, Any]]) -> list[Misplace
 
 
 def place_optimizer(opt: Opt, model: Any) -> Opt:
-    """Places the optimizer state kept for each placed Variable of ``model`` (Adam's moments,
-    say) on that Variable's task and PartitionSpec; returns ``opt``.
-
-    ``nnx.Optimizer`` copies each parameter's placement into its state when it is created. After
-    ``model`` is placed again with :func:`place`, call this so that the state follows its
-    parameters; ``mm.jit`` refuses a step whose optimizer state was left on another task. State
-    that is not kept per Variable (the step count) stays where it is, so an optimizer that keeps
-    none (``optax.sgd`` without momentum) has nothing to move.
-
-    Raises:
-        ValueError: ``opt`` keeps state per Variable, but none for a Variable of ``model`` (it
-            was created for another model).
+    """Places the optimizer state kept for each placed Variable of ``model`` (Adam's moments) on
+    that Variable's task and spec; returns ``opt``. Call it after placing a model again whose
+    optimizer exists (``mm.jit`` refuses state left on another task). Raises ``ValueError`` when
+    ``opt`` keeps per-Variable state but none for ``model``'s.
 
     Example:
         >>> import optax
@@ -558,15 +487,15 @@ def placement(model: Any) -> dict[str, tuple[str, PartitionSpec]]:
 
 
 def task_of(variable: nnx.Variable) -> Task | None:
-    """The task a Variable was placed on by ``place``/``init``, or ``None`` (also for stacked
-    layers split over several tasks: see :func:`stack_of`)."""
+    """The task ``place``/``init`` put a Variable on, or ``None`` (also for a stack:
+    :func:`stack_of`)."""
     task = variable.get_metadata(TASK_KEY, None)
     return task if isinstance(task, Task) else None
 
 
 def stack_of(variable: nnx.Variable) -> TaskStack | None:
-    """The tasks a stacked Variable's leading axis is split over (a rule naming a list of
-    tasks), or ``None``.
+    """The tasks a stacked Variable's leading axis is split over (a rule naming a list), or
+    ``None``.
 
     Example:
         >>> from mmnnx.sharding import TaskMesh

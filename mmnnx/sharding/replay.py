@@ -16,10 +16,8 @@ from mmnnx._jax.tracing import debug_info
 def replay(
     closed: jcore.ClosedJaxpr, wanted: Sequence[int], device: Any, put: Callable[[int, Any], None]
 ) -> None:
-    """Computes on ``device`` the outputs ``wanted`` of ``closed`` (a function of no arguments)
-    and hands each to ``put(index, value)`` as soon as it is made. The ops only one output needs
-    run as one program per output, cached by structure; shared or effectful ops run one by one.
-    """
+    """Computes on ``device`` the outputs ``wanted`` of ``closed`` (a function of no arguments) and
+    hands each to ``put(index, value)`` as soon as it is made."""
     jaxpr = closed.jaxpr
     keep = sorted(set(wanted))
     owner = _owners(jaxpr, [(i, jaxpr.outvars[i]) for i in keep])

@@ -62,15 +62,7 @@ def _predicate(flt: Any, index: int) -> Callable[[Path, Any], bool]:
 
 def compile_rules(rules: Sequence[tuple] | Mapping) -> list[PlacementRule]:
     """Checks and compiles ``(filter, task)`` / ``(filter, task, spec)`` tuples (or a dict), in
-    order; a list of tasks becomes a :class:`TaskStack`.
-
-    Example:
-        >>> import jax
-        >>> from mmnnx.sharding.task_mesh import TaskMesh
-        >>> t = Task("t", mesh=TaskMesh(devices=[0]))
-        >>> [r.describe() for r in compile_rules([("layers/0", t)])]
-        ["rule 0 ('layers/0' -> task 't')"]
-    """
+    order; a list of tasks becomes a :class:`TaskStack`."""
     if isinstance(rules, Mapping):
         rules = list(rules.items())
     if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):

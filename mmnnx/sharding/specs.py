@@ -22,14 +22,7 @@ def _entry_axes(entry) -> tuple[str, ...]:
 
 
 def check_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str) -> PartitionSpec:
-    """Checks that ``spec`` can shard an array of ``shape`` on ``mesh``; returns it.
-
-    Example:
-        >>> import jax, numpy as np
-        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
-        >>> check_spec(PartitionSpec("x"), (4,), mesh, "w")
-        P('x',)
-    """
+    """Checks that ``spec`` can shard an array of ``shape`` on ``mesh``; returns it."""
     if not isinstance(spec, PartitionSpec):
         raise TypeError(f"{where}: spec {spec!r} is not a jax.sharding.PartitionSpec")
     if len(spec) > len(shape):
@@ -64,15 +57,6 @@ def check_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str
     return spec
 
 
-def shard_shape(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> tuple[int, ...]:
-    """The shape of one device's shard of an array of ``shape`` sharded by ``spec`` on ``mesh``."""
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    out = list(shape)
-    for dim, entry in enumerate(spec):
-        out[dim] //= math.prod(sizes[a] for a in _entry_axes(entry))
-    return tuple(out)
-
-
 def bytes_per_device(shape: Sequence[int], dtype, spec: PartitionSpec, mesh: Mesh) -> int:
     """Bytes one device holds of an array sharded by ``spec`` on ``mesh``.
 
@@ -82,7 +66,10 @@ def bytes_per_device(shape: Sequence[int], dtype, spec: PartitionSpec, mesh: Mes
         >>> bytes_per_device((4, 8), np.float32, PartitionSpec("x"), mesh)
         128
     """
-    return math.prod(shard_shape(shape, spec, mesh)) * itemsize(dtype)
+    out = list(shape)
+    for dim, entry in enumerate(spec):
+        out[dim] //= math.prod(mesh.shape[a] for a in _entry_axes(entry))
+    return math.prod(out) * itemsize(dtype)
 
 
 @functools.cache

@@ -28,11 +28,8 @@ STACK_AXIS = "mm_stack"
 
 @dataclasses.dataclass(frozen=True)
 class TaskStack:
-    """Tasks that share a stacked Variable's leading axis: task ``i`` holds chunk ``i`` of equal,
-    contiguous chunks, sharded inside the task by the Variable's PartitionSpec.
-
-    The tasks need meshes of one shape and axis names (one ``jax.Array`` holds the stack, and a
-    ``jax.Array`` has equal shards); the leading axis length must be a multiple of their number.
+    """Tasks sharing a stacked Variable's leading axis, task ``i`` holding chunk ``i`` of equal
+    contiguous chunks; their meshes must be of one shape (one ``jax.Array`` holds the stack).
 
     Example:
         >>> from mmnnx.sharding.task_mesh import TaskMesh
@@ -92,11 +89,8 @@ class TaskStack:
         return Mesh(devices, (STACK_AXIS, *self.tasks[0].axis_names))
 
     def chunks(self, length: int, *, where: str | None = None) -> list[tuple[int, int]]:
-        """The ``(start, stop)`` of each task's chunk of a leading axis of ``length``.
-
-        Raises:
-            ValueError: ``length`` is not a multiple of the number of tasks (naming ``where``).
-        """
+        """The ``(start, stop)`` of each task's chunk of ``length``; ``ValueError`` unless the
+        tasks divide it."""
         k = len(self.tasks)
         if length % k:
             raise ValueError(

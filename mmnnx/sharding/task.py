@@ -16,9 +16,8 @@ LogicalRules = tuple[tuple[str, DeviceAxes], ...]
 
 
 def logical_rules(*pairs: tuple[str, DeviceAxes], **rules: DeviceAxes) -> LogicalRules:
-    """Builds priority-ordered ``(logical_name, device_axis_or_None)`` pairs.
-
-    Positional pairs come first, then keyword rules in the order written.
+    """Priority-ordered ``(logical_name, device_axis_or_None)`` pairs: positional ones, then
+    keywords.
 
     Example:
         >>> logical_rules(batch="data", mlp="model", embed=None)
@@ -52,7 +51,8 @@ def normalize_rules(rules: Any, what: str) -> LogicalRules:
     return tuple(out)
 
 
-def _axes_tuple(axes: DeviceAxes) -> tuple[str, ...]:
+def axes_of(axes: DeviceAxes) -> tuple[str, ...]:
+    """The device axes of a spec entry as a tuple (``None``: none)."""
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -60,11 +60,8 @@ def _axes_tuple(axes: DeviceAxes) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """A named place for computation and state: a submesh plus logical-axis rules.
-
-    ``mesh`` is a :class:`TaskMesh` or a ``jax.sharding.Mesh`` (e.g. ``MultiMesh.slice(...)``).
-    ``logical_axes`` are priority-ordered ``(logical_name, device_axis_or_None)`` pairs;
-    ``extra_axes`` are further pairs tried after them.
+    """A named place for computation and state: a ``mesh`` (:class:`TaskMesh` or
+    ``jax.sharding.Mesh``) and priority-ordered ``logical_axes`` rules (then ``extra_axes``).
 
     Example:
         >>> tm = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("data", "model"))
@@ -91,7 +88,7 @@ class Task:
         if self.mesh is not None:
             names = self.axis_names
             for logical, axes in self.logical_axes + self.extra_axes:
-                for axis in _axes_tuple(axes):
+                for axis in axes_of(axes):
                     if axis not in names:
                         raise ValueError(
                             f"{what}: logical rule {logical!r} -> {axis!r} names a device axis "
@@ -122,8 +119,8 @@ class Task:
 
     @property
     def home(self) -> Task:
-        """The task whose devices this one runs on: itself, or for a :meth:`virtual_stage` the
-        task it is a stage of.
+        """The task whose devices this one runs on: itself, or the task a :meth:`virtual_stage` is
+        of.
 
         Example:
             >>> t = Task("t", mesh=TaskMesh(devices=[0]))
@@ -133,14 +130,9 @@ class Task:
         return self
 
     def virtual_stage(self, index: int) -> Task:
-        """This task's ``index``-th pipeline stage, for a model whose forward pass visits the task
-        more than once in a row (the V placement of ``zero-bubble-v``).
-
-        A pipeline finds its stages where the forward pass changes task, so two consecutive stages
-        on one task need two names: ``virtual_stage(1)`` is a task on the same mesh, with the same
-        rules, named ``"<name>:1"``, that placement may give the same devices as this one and that
-        the pipeline runs on this task's rank. ``virtual_stage(0)`` is this task.
-        ``mm.stage_rules(..., virtual_stages=2, order="v")`` uses it.
+        """This task's ``index``-th pipeline stage (``"<name>:<index>"``, same mesh and rules, run
+        on this task's rank), for a forward pass that visits the task more than once in a row (the V
+        placement of ``zero-bubble-v``); ``virtual_stage(0)`` is this task.
 
         Example:
             >>> t = Task("t", mesh=TaskMesh(devices=[0]))
@@ -181,10 +173,9 @@ class Task:
         return self.logical_axes + self.extra_axes
 
     def spec(self, logical_names: Sequence[str | None]) -> PartitionSpec:
-        """Translates logical dimension names to a PartitionSpec over this task's device axes.
-
-        Rules are tried in priority order; a device axis is used at most once per spec, so a later
-        dimension that would reuse it is replicated. A name no rule maps is replicated.
+        """Logical dimension names translated by the rules, in priority order, to a PartitionSpec; a
+        device axis is used once per spec (a later dimension reusing it, or an unmapped name, is
+        replicated).
 
         Example:
             >>> tm = TaskMesh(devices=range(2), axis_names=("model",))
@@ -201,7 +192,7 @@ class Task:
         result: list[Any] = [unassigned] * len(names)
         used: set[str] = set()
         for logical, axes in self.rules:
-            wanted = _axes_tuple(axes)
+            wanted = axes_of(axes)
             for dim, n in enumerate(names):
                 if n != logical or result[dim] is not unassigned or used.intersection(wanted):
                     continue
@@ -210,10 +201,8 @@ class Task:
         return PartitionSpec(*(None if r is unassigned else r for r in result))
 
     def resolve(self, names: Sequence[Any], *, where: str | None = None) -> PartitionSpec:
-        """Translates spec entries that mix logical names and this task's device axes: a logical
-        name goes through the rules (as in :meth:`spec`), a device axis (or a tuple of them)
-        stays as it is, ``None`` replicates. A name that is neither is replicated, or, with
-        ``where`` (what is being placed), raises a ``ValueError`` naming it.
+        """Spec entries mixing logical names (through the rules) and this task's device axes (kept);
+        an entry that is neither is replicated, or with ``where`` raises a ``ValueError`` naming it.
 
         Example:
             >>> tm = TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("data", "model"))
@@ -229,7 +218,7 @@ class Task:
         out: list[Any] = []
         for n, t in zip(names, translated, strict=True):
             unknown = [
-                a for a in (_axes_tuple(n) if isinstance(n, str | tuple) else ()) if a not in axes
+                a for a in (axes_of(n) if isinstance(n, str | tuple) else ()) if a not in axes
             ]
             if n is None or (isinstance(n, str) and n in logical):
                 out.append(t)
