@@ -21,7 +21,7 @@ from mmnnx.partition.cost import (
     Collectives,
     DeviceSpec,
     StepCost,
-    stage_action_costs,
+    stage_costs,
     step_cost,
 )
 from mmnnx.partition.memory import MemoryPrediction, format_bytes, predict_memory
@@ -163,23 +163,30 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
         >>> assumptions(DEVICES["h100"], ENGINE)[0][:60]
         'h100: 989 TFLOP/s peak dense bf16, 70% reached on the model '
     """
-    grads = {"microbatch": "in every backward (mmnnx's engine)", "step": "once per step"}
+    grads = {
+        "microbatch": "in every backward (mmnnx's engine)",
+        "step": "once per step in float32, on the network beside the compute",
+    }
     gathers = {"microbatch": "in every forward and backward (mmnnx's engine)",
-               "step": "once per model stage per step"}  # fmt: skip
+               "step": "once per model stage per step in the compute dtype, prefetched (a "
+                       "task's first waited for)"}  # fmt: skip
     return [
         f"{device.name}: {device.flops / 1e12:.0f} TFLOP/s peak dense bf16, "
         f"{device.efficiency:.0%} reached on the model FLOPs (one number for every device "
         "and model)",
         f"links: {device.intra_bandwidth / 1e9:.0f} GB/s per device one way inside a node of "
         f"{device.node_size}, {device.inter_bandwidth / 1e9:.0f} GB/s across nodes; ring "
-        "collectives, none overlapped with compute",
+        "collectives",
         "per block: 2 tensor-parallel all-reduces forward, 2 backward; per MoE block 2 "
-        "all-to-alls each way, experts balanced",
+        "all-to-alls each way, experts balanced; none overlapped with compute",
         f"gradient all-reduce over data x expert {grads[collectives.gradients]}; FSDP "
         f"all-gathers {gathers[collectives.gathers]}",
-        "FLOPs: 2 per weight per token forward, causal attention scores, backward 2 x "
-        "forward, remat full recomputes the forward; MFU counts 3 x forward (no recompute)",
-        "not charged: optimizer update, data loading, kernel launches, stragglers",
+        f"FLOPs: 2 per weight per token forward, causal attention scores, backward "
+        f"{device.backward:g} x forward, remat full recomputes the forward; MFU counts 3 x "
+        "forward (no recompute)",
+        f"optimizer update: each task's AdamW state read and written once at "
+        f"{device.memory_bandwidth / 1e12:.2f} TB/s, after its gradients are reduced",
+        "not charged: data loading, kernel launches, stragglers",
     ]
 
 
@@ -279,18 +286,15 @@ def _schedules(stages: int, depth: int, fixed: Mapping[str, Any]) -> list[tuple[
 def _estimate(config, layout, device, batch, seq, collectives) -> float:
     """A step's seconds without simulating: the schedule's textbook bubble on the slowest
     stage's costs (ranks the candidates; the chosen ones are simulated)."""
-    costs, transfer, per_stage, _ = stage_action_costs(
-        config, layout, device, batch=batch, seq=seq, collectives=collectives
-    )
+    costs = stage_costs(config, layout, device, batch=batch, seq=seq, collectives=collectives)
     p, v, m = layout.stages, layout.virtual_stages, layout.microbatches
-    f = max(c for (k, _), c in costs.items() if k == "F") * v
-    b = max(c for (k, _), c in costs.items() if k == "B") * v
-    w = max(c for (k, _), c in costs.items() if k == "W") * v
+    f, b, w = (max(c for (k, _), c in costs.actions.items() if k == kind) * v for kind in "FBW")
     if layout.schedule.startswith("zero-bubble"):
         span = m * (f + b) + (p - 1) * max(f + b - 2 * w, f / 3)
     else:
         span = (m + (p - 1) / v) * (f + b)
-    return span + 2 * (p - 1) * transfer + sum(per_stage) * v / (p * v)
+    once = max(costs.gathers) + sum(costs.updates) / p
+    return span + 2 * (p - 1) * costs.transfer + once
 
 
 def _held(layout: ClusterLayout, rank: int) -> float:

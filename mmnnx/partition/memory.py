@@ -397,14 +397,42 @@ class _Stage(NamedTuple):
     block_kept: float
 
 
+def _weights_of(config: GPTConfig, lay: MemoryLayout, blocks: Sequence[int], first: bool,
+                last: bool, pack_limit: float = 0, itemsize: int = 1) -> _Weights:  # fmt: skip
+    """The parameters of a model stage holding ``blocks`` (the embedding when ``first``, the
+    final norm and head when ``last``) per device before ``fsdp``."""
+    dim, vocab = config.dim, config.vocab_size
+    weights = sum((_block_weights(config.block_configs[i], dim, lay, pack_limit, itemsize)
+                   for i in blocks), _Weights())  # fmt: skip
+    if first:
+        weights += _weight((vocab, dim), lay.tensor, 0, itemsize)
+    if last:
+        head = 0 if config.tie_embeddings else vocab * dim
+        weights += _weight((head,), lay.tensor, 0, itemsize) + _Weights(dim, 0, dim)
+    return weights
+
+
+def stage_weights(config: GPTConfig, layout: MemoryLayout, sizes: Sequence[int]) -> list[float]:
+    """The parameter elements per device (before ``fsdp``) of each model stage holding
+    ``sizes`` blocks in turn.
+
+    Example:
+        >>> stage_weights(GPTConfig(vocab_size=8, dim=4, depth=2, num_heads=2), MemoryLayout(),
+        ...               (1, 1))
+        [232.0, 232.0]
+    """
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    return [_weights_of(config, layout, range(a, a + n), a == 0, a + n == sum(sizes)).total
+            for a, n in zip(starts, sizes, strict=True)]  # fmt: skip
+
+
 def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool) -> _Stage:
     """The terms of the model stage holding ``blocks`` (and the embedding when ``first``, the
     final norm, head and loss when ``last``)."""
     config, lay, dtype, tokens = shapes.config, shapes.layout, shapes.dtype, shapes.tokens
     dim, vocab, param_bytes = config.dim, config.vocab_size, shapes.param_bytes
     layers = [config.block_configs[i] for i in blocks]
-    weights = sum((_block_weights(b, dim, lay, shapes.pack_limit, param_bytes) for b in layers),
-                  _Weights())  # fmt: skip
+    weights = _weights_of(config, lay, blocks, first, last, shapes.pack_limit, param_bytes)
     res = [_block_residuals(b, dim, tokens, shapes.seq, lay, dtype, shapes.remat,
                             reference=shapes.reference) for b in layers]  # fmt: skip
     block_full, block_kept = max(r.full for r in res), max(r.kept for r in res)
@@ -412,11 +440,8 @@ def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool) -> _Stage
     full = sum(r.full for r in res)
     outputs = sum(r.outputs for r in res)
     if first:
-        weights += _weight((vocab, dim), lay.tensor, 0, param_bytes)
         kept += tokens * 4  # the token ids the embedding's gradient scatters by
     if last:
-        head = 0 if config.tie_embeddings else vocab * dim
-        weights += _weight((head,), lay.tensor, 0, param_bytes) + _Weights(dim, 0, dim)
         logits = tokens * vocab / lay.tensor * _F32 + tokens * dim * dtype
         logits += tokens * _HEAD_STATS_PER_TOKEN * _F32
         kept, full = kept + logits, full + logits
