@@ -23,7 +23,13 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from mmnnx.models.gpt import REMAT, GPTConfig
-from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig
+from mmnnx.modules import (
+    AttentionConfig,
+    BlockConfig,
+    ClampedMoEConfig,
+    MLPConfig,
+    MoEConfig,
+)
 from mmnnx.modules.deepseek_moe import DeepSeekMoEConfig
 from mmnnx.modules.latent_attention import LatentAttentionConfig
 from mmnnx.mpmd import schedules as sched
@@ -32,7 +38,7 @@ from mmnnx.mpmd.lower.pack import PACK_WEIGHT_BYTES, weight_bound
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OPTIMIZER_COPIES = {"adamw": 2, "adam": 2, "sgd": 0, "momentum": 1, "lion": 1, "adafactor": 0}
 """Optimizer state per trained parameter, in parameter-sized copies (AdamW: two moments)."""
-_FEED_FORWARD = (MLPConfig, MoEConfig, DeepSeekMoEConfig)
+_FEED_FORWARD = (MLPConfig, MoEConfig, DeepSeekMoEConfig, ClampedMoEConfig)
 _ATTENTION = (AttentionConfig, LatentAttentionConfig)
 _F32 = 4  # norms, softmax and the loss are float32 whatever the compute dtype
 _STATS_PER_TOKEN = 2  # a block's two norms' rsqrt, kept per token
@@ -208,12 +214,18 @@ def _block_weights(
         total += w((dim, q), tp) + w((dim, kv), tp) + w((dim, kv), tp) + w((q, dim), tp)
         if att.qk_norm:
             total += w((hd,)) + w((hd,))
+        if att.bias:  # gpt-oss: q, k, v split by head, out's whole
+            total += w((q + 2 * kv,), tp) + w((dim,))
+        if att.sinks:  # a logit per head
+            total += w((att.num_heads,), tp)
     elif isinstance(att, LatentAttentionConfig):
         total += _latent_weights(att, dim, w, tp)
     ff = block.feed_forward
     if isinstance(ff, MoEConfig):
-        total += w((dim, ff.num_experts))
+        total += w((dim + ff.router_bias, ff.num_experts))
         total += w((ff.num_experts, 3 * dim * ff.hidden), ep * tp)
+        if isinstance(ff, ClampedMoEConfig):  # gpt-oss's experts' biases: gate_up's and down's
+            total += w((ff.num_experts, 2 * ff.hidden), ep * tp) + w((ff.num_experts, dim), ep)
         if getattr(ff, "shared_hidden", None):  # DeepSeek's shared expert: a gated MLP
             total += w((3 * dim, ff.shared_hidden), tp)
     elif isinstance(ff, MLPConfig):
@@ -516,7 +528,7 @@ def predict_memory(
             kinds = " and ".join(type(part).__name__ for part in parts)
             raise ValueError(
                 f"predict_memory: layer {i} is {kinds}; the model knows AttentionConfig or "
-                "LatentAttentionConfig with MLPConfig, MoEConfig or DeepSeekMoEConfig"
+                "LatentAttentionConfig with MLPConfig or a MoEConfig (DeepSeek's, gpt-oss's)"
             )
     count = lay.stages * lay.virtual_stages
     if config.depth < count:
