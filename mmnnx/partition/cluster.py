@@ -55,19 +55,12 @@ def parse_layout(text: str) -> dict[str, Any]:
         if not eq or name not in _FIELDS:
             known = ", ".join([*_KEYS, *(f for f in _FIELDS if f not in _KEYS.values())])
             raise ValueError(f"layout entry {entry!r}: expected key=value with a key of {known}")
-        value = value.strip()
-        if name == "schedule":
-            if value not in sched.names():
-                raise ValueError(f"layout schedule={value}: expected one of {sched.names()}")
-            fixed[name] = value
-        elif name == "remat":
-            if value not in REMAT:
-                raise ValueError(f"layout remat={value}: expected one of {', '.join(REMAT)}")
-            fixed[name] = value
-        else:
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"layout {key}={value}: expected an int >= 1")
-            fixed[name] = int(value)
+        value, known = value.strip(), {"schedule": sched.names(), "remat": REMAT}.get(name)
+        if known is not None and value not in known:
+            raise ValueError(f"layout {name}={value}: expected one of {', '.join(known)}")
+        if known is None and (not value.isdigit() or int(value) < 1):
+            raise ValueError(f"layout {key}={value}: expected an int >= 1")
+        fixed[name] = value if known is not None else int(value)
     return fixed
 
 
@@ -114,19 +107,7 @@ class PlannedStep:
             "device": dataclasses.asdict(self.device),
             "batch": self.batch,
             "seq_len": self.seq,
-            "stages": [
-                {
-                    "task": t.task,
-                    "blocks": list(t.blocks),
-                    "peak_bytes": t.peak,
-                    "parameters": t.parameters,
-                    "gradients": t.gradients,
-                    "optimizer": t.optimizer,
-                    "activations": t.activations,
-                    "workspace": t.workspace,
-                }  # fmt: skip
-                for t in self.memory.tasks
-            ],
+            "stages": [dataclasses.asdict(t) | {"peak_bytes": t.peak} for t in self.memory.tasks],
             "step_seconds": self.step_seconds,
             "bubble": self.cost.bubble,
             "tokens_per_second": self.tokens_per_second,

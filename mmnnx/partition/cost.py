@@ -27,6 +27,7 @@ from mmnnx.partition.memory import (
     DTYPE_BYTES,
     OPTIMIZER_COPIES,
     MemoryLayout,
+    attention_weights,
     default_blocks,
     stage_weights,
 )
@@ -206,18 +207,13 @@ def attention_flops(att, dim: int, seq: int) -> float:
         >>> attention_flops(AttentionConfig(num_heads=2), 8, 4)
         576.0
     """
-    if isinstance(att, LatentAttentionConfig):
-        heads, qk = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim
-        q = (dim * att.q_lora_rank + att.q_lora_rank * heads * qk if att.q_lora_rank
-             else dim * heads * qk)  # fmt: skip
-        kv = dim * (att.kv_lora_rank + att.qk_rope_head_dim)
-        kv += att.kv_lora_rank * heads * (att.qk_nope_head_dim + att.v_head_dim)
-        weights = q + kv + heads * att.v_head_dim * dim
-        return 2.0 * weights + 2.0 * heads * (qk + att.v_head_dim) * seq / 2
-    hd = att.head_dim or dim // att.num_heads
-    kv_heads = att.num_kv_heads or att.num_heads
-    weights = dim * hd * (2 * att.num_heads + 2 * kv_heads)
-    return 2.0 * weights + 2.0 * att.num_heads * hd * 2 * seq / 2
+    latent = isinstance(att, LatentAttentionConfig)
+    per_head = (
+        att.qk_nope_head_dim + att.qk_rope_head_dim + att.v_head_dim
+        if latent
+        else 2 * (att.head_dim or dim // att.num_heads)
+    )  # a score's and a weighted value's sizes
+    return 2.0 * attention_weights(att, dim).total + 2.0 * att.num_heads * per_head * seq / 2
 
 
 def feed_forward_flops(ff, dim: int) -> float:
@@ -309,12 +305,13 @@ def stage_costs(
     sizes = stage_blocks(config, count)
     starts = [sum(sizes[:s]) for s in range(count)]
     tp_bw, ep_bw, data_bw = (device.bandwidth(n) for n in (t, t * e, t * e * d))
-    weights = stage_weights(config, lay.memory_layout(), sizes)
     per_step = collectives.gradients == "step"  # as the published frameworks run
     costs, gathers, reduces, updates, share = {}, [], [], [], 0.0
     for s in range(count):
-        blocks = [config.block_configs[i] for i in range(starts[s], starts[s] + sizes[s])]
-        flops = sum(block_flops(config, i, seq) for i in range(starts[s], starts[s] + sizes[s]))
+        indices = range(starts[s], starts[s] + sizes[s])
+        blocks = [config.block_configs[i] for i in indices]
+        flops = sum(block_flops(config, i, seq) for i in indices)
+        weights = stage_weights(config, lay.memory_layout(), indices, s == 0, s == count - 1).total
         if s == count - 1:
             flops += 2.0 * config.dim * config.vocab_size
         compute = flops * tokens / t / speed
@@ -322,8 +319,8 @@ def stage_costs(
         for block in blocks:
             if isinstance(block.feed_forward, MoEConfig):
                 comm += 2 * ring(tokens * block.feed_forward.top_k * config.dim * act, e, ep_bw)
-        gather = ring(weights[s] * (act if collectives.gathers == "step" else param), f, data_bw)
-        reduce = ring(weights[s] * param, d * e, data_bw, passes=1 if f > 1 and per_step else 2)
+        gather = ring(weights * (act if collectives.gathers == "step" else param), f, data_bw)
+        reduce = ring(weights * param, d * e, data_bw, passes=1 if f > 1 and per_step else 2)
         in_action = 0.0 if collectives.gathers == "step" else gather
         recompute = compute + comm if lay.remat == "full" else 0.0
         half = device.backward / 2 * compute  # the input and the weight gradients' matmuls
@@ -333,7 +330,7 @@ def stage_costs(
         costs[("B", s)] = costs[("I", s)] + costs[("W", s)]
         gathers.append(gather - in_action)
         reduces.append(reduce if per_step else 0.0)
-        state = weights[s] / f * param * (3 + 2 * OPTIMIZER_COPIES[optimizer])  # read, write
+        state = weights / f * param * (3 + 2 * OPTIMIZER_COPIES[optimizer])  # read, write
         updates.append(state / device.memory_bandwidth)
         busy = costs[("F", s)] + costs[("B", s)]
         share = max(share, (1 + device.backward) * compute / busy)

@@ -207,19 +207,7 @@ def _block_weights(
 
     norm = 2 if block.norm.kind == "layer" else 1
     total = w((norm * dim,)) + w((norm * dim,))
-    att = block.attention
-    if isinstance(att, AttentionConfig):
-        hd = att.head_dim or dim // att.num_heads
-        q, kv = att.num_heads * hd, (att.num_kv_heads or att.num_heads) * hd
-        total += w((dim, q), tp) + w((dim, kv), tp) + w((dim, kv), tp) + w((q, dim), tp)
-        if att.qk_norm:
-            total += w((hd,)) + w((hd,))
-        if att.bias:  # gpt-oss: q, k, v split by head, out's whole
-            total += w((q + 2 * kv,), tp) + w((dim,))
-        if att.sinks:  # a logit per head
-            total += w((att.num_heads,), tp)
-    elif isinstance(att, LatentAttentionConfig):
-        total += _latent_weights(att, dim, w, tp)
+    total += attention_weights(block.attention, dim, w, tp)
     ff = block.feed_forward
     if isinstance(ff, MoEConfig):
         total += w((dim + ff.router_bias, ff.num_experts))
@@ -237,17 +225,35 @@ def _block_weights(
     return total
 
 
-def _latent_weights(att: LatentAttentionConfig, dim: int, w, tp: int) -> _Weights:
-    """A ``LatentAttention``'s parameters: the query and key-value down-projections and their
-    latents' norms whole, the up-projections and the output split over ``tensor`` by head."""
-    heads, qk = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim
-    total = w((dim, att.kv_lora_rank + att.qk_rope_head_dim)) + w((att.kv_lora_rank,))
-    total += w((att.kv_lora_rank, heads * (att.qk_nope_head_dim + att.v_head_dim)), tp)
-    total += w((heads * att.v_head_dim, dim), tp)
-    if att.q_lora_rank:
-        total += w((dim, att.q_lora_rank)) + w((att.q_lora_rank,))
-        return total + w((att.q_lora_rank, heads * qk), tp)
-    return total + w((dim, heads * qk), tp)
+def attention_weights(att, dim: int, w=None, tp: int = 1) -> _Weights:
+    """An attention's parameters per device, each made by ``w(shape, shards)`` (default:
+    whole): projections split over ``tensor`` (``tp``) by head, a latent attention's down-
+    projections and latents' norms whole.
+
+    Example:
+        >>> attention_weights(AttentionConfig(num_heads=2), 8).total
+        256.0
+    """
+    w = w or (lambda shape, shards=1: _weight(shape, shards, 0, 1))
+    if isinstance(att, LatentAttentionConfig):
+        heads, qk = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim
+        total = w((dim, att.kv_lora_rank + att.qk_rope_head_dim)) + w((att.kv_lora_rank,))
+        total += w((att.kv_lora_rank, heads * (att.qk_nope_head_dim + att.v_head_dim)), tp)
+        total += w((heads * att.v_head_dim, dim), tp)
+        if att.q_lora_rank:
+            total += w((dim, att.q_lora_rank)) + w((att.q_lora_rank,))
+            return total + w((att.q_lora_rank, heads * qk), tp)
+        return total + w((dim, heads * qk), tp)
+    hd = att.head_dim or dim // att.num_heads
+    q, kv = att.num_heads * hd, (att.num_kv_heads or att.num_heads) * hd
+    total = w((dim, q), tp) + w((dim, kv), tp) + w((dim, kv), tp) + w((q, dim), tp)
+    if att.qk_norm:
+        total += w((hd,)) + w((hd,))
+    if att.bias:  # gpt-oss: q, k, v split by head, out's whole
+        total += w((q + 2 * kv,), tp) + w((dim,))
+    if att.sinks:  # a logit per head
+        total += w((att.num_heads,), tp)
+    return total
 
 
 def _attention_residuals(att, dim: int, tokens: float, tp: int, dtype: int) -> tuple:
@@ -409,10 +415,16 @@ class _Stage(NamedTuple):
     block_kept: float
 
 
-def _weights_of(config: GPTConfig, lay: MemoryLayout, blocks: Sequence[int], first: bool,
-                last: bool, pack_limit: float = 0, itemsize: int = 1) -> _Weights:  # fmt: skip
-    """The parameters of a model stage holding ``blocks`` (the embedding when ``first``, the
-    final norm and head when ``last``) per device before ``fsdp``."""
+def stage_weights(config: GPTConfig, lay: MemoryLayout, blocks: Sequence[int], first: bool,
+                  last: bool, pack_limit: float = 0, itemsize: int = 1) -> _Weights:  # fmt: skip
+    """The parameters per device (before ``fsdp``) of a model stage holding ``blocks`` (the
+    embedding when ``first``, the final norm and head when ``last``).
+
+    Example:
+        >>> config = GPTConfig(vocab_size=8, dim=4, depth=2, num_heads=2)
+        >>> stage_weights(config, MemoryLayout(), [0], True, False).total
+        252.0
+    """
     dim, vocab = config.dim, config.vocab_size
     weights = sum((_block_weights(config.block_configs[i], dim, lay, pack_limit, itemsize)
                    for i in blocks), _Weights())  # fmt: skip
@@ -424,27 +436,13 @@ def _weights_of(config: GPTConfig, lay: MemoryLayout, blocks: Sequence[int], fir
     return weights
 
 
-def stage_weights(config: GPTConfig, layout: MemoryLayout, sizes: Sequence[int]) -> list[float]:
-    """The parameter elements per device (before ``fsdp``) of each model stage holding
-    ``sizes`` blocks in turn.
-
-    Example:
-        >>> stage_weights(GPTConfig(vocab_size=8, dim=4, depth=2, num_heads=2), MemoryLayout(),
-        ...               (1, 1))
-        [232.0, 232.0]
-    """
-    starts = [sum(sizes[:s]) for s in range(len(sizes))]
-    return [_weights_of(config, layout, range(a, a + n), a == 0, a + n == sum(sizes)).total
-            for a, n in zip(starts, sizes, strict=True)]  # fmt: skip
-
-
 def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool) -> _Stage:
     """The terms of the model stage holding ``blocks`` (and the embedding when ``first``, the
     final norm, head and loss when ``last``)."""
     config, lay, dtype, tokens = shapes.config, shapes.layout, shapes.dtype, shapes.tokens
     dim, vocab, param_bytes = config.dim, config.vocab_size, shapes.param_bytes
     layers = [config.block_configs[i] for i in blocks]
-    weights = _weights_of(config, lay, blocks, first, last, shapes.pack_limit, param_bytes)
+    weights = stage_weights(config, lay, blocks, first, last, shapes.pack_limit, param_bytes)
     res = [_block_residuals(b, dim, tokens, shapes.seq, lay, dtype, shapes.remat,
                             reference=shapes.reference) for b in layers]  # fmt: skip
     block_full, block_kept = max(r.full for r in res), max(r.kept for r in res)
