@@ -125,10 +125,8 @@ class Collectives:
     gathers: str = "microbatch"
 
     def __post_init__(self):
-        for name in ("gradients", "gathers"):
-            if getattr(self, name) not in ("microbatch", "step"):
-                raise ValueError(f"Collectives.{name}: 'microbatch' or 'step', got "
-                                 f"{getattr(self, name)!r}")  # fmt: skip
+        if {self.gradients, self.gathers} - {"microbatch", "step"}:
+            raise ValueError(f"{self}: each field 'microbatch' or 'step'")
 
 
 ENGINE = Collectives()
@@ -167,12 +165,10 @@ class ClusterLayout:
     def memory_layout(self, config: GPTConfig | None = None) -> MemoryLayout:
         """The :class:`~mmnnx.partition.MemoryLayout` of its axes (with ``config``, its blocks
         split as :func:`stage_blocks` splits them)."""
-        blocks = None
-        if config is not None:
-            blocks = stage_blocks(config, self.stages * self.virtual_stages)
-        return MemoryLayout(stages=self.stages, data=self.data, tensor=self.tensor,
-                            expert=self.expert, fsdp=self.fsdp,
-                            virtual_stages=self.virtual_stages, blocks=blocks)  # fmt: skip
+        count = self.stages * self.virtual_stages
+        axes = {k: getattr(self, k) for k in ("stages", "data", "tensor", "expert", "fsdp")}
+        blocks = stage_blocks(config, count) if config is not None else None
+        return MemoryLayout(**axes, virtual_stages=self.virtual_stages, blocks=blocks)
 
     def text(self) -> str:
         """The layout as ``--layout`` reads it.
@@ -320,6 +316,8 @@ def stage_costs(
             if isinstance(block.feed_forward, MoEConfig):
                 comm += 2 * ring(tokens * block.feed_forward.top_k * config.dim * act, e, ep_bw)
         gather = ring(weights * (act if collectives.gathers == "step" else param), f, data_bw)
+        if collectives.gathers == "step" and lay.microbatches == 1:  # for forward and backward
+            gather *= 2
         reduce = ring(weights * param, d * e, data_bw, passes=1 if f > 1 and per_step else 2)
         in_action = 0.0 if collectives.gathers == "step" else gather
         recompute = compute + comm if lay.remat == "full" else 0.0

@@ -293,8 +293,11 @@ def _block_residuals(
     tp = lay.tensor
     projections, heads = _attention_residuals(block.attention, dim, tokens, tp, dtype)
     scores = 0 if reference else tokens * heads * seq * _F32  # the softmax's probabilities
-    stats = tokens * (_STATS_PER_TOKEN + 2 * heads) * _F32  # norms' rsqrt; softmax max, sum
-    residual = 2 * tokens * dim * dtype  # the block's input and its sum after attention
+    # a reference framework splits the residual stream's tokens over ``tensor`` (Megatron's
+    # sequence parallelism, MaxText's activation_embed sharding)
+    stream = tokens * dim * dtype / (tp if reference else 1)
+    stats = tokens * 2 * heads * _F32 + stream / dim / dtype * _STATS_PER_TOKEN * _F32
+    residual = 2 * stream  # the block's input and its sum after attention
     ff = block.feed_forward
     if isinstance(ff, MoEConfig):
         rows = tokens * ff.top_k  # each token's copies, one per expert it is routed to
@@ -326,9 +329,9 @@ def _block_residuals(
     full = residual + projections + scores + stats + feed
     kept = {
         "none": full,
-        "full": tokens * dim * dtype,  # its input
+        "full": stream,  # its input
         "dots": projections + saved_dots,  # its input is the last block's outputs summed
-        "offload": tokens * dim * dtype,  # the matmuls' outputs wait in host memory
+        "offload": stream,  # the matmuls' outputs wait in host memory
     }[remat]
     return _Residuals(full, kept, projections + outputs)
 
@@ -343,26 +346,16 @@ def _workspace(gradients: float, full: float, kept: float, *, split: bool) -> fl
     return max(cotangents, gradients) if split and full > kept else gradients + cotangents
 
 
-def _held_peaks(
-    events: Sequence[sched.Event],
-    kept: Sequence[float],
-    waiting: Sequence[float],
-    homes: Sequence[int],
-) -> dict[int, float]:
+def _held_peaks(events: Sequence[sched.Event], kept: Sequence[float], waiting: Sequence[float],
+                homes: Sequence[int]) -> dict[int, float]:  # fmt: skip
     """Most bytes each rank holds at once for its microbatches in flight: a stage's ``kept``
     from its F until its B (or W), and with a split backward its ``waiting`` cotangents from
     its I until its W."""
     changes = []
     for e in events:
-        home = homes[e.stage]
-        if e.kind == "F":
-            changes.append((e.start, 1, home, kept[e.stage]))
-        elif e.kind == "I":
-            changes.append((e.end, 1, home, waiting[e.stage]))
-        elif e.kind == "B":
-            changes.append((e.end, 0, home, -kept[e.stage]))
-        elif e.kind == "W":
-            changes.append((e.end, 0, home, -kept[e.stage] - waiting[e.stage]))
+        s = e.stage
+        delta = {"F": kept[s], "I": waiting[s], "B": -kept[s], "W": -kept[s] - waiting[s]}[e.kind]
+        changes.append((e.start if e.kind == "F" else e.end, delta > 0, homes[s], delta))
     now = dict.fromkeys(homes, 0.0)
     peak = dict(now)
     for _, _, home, delta in sorted(changes):  # at one instant, releases before new holds
@@ -570,9 +563,15 @@ def predict_memory(
         packed = weights.packed * param_bytes if lay.fsdp == 1 and not reference else 0.0
         # downstream, an activation sent and its cotangent received; upstream, a cotangent sent
         buffers = sum(2 * (s < count - 1) + (s > 0) for s in mine)
-        gathered = max(stage_weights[s].total for s in mine) * param_bytes * (1 - 1 / lay.fsdp)
+        largest = max(stage_weights[s].total for s in mine)
+        gathered = largest * param_bytes * (1 - 1 / lay.fsdp)
         if dtype != param_bytes:  # the weights cast to the compute dtype for the matmuls
-            gathered += max(stage_weights[s].total for s in mine) * dtype
+            gathered += largest * dtype
+        if reference and lay.fsdp > 1:  # FSDP gathers in the compute dtype: kept the step when
+            # microbatches share them, else a block at a time with the next one prefetched
+            block = max(_block_weights(config.block_configs[b], dim, lay, 0, 1).total
+                        for s in mine for b in range(starts[s], starts[s] + sizes[s]))  # fmt: skip
+            gathered = dtype * (weights.total if microbatches > 1 else 2 * block)
         workspace = max(_workspace(
             # a reference framework accumulates each microbatch's gradients in place
             0 if reference else stage_weights[s].total * param_bytes * trainable,
