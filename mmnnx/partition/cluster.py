@@ -149,8 +149,9 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
         "step": "once per step in float32, on the network beside the compute",
     }
     gathers = {"microbatch": "in every forward and backward (mmnnx's engine)",
-               "step": "once per model stage per step in the compute dtype, prefetched (a "
-                       "task's first waited for)"}  # fmt: skip
+               "step": "in the compute dtype once per model stage per step (twice with one "
+                       "microbatch), prefetched; pipeline sends split over the tensor devices; "
+                       "memory as Megatron/torchtitan hold it (sequence parallelism)"}  # fmt: skip
     return [
         f"{device.name}: {device.flops / 1e12:.0f} TFLOP/s peak dense bf16, "
         f"{device.efficiency:.0%} reached on the model FLOPs (one number for every device "
