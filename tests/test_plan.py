@@ -18,6 +18,8 @@ from mmnnx.partition.cost import (
     PUBLISHED,
     ClusterLayout,
     model_flops_per_token,
+    stage_costs,
+    step_cost,
 )
 from mmnnx.partition.memory import MemoryLayout, predict_memory
 
@@ -170,3 +172,21 @@ def test_cli_plan_json_and_layout(tmp_path, capsys):
     assert "fits 1000 B per h100" in capsys.readouterr().err
     assert main(["plan", "--init-from", str(tmp_path / "none"), "--devices", "8"]) == 2
     assert "--init-from" in capsys.readouterr().err
+
+
+def test_step_composes_the_schedule_the_overlapped_reduces_and_the_update():
+    """Measured costs fed in (as benchmarks/plan_cpu.py feeds them): 1F1B over 2 stages and 4
+    microbatches with F = 1, B = 2 ends at 15; each stage's gradient reduce (1, over its 2
+    blocks) runs beside its backwards, only its last block's half after the last one; then
+    the update (0.25)."""
+    config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=4, max_seq_len=8, **BF16)
+    lay = ClusterLayout(stages=2, data=2, microbatches=4)
+    measured = dataclasses.replace(
+        stage_costs(config, lay, DEVICES["h100"], batch=8, seq=8, collectives=PUBLISHED),
+        actions={"F": 1.0, "B": 2.0}, transfer=0.0, gathers=[0.0, 0.0], reduces=[1.0, 1.0],
+        updates=[0.25, 0.25],
+    )  # fmt: skip
+    step = step_cost(config, lay, DEVICES["h100"], batch=8, seq=8, costs=measured)
+    assert step.makespan == 15 and step.step_seconds == 15 + 0.5 + 0.25
+    serial = dataclasses.replace(measured, reduces=[20.0, 20.0])  # longer than the backwards
+    assert step_cost(config, lay, DEVICES["h100"], batch=8, seq=8, costs=serial).step_seconds > 30
