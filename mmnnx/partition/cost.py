@@ -17,7 +17,6 @@ every assumption.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.modules import MoEConfig
@@ -164,10 +163,10 @@ class ClusterLayout:
 
     def memory_layout(self, config: GPTConfig | None = None) -> MemoryLayout:
         """The :class:`~mmnnx.partition.MemoryLayout` of its axes (with ``config``, its blocks
-        split as :func:`stage_blocks` splits them)."""
+        split as :func:`~mmnnx.partition.memory.default_blocks` splits them)."""
         count = self.stages * self.virtual_stages
         axes = {k: getattr(self, k) for k in ("stages", "data", "tensor", "expert", "fsdp")}
-        blocks = stage_blocks(config, count) if config is not None else None
+        blocks = default_blocks(config, count) if config is not None else None
         return MemoryLayout(**axes, virtual_stages=self.virtual_stages, blocks=blocks)
 
     def text(self) -> str:
@@ -180,18 +179,6 @@ class ClusterLayout:
         return (f"pp={self.stages},dp={self.data},tp={self.tensor},ep={self.expert},"
                 f"fsdp={self.fsdp},v={self.virtual_stages},schedule={self.schedule},"
                 f"microbatches={self.microbatches},remat={self.remat}")  # fmt: skip
-
-
-@functools.cache
-def stage_blocks(config: GPTConfig, count: int) -> tuple[int, ...]:
-    """The blocks of each of ``count`` model stages, balanced by parameters as
-    ``stage_rules`` balances them (the tensor axis divides every block alike), computed once.
-
-    Example:
-        >>> stage_blocks(GPTConfig(depth=4), 2)
-        (2, 2)
-    """
-    return tuple(default_blocks(config, count))
 
 
 def attention_flops(att, dim: int, seq: int) -> float:
@@ -298,7 +285,7 @@ def stage_costs(
     act, param = DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.param_dtype]
     tokens = batch / lay.microbatches / (d * e) * seq  # of one microbatch, on one device
     speed = device.flops * device.efficiency
-    sizes = stage_blocks(config, count)
+    sizes = default_blocks(config, count)
     starts = [sum(sizes[:s]) for s in range(count)]
     tp_bw, ep_bw, data_bw = (device.bandwidth(n) for n in (t, t * e, t * e * d))
     per_step = collectives.gradients == "step"  # as the published frameworks run
@@ -383,7 +370,7 @@ def step_cost(
         if ev.kind != "F":  # a stage's last backward action, its gradients ready block by block
             last[ev.stage] = max(last.get(ev.stage, (0.0, 0.0)), (ev.end, ev.start))
         busy[ev.rank] = max(busy[ev.rank], ev.end)
-    ends, blocks = [], stage_blocks(config, count)
+    ends, blocks = [], default_blocks(config, count)
     for rank, compute_end in busy.items():
         mine = sorted((s for s in range(count) if table.stage_to_rank[s] == rank), key=first.get)
         wait = costs.gathers[mine[0]] / blocks[mine[0]]  # its first block's gather, alone

@@ -18,6 +18,7 @@ optimizer state by ``fsdp``, the batch by ``data`` x ``expert``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -364,8 +365,10 @@ def _held_peaks(events: Sequence[sched.Event], kept: Sequence[float], waiting: S
     return peak
 
 
+@functools.cache
 def default_blocks(config: GPTConfig, stages: int, layout: MemoryLayout | None = None) -> tuple:
-    """Blocks per model stage as ``stage_rules`` (by parameter counts) cuts them.
+    """Blocks per model stage as ``stage_rules`` (by parameter counts) cuts them (computed once
+    per config and count).
 
     Example:
         >>> default_blocks(GPTConfig(depth=4), 2)
