@@ -2,6 +2,8 @@
 ``mmnnx train --memory-budget`` refusal before anything compiles, and one prediction against
 the peak a pipelined step measures (arrays held plus the running program's temporaries)."""
 
+import pathlib
+
 import jax
 import optax
 import pytest
@@ -10,6 +12,7 @@ from flax import nnx
 import mmnnx as mm
 from mmnnx.cli import main
 from mmnnx.models import GPT, GPTConfig
+from mmnnx.models.pretrained import pretrained_config
 from mmnnx.models.stages import stage_rules
 from mmnnx.modules import BlockConfig, LatentAttentionConfig, MLPConfig
 from mmnnx.mpmd.run import runner
@@ -169,3 +172,18 @@ def test_the_docs_worked_example_is_what_the_code_computes(capsys):
     assert first.pipelined == first.peak == int(stated.replace(",", ""))
     for value in (first.parameters, first.optimizer, first.activations, first.workspace):
         assert f"**{value:,} B**" in text
+
+
+def test_gpt_oss_parameters_counted_as_its_model_holds_them():
+    """gpt-oss's attention biases and sinks, its router's bias and its experts' biases are
+    counted: the predicted parameter bytes over 1 and 2 stages equal the model's own
+    (tests/transformers_fixtures/gpt-oss)."""
+    fixture = pathlib.Path(__file__).parent / "transformers_fixtures" / "gpt-oss"
+    config = pretrained_config(fixture)
+    with nnx.use_eager_sharding(False):
+        shapes = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    held = sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(nnx.state(shapes, nnx.Param)))
+    for stages in (1, 2):
+        lay = mm.MemoryLayout(stages=stages)
+        tasks = mm.predict_memory(config, lay, batch=2, seq_len=4, schedule="gpipe").tasks
+        assert sum(t.parameters for t in tasks) == held, stages

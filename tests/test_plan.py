@@ -18,6 +18,8 @@ from mmnnx.partition.cost import (
     PUBLISHED,
     ClusterLayout,
     model_flops_per_token,
+    stage_costs,
+    step_cost,
 )
 from mmnnx.partition.memory import MemoryLayout, predict_memory
 
@@ -50,9 +52,7 @@ def test_published_configs_alone_give_their_models_sizes():
 
 def test_llama3_405b_published_layouts_fit_and_predict_the_published_mfu():
     """Table 4 of the Llama 3 paper: each published layout fits and its predicted MFU is
-    within 20% of the published at 8K GPUs; at 16K GPUs the model predicts 25% under
-    (docs/planning.md: one efficiency for all, the 16K row's smaller batch per DP rank
-    leaves a larger bubble than the paper's tuned schedule has)."""
+    within 20% of the published, at 8K and 16K GPUs (docs/planning.md)."""
     fixture = json.loads((FIXTURES / "llama3-405b.json").read_text())
     config = _config("llama3-405b", 8192)
     ratios = []
@@ -63,8 +63,42 @@ def test_llama3_405b_published_layouts_fit_and_predict_the_published_mfu():
         assert step.fits and step.layout.devices == run["gpus"]
         assert {k: getattr(step.layout, k) for k in fixed} == fixed
         ratios.append(step.mfu / run["published"]["mfu"])
-    assert 0.8 <= ratios[0] <= 1.2, ratios
-    assert 0.7 <= ratios[1] < 0.8, ratios  # outside the 20%: reported, not fitted
+    assert all(0.8 <= r <= 1.2 for r in ratios), ratios
+
+
+def published_table(name: str) -> list[tuple[dict, float]]:
+    """Each run of the fixture ``name`` that the model expresses, with its predicted over
+    published MFU (or tokens/s per device), its layout evaluated as given."""
+    fixture = json.loads((FIXTURES / f"{name}.json").read_text())
+    device = dataclasses.replace(DEVICES[fixture["device"]], **fixture.get("device_overrides", {}))
+    out = []
+    for run in fixture["runs"]:
+        if not run.get("expressible", True):
+            assert run["why"], run  # every run left out says why
+            continue
+        config = _config(run["model"].removeprefix("configs/"), run["seq_len"])
+        step = evaluate(config, ClusterLayout(**parse_layout(run["layout"])), device,
+                        batch=run["batch"], seq=run["seq_len"], collectives=PUBLISHED)  # fmt: skip
+        assert step.layout.devices == run["gpus"], run
+        published = run["published"]
+        if "mfu" in published:
+            out.append((run, step.mfu / published["mfu"]))
+        else:
+            per_device = step.tokens_per_second / run["gpus"]
+            out.append((run, per_device / published["tokens_per_second_per_gpu"]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["torchtitan", "maxtext"])
+def test_published_tables_within_20_percent_or_their_miss_said(name):
+    """torchtitan's and MaxText's published tables (tests/plan_fixtures, sources there): each
+    expressible run is predicted within 20% of its published number (the Llama 3 rule), or
+    its fixture says why the model misses it, and it does miss (so a fixed miss is seen)."""
+    rows = published_table(name)
+    assert rows
+    for run, ratio in rows:
+        within = 0.8 <= ratio <= 1.2
+        assert within != bool(run.get("outside_tolerance")), (run, ratio)
 
 
 def test_deepseek_v3_published_setup_evaluated():
@@ -138,3 +172,21 @@ def test_cli_plan_json_and_layout(tmp_path, capsys):
     assert "fits 1000 B per h100" in capsys.readouterr().err
     assert main(["plan", "--init-from", str(tmp_path / "none"), "--devices", "8"]) == 2
     assert "--init-from" in capsys.readouterr().err
+
+
+def test_step_composes_the_schedule_the_overlapped_reduces_and_the_update():
+    """Measured costs fed in (as benchmarks/plan_cpu.py feeds them): 1F1B over 2 stages and 4
+    microbatches with F = 1, B = 2 ends at 15; each stage's gradient reduce (1, over its 2
+    blocks) runs beside its backwards, only its last block's half after the last one; then
+    the update (0.25)."""
+    config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=4, max_seq_len=8, **BF16)
+    lay = ClusterLayout(stages=2, data=2, microbatches=4)
+    measured = dataclasses.replace(
+        stage_costs(config, lay, DEVICES["h100"], batch=8, seq=8, collectives=PUBLISHED),
+        actions={"F": 1.0, "B": 2.0}, transfer=0.0, gathers=[0.0, 0.0], reduces=[1.0, 1.0],
+        updates=[0.25, 0.25],
+    )  # fmt: skip
+    step = step_cost(config, lay, DEVICES["h100"], batch=8, seq=8, costs=measured)
+    assert step.makespan == 15 and step.step_seconds == 15 + 0.5 + 0.25
+    serial = dataclasses.replace(measured, reduces=[20.0, 20.0])  # longer than the backwards
+    assert step_cost(config, lay, DEVICES["h100"], batch=8, seq=8, costs=serial).step_seconds > 30

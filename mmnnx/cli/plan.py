@@ -61,7 +61,8 @@ class Options:
     )  # fmt: skip
     collectives: str = option(
         "engine", "engine: gradients reduced and FSDP weights gathered in every microbatch, "
-        "as mmnnx runs; published: once per step, memory as Megatron/torchtitan hold it",
+        "as mmnnx runs; published: once per step beside the compute, memory as "
+        "Megatron/torchtitan hold it",
         choices=("engine", "published"),
     )  # fmt: skip
     param_dtype: str = option("float32", "parameters' dtype (%(default)s; --run: the run's)",

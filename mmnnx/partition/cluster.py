@@ -21,7 +21,7 @@ from mmnnx.partition.cost import (
     Collectives,
     DeviceSpec,
     StepCost,
-    stage_action_costs,
+    stage_costs,
     step_cost,
 )
 from mmnnx.partition.memory import MemoryPrediction, format_bytes, predict_memory
@@ -55,19 +55,12 @@ def parse_layout(text: str) -> dict[str, Any]:
         if not eq or name not in _FIELDS:
             known = ", ".join([*_KEYS, *(f for f in _FIELDS if f not in _KEYS.values())])
             raise ValueError(f"layout entry {entry!r}: expected key=value with a key of {known}")
-        value = value.strip()
-        if name == "schedule":
-            if value not in sched.names():
-                raise ValueError(f"layout schedule={value}: expected one of {sched.names()}")
-            fixed[name] = value
-        elif name == "remat":
-            if value not in REMAT:
-                raise ValueError(f"layout remat={value}: expected one of {', '.join(REMAT)}")
-            fixed[name] = value
-        else:
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"layout {key}={value}: expected an int >= 1")
-            fixed[name] = int(value)
+        value, known = value.strip(), {"schedule": sched.names(), "remat": REMAT}.get(name)
+        if known is not None and value not in known:
+            raise ValueError(f"layout {name}={value}: expected one of {', '.join(known)}")
+        if known is None and (not value.isdigit() or int(value) < 1):
+            raise ValueError(f"layout {key}={value}: expected an int >= 1")
+        fixed[name] = value if known is not None else int(value)
     return fixed
 
 
@@ -114,19 +107,7 @@ class PlannedStep:
             "device": dataclasses.asdict(self.device),
             "batch": self.batch,
             "seq_len": self.seq,
-            "stages": [
-                {
-                    "task": t.task,
-                    "blocks": list(t.blocks),
-                    "peak_bytes": t.peak,
-                    "parameters": t.parameters,
-                    "gradients": t.gradients,
-                    "optimizer": t.optimizer,
-                    "activations": t.activations,
-                    "workspace": t.workspace,
-                }  # fmt: skip
-                for t in self.memory.tasks
-            ],
+            "stages": [dataclasses.asdict(t) | {"peak_bytes": t.peak} for t in self.memory.tasks],
             "step_seconds": self.step_seconds,
             "bubble": self.cost.bubble,
             "tokens_per_second": self.tokens_per_second,
@@ -163,23 +144,31 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
         >>> assumptions(DEVICES["h100"], ENGINE)[0][:60]
         'h100: 989 TFLOP/s peak dense bf16, 70% reached on the model '
     """
-    grads = {"microbatch": "in every backward (mmnnx's engine)", "step": "once per step"}
+    grads = {
+        "microbatch": "in every backward (mmnnx's engine)",
+        "step": "once per step in float32, on the network beside the compute",
+    }
     gathers = {"microbatch": "in every forward and backward (mmnnx's engine)",
-               "step": "once per model stage per step"}  # fmt: skip
+               "step": "in the compute dtype once per model stage per step (twice with one "
+                       "microbatch), prefetched; pipeline sends split over the tensor devices; "
+                       "memory as Megatron/torchtitan hold it (sequence parallelism)"}  # fmt: skip
     return [
         f"{device.name}: {_rate(device.flops)} peak dense bf16, "
         f"{device.efficiency:.0%} reached on the model FLOPs (one number for every device "
         "and model)",
         f"links: {device.intra_bandwidth / 1e9:.0f} GB/s per device one way inside a node of "
         f"{device.node_size}, {device.inter_bandwidth / 1e9:.0f} GB/s across nodes; ring "
-        "collectives, none overlapped with compute",
+        "collectives",
         "per block: 2 tensor-parallel all-reduces forward, 2 backward; per MoE block 2 "
-        "all-to-alls each way, experts balanced",
+        "all-to-alls each way, experts balanced; none overlapped with compute",
         f"gradient all-reduce over data x expert {grads[collectives.gradients]}; FSDP "
         f"all-gathers {gathers[collectives.gathers]}",
-        "FLOPs: 2 per weight per token forward, causal attention scores, backward 2 x "
-        "forward, remat full recomputes the forward; MFU counts 3 x forward (no recompute)",
-        "not charged: optimizer update, data loading, kernel launches, stragglers",
+        f"FLOPs: 2 per weight per token forward, causal attention scores, backward "
+        f"{device.backward:g} x forward, remat full recomputes the forward; MFU counts 3 x "
+        "forward (no recompute)",
+        f"optimizer update: each task's AdamW state read and written once at "
+        f"{device.memory_bandwidth / 1e12:.2f} TB/s, after its gradients are reduced",
+        "not charged: data loading, kernel launches, stragglers",
     ]
 
 
@@ -283,18 +272,15 @@ def _schedules(stages: int, depth: int, fixed: Mapping[str, Any]) -> list[tuple[
 def _estimate(config, layout, device, batch, seq, collectives) -> float:
     """A step's seconds without simulating: the schedule's textbook bubble on the slowest
     stage's costs (ranks the candidates; the chosen ones are simulated)."""
-    costs, transfer, per_stage, _ = stage_action_costs(
-        config, layout, device, batch=batch, seq=seq, collectives=collectives
-    )
+    costs = stage_costs(config, layout, device, batch=batch, seq=seq, collectives=collectives)
     p, v, m = layout.stages, layout.virtual_stages, layout.microbatches
-    f = max(c for (k, _), c in costs.items() if k == "F") * v
-    b = max(c for (k, _), c in costs.items() if k == "B") * v
-    w = max(c for (k, _), c in costs.items() if k == "W") * v
+    f, b, w = (max(c for (k, _), c in costs.actions.items() if k == kind) * v for kind in "FBW")
     if layout.schedule.startswith("zero-bubble"):
         span = m * (f + b) + (p - 1) * max(f + b - 2 * w, f / 3)
     else:
         span = (m + (p - 1) / v) * (f + b)
-    return span + 2 * (p - 1) * transfer + sum(per_stage) * v / (p * v)
+    once = max(costs.gathers) + sum(costs.updates) / p
+    return span + 2 * (p - 1) * costs.transfer + once
 
 
 def _held(layout: ClusterLayout, rank: int) -> float:

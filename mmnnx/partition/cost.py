@@ -1,30 +1,37 @@
 """The cost model of ``mmnnx plan``: a GPT's step time on a cluster, from its config's shapes,
-a device's published peak FLOP/s and link bandwidths, and the schedule simulator.
+a device's published peak FLOP/s, memory and link bandwidths, and the schedule simulator.
 
 Each pipeline action (a model stage's F, B, or with a split backward I and W, on one
-microbatch) costs its FLOPs at ``efficiency`` x the device's peak, plus the collectives it
-runs, none overlapped with compute: per block two tensor-parallel all-reduces of the
-activations forward and two backward (Megatron's), per mixture-of-experts block two
-all-to-alls forward (dispatch, combine) and two backward, and, as ``Collectives`` says, the
-FSDP all-gathers of the stage's weights and the gradient all-reduce over the data (expert)
-devices. Activations and their cotangents cross stages at the bandwidth of the link between
-them. :func:`~mmnnx.mpmd.schedules.simulate` plays the schedule with these costs; the step is
-its makespan plus the collectives run once per step. docs/planning.md states every
-assumption.
+microbatch) costs its FLOPs at ``efficiency`` x the device's peak (the backward
+``DeviceSpec.backward`` x the forward's), plus the collectives it runs in the compute's way: per
+block two tensor-parallel all-reduces of the activations forward and two backward
+(Megatron's), per mixture-of-experts block two all-to-alls each way, and, as ``Collectives``
+says, the data-parallel ones. Activations and their cotangents cross stages at the bandwidth
+of the link between them. :func:`~mmnnx.mpmd.schedules.simulate` plays the schedule with these
+costs; once-per-step data-parallel collectives run on the network beside the compute, a block
+at a time (only a task's first block's weight gather waits), then each task's optimizer
+update reads and writes its state at the device's memory bandwidth. docs/planning.md states
+every assumption.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.modules import MoEConfig
 from mmnnx.modules.latent_attention import LatentAttentionConfig
 from mmnnx.mpmd import schedules as sched
-from mmnnx.partition.memory import DTYPE_BYTES, MemoryLayout, default_blocks
+from mmnnx.partition.memory import (
+    DTYPE_BYTES,
+    OPTIMIZER_COPIES,
+    MemoryLayout,
+    attention_weights,
+    default_blocks,
+    stage_weights,
+)
 
 EFFICIENCY = 0.7
 """The share of its peak dense bf16 FLOP/s a device reaches on the model's FLOPs: the same
@@ -37,9 +44,11 @@ number also stands for it."""
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
     """One accelerator as the cost model sees it: ``flops`` peak dense bf16 FLOP/s,
-    ``memory`` bytes of HBM, ``intra_bandwidth`` and ``inter_bandwidth`` bytes/s each device
-    sends one way inside its node (``node_size`` devices) and across nodes, ``efficiency``
-    the share of ``flops`` reached (:data:`EFFICIENCY`).
+    ``memory`` bytes of HBM and ``memory_bandwidth`` its bytes/s (the optimizer update is
+    bound by it), ``intra_bandwidth`` and ``inter_bandwidth`` bytes/s each device sends one way
+    inside its node (``node_size`` devices) and across nodes, ``efficiency`` the share of
+    ``flops`` reached (:data:`EFFICIENCY`), ``backward`` a backward's time over its forward's
+    (2: a matmul's input and weight gradients are each one matmul of its size).
 
     Example:
         >>> DEVICES["h100"].flops, DEVICES["h100"].node_size
@@ -52,7 +61,9 @@ class DeviceSpec:
     intra_bandwidth: float
     inter_bandwidth: float
     node_size: int
+    memory_bandwidth: float
     efficiency: float = EFFICIENCY
+    backward: float = 2.0
 
     def bandwidth(self, span: int) -> float:
         """Bytes/s per device for a collective over a group spanning ``span`` consecutive
@@ -66,58 +77,29 @@ class DeviceSpec:
 
 
 DEVICES = {
-    # H100 SXM5: 989.4 TFLOP/s dense BF16, 80 GB HBM3, NVLink 4 900 GB/s per GPU both ways
-    # (nvidia.com/en-us/data-center/h100, datasheet); 8 per HGX node, one 400 Gb/s
+    # H100 SXM5: 989.4 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s per GPU
+    # both ways (nvidia.com/en-us/data-center/h100, datasheet); 8 per HGX node, one 400 Gb/s
     # ConnectX-7 NIC per GPU (DGX H100 user guide): 50 GB/s one way.
-    "h100": DeviceSpec(
-        name="h100",
-        flops=989e12,
-        memory=80 * 10**9,
-        intra_bandwidth=450e9,
-        inter_bandwidth=50e9,
-        node_size=8,
-    ),  # fmt: skip
-    # H200 SXM: H100's compute, 141 GB HBM3e (nvidia.com/en-us/data-center/h200).
-    "h200": DeviceSpec(
-        name="h200",
-        flops=989e12,
-        memory=141 * 10**9,
-        intra_bandwidth=450e9,
-        inter_bandwidth=50e9,
-        node_size=8,
-    ),  # fmt: skip
-    # H800 SXM: H100's compute, NVLink cut to 400 GB/s both ways; DeepSeek-V3's cluster: 8 per
-    # node, 400 Gb/s InfiniBand per GPU (DeepSeek-V3 technical report, arXiv:2412.19437, 3.1).
-    "h800": DeviceSpec(
-        name="h800",
-        flops=989e12,
-        memory=80 * 10**9,
-        intra_bandwidth=200e9,
-        inter_bandwidth=50e9,
-        node_size=8,
-    ),  # fmt: skip
-    # A100 SXM 80GB: 312 TFLOP/s dense BF16, NVLink 3 600 GB/s both ways, 200 Gb/s HDR per GPU
-    # (nvidia.com/en-us/data-center/a100, DGX A100 user guide).
-    "a100": DeviceSpec(
-        name="a100",
-        flops=312e12,
-        memory=80 * 10**9,
-        intra_bandwidth=300e9,
-        inter_bandwidth=25e9,
-        node_size=8,
-    ),  # fmt: skip
-    # TPU v5p: 459 TFLOP/s BF16, 95 GB HBM, ICI 4,800 Gb/s per chip over 6 links (a ring along
-    # one axis uses 2: 200 GB/s one way); a pod of 8,960 chips is one ICI domain
+    "h100": DeviceSpec(name="h100", flops=989e12, memory=80 * 10**9, memory_bandwidth=3.35e12,
+                       intra_bandwidth=450e9, inter_bandwidth=50e9, node_size=8),
+    # H200 SXM: H100's compute, 141 GB HBM3e at 4.8 TB/s (nvidia.com/en-us/data-center/h200).
+    "h200": DeviceSpec(name="h200", flops=989e12, memory=141 * 10**9, memory_bandwidth=4.8e12,
+                       intra_bandwidth=450e9, inter_bandwidth=50e9, node_size=8),
+    # H800 SXM: H100's compute and memory, NVLink cut to 400 GB/s both ways; DeepSeek-V3's
+    # cluster: 8 per node, 400 Gb/s InfiniBand per GPU (arXiv:2412.19437, section 3.1).
+    "h800": DeviceSpec(name="h800", flops=989e12, memory=80 * 10**9, memory_bandwidth=3.35e12,
+                       intra_bandwidth=200e9, inter_bandwidth=50e9, node_size=8),
+    # A100 SXM 80GB: 312 TFLOP/s dense BF16, HBM2e 2,039 GB/s, NVLink 3 600 GB/s both ways,
+    # 200 Gb/s HDR per GPU (nvidia.com/en-us/data-center/a100, DGX A100 user guide).
+    "a100": DeviceSpec(name="a100", flops=312e12, memory=80 * 10**9, memory_bandwidth=2.039e12,
+                       intra_bandwidth=300e9, inter_bandwidth=25e9, node_size=8),
+    # TPU v5p: 459 TFLOP/s BF16, 95 GB HBM at 2,765 GB/s, ICI 4,800 Gb/s per chip over 6 links
+    # (a ring along one axis uses 2: 200 GB/s one way); a pod of 8,960 chips is one ICI domain
     # (cloud.google.com/tpu/docs/v5p).
-    "tpu-v5p": DeviceSpec(
-        name="tpu-v5p",
-        flops=459e12,
-        memory=95 * 10**9,
-        intra_bandwidth=200e9,
-        inter_bandwidth=25e9,
-        node_size=8960,
-    ),  # fmt: skip
-}
+    "tpu-v5p": DeviceSpec(name="tpu-v5p", flops=459e12, memory=95 * 10**9,
+                          memory_bandwidth=2.765e12, intra_bandwidth=200e9,
+                          inter_bandwidth=25e9, node_size=8960),
+}  # fmt: skip
 """The devices ``mmnnx plan --device`` knows, with their sources."""
 
 
@@ -126,9 +108,14 @@ class Collectives:
     """When the step's data-parallel collectives run. ``gradients``: ``"microbatch"``, each
     backward all-reduces its microbatch's weight gradients over the data (expert) devices,
     as mmnnx's engine does (docs/pipelining.md, FSDP); ``"step"``, once per step (a
-    reduce-scatter with FSDP), as Megatron, torchtitan and the published runs do.
-    ``gathers``: FSDP's all-gathers of a stage's weights, in each F and each B (the engine)
-    or once per model stage per step.
+    reduce-scatter with FSDP) in float32, as Megatron, torchtitan and the published runs do.
+    ``gathers``: FSDP's all-gathers of a stage's weights, in each F and each B in the
+    parameters' dtype (the engine), or once per model stage per step in the compute dtype
+    (mixed-precision FSDP casts before gathering and keeps them for the backward, as
+    torchtitan does under pipelining). Once-per-step collectives run on the network while the
+    device computes, a block at a time (FSDP's prefetch, Megatron's overlapped gradient
+    reduce): a task's first block's gather delays its first forward, a model stage's
+    reduce-scatter runs from its last backward's start, its last block's after its end.
 
     Example:
         >>> ENGINE.gradients, PUBLISHED.gradients
@@ -139,10 +126,8 @@ class Collectives:
     gathers: str = "microbatch"
 
     def __post_init__(self):
-        for name in ("gradients", "gathers"):
-            if getattr(self, name) not in ("microbatch", "step"):
-                raise ValueError(f"Collectives.{name}: 'microbatch' or 'step', got "
-                                 f"{getattr(self, name)!r}")  # fmt: skip
+        if {self.gradients, self.gathers} - {"microbatch", "step"}:
+            raise ValueError(f"{self}: each field 'microbatch' or 'step'")
 
 
 ENGINE = Collectives()
@@ -226,13 +211,11 @@ class ClusterLayout:
 
     def memory_layout(self, config: GPTConfig | None = None) -> MemoryLayout:
         """The :class:`~mmnnx.partition.MemoryLayout` of its axes (with ``config``, its blocks
-        split as :func:`stage_blocks` splits them)."""
-        blocks = None
-        if config is not None:
-            blocks = stage_blocks(config, self.stages * self.virtual_stages)
-        return MemoryLayout(stages=self.stages, data=self.data, tensor=self.tensor,
-                            expert=self.expert, fsdp=self.fsdp,
-                            virtual_stages=self.virtual_stages, blocks=blocks)  # fmt: skip
+        split as :func:`~mmnnx.partition.memory.default_blocks` splits them)."""
+        count = self.stages * self.virtual_stages
+        axes = {k: getattr(self, k) for k in ("stages", "data", "tensor", "expert", "fsdp")}
+        blocks = default_blocks(config, count) if config is not None else None
+        return MemoryLayout(**axes, virtual_stages=self.virtual_stages, blocks=blocks)
 
     def text(self) -> str:
         """The layout as ``--layout`` reads it.
@@ -246,18 +229,6 @@ class ClusterLayout:
                 f"microbatches={self.microbatches},remat={self.remat}")  # fmt: skip
 
 
-@functools.cache
-def stage_blocks(config: GPTConfig, count: int) -> tuple[int, ...]:
-    """The blocks of each of ``count`` model stages, balanced by parameters as
-    ``stage_rules`` balances them (the tensor axis divides every block alike), computed once.
-
-    Example:
-        >>> stage_blocks(GPTConfig(depth=4), 2)
-        (2, 2)
-    """
-    return tuple(default_blocks(config, count))
-
-
 def attention_flops(att, dim: int, seq: int) -> float:
     """Forward FLOPs per token of one attention: its projections (2 per weight) and the
     scores and weighted values of a causal mask (half of ``seq`` keys on average).
@@ -267,18 +238,13 @@ def attention_flops(att, dim: int, seq: int) -> float:
         >>> attention_flops(AttentionConfig(num_heads=2), 8, 4)
         576.0
     """
-    if isinstance(att, LatentAttentionConfig):
-        heads, qk = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim
-        q = (dim * att.q_lora_rank + att.q_lora_rank * heads * qk if att.q_lora_rank
-             else dim * heads * qk)  # fmt: skip
-        kv = dim * (att.kv_lora_rank + att.qk_rope_head_dim)
-        kv += att.kv_lora_rank * heads * (att.qk_nope_head_dim + att.v_head_dim)
-        weights = q + kv + heads * att.v_head_dim * dim
-        return 2.0 * weights + 2.0 * heads * (qk + att.v_head_dim) * seq / 2
-    hd = att.head_dim or dim // att.num_heads
-    kv_heads = att.num_kv_heads or att.num_heads
-    weights = dim * hd * (2 * att.num_heads + 2 * kv_heads)
-    return 2.0 * weights + 2.0 * att.num_heads * hd * 2 * seq / 2
+    latent = isinstance(att, LatentAttentionConfig)
+    per_head = (
+        att.qk_nope_head_dim + att.qk_rope_head_dim + att.v_head_dim
+        if latent
+        else 2 * (att.head_dim or dim // att.num_heads)
+    )  # a score's and a weighted value's sizes
+    return 2.0 * attention_weights(att, dim).total + 2.0 * att.num_heads * per_head * seq / 2
 
 
 def feed_forward_flops(ff, dim: int) -> float:
@@ -322,56 +288,44 @@ def model_flops_per_token(config: GPTConfig, seq: int) -> float:
     return 3.0 * (blocks + 2.0 * config.dim * config.vocab_size)
 
 
-def all_reduce(size: float, group: int, bandwidth: float) -> float:
-    """Seconds of a ring all-reduce of ``size`` bytes over ``group`` devices.
+def ring(size: float, group: int, bandwidth: float, passes: int = 1) -> float:
+    """Seconds of a ring collective over ``group`` devices whose whole result is ``size``
+    bytes: ``passes=1`` an all-gather, reduce-scatter or all-to-all, ``2`` an all-reduce.
 
     Example:
-        >>> all_reduce(100.0, 2, 100.0)
-        1.0
+        >>> ring(100.0, 2, 100.0), ring(100.0, 2, 100.0, passes=2)
+        (0.5, 1.0)
     """
-    return 2 * (group - 1) / group * size / bandwidth if group > 1 else 0.0
-
-
-def all_gather(size: float, group: int, bandwidth: float) -> float:
-    """Seconds of a ring all-gather (or reduce-scatter) whose whole result is ``size`` bytes.
-
-    Example:
-        >>> all_gather(100.0, 2, 100.0)
-        0.5
-    """
-    return (group - 1) / group * size / bandwidth if group > 1 else 0.0
+    return passes * (group - 1) / group * size / bandwidth
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StepCost:
-    """:func:`step_cost`'s answer: the ``step_seconds`` (the simulated ``makespan`` plus
-    ``per_step_seconds`` of collectives run once per step), the schedule's ``bubble`` (its
-    idle share of rank-time), ``model_flops`` of the step, ``action_costs`` per
-    ``(kind, stage)`` and ``transfer_seconds`` per boundary crossing."""
+class StageCosts:
+    """Each model stage's costs in seconds: ``actions`` per microbatch ``{(kind, stage): s}``;
+    ``transfer``, an activation crossing a stage boundary; once per step ``gathers`` and
+    ``reduces`` (its data-parallel collectives, on the network) and ``updates`` (its optimizer
+    update); ``compute_share``, the busiest stage's FLOPs' share of its F + B."""
 
-    step_seconds: float
-    makespan: float
-    per_step_seconds: float
-    bubble: float
-    model_flops: float
-    action_costs: dict
-    transfer_seconds: float
-    compute_share: float  # of one microbatch's F + B on the busiest stage: its FLOPs
+    actions: dict
+    transfer: float
+    gathers: list
+    reduces: list
+    updates: list
+    compute_share: float
 
 
-def stage_action_costs(
+def stage_costs(
     config: GPTConfig, layout: ClusterLayout, device: DeviceSpec, *, batch: int, seq: int,
-    collectives: Collectives = ENGINE,
-) -> tuple[dict, float, list[float], float]:  # fmt: skip
-    """Each model stage's per-microbatch action costs in seconds ``{(kind, stage): s}``,
-    the seconds an activation takes to cross a stage boundary, each model stage's
-    once-per-step collectives' seconds, and the busiest stage's compute share of its F + B.
+    collectives: Collectives = ENGINE, optimizer: str = "adamw",
+) -> StageCosts:  # fmt: skip
+    """Each model stage's costs (:class:`StageCosts`) training on ``batch`` sequences of
+    ``seq`` tokens.
 
     Example:
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
-        >>> costs, *_ = stage_action_costs(config, ClusterLayout(stages=2, microbatches=2),
-        ...                                DEVICES["h100"], batch=4, seq=8)
-        >>> sorted(costs)[:2], costs[("B", 0)] > costs[("F", 0)]
+        >>> costs = stage_costs(config, ClusterLayout(stages=2, microbatches=2),
+        ...                     DEVICES["h100"], batch=4, seq=8)
+        >>> sorted(costs.actions)[:2], costs.actions[("B", 0)] > costs.actions[("F", 0)]
         ([('B', 0), ('B', 1)], True)
     """
     lay, count = layout, layout.stages * layout.virtual_stages
@@ -379,94 +333,104 @@ def stage_action_costs(
     act, param = DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.param_dtype]
     tokens = batch / lay.microbatches / (d * e) * seq  # of one microbatch, on one device
     speed = device.flops * device.efficiency
-    sizes = stage_blocks(config, count)
+    sizes = default_blocks(config, count)
     starts = [sum(sizes[:s]) for s in range(count)]
-    tp_bw, ep_bw = device.bandwidth(t), device.bandwidth(t * e)
-    data_bw = device.bandwidth(t * e * d)
-    weights = _stage_weights(config, lay, sizes)
-    costs, per_step, share = {}, [], 0.0
+    tp_bw, ep_bw, data_bw = (device.bandwidth(n) for n in (t, t * e, t * e * d))
+    per_step = collectives.gradients == "step"  # as the published frameworks run
+    costs, gathers, reduces, updates, share = {}, [], [], [], 0.0
     for s in range(count):
-        blocks = range(starts[s], starts[s] + sizes[s])
-        flops = sum(block_flops(config, i, seq) for i in blocks) * tokens / t
+        indices = range(starts[s], starts[s] + sizes[s])
+        blocks = [config.block_configs[i] for i in indices]
+        flops = sum(block_flops(config, i, seq) for i in indices)
+        weights = stage_weights(config, lay.memory_layout(), indices, s == 0, s == count - 1).total
         if s == count - 1:
-            flops += 2.0 * config.dim * config.vocab_size * tokens / t
-        compute = flops / speed
-        moe = sum(isinstance(config.block_configs[i].feed_forward, MoEConfig) for i in blocks)
-        top_k = max((getattr(config.block_configs[i].feed_forward, "top_k", 1) for i in blocks),
-                    default=1)  # fmt: skip
-        comm = len(blocks) * 2 * all_reduce(tokens * config.dim * act, t, tp_bw)
-        comm += moe * 2 * all_gather(tokens * top_k * config.dim * act, e, ep_bw)
-        stage_bytes = weights[s] * param  # per device, before fsdp
-        gather = all_gather(stage_bytes, f, data_bw)
-        reduce = all_reduce(stage_bytes, d * e, data_bw)
-        recompute = {"none": 0.0, "dots": 0.0, "full": compute + comm}.get(lay.remat, compute)
-        per_action_gather = gather if collectives.gathers == "microbatch" else 0.0
-        per_action_reduce = reduce if collectives.gradients == "microbatch" else 0.0
-        once = 2 * gather if collectives.gathers == "step" else 0.0
-        if collectives.gradients == "step":  # a reduce-scatter with fsdp
-            once += all_gather(stage_bytes, d * e, data_bw) if f > 1 else reduce
-        per_step.append(once)
-        forward = compute + comm + per_action_gather
-        input_grad = compute + comm + recompute + per_action_gather
-        weight_grad = compute + per_action_reduce
-        costs[("F", s)] = forward
-        costs[("B", s)] = input_grad + weight_grad
-        costs[("I", s)] = input_grad
-        costs[("W", s)] = weight_grad
-        share = max(share, 3 * compute / (forward + input_grad + weight_grad))
-    # two neighbouring stages' devices: one node's links when both fit in it
-    transfer = tokens * config.dim * act / device.bandwidth(2 * t * e * d)
-    return costs, transfer, per_step, share
+            flops += 2.0 * config.dim * config.vocab_size
+        compute = flops * tokens / t / speed
+        comm = 2 * len(blocks) * ring(tokens * config.dim * act, t, tp_bw, passes=2)
+        for block in blocks:
+            if isinstance(block.feed_forward, MoEConfig):
+                comm += 2 * ring(tokens * block.feed_forward.top_k * config.dim * act, e, ep_bw)
+        gather = ring(weights * (act if collectives.gathers == "step" else param), f, data_bw)
+        if collectives.gathers == "step" and lay.microbatches == 1:  # for forward and backward
+            gather *= 2
+        reduce = ring(weights * param, d * e, data_bw, passes=1 if f > 1 and per_step else 2)
+        in_action = 0.0 if collectives.gathers == "step" else gather
+        recompute = compute + comm if lay.remat == "full" else 0.0
+        half = device.backward / 2 * compute  # the input and the weight gradients' matmuls
+        costs[("F", s)] = compute + comm + in_action
+        costs[("I", s)] = half + comm + recompute + in_action
+        costs[("W", s)] = half + (0.0 if per_step else reduce)
+        costs[("B", s)] = costs[("I", s)] + costs[("W", s)]
+        gathers.append(gather - in_action)
+        reduces.append(reduce if per_step else 0.0)
+        state = weights / f * param * (3 + 2 * OPTIMIZER_COPIES[optimizer])  # read, write
+        updates.append(state / device.memory_bandwidth)
+        busy = costs[("F", s)] + costs[("B", s)]
+        share = max(share, (1 + device.backward) * compute / busy)
+    # two neighbouring stages' devices: one node's links when both fit in it; published
+    # frameworks send each tensor-parallel device's slice, gathered on arrival (Megatron)
+    sent = tokens * config.dim * act / (t if per_step else 1)
+    transfer = sent / device.bandwidth(2 * t * e * d)
+    return StageCosts(actions=costs, transfer=transfer, gathers=gathers, reduces=reduces,
+                      updates=updates, compute_share=share)  # fmt: skip
 
 
-def _stage_weights(config: GPTConfig, lay: ClusterLayout, sizes: Sequence[int]) -> list[float]:
-    """Each model stage's parameter elements per device before ``fsdp``."""
-    from mmnnx.partition.memory import _block_weights, _weight  # noqa: PLC0415
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepCost:
+    """:func:`step_cost`'s answer: the ``step_seconds`` (the simulated ``makespan`` plus
+    ``per_step_seconds``: the exposed data-parallel collectives and the optimizer update of
+    the last task to finish), the schedule's ``bubble`` (its idle share of rank-time),
+    ``model_flops`` of the step and the :class:`StageCosts` simulated (``stages``)."""
 
-    memory_layout = lay.memory_layout()
-    out, start = [], 0
-    for s, size in enumerate(sizes):
-        total = sum(_block_weights(config.block_configs[i], config.dim, memory_layout, 0, 1).total
-                    for i in range(start, start + size))  # fmt: skip
-        if s == 0:
-            total += _weight((config.vocab_size, config.dim), lay.tensor, 0, 1).total
-        if s == len(sizes) - 1 and not config.tie_embeddings:
-            total += config.vocab_size * config.dim / lay.tensor
-        out.append(total)
-        start += size
-    return out
+    step_seconds: float
+    makespan: float
+    per_step_seconds: float
+    bubble: float
+    model_flops: float
+    stages: StageCosts
 
 
 def step_cost(
     config: GPTConfig, layout: ClusterLayout, device: DeviceSpec, *, batch: int, seq: int,
-    collectives: Collectives = ENGINE,
+    collectives: Collectives = ENGINE, costs: StageCosts | None = None,
 ) -> StepCost:  # fmt: skip
     """The predicted step of training ``GPT(config)`` on ``layout`` over ``device``s with
     ``batch`` sequences of ``seq`` tokens: the schedule simulated with each action's costs
-    (:func:`stage_action_costs`) and transfers, plus the once-per-step collectives.
+    (``costs``, by default :func:`stage_costs`) and transfers; beside it, each task's
+    once-per-step collectives on its network link (:class:`Collectives`); then its update.
 
     Example:
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
         >>> cost = step_cost(config, ClusterLayout(stages=2, microbatches=2), DEVICES["h100"],
         ...                  batch=4, seq=8)
-        >>> cost.step_seconds == cost.makespan > 0, 0 < cost.bubble < 1
+        >>> cost.step_seconds > cost.makespan > 0, 0 < cost.bubble < 1
         (True, True)
     """
     count = layout.stages * layout.virtual_stages
-    costs, transfer, per_stage, share = stage_action_costs(
-        config, layout, device, batch=batch, seq=seq, collectives=collectives
-    )
+    costs = costs or stage_costs(config, layout, device, batch=batch, seq=seq,
+                                 collectives=collectives)  # fmt: skip
     table = sched.get(layout.schedule, count, layout.microbatches, layout.virtual_stages)
-    moves = {("F", s): transfer for s in range(count)}
-    moves.update({(k, s): transfer for k in ("B", "I") for s in range(count)})
-    result = sched.simulate(table, action_costs=costs, transfer_costs=moves)
-    ranks = [0.0] * table.num_ranks
-    for s, seconds in enumerate(per_stage):
-        ranks[table.stage_to_rank[s]] += seconds
-    per_step = max(ranks)
-    model_flops = model_flops_per_token(config, seq) * batch * seq
+    moves = {(k, s): costs.transfer for k in ("F", "B", "I") for s in range(count)}
+    result = sched.simulate(table, action_costs=costs.actions, transfer_costs=moves)
+    first, last, busy = {}, {}, dict.fromkeys(range(table.num_ranks), 0.0)
+    for ev in result.events:
+        first.setdefault(ev.stage, ev.start)
+        if ev.kind != "F":  # a stage's last backward action, its gradients ready block by block
+            last[ev.stage] = max(last.get(ev.stage, (0.0, 0.0)), (ev.end, ev.start))
+        busy[ev.rank] = max(busy[ev.rank], ev.end)
+    ends, blocks = [], default_blocks(config, count)
+    for rank, compute_end in busy.items():
+        mine = sorted((s for s in range(count) if table.stage_to_rank[s] == rank), key=first.get)
+        wait = costs.gathers[mine[0]] / blocks[mine[0]]  # its first block's gather, alone
+        link = sum(costs.gathers[s] for s in mine)
+        for s in sorted(mine, key=last.get):
+            end, start = last[s]
+            link = max(max(link, start + wait) + costs.reduces[s],
+                       end + wait + costs.reduces[s] / blocks[s])  # fmt: skip
+        ends.append(max(compute_end + wait, link) + sum(costs.updates[s] for s in mine))
+    step = max(ends)
     return StepCost(
-        step_seconds=result.makespan + per_step, makespan=result.makespan,
-        per_step_seconds=per_step, bubble=result.bubble_fraction, model_flops=model_flops,
-        action_costs=costs, transfer_seconds=transfer, compute_share=share,
+        step_seconds=step, makespan=result.makespan, per_step_seconds=step - result.makespan,
+        bubble=result.bubble_fraction, model_flops=model_flops_per_token(config, seq) * batch * seq,
+        stages=costs,
     )  # fmt: skip

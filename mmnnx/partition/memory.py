@@ -18,12 +18,19 @@ optimizer state by ``fsdp``, the batch by ``data`` x ``expert``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from mmnnx.models.gpt import REMAT, GPTConfig
-from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig
+from mmnnx.modules import (
+    AttentionConfig,
+    BlockConfig,
+    ClampedMoEConfig,
+    MLPConfig,
+    MoEConfig,
+)
 from mmnnx.modules.deepseek_moe import DeepSeekMoEConfig
 from mmnnx.modules.latent_attention import LatentAttentionConfig
 from mmnnx.mpmd import schedules as sched
@@ -32,7 +39,7 @@ from mmnnx.mpmd.lower.pack import PACK_WEIGHT_BYTES, weight_bound
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OPTIMIZER_COPIES = {"adamw": 2, "adam": 2, "sgd": 0, "momentum": 1, "lion": 1, "adafactor": 0}
 """Optimizer state per trained parameter, in parameter-sized copies (AdamW: two moments)."""
-_FEED_FORWARD = (MLPConfig, MoEConfig, DeepSeekMoEConfig)
+_FEED_FORWARD = (MLPConfig, MoEConfig, DeepSeekMoEConfig, ClampedMoEConfig)
 _ATTENTION = (AttentionConfig, LatentAttentionConfig)
 _F32 = 4  # norms, softmax and the loss are float32 whatever the compute dtype
 _STATS_PER_TOKEN = 2  # a block's two norms' rsqrt, kept per token
@@ -201,19 +208,13 @@ def _block_weights(
 
     norm = 2 if block.norm.kind == "layer" else 1
     total = w((norm * dim,)) + w((norm * dim,))
-    att = block.attention
-    if isinstance(att, AttentionConfig):
-        hd = att.head_dim or dim // att.num_heads
-        q, kv = att.num_heads * hd, (att.num_kv_heads or att.num_heads) * hd
-        total += w((dim, q), tp) + w((dim, kv), tp) + w((dim, kv), tp) + w((q, dim), tp)
-        if att.qk_norm:
-            total += w((hd,)) + w((hd,))
-    elif isinstance(att, LatentAttentionConfig):
-        total += _latent_weights(att, dim, w, tp)
+    total += attention_weights(block.attention, dim, w, tp)
     ff = block.feed_forward
     if isinstance(ff, MoEConfig):
-        total += w((dim, ff.num_experts))
+        total += w((dim + ff.router_bias, ff.num_experts))
         total += w((ff.num_experts, 3 * dim * ff.hidden), ep * tp)
+        if isinstance(ff, ClampedMoEConfig):  # gpt-oss's experts' biases: gate_up's and down's
+            total += w((ff.num_experts, 2 * ff.hidden), ep * tp) + w((ff.num_experts, dim), ep)
         if getattr(ff, "shared_hidden", None):  # DeepSeek's shared expert: a gated MLP
             total += w((3 * dim, ff.shared_hidden), tp)
     elif isinstance(ff, MLPConfig):
@@ -225,17 +226,35 @@ def _block_weights(
     return total
 
 
-def _latent_weights(att: LatentAttentionConfig, dim: int, w, tp: int) -> _Weights:
-    """A ``LatentAttention``'s parameters: the query and key-value down-projections and their
-    latents' norms whole, the up-projections and the output split over ``tensor`` by head."""
-    heads, qk = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim
-    total = w((dim, att.kv_lora_rank + att.qk_rope_head_dim)) + w((att.kv_lora_rank,))
-    total += w((att.kv_lora_rank, heads * (att.qk_nope_head_dim + att.v_head_dim)), tp)
-    total += w((heads * att.v_head_dim, dim), tp)
-    if att.q_lora_rank:
-        total += w((dim, att.q_lora_rank)) + w((att.q_lora_rank,))
-        return total + w((att.q_lora_rank, heads * qk), tp)
-    return total + w((dim, heads * qk), tp)
+def attention_weights(att, dim: int, w=None, tp: int = 1) -> _Weights:
+    """An attention's parameters per device, each made by ``w(shape, shards)`` (default:
+    whole): projections split over ``tensor`` (``tp``) by head, a latent attention's down-
+    projections and latents' norms whole.
+
+    Example:
+        >>> attention_weights(AttentionConfig(num_heads=2), 8).total
+        256.0
+    """
+    w = w or (lambda shape, shards=1: _weight(shape, shards, 0, 1))
+    if isinstance(att, LatentAttentionConfig):
+        heads, qk = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim
+        total = w((dim, att.kv_lora_rank + att.qk_rope_head_dim)) + w((att.kv_lora_rank,))
+        total += w((att.kv_lora_rank, heads * (att.qk_nope_head_dim + att.v_head_dim)), tp)
+        total += w((heads * att.v_head_dim, dim), tp)
+        if att.q_lora_rank:
+            total += w((dim, att.q_lora_rank)) + w((att.q_lora_rank,))
+            return total + w((att.q_lora_rank, heads * qk), tp)
+        return total + w((dim, heads * qk), tp)
+    hd = att.head_dim or dim // att.num_heads
+    q, kv = att.num_heads * hd, (att.num_kv_heads or att.num_heads) * hd
+    total = w((dim, q), tp) + w((dim, kv), tp) + w((dim, kv), tp) + w((q, dim), tp)
+    if att.qk_norm:
+        total += w((hd,)) + w((hd,))
+    if att.bias:  # gpt-oss: q, k, v split by head, out's whole
+        total += w((q + 2 * kv,), tp) + w((dim,))
+    if att.sinks:  # a logit per head
+        total += w((att.num_heads,), tp)
+    return total
 
 
 def _attention_residuals(att, dim: int, tokens: float, tp: int, dtype: int) -> tuple:
@@ -275,8 +294,11 @@ def _block_residuals(
     tp = lay.tensor
     projections, heads = _attention_residuals(block.attention, dim, tokens, tp, dtype)
     scores = 0 if reference else tokens * heads * seq * _F32  # the softmax's probabilities
-    stats = tokens * (_STATS_PER_TOKEN + 2 * heads) * _F32  # norms' rsqrt; softmax max, sum
-    residual = 2 * tokens * dim * dtype  # the block's input and its sum after attention
+    # a reference framework splits the residual stream's tokens over ``tensor`` (Megatron's
+    # sequence parallelism, MaxText's activation_embed sharding)
+    stream = tokens * dim * dtype / (tp if reference else 1)
+    stats = tokens * 2 * heads * _F32 + stream / dim / dtype * _STATS_PER_TOKEN * _F32
+    residual = 2 * stream  # the block's input and its sum after attention
     ff = block.feed_forward
     if isinstance(ff, MoEConfig):
         rows = tokens * ff.top_k  # each token's copies, one per expert it is routed to
@@ -308,9 +330,9 @@ def _block_residuals(
     full = residual + projections + scores + stats + feed
     kept = {
         "none": full,
-        "full": tokens * dim * dtype,  # its input
+        "full": stream,  # its input
         "dots": projections + saved_dots,  # its input is the last block's outputs summed
-        "offload": tokens * dim * dtype,  # the matmuls' outputs wait in host memory
+        "offload": stream,  # the matmuls' outputs wait in host memory
     }[remat]
     return _Residuals(full, kept, projections + outputs)
 
@@ -325,26 +347,16 @@ def _workspace(gradients: float, full: float, kept: float, *, split: bool) -> fl
     return max(cotangents, gradients) if split and full > kept else gradients + cotangents
 
 
-def _held_peaks(
-    events: Sequence[sched.Event],
-    kept: Sequence[float],
-    waiting: Sequence[float],
-    homes: Sequence[int],
-) -> dict[int, float]:
+def _held_peaks(events: Sequence[sched.Event], kept: Sequence[float], waiting: Sequence[float],
+                homes: Sequence[int]) -> dict[int, float]:  # fmt: skip
     """Most bytes each rank holds at once for its microbatches in flight: a stage's ``kept``
     from its F until its B (or W), and with a split backward its ``waiting`` cotangents from
     its I until its W."""
     changes = []
     for e in events:
-        home = homes[e.stage]
-        if e.kind == "F":
-            changes.append((e.start, 1, home, kept[e.stage]))
-        elif e.kind == "I":
-            changes.append((e.end, 1, home, waiting[e.stage]))
-        elif e.kind == "B":
-            changes.append((e.end, 0, home, -kept[e.stage]))
-        elif e.kind == "W":
-            changes.append((e.end, 0, home, -kept[e.stage] - waiting[e.stage]))
+        s = e.stage
+        delta = {"F": kept[s], "I": waiting[s], "B": -kept[s], "W": -kept[s] - waiting[s]}[e.kind]
+        changes.append((e.start if e.kind == "F" else e.end, delta > 0, homes[s], delta))
     now = dict.fromkeys(homes, 0.0)
     peak = dict(now)
     for _, _, home, delta in sorted(changes):  # at one instant, releases before new holds
@@ -353,8 +365,10 @@ def _held_peaks(
     return peak
 
 
+@functools.cache
 def default_blocks(config: GPTConfig, stages: int, layout: MemoryLayout | None = None) -> tuple:
-    """Blocks per model stage as ``stage_rules`` (by parameter counts) cuts them.
+    """Blocks per model stage as ``stage_rules`` (by parameter counts) cuts them (computed once
+    per config and count).
 
     Example:
         >>> default_blocks(GPTConfig(depth=4), 2)
@@ -397,14 +411,34 @@ class _Stage(NamedTuple):
     block_kept: float
 
 
+def stage_weights(config: GPTConfig, lay: MemoryLayout, blocks: Sequence[int], first: bool,
+                  last: bool, pack_limit: float = 0, itemsize: int = 1) -> _Weights:  # fmt: skip
+    """The parameters per device (before ``fsdp``) of a model stage holding ``blocks`` (the
+    embedding when ``first``, the final norm and head when ``last``).
+
+    Example:
+        >>> config = GPTConfig(vocab_size=8, dim=4, depth=2, num_heads=2)
+        >>> stage_weights(config, MemoryLayout(), [0], True, False).total
+        252.0
+    """
+    dim, vocab = config.dim, config.vocab_size
+    weights = sum((_block_weights(config.block_configs[i], dim, lay, pack_limit, itemsize)
+                   for i in blocks), _Weights())  # fmt: skip
+    if first:
+        weights += _weight((vocab, dim), lay.tensor, 0, itemsize)
+    if last:
+        head = 0 if config.tie_embeddings else vocab * dim
+        weights += _weight((head,), lay.tensor, 0, itemsize) + _Weights(dim, 0, dim)
+    return weights
+
+
 def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool) -> _Stage:
     """The terms of the model stage holding ``blocks`` (and the embedding when ``first``, the
     final norm, head and loss when ``last``)."""
     config, lay, dtype, tokens = shapes.config, shapes.layout, shapes.dtype, shapes.tokens
     dim, vocab, param_bytes = config.dim, config.vocab_size, shapes.param_bytes
     layers = [config.block_configs[i] for i in blocks]
-    weights = sum((_block_weights(b, dim, lay, shapes.pack_limit, param_bytes) for b in layers),
-                  _Weights())  # fmt: skip
+    weights = stage_weights(config, lay, blocks, first, last, shapes.pack_limit, param_bytes)
     res = [_block_residuals(b, dim, tokens, shapes.seq, lay, dtype, shapes.remat,
                             reference=shapes.reference) for b in layers]  # fmt: skip
     block_full, block_kept = max(r.full for r in res), max(r.kept for r in res)
@@ -412,11 +446,8 @@ def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool) -> _Stage
     full = sum(r.full for r in res)
     outputs = sum(r.outputs for r in res)
     if first:
-        weights += _weight((vocab, dim), lay.tensor, 0, param_bytes)
         kept += tokens * 4  # the token ids the embedding's gradient scatters by
     if last:
-        head = 0 if config.tie_embeddings else vocab * dim
-        weights += _weight((head,), lay.tensor, 0, param_bytes) + _Weights(dim, 0, dim)
         logits = tokens * vocab / lay.tensor * _F32 + tokens * dim * dtype
         logits += tokens * _HEAD_STATS_PER_TOKEN * _F32
         kept, full = kept + logits, full + logits
@@ -491,7 +522,7 @@ def predict_memory(
             kinds = " and ".join(type(part).__name__ for part in parts)
             raise ValueError(
                 f"predict_memory: layer {i} is {kinds}; the model knows AttentionConfig or "
-                "LatentAttentionConfig with MLPConfig, MoEConfig or DeepSeekMoEConfig"
+                "LatentAttentionConfig with MLPConfig or a MoEConfig (DeepSeek's, gpt-oss's)"
             )
     count = lay.stages * lay.virtual_stages
     if config.depth < count:
@@ -535,9 +566,15 @@ def predict_memory(
         packed = weights.packed * param_bytes if lay.fsdp == 1 and not reference else 0.0
         # downstream, an activation sent and its cotangent received; upstream, a cotangent sent
         buffers = sum(2 * (s < count - 1) + (s > 0) for s in mine)
-        gathered = max(stage_weights[s].total for s in mine) * param_bytes * (1 - 1 / lay.fsdp)
+        largest = max(stage_weights[s].total for s in mine)
+        gathered = largest * param_bytes * (1 - 1 / lay.fsdp)
         if dtype != param_bytes:  # the weights cast to the compute dtype for the matmuls
-            gathered += max(stage_weights[s].total for s in mine) * dtype
+            gathered += largest * dtype
+        if reference and lay.fsdp > 1:  # FSDP gathers in the compute dtype: kept the step when
+            # microbatches share them, else a block at a time with the next one prefetched
+            block = max(_block_weights(config.block_configs[b], dim, lay, 0, 1).total
+                        for s in mine for b in range(starts[s], starts[s] + sizes[s]))  # fmt: skip
+            gathered = dtype * (weights.total if microbatches > 1 else 2 * block)
         workspace = max(_workspace(
             # a reference framework accumulates each microbatch's gradients in place
             0 if reference else stage_weights[s].total * param_bytes * trainable,
