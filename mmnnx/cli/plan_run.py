@@ -61,8 +61,9 @@ def cpu_device(devices: int, flops: float | None, bandwidth: float | None,
                memory: int | None) -> Any:  # fmt: skip
     """This host's CPU as ``devices`` simulated devices for the cost model: ``flops`` (FLOP/s
     each device reaches on the model, so efficiency 1) and ``bandwidth`` (bytes/s between two
-    of them) measured by the user, ``memory`` by default the host's RAM shared by the devices,
-    all in one node.
+    of them) measured by the user, also the update's memory bandwidth (on one host a transfer
+    between simulated devices is a copy in the same memory), ``memory`` by default the host's
+    RAM shared by the devices, all in one node.
 
     Example:
         >>> cpu_device(8, 2e9, 1e9, None).node_size
@@ -81,5 +82,6 @@ def cpu_device(devices: int, flops: float | None, bandwidth: float | None,
         )
     if memory is None:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
-    return DeviceSpec(name="cpu", flops=flops, memory=memory, intra_bandwidth=bandwidth,
-                      inter_bandwidth=bandwidth, node_size=devices, efficiency=1.0)  # fmt: skip
+    return DeviceSpec(name="cpu", flops=flops, memory=memory, memory_bandwidth=bandwidth,
+                      intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, node_size=devices,
+                      efficiency=1.0)  # fmt: skip
