@@ -23,8 +23,7 @@ from mmnnx.train.preference import TRAINED, PreferenceModel, frozen_copy
 
 def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
     """The ``GPTConfig`` of a run: ``gpt_config``'s, or ``--init-from``'s with the run's
-    ``dtype``, ``param_dtype``, ``scan_layers`` and ``seq_len`` as ``max_seq_len`` (a
-    ``generate`` cache's length); a ``CheckpointError`` for a checkpoint mmnnx cannot build.
+    precision, layers and ``seq_len`` (a ``CheckpointError`` where mmnnx cannot build it).
 
     Example:
         >>> model_config(RunConfig.of({"dim": 64, "depth": 2, "model_axis": 1}), 256).depth
@@ -51,10 +50,14 @@ def linear_names(config: GPTConfig) -> tuple[str, ...]:
         >>> linear_names(GPTConfig()), linear_names(GPTConfig(gated_mlp=True, experts=4))
         (('q', 'k', 'v', 'out', 'up', 'down'), ('q', 'k', 'v', 'out', 'router'))
     """
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    abstract = _abstract_gpt(config)
     have = {str(path[-1]) for path, node in nnx.iter_graph(abstract) if isinstance(node, Linear)}
     return tuple(t for t in (*TARGETS, *MOE_TARGETS) if t in have)
+
+
+def _abstract_gpt(config: GPTConfig) -> GPT:
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
 
 
 def run_placement(
@@ -77,18 +80,14 @@ def run_placement(
     """
     named = isinstance(schedule, str) and schedule != "auto"
     order = (named and registered(schedule).placement.order(virtual_stages)) or "loop"
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-        if sizes is not None:
-            return split_rules(abstract, tasks, sizes, virtual_stages=virtual_stages, order=order)
-        return stage_rules(
-            abstract, tasks, virtual_stages=virtual_stages, order=order, report=report
-        )
+    abstract = _abstract_gpt(config)
+    if sizes is not None:
+        return split_rules(abstract, tasks, sizes, virtual_stages=virtual_stages, order=order)
+    return stage_rules(abstract, tasks, virtual_stages=virtual_stages, order=order, report=report)
 
 
 def fsdp_placement(placement: Sequence[tuple]) -> list[tuple]:
-    """``placement`` with :func:`~mmnnx.sharding.fsdp_rules` over the ``fsdp`` mesh axis when its
-    tasks have one (``run_tasks(..., fsdp_axis=N)``, N > 1), else as it is.
+    """``placement`` with ``fsdp_rules`` over the ``fsdp`` mesh axis when its tasks have one.
 
     Example:
         >>> from mmnnx.train.generation import run_tasks
@@ -96,14 +95,14 @@ def fsdp_placement(placement: Sequence[tuple]) -> list[tuple]:
         >>> [type(r[-1]).__name__ for r in fsdp_placement(run_placement(GPTConfig(depth=2), tasks))]
         ['ShardLargest', 'ShardLargest']
     """
-    tasks = [t for rule in placement for t in _tasks_of(rule[1])]
+    tasks = [
+        t
+        for rule in placement
+        for t in (rule[1] if isinstance(rule[1], list | tuple) else [rule[1]])
+    ]
     if not any(FSDP_AXIS in t.axis_names for t in tasks):
         return list(placement)
     return fsdp_rules(placement, FSDP_AXIS)
-
-
-def _tasks_of(task: Any) -> tuple[Task, ...]:
-    return tuple(task) if isinstance(task, list | tuple) else (task,)
 
 
 FSDP_AXIS = "fsdp"
@@ -154,10 +153,7 @@ def build_model(
             router_bias_rate=config.router_bias_rate,
         )
     else:
-
-        def factory() -> GPT:
-            return GPT(config, rngs=nnx.Rngs(seed))
-
+        factory = lambda: GPT(config, rngs=nnx.Rngs(seed))  # noqa: E731
         if placement is None:
             with nnx.use_eager_sharding(False):
                 model = factory()

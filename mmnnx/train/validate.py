@@ -24,25 +24,21 @@ class Checked(NamedTuple):
 
 
 def check(run: RunConfig, given: Set[str] = frozenset()) -> Checked:
-    """The first inconsistency among the options of ``run`` taken together (or None), and the
-    ``--init-from`` checkpoint's ``GPTConfig`` read for it; ``given`` names the options the user
-    set (``--init-from`` refuses architecture options given).
+    """The first inconsistency among ``run``'s options (or None), and ``--init-from``'s
+    ``GPTConfig``; ``given``: the options the user set.
 
     Example:
         >>> check(RunConfig.of({"depth": 1})).problem
         '--depth 1 gives fewer blocks than --stages 2'
     """
-    found = (
-        _experts_problem(run) or _devices_problem(run) or _fsdp_problem(run) or _lora_problem(run)
-    )
+    found = _experts_problem(run) or _devices_problem(run) or _lora_problem(run)
     if found:
         return Checked(found)
     found, (blocks, depth), pretrained = _model_problem(run, given)
     if found:
         return Checked(found)
     found = (  # each is checked only when those before found nothing
-        _stages_problem(run, blocks, depth)
-        or partition_problem(run, blocks, depth)
+        partition_problem(run, blocks, depth)
         or _schedule_problem(run, blocks, depth)
         or _batch_problem(run)
         or _outputs_problem(run)
@@ -69,15 +65,10 @@ def layout(run: RunConfig) -> str:
 
 
 def _devices_problem(run: RunConfig) -> str | None:
-    used, devices = devices_needed(run), run.layout.devices
-    if used > devices:
-        return f"{layout(run)} needs {used} devices, but {flag('devices')} is {devices}"
-    return None
-
-
-def _fsdp_problem(run: RunConfig) -> str | None:
-    """An FSDP axis that is not a divisor of the data axis it is carved from."""
-    lay = run.layout
+    """Too few devices for the layout, or an FSDP axis not dividing the data axis."""
+    lay, used = run.layout, devices_needed(run)
+    if used > lay.devices:
+        return f"{layout(run)} needs {used} devices, but {flag('devices')} is {lay.devices}"
     if lay.data_axis % lay.fsdp_axis:
         return (
             f"{flag('fsdp_axis', lay.fsdp_axis)} does not divide {flag('data_axis', lay.data_axis)}"
@@ -193,13 +184,6 @@ def _pretrained(run: RunConfig, given: Set[str]) -> tuple[str | None, Any]:
     return None, config
 
 
-def _stages_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
-    stages = run.layout.stages
-    if blocks < stages:
-        return f"{depth} gives fewer blocks than {flag('stages', stages)}"
-    return None
-
-
 def given_sizes(text: str) -> tuple[int, ...] | None:
     """The blocks per stage ``--partition`` gives, or ``None`` for ``params`` and ``auto``.
 
@@ -213,13 +197,15 @@ def given_sizes(text: str) -> tuple[int, ...] | None:
 
 
 def partition_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
-    """What ``--partition`` cannot do with the other options, in one line; or None.
+    """Fewer blocks than stages, or what ``--partition`` cannot do with the other options.
 
     Example:
         >>> partition_problem(RunConfig.of({"partition": "3,2"}), 4, "--depth 4")
         '--partition 3,2 gives 5 blocks, but the model has 4 (--depth 4)'
     """
     lay, split = run.layout, flag("partition", run.layout.partition)
+    if blocks < lay.stages:
+        return f"{depth} gives fewer blocks than {flag('stages', lay.stages)}"
     stages = lay.stages * lay.virtual_stages
     sizes = given_sizes(lay.partition)
     if sizes is not None:
@@ -349,11 +335,8 @@ _CHANGED_FLAG = {"fsdp": "fsdp_axis", "remat": "remat", "schedule": "schedule",
 
 
 def memory_problem(run: RunConfig, config: Any, data_axis: int) -> str | None:
-    """With ``--memory-budget``, a layout whose predicted peak bytes per device
-    (:func:`mmnnx.partition.memory.predict_memory` of ``config``, the run's ``GPTConfig``)
-    exceed it, in one line naming the stage and the smallest change that fits; else None.
-    Nothing is built or compiled. ``--schedule auto`` and ``--partition auto`` choose under
-    the budget themselves (None).
+    """With ``--memory-budget``, a layout whose predicted peak per device (``config``: the
+    run's ``GPTConfig``) exceeds it, naming the stage and the smallest change that fits.
 
     Example:
         >>> from mmnnx.models import GPTConfig
@@ -404,8 +387,7 @@ fits (4.3 MiB)
 
 
 def memory_inputs(run: RunConfig, data_axis: int) -> tuple[Any, dict[str, Any]]:
-    """The ``MemoryLayout`` of a run (``data_axis`` as fitted to the devices) and the options
-    :func:`~mmnnx.partition.memory.predict_memory` takes from it.
+    """The ``MemoryLayout`` of a run and the options ``predict_memory`` takes from it.
 
     Example:
         >>> layout, options = memory_inputs(RunConfig.of({"stages": 4}), 2)
