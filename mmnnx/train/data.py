@@ -60,9 +60,8 @@ class _Windows:
 
 
 class GrainBatches:
-    """Batches served by a Grain iterator (``self._iterator``, over ``self._batches``
-    positions), whose state a checkpoint holds: what :class:`TextDataset` and
-    :class:`mmnnx.train.examples.ExampleDataset` share."""
+    """Batches of a Grain iterator (``self._iterator`` of ``self._batches`` positions) whose
+    state a checkpoint holds: what the datasets share."""
 
     def __iter__(self) -> Iterator:
         return self

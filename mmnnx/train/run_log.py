@@ -33,13 +33,8 @@ class ScalarWriter(Protocol):
 
 
 class RunLog:
-    """Reports a run as it goes; a context manager that closes its writers and trace on exit.
-
-    Scalars go to TensorBoard event files in ``output_dir/tensorboard`` (with ``tensorboard``;
-    a run resumed at ``first_step`` drops the events beyond it) and to each of ``writers``; when
-    ``console`` is no terminal, each logged step is one plain line. ``profile_steps=(a, b)``
-    traces steps a to b with ``jax.profiler`` into ``output_dir/profile``. ``files`` names the
-    directories written.
+    """Reports a run as it goes (scalars to TensorBoard and ``writers``, plain lines without a
+    terminal, a profiler trace of ``profile_steps``); closes its writers and trace on exit.
 
     Example:
         >>> import io, tempfile

@@ -129,9 +129,8 @@ def build_model(
     weights: bool = True,
     read: bool = True,
 ) -> GPT:
-    """The model of a run on ``placement`` (``None``: one device), with its LoRA adapters: with
-    ``--init-from`` and ``weights``, read from that checkpoint onto their devices; else
-    initialised from ``--seed`` (``model.pretrained`` still read, with ``read``).
+    """The model of a run on ``placement`` (``None``: one device), with its LoRA adapters:
+    read from ``--init-from`` with ``weights``, else initialised from ``--seed``.
 
     Example:
         >>> run = RunConfig.of(_LORA)
@@ -180,9 +179,8 @@ def trainable(run: RunConfig) -> Any:
 
 
 def objective(run: RunConfig, model: GPT) -> nnx.Module:
-    """What a run trains, checkpoints and restores: ``model``, or with ``--dpo`` its
-    ``PreferenceModel`` against the frozen initial weights (a copy) or, with
-    ``--lora-rank``, against the base model (the adapters off: nothing copied).
+    """What a run trains and checkpoints: ``model``, or with ``--dpo`` its ``PreferenceModel``
+    (the reference a frozen copy, or with ``--lora-rank`` the base, adapters off).
 
     Example:
         >>> run = RunConfig.of({**_LORA, "dpo": True, "data": "pairs.jsonl"})
