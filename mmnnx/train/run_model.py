@@ -18,7 +18,7 @@ from mmnnx.modules.lora import MOE_TARGETS, TARGETS, add_lora
 from mmnnx.mpmd.schedules.registry import registered
 from mmnnx.sharding import Task, fsdp_rules, init
 from mmnnx.train.config import RunConfig, gpt_config
-from mmnnx.train.preference import TRAINED, PreferenceModel, frozen_copy
+from mmnnx.train.preference import TRAINED, PreferenceModel
 
 
 def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
@@ -186,10 +186,15 @@ def objective(run: RunConfig, model: GPT) -> nnx.Module:
         >>> run = RunConfig.of({**_LORA, "dpo": True, "data": "pairs.jsonl"})
         >>> type(objective(run, build_model(run, model_config(run, 64)))).__name__
         'PreferenceModel'
+        >>> run = RunConfig.of({**run.options(), "lora_rank": None, "lora_targets": None})
+        >>> model = build_model(run, model_config(run, 64))
+        >>> kernel, copy = model.head.kernel, objective(run, model).reference.head.kernel
+        >>> copy is kernel, copy[...] is kernel[...]  # its own Variables, the arrays shared
+        (False, True)
     """
     if not run.preference.dpo:
         return model
-    reference = None if run.model.lora_rank else frozen_copy(model)
+    reference = None if run.model.lora_rank else nnx.clone(model)
     return PreferenceModel(model, beta=run.preference.dpo_beta, reference=reference)
 
 
