@@ -1,7 +1,5 @@
-"""A run's model out as a Hugging Face checkpoint (``save_pretrained``; LoRA adapters merged
-into their kernels) or as its LoRA adapters alone in PEFT's layout (``save_adapter``): the
-model rebuilt from the run's ``config.toml`` on the run's tasks and restored from a checkpoint.
-"""
+"""A run's model out as a Hugging Face checkpoint (LoRA adapters merged) or as its LoRA
+adapters alone in PEFT's layout, rebuilt from the run's ``config.toml`` and a checkpoint."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""``RunLog``: what ``fit`` reports while it trains, besides its progress bar and
-``metrics.jsonl``: plain lines when the output is no terminal, evaluation losses as they come,
-scalars for TensorBoard (and other writers, such as a wandb run) and a ``jax.profiler`` trace of
-chosen steps."""
+"""``RunLog``: what ``fit`` reports while it trains besides its progress bar and
+``metrics.jsonl``: plain lines, evaluation losses, scalars for TensorBoard or wandb, a trace."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The model a run's options describe, shared by ``mmnnx train``, ``generate`` and ``export``:
-its ``GPTConfig`` (from the flags, or from ``--init-from``'s ``config.json``), its stages on the
-run's tasks, and the model itself (read from the Hugging Face checkpoint, or initialised for a
-checkpoint of the run to be restored into), with LoRA adapters when the run has them."""
+"""The model a run's options describe (``mmnnx train``, ``generate``, ``export``): its
+``GPTConfig``, its stages on the run's tasks, and the model itself with its LoRA adapters."""
 
 from __future__ import annotations
 
