@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from flax import nnx
 
 from mmnnx.models import GPT, GPTConfig, from_pretrained, pretrained_config
@@ -93,11 +94,7 @@ def fsdp_placement(placement: Sequence[tuple]) -> list[tuple]:
         >>> [type(r[-1]).__name__ for r in fsdp_placement(run_placement(GPTConfig(depth=2), tasks))]
         ['ShardLargest', 'ShardLargest']
     """
-    tasks = [
-        t
-        for rule in placement
-        for t in (rule[1] if isinstance(rule[1], list | tuple) else [rule[1]])
-    ]
+    tasks = jax.tree.leaves([rule[1] for rule in placement])  # a rule's task, or its tasks
     if not any(FSDP_AXIS in t.axis_names for t in tasks):
         return list(placement)
     return fsdp_rules(placement, FSDP_AXIS)
