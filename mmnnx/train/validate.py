@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from mmnnx.mpmd.schedules import get
 from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.mpmd.schedules.registry import Placement, registered
-from mmnnx.train.config import FIELDS, MOE, RunConfig, flag, gpt_config
+from mmnnx.train.config import MOE, RunConfig, flag, gpt_config
 from mmnnx.train.run_outputs import output_problem, run_outputs
 from mmnnx.tuning import parse_bytes
 
@@ -330,10 +330,6 @@ def _steps_problem(run: RunConfig) -> str | None:
     return None
 
 
-_CHANGED_FLAG = {"fsdp": "fsdp_axis", "remat": "remat", "schedule": "schedule",
-                 "microbatches": "microbatches", "stages": "stages"}  # fmt: skip
-
-
 def memory_problem(run: RunConfig, config: Any, data_axis: int) -> str | None:
     """With ``--memory-budget``, a layout whose predicted peak per device (``config``: the
     run's ``GPTConfig``) exceeds it, naming the stage and the smallest change that fits.
@@ -346,12 +342,7 @@ def memory_problem(run: RunConfig, config: Any, data_axis: int) -> str | None:
 optimizer state 903.0 KiB, activations 2.3 MiB of 2 microbatch(es) in flight); --microbatches 8 \
 fits (4.3 MiB)
     """
-    from mmnnx.partition.memory import (  # noqa: PLC0415
-        CHANGES,
-        fitting_change,
-        format_bytes,
-        predict_memory,
-    )
+    from mmnnx.partition.memory import fitting_change, format_bytes, predict_memory  # noqa: PLC0415
 
     training, lay = run.training, run.layout
     budget = training.memory_budget
@@ -372,17 +363,13 @@ fits (4.3 MiB)
         f"optimizer state {format_bytes(worst.optimizer)}, activations "
         f"{format_bytes(worst.activations)} of {worst.in_flight} microbatch(es) in flight)"
     )
-    fsdp = hasattr(lay, "fsdp_axis")  # an option only where the run has one
-    changes = [c for c in CHANGES if c != "fsdp" or fsdp]
-    change = fitting_change(config, layout, size, changes=changes, **options)
+    change = fitting_change(config, layout, size, **options)
     if change is None:
         return (
             f"{needs}; no single change fits: not 1F1B, twice {flag('microbatches')}, "
-            f"{flag('remat')} dots or full, {'--fsdp-axis up to 8, ' * fsdp}nor more "
-            f"{flag('stages')}"
+            f"{flag('remat')} dots or full, --fsdp-axis up to 8, nor more {flag('stages')}"
         )
-    name = _CHANGED_FLAG[change.option]
-    shown = flag(name, change.value) if name in FIELDS else f"--fsdp-axis {change.value}"
+    shown = flag({"fsdp": "fsdp_axis"}.get(change.option, change.option), change.value)
     return f"{needs}; {shown} fits ({format_bytes(change.prediction.peak)})"
 
 
@@ -399,7 +386,7 @@ def memory_inputs(run: RunConfig, data_axis: int) -> tuple[Any, dict[str, Any]]:
     training, lay = run.training, run.layout
     layout = MemoryLayout(
         stages=lay.stages, data=data_axis, tensor=lay.model_axis, expert=lay.expert_axis,
-        fsdp=getattr(lay, "fsdp_axis", 1), virtual_stages=lay.virtual_stages,
+        fsdp=lay.fsdp_axis, virtual_stages=lay.virtual_stages,
         blocks=given_sizes(lay.partition),
     )  # fmt: skip
     options = dict(
