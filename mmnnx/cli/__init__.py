@@ -1,6 +1,5 @@
 """The ``mmnnx`` command line (``mmnnx train``, ``generate``, ``export``, ``eval``, ``plan``,
-``launch``): one
-module per command; :mod:`~mmnnx.cli.commands` parses and dispatches them.
+``launch``): one module per command; :mod:`~mmnnx.cli.commands` parses and dispatches them.
 
 ``mmnnx launch`` is a program of its own that only starts and watches processes: it is parsed
 and run by :mod:`~mmnnx.cli.launch` alone, importing nothing of JAX (it starts in a tenth of a

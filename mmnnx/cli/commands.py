@@ -79,11 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
     except ConfigError as e:
         return train.error(str(e))
-    others = {"launch": launch.run, "generate": generate.run, "export": export.run}
-    others["eval"] = evaluate.run
-    others["plan"] = plan.run
-    if args.command in others:
-        return others[args.command](args)
+    others = {m.__name__.rsplit(".", 1)[1]: m for m in (launch, generate, export, evaluate, plan)}
+    if args.command in others:  # each module is named as its command
+        return others[args.command].run(args)
     config, given_options = RunConfig.of(vars(args)), given(args)
     checked = validate.check(config, given_options)
     if checked.problem:

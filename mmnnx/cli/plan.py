@@ -1,7 +1,5 @@
 """``mmnnx plan``: the layout that trains a model fastest on a cluster, on paper, from its
-``config.json`` alone (no weights, no devices): ``mm.plan_cluster`` searches, or evaluates
-a ``--layout``, and prints each task's memory, the predicted step, bubble, tokens/s and MFU
-with the cost model's assumptions (docs/planning.md)."""
+``config.json`` alone (``mm.plan_cluster``; docs/planning.md)."""
 
 from __future__ import annotations
 

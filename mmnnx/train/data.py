@@ -60,9 +60,8 @@ class _Windows:
 
 
 class GrainBatches:
-    """Batches served by a Grain iterator (``self._iterator``, over ``self._batches``
-    positions), whose state a checkpoint holds: what :class:`TextDataset` and
-    :class:`mmnnx.train.examples.ExampleDataset` share."""
+    """Batches of a Grain iterator (``self._iterator`` of ``self._batches`` positions) whose
+    state a checkpoint holds: what the datasets share."""
 
     def __iter__(self) -> Iterator:
         return self
@@ -103,6 +102,11 @@ class GrainBatches:
                 f"(0 to {self._batches})"
             )
         self._iterator.set_state(state)
+
+    def _eval_picks(self, count: int, rows: int) -> list[np.ndarray]:
+        """``count`` fixed batches of indices among ``rows`` held-out rows, the same each time."""
+        size = self.batch_size
+        return [np.arange(b * size, (b + 1) * size) % rows for b in range(count)]
 
 
 def grain_batches(source, rows: int, seed: int, shard_index: int = 0, shard_count: int = 1):
@@ -180,15 +184,13 @@ class TextDataset(GrainBatches):
                 f"the held-out text ({len(self._eval)} tokens) is shorter than one window of "
                 f"{window}; use more text or a larger eval_fraction"
             )
-        self._iterator = self._pipeline()
-
-    def _pipeline(self):
-        rows = self.batch_size // self.shard_count
-        windows = _Windows(self._train, self.seq_len + 1)
-        iterator, self._batches = grain_batches(
-            windows, rows, self.seed, self.shard_index, self.shard_count
+        self._iterator, self._batches = grain_batches(
+            _Windows(self._train, window),
+            self.batch_size // self.shard_count,
+            self.seed,
+            self.shard_index,
+            self.shard_count,
         )
-        return iterator
 
     @classmethod
     def from_text(cls, text: str, tokenizer: Tokenizer | None = None, **kwargs) -> TextDataset:
@@ -226,9 +228,7 @@ class TextDataset(GrainBatches):
     def eval_batches(self, count: int) -> list[np.ndarray]:
         """``count`` fixed batches from the held-out text (the same every time; this shard's
         rows of them)."""
-        windows, size = _Windows(self._eval, self.seq_len + 1), self.batch_size
+        windows = _Windows(self._eval, self.seq_len + 1)
         mine = slice(self.shard_index, None, self.shard_count)
-        return [
-            np.stack([windows[(b * size + j) % len(windows)] for j in range(size)])[mine]
-            for b in range(count)
-        ]
+        picks = self._eval_picks(count, len(windows))
+        return [np.stack([windows[int(i)] for i in p])[mine] for p in picks]

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import array
+import copy
 import json
 import os
 import pathlib
@@ -79,15 +80,9 @@ class ExampleStore:
             start, stop, step = i.indices(len(self))
             if step != 1:
                 raise ValueError(f"an ExampleStore slices by ranges, not steps of {step}")
-            return ExampleStore(
-                ids=self._ids,
-                targets=self._targets,
-                offsets=self._offsets,
-                firsts=self._firsts,
-                wheres=self._wheres,
-                start=self._start + start,
-                stop=self._start + max(start, stop),
-            )
+            view = copy.copy(self)
+            view._start, view._stop = self._start + start, self._start + max(start, stop)
+            return view
         ids, targets = self.read(i)
         return Example(ids, targets, self.where(i))
 

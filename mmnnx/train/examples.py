@@ -251,10 +251,7 @@ class ExampleDataset(GrainBatches):
     def eval_batches(self, count: int) -> list[dict[str, np.ndarray]]:
         """``count`` fixed batches of the held-out rows (the same every time; this shard's
         rows of them)."""
-        n = len(self.eval_rows)
-        picks = [
-            np.arange(b * self.batch_size, (b + 1) * self.batch_size) % n for b in range(count)
-        ]
+        picks = self._eval_picks(count, len(self.eval_rows))
         return [{k: v[self._mine] for k, v in self.eval_rows.batch(p).items()} for p in picks]
 
 

@@ -1,7 +1,5 @@
-"""A run's model out as a Hugging Face checkpoint (``save_pretrained``; LoRA adapters merged
-into their kernels) or as its LoRA adapters alone in PEFT's layout (``save_adapter``): the
-model rebuilt from the run's ``config.toml`` on the run's tasks and restored from a checkpoint.
-"""
+"""A run's model out as a Hugging Face checkpoint (LoRA adapters merged) or as its LoRA
+adapters alone in PEFT's layout, rebuilt from the run's ``config.toml`` and a checkpoint."""
 
 from __future__ import annotations
 
@@ -139,7 +137,8 @@ def _check_not_a_run(output: pathlib.Path, run_dir: Any, spec: Any) -> None:
     within = [(what, p) for what, p in kept if out == p or p in out.parents]
     holding = [(what, p) for what, p in kept if out in p.parents]
     if within or holding:  # named: the innermost it lies in, else the outermost it holds
-        what, path = max(within, key=_depth) if within else min(holding, key=_depth)
+        depth = lambda named: len(named[1].parts)  # noqa: E731
+        what, path = max(within, key=depth) if within else min(holding, key=depth)
         raise RunError(
             f"--output {output} would overwrite {what} ({path}); export somewhere else "
             "(--overwrite replaces only an earlier export)"
@@ -149,10 +148,6 @@ def _check_not_a_run(output: pathlib.Path, run_dir: Any, spec: Any) -> None:
             f"--output {output} holds a run (config.toml and checkpoints/); export somewhere "
             "else (--overwrite replaces only an earlier export)"
         )
-
-
-def _depth(named: tuple[str, pathlib.Path]) -> int:
-    return len(named[1].parts)
 
 
 def _scratch_architecture(config: Any, run_dir: Any) -> str:

@@ -83,17 +83,10 @@ def run_tasks(
     """
     if fsdp_axis < 1 or data_axis % fsdp_axis:
         raise ValueError(f"--fsdp-axis {fsdp_axis} does not divide --data-axis {data_axis}")
-    sizes = {
-        "stage": stages,
-        "data": data_axis // fsdp_axis,
-        "fsdp": fsdp_axis,
-        "expert": expert_axis,
-        "model": model_axis,
-    }
-    batch = tuple(a for a in ("data", "fsdp", "expert") if sizes[a] > 1 or a == "data")
-    for axis in ("fsdp", "expert"):
-        if sizes[axis] == 1:
-            del sizes[axis]
+    sizes = {"stage": stages, "data": data_axis // fsdp_axis, "fsdp": fsdp_axis}
+    sizes |= {"expert": expert_axis, "model": model_axis}
+    sizes = {a: n for a, n in sizes.items() if n > 1 or a not in ("fsdp", "expert")}
+    batch = tuple(a for a in ("data", "fsdp", "expert") if a in sizes)
     mesh = MultiMesh(
         axis_sizes=tuple(sizes.values()),
         axis_names=tuple(sizes),
@@ -126,8 +119,7 @@ class RunSpec:
 
 
 def read_run(run_dir: str | pathlib.Path) -> RunSpec:
-    """The :class:`RunSpec` of the run in ``run_dir``; a :class:`RunError` for a missing
-    ``config.toml``, tokenizer or checkpoint directory, or an unreadable ``--init-from``."""
+    """The :class:`RunSpec` of the run in ``run_dir``, or a :class:`RunError` naming the fault."""
     run = read_run_config(run_dir)
     try:
         tokenizer = load_tokenizer(pathlib.Path(run_dir, "tokenizer"))

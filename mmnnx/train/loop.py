@@ -264,11 +264,8 @@ def loss_and_grads(
 
 
 def make_steps(config: TrainConfig, trainable: Filter = nnx.Param, *, metrics: bool = False):
-    """The jitted train step (microbatched with ``config.schedule``, updating the Variables
-    ``trainable`` selects: :func:`loss_and_grads`) and eval step. With ``metrics`` the train
-    step returns ``(loss, intermediates)``: what the model sowed (:func:`loss_and_grads`). A
-    model whose ``config.router_bias_rate`` is set has its routers' correction biases moved
-    after each update (``mmnnx.modules.balance_router_biases``)."""
+    """The jitted train step (of :func:`loss_and_grads`, then the update and, with a
+    ``router_bias_rate``, ``balance_router_biases``) and eval step."""
     grad_fn = loss_and_grads(config, trainable, metrics=metrics)
     captured_fn = grad_fn if metrics else loss_and_grads(config, trainable, metrics=True)
 
@@ -584,9 +581,7 @@ def _save(
 
 
 def _log(loop: _Loop, start: int, wandb_config: Mapping[str, Any] | None) -> RunLog:
-    """The run's ``RunLog`` from step ``start``, with the wandb run of ``config.wandb`` started
-    (before anything is written: it may fail) with ``wandb_config`` (default: the config's
-    fields, a ``Schedule`` by its ``str``)."""
+    """The run's ``RunLog`` from step ``start``, its wandb run started (it may fail)."""
     config, leader, writers = loop.config, loop.leader, []
     if config.wandb is not None and leader:
         if wandb_config is None:

@@ -5,6 +5,7 @@ batches by Grain."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
@@ -73,15 +74,8 @@ def encode_pair(
             f"{where}: fields {fields.chosen!r} and {fields.rejected!r} are identical; a "
             "preference pair needs two different completions"
         )
-    cut = min(_common_prefix(prompt_ids, chosen), _common_prefix(prompt_ids, rejected))
+    cut = len(os.path.commonprefix([prompt_ids, chosen, rejected]))
     return Pair(prompt=prompt_ids[:cut], chosen=chosen[cut:], rejected=rejected[cut:], where=where)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class PairDataset(GrainBatches):
@@ -166,8 +160,5 @@ class PairDataset(GrainBatches):
 
     def eval_batches(self, count: int) -> list[dict[str, np.ndarray]]:
         """``count`` fixed batches of the held-out pairs (the same every time)."""
-        n = len(self._evaluated)
-        picks = [
-            np.arange(b * self.batch_size, (b + 1) * self.batch_size) % n for b in range(count)
-        ]
+        picks = self._eval_picks(count, len(self._evaluated))
         return [self._rows(self._evaluated, p) for p in picks]

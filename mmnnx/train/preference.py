@@ -92,8 +92,8 @@ class PreferenceModel(nnx.Module):
 
     ``reference=None``: the policy itself with its LoRA adapters off (``nnx.view(policy,
     adapters=False)``): the same Variables, so no second copy of the weights is held, and the
-    module's state is the policy's alone. Otherwise ``reference`` (e.g. :func:`frozen_copy` of
-    the initial policy) is held beside it, under ``reference/``: train only ``policy/``
+    module's state is the policy's alone. Otherwise ``reference`` (e.g. ``nnx.clone`` of the
+    initial policy) is held beside it, under ``reference/``: train only ``policy/``
     (:data:`TRAINED`). Both compute without dropout in the reference (TRL's ``eval()``).
 
     Example:
@@ -128,22 +128,6 @@ class PreferenceModel(nnx.Module):
 TRAINED = nnx.PathContains("policy")
 """The Variables of a :class:`PreferenceModel` that train (``nnx.All(nnx.Param, TRAINED)``):
 the policy's, never the reference's."""
-
-
-def frozen_copy(model: nnx.Module) -> nnx.Module:
-    """A reference for :class:`PreferenceModel`: ``model``'s graph and current values, in
-    Variables of its own (the arrays shared until the model's are replaced by an update).
-
-    Example:
-        >>> from mmnnx.models import GPT, GPTConfig
-        >>> with nnx.use_eager_sharding(False):
-        ...     policy = GPT(GPTConfig(dim=16, depth=1, vocab_size=16), rngs=nnx.Rngs(0))
-        >>> copy = frozen_copy(policy)
-        >>> kernel = policy.head.kernel
-        >>> copy.head.kernel is kernel, copy.head.kernel[...] is kernel[...]
-        (False, True)
-    """
-    return nnx.clone(model)
 
 
 @dataclasses.dataclass(frozen=True)

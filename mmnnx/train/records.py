@@ -131,11 +131,9 @@ def encode_record(
     train_on: str = "completions",
     eos: str | None = None,
 ) -> Example:
-    """A record's :class:`Example`: ``text`` (every token a target), ``completion`` (the
-    prompt's and completion's text tokenized together, then ``eos``, as TRL's ``SFTTrainer``
-    does; the targets the completion's tokens and ``eos``) or ``chat`` (the messages rendered
-    with ``template``; the targets the assistant's tokens, :meth:`ChatTemplate.render`).
-    ``train_on="all"`` makes every token a target.
+    """A record's :class:`Example`, its targets: every token (``text``, or ``train_on="all"``),
+    the completion's and ``eos`` (``completion``, as TRL's ``SFTTrainer``), or the assistant's
+    (``chat``, rendered with ``template``).
 
     Raises:
         DataError: a field missing or not text, a message without a known role, or a

@@ -1,7 +1,5 @@
-"""The routers' metrics of a train step: what each ``MoE`` layer sows under ``nnx.capture``
-(``mmnnx.modules.moe.METRICS``), reduced over microbatches and layers to the scalars ``fit``
-logs: the load-balancing and z losses, the assignments dropped, the tokens each expert computed
-and how unevenly they spread."""
+"""The routers' metrics of a train step: what each ``MoE`` layer sows under ``nnx.capture``,
+reduced over microbatches and layers to the scalars ``fit`` logs."""
 
 from __future__ import annotations
 

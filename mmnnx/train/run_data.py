@@ -31,11 +31,8 @@ STORE_VERSION = 1
 
 
 def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
-    """The dataset of a run's options (a ``RunConfig``): a :class:`TextDataset` of ``sources``
-    tokenized into ``cache``, or with ``--data`` an :class:`ExampleDataset` of its records
-    (Hugging Face ``datasets``' own cache under ``cache/datasets``), tokenized as they stream
-    into ``cache/examples`` (and ``cache/eval_examples``), reused while the data files and
-    options are the same (:func:`examples_key`).
+    """The dataset of a run's options: a :class:`TextDataset` of ``sources``, or with
+    ``--data`` an :class:`ExampleDataset` (or DPO's ``PairDataset``) of its records, cached.
 
     Raises:
         DataError: a record, file or option that cannot be trained on, naming it.
@@ -78,8 +75,7 @@ def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
     )
 
     def stored(path, records, name):
-        """The examples of ``records`` (of ``path``), tokenized into ``cache/name`` as they
-        stream, or read from there when made from the same file with the same options."""
+        """The examples of ``records`` tokenized into ``cache/name``, or read from there."""
         examples = (encode_record(where, record, **options) for where, record in records)
         return write_examples(examples, cache / name, examples_key(path, options))
 
@@ -98,10 +94,8 @@ def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
 
 
 def examples_key(path: str | pathlib.Path, options: dict) -> str | None:
-    """What the examples of ``path`` tokenized with ``options`` (those of
-    :func:`encode_record`) depend on, hashed: each data file's path, size and modification
-    time, the tokenizer, chat template and the other options; None for a Hub dataset id (no
-    file to tell a change by).
+    """A hash of what the examples of ``path`` tokenized with ``options`` depend on (the
+    files' paths, sizes and times, and ``options``); None for a Hub dataset id.
 
     Example:
         >>> import tempfile

@@ -1,7 +1,5 @@
-"""``RunLog``: what ``fit`` reports while it trains, besides its progress bar and
-``metrics.jsonl``: plain lines when the output is no terminal, evaluation losses as they come,
-scalars for TensorBoard (and other writers, such as a wandb run) and a ``jax.profiler`` trace of
-chosen steps."""
+"""``RunLog``: what ``fit`` reports while it trains besides its progress bar and
+``metrics.jsonl``: plain lines, evaluation losses, scalars for TensorBoard or wandb, a trace."""
 
 from __future__ import annotations
 
@@ -33,13 +31,8 @@ class ScalarWriter(Protocol):
 
 
 class RunLog:
-    """Reports a run as it goes; a context manager that closes its writers and trace on exit.
-
-    Scalars go to TensorBoard event files in ``output_dir/tensorboard`` (with ``tensorboard``;
-    a run resumed at ``first_step`` drops the events beyond it) and to each of ``writers``; when
-    ``console`` is no terminal, each logged step is one plain line. ``profile_steps=(a, b)``
-    traces steps a to b with ``jax.profiler`` into ``output_dir/profile``. ``files`` names the
-    directories written.
+    """Reports a run as it goes (scalars to TensorBoard and ``writers``, plain lines without a
+    terminal, a profiler trace of ``profile_steps``); closes its writers and trace on exit.
 
     Example:
         >>> import io, tempfile

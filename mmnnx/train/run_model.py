@@ -1,13 +1,12 @@
-"""The model a run's options describe, shared by ``mmnnx train``, ``generate`` and ``export``:
-its ``GPTConfig`` (from the flags, or from ``--init-from``'s ``config.json``), its stages on the
-run's tasks, and the model itself (read from the Hugging Face checkpoint, or initialised for a
-checkpoint of the run to be restored into), with LoRA adapters when the run has them."""
+"""The model a run's options describe (``mmnnx train``, ``generate``, ``export``): its
+``GPTConfig``, its stages on the run's tasks, and the model itself with its LoRA adapters."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from flax import nnx
 
 from mmnnx.models import GPT, GPTConfig, from_pretrained, pretrained_config
@@ -18,13 +17,12 @@ from mmnnx.modules.lora import MOE_TARGETS, TARGETS, add_lora
 from mmnnx.mpmd.schedules.registry import registered
 from mmnnx.sharding import Task, fsdp_rules, init
 from mmnnx.train.config import RunConfig, gpt_config
-from mmnnx.train.preference import TRAINED, PreferenceModel, frozen_copy
+from mmnnx.train.preference import TRAINED, PreferenceModel
 
 
 def model_config(run: RunConfig, vocab_size: int) -> GPTConfig:
     """The ``GPTConfig`` of a run: ``gpt_config``'s, or ``--init-from``'s with the run's
-    ``dtype``, ``param_dtype``, ``scan_layers`` and ``seq_len`` as ``max_seq_len`` (a
-    ``generate`` cache's length); a ``CheckpointError`` for a checkpoint mmnnx cannot build.
+    precision, layers and ``seq_len`` (a ``CheckpointError`` where mmnnx cannot build it).
 
     Example:
         >>> model_config(RunConfig.of({"dim": 64, "depth": 2, "model_axis": 1}), 256).depth
@@ -51,10 +49,14 @@ def linear_names(config: GPTConfig) -> tuple[str, ...]:
         >>> linear_names(GPTConfig()), linear_names(GPTConfig(gated_mlp=True, experts=4))
         (('q', 'k', 'v', 'out', 'up', 'down'), ('q', 'k', 'v', 'out', 'router'))
     """
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    abstract = _abstract_gpt(config)
     have = {str(path[-1]) for path, node in nnx.iter_graph(abstract) if isinstance(node, Linear)}
     return tuple(t for t in (*TARGETS, *MOE_TARGETS) if t in have)
+
+
+def _abstract_gpt(config: GPTConfig) -> GPT:
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
 
 
 def run_placement(
@@ -77,18 +79,14 @@ def run_placement(
     """
     named = isinstance(schedule, str) and schedule != "auto"
     order = (named and registered(schedule).placement.order(virtual_stages)) or "loop"
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-        if sizes is not None:
-            return split_rules(abstract, tasks, sizes, virtual_stages=virtual_stages, order=order)
-        return stage_rules(
-            abstract, tasks, virtual_stages=virtual_stages, order=order, report=report
-        )
+    abstract = _abstract_gpt(config)
+    if sizes is not None:
+        return split_rules(abstract, tasks, sizes, virtual_stages=virtual_stages, order=order)
+    return stage_rules(abstract, tasks, virtual_stages=virtual_stages, order=order, report=report)
 
 
 def fsdp_placement(placement: Sequence[tuple]) -> list[tuple]:
-    """``placement`` with :func:`~mmnnx.sharding.fsdp_rules` over the ``fsdp`` mesh axis when its
-    tasks have one (``run_tasks(..., fsdp_axis=N)``, N > 1), else as it is.
+    """``placement`` with ``fsdp_rules`` over the ``fsdp`` mesh axis when its tasks have one.
 
     Example:
         >>> from mmnnx.train.generation import run_tasks
@@ -96,14 +94,10 @@ def fsdp_placement(placement: Sequence[tuple]) -> list[tuple]:
         >>> [type(r[-1]).__name__ for r in fsdp_placement(run_placement(GPTConfig(depth=2), tasks))]
         ['ShardLargest', 'ShardLargest']
     """
-    tasks = [t for rule in placement for t in _tasks_of(rule[1])]
+    tasks = jax.tree.leaves([rule[1] for rule in placement])  # a rule's task, or its tasks
     if not any(FSDP_AXIS in t.axis_names for t in tasks):
         return list(placement)
     return fsdp_rules(placement, FSDP_AXIS)
-
-
-def _tasks_of(task: Any) -> tuple[Task, ...]:
-    return tuple(task) if isinstance(task, list | tuple) else (task,)
 
 
 FSDP_AXIS = "fsdp"
@@ -130,9 +124,8 @@ def build_model(
     weights: bool = True,
     read: bool = True,
 ) -> GPT:
-    """The model of a run on ``placement`` (``None``: one device), with its LoRA adapters: with
-    ``--init-from`` and ``weights``, read from that checkpoint onto their devices; else
-    initialised from ``--seed`` (``model.pretrained`` still read, with ``read``).
+    """The model of a run on ``placement`` (``None``: one device), with its LoRA adapters:
+    read from ``--init-from`` with ``weights``, else initialised from ``--seed``.
 
     Example:
         >>> run = RunConfig.of(_LORA)
@@ -154,10 +147,7 @@ def build_model(
             router_bias_rate=config.router_bias_rate,
         )
     else:
-
-        def factory() -> GPT:
-            return GPT(config, rngs=nnx.Rngs(seed))
-
+        factory = lambda: GPT(config, rngs=nnx.Rngs(seed))  # noqa: E731
         if placement is None:
             with nnx.use_eager_sharding(False):
                 model = factory()
@@ -184,18 +174,22 @@ def trainable(run: RunConfig) -> Any:
 
 
 def objective(run: RunConfig, model: GPT) -> nnx.Module:
-    """What a run trains, checkpoints and restores: ``model``, or with ``--dpo`` its
-    ``PreferenceModel`` against the frozen initial weights (a copy) or, with
-    ``--lora-rank``, against the base model (the adapters off: nothing copied).
+    """What a run trains and checkpoints: ``model``, or with ``--dpo`` its ``PreferenceModel``
+    (the reference a frozen copy, or with ``--lora-rank`` the base, adapters off).
 
     Example:
         >>> run = RunConfig.of({**_LORA, "dpo": True, "data": "pairs.jsonl"})
         >>> type(objective(run, build_model(run, model_config(run, 64)))).__name__
         'PreferenceModel'
+        >>> run = RunConfig.of({**run.options(), "lora_rank": None, "lora_targets": None})
+        >>> model = build_model(run, model_config(run, 64))
+        >>> kernel, copy = model.head.kernel, objective(run, model).reference.head.kernel
+        >>> copy is kernel, copy[...] is kernel[...]  # its own Variables, the arrays shared
+        (False, True)
     """
     if not run.preference.dpo:
         return model
-    reference = None if run.model.lora_rank else frozen_copy(model)
+    reference = None if run.model.lora_rank else nnx.clone(model)
     return PreferenceModel(model, beta=run.preference.dpo_beta, reference=reference)
 
 

@@ -158,9 +158,8 @@ class Saved:
 
 
 def saved_record(checkpointer: Checkpointer, step: int | None = None) -> Saved | None:
-    """The record of checkpoint ``step`` of ``checkpointer``'s directory (default: of the newest
-    step whose ``extra`` reads back whole; a run's steps hold the same record); ``None`` when
-    that ``extra`` cannot be read (the restore then says why).
+    """The record of checkpoint ``step`` (default: the newest whose ``extra`` reads back), or
+    ``None`` when none reads back (the restore then says why).
 
     Example:
         >>> import tempfile

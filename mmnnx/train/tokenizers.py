@@ -32,9 +32,8 @@ class Tokenizer(Protocol):
 
 
 def _not_utf8(text: str, tokenizer: str, error: Exception) -> Exception:
-    """A ``ValueError`` naming the byte offset of the first character of ``text`` UTF-8 cannot
-    encode (a command-line byte that was not UTF-8, kept by Python as a lone surrogate: ``b'\\xff'``
-    as ``'\\udcff'``); ``error`` itself when ``text`` holds none."""
+    """A ``ValueError`` naming the byte offset of ``text``'s first lone surrogate (a
+    command-line byte that was not UTF-8); ``error`` itself when ``text`` holds none."""
     if not isinstance(text, str):
         return error
     i = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
@@ -107,8 +106,7 @@ class _Library:
         return self._model.decode(ids, skip_special_tokens=skip)
 
     def encoding(self, text: str, add_special_tokens: bool = False):
-        """The ``tokenizers.Encoding`` of ``text``: ``ids`` and each token's ``offsets`` (its
-        characters in ``text``); ``add_special_tokens``: what the post-processor adds too."""
+        """The ``tokenizers.Encoding`` of ``text``: ``ids`` and each token's ``offsets``."""
         return self._model.encode(text, add_special_tokens=add_special_tokens)
 
     def token_id(self, token: str) -> int | None:
@@ -116,8 +114,7 @@ class _Library:
         return self._model.token_to_id(token)
 
     def to_str(self) -> str:
-        """The whole tokenizer as one JSON string (``tokenizer.json``'s text, what
-        :meth:`from_str` reads)."""
+        """The whole tokenizer as one JSON string, what :meth:`from_str` reads."""
         return self._model.to_str()
 
     @classmethod
@@ -132,15 +129,15 @@ class _Library:
 
     @classmethod
     def load(cls, directory: str | pathlib.Path) -> _Library:
-        """The tokenizer :meth:`save` wrote into ``directory``.
-
-        Raises:
-            FileNotFoundError: no ``_FILE`` there.
-            ValueError: a file the ``tokenizers`` library cannot read, naming it.
-        """
+        """The tokenizer :meth:`save` wrote into ``directory``."""
         path = pathlib.Path(directory) / cls._FILE
         if not path.is_file():
             raise FileNotFoundError(f"{cls._FOLDER} folder {directory} has no {cls._FILE}")
+        return cls._read(path)
+
+    @classmethod
+    def _read(cls, path: pathlib.Path) -> _Library:
+        """The tokenizer of file ``path``; a ``ValueError`` naming it if unreadable."""
         try:
             return cls.from_str(path.read_text())
         except Exception as e:  # the library raises its own exception type
@@ -222,19 +219,12 @@ class HFTokenizer(_Library):
             FileNotFoundError: no such file.
             ValueError: a file the ``tokenizers`` library cannot read, naming it.
         """
-        from tokenizers import Tokenizer as Model  # noqa: PLC0415  (a Rust extension)
-
         path = pathlib.Path(path)
         if not path.is_file() and (path.parent / TIKTOKEN).is_file():
             raise ValueError(tiktoken_refusal(path.parent))
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such tokenizer file")
-        try:
-            return cls(Model.from_file(str(path)))
-        except Exception as e:  # the library raises its own exception type
-            raise ValueError(
-                f"{path}: not a tokenizer file the tokenizers library reads: {e}"
-            ) from None
+        return cls._read(path)
 
 
 TIKTOKEN = "tiktoken.model"

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from mmnnx.mpmd.schedules import get
 from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.mpmd.schedules.registry import Placement, registered
-from mmnnx.train.config import FIELDS, MOE, RunConfig, flag, gpt_config
+from mmnnx.train.config import MOE, RunConfig, flag, gpt_config
 from mmnnx.train.run_outputs import output_problem, run_outputs
 from mmnnx.tuning import parse_bytes
 
@@ -24,25 +24,21 @@ class Checked(NamedTuple):
 
 
 def check(run: RunConfig, given: Set[str] = frozenset()) -> Checked:
-    """The first inconsistency among the options of ``run`` taken together (or None), and the
-    ``--init-from`` checkpoint's ``GPTConfig`` read for it; ``given`` names the options the user
-    set (``--init-from`` refuses architecture options given).
+    """The first inconsistency among ``run``'s options (or None), and ``--init-from``'s
+    ``GPTConfig``; ``given``: the options the user set.
 
     Example:
         >>> check(RunConfig.of({"depth": 1})).problem
         '--depth 1 gives fewer blocks than --stages 2'
     """
-    found = (
-        _experts_problem(run) or _devices_problem(run) or _fsdp_problem(run) or _lora_problem(run)
-    )
+    found = _experts_problem(run) or _devices_problem(run) or _lora_problem(run)
     if found:
         return Checked(found)
     found, (blocks, depth), pretrained = _model_problem(run, given)
     if found:
         return Checked(found)
     found = (  # each is checked only when those before found nothing
-        _stages_problem(run, blocks, depth)
-        or partition_problem(run, blocks, depth)
+        partition_problem(run, blocks, depth)
         or _schedule_problem(run, blocks, depth)
         or _batch_problem(run)
         or _outputs_problem(run)
@@ -69,15 +65,10 @@ def layout(run: RunConfig) -> str:
 
 
 def _devices_problem(run: RunConfig) -> str | None:
-    used, devices = devices_needed(run), run.layout.devices
-    if used > devices:
-        return f"{layout(run)} needs {used} devices, but {flag('devices')} is {devices}"
-    return None
-
-
-def _fsdp_problem(run: RunConfig) -> str | None:
-    """An FSDP axis that is not a divisor of the data axis it is carved from."""
-    lay = run.layout
+    """Too few devices for the layout, or an FSDP axis not dividing the data axis."""
+    lay, used = run.layout, devices_needed(run)
+    if used > lay.devices:
+        return f"{layout(run)} needs {used} devices, but {flag('devices')} is {lay.devices}"
     if lay.data_axis % lay.fsdp_axis:
         return (
             f"{flag('fsdp_axis', lay.fsdp_axis)} does not divide {flag('data_axis', lay.data_axis)}"
@@ -193,13 +184,6 @@ def _pretrained(run: RunConfig, given: Set[str]) -> tuple[str | None, Any]:
     return None, config
 
 
-def _stages_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
-    stages = run.layout.stages
-    if blocks < stages:
-        return f"{depth} gives fewer blocks than {flag('stages', stages)}"
-    return None
-
-
 def given_sizes(text: str) -> tuple[int, ...] | None:
     """The blocks per stage ``--partition`` gives, or ``None`` for ``params`` and ``auto``.
 
@@ -213,13 +197,15 @@ def given_sizes(text: str) -> tuple[int, ...] | None:
 
 
 def partition_problem(run: RunConfig, blocks: int, depth: str) -> str | None:
-    """What ``--partition`` cannot do with the other options, in one line; or None.
+    """Fewer blocks than stages, or what ``--partition`` cannot do with the other options.
 
     Example:
         >>> partition_problem(RunConfig.of({"partition": "3,2"}), 4, "--depth 4")
         '--partition 3,2 gives 5 blocks, but the model has 4 (--depth 4)'
     """
     lay, split = run.layout, flag("partition", run.layout.partition)
+    if blocks < lay.stages:
+        return f"{depth} gives fewer blocks than {flag('stages', lay.stages)}"
     stages = lay.stages * lay.virtual_stages
     sizes = given_sizes(lay.partition)
     if sizes is not None:
@@ -344,16 +330,9 @@ def _steps_problem(run: RunConfig) -> str | None:
     return None
 
 
-_CHANGED_FLAG = {"fsdp": "fsdp_axis", "remat": "remat", "schedule": "schedule",
-                 "microbatches": "microbatches", "stages": "stages"}  # fmt: skip
-
-
 def memory_problem(run: RunConfig, config: Any, data_axis: int) -> str | None:
-    """With ``--memory-budget``, a layout whose predicted peak bytes per device
-    (:func:`mmnnx.partition.memory.predict_memory` of ``config``, the run's ``GPTConfig``)
-    exceed it, in one line naming the stage and the smallest change that fits; else None.
-    Nothing is built or compiled. ``--schedule auto`` and ``--partition auto`` choose under
-    the budget themselves (None).
+    """With ``--memory-budget``, a layout whose predicted peak per device (``config``: the
+    run's ``GPTConfig``) exceeds it, naming the stage and the smallest change that fits.
 
     Example:
         >>> from mmnnx.models import GPTConfig
@@ -363,12 +342,7 @@ def memory_problem(run: RunConfig, config: Any, data_axis: int) -> str | None:
 optimizer state 903.0 KiB, activations 2.3 MiB of 2 microbatch(es) in flight); --microbatches 8 \
 fits (4.3 MiB)
     """
-    from mmnnx.partition.memory import (  # noqa: PLC0415
-        CHANGES,
-        fitting_change,
-        format_bytes,
-        predict_memory,
-    )
+    from mmnnx.partition.memory import fitting_change, format_bytes, predict_memory  # noqa: PLC0415
 
     training, lay = run.training, run.layout
     budget = training.memory_budget
@@ -389,23 +363,18 @@ fits (4.3 MiB)
         f"optimizer state {format_bytes(worst.optimizer)}, activations "
         f"{format_bytes(worst.activations)} of {worst.in_flight} microbatch(es) in flight)"
     )
-    fsdp = hasattr(lay, "fsdp_axis")  # an option only where the run has one
-    changes = [c for c in CHANGES if c != "fsdp" or fsdp]
-    change = fitting_change(config, layout, size, changes=changes, **options)
+    change = fitting_change(config, layout, size, **options)
     if change is None:
         return (
             f"{needs}; no single change fits: not 1F1B, twice {flag('microbatches')}, "
-            f"{flag('remat')} dots or full, {'--fsdp-axis up to 8, ' * fsdp}nor more "
-            f"{flag('stages')}"
+            f"{flag('remat')} dots or full, --fsdp-axis up to 8, nor more {flag('stages')}"
         )
-    name = _CHANGED_FLAG[change.option]
-    shown = flag(name, change.value) if name in FIELDS else f"--fsdp-axis {change.value}"
+    shown = flag({"fsdp": "fsdp_axis"}.get(change.option, change.option), change.value)
     return f"{needs}; {shown} fits ({format_bytes(change.prediction.peak)})"
 
 
 def memory_inputs(run: RunConfig, data_axis: int) -> tuple[Any, dict[str, Any]]:
-    """The ``MemoryLayout`` of a run (``data_axis`` as fitted to the devices) and the options
-    :func:`~mmnnx.partition.memory.predict_memory` takes from it.
+    """The ``MemoryLayout`` of a run and the options ``predict_memory`` takes from it.
 
     Example:
         >>> layout, options = memory_inputs(RunConfig.of({"stages": 4}), 2)
@@ -417,7 +386,7 @@ def memory_inputs(run: RunConfig, data_axis: int) -> tuple[Any, dict[str, Any]]:
     training, lay = run.training, run.layout
     layout = MemoryLayout(
         stages=lay.stages, data=data_axis, tensor=lay.model_axis, expert=lay.expert_axis,
-        fsdp=getattr(lay, "fsdp_axis", 1), virtual_stages=lay.virtual_stages,
+        fsdp=lay.fsdp_axis, virtual_stages=lay.virtual_stages,
         blocks=given_sizes(lay.partition),
     )  # fmt: skip
     options = dict(

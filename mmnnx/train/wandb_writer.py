@@ -1,6 +1,5 @@
 """``WandbWriter``: a Weights & Biases run that takes scalars as a TensorBoard ``SummaryWriter``
-does (``add_scalar``, ``flush``, ``close``), so that ``RunLog`` writes the same scalars at the
-same steps to both. ``wandb`` is imported only when a writer starts (it is slow to import)."""
+does, so that ``RunLog`` writes the same scalars to both (``wandb`` imported when it starts)."""
 
 from __future__ import annotations
 
