@@ -119,12 +119,15 @@ def test_a_batch_reads_its_rows_only_whatever_the_dataset_size(tmp_path, monkeyp
         store = write_examples(iter(random_examples(n, longest=8)), tmp_path / str(n), key=None)
         data = ExampleDataset(store, seq_len=15, batch_size=8, pack=True)
         next(data)
-        tracemalloc.start()
-        calls.clear()
-        for _ in range(10):
-            next(data)
-        peaks.append(tracemalloc.get_traced_memory()[1])
-        tracemalloc.stop()
+        window_peaks = []  # Grain's prefetch thread runs ahead by a varying amount: the least of 3
+        for _ in range(3):
+            tracemalloc.start()
+            calls.clear()
+            for _ in range(10):
+                next(data)
+            window_peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+        peaks.append(min(window_peaks))
         reads.append(len(calls))
     # a packed row of 16 tokens holds at most 16 examples: 10 batches of 8 rows read <= 1280
     assert all(r <= 10 * 8 * 16 for r in reads), reads
