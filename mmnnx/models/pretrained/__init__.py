@@ -45,6 +45,7 @@ from mmnnx.models.pretrained.files import (
 from mmnnx.models.pretrained.hf_config import written
 from mmnnx.models.pretrained.load import load_into
 from mmnnx.models.pretrained.names import Part, TensorRule
+from mmnnx.models.pretrained.quantized import quantizing
 from mmnnx.models.pretrained.save import (
     MAX_SHARD_BYTES,
     model_values,
@@ -232,6 +233,7 @@ def save_pretrained(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     overwrite: bool = False,
     values: Mapping[str, Any] | None = None,
+    quantized: bool | Mapping[str, Any] = False,
 ) -> pathlib.Path:
     """Writes ``model`` (a ``GPT``) as a Hugging Face checkpoint directory at ``path``:
     ``config.json``, safetensors shards of at most ``max_shard_bytes`` and their
@@ -248,9 +250,18 @@ def save_pretrained(
     (``W + B A * alpha / r``); :func:`save_adapter` writes them alone. ``values`` overrides
     Variables' values by path.
 
+    A model read from a quantized checkpoint is written in ``dtype``, not re-quantized, and its
+    ``config.json`` without ``quantization_config``; ``quantized=True`` writes it in the format
+    it was read from, that ``quantization_config`` kept, and ``quantized=`` a
+    ``quantization_config`` in that one: FP8 blocks (``{"quant_method": "fp8",
+    "weight_block_size": [128, 128]}``, DeepSeek-V3's projections: ``fp8.fp8_quantized``) or
+    MXFP4 experts (``{"quant_method": "mxfp4"}``, gpt-oss's: ``mxfp4.mxfp4_quantized``), the
+    other tensors in ``dtype``.
+
     Returns the directory. Raises ``CheckpointError`` before writing anything on a bad
-    ``dtype``, an existing ``path``, or a model the family cannot hold (its ``cannot_hold``: an
-    ungated or biased MLP for Qwen3, LayerNorm, mixture-of-experts blocks for a dense family).
+    ``dtype``, an existing ``path``, a model the family cannot hold (its ``cannot_hold``: an
+    ungated or biased MLP for Qwen3, LayerNorm, mixture-of-experts blocks for a dense family),
+    or ``quantized=True`` for a model read from no quantized checkpoint.
 
     Example:
         >>> import tempfile
@@ -266,6 +277,9 @@ def save_pretrained(
     hf = pretrained.config if pretrained else {}
     fresh = family.hf_config(model.config, torch_dtype_of(dtype), hf)
     config = written(fresh, hf, {*_SIZES, *family.size_keys} & fresh.keys())
+    quant = _quantization(quantized, hf, path)
+    if quant is not None:
+        config["quantization_config"] = quant
     origin = pathlib.Path(pretrained.directory) if pretrained else None
     extra = [origin / name for name in CARRIED if origin and (origin / name).is_file()]
     values = {**model_values(model), **merged_kernels(model), **(values or {})}
@@ -278,7 +292,24 @@ def save_pretrained(
         extra_files=extra,
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
+        quantize=None if quant is None else quantizing(quant, pathlib.Path(path) / CONFIG),
     )
+
+
+def _quantization(quantized: Any, loaded: Mapping[str, Any], path: Any) -> Any:
+    """The ``quantization_config`` ``save_pretrained(quantized=...)`` writes in, or ``None``."""
+    if quantized is False:
+        return None
+    if quantized is not True:
+        return dict(quantized)
+    if "quantization_config" not in loaded:
+        raise CheckpointError(
+            f"{path}: quantized=True, but the model was read from no quantized checkpoint (its "
+            'config.json has no quantization_config); pass quantized={"quant_method": "fp8", '
+            '"weight_block_size": [128, 128]} (FP8 blocks, as DeepSeek-V3) or '
+            '{"quant_method": "mxfp4"} (gpt-oss\'s experts), or leave it out to write dtype'
+        )
+    return loaded["quantization_config"]
 
 
 def save_adapter(
