@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.pretrained.families.base import T, hf_keys, outer
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
@@ -21,7 +22,6 @@ from mmnnx.modules import (
     RopeConfig,
 )
 
-T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
 _L = "model.layers.{layer}"
 _B = "blocks/{layer}"
 
@@ -56,10 +56,6 @@ _SHARED = tuple(
     TensorRule(f"{_L}.mlp.shared_experts.{n}_proj.weight", f"{_B}/mlp/shared/{n}/kernel", T)
     for n in ("gate", "up", "down")
 )
-_OUTER = (
-    TensorRule("model.embed_tokens.weight", "embed/embedding"),
-    TensorRule("model.norm.weight", "norm/scale"),
-)
 _MTP_OWN = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight")
 _MTP_OWN += ("shared_head.norm.weight", "shared_head.head.weight")
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -77,17 +73,6 @@ class DeepSeekFamily:
 
     architecture: str = "DeepseekV3ForCausalLM"
     model_type: str = "deepseek_v3"
-
-    @property
-    def size_keys(self) -> tuple[str, ...]:
-        """The ``config.json`` keys of sizes ``save_pretrained`` rewrites from the model."""
-        return (
-            *("intermediate_size", "moe_intermediate_size", "n_shared_experts"),
-            *("n_routed_experts", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank"),
-            *("qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim", "n_group"),
-            *("topk_group", "num_experts_per_tok", "first_k_dense_replace", "norm_topk_prob"),
-            *("rope_interleave", "head_dim", "num_key_value_heads", "num_nextn_predict_layers"),
-        )
 
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
         """The ``GPTConfig`` of a ``config.json`` in directory ``where``, with ``overrides``.
@@ -185,13 +170,8 @@ class DeepSeekFamily:
         dense = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MLPConfig)]
         moes = [b.feed_forward for b in blocks if isinstance(b.feed_forward, DeepSeekMoEConfig)]
         kind = (loaded or {}).get("model_type")
-        out = {
-            "architectures": [self.architecture],
+        out = hf_keys(self, config, torch_dtype) | {
             "model_type": kind if kind in MODEL_TYPES else self.model_type,
-            "vocab_size": config.vocab_size,
-            "hidden_size": config.dim,
-            "num_hidden_layers": config.depth,
-            "num_attention_heads": a.num_heads,
             "num_key_value_heads": a.num_heads,
             "head_dim": a.qk_rope_head_dim,
             "qk_head_dim": a.qk_nope_head_dim + a.qk_rope_head_dim,
@@ -203,13 +183,9 @@ class DeepSeekFamily:
             "rope_interleave": a.rope_interleave,
             "rope_parameters": rope_parameters(a.rope.theta, a.rope.scaling),
             "first_k_dense_replace": len(dense),
-            "max_position_embeddings": config.max_seq_len,
-            "tie_word_embeddings": config.tie_embeddings,
-            "rms_norm_eps": 1e-6 if config.norm_eps is None else config.norm_eps,
             "hidden_act": "silu",
             "attention_bias": False,
             "num_nextn_predict_layers": 0,  # mmnnx's GPT has no multi-token prediction layers
-            "dtype": torch_dtype,
         }
         if dense:
             out["intermediate_size"] = dense[0].hidden
@@ -295,8 +271,7 @@ class DeepSeekFamily:
             TensorRule(r.tensor.replace("{layer}", str(config.depth)), None)
             for r in every + tuple(TensorRule(f"{_L}.{n}", None) for n in _MTP_OWN)
         )
-        head = TensorRule("lm_head.weight", None if config.tie_embeddings else "head/kernel", T)
-        return mtp + _OUTER + layer + (head,)
+        return mtp + outer(layer, config)
 
 
 DEEPSEEK_V3 = DeepSeekFamily()

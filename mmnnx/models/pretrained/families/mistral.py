@@ -12,7 +12,8 @@ import dataclasses
 from typing import Any, ClassVar
 
 from mmnnx.models.gpt import GPTConfig
-from mmnnx.models.pretrained.families.llama import DenseFeedForward, Family, FeedForward, T
+from mmnnx.models.pretrained.families.base import T
+from mmnnx.models.pretrained.families.llama import DenseFeedForward, Family, FeedForward
 from mmnnx.models.pretrained.hf_config import read_config
 from mmnnx.models.pretrained.names import Part, TensorRule
 from mmnnx.modules import MLPConfig, MoEConfig
@@ -60,10 +61,6 @@ class MixtralFeedForward(DenseFeedForward):
         MoEConfig(hidden=64, num_experts=8, top_k=2, norm_topk_prob=True, capacity_factor=None)
     """
 
-    keys: ClassVar[tuple[str, ...]] = (
-        *("intermediate_size", "num_local_experts", "num_experts_per_tok"),
-        "router_aux_loss_coef",
-    )
     rules: ClassVar[tuple[TensorRule, ...]] = _MIXTRAL_LAYER + _MIXTRAL_FUSED_LAYER
     experts: ClassVar[bool] = True
 
