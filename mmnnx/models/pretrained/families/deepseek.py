@@ -218,27 +218,19 @@ class DeepSeekFamily:
         shared = {getattr(m, "shared_hidden", None) for m in moes}
         hidden = {getattr(m, "hidden", None) for m in moes}
         checks = (
-            (
-                not all(isinstance(a, LatentAttentionConfig) for a in attention),
-                f"attention other than latent attention ({name}: MLA)",
-            ),
+            (not all(isinstance(a, LatentAttentionConfig) for a in attention),
+             f"attention other than latent attention ({name}: MLA)"),
             (len(attention) > 1, "layers of different attention"),
-            (
-                any(not f.gated or f.bias for f in dense),
-                f"an ungated or biased MLP ({name}: SiLU-gated, no biases)",
-            ),
-            (
-                not all(isinstance(m, DeepSeekMoEConfig) for m in moes),
-                f"dense layers after mixture-of-experts ones, or another router ({name}: "
-                "first_k_dense_replace dense layers, then DeepSeekMoE)",
-            ),
+            (any(not f.gated or f.bias for f in dense),
+             f"an ungated or biased MLP ({name}: SiLU-gated, no biases)"),
+            (not all(isinstance(m, DeepSeekMoEConfig) for m in moes),
+             f"dense layers after mixture-of-experts ones, or another router ({name}: "
+             "first_k_dense_replace dense layers, then DeepSeekMoE)"),
             (len(dense) > 1 or len(moes) > 1, "feed-forwards of different sizes"),
-            (
-                any(s is not None and h and s % h for s in shared for h in hidden),
-                f"shared experts whose size is not a multiple of the experts' ({name})",
-            ),
+            (any(s is not None and h and s % h for s in shared for h in hidden),
+             f"shared experts whose size is not a multiple of the experts' ({name})"),
             ({config.norm} | {b.norm.kind for b in blocks} != {"rms"}, f"LayerNorm ({name})"),
-        )
+        )  # fmt: skip
         return [what for failed, what in checks if failed]
 
     def tensor_rules(self, config: GPTConfig) -> tuple[TensorRule, ...]:
