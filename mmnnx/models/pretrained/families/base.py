@@ -16,6 +16,19 @@ OUTER = (
     TensorRule("model.embed_tokens.weight", "embed/embedding"),
     TensorRule("model.norm.weight", "norm/scale"),
 )
+_L = "model.layers.{layer}"
+ATTENTION = tuple(
+    TensorRule(f"{_L}.self_attn.{t}.weight", f"blocks/{{layer}}/attn/{v}/kernel", T)
+    for v, t in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("out", "o_proj"))
+)
+QK_NORM = tuple(
+    TensorRule(f"{_L}.self_attn.{n}.weight", f"blocks/{{layer}}/attn/{n}/scale")
+    for n in ("q_norm", "k_norm")
+)
+MLP = tuple(  # a SiLU- or GELU-gated MLP's
+    TensorRule(f"{_L}.mlp.{n}_proj.weight", f"blocks/{{layer}}/mlp/{n}/kernel", T)
+    for n in ("gate", "up", "down")
+)
 Unsupported = tuple[tuple[str, Callable[[Any], bool], str], ...]
 
 

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
-from mmnnx.models.pretrained.families.base import T, hf_keys, outer
+from mmnnx.models.pretrained.families.base import MLP, T, hf_keys, outer
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
@@ -40,10 +40,6 @@ _LOW_RANK_QUERY = (
     TensorRule(f"{_L}.self_attn.q_b_proj.weight", f"{_B}/attn/q_b/kernel", T),
 )
 _QUERY = (TensorRule(f"{_L}.self_attn.q_proj.weight", f"{_B}/attn/q/kernel", T),)
-_DENSE = tuple(
-    TensorRule(f"{_L}.mlp.{n}_proj.weight", f"{_B}/mlp/{n}/kernel", T)
-    for n in ("gate", "up", "down")
-)
 _MOE = (
     TensorRule(f"{_L}.mlp.gate.weight", f"{_B}/mlp/router/kernel", T),
     TensorRule(f"{_L}.mlp.gate.e_score_correction_bias", f"{_B}/mlp/correction_bias"),
@@ -252,13 +248,13 @@ class DeepSeekFamily:
         query = _QUERY if getattr(attention, "q_lora_rank", None) is None else _LOW_RANK_QUERY
         moe = any(isinstance(b.feed_forward, DeepSeekMoEConfig) for b in blocks)
         shared = any(getattr(b.feed_forward, "shared_hidden", None) for b in blocks)
-        layer = _ATTENTION + query + _DENSE + (_MOE if moe else ()) + (_SHARED if shared else ())
+        layer = _ATTENTION + query + MLP + (_MOE if moe else ()) + (_SHARED if shared else ())
         if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
             layer = tuple(
                 dataclasses.replace(r, variable=r.variable and r.variable.replace("/{layer}", ""))
                 for r in layer
             )
-        every = _ATTENTION + _LOW_RANK_QUERY + _QUERY + _DENSE + _MOE + _SHARED
+        every = _ATTENTION + _LOW_RANK_QUERY + _QUERY + MLP + _MOE + _SHARED
         mtp = tuple(  # published checkpoints' next-token prediction layer after the last
             TensorRule(r.tensor.replace("{layer}", str(config.depth)), None)
             for r in every + tuple(TensorRule(f"{_L}.{n}", None) for n in _MTP_OWN)

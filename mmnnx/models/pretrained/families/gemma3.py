@@ -11,7 +11,17 @@ import math
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
-from mmnnx.models.pretrained.families.base import FULL, SLIDING, T, hf_keys, kinds_of, outer, refuse
+from mmnnx.models.pretrained.families.base import (
+    ATTENTION,
+    FULL,
+    MLP,
+    QK_NORM,
+    SLIDING,
+    hf_keys,
+    kinds_of,
+    outer,
+    refuse,
+)
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
@@ -24,18 +34,12 @@ DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # transformers' Gemma3Te
 _P = "model.layers.{layer}"
 _LAYER = (
     TensorRule(f"{_P}.input_layernorm.weight", "blocks/{layer}/norm1/scale"),
-    TensorRule(f"{_P}.self_attn.q_proj.weight", "blocks/{layer}/attn/q/kernel", T),
-    TensorRule(f"{_P}.self_attn.k_proj.weight", "blocks/{layer}/attn/k/kernel", T),
-    TensorRule(f"{_P}.self_attn.v_proj.weight", "blocks/{layer}/attn/v/kernel", T),
-    TensorRule(f"{_P}.self_attn.o_proj.weight", "blocks/{layer}/attn/out/kernel", T),
-    TensorRule(f"{_P}.self_attn.q_norm.weight", "blocks/{layer}/attn/q_norm/scale"),
-    TensorRule(f"{_P}.self_attn.k_norm.weight", "blocks/{layer}/attn/k_norm/scale"),
+    *ATTENTION,
+    *QK_NORM,
     TensorRule(f"{_P}.post_attention_layernorm.weight", "blocks/{layer}/post_attn_norm/scale"),
     TensorRule(f"{_P}.pre_feedforward_layernorm.weight", "blocks/{layer}/norm2/scale"),
     TensorRule(f"{_P}.post_feedforward_layernorm.weight", "blocks/{layer}/post_mlp_norm/scale"),
-    TensorRule(f"{_P}.mlp.gate_proj.weight", "blocks/{layer}/mlp/gate/kernel", T),
-    TensorRule(f"{_P}.mlp.up_proj.weight", "blocks/{layer}/mlp/up/kernel", T),
-    TensorRule(f"{_P}.mlp.down_proj.weight", "blocks/{layer}/mlp/down/kernel", T),
+    *MLP,
 )
 
 _UNSUPPORTED = (  # config.json keys whose non-default values mmnnx's GPT does not compute

@@ -12,7 +12,16 @@ import dataclasses
 from typing import Any, ClassVar
 
 from mmnnx.models.gpt import GPTConfig
-from mmnnx.models.pretrained.families.base import T, Unsupported, hf_keys, outer, refuse
+from mmnnx.models.pretrained.families.base import (
+    ATTENTION,
+    MLP,
+    QK_NORM,
+    T,
+    Unsupported,
+    hf_keys,
+    outer,
+    refuse,
+)
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import Part, TensorRule
@@ -20,21 +29,12 @@ from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig, No
 
 _LAYER = (
     TensorRule("model.layers.{layer}.input_layernorm.weight", "blocks/{layer}/norm1/scale"),
-    TensorRule("model.layers.{layer}.self_attn.q_proj.weight", "blocks/{layer}/attn/q/kernel", T),
-    TensorRule("model.layers.{layer}.self_attn.k_proj.weight", "blocks/{layer}/attn/k/kernel", T),
-    TensorRule("model.layers.{layer}.self_attn.v_proj.weight", "blocks/{layer}/attn/v/kernel", T),
-    TensorRule("model.layers.{layer}.self_attn.o_proj.weight", "blocks/{layer}/attn/out/kernel", T),
+    *ATTENTION,
     TensorRule(
         "model.layers.{layer}.post_attention_layernorm.weight", "blocks/{layer}/norm2/scale"
     ),
-    TensorRule("model.layers.{layer}.mlp.gate_proj.weight", "blocks/{layer}/mlp/gate/kernel", T),
-    TensorRule("model.layers.{layer}.mlp.up_proj.weight", "blocks/{layer}/mlp/up/kernel", T),
-    TensorRule("model.layers.{layer}.mlp.down_proj.weight", "blocks/{layer}/mlp/down/kernel", T),
+    *MLP,
     TensorRule("model.layers.{layer}.self_attn.rotary_emb.inv_freq", None),  # a buffer, recomputed
-)
-_QK_NORM = (
-    TensorRule("model.layers.{layer}.self_attn.q_norm.weight", "blocks/{layer}/attn/q_norm/scale"),
-    TensorRule("model.layers.{layer}.self_attn.k_norm.weight", "blocks/{layer}/attn/k_norm/scale"),
 )
 _MOE_LAYER = (  # a MoE layer's router and experts (Qwen3-MoE), stacked over the experts
     TensorRule("model.layers.{layer}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
@@ -48,7 +48,7 @@ _MOE_LAYER = (  # a MoE layer's router and experts (Qwen3-MoE), stacked over the
     ),
 )
 _FUSED = (0, 2, 1)  # (experts, out, in) on disk, (experts, in, out) as the stacked kernels
-_MOE_FUSED_LAYER = (  # read only: transformers 5's in-memory layout, every expert in one
+FUSED_EXPERTS = (  # read only: transformers 5's in-memory layout, every expert in one
     *(
         TensorRule(
             "model.layers.{layer}.mlp.experts.gate_up_proj",
@@ -101,7 +101,7 @@ class Qwen3MoeFeedForward(DenseFeedForward):
         ['MLPConfig', 'MoEConfig']
     """
 
-    rules: ClassVar[tuple[TensorRule, ...]] = _MOE_LAYER + _MOE_FUSED_LAYER
+    rules: ClassVar[tuple[TensorRule, ...]] = _MOE_LAYER + FUSED_EXPERTS
     experts: ClassVar[bool] = True
 
     def read(self, keys: dict[str, Any], depth: int) -> tuple[FeedForward, ...]:
@@ -255,7 +255,7 @@ class Family:
             [('layer', 'expert'), ('layer',)]
         """
         qk_norm = any(getattr(b.attention, "qk_norm", False) for b in config.block_configs)
-        layer = _LAYER + (_QK_NORM if qk_norm else ()) + self.feed_forward.rules
+        layer = _LAYER + (QK_NORM if qk_norm else ()) + self.feed_forward.rules
         if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
             layer = tuple(
                 dataclasses.replace(r, variable=r.variable and r.variable.replace("/{layer}", ""))

@@ -13,9 +13,14 @@ from typing import Any, ClassVar
 
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.families.base import T
-from mmnnx.models.pretrained.families.llama import DenseFeedForward, Family, FeedForward
+from mmnnx.models.pretrained.families.llama import (
+    FUSED_EXPERTS,
+    DenseFeedForward,
+    Family,
+    FeedForward,
+)
 from mmnnx.models.pretrained.hf_config import read_config
-from mmnnx.models.pretrained.names import Part, TensorRule
+from mmnnx.models.pretrained.names import TensorRule
 from mmnnx.modules import MLPConfig, MoEConfig
 
 _MIXTRAL_LAYER = (  # the router and the experts, stacked over the experts
@@ -31,21 +36,9 @@ _MIXTRAL_LAYER = (  # the router and the experts, stacked over the experts
         for w, name in (("w1", "gate"), ("w3", "up"), ("w2", "down"))
     ),
 )
-_FUSED = (0, 2, 1)  # (experts, out, in) on disk, (experts, in, out) as the stacked kernels
-_MIXTRAL_FUSED_LAYER = (  # read only: transformers 5's in-memory layout, every expert in one
+_MIXTRAL_FUSED_LAYER = (  # read only: transformers 5's in-memory layout (llama.FUSED_EXPERTS)
     TensorRule("model.layers.{layer}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
-    *(
-        TensorRule(
-            "model.layers.{layer}.mlp.experts.gate_up_proj",
-            f"blocks/{{layer}}/mlp/experts/{name}",
-            _FUSED,
-            part=Part(axis=1, index=i, count=2),  # gate's rows, then up's
-        )
-        for i, name in enumerate(("gate", "up"))
-    ),
-    TensorRule(
-        "model.layers.{layer}.mlp.experts.down_proj", "blocks/{layer}/mlp/experts/down", _FUSED
-    ),
+    *FUSED_EXPERTS,
 )
 
 
