@@ -555,3 +555,8 @@ def test_mmnnx_export_of_every_family_loads_in_transformers_and_peft():
         assert seen["merged_missing_keys"] == seen["merged_unexpected_keys"] == [], family
         assert seen["peft_logits_error"] < F32 and seen["merged_logits_error"] < F32, family
         assert seen["adapter_moves_logits"] > 100 * F32, family
+    # gpt-oss's experts are fused Params (transformers' too), which LoRA adapts none of: its
+    # adapter holds the attention's projections alone, no target_parameters
+    gpt_oss = adapters["gpt-oss"]
+    assert gpt_oss["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert gpt_oss["target_parameters"] is None
