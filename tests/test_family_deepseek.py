@@ -157,7 +157,7 @@ def _verdict():
 
 def save_saves(root: pathlib.Path, logits: bool = True) -> dict[str, pathlib.Path]:
     """What the fixture script's ``--check`` gives transformers 5: the float fixture re-saved in
-    bfloat16, the FP8 one re-saved (dequantized, float32) and (``*-fp8``) saved in FP8 again,
+    bfloat16, the FP8 one re-saved (dequantized, float32) and (``*-quantized``) in FP8 again,
     and the float one saved in FP8 blocks of 4 (every block whole); with ``logits``, beside each
     ``<case>.npy``: mmnnx's logits for the fixtures' tokens from the files it wrote."""
     fp8 = from_pretrained(FP8)
@@ -166,12 +166,12 @@ def save_saves(root: pathlib.Path, logits: bool = True) -> dict[str, pathlib.Pat
             from_pretrained(FLOAT), root / "deepseek-bf16", dtype=jnp.bfloat16
         ),
         "deepseek-from-fp8": save_pretrained(fp8, root / "deepseek-from-fp8"),
-        "deepseek-fp8-again-fp8": save_pretrained(
-            fp8, root / "deepseek-fp8-again-fp8", quantized=True
+        "deepseek-fp8-saved-quantized": save_pretrained(
+            fp8, root / "deepseek-fp8-saved-quantized", quantized=True
         ),
-        "deepseek-blocks-of-4-fp8": save_pretrained(
+        "deepseek-blocks-of-4-quantized": save_pretrained(
             from_pretrained(FLOAT),
-            root / "deepseek-blocks-of-4-fp8",
+            root / "deepseek-blocks-of-4-quantized",
             quantized=json.loads((FP8 / "config.json").read_text())["quantization_config"]
             | {"weight_block_size": [4, 4]},
         ),
@@ -194,8 +194,8 @@ def test_transformers_reads_what_save_pretrained_writes(tmp_path):
     for case, seen in verdict["cases"].items():
         config = json.loads((written[case] / "config.json").read_text())
         assert config == seen["config"], case
-        assert ("quantization_config" in config) == case.endswith("-fp8"), case
-        if case == "deepseek-fp8-again-fp8":
+        assert ("quantization_config" in config) == case.endswith("-quantized"), case
+        if case == "deepseek-fp8-saved-quantized":
             assert seen["load_errors"] == published
             continue
         assert seen["logits_error"] < F32 and seen["dtype"] == config["dtype"], case
