@@ -162,9 +162,12 @@ def fp8_quantized(weight: np.ndarray, block_size: tuple[int, int]) -> tuple[np.n
         >>> q, s = fp8_quantized(np.array([[896.0, 1.0, 7.0]]), (1, 2))  # blocks of 2 columns
         >>> q.astype(np.float32).tolist(), s.tolist()
         ([[448.0, 0.5, 448.0]], [[2.0, 0.015625]])
+        >>> fp8_quantized(np.ones((3, 2)), (1 << 62, 1 << 62))[1].shape  # one scale a tensor
+        (1, 1)
     """
     w = np.asarray(weight, np.float32)
-    (br, bc), (rows, cols) = block_size, w.shape
+    rows, cols = w.shape
+    br, bc = (max(1, min(b, n)) for b, n in zip(block_size, w.shape, strict=True))
     padded = np.pad(np.abs(w), ((0, -rows % br), (0, -cols % bc)))
     amax = padded.reshape(padded.shape[0] // br, br, padded.shape[1] // bc, bc).max(axis=(1, 3))
     scale = np.maximum(amax, np.float32(1e-12)) / np.float32(FP8_MAX)

@@ -144,9 +144,8 @@ capacity_factor=None, alpha=1.702, limit=7.0)
     def hf_config(
         self, config: GPTConfig, torch_dtype: str, loaded: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """A ``config.json``'s keys for ``config`` (a ``GPTConfig`` this family can hold); a
-        loaded checkpoint's ``quantization_config`` is not among them: the experts are
-        written in ``torch_dtype``, not re-quantized.
+        """A ``config.json``'s keys for ``config`` (a ``GPTConfig`` this family can hold; no
+        ``quantization_config``: ``save_pretrained`` adds it when asked to write MXFP4).
 
         Example:
             >>> hf = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2,
