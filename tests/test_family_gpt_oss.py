@@ -170,12 +170,20 @@ def test_transformers_reads_what_save_pretrained_writes(tmp_path):
 
 def save_saves(root: pathlib.Path, logits: bool = True) -> dict[str, pathlib.Path]:
     """The checkpoints make_gpt_oss_fixtures.py --check gives transformers 5: the float
-    fixture re-saved in float32, the MXFP4 one in bfloat16; beside each (with ``logits``),
-    ``<case>.npy``: mmnnx's float32 logits for :data:`TOKENS` from the files it wrote."""
+    fixture re-saved in float32 and in MXFP4, the MXFP4 one in bfloat16 and in MXFP4 again;
+    beside each (with ``logits``), ``<case>.npy``: mmnnx's float32 logits for :data:`TOKENS`
+    from the files it wrote."""
+    mxfp4 = from_pretrained(MXFP4)
     out = {
         "gpt-oss-f32": save_pretrained(from_pretrained(FLOAT), root / "gpt-oss-f32"),
+        "gpt-oss-f32-mxfp4": save_pretrained(
+            from_pretrained(FLOAT), root / "gpt-oss-f32-mxfp4", quantized={"quant_method": "mxfp4"}
+        ),
         "gpt-oss-mxfp4-bf16": save_pretrained(
-            from_pretrained(MXFP4), root / "gpt-oss-mxfp4-bf16", dtype=jnp.bfloat16
+            mxfp4, root / "gpt-oss-mxfp4-bf16", dtype=jnp.bfloat16
+        ),
+        "gpt-oss-mxfp4-again-mxfp4": save_pretrained(
+            mxfp4, root / "gpt-oss-mxfp4-again-mxfp4", quantized=True
         ),
     }
     for case, path in out.items() if logits else ():

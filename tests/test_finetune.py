@@ -494,6 +494,8 @@ def test_bad_exports_exit_2_in_one_line(root, full_run, capsys):
         (["--adapter"], "--adapter: the run in"),
         (["--merge-lora"], "--merge-lora: the run in"),
         (["--adapter", "--merge-lora"], "--merge-lora and --adapter exclude each other"),
+        (["--adapter", "--quantized"], "--quantized and --adapter exclude each other"),
+        (["--quantized"], "read from no quantized checkpoint (its config.json has no quantiz"),
         (["--step", "3"], "no checkpoint of step 3 in"),
     ]
     for argv, reason in cases:

@@ -420,11 +420,13 @@ def _write_expected(path: pathlib.Path, run: pathlib.Path, *, finetuned: bool) -
     path.write_text(json.dumps(expected, indent=2))
 
 
-EXPORTED = ("llama", "qwen3", "qwen3-moe", "mistral", "mixtral", "gemma3", "deepseek_v3")
+EXPORTED = (
+    *("llama", "qwen3", "qwen3-moe", "mistral", "mixtral", "gemma3", "deepseek_v3", "gpt-oss"),
+)
 """One fixture per family: the bases of check_exports.py's and check_adapters.py's runs."""
 
 
-def save_family_exports(root: pathlib.Path) -> None:
+def save_family_exports(root: pathlib.Path, families: tuple[str, ...] = EXPORTED) -> None:
     """What ``mmnnx export`` writes of each family, for check_exports.py (``root``) and
     check_adapters.py (``root/adapters``): 2 steps of ``mmnnx train --init-from``
     :func:`base_with_tokenizer` of each of :data:`EXPORTED` over two stages, whole (exported
@@ -443,7 +445,7 @@ def save_family_exports(root: pathlib.Path) -> None:
     common += ["--batch-size", "4", "--microbatches", "4", "--eval-every", "2", "--steps", "2"]
     common += ["--eval-batches", "1", "--log-every", "1", "--timeline-step", "0", "--lr", "1e-2"]
     common += ["--warmup-steps", "0", "--no-tensorboard", "--text", str(root / "text.txt")]
-    for family in EXPORTED:
+    for family in families:
         base = base_with_tokenizer(root / "bases" / family, family)
         for case, lora in ((family, []), (f"{family}-lora", ["--lora-rank", "2"])):
             run, out = root / "runs" / case, root / case
@@ -553,3 +555,8 @@ def test_mmnnx_export_of_every_family_loads_in_transformers_and_peft():
         assert seen["merged_missing_keys"] == seen["merged_unexpected_keys"] == [], family
         assert seen["peft_logits_error"] < F32 and seen["merged_logits_error"] < F32, family
         assert seen["adapter_moves_logits"] > 100 * F32, family
+    # gpt-oss's experts are fused Params (transformers' too), which LoRA adapts none of: its
+    # adapter holds the attention's projections alone, no target_parameters
+    gpt_oss = adapters["gpt-oss"]
+    assert gpt_oss["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert gpt_oss["target_parameters"] is None

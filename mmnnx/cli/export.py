@@ -35,6 +35,11 @@ class Options:
         "a run trained from scratch)",
         choices=("bfloat16", "float32"),
     )
+    quantized: bool = switch(
+        "--quantized",
+        "write the weights the --init-from checkpoint had quantized (its quantization_config: "
+        "FP8 blocks, MXFP4 experts) quantized again, the rest in --dtype",
+    )
     step: int | None = option(
         None, "the checkpoint step to export (default: the newest)", integer(0), metavar="N"
     )
@@ -61,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     options, error = typed(Options, args), functools.partial(prologue.error, "export")
     if options.merge_lora and options.adapter:
         return error("--merge-lora and --adapter exclude each other: pick one")
+    if options.quantized and options.adapter:
+        return error("--quantized and --adapter exclude each other: adapters are not quantized")
     from mmnnx.train.generation import RunError, read_run_config  # noqa: PLC0415
 
     try:
@@ -85,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             options.output,
             adapter=options.adapter,
             dtype=options.dtype,
+            quantized=options.quantized,
             step=options.step,
             overwrite=options.overwrite,
         )

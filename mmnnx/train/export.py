@@ -4,6 +4,7 @@ adapters alone in PEFT's layout, rebuilt from the run's ``config.toml`` and a ch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 from typing import Any
@@ -41,6 +42,7 @@ def export_run(
     *,
     adapter: bool = False,
     dtype: Any = None,
+    quantized: bool = False,
     step: int | None = None,
     overwrite: bool = False,
 ) -> Exported:
@@ -48,7 +50,8 @@ def export_run(
     newest readable checkpoint (or ``step``) onto the run's own tasks, into ``output``.
 
     A Hugging Face checkpoint with the run's tokenizer, LoRA adapters merged (``mmnnx export``'s
-    ``--help`` says more), or with ``adapter`` the adapters alone in PEFT's layout; a run from
+    ``--help`` says more; ``quantized``: as ``save_pretrained``'s, in the format of the
+    ``--init-from`` checkpoint), or with ``adapter`` the adapters alone in PEFT's layout; a run from
     scratch is written as the first family that holds it, with :func:`transformers_files`.
     Every process calls it, each writing the tensors its devices hold. A :class:`RunError` for
     what cannot be exported so comes before anything is restored or written.
@@ -72,7 +75,7 @@ def export_run(
     if output.exists() and not overwrite:
         raise RunError(f"{output} exists; pass --overwrite to replace it")
     loaded = load_run(spec, layout="run", step=step)
-    save = save_adapter if adapter else save_pretrained
+    save = save_adapter if adapter else functools.partial(save_pretrained, quantized=quantized)
     written = save(
         loaded.model, output, dtype=dtype, architecture=architecture, overwrite=overwrite
     )

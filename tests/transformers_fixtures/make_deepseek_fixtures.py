@@ -23,6 +23,7 @@ dequantized here in torch (``fp8 * scale_inv``, each block by its own scale).
 """
 
 import json
+import logging
 import math
 import pathlib
 import shutil
@@ -206,9 +207,16 @@ def check_saves(root: pathlib.Path) -> None:
     ``save_saves``) in transformers and keeps the verdict as ``deepseek_v3/saves_verdict.json``:
     the config mmnnx wrote, the dtype transformers loads it in, and the largest difference
     between transformers' float32 logits from those files and mmnnx's, relative to the largest
-    logit."""
-    cases = {}
+    logit. A checkpoint transformers refuses (its CPU FP8 dequantizer takes no partial edge
+    blocks, as DeepSeek-V3 publishes and the FP8 fixture has) records the errors it logged,
+    ``load_errors``; the FP8 fixture itself is tried as ``fixture-fp8``."""
+    cases = {"fixture-fp8": {"load_errors": _load_errors(HERE / "deepseek_v3_fp8")}}
     for case in sorted(p for p in root.iterdir() if p.is_dir() and p.with_suffix(".npy").exists()):
+        if errors := _load_errors(case):
+            config = json.loads((case / "config.json").read_text())
+            cases[case.name] = {"config": config, "load_errors": errors}
+            print(case.name, errors)
+            continue
         auto = DeepseekV3ForCausalLM.from_pretrained(case, dtype="auto")
         wide = DeepseekV3ForCausalLM.from_pretrained(case, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -223,6 +231,23 @@ def check_saves(root: pathlib.Path) -> None:
         print(case.name, cases[case.name]["dtype"], f"{error:.2e}")
     verdict = {"transformers": transformers.__version__, "torch": torch.__version__, "cases": cases}
     (HERE / "deepseek_v3" / "saves_verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+
+
+def _load_errors(case: pathlib.Path) -> list[str]:
+    """The conversion errors transformers logs loading ``case`` on CPU (``[]``: it loads)."""
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        DeepseekV3ForCausalLM.from_pretrained(case, dtype=torch.float32)
+    except RuntimeError:
+        lines = (line.strip() for message in logged for line in message.splitlines())
+        return sorted({line for line in lines if line.startswith("Weight shape")})
+    finally:
+        logger.removeHandler(handler)
+    return []
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from mmnnx.models.pretrained.files import (
 from mmnnx.models.pretrained.hf_config import written
 from mmnnx.models.pretrained.load import load_into
 from mmnnx.models.pretrained.names import Part, TensorRule
+from mmnnx.models.pretrained.quantized import quantizing
 from mmnnx.models.pretrained.save import (
     MAX_SHARD_BYTES,
     model_values,
@@ -55,13 +56,6 @@ from mmnnx.models.stages import stage_rules
 from mmnnx.sharding.task import Task
 
 M = TypeVar("M")
-
-_SIZES = (
-    *("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"),
-    *("num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings", "layer_types"),
-)
-"""With the family's feed-forward keys, those of a loaded ``config.json`` written from the model
-(the others are kept)."""
 
 __all__ = [
     "FAMILIES",
@@ -94,19 +88,14 @@ class Pretrained:
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> Pretrained:
-        """The origin record of the checkpoint at ``path``, from its ``config.json`` alone.
-
-        Raises:
-            CheckpointError: no such directory, no ``config.json``, or an architecture not in
-                :data:`FAMILIES`.
+        """The origin record of the checkpoint at ``path``, from its ``config.json`` alone;
+        ``CheckpointError``: no such directory, no ``config.json``, an architecture not in
+        :data:`FAMILIES`.
 
         Example:
             >>> import tempfile
-            >>> with nnx.use_eager_sharding(False):
-            ...     model = GPT(GPTConfig(dim=32, depth=1, vocab_size=64, gated_mlp=True,
-            ...                           mlp_bias=False), rngs=nnx.Rngs(0))
-            >>> path = save_pretrained(model, tempfile.mkdtemp() + "/m",
-            ...                        architecture="LlamaForCausalLM")
+            >>> path = pathlib.Path(tempfile.mkdtemp())
+            >>> _ = (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
             >>> Pretrained.read(path).architecture
             'LlamaForCausalLM'
         """
@@ -129,11 +118,8 @@ def pretrained_config(
     router_bias_rate: float = 0.0,
 ) -> GPTConfig:
     """The ``GPTConfig`` :func:`from_pretrained` builds for the checkpoint at ``path`` (its
-    arguments as there), read from ``config.json`` alone: no tensor is opened.
-
-    Raises:
-        CheckpointError: as :meth:`Pretrained.read`, or a ``config.json`` setting the family's
-            GPT cannot reproduce.
+    arguments as there), from ``config.json`` alone; ``CheckpointError`` as
+    :meth:`Pretrained.read`, or for a setting the family's GPT cannot reproduce.
 
     Example:
         >>> import tempfile
@@ -147,17 +133,16 @@ def pretrained_config(
         (3, 16, True)
     """
     origin = Pretrained.read(path)
-    options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len, remat=remat)
-    options["router_bias_rate"] = router_bias_rate
-    family = FAMILIES[origin.architecture]
-    return _gpt_config(family, origin.config, origin.directory, param_dtype, dtype, **options)
-
-
-def _gpt_config(
-    family: PretrainedFamily, hf: Any, directory: Any, param_dtype: Any, dtype: Any, **options: Any
-) -> GPTConfig:
-    param_dtype, dtype = np.dtype(param_dtype).name, np.dtype(dtype).name
-    return family.gpt_config(hf, directory, param_dtype=param_dtype, dtype=dtype, **options)
+    return FAMILIES[origin.architecture].gpt_config(
+        origin.config,
+        origin.directory,
+        param_dtype=np.dtype(param_dtype).name,
+        dtype=np.dtype(dtype).name,
+        scan_layers=scan_layers,
+        max_seq_len=max_seq_len,
+        remat=remat,
+        router_bias_rate=router_bias_rate,
+    )
 
 
 def from_pretrained(
@@ -175,26 +160,17 @@ def from_pretrained(
     """The ``GPT`` of the Hugging Face checkpoint at ``path``, its Variables read from the
     safetensors files straight onto their devices.
 
-    ``config.json``'s ``architectures`` picks the family (:data:`FAMILIES`: Llama 3.x, Qwen3,
-    Qwen3-MoE and DeepSeek-V3 / Kimi K2 causal LMs) and its sizes the ``GPTConfig``; FP8 weights
-    (DeepSeek's ``quant_method: "fp8"``) are dequantized as they are read. The model is built
-    abstractly and placed first: ``tasks`` cuts its layers into pipeline stages as
-    ``mm.stage_rules`` does, ``rules`` (``mm.place``'s rules, matched before the stage rules)
-    places by path; with neither, it lands on one device. Each Variable's shards are then read
-    from the files (slices only, through ``safetensors``), so under ``mmnnx launch`` each
-    process reads only what its devices hold; a Qwen3-MoE's experts, stacked over the expert
-    axis, are read per expert, so a device of an expert-parallel task (rules mapping ``expert``
-    to a mesh axis) reads only its own experts' tensors. Parameters are stored in
-    ``param_dtype`` (float32 by default, as transformers loads), activations computed in
-    ``dtype`` (``remat``: as ``GPTConfig.remat``); ``max_seq_len`` bounds the sequence (default
-    the config's ``max_position_embeddings``; ``generate`` allocates a key/value cache of that
-    length); ``router_bias_rate``: as ``GPTConfig.router_bias_rate`` (DeepSeek-V3's balancing
-    while training). The model keeps its origin in ``model.pretrained``.
-
-    Raises:
-        CheckpointError: an unsupported architecture (naming those that are), a missing or
-            extra tensor, a shape that does not fit the config, a missing directory or no
-            safetensors, a tokenizer larger than the vocabulary: before anything is placed.
+    ``config.json``'s ``architectures`` picks the family (:data:`FAMILIES`) and its sizes the
+    ``GPTConfig``; FP8 and MXFP4 weights are dequantized as they are read. The model is built
+    abstractly and placed first: ``tasks`` cuts its layers into stages as ``mm.stage_rules``
+    does, ``rules`` (``mm.place``'s, matched first) places by path; with neither, it lands on
+    one device. Each process then reads only the slices its devices hold (experts per expert,
+    so an expert-parallel device reads only its own). ``param_dtype`` (float32 by default, as
+    transformers loads), ``dtype``, ``remat`` and ``router_bias_rate`` as ``GPTConfig``'s;
+    ``max_seq_len`` defaults to ``max_position_embeddings``. The model keeps its origin in
+    ``model.pretrained``. ``CheckpointError`` (before anything is placed): an unsupported
+    architecture (naming those that are), a missing or extra tensor, a shape that does not fit
+    the config, no directory or safetensors, a tokenizer larger than the vocabulary.
 
     Example:
         >>> import tempfile
@@ -209,8 +185,9 @@ def from_pretrained(
     files = CheckpointFiles(path)
     family = family_of(files.config, files.directory)
     options = dict(scan_layers=scan_layers, max_seq_len=max_seq_len, remat=remat)
-    options["router_bias_rate"] = router_bias_rate
-    config = _gpt_config(family, files.config, files.directory, param_dtype, dtype, **options)
+    config = pretrained_config(
+        path, param_dtype=param_dtype, dtype=dtype, router_bias_rate=router_bias_rate, **options
+    )
     check_tokenizer(files.directory, config.vocab_size)
     model = _abstract(lambda: GPT(config, rngs=nnx.Rngs(0)))
     placement = list(rules or [])
@@ -232,25 +209,26 @@ def save_pretrained(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     overwrite: bool = False,
     values: Mapping[str, Any] | None = None,
+    quantized: bool | Mapping[str, Any] = False,
 ) -> pathlib.Path:
     """Writes ``model`` (a ``GPT``) as a Hugging Face checkpoint directory at ``path``:
-    ``config.json``, safetensors shards of at most ``max_shard_bytes`` and their
-    ``model.safetensors.index.json``, and the tokenizer's and generation's files of the
-    directory the model was loaded from (:data:`~mmnnx.models.pretrained.files.CARRIED`:
-    ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``, ...), where it has
-    them.
+    ``config.json``, safetensors shards of at most ``max_shard_bytes`` with their index, and
+    the files of :data:`~mmnnx.models.pretrained.files.CARRIED` (tokenizer, chat template,
+    ...) the directory it was loaded from has. Returns the directory.
 
-    ``dtype`` defaults to the ``torch_dtype`` of the checkpoint the model came from (float32
-    for a model that came from none). ``architecture`` names the family for a model not made
-    by ``from_pretrained``. Every process calls it; each writes the tensors its own devices
-    hold. Nothing replaces ``path`` until every file is written (``overwrite=True`` to replace
-    an existing one). LoRA adapters (``add_lora``) are merged into their kernels
-    (``W + B A * alpha / r``); :func:`save_adapter` writes them alone. ``values`` overrides
-    Variables' values by path.
-
-    Returns the directory. Raises ``CheckpointError`` before writing anything on a bad
-    ``dtype``, an existing ``path``, or a model the family cannot hold (its ``cannot_hold``: an
-    ungated or biased MLP for Qwen3, LayerNorm, mixture-of-experts blocks for a dense family).
+    ``dtype`` defaults to the checkpoint's ``dtype`` (float32 for a model from none);
+    ``architecture`` names the family of a model not made by ``from_pretrained``. Every
+    process calls it, each writing what its devices hold; nothing replaces ``path`` until
+    every file is written (``overwrite=True`` to replace one). LoRA adapters are merged
+    (``W + B A * alpha / r``; :func:`save_adapter` writes them alone); ``values`` overrides
+    Variables' values by path. A model read quantized is written in ``dtype`` without
+    ``quantization_config``, unless ``quantized``: ``True`` writes it in the format it was
+    read from (``quantization_config`` kept), a ``quantization_config`` in that one: FP8
+    blocks (``{"quant_method": "fp8", "weight_block_size": [128, 128]}``, DeepSeek-V3's
+    projections) or MXFP4 experts (``{"quant_method": "mxfp4"}``, gpt-oss's), the rest in
+    ``dtype``. ``CheckpointError`` before anything is written: a bad ``dtype``, an existing
+    ``path``, a model the family cannot hold (its ``cannot_hold``), ``quantized=True`` for a
+    model read from no quantized checkpoint.
 
     Example:
         >>> import tempfile
@@ -265,7 +243,10 @@ def save_pretrained(
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     hf = pretrained.config if pretrained else {}
     fresh = family.hf_config(model.config, torch_dtype_of(dtype), hf)
-    config = written(fresh, hf, {*_SIZES, *family.size_keys} & fresh.keys())
+    config = written(fresh, hf)
+    quant = _quantization(quantized, hf, path)
+    if quant is not None:
+        config["quantization_config"] = quant
     origin = pathlib.Path(pretrained.directory) if pretrained else None
     extra = [origin / name for name in CARRIED if origin and (origin / name).is_file()]
     values = {**model_values(model), **merged_kernels(model), **(values or {})}
@@ -278,7 +259,24 @@ def save_pretrained(
         extra_files=extra,
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
+        quantize=None if quant is None else quantizing(quant, pathlib.Path(path) / CONFIG),
     )
+
+
+def _quantization(quantized: Any, loaded: Mapping[str, Any], path: Any) -> Any:
+    """The ``quantization_config`` ``save_pretrained(quantized=...)`` writes in, or ``None``."""
+    if quantized is False:
+        return None
+    if quantized is not True:
+        return dict(quantized)
+    if "quantization_config" not in loaded:
+        raise CheckpointError(
+            f"{path}: quantized=True, but the model was read from no quantized checkpoint (its "
+            'config.json has no quantization_config); pass quantized={"quant_method": "fp8", '
+            '"weight_block_size": [128, 128]} (FP8 blocks, as DeepSeek-V3) or '
+            '{"quant_method": "mxfp4"} (gpt-oss\'s experts), or leave it out to write dtype'
+        )
+    return loaded["quantization_config"]
 
 
 def save_adapter(

@@ -5,6 +5,7 @@ dequantized while each device reads its own slice."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from typing import Any
@@ -131,11 +132,75 @@ def fp8_files(files: CheckpointFiles, quant: dict) -> Fp8Files:
         ...     print(str(e).replace(str(d), "ckpt"))
         ckpt/config.json: quantization_config.weight_block_size: [128] is not two ints >= 1
     """
-    where = f"{files.directory / 'config.json'}: quantization_config"
+    return Fp8Files(files, _block_size(quant, files.directory / "config.json"))
+
+
+def _block_size(quant: dict, where: Any) -> tuple[int, int]:
+    """``quant``'s ``weight_block_size`` checked; without one, whole tensors."""
     block = quant.get("weight_block_size")
     if block is None:
-        return Fp8Files(files, (1 << 62, 1 << 62))  # one scale per tensor
+        return (1 << 62, 1 << 62)  # one scale per tensor
     ok = isinstance(block, list) and len(block) == 2
     if not ok or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
-        raise CheckpointError(f"{where}.weight_block_size: {block!r} is not two ints >= 1")
-    return Fp8Files(files, (block[0], block[1]))
+        raise CheckpointError(
+            f"{where}: quantization_config.weight_block_size: {block!r} is not two ints >= 1"
+        )
+    return block[0], block[1]
+
+
+FP8_MAX = 448.0
+"""The largest float8_e4m3fn: each block's largest magnitude is written as it."""
+
+
+def fp8_quantized(weight: np.ndarray, block_size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """``weight`` (rows, columns) as DeepSeek-V3 publishes it: each block of ``block_size``
+    (the edge blocks partial) divided by its ``scale_inv = amax / 448`` (float32, DeepSeek's
+    ``act_quant``; ``1e-12`` for an all-zero block) and rounded to ``float8_e4m3fn``; returns
+    the float8 weight and the float32 scales, ``ceil(rows / b) x ceil(columns / b)``.
+
+    Example:
+        >>> q, s = fp8_quantized(np.array([[896.0, 1.0, 7.0]]), (1, 2))  # blocks of 2 columns
+        >>> q.astype(np.float32).tolist(), s.tolist()
+        ([[448.0, 0.5, 448.0]], [[2.0, 0.015625]])
+        >>> fp8_quantized(np.ones((3, 2)), (1 << 62, 1 << 62))[1].shape  # one scale a tensor
+        (1, 1)
+    """
+    w = np.asarray(weight, np.float32)
+    rows, cols = w.shape
+    br, bc = (max(1, min(b, n)) for b, n in zip(block_size, w.shape, strict=True))
+    padded = np.pad(np.abs(w), ((0, -rows % br), (0, -cols % bc)))
+    amax = padded.reshape(padded.shape[0] // br, br, padded.shape[1] // bc, bc).max(axis=(1, 3))
+    scale = np.maximum(amax, np.float32(1e-12)) / np.float32(FP8_MAX)
+    full = np.repeat(np.repeat(scale, br, 0), bc, 1)[:rows, :cols]
+    return np.clip(w / full, -FP8_MAX, FP8_MAX).astype(DTYPES["F8_E4M3"]), scale
+
+
+def fp8_writer(quant: dict, where: Any) -> Any:
+    """What ``save_pretrained(quantized=...)`` writes of each tensor for ``quant`` (an FP8
+    ``quantization_config``): the tensors DeepSeek-V3 publishes in FP8 (every 2-D
+    ``model.layers.*`` projection weight, ``*proj*.weight``, but those of
+    ``modules_to_not_convert``) as :func:`fp8_quantized` with ``<name>_scale_inv``, else
+    ``None`` (written in the checkpoint's dtype).
+
+    Example:
+        >>> write = fp8_writer({"quant_method": "fp8", "weight_block_size": [2, 2]}, "ckpt")
+        >>> out = write("model.layers.0.self_attn.o_proj.weight", np.ones((3, 2)))
+        >>> {k.rsplit(".", 1)[1]: (v.dtype.name, v.shape) for k, v in out.items()}
+        {'weight': ('float8_e4m3fn', (3, 2)), 'weight_scale_inv': ('float32', (2, 1))}
+        >>> write("model.layers.0.mlp.gate.weight", np.ones((3, 2))) is None  # the router's
+        True
+    """
+    block = _block_size(quant, where)
+    keep = quant.get("modules_to_not_convert") or []
+
+    def write(name: str, value: np.ndarray) -> dict[str, np.ndarray] | None:
+        module = name.removesuffix(".weight")
+        leaf = module.rsplit(".", 1)[-1]
+        if not name.startswith("model.layers.") or value.ndim != 2 or "proj" not in leaf:
+            return None
+        if module == name or any(fnmatch.fnmatch(module, p) for p in keep):
+            return None
+        weight, scale = fp8_quantized(value, block)
+        return {name: weight, name + SCALE: scale}
+
+    return write

@@ -29,27 +29,15 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "mixtral": dict(
         max_position_embeddings=131072, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6
     ),
-    "gemma3_text": {
-        "max_position_embeddings": 131072,
-        "head_dim": 256,
-        "num_key_value_heads": 4,
-        "tie_word_embeddings": True,
-        "intermediate_size": 9216,
-    },
-    "gpt_oss": {
-        "max_position_embeddings": 131072,
-        "head_dim": 64,
-        "num_key_value_heads": 8,
-        "intermediate_size": 2880,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 150000.0,
-    },
-    "deepseek_v3": {
-        "max_position_embeddings": 4096,
-        "head_dim": None,  # transformers writes qk_rope_head_dim here; the family reads its own
-        "num_key_value_heads": None,
-        "intermediate_size": 18432,
-    },
+    "gemma3_text": dict(
+        max_position_embeddings=131072, head_dim=256, num_key_value_heads=4, intermediate_size=9216
+    )
+    | {"tie_word_embeddings": True},
+    "gpt_oss": dict(max_position_embeddings=131072, head_dim=64, num_key_value_heads=8)
+    | dict(intermediate_size=2880, rms_norm_eps=1e-5, rope_theta=150000.0),
+    # head_dim: transformers writes qk_rope_head_dim there; the family reads its own
+    "deepseek_v3": dict(max_position_embeddings=4096, head_dim=None, num_key_value_heads=None)
+    | {"intermediate_size": 18432},
 }
 
 
@@ -442,23 +430,21 @@ def architectures(hf: Any, where: Any) -> list[str]:
     return _checked(hf.get("architectures") or [], _STRS, f"{file}: architectures")
 
 
-def written(
-    fresh: Mapping[str, Any], loaded: Mapping[str, Any] | None, sizes: set[str]
-) -> dict[str, Any]:
-    """``fresh`` over ``loaded`` but ``sizes`` and older keys; its context length kept.
+def written(fresh: Mapping[str, Any], loaded: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``fresh`` over ``loaded`` but its older keys; its context length kept.
 
     Example:
         >>> old = {"rope_theta": 1e4, "torch_dtype": "float32", "bos_token_id": 1,
         ...        "hidden_size": 64}
         >>> fresh = {"hidden_size": 32, "dtype": "bfloat16",
         ...          "rope_parameters": rope_parameters(5e5, None)}
-        >>> out = written(fresh, old, {"hidden_size"})
+        >>> out = written(fresh, old)
         >>> sorted(out), out["rope_parameters"]["rope_theta"]
         (['bos_token_id', 'dtype', 'hidden_size', 'rope_parameters'], 500000.0)
     """
     loaded = dict(loaded or {})
     stale = set(STALE) | {a for keys in _OWN.values() for k in keys for a in k.aliases}
-    out = {k: x for k, x in loaded.items() if k not in sizes and k not in stale} | fresh
+    out = {k: x for k, x in loaded.items() if k not in stale} | fresh
     if isinstance(loaded.get("max_position_embeddings"), int):
         out["max_position_embeddings"] = loaded["max_position_embeddings"]
     if "router_aux_loss_coef" in fresh:

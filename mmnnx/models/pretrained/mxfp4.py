@@ -126,3 +126,64 @@ def mxfp4_files(files: CheckpointFiles, quant: dict) -> Mxfp4Files:
         'Mxfp4Files'
     """
     return Mxfp4Files(files)
+
+
+def mxfp4_quantized(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``weight`` ``(*lead, in, out)`` as gpt-oss publishes it: ``(blocks, scales)`` of
+    :class:`Mxfp4Files`' layout, as OpenAI's ``downcast_to_mxfp`` (triton_kernels, which
+    transformers' ``quantize_to_mxfp4`` calls) computes them: per output and 32 inputs, the
+    exponent of ``amax / 6`` rounded up (``scales``: it + 127), each input divided by its power
+    of two and rounded to the nearest FP4 value, ties away from zero, at most 6. (transformers
+    rounds the weights to bfloat16 first; here they are quantized as they are.)
+
+    Example:
+        >>> w = np.zeros((32, 1), np.float32)
+        >>> w[:4, 0] = [12.0, -2.6, 0.5, 3.0]  # amax 12: scale 2 ** 1; 2.6 / 2 = 1.3 -> 1.5
+        >>> blocks, scales = mxfp4_quantized(w)
+        >>> blocks.shape, scales.tolist(), hex(blocks[0, 0, 0]), hex(blocks[0, 0, 1])
+        ((1, 1, 16), [[128]], '0xb7', '0x31')
+    """
+    w = np.swapaxes(np.asarray(weight, np.float32), -1, -2)  # (*lead, out, in)
+    *lead, out, inputs = w.shape
+    if inputs % BLOCK:
+        raise ValueError(f"{inputs} inputs are not a multiple of MXFP4's blocks of {BLOCK}")
+    groups = w.reshape(*lead, out, inputs // BLOCK, BLOCK)
+    scale = (np.abs(groups).max(-1) / np.float32(6.0)).astype(np.float32)
+    power = (scale.view(np.uint32) + np.uint32(0x7FFFFF)) & np.uint32(0x7F800000)
+    inverse = np.divide(1, power.view(np.float32), out=np.zeros_like(scale), where=power > 0)
+    bits = (groups * inverse[..., None]).view(np.uint32)
+    sign, exponent, mantissa = bits >> 31, (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    below = (0x400000 | (mantissa >> 1)) >> np.clip(126 - exponent, 0, 31)  # subnormal FP4
+    mantissa = np.where(exponent < 127, below, mantissa)
+    exponent = np.maximum(exponent, 126) - 126
+    codes = np.minimum((((exponent << 2) | (mantissa >> 21)) + 1) >> 1, 7) | (sign << 3)
+    codes = codes.astype(np.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (power >> 23).astype(np.uint8)
+
+
+EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+"""The tensors gpt-oss publishes in MXFP4: its experts' fused weights."""
+
+
+def mxfp4_writer(quant: dict, where: Any) -> Any:
+    """What ``save_pretrained(quantized=...)`` writes of each tensor for an MXFP4
+    ``quantization_config``: :data:`EXPERTS` as ``<name>_blocks`` and ``<name>_scales``
+    (:func:`mxfp4_quantized`), else ``None`` (written in the checkpoint's dtype).
+
+    Example:
+        >>> write = mxfp4_writer({"quant_method": "mxfp4"}, "ckpt")
+        >>> out = write("model.layers.0.mlp.experts.down_proj", np.ones((2, 32, 4)))
+        >>> {k.rsplit(".", 1)[1]: v.shape for k, v in out.items()}
+        {'down_proj_blocks': (2, 4, 1, 16), 'down_proj_scales': (2, 4, 1)}
+    """
+
+    def write(name: str, value: np.ndarray) -> dict[str, np.ndarray] | None:
+        if not name.endswith(EXPERTS):
+            return None
+        try:
+            blocks, scales = mxfp4_quantized(value)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: tensor {name!r} {value.shape}: {e}") from None
+        return {name + BLOCKS: blocks, name + SCALES: scales}
+
+    return write

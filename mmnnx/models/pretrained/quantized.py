@@ -15,6 +15,12 @@ QUANT_METHODS: dict[str, Callable[[CheckpointFiles, dict], Any]] = {
 }
 """Each ``quant_method`` mmnnx reads and its reader, given the files and the
 ``quantization_config``."""
+QUANT_WRITERS: dict[str, Callable[[dict, Any], Any]] = {
+    "fp8": fp8.fp8_writer,
+    "mxfp4": mxfp4.mxfp4_writer,
+}
+"""Each ``quant_method`` mmnnx writes and its writer (of each tensor: its quantized tensors,
+or ``None``), given the ``quantization_config`` and where it is written."""
 
 
 def dequantizing(files: CheckpointFiles) -> Any:
@@ -40,11 +46,27 @@ def dequantizing(files: CheckpointFiles) -> Any:
     quant = (files.config or {}).get("quantization_config")
     if quant is None:
         return files
+    return QUANT_METHODS[_method(quant, files.directory / "config.json")](files, quant)
+
+
+def quantizing(quant: Any, where: Any) -> Any:
+    """The writer of ``quant``'s (a ``quantization_config``'s) method (:data:`QUANT_WRITERS`):
+    of each tensor ``(name, float array)``, the tensors that store it quantized, or ``None``.
+
+    Example:
+        >>> import numpy as np
+        >>> write = quantizing({"quant_method": "mxfp4"}, "out/config.json")
+        >>> write("model.layers.0.mlp.router.weight", np.ones((4, 32))) is None  # not quantized
+        True
+    """
+    return QUANT_WRITERS[_method(quant, where)](quant, where)
+
+
+def _method(quant: Any, where: Any) -> str:
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if method not in QUANT_METHODS:
         read = ", ".join(f'"{m}"' for m in QUANT_METHODS)
         raise CheckpointError(
-            f'{files.directory / "config.json"}: quantization_config.quant_method "{method}" '
-            f"is not supported (only {read})"
+            f'{where}: quantization_config.quant_method "{method}" is not supported (only {read})'
         )
-    return QUANT_METHODS[method](files, quant)
+    return method

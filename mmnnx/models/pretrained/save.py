@@ -7,7 +7,7 @@ import json
 import os
 import pathlib
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -160,9 +160,11 @@ def write_checkpoint(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     overwrite: bool = False,
     layout: Layout = CHECKPOINT,
+    quantize: Callable[[str, np.ndarray], Mapping[str, np.ndarray] | None] | None = None,
 ) -> pathlib.Path:
     """Writes ``values`` by ``rules`` on every process (a collective) into a staging directory
-    that replaces ``directory`` once complete (a failed save leaves an earlier one intact)."""
+    that replaces ``directory`` once complete (a failed save leaves an earlier one intact);
+    ``quantize`` (``quantized.quantizing``) writes a tensor as the tensors it returns."""
     directory = pathlib.Path(directory)
     dtype = np.dtype(dtype)
     if dtype not in DTYPES.values():
@@ -191,21 +193,25 @@ def write_checkpoint(
                 part = _local_slot(held[1], value.shape, t.slot)
                 if t.rule.transpose is not None:
                     part = part.transpose(np.argsort(t.rule.transpose))
-                out[t.name] = part.astype(dtype)
+                stored = quantize(t.name, part) if quantize else None
+                out |= stored if stored is not None else {t.name: part.astype(dtype)}
             write_shards(staging, {shard_name(i, len(files)): out})
 
     def finish() -> None:
         if me != 0:
             return
         names = [shard_name(i, len(files)) for i in range(len(files))]
+        joined = CheckpointFiles(staging)
         if layout.single is not None:  # small (adapters): joined here, read back whole
-            joined = CheckpointFiles(staging)
             write_shards(staging, {layout.single: {t: joined.read(t) for t in joined.tensors}})
             for name in names:
                 (staging / name).unlink()
         else:
-            weight_map = {t.name: names[i] for i, (_, group) in enumerate(files) for t in group}
-            total = sum(int(np.prod(t.shape)) * dtype.itemsize for t in tensors)
+            weight_map = {name: info.file for name, info in joined.tensors.items()}
+            total = sum(
+                int(np.prod(info.shape)) * DTYPES[info.dtype].itemsize
+                for info in joined.tensors.values()
+            )
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         if config is not None:

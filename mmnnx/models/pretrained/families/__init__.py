@@ -27,8 +27,6 @@ class PretrainedFamily(Protocol):
     architecture: str  # config.json's ``architectures`` entry
     model_type: str
 
-    @property
-    def size_keys(self) -> tuple[str, ...]: ...
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig: ...
     def hf_config(
         self, config: GPTConfig, torch_dtype: str, loaded: dict[str, Any] | None = None

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.pretrained.families.base import MLP, T, hf_keys, outer
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
@@ -21,7 +22,6 @@ from mmnnx.modules import (
     RopeConfig,
 )
 
-T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
 _L = "model.layers.{layer}"
 _B = "blocks/{layer}"
 
@@ -40,10 +40,6 @@ _LOW_RANK_QUERY = (
     TensorRule(f"{_L}.self_attn.q_b_proj.weight", f"{_B}/attn/q_b/kernel", T),
 )
 _QUERY = (TensorRule(f"{_L}.self_attn.q_proj.weight", f"{_B}/attn/q/kernel", T),)
-_DENSE = tuple(
-    TensorRule(f"{_L}.mlp.{n}_proj.weight", f"{_B}/mlp/{n}/kernel", T)
-    for n in ("gate", "up", "down")
-)
 _MOE = (
     TensorRule(f"{_L}.mlp.gate.weight", f"{_B}/mlp/router/kernel", T),
     TensorRule(f"{_L}.mlp.gate.e_score_correction_bias", f"{_B}/mlp/correction_bias"),
@@ -55,10 +51,6 @@ _MOE = (
 _SHARED = tuple(
     TensorRule(f"{_L}.mlp.shared_experts.{n}_proj.weight", f"{_B}/mlp/shared/{n}/kernel", T)
     for n in ("gate", "up", "down")
-)
-_OUTER = (
-    TensorRule("model.embed_tokens.weight", "embed/embedding"),
-    TensorRule("model.norm.weight", "norm/scale"),
 )
 _MTP_OWN = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight")
 _MTP_OWN += ("shared_head.norm.weight", "shared_head.head.weight")
@@ -77,17 +69,6 @@ class DeepSeekFamily:
 
     architecture: str = "DeepseekV3ForCausalLM"
     model_type: str = "deepseek_v3"
-
-    @property
-    def size_keys(self) -> tuple[str, ...]:
-        """The ``config.json`` keys of sizes ``save_pretrained`` rewrites from the model."""
-        return (
-            *("intermediate_size", "moe_intermediate_size", "n_shared_experts"),
-            *("n_routed_experts", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank"),
-            *("qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim", "n_group"),
-            *("topk_group", "num_experts_per_tok", "first_k_dense_replace", "norm_topk_prob"),
-            *("rope_interleave", "head_dim", "num_key_value_heads", "num_nextn_predict_layers"),
-        )
 
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
         """The ``GPTConfig`` of a ``config.json`` in directory ``where``, with ``overrides``.
@@ -185,13 +166,8 @@ class DeepSeekFamily:
         dense = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MLPConfig)]
         moes = [b.feed_forward for b in blocks if isinstance(b.feed_forward, DeepSeekMoEConfig)]
         kind = (loaded or {}).get("model_type")
-        out = {
-            "architectures": [self.architecture],
+        out = hf_keys(self, config, torch_dtype) | {
             "model_type": kind if kind in MODEL_TYPES else self.model_type,
-            "vocab_size": config.vocab_size,
-            "hidden_size": config.dim,
-            "num_hidden_layers": config.depth,
-            "num_attention_heads": a.num_heads,
             "num_key_value_heads": a.num_heads,
             "head_dim": a.qk_rope_head_dim,
             "qk_head_dim": a.qk_nope_head_dim + a.qk_rope_head_dim,
@@ -203,13 +179,9 @@ class DeepSeekFamily:
             "rope_interleave": a.rope_interleave,
             "rope_parameters": rope_parameters(a.rope.theta, a.rope.scaling),
             "first_k_dense_replace": len(dense),
-            "max_position_embeddings": config.max_seq_len,
-            "tie_word_embeddings": config.tie_embeddings,
-            "rms_norm_eps": 1e-6 if config.norm_eps is None else config.norm_eps,
             "hidden_act": "silu",
             "attention_bias": False,
             "num_nextn_predict_layers": 0,  # mmnnx's GPT has no multi-token prediction layers
-            "dtype": torch_dtype,
         }
         if dense:
             out["intermediate_size"] = dense[0].hidden
@@ -242,27 +214,19 @@ class DeepSeekFamily:
         shared = {getattr(m, "shared_hidden", None) for m in moes}
         hidden = {getattr(m, "hidden", None) for m in moes}
         checks = (
-            (
-                not all(isinstance(a, LatentAttentionConfig) for a in attention),
-                f"attention other than latent attention ({name}: MLA)",
-            ),
+            (not all(isinstance(a, LatentAttentionConfig) for a in attention),
+             f"attention other than latent attention ({name}: MLA)"),
             (len(attention) > 1, "layers of different attention"),
-            (
-                any(not f.gated or f.bias for f in dense),
-                f"an ungated or biased MLP ({name}: SiLU-gated, no biases)",
-            ),
-            (
-                not all(isinstance(m, DeepSeekMoEConfig) for m in moes),
-                f"dense layers after mixture-of-experts ones, or another router ({name}: "
-                "first_k_dense_replace dense layers, then DeepSeekMoE)",
-            ),
+            (any(not f.gated or f.bias for f in dense),
+             f"an ungated or biased MLP ({name}: SiLU-gated, no biases)"),
+            (not all(isinstance(m, DeepSeekMoEConfig) for m in moes),
+             f"dense layers after mixture-of-experts ones, or another router ({name}: "
+             "first_k_dense_replace dense layers, then DeepSeekMoE)"),
             (len(dense) > 1 or len(moes) > 1, "feed-forwards of different sizes"),
-            (
-                any(s is not None and h and s % h for s in shared for h in hidden),
-                f"shared experts whose size is not a multiple of the experts' ({name})",
-            ),
+            (any(s is not None and h and s % h for s in shared for h in hidden),
+             f"shared experts whose size is not a multiple of the experts' ({name})"),
             ({config.norm} | {b.norm.kind for b in blocks} != {"rms"}, f"LayerNorm ({name})"),
-        )
+        )  # fmt: skip
         return [what for failed, what in checks if failed]
 
     def tensor_rules(self, config: GPTConfig) -> tuple[TensorRule, ...]:
@@ -284,19 +248,18 @@ class DeepSeekFamily:
         query = _QUERY if getattr(attention, "q_lora_rank", None) is None else _LOW_RANK_QUERY
         moe = any(isinstance(b.feed_forward, DeepSeekMoEConfig) for b in blocks)
         shared = any(getattr(b.feed_forward, "shared_hidden", None) for b in blocks)
-        layer = _ATTENTION + query + _DENSE + (_MOE if moe else ()) + (_SHARED if shared else ())
+        layer = _ATTENTION + query + MLP + (_MOE if moe else ()) + (_SHARED if shared else ())
         if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
             layer = tuple(
                 dataclasses.replace(r, variable=r.variable and r.variable.replace("/{layer}", ""))
                 for r in layer
             )
-        every = _ATTENTION + _LOW_RANK_QUERY + _QUERY + _DENSE + _MOE + _SHARED
+        every = _ATTENTION + _LOW_RANK_QUERY + _QUERY + MLP + _MOE + _SHARED
         mtp = tuple(  # published checkpoints' next-token prediction layer after the last
             TensorRule(r.tensor.replace("{layer}", str(config.depth)), None)
             for r in every + tuple(TensorRule(f"{_L}.{n}", None) for n in _MTP_OWN)
         )
-        head = TensorRule("lm_head.weight", None if config.tie_embeddings else "head/kernel", T)
-        return mtp + _OUTER + layer + (head,)
+        return mtp + outer(layer, config)
 
 
 DEEPSEEK_V3 = DeepSeekFamily()

@@ -11,45 +11,36 @@ import math
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.pretrained.families.base import (
+    ATTENTION,
+    FULL,
+    MLP,
+    QK_NORM,
+    SLIDING,
+    hf_keys,
+    kinds_of,
+    outer,
+    refuse,
+)
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
-from mmnnx.modules import (
-    AttentionConfig,
-    BlockConfig,
-    MLPConfig,
-    NormConfig,
-    RopeConfig,
-)
+from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, NormConfig, RopeConfig
 from mmnnx.modules.mlp import ACTIVATIONS
 
-T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
-SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # transformers' Gemma3TextConfig's
 """RoPE's base of each layer type where ``config.json`` gives none."""
 
 _P = "model.layers.{layer}"
 _LAYER = (
     TensorRule(f"{_P}.input_layernorm.weight", "blocks/{layer}/norm1/scale"),
-    TensorRule(f"{_P}.self_attn.q_proj.weight", "blocks/{layer}/attn/q/kernel", T),
-    TensorRule(f"{_P}.self_attn.k_proj.weight", "blocks/{layer}/attn/k/kernel", T),
-    TensorRule(f"{_P}.self_attn.v_proj.weight", "blocks/{layer}/attn/v/kernel", T),
-    TensorRule(f"{_P}.self_attn.o_proj.weight", "blocks/{layer}/attn/out/kernel", T),
-    TensorRule(f"{_P}.self_attn.q_norm.weight", "blocks/{layer}/attn/q_norm/scale"),
-    TensorRule(f"{_P}.self_attn.k_norm.weight", "blocks/{layer}/attn/k_norm/scale"),
+    *ATTENTION,
+    *QK_NORM,
     TensorRule(f"{_P}.post_attention_layernorm.weight", "blocks/{layer}/post_attn_norm/scale"),
     TensorRule(f"{_P}.pre_feedforward_layernorm.weight", "blocks/{layer}/norm2/scale"),
     TensorRule(f"{_P}.post_feedforward_layernorm.weight", "blocks/{layer}/post_mlp_norm/scale"),
-    TensorRule(f"{_P}.mlp.gate_proj.weight", "blocks/{layer}/mlp/gate/kernel", T),
-    TensorRule(f"{_P}.mlp.up_proj.weight", "blocks/{layer}/mlp/up/kernel", T),
-    TensorRule(f"{_P}.mlp.down_proj.weight", "blocks/{layer}/mlp/down/kernel", T),
+    *MLP,
 )
-_OUTER = (
-    TensorRule("model.embed_tokens.weight", "embed/embedding"),
-    TensorRule("model.norm.weight", "norm/scale"),
-)
-_HEAD = TensorRule("lm_head.weight", "head/kernel", T)
-_TIED_HEAD = TensorRule("lm_head.weight", None)  # a tied checkpoint may store the table twice
 
 _UNSUPPORTED = (  # config.json keys whose non-default values mmnnx's GPT does not compute
     ("attn_logit_softcapping", lambda v: v is not None, "no attention logit soft-capping (null)"),
@@ -123,11 +114,6 @@ class Gemma3Family:
     architecture: str = "Gemma3ForCausalLM"
     model_type: str = "gemma3_text"
 
-    @property
-    def size_keys(self) -> tuple[str, ...]:
-        """The ``config.json`` keys of sizes ``save_pretrained`` rewrites from the model."""
-        return ("intermediate_size", "sliding_window", "query_pre_attn_scalar")
-
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
         """The ``GPTConfig`` of a ``config.json`` in directory ``where``, with ``overrides``.
 
@@ -145,22 +131,9 @@ logit soft-capping (null)
         file = f"{where}/config.json ({self.architecture})"
         standard = standard_keys(hf, file) if isinstance(hf, dict) else hf
         c = read_config(standard, file, self.model_type)  # checked, both dialects, defaults
-        for key, refused, supported in _UNSUPPORTED:
-            if refused(hf.get(key)):
-                raise CheckpointError(
-                    f"{file}: {key}={hf[key]!r} is not supported; mmnnx's GPT has {supported}"
-                )
-        kinds = standard["layer_types"]
-        if other := sorted({t for t in kinds if t not in (SLIDING, FULL)}):
-            raise CheckpointError(
-                f"{file}: layer_types: {other} are not supported; mmnnx builds "
-                f"'{SLIDING}' and '{FULL}' layers"
-            )
+        refuse(hf, _UNSUPPORTED, file)
         window, activation = c.own["sliding_window"], c.own["hidden_activation"]
-        if window is None and SLIDING in kinds:
-            raise CheckpointError(
-                f"{file}: sliding_window: null, but layer_types has '{SLIDING}' layers"
-            )
+        kinds = kinds_of(standard["layer_types"], window, file)
         if activation not in ACTIVATIONS:
             raise CheckpointError(
                 f"{file}: hidden_activation: {activation!r} is not supported; mmnnx computes "
@@ -212,30 +185,17 @@ logit soft-capping (null)
         params = {k: rope_parameters(r.theta, r.scaling) for k, r in ropes.items()}
         for kind in (FULL, SLIDING):  # transformers writes both, whatever the layers
             params.setdefault(kind, written.get(kind) or rope_parameters(DEFAULT_THETA[kind], None))
-        head_dim = attention.head_dim or config.dim // attention.num_heads
-        mlp = blocks[0].feed_forward
-        out = {
-            "architectures": [self.architecture],
-            "model_type": self.model_type,
-            "vocab_size": config.vocab_size,
-            "hidden_size": config.dim,
+        mlp, out = blocks[0].feed_forward, hf_keys(self, config, torch_dtype)
+        out |= {
             "intermediate_size": mlp.hidden,
-            "num_hidden_layers": config.depth,
-            "num_attention_heads": attention.num_heads,
-            "num_key_value_heads": attention.num_kv_heads or attention.num_heads,
-            "head_dim": head_dim,
-            "max_position_embeddings": config.max_seq_len,
-            "tie_word_embeddings": config.tie_embeddings,
-            "rms_norm_eps": 1e-6 if config.norm_eps is None else config.norm_eps,
             "rope_parameters": dict(sorted(params.items())),
             "hidden_activation": mlp.activation or "silu",
             "attention_bias": False,
-            "query_pre_attn_scalar": attention.query_pre_attn_scalar or head_dim,
+            "query_pre_attn_scalar": attention.query_pre_attn_scalar or out["head_dim"],
             "layer_types": kinds,
             "attn_logit_softcapping": None,
             "final_logit_softcapping": None,
             "use_bidirectional_attention": False,
-            "dtype": torch_dtype,
         }
         windows = {b.attention.sliding_window for b in blocks} - {None}
         if windows:
@@ -298,7 +258,7 @@ logit soft-capping (null)
             layer = tuple(
                 dataclasses.replace(r, variable=r.variable.replace("/{layer}", "")) for r in layer
             )
-        return _OUTER + layer + ((_TIED_HEAD,) if config.tie_embeddings else (_HEAD,))
+        return outer(layer, config)
 
 
 GEMMA3 = Gemma3Family()

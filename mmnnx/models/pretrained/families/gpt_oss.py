@@ -10,19 +10,12 @@ import dataclasses
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.pretrained.families.base import FULL, SLIDING, T, hf_keys, kinds_of, outer
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
-from mmnnx.modules import (
-    AttentionConfig,
-    BlockConfig,
-    ClampedMoEConfig,
-    NormConfig,
-    RopeConfig,
-)
+from mmnnx.modules import AttentionConfig, BlockConfig, ClampedMoEConfig, NormConfig, RopeConfig
 
-T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
-SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_ROPE = {  # transformers' GptOssConfig's, where config.json gives no RoPE parameters
     "rope_type": "yarn",
     "factor": 32.0,
@@ -53,12 +46,6 @@ _LAYER = (
     TensorRule(f"{_E}.down_proj", "blocks/{layer}/mlp/experts/down"),
     TensorRule(f"{_E}.down_proj_bias", "blocks/{layer}/mlp/experts/down_bias"),
 )
-_OUTER = (
-    TensorRule("model.embed_tokens.weight", "embed/embedding"),
-    TensorRule("model.norm.weight", "norm/scale"),
-)
-_HEAD = TensorRule("lm_head.weight", "head/kernel", T)
-_TIED_HEAD = TensorRule("lm_head.weight", None)
 
 
 def standard_keys(hf: dict[str, Any]) -> dict[str, Any]:
@@ -101,14 +88,6 @@ capacity_factor=None, alpha=1.702, limit=7.0)
     architecture: str = "GptOssForCausalLM"
     model_type: str = "gpt_oss"
 
-    @property
-    def size_keys(self) -> tuple[str, ...]:
-        """The ``config.json`` keys of sizes ``save_pretrained`` rewrites from the model."""
-        return (
-            *("intermediate_size", "sliding_window", "num_local_experts", "num_experts_per_tok"),
-            *("swiglu_alpha", "swiglu_limit", "router_aux_loss_coef"),
-        )
-
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
         """The ``GPTConfig`` of a ``config.json`` in directory ``where``, with ``overrides``.
 
@@ -128,17 +107,8 @@ capacity_factor=None, alpha=1.702, limit=7.0)
             raise CheckpointError(
                 f"{file}: attention_bias: false is not supported; gpt-oss's projections have biases"
             )
-        kinds = standard["layer_types"]
-        if other := sorted({t for t in kinds if t not in (SLIDING, FULL)}):
-            raise CheckpointError(
-                f"{file}: layer_types: {other} are not supported; mmnnx builds "
-                f"'{SLIDING}' and '{FULL}' layers"
-            )
         window = c.own["sliding_window"]
-        if window is None and SLIDING in kinds:
-            raise CheckpointError(
-                f"{file}: sliding_window: null, but layer_types has '{SLIDING}' layers"
-            )
+        kinds = kinds_of(standard["layer_types"], window, file)
         if c.intermediate_size is None:
             raise CheckpointError(f"{file}: no 'intermediate_size' (every expert's hidden size)")
         try:
@@ -174,9 +144,8 @@ capacity_factor=None, alpha=1.702, limit=7.0)
     def hf_config(
         self, config: GPTConfig, torch_dtype: str, loaded: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """A ``config.json``'s keys for ``config`` (a ``GPTConfig`` this family can hold); a
-        loaded checkpoint's ``quantization_config`` is not among them: the experts are
-        written in ``torch_dtype``, not re-quantized.
+        """A ``config.json``'s keys for ``config`` (a ``GPTConfig`` this family can hold; no
+        ``quantization_config``: ``save_pretrained`` adds it when asked to write MXFP4).
 
         Example:
             >>> hf = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2,
@@ -189,19 +158,8 @@ capacity_factor=None, alpha=1.702, limit=7.0)
         blocks = config.block_configs
         attention, moe = blocks[0].attention, blocks[0].feed_forward
         rope = attention.rope
-        out = {
-            "architectures": [self.architecture],
-            "model_type": self.model_type,
-            "vocab_size": config.vocab_size,
-            "hidden_size": config.dim,
+        out = hf_keys(self, config, torch_dtype, eps=1e-5) | {
             "intermediate_size": moe.hidden,
-            "num_hidden_layers": config.depth,
-            "num_attention_heads": attention.num_heads,
-            "num_key_value_heads": attention.num_kv_heads or attention.num_heads,
-            "head_dim": attention.head_dim or config.dim // attention.num_heads,
-            "max_position_embeddings": config.max_seq_len,
-            "tie_word_embeddings": config.tie_embeddings,
-            "rms_norm_eps": 1e-5 if config.norm_eps is None else config.norm_eps,
             "rope_parameters": rope_parameters(rope.theta, rope.scaling),
             "attention_bias": True,
             "layer_types": [SLIDING if b.attention.sliding_window else FULL for b in blocks],
@@ -210,7 +168,6 @@ capacity_factor=None, alpha=1.702, limit=7.0)
             "swiglu_alpha": moe.alpha,
             "swiglu_limit": moe.limit,
             "router_aux_loss_coef": config.router_aux_loss_coef,
-            "dtype": torch_dtype,
         }
         windows = {b.attention.sliding_window for b in blocks} - {None}
         out["sliding_window"] = windows.pop() if windows else None
@@ -264,7 +221,7 @@ capacity_factor=None, alpha=1.702, limit=7.0)
             layer = tuple(
                 dataclasses.replace(r, variable=r.variable.replace("/{layer}", "")) for r in layer
             )
-        return _OUTER + layer + ((_TIED_HEAD,) if config.tie_embeddings else (_HEAD,))
+        return outer(layer, config)
 
 
 GPT_OSS = GptOssFamily()

@@ -9,45 +9,32 @@ layout transformers 5 holds in memory and also loads (``mlp.experts.gate_up_proj
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.pretrained.families.base import (
+    ATTENTION,
+    MLP,
+    QK_NORM,
+    T,
+    Unsupported,
+    hf_keys,
+    outer,
+    refuse,
+)
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import Part, TensorRule
-from mmnnx.modules import (
-    AttentionConfig,
-    BlockConfig,
-    MLPConfig,
-    MoEConfig,
-    NormConfig,
-    RopeConfig,
-)
-
-T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
+from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig, NormConfig, RopeConfig
 
 _LAYER = (
     TensorRule("model.layers.{layer}.input_layernorm.weight", "blocks/{layer}/norm1/scale"),
-    TensorRule("model.layers.{layer}.self_attn.q_proj.weight", "blocks/{layer}/attn/q/kernel", T),
-    TensorRule("model.layers.{layer}.self_attn.k_proj.weight", "blocks/{layer}/attn/k/kernel", T),
-    TensorRule("model.layers.{layer}.self_attn.v_proj.weight", "blocks/{layer}/attn/v/kernel", T),
-    TensorRule("model.layers.{layer}.self_attn.o_proj.weight", "blocks/{layer}/attn/out/kernel", T),
+    *ATTENTION,
     TensorRule(
         "model.layers.{layer}.post_attention_layernorm.weight", "blocks/{layer}/norm2/scale"
     ),
-    TensorRule("model.layers.{layer}.mlp.gate_proj.weight", "blocks/{layer}/mlp/gate/kernel", T),
-    TensorRule("model.layers.{layer}.mlp.up_proj.weight", "blocks/{layer}/mlp/up/kernel", T),
-    TensorRule("model.layers.{layer}.mlp.down_proj.weight", "blocks/{layer}/mlp/down/kernel", T),
+    *MLP,
     TensorRule("model.layers.{layer}.self_attn.rotary_emb.inv_freq", None),  # a buffer, recomputed
-)
-_QK_NORM = (
-    TensorRule("model.layers.{layer}.self_attn.q_norm.weight", "blocks/{layer}/attn/q_norm/scale"),
-    TensorRule("model.layers.{layer}.self_attn.k_norm.weight", "blocks/{layer}/attn/k_norm/scale"),
-)
-_OUTER = (
-    TensorRule("model.embed_tokens.weight", "embed/embedding"),
-    TensorRule("model.norm.weight", "norm/scale"),
 )
 _MOE_LAYER = (  # a MoE layer's router and experts (Qwen3-MoE), stacked over the experts
     TensorRule("model.layers.{layer}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
@@ -61,7 +48,7 @@ _MOE_LAYER = (  # a MoE layer's router and experts (Qwen3-MoE), stacked over the
     ),
 )
 _FUSED = (0, 2, 1)  # (experts, out, in) on disk, (experts, in, out) as the stacked kernels
-_MOE_FUSED_LAYER = (  # read only: transformers 5's in-memory layout, every expert in one
+FUSED_EXPERTS = (  # read only: transformers 5's in-memory layout, every expert in one
     *(
         TensorRule(
             "model.layers.{layer}.mlp.experts.gate_up_proj",
@@ -75,8 +62,6 @@ _MOE_FUSED_LAYER = (  # read only: transformers 5's in-memory layout, every expe
         "model.layers.{layer}.mlp.experts.down_proj", "blocks/{layer}/mlp/experts/down", _FUSED
     ),
 )
-_HEAD = TensorRule("lm_head.weight", "head/kernel", T)
-_TIED_HEAD = TensorRule("lm_head.weight", None)  # some tied checkpoints store the table twice
 
 
 FeedForward = MLPConfig | MoEConfig
@@ -84,14 +69,13 @@ FeedForward = MLPConfig | MoEConfig
 
 @dataclasses.dataclass(frozen=True)
 class DenseFeedForward:
-    """Llama's and Qwen3's feed-forward: its ``config.json`` ``keys`` and tensors (``rules``).
+    """Llama's and Qwen3's feed-forward: how ``config.json`` reads and writes it, its tensors.
 
     Example:
         >>> DenseFeedForward().read({"intermediate_size": 64}, 2)[1]
         MLPConfig(hidden=64, gated=True, bias=False, activation=None)
     """
 
-    keys: ClassVar[tuple[str, ...]] = ("intermediate_size",)
     rules: ClassVar[tuple[TensorRule, ...]] = ()
     experts: ClassVar[bool] = False
 
@@ -117,12 +101,7 @@ class Qwen3MoeFeedForward(DenseFeedForward):
         ['MLPConfig', 'MoEConfig']
     """
 
-    keys: ClassVar[tuple[str, ...]] = (
-        *DenseFeedForward.keys,
-        *("num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"),
-        *("decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"),
-    )
-    rules: ClassVar[tuple[TensorRule, ...]] = _MOE_LAYER + _MOE_FUSED_LAYER
+    rules: ClassVar[tuple[TensorRule, ...]] = _MOE_LAYER + FUSED_EXPERTS
     experts: ClassVar[bool] = True
 
     def read(self, keys: dict[str, Any], depth: int) -> tuple[FeedForward, ...]:
@@ -168,11 +147,6 @@ class Family:
     feed_forward: DenseFeedForward = DenseFeedForward()
     sliding_window: bool = False  # its config.json can give the attention a window
 
-    @property
-    def size_keys(self) -> tuple[str, ...]:
-        """The ``config.json`` keys of sizes ``save_pretrained`` rewrites from the model."""
-        return self.feed_forward.keys
-
     def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
         """The ``GPTConfig`` of a ``config.json`` in directory ``where``, with ``overrides``.
 
@@ -185,11 +159,7 @@ class Family:
         """
         file = f"{where}/config.json ({self.architecture})"
         c = read_config(hf, file, self.model_type)  # checked, both dialects, defaults filled
-        for key, refused, supported in _UNSUPPORTED:
-            if refused(hf.get(key)):
-                raise CheckpointError(
-                    f"{file}: {key}={hf[key]!r} is not supported; mmnnx's GPT has {supported}"
-                )
+        refuse(hf, _UNSUPPORTED, file)
         keys = {"intermediate_size": c.intermediate_size, **c.own}
         try:
             attention = AttentionConfig(
@@ -217,24 +187,11 @@ class Family:
             >>> LLAMA.hf_config(GPTConfig(), "float32")["hidden_size"]
             128
         """
-        attention = config.block_configs[0].attention
-        rope = attention.rope
-        out = {
-            "architectures": [self.architecture],
-            "model_type": self.model_type,
-            "vocab_size": config.vocab_size,
-            "hidden_size": config.dim,
-            "num_hidden_layers": config.depth,
-            "num_attention_heads": attention.num_heads,
-            "num_key_value_heads": attention.num_kv_heads or attention.num_heads,
-            "head_dim": attention.head_dim or config.dim // attention.num_heads,
-            "max_position_embeddings": config.max_seq_len,
-            "tie_word_embeddings": config.tie_embeddings,
-            "rms_norm_eps": 1e-6 if config.norm_eps is None else config.norm_eps,
+        rope = config.block_configs[0].attention.rope
+        out = hf_keys(self, config, torch_dtype) | {
             "rope_parameters": rope_parameters(rope.theta, rope.scaling),
             "hidden_act": "silu",
             "attention_bias": False,
-            "dtype": torch_dtype,
         }
         if self.model_type == "qwen3":  # transformers 5 writes Qwen3's (not Llama's)
             out["layer_types"] = ["full_attention"] * config.depth
@@ -298,13 +255,13 @@ class Family:
             [('layer', 'expert'), ('layer',)]
         """
         qk_norm = any(getattr(b.attention, "qk_norm", False) for b in config.block_configs)
-        layer = _LAYER + (_QK_NORM if qk_norm else ()) + self.feed_forward.rules
+        layer = _LAYER + (QK_NORM if qk_norm else ()) + self.feed_forward.rules
         if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
             layer = tuple(
                 dataclasses.replace(r, variable=r.variable and r.variable.replace("/{layer}", ""))
                 for r in layer
             )
-        return _OUTER + layer + ((_TIED_HEAD,) if config.tie_embeddings else (_HEAD,))
+        return outer(layer, config)
 
 
 LLAMA = Family(architecture="LlamaForCausalLM", model_type="llama", qk_norm=False)
@@ -323,7 +280,7 @@ def _mlp(keys: dict[str, Any]) -> MLPConfig:
     return MLPConfig(keys["intermediate_size"], gated=True, bias=False)
 
 
-_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+_UNSUPPORTED: Unsupported = (
     ("hidden_act", lambda v: v not in (None, "silu"), "only SiLU-gated MLPs ('silu')"),
     ("attention_bias", bool, "attention projections without biases"),
     ("mlp_bias", bool, "MLP projections without biases"),

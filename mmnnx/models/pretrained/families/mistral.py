@@ -12,9 +12,15 @@ import dataclasses
 from typing import Any, ClassVar
 
 from mmnnx.models.gpt import GPTConfig
-from mmnnx.models.pretrained.families.llama import DenseFeedForward, Family, FeedForward, T
+from mmnnx.models.pretrained.families.base import T
+from mmnnx.models.pretrained.families.llama import (
+    FUSED_EXPERTS,
+    DenseFeedForward,
+    Family,
+    FeedForward,
+)
 from mmnnx.models.pretrained.hf_config import read_config
-from mmnnx.models.pretrained.names import Part, TensorRule
+from mmnnx.models.pretrained.names import TensorRule
 from mmnnx.modules import MLPConfig, MoEConfig
 
 _MIXTRAL_LAYER = (  # the router and the experts, stacked over the experts
@@ -30,21 +36,9 @@ _MIXTRAL_LAYER = (  # the router and the experts, stacked over the experts
         for w, name in (("w1", "gate"), ("w3", "up"), ("w2", "down"))
     ),
 )
-_FUSED = (0, 2, 1)  # (experts, out, in) on disk, (experts, in, out) as the stacked kernels
-_MIXTRAL_FUSED_LAYER = (  # read only: transformers 5's in-memory layout, every expert in one
+_MIXTRAL_FUSED_LAYER = (  # read only: transformers 5's in-memory layout (llama.FUSED_EXPERTS)
     TensorRule("model.layers.{layer}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
-    *(
-        TensorRule(
-            "model.layers.{layer}.mlp.experts.gate_up_proj",
-            f"blocks/{{layer}}/mlp/experts/{name}",
-            _FUSED,
-            part=Part(axis=1, index=i, count=2),  # gate's rows, then up's
-        )
-        for i, name in enumerate(("gate", "up"))
-    ),
-    TensorRule(
-        "model.layers.{layer}.mlp.experts.down_proj", "blocks/{layer}/mlp/experts/down", _FUSED
-    ),
+    *FUSED_EXPERTS,
 )
 
 
@@ -60,10 +54,6 @@ class MixtralFeedForward(DenseFeedForward):
         MoEConfig(hidden=64, num_experts=8, top_k=2, norm_topk_prob=True, capacity_factor=None)
     """
 
-    keys: ClassVar[tuple[str, ...]] = (
-        *("intermediate_size", "num_local_experts", "num_experts_per_tok"),
-        "router_aux_loss_coef",
-    )
     rules: ClassVar[tuple[TensorRule, ...]] = _MIXTRAL_LAYER + _MIXTRAL_FUSED_LAYER
     experts: ClassVar[bool] = True
 

@@ -1,0 +1,110 @@
+"""What the families share: the tensors around the layers, the ``config.json`` keys every
+causal LM writes, and the checks of ``layer_types`` and of keys mmnnx does not compute."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mmnnx.models.gpt import GPTConfig
+from mmnnx.models.pretrained.files import CheckpointError
+from mmnnx.models.pretrained.names import TensorRule
+
+T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
+SLIDING, FULL = "sliding_attention", "full_attention"
+OUTER = (
+    TensorRule("model.embed_tokens.weight", "embed/embedding"),
+    TensorRule("model.norm.weight", "norm/scale"),
+)
+_L = "model.layers.{layer}"
+ATTENTION = tuple(
+    TensorRule(f"{_L}.self_attn.{t}.weight", f"blocks/{{layer}}/attn/{v}/kernel", T)
+    for v, t in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("out", "o_proj"))
+)
+QK_NORM = tuple(
+    TensorRule(f"{_L}.self_attn.{n}.weight", f"blocks/{{layer}}/attn/{n}/scale")
+    for n in ("q_norm", "k_norm")
+)
+MLP = tuple(  # a SiLU- or GELU-gated MLP's
+    TensorRule(f"{_L}.mlp.{n}_proj.weight", f"blocks/{{layer}}/mlp/{n}/kernel", T)
+    for n in ("gate", "up", "down")
+)
+Unsupported = tuple[tuple[str, Callable[[Any], bool], str], ...]
+
+
+def outer(layer: tuple[TensorRule, ...], config: GPTConfig) -> tuple[TensorRule, ...]:
+    """``layer``'s rules with the embedding's, the final norm's and the head's (a tied
+    checkpoint's ``lm_head.weight``, where stored, fills nothing).
+
+    Example:
+        >>> [r.variable for r in outer((), GPTConfig(tie_embeddings=True))]
+        ['embed/embedding', 'norm/scale', None]
+    """
+    head = TensorRule("lm_head.weight", None if config.tie_embeddings else "head/kernel", T)
+    return OUTER + layer + (head,)
+
+
+def hf_keys(family: Any, config: GPTConfig, torch_dtype: str, eps: float = 1e-6) -> dict[str, Any]:
+    """The ``config.json`` keys every family writes for ``config`` (its first layer's
+    attention; ``eps`` where ``config`` has no norm epsilon).
+
+    Example:
+        >>> from mmnnx.models.pretrained.families import LLAMA
+        >>> keys = hf_keys(LLAMA, GPTConfig(dim=32, num_heads=4), "float32")
+        >>> keys["head_dim"], keys["num_key_value_heads"], keys["model_type"]
+        (8, 4, 'llama')
+    """
+    attention = config.block_configs[0].attention
+    return {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "num_hidden_layers": config.depth,
+        "num_attention_heads": attention.num_heads,
+        "num_key_value_heads": getattr(attention, "num_kv_heads", None) or attention.num_heads,
+        "head_dim": getattr(attention, "head_dim", None) or config.dim // attention.num_heads,
+        "max_position_embeddings": config.max_seq_len,
+        "tie_word_embeddings": config.tie_embeddings,
+        "rms_norm_eps": eps if config.norm_eps is None else config.norm_eps,
+        "dtype": torch_dtype,
+    }
+
+
+def refuse(hf: dict[str, Any], unsupported: Unsupported, file: str) -> None:
+    """Raises on the first ``(key, refused, supported)`` whose ``refused(hf[key])`` holds.
+
+    Example:
+        >>> refuse({"mlp_bias": True}, (("mlp_bias", bool, "no MLP biases"),), "c.json")
+        Traceback (most recent call last):
+        ...
+        mmnnx.models.pretrained.files.CheckpointError: c.json: mlp_bias=True is not \
+supported; mmnnx's GPT has no MLP biases
+    """
+    for key, refused, supported in unsupported:
+        if refused(hf.get(key)):
+            raise CheckpointError(
+                f"{file}: {key}={hf[key]!r} is not supported; mmnnx's GPT has {supported}"
+            )
+
+
+def kinds_of(kinds: Sequence[str], window: int | None, file: str) -> Sequence[str]:
+    """``layer_types`` checked: sliding and full layers only, a window for the sliding ones.
+
+    Example:
+        >>> kinds_of(["sliding_attention"], None, "c.json")
+        Traceback (most recent call last):
+        ...
+        mmnnx.models.pretrained.files.CheckpointError: c.json: sliding_window: null, but \
+layer_types has 'sliding_attention' layers
+    """
+    if other := sorted({t for t in kinds if t not in (SLIDING, FULL)}):
+        raise CheckpointError(
+            f"{file}: layer_types: {other} are not supported; mmnnx builds '{SLIDING}' and "
+            f"'{FULL}' layers"
+        )
+    if window is None and SLIDING in kinds:
+        raise CheckpointError(
+            f"{file}: sliding_window: null, but layer_types has '{SLIDING}' layers"
+        )
+    return kinds
