@@ -14,6 +14,7 @@ from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
+from mmnnx.models.pretrained.scanned import layer_rules
 from mmnnx.modules import (
     AttentionConfig,
     BlockConfig,
@@ -294,10 +295,7 @@ logit soft-capping (null)
             ['blocks/{layer}/norm2/scale', 'blocks/{layer}/post_mlp_norm/scale']
         """
         layer = _LAYER
-        if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
-            layer = tuple(
-                dataclasses.replace(r, variable=r.variable.replace("/{layer}", "")) for r in layer
-            )
+        layer = layer_rules(layer, config)  # scanned: onto the stacked segments
         return _OUTER + layer + ((_TIED_HEAD,) if config.tie_embeddings else (_HEAD,))
 
 

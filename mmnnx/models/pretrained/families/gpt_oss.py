@@ -13,6 +13,7 @@ from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
+from mmnnx.models.pretrained.scanned import layer_rules
 from mmnnx.modules import (
     AttentionConfig,
     BlockConfig,
@@ -260,10 +261,7 @@ capacity_factor=None, alpha=1.702, limit=7.0)
             ['blocks/{layer}/mlp/experts/gate_up']
         """
         layer = _LAYER
-        if config.scan_layers:
-            layer = tuple(
-                dataclasses.replace(r, variable=r.variable.replace("/{layer}", "")) for r in layer
-            )
+        layer = layer_rules(layer, config)  # scanned: onto the stacked segments
         return _OUTER + layer + ((_TIED_HEAD,) if config.tie_embeddings else (_HEAD,))
 
 
