@@ -9,7 +9,9 @@ the oracle venv (CPU torch, transformers 5; never a dependency of mmnnx or its t
 
 It rewrites ``tests/transformers_fixtures/deep/<family>/``: ``config.json``,
 ``model.safetensors`` and ``generation_config.json`` as transformers writes them, and
-``expected.npz`` (``tokens`` int32 ``(2, 16)``, ``logits`` float32 ``(2, 16, vocab)``).
+``expected.npz`` (``tokens`` int32 ``(2, 16)``, ``logits`` float32 ``(2, 16, vocab)``, and
+transformers' greedy ``continuation`` ``(2, NEW_TOKENS)`` of each row's first ``prompt`` tokens:
+past the sliding window of 4, so the windowed layers' caches wrap).
 tests/test_family_conformance.py reads them.
 """
 
@@ -43,6 +45,8 @@ VOCAB = 64
 TOKENS = np.array(
     [[3, 17, 60, 9, 51, 37, 5, 42, 11, 0, 49, 63, 31, 8, 27, 2], list(range(1, 17))], np.int32
 )
+PROMPT = 5
+NEW_TOKENS = 8
 SMALL = dict(
     vocab_size=VOCAB,
     hidden_size=16,
@@ -178,7 +182,20 @@ def main() -> None:
             logits = model(torch.tensor(TOKENS, dtype=torch.long)).logits.float().numpy()
             reread = again(torch.tensor(TOKENS, dtype=torch.long)).logits.float().numpy()
         assert np.array_equal(logits, reread), name
-        np.savez(out / "expected.npz", tokens=TOKENS, logits=logits)
+        model.generation_config.eos_token_id = None  # every step argmax, none stopped or masked
+        prompt = torch.tensor(TOKENS[:, :PROMPT], dtype=torch.long)
+        with torch.no_grad():
+            generated = model.generate(
+                prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            )
+        continuation = generated[:, PROMPT:].numpy().astype(np.int32)
+        np.savez(
+            out / "expected.npz",
+            tokens=TOKENS,
+            logits=logits,
+            prompt=PROMPT,
+            continuation=continuation,
+        )
         size = sum(p.stat().st_size for p in out.iterdir())
         print(name, model.config.layer_types if hasattr(model.config, "layer_types") else "", size)
     print("transformers", transformers.__version__, "torch", torch.__version__)
