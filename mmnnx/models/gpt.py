@@ -68,9 +68,13 @@ class GPTConfig:
 
     The rest is the model's: the output's ``norm`` (``"rms"`` or ``"layer"``, epsilon
     ``norm_eps``; default the norm's own); ``tie_embeddings`` (the head reuses the embedding
-    table); ``max_seq_len`` (bounds the input length); ``scan_layers`` (the layers, all alike,
-    stacked with ``nnx.vmap`` and run with ``nnx.scan``: tracing and compiling cost one block,
-    not ``depth``); ``dtype`` (of activations and matmuls; norms, softmax and the loss are
+    table); ``max_seq_len`` (bounds the input length); ``scan_layers`` (the layers cut into
+    ``segments``, runs of a repeated period of layers (:func:`layer_segments`: all alike, one
+    segment of period 1; Gemma 3's ``[5 sliding, 1 global] * k``, one of period 6; DeepSeek-V3's
+    dense layers then MoE ones, two), each segment's period stacked with ``nnx.vmap`` over its
+    repetitions and run with ``nnx.scan``, a layer starting no repetition unrolled: tracing and
+    compiling cost one period per segment, not ``depth`` layers; refused where no layer
+    repeats); ``dtype`` (of activations and matmuls; norms, softmax and the loss are
     float32) and ``param_dtype`` (of every Variable), ``"float32"`` or ``"bfloat16"``; ``remat``
     (a key of :data:`REMAT`: ``"full"`` recomputes each block's forward in its backward, keeping
     only its input; the same numbers with less memory);
@@ -322,14 +326,18 @@ class GPT(nnx.Module):
     """Token embedding, ``depth`` pre-norm ``TransformerBlock``s, a final norm and a head.
 
     Attributes: ``embed`` (``Embed``), ``blocks`` (an ``nnx.List`` of ``TransformerBlock``; with
-    ``config.scan_layers``, one ``TransformerBlock`` whose Variables have a leading ``depth``
-    axis), ``norm``, and ``head`` (a ``Linear`` named ``("embed", "vocab")``; absent with
-    ``tie_embeddings``, where ``embed.attend`` makes the logits). ``model(tokens)`` returns
-    logits; ``model.loss(batch)`` is the next-token cross-entropy of a ``(B, T + 1)`` batch,
-    plus the routers' losses with experts (``model.forward(tokens)`` returns the logits and
-    every MoE layer's ``RouterStats`` merged).
-    ``mmnnx.models.stage_rules(model, tasks)`` cuts it into pipeline stages (stacked blocks
-    are split over the tasks).
+    ``config.scan_layers``, one module per segment of ``config.segments``: a stacked one's
+    Variables have a leading axis of its repetitions, the module a ``TransformerBlock``, or a
+    :class:`Period` of several (``blocks/layers/<j>/...``); an unrolled layer a
+    ``TransformerBlock``; ``blocks`` the module itself where there is one segment, as with alike
+    layers, else an ``nnx.List`` of them), ``norm``, and ``head`` (a ``Linear`` named
+    ``("embed", "vocab")``; absent with ``tie_embeddings``, where ``embed.attend`` makes the
+    logits). ``model(tokens)`` returns logits; ``model.loss(batch)`` is the next-token
+    cross-entropy of a ``(B, T + 1)`` batch, plus the routers' losses with experts
+    (``model.forward(tokens)`` returns the logits and every MoE layer's ``RouterStats`` merged).
+    ``mmnnx.models.stage_rules(model, tasks)`` cuts it into pipeline stages (one stacked
+    segment is split over the tasks, in equal chunks of its repetitions; of several segments,
+    each goes whole on a task).
 
     Example:
         >>> with nnx.use_eager_sharding(False):
