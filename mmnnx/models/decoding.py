@@ -14,7 +14,6 @@ from flax import nnx
 
 from mmnnx._nnx import variables_of
 from mmnnx.jit import jit as mm_jit
-from mmnnx.models.gpt import Period
 from mmnnx.modules import constrain
 from mmnnx.modules.transformer import TransformerBlock
 from mmnnx.sharding import home_of
@@ -93,10 +92,11 @@ def _block(
 
 
 def _layers(
-    block: TransformerBlock | Period, x: jax.Array, cache: Any, pos: jax.Array, length: int
+    block: nnx.Module, x: jax.Array, cache: Any, pos: jax.Array, length: int
 ) -> tuple[jax.Array, Any]:
-    """:func:`_block` of a block, or of each layer of a ``Period`` in turn (a cache each)."""
-    if not isinstance(block, Period):
+    """:func:`_block` of a block, or of each layer of a ``GPT``'s ``Period`` in turn (a cache
+    each)."""
+    if isinstance(block, TransformerBlock):
         return _block(block, x, cache, pos, length)
     caches = [None] * len(block.layers) if cache is None else cache
     new = []
