@@ -266,18 +266,13 @@ class Segment(NamedTuple):
     """Layers ``start ..`` of a model: the layers ``period`` repeated ``repeats`` times.
 
     Example:
-        >>> Segment(start=1, period=("a", "b"), repeats=2).layers(1)  # where "b" is
-        (2, 4)
+        >>> Segment(start=1, period=("a", "b"), repeats=2).stacked(segments=2)
+        True
     """
 
     start: int
     period: tuple[BlockConfig, ...]
     repeats: int
-
-    def layers(self, position: int) -> tuple[int, ...]:
-        """The model's layers at ``position`` of the period, one per repetition."""
-        p = len(self.period)
-        return tuple(self.start + r * p + position for r in range(self.repeats))
 
     def stacked(self, segments: int) -> bool:
         """Whether ``GPT`` stacks it (scanned): it repeats, or it is the model's only one."""
