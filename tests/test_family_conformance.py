@@ -20,7 +20,8 @@ from flax import nnx
 
 import mmnnx as mm
 from mmnnx._nnx import variables_of
-from mmnnx.models import from_pretrained
+from mmnnx.models import from_pretrained, save_pretrained
+from mmnnx.models.pretrained.files import CheckpointFiles
 from tests.oracle import close, close_to_max
 from tests.test_pretrained_moe import ep_stages
 from tests.test_transformers_fixtures import F32, FIXTURES, TOKENS, _tasks, relative_error
@@ -142,14 +143,20 @@ def test_logits_and_greedy_decoding_equal_transformers(name, setup):
             assert {s.data.shape[axis] for s in v[...].addressable_shards} == {v.shape[axis] // 2}
 
 
-def test_a_segment_is_staged_whole_or_split_evenly_else_refused():
+def test_a_segment_is_staged_whole_or_split_evenly_else_refused(tmp_path):
     """Scanned, a stacked segment is split over the stages in equal chunks (gpt-oss's
     2 x [sliding, full] over 2 stages) and the segments of a model of several go whole on a
     stage each (DeepSeek-V3's dense layer, then its 3 MoE layers stacked); a stage count
-    that does not divide them is refused as the stages of alike layers are."""
+    that does not divide them is refused as the stages of alike layers are. The staged,
+    scanned gpt-oss is written back tensor for tensor as transformers wrote it."""
     gpt_oss = from_pretrained(DEEP / "gpt-oss", tasks=_tasks(2), scan_layers=True)
     kernel = gpt_oss.blocks.layers[0].attn.q.kernel
     assert kernel.shape[0] == 2 and {s.data.shape[0] for s in kernel[...].addressable_shards} == {1}
+    before = CheckpointFiles(DEEP / "gpt-oss")
+    after = CheckpointFiles(save_pretrained(gpt_oss, tmp_path / "gpt-oss"))
+    assert sorted(after.tensors) == sorted(before.tensors)
+    for name in before.tensors:
+        np.testing.assert_array_equal(after.read(name), before.read(name), err_msg=name)
     deepseek = from_pretrained(DEEP / "deepseek_v3", tasks=_tasks(2), scan_layers=True)
     assert [g.repeats for g in deepseek.config.segments] == [1, 3]
     assert mm.task_of(deepseek.blocks[0].mlp.up.kernel).name == "s0"
