@@ -64,20 +64,6 @@ def test_logits_and_greedy_decoding_from_latents_equal_transformers(model):
     assert moe.router.kernel.dtype == jnp.float32
 
 
-def test_logits_on_two_expert_parallel_stages_equal_transformers():
-    """Two pipeline stages, each a 2 x 2 ``expert x data`` mesh: 4 experts per device."""
-    rules = mm.logical_rules(batch="data", expert="expert")
-    mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "expert", "data"))
-    tasks = [mm.Task(f"s{i}", mesh=mesh.slice(stage=i), logical_axes=rules) for i in (0, 1)]
-    staged = from_pretrained(FLOAT, tasks=tasks, max_seq_len=32)
-    assert mm.task_of(staged.blocks[0].mlp.up.kernel).name == "s0"
-    assert mm.task_of(staged.blocks[2].mlp.correction_bias).name == "s1"
-    shards = staged.blocks[2].mlp.experts.gate[...].addressable_shards
-    assert {s.data.shape for s in shards} == {(4, 32, 16)}
-    logits = mm.jit(lambda m, t: m(t))(staged, TOKENS)
-    assert relative_error(logits, np.load(FLOAT / "logits.npy")) < F32
-
-
 def test_fp8_checkpoint_gives_transformers_logits_of_its_dequantized_weights(model):
     fp8 = from_pretrained(FP8, max_seq_len=32)
     assert relative_error(fp8(TOKENS), np.load(FP8 / "logits.npy")) < F32

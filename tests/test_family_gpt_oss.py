@@ -39,11 +39,11 @@ def _config(path: pathlib.Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
-def test_gpt_oss_equals_transformers_on_one_device_packed_cached_and_on_stages():
+def test_gpt_oss_equals_transformers_on_one_device_packed_and_on_stages():
     """Logits equal transformers' (sinks, biases, sliding then full layers, YaRN, the clamped
-    SwiGLU of biased experts); two examples packed in a row give each one's logits; greedy
-    decoding from the cache equals transformers' ``generate``; two pipeline stages whose
-    experts and their hidden features and attention heads are split give the same logits."""
+    SwiGLU of biased experts); two examples packed in a row give each one's logits; two
+    pipeline stages whose experts and their hidden features and attention heads are split give
+    the same logits. (Greedy decoding from the cache: tests/test_family_conformance.py.)"""
     theirs = np.load(FLOAT / "logits.npy")
     model = from_pretrained(FLOAT, max_seq_len=32)
     blocks = model.config.block_configs
@@ -63,10 +63,6 @@ def test_gpt_oss_equals_transformers_on_one_device_packed_cached_and_on_stages()
     packed = _packed(model, row, Packing(segments, positions))
     assert relative_error(packed[0, :cut], theirs[0, :cut]) < F32
     assert relative_error(packed[0, cut:], theirs[1, : 16 - cut]) < F32
-
-    greedy = json.loads((FLOAT / "greedy.json").read_text())
-    ours = model.generate(jnp.asarray(greedy["prompt"]), len(greedy["continuation"][0]))
-    np.testing.assert_array_equal(ours, greedy["continuation"])
 
     staged = from_pretrained(FLOAT, tasks=_ep_tp_stages(), max_seq_len=32)
     gate_up = staged.blocks[1].mlp.experts.gate_up

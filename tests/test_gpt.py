@@ -507,7 +507,8 @@ def test_nested_layers_are_checked():
          r"GPTConfig: num_heads, num_kv_heads \(4, 4\) are not the layers' \[\(4, 2\)\]"),
         (lambda: GPTConfig(**sized, scan_layers=True,
                            layers=(layer, dataclasses.replace(layer, dropout=0.5))),
-         r"GPTConfig: scan_layers stacks alike layers, but layers differ"),
+         r"GPTConfig: scan_layers scans runs of a repeated period of layers, but layers differ "
+         r"and no run of these 2 layers repeats"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             make_bad()

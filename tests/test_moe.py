@@ -382,7 +382,7 @@ def test_bad_moe_arguments_are_refused_before_anything_is_built():
         (dict(experts_per_token=9), r"GPTConfig: MoEConfig.top_k must be an int in 1..num_"),
         (dict(capacity_factor=0), r"GPTConfig: MoEConfig.capacity_factor"),
         (dict(dense_layers=(4,)), r"dense_layers must be a tuple of layer indices in 0..3"),
-        (dict(scan_layers=True), r"some layers are MoE and some dense"),
+        (dict(scan_layers=True, depth=2), r"some layers are MoE and some dense and no run"),
         (dict(router_aux_loss_coef=-0.1), r"router_aux_loss_coef must be a finite number >= 0"),
     ]:
         with pytest.raises(ValueError, match=match):

@@ -70,47 +70,14 @@ def test_one_device_logits_equal_outside_implementations(checkpoints, arch, tied
     )
 
 
-@pytest.mark.parametrize("arch, stages", [(LLAMA, 2), (QWEN3, 4)])
-def test_pipelined_logits_and_loss_equal_one_device(checkpoints, arch, stages):
-    path = checkpoints[arch, False, "float32"]
-    model = from_pretrained(path, tasks=_tasks(stages))
-    homes = {mm.task_of(v).name for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
-    assert homes == {f"s{i}" for i in range(stages)}
-    assert mm.task_of(model.embed.embedding).name == "s0"
-    assert mm.task_of(model.head.kernel).name == f"s{stages - 1}"
-    logits = mm.jit(lambda m, t: m(t))(model, jnp.asarray(TOKENS))
-    _close(logits, OUTSIDE[arch].outside_logits(path, TOKENS))
-    one = from_pretrained(path)
-    batch = jnp.asarray(np.concatenate([TOKENS, TOKENS[:, :1]], axis=1))
-    loss = mm.jit(lambda m, b: m.loss(b))(model, batch)
-    np.testing.assert_allclose(float(loss), float(one.loss(batch)), rtol=1e-5)
-
-
-def test_scan_layers_and_bfloat16_parameters(checkpoints):
+def test_bfloat16_parameters(checkpoints):
+    """(Pipelined, scanned and staged decoding: tests/test_family_conformance.py, against
+    transformers.)"""
     path = checkpoints[QWEN3, True, "bfloat16"]
-    scanned = from_pretrained(path, scan_layers=True, tasks=_tasks(2))
-    assert scanned.blocks.attn.q.kernel.shape[0] == 4  # one stacked Variable per parameter
-    assert mm.stack_of(scanned.blocks.attn.q.kernel).name == "s0+s1"
-    logits = mm.jit(lambda m, t: m(t))(scanned, jnp.asarray(TOKENS))
-    _close(logits, bonsai_qwen3.outside_logits(path, TOKENS))
     half = from_pretrained(path, param_dtype=jnp.bfloat16)
     assert half.blocks[0].mlp.up.kernel[...].dtype == jnp.bfloat16
     raw = CheckpointFiles(path).read("model.layers.0.mlp.up_proj.weight")
     np.testing.assert_array_equal(np.asarray(half.blocks[0].mlp.up.kernel[...]), raw.T)
-
-
-def test_generate_on_stages_equals_one_device(checkpoints):
-    path = checkpoints[LLAMA, True, "float32"]
-    prompt = jnp.asarray(TOKENS[:1, :5])
-    placed = from_pretrained(path, tasks=_tasks(2), max_seq_len=16)
-    one = from_pretrained(path, max_seq_len=16)
-    tokens = placed.generate(prompt, 6)
-    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(one.generate(prompt, 6)))
-    # greedy: each token is the argmax of the full-sequence logits of what came before
-    seq = np.asarray(prompt)
-    for t in np.asarray(tokens)[0]:
-        assert t == int(np.argmax(reference_logits(path, seq)[0, -1]))
-        seq = np.concatenate([seq, [[t]]], axis=1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

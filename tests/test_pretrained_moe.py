@@ -228,9 +228,21 @@ def test_checkpoints_that_do_not_fit_their_config_are_refused(checkpoints, tmp_p
     assert str(path) in str(error.value)
 
 
-def test_stacked_layers_must_all_be_moe(checkpoints):
-    with pytest.raises(CheckpointError, match=r"config\.json .*some layers are MoE and some dense"):
-        from_pretrained(checkpoints["dense0"], scan_layers=True)
+def test_dense_then_moe_layers_scan_in_segments_and_are_written_back(checkpoints, tmp_path):
+    """Layers dense, MoE, MoE, MoE scan as the dense one unrolled and the three MoE stacked;
+    the same tensors fill them, the logits are the unscanned model's, and they are written
+    back under their own names."""
+    source = checkpoints["dense0"]
+    model = from_pretrained(source, scan_layers=True)
+    assert [(g.start, g.repeats) for g in model.config.segments] == [(0, 1), (1, 3)]
+    assert isinstance(model.blocks[1].mlp, MoE) and model.blocks[1].mlp.router.kernel.shape[0] == 3
+    tokens = jnp.asarray(TOKENS)
+    np.testing.assert_allclose(model(tokens), from_pretrained(source)(tokens), rtol=1e-5, atol=1e-5)
+    out = save_pretrained(model, tmp_path / "out")
+    before, after = CheckpointFiles(source), CheckpointFiles(out)
+    assert sorted(before.tensors) == sorted(after.tensors)
+    for name in before.tensors:
+        np.testing.assert_array_equal(after.read(name), before.read(name), err_msg=name)
 
 
 def test_init_from_a_qwen3_moe_with_lora_trains_and_exports_qwen3_moe_names(tmp_path):
@@ -259,12 +271,14 @@ def test_init_from_a_qwen3_moe_with_lora_trains_and_exports_qwen3_moe_names(tmp_
         assert changed == is_adapted, name  # no adapter on the router nor the experts
 
 
-def test_init_from_a_moe_with_dense_layers_cannot_scan_them(checkpoints, capsys):
-    argv = ["train", "--init-from", str(checkpoints["dense0"]), "--scan-layers"]
-    assert main(argv) == 2
+def test_init_from_a_moe_whose_layers_do_not_repeat_cannot_scan_them(tmp_path, capsys):
+    source = write_checkpoint(
+        tmp_path / "moe", architecture=MOE, num_hidden_layers=2, mlp_only_layers=[0]
+    )
+    assert main(["train", "--init-from", str(source), "--scan-layers"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("mmnnx train: error: --init-from: ") and error.count("\n") == 1
-    assert "some layers are MoE and some dense" in error
+    assert "some layers are MoE and some dense and no run of these 2 layers repeats" in error
 
 
 def test_lora_adapts_what_the_layers_have_and_the_router_only_when_named(checkpoints, tmp_path):

@@ -23,7 +23,8 @@ ACTIVATIONS = (None, "seq", "embed")
 
 KV = tuple[jax.Array, jax.Array]
 """One block's cache: keys and values, each ``(batch, slots, num_kv_heads, head_dim)`` (with a
-leading ``depth`` axis for stacked blocks; a ``LatentAttention``'s latent
+leading axis of the repetitions for a stacked segment's, a tuple of one per layer of a
+``Period``; a ``LatentAttention``'s latent
 ``(batch, slots, 1, kv_lora_rank)`` and shared rotated key ``(..., 1, qk_rope_head_dim)``),
 position ``p`` in slot ``p % slots`` (:func:`cache_slots`): a ring that a sliding-window layer
 keeps at its window.
@@ -90,24 +91,40 @@ def _block(
     return constrain(x, ACTIVATIONS), (_written(cache[0], k, pos), _written(cache[1], v, pos))
 
 
+def _layers(
+    block: nnx.Module, x: jax.Array, cache: Any, pos: jax.Array, length: int
+) -> tuple[jax.Array, Any]:
+    """:func:`_block` of a block, or of each layer of a ``GPT``'s ``Period`` in turn (a cache
+    each)."""
+    if isinstance(block, TransformerBlock):
+        return _block(block, x, cache, pos, length)
+    caches = [None] * len(block.layers) if cache is None else cache
+    new = []
+    for layer, layer_cache in zip(block.layers, caches, strict=True):
+        x, layer_cache = _block(layer, x, layer_cache, pos, length)
+        new.append(layer_cache)
+    return x, tuple(new)
+
+
 def _forward(model: Any, tokens: jax.Array, cache: Any, pos: jax.Array) -> tuple[jax.Array, Any]:
     """The last position's logits (float32) of ``tokens`` at ``pos ..``, and the new cache."""
     length = model.config.max_seq_len
     x = model.embed(tokens)
-    if model.config.scan_layers:
-        scan = nnx.scan(
-            lambda x, block, layer_cache: _block(block, x, layer_cache, pos, length),
-            in_axes=(nnx.Carry, 0, None if cache is None else 0),
-            out_axes=(nnx.Carry, 0),
-        )
-        x, cache = scan(x, model.blocks, cache)
-    else:
-        caches = [None] * len(model.blocks) if cache is None else cache
-        new = []
-        for block, layer_cache in zip(model.blocks, caches, strict=True):
-            x, layer_cache = _block(block, x, layer_cache, pos, length)
-            new.append(layer_cache)
-        cache = tuple(new)
+    segments = model.segments()
+    caches = [None] * len(segments) if cache is None else cache
+    new = []
+    for (layers, stacked), layer_cache in zip(segments, caches, strict=True):
+        if stacked:
+            scan = nnx.scan(
+                lambda x, block, c: _layers(block, x, c, pos, length),
+                in_axes=(nnx.Carry, 0, None if layer_cache is None else 0),
+                out_axes=(nnx.Carry, 0),
+            )
+            x, layer_cache = scan(x, layers, layer_cache)
+        else:
+            x, layer_cache = _layers(layers, x, layer_cache, pos, length)
+        new.append(layer_cache)
+    cache = tuple(new)
     x = model.norm(x[:, -1:])
     logits = model.embed.attend(x) if model.config.tie_embeddings else model.head(x)
     return logits[:, -1].astype(jnp.float32), cache

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +68,13 @@ class GPTConfig:
 
     The rest is the model's: the output's ``norm`` (``"rms"`` or ``"layer"``, epsilon
     ``norm_eps``; default the norm's own); ``tie_embeddings`` (the head reuses the embedding
-    table); ``max_seq_len`` (bounds the input length); ``scan_layers`` (the layers, all alike,
-    stacked with ``nnx.vmap`` and run with ``nnx.scan``: tracing and compiling cost one block,
-    not ``depth``); ``dtype`` (of activations and matmuls; norms, softmax and the loss are
+    table); ``max_seq_len`` (bounds the input length); ``scan_layers`` (the layers cut into
+    ``segments``, runs of a repeated period of layers (:func:`layer_segments`: all alike, one
+    segment of period 1; Gemma 3's ``[5 sliding, 1 global] * k``, one of period 6; DeepSeek-V3's
+    dense layers then MoE ones, two), each segment's period stacked with ``nnx.vmap`` over its
+    repetitions and run with ``nnx.scan``, a layer starting no repetition unrolled: tracing and
+    compiling cost one period per segment, not ``depth`` layers; refused where no layer
+    repeats); ``dtype`` (of activations and matmuls; norms, softmax and the loss are
     float32) and ``param_dtype`` (of every Variable), ``"float32"`` or ``"bfloat16"``; ``remat``
     (a key of :data:`REMAT`: ``"full"`` recomputes each block's forward in its backward, keeping
     only its input; the same numbers with less memory);
@@ -188,12 +193,12 @@ class GPTConfig:
                 "GPTConfig: router_bias_rate moves the correction biases of DeepSeekMoE layers "
                 "(DeepSeekMoEConfig), and this model has none"
             )
-        if self.scan_layers and len(set(blocks)) > 1:
+        if self.scan_layers and len(blocks) > 1 and all(g.repeats == 1 for g in self.segments):
             moe = {isinstance(b.feed_forward, MoEConfig) for b in blocks}
             differ = "some layers are MoE and some dense" if len(moe) > 1 else "layers differ"
             raise ValueError(
-                f"GPTConfig: scan_layers stacks alike layers, but {differ}; give every layer "
-                "the same config (moe_every=1 and no dense_layers), or scan_layers=False"
+                f"GPTConfig: scan_layers scans runs of a repeated period of layers, but {differ} "
+                f"and no run of these {len(blocks)} layers repeats; scan_layers=False"
             )
 
     @functools.cached_property
@@ -227,19 +232,107 @@ class GPTConfig:
             layers.append(dataclasses.replace(block, feed_forward=moe) if sparse else block)
         return tuple(layers)
 
+    @functools.cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """``block_configs`` cut into :class:`Segment` s (:func:`layer_segments`), e.g.
+        ``GPTConfig(experts=8, moe_every=2).segments[0].repeats == 2``."""
+        return layer_segments(self.block_configs)
+
+    def layer_path(self, layer: int) -> tuple[str, int | None]:
+        """The path of the module holding ``layer`` in ``GPT(self)`` and its index on that
+        module's stacked layer axis (``None``: not stacked), as the checkpoint readers map it.
+
+        Example:
+            >>> dense = BlockConfig(AttentionConfig(2), MLPConfig(16))
+            >>> moe = dataclasses.replace(dense, feed_forward=MoEConfig(16, 4, 2))
+            >>> config = GPTConfig(dim=8, depth=4, num_heads=2, scan_layers=True,
+            ...                    layers=(dense, moe, moe, moe))
+            >>> [config.layer_path(i) for i in range(4)]
+            [('blocks/0', None), ('blocks/1', 0), ('blocks/1', 1), ('blocks/1', 2)]
+        """
+        if not self.scan_layers:
+            return f"blocks/{layer}", None
+        segments = self.segments
+        for s, g in enumerate(segments):
+            if g.start <= layer < g.start + g.repeats * len(g.period):
+                rep, position = divmod(layer - g.start, len(g.period))
+                path = "blocks" if len(segments) == 1 else f"blocks/{s}"
+                path += f"/layers/{position}" if len(g.period) > 1 else ""
+                return path, rep if g.stacked(len(segments)) else None
+        raise ValueError(f"GPTConfig.layer_path: no layer {layer} in a model of depth {self.depth}")
+
+
+class Segment(NamedTuple):
+    """Layers ``start ..`` of a model: the layers ``period`` repeated ``repeats`` times.
+
+    Example:
+        >>> Segment(start=1, period=("a", "b"), repeats=2).stacked(segments=2)
+        True
+    """
+
+    start: int
+    period: tuple[BlockConfig, ...]
+    repeats: int
+
+    def stacked(self, segments: int) -> bool:
+        """Whether ``GPT`` stacks it (scanned): it repeats, or it is the model's only one."""
+        return self.repeats > 1 or segments == 1
+
+
+def layer_segments(blocks: Sequence[BlockConfig]) -> tuple[Segment, ...]:
+    """``blocks`` cut into runs of a repeated period, from the first layer on, each run the
+    longest a period starting there repeats (of those, the shortest period); a layer starting
+    no repetition is a segment of its own (``repeats`` 1). ``GPT(scan_layers=True)`` stacks
+    every repeated segment and scans it over its repetitions, the period's layers its body.
+
+    Example:
+        >>> [(g.start, "".join(g.period), g.repeats) for g in layer_segments("DMMM")]
+        [(0, 'D', 1), (1, 'M', 3)]
+        >>> [("".join(g.period), g.repeats) for g in layer_segments("SSGSSGS")]
+        [('SSG', 2), ('S', 1)]
+    """
+    out, i, n = [], 0, len(blocks)
+    while i < n:
+        covered, period = 1, 1
+        for p in range(1, (n - i) // 2 + 1):
+            r = 1
+            while blocks[i + r * p : i + (r + 1) * p] == blocks[i : i + p]:
+                r += 1
+            if r > 1 and r * p > covered:
+                covered, period = r * p, p
+        out.append(
+            Segment(start=i, period=tuple(blocks[i : i + period]), repeats=covered // period)
+        )
+        i += covered
+    return tuple(out)
+
+
+class Period(nnx.Module):
+    """One repetition of a :class:`Segment` of several layers: ``layers``, an ``nnx.List`` of
+    ``TransformerBlock``; ``GPT(scan_layers=True)`` stacks it over the repetitions."""
+
+    def __init__(
+        self, configs: Sequence[BlockConfig], dim: int, *, param_dtype: str, rngs: nnx.Rngs
+    ):
+        self.layers = nnx.List([b.build(dim, param_dtype=param_dtype, rngs=rngs) for b in configs])
+
 
 class GPT(nnx.Module):
     """Token embedding, ``depth`` pre-norm ``TransformerBlock``s, a final norm and a head.
 
     Attributes: ``embed`` (``Embed``), ``blocks`` (an ``nnx.List`` of ``TransformerBlock``; with
-    ``config.scan_layers``, one ``TransformerBlock`` whose Variables have a leading ``depth``
-    axis), ``norm``, and ``head`` (a ``Linear`` named ``("embed", "vocab")``; absent with
-    ``tie_embeddings``, where ``embed.attend`` makes the logits). ``model(tokens)`` returns
-    logits; ``model.loss(batch)`` is the next-token cross-entropy of a ``(B, T + 1)`` batch,
-    plus the routers' losses with experts (``model.forward(tokens)`` returns the logits and
-    every MoE layer's ``RouterStats`` merged).
-    ``mmnnx.models.stage_rules(model, tasks)`` cuts it into pipeline stages (stacked blocks
-    are split over the tasks).
+    ``config.scan_layers``, one module per segment of ``config.segments``: a stacked one's
+    Variables have a leading axis of its repetitions, the module a ``TransformerBlock``, or a
+    :class:`Period` of several (``blocks/layers/<j>/...``); an unrolled layer a
+    ``TransformerBlock``; ``blocks`` the module itself where there is one segment, as with alike
+    layers, else an ``nnx.List`` of them), ``norm``, and ``head`` (a ``Linear`` named
+    ``("embed", "vocab")``; absent with ``tie_embeddings``, where ``embed.attend`` makes the
+    logits). ``model(tokens)`` returns logits; ``model.loss(batch)`` is the next-token
+    cross-entropy of a ``(B, T + 1)`` batch, plus the routers' losses with experts
+    (``model.forward(tokens)`` returns the logits and every MoE layer's ``RouterStats`` merged).
+    ``mmnnx.models.stage_rules(model, tasks)`` cuts it into pipeline stages (one stacked
+    segment is split over the tasks, in equal chunks of its repetitions; of several segments,
+    each goes whole on a task).
 
     Example:
         >>> with nnx.use_eager_sharding(False):
@@ -253,10 +346,9 @@ class GPT(nnx.Module):
         self.config = c = config
         kw = dict(param_dtype=c.param_dtype, rngs=rngs)
         self.embed = Embed(c.vocab_size, c.dim, scale=c.embed_scale, **kw)
-        if c.scan_layers:  # every layer alike: one block, its Variables stacked
-            build = functools.partial(c.block_configs[0].build, c.dim, param_dtype=c.param_dtype)
-            stacked = nnx.vmap(lambda rngs: build(rngs=rngs), in_axes=0)
-            self.blocks = nnx.split_rngs(splits=c.depth)(stacked)(rngs)
+        if c.scan_layers:  # each repeated segment one module, its Variables stacked
+            built = [_segment(g, c, len(c.segments), rngs) for g in c.segments]
+            self.blocks = built[0] if len(built) == 1 else nnx.List(built)
         else:
             self.blocks = nnx.List([b.build(c.dim, **kw) for b in c.block_configs])
         final = c.final_norm or NormConfig(c.norm, c.norm_eps)
@@ -266,6 +358,26 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, packing: Packing | None = None) -> jax.Array:
         return self.forward(tokens, packing)[0]
+
+    def segments(self) -> list[tuple[nnx.Module, bool]]:
+        """The modules that run the layers in order, each with whether it is stacked (scanned
+        over its leading layer axis): one ``TransformerBlock`` per layer unscanned; scanned, one
+        per :class:`Segment` (a ``TransformerBlock``, or a :class:`Period` of several).
+
+        Example:
+            >>> with nnx.use_eager_sharding(False):
+            ...     model = GPT(GPTConfig(dim=32, depth=2, scan_layers=True), rngs=nnx.Rngs(0))
+            >>> [(type(m).__name__, stacked) for m, stacked in model.segments()]
+            [('TransformerBlock', True)]
+        """
+        c = self.config
+        if not c.scan_layers:
+            return [(block, False) for block in self.blocks]
+        if len(c.segments) == 1:
+            return [(self.blocks, True)]
+        return [
+            (m, g.stacked(len(c.segments))) for m, g in zip(self.blocks, c.segments, strict=True)
+        ]
 
     def forward(
         self, tokens: jax.Array, packing: Packing | None = None
@@ -284,12 +396,12 @@ class GPT(nnx.Module):
         apply = (
             _apply_block if c.remat == "none" else nnx.remat(_apply_block, policy=REMAT[c.remat])
         )
-        if c.scan_layers:
-            scan = nnx.scan(apply, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
-            x, stats = scan((x, stats), self.blocks, packing)
-        else:
-            for block in self.blocks:
-                x, stats = apply((x, stats), block, packing)
+        for layers, stacked in self.segments():
+            if stacked:
+                scan = nnx.scan(apply, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+                x, stats = scan((x, stats), layers, packing)
+            else:
+                x, stats = apply((x, stats), layers, packing)
         x = self.norm(x)
         return (self.embed.attend(x) if c.tie_embeddings else self.head(x)), stats
 
@@ -368,9 +480,28 @@ class GPT(nnx.Module):
         return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, rng=rng)
 
 
+def _segment(segment: Segment, c: GPTConfig, segments: int, rngs: nnx.Rngs) -> nnx.Module:
+    """The module of ``segment``: its layer (unstacked), or its period stacked over its
+    repetitions (a ``TransformerBlock``, or a :class:`Period` of several)."""
+    if len(segment.period) == 1:
+        build = functools.partial(segment.period[0].build, c.dim, param_dtype=c.param_dtype)
+    else:
+        build = functools.partial(Period, segment.period, c.dim, param_dtype=c.param_dtype)
+    if not segment.stacked(segments):
+        return build(rngs=rngs)
+    stacked = nnx.vmap(lambda rngs: build(rngs=rngs), in_axes=0)
+    return nnx.split_rngs(splits=segment.repeats)(stacked)(rngs)
+
+
 def _apply_block(
-    carry: tuple[jax.Array, RouterStats | None], block: TransformerBlock, packing: Packing | None
+    carry: tuple[jax.Array, RouterStats | None],
+    block: TransformerBlock | Period,
+    packing: Packing | None,
 ) -> tuple[jax.Array, RouterStats | None]:
+    if isinstance(block, Period):
+        for layer in block.layers:
+            carry = _apply_block(carry, layer, packing)
+        return carry
     x, stats = carry
     x, layer = block.forward(x, packing)
     return x, stats if layer is None else stats.merge(layer)

@@ -68,14 +68,21 @@ def _stack_spec(rule: PlacementRule, path: Path, variable: nnx.Variable) -> Part
             f"{where}: the tasks' logical rules give it different specs {sorted(map(str, specs))}; "
             "a stack's tasks must lay out its chunks alike"
         )
-    (spec,) = specs
-    if len(spec) == ndim - 1 and logical_names(variable) is not None:
-        spec = PartitionSpec(None, *spec)
+    spec = _layer_axis(specs.pop(), variable)
     if len(spec) and spec[0] is not None:
         raise ValueError(
             f"{where}: its spec {spec} shards the leading layer axis over {spec[0]!r}, but that "
             "axis is split over the tasks; give it None (or a logical name that maps to None)"
         )
+    return spec
+
+
+def _layer_axis(spec: PartitionSpec, variable: nnx.Variable) -> PartitionSpec:
+    """``spec`` with a leading ``None`` where the Variable's logical names leave out its leading
+    axis: layers stacked with ``nnx.vmap`` (split over tasks, or whole on one)."""
+    ndim = len(variable.get_value().shape)
+    if len(spec) == ndim - 1 and logical_names(variable) is not None:
+        return PartitionSpec(None, *spec)
     return spec
 
 
@@ -170,7 +177,7 @@ def _plan(
             (start, stop), *_ = rule.task.chunks(shape[0], where=where)
             check_spec(spec, (stop - start, *shape[1:]), rule.task.tasks[0].jax_mesh, where)
         else:
-            spec = _task_spec(rule, rule.task, path, variable)
+            spec = _layer_axis(_task_spec(rule, rule.task, path, variable), variable)
             where = f"Variable {path_str(path)!r} on task {rule.task.name!r}"
             check_spec(spec, shape, rule.task.jax_mesh, where)
         assignments.append(Assignment(path=path, variable=variable, rule=rule, spec=spec))

@@ -65,6 +65,9 @@ class TensorRule:
     transpose: tuple[int, ...] | None = None
     reshape: tuple[int, ...] | None = None
     part: Part | None = dataclasses.field(default=None, kw_only=True)
+    layers: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
+    """The values of the stacked ``{layer}`` field the rule reads, in the order of the
+    Variable's layer axis (a scanned segment's layers); ``None``: any, each its own index."""
 
     def __post_init__(self):
         if self.part is not None and self.reshape is not None:
@@ -75,6 +78,27 @@ class TensorRule:
                 f"TensorRule {self.tensor!r} -> {self.variable!r}: the Variable path uses "
                 f"{sorted(missing)}, which the tensor name does not have"
             )
+
+    def slot(self, values: dict[str, int]) -> tuple[int, ...] | None:
+        """The stacked slot the tensor of field ``values`` fills, ``None`` if ``layers`` has
+        not its layer.
+
+        Example:
+            >>> TensorRule("l.{layer}.w", "b/w", layers=(1, 3)).slot({"layer": 3})
+            (1,)
+        """
+        if self.layers is not None and "layer" in self.stacked:
+            if values["layer"] not in self.layers:
+                return None
+            values = {**values, "layer": self.layers.index(values["layer"])}
+        return tuple(values[f] for f in self.stacked)
+
+    def name(self, values: dict[str, int], slot: Sequence[int]) -> str:
+        """The tensor name filling stacked ``slot`` with the other fields' ``values``."""
+        values = {**values, **dict(zip(self.stacked, slot, strict=True))}
+        if self.layers is not None and "layer" in self.stacked:
+            values["layer"] = self.layers[values["layer"]]
+        return self.tensor.format(**values)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -147,9 +171,7 @@ class Source(NamedTuple):
             'layers.1.experts.5.w'
         """
         found = _pattern(self.rule.tensor).match(next(iter(self.tensors.values()))).groupdict()
-        values = {k: int(v) for k, v in found.items()}
-        values.update(zip(self.rule.stacked, slot, strict=True))
-        return self.rule.tensor.format(**values)
+        return self.rule.name({k: int(v) for k, v in found.items()}, slot)
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -182,6 +204,9 @@ def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, 
             if rule.variable is None:
                 break
             values = {k: int(v) for k, v in found.groupdict().items()}
+            slot = rule.slot(values)
+            if slot is None:  # a layer of another segment
+                continue
             path = rule.variable.format(**values)
             source = sources.setdefault(path, Source(path=path, rule=rule, tensors={}))
             if source.rule is not rule:
@@ -189,7 +214,6 @@ def match(names: Iterable[str], rules: Sequence[TensorRule]) -> tuple[dict[str, 
                     f"tensors {name!r} and {next(iter(source.tensors.values()))!r} both fill "
                     f"Variable {path!r} through different rules"
                 )
-            slot = tuple(values[f] for f in rule.stacked)
             if slot in source.tensors:
                 raise ValueError(
                     f"tensors {source.tensors[slot]!r} and {name!r} both fill Variable {path!r}"
@@ -222,8 +246,5 @@ def tensors_of(
             continue
         values = {k: int(v) for k, v in found.groupdict().items()}
         slots = itertools.product(*(range(n) for n in shape[: len(rule.stacked)]))
-        return rule, {
-            slot: rule.tensor.format(**values, **dict(zip(rule.stacked, slot, strict=True)))
-            for slot in slots
-        }
+        return rule, {slot: rule.name(values, slot) for slot in slots}
     return None

@@ -25,6 +25,7 @@ from mmnnx.models.pretrained.families.base import (
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import Part, TensorRule
+from mmnnx.models.pretrained.scanned import layer_rules
 from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig, NormConfig, RopeConfig
 
 _LAYER = (
@@ -256,11 +257,7 @@ class Family:
         """
         qk_norm = any(getattr(b.attention, "qk_norm", False) for b in config.block_configs)
         layer = _LAYER + (QK_NORM if qk_norm else ()) + self.feed_forward.rules
-        if config.scan_layers:  # one stacked module: every layer's tensor in one Variable
-            layer = tuple(
-                dataclasses.replace(r, variable=r.variable and r.variable.replace("/{layer}", ""))
-                for r in layer
-            )
+        layer = layer_rules(layer, config)  # scanned: onto the stacked segments
         return outer(layer, config)
 
 
