@@ -79,18 +79,12 @@ def _as_tuple(x: Any) -> tuple:
     return (x,) if isinstance(x, int | str) else tuple(x)
 
 
-class _Results(NamedTuple):
-    """How a built step's flat results become the step's return value and Variables."""
-
-    built: engine.BuiltStep  # the engine's step
-    added: list  # the Variables the step added (sown: _added.Added), their values last
-
-
 class _Compiled(NamedTuple):
-    """A cache entry of :class:`JitFunction`: the step's executable and its results' map."""
+    """A cache entry of :class:`JitFunction`: the step's executable, the engine's step and the
+    Variables the step added (sown: ``_added.Added``), their values last."""
 
     executable: Any
-    results: _Results
+    results: tuple[engine.BuiltStep, list]
 
 
 class JitFunction:
@@ -146,7 +140,7 @@ class JitFunction:
             located=call.located,
             peers=peers_for,
         )
-        return _Compiled(built.executable, _Results(built, added))
+        return _Compiled(built.executable, (built, added))
 
     def _lookup(self, call: Call) -> _Compiled:
         try:

@@ -226,11 +226,9 @@ def plot_timeline(
         axes_width_in = ax.get_position().width * fig.get_figwidth()
     inches_per_unit = axes_width_in / (span * scale) if span > 0 else 0.0
 
-    kinds = _ordered_kinds(actions)
-    colors = _kind_colors(kinds)
-    for kind in kinds:
+    for kind, color in _kind_colors(actions).items():
         placed, bars = _bars(ax, grouped, kind, origin, scale, 0.0, height=0.8,
-                             color=colors[kind], edgecolor=_EDGE, linewidth=0.6,
+                             color=color, edgecolor=_EDGE, linewidth=0.6,
                              label=KIND_NAMES.get(kind, kind))  # fmt: skip
         for rect, (y, event) in zip(bars.patches, placed, strict=True):
             rect.set_clip_on(False)  # the edges of the first and last boxes lie on the axes' ends
@@ -471,15 +469,12 @@ def _root_figure(ax: Axes) -> Figure:
     return root if isinstance(root, Figure) else figure
 
 
-def _ordered_kinds(events: list[TimelineEvent]) -> list[str]:
+def _kind_colors(events: list[TimelineEvent]) -> dict[str, str]:
+    """The colour of each kind of ``events``: known kinds first, then the others (greys), sorted."""
     present = {event.kind for event in events}
-    return [kind for kind in KIND_COLORS if kind in present] + sorted(present - set(KIND_COLORS))
-
-
-def _kind_colors(kinds: list[str]) -> dict[str, str]:
-    others = [kind for kind in kinds if kind not in KIND_COLORS]
-    grey = {kind: _OTHER_COLORS[i % len(_OTHER_COLORS)] for i, kind in enumerate(others)}
-    return {kind: KIND_COLORS[kind] if kind in KIND_COLORS else grey[kind] for kind in kinds}
+    others = sorted(present - set(KIND_COLORS))
+    known = {kind: color for kind, color in KIND_COLORS.items() if kind in present}
+    return known | {kind: _OTHER_COLORS[i % len(_OTHER_COLORS)] for i, kind in enumerate(others)}
 
 
 def _label(event: TimelineEvent, multi_stage: bool) -> str:

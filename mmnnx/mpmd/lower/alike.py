@@ -167,12 +167,7 @@ _PLAIN = frozenset({int, float, bool, str, type(None)})
 
 
 def _params(params: dict) -> tuple:
-    return tuple(
-        [
-            (name, v, type(v)) if type(v) in _PLAIN else (name, _value(v))
-            for name, v in params.items()
-        ]
-    )
+    return tuple([(name, _value(v)) for name, v in params.items()])
 
 
 def _value(v: Any) -> Hashable:

@@ -26,7 +26,7 @@ from mmnnx.mpmd.lower.program import (
     StepProgram,
     Zeros,
 )
-from mmnnx.mpmd.lower.sum_layouts import layout_on, sum_layouts
+from mmnnx.mpmd.lower.sum_layouts import layout_on, sum_layouts, trimmed
 from mmnnx.mpmd.lower.whole import whole_everywhere
 from mmnnx.mpmd.plan.cut import Fragment, Transfer
 from mmnnx.mpmd.plan.pipeline import Pipeline
@@ -47,17 +47,6 @@ def compatible(sharding: Any, task: Task) -> NamedSharding:
         if all(a in dst_sizes and dst_sizes[a] == src_sizes.get(a) for a in axes):
             return NamedSharding(mesh, spec)
     return NamedSharding(mesh, PartitionSpec())
-
-
-def same_spec(a: PartitionSpec, b: PartitionSpec) -> bool:
-    """Whether two specs lay an array out alike (trailing ``None`` entries mean nothing).
-
-    Example:
-        >>> same_spec(PartitionSpec("x", None), PartitionSpec("x"))
-        True
-    """
-    n = max(len(a), len(b))
-    return (*a, *[None] * (n - len(a))) == (*b, *[None] * (n - len(b)))
 
 
 def constraint_layout(
@@ -430,7 +419,8 @@ def _out_shardings(
         if typed is not None:
             spec = typed.get(v, PartitionSpec())
             on_home = home is not None and home.mesh == frag.task.jax_mesh
-            out.append(home if on_home and same_spec(home.spec, spec) else frag.task.sharding(spec))
+            on_home = on_home and trimmed(home.spec) == trimmed(spec)
+            out.append(home if on_home else frag.task.sharding(spec))
         elif home is not None and home.mesh == frag.task.jax_mesh:
             out.append(home)
         elif whole or not frag.in_ids or frag.task.jax_mesh.size == 1:

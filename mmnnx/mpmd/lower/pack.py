@@ -156,7 +156,7 @@ class Packing:
             if slot not in args:
                 args.append(slot)
             k = args.index(slot)
-            reads.append(InputRead(arg=k, member=packed and packed.member(s)))
+            reads.append(InputRead(arg=k, member=packed and packed.member_of[s]))
             if packed is not None:
                 packed_args[k] = packed
         return tuple(args), tuple(reads), packed_args

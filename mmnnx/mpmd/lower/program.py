@@ -84,11 +84,8 @@ class Buffer:
         below = [b for b in self.bases if b <= offset]
         return below[-1] if below else offset
 
-    def member(self, slot: int) -> Member:
-        return self._member_of[slot]
-
     @functools.cached_property
-    def _member_of(self) -> dict[int, Member]:
+    def member_of(self) -> dict[int, Member]:
         return {m.slot: m for m in self.members}
 
     @property

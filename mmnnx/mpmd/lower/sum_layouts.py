@@ -103,7 +103,7 @@ def sum_layouts(
     met: dict[int, dict[tuple, NamedSharding]] = {}
     for v, s in anchors:
         if isinstance(s, NamedSharding):
-            key = (id(s.mesh), _entries(s.spec))
+            key = (id(s.mesh), trimmed(s.spec))
             met.setdefault(classes.find(v), {}).setdefault(key, s)
     return {u: tuple(met.get(classes.find(u), {}).values()) for u in sums}
 
@@ -117,12 +117,17 @@ def layout_on(task: Task, layouts: Sequence[NamedSharding]) -> NamedSharding | N
         True
     """
     mesh = task.jax_mesh
-    here = {_entries(s.spec): s for s in layouts if s.mesh == mesh}
+    here = {trimmed(s.spec): s for s in layouts if s.mesh == mesh}
     return next(iter(here.values())) if len(here) == 1 else None
 
 
-def _entries(spec: PartitionSpec) -> tuple:
-    """``spec``'s entries without trailing ``None`` (which mean nothing)."""
+def trimmed(spec: PartitionSpec) -> tuple:
+    """``spec``'s entries without trailing ``None``: equal for specs laying an array out alike.
+
+    Example:
+        >>> trimmed(PartitionSpec("x", None)) == trimmed(PartitionSpec("x"))
+        True
+    """
     entries = list(spec)
     while entries and entries[-1] is None:
         entries.pop()

@@ -1,5 +1,5 @@
 """The JAX programs a step's actions compile to: a fragment's (or an overlapped pair's) program,
-the program packing block weights, the program making zeroed running sums, and the compiler
+the program packing block weights and making zeroed running sums, and the compiler
 lowering each distinct computation once and compiling the programs side by side."""
 
 from __future__ import annotations
@@ -203,15 +203,6 @@ def lower_packing(
     return jax.jit(pack, out_shardings=out_shardings).lower(*avals)
 
 
-def lower_zeros(shapes: Sequence[tuple], dtypes: Sequence[Any], shardings: Sequence) -> Any:
-    """One program making zero-filled running sums in their layouts, lowered."""
-
-    def zeros():
-        return [jax.numpy.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
-
-    return jax.jit(zeros, out_shardings=list(shardings)).lower()
-
-
 _LOWERED = Recent(64)  # (JAX's trace context, alike key) -> (the first lowered, its task)
 
 
@@ -257,13 +248,8 @@ class Compiler:
         )
 
     def lower_zeros(self, zeros: Zeros) -> Any:
-        """:func:`lower_zeros` for a :class:`Zeros` action, or an alike one's lowering moved."""
-        what = ("zeros", zeros.shapes, zeros.dtypes)
-        return self._lower(
-            self._keys.start(zeros.task, what, zeros.shardings),
-            zeros.task,
-            functools.partial(lower_zeros, zeros.shapes, zeros.dtypes, zeros.shardings),
-        )
+        """The program of a :class:`Zeros` action: :meth:`lower_packing` packing nothing."""
+        return self.lower_packing(PackWeights(task=zeros.task, buffers=(), zeros=zeros), ())
 
     def lower_packing(self, pack: PackWeights, shardings: Sequence[Any]) -> Any:
         """:func:`lower_packing` for a :class:`PackWeights` action, or an alike one's moved."""
