@@ -33,31 +33,22 @@ DEEP = FIXTURES / "deep"
 class Family:
     """A fixture and what it has: ``experts`` (staged over an expert axis), ``window``
     (decoded on the stages too: Gemma 3's sliding and global layers, one kind of cache each),
-    ``mixed`` (layers of several kinds)."""
+    layers of several kinds are scanned in segments."""
 
     fixture: str
     experts: bool = False
     window: bool = False
-    mixed: bool = False  # layers of several kinds: scanned in segments, staged scanned too
 
 
 FAMILIES = {
     "llama": Family(fixture="deep/llama"),
     "qwen3": Family(fixture="deep/qwen3"),
-    "qwen3-moe": Family(
-        fixture="deep/qwen3-moe", experts=True, mixed=True
-    ),  # dense, MoE, dense, MoE
+    "qwen3-moe": Family(fixture="deep/qwen3-moe", experts=True),  # dense, MoE, dense, MoE
     "mistral": Family(fixture="deep/mistral"),  # every layer windowed: decoded scanned
     "mixtral": Family(fixture="deep/mixtral", experts=True),
-    "gemma3": Family(
-        fixture="deep/gemma3", window=True, mixed=True
-    ),  # sliding, global, sliding, global
-    "gpt-oss": Family(
-        fixture="deep/gpt-oss", experts=True, mixed=True
-    ),  # sliding, full, sliding, full
-    "deepseek_v3": Family(
-        fixture="deep/deepseek_v3", experts=True, mixed=True
-    ),  # dense, then 3 MoE
+    "gemma3": Family(fixture="deep/gemma3", window=True),  # sliding, global, sliding, global
+    "gpt-oss": Family(fixture="deep/gpt-oss", experts=True),  # sliding, full, sliding, full
+    "deepseek_v3": Family(fixture="deep/deepseek_v3", experts=True),  # dense, then 3 MoE
     "llama3-scaled": Family(fixture="llama3-scaled"),
     "qwen3-yarn": Family(fixture="qwen3-yarn"),
     "mixtral-fused": Family(fixture="mixtral-fused", experts=True),
@@ -76,11 +67,10 @@ CASES = [
     for name, family in FAMILIES.items()
     if family.fixture.startswith("deep/")
     for setup in SETUPS
-    if setup != "2 stages scanned" or family.mixed
 ] + [
     ("llama3-scaled", "one device"),
     ("qwen3-yarn", "one device"),
-    ("mixtral-fused", "2 stages scanned"),  # alike layers' stack split, as every such family's
+    ("mixtral-fused", "one device"),
 ]
 
 _forward = nnx.jit(lambda model, tokens: model(tokens))
