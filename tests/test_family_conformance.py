@@ -140,7 +140,7 @@ def test_a_segment_is_staged_whole_or_split_evenly_else_refused(tmp_path):
     that does not divide them is refused as the stages of alike layers are. The staged,
     scanned gpt-oss is written back tensor for tensor as transformers wrote it."""
     gpt_oss = from_pretrained(DEEP / "gpt-oss", tasks=_tasks(2), scan_layers=True)
-    kernel = gpt_oss.blocks.layers[0].attn.q.kernel
+    kernel = gpt_oss.blocks.layers["0"].attn.q.kernel
     assert kernel.shape[0] == 2 and {s.data.shape[0] for s in kernel[...].addressable_shards} == {1}
     before = CheckpointFiles(DEEP / "gpt-oss")
     after = CheckpointFiles(save_pretrained(gpt_oss, tmp_path / "gpt-oss"))

@@ -11,6 +11,7 @@ import io
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -243,6 +244,36 @@ def test_dense_then_moe_layers_scan_in_segments_and_are_written_back(checkpoints
     assert sorted(before.tensors) == sorted(after.tensors)
     for name in before.tensors:
         np.testing.assert_array_equal(after.read(name), before.read(name), err_msg=name)
+
+
+def test_a_scanned_period_of_dense_and_moe_layers_trains_with_its_router_metrics_captured():
+    """Qwen3-MoE's dense, MoE, dense, MoE scanned as 2 x [dense, MoE] (a ``Period``): the loss
+    and gradients under ``nnx.capture(..., nnx.Intermediate)`` (as ``mmnnx train`` logs the
+    routers) equal the unscanned model's, and so do the captured tokens per expert (with the
+    period's layers in an ``nnx.List``, Flax 0.12.8's ``nnx.scan`` failed under the capture)."""
+    from tests.test_transformers_fixtures import FIXTURES
+
+    path = FIXTURES / "deep" / "qwen3-moe"
+    batch = jnp.asarray(np.load(path / "expected.npz")["tokens"])
+
+    def loss_grads_and_counts(model):
+        def loss(m):
+            return nnx.capture(lambda m: m.loss(batch), nnx.Intermediate)(m)
+
+        (value, captured), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        counts = [
+            v.get_value() for p, v in nnx.to_flat_state(captured) if p[-1] == "tokens_per_expert"
+        ]
+        return value, grads, np.concatenate([np.asarray(c).reshape(-1) for c in counts])
+
+    scanned = from_pretrained(path, scan_layers=True, max_seq_len=16)
+    assert [(g.start, g.repeats, len(g.period)) for g in scanned.config.segments] == [(0, 2, 2)]
+    loss, grads, counts = loss_grads_and_counts(scanned)
+    loss_1, grads_1, counts_1 = loss_grads_and_counts(from_pretrained(path, max_seq_len=16))
+    np.testing.assert_allclose(loss, loss_1, rtol=1e-6)
+    np.testing.assert_allclose(np.sort(counts), np.sort(counts_1))
+    unscanned_norm = sum(float(jnp.sum(g**2)) for g in jax.tree.leaves(grads_1))
+    assert np.isclose(sum(float(jnp.sum(g**2)) for g in jax.tree.leaves(grads)), unscanned_norm)
 
 
 def test_init_from_a_qwen3_moe_with_lora_trains_and_exports_qwen3_moe_names(tmp_path):

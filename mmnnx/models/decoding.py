@@ -98,9 +98,10 @@ def _layers(
     each)."""
     if isinstance(block, TransformerBlock):
         return _block(block, x, cache, pos, length)
-    caches = [None] * len(block.layers) if cache is None else cache
+    layers = block.in_order()
+    caches = [None] * len(layers) if cache is None else cache
     new = []
-    for layer, layer_cache in zip(block.layers, caches, strict=True):
+    for layer, layer_cache in zip(layers, caches, strict=True):
         x, layer_cache = _block(layer, x, layer_cache, pos, length)
         new.append(layer_cache)
     return x, tuple(new)

@@ -308,13 +308,26 @@ def layer_segments(blocks: Sequence[BlockConfig]) -> tuple[Segment, ...]:
 
 
 class Period(nnx.Module):
-    """One repetition of a :class:`Segment` of several layers: ``layers``, an ``nnx.List`` of
-    ``TransformerBlock``; ``GPT(scan_layers=True)`` stacks it over the repetitions."""
+    """One repetition of a :class:`Segment` of several layers: ``layers``, an ``nnx.Dict`` of
+    ``TransformerBlock`` by position (``"0"``, ``"1"``, ...: paths ``layers/<j>/...``);
+    ``GPT(scan_layers=True)`` stacks it over the repetitions. Not an ``nnx.List``: under
+    ``nnx.capture`` (sown router metrics), Flax 0.12.8's ``nnx.scan`` fails on a list's
+    integer keys beside the captures' string ones."""
 
     def __init__(
         self, configs: Sequence[BlockConfig], dim: int, *, param_dtype: str, rngs: nnx.Rngs
     ):
-        self.layers = nnx.List([b.build(dim, param_dtype=param_dtype, rngs=rngs) for b in configs])
+        self.layers = nnx.Dict(
+            {
+                str(j): b.build(dim, param_dtype=param_dtype, rngs=rngs)
+                for j, b in enumerate(configs)
+            }
+        )
+
+    def in_order(self) -> list[TransformerBlock]:
+        """The layers, first to last."""
+        positions = sorted((k for k in self.layers if k.isdigit()), key=int)  # not captures
+        return [self.layers[k] for k in positions]
 
 
 class GPT(nnx.Module):
@@ -499,7 +512,7 @@ def _apply_block(
     packing: Packing | None,
 ) -> tuple[jax.Array, RouterStats | None]:
     if isinstance(block, Period):
-        for layer in block.layers:
+        for layer in block.in_order():
             carry = _apply_block(carry, layer, packing)
         return carry
     x, stats = carry
