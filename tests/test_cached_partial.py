@@ -129,7 +129,7 @@ def test_a_restored_checkpoint_is_seen_by_the_bound_step(tasks, batch, tmp_path)
     assert int(opt.step.get_value()) == 1
 
 
-def test_training_state_is_held_once(tasks):
+def test_training_state_is_held_once(tasks, frozen_heap):
     """The bound step keeps no earlier step's arrays alive: live device bytes after several
     steps equal those of a plain mm.jit loop (issue: they doubled after the first step)."""
     import gc

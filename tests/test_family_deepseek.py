@@ -237,13 +237,18 @@ def test_router_bias_rate_moves_each_correction_bias_against_its_load_after_a_st
     task = mm.Task("t", mesh=mm.TaskMesh(devices=[0]))
     model = from_pretrained(FLOAT, tasks=[task], max_seq_len=16, router_bias_rate=0.01)
     before = {i: model.blocks[i].mlp.correction_bias[...] for i in (1, 2)}
-    x = model.embed(TOKENS[:, :-1])
-    loads = {}
-    for i, block in enumerate(model.blocks):
-        h = x + block.attn(block.norm1(x))
-        if i in before:
-            loads[i] = block.mlp.forward(block.norm2(h))[1].tokens_per_expert
-        x = block(x)
+
+    @nnx.jit  # eager, each operation compiled on its own took seconds
+    def routed(model, tokens):
+        x, loads = model.embed(tokens), {}
+        for i, block in enumerate(model.blocks):
+            h = x + block.attn(block.norm1(x))
+            if i in before:
+                loads[i] = block.mlp.forward(block.norm2(h))[1].tokens_per_expert
+            x = block(x)
+        return loads
+
+    loads = routed(model, TOKENS[:, :-1])
     opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
     train, _ = make_steps(TrainConfig(microbatches=2))
     assert np.isfinite(float(train(model, opt, TOKENS)))

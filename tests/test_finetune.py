@@ -37,6 +37,9 @@ TOKENS = np.array([[3, 17, 250, 9, 101, 77, 5, 42], [1, 2, 3, 4, 5, 6, 7, 8]], n
 
 LLAMA_LINEARS = ("q", "k", "v", "out", "gate", "up", "down")  # what add_lora adapts in a Llama
 
+# jitted: eager, each operation of a model's forward compiled on its own took seconds
+logits_of = nnx.jit(lambda model, tokens: model(tokens))
+
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
@@ -187,7 +190,8 @@ def test_a_lora_step_over_two_stages_equals_one_device(root):
     batch = jnp.asarray(np.concatenate([TOKENS, TOKENS[::-1]])[:, :9] % 300)
     pipelined = TrainConfig(microbatches=2, schedule="1f1b")
     loss, grads = mm.jit(loss_and_grads(pipelined, nnx.LoRAParam))(placed, batch)
-    ref_loss, ref_grads = loss_and_grads(TrainConfig(microbatches=1), nnx.LoRAParam)(one, batch)
+    reference = nnx.jit(loss_and_grads(TrainConfig(microbatches=1), nnx.LoRAParam))  # eager: slow
+    ref_loss, ref_grads = reference(one, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     flat, ref_flat = nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)
     assert [p for p, _ in flat] == [p for p, _ in ref_flat]
@@ -210,7 +214,7 @@ def test_merged_export_loads_back_with_the_trained_logits(root, lora_run):
     assert status == 0 and "LlamaForCausalLM, from step 4" in said
     merged = from_pretrained(root / "merged")
     trained = load_run(lora_run).model
-    ours, theirs = np.asarray(merged(jnp.asarray(TOKENS))), np.asarray(trained(jnp.asarray(TOKENS)))
+    ours, theirs = np.asarray(logits_of(merged, TOKENS)), np.asarray(logits_of(trained, TOKENS))
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
     for name in ("tokenizer.json", "generation_config.json"):  # the base's, not a scratch one
         assert (root / "merged" / name).read_bytes() == (root / "llama" / name).read_bytes()
@@ -413,7 +417,10 @@ def test_a_run_from_scratch_exports_as_llama_when_its_gpt_is_one(tmp_path, capsy
     assert mlp.gated and not mlp.bias and again.config.vocab_size == 256
     tokens = jnp.asarray(TOKENS % 256)
     np.testing.assert_allclose(
-        np.asarray(again(tokens)), np.asarray(model(tokens)), rtol=1e-5, atol=1e-5
+        np.asarray(logits_of(again, tokens)),
+        np.asarray(logits_of(model, tokens)),
+        rtol=1e-5,
+        atol=1e-5,
     )
     # issue 69: transformers' generation defaults; bytes have no tokenizer.json to configure
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {}

@@ -15,13 +15,16 @@ from flax import nnx
 import mmnnx as mm
 from mmnnx.cli import main
 from mmnnx.models import GPT, GPTConfig
-from mmnnx.models.decoding import _forward, generate
+from mmnnx.models.decoding import _ONE_DEVICE, _forward, generate
 from mmnnx.models.stages import stage_rules
 from mmnnx.modules import RopeScaling
 from mmnnx.train.generation import run_tasks
 from tests.test_cli import damage
 
 SMALL = dict(dim=32, depth=2, num_heads=2, vocab_size=64, max_seq_len=16)
+
+
+logits_of = nnx.jit(lambda model, tokens: model(tokens))
 
 
 def one_device(config: GPTConfig) -> GPT:
@@ -33,16 +36,17 @@ def one_device(config: GPTConfig) -> GPT:
 def test_the_cache_gives_the_logits_of_the_whole_sequence(scan_layers):
     model = one_device(GPTConfig(**SMALL, num_kv_heads=1, scan_layers=scan_layers))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
-    whole = model(tokens)  # (2, 12, 64): no cache, every position recomputed
-    logits, cache = _forward(model, tokens[:, :5], None, jnp.int32(0))
+    # jitted (the cache as generate reads it): eager, each operation compiled on its own
+    whole = logits_of(model, tokens)  # (2, 12, 64): no cache, every position recomputed
+    logits, cache = _ONE_DEVICE(model, tokens[:, :5], None, jnp.int32(0))
     np.testing.assert_allclose(logits, whole[:, 4], rtol=1e-5, atol=1e-5)
     for pos in range(5, 12):
-        logits, cache = _forward(model, tokens[:, pos : pos + 1], cache, jnp.int32(pos))
+        logits, cache = _ONE_DEVICE(model, tokens[:, pos : pos + 1], cache, jnp.int32(pos))
         np.testing.assert_allclose(logits, whole[:, pos], rtol=1e-5, atol=1e-5)
     # greedy: each token is the argmax of recomputing the prompt and the tokens so far
     new = generate(model, tokens[:, :4], 8)
     sequence = jnp.concatenate([tokens[:, :4], new], axis=1)
-    np.testing.assert_array_equal(new, jnp.argmax(model(sequence[:, :-1])[:, 3:], axis=-1))
+    np.testing.assert_array_equal(new, jnp.argmax(logits_of(model, sequence[:, :-1])[:, 3:], -1))
 
 
 KNOBS = dict(
@@ -67,11 +71,11 @@ def test_the_cache_reads_the_llama_qwen3_knobs(scan_layers):
         if isinstance(v, nnx.Param) and ("q_norm" in path or "k_norm" in path):
             v.set_value(1 + 0.5 * jax.random.normal(jax.random.key(len(path)), v.shape))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
-    whole = model(tokens)
-    logits, cache = _forward(model, tokens[:, :5], None, jnp.int32(0))
+    whole = logits_of(model, tokens)  # jitted, as above
+    logits, cache = _ONE_DEVICE(model, tokens[:, :5], None, jnp.int32(0))
     np.testing.assert_allclose(logits, whole[:, 4], rtol=1e-5, atol=1e-5)
     for pos in range(5, 12):
-        logits, cache = _forward(model, tokens[:, pos : pos + 1], cache, jnp.int32(pos))
+        logits, cache = _ONE_DEVICE(model, tokens[:, pos : pos + 1], cache, jnp.int32(pos))
         np.testing.assert_allclose(logits, whole[:, pos], rtol=1e-5, atol=1e-5)
     # greedy: each new token is the argmax of the whole sequence so far, recomputed each step
     new = generate(model, tokens[:, :4], 10)

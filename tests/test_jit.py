@@ -741,7 +741,7 @@ def test_tied_weights_stay_one_variable(tasks):
     close(model.a.kernel.get_value(), ref.a.kernel.get_value())
 
 
-def test_no_arrays_outlive_the_step(tasks, batch):
+def test_no_arrays_outlive_the_step(tasks, batch, frozen_heap):
     import gc
 
     model = two_stage(tasks)

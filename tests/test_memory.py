@@ -14,6 +14,8 @@ import mmnnx as mm
 from mmnnx.models import stage_rules
 from tests.models import SMALL_GPT, full_batch_step, gpt_step, one_device_tasks, small_gpt
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # each gc.collect() scans the test's own
+
 
 class NewArrays:
     """The arrays made since it was created that are still alive (after a garbage collection);

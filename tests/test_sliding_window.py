@@ -60,9 +60,11 @@ def test_packed_examples_see_their_own_window():
     row = jnp.concatenate([first, second])[None]
     segments = jnp.concatenate([jnp.ones(7, int), jnp.full(9, 2)])[None]
     positions = jnp.concatenate([jnp.arange(7), jnp.arange(9)])[None]
-    packed = model(row, Packing(segments, positions))[0]
-    np.testing.assert_allclose(packed[:7], model(first[None])[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(packed[7:], model(second[None])[0], rtol=1e-5, atol=1e-5)
+    # jitted: eager, each operation compiled on its own took seconds
+    forward = nnx.jit(lambda model, tokens, packing=None: model(tokens, packing))
+    packed = forward(model, row, Packing(segments, positions))[0]
+    np.testing.assert_allclose(packed[:7], forward(model, first[None])[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed[7:], forward(model, second[None])[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

@@ -12,6 +12,7 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import mmnnx as mm
 from mmnnx.models import from_pretrained, pretrained_config, save_pretrained
@@ -117,8 +118,6 @@ def save_saves(root: pathlib.Path) -> dict[str, pathlib.Path]:
     bfloat16, a transformers 4 checkpoint with llama3 scaling (tests/hf_checkpoints.py) and a
     Qwen3-MoE re-saved, and a model not loaded from any; beside each, ``<case>.npy``: mmnnx's
     logits for :data:`TOKENS` from the files it wrote."""
-    from flax import nnx
-
     from mmnnx.models import GPT, GPTConfig
 
     out = {}
@@ -138,8 +137,9 @@ def save_saves(root: pathlib.Path) -> dict[str, pathlib.Path]:
         fresh = GPT(config, rngs=nnx.Rngs(0))
     qwen3 = "Qwen3ForCausalLM"
     out["fresh-qwen3"] = save_pretrained(fresh, root / "fresh-qwen3", architecture=qwen3)
+    forward = nnx.jit(lambda model, tokens: model(tokens))  # eager: seconds of compiles
     for case, path in out.items():  # mmnnx's logits from the files it wrote
-        np.save(root / f"{case}.npy", np.asarray(from_pretrained(path)(jnp.asarray(TOKENS))))
+        np.save(root / f"{case}.npy", np.asarray(forward(from_pretrained(path), TOKENS)))
     return out
 
 
@@ -167,7 +167,8 @@ def test_the_moe_loss_follows_output_router_logits_as_transformers(tmp_path):
     term equals transformers' ``aux_loss``."""
     theirs = json.loads((FIXTURES / "qwen3-moe" / "loss.json").read_text())
     assert not theirs["output_router_logits"] and not theirs["loss_by_default_has_aux"]
-    plain = float(from_pretrained(FIXTURES / "qwen3-moe").loss(jnp.asarray(TOKENS)))
+    loss = nnx.jit(lambda model, tokens: model.loss(tokens))  # eager: seconds of compiles
+    plain = float(loss(from_pretrained(FIXTURES / "qwen3-moe"), TOKENS))
     np.testing.assert_allclose(plain, theirs["cross_entropy"], rtol=F32)
     path = tmp_path / "moe"
     shutil.copytree(FIXTURES / "qwen3-moe", path)
@@ -175,7 +176,7 @@ def test_the_moe_loss_follows_output_router_logits_as_transformers(tmp_path):
     (path / "config.json").write_text(json.dumps(hf))
     model = from_pretrained(path)
     assert model.config.router_aux_loss_coef == hf["router_aux_loss_coef"] == 0.001
-    aux = (float(model.loss(jnp.asarray(TOKENS))) - plain) / hf["router_aux_loss_coef"]
+    aux = (float(loss(model, TOKENS)) - plain) / hf["router_aux_loss_coef"]
     np.testing.assert_allclose(aux, theirs["aux_loss"], rtol=1e-3)  # float32 cancellation
 
 
