@@ -74,11 +74,16 @@ def test_chatter_is_gloo_connected_lines_only(line, chatter):
 
 
 def test_merged_events_count_from_the_earliest_start_and_a_failure_is_named():
-    # process 0 started its step 0.5 s after the common barrier, process 1 0.2 s after it
+    # process 0 started its step 0.5 s after the common barriers, process 1 0.2 s after them;
+    # process 1 was descheduled as it left the first barrier (noted it 0.03 s late) and
+    # process 0 as it left the fourth: the median over the rounds is not moved
     event = Event("stage0", "F", 0, 0, 0.0, 1.0, rank="stage0")
     parts = [
-        {"offset": 0.5, "events": [list(dataclasses.astuple(event))]},
-        {"offset": 0.2, "events": [["stage1", "F", 1, 0, 0.0, 1.0, False, "stage1"]]},
+        {"offsets": [0.5, 0.5, 0.5, 0.47, 0.5], "events": [list(dataclasses.astuple(event))]},
+        {
+            "offsets": [0.17, 0.2, 0.2, 0.2, 0.2],
+            "events": [["stage1", "F", 1, 0, 0.0, 1.0, False, "stage1"]],
+        },
     ]
     first, second = _merged(parts)
     assert (first.task, first.start, first.end) == (

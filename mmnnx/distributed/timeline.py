@@ -1,16 +1,19 @@
 """A step's timeline across processes: every process's events, on one clock.
 
-Each process times its programs against its own ``time.perf_counter()``. The processes start
-the timed step together at a barrier of the coordination service, right before its first
-program is launched; the moment each leaves it is the common zero, and the gathered events are
-shifted so that 0 is the earliest step start of any process. The error is the spread of the
-barrier's reply (about 0.1 ms on loopback, a network round trip between machines).
+Each process times its programs against its own ``time.perf_counter()``. The processes pass
+:data:`_ROUNDS` barriers of the coordination service together right before the step's first
+program is launched, each noting when it left each; for each process, how its notes differ from
+process 0's, round by round, gives its clock's shift (the median over the rounds: a process
+descheduled as it left one barrier, on a busy host, notes that round late), and the gathered
+events are shifted so that 0 is the earliest step start of any process. The error is the spread
+of the barrier's reply (about 0.1 ms on loopback, a network round trip between machines).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +29,7 @@ from mmnnx.mpmd.schedules import TRANSFER
 _BARRIER = "mmnnx/timeline/{}"
 _WAIT_S = 300.0
 _rounds = itertools.count()
+_ROUNDS = 5
 _FAILED = "failed"
 
 
@@ -36,11 +40,15 @@ def _merged(parts: list) -> list[Event]:
             f"timeline: the timed step failed on process {failed[0]}, so there is no timeline "
             "of the whole job (that process raised the error)"
         )
-    first = min(part["offset"] for part in parts)
+    reference = parts[0]["offsets"]
+    shifts = [
+        statistics.median(o - r for o, r in zip(part["offsets"], reference, strict=True))
+        for part in parts
+    ]
     events = [
         dataclasses.replace(e, start=e.start + s, end=e.end + s, launched=e.launched + s)
-        for part in parts
-        for s, e in ((part["offset"] - first, Event(*fields)) for fields in part["events"])
+        for part, shift in zip(parts, shifts, strict=True)
+        for s, e in ((shift - min(shifts), Event(*fields)) for fields in part["events"])
     ]
     return _after_producers(events)
 
@@ -64,11 +72,12 @@ def timed(run: Callable[[Timer], Any], *, overlapped: bool) -> list[Event]:
     timer = OverlapTimer() if overlapped else BlockingTimer()
     several, zero = jax.process_count() > 1, []
     if several:
-        barrier, begin = _BARRIER.format(next(_rounds)), timer.begin
+        begin = timer.begin
 
         def begin_together() -> None:
-            runtime.barrier(barrier, _WAIT_S)
-            zero.append(time.perf_counter())
+            for _ in range(_ROUNDS):
+                runtime.barrier(_BARRIER.format(next(_rounds)), _WAIT_S)
+                zero.append(time.perf_counter())
             begin()
 
         timer.begin = begin_together
@@ -87,7 +96,10 @@ def timed(run: Callable[[Timer], Any], *, overlapped: bool) -> list[Event]:
         raise MPMDError("timeline: the step's timer never began (the step launched nothing)")
     mine = timer.events()
     parts = gather(
-        {"offset": timer.started - zero[0], "events": [dataclasses.astuple(e) for e in mine]},
+        {
+            "offsets": [timer.started - z for z in zero],
+            "events": [dataclasses.astuple(e) for e in mine],
+        },
         what="timeline: the events of each process",
     )
     return _merged(parts)
