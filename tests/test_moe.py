@@ -21,6 +21,8 @@ from mmnnx.models import GPT, GPTConfig, stage_rules
 from mmnnx.models.stages import _matmul_params
 from mmnnx.modules import MoE, MoEConfig
 from mmnnx.modules.moe import METRICS
+from mmnnx.train.loop import TrainConfig, loss_and_grads
+from mmnnx.train.router_metrics import router_metrics
 from tests.oracle import params_close
 
 DIM, HIDDEN, EXPERTS, K = 16, 24, 8, 2
@@ -333,6 +335,27 @@ def test_scanned_moe_layers_stacked_over_two_tasks_equal_one_device(stage_tasks)
         assert all_to_alls([op for f in plan.fragments_of(task) for op in f.ops]) > 0
     shards = model.blocks.mlp.experts.gate[...].addressable_shards
     assert {s.data.shape[:2] for s in shards} == {(1, EXPERTS // 2)}  # (layer, expert) chunks
+
+
+def test_scanned_moe_metrics_of_every_microbatch_join_across_the_split_stack(stage_tasks):
+    """The train loop's step with router metrics (``loss_and_grads(metrics=True)``: each
+    microbatch's captured per-layer values stacked) on layers split over two tasks under 1F1B:
+    the per-layer values a scan computed on each task are joined, as one device computes them
+    (``mmnnx train --experts N --scan-layers`` stopped here, needing their whole)."""
+    model = gpt(scan_layers=True, depth=2, moe_every=1)
+    model = mm.place(model, stage_rules(model, stage_tasks, report=False))
+    ref = gpt(scan_layers=True, depth=2, moe_every=1)
+    grad_fn = loss_and_grads(TrainConfig(microbatches=2, schedule="1f1b"), metrics=True)
+    (loss, sown), grads = mm.jit(grad_fn)(model, BATCH)
+    (ref_loss, ref_sown), ref_grads = nnx.jit(grad_fn)(ref, BATCH)
+    close_to_scale(loss, ref_loss)
+    trees_close_to_scale(grads, ref_grads)
+    trees_close_to_scale(sown, ref_sown)
+    tokens = router_metrics(sown, microbatched=True).tokens_per_expert
+    assert tokens == router_metrics(ref_sown, microbatched=True).tokens_per_expert
+    assert sum(tokens) == BATCH.shape[0] * (BATCH.shape[1] - 1) * K  # per layer, averaged
+    with pytest.raises(mm.MPMDError, match="gate.*not the Variable.s own layers"):
+        mm.jit(lambda m: m.blocks.mlp.experts.gate[...].T).plan(model)  # a Variable's layers
 
 
 def test_gpt_loss_adds_the_routers_losses_pooled_over_layers_as_transformers_does():

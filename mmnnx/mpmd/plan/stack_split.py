@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -127,6 +128,7 @@ class _Rewriter:
         self.split: dict[int, tuple[_Layout, list[Atom]]] = {}
         self.origin: dict[int, str] = {}  # split value -> the stacked input it comes from
         self.pieces: dict[tuple[int, int, int], Atom] = {}
+        self.computed: set[int] = set()  # split values computed per layer (a scan's outputs)
 
     def info(self, v: int, size: int | None = None) -> tuple:
         """Shape, dtype and bytes of the step's value ``v``, or of a chunk of ``size`` of it."""
@@ -178,9 +180,26 @@ class _Rewriter:
             f"`{op.name}` at {op.source} needs the whole of a value computed from the stacked "
             f"Variable {self.origin.get(a, '?')!r}, whose layers are split over tasks; over the "
             "layer axis mm.jit splits scans, elementwise ops, views that keep it first, "
-            "reductions and batched matmuls. Keep other ops inside the scan's body, or place "
-            "the Variable on one task"
+            "reductions and batched matmuls, and joins what a scan computed per layer, not the "
+            "Variable's own layers. Keep other ops inside the scan's body, or place the Variable "
+            "on one task"
         )
+
+    def joined(self, a: int, op: Op) -> Atom:
+        """The whole of split value ``a``, its chunks concatenated, if a scan computed it (a
+        per-layer result, such as a sown metric; never a Variable's layers)."""
+        if a not in self.computed:
+            raise self.refuse(op, a)
+        if a not in self.whole:
+            chunks = self.split[a][1]
+            (self.whole[a],) = self.emit(
+                op, jax.lax.concatenate_p, {"dimension": 0}, chunks, [self.info(a)]
+            )
+        return self.whole[a]
+
+    def emit_whole(self, op: Op, ins: list[Atom]) -> None:
+        outs = self.emit(op, op.primitive, op.params, ins, [self.info(v) for v in op.outs])
+        self.whole.update(zip(op.outs, outs, strict=True))
 
     def layout_of(self, op: Op, flags: list[bool]) -> _Layout:
         layouts = {self.split[a][0] for a, f in zip(op.ins, flags, strict=True) if f}
@@ -216,15 +235,14 @@ class _Rewriter:
     def rewrite(self, op: Op) -> None:
         flags = [isinstance(a, int) and a in self.split for a in op.ins]
         if not any(flags):
-            ins = [self.read(a, op) for a in op.ins]
-            infos = [self.info(v) for v in op.outs]
-            outs = self.emit(op, op.primitive, op.params, ins, infos)
-            self.whole.update(zip(op.outs, outs, strict=True))
+            self.emit_whole(op, [self.read(a, op) for a in op.ins])
             return
-        layout = self.layout_of(op, flags)
         rule = stack_rules.stack_rule(op, flags, [self.shape(a) for a in op.ins])
         if rule is None:
-            raise self.refuse(op, next(a for a, f in zip(op.ins, flags, strict=True) if f))
+            pairs = zip(op.ins, flags, strict=True)
+            self.emit_whole(op, [self.joined(a, op) if f else self.read(a, op) for a, f in pairs])
+            return
+        layout = self.layout_of(op, flags)
         if rule == "scan":
             self.rewrite_scan(op, layout)
             return
@@ -238,6 +256,8 @@ class _Rewriter:
             )
         if rule == "map":
             self.mark(op, op.outs, layout, per_chunk)
+            if any(a in self.computed for a, f in zip(op.ins, flags, strict=True) if f):
+                self.computed.update(op.outs)
             return
         combine = stack_rules.COMBINE[op.name]
         for k, v in enumerate(op.outs):
@@ -265,6 +285,7 @@ class _Rewriter:
             carry, ys[j] = outs[:num_carry], outs[num_carry:]
         self.whole.update(zip(op.outs[:num_carry], carry, strict=True))
         self.mark(op, op.outs[num_carry:], layout, ys)
+        self.computed.update(op.outs[num_carry:])
 
 
 def split_stacks(
