@@ -145,6 +145,19 @@ def test_layout_from_refuses_a_contradicting_flag_another_batch_and_a_bad_file(t
         "--layout tp=4: --model-axis 4 pads the vocabulary of the run's tokenizer (258) otherwise "
         "than its --model-axis 2: another model"
     ) in capsys.readouterr().err
+    # a DPO run is refused (its pairs and reference forward are not modelled); a LoRA run is
+    # planned as full training, said on stderr
+    for extra, said in [
+        ({"dpo": True}, "is a --dpo run: mmnnx plan models a step of next-token training"),
+        ({"lora_rank": 4}, "a --lora-rank 4 run, planned as training every parameter"),
+    ]:
+        write_config(
+            run / "config.toml", resolved_config(RunConfig.of({**options, **extra}).options())
+        )
+        code = main(["plan", "--run", str(run), *CPU, "--memory", "1GiB", "--layout", "tp=2"])
+        assert code == (2 if "dpo" in extra else 0)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
     llama = str(pathlib.Path(__file__).parent / "plan_fixtures" / "configs" / "llama3-70b")
     assert main(["plan", "--init-from", llama, "--devices", "8", "--device", "cpu"]) == 2
     assert "--device cpu has no published numbers: give --flops and --bandwidth" in (

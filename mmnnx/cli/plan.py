@@ -124,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         if options.run is not None:
             planned_run = PlannedRun.read(options.run)
             config = planned_run.config(max_seq_len=options.seq_len)
+            if planned_run.caveat():
+                print(f"mmnnx plan: {planned_run.caveat()}", file=sys.stderr)
         else:
             config = pretrained_config(
                 config_directory(options.init_from), param_dtype=options.param_dtype,

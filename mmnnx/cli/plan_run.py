@@ -32,7 +32,24 @@ class PlannedRun:
             if not (folder / needed).exists():
                 raise FileNotFoundError(f"{folder / needed} is missing: not an mmnnx train run")
         run = RunConfig.of(read_config(folder / CONFIG_FILE))
+        if run.preference.dpo:
+            raise ValueError(
+                f"{folder} is a --dpo run: mmnnx plan models a step of next-token training (a "
+                "DPO step's pairs and its reference's forward are not modelled: its plan would "
+                "say less memory and time than the run takes)"
+            )
         return cls(run, load_tokenizer(folder / "tokenizer").vocab_size)
+
+    def caveat(self) -> str | None:
+        """What the plan overstates for this run, if anything: a ``--lora-rank`` run is planned
+        as if it trained every parameter (its memory and step are at most the plan's)."""
+        if not self.run.model.lora_rank:
+            return None
+        return (
+            f"--run: a --lora-rank {self.run.model.lora_rank} run, planned as training every "
+            "parameter: its frozen base needs no gradients, no optimizer state and no weight "
+            "gradients' matmuls, so its memory and step are at most what this plan says"
+        )
 
     def config(self, *, max_seq_len: int | None = None, model_axis: int | None = None) -> Any:
         """The run's ``GPTConfig`` (with another ``max_seq_len`` or ``--model-axis``)."""
