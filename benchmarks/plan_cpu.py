@@ -128,11 +128,12 @@ def measure(rounds: int) -> dict | None:
     else:
         updates = gather(own)
 
-    def predict(actions, transfer):
+    def predict(actions, transfer, device=unit):
         costs = dataclasses.replace(counted, actions=actions, transfer=transfer,
                                     gathers=[0.0, 0.0], updates=updates)  # fmt: skip
-        return step_cost(config, layout, unit, batch=BATCH, seq=seq, costs=costs,
-                         one_host=processes == 1)
+        cost = step_cost(config, layout, device, batch=BATCH, seq=seq, costs=costs,
+                         one_host=processes == 1)  # fmt: skip
+        return cost.step_seconds
 
     rows = []
     for _ in range(rounds):  # interleaved: each round's costs predict that round's step
@@ -140,10 +141,15 @@ def measure(rounds: int) -> dict | None:
         running = step.overlapped_timeline(*args)
         actions = sched.measured_costs(running, "mean")
         seconds = together()
+        moved = statistics.mean(sched.measured_transfer_costs(running, "mean").values())
         rows.append({
             "step": seconds,
-            "a": predict(alone, link).step_seconds / seconds,
-            "b": predict(actions, link).step_seconds / seconds,
+            "a": predict(alone, link) / seconds,
+            "b": predict(actions, link) / seconds,
+            "a without launches": predict(alone, link, dataclasses.replace(unit, launch=0.0))
+            / seconds,
+            "b with transfers timed in the step": predict(actions, moved) / seconds,
+            "transfer in the step ms": moved * 1e3,
             "alone": {f"{k}{s}": v for (k, s), v in alone.items()},
             "in step / alone": statistics.median(actions[key] / alone[key] for key in alone),
             "both busy": both_busy(running),
@@ -208,6 +214,9 @@ def report(layout: str, result: dict) -> bool:
     within = abs(statistics.median(column["a"]) - 1) <= 0.10
     for key, label in (("a", "(a) actions timed alone"), ("b", "(b) actions timed in the step")):
         print(f"  {label}: predicted / measured {spread(column[key])}")
+    print(f"  checks: (a) without launches {spread(column['a without launches'])}; (b) with "
+          f"the transfers timed in the step ({spread(column['transfer in the step ms'], digits=2)}"
+          f" ms) {spread(column['b with transfers timed in the step'])}")  # fmt: skip
     return within
 
 

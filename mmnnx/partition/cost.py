@@ -40,6 +40,12 @@ reach in vendors' GEMM benchmarks (H100 SXM about 700 of 989 TFLOP/s; A100 about
 312); the model's other work (norms, softmax, elementwise) is not charged apart, so this
 number also stands for it."""
 
+LAUNCH = 2e-4
+"""Seconds of host time mmnnx's runner spends launching one program: measured, 0.10-0.25 ms
+per launch for a pipelined GPT on this repository's 2-core host
+(benchmarks/results/dispatch.json, ``host ms per launch``; 0.15-0.45 ms in
+benchmarks/plan_cpu.py), the runner's Python work, which a GPU's host does alike."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
@@ -65,7 +71,7 @@ class DeviceSpec:
     memory_bandwidth: float
     efficiency: float = EFFICIENCY
     backward: float = 2.0
-    launch: float = 0.0
+    launch: float = LAUNCH
 
     def bandwidth(self, span: int) -> float:
         """Bytes/s per device for a collective over a group spanning ``span`` consecutive
