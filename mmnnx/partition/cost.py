@@ -422,13 +422,8 @@ def step_cost(
     table = sched.get(layout.schedule, count, layout.microbatches, layout.virtual_stages)
     moves = {(k, s): costs.transfer for k in ("F", "B", "I") for s in range(count)}
     hosts = (0,) * table.num_ranks if one_host else tuple(range(table.num_ranks))
-    result = sched.simulate(
-        table,
-        action_costs=costs.actions,
-        transfer_costs=moves,
-        launch_cost=device.launch,
-        processes=hosts if device.launch else None,
-    )
+    launches = {"launch_cost": device.launch, "processes": hosts} if device.launch else {}
+    result = sched.simulate(table, action_costs=costs.actions, transfer_costs=moves, **launches)
     first, last, busy = {}, {}, dict.fromkeys(range(table.num_ranks), 0.0)
     for ev in result.events:
         first.setdefault(ev.stage, ev.start)
