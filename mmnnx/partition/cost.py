@@ -8,7 +8,7 @@ block two tensor-parallel all-reduces of the activations forward and two backwar
 (Megatron's), per mixture-of-experts block two all-to-alls each way, and, as ``Collectives``
 says, the data-parallel ones. Activations and their cotangents cross stages at the bandwidth
 of the link between them. :func:`~mmnnx.mpmd.schedules.simulate` plays the schedule with these
-costs; once-per-step data-parallel collectives run on the network beside the compute, a block
+costs, each program launched by its task's host (``DeviceSpec.launch``); once-per-step data-parallel collectives run on the network beside the compute, a block
 at a time (only a task's first block's weight gather waits), then each task's optimizer
 update reads and writes its state at the device's memory bandwidth. docs/planning.md states
 every assumption.
@@ -43,7 +43,7 @@ number also stands for it."""
 LAUNCH = 2e-4
 """Seconds of host time mmnnx's runner spends launching one program: measured, 0.10-0.25 ms
 per launch for a pipelined GPT on this repository's 2-core host
-(benchmarks/results/dispatch.json, ``host ms per launch``; 0.15-0.45 ms in
+(benchmarks/results/dispatch.json, ``host ms per launch``; 0.15-0.51 ms in
 benchmarks/plan_cpu.py), the runner's Python work, which a GPU's host does alike."""
 
 
