@@ -8,10 +8,10 @@ block two tensor-parallel all-reduces of the activations forward and two backwar
 (Megatron's), per mixture-of-experts block two all-to-alls each way, and, as ``Collectives``
 says, the data-parallel ones. Activations and their cotangents cross stages at the bandwidth
 of the link between them. :func:`~mmnnx.mpmd.schedules.simulate` plays the schedule with these
-costs, each program launched by its task's host (``DeviceSpec.launch``); once-per-step data-parallel collectives run on the network beside the compute, a block
-at a time (only a task's first block's weight gather waits), then each task's optimizer
-update reads and writes its state at the device's memory bandwidth. docs/planning.md states
-every assumption.
+costs, each program launched by its task's host (``DeviceSpec.launch``); once-per-step
+data-parallel collectives run on the network beside the compute, a block at a time (only a
+task's first block's weight gather waits), then each task's optimizer update reads and writes
+its state at the device's memory bandwidth. docs/planning.md states every assumption.
 """
 
 from __future__ import annotations
