@@ -186,7 +186,32 @@ def test_step_composes_the_schedule_the_overlapped_reduces_and_the_update():
         actions={"F": 1.0, "B": 2.0}, transfer=0.0, gathers=[0.0, 0.0], reduces=[1.0, 1.0],
         updates=[0.25, 0.25],
     )  # fmt: skip
-    step = step_cost(config, lay, DEVICES["h100"], batch=8, seq=8, costs=measured)
+    device = dataclasses.replace(DEVICES["h100"], launch=0.0)
+    step = step_cost(config, lay, device, batch=8, seq=8, costs=measured)
     assert step.makespan == 15 and step.step_seconds == 15 + 0.5 + 0.25
     serial = dataclasses.replace(measured, reduces=[20.0, 20.0])  # longer than the backwards
-    assert step_cost(config, lay, DEVICES["h100"], batch=8, seq=8, costs=serial).step_seconds > 30
+    assert step_cost(config, lay, device, batch=8, seq=8, costs=serial).step_seconds > 30
+
+
+def test_step_charges_each_launch_on_its_host():
+    """One stage, F = 1 and B = 2 on 2 microbatches, a launch taking 0.5 of the host's time:
+    the first waits for its launch (0.5), the host then launches each next program while the
+    device runs the one before, so the step ends at 0.5 + 6. On two stages with a host each,
+    a host launches the reader of a value from the other only once it has arrived (as the
+    runner does across processes): later than one host launching both stages' programs ahead."""
+    config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=4, max_seq_len=8, **BF16)
+    device = dataclasses.replace(DEVICES["h100"], launch=0.5)
+
+    def makespan(lay, **kwargs):
+        measured = dataclasses.replace(
+            stage_costs(config, lay, device, batch=8, seq=8), actions={"F": 1.0, "B": 2.0},
+            transfer=0.0, gathers=[0.0] * lay.stages, updates=[0.0] * lay.stages,
+        )  # fmt: skip
+        return step_cost(config, lay, device, batch=8, seq=8, costs=measured, **kwargs).makespan
+
+    assert makespan(ClusterLayout(stages=1, microbatches=2)) == 0.5 + 6
+    two = ClusterLayout(stages=2, microbatches=4)
+    without = step_cost(config, two, dataclasses.replace(device, launch=0.0), batch=8, seq=8,
+                        costs=dataclasses.replace(stage_costs(config, two, device, batch=8, seq=8),
+                        actions={"F": 1.0, "B": 2.0}, transfer=0.0)).makespan  # fmt: skip
+    assert without == 15 < makespan(two, one_host=True) < makespan(two)

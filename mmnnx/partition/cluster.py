@@ -168,7 +168,9 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
         "forward (no recompute)",
         f"optimizer update: each task's AdamW state read and written once at "
         f"{device.memory_bandwidth / 1e12:.2f} TB/s, after its gradients are reduced",
-        "not charged: data loading, kernel launches, stragglers",
+        f"host: {device.launch * 1e3:g} ms per program launched, each task's by a host of its "
+        "own, which launches a reader once the value it reads from another task has arrived",
+        "not charged: data loading, stragglers",
     ]
 
 

@@ -8,10 +8,10 @@ block two tensor-parallel all-reduces of the activations forward and two backwar
 (Megatron's), per mixture-of-experts block two all-to-alls each way, and, as ``Collectives``
 says, the data-parallel ones. Activations and their cotangents cross stages at the bandwidth
 of the link between them. :func:`~mmnnx.mpmd.schedules.simulate` plays the schedule with these
-costs; once-per-step data-parallel collectives run on the network beside the compute, a block
-at a time (only a task's first block's weight gather waits), then each task's optimizer
-update reads and writes its state at the device's memory bandwidth. docs/planning.md states
-every assumption.
+costs, each program launched by its task's host (``DeviceSpec.launch``); once-per-step
+data-parallel collectives run on the network beside the compute, a block at a time (only a
+task's first block's weight gather waits), then each task's optimizer update reads and writes
+its state at the device's memory bandwidth. docs/planning.md states every assumption.
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ reach in vendors' GEMM benchmarks (H100 SXM about 700 of 989 TFLOP/s; A100 about
 312); the model's other work (norms, softmax, elementwise) is not charged apart, so this
 number also stands for it."""
 
+LAUNCH = 2e-4
+"""Seconds of host time mmnnx's runner spends launching one program: measured, 0.10-0.25 ms
+per launch for a pipelined GPT on this repository's 2-core host
+(benchmarks/results/dispatch.json, ``host ms per launch``; 0.15-0.51 ms in
+benchmarks/plan_cpu.py), the runner's Python work, which a GPU's host does alike."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
@@ -48,7 +54,8 @@ class DeviceSpec:
     bound by it), ``intra_bandwidth`` and ``inter_bandwidth`` bytes/s each device sends one way
     inside its node (``node_size`` devices) and across nodes, ``efficiency`` the share of
     ``flops`` reached (:data:`EFFICIENCY`), ``backward`` a backward's time over its forward's
-    (2: a matmul's input and weight gradients are each one matmul of its size).
+    (2: a matmul's input and weight gradients are each one matmul of its size), ``launch`` the
+    host's seconds per program it launches (:data:`LAUNCH`).
 
     Example:
         >>> DEVICES["h100"].flops, DEVICES["h100"].node_size
@@ -64,6 +71,7 @@ class DeviceSpec:
     memory_bandwidth: float
     efficiency: float = EFFICIENCY
     backward: float = 2.0
+    launch: float = LAUNCH
 
     def bandwidth(self, span: int) -> float:
         """Bytes/s per device for a collective over a group spanning ``span`` consecutive
@@ -392,12 +400,14 @@ class StepCost:
 
 def step_cost(
     config: GPTConfig, layout: ClusterLayout, device: DeviceSpec, *, batch: int, seq: int,
-    collectives: Collectives = ENGINE, costs: StageCosts | None = None,
+    collectives: Collectives = ENGINE, costs: StageCosts | None = None, one_host: bool = False,
 ) -> StepCost:  # fmt: skip
     """The predicted step of training ``GPT(config)`` on ``layout`` over ``device``s with
     ``batch`` sequences of ``seq`` tokens: the schedule simulated with each action's costs
-    (``costs``, by default :func:`stage_costs`) and transfers; beside it, each task's
-    once-per-step collectives on its network link (:class:`Collectives`); then its update.
+    (``costs``, by default :func:`stage_costs`), transfers and launches (each pipeline task's
+    programs launched by a host of its own, ``device.launch`` seconds each; ``one_host``: one
+    host launches every task's); beside it, each task's once-per-step collectives on its
+    network link (:class:`Collectives`); then its update.
 
     Example:
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
@@ -411,7 +421,9 @@ def step_cost(
                                  collectives=collectives)  # fmt: skip
     table = sched.get(layout.schedule, count, layout.microbatches, layout.virtual_stages)
     moves = {(k, s): costs.transfer for k in ("F", "B", "I") for s in range(count)}
-    result = sched.simulate(table, action_costs=costs.actions, transfer_costs=moves)
+    hosts = (0,) * table.num_ranks if one_host else tuple(range(table.num_ranks))
+    launches = {"launch_cost": device.launch, "processes": hosts} if device.launch else {}
+    result = sched.simulate(table, action_costs=costs.actions, transfer_costs=moves, **launches)
     first, last, busy = {}, {}, dict.fromkeys(range(table.num_ranks), 0.0)
     for ev in result.events:
         first.setdefault(ev.stage, ev.start)
