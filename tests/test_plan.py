@@ -215,3 +215,24 @@ def test_step_charges_each_launch_on_its_host():
                         costs=dataclasses.replace(stage_costs(config, two, device, batch=8, seq=8),
                         actions={"F": 1.0, "B": 2.0}, transfer=0.0)).makespan  # fmt: skip
     assert without == 15 < makespan(two, one_host=True) < makespan(two)
+
+
+def test_a_frozen_base_charges_no_weight_gradients_reduce_or_update():
+    """``trainable=0`` (a LoRA run's base): the backward is the input gradients' matmuls only,
+    no gradient all-reduce, no update; the forward and the input gradients are unchanged, and
+    the model FLOPs are the forward and the input gradients' (2 of the 3 passes)."""
+    config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=4, max_seq_len=8, **BF16)
+    lay, h100 = ClusterLayout(stages=2, data=2, microbatches=4), DEVICES["h100"]
+    full, frozen = (stage_costs(config, lay, h100, batch=8, seq=8, trainable=t) for t in (1, 0))
+    for s in range(2):
+        assert frozen.actions[("W", s)] == 0 < full.actions[("W", s)]
+        for kind in "FI":
+            assert frozen.actions[(kind, s)] == full.actions[(kind, s)]
+    assert frozen.updates == [0.0, 0.0] < full.updates
+    steps = [step_cost(config, lay, h100, batch=8, seq=8, trainable=t) for t in (1, 0)]
+    assert steps[1].step_seconds < steps[0].step_seconds
+    assert steps[1].model_flops == pytest.approx(steps[0].model_flops * 2 / 3)
+    plans = [evaluate(config, lay, h100, batch=8, seq=8, trainable=t) for t in (1, 0)]
+    assert [t.optimizer for t in plans[1].memory.tasks] == [0, 0]
+    assert plans[1].memory.peak < plans[0].memory.peak
+    assert "0% of the weights trained (LoRA" in str(plans[1])

@@ -146,18 +146,25 @@ def test_layout_from_refuses_a_contradicting_flag_another_batch_and_a_bad_file(t
         "than its --model-axis 2: another model"
     ) in capsys.readouterr().err
     # a DPO run is refused (its pairs and reference forward are not modelled); a LoRA run is
-    # planned as full training, said on stderr
-    for extra, said in [
-        ({"dpo": True}, "is a --dpo run: mmnnx plan models a step of next-token training"),
-        ({"lora_rank": 4}, "a --lora-rank 4 run, planned as training every parameter"),
-    ]:
+    # planned with its base frozen: no gradients, optimizer state, weight gradients or update
+    plans = {}
+    for extra in ({}, {"lora_rank": 4}, {"dpo": True}):
         write_config(
             run / "config.toml", resolved_config(RunConfig.of({**options, **extra}).options())
         )
-        code = main(["plan", "--run", str(run), *CPU, "--memory", "1GiB", "--layout", "tp=2"])
-        assert code == (2 if "dpo" in extra else 0)
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and said in err, err
+        code = main(
+            ["plan", "--run", str(run), *CPU, "--memory", "1GiB", "--layout", "tp=2", "--json"]
+        )
+        out, err = capsys.readouterr()
+        assert code == (2 if "dpo" in extra else 0), err
+        plans[tuple(extra)] = json.loads(out) if code == 0 else err
+    assert "is a --dpo run: mmnnx plan models a step of next-token training" in plans[("dpo",)]
+    full, lora = plans[()], plans[("lora_rank",)]
+    assert (full["trainable"], lora["trainable"]) == (1.0, 0.0)
+    assert all(t["gradients"] == t["optimizer"] == 0 for t in lora["stages"])
+    assert all(t["gradients"] > 0 and t["optimizer"] > 0 for t in full["stages"])
+    peaks = [max(t["peak_bytes"] for t in plan["stages"]) for plan in (full, lora)]
+    assert peaks[1] < peaks[0] and lora["step_seconds"] < full["step_seconds"]
     llama = str(pathlib.Path(__file__).parent / "plan_fixtures" / "configs" / "llama3-70b")
     assert main(["plan", "--init-from", llama, "--devices", "8", "--device", "cpu"]) == 2
     assert "--device cpu has no published numbers: give --flops and --bandwidth" in (

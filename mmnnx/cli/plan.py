@@ -124,8 +124,6 @@ def run(args: argparse.Namespace) -> int:
         if options.run is not None:
             planned_run = PlannedRun.read(options.run)
             config = planned_run.config(max_seq_len=options.seq_len)
-            if planned_run.caveat():
-                print(f"mmnnx plan: {planned_run.caveat()}", file=sys.stderr)
         else:
             config = pretrained_config(
                 config_directory(options.init_from), param_dtype=options.param_dtype,
@@ -156,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return error(f"--layout: {e}")
     collectives = PUBLISHED if options.collectives == "published" else ENGINE
+    trainable = planned_run.trainable if planned_run else 1.0
     if planned_run and "tensor" in fixed and not planned_run.keeps_model(fixed["tensor"], config):
         return error(
             f"--layout tp={fixed['tensor']}: --model-axis {fixed['tensor']} pads the vocabulary "
@@ -165,10 +164,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if _complete(fixed, options.devices):
             step = evaluate(config, ClusterLayout(**fixed), device, batch=batch, seq=seq,
-                            collectives=collectives)  # fmt: skip
+                            collectives=collectives, trainable=trainable)  # fmt: skip
         else:
             step = plan_cluster(config, options.devices, device, batch=batch, seq=seq,
-                                fixed=fixed, collectives=collectives)  # fmt: skip
+                                fixed=fixed, collectives=collectives,
+                                trainable=trainable)  # fmt: skip
             if planned_run and not planned_run.keeps_model(step.layout.tensor, config):
                 tensor = planned_run.run.layout.model_axis  # the vocabulary is padded to it
                 print(f"mmnnx plan: --run: --model-axis {step.layout.tensor} would pad the "
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
                       f"with tensor={tensor}", file=sys.stderr)  # fmt: skip
                 step = plan_cluster(config, options.devices, device, batch=batch, seq=seq,
                                     fixed={**fixed, "tensor": tensor},
-                                    collectives=collectives)  # fmt: skip
+                                    collectives=collectives, trainable=trainable)  # fmt: skip
     except (NoCandidateError, ValueError) as e:
         return error(str(e))
     print(json.dumps(step.to_json()) if options.json else step)

@@ -40,16 +40,11 @@ class PlannedRun:
             )
         return cls(run, load_tokenizer(folder / "tokenizer").vocab_size)
 
-    def caveat(self) -> str | None:
-        """What the plan overstates for this run, if anything: a ``--lora-rank`` run is planned
-        as if it trained every parameter (its memory and step are at most the plan's)."""
-        if not self.run.model.lora_rank:
-            return None
-        return (
-            f"--run: a --lora-rank {self.run.model.lora_rank} run, planned as training every "
-            "parameter: its frozen base needs no gradients, no optimizer state and no weight "
-            "gradients' matmuls, so its memory and step are at most what this plan says"
-        )
+    @property
+    def trainable(self) -> float:
+        """The share of the run's weights it trains: ``0`` for a ``--lora-rank`` run (its
+        frozen base; the adapters are not charged), else ``1``."""
+        return 0.0 if self.run.model.lora_rank else 1.0
 
     def config(self, *, max_seq_len: int | None = None, model_axis: int | None = None) -> Any:
         """The run's ``GPTConfig`` (with another ``max_seq_len`` or ``--model-axis``)."""

@@ -77,6 +77,7 @@ class PlannedStep:
     batch: int
     seq: int
     collectives: Collectives
+    trainable: float = 1.0  # the share of the weights trained (0: LoRA's frozen base)
     searched: int = 1  # layouts the search ranked
 
     @property
@@ -114,6 +115,7 @@ class PlannedStep:
             "mfu": self.mfu,
             "fits": self.fits,
             "collectives": dataclasses.asdict(self.collectives),
+            "trainable": self.trainable,
             "layouts_searched": self.searched,
             "assumptions": assumptions(self.device, self.collectives),
         }
@@ -133,6 +135,10 @@ class PlannedStep:
             "assumptions:",
             *(f"  - {a}" for a in assumptions(self.device, self.collectives)),
         ]
+        if self.trainable < 1:
+            lines.append(f"  - {self.trainable:.0%} of the weights trained (LoRA: the frozen "
+                         "base has no gradients, optimizer state, weight gradients' matmuls "
+                         "or reduce; the adapters are not charged)")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -180,11 +186,12 @@ def _rate(flops: float) -> str:
 
 def evaluate(
     config: GPTConfig, layout: ClusterLayout, device: DeviceSpec, *, batch: int, seq: int,
-    collectives: Collectives = ENGINE,
+    collectives: Collectives = ENGINE, trainable: float = 1.0,
 ) -> PlannedStep:  # fmt: skip
     """``layout`` evaluated: its memory per task and its predicted step. With
     ``collectives`` other than mmnnx's engine, memory is charged as a reference framework
-    holds it (``predict_memory(reference=True)``).
+    holds it (``predict_memory(reference=True)``). ``trainable``: the share of the weights
+    trained (``0``: LoRA's frozen base, as ``predict_memory`` and ``stage_costs`` take it).
 
     Example:
         >>> from mmnnx.partition.cost import DEVICES
@@ -197,11 +204,12 @@ def evaluate(
     memory = predict_memory(
         config, layout.memory_layout(config), batch=batch, seq_len=seq, schedule=layout.schedule,
         microbatches=layout.microbatches, remat=layout.remat,
-        reference=collectives != ENGINE,
+        reference=collectives != ENGINE, trainable=trainable,
     )  # fmt: skip
-    cost = step_cost(config, layout, device, batch=batch, seq=seq, collectives=collectives)
+    cost = step_cost(config, layout, device, batch=batch, seq=seq, collectives=collectives,
+                     trainable=trainable)  # fmt: skip
     return PlannedStep(layout=layout, memory=memory, cost=cost, device=device, batch=batch,
-                       seq=seq, collectives=collectives)  # fmt: skip
+                       seq=seq, collectives=collectives, trainable=trainable)  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:
@@ -271,10 +279,11 @@ def _schedules(stages: int, depth: int, fixed: Mapping[str, Any]) -> list[tuple[
     return out
 
 
-def _estimate(config, layout, device, batch, seq, collectives) -> float:
+def _estimate(config, layout, device, batch, seq, collectives, trainable) -> float:
     """A step's seconds without simulating: the schedule's textbook bubble on the slowest
     stage's costs (ranks the candidates; the chosen ones are simulated)."""
-    costs = stage_costs(config, layout, device, batch=batch, seq=seq, collectives=collectives)
+    costs = stage_costs(config, layout, device, batch=batch, seq=seq, collectives=collectives,
+                        trainable=trainable)  # fmt: skip
     p, v, m = layout.stages, layout.virtual_stages, layout.microbatches
     f, b, w = (max(c for (k, _), c in costs.actions.items() if k == kind) * v for kind in "FBW")
     if layout.schedule.startswith("zero-bubble"):
@@ -298,7 +307,8 @@ def _held(layout: ClusterLayout, rank: int) -> float:
 
 
 @functools.lru_cache(maxsize=1024)
-def _affine_memory(config, layout: ClusterLayout, seq: int, reference: bool) -> tuple:
+def _affine_memory(config, layout: ClusterLayout, seq: int, reference: bool,
+                   trainable: float) -> tuple:  # fmt: skip
     """Per task, the bytes held while microbatches run with one microbatch in flight and its
     activations, each as ``(at one sequence per device, per more sequence)``, and the update's
     bytes: ``predict_memory`` of one and of two sequences per device (its terms are affine in
@@ -309,6 +319,7 @@ def _affine_memory(config, layout: ClusterLayout, seq: int, reference: bool) -> 
         return predict_memory(
             config, layout.memory_layout(config), batch=sequences * shards, seq_len=seq,
             schedule=layout.schedule, remat=layout.remat, reference=reference,
+            trainable=trainable,
         ).tasks  # fmt: skip
 
     out = []
@@ -318,7 +329,8 @@ def _affine_memory(config, layout: ClusterLayout, seq: int, reference: bool) -> 
     return tuple(out)
 
 
-def _memory_estimate(config, layout: ClusterLayout, batch: int, seq: int, reference: bool) -> float:
+def _memory_estimate(config, layout: ClusterLayout, batch: int, seq: int, reference: bool,
+                     trainable: float) -> float:  # fmt: skip
     """A layout's peak bytes per device, fast: every term but the activations as
     ``predict_memory`` charges them, the activations times the microbatches the schedule
     holds (:func:`_held`; ``predict_memory`` simulates it)."""
@@ -326,7 +338,8 @@ def _memory_estimate(config, layout: ClusterLayout, batch: int, seq: int, refere
     axes = dataclasses.replace(layout, schedule=gpipe, microbatches=1)
     sequences = batch / layout.microbatches / (layout.data * layout.expert)
     worst = 0.0
-    for rank, (held, act, update) in enumerate(_affine_memory(config, axes, seq, reference)):
+    affine = _affine_memory(config, axes, seq, reference, trainable)
+    for rank, (held, act, update) in enumerate(affine):
         pipelined = held[0] + held[1] * (sequences - 1)
         activations = act[0] + act[1] * (sequences - 1)
         worst = max(worst, pipelined + activations * (_held(layout, rank) - 1), update)
@@ -336,12 +349,13 @@ def _memory_estimate(config, layout: ClusterLayout, batch: int, seq: int, refere
 def plan_cluster(
     config: GPTConfig, devices: int, device: DeviceSpec, *, batch: int, seq: int,
     fixed: Mapping[str, Any] | None = None, collectives: Collectives = ENGINE,
-    keep: int = 3,
+    keep: int = 3, trainable: float = 1.0,
 ) -> PlannedStep:  # fmt: skip
     """The fastest layout of ``devices`` x ``device`` that fits, training ``GPT(config)`` on
     ``batch`` sequences of ``seq`` tokens: every candidate (:func:`candidates`, ``fixed``'s
     fields as given) ranked by an estimate of its step, the fastest ones whose memory fits
     (at most 48 predicted) simulated, the best of ``keep`` fitting ones returned.
+    ``trainable``: the share of the weights trained (:func:`evaluate`'s).
 
     Example:
         >>> from mmnnx.partition.cost import DEVICES
@@ -364,7 +378,7 @@ def plan_cluster(
     small, least = [], (float("inf"), None)
     for lay in lays:
         try:
-            estimate = _memory_estimate(config, lay, batch, seq, reference)
+            estimate = _memory_estimate(config, lay, batch, seq, reference, trainable)
         except ValueError:  # a schedule this layout cannot run
             continue
         least = min(least, (estimate, lay), key=lambda pair: pair[0])
@@ -379,11 +393,14 @@ def plan_cluster(
             f"{format_bytes(device.memory)} per {device.name}{where}",
             [],
         )
-    ranked = sorted(small, key=lambda lay: _estimate(config, lay, device, batch, seq, collectives))
+    ranked = sorted(
+        small, key=lambda lay: _estimate(config, lay, device, batch, seq, collectives, trainable)
+    )
     fitting, checked, smallest = [], [], None
     for lay in ranked[:_CHECKED]:
         try:
-            step = evaluate(config, lay, device, batch=batch, seq=seq, collectives=collectives)
+            step = evaluate(config, lay, device, batch=batch, seq=seq, collectives=collectives,
+                            trainable=trainable)  # fmt: skip
         except ValueError:  # a schedule this layout cannot run
             continue
         checked.append(step)

@@ -324,10 +324,11 @@ class StageCosts:
 
 def stage_costs(
     config: GPTConfig, layout: ClusterLayout, device: DeviceSpec, *, batch: int, seq: int,
-    collectives: Collectives = ENGINE, optimizer: str = "adamw",
+    collectives: Collectives = ENGINE, optimizer: str = "adamw", trainable: float = 1.0,
 ) -> StageCosts:  # fmt: skip
     """Each model stage's costs (:class:`StageCosts`) training on ``batch`` sequences of
-    ``seq`` tokens.
+    ``seq`` tokens, ``trainable`` the share of the weights trained (``0`` for LoRA's frozen
+    base: no weight gradients' matmuls, reduce or update; the adapters' are not charged).
 
     Example:
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
@@ -361,20 +362,21 @@ def stage_costs(
         gather = ring(weights * (act if collectives.gathers == "step" else param), f, data_bw)
         if collectives.gathers == "step" and lay.microbatches == 1:  # for forward and backward
             gather *= 2
-        reduce = ring(weights * param, d * e, data_bw, passes=1 if f > 1 and per_step else 2)
+        trained = weights * trainable
+        reduce = ring(trained * param, d * e, data_bw, passes=1 if f > 1 and per_step else 2)
         in_action = 0.0 if collectives.gathers == "step" else gather
         recompute = compute + comm if lay.remat == "full" else 0.0
         half = device.backward / 2 * compute  # the input and the weight gradients' matmuls
         costs[("F", s)] = compute + comm + in_action
         costs[("I", s)] = half + comm + recompute + in_action
-        costs[("W", s)] = half + (0.0 if per_step else reduce)
+        costs[("W", s)] = half * trainable + (0.0 if per_step else reduce)
         costs[("B", s)] = costs[("I", s)] + costs[("W", s)]
         gathers.append(gather - in_action)
         reduces.append(reduce if per_step else 0.0)
-        state = weights / f * param * (3 + 2 * OPTIMIZER_COPIES[optimizer])  # read, write
+        state = trained / f * param * (3 + 2 * OPTIMIZER_COPIES[optimizer])  # read, write
         updates.append(state / device.memory_bandwidth)
         busy = costs[("F", s)] + costs[("B", s)]
-        share = max(share, (1 + device.backward) * compute / busy)
+        share = max(share, (1 + device.backward * (1 + trainable) / 2) * compute / busy)
     # two neighbouring stages' devices: one node's links when both fit in it; published
     # frameworks send each tensor-parallel device's slice, gathered on arrival (Megatron)
     sent = tokens * config.dim * act / (t if per_step else 1)
@@ -401,13 +403,15 @@ class StepCost:
 def step_cost(
     config: GPTConfig, layout: ClusterLayout, device: DeviceSpec, *, batch: int, seq: int,
     collectives: Collectives = ENGINE, costs: StageCosts | None = None, one_host: bool = False,
+    trainable: float = 1.0,
 ) -> StepCost:  # fmt: skip
     """The predicted step of training ``GPT(config)`` on ``layout`` over ``device``s with
     ``batch`` sequences of ``seq`` tokens: the schedule simulated with each action's costs
     (``costs``, by default :func:`stage_costs`), transfers and launches (each pipeline task's
     programs launched by a host of its own, ``device.launch`` seconds each; ``one_host``: one
     host launches every task's); beside it, each task's once-per-step collectives on its
-    network link (:class:`Collectives`); then its update.
+    network link (:class:`Collectives`); then its update. ``trainable``: as
+    :func:`stage_costs`'s, the model FLOPs those of its forward and backward.
 
     Example:
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
@@ -418,7 +422,7 @@ def step_cost(
     """
     count = layout.stages * layout.virtual_stages
     costs = costs or stage_costs(config, layout, device, batch=batch, seq=seq,
-                                 collectives=collectives)  # fmt: skip
+                                 collectives=collectives, trainable=trainable)  # fmt: skip
     table = sched.get(layout.schedule, count, layout.microbatches, layout.virtual_stages)
     moves = {(k, s): costs.transfer for k in ("F", "B", "I") for s in range(count)}
     hosts = (0,) * table.num_ranks if one_host else tuple(range(table.num_ranks))
@@ -443,6 +447,6 @@ def step_cost(
     step = max(ends)
     return StepCost(
         step_seconds=step, makespan=result.makespan, per_step_seconds=step - result.makespan,
-        bubble=result.bubble_fraction, model_flops=model_flops_per_token(config, seq) * batch * seq,
-        stages=costs,
+        bubble=result.bubble_fraction, stages=costs,
+        model_flops=model_flops_per_token(config, seq) * batch * seq * (2 + trainable) / 3,
     )  # fmt: skip
