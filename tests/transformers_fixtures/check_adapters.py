@@ -31,20 +31,13 @@ import numpy as np
 import peft
 import torch
 import transformers
+from make_fixtures import TOKENS
+from oracle import in_float32, logits, relative_error, write_verdict
 from peft import PeftModel
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM
 
 HERE = pathlib.Path(__file__).parent
-
-
-def _error(model, tokens, ours) -> float:
-    with torch.no_grad():
-        return _relative(ours, model(tokens).logits.numpy().astype(np.float64))
-
-
-def _relative(ours: np.ndarray, theirs: np.ndarray) -> float:
-    return float(np.abs(theirs - ours).max() / np.abs(theirs).max())
 
 
 def _holder(tensor: np.ndarray, name: str, lora: dict) -> str | None:
@@ -55,27 +48,23 @@ def _holder(tensor: np.ndarray, name: str, lora: dict) -> str | None:
 
 
 def main(root: pathlib.Path, verdict_name: str = "adapters_verdict.json") -> None:
-    tokens = torch.tensor(json.loads((HERE / "versions.json").read_text())["tokens"])
     cases = {}
     for adapter in sorted(root.glob("*-adapter")):
         name = adapter.name.removesuffix("-adapter")
         ours = np.load(root / f"{name}-merged.npy").astype(np.float64)
-        base_model = AutoModelForCausalLM.from_pretrained(HERE / name, dtype=torch.float32).eval()
-        with torch.no_grad():
-            before = base_model(tokens).logits.numpy().astype(np.float64)
+        before = logits(
+            AutoModelForCausalLM.from_pretrained(HERE / name, dtype=torch.float32), TOKENS
+        )
         base = AutoModelForCausalLM.from_pretrained(HERE / name, dtype=torch.float32)
-        model = PeftModel.from_pretrained(base, adapter).eval()
-        with torch.no_grad():
-            peft_logits = model(tokens).logits.numpy().astype(np.float64)
+        model = PeftModel.from_pretrained(base, adapter)
+        peft_logits = logits(model, TOKENS)
         state = {k.replace(".default", ""): v for k, v in model.state_dict().items()}
         stored = load_file(adapter / "adapter_model.safetensors")
         lora = {k: v.numpy() for k, v in state.items() if "lora_" in k}
         placed = {n: _holder(t, n, lora) for n, t in stored.items()}
         missing = sorted(n for n, k in placed.items() if k is None)
         extra = sorted(set(lora) - set(placed.values()))
-        merged, info = AutoModelForCausalLM.from_pretrained(
-            root / f"{name}-merged", dtype=torch.float32, output_loading_info=True
-        )
+        merged, info = in_float32(root / f"{name}-merged")
         config = json.loads((adapter / "adapter_config.json").read_text())
         cases[name] = {
             "target_modules": config["target_modules"],
@@ -85,20 +74,14 @@ def main(root: pathlib.Path, verdict_name: str = "adapters_verdict.json") -> Non
             "renamed": sum(k is not None and k != n for n, k in placed.items()),
             "not_loaded": missing[:8],
             "lora_tensors_not_in_file": extra[:8],
-            "adapter_moves_logits": _relative(peft_logits, before),
-            "peft_logits_error": _error(model, tokens, ours),
-            "merged_logits_error": _error(merged.eval(), tokens, ours),
+            "adapter_moves_logits": relative_error(peft_logits, before),
+            "peft_logits_error": relative_error(ours, peft_logits),
+            "merged_logits_error": relative_error(ours, logits(merged, TOKENS)),
             "merged_missing_keys": sorted(info["missing_keys"])[:8],
             "merged_unexpected_keys": sorted(info["unexpected_keys"])[:8],
         }
         print(name, {k: v for k, v in cases[name].items() if not k.startswith("target_")})
-    verdict = {
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "torch": torch.__version__,
-        "cases": cases,
-    }
-    (HERE / verdict_name).write_text(json.dumps(verdict, indent=2) + "\n")
+    write_verdict(HERE / verdict_name, cases, (transformers, peft, torch))
 
 
 if __name__ == "__main__":

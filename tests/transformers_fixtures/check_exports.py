@@ -28,86 +28,78 @@ import json
 import pathlib
 import sys
 
-import numpy as np
-import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from oracle import check_cases, in_float32
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 HERE = pathlib.Path(__file__).parent
 SMALL = ("config.json", "generation_config.json", "tokenizer_config.json")
 
 
-def main(root: pathlib.Path, verdict_name: str = "exports_verdict.json") -> None:
-    tokens = torch.tensor(json.loads((HERE / "versions.json").read_text())["tokens"])
-    cases = {}
-    for case in sorted(p for p in root.iterdir() if p.is_dir() and p.with_suffix(".npy").exists()):
-        expected = json.loads(case.with_suffix(".json").read_text())
-        model, info = AutoModelForCausalLM.from_pretrained(
-            case, dtype=torch.float32, output_loading_info=True
-        )
-        with torch.no_grad():
-            theirs = model.eval()(tokens).logits.numpy().astype(np.float64)
-        ours = np.load(case.with_suffix(".npy")).astype(np.float64)
-        tokenizer = AutoTokenizer.from_pretrained(case)
-        text = expected["text"]
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        chat = None
-        if tokenizer.chat_template is not None:
-            chat = tokenizer.apply_chat_template(
-                [{"role": "user", "content": "hi"}], tokenize=False
-            )
-        generation = GenerationConfig.from_pretrained(case)
-        seen = {
-            "architecture": type(model).__name__,
-            "missing_keys": sorted(info["missing_keys"]),
-            "unexpected_keys": sorted(info["unexpected_keys"]),
-            "mismatched_keys": [list(map(str, k)) for k in info["mismatched_keys"]],
-            "logits_error": float(np.abs(theirs - ours).max() / np.abs(theirs).max()),
-            "tokenizer": {
-                "class": type(tokenizer).__name__,
-                "ids": ids,
-                "ids_with_special_tokens": tokenizer.encode(text),
-                "decoded": tokenizer.decode(ids),
-                "bos_token": tokenizer.bos_token,
-                "eos_token": tokenizer.eos_token,
-                "bos_token_id": tokenizer.bos_token_id,
-                "eos_token_id": tokenizer.eos_token_id,
-                "chat_template": tokenizer.chat_template,
-                "chat": chat,
-            },
-            "generation": {
-                "bos_token_id": generation.bos_token_id,
-                "eos_token_id": generation.eos_token_id,
-                "temperature": generation.temperature,
-            },
-            "files": {
-                name: json.loads((case / name).read_text())
-                for name in SMALL
-                if (case / name).exists()
-            },
-        }
-        tok = seen["tokenizer"]
-        seen["checks"] = {
-            "all_tensors_loaded": not (seen["missing_keys"] or seen["unexpected_keys"]),
-            "no_shape_mismatch": not seen["mismatched_keys"],
-            "logits_equal": seen["logits_error"] < 1e-5,
-            "same_ids": ids == expected["ids"],
-            "decodes_back": tok["decoded"] == text,
-            "bos_token": tok["bos_token"] == expected["bos_token"],
-            "eos_token": tok["eos_token"] == expected["eos_token"],
-            "bos_added_as_the_base": (
-                tok["ids_with_special_tokens"][:1] == [tok["bos_token_id"]]
-                if expected["bos_token"]
-                else tok["ids_with_special_tokens"] == ids
-            ),
-            "chat_template": tok["chat_template"] == expected["chat_template"],
-            "generation_eos": generation.eos_token_id == expected["eos_token_id"],
-        }
-        cases[case.name] = seen
-        print(case.name, seen["checks"], f"{seen['logits_error']:.2e}")
-    verdict = {"transformers": transformers.__version__, "torch": torch.__version__, "cases": cases}
-    (HERE / verdict_name).write_text(json.dumps(verdict, indent=2) + "\n")
+def describe(case: pathlib.Path) -> tuple[PreTrainedModel, dict]:
+    """``case`` in float32 and the tensors transformers missed, did not expect or found of
+    another shape."""
+    model, info = in_float32(case)
+    return model, {
+        "architecture": type(model).__name__,
+        "missing_keys": sorted(info["missing_keys"]),
+        "unexpected_keys": sorted(info["unexpected_keys"]),
+        "mismatched_keys": [list(map(str, k)) for k in info["mismatched_keys"]],
+    }
+
+
+def finish(case: pathlib.Path, model: PreTrainedModel, seen: dict) -> dict:
+    """What transformers reads of ``case``'s tokenizer, generation defaults and small files,
+    and ``checks``: each expectation of ``<case>.json`` (and of ``seen``), true when met."""
+    expected = json.loads(case.with_suffix(".json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(case)
+    text = expected["text"]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    chat = None
+    if tokenizer.chat_template is not None:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    generation = GenerationConfig.from_pretrained(case)
+    tok = {
+        "class": type(tokenizer).__name__,
+        "ids": ids,
+        "ids_with_special_tokens": tokenizer.encode(text),
+        "decoded": tokenizer.decode(ids),
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "chat_template": tokenizer.chat_template,
+        "chat": chat,
+    }
+    checks = {
+        "all_tensors_loaded": not (seen["missing_keys"] or seen["unexpected_keys"]),
+        "no_shape_mismatch": not seen["mismatched_keys"],
+        "logits_equal": seen["logits_error"] < 1e-5,
+        "same_ids": ids == expected["ids"],
+        "decodes_back": tok["decoded"] == text,
+        "bos_token": tok["bos_token"] == expected["bos_token"],
+        "eos_token": tok["eos_token"] == expected["eos_token"],
+        "bos_added_as_the_base": (
+            tok["ids_with_special_tokens"][:1] == [tok["bos_token_id"]]
+            if expected["bos_token"]
+            else tok["ids_with_special_tokens"] == ids
+        ),
+        "chat_template": tok["chat_template"] == expected["chat_template"],
+        "generation_eos": generation.eos_token_id == expected["eos_token_id"],
+    }
+    return {
+        "tokenizer": tok,
+        "generation": {
+            "bos_token_id": generation.bos_token_id,
+            "eos_token_id": generation.eos_token_id,
+            "temperature": generation.temperature,
+        },
+        "files": {
+            name: json.loads((case / name).read_text()) for name in SMALL if (case / name).exists()
+        },
+        "checks": checks,
+    }
 
 
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]), *sys.argv[2:3])
+    verdict = sys.argv[2] if len(sys.argv) > 2 else "exports_verdict.json"
+    check_cases(pathlib.Path(sys.argv[1]), HERE / verdict, describe, finish=finish)

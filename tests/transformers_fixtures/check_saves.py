@@ -13,39 +13,21 @@ difference between transformers' float32 logits from those files and mmnnx's, re
 largest logit.
 """
 
-import json
 import pathlib
 import sys
 
-import numpy as np
-import torch
-import transformers
-from transformers import AutoModelForCausalLM
+from oracle import as_saved, check_cases, in_float32
+from transformers import PreTrainedModel
 
 HERE = pathlib.Path(__file__).parent
 
 
-def main(root: pathlib.Path) -> None:
-    tokens = torch.tensor(json.loads((HERE / "versions.json").read_text())["tokens"])
-    cases = {}
-    for case in sorted(p for p in root.iterdir() if p.is_dir() and p.with_suffix(".npy").exists()):
-        auto = AutoModelForCausalLM.from_pretrained(case, dtype="auto")
-        wide = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32).eval()
-        with torch.no_grad():
-            theirs = wide(tokens).logits.numpy().astype(np.float64)
-        ours = np.load(case.with_suffix(".npy")).astype(np.float64)
-        error = float(np.abs(theirs - ours).max() / np.abs(theirs).max())
-        rope = dict(auto.config.rope_parameters)
-        cases[case.name] = {
-            "config": json.loads((case / "config.json").read_text()),
-            "dtype": str(auto.dtype).removeprefix("torch."),
-            "rope_parameters": dict(sorted(rope.items())),
-            "logits_error": error,
-        }
-        print(case.name, cases[case.name]["dtype"], rope, f"{error:.2e}")
-    verdict = {"transformers": transformers.__version__, "torch": torch.__version__, "cases": cases}
-    (HERE / "verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+def describe(case: pathlib.Path) -> tuple[PreTrainedModel, dict]:
+    """``case`` in float32 and its record: config, dtype and resolved ``rope_parameters``."""
+    auto, record = as_saved(case)
+    rope = dict(sorted(auto.config.rope_parameters.items()))
+    return in_float32(case)[0], {**record, "rope_parameters": rope}
 
 
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    check_cases(pathlib.Path(sys.argv[1]), HERE / "verdict.json", describe)

@@ -31,7 +31,7 @@ import sys
 
 import numpy as np
 import torch
-import transformers
+from oracle import as_saved, check_cases, config_of, in_float32
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -202,35 +202,16 @@ def main() -> None:
     write_fp8(out, model)
 
 
-def check_saves(root: pathlib.Path) -> None:
-    """Loads what mmnnx's ``save_pretrained`` wrote (tests/test_family_deepseek.py's
-    ``save_saves``) in transformers and keeps the verdict as ``deepseek_v3/saves_verdict.json``:
-    the config mmnnx wrote, the dtype transformers loads it in, and the largest difference
-    between transformers' float32 logits from those files and mmnnx's, relative to the largest
-    logit. A checkpoint transformers refuses (its CPU FP8 dequantizer takes no partial edge
-    blocks, as DeepSeek-V3 publishes and the FP8 fixture has) records the errors it logged,
-    ``load_errors``; the FP8 fixture itself is tried as ``fixture-fp8``."""
-    cases = {"fixture-fp8": {"load_errors": _load_errors(HERE / "deepseek_v3_fp8")}}
-    for case in sorted(p for p in root.iterdir() if p.is_dir() and p.with_suffix(".npy").exists()):
-        if errors := _load_errors(case):
-            config = json.loads((case / "config.json").read_text())
-            cases[case.name] = {"config": config, "load_errors": errors}
-            print(case.name, errors)
-            continue
-        auto = DeepseekV3ForCausalLM.from_pretrained(case, dtype="auto")
-        wide = DeepseekV3ForCausalLM.from_pretrained(case, dtype=torch.float32).eval()
-        with torch.no_grad():
-            theirs = wide(torch.tensor(TOKENS)).logits.numpy().astype(np.float64)
-        ours = np.load(case.with_suffix(".npy")).astype(np.float64)
-        error = float(np.abs(theirs - ours).max() / np.abs(theirs).max())
-        cases[case.name] = {
-            "config": json.loads((case / "config.json").read_text()),
-            "dtype": str(auto.dtype).removeprefix("torch."),
-            "logits_error": error,
-        }
-        print(case.name, cases[case.name]["dtype"], f"{error:.2e}")
-    verdict = {"transformers": transformers.__version__, "torch": torch.__version__, "cases": cases}
-    (HERE / "deepseek_v3" / "saves_verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+def describe(case: pathlib.Path) -> tuple[DeepseekV3ForCausalLM | None, dict]:
+    """What mmnnx's ``save_pretrained`` wrote (tests/test_family_deepseek.py's ``save_saves``)
+    in float32 and its record: the config mmnnx wrote and the dtype transformers loads it in
+    (``deepseek_v3/saves_verdict.json``). A checkpoint transformers refuses (its CPU FP8
+    dequantizer takes no partial edge blocks, as DeepSeek-V3 publishes and the FP8 fixture has)
+    records the errors it logged, ``load_errors``, and no model; the FP8 fixture itself is tried
+    as ``fixture-fp8``."""
+    if errors := _load_errors(case):
+        return None, {"config": config_of(case), "load_errors": errors}
+    return in_float32(case, DeepseekV3ForCausalLM)[0], as_saved(case, DeepseekV3ForCausalLM)[1]
 
 
 def _load_errors(case: pathlib.Path) -> list[str]:
@@ -252,6 +233,8 @@ def _load_errors(case: pathlib.Path) -> list[str]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--check"]:
-        check_saves(pathlib.Path(sys.argv[2]))
+        fp8 = {"fixture-fp8": {"load_errors": _load_errors(HERE / "deepseek_v3_fp8")}}
+        verdict = HERE / "deepseek_v3" / "saves_verdict.json"
+        check_cases(pathlib.Path(sys.argv[2]), verdict, describe, tokens=TOKENS, cases=fp8)
     else:
         main()

@@ -31,6 +31,7 @@ import sys
 import numpy as np
 import torch
 import transformers
+from oracle import as_saved, check_cases, in_float32
 from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
 HERE = pathlib.Path(__file__).parent
@@ -99,37 +100,25 @@ def make() -> None:
     )
 
 
-def check(root: pathlib.Path) -> None:
-    tokens = torch.tensor(np.load(OUT / "expected.npz")["tokens"])
-    cases = {}
-    for case in sorted(p for p in root.iterdir() if p.is_dir() and p.with_suffix(".npy").exists()):
-        ours = np.load(case.with_suffix(".npy")).astype(np.float64)
-        if (case / "adapter_config.json").exists():
-            from peft import PeftModel
+def describe(case: pathlib.Path) -> tuple[torch.nn.Module, dict]:
+    """``case`` in float32 (an adapter: PEFT's onto the fixture) and its record: the config, the
+    dtype, ``rope_parameters`` and ``layer_types`` transformers resolves (the adapter's config)."""
+    if (case / "adapter_config.json").exists():
+        from peft import PeftModel
 
-            base = AutoModelForCausalLM.from_pretrained(OUT, dtype=torch.float32)
-            wide = PeftModel.from_pretrained(base, case).eval()
-            record = {"adapter_config": json.loads((case / "adapter_config.json").read_text())}
-        else:
-            auto = AutoModelForCausalLM.from_pretrained(case, dtype="auto")
-            wide = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32).eval()
-            record = {
-                "config": json.loads((case / "config.json").read_text()),
-                "dtype": str(auto.dtype).removeprefix("torch."),
-                "rope_parameters": auto.config.rope_parameters,
-                "layer_types": auto.config.layer_types,
-            }
-        with torch.no_grad():
-            theirs = wide(tokens).logits.numpy().astype(np.float64)
-        record["logits_error"] = float(np.abs(theirs - ours).max() / np.abs(theirs).max())
-        cases[case.name] = record
-        print(case.name, f"{record['logits_error']:.2e}")
-    verdict = {"transformers": transformers.__version__, "torch": torch.__version__, "cases": cases}
-    (OUT / "verdict.json").write_text(json.dumps(verdict, indent=2, sort_keys=True) + "\n")
+        base = AutoModelForCausalLM.from_pretrained(OUT, dtype=torch.float32)
+        adapter = json.loads((case / "adapter_config.json").read_text())
+        return PeftModel.from_pretrained(base, case), {"adapter_config": adapter}
+    auto, record = as_saved(case)
+    rope, layers = auto.config.rope_parameters, auto.config.layer_types
+    return in_float32(case)[0], {**record, "rope_parameters": rope, "layer_types": layers}
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--check"]:
-        check(pathlib.Path(sys.argv[2]))
+        tokens = np.load(OUT / "expected.npz")["tokens"]
+        check_cases(
+            pathlib.Path(sys.argv[2]), OUT / "verdict.json", describe, tokens=tokens, sort_keys=True
+        )
     else:
         make()

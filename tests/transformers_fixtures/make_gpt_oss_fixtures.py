@@ -35,10 +35,10 @@ import sys
 
 import numpy as np
 import torch
-import transformers
 from make_fixtures import TOKENS
+from oracle import check_cases, loaded
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
+from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, PreTrainedModel
 from transformers.integrations.mxfp4 import FP4_VALUES
 
 HERE = pathlib.Path(__file__).parent
@@ -136,33 +136,14 @@ def write_fixtures() -> None:
     print("mxfp4: logits differ from float by", float(np.abs(theirs - logits).max()))
 
 
-def check(root: pathlib.Path) -> None:
-    tokens = torch.tensor(TOKENS)
-    cases = {}
-    for case in sorted(p for p in root.iterdir() if p.is_dir() and p.with_suffix(".npy").exists()):
-        model, info = AutoModelForCausalLM.from_pretrained(
-            case, dtype=torch.float32, output_loading_info=True
-        )
-        with torch.no_grad():
-            theirs = model.eval()(tokens).logits.numpy().astype(np.float64)
-        ours = np.load(case.with_suffix(".npy")).astype(np.float64)
-        error = float(np.abs(theirs - ours).max() / np.abs(theirs).max())
-        cases[case.name] = {
-            "config": json.loads((case / "config.json").read_text()),
-            "class": type(model).__name__,
-            "missing": sorted(info["missing_keys"]),
-            "unexpected": sorted(info["unexpected_keys"]),
-            "mismatched": sorted(str(k) for k in info["mismatched_keys"]),
-            "layer_types": model.config.layer_types,
-            "logits_error": error,
-        }
-        print(case.name, type(model).__name__, f"{error:.2e}", info)
-    verdict = {"transformers": transformers.__version__, "torch": torch.__version__, "cases": cases}
-    (HERE / "gpt_oss_verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+def describe(case: pathlib.Path) -> tuple[PreTrainedModel, dict]:
+    """``case`` in float32 and what transformers loaded, with its ``layer_types``."""
+    model, record = loaded(case)
+    return model, {**record, "layer_types": model.config.layer_types}
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--check"]:
-        check(pathlib.Path(sys.argv[2]))
+        check_cases(pathlib.Path(sys.argv[2]), HERE / "gpt_oss_verdict.json", describe)
     else:
         write_fixtures()

@@ -39,12 +39,13 @@ import numpy as np
 import torch
 import transformers
 from make_fixtures import SMALL, TOKENS, moe_loss
+from oracle import check_cases, loaded
 from transformers import (
-    AutoModelForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    PreTrainedModel,
 )
 
 HERE = pathlib.Path(__file__).parent
@@ -98,31 +99,11 @@ def write_fixtures() -> None:
         print("  files:", sorted(p.name for p in out.iterdir()))
 
 
-def check(root: pathlib.Path) -> None:
-    tokens = torch.tensor(TOKENS)
-    cases = {}
-    for case in sorted(p for p in root.iterdir() if p.is_dir() and p.with_suffix(".npy").exists()):
-        model, info = AutoModelForCausalLM.from_pretrained(
-            case, dtype=torch.float32, output_loading_info=True
-        )
-        with torch.no_grad():
-            theirs = model.eval()(tokens).logits.numpy().astype(np.float64)
-        ours = np.load(case.with_suffix(".npy")).astype(np.float64)
-        error = float(np.abs(theirs - ours).max() / np.abs(theirs).max())
-        config = model.config
-        cases[case.name] = {
-            "config": json.loads((case / "config.json").read_text()),
-            "class": type(model).__name__,
-            "missing": sorted(info["missing_keys"]),
-            "unexpected": sorted(info["unexpected_keys"]),
-            "mismatched": sorted(str(k) for k in info["mismatched_keys"]),
-            "sliding_window": config.sliding_window,
-            "experts": getattr(config, "num_local_experts", None),
-            "logits_error": error,
-        }
-        print(case.name, type(model).__name__, f"{error:.2e}", info)
-    verdict = {"transformers": transformers.__version__, "torch": torch.__version__, "cases": cases}
-    (HERE / "mistral_verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+def describe(case: pathlib.Path) -> tuple[PreTrainedModel, dict]:
+    """``case`` in float32 and what transformers loaded, with its sliding window and experts."""
+    model, record = loaded(case)
+    experts = getattr(model.config, "num_local_experts", None)
+    return model, {**record, "sliding_window": model.config.sliding_window, "experts": experts}
 
 
 def write_fused() -> None:
@@ -161,6 +142,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--fused"]:
         write_fused()
     elif sys.argv[1:2] == ["--check"]:
-        check(pathlib.Path(sys.argv[2]))
+        check_cases(pathlib.Path(sys.argv[2]), HERE / "mistral_verdict.json", describe)
     else:
         write_fixtures()
