@@ -35,7 +35,6 @@ from make_fixtures import TOKENS
 from oracle import in_float32, logits, relative_error, write_verdict
 from peft import PeftModel
 from safetensors.numpy import load_file
-from transformers import AutoModelForCausalLM
 
 HERE = pathlib.Path(__file__).parent
 
@@ -52,11 +51,8 @@ def main(root: pathlib.Path, verdict_name: str = "adapters_verdict.json") -> Non
     for adapter in sorted(root.glob("*-adapter")):
         name = adapter.name.removesuffix("-adapter")
         ours = np.load(root / f"{name}-merged.npy").astype(np.float64)
-        before = logits(
-            AutoModelForCausalLM.from_pretrained(HERE / name, dtype=torch.float32), TOKENS
-        )
-        base = AutoModelForCausalLM.from_pretrained(HERE / name, dtype=torch.float32)
-        model = PeftModel.from_pretrained(base, adapter)
+        before = logits(in_float32(HERE / name)[0], TOKENS)
+        model = PeftModel.from_pretrained(in_float32(HERE / name)[0], adapter)
         peft_logits = logits(model, TOKENS)
         state = {k.replace(".default", ""): v for k, v in model.state_dict().items()}
         stored = load_file(adapter / "adapter_model.safetensors")

@@ -31,7 +31,7 @@ import sys
 
 import numpy as np
 import torch
-from oracle import as_saved, check_cases, config_of, in_float32
+from oracle import as_saved, check_cases, in_float32
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -209,8 +209,9 @@ def describe(case: pathlib.Path) -> tuple[DeepseekV3ForCausalLM | None, dict]:
     dequantizer takes no partial edge blocks, as DeepSeek-V3 publishes and the FP8 fixture has)
     records the errors it logged, ``load_errors``, and no model; the FP8 fixture itself is tried
     as ``fixture-fp8``."""
+    config = json.loads((case / "config.json").read_text())
     if errors := _load_errors(case):
-        return None, {"config": config_of(case), "load_errors": errors}
+        return None, {"config": config, "load_errors": errors}
     return in_float32(case, DeepseekV3ForCausalLM)[0], as_saved(case, DeepseekV3ForCausalLM)[1]
 
 

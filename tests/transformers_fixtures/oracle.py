@@ -1,17 +1,11 @@
-"""The check the oracle scripts beside this file share: each checkpoint mmnnx saved under a
-root, loaded in transformers 5 (or PEFT), its float32 logits of the fixture tokens compared with
-mmnnx's (``<case>.npy`` beside it), and what each script records of it kept as a verdict JSON.
-Not part of the test suite: imported by those scripts, run with the oracle venv (CPU torch,
-transformers 5, peft)::
-
-    from oracle import check_cases, loaded
-
-    check_cases(root, HERE / "x_verdict.json", loaded)  # config, class, tensors, logits_error
-"""
+"""The check the oracle scripts beside this file share: each checkpoint mmnnx saved, loaded in
+transformers 5 (or PEFT), its float32 logits compared with mmnnx's and what each script records
+of it kept as a verdict JSON. Not part of the test suite: imported by those scripts, run with
+the oracle venv (CPU torch, transformers 5, peft)."""
 
 import json
-import pathlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -19,9 +13,6 @@ import torch
 import transformers
 from make_fixtures import TOKENS
 from transformers import AutoModelForCausalLM, PreTrainedModel
-
-Describe = Callable[[pathlib.Path], tuple[torch.nn.Module | None, dict]]
-Finish = Callable[[pathlib.Path, torch.nn.Module, dict], dict]
 
 
 def logits(model: torch.nn.Module, tokens: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -37,27 +28,20 @@ def relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
     return float(np.abs(theirs - ours).max() / np.abs(theirs).max())
 
 
-def config_of(case: pathlib.Path) -> dict:
-    """The ``config.json`` written in ``case``: ``config_of(case)["model_type"]``."""
-    return json.loads((case / "config.json").read_text())
-
-
-def in_float32(
-    case: pathlib.Path, cls: type = AutoModelForCausalLM
-) -> tuple[PreTrainedModel, dict]:
+def in_float32(case: Path, cls: type = AutoModelForCausalLM) -> tuple[PreTrainedModel, dict]:
     """``case`` loaded by ``cls`` in float32 and transformers' loading info (its
     ``missing_keys``, ``unexpected_keys``, ``mismatched_keys``):
     ``model, info = in_float32(case)``."""
     return cls.from_pretrained(case, dtype=torch.float32, output_loading_info=True)
 
 
-def loaded(case: pathlib.Path) -> tuple[PreTrainedModel, dict]:
+def loaded(case: Path) -> tuple[PreTrainedModel, dict]:
     """``case`` in float32 and its record: the config written, the class transformers picks and
     the tensors it missed, did not expect, or found of another shape:
     ``model, record = loaded(case); record["missing"] == []``."""
     model, info = in_float32(case)
     return model, {
-        "config": config_of(case),
+        "config": json.loads((case / "config.json").read_text()),
         "class": type(model).__name__,
         "missing": sorted(info["missing_keys"]),
         "unexpected": sorted(info["unexpected_keys"]),
@@ -65,15 +49,16 @@ def loaded(case: pathlib.Path) -> tuple[PreTrainedModel, dict]:
     }
 
 
-def as_saved(case: pathlib.Path, cls: type = AutoModelForCausalLM) -> tuple[PreTrainedModel, dict]:
+def as_saved(case: Path, cls: type = AutoModelForCausalLM) -> tuple[PreTrainedModel, dict]:
     """``case`` loaded in the dtype it was saved in (``dtype="auto"``) and its record: the config
     written and that dtype: ``as_saved(case)[1]["dtype"] == "bfloat16"`` for a bfloat16 save."""
     auto = cls.from_pretrained(case, dtype="auto")
-    return auto, {"config": config_of(case), "dtype": str(auto.dtype).removeprefix("torch.")}
+    config = json.loads((case / "config.json").read_text())
+    return auto, {"config": config, "dtype": str(auto.dtype).removeprefix("torch.")}
 
 
 def write_verdict(
-    path: pathlib.Path,
+    path: Path,
     cases: dict,
     libraries: Sequence[ModuleType] = (transformers, torch),
     sort_keys: bool = False,
@@ -85,27 +70,25 @@ def write_verdict(
 
 
 def check_cases(
-    root: pathlib.Path,
-    verdict: pathlib.Path,
-    describe: Describe,
+    root: Path,
+    verdict: Path,
+    describe: Callable[[Path], tuple[torch.nn.Module | None, dict]],
     *,
     tokens: np.ndarray | torch.Tensor = TOKENS,
-    finish: Finish | None = None,
+    finish: Callable[[Path, torch.nn.Module, dict], dict] | None = None,
     cases: dict | None = None,
     sort_keys: bool = False,
 ) -> None:
-    """For each checkpoint directory ``<case>`` under ``root`` with mmnnx's logits of ``tokens``
-    beside it (``<case>.npy``): ``describe(case)`` loads it, giving the float32 model (``None``
-    where there is none to run) and what to record of it; the record gains ``logits_error``
-    (:func:`relative_error` of mmnnx's logits from the model's), then what ``finish(case,
-    model, record)`` returns. Writes ``verdict`` (:func:`write_verdict`) with the records by
-    case name after those given in ``cases``:
-    ``check_cases(pathlib.Path("/tmp/saves"), HERE / "x_verdict.json", loaded)``."""
+    """Writes ``verdict``: after ``cases``, the record of each checkpoint ``<case>`` under
+    ``root`` with mmnnx's logits of ``tokens`` beside it (``<case>.npy``): what ``describe(case)``
+    gives with the float32 model (``None``: none to run), ``logits_error`` (:func:`relative_error`
+    of mmnnx's logits from the model's), then what ``finish(case, model, record)`` returns:
+    ``check_cases(Path("/tmp/saves"), HERE / "x_verdict.json", loaded)``."""
     cases = dict(cases or {})
     for case in sorted(p for p in root.iterdir() if p.is_dir() and p.with_suffix(".npy").exists()):
         model, record = describe(case)
         if model is not None:
-            ours = np.load(case.with_suffix(".npy")).astype(np.float64)
+            ours = np.load(case.with_suffix(".npy"))
             record["logits_error"] = relative_error(ours, logits(model, tokens))
             if finish is not None:
                 record |= finish(case, model, record)
