@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import functools
+import gc
 import json
 import os
 import pathlib
@@ -631,6 +632,7 @@ def _flat(state) -> dict[str, np.ndarray]:
 def main() -> None:
     names, out = sys.argv[1].split(","), pathlib.Path(sys.argv[2])
     faulthandler.dump_traceback_later(float(os.environ.get("WORKER_TIMEOUT", "600")), exit=True)
+    gc.set_threshold(10_000, 10, 10)  # as the test processes (conftest.py): many scenarios a run
     mm.distributed.initialize()
     for name in names:
         scenario_name, *args = name.split(":")
