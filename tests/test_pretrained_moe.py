@@ -261,11 +261,15 @@ def test_a_scanned_period_of_dense_and_moe_layers_trains_with_its_router_metrics
     path = FIXTURES / "deep" / "qwen3-moe"
     batch = jnp.asarray(np.load(path / "expected.npz")["tokens"])
 
-    def loss_grads_and_counts(model):
+    @nnx.jit
+    def loss_and_grads(model):
         def loss(m):
             return nnx.capture(lambda m: m.loss(batch), nnx.Intermediate)(m)
 
-        (value, captured), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        return nnx.value_and_grad(loss, has_aux=True)(model)
+
+    def loss_grads_and_counts(model):
+        (value, captured), grads = loss_and_grads(model)
         counts = [
             v.get_value() for p, v in nnx.to_flat_state(captured) if p[-1] == "tokens_per_expert"
         ]
