@@ -2,9 +2,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# One pytest worker more than the cores (at most 4): many tests wait on processes they start
-# (start-up, heartbeats, timeouts), and a third worker computes meanwhile.
-TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffinity(0)) + 1))')
+# One pytest worker a core (at most 4): the suite is CPU-bound (compiling), and on 2 cores a
+# third worker, meant to compute while others wait on the processes they start, made it slower
+# (2026-11-28, idle: 2 workers 9.8 and 9.5 min, 15.7-16.3 CPU-min; 3 workers 9.9 and 10.3 min,
+# 17.7-18.4 CPU-min).
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')
 
 .PHONY: demo test bench lint setup clean
 
