@@ -161,6 +161,10 @@ def test_layout_from_refuses_a_contradicting_flag_another_batch_and_a_bad_file(t
     assert "is a --dpo run: mmnnx plan models a step of next-token training" in plans[("dpo",)]
     full, lora = plans[()], plans[("lora_rank",)]
     assert (full["trainable"], lora["trainable"]) == (1.0, 0.0)
+    assert [a for a in lora["assumptions"] if a not in full["assumptions"]] == [
+        "0% of the weights trained (LoRA: the frozen base has no gradients, optimizer state, "
+        "weight gradients' matmuls or reduce; the adapters are not charged)"
+    ]
     assert all(t["gradients"] == t["optimizer"] == 0 for t in lora["stages"])
     assert all(t["gradients"] > 0 and t["optimizer"] > 0 for t in full["stages"])
     peaks = [max(t["peak_bytes"] for t in plan["stages"]) for plan in (full, lora)]

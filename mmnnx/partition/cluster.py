@@ -101,6 +101,16 @@ class PlannedStep:
         peak = self.layout.devices * self.device.flops
         return self.cost.model_flops / (peak * self.cost.step_seconds)
 
+    @property
+    def assumptions(self) -> list[str]:
+        """The cost model's assumptions (:func:`assumptions`), and what is not trained."""
+        frozen = [] if self.trainable == 1 else [
+            f"{self.trainable:.0%} of the weights trained (LoRA: the frozen base has no "
+            "gradients, optimizer state, weight gradients' matmuls or reduce; the adapters are "
+            "not charged)"
+        ]  # fmt: skip
+        return assumptions(self.device, self.collectives) + frozen
+
     def to_json(self) -> dict[str, Any]:
         """The plan as one JSON-able dict."""
         return {
@@ -117,7 +127,7 @@ class PlannedStep:
             "collectives": dataclasses.asdict(self.collectives),
             "trainable": self.trainable,
             "layouts_searched": self.searched,
-            "assumptions": assumptions(self.device, self.collectives),
+            "assumptions": self.assumptions,
         }
 
     def __str__(self) -> str:
@@ -133,12 +143,8 @@ class PlannedStep:
             str(self.memory),
             "",
             "assumptions:",
-            *(f"  - {a}" for a in assumptions(self.device, self.collectives)),
+            *(f"  - {a}" for a in self.assumptions),
         ]
-        if self.trainable < 1:
-            lines.append(f"  - {self.trainable:.0%} of the weights trained (LoRA: the frozen "
-                         "base has no gradients, optimizer state, weight gradients' matmuls "
-                         "or reduce; the adapters are not charged)")  # fmt: skip
         return "\n".join(lines)
 
 
