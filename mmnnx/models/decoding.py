@@ -91,41 +91,39 @@ def _block(
     return constrain(x, ACTIVATIONS), (_written(cache[0], k, pos), _written(cache[1], v, pos))
 
 
-def _layers(
-    block: nnx.Module, x: jax.Array, cache: Any, pos: jax.Array, length: int
-) -> tuple[jax.Array, Any]:
-    """:func:`_block` of a block, or of each layer of a ``GPT``'s ``Period`` in turn (a cache
-    each)."""
-    if isinstance(block, TransformerBlock):
-        return _block(block, x, cache, pos, length)
-    layers = block.in_order()
-    caches = [None] * len(layers) if cache is None else cache
+def _in_turn(items: Any, x: jax.Array, cache: Any, run: Any) -> tuple[jax.Array, tuple]:
+    """``x`` through ``run(item, x, item_cache)`` for each of ``items`` in turn, and their new
+    caches as a tuple (``cache`` ``None``: none yet)."""
+    caches = [None] * len(items) if cache is None else cache
     new = []
-    for layer, layer_cache in zip(layers, caches, strict=True):
-        x, layer_cache = _block(layer, x, layer_cache, pos, length)
-        new.append(layer_cache)
+    for item, item_cache in zip(items, caches, strict=True):
+        x, item_cache = run(item, x, item_cache)
+        new.append(item_cache)
     return x, tuple(new)
 
 
 def _forward(model: Any, tokens: jax.Array, cache: Any, pos: jax.Array) -> tuple[jax.Array, Any]:
     """The last position's logits (float32) of ``tokens`` at ``pos ..``, and the new cache."""
     length = model.config.max_seq_len
-    x = model.embed(tokens)
-    segments = model.segments()
-    caches = [None] * len(segments) if cache is None else cache
-    new = []
-    for (layers, stacked), layer_cache in zip(segments, caches, strict=True):
-        if stacked:
-            scan = nnx.scan(
-                lambda x, block, c: _layers(block, x, c, pos, length),
-                in_axes=(nnx.Carry, 0, None if layer_cache is None else 0),
-                out_axes=(nnx.Carry, 0),
-            )
-            x, layer_cache = scan(x, layers, layer_cache)
-        else:
-            x, layer_cache = _layers(layers, x, layer_cache, pos, length)
-        new.append(layer_cache)
-    cache = tuple(new)
+
+    def layers(block: nnx.Module, x: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+        """:func:`_block` of a block, or of each layer of a ``GPT``'s ``Period`` (a cache each)."""
+        if isinstance(block, TransformerBlock):
+            return _block(block, x, cache, pos, length)
+        return _in_turn(block.in_order(), x, cache, layers)
+
+    def segment(item: tuple[nnx.Module, bool], x: jax.Array, cache: Any):
+        module, stacked = item
+        if not stacked:
+            return layers(module, x, cache)
+        scan = nnx.scan(
+            lambda x, block, c: layers(block, x, c),
+            in_axes=(nnx.Carry, 0, None if cache is None else 0),
+            out_axes=(nnx.Carry, 0),
+        )
+        return scan(x, module, cache)
+
+    x, cache = _in_turn(model.segments(), model.embed(tokens), cache, segment)
     x = model.norm(x[:, -1:])
     logits = model.embed.attend(x) if model.config.tie_embeddings else model.head(x)
     return logits[:, -1].astype(jnp.float32), cache
