@@ -266,6 +266,30 @@ def test_virtual_stages_loop_and_v():
     assert placed.head.kernel.get_value().devices() == {jax.devices()[0]}
 
 
+def test_one_task_looped_virtual_stages_are_distinct_stages_and_match_one_device():
+    # a looped placement over one task (one GPU, say) would put its stages on the same task,
+    # merged into one stage: each is a virtual stage of it instead
+    loop = stage_rules(make(depth=8), tasks(1), virtual_stages=4, report=False)
+    assert [t.name for _, t in loop] == ["t0", "t0:1", "t0:2", "t0:3"]
+    tokens = jax.random.randint(jax.random.key(1), (8, BASE.max_seq_len + 1), 0, BASE.vocab_size)
+    loss = lambda m, t: m.loss(t)  # noqa: E731
+    step = mm.jit(
+        mm.microbatch(
+            nnx.value_and_grad(loss), num=4, reduce="mean", schedule="interleaved-1f1b",
+            virtual_stages=4,
+        )
+    )  # fmt: skip
+    model = mm.place(make(depth=8), loop)
+    (value, grads), (ref_value, ref_grads) = (
+        step(model, tokens),
+        nnx.value_and_grad(loss)(make(depth=8), tokens),
+    )
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert step.plan(model, tokens).pipeline.schedule.num_stages == 4
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

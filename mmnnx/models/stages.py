@@ -164,11 +164,11 @@ def stage_rules(
 
     ``virtual_stages=v`` cuts ``model.blocks`` into ``v * len(tasks)`` stages for the interleaved
     schedules, each task holding ``v`` of them: with ``order="loop"`` stage ``j`` goes on task
-    ``j % len(tasks)`` (``interleaved-1f1b``, ``interleaved-gpipe``,
-    ``interleaved-zero-bubble``); with ``order="v"`` (``v = 2``, for ``zero-bubble-v``) the stages
-    go down the tasks and come back up, task ``i`` holding stage ``i`` and stage
-    ``2 * len(tasks) - 1 - i``, the second on ``tasks[i].virtual_stage(1)``, so the embedding and
-    the head share the first task's devices. Rules then come one per stage.
+    ``j % len(tasks)`` (on one task, its virtual stage ``j``) (``interleaved-1f1b``,
+    ``interleaved-gpipe``, ``interleaved-zero-bubble``); with ``order="v"`` (``v = 2``, for
+    ``zero-bubble-v``) the stages go down the tasks and come back up, task ``i`` holding stage
+    ``i`` and stage ``2 * len(tasks) - 1 - i``, the second on ``tasks[i].virtual_stage(1)``, so
+    the embedding and the head share the first task's devices. Rules then come one per stage.
 
     Example:
         >>> from mmnnx.models import GPT, GPTConfig
@@ -566,6 +566,8 @@ def _stage_tasks(
     """The task of each stage: ``tasks`` repeated ``virtual_stages`` times, looped or in a V."""
     if type(virtual_stages) is not int or virtual_stages < 1:
         raise ValueError(f"{who}: virtual_stages must be an int >= 1, got {virtual_stages!r}")
+    if order == "loop" and len(tasks) == 1:  # one task: its stages would merge into one
+        return [tasks[0].virtual_stage(k) for k in range(virtual_stages)]
     if order == "loop":
         return tasks * virtual_stages
     if order == "v":

@@ -1,0 +1,272 @@
+"""Absolute numbers on one GPU: the reference GPT's step under ``nnx.jit`` and ``mm.jit``, the
+same model as virtual stages of the one GPU, the host time per pipelined launch, and first calls.
+
+Run by ``benchmarks/gpu.sh`` on a lent GPU machine (``--small``: a tiny model, for a dry run on
+any machine). bf16 compute, float32 parameters and AdamW state. Every timing is taken in
+interleaved rounds (``--rounds N``, default 5), reported as median [min-max]; ratios per round.
+
+- ``peak``: the card's bf16 matmul throughput, measured here (8192 x 8192 x 8192), which MFU
+  divides by;
+- ``reference``: the GPT (dim 1024, 16 blocks, 16 heads, sequence 2048, vocabulary 32768), with
+  the largest batch of 2^k sequences whose step ``mm.predict_memory`` puts under 85% of the
+  card's memory (the prediction, and the peak the card measured after the first variant's
+  first call, are both written), under ``nnx.jit``, ``mm.jit`` on one task, and ``mm.jit``
+  microbatched (M = 8) on one stage, on 2 and 4 virtual stages of the one GPU (interleaved 1F1B)
+  and on 2 in a V (ZB-V). One GPU has no second device to overlap with: a pipelined row is what
+  microbatching and cutting the model into stages cost there, not a pipeline's speed. MFU: the
+  cost model's counted FLOPs (``model_flops_per_token``) over the step time and the peak;
+- first calls (tracing, compiling and the first step) of each variant, one each, in the order
+  ``mm.jit`` one task, ``nnx.jit``, then the pipelined ones, after a small model warmed the GPU;
+- ``host``: a small GPT (host-bound) on 4 virtual stages, interleaved 1F1B, M = 16: host CPU
+  seconds per call of ``mm.jit`` and ``mm.cached_partial`` over the programs launched, against
+  one ``nnx.jit`` call of the same model.
+
+Writes ``--out`` (default benchmarks/results/gpu.json) after each section.
+"""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from importlib.metadata import version  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from report import interleaved, per_call, ratio_spread, results_path, spread  # noqa: E402
+
+import mmnnx as mm  # noqa: E402
+from mmnnx.models import GPT, GPTConfig, stage_rules  # noqa: E402
+from mmnnx.partition.cost import model_flops_per_token  # noqa: E402
+
+REFERENCE = dict(vocab_size=32768, dim=1024, depth=16, num_heads=16, max_seq_len=2048)
+HOST = dict(vocab_size=256, dim=128, depth=8, num_heads=4, max_seq_len=64)
+SMALL = dict(vocab_size=256, dim=64, depth=4, num_heads=4, max_seq_len=32)
+PRECISION = dict(dtype="bfloat16", param_dtype="float32")
+MICROBATCHES = 8
+
+VARIANTS = {
+    # name: (microbatch schedule, virtual stages, stage order); None: not microbatched
+    "mm.jit one task": None,
+    "nnx.jit": None,
+    "mm.jit 1 stage, 1F1B M=8": ("1f1b", 1, "loop"),
+    "mm.jit 2 virtual stages, interleaved 1F1B M=8": ("interleaved-1f1b", 2, "loop"),
+    "mm.jit 4 virtual stages, interleaved 1F1B M=8": ("interleaved-1f1b", 4, "loop"),
+    "mm.jit 2 virtual stages in a V, ZB-V M=8": ("zero-bubble-v", 2, "v"),
+}
+
+
+def _config(sizes: dict) -> GPTConfig:
+    return GPTConfig(**sizes, **PRECISION)
+
+
+def _model(config: GPTConfig) -> GPT:
+    with nnx.use_eager_sharding(False):
+        return GPT(config, rngs=nnx.Rngs(0))
+
+
+def _grad(model, tokens):
+    return nnx.value_and_grad(lambda m, t: m.loss(t))(model, tokens)
+
+
+def _step(name: str, schedule, microbatches: int):
+    """The train step of variant ``name``: ``nnx.jit`` or ``mm.jit`` of value_and_grad (through
+    ``mm.microbatch`` when ``schedule`` is given) and an AdamW update."""
+
+    def step(model, opt, tokens):
+        if schedule is None:
+            loss, grads = _grad(model, tokens)
+        else:
+            kind, stages, _ = schedule
+            loss, grads = mm.microbatch(
+                _grad, num=microbatches, reduce="mean", schedule=kind, virtual_stages=stages
+            )(model, tokens)
+        opt.update(model, grads)
+        return loss
+
+    return nnx.jit(step) if name == "nnx.jit" else mm.jit(step)
+
+
+def _setup(name: str, schedule, config: GPTConfig, microbatches: int):
+    """The model (placed on the one GPU's task, cut into stages where ``schedule`` says), its
+    optimizer and step."""
+    model = _model(config)
+    if name != "nnx.jit":
+        task = mm.Task("gpu", mesh=mm.TaskMesh(devices=[0]))
+        _, stages, order = schedule or (None, 1, "loop")
+        rules = (
+            [(".*", task)]
+            if schedule is None
+            else stage_rules(model, [task], virtual_stages=stages, order=order, report=False)
+        )
+        model = mm.place(model, rules)
+    opt = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+    return model, opt, _step(name, schedule, microbatches)
+
+
+def _tokens(config: GPTConfig, batch: int) -> jax.Array:
+    return jax.random.randint(
+        jax.random.key(1), (batch, config.max_seq_len + 1), 0, config.vocab_size
+    )
+
+
+def _first_call(fn) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def peak_matmul(rounds: int, n: int) -> dict:
+    """The card's bf16 matmul FLOP/s on an ``n`` x ``n`` x ``n`` product."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    matmul = jax.jit(jnp.matmul)
+    jax.block_until_ready(matmul(a, b))
+    timed = per_call(lambda: matmul(a, b), calls=20, wait=jax.block_until_ready)
+    flops = [2 * n**3 / s for s in interleaved({"matmul": timed}, rounds)["matmul"]]
+    peak = statistics.median(flops)
+    return {"shape": [n, n, n], "TFLOP/s": spread(flops, 1e-12, 1), "_flops": peak}
+
+
+def _capacity() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def _measured_peak() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def choose_batch(config: GPTConfig, capacity: int | None, largest: int) -> tuple[int, dict]:
+    """The largest batch of 2^k sequences (at most ``largest``) whose predicted peak for the
+    one-task step fits in 85% of ``capacity`` less the other variants' parameters and state."""
+    batch, predicted = 1, None
+    for b in (2**k for k in range(0, largest.bit_length())):
+        got = mm.predict_memory(config, mm.MemoryLayout(), batch=b)
+        held = got.worst.parameters + got.worst.optimizer
+        if capacity is not None and got.peak + held * (len(VARIANTS) - 1) > 0.85 * capacity:
+            break
+        batch, predicted = b, got
+    return batch, {"batch": batch, "predicted peak bytes (one task, M=1)": predicted.peak}
+
+
+def reference(rounds: int, sizes: dict, peak_flops: float, largest_batch: int) -> dict:
+    """The reference GPT's variants: first calls, then step times in interleaved rounds."""
+    config = _config(sizes)
+    batch, out = choose_batch(config, _capacity(), largest_batch)
+    tokens = _tokens(config, batch)
+    out |= {"config": sizes | PRECISION, "capacity bytes": _capacity(), "first call s": {}}
+    steps, failed = {}, {}
+    for name, schedule in VARIANTS.items():
+        try:
+            call = functools.partial(*reversed(_setup(name, schedule, config, MICROBATCHES)))
+            out["first call s"][name] = round(_first_call(functools.partial(call, tokens)), 2)
+        except Exception as error:  # a variant that does not fit is reported, not fatal
+            failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            continue
+        if name == "mm.jit one task":
+            out["measured peak bytes after its first call"] = _measured_peak()
+        steps[name] = functools.partial(call, tokens)
+    out["failed"] = failed
+    samples = interleaved(
+        {k: per_call(f, calls=3, wait=jax.block_until_ready) for k, f in steps.items()}, rounds
+    )
+    flops = model_flops_per_token(config, config.max_seq_len) * batch * config.max_seq_len
+    base = samples.get("nnx.jit")
+    out["step ms"] = {k: spread(s, 1e3, 1) for k, s in samples.items()}
+    out["MFU %"] = {k: spread([flops / t / peak_flops for t in s], 100, 1)
+                    for k, s in samples.items()}  # fmt: skip
+    if base:
+        out["step / nnx.jit"] = {k: ratio_spread(s, base) for k, s in samples.items()}
+    out["model TFLOP per step"] = round(flops / 1e12, 3)
+    return out
+
+
+def host_time(rounds: int, sizes: dict) -> dict:
+    """Host CPU seconds per launch of a pipelined step (4 virtual stages, interleaved 1F1B,
+    M = 16) on the one GPU, against one ``nnx.jit`` call of the same model."""
+    config, m = _config(sizes), 16
+    tokens = _tokens(config, 32)
+    model, opt, step = _setup("mm", ("interleaved-1f1b", 4, "loop"), config, m)
+    base_model, base_opt, base = _setup("nnx.jit", None, config, m)
+    jax.block_until_ready(step(model, opt, tokens))
+    jax.block_until_ready(base(base_model, base_opt, tokens))
+    bound = mm.cached_partial(step, model, opt)
+    program = step.plan(model, opt, tokens).program
+    launches = sum(type(a).__name__ in ("Run", "Zeros") for a in program.actions)
+
+    def host(fn, calls=20):
+        def timed():
+            cpu = []
+            for _ in range(calls):
+                start = time.thread_time()
+                out = fn()
+                cpu.append(time.thread_time() - start)
+                jax.block_until_ready(out)
+            return statistics.median(cpu)
+
+        return timed
+
+    piped = functools.partial(step, model, opt)
+    plain = functools.partial(base, base_model, base_opt)
+    samples = interleaved(
+        {"mm.jit": host(lambda: piped(tokens)), "cached_partial": host(lambda: bound(tokens)),
+         "nnx.jit": host(lambda: plain(tokens)),
+         "mm.jit wall": per_call(lambda: piped(tokens), calls=10, wait=jax.block_until_ready),
+         "nnx.jit wall": per_call(lambda: plain(tokens), calls=10, wait=jax.block_until_ready)},
+        rounds,
+    )  # fmt: skip
+    return {
+        "config": sizes | PRECISION | {"batch": 32, "microbatches": m, "virtual stages": 4},
+        "launches per step": launches,
+        "mm.jit host us per launch": spread([s / launches for s in samples["mm.jit"]], 1e6, 1),
+        "cached_partial host us per launch": spread(
+            [s / launches for s in samples["cached_partial"]], 1e6, 1
+        ),
+        "nnx.jit host us per call": spread(samples["nnx.jit"], 1e6, 1),
+        "mm.jit step ms": spread(samples["mm.jit wall"], 1e3, 2),
+        "nnx.jit step ms": spread(samples["nnx.jit wall"], 1e3, 2),
+        "pipelined step / nnx.jit": ratio_spread(samples["mm.jit wall"], samples["nnx.jit wall"]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--small", action="store_true", help="tiny models: a dry run")
+    parser.add_argument("--out", default=str(results_path("gpu.json")))
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    results = {
+        "device": getattr(device, "device_kind", str(device)),
+        "platform": device.platform,
+        "versions": {"jax": jax.__version__, "jaxlib": version("jaxlib"),
+                     "flax": version("flax"), "optax": version("optax"),
+                     "orbax-checkpoint": version("orbax-checkpoint")},
+        "rounds": args.rounds,
+    }  # fmt: skip
+
+    def write(section: str, value: dict) -> None:
+        results[section] = value
+        with open(args.out, "w") as f:
+            json.dump({k: v for k, v in results.items() if not k.startswith("_")}, f, indent=1)
+        print(section, json.dumps(value, indent=1), flush=True)
+
+    peak = peak_matmul(args.rounds, 512 if args.small else 8192)
+    write("peak", {k: v for k, v in peak.items() if not k.startswith("_")})
+    warm_model, warm_opt, warm = _setup("nnx.jit", None, _config(SMALL), 1)
+    jax.block_until_ready(warm(warm_model, warm_opt, _tokens(_config(SMALL), 2)))
+    sizes = SMALL if args.small else REFERENCE
+    write("reference", reference(args.rounds, sizes, peak["_flops"], 8 if args.small else 256))
+    write("host", host_time(args.rounds, SMALL if args.small else HOST))
+
+
+if __name__ == "__main__":
+    main()
