@@ -166,7 +166,8 @@ def reference(rounds: int, sizes: dict, peak_flops: float, largest_batch: int) -
     steps, failed = {}, {}
     for name, schedule in VARIANTS.items():
         try:
-            call = functools.partial(*reversed(_setup(name, schedule, config, MICROBATCHES)))
+            model, opt, step = _setup(name, schedule, config, MICROBATCHES)
+            call = functools.partial(step, model, opt)
             out["first call s"][name] = round(_first_call(functools.partial(call, tokens)), 2)
         except Exception as error:  # a variant that does not fit is reported, not fatal
             failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"

@@ -8,7 +8,8 @@
 #      explicitly, and says how many ran;
 #   3. runs benchmarks/gpu.py on the GPU.
 # Writes versions.txt, tests.txt and gpu.json + gpu.log under $OUT (default /tmp/gpu-out).
-# Dry run on a machine without a GPU: SMALL=1 benchmarks/gpu.sh (tiny models, 2 rounds).
+# Dry run on a machine without a GPU: SMALL=1 benchmarks/gpu.sh (tiny models, 2 rounds, no
+# tests; TEST=1 TESTS=tests/test_jit.py runs that file too).
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -28,13 +29,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 o.__version__, jax.devices())"
 } | tee "$OUT/versions.txt"
 
-TESTS="tests/test_pipeline.py tests/test_schedule_registry.py tests/test_train_schedules.py
+TESTS=${TESTS:-"tests/test_pipeline.py tests/test_schedule_registry.py tests/test_train_schedules.py
   tests/test_jit.py tests/test_microbatch.py tests/test_direct_launch.py tests/test_stacks.py
   tests/test_packing.py tests/test_pipeline_state.py tests/test_engine_properties.py
   tests/test_checkpoint.py tests/test_pretrained.py tests/test_pretrained_moe.py
-  tests/test_family_conformance.py tests/test_hf_fixtures.py"
+  tests/test_family_conformance.py tests/test_hf_fixtures.py"}
 WORKERS=${WORKERS:-$(($(nproc) > 14 ? 14 : $(nproc)))}
-if [ -z "${SMALL:-}" ]; then
+if [ -z "${SMALL:-}" ] || [ -n "${TEST:-}" ]; then
   # shellcheck disable=SC2086
   timeout "${TEST_TIMEOUT:-170}" env JAX_PLATFORMS=cpu $PY -m pytest -q -n "$WORKERS" \
     -p no:cacheprovider $TESTS >"$OUT/tests.txt" 2>&1

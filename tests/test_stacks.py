@@ -9,6 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import mmnnx as mm
+from mmnnx._jax.scan import scan_counts
 from mmnnx.models import GPT, GPTConfig, stage_rules
 from tests.models import chunked_layers, four_tasks, one_device_tasks
 from tests.oracle import close, params_close, trees_close
@@ -340,7 +341,7 @@ def _result_shapes(ops) -> set:
     """The shapes of the scans' results (the scanned ones stacked along their length)."""
     shapes = set()
     for op in ops:
-        num_carry, length = op.params["num_carry"], op.params["length"]
+        (_, num_carry), length = scan_counts(op.params), op.params["length"]
         for i, aval in enumerate(op.params["jaxpr"].out_avals):
             shapes.add(aval.shape if i < num_carry else (length, *aval.shape))
     return shapes

@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import inspect
 import math
 import threading
 import time
@@ -312,8 +313,10 @@ class _Program:
         try:
             key = self._cache_key()
             if key is not None:
-                written = _Serialized(data)
-                compiler._cache_write(key, took, self._module_name, self.backend, written, [])
+                args = [key, took, self._module_name, self.backend, _Serialized(data)]
+                if "host_callbacks" in inspect.signature(compiler._cache_write).parameters:
+                    args.append([])  # JAX 0.10; 0.11 takes none
+                compiler._cache_write(*args)
         except Exception:  # no cache entry: the next process compiles this program, as before
             return
 

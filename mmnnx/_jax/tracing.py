@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 from jax._src import api_util, config, effects, source_info_util
 from jax._src import core as jax_core
 from jax._src.interpreters import partial_eval as pe
@@ -84,6 +85,39 @@ def dce_jaxpr(
     """JAX's ``dce_jaxpr``: ``jaxpr`` with only what ``used_outputs`` need, and the inputs it
     reads."""
     return pe.dce_jaxpr(jaxpr, used_outputs, instantiate=instantiate)
+
+
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+"""Call-like primitives, whose bodies a caller may splice in."""
+
+
+def inline_calls(closed: Any) -> Any:
+    """``closed`` (a ``ClosedJaxpr``) with its nested calls (:data:`CALLS`) spliced in, at any
+    depth, retraced; ``closed`` itself when it makes no call. JAX 0.11 keeps the ``jit`` of a
+    function called while tracing (optax's ``tree_bias_correction``) as one equation, where
+    0.10 spliced it in.
+    """
+    if not any(e.primitive.name in CALLS for e in closed.jaxpr.eqns):
+        return closed
+
+    def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env = dict(zip(jaxpr.constvars, consts, strict=True))
+        env |= dict(zip(jaxpr.invars, args, strict=True))
+        read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]  # noqa: E731
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            if eqn.primitive.name in CALLS and "jaxpr" in eqn.params:
+                inner = eqn.params["jaxpr"]
+                outs = run(inner.jaxpr, inner.consts, ins)
+            else:
+                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            env |= dict(zip(eqn.outvars, outs, strict=True))
+        return [read(v) for v in jaxpr.outvars]
+
+    avals = [v.aval for v in closed.jaxpr.invars]
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+    return jax.make_jaxpr(lambda *args: run(closed.jaxpr, closed.consts, args))(*shapes)
 
 
 def _no_sharding(tracer: Any) -> Any:

@@ -11,6 +11,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from mmnnx._jax.scan import scan_counts
 from mmnnx.mpmd.ir import Graph
 from mmnnx.mpmd.plan.pipeline import Pipeline
 
@@ -65,7 +66,7 @@ def per_microbatch(graph: Graph, seeds: set[Any]) -> set[int]:
 
 def _scan_depends(params: dict, reads: Sequence[bool]) -> list[bool]:
     """Per result of a scan of ``params``: whether it depends on the operands flagged ``reads``."""
-    body, consts, carry = params["jaxpr"].jaxpr, params["num_consts"], params["num_carry"]
+    body, (consts, carry) = params["jaxpr"].jaxpr, scan_counts(params)
     reads = list(reads)
     while True:
         marked = {v for v, d in zip(body.invars, reads, strict=True) if d}

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mmnnx._jax.scan import scan_counts
 from mmnnx.mpmd.ir import Const, Op
 
 _ELEMENTWISE_NAMES = """
@@ -39,7 +40,7 @@ def stack_rule(op: Op, split: Sequence[bool], in_shapes: Sequence[tuple]) -> str
     if name in _ELEMENTWISE:
         return "map"
     if name == "scan":
-        first_x = p["num_consts"] + p["num_carry"]
+        first_x = sum(scan_counts(p))
         if any(split[:first_x]) or not any(split[first_x:]):
             return None
         return "scan"

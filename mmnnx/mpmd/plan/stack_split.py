@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from mmnnx._jax.scan import scan_counts
 from mmnnx.errors import MPMDError
 from mmnnx.mpmd.ir import Atom, Const, Graph, Op
 from mmnnx.mpmd.plan import stack_rules
@@ -268,7 +269,7 @@ class _Rewriter:
             self.whole[v] = total
 
     def rewrite_scan(self, op: Op, layout: _Layout) -> None:
-        num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
+        num_consts, num_carry = scan_counts(op.params)
         consts = [self.read(a, op) for a in op.ins[:num_consts]]
         carry = [self.read(a, op) for a in op.ins[num_consts : num_consts + num_carry]]
         xs = op.ins[num_consts + num_carry :]

@@ -9,7 +9,8 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-from mmnnx._jax.tracing import ShapedArray, dce_jaxpr, join_effects
+from mmnnx._jax.scan import scan_counts, scan_params
+from mmnnx._jax.tracing import ShapedArray, dce_jaxpr, inline_calls, join_effects
 from mmnnx.mpmd.ir import Graph, Op, aval_info
 from mmnnx.mpmd.op_kinds import COSTLY
 
@@ -17,11 +18,11 @@ from mmnnx.mpmd.op_kinds import COSTLY
 def _split_cond(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
     """A ``cond`` as one cond per independent group of results (each with the predicate and the
     operands its group reads), or ``None``. Results are independent when, in every branch, they
-    share no computation but scalar arithmetic, which each piece recomputes (as in
-    ``optax.MultiSteps``)."""
-    branches = eqn.params["branches"]
+    share no computation but scalar arithmetic and arrays made from scalars alone (the zeros
+    JAX 0.11 makes once per shape), which each piece recomputes (as in ``optax.MultiSteps``)."""
     if eqn.effects or len(eqn.outvars) < 2:
         return None
+    branches = [inline_calls(b) for b in eqn.params["branches"]]
     n = len(eqn.outvars)
     links: list[tuple[int, int]] = []
     for branch in branches:
@@ -36,7 +37,7 @@ def _split_cond(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
                 if e is None or id(e) in seen:
                     continue
                 seen.add(id(e))
-                if any(getattr(v.aval, "shape", ()) != () for v in e.outvars):
+                if not _from_scalars(e):
                     links.append((i, owner.setdefault(id(e), i)))
                 stack += [v for v in e.invars if not isinstance(v, jcore.Literal)]
     groups = _groups(range(n), links)
@@ -157,6 +158,13 @@ def _groups(items: Sequence[int], links: Sequence[tuple[int, int]]) -> list[list
     return list(groups.values())
 
 
+def _from_scalars(eqn: jcore.JaxprEqn) -> bool:
+    """Whether ``eqn`` makes only scalars, or reads only scalars and literals (a broadcast
+    constant): cheap for each piece of a split to recompute."""
+    scalar = lambda v: getattr(v.aval, "shape", ()) == ()  # noqa: E731
+    return all(map(scalar, eqn.outvars)) or all(map(scalar, eqn.invars))
+
+
 def split_eqn(eqn: jcore.JaxprEqn) -> list[tuple[dict, list, list]] | None:
     """A ``cond`` or ``while_loop`` equation as independent pieces, each ``(params, invars,
     outvars)`` of one equation of the same primitive; ``None`` if it does not split."""
@@ -190,7 +198,7 @@ def _scan_cut(op: Op, wanted: Sequence[bool]) -> _ScanCut | None:
     if op.name != "scan" or op.effectful or op.mesh is not None:
         return None
     body = op.params["jaxpr"].jaxpr
-    num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
+    num_consts, num_carry = scan_counts(op.params)
     carry_in = body.invars[num_consts : num_consts + num_carry]
     made_by = {v: i for i, eqn in enumerate(body.eqns) for v in eqn.outvars}
 
@@ -266,7 +274,7 @@ def split_scan(op: Op, wanted: Sequence[bool], graph: Graph) -> tuple[Op, Op] | 
         return None
     closed = op.params["jaxpr"]
     body = closed.jaxpr
-    num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
+    num_consts, num_carry = scan_counts(op.params)
 
     length = op.params["length"]
     saved_ids = [
@@ -304,7 +312,7 @@ def scan_remake(
         return None
     closed = op.params["jaxpr"]
     body = closed.jaxpr
-    num_consts, num_carry = op.params["num_consts"], op.params["num_carry"]
+    num_consts, num_carry = scan_counts(op.params)
     made_by = {v: i for i, eqn in enumerate(body.eqns) for v in eqn.outvars}
     allowed = {v for v, ok in zip(body.invars, readable, strict=True) if ok}
     allowed -= set(body.invars[num_consts : num_consts + num_carry])
@@ -356,7 +364,5 @@ def _body(body: Any, invars: list, outvars: list, eqns: list) -> Any:
 
 def _rescan(op: Op, jaxpr: Any, ins: list, outs: list, num_consts: int, num_carry: int) -> Op:
     """A scan like ``op`` of ``jaxpr`` over ``ins``, making ``outs``."""
-    params = {**op.params, "jaxpr": jaxpr, "num_consts": num_consts, "num_carry": num_carry}
-    if "linear" in params:  # older JAX versions
-        params["linear"] = (False,) * len(ins)
+    params = scan_params(op.params, jaxpr, num_consts, num_carry, len(ins) - num_consts - num_carry)
     return op.derived(op.primitive, params, ins, outs)
