@@ -16,7 +16,7 @@ interleaved rounds (``--rounds N``, default 5), reported as median [min-max]; ra
   microbatching and cutting the model into stages cost there, not a pipeline's speed. MFU: the
   cost model's counted FLOPs (``model_flops_per_token``) over the step time and the peak;
 - first calls (tracing, compiling and the first step) of each variant, one each, in the order
-  ``mm.jit`` one task, ``nnx.jit``, then the pipelined ones, after a small model warmed the GPU;
+  ``mm.jit`` one task, ``nnx.jit``, then the pipelined ones, after ``host`` warmed the GPU;
 - ``host``: a small GPT (host-bound) on 4 virtual stages, interleaved 1F1B, M = 16: host CPU
   seconds per call of ``mm.jit`` and ``mm.cached_partial`` over the programs launched, against
   one ``nnx.jit`` call of the same model.
@@ -57,8 +57,8 @@ VARIANTS = {
     "nnx.jit": None,
     "mm.jit 1 stage, 1F1B M=8": ("1f1b", 1, "loop"),
     "mm.jit 2 virtual stages, interleaved 1F1B M=8": ("interleaved-1f1b", 2, "loop"),
-    "mm.jit 4 virtual stages, interleaved 1F1B M=8": ("interleaved-1f1b", 4, "loop"),
     "mm.jit 2 virtual stages in a V, ZB-V M=8": ("zero-bubble-v", 2, "v"),
+    "mm.jit 4 virtual stages, interleaved 1F1B M=8": ("interleaved-1f1b", 4, "loop"),
 }
 
 
@@ -147,18 +147,21 @@ def _measured_peak() -> int | None:
 def choose_batch(config: GPTConfig, capacity: int | None, largest: int) -> tuple[int, dict]:
     """The largest batch of 2^k sequences (at most ``largest``) whose predicted peak for the
     one-task step fits in 85% of ``capacity`` less the other variants' parameters and state."""
-    batch, predicted = 1, None
+    batch = 1
     for b in (2**k for k in range(0, largest.bit_length())):
         got = mm.predict_memory(config, mm.MemoryLayout(), batch=b)
         held = got.worst.parameters + got.worst.optimizer
         if capacity is not None and got.peak + held * (len(VARIANTS) - 1) > 0.85 * capacity:
             break
-        batch, predicted = b, got
+        batch = b
+    batch = max(batch, MICROBATCHES)
+    predicted = mm.predict_memory(config, mm.MemoryLayout(), batch=batch)
     return batch, {"batch": batch, "predicted peak bytes (one task, M=1)": predicted.peak}
 
 
-def reference(rounds: int, sizes: dict, peak_flops: float, largest_batch: int) -> dict:
-    """The reference GPT's variants: first calls, then step times in interleaved rounds."""
+def reference(rounds: int, sizes: dict, peak_flops: float, largest_batch: int, write) -> dict:
+    """The reference GPT's variants: first calls, then step times in interleaved rounds;
+    ``write(out)`` after each first call (a run cut short keeps what it measured)."""
     config = _config(sizes)
     batch, out = choose_batch(config, _capacity(), largest_batch)
     tokens = _tokens(config, batch)
@@ -175,6 +178,7 @@ def reference(rounds: int, sizes: dict, peak_flops: float, largest_batch: int) -
         if name == "mm.jit one task":
             out["measured peak bytes after its first call"] = _measured_peak()
         steps[name] = functools.partial(call, tokens)
+        write(out)
     out["failed"] = failed
     samples = interleaved(
         {k: per_call(f, calls=3, wait=jax.block_until_ready) for k, f in steps.items()}, rounds
@@ -257,16 +261,16 @@ def main() -> None:
     def write(section: str, value: dict) -> None:
         results[section] = value
         with open(args.out, "w") as f:
-            json.dump({k: v for k, v in results.items() if not k.startswith("_")}, f, indent=1)
-        print(section, json.dumps(value, indent=1), flush=True)
+            json.dump(results, f, indent=1)
+        print(section, json.dumps(value), flush=True)
 
     peak = peak_matmul(args.rounds, 512 if args.small else 8192)
     write("peak", {k: v for k, v in peak.items() if not k.startswith("_")})
-    warm_model, warm_opt, warm = _setup("nnx.jit", None, _config(SMALL), 1)
-    jax.block_until_ready(warm(warm_model, warm_opt, _tokens(_config(SMALL), 2)))
+    write("host", host_time(args.rounds, SMALL if args.small else HOST))  # warms the GPU too
     sizes = SMALL if args.small else REFERENCE
-    write("reference", reference(args.rounds, sizes, peak["_flops"], 8 if args.small else 256))
-    write("host", host_time(args.rounds, SMALL if args.small else HOST))
+    largest = 8 if args.small else 256
+    record = functools.partial(write, "reference")
+    record(reference(args.rounds, sizes, peak["_flops"], largest, record))
 
 
 if __name__ == "__main__":

@@ -38,10 +38,10 @@ WORKERS=${WORKERS:-$(($(nproc) > 14 ? 14 : $(nproc)))}
 if [ -z "${SMALL:-}" ] || [ -n "${TEST:-}" ]; then
   # shellcheck disable=SC2086
   timeout "${TEST_TIMEOUT:-170}" env JAX_PLATFORMS=cpu $PY -m pytest -q -n "$WORKERS" \
-    -p no:cacheprovider $TESTS >"$OUT/tests.txt" 2>&1
+    -p no:cacheprovider --dist load $TESTS >"$OUT/tests.txt" 2>&1
   echo "tests: exit $? ($(tail -n 1 "$OUT/tests.txt"))" | tee -a "$OUT/versions.txt"
 fi
 
 cd benchmarks || exit 1
 PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-330}" $PY gpu.py --out "$OUT/gpu.json" \
-  ${SMALL:+--small --rounds 2} 2>&1 | tee "$OUT/gpu.log" | grep -v '^ '
+  ${SMALL:+--small --rounds 2} 2>&1 | tee "$OUT/gpu.log"

@@ -10,7 +10,13 @@ from collections.abc import Sequence
 import jax
 from jax.extend import core as jcore
 
-from mmnnx._jax.tracing import ShapedArray, current_source_info, dce_jaxpr, no_effects
+from mmnnx._jax.tracing import (
+    ShapedArray,
+    current_source_info,
+    dce_jaxpr,
+    debug_info,
+    no_effects,
+)
 from mmnnx.mpmd.ir import Atom, Const, Graph, Op
 
 
@@ -44,7 +50,8 @@ def pruned_to(op: Op, out: int, graph: Graph) -> Op | None:
     eqn = jcore.new_jaxpr_eqn(
         invars, outvars, op.primitive, op.params, no_effects, current_source_info()
     )
-    kept, _ = dce_jaxpr(jcore.Jaxpr([], invars, outvars, [eqn]), [v == out for v in op.outs])
+    jaxpr = jcore.Jaxpr([], invars, outvars, [eqn], debug_info=debug_info("mm.jit", op.name))
+    kept, _ = dce_jaxpr(jaxpr, [v == out for v in op.outs])
     if len(kept.eqns) != 1:
         return None
     (new,) = kept.eqns
