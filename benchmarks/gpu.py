@@ -144,7 +144,9 @@ def _measured_peak() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def choose_batch(config: GPTConfig, capacity: int | None, largest: int) -> tuple[int, dict]:
+def choose_batch(
+    config: GPTConfig, capacity: int | None, largest: int, given: int | None = None
+) -> tuple[int, dict]:
     """The largest batch of 2^k sequences (at most ``largest``) whose predicted peak for the
     one-task step fits in 85% of ``capacity`` less the other variants' parameters and state."""
     batch = 1
@@ -154,16 +156,17 @@ def choose_batch(config: GPTConfig, capacity: int | None, largest: int) -> tuple
         if capacity is not None and got.peak + held * (len(VARIANTS) - 1) > 0.85 * capacity:
             break
         batch = b
-    batch = max(batch, MICROBATCHES)
+    batch = given or max(batch, MICROBATCHES)
     predicted = mm.predict_memory(config, mm.MemoryLayout(), batch=batch)
     return batch, {"batch": batch, "predicted peak bytes (one task, M=1)": predicted.peak}
 
 
-def reference(rounds: int, sizes: dict, peak_flops: float, largest_batch: int, write) -> dict:
+def reference(rounds: int, sizes: dict, peak_flops: float, largest_batch: int, write,
+              batch: int | None = None) -> dict:  # fmt: skip
     """The reference GPT's variants: first calls, then step times in interleaved rounds;
     ``write(out)`` after each first call (a run cut short keeps what it measured)."""
     config = _config(sizes)
-    batch, out = choose_batch(config, _capacity(), largest_batch)
+    batch, out = choose_batch(config, _capacity(), largest_batch, batch)
     tokens = _tokens(config, batch)
     out |= {"config": sizes | PRECISION, "capacity bytes": _capacity(), "first call s": {}}
     steps, failed = {}, {}
@@ -247,6 +250,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="tiny models: a dry run")
     parser.add_argument("--out", default=str(results_path("gpu.json")))
+    parser.add_argument("--batch", type=int, help="the reference's batch (default: predicted)")
     args = parser.parse_args()
     device = jax.devices()[0]
     results = {
@@ -270,7 +274,7 @@ def main() -> None:
     sizes = SMALL if args.small else REFERENCE
     largest = 8 if args.small else 256
     record = functools.partial(write, "reference")
-    record(reference(args.rounds, sizes, peak["_flops"], largest, record))
+    record(reference(args.rounds, sizes, peak["_flops"], largest, record, args.batch))
 
 
 if __name__ == "__main__":

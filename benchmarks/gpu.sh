@@ -2,7 +2,10 @@
 # One call on a lent GPU machine (about 6 minutes; run from the repository root):
 #   1. installs mmnnx --no-deps on the image's JAX, with the wheels the image lacks, carried in
 #      .whl/ (grain, array-record, tensorboardX, tomli-w, datasets, dill, multiprocess,
-#      portpicker, and orbax-checkpoint at our pin);
+#      portpicker, and orbax-checkpoint at our pin), fetched where pip works with
+#        pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl NAME==VERSION
+#      and carried to the machine (the device tool's `carry`; .whl/ is not in the repository);
 #   2. runs the suite's engine, schedule, checkpoint and pretrained-loader files on the image's
 #      JAX (on its CPU, 8 simulated devices, as everywhere: the tests compare numbers), collected
 #      explicitly, and says how many ran;
@@ -35,7 +38,7 @@ TESTS=${TESTS:-"tests/test_pipeline.py tests/test_schedule_registry.py tests/tes
   tests/test_checkpoint.py tests/test_pretrained.py tests/test_pretrained_moe.py
   tests/test_family_conformance.py tests/test_hf_fixtures.py"}
 WORKERS=${WORKERS:-$(($(nproc) > 14 ? 14 : $(nproc)))}
-if [ -z "${SMALL:-}" ] || [ -n "${TEST:-}" ]; then
+if { [ -z "${SMALL:-}" ] || [ -n "${TEST:-}" ]; } && [ -z "${NO_TESTS:-}" ]; then
   # shellcheck disable=SC2086
   timeout "${TEST_TIMEOUT:-170}" env JAX_PLATFORMS=cpu $PY -m pytest -q -n "$WORKERS" \
     -p no:cacheprovider --dist load $TESTS >"$OUT/tests.txt" 2>&1
@@ -44,4 +47,4 @@ fi
 
 cd benchmarks || exit 1
 PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-330}" $PY gpu.py --out "$OUT/gpu.json" \
-  ${SMALL:+--small --rounds 2} 2>&1 | tee "$OUT/gpu.log"
+  ${SMALL:+--small --rounds 2} ${GPU_ARGS:-} 2>&1 | tee "$OUT/gpu.log"

@@ -241,12 +241,17 @@ def test_a_schedule_on_the_other_placement_says_which_one_it_needs(
 
 @pytest.fixture
 def no_compilation_cache():
-    """Every program compiled, none read from the run's compilation cache or the process's."""
+    """Every program compiled, none read from the run's compilation cache or the process's (JAX
+    decides once per process whether it uses its cache: reset, it decides again)."""
+    from jax._src import compilation_cache
+
     was = jax.config.jax_enable_compilation_cache
     mm.clear_caches()
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     yield
     jax.config.update("jax_enable_compilation_cache", was)
+    compilation_cache.reset_cache()
 
 
 def test_equal_stages_compile_once_and_train_like_one_device(
