@@ -13,9 +13,9 @@ TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaf
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev,notebooks,eval]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,notebooks,eval]"
 	touch $(STAMP)
 
 setup: $(STAMP)
