@@ -12,7 +12,13 @@ import jax
 from jax.extend import core as jcore
 from jax.sharding import AxisType
 
-from mmnnx._jax.tracing import fast_sharding_probes, name_trace_as, ordered_effects, source_line
+from mmnnx._jax.tracing import (
+    CALLS,
+    fast_sharding_probes,
+    name_trace_as,
+    ordered_effects,
+    source_line,
+)
 from mmnnx.errors import SideEffectError
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op, aval_info, live_ops
 from mmnnx.mpmd.primitives import marker_kind
@@ -20,9 +26,6 @@ from mmnnx.mpmd.trace.callbacks import CallbackFailures, catch_callbacks
 from mmnnx.mpmd.trace.constraints import on_tasks
 from mmnnx.mpmd.trace.control_flow import split_eqn
 from mmnnx.mpmd.trace.mesh_context import traced_mesh
-
-# Call-like primitives whose bodies are spliced in, so that their pieces may run on other tasks
-_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 # JAX names the transposed (backward) pass of a computation ``transpose(...)`` in name stacks.
 _BACKWARD_MARK = "transpose("
@@ -136,7 +139,7 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
             scope = scope_of.get((prefix, id(stack)))
             if scope is None:
                 scope = scope_of[(prefix, id(stack))] = f"{prefix}/{stack}"
-            if eqn.primitive.name in _INLINE and "jaxpr" in eqn.params:
+            if eqn.primitive.name in CALLS and "jaxpr" in eqn.params:
                 inner = eqn.params["jaxpr"]
                 inner_jaxpr = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
                 inner_consts = inner.consts if isinstance(inner, jcore.ClosedJaxpr) else []
