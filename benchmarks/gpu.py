@@ -17,6 +17,9 @@ interleaved rounds (``--rounds N``, default 5), reported as median [min-max]; ra
   cost model's counted FLOPs (``model_flops_per_token``) over the step time and the peak;
 - first calls (tracing, compiling and the first step) of each variant, one each, in the order
   ``mm.jit`` one task, ``nnx.jit``, then the pipelined ones, after ``host`` warmed the GPU;
+- ``--first-calls SECONDS``: instead of the above, ``mm.jit`` on one task against ``nnx.jit``,
+  each first call in a fresh process (the GPU, model and batch ready first), taking turns for
+  ``--rounds`` rounds or until SECONDS have passed;
 - ``host``: a small GPT (host-bound) on 4 virtual stages, interleaved 1F1B, M = 16: host CPU
   seconds per call of ``mm.jit`` and ``mm.cached_partial`` over the programs launched, against
   one ``nnx.jit`` call of the same model.
@@ -32,6 +35,8 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from importlib.metadata import version  # noqa: E402
 
@@ -245,13 +250,58 @@ def host_time(rounds: int, sizes: dict) -> dict:
     }
 
 
+def first_call_in_this_process(name: str, sizes: dict, batch: int) -> dict:
+    """Seconds of the first call of variant ``name`` (``nnx.jit`` or ``mm.jit one task``) in
+    this fresh process, once the GPU, the model, its optimizer and the batch are ready."""
+    jax.block_until_ready(jnp.zeros(8) + 1)  # the device's start, not the step's
+    config = _config(sizes)
+    model, opt, step = _setup(name, VARIANTS[name], config, MICROBATCHES)
+    tokens = jax.block_until_ready(_tokens(config, batch))
+    jax.block_until_ready(nnx.state((model, opt)))
+    return {"seconds": _first_call(functools.partial(step, model, opt, tokens))}
+
+
+def first_calls(rounds: int, sizes: dict, batch: int, budget: float) -> dict:
+    """``mm.jit`` on one task against ``nnx.jit``: first calls in fresh processes, taking turns,
+    for ``rounds`` rounds or until ``budget`` seconds have passed (at least one round)."""
+    names, samples, started = ("nnx.jit", "mm.jit one task"), {}, time.monotonic()
+    args = ["--batch", str(batch)] + (["--small"] if sizes is SMALL else [])
+    for i in range(rounds):
+        if i and time.monotonic() - started > budget:
+            break
+        for name in names if i % 2 == 0 else reversed(names):
+            done = subprocess.run(
+                [sys.executable, __file__, "--first-call-of", name, *args],
+                capture_output=True, text=True, timeout=300, check=True,
+            )  # fmt: skip
+            seconds = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+            samples.setdefault(name, []).append(seconds)
+    return {
+        "batch": batch,
+        "rounds": len(samples["nnx.jit"]),
+        "first call s": {k: spread(v, 1, 2) for k, v in samples.items()},
+        "mm.jit / nnx.jit": ratio_spread(samples["mm.jit one task"], samples["nnx.jit"]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="tiny models: a dry run")
     parser.add_argument("--out", default=str(results_path("gpu.json")))
     parser.add_argument("--batch", type=int, help="the reference's batch (default: predicted)")
+    parser.add_argument(
+        "--first-calls",
+        type=float,
+        metavar="SECONDS",
+        help="only first calls in fresh processes, for about this long",
+    )
+    parser.add_argument("--first-call-of", help=argparse.SUPPRESS)  # one fresh process's
     args = parser.parse_args()
+    sizes = SMALL if args.small else REFERENCE
+    if args.first_call_of:
+        print(json.dumps(first_call_in_this_process(args.first_call_of, sizes, args.batch)))
+        return
     device = jax.devices()[0]
     results = {
         "device": getattr(device, "device_kind", str(device)),
@@ -268,10 +318,13 @@ def main() -> None:
             json.dump(results, f, indent=1)
         print(section, json.dumps(value), flush=True)
 
+    if args.first_calls:
+        batch = args.batch or MICROBATCHES
+        write("first calls", first_calls(args.rounds, sizes, batch, args.first_calls))
+        return
     peak = peak_matmul(args.rounds, 512 if args.small else 8192)
     write("peak", {k: v for k, v in peak.items() if not k.startswith("_")})
     write("host", host_time(args.rounds, SMALL if args.small else HOST))  # warms the GPU too
-    sizes = SMALL if args.small else REFERENCE
     largest = 8 if args.small else 256
     record = functools.partial(write, "reference")
     record(reference(args.rounds, sizes, peak["_flops"], largest, record, args.batch))
