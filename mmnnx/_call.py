@@ -262,7 +262,8 @@ class Call:
                 sharding=getattr(value, "sharding", None),
                 donated=leaf.placed and _arg_position(path) in donate,
                 shape=tuple(np.shape(value)),
-                dtype=value.dtype,
+                # a Python float is float64 to NumPy, float32 to JAX without x64
+                dtype=jax.dtypes.canonicalize_dtype(value.dtype, allow_extended_dtype=True),
             )
             for leaf, value, path in zip(self.leaves, self.values, self._paths, strict=True)
         ]
