@@ -270,3 +270,29 @@ def test_a_pipeline_gathers_along_the_split_dimension():
     close(value, ref_value)
     close(out, ref_out, atol=1e-6)
     trees_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_outputs_that_do_not_depend_on_the_microbatch_are_reduced_too(reduce):
+    """An aux the microbatched function returns as it is, not computed from the microbatch (a
+    Python number, a constant array, an argument that is not split, a Variable's value), is
+    summed over the microbatches as the plain loop sums it. Each once failed to plan:
+    an `MPMDError` about `mm_microbatch_accumulate` read before it is made, a `KeyError`, or
+    `TypeError: unhashable type: 'TypedNdArray'`."""
+    tasks = four_tasks()[:2]
+    model = mm.place(TwoLinear(nnx.Rngs(0)), [("^a/", tasks[0]), ("^b/", tasks[1])])
+    ref = TwoLinear(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (16, 4))
+    lr = jnp.float32(0.1)
+
+    def loss(m, x, lr):
+        value = (m(x) ** 2).mean()
+        aux = {"int": 3, "float": 0.5, "const": jnp.float32(2.0), "arg": lr, "param": m.b.bias[...]}
+        return value, aux
+
+    grad_fn = mm.microbatch(nnx.value_and_grad(loss, has_aux=True), num=4, argnums=1, reduce=reduce)
+    (value, aux), grads = mm.jit(grad_fn)(model, x, lr)
+    (ref_value, ref_aux), ref_grads = grad_fn(ref, x, lr)
+    close(value, ref_value)
+    trees_close(aux, ref_aux)
+    trees_close(grads, ref_grads)

@@ -4,6 +4,7 @@ control flow split, ops nothing needs dropped."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ from mmnnx._jax.tracing import (
 )
 from mmnnx.errors import SideEffectError
 from mmnnx.mpmd.ir import GROUP_PREFIX, REGION_PREFIX, Const, Graph, Op, aval_info, live_ops
-from mmnnx.mpmd.primitives import marker_kind
+from mmnnx.mpmd.primitives import is_accumulate, marker_kind
 from mmnnx.mpmd.trace.callbacks import CallbackFailures, catch_callbacks
 from mmnnx.mpmd.trace.constraints import on_tasks
 from mmnnx.mpmd.trace.control_flow import split_eqn
@@ -189,8 +190,37 @@ def to_graph(closed: jcore.ClosedJaxpr) -> Graph:
     inputs = [_new_value(graph, v.aval) for v in closed.jaxpr.invars]
     graph.inputs = inputs
     graph.outputs = walk(closed.jaxpr, closed.consts, inputs)
+    made_per_microbatch(graph)
     drop_dead_ops(graph)
     return graph
+
+
+def made_per_microbatch(graph: Graph) -> None:
+    """Gives every ``mm.microbatch`` output its own op in the microbatched region. An output that
+    does not depend on the microbatch (a constant, an argument or a Variable returned as it is:
+    ``return loss, {"lr": lr, "steps": 1}``) is otherwise made before the region, or nowhere, and
+    the region's per-microbatch sum would read what no stage makes: it gets a copy made in the
+    region, once per microbatch, as a value computed from it would be. Ops are renumbered after."""
+    made_in = {v: op.group for op in graph.ops for v in op.outs}
+    ops: list[Op] = []
+    for op in graph.ops:
+        if is_accumulate(op):
+            group = op.params["group"]
+            x = op.ins[0]
+            if isinstance(x, Const) or made_in.get(x) != group:
+                out = op.outs[0]
+                copy = graph.new_value((graph.shapes[out], graph.dtypes[out], graph.nbytes[out]))
+                if out in graph.specs:
+                    graph.specs[copy] = graph.specs[out]
+                made = op.derived(jax.lax.copy_p, {}, [x], [copy])
+                ops.append(
+                    dataclasses.replace(
+                        made, scope=f"{op.scope}/{GROUP_PREFIX}{group}", group=group
+                    )
+                )
+                op.ins = [copy, *op.ins[1:]]
+        ops.append(op)
+    graph.ops = ops
 
 
 def drop_dead_ops(graph: Graph) -> None:
