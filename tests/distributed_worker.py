@@ -104,6 +104,45 @@ def two_task(steps: int = 3, pipelined: str | None = None):
 
 
 @scenario
+def dropout_model():
+    """Two pipelined steps of an MLP whose Dropout holds its own ``nnx.Rngs`` stream, one layer per
+    task: the stream's key (a PRNG-key-typed input, ``key<fry>``) is part of the step every process
+    describes before the processes compare their plans (it once raised NumPy's ``TypeError:
+    Cannot interpret 'key<fry>' as a data type`` there)."""
+    stage0, stage1 = readme_model_tasks()
+
+    def make_model():
+        return nnx.Sequential(
+            nnx.Linear(64, 128, rngs=nnx.Rngs(0)),
+            nnx.Dropout(0.25, rngs=nnx.Rngs(dropout=1)),
+            nnx.Linear(128, 64, rngs=nnx.Rngs(1)),
+        )
+
+    model = mm.init(make_model, [("layers/[01]/", stage0), ("layers/2/", stage1)])
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    @mm.jit
+    def train_step(model, opt, x, y):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2)),
+            num=4,
+            argnums=(1, 2),
+            reduce="mean",
+        )
+        loss, grads = grad_fn(model, x, y)
+        opt.update(model, grads)
+        return loss
+
+    x, y = readme_batch()
+    losses = [float(mm.distributed.fetch(train_step(model, opt, x, y))) for _ in "12"]
+    params = mm.distributed.fetch(nnx.state(model, nnx.Param))
+    return {
+        "losses": losses,
+        "params": {k: np.asarray(v).tolist() for k, v in _flat(params).items()},
+    }
+
+
+@scenario
 def pipelined_1f1b():
     return two_task(pipelined="1f1b")
 

@@ -104,7 +104,7 @@ def two_processes(tmp_path_factory) -> Launched:
     alone = worker.checkpoint_save(out / "alone", stages=2)  # one process: a 1F1B step, saved
     names = ["two_task", *(f"back_to_back:{s}:{d}" for s, d in BACK_TO_BACK),
              "compat_autosharding", "tools", "schedules", "scanned_gpt", "checkpoint_roundtrip",
-             "spanning_without_collectives", "different_models"]  # fmt: skip
+             "dropout_model", "spanning_without_collectives", "different_models"]  # fmt: skip
     env = dict(CKPT_IN=str(out / "alone"), CKPT_OUT=str(out / "together"),
                CKPT_OUT4=str(out / "four"), SCANNED_OUT=str(out / "scanned"))  # fmt: skip
     return Launched(out, *run_scenarios(names, 2, 4, out, **env), alone)
@@ -386,6 +386,10 @@ def test_every_schedule_pipelines_across_processes_as_in_one(two_processes):
         assert set(r["losses"]) == set(reference)
         for name, losses in reference.items():
             np.testing.assert_allclose(r["losses"][name], losses, rtol=1e-5, err_msg=name)
+
+
+def test_a_model_holding_an_rng_stream_pipelines_across_processes_as_in_one(two_processes):
+    assert_same_run(two_processes.results["dropout_model"], worker.dropout_model())
 
 
 def test_scanned_layers_split_over_processes_as_in_one(two_processes):

@@ -31,7 +31,7 @@ def fingerprint(planned: PlannedStep, inputs: Sequence[StepInput]) -> list[str]:
     """Lines describing a step, which processes compare before running it together."""
     graph = planned.graph
     lines = [
-        f"input {i.name}: {tuple(i.shape)} {np.dtype(i.dtype).name} on "
+        f"input {i.name}: {tuple(i.shape)} {_dtype_name(i.dtype)} on "
         f"{i.task.name if i.task is not None else '-'} "
         f"{getattr(i.sharding, 'spec', '') if i.placed else ''}"
         for i in inputs
@@ -43,3 +43,11 @@ def fingerprint(planned: PlannedStep, inputs: Sequence[StepInput]) -> list[str]:
     ]
     lines += str(planned.lowered).splitlines()
     return lines
+
+
+def _dtype_name(dtype: object) -> str:
+    """``float32``; a PRNG key's ``key<fry>`` (an extended dtype, which NumPy cannot read: an
+    ``nnx.Rngs`` or ``nnx.Dropout`` stream held by the model is such an input)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return str(dtype)
+    return np.dtype(dtype).name
