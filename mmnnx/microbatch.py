@@ -261,6 +261,12 @@ def _reductions(reduce: Any, out: Any, dim: int) -> list[str]:
         lists = jax.tree.leaves(per, is_leaf=lambda x: isinstance(x, list))
         kinds = [k for ks in lists for k in ks]
     for (path, leaf), kind in zip(with_paths, kinds, strict=True):
+        if not isinstance(leaf, (int, float, complex)) and not hasattr(leaf, "dtype"):
+            raise TypeError(
+                f"mm.microbatch: output {jax.tree_util.keystr(path) or '(the output)'} is a "
+                f"{type(leaf).__name__}, not a number or an array, so its microbatches cannot be "
+                f"combined with {kind!r}; return it outside the microbatched function"
+            )
         if kind == "concat" and jnp.ndim(leaf) <= dim:
             raise ValueError(
                 f"mm.microbatch: output {jax.tree_util.keystr(path) or '(the output)'} has no "

@@ -296,3 +296,19 @@ def test_outputs_that_do_not_depend_on_the_microbatch_are_reduced_too(reduce):
     close(value, ref_value)
     trees_close(aux, ref_aux)
     trees_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["loop", "mm.jit"])
+def test_an_output_that_is_not_a_number_or_an_array_is_named(jitted):
+    # it failed inside mm.jit as a TypeError of JAX's, naming no output
+    model = TwoLinear(nnx.Rngs(0))
+    if jitted:
+        tasks = four_tasks()[:2]
+        model = mm.place(model, [("^a/", tasks[0]), ("^b/", tasks[1])])
+
+    def loss(m, x):
+        return (m(x) ** 2).mean(), {"tag": "run 1"}
+
+    step = mm.microbatch(loss, num=2)
+    with pytest.raises(TypeError, match=r"output \[1\]\['tag'\] is a str, not a number"):
+        (mm.jit(step) if jitted else step)(model, jnp.ones((4, 4)))
