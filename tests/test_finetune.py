@@ -543,6 +543,24 @@ def test_an_export_never_overwrites_a_run_or_its_base_even_with_overwrite(root, 
     (other / "config.toml").write_text("")
     assert main(["export", "--run", str(full_run), "--output", str(other), "--overwrite"]) == 2
     assert "holds a run (config.toml and checkpoints/)" in capsys.readouterr().err
+    # another run below OUT, or OUT inside another run (its checkpoints/): --overwrite deleted it
+    (other / "checkpoints" / "4").mkdir(exist_ok=True)
+    holder = root / "holder"
+    (holder / "kept").mkdir(parents=True, exist_ok=True)
+    (holder / "kept" / "config.toml").write_text("")
+    (holder / "kept" / "checkpoints").mkdir(exist_ok=True)
+    cases = [
+        (holder, "holds another run"),
+        (other / "checkpoints", "lies inside another run"),
+        (other / "exported", "lies inside another run"),
+    ]
+    for output, said in cases:
+        argv = ["export", "--run", str(full_run), "--output", str(output), "--overwrite"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    assert (other / "checkpoints" / "4").is_dir() and (holder / "kept" / "config.toml").is_file()
+    assert not (other / "exported").exists()
     assert sorted(p.relative_to(full_run) for p in full_run.rglob("*")) == before
     assert (base / "config.json").is_file()
 

@@ -146,11 +146,28 @@ def _check_not_a_run(output: pathlib.Path, run_dir: Any, spec: Any) -> None:
             f"--output {output} would overwrite {what} ({path}); export somewhere else "
             "(--overwrite replaces only an earlier export)"
         )
-    if (output / "config.toml").is_file() and (output / "checkpoints").is_dir():
+    if _is_run(output):
         raise RunError(
             f"--output {output} holds a run (config.toml and checkpoints/); export somewhere "
             "else (--overwrite replaces only an earlier export)"
         )
+    # another run's directory above OUT (OUT is, say, its checkpoints/), or one below it: both
+    # would be deleted by the replacement of OUT
+    run = next((p for p in output.resolve().parents if _is_run(p)), None)
+    if run is None and output.is_dir():
+        run = next((p.parent for p in output.rglob("config.toml") if _is_run(p.parent)), None)
+    if run is not None:
+        where = "lies inside" if run in output.resolve().parents else "holds"
+        raise RunError(
+            f"--output {output} {where} another run ({run}: config.toml and checkpoints/); "
+            "export somewhere else (--overwrite replaces only an earlier export)"
+        )
+
+
+def _is_run(directory: pathlib.Path) -> bool:
+    """Whether ``directory`` is what ``mmnnx train`` writes: ``config.toml`` and
+    ``checkpoints/``."""
+    return (directory / "config.toml").is_file() and (directory / "checkpoints").is_dir()
 
 
 def _scratch_architecture(config: Any, run_dir: Any) -> str:
