@@ -143,6 +143,14 @@ def _edit(source, tmp_path, *, config=None, drop=None, add=None, change=None):
             dict(config={"architectures": ["FalconForCausalLM"]}),
             "FalconForCausalLM is not supported; mmnnx builds LlamaForCausalLM, Qwen3ForCausalLM",
         ),
+        (
+            dict(config={"model_type": "falcon"}),  # transformers would build a Falcon from it
+            "model_type 'falcon' is not one mmnnx reads as LlamaForCausalLM \\(llama\\)",
+        ),
+        (
+            dict(config={"architectures": [], "model_type": "falcon"}),
+            "architecture \\(none given; model_type 'falcon'\\) is not supported",
+        ),
         (dict(config={"hidden_act": "gelu"}), "hidden_act='gelu' is not supported"),
         (dict(config={"mlp_bias": True}), "mlp_bias=True is not supported"),
         (
@@ -173,6 +181,15 @@ def test_bad_checkpoints_fail_before_anything_is_placed(checkpoints, tmp_path, e
     with pytest.raises(CheckpointError, match=message) as error:
         from_pretrained(path, tasks=_tasks(2))
     assert str(path) in str(error.value)
+
+
+def test_a_config_without_architectures_is_read_by_its_model_type(checkpoints, tmp_path):
+    # as transformers' AutoModelForCausalLM does: it picks the model by model_type
+    source = checkpoints[QWEN3, False, "float32"]
+    path = _edit(source, tmp_path, config={"architectures": None})
+    tokens = jnp.arange(8, dtype=jnp.int32)[None]
+    ours = from_pretrained(path, max_seq_len=16)(tokens)
+    np.testing.assert_array_equal(ours, from_pretrained(source, max_seq_len=16)(tokens))
 
 
 def test_no_safetensors_and_no_config(tmp_path):

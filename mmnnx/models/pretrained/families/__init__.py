@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from mmnnx.models.gpt import GPTConfig
-from mmnnx.models.pretrained.families.deepseek import DEEPSEEK_V3
+from mmnnx.models.pretrained.families.deepseek import DEEPSEEK_V3, MODEL_TYPES
 from mmnnx.models.pretrained.families.gemma3 import GEMMA3
 from mmnnx.models.pretrained.families.gpt_oss import GPT_OSS
 from mmnnx.models.pretrained.families.llama import LLAMA, QWEN3, QWEN3_MOE, Family
@@ -43,19 +43,44 @@ FAMILIES: dict[str, PretrainedFamily] = {
 
 
 def family_of(hf: dict[str, Any] | None, where: Any) -> PretrainedFamily:
-    """The family a ``config.json`` names in ``architectures``.
+    """The family a ``config.json`` names in ``architectures`` (else, as transformers'
+    ``AutoModelForCausalLM`` does, by its ``model_type``), refusing a ``model_type`` that is not
+    that family's: transformers would build another model from the same file.
 
     Example:
         >>> family_of({"architectures": ["Qwen3ForCausalLM"]}, "ckpt").model_type
         'qwen3'
+        >>> family_of({"model_type": "llama"}, "ckpt").architecture
+        'LlamaForCausalLM'
     """
     if hf is None:
         raise CheckpointError(f"{where}: no config.json (it names the model's architecture)")
     names = architectures(hf, where)
+    kind = hf.get("model_type")
+    if not names and kind is not None:
+        names = [f.architecture for f in FAMILIES.values() if kind in model_types(f)]
     for name in names:
         if name in FAMILIES:
-            return FAMILIES[name]
+            family = FAMILIES[name]
+            if kind is not None and kind not in model_types(family):
+                raise CheckpointError(
+                    f"{where}/config.json: model_type {kind!r} is not one mmnnx reads as {name} "
+                    f"({', '.join(model_types(family))}); transformers would build the model of "
+                    "that model_type from this file"
+                )
+            return family
+    given = ", ".join(names) or (f"(none given; model_type {kind!r})" if kind else "(none given)")
     raise CheckpointError(
-        f"{where}/config.json: architecture {', '.join(names) or '(none given)'} is not "
-        f"supported; mmnnx builds {', '.join(FAMILIES)}"
+        f"{where}/config.json: architecture {given} is not supported; mmnnx builds "
+        f"{', '.join(FAMILIES)}"
     )
+
+
+def model_types(family: PretrainedFamily) -> tuple[str, ...]:
+    """The ``config.json`` ``model_type``s read as ``family`` (Kimi K2 names its own).
+
+    Example:
+        >>> model_types(FAMILIES["DeepseekV3ForCausalLM"])
+        ('deepseek_v3', 'kimi_k2')
+    """
+    return MODEL_TYPES if family is DEEPSEEK_V3 else (family.model_type,)
