@@ -92,9 +92,9 @@ def test_bad_records_name_file_line_and_field(tmp_path):
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
         {"messages": [{"role": "wizard", "content": "q"}, {"role": "assistant", "content": "a"}]},
     ]
-    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    path.write_text("\n\n".join(json.dumps(x) for x in lines) + "\n")  # a blank line between
     records = read_records(path, cache_dir=str(tmp_path / "cache"))
-    with pytest.raises(DataError, match=r"d.jsonl:line 2: messages\[0\] has role 'wizard'"):
+    with pytest.raises(DataError, match=r"d.jsonl:line 3: messages\[0\] has role 'wizard'"):
         encode_records(records, "chat", tokenizer, template)
     with pytest.raises(DataError, match=r"d.jsonl:line 1: no field 'prompt' \(fields: messages\)"):
         encode_records(read_records(path, str(tmp_path / "c2")), "completion", tokenizer)
@@ -103,6 +103,10 @@ def test_bad_records_name_file_line_and_field(tmp_path):
         encode_records([("c", lines[0])], "chat", tokenizer, failing)
     with pytest.raises(DataError, match="no such data file or directory"):
         list(read_records(tmp_path / "missing"))
+    broken = tmp_path / "broken.jsonl"  # the reader said only "An error occurred while ..."
+    broken.write_text(json.dumps(lines[0]) + "\n\n" + '{"messages": [{"role": "user"}, \n')
+    with pytest.raises(DataError, match=r"broken.jsonl:line 3: not a JSON object \(Expecting"):
+        list(read_records(broken, cache_dir=str(tmp_path / "c3")))
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no data files"):
         list(read_records(tmp_path / "empty"))

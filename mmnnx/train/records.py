@@ -4,6 +4,7 @@ read with Hugging Face ``datasets``), turned into token ids and the tokens the l
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import re
 from collections.abc import Iterator
@@ -80,9 +81,35 @@ def read_records(path: str | pathlib.Path, cache_dir: str | None = None) -> Iter
                 READERS[file.suffix], data_files=str(file), split="train", cache_dir=cache_dir
             )
         except Exception as e:  # the readers raise their own types (pyarrow, json, pandas)
+            bad = _bad_json_line(file) if unit == "line" else None
+            if bad is not None:
+                raise DataError(bad) from None
             raise DataError(f"{file}: not a readable {READERS[file.suffix]} file: {e}") from None
-        for i, record in enumerate(rows):
-            yield f"{file}:{unit} {i + 1}", record
+        numbers = _record_lines(file) if unit == "line" else None
+        for i, record in enumerate(rows):  # the reader skips blank lines: count the file's
+            yield f"{file}:{unit} {next(numbers) if numbers else i + 1}", record
+
+
+def _record_lines(file: pathlib.Path) -> Iterator[int]:
+    """The line numbers of a JSON Lines file's records, its blank lines passed over."""
+    with open(file, encoding="utf-8", errors="replace") as lines:
+        yield from (n for n, line in enumerate(lines, 1) if line.strip())
+
+
+def _bad_json_line(file: pathlib.Path) -> str | None:
+    """``FILE:line N: not a JSON object (...)`` for the first line of a JSON Lines file that is
+    not one, or ``None`` (the reader's own message then says what is wrong)."""
+    with open(file, encoding="utf-8", errors="replace") as lines:
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                return f"{file}:line {n}: not a JSON object ({e})"
+            if not isinstance(record, dict):
+                return f"{file}:line {n}: not a JSON object (a {type(record).__name__})"
+    return None
 
 
 def data_files(path: str | pathlib.Path) -> list[pathlib.Path] | None:
