@@ -389,6 +389,35 @@ def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
     assert f"--lora-targets: 'o' is not one of {choices}" in capsys.readouterr().err
 
 
+def test_tensors_that_do_not_fit_exit_2_before_the_run_writes_anything(root, tmp_path, capsys):
+    # the tensors were once checked only when the model was read, after the run had made its
+    # checkpoints/ and tokenized its text into OUTPUT_DIR/data
+    from safetensors.numpy import load_file, save_file
+
+    for name, edit, reason in [
+        ("no-up", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "missing tensor"),
+        (
+            "wide-up",
+            lambda t: t.update({"model.layers.1.mlp.up_proj.weight": np.zeros((3, 3), "f4")}),
+            "tensor 'model.layers.1.mlp.up_proj.weight' has shape (3, 3)",
+        ),
+    ]:
+        bad = _edit_config(root, name)
+        index = json.loads((bad / "model.safetensors.index.json").read_text())
+        file = bad / index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+        tensors = load_file(file)
+        edit(tensors)
+        save_file(tensors, file, metadata={"format": "pt"})
+        held = index["weight_map"].items()
+        index["weight_map"] = {k: f for k, f in held if f != file.name or k in tensors}
+        (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+        out = tmp_path / name
+        assert main(["train", "--init-from", str(bad), "--output-dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and reason in err, err
+        assert not out.exists()
+
+
 def _scratch_run(tmp_path, name, tokenizer=None, **flags):
     """A run directory as `mmnnx train` leaves it (config, ``tokenizer`` (default: bytes), one
     checkpoint) for a GPT trained from scratch with ``flags``, its model's weights random."""

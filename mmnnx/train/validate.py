@@ -142,7 +142,7 @@ def _model_problem(run: RunConfig, given: Set[str]) -> tuple[str | None, tuple[i
 def _pretrained(run: RunConfig, given: Set[str]) -> tuple[str | None, Any]:
     """The first problem of ``--init-from``, and the ``GPTConfig`` of its ``config.json``."""
     from mmnnx.models import CheckpointError  # noqa: PLC0415
-    from mmnnx.models.pretrained import check_tokenizer  # noqa: PLC0415
+    from mmnnx.models.pretrained import check_tensors, check_tokenizer  # noqa: PLC0415
     from mmnnx.models.pretrained.files import TOKENIZER  # noqa: PLC0415
     from mmnnx.train.config import ARCHITECTURE  # noqa: PLC0415
     from mmnnx.train.run_model import model_config  # noqa: PLC0415
@@ -166,6 +166,8 @@ def _pretrained(run: RunConfig, given: Set[str]) -> tuple[str | None, Any]:
         ), None
     try:
         check_tokenizer(init_from, config.vocab_size)
+        if not run.outputs.resume:  # a resumed run's weights come from its own checkpoint
+            check_tensors(init_from, config)  # headers only, before the run writes anything
     except CheckpointError as e:
         return f"{flag('init_from')}: {e}", None
     found = _targets_problem(run.model.lora_targets or (), config, init_from)

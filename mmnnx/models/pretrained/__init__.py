@@ -43,7 +43,7 @@ from mmnnx.models.pretrained.files import (
     read_json,
 )
 from mmnnx.models.pretrained.hf_config import written
-from mmnnx.models.pretrained.load import load_into
+from mmnnx.models.pretrained.load import load_into, plan_sources
 from mmnnx.models.pretrained.names import Part, TensorRule
 from mmnnx.models.pretrained.quantized import quantizing
 from mmnnx.models.pretrained.save import (
@@ -63,6 +63,7 @@ __all__ = [
     "Pretrained",
     "Part",
     "TensorRule",
+    "check_tensors",
     "check_tokenizer",
     "from_pretrained",
     "load_tensors",
@@ -412,6 +413,28 @@ def save_tensors(
 def _abstract(factory: Callable[[], M]) -> M:
     with nnx.use_eager_sharding(False):
         return nnx.eval_shape(factory)
+
+
+def check_tensors(path: str | os.PathLike, config: GPTConfig) -> None:
+    """Raises ``CheckpointError`` when the safetensors files at ``path`` do not fill the
+    ``GPT`` of ``config`` (a tensor missing or left over, a shape or dtype that does not fit),
+    as ``from_pretrained`` would, from the files' headers alone: no data read, nothing built.
+
+    Example:
+        >>> import tempfile
+        >>> config = GPTConfig(dim=32, depth=2, vocab_size=64, gated_mlp=True, mlp_bias=False)
+        >>> with nnx.use_eager_sharding(False):
+        ...     path = save_pretrained(GPT(config, rngs=nnx.Rngs(0)), tempfile.mkdtemp() + "/m",
+        ...                            architecture="LlamaForCausalLM")
+        >>> check_tensors(path, config)
+        >>> check_tensors(path, dataclasses.replace(config, depth=3))
+        Traceback (most recent call last):
+        mmnnx.models.pretrained.files.CheckpointError: ...: missing tensor 'model.layers.2...
+    """
+    files = CheckpointFiles(path)
+    family = family_of(files.config, files.directory)
+    model = _abstract(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    plan_sources(model, files, family.tensor_rules(config))
 
 
 def check_tokenizer(directory: str | os.PathLike, vocab_size: int) -> None:
