@@ -103,6 +103,25 @@ def two_task(steps: int = 3, pipelined: str | None = None):
     }
 
 
+def _mse_step(schedule: str):
+    """The README's pipelined train step (4 microbatches, mean squared error) under ``schedule``."""
+
+    @mm.jit
+    def train_step(model, opt, x, y):
+        grad_fn = mm.microbatch(
+            nnx.value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2)),
+            num=4,
+            argnums=(1, 2),
+            reduce="mean",
+            schedule=schedule,
+        )
+        loss, grads = grad_fn(model, x, y)
+        opt.update(model, grads)
+        return loss
+
+    return train_step
+
+
 @scenario
 def dropout_model():
     """Two pipelined steps of an MLP whose Dropout holds its own ``nnx.Rngs`` stream, one layer per
@@ -121,18 +140,7 @@ def dropout_model():
     model = mm.init(make_model, [("layers/[01]/", stage0), ("layers/2/", stage1)])
     opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
 
-    @mm.jit
-    def train_step(model, opt, x, y):
-        grad_fn = mm.microbatch(
-            nnx.value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2)),
-            num=4,
-            argnums=(1, 2),
-            reduce="mean",
-        )
-        loss, grads = grad_fn(model, x, y)
-        opt.update(model, grads)
-        return loss
-
+    train_step = _mse_step("1f1b")
     x, y = readme_batch()
     losses = [float(mm.distributed.fetch(train_step(model, opt, x, y))) for _ in "12"]
     params = mm.distributed.fetch(nnx.state(model, nnx.Param))
@@ -251,19 +259,7 @@ def tools():
     model = readme_model()
     opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
 
-    @mm.jit
-    def train_step(model, opt, x, y):
-        grad_fn = mm.microbatch(
-            nnx.value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2)),
-            num=4,
-            argnums=(1, 2),
-            reduce="mean",
-            schedule="gpipe",
-        )
-        loss, grads = grad_fn(model, x, y)
-        opt.update(model, grads)
-        return loss
-
+    train_step = _mse_step("gpipe")
     x, y = readme_batch()
     table = str(mm.tabulate(model, x))
     step = mm.cached_partial(train_step, model, opt)
