@@ -339,10 +339,25 @@ def test_hello_world_mjit():
     mm_g = mj.task(lambda x, y: x * x + y * y, devices=devs[1:2])
     mm_c = mj.mjit(lambda x: mm_g(*mm_f(x)), devices=devs, in_shardings=(sharding,))
     x = mj.mjit(jnp.arange, devices=devs, out_shardings=sharding, static_argnums=0)(8)
-    assert device_ids(x) == [0, 1]
+    assert device_ids(x) == [0, 1] and x.sharding.spec == P("x")  # not replicated
+    np.testing.assert_array_equal(x, np.arange(8))
     result = mm_c(x.astype(jnp.float32))
     assert result.devices() == {jax.devices()[1]}
     np.testing.assert_allclose(result, np.ones(8), rtol=1e-6)
+
+
+def test_constraint_on_a_value_made_from_no_input_is_kept():
+    # a program (or a task's part of one) reading no input used to return it replicated
+    tm = mj.TaskMesh(devices=(4, 5, 6, 7), axis_names=("x",), axis_sizes=(4,))
+    make = mj.task(
+        lambda: mj.with_sharding_constraint(jnp.arange(8.0), P("batch")),
+        name="const",
+        mesh=tm,
+        logical_axes=[("batch", "x")],
+    )
+    out = mj.mjit(lambda: make(), devices=jax.devices())()
+    assert device_ids(out) == [4, 5, 6, 7] and out.sharding.spec == P("x")
+    np.testing.assert_array_equal(out, np.arange(8.0))
 
 
 def test_context_flags_and_ignore_transforms():

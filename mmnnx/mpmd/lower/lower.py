@@ -320,7 +320,7 @@ def lower(
         if id(frag) not in layout_of:  # the same for every microbatch
             positions = tuple(i for i, v in enumerate(frag.out_ids) if v in sum_of)
             dropped = frozenset(i for i in positions if only_summed(frag.out_ids[i], frag))
-            shardings = _out_shardings(frag, home_of, typed, whole)
+            shardings = _out_shardings(frag, home_of, typed, whole, graph.shapes)
             layout_of[id(frag)] = (shardings, positions, dropped)
         shardings, positions, _ = layout_of[id(frag)]
         summed = [frag.out_ids[i] for i in positions]
@@ -409,13 +409,22 @@ def _out_shardings(
     home_of: dict[int, NamedSharding],
     typed: dict[int, Any] | None,
     whole: bool = False,
+    shapes: Sequence[tuple[int, ...]] = (),
 ) -> tuple:
     """A fragment's results' shardings: their home's when on this task; replicated with no inputs,
-    on one device or where every value is ``whole``; else the compiler's choice; with sharding in
+    on one device or where every value is ``whole``, except that a result of an
+    ``mm.with_sharding_constraint`` in a fragment with no inputs keeps that constraint's layout
+    (nothing else pins the program to its task); else the compiler's choice; with sharding in
     types (``typed``), the type's."""
+    made_by = {v: op for op in frag.ops if is_constraint(op) for v in op.outs}
     out = []
     for v in frag.out_ids:
         home = home_of.get(v)
+        if typed is None and not frag.in_ids and home is None and not whole and v in made_by:
+            op = made_by[v]
+            names = constraint_names(op)
+            out.append(constraint_layout(frag.task, names, shapes[v], op.source))
+            continue
         if typed is not None:
             spec = typed.get(v, PartitionSpec())
             on_home = home is not None and home.mesh == frag.task.jax_mesh
