@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -17,7 +18,7 @@ from mmnnx import _nnx
 from mmnnx._added import Added, put_added, take_added
 from mmnnx._error_location import with_location
 from mmnnx._jax.arrays import all_plain_arrays
-from mmnnx.deep_models import warn_unrolled_blocks
+from mmnnx.deep_models import user_frame, warn_unrolled_blocks
 from mmnnx.distributed.homes import homes_of
 from mmnnx.errors import MPMDError, SideEffectError
 from mmnnx.mpmd.engine import BuiltStep
@@ -267,6 +268,20 @@ class Call:
             )
             for leaf, value, path in zip(self.leaves, self.values, self._paths, strict=True)
         ]
+        kept = [
+            i.name
+            for i, leaf, path in zip(inputs, self.leaves, self._paths, strict=True)
+            if leaf.variable is None and _arg_position(path) in donate
+        ]
+        if kept:
+            warnings.warn(
+                f"mm.jit: {self.step_name} donates the array {kept[0]!r}"
+                f"{f' (and {len(kept) - 1} more)' if len(kept) > 1 else ''}, which is not in a "
+                "Variable: only placed Variables' buffers are donated, so it is kept (hold the "
+                "state in Variables placed with mm.place or mm.init to donate it)",
+                UserWarning,
+                stacklevel=user_frame(),
+            )
         owned = check_homes(inputs)
         if owned:  # with no placed state, the tasks come from mm.task regions: checked later
             self.check_free_devices(owned)

@@ -70,11 +70,11 @@ def warn_unrolled_blocks(fun: Callable, args: Sequence[Any], kwargs: dict, step:
                 "placement rule naming a list of tasks splits the stack into stages "
                 "(docs/pipelining.md, Scanned layers)",
                 UnrolledLayersWarning,
-                stacklevel=_user_frame(),
+                stacklevel=user_frame(),
             )
 
 
-def _user_frame() -> int:
+def user_frame() -> int:
     """The ``stacklevel``, for its caller's ``warnings.warn``, of the first frame outside mmnnx."""
     package = os.path.dirname(os.path.abspath(__file__))
     frame, level = sys._getframe(2), 2

@@ -875,3 +875,14 @@ def test_plan_of_a_process_the_job_does_not_have_is_refused(tasks, batch):
     assert step.plan(model, opt, *batch, process=0).program == step.plan(model, opt, *batch).program
     with pytest.raises(ValueError, match=r"plan\(process=1\): this job has 1 process"):
         step.plan(model, opt, *batch, process=1)
+
+
+def test_donating_an_array_not_in_a_placed_variable_warns_that_it_is_kept(tasks, batch):
+    # mm.jit donates only placed Variables' buffers: an array argument was silently kept
+    model, opt, ref, ref_opt = placed_and_reference(tasks, optax.adamw(1e-2))
+    step = mm.jit(train_step, donate_argnums=(0, 1, 2))
+    kept = r"train_step donates the array 'arg2'.*it is kept"
+    with pytest.warns(UserWarning, match=kept) as seen:
+        close(step(model, opt, *batch), train_step(ref, ref_opt, *batch))
+    assert seen[0].filename == __file__  # the user's line
+    assert not batch[0].is_deleted() and model.l2.kernel.get_value().is_deleted() is False
