@@ -68,6 +68,12 @@ def _custom_table(custom_schedule: Sequence[Sequence[Any]], num: int) -> mm.sche
                 mb, name = entry
                 counts[name] = counts.get(name, 0) + 1
                 entries.append((int(mb), name))
+        tasks = sorted({name.removesuffix("_bwd") for name in counts})
+        if len(tasks) > 1:
+            raise ValueError(
+                f"custom_schedule row {stage} names tasks {', '.join(tasks)}: a row is one "
+                "pipeline stage, its task's forward passes (NAME) and backward passes (NAME_bwd)"
+            )
         for name, c in counts.items():
             if c != num:
                 raise ValueError(

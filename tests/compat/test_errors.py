@@ -116,6 +116,11 @@ def test_microbatch_errors():  # 5.7
         ValueError, match="task s0 has 2 microbatches, but there are 3 microbatches"
     ):
         bad(jnp.ones(6))
+    typo = mj.microbatch(  # a misspelt name in a row was scheduled as if it were the row's task
+        lambda x: x.sum(), dim=0, size=2, custom_schedule=[["s0", "s0", "sX_bwd", "sX_bwd"]]
+    )
+    with pytest.raises(ValueError, match="custom_schedule row 0 names tasks s0, sX"):
+        typo(jnp.ones(4))
     unknown = mj.microbatch(lambda x: x.sum(), dim=0, size=2, schedule="round-robin")
     with pytest.raises(jax.errors.JaxRuntimeError, match="INVALID_ARGUMENT"):
         unknown(jnp.ones(4))
