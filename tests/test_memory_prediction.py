@@ -92,12 +92,13 @@ def test_train_refuses_a_layout_over_the_budget_before_compiling(tmp_path, capsy
     monkeypatch.setattr(runner.Executable, "compile", no_compile)
     argv = ["train", "--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "16"]
     argv += ["--batch-size", "8", "--microbatches", "2", "--steps", "1", "--model-axis", "1"]
-    argv += ["--output-dir", str(tmp_path), "--memory-budget", "600KiB"]
+    argv += ["--output-dir", str(tmp_path / "run"), "--memory-budget", "600KiB"]
     assert main(argv) == 2  # the compilers above raise if called
     err = capsys.readouterr().err
     assert err.startswith("mmnnx train: error: --memory-budget 600KiB: stage 1 needs ")
     assert "--microbatches 4 fits" in err and "Traceback" not in err
-    assert not (tmp_path / "metrics.jsonl").exists()
+    # nothing written: it left OUTPUT_DIR/checkpoints (the writer lock) and data/tokens.bin
+    assert not (tmp_path / "run").exists()
 
 
 def test_prediction_within_10_percent_of_the_measured_peak():

@@ -70,12 +70,14 @@ def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = N
     from mmnnx.cli.replan import data_axis as fitted_data_axis  # noqa: PLC0415
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.data import EMBEDDED  # noqa: PLC0415
+    from mmnnx.train.run_model import model_config  # noqa: PLC0415
     from mmnnx.train.run_resume import (  # noqa: PLC0415
         ResumeCheck,
         resumed,
         run_tokenizer,
         tokenizer_problem,
     )
+    from mmnnx.train.validate import memory_problem  # noqa: PLC0415
 
     outputs = config.outputs
     checkpoints = outputs.checkpoints()
@@ -99,6 +101,10 @@ def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = N
     problem = tokenizer_problem(config, tokenizer, found.saved)
     if problem:
         return error(problem)
+    model = pretrained or model_config(config, tokenizer.vocab_size)  # its GPTConfig
+    problem = memory_problem(config, model, data_axis)  # predicted before anything is compiled
+    if problem:  # or written (the checkpoint directory's lock, the token file)
+        return error(problem)
     with ck.Checkpointer(checkpoints) as checkpointer:
         try:
             checkpointer.claim()  # before the first byte written: one writer per run
@@ -112,7 +118,7 @@ def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = N
             checkpointer,
             data_axis=data_axis,
             weights=weights,
-            pretrained=pretrained,
+            config=model,
         )
     if isinstance(trained, int):
         return trained
@@ -149,7 +155,7 @@ def _train(
     *,
     data_axis: int,
     weights: bool,
-    pretrained: Any,
+    config: Any,
 ) -> int | tuple[Any, Any]:
     """The run itself: the model and ``FitResult``, or an exit status."""
     import jax  # noqa: PLC0415
@@ -166,12 +172,10 @@ def _train(
     from mmnnx.train.run_data import run_dataset  # noqa: PLC0415
     from mmnnx.train.run_model import (  # noqa: PLC0415
         build_model,
-        model_config,
         objective,
         trainable,
     )
     from mmnnx.train.run_record import RunRecord, saved_record  # noqa: PLC0415
-    from mmnnx.train.validate import memory_problem  # noqa: PLC0415
     from mmnnx.train.wandb_writer import WandbStartError  # noqa: PLC0415
 
     out = pathlib.Path(run.outputs.output_dir)
@@ -184,10 +188,6 @@ def _train(
     lay = run.layout  # a --resume narrowing the data axis narrows FSDP within it
     fsdp_axis = math.gcd(lay.fsdp_axis, data_axis)
     tasks = run_tasks(lay.stages, data_axis, lay.model_axis, lay.expert_axis, fsdp_axis=fsdp_axis)
-    config = pretrained or model_config(run, tokenizer.vocab_size)
-    problem = memory_problem(run, config, data_axis)  # predicted, before anything compiles
-    if problem:
-        return error(problem)
     saved = saved_record(checkpointer) if run.outputs.resume else None
     extra = saved and saved.extra
     try:
