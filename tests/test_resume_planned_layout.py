@@ -125,6 +125,12 @@ def test_layout_from_refuses_a_contradicting_flag_another_batch_and_a_bad_file(t
     plan.write_text(json.dumps({"layout": {**layout, "fsdp": "2"}}))
     assert main([*base, "--layout-from", str(plan)]) == 2
     assert "layout: fsdp is '2', expected an int >= 1" in capsys.readouterr().err
+    for field, value in [("schedule", "bogus"), ("remat", "most")]:  # no flag takes them
+        plan.write_text(json.dumps({"layout": {**layout, field: value}}))
+        assert main([*base, "--layout-from", str(plan)]) == 2  # was a traceback for a schedule
+        err = capsys.readouterr().err
+        assert f"--layout-from {plan}: layout: {field}: '{value}' is not one of " in err, err
+        assert err.count("\n") == 1 and not (tmp_path / "run").exists()
     del layout["remat"]
     plan.write_text(json.dumps({"layout": layout}))
     assert main([*base, "--layout-from", str(plan)]) == 2

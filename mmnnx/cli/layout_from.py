@@ -13,7 +13,7 @@ from collections.abc import Mapping, Set
 from typing import Any
 
 from mmnnx.train.config import flag
-from mmnnx.train.run_config import ConfigError
+from mmnnx.train.run_config import ConfigError, option_value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,7 +77,8 @@ def read_plan(path: str) -> PlannedLayout:
 
     Raises:
         ConfigError: the file is missing or not JSON, holds no ``layout`` object, or a field
-            of it is missing or of the wrong type; the message names the file and the field.
+            of it is missing, of the wrong type or a value its train flag refuses (a schedule
+            or remat policy it does not know); the message names the file and the field.
 
     Example:
         >>> import tempfile
@@ -89,7 +90,7 @@ def read_plan(path: str) -> PlannedLayout:
         >>> options["stages"], options["data_axis"], options["fsdp_axis"], options["remat"]
         (4, 2, 2, 'dots')
     """
-    from mmnnx.partition.cost import ClusterLayout  # noqa: PLC0415
+    from mmnnx.partition.cost import TRAIN_OPTION, ClusterLayout  # noqa: PLC0415
 
     try:
         plan = json.loads(pathlib.Path(path).read_text())
@@ -102,11 +103,16 @@ def read_plan(path: str) -> PlannedLayout:
         raise ConfigError(
             f"--layout-from {path}: no 'layout' object (write it with mmnnx plan --json)"
         )
+    where = f"--layout-from {path}: layout"
     try:
-        where = f"--layout-from {path}: layout"
-        options = ClusterLayout.of_json(layout, where=where).train_options()
+        planned = ClusterLayout.of_json(layout, where=where)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    fields = {f.metadata[TRAIN_OPTION]: f.name for f in dataclasses.fields(planned)}
+    options = {  # each value as its flag takes it: a schedule or remat of no flag's choices
+        name: option_value(name, value, f"{where}: {fields[name]}")
+        for name, value in planned.train_options().items()
+    }
     return PlannedLayout(
         options=options, batch=plan.get("batch"), seq_len=plan.get("seq_len"), path=path
     )

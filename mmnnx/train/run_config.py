@@ -62,6 +62,23 @@ def _value(option: Option, flag: str, value: Any, where: str) -> Any:
     return parsed
 
 
+def option_value(name: str, value: Any, where: str, schema: type = RunConfig) -> Any:
+    """``value`` for the option ``name`` of ``schema`` (by its field's name) as its flag would
+    have parsed it; a ``ConfigError`` starting with ``where`` for one its flag refuses.
+
+    Example:
+        >>> option_value("schedule", "gpipe", "plan.json: layout: schedule")
+        'gpipe'
+        >>> option_value("remat", "most", "plan.json: layout: remat")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        mmnnx.train.run_config.ConfigError: plan.json: layout: remat: 'most' is not one of none, ...
+    """
+    field = {f.name: f for fields in tables(schema).values() for f in fields}[name]
+    option = spec(field)
+    return _value(option, option.flag(field.name), value, where)
+
+
 def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The TOML file ``path`` parsed: UTF-8 text, a leading byte-order mark skipped (as
     Windows editors write it).
