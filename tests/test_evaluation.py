@@ -88,3 +88,22 @@ def test_mmnnx_eval_of_a_run_equals_its_export(tmp_path, monkeypatch, capsys):
     assert main(["eval", "--run", str(run), *flags]) == 2
     said = capsys.readouterr().err
     assert f"--include-path: {broken / 'broken.yaml'}: line 3, column 6: mapping values" in said
+
+
+def test_a_perplexity_task_of_a_run_with_no_bos_or_eos_exits_2_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    # the rolling windows' first token is predicted after bos (or eos): with neither it was a
+    # TypeError traceback (lm-eval's own hf model fails on such a checkpoint too)
+    from mmnnx.cli import main
+
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "bytes"
+    flags = ["--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "16", "--steps", "1"]
+    flags += ["--stages", "1", "--data-axis", "1", "--model-axis", "1", "--devices", "1"]
+    assert main(["train", *flags, "--output-dir", str(run), "--timeline-step", "0"]) == 0
+    capsys.readouterr()
+    tasks = ["--tasks", "mmnnx_text", "--include-path", "tests/lm_eval_tasks", "--limit", "1"]
+    assert main(["eval", "--run", str(run), *tasks]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after lm-eval's own progress bars
+    assert last.startswith("mmnnx eval: error: --tasks mmnnx_text: a perplexity task"), last

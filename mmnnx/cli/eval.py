@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     except RunError as e:
         return error(f"--run: {e}")
     prologue.start(spec.run.layout.devices, distributed=False)
-    from mmnnx.train.evaluation import MmnnxLM  # noqa: PLC0415
+    from mmnnx.train.evaluation import MmnnxLM, UnscorableTaskError  # noqa: PLC0415
 
     if options.include_path and (problem := task_file_problem(options.include_path)):
         return error(f"--include-path: {problem}")
@@ -67,9 +67,12 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         return error(f"--tasks: no lm-eval task {', '.join(unknown)} (see lm_eval ls tasks)")
     model = MmnnxLM(run=options.run, layout=options.layout)
-    results = lm_eval.simple_evaluate(
-        model=model, tasks=names, task_manager=manager, limit=options.limit
-    )
+    try:
+        results = lm_eval.simple_evaluate(
+            model=model, tasks=names, task_manager=manager, limit=options.limit
+        )
+    except UnscorableTaskError as e:
+        return error(f"--tasks {options.tasks}: {e}")
     print(lm_eval.utils.make_table(results))
     return 0
 

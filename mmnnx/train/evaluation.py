@@ -17,6 +17,11 @@ from lm_eval.api.registry import register_model
 from mmnnx.train.chat_template import special_tokens
 
 
+class UnscorableTaskError(ValueError):
+    """A task asks of the run what it cannot give (a perplexity task of a run whose tokenizer has
+    no beginning- or end-of-text token)."""
+
+
 @register_model("mmnnx")
 class MmnnxLM(TemplateLM):
     """``run=DIR`` (a run ``mmnnx train`` wrote, its newest checkpoint, ``layout`` as
@@ -92,6 +97,12 @@ class MmnnxLM(TemplateLM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        if self._prefix is None:  # lm-eval's own hf model fails on it too (decode(None))
+            raise UnscorableTaskError(
+                "a perplexity task (loglikelihood_rolling) predicts a text's first token after "
+                "the tokenizer's beginning- or end-of-text token, and this run's tokenizer has "
+                "neither (bos_token, eos_token); score it on loglikelihood or generation tasks"
+            )
         scores = []
         for (string,) in [r.args for r in requests]:
             windows = utils.get_rolling_token_windows(
