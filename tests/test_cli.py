@@ -738,6 +738,24 @@ def test_a_hand_edited_data_state_exits_2_naming_the_step(one_step_run, capsys, 
         meta_file.write_text(saved_meta)
 
 
+def test_extending_a_run_past_the_horizon_it_was_given_stretches_the_schedule(
+    bpe_runs, tmp_path, capsys
+):
+    # --schedule-steps given to the first run only: --resume read it back from config.toml as
+    # if given again, and steps past it trained at the final rate, with no line saying so
+    import shutil
+
+    runs, _ = bpe_runs
+    shutil.copytree(runs / "parts", tmp_path / "parts")
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(tmp_path / "parts"), "--steps", "5", "--resume"]) == 0
+    assert (
+        "learning-rate schedule extended from the checkpoint's 4 steps to 5 (TrainConfig.steps "
+        "/ --steps)"
+    ) in capsys.readouterr().out
+    assert saved_extra(tmp_path / "parts" / "checkpoints" / "5")["schedule_steps"] == 5
+
+
 def test_a_run_is_resumed_and_generated_from_only_with_what_it_was_trained_with(bpe_runs, capsys):
     """Each checkpoint records the options a resumed run may not change and the tokenizer's
     fingerprint; `--resume` and `generate` refuse what differs, in one line naming it, before

@@ -260,6 +260,7 @@ class Training:
         "with --resume, the horizon saved with the checkpoint)",
         positive,
         may_change=True,
+        from_run=False,  # the checkpoint holds it: a run's config.toml would fix it on resume
     )
     lr: float = option(
         T.learning_rate, "peak learning rate (3e-3)", finite(positive=True), api="learning_rate"
