@@ -172,6 +172,10 @@ def test_cli_plan_json_and_layout(tmp_path, capsys):
     assert "fits 1000 B per h100" in capsys.readouterr().err
     assert main(["plan", "--init-from", str(tmp_path / "none"), "--devices", "8"]) == 2
     assert "--init-from" in capsys.readouterr().err
+    renamed = tmp_path / "llama.toml"  # a config.json of another name: its error names it
+    renamed.write_text("not JSON")
+    assert main(["plan", "--init-from", str(renamed), "--devices", "8"]) == 2
+    assert f"--init-from: {renamed}: not JSON" in capsys.readouterr().err
 
 
 def test_step_composes_the_schedule_the_overlapped_reduces_and_the_update():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -11,6 +12,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from mmnnx.cli import prologue
@@ -83,26 +85,35 @@ def add_parser(commands: Any) -> None:
     add_fields(parser, dataclasses.fields(Options))
 
 
-def config_directory(path: str) -> pathlib.Path:
-    """The checkpoint directory of ``path``: itself, or for a ``config.json`` file (of any
-    name) a directory holding it as ``config.json``.
+@contextlib.contextmanager
+def config_directory(path: str) -> Iterator[pathlib.Path]:
+    """The checkpoint directory of ``path``: itself, or for a ``config.json`` file of another
+    name a temporary directory holding it as ``config.json`` (removed after), an error naming a
+    file there naming ``path`` instead.
 
     Example:
         >>> import tempfile
         >>> folder = pathlib.Path(tempfile.mkdtemp())
-        >>> config_directory(str(folder)) == folder
+        >>> with config_directory(str(folder)) as directory:
+        ...     directory == folder
         True
     """
     file = pathlib.Path(path)
     if file.is_dir():
-        return file
+        yield file
+        return
     if not file.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint directory or config.json")
     if file.name == "config.json":
-        return file.parent
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="mmnnx-plan-"))
-    shutil.copy(file, folder / "config.json")
-    return folder
+        yield file.parent
+        return
+    with tempfile.TemporaryDirectory(prefix="mmnnx-plan-") as folder:
+        shutil.copy(file, pathlib.Path(folder, "config.json"))
+        try:
+            yield pathlib.Path(folder)
+        except ValueError as e:  # CheckpointError among them
+            named = str(e).replace(str(pathlib.Path(folder, "config.json")), path)
+            raise type(e)(named.replace(folder, path)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,10 +136,11 @@ def run(args: argparse.Namespace) -> int:
             planned_run = PlannedRun.read(options.run)
             config = planned_run.config(max_seq_len=options.seq_len)
         else:
-            config = pretrained_config(
-                config_directory(options.init_from), param_dtype=options.param_dtype,
-                dtype=options.dtype, max_seq_len=options.seq_len,
-            )  # fmt: skip
+            with config_directory(options.init_from) as directory:
+                config = pretrained_config(
+                    directory, param_dtype=options.param_dtype, dtype=options.dtype,
+                    max_seq_len=options.seq_len,
+                )  # fmt: skip
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         return error(f"--{'run' if options.run else 'init-from'}: {e}")
     overrides = {"flops": options.flops, "inter_bandwidth": options.bandwidth}
