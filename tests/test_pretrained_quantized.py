@@ -7,6 +7,7 @@ tests/test_family_deepseek.py and tests/test_family_gpt_oss.py.)"""
 import json
 import math
 import pathlib
+import shutil
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -14,9 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmnnx.models import from_pretrained, save_pretrained
-from mmnnx.models.pretrained import CheckpointError
-from mmnnx.models.pretrained.files import CheckpointFiles
+from mmnnx.models import from_pretrained, pretrained_config, save_pretrained
+from mmnnx.models.pretrained import CheckpointError, check_tensors
+from mmnnx.models.pretrained.files import CheckpointFiles, write_shards
 from mmnnx.models.pretrained.fp8 import Fp8Files
 from mmnnx.models.pretrained.mxfp4 import FP4_VALUES
 
@@ -155,3 +156,21 @@ def test_quantized_without_a_quantization_config_names_what_to_pass(tmp_path):
     assert not (tmp_path / "m").exists()
     written = save_pretrained(model, tmp_path / "bf16", dtype=jnp.bfloat16)
     assert "quantization_config" not in json.loads((written / "config.json").read_text())
+
+
+def test_check_tensors_reads_quantized_checkpoints_as_from_pretrained_does(tmp_path):
+    """``check_tensors`` (what ``mmnnx train --init-from`` runs before a run writes anything)
+    sees FP8 and MXFP4 tensors as the floats ``from_pretrained`` reads: the published
+    quantized layouts pass (their ``*_scale_inv``, ``*_blocks`` and ``*_scales`` were refused
+    as tensors filling no Variable), misshapen MXFP4 scales are still refused naming them."""
+    for path in (DEEPSEEK_FP8, GPT_OSS_MXFP4):
+        check_tensors(path, pretrained_config(path))
+    broken = tmp_path / "mxfp4"
+    shutil.copytree(GPT_OSS_MXFP4, broken)
+    files = CheckpointFiles(broken)
+    tensors = {name: files.read(name) for name in files.tensors}
+    scales = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[scales] = np.zeros((4, 32, 2), np.uint8)
+    write_shards(broken, tensors)
+    with pytest.raises(CheckpointError, match=f"MXFP4 scales '{scales}' are U8 \\(4, 32, 2\\)"):
+        check_tensors(broken, pretrained_config(broken))
