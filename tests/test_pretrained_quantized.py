@@ -174,3 +174,21 @@ def test_check_tensors_reads_quantized_checkpoints_as_from_pretrained_does(tmp_p
     write_shards(broken, tensors)
     with pytest.raises(CheckpointError, match=f"MXFP4 scales '{scales}' are U8 \\(4, 32, 2\\)"):
         check_tensors(broken, pretrained_config(broken))
+
+
+def test_an_fp8_config_without_weight_block_size_reads_128_by_128_blocks_as_transformers(
+    tmp_path,
+):
+    # transformers' FineGrainedFP8Config defaults the key to (128, 128); mmnnx read its absence
+    # as one scale per tensor and refused published-layout scales with a garbled shape
+    from mmnnx.models.pretrained.fp8 import fp8_files, fp8_quantized
+
+    weight = np.random.default_rng(0).normal(size=(136, 24)).astype(np.float32)
+    fp8, scale = fp8_quantized(weight, (128, 128))  # partial edge blocks: 2 x 1 scales
+    write_shards(tmp_path, {"w": fp8, "w_scale_inv": scale})
+    files = fp8_files(CheckpointFiles(tmp_path), {"quant_method": "fp8"})
+    read = files.read("w", (slice(0, 136),))
+    np.testing.assert_allclose(read, fp8.astype(np.float32) * np.repeat(scale, [128, 8], 0))
+    whole = {"quant_method": "fp8", "weight_block_size": None}  # null: one scale per tensor
+    with pytest.raises(CheckpointError, match=r"scale 'w_scale_inv' is F32 \(2, 1\)"):
+        fp8_files(CheckpointFiles(tmp_path), whole)

@@ -119,7 +119,8 @@ class Fp8Files:
 
 def fp8_files(files: CheckpointFiles, quant: dict) -> Fp8Files:
     """``files`` as :class:`Fp8Files`, blocks of ``quant``'s (``quantization_config``'s)
-    ``weight_block_size``, else whole tensors (``quantized.dequantizing`` picks this reader).
+    ``weight_block_size`` (absent: 128 x 128, as transformers reads it; ``null``: whole tensors;
+    ``quantized.dequantizing`` picks this reader).
 
     Example:
         >>> import tempfile, json, pathlib
@@ -136,8 +137,9 @@ def fp8_files(files: CheckpointFiles, quant: dict) -> Fp8Files:
 
 
 def _block_size(quant: dict, where: Any) -> tuple[int, int]:
-    """``quant``'s ``weight_block_size`` checked; without one, whole tensors."""
-    block = quant.get("weight_block_size")
+    """``quant``'s ``weight_block_size`` checked: absent, transformers' default ``[128, 128]``
+    (``FineGrainedFP8Config``); ``null``, whole tensors."""
+    block = quant.get("weight_block_size", [128, 128])
     if block is None:
         return (1 << 62, 1 << 62)  # one scale per tensor
     ok = isinstance(block, list) and len(block) == 2
