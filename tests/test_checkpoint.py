@@ -366,6 +366,28 @@ def test_mmnnx_train_on_a_directory_another_writer_holds_exits_2_naming_it(tmp_p
     assert after == before  # no data/ either
 
 
+def test_mmnnx_train_under_launch_on_a_directory_another_writer_holds_exits_2_naming_it(tmp_path):
+    """The same under ``mmnnx launch -n 2``: every process gets the busy error itself (before: a
+    RuntimeError of the collective claim wrapping it, a traceback, exit 1)."""
+    out = tmp_path / "out"
+    train = [sys.executable, "-m", "mmnnx", "train", "--output-dir", str(out), "--steps", "2",
+             "--dim", "16", "--depth", "2", "--heads", "2", "--seq-len", "8", "--batch-size", "8",
+             "--data-axis", "1", "--model-axis", "1", "--no-tensorboard"]  # fmt: skip
+    command = [sys.executable, "-m", "mmnnx", "launch", "-n", "2", "--", *train]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    with Checkpointer(out / "checkpoints") as holder:
+        holder.claim()  # a running run's
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert f"being written by another Checkpointer (process {os.getpid()}" in output, output
+    assert "Traceback" not in output, output[-3000:]
+    assert (
+        "rank 0 failed first (exit code 2)" in output
+        or "rank 1 failed first (exit code 2)" in output
+    )
+
+
 def test_readers_never_break_a_save_in_progress(tmp_path):
     """One process saves 12 steps while two others keep opening the directory and asking for
     the latest step (before: opening a Checkpointer removed the writer's temporary directory,

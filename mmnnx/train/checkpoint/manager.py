@@ -150,10 +150,22 @@ class Checkpointer:
         if self._me is None:
             self._lock.hold()
         else:  # process 0 writes the directory; every process learns whether it could
-            together(
-                f"claiming checkpoint directory {self._directory}",
-                lambda: self._lock.hold() if self._me == 0 else None,
-            )
+            what = f"claiming checkpoint directory {self._directory}"
+
+            def hold() -> str | None:
+                if self._me != 0:
+                    return None
+                try:
+                    self._lock.hold()
+                except lock.CheckpointDirectoryBusyError as e:
+                    return str(e)
+                return None
+
+            # a busy directory is the same error on every process (before: a RuntimeError
+            # wrapping it, which `mmnnx train` under `mmnnx launch` showed as a traceback, exit 1)
+            busy = gather(together(what, hold), what=what)[0]
+            if busy:
+                raise lock.CheckpointDirectoryBusyError(busy)
 
     def save(
         self,
