@@ -69,24 +69,13 @@ def two_task(steps: int = 3, pipelined: str | None = None):
     model = readme_model()
     opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
 
-    def loss_fn(m, x, y):
-        return jnp.mean((m(x) - y) ** 2)
-
     @mm.jit
-    def train_step(model, opt, x, y):
-        if pipelined is None:
-            loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-        else:
-            grad_fn = mm.microbatch(
-                nnx.value_and_grad(loss_fn),
-                num=4,
-                argnums=(1, 2),
-                reduce="mean",
-                schedule=pipelined,
-            )
-            loss, grads = grad_fn(model, x, y)
+    def whole_batch_step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2))(model, x, y)
         opt.update(model, grads)
         return loss
+
+    train_step = whole_batch_step if pipelined is None else _mse_step(pipelined)
 
     x, y = readme_batch()
     losses = [float(mm.distributed.fetch(train_step(model, opt, x, y))) for _ in range(steps)]

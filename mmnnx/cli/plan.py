@@ -107,13 +107,15 @@ def config_directory(path: str) -> Iterator[pathlib.Path]:
     if file.name == "config.json":
         yield file.parent
         return
+    from mmnnx.models.pretrained.files import CheckpointError  # noqa: PLC0415
+
     with tempfile.TemporaryDirectory(prefix="mmnnx-plan-") as folder:
         shutil.copy(file, pathlib.Path(folder, "config.json"))
         try:
             yield pathlib.Path(folder)
-        except ValueError as e:  # CheckpointError among them
+        except CheckpointError as e:
             named = str(e).replace(str(pathlib.Path(folder, "config.json")), path)
-            raise type(e)(named.replace(folder, path)) from None
+            raise CheckpointError(named.replace(folder, path)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -101,8 +101,8 @@ def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = N
     problem = tokenizer_problem(config, tokenizer, found.saved)
     if problem:
         return error(problem)
-    model = pretrained or model_config(config, tokenizer.vocab_size)  # its GPTConfig
-    problem = memory_problem(config, model, data_axis)  # predicted before anything is compiled
+    gpt_config = pretrained or model_config(config, tokenizer.vocab_size)
+    problem = memory_problem(config, gpt_config, data_axis)  # predicted before anything compiles
     if problem:  # or written (the checkpoint directory's lock, the token file)
         return error(problem)
     with ck.Checkpointer(checkpoints) as checkpointer:
@@ -118,7 +118,7 @@ def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = N
             checkpointer,
             data_axis=data_axis,
             weights=weights,
-            config=model,
+            config=gpt_config,
         )
     if isinstance(trained, int):
         return trained

@@ -153,11 +153,12 @@ def _check_not_a_run(output: pathlib.Path, run_dir: Any, spec: Any) -> None:
         )
     # another run's directory above OUT (OUT is, say, its checkpoints/), or one below it: both
     # would be deleted by the replacement of OUT
-    run = next((p for p in output.resolve().parents if _is_run(p)), None)
+    above = output.resolve().parents
+    run = next((p for p in above if _is_run(p)), None)
     if run is None and output.is_dir():
         run = next((p.parent for p in output.rglob("config.toml") if _is_run(p.parent)), None)
     if run is not None:
-        where = "lies inside" if run in output.resolve().parents else "holds"
+        where = "lies inside" if run in above else "holds"
         raise RunError(
             f"--output {output} {where} another run ({run}: config.toml and checkpoints/); "
             "export somewhere else (--overwrite replaces only an earlier export)"

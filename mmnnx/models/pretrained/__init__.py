@@ -43,9 +43,9 @@ from mmnnx.models.pretrained.files import (
     read_json,
 )
 from mmnnx.models.pretrained.hf_config import written
-from mmnnx.models.pretrained.load import load_into, plan_sources
+from mmnnx.models.pretrained.load import load_into, sources_as_read
 from mmnnx.models.pretrained.names import Part, TensorRule
-from mmnnx.models.pretrained.quantized import dequantizing, quantizing
+from mmnnx.models.pretrained.quantized import quantizing
 from mmnnx.models.pretrained.save import (
     MAX_SHARD_BYTES,
     model_values,
@@ -434,8 +434,7 @@ def check_tensors(path: str | os.PathLike, config: GPTConfig) -> None:
     files = CheckpointFiles(path)
     family = family_of(files.config, files.directory)
     model = _abstract(lambda: GPT(config, rngs=nnx.Rngs(0)))
-    # FP8 and MXFP4 tensors are checked as the floats they are read as (load_into's view)
-    plan_sources(model, dequantizing(files), family.tensor_rules(config))
+    sources_as_read(model, files, family.tensor_rules(config))
 
 
 def check_tokenizer(directory: str | os.PathLike, vocab_size: int) -> None:

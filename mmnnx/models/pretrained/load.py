@@ -82,6 +82,16 @@ def plan_sources(
     return sources
 
 
+def sources_as_read(
+    model: Any, files: CheckpointFiles, rules: Sequence[TensorRule]
+) -> tuple[Any, dict[str, Source]]:
+    """``files`` as they are read (FP8 and MXFP4 weights dequantized:
+    :mod:`~mmnnx.models.pretrained.quantized`) and every Variable's source in them, checked
+    (:func:`plan_sources`); no data read."""
+    files = dequantizing(files)
+    return files, plan_sources(model, files, rules)
+
+
 def _floating(dtype: Any) -> bool:
     return bool(jax.dtypes.issubdtype(dtype, np.floating))
 
@@ -158,8 +168,7 @@ def load_into(
 ) -> M:
     """Fills ``model``'s Variables from ``files``, each shard read where it is placed
     (quantized weights dequantized as read: :mod:`~mmnnx.models.pretrained.quantized`)."""
-    files = dequantizing(files)
-    sources = plan_sources(model, files, rules)
+    files, sources = sources_as_read(model, files, rules)
 
     def make(path: str, variable: nnx.Variable, sharding: Any) -> jax.Array:
         source = sources[path]

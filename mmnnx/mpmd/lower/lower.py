@@ -416,11 +416,12 @@ def _out_shardings(
     ``mm.with_sharding_constraint`` in a fragment with no inputs keeps that constraint's layout
     (nothing else pins the program to its task); else the compiler's choice; with sharding in
     types (``typed``), the type's."""
-    made_by = {v: op for op in frag.ops if is_constraint(op) for v in op.outs}
+    pinned = typed is None and not frag.in_ids and not whole
+    made_by = {v: op for op in frag.ops if is_constraint(op) for v in op.outs} if pinned else {}
     out = []
     for v in frag.out_ids:
         home = home_of.get(v)
-        if typed is None and not frag.in_ids and home is None and not whole and v in made_by:
+        if home is None and v in made_by:
             op = made_by[v]
             names = constraint_names(op)
             out.append(constraint_layout(frag.task, names, shapes[v], op.source))
