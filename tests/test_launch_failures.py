@@ -76,6 +76,25 @@ def test_a_failing_process_ends_every_process_in_seconds_and_is_named(rank, fail
     assert f"[rank {rank}] ready" in proc.stdout  # it failed after initialize
 
 
+def test_processes_that_all_fail_leave_together_without_a_runtime_abort():
+    # an error every process finds (a bad option read after initialize), process 0 first: it
+    # held the coordination service and took it along at once, so the others printed JAX's
+    # "Check failure" stack and aborted; they now leave the service together first
+    code = """
+import time, jax, mmnnx as mm
+mm.distributed.initialize()
+time.sleep(0.5 * jax.process_index())
+raise ValueError(f'bad option on process {jax.process_index()}')
+"""
+    proc, seconds = launch(["-n", "2", "--", sys.executable, "-c", code])
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "Check failure" not in output and "Polled an error" not in output, output[-3000:]
+    assert "[rank 0] ValueError: bad option on process 0" in output
+    assert "[rank 1] ValueError: bad option on process 1" in output
+    assert "mmnnx launch: rank 0 failed first (exit code 1)" in proc.stderr
+
+
 def test_a_script_keeps_its_own_excepthook_and_its_uncaught_exception_is_a_failure():
     # mmnnx reads the exception from sys.last_value at exit: sys.excepthook is the script's own
     hook = """

@@ -1,12 +1,13 @@
-"""Leaving a run of several processes: a failing process ends at once, a finishing one waits
-for the others, and a process waiting for one that has left says so and ends instead of hanging.
+"""Leaving a run of several processes: a failing process ends within seconds, a finishing one
+waits for the others, and a process waiting for one that has left says so and ends instead of
+hanging.
 
 Each process publishes how it leaves under ``mmnnx/exit/<process>`` in the coordination
 service's key-value store: ``failed`` (an uncaught exception, ``sys.exit`` with a failing status,
 or :func:`fail`) or ``leaving``, with how many messages it offered each process
-(``leaving {"0": 17}``). A failing process does not wait at JAX's shutdown barrier (300 s) for
-peers that may wait for its values; ``mmnnx launch`` stops the others, else each fails when it
-next waits for it. Python 3.11 keeps a ``sys.exit`` status nowhere an exit handler can read it,
+(``leaving {"0": 17}``). A failing process waits at JAX's shutdown barrier 5 s at most (not
+300 s), for peers failing with it; ``mmnnx launch`` then stops the others, else each fails when
+it next waits for it. Python 3.11 keeps a ``sys.exit`` status nowhere an exit handler can read it,
 hence the wrapped ``sys.exit`` (docs/distributed.md, "Failures", says what was measured).
 """
 
@@ -34,7 +35,7 @@ FAILED = b"failed"
 LEAVING = b"leaving"
 _SLICE_S = 0.5  # how often a wait looks at whether the process it waits for has left
 _EXIT_WAIT_S = 300.0  # how long a process ending normally waits for the others
-_SHUTDOWN_WAIT_S = 10.0  # how long a process failing after a peer left waits at the barrier
+_SHUTDOWN_WAIT_S = 5.0  # how long a failing process waits at JAX's shutdown barrier for the others
 _AFTER_S = 2.0  # then how long it stays, so that the process that left ends first
 
 
@@ -135,8 +136,9 @@ def _pending(arrays: list[jax.Array]) -> bool:
     return False
 
 
-def _never_coming() -> tuple[int, int] | None:
-    """A message this process waits for from a process that left without offering it."""
+def _never_coming() -> tuple[int, int, bool] | None:
+    """A message this process waits for from a process that failed, or left without offering it:
+    the process, the message, and whether it failed."""
     with _lock:
         _awaited[:] = [entry for entry in _awaited if _pending(entry[2])]
         first = {}
@@ -145,8 +147,8 @@ def _never_coming() -> tuple[int, int] | None:
     me = jax.process_index()
     for peer, message in first.items():
         left = _left(peer)
-        if left is not None and left[0] == LEAVING and message >= left[1].get(me, 0):
-            return peer, message
+        if left is not None and (left[0] == FAILED or message >= left[1].get(me, 0)):
+            return peer, message, left[0] == FAILED
     return None
 
 
@@ -165,14 +167,14 @@ def _watch() -> None:
             with contextlib.suppress(Exception):  # the coordination service may be gone
                 stuck = _never_coming()
                 if stuck is not None:
-                    peer, message = stuck
+                    peer, message, failed = stuck
                     sys.stderr.write(
                         f"mmnnx: process {jax.process_index()} waits for a value from process "
-                        f"{peer} (message {message}), which {_how(False)} without sending it; "
+                        f"{peer} (message {message}), which {_how(failed)} without sending it; "
                         "ending this process (every process must make the same mm.jit and "
                         "mm.distributed calls)\n"
                     )
-                    _fail_after_peer(leaving=True)
+                    _fail_after_peer()
 
 
 _failure: list[BaseException] = []  # a failing status given to sys.exit
@@ -197,9 +199,10 @@ def install() -> None:
 
 
 def fail(status: int = 1) -> NoReturn:
-    """Ends this process now with exit ``status``, telling the others it failed rather than waiting
-    for them, from any thread (as ``sys.exit(status)`` from the main thread); output is flushed,
-    other exit handlers do not run. Where its failure may follow another's, it waits 2 s first so
+    """Ends this process with exit ``status``, telling the others it failed rather than waiting
+    for them to finish, from any thread (as ``sys.exit(status)`` from the main thread); output is
+    flushed, other exit handlers do not run. It waits at most 5 s for others failing too to leave
+    JAX's coordination service with it, and where its failure may follow another's, 2 s more so
     that ``mmnnx launch`` names that one.
 
     Example::
@@ -235,15 +238,28 @@ def _at_exit() -> None:
         _wait_for_everyone()
         return
     if isinstance(failure, PeerExitedError):
-        _fail_after_peer(leaving=not failure.failed)
+        _fail_after_peer()
     _announce_failure()
     _end(_status_of(failure))
 
 
 def _announce_failure() -> None:
     _announce(FAILED)
-    if _follows_another():
+    follows = _follows_another()
+    _leave_the_service()
+    if follows:
         time.sleep(_AFTER_S)  # so that the launcher finds the other first
+
+
+def _leave_the_service() -> None:
+    """Waits at JAX's shutdown barrier, at most ``_SHUTDOWN_WAIT_S``, for the others to leave the
+    coordination service too: a process still connected when process 0, which holds the service,
+    ends prints JAX's ``Check failure`` stack and aborts. Processes failing together (an error each
+    finds, a peer's failure each notices) meet there; one that fails alone waits the bound."""
+    if jax.process_count() > 1:
+        done = threading.Thread(target=_shutdown, daemon=True)
+        done.start()
+        done.join(_SHUTDOWN_WAIT_S)
 
 
 def _status_of(failure: BaseException) -> int:
@@ -252,12 +268,9 @@ def _status_of(failure: BaseException) -> int:
     return code if isinstance(code, int) else 1
 
 
-def _fail_after_peer(leaving: bool) -> NoReturn:
+def _fail_after_peer() -> NoReturn:
     _announce(FAILED)
-    if leaving:  # joins JAX's shutdown barrier, where a process that left waits for this one
-        done = threading.Thread(target=_shutdown, daemon=True)
-        done.start()
-        done.join(_SHUTDOWN_WAIT_S)
+    _leave_the_service()  # where a process that left, or failed, waits for this one
     time.sleep(_AFTER_S)
     _end(1)
 
