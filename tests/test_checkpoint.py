@@ -566,6 +566,33 @@ def test_damaged_checkpoint_names_step_and_file(tmp_path, damage, culprit):
     assert_same(arrays(model=fresh), before)  # nothing written
 
 
+@pytest.mark.parametrize("lost", ["opt", "opt/_METADATA"])
+def test_a_saved_optimizer_state_that_was_lost_is_damage_not_a_mismatch(tmp_path, lost):
+    # before: CheckpointMismatchError "no optimizer state ('opt') was saved", and a restore of
+    # the latest step stopped there instead of passing over the damaged step to the one before
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, model=model, opt=opt, extra={"step": 1})
+        saved = arrays(model=model, opt=opt)
+        model.bias.set_value(model.bias.get_value() + 1)
+        ckpt.save(2, model=model, opt=opt, extra={"step": 2})
+    lost_path = tmp_path / "2" / lost
+    shutil.rmtree(lost_path) if lost_path.is_dir() else lost_path.unlink()
+    fresh = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+    fresh_opt = nnx.Optimizer(fresh, optax.adam(0.1), wrt=nnx.Param)
+    before = arrays(model=fresh, opt=fresh_opt)
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(checkpoint.CheckpointCorruptError) as caught:
+            ckpt.restore(2, model=fresh, opt=fresh_opt)
+        assert caught.value.step == 2 and caught.value.file == os.fspath(tmp_path / "2" / "opt")
+        assert_same(arrays(model=fresh, opt=fresh_opt), before)  # nothing written
+        assert ckpt.restore(2, model=fresh) == {"step": 2}  # the model alone still reads
+        with pytest.warns(UserWarning, match=r"restored checkpoint step 1 .* skipped step 2"):
+            assert ckpt.restore(model=fresh, opt=fresh_opt) == {"step": 1}
+    assert_same(arrays(model=fresh, opt=fresh_opt), saved)
+
+
 def test_a_format_that_deletes_old_steps_itself_keeps_the_newest_max_to_keep(tmp_path):
     # what the several-process format does after a commit (Orbax's manager does it for one
     # process); it once kept only the newest step while fewer than max_to_keep were saved

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -149,6 +149,27 @@ def check_extra(step: int, folder: epath.Path, extra: Any, saved_checksum: str |
         )
     if extra_checksum(extra) != saved_checksum:
         raise CheckpointCorruptError(step, where, array=EXTRA)
+
+
+def check_items(
+    step: int,
+    folder: epath.Path,
+    arrays: Mapping[str, Mapping[Any, Any] | None],
+    info: Mapping[str, Any],
+    items: Iterable[str],
+) -> None:
+    """A :class:`CheckpointCorruptError` naming the first of ``items`` (``model``, ``opt``)
+    whose saved tree cannot be read (``arrays[item]`` is ``None``) although mmnnx's description
+    ``info`` lists its arrays: the item was saved and is damaged (its directory or its
+    ``_METADATA`` deleted), not absent from the checkpoint."""
+    for item in items:
+        described = sum(name.split("/")[0] == item for name in info)
+        if arrays.get(item) is None and described:
+            where = os.fspath(folder)
+            missing = FileNotFoundError(
+                f"no readable tree, though {described} of its arrays were saved"
+            )
+            raise CheckpointCorruptError(step, where, file=os.path.join(where, item), cause=missing)
 
 
 def read_or_corrupt(step: int, folder: epath.Path, read: Callable[[], Any]) -> Any:

@@ -288,13 +288,14 @@ class Checkpointer:
 
         def read() -> tuple[dict[str, Any], tree.Trees]:
             saved = self._format_of(step).open(step)
+            folder = self._directory / str(step)
+            integrity.check_items(step, folder, saved.arrays, saved.variables, found)
             tree.check(step, saved.arrays, found, saved.variables)
             extra, values = saved.read(tree.stored(found))
             extra = dict(extra or {})
             reason = None if check_extra is None else check_extra(step, extra)
             if reason is not None:
-                folder = os.fspath(self._directory / str(step))
-                raise integrity.CheckpointCorruptError(step, folder, reason=reason)
+                raise integrity.CheckpointCorruptError(step, os.fspath(folder), reason=reason)
             return extra, values
 
         extra, values = _read_together(f"restoring checkpoint step {step}", read)
