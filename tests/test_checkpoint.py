@@ -566,6 +566,23 @@ def test_damaged_checkpoint_names_step_and_file(tmp_path, damage, culprit):
     assert_same(arrays(model=fresh), before)  # nothing written
 
 
+@pytest.mark.parametrize("bad", [2.5, "2", True, -1])
+def test_restore_of_a_step_that_is_not_an_int_is_refused_before_anything_is_read(tmp_path, bad):
+    # before: restore(2.5) restored step 2 and restore(True) step 1, without a word
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, model=model, extra={"step": step})
+        fresh = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+        before = arrays(model=fresh)
+        with pytest.raises(ValueError, match=f"step must be a non-negative int, not {bad!r}"):
+            ckpt.restore(bad, model=fresh)
+        with pytest.raises(ValueError, match="step must be a non-negative int"):
+            ckpt.read_extra(bad)
+        assert_same(arrays(model=fresh), before)
+        assert ckpt.restore(np.int64(2), model=fresh) == {"step": 2}
+
+
 @pytest.mark.parametrize("lost", ["opt", "opt/_METADATA"])
 def test_a_saved_optimizer_state_that_was_lost_is_damage_not_a_mismatch(tmp_path, lost):
     # before: CheckpointMismatchError "no optimizer state ('opt') was saved", and a restore of

@@ -206,9 +206,7 @@ class Checkpointer:
             ['extra', 'mmnnx', 'model']
             >>> ckpt.close()
         """
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
-        step = int(step)
+        step = _step_number(step)
         self.claim()  # before looking at what is there: one writer decides
         if step in self.all_steps():
             raise ValueError(f"checkpoint step {step} already exists in {self._directory}")
@@ -251,6 +249,7 @@ class Checkpointer:
             the ``extra`` dict saved with the step.
 
         Raises:
+            ValueError: ``step`` is not a non-negative int (``2.5``, ``"2"``).
             FileNotFoundError: no checkpoint (or no such step) in the directory.
             NoReadableCheckpointError: without ``step``: every step is damaged or incomplete (a
                 directory of one damaged step raises its ``CheckpointCorruptError``).
@@ -282,7 +281,7 @@ class Checkpointer:
         """
         if step is None:  # the newest step that reads back whole, saying what it passed over
             return self._restore_newest(model, opt, check_extra)
-        step = int(step)
+        step = _step_number(step)
         self._check_saved(step)
         found = tree.entries(model, opt)
 
@@ -307,6 +306,7 @@ class Checkpointer:
         against its checksum.
 
         Raises:
+            ValueError: ``step`` is not a non-negative int.
             FileNotFoundError: no such complete step in the directory.
             CheckpointCorruptError: the step's description or ``extra`` cannot be read whole.
 
@@ -319,6 +319,7 @@ class Checkpointer:
             ...     ckpt.read_extra(3)
             {'seed': 5}
         """
+        step = _step_number(step)
         self._check_saved(step)
         extra, _ = self._format_of(step).open(step).read({})
         return dict(extra or {})
@@ -491,6 +492,14 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({os.fspath(self._directory)!r}, steps={self.all_steps()})"
+
+
+def _step_number(step: Any) -> int:
+    """``step`` as an int; a ``ValueError`` for anything but a non-negative int (``2.5`` or
+    ``"2"`` would otherwise name another step, or none, without a word)."""
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+        raise ValueError(f"step must be a non-negative int, not {step!r}")
+    return int(step)
 
 
 def _read_together(what: str, read: Callable[[], Any]) -> Any:
