@@ -623,6 +623,25 @@ def test_a_format_that_deletes_old_steps_itself_keeps_the_newest_max_to_keep(tmp
     assert sorted(os.listdir(tmp_path)) == ["3", "4", "5"]
 
 
+@pytest.mark.parametrize(
+    "keep, before, saved", [(2, (25, 30), 5), (3, (20, 25, 30), 5), (3, (20, 25, 30), 22)]
+)
+def test_both_formats_keep_a_step_saved_below_the_newest(tmp_path, keep, before, saved):
+    # the several-process format deleted such a step as the oldest once it was committed (a
+    # save that returned, and no step); Orbax's manager, for one process, keeps it
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with Checkpointer(tmp_path / "orbax", max_to_keep=keep) as ckpt:
+        for step in (*before, saved):
+            ckpt.save(step, model=model)
+        kept = ckpt.all_steps()
+    assert saved in kept and len(kept) == keep
+    parts = tmp_path / "parts"
+    for step in (*before, saved):
+        (parts / str(step)).mkdir(parents=True)
+    layout.remove_oldest(parts, sorted((*before, saved)), keep, saved=saved)
+    assert sorted(int(name) for name in os.listdir(parts)) == kept
+
+
 def test_reads_in_flight_when_one_fails_end_before_orbax_closes_their_loop(tmp_path, stray_errors):
     # Orbax 0.12.8 runs a restore in a loop of its own and closes it as soon as one read fails;
     # a TensorStore read still in flight then completed into the closed loop ("RuntimeError:

@@ -126,9 +126,17 @@ def remove_abandoned_saves(directory: epath.Path) -> None:
                 path.rmtree()
 
 
-def remove_oldest(directory: epath.Path, steps: Sequence[int], keep: int | None) -> None:
-    """Deletes the directories of all but the newest ``keep`` of ``steps`` (oldest first)."""
-    for old in steps[: max(0, len(steps) - keep)] if keep is not None else ():
+def remove_oldest(
+    directory: epath.Path, steps: Sequence[int], keep: int | None, *, saved: int | None = None
+) -> None:
+    """Deletes the directories of all but ``keep`` of ``steps`` (oldest first): the step just
+    ``saved`` and the newest others, as Orbax's manager keeps them for one process, so that a
+    step saved below the newest ones is kept (it was deleted as the oldest once saved)."""
+    if keep is None:
+        return
+    others = [s for s in steps if s != saved]
+    room = keep - (saved in steps)
+    for old in others[: max(0, len(others) - room)]:
         shutil.rmtree(os.fspath(directory / str(old)), ignore_errors=True)
 
 

@@ -64,14 +64,16 @@ class Checkpointer:
     previous steps intact and ``latest_step()`` on the last complete one; the next save, under
     the directory's writer lock (``lock.py``), removes what it left. Opening a ``Checkpointer``
     and reading from it never removes anything, so any number of readers may watch a directory
-    while one process saves into it. Only the newest ``max_to_keep`` steps are kept.
+    while one process saves into it. Only ``max_to_keep`` steps are kept: the one just saved
+    and the newest others.
 
     A step is stored in one of the formats of ``formats/``: Orbax's tree with one process, the
     arrays every process writes with several; a step of either restores with any process count.
 
     Args:
         directory: where the steps live; created if missing.
-        max_to_keep: how many of the newest steps to keep (a positive int), or ``None`` for all.
+        max_to_keep: how many steps to keep (a positive int: the one just saved and the
+            newest others), or ``None`` for all.
         use_ocdbt: write each item as one OCDBT database (Orbax's default, few files) instead of
             one Zarr directory per array.
 

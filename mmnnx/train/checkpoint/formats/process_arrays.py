@@ -229,7 +229,7 @@ class ProcessArrays:
             }
             (tmp / STEP_METADATA).write_text(json.dumps(step_metadata))
             layout.commit(tmp, self._directory / str(step))
-            layout.remove_oldest(self._directory, self._steps(), self._max_to_keep)
+            layout.remove_oldest(self._directory, self._steps(), self._max_to_keep, saved=step)
 
         together(what, lambda: commit() if me == 0 else None)
 
