@@ -328,6 +328,21 @@ def test_one_writer_per_directory_the_second_is_refused_naming_the_first(tmp_pat
     second.close()
 
 
+def test_a_checkpointer_dropped_without_close_leaves_the_directory_to_the_next(tmp_path):
+    # a notebook cell `ckpt = Checkpointer(d); ckpt.save(...)` run twice: the first Checkpointer,
+    # in a reference cycle, kept the lock's file open for the rest of the process, so every
+    # later save here raised CheckpointDirectoryBusyError naming this very process
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, model=model)
+    ckpt = Checkpointer(tmp_path)  # the first one is dropped, not closed
+    ckpt.save(2, model=model)
+    with pytest.raises(checkpoint.CheckpointDirectoryBusyError, match=f"process {os.getpid()}"):
+        Checkpointer(tmp_path).save(3, model=model)  # a live writer is still refused
+    ckpt.close()
+    assert Checkpointer(tmp_path).all_steps() == [1, 2]
+
+
 def test_two_processes_saving_into_one_directory_one_is_refused_and_nothing_is_mixed(tmp_path):
     # before: both reported 12 successful saves and every step held one writer's model
     directory = tmp_path / "ckpt"

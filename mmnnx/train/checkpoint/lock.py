@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import json
 import os
 import socket
@@ -38,9 +39,11 @@ class WriterLock:
         self._directory.mkdir(parents=True, exist_ok=True)
         path = os.path.join(os.fspath(self._directory), _WRITER_LOCK)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        taken = _flock(fd)
+        if not taken and _holder_pid(fd) == os.getpid():
+            gc.collect()  # held here: maybe by a Checkpointer dropped unclosed, not yet collected
+            taken = _flock(fd)
+        if not taken:
             holder = _holder(fd)
             os.close(fd)
             raise CheckpointDirectoryBusyError(
@@ -63,11 +66,35 @@ class WriterLock:
             )
 
     def release(self) -> None:
-        if self._fd is not None:
+        if getattr(self, "_fd", None) is not None:
             fd, self._fd = self._fd, None
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)  # a clean end: the next holder takes over from no one
             os.close(fd)  # releases the lock
+
+    def __del__(self) -> None:
+        # a Checkpointer dropped without close() (a notebook cell run again) must not keep the
+        # directory locked for the rest of the process: nothing could release it any more
+        with contextlib.suppress(Exception):  # at interpreter exit, modules may be gone
+            self.release()
+
+
+def _flock(fd: int) -> bool:
+    """Whether the exclusive ``flock`` on ``fd`` was taken (without waiting)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _holder_pid(fd: int) -> int | None:
+    """The process id the lock file names, if it names one on this host."""
+    try:
+        said = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return said["pid"] if said.get("host") == socket.gethostname() else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _holder(fd: int) -> str:
