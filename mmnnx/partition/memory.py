@@ -4,15 +4,15 @@ a layout that cannot fit is refused before anything compiles and a 70B config ca
 laptop.
 
 The model (docs/memory.md works one example through): a stage's devices hold its parameters,
-its gradient sums (one flat buffer of the stage's, whole on each device), its optimizer state
-and the block weights the runner packs into one buffer (a second copy); each microbatch in
-flight keeps its blocks' residuals (what each block's forward keeps for its backward under the
-remat policy) from its forward until its backward, plus buffers at its stage boundaries; the
-largest program, a backward, works on one microbatch's weight gradients and the stage's
-activations as cotangents, recomputed once more under remat. At the end of the step the new
+its gradient sums (laid out as the parameters), its optimizer state and the block weights the
+runner packs into one buffer (a second copy); each microbatch in flight keeps its blocks'
+residuals (what each block's forward keeps for its backward under the remat policy) from its
+forward until its backward, plus buffers at its stage boundaries; the largest program, a
+backward, works on one microbatch's weight gradients and the stage's activations as
+cotangents, recomputed once more under remat. At the end of the step the new
 parameters and optimizer state are written beside the old ones. Each term is per device:
-tensor-parallel weights and heads divide by ``tensor``, experts by ``expert``, parameters and
-optimizer state by ``fsdp``, the batch by ``data`` x ``expert``.
+tensor-parallel weights and heads divide by ``tensor``, experts by ``expert``, parameters,
+gradient sums and optimizer state by ``fsdp``, the batch by ``data`` x ``expert``.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ class MemoryLayout:
 
     ``stages`` tasks, each of ``data`` x ``expert`` x ``tensor`` devices (the batch split over
     ``data`` x ``expert``, attention heads and MLP features over ``tensor``, experts over
-    ``expert``); ``fsdp`` divides each stage's parameters and optimizer state (sharded over
-    that many of its ``data`` devices, as ``mmnnx train --fsdp-axis`` carves it; the
-    gradient sums stay whole); ``virtual_stages`` model stages per task; ``blocks``: the blocks of
+    ``expert``); ``fsdp`` divides each stage's parameters, gradient sums and optimizer state
+    (sharded over that many of its ``data`` devices, as ``mmnnx train --fsdp-axis`` carves
+    it); ``virtual_stages`` model stages per task; ``blocks``: the blocks of
     each model stage (default: as ``stage_rules`` balances parameter counts).
 
     Example:
@@ -177,24 +177,21 @@ def format_bytes(n: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class _Weights:
-    """A module's parameter elements per device (``total``), the replicated ones a stage
-    packs (of at most the pack bound each), and all of them unsplit (``whole``)."""
+    """A module's parameter elements per device (``total``) and the replicated ones a stage
+    packs (of at most the pack bound each)."""
 
     total: float = 0
     packed: float = 0
-    whole: float = 0
 
     def __add__(self, other: _Weights) -> _Weights:
-        return _Weights(
-            self.total + other.total, self.packed + other.packed, self.whole + other.whole
-        )
+        return _Weights(self.total + other.total, self.packed + other.packed)
 
 
 def _weight(shape: Sequence[int], shards: int, pack_limit: float, itemsize: int) -> _Weights:
     """One Variable of ``shape`` split ``shards`` ways (1: replicated, then maybe packed)."""
     size = math.prod(shape) / shards
     packed = size if shards == 1 and size * itemsize <= pack_limit else 0
-    return _Weights(size, packed, size * shards)
+    return _Weights(size, packed)
 
 
 def _block_weights(
@@ -428,7 +425,7 @@ def stage_weights(config: GPTConfig, lay: MemoryLayout, blocks: Sequence[int], f
         weights += _weight((vocab, dim), lay.tensor, 0, itemsize)
     if last:
         head = 0 if config.tie_embeddings else vocab * dim
-        weights += _weight((head,), lay.tensor, 0, itemsize) + _Weights(dim, 0, dim)
+        weights += _weight((head,), lay.tensor, 0, itemsize) + _Weights(dim, 0)
     return weights
 
 
@@ -486,8 +483,7 @@ def predict_memory(
     ``pack_weights`` is ``mm.jit``'s (a block's replicated weights of at most that many bytes
     are packed into a second copy). The terms are described in this module's docstring and
     docs/memory.md. ``reference``: charge what a reference framework (Megatron, torchtitan:
-    the published runs) holds instead of this engine: gradients split as the parameters are
-    (over ``tensor``, ``expert`` and, reduce-scattered, ``fsdp``), a fused attention that
+    the published runs) holds instead of this engine: a fused attention that
     keeps no probabilities, experts exchanging only the tokens routed to them (no padded
     slots), a backward's workspace of one block at a time, each microbatch's
     gradients accumulated in place, nothing packed.
@@ -557,11 +553,9 @@ def predict_memory(
         mine = [s for s in range(count) if table.stage_to_rank[s] == rank]
         weights = sum((stage_weights[s] for s in mine), _Weights())
         params = weights.total * param_bytes / lay.fsdp
-        # the gradient sums: one flat buffer per stage, whole on each of its devices (not
-        # split over tensor, expert or fsdp; docs/pipelining.md, FSDP)
-        grads = weights.whole * param_bytes * trainable
-        if reference:
-            grads = weights.total * param_bytes * trainable / lay.fsdp
+        # the gradient sums, laid out as their parameters (split over tensor, expert and fsdp;
+        # docs/pipelining.md, "Gradient sums: sharded as their parameters")
+        grads = weights.total * param_bytes * trainable / lay.fsdp
         state = params * trainable * OPTIMIZER_COPIES[optimizer]
         packed = weights.packed * param_bytes if lay.fsdp == 1 and not reference else 0.0
         # downstream, an activation sent and its cotangent received; upstream, a cotangent sent
