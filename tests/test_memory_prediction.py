@@ -102,6 +102,19 @@ def test_train_refuses_a_layout_over_the_budget_before_compiling(tmp_path, capsy
     assert not (tmp_path / "run").exists()
 
 
+def test_more_stages_are_suggested_only_as_many_as_the_devices_hold():
+    from mmnnx.train.config import RunConfig
+    from mmnnx.train.validate import memory_problem
+
+    # 2 stages x data 2 x model 2 on 8 devices: only --stages 4 (16 devices) would fit
+    options = dict(memory_budget="6200000", batch_size=8, microbatches=4, seq_len=16)
+    run = RunConfig.of({**options, "remat": "full"})
+    config = GPTConfig(vocab_size=256, dim=128, depth=8, num_heads=4, max_seq_len=16, remat="full")
+    assert memory_problem(run, config, 2, 16).endswith("--stages 4 fits (5.7 MiB)")
+    on_eight = memory_problem(run, config, 2, 8)
+    assert "no single change fits" in on_eight and "--stages 4" not in on_eight
+
+
 @pytest.mark.parametrize(
     "fsdp, batch, microbatches",
     [(1, 16, 4), (2, 4, 2)],  # FSDP 2 over a data axis of 2: a stage of mostly state

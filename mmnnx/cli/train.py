@@ -102,8 +102,10 @@ def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = N
     if problem:
         return error(problem)
     gpt_config = pretrained or model_config(config, tokenizer.vocab_size)
-    problem = memory_problem(config, gpt_config, data_axis)  # predicted before anything compiles
-    if problem:  # or written (the checkpoint directory's lock, the token file)
+    # predicted before anything compiles or is written (the checkpoint directory's lock, the
+    # token file); more stages suggested only as many as the devices hold
+    problem = memory_problem(config, gpt_config, data_axis, len(jax.devices()))
+    if problem:
         return error(problem)
     with ck.Checkpointer(checkpoints) as checkpointer:
         try:

@@ -609,12 +609,14 @@ def fitting_change(
     budget: int,
     *,
     changes: Sequence[str] = CHANGES,
+    devices: int | None = None,
     **options: object,
 ) -> Change | None:
     """The first single change that brings :func:`predict_memory`'s peak (same ``options``)
     under ``budget``, tried in this order: a schedule with fewer microbatches in flight
     (1F1B), twice the microbatches (smaller ones), a remat policy (``dots``, then ``full``),
-    a larger FSDP axis (2, 4 or 8 dividing ``data``), more stages (up to the depth);
+    a larger FSDP axis (2, 4 or 8 dividing ``data``), more stages (up to the depth, and with
+    ``devices`` given, as many as the layout's other axes fit in that many devices);
     ``None`` when none does.
     ``changes``: those of :data:`CHANGES` to try.
 
@@ -638,8 +640,10 @@ def fitting_change(
     for fsdp in (2, 4, 8):
         if fsdp > layout.fsdp and layout.data % fsdp == 0:
             tries.append(("fsdp", fsdp, dataclasses.replace(layout, fsdp=fsdp), {}))
-    per_task = layout.virtual_stages
-    for stages in range(layout.stages + 1, config.depth // per_task + 1):
+    most = config.depth // layout.virtual_stages
+    if devices is not None:
+        most = min(most, devices // (layout.devices // layout.stages))
+    for stages in range(layout.stages + 1, most + 1):
         more = dataclasses.replace(layout, stages=stages, blocks=None)
         tries.append(("stages", stages, more, {}))
     for option, value, lay, changed in tries:

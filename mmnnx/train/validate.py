@@ -332,9 +332,12 @@ def _steps_problem(run: RunConfig) -> str | None:
     return None
 
 
-def memory_problem(run: RunConfig, config: Any, data_axis: int) -> str | None:
+def memory_problem(
+    run: RunConfig, config: Any, data_axis: int, devices: int | None = None
+) -> str | None:
     """With ``--memory-budget``, a layout whose predicted peak per device (``config``: the
-    run's ``GPTConfig``) exceeds it, naming the stage and the smallest change that fits.
+    run's ``GPTConfig``) exceeds it, naming the stage and the smallest change that fits
+    (``devices``: the devices the run has, which more stages must fit in).
 
     Example:
         >>> from mmnnx.models import GPTConfig
@@ -365,7 +368,7 @@ fits (4.3 MiB)
         f"optimizer state {format_bytes(worst.optimizer)}, activations "
         f"{format_bytes(worst.activations)} of {worst.in_flight} microbatch(es) in flight)"
     )
-    change = fitting_change(config, layout, size, **options)
+    change = fitting_change(config, layout, size, devices=devices, **options)
     if change is None:
         return (
             f"{needs}; no single change fits: not 1F1B, twice {flag('microbatches')}, "
