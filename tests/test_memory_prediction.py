@@ -113,6 +113,8 @@ def test_more_stages_are_suggested_only_as_many_as_the_devices_hold():
     assert memory_problem(run, config, 2, 16).endswith("--stages 4 fits (5.7 MiB)")
     on_eight = memory_problem(run, config, 2, 8)
     assert "no single change fits" in on_eight and "--stages 4" not in on_eight
+    # what it tried: an FSDP axis dividing the data axis (2), not "up to 8"
+    assert "a larger --fsdp-axis of 2, 4 or 8 dividing --data-axis 2, nor" in on_eight
 
 
 @pytest.mark.parametrize(

@@ -372,7 +372,8 @@ fits (4.3 MiB)
     if change is None:
         return (
             f"{needs}; no single change fits: not 1F1B, twice {flag('microbatches')}, "
-            f"{flag('remat')} dots or full, --fsdp-axis up to 8, nor more {flag('stages')}"
+            f"{flag('remat')} dots or full, a larger {flag('fsdp_axis')} of 2, 4 or 8 dividing "
+            f"{flag('data_axis', data_axis)}, nor more {flag('stages')}"
         )
     shown = flag({"fsdp": "fsdp_axis"}.get(change.option, change.option), change.value)
     return f"{needs}; {shown} fits ({format_bytes(change.prediction.peak)})"
