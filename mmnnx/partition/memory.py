@@ -471,6 +471,7 @@ def predict_memory(
     optimizer: str = "adamw",
     trainable: float = 1.0,
     pack_weights: bool | int = PACK_WEIGHT_BYTES,
+    fsdp_gather: str = "microbatch",
     reference: bool = False,
 ) -> MemoryPrediction:
     """Each task's peak bytes per device for training ``GPT(config)`` on ``layout`` with
@@ -481,7 +482,11 @@ def predict_memory(
     ``optimizer`` names the optimizer state per parameter (:data:`OPTIMIZER_COPIES`);
     ``trainable`` is the share of parameters trained (gradients and optimizer state);
     ``pack_weights`` is ``mm.jit``'s (a block's replicated weights of at most that many bytes
-    are packed into a second copy). The terms are described in this module's docstring and
+    are packed into a second copy). ``fsdp_gather``: when a stage's FSDP-sharded weights are
+    gathered, ``"microbatch"`` (in each program that reads them) or ``"step"``
+    (``mm.jit(gather_weights=...)``, ``mmnnx train --fsdp-gather step``: once, the gathered
+    copy held from the stage's first forward to its last backward, charged in the
+    workspace). The terms are described in this module's docstring and
     docs/memory.md. ``reference``: charge what a reference framework (Megatron, torchtitan:
     the published runs) holds instead of this engine: a fused attention that
     keeps no probabilities, experts exchanging only the tokens routed to them (no padded
@@ -505,6 +510,10 @@ def predict_memory(
     if optimizer not in OPTIMIZER_COPIES:
         known = ", ".join(OPTIMIZER_COPIES)
         raise ValueError(f"predict_memory: optimizer {optimizer!r}: expected one of {known}")
+    if fsdp_gather not in ("microbatch", "step"):
+        raise ValueError(
+            f"predict_memory: fsdp_gather {fsdp_gather!r}: expected 'microbatch' or 'step'"
+        )
     lay, seq = layout, seq_len or config.max_seq_len
     shards = lay.data * lay.expert
     if batch % microbatches or (batch // microbatches) % shards:
@@ -569,6 +578,8 @@ def predict_memory(
             block = max(_block_weights(config.block_configs[b], dim, lay, 0, 1).total
                         for s in mine for b in range(starts[s], starts[s] + sizes[s]))  # fmt: skip
             gathered = dtype * (weights.total if microbatches > 1 else 2 * block)
+        if fsdp_gather == "step" and lay.fsdp > 1 and not reference:
+            gathered += weights.total * param_bytes  # the stage's weights gathered once, whole
         workspace = max(_workspace(
             # a reference framework accumulates each microbatch's gradients in place
             0 if reference else stage_weights[s].total * param_bytes * trainable,
@@ -594,12 +605,12 @@ class Change:
     """One change to a layout or its options (``option`` set to ``value``) and what it
     predicts."""
 
-    option: str  # "schedule", "microbatches", "remat", "fsdp" or "stages"
+    option: str  # "fsdp_gather", "schedule", "microbatches", "remat", "fsdp" or "stages"
     value: object
     prediction: MemoryPrediction
 
 
-CHANGES = ("schedule", "microbatches", "remat", "fsdp", "stages")
+CHANGES = ("fsdp_gather", "schedule", "microbatches", "remat", "fsdp", "stages")
 """The changes :func:`fitting_change` tries, in its order."""
 
 
@@ -613,7 +624,8 @@ def fitting_change(
     **options: object,
 ) -> Change | None:
     """The first single change that brings :func:`predict_memory`'s peak (same ``options``)
-    under ``budget``, tried in this order: a schedule with fewer microbatches in flight
+    under ``budget``, tried in this order: FSDP's weights gathered in each program rather than
+    once a step (``fsdp_gather="microbatch"``), a schedule with fewer microbatches in flight
     (1F1B), twice the microbatches (smaller ones), a remat policy (``dots``, then ``full``),
     a larger FSDP axis (2, 4 or 8 dividing ``data``), more stages (up to the depth, and with
     ``devices`` given, as many as the layout's other axes fit in that many devices);
@@ -629,6 +641,8 @@ def fitting_change(
     """
     tries: list[tuple[str, object, MemoryLayout, dict]] = []
     schedule, m = options.get("schedule", "1f1b"), options.get("microbatches", 1)
+    if options.get("fsdp_gather") == "step" and layout.fsdp > 1:
+        tries.append(("fsdp_gather", "microbatch", layout, {"fsdp_gather": "microbatch"}))
     if schedule != "1f1b":
         tries.append(("schedule", "1f1b", layout, {"schedule": "1f1b"}))
     if options["batch"] % (2 * m) == 0:

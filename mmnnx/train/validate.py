@@ -398,6 +398,6 @@ def memory_inputs(run: RunConfig, data_axis: int) -> tuple[Any, dict[str, Any]]:
     options = dict(
         batch=training.batch_size, seq_len=run.model.seq_len, schedule=training.schedule,
         microbatches=training.microbatches, trainable=0.0 if run.model.lora_rank else 1.0,
-        pack_weights=training.pack_weights,
+        pack_weights=training.pack_weights, fsdp_gather=lay.fsdp_gather,
     )  # fmt: skip
     return layout, options
