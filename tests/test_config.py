@@ -158,6 +158,13 @@ def test_a_written_config_reads_back_as_the_values_it_holds(tmp_path):
     assert read_config(path) == {k: v for k, v in values.items() if k not in ("command", GIVEN)}
 
 
+def test_a_memory_budget_of_bytes_may_be_a_toml_integer(tmp_path):
+    # 'memory_budget = 80000000000' was refused: "expected a string"
+    path = write(tmp_path, "[training]\nmemory_budget = 80000000000\n")
+    run = RunConfig.of(vars(parse_args(["train", "--config", str(path)])))
+    assert run.training.memory_budget == "80000000000"
+
+
 def test_the_flags_and_a_config_file_parse_into_one_typed_run_config(tmp_path):
     """Issue 68: one nested ``RunConfig`` travels; what an option is comes from its field."""
     from mmnnx.train.config import ARCHITECTURE, MAY_CHANGE_ON_RESUME, MOE, flag

@@ -226,6 +226,7 @@ class Training:
         "the shapes (mm.predict_memory), exceeds it is refused before anything compiles, "
         "naming the stage and the smallest change that fits; with --schedule auto or "
         "--partition auto, what the schedule and the split may use",
+        nonempty,  # a TOML integer of bytes reads as its digits
         may_change=True,
     )
     pack_residuals: bool | int = option(
