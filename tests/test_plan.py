@@ -148,6 +148,18 @@ def test_small_search_engine_costs_and_errors():
         parse_layout("tp=0")
 
 
+def test_fixed_fields_no_schedule_runs_are_named_not_called_too_big():
+    """--layout fields under which the schedule cannot run (1F1B with two stages per task, or
+    fewer microbatches than stages) name the schedule's reason; they were reported as
+    layouts that do not fit the device's memory."""
+    config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=4, max_seq_len=8, **BF16)
+    h100 = DEVICES["h100"]
+    with pytest.raises(NoCandidateError, match="can run; the first, .*'1f1b' runs one stage"):
+        plan_cluster(config, 8, h100, batch=16, seq=8, fixed=parse_layout("pp=2,v=2,schedule=1f1b"))
+    with pytest.raises(NoCandidateError, match="1f1b needs at least as many microbatches"):
+        plan_cluster(config, 8, h100, batch=16, seq=8, fixed=parse_layout("pp=2,schedule=1f1b,m=1"))
+
+
 def test_cli_plan_json_and_layout(tmp_path, capsys):
     folder = tmp_path / "tiny"
     folder.mkdir()

@@ -352,6 +352,13 @@ def _memory_estimate(config, layout: ClusterLayout, batch: int, seq: int, refere
     return worst
 
 
+@functools.lru_cache(maxsize=4096)
+def _schedule_runs(name: str, stages: int, virtual_stages: int, microbatches: int) -> None:
+    """Raises the schedule's ValueError when ``name`` cannot run ``stages`` tasks of
+    ``virtual_stages`` model stages each on ``microbatches`` microbatches."""
+    sched.get(name, stages * virtual_stages, microbatches, virtual_stages)
+
+
 def plan_cluster(
     config: GPTConfig, devices: int, device: DeviceSpec, *, batch: int, seq: int,
     fixed: Mapping[str, Any] | None = None, collectives: Collectives = ENGINE,
@@ -382,14 +389,19 @@ def plan_cluster(
         )
     reference = collectives != ENGINE
     small, least = [], (float("inf"), None)
+    cannot_run = []  # why each layout skipped below cannot run, in the order met
     for lay in lays:
         try:
+            _schedule_runs(lay.schedule, lay.stages, lay.virtual_stages, lay.microbatches)
             estimate = _memory_estimate(config, lay, batch, seq, reference, trainable)
-        except ValueError:  # a schedule this layout cannot run
+        except ValueError as e:  # a schedule this layout cannot run
+            cannot_run.append(f"{lay.text()}: {e}")
             continue
         least = min(least, (estimate, lay), key=lambda pair: pair[0])
         if estimate <= device.memory:
             small.append(lay)
+    if least[1] is None:
+        raise NoCandidateError(_none_runs(len(lays), devices, cannot_run), [])
     if not small:
         where = (
             f": the smallest, {least[1].text()}, about {format_bytes(least[0])}" if least[1] else ""
@@ -407,7 +419,8 @@ def plan_cluster(
         try:
             step = evaluate(config, lay, device, batch=batch, seq=seq, collectives=collectives,
                             trainable=trainable)  # fmt: skip
-        except ValueError:  # a schedule this layout cannot run
+        except ValueError as e:  # a schedule this layout cannot run
+            cannot_run.append(f"{lay.text()}: {e}")
             continue
         checked.append(step)
         if step.fits:
@@ -416,6 +429,8 @@ def plan_cluster(
                 break
         elif smallest is None or step.memory.peak < smallest.memory.peak:
             smallest = step
+    if not checked:
+        raise NoCandidateError(_none_runs(min(len(ranked), _CHECKED), devices, cannot_run), [])
     if not fitting:
         detail = (f"; the smallest of the {_CHECKED} fastest, {smallest.layout.text()}, "
                   f"needs {format_bytes(smallest.memory.peak)}") if smallest else ""  # fmt: skip
@@ -426,3 +441,10 @@ def plan_cluster(
         )
     best = min(fitting, key=lambda s: s.step_seconds)
     return dataclasses.replace(best, searched=len(lays))
+
+
+def _none_runs(count: int, devices: int, reasons: list[str]) -> str:
+    """The message for ``count`` layouts of ``devices`` none of which can run: the first
+    layout's reason (a schedule that cannot take its stages, stages per task or
+    microbatches)."""
+    return f"none of the {count} layouts of {devices} devices can run; the first, {reasons[0]}"
