@@ -160,6 +160,25 @@ def test_fixed_fields_no_schedule_runs_are_named_not_called_too_big():
         plan_cluster(config, 8, h100, batch=16, seq=8, fixed=parse_layout("pp=2,schedule=1f1b,m=1"))
 
 
+def test_fixed_fields_the_devices_or_model_cannot_take_are_named():
+    """Fixed axes that do not divide the devices, a tensor axis not dividing the heads, an
+    expert axis on a dense model, more model stages than blocks: each named (was a dict of
+    field names and 'divides the batch', or searched/evaluated as if it ran)."""
+    config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=4, max_seq_len=8, **BF16)
+    h100 = DEVICES["h100"]
+    for layout, devices, message in [
+        ("pp=3", 8, "no layout of 8 devices with pp=3: pp=3 does not divide 8 devices"),
+        ("tp=3", 6, "tp=3 does not divide the model's 4 attention heads"),
+        ("ep=2", 8, "ep=2 needs experts to split; the model has none"),
+        ("pp=4,v=2", 8, "pp=4 x v=2 = 8 model stages for the model's 4 blocks"),
+    ]:
+        with pytest.raises(NoCandidateError, match=message):
+            plan_cluster(config, devices, h100, batch=48, seq=8, fixed=parse_layout(layout))
+    whole = ClusterLayout(stages=2, tensor=3, microbatches=2)
+    with pytest.raises(ValueError, match="tp=3 does not divide the model's 4 attention heads"):
+        evaluate(config, whole, h100, batch=12, seq=8)
+
+
 def test_cli_plan_json_and_layout(tmp_path, capsys):
     folder = tmp_path / "tiny"
     folder.mkdir()

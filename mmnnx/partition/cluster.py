@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -207,6 +208,8 @@ def evaluate(
         >>> step.fits, len(step.to_json()["stages"]), 0 < step.mfu < 1
         (True, 2, True)
     """
+    if why := _misfit(config, layout.devices, dataclasses.asdict(layout)):
+        raise ValueError(f"layout {layout.text()}: {why}")
     memory = predict_memory(
         config, layout.memory_layout(config), batch=batch, seq_len=seq, schedule=layout.schedule,
         microbatches=layout.microbatches, remat=layout.remat,
@@ -236,9 +239,9 @@ def candidates(
         [(1, 1, 2), (1, 2, 1), (2, 1, 1)]
     """
     fixed = dict(fixed or {})
-    heads = config.block_configs[0].attention.num_heads
-    experts = [b.feed_forward.num_experts for b in config.block_configs
-               if isinstance(b.feed_forward, MoEConfig)]  # fmt: skip
+    if _misfit(config, devices, fixed):
+        return []
+    heads, experts = _heads_and_experts(config)
 
     def options(name: str, values):
         return [fixed[name]] if name in fixed else list(values)
@@ -269,6 +272,48 @@ def candidates(
                                   virtual_stages=v, schedule=schedule, microbatches=m,
                                   remat=remat))  # fmt: skip
     return out
+
+
+def _heads_and_experts(config: GPTConfig) -> tuple[int, list[int]]:
+    """The first block's attention heads, and each MoE block's experts."""
+    experts = [b.feed_forward.num_experts for b in config.block_configs
+               if isinstance(b.feed_forward, MoEConfig)]  # fmt: skip
+    return config.block_configs[0].attention.num_heads, experts
+
+
+def _fields_text(fields: Mapping[str, Any]) -> str:
+    """Layout fields as ``--layout`` writes them: ``{"stages": 3}`` -> ``pp=3``."""
+    short = {name: key for key, name in _KEYS.items() if key != "m"}
+    return ",".join(f"{short.get(name, name)}={value}" for name, value in fields.items())
+
+
+def _misfit(config: GPTConfig, devices: int, fields: Mapping[str, Any]) -> str | None:
+    """Why the layout fields ``fields`` (some or all of a :class:`ClusterLayout`'s) cannot
+    train ``config`` on ``devices``: axes not dividing the devices, a tensor axis not dividing
+    the heads, an expert axis the experts do not fill, more model stages than blocks; else
+    ``None``.
+
+    Example:
+        >>> _misfit(GPTConfig(depth=4, num_heads=4), 8, {"stages": 3})
+        'pp=3 does not divide 8 devices'
+    """
+    heads, experts = _heads_and_experts(config)
+    axes = {k: fields[k] for k in ("stages", "data", "tensor", "expert") if k in fields}
+    if devices % math.prod(axes.values()):
+        return f"{_fields_text(axes)} does not divide {devices} devices"
+    tensor, expert = fields.get("tensor", 1), fields.get("expert", 1)
+    if heads % tensor:
+        return f"tp={tensor} does not divide the model's {heads} attention heads"
+    if expert > 1 and not experts:
+        return f"ep={expert} needs experts to split; the model has none (ep=1)"
+    if expert > 1 and experts[0] % expert:
+        return f"ep={expert} does not divide the model's {experts[0]} experts"
+    stages = fields.get("stages", 1) * fields.get("virtual_stages", 1)
+    if stages > config.depth:
+        pp, v = fields.get("stages", 1), fields.get("virtual_stages", 1)
+        return (f"pp={pp} x v={v} = {stages} model stages for the model's {config.depth} "
+                "blocks (one block at least each)")  # fmt: skip
+    return None
 
 
 def _schedules(stages: int, depth: int, fixed: Mapping[str, Any]) -> list[tuple[str, int]]:
@@ -382,11 +427,11 @@ def plan_cluster(
     """
     lays = candidates(config, devices, device, batch=batch, fixed=fixed)
     if not lays:
-        raise NoCandidateError(
-            f"no layout of {devices} devices with {dict(fixed or {})} divides the batch of "
-            f"{batch} and the model's {config.depth} blocks and heads",
-            [],
+        given = f" with {_fields_text(fixed)}" if fixed else ""
+        why = _misfit(config, devices, fixed or {}) or (
+            f"none divides the batch of {batch} and the model's {config.depth} blocks and heads"
         )
+        raise NoCandidateError(f"no layout of {devices} devices{given}: {why}", [])
     reference = collectives != ENGINE
     small, least = [], (float("inf"), None)
     cannot_run = []  # why each layout skipped below cannot run, in the order met
