@@ -146,6 +146,8 @@ def test_small_search_engine_costs_and_errors():
         parse_layout("pp=2,xx=2")
     with pytest.raises(ValueError, match="layout tp=0"):
         parse_layout("tp=0")
+    with pytest.raises(ValueError, match="'stages=4': stages is given twice"):
+        parse_layout("pp=2,stages=4")  # the last was taken silently
 
 
 def test_fixed_fields_no_schedule_runs_are_named_not_called_too_big():

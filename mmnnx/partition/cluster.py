@@ -46,8 +46,8 @@ def parse_layout(text: str) -> dict[str, Any]:
         {'stages': 4, 'tensor': 8, 'schedule': '1f1b'}
 
     Raises:
-        ValueError: an entry not ``key=value``, a key not known, a count not an int >= 1, a
-            schedule or remat policy not known.
+        ValueError: an entry not ``key=value``, a key not known or given twice (``pp`` and
+            ``stages`` are one), a count not an int >= 1, a schedule or remat policy not known.
     """
     fixed: dict[str, Any] = {}
     for entry in filter(None, (e.strip() for e in text.split(","))):
@@ -61,6 +61,8 @@ def parse_layout(text: str) -> dict[str, Any]:
             raise ValueError(f"layout {name}={value}: expected one of {', '.join(known)}")
         if known is None and (not value.isdigit() or int(value) < 1):
             raise ValueError(f"layout {key}={value}: expected an int >= 1")
+        if name in fixed:
+            raise ValueError(f"layout entry {entry!r}: {name} is given twice")
         fixed[name] = value if known is not None else int(value)
     return fixed
 
