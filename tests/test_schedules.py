@@ -132,6 +132,10 @@ def test_zero_bubble_defers_w_by_rank_index():
         ),
         (lambda: interleaved_1f1b(4, 8, 0), r"virtual_stages must be >= 1"),
         (lambda: gpipe(0, 4), r"num_stages must be a positive int"),
+        # builders taking a rank count name it (they said num_stages)
+        (lambda: schedules.dualpipe_v(0, 4), r"^num_ranks must be a positive int, got 0"),
+        (lambda: schedules.zero_bubble_v(0, 4), r"^num_ranks must be a positive int, got 0"),
+        (lambda: interleaved_1f1b(-1, 4, 2), r"^num_ranks must be a positive int, got -1"),
         (lambda: one_f_one_b(2, -1), r"num_microbatches must be a positive int"),
     ],
 )

@@ -10,7 +10,7 @@ from mmnnx.mpmd.schedules.ir import Action, Schedule, check_counts, validated
 
 def check_interleaved(num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
     """Raises a ValueError unless the counts are positive ints and ``virtual_stages >= 1``."""
-    check_counts(num_ranks, num_microbatches)
+    check_counts(1, num_microbatches, num_ranks)
     if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool):
         raise ValueError(f"virtual_stages must be an int, got {virtual_stages!r}")
     if virtual_stages < 1:

@@ -274,7 +274,7 @@ def zero_bubble_v(num_ranks: int, num_microbatches: int, costs: Costs | None = N
         >>> " ".join(map(str, zero_bubble_v(2, 2).actions_of(1)))
         'F1.0 F2.0 F1.1 F2.1 I2.0 I1.0 I2.1 I1.1 W2.0 W1.0 W2.1 W1.1'
     """
-    check_counts(num_ranks, num_microbatches)
+    check_counts(1, num_microbatches, num_ranks)
     need_enough_microbatches("zero-bubble-v", num_microbatches, num_ranks, "ranks")
     stage_to_rank = _v_stage_to_rank(num_ranks)
     limits = [2 * num_ranks] * num_ranks
@@ -320,7 +320,7 @@ def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) 
         'F1.0 F2.0 F1.1 F2.1 F1.2 B2.0 F2.2 B1.0 F1.3 B2.1 F2.3 B1.1 B2.2 B1.2 I2.3 I1.3 W2.3
          W1.3'
     """
-    check_counts(num_ranks, num_microbatches)
+    check_counts(1, num_microbatches, num_ranks)
     if num_microbatches < 2 * num_ranks:
         raise ValueError(
             f"dualpipev needs at least twice as many microbatches as ranks ({2 * num_ranks}), "
