@@ -41,7 +41,7 @@ def parse_bytes(size: int | str) -> int:
     """
     if isinstance(size, int) and not isinstance(size, bool):
         return size
-    found = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(size))
+    found = re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*([A-Za-z]*)\s*", str(size))
     unit = found.group(2).upper() if found else None
     if found is None or unit not in _UNITS:
         raise ValueError(f"memory size {size!r}: expected a number of bytes such as '2GiB'")

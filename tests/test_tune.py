@@ -71,6 +71,9 @@ def test_a_budget_that_excludes_gpipe_picks_a_1f1b_family_schedule():
     [
         (dict(memory_budget=-1), "memory_budget must be positive"),
         (dict(memory_budget="lots"), "expected a number of bytes"),
+        # was float()'s own "could not convert string to float: '..'"
+        (dict(memory_budget=".."), "memory size '..': expected a number of bytes"),
+        (dict(memory_budget="1.2.3GiB"), "memory size '1.2.3GiB': expected a number of bytes"),
         (dict(schedules="1f1c"), "unknown schedule '1f1c'"),
         (dict(schedules=()), "schedules= is empty"),
         (dict(microbatches=()), "microbatches= is empty"),
