@@ -181,6 +181,26 @@ def test_fixed_fields_the_devices_or_model_cannot_take_are_named():
         evaluate(config, whole, h100, batch=12, seq=8)
 
 
+def test_a_tied_head_is_one_stage_more_for_the_schedule():
+    """A head tied to the embedding brings the forward pass back to the first task (1F1B on
+    2 tasks: 3 stages, so 3 microbatches at least, as mm.microbatch requires); the planner
+    planned pp=2, 1F1B, M=2 for it, which the engine refuses. Interleaved (looped) placements
+    cannot fold the head in."""
+    config = GPTConfig(vocab_size=64, dim=32, depth=4, num_heads=4, max_seq_len=8,
+                       tie_embeddings=True, **BF16)  # fmt: skip
+    h100 = DEVICES["h100"]
+    with pytest.raises(ValueError, match=r"stages \(3\), got 2.*head tied to the embedding"):
+        evaluate(config, ClusterLayout(stages=2, data=4, microbatches=2), h100, batch=16, seq=8)
+    fixed = parse_layout("pp=2,schedule=1f1b,m=2")
+    with pytest.raises(NoCandidateError, match="head tied to the embedding"):
+        plan_cluster(config, 8, h100, batch=16, seq=8, fixed=fixed)
+    fixed = parse_layout("pp=2,v=2,schedule=interleaved-1f1b")
+    with pytest.raises(NoCandidateError, match="a looped placement cannot fold in"):
+        plan_cluster(config, 8, h100, batch=16, seq=8, fixed=fixed)
+    step = plan_cluster(config, 8, h100, batch=16, seq=8, fixed=parse_layout("pp=2"))
+    assert step.layout.schedule == "gpipe" or step.layout.microbatches >= 3
+
+
 def test_cli_plan_json_and_layout(tmp_path, capsys):
     folder = tmp_path / "tiny"
     folder.mkdir()

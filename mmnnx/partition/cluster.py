@@ -16,6 +16,7 @@ from mmnnx.errors import NoCandidateError
 from mmnnx.models.gpt import REMAT, GPTConfig
 from mmnnx.modules import MoEConfig
 from mmnnx.mpmd import schedules as sched
+from mmnnx.mpmd.schedules.registry import registered
 from mmnnx.partition.cost import (
     ENGINE,
     ClusterLayout,
@@ -212,6 +213,8 @@ def evaluate(
     """
     if why := _misfit(config, layout.devices, dataclasses.asdict(layout)):
         raise ValueError(f"layout {layout.text()}: {why}")
+    _schedule_runs(layout.schedule, layout.stages, layout.virtual_stages, layout.microbatches,
+                   config.tie_embeddings)  # fmt: skip
     memory = predict_memory(
         config, layout.memory_layout(config), batch=batch, seq_len=seq, schedule=layout.schedule,
         microbatches=layout.microbatches, remat=layout.remat,
@@ -400,10 +403,30 @@ def _memory_estimate(config, layout: ClusterLayout, batch: int, seq: int, refere
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule_runs(name: str, stages: int, virtual_stages: int, microbatches: int) -> None:
+def _schedule_runs(
+    name: str, stages: int, virtual_stages: int, microbatches: int, tied: bool = False
+) -> None:
     """Raises the schedule's ValueError when ``name`` cannot run ``stages`` tasks of
-    ``virtual_stages`` model stages each on ``microbatches`` microbatches."""
-    sched.get(name, stages * virtual_stages, microbatches, virtual_stages)
+    ``virtual_stages`` model stages each on ``microbatches`` microbatches. A head ``tied`` to
+    the embedding brings the forward pass back to the first task, one stage more where
+    each task runs one (1F1B on 4 tasks: 5 stages), which no looped placement folds in."""
+    model_stages = stages * virtual_stages
+    order = registered(name).placement.order(virtual_stages)
+    if tied and stages > 1 and order == "loop":
+        if virtual_stages > 1:
+            raise ValueError(
+                f"{name} with v={virtual_stages}: the head tied to the embedding brings the "
+                "forward pass back to the first task, which a looped placement cannot fold in"
+            )
+        try:
+            sched.get(name, model_stages + 1, microbatches)
+        except ValueError as e:
+            raise ValueError(
+                f"{e} (the head tied to the embedding brings the forward pass back to the "
+                f"first task: {model_stages + 1} stages on {stages} tasks)"
+            ) from None
+        return
+    sched.get(name, model_stages, microbatches, virtual_stages)
 
 
 def plan_cluster(
@@ -439,7 +462,8 @@ def plan_cluster(
     cannot_run = []  # why each layout skipped below cannot run, in the order met
     for lay in lays:
         try:
-            _schedule_runs(lay.schedule, lay.stages, lay.virtual_stages, lay.microbatches)
+            _schedule_runs(lay.schedule, lay.stages, lay.virtual_stages, lay.microbatches,
+                           config.tie_embeddings)  # fmt: skip
             estimate = _memory_estimate(config, lay, batch, seq, reference, trainable)
         except ValueError as e:  # a schedule this layout cannot run
             cannot_run.append(f"{lay.text()}: {e}")
