@@ -166,9 +166,6 @@ class Checkpointer:
             # a busy directory is the same error on every process (before: a RuntimeError
             # wrapping it, which `mmnnx train` under `mmnnx launch` showed as a traceback, exit 1)
             busy = gather(together(what, hold), what=what)[0]
-            # process 0 (the coordination service's host) leaves last: a busy directory ends
-            # every process at once, and one still reading process 0's answer would lose it
-            gather(None, what=what, to=0)
             if busy:
                 raise lock.CheckpointDirectoryBusyError(busy)
 
