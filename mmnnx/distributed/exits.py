@@ -6,9 +6,10 @@ Each process publishes how it leaves under ``mmnnx/exit/<process>`` in the coord
 service's key-value store: ``failed`` (an uncaught exception, ``sys.exit`` with a failing status,
 or :func:`fail`) or ``leaving``, with how many messages it offered each process
 (``leaving {"0": 17}``). A failing process waits at JAX's shutdown barrier 5 s at most (not
-300 s), for peers failing with it; ``mmnnx launch`` then stops the others, else each fails when
-it next waits for it. Python 3.11 keeps a ``sys.exit`` status nowhere an exit handler can read it,
-hence the wrapped ``sys.exit`` (docs/distributed.md, "Failures", says what was measured).
+300 s), and only for peers that fail or leave with it; ``mmnnx launch`` then stops the others,
+else each fails when it next waits for it. Python 3.11 keeps a ``sys.exit`` status nowhere an
+exit handler can read it, hence the wrapped ``sys.exit`` (docs/distributed.md, "Failures", says
+what was measured).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ FAILED = b"failed"
 LEAVING = b"leaving"
 _SLICE_S = 0.5  # how often a wait looks at whether the process it waits for has left
 _EXIT_WAIT_S = 300.0  # how long a process ending normally waits for the others
-_SHUTDOWN_WAIT_S = 5.0  # how long a failing process waits at JAX's shutdown barrier for the others
+_SAID_WAIT_S = 2.0  # how long a failing process waits for the others to say how they leave
+_SHUTDOWN_WAIT_S = 5.0  # then how long it waits for them at JAX's shutdown barrier
 _AFTER_S = 2.0  # then how long it stays, so that the process that left ends first
 
 
@@ -201,9 +203,9 @@ def install() -> None:
 def fail(status: int = 1) -> NoReturn:
     """Ends this process with exit ``status``, telling the others it failed rather than waiting
     for them to finish, from any thread (as ``sys.exit(status)`` from the main thread); output is
-    flushed, other exit handlers do not run. It waits at most 5 s for others failing too to leave
-    JAX's coordination service with it, and where its failure may follow another's, 2 s more so
-    that ``mmnnx launch`` names that one.
+    flushed, other exit handlers do not run. Where the others fail too, it waits up to 7 s for
+    them to leave JAX's coordination service with it, and where its failure may follow another's,
+    2 s more so that ``mmnnx launch`` names that one.
 
     Example::
 
@@ -252,14 +254,27 @@ def _announce_failure() -> None:
 
 
 def _leave_the_service() -> None:
-    """Waits at JAX's shutdown barrier, at most ``_SHUTDOWN_WAIT_S``, for the others to leave the
-    coordination service too: a process still connected when process 0, which holds the service,
-    ends prints JAX's ``Check failure`` stack and aborts. Processes failing together (an error each
-    finds, a peer's failure each notices) meet there; one that fails alone waits the bound."""
-    if jax.process_count() > 1:
+    """Once every process has said how it leaves (within ``_SAID_WAIT_S``), waits at JAX's
+    shutdown barrier, at most ``_SHUTDOWN_WAIT_S``, for them to leave the coordination service
+    too: a process still connected when process 0, which holds the service, ends prints JAX's
+    ``Check failure`` stack and aborts. Processes failing together (an error each finds, a peer's
+    failure each notices) meet there; one failing alone does not wait for the others."""
+    if jax.process_count() > 1 and _everyone_said(_SAID_WAIT_S):
         done = threading.Thread(target=_shutdown, daemon=True)
         done.start()
         done.join(_SHUTDOWN_WAIT_S)
+
+
+def _everyone_said(timeout_s: float) -> bool:
+    """Whether every process says how it leaves within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(Exception):  # the coordination service may be gone
+            if len(runtime.key_value_dir_get(_PREFIX)) >= jax.process_count():
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_SLICE_S / 5)
 
 
 def _status_of(failure: BaseException) -> int:
