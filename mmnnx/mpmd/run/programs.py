@@ -212,9 +212,10 @@ def clear_caches() -> None:
     (``jax.clear_caches``). Steps already compiled keep their programs; JAX's persistent
     compilation cache, if on, still serves the next compiles.
 
-    Example:
+    Example (not run by the doctests: in a test process it would throw away what every later
+    test would reuse; tests/test_pipeline.py calls it):
         >>> import mmnnx as mm
-        >>> mm.clear_caches()
+        >>> mm.clear_caches()  # doctest: +SKIP
     """
     _LOWERED.clear()
     compiles.clear()
