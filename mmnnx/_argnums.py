@@ -9,10 +9,12 @@ from typing import NamedTuple
 
 
 class Argnums(NamedTuple):
-    """A step's static and donated argument positions, counted from its first argument."""
+    """A step's static and donated argument positions, counted from its first argument, and the
+    names of its static arguments (either kind inferred from the other, as ``jax.jit`` does)."""
 
     static: tuple[int, ...]
     donate: tuple[int, ...]
+    static_names: tuple[str, ...] = ()
 
 
 def checked_argnums(
@@ -25,7 +27,9 @@ def checked_argnums(
     """``static_argnums`` and ``donate_argnums`` of ``fun`` (called ``name`` in errors), negative
     positions counted from the end of its positional parameters, checked with ``static_argnames``
     against its signature. A signature with ``*args`` (or unreadable) leaves positions unchecked, as
-    ``jax.jit`` does, and refuses negative ones.
+    ``jax.jit`` does, and refuses negative ones. As with ``jax.jit``, when only one of
+    ``static_argnums`` and ``static_argnames`` is given, the other is read from the signature, so a
+    static argument stays static whether it is passed by position or by keyword.
 
     Raises:
         ValueError: a position the step does not have, a static name it does not take, an
@@ -34,7 +38,9 @@ def checked_argnums(
     Example:
         >>> def step(model, opt, x, y): ...
         >>> checked_argnums(step, "step", (-1,), (), (0, 1))
-        Argnums(static=(3,), donate=(0, 1))
+        Argnums(static=(3,), donate=(0, 1), static_names=('y',))
+        >>> checked_argnums(step, "step", (), ("y",), ()).static
+        (3,)
         >>> checked_argnums(step, "step", (), (), (7,))
         Traceback (most recent call last):
         ...
@@ -70,10 +76,25 @@ def checked_argnums(
                 f"mm.jit: {name} has invalid argnames {invalid} in static_argnames; it does "
                 "not take these arguments"
             )
+    static_names = tuple(static_argnames)
+    if params is not None:
+        by_either = [p for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        if not static_names:
+            static_names = tuple(
+                p.name for i, p in enumerate(by_either) if i in resolved["static_argnums"]
+            )
+        elif not resolved["static_argnums"]:
+            resolved["static_argnums"] = tuple(
+                i for i, p in enumerate(by_either) if p.name in static_names
+            )
     both = sorted(set(resolved["static_argnums"]) & set(resolved["donate_argnums"]))
     if both:
         raise ValueError(
             f"mm.jit: {name} has argument {both[0]} in both static_argnums and donate_argnums; "
             "a static argument is not an array, so it cannot be donated"
         )
-    return Argnums(static=resolved["static_argnums"], donate=resolved["donate_argnums"])
+    return Argnums(
+        static=resolved["static_argnums"],
+        donate=resolved["donate_argnums"],
+        static_names=static_names,
+    )

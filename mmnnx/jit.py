@@ -97,10 +97,15 @@ class JitFunction:
         self.trace_count = 0
         functools.update_wrapper(self, fun)
         given = JitOptions(*options, **named_options)
-        static, donate = checked_argnums(
+        argnums = checked_argnums(
             fun, _step_name(fun), given.static_argnums, given.static_argnames, given.donate_argnums
         )
-        self.options = dataclasses.replace(given, static_argnums=static, donate_argnums=donate)
+        self.options = dataclasses.replace(
+            given,
+            static_argnums=argnums.static,
+            static_argnames=argnums.static_names,
+            donate_argnums=argnums.donate,
+        )
 
     static_argnums = property(lambda self: self.options.static_argnums)
     static_argnames = property(lambda self: self.options.static_argnames)

@@ -307,6 +307,23 @@ def test_argnums_the_step_does_not_take_are_refused_when_applied(options, match)
         mm.jit(**options)(train_step)  # as a decorator with options
 
 
+def test_static_arguments_are_static_by_position_or_by_keyword(tasks):
+    """As jax.jit: static_argnums names the parameter, static_argnames gives its position."""
+    model = two_stage(tasks)
+
+    def step(model, x, n):
+        return model(x).sum() + jnp.zeros(n).sum()  # n must be a Python int
+
+    x = jnp.ones((8, 16))
+    by_position = mm.jit(step, static_argnums=2)
+    assert by_position.static_argnames == ("n",)
+    by_name = mm.jit(step, static_argnames="n")
+    assert by_name.static_argnums == (2,)
+    want = nnx.jit(step, static_argnums=2)(make(), x, 3)
+    close(by_position(model, x, n=3), want)
+    close(by_name(model, x, 3), want)
+
+
 def test_negative_argnums_count_from_the_end_of_the_signature():
     step = mm.jit(train_step, static_argnums=-1, donate_argnums=(-4, 1))
     assert (step.static_argnums, step.donate_argnums) == ((3,), (0, 1))
