@@ -199,6 +199,10 @@ class Call:
 
     def _set_values(self, arrays: list[Any]) -> None:
         """The input values (Variables', then the other arrays), checked, and the cache key."""
+        # as with jax.jit, a Python number is weakly typed: 0.5 * bf16 activations stay bf16
+        self.weak = tuple(
+            type(a) in PYTHON_SCALARS or getattr(a, "weak_type", False) for a in arrays
+        )
         arrays = [np.asarray(a) if isinstance(a, PYTHON_SCALARS) else a for a in arrays]
         self.values = [v.get_raw_value() for v in self.variables] + arrays
         if self.unplaced and jax.process_count() > 1:  # state a step left on a task: its input
@@ -231,7 +235,14 @@ class Call:
             (v.shape, v.dtype, v.sharding if placed else None)
             for placed, v in zip(self.placed, self.values, strict=True)
         )
-        self.key = (self.treedef, signature, self.placement, self.statics, self.static_kwargs)
+        self.key = (
+            self.treedef,
+            signature,
+            self.weak,
+            self.placement,
+            self.statics,
+            self.static_kwargs,
+        )
 
     @functools.cached_property
     def _paths(self) -> list[tuple]:
@@ -265,8 +276,15 @@ class Call:
                 shape=tuple(np.shape(value)),
                 # a Python float is float64 to NumPy, float32 to JAX without x64
                 dtype=jax.dtypes.canonicalize_dtype(value.dtype, allow_extended_dtype=True),
+                weak_type=weak,
             )
-            for leaf, value, path in zip(self.leaves, self.values, self._paths, strict=True)
+            for leaf, value, path, weak in zip(
+                self.leaves,
+                self.values,
+                self._paths,
+                [False] * self.num_variables + list(self.weak),
+                strict=True,
+            )
         ]
         kept = [
             i.name

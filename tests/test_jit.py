@@ -324,6 +324,25 @@ def test_static_arguments_are_static_by_position_or_by_keyword(tasks):
     close(by_name(model, x, 3), want)
 
 
+def test_python_scalars_are_weakly_typed_as_with_nnx_jit(tasks):
+    """A Python float times bf16 activations stays bf16, a Python int plus int8 stays int8."""
+    model = two_stage(tasks)
+
+    def step(model, x, scale, shift):
+        return model(x).astype(jnp.bfloat16) * scale, jnp.arange(3, dtype=jnp.int8) + shift
+
+    x = jnp.ones((8, 16))
+    want = nnx.jit(step)(make(), x, 0.5, 1)
+    got = mm.jit(step)(model, x, 0.5, 1)
+    assert [a.dtype for a in got] == [a.dtype for a in want] == [jnp.bfloat16, jnp.int8]
+    close(got[0].astype(jnp.float32), want[0].astype(jnp.float32), rtol=1e-2, atol=1e-2)
+    step = mm.jit(step)
+    step(model, x, 0.5, 1)
+    step(model, x, np.float32(0.5), 1)  # a NumPy scalar is strongly typed: its own trace
+    assert step(model, x, np.float32(0.5), 1)[0].dtype == jnp.float32
+    assert step.trace_count == 2
+
+
 def test_negative_argnums_count_from_the_end_of_the_signature():
     step = mm.jit(train_step, static_argnums=-1, donate_argnums=(-4, 1))
     assert (step.static_argnums, step.donate_argnums) == ((3,), (0, 1))

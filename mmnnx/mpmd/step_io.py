@@ -25,6 +25,7 @@ class StepInput:
     donated: bool = False  # the step may reuse its buffer
     shape: tuple[int, ...] = ()
     dtype: Any = None
+    weak_type: bool = False  # a Python scalar (or weakly typed array): promotes as jax.jit's do
 
     @property
     def placed(self) -> bool:

@@ -54,7 +54,7 @@ def trace_step(
             )
         return TracedStep(graph=graph, trace=recorded, out_shape=out_shape)
 
-    avals = [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in inputs]
+    avals = [jax.ShapeDtypeStruct(i.shape, i.dtype, weak_type=i.weak_type) for i in inputs]
     try:
         step = traced(avals)
     except Exception as e:
