@@ -60,6 +60,11 @@ def user_outputs(out_shape: Any) -> list[StepOutput]:
     return outputs
 
 
+def _variables_in(tree: Any) -> list[Any]:
+    """The Variables in ``tree``, in its flattening order."""
+    return [n for n in jax.tree.leaves(tree, is_leaf=_nnx.is_variable) if _nnx.is_variable(n)]
+
+
 class Leaf(NamedTuple):
     """One input leaf's Variable (``None``: an array argument) and where that is placed."""
 
@@ -106,14 +111,20 @@ class Call:
         self.unplaced = [i for i in range(self.num_variables) if not self.placed[i]]
         self._set_values(arrays)
 
-    def traceable(self, fun: Callable, *, first: bool) -> tuple[Callable, list[Added]]:
+    def traceable(
+        self, fun: Callable, *, first: bool
+    ) -> tuple[Callable, list[Added], list[int | None]]:
         """``fun`` as a pure function of this call's input leaves: it rebuilds the arguments around
         fresh Variables and returns ``fun``'s result, the Variables' new values and those of
-        Variables it added (described in the returned list once traced)."""
+        Variables it added (described in the second returned list once traced). The third
+        list, once traced, holds for each Variable in ``fun``'s result the index of the input
+        Variable it is (``None``: one the step made), so the call returns the caller's own
+        Variable, as ``nnx.jit`` does."""
         if first:
             dyn_args, dyn_kwargs = self.target
             warn_unrolled_blocks(fun, dyn_args, dyn_kwargs, f"mm.jit({self.step_name})")
         added: list[Added] = []
+        returned: list[int | None] = []
 
         def pure(*leaves):
             fresh = [v.replace(x) for v, x in zip(self.variables, leaves, strict=False)]
@@ -127,11 +138,13 @@ class Call:
             self._rebuilt = [*args, *kwargs.values()]
             out = fun(*args, **kwargs)
             check_outputs(out, self.step_name)
+            index = {id(v): i for i, v in enumerate(fresh)}
+            returned[:] = [index.get(id(v)) for v in _variables_in(out)]
             added[:] = take_added((dyn_args, dyn_kwargs), fresh)
             self.check_unchanged(dyn_args, dyn_kwargs, nodes)
             return out, [v.get_value() for v in fresh], [a.value for a in added]
 
-        return pure, added
+        return pure, added, returned
 
     def located(self, error: BaseException) -> BaseException:
         """``error``, raised while tracing the step, pointed at the user's code and module."""
@@ -151,9 +164,16 @@ class Call:
             *[StepOutput()] * sum(a.num_leaves for a in added),
         ]
 
-    def write_back(self, outs: list[Any], built: BuiltStep, added: Sequence[Added]) -> Any:
+    def write_back(
+        self,
+        outs: list[Any],
+        built: BuiltStep,
+        added: Sequence[Added],
+        returned: Sequence[int | None] = (),
+    ) -> Any:
         """Writes a run's results into the Variables and the added ones onto their objects; returns
-        the step's own return value."""
+        the step's own return value, an input Variable in it as the caller's own (``returned``:
+        :meth:`traceable`'s)."""
         users, num_variables = built.num_outputs, self.num_variables
         if built.executable.graph.specs:  # sharding in types: hand back on the tasks' own meshes
             likes = [None] * users + [
@@ -170,7 +190,16 @@ class Call:
                 updates[i] = stay_home(self.values[i], updates[i])
         _nnx.set_values(self.variables, updates)
         put_added(self.target, added, outs[users + num_variables :])
-        return jax.tree.unflatten(built.tree, outs[:users])
+        result = jax.tree.unflatten(built.tree, outs[:users])
+        if not any(i is not None for i in returned):
+            return result
+        nodes, tree = jax.tree.flatten(result, is_leaf=_nnx.is_variable)
+        own = iter(returned)
+        nodes = [
+            self.variables[i] if _nnx.is_variable(node) and (i := next(own)) is not None else node
+            for node in nodes
+        ]
+        return jax.tree.unflatten(tree, nodes)
 
     def check_placement(self) -> None:
         """Raises if a bound Variable was placed again since the binding was made."""

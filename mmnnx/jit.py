@@ -81,10 +81,11 @@ def _as_tuple(x: Any) -> tuple:
 
 class _Compiled(NamedTuple):
     """A cache entry of :class:`JitFunction`: the step's executable, the engine's step and the
-    Variables the step added (sown: ``_added.Added``), their values last."""
+    Variables the step added (sown: ``_added.Added``), their values last, and the input Variable
+    each Variable the step returns is (``Call.traceable``'s)."""
 
     executable: Any
-    results: tuple[engine.BuiltStep, list]
+    results: tuple[engine.BuiltStep, list, list]
 
 
 class JitFunction:
@@ -134,7 +135,7 @@ class JitFunction:
 
     def _build(self, call: Call) -> _Compiled:
         inputs = call.step_inputs()
-        pure, added = call.traceable(self.fun, first=self.trace_count == 0)
+        pure, added, returned = call.traceable(self.fun, first=self.trace_count == 0)
         self.trace_count += 1
         built = engine.build_step(
             pure,
@@ -145,7 +146,7 @@ class JitFunction:
             located=call.located,
             peers=peers_for,
         )
-        return _Compiled(built.executable, (built, added))
+        return _Compiled(built.executable, (built, added, returned))
 
     def _lookup(self, call: Call) -> _Compiled:
         try:
@@ -182,7 +183,7 @@ class JitFunction:
         return self.fun(*args, **kwargs)
 
     def _run(self, call: Call, **modes):
-        executable, (built, added) = self._lookup(call)
+        executable, (built, added, returned) = self._lookup(call)
         outs = run_step(
             executable,
             call.values,
@@ -194,7 +195,7 @@ class JitFunction:
             look_first=bool(self.donate_argnums),
             **modes,
         )
-        return call.write_back(outs, built, added)
+        return call.write_back(outs, built, added, returned)
 
     def timeline(self, *args, **kwargs) -> list:
         """Runs one step (updating the arguments as a call does) and returns a timed event per
@@ -261,7 +262,7 @@ class JitFunction:
                 f"mm.jit: plan(process={process!r}): this job has {jax.process_count()} "
                 f"process(es), numbered 0 to {jax.process_count() - 1}"
             )
-        executable, (built, _) = self._lookup(Call(self, args, kwargs))
+        executable, (built, *_) = self._lookup(Call(self, args, kwargs))
         if process is not None and process != jax.process_index():
             return built.plan_for(process)
         return executable.compiled_plan or executable.plan

@@ -343,6 +343,19 @@ def test_python_scalars_are_weakly_typed_as_with_nnx_jit(tasks):
     assert step.trace_count == 2
 
 
+def test_a_returned_input_variable_is_the_callers_own_as_with_nnx_jit(tasks):
+    model = two_stage(tasks)
+
+    def step(model, x):
+        model.l3.bias[...] += 1.0
+        return model.l3.bias, model(x), model
+
+    bias, _, returned = mm.jit(step)(model, jnp.ones((8, 16)))
+    assert bias is model.l3.bias  # nnx.jit returns the caller's Variable too
+    assert returned.l0.kernel is model.l0.kernel
+    close(bias[...], jnp.ones(4))
+
+
 def test_negative_argnums_count_from_the_end_of_the_signature():
     step = mm.jit(train_step, static_argnums=-1, donate_argnums=(-4, 1))
     assert (step.static_argnums, step.donate_argnums) == ((3,), (0, 1))
