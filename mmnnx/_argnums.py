@@ -12,9 +12,9 @@ class Argnums(NamedTuple):
     """A step's static and donated argument positions, counted from its first argument, and the
     names of its static arguments (either kind inferred from the other, as ``jax.jit`` does)."""
 
-    static: tuple[int, ...]
-    donate: tuple[int, ...]
-    static_names: tuple[str, ...] = ()
+    static_argnums: tuple[int, ...]
+    donate_argnums: tuple[int, ...]
+    static_argnames: tuple[str, ...] = ()
 
 
 def checked_argnums(
@@ -38,8 +38,8 @@ def checked_argnums(
     Example:
         >>> def step(model, opt, x, y): ...
         >>> checked_argnums(step, "step", (-1,), (), (0, 1))
-        Argnums(static=(3,), donate=(0, 1), static_names=('y',))
-        >>> checked_argnums(step, "step", (), ("y",), ()).static
+        Argnums(static_argnums=(3,), donate_argnums=(0, 1), static_argnames=('y',))
+        >>> checked_argnums(step, "step", (), ("y",), ()).static_argnums
         (3,)
         >>> checked_argnums(step, "step", (), (), (7,))
         Traceback (most recent call last):
@@ -93,8 +93,4 @@ def checked_argnums(
             f"mm.jit: {name} has argument {both[0]} in both static_argnums and donate_argnums; "
             "a static argument is not an array, so it cannot be donated"
         )
-    return Argnums(
-        static=resolved["static_argnums"],
-        donate=resolved["donate_argnums"],
-        static_names=static_names,
-    )
+    return Argnums(resolved["static_argnums"], resolved["donate_argnums"], static_names)

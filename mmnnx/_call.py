@@ -60,11 +60,6 @@ def user_outputs(out_shape: Any) -> list[StepOutput]:
     return outputs
 
 
-def _variables_in(tree: Any) -> list[Any]:
-    """The Variables in ``tree``, in its flattening order."""
-    return [n for n in jax.tree.leaves(tree, is_leaf=_nnx.is_variable) if _nnx.is_variable(n)]
-
-
 class Leaf(NamedTuple):
     """One input leaf's Variable (``None``: an array argument) and where that is placed."""
 
@@ -139,7 +134,8 @@ class Call:
             out = fun(*args, **kwargs)
             check_outputs(out, self.step_name)
             index = {id(v): i for i, v in enumerate(fresh)}
-            returned[:] = [index.get(id(v)) for v in _variables_in(out)]
+            out_leaves = jax.tree.leaves(out, is_leaf=_nnx.is_variable)
+            returned[:] = [index.get(id(v)) for v in out_leaves if _nnx.is_variable(v)]
             added[:] = take_added((dyn_args, dyn_kwargs), fresh)
             self.check_unchanged(dyn_args, dyn_kwargs, nodes)
             return out, [v.get_value() for v in fresh], [a.value for a in added]
@@ -169,7 +165,7 @@ class Call:
         outs: list[Any],
         built: BuiltStep,
         added: Sequence[Added],
-        returned: Sequence[int | None] = (),
+        returned: Sequence[int | None],
     ) -> Any:
         """Writes a run's results into the Variables and the added ones onto their objects; returns
         the step's own return value, an input Variable in it as the caller's own (``returned``:
@@ -190,11 +186,10 @@ class Call:
                 updates[i] = stay_home(self.values[i], updates[i])
         _nnx.set_values(self.variables, updates)
         put_added(self.target, added, outs[users + num_variables :])
-        result = jax.tree.unflatten(built.tree, outs[:users])
-        if not any(i is not None for i in returned):
-            return result
-        nodes, tree = jax.tree.flatten(result, is_leaf=_nnx.is_variable)
-        own = iter(returned)
+        nodes, tree = jax.tree.flatten(
+            jax.tree.unflatten(built.tree, outs[:users]), is_leaf=_nnx.is_variable
+        )
+        own = iter(returned)  # an input Variable returned is the caller's own
         nodes = [
             self.variables[i] if _nnx.is_variable(node) and (i := next(own)) is not None else node
             for node in nodes
@@ -229,9 +224,8 @@ class Call:
     def _set_values(self, arrays: list[Any]) -> None:
         """The input values (Variables', then the other arrays), checked, and the cache key."""
         # as with jax.jit, a Python number is weakly typed: 0.5 * bf16 activations stay bf16
-        self.weak = tuple(
-            type(a) in PYTHON_SCALARS or getattr(a, "weak_type", False) for a in arrays
-        )
+        weak = [type(a) in PYTHON_SCALARS or getattr(a, "weak_type", False) for a in arrays]
+        self.weak = [False] * self.num_variables + weak
         arrays = [np.asarray(a) if isinstance(a, PYTHON_SCALARS) else a for a in arrays]
         self.values = [v.get_raw_value() for v in self.variables] + arrays
         if self.unplaced and jax.process_count() > 1:  # state a step left on a task: its input
@@ -261,17 +255,10 @@ class Call:
         # placed leaves' shardings are part of the plan; the plan holds its tasks, so their ids
         # stay unique while it is cached
         signature = tuple(
-            (v.shape, v.dtype, v.sharding if placed else None)
-            for placed, v in zip(self.placed, self.values, strict=True)
+            (v.shape, v.dtype, v.sharding if placed else None, weak)
+            for placed, v, weak in zip(self.placed, self.values, self.weak, strict=True)
         )
-        self.key = (
-            self.treedef,
-            signature,
-            self.weak,
-            self.placement,
-            self.statics,
-            self.static_kwargs,
-        )
+        self.key = (self.treedef, signature, self.placement, self.statics, self.static_kwargs)
 
     @functools.cached_property
     def _paths(self) -> list[tuple]:
@@ -308,11 +295,7 @@ class Call:
                 weak_type=weak,
             )
             for leaf, value, path, weak in zip(
-                self.leaves,
-                self.values,
-                self._paths,
-                [False] * self.num_variables + list(self.weak),
-                strict=True,
+                self.leaves, self.values, self._paths, self.weak, strict=True
             )
         ]
         kept = [

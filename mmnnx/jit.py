@@ -101,12 +101,7 @@ class JitFunction:
         argnums = checked_argnums(
             fun, _step_name(fun), given.static_argnums, given.static_argnames, given.donate_argnums
         )
-        self.options = dataclasses.replace(
-            given,
-            static_argnums=argnums.static,
-            static_argnames=argnums.static_names,
-            donate_argnums=argnums.donate,
-        )
+        self.options = dataclasses.replace(given, **argnums._asdict())
 
     static_argnums = property(lambda self: self.options.static_argnums)
     static_argnames = property(lambda self: self.options.static_argnames)
