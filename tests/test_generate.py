@@ -288,3 +288,42 @@ def test_generate_passes_over_damaged_steps_naming_them_in_one_line(
         f"mmnnx generate: error: --run: no readable checkpoint in {ckpt}: skipped step 4: "
         f"damaged ({damaged} cannot be read); skipped step 2: damaged ("
     ), err
+
+
+def metaspace_tokenizer():
+    """A tokenizer.json as Llama 2's and Mistral's are (a '▁' prepended, spaces as '▁', the
+    decoder stripping the first space): '<s>[INST] hi' decodes as '<s> [INST] hi'."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers  # noqa: PLC0415
+
+    from mmnnx.train.tokenizers import HFTokenizer  # noqa: PLC0415
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + [decoders.Strip(" ", 1, 0)]
+    )
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=special, show_progress=False)
+    tokenizer.train_from_iterator(["[INST] what is the time [/INST] it is late"] * 4, trainer)
+    return HFTokenizer(tokenizer)
+
+
+def test_a_chat_reply_is_its_new_tokens_up_to_eos_whatever_the_prompt_decodes_to():
+    """`mmnnx generate --chat` printed the whole text decoded minus len(prompt) characters:
+    a Metaspace tokenizer decodes '<s>[INST] hi [/INST]' with one more space, so the reply
+    began with the prompt's last ']' (and lost its last character to the cut)."""
+    from mmnnx.train.generation import reply_text  # noqa: PLC0415
+
+    tokenizer = metaspace_tokenizer()
+    prompt = "<s>[INST] what is the time [/INST]"
+    assert tokenizer.decode(tokenizer.encode(prompt)) != prompt  # the trap
+    config = {**SMALL, "vocab_size": tokenizer.vocab_size, "max_seq_len": 32}
+    model = one_device(GPTConfig(**config))
+    new = np.asarray(model.generate(tokenizer.encode(prompt), 8))[0].tolist()
+    assert reply_text(model, tokenizer, prompt, 8) == tokenizer.decode(new)
+    eos = tokenizer._model.id_to_token(new[3])
+    cut = new[: new.index(new[3])]  # up to the first time that token comes
+    assert reply_text(model, tokenizer, prompt, 8, eos=eos) == tokenizer.decode(cut)

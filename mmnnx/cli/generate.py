@@ -73,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--run: {e}")
     prologue.start(spec.run.layout.devices, distributed=False)
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
-    from mmnnx.train.generation import continue_text, load_run  # noqa: PLC0415
+    from mmnnx.train.generation import (  # noqa: PLC0415
+        continue_text,
+        load_run,
+        reply_text,
+    )
 
     prompt, eos = options.prompt, None
     if options.chat:
@@ -121,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         f"mmnnx generate: {options.run}, step {run.step}, layout {options.layout}{skipped}",
         file=sys.stderr,
     )
-    text = continue_text(
+    write = functools.partial(reply_text, eos=eos) if options.chat else continue_text
+    text = write(
         run.model,
         run.tokenizer,
         prompt,
@@ -130,8 +135,5 @@ def run(args: argparse.Namespace) -> int:
         top_k=options.top_k,
         seed=options.seed,
     )
-    if options.chat:
-        text = text[len(prompt) :]
-        text = text[: text.index(eos)] if eos and eos in text else text
     print(text)
     return 0

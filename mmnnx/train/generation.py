@@ -251,3 +251,43 @@ def continue_text(
         ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=jax.random.key(seed)
     )
     return tokenizer.decode(np.concatenate([ids, np.asarray(new)[0]]))
+
+
+def reply_text(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    eos: str | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+) -> str:
+    """The reply ``model`` gives to ``prompt`` (a conversation a chat template rendered, up to
+    the assistant's turn): its new tokens alone, decoded, up to the first ``eos`` token (an id
+    of ``tokenizer``'s, else the text). Not sliced from the whole text decoded: a tokenizer
+    whose decoding of the prompt is not the prompt (a Metaspace one, Mistral's and Llama 2's,
+    writes ``<s>[INST]`` back as ``<s> [INST]``) would cut the reply elsewhere.
+
+    Example:
+        >>> from flax import nnx
+        >>> from mmnnx.models import GPTConfig
+        >>> from mmnnx.train.tokenizers import ByteTokenizer
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(dim=32, depth=1, max_seq_len=16), rngs=nnx.Rngs(0))
+        >>> len(reply_text(model, ByteTokenizer(), "<user>hi<bot>", 3)) <= 3  # 3 bytes
+        True
+    """
+    ids = np.asarray(tokenizer.encode(prompt))
+    new = np.asarray(
+        model.generate(
+            ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=jax.random.key(seed)
+        )
+    )[0]
+    token_id = getattr(tokenizer, "token_id", None)
+    eos_id = token_id(eos) if eos and callable(token_id) else None
+    if eos_id is not None and eos_id in new:
+        new = new[: new.tolist().index(eos_id)]
+    text = tokenizer.decode(new)
+    return text[: text.index(eos)] if eos and eos in text else text
