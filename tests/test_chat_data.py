@@ -112,6 +112,23 @@ def test_bad_records_name_file_line_and_field(tmp_path):
         list(read_records(tmp_path / "empty"))
 
 
+@pytest.mark.parametrize(
+    "content, reason",
+    [(3, r"content is not text"), ([{"type": "text", "text": "q"}], r"content is not text")],
+)
+def test_a_field_of_another_type_than_earlier_lines_names_its_line(tmp_path, content, reason):
+    """Arrow gives each field one type: a content of 3 or of parts after text ones failed the
+    whole file ("not a readable json file: Expected object or value"), naming no line."""
+    template, tokenizer = checkpoint("chatml")
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    bad = {"messages": [{"role": "user", "content": content}, good["messages"][1]]}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps(bad) + "\n")
+    records = read_records(path, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=rf"d.jsonl:line 3: messages\[0\].{reason}"):
+        encode_records(records, "chat", tokenizer, template)
+
+
 def test_template_missing_or_rewriting_history(tmp_path):
     with pytest.raises(ChatTemplateError, match="has no chat template"):
         ChatTemplate.from_checkpoint(tmp_path)

@@ -84,6 +84,9 @@ def read_records(path: str | pathlib.Path, cache_dir: str | None = None) -> Iter
             bad = _bad_json_line(file) if unit == "line" else None
             if bad is not None:
                 raise DataError(bad) from None
+            if unit == "line":  # JSON objects whose fields differ in type from line to line
+                yield from _json_lines(file)  # (a content of 3, or of parts): checked per line
+                continue
             raise DataError(f"{file}: not a readable {READERS[file.suffix]} file: {e}") from None
         numbers = _record_lines(file) if unit == "line" else None
         for i, record in enumerate(rows):  # the reader skips blank lines: count the file's
@@ -94,6 +97,16 @@ def _record_lines(file: pathlib.Path) -> Iterator[int]:
     """The line numbers of a JSON Lines file's records, its blank lines passed over."""
     with open(file, encoding="utf-8", errors="replace") as lines:
         yield from (n for n, line in enumerate(lines, 1) if line.strip())
+
+
+def _json_lines(file: pathlib.Path) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` of each line of a JSON Lines file of JSON objects, read one by one:
+    for a file whose fields Arrow cannot give one type (``datasets`` then fails on the whole
+    file, naming no line), so that each record's own check names its line."""
+    with open(file, encoding="utf-8", errors="replace") as lines:
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                yield f"{file}:line {n}", json.loads(line)
 
 
 def _bad_json_line(file: pathlib.Path) -> str | None:
