@@ -129,6 +129,15 @@ def test_a_field_of_another_type_than_earlier_lines_names_its_line(tmp_path, con
         encode_records(records, "chat", tokenizer, template)
 
 
+def test_a_message_that_is_not_an_object_is_named_as_such():
+    """A message that is a string was named by its text as a role: "messages[0] has role
+    'hello'"."""
+    template, tokenizer = checkpoint("chatml")
+    record = {"messages": ["hello", {"role": "assistant", "content": "a"}]}
+    with pytest.raises(DataError, match=r"f:line 1: messages\[0\] is str, not a message"):
+        encode_records([("f:line 1", record)], "chat", tokenizer, template)
+
+
 def test_template_missing_or_rewriting_history(tmp_path):
     with pytest.raises(ChatTemplateError, match="has no chat template"):
         ChatTemplate.from_checkpoint(tmp_path)

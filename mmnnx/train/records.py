@@ -225,10 +225,15 @@ def _field(where: str, record: dict, field: str, kind: type = str):
 def _messages(where: str, record: dict, field: str, assistant: bool = True) -> list[dict]:
     messages = _field(where, record, field, list)
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            role = m.get("role") if isinstance(m, dict) else m
+        if not isinstance(m, dict):
             raise DataError(
-                f"{where}: {field}[{i}] has role {role!r}; expected one of {', '.join(ROLES)}"
+                f"{where}: {field}[{i}] is {type(m).__name__}, not a message (an object with "
+                '"role" and "content")'
+            )
+        if m.get("role") not in ROLES:
+            raise DataError(
+                f"{where}: {field}[{i}] has role {m.get('role')!r}; expected one of "
+                f"{', '.join(ROLES)}"
             )
         if not isinstance(m.get("content"), str):
             raise DataError(f"{where}: {field}[{i}].content is not text")
