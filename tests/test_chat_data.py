@@ -12,7 +12,7 @@ from mmnnx.cli import main
 from mmnnx.train.chat_template import ChatTemplate, ChatTemplateError
 from mmnnx.train.examples import Rows
 from mmnnx.train.records import DataError, Example, Fields, encode_records, read_records
-from mmnnx.train.tokenizers import ByteTokenizer, HFTokenizer
+from mmnnx.train.tokenizers import BPETokenizer, ByteTokenizer, HFTokenizer
 
 CHAT = pathlib.Path(__file__).parent / "transformers_fixtures" / "chat"
 EXPECTED = json.loads((CHAT / "expected.json").read_text())
@@ -64,6 +64,20 @@ def test_completion_records_as_trl_tokenizes_them():
     (ex,) = encode_records(records, "completion", tokenizer, fields=fields, eos="!")
     assert bytes(ex.ids.tolist()).decode() == "2+2=4!"
     assert ex.targets.tolist() == [False] * 4 + [True, True]
+
+
+def test_a_completion_whose_first_token_takes_the_prompts_last_space_is_trained_on_whole():
+    """TRL starts the completion where the prompt's tokens stop being a prefix of the whole:
+    'In the ' + 'beginning' is '... the', ' beginning' whole, but '... the', ' ' alone. The
+    targets started at the prompt's token count, so ' beginning' had no loss."""
+    bpe = BPETokenizer.train(["In the beginning God created the heaven. "] * 8, vocab_size=300)
+    tokenizer = HFTokenizer.from_str(bpe.to_str())
+    records = [("f:line 1", {"prompt": "In the ", "completion": "beginning"})]
+    (ex,) = encode_records(records, "completion", tokenizer)
+    prompt = tokenizer.encode("In the ").tolist()
+    assert ex.ids.tolist()[: len(prompt) - 1] == prompt[:-1] != ex.ids.tolist()[: len(prompt)]
+    first = len(prompt) - 1  # the token holding ' b...' where the prompt alone has ' '
+    assert ex.targets.tolist() == [False] * first + [True] * (len(ex.ids) - first)
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import re
 from collections.abc import Iterator
@@ -195,7 +196,11 @@ def encode_record(
         if eos and not completion.endswith(eos):
             completion += eos
         ids = tokenizer.encode(prompt + completion)
-        targets = np.arange(len(ids)) >= len(tokenizer.encode(prompt))
+        # the completion starts where the prompt's own tokens stop being a prefix (TRL's
+        # common_prefix_length): a prompt ending in a space shares it with the next token
+        prompt_ids = [int(t) for t in tokenizer.encode(prompt)]
+        start = len(os.path.commonprefix([prompt_ids, [int(t) for t in ids]]))
+        targets = np.arange(len(ids)) >= start
     elif data_format == "chat":
         if template is None:
             raise DataError(f"{where}: chat data needs the tokenizer's chat template; none given")

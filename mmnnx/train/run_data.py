@@ -26,8 +26,9 @@ from mmnnx.train.records import (
 )
 from mmnnx.train.tokenizers import fingerprint
 
-STORE_VERSION = 1
-"""Bumped when the examples' files change form, so older caches are made again."""
+STORE_VERSION = 2
+"""Bumped when the examples' files change form or content, so older caches are made again
+(2: a completion's targets start where the prompt's tokens stop being a prefix)."""
 
 
 def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
