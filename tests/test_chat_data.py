@@ -143,6 +143,17 @@ def test_a_field_of_another_type_than_earlier_lines_names_its_line(tmp_path, con
         encode_records(records, "chat", tokenizer, template)
 
 
+def test_a_field_other_records_have_and_one_lacks_is_named_missing(tmp_path):
+    """datasets fills a field an earlier record has with None: the error said "field
+    'completion' is NoneType, not text" for a record without it."""
+    path = tmp_path / "d.jsonl"
+    records = [{"prompt": "a", "completion": "b"}, {"prompt": "c"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    records = read_records(path, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"d.jsonl:line 2: no field 'completion' \(or it is null\)"):
+        encode_records(records, "completion", ByteTokenizer())
+
+
 def test_a_message_that_is_not_an_object_is_named_as_such():
     """A message that is a string was named by its text as a role: "messages[0] has role
     'hello'"."""

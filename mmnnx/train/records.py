@@ -221,6 +221,8 @@ def _field(where: str, record: dict, field: str, kind: type = str):
     if field not in record:
         raise DataError(f"{where}: no field {field!r} (fields: {', '.join(record) or 'none'})")
     value = record[field]
+    if value is None:  # datasets gives a field that other records have and this one lacks
+        raise DataError(f"{where}: no field {field!r} (or it is null)")
     if not isinstance(value, kind) or not (value or kind is str):
         what = "text" if kind is str else "a non-empty list of messages"
         raise DataError(f"{where}: field {field!r} is {type(value).__name__}, not {what}")
