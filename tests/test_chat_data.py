@@ -154,6 +154,16 @@ def test_a_field_other_records_have_and_one_lacks_is_named_missing(tmp_path):
         encode_records(records, "completion", ByteTokenizer())
 
 
+def test_a_line_that_is_no_object_is_one_line_of_error_and_nothing_logged(tmp_path, capfd):
+    """datasets' JSON reader logged "ERROR:datasets.packaged_modules.json.json:Failed to load
+    JSON from file ..." on stderr before mmnnx's one line."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "a"}) + "\n[1, 2]\n")
+    with pytest.raises(DataError, match=r"d.jsonl:line 2: not a JSON object \(a list\)"):
+        list(read_records(path, cache_dir=str(tmp_path / "cache")))
+    assert capfd.readouterr().err == ""
+
+
 def test_a_message_that_is_not_an_object_is_named_as_such():
     """A message that is a string was named by its text as a role: "messages[0] has role
     'hello'"."""

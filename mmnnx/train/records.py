@@ -3,8 +3,10 @@ read with Hugging Face ``datasets``), turned into token ids and the tokens the l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import re
@@ -78,9 +80,10 @@ def read_records(path: str | pathlib.Path, cache_dir: str | None = None) -> Iter
     for file in files:
         unit = "line" if file.suffix == ".jsonl" else "row"
         try:
-            rows = datasets.load_dataset(
-                READERS[file.suffix], data_files=str(file), split="train", cache_dir=cache_dir
-            )
+            with _datasets_quiet():  # its reader logs each failure on stderr; ours is one line
+                rows = datasets.load_dataset(
+                    READERS[file.suffix], data_files=str(file), split="train", cache_dir=cache_dir
+                )
         except Exception as e:  # the readers raise their own types (pyarrow, json, pandas)
             bad = _bad_json_line(file) if unit == "line" else None
             if bad is not None:
@@ -92,6 +95,18 @@ def read_records(path: str | pathlib.Path, cache_dir: str | None = None) -> Iter
         numbers = _record_lines(file) if unit == "line" else None
         for i, record in enumerate(rows):  # the reader skips blank lines: count the file's
             yield f"{file}:{unit} {next(numbers) if numbers else i + 1}", record
+
+
+@contextlib.contextmanager
+def _datasets_quiet() -> Iterator[None]:
+    """``datasets``' loggers silenced for the block (its level restored after)."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _record_lines(file: pathlib.Path) -> Iterator[int]:
