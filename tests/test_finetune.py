@@ -350,6 +350,21 @@ def test_bad_fine_tuning_flags_exit_2_in_one_line(root, capsys, argv, reason):
     assert reason.format(root=root) in err, err
 
 
+def test_a_tied_head_counts_as_a_stage_for_the_schedule_before_anything_is_written(
+    tmp_path, capsys
+):
+    # the head tied to the embedding brings the forward pass back to stage 0 (3 stages on 2
+    # tasks): 2 microbatches were accepted, then the step raised MPMDError (exit 1) after the
+    # run directory was made
+    source = write_checkpoint(tmp_path / "qwen3", architecture="Qwen3ForCausalLM", tied=True)
+    out = tmp_path / "run"
+    argv = ["--stages", "2", "--microbatches", "2", "--data-axis", "1", "--model-axis", "1"]
+    assert main(["train", "--init-from", str(source), "--output-dir", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs at least as many microbatches as stages (3)" in err
+    assert "3 stages on 2 tasks" in err and not out.exists()
+
+
 def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
     falcon = _edit_config(root, "falcon", architectures=["FalconForCausalLM"])
     no_tokenizer = _edit_config(root, "no-tokenizer")

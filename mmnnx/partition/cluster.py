@@ -213,7 +213,7 @@ def evaluate(
     """
     if why := _misfit(config, layout.devices, dataclasses.asdict(layout)):
         raise ValueError(f"layout {layout.text()}: {why}")
-    _schedule_runs(layout.schedule, layout.stages, layout.virtual_stages, layout.microbatches,
+    schedule_runs(layout.schedule, layout.stages, layout.virtual_stages, layout.microbatches,
                    config.tie_embeddings)  # fmt: skip
     memory = predict_memory(
         config, layout.memory_layout(config), batch=batch, seq_len=seq, schedule=layout.schedule,
@@ -403,13 +403,21 @@ def _memory_estimate(config, layout: ClusterLayout, batch: int, seq: int, refere
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule_runs(
+def schedule_runs(
     name: str, stages: int, virtual_stages: int, microbatches: int, tied: bool = False
 ) -> None:
     """Raises the schedule's ValueError when ``name`` cannot run ``stages`` tasks of
     ``virtual_stages`` model stages each on ``microbatches`` microbatches. A head ``tied`` to
     the embedding brings the forward pass back to the first task, one stage more where
-    each task runs one (1F1B on 4 tasks: 5 stages), which no looped placement folds in."""
+    each task runs one (1F1B on 4 tasks: 5 stages), which no looped placement folds in.
+
+    Example:
+        >>> schedule_runs("1f1b", 2, 1, 2)
+        >>> schedule_runs("1f1b", 2, 1, 2, tied=True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: 1f1b needs at least as many microbatches as stages (3), got 2... (the head ...
+    """
     model_stages = stages * virtual_stages
     order = registered(name).placement.order(virtual_stages)
     if tied and stages > 1 and order == "loop":
@@ -462,7 +470,7 @@ def plan_cluster(
     cannot_run = []  # why each layout skipped below cannot run, in the order met
     for lay in lays:
         try:
-            _schedule_runs(lay.schedule, lay.stages, lay.virtual_stages, lay.microbatches,
+            schedule_runs(lay.schedule, lay.stages, lay.virtual_stages, lay.microbatches,
                            config.tie_embeddings)  # fmt: skip
             estimate = _memory_estimate(config, lay, batch, seq, reference, trainable)
         except ValueError as e:  # a schedule this layout cannot run

@@ -8,9 +8,9 @@ import pathlib
 from collections.abc import Set
 from typing import Any, NamedTuple
 
-from mmnnx.mpmd.schedules import get
 from mmnnx.mpmd.schedules import names as schedule_names
 from mmnnx.mpmd.schedules.registry import Placement, registered
+from mmnnx.partition.cluster import schedule_runs
 from mmnnx.train.config import MOE, RunConfig, flag, gpt_config
 from mmnnx.train.run_outputs import output_problem, run_outputs
 from mmnnx.tuning import parse_bytes
@@ -43,7 +43,7 @@ def check(run: RunConfig, given: Set[str] = frozenset()) -> Checked:
         or _batch_problem(run)
         or _outputs_problem(run)
         or _other_problem(run)
-        or _steps_problem(run)
+        or _steps_problem(run, pretrained is not None and pretrained.tie_embeddings)
     )
     return Checked(found, None if found else pretrained)
 
@@ -315,14 +315,15 @@ def _other_problem(run: RunConfig) -> str | None:
     return None
 
 
-def _steps_problem(run: RunConfig) -> str | None:
-    """A schedule that cannot run the stages and microbatches (``mm.schedules.get``)."""
+def _steps_problem(run: RunConfig, tied: bool) -> str | None:
+    """A schedule that cannot run the stages and microbatches; a head ``tied`` to the
+    embedding makes the forward pass come back to the first stage."""
     name, stages, v = run.training.schedule, run.layout.stages, run.layout.virtual_stages
     micro = run.training.microbatches
     if name == "auto":
         return None
     try:
-        get(name, stages * v, micro, v)
+        schedule_runs(name, stages, v, micro, tied)
     except ValueError as e:
         with_v = f", {flag('virtual_stages', v)}" if v > 1 else ""
         return (
