@@ -226,7 +226,7 @@ def test_chunks_kept_for_a_joined_array_go_with_it(tasks):
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     step = mm.jit(mlp_step(None))
     step(model, opt, jnp.ones((8, 16)))
-    (expansion,) = [built.expansion for _, (built, _) in step._cache.values()]
+    (expansion,) = [built.expansion for _, (built, *_) in step._cache.values()]
     assert len(expansion._joined) == sum(home is not None for home in expansion.outputs) == 2
     nnx.update(model, jax.tree.map(jnp.copy, nnx.state(model)))  # the joined arrays are dropped
     assert expansion._joined == {}
