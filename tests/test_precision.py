@@ -120,3 +120,19 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_state_and_trains_over_two_t
 def test_train_config_refuses_bad_new_fields(fields, reason):
     with pytest.raises(ValueError, match=reason):
         TrainConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    "fields, reason",
+    [  # what the flags refuse (--lr nan, --weight-decay -1, ...), refused by the API too
+        ({"learning_rate": float("nan")}, "learning_rate must be a finite number > 0, got nan"),
+        ({"learning_rate": float("inf")}, "learning_rate must be a finite number > 0, got inf"),
+        ({"weight_decay": -0.1}, "weight_decay must be a finite number >= 0, got -0.1"),
+        ({"weight_decay": float("nan")}, "weight_decay must be a finite number >= 0, got nan"),
+        ({"warmup_steps": -3}, "warmup_steps must be >= 0, got -3"),
+        ({"checkpoint_every": 0}, "checkpoint_every must be >= 1, got 0"),  # step % 0 in fit
+    ],
+)
+def test_train_config_refuses_what_its_flags_refuse(fields, reason):
+    with pytest.raises(ValueError, match=reason):
+        TrainConfig(**fields)

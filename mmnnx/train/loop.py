@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import time
@@ -110,15 +111,23 @@ class TrainConfig:
 
     def __post_init__(self):
         counts = ("steps", "microbatches", "eval_every", "eval_batches", "log_every")
-        for name in (*counts, "virtual_stages"):
+        for name in (*counts, "checkpoint_every", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.schedule_steps is not None and self.schedule_steps < 1:
             raise ValueError(
                 f"TrainConfig.schedule_steps must be >= 1 or None, got {self.schedule_steps}"
             )
-        if self.learning_rate <= 0:
-            raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(
+                f"TrainConfig.learning_rate must be a finite number > 0, got {self.learning_rate}"
+            )
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(
+                f"TrainConfig.weight_decay must be a finite number >= 0, got {self.weight_decay}"
+            )
         residual_bound(self.pack_residuals)  # a TypeError naming it before any step is built
         weight_bound(self.pack_weights)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
