@@ -13,7 +13,7 @@ from mmnnx.cli import main, parse_args
 from mmnnx.cli.flags import GIVEN
 from mmnnx.train import TrainConfig
 from mmnnx.train.config import RunConfig
-from mmnnx.train.loop import _resumed_horizon
+from mmnnx.train.loop import _resumed_horizon, learning_rates
 from mmnnx.train.options import spec, tables
 from mmnnx.train.run_config import read_config, resolved_config, write_config
 
@@ -86,6 +86,16 @@ def test_every_train_config_field_has_an_option():
     options = {spec(f).api or f.name for fields in tables(RunConfig).values() for f in fields}
     for field in dataclasses.fields(TrainConfig):
         assert field.name in options, field.name
+
+
+def test_help_says_where_the_schedule_ends_and_how_a_long_warm_up_is_cut(capsys):
+    rate = learning_rates(TrainConfig(steps=4, warmup_steps=20, learning_rate=1.0))
+    assert [round(float(rate(n)), 6) for n in range(5)] == [0.0, 0.333333, 0.666667, 1.0, 0.1]
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the cosine decay ends at a tenth of it" in out  # --lr
+    assert "at most the schedule's horizon - 1 (--schedule-steps)" in out  # --warmup-steps
 
 
 def test_resume_extends_a_shorter_saved_schedule_in_one_line():

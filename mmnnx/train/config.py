@@ -257,17 +257,24 @@ class Training:
     steps: int = count(T.steps, "optimizer steps", may_change=True)
     schedule_steps: int | None = option(
         T.schedule_steps,
-        "horizon of the learning-rate schedule, warm-up + cosine decay (default: --steps; "
-        "with --resume, the horizon saved with the checkpoint)",
+        "horizon of the learning-rate schedule, warm-up + cosine decay to a tenth of --lr "
+        "(default: --steps; with --resume, the horizon saved with the checkpoint)",
         positive,
         may_change=True,
         from_run=False,  # the checkpoint holds it: a run's config.toml would fix it on resume
     )
     lr: float = option(
-        T.learning_rate, "peak learning rate (3e-3)", finite(positive=True), api="learning_rate"
+        T.learning_rate,
+        "peak learning rate, reached after the warm-up; the cosine decay ends at a tenth of it "
+        "(3e-3)",
+        finite(positive=True),
+        api="learning_rate",
     )
     warmup_steps: int = option(
-        T.warmup_steps, "steps of linear learning-rate warm-up from 0 (%(default)s)", integer(0)
+        T.warmup_steps,
+        "steps of linear learning-rate warm-up from 0 (%(default)s); at most the schedule's "
+        "horizon - 1 (--schedule-steps): a shorter run warms up over all but its last step",
+        integer(0),
     )
     weight_decay: float = option(
         T.weight_decay, "AdamW's decoupled weight decay (%(default)s)", finite(positive=False)

@@ -184,8 +184,11 @@ class FitResult:
 
 
 def learning_rates(config: TrainConfig) -> optax.Schedule:
-    """The learning rate of each update (0-based): linear warm-up and cosine decay over
-    ``config.schedule_steps`` (the schedule's horizon; ``config.steps`` when it is ``None``).
+    """The learning rate of each update (0-based): linear warm-up from 0 to
+    ``config.learning_rate`` over ``config.warmup_steps`` (at most the horizon - 1, so that a
+    shorter run still reaches the peak, at its last update), then cosine decay to a tenth of it
+    at the end of ``config.schedule_steps`` (the schedule's horizon; ``config.steps`` when it
+    is ``None``).
 
     Example:
         >>> rate = learning_rates(TrainConfig(steps=100, learning_rate=1e-3, warmup_steps=10))
