@@ -98,6 +98,12 @@ def test_help_says_where_the_schedule_ends_and_how_a_long_warm_up_is_cut(capsys)
     assert "at most the schedule's horizon - 1 (--schedule-steps)" in out  # --warmup-steps
 
 
+def test_a_one_step_run_trains_at_the_peak_rate():  # it ran at 0: its one update did nothing
+    for steps in (1, 2, 3):
+        rate = learning_rates(TrainConfig(steps=steps, learning_rate=1.0))
+        assert float(rate(steps - 1)) == 1.0
+
+
 def test_resume_extends_a_shorter_saved_schedule_in_one_line():
     def horizon(saved, **config):
         console = Console(record=True, width=200)

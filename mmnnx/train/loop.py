@@ -199,7 +199,7 @@ def learning_rates(config: TrainConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         0.0,
         config.learning_rate,
-        min(config.warmup_steps, max(horizon - 1, 1)),
+        min(config.warmup_steps, horizon - 1),  # a one-step run trains at the peak
         max(horizon, 2),
         end_value=config.learning_rate * 0.1,
     )
