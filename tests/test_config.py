@@ -96,6 +96,7 @@ def test_help_says_where_the_schedule_ends_and_how_a_long_warm_up_is_cut(capsys)
     out = " ".join(capsys.readouterr().out.split())
     assert "the cosine decay ends at a tenth of it" in out  # --lr
     assert "at most the schedule's horizon - 1 (--schedule-steps)" in out  # --warmup-steps
+    assert "weight decay, of every trained parameter: norm scales, biases and embeddings" in out
 
 
 def test_a_one_step_run_trains_at_the_peak_rate():  # it ran at 0: its one update did nothing

@@ -277,7 +277,10 @@ class Training:
         integer(0),
     )
     weight_decay: float = option(
-        T.weight_decay, "AdamW's decoupled weight decay (%(default)s)", finite(positive=False)
+        T.weight_decay,
+        "AdamW's decoupled weight decay, of every trained parameter: norm scales, biases and "
+        "embeddings too (%(default)s)",
+        finite(positive=False),
     )
     router_bias_rate: float = option(
         0.0,
