@@ -311,3 +311,17 @@ def test_a_batch_with_no_trained_token_is_skipped_and_counted():
     batches = [next(data) for _ in range(3)]
     assert all(b["weights"].sum() > 0 for b in batches)  # never a NaN of 0 / 0
     assert data.skipped > 0  # 15 batches an epoch, at most 2 with a trained token
+
+
+def test_held_out_examples_with_no_trained_token_are_refused():
+    """Held-out rows whose trained tokens are all cut off would evaluate to a loss of 0 (and
+    the final report divided by it): refused, as training data with none is."""
+    from mmnnx.train.examples import ExampleDataset
+
+    some = [Example(np.arange(1, 6, dtype=np.int32), np.ones(5, bool)) for _ in range(20)]
+    late = np.zeros(12, bool)
+    late[10:] = True  # the trained tokens lie beyond --seq-len + 1 = 8
+    cut = [Example(np.arange(1, 13, dtype=np.int32), late) for _ in range(2)]
+    with pytest.raises(DataError, match="no held-out example keeps a token to evaluate on"):
+        ExampleDataset(some, seq_len=7, batch_size=4, eval_examples=cut)
+    ExampleDataset(some, seq_len=11, batch_size=4, eval_examples=cut)

@@ -220,6 +220,12 @@ class ExampleDataset(GrainBatches):
                 "(--seq-len + 1): the completions or assistant turns are cut off; use a larger "
                 "--seq-len or --train-on all"
             )
+        if not self.eval_rows.has_targets():
+            raise DataError(
+                f"no held-out example keeps a token to evaluate on within {seq_len + 1} tokens "
+                "(--seq-len + 1): the completions or assistant turns are cut off; use a larger "
+                "--seq-len, other --eval-data or --train-on all"
+            )
         if batch_size % shard_count:
             raise ValueError(f"batch_size {batch_size} is not divisible by {shard_count} shards")
         self.batch_size, self.seq_len, self.skipped = batch_size, seq_len, 0
