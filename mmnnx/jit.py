@@ -289,49 +289,27 @@ def jit(
     state placed on task T runs on T; other ops go where the fewest bytes move. Called inside
     another ``mm.jit`` step, ``fun`` is inlined into it.
 
-    ``pack_residuals``: in a pipelined step, each forward on a one-device task (or on a task
-    whose values are all replicated) returns the residuals its backward reads of at most this
-    many bytes (default ``mm.PACK_RESIDUAL_BYTES``, 64 KiB) as one flat buffer per dtype instead
-    of one array each; ``True`` packs every residual, ``False`` none. The host pays for each
-    array a program returns, more than the copy into the buffer costs, so host-bound steps
-    launch faster (``benchmarks/dispatch.py``); large residuals travel alone (packing would hold
-    each twice). A stage's whole gradient sums travel as one buffer either way (a sum
-    laid out split as its parameter travels alone).
+    The options (docs/jit.md says what each costs and saves, with measurements):
 
-    ``pack_weights``: in a pipelined step, each block's weights of at most this many bytes
-    (default 64 KiB) on a one-device stage, or replicated over a stage's devices (the Variables
-    under one list index, ``blocks/3/...``), travel to its forwards and backwards as one flat
-    buffer per dtype packed once per step, instead of one argument each per launch; laid out
-    alike in every block, the blocks' programs slice them at the same offsets, so XLA still
-    compiles each kernel once. ``True`` packs every block's, ``False`` none. The buffers are a
-    copy: they hold the packed weights twice while the step runs.
-
-    ``recompute_residuals``: in a pipelined step, each stage's backward recomputes the cheap
-    residuals of its forward (arithmetic and layout ops: ``2 * x``, a norm's scaled output, the
-    pieces of a GELU) from those it keeps, instead of the forward returning them: half the
-    arrays a GPT stage's forward returns, and fewer bytes held between the passes. Exp, tanh,
-    rsqrt, reductions and contractions are never recomputed. ``False`` keeps every residual.
-
-    ``share_cores``: in a pipelined step, a stage's forward or backward that runs a middle
-    stage's computation and more (the first stage's blocks after the embedding, the last's
-    before the head and the loss) runs it as that stage's program, alike on other devices, with
-    the rest as programs of their own before and after it: XLA compiles the blocks' kernels
-    once for all the stages instead of once more for each edge stage, at the cost of a launch
-    or two more per microbatch on those stages. ``False`` runs each as one program.
-
-    ``gather_weights``: a mesh axis (FSDP's, ``mm.fsdp_rules``), or ``None``. In a pipelined
-    step, each stage's weights sharded over that axis are gathered over it once per step, before
-    the first program on their task reads them, and every microbatch's forward and backward
-    reads that gathered copy, released after the last: no gather inside each program (``None``,
-    the default, gathers in every program that reads a weight, about ``2M`` times a step). The
-    gathered copies are held through the stage's busy span, so the parameters' FSDP saving is
-    spent during the step; the optimizer state and the gradient sums stay sharded. One process
-    only (docs/pipelining.md, "FSDP inside a stage").
-
-    ``static_argnums`` / ``donate_argnums`` count positional arguments, negative ones from the
-    end of ``fun``'s signature. As with ``jax.jit``, a position ``fun`` does not have, a
-    ``static_argnames`` entry it does not take, or an argument both static and donated raises
-    a ``ValueError`` when ``mm.jit`` is applied (a ``fun`` taking ``*args`` is not checked).
+    - ``static_argnums`` / ``static_argnames`` / ``donate_argnums``: as ``jax.jit``'s. Positions
+      count positional arguments, negative ones from the end of ``fun``'s signature, and either
+      static kind is inferred from the other; a position or name ``fun`` lacks, or an argument
+      both static and donated, is a ``ValueError`` here (unchecked for a ``fun`` taking ``*args``).
+    - ``pack_residuals``: in a pipelined step, a forward's residuals of at most this many bytes
+      (``mm.PACK_RESIDUAL_BYTES``, 64 KiB) travel to its backward as one flat buffer per dtype
+      (fewer arrays for the host to handle); ``True`` packs every one, ``False`` none.
+    - ``pack_weights``: a block's weights of at most this many bytes (64 KiB) on a one-device or
+      replicated stage travel to its programs as one buffer per dtype packed once a step (a
+      second copy while the step runs); ``True`` / ``False`` as above.
+    - ``recompute_residuals``: a stage's backward recomputes its forward's cheap residuals
+      (arithmetic and layout ops, never exp, tanh, rsqrt, reductions or contractions) instead of
+      keeping them; ``False`` keeps every one.
+    - ``share_cores``: an edge stage's forward or backward runs a middle stage's computation as
+      that stage's program, so XLA compiles the blocks' kernels once; ``False`` runs each pass
+      as one program.
+    - ``gather_weights``: a mesh axis (FSDP's, ``mm.fsdp_rules``) over which each stage's
+      weights are gathered once a step and held through its busy span, instead of in every
+      program that reads them (``None``, the default); one process only.
 
     Example:
         >>> import jax.numpy as jnp
@@ -348,16 +326,7 @@ def jit(
         >>> [d.id for d in grads["layers"][1]["kernel"].get_value().devices()]
         [1]
     """
-    options = {
-        "static_argnums": static_argnums,
-        "static_argnames": static_argnames,
-        "donate_argnums": donate_argnums,
-        "pack_residuals": pack_residuals,
-        "recompute_residuals": recompute_residuals,
-        "pack_weights": pack_weights,
-        "share_cores": share_cores,
-        "gather_weights": gather_weights,
-    }
+    options = {name: value for name, value in locals().items() if name != "fun"}  # the options
     if fun is None:
         JitOptions(**options)  # a bad option raises here, before a function is given
         return functools.partial(jit, **options)
