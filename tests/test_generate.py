@@ -210,6 +210,15 @@ def test_a_prompt_byte_that_is_not_utf8_is_that_byte_on_a_bytes_run(trained_run,
     assert out.startswith("the \ufffd"), out  # the byte, printed as UTF-8 shows one
 
 
+def test_under_mmnnx_launch_it_says_it_runs_in_one_process(trained_run, capsys, monkeypatch):
+    # each process of `mmnnx launch -n 2 --devices-per-process 4 -- mmnnx generate` said the run
+    # needs 8 devices of its 4, not that generate does not join the processes
+    monkeypatch.setenv("MMNNX_NUM_PROCESSES", "2")
+    assert main(["generate", "--run", str(trained_run[0]), "--prompt", "In"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs in one process, not as one of the 2 of mmnnx" in err
+
+
 @pytest.mark.parametrize(
     "argv, reason",
     [

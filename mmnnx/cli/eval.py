@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         spec = read_run(options.run)
     except RunError as e:
         return error(f"--run: {e}")
-    prologue.start(spec.run.layout.devices, distributed=False)
+    if alone := prologue.start(spec.run.layout.devices, distributed=False):
+        return error(alone)
     from mmnnx.train.evaluation import MmnnxLM, UnscorableTaskError  # noqa: PLC0415
 
     if options.include_path and (problem := task_file_problem(options.include_path)):

@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         spec = read_run(options.run)
     except RunError as e:
         return error(f"--run: {e}")
-    prologue.start(spec.run.layout.devices, distributed=False)
+    if alone := prologue.start(spec.run.layout.devices, distributed=False):
+        return error(alone)
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.generation import (  # noqa: PLC0415
         continue_text,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
+from mmnnx._env import ENV_NUM_PROCESSES
+
 
 def error(command: str, message: str) -> int:
     """``message`` as ``mmnnx COMMAND``'s one line on stderr; exit status 2.
@@ -23,8 +25,16 @@ def error(command: str, message: str) -> int:
     return 2
 
 
-def start(devices: int, *, distributed: bool = True) -> None:
-    """Simulates ``devices`` CPU devices unless ``XLA_FLAGS`` gives a count; joins the job."""
+def start(devices: int, *, distributed: bool = True) -> str | None:
+    """Simulates ``devices`` CPU devices unless ``XLA_FLAGS`` gives a count; joins the job. A
+    command of one process (``distributed=False``) started as one of several by ``mmnnx launch``
+    gets the line to exit with instead (each process would need the run's devices alone)."""
+    processes = int(os.environ.get(ENV_NUM_PROCESSES, "1"))
+    if not distributed and processes > 1:
+        return (
+            f"runs in one process, not as one of the {processes} of mmnnx launch; run it alone "
+            "(it simulates the run's devices itself)"
+        )
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
@@ -32,3 +42,4 @@ def start(devices: int, *, distributed: bool = True) -> None:
         import mmnnx as mm  # noqa: PLC0415  (after XLA_FLAGS)
 
         mm.distributed.initialize()
+    return None
