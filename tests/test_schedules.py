@@ -122,9 +122,9 @@ def test_zero_bubble_defers_w_by_rank_index():
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: one_f_one_b(4, 3), r"1f1b needs at least .* num_microbatches >= 4.*'gpipe'"),
-        (lambda: zero_bubble_h1(3, 2), r"zero-bubble-h1 .*num_microbatches >= 3.*'gpipe'"),
-        (lambda: interleaved_1f1b(4, 2, 2), r"num_microbatches >= 4.*'gpipe'"),
+        (lambda: one_f_one_b(4, 3), r"1f1b needs at least .* use 4 microbatches or more.*'gpipe'"),
+        (lambda: zero_bubble_h1(3, 2), r"zero-bubble-h1 .*use 3 microbatches or more.*'gpipe'"),
+        (lambda: interleaved_1f1b(4, 2, 2), r"use 4 microbatches or more.*'gpipe'"),
         (lambda: interleaved_1f1b(4, 6, 2), r"multiple of 4, got 6"),
         (
             lambda: interleaved_zero_bubble(2, 5, 2),

@@ -22,7 +22,7 @@ def need_enough_microbatches(name: str, num_microbatches: int, depth: int, what:
     if num_microbatches < depth:
         raise ValueError(
             f"{name} needs at least as many microbatches as {what} ({depth}), got "
-            f"{num_microbatches}: use num_microbatches >= {depth}, or the 'gpipe' schedule"
+            f"{num_microbatches}: use {depth} microbatches or more, or the 'gpipe' schedule"
         )
 
 

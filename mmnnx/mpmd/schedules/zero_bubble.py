@@ -324,7 +324,7 @@ def dualpipe_v(num_ranks: int, num_microbatches: int, fuse_pairs: bool = False) 
     if num_microbatches < 2 * num_ranks:
         raise ValueError(
             f"dualpipev needs at least twice as many microbatches as ranks ({2 * num_ranks}), "
-            f"got {num_microbatches}: use num_microbatches >= {2 * num_ranks}"
+            f"got {num_microbatches}: use {2 * num_ranks} microbatches or more"
         )
     rows, pairs = zip(
         *(_dualpipe_v_row(rank, num_ranks, num_microbatches) for rank in range(num_ranks)),
