@@ -246,11 +246,25 @@ def continue_text(
         >>> text.startswith("abc")
         True
     """
+    ids, new = _new_tokens(model, tokenizer, prompt, max_new_tokens, (temperature, top_k, seed))
+    return tokenizer.decode(np.concatenate([ids, new]))
+
+
+def _new_tokens(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    sampling: tuple[float, int | None, int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """``prompt``'s token ids and the ``max_new_tokens`` ones ``model`` continues them with;
+    ``sampling``: temperature, top-k and seed."""
+    temperature, top_k, seed = sampling
     ids = np.asarray(tokenizer.encode(prompt))
     new = model.generate(
         ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=jax.random.key(seed)
     )
-    return tokenizer.decode(np.concatenate([ids, np.asarray(new)[0]]))
+    return ids, np.asarray(new)[0]
 
 
 def reply_text(
@@ -279,12 +293,7 @@ def reply_text(
         >>> len(reply_text(model, ByteTokenizer(), "<user>hi<bot>", 3)) <= 3  # 3 bytes
         True
     """
-    ids = np.asarray(tokenizer.encode(prompt))
-    new = np.asarray(
-        model.generate(
-            ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=jax.random.key(seed)
-        )
-    )[0]
+    _, new = _new_tokens(model, tokenizer, prompt, max_new_tokens, (temperature, top_k, seed))
     token_id = getattr(tokenizer, "token_id", None)
     eos_id = token_id(eos) if eos and callable(token_id) else None
     if eos_id is not None and eos_id in new:
