@@ -92,8 +92,9 @@ def two_task(steps: int = 3, pipelined: str | None = None):
     }
 
 
-def _mse_step(schedule: str):
-    """The README's pipelined train step (4 microbatches, mean squared error) under ``schedule``."""
+def _mse_step(schedule, virtual_stages: int = 1):
+    """The README's pipelined train step (4 microbatches, mean squared error) under ``schedule``
+    (a name or a table), over ``virtual_stages`` stages a task."""
 
     @mm.jit
     def train_step(model, opt, x, y):
@@ -103,6 +104,7 @@ def _mse_step(schedule: str):
             argnums=(1, 2),
             reduce="mean",
             schedule=schedule,
+            virtual_stages=virtual_stages,
         )
         loss, grads = grad_fn(model, x, y)
         opt.update(model, grads)
@@ -352,21 +354,7 @@ def schedules() -> dict:
         virtual = 2 if name.startswith("interleaved") or in_v else 1
         model = mm.init(make_model, v if in_v else interleaved if virtual == 2 else contiguous)
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-        @mm.jit
-        def train_step(model, opt, x, y, table=table, virtual=virtual):
-            grad_fn = mm.microbatch(
-                nnx.value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2)),
-                num=4,
-                argnums=(1, 2),
-                reduce="mean",
-                schedule=table,
-                virtual_stages=virtual,
-            )
-            loss, grads = grad_fn(model, x, y)
-            opt.update(model, grads)
-            return loss
-
+        train_step = _mse_step(table, virtual)
         losses[name] = [float(mm.distributed.fetch(train_step(model, opt, x, y))) for _ in "12"]
     return {"losses": losses}
 
