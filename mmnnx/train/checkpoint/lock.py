@@ -10,6 +10,7 @@ import os
 import socket
 import time
 import warnings
+from typing import Any
 
 from etils import epath
 
@@ -88,18 +89,24 @@ def _flock(fd: int) -> bool:
     return True
 
 
-def _holder_pid(fd: int) -> int | None:
-    """The process id the lock file names, if it names one on this host."""
+def _said(fd: int) -> dict[str, Any]:
+    """What the lock file says of its holder (``host``, ``pid``, ``since``); ``{}`` if nothing
+    readable."""
     try:
         said = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return said["pid"] if said.get("host") == socket.gethostname() else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+    except (OSError, ValueError):
+        return {}
+    return said if isinstance(said, dict) else {}
+
+
+def _holder_pid(fd: int) -> int | None:
+    """The process id the lock file names, if it names one on this host."""
+    said = _said(fd)
+    return said.get("pid") if said.get("host") == socket.gethostname() else None
 
 
 def _holder(fd: int) -> str:
-    try:
-        said = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"process {said['pid']} on host {said['host']}, since {said['since']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    said = _said(fd)
+    if not {"pid", "host", "since"} <= said.keys():
         return ""
+    return f"process {said['pid']} on host {said['host']}, since {said['since']}"
