@@ -92,7 +92,7 @@ def read_records(path: str | pathlib.Path, cache_dir: str | None = None) -> Iter
                 yield from _json_lines(file)  # (a content of 3, or of parts): checked per line
                 continue
             raise DataError(f"{file}: not a readable {READERS[file.suffix]} file: {e}") from None
-        numbers = _record_lines(file) if unit == "line" else None
+        numbers = (n for n, _ in _record_lines(file)) if unit == "line" else None
         for i, record in enumerate(rows):  # the reader skips blank lines: count the file's
             yield f"{file}:{unit} {next(numbers) if numbers else i + 1}", record
 
@@ -109,35 +109,31 @@ def _datasets_quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _record_lines(file: pathlib.Path) -> Iterator[int]:
-    """The line numbers of a JSON Lines file's records, its blank lines passed over."""
+def _record_lines(file: pathlib.Path) -> Iterator[tuple[int, str]]:
+    """The line number and text of each of a JSON Lines file's records, its blank lines passed
+    over."""
     with open(file, encoding="utf-8", errors="replace") as lines:
-        yield from (n for n, line in enumerate(lines, 1) if line.strip())
+        yield from ((n, line) for n, line in enumerate(lines, 1) if line.strip())
 
 
 def _json_lines(file: pathlib.Path) -> Iterator[tuple[str, dict]]:
     """``(where, record)`` of each line of a JSON Lines file of JSON objects, read one by one:
     for a file whose fields Arrow cannot give one type (``datasets`` then fails on the whole
     file, naming no line), so that each record's own check names its line."""
-    with open(file, encoding="utf-8", errors="replace") as lines:
-        for n, line in enumerate(lines, 1):
-            if line.strip():
-                yield f"{file}:line {n}", json.loads(line)
+    for n, line in _record_lines(file):
+        yield f"{file}:line {n}", json.loads(line)
 
 
 def _bad_json_line(file: pathlib.Path) -> str | None:
     """``FILE:line N: not a JSON object (...)`` for the first line of a JSON Lines file that is
     not one, or ``None`` (the reader's own message then says what is wrong)."""
-    with open(file, encoding="utf-8", errors="replace") as lines:
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                return f"{file}:line {n}: not a JSON object ({e})"
-            if not isinstance(record, dict):
-                return f"{file}:line {n}: not a JSON object (a {type(record).__name__})"
+    for n, line in _record_lines(file):
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            return f"{file}:line {n}: not a JSON object ({e})"
+        if not isinstance(record, dict):
+            return f"{file}:line {n}: not a JSON object (a {type(record).__name__})"
     return None
 
 
