@@ -214,18 +214,19 @@ class ExampleDataset(GrainBatches):
                 f"the data gives {len(self.rows)} training rows, fewer than one batch of "
                 f"{batch_size}; use more data or a smaller --batch-size"
             )
-        if not self.rows.has_targets():
-            raise DataError(
-                f"no training example keeps a token to train on within {seq_len + 1} tokens "
-                "(--seq-len + 1): the completions or assistant turns are cut off; use a larger "
-                "--seq-len or --train-on all"
-            )
-        if not self.eval_rows.has_targets():
-            raise DataError(
-                f"no held-out example keeps a token to evaluate on within {seq_len + 1} tokens "
-                "(--seq-len + 1): the completions or assistant turns are cut off; use a larger "
-                "--seq-len, other --eval-data or --train-on all"
-            )
+        for rows, which, other in (
+            (self.rows, "training example keeps a token to train on", ""),
+            (
+                self.eval_rows,
+                "held-out example keeps a token to evaluate on",
+                ", other --eval-data",
+            ),
+        ):
+            if not rows.has_targets():
+                raise DataError(
+                    f"no {which} within {seq_len + 1} tokens (--seq-len + 1): the completions or "
+                    f"assistant turns are cut off; use a larger --seq-len{other} or --train-on all"
+                )
         if batch_size % shard_count:
             raise ValueError(f"batch_size {batch_size} is not divisible by {shard_count} shards")
         self.batch_size, self.seq_len, self.skipped = batch_size, seq_len, 0
