@@ -18,7 +18,7 @@ from tests.models import (
     reference_step,
     small_gpt,
 )
-from tests.oracle import close, params_close
+from tests.oracle import close, close_to_max, params_close
 
 
 def trained(schedule, recompute, tokens, steps=3):
@@ -158,3 +158,47 @@ def test_a_block_under_remat_steps_with_residuals_kept_too():
     opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
     loss = mm.jit(gpt_step("1f1b"), recompute_residuals=False)(model, opt, tokens)
     close(loss, reference_loss_and_grads(small_gpt(), tokens)[0])
+
+
+def whole_model_remat_step(schedule, remat):
+    """A train step whose loss runs the whole model under one ``nnx.remat`` (``remat``) or
+    without it, over 4 microbatches; it returns the loss and the gradients."""
+
+    def loss(model, tokens):
+        return nnx.remat(lambda m, t: m.loss(t))(model, tokens) if remat else model.loss(tokens)
+
+    def step(model, opt, tokens):
+        grad_fn = mm.microbatch(nnx.value_and_grad(loss), num=4, reduce="mean", schedule=schedule)
+        out = grad_fn(model, tokens)
+        opt.update(model, out[1])
+        return out
+
+    return step
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+def test_a_remat_over_blocks_on_two_tasks_is_split_per_task(schedule):
+    # one nnx.remat around the whole forward, its blocks on two tasks: one checkpoint per task,
+    # each stage's backward recomputing its own forward (it raised PlacementConflictError)
+    from tests.models import tiny_gpt
+
+    tokens = jax.random.randint(jax.random.key(5), (8, 9), 0, 32)
+    d0, d1 = one_device_tasks(2)
+    rules = [("embed|blocks/[0-1]/", d0), ("blocks/[2-3]/|norm|head", d1)]
+    kept, pipelines = {}, {}
+    for remat in (True, False):
+        model = mm.place(tiny_gpt(), rules)
+        opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+        step = mm.jit(whole_model_remat_step(schedule, remat))
+        loss, grads = step(model, opt, tokens)
+        ref_loss, ref_grads = reference_loss_and_grads(tiny_gpt(), tokens)
+        close(loss, ref_loss, rtol=1e-6)
+        close_to_max(grads, ref_grads)
+        (executable, _), *_ = step._cache.values()
+        pipelines[remat] = executable.plan.pipeline
+        kept[remat] = residuals(pipelines[remat])
+    for (kind, stage), frag in pipelines[True].stages.items():  # recomputed in the backward
+        assert any(op.name == "remat2" for op in frag.ops) == (kind != "F"), (kind, stage)
+    assert kept[True].keys() == kept[False].keys() == {0, 1}
+    for stage in (0, 1):  # stage 0 keeps nothing, stage 1 the activation it received
+        assert len(kept[True][stage]) <= stage < 3 < len(kept[False][stage]), kept

@@ -24,6 +24,7 @@ from mmnnx.mpmd.lower.passes import Passes
 from mmnnx.mpmd.lower.plan import Plan
 from mmnnx.mpmd.lower.program import StepProgram
 from mmnnx.mpmd.plan.carry import resolve_rng_counts
+from mmnnx.mpmd.plan.checkpoint_split import split_checkpoints
 from mmnnx.mpmd.plan.colour import colour
 from mmnnx.mpmd.plan.cut import cut
 from mmnnx.mpmd.plan.pipeline import plan_pipeline
@@ -166,6 +167,7 @@ def plan_step(
         inputs = expansion.expand_inputs(inputs, _input_chunk)
         outputs = expansion.expand_outputs(outputs, _output_chunk)
     resolve_rng_counts(graph, {g: m.num_microbatches for g, m in trace.microbatches.items()})
+    split_checkpoints(graph, inputs)
     tasks = _tasks([i.task for i in inputs], trace.regions.values())
     colouring = colour(graph, inputs, outputs, tasks, trace.regions)
     free = {v for v, i in zip(graph.inputs, inputs, strict=True) if i.task is None}

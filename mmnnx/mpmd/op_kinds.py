@@ -24,7 +24,12 @@ _SLICING = frozenset(
 
 def is_view(op: Op) -> bool:
     """Whether ``op`` only re-presents its operand (reshape, broadcast, transpose, cast)."""
-    return op.name in _VIEWS
+    return is_view_name(op.name)
+
+
+def is_view_name(name: str) -> bool:
+    """Whether the primitive named ``name`` only re-presents its operand (:func:`is_view`)."""
+    return name in _VIEWS
 
 
 def is_slicing(op: Op) -> bool:

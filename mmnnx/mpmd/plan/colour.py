@@ -41,19 +41,10 @@ def colour(
         if isinstance(atom, int) and output.task is not None:
             sinks.setdefault(atom, []).append(output.task)
 
-    # A view of placed state (reshaped, broadcast, transposed, cast) still is that state
-    state = dict(placed)
-    origin = {v: v for v in placed}
+    origin = state_origins(graph, placed)
     fixed: dict[int, Task] = {}
     for op in graph.ops:
-        reads = {}
-        for a in op.ins:
-            if isinstance(a, int) and a in state:
-                reads.setdefault(state[a], origin[a])
-        if is_view(op) and len(reads) == 1 and len(op.outs) == 1:
-            ((task, source),) = reads.items()
-            state[op.outs[0]] = task
-            origin[op.outs[0]] = source
+        reads = placed_reads(op, origin, placed)
         if len(reads) > 1:
             (t1, v1), (t2, v2) = list(reads.items())[:2]
             raise PlacementConflictError(
@@ -101,6 +92,27 @@ def colour(
         if not improved:
             break
     return Colouring(cut.tasks_of_ops(), frozenset(fixed))
+
+
+def state_origins(graph: Graph, placed: dict[int, Task]) -> dict[int, int]:
+    """Each value that is placed state, or a view of it (reshaped, broadcast, transposed, cast:
+    still that state), -> the placed input it shows."""
+    origin = {v: v for v in placed}
+    for op in graph.ops:
+        reads = placed_reads(op, origin, placed)
+        if is_view(op) and len(reads) == 1 and len(op.outs) == 1:
+            origin[op.outs[0]] = next(iter(reads.values()))
+    return origin
+
+
+def placed_reads(op: Op, origin: dict[int, int], placed: dict[int, Task]) -> dict[Task, int]:
+    """The tasks whose placed state ``op`` reads (by :func:`state_origins`), each -> the first
+    placed input it reads there."""
+    reads: dict[Task, int] = {}
+    for a in op.ins:
+        if isinstance(a, int) and a in origin:
+            reads.setdefault(placed[origin[a]], origin[a])
+    return reads
 
 
 def _nets(
