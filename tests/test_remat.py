@@ -202,3 +202,29 @@ def test_a_remat_over_blocks_on_two_tasks_is_split_per_task(schedule):
     assert kept[True].keys() == kept[False].keys() == {0, 1}
     for stage in (0, 1):  # stage 0 keeps nothing, stage 1 the activation it received
         assert len(kept[True][stage]) <= stage < 3 < len(kept[False][stage]), kept
+
+
+@pytest.mark.parametrize(
+    "remat",
+    [
+        dict(policy=jax.checkpoint_policies.dots_saveable),  # the saved matmuls read across
+        dict(prevent_cse=False),
+    ],
+)
+def test_a_remat_over_two_tasks_with_a_policy_steps_like_one_device(remat):
+    # the step without mm.microbatch: one program per task, the checkpoint still split
+    from tests.models import tiny_gpt
+
+    def step(model, opt, tokens):
+        loss_fn = lambda m, t: nnx.remat(lambda m, t: m.loss(t), **remat)(m, t)  # noqa: E731
+        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+        opt.update(model, grads)
+        return loss, grads
+
+    tokens = jax.random.randint(jax.random.key(6), (4, 9), 0, 32)
+    d0, d1 = one_device_tasks(2)
+    model = mm.place(tiny_gpt(), [("embed|blocks/[0-1]/", d0), ("blocks/[2-3]/|norm|head", d1)])
+    loss, grads = mm.jit(step)(model, nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param), tokens)
+    ref_loss, ref_grads = reference_loss_and_grads(tiny_gpt(), tokens)
+    close(loss, ref_loss, rtol=1e-6)
+    close_to_max(grads, ref_grads)
