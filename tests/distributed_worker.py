@@ -393,29 +393,33 @@ def scanned_gpt(save: bool = True) -> dict:
 
 
 def damaged_newest(directory) -> dict:
-    """Saves steps 1 to 4 (3 kept), truncates the chunks of step 4's array that process 1
-    alone reads, then restores the newest readable step on every process: the steps kept, the
-    step each restored and the steps it passed over."""
+    """Saves steps 1, 2, 3, 5 (3 kept), truncates the chunks of step 5's array that process 1
+    alone reads, then restores the newest readable step on every process and saves step 4 (which
+    deletes step 5): the steps kept, the step each restored, the steps it passed over, and the
+    steps kept after step 4."""
     from mmnnx.distributed.gather import together
     from mmnnx.train import Checkpointer
 
     model = gpt_model(gpt_tasks(2))
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     with Checkpointer(directory) as ckpt:
-        for step in range(1, 5):
+        for step in (1, 2, 3, 5):
             ckpt.save(step, model=model, opt=opt, extra={"step": step})
         kept = ckpt.all_steps()
 
     def damage() -> None:
-        array = pathlib.Path(directory, "4", "arrays", "model", "blocks", "3", "attn", "q")
+        array = pathlib.Path(directory, "5", "arrays", "model", "blocks", "3", "attn", "q")
         for chunk in (array / "kernel").iterdir():
             if not chunk.name.startswith("."):
                 chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
 
-    together("damaging step 4", lambda: damage() if jax.process_index() == 0 else None)
+    together("damaging step 5", lambda: damage() if jax.process_index() == 0 else None)
     with Checkpointer(directory) as ckpt:
         resumed = ckpt.restore_newest_readable(model=model, opt=opt)
-    return {"kept": kept, "step": resumed.step, "skipped": [str(s) for s in resumed.skipped]}
+        ckpt.save(4, model=model, opt=opt, extra={"step": 4})
+        after = ckpt.all_steps()
+    skipped = [str(s) for s in resumed.skipped]
+    return {"kept": kept, "step": resumed.step, "skipped": skipped, "after": after}
 
 
 @scenario

@@ -638,23 +638,27 @@ def test_a_format_that_deletes_old_steps_itself_keeps_the_newest_max_to_keep(tmp
     assert sorted(os.listdir(tmp_path)) == ["3", "4", "5"]
 
 
-@pytest.mark.parametrize(
-    "keep, before, saved", [(2, (25, 30), 5), (3, (20, 25, 30), 5), (3, (20, 25, 30), 22)]
-)
-def test_both_formats_keep_a_step_saved_below_the_newest(tmp_path, keep, before, saved):
-    # the several-process format deleted such a step as the oldest once it was committed (a
-    # save that returned, and no step); Orbax's manager, for one process, keeps it
+def test_a_save_after_a_rollback_deletes_the_abandoned_newer_steps(tmp_path, monkeypatch):
+    # a run restored step 20 while 30 was on disk, then saved 21, 22: 30 was kept (as one of the
+    # newest) and a later restore of the latest step silently continued the abandoned run
+    # (tests/test_distributed.py checks the several-process format)
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-    with Checkpointer(tmp_path / "orbax", max_to_keep=keep) as ckpt:
-        for step in (*before, saved):
-            ckpt.save(step, model=model)
-        kept = ckpt.all_steps()
-    assert saved in kept and len(kept) == keep
-    parts = tmp_path / "parts"
-    for step in (*before, saved):
-        (parts / str(step)).mkdir(parents=True)
-    layout.remove_oldest(parts, sorted((*before, saved)), keep, saved=saved)
-    assert sorted(int(name) for name in os.listdir(parts)) == kept
+    with Checkpointer(tmp_path, max_to_keep=3) as ckpt:
+        for step in (10, 20, 30):
+            ckpt.save(step, model=model, extra={"step": step})
+        ckpt.restore(20, model=model)
+        with monkeypatch.context() as patch:  # a save that fails deletes nothing
+            patch.setattr(layout, "fsync_tree", lambda *_, **__: 1 / 0)
+            with pytest.raises(ZeroDivisionError):
+                ckpt.save(21, model=model, extra={"step": 21})
+        assert ckpt.all_steps() == [10, 20, 30]
+        with pytest.warns(UserWarning, match=r"step 21 .* deleted the newer steps \[30\]"):
+            ckpt.save(21, model=model, extra={"step": 21})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ckpt.save(22, model=model, extra={"step": 22})
+        assert ckpt.all_steps() == [20, 21, 22]
+        assert ckpt.restore(model=model) == {"step": 22}
 
 
 def test_reads_in_flight_when_one_fails_end_before_orbax_closes_their_loop(tmp_path, stray_errors):

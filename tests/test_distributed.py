@@ -441,15 +441,17 @@ def test_pipelined_gpt_and_checkpoints_across_process_counts(two_processes):
     both = {n for n, _ in results[0]["reads"]} & {n for n, _ in results[1]["reads"]}
     manifest4 = json.loads((root / "four" / "1" / "mmnnx" / "metadata").read_text())
     assert all(manifest4["arrays"][n]["shape"] == [] for n in both)
-    # steps 1-4 saved by both, the newest 3 kept; step 4 damaged where process 1 alone reads:
-    # both pass over it and restore step 3
+    # steps 1, 2, 3, 5 saved by both, the newest 3 kept; step 5 damaged where process 1 alone
+    # reads: both pass over it and restore step 3; saving step 4 then deletes step 5 (before,
+    # it was kept, and a restore of the latest step went back to it)
     for r in results:
         assert r["damaged"] == {
-            "kept": [2, 3, 4],
+            "kept": [2, 3, 5],
             "step": 3,
             "skipped": [
-                "skipped step 4: damaged (array 'model/blocks/3/attn/q/kernel' fails its checksum)"
+                "skipped step 5: damaged (array 'model/blocks/3/attn/q/kernel' fails its checksum)"
             ],
+            "after": [2, 3, 4],
         }
 
 

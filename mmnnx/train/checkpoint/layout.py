@@ -120,24 +120,29 @@ def remove_abandoned_saves(directory: epath.Path) -> None:
     """Removes the temporary directories of saves that never committed (call under the lock)."""
     for path in directory.iterdir():
         if TMP_SUFFIX in path.name:
-            if is_local(directory):
-                shutil.rmtree(os.fspath(path), ignore_errors=True)
-            else:
-                path.rmtree()
+            _remove(path)
 
 
 def remove_oldest(
     directory: epath.Path, steps: Sequence[int], keep: int | None, *, saved: int | None = None
-) -> None:
-    """Deletes the directories of all but ``keep`` of ``steps`` (oldest first): the step just
-    ``saved`` and the newest others, as Orbax's manager keeps them for one process, so that a
-    step saved below the newest ones is kept (it was deleted as the oldest once saved)."""
-    if keep is None:
-        return
-    others = [s for s in steps if s != saved]
-    room = keep - (saved in steps)
-    for old in others[: max(0, len(others) - room)]:
-        shutil.rmtree(os.fspath(directory / str(old)), ignore_errors=True)
+) -> list[int]:
+    """Deletes the directories of the ``steps`` newer than the one just ``saved`` (those of a
+    run that went further before this one restored an older step), then of all but ``keep`` of
+    the others (oldest first): the step just saved and the newest others. Returns the newer
+    steps deleted."""
+    newer = [s for s in steps if saved is not None and s > saved]
+    others = [s for s in steps if s != saved and s not in newer]
+    room = len(others) if keep is None else max(0, keep - (saved in steps))
+    for old in (*newer, *others[: max(0, len(others) - room)]):
+        _remove(directory / str(old))
+    return newer
+
+
+def _remove(path: epath.Path) -> None:
+    if is_local(path.parent):
+        shutil.rmtree(os.fspath(path), ignore_errors=True)
+    else:
+        path.rmtree()
 
 
 def set_aside(directory: epath.Path, steps: Sequence[int]) -> list[str]:

@@ -65,7 +65,10 @@ class Checkpointer:
     the directory's writer lock (``lock.py``), removes what it left. Opening a ``Checkpointer``
     and reading from it never removes anything, so any number of readers may watch a directory
     while one process saves into it. Only ``max_to_keep`` steps are kept: the one just saved
-    and the newest others.
+    and the newest others. Saving step ``s`` continues the directory's run from ``s``: once
+    ``s`` is committed, the steps newer than ``s`` (saved by a run that went further before
+    this one restored an older step) are deleted, with a warning naming them, so that a later
+    ``restore()`` of the latest step (or ``mmnnx train --resume``) continues from ``s``.
 
     A step is stored in one of the formats of ``formats/``: Orbax's tree with one process, the
     arrays every process writes with several; a step of either restores with any process count.
@@ -113,12 +116,9 @@ class Checkpointer:
         if self._me is not None:
             self._directory.mkdir(parents=True, exist_ok=True)
         self._lock = lock.WriterLock(self._directory)
-        self._orbax = orbax_tree.OrbaxTree(
-            self._directory, self._me, max_to_keep=max_to_keep, use_ocdbt=use_ocdbt
-        )
-        parts = process_arrays.ProcessArrays(
-            self._directory, self._me, max_to_keep=max_to_keep, steps=self.all_steps
-        )
+        self._max_to_keep = max_to_keep
+        self._orbax = orbax_tree.OrbaxTree(self._directory, self._me, use_ocdbt=use_ocdbt)
+        parts = process_arrays.ProcessArrays(self._directory, self._me)
         self._format: base.Format = self._orbax if self._me is None else parts
         self._readers: tuple[base.Format, ...] = (parts, self._orbax)
 
@@ -183,7 +183,9 @@ class Checkpointer:
         ``opt`` adds the optimizer state, including its step. ``extra`` is a JSON-able dict (data
         position, seeds, ...), returned by ``restore`` as JSON gives it back (tuples become
         lists, keys strings). Returns once the step is durable and committed; an exception on
-        the way leaves no trace of the step but a temporary directory.
+        the way leaves no trace of the step but a temporary directory, and every step as it
+        was. Once committed, the steps newer than ``step`` are deleted (with a warning) and
+        the oldest beyond ``max_to_keep``.
 
         Raises:
             ValueError: ``step`` is negative or already saved.
@@ -220,6 +222,30 @@ class Checkpointer:
         if self._me in (None, 0):  # under the writer lock: no other save is in progress
             layout.remove_abandoned_saves(self._directory)
         self._format.save(step, trees, extra, variables)
+        self._remove_unkept(step)
+
+    def _remove_unkept(self, step: int) -> None:
+        """Once ``step`` is committed: deletes the steps newer than it and the oldest beyond
+        ``max_to_keep`` (process 0 does, every process waits), warning of the newer ones."""
+
+        def remove() -> list[int]:
+            steps = self.all_steps()
+            return layout.remove_oldest(self._directory, steps, self._max_to_keep, saved=step)
+
+        if self._me is None:
+            newer = remove()
+        else:
+            what = f"deleting the checkpoints not kept after saving step {step}"
+            newer = together(what, lambda: remove() if self._me == 0 else None)
+            newer = gather(newer, what=what)[0]
+            self._orbax.reload()
+        if newer:
+            warnings.warn(
+                f"saved checkpoint step {step} in {self._directory} and deleted the newer steps "
+                f"{newer}: they were saved by a run that went further before this one restored "
+                "an older step",
+                stacklevel=3,
+            )
 
     def wait(self) -> None:
         """Waits for a save in flight; saves are synchronous, so this returns at once."""

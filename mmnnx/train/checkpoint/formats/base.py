@@ -4,9 +4,9 @@ reads one back.
 The ``Checkpointer`` owns the directory, its writer lock, step numbers, which Variables are
 saved (:mod:`..tree`) and the check against the model; a format only stores and loads arrays,
 ``extra`` and mmnnx's description of each Variable, proves what it read (:mod:`..integrity`),
-commits a step by one atomic rename of its temporary directory and then deletes the steps
-older than ``max_to_keep``. A step is read with the format whose :attr:`Format.marker` its
-directory holds (else Orbax's tree, which has none).
+commits a step by one atomic rename of its temporary directory (the ``Checkpointer`` then
+deletes the steps it does not keep). A step is read with the format whose :attr:`Format.marker`
+its directory holds (else Orbax's tree, which has none).
 """
 
 from __future__ import annotations

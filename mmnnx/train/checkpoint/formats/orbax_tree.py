@@ -33,17 +33,10 @@ class OrbaxTree:
     marker: ClassVar[str | None] = None
     required: ClassVar[tuple[str, ...]] = (layout.STEP_METADATA, MODEL, META)
 
-    def __init__(
-        self,
-        directory: epath.Path,
-        process: int | None,
-        *,
-        max_to_keep: int | None,
-        use_ocdbt: bool = True,
-    ) -> None:
+    def __init__(self, directory: epath.Path, process: int | None, *, use_ocdbt: bool) -> None:
         self._directory, self._process = directory, process
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            max_to_keep=None,  # the Checkpointer deletes steps, as for every format
             enable_async_checkpointing=False,
             cleanup_tmp_directories=False,  # readers must not touch a save in progress
             temporary_path_class=layout.SyncedAtomicRename,

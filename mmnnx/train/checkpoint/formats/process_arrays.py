@@ -15,7 +15,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -179,16 +179,8 @@ class ProcessArrays:
     marker: ClassVar[str | None] = _ARRAYS
     required: ClassVar[tuple[str, ...]] = (STEP_METADATA, f"{META}/metadata", _ARRAYS)
 
-    def __init__(
-        self,
-        directory: epath.Path,
-        process: int | None,
-        *,
-        max_to_keep: int | None,
-        steps: Callable[[], list[int]],
-    ) -> None:
+    def __init__(self, directory: epath.Path, process: int | None) -> None:
         self._directory, self._process = directory, process
-        self._max_to_keep, self._steps = max_to_keep, steps
 
     def save(self, step: int, trees: Trees, extra: dict[str, Any], variables: Variables) -> None:
         """See :meth:`Format.save`: each process writes its slices; then process 0 commits."""
@@ -229,7 +221,6 @@ class ProcessArrays:
             }
             (tmp / STEP_METADATA).write_text(json.dumps(step_metadata))
             layout.commit(tmp, self._directory / str(step))
-            layout.remove_oldest(self._directory, self._steps(), self._max_to_keep, saved=step)
 
         together(what, lambda: commit() if me == 0 else None)
 
