@@ -336,3 +336,33 @@ def test_a_chat_reply_is_its_new_tokens_up_to_eos_whatever_the_prompt_decodes_to
     eos = tokenizer._model.id_to_token(new[3])
     cut = new[: new.index(new[3])]  # up to the first time that token comes
     assert reply_text(model, tokenizer, prompt, 8, eos=eos) == tokenizer.decode(cut)
+
+
+def test_a_continuation_stops_at_the_eos_token_of_the_runs_base(tmp_path):
+    """`mmnnx generate` without --chat printed all its tokens, past the eos token of the run's
+    --init-from checkpoint (transformers' generate stops there, and so did --chat)."""
+    from mmnnx.train.generation import continue_text, read_run  # noqa: PLC0415
+    from mmnnx.train.tokenizers import HFTokenizer  # noqa: PLC0415
+    from tests.hf_checkpoints import write_checkpoint  # noqa: PLC0415
+
+    tokenizer = metaspace_tokenizer()
+    prompt = "what is the time"
+    config = {**SMALL, "vocab_size": tokenizer.vocab_size, "max_seq_len": 32}
+    model = one_device(GPTConfig(**config))
+    ids = tokenizer.encode(prompt).tolist()
+    new = np.asarray(model.generate(np.asarray(ids), 8))[0].tolist()
+    eos = tokenizer._model.id_to_token(new[3])
+    cut = new[: new.index(new[3])]  # up to the first time that token comes
+    assert continue_text(model, tokenizer, prompt, 8, eos=eos) == tokenizer.decode(ids + cut)
+    assert continue_text(model, tokenizer, prompt, 8) == tokenizer.decode(ids + new)
+    # the eos a run generates up to: its base's, as --chat reads it
+    base = write_checkpoint(tmp_path / "base", num_hidden_layers=1)
+    (base / "tokenizer_config.json").write_text('{"eos_token": {"content": "</s>"}}')
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text(f'[model]\ninit_from = "{base}"\n')
+    HFTokenizer.from_file(base / "tokenizer.json").save(run / "tokenizer")
+    assert read_run(run).eos == "</s>"
+    (base / "tokenizer_config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"base/tokenizer_config.json: not valid JSON"):
+        read_run(run)

@@ -53,9 +53,9 @@ def add_parser(commands: Any) -> None:
         help="continue a prompt with the model of a run `mmnnx train` wrote",
         description="Rebuild the model of run directory DIR from DIR/config.toml, restore its "
         "newest checkpoint, and print PROMPT followed by its continuation (decoded with "
-        "DIR/tokenizer). Each token is one step of a compiled decoder with a key/value cache; "
-        "greedy unless --temperature is given. Example: mmnnx generate --run runs/demo "
-        '--prompt "In the beginning"',
+        "DIR/tokenizer), up to the eos token of its --init-from checkpoint. Each token is one "
+        "step of a compiled decoder with a key/value cache; greedy unless --temperature is "
+        'given. Example: mmnnx generate --run runs/demo --prompt "In the beginning"',
     )
     add_fields(generate, dataclasses.fields(Options))
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         reply_text,
     )
 
-    prompt, eos = options.prompt, None
+    prompt = options.prompt
     if options.chat:
         from mmnnx.train.chat_template import ChatTemplate  # noqa: PLC0415
 
@@ -95,7 +95,6 @@ def run(args: argparse.Namespace) -> int:
             prompt = template.render(message, add_generation_prompt=True)[0]
         except (OSError, ValueError) as e:
             return error(f"--chat: {e}")
-        eos = template.tokens.get("eos_token")
     try:  # a byte of argv that is not UTF-8 is a lone surrogate here
         prompt_tokens = len(spec.tokenizer.encode(prompt))
     except ValueError as e:
@@ -126,12 +125,13 @@ def run(args: argparse.Namespace) -> int:
         f"mmnnx generate: {options.run}, step {run.step}, layout {options.layout}{skipped}",
         file=sys.stderr,
     )
-    write = functools.partial(reply_text, eos=eos) if options.chat else continue_text
+    write = reply_text if options.chat else continue_text
     text = write(
         run.model,
         run.tokenizer,
         prompt,
         new or room,
+        eos=run.eos,
         temperature=options.temperature,
         top_k=options.top_k,
         seed=options.seed,

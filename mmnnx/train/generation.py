@@ -13,6 +13,7 @@ import numpy as np
 from mmnnx.models import GPT, GPTConfig
 from mmnnx.models.pretrained import CheckpointError
 from mmnnx.sharding import MultiMesh, Task, logical_rules
+from mmnnx.train.chat_template import special_tokens
 from mmnnx.train.checkpoint import Checkpointer, Skipped
 from mmnnx.train.config import RunConfig
 from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config
@@ -33,13 +34,15 @@ class RunError(ValueError):
 @dataclasses.dataclass
 class LoadedRun:
     """A trained run ready to generate: its model (restored), tokenizer, checkpoint step and
-    options (its ``config.toml``), and the newer steps passed over as unreadable."""
+    options (its ``config.toml``), the newer steps passed over as unreadable, and the eos token
+    generation stops at (:attr:`RunSpec.eos`)."""
 
     model: GPT
     tokenizer: Tokenizer
     step: int
     run: RunConfig
     skipped: list[Skipped] = dataclasses.field(default_factory=list)
+    eos: str | None = None
 
 
 def read_run_config(run_dir: str | pathlib.Path) -> RunConfig:
@@ -109,13 +112,16 @@ def run_tasks(
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """What a run directory says of its model, before anything is built."""
+    """What a run directory says of its model, before anything is built; ``eos``: the
+    ``eos_token`` of its ``--init-from`` checkpoint's ``tokenizer_config.json`` (``None``
+    without one, as for a run trained from scratch)."""
 
     directory: pathlib.Path
     run: RunConfig
     tokenizer: Tokenizer
     config: GPTConfig
     checkpoints: pathlib.Path
+    eos: str | None = None
 
 
 def read_run(run_dir: str | pathlib.Path) -> RunSpec:
@@ -132,12 +138,18 @@ def read_run(run_dir: str | pathlib.Path) -> RunSpec:
         config = model_config(run, tokenizer.vocab_size)
     except CheckpointError as e:
         raise RunError(f"the run's --init-from: {e}") from None
+    base = run.model.init_from
+    try:  # the eos token generation stops at
+        eos = special_tokens(base).get("eos_token") if base else None
+    except ValueError as e:
+        raise RunError(f"{base}/tokenizer_config.json: not valid JSON ({e})") from None
     return RunSpec(
         directory=pathlib.Path(run_dir),
         run=run,
         tokenizer=tokenizer,
         config=config,
         checkpoints=checkpoints,
+        eos=eos,
     )
 
 
@@ -160,7 +172,7 @@ def load_run(
     Example (after ``mmnnx train --output-dir runs/demo``)::
 
         run = load_run("runs/demo")
-        print(continue_text(run.model, run.tokenizer, "In the beginning", 40))
+        print(continue_text(run.model, run.tokenizer, "In the beginning", 40, eos=run.eos))
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
@@ -197,9 +209,7 @@ def load_run(
             except FileNotFoundError:
                 raise RunError(f"no checkpoint in {spec.checkpoints}") from None
             step, skipped = resumed.step, resumed.skipped
-    return LoadedRun(
-        model=model, tokenizer=spec.tokenizer, step=step, run=spec.run, skipped=skipped
-    )
+    return LoadedRun(model, spec.tokenizer, step, spec.run, skipped, spec.eos)
 
 
 def _check_record(spec: RunSpec, saved: Saved | None) -> None:
@@ -229,12 +239,14 @@ def continue_text(
     prompt: str,
     max_new_tokens: int,
     *,
+    eos: str | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
 ) -> str:
     """``prompt`` followed by the ``max_new_tokens`` tokens ``model`` continues it with
-    (``GPT.generate``), decoded with ``tokenizer``.
+    (``GPT.generate``), up to the first ``eos`` token (an id of ``tokenizer``'s, as
+    transformers' ``generate`` stops), decoded with ``tokenizer``.
 
     Example:
         >>> from flax import nnx
@@ -246,7 +258,8 @@ def continue_text(
         >>> text.startswith("abc")
         True
     """
-    ids, new = _new_tokens(model, tokenizer, prompt, max_new_tokens, (temperature, top_k, seed))
+    sampling = (temperature, top_k, seed)
+    ids, new = _new_tokens(model, tokenizer, prompt, max_new_tokens, sampling, eos)
     return tokenizer.decode(np.concatenate([ids, new]))
 
 
@@ -256,15 +269,22 @@ def _new_tokens(
     prompt: str,
     max_new_tokens: int,
     sampling: tuple[float, int | None, int],
+    eos: str | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``prompt``'s token ids and the ``max_new_tokens`` ones ``model`` continues them with;
-    ``sampling``: temperature, top-k and seed."""
+    """``prompt``'s token ids and the ``max_new_tokens`` ones ``model`` continues them with,
+    up to the first ``eos`` token (an id of ``tokenizer``'s); ``sampling``: temperature, top-k
+    and seed."""
     temperature, top_k, seed = sampling
     ids = np.asarray(tokenizer.encode(prompt))
     new = model.generate(
         ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=jax.random.key(seed)
     )
-    return ids, np.asarray(new)[0]
+    new = np.asarray(new)[0]
+    token_id = getattr(tokenizer, "token_id", None)
+    eos_id = token_id(eos) if eos and callable(token_id) else None
+    if eos_id is not None and eos_id in new:
+        new = new[: new.tolist().index(eos_id)]
+    return ids, new
 
 
 def reply_text(
@@ -293,10 +313,6 @@ def reply_text(
         >>> len(reply_text(model, ByteTokenizer(), "<user>hi<bot>", 3)) <= 3  # 3 bytes
         True
     """
-    _, new = _new_tokens(model, tokenizer, prompt, max_new_tokens, (temperature, top_k, seed))
-    token_id = getattr(tokenizer, "token_id", None)
-    eos_id = token_id(eos) if eos and callable(token_id) else None
-    if eos_id is not None and eos_id in new:
-        new = new[: new.tolist().index(eos_id)]
-    text = tokenizer.decode(new)
+    sampling = (temperature, top_k, seed)
+    text = tokenizer.decode(_new_tokens(model, tokenizer, prompt, max_new_tokens, sampling, eos)[1])
     return text[: text.index(eos)] if eos and eos in text else text
