@@ -88,6 +88,16 @@ def test_eval_batches_are_fixed_and_held_out():
     assert any(np.array_equal(held_out[i : i + 33], row) for i in range(len(held_out) - 32))
 
 
+def test_eval_batches_never_repeat_a_held_out_window():
+    # the held-out windows were taken again, modulo their count, to fill the batches asked for
+    ds = TextDataset(np.arange(1000), seq_len=7, batch_size=4)  # 50 held out: 6 windows of 8
+    (batch,) = ds.eval_batches(3)
+    assert batch[:, 0].tolist() == [950, 958, 966, 974]
+    small = TextDataset(np.arange(1000), seq_len=7, batch_size=8)
+    with pytest.raises(ValueError, match=r"\(50 tokens, eval_fraction 0.05\) gives 6 windows of 8"):
+        small.eval_batches(1)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="fewer than one batch"):
         TextDataset(np.arange(100), seq_len=50, batch_size=4)

@@ -227,8 +227,26 @@ class TextDataset(GrainBatches):
 
     def eval_batches(self, count: int) -> list[np.ndarray]:
         """``count`` fixed batches from the held-out text (the same every time; this shard's
-        rows of them)."""
+        rows of them), or as many as its windows fill when they are fewer: no window is
+        evaluated twice.
+
+        Raises:
+            ValueError: the held-out text fills no batch, naming its size.
+
+        Example:
+            >>> ds = TextDataset(np.arange(1000), seq_len=7, batch_size=4)  # 6 held-out windows
+            >>> len(ds.eval_batches(3))
+            1
+        """
         windows = _Windows(self._eval, self.seq_len + 1)
+        whole = len(windows) // self.batch_size
+        if whole < 1:
+            raise ValueError(
+                f"the held-out text ({len(self._eval)} tokens, eval_fraction "
+                f"{self.eval_fraction}) gives {len(windows)} windows of {self.seq_len + 1} "
+                f"tokens, fewer than one batch of {self.batch_size}; use more text or a larger "
+                "eval_fraction"
+            )
         mine = slice(self.shard_index, None, self.shard_count)
-        picks = self._eval_picks(count, len(windows))
+        picks = self._eval_picks(min(count, whole), len(windows))
         return [np.stack([windows[int(i)] for i in p])[mine] for p in picks]
