@@ -143,6 +143,29 @@ def test_a_field_of_another_type_than_earlier_lines_names_its_line(tmp_path, con
         encode_records(records, "chat", tokenizer, template)
 
 
+@pytest.mark.parametrize(
+    "data_format, record, field",
+    [
+        ("text", {"text": ""}, "text"),
+        ("completion", {"prompt": "1+1=", "completion": ""}, "completion"),
+    ],
+)
+def test_a_record_with_no_token_to_train_on_is_refused_where_it_is_read(
+    tmp_path, data_format, record, field
+):
+    # it was read as an example of no target, a row of padding trained on nothing
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({**record, field: "x"}) + "\n\n" + json.dumps(record) + "\n")
+    records = read_records(path, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(
+        DataError, match=rf"d.jsonl:line 3: field '{field}' gives no token to train on"
+    ):
+        encode_records(records, data_format, ByteTokenizer())
+    if data_format == "completion":  # trained on all tokens, the prompt is something
+        (ex,) = encode_records([("r", record)], data_format, ByteTokenizer(), train_on="all")
+        assert ex.targets.tolist() == [True] * 4
+
+
 def test_a_field_other_records_have_and_one_lacks_is_named_missing(tmp_path):
     """datasets fills a field an earlier record has with None: the error said "field
     'completion' is NoneType, not text" for a record without it."""

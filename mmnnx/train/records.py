@@ -188,8 +188,9 @@ def encode_record(
     (``chat``, rendered with ``template``).
 
     Raises:
-        DataError: a field missing or not text, a message without a known role, or a
-            template that fails on it, naming ``where`` and the field.
+        DataError: a field missing or not text, a message without a known role, a template
+            that fails on it, or a record with no token to train on (an empty text or
+            completion), naming ``where`` and the field.
 
     Example:
         >>> from mmnnx.train.tokenizers import ByteTokenizer
@@ -200,8 +201,8 @@ def encode_record(
     """
     if data_format == "text":
         ids = tokenizer.encode(_field(where, record, fields.text))
-        return Example(ids, np.ones(len(ids), bool), where)
-    if data_format == "completion":
+        targets = np.ones(len(ids), bool)
+    elif data_format == "completion":
         prompt = _field(where, record, fields.prompt)
         completion = _field(where, record, fields.completion)
         if eos and not completion.endswith(eos):
@@ -225,6 +226,10 @@ def encode_record(
         raise DataError(f"unknown data format {data_format!r}; expected one of {FORMATS}")
     if train_on == "all":
         targets = np.ones(len(ids), bool)
+    if not np.any(targets):  # an empty text or completion
+        named = {"text": fields.text, "completion": fields.completion}
+        field = named.get(data_format, fields.messages)
+        raise DataError(f"{where}: field {field!r} gives no token to train on (is it empty?)")
     return Example(np.asarray(ids, np.int32), np.asarray(targets, bool), where)
 
 
