@@ -72,6 +72,9 @@ def test_the_arithmetic_by_hand():
         mm.predict_memory(SMALL, lay, batch=4, remat="some")
     with pytest.raises(ValueError, match="does not split evenly"):
         mm.predict_memory(SMALL, mm.MemoryLayout(stages=2, data=4), batch=4, microbatches=2)
+    longer = SMALL.max_seq_len + 1  # was predicted, for a model that cannot read it
+    with pytest.raises(ValueError, match=rf"seq_len {longer} exceeds the model's max_seq_len"):
+        mm.predict_memory(SMALL, lay, batch=4, seq_len=longer, microbatches=2)
     latent = LatentAttentionConfig(2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                    v_head_dim=8)  # fmt: skip
     layer = BlockConfig(latent, MLPConfig(64))

@@ -500,9 +500,10 @@ def predict_memory(
         ([58240, 58368], [2, 1])
 
     Raises:
-        ValueError: a remat policy, optimizer or schedule not known, a layer of a kind the
-            model does not know, a batch the microbatches and the data (expert) axis do not
-            split, or fewer blocks than model stages.
+        ValueError: a remat policy, optimizer or schedule not known, ``seq_len`` above
+            ``config.max_seq_len``, a layer of a kind the model does not know, a batch the
+            microbatches and the data (expert) axis do not split, or fewer blocks than model
+            stages.
     """
     remat = config.remat if remat is None else remat
     if remat not in REMAT:
@@ -515,6 +516,11 @@ def predict_memory(
             f"predict_memory: fsdp_gather {fsdp_gather!r}: expected 'microbatch' or 'step'"
         )
     lay, seq = layout, seq_len or config.max_seq_len
+    if seq > config.max_seq_len:
+        raise ValueError(
+            f"predict_memory: seq_len {seq} exceeds the model's max_seq_len "
+            f"{config.max_seq_len} (GPTConfig.max_seq_len): it cannot read such sequences"
+        )
     shards = lay.data * lay.expert
     if batch % microbatches or (batch // microbatches) % shards:
         raise ValueError(
