@@ -369,6 +369,9 @@ def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
     falcon = _edit_config(root, "falcon", architectures=["FalconForCausalLM"])
     no_tokenizer = _edit_config(root, "no-tokenizer")
     (no_tokenizer / "tokenizer.json").unlink(missing_ok=True)
+    sentencepiece = _edit_config(root, "sentencepiece")  # said "does not exist", no way out
+    (sentencepiece / "tokenizer.json").unlink(missing_ok=True)
+    (sentencepiece / "tokenizer.model").write_bytes(b"")
     small = _edit_config(root, "small-vocabulary", vocab_size=300)
     config = tmp_path / "sizes.toml"
     config.write_text("[model]\ndepth = 2\n")
@@ -376,6 +379,10 @@ def test_bad_init_from_directories_exit_2_in_one_line(root, tmp_path, capsys):
         (["--init-from", str(falcon)], "FalconForCausalLM is not supported; mmnnx builds"),
         (["--init-from", str(root / "none")], "no such checkpoint directory"),
         (["--init-from", str(no_tokenizer)], "tokenizer.json does not exist"),
+        (
+            ["--init-from", str(sentencepiece)],
+            f"AutoTokenizer.from_pretrained('{sentencepiece}').save_pretrained(",
+        ),
         (["--init-from", str(small)], "has 376 tokens, more than the model's vocab_size 300"),
         (["--init-from", str(root / "llama"), "--config", str(config)], "--depth conflicts"),
         (

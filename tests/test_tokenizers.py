@@ -84,6 +84,14 @@ def test_load_tokenizer_errors(tmp_path):
         BPETokenizer.train(["abc"], vocab_size=100)
 
 
+def test_a_checkpoint_with_only_a_sentencepiece_model_says_how_to_convert_it(tmp_path):
+    # it said "no such tokenizer file", naming none of what the folder holds
+    (tmp_path / "tokenizer.model").write_bytes(b"")
+    with pytest.raises(ValueError, match="tokenizer.model, without a tokenizer.json") as raised:
+        tokenizers.HFTokenizer.from_file(tmp_path / "tokenizer.json")
+    assert f"AutoTokenizer.from_pretrained('{tmp_path}').save_pretrained(" in str(raised.value)
+
+
 def test_register_tokenizer_makes_a_new_kind_loadable(tmp_path, monkeypatch):
     monkeypatch.setattr(tokenizers, "_LOADERS", dict(tokenizers._LOADERS))  # undone after
 

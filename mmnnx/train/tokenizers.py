@@ -220,8 +220,8 @@ class HFTokenizer(_Library):
             ValueError: a file the ``tokenizers`` library cannot read, naming it.
         """
         path = pathlib.Path(path)
-        if not path.is_file() and (path.parent / TIKTOKEN).is_file():
-            raise ValueError(tiktoken_refusal(path.parent))
+        if not path.is_file() and (hint := conversion_hint(path.parent)):
+            raise ValueError(hint)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such tokenizer file")
         return cls._read(path)
@@ -246,6 +246,34 @@ def tiktoken_refusal(directory: pathlib.Path) -> str:
         "transformers.convert_slow_tokenizer.TikTokenConverter(vocab_file="
         f"'{directory / TIKTOKEN}', pattern=slow.pat_str, extra_special_tokens="
         f"slow.special_tokens).converted().save('{directory / 'tokenizer.json'}')"
+    )
+
+
+SENTENCEPIECE = "tokenizer.model"
+"""The tokenizer file of sentencepiece checkpoints without a ``tokenizer.json`` (Llama 2's)."""
+
+
+def conversion_hint(directory: pathlib.Path) -> str | None:
+    """How to write the ``tokenizer.json`` mmnnx reads for a checkpoint whose tokenizer is
+    only tiktoken's (:func:`tiktoken_refusal`) or sentencepiece's file; ``None`` for neither.
+
+    Example:
+        >>> import tempfile
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> conversion_hint(d) is None
+        True
+        >>> _ = (d / SENTENCEPIECE).write_bytes(b"")
+        >>> conversion_hint(d).startswith(f"{d}: its tokenizer is tokenizer.model, without a")
+        True
+    """
+    if (directory / TIKTOKEN).is_file():
+        return tiktoken_refusal(directory)
+    if not (directory / SENTENCEPIECE).is_file():
+        return None
+    return (
+        f"{directory}: its tokenizer is {SENTENCEPIECE}, without a tokenizer.json, which mmnnx "
+        "reads; write one once (with sentencepiece and transformers installed): "
+        f"transformers.AutoTokenizer.from_pretrained('{directory}').save_pretrained('{directory}')"
     )
 
 

@@ -146,6 +146,7 @@ def _pretrained(run: RunConfig, given: Set[str]) -> tuple[str | None, Any]:
     from mmnnx.models.pretrained.files import TOKENIZER  # noqa: PLC0415
     from mmnnx.train.config import ARCHITECTURE  # noqa: PLC0415
     from mmnnx.train.run_model import model_config  # noqa: PLC0415
+    from mmnnx.train.tokenizers import conversion_hint  # noqa: PLC0415
 
     init_from, model_axis = run.model.init_from, run.layout.model_axis
     conflicting = [name for name in ARCHITECTURE if name in given]
@@ -160,10 +161,11 @@ def _pretrained(run: RunConfig, given: Set[str]) -> tuple[str | None, Any]:
         return f"{flag('init_from')}: {e}", None
     tokenizer = pathlib.Path(init_from, TOKENIZER)
     if not tokenizer.is_file():
-        return (
-            f"{flag('init_from')}: {tokenizer} does not exist; mmnnx train reads the text with "
-            "the checkpoint's own tokenizer"
-        ), None
+        hint = conversion_hint(tokenizer.parent) or (
+            f"{tokenizer} does not exist; mmnnx train reads the text with the checkpoint's own "
+            "tokenizer"
+        )
+        return f"{flag('init_from')}: {hint}", None
     try:
         check_tokenizer(init_from, config.vocab_size)
         if not run.outputs.resume:  # a resumed run's weights come from its own checkpoint
