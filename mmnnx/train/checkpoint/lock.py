@@ -76,8 +76,11 @@ class WriterLock:
     def __del__(self) -> None:
         # a Checkpointer dropped without close() (a notebook cell run again) must not keep the
         # directory locked for the rest of the process: nothing could release it any more
-        with contextlib.suppress(Exception):  # at interpreter exit, modules may be gone
+        # not contextlib.suppress: at interpreter exit, modules may be gone
+        try:  # noqa: SIM105
             self.release()
+        except Exception:
+            pass
 
 
 def _flock(fd: int) -> bool:
