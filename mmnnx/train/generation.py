@@ -209,7 +209,14 @@ def load_run(
             except FileNotFoundError:
                 raise RunError(f"no checkpoint in {spec.checkpoints}") from None
             step, skipped = resumed.step, resumed.skipped
-    return LoadedRun(model, spec.tokenizer, step, spec.run, skipped, spec.eos)
+    return LoadedRun(
+        model=model,
+        tokenizer=spec.tokenizer,
+        step=step,
+        run=spec.run,
+        skipped=skipped,
+        eos=spec.eos,
+    )
 
 
 def _check_record(spec: RunSpec, saved: Saved | None) -> None:
