@@ -288,3 +288,27 @@ def test_the_sequence_wise_balance_loss_is_deepseeks_and_gpt_adds_it(model):
         float(tuned.loss(tokens)), float(-logp.mean() + 0.1 * stats.seq_balance), rtol=1e-6
     )
     assert float(stats.seq_balance) > 0
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    ],
+)
+def test_mscale_all_dim_beside_a_scaling_other_than_yarn_is_refused(tmp_path, rope):
+    """transformers' ``yarn_apply_mscale`` squares ``mscale_all_dim``'s factor into the scores'
+    scale for every ``rope_type`` but ``default`` (logits 1.0 apart on the fixture with linear
+    scaling); mmnnx applies it with YaRN only, so another type beside it is refused."""
+    case = tmp_path / "scaled"
+    shutil.copytree(FLOAT, case)
+    config = json.loads((case / "config.json").read_text())
+    params = {"rope_theta": 10000.0, "mscale_all_dim": 1.0, **rope}
+    (case / "config.json").write_text(json.dumps(config | {"rope_parameters": params}))
+    refused = r"rope_parameters\.mscale_all_dim: 1\.0 with rope_type"
+    with pytest.raises(CheckpointError, match=refused):
+        pretrained_config(case)
+    del params["mscale_all_dim"]  # without it, the same scaling reads
+    (case / "config.json").write_text(json.dumps(config | {"rope_parameters": params}))
+    assert pretrained_config(case).block_configs[0].attention.rope.scaling is not None

@@ -21,6 +21,7 @@ from mmnnx.modules import (
     MLPConfig,
     NormConfig,
     RopeConfig,
+    YarnScaling,
 )
 
 _L = "model.layers.{layer}"
@@ -97,6 +98,15 @@ class DeepSeekFamily:
             raise CheckpointError(
                 f"{file}: attention_bias=true is not supported; mmnnx's LatentAttention has "
                 "no biases"
+            )
+        key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+        rope = hf.get(key) or {}  # read_config checked it is an object
+        scaled = c.rope_scaling is not None and not isinstance(c.rope_scaling, YarnScaling)
+        if scaled and rope.get("mscale_all_dim"):  # transformers squares its factor into the scale
+            raise CheckpointError(
+                f"{file}: {key}.mscale_all_dim: {rope['mscale_all_dim']!r} with rope_type "
+                f"{rope.get('rope_type', rope.get('type'))!r} is not supported; mmnnx scales "
+                "latent attention's scores by mscale_all_dim with YaRN RoPE only"
             )
         if hf.get("hidden_act", "silu") != "silu":
             raise CheckpointError(
