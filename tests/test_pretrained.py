@@ -240,6 +240,7 @@ def test_a_save_failing_as_it_renames_into_place_keeps_the_earlier_one(
 
 
 FIXTURE = pathlib.Path(__file__).parent / "transformers_fixtures" / "llama"  # transformers 5's
+FIXTURE_TOKENS = json.loads((FIXTURE.parent / "versions.json").read_text())["tokens"]
 SCALED = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 
@@ -337,9 +338,32 @@ def test_config_values_are_checked_before_anything_is_built(tmp_path, edit, raw,
 
 def test_an_index_that_is_not_json(tmp_path):
     path = _llama(tmp_path, raw="weight_map = {}", file="model.safetensors.index.json")
+    (path / "model.safetensors").unlink()  # else read alone, the index unread (as transformers)
     with pytest.raises(CheckpointError, match="model.safetensors.index.json: not JSON") as error:
         from_pretrained(path)
     assert str(path) in str(error.value)
+
+
+def test_model_safetensors_is_read_alone_beside_an_index_and_its_shards(tmp_path):
+    """transformers 5 reads ``model.safetensors`` where a directory holds it, before any
+    ``model.safetensors.index.json`` (the shards of an earlier save, say): mmnnx read the
+    shards instead, silently other weights (logits 3.8 apart on a checkpoint of both)."""
+    from mmnnx.models.pretrained.files import write_shards
+
+    path = _llama(tmp_path)
+    files = CheckpointFiles(path)
+    names = sorted(files.tensors)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": {} for i in range(2)}
+    for i, name in enumerate(names):  # other weights in the shards
+        shards[f"model-0000{i % 2 + 1}-of-00002.safetensors"][name] = 2 * files.read(name)
+    write_shards(path, shards)
+    index = {"weight_map": {n: f for f, ts in shards.items() for n in ts}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert CheckpointFiles(path).tensors == files.tensors
+    logits = from_pretrained(path)(jnp.asarray(FIXTURE_TOKENS))
+    _close(logits, np.load(FIXTURE / "logits.npy"))  # transformers' of model.safetensors
+    (path / "model.safetensors").unlink()  # the shards alone are read through the index
+    assert {i.file for i in CheckpointFiles(path).tensors.values()} == set(shards)
 
 
 def test_integer_weights_and_wrong_shapes_name_the_tensor_and_file(tmp_path):

@@ -114,7 +114,11 @@ class CheckpointFiles:
                     self.tensors[name] = TensorInfo(file, tuple(part.get_shape()), part.get_dtype())
 
     def _files(self) -> dict[str, list[str] | None]:
-        """Each shard file and the tensor names the index puts in it (``None``: all of them)."""
+        """Each shard file and the tensor names the index puts in it (``None``: all of them).
+        ``model.safetensors`` is read alone where it is, before any index, as transformers reads
+        it (a directory can hold both: the shards and index of an earlier save beside it)."""
+        if (self.directory / SINGLE).is_file():
+            return {SINGLE: None}
         index = self.directory / INDEX
         if index.exists():
             content = read_json(index)
