@@ -366,6 +366,26 @@ def test_model_safetensors_is_read_alone_beside_an_index_and_its_shards(tmp_path
     assert {i.file for i in CheckpointFiles(path).tensors.values()} == set(shards)
 
 
+def test_a_tied_config_beside_a_stored_head_of_other_values_is_refused(tmp_path):
+    """transformers 5.24 unties a ``tie_word_embeddings: true`` checkpoint whose stored
+    ``lm_head.weight`` differs from the embedding and computes with that head (a warning says
+    so); mmnnx tied it, the stored head ignored (logits 20 apart on a tiny Llama). A stored copy
+    equal to the embedding is read as before."""
+    from mmnnx.models.pretrained.files import write_shards
+
+    path = _llama(tmp_path, {"tie_word_embeddings": True})  # the fixture's head is untied
+    refused = "'lm_head.weight' is stored with other values than 'model.embed_tokens.weight'"
+    with pytest.raises(CheckpointError, match=refused + "; transformers then unties them") as e:
+        from_pretrained(path)
+    assert "tie_word_embeddings to false" in str(e.value) and str(path) in str(e.value)
+    files = CheckpointFiles(path)
+    tensors = {n: files.read(n) for n in files.tensors}
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    write_shards(path, tensors)
+    model = from_pretrained(path)
+    assert model.config.tie_embeddings
+
+
 def test_integer_weights_and_wrong_shapes_name_the_tensor_and_file(tmp_path):
     from mmnnx.models.pretrained.files import write_shards
 

@@ -190,6 +190,7 @@ def from_pretrained(
         path, param_dtype=param_dtype, dtype=dtype, router_bias_rate=router_bias_rate, **options
     )
     check_tokenizer(files.directory, config.vocab_size)
+    _check_tied_head(files, config)
     model = _abstract(lambda: GPT(config, rngs=nnx.Rngs(0)))
     placement = list(rules or [])
     if tasks is not None:
@@ -413,6 +414,32 @@ def save_tensors(
 def _abstract(factory: Callable[[], M]) -> M:
     with nnx.use_eager_sharding(False):
         return nnx.eval_shape(factory)
+
+
+def _check_tied_head(files: CheckpointFiles, config: GPTConfig) -> None:
+    """Raises where ``config`` ties the head but the files also store ``lm_head.weight`` with
+    other values than the embedding's: transformers 5 then unties them and computes with the
+    stored head (a warning says so), where the tied model would silently give other logits.
+    Compared in blocks of rows (16 MiB a block), only for such a checkpoint."""
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if not config.tie_embeddings or head not in files.tensors or embed not in files.tensors:
+        return
+    shape = files.tensors[embed].shape
+    same = files.tensors[head].shape == shape
+    rows = max(1, (16 << 20) // max(1, 4 * int(np.prod(shape[1:]))))
+    for start in range(0, shape[0] if same else 0, rows):
+        part = (slice(start, start + rows),)
+        theirs, ours = files.read(head, part), files.read(embed, part)
+        if not np.array_equal(theirs.astype(np.float32), ours.astype(np.float32)):
+            same = False
+            break
+    if not same:
+        raise CheckpointError(
+            f"{files.directory}: config.json ties the head to the embedding "
+            f"(tie_word_embeddings: true), but tensor {head!r} is stored with other values "
+            f"than {embed!r}; transformers then unties them and uses {head!r}: set "
+            "tie_word_embeddings to false to read it as a head of its own"
+        )
 
 
 def check_tensors(path: str | os.PathLike, config: GPTConfig) -> None:
