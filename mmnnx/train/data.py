@@ -179,12 +179,10 @@ class TextDataset(GrainBatches):
                 f"the text gives {self._windows} training windows of {window} tokens, fewer than "
                 f"one batch of {self.batch_size}; use more text or a smaller seq_len/batch_size"
             )
-        held_out = len(self._eval) // window
-        if held_out < self.batch_size:  # refused here, not at the first evaluation
+        if len(self._eval) < window:
             raise ValueError(
-                f"the held-out text ({len(self._eval)} tokens, eval_fraction "
-                f"{self.eval_fraction}) gives {held_out} windows of {window} tokens, fewer "
-                f"than one batch of {self.batch_size}; use more text or a larger eval_fraction"
+                f"the held-out text ({len(self._eval)} tokens) is shorter than one window of "
+                f"{window}; use more text or a larger eval_fraction"
             )
         self._iterator, self._batches = grain_batches(
             _Windows(self._train, window),
@@ -230,7 +228,8 @@ class TextDataset(GrainBatches):
     def eval_batches(self, count: int) -> list[np.ndarray]:
         """``count`` fixed batches from the held-out text (the same every time; this shard's
         rows of them), or as many as its windows fill when they are fewer: no window is
-        evaluated twice.
+        evaluated twice, unless the windows fill less than one batch (which then takes them
+        again in turn).
 
         Example:
             >>> ds = TextDataset(np.arange(1000), seq_len=7, batch_size=4)  # 6 held-out windows
@@ -238,7 +237,7 @@ class TextDataset(GrainBatches):
             1
         """
         windows = _Windows(self._eval, self.seq_len + 1)
-        whole = len(windows) // self.batch_size  # at least 1: the constructor checks
+        whole = max(1, len(windows) // self.batch_size)
         mine = slice(self.shard_index, None, self.shard_count)
         picks = self._eval_picks(min(count, whole), len(windows))
         return [np.stack([windows[int(i)] for i in p])[mine] for p in picks]
