@@ -4,6 +4,8 @@ trained run's model."""
 
 import contextlib
 import io
+import json
+import pathlib
 import shutil
 
 import jax
@@ -362,7 +364,48 @@ def test_a_continuation_stops_at_the_eos_token_of_the_runs_base(tmp_path):
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.toml").write_text(f'[model]\ninit_from = "{base}"\n')
     HFTokenizer.from_file(base / "tokenizer.json").save(run / "tokenizer")
-    assert read_run(run).eos == "</s>"
+    generation = json.loads((base / "generation_config.json").read_text())
+    assert read_run(run).eos == (generation["eos_token_id"],)  # where transformers stops
+    (base / "generation_config.json").unlink()  # none: tokenizer_config.json's eos_token
+    assert read_run(run).eos == ("</s>",)
     (base / "tokenizer_config.json").write_text("{")
     with pytest.raises(ValueError, match=r"base/tokenizer_config.json: not valid JSON"):
         read_run(run)
+    (base / "generation_config.json").write_text('{"eos_token_id": "</s>"}')
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id \['</s>'\] is"):
+        read_run(run)
+
+
+def test_generation_stops_at_any_eos_id_of_the_bases_generation_config(tmp_path):
+    """`mmnnx generate` (plain and --chat) stopped only at tokenizer_config.json's eos_token;
+    transformers' generate stops at any id of generation_config.json's eos_token_id (Llama 3
+    Instruct lists [128001, 128008, 128009]: a turn ends at <|eot_id|>, not its eos_token).
+    On a checkpoint listing [2, 3, 83], greedy decoding reaches 83 (<|eot_id|>; the eos_token
+    is 2) and transformers stops there (make_eos_fixtures.py): so does mmnnx."""
+    from mmnnx.models import from_pretrained  # noqa: PLC0415
+    from mmnnx.train.generation import continue_text, read_run, reply_text  # noqa: PLC0415
+    from mmnnx.train.tokenizers import HFTokenizer  # noqa: PLC0415
+
+    fixtures = pathlib.Path(__file__).parent / "transformers_fixtures"
+    expected = json.loads((fixtures / "eos" / "expected.json").read_text())
+    base = tmp_path / "base"  # as make_eos_fixtures.assemble puts it together
+    base.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(fixtures / "llama" / name, base)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(fixtures / "eos" / name, base)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text(f'[model]\ninit_from = "{base}"\n')
+    HFTokenizer.from_file(base / "tokenizer.json").save(run / "tokenizer")
+    spec, model = read_run(run), from_pretrained(base)
+    assert spec.eos == tuple(expected["eos_token_id"])
+    tokenizer, prompt, n = spec.tokenizer, expected["prompt"], expected["max_new_tokens"]
+    assert tokenizer.encode(prompt).tolist() == expected["prompt_ids"]
+    *reply, stop = expected["generated"]
+    assert tokenizer.decode([stop]) == "<|eot_id|>" != tokenizer.decode([2])  # not eos_token
+    assert continue_text(model, tokenizer, prompt, n, eos=spec.eos) == expected["text"]
+    assert reply_text(model, tokenizer, prompt, n, eos=spec.eos) == tokenizer.decode(reply)
+    # every token of the greedy run, stopped nowhere: the one mmnnx printed
+    unstopped = tokenizer.decode(expected["prompt_ids"] + expected["without_stop"])
+    assert continue_text(model, tokenizer, prompt, n) == unstopped

@@ -37,7 +37,7 @@ class Options:
     chat: bool = switch(
         "--chat",
         "PROMPT is a user's message: rendered with the chat template of the run's --init-from "
-        "checkpoint, the assistant's reply printed (up to its eos token)",
+        "checkpoint, the assistant's reply printed (up to the same eos tokens)",
     )
     layout: str = option(
         "one-device",
@@ -53,7 +53,9 @@ def add_parser(commands: Any) -> None:
         help="continue a prompt with the model of a run `mmnnx train` wrote",
         description="Rebuild the model of run directory DIR from DIR/config.toml, restore its "
         "newest checkpoint, and print PROMPT followed by its continuation (decoded with "
-        "DIR/tokenizer), up to the eos token of its --init-from checkpoint. Each token is one "
+        "DIR/tokenizer), up to the first eos token of its --init-from checkpoint, where "
+        "transformers' generate stops: any id of its generation_config.json's eos_token_id (an "
+        "id or a list), else its tokenizer_config.json's eos_token. Each token is one "
         "step of a compiled decoder with a key/value cache; greedy unless --temperature is "
         'given. Example: mmnnx generate --run runs/demo --prompt "In the beginning"',
     )

@@ -4,8 +4,10 @@ its ``config.toml``, restored from its newest checkpoint and continued with its 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import pathlib
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -21,6 +23,10 @@ from mmnnx.train.run_model import build_model, model_config, objective, run_plac
 from mmnnx.train.run_record import Saved, saved_record
 from mmnnx.train.tokenizers import Tokenizer, fingerprint, load_tokenizer
 
+Eos = str | int | Sequence[str | int] | None
+"""Where generation stops: a token (its text, an id of the tokenizer's), an id, or several (the
+first of any), as :func:`stop_tokens` reads them; ``None`` or ``()``: nowhere."""
+
 LAYOUTS = ("one-device", "run")
 """Where :func:`load_run` puts the model: on the default device, or on the run's own tasks
 (``--stages`` x ``--data-axis`` x ``--model-axis``, each stage's blocks on their submesh)."""
@@ -34,7 +40,7 @@ class RunError(ValueError):
 @dataclasses.dataclass
 class LoadedRun:
     """A trained run ready to generate: its model (restored), tokenizer, checkpoint step and
-    options (its ``config.toml``), the newer steps passed over as unreadable, and the eos token
+    options (its ``config.toml``), the newer steps passed over as unreadable, and the eos tokens
     generation stops at (:attr:`RunSpec.eos`)."""
 
     model: GPT
@@ -42,7 +48,7 @@ class LoadedRun:
     step: int
     run: RunConfig
     skipped: list[Skipped] = dataclasses.field(default_factory=list)
-    eos: str | None = None
+    eos: tuple[int | str, ...] = ()
 
 
 def read_run_config(run_dir: str | pathlib.Path) -> RunConfig:
@@ -112,16 +118,16 @@ def run_tasks(
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """What a run directory says of its model, before anything is built; ``eos``: the
-    ``eos_token`` of its ``--init-from`` checkpoint's ``tokenizer_config.json`` (``None``
-    without one, as for a run trained from scratch)."""
+    """What a run directory says of its model, before anything is built; ``eos``: the tokens
+    generation stops at, its ``--init-from`` checkpoint's (:func:`stop_tokens`; none for a run
+    trained from scratch)."""
 
     directory: pathlib.Path
     run: RunConfig
     tokenizer: Tokenizer
     config: GPTConfig
     checkpoints: pathlib.Path
-    eos: str | None = None
+    eos: tuple[int | str, ...] = ()
 
 
 def read_run(run_dir: str | pathlib.Path) -> RunSpec:
@@ -139,10 +145,10 @@ def read_run(run_dir: str | pathlib.Path) -> RunSpec:
     except CheckpointError as e:
         raise RunError(f"the run's --init-from: {e}") from None
     base = run.model.init_from
-    try:  # the eos token generation stops at
-        eos = special_tokens(base).get("eos_token") if base else None
+    try:
+        eos = stop_tokens(base) if base else ()
     except ValueError as e:
-        raise RunError(f"{base}/tokenizer_config.json: not valid JSON ({e})") from None
+        raise RunError(str(e)) from None
     return RunSpec(
         directory=pathlib.Path(run_dir),
         run=run,
@@ -151,6 +157,41 @@ def read_run(run_dir: str | pathlib.Path) -> RunSpec:
         checkpoints=checkpoints,
         eos=eos,
     )
+
+
+def stop_tokens(folder: str | pathlib.Path) -> tuple[int | str, ...]:
+    """The tokens transformers' ``generate`` stops at after a prompt to the checkpoint in
+    ``folder``: the ``eos_token_id`` of its ``generation_config.json`` (an id or a list of ids:
+    Llama 3 Instruct's ``[128001, 128008, 128009]``, its turns ending at ``<|eot_id|>``, not
+    its ``eos_token``), else the ``eos_token`` of its ``tokenizer_config.json`` (its text);
+    none without either. A ``ValueError`` naming the file for one not valid JSON or an
+    ``eos_token_id`` that is neither.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> base = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (base / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+        >>> stop_tokens(base)
+        ('</s>',)
+        >>> _ = (base / "generation_config.json").write_text('{"eos_token_id": [1, 8, 9]}')
+        >>> stop_tokens(base)
+        (1, 8, 9)
+    """
+    path = pathlib.Path(folder, "generation_config.json")
+    try:
+        ids = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: not a JSON object ({e})") from None
+    if ids is None:
+        try:
+            eos = special_tokens(folder).get("eos_token")
+        except ValueError as e:
+            raise ValueError(f"{folder}/tokenizer_config.json: not valid JSON ({e})") from None
+        return (eos,) if eos else ()
+    ids = ids if isinstance(ids, list) else [ids]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id {ids} is not a token id or a list of them")
+    return tuple(ids)
 
 
 def load_run(
@@ -246,14 +287,14 @@ def continue_text(
     prompt: str,
     max_new_tokens: int,
     *,
-    eos: str | None = None,
+    eos: Eos = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
 ) -> str:
     """``prompt`` followed by the ``max_new_tokens`` tokens ``model`` continues it with
-    (``GPT.generate``), up to the first ``eos`` token (an id of ``tokenizer``'s, as
-    transformers' ``generate`` stops), decoded with ``tokenizer``.
+    (``GPT.generate``), up to the first of the ``eos`` tokens (:data:`Eos`, as transformers'
+    ``generate`` stops), decoded with ``tokenizer``.
 
     Example:
         >>> from flax import nnx
@@ -276,22 +317,26 @@ def _new_tokens(
     prompt: str,
     max_new_tokens: int,
     sampling: tuple[float, int | None, int],
-    eos: str | None,
+    eos: Eos,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``prompt``'s token ids and the ``max_new_tokens`` ones ``model`` continues them with,
-    up to the first ``eos`` token (an id of ``tokenizer``'s); ``sampling``: temperature, top-k
-    and seed."""
+    up to the first of the ``eos`` tokens (:data:`Eos`; text that is not a token of
+    ``tokenizer``'s stops nothing here); ``sampling``: temperature, top-k and seed."""
     temperature, top_k, seed = sampling
     ids = np.asarray(tokenizer.encode(prompt))
     new = model.generate(
         ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=jax.random.key(seed)
     )
     new = np.asarray(new)[0]
-    token_id = getattr(tokenizer, "token_id", None)
-    eos_id = token_id(eos) if eos and callable(token_id) else None
-    if eos_id is not None and eos_id in new:
-        new = new[: new.tolist().index(eos_id)]
-    return ids, new
+    token_id = getattr(tokenizer, "token_id", None)  # a ByteTokenizer has none: ids alone
+    named = {token_id(t) for t in _eos_tuple(eos) if isinstance(t, str)} if token_id else set()
+    stops = {t for t in _eos_tuple(eos) if isinstance(t, int)} | named - {None}
+    ends = [i for i, t in enumerate(new.tolist()) if t in stops]
+    return ids, new[: ends[0]] if ends else new
+
+
+def _eos_tuple(eos: Eos) -> tuple[int | str, ...]:
+    return (eos,) if isinstance(eos, (str, int)) else tuple(eos or ())
 
 
 def reply_text(
@@ -300,16 +345,17 @@ def reply_text(
     prompt: str,
     max_new_tokens: int,
     *,
-    eos: str | None = None,
+    eos: Eos = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
 ) -> str:
     """The reply ``model`` gives to ``prompt`` (a conversation a chat template rendered, up to
-    the assistant's turn): its new tokens alone, decoded, up to the first ``eos`` token (an id
-    of ``tokenizer``'s, else the text). Not sliced from the whole text decoded: a tokenizer
-    whose decoding of the prompt is not the prompt (a Metaspace one, Mistral's and Llama 2's,
-    writes ``<s>[INST]`` back as ``<s> [INST]``) would cut the reply elsewhere.
+    the assistant's turn): its new tokens alone, decoded, up to the first of the ``eos`` tokens
+    (:data:`Eos`; a text among them also where it is in the decoded reply). Not sliced from the
+    whole text decoded: a tokenizer whose decoding of the prompt is not the prompt (a Metaspace
+    one, Mistral's and Llama 2's, writes ``<s>[INST]`` back as ``<s> [INST]``) would cut the
+    reply elsewhere.
 
     Example:
         >>> from flax import nnx
@@ -322,4 +368,5 @@ def reply_text(
     """
     sampling = (temperature, top_k, seed)
     text = tokenizer.decode(_new_tokens(model, tokenizer, prompt, max_new_tokens, sampling, eos)[1])
-    return text[: text.index(eos)] if eos and eos in text else text
+    cuts = [text.index(t) for t in _eos_tuple(eos) if isinstance(t, str) and t and t in text]
+    return text[: min(cuts)] if cuts else text
