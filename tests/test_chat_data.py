@@ -297,6 +297,16 @@ def test_bad_records_exit_2_before_training(tmp_path, capsys):
     assert not list((tmp_path / "r").glob("checkpoints/[0-9]*"))  # no step saved
     assert main(["train", "--data", str(bad), "--output-dir", str(tmp_path / "s")]) == 2
     assert "--data-format chat needs --init-from" in capsys.readouterr().err
+    # a base without a chat template: train says how to do without one, generate --chat not
+    from tests.hf_checkpoints import write_checkpoint  # noqa: PLC0415
+
+    base = write_checkpoint(tmp_path / "plain", num_hidden_layers=1)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": chat_records(1)[0]["messages"]}) + "\n")
+    argv = ["train", "--data", str(chat), "--init-from", str(base), "--stages", "1", "--output-dir"]
+    assert main([*argv, str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "has no chat template" in err and "or use --data-format completion or text" in err
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "x" * 80, "completion": "y"}) + "\n" * 1)
     assert sft_run(tmp_path, "t", long, "--no-truncate", "--steps", "1") == 2

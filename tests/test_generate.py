@@ -340,7 +340,7 @@ def test_a_chat_reply_is_its_new_tokens_up_to_eos_whatever_the_prompt_decodes_to
     assert reply_text(model, tokenizer, prompt, 8, eos=eos) == tokenizer.decode(cut)
 
 
-def test_a_continuation_stops_at_the_eos_token_of_the_runs_base(tmp_path):
+def test_a_continuation_stops_at_the_eos_token_of_the_runs_base(tmp_path, capsys):
     """`mmnnx generate` without --chat printed all its tokens, past the eos token of the run's
     --init-from checkpoint (transformers' generate stops there, and so did --chat)."""
     from mmnnx.train.generation import continue_text, read_run  # noqa: PLC0415
@@ -371,6 +371,10 @@ def test_a_continuation_stops_at_the_eos_token_of_the_runs_base(tmp_path):
     (base / "tokenizer_config.json").write_text("{")
     with pytest.raises(ValueError, match=r"base/tokenizer_config.json: not valid JSON"):
         read_run(run)
+    (base / "tokenizer_config.json").write_text("{}")  # and no chat template
+    assert main(["generate", "--run", str(run), "--prompt", "hi", "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert "has no chat template" in err and "--data-format" not in err  # a flag of train's
     (base / "generation_config.json").write_text('{"eos_token_id": "</s>"}')
     with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id \['</s>'\] is"):
         read_run(run)

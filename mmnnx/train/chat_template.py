@@ -115,8 +115,7 @@ class ChatTemplate:
         if not isinstance(source, str):
             raise ChatTemplateError(
                 f"{folder}: the tokenizer has no chat template (no chat_template.jinja and no "
-                "chat_template in tokenizer_config.json); chat data needs one: use "
-                "--data-format completion or text, or add a chat_template.jinja"
+                "chat_template in tokenizer_config.json): add a chat_template.jinja"
             )
         return cls(source, tokens, f"{config_path} (chat_template)")
 

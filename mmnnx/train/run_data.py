@@ -11,7 +11,7 @@ import json
 import pathlib
 from typing import Any
 
-from mmnnx.train.chat_template import ChatTemplate, special_tokens
+from mmnnx.train.chat_template import ChatTemplate, ChatTemplateError, special_tokens
 from mmnnx.train.data import TextDataset
 from mmnnx.train.example_store import write_examples
 from mmnnx.train.examples import ExampleDataset
@@ -64,7 +64,10 @@ def run_dataset(run: Any, tokenizer: Any, sources: list, cache: pathlib.Path):
     if data_format == "chat":
         if folder is None:
             raise DataError("--data-format chat needs --init-from: its tokenizer's chat template")
-        template = ChatTemplate.from_checkpoint(folder)
+        try:
+            template = ChatTemplate.from_checkpoint(folder)
+        except ChatTemplateError as e:  # the data's format may be a guess (auto)
+            raise ChatTemplateError(f"{e}, or use --data-format completion or text") from None
     tokens = template.tokens if template else special_tokens(folder) if folder else {}
     options = dict(
         data_format=data_format,
