@@ -107,3 +107,22 @@ def test_a_perplexity_task_of_a_run_with_no_bos_or_eos_exits_2_in_one_line(
     assert main(["eval", "--run", str(run), *tasks]) == 2
     last = capsys.readouterr().err.splitlines()[-1]  # after lm-eval's own progress bars
     assert last.startswith("mmnnx eval: error: --tasks mmnnx_text: a perplexity task"), last
+
+
+def test_generation_stops_where_transformers_generate_stops(tmp_path):
+    """lm-eval's hf model generates with transformers' generate, which stops at any id of the
+    checkpoint's generation_config.json eos_token_id (Llama 3 Instruct's turn ends at
+    <|eot_id|>, not its eos_token); mmnnx's stopped at the eos token only, and went on past
+    it. tests/transformers_fixtures/eos/ lists [2, 3, 83]; greedy decoding reaches 83."""
+    import types
+
+    from mmnnx.train.evaluation import MmnnxLM
+    from tests.test_generate import eos_checkpoint
+
+    base, expected = eos_checkpoint(tmp_path)
+    lm = MmnnxLM(pretrained=str(base))
+    request = types.SimpleNamespace(
+        args=(expected["prompt"], {"until": [], "max_gen_toks": expected["max_new_tokens"]})
+    )
+    reply = lm.tokenizer.decode(expected["generated"][:-1], skip_special_tokens=True)
+    assert lm.generate_until([request]) == [reply]

@@ -380,6 +380,19 @@ def test_a_continuation_stops_at_the_eos_token_of_the_runs_base(tmp_path, capsys
         read_run(run)
 
 
+def eos_checkpoint(folder):
+    """tests/transformers_fixtures/eos/'s checkpoint in ``folder/base`` (put together as
+    make_eos_fixtures.assemble does) and what transformers generates on it."""
+    fixtures = pathlib.Path(__file__).parent / "transformers_fixtures"
+    base = folder / "base"
+    base.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(fixtures / "llama" / name, base)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(fixtures / "eos" / name, base)
+    return base, json.loads((fixtures / "eos" / "expected.json").read_text())
+
+
 def test_generation_stops_at_any_eos_id_of_the_bases_generation_config(tmp_path):
     """`mmnnx generate` (plain and --chat) stopped only at tokenizer_config.json's eos_token;
     transformers' generate stops at any id of generation_config.json's eos_token_id (Llama 3
@@ -390,14 +403,7 @@ def test_generation_stops_at_any_eos_id_of_the_bases_generation_config(tmp_path)
     from mmnnx.train.generation import continue_text, read_run, reply_text  # noqa: PLC0415
     from mmnnx.train.tokenizers import HFTokenizer  # noqa: PLC0415
 
-    fixtures = pathlib.Path(__file__).parent / "transformers_fixtures"
-    expected = json.loads((fixtures / "eos" / "expected.json").read_text())
-    base = tmp_path / "base"  # as make_eos_fixtures.assemble puts it together
-    base.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(fixtures / "llama" / name, base)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(fixtures / "eos" / name, base)
+    base, expected = eos_checkpoint(tmp_path)
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.toml").write_text(f'[model]\ninit_from = "{base}"\n')

@@ -15,6 +15,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from mmnnx.train.chat_template import special_tokens
+from mmnnx.train.generation import stop_tokens, until_eos
 
 
 class UnscorableTaskError(ValueError):
@@ -31,7 +32,9 @@ class MmnnxLM(TemplateLM):
     Requests are tokenized and windowed as lm-eval's ``hf`` model does (lm-eval's
     ``TemplateLM``, ``get_rolling_token_windows``): the text with the tokenizer's
     post-processor (a Llama's bos), empty contexts on the bos (else eos) token, greedy
-    generation stopped at eos and cut at the ``until`` strings.
+    generation stopped where transformers' ``generate`` stops (any id of the checkpoint's
+    ``generation_config.json`` ``eos_token_id``, else its eos token: ``stop_tokens``) and cut at
+    the ``until`` strings and the eos token's text.
 
     Example::
 
@@ -60,6 +63,8 @@ class MmnnxLM(TemplateLM):
         tokens = special_tokens(folder) if folder else {}
         ids = {k: self.tokenizer.token_id(t) for k, t in tokens.items()}
         self._eot = ids.get("eos_token")
+        self._eos = tokens.get("eos_token")  # a stop string too, as lm-eval's hf model adds it
+        self._stops = stop_tokens(folder) if folder else ()  # where transformers' generate stops
         self._prefix = ids.get("bos_token", self._eot)
         self._prefix_text = None if self._prefix is None else self.tokenizer.decode([self._prefix])
         self.max_length = int(max_length or self.model.config.max_seq_len)
@@ -122,10 +127,10 @@ class MmnnxLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             new = int(kwargs.get("max_gen_toks", 256))
             ids = self.tok_encode(context)[-(self.max_length - new) :]
-            out = np.asarray(self.model.generate(jnp.asarray(ids), new))[0].tolist()
-            if self._eot in out:
-                out = out[: out.index(self._eot)]
+            out = np.asarray(self.model.generate(jnp.asarray(ids), new))[0]
+            out = until_eos(out, self.tokenizer, self._stops)
             text = self.tokenizer.decode(out, skip_special_tokens=True)
+            until += [self._eos] if self._eos and self._eos not in until else []
             for term in until:
                 text = text.split(term)[0] if term else text
             texts.append(text)

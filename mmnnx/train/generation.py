@@ -327,12 +327,23 @@ def _new_tokens(
     new = model.generate(
         ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=jax.random.key(seed)
     )
-    new = np.asarray(new)[0]
+    return ids, until_eos(np.asarray(new)[0], tokenizer, eos)
+
+
+def until_eos(new: np.ndarray, tokenizer: Tokenizer, eos: Eos) -> np.ndarray:
+    """``new`` (ids a model generated) up to the first of the ``eos`` tokens (:data:`Eos`: ids
+    as they are, texts as ``tokenizer``'s ids; one it has no id for stops nothing here).
+
+    Example:
+        >>> from mmnnx.train.tokenizers import ByteTokenizer
+        >>> until_eos(np.array([5, 9, 7, 9]), ByteTokenizer(), (7, 9)).tolist()
+        [5]
+    """
     token_id = getattr(tokenizer, "token_id", None)  # a ByteTokenizer has none: ids alone
     named = {token_id(t) for t in _eos_tuple(eos) if isinstance(t, str)} if token_id else set()
     stops = {t for t in _eos_tuple(eos) if isinstance(t, int)} | named - {None}
-    ends = [i for i, t in enumerate(new.tolist()) if t in stops]
-    return ids, new[: ends[0]] if ends else new
+    ends = [i for i, t in enumerate(np.asarray(new).tolist()) if t in stops]
+    return new[: ends[0]] if ends else new
 
 
 def _eos_tuple(eos: Eos) -> tuple[int | str, ...]:
