@@ -63,6 +63,9 @@ def test_gloo_connection_lines_are_left_out_without_verbose():
         ("[Gloo] Rank [Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number "
          "of connected peer ranks is : 1", True),
         ("0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1", True),
+        # two messages' pieces, the line ending in a message's middle (seen in a clean-clone run)
+        ("[Gloo] Rank 1 is connected to [Gloo] Rank 10 peer ranks.  is connected to Expected "
+         "number of connected peer ranks is : 11 peer ranks. ", True),
         ("[Gloo] Rank 0 is NOT connected to: [1]", False),
         ("1", False),
         ("step 3 is connected to nothing", False),
