@@ -42,8 +42,10 @@ def split_checkpoints(graph: Graph, inputs: Sequence[StepInput]) -> None:
     table: dict[Hashable, list[int]] = {}  # an application's number -> its results
     ops: list[Op] = []
     for op in graph.ops:
-        state = {a: placed[origin[a]] for a in op.ins if type(a) is int and a in origin}
-        pieces = _split(op, state, numbers, table, graph) if op.index in spanning else None
+        pieces = None
+        if op.index in spanning:
+            state = {a: placed[origin[a]] for a in op.ins if type(a) is int and a in origin}
+            pieces = _split(op, state, numbers, table, graph)
         ops += pieces or [op]
         _number(op, numbers, table)
     graph.ops = ops
@@ -109,12 +111,13 @@ def _twins(body: Any, outer: dict, numbers: dict, table: dict) -> dict[Var, int]
     return twins
 
 
-def _eqn_tasks(body: Any, state: dict[Var, Task]) -> list[Task] | None:
+def _eqn_tasks(body: Any, state: dict[Var, Task], made: dict[Var, int]) -> list[Task] | None:
     """The task of each of ``body``'s equations: that of the placed state it reads (``state``:
     the body's inputs that are, views followed), else of its first reader, else of its latest
-    operand's maker; ``None`` when an equation reads state of two tasks. Taking the reader's
-    task leaves to a stage the ops between its predecessor's last weight and its own first (a
-    norm, its derivative's factors), so that what crosses forward is what the forward sends."""
+    operand's maker (``made``: each value's equation); ``None`` when an equation reads state of
+    two tasks. Taking the reader's task leaves to a stage the ops between its predecessor's last
+    weight and its own first (a norm, its derivative's factors), so that what crosses forward is
+    what the forward sends."""
     eqns = body.eqns
     tasks: list[Task | None] = [None] * len(eqns)
     state = dict(state)
@@ -135,7 +138,6 @@ def _eqn_tasks(body: Any, state: dict[Var, Task]) -> list[Task] | None:
         if tasks[i] is None:
             after = sorted(j for v in eqns[i].outvars for j in readers.get(v, ()))
             tasks[i] = next((tasks[j] for j in after if tasks[j] is not None), None)
-    made = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     for i, eqn in enumerate(eqns):
         makers = [made[a] for a in eqn.invars if isinstance(a, jcore.Var) and a in made]
         if tasks[i] is None and makers:
@@ -156,11 +158,11 @@ def _split(
     outer: dict[Var, Atom] = dict(zip(body.invars, op.ins, strict=True))
     outer |= {v: Const(c) for v, c in zip(body.constvars, closed.consts, strict=True)}
     placed = {v: state[a] for v, a in outer.items() if type(a) is int and a in state}
-    tasks = _eqn_tasks(body, placed)
+    made = {v: i for i, e in enumerate(body.eqns) for v in e.outvars}
+    tasks = _eqn_tasks(body, placed, made)
     if tasks is None or len(set(tasks)) < 2:
         return None
     twins = _twins(body, outer, numbers, table)
-    made = {v: i for i, e in enumerate(body.eqns) for v in e.outvars}
 
     def source(i: int, v: Any) -> Any:
         """What equation ``i`` reads for its operand ``v``: the forward's twin of a value made on
