@@ -630,11 +630,11 @@ def test_a_format_that_deletes_old_steps_itself_keeps_the_newest_max_to_keep(tmp
     # process); it once kept only the newest step while fewer than max_to_keep were saved
     for step in range(1, 6):
         (tmp_path / str(step)).mkdir()
-    layout.remove_oldest(tmp_path, [1, 2], 3)
+    layout.remove_unkept(tmp_path, [1, 2], 3)
     assert sorted(os.listdir(tmp_path)) == ["1", "2", "3", "4", "5"]
-    layout.remove_oldest(tmp_path, [1, 2, 3, 4, 5], None)
+    layout.remove_unkept(tmp_path, [1, 2, 3, 4, 5], None)
     assert sorted(os.listdir(tmp_path)) == ["1", "2", "3", "4", "5"]
-    layout.remove_oldest(tmp_path, [1, 2, 3, 4, 5], 3)
+    layout.remove_unkept(tmp_path, [1, 2, 3, 4, 5], 3)
     assert sorted(os.listdir(tmp_path)) == ["3", "4", "5"]
 
 

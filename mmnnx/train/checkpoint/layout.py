@@ -123,7 +123,7 @@ def remove_abandoned_saves(directory: epath.Path) -> None:
             _remove(path)
 
 
-def remove_oldest(
+def remove_unkept(
     directory: epath.Path, steps: Sequence[int], keep: int | None, *, saved: int | None = None
 ) -> list[int]:
     """Deletes the directories of the ``steps`` newer than the one just ``saved`` (those of a

@@ -230,7 +230,7 @@ class Checkpointer:
 
         def remove() -> list[int]:
             steps = self.all_steps()
-            return layout.remove_oldest(self._directory, steps, self._max_to_keep, saved=step)
+            return layout.remove_unkept(self._directory, steps, self._max_to_keep, saved=step)
 
         if self._me is None:
             newer = remove()
