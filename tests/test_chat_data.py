@@ -358,3 +358,18 @@ def test_held_out_examples_with_no_trained_token_are_refused():
     with pytest.raises(DataError, match="no held-out example keeps a token to evaluate on"):
         ExampleDataset(some, seq_len=7, batch_size=4, eval_examples=cut)
     ExampleDataset(some, seq_len=11, batch_size=4, eval_examples=cut)
+
+
+def test_held_out_examples_are_evaluated_once_when_they_fill_fewer_batches_than_asked():
+    """5 held-out rows in batches of 2 fill 2 batches: asked for 4, the 2 (rows 0-3), not the
+    rows again modulo 5 (which weighed rows 0-3 twice in the reported loss)."""
+    from mmnnx.train.examples import ExampleDataset
+
+    rows = [Example(np.arange(1, 3 + i, dtype=np.int32), np.ones(i + 2, bool)) for i in range(5)]
+    data = ExampleDataset(rows * 4, seq_len=7, batch_size=2, eval_examples=rows)
+    batches = data.eval_batches(4)
+    assert len(batches) == 2
+    lengths = [int((w > 0).sum()) for b in batches for w in b["weights"]]
+    assert sorted(lengths) == [1, 2, 3, 4]  # four different rows, none twice
+    assert len(ExampleDataset(rows * 4, seq_len=7, batch_size=8, eval_examples=rows)
+               .eval_batches(3)) == 1  # fmt: skip

@@ -119,3 +119,14 @@ def test_lora_dpo_holds_no_second_copy():
     base = from_pretrained(DPO / "policy")
     np.testing.assert_allclose(model.reference(tokens), base(tokens), rtol=1e-6)
     assert not np.allclose(model(tokens), base(tokens))
+
+
+def test_held_out_pairs_are_evaluated_once_when_they_fill_fewer_batches_than_asked():
+    tok = ByteTokenizer()
+    pairs = [encode_pair(f"f:line {i}", {"prompt": "q" * (i + 1), "chosen": "ab", "rejected": "c"},
+                         tok) for i in range(5)]  # fmt: skip
+    data = PairDataset(pairs * 2, seq_len=15, batch_size=2, eval_pairs=pairs)
+    batches = data.eval_batches(4)
+    assert len(batches) == 2  # 5 pairs fill 2 batches of 2, none evaluated twice
+    firsts = [tuple(row) for b in batches for row in b[next(iter(b))]]
+    assert len(set(firsts)) == len(firsts) == 4

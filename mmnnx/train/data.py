@@ -104,9 +104,12 @@ class GrainBatches:
         self._iterator.set_state(state)
 
     def _eval_picks(self, count: int, rows: int) -> list[np.ndarray]:
-        """``count`` fixed batches of indices among ``rows`` held-out rows, the same each time."""
+        """``count`` fixed batches of indices among ``rows`` held-out rows, the same each time,
+        or as many as the rows fill when they are fewer: no row is evaluated twice, unless the
+        rows fill less than one batch (which then takes them again in turn)."""
         size = self.batch_size
-        return [np.arange(b * size, (b + 1) * size) % rows for b in range(count)]
+        whole = max(1, rows // size)
+        return [np.arange(b * size, (b + 1) * size) % rows for b in range(min(count, whole))]
 
 
 def grain_batches(source, rows: int, seed: int, shard_index: int = 0, shard_count: int = 1):
@@ -227,9 +230,7 @@ class TextDataset(GrainBatches):
 
     def eval_batches(self, count: int) -> list[np.ndarray]:
         """``count`` fixed batches from the held-out text (the same every time; this shard's
-        rows of them), or as many as its windows fill when they are fewer: no window is
-        evaluated twice, unless the windows fill less than one batch (which then takes them
-        again in turn).
+        rows of them), or as many as its windows fill when they are fewer (``_eval_picks``).
 
         Example:
             >>> ds = TextDataset(np.arange(1000), seq_len=7, batch_size=4)  # 6 held-out windows
@@ -237,7 +238,6 @@ class TextDataset(GrainBatches):
             1
         """
         windows = _Windows(self._eval, self.seq_len + 1)
-        whole = max(1, len(windows) // self.batch_size)
         mine = slice(self.shard_index, None, self.shard_count)
-        picks = self._eval_picks(min(count, whole), len(windows))
+        picks = self._eval_picks(count, len(windows))
         return [np.stack([windows[int(i)] for i in p])[mine] for p in picks]

@@ -257,7 +257,7 @@ class ExampleDataset(GrainBatches):
 
     def eval_batches(self, count: int) -> list[dict[str, np.ndarray]]:
         """``count`` fixed batches of the held-out rows (the same every time; this shard's
-        rows of them)."""
+        rows of them), or as many as the rows fill when they are fewer."""
         picks = self._eval_picks(count, len(self.eval_rows))
         return [{k: v[self._mine] for k, v in self.eval_rows.batch(p).items()} for p in picks]
 

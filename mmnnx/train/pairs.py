@@ -159,6 +159,7 @@ class PairDataset(GrainBatches):
         )
 
     def eval_batches(self, count: int) -> list[dict[str, np.ndarray]]:
-        """``count`` fixed batches of the held-out pairs (the same every time)."""
+        """``count`` fixed batches of the held-out pairs (the same every time), or as many as
+        the pairs fill when they are fewer."""
         picks = self._eval_picks(count, len(self._evaluated))
         return [self._rows(self._evaluated, p) for p in picks]
