@@ -305,6 +305,11 @@ def test_tiny_run_trains_and_resumes(tmp_path, capsys):
     assert steps[-1] == 12
     assert main([*base, "--steps", "12"]) == 2
     assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
+    # --resume is what an invocation did, not a setting of the run: a --config of the run's
+    # config.toml does not resume by itself
+    assert "resume" not in (out / "config.toml").read_text()
+    assert main(["train", "--config", str(out / "config.toml")]) == 2
+    assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
     for extra, reason in [
         (["--steps", "10", "--resume"], "is step 12; --steps 10 trains nothing more"),
         (["--steps", "16", "--resume", "--dim", "64"], f"--dim 64: the run in {out} was trained"),

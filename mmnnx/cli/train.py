@@ -200,7 +200,7 @@ def _train(
         model = build_model(run, config, placed.rules, weights=weights)
     except CheckpointError as e:
         return error(f"--init-from: {e}")
-    recorded = resolved_config(run.options())
+    recorded = resolved_config(run.options() | {"resume": None})  # an act, not a setting
     if jax.process_index() == 0:
         tokenizer.save(out / "tokenizer")
         write_config(out / CONFIG_FILE, recorded)
