@@ -130,6 +130,12 @@ def test_weights_gathered_once_a_step_are_charged_and_gathering_per_program_is_n
     assert memory_problem(per_program, config, 2, 8) is None  # 6.1 MiB
     once = RunConfig.of({**options, "remat": "full", "fsdp_gather": "step"})
     assert memory_problem(once, config, 2, 8).endswith("--fsdp-gather microbatch fits (6.1 MiB)")
+    tight = RunConfig.of({**options, "memory_budget": "1MiB", "fsdp_gather": "step"})
+    assert "no single change fits: --fsdp-gather microbatch, not 1F1B" in memory_problem(
+        tight, config, 2, 8
+    )
+    assert "fits: not 1F1B" in memory_problem(RunConfig.of({**options, "memory_budget": "1MiB"}),
+                                              config, 2, 8)  # fmt: skip
     layout = mm.MemoryLayout(stages=2, data=2, fsdp=2)
     with pytest.raises(ValueError, match="fsdp_gather 'once': expected 'microbatch' or 'step'"):
         mm.predict_memory(config, layout, batch=8, microbatches=4, fsdp_gather="once")

@@ -373,8 +373,11 @@ fits (4.3 MiB)
     )
     change = fitting_change(config, layout, size, devices=devices, **options)
     if change is None:
+        gather = lay.fsdp_gather == "step" and lay.fsdp_axis > 1
         return (
-            f"{needs}; no single change fits: not 1F1B, twice {flag('microbatches')}, "
+            f"{needs}; no single change fits: "
+            + (f"{flag('fsdp_gather', 'microbatch')}, " if gather else "")
+            + f"not 1F1B, twice {flag('microbatches')}, "
             f"{flag('remat')} dots or full, a larger {flag('fsdp_axis')} of 2, 4 or 8 dividing "
             f"{flag('data_axis', data_axis)}, nor more {flag('stages')}"
         )
