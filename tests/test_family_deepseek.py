@@ -312,3 +312,21 @@ def test_mscale_all_dim_beside_a_scaling_other_than_yarn_is_refused(tmp_path, ro
     del params["mscale_all_dim"]  # without it, the same scaling reads
     (case / "config.json").write_text(json.dumps(config | {"rope_parameters": params}))
     assert pretrained_config(case).block_configs[0].attention.rope.scaling is not None
+
+
+def test_a_yarn_attention_factor_of_0_is_refused_not_read_as_absent(tmp_path):
+    """transformers computes YaRN's attention factor only when ``attention_factor`` is ``None``
+    (a 0 zeroes every rotated query and key); mmnnx read a 0 as absent and used the computed
+    factor, silently: it is refused naming the key."""
+    case = tmp_path / "yarn"
+    shutil.copytree(FLOAT, case)
+    config = json.loads((case / "config.json").read_text())
+    params = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "attention_factor": 0}
+    params["original_max_position_embeddings"] = 8
+    (case / "config.json").write_text(json.dumps(config | {"rope_parameters": params}))
+    with pytest.raises(CheckpointError, match=r"rope_parameters\.attention_factor: 0"):
+        pretrained_config(case)
+    params["attention_factor"] = 0.5
+    (case / "config.json").write_text(json.dumps(config | {"rope_parameters": params}))
+    scaling = pretrained_config(case).block_configs[0].attention.rope.scaling
+    assert scaling.attention_scale == 0.5

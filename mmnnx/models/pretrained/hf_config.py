@@ -377,8 +377,10 @@ def _rope_of(params: dict[str, Any], key: str, v: dict[str, Any], file: str) -> 
         "original_max_position_embeddings", _int(1), v["max_position_embeddings"]
     )
     if kind == "yarn":
-        optional = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+        optional = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")  # 0: absent, as there
         given = {k: float(number(k, _POSITIVE, None)) for k in optional if params.get(k)}
+        if params.get("attention_factor") is not None:  # transformers scales by a 0 as well
+            given["attention_factor"] = float(number("attention_factor", _POSITIVE, None))
         factor = float(number("factor", _POSITIVE, v["max_position_embeddings"] / original))
         truncate = params.get("truncate")
         if truncate is not None and not isinstance(truncate, bool):
