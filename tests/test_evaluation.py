@@ -126,3 +126,31 @@ def test_generation_stops_where_transformers_generate_stops(tmp_path):
     )
     reply = lm.tokenizer.decode(expected["generated"][:-1], skip_special_tokens=True)
     assert lm.generate_until([request]) == [reply]
+
+
+def test_generation_stops_where_lm_evals_hf_model_stops(tmp_path, monkeypatch):
+    """lm-eval's hf model stops where transformers' generate stops (the generation config's
+    eos ids: config.json's without generation_config.json, none where that file has none) and
+    where the text, special tokens kept, shows an `until` string, to which it adds the
+    tokenizer's eos text; it keeps the stop token, decoded without special tokens (a plain
+    character's stays). mmnnx's stopped at tokenizer_config.json's eos token (its id, not its
+    text) without generation_config.json, left out a plain stop token, and went past a
+    special-token `until` (decoded away before the cut). cases.json: lm-eval's replies."""
+    import types
+
+    from mmnnx.train import chat_template
+    from mmnnx.train.evaluation import MmnnxLM
+    from tests.test_generate import EOS_CASES, eos_variant
+
+    reads = []
+    read = chat_template._tokenizer_config
+    monkeypatch.setattr(chat_template, "_tokenizer_config", lambda f: reads.append(f) or read(f))
+    for i, case in enumerate(EOS_CASES["cases"]):
+        base, expected = eos_variant(tmp_path / str(i), case)
+        reads.clear()
+        lm = MmnnxLM(pretrained=str(base))
+        assert reads == [str(base)], case["name"]  # tokenizer_config.json read once
+        for request in case["lm_eval"]:
+            kwargs = {"until": list(request["until"]), "max_gen_toks": expected["max_new_tokens"]}
+            got = lm.generate_until([types.SimpleNamespace(args=(expected["prompt"], kwargs))])
+            assert got == [request["text"]], (case["name"], request)

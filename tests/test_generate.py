@@ -103,6 +103,10 @@ def test_generating_on_the_run_layout_equals_one_device(scan_layers):
     single = one_device(config)
     prompt = jnp.array([3, 4, 5, 6])
     np.testing.assert_array_equal(placed.generate(prompt, 8), single.generate(prompt, 8))
+    stop = [int(single.generate(prompt, 8)[0, 3])]  # ends there: each token read back
+    stopped = placed.generate(prompt, 8, stop=stop)
+    np.testing.assert_array_equal(stopped, single.generate(prompt, 8, stop=stop))
+    assert stopped.shape[1] <= 4
     key = jax.random.key(7)
     np.testing.assert_array_equal(
         placed.generate(prompt, 8, temperature=0.9, top_k=8, rng=key),
@@ -366,11 +370,11 @@ def test_a_continuation_stops_at_the_eos_token_of_the_runs_base(tmp_path, capsys
     HFTokenizer.from_file(base / "tokenizer.json").save(run / "tokenizer")
     generation = json.loads((base / "generation_config.json").read_text())
     assert read_run(run).eos == (generation["eos_token_id"],)  # where transformers stops
-    (base / "generation_config.json").unlink()  # none: tokenizer_config.json's eos_token
-    assert read_run(run).eos == ("</s>",)
-    (base / "tokenizer_config.json").write_text("{")
-    with pytest.raises(ValueError, match=r"base/tokenizer_config.json: not valid JSON"):
-        read_run(run)
+    (base / "generation_config.json").unlink()  # none: config.json's, not the eos_token
+    config = json.loads((base / "config.json").read_text())
+    assert read_run(run).eos == (config["eos_token_id"],)
+    (base / "tokenizer_config.json").write_text("{")  # not read for the eos ids
+    assert read_run(run).eos == (config["eos_token_id"],)
     (base / "tokenizer_config.json").write_text("{}")  # and no chat template
     assert main(["generate", "--run", str(run), "--prompt", "hi", "--chat"]) == 2
     err = capsys.readouterr().err
@@ -419,3 +423,137 @@ def test_generation_stops_at_any_eos_id_of_the_bases_generation_config(tmp_path)
     # every token of the greedy run, stopped nowhere: the one mmnnx printed
     unstopped = tokenizer.decode(expected["prompt_ids"] + expected["without_stop"])
     assert continue_text(model, tokenizer, prompt, n) == unstopped
+
+
+EOS_CASES = json.loads(
+    (pathlib.Path(__file__).parent / "transformers_fixtures" / "eos" / "cases.json").read_text()
+)
+"""make_eos_fixtures.py's record of where transformers stops on variations of eos/'s checkpoint
+(and lm-eval's hf model's replies on them: tests/test_evaluation.py)."""
+
+
+def eos_variant(folder, case):
+    """eos_checkpoint with the files of one of cases.json's cases (make_eos_fixtures.variant):
+    its generation_config.json (None: none), config.json's eos_token_id and the eos_token."""
+    folder.mkdir()
+    base, expected = eos_checkpoint(folder)
+    (base / "generation_config.json").unlink()
+    if case["generation_config"] is not None:
+        (base / "generation_config.json").write_text(json.dumps(case["generation_config"]))
+    for name, key, value in [
+        ("config.json", "eos_token_id", case["config_eos_token_id"]),
+        ("tokenizer_config.json", "eos_token", case["eos_token"]),
+    ]:
+        content = json.loads((base / name).read_text())
+        (base / name).write_text(json.dumps(content | {key: value}))
+    return base, expected
+
+
+def as_tuple(ids):
+    """transformers' generation config's eos_token_id (None, an id or a list) as a tuple."""
+    return () if ids is None else tuple(ids) if isinstance(ids, list) else (ids,)
+
+
+def test_stop_tokens_are_where_transformers_generate_stops(tmp_path):
+    """Without generation_config.json transformers stops at config.json's eos_token_id (it
+    builds the generation config from it), and with one that has no eos_token_id nowhere;
+    never at tokenizer_config.json's eos_token, where mmnnx stopped in both cases. Each case of
+    cases.json: stop_tokens is transformers' eos ids, and mmnnx's greedy tokens, decoding ended
+    at every row's first stop token (GPT.generate's stop), are transformers' generate's."""
+    from mmnnx.models import from_pretrained  # noqa: PLC0415
+    from mmnnx.train.generation import continue_text, stop_tokens  # noqa: PLC0415
+    from mmnnx.train.tokenizers import HFTokenizer  # noqa: PLC0415
+
+    model = tokenizer = None
+    for i, case in enumerate(EOS_CASES["cases"]):
+        base, expected = eos_variant(tmp_path / str(i), case)
+        stops = stop_tokens(base)
+        assert stops == as_tuple(case["stops_at"]), case["name"]
+        if model is None:  # the weights are the same in every case
+            model = from_pretrained(base)
+            tokenizer = HFTokenizer.from_file(base / "tokenizer.json")
+        ids, n = expected["prompt_ids"], expected["max_new_tokens"]
+        new = np.asarray(model.generate(np.asarray(ids), n, stop=stops))[0].tolist()
+        assert new == case["generated"], case["name"]  # shorter where it stopped
+        *text, last = case["generated"]
+        text += [] if last in stops else [last]  # the stop token is not printed
+        text = tokenizer.decode(ids + text)
+        assert continue_text(model, tokenizer, expected["prompt"], n, eos=stops) == text
+
+
+def test_stop_tokens_of_a_multimodal_config_are_its_text_configs(tmp_path):
+    """A multimodal Gemma 3 without generation_config.json: transformers stops at the eos ids
+    of config.json's text_config (transformers writes none at its top), or at the top-level
+    ones where it has them (from_model_config); mmnnx read its tokenizer_config.json (none)."""
+    from mmnnx.train.generation import stop_tokens, until_eos  # noqa: PLC0415
+    from mmnnx.train.tokenizers import ByteTokenizer  # noqa: PLC0415
+
+    multimodal = EOS_CASES["multimodal"]
+    for case in ("text_config", "top_level"):
+        recorded = multimodal[case]
+        base = tmp_path / case
+        base.mkdir()
+        (base / "config.json").write_text(json.dumps(recorded["config"]))
+        stops = stop_tokens(base)
+        assert stops == as_tuple(recorded["stops_at"]) and stops, case
+        unstopped = np.array(multimodal["without_stop"])
+        assert until_eos(unstopped, ByteTokenizer(), stops).tolist() == recorded["generated"][:-1]
+    assert multimodal["text_config"]["config"].get("eos_token_id") is None
+
+
+def test_stop_tokens_name_a_config_json_that_is_not_one(tmp_path):
+    from mmnnx.train.generation import stop_tokens  # noqa: PLC0415
+
+    assert stop_tokens(tmp_path) == ()  # no file
+    config = tmp_path / "config.json"
+    config.write_text("{")
+    with pytest.raises(ValueError, match=r"config.json: not valid JSON \(Expecting"):
+        stop_tokens(tmp_path)
+    config.write_text("[1]")
+    with pytest.raises(ValueError, match=r"config.json: not a JSON object"):
+        stop_tokens(tmp_path)
+    config.write_text('{"eos_token_id": null, "text_config": {"eos_token_id": ["</s>"]}}')
+    with pytest.raises(ValueError, match=r"config.json: eos_token_id \['</s>'\] is not a token"):
+        stop_tokens(tmp_path)
+    config.write_text('{"eos_token_id": 5, "text_config": {"eos_token_id": [1, 106]}}')
+    assert stop_tokens(tmp_path) == (5,)  # the top level's first
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"generation_config.json: not valid JSON"):
+        stop_tokens(tmp_path)
+
+
+def test_decoding_ends_once_every_row_has_stopped():
+    """GPT.generate computed every one of max_new_tokens before the eos cut them; with stop
+    ids it ends at the step where each row has generated one, its tokens up to there those
+    of a run without them."""
+    model = one_device(GPTConfig(**SMALL))
+    prompt = jnp.array([[1, 2, 3], [4, 5, 6]])
+    full = np.asarray(model.generate(prompt, 10))
+    stop = [int(full[0, 2]), int(full[1, 5])]  # a token of each row
+    end = max(np.isin(row, stop).argmax() for row in full) + 1  # the step the last row stops
+    assert end < 10
+    stopped = np.asarray(model.generate(prompt, 10, stop=stop))
+    np.testing.assert_array_equal(stopped, full[:, :end])
+    assert all(np.isin(row, stop).any() for row in stopped)
+    np.testing.assert_array_equal(model.generate(prompt, 10, stop=[64 + 1]), full)  # none
+    np.testing.assert_array_equal(model.generate(prompt, 10, stop=stop[:1]), full)  # one row
+
+
+def test_a_fine_tuned_runs_sample_stops_where_generate_stops(tmp_path, capsys, monkeypatch):
+    """The sample `mmnnx train` prints at the end of a run passed no eos: a fine-tuned run's
+    went on past its base's eos ids, where `mmnnx generate` and transformers stop."""
+    from mmnnx.cli import train as train_cli  # noqa: PLC0415
+    from mmnnx.models import from_pretrained  # noqa: PLC0415
+    from mmnnx.train.config import RunConfig  # noqa: PLC0415
+    from mmnnx.train.tokenizers import HFTokenizer  # noqa: PLC0415
+
+    base, expected = eos_checkpoint(tmp_path)
+    model, tokenizer = from_pretrained(base), HFTokenizer.from_file(base / "tokenizer.json")
+    monkeypatch.setattr(train_cli, "SAMPLE_PROMPT", expected["prompt"])
+    config = RunConfig.of({"init_from": str(base), "output_dir": str(tmp_path / "run")})
+    assert train_cli._sample(model, tokenizer, config) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == expected["text"]
+    (base / "generation_config.json").write_text("{")
+    assert train_cli._sample(model, tokenizer, config) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("sample: none (--init-from: ") and "generation_config.json" in line

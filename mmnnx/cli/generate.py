@@ -55,9 +55,10 @@ def add_parser(commands: Any) -> None:
         "newest checkpoint, and print PROMPT followed by its continuation (decoded with "
         "DIR/tokenizer), up to the first eos token of its --init-from checkpoint, where "
         "transformers' generate stops: any id of its generation_config.json's eos_token_id (an "
-        "id or a list), else its tokenizer_config.json's eos_token. Each token is one "
-        "step of a compiled decoder with a key/value cache; greedy unless --temperature is "
-        'given. Example: mmnnx generate --run runs/demo --prompt "In the beginning"',
+        "id or a list; none if it has none), else (no such file) of its config.json's. Each "
+        "token is one step of a compiled decoder with a key/value cache; greedy unless "
+        "--temperature is given. Example: "
+        'mmnnx generate --run runs/demo --prompt "In the beginning"',
     )
     add_fields(generate, dataclasses.fields(Options))
 

@@ -135,15 +135,22 @@ def run(config: RunConfig, given: Set[str] = frozenset(), *, pretrained: Any = N
 
 
 def _sample(model: Any, tokenizer: Tokenizer, config: RunConfig) -> int:
-    """Prints a greedy continuation of :data:`SAMPLE_PROMPT` by the trained ``model``."""
-    from mmnnx.train.generation import continue_text  # noqa: PLC0415
+    """Prints a greedy continuation of :data:`SAMPLE_PROMPT` by the trained ``model``, up to
+    the first eos token of its ``--init-from`` checkpoint (where ``mmnnx generate`` stops)."""
+    from mmnnx.train.generation import continue_text, stop_tokens  # noqa: PLC0415
 
     room = model.config.max_seq_len - len(tokenizer.encode(SAMPLE_PROMPT))
     if room < 1:
         seq_len = config.model.seq_len
         print(f"sample: none (--seq-len {seq_len} leaves no room after {SAMPLE_PROMPT!r})")
         return 0
-    text = continue_text(model, tokenizer, SAMPLE_PROMPT, min(48, room))
+    base = config.model.init_from
+    try:
+        eos = stop_tokens(base) if base else ()
+    except ValueError as e:  # the run is saved: its sample alone is left out
+        print(f"sample: none (--init-from: {e})")
+        return 0
+    text = continue_text(model, tokenizer, SAMPLE_PROMPT, min(48, room), eos=eos)
     print(f'sample (greedy; more: mmnnx generate --run {config.outputs.output_dir} --prompt "...")')
     print(text)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -162,17 +163,23 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     rng: jax.Array | None = None,
+    stop: Sequence[int] = (),
 ) -> jax.Array:
     """``GPT.generate``, a key/value cache per block (``max_seq_len`` positions, a sliding
     layer's window: :data:`KV`) filled by a prefill; ``temperature`` below float32's smallest
-    normal number (1.2e-38) is greedy.
+    normal number (1.2e-38) is greedy. With ``stop`` ids, each new token is read back to the
+    host and decoding ends at the step where every row has generated one of them (that step's
+    tokens the last column): the tokens up to it are those of a run without ``stop``.
 
     Example:
         >>> from mmnnx.models import GPT, GPTConfig
         >>> with nnx.use_eager_sharding(False):
         ...     model = GPT(GPTConfig(dim=32, depth=2, vocab_size=64), rngs=nnx.Rngs(0))
-        >>> generate(model, jnp.array([1, 2, 3]), 4).shape
+        >>> new = generate(model, jnp.array([1, 2, 3]), 4)
+        >>> new.shape
         (1, 4)
+        >>> generate(model, jnp.array([1, 2, 3]), 4, stop=[int(new[0, 0])]).shape  # its first
+        (1, 1)
     """
     prompt = jnp.asarray(prompt, jnp.int32)
     if prompt.ndim == 1:
@@ -196,6 +203,7 @@ def generate(
     greedy = temperature < np.finfo(np.float32).tiny  # 0 in float32, or flushed to 0 on device
     logits, cache = forward(model, prompt, None, jnp.zeros((), jnp.int32))
     tokens = []
+    stopped = np.zeros(prompt.shape[0], bool)
     for i in range(max_new_tokens):
         if greedy:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -203,6 +211,10 @@ def generate(
             key, draw = jax.random.split(key)
             token = _sample(logits, jnp.float32(temperature), top_k, draw)
         tokens.append(token)
+        if len(stop):  # a host sync per step, only where asked
+            stopped |= np.isin(np.asarray(jax.device_get(token)), stop)
+            if stopped.all():
+                break
         if i + 1 < max_new_tokens:
             pos = jnp.asarray(prompt.shape[1] + i, jnp.int32)
             logits, cache = forward(model, token[:, None], cache, pos)

@@ -475,12 +475,14 @@ class GPT(nnx.Module):
         temperature: float = 0.0,
         top_k: int | None = None,
         rng: jax.Array | None = None,
+        stop: Sequence[int] = (),
     ) -> jax.Array:
         """The next ``max_new_tokens`` tokens after ``prompt`` (``(seq,)`` or ``(batch, seq)``
         ids), ``(batch, max_new_tokens)``: greedy with ``temperature`` 0, else sampled (from the
         ``top_k`` most likely when given, keys from ``rng``), with a key/value cache. Placed on
-        tasks (``mm.init``), each step runs with ``mm.jit``, each stage on its own submesh. See
-        ``mmnnx.models.decoding.generate``.
+        tasks (``mm.init``), each step runs with ``mm.jit``, each stage on its own submesh.
+        With ``stop`` ids (eos tokens), fewer columns where every row has generated one of them
+        by then: decoding ends at that step. See ``mmnnx.models.decoding.generate``.
 
         Example:
             >>> with nnx.use_eager_sharding(False):
@@ -490,7 +492,8 @@ class GPT(nnx.Module):
         """
         from mmnnx.models.decoding import generate  # noqa: PLC0415  (it runs GPTs: no cycle)
 
-        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, rng=rng)
+        options = {"temperature": temperature, "top_k": top_k, "rng": rng, "stop": stop}
+        return generate(self, prompt, max_new_tokens, **options)
 
 
 def _segment(segment: Segment, c: GPTConfig, segments: int, rngs: nnx.Rngs) -> nnx.Module:

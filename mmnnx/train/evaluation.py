@@ -15,7 +15,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from mmnnx.train.chat_template import special_tokens
-from mmnnx.train.generation import stop_tokens, until_eos
+from mmnnx.train.generation import stop_tokens
 
 
 class UnscorableTaskError(ValueError):
@@ -31,10 +31,12 @@ class MmnnxLM(TemplateLM):
 
     Requests are tokenized and windowed as lm-eval's ``hf`` model does (lm-eval's
     ``TemplateLM``, ``get_rolling_token_windows``): the text with the tokenizer's
-    post-processor (a Llama's bos), empty contexts on the bos (else eos) token, greedy
-    generation stopped where transformers' ``generate`` stops (any id of the checkpoint's
-    ``generation_config.json`` ``eos_token_id``, else its eos token: ``stop_tokens``) and cut at
-    the ``until`` strings and the eos token's text.
+    post-processor (a Llama's bos), empty contexts on the bos (else eos) token, and greedy
+    generation stopped where the ``hf`` model's stops (``_generated``): at the eos ids of
+    the checkpoint's generation config, where transformers' ``generate`` stops
+    (``stop_tokens``: its ``generation_config.json``'s, else its ``config.json``'s), or once
+    the text shows one of the request's ``until`` strings or the tokenizer's eos token (lm-eval
+    adds its text to them), then decoded without special tokens and cut at those strings.
 
     Example::
 
@@ -52,19 +54,21 @@ class MmnnxLM(TemplateLM):
             spec = read_run(run)
             loaded = load_run(spec, layout=layout)
             self.model, self.tokenizer = loaded.model, loaded.tokenizer
-            folder = spec.run.model.init_from
+            folder, stops = spec.run.model.init_from, loaded.eos
         else:
             from mmnnx.models import from_pretrained  # noqa: PLC0415
             from mmnnx.train.tokenizers import HFTokenizer  # noqa: PLC0415
 
             self.model = from_pretrained(pretrained)
             self.tokenizer = HFTokenizer.from_file(pathlib.Path(pretrained, "tokenizer.json"))
-            folder = pretrained
-        tokens = special_tokens(folder) if folder else {}
+            folder, stops = pretrained, stop_tokens(pretrained)
+        tokens = special_tokens(folder) if folder else {}  # tokenizer_config.json, read once
         ids = {k: self.tokenizer.token_id(t) for k, t in tokens.items()}
         self._eot = ids.get("eos_token")
         self._eos = tokens.get("eos_token")  # a stop string too, as lm-eval's hf model adds it
-        self._stops = stop_tokens(folder) if folder else ()  # where transformers' generate stops
+        self._stops = stops  # where transformers' generate stops: the generation config's ids
+        # decoding may end at these: the eos token's text stops it too (``_generated``)
+        self._early = (*stops, *([] if self._eot is None else [self._eot]))
         self._prefix = ids.get("bos_token", self._eot)
         self._prefix_text = None if self._prefix is None else self.tokenizer.decode([self._prefix])
         self.max_length = int(max_length or self.model.config.max_seq_len)
@@ -125,13 +129,28 @@ class MmnnxLM(TemplateLM):
         for context, kwargs in [r.args for r in requests]:
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
+            until += [self._eos] if self._eos and self._eos not in until else []
             new = int(kwargs.get("max_gen_toks", 256))
             ids = self.tok_encode(context)[-(self.max_length - new) :]
-            out = np.asarray(self.model.generate(jnp.asarray(ids), new))[0]
-            out = until_eos(out, self.tokenizer, self._stops)
-            text = self.tokenizer.decode(out, skip_special_tokens=True)
-            until += [self._eos] if self._eos and self._eos not in until else []
-            for term in until:
+            out = np.asarray(self.model.generate(jnp.asarray(ids), new, stop=self._early))[0]
+            text = self.tokenizer.decode(self._generated(out, until), skip_special_tokens=True)
+            for term in until:  # lm-eval's postprocess_generated_text
                 text = text.split(term)[0] if term else text
             texts.append(text)
         return texts
+
+    def _generated(self, new: np.ndarray, until: list[str]) -> np.ndarray:
+        """The tokens of ``new`` lm-eval's ``hf`` model generates for a request: up to the
+        first that is one of the generation config's eos ids, or after which the text of the
+        last few (special tokens kept) shows one of ``until`` (its ``MultiTokenEOSCriteria``:
+        as many as the string's own tokens and 2; the empty string shows in any), that token
+        kept."""
+        looks = [(s, len(self.tokenizer.encoding(s, False).ids) + 2) for s in until]
+        for end, token in enumerate(new.tolist(), 1):
+            if token in self._stops:
+                return new[:end]
+            for s, n in looks:
+                text = self.tokenizer.decode(new[max(0, end - n) : end], skip_special_tokens=False)
+                if s in text:
+                    return new[:end]
+        return new

@@ -15,7 +15,6 @@ import numpy as np
 from mmnnx.models import GPT, GPTConfig
 from mmnnx.models.pretrained import CheckpointError
 from mmnnx.sharding import MultiMesh, Task, logical_rules
-from mmnnx.train.chat_template import special_tokens
 from mmnnx.train.checkpoint import Checkpointer, Skipped
 from mmnnx.train.config import RunConfig
 from mmnnx.train.run_config import CONFIG_FILE, ConfigError, read_config
@@ -25,7 +24,7 @@ from mmnnx.train.tokenizers import Tokenizer, fingerprint, load_tokenizer
 
 Eos = str | int | Sequence[str | int] | None
 """Where generation stops: a token (its text, an id of the tokenizer's), an id, or several (the
-first of any), as :func:`stop_tokens` reads them; ``None`` or ``()``: nowhere."""
+first of any; :func:`stop_tokens` reads a checkpoint's ids); ``None`` or ``()``: nowhere."""
 
 LAYOUTS = ("one-device", "run")
 """Where :func:`load_run` puts the model: on the default device, or on the run's own tasks
@@ -48,7 +47,7 @@ class LoadedRun:
     step: int
     run: RunConfig
     skipped: list[Skipped] = dataclasses.field(default_factory=list)
-    eos: tuple[int | str, ...] = ()
+    eos: tuple[int, ...] = ()
 
 
 def read_run_config(run_dir: str | pathlib.Path) -> RunConfig:
@@ -127,7 +126,7 @@ class RunSpec:
     tokenizer: Tokenizer
     config: GPTConfig
     checkpoints: pathlib.Path
-    eos: tuple[int | str, ...] = ()
+    eos: tuple[int, ...] = ()
 
 
 def read_run(run_dir: str | pathlib.Path) -> RunSpec:
@@ -159,35 +158,64 @@ def read_run(run_dir: str | pathlib.Path) -> RunSpec:
     )
 
 
-def stop_tokens(folder: str | pathlib.Path) -> tuple[int | str, ...]:
-    """The tokens transformers' ``generate`` stops at after a prompt to the checkpoint in
-    ``folder``: the ``eos_token_id`` of its ``generation_config.json`` (an id or a list of ids:
-    Llama 3 Instruct's ``[128001, 128008, 128009]``, its turns ending at ``<|eot_id|>``, not
-    its ``eos_token``), else the ``eos_token`` of its ``tokenizer_config.json`` (its text);
-    none without either. A ``ValueError`` naming the file for one not valid JSON or an
-    ``eos_token_id`` that is neither.
+def stop_tokens(folder: str | pathlib.Path) -> tuple[int, ...]:
+    """The token ids transformers' ``generate`` stops at after a prompt to the checkpoint in
+    ``folder`` (its default generation config, as ``from_pretrained`` loads it): the
+    ``eos_token_id`` of its ``generation_config.json`` (an id or a list of ids: Llama 3
+    Instruct's ``[128001, 128008, 128009]``, its turns ending at ``<|eot_id|>``); none where
+    that file has no ``eos_token_id``. Without the file, transformers builds the config from
+    ``config.json`` (``GenerationConfig.from_model_config``): its ``eos_token_id``, else (absent
+    or null) that of its first ``decoder``, ``generator`` or ``text_config`` (a multimodal
+    Gemma 3's eos ids are in its ``text_config``). Never the ``eos_token`` of
+    ``tokenizer_config.json``: transformers does not stop there (lm-eval's ``hf`` model does,
+    through its stop strings: ``mmnnx.train.evaluation``). A ``ValueError`` naming the file
+    for one that is not a JSON object or an ``eos_token_id`` that is not an id or a list of
+    them.
 
     Example:
         >>> import tempfile, pathlib
         >>> base = pathlib.Path(tempfile.mkdtemp())
         >>> _ = (base / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
-        >>> stop_tokens(base)
-        ('</s>',)
+        >>> _ = (base / "config.json").write_text('{"text_config": {"eos_token_id": [1, 106]}}')
+        >>> stop_tokens(base)  # no generation_config.json: config.json's
+        (1, 106)
         >>> _ = (base / "generation_config.json").write_text('{"eos_token_id": [1, 8, 9]}')
         >>> stop_tokens(base)
         (1, 8, 9)
+        >>> _ = (base / "generation_config.json").write_text('{"bos_token_id": 2}')
+        >>> stop_tokens(base)  # a generation config without eos ids: nowhere
+        ()
     """
     path = pathlib.Path(folder, "generation_config.json")
+    if path.is_file():
+        return _eos_ids(path, _json_object(path).get("eos_token_id"))
+    path = pathlib.Path(folder, "config.json")
+    if not path.is_file():
+        return ()
+    config = _json_object(path)
+    ids = config.get("eos_token_id")
+    if ids is None:  # from_model_config: the first of these sub-configs present, if any
+        names = ("decoder", "generator", "text_config")
+        inner = next((config[k] for k in names if config.get(k)), {})
+        ids = inner.get("eos_token_id") if isinstance(inner, dict) else None
+    return _eos_ids(path, ids)
+
+
+def _json_object(path: pathlib.Path) -> dict:
+    """The JSON object in ``path``; a ``ValueError`` naming it if it holds none."""
     try:
-        ids = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-    except (ValueError, AttributeError) as e:
-        raise ValueError(f"{path}: not a JSON object ({e})") from None
+        value = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return value
+
+
+def _eos_ids(path: pathlib.Path, ids: object) -> tuple[int, ...]:
+    """``eos_token_id`` (``None``, an id or a list of ids, read from ``path``) as a tuple."""
     if ids is None:
-        try:
-            eos = special_tokens(folder).get("eos_token")
-        except ValueError as e:
-            raise ValueError(f"{folder}/tokenizer_config.json: not valid JSON ({e})") from None
-        return (eos,) if eos else ()
+        return ()
     ids = ids if isinstance(ids, list) else [ids]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"{path}: eos_token_id {ids} is not a token id or a list of them")
@@ -321,13 +349,16 @@ def _new_tokens(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``prompt``'s token ids and the ``max_new_tokens`` ones ``model`` continues them with,
     up to the first of the ``eos`` tokens (:data:`Eos`; text that is not a token of
-    ``tokenizer``'s stops nothing here); ``sampling``: temperature, top-k and seed."""
+    ``tokenizer``'s stops nothing here; decoding ends there); ``sampling``: temperature, top-k
+    and seed."""
     temperature, top_k, seed = sampling
     ids = np.asarray(tokenizer.encode(prompt))
+    stops = stop_ids(tokenizer, eos)
+    key = jax.random.key(seed)
     new = model.generate(
-        ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=jax.random.key(seed)
+        ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=key, stop=stops
     )
-    return ids, until_eos(np.asarray(new)[0], tokenizer, eos)
+    return ids, until_eos(np.asarray(new)[0], tokenizer, stops)
 
 
 def until_eos(new: np.ndarray, tokenizer: Tokenizer, eos: Eos) -> np.ndarray:
@@ -339,11 +370,23 @@ def until_eos(new: np.ndarray, tokenizer: Tokenizer, eos: Eos) -> np.ndarray:
         >>> until_eos(np.array([5, 9, 7, 9]), ByteTokenizer(), (7, 9)).tolist()
         [5]
     """
-    token_id = getattr(tokenizer, "token_id", None)  # a ByteTokenizer has none: ids alone
-    named = {token_id(t) for t in _eos_tuple(eos) if isinstance(t, str)} if token_id else set()
-    stops = {t for t in _eos_tuple(eos) if isinstance(t, int)} | named - {None}
+    stops = stop_ids(tokenizer, eos)
     ends = [i for i, t in enumerate(np.asarray(new).tolist()) if t in stops]
     return new[: ends[0]] if ends else new
+
+
+def stop_ids(tokenizer: Tokenizer, eos: Eos) -> tuple[int, ...]:
+    """The ids of the ``eos`` tokens (:data:`Eos`: ids as they are, texts as ``tokenizer``'s
+    ids; one it has no id for left out), each once, in order.
+
+    Example:
+        >>> from mmnnx.train.tokenizers import ByteTokenizer
+        >>> stop_ids(ByteTokenizer(), [9, 7, 9, "</s>"])  # bytes: no token is named
+        (9, 7)
+    """
+    token_id = getattr(tokenizer, "token_id", None)  # a ByteTokenizer has none: ids alone
+    ids = [t if isinstance(t, int) else token_id(t) if token_id else None for t in _eos_tuple(eos)]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def _eos_tuple(eos: Eos) -> tuple[int | str, ...]:

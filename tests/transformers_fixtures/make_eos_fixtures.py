@@ -16,6 +16,22 @@ neither before it nor in the prompt), named ``<|eot_id|>``, and ``EOM`` one it n
 ``expected.json``: the prompt's ids and transformers' greedy ``generate`` (its own generation
 config, :data:`NEW_TOKENS` at most) on the assembled checkpoint, which ends at ``EOT``.
 tests/test_generate.py generates with mmnnx on the same files.
+
+``cases.json`` (:func:`write_cases`): where transformers stops when the checkpoint has no
+``generation_config.json`` (it builds one from ``config.json``, ``_from_model_config``: its
+``eos_token_id``, else that of its ``decoder``, ``generator`` or ``text_config``, a
+multimodal Gemma 3's) or one without ``eos_token_id`` (nowhere), never at the
+``tokenizer_config.json``'s ``eos_token``. Each case is the assembled checkpoint
+with its ``generation_config.json`` replaced (or removed), ``config.json``'s ``eos_token_id``
+set and the ``eos_token`` named (:func:`cases`); recorded: the ``eos_token_id`` transformers'
+generation config holds, its greedy ``generate`` (the checkpoint's own config), and what
+lm-eval's ``hf`` model (it adds the tokenizer's eos text to a request's ``until``) returns for
+each ``until`` of :data:`UNTIL` (so the venv needs lm-eval too: ``pip install lm-eval==0.4.13``;
+tests/test_evaluation.py compares mmnnx's lm-eval model).
+``multimodal``: a tiny random ``Gemma3ForConditionalGeneration`` whose eos ids are in
+``config.json``'s ``text_config`` (as transformers writes it: none at the top) or also at the
+top, without ``generation_config.json``: its ``config.json`` and where ``generate`` stops (no
+weights: mmnnx reads only the config of it).
 """
 
 import json
@@ -25,6 +41,7 @@ import string
 import tempfile
 
 import torch
+import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -100,5 +117,176 @@ def write_eos() -> None:
     print(expected)
 
 
+UNTIL = ([], ["<|eot_id|>"], [""])
+"""The ``until`` of the lm-eval requests recorded for each case: none (the eos text alone), a
+special token's text (lm-eval stops when the text, specials kept, shows it), and the empty
+string."""
+
+
+def cases(eom: int, eot: int) -> list[dict]:
+    """The variations of ``eos/``'s checkpoint (``generation_config``: the file's content,
+    ``None``: no file; ``config_eos_token_id``: ``config.json``'s, ``None`` written as null;
+    ``eos_token``: ``tokenizer_config.json``'s). Greedy decoding reaches ``eot`` (3rd new token)
+    and the plain character id 10 (2nd); neither ``eom`` nor 2 (``<|end_of_text|>``)."""
+    end, turn = SPECIAL[2], "<|eot_id|>"
+    return [
+        {
+            "name": "no generation_config.json: config.json's eos_token_id",
+            "generation_config": None,
+            "config_eos_token_id": [eom, eot],
+            "eos_token": end,
+        },
+        {
+            "name": "no generation_config.json, config.json's eos never reached: not the "
+            "tokenizer's eos_token",
+            "generation_config": None,
+            "config_eos_token_id": 2,
+            "eos_token": turn,
+        },
+        {
+            "name": "no generation_config.json, config.json's eos_token_id null",
+            "generation_config": None,
+            "config_eos_token_id": None,
+            "eos_token": turn,
+        },
+        {
+            "name": "generation_config.json without eos_token_id: nowhere",
+            "generation_config": {"bos_token_id": 1},
+            "config_eos_token_id": eot,
+            "eos_token": turn,
+        },
+        {
+            "name": "no eos reached: a special token's text among until stops lm-eval alone",
+            "generation_config": {"bos_token_id": 1, "eos_token_id": eom},
+            "config_eos_token_id": 2,
+            "eos_token": end,
+        },
+        {
+            "name": "generation_config.json's eos_token_id a plain character's id",
+            "generation_config": {"bos_token_id": 1, "eos_token_id": [eom, 10]},
+            "config_eos_token_id": 2,
+            "eos_token": end,
+        },
+    ]
+
+
+def variant(case: dict) -> pathlib.Path:
+    """The assembled checkpoint with ``case``'s files."""
+    base = assemble(OUT)
+    (base / "generation_config.json").unlink()
+    if case["generation_config"] is not None:
+        (base / "generation_config.json").write_text(json.dumps(case["generation_config"]))
+    for name, key, value in [
+        ("config.json", "eos_token_id", case["config_eos_token_id"]),
+        ("tokenizer_config.json", "eos_token", case["eos_token"]),
+    ]:
+        content = json.loads((base / name).read_text())
+        (base / name).write_text(json.dumps(content | {key: value}))
+    return base
+
+
+def lm_eval_texts(base: pathlib.Path, prompt: str) -> list[dict]:
+    """lm-eval's ``hf`` model's ``generate_until`` on ``base``, one request per :data:`UNTIL`."""
+    import types  # noqa: PLC0415
+
+    from lm_eval.models.huggingface import HFLM  # noqa: PLC0415
+
+    lm = HFLM(pretrained=str(base), dtype="float32", device="cpu", batch_size=1)
+    texts = []
+    for until in UNTIL:
+        request = types.SimpleNamespace(
+            args=(prompt, {"until": list(until), "max_gen_toks": NEW_TOKENS, "do_sample": False})
+        )
+        texts.append({"until": list(until), "text": lm.generate_until([request])[0]})
+    return texts
+
+
+def multimodal(text_eos: list[int], top_eos: list[int] | None) -> dict:
+    """A tiny ``Gemma3ForConditionalGeneration`` (seed 0), saved by transformers, its
+    ``generation_config.json`` removed, ``text_config``'s ``eos_token_id`` ``text_eos`` and the
+    top-level one ``top_eos`` (``None``: none, as transformers writes it); its ``config.json``
+    and the greedy ``generate`` of :data:`MM_PROMPT` with its own generation config."""
+    from transformers import (  # noqa: PLC0415
+        AutoModelForImageTextToText,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+    )
+
+    text = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 48}
+    text |= {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+    text |= {"head_dim": 16, "max_position_embeddings": 64, "sliding_window": 4}
+    text |= {"bos_token_id": 2, "eos_token_id": text_eos, "pad_token_id": 0}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    vision |= {"num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=1,
+        image_token_index=127,
+        boi_token_index=125,
+        eoi_token_index=126,
+    )
+    torch.manual_seed(0)
+    base = pathlib.Path(tempfile.mkdtemp()) / "gemma3"
+    Gemma3ForConditionalGeneration(config).save_pretrained(base)
+    (base / "generation_config.json").unlink()
+    saved = json.loads((base / "config.json").read_text())
+    assert "eos_token_id" not in saved and saved["text_config"]["eos_token_id"] == text_eos
+    if top_eos is not None:
+        saved["eos_token_id"] = top_eos
+        (base / "config.json").write_text(json.dumps(saved, indent=2))
+    model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        new = model.generate(torch.tensor([MM_PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+            0, len(MM_PROMPT) :
+        ].tolist()
+    return {
+        "class": type(model).__name__,
+        "config": saved,
+        "stops_at": model.generation_config.eos_token_id,
+        "generated": new,
+    }
+
+
+MM_PROMPT = [2, 10, 20, 30, 40, 50]
+
+
+def write_cases() -> None:
+    expected = json.loads((OUT / "expected.json").read_text())
+    eom, eot = expected["eos_token_id"][1:]
+    assert expected["without_stop"][1] == 10 and eot == expected["without_stop"][2]
+    prompt, ids = expected["prompt"], expected["prompt_ids"]
+    recorded = []
+    for case in cases(eom, eot):
+        base = variant(case)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        with torch.no_grad():
+            new = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        stops = model.generation_config.eos_token_id
+        case |= {"stops_at": stops, "generated": new[0, len(ids) :].tolist()}
+        case["lm_eval"] = lm_eval_texts(base, prompt)
+        recorded.append(case)
+        print(case)
+    # multimodal: the unstopped greedy run first, then eos ids it reaches / never reaches
+    ran = multimodal([1], None)["generated"]
+    reached = next(t for i, t in enumerate(ran) if i >= 2 and t not in MM_PROMPT + ran[:i])
+    never = next(t for t in range(3, 120) if t not in MM_PROMPT + ran)
+    mm = {
+        "prompt_ids": MM_PROMPT,
+        "without_stop": ran,
+        "text_config": multimodal([never, reached], None),
+        "top_level": multimodal([never], [reached, 1]),
+    }
+    assert mm["text_config"]["generated"][-1] == reached, mm
+    assert mm["top_level"]["generated"][-1] == reached, mm
+    print(mm["text_config"]["stops_at"], mm["top_level"]["stops_at"])
+    import lm_eval  # noqa: PLC0415
+
+    versions = {"transformers": transformers.__version__, "lm_eval": lm_eval.__version__}
+    out = {"versions": versions, "cases": recorded, "multimodal": mm}
+    (OUT / "cases.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
 if __name__ == "__main__":
     write_eos()
+    write_cases()
