@@ -2,6 +2,7 @@
 ``mmnnx train --memory-budget`` refusal before anything compiles, and one prediction against
 the peak a pipelined step measures (arrays held plus the running program's temporaries)."""
 
+import dataclasses
 import pathlib
 
 import jax
@@ -88,6 +89,34 @@ def test_the_arithmetic_by_hand():
         mm.MemoryLayout(stages=2, blocks=(1,))
 
 
+def test_a_tied_head_and_its_loss_are_charged_to_the_first_task():
+    """``embed.attend`` runs where the table lives: on 2 tasks in a loop the forward pass comes
+    back to the first task as a stage of its own (1F1B: 3 stages, so at least 3 microbatches),
+    which holds the logits, the table transposed per microbatch and the table's gradient until
+    stage 0's backward adds it to its sums; the last task holds none of it. A V places the
+    last model stage on the first task already; an interleaved loop cannot run it."""
+    untied = GPTConfig(vocab_size=2048, dim=32, depth=4, num_heads=2, max_seq_len=16)
+    tied = dataclasses.replace(untied, tie_embeddings=True)
+    lay, kw = mm.MemoryLayout(stages=2, blocks=(2, 2)), dict(batch=16, microbatches=4)
+    first, last = mm.predict_memory(tied, lay, **kw).tasks
+    ufirst, ulast = mm.predict_memory(untied, lay, **kw).tasks
+    logits = 16 // 4 * 16 * 2048 * 4  # a microbatch's float32 logits
+    assert last.activations < logits < first.activations - ufirst.activations
+    assert ulast.activations > logits and ulast.workspace > 2 * logits  # the loss's buffers
+    assert first.in_flight == 3  # stage 0 of 3 holds 3 microbatches
+    assert last.parameters == ulast.parameters - 4 * 2048 * 32  # no head of its own
+    with pytest.raises(ValueError, match=r"stages \(3\), got 2.*head tied to the embedding"):
+        mm.predict_memory(tied, lay, batch=16, microbatches=2)
+    with pytest.raises(ValueError, match="a looped placement cannot fold in"):
+        mm.predict_memory(tied, mm.MemoryLayout(stages=2, virtual_stages=2), batch=16,
+                          microbatches=4, schedule="interleaved-1f1b")  # fmt: skip
+    v = mm.MemoryLayout(stages=2, virtual_stages=2)
+    vee, uvee = (mm.predict_memory(c, v, schedule="zero-bubble-v", **kw).tasks
+                 for c in (tied, untied))  # fmt: skip
+    assert vee[1] == uvee[1]  # the head's stage is the first task's either way
+    assert vee[0].activations > uvee[0].activations  # with the table transposed and its gradient
+
+
 def test_train_refuses_a_layout_over_the_budget_before_compiling(tmp_path, capsys, monkeypatch):
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled before refusing")
@@ -142,16 +171,24 @@ def test_weights_gathered_once_a_step_are_charged_and_gathering_per_program_is_n
 
 
 @pytest.mark.parametrize(
-    "fsdp, batch, microbatches, gather",
+    "fsdp, batch, microbatches, gather, vocab, tied",
     [  # FSDP 2 over a data axis of 2: a stage of mostly state, its weights gathered in each
         # program or once a step (held whole from the first forward to the last backward)
-        (1, 16, 4, "microbatch"),
-        (2, 4, 2, "microbatch"),
-        (2, 4, 2, "step"),
+        (1, 16, 4, "microbatch", 64, False),
+        (2, 4, 2, "microbatch", 64, False),
+        (2, 4, 2, "step", 64, False),
+        # logits larger than the weights: the loss's backward's buffers on the last stage
+        (1, 16, 4, "microbatch", 2048, False),
+        # a tied head runs on the first task, a stage of its own (3 stages on 2 tasks): its
+        # logits, the table transposed and its gradient held there, none on the last task
+        (1, 16, 4, "microbatch", 2048, True),
     ],
 )
-def test_prediction_within_10_percent_of_the_measured_peak(fsdp, batch, microbatches, gather):
-    config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=16)
+def test_prediction_within_10_percent_of_the_measured_peak(
+    fsdp, batch, microbatches, gather, vocab, tied
+):
+    config = GPTConfig(vocab_size=vocab, dim=32, depth=2, num_heads=2, max_seq_len=16,
+                       tie_embeddings=tied)  # fmt: skip
     tasks = run_tasks(2, fsdp, 1, fsdp_axis=fsdp)
     with nnx.use_eager_sharding(False):
         rules = stage_rules(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))), tasks,

@@ -201,6 +201,33 @@ def test_a_tied_head_is_one_stage_more_for_the_schedule():
     assert step.layout.schedule == "gpipe" or step.layout.microbatches >= 3
 
 
+def test_a_tied_heads_flops_are_charged_to_the_task_running_it():
+    """A tied head (``embed.attend``) runs where the table lives: on 2 tasks in a loop, as a
+    stage of its own on the first task, its matmul charged to stage 0's F and B; in a V, in
+    the last model stage, on the first task too. Untied, on the last stage."""
+    h100, head = DEVICES["h100"], 2.0 * 32 * 4096  # forward FLOPs per token
+    lay = ClusterLayout(stages=2, microbatches=4)
+    v = ClusterLayout(stages=2, virtual_stages=2, schedule="zero-bubble-v", microbatches=4)
+
+    def forward(tied, layout):
+        config = GPTConfig(vocab_size=4096, dim=32, depth=4, num_heads=2, max_seq_len=8,
+                           tie_embeddings=tied)  # fmt: skip
+        costs = stage_costs(config, layout, h100, batch=64, seq=8).actions
+        count = layout.stages * layout.virtual_stages
+        return [costs[("F", s)] for s in range(count)], [costs[("B", s)] for s in range(count)]
+
+    seconds = head * 64 / 4 * 8 / (h100.flops * h100.efficiency)  # a microbatch's head
+    (untied, _), (tied, backward) = forward(False, lay), forward(True, lay)
+    # the blocks split (2, 2) untied, (1, 3) tied (the table counts on the first stage alone)
+    block = untied[0] / 2  # an embedding lookup costs no FLOPs
+    assert untied[1] == pytest.approx(2 * block + seconds)
+    assert tied[0] == pytest.approx(block + seconds) and tied[1] == pytest.approx(3 * block)
+    assert backward[0] == pytest.approx(2 * tied[0])  # its backward too
+    for config_tied in (False, True):  # a V's last model stage is on the first task already
+        f, _ = forward(config_tied, v)
+        assert f[3] == pytest.approx(f[0] + seconds)
+
+
 def test_cli_plan_json_and_layout(tmp_path, capsys):
     folder = tmp_path / "tiny"
     folder.mkdir()

@@ -16,7 +16,6 @@ from mmnnx.errors import NoCandidateError
 from mmnnx.models.gpt import REMAT, GPTConfig
 from mmnnx.modules import MoEConfig
 from mmnnx.mpmd import schedules as sched
-from mmnnx.mpmd.schedules.registry import registered
 from mmnnx.partition.cost import (
     ENGINE,
     ClusterLayout,
@@ -26,7 +25,12 @@ from mmnnx.partition.cost import (
     stage_costs,
     step_cost,
 )
-from mmnnx.partition.memory import MemoryPrediction, format_bytes, predict_memory
+from mmnnx.partition.memory import (
+    MemoryPrediction,
+    format_bytes,
+    pipeline_schedule,
+    predict_memory,
+)
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble-h1", "gpipe")
 """The schedules the search tries (interleaved with 2 and 4 model stages per task)."""
@@ -418,23 +422,7 @@ def schedule_runs(
         ...
         ValueError: 1f1b needs at least as many microbatches as stages (3), got 2... (the head ...
     """
-    model_stages = stages * virtual_stages
-    order = registered(name).placement.order(virtual_stages)
-    if tied and stages > 1 and order == "loop":
-        if virtual_stages > 1:
-            raise ValueError(
-                f"{name} with v={virtual_stages}: the head tied to the embedding brings the "
-                "forward pass back to the first task, which a looped placement cannot fold in"
-            )
-        try:
-            sched.get(name, model_stages + 1, microbatches)
-        except ValueError as e:
-            raise ValueError(
-                f"{e} (the head tied to the embedding brings the forward pass back to the "
-                f"first task: {model_stages + 1} stages on {stages} tasks)"
-            ) from None
-        return
-    sched.get(name, model_stages, microbatches, virtual_stages)
+    pipeline_schedule(name, stages, virtual_stages, microbatches, tied)
 
 
 def plan_cluster(

@@ -30,6 +30,7 @@ from mmnnx.partition.memory import (
     MemoryLayout,
     attention_weights,
     default_blocks,
+    head_stage,
     stage_weights,
 )
 
@@ -329,6 +330,10 @@ def stage_costs(
     """Each model stage's costs (:class:`StageCosts`) training on ``batch`` sequences of
     ``seq`` tokens, ``trainable`` the share of the weights trained (``0`` for LoRA's frozen
     base: no weight gradients' matmuls, reduce or update; the adapters' are not charged).
+    The head's matmul counts on the stage that runs it
+    (:func:`~mmnnx.partition.memory.head_stage`): the last, but a head tied to the embedding
+    runs on the first task's devices, in a looped placement as a stage of its own, charged to
+    stage 0's actions.
 
     Example:
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
@@ -347,12 +352,15 @@ def stage_costs(
     tp_bw, ep_bw, data_bw = (device.bandwidth(n) for n in (t, t * e, t * e * d))
     per_step = collectives.gradients == "step"  # as the published frameworks run
     costs, gathers, reduces, updates, share = {}, [], [], [], 0.0
+    head = head_stage(config.tie_embeddings, lay.stages, lay.virtual_stages, lay.schedule)
+    if head == count:  # a tied head's stage of its own runs on the first task's devices
+        head = 0
     for s in range(count):
         indices = range(starts[s], starts[s] + sizes[s])
         blocks = [config.block_configs[i] for i in indices]
         flops = sum(block_flops(config, i, seq) for i in indices)
         weights = stage_weights(config, lay.memory_layout(), indices, s == 0, s == count - 1).total
-        if s == count - 1:
+        if s == head:
             flops += 2.0 * config.dim * config.vocab_size
         compute = flops * tokens / t / speed
         comm = 2 * len(blocks) * ring(tokens * config.dim * act, t, tp_bw, passes=2)

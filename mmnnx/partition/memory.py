@@ -9,10 +9,12 @@ runner packs into one buffer (a second copy); each microbatch in flight keeps it
 residuals (what each block's forward keeps for its backward under the remat policy) from its
 forward until its backward, plus buffers at its stage boundaries; the largest program, a
 backward, works on one microbatch's weight gradients and the stage's activations as
-cotangents, recomputed once more under remat. At the end of the step the new
-parameters and optimizer state are written beside the old ones. Each term is per device:
-tensor-parallel weights and heads divide by ``tensor``, experts by ``expert``, parameters,
-gradient sums and optimizer state by ``fsdp``, the batch by ``data`` x ``expert``.
+cotangents, recomputed once more under remat. The stage running the head and the loss keeps
+the float32 logits, and its backward holds two more logits-sized buffers; a head tied to the
+embedding runs where the table lives, on the first task (:func:`head_stage`). At the end of
+the step the new parameters and optimizer state are written beside the old ones. Each term is
+per device: tensor-parallel weights and heads divide by ``tensor``, experts by ``expert``,
+parameters, gradient sums and optimizer state by ``fsdp``, the batch by ``data`` x ``expert``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from mmnnx.modules.deepseek_moe import DeepSeekMoEConfig
 from mmnnx.modules.latent_attention import LatentAttentionConfig
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.lower.pack import PACK_WEIGHT_BYTES, weight_bound
+from mmnnx.mpmd.schedules.registry import registered
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OPTIMIZER_COPIES = {"adamw": 2, "adam": 2, "sgd": 0, "momentum": 1, "lion": 1, "adafactor": 0}
@@ -334,32 +337,99 @@ def _block_residuals(
     return _Residuals(full, kept, projections + outputs)
 
 
-def _workspace(gradients: float, full: float, kept: float, *, split: bool) -> float:
+def _workspace(gradients: float, full: float, kept: float, *, split: bool,
+               loss: float = 0.0, input_loss: float = 0.0) -> float:  # fmt: skip
     """A stage's largest backward program's own buffers: one microbatch's weight
     ``gradients``, the stage's activations (``full``: all it would keep) as cotangents, and
     those remat recomputes (``full - kept``). Under remat a ``split`` backward's input-gradient
     pass recomputes and holds the cotangents, its weight-gradient pass the gradients: the
-    larger of the two (the first stage, with no input gradient, runs one pass)."""
+    larger of the two (the first stage, with no input gradient, runs one pass). ``loss``:
+    what the loss's backward holds beside the logits' cotangent before any weight gradient is
+    made, which the gradients then take the place of (the larger of the two); a split
+    backward's input-gradient pass returns the logits' cotangent instead (``waiting``), but
+    holds ``input_loss`` under remat (a tied head's: see :class:`_Stage`)."""
     cotangents = full + (full - kept)
-    return max(cotangents, gradients) if split and full > kept else gradients + cotangents
+    if split:
+        return max(cotangents + input_loss, gradients) if full > kept else gradients + cotangents
+    return max(gradients, loss) + cotangents
 
 
-def _held_peaks(events: Sequence[sched.Event], kept: Sequence[float], waiting: Sequence[float],
+def _held_peaks(events: Sequence[sched.Event], stages: Sequence[_Stage],
                 homes: Sequence[int]) -> dict[int, float]:  # fmt: skip
-    """Most bytes each rank holds at once for its microbatches in flight: a stage's ``kept``
-    from its F until its B (or W), and with a split backward its ``waiting`` cotangents from
-    its I until its W."""
-    changes = []
+    """Most bytes each task (``homes[s]``: stage ``s``'s) holds at once for its microbatches
+    in flight: a stage's ``kept`` and ``copies`` from its F until its B (or W; with a split
+    backward, what only its I reads, ``released``, until its I), with a split backward its
+    ``waiting`` cotangents from its I until its W, and a tied head's gradient of the table
+    (``table``) from its backward's first pass until the first stage's backward adds it to
+    its sums."""
+    changes, passed = [], sum(st.table for st in stages)
     for e in events:
-        s = e.stage
-        delta = {"F": kept[s], "I": waiting[s], "B": -kept[s], "W": -kept[s] - waiting[s]}[e.kind]
-        changes.append((e.start if e.kind == "F" else e.end, delta > 0, homes[s], delta))
+        st = stages[e.stage]
+        held = st.kept + st.copies
+        delta = {
+            "F": held, "I": st.waiting - st.released + st.table, "B": st.table - held,
+            "W": st.released - held - st.waiting,
+        }[e.kind]  # fmt: skip
+        if e.stage == 0 and e.kind in "BW":
+            delta -= passed
+        changes.append((e.start if e.kind == "F" else e.end, delta > 0, homes[e.stage], delta))
     now = dict.fromkeys(homes, 0.0)
     peak = dict(now)
     for _, _, home, delta in sorted(changes):  # at one instant, releases before new holds
         now[home] += delta
         peak[home] = max(peak[home], now[home])
     return peak
+
+
+def head_stage(tied: bool, stages: int, virtual_stages: int, schedule: str) -> int:
+    """The pipeline stage whose programs run the head and the loss (and their backward): the
+    last model stage (``stages * virtual_stages - 1``), but for a head ``tied`` to the embedding
+    (``embed.attend``) on several tasks placed in a loop, one stage more (``stages``): the
+    forward pass comes back to the first task, where the table lives, as a stage of its own
+    (mm.jit's chain: 1F1B on 2 tasks runs 3 stages). A V placement's last model stage is on the
+    first task already. Raises ValueError for a tied head on an interleaved placement (looped,
+    ``virtual_stages >= 2``), which cannot fold that stage in.
+
+    Example:
+        >>> head_stage(False, 2, 1, "1f1b"), head_stage(True, 2, 1, "1f1b")
+        (1, 2)
+        >>> head_stage(True, 2, 2, "zero-bubble-v")
+        3
+    """
+    count = stages * virtual_stages
+    if not tied or stages == 1 or registered(schedule).placement.order(virtual_stages) != "loop":
+        return count - 1
+    if virtual_stages > 1:
+        raise ValueError(
+            f"{schedule} with v={virtual_stages}: the head tied to the embedding brings the "
+            "forward pass back to the first task, which a looped placement cannot fold in"
+        )
+    return count
+
+
+def pipeline_schedule(
+    schedule: str, stages: int, virtual_stages: int, microbatches: int, tied: bool = False
+) -> tuple[sched.Schedule, int]:
+    """The schedule table a step of ``stages`` tasks of ``virtual_stages`` model stages runs, and
+    the stage of it running the head (:func:`head_stage`; a head of its own, on the first task,
+    makes one stage more). ValueError when the schedule cannot run them.
+
+    Example:
+        >>> table, head = pipeline_schedule("1f1b", 2, 1, 4, tied=True)
+        >>> table.num_stages, head
+        (3, 2)
+    """
+    count = stages * virtual_stages
+    head = head_stage(tied, stages, virtual_stages, schedule)
+    if head < count:
+        return sched.get(schedule, count, microbatches, virtual_stages), head
+    try:
+        return sched.get(schedule, count + 1, microbatches), head
+    except ValueError as e:
+        raise ValueError(
+            f"{e} (the head tied to the embedding brings the forward pass back to the first "
+            f"task: {count + 1} stages on {stages} tasks)"
+        ) from None
 
 
 @functools.cache
@@ -398,7 +468,7 @@ class _Shapes(NamedTuple):
 
 
 class _Stage(NamedTuple):
-    """One model stage's weights and what one microbatch of it keeps, in bytes per device."""
+    """One pipeline stage's weights and what one microbatch of it keeps, in bytes per device."""
 
     weights: _Weights
     kept: float  # from its forward to its backward, under the remat policy
@@ -406,6 +476,14 @@ class _Stage(NamedTuple):
     waiting: float  # with a split backward, from its input- to its weight-gradient pass
     block_full: float  # the largest block's full, and below kept, residuals (with the head's)
     block_kept: float
+    copies: float = 0.0  # weights kept for each microbatch beside kept: a tied head's table
+    released: float = 0.0  # of these, what only a split backward's input-gradient pass reads
+    loss: float = 0.0  # the loss's backward's buffers beside the logits' cotangent
+    # of these, what a split backward's input-gradient pass holds under remat: a tied head's
+    # table gradient is the gradient of a residual (the table transposed), made in that pass
+    # (without remat the engine ran it in parts, each holding less, as measured)
+    input_loss: float = 0.0
+    table: float = 0.0  # a tied head's gradient of the table, added into the first stage's sums
 
 
 def stage_weights(config: GPTConfig, lay: MemoryLayout, blocks: Sequence[int], first: bool,
@@ -429,34 +507,53 @@ def stage_weights(config: GPTConfig, lay: MemoryLayout, blocks: Sequence[int], f
     return weights
 
 
-def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool) -> _Stage:
-    """The terms of the model stage holding ``blocks`` (and the embedding when ``first``, the
-    final norm, head and loss when ``last``)."""
+def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool, head: bool) -> _Stage:
+    """The terms of the pipeline stage holding ``blocks`` (and the embedding when ``first``,
+    the final norm, and the head's weights unless tied, when ``last``), running the head and
+    the loss when ``head`` (:func:`head_stage`)."""
     config, lay, dtype, tokens = shapes.config, shapes.layout, shapes.dtype, shapes.tokens
     dim, vocab, param_bytes = config.dim, config.vocab_size, shapes.param_bytes
     layers = [config.block_configs[i] for i in blocks]
     weights = stage_weights(config, lay, blocks, first, last, shapes.pack_limit, param_bytes)
     res = [_block_residuals(b, dim, tokens, shapes.seq, lay, dtype, shapes.remat,
                             reference=shapes.reference) for b in layers]  # fmt: skip
-    block_full, block_kept = max(r.full for r in res), max(r.kept for r in res)
+    block_full = max((r.full for r in res), default=0.0)
+    block_kept = max((r.kept for r in res), default=0.0)
     kept = sum(r.kept for r in res)
     full = sum(r.full for r in res)
     outputs = sum(r.outputs for r in res)
     if first:
         kept += tokens * 4  # the token ids the embedding's gradient scatters by
-    if last:
-        logits = tokens * vocab / lay.tensor * _F32 + tokens * dim * dtype
-        logits += tokens * _HEAD_STATS_PER_TOKEN * _F32
-        kept, full = kept + logits, full + logits
-        block_full, block_kept = block_full + logits, block_kept + logits
-        outputs += tokens * vocab / lay.tensor * dtype
-    if shapes.remat == "dots":
-        kept += tokens * dim * dtype  # the first block's input
     # a split backward's weight-gradient pass reads its matmuls' output cotangents; under
     # remat it recomputes them from the cotangent at each block's output
     waiting = outputs if shapes.remat == "none" else len(layers) * tokens * dim * dtype
+    released = loss = input_loss = copies = table = 0.0
+    if head:
+        logits = tokens * vocab / lay.tensor * _F32  # float32 for the log-softmax
+        terms = logits + tokens * dim * dtype + tokens * _HEAD_STATS_PER_TOKEN * _F32
+        kept, full = kept + terms, full + terms
+        block_full, block_kept = block_full + terms, block_kept + terms
+        waiting += tokens * vocab / lay.tensor * dtype  # the logits' cotangent (no remat)
+        if not shapes.reference:
+            # the input-gradient pass alone reads the logits; the weight-gradient pass the
+            # head's input and the logits' cotangent
+            released = logits + tokens * 2 * _F32
+            # besides the logits' cotangent, the cotangent of the log-probabilities (the
+            # targets' gather transposed) and the logits' cotangent laid out again for the
+            # head's weight-gradient matmul (measured on the CPU backend)
+            loss = 2 * logits
+            if config.tie_embeddings:
+                # embed.attend's table transposed (and cast), kept for each microbatch, and
+                # the table's gradient, which the first stage's backward adds to its sums
+                copies = vocab * dim / lay.tensor * dtype
+                input_loss = loss
+                released += copies  # only the input gradient's matmul reads it
+                table = 0.0 if first else vocab * dim / lay.tensor * param_bytes
+    if shapes.remat == "dots":
+        kept += tokens * dim * dtype  # the first block's input
     return _Stage(weights=weights, kept=kept, full=full, waiting=waiting,
-                  block_full=block_full, block_kept=block_kept)  # fmt: skip
+                  block_full=block_full, block_kept=block_kept, released=released, loss=loss,
+                  input_loss=input_loss, copies=copies, table=table)  # fmt: skip
 
 
 def predict_memory(
@@ -487,7 +584,10 @@ def predict_memory(
     (``mm.jit(gather_weights=...)``, ``mmnnx train --fsdp-gather step``: once, the gathered
     copy held from the stage's first forward to its last backward, charged in the
     workspace). The terms are described in this module's docstring and
-    docs/memory.md. ``reference``: charge what a reference framework (Megatron, torchtitan:
+    docs/memory.md. A head tied to the embedding (``config.tie_embeddings``) and its loss are
+    charged to the task that runs them (:func:`head_stage`: on several tasks, the first), with
+    the table transposed that its forward keeps and the table's gradient its backward passes to
+    the first stage's. ``reference``: charge what a reference framework (Megatron, torchtitan:
     the published runs) holds instead of this engine: a fused attention that
     keeps no probabilities, experts exchanging only the tokens routed to them (no padded
     slots), a backward's workspace of one block at a time, each microbatch's
@@ -500,7 +600,8 @@ def predict_memory(
         ([58240, 58368], [2, 1])
 
     Raises:
-        ValueError: a remat policy, optimizer or schedule not known, ``seq_len`` above
+        ValueError: a remat policy, optimizer or schedule not known (or one that cannot run
+            the stages, a tied head's among them: :func:`pipeline_schedule`), ``seq_len`` above
             ``config.max_seq_len``, a layer of a kind the model does not know, a batch the
             microbatches and the data (expert) axis do not split, or fewer blocks than model
             stages.
@@ -541,7 +642,10 @@ def predict_memory(
     sizes = lay.blocks or default_blocks(config, count, lay)
     if sum(sizes) != config.depth:
         raise ValueError(f"predict_memory: blocks {sizes} do not add up to depth {config.depth}")
-    table = sched.get(schedule, count, microbatches, lay.virtual_stages)
+    tied = config.tie_embeddings and not reference  # reference frameworks: on the last stage
+    table, head = pipeline_schedule(schedule, lay.stages, lay.virtual_stages, microbatches, tied)
+    # a tied head of its own stage (head == count) runs on the first task
+    homes = [table.stage_to_rank[s] if s < count else 0 for s in range(table.num_stages)]
 
     shapes = _Shapes(
         config=config, layout=lay, seq=seq, remat=remat, dtype=DTYPE_BYTES[config.dtype],
@@ -550,22 +654,22 @@ def predict_memory(
     )  # fmt: skip
     param_bytes, dtype, tokens, dim = shapes.param_bytes, shapes.dtype, shapes.tokens, config.dim
     starts = [sum(sizes[:s]) for s in range(count)]
+    last = table.num_stages - 1
     stages = [
-        _stage(shapes, range(starts[s], starts[s] + sizes[s]), first=s == 0, last=s == count - 1)
-        for s in range(count)
-    ]
+        _stage(shapes, range(starts[s], starts[s] + sizes[s]) if s < count else range(0),
+               first=s == 0, last=s == count - 1, head=s == head)
+        for s in range(table.num_stages)
+    ]  # fmt: skip
     stage_weights = [st.weights for st in stages]
-    residuals = [st.kept for st in stages]
     full_residuals = [st.block_full if reference else st.full for st in stages]
     worked = [st.block_kept if reference else st.kept for st in stages]
-    waiting = [st.waiting for st in stages]
 
     simulated = sched.simulate(table, forward_cost=1, backward_cost=2)
-    activations = _held_peaks(simulated.events, residuals, waiting, table.stage_to_rank)
+    activations = _held_peaks(simulated.events, stages, homes)
     boundary = tokens * dim * dtype
     tasks = []
-    for rank in range(table.num_ranks):
-        mine = [s for s in range(count) if table.stage_to_rank[s] == rank]
+    for rank in range(lay.stages):
+        mine = [s for s in range(table.num_stages) if homes[s] == rank]
         weights = sum((stage_weights[s] for s in mine), _Weights())
         params = weights.total * param_bytes / lay.fsdp
         # the gradient sums, laid out as their parameters (split over tensor, expert and fsdp;
@@ -574,7 +678,7 @@ def predict_memory(
         state = params * trainable * OPTIMIZER_COPIES[optimizer]
         packed = weights.packed * param_bytes if lay.fsdp == 1 and not reference else 0.0
         # downstream, an activation sent and its cotangent received; upstream, a cotangent sent
-        buffers = sum(2 * (s < count - 1) + (s > 0) for s in mine)
+        buffers = sum(2 * (s < last) + (s > 0) for s in mine)
         largest = max(stage_weights[s].total for s in mine)
         gathered = largest * param_bytes * (1 - 1 / lay.fsdp)
         if dtype != param_bytes:  # the weights cast to the compute dtype for the matmuls
@@ -590,12 +694,14 @@ def predict_memory(
             # a reference framework accumulates each microbatch's gradients in place
             0 if reference else stage_weights[s].total * param_bytes * trainable,
             full_residuals[s], worked[s],
-            split=table.splits_backward and s > 0,
+            split=table.splits_backward and s > 0, loss=stages[s].loss,
+            input_loss=stages[s].input_loss,
         ) for s in mine) + gathered  # fmt: skip
         in_flight = max(simulated.peak_in_flight[s] for s in mine)
+        ends = (b for s in mine if s < count for b in (starts[s], starts[s] + sizes[s] - 1))
         tasks.append(StageMemory(
             task=rank,
-            blocks=tuple(b for s in mine for b in (starts[s], starts[s] + sizes[s] - 1)),
+            blocks=tuple(ends),
             parameters=round(params), gradients=round(grads), optimizer=round(state),
             packed_weights=round(packed), activations=round(activations[rank]),
             in_flight=in_flight, transfers=round(buffers * boundary),
