@@ -646,6 +646,68 @@ def test_state_on_no_task_is_on_every_process_after_a_step(tmp_path):
     assert (out / "checkpoints" / "3").is_dir()
 
 
+# Process 0 offers process 1 a value, then enters a program with a collective between the two;
+# process 1 receives the value first, then enters the program (1F1B over stages spanning two
+# processes does this: a stage's rank offers an activation, then runs a program summing over its
+# stage's processes, while the next stage's rank needs the activation before its own sum).
+OFFER_THEN_COLLECTIVE = """
+import time, numpy as np, jax, jax.numpy as jnp, mmnnx as mm
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from mmnnx._jax import runtime
+from mmnnx.distributed.transport import transport
+mm.distributed.initialize()
+me, here = jax.process_index(), jax.local_devices()[0]
+mesh = Mesh(np.array(jax.devices()), ("d",))
+x = jax.make_array_from_callback((4,), NamedSharding(mesh, PartitionSpec("d")),
+                                 lambda index: np.ones(1, np.float32))
+total = jax.jit(lambda x: x + jnp.sum(x))  # sums over both processes' devices
+total(x).block_until_ready()
+if me == 0:
+    transport().send(1, [jax.device_put(np.arange(3, dtype=np.float32), here)])
+    y = total(x)  # launched: it waits for process 1 on this process's threads
+    runtime.key_value_set("entered", b"1")
+else:
+    runtime.key_value_get("entered", 60)
+    time.sleep(1)  # process 0 waits in the program
+    spec = jax.ShapeDtypeStruct((3,), np.float32, sharding=SingleDeviceSharding(here))
+    (got,) = transport().receive(0, [spec])
+    deadline = time.monotonic() + 30
+    while not got.is_ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("received", got.is_ready(), flush=True)
+    if not got.is_ready():
+        raise SystemExit(3)
+    y = total(x)
+print("total", float(y.addressable_shards[0].data[0]), flush=True)
+"""
+
+# Runs the rest of its arguments with python pinned to one core (the launcher and its processes
+# inherit it), without forking this multithreaded process to pin it.
+ON_ONE_CORE = (
+    "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
+
+
+def test_a_value_offered_before_a_collective_reaches_a_peer_that_needs_it_first():
+    # a CPU program with a collective between processes holds a thread of its process's pool per
+    # local device while it waits; with as many devices as threads (2 here: every process pinned
+    # to one core, XLA's pool one thread per core), the transfer server had none left to hand
+    # process 1 the value, and both waited for ever (the 4 x 2 gloo resume that hung once).
+    # mm.distributed.initialize now makes the pool 2 threads larger than the local devices.
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    env["XLA_FLAGS"] = without_device_count(os.environ["XLA_FLAGS"])
+    proc = subprocess.run(
+        [sys.executable, "-c", ON_ONE_CORE, str(min(os.sched_getaffinity(0))), "-m", "mmnnx",
+         "launch", "-n", "2", "--devices-per-process", "2", "--collectives", "gloo", "--",
+         sys.executable, "-c", OFFER_THEN_COLLECTIVE],
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "[rank 1] received True" in proc.stdout
+    assert "[rank 0] total 5.0" in proc.stdout and "[rank 1] total 5.0" in proc.stdout
+
+
 def test_initialize_names_a_coordinator_port_in_use():
     code = (
         "import socket, mmnnx as mm\n"

@@ -1,6 +1,6 @@
 """JAX's runtime beyond its public API: the distributed coordination service's client (its
-key-value store and barriers), a transfer server on this process's devices, and whether JAX's
-backends have started.
+key-value store and barriers), a transfer server on this process's devices, whether JAX's
+backends have started, and the size of the CPU client's thread pool.
 
 JAX exports ``jax.distributed.initialize`` and ``jax.experimental.transfer``, but not the
 coordination service's client, nor whether its backends (and so its devices) exist yet.
@@ -8,6 +8,8 @@ coordination service's client, nor whether its backends (and so its devices) exi
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 import jax
@@ -25,6 +27,46 @@ def backends_started() -> bool:
         True
     """
     return xla_bridge.backends_are_initialized()
+
+
+_POOL_SIZES = ("PJRT_NPROC", "NPROC")  # what XLA's DefaultThreadPoolSize() reads, in order
+_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def cpu_pool_size() -> int:
+    """The threads the CPU client will run programs and transfers on: ``PJRT_NPROC``, else
+    ``NPROC``, else the cores this process may run on (XLA's ``DefaultThreadPoolSize``)."""
+    for name in _POOL_SIZES:
+        text = os.environ.get(name, "")
+        if text.strip().lstrip("-").isdigit():
+            return max(0, int(text))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def local_cpu_devices() -> int:
+    """The CPU devices this process's CPU client will make: ``jax_num_cpu_devices``, else
+    ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``, else 1."""
+    configured = getattr(jax.config, "jax_num_cpu_devices", None)
+    if configured is not None and configured > 0:
+        return configured
+    found = _DEVICE_COUNT.findall(os.environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else 1
+
+
+def reserve_cpu_threads(devices: int) -> int | None:
+    """Makes the CPU client's thread pool larger than ``devices`` (by 2), unless it is already or
+    the backends have started (the pool is sized once, when the client is made): the new size,
+    else ``None``.
+
+    A CPU program with a collective between processes holds one pool thread per local device
+    while it waits for the other processes to reach it; with no thread left, nothing else runs in
+    this process meanwhile, not even the transfer server handing a value it offered to a peer,
+    which that peer may need first (measured: 2 processes x 2 devices, a pool of 2 threads)."""
+    wanted = devices + 2
+    if backends_started() or cpu_pool_size() >= wanted:
+        return None
+    os.environ["PJRT_NPROC"] = str(wanted)
+    return wanted
 
 
 def client() -> Any:

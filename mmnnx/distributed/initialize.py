@@ -105,6 +105,8 @@ def initialize(
     jax.config.update(
         "jax_cpu_collectives_implementation", None if collectives == "none" else collectives
     )
+    if collectives != "none":  # a program waiting at a collective holds a thread per device
+        runtime.reserve_cpu_threads(runtime.local_cpu_devices())
     bind = kwargs.get("coordinator_bind_address")
     if process_id == 0 and bind is not None:
         _check_coordinator_port(bind)  # JAX's own failure here crashes the process at exit
