@@ -15,14 +15,15 @@ class Route:
     sends: bool = True
     receives: bool = False
     outgoing_peers: tuple[int, ...] = (1,)
+    gathers: bool = False
 
 
 def launch(name, args=(), results=(), drop=()):
     return Launch(program=name, args=args, results=results, labels=(), rank="t0", drop=drop)
 
 
-def cross(source, peers=(1,), receives=False, drop=()):
-    route = Route(sends=not receives, receives=receives, outgoing_peers=peers)
+def cross(source, peers=(1,), receives=False, drop=(), gathers=False):
+    route = Route(sends=not receives, receives=receives, outgoing_peers=peers, gathers=gathers)
     return Cross(route=route, source=source, target=100 + source, drop=drop)
 
 
@@ -51,3 +52,17 @@ def test_receives_and_routes_this_process_also_receives_stay_in_place():
     both.route.receives = True
     steps = [launch("f0", results=(1,)), launch("f1", results=(2,)), both]
     assert send_early(steps, Cross, _writes) == steps
+
+
+def test_a_send_gathering_over_processes_stays_in_place_on_every_process_of_its_source():
+    # a value gathered on a 4-device source spanning processes 0 and 1 before it goes to a task
+    # on process 2 whose 2 devices both get their copy from process 0: process 1 takes part in the
+    # gather (a program with collectives between the two) but sends nothing. Moved up, the gather
+    # went before the collective program "g" on process 1 (no peer to stay behind) and after it on
+    # process 0 (behind its send of slot 2 to process 2): each waited in the other program.
+    def rank(peers):
+        steps = [launch("f", results=(1,)), launch("g", results=(2,)), cross(2, peers=(2,)),
+                 cross(1, peers=peers, gathers=True)]  # fmt: skip
+        return names(send_early(steps, Cross, _writes))
+
+    assert rank((2,)) == rank(()) == ["f", "g", "cross 2", "cross 1"]

@@ -4,7 +4,10 @@ A process waits for a value it receives before launching its reader, so a send l
 reader's turn waits on everything its process waits for first (under 1F1B over two processes,
 the ranks would take turns instead of overlapping). Each send moves up to right after the step
 making its value, never past an earlier send to the same peer (messages are matched by order);
-its releases stay where they were.
+its releases stay where they were. A send that first gathers its value over a source spanning
+processes stays at its turn: that gather is a program every process of the source must run at the
+same point among the source's other programs, and how far a send could move depends on this
+process's peers, which differ between them.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ from typing import Any
 
 
 def send_early(steps: Sequence[Any], cross: type, writes: Any) -> list[Any]:
-    """``steps`` with each ``cross`` step that only sends moved up to right after the last earlier
-    step writing its source slot (``writes(step)``) or sending to one of its peers."""
+    """``steps`` with each ``cross`` step that only sends, and gathers nothing over processes,
+    moved up to right after the last earlier step writing its source slot (``writes(step)``) or
+    sending to one of its peers."""
     out: list[Any] = []
     last_write: dict[int, int] = {}  # slot -> index in ``out`` of the step that wrote it last
     last_send: dict[int, int] = {}  # peer -> index in ``out`` of the last send to it
     for step in steps:
-        if type(step) is cross and step.route.sends and not step.route.receives:
+        route = step.route if type(step) is cross else None
+        if route is not None and route.sends and not route.receives and not route.gathers:
             peers = step.route.outgoing_peers
             after = max([last_write.get(step.source, -1), *(last_send.get(p, -1) for p in peers)])
             if after + 1 < len(out) and step.drop:

@@ -60,15 +60,20 @@ class RoutePlan:
     sends: bool  # this process holds part of the source
     receives: bool  # this process holds part of the target
     me: int
+    # the value is gathered on a source spanning processes before it is sent: a program with
+    # collectives between them, which every process of the source runs at this route's turn
+    gathers: bool = False
 
     @classmethod
     def plan(cls, shape: tuple, dtype: Any, source: Any, target: Any, me: int) -> RoutePlan:
         source_wire, target_wire = source, target
         pairs = _pairs(source, target, shape)
+        gathers = False
         if pairs is None:
             source_wire = NamedSharding(source.mesh, PartitionSpec())
             target_wire = NamedSharding(target.mesh, PartitionSpec())
             pairs = _pairs(source_wire, target_wire, shape)
+            gathers = len(processes_of(source)) > 1
         return cls(
             tuple(shape),
             dtype,
@@ -79,6 +84,7 @@ class RoutePlan:
             me in processes_of(source),
             me in processes_of(target),
             me,
+            gathers,
         )
 
     def __post_init__(self) -> None:
