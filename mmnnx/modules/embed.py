@@ -51,4 +51,4 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits ``x @ embedding.T`` over the vocabulary (a head tied to the embedding)."""
-        return x @ self.embedding[...].T.astype(x.dtype)
+        return jnp.einsum("...d,vd->...v", x, self.embedding[...].astype(x.dtype))

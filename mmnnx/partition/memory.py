@@ -357,7 +357,7 @@ def _workspace(gradients: float, full: float, kept: float, *, split: bool,
 def _held_peaks(events: Sequence[sched.Event], stages: Sequence[_Stage],
                 homes: Sequence[int]) -> dict[int, float]:  # fmt: skip
     """Most bytes each task (``homes[s]``: stage ``s``'s) holds at once for its microbatches
-    in flight: a stage's ``kept`` and ``copies`` from its F until its B (or W; with a split
+    in flight: a stage's ``kept`` from its F until its B (or W; with a split
     backward, what only its I reads, ``released``, until its I), with a split backward its
     ``waiting`` cotangents from its I until its W, and a tied head's gradient of the table
     (``table``) from its backward's first pass until the first stage's backward adds it to
@@ -365,7 +365,7 @@ def _held_peaks(events: Sequence[sched.Event], stages: Sequence[_Stage],
     changes, passed = [], sum(st.table for st in stages)
     for e in events:
         st = stages[e.stage]
-        held = st.kept + st.copies
+        held = st.kept
         delta = {
             "F": held, "I": st.waiting - st.released + st.table, "B": st.table - held,
             "W": st.released - held - st.waiting,
@@ -476,11 +476,10 @@ class _Stage(NamedTuple):
     waiting: float  # with a split backward, from its input- to its weight-gradient pass
     block_full: float  # the largest block's full, and below kept, residuals (with the head's)
     block_kept: float
-    copies: float = 0.0  # weights kept for each microbatch beside kept: a tied head's table
     released: float = 0.0  # of these, what only a split backward's input-gradient pass reads
     loss: float = 0.0  # the loss's backward's buffers beside the logits' cotangent
     # of these, what a split backward's input-gradient pass holds under remat: a tied head's
-    # table gradient is the gradient of a residual (the table transposed), made in that pass
+    # table gradient is the gradient of the head's matmul over the table, made in that pass
     # (without remat the engine ran it in parts, each holding less, as measured)
     input_loss: float = 0.0
     table: float = 0.0  # a tied head's gradient of the table, added into the first stage's sums
@@ -527,7 +526,7 @@ def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool, head: boo
     # a split backward's weight-gradient pass reads its matmuls' output cotangents; under
     # remat it recomputes them from the cotangent at each block's output
     waiting = outputs if shapes.remat == "none" else len(layers) * tokens * dim * dtype
-    released = loss = input_loss = copies = table = 0.0
+    released = loss = input_loss = table = 0.0
     if head:
         logits = tokens * vocab / lay.tensor * _F32  # float32 for the log-softmax
         terms = logits + tokens * dim * dtype + tokens * _HEAD_STATS_PER_TOKEN * _F32
@@ -543,17 +542,14 @@ def _stage(shapes: _Shapes, blocks: range, *, first: bool, last: bool, head: boo
             # head's weight-gradient matmul (measured on the CPU backend)
             loss = 2 * logits
             if config.tie_embeddings:
-                # embed.attend's table transposed (and cast), kept for each microbatch, and
                 # the table's gradient, which the first stage's backward adds to its sums
-                copies = vocab * dim / lay.tensor * dtype
                 input_loss = loss
-                released += copies  # only the input gradient's matmul reads it
                 table = 0.0 if first else vocab * dim / lay.tensor * param_bytes
     if shapes.remat == "dots":
         kept += tokens * dim * dtype  # the first block's input
     return _Stage(weights=weights, kept=kept, full=full, waiting=waiting,
                   block_full=block_full, block_kept=block_kept, released=released, loss=loss,
-                  input_loss=input_loss, copies=copies, table=table)  # fmt: skip
+                  input_loss=input_loss, table=table)  # fmt: skip
 
 
 def predict_memory(
@@ -586,8 +582,7 @@ def predict_memory(
     workspace). The terms are described in this module's docstring and
     docs/memory.md. A head tied to the embedding (``config.tie_embeddings``) and its loss are
     charged to the task that runs them (:func:`head_stage`: on several tasks, the first), with
-    the table transposed that its forward keeps and the table's gradient its backward passes to
-    the first stage's. ``reference``: charge what a reference framework (Megatron, torchtitan:
+    the table's gradient its backward passes to the first stage's. ``reference``: charge what a reference framework (Megatron, torchtitan:
     the published runs) holds instead of this engine: a fused attention that
     keeps no probabilities, experts exchanging only the tokens routed to them (no padded
     slots), a backward's workspace of one block at a time, each microbatch's
