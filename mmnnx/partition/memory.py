@@ -582,11 +582,11 @@ def predict_memory(
     workspace). The terms are described in this module's docstring and
     docs/memory.md. A head tied to the embedding (``config.tie_embeddings``) and its loss are
     charged to the task that runs them (:func:`head_stage`: on several tasks, the first), with
-    the table's gradient its backward passes to the first stage's. ``reference``: charge what a reference framework (Megatron, torchtitan:
-    the published runs) holds instead of this engine: a fused attention that
-    keeps no probabilities, experts exchanging only the tokens routed to them (no padded
-    slots), a backward's workspace of one block at a time, each microbatch's
-    gradients accumulated in place, nothing packed.
+    the table's gradient its backward passes to the first stage's. ``reference``: charge what
+    a reference framework (Megatron, torchtitan: the published runs) holds instead of this
+    engine: a fused attention that keeps no probabilities, experts exchanging only the tokens
+    routed to them (no padded slots), a backward's workspace of one block at a time, each
+    microbatch's gradients accumulated in place, nothing packed.
 
     Example:
         >>> config = GPTConfig(vocab_size=64, dim=32, depth=2, num_heads=2, max_seq_len=8)
