@@ -278,3 +278,20 @@ def test_gpt_oss_parameters_counted_as_its_model_holds_them():
         lay = mm.MemoryLayout(stages=stages)
         tasks = mm.predict_memory(config, lay, batch=2, seq_len=4, schedule="gpipe").tasks
         assert sum(t.parameters for t in tasks) == held, stages
+
+
+def test_a_tied_head_keeps_the_table_itself_for_its_backward_not_a_transposed_copy(capsys):
+    """``x @ table.T`` saved the transposed table for the backward: a ``vocab x dim`` copy on
+    the head's task for each microbatch in flight; contracting the table as stored keeps the
+    Variable's own array (``predict_memory`` charges no copy)."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from mmnnx.modules.embed import Embed
+
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(Embed(64, 8, rngs=nnx.Rngs(0)))
+    print_saved_residuals(
+        lambda s, x: nnx.merge(graphdef, s).attend(x).sum(), state, jax.numpy.ones((2, 3, 8))
+    )
+    saved = capsys.readouterr().out
+    assert "f32[64,8] from the argument" in saved and "[8,64]" not in saved, saved
