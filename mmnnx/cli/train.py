@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmnnx.cli import prologue
 from mmnnx.cli.flags import add_options
-from mmnnx.train.config import RunConfig
+from mmnnx.train.config import UNRECORDED, RunConfig
 from mmnnx.train.run_config import CONFIG_FILE, resolved_config, write_config
 
 if TYPE_CHECKING:  # for annotations only: run() imports what it uses
@@ -207,7 +207,7 @@ def _train(
         model = build_model(run, config, placed.rules, weights=weights)
     except CheckpointError as e:
         return error(f"--init-from: {e}")
-    recorded = resolved_config(run.options() | {"resume": None})  # an act, not a setting
+    recorded = resolved_config({k: v for k, v in run.options().items() if k not in UNRECORDED})
     if jax.process_index() == 0:
         tokenizer.save(out / "tokenizer")
         write_config(out / CONFIG_FILE, recorded)

@@ -479,7 +479,9 @@ class Outputs:
     checkpoint_dir: str | None = option(
         T.checkpoint_dir, "checkpoints (default: OUTPUT_DIR/checkpoints)"
     )
-    resume: bool = switch("--resume", "continue from the latest checkpoint", from_run=False)
+    resume: bool = switch(
+        "--resume", "continue from the latest checkpoint", from_run=False, unrecorded=True
+    )
     checkpoint_every: int = count(
         T.checkpoint_every, "save a checkpoint every this many steps, and at the end"
     )
@@ -555,6 +557,10 @@ MOE = options_where(RunConfig, "moe")
 ARCHITECTURE = options_where(RunConfig, "architecture")
 """The options that describe a model trained from scratch, which ``--init-from`` takes from the
 checkpoint instead (given with it: an error; not recorded in its ``config.toml``)."""
+
+UNRECORDED = options_where(RunConfig, "unrecorded")
+"""The options a run's ``config.toml`` leaves out: what one start of it does (``--resume``), not
+what the run is, which a ``--config`` of that file would otherwise repeat."""
 
 MAY_CHANGE_ON_RESUME = options_where(RunConfig, "may_change")
 """The options a resumed run may give other values than its checkpoints were trained with: its

@@ -33,6 +33,7 @@ class Option:
     architecture: bool = False  # describes a model from scratch: --init-from gives it instead
     moe: bool = False  # an option of a mixture of experts, needing --experts
     may_change: bool = False  # a resumed run may change it (for a whole table: table())
+    unrecorded: bool = False  # what one start does, not what the run is: not in its config.toml
 
     def help_text(self) -> str:
         return self.help() if callable(self.help) else self.help
