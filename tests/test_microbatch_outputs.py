@@ -141,32 +141,47 @@ def _build():
     return model
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-v"])
-def test_the_gemma_example_step_pipelines_as_written(schedule):
+def _batch():
     tokens = np.random.default_rng(0).integers(1, VOCAB, (B, T + 1))
     tokens[: B // 2, T - 2 :] = 0  # padded rows
-    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
+    return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
+
+
+@pytest.fixture(scope="module")
+def gemma_one_device():
+    """The example's step on one device (under ``nnx.jit``), three steps from ``_build()``:
+    each step's results, then the parameters and the metrics after them; computed once for
+    both schedules."""
+    ref = _build()
+    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+    ref_metrics = _metrics()
+    step = nnx.jit(train_step)
+    results = [step(ref, ref_opt, ref_metrics, _batch()) for _ in range(3)]
+    return results, nnx.state(ref, nnx.Param), ref_metrics.compute()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-v"])
+def test_the_gemma_example_step_pipelines_as_written(schedule, gemma_one_device):
+    batch = _batch()
     order = "v" if schedule == "zero-bubble-v" else "loop"
     v = 2 if schedule == "zero-bubble-v" else 1
     model = _build()
     rules = mm.stage_rules(model, four_tasks(), virtual_stages=v, order=order, report=False)
     model = mm.place(model, rules)
-    ref = _build()
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
-    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
-    metrics, ref_metrics = _metrics(), _metrics()
+    metrics = _metrics()
     step = mm.jit(lambda *a: train_step(*a, schedule=schedule))
-    for _ in range(3):
+    wanted, ref_params, ref_metrics = gemma_one_device
+    for want in wanted:
         got = step(model, opt, metrics, batch)
-        want = train_step(ref, ref_opt, ref_metrics, batch)
         loss, per_sample, logits, per_microbatch = got
         close(loss, want[0])
         close(per_sample, want[1], atol=1e-5)  # row i is example i's, as on one device
         close(logits, want[2], atol=1e-5)
         close(per_microbatch, want[1].reshape(8, 2).mean(axis=1), atol=1e-5)
         assert logits.shape == (B, T, VOCAB) and per_microbatch.shape == (8,)
-    trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
-    for name, value in ref_metrics.compute().items():
+    trees_close(nnx.state(model, nnx.Param), ref_params)
+    for name, value in ref_metrics.items():
         close(metrics.compute()[name], value)
     plan = step.plan(model, opt, metrics, batch)
     stages = [t.name for t in plan.pipeline.stage_tasks]

@@ -21,6 +21,7 @@ from mmnnx.mpmd.lower.program import Run, Zeros
 from tests.models import (
     SMALL_GPT,
     gpt_step,
+    loss_and_grads_steps,
     microbatched_train_step,
     mse,
     one_device_tasks,
@@ -43,6 +44,38 @@ def _gpt_on_four_devices(seed: int):
     ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
     _, ref_grads = reference_loss_and_grads(small_gpt(), tokens)
     return tokens, model, opt, ref, ref_opt, ref_grads
+
+
+@pytest.fixture(scope="module")
+def two_tasks():
+    """``two_tasks(depth=4, **options)``: the small GPT of ``depth`` blocks on two one-device
+    tasks trained three AdamW steps on ``_tokens()`` by ``mm.jit(gpt_step("1f1b"), **options)``,
+    each loss checked against the same step on one device and the parameters after them:
+    the step, its losses and its executable. Trained once per depth and options for every test
+    of this module that reads them (each such test once trained its own alike)."""
+    trained = {}
+
+    def train(depth=4, **options):
+        key = (depth, tuple(sorted(options.items())))
+        if key not in trained:
+            tokens = _tokens()
+            config = dataclasses.replace(SMALL_GPT, depth=depth)
+            with nnx.use_eager_sharding(False):
+                model, ref, first = (GPT(config, rngs=nnx.Rngs(0)) for _ in range(3))
+            mm.place(model, stage_rules(model, one_device_tasks(2), report=False))
+            opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+            ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
+            step = mm.jit(gpt_step("1f1b"), **options)
+            losses = [step(model, opt, tokens) for _ in range(3)]
+            for loss in losses:
+                close(loss, reference_step(ref, ref_opt, tokens))
+            _, ref_grads = reference_loss_and_grads(first, tokens)
+            params_close(model, ref, ref_grads, steps=3, lr=3e-3)
+            (executable, _), *_ = step._cache.values()
+            trained[key] = step, losses, executable
+        return trained[key]
+
+    return train
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
@@ -139,17 +172,8 @@ def launches(executable, kind):
     return [len(step.results) for step in launches_of(executable, kind)]
 
 
-def test_residuals_are_not_packed_when_asked_running_sums_are():
-    tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
-    tasks = one_device_tasks(2)
-    model, ref = small_gpt(), small_gpt()
-    mm.place(model, stage_rules(model, tasks, report=False))
-    opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
-    ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
-    step = mm.jit(gpt_step("1f1b"), pack_residuals=False)
-    for _ in range(2):
-        close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
-    (executable, _), *_ = step._cache.values()
+def test_residuals_are_not_packed_when_asked_running_sums_are(two_tasks):
+    step, _, executable = two_tasks(pack_residuals=False)
     assert step.pack_residuals == 0
     program = executable.plan.program
     forwards = [a for a in program.actions if isinstance(a, Run) and a.label and a.label[1] == "F"]
@@ -195,18 +219,9 @@ def residual_sizes(executable):
     return sizes
 
 
-def test_by_default_the_small_residuals_are_packed_and_a_bound_keeps_large_ones_apart():
-    tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
+def test_by_default_the_small_residuals_are_packed_and_a_bound_keeps_large_ones_apart(two_tasks):
     for options, bound in (({}, mm.PACK_RESIDUAL_BYTES), ({"pack_residuals": 1024}, 1024)):
-        tasks = one_device_tasks(2)
-        model, ref = small_gpt(), small_gpt()
-        mm.place(model, stage_rules(model, tasks, report=False))
-        opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
-        ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
-        step = mm.jit(gpt_step("1f1b"), **options)
-        for _ in range(2):
-            close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
-        (executable, _), *_ = step._cache.values()
+        step, _, executable = two_tasks(**options)
         assert step.pack_residuals == bound
         sizes = residual_sizes(executable)
         assert sizes and all(packed for packed, _ in sizes)
@@ -304,11 +319,11 @@ def test_tensor_parallel_stages_pack_their_whole_running_sums_and_train_like_one
     x, y = (jax.random.normal(jax.random.key(k), (8, 16)) for k in (0, 1))
 
     step = mm.jit(microbatched_train_step())
-    with nnx.use_eager_sharding(False):
-        _, first = nnx.value_and_grad(mse)(tensor_parallel_mlp(4, 16, 32), x, y)
+    ref_step = loss_and_grads_steps(mse, "1f1b", 4)[1]  # the step on one device, nnx.jit
+    first = None  # the first step's gradients
     for _ in range(3):
-        value, grads = nnx.value_and_grad(mse)(ref, x, y)
-        ref_opt.update(ref, grads)
+        value, grads = ref_step(ref, ref_opt, x, y)
+        first = grads if first is None else first
         close(step(model, opt, x, y), value)
     params_close(model, ref, first, steps=3, lr=1e-2)
     (executable, _), *_ = step._cache.values()
@@ -394,7 +409,7 @@ def test_a_gathered_output_keeps_a_sum_of_its_own():
     grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
     step = mm.jit(mm.microbatch(grad_fn, num=4, reduce=(("mean", ("concat", "concat")), "mean")))
     (loss, (logits, per_sample)), grads = step(model, tokens)
-    (ref_loss, (ref_logits, ref_per_sample)), ref_grads = grad_fn(ref, tokens)
+    (ref_loss, (ref_logits, ref_per_sample)), ref_grads = nnx.jit(grad_fn)(ref, tokens)
     close(loss, ref_loss)
     close(logits, ref_logits, atol=1e-5)
     close(per_sample, ref_per_sample)
@@ -419,24 +434,15 @@ def arguments(executable, kind):
     return [len(step.args) for step in launches_of(executable, kind)]
 
 
-def test_each_blocks_weights_travel_as_one_buffer_laid_out_alike_and_train_like_one_device():
+def test_each_blocks_weights_travel_as_one_buffer_laid_out_alike_and_train_like_one_device(
+    two_tasks,
+):
     # two blocks per one-device stage; the update reads the weights themselves
-    tokens, results, steps = _tokens(), {}, {}
-    for pack in (mm.PACK_WEIGHT_BYTES, False):
-        model, ref = small_gpt(), small_gpt()
-        mm.place(model, stage_rules(model, one_device_tasks(2), report=False))
-        opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
-        ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
-        step = steps[pack] = mm.jit(gpt_step("1f1b"), pack_weights=pack)
-        results[pack] = [step(model, opt, tokens) for _ in range(3)]
-        for loss in results[pack]:
-            close(loss, reference_step(ref, ref_opt, tokens))
-        _, ref_grads = reference_loss_and_grads(small_gpt(), tokens)
-        params_close(model, ref, ref_grads, steps=3, lr=3e-3)
-    trees_close(results[mm.PACK_WEIGHT_BYTES], results[False])
+    packed, losses, packed_step = two_tasks()  # the default bound
+    assert packed.pack_weights == mm.PACK_WEIGHT_BYTES
+    _, unpacked_losses, unpacked_step = two_tasks(pack_weights=False)
+    trees_close(losses, unpacked_losses)
 
-    (packed_step, _), *_ = steps[mm.PACK_WEIGHT_BYTES]._cache.values()
-    (unpacked_step, _), *_ = steps[False]._cache.values()
     packing, names = packing_of(packed_step)
     assert len(packing.weights) == 2 and not packing_of(unpacked_step)[0].weights
     layouts = set()
@@ -469,23 +475,15 @@ def _residual_buffers(executable):
     }
 
 
-def test_a_blocks_residuals_are_sliced_from_one_base_at_distances_shared_by_every_block():
+def test_a_blocks_residuals_are_sliced_from_one_base_at_distances_shared_by_every_block(
+    two_tasks,
+):
     # 2 and 4 blocks per one-device stage: each block's residuals lie one after the other, laid
     # out alike, so a backward takes one offset per block (the distances fixed in the program),
     # not one per member
-    tokens, backward, buffers_per_stage, head_offsets = _tokens(), {}, {}, {}
+    backward, buffers_per_stage, head_offsets = {}, {}, {}
     for depth in (4, 8):
-        config = dataclasses.replace(SMALL_GPT, depth=depth)
-        with nnx.use_eager_sharding(False):
-            model, ref = GPT(config, rngs=nnx.Rngs(0)), GPT(config, rngs=nnx.Rngs(0))
-        mm.place(model, stage_rules(model, one_device_tasks(2), report=False))
-        opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
-        ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
-        step = mm.jit(gpt_step("1f1b"))
-        for _ in range(3):
-            close(step(model, opt, tokens), reference_step(ref, ref_opt, tokens))
-
-        (executable, _), *_ = step._cache.values()
+        _, _, executable = two_tasks(depth)
         packing, _ = packing_of(executable)
         actions = executable.plan.program.actions
         residuals = [buffers for i, buffers in packing.by_run.items() if actions[i].label[1] == "F"]
@@ -562,11 +560,17 @@ def test_blocks_of_different_kinds_pack_their_residuals_and_train_like_one_devic
         opt.update(model, grads)
         return loss
 
+    @nnx.jit  # the same step on one device
+    def ref_step(model, opt, x):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x)
+        opt.update(model, grads)
+        return loss, grads
+
+    first = None  # the first step's gradients
     for _ in range(3):
-        loss, grads = nnx.value_and_grad(loss_fn)(ref, x)
-        ref_opt.update(ref, grads)
+        loss, grads = ref_step(ref, ref_opt, x)
+        first = grads if first is None else first
         close(step(model, opt, x), loss)
-    _, first = nnx.value_and_grad(loss_fn)(_Mixed(nnx.Rngs(0)), x)
     params_close(model, ref, first, steps=3, lr=3e-3)
     (executable, _), *_ = step._cache.values()
     packing, _ = packing_of(executable)

@@ -2,6 +2,8 @@
 backward remakes the cheap residuals of its forward from those it keeps. The forward returns
 fewer arrays, fewer bytes wait between the passes, and the step trains as on one device."""
 
+import functools
+
 import jax
 import optax
 import pytest
@@ -20,17 +22,29 @@ from tests.models import (
 )
 from tests.oracle import close, close_to_max, params_close
 
+TOKENS = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
 
-def trained(schedule, recompute, tokens, steps=3):
+
+def trained(schedule, recompute):
+    """The small GPT on four one-device tasks, three AdamW steps on ``TOKENS`` (the third
+    timed by ``memory_profile``): the model, the first two losses, the executable, the
+    memory profile."""
     tasks = one_device_tasks(4)
     model = small_gpt()
     mm.place(model, stage_rules(model, tasks, report=False))
     opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
     step = mm.jit(gpt_step(schedule), recompute_residuals=recompute)
-    losses = [step(model, opt, tokens) for _ in range(steps - 1)]
-    memory = step.memory_profile(model, opt, tokens)  # the last step
+    losses = [step(model, opt, TOKENS) for _ in range(2)]
+    memory = step.memory_profile(model, opt, TOKENS)  # the last step
     (executable, _), *_ = step._cache.values()
     return model, losses, executable, memory
+
+
+@pytest.fixture(scope="module")
+def steps():
+    """``steps(schedule, recompute)``: :func:`trained`'s three steps on ``TOKENS``, run once
+    for every test of this module that reads them."""
+    return functools.cache(trained)
 
 
 TRANSCENDENTAL = {"exp", "log", "tanh", "rsqrt", "sqrt", "logistic", "erf", "sin", "cos"}
@@ -47,10 +61,10 @@ def residuals(pipeline):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
-def test_recomputing_backward_trains_like_one_device_with_fewer_residuals(schedule):
-    tokens = jax.random.randint(jax.random.key(0), (16, SMALL_GPT.max_seq_len + 1), 0, 64)
-    model, losses, executable, memory = trained(schedule, True, tokens)
-    kept_model, kept_losses, kept_executable, kept_memory = trained(schedule, False, tokens)
+def test_recomputing_backward_trains_like_one_device_with_fewer_residuals(schedule, steps):
+    tokens = TOKENS
+    model, losses, executable, memory = steps(schedule, True)
+    kept_model, kept_losses, kept_executable, kept_memory = steps(schedule, False)
 
     ref = small_gpt()
     ref_opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
@@ -86,10 +100,9 @@ def test_recomputing_backward_trains_like_one_device_with_fewer_residuals(schedu
         assert peak < bound * kept_memory[task][0], (task, peak, kept_memory[task])
 
 
-def test_a_residual_sent_on_is_read_not_recomputed():
+def test_a_residual_sent_on_is_read_not_recomputed(steps):
     # the activation a stage hands the next one is returned anyway: its backward reads it
-    tokens = jax.random.randint(jax.random.key(2), (8, SMALL_GPT.max_seq_len + 1), 0, 64)
-    _, _, executable, _ = trained("1f1b", True, tokens, steps=1)
+    _, _, executable, _ = steps("1f1b", True)
     pipeline = executable.plan.pipeline
     for stage in range(3):
         forward, nxt = pipeline.stages[("F", stage)], pipeline.stages[("F", stage + 1)]
