@@ -74,6 +74,11 @@ def pipelined_step(schedule, virtual_stages=1, num=M):
     return step
 
 
+reference_loss_and_grads = nnx.jit(nnx.value_and_grad(loss_fn))
+"""The loss and gradients on one device, under ``nnx.jit`` (op by op, each op of a GPT's
+backward compiles apart: seconds per model)."""
+
+
 @nnx.jit
 def reference_step(model, opt, tokens):
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
@@ -99,7 +104,7 @@ def one_device(tokens):
     def run(depth: int) -> OneDevice:
         ref = gpt(depth)
         opt = nnx.Optimizer(ref, optax.adamw(3e-3), wrt=nnx.Param)
-        _, grads = nnx.value_and_grad(loss_fn)(gpt(depth), tokens)
+        _, grads = reference_loss_and_grads(gpt(depth), tokens)
         losses, after = [], []
         for _ in range(3):
             losses.append(reference_step(ref, opt, tokens))
@@ -550,7 +555,7 @@ def test_a_program_loaded_onto_devices_in_another_order_trains_like_one_device(
     ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
     pipelined = mm.jit(microbatched_train_step())
     for _ in range(3):
-        close(pipelined(model, opt, x, y), train_step(ref, ref_opt, x, y))
+        close(pipelined(model, opt, x, y), nnx.jit(train_step)(ref, ref_opt, x, y))
     trees_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
     assert pipelined.plan(model, opt, x, y).num_loaded >= 3  # F, B and update of t1..t3
     kernel = model.layers[6].kernel.get_value()
@@ -642,7 +647,7 @@ def test_side_inputs_built_in_the_step_are_recomputed_in_each_stage(tasks, sched
     )
     (loss, grads), (ref_loss, ref_grads) = (
         step(model, tokens),
-        nnx.value_and_grad(loss_fn)(ref, tokens),
+        reference_loss_and_grads(ref, tokens),
     )
     close(loss, ref_loss)
     trees_close(grads, ref_grads)
@@ -689,7 +694,7 @@ def test_skip_connections_cross_stages_directly(tasks, schedule):
         return jax.numpy.mean((m(x) - x) ** 2)
 
     step = mm.jit(mm.microbatch(nnx.value_and_grad(mse), num=4, reduce="mean", schedule=schedule))
-    (loss, grads), (ref_loss, ref_grads) = step(model, x), nnx.value_and_grad(mse)(ref, x)
+    (loss, grads), (ref_loss, ref_grads) = step(model, x), nnx.jit(nnx.value_and_grad(mse))(ref, x)
     close(loss, ref_loss)
     trees_close(grads, ref_grads)
     plan = step.plan(model, x)
@@ -728,7 +733,7 @@ def test_unread_parameters_get_zero_gradients_on_their_task_and_add_no_stage(tas
         return jnp.mean((m(x) - x) ** 2)
 
     step = mm.jit(mm.microbatch(nnx.value_and_grad(mse), num=4, reduce="mean", schedule="1f1b"))
-    (loss, grads), (ref_loss, ref_grads) = step(model, x), nnx.value_and_grad(mse)(ref, x)
+    (loss, grads), (ref_loss, ref_grads) = step(model, x), nnx.jit(nnx.value_and_grad(mse))(ref, x)
     close(loss, ref_loss)
     trees_close(grads, ref_grads)
     for i in range(3):  # zero, as under nnx.jit, and on the parameter's task
@@ -857,7 +862,7 @@ def test_plain_jax_regions_with_a_loss_reduced_after_the_last_stage():
     x = jax.random.normal(jax.random.key(0), (16, 8))
     step = mm.jit(mm.microbatch(jax.value_and_grad(loss), num=4, argnums=1))
     value, grads = step(p, x)
-    ref_value, ref_grads = jax.value_and_grad(loss)(p, x)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(loss))(p, x)
     close(value, ref_value)
     for name in ("w0", "w1"):
         close(grads[name], ref_grads[name])
@@ -905,7 +910,7 @@ def test_split_backward_keeps_values_a_task_s_other_stage_reads_on_the_critical_
         )  # fmt: skip
     )
     value, grads = step(model, x)
-    ref_value, ref_grads = nnx.value_and_grad(loss)(_Quarters(), x)
+    ref_value, ref_grads = nnx.jit(nnx.value_and_grad(loss))(_Quarters(), x)
     close(value, ref_value)
     trees_close(grads, ref_grads)
 
@@ -926,7 +931,7 @@ def test_each_stage_boundary_carries_one_activation_and_one_cotangent():
     step = mm.jit(mm.microbatch(nnx.value_and_grad(loss_fn), num=4, reduce="mean"))
     (loss, grads), (ref_loss, ref_grads) = (
         step(model, tokens),
-        nnx.value_and_grad(loss_fn)(ref, tokens),
+        reference_loss_and_grads(ref, tokens),
     )
     close(loss, ref_loss)
     trees_close(grads, ref_grads)
