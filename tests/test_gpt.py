@@ -491,7 +491,7 @@ def test_nested_layers_build_the_same_model_as_the_flat_knobs(scan_layers):
     for path in pa:
         np.testing.assert_array_equal(pa[path].get_value(), pb[path].get_value())
     batch = jnp.arange(18, dtype=jnp.int32).reshape(2, 9) % 64
-    assert float(a.loss(batch)) == float(b.loss(batch))
+    assert float(loss_of(a, batch)) == float(loss_of(b, batch))
 
 
 def test_nested_layers_are_checked():
