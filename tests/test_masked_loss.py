@@ -129,11 +129,11 @@ def test_scan_layers_take_packing():
     examples = [Example(rng.integers(1, 64, n).astype(np.int32), np.ones(n, bool)) for n in (4, 7)]
     packed = Rows.of(examples, 12, pack=True).batch([0])
     scanned = gpt(dataclasses.replace(SMALL_GPT, scan_layers=True))
-    got = scanned.loss(packed)
+    got = loss_of(scanned, packed)  # jitted, as above
 
     def summed(e):  # weights of 1: the row's summed loss
         weights = np.ones((1, len(e.ids) - 1), np.float32)
-        return float(scanned.loss({"tokens": e.ids[None], "weights": weights}))
+        return float(loss_of(scanned, {"tokens": e.ids[None], "weights": weights}))
 
     alone = sum(summed(e) for e in examples) / sum(len(e.ids) - 1 for e in examples)
     np.testing.assert_allclose(got, alone, rtol=1e-5)
