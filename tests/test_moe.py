@@ -85,11 +85,15 @@ def tokens(shape=(3, 5), seed=1):
     return jax.random.normal(jax.random.key(seed), (*shape, DIM))
 
 
+# jitted: eager, each operation of the layer's forward compiled on its own took seconds
+forward = nnx.jit(lambda m, x: m.forward(x))
+
+
 @pytest.mark.parametrize("norm", [True, False], ids=["renormalised", "raw"])
 def test_moe_equals_qwen3_moe_formulas_in_float64(norm):
     moe = make_moe(norm_topk_prob=norm)
     x = tokens()
-    y, stats = nnx.jit(lambda m, x: m.forward(x))(moe, x)
+    y, stats = forward(moe, x)
     flat = f64(x).reshape(-1, DIM)
     want, idx, _ = ref_moe(flat, moe, norm)
     np.testing.assert_allclose(f64(y).reshape(-1, DIM), want, rtol=1e-5, atol=1e-5)
@@ -106,7 +110,7 @@ def test_moe_equals_qwen3_moe_formulas_in_float64(norm):
 def test_capacity_drops_late_assignments_and_reports_them():
     moe = make_moe(capacity_factor=0.5)
     x = tokens((4, 6))
-    y, stats = moe.forward(x)
+    y, stats = forward(moe, x)
     flat = f64(x).reshape(-1, DIM)
     limit = math.ceil(0.5 * 24 * K / EXPERTS)
     want, idx, dropped = ref_moe(flat, moe, capacity=limit)
@@ -253,12 +257,17 @@ def one_device():
     opt = nnx.Optimizer(model, optax.adamw(LR), wrt=nnx.Param)
     grad_fn = nnx.jit(nnx.value_and_grad(loss_and_metrics, has_aux=True))
     update = nnx.jit(lambda model, opt, grads: opt.update(model, grads))
+
+    @jax.jit  # eager, each leaf's sum and stack compiled on its own
+    def joined(results):
+        grads = jax.tree.map(lambda *g: sum(g) / MICROBATCHES, *[g for _, g in results])
+        return grads, jax.tree.map(lambda *m: jnp.stack(m), *[m for (_, m), _ in results])
+
     losses, first = [], None
     for _ in range(2):
         results = [grad_fn(model, b) for b in jnp.split(BATCH, MICROBATCHES)]
         losses.append(np.mean([loss for (loss, _), _ in results]))
-        grads = jax.tree.map(lambda *g: sum(g) / MICROBATCHES, *[g for _, g in results])
-        metrics = jax.tree.map(lambda *m: jnp.stack(m), *[m for (_, m), _ in results])
+        grads, metrics = joined(results)
         first = first or (grads, metrics)
         update(model, opt, grads)
     return losses, *first, model
@@ -326,11 +335,12 @@ def test_scanned_moe_layers_stacked_over_two_tasks_equal_one_device(stage_tasks)
     ref = gpt(scan_layers=True, depth=2, moe_every=1)
     assert mm.stack_of(model.blocks.mlp.experts.gate).name == "s0+s1"
     grad_fn = nnx.value_and_grad(lambda m, b: m.loss(b))
-    loss, grads = mm.jit(grad_fn)(model, BATCH)
+    step = mm.jit(grad_fn)
+    loss, grads = step(model, BATCH)
     ref_loss, ref_grads = nnx.jit(grad_fn)(ref, BATCH)
     close_to_scale(loss, ref_loss)
     trees_close_to_scale(grads, ref_grads)
-    plan = mm.jit(grad_fn).plan(model, BATCH)
+    plan = step.plan(model, BATCH)  # the plan the call ran (traced once)
     for task in stage_tasks:
         assert all_to_alls([op for f in plan.fragments_of(task) for op in f.ops]) > 0
     shards = model.blocks.mlp.experts.gate[...].addressable_shards
@@ -362,20 +372,27 @@ def test_gpt_loss_adds_the_routers_losses_pooled_over_layers_as_transformers_doe
     config = dataclasses.replace(CONFIG, router_z_loss_coef=0.01)
     model = gpt(router_z_loss_coef=0.01)
     assert [type(b.mlp).__name__ for b in model.blocks] == ["MLP", "MoE", "MLP", "MoE"]
-    inputs = BATCH[:, :-1]
-    x, gate_logits = model.embed(inputs), []
-    for block in model.blocks:
-        if isinstance(block.mlp, MoE):
-            h = block.norm2(x + block.attn(block.norm1(x))).reshape(-1, config.dim)
-            gate_logits.append(f64(h) @ f64(block.mlp.router.kernel[...]))
-        x = block(x)
-    logits = f64(model.head(model.norm(x)))
+
+    @nnx.jit  # eager, each operation compiled on its own took seconds
+    def routed_and_logits(model, batch):
+        """Each MoE layer's router input, the logits, and ``GPT.loss``."""
+        x, routed = model.embed(batch[:, :-1]), []
+        for block in model.blocks:
+            if isinstance(block.mlp, MoE):
+                routed.append(block.norm2(x + block.attn(block.norm1(x))).reshape(-1, config.dim))
+            x = block(x)
+        return routed, model.head(model.norm(x)), model.loss(batch)
+
+    routed, logits, loss = routed_and_logits(model, BATCH)
+    moes = [block.mlp for block in model.blocks if isinstance(block.mlp, MoE)]
+    gate_logits = [f64(h) @ f64(m.router.kernel[...]) for h, m in zip(routed, moes, strict=True)]
+    logits = f64(logits)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, np.asarray(BATCH[:, 1:])[..., None], -1).mean()
     aux = hf_load_balancing_loss(gate_logits, config.experts, config.experts_per_token)
     z = np.mean([np.log(np.exp(g).sum(-1)) ** 2 for g in gate_logits])
     want = nll + config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
-    np.testing.assert_allclose(float(model.loss(BATCH)), want, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
 
 
 def test_stage_rules_count_the_flops_of_k_of_e_experts():
