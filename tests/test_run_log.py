@@ -46,7 +46,9 @@ def test_without_a_terminal_it_prints_a_line_per_interval_and_evaluation_and_wri
 ):
     text, out = tmp_path / "text.txt", tmp_path / "run"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    flags = f"{TINY} --steps 6 --eval-every 3 --log-every 2 --profile-steps 2:3"
+    # steps 4-5 traced: after the evaluation at step 3 and the timed step 3 (--timeline-step's
+    # default), whose compiles a trace of steps 2-3 recorded (30 MB, 4 s more CPU than this)
+    flags = f"{TINY} --steps 6 --eval-every 3 --log-every 2 --profile-steps 4:5"
     env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
     run = subprocess.run(  # stdout a pipe, as under nohup, SLURM or CI; imports on stderr
         [sys.executable, "-X", "importtime", "-m", "mmnnx", "train", *flags.split()]
