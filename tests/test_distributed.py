@@ -92,8 +92,12 @@ class Launched(NamedTuple):
     alone: dict | None = None
 
 
+# each schedule's order of actions on 4-device tasks (transfers of 4 shards matched slice by
+# slice), and 1F1B on 1-device tasks (one shard each way, three devices of each process outside
+# the tasks); 2-device tasks took no path of their own (2 shards matched as 4 are, devices outside
+# the tasks as with 1)
 BACK_TO_BACK = [("1f1b", 4), ("gpipe", 4), ("zero-bubble-h1", 4), ("interleaved-1f1b", 4),
-                ("1f1b", 1), ("1f1b", 2)]  # fmt: skip
+                ("1f1b", 1)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -752,11 +756,12 @@ def test_a_process_killed_while_a_checkpoint_is_saved_leaves_the_previous_one(
 
 
 def test_mmnnx_train_with_too_few_devices_across_processes_says_what_it_needs(tmp_path):
-    proc = launch(["-n", "3", "--devices-per-process", "2", "--", sys.executable, "-m", "mmnnx",
+    # two processes are enough to be across processes (a third only cost its start)
+    proc = launch(["-n", "2", "--devices-per-process", "3", "--", sys.executable, "-m", "mmnnx",
                    "train", "--output-dir", str(tmp_path), "--steps", "1"])  # fmt: skip
     assert proc.returncode == 2
     assert (
-        "mmnnx train: error: only 6 devices are available (3 processes x 2); --stages 2 x "
+        "mmnnx train: error: only 6 devices are available (2 processes x 3); --stages 2 x "
         "--data-axis 2 x --model-axis 2 needs 8"
     ) in proc.stdout
     assert "failed first (exit code 2)" in proc.stderr
