@@ -159,7 +159,7 @@ def back_to_back_reference():
 def test_steps_back_to_back_on_tasks_of_every_size_match_one_process(
     two_processes, back_to_back_reference, schedule, per_task
 ):
-    # issue 41: five steps called back to back, nothing read in between, used to hang here
+    # issue 41: steps called back to back, nothing read in between, hung here (on the second)
     assert_same_run(
         two_processes.results[f"back_to_back:{schedule}:{per_task}"],
         back_to_back_reference(schedule, per_task),
