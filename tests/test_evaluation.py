@@ -17,12 +17,35 @@ EXPECTED = json.loads((FIXTURES / "lm_eval.json").read_text())
 TASKS = ["mmnnx_qa", "mmnnx_gen", "mmnnx_text"]
 
 
+TASKS_DIR = ROOT / "tests" / "lm_eval_tasks"
+
+
 @functools.cache
 def task_manager():
     """lm-eval's index of its tasks and ours, built once (4 s each time)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(ROOT / "tests" / "lm_eval_tasks"))
+    return TaskManager(include_path=str(TASKS_DIR))
+
+
+@pytest.fixture
+def indexed_once(monkeypatch):
+    """``mmnnx eval`` builds its ``TaskManager(include_path=...)`` as it would, but given
+    tests/lm_eval_tasks it gets the index already built (``task_manager()``) rather than reading
+    lm-eval's thousands of task files again: the same tasks, 4 s less each call. The folders it
+    was asked for are listed in the fixture's value."""
+    import lm_eval.tasks
+
+    built, asked = lm_eval.tasks.TaskManager, []
+
+    def manager(include_path=None, **kwargs):
+        asked.append(include_path)
+        if include_path and not kwargs and pathlib.Path(include_path).resolve() == TASKS_DIR:
+            return task_manager()
+        return built(include_path=include_path, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", manager)
+    return asked
 
 
 def evaluate(tasks=TASKS, limit=None, **model_args):
@@ -56,7 +79,7 @@ def test_equal_to_lm_evals_hf_model(monkeypatch):
                     np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
-def test_mmnnx_eval_of_a_run_equals_its_export(tmp_path, monkeypatch, capsys):
+def test_mmnnx_eval_of_a_run_equals_its_export(tmp_path, monkeypatch, capsys, indexed_once):
     from mmnnx.cli import main
 
     monkeypatch.chdir(ROOT)
@@ -79,8 +102,10 @@ def test_mmnnx_eval_of_a_run_equals_its_export(tmp_path, monkeypatch, capsys):
         ):
             np.testing.assert_allclose(ll, ll_exported, rtol=1e-5)
             assert greedy == greedy_exported
-    assert main(["eval", "--run", str(run), "--tasks", "no_such_task"]) == 2
+    unknown = ["--tasks", "no_such_task", "--include-path", "tests/lm_eval_tasks"]
+    assert main(["eval", "--run", str(run), *unknown]) == 2
     assert "no lm-eval task no_such_task" in capsys.readouterr().err
+    assert indexed_once == ["tests/lm_eval_tasks"]  # lm-eval's tasks and ours
     broken = tmp_path / "tasks"
     broken.mkdir()
     (broken / "broken.yaml").write_text("task: broken\ndataset_path: json\n  bad: [x\n")
@@ -91,7 +116,7 @@ def test_mmnnx_eval_of_a_run_equals_its_export(tmp_path, monkeypatch, capsys):
 
 
 def test_a_perplexity_task_of_a_run_with_no_bos_or_eos_exits_2_in_one_line(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys, indexed_once
 ):
     # the rolling windows' first token is predicted after bos (or eos): with neither it was a
     # TypeError traceback (lm-eval's own hf model fails on such a checkpoint too)
@@ -99,14 +124,17 @@ def test_a_perplexity_task_of_a_run_with_no_bos_or_eos_exits_2_in_one_line(
 
     monkeypatch.chdir(ROOT)
     run = tmp_path / "bytes"
-    flags = ["--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "16", "--steps", "1"]
+    flags = ["--dim", "16", "--depth", "1", "--heads", "2", "--seq-len", "8", "--steps", "1"]
     flags += ["--stages", "1", "--data-axis", "1", "--model-axis", "1", "--devices", "1"]
-    assert main(["train", *flags, "--output-dir", str(run), "--timeline-step", "0"]) == 0
+    flags += ["--batch-size", "2", "--microbatches", "1", "--eval-batches", "1"]
+    flags += ["--no-tensorboard", "--timeline-step", "0"]  # the smallest run there is
+    assert main(["train", *flags, "--output-dir", str(run)]) == 0
     capsys.readouterr()
     tasks = ["--tasks", "mmnnx_text", "--include-path", "tests/lm_eval_tasks", "--limit", "1"]
     assert main(["eval", "--run", str(run), *tasks]) == 2
     last = capsys.readouterr().err.splitlines()[-1]  # after lm-eval's own progress bars
     assert last.startswith("mmnnx eval: error: --tasks mmnnx_text: a perplexity task"), last
+    assert indexed_once == ["tests/lm_eval_tasks"]
 
 
 def test_generation_stops_where_transformers_generate_stops(tmp_path):
