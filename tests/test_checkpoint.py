@@ -343,27 +343,13 @@ def test_a_checkpointer_dropped_without_close_leaves_the_directory_to_the_next(t
     assert Checkpointer(tmp_path).all_steps() == [1, 2]
 
 
-def test_two_processes_saving_into_one_directory_one_is_refused_and_nothing_is_mixed(tmp_path):
-    # before: both reported 12 successful saves and every step held one writer's model
-    directory = tmp_path / "ckpt"
-    writers = [run_worker("write", str(directory), "12") for _ in range(2)]
-    outcomes = []
-    for proc in writers:
-        out, err = proc.communicate(timeout=240)
-        outcomes.append((proc.returncode, err))
-    refused = [err for code, err in outcomes if code != 0]
-    assert len(refused) == 1, outcomes
-    assert "CheckpointDirectoryBusyError" in refused[0] and "process " in refused[0]
-    with Checkpointer(directory) as ckpt:
-        assert ckpt.all_steps() == [11, 12]
-
-
 def test_mmnnx_train_on_a_directory_another_writer_holds_exits_2_naming_it(tmp_path, capsys):
     """A second ``mmnnx train`` on the output directory of a running run (before its first
     checkpoint) is refused before it writes anything: the running run's config.toml and
     tokenizer/ stay its own (before: overwritten, then refused at the lock). In this process (a
     process start costs seconds): the lock refuses another Checkpointer of this process as of
-    another one (another process: the test above)."""
+    another one (another process:
+    test_two_writer_processes_one_is_refused_and_readers_never_break_the_others_saves)."""
     out = tmp_path / "out"
     mm.train.BPETokenizer.train(["the cat sat on the mat. " * 20], 260).save(out / "tokenizer")
     (out / "config.toml").write_text('[model]\ndim = 32\n[training]\ntokenizer = "bpe"\n')
@@ -403,22 +389,33 @@ def test_mmnnx_train_under_launch_on_a_directory_another_writer_holds_exits_2_na
     )
 
 
-def test_readers_never_break_a_save_in_progress(tmp_path):
-    """One process saves 12 steps while two others keep opening the directory and asking for
-    the latest step (before: opening a Checkpointer removed the writer's temporary directory,
-    and its save failed with NOT_FOUND)."""
+def test_two_writer_processes_one_is_refused_and_readers_never_break_the_others_saves(tmp_path):
+    """Two processes start saving 6 steps of 16 MB into one directory while two others keep
+    opening it and asking for the latest step. One writer is refused, naming the other (before:
+    both reported every save successful and every step held one writer's model); the other's
+    saves all succeed (before: opening a Checkpointer removed the writer's temporary directory,
+    and its save failed with NOT_FOUND, at step 1 already). One scenario of four processes: each
+    start costs seconds, and the readers spin for as long as the saves take."""
     directory, stop = tmp_path / "ckpt", tmp_path / "stop"
     directory.mkdir()
     readers = [run_worker("read", str(directory), str(stop)) for _ in range(2)]
-    writer = run_worker("write", str(directory), "12")
+    writers = [run_worker("write", str(directory), "6") for _ in range(2)]
+    outcomes = []
     try:
-        finish(writer, timeout=240)
+        for proc in writers:
+            out, err = proc.communicate(timeout=240)
+            outcomes.append((proc.returncode, out, err))
     finally:
         stop.touch()
         counts = [finish(reader, timeout=60)["opened"] for reader in readers]
+    refused = [err for code, _, err in outcomes if code != 0]
+    assert len(refused) == 1, outcomes
+    assert "CheckpointDirectoryBusyError" in refused[0] and "process " in refused[0]
+    (saved,) = [out for code, out, _ in outcomes if code == 0]
+    assert json.loads(saved.strip().splitlines()[-1]) == {}  # all 6 saves done
     assert all(n > 0 for n in counts)
     with Checkpointer(directory) as ckpt:
-        assert ckpt.all_steps() == [11, 12]
+        assert ckpt.all_steps() == [5, 6]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
@@ -426,6 +423,9 @@ def test_max_to_keep_must_be_a_positive_int_or_none(tmp_path, bad):
     with pytest.raises(ValueError, match=r"max_to_keep must be a positive int .* got "):
         Checkpointer(tmp_path / "c", max_to_keep=bad)
     assert not (tmp_path / "c").exists()  # refused before anything was created
+
+
+def test_max_to_keep_none_keeps_every_step(tmp_path):
     with Checkpointer(tmp_path / "all", max_to_keep=None) as ckpt:
         for step in range(5):
             ckpt.save(step, model=nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
