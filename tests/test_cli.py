@@ -159,7 +159,9 @@ def test_no_command_takes_an_abbreviated_flag(argv, capsys):
 
 
 def test_a_budget_nothing_fits_exits_2_with_the_candidates(tmp_path, capsys):
-    argv = ["train", "--dim", "16", "--depth", "2", "--heads", "2", "--seq-len", "16"]
+    # the model of test_tiny_run_trains_and_resumes, whose --schedule auto then finds the
+    # candidates' programs compiled (one compilation cache for the run)
+    argv = ["train", "--dim", "32", "--depth", "2", "--heads", "2", "--seq-len", "16"]
     argv += ["--batch-size", "8", "--microbatches", "2", "--steps", "1"]
     argv += ["--output-dir", str(tmp_path), "--schedule", "auto", "--memory-budget", "1KiB"]
     assert main(argv) == 2
@@ -352,18 +354,6 @@ def test_a_planned_partition_trains_and_resumes_with_its_split(tmp_path, capsys)
     assert "mm.schedules.partition" not in out
     assert main([*base, *argv, "--text", str(data), "--output-dir", str(tmp_path / "t")]) == 2
     assert "--data rules out --text (train on one or the other)" in capsys.readouterr().err
-
-
-def test_one_stage_run_has_no_timeline_to_draw(tmp_path, capsys):
-    """One stage, one microbatch: no pipeline, so the timeline step draws nothing (it raised
-    "no events to draw" at step 3)."""
-    out = tmp_path / "run"
-    flags = "--dim 32 --depth 2 --heads 2 --seq-len 16 --stages 1 --data-axis 1 --model-axis 1"
-    flags += " --batch-size 2 --microbatches 1 --steps 3 --eval-every 3"
-    assert main(["train", *flags.split(), "--output-dir", str(out)]) == 0
-    stdout = capsys.readouterr().out
-    assert "run report" in stdout and "pipeline bubble" not in stdout
-    assert (out / "loss.png").is_file() and not (out / "timeline.png").exists()
 
 
 @pytest.mark.parametrize(
@@ -691,18 +681,33 @@ def test_a_bpe_run_whose_tokenizer_or_prompt_cannot_be_read_exits_2_in_one_line(
 
 
 ONE_STAGE = "--dim 16 --depth 1 --heads 2 --seq-len 8 --stages 1 --data-axis 1 --model-axis 1"
-ONE_STAGE += " --batch-size 2 --microbatches 1 --eval-batches 1 --timeline-step 0 --no-tensorboard"
+ONE_STAGE += " --batch-size 2 --microbatches 1 --eval-batches 1 --no-tensorboard"
 
 
 @pytest.fixture(scope="module")
-def one_step_run(tmp_path_factory):
-    """A run of one step on one stage (the cheapest to make), checkpointed at step 1."""
+def one_step_run_said(tmp_path_factory) -> tuple:
+    """A run of one step on one stage (the cheapest to make), checkpointed at step 1, its
+    timeline step that step; and what it printed."""
     tmp = tmp_path_factory.mktemp("one_step")
     (tmp / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 100)
     argv = ["train", *ONE_STAGE.split(), "--steps", "1", "--text", str(tmp / "text.txt")]
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert main([*argv, "--output-dir", str(tmp / "run")]) == 0
-    return tmp / "run"
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        assert main([*argv, "--timeline-step", "1", "--output-dir", str(tmp / "run")]) == 0
+    return tmp / "run", said.getvalue()
+
+
+@pytest.fixture
+def one_step_run(one_step_run_said):
+    return one_step_run_said[0]
+
+
+def test_one_stage_run_has_no_timeline_to_draw(one_step_run_said):
+    """One stage, one microbatch: no pipeline, so the timeline step draws nothing (it raised
+    "no events to draw" at step 3, the default timeline step)."""
+    out, stdout = one_step_run_said
+    assert "run report" in stdout and "pipeline bubble" not in stdout
+    assert (out / "loss.png").is_file() and not (out / "timeline.png").exists()
 
 
 @pytest.mark.parametrize(
