@@ -390,15 +390,25 @@ def test_mmnnx_train_under_launch_on_a_directory_another_writer_holds_exits_2_na
 
 
 def test_two_writer_processes_one_is_refused_and_readers_never_break_the_others_saves(tmp_path):
-    """Two processes start saving 6 steps of 16 MB into one directory while two others keep
-    opening it and asking for the latest step. One writer is refused, naming the other (before:
-    both reported every save successful and every step held one writer's model); the other's
-    saves all succeed (before: opening a Checkpointer removed the writer's temporary directory,
-    and its save failed with NOT_FOUND, at step 1 already). One scenario of four processes: each
-    start costs seconds, and the readers spin for as long as the saves take."""
-    directory, stop = tmp_path / "ckpt", tmp_path / "stop"
+    """Two processes start saving 6 steps of 16 MB into one directory while two readers (threads
+    of this process) keep opening it and asking for the latest step. One writer is refused,
+    naming the other (before: both reported every save successful and every step held one
+    writer's model); the other's saves all succeed (before: opening a Checkpointer removed the
+    writer's temporary directory, and its save failed with NOT_FOUND, at step 1 already). One
+    scenario: each process start costs seconds, and the readers spin as long as the saves take."""
+    directory = tmp_path / "ckpt"
     directory.mkdir()
-    readers = [run_worker("read", str(directory), str(stop)) for _ in range(2)]
+    stop, counts = threading.Event(), [0, 0]
+
+    def read(reader: int) -> None:
+        while not stop.is_set():
+            with Checkpointer(directory) as ckpt:
+                ckpt.latest_step()
+            counts[reader] += 1
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+    for reader in readers:
+        reader.start()
     writers = [run_worker("write", str(directory), "6") for _ in range(2)]
     outcomes = []
     try:
@@ -406,8 +416,9 @@ def test_two_writer_processes_one_is_refused_and_readers_never_break_the_others_
             out, err = proc.communicate(timeout=240)
             outcomes.append((proc.returncode, out, err))
     finally:
-        stop.touch()
-        counts = [finish(reader, timeout=60)["opened"] for reader in readers]
+        stop.set()
+        for reader in readers:
+            reader.join(timeout=60)
     refused = [err for code, _, err in outcomes if code != 0]
     assert len(refused) == 1, outcomes
     assert "CheckpointDirectoryBusyError" in refused[0] and "process " in refused[0]
