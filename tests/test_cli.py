@@ -6,8 +6,6 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 from tempfile import mkdtemp
 
 import jax
@@ -21,7 +19,6 @@ from mmnnx.train import BPETokenizer, load_tokenizer
 from mmnnx.train.checkpoint.integrity import extra_checksum
 from mmnnx.train.data import TextDataset
 from mmnnx.train.run_record import RunRecord
-from tests.flags import without_device_count
 
 
 @pytest.mark.parametrize(
@@ -281,26 +278,22 @@ def test_tiny_run_trains_and_resumes(tmp_path, capsys):
         "--output-dir",
         str(out),
     ]
-    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
-    first = subprocess.run(  # the schedule measured and chosen for this model
-        [sys.executable, "-m", "mmnnx", *base, "--steps", "8", "--schedule", "auto"]
-        + ["--memory-budget", "1GiB"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert "mm.schedules.tune" in first.stdout and "schedule auto: " in first.stdout
-    assert "Totals per task" in first.stdout and "run report" in first.stdout
-    assert "pipeline bubble (step 3, measured)" in first.stdout
+    # the schedule measured and chosen for this model. All in this process (each start costs
+    # seconds): `python -m mmnnx train` started as a command, setting its devices itself, is
+    # tests/test_run_log.py's test_without_a_terminal_it_prints_a_line_per_interval_...
+    capsys.readouterr()
+    auto = ["--steps", "8", "--schedule", "auto", "--memory-budget", "1GiB"]
+    assert main([*base, *auto]) == 0
+    first = capsys.readouterr().out
+    assert "mm.schedules.tune" in first and "schedule auto: " in first
+    assert "Totals per task" in first and "run report" in first
+    assert "pipeline bubble (step 3, measured)" in first
     for name in ("metrics.jsonl", "loss.png", "timeline.png"):
         assert (out / name).stat().st_size > 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert evals[-1] < 0.8 * 5.6  # well below uniform over 256 bytes
-    # the rest in this process (the command's own start is checked above; each start costs
-    # seconds): resumed with packed residuals, the same state either way
+    # resumed with packed residuals, the same state either way
     assert main([*base, "--steps", "12", "--resume", "--pack-residuals"]) == 0
     assert "resumed from step 8" in capsys.readouterr().out
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
