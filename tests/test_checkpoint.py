@@ -390,7 +390,7 @@ def test_mmnnx_train_under_launch_on_a_directory_another_writer_holds_exits_2_na
 
 
 def test_two_writer_processes_one_is_refused_and_readers_never_break_the_others_saves(tmp_path):
-    """Two processes start saving 6 steps of 16 MB into one directory while two readers (threads
+    """Two processes start saving 12 steps of 16 MB into one directory while two readers (threads
     of this process) keep opening it and asking for the latest step. One writer is refused,
     naming the other (before: both reported every save successful and every step held one
     writer's model); the other's saves all succeed (before: opening a Checkpointer removed the
@@ -409,7 +409,7 @@ def test_two_writer_processes_one_is_refused_and_readers_never_break_the_others_
     readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
     for reader in readers:
         reader.start()
-    writers = [run_worker("write", str(directory), "6") for _ in range(2)]
+    writers = [run_worker("write", str(directory), "12") for _ in range(2)]
     outcomes = []
     try:
         for proc in writers:
@@ -423,10 +423,10 @@ def test_two_writer_processes_one_is_refused_and_readers_never_break_the_others_
     assert len(refused) == 1, outcomes
     assert "CheckpointDirectoryBusyError" in refused[0] and "process " in refused[0]
     (saved,) = [out for code, out, _ in outcomes if code == 0]
-    assert json.loads(saved.strip().splitlines()[-1]) == {}  # all 6 saves done
+    assert json.loads(saved.strip().splitlines()[-1]) == {}  # all 12 saves done
     assert all(n > 0 for n in counts)
     with Checkpointer(directory) as ckpt:
-        assert ckpt.all_steps() == [5, 6]
+        assert ckpt.all_steps() == [11, 12]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
