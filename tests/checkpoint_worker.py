@@ -8,8 +8,6 @@
   losses and a digest of the state), trains one more step and starts saving it, but sleeps just
   before the commit, after printing ``COMMITTING``, so that the parent can kill it there.
 - ``write DIR N``: saves a model of about 16 MB as steps 1..N (keeping 2), then prints ``{}``.
-- ``read DIR STOP``: opens a ``Checkpointer`` on DIR and asks ``latest_step()``, again and again,
-  until the file STOP exists; prints how often.
 """
 
 from __future__ import annotations
@@ -145,13 +143,6 @@ def main(argv: list[str]) -> None:
             for step in range(1, int(argv[2]) + 1):
                 ckpt.save(step, model=model)
         print(json.dumps({}), flush=True)
-    elif mode == "read":
-        opened = 0
-        while not os.path.exists(argv[2]):
-            with Checkpointer(directory) as ckpt:
-                ckpt.latest_step()
-            opened += 1
-        print(json.dumps({"opened": opened}), flush=True)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
