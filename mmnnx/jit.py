@@ -75,6 +75,10 @@ class JitOptions:
         )
 
 
+_TRACED_ALIKE = ("static_argnums", "static_argnames", "donate_argnums")
+"""The options a step's trace depends on; steps equal in these share their traces."""
+
+
 def _as_tuple(x: Any) -> tuple:
     return (x,) if isinstance(x, int | str) else tuple(x)
 
@@ -95,6 +99,9 @@ class JitFunction:
     def __init__(self, fun, *options, **named_options):
         self.fun = fun
         self._cache: dict[Any, _Compiled] = {}
+        # per kind of call: the step traced, the Variables it added, those it returned; shared
+        # with the steps with_options makes that trace alike
+        self._traces: dict[Any, tuple[engine.TracedCall, list, list]] = {}
         self.trace_count = 0
         functools.update_wrapper(self, fun)
         given = JitOptions(*options, **named_options)
@@ -116,9 +123,11 @@ class JitFunction:
         """A new step of the same function with the same options except ``changes`` (any field
         of :class:`JitOptions`), planned and compiled afresh on its first call.
 
-        ``schedule``, a planning option, replaces the schedule of the step's ``mm.microbatch``
-        when the step is planned (the trace is the same): ``mm.schedules.tune`` measures a
-        split backward with ``step.with_options(schedule="zero-bubble-h1")``.
+        Changing only planning options (all but the static and donated arguments), the new step
+        plans the traces this one made rather than tracing the function again: ``schedule``
+        replaces the schedule of the step's ``mm.microbatch`` when the step is planned, so
+        ``mm.schedules.tune`` measures a split backward with
+        ``step.with_options(schedule="zero-bubble-h1")`` at the cost of planning it.
 
         Example:
             >>> step = jit(lambda x: x * 2, pack_residuals=False)
@@ -126,21 +135,26 @@ class JitFunction:
             >>> gpipe.options.schedule, gpipe.pack_residuals, step.options.schedule
             ('gpipe', 0, None)
         """
-        return JitFunction(self.fun, **vars(dataclasses.replace(self.options, **changes)))
+        new = JitFunction(self.fun, **vars(dataclasses.replace(self.options, **changes)))
+        if all(getattr(new.options, f) == getattr(self.options, f) for f in _TRACED_ALIKE):
+            new._traces = self._traces
+        return new
 
     def _build(self, call: Call) -> _Compiled:
         inputs = call.step_inputs()
-        pure, added, returned = call.traceable(self.fun, first=self.trace_count == 0)
-        self.trace_count += 1
-        built = engine.build_step(
-            pure,
-            inputs,
-            lambda out_shape: call.step_outputs(out_shape, inputs, added),
-            self.options.planning(),
-            name_as=self.fun,
-            located=call.located,
-            peers=peers_for,
-        )
+        if call.key not in self._traces:
+            pure, added, returned = call.traceable(self.fun, first=self.trace_count == 0)
+            self.trace_count += 1
+            traced = engine.trace(
+                pure,
+                inputs,
+                lambda out_shape: call.step_outputs(out_shape, inputs, added),
+                name_as=self.fun,
+                located=call.located,
+            )
+            self._traces[call.key] = (traced, added, returned)
+        traced, added, returned = self._traces[call.key]
+        built = engine.build_step(traced, inputs, self.options.planning(), peers=peers_for)
         return _Compiled(built.executable, (built, added, returned))
 
     def _lookup(self, call: Call) -> _Compiled:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mmnnx.errors import MPMDError
-from mmnnx.mpmd.engine import PlanningOptions, build_step, inside_step
+from mmnnx.mpmd.engine import PlanningOptions, build_step, inside_step, trace
 from mmnnx.mpmd.ir import Const, Graph, Op
 from mmnnx.mpmd.plan.chain import culprit, describe
 from mmnnx.mpmd.plan.cut import Fragment
@@ -175,11 +175,16 @@ def test_planning_options_read_false_packing_as_no_bytes():
 def test_build_step_plans_a_one_task_step_without_compiling():
     s0 = Task("s0", mesh=TaskMesh(devices=[0]))
     w = StepInput(name="w", task=s0, shape=(2,), dtype="f4", sharding=s0.sharding())
-    built = build_step(
-        lambda w: (w * 2, ()), [w], lambda shape: [StepOutput()], PlanningOptions(), name_as=_step
-    )
+    traced = trace(lambda w: (w * 2, ()), [w], lambda shape: [StepOutput()], name_as=_step)
+    built = build_step(traced, [w], PlanningOptions())
     assert built.num_outputs == 1
     assert [t.name for t in built.executable.plan.tasks] == ["s0"]
+    graph = traced.step.graph  # planned on a copy, which planning may change freely
+    copy = graph.copy()
+    copy.ops.pop()
+    copy.new_value(((3,), np.dtype("f4"), 12))
+    copy.specs[0] = "changed"
+    assert [len(graph.ops), len(graph.shapes), graph.specs] == [1, 2, {}]
 
 
 def _step():

@@ -1,5 +1,6 @@
-"""The engine's entry: a pure function of array leaves traced (:func:`build_step`), planned
-(:func:`plan_step`) and wrapped in the runner's :class:`~mmnnx.mpmd.run.runner.Executable`."""
+"""The engine's entry: a pure function of array leaves traced (:func:`trace`), planned
+(:func:`build_step`, :func:`plan_step`) and wrapped in the runner's
+:class:`~mmnnx.mpmd.run.runner.Executable`."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from mmnnx.mpmd.trace import trace_state
 from mmnnx.mpmd.trace.callbacks import CallbackFailures
 from mmnnx.mpmd.trace.mesh_context import no_ambient_mesh
 from mmnnx.mpmd.trace.trace_state import Trace
-from mmnnx.mpmd.trace.trace_step import trace_step
+from mmnnx.mpmd.trace.trace_step import TracedStep, trace_step
 from mmnnx.sharding import Task
 
 __all__ = ["PACK_RESIDUAL_BYTES", "PACK_WEIGHT_BYTES", "Plan"]
@@ -90,44 +91,69 @@ class BuiltStep:
         return self.tree.num_leaves
 
 
-def build_step(
+@dataclasses.dataclass(frozen=True)
+class TracedCall:
+    """A step traced for one kind of call: what :func:`build_step` plans, under any options."""
+
+    step: TracedStep  # the graph, the annotations' record, the results' shapes
+    outputs: Sequence[StepOutput]  # one record per result leaf
+    callback_failures: CallbackFailures  # what the step's host callbacks raise, when run
+    name: str  # the step's name in errors
+
+
+def trace(
     pure: Callable,
     inputs: Sequence[StepInput],
     outputs_of: Callable[[Any], Sequence[StepOutput]],
-    options: PlanningOptions,
     *,
     name_as: Callable,
     located: Callable[[BaseException], BaseException] = lambda e: e,
-    peers: Callable[[PlannedStep, Sequence[StepInput], str], Any] | None = None,
-) -> BuiltStep:
+) -> TracedCall:
     """Traces ``pure(*leaves)`` (JAX's errors name it ``name_as``; a ``TypeError``/``ValueError``
-    becomes ``located(error)``), describes its results with ``outputs_of(out_shape)``, plans it for
-    this process and wraps the plan in an ``Executable`` (``peers(planned, inputs, name)``: the
-    other processes). Compiles nothing."""
-    name = getattr(name_as, "__name__", "the step")
+    becomes ``located(error)``) and describes its results with ``outputs_of(out_shape)``."""
     callback_failures = CallbackFailures()
     with no_ambient_mesh(), cyclic_gc_paused():
-        traced = trace_step(
+        step = trace_step(
             pure, inputs, name_as=name_as, callback_failures=callback_failures, located=located
         )
+    name = getattr(name_as, "__name__", "the step")
+    return TracedCall(
+        step=step,
+        outputs=outputs_of(step.out_shape),
+        callback_failures=callback_failures,
+        name=name,
+    )
+
+
+def build_step(
+    traced: TracedCall,
+    inputs: Sequence[StepInput],
+    options: PlanningOptions,
+    *,
+    peers: Callable[[PlannedStep, Sequence[StepInput], str], Any] | None = None,
+) -> BuiltStep:
+    """Plans a traced step for this process and wraps the plan in an ``Executable``
+    (``peers(planned, inputs, name)``: the other processes). Compiles nothing; ``traced`` is
+    left as it was, so the same trace plans again under other options."""
+    with no_ambient_mesh(), cyclic_gc_paused():
         planned = plan_step(
-            traced.graph,
-            traced.trace,
+            traced.step.graph.copy(),
+            traced.step.trace,
             inputs,
-            outputs_of(traced.out_shape),
+            traced.outputs,
             options,
-            name=name,
+            name=traced.name,
             process=jax.process_index(),
             num_processes=jax.process_count(),
         )
-    remote = None if peers is None else peers(planned, inputs, name)
+    remote = None if peers is None else peers(planned, inputs, traced.name)
     executable = Executable(planned.graph, planned.plan, peers=remote)
     return BuiltStep(
         executable=executable,
-        tree=jax.tree.structure(traced.out_shape[0]),
+        tree=jax.tree.structure(traced.step.out_shape[0]),
         expansion=planned.expansion,
         plan_for=planned.plan_for,
-        callback_failures=callback_failures,
+        callback_failures=traced.callback_failures,
         donated=any(i.donated for i in inputs),
     )
 

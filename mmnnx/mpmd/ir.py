@@ -85,6 +85,19 @@ class Graph:
     # (the ops list it was computed for, its length, the result): cut.after_backward's cache
     _after_backward: tuple | None = dataclasses.field(default=None, repr=False)
 
+    def copy(self) -> Graph:
+        """A graph planning can change without changing this one (the ops are shared: planning
+        replaces ops, never changes one)."""
+        return Graph(
+            ops=list(self.ops),
+            inputs=list(self.inputs),
+            outputs=list(self.outputs),
+            shapes=list(self.shapes),
+            dtypes=list(self.dtypes),
+            nbytes=list(self.nbytes),
+            specs=dict(self.specs),
+        )
+
     def new_value(self, info: tuple[tuple[int, ...], Any, int]) -> int:
         shape, dtype, nbytes = info
         self.shapes.append(shape)
