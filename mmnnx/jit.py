@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from mmnnx._argnums import checked_argnums
+from mmnnx._argnums import Argnums, checked_argnums
 from mmnnx._call import Call
 from mmnnx._jax.tracing import tracing
 from mmnnx.distributed.step import peers_for
@@ -75,10 +75,6 @@ class JitOptions:
         )
 
 
-_TRACED_ALIKE = ("static_argnums", "static_argnames", "donate_argnums")
-"""The options a step's trace depends on; steps equal in these share their traces."""
-
-
 def _as_tuple(x: Any) -> tuple:
     return (x,) if isinstance(x, int | str) else tuple(x)
 
@@ -99,8 +95,7 @@ class JitFunction:
     def __init__(self, fun, *options, **named_options):
         self.fun = fun
         self._cache: dict[Any, _Compiled] = {}
-        # per kind of call: the step traced, the Variables it added, those it returned; shared
-        # with the steps with_options makes that trace alike
+        # per kind of call: the step traced, the Variables it added and those it returned
         self._traces: dict[Any, tuple[engine.TracedCall, list, list]] = {}
         self.trace_count = 0
         functools.update_wrapper(self, fun)
@@ -123,11 +118,10 @@ class JitFunction:
         """A new step of the same function with the same options except ``changes`` (any field
         of :class:`JitOptions`), planned and compiled afresh on its first call.
 
-        Changing only planning options (all but the static and donated arguments), the new step
-        plans the traces this one made rather than tracing the function again: ``schedule``
-        replaces the schedule of the step's ``mm.microbatch`` when the step is planned, so
-        ``mm.schedules.tune`` measures a split backward with
-        ``step.with_options(schedule="zero-bubble-h1")`` at the cost of planning it.
+        With the same static and donated arguments, the new step plans this one's traces rather
+        than tracing again: ``schedule`` replaces the schedule of the step's ``mm.microbatch``
+        when planned, so ``mm.schedules.tune`` measures a split backward by planning
+        ``step.with_options(schedule="zero-bubble-h1")``.
 
         Example:
             >>> step = jit(lambda x: x * 2, pack_residuals=False)
@@ -136,8 +130,8 @@ class JitFunction:
             ('gpipe', 0, None)
         """
         new = JitFunction(self.fun, **vars(dataclasses.replace(self.options, **changes)))
-        if all(getattr(new.options, f) == getattr(self.options, f) for f in _TRACED_ALIKE):
-            new._traces = self._traces
+        if all(getattr(new.options, f) == getattr(self.options, f) for f in Argnums._fields):
+            new._traces = self._traces  # traced alike: planned from the same traces
         return new
 
     def _build(self, call: Call) -> _Compiled:
@@ -145,13 +139,8 @@ class JitFunction:
         if call.key not in self._traces:
             pure, added, returned = call.traceable(self.fun, first=self.trace_count == 0)
             self.trace_count += 1
-            traced = engine.trace(
-                pure,
-                inputs,
-                lambda out_shape: call.step_outputs(out_shape, inputs, added),
-                name_as=self.fun,
-                located=call.located,
-            )
+            outputs = functools.partial(call.step_outputs, inputs=inputs, added=added)
+            traced = engine.trace(pure, inputs, outputs, name_as=self.fun, located=call.located)
             self._traces[call.key] = (traced, added, returned)
         traced, added, returned = self._traces[call.key]
         built = engine.build_step(traced, inputs, self.options.planning(), peers=peers_for)
