@@ -580,7 +580,7 @@ def test_the_schedule_option_replaces_the_microbatch_schedule_when_planned(tasks
     assert not gpipe.options.recompute_residuals  # the user's options, besides the schedule
     assert last_stage(step)[0].name == "1f1b"  # the step itself plans as before
     assert step.trace_count == 1 and gpipe.trace_count == 0  # gpipe planned step's trace
-    again = step.with_options(schedule="1f1b")  # the trace as it was before those plans
+    again = step.with_options(schedule="1f1b")  # step's trace, planned under its own options
     assert str(again.plan(model, opt, tokens)) == str(step.plan(model, opt, tokens))
     donating = step.with_options(donate_argnums=1)
     donating.plan(model, opt, tokens)
