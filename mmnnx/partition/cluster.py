@@ -172,8 +172,10 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
                "step": "in the compute dtype once per model stage per step (twice with one "
                        "microbatch), prefetched; pipeline sends split over the tensor devices; "
                        "memory as Megatron/torchtitan hold it (sequence parallelism)"}  # fmt: skip
+    flops = device.flops
+    rate = f"{flops / 1e12:.0f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
     return [
-        f"{device.name}: {_rate(device.flops)} peak dense bf16, "
+        f"{device.name}: {rate} peak dense bf16, "
         f"{device.efficiency:.0%} reached on the model FLOPs (one number for every device "
         "and model)",
         f"links: {device.intra_bandwidth / 1e9:.0f} GB/s per device one way inside a node of "
@@ -192,10 +194,6 @@ def assumptions(device: DeviceSpec, collectives: Collectives) -> list[str]:
         "own, which launches a reader once the value it reads from another task has arrived",
         "not charged: data loading, stragglers",
     ]
-
-
-def _rate(flops: float) -> str:
-    return f"{flops / 1e12:.0f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
 
 
 def evaluate(
@@ -230,10 +228,6 @@ def evaluate(
                        seq=seq, collectives=collectives, trainable=trainable)  # fmt: skip
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def candidates(
     config: GPTConfig, devices: int, device: DeviceSpec, *, batch: int,
     fixed: Mapping[str, Any] | None = None,
@@ -256,7 +250,7 @@ def candidates(
         return [fixed[name]] if name in fixed else list(values)
 
     out = []
-    divisors = _divisors(devices)
+    divisors = [k for k in range(1, devices + 1) if devices % k == 0]
     tensors = options("tensor", (t for t in divisors if t <= device.node_size and heads % t == 0))
     expert_axes = options("expert", (e for e in divisors if experts and experts[0] % e == 0)
                           if experts else [1])  # fmt: skip
