@@ -464,18 +464,16 @@ def plan_cluster(
     if least[1] is None:
         raise NoCandidateError(_none_runs(len(lays), devices, cannot_run), [])
     if not small:
-        where = (
-            f": the smallest, {least[1].text()}, about {format_bytes(least[0])}" if least[1] else ""
-        )
         raise NoCandidateError(
             f"none of the {len(lays)} layouts of {devices} devices fits "
-            f"{format_bytes(device.memory)} per {device.name}{where}",
+            f"{format_bytes(device.memory)} per {device.name}: the smallest, "
+            f"{least[1].text()}, about {format_bytes(least[0])}",
             [],
         )
     ranked = sorted(
         small, key=lambda lay: _estimate(config, lay, device, batch, seq, collectives, trainable)
     )
-    fitting, checked, smallest = [], [], None
+    fitting, checked = [], []
     for lay in ranked[:_CHECKED]:
         try:
             step = evaluate(config, lay, device, batch=batch, seq=seq, collectives=collectives,
@@ -488,16 +486,14 @@ def plan_cluster(
             fitting.append(step)
             if len(fitting) == keep:
                 break
-        elif smallest is None or step.memory.peak < smallest.memory.peak:
-            smallest = step
     if not checked:
         raise NoCandidateError(_none_runs(min(len(ranked), _CHECKED), devices, cannot_run), [])
     if not fitting:
-        detail = (f"; the smallest of the {_CHECKED} fastest, {smallest.layout.text()}, "
-                  f"needs {format_bytes(smallest.memory.peak)}") if smallest else ""  # fmt: skip
+        smallest = min(checked, key=lambda step: step.memory.peak)
         raise NoCandidateError(
             f"none of the {min(len(ranked), _CHECKED)} fastest layouts fits "
-            f"{format_bytes(device.memory)} per {device.name}{detail}",
+            f"{format_bytes(device.memory)} per {device.name}; the smallest of the {_CHECKED} "
+            f"fastest, {smallest.layout.text()}, needs {format_bytes(smallest.memory.peak)}",
             checked,
         )
     best = min(fitting, key=lambda s: s.step_seconds)
