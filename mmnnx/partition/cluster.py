@@ -311,10 +311,9 @@ def _misfit(config: GPTConfig, devices: int, fields: Mapping[str, Any]) -> str |
         return f"ep={expert} needs experts to split; the model has none (ep=1)"
     if expert > 1 and experts[0] % expert:
         return f"ep={expert} does not divide the model's {experts[0]} experts"
-    stages = fields.get("stages", 1) * fields.get("virtual_stages", 1)
-    if stages > config.depth:
-        pp, v = fields.get("stages", 1), fields.get("virtual_stages", 1)
-        return (f"pp={pp} x v={v} = {stages} model stages for the model's {config.depth} "
+    pp, v = fields.get("stages", 1), fields.get("virtual_stages", 1)
+    if pp * v > config.depth:
+        return (f"pp={pp} x v={v} = {pp * v} model stages for the model's {config.depth} "
                 "blocks (one block at least each)")  # fmt: skip
     return None
 
@@ -376,11 +375,11 @@ def _affine_memory(config, layout: ClusterLayout, seq: int, reference: bool,
             trainable=trainable,
         ).tasks  # fmt: skip
 
-    out = []
-    for one, two in zip(predicted(1), predicted(2), strict=True):
-        out.append(((one.pipelined, two.pipelined - one.pipelined),
-                    (one.activations, two.activations - one.activations), one.update))  # fmt: skip
-    return tuple(out)
+    return tuple(
+        ((one.pipelined, two.pipelined - one.pipelined),
+         (one.activations, two.activations - one.activations), one.update)
+        for one, two in zip(predicted(1), predicted(2), strict=True)
+    )  # fmt: skip
 
 
 def _memory_estimate(config, layout: ClusterLayout, batch: int, seq: int, reference: bool,
