@@ -17,11 +17,13 @@ from mmnnx.models.gpt import REMAT, GPTConfig
 from mmnnx.modules import MoEConfig
 from mmnnx.mpmd import schedules as sched
 from mmnnx.partition.cost import (
+    _SHORT,
     ENGINE,
     ClusterLayout,
     Collectives,
     DeviceSpec,
     StepCost,
+    _fields_text,
     stage_costs,
     step_cost,
 )
@@ -34,8 +36,7 @@ from mmnnx.partition.memory import (
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble-h1", "gpipe")
 """The schedules the search tries (interleaved with 2 and 4 model stages per task)."""
-_KEYS = {"pp": "stages", "dp": "data", "tp": "tensor", "ep": "expert", "v": "virtual_stages",
-         "m": "microbatches"}  # fmt: skip
+_KEYS = {key: name for name, key in _SHORT.items()} | {"m": "microbatches"}
 _FIELDS = {f.name: f.type for f in dataclasses.fields(ClusterLayout)}
 _ACTIONS = 4096  # most microbatches x stages simulated (the simulator's time grows with it)
 _CHECKED = 48  # candidates whose memory is predicted, fastest first, before giving up
@@ -282,12 +283,6 @@ def _heads_and_experts(config: GPTConfig) -> tuple[int, list[int]]:
     experts = [b.feed_forward.num_experts for b in config.block_configs
                if isinstance(b.feed_forward, MoEConfig)]  # fmt: skip
     return config.block_configs[0].attention.num_heads, experts
-
-
-def _fields_text(fields: Mapping[str, Any]) -> str:
-    """Layout fields as ``--layout`` writes them: ``{"stages": 3}`` -> ``pp=3``."""
-    short = {name: key for key, name in _KEYS.items() if key != "m"}
-    return ",".join(f"{short.get(name, name)}={value}" for name, value in fields.items())
 
 
 def _misfit(config: GPTConfig, devices: int, fields: Mapping[str, Any]) -> str | None:

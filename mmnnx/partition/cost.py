@@ -149,6 +149,13 @@ TRAIN_OPTION = "train_option"
 """The metadata key of a :class:`ClusterLayout` field naming the ``mmnnx train`` option
 (``mmnnx.train.config``) that sets it: the plan's layout and the train flags are one record."""
 
+_SHORT = {"stages": "pp", "data": "dp", "tensor": "tp", "expert": "ep", "virtual_stages": "v"}
+
+
+def _fields_text(fields: Mapping[str, Any]) -> str:
+    """Layout fields as ``--layout`` writes them: ``{"stages": 3}`` -> ``pp=3``."""
+    return ",".join(f"{_SHORT.get(name, name)}={value}" for name, value in fields.items())
+
 
 def _field(default: Any, option: str) -> Any:
     return dataclasses.field(default=default, metadata={TRAIN_OPTION: option})
@@ -233,9 +240,7 @@ class ClusterLayout:
             >>> ClusterLayout(stages=2, microbatches=4).text()
             'pp=2,dp=1,tp=1,ep=1,fsdp=1,v=1,schedule=1f1b,microbatches=4,remat=none'
         """
-        return (f"pp={self.stages},dp={self.data},tp={self.tensor},ep={self.expert},"
-                f"fsdp={self.fsdp},v={self.virtual_stages},schedule={self.schedule},"
-                f"microbatches={self.microbatches},remat={self.remat}")  # fmt: skip
+        return _fields_text(dataclasses.asdict(self))
 
 
 def attention_flops(att, dim: int, seq: int) -> float:
