@@ -357,9 +357,8 @@ def stage_costs(
     tp_bw, ep_bw, data_bw = (device.bandwidth(n) for n in (t, t * e, t * e * d))
     per_step = collectives.gradients == "step"  # as the published frameworks run
     costs, gathers, reduces, updates, share = {}, [], [], [], 0.0
-    head = head_stage(config.tie_embeddings, lay.stages, lay.virtual_stages, lay.schedule)
-    if head == count:  # a tied head's stage of its own runs on the first task's devices
-        head = 0
+    # a tied head's stage of its own (``count``) runs on the first task's devices
+    head = head_stage(config.tie_embeddings, lay.stages, lay.virtual_stages, lay.schedule) % count
     for s in range(count):
         indices = range(starts[s], starts[s] + sizes[s])
         blocks = [config.block_configs[i] for i in indices]
