@@ -337,21 +337,22 @@ def _block_residuals(
     return _Residuals(full, kept, projections + outputs)
 
 
-def _workspace(gradients: float, full: float, kept: float, *, split: bool,
-               loss: float = 0.0, input_loss: float = 0.0) -> float:  # fmt: skip
-    """A stage's largest backward program's own buffers: one microbatch's weight
-    ``gradients``, the stage's activations (``full``: all it would keep) as cotangents, and
-    those remat recomputes (``full - kept``). Under remat a ``split`` backward's input-gradient
-    pass recomputes and holds the cotangents, its weight-gradient pass the gradients: the
-    larger of the two (the first stage, with no input gradient, runs one pass). ``loss``:
-    what the loss's backward holds beside the logits' cotangent before any weight gradient is
-    made, which the gradients then take the place of (the larger of the two); a split
-    backward's input-gradient pass returns the logits' cotangent instead (``waiting``), but
-    holds ``input_loss`` under remat (a tied head's: see :class:`_Stage`)."""
+def _workspace(gradients: float, stage: _Stage, *, split: bool, reference: bool) -> float:
+    """A ``stage``'s largest backward program's own buffers: one microbatch's weight
+    ``gradients``, the stage's activations (``full``: all it would keep; its largest block's
+    for a ``reference`` framework) as cotangents, and those remat recomputes (``full -
+    kept``). Under remat a ``split`` backward's input-gradient pass recomputes and holds the
+    cotangents, its weight-gradient pass the gradients: the larger of the two (the first
+    stage, with no input gradient, runs one pass). ``loss``: what the loss's backward holds
+    beside the logits' cotangent before any weight gradient is made, which the gradients then
+    take the place of (the larger of the two); a split backward's input-gradient pass returns
+    the logits' cotangent instead (``waiting``), but holds ``input_loss`` under remat (a tied
+    head's: see :class:`_Stage`)."""
+    full, kept = (stage.block_full, stage.block_kept) if reference else (stage.full, stage.kept)
     cotangents = full + (full - kept)
-    if split:
-        return max(cotangents + input_loss, gradients) if full > kept else gradients + cotangents
-    return max(gradients, loss) + cotangents
+    if not split:
+        return max(gradients, stage.loss) + cotangents
+    return max(cotangents + stage.input_loss, gradients) if full > kept else gradients + cotangents
 
 
 def _held_peaks(events: Sequence[sched.Event], stages: Sequence[_Stage],
@@ -365,10 +366,9 @@ def _held_peaks(events: Sequence[sched.Event], stages: Sequence[_Stage],
     changes, passed = [], sum(st.table for st in stages)
     for e in events:
         st = stages[e.stage]
-        held = st.kept
         delta = {
-            "F": held, "I": st.waiting - st.released + st.table, "B": st.table - held,
-            "W": st.released - held - st.waiting,
+            "F": st.kept, "I": st.waiting - st.released + st.table, "B": st.table - st.kept,
+            "W": st.released - st.kept - st.waiting,
         }[e.kind]  # fmt: skip
         if e.stage == 0 and e.kind in "BW":
             delta -= passed
@@ -655,9 +655,6 @@ def predict_memory(
                first=s == 0, last=s == count - 1, head=s == head)
         for s in range(table.num_stages)
     ]  # fmt: skip
-    stage_weights = [st.weights for st in stages]
-    full_residuals = [st.block_full if reference else st.full for st in stages]
-    worked = [st.block_kept if reference else st.kept for st in stages]
 
     simulated = sched.simulate(table, forward_cost=1, backward_cost=2)
     activations = _held_peaks(simulated.events, stages, homes)
@@ -665,7 +662,7 @@ def predict_memory(
     tasks = []
     for rank in range(lay.stages):
         mine = [s for s in range(table.num_stages) if homes[s] == rank]
-        weights = sum((stage_weights[s] for s in mine), _Weights())
+        weights = sum((stages[s].weights for s in mine), _Weights())
         params = weights.total * param_bytes / lay.fsdp
         # the gradient sums, laid out as their parameters (split over tensor, expert and fsdp;
         # docs/pipelining.md, "Gradient sums: sharded as their parameters")
@@ -674,7 +671,7 @@ def predict_memory(
         packed = weights.packed * param_bytes if lay.fsdp == 1 and not reference else 0.0
         # downstream, an activation sent and its cotangent received; upstream, a cotangent sent
         buffers = sum(2 * (s < last) + (s > 0) for s in mine)
-        largest = max(stage_weights[s].total for s in mine)
+        largest = max(stages[s].weights.total for s in mine)
         gathered = largest * param_bytes * (1 - 1 / lay.fsdp)
         if dtype != param_bytes:  # the weights cast to the compute dtype for the matmuls
             gathered += largest * dtype
@@ -687,10 +684,8 @@ def predict_memory(
             gathered += weights.total * param_bytes  # the stage's weights gathered once, whole
         workspace = max(_workspace(
             # a reference framework accumulates each microbatch's gradients in place
-            0 if reference else stage_weights[s].total * param_bytes * trainable,
-            full_residuals[s], worked[s],
-            split=table.splits_backward and s > 0, loss=stages[s].loss,
-            input_loss=stages[s].input_loss,
+            0 if reference else stages[s].weights.total * param_bytes * trainable, stages[s],
+            split=table.splits_backward and s > 0, reference=reference,
         ) for s in mine) + gathered  # fmt: skip
         in_flight = max(simulated.peak_in_flight[s] for s in mine)
         ends = (b for s in mine if s < count for b in (starts[s], starts[s] + sizes[s] - 1))
