@@ -145,21 +145,19 @@ def run(args: argparse.Namespace) -> int:
                 )  # fmt: skip
     except (FileNotFoundError, CheckpointError, ValueError) as e:
         return error(f"--{'run' if options.run else 'init-from'}: {e}")
-    overrides = {"flops": options.flops, "inter_bandwidth": options.bandwidth}
     try:
-        if options.memory is not None:
-            overrides["memory"] = parse_bytes(options.memory)
+        memory = None if options.memory is None else parse_bytes(options.memory)
     except ValueError as e:
         return error(f"--memory: {e}")
     if options.device == "cpu":
         try:
-            device = cpu_device(options.devices, options.flops, options.bandwidth,
-                                overrides.get("memory"))  # fmt: skip
+            device = cpu_device(options.devices, options.flops, options.bandwidth, memory)
         except ValueError as e:
             return error(str(e))
     else:
-        device = DEVICES[options.device]
-        device = dataclasses.replace(device, **{k: v for k, v in overrides.items() if v})
+        given = {"flops": options.flops, "inter_bandwidth": options.bandwidth, "memory": memory}
+        given = {k: v for k, v in given.items() if v}
+        device = dataclasses.replace(DEVICES[options.device], **given)
     seq = config.max_seq_len
     default_batch = planned_run.run.training.batch_size if planned_run else max(1, 2**22 // seq)
     batch = options.batch or default_batch
