@@ -173,37 +173,25 @@ def run(args: argparse.Namespace) -> int:
             f"of the run's tokenizer ({planned_run.vocab_size}) otherwise than its --model-axis "
             f"{planned_run.run.layout.model_axis}: another model"
         )
+    workload = {"batch": batch, "seq": seq, "collectives": collectives, "trainable": trainable}
     try:
-        if _complete(fixed, options.devices):
-            step = evaluate(config, ClusterLayout(**fixed), device, batch=batch, seq=seq,
-                            collectives=collectives, trainable=trainable)  # fmt: skip
+        if set(fixed) == {f.name for f in dataclasses.fields(ClusterLayout)}:  # nothing searched
+            lay = ClusterLayout(**fixed)
+            if lay.devices != options.devices:
+                return error(
+                    f"--layout spans {lay.devices} devices, not --devices {options.devices}"
+                )
+            step = evaluate(config, lay, device, **workload)
         else:
-            step = plan_cluster(config, options.devices, device, batch=batch, seq=seq,
-                                fixed=fixed, collectives=collectives,
-                                trainable=trainable)  # fmt: skip
+            step = plan_cluster(config, options.devices, device, fixed=fixed, **workload)
             if planned_run and not planned_run.keeps_model(step.layout.tensor, config):
                 tensor = planned_run.run.layout.model_axis  # the vocabulary is padded to it
                 print(f"mmnnx plan: --run: --model-axis {step.layout.tensor} would pad the "
                       f"vocabulary otherwise than the run's --model-axis {tensor}: planned "
                       f"with tensor={tensor}", file=sys.stderr)  # fmt: skip
-                step = plan_cluster(config, options.devices, device, batch=batch, seq=seq,
-                                    fixed={**fixed, "tensor": tensor},
-                                    collectives=collectives, trainable=trainable)  # fmt: skip
+                fixed = {**fixed, "tensor": tensor}
+                step = plan_cluster(config, options.devices, device, fixed=fixed, **workload)
     except (NoCandidateError, ValueError) as e:
         return error(str(e))
     print(json.dumps(step.to_json()) if options.json else step)
     return 0
-
-
-def _complete(fixed: dict, devices: int) -> bool:
-    """Whether ``--layout`` gives every field (and its axes span ``devices``): evaluated as
-    given, nothing searched."""
-    from mmnnx.partition.cost import ClusterLayout  # noqa: PLC0415
-
-    every = {f.name for f in dataclasses.fields(ClusterLayout)}
-    if set(fixed) != every:
-        return False
-    span = fixed["stages"] * fixed["data"] * fixed["tensor"] * fixed["expert"]
-    if span != devices:
-        raise ValueError(f"--layout spans {span} devices, not --devices {devices}")
-    return True
