@@ -202,10 +202,7 @@ def _block_weights(
 ) -> _Weights:
     """A block's parameters per device (before ``fsdp``)."""
     tp, ep = lay.tensor, lay.expert
-
-    def w(shape: Sequence[int], shards: int = 1) -> _Weights:
-        return _weight(shape, shards, pack_limit, itemsize)
-
+    w = lambda shape, shards=1: _weight(shape, shards, pack_limit, itemsize)
     norm = 2 if block.norm.kind == "layer" else 1
     total = w((norm * dim,)) + w((norm * dim,))
     total += attention_weights(block.attention, dim, w, tp)
