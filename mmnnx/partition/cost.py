@@ -252,12 +252,10 @@ def attention_flops(att, dim: int, seq: int) -> float:
         >>> attention_flops(AttentionConfig(num_heads=2), 8, 4)
         576.0
     """
-    latent = isinstance(att, LatentAttentionConfig)
-    per_head = (
-        att.qk_nope_head_dim + att.qk_rope_head_dim + att.v_head_dim
-        if latent
-        else 2 * (att.head_dim or dim // att.num_heads)
-    )  # a score's and a weighted value's sizes
+    if isinstance(att, LatentAttentionConfig):  # a score's and a weighted value's sizes
+        per_head = att.qk_nope_head_dim + att.qk_rope_head_dim + att.v_head_dim
+    else:
+        per_head = 2 * (att.head_dim or dim // att.num_heads)
     return 2.0 * attention_weights(att, dim).total + 2.0 * att.num_heads * per_head * seq / 2
 
 
