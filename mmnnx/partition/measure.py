@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mmnnx.partition.pieces import Piece
+from mmnnx.partition.pieces import Piece, _abstract
 from mmnnx.sharding import Task
 from mmnnx.sharding.place import plan_placement
 from mmnnx.sharding.task import axes_of
@@ -133,15 +133,11 @@ def _optimizer_bytes(optimizer: Any, params: Any) -> int:
     leaves = jax.tree.leaves(params)
     if optimizer is None or not leaves:
         return 0
-    state = jax.eval_shape(optimizer.init, jax.tree.map(abstract, params))
+    state = jax.eval_shape(optimizer.init, _abstract(params))
     whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
     held = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
     per_device = sum(_device_bytes(x) for x in leaves)
     return round(held * per_device / whole) if whole else 0
-
-
-def abstract(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def _placed(state: Any, shardings: dict[tuple, NamedSharding], rng: np.random.Generator) -> Any:

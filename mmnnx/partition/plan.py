@@ -15,8 +15,8 @@ from mmnnx.link_timing import measure_link
 from mmnnx.models.stages import _check_depth, _stage_tasks, find_layers, split_rules
 from mmnnx.mpmd import schedules as sched
 from mmnnx.mpmd.schedules.registry import registered
-from mmnnx.partition.measure import Timing, abstract, launch_seconds, measure, shardings_on
-from mmnnx.partition.pieces import Model, Piece
+from mmnnx.partition.measure import Timing, launch_seconds, measure, shardings_on
+from mmnnx.partition.pieces import Model, Piece, _abstract
 from mmnnx.partition.result import PartitionResult, Split
 from mmnnx.partition.search import Option, Profile, equal_split, search
 from mmnnx.sharding import Task
@@ -244,7 +244,7 @@ def _measure_all(
 def _parts(pieces: Model, loss_fn: Callable, batch: Any, rows: int) -> list[Piece]:
     """The embedding, each layer and the head with the loss, on microbatches of ``rows``."""
     micro = jax.tree.map(lambda x: x[:rows], batch)
-    calls = pieces.record(loss_fn, jax.tree.map(abstract, micro))
+    calls = pieces.record(loss_fn, _abstract(micro))
     layers = [pieces.layer(i, call) for i, call in enumerate(calls)]
     return [pieces.embedding(loss_fn, micro), *layers, pieces.head(loss_fn, micro, calls)]
 
