@@ -92,9 +92,8 @@ def evaluate(sizes: Sequence[int], option: Option, m: int, profile: Profile) -> 
     sent = [timed[s][starts[s] + sizes[s]].output_bytes for s in range(count)]
     transfers = {}
     for s in range(count - 1):
-        forward = _send(profile, homes[s], homes[s + 1], sent[s])
+        transfers[("F", s)] = _send(profile, homes[s], homes[s + 1], sent[s])
         backward = _send(profile, homes[s + 1], homes[s], sent[s])
-        transfers[("F", s)] = forward
         transfers[("B", s + 1)] = transfers[("I", s + 1)] = backward
     base = dict(
         sizes=tuple(sizes), schedule=option.schedule, num_microbatches=m,
