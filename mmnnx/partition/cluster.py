@@ -442,26 +442,24 @@ def plan_cluster(
         )
         raise NoCandidateError(f"no layout of {devices} devices{given}: {why}", [])
     reference = collectives != ENGINE
-    small, least = [], (float("inf"), None)
+    estimated = []  # (bytes, layout) of each layout that can run
     cannot_run = []  # why each layout skipped below cannot run, in the order met
     for lay in lays:
         try:
             schedule_runs(lay.schedule, lay.stages, lay.virtual_stages, lay.microbatches,
                            config.tie_embeddings)  # fmt: skip
-            estimate = _memory_estimate(config, lay, batch, seq, reference, trainable)
+            estimated.append((_memory_estimate(config, lay, batch, seq, reference, trainable), lay))
         except ValueError as e:  # a schedule this layout cannot run
             cannot_run.append(f"{lay.text()}: {e}")
-            continue
-        least = min(least, (estimate, lay), key=lambda pair: pair[0])
-        if estimate <= device.memory:
-            small.append(lay)
-    if least[1] is None:
+    if not estimated:
         raise NoCandidateError(_none_runs(len(lays), devices, cannot_run), [])
+    small = [lay for estimate, lay in estimated if estimate <= device.memory]
     if not small:
+        least, smallest = min(estimated, key=lambda pair: pair[0])
         raise NoCandidateError(
             f"none of the {len(lays)} layouts of {devices} devices fits "
             f"{format_bytes(device.memory)} per {device.name}: the smallest, "
-            f"{least[1].text()}, about {format_bytes(least[0])}",
+            f"{smallest.text()}, about {format_bytes(least)}",
             [],
         )
     ranked = sorted(
