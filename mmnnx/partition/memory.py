@@ -646,7 +646,6 @@ def predict_memory(
     )  # fmt: skip
     param_bytes, dtype, tokens, dim = shapes.param_bytes, shapes.dtype, shapes.tokens, config.dim
     starts = [sum(sizes[:s]) for s in range(count)]
-    last = table.num_stages - 1
     stages = [
         _stage(shapes, range(starts[s], starts[s] + sizes[s]) if s < count else range(0),
                first=s == 0, last=s == count - 1, head=s == head)
@@ -655,7 +654,6 @@ def predict_memory(
 
     simulated = sched.simulate(table, forward_cost=1, backward_cost=2)
     activations = _held_peaks(simulated.events, stages, homes)
-    boundary = tokens * dim * dtype
     tasks = []
     for rank in range(lay.stages):
         mine = [s for s in range(table.num_stages) if homes[s] == rank]
@@ -667,7 +665,7 @@ def predict_memory(
         state = params * trainable * OPTIMIZER_COPIES[optimizer]
         packed = weights.packed * param_bytes if lay.fsdp == 1 and not reference else 0.0
         # downstream, an activation sent and its cotangent received; upstream, a cotangent sent
-        buffers = sum(2 * (s < last) + (s > 0) for s in mine)
+        buffers = sum(2 * (s < table.num_stages - 1) + (s > 0) for s in mine)
         largest = max(stages[s].weights.total for s in mine)
         gathered = largest * param_bytes * (1 - 1 / lay.fsdp)
         if dtype != param_bytes:  # the weights cast to the compute dtype for the matmuls
@@ -691,7 +689,7 @@ def predict_memory(
             blocks=tuple(ends),
             parameters=round(params), gradients=round(grads), optimizer=round(state),
             packed_weights=round(packed), activations=round(activations[rank]),
-            in_flight=in_flight, transfers=round(buffers * boundary),
+            in_flight=in_flight, transfers=round(buffers * tokens * dim * dtype),
             workspace=round(workspace), update=round(2 * (params + state) + grads),
         ))  # fmt: skip
     return MemoryPrediction(
