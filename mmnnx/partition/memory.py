@@ -754,9 +754,8 @@ def fitting_change(
     most = config.depth // layout.virtual_stages
     if devices is not None:
         most = min(most, devices // (layout.devices // layout.stages))
-    for stages in range(layout.stages + 1, most + 1):
-        more = dataclasses.replace(layout, stages=stages, blocks=None)
-        tries.append(("stages", stages, more, {}))
+    more = range(layout.stages + 1, most + 1)
+    tries += [("stages", k, dataclasses.replace(layout, stages=k, blocks=None), {}) for k in more]
     for option, value, lay, changed in tries:
         if option not in changes:
             continue
