@@ -51,10 +51,6 @@ _UNSUPPORTED = (  # config.json keys whose non-default values mmnnx's GPT does n
 )
 
 
-def _gemma_norm(eps: float) -> NormConfig:
-    return NormConfig("rms", eps, scale_offset=1.0)
-
-
 def standard_keys(hf: dict[str, Any], file: str) -> dict[str, Any]:
     """``hf`` with ``layer_types`` and per-layer-type ``rope_parameters`` filled in from older
     Gemma 3 keys as transformers' ``Gemma3TextConfig`` does: ``sliding_window_pattern``
@@ -141,7 +137,7 @@ logit soft-capping (null)
                 f"{', '.join(map(repr, ACTIVATIONS))}"
             )
         try:
-            norm = _gemma_norm(c.rms_norm_eps)
+            norm = NormConfig("rms", c.rms_norm_eps, scale_offset=1.0)
             mlp = MLPConfig(c.intermediate_size, gated=True, bias=False, activation=activation)
 
             def block(kind: str) -> BlockConfig:
