@@ -170,6 +170,7 @@ class Family:
                 qk_norm=self.qk_norm,
                 qk_norm_eps=c.rms_norm_eps,
                 rope=RopeConfig(c.rope_theta, c.rope_scaling),
+                sliding_window=c.own.get("sliding_window"),  # Mistral's, Mixtral's
             )
             norm = NormConfig("rms", c.rms_norm_eps)
             layers = self.feed_forward.read(keys, c.num_hidden_layers)

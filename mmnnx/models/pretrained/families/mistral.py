@@ -19,7 +19,6 @@ from mmnnx.models.pretrained.families.llama import (
     Family,
     FeedForward,
 )
-from mmnnx.models.pretrained.hf_config import read_config
 from mmnnx.models.pretrained.names import TensorRule
 from mmnnx.modules import MLPConfig, MoEConfig
 
@@ -91,19 +90,6 @@ class MistralFamily(Family):
         >>> MISTRAL.hf_config(MISTRAL.gpt_config(hf), "float32")["sliding_window"]
         4
     """
-
-    def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
-        config = super().gpt_config(hf, where, **overrides)  # checks the file first
-        file = f"{where}/config.json ({self.architecture})"
-        window = read_config(hf, file, self.model_type).own["sliding_window"]
-        windowed = [
-            dataclasses.replace(b.attention, sliding_window=window) for b in config.block_configs
-        ]
-        layers = tuple(
-            dataclasses.replace(b, attention=a)
-            for b, a in zip(config.block_configs, windowed, strict=True)
-        )
-        return dataclasses.replace(config, layers=layers)
 
     def hf_config(
         self, config: GPTConfig, torch_dtype: str, loaded: dict[str, Any] | None = None
