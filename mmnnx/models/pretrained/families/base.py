@@ -9,6 +9,7 @@ from typing import Any
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.names import TensorRule
+from mmnnx.models.pretrained.scanned import layer_rules
 
 T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -33,15 +34,15 @@ Unsupported = tuple[tuple[str, Callable[[Any], bool], str], ...]
 
 
 def outer(layer: tuple[TensorRule, ...], config: GPTConfig) -> tuple[TensorRule, ...]:
-    """``layer``'s rules with the embedding's, the final norm's and the head's (a tied
-    checkpoint's ``lm_head.weight``, where stored, fills nothing).
+    """``layer``'s rules (scanned: onto the stacked segments) with the embedding's, the final
+    norm's and the head's (a tied checkpoint's ``lm_head.weight``, where stored, fills nothing).
 
     Example:
         >>> [r.variable for r in outer((), GPTConfig(tie_embeddings=True))]
         ['embed/embedding', 'norm/scale', None]
     """
     head = TensorRule("lm_head.weight", None if config.tie_embeddings else "head/kernel", T)
-    return OUTER + layer + (head,)
+    return OUTER + layer_rules(layer, config) + (head,)
 
 
 def hf_keys(family: Any, config: GPTConfig, torch_dtype: str, eps: float = 1e-6) -> dict[str, Any]:

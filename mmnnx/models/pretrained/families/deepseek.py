@@ -13,7 +13,6 @@ from mmnnx.models.pretrained.families.base import MLP, T, hf_keys, outer
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
-from mmnnx.models.pretrained.scanned import layer_rules
 from mmnnx.modules import (
     BlockConfig,
     DeepSeekMoEConfig,
@@ -260,7 +259,6 @@ class DeepSeekFamily:
         moe = any(isinstance(b.feed_forward, DeepSeekMoEConfig) for b in blocks)
         shared = any(getattr(b.feed_forward, "shared_hidden", None) for b in blocks)
         layer = _ATTENTION + query + MLP + (_MOE if moe else ()) + (_SHARED if shared else ())
-        layer = layer_rules(layer, config)  # scanned: onto the stacked segments
         every = _ATTENTION + _LOW_RANK_QUERY + _QUERY + MLP + _MOE + _SHARED
         mtp = tuple(  # published checkpoints' next-token prediction layer after the last
             TensorRule(r.tensor.replace("{layer}", str(config.depth)), None)

@@ -25,7 +25,6 @@ from mmnnx.models.pretrained.families.base import (
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
-from mmnnx.models.pretrained.scanned import layer_rules
 from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, NormConfig, RopeConfig
 from mmnnx.modules.mlp import ACTIVATIONS
 
@@ -250,8 +249,7 @@ logit soft-capping (null)
             >>> [r.variable for r in rules if "feedforward" in r.tensor]
             ['blocks/{layer}/norm2/scale', 'blocks/{layer}/post_mlp_norm/scale']
         """
-        layer = layer_rules(_LAYER, config)  # scanned: onto the stacked segments
-        return outer(layer, config)
+        return outer(_LAYER, config)
 
 
 GEMMA3 = Gemma3Family()

@@ -14,7 +14,6 @@ from mmnnx.models.pretrained.families.base import FULL, SLIDING, T, hf_keys, kin
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
-from mmnnx.models.pretrained.scanned import layer_rules
 from mmnnx.modules import AttentionConfig, BlockConfig, ClampedMoEConfig, NormConfig, RopeConfig
 
 DEFAULT_ROPE = {  # transformers' GptOssConfig's, where config.json gives no RoPE parameters
@@ -217,8 +216,7 @@ capacity_factor=None, alpha=1.702, limit=7.0)
             >>> [r.variable for r in rules if r.tensor.endswith("gate_up_proj")]
             ['blocks/{layer}/mlp/experts/gate_up']
         """
-        layer = layer_rules(_LAYER, config)  # scanned: onto the stacked segments
-        return outer(layer, config)
+        return outer(_LAYER, config)
 
 
 GPT_OSS = GptOssFamily()

@@ -25,7 +25,6 @@ from mmnnx.models.pretrained.families.base import (
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import Part, TensorRule
-from mmnnx.models.pretrained.scanned import layer_rules
 from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig, NormConfig, RopeConfig
 
 _LAYER = (
@@ -257,9 +256,7 @@ class Family:
             [('layer', 'expert'), ('layer',)]
         """
         qk_norm = any(getattr(b.attention, "qk_norm", False) for b in config.block_configs)
-        layer = _LAYER + (QK_NORM if qk_norm else ()) + self.feed_forward.rules
-        layer = layer_rules(layer, config)  # scanned: onto the stacked segments
-        return outer(layer, config)
+        return outer(_LAYER + (QK_NORM if qk_norm else ()) + self.feed_forward.rules, config)
 
 
 LLAMA = Family(architecture="LlamaForCausalLM", model_type="llama", qk_norm=False)
