@@ -8,6 +8,7 @@ from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.files import CheckpointError
+from mmnnx.models.pretrained.hf_config import rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
 from mmnnx.models.pretrained.scanned import layer_rules
 
@@ -47,7 +48,7 @@ def outer(layer: tuple[TensorRule, ...], config: GPTConfig) -> tuple[TensorRule,
 
 def hf_keys(family: Any, config: GPTConfig, torch_dtype: str, eps: float = 1e-6) -> dict[str, Any]:
     """The ``config.json`` keys every family writes for ``config`` (its first layer's
-    attention; ``eps`` where ``config`` has no norm epsilon).
+    attention and RoPE; ``eps`` where ``config`` has no norm epsilon).
 
     Example:
         >>> from mmnnx.models.pretrained.families import LLAMA
@@ -68,6 +69,7 @@ def hf_keys(family: Any, config: GPTConfig, torch_dtype: str, eps: float = 1e-6)
         "max_position_embeddings": config.max_seq_len,
         "tie_word_embeddings": config.tie_embeddings,
         "rms_norm_eps": eps if config.norm_eps is None else config.norm_eps,
+        "rope_parameters": rope_parameters(attention.rope.theta, attention.rope.scaling),
         "dtype": torch_dtype,
     }
 

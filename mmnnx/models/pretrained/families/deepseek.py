@@ -11,7 +11,7 @@ from typing import Any
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.families.base import MLP, T, hf_keys, outer
 from mmnnx.models.pretrained.files import CheckpointError
-from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
+from mmnnx.models.pretrained.hf_config import read_config
 from mmnnx.models.pretrained.names import TensorRule
 from mmnnx.modules import (
     BlockConfig,
@@ -187,7 +187,6 @@ class DeepSeekFamily:
             "qk_rope_head_dim": a.qk_rope_head_dim,
             "v_head_dim": a.v_head_dim,
             "rope_interleave": a.rope_interleave,
-            "rope_parameters": rope_parameters(a.rope.theta, a.rope.scaling),
             "first_k_dense_replace": len(dense),
             "hidden_act": "silu",
             "attention_bias": False,

@@ -12,7 +12,7 @@ from typing import Any
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.families.base import FULL, SLIDING, T, hf_keys, kinds_of, outer
 from mmnnx.models.pretrained.files import CheckpointError
-from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
+from mmnnx.models.pretrained.hf_config import read_config
 from mmnnx.models.pretrained.names import TensorRule
 from mmnnx.modules import AttentionConfig, BlockConfig, ClampedMoEConfig, NormConfig, RopeConfig
 
@@ -156,11 +156,9 @@ capacity_factor=None, alpha=1.702, limit=7.0)
             (['sliding_attention', 'full_attention'], 'yarn', 7.0)
         """
         blocks = config.block_configs
-        attention, moe = blocks[0].attention, blocks[0].feed_forward
-        rope = attention.rope
+        moe = blocks[0].feed_forward
         out = hf_keys(self, config, torch_dtype, eps=1e-5) | {
             "intermediate_size": moe.hidden,
-            "rope_parameters": rope_parameters(rope.theta, rope.scaling),
             "attention_bias": True,
             "layer_types": [SLIDING if b.attention.sliding_window else FULL for b in blocks],
             "num_local_experts": moe.num_experts,

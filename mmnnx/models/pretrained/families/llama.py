@@ -23,7 +23,7 @@ from mmnnx.models.pretrained.families.base import (
     refuse,
 )
 from mmnnx.models.pretrained.files import CheckpointError
-from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
+from mmnnx.models.pretrained.hf_config import read_config
 from mmnnx.models.pretrained.names import Part, TensorRule
 from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig, NormConfig, RopeConfig
 
@@ -188,9 +188,7 @@ class Family:
             >>> LLAMA.hf_config(GPTConfig(), "float32")["hidden_size"]
             128
         """
-        rope = config.block_configs[0].attention.rope
         out = hf_keys(self, config, torch_dtype) | {
-            "rope_parameters": rope_parameters(rope.theta, rope.scaling),
             "hidden_act": "silu",
             "attention_bias": False,
         }
