@@ -207,7 +207,6 @@ class Family:
         """
         name, blocks = self.architecture, config.block_configs
         dense = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MLPConfig)]
-        experts = any(isinstance(b.feed_forward, MoEConfig) for b in blocks)
         qk_norm = {getattr(b.attention, "qk_norm", None) for b in blocks}
         norms = {config.norm} | {b.norm.kind for b in blocks}
         own = self.feed_forward.experts
@@ -228,8 +227,8 @@ class Family:
             (norms != {"rms"}, f"LayerNorm ({name}: RMSNorm)"),
             (True in qk_norm and not self.qk_norm, f"query/key norms ({name}: none)"),
             (False in qk_norm and self.qk_norm, f"no query/key norms ({name}: RMSNorm on both)"),
-            (experts and not own, f"mixture-of-experts blocks ({name}: dense)"),
-            (not experts and own, f"no mixture-of-experts blocks ({name})"),
+            (moes and not own, f"mixture-of-experts blocks ({name}: dense)"),
+            (not moes and own, f"no mixture-of-experts blocks ({name})"),
             (len({b.attention for b in blocks}) > 1, "layers of different attention"),
             (no_rope, f"attention without RoPE ({name}: RoPE)"),
             (windowed and not self.sliding_window, f"a sliding window ({name}: full attention)"),
