@@ -1,7 +1,6 @@
 """DeepSeek-V3 (and Kimi K2, which ships as ``DeepseekV3ForCausalLM``): multi-head latent
 attention in every layer, dense SiLU-gated MLPs in the first ``first_k_dense_replace`` layers
-and DeepSeek's mixture of experts after them; how its ``config.json`` becomes a ``GPTConfig``
-and back, and which checkpoint tensor fills which ``GPT`` Variable."""
+and DeepSeek's mixture of experts after them."""
 
 from __future__ import annotations
 

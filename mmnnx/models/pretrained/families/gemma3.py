@@ -1,8 +1,7 @@
 """Gemma 3's text model (``Gemma3ForCausalLM``, ``model_type`` ``gemma3_text``): local
 sliding-window and global layers (``layer_types``), each kind with its own RoPE, four
 ``(1 + weight)`` RMSNorms per block, GeGLU, query/key norms, scores scaled by
-``query_pre_attn_scalar``, embeddings scaled by ``sqrt(hidden_size)`` and a tied head; how its
-``config.json`` becomes a ``GPTConfig`` and back, and which tensor fills which Variable."""
+``query_pre_attn_scalar``, embeddings scaled by ``sqrt(hidden_size)`` and a tied head."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """gpt-oss (``GptOssForCausalLM``, ``model_type`` ``gpt_oss``): sliding-window and full
 attention layers (``layer_types``) with biases and attention sinks, YaRN RoPE, and a mixture
 of experts in every layer (a biased router; experts with biases and a clamped SwiGLU, stored
-fused as transformers 5 writes them, or in MXFP4 as published: :mod:`..mxfp4`); how its
-``config.json`` becomes a ``GPTConfig`` and back, and which tensor fills which Variable."""
+fused as transformers 5 writes them, or in MXFP4 as published: :mod:`..mxfp4`)."""
 
 from __future__ import annotations
 

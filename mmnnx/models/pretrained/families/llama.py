@@ -1,10 +1,9 @@
 """Llama, Qwen3 and Qwen3-MoE: one attention in every layer, a SiLU-gated MLP or Qwen3-MoE's
-experts, RMSNorm; how their ``config.json`` becomes a ``GPTConfig`` and back, and which
-checkpoint tensor fills which ``GPT`` Variable. Qwen3-MoE's experts are read in the published
-per-expert layout (``mlp.experts.{e}.gate_proj``..., the names mmnnx writes) or in the fused
-layout transformers 5 holds in memory and also loads (``mlp.experts.gate_up_proj``
-``(experts, 2 * moe_intermediate, hidden)``: gate's rows then up's, ``mlp.experts.down_proj``
-``(experts, hidden, moe_intermediate)``)."""
+experts, RMSNorm. Qwen3-MoE's experts are read in the published per-expert layout
+(``mlp.experts.{e}.gate_proj``..., the names mmnnx writes) or in the fused layout transformers 5
+holds in memory and also loads (``mlp.experts.gate_up_proj`` ``(experts, 2 * moe_intermediate,
+hidden)``: gate's rows then up's, ``mlp.experts.down_proj`` ``(experts, hidden,
+moe_intermediate)``)."""
 
 from __future__ import annotations
 

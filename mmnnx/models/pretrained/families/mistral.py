@@ -1,10 +1,8 @@
 """Mistral and Mixtral: Llama's layers with every attention within ``config.json``'s
 ``sliding_window`` (``null``: none); Mixtral's feed-forward a mixture of experts in every layer,
 its tensors in the published per-expert layout (``block_sparse_moe.experts.{e}.w1/w2/w3``, the
-names transformers 5's ``save_pretrained`` writes, and the names mmnnx writes) or in the fused
-layout transformers 5 holds in memory and also loads (``mlp.gate``,
-``mlp.experts.gate_up_proj`` ``(experts, 2 * intermediate, hidden)``: gate's rows then up's,
-``mlp.experts.down_proj`` ``(experts, hidden, intermediate)``)."""
+names transformers 5's ``save_pretrained`` and mmnnx write) or in Qwen3-MoE's fused layout
+(``llama.FUSED_EXPERTS``, the router ``mlp.gate``)."""
 
 from __future__ import annotations
 
