@@ -118,22 +118,17 @@ capacity_factor=None, alpha=1.702, limit=7.0)
                 alpha=float(c.own["swiglu_alpha"]),
                 limit=float(c.own["swiglu_limit"]),
             )
+            attention = AttentionConfig(
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                rope=RopeConfig(c.rope_theta, c.rope_scaling),
+                bias=True,
+                sinks=True,
+            )
+            each = {FULL: attention, SLIDING: dataclasses.replace(attention, sliding_window=window)}
             norm = NormConfig("rms", c.rms_norm_eps)
-            rope = RopeConfig(c.rope_theta, c.rope_scaling)
-
-            def block(kind: str) -> BlockConfig:
-                attention = AttentionConfig(
-                    c.num_attention_heads,
-                    c.num_key_value_heads,
-                    c.head_dim,
-                    rope=rope,
-                    sliding_window=window if kind == SLIDING else None,
-                    bias=True,
-                    sinks=True,
-                )
-                return BlockConfig(attention, moe, norm)
-
-            layers = tuple(block(kind) for kind in kinds)
+            layers = tuple(BlockConfig(each[kind], moe, norm) for kind in kinds)
             return c.gpt_config(
                 layers, overrides, router_aux_loss_coef=c.own["router_aux_loss_coef"]
             )
