@@ -128,7 +128,6 @@ class DeepSeekFamily:
                 rope=RopeConfig(c.rope_theta, c.rope_scaling),
                 rope_interleave=o["rope_interleave"],
             )
-            shared = o["n_shared_experts"] or 0
             moe = DeepSeekMoEConfig(
                 o["moe_intermediate_size"],
                 o["n_routed_experts"],
@@ -137,7 +136,7 @@ class DeepSeekFamily:
                 n_group=o["n_group"],
                 topk_group=o["topk_group"],
                 routed_scaling_factor=float(o["routed_scaling_factor"]),
-                shared_hidden=shared * o["moe_intermediate_size"] or None,
+                shared_hidden=(o["n_shared_experts"] or 0) * o["moe_intermediate_size"] or None,
             )
             dense = MLPConfig(c.intermediate_size, gated=True, bias=False)
             norm = NormConfig("rms", c.rms_norm_eps)
@@ -146,12 +145,8 @@ class DeepSeekFamily:
                 BlockConfig(attention, dense if i < first else moe, norm)
                 for i in range(c.num_hidden_layers)
             )
-            return c.gpt_config(  # latent attention: no key/value heads; transformers adds no
-                layers,
-                overrides,
-                num_kv_heads=None,
-                router_aux_loss_coef=0.0,  # router loss
-            )
+            # latent attention: no key/value heads; transformers adds no router loss
+            return c.gpt_config(layers, overrides, num_kv_heads=None, router_aux_loss_coef=0.0)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: {e}") from None
 
