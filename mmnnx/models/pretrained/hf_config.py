@@ -41,10 +41,6 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _show(value: Any) -> str:
     try:
         text = json.dumps(value)
@@ -69,7 +65,7 @@ class _Key(NamedTuple):
 
 
 def _int(minimum: int) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: _is_int(v) and v >= minimum), f"an int >= {minimum}"
+    return (lambda v: type(v) is int and v >= minimum), f"an int >= {minimum}"
 
 
 _POSITIVE = is_positive, "a finite number > 0"
@@ -83,7 +79,7 @@ _STRS = (
     lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
     "a list of strings",
 )
-_INTS = (lambda v: isinstance(v, list) and all(_is_int(i) for i in v), "a list of ints")
+_INTS = (lambda v: isinstance(v, list) and all(type(i) is int for i in v), "a list of ints")
 _OBJECT = (lambda v: isinstance(v, dict)), "an object"
 _DTYPE = (lambda v: v in TORCH_DTYPES), f"one of {', '.join(map(json.dumps, TORCH_DTYPES))}"
 
