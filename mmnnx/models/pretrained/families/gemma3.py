@@ -171,12 +171,11 @@ logit soft-capping (null)
             (['sliding_attention', 'full_attention'], {'rope_theta': 10000.0, \
 'rope_type': 'default'})
         """
-        loaded = loaded or {}
         blocks = config.block_configs
         attention = blocks[0].attention
         kinds = [SLIDING if b.attention.sliding_window else FULL for b in blocks]
         ropes = {kinds[i]: b.attention.rope for i, b in enumerate(blocks)}
-        written = dict(loaded.get("rope_parameters") or {})
+        written = (loaded or {}).get("rope_parameters") or {}
         params = {k: rope_parameters(r.theta, r.scaling) for k, r in ropes.items()}
         for kind in (FULL, SLIDING):  # transformers writes both, whatever the layers
             params.setdefault(kind, written.get(kind) or rope_parameters(DEFAULT_THETA[kind], None))
