@@ -31,6 +31,15 @@ MLP = tuple(  # a SiLU- or GELU-gated MLP's
     TensorRule(f"{_L}.mlp.{n}_proj.weight", f"blocks/{{layer}}/mlp/{n}/kernel", T)
     for n in ("gate", "up", "down")
 )
+MOE = (  # a mixture's router and experts (Qwen3-MoE's, DeepSeek-V3's), stacked over the experts
+    TensorRule(f"{_L}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
+    *(
+        TensorRule(
+            f"{_L}.mlp.experts.{{expert}}.{n}_proj.weight", f"blocks/{{layer}}/mlp/experts/{n}", T
+        )
+        for n in ("gate", "up", "down")
+    ),
+)
 Unsupported = tuple[tuple[str, Callable[[Any], bool], str], ...]
 
 

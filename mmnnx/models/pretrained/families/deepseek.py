@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
-from mmnnx.models.pretrained.families.base import MLP, T, hf_keys, outer
+from mmnnx.models.pretrained.families.base import MLP, MOE, T, hf_keys, outer
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config
 from mmnnx.models.pretrained.names import TensorRule
@@ -40,14 +40,7 @@ _LOW_RANK_QUERY = (
     TensorRule(f"{_L}.self_attn.q_b_proj.weight", f"{_B}/attn/q_b/kernel", T),
 )
 _QUERY = (TensorRule(f"{_L}.self_attn.q_proj.weight", f"{_B}/attn/q/kernel", T),)
-_MOE = (
-    TensorRule(f"{_L}.mlp.gate.weight", f"{_B}/mlp/router/kernel", T),
-    TensorRule(f"{_L}.mlp.gate.e_score_correction_bias", f"{_B}/mlp/correction_bias"),
-    *(
-        TensorRule(f"{_L}.mlp.experts.{{expert}}.{n}_proj.weight", f"{_B}/mlp/experts/{n}", T)
-        for n in ("gate", "up", "down")
-    ),
-)
+_MOE = (*MOE, TensorRule(f"{_L}.mlp.gate.e_score_correction_bias", f"{_B}/mlp/correction_bias"))
 _SHARED = tuple(
     TensorRule(f"{_L}.mlp.shared_experts.{n}_proj.weight", f"{_B}/mlp/shared/{n}/kernel", T)
     for n in ("gate", "up", "down")

@@ -14,8 +14,8 @@ from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.families.base import (
     ATTENTION,
     MLP,
+    MOE,
     QK_NORM,
-    T,
     Unsupported,
     hf_keys,
     outer,
@@ -34,17 +34,6 @@ _LAYER = (
     ),
     *MLP,
     TensorRule("model.layers.{layer}.self_attn.rotary_emb.inv_freq", None),  # a buffer, recomputed
-)
-_MOE_LAYER = (  # a MoE layer's router and experts (Qwen3-MoE), stacked over the experts
-    TensorRule("model.layers.{layer}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
-    *(
-        TensorRule(
-            f"model.layers.{{layer}}.mlp.experts.{{expert}}.{name}_proj.weight",
-            f"blocks/{{layer}}/mlp/experts/{name}",
-            T,
-        )
-        for name in ("gate", "up", "down")
-    ),
 )
 _FUSED = (0, 2, 1)  # (experts, out, in) on disk, (experts, in, out) as the stacked kernels
 FUSED_EXPERTS = (  # read only: transformers 5's in-memory layout, every expert in one
@@ -100,7 +89,7 @@ class Qwen3MoeFeedForward(DenseFeedForward):
         ['MLPConfig', 'MoEConfig']
     """
 
-    rules: ClassVar[tuple[TensorRule, ...]] = _MOE_LAYER + FUSED_EXPERTS
+    rules: ClassVar[tuple[TensorRule, ...]] = MOE + FUSED_EXPERTS
     experts: ClassVar[bool] = True
 
     def read(self, keys: dict[str, Any], depth: int) -> tuple[FeedForward, ...]:
