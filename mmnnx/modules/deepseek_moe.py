@@ -95,9 +95,8 @@ class DeepSeekMoE(MoE):
         self.router = Linear(dim, self.num_experts, axes=("embed", None), **kw)
         bias = jnp.zeros((self.num_experts,), jnp.float32)
         self.correction_bias = RouterBias(bias, out_sharding=(None,))
-        shared = config.shared_hidden
-        gated = MLPConfig(shared or 1, gated=True, bias=False)
-        self.shared = MLP(dim, gated, param_dtype=param_dtype, rngs=rngs) if shared else None
+        shared = config.shared_hidden and MLPConfig(config.shared_hidden, gated=True, bias=False)
+        self.shared = shared and MLP(dim, shared, param_dtype=param_dtype, rngs=rngs)
 
     def forward(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
         """The routed experts' output plus the shared experts', and the call's ``RouterStats``."""

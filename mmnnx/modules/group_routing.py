@@ -38,8 +38,7 @@ def group_limited_route(
         group_scores = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)
         best = jax.lax.top_k(group_scores, topk_group)[1]
         chosen = (jnp.arange(n_group) == best[..., None]).any(-2)
-        keep = jnp.repeat(chosen, num_experts // n_group, axis=-1)
-        biased = jnp.where(keep, biased, -jnp.inf)
+        biased = jnp.where(chosen[..., None], grouped, -jnp.inf).reshape(biased.shape)
     indices = jax.lax.top_k(biased, top_k)[1]
     weights = jnp.take_along_axis(scores, indices, axis=-1)
     if norm_topk_prob:

@@ -99,8 +99,7 @@ class YarnScaling:
 
     def frequencies(self, head_dim: int, base: float) -> np.ndarray:
         """The ``head_dim // 2`` inverse frequencies, float32."""
-        exponents = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
-        extrapolated = np.float32(1.0) / np.float32(base) ** exponents
+        extrapolated = rope_frequencies(head_dim, base)
         original = self.original_max_position_embeddings
 
         def dim(rotations: float) -> float:

@@ -244,8 +244,7 @@ def save_pretrained(
     """
     pretrained, family, dtype = _origin(model, path, architecture, dtype)
     hf = pretrained.config if pretrained else {}
-    fresh = family.hf_config(model.config, torch_dtype_of(dtype), hf)
-    config = written(fresh, hf)
+    config = written(family.hf_config(model.config, torch_dtype_of(dtype), hf), hf)
     quant = _quantization(quantized, hf, path)
     if quant is not None:
         config["quantization_config"] = quant

@@ -41,10 +41,6 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _show(value: Any) -> str:
     try:
         text = json.dumps(value)
@@ -69,7 +65,7 @@ class _Key(NamedTuple):
 
 
 def _int(minimum: int) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: _is_int(v) and v >= minimum), f"an int >= {minimum}"
+    return (lambda v: type(v) is int and v >= minimum), f"an int >= {minimum}"
 
 
 _POSITIVE = is_positive, "a finite number > 0"
@@ -83,7 +79,7 @@ _STRS = (
     lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
     "a list of strings",
 )
-_INTS = (lambda v: isinstance(v, list) and all(_is_int(i) for i in v), "a list of ints")
+_INTS = (lambda v: isinstance(v, list) and all(type(i) is int for i in v), "a list of ints")
 _OBJECT = (lambda v: isinstance(v, dict)), "an object"
 _DTYPE = (lambda v: v in TORCH_DTYPES), f"one of {', '.join(map(json.dumps, TORCH_DTYPES))}"
 
@@ -121,11 +117,8 @@ _MOE = (  # Qwen3-MoE's own keys, named as transformers 5 writes them
 _SLIDING = (  # Mistral's and Mixtral's: every layer's window, null for none
     _Key("sliding_window", _int(1)[0], "an int >= 1 or null", default=None, nullable=True),
 )
-_MIXTRAL = (  # Qwen3-MoE's keys that Mixtral has too: its experts' size is intermediate_size
-    *_SLIDING,
-    *(k for k in _MOE if k.name in {"num_local_experts", "num_experts_per_tok"}),
-    *(k for k in _MOE if k.name in {"router_aux_loss_coef", "output_router_logits"}),
-)
+_ROUTER_LOSS = _MOE[-2:]  # router_aux_loss_coef, output_router_logits
+_MIXTRAL = (*_SLIDING, *_MOE[:2], *_ROUTER_LOSS)  # Qwen3-MoE's counts; experts intermediate_size
 _GEMMA3 = (  # Gemma 3's own keys (its family reads its older RoPE and layer keys)
     _Key("query_pre_attn_scalar", *_POSITIVE, default=256),
     _Key("rope_local_base_freq", *_POSITIVE, default=10000.0),
@@ -142,7 +135,7 @@ _GPT_OSS = (  # gpt-oss's own keys: its experts' size is intermediate_size
     _Key("swiglu_alpha", *_POSITIVE, default=1.702),
     _Key("swiglu_limit", *_POSITIVE, default=7.0),
     _Key("quantization_config", *_OBJECT, default=None),
-    *(k for k in _MOE if k.name in {"router_aux_loss_coef", "output_router_logits"}),
+    *_ROUTER_LOSS,
 )
 _DEEPSEEK = (  # DeepSeek-V3's own keys, their defaults DeepseekV3Config's
     _Key("moe_intermediate_size", *_int(1), default=2048),

@@ -21,10 +21,13 @@ from mmnnx.sharding.rules import path_str
 M = TypeVar("M")
 
 
-def plan_sources(
+def sources_as_read(
     model: Any, files: CheckpointFiles, rules: Sequence[TensorRule]
-) -> dict[str, Source]:
-    """Every Variable's source, all tensors and shapes checked; no data read."""
+) -> tuple[Any, dict[str, Source]]:
+    """``files`` as they are read (FP8 and MXFP4 weights dequantized:
+    :mod:`~mmnnx.models.pretrained.quantized`) and every Variable's source in them, all tensors
+    and shapes checked; no data read."""
+    files = dequantizing(files)
     where = files.directory
     try:
         sources, unmatched = match(files.tensors, rules)
@@ -79,17 +82,7 @@ def plan_sources(
                     f"{path!r} of {model_name} (shape {want}); does config.json describe "
                     "these files?"
                 )
-    return sources
-
-
-def sources_as_read(
-    model: Any, files: CheckpointFiles, rules: Sequence[TensorRule]
-) -> tuple[Any, dict[str, Source]]:
-    """``files`` as they are read (FP8 and MXFP4 weights dequantized:
-    :mod:`~mmnnx.models.pretrained.quantized`) and every Variable's source in them, checked
-    (:func:`plan_sources`); no data read."""
-    files = dequantizing(files)
-    return files, plan_sources(model, files, rules)
+    return files, sources
 
 
 def _floating(dtype: Any) -> bool:

@@ -239,10 +239,8 @@ def tensors_of(
         {(0,): 'layers.0.w', (1,): 'layers.1.w'}
     """
     for rule in rules:
-        if rule.variable is None:
-            continue
-        found = _pattern(rule.variable).match(path)
-        if found is None:
+        found = rule.variable is not None and _pattern(rule.variable).match(path)
+        if not found:
             continue
         values = {k: int(v) for k, v in found.groupdict().items()}
         slots = itertools.product(*(range(n) for n in shape[: len(rule.stacked)]))

@@ -9,18 +9,13 @@ from typing import Any
 from mmnnx.models.pretrained import fp8, mxfp4
 from mmnnx.models.pretrained.files import CheckpointError, CheckpointFiles
 
-QUANT_METHODS: dict[str, Callable[[CheckpointFiles, dict], Any]] = {
-    "fp8": fp8.fp8_files,  # DeepSeek-V3, Kimi K2: float8 e4m3 with block scales
-    "mxfp4": mxfp4.mxfp4_files,  # gpt-oss: 4-bit experts with a power of two per 32 inputs
+QUANT_METHODS: dict[str, tuple[Callable[[CheckpointFiles, dict], Any], Callable]] = {
+    "fp8": (fp8.fp8_files, fp8.fp8_writer),  # DeepSeek-V3, Kimi K2: float8 e4m3, block scales
+    "mxfp4": (mxfp4.mxfp4_files, mxfp4.mxfp4_writer),  # gpt-oss: 4-bit experts, 2 ** e per 32
 }
-"""Each ``quant_method`` mmnnx reads and its reader, given the files and the
-``quantization_config``."""
-QUANT_WRITERS: dict[str, Callable[[dict, Any], Any]] = {
-    "fp8": fp8.fp8_writer,
-    "mxfp4": mxfp4.mxfp4_writer,
-}
-"""Each ``quant_method`` mmnnx writes and its writer (of each tensor: its quantized tensors,
-or ``None``), given the ``quantization_config`` and where it is written."""
+"""Each ``quant_method`` mmnnx reads and writes: its reader, given the files and the
+``quantization_config``, and its writer (of each tensor: its quantized tensors, or ``None``),
+given the ``quantization_config`` and where it is written."""
 
 
 def dequantizing(files: CheckpointFiles) -> Any:
@@ -46,11 +41,11 @@ def dequantizing(files: CheckpointFiles) -> Any:
     quant = (files.config or {}).get("quantization_config")
     if quant is None:
         return files
-    return QUANT_METHODS[_method(quant, files.directory / "config.json")](files, quant)
+    return QUANT_METHODS[_method(quant, files.directory / "config.json")][0](files, quant)
 
 
 def quantizing(quant: Any, where: Any) -> Any:
-    """The writer of ``quant``'s (a ``quantization_config``'s) method (:data:`QUANT_WRITERS`):
+    """The writer of ``quant``'s (a ``quantization_config``'s) method (:data:`QUANT_METHODS`):
     of each tensor ``(name, float array)``, the tensors that store it quantized, or ``None``.
 
     Example:
@@ -59,7 +54,7 @@ def quantizing(quant: Any, where: Any) -> Any:
         >>> write("model.layers.0.mlp.router.weight", np.ones((4, 32))) is None  # not quantized
         True
     """
-    return QUANT_WRITERS[_method(quant, where)](quant, where)
+    return QUANT_METHODS[_method(quant, where)][1](quant, where)
 
 
 def _method(quant: Any, where: Any) -> str:

@@ -34,12 +34,11 @@ def layer_rules(rules: Sequence[TensorRule], config: GPTConfig) -> tuple[TensorR
     groups: dict[str, list[int]] = {}
     for layer in range(config.depth):
         groups.setdefault(config.layer_path(layer)[0], []).append(layer)
-    out = [r for r in rules if r.variable is None or _LAYER not in r.variable]
+    per_layer = [r for r in rules if r.variable is not None and _LAYER in r.variable]
+    out = [r for r in rules if r not in per_layer]
     for path, layers in groups.items():
         stacked = config.layer_path(layers[0])[1] is not None
-        for r in rules:
-            if r.variable is None or _LAYER not in r.variable:
-                continue
+        for r in per_layer:
             variable = r.variable.replace(_LAYER, path)
             if stacked:
                 out.append(dataclasses.replace(r, variable=variable, layers=tuple(layers)))

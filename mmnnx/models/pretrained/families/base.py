@@ -8,7 +8,9 @@ from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.files import CheckpointError
+from mmnnx.models.pretrained.hf_config import rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
+from mmnnx.models.pretrained.scanned import layer_rules
 
 T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -29,24 +31,33 @@ MLP = tuple(  # a SiLU- or GELU-gated MLP's
     TensorRule(f"{_L}.mlp.{n}_proj.weight", f"blocks/{{layer}}/mlp/{n}/kernel", T)
     for n in ("gate", "up", "down")
 )
+MOE = (  # a mixture's router and experts (Qwen3-MoE's, DeepSeek-V3's), stacked over the experts
+    TensorRule(f"{_L}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
+    *(
+        TensorRule(
+            f"{_L}.mlp.experts.{{expert}}.{n}_proj.weight", f"blocks/{{layer}}/mlp/experts/{n}", T
+        )
+        for n in ("gate", "up", "down")
+    ),
+)
 Unsupported = tuple[tuple[str, Callable[[Any], bool], str], ...]
 
 
 def outer(layer: tuple[TensorRule, ...], config: GPTConfig) -> tuple[TensorRule, ...]:
-    """``layer``'s rules with the embedding's, the final norm's and the head's (a tied
-    checkpoint's ``lm_head.weight``, where stored, fills nothing).
+    """``layer``'s rules (scanned: onto the stacked segments) with the embedding's, the final
+    norm's and the head's (a tied checkpoint's ``lm_head.weight``, where stored, fills nothing).
 
     Example:
         >>> [r.variable for r in outer((), GPTConfig(tie_embeddings=True))]
         ['embed/embedding', 'norm/scale', None]
     """
     head = TensorRule("lm_head.weight", None if config.tie_embeddings else "head/kernel", T)
-    return OUTER + layer + (head,)
+    return OUTER + layer_rules(layer, config) + (head,)
 
 
 def hf_keys(family: Any, config: GPTConfig, torch_dtype: str, eps: float = 1e-6) -> dict[str, Any]:
     """The ``config.json`` keys every family writes for ``config`` (its first layer's
-    attention; ``eps`` where ``config`` has no norm epsilon).
+    attention and RoPE; ``eps`` where ``config`` has no norm epsilon).
 
     Example:
         >>> from mmnnx.models.pretrained.families import LLAMA
@@ -67,6 +78,7 @@ def hf_keys(family: Any, config: GPTConfig, torch_dtype: str, eps: float = 1e-6)
         "max_position_embeddings": config.max_seq_len,
         "tie_word_embeddings": config.tie_embeddings,
         "rms_norm_eps": eps if config.norm_eps is None else config.norm_eps,
+        "rope_parameters": rope_parameters(attention.rope.theta, attention.rope.scaling),
         "dtype": torch_dtype,
     }
 

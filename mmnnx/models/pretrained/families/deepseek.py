@@ -1,7 +1,6 @@
 """DeepSeek-V3 (and Kimi K2, which ships as ``DeepseekV3ForCausalLM``): multi-head latent
 attention in every layer, dense SiLU-gated MLPs in the first ``first_k_dense_replace`` layers
-and DeepSeek's mixture of experts after them; how its ``config.json`` becomes a ``GPTConfig``
-and back, and which checkpoint tensor fills which ``GPT`` Variable."""
+and DeepSeek's mixture of experts after them."""
 
 from __future__ import annotations
 
@@ -9,11 +8,10 @@ import dataclasses
 from typing import Any
 
 from mmnnx.models.gpt import GPTConfig
-from mmnnx.models.pretrained.families.base import MLP, T, hf_keys, outer
+from mmnnx.models.pretrained.families.base import MLP, MOE, T, hf_keys, outer
 from mmnnx.models.pretrained.files import CheckpointError
-from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
+from mmnnx.models.pretrained.hf_config import read_config
 from mmnnx.models.pretrained.names import TensorRule
-from mmnnx.models.pretrained.scanned import layer_rules
 from mmnnx.modules import (
     BlockConfig,
     DeepSeekMoEConfig,
@@ -42,14 +40,7 @@ _LOW_RANK_QUERY = (
     TensorRule(f"{_L}.self_attn.q_b_proj.weight", f"{_B}/attn/q_b/kernel", T),
 )
 _QUERY = (TensorRule(f"{_L}.self_attn.q_proj.weight", f"{_B}/attn/q/kernel", T),)
-_MOE = (
-    TensorRule(f"{_L}.mlp.gate.weight", f"{_B}/mlp/router/kernel", T),
-    TensorRule(f"{_L}.mlp.gate.e_score_correction_bias", f"{_B}/mlp/correction_bias"),
-    *(
-        TensorRule(f"{_L}.mlp.experts.{{expert}}.{n}_proj.weight", f"{_B}/mlp/experts/{n}", T)
-        for n in ("gate", "up", "down")
-    ),
-)
+_MOE = (*MOE, TensorRule(f"{_L}.mlp.gate.e_score_correction_bias", f"{_B}/mlp/correction_bias"))
 _SHARED = tuple(
     TensorRule(f"{_L}.mlp.shared_experts.{n}_proj.weight", f"{_B}/mlp/shared/{n}/kernel", T)
     for n in ("gate", "up", "down")
@@ -130,7 +121,6 @@ class DeepSeekFamily:
                 rope=RopeConfig(c.rope_theta, c.rope_scaling),
                 rope_interleave=o["rope_interleave"],
             )
-            shared = o["n_shared_experts"] or 0
             moe = DeepSeekMoEConfig(
                 o["moe_intermediate_size"],
                 o["n_routed_experts"],
@@ -139,7 +129,7 @@ class DeepSeekFamily:
                 n_group=o["n_group"],
                 topk_group=o["topk_group"],
                 routed_scaling_factor=float(o["routed_scaling_factor"]),
-                shared_hidden=shared * o["moe_intermediate_size"] or None,
+                shared_hidden=(o["n_shared_experts"] or 0) * o["moe_intermediate_size"] or None,
             )
             dense = MLPConfig(c.intermediate_size, gated=True, bias=False)
             norm = NormConfig("rms", c.rms_norm_eps)
@@ -148,12 +138,8 @@ class DeepSeekFamily:
                 BlockConfig(attention, dense if i < first else moe, norm)
                 for i in range(c.num_hidden_layers)
             )
-            return c.gpt_config(  # latent attention: no key/value heads; transformers adds no
-                layers,
-                overrides,
-                num_kv_heads=None,
-                router_aux_loss_coef=0.0,  # router loss
-            )
+            # latent attention: no key/value heads; transformers adds no router loss
+            return c.gpt_config(layers, overrides, num_kv_heads=None, router_aux_loss_coef=0.0)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: {e}") from None
 
@@ -188,7 +174,6 @@ class DeepSeekFamily:
             "qk_rope_head_dim": a.qk_rope_head_dim,
             "v_head_dim": a.v_head_dim,
             "rope_interleave": a.rope_interleave,
-            "rope_parameters": rope_parameters(a.rope.theta, a.rope.scaling),
             "first_k_dense_replace": len(dense),
             "hidden_act": "silu",
             "attention_bias": False,
@@ -260,7 +245,6 @@ class DeepSeekFamily:
         moe = any(isinstance(b.feed_forward, DeepSeekMoEConfig) for b in blocks)
         shared = any(getattr(b.feed_forward, "shared_hidden", None) for b in blocks)
         layer = _ATTENTION + query + MLP + (_MOE if moe else ()) + (_SHARED if shared else ())
-        layer = layer_rules(layer, config)  # scanned: onto the stacked segments
         every = _ATTENTION + _LOW_RANK_QUERY + _QUERY + MLP + _MOE + _SHARED
         mtp = tuple(  # published checkpoints' next-token prediction layer after the last
             TensorRule(r.tensor.replace("{layer}", str(config.depth)), None)

@@ -1,8 +1,7 @@
 """Gemma 3's text model (``Gemma3ForCausalLM``, ``model_type`` ``gemma3_text``): local
 sliding-window and global layers (``layer_types``), each kind with its own RoPE, four
 ``(1 + weight)`` RMSNorms per block, GeGLU, query/key norms, scores scaled by
-``query_pre_attn_scalar``, embeddings scaled by ``sqrt(hidden_size)`` and a tied head; how its
-``config.json`` becomes a ``GPTConfig`` and back, and which tensor fills which Variable."""
+``query_pre_attn_scalar``, embeddings scaled by ``sqrt(hidden_size)`` and a tied head."""
 
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ from mmnnx.models.pretrained.families.base import (
 from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
-from mmnnx.models.pretrained.scanned import layer_rules
 from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, NormConfig, RopeConfig
 from mmnnx.modules.mlp import ACTIVATIONS
 
@@ -49,10 +47,6 @@ _UNSUPPORTED = (  # config.json keys whose non-default values mmnnx's GPT does n
     ("use_bidirectional_attention", bool, "causal attention (false)"),
     ("attention_bias", bool, "attention projections without biases (false)"),
 )
-
-
-def _gemma_norm(eps: float) -> NormConfig:
-    return NormConfig("rms", eps, scale_offset=1.0)
 
 
 def standard_keys(hf: dict[str, Any], file: str) -> dict[str, Any]:
@@ -141,7 +135,7 @@ logit soft-capping (null)
                 f"{', '.join(map(repr, ACTIVATIONS))}"
             )
         try:
-            norm = _gemma_norm(c.rms_norm_eps)
+            norm = NormConfig("rms", c.rms_norm_eps, scale_offset=1.0)
             mlp = MLPConfig(c.intermediate_size, gated=True, bias=False, activation=activation)
 
             def block(kind: str) -> BlockConfig:
@@ -177,12 +171,11 @@ logit soft-capping (null)
             (['sliding_attention', 'full_attention'], {'rope_theta': 10000.0, \
 'rope_type': 'default'})
         """
-        loaded = loaded or {}
         blocks = config.block_configs
         attention = blocks[0].attention
         kinds = [SLIDING if b.attention.sliding_window else FULL for b in blocks]
         ropes = {kinds[i]: b.attention.rope for i, b in enumerate(blocks)}
-        written = dict(loaded.get("rope_parameters") or {})
+        written = (loaded or {}).get("rope_parameters") or {}
         params = {k: rope_parameters(r.theta, r.scaling) for k, r in ropes.items()}
         for kind in (FULL, SLIDING):  # transformers writes both, whatever the layers
             params.setdefault(kind, written.get(kind) or rope_parameters(DEFAULT_THETA[kind], None))
@@ -254,8 +247,7 @@ logit soft-capping (null)
             >>> [r.variable for r in rules if "feedforward" in r.tensor]
             ['blocks/{layer}/norm2/scale', 'blocks/{layer}/post_mlp_norm/scale']
         """
-        layer = layer_rules(_LAYER, config)  # scanned: onto the stacked segments
-        return outer(layer, config)
+        return outer(_LAYER, config)
 
 
 GEMMA3 = Gemma3Family()

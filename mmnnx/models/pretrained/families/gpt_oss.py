@@ -1,8 +1,7 @@
 """gpt-oss (``GptOssForCausalLM``, ``model_type`` ``gpt_oss``): sliding-window and full
 attention layers (``layer_types``) with biases and attention sinks, YaRN RoPE, and a mixture
 of experts in every layer (a biased router; experts with biases and a clamped SwiGLU, stored
-fused as transformers 5 writes them, or in MXFP4 as published: :mod:`..mxfp4`); how its
-``config.json`` becomes a ``GPTConfig`` and back, and which tensor fills which Variable."""
+fused as transformers 5 writes them, or in MXFP4 as published: :mod:`..mxfp4`)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,8 @@ from typing import Any
 from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.families.base import FULL, SLIDING, T, hf_keys, kinds_of, outer
 from mmnnx.models.pretrained.files import CheckpointError
-from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
+from mmnnx.models.pretrained.hf_config import read_config
 from mmnnx.models.pretrained.names import TensorRule
-from mmnnx.models.pretrained.scanned import layer_rules
 from mmnnx.modules import AttentionConfig, BlockConfig, ClampedMoEConfig, NormConfig, RopeConfig
 
 DEFAULT_ROPE = {  # transformers' GptOssConfig's, where config.json gives no RoPE parameters
@@ -120,22 +118,17 @@ capacity_factor=None, alpha=1.702, limit=7.0)
                 alpha=float(c.own["swiglu_alpha"]),
                 limit=float(c.own["swiglu_limit"]),
             )
+            attention = AttentionConfig(
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                rope=RopeConfig(c.rope_theta, c.rope_scaling),
+                bias=True,
+                sinks=True,
+            )
+            each = {FULL: attention, SLIDING: dataclasses.replace(attention, sliding_window=window)}
             norm = NormConfig("rms", c.rms_norm_eps)
-            rope = RopeConfig(c.rope_theta, c.rope_scaling)
-
-            def block(kind: str) -> BlockConfig:
-                attention = AttentionConfig(
-                    c.num_attention_heads,
-                    c.num_key_value_heads,
-                    c.head_dim,
-                    rope=rope,
-                    sliding_window=window if kind == SLIDING else None,
-                    bias=True,
-                    sinks=True,
-                )
-                return BlockConfig(attention, moe, norm)
-
-            layers = tuple(block(kind) for kind in kinds)
+            layers = tuple(BlockConfig(each[kind], moe, norm) for kind in kinds)
             return c.gpt_config(
                 layers, overrides, router_aux_loss_coef=c.own["router_aux_loss_coef"]
             )
@@ -157,11 +150,9 @@ capacity_factor=None, alpha=1.702, limit=7.0)
             (['sliding_attention', 'full_attention'], 'yarn', 7.0)
         """
         blocks = config.block_configs
-        attention, moe = blocks[0].attention, blocks[0].feed_forward
-        rope = attention.rope
+        moe = blocks[0].feed_forward
         out = hf_keys(self, config, torch_dtype, eps=1e-5) | {
             "intermediate_size": moe.hidden,
-            "rope_parameters": rope_parameters(rope.theta, rope.scaling),
             "attention_bias": True,
             "layer_types": [SLIDING if b.attention.sliding_window else FULL for b in blocks],
             "num_local_experts": moe.num_experts,
@@ -217,8 +208,7 @@ capacity_factor=None, alpha=1.702, limit=7.0)
             >>> [r.variable for r in rules if r.tensor.endswith("gate_up_proj")]
             ['blocks/{layer}/mlp/experts/gate_up']
         """
-        layer = layer_rules(_LAYER, config)  # scanned: onto the stacked segments
-        return outer(layer, config)
+        return outer(_LAYER, config)
 
 
 GPT_OSS = GptOssFamily()

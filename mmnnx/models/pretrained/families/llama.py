@@ -1,10 +1,9 @@
 """Llama, Qwen3 and Qwen3-MoE: one attention in every layer, a SiLU-gated MLP or Qwen3-MoE's
-experts, RMSNorm; how their ``config.json`` becomes a ``GPTConfig`` and back, and which
-checkpoint tensor fills which ``GPT`` Variable. Qwen3-MoE's experts are read in the published
-per-expert layout (``mlp.experts.{e}.gate_proj``..., the names mmnnx writes) or in the fused
-layout transformers 5 holds in memory and also loads (``mlp.experts.gate_up_proj``
-``(experts, 2 * moe_intermediate, hidden)``: gate's rows then up's, ``mlp.experts.down_proj``
-``(experts, hidden, moe_intermediate)``)."""
+experts, RMSNorm. Qwen3-MoE's experts are read in the published per-expert layout
+(``mlp.experts.{e}.gate_proj``..., the names mmnnx writes) or in the fused layout transformers 5
+holds in memory and also loads (``mlp.experts.gate_up_proj`` ``(experts, 2 * moe_intermediate,
+hidden)``: gate's rows then up's, ``mlp.experts.down_proj`` ``(experts, hidden,
+moe_intermediate)``)."""
 
 from __future__ import annotations
 
@@ -15,17 +14,16 @@ from mmnnx.models.gpt import GPTConfig
 from mmnnx.models.pretrained.families.base import (
     ATTENTION,
     MLP,
+    MOE,
     QK_NORM,
-    T,
     Unsupported,
     hf_keys,
     outer,
     refuse,
 )
 from mmnnx.models.pretrained.files import CheckpointError
-from mmnnx.models.pretrained.hf_config import read_config, rope_parameters
+from mmnnx.models.pretrained.hf_config import read_config
 from mmnnx.models.pretrained.names import Part, TensorRule
-from mmnnx.models.pretrained.scanned import layer_rules
 from mmnnx.modules import AttentionConfig, BlockConfig, MLPConfig, MoEConfig, NormConfig, RopeConfig
 
 _LAYER = (
@@ -36,17 +34,6 @@ _LAYER = (
     ),
     *MLP,
     TensorRule("model.layers.{layer}.self_attn.rotary_emb.inv_freq", None),  # a buffer, recomputed
-)
-_MOE_LAYER = (  # a MoE layer's router and experts (Qwen3-MoE), stacked over the experts
-    TensorRule("model.layers.{layer}.mlp.gate.weight", "blocks/{layer}/mlp/router/kernel", T),
-    *(
-        TensorRule(
-            f"model.layers.{{layer}}.mlp.experts.{{expert}}.{name}_proj.weight",
-            f"blocks/{{layer}}/mlp/experts/{name}",
-            T,
-        )
-        for name in ("gate", "up", "down")
-    ),
 )
 _FUSED = (0, 2, 1)  # (experts, out, in) on disk, (experts, in, out) as the stacked kernels
 FUSED_EXPERTS = (  # read only: transformers 5's in-memory layout, every expert in one
@@ -102,7 +89,7 @@ class Qwen3MoeFeedForward(DenseFeedForward):
         ['MLPConfig', 'MoEConfig']
     """
 
-    rules: ClassVar[tuple[TensorRule, ...]] = _MOE_LAYER + FUSED_EXPERTS
+    rules: ClassVar[tuple[TensorRule, ...]] = MOE + FUSED_EXPERTS
     experts: ClassVar[bool] = True
 
     def read(self, keys: dict[str, Any], depth: int) -> tuple[FeedForward, ...]:
@@ -170,6 +157,7 @@ class Family:
                 qk_norm=self.qk_norm,
                 qk_norm_eps=c.rms_norm_eps,
                 rope=RopeConfig(c.rope_theta, c.rope_scaling),
+                sliding_window=c.own.get("sliding_window"),  # Mistral's, Mixtral's
             )
             norm = NormConfig("rms", c.rms_norm_eps)
             layers = self.feed_forward.read(keys, c.num_hidden_layers)
@@ -188,9 +176,7 @@ class Family:
             >>> LLAMA.hf_config(GPTConfig(), "float32")["hidden_size"]
             128
         """
-        rope = config.block_configs[0].attention.rope
         out = hf_keys(self, config, torch_dtype) | {
-            "rope_parameters": rope_parameters(rope.theta, rope.scaling),
             "hidden_act": "silu",
             "attention_bias": False,
         }
@@ -209,7 +195,6 @@ class Family:
         """
         name, blocks = self.architecture, config.block_configs
         dense = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MLPConfig)]
-        experts = any(isinstance(b.feed_forward, MoEConfig) for b in blocks)
         qk_norm = {getattr(b.attention, "qk_norm", None) for b in blocks}
         norms = {config.norm} | {b.norm.kind for b in blocks}
         own = self.feed_forward.experts
@@ -230,8 +215,8 @@ class Family:
             (norms != {"rms"}, f"LayerNorm ({name}: RMSNorm)"),
             (True in qk_norm and not self.qk_norm, f"query/key norms ({name}: none)"),
             (False in qk_norm and self.qk_norm, f"no query/key norms ({name}: RMSNorm on both)"),
-            (experts and not own, f"mixture-of-experts blocks ({name}: dense)"),
-            (not experts and own, f"no mixture-of-experts blocks ({name})"),
+            (moes and not own, f"mixture-of-experts blocks ({name}: dense)"),
+            (not moes and own, f"no mixture-of-experts blocks ({name})"),
             (len({b.attention for b in blocks}) > 1, "layers of different attention"),
             (no_rope, f"attention without RoPE ({name}: RoPE)"),
             (windowed and not self.sliding_window, f"a sliding window ({name}: full attention)"),
@@ -256,9 +241,7 @@ class Family:
             [('layer', 'expert'), ('layer',)]
         """
         qk_norm = any(getattr(b.attention, "qk_norm", False) for b in config.block_configs)
-        layer = _LAYER + (QK_NORM if qk_norm else ()) + self.feed_forward.rules
-        layer = layer_rules(layer, config)  # scanned: onto the stacked segments
-        return outer(layer, config)
+        return outer(_LAYER + (QK_NORM if qk_norm else ()) + self.feed_forward.rules, config)
 
 
 LLAMA = Family(architecture="LlamaForCausalLM", model_type="llama", qk_norm=False)

@@ -1,10 +1,8 @@
 """Mistral and Mixtral: Llama's layers with every attention within ``config.json``'s
 ``sliding_window`` (``null``: none); Mixtral's feed-forward a mixture of experts in every layer,
 its tensors in the published per-expert layout (``block_sparse_moe.experts.{e}.w1/w2/w3``, the
-names transformers 5's ``save_pretrained`` writes, and the names mmnnx writes) or in the fused
-layout transformers 5 holds in memory and also loads (``mlp.gate``,
-``mlp.experts.gate_up_proj`` ``(experts, 2 * intermediate, hidden)``: gate's rows then up's,
-``mlp.experts.down_proj`` ``(experts, hidden, intermediate)``)."""
+names transformers 5's ``save_pretrained`` and mmnnx write) or in Qwen3-MoE's fused layout
+(``llama.FUSED_EXPERTS``, the router ``mlp.gate``)."""
 
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ from mmnnx.models.pretrained.families.llama import (
     Family,
     FeedForward,
 )
-from mmnnx.models.pretrained.hf_config import read_config
 from mmnnx.models.pretrained.names import TensorRule
 from mmnnx.modules import MLPConfig, MoEConfig
 
@@ -91,19 +88,6 @@ class MistralFamily(Family):
         >>> MISTRAL.hf_config(MISTRAL.gpt_config(hf), "float32")["sliding_window"]
         4
     """
-
-    def gpt_config(self, hf: dict[str, Any], where: Any = "", **overrides: Any) -> GPTConfig:
-        config = super().gpt_config(hf, where, **overrides)  # checks the file first
-        file = f"{where}/config.json ({self.architecture})"
-        window = read_config(hf, file, self.model_type).own["sliding_window"]
-        windowed = [
-            dataclasses.replace(b.attention, sliding_window=window) for b in config.block_configs
-        ]
-        layers = tuple(
-            dataclasses.replace(b, attention=a)
-            for b, a in zip(config.block_configs, windowed, strict=True)
-        )
-        return dataclasses.replace(config, layers=layers)
 
     def hf_config(
         self, config: GPTConfig, torch_dtype: str, loaded: dict[str, Any] | None = None
