@@ -330,3 +330,26 @@ def test_a_yarn_attention_factor_of_0_is_refused_not_read_as_absent(tmp_path):
     (case / "config.json").write_text(json.dumps(config | {"rope_parameters": params}))
     scaling = pretrained_config(case).block_configs[0].attention.rope.scaling
     assert scaling.attention_scale == 0.5
+
+
+def test_a_latent_attention_model_is_refused_by_every_family_without_it(tmp_path):
+    # a Llama's, Qwen3's, Mistral's or Gemma 3's files hold multi-head attention only: saving a
+    # model of latent attention as one raised AttributeError / TypeError from the family's
+    # config writer, or named a Variable no tensor rule writes
+    from mmnnx.models import GPT, GPTConfig
+    from mmnnx.models.pretrained.families import FAMILIES
+    from mmnnx.modules import BlockConfig, LatentAttentionConfig, MLPConfig
+
+    latent = LatentAttentionConfig(2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                   v_head_dim=8)  # fmt: skip
+    layer = BlockConfig(latent, MLPConfig(64, gated=True, bias=False))
+    config = GPTConfig(dim=32, depth=2, num_heads=2, vocab_size=64, layers=(layer, layer))
+    with nnx.use_eager_sharding(False):
+        model = GPT(config, rngs=nnx.Rngs(0))
+    for name in FAMILIES:
+        if name in ("DeepseekV3ForCausalLM", "GptOssForCausalLM"):
+            continue  # DeepSeek-V3 holds it; gpt-oss names its attention's biases and sinks
+        with pytest.raises(CheckpointError, match=f"{name} checkpoint cannot hold .*an "
+                           "attention other than AttentionConfig"):  # fmt: skip
+            save_pretrained(model, tmp_path / name, architecture=name)
+    assert not list(tmp_path.iterdir())

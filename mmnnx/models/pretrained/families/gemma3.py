@@ -214,7 +214,11 @@ logit soft-capping (null)
             sliding: {a.rope for a in attention if bool(a.sliding_window) == sliding}
             for sliding in (True, False)
         } if plain else {}  # fmt: skip
-        shapes = {dataclasses.replace(a, rope=None, sliding_window=None) for a in attention}
+        shapes = (
+            {dataclasses.replace(a, rope=None, sliding_window=None) for a in attention}
+            if plain
+            else ()
+        )
         scale = config.embed_scale
         checks = (
             (not all(isinstance(n, NormConfig) and n.kind == "rms" and n.scale_offset == 1

@@ -213,6 +213,10 @@ class Family:
             (any(not f.gated for f in dense), f"an ungated GELU MLP ({name}: SiLU-gated)"),
             (any(f.bias for f in dense), "MLP biases"),
             (norms != {"rms"}, f"LayerNorm ({name}: RMSNorm)"),
+            (
+                not all(isinstance(b.attention, AttentionConfig) for b in blocks),
+                f"an attention other than AttentionConfig ({name})",
+            ),
             (True in qk_norm and not self.qk_norm, f"query/key norms ({name}: none)"),
             (False in qk_norm and self.qk_norm, f"no query/key norms ({name}: RMSNorm on both)"),
             (moes and not own, f"mixture-of-experts blocks ({name}: dense)"),
