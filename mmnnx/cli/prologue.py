@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from mmnnx._env import ENV_NUM_PROCESSES
 
@@ -43,3 +44,15 @@ def start(devices: int, *, distributed: bool = True) -> str | None:
 
         mm.distributed.initialize()
     return None
+
+
+def run_spec(run: str) -> tuple[Any, str | None]:
+    """The ``RunSpec`` of run directory ``run`` (``--run``), its devices simulated for this one
+    process (:func:`start`), and the line to exit with if it cannot be used, else ``None``."""
+    from mmnnx.train.generation import RunError, read_run  # noqa: PLC0415
+
+    try:
+        spec = read_run(run)
+    except RunError as e:
+        return None, f"--run: {e}"
+    return spec, start(spec.run.layout.devices, distributed=False)
