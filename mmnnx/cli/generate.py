@@ -71,7 +71,6 @@ def run(args: argparse.Namespace) -> int:
     spec, problem = prologue.run_spec(options.run)
     if problem:
         return error(problem)
-    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.generation import (  # noqa: PLC0415
         RunError,
         continue_text,
@@ -100,12 +99,7 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--prompt is {e}")
     try:
         run = load_run(spec, layout=options.layout)
-    except (
-        RunError,
-        ck.CheckpointMismatchError,
-        ck.CheckpointCorruptError,
-        ck.NoReadableCheckpointError,
-    ) as e:
+    except (RunError, *prologue.unrestorable()) as e:
         return error(f"--run: {e}")
     context = run.model.config.max_seq_len
     room, new = context - prompt_tokens, options.max_new_tokens

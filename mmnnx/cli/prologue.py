@@ -1,6 +1,7 @@
 """What every command that runs a model does first: say an error as its one line, simulate the
 devices it needs (``XLA_FLAGS``, unless set) before JAX starts, and join a job of several
-processes (under ``mmnnx launch`` or a cluster; alone, nothing)."""
+processes (under ``mmnnx launch`` or a cluster; alone, nothing); and, for those reading a run
+``mmnnx train`` wrote, its spec and the errors of its checkpoints."""
 
 from __future__ import annotations
 
@@ -56,3 +57,10 @@ def run_spec(run: str) -> tuple[Any, str | None]:
     except RunError as e:
         return None, f"--run: {e}"
     return spec, start(spec.run.layout.devices, distributed=False)
+
+
+def unrestorable() -> tuple[type[Exception], ...]:
+    """The errors of a run's checkpoints that cannot be restored: another model, or damage."""
+    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
+
+    return ck.CheckpointMismatchError, ck.CheckpointCorruptError, ck.NoReadableCheckpointError
