@@ -292,13 +292,12 @@ def _check_record(spec: RunSpec, saved: Saved | None) -> None:
     """A :class:`RunError` naming what differs from the checkpoint's record, if any."""
     if saved is None or saved.record is None:
         return
-    config_file = spec.directory / CONFIG_FILE
     mismatch = saved.record.mismatch(spec.run.options())
     if mismatch is not None:
         have, had = mismatch.as_keys()
         raise RunError(
-            f"{config_file} has {have}, but checkpoint step {saved.step} of the run was trained "
-            f"with {had}: config.toml no longer describes the run (edited since?)"
+            f"{spec.directory / CONFIG_FILE} has {have}, but checkpoint step {saved.step} of the "
+            f"run was trained with {had}: config.toml no longer describes the run (edited since?)"
         )
     if saved.record.tokenizer != fingerprint(spec.tokenizer):
         raise RunError(
