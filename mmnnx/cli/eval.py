@@ -50,14 +50,9 @@ def run(args: argparse.Namespace) -> int:
         from lm_eval.tasks import TaskManager  # noqa: PLC0415
     except ImportError:
         return error("needs lm-eval: pip install 'mmnnx[eval]'")
-    from mmnnx.train.generation import RunError, read_run  # noqa: PLC0415
-
-    try:
-        spec = read_run(options.run)
-    except RunError as e:
-        return error(f"--run: {e}")
-    if alone := prologue.start(spec.run.layout.devices, distributed=False):
-        return error(alone)
+    _, problem = prologue.run_spec(options.run)
+    if problem:
+        return error(problem)
     from mmnnx.train.evaluation import MmnnxLM, UnscorableTaskError  # noqa: PLC0415
 
     if options.include_path and (problem := task_file_problem(options.include_path)):

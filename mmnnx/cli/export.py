@@ -83,7 +83,6 @@ def run(args: argparse.Namespace) -> int:
     import jax  # noqa: PLC0415  (after XLA_FLAGS)
 
     from mmnnx.models import CheckpointError  # noqa: PLC0415
-    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.export import export_run  # noqa: PLC0415
 
     try:
@@ -96,13 +95,7 @@ def run(args: argparse.Namespace) -> int:
             step=options.step,
             overwrite=options.overwrite,
         )
-    except (
-        RunError,
-        CheckpointError,
-        ck.CheckpointMismatchError,
-        ck.CheckpointCorruptError,
-        ck.NoReadableCheckpointError,
-    ) as e:
+    except (RunError, CheckpointError, *prologue.unrestorable()) as e:
         return error(str(e))
     except OSError as e:  # a place that cannot be written
         return error(f"--output {options.output}: cannot write there ({e.strerror or e})")

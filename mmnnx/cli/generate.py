@@ -68,16 +68,11 @@ def run(args: argparse.Namespace) -> int:
     options, error = typed(Options, args), functools.partial(prologue.error, "generate")
     if not options.prompt:
         return error("--prompt is empty; give some text to continue")
-    from mmnnx.train.generation import RunError, read_run  # noqa: PLC0415
-
-    try:
-        spec = read_run(options.run)
-    except RunError as e:
-        return error(f"--run: {e}")
-    if alone := prologue.start(spec.run.layout.devices, distributed=False):
-        return error(alone)
-    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
+    spec, problem = prologue.run_spec(options.run)
+    if problem:
+        return error(problem)
     from mmnnx.train.generation import (  # noqa: PLC0415
+        RunError,
         continue_text,
         load_run,
         reply_text,
@@ -104,12 +99,7 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--prompt is {e}")
     try:
         run = load_run(spec, layout=options.layout)
-    except (
-        RunError,
-        ck.CheckpointMismatchError,
-        ck.CheckpointCorruptError,
-        ck.NoReadableCheckpointError,
-    ) as e:
+    except (RunError, *prologue.unrestorable()) as e:
         return error(f"--run: {e}")
     context = run.model.config.max_seq_len
     room, new = context - prompt_tokens, options.max_new_tokens

@@ -1,11 +1,13 @@
 """What every command that runs a model does first: say an error as its one line, simulate the
 devices it needs (``XLA_FLAGS``, unless set) before JAX starts, and join a job of several
-processes (under ``mmnnx launch`` or a cluster; alone, nothing)."""
+processes (under ``mmnnx launch`` or a cluster; alone, nothing); and, for those reading a run
+``mmnnx train`` wrote, its spec and the errors of its checkpoints."""
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from mmnnx._env import ENV_NUM_PROCESSES
 
@@ -43,3 +45,22 @@ def start(devices: int, *, distributed: bool = True) -> str | None:
 
         mm.distributed.initialize()
     return None
+
+
+def run_spec(run: str) -> tuple[Any, str | None]:
+    """The ``RunSpec`` of run directory ``run`` (``--run``), its devices simulated for this one
+    process (:func:`start`), and the line to exit with if it cannot be used, else ``None``."""
+    from mmnnx.train.generation import RunError, read_run  # noqa: PLC0415
+
+    try:
+        spec = read_run(run)
+    except RunError as e:
+        return None, f"--run: {e}"
+    return spec, start(spec.run.layout.devices, distributed=False)
+
+
+def unrestorable() -> tuple[type[Exception], ...]:
+    """The errors of a run's checkpoints that cannot be restored: another model, or damage."""
+    from mmnnx.train import checkpoint as ck  # noqa: PLC0415
+
+    return ck.CheckpointMismatchError, ck.CheckpointCorruptError, ck.NoReadableCheckpointError

@@ -226,12 +226,7 @@ def _train(
             checkpointer=checkpointer,
             checkpoint_extra={**RunRecord.of(run.options(), tokenizer).extra(), **placed.extra()},
         )
-    except (
-        ck.CheckpointMismatchError,
-        ck.CheckpointCorruptError,
-        ck.NoReadableCheckpointError,
-        DataStateError,
-    ) as e:
+    except (*prologue.unrestorable(), DataStateError) as e:
         return error(f"--resume: {e}")
     except NoCandidateError as e:
         return error(f"--schedule auto: {e}")

@@ -234,8 +234,7 @@ class ExampleDataset(GrainBatches):
         lengths = np.minimum(self.rows.examples.lengths, seq_len + 1)
         self.unpacked_padding = 1 - lengths.sum() / (len(examples) * (seq_len + 1))
         self._mine = slice(shard_index, None, shard_count)
-        indices = np.arange(len(self.rows))
-        self._iterator, self._batches = grain_batches(indices, batch_size, seed)
+        self._iterator, self._batches = grain_batches(np.arange(len(self.rows)), batch_size, seed)
 
     def __next__(self) -> dict[str, np.ndarray]:
         while True:

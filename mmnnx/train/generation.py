@@ -292,13 +292,12 @@ def _check_record(spec: RunSpec, saved: Saved | None) -> None:
     """A :class:`RunError` naming what differs from the checkpoint's record, if any."""
     if saved is None or saved.record is None:
         return
-    config_file = spec.directory / CONFIG_FILE
     mismatch = saved.record.mismatch(spec.run.options())
     if mismatch is not None:
         have, had = mismatch.as_keys()
         raise RunError(
-            f"{config_file} has {have}, but checkpoint step {saved.step} of the run was trained "
-            f"with {had}: config.toml no longer describes the run (edited since?)"
+            f"{spec.directory / CONFIG_FILE} has {have}, but checkpoint step {saved.step} of the "
+            f"run was trained with {had}: config.toml no longer describes the run (edited since?)"
         )
     if saved.record.tokenizer != fingerprint(spec.tokenizer):
         raise RunError(
@@ -334,24 +333,14 @@ def continue_text(
         >>> text.startswith("abc")
         True
     """
-    sampling = (temperature, top_k, seed)
-    ids, new = _new_tokens(model, tokenizer, prompt, max_new_tokens, sampling, eos)
+    ids, new = _new_tokens(model, tokenizer, prompt, max_new_tokens, eos, temperature, top_k, seed)
     return tokenizer.decode(np.concatenate([ids, new]))
 
 
 def _new_tokens(
-    model: GPT,
-    tokenizer: Tokenizer,
-    prompt: str,
-    max_new_tokens: int,
-    sampling: tuple[float, int | None, int],
-    eos: Eos,
+    model, tokenizer, prompt, max_new_tokens, eos, temperature, top_k, seed
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``prompt``'s token ids and the ``max_new_tokens`` ones ``model`` continues them with,
-    up to the first of the ``eos`` tokens (:data:`Eos`; text that is not a token of
-    ``tokenizer``'s stops nothing here; decoding ends there); ``sampling``: temperature, top-k
-    and seed."""
-    temperature, top_k, seed = sampling
+    """``prompt``'s ids and the new ones up to the first ``eos`` token of ``tokenizer``'s."""
     ids = np.asarray(tokenizer.encode(prompt))
     stops = stop_ids(tokenizer, eos)
     key = jax.random.key(seed)
@@ -420,7 +409,7 @@ def reply_text(
         >>> len(reply_text(model, ByteTokenizer(), "<user>hi<bot>", 3)) <= 3  # 3 bytes
         True
     """
-    sampling = (temperature, top_k, seed)
-    text = tokenizer.decode(_new_tokens(model, tokenizer, prompt, max_new_tokens, sampling, eos)[1])
+    new = _new_tokens(model, tokenizer, prompt, max_new_tokens, eos, temperature, top_k, seed)[1]
+    text = tokenizer.decode(new)
     cuts = [text.index(t) for t in _eos_tuple(eos) if isinstance(t, str) and t and t in text]
     return text[: min(cuts)] if cuts else text

@@ -489,16 +489,14 @@ class _Loop:
     def step(self, step: int, batch: Any, logged: bool) -> tuple[float, list]:
         """Trains step ``step``: its loss and what the model sowed (``_sown``); the timeline
         step is drawn."""
-        config, model, sown, run_step = self.config, self.model, [], self.run_step
-        microbatched = config.microbatches > 1
+        config, model, sown = self.config, self.model, []
         if step != config.timeline_step:
             if not self.sows:
-                return float(fetch(run_step(batch))), []
-            loss, captured = run_step(batch)
-            loss = float(fetch(loss))
+                return float(fetch(self.run_step(batch))), []
+            loss, captured = self.run_step(batch)
             if logged:
-                sown = _sown(fetch(captured), microbatched=microbatched)
-            return loss, sown
+                sown = _sown(fetch(captured), microbatched=config.microbatches > 1)
+            return float(fetch(loss)), sown
         if self.sows and logged:  # the batch's metrics, before the step's update
             loss, captured = fetch(self.captured_step(model, batch))
             sown = _sown(captured, microbatched=False)

@@ -137,12 +137,10 @@ class PreferenceMetrics:
     values: dict[str, float]
 
     def scalars(self) -> dict[str, float]:
-        """The metrics by TensorBoard tag (TRL's names)."""
+        """The metrics by TensorBoard tag (TRL's names); :meth:`record`: a metrics.jsonl row."""
         return dict(self.values)
 
-    def record(self) -> dict[str, float]:
-        """The fields of a ``metrics.jsonl`` row."""
-        return dict(self.values)
+    record = scalars
 
     def line(self) -> str:
         """The metrics of a plain log line."""

@@ -74,24 +74,29 @@ def read_records(path: str | pathlib.Path, cache_dir: str | None = None) -> Iter
     datasets.disable_progress_bars()
     files = data_files(path)
     if files is None:
-        for i, record in enumerate(_hub(str(path), cache_dir)):
+        try:
+            hub = datasets.load_dataset(str(path), split="train", cache_dir=cache_dir)
+        except Exception as e:  # offline, unknown name, gated: the library's own exceptions
+            raise DataError(f"{path}: no such path, and no Hub dataset loads: {e}") from None
+        for i, record in enumerate(hub):
             yield f"{path}:row {i + 1}", record
         return
     for file in files:
-        unit = "line" if file.suffix == ".jsonl" else "row"
+        unit, reader = "line" if file.suffix == ".jsonl" else "row", READERS[file.suffix]
         try:
             with _datasets_quiet():  # its reader logs each failure on stderr; ours is one line
                 rows = datasets.load_dataset(
-                    READERS[file.suffix], data_files=str(file), split="train", cache_dir=cache_dir
+                    reader, data_files=str(file), split="train", cache_dir=cache_dir
                 )
         except Exception as e:  # the readers raise their own types (pyarrow, json, pandas)
-            bad = _bad_json_line(file) if unit == "line" else None
-            if bad is not None:
+            if unit != "line":
+                raise DataError(f"{file}: not a readable {reader} file: {e}") from None
+            if bad := _bad_json_line(file):
                 raise DataError(bad) from None
-            if unit == "line":  # JSON objects whose fields differ in type from line to line
-                yield from _json_lines(file)  # (a content of 3, or of parts): checked per line
-                continue
-            raise DataError(f"{file}: not a readable {READERS[file.suffix]} file: {e}") from None
+            # JSON objects whose fields differ in type from line to line (a content of 3, or of
+            # parts; Arrow fails on the whole file, naming no line): each record checked itself
+            yield from ((f"{file}:line {n}", json.loads(line)) for n, line in _record_lines(file))
+            continue
         numbers = (n for n, _ in _record_lines(file)) if unit == "line" else None
         for i, record in enumerate(rows):  # the reader skips blank lines: count the file's
             yield f"{file}:{unit} {next(numbers) if numbers else i + 1}", record
@@ -114,14 +119,6 @@ def _record_lines(file: pathlib.Path) -> Iterator[tuple[int, str]]:
     over."""
     with open(file, encoding="utf-8", errors="replace") as lines:
         yield from ((n, line) for n, line in enumerate(lines, 1) if line.strip())
-
-
-def _json_lines(file: pathlib.Path) -> Iterator[tuple[str, dict]]:
-    """``(where, record)`` of each line of a JSON Lines file of JSON objects, read one by one:
-    for a file whose fields Arrow cannot give one type (``datasets`` then fails on the whole
-    file, naming no line), so that each record's own check names its line."""
-    for n, line in _record_lines(file):
-        yield f"{file}:line {n}", json.loads(line)
 
 
 def _bad_json_line(file: pathlib.Path) -> str | None:
@@ -162,15 +159,6 @@ def data_files(path: str | pathlib.Path) -> list[pathlib.Path] | None:
     if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
         return None
     raise DataError(f"{path}: no such data file or directory")
-
-
-def _hub(name: str, cache_dir: str | None):
-    import datasets  # noqa: PLC0415
-
-    try:
-        return datasets.load_dataset(name, split="train", cache_dir=cache_dir)
-    except Exception as e:  # offline, unknown name, gated: the library's own exceptions
-        raise DataError(f"{name}: no such path, and no Hub dataset loads: {e}") from None
 
 
 def encode_record(

@@ -31,15 +31,15 @@ def resumed(run: RunConfig, given: Set[str], checkpoints: pathlib.Path) -> Resum
     from mmnnx.train import checkpoint as ck  # noqa: PLC0415
     from mmnnx.train.run_record import may_change, saved_record  # noqa: PLC0415
 
-    if not checkpoints.is_dir():
-        _say_no_checkpoint(checkpoints)
+    found = checkpoints.is_dir()
+    if found:
+        with ck.Checkpointer(checkpoints) as ckpt:
+            latest, saved = ckpt.latest_step(), saved_record(ckpt)
+            found = bool(ckpt.all_steps() or ckpt.incomplete_steps())
+    if not found:
+        message = f"no checkpoint in {checkpoints}; starting from step 0"
+        print(f"mmnnx train: --resume: {message}", file=sys.stderr)
         return ResumeCheck()
-    with ck.Checkpointer(checkpoints) as ckpt:
-        latest = ckpt.latest_step()
-        if not (ckpt.all_steps() or ckpt.incomplete_steps()):
-            _say_no_checkpoint(checkpoints)
-            return ResumeCheck()
-        saved = saved_record(ckpt)
     steps, output_dir = run.training.steps, run.outputs.output_dir
     if latest is not None and latest >= steps:
         return ResumeCheck(
@@ -68,13 +68,6 @@ def resumed(run: RunConfig, given: Set[str], checkpoints: pathlib.Path) -> Resum
     return ResumeCheck(
         problem=f"{have}: the run in {output_dir} was trained with {had} (checkpoint "
         f"step {saved.step} records it); {may_change()}"
-    )
-
-
-def _say_no_checkpoint(checkpoints: pathlib.Path) -> None:
-    print(
-        f"mmnnx train: --resume: no checkpoint in {checkpoints}; starting from step 0",
-        file=sys.stderr,
     )
 
 
