@@ -353,3 +353,30 @@ def test_a_latent_attention_model_is_refused_by_every_family_without_it(tmp_path
                            "attention other than AttentionConfig"):  # fmt: skip
             save_pretrained(model, tmp_path / name, architecture=name)
     assert not list(tmp_path.iterdir())
+
+
+def test_deepseek_v3_refuses_what_its_files_cannot_say():
+    # each was saved and loaded back as another model (logits off by 0.8-4.3)
+    from mmnnx.models import GPTConfig
+    from mmnnx.models.pretrained.families.deepseek import DEEPSEEK_V3
+    from mmnnx.modules import BlockConfig, LatentAttentionConfig, MLPConfig, NormConfig
+
+    latent = LatentAttentionConfig(2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                   v_head_dim=8)  # fmt: skip
+    mlp = MLPConfig(64, gated=True, bias=False)
+
+    def refused(layer=None, **model):
+        layer = layer or BlockConfig(latent, mlp)
+        config = GPTConfig(dim=32, depth=2, num_heads=2, layers=(layer, layer), **model)
+        return DEEPSEEK_V3.cannot_hold(config)
+
+    assert refused() == []
+    gelu = MLPConfig(64, gated=True, bias=False, activation="gelu_pytorch_tanh")
+    assert refused(BlockConfig(latent, gelu)) == ["a non-SiLU MLP (DeepseekV3ForCausalLM)"]
+    gemma = ["Gemma's (1 + weight) norms (DeepseekV3ForCausalLM: none)"]
+    assert refused(BlockConfig(latent, mlp, NormConfig(scale_offset=1.0))) == gemma
+    assert refused(final_norm=NormConfig(scale_offset=1.0)) == gemma
+    assert refused(embed_scale=2.0) == ["scaled embeddings (DeepseekV3ForCausalLM: unscaled)"]
+    assert refused(BlockConfig(latent, mlp, post_norms=True)) == [
+        "norms after attention and MLP (DeepseekV3ForCausalLM: none)"
+    ]

@@ -2,6 +2,7 @@
 tests/transformers_fixtures/make_gpt_oss_fixtures.py) read in float32 and in the published
 MXFP4 layout, decoded with the cache, packed, pipelined and written back."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -206,3 +207,28 @@ def test_gpt_oss_config_keys_are_checked(tmp_path):
     del published["num_experts_per_tok"], published["layer_types"]
     (path / "config.json").write_text(json.dumps(published))
     assert pretrained_config(path) == pretrained_config(FLOAT)
+
+
+def test_a_model_built_here_saves_the_norm_epsilon_it_computes_with(tmp_path):
+    # gpt-oss's config.json was written with rms_norm_eps 1e-5 for norms left at RMSNorm's
+    # 1e-6: the checkpoint loaded as another model (logits off by 1.36 here)
+    from mmnnx.models import GPT, GPTConfig
+    from mmnnx.modules import AttentionConfig, BlockConfig, NormConfig
+
+    attention = AttentionConfig(2, num_kv_heads=1, head_dim=16, bias=True, sinks=True)
+    layer = BlockConfig(attention, ClampedMoEConfig(32, 4, top_k=2))
+    config = GPTConfig(dim=32, depth=2, num_heads=2, num_kv_heads=1, vocab_size=64,
+                       max_seq_len=16, layers=(layer, layer))  # fmt: skip
+    with nnx.use_eager_sharding(False):
+        model = GPT(config, rngs=nnx.Rngs(0))
+    tokens = jnp.arange(12)[None] % 64
+    out = save_pretrained(model, tmp_path / "m", architecture="GptOssForCausalLM")
+    assert json.loads((out / "config.json").read_text())["rms_norm_eps"] == 1e-6
+    np.testing.assert_array_equal(from_pretrained(out)(tokens), model(tokens))
+    # norms of two epsilons: one rms_norm_eps cannot hold them, refused before writing
+    other = BlockConfig(attention, layer.feed_forward, NormConfig(eps=1e-5))
+    with nnx.use_eager_sharding(False):
+        mixed = GPT(dataclasses.replace(config, layers=(other, other)), rngs=nnx.Rngs(0))
+    with pytest.raises(CheckpointError, match=r"norms of different epsilons \[1e-06, 1e-05\]"):
+        save_pretrained(mixed, tmp_path / "mixed", architecture="GptOssForCausalLM")
+    assert not (tmp_path / "mixed").exists()

@@ -33,6 +33,7 @@ from mmnnx.models.gpt import GPT, GPTConfig
 from mmnnx.models.pretrained.adapters import merged_kernels
 from mmnnx.models.pretrained.adapters import save_adapter as _save_adapter
 from mmnnx.models.pretrained.families import FAMILIES, PretrainedFamily, family_of
+from mmnnx.models.pretrained.families.base import norm_epsilons
 from mmnnx.models.pretrained.files import (
     CARRIED,
     CONFIG,
@@ -329,7 +330,10 @@ def _origin(
             f"{', '.join(FAMILIES)}); it was not loaded by from_pretrained"
         )
     family = family_of({"architectures": [name]}, path)
-    if blockers := family.cannot_hold(model.config):
+    blockers = family.cannot_hold(model.config)
+    if len(eps := norm_epsilons(model.config)) > 1:
+        blockers.append(f"norms of different epsilons {sorted(eps)} (one rms_norm_eps)")
+    if blockers:
         raise CheckpointError(f"{path}: a {name} checkpoint cannot hold {' and '.join(blockers)}")
     if dtype is None:
         hf = pretrained.config if pretrained else {}

@@ -3,6 +3,7 @@ causal LM writes, and the checks of ``layer_types`` and of keys mmnnx does not c
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,7 +12,9 @@ from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
 from mmnnx.models.pretrained.scanned import layer_rules
+from mmnnx.modules import NormConfig, RMSNorm
 
+_RMS_EPS = inspect.signature(RMSNorm.__init__).parameters["eps"].default
 T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
 SLIDING, FULL = "sliding_attention", "full_attention"
 OUTER = (
@@ -55,9 +58,24 @@ def outer(layer: tuple[TensorRule, ...], config: GPTConfig) -> tuple[TensorRule,
     return OUTER + layer_rules(layer, config) + (head,)
 
 
-def hf_keys(family: Any, config: GPTConfig, torch_dtype: str, eps: float = 1e-6) -> dict[str, Any]:
+def norm_epsilons(config: GPTConfig) -> set[float]:
+    """The epsilons of ``config``'s norms that a ``config.json`` holds as one ``rms_norm_eps``:
+    every layer's, the output's and the query/key norms' (``None``: RMSNorm's default).
+
+    Example:
+        >>> norm_epsilons(GPTConfig(qk_norm=True)), norm_epsilons(GPTConfig(norm_eps=1e-5))
+        ({1e-06}, {1e-05})
+    """
+    blocks = config.block_configs
+    final = config.final_norm or NormConfig(config.norm, config.norm_eps)
+    norms = [*(b.norm.eps for b in blocks), final.eps]
+    qk = [b.attention.qk_norm_eps for b in blocks if getattr(b.attention, "qk_norm", False)]
+    return {_RMS_EPS if e is None else e for e in (*norms, *qk)}
+
+
+def hf_keys(family: Any, config: GPTConfig, torch_dtype: str) -> dict[str, Any]:
     """The ``config.json`` keys every family writes for ``config`` (its first layer's
-    attention and RoPE; ``eps`` where ``config`` has no norm epsilon).
+    attention and RoPE; the epsilon its norms use, :func:`norm_epsilons`).
 
     Example:
         >>> from mmnnx.models.pretrained.families import LLAMA
@@ -77,7 +95,7 @@ def hf_keys(family: Any, config: GPTConfig, torch_dtype: str, eps: float = 1e-6)
         "head_dim": getattr(attention, "head_dim", None) or config.dim // attention.num_heads,
         "max_position_embeddings": config.max_seq_len,
         "tie_word_embeddings": config.tie_embeddings,
-        "rms_norm_eps": eps if config.norm_eps is None else config.norm_eps,
+        "rms_norm_eps": max(norm_epsilons(config)),  # one, or refused by save_pretrained
         "rope_parameters": rope_parameters(attention.rope.theta, attention.rope.scaling),
         "dtype": torch_dtype,
     }

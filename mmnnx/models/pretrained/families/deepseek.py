@@ -222,6 +222,12 @@ class DeepSeekFamily:
             (any(s is not None and h and s % h for s in shared for h in hidden),
              f"shared experts whose size is not a multiple of the experts' ({name})"),
             ({config.norm} | {b.norm.kind for b in blocks} != {"rms"}, f"LayerNorm ({name})"),
+            (any(f.activation not in (None, "silu") for f in dense), f"a non-SiLU MLP ({name})"),
+            (any(b.norm.scale_offset for b in blocks)
+             or getattr(config.final_norm, "scale_offset", 0),
+             f"Gemma's (1 + weight) norms ({name}: none)"),
+            (any(b.post_norms for b in blocks), f"norms after attention and MLP ({name}: none)"),
+            (config.embed_scale is not None, f"scaled embeddings ({name}: unscaled)"),
         )  # fmt: skip
         return [what for failed, what in checks if failed]
 

@@ -151,7 +151,7 @@ capacity_factor=None, alpha=1.702, limit=7.0)
         """
         blocks = config.block_configs
         moe = blocks[0].feed_forward
-        out = hf_keys(self, config, torch_dtype, eps=1e-5) | {
+        out = hf_keys(self, config, torch_dtype) | {
             "intermediate_size": moe.hidden,
             "attention_bias": True,
             "layer_types": [SLIDING if b.attention.sliding_window else FULL for b in blocks],
