@@ -201,6 +201,12 @@ class GPTConfig:
                 f"and no run of these {len(blocks)} layers repeats; scan_layers=False"
             )
 
+    @property
+    def output_norm(self) -> NormConfig:
+        """The output norm's config: ``final_norm``, else that of ``norm`` and ``norm_eps``,
+        e.g. ``GPTConfig(norm_eps=1e-5).output_norm.eps``."""
+        return self.final_norm or NormConfig(self.norm, self.norm_eps)
+
     @functools.cached_property
     def block_configs(self) -> tuple[BlockConfig, ...]:
         """Every layer's ``BlockConfig``: ``layers``, or those derived from the flat knobs (the
@@ -364,8 +370,7 @@ class GPT(nnx.Module):
             self.blocks = built[0] if len(built) == 1 else nnx.List(built)
         else:
             self.blocks = nnx.List([b.build(c.dim, **kw) for b in c.block_configs])
-        final = c.final_norm or NormConfig(c.norm, c.norm_eps)
-        self.norm = final.build(c.dim, param_dtype=c.param_dtype)
+        self.norm = c.output_norm.build(c.dim, param_dtype=c.param_dtype)
         if not c.tie_embeddings:
             self.head = Linear(c.dim, c.vocab_size, axes=("embed", "vocab"), use_bias=False, **kw)
 

@@ -12,6 +12,9 @@ from flax import nnx
 
 from mmnnx.modules.checks import check, is_positive
 
+RMS_EPS = 1e-6
+"""An ``RMSNorm``'s epsilon where none is given."""
+
 
 class RMSNorm(nnx.Module):
     """``x / sqrt(mean(x**2) + eps) * (scale_offset + scale)`` over the last axis, in float32 (as
@@ -33,7 +36,7 @@ class RMSNorm(nnx.Module):
         self,
         dim: int,
         *,
-        eps: float = 1e-6,
+        eps: float = RMS_EPS,
         axis: str | None = "embed",
         param_dtype: jax.typing.DTypeLike = jnp.float32,
         scale_offset: float = 0.0,

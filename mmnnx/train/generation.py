@@ -338,7 +338,14 @@ def continue_text(
 
 
 def _new_tokens(
-    model, tokenizer, prompt, max_new_tokens, eos, temperature, top_k, seed
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    eos: Eos,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``prompt``'s ids and the new ones up to the first ``eos`` token of ``tokenizer``'s."""
     ids = np.asarray(tokenizer.encode(prompt))

@@ -3,7 +3,6 @@ causal LM writes, and the checks of ``layer_types`` and of keys mmnnx does not c
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,9 +11,8 @@ from mmnnx.models.pretrained.files import CheckpointError
 from mmnnx.models.pretrained.hf_config import rope_parameters
 from mmnnx.models.pretrained.names import TensorRule
 from mmnnx.models.pretrained.scanned import layer_rules
-from mmnnx.modules import NormConfig, RMSNorm
+from mmnnx.modules.norms import RMS_EPS
 
-_RMS_EPS = inspect.signature(RMSNorm.__init__).parameters["eps"].default
 T = (1, 0)  # Linear weights are (out, in) on disk and (in, out) as kernels
 SLIDING, FULL = "sliding_attention", "full_attention"
 OUTER = (
@@ -67,10 +65,9 @@ def norm_epsilons(config: GPTConfig) -> set[float]:
         ({1e-06}, {1e-05})
     """
     blocks = config.block_configs
-    final = config.final_norm or NormConfig(config.norm, config.norm_eps)
-    norms = [*(b.norm.eps for b in blocks), final.eps]
+    norms = [*(b.norm.eps for b in blocks), config.output_norm.eps]
     qk = [b.attention.qk_norm_eps for b in blocks if getattr(b.attention, "qk_norm", False)]
-    return {_RMS_EPS if e is None else e for e in (*norms, *qk)}
+    return {RMS_EPS if e is None else e for e in (*norms, *qk)}
 
 
 def hf_keys(family: Any, config: GPTConfig, torch_dtype: str) -> dict[str, Any]:

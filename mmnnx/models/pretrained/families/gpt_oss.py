@@ -177,7 +177,7 @@ capacity_factor=None, alpha=1.702, limit=7.0)
         attention = [b.attention for b in blocks]
         plain = all(isinstance(a, AttentionConfig) for a in attention)
         ffs = {b.feed_forward for b in blocks}
-        norms = {b.norm for b in blocks} | {config.final_norm or NormConfig(config.norm)}
+        norms = {b.norm for b in blocks} | {config.output_norm}
         shapes = {dataclasses.replace(a, sliding_window=None) for a in attention} if plain else ()
         checks = (
             (not plain or not all(a.bias and a.sinks for a in attention),
