@@ -64,6 +64,17 @@ def test_logits_and_greedy_decoding_from_latents_equal_transformers(model):
     assert moe.router.kernel.dtype == jnp.float32
 
 
+def test_no_shared_expert_reads_past_the_empty_tensors_transformers_writes_for_it(tmp_path):
+    """``n_shared_experts`` 0: transformers writes each layer's shared expert as tensors of no
+    elements (``(0, 32)``), which fill nothing; refused before as tensors filling no Variable."""
+    unshared = FIXTURES / "deepseek_v3_unshared"
+    model = from_pretrained(unshared, max_seq_len=32)
+    assert not any(b.mlp.shared for b in model.blocks)
+    assert relative_error(model(TOKENS), np.load(unshared / "logits.npy")) < F32
+    again = from_pretrained(save_pretrained(model, tmp_path / "saved"), max_seq_len=32)
+    assert relative_error(again(TOKENS), np.load(unshared / "logits.npy")) < F32
+
+
 def test_fp8_checkpoint_gives_transformers_logits_of_its_dequantized_weights(model):
     fp8 = from_pretrained(FP8, max_seq_len=32)
     assert relative_error(fp8(TOKENS), np.load(FP8 / "logits.npy")) < F32

@@ -20,8 +20,11 @@ greedy continuation) and ``deepseek_v3_fp8/``: every projection weight quantized
 (``ceil(rows / b) x ceil(cols / b)``, the last blocks partial), ``quantization_config`` as
 DeepSeek-V3's ``config.json`` has it, and ``logits.npy``: transformers' logits with the weights
 dequantized here in torch (``fp8 * scale_inv``, each block by its own scale).
+``deepseek_v3_unshared/``: 2 layers of experts without a shared expert (``n_shared_experts`` 0:
+transformers writes its tensors with no elements) and their ``logits.npy``.
 """
 
+import dataclasses
 import json
 import logging
 import math
@@ -200,6 +203,23 @@ def main() -> None:
     print("reloaded by transformers, max |logit diff|:", np.abs(reread - logits).max())
     print("files:", sorted(p.name for p in out.iterdir()))
     write_fp8(out, model)
+    write_unshared()
+
+
+def write_unshared() -> None:
+    """``deepseek_v3_unshared/``: 2 layers of experts and no shared expert (``n_shared_experts``
+    0, which transformers writes as shared-expert tensors of no elements), and its logits."""
+    torch.manual_seed(1)
+    config = dataclasses.replace(
+        CONFIG, num_hidden_layers=2, first_k_dense_replace=0, n_shared_experts=0
+    )
+    model = DeepseekV3ForCausalLM(config).float().eval()
+    randomize(model)
+    out = HERE / "deepseek_v3_unshared"
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out)
+    with torch.no_grad():
+        np.save(out / "logits.npy", model(torch.tensor(TOKENS)).logits.float().numpy())
 
 
 def describe(case: pathlib.Path) -> tuple[DeepseekV3ForCausalLM | None, dict]:

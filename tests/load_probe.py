@@ -1,0 +1,59 @@
+"""Loads the load probe's checkpoints (tiny random models of every family, configs drawn from
+what transformers 5 accepts, written by ``tests/transformers_fixtures/make_load_probe.py`` with
+transformers' own ``save_pretrained``), by hand (a few minutes; not part of the suite): each must
+be refused with ``CheckpointError`` before anything is built, or give transformers' float32
+logits and greedy continuation. Prints what breaks that rule, and the refusals.
+
+Run: python -m tests.load_probe /tmp/load-probe
+"""
+
+import collections
+import json
+import pathlib
+import sys
+import traceback
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mmnnx.models import from_pretrained
+from mmnnx.models.pretrained import CheckpointError
+
+F32 = 1e-4  # float32 against float32, relative to the largest logit
+_forward = nnx.jit(lambda model, tokens: model(tokens))
+
+
+def check(case: pathlib.Path) -> tuple[str, str]:
+    """``("ok" | "refused" | "WRONG" | "CRASH", what)`` for one case."""
+    want = np.load(case / "expected.npz")
+    try:
+        model = from_pretrained(case)
+    except CheckpointError as e:
+        return "refused", str(e).splitlines()[0][:200]
+    except Exception:
+        return "CRASH", traceback.format_exc(limit=-3)[-600:]
+    logits = np.asarray(_forward(model, jnp.asarray(want["tokens"])))
+    error = float(np.abs(logits - want["logits"]).max() / np.abs(want["logits"]).max())
+    if error > F32:
+        return "WRONG", f"logits off by {error:.2e} of the largest"
+    prompt = jnp.asarray(want["tokens"][:, : int(want["prompt"])])
+    greedy = np.asarray(model.generate(prompt, want["continuation"].shape[1]))
+    if not np.array_equal(greedy, want["continuation"]):
+        return "WRONG", f"greedy {greedy.tolist()} != transformers' {want['continuation'].tolist()}"
+    return "ok", f"{error:.1e}"
+
+
+def main(root: pathlib.Path) -> None:
+    counts = collections.Counter()
+    for case in sorted(p for p in root.iterdir() if p.is_dir()):
+        verdict, what = check(case)
+        counts[verdict] += 1
+        if verdict != "ok":
+            drawn = json.loads((case / "case.json").read_text())
+            print(f"{verdict} {case.name}: {what}\n    {drawn}", flush=True)
+    print(dict(counts))
+
+
+if __name__ == "__main__":
+    main(pathlib.Path(sys.argv[1]))
