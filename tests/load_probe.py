@@ -1,27 +1,34 @@
 """Loads the load probe's checkpoints (tiny random models of every family, configs drawn from
 what transformers 5 accepts, written by ``tests/transformers_fixtures/make_load_probe.py`` with
-transformers' own ``save_pretrained``), by hand (a few minutes; not part of the suite): each must
-be refused with ``CheckpointError`` before anything is built, or give transformers' float32
-logits and greedy continuation. Prints what breaks that rule, and the refusals.
+transformers' own ``save_pretrained``), by hand (about 10 minutes; not part of the suite): each
+must be refused with ``CheckpointError`` before anything is built, or give transformers' float32
+logits and greedy continuation, and one device's logits on 2 pipeline stages. Prints what breaks
+that rule, and the refusals.
 
 Run: python -m tests.load_probe /tmp/load-probe
 """
 
 import collections
 import json
+import os
 import pathlib
 import sys
 import traceback
 
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
-from mmnnx.models import from_pretrained
-from mmnnx.models.pretrained import CheckpointError
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import mmnnx as mm  # noqa: E402
+from mmnnx.models import from_pretrained  # noqa: E402
+from mmnnx.models.pretrained import CheckpointError  # noqa: E402
 
 F32 = 1e-4  # float32 against float32, relative to the largest logit
 _forward = nnx.jit(lambda model, tokens: model(tokens))
+_staged_forward = mm.jit(lambda model, tokens: model(tokens))
+_STAGES = [mm.Task(f"s{i}", mesh=mm.TaskMesh(devices=range(4 * i, 4 * i + 4))) for i in (0, 1)]
 
 
 def check(case: pathlib.Path) -> tuple[str, str]:
@@ -41,6 +48,13 @@ def check(case: pathlib.Path) -> tuple[str, str]:
     greedy = np.asarray(model.generate(prompt, want["continuation"].shape[1]))
     if not np.array_equal(greedy, want["continuation"]):
         return "WRONG", f"greedy {greedy.tolist()} != transformers' {want['continuation'].tolist()}"
+    staged = from_pretrained(case, tasks=_STAGES)
+    error = float(
+        np.abs(np.asarray(_staged_forward(staged, jnp.asarray(want["tokens"]))) - logits).max()
+        / np.abs(logits).max()
+    )
+    if error > F32:
+        return "WRONG", f"2 stages' logits off one device's by {error:.2e} of the largest"
     return "ok", f"{error:.1e}"
 
 

@@ -10,8 +10,9 @@ dependency of mmnnx or its tests), then ``tests/load_probe.py`` with mmnnx's:
 
 Each case is ``<dir>/<family>-<n>/``: the checkpoint, ``expected.npz`` (``tokens`` ``(2, 20)``,
 ``logits``, ``prompt``, ``continuation``: transformers' greedy tokens after each row's first
-``prompt``) and ``case.json`` (the config's drawn keys). The draws are seeded: the same
-arguments write the same cases.
+``prompt``) and ``case.json`` (the config's drawn keys). A case is saved in float32 or
+bfloat16 (its logits then those of the bfloat16 weights), in one file or several. The draws
+are seeded: the same arguments write the same cases; ``--first N`` numbers them from ``N``.
 """
 
 import json
@@ -62,6 +63,7 @@ def _rope(r: random.Random, kinds: tuple[str, ...]) -> dict:
             "original_max_position_embeddings": 16,
             "beta_fast": r.choice([32.0, 8.0]),
             "beta_slow": 1.0,
+            **r.choice([{}, {"truncate": False}, {"attention_factor": 1.3}]),
         },
     }[kind]
     return {"rope_type": kind, "rope_theta": theta, **extra}
@@ -153,6 +155,8 @@ def gemma3(r):
         layer_types=layers,
         attention_bias=r.random() < 0.2,
         final_logit_softcapping=r.choice([None, None, 5.0]),
+        attn_logit_softcapping=r.choice([None, None, 2.0]),
+        use_bidirectional_attention=r.random() < 0.1,
         rope_parameters={
             "full_attention": _rope(r, ("default", "linear")),
             "sliding_attention": {"rope_type": "default", "rope_theta": r.choice([10000.0, 500.0])},
@@ -171,6 +175,7 @@ def gpt_oss(r):
         layer_types=_window(r, c["num_hidden_layers"]),
         attention_bias=r.random() < 0.8,
         swiglu_limit=r.choice([7.0, 0.5]),
+        swiglu_alpha=r.choice([1.702, 1.0]),
         rope_parameters=_rope(r, ("yarn", "default")),
     )
 
@@ -219,13 +224,23 @@ FAMILIES = {
 }
 
 
+def drawn_save(seed: int) -> tuple[torch.dtype, str]:
+    """The dtype a case is saved in and the largest file of it: bfloat16 one case in three, in
+    files of at most 20 kB (several, with an index) one in four."""
+    r = random.Random(seed)
+    return r.choice([torch.float32, torch.float32, torch.bfloat16]), r.choice(
+        ["5GB"] * 3 + ["20kB"]
+    )
+
+
 def write_case(out: pathlib.Path, family: str, drawn: dict, seed: int) -> None:
     config_class, _ = FAMILIES[family]
     config = config_class(**drawn, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     randomize(family, model)
-    model.save_pretrained(out)
+    dtype, shard = drawn_save(seed)
+    model.to(dtype).save_pretrained(out, max_shard_size=shard)
     again = AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -247,13 +262,14 @@ def write_case(out: pathlib.Path, family: str, drawn: dict, seed: int) -> None:
         prompt=PROMPT,
         continuation=generated[:, PROMPT:].numpy().astype(np.int32),
     )
-    (out / "case.json").write_text(json.dumps(drawn, indent=1, default=str) + "\n")
+    saved = {"dtype": str(dtype), "max_shard_size": shard}
+    (out / "case.json").write_text(json.dumps(drawn | saved, indent=1, default=str) + "\n")
 
 
-def main(root: pathlib.Path, per_family: int) -> None:
+def main(root: pathlib.Path, per_family: int, first: int = 0) -> None:
     shutil.rmtree(root, ignore_errors=True)
     for family, (_, draw) in FAMILIES.items():
-        for n in range(per_family):
+        for n in range(first, first + per_family):
             seed = n * 1000 + len(family)
             drawn = draw(random.Random(f"{family}-{n}"))
             out = root / f"{family}-{n}"
@@ -266,5 +282,8 @@ def main(root: pathlib.Path, per_family: int) -> None:
 
 
 if __name__ == "__main__":
-    per = int(sys.argv[sys.argv.index("--per-family") + 1]) if "--per-family" in sys.argv else 16
-    main(pathlib.Path(sys.argv[1]), per)
+
+    def option(name: str, default: int) -> int:
+        return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+    main(pathlib.Path(sys.argv[1]), option("--per-family", 16), option("--first", 0))
