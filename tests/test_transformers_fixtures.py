@@ -9,14 +9,16 @@ import json
 import pathlib
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import mmnnx as mm
-from mmnnx.models import from_pretrained, pretrained_config, save_pretrained
+from mmnnx.models import from_pretrained, pretrained_config, save_adapter, save_pretrained
 from mmnnx.models.pretrained import CheckpointError
+from mmnnx.modules import add_lora
 from tests.hf_checkpoints import write_checkpoint
 
 FIXTURES = pathlib.Path(__file__).parent / "transformers_fixtures"
@@ -561,3 +563,57 @@ def test_mmnnx_export_of_every_family_loads_in_transformers_and_peft():
     gpt_oss = adapters["gpt-oss"]
     assert gpt_oss["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
     assert gpt_oss["target_parameters"] is None
+
+
+ROUTERS = {"deepseek_v3": "gate", "gpt-oss": "router"}
+"""The families whose router transformers 5 builds as a bare weight, not a ``Linear``, and
+their router's name there."""
+
+
+def _router_adapted(family: str):
+    """The family's 4-layer fixture with LoRA on its routers alone, ``b`` drawn (not zero)."""
+    model = add_lora(from_pretrained(FIXTURES / "deep" / family), rank=2, targets=["router"])
+    for i, block in enumerate(model.blocks):
+        if not hasattr(block.mlp, "router"):  # DeepSeek-V3's first, dense layer
+            continue
+        b = block.mlp.router.lora.b
+        b[...] = 0.3 * jax.random.normal(jax.random.key(i), b.shape, b.dtype)
+    return model
+
+
+def save_router_adapters(root: pathlib.Path) -> None:
+    """For check_adapter_probe.py (``--verdict router_adapters_verdict.json``): each of
+    :data:`ROUTERS`'s adapter of :func:`_router_adapted` (``root/<family>``), beside it its
+    logits of the fixture's tokens and the base it adapts."""
+    for family in ROUTERS:
+        model, base = _router_adapted(family), FIXTURES / "deep" / family
+        out = save_adapter(model, root / family)
+        tokens = np.load(base / "expected.npz")["tokens"]
+        np.save(out / "logits.npy", np.asarray(model(jnp.asarray(tokens))))
+        (out / "case.json").write_text(json.dumps({"base": str(base), "targets": ["router"]}))
+
+
+@pytest.mark.parametrize("family", ROUTERS)
+def test_a_routers_adapter_moves_the_routing_and_loads_in_peft(tmp_path, family):
+    """LoRA on DeepSeek-V3's and gpt-oss's routers: it moves the logits, the merged save gives
+    the adapted model's logits (DeepSeek-V3's router skipped its adapter, which the merge
+    kept), and PEFT loads the adapter onto transformers with those logits (the verdict kept by
+    check_adapter_probe.py of :func:`save_router_adapters`; gpt-oss's router, no ``Linear`` in
+    transformers, is named in ``target_parameters``: PEFT refuses it in ``target_modules``)."""
+    model = _router_adapted(family)
+    tokens = jnp.asarray(np.load(FIXTURES / "deep" / family / "expected.npz")["tokens"])
+    adapted = np.asarray(model(tokens))
+    base = np.asarray(nnx.view(model, adapters=False)(tokens))
+    assert relative_error(adapted, base) > 1e-2
+    merged = from_pretrained(save_pretrained(model, tmp_path / "merged"))
+    assert relative_error(merged(tokens), adapted) < F32
+    config = json.loads((save_adapter(model, tmp_path / "a") / "adapter_config.json").read_text())
+    verdict = json.loads((FIXTURES / "router_adapters_verdict.json").read_text())["cases"]
+    assert verdict[family]["verdict"] == "ok", verdict[family]
+    seen = verdict[family]["adapter_config"]
+    assert seen["target_modules"] == config["target_modules"]
+    assert seen.get("target_parameters") == config.get("target_parameters")
+    layers = range(len(model.blocks))
+    if family == "gpt-oss":
+        names = [f"model.layers.{i}.mlp.router.weight" for i in layers]
+        assert (config["target_modules"], config["target_parameters"]) == ([], names)

@@ -105,7 +105,7 @@ class DeepSeekMoE(MoE):
 
     def route(self, tokens: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
         """The float32 logits of ``tokens`` and their ``group_limited_route``."""
-        logits = tokens.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)
+        logits = self.router(tokens.astype(jnp.float32))  # its LoRA too, where it has one
         routed = group_limited_route(
             logits,
             self.correction_bias[...],

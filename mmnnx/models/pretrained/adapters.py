@@ -77,6 +77,11 @@ def adapter_rules(rules: tuple[TensorRule, ...]) -> tuple[TensorRule, ...]:
 EXPERT_MLP = ("gate_proj", "up_proj", "down_proj")
 """The projections a mixture's experts share their names with (Qwen3-MoE's, transformers 4)."""
 
+WEIGHT_MODULES = ("router",)
+"""Modules transformers 5 builds around a bare weight, not a ``Linear`` (gpt-oss's router,
+``GptOssTopKRouter``): PEFT adapts them only as ``target_parameters`` and refuses them as
+``target_modules``."""
+
 
 def peft_targets(
     adapted: set[str], modules: set[str], *, experts: bool = False
@@ -87,7 +92,8 @@ def peft_targets(
     ``target_modules`` entry ending in those onto the fused experts, even the full name of a
     dense layer's or a shared expert's; as ``target_parameters`` it adapts that ``Linear``'s
     weight alone: Qwen3-MoE's ``mlp_only_layers``, DeepSeek-V3's first dense layers and shared
-    experts, checked by tests/transformers_fixtures/check_adapters.py).
+    experts, checked by tests/transformers_fixtures/check_adapters.py); :data:`WEIGHT_MODULES`
+    as ``target_parameters`` always.
 
     Example:
         >>> mods = {f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("up_proj", "gate")}
@@ -97,6 +103,8 @@ def peft_targets(
         {'target_modules': ['gate', 'model.layers.0.mlp.up_proj']}
         >>> peft_targets({"model.layers.0.mlp.up_proj"}, mods, experts=True)
         {'target_modules': [], 'target_parameters': ['model.layers.0.mlp.up_proj.weight']}
+        >>> peft_targets({"model.layers.0.mlp.router"}, {"model.layers.0.mlp.router"})
+        {'target_modules': [], 'target_parameters': ['model.layers.0.mlp.router.weight']}
     """
     leaves: dict[str, set[str]] = {}
     for module in modules | adapted:
@@ -104,7 +112,7 @@ def peft_targets(
     bare, full, parameters = set(), set(), set()
     for module in adapted:
         leaf = module.rsplit(".", 1)[-1]
-        if experts and leaf in EXPERT_MLP:
+        if leaf in WEIGHT_MODULES or experts and leaf in EXPERT_MLP:
             parameters.add(f"{module}.weight")
         elif leaves[leaf] <= adapted:
             bare.add(leaf)
