@@ -232,3 +232,22 @@ def test_a_model_built_here_saves_the_norm_epsilon_it_computes_with(tmp_path):
     with pytest.raises(CheckpointError, match=r"norms of different epsilons \[1e-06, 1e-05\]"):
         save_pretrained(mixed, tmp_path / "mixed", architecture="GptOssForCausalLM")
     assert not (tmp_path / "mixed").exists()
+
+
+def test_a_model_of_full_attention_alone_is_written_with_a_window(tmp_path):
+    """transformers' gpt-oss builds its sliding mask whether or not a layer slides, and raises
+    "Could not find a `sliding_window` argument in the config" without one: a model whose
+    layers all attend fully is written with the loaded file's window (GptOssConfig's default
+    where none was loaded), not ``null``."""
+    full = tmp_path / "full"
+    shutil.copytree(FIXTURES / "deep" / "gpt-oss", full)
+    config = json.loads((full / "config.json").read_text())
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    (full / "config.json").write_text(json.dumps(config))
+    model = from_pretrained(full)
+    assert {b.attention.sliding_window for b in model.config.block_configs} == {None}
+    written = json.loads((save_pretrained(model, tmp_path / "out") / "config.json").read_text())
+    assert written["layer_types"] == config["layer_types"]
+    assert written["sliding_window"] == config["sliding_window"] == 4
+    hf = GPT_OSS.hf_config(model.config, "float32")  # no file loaded
+    assert hf["sliding_window"] == 128

@@ -24,6 +24,8 @@ DEFAULT_ROPE = {  # transformers' GptOssConfig's, where config.json gives no RoP
     "original_max_position_embeddings": 4096,
 }
 
+DEFAULT_WINDOW = 128  # transformers' GptOssConfig's sliding_window
+
 _P = "model.layers.{layer}"
 _A, _E = f"{_P}.self_attn", f"{_P}.mlp.experts"
 _LAYER = (
@@ -162,7 +164,10 @@ capacity_factor=None, alpha=1.702, limit=7.0)
             "router_aux_loss_coef": config.router_aux_loss_coef,
         }
         windows = {b.attention.sliding_window for b in blocks} - {None}
-        out["sliding_window"] = windows.pop() if windows else None
+        # transformers' gpt-oss builds a sliding mask even where no layer slides: a window is
+        # written always (the loaded file's, else GptOssConfig's default)
+        unused = (loaded or {}).get("sliding_window") or DEFAULT_WINDOW
+        out["sliding_window"] = windows.pop() if windows else unused
         return out
 
     def cannot_hold(self, config: GPTConfig) -> list[str]:
