@@ -8,8 +8,6 @@ that rule, and the refusals.
 Run: python -m tests.load_probe /tmp/load-probe
 """
 
-import collections
-import json
 import os
 import pathlib
 import sys
@@ -24,6 +22,7 @@ from flax import nnx  # noqa: E402
 import mmnnx as mm  # noqa: E402
 from mmnnx.models import from_pretrained  # noqa: E402
 from mmnnx.models.pretrained import CheckpointError  # noqa: E402
+from tests.transformers_fixtures.probe_cases import run_cases  # noqa: E402
 
 F32 = 1e-4  # float32 against float32, relative to the largest logit
 _forward = nnx.jit(lambda model, tokens: model(tokens))
@@ -58,16 +57,10 @@ def check(case: pathlib.Path) -> tuple[str, str]:
     return "ok", f"{error:.1e}"
 
 
-def main(root: pathlib.Path) -> None:
-    counts = collections.Counter()
-    for case in sorted(p for p in root.iterdir() if p.is_dir()):
-        verdict, what = check(case)
-        counts[verdict] += 1
-        if verdict != "ok":
-            drawn = json.loads((case / "case.json").read_text())
-            print(f"{verdict} {case.name}: {what}\n    {drawn}", flush=True)
-    print(dict(counts))
+def _check_and_draw(case: pathlib.Path) -> tuple[str, str]:
+    verdict, what = check(case)
+    return verdict, what if verdict == "ok" else f"{what}\n    {(case / 'case.json').read_text()}"
 
 
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    run_cases(pathlib.Path(sys.argv[1]), _check_and_draw)

@@ -10,7 +10,6 @@ verdict and ``adapter_config.json`` as ``NAME`` beside this file (``router_adapt
 of tests/test_transformers_fixtures.py's ``save_router_adapters``).
 """
 
-import collections
 import json
 import pathlib
 import sys
@@ -21,6 +20,7 @@ import torch
 import transformers
 from oracle import in_float32, logits, relative_error, write_verdict
 from peft import PeftModel
+from probe_cases import run_cases
 from safetensors.torch import load_file
 
 F32 = 1e-4
@@ -50,16 +50,16 @@ def check(adapter: pathlib.Path) -> tuple[str, str]:
 
 
 def main(root: pathlib.Path, verdict_name: str | None = None) -> None:
-    counts, cases = collections.Counter(), {}
-    for adapter in sorted(p for p in root.iterdir() if p.is_dir()):
-        verdict, what = check(adapter)
-        counts[verdict] += 1
-        config = json.loads((adapter / "adapter_config.json").read_text())
-        cases[adapter.name] = {"verdict": verdict, "what": what, "adapter_config": config}
-        if verdict != "ok":
-            print(f"{verdict} {adapter.name}: {what}", flush=True)
-    print(dict(counts))
+    seen = run_cases(root, check)
     if verdict_name:
+        cases = {
+            name: {
+                "verdict": verdict,
+                "what": what,
+                "adapter_config": json.loads((root / name / "adapter_config.json").read_text()),
+            }
+            for name, (verdict, what) in seen.items()
+        }
         write_verdict(pathlib.Path(__file__).parent / verdict_name, cases, (transformers, peft))
 
 

@@ -8,7 +8,6 @@ run by hand with the oracle venv (CPU torch, transformers 5):
 Prints each save that differs, and a count.
 """
 
-import collections
 import json
 import pathlib
 import sys
@@ -16,6 +15,7 @@ import sys
 import numpy as np
 import torch
 from oracle import in_float32, logits, relative_error
+from probe_cases import run_cases
 
 F32 = 1e-4
 
@@ -43,15 +43,5 @@ def check(saved: pathlib.Path) -> tuple[str, str]:
     return "ok", f"{error:.1e}"
 
 
-def main(root: pathlib.Path) -> None:
-    counts = collections.Counter()
-    for saved in sorted(p for p in root.iterdir() if p.is_dir()):
-        verdict, what = check(saved)
-        counts[verdict] += 1
-        if verdict != "ok":
-            print(f"{verdict} {saved.name}: {what}", flush=True)
-    print(dict(counts))
-
-
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    run_cases(pathlib.Path(sys.argv[1]), check)
