@@ -22,6 +22,7 @@ from flax import nnx  # noqa: E402
 import mmnnx as mm  # noqa: E402
 from mmnnx.models import from_pretrained  # noqa: E402
 from mmnnx.models.pretrained import CheckpointError  # noqa: E402
+from tests.test_transformers_fixtures import relative_error  # noqa: E402
 from tests.transformers_fixtures.probe_cases import run_cases  # noqa: E402
 
 F32 = 1e-4  # float32 against float32, relative to the largest logit
@@ -40,19 +41,16 @@ def check(case: pathlib.Path) -> tuple[str, str]:
     except Exception:
         return "CRASH", traceback.format_exc(limit=-3)[-600:]
     logits = np.asarray(_forward(model, jnp.asarray(want["tokens"])))
-    error = float(np.abs(logits - want["logits"]).max() / np.abs(want["logits"]).max())
-    if error > F32:
+    error = relative_error(logits, want["logits"])
+    if not error <= F32:  # NaN too
         return "WRONG", f"logits off by {error:.2e} of the largest"
     prompt = jnp.asarray(want["tokens"][:, : int(want["prompt"])])
     greedy = np.asarray(model.generate(prompt, want["continuation"].shape[1]))
     if not np.array_equal(greedy, want["continuation"]):
         return "WRONG", f"greedy {greedy.tolist()} != transformers' {want['continuation'].tolist()}"
     staged = from_pretrained(case, tasks=_STAGES)
-    error = float(
-        np.abs(np.asarray(_staged_forward(staged, jnp.asarray(want["tokens"]))) - logits).max()
-        / np.abs(logits).max()
-    )
-    if error > F32:
+    error = relative_error(_staged_forward(staged, jnp.asarray(want["tokens"])), logits)
+    if not error <= F32:
         return "WRONG", f"2 stages' logits off one device's by {error:.2e} of the largest"
     return "ok", f"{error:.1e}"
 

@@ -17,19 +17,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import mmnnx as mm  # noqa: E402
 from mmnnx.models import from_pretrained  # noqa: E402
 from mmnnx.models.pretrained import CheckpointError  # noqa: E402
 from tests.load_probe import _STAGES  # noqa: E402
+from tests.test_family_conformance import _one_device_step, _pipelined_step  # noqa: E402
 from tests.transformers_fixtures.probe_cases import run_cases  # noqa: E402
-
-
-def _loss_and_grads(model, tokens):
-    return nnx.value_and_grad(lambda m, t: m.loss(t))(model, tokens)
-
-
-_one_device = nnx.jit(_loss_and_grads)
-_pipelined = mm.jit(mm.microbatch(nnx.value_and_grad(lambda m, t: m.loss(t)), num=4, reduce="mean"))
 
 
 def check(case: pathlib.Path) -> tuple[str, str]:
@@ -40,9 +32,9 @@ def check(case: pathlib.Path) -> tuple[str, str]:
         return "not loaded", ""
     tokens = np.load(case / "expected.npz")["tokens"]
     tokens = np.concatenate([tokens, tokens[:, ::-1]] * 2)[:, :9]  # 8 rows: 4 microbatches of 2
-    loss, grads = _one_device(model, tokens)
+    loss, grads = _one_device_step(model, tokens)
     try:
-        got_loss, got_grads = _pipelined(from_pretrained(case, tasks=_STAGES), tokens)
+        got_loss, got_grads = _pipelined_step(from_pretrained(case, tasks=_STAGES), tokens)
     except Exception:
         return "CRASH", traceback.format_exc(limit=-2)[-500:]
     if not abs(float(got_loss) - float(loss)) <= 1e-5 * abs(float(loss)):
