@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":  # a fresh process: devices before jax, the repository importable
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join([*kept, "--xla_force_host_platform_device_count=8"])
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if __name__ == "__main__":  # a fresh process: the repository importable, devices before jax
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.flags import with_device_count
+
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 8)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hashlib  # noqa: E402
 import json  # noqa: E402

@@ -32,6 +32,43 @@ import pytest  # noqa: E402
 
 assert len(jax.devices()) == 8, "tests need 8 simulated CPU devices"
 
+XLA_FLAGS = os.environ["XLA_FLAGS"]
+"""The flags XLA started with in this process. Changed later, they reach the processes tests
+start, which then compile otherwise than this one (their numbers differ from the references
+computed here, in whichever worker ran the change first), and key this process's programs in the
+shared cache under flags they were not compiled with."""
+
+
+def flags_changed_by(what: str) -> str | None:
+    """What to fail ``what`` with if ``XLA_FLAGS`` no longer holds the flags XLA started with
+    (restored, so that the one at fault is named and nothing after it), else ``None``."""
+    now = os.environ.get("XLA_FLAGS")
+    if now == XLA_FLAGS:
+        return None
+    os.environ["XLA_FLAGS"] = XLA_FLAGS
+    return (
+        f"{what} changed XLA_FLAGS from {XLA_FLAGS!r} to {now!r}: a script sets its flags under "
+        "`if __name__ == '__main__'`, a test with monkeypatch"
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    message = flags_changed_by(f"importing {collector.nodeid}")
+    if message is not None:
+        report.outcome, report.longrepr = "failed", message
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _xla_flags_kept(request):
+    yield
+    message = flags_changed_by(request.node.nodeid)
+    if message is not None:
+        pytest.fail(message)
+
+
 # scripts run by hand in a separate environment with torch and transformers (their outputs are
 # the fixtures beside them): never imported by the suite, nor its doctests
 collect_ignore = ["transformers_fixtures"]

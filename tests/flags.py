@@ -29,3 +29,13 @@ def without_device_count(flags: str) -> str:
         '--a=1'
     """
     return " ".join(f for f in flags.split() if not f.startswith(_DEVICE_COUNT))
+
+
+def with_device_count(flags: str, count: int) -> str:
+    """``flags`` with ``count`` simulated CPU devices in place of any count they give.
+
+    Example:
+        >>> with_device_count("--a=1 --xla_force_host_platform_device_count=2", 8)
+        '--a=1 --xla_force_host_platform_device_count=8'
+    """
+    return f"{without_device_count(flags)} {_DEVICE_COUNT}={count}".strip()

@@ -11,7 +11,10 @@ import pathlib
 import sys
 import traceback
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from tests.flags import with_device_count  # noqa: E402
+
+if __name__ == "__main__":  # run by hand: 8 devices before JAX starts, never on import
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
