@@ -32,22 +32,39 @@ import pytest  # noqa: E402
 
 assert len(jax.devices()) == 8, "tests need 8 simulated CPU devices"
 
-XLA_FLAGS = os.environ["XLA_FLAGS"]
-"""The flags XLA started with in this process. Changed later, they reach the processes tests
-start, which then compile otherwise than this one (their numbers differ from the references
-computed here, in whichever worker ran the change first), and key this process's programs in the
-shared cache under flags they were not compiled with."""
+
+def jax_environment() -> dict[str, str]:
+    """The variables that shape how JAX and XLA compile and run here and in the processes tests
+    start: ``XLA_*`` (the flags), ``JAX_*`` (platforms, the compilation cache), ``PJRT_*`` and
+    ``NPROC`` (the CPU thread pool)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_JAX_PREFIXES) or k == "NPROC"}
 
 
-def flags_changed_by(what: str) -> str | None:
-    """What to fail ``what`` with if ``XLA_FLAGS`` no longer holds the flags XLA started with
-    (restored, so that the one at fault is named and nothing after it), else ``None``."""
-    now = os.environ.get("XLA_FLAGS")
-    if now == XLA_FLAGS:
+_JAX_PREFIXES = ("XLA_", "JAX_", "PJRT_")
+JAX_ENVIRONMENT = jax_environment()
+"""As XLA started in this process. Changed later, it reaches the processes tests start: with
+other flags they compile otherwise than this one (their numbers then differ from the references
+computed here, in whichever worker ran the change first), and this process's programs are keyed
+in the shared compilation cache under flags they were not compiled with."""
+
+
+def environment_changed_by(what: str) -> str | None:
+    """What to fail ``what`` with if :data:`JAX_ENVIRONMENT` changed (restored, so that the one
+    at fault is named and nothing after it), else ``None``."""
+    now = jax_environment()
+    if now == JAX_ENVIRONMENT:
         return None
-    os.environ["XLA_FLAGS"] = XLA_FLAGS
+    changed = sorted(
+        k for k in now.keys() | JAX_ENVIRONMENT.keys() if now.get(k) != JAX_ENVIRONMENT.get(k)
+    )
+    for k in changed:
+        if k in JAX_ENVIRONMENT:
+            os.environ[k] = JAX_ENVIRONMENT[k]
+        else:
+            del os.environ[k]
+    changes = ", ".join(f"{k} from {JAX_ENVIRONMENT.get(k)!r} to {now.get(k)!r}" for k in changed)
     return (
-        f"{what} changed XLA_FLAGS from {XLA_FLAGS!r} to {now!r}: a script sets its flags under "
+        f"{what} changed {changes}: a script sets its environment under "
         "`if __name__ == '__main__'`, a test with monkeypatch"
     )
 
@@ -55,16 +72,16 @@ def flags_changed_by(what: str) -> str | None:
 @pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector):
     report = yield
-    message = flags_changed_by(f"importing {collector.nodeid}")
+    message = environment_changed_by(f"importing {collector.nodeid}")
     if message is not None:
         report.outcome, report.longrepr = "failed", message
     return report
 
 
 @pytest.fixture(autouse=True)
-def _xla_flags_kept(request):
+def _jax_environment_kept(request):
     yield
-    message = flags_changed_by(request.node.nodeid)
+    message = environment_changed_by(request.node.nodeid)
     if message is not None:
         pytest.fail(message)
 
