@@ -9,16 +9,15 @@ Run: python -m tests.adapter_probe /tmp/load-probe /tmp/adapter-probe
 
 import collections
 import json
-import os
 import pathlib
 import random
 import shutil
 import sys
 
-from tests.flags import with_device_count  # noqa: E402
+from tests.flags import set_device_count
 
 if __name__ == "__main__":  # run by hand: 8 devices before JAX starts, never on import
-    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 8)
+    set_device_count(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -17,9 +17,9 @@ import sys
 
 if __name__ == "__main__":  # a fresh process: the repository importable, devices before jax
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.flags import with_device_count
+    from tests.flags import set_device_count
 
-    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 8)
+    set_device_count(8)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hashlib  # noqa: E402

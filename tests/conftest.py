@@ -33,6 +33,9 @@ import pytest  # noqa: E402
 assert len(jax.devices()) == 8, "tests need 8 simulated CPU devices"
 
 
+_JAX_PREFIXES = ("XLA_", "JAX_", "PJRT_")
+
+
 def jax_environment() -> dict[str, str]:
     """The variables that shape how JAX and XLA compile and run here and in the processes tests
     start: ``XLA_*`` (the flags), ``JAX_*`` (platforms, the compilation cache), ``PJRT_*`` and
@@ -40,7 +43,6 @@ def jax_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_JAX_PREFIXES) or k == "NPROC"}
 
 
-_JAX_PREFIXES = ("XLA_", "JAX_", "PJRT_")
 JAX_ENVIRONMENT = jax_environment()
 """As XLA started in this process. Changed later, it reaches the processes tests start: with
 other flags they compile otherwise than this one (their numbers then differ from the references

@@ -1,6 +1,7 @@
 """The XLA flags the tests compile with, handed on to the processes tests start so that both
 sides of a comparison compile alike."""
 
+import os
 from importlib.metadata import version
 
 _EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
@@ -39,3 +40,10 @@ def with_device_count(flags: str, count: int) -> str:
         '--a=1 --xla_force_host_platform_device_count=8'
     """
     return f"{without_device_count(flags)} {_DEVICE_COUNT}={count}".strip()
+
+
+def set_device_count(count: int) -> None:
+    """For a script run by hand or a started process, before JAX starts (never on import: the
+    suite's doctest collection imports every module under ``tests/``): ``count`` simulated CPU
+    devices in ``XLA_FLAGS``, its other flags kept."""
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), count)

@@ -6,15 +6,14 @@ not, and a count.
 Run: python -m tests.train_probe /tmp/load-probe
 """
 
-import os
 import pathlib
 import sys
 import traceback
 
-from tests.flags import with_device_count  # noqa: E402
+from tests.flags import set_device_count
 
 if __name__ == "__main__":  # run by hand: 8 devices before JAX starts, never on import
-    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 8)
+    set_device_count(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
